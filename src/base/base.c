@@ -20,13 +20,17 @@ int ds_errf(ds_err *err, const char *fmt, ...) {
 
 int ds_err_prefix(ds_err *err, const char *fmt, ...) {
     if (!err) return DS_ERR;
-    char prefix[512], old[sizeof err->msg];
+    char prefix[512], joined[sizeof prefix + sizeof err->msg + 2];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(prefix, sizeof prefix, fmt, ap);
     va_end(ap);
-    memcpy(old, err->msg, sizeof old);
-    snprintf(err->msg, sizeof err->msg, "%s: %s", prefix, old);
+    snprintf(joined, sizeof joined, "%s: %s", prefix, err->msg);
+    /* keep the message's start (the context) when it no longer fits */
+    size_t n = strlen(joined);
+    if (n >= sizeof err->msg) n = sizeof err->msg - 1;
+    memcpy(err->msg, joined, n);
+    err->msg[n] = 0;
     return DS_ERR;
 }
 

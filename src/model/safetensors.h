@@ -49,6 +49,8 @@ int ds_st_count(const ds_st *st);
 const ds_tensor *ds_st_at(const ds_st *st, int i);
 /* NULL when absent. */
 const ds_tensor *ds_st_find(const ds_st *st, const char *name);
+/* A "__metadata__" value (first file that has the key), NULL when absent. */
+const char *ds_st_metadata(const ds_st *st, const char *key);
 
 /* Finds `name` and checks it: dtype must be one of the bits set in dtype_mask (1u << ds_dtype),
  * ndim and shape must match exactly (shape entries < 0 are wildcards). On mismatch, the message
@@ -65,7 +67,10 @@ ds_st_writer *ds_st_writer_new(ds_err *err);
 /* Copies nbytes of data. */
 int ds_st_writer_add(ds_st_writer *w, const char *name, ds_dtype dtype, int ndim,
                      const int64_t *shape, const void *data, ds_err *err);
-/* Writes path (via a temporary file and rename). metadata_json may be NULL. */
+/* Adds (or replaces) a "__metadata__" string entry; written first in the header. */
+int ds_st_writer_set_metadata(ds_st_writer *w, const char *key, const char *value, ds_err *err);
+/* Writes path (via a temporary file and rename). Tensor data is laid out largest element size
+ * first, so every tensor is aligned to its element size; the header keeps insertion order. */
 int ds_st_writer_write(ds_st_writer *w, const char *path, ds_err *err);
 size_t ds_st_writer_bytes(const ds_st_writer *w);
 void ds_st_writer_free(ds_st_writer *w);
