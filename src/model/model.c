@@ -1,0 +1,923 @@
+/* model.c — weight binding and the forward pass (MODEL_SPEC §2–§7).
+ *
+ * Data flow of one step, top to bottom:
+ *   embed -> for each layer: [AttnRes mix] -> RMSNorm -> KDA | MLA -> [AttnRes mix] -> RMSNorm ->
+ *   dense MLP | MoE -> ... -> [output AttnRes mix] -> final RMSNorm -> lm_head.
+ * All tokens of the step go through each weight in one GEMM; per-sequence work (conv tails, the
+ * KDA recurrence, MLA attention over the paged latent cache) runs segment by segment. */
+#include "model/model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+/* ---- weights --------------------------------------------------------------------------------- */
+
+typedef struct kda_w {
+    ds_mat q, k, v;                  /* [P][D] */
+    float *q_conv, *k_conv, *v_conv; /* [P][W] f32 */
+    ds_mat f_a, f_b;                 /* [dk][D], [P][dk] */
+    float *dt_bias;                  /* [P] */
+    float *A_log;                    /* [Hk] (first Hk entries of the checkpoint tensor) */
+    ds_mat b;                        /* [Hk][D] */
+    ds_mat g, g_a, g_b;              /* full rank [P][D], or low rank [dk][D] + [P][dk] */
+    float *o_norm;                   /* [dk] */
+    ds_mat o;                        /* [D][P] */
+} kda_w;
+
+typedef struct mla_w {
+    ds_mat q;         /* [Ha*(dn+dr)][D] when q_lora_rank == 0 */
+    ds_mat q_a, q_b;  /* [Rq][D], [Ha*(dn+dr)][Rq] */
+    float *q_a_norm;  /* [Rq] */
+    ds_mat kv_a;      /* [R+dr][D] */
+    float *kv_a_norm; /* [R] */
+    ds_mat kv_b;      /* [Ha*(dn+dvh)][R] */
+    ds_mat o;         /* [D][Ha*dvh] */
+    ds_mat g;         /* [Ha*dvh][D] output gate (K3) */
+} mla_w;
+
+typedef struct ffn_w {
+    int is_moe;
+    ds_mat gate, up, down;          /* dense: [I][D], [I][D], [D][I] */
+    ds_mat router;                  /* [E][D] */
+    float *router_bias;             /* [E] or NULL */
+    ds_mat *w1, *w3, *w2;           /* [E] each: [Ie][Hin], [Ie][Hin], [Hin][Ie] */
+    ds_mat sh_gate, sh_up, sh_down; /* shared experts: [Ie*ns][D], .., [D][Ie*ns]; rows 0 if none */
+    ds_mat lat_down, lat_up;        /* latent MoE: [Dlat][D], [D][Dlat] */
+    float *lat_norm;                /* [Dlat] or NULL */
+} ffn_w;
+
+typedef struct layer_w {
+    int kind;         /* ds_layer_kind */
+    int kind_idx;     /* index among layers of the same kind (state slot / latent pool index) */
+    float *in_norm;   /* [D] */
+    float *post_norm; /* [D] */
+    float *attn_res_np, *mlp_res_np; /* [D] norm ⊙ proj, AttnRes only */
+    kda_w kda;
+    mla_w mla;
+    ffn_w ffn;
+} layer_w;
+
+struct ds_model {
+    ds_config cfg;
+    ds_model_opts opts;
+    ds_st *st;
+    ds_mat embed;      /* [V][D] */
+    ds_mat lm_head;    /* [V][D] */
+    float *final_norm; /* [D] */
+    float *out_res_np; /* [D] AttnRes output mix, or NULL */
+    layer_w *layers;   /* [L] */
+    void **owned;      /* every f32 vector converted at load */
+    int n_owned, cap_owned;
+    size_t weight_bytes;
+    /* scratch, grown on demand */
+    float *scratch;
+    size_t scratch_cap;
+};
+
+void ds_model_opts_default(ds_model_opts *o) {
+    o->kda_chunk = 64;
+    o->kda_chunked_min = 16;
+    o->mla_expanded_min = 32;
+    o->hf_kl_router_quirk = 0;
+}
+
+const ds_config *ds_model_config(const ds_model *m) {
+    return &m->cfg;
+}
+size_t ds_model_weight_bytes(const ds_model *m) {
+    return m->weight_bytes;
+}
+
+static int own(ds_model *m, void *p, ds_err *err) {
+    if (m->n_owned == m->cap_owned) {
+        int cap = m->cap_owned ? 2 * m->cap_owned : 256;
+        void **n = realloc(m->owned, (size_t)cap * sizeof *n);
+        if (!n) return ds_errf(err, "out of memory");
+        m->owned = n;
+        m->cap_owned = cap;
+    }
+    m->owned[m->n_owned++] = p;
+    return DS_OK;
+}
+
+#define FLOAT_TYPES ((1u << DS_DT_F32) | (1u << DS_DT_F16) | (1u << DS_DT_BF16))
+
+/* Binds a matrix [rows][cols] in its file dtype. */
+static int bind_mat(ds_model *m, const char *name, int rows, int cols, ds_mat *out, ds_err *err) {
+    const ds_tensor *t;
+    int64_t shape[2] = {rows, cols};
+    if (ds_st_get(m->st, name, FLOAT_TYPES, 2, shape, &t, err)) return DS_ERR;
+    out->data = t->data;
+    out->dtype = t->dtype;
+    out->rows = rows;
+    out->cols = cols;
+    m->weight_bytes += t->nbytes;
+    return DS_OK;
+}
+
+/* Reads a small float tensor of the given shape into a new f32 vector owned by the model. */
+static int bind_vec(ds_model *m, const char *name, int ndim, const int64_t *shape, float **out,
+                    ds_err *err) {
+    const ds_tensor *t;
+    if (ds_st_get(m->st, name, FLOAT_TYPES, ndim, shape, &t, err)) return DS_ERR;
+    float *v = ds_malloc((size_t)t->numel * sizeof(float), err);
+    if (!v || own(m, v, err)) {
+        free(v);
+        return DS_ERR;
+    }
+    if (ds_tensor_to_f32(t, v, err)) return DS_ERR;
+    m->weight_bytes += t->nbytes;
+    *out = v;
+    return DS_OK;
+}
+
+static int bind_vec1(ds_model *m, const char *name, int n, float **out, ds_err *err) {
+    int64_t shape[1] = {n};
+    return bind_vec(m, name, 1, shape, out, err);
+}
+
+/* AttnRes: the norm weight and the [1, D] projection fold into one vector (MODEL_SPEC §6.2). */
+static int bind_res_pair(ds_model *m, const char *norm, const char *proj, float **out,
+                         ds_err *err) {
+    int D = m->cfg.hidden_size;
+    float *n, *p;
+    int64_t pshape[2] = {1, D};
+    if (bind_vec1(m, norm, D, &n, err) || bind_vec(m, proj, 2, pshape, &p, err)) return DS_ERR;
+    for (int d = 0; d < D; d++) n[d] *= p[d];
+    *out = n;
+    return DS_OK;
+}
+
+#define NAME(buf, ...) snprintf(buf, sizeof buf, __VA_ARGS__)
+
+static int bind_kda(ds_model *m, const char *pre, kda_w *w, ds_err *err) {
+    const ds_config *c = &m->cfg;
+    int D = c->hidden_size, H = c->kda_num_heads, dk = c->kda_head_dim, P = H * dk;
+    int W = c->short_conv_kernel_size;
+    char n[512];
+    if (NAME(n, "%sq_proj.weight", pre), bind_mat(m, n, P, D, &w->q, err)) return DS_ERR;
+    if (NAME(n, "%sk_proj.weight", pre), bind_mat(m, n, P, D, &w->k, err)) return DS_ERR;
+    if (NAME(n, "%sv_proj.weight", pre), bind_mat(m, n, P, D, &w->v, err)) return DS_ERR;
+    int64_t conv_shape[3] = {P, 1, W};
+    if (NAME(n, "%sq_conv1d.weight", pre), bind_vec(m, n, 3, conv_shape, &w->q_conv, err))
+        return DS_ERR;
+    if (NAME(n, "%sk_conv1d.weight", pre), bind_vec(m, n, 3, conv_shape, &w->k_conv, err))
+        return DS_ERR;
+    if (NAME(n, "%sv_conv1d.weight", pre), bind_vec(m, n, 3, conv_shape, &w->v_conv, err))
+        return DS_ERR;
+    if (NAME(n, "%sf_a_proj.weight", pre), bind_mat(m, n, dk, D, &w->f_a, err)) return DS_ERR;
+    if (NAME(n, "%sf_b_proj.weight", pre), bind_mat(m, n, P, dk, &w->f_b, err)) return DS_ERR;
+    if (NAME(n, "%sdt_bias", pre), bind_vec1(m, n, P, &w->dt_bias, err)) return DS_ERR;
+    /* A_log ships as [1,1,Hk,1] (Kimi-Linear) or [>=Hk] padded with zeros (K3): take the first
+     * Hk entries of the flattened tensor (MODEL_SPEC §10 trap 3). */
+    NAME(n, "%sA_log", pre);
+    const ds_tensor *t = ds_st_find(m->st, n);
+    if (!t) return ds_errf(err, "checkpoint: missing tensor '%s'", n);
+    if (t->numel < H)
+        return ds_errf(err,
+                       "%s: tensor '%s': expected at least %d elements (one per KDA head), "
+                       "found %lld",
+                       t->file, n, H, (long long)t->numel);
+    int64_t alog_shape[DS_MAX_DIMS];
+    for (int i = 0; i < t->ndim; i++) alog_shape[i] = t->shape[i];
+    if (bind_vec(m, n, t->ndim, alog_shape, &w->A_log, err)) return DS_ERR;
+    if (NAME(n, "%sb_proj.weight", pre), bind_mat(m, n, H, D, &w->b, err)) return DS_ERR;
+    if (c->use_full_rank_gate) {
+        if (NAME(n, "%sg_proj.weight", pre), bind_mat(m, n, P, D, &w->g, err)) return DS_ERR;
+    } else {
+        if (NAME(n, "%sg_a_proj.weight", pre), bind_mat(m, n, dk, D, &w->g_a, err)) return DS_ERR;
+        if (NAME(n, "%sg_b_proj.weight", pre), bind_mat(m, n, P, dk, &w->g_b, err)) return DS_ERR;
+    }
+    if (NAME(n, "%so_norm.weight", pre), bind_vec1(m, n, dk, &w->o_norm, err)) return DS_ERR;
+    if (NAME(n, "%so_proj.weight", pre), bind_mat(m, n, D, P, &w->o, err)) return DS_ERR;
+    return DS_OK;
+}
+
+static int bind_mla(ds_model *m, const char *pre, mla_w *w, ds_err *err) {
+    const ds_config *c = &m->cfg;
+    int D = c->hidden_size, Ha = c->num_attention_heads, R = c->kv_lora_rank;
+    int dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dvh = c->v_head_dim;
+    char n[512];
+    if (c->q_lora_rank) {
+        if (NAME(n, "%sq_a_proj.weight", pre), bind_mat(m, n, c->q_lora_rank, D, &w->q_a, err))
+            return DS_ERR;
+        if (NAME(n, "%sq_a_layernorm.weight", pre),
+            bind_vec1(m, n, c->q_lora_rank, &w->q_a_norm, err))
+            return DS_ERR;
+        if (NAME(n, "%sq_b_proj.weight", pre),
+            bind_mat(m, n, Ha * (dn + dr), c->q_lora_rank, &w->q_b, err))
+            return DS_ERR;
+    } else {
+        if (NAME(n, "%sq_proj.weight", pre), bind_mat(m, n, Ha * (dn + dr), D, &w->q, err))
+            return DS_ERR;
+    }
+    if (NAME(n, "%skv_a_proj_with_mqa.weight", pre), bind_mat(m, n, R + dr, D, &w->kv_a, err))
+        return DS_ERR;
+    if (NAME(n, "%skv_a_layernorm.weight", pre), bind_vec1(m, n, R, &w->kv_a_norm, err))
+        return DS_ERR;
+    if (NAME(n, "%skv_b_proj.weight", pre), bind_mat(m, n, Ha * (dn + dvh), R, &w->kv_b, err))
+        return DS_ERR;
+    if (NAME(n, "%so_proj.weight", pre), bind_mat(m, n, D, Ha * dvh, &w->o, err)) return DS_ERR;
+    if (c->mla_use_output_gate) {
+        if (NAME(n, "%sg_proj.weight", pre), bind_mat(m, n, Ha * dvh, D, &w->g, err)) return DS_ERR;
+    }
+    return DS_OK;
+}
+
+static int bind_ffn(ds_model *m, const char *pre, int layer, ffn_w *w, ds_err *err) {
+    const ds_config *c = &m->cfg;
+    int D = c->hidden_size;
+    char n[512];
+    w->is_moe = ds_config_layer_is_moe(c, layer);
+    if (!w->is_moe) {
+        int I = c->intermediate_size;
+        if (NAME(n, "%smlp.gate_proj.weight", pre), bind_mat(m, n, I, D, &w->gate, err))
+            return DS_ERR;
+        if (NAME(n, "%smlp.up_proj.weight", pre), bind_mat(m, n, I, D, &w->up, err)) return DS_ERR;
+        if (NAME(n, "%smlp.down_proj.weight", pre), bind_mat(m, n, D, I, &w->down, err))
+            return DS_ERR;
+        return DS_OK;
+    }
+    int E = c->num_experts, Ie = c->moe_intermediate_size;
+    int Hin = c->routed_expert_hidden_size ? c->routed_expert_hidden_size : D;
+    if (NAME(n, "%sblock_sparse_moe.gate.weight", pre), bind_mat(m, n, E, D, &w->router, err))
+        return DS_ERR;
+    NAME(n, "%sblock_sparse_moe.gate.e_score_correction_bias", pre);
+    w->router_bias = NULL;
+    if (ds_st_find(m->st, n) && bind_vec1(m, n, E, &w->router_bias, err)) return DS_ERR;
+    w->w1 = ds_calloc((size_t)E * 3, sizeof(ds_mat), err);
+    if (!w->w1 || own(m, w->w1, err)) return DS_ERR;
+    w->w3 = w->w1 + E;
+    w->w2 = w->w1 + 2 * E;
+    for (int e = 0; e < E; e++) {
+        if (NAME(n, "%sblock_sparse_moe.experts.%d.w1.weight", pre, e),
+            bind_mat(m, n, Ie, Hin, &w->w1[e], err))
+            return DS_ERR;
+        if (NAME(n, "%sblock_sparse_moe.experts.%d.w3.weight", pre, e),
+            bind_mat(m, n, Ie, Hin, &w->w3[e], err))
+            return DS_ERR;
+        if (NAME(n, "%sblock_sparse_moe.experts.%d.w2.weight", pre, e),
+            bind_mat(m, n, Hin, Ie, &w->w2[e], err))
+            return DS_ERR;
+    }
+    if (c->num_shared_experts > 0) {
+        int Is = Ie * c->num_shared_experts;
+        if (NAME(n, "%sblock_sparse_moe.shared_experts.gate_proj.weight", pre),
+            bind_mat(m, n, Is, D, &w->sh_gate, err))
+            return DS_ERR;
+        if (NAME(n, "%sblock_sparse_moe.shared_experts.up_proj.weight", pre),
+            bind_mat(m, n, Is, D, &w->sh_up, err))
+            return DS_ERR;
+        if (NAME(n, "%sblock_sparse_moe.shared_experts.down_proj.weight", pre),
+            bind_mat(m, n, D, Is, &w->sh_down, err))
+            return DS_ERR;
+    }
+    if (c->routed_expert_hidden_size) {
+        int Dl = c->routed_expert_hidden_size;
+        if (NAME(n, "%sblock_sparse_moe.routed_expert_down_proj.weight", pre),
+            bind_mat(m, n, Dl, D, &w->lat_down, err))
+            return DS_ERR;
+        if (NAME(n, "%sblock_sparse_moe.routed_expert_up_proj.weight", pre),
+            bind_mat(m, n, D, Dl, &w->lat_up, err))
+            return DS_ERR;
+        if (c->latent_moe_use_norm) {
+            if (NAME(n, "%sblock_sparse_moe.routed_expert_norm.weight", pre),
+                bind_vec1(m, n, Dl, &w->lat_norm, err))
+                return DS_ERR;
+        }
+    }
+    return DS_OK;
+}
+
+int ds_model_load(const char *dir, const ds_model_opts *opts, ds_model **out, ds_err *err) {
+    *out = NULL;
+    ds_kernels_init();
+    ds_model *m = ds_calloc(1, sizeof *m, err);
+    if (!m) return DS_ERR;
+    if (opts)
+        m->opts = *opts;
+    else
+        ds_model_opts_default(&m->opts);
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    if (ds_config_load(path, &m->cfg, err)) goto fail;
+    if (ds_st_open_dir(dir, &m->st, err)) goto fail;
+    const ds_config *c = &m->cfg;
+    int D = c->hidden_size, V = c->vocab_size, L = c->num_hidden_layers;
+    const char *wp = c->weight_prefix;
+    char n[512];
+    if (NAME(n, "%smodel.embed_tokens.weight", wp), bind_mat(m, n, V, D, &m->embed, err)) goto fail;
+    if (c->tie_word_embeddings) {
+        m->lm_head = m->embed;
+    } else if (NAME(n, "%slm_head.weight", wp), bind_mat(m, n, V, D, &m->lm_head, err)) {
+        goto fail;
+    }
+    if (NAME(n, "%smodel.norm.weight", wp), bind_vec1(m, n, D, &m->final_norm, err)) goto fail;
+    if (c->attn_res_block_size > 0) {
+        char n2[512];
+        NAME(n, "%smodel.output_attn_res_norm.weight", wp);
+        NAME(n2, "%smodel.output_attn_res_proj.weight", wp);
+        if (bind_res_pair(m, n, n2, &m->out_res_np, err)) goto fail;
+    }
+    m->layers = ds_calloc((size_t)L, sizeof(layer_w), err);
+    if (!m->layers) goto fail;
+    int n_kda = 0, n_mla = 0;
+    for (int i = 0; i < L; i++) {
+        layer_w *lw = &m->layers[i];
+        char pre[256], apre[300];
+        snprintf(pre, sizeof pre, "%smodel.layers.%d.", wp, i);
+        snprintf(apre, sizeof apre, "%sself_attn.", pre);
+        lw->kind = c->layer_kind[i];
+        if (NAME(n, "%sinput_layernorm.weight", pre), bind_vec1(m, n, D, &lw->in_norm, err))
+            goto fail;
+        if (NAME(n, "%spost_attention_layernorm.weight", pre),
+            bind_vec1(m, n, D, &lw->post_norm, err))
+            goto fail;
+        if (c->attn_res_block_size > 0) {
+            char n2[512];
+            NAME(n, "%sself_attention_res_norm.weight", pre);
+            NAME(n2, "%sself_attention_res_proj.weight", pre);
+            if (bind_res_pair(m, n, n2, &lw->attn_res_np, err)) goto fail;
+            NAME(n, "%smlp_res_norm.weight", pre);
+            NAME(n2, "%smlp_res_proj.weight", pre);
+            if (bind_res_pair(m, n, n2, &lw->mlp_res_np, err)) goto fail;
+        }
+        if (lw->kind == DS_LAYER_KDA) {
+            lw->kind_idx = n_kda++;
+            if (bind_kda(m, apre, &lw->kda, err)) goto fail;
+        } else {
+            lw->kind_idx = n_mla++;
+            if (bind_mla(m, apre, &lw->mla, err)) goto fail;
+        }
+        if (bind_ffn(m, pre, i, &lw->ffn, err)) goto fail;
+    }
+    *out = m;
+    return DS_OK;
+fail:
+    ds_err_prefix(err, "loading model from %s", dir);
+    ds_model_free(m);
+    return DS_ERR;
+}
+
+void ds_model_free(ds_model *m) {
+    if (!m) return;
+    for (int i = 0; i < m->n_owned; i++) free(m->owned[i]);
+    free(m->owned);
+    free(m->layers);
+    free(m->scratch);
+    if (m->st) ds_st_close(m->st);
+    free(m);
+}
+
+static double mat_elems(const ds_mat *w) {
+    return w->data ? (double)w->rows * (double)w->cols : 0.0;
+}
+static double mat_bytes(const ds_mat *w) {
+    return mat_elems(w) * (double)ds_dtype_size(w->dtype);
+}
+
+/* Weights one token passes through in the layers (k of E experts), as elements and bytes. */
+static void layer_traffic(const ds_model *m, double *elems, double *bytes) {
+    const ds_config *c = &m->cfg;
+    *elems = *bytes = 0;
+    for (int i = 0; i < c->num_hidden_layers; i++) {
+        const layer_w *lw = &m->layers[i];
+        const kda_w *k = &lw->kda;
+        const mla_w *a = &lw->mla;
+        const ffn_w *f = &lw->ffn;
+        const ds_mat *mats[] = {&k->q,     &k->k,      &k->v,      &k->f_a,     &k->f_b,
+                                &k->b,     &k->g,      &k->g_a,    &k->g_b,     &k->o,
+                                &a->q,     &a->q_a,    &a->q_b,    &a->kv_a,    &a->kv_b,
+                                &a->o,     &a->g,      &f->gate,   &f->up,      &f->down,
+                                &f->router, &f->sh_gate, &f->sh_up, &f->sh_down, &f->lat_down,
+                                &f->lat_up};
+        for (size_t j = 0; j < DS_ARRAY_LEN(mats); j++) {
+            *elems += mat_elems(mats[j]);
+            *bytes += mat_bytes(mats[j]);
+        }
+        if (f->is_moe) {
+            /* experts are the same shape: one token reads k of them */
+            double e = mat_elems(&f->w1[0]) + mat_elems(&f->w3[0]) + mat_elems(&f->w2[0]);
+            double b = mat_bytes(&f->w1[0]) + mat_bytes(&f->w3[0]) + mat_bytes(&f->w2[0]);
+            *elems += e * c->num_experts_per_token;
+            *bytes += b * c->num_experts_per_token;
+        }
+    }
+}
+
+double ds_model_decode_bytes(const ds_model *m) {
+    double e, b;
+    layer_traffic(m, &e, &b);
+    return b + mat_bytes(&m->lm_head) + (double)m->cfg.hidden_size * ds_dtype_size(m->embed.dtype);
+}
+
+double ds_model_token_flops(const ds_model *m, int with_lm_head) {
+    double e, b;
+    layer_traffic(m, &e, &b);
+    return 2.0 * (e + (with_lm_head ? mat_elems(&m->lm_head) : 0.0));
+}
+
+/* ---- per-sequence state -----------------------------------------------------------------------
+ */
+
+static size_t conv_floats(const ds_config *c) {
+    return (size_t)3 * (size_t)(c->short_conv_kernel_size - 1) *
+           (size_t)(c->kda_num_heads * c->kda_head_dim);
+}
+static size_t rec_floats(const ds_config *c) {
+    return (size_t)c->kda_num_heads * (size_t)c->kda_head_dim * (size_t)c->kda_head_dim;
+}
+
+size_t ds_model_slot_floats(const ds_model *m) {
+    const ds_config *c = &m->cfg;
+    return (size_t)c->num_kda_layers * (conv_floats(c) + rec_floats(c));
+}
+
+int ds_model_latent_row(const ds_model *m) {
+    return m->cfg.kv_lora_rank + m->cfg.qk_rope_head_dim;
+}
+
+int ds_kv_pool_init(ds_kv_pool *p, const ds_model *m, int n_pages, int block_size, ds_err *err) {
+    memset(p, 0, sizeof *p);
+    p->n_layers = m->cfg.num_mla_layers;
+    p->n_pages = n_pages;
+    p->block_size = block_size;
+    p->row = ds_model_latent_row(m);
+    p->layer = ds_calloc((size_t)(p->n_layers ? p->n_layers : 1), sizeof(float *), err);
+    if (!p->layer) return DS_ERR;
+    for (int j = 0; j < p->n_layers; j++) {
+        p->layer[j] = ds_aligned_alloc((size_t)n_pages * block_size * p->row * sizeof(float), err);
+        if (!p->layer[j]) {
+            ds_kv_pool_free(p);
+            return DS_ERR;
+        }
+        memset(p->layer[j], 0, (size_t)n_pages * block_size * p->row * sizeof(float));
+    }
+    return DS_OK;
+}
+
+void ds_kv_pool_free(ds_kv_pool *p) {
+    if (p->layer)
+        for (int j = 0; j < p->n_layers; j++) free(p->layer[j]);
+    free(p->layer);
+    memset(p, 0, sizeof *p);
+}
+
+/* ---- scratch ----------------------------------------------------------------------------------
+ */
+
+/* A bump allocator over one growing buffer; reset at the start of every step. */
+typedef struct scratch {
+    ds_model *m;
+    size_t used;
+    int overflow;
+    size_t need;
+} scratch;
+
+static float *sc_take(scratch *s, size_t n) {
+    n = (n + 15) & ~(size_t)15; /* keep 64-byte alignment */
+    s->need += n;
+    if (s->overflow || s->used + n > s->m->scratch_cap) {
+        s->overflow = 1;
+        return NULL;
+    }
+    float *p = s->m->scratch + s->used;
+    s->used += n;
+    return p;
+}
+
+/* ---- the step ---------------------------------------------------------------------------------
+ */
+
+typedef struct step {
+    ds_model *m;
+    ds_kv_pool *pool;
+    ds_seq_batch *seqs;
+    int n_seq;
+    int T;    /* total tokens */
+    int *off; /* [n_seq] first row of each segment */
+    scratch sc;
+} step;
+
+static float *slot_conv(const step *s, int q, int kda_idx) {
+    const ds_config *c = &s->m->cfg;
+    return s->seqs[q].slot + (size_t)kda_idx * conv_floats(c);
+}
+static float *slot_rec(const step *s, int q, int kda_idx) {
+    const ds_config *c = &s->m->cfg;
+    return s->seqs[q].slot + (size_t)c->num_kda_layers * conv_floats(c) +
+           (size_t)kda_idx * rec_floats(c);
+}
+
+/* out[T][D] = KDA(xn[T][D]) (MODEL_SPEC §3). */
+static void kda_forward(step *s, const layer_w *lw, const float *xn, float *out) {
+    const ds_config *c = &s->m->cfg;
+    const kda_w *w = &lw->kda;
+    int T = s->T, D = c->hidden_size, H = c->kda_num_heads, dk = c->kda_head_dim, P = H * dk;
+    int W = c->short_conv_kernel_size;
+    scratch *sc = &s->sc;
+    size_t mark = sc->used;
+    float *pre = sc_take(sc, (size_t)T * P);  /* [T][P] pre-conv projection */
+    float *q = sc_take(sc, (size_t)T * P);    /* [T][H][dk] */
+    float *k = sc_take(sc, (size_t)T * P);    /* [T][H][dk] */
+    float *v = sc_take(sc, (size_t)T * P);    /* [T][H][dv] */
+    float *fa = sc_take(sc, (size_t)T * dk);  /* [T][dk] */
+    float *g = sc_take(sc, (size_t)T * P);    /* [T][H][dk] log decay, then reused for the gate */
+    float *beta = sc_take(sc, (size_t)T * H); /* [T][H] */
+    float *o = sc_take(sc, (size_t)T * P);    /* [T][H][dv] */
+    if (sc->overflow) return;
+    const ds_mat *proj[3] = {&w->q, &w->k, &w->v};
+    const float *conv_w[3] = {w->q_conv, w->k_conv, w->v_conv};
+    float *dst[3] = {q, k, v};
+    for (int j = 0; j < 3; j++) {
+        ds_matmul(pre, P, xn, D, T, proj[j]);
+        for (int qi = 0; qi < s->n_seq; qi++) {
+            float *tail = slot_conv(s, qi, lw->kind_idx) + (size_t)j * (W - 1) * P;
+            size_t r = (size_t)s->off[qi] * P;
+            ds_short_conv_silu(dst[j] + r, pre + r, s->seqs[qi].n, P, conv_w[j], W, tail);
+        }
+    }
+    ds_l2norm_heads(q, T, H, dk, 1e-6f, 1.0f / sqrtf((float)dk));
+    ds_l2norm_heads(k, T, H, dk, 1e-6f, 1.0f);
+    ds_matmul(fa, dk, xn, D, T, &w->f_a);
+    ds_matmul(pre, P, fa, dk, T, &w->f_b);
+    ds_kda_gate(g, pre, T, H, dk, w->A_log, w->dt_bias, c->has_gate_lower_bound,
+                c->gate_lower_bound);
+    ds_matmul(beta, H, xn, D, T, &w->b);
+    ds_sigmoid_inplace(beta, (size_t)T * H);
+    for (int qi = 0; qi < s->n_seq; qi++) {
+        int n = s->seqs[qi].n;
+        size_t r = (size_t)s->off[qi] * P;
+        float *S = slot_rec(s, qi, lw->kind_idx);
+        if (n >= s->m->opts.kda_chunked_min)
+            ds_kda_chunked(o + r, q + r, k + r, v + r, g + r, beta + (size_t)s->off[qi] * H, S, n,
+                           H, dk, dk, s->m->opts.kda_chunk);
+        else
+            ds_kda_recurrent(o + r, q + r, k + r, v + r, g + r, beta + (size_t)s->off[qi] * H, S,
+                             NULL, n, H, dk, dk);
+    }
+    /* output gate logits into g (no longer needed as decay) */
+    if (c->use_full_rank_gate) {
+        ds_matmul(g, P, xn, D, T, &w->g);
+    } else {
+        ds_matmul(fa, dk, xn, D, T, &w->g_a);
+        ds_matmul(g, P, fa, dk, T, &w->g_b);
+    }
+    ds_gated_rmsnorm_heads(q, o, g, w->o_norm, T, H, dk, c->rms_norm_eps);
+    ds_matmul(out, D, q, P, T, &w->o);
+    sc->used = mark;
+}
+
+/* out[T][D] = MLA(xn[T][D]) (MODEL_SPEC §4); writes this step's latent rows into the pool. */
+static void mla_forward(step *s, const layer_w *lw, const float *xn, float *out) {
+    const ds_config *c = &s->m->cfg;
+    const mla_w *w = &lw->mla;
+    int T = s->T, D = c->hidden_size, Ha = c->num_attention_heads, R = c->kv_lora_rank;
+    int dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dvh = c->v_head_dim, dq = dn + dr;
+    int row = R + dr;
+    scratch *sc = &s->sc;
+    size_t mark = sc->used;
+    float *q = sc_take(sc, (size_t)T * Ha * dq);  /* [T][Ha][dn+dr] */
+    float *kv = sc_take(sc, (size_t)T * row);     /* [T][R+dr] this step's latent rows */
+    float *o = sc_take(sc, (size_t)T * Ha * dvh); /* [T][Ha][dvh] */
+    float *qa = c->q_lora_rank ? sc_take(sc, (size_t)T * c->q_lora_rank) : NULL; /* [T][Rq] */
+    if (sc->overflow) return;
+    if (c->q_lora_rank) {
+        ds_matmul(qa, c->q_lora_rank, xn, D, T, &w->q_a);
+        ds_rmsnorm(qa, qa, w->q_a_norm, T, c->q_lora_rank, 1e-6f);
+        ds_matmul(q, Ha * dq, qa, c->q_lora_rank, T, &w->q_b);
+    } else {
+        ds_matmul(q, Ha * dq, xn, D, T, &w->q);
+    }
+    ds_matmul(kv, row, xn, D, T, &w->kv_a);
+    for (int t = 0; t < T; t++)
+        ds_rmsnorm(kv + (size_t)t * row, kv + (size_t)t * row, w->kv_a_norm, 1, R, 1e-6f);
+    ds_latent_view view = {s->pool->layer[lw->kind_idx], NULL, s->pool->block_size, row};
+    float scale = 1.0f / sqrtf((float)dq);
+    for (int qi = 0; qi < s->n_seq; qi++) {
+        const ds_seq_batch *sb = &s->seqs[qi];
+        int n = sb->n, pos0 = sb->pos0, ctx = pos0 + n, r0 = s->off[qi];
+        view.block_table = sb->block_table;
+        for (int t = 0; t < n; t++)
+            memcpy(ds_latent_row(&view, pos0 + t), kv + (size_t)(r0 + t) * row,
+                   (size_t)row * sizeof(float));
+        const float *qs = q + (size_t)r0 * Ha * dq;
+        float *os = o + (size_t)r0 * Ha * dvh;
+        size_t m2 = sc->used;
+        float *qr = sc_take(sc, (size_t)n * Ha * dr); /* [n][Ha][dr] */
+        if (sc->overflow) return;
+        for (int t = 0; t < n; t++)
+            for (int h = 0; h < Ha; h++)
+                memcpy(qr + ((size_t)t * Ha + h) * dr, qs + ((size_t)t * Ha + h) * dq + dn,
+                       (size_t)dr * sizeof(float));
+        if (n >= s->m->opts.mla_expanded_min) {
+            /* Expanded form: up-project every context latent once for this segment. */
+            float *cl = sc_take(sc, (size_t)ctx * R);                /* [ctx][R] */
+            float *kr = sc_take(sc, (size_t)ctx * dr);               /* [ctx][dr] */
+            float *kvb = sc_take(sc, (size_t)ctx * Ha * (dn + dvh)); /* [ctx][Ha][dn+dvh] */
+            float *kn = sc_take(sc, (size_t)ctx * Ha * dn);          /* [ctx][Ha][dn] */
+            float *vv = sc_take(sc, (size_t)ctx * Ha * dvh);         /* [ctx][Ha][dvh] */
+            if (sc->overflow) return;
+            for (int t = 0; t < ctx; t++) {
+                const float *lr = ds_latent_row(&view, t);
+                memcpy(cl + (size_t)t * R, lr, (size_t)R * sizeof(float));
+                memcpy(kr + (size_t)t * dr, lr + R, (size_t)dr * sizeof(float));
+            }
+            ds_matmul(kvb, Ha * (dn + dvh), cl, R, ctx, &w->kv_b);
+            for (int t = 0; t < ctx; t++)
+                for (int h = 0; h < Ha; h++) {
+                    const float *src = kvb + ((size_t)t * Ha + h) * (dn + dvh);
+                    memcpy(kn + ((size_t)t * Ha + h) * dn, src, (size_t)dn * sizeof(float));
+                    memcpy(vv + ((size_t)t * Ha + h) * dvh, src + dn, (size_t)dvh * sizeof(float));
+                }
+            ds_mla_attend_expanded(os, qs, kn, kr, vv, n, ctx, Ha, dn, dr, dvh, pos0, 1, scale);
+        } else {
+            /* Absorbed form: queries move into the latent space (MODEL_SPEC §4.4). */
+            float *qbar = sc_take(sc, (size_t)n * Ha * R); /* [n][Ha][R] */
+            float *obar = sc_take(sc, (size_t)n * Ha * R); /* [n][Ha][R] */
+            if (sc->overflow) return;
+            for (int h = 0; h < Ha; h++) {
+                ds_mat uk = ds_mat_rows(&w->kv_b, h * (dn + dvh), dn);
+                ds_matmul_t(qbar + (size_t)h * R, Ha * R, qs + (size_t)h * dq, Ha * dq, n, &uk);
+            }
+            ds_mla_attend_absorbed(obar, qbar, qr, n, Ha, R, dr, &view, pos0, ctx, 1, scale);
+            for (int h = 0; h < Ha; h++) {
+                ds_mat uv = ds_mat_rows(&w->kv_b, h * (dn + dvh) + dn, dvh);
+                ds_matmul(os + (size_t)h * dvh, Ha * dvh, obar + (size_t)h * R, Ha * R, n, &uv);
+            }
+        }
+        sc->used = m2;
+    }
+    if (c->mla_use_output_gate) {
+        float *gt = q; /* reuse: [T][Ha*dvh] fits in [T][Ha*dq] */
+        ds_matmul(gt, Ha * dvh, xn, D, T, &w->g);
+        ds_sigmoid_inplace(gt, (size_t)T * Ha * dvh);
+        for (size_t i = 0; i < (size_t)T * Ha * dvh; i++) o[i] *= gt[i];
+    }
+    ds_matmul(out, D, o, Ha * dvh, T, &w->o);
+    sc->used = mark;
+}
+
+static void act(const ds_config *c, float *out, const float *gate, const float *up, size_t n) {
+    if (c->hidden_act == DS_ACT_SITU)
+        ds_act_situ(out, gate, up, n, c->situ_beta, c->situ_linear_beta);
+    else
+        ds_act_swiglu(out, gate, up, n);
+}
+
+/* y[T][D] = W_down act(W_gate x, W_up x) — dense MLP and shared experts. */
+static void mlp(step *s, const ds_mat *gate, const ds_mat *up, const ds_mat *down, const float *x,
+                int T, float *y) {
+    const ds_config *c = &s->m->cfg;
+    int D = gate->cols, I = gate->rows;
+    size_t mark = s->sc.used;
+    float *a = sc_take(&s->sc, (size_t)T * I); /* [T][I] */
+    float *b = sc_take(&s->sc, (size_t)T * I); /* [T][I] */
+    if (s->sc.overflow) return;
+    ds_matmul(a, I, x, D, T, gate);
+    ds_matmul(b, I, x, D, T, up);
+    act(c, a, a, b, (size_t)T * I);
+    ds_matmul(y, down->rows, a, I, T, down);
+    s->sc.used = mark;
+}
+
+/* out[T][D] = FFN(xn[T][D]) (MODEL_SPEC §5). */
+static void ffn_forward(step *s, const layer_w *lw, const float *xn, float *out) {
+    const ds_config *c = &s->m->cfg;
+    const ffn_w *w = &lw->ffn;
+    int T = s->T, D = c->hidden_size;
+    if (!w->is_moe) {
+        mlp(s, &w->gate, &w->up, &w->down, xn, T, out);
+        return;
+    }
+    int E = c->num_experts, K = c->num_experts_per_token;
+    int Hin = c->routed_expert_hidden_size ? c->routed_expert_hidden_size : D;
+    scratch *sc = &s->sc;
+    size_t mark = sc->used;
+    float *z = sc_take(sc, (size_t)T * E);                /* [T][E] router logits */
+    float *wt = sc_take(sc, (size_t)T * K);               /* [T][K] combine weights */
+    int32_t *idx = (int32_t *)sc_take(sc, (size_t)T * K); /* [T][K] chosen experts */
+    float *u = sc_take(sc, (size_t)T * Hin);              /* [T][Hin] expert input */
+    float *acc = sc_take(sc, (size_t)T * Hin);            /* [T][Hin] weighted expert sum */
+    float *xe = sc_take(sc, (size_t)T * Hin);             /* [Te][Hin] gathered rows */
+    float *ye = sc_take(sc, (size_t)T * Hin);             /* [Te][Hin] expert outputs */
+    int32_t *rows = (int32_t *)sc_take(sc, (size_t)T);    /* [Te] token of each gathered row */
+    float *rw = sc_take(sc, (size_t)T);                   /* [Te] its combine weight */
+    if (sc->overflow) return;
+    ds_matmul(z, E, xn, D, T, &w->router);
+    for (int t = 0; t < T; t++)
+        ds_moe_route(idx + (size_t)t * K, wt + (size_t)t * K, z + (size_t)t * E, w->router_bias, E,
+                     K, c->use_grouped_topk ? c->num_expert_group : 1, c->topk_group,
+                     c->moe_renormalize, c->routed_scaling_factor, s->m->opts.hf_kl_router_quirk);
+    if (c->routed_expert_hidden_size)
+        ds_matmul(u, Hin, xn, D, T, &w->lat_down);
+    else
+        memcpy(u, xn, (size_t)T * D * sizeof(float));
+    memset(acc, 0, (size_t)T * Hin * sizeof(float));
+    /* Experts in id order: a token's sum is accumulated in ascending expert id whatever else is
+     * in the batch, so its result does not depend on its neighbours. */
+    for (int e = 0; e < E; e++) {
+        int Te = 0;
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < K; j++)
+                if (idx[(size_t)t * K + j] == e) {
+                    rows[Te] = t;
+                    rw[Te] = wt[(size_t)t * K + j];
+                    memcpy(xe + (size_t)Te * Hin, u + (size_t)t * Hin, (size_t)Hin * sizeof(float));
+                    Te++;
+                }
+        if (!Te) continue;
+        mlp(s, &w->w1[e], &w->w3[e], &w->w2[e], xe, Te, ye);
+        for (int r = 0; r < Te; r++)
+            ds_axpy(acc + (size_t)rows[r] * Hin, rw[r], ye + (size_t)r * Hin, (size_t)Hin);
+    }
+    if (c->routed_expert_hidden_size) {
+        if (w->lat_norm) ds_rmsnorm(acc, acc, w->lat_norm, T, Hin, c->rms_norm_eps);
+        ds_matmul(out, D, acc, Hin, T, &w->lat_up);
+    } else {
+        memcpy(out, acc, (size_t)T * D * sizeof(float));
+    }
+    if (c->num_shared_experts > 0) {
+        float *sh = u; /* [T][D] reuse when Hin >= D; else take fresh */
+        if (Hin < D) sh = sc_take(sc, (size_t)T * D);
+        if (sc->overflow) return;
+        mlp(s, &w->sh_gate, &w->sh_up, &w->sh_down, xn, T, sh);
+        ds_add(out, sh, (size_t)T * D);
+    }
+    sc->used = mark;
+}
+
+static void save_hidden(step *s, int layer, const float *h) {
+    int D = s->m->cfg.hidden_size;
+    for (int q = 0; q < s->n_seq; q++) {
+        ds_seq_batch *sb = &s->seqs[q];
+        if (!sb->hidden) continue;
+        memcpy(sb->hidden + (size_t)layer * sb->n * D, h + (size_t)s->off[q] * D,
+               (size_t)sb->n * D * sizeof(float));
+    }
+}
+
+/* Runs the whole step; returns the scratch floats it needed (0 when the buffer was enough). */
+static size_t run_step(step *s) {
+    ds_model *m = s->m;
+    const ds_config *c = &m->cfg;
+    int T = s->T, D = c->hidden_size, L = c->num_hidden_layers, N = c->attn_res_block_size;
+    size_t TD = (size_t)T * D;
+    s->sc = (scratch){m, 0, 0, 0};
+    scratch *sc = &s->sc;
+    int n_banks_max = N > 0 ? (L + N - 1) / N + 1 : 0;
+    int32_t *ids = (int32_t *)sc_take(sc, (size_t)T); /* [T] */
+    float *P = sc_take(sc, TD); /* [T][D] residual stream, or the block-local sum with AttnRes */
+    float *x = sc_take(sc, TD); /* [T][D] mixer / FFN input */
+    float *a = sc_take(sc, TD); /* [T][D] sublayer output */
+    float *bank = n_banks_max ? sc_take(sc, (size_t)n_banks_max * TD) : NULL; /* [nb][T][D] */
+    const float **cands = calloc((size_t)n_banks_max + 2, sizeof *cands);
+    if (sc->overflow || !cands) {
+        free(cands);
+        return sc->need + 1;
+    }
+    for (int q = 0; q < s->n_seq; q++)
+        memcpy(ids + s->off[q], s->seqs[q].tokens, (size_t)s->seqs[q].n * sizeof(int32_t));
+    ds_embed(P, &m->embed, ids, T);
+    int nb = 0; /* banked AttnRes blocks */
+    for (int i = 0; i < L && !sc->overflow; i++) {
+        const layer_w *lw = &m->layers[i];
+        if (N > 0) {
+            /* Mix first, then bank P: layer 0 banks the embedding (MODEL_SPEC §6.3, trap 13). */
+            for (int j = 0; j < nb; j++) cands[j] = bank + (size_t)j * TD;
+            cands[nb] = P;
+            ds_attnres_mix(x, cands, nb + 1, lw->attn_res_np, T, D, c->rms_norm_eps);
+            int banks = i % N == 0;
+            if (banks) memcpy(bank + (size_t)nb++ * TD, P, TD * sizeof(float));
+            ds_rmsnorm(x, x, lw->in_norm, T, D, c->rms_norm_eps);
+            if (lw->kind == DS_LAYER_KDA)
+                kda_forward(s, lw, x, a);
+            else
+                mla_forward(s, lw, x, a);
+            if (banks)
+                memcpy(P, a, TD * sizeof(float));
+            else
+                ds_add(P, a, TD);
+            for (int j = 0; j < nb; j++) cands[j] = bank + (size_t)j * TD;
+            cands[nb] = P;
+            ds_attnres_mix(x, cands, nb + 1, lw->mlp_res_np, T, D, c->rms_norm_eps);
+            ds_rmsnorm(x, x, lw->post_norm, T, D, c->rms_norm_eps);
+            ffn_forward(s, lw, x, a);
+            ds_add(P, a, TD);
+        } else {
+            ds_rmsnorm(x, P, lw->in_norm, T, D, c->rms_norm_eps);
+            if (lw->kind == DS_LAYER_KDA)
+                kda_forward(s, lw, x, a);
+            else
+                mla_forward(s, lw, x, a);
+            ds_add(P, a, TD);
+            ds_rmsnorm(x, P, lw->post_norm, T, D, c->rms_norm_eps);
+            ffn_forward(s, lw, x, a);
+            ds_add(P, a, TD);
+        }
+        save_hidden(s, i, P);
+    }
+    if (sc->overflow) {
+        free(cands);
+        return sc->need + 1;
+    }
+    if (N > 0) {
+        for (int j = 0; j < nb; j++) cands[j] = bank + (size_t)j * TD;
+        cands[nb] = P;
+        ds_attnres_mix(x, cands, nb + 1, m->out_res_np, T, D, c->rms_norm_eps);
+        ds_rmsnorm(x, x, m->final_norm, T, D, c->rms_norm_eps);
+    } else {
+        ds_rmsnorm(x, P, m->final_norm, T, D, c->rms_norm_eps);
+    }
+    free(cands);
+    for (int q = 0; q < s->n_seq; q++) {
+        ds_seq_batch *sb = &s->seqs[q];
+        const float *xs = x + (size_t)s->off[q] * D;
+        if (sb->final_hidden) memcpy(sb->final_hidden, xs, (size_t)sb->n * D * sizeof(float));
+        if (sb->logits && sb->n_logits > 0)
+            ds_matmul(sb->logits, c->vocab_size, xs + (size_t)(sb->n - sb->n_logits) * D, D,
+                      sb->n_logits, &m->lm_head);
+    }
+    return 0;
+}
+
+/* Upper bound, in floats, of the scratch one step takes (mirrors the sc_take calls above; every
+ * take is counted with 16 floats of alignment slack). */
+static size_t step_need(const step *s) {
+    const ds_config *c = &s->m->cfg;
+    size_t T = (size_t)s->T, D = (size_t)c->hidden_size, L = (size_t)c->num_hidden_layers;
+    size_t N = (size_t)c->attn_res_block_size, pad = 16;
+    size_t base = T + 3 * T * D + (N ? ((L + N - 1) / N + 1) * T * D : 0) + 5 * pad;
+    size_t H = (size_t)c->kda_num_heads, dk = (size_t)c->kda_head_dim, P = H * dk;
+    size_t kda = c->num_kda_layers ? 7 * T * P + T * dk + T * H + 8 * pad : 0;
+    size_t mla = 0;
+    if (c->num_mla_layers) {
+        size_t Ha = (size_t)c->num_attention_heads, R = (size_t)c->kv_lora_rank;
+        size_t dn = (size_t)c->qk_nope_head_dim, dr = (size_t)c->qk_rope_head_dim;
+        size_t dvh = (size_t)c->v_head_dim;
+        size_t seg = 0;
+        for (int q = 0; q < s->n_seq; q++) {
+            size_t n = (size_t)s->seqs[q].n, ctx = (size_t)s->seqs[q].pos0 + n;
+            size_t ex = ctx * (R + dr + 2 * Ha * (dn + dvh)) + 5 * pad;
+            size_t ab = 2 * n * Ha * R + 2 * pad;
+            seg = DS_MAX(seg, n * Ha * dr + pad + DS_MAX(ex, ab));
+        }
+        mla = T * Ha * (dn + dr) + T * (R + dr) + T * Ha * dvh + T * (size_t)c->q_lora_rank +
+              4 * pad + seg;
+    }
+    size_t ffn = 2 * T * (size_t)c->intermediate_size + 2 * pad;
+    if (c->num_experts) {
+        size_t E = (size_t)c->num_experts, K = (size_t)c->num_experts_per_token;
+        size_t Hin = c->routed_expert_hidden_size ? (size_t)c->routed_expert_hidden_size : D;
+        size_t Ie = (size_t)c->moe_intermediate_size, Is = Ie * (size_t)c->num_shared_experts;
+        size_t moe = T * E + 2 * T * K + 4 * T * Hin + 2 * T + 9 * pad;
+        moe += DS_MAX(2 * T * Ie + 2 * pad, T * D + pad + 2 * T * Is + 2 * pad);
+        ffn = DS_MAX(ffn, moe);
+    }
+    return base + DS_MAX(DS_MAX(kda, mla), ffn);
+}
+
+int ds_model_forward(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, int n_seq, ds_err *err) {
+    const ds_config *c = &m->cfg;
+    int T = 0;
+    int *off = ds_malloc((size_t)(n_seq ? n_seq : 1) * sizeof(int), err);
+    if (!off) return DS_ERR;
+    for (int q = 0; q < n_seq; q++) {
+        ds_seq_batch *sb = &seqs[q];
+        if (sb->n <= 0 || sb->pos0 < 0 || sb->n_logits < 0 || sb->n_logits > sb->n) {
+            free(off);
+            return ds_errf(err, "forward: segment %d has n=%d pos0=%d n_logits=%d", q, sb->n,
+                           sb->pos0, sb->n_logits);
+        }
+        for (int t = 0; t < sb->n; t++)
+            if (sb->tokens[t] < 0 || sb->tokens[t] >= c->vocab_size) {
+                free(off);
+                return ds_errf(err, "forward: token id %d at index %d is outside [0, %d)",
+                               sb->tokens[t], t, c->vocab_size);
+            }
+        off[q] = T;
+        T += sb->n;
+    }
+    step s = {m, pool, seqs, n_seq, T, off, {0}};
+    if (T == 0) {
+        free(off);
+        return DS_OK;
+    }
+    size_t need = step_need(&s);
+    if (need > m->scratch_cap) {
+        free(m->scratch);
+        m->scratch = ds_aligned_alloc(need * sizeof(float), err);
+        m->scratch_cap = m->scratch ? need : 0;
+        if (!m->scratch) {
+            free(off);
+            return DS_ERR;
+        }
+    }
+    size_t short_by = run_step(&s);
+    free(off);
+    if (short_by)
+        return ds_errf(err, "forward: internal error: scratch estimate %zu floats, step took %zu",
+                       need, short_by - 1);
+    return DS_OK;
+}

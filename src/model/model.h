@@ -1,0 +1,74 @@
+/* model.h — a loaded kimi_linear / Kimi-K3 text model and its forward pass on the CPU.
+ *
+ * The forward runs a batch of sequence segments at once: all their tokens go through the
+ * projections together (one GEMM per weight), while the token mixers (short conv, KDA recurrence,
+ * MLA attention) run per segment against that sequence's own state slot and latent pages.
+ *
+ * Per-sequence state lives outside the model, so the engine decides where it is kept:
+ *   - a KDA state slot (ds_seq_slot): conv tails and recurrent matrices of every KDA layer;
+ *   - MLA latent rows in a paged pool (ds_kv_pool), addressed through the sequence's block table.
+ * The model never allocates per-sequence memory; it only reads and writes what it is handed. */
+#ifndef DS_MODEL_H
+#define DS_MODEL_H
+
+#include "kernels/cpu/kernels.h"
+#include "model/config.h"
+#include "model/safetensors.h"
+
+typedef struct ds_model_opts {
+    int kda_chunk;             /* chunk length of the chunked KDA form (default 64) */
+    int kda_chunked_min;       /* segments with at least this many tokens use the chunked form */
+    int mla_expanded_min;      /* segments with at least this many tokens use expanded MLA */
+    int hf_kl_router_quirk;    /* reproduce HF-KL's biased combine weights (parity tests only) */
+} ds_model_opts;
+
+void ds_model_opts_default(ds_model_opts *o);
+
+typedef struct ds_model ds_model;
+
+/* Loads DIR (config.json + safetensors). Every tensor's dtype and shape is checked. */
+int ds_model_load(const char *dir, const ds_model_opts *opts, ds_model **out, ds_err *err);
+void ds_model_free(ds_model *m);
+const ds_config *ds_model_config(const ds_model *m);
+/* Bytes of weights a decode step of one token reads (embedding row, every dense weight, the
+ * active experts' share, lm_head): the figure achieved bandwidth is computed from. */
+double ds_model_decode_bytes(const ds_model *m);
+/* Multiply-add FLOPs of the weight GEMMs for one token (attention over the context excluded). */
+double ds_model_token_flops(const ds_model *m, int with_lm_head);
+/* Total bytes of weight tensors bound by the model. */
+size_t ds_model_weight_bytes(const ds_model *m);
+
+/* ---- per-sequence state ------------------------------------------------------------------------ */
+/* Floats in one KDA state slot: conv tails [n_kda][3][W-1][P] followed by recurrent states
+ * [n_kda][Hk][dk][dv]. A new sequence starts from all zeros. */
+size_t ds_model_slot_floats(const ds_model *m);
+/* Floats per latent row of one MLA layer (kv_lora_rank + qk_rope_head_dim). */
+int ds_model_latent_row(const ds_model *m);
+
+/* Paged MLA latent pool: for each MLA layer j, layer[j] holds [n_pages][block_size][row] floats. */
+typedef struct ds_kv_pool {
+    float **layer; /* [n_mla] pointers */
+    int n_layers, n_pages, block_size, row;
+} ds_kv_pool;
+
+int ds_kv_pool_init(ds_kv_pool *p, const ds_model *m, int n_pages, int block_size, ds_err *err);
+void ds_kv_pool_free(ds_kv_pool *p);
+
+/* One sequence's part of a forward step. */
+typedef struct ds_seq_batch {
+    const int32_t *tokens; /* [n] token ids at positions pos0 .. pos0+n-1 */
+    int n;
+    int pos0;                   /* tokens already summarised by slot and pages */
+    float *slot;                /* [ds_model_slot_floats] KDA state, updated in place */
+    const int32_t *block_table; /* pages covering positions [0, pos0+n) */
+    float *logits;              /* [n_logits][V] logits of the last n_logits tokens, or NULL */
+    int n_logits;
+    float *hidden; /* optional [n_layers][n][D]: residual stream after each layer (the block-local
+                      sum P with AttnRes), for tests and DSpark taps; NULL to skip */
+    float *final_hidden; /* optional [n][D]: normed input of lm_head */
+} ds_seq_batch;
+
+/* Runs one step over n_seq segments. Segments of the same sequence must not appear twice. */
+int ds_model_forward(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, int n_seq, ds_err *err);
+
+#endif

@@ -1,0 +1,289 @@
+/* The whole forward pass against the Python reference's golden files (DESIGN.md invariant 2),
+ * and the consistency properties the engine relies on: prefill-then-decode equals one forward
+ * (chunked KDA vs recurrent, expanded MLA vs absorbed), chunked prefill equals one-shot prefill,
+ * and a sequence's logits do not depend on what else is in the batch (invariant 7). */
+#include "golden_io.h"
+#include "model/init_model.h"
+#include "model/model.h"
+#include "testutil.h"
+
+#include <dirent.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct fixture {
+    char *dir;
+    ds_model *m;
+    ds_kv_pool pool;
+    int32_t *table; /* [n_pages] identity block table */
+} fixture;
+
+enum { BLOCK = 16, MAX_CTX = 512 };
+
+static char *g_dirs[2];
+
+static const char *preset_dir(int which) {
+    static const char *names[2] = {"tiny-k3", "tiny-linear"};
+    if (!g_dirs[which]) {
+        char *tmp = ds_test_tmpdir();
+        assert_non_null(tmp);
+        char *dir = malloc(strlen(tmp) + 32);
+        sprintf(dir, "%s/%s", tmp, names[which]);
+        free(tmp);
+        ds_err err = {{0}};
+        if (ds_init_model(names[which], dir, 0, &err)) fail_msg("init-model: %s", err.msg);
+        g_dirs[which] = dir;
+    }
+    return g_dirs[which];
+}
+
+static void open_model(fixture *f, int which, const ds_model_opts *opts) {
+    ds_err err = {{0}};
+    if (ds_model_load(preset_dir(which), opts, &f->m, &err)) fail_msg("load: %s", err.msg);
+    int n_pages = MAX_CTX / BLOCK;
+    if (ds_kv_pool_init(&f->pool, f->m, 2 * n_pages, BLOCK, &err)) fail_msg("%s", err.msg);
+    f->table = malloc(2 * (size_t)n_pages * sizeof(int32_t));
+    /* Pages handed out in a scrambled order, as a real pool would after some churn. */
+    for (int i = 0; i < 2 * n_pages; i++) f->table[i] = (i * 7 + 3) % (2 * n_pages);
+}
+
+static void close_model(fixture *f) {
+    ds_kv_pool_free(&f->pool);
+    ds_model_free(f->m);
+    free(f->table);
+}
+
+static float *new_slot(const ds_model *m) {
+    return calloc(ds_model_slot_floats(m), sizeof(float));
+}
+
+static int cmp_name(const void *a, const void *b) {
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* FNV-1a 64 over every *.safetensors file in sorted name order (as write_golden.py computes). */
+static uint64_t checkpoint_hash(const char *dir) {
+    DIR *d = opendir(dir);
+    assert_non_null(d);
+    char *names[64];
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) && n < 64) {
+        size_t len = strlen(e->d_name);
+        if (len > 12 && !strcmp(e->d_name + len - 12, ".safetensors")) names[n++] = strdup(e->d_name);
+    }
+    closedir(d);
+    qsort(names, (size_t)n, sizeof *names, cmp_name);
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (int i = 0; i < n; i++) {
+        char path[4096];
+        snprintf(path, sizeof path, "%s/%s", dir, names[i]);
+        size_t len;
+        ds_err err;
+        unsigned char *buf = (unsigned char *)ds_read_file(path, &len, &err);
+        assert_non_null(buf);
+        for (size_t j = 0; j < len; j++) h = (h ^ buf[j]) * 0x100000001b3ull;
+        free(buf);
+        free(names[i]);
+    }
+    return h;
+}
+
+static void check_golden(int which, const char *golden_rel) {
+    char *path = ds_test_src_path(golden_rel);
+    char errbuf[512];
+    ds_golden *g = ds_golden_load(path, errbuf, sizeof errbuf);
+    if (!g) fail_msg("%s: %s", path, errbuf);
+    int nd;
+    const uint64_t *dims;
+    const uint64_t *hash = ds_golden_get(g, "meta.checkpoint_fnv1a64", 3, &nd, &dims);
+    assert_non_null(hash);
+    uint64_t have = checkpoint_hash(preset_dir(which));
+    if (have != hash[0])
+        fail_msg("%s was written for another checkpoint (fnv %016llx, init-model gives %016llx): "
+                 "regenerate it with tools/reference/write_golden.py",
+                 path, (unsigned long long)hash[0], (unsigned long long)have);
+    const int32_t *ids = ds_golden_get(g, "input_ids", 1, &nd, &dims);
+    assert_non_null(ids);
+    int T = (int)dims[0];
+    const float *ref_logits = ds_golden_get(g, "logits", 0, &nd, &dims);
+    assert_non_null(ref_logits);
+
+    fixture f;
+    open_model(&f, which, NULL);
+    const ds_config *c = ds_model_config(f.m);
+    int V = c->vocab_size, D = c->hidden_size, L = c->num_hidden_layers;
+    assert_int_equal((int)dims[1], V);
+    float *logits = malloc((size_t)T * V * sizeof(float));
+    float *hidden = malloc((size_t)L * T * D * sizeof(float));
+    float *final = malloc((size_t)T * D * sizeof(float));
+    float *slot = new_slot(f.m);
+    ds_seq_batch sb = {ids, T, 0, slot, f.table, logits, T, hidden, final};
+    ds_err err = {{0}};
+    if (ds_model_forward(f.m, &f.pool, &sb, 1, &err)) fail_msg("%s", err.msg);
+    for (int i = 0; i < L; i++) {
+        char name[64];
+        snprintf(name, sizeof name, "hidden.%d", i);
+        const float *ref = ds_golden_get(g, name, 0, &nd, &dims);
+        assert_non_null(ref);
+        double e = ds_test_rel_err_f(hidden + (size_t)i * T * D, ref, (size_t)T * D);
+        if (!(e <= 1e-4)) fail_msg("%s layer %d hidden: rel err %.3g > 1e-4", golden_rel, i, e);
+    }
+    const float *ref_final = ds_golden_get(g, "final_hidden", 0, &nd, &dims);
+    assert_non_null(ref_final);
+    double ef = ds_test_rel_err_f(final, ref_final, (size_t)T * D);
+    double el = ds_test_rel_err_f(logits, ref_logits, (size_t)T * V);
+    print_message("%s: final hidden rel err %.3g, logits rel err %.3g\n", golden_rel, ef, el);
+    if (!(ef <= 1e-4)) fail_msg("final hidden rel err %.3g > 1e-4", ef);
+    if (!(el <= 1e-4)) fail_msg("logits rel err %.3g > 1e-4", el);
+    free(logits);
+    free(hidden);
+    free(final);
+    free(slot);
+    close_model(&f);
+    ds_golden_free(g);
+    free(path);
+}
+
+static void test_golden_tiny_k3(void **state) {
+    (void)state;
+    check_golden(0, "tests/golden/tiny-k3.bin");
+}
+
+static void test_golden_tiny_linear(void **state) {
+    (void)state;
+    check_golden(1, "tests/golden/tiny-linear.bin");
+}
+
+static void random_ids(int32_t *ids, int n, int V, uint64_t seed) {
+    ds_rng r;
+    ds_rng_seed(&r, seed);
+    for (int i = 0; i < n; i++) ids[i] = (int32_t)(ds_rng_next(&r) % (uint64_t)V);
+}
+
+/* Logits of every position from one forward over ids[0..n). */
+static float *full_logits(fixture *f, const int32_t *ids, int n) {
+    int V = ds_model_config(f->m)->vocab_size;
+    float *logits = malloc((size_t)n * V * sizeof(float));
+    float *slot = new_slot(f->m);
+    ds_seq_batch sb = {ids, n, 0, slot, f->table, logits, n, NULL, NULL};
+    ds_err err = {{0}};
+    if (ds_model_forward(f->m, &f->pool, &sb, 1, &err)) fail_msg("%s", err.msg);
+    free(slot);
+    return logits;
+}
+
+/* Runs ids[0..n) as the given sequence of step lengths, returning the last token's logits. */
+static void stepped_logits(fixture *f, const int32_t *ids, const int *steps, int n_steps,
+                           float *out) {
+    float *slot = new_slot(f->m);
+    int pos = 0;
+    for (int s = 0; s < n_steps; s++) {
+        int last = s == n_steps - 1;
+        ds_seq_batch sb = {ids + pos, steps[s], pos, slot, f->table, last ? out : NULL, last,
+                           NULL, NULL};
+        ds_err err = {{0}};
+        if (ds_model_forward(f->m, &f->pool, &sb, 1, &err)) fail_msg("%s", err.msg);
+        pos += steps[s];
+    }
+    free(slot);
+}
+
+/* Prefill N then decode token N+1 == one forward over N+1 tokens, for N on and around the KDA
+ * chunk (64) and the thresholds where the forward switches algorithms (16, 32). */
+static void check_prefill_decode(int which) {
+    fixture f;
+    open_model(&f, which, NULL);
+    int V = ds_model_config(f.m)->vocab_size;
+    enum { NMAX = 200 };
+    int32_t ids[NMAX];
+    random_ids(ids, NMAX, V, 42 + (uint64_t)which);
+    float *ref = full_logits(&f, ids, NMAX);
+    float *out = malloc((size_t)V * sizeof(float));
+    int Ns[] = {1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 199};
+    for (size_t i = 0; i < DS_ARRAY_LEN(Ns); i++) {
+        int N = Ns[i];
+        int steps[2] = {N, 1};
+        stepped_logits(&f, ids, steps, 2, out);
+        double e = ds_test_rel_err_f(out, ref + (size_t)N * V, (size_t)V);
+        if (!(e <= 1e-4)) fail_msg("preset %d: prefill %d + decode 1: rel err %.3g", which, N, e);
+    }
+    /* A prompt fed in uneven chunks, then several single decode steps. */
+    int steps[] = {37, 64, 1, 50, 1, 1, 46};
+    stepped_logits(&f, ids, steps, (int)DS_ARRAY_LEN(steps), out);
+    double e = ds_test_rel_err_f(out, ref + (size_t)(NMAX - 1) * V, (size_t)V);
+    if (!(e <= 1e-4)) fail_msg("preset %d: chunked prefill: rel err %.3g", which, e);
+    free(out);
+    free(ref);
+    close_model(&f);
+}
+
+static void test_prefill_decode_k3(void **state) {
+    (void)state;
+    check_prefill_decode(0);
+}
+
+static void test_prefill_decode_linear(void **state) {
+    (void)state;
+    check_prefill_decode(1);
+}
+
+/* Invariant 7: a sequence's logits are bit-identical alone and inside a batch. */
+static void test_batch_invariance(void **state) {
+    (void)state;
+    fixture f;
+    open_model(&f, 0, NULL);
+    const ds_config *c = ds_model_config(f.m);
+    int V = c->vocab_size, n_pages = MAX_CTX / BLOCK;
+    int32_t a[40], b[70];
+    random_ids(a, 40, V, 7);
+    random_ids(b, 70, V, 8);
+    float *alone = malloc((size_t)2 * V * sizeof(float));
+    float *batched = malloc((size_t)2 * V * sizeof(float));
+    float *sa = new_slot(f.m), *sb_slot = new_slot(f.m);
+    ds_err err = {{0}};
+    /* alone: prefill 39, decode 1 */
+    ds_seq_batch s1 = {a, 39, 0, sa, f.table, NULL, 0, NULL, NULL};
+    if (ds_model_forward(f.m, &f.pool, &s1, 1, &err)) fail_msg("%s", err.msg);
+    ds_seq_batch s2 = {a + 39, 1, 39, sa, f.table, alone, 1, NULL, NULL};
+    if (ds_model_forward(f.m, &f.pool, &s2, 1, &err)) fail_msg("%s", err.msg);
+    /* batched: same steps, with another sequence's prefill alongside each */
+    memset(sa, 0, ds_model_slot_floats(f.m) * sizeof(float));
+    ds_seq_batch p1[2] = {{b, 50, 0, sb_slot, f.table + n_pages, NULL, 0, NULL, NULL},
+                          {a, 39, 0, sa, f.table, NULL, 0, NULL, NULL}};
+    if (ds_model_forward(f.m, &f.pool, p1, 2, &err)) fail_msg("%s", err.msg);
+    ds_seq_batch p2[2] = {{b + 50, 20, 50, sb_slot, f.table + n_pages, NULL, 0, NULL, NULL},
+                          {a + 39, 1, 39, sa, f.table, batched, 1, NULL, NULL}};
+    if (ds_model_forward(f.m, &f.pool, p2, 2, &err)) fail_msg("%s", err.msg);
+    assert_memory_equal(alone, batched, (size_t)V * sizeof(float));
+    free(alone);
+    free(batched);
+    free(sa);
+    free(sb_slot);
+    close_model(&f);
+}
+
+static void test_bad_tokens(void **state) {
+    (void)state;
+    fixture f;
+    open_model(&f, 1, NULL);
+    float *slot = new_slot(f.m);
+    int32_t ids[2] = {5, 1 << 20};
+    ds_seq_batch sb = {ids, 2, 0, slot, f.table, NULL, 0, NULL, NULL};
+    ds_err err = {{0}};
+    assert_int_equal(ds_model_forward(f.m, &f.pool, &sb, 1, &err), DS_ERR);
+    assert_non_null(strstr(err.msg, "1048576"));
+    free(slot);
+    close_model(&f);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_golden_tiny_k3),      cmocka_unit_test(test_golden_tiny_linear),
+        cmocka_unit_test(test_prefill_decode_k3),   cmocka_unit_test(test_prefill_decode_linear),
+        cmocka_unit_test(test_batch_invariance),    cmocka_unit_test(test_bad_tokens),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
