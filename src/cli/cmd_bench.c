@@ -30,9 +30,9 @@ static int run_decode(ds_model *m, int B, int prompt, int steps, double *sec_per
     if (ds_kv_pool_init(&pool, m, B * pages_per, BENCH_BLOCK, err)) return DS_ERR;
     int rc = DS_ERR;
     size_t slot_n = ds_model_slot_floats(m);
-    float *slots = ds_calloc((size_t)B * slot_n, sizeof(float), err);          /* [B][slot] */
-    int32_t *table = ds_malloc((size_t)B * pages_per * sizeof(int32_t), err);  /* [B][pages] */
-    int32_t *ids = ds_malloc((size_t)B * ctx * sizeof(int32_t), err);          /* [B][ctx] */
+    float *slots = ds_calloc((size_t)B * slot_n, sizeof(float), err);         /* [B][slot] */
+    int32_t *table = ds_malloc((size_t)B * pages_per * sizeof(int32_t), err); /* [B][pages] */
+    int32_t *ids = ds_malloc((size_t)B * ctx * sizeof(int32_t), err);         /* [B][ctx] */
     ds_seq_batch *sb = ds_calloc((size_t)B, sizeof *sb, err);
     float *logits = ds_malloc((size_t)B * c->vocab_size * sizeof(float), err); /* [B][V] */
     if (!slots || !table || !ids || !sb || !logits) goto out;
@@ -41,8 +41,15 @@ static int run_decode(ds_model *m, int B, int prompt, int steps, double *sec_per
     ds_rng_seed(&rng, 1);
     for (int i = 0; i < B * ctx; i++) ids[i] = (int32_t)(ds_rng_next(&rng) % 256);
     for (int b = 0; b < B; b++) {
-        sb[b] = (ds_seq_batch){ids + (size_t)b * ctx, prompt, 0, slots + (size_t)b * slot_n,
-                               table + (size_t)b * pages_per, NULL, 0, NULL, NULL};
+        sb[b] = (ds_seq_batch){ids + (size_t)b * ctx,
+                               prompt,
+                               0,
+                               slots + (size_t)b * slot_n,
+                               table + (size_t)b * pages_per,
+                               NULL,
+                               0,
+                               NULL,
+                               NULL};
     }
     if (ds_model_forward(m, &pool, sb, B, err)) goto out;
     double best = 1e30;

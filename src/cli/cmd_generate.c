@@ -1,6 +1,7 @@
 /* cmd_generate.c — `deltaserve generate` (stream a completion of one prompt) and
  * `deltaserve logits` (teacher-forced logits of a token sequence, as .npy). Both run one sequence
- * directly on the model, with its own state slot and a private latent pool sized for the request. */
+ * directly on the model, with its own state slot and a private latent pool sized for the request.
+ */
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "engine/sampler.h"
@@ -46,8 +47,8 @@ static int feed(ds_model *m, one_seq *s, const int32_t *ids, int n, int pos0, fl
     for (int done = 0; done < n;) {
         int len = DS_MIN(PREFILL_CHUNK, n - done);
         int is_last = done + len == n;
-        ds_seq_batch sb = {ids + done, len, pos0 + done, s->slot, s->table,
-                           is_last ? last : NULL, is_last, NULL, NULL};
+        ds_seq_batch sb = {ids + done, len,  pos0 + done, s->slot, s->table, is_last ? last : NULL,
+                           is_last,    NULL, NULL};
         if (ds_model_forward(m, &s->pool, &sb, 1, err)) return DS_ERR;
         done += len;
     }
@@ -121,7 +122,7 @@ int ds_cmd_generate(int argc, char **argv) {
     ds_sampling sp = {(float)temperature, (float)top_p, top_k, 0.0f};
     ds_rng rng;
     ds_rng_seed(&rng, (uint64_t)seed);
-    int32_t stop = ds_tok_eos_id(tok);
+    int32_t stop = c->eos_token_id; /* the end-of-turn id of config.json, not [EOS] */
     double t0 = ds_now();
     if (feed(m, &s, ids, n, 0, logits, &err)) goto done;
     double t_prompt = ds_now() - t0;
@@ -176,8 +177,9 @@ static int parse_ids(const char *s, int32_t **ids, int *n, ds_err *err) {
         long x = strtol(p, &end, 10);
         if (end == p || errno || x < 0 || x > INT32_MAX || (*end && *end != ',')) {
             free(v);
-            return ds_errf(err, "--token-ids: expected comma-separated non-negative integers, "
-                                "bad entry at '%.20s'",
+            return ds_errf(err,
+                           "--token-ids: expected comma-separated non-negative integers, "
+                           "bad entry at '%.20s'",
                            p);
         }
         if (len == cap) {
@@ -213,7 +215,15 @@ static int write_npy(const char *path, const float *data, int rows, int cols, ds
     FILE *f = fopen(tmp, "wb");
     if (!f) return ds_errf(err, "%s: cannot create: %s", tmp, strerror(errno));
     unsigned short hlen = (unsigned short)(len + pad + 1);
-    unsigned char magic[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, (unsigned char)(hlen & 0xff),
+    unsigned char magic[10] = {0x93,
+                               'N',
+                               'U',
+                               'M',
+                               'P',
+                               'Y',
+                               1,
+                               0,
+                               (unsigned char)(hlen & 0xff),
                                (unsigned char)(hlen >> 8)};
     int ok = fwrite(magic, 1, 10, f) == 10 && fwrite(header, 1, (size_t)len, f) == (size_t)len;
     for (int i = 0; i < pad && ok; i++) ok = fputc(' ', f) != EOF;
