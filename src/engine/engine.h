@@ -1,0 +1,121 @@
+/* engine.h — the serving engine: requests in, token events out.
+ *
+ * One engine thread runs the step loop (schedule -> forward -> sample -> emit). Other threads (the
+ * HTTP server) submit requests and abort them; every call here except ds_engine_create/free is
+ * thread-safe. Results come back as events through the request's callback, called on the engine
+ * thread: the callback must be quick and must not call back into the engine except
+ * ds_engine_abort. Every submitted request receives exactly one final event per choice
+ * (finish != DS_FINISH_NONE), also when it is aborted or the engine stops; after the last
+ * choice's final event the engine never touches the request's callback or user pointer again. */
+#ifndef DS_ENGINE_H
+#define DS_ENGINE_H
+
+#include "base/ds_base.h"
+#include "model/tokenizer.h"
+
+typedef struct ds_engine ds_engine;
+
+typedef struct ds_engine_opts {
+    const char *model_dir;
+    size_t kv_cache_memory;     /* bytes for MLA pages + KDA slots; 0: kv_cache_fraction of free */
+    double kv_cache_fraction;   /* default 0.3 */
+    int block_size;             /* tokens per MLA page (default 16) */
+    int max_num_seqs;           /* running sequences at most (default 64) */
+    int max_num_batched_tokens; /* tokens per step at most (default 2048) */
+    int max_model_len;          /* context limit; 0: min(max_position_embeddings, capacity) */
+    int max_queue;              /* waiting requests beyond which submit fails (default 1024) */
+    uint64_t seed;              /* base seed for requests without one */
+} ds_engine_opts;
+
+void ds_engine_opts_default(ds_engine_opts *o);
+
+#define DS_MAX_STOP      16
+#define DS_MAX_LOGPROBS  20
+
+typedef struct ds_request_params {
+    float temperature;        /* default 1.0; 0 = greedy */
+    float top_p;              /* default 1 */
+    int top_k;                /* default 0 (off) */
+    float min_p;              /* default 0 */
+    int has_seed;
+    uint64_t seed;
+    float presence_penalty, frequency_penalty; /* default 0 */
+    int max_tokens;           /* default 16; capped by the context limit */
+    int min_tokens;           /* default 0: stop tokens and strings are ignored before this */
+    int ignore_eos;
+    int32_t stop_token_ids[DS_MAX_STOP];
+    int n_stop_token_ids;
+    char *stop[DS_MAX_STOP]; /* stop strings (owned by the caller until the request finishes) */
+    int n_stop;
+    int logprobs;             /* -1: none; k >= 0: the sampled token's logprob and top-k others */
+    int n;                    /* choices (default 1) */
+    int skip_special_tokens;  /* default 1 */
+} ds_request_params;
+
+void ds_request_params_default(ds_request_params *p);
+
+typedef enum {
+    DS_FINISH_NONE = 0,
+    DS_FINISH_STOP,   /* eos, a stop token or a stop string */
+    DS_FINISH_LENGTH, /* max_tokens or the context limit */
+    DS_FINISH_ABORT,  /* aborted by the client or by shutdown */
+    DS_FINISH_ERROR,
+} ds_finish;
+
+const char *ds_finish_name(ds_finish f); /* "stop", "length", "abort", "error" */
+
+typedef struct ds_token_event {
+    int index;          /* which choice (0..n-1) */
+    int32_t token;      /* -1 on a final event that carries no token */
+    const char *text;   /* newly final text of this choice (may be empty: text held back while it
+                           could still become a stop string, or a partial UTF-8 character) */
+    size_t text_len;
+    float logprob;      /* of the sampled token, when logprobs >= 0 */
+    int n_top;
+    const int32_t *top_ids;     /* [n_top] */
+    const float *top_logprobs;  /* [n_top] */
+    ds_finish finish;
+    int n_prompt, n_generated;  /* counts so far, for usage */
+} ds_token_event;
+
+typedef void (*ds_event_fn)(void *user, const ds_token_event *ev);
+
+typedef struct ds_request_spec {
+    const int32_t *prompt; /* [n_prompt], copied by submit */
+    int n_prompt;
+    ds_request_params params;
+    ds_event_fn on_event;
+    void *user;
+} ds_request_spec;
+
+int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err);
+int ds_engine_start(ds_engine *e, ds_err *err); /* starts the step-loop thread */
+
+/* Queues a request. Returns its id (> 0), or -1 with err: DS_SUBMIT_FULL when the queue is full
+ * (the server answers 503), DS_SUBMIT_INVALID for a request that can never run (too long). */
+#define DS_SUBMIT_FULL    (-2)
+#define DS_SUBMIT_INVALID (-3)
+int64_t ds_engine_submit(ds_engine *e, const ds_request_spec *spec, int *why, ds_err *err);
+/* Aborts a queued or running request; its final events follow. Unknown ids are ignored. */
+void ds_engine_abort(ds_engine *e, int64_t id);
+/* Stops accepting, aborts what is left after grace_s seconds, joins the thread. */
+void ds_engine_stop(ds_engine *e, double grace_s);
+void ds_engine_free(ds_engine *e);
+
+const ds_tokenizer *ds_engine_tokenizer(const ds_engine *e);
+int ds_engine_max_model_len(const ds_engine *e);
+const char *ds_engine_model_dir(const ds_engine *e);
+int ds_engine_chat_format(const ds_engine *e); /* ds_chat_format */
+
+/* Snapshot for /metrics and the tests. */
+typedef struct ds_engine_stats {
+    int running, waiting, preempted_now;
+    int pages_total, pages_used, slots_total, slots_used;
+    uint64_t prompt_tokens_total, generation_tokens_total, preemptions_total;
+    uint64_t finished[5]; /* by ds_finish */
+    uint64_t steps_total;
+    double step_seconds_total; /* time inside forward + sampling */
+} ds_engine_stats;
+void ds_engine_get_stats(ds_engine *e, ds_engine_stats *s);
+
+#endif

@@ -1,0 +1,89 @@
+/* scheduler.h — decides what runs in each step: continuous batching over two pools (MLA latent
+ * pages and KDA state slots), chunked prefill, preemption by recompute.
+ *
+ * Policy (nano-vllm / vLLM style, adapted to recurrent state):
+ *  - Running sequences in decode get one token each, oldest first. A sequence that needs a new
+ *    page and cannot get one preempts the YOUNGEST running sequence (its pages and slot are freed,
+ *    it goes back to the waiting queue at its arrival position and is recomputed later); if the
+ *    needy sequence is itself the youngest, it is the one preempted. The oldest request is kept.
+ *  - Then prompts (running sequences still in prefill, then waiting ones in arrival order) get
+ *    chunks while the step's token budget, max_num_seqs and the pools allow. A waiting sequence is
+ *    admitted only if a slot and the pages for its first chunk are free.
+ *  - Prompt chunks are cut only at absolute multiples of chunk_tokens (a sequence's prompt is
+ *    always split at the same positions whatever else is in the batch, so its numerics — and its
+ *    greedy output — do not depend on its neighbours). A chunk that does not fit the remaining
+ *    budget waits for the next step; a lone chunk larger than the whole budget is impossible
+ *    because chunk_tokens <= max_num_batched_tokens.
+ *  - FCFS admission: a waiting sequence is never overtaken by a younger one (no starvation).
+ */
+#ifndef DS_SCHEDULER_H
+#define DS_SCHEDULER_H
+
+#include "base/ds_base.h"
+#include "cache/pages.h"
+#include "cache/state.h"
+
+typedef enum {
+    DS_SEQ_WAITING = 0,
+    DS_SEQ_RUNNING,
+    DS_SEQ_PREEMPTED, /* waiting again, to be recomputed */
+    DS_SEQ_FINISHED,
+    DS_SEQ_ABORTED,
+} ds_seq_status;
+
+typedef struct ds_seq {
+    int64_t id;
+    uint64_t arrival;   /* submission order; smaller = older */
+    int32_t *tokens;    /* [cap] prompt followed by generated tokens */
+    int n_tokens, cap;
+    int n_prompt;
+    int n_computed;     /* tokens already summarised by the slot and written to pages */
+    int32_t *block_table; /* [cap_blocks] page ids covering positions [0, n_blocks*block_size) */
+    int n_blocks, cap_blocks;
+    int slot;           /* KDA state slot, -1 when none */
+    ds_seq_status status;
+    int max_len;        /* n_tokens never exceeds this (prompt + max_tokens, capped by context) */
+    void *owner;        /* the engine's per-request data */
+} ds_seq;
+
+/* Creates a sequence holding a copy of the prompt. */
+ds_seq *ds_seq_new(int64_t id, const int32_t *prompt, int n_prompt, int max_len, ds_err *err);
+int ds_seq_append(ds_seq *s, int32_t token, ds_err *err);
+void ds_seq_free(ds_seq *s);
+
+typedef struct ds_sched_opts {
+    int block_size, max_num_seqs, max_num_batched_tokens, chunk_tokens;
+} ds_sched_opts;
+
+/* One sequence's part of a step: tokens[pos0 .. pos0+n) run now; `sample` is set when the last
+ * of them is the sequence's last token (the step's logits produce its next token). */
+typedef struct ds_sched_item {
+    ds_seq *seq;
+    int pos0, n;
+    int sample;
+} ds_sched_item;
+
+typedef struct ds_scheduler ds_scheduler;
+
+int ds_sched_create(const ds_sched_opts *o, ds_page_pool *pages, ds_slot_pool *slots,
+                    ds_scheduler **out, ds_err *err);
+void ds_sched_free(ds_scheduler *s); /* frees every sequence still held */
+
+/* Adds a new sequence (status WAITING). Fails if it can never fit the pools. */
+int ds_sched_add(ds_scheduler *s, ds_seq *seq, ds_err *err);
+/* Plans one step into items[0..*n_items) (capacity max_num_seqs). Sequences preempted while
+ * planning are reported in preempted[0..*n_preempted) (capacity max_num_seqs) so the caller can
+ * count them. A slot newly given to a sequence is zeroed by the slot pool. */
+void ds_sched_schedule(ds_scheduler *s, ds_sched_item *items, int *n_items, ds_seq **preempted,
+                       int *n_preempted);
+/* After the step ran: n_computed += n for each item. */
+void ds_sched_commit(ds_scheduler *s, const ds_sched_item *items, int n_items);
+/* Removes a sequence (finished or aborted) from the scheduler and returns its pages and slot.
+ * The caller still owns seq (ds_seq_free). */
+void ds_sched_remove(ds_scheduler *s, ds_seq *seq, ds_seq_status final_status);
+int ds_sched_n_running(const ds_scheduler *s);
+int ds_sched_n_waiting(const ds_scheduler *s);
+/* Visits every held sequence (for abort-all at shutdown). */
+int ds_sched_collect(const ds_scheduler *s, ds_seq **out, int cap);
+
+#endif
