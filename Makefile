@@ -5,7 +5,8 @@ JOBS ?= $(shell nproc)
 MODEL ?= models/tiny-k3
 PROMPT ?= The quick brown fox
 DEB_PKGS := build-essential cmake pkg-config libjansson-dev libpcre2-dev libxxhash-dev \
-            libcmocka-dev libmicrohttpd-dev libopenmpi-dev openmpi-bin libhiredis-dev redis-server
+            libcmocka-dev libmicrohttpd-dev libopenmpi-dev openmpi-bin libhiredis-dev redis-server \
+            libcurl4-openssl-dev
 PIP_PKGS := pytest openai numpy
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
