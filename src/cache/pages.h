@@ -16,5 +16,8 @@ void ds_page_unref(ds_page_pool *p, int page); /* -1; back to the free list at 0
 int ds_page_refcount(const ds_page_pool *p, int page);
 int ds_page_n_free(const ds_page_pool *p);
 int ds_page_n_total(const ds_page_pool *p);
+/* Refs/unrefs of a page that was not held (refcount 0) or not in the pool: caller bugs, ignored
+ * so that the free list stays sound, and counted here so tests can assert there were none. */
+uint64_t ds_page_n_bad(const ds_page_pool *p);
 
 #endif

@@ -16,5 +16,7 @@ float *ds_slot_data(ds_slot_pool *p, int slot); /* [slot_floats] */
 int ds_slot_n_free(const ds_slot_pool *p);
 int ds_slot_n_total(const ds_slot_pool *p);
 size_t ds_slot_floats(const ds_slot_pool *p);
+/* Releases of a slot that was not in use or not in the pool: caller bugs, ignored and counted. */
+uint64_t ds_slot_n_bad(const ds_slot_pool *p);
 
 #endif

@@ -1,10 +1,31 @@
-/* sampler.h — turns one row of logits into a token: temperature, top-k, top-p, min-p, with a
- * per-request RNG so a seeded request gives the same tokens whatever else is in the batch. */
+/* sampler.h — turns one row of logits into a token, the way vLLM does for an OpenAI request:
+ * presence/frequency penalties over the generated tokens, stop ids masked until min_tokens,
+ * logprobs of the raw logits, then greedy or temperature sampling with top-k, top-p and min-p,
+ * drawn from the request's own RNG so a seeded request gives the same tokens whatever else is in
+ * the batch.
+ *
+ * Cost is linear in V: a plain temperature draw is two passes, and top-k / top-p select their
+ * candidates by a histogram of probabilities plus partial selection instead of sorting the
+ * vocabulary. */
 #ifndef DS_SAMPLER_H
 #define DS_SAMPLER_H
 
 #include "base/ds_base.h"
 
+#define DS_MAX_LOGPROBS 20 /* same value as engine.h (an identical redefinition is allowed) */
+
+typedef struct ds_sample_params {
+    float temperature;                         /* < 1e-5: greedy (lowest id among equal maxima) */
+    float top_p;                               /* >= 1: off */
+    int top_k;                                 /* <= 0 or >= V: off */
+    float min_p;                               /* <= 0: off; keeps p >= min_p * p_max */
+    float presence_penalty, frequency_penalty; /* 0: off (OpenAI semantics, generated tokens) */
+    int logprobs; /* alternatives wanted in ds_logprobs_out (0..DS_MAX_LOGPROBS), when lp != NULL */
+} ds_sample_params;
+
+void ds_sample_params_default(ds_sample_params *p); /* T 1, top_p 1, everything else off */
+
+/* The generate command's four knobs (its callers initialise it positionally). */
 typedef struct ds_sampling {
     float temperature; /* 0: greedy */
     float top_p;       /* 1: off */
@@ -14,8 +35,57 @@ typedef struct ds_sampling {
 
 void ds_sampling_default(ds_sampling *s);
 
-/* Samples from logits[V] (modified in place: scaled and masked). scratch: [V] floats and
- * idx: [V] ints of caller memory. Greedy (temperature 0) takes the lowest-index maximum. */
+/* Token id -> how often it was generated, for one sequence. Open addressing with linear probing:
+ * V is 163840 but a request generates few distinct tokens, so a dense [V] array per sequence
+ * would cost more to clear than to use. A zero-initialised struct is an empty map. */
+typedef struct ds_token_count {
+    int32_t id; /* -1: empty slot */
+    int32_t count;
+} ds_token_count;
+
+typedef struct ds_token_counts {
+    ds_token_count *slots; /* [cap] */
+    int cap;               /* power of two (0 before the first add) */
+    int n;                 /* distinct ids stored; kept <= cap / 2 */
+} ds_token_counts;
+
+int ds_token_counts_add(ds_token_counts *c, int32_t id, ds_err *err); /* count(id) += 1 */
+int ds_token_counts_get(const ds_token_counts *c, int32_t id);        /* 0 when absent */
+void ds_token_counts_clear(ds_token_counts *c);                       /* keeps the memory */
+void ds_token_counts_free(ds_token_counts *c);
+
+/* Working memory for one ds_sample_token call at a time (one per sampling thread). */
+typedef struct ds_sample_scratch {
+    float *w;     /* [cap] unnormalised probabilities exp((logit - max) / T) */
+    int32_t *idx; /* [cap] candidate ids for top-k / top-p */
+    float *raw;   /* [cap] copy of the raw logits while logprobs are wanted; NULL: none then */
+    int cap;      /* the largest V this scratch serves */
+} ds_sample_scratch;
+
+int ds_sample_scratch_init(ds_sample_scratch *s, int cap, ds_err *err);
+void ds_sample_scratch_free(ds_sample_scratch *s);
+
+typedef struct ds_logprobs_out {
+    float logprob;                       /* of the sampled token */
+    int n_top;                           /* min(p->logprobs, V) */
+    int32_t top_ids[DS_MAX_LOGPROBS];    /* [n_top] by logprob descending, ties by id */
+    float top_logprobs[DS_MAX_LOGPROBS]; /* [n_top] */
+} ds_logprobs_out;
+
+/* Samples one token from logits[V] (V <= scratch->cap), modified in place (penalised, masked,
+ * filtered). counts: the sequence's generated tokens (NULL: none). !allow_stop (min_tokens not
+ * reached): stop_ids[n_stop_ids] get -inf. lp (may be NULL) receives log_softmax of the logits as
+ * they came in, before penalties and temperature. Greedy calls draw nothing from rng; any other
+ * call draws exactly one uniform, so a seeded request stays reproducible. Filters apply in the
+ * order top-k, top-p (over the top-k mass), min-p; equal logits are ordered by id, so top_k = 1
+ * is greedy. */
+int32_t ds_sample_token(float *logits, int V, const ds_sample_params *p,
+                        const ds_token_counts *counts, int allow_stop, const int32_t *stop_ids,
+                        int n_stop_ids, ds_rng *rng, ds_sample_scratch *scratch,
+                        ds_logprobs_out *lp);
+
+/* The simple form the generate command uses: no penalties, stops or logprobs. scratch: [V] floats
+ * and idx: [V] ints of caller memory. */
 int32_t ds_sample(float *logits, int V, const ds_sampling *p, ds_rng *rng, float *scratch,
                   int32_t *idx);
 

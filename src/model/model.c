@@ -447,12 +447,12 @@ int ds_kv_pool_init(ds_kv_pool *p, const ds_model *m, int n_pages, int block_siz
     p->layer = ds_calloc((size_t)(p->n_layers ? p->n_layers : 1), sizeof(float *), err);
     if (!p->layer) return DS_ERR;
     for (int j = 0; j < p->n_layers; j++) {
-        p->layer[j] = ds_aligned_alloc((size_t)n_pages * block_size * p->row * sizeof(float), err);
+        /* calloc: large pools come straight from mmap, so untouched pages cost no memory */
+        p->layer[j] = ds_calloc((size_t)n_pages * block_size, (size_t)p->row * sizeof(float), err);
         if (!p->layer[j]) {
             ds_kv_pool_free(p);
             return DS_ERR;
         }
-        memset(p->layer[j], 0, (size_t)n_pages * block_size * p->row * sizeof(float));
     }
     return DS_OK;
 }
