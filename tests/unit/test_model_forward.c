@@ -129,6 +129,7 @@ static void check_golden(int which, const char *golden_rel) {
         const float *ref = ds_golden_get(g, name, 0, &nd, &dims);
         assert_non_null(ref);
         double e = ds_test_rel_err_f(hidden + (size_t)i * T * D, ref, (size_t)T * D);
+        if (getenv("DS_VERBOSE")) print_message("%s layer %d: rel err %.3g\n", golden_rel, i, e);
         if (!(e <= 1e-4)) fail_msg("%s layer %d hidden: rel err %.3g > 1e-4", golden_rel, i, e);
     }
     const float *ref_final = ds_golden_get(g, "final_hidden", 0, &nd, &dims);

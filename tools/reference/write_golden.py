@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Writes a golden file (format: tools/reference/README.md, reader: tests/unit/golden_io.[ch]) from the
+float64 reference model.
+
+usage: write_golden.py --model DIR --out FILE [--num-tokens T --seed S | --token-ids 1,2,3]
+
+Entries: meta.checkpoint_fnv1a64 (u64 [1]), input_ids (i32 [T]), logits (f32 [T][V]),
+hidden.{i} (f32 [T][D], residual stream / AttnRes block-local P after layer i), final_hidden (f32 [T][D]).
+Token ids are drawn uniformly from [0, vocab_size) with numpy.random.default_rng(seed).integers.
+"""
+import argparse
+import os
+import struct
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+MAGIC = b"DSGOLDEN"
+VERSION = 1
+DTYPES = {np.dtype("<f4"): 0, np.dtype("<i4"): 1, np.dtype("<f8"): 2, np.dtype("<u8"): 3}
+
+
+def write_golden(path: str, entries: list):
+    """entries: list of (name, numpy array); arrays are converted to little endian of their dtype."""
+    names = set()
+    with open(path + ".tmp", "wb") as f:
+        f.write(MAGIC)
+        f.write(struct.pack("<II", VERSION, len(entries)))
+        for name, arr in entries:
+            if name in names:
+                raise ValueError(f"duplicate entry {name}")
+            names.add(name)
+            arr = np.ascontiguousarray(arr)
+            dt = arr.dtype.newbyteorder("<")
+            if dt not in DTYPES:
+                raise TypeError(f"{name}: dtype {arr.dtype} not in f32/i32/f64/u64")
+            arr = arr.astype(dt, copy=False)
+            nb = name.encode("utf-8")
+            f.write(struct.pack("<H", len(nb)))
+            f.write(nb)
+            f.write(struct.pack("<BB", DTYPES[dt], arr.ndim))
+            f.write(struct.pack("<%dQ" % arr.ndim, *arr.shape))
+            f.write(arr.tobytes(order="C"))
+    os.replace(path + ".tmp", path)
+
+
+def read_golden(path: str) -> dict:
+    """Python reader (used by check_upstream.py and for spot checks)."""
+    inv = {v: k for k, v in DTYPES.items()}
+    out = {}
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:8] != MAGIC:
+        raise ValueError("bad magic")
+    ver, n = struct.unpack_from("<II", data, 8)
+    if ver != VERSION:
+        raise ValueError(f"version {ver}")
+    off = 16
+    for _ in range(n):
+        (ln,) = struct.unpack_from("<H", data, off)
+        off += 2
+        name = data[off: off + ln].decode()
+        off += ln
+        dt, nd = struct.unpack_from("<BB", data, off)
+        off += 2
+        dims = struct.unpack_from("<%dQ" % nd, data, off)
+        off += 8 * nd
+        cnt = int(np.prod(dims)) if nd else 1
+        arr = np.frombuffer(data, dtype=inv[dt], count=cnt, offset=off).reshape(dims)
+        off += cnt * inv[dt].itemsize
+        out[name] = arr
+    if off != len(data):
+        raise ValueError("trailing bytes")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--num-tokens", type=int, default=150)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--token-ids", default=None, help="comma-separated ids (overrides --num-tokens/--seed)")
+    ap.add_argument("--check-incremental", action="store_true",
+                    help="also run prefill-then-decode and assert it matches the full forward")
+    a = ap.parse_args()
+
+    import torch
+    from model import ReferenceModel, checkpoint_fnv1a64
+
+    ref = ReferenceModel.from_dir(a.model)
+    unused = ref.w.unused()
+    if unused:
+        sys.exit(f"checkpoint has tensors the reference does not use (misnamed?): {unused[:10]}")
+    V = ref.cfg.vocab_size
+    if a.token_ids:
+        ids = np.array([int(x) for x in a.token_ids.split(",") if x.strip()], dtype=np.int64)
+    else:
+        ids = np.random.default_rng(a.seed).integers(0, V, size=a.num_tokens)
+    if ids.size == 0 or ids.min() < 0 or ids.max() >= V:
+        sys.exit("token ids must be non-empty and in [0, vocab_size)")
+    with torch.no_grad():
+        out = ref.forward(ids)
+        if a.check_incremental:
+            inc = ref.forward_incremental(ids, chunks=[max(1, len(ids) // 2), 1, 3, 1])
+            err = ((inc.logits - out.logits).abs().max() / out.logits.abs().max()).item()
+            print(f"incremental vs full: max rel err {err:.3e}")
+            if err > 1e-10:
+                sys.exit("incremental != full")
+    entries = [("meta.checkpoint_fnv1a64", np.array([checkpoint_fnv1a64(a.model)], dtype=np.uint64)),
+               ("input_ids", ids.astype(np.int32)),
+               ("logits", out.logits.numpy().astype(np.float32))]
+    for i, h in enumerate(out.hidden):
+        entries.append((f"hidden.{i}", h.numpy().astype(np.float32)))
+    entries.append(("final_hidden", out.final_hidden.numpy().astype(np.float32)))
+    write_golden(a.out, entries)
+    print(f"wrote {a.out} ({os.path.getsize(a.out)} bytes): T={len(ids)} V={V} L={ref.cfg.num_hidden_layers} "
+          f"fnv1a64={entries[0][1][0]:#018x}")
+
+
+if __name__ == "__main__":
+    main()
