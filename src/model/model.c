@@ -386,12 +386,11 @@ static void layer_traffic(const ds_model *m, double *elems, double *bytes) {
         const kda_w *k = &lw->kda;
         const mla_w *a = &lw->mla;
         const ffn_w *f = &lw->ffn;
-        const ds_mat *mats[] = {&k->q,     &k->k,      &k->v,      &k->f_a,     &k->f_b,
-                                &k->b,     &k->g,      &k->g_a,    &k->g_b,     &k->o,
-                                &a->q,     &a->q_a,    &a->q_b,    &a->kv_a,    &a->kv_b,
-                                &a->o,     &a->g,      &f->gate,   &f->up,      &f->down,
-                                &f->router, &f->sh_gate, &f->sh_up, &f->sh_down, &f->lat_down,
-                                &f->lat_up};
+        const ds_mat *mats[] = {
+            &k->q,       &k->k,     &k->v,       &k->f_a,      &k->f_b,   &k->b,    &k->g,
+            &k->g_a,     &k->g_b,   &k->o,       &a->q,        &a->q_a,   &a->q_b,  &a->kv_a,
+            &a->kv_b,    &a->o,     &a->g,       &f->gate,     &f->up,    &f->down, &f->router,
+            &f->sh_gate, &f->sh_up, &f->sh_down, &f->lat_down, &f->lat_up};
         for (size_t j = 0; j < DS_ARRAY_LEN(mats); j++) {
             *elems += mat_elems(mats[j]);
             *bytes += mat_bytes(mats[j]);

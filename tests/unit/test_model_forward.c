@@ -72,7 +72,8 @@ static uint64_t checkpoint_hash(const char *dir) {
     struct dirent *e;
     while ((e = readdir(d)) && n < 64) {
         size_t len = strlen(e->d_name);
-        if (len > 12 && !strcmp(e->d_name + len - 12, ".safetensors")) names[n++] = strdup(e->d_name);
+        if (len > 12 && !strcmp(e->d_name + len - 12, ".safetensors"))
+            names[n++] = strdup(e->d_name);
     }
     closedir(d);
     qsort(names, (size_t)n, sizeof *names, cmp_name);
@@ -183,8 +184,8 @@ static void stepped_logits(fixture *f, const int32_t *ids, const int *steps, int
     int pos = 0;
     for (int s = 0; s < n_steps; s++) {
         int last = s == n_steps - 1;
-        ds_seq_batch sb = {ids + pos, steps[s], pos, slot, f->table, last ? out : NULL, last,
-                           NULL, NULL};
+        ds_seq_batch sb = {ids + pos,         steps[s], pos,  slot, f->table,
+                           last ? out : NULL, last,     NULL, NULL};
         ds_err err = {{0}};
         if (ds_model_forward(f->m, &f->pool, &sb, 1, &err)) fail_msg("%s", err.msg);
         pos += steps[s];
@@ -282,9 +283,9 @@ static void test_bad_tokens(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_golden_tiny_k3),      cmocka_unit_test(test_golden_tiny_linear),
-        cmocka_unit_test(test_prefill_decode_k3),   cmocka_unit_test(test_prefill_decode_linear),
-        cmocka_unit_test(test_batch_invariance),    cmocka_unit_test(test_bad_tokens),
+        cmocka_unit_test(test_golden_tiny_k3),    cmocka_unit_test(test_golden_tiny_linear),
+        cmocka_unit_test(test_prefill_decode_k3), cmocka_unit_test(test_prefill_decode_linear),
+        cmocka_unit_test(test_batch_invariance),  cmocka_unit_test(test_bad_tokens),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

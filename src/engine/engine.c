@@ -1,0 +1,611 @@
+/* engine.c — the step loop: schedule -> forward -> sample -> emit (nano-vllm's division of labour:
+ * the scheduler decides, the model runs, this file owns requests and their outputs).
+ *
+ * Threads: the HTTP threads call submit/abort, which only touch the inbox under `mu`; the engine
+ * thread owns everything else (scheduler, sequences, pools) without locking. */
+#include "engine/engine.h"
+
+#include "engine/sampler.h"
+#include "engine/scheduler.h"
+#include "engine/textout.h"
+#include "model/chat.h"
+#include "model/model.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef struct request request;
+
+/* One of a request's n choices: a sequence of its own. */
+typedef struct choice {
+    request *req;
+    int index;
+    ds_seq *seq;
+    ds_rng rng;
+    ds_token_counts counts; /* generated tokens, for presence/frequency penalties */
+    ds_textout text;
+    int n_generated;
+    int in_sched; /* added to the scheduler (so it must be removed from it) */
+    int done;
+} choice;
+
+struct request {
+    int64_t id;
+    ds_request_spec spec; /* prompt points into `prompt` */
+    int32_t *prompt;      /* [n_prompt] own copy */
+    choice *choices;      /* [n] */
+    int n_done;
+    int aborted;
+    request *next; /* inbox / live list */
+};
+
+struct ds_engine {
+    ds_engine_opts opts;
+    char *model_dir;
+    ds_model *model;
+    ds_tokenizer *tok;
+    int chat_format;
+    ds_kv_pool kv;
+    ds_page_pool *pages;
+    ds_slot_pool *slots;
+    ds_scheduler *sched;
+    int max_model_len;
+    int V;
+
+    pthread_t thread;
+    int started;
+    pthread_mutex_t mu;
+    pthread_cond_t wake;
+    request *inbox, *inbox_tail; /* submitted, not yet seen by the engine thread */
+    int64_t *aborts;             /* [n_aborts] ids to abort */
+    int n_aborts, cap_aborts;
+    int n_queued; /* requests in inbox + waiting, for the queue limit */
+    int stopping;
+    double stop_deadline;
+    int64_t next_id;
+
+    request *live; /* engine thread only: requests with choices not yet done */
+
+    /* step buffers, engine thread only */
+    ds_sched_item *items; /* [max_num_seqs] */
+    ds_seq **preempted;   /* [max_num_seqs] */
+    ds_seq_batch *batch;  /* [max_num_seqs] */
+    float *logits;        /* [max_num_seqs][V] */
+    ds_sample_scratch *scratch;
+
+    ds_engine_stats stats; /* guarded by mu */
+};
+
+void ds_engine_opts_default(ds_engine_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->kv_cache_fraction = 0.3;
+    o->block_size = 16;
+    o->max_num_seqs = 64;
+    o->max_num_batched_tokens = 2048;
+    o->max_queue = 1024;
+}
+
+void ds_request_params_default(ds_request_params *p) {
+    memset(p, 0, sizeof *p);
+    p->temperature = 1.0f;
+    p->top_p = 1.0f;
+    p->max_tokens = 16;
+    p->logprobs = -1;
+    p->n = 1;
+    p->skip_special_tokens = 1;
+}
+
+const char *ds_finish_name(ds_finish f) {
+    switch (f) {
+    case DS_FINISH_STOP:
+        return "stop";
+    case DS_FINISH_LENGTH:
+        return "length";
+    case DS_FINISH_ABORT:
+        return "abort";
+    case DS_FINISH_ERROR:
+        return "error";
+    default:
+        return "none";
+    }
+}
+
+const ds_tokenizer *ds_engine_tokenizer(const ds_engine *e) {
+    return e->tok;
+}
+int ds_engine_max_model_len(const ds_engine *e) {
+    return e->max_model_len;
+}
+const char *ds_engine_model_dir(const ds_engine *e) {
+    return e->model_dir;
+}
+int ds_engine_chat_format(const ds_engine *e) {
+    return e->chat_format;
+}
+
+/* MemAvailable from /proc/meminfo, in bytes (0 when unknown). */
+static size_t mem_available(void) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return 0;
+    char line[256];
+    size_t kb = 0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "MemAvailable: %zu kB", &kb) == 1) break;
+    fclose(f);
+    return kb * 1024;
+}
+
+/* Splits the memory budget between KDA state slots and MLA pages: every running sequence needs
+ * one slot, so slots for max_num_seqs come first (at most half the budget); the rest is pages. */
+static int size_pools(ds_engine *e, ds_err *err) {
+    const ds_config *c = ds_model_config(e->model);
+    size_t budget = e->opts.kv_cache_memory;
+    if (!budget) budget = (size_t)(e->opts.kv_cache_fraction * (double)mem_available());
+    size_t slot_bytes = ds_model_slot_floats(e->model) * sizeof(float);
+    size_t page_bytes = (size_t)c->num_mla_layers * e->opts.block_size *
+                        (size_t)ds_model_latent_row(e->model) * sizeof(float);
+    if (slot_bytes == 0) slot_bytes = 1;
+    if (page_bytes == 0) page_bytes = 1;
+    size_t n_slots = DS_MIN((size_t)e->opts.max_num_seqs, budget / 2 / slot_bytes);
+    if (n_slots < 1)
+        return ds_errf(err, "kv cache memory %zu bytes cannot hold one KDA state slot (%zu bytes)",
+                       budget, slot_bytes);
+    size_t n_pages = (budget - n_slots * slot_bytes) / page_bytes;
+    size_t min_pages = (size_t)(e->opts.max_num_batched_tokens / e->opts.block_size + 2);
+    if (n_pages < min_pages)
+        return ds_errf(err,
+                       "kv cache memory %zu bytes leaves %zu pages; at least %zu are needed "
+                       "(raise --kv-cache-memory or lower --max-num-batched-tokens)",
+                       budget, n_pages, min_pages);
+    if (n_pages > (size_t)1 << 30) n_pages = (size_t)1 << 30;
+    int cap = (int)DS_MIN(n_pages * (size_t)e->opts.block_size, (size_t)INT32_MAX / 2);
+    e->max_model_len = e->opts.max_model_len ? e->opts.max_model_len : cap;
+    if (c->max_position_embeddings > 0 && e->max_model_len > c->max_position_embeddings)
+        e->max_model_len = (int)c->max_position_embeddings;
+    if (e->max_model_len > cap) e->max_model_len = cap;
+    if (ds_kv_pool_init(&e->kv, e->model, (int)n_pages, e->opts.block_size, err) ||
+        ds_page_pool_create((int)n_pages, &e->pages, err) ||
+        ds_slot_pool_create((int)n_slots, ds_model_slot_floats(e->model), &e->slots, err))
+        return DS_ERR;
+    fprintf(stderr,
+            "[deltaserve] kv budget %.1f MiB: %zu KDA state slots x %.2f MiB + %zu MLA pages x "
+            "%.1f KiB (block %d) -> max %zu concurrent sequences, %zu tokens in cache, "
+            "max_model_len %d\n",
+            budget / 1048576.0, n_slots, slot_bytes / 1048576.0, n_pages, page_bytes / 1024.0,
+            e->opts.block_size, n_slots, n_pages * e->opts.block_size, e->max_model_len);
+    return DS_OK;
+}
+
+int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
+    *out = NULL;
+    ds_engine *e = ds_calloc(1, sizeof *e, err);
+    if (!e) return DS_ERR;
+    e->opts = *opts;
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_cond_init(&e->wake, NULL);
+    e->next_id = 1;
+    e->model_dir = strdup(opts->model_dir ? opts->model_dir : "");
+    if (opts->block_size < 1 || opts->max_num_seqs < 1 || opts->max_num_batched_tokens < 1) {
+        ds_errf(err, "engine: --block-size, --max-num-seqs and --max-num-batched-tokens must be "
+                     "positive");
+        goto fail;
+    }
+    ds_chat_format fmt;
+    if (ds_model_load(e->model_dir, NULL, &e->model, err) ||
+        ds_tok_load(e->model_dir, &e->tok, err) || ds_chat_format_from_dir(e->model_dir, &fmt, err))
+        goto fail;
+    e->chat_format = (int)fmt;
+    e->V = ds_model_config(e->model)->vocab_size;
+    if (size_pools(e, err)) goto fail;
+    /* Prompt chunks of at most 512 tokens, cut at fixed positions (see scheduler.h). */
+    ds_sched_opts so = {opts->block_size, opts->max_num_seqs, opts->max_num_batched_tokens,
+                        DS_MIN(512, opts->max_num_batched_tokens)};
+    if (ds_sched_create(&so, e->pages, e->slots, &e->sched, err)) goto fail;
+    int S = opts->max_num_seqs;
+    e->items = ds_calloc((size_t)S, sizeof *e->items, err);
+    e->preempted = ds_calloc((size_t)S, sizeof *e->preempted, err);
+    e->batch = ds_calloc((size_t)S, sizeof *e->batch, err);
+    e->logits = ds_malloc((size_t)S * e->V * sizeof(float), err);
+    e->scratch = ds_sample_scratch_new(e->V, err);
+    if (!e->items || !e->preempted || !e->batch || !e->logits || !e->scratch) goto fail;
+    *out = e;
+    return DS_OK;
+fail:
+    ds_engine_free(e);
+    return DS_ERR;
+}
+
+/* ---- events ---------------------------------------------------------------------------------- */
+
+static void emit(choice *ch, int32_t token, const char *text, size_t len, const ds_logprobs_out *lp,
+                 ds_finish finish) {
+    request *r = ch->req;
+    ds_token_event ev = {0};
+    ev.index = ch->index;
+    ev.token = token;
+    ev.text = text ? text : "";
+    ev.text_len = text ? len : 0;
+    if (lp && r->spec.params.logprobs >= 0 && token >= 0) {
+        ev.logprob = lp->logprob;
+        ev.n_top = lp->n_top;
+        ev.top_ids = lp->top_ids;
+        ev.top_logprobs = lp->top_logprobs;
+    }
+    ev.finish = finish;
+    ev.n_prompt = r->spec.n_prompt;
+    ev.n_generated = ch->n_generated;
+    r->spec.on_event(r->spec.user, &ev);
+}
+
+static void request_free(request *r) {
+    if (!r) return;
+    for (int i = 0; i < r->spec.params.n; i++) {
+        choice *ch = &r->choices[i];
+        if (ch->seq) ds_seq_free(ch->seq);
+        ds_token_counts_free(&ch->counts);
+        ds_textout_free(&ch->text);
+    }
+    free(r->choices);
+    free(r->prompt);
+    free(r);
+}
+
+/* Ends a choice: removes its sequence, flushes held text, sends the final event. When the last
+ * choice ends, the request leaves the live list and is freed. */
+static void finish_choice(ds_engine *e, choice *ch, ds_finish why) {
+    if (ch->done) return;
+    ch->done = 1;
+    if (ch->seq) {
+        if (ch->in_sched)
+            ds_sched_remove(e->sched, ch->seq,
+                            why == DS_FINISH_ABORT ? DS_SEQ_ABORTED : DS_SEQ_FINISHED);
+        ds_seq_free(ch->seq);
+        ch->seq = NULL;
+    }
+    const char *tail = NULL;
+    size_t tail_len = 0;
+    if (why != DS_FINISH_ABORT) ds_textout_flush(&ch->text, &tail, &tail_len);
+    emit(ch, -1, tail, tail_len, NULL, why);
+    request *r = ch->req;
+    pthread_mutex_lock(&e->mu);
+    e->stats.finished[why]++;
+    pthread_mutex_unlock(&e->mu);
+    if (++r->n_done == r->spec.params.n) {
+        for (request **p = &e->live; *p; p = &(*p)->next)
+            if (*p == r) {
+                *p = r->next;
+                break;
+            }
+        request_free(r);
+    }
+}
+
+static void abort_request(ds_engine *e, request *r) {
+    for (int i = 0; i < r->spec.params.n; i++) {
+        if (r->choices[i].done) continue;
+        finish_choice(e, &r->choices[i], DS_FINISH_ABORT);
+        if (r->n_done == r->spec.params.n) return; /* r is freed */
+    }
+}
+
+/* ---- submit / abort (any thread) --------------------------------------------------------------
+ */
+
+int64_t ds_engine_submit(ds_engine *e, const ds_request_spec *spec, int *why, ds_err *err) {
+    int dummy;
+    if (!why) why = &dummy;
+    *why = DS_SUBMIT_INVALID;
+    const ds_request_params *p = &spec->params;
+    if (spec->n_prompt < 1) return ds_errf(err, "the prompt is empty"), -1;
+    if (p->n < 1 || p->max_tokens < 1 || p->n_stop > DS_MAX_STOP ||
+        p->n_stop_token_ids > DS_MAX_STOP || p->logprobs > DS_MAX_LOGPROBS || !spec->on_event)
+        return ds_errf(err, "invalid request parameters"), -1;
+    for (int i = 0; i < spec->n_prompt; i++)
+        if (spec->prompt[i] < 0 || spec->prompt[i] >= e->V)
+            return ds_errf(err, "prompt token %d at index %d is outside [0, %d)", spec->prompt[i],
+                           i, e->V),
+                   -1;
+    if (spec->n_prompt >= e->max_model_len)
+        return ds_errf(err,
+                       "the prompt has %d tokens; this model's maximum context length is %d "
+                       "tokens (room is needed for at least one generated token)",
+                       spec->n_prompt, e->max_model_len),
+               -1;
+    request *r = ds_calloc(1, sizeof *r, err);
+    if (!r) return -1;
+    r->spec = *spec;
+    r->prompt = ds_malloc((size_t)spec->n_prompt * sizeof(int32_t), err);
+    r->choices = ds_calloc((size_t)p->n, sizeof(choice), err);
+    if (!r->prompt || !r->choices) {
+        request_free(r);
+        return -1;
+    }
+    memcpy(r->prompt, spec->prompt, (size_t)spec->n_prompt * sizeof(int32_t));
+    r->spec.prompt = r->prompt;
+    int max_len = spec->n_prompt + p->max_tokens;
+    if (max_len > e->max_model_len) max_len = e->max_model_len;
+    pthread_mutex_lock(&e->mu);
+    int64_t id = e->next_id++;
+    uint64_t seed_base =
+        p->has_seed ? p->seed : e->opts.seed ^ (uint64_t)id * 0x9e3779b97f4a7c15ull;
+    pthread_mutex_unlock(&e->mu);
+    r->id = id;
+    for (int i = 0; i < p->n; i++) {
+        choice *ch = &r->choices[i];
+        ch->req = r;
+        ch->index = i;
+        ds_rng_seed(&ch->rng, seed_base + (uint64_t)i);
+        ch->seq = ds_seq_new(id, r->prompt, spec->n_prompt, max_len, err);
+        if (!ch->seq || ds_token_counts_init(&ch->counts, err) ||
+            ds_textout_init(&ch->text, p->stop, p->n_stop, err)) {
+            request_free(r);
+            return -1;
+        }
+        ch->seq->owner = ch;
+    }
+    pthread_mutex_lock(&e->mu);
+    if (e->stopping || e->n_queued >= e->opts.max_queue) {
+        int stopping = e->stopping;
+        pthread_mutex_unlock(&e->mu);
+        request_free(r);
+        *why = DS_SUBMIT_FULL;
+        return ds_errf(err, stopping ? "the server is shutting down"
+                                     : "the request queue is full; retry later"),
+               -1;
+    }
+    r->id = id;
+    if (e->inbox_tail)
+        e->inbox_tail->next = r;
+    else
+        e->inbox = r;
+    e->inbox_tail = r;
+    e->n_queued++;
+    pthread_cond_signal(&e->wake);
+    pthread_mutex_unlock(&e->mu);
+    *why = 0;
+    return id;
+}
+
+void ds_engine_abort(ds_engine *e, int64_t id) {
+    pthread_mutex_lock(&e->mu);
+    if (e->n_aborts == e->cap_aborts) {
+        int cap = e->cap_aborts ? 2 * e->cap_aborts : 64;
+        int64_t *n = realloc(e->aborts, (size_t)cap * sizeof *n);
+        if (!n) { /* cannot record it: the request simply runs to completion */
+            pthread_mutex_unlock(&e->mu);
+            return;
+        }
+        e->aborts = n;
+        e->cap_aborts = cap;
+    }
+    e->aborts[e->n_aborts++] = id;
+    pthread_cond_signal(&e->wake);
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* ---- the step loop (engine thread) ------------------------------------------------------------
+ */
+
+/* Moves the inbox into the scheduler and applies aborts. Returns 1 when the engine should exit. */
+static int take_inbox(ds_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        int idle = !e->inbox && !e->n_aborts && !e->live;
+        if (!idle || e->stopping) break;
+        pthread_cond_wait(&e->wake, &e->mu);
+    }
+    request *in = e->inbox;
+    e->inbox = e->inbox_tail = NULL;
+    int n_ab = e->n_aborts;
+    int64_t ab[256];
+    if (n_ab > 256) n_ab = 256;
+    memcpy(ab, e->aborts, (size_t)n_ab * sizeof *ab);
+    memmove(e->aborts, e->aborts + n_ab, (size_t)(e->n_aborts - n_ab) * sizeof *ab);
+    e->n_aborts -= n_ab;
+    int stopping = e->stopping;
+    double deadline = e->stop_deadline;
+    pthread_mutex_unlock(&e->mu);
+
+    while (in) {
+        request *r = in;
+        in = in->next;
+        r->next = e->live;
+        e->live = r;
+        for (int i = 0; i < r->spec.params.n; i++) {
+            ds_err err;
+            choice *ch = &r->choices[i];
+            if (ds_sched_add(e->sched, ch->seq, &err) == DS_OK) {
+                ch->in_sched = 1;
+            } else {
+                /* cannot ever fit the pools: fail this choice cleanly */
+                ds_seq_free(ch->seq);
+                ch->seq = NULL;
+                finish_choice(e, ch, DS_FINISH_ERROR);
+                if (r->n_done == r->spec.params.n) break;
+            }
+        }
+    }
+    for (int a = 0; a < n_ab; a++)
+        for (request *r = e->live; r; r = r->next)
+            if (r->id == ab[a]) {
+                abort_request(e, r);
+                break;
+            }
+    if (stopping && ds_now() >= deadline)
+        while (e->live) abort_request(e, e->live);
+    return stopping && !e->live;
+}
+
+/* Samples the next token of a choice from its logits row and decides whether it finished. */
+static void sample_and_emit(ds_engine *e, choice *ch, float *row) {
+    request *r = ch->req;
+    const ds_request_params *p = &r->spec.params;
+    const ds_config *c = ds_model_config(e->model);
+    int32_t stop_ids[DS_MAX_STOP + 1];
+    int n_stop = 0;
+    if (!p->ignore_eos) stop_ids[n_stop++] = c->eos_token_id;
+    for (int i = 0; i < p->n_stop_token_ids; i++) stop_ids[n_stop++] = p->stop_token_ids[i];
+    ds_sample_params sp = {p->temperature,      p->top_p, p->top_k, p->min_p, p->presence_penalty,
+                           p->frequency_penalty};
+    ds_logprobs_out lp = {0};
+    int allow_stop = ch->n_generated >= p->min_tokens;
+    int32_t tok = ds_sample_token(row, e->V, &sp, &ch->counts, allow_stop, stop_ids, n_stop,
+                                  &ch->rng, e->scratch, p->logprobs >= 0 ? &lp : NULL,
+                                  p->logprobs > 0 ? p->logprobs : 0);
+    ch->n_generated++;
+    ds_token_counts_add(&ch->counts, tok);
+    ds_err err;
+    ds_seq *s = ch->seq;
+    int is_stop_tok = 0;
+    for (int i = 0; i < n_stop; i++) is_stop_tok |= tok == stop_ids[i];
+    if (ds_seq_append(s, tok, &err)) {
+        finish_choice(e, ch, DS_FINISH_ERROR);
+        return;
+    }
+    pthread_mutex_lock(&e->mu);
+    e->stats.generation_tokens_total++;
+    pthread_mutex_unlock(&e->mu);
+    const char *delta = NULL;
+    size_t dlen = 0;
+    int stopped = 0;
+    if (!(is_stop_tok && allow_stop) &&
+        !(p->skip_special_tokens && ds_tok_is_special(e->tok, tok))) {
+        size_t blen = 0;
+        const char *bytes = ds_tok_token_bytes(e->tok, tok, &blen);
+        ds_textout_push(&ch->text, bytes ? bytes : "", bytes ? blen : 0, &delta, &dlen, &stopped);
+    }
+    ds_finish fin = DS_FINISH_NONE;
+    if ((is_stop_tok && allow_stop) || stopped)
+        fin = DS_FINISH_STOP;
+    else if (ch->n_generated >= p->max_tokens || s->n_tokens >= s->max_len)
+        fin = DS_FINISH_LENGTH;
+    emit(ch, tok, delta, dlen, &lp, DS_FINISH_NONE);
+    if (fin != DS_FINISH_NONE) finish_choice(e, ch, fin);
+}
+
+static void run_step(ds_engine *e) {
+    int n_items = 0, n_pre = 0;
+    ds_sched_schedule(e->sched, e->items, &n_items, e->preempted, &n_pre);
+    if (n_pre) {
+        pthread_mutex_lock(&e->mu);
+        e->stats.preemptions_total += (uint64_t)n_pre;
+        pthread_mutex_unlock(&e->mu);
+    }
+    if (!n_items) return;
+    double t0 = ds_now();
+    int n_prompt_tokens = 0;
+    for (int i = 0; i < n_items; i++) {
+        ds_sched_item *it = &e->items[i];
+        ds_seq *s = it->seq;
+        e->batch[i] = (ds_seq_batch){s->tokens + it->pos0,
+                                     it->n,
+                                     it->pos0,
+                                     ds_slot_data(e->slots, s->slot),
+                                     s->block_table,
+                                     it->sample ? e->logits + (size_t)i * e->V : NULL,
+                                     it->sample ? 1 : 0,
+                                     NULL,
+                                     NULL};
+        if (it->pos0 < s->n_prompt) n_prompt_tokens += DS_MIN(it->n, s->n_prompt - it->pos0);
+    }
+    ds_err err;
+    if (ds_model_forward(e->model, &e->kv, e->batch, n_items, &err)) {
+        /* Only a bug can bring us here (inputs were validated at submit): fail the batch's
+         * requests rather than the server. */
+        fprintf(stderr, "[deltaserve] forward failed: %s\n", err.msg);
+        for (int i = 0; i < n_items; i++) finish_choice(e, e->items[i].seq->owner, DS_FINISH_ERROR);
+        return;
+    }
+    ds_sched_commit(e->sched, e->items, n_items);
+    for (int i = 0; i < n_items; i++)
+        if (e->items[i].sample)
+            sample_and_emit(e, e->items[i].seq->owner, e->logits + (size_t)i * e->V);
+    pthread_mutex_lock(&e->mu);
+    e->stats.prompt_tokens_total += (uint64_t)n_prompt_tokens;
+    e->stats.steps_total++;
+    e->stats.step_seconds_total += ds_now() - t0;
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void update_queue_stats(ds_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    e->n_queued = ds_sched_n_waiting(e->sched);
+    for (request *r = e->inbox; r; r = r->next) e->n_queued++;
+    e->stats.running = ds_sched_n_running(e->sched);
+    e->stats.waiting = e->n_queued;
+    e->stats.pages_total = ds_page_n_total(e->pages);
+    e->stats.pages_used = e->stats.pages_total - ds_page_n_free(e->pages);
+    e->stats.slots_total = ds_slot_n_total(e->slots);
+    e->stats.slots_used = e->stats.slots_total - ds_slot_n_free(e->slots);
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void *engine_main(void *arg) {
+    ds_engine *e = arg;
+    for (;;) {
+        if (take_inbox(e)) break;
+        update_queue_stats(e);
+        run_step(e);
+        update_queue_stats(e);
+    }
+    update_queue_stats(e);
+    return NULL;
+}
+
+int ds_engine_start(ds_engine *e, ds_err *err) {
+    if (pthread_create(&e->thread, NULL, engine_main, e))
+        return ds_errf(err, "engine: cannot start the step-loop thread");
+    e->started = 1;
+    return DS_OK;
+}
+
+void ds_engine_stop(ds_engine *e, double grace_s) {
+    pthread_mutex_lock(&e->mu);
+    e->stopping = 1;
+    e->stop_deadline = ds_now() + grace_s;
+    pthread_cond_signal(&e->wake);
+    pthread_mutex_unlock(&e->mu);
+    if (e->started) {
+        pthread_join(e->thread, NULL);
+        e->started = 0;
+    }
+}
+
+void ds_engine_get_stats(ds_engine *e, ds_engine_stats *s) {
+    pthread_mutex_lock(&e->mu);
+    *s = e->stats;
+    pthread_mutex_unlock(&e->mu);
+}
+
+void ds_engine_free(ds_engine *e) {
+    if (!e) return;
+    if (e->started) ds_engine_stop(e, 0);
+    /* requests that never reached the engine thread still get their final events */
+    while (e->inbox) {
+        request *r = e->inbox;
+        e->inbox = r->next;
+        r->next = e->live;
+        e->live = r;
+    }
+    while (e->live) abort_request(e, e->live);
+    if (e->sched) ds_sched_free(e->sched);
+    ds_slot_pool_free(e->slots);
+    ds_page_pool_free(e->pages);
+    ds_kv_pool_free(&e->kv);
+    ds_sample_scratch_free(e->scratch);
+    free(e->items);
+    free(e->preempted);
+    free(e->batch);
+    free(e->logits);
+    free(e->aborts);
+    ds_tok_free(e->tok);
+    ds_model_free(e->model);
+    free(e->model_dir);
+    pthread_mutex_destroy(&e->mu);
+    pthread_cond_destroy(&e->wake);
+    free(e);
+}

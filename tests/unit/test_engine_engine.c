@@ -1,0 +1,290 @@
+/* The engine end to end, without HTTP: greedy requests give exactly the tokens of a plain
+ * single-sequence greedy loop over the model (whatever else is in the batch — invariant 7),
+ * aborts and shutdown deliver final events, and every page and slot returns to its pool. */
+#include "engine/engine.h"
+#include "model/init_model.h"
+#include "model/model.h"
+#include "testutil.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static char *g_model;
+
+static const char *model_dir(void) {
+    if (!g_model) {
+        char *tmp = ds_test_tmpdir();
+        g_model = malloc(strlen(tmp) + 16);
+        sprintf(g_model, "%s/tiny-k3", tmp);
+        free(tmp);
+        ds_err err = {{0}};
+        if (ds_init_model("tiny-k3", g_model, 0, &err)) fail_msg("%s", err.msg);
+    }
+    return g_model;
+}
+
+/* What one request's callback collected. */
+typedef struct collected {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int32_t tokens[4][256]; /* [choice][token] */
+    int n[4];
+    int finished[4];
+    ds_finish why[4];
+    int n_final;
+    int n_choices;
+    char text[4][4096];
+    size_t text_len[4];
+} collected;
+
+static void on_event(void *user, const ds_token_event *ev) {
+    collected *c = user;
+    pthread_mutex_lock(&c->mu);
+    if (ev->token >= 0 && c->n[ev->index] < 256)
+        c->tokens[ev->index][c->n[ev->index]++] = ev->token;
+    if (ev->text_len && c->text_len[ev->index] + ev->text_len < sizeof c->text[0]) {
+        memcpy(c->text[ev->index] + c->text_len[ev->index], ev->text, ev->text_len);
+        c->text_len[ev->index] += ev->text_len;
+    }
+    if (ev->finish != DS_FINISH_NONE) {
+        c->finished[ev->index] = 1;
+        c->why[ev->index] = ev->finish;
+        c->n_final++;
+        pthread_cond_broadcast(&c->cv);
+    }
+    pthread_mutex_unlock(&c->mu);
+}
+
+static void collected_init(collected *c, int n_choices) {
+    memset(c, 0, sizeof *c);
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    c->n_choices = n_choices;
+}
+
+static void wait_done(collected *c) {
+    pthread_mutex_lock(&c->mu);
+    while (c->n_final < c->n_choices) pthread_cond_wait(&c->cv, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+}
+
+static ds_engine *start_engine(int max_num_seqs, int budget_tokens, size_t mem) {
+    ds_engine_opts o;
+    ds_engine_opts_default(&o);
+    o.model_dir = model_dir();
+    o.block_size = 16;
+    o.max_num_seqs = max_num_seqs;
+    o.max_num_batched_tokens = budget_tokens;
+    o.kv_cache_memory = mem;
+    ds_engine *e;
+    ds_err err = {{0}};
+    if (ds_engine_create(&o, &e, &err)) fail_msg("%s", err.msg);
+    if (ds_engine_start(e, &err)) fail_msg("%s", err.msg);
+    return e;
+}
+
+static void prompt_ids(int32_t *ids, int n, uint64_t seed) {
+    ds_rng r;
+    ds_rng_seed(&r, seed);
+    for (int i = 0; i < n; i++) ids[i] = (int32_t)(ds_rng_next(&r) % 700);
+}
+
+/* Greedy reference: one sequence, prompt in one forward, then token by token. */
+static void reference_greedy(const int32_t *prompt, int n_prompt, int max_tokens, int32_t *out,
+                             int *n_out) {
+    ds_model *m;
+    ds_err err = {{0}};
+    if (ds_model_load(model_dir(), NULL, &m, &err)) fail_msg("%s", err.msg);
+    const ds_config *c = ds_model_config(m);
+    ds_kv_pool pool;
+    if (ds_kv_pool_init(&pool, m, 64, 16, &err)) fail_msg("%s", err.msg);
+    int32_t table[64];
+    for (int i = 0; i < 64; i++) table[i] = i;
+    float *slot = calloc(ds_model_slot_floats(m), sizeof(float));
+    float *logits = malloc((size_t)c->vocab_size * sizeof(float));
+    int32_t seq[1024];
+    memcpy(seq, prompt, (size_t)n_prompt * sizeof(int32_t));
+    int len = n_prompt, pos = 0;
+    *n_out = 0;
+    while (*n_out < max_tokens) {
+        ds_seq_batch sb = {seq + pos, len - pos, pos, slot, table, logits, 1, NULL, NULL};
+        if (ds_model_forward(m, &pool, &sb, 1, &err)) fail_msg("%s", err.msg);
+        pos = len;
+        int32_t t = (int32_t)ds_argmax(logits, c->vocab_size);
+        out[(*n_out)++] = t;
+        if (t == c->eos_token_id) break;
+        seq[len++] = t;
+    }
+    free(slot);
+    free(logits);
+    ds_kv_pool_free(&pool);
+    ds_model_free(m);
+}
+
+static int64_t submit(ds_engine *e, const int32_t *prompt, int n, int max_tokens, collected *c,
+                      int n_choices, float temperature, uint64_t seed) {
+    ds_request_spec spec = {0};
+    spec.prompt = prompt;
+    spec.n_prompt = n;
+    ds_request_params_default(&spec.params);
+    spec.params.temperature = temperature;
+    spec.params.max_tokens = max_tokens;
+    spec.params.n = n_choices;
+    spec.params.has_seed = 1;
+    spec.params.seed = seed;
+    spec.on_event = on_event;
+    spec.user = c;
+    collected_init(c, n_choices);
+    int why;
+    ds_err err = {{0}};
+    int64_t id = ds_engine_submit(e, &spec, &why, &err);
+    if (id < 0) fail_msg("submit: %s", err.msg);
+    return id;
+}
+
+static void assert_pools_empty(ds_engine *e) {
+    ds_engine_stats s;
+    for (int i = 0; i < 200; i++) { /* the engine thread updates stats after its step */
+        ds_engine_get_stats(e, &s);
+        if (!s.pages_used && !s.slots_used && !s.running && !s.waiting) break;
+        usleep(10000);
+    }
+    assert_int_equal(s.pages_used, 0);
+    assert_int_equal(s.slots_used, 0);
+    assert_int_equal(s.running, 0);
+    assert_int_equal(s.waiting, 0);
+}
+
+/* Greedy tokens equal the reference, alone and inside a busy batch of other requests. */
+static void test_greedy_matches_reference_in_batch(void **state) {
+    (void)state;
+    int32_t prompt[100];
+    prompt_ids(prompt, 100, 11);
+    int32_t ref[64];
+    int n_ref;
+    reference_greedy(prompt, 100, 24, ref, &n_ref);
+
+    ds_engine *e = start_engine(16, 256, 64u << 20);
+    collected alone;
+    submit(e, prompt, 100, 24, &alone, 1, 0.0f, 0);
+    wait_done(&alone);
+    assert_int_equal(alone.n[0], n_ref);
+    assert_memory_equal(alone.tokens[0], ref, (size_t)n_ref * sizeof(int32_t));
+
+    /* the same request among 12 others of varied lengths, some sampled */
+    collected *others = calloc(12, sizeof *others);
+    int32_t op[12][300];
+    collected busy;
+    for (int i = 0; i < 12; i++) {
+        int n = 5 + i * 23;
+        prompt_ids(op[i], n, 100 + (uint64_t)i);
+        submit(e, op[i], n, 10 + i, &others[i], 1 + i % 2, i % 3 ? 0.8f : 0.0f, (uint64_t)i);
+        if (i == 5) submit(e, prompt, 100, 24, &busy, 1, 0.0f, 0);
+    }
+    wait_done(&busy);
+    for (int i = 0; i < 12; i++) wait_done(&others[i]);
+    assert_int_equal(busy.n[0], n_ref);
+    assert_memory_equal(busy.tokens[0], ref, (size_t)n_ref * sizeof(int32_t));
+    for (int i = 0; i < 12; i++)
+        for (int j = 0; j < others[i].n_choices; j++) {
+            assert_true(others[i].why[j] == DS_FINISH_LENGTH || others[i].why[j] == DS_FINISH_STOP);
+            if (others[i].why[j] == DS_FINISH_LENGTH) assert_int_equal(others[i].n[j], 10 + i);
+        }
+    assert_pools_empty(e);
+    ds_engine_stop(e, 1.0);
+    ds_engine_free(e);
+    free(others);
+}
+
+/* Same seed, same sampled tokens; the two choices of an n=2 request differ. */
+static void test_seeded_sampling(void **state) {
+    (void)state;
+    ds_engine *e = start_engine(8, 256, 32u << 20);
+    int32_t prompt[20];
+    prompt_ids(prompt, 20, 5);
+    collected a, b;
+    submit(e, prompt, 20, 30, &a, 2, 1.0f, 1234);
+    wait_done(&a);
+    submit(e, prompt, 20, 30, &b, 2, 1.0f, 1234);
+    wait_done(&b);
+    assert_int_equal(a.n[0], b.n[0]);
+    assert_memory_equal(a.tokens[0], b.tokens[0], (size_t)a.n[0] * sizeof(int32_t));
+    assert_memory_equal(a.tokens[1], b.tokens[1], (size_t)a.n[1] * sizeof(int32_t));
+    int differ =
+        a.n[0] != a.n[1] || memcmp(a.tokens[0], a.tokens[1], (size_t)a.n[0] * sizeof(int32_t)) != 0;
+    assert_true(differ);
+    ds_engine_stop(e, 1.0);
+    ds_engine_free(e);
+}
+
+/* Under a pool too small for everyone, requests are preempted and recomputed, all finish, and
+ * the pools come back empty. Aborted requests get a final "abort" event. */
+static void test_pressure_and_abort(void **state) {
+    (void)state;
+    /* ~40 pages of 16 tokens: far less than 24 requests x ~150 tokens */
+    ds_engine *e = start_engine(8, 64, 600u << 10);
+    enum { N = 24 };
+    collected *c = calloc(N, sizeof *c);
+    int32_t(*p)[200] = calloc(N, sizeof *p);
+    int64_t ids[N];
+    for (int i = 0; i < N; i++) {
+        prompt_ids(p[i], 30 + i * 3, 500 + (uint64_t)i);
+        ids[i] = submit(e, p[i], 30 + i * 3, 120, &c[i], 1, 0.0f, 0);
+    }
+    for (int i = 0; i < N; i += 5) ds_engine_abort(e, ids[i]);
+    for (int i = 0; i < N; i++) wait_done(&c[i]);
+    for (int i = 0; i < N; i++) {
+        if (i % 5 == 0)
+            assert_true(c[i].why[0] == DS_FINISH_ABORT || c[i].n[0] > 0);
+        else
+            assert_true(c[i].why[0] == DS_FINISH_LENGTH || c[i].why[0] == DS_FINISH_STOP);
+    }
+    ds_engine_stats st;
+    ds_engine_get_stats(e, &st);
+    print_message("preemptions: %llu\n", (unsigned long long)st.preemptions_total);
+    assert_true(st.preemptions_total > 0);
+    assert_pools_empty(e);
+    ds_engine_stop(e, 1.0);
+    ds_engine_free(e);
+    free(c);
+    free(p);
+}
+
+/* A prompt that cannot fit the context is refused at submit, naming both lengths. */
+static void test_too_long(void **state) {
+    (void)state;
+    ds_engine *e = start_engine(4, 64, 400u << 10);
+    int L = ds_engine_max_model_len(e);
+    int32_t *p = calloc((size_t)L + 5, sizeof(int32_t));
+    ds_request_spec spec = {0};
+    spec.prompt = p;
+    spec.n_prompt = L + 5;
+    ds_request_params_default(&spec.params);
+    spec.on_event = on_event;
+    collected c;
+    collected_init(&c, 1);
+    spec.user = &c;
+    int why;
+    ds_err err = {{0}};
+    assert_true(ds_engine_submit(e, &spec, &why, &err) < 0);
+    assert_int_equal(why, DS_SUBMIT_INVALID);
+    char want[64];
+    snprintf(want, sizeof want, "%d", L);
+    assert_non_null(strstr(err.msg, want));
+    free(p);
+    ds_engine_stop(e, 1.0);
+    ds_engine_free(e);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_greedy_matches_reference_in_batch),
+        cmocka_unit_test(test_seeded_sampling),
+        cmocka_unit_test(test_pressure_and_abort),
+        cmocka_unit_test(test_too_long),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
