@@ -23,8 +23,7 @@ void ds_sampling_default(ds_sampling *s) {
     s->min_p = 0.0f;
 }
 
-/* ---- token counts ------------------------------------------------------------------------------
- */
+/* ---- token counts ---------------------------------------------------------------------- */
 
 static uint32_t hash_id(int32_t id) {
     uint32_t h = (uint32_t)id * 2654435761u; /* Fibonacci hashing; the shift folds high bits in */
@@ -52,9 +51,14 @@ static int counts_grow(ds_token_counts *c, ds_err *err) {
     return DS_OK;
 }
 
-int ds_token_counts_add(ds_token_counts *c, int32_t id, ds_err *err) {
-    if (id < 0) return ds_errf(err, "token counts: id %d is negative", (int)id);
-    if (2 * (c->n + 1) > c->cap && counts_grow(c, err)) return DS_ERR;
+int ds_token_counts_init(ds_token_counts *c, ds_err *err) {
+    memset(c, 0, sizeof *c);
+    return counts_grow(c, err);
+}
+
+int ds_token_counts_add(ds_token_counts *c, int32_t id) {
+    if (id < 0) return DS_ERR;
+    if (2 * (c->n + 1) > c->cap && counts_grow(c, NULL)) return DS_ERR;
     ds_token_count *s = find_slot(c->slots, c->cap, id);
     if (s->id == -1) {
         s->id = id;
@@ -81,35 +85,115 @@ void ds_token_counts_free(ds_token_counts *c) {
     memset(c, 0, sizeof *c);
 }
 
-/* ---- scratch -----------------------------------------------------------------------------------
- */
+/* ---- scratch ---------------------------------------------------------------------------- */
 
-int ds_sample_scratch_init(ds_sample_scratch *s, int cap, ds_err *err) {
-    memset(s, 0, sizeof *s);
+ds_sample_scratch *ds_sample_scratch_new(int cap, ds_err *err) {
+    ds_sample_scratch *s = ds_calloc(1, sizeof *s, err);
+    if (!s) return NULL;
     s->w = ds_malloc((size_t)cap * sizeof(float), err);
     s->idx = s->w ? ds_malloc((size_t)cap * sizeof(int32_t), err) : NULL;
     s->raw = s->idx ? ds_malloc((size_t)cap * sizeof(float), err) : NULL;
     if (!s->raw) {
         ds_sample_scratch_free(s);
-        return DS_ERR;
+        return NULL;
     }
     s->cap = cap;
-    return DS_OK;
+    return s;
 }
 
 void ds_sample_scratch_free(ds_sample_scratch *s) {
+    if (!s) return;
     free(s->w);
     free(s->idx);
     free(s->raw);
-    memset(s, 0, sizeof *s);
+    free(s);
 }
 
-/* ---- ordering and selection --------------------------------------------------------------------
- */
+/* ---- loops the compiler can vectorise ---------------------------------------------------- */
 
-/* 1 if id a comes before id b: larger logit first, then smaller id. key holds no NaN. */
+#define LANES 8 /* independent accumulators: no reassociation flags needed for packed code */
+
+/* Largest of x[0..n), NaN ignored; -inf when there is nothing else. */
+static float max_of(const float *x, int n) {
+    float m[LANES];
+    for (int j = 0; j < LANES; j++) m[j] = -INFINITY;
+    int i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) m[j] = x[i + j] > m[j] ? x[i + j] : m[j];
+    for (; i < n; i++) m[0] = x[i] > m[0] ? x[i] : m[0];
+    float r = m[0];
+    for (int j = 1; j < LANES; j++) r = m[j] > r ? m[j] : r;
+    return r;
+}
+
+/* Lowest id among the maxima; NaN never wins (0 if everything is NaN). */
+static int32_t argmax(const float *x, int n) {
+    float m = max_of(x, n);
+    for (int i = 0; i < n; i++)
+        if (x[i] == m) return i;
+    return 0;
+}
+
+/* Sum of w[0..n) in double (one accumulator would wait on add latency at every element). */
+static double sum_of(const float *w, int n) {
+    double s[LANES] = {0};
+    int i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) s[j] += w[i + j];
+    for (; i < n; i++) s[0] += w[i];
+    double r = 0;
+    for (int j = 0; j < LANES; j++) r += s[j];
+    return r;
+}
+
+/* c ? a : b on the bits. A float select that feeds arithmetic is kept as a branch under the
+ * default -ftrapping-math, which would stop the loops below from vectorising. */
+static inline float pick(int c, float a, float b) {
+    uint32_t ua, ub, m = 0u - (uint32_t)c;
+    memcpy(&ua, &a, 4);
+    memcpy(&ub, &b, 4);
+    ua = (ua & m) | (ub & ~m);
+    memcpy(&a, &ua, 4);
+    return a;
+}
+
+/* exp(x) for x <= 0 within a few ulp; 0 below -87 (also -inf and NaN). Straight-line code the
+ * compiler vectorises, where libm's expf is one call per element: x = n ln2 + r with |r| <= ln2/2
+ * (ln2 split in a part exact in n * hi and a remainder), e^r by Taylor to r^7 (the next term,
+ * 0.35^8 / 8! < 6e-9, is below float precision), 2^n built in the exponent bits. */
+static inline float exp_nonpos(float x) {
+    int ok = x >= -87.0f;
+    float xc = pick(ok, x, -87.0f);
+    float n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f; /* 1.5 * 2^23 rounds to integer */
+    float r = (xc - n * 0.693145751953125f) - n * 1.42860677e-6f;
+    float p = 1.0f / 5040;
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23; /* n in [-126, 0] */
+    float scale;
+    memcpy(&scale, &e, 4);
+    return pick(ok, p * scale, 0.0f);
+}
+
+/* w[i] = exp((x[i] - mx) * inv_t): unnormalised probabilities in [0, 1], the maximum's exactly
+ * 1, NaN and -inf logits 0. */
+static void weigh(float *w, const float *x, int n, float mx, float inv_t) {
+#pragma omp simd /* the default build is -O2, which would leave this loop scalar */
+    for (int i = 0; i < n; i++) w[i] = exp_nonpos((x[i] - mx) * inv_t);
+}
+
+/* ---- ordering and selection -------------------------------------------------------------- */
+
+/* 1 if id a comes before id b: larger logit first, then smaller id. Branch-free: partitions
+ * compare in unpredictable order. key holds no NaN where it is asked. */
 static inline int before(int32_t a, int32_t b, const float *key) {
-    return key[a] > key[b] || (key[a] == key[b] && a < b);
+    float ka = key[a], kb = key[b];
+    return (ka > kb) | ((ka == kb) & (a < b));
 }
 
 #define SWAP_IDX(i, j)                                                                             \
@@ -129,7 +213,8 @@ static void sort_small(int32_t *idx, int n, const float *key) {
 }
 
 /* Partitions idx[lo..hi) (hi - lo >= 3) around a median-of-three pivot and returns its final
- * position q: idx[lo..q) come before it, idx(q..hi) after it. */
+ * position q: idx[lo..q) come before it, idx(q..hi) after it. The Lomuto loop swaps on every
+ * element and advances conditionally, so it has no data-dependent branch. */
 static int partition(int32_t *idx, int lo, int hi, const float *key) {
     int mid = lo + (hi - lo) / 2, last = hi - 1;
     if (before(idx[mid], idx[lo], key)) SWAP_IDX(mid, lo);
@@ -138,13 +223,23 @@ static int partition(int32_t *idx, int lo, int hi, const float *key) {
     SWAP_IDX(mid, last); /* the median becomes the pivot */
     int32_t pivot = idx[last];
     int s = lo;
-    for (int i = lo; i < last; i++)
-        if (before(idx[i], pivot, key)) {
-            SWAP_IDX(s, i);
-            s++;
-        }
+    for (int i = lo; i < last; i++) {
+        int32_t v = idx[i];
+        idx[i] = idx[s];
+        idx[s] = v;
+        s += before(v, pivot, key);
+    }
     SWAP_IDX(s, last);
     return s;
+}
+
+static double sum_at(const float *w, const int32_t *idx, int n) {
+    double s[4] = {0};
+    int i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (int j = 0; j < 4; j++) s[j] += w[idx[i + j]];
+    for (; i < n; i++) s[0] += w[idx[i]];
+    return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
 /* Quickselect over idx[0..n): rearranges it so that idx[0..m) are the first m ids in `before`
@@ -164,8 +259,7 @@ static int select_prefix(int32_t *idx, int n, const float *key, const float *w, 
             else
                 lo = q + 1;
         } else {
-            double m = 0;
-            for (int i = lo; i < q; i++) m += w[idx[i]];
+            double m = sum_at(w, idx + lo, q - lo);
             if (acc + m >= target) {
                 hi = q;
             } else if (acc + m + w[idx[q]] >= target) {
@@ -185,144 +279,170 @@ static int select_prefix(int32_t *idx, int n, const float *key, const float *w, 
     return hi;
 }
 
-/* Lowest id among the maxima; NaN never wins (0 if everything is NaN). */
-static int32_t argmax(const float *x, int n) {
-    int32_t best = -1;
-    for (int i = 0; i < n; i++)
-        if (best < 0 ? x[i] == x[i] : x[i] > x[best]) best = i;
-    return best < 0 ? 0 : best;
-}
-
-/* ---- logprobs ----------------------------------------------------------------------------------
- */
+/* ---- logprobs ---------------------------------------------------------------------------- */
 
 /* Fills lp's top list from x[V] (the raw logits) and returns log(sum(exp(x))), so that the
- * logprob of any token is x[i] - result. */
-static double raw_logprobs(const float *x, int V, int k, ds_logprobs_out *lp) {
-    float mx = -INFINITY;
+ * logprob of any token is x[i] - result. tmp: [V] scratch. */
+static double raw_logprobs(const float *x, int V, int k, ds_logprobs_out *lp, float *tmp) {
     int n = 0;
     int32_t *top = lp->top_ids; /* [n] kept in `before` order by insertion */
-    for (int i = 0; i < V; i++) {
-        float v = x[i];
-        if (v != v) continue;
-        if (v > mx) mx = v;
-        if (n < k || (k > 0 && v > x[top[n - 1]])) {
-            int j = n < k ? n++ : k - 1;
-            for (; j > 0 && v > x[top[j - 1]]; j--) top[j] = top[j - 1];
-            top[j] = i;
+    float floor = -INFINITY;    /* once the list is full, what a newcomer must beat */
+    for (int i0 = 0; i0 < V && k > 0; i0 += 16) {
+        int end = DS_MIN(i0 + 16, V), any = 0;
+        for (int i = i0; i < end; i++) any |= x[i] >= floor; /* most blocks hold no newcomer */
+        if (!any) continue;
+        for (int i = i0; i < end; i++) {
+            float v = x[i];
+            if (n < k ? v == v : v > floor) { /* NaN never enters; ties keep the lower id */
+                int j = n < k ? n++ : k - 1;
+                for (; j > 0 && v > x[top[j - 1]]; j--) top[j] = top[j - 1];
+                top[j] = i;
+                if (n == k) floor = x[top[k - 1]];
+            }
         }
     }
-    double sum = 0;
-    if (mx > -INFINITY)
-        for (int i = 0; i < V; i++)
-            if (x[i] > -INFINITY) sum += expf(x[i] - mx);
-    double lse = (double)mx + log(sum);
+    float mx = max_of(x, V);
+    weigh(tmp, x, V, mx, 1.0f);
+    double lse = (double)mx + log(sum_of(tmp, V));
     lp->n_top = n;
     for (int j = 0; j < n; j++) lp->top_logprobs[j] = (float)((double)x[top[j]] - lse);
     return lse;
 }
 
-/* ---- the draw ----------------------------------------------------------------------------------
- */
+/* ---- the draw ---------------------------------------------------------------------------- */
 
-/* Probabilities are bucketed by the top bits of their float pattern (exponent and 3 mantissa
- * bits: 8 buckets per octave). For w in (0, 1] the pattern is monotone in w and at most that of
- * 1.0f, which bounds the bucket count. */
-#define HIST_SHIFT 20
-#define N_BUCKETS  ((int)(0x3f800000u >> HIST_SHIFT) + 1)
-
-static inline uint32_t bits_of(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
+/* The first i whose prefix sum of w exceeds u * sum(w), found by block sums so that only one
+ * block is scanned element by element. w has at least one positive entry. */
+static int32_t pick_dense(const float *w, int n, double u) {
+    enum { MAX_BLOCKS = 256 };
+    double bsum[MAX_BLOCKS]; /* [nb] */
+    int bs = DS_MAX(1024, (n + MAX_BLOCKS - 1) / MAX_BLOCKS), nb = (n + bs - 1) / bs;
+    double total = 0;
+    for (int b = 0; b < nb; b++)
+        total += bsum[b] = sum_of(w + (size_t)b * bs, DS_MIN(bs, n - b * bs));
+    double target = u * total, acc = 0;
+    int b = 0;
+    while (b < nb - 1 && acc + bsum[b] <= target) acc += bsum[b++];
+    int32_t last = -1;
+    for (int i = b * bs; i < n; i++)
+        if (w[i] > 0.0f) {
+            acc += w[i];
+            last = i;
+            if (target < acc) return i;
+        }
+    for (int i = b * bs - 1; last < 0 && i >= 0; i--) /* rounding left target past the end */
+        if (w[i] > 0.0f) last = i;
+    return last;
 }
 
-static inline float float_of(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+/* Probabilities are bucketed by the top bits of their float pattern (exponent and 2 mantissa
+ * bits: 4 buckets per octave). For w in [0, 1] the pattern is monotone in w and at most that of
+ * 1.0f, which bounds the bucket count. */
+#define HIST_SHIFT 21
+#define N_BUCKETS  ((int)(0x3f800000u >> HIST_SHIFT) + 1)
+
+static inline uint32_t bucket_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u >> HIST_SHIFT;
+}
+
+/* The bucket b where the goal is reached: the ids with w in buckets above b number fewer than k
+ * (k > 0) or hold less than target of the mass (k == 0), and with bucket b they reach it; 0 when
+ * even that falls short. Four interleaved histograms, so that runs of equal buckets do not wait
+ * on each other's stores. */
+static int threshold_bucket(const float *w, int V, int k, double target) {
+    int b = N_BUCKETS - 1;
+    if (k > 0) {
+        int cnt[4][N_BUCKETS];
+        memset(cnt, 0, sizeof cnt);
+        int i = 0;
+        for (; i + 4 <= V; i += 4)
+            for (int j = 0; j < 4; j++) cnt[j][bucket_of(w[i + j])]++;
+        for (; i < V; i++) cnt[0][bucket_of(w[i])]++;
+        for (long c = 0; b > 0; b--)
+            if ((c += cnt[0][b] + cnt[1][b] + cnt[2][b] + cnt[3][b]) >= k) break;
+    } else {
+        double mass[4][N_BUCKETS];
+        memset(mass, 0, sizeof mass);
+        int i = 0;
+        for (; i + 4 <= V; i += 4)
+            for (int j = 0; j < 4; j++) mass[j][bucket_of(w[i + j])] += w[i + j];
+        for (; i < V; i++) mass[0][bucket_of(w[i])] += w[i];
+        for (double m = 0; b > 0; b--)
+            if ((m += (mass[0][b] + mass[1][b]) + (mass[2][b] + mass[3][b])) >= target) break;
+    }
+    return b;
+}
+
+/* Gathers the ids with w in bucket b or above: those of higher buckets first, idx[0..*n_above),
+ * then those of bucket b; returns how many in all. b = 0 takes every w > 0 below bucket 1. Both
+ * groups are prefixes of the candidate order, so when b is where the goal is reached, the first
+ * group is wholly kept and only bucket b needs selecting. */
+static int gather(const float *w, int V, int b, int32_t *idx, int *n_above) {
+    uint32_t lo_bits = b ? (uint32_t)b << HIST_SHIFT : 1u; /* 1: the smallest positive float */
+    uint32_t hi_bits = (uint32_t)(b + 1) << HIST_SHIFT;
+    float lo, hi;
+    memcpy(&lo, &lo_bits, 4);
+    memcpy(&hi, &hi_bits, 4);
+    int na = 0, nb = 0; /* bucket b grows down from the end, the rest up from the start */
+    for (int i0 = 0; i0 < V; i0 += 16) {
+        int end = DS_MIN(i0 + 16, V), any = 0;
+        for (int i = i0; i < end; i++) any |= w[i] >= lo; /* most blocks hold no candidate */
+        if (!any) continue;
+        for (int i = i0; i < end; i++) { /* write always, keep conditionally: no branch */
+            idx[na] = i;
+            idx[V - 1 - nb] = i;
+            na += w[i] >= hi;
+            nb += (w[i] >= lo) & (w[i] < hi);
+        }
+    }
+    memmove(idx + na, idx + V - nb, (size_t)nb * sizeof *idx);
+    *n_above = na;
+    return na + nb;
 }
 
 /* Draws from softmax(logits / T) restricted by top-k, top-p and min-p. u in [0, 1). */
 static int32_t draw(const float *logits, int V, const ds_sample_params *p, double u,
                     ds_sample_scratch *s) {
-    float mx = logits[argmax(logits, V)];
+    float mx = max_of(logits, V);
     /* All masked, or an infinite logit: no distribution to draw from, take the maximum. */
     if (!(mx > -INFINITY) || mx == INFINITY) return argmax(logits, V);
-    float inv_t = 1.0f / p->temperature;
     float *w = s->w;
+    int32_t *idx = s->idx;
     int top_k = p->top_k > 0 && p->top_k < V ? p->top_k : 0;
     int top_p = p->top_p < 1.0f;
     /* Every w is <= 1 and the maximum's is exactly 1, so min-p's "min_p * p_max" is min_p. */
     float min_w = p->min_p > 0.0f ? DS_MIN(p->min_p, 1.0f) : 0.0f;
+    weigh(w, logits, V, mx, 1.0f / p->temperature);
 
-    if (!top_k && !top_p) { /* linear: weigh, drop what min-p drops, scan */
-        double total = 0;
-        for (int i = 0; i < V; i++) {
-            float wi = expf((logits[i] - mx) * inv_t);
-            if (!(wi >= min_w)) wi = 0.0f; /* also NaN */
-            w[i] = wi;
-            total += wi;
+    if (!top_k && !top_p) {
+        if (min_w > 0.0f) {
+#pragma omp simd
+            for (int i = 0; i < V; i++) w[i] = pick(w[i] >= min_w, w[i], 0.0f);
         }
-        double target = u * total, acc = 0;
-        int32_t last = 0;
-        for (int i = 0; i < V; i++)
-            if (w[i] > 0.0f) {
-                acc += w[i];
-                last = i;
-                if (target < acc) return i;
-            }
-        return last; /* rounding left target at the very end */
+        return pick_dense(w, V, u);
     }
 
-    /* Weigh and build the histogram. */
-    int cnt[N_BUCKETS];
-    double mass[N_BUCKETS];
-    memset(cnt, 0, sizeof cnt);
-    memset(mass, 0, sizeof mass);
-    double total = 0;
-    for (int i = 0; i < V; i++) {
-        float wi = expf((logits[i] - mx) * inv_t);
-        if (!(wi > 0.0f)) wi = 0.0f;
-        w[i] = wi;
-        if (wi > 0.0f) {
-            uint32_t b = bits_of(wi) >> HIST_SHIFT;
-            cnt[b]++;
-            mass[b] += wi;
-            total += wi;
+    int n, na;
+    if (top_k) {
+        n = gather(w, V, threshold_bucket(w, V, top_k, 0), idx, &na);
+        if (n > top_k) {
+            select_prefix(idx + na, n - na, logits, w, top_k - na, 0);
+            n = top_k;
         }
-    }
-    /* The highest bucket b such that buckets >= b hold the top-k ids or, without top-k, the
-     * top-p mass: everything at or above it is a prefix of the order that contains the answer. */
-    int b = N_BUCKETS - 1;
-    double target_p = (double)p->top_p * total;
-    for (long c = 0; b > 0; b--) {
-        c += cnt[b];
-        if (top_k ? c >= top_k : (target_p -= mass[b]) <= 0) break;
-    }
-    int32_t *idx = s->idx;
-    int n;
-    for (;;) {
-        float theta = float_of(b ? (uint32_t)b << HIST_SHIFT : 1u); /* b = 0: every w > 0 */
-        double gmass = 0;
-        n = 0;
-        for (int i = 0; i < V; i++)
-            if (w[i] >= theta) {
-                idx[n++] = i;
-                gmass += w[i];
-            }
-        /* Bucket sums and gmass round differently; on a miss, take everything. */
-        if (top_k || b == 0 || gmass >= (double)p->top_p * total) break;
-        b = 0;
-    }
-    if (top_k && n > top_k) n = select_prefix(idx, n, logits, w, top_k, 0);
-    if (top_p) {
-        double kept = total; /* top-p renormalises over what top-k kept */
-        if (top_k) {
-            kept = 0;
-            for (int j = 0; j < n; j++) kept += w[idx[j]];
+        if (top_p) /* the mass renormalises over what top-k kept */
+            n = select_prefix(idx, n, logits, w, 0, (double)p->top_p * sum_at(w, idx, n));
+    } else {
+        double target = (double)p->top_p * sum_of(w, V);
+        n = gather(w, V, threshold_bucket(w, V, 0, target), idx, &na);
+        double above = sum_at(w, idx, na), edge = sum_at(w, idx + na, n - na);
+        if (above < target && above + edge >= target) {
+            n = na + select_prefix(idx + na, n - na, logits, w, 0, target - above);
+        } else { /* the histogram's sums rounded to the other side of target */
+            if (above + edge < target) n = gather(w, V, 0, idx, &na);
+            n = select_prefix(idx, n, logits, w, 0, target);
         }
-        n = select_prefix(idx, n, logits, w, 0, (double)p->top_p * kept);
     }
     double sum = 0;
     for (int j = 0; j < n; j++)
@@ -341,14 +461,14 @@ static int32_t draw(const float *logits, int V, const ds_sample_params *p, doubl
 int32_t ds_sample_token(float *logits, int V, const ds_sample_params *p,
                         const ds_token_counts *counts, int allow_stop, const int32_t *stop_ids,
                         int n_stop_ids, ds_rng *rng, ds_sample_scratch *scratch,
-                        ds_logprobs_out *lp) {
+                        ds_logprobs_out *lp, int n_top) {
     int penalise = counts && counts->n && (p->presence_penalty != 0 || p->frequency_penalty != 0);
     int mask = !allow_stop && n_stop_ids > 0;
     const float *raw = logits;
     double lse = 0;
     if (lp) {
-        int k = DS_MIN(DS_MAX(p->logprobs, 0), DS_MIN(DS_MAX_LOGPROBS, V));
-        lse = raw_logprobs(logits, V, k, lp);
+        int k = DS_MIN(DS_MAX(n_top, 0), DS_MIN(DS_MAX_LOGPROBS, V));
+        lse = raw_logprobs(logits, V, k, lp, scratch->w);
         if (penalise || mask) { /* the sampled token's raw logit must survive the edits below */
             memcpy(scratch->raw, logits, (size_t)V * sizeof(float));
             raw = scratch->raw;
@@ -383,5 +503,5 @@ int32_t ds_sample(float *logits, int V, const ds_sampling *p, ds_rng *rng, float
     sp.top_k = p->top_k;
     sp.min_p = p->min_p;
     ds_sample_scratch s = {scratch, idx, NULL, V};
-    return ds_sample_token(logits, V, &sp, NULL, 1, NULL, 0, rng, &s, NULL);
+    return ds_sample_token(logits, V, &sp, NULL, 1, NULL, 0, rng, &s, NULL, 0);
 }
