@@ -39,6 +39,7 @@ run: build $(MODEL)/config.json
 
 test: build $(MODEL)/config.json
 	cd $(BUILD) && ctest --output-on-failure -j 2
+	DS_BIN=$(CURDIR)/$(BUILD)/deltaserve DS_MODEL=$(CURDIR)/$(MODEL) python3 -m pytest -q tests/e2e
 
 bench: build
 	@[ -f models/bench-large/config.json ] || ./$(BUILD)/deltaserve init-model --preset bench-large --out models/bench-large

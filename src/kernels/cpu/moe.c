@@ -1,0 +1,114 @@
+/* moe.c — the MoE router for one token (MODEL_SPEC §5.3).
+ *
+ *   s  = sigmoid(z)                        scores, f32
+ *   s' = s + bias                          selection scores (bias: e_score_correction_bias)
+ *   group-limited selection (n_group > 1): group score = sum of the two largest s' in each group of
+ *       E/n_group consecutive experts; the topk_group best groups stay, s' of the others := -inf
+ *   idx = the k largest s'                 ties go to the lower index; idx is ordered by s'
+ *   w   = s[idx]                           UNBIASED (DeepSeek-V3 / vLLM / ATOM / HF-K3)
+ *   w  /= sum(w) + 1e-20                   when renormalize && k > 1
+ *   w  *= scale                            routed_scaling_factor
+ *
+ * hf_kl_quirk reproduces Moonshot's Kimi-Linear remote code, where `scores_for_choice` is a view
+ * of `scores` and the bias is added in place: the gathered weights are the biased s + b, and the
+ * masked groups are filled with 0.0 instead of -inf (which lets a masked expert beat experts whose
+ * biased score is negative). Only for parity tests against that code.
+ *
+ * The router is a few hundred scalar operations per token, so it has one portable version. */
+#include "kernels/cpu/kernels.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+/* Scratch of up to this many floats lives on the stack (K3: 2*896 + 16 groups + 16). */
+#define ROUTE_STACK_FLOATS 4096
+
+/* Keeps the n best (value, index) pairs seen so far in val/id[0..count), best first. Candidates
+ * arrive in increasing index order and an equal value never displaces an earlier one, so ties go
+ * to the lower index. Returns the new count. */
+static int top_insert(float *val, int32_t *id, int count, int n, float v, int32_t i) {
+    if (count == n && !(v > val[n - 1])) return count;
+    int pos = count < n ? count : n - 1;
+    while (pos > 0 && v > val[pos - 1]) {
+        val[pos] = val[pos - 1];
+        id[pos] = id[pos - 1];
+        pos--;
+    }
+    val[pos] = v;
+    id[pos] = i;
+    return count < n ? count + 1 : count;
+}
+
+void ds_moe_route(int32_t *idx, float *w, const float *z, const float *bias, int E, int k,
+                  int n_group, int topk_group, int renormalize, float scale, int hf_kl_quirk) {
+    if (k <= 0) return;
+    const int grouped = n_group > 1 && topk_group > 0 && topk_group < n_group && E % n_group == 0;
+    const int G = grouped ? n_group : 0;
+    /* scratch: s [E] sigmoid scores | sel [E] selection scores | gval [G] | gid [G] | val [k] */
+    const size_t need = 2 * (size_t)E + 2 * (size_t)G + (size_t)k;
+    float stack_buf[ROUTE_STACK_FLOATS];
+    float *scratch = need <= ROUTE_STACK_FLOATS ? stack_buf : malloc(need * sizeof(float));
+    if (!scratch) { /* cannot route: send the token nowhere rather than crash */
+        for (int j = 0; j < k; j++) {
+            idx[j] = 0;
+            w[j] = 0.0f;
+        }
+        return;
+    }
+    float *s = scratch, *sel = s + E, *gval = sel + E, *val = gval + 2 * G;
+    int32_t *gid = (int32_t *)(gval + G);
+
+    for (int e = 0; e < E; e++) {
+        s[e] = 1.0f / (1.0f + expf(-z[e]));
+        sel[e] = bias ? s[e] + bias[e] : s[e];
+        if (isnan(sel[e])) sel[e] = -INFINITY; /* a NaN logit is never preferred to a real one */
+    }
+
+    if (grouped) {
+        const int gsize = E / G;
+        int ng = 0;
+        for (int g = 0; g < G; g++) {
+            const float *gs = sel + (size_t)g * (size_t)gsize;
+            float t1 = -INFINITY, t2 = -INFINITY; /* the two largest selection scores */
+            for (int e = 0; e < gsize; e++) {
+                if (gs[e] > t1) {
+                    t2 = t1;
+                    t1 = gs[e];
+                } else if (gs[e] > t2) {
+                    t2 = gs[e];
+                }
+            }
+            ng = top_insert(gval, gid, ng, topk_group, gsize >= 2 ? t1 + t2 : t1, g);
+        }
+        for (int g = 0; g < G; g++) {
+            int kept = 0;
+            for (int j = 0; j < ng; j++) kept |= gid[j] == g;
+            if (kept) continue;
+            for (int e = 0; e < gsize; e++)
+                sel[(size_t)g * (size_t)gsize + (size_t)e] = hf_kl_quirk ? 0.0f : -INFINITY;
+        }
+    }
+
+    int count = 0;
+    for (int e = 0; e < E; e++) count = top_insert(val, idx, count, k, sel[e], e);
+
+    float sum = 0.0f;
+    for (int j = 0; j < k; j++) {
+        if (j >= count) { /* k > E: pad with weightless copies of expert 0 */
+            idx[j] = 0;
+            w[j] = 0.0f;
+            continue;
+        }
+        const int e = idx[j];
+        /* The quirk gathers from the biased (but unmasked) scores: masked_fill was out of place. */
+        w[j] = hf_kl_quirk && bias ? s[e] + bias[e] : s[e];
+        sum += w[j];
+    }
+    if (renormalize && k > 1) {
+        const float den = sum + 1e-20f;
+        for (int j = 0; j < k; j++) w[j] = w[j] / den * scale;
+    } else {
+        for (int j = 0; j < k; j++) w[j] *= scale;
+    }
+    if (scratch != stack_buf) free(scratch);
+}
