@@ -41,15 +41,10 @@ static int run_decode(ds_model *m, int B, int prompt, int steps, double *sec_per
     ds_rng_seed(&rng, 1);
     for (int i = 0; i < B * ctx; i++) ids[i] = (int32_t)(ds_rng_next(&rng) % 256);
     for (int b = 0; b < B; b++) {
-        sb[b] = (ds_seq_batch){ids + (size_t)b * ctx,
-                               prompt,
-                               0,
-                               slots + (size_t)b * slot_n,
-                               table + (size_t)b * pages_per,
-                               NULL,
-                               0,
-                               NULL,
-                               NULL};
+        sb[b] = (ds_seq_batch){.tokens = ids + (size_t)b * ctx,
+                               .n = prompt,
+                               .slot = slots + (size_t)b * slot_n,
+                               .block_table = table + (size_t)b * pages_per};
     }
     if (ds_model_forward(m, &pool, sb, B, err)) goto out;
     double best = 1e30;
@@ -96,7 +91,7 @@ static int run_prompt(ds_model *m, int T, int reps, double *sec, ds_err *err) {
     double best = 1e30;
     for (int r = 0; r < reps; r++) {
         memset(slot, 0, ds_model_slot_floats(m) * sizeof(float));
-        ds_seq_batch sb = {ids, T, 0, slot, table, logits, 1, NULL, NULL};
+        ds_seq_batch sb = {ids, T, 0, slot, table, logits, 1, NULL, NULL, NULL, 0, NULL};
         double t0 = ds_now();
         if (ds_model_forward(m, &pool, &sb, 1, err)) goto out;
         double dt = ds_now() - t0;

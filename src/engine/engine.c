@@ -509,6 +509,9 @@ static void run_step(ds_engine *e) {
                                      it->sample ? e->logits + (size_t)i * e->V : NULL,
                                      it->sample ? 1 : 0,
                                      NULL,
+                                     NULL,
+                                     NULL,
+                                     0,
                                      NULL};
         if (it->pos0 < s->n_prompt) n_prompt_tokens += DS_MIN(it->n, s->n_prompt - it->pos0);
     }

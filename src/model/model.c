@@ -747,13 +747,18 @@ static void ffn_forward(step *s, const layer_w *lw, const float *xn, float *out)
     sc->used = mark;
 }
 
+/* Copies the stream after `layer` (-1: the embedding) to the segments that asked for it. */
 static void save_hidden(step *s, int layer, const float *h) {
     int D = s->m->cfg.hidden_size;
     for (int q = 0; q < s->n_seq; q++) {
         ds_seq_batch *sb = &s->seqs[q];
-        if (!sb->hidden) continue;
-        memcpy(sb->hidden + (size_t)layer * sb->n * D, h + (size_t)s->off[q] * D,
-               (size_t)sb->n * D * sizeof(float));
+        size_t rows = (size_t)sb->n * D;
+        const float *src = h + (size_t)s->off[q] * D;
+        if (sb->hidden && layer >= 0)
+            memcpy(sb->hidden + (size_t)layer * rows, src, rows * sizeof(float));
+        for (int j = 0; j < sb->n_taps; j++)
+            if (sb->tap_layers[j] == layer)
+                memcpy(sb->taps + (size_t)j * rows, src, rows * sizeof(float));
     }
 }
 
@@ -779,6 +784,7 @@ static size_t run_step(step *s) {
     for (int q = 0; q < s->n_seq; q++)
         memcpy(ids + s->off[q], s->seqs[q].tokens, (size_t)s->seqs[q].n * sizeof(int32_t));
     ds_embed(P, &m->embed, ids, T);
+    save_hidden(s, -1, P);
     int nb = 0; /* banked AttnRes blocks */
     for (int i = 0; i < L && !sc->overflow; i++) {
         const layer_w *lw = &m->layers[i];

@@ -66,6 +66,12 @@ typedef struct ds_seq_batch {
     float *hidden; /* optional [n_layers][n][D]: residual stream after each layer (the block-local
                       sum P with AttnRes), for tests and DSpark taps; NULL to skip */
     float *final_hidden; /* optional [n][D]: normed input of lm_head */
+    /* optional DSpark taps: taps[j] [n][D] receives the residual stream after layer
+     * tap_layers[j] (the block-local sum P with AttnRes, MODEL_SPEC §8.3); layer -1 is the
+     * embedding output */
+    const int *tap_layers; /* [n_taps] */
+    int n_taps;
+    float *taps; /* [n_taps][n][D] */
 } ds_seq_batch;
 
 /* Runs one step over n_seq segments. Segments of the same sequence must not appear twice. */

@@ -110,7 +110,8 @@ static void reference_greedy(const int32_t *prompt, int n_prompt, int max_tokens
     int len = n_prompt, pos = 0;
     *n_out = 0;
     while (*n_out < max_tokens) {
-        ds_seq_batch sb = {seq + pos, len - pos, pos, slot, table, logits, 1, NULL, NULL};
+        ds_seq_batch sb = {seq + pos, len - pos, pos,  slot, table, logits,
+                           1,         NULL,      NULL, NULL, 0,     NULL};
         if (ds_model_forward(m, &pool, &sb, 1, &err)) fail_msg("%s", err.msg);
         pos = len;
         int32_t t = (int32_t)ds_argmax(logits, c->vocab_size);

@@ -121,7 +121,7 @@ static void check_golden(int which, const char *golden_rel) {
     float *hidden = malloc((size_t)L * T * D * sizeof(float));
     float *final = malloc((size_t)T * D * sizeof(float));
     float *slot = new_slot(f.m);
-    ds_seq_batch sb = {ids, T, 0, slot, f.table, logits, T, hidden, final};
+    ds_seq_batch sb = {ids, T, 0, slot, f.table, logits, T, hidden, final, NULL, 0, NULL};
     ds_err err = {{0}};
     if (ds_model_forward(f.m, &f.pool, &sb, 1, &err)) fail_msg("%s", err.msg);
     for (int i = 0; i < L; i++) {
@@ -170,7 +170,7 @@ static float *full_logits(fixture *f, const int32_t *ids, int n) {
     int V = ds_model_config(f->m)->vocab_size;
     float *logits = malloc((size_t)n * V * sizeof(float));
     float *slot = new_slot(f->m);
-    ds_seq_batch sb = {ids, n, 0, slot, f->table, logits, n, NULL, NULL};
+    ds_seq_batch sb = {ids, n, 0, slot, f->table, logits, n, NULL, NULL, NULL, 0, NULL};
     ds_err err = {{0}};
     if (ds_model_forward(f->m, &f->pool, &sb, 1, &err)) fail_msg("%s", err.msg);
     free(slot);
@@ -184,8 +184,8 @@ static void stepped_logits(fixture *f, const int32_t *ids, const int *steps, int
     int pos = 0;
     for (int s = 0; s < n_steps; s++) {
         int last = s == n_steps - 1;
-        ds_seq_batch sb = {ids + pos,         steps[s], pos,  slot, f->table,
-                           last ? out : NULL, last,     NULL, NULL};
+        ds_seq_batch sb = {ids + pos, steps[s], pos,  slot, f->table, last ? out : NULL,
+                           last,      NULL,     NULL, NULL, 0,        NULL};
         ds_err err = {{0}};
         if (ds_model_forward(f->m, &f->pool, &sb, 1, &err)) fail_msg("%s", err.msg);
         pos += steps[s];
@@ -247,17 +247,19 @@ static void test_batch_invariance(void **state) {
     float *sa = new_slot(f.m), *sb_slot = new_slot(f.m);
     ds_err err = {{0}};
     /* alone: prefill 39, decode 1 */
-    ds_seq_batch s1 = {a, 39, 0, sa, f.table, NULL, 0, NULL, NULL};
+    ds_seq_batch s1 = {a, 39, 0, sa, f.table, NULL, 0, NULL, NULL, NULL, 0, NULL};
     if (ds_model_forward(f.m, &f.pool, &s1, 1, &err)) fail_msg("%s", err.msg);
-    ds_seq_batch s2 = {a + 39, 1, 39, sa, f.table, alone, 1, NULL, NULL};
+    ds_seq_batch s2 = {a + 39, 1, 39, sa, f.table, alone, 1, NULL, NULL, NULL, 0, NULL};
     if (ds_model_forward(f.m, &f.pool, &s2, 1, &err)) fail_msg("%s", err.msg);
     /* batched: same steps, with another sequence's prefill alongside each */
     memset(sa, 0, ds_model_slot_floats(f.m) * sizeof(float));
-    ds_seq_batch p1[2] = {{b, 50, 0, sb_slot, f.table + n_pages, NULL, 0, NULL, NULL},
-                          {a, 39, 0, sa, f.table, NULL, 0, NULL, NULL}};
+    ds_seq_batch p1[2] = {
+        {b, 50, 0, sb_slot, f.table + n_pages, NULL, 0, NULL, NULL, NULL, 0, NULL},
+        {a, 39, 0, sa, f.table, NULL, 0, NULL, NULL, NULL, 0, NULL}};
     if (ds_model_forward(f.m, &f.pool, p1, 2, &err)) fail_msg("%s", err.msg);
-    ds_seq_batch p2[2] = {{b + 50, 20, 50, sb_slot, f.table + n_pages, NULL, 0, NULL, NULL},
-                          {a + 39, 1, 39, sa, f.table, batched, 1, NULL, NULL}};
+    ds_seq_batch p2[2] = {
+        {b + 50, 20, 50, sb_slot, f.table + n_pages, NULL, 0, NULL, NULL, NULL, 0, NULL},
+        {a + 39, 1, 39, sa, f.table, batched, 1, NULL, NULL, NULL, 0, NULL}};
     if (ds_model_forward(f.m, &f.pool, p2, 2, &err)) fail_msg("%s", err.msg);
     assert_memory_equal(alone, batched, (size_t)V * sizeof(float));
     free(alone);
@@ -273,7 +275,7 @@ static void test_bad_tokens(void **state) {
     open_model(&f, 1, NULL);
     float *slot = new_slot(f.m);
     int32_t ids[2] = {5, 1 << 20};
-    ds_seq_batch sb = {ids, 2, 0, slot, f.table, NULL, 0, NULL, NULL};
+    ds_seq_batch sb = {ids, 2, 0, slot, f.table, NULL, 0, NULL, NULL, NULL, 0, NULL};
     ds_err err = {{0}};
     assert_int_equal(ds_model_forward(f.m, &f.pool, &sb, 1, &err), DS_ERR);
     assert_non_null(strstr(err.msg, "1048576"));
