@@ -13,7 +13,7 @@ typedef struct command {
 } command;
 
 static const command COMMANDS[] = {
-    {"serve", NULL, "serve an OpenAI-compatible HTTP API (completions, chat, streaming)"},
+    {"serve", ds_cmd_serve, "serve an OpenAI-compatible HTTP API (completions, chat, streaming)"},
     {"generate", ds_cmd_generate, "complete a prompt and print the text"},
     {"logits", ds_cmd_logits, "print the logits a model gives a prompt"},
     {"bench", ds_cmd_bench, "measure prefill/decode throughput against the machine's limits"},

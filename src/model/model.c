@@ -85,6 +85,12 @@ void ds_model_opts_default(ds_model_opts *o) {
 const ds_config *ds_model_config(const ds_model *m) {
     return &m->cfg;
 }
+const ds_mat *ds_model_embed(const ds_model *m) {
+    return &m->embed;
+}
+const ds_mat *ds_model_lm_head(const ds_model *m) {
+    return &m->lm_head;
+}
 size_t ds_model_weight_bytes(const ds_model *m) {
     return m->weight_bytes;
 }
