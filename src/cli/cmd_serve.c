@@ -1,0 +1,224 @@
+/* cmd_serve.c — `deltaserve serve`: load a model into the engine and serve the OpenAI API.
+ *
+ * The HTTP server listens before the model loads (so /health can say 503 while it does), is
+ * attached to the engine once the engine runs, and shuts down on SIGINT/SIGTERM in the order
+ * http.h asks: stop accepting, let the engine finish or abort what runs (a grace period), join the
+ * connections, free the engine. */
+#include <errno.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cli/args.h"
+#include "cli/commands.h"
+#include "engine/engine.h"
+#include "server/http.h"
+
+/* Signals: while the model loads there is nothing to clean up, so a signal ends the process the
+ * default way (a big checkpoint can take minutes; Ctrl-C must work). Once serving, the handler
+ * only writes to a pipe that main waits on, and main does the orderly shutdown. */
+static volatile sig_atomic_t g_loading = 1;
+static int g_sig_pipe[2] = {-1, -1};
+
+static void on_signal(int sig) {
+    if (g_loading) {
+        signal(sig, SIG_DFL);
+        raise(sig);
+        return;
+    }
+    int saved = errno;
+    char b = (char)sig;
+    ssize_t w = write(g_sig_pipe[1], &b, 1);
+    (void)w;
+    errno = saved;
+}
+
+/* "2G", "512M", "1.5GiB", "1073741824" -> bytes. Suffixes K, M, G, T are powers of 1024, with an
+ * optional "i" and "B"/"b". */
+static int parse_bytes(const char *s, size_t *out, ds_err *err) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (end == s || errno || v < 0) return ds_errf(err, "expected a size such as 2G, got '%s'", s);
+    double mult = 1;
+    switch (*end) {
+    case 'k':
+    case 'K':
+        mult = 1024.0, end++;
+        break;
+    case 'm':
+    case 'M':
+        mult = 1024.0 * 1024, end++;
+        break;
+    case 'g':
+    case 'G':
+        mult = 1024.0 * 1024 * 1024, end++;
+        break;
+    case 't':
+    case 'T':
+        mult = 1024.0 * 1024 * 1024 * 1024, end++;
+        break;
+    default:
+        break;
+    }
+    if (mult > 1 && *end == 'i') end++;
+    if (*end == 'B' || *end == 'b') end++;
+    if (*end) return ds_errf(err, "expected a size such as 2G, got '%s'", s);
+    if (v * mult > (double)SIZE_MAX / 2) return ds_errf(err, "size '%s' is too large", s);
+    *out = (size_t)(v * mult);
+    return DS_OK;
+}
+
+/* The last path component of dir (trailing slashes ignored; "." resolved). malloc'd. */
+static char *folder_name(const char *dir) {
+    char buf[PATH_MAX];
+    const char *p = realpath(dir, buf) ? buf : dir;
+    size_t n = strlen(p);
+    while (n > 1 && p[n - 1] == '/') n--;
+    size_t b = n;
+    while (b > 0 && p[b - 1] != '/') b--;
+    return strndup(p + b, n - b);
+}
+
+/* Prints the address to reach and a request to paste into a shell. */
+static void print_ready(const char *host, int port, const char *name, int max_model_len,
+                        const char *api_key) {
+    /* a wildcard bind is reached through loopback; an IPv6 literal needs brackets in a URL */
+    const char *h = strcmp(host, "0.0.0.0") == 0 ? "127.0.0.1"
+                    : strcmp(host, "::") == 0    ? "::1"
+                                                 : host;
+    int v6 = strchr(h, ':') != NULL;
+    char base[300];
+    snprintf(base, sizeof base, "http://%s%s%s:%d", v6 ? "[" : "", h, v6 ? "]" : "", port);
+    printf("[deltaserve] ready: serving '%s' (max_model_len %d) at %s/v1\n", name, max_model_len,
+           base);
+    printf("[deltaserve] try:\n  curl %s/v1/chat/completions -H 'Content-Type: application/json'",
+           base);
+    if (api_key) printf(" \\\n    -H 'Authorization: Bearer %s'", api_key);
+    printf(" \\\n    -d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": "
+           "\"Hello!\"}], \"max_tokens\": 32}'\n",
+           name);
+    fflush(stdout);
+}
+
+int ds_cmd_serve(int argc, char **argv) {
+    ds_engine_opts eo;
+    ds_engine_opts_default(&eo);
+    const char *model_dir = NULL, *host = "127.0.0.1", *api_key = NULL, *served = NULL;
+    const char *kv_mem = NULL;
+    int port = 8000, max_num_seqs = eo.max_num_seqs, max_batched = eo.max_num_batched_tokens;
+    int block_size = eo.block_size, max_model_len = eo.max_model_len, max_queue = eo.max_queue;
+    double kv_fraction = eo.kv_cache_fraction, grace = 5.0;
+    int64_t seed = (int64_t)eo.seed;
+    ds_arg opts[] = {
+        {"model", "m", DS_ARG_STRING, &model_dir, "DIR", "checkpoint folder", .required = 1},
+        DS_OPT("host", NULL, DS_ARG_STRING, &host, "ADDR", "address to bind"),
+        DS_OPT("port", NULL, DS_ARG_INT, &port, "N", "port to listen on (0: any free port)"),
+        DS_OPT("api-key", NULL, DS_ARG_STRING, &api_key, "KEY",
+               "require 'Authorization: Bearer KEY' on /v1/* (default: open)"),
+        DS_OPT("served-model-name", NULL, DS_ARG_STRING, &served, "NAME",
+               "model name clients send (default: the model folder's name)"),
+        DS_OPT("max-num-seqs", NULL, DS_ARG_INT, &max_num_seqs, "N", "running sequences at most"),
+        DS_OPT("max-num-batched-tokens", NULL, DS_ARG_INT, &max_batched, "N",
+               "tokens per engine step at most"),
+        DS_OPT("block-size", NULL, DS_ARG_INT, &block_size, "N", "tokens per MLA page"),
+        DS_OPT("kv-cache-memory", NULL, DS_ARG_STRING, &kv_mem, "BYTES",
+               "memory for MLA pages + KDA state slots, e.g. 2G (default: a fraction of free)"),
+        DS_OPT("kv-cache-fraction", NULL, DS_ARG_FLOAT, &kv_fraction, "F",
+               "fraction of free memory for the caches when --kv-cache-memory is not given"),
+        DS_OPT("max-model-len", NULL, DS_ARG_INT, &max_model_len, "N",
+               "context limit (0: the model's, capped by the cache)"),
+        DS_OPT("max-queue", NULL, DS_ARG_INT, &max_queue, "N",
+               "waiting requests beyond which new ones get 503"),
+        DS_OPT("seed", NULL, DS_ARG_I64, &seed, "S", "base seed for requests without one"),
+        DS_OPT("shutdown-timeout", NULL, DS_ARG_FLOAT, &grace, "SEC",
+               "on SIGINT/SIGTERM, let running requests finish this long, then abort them"),
+    };
+    ds_args a = {"deltaserve serve",
+                 "Serve an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions\n"
+                 "(streaming SSE), /v1/models, /health, /metrics, /tokenize, /detokenize.",
+                 opts, (int)DS_ARRAY_LEN(opts)};
+    int rc;
+    if (ds_args_parse_cli(&a, argc, argv, &rc)) return rc;
+    ds_err err = {{0}};
+    if (port < 0 || port > 65535 || max_num_seqs < 1 || max_batched < 1 || block_size < 1 ||
+        max_model_len < 0 || max_queue < 1 || kv_fraction <= 0 || kv_fraction > 1 || grace < 0) {
+        fprintf(stderr, "serve: need 0 <= --port <= 65535, --max-num-seqs, "
+                        "--max-num-batched-tokens, --block-size, --max-queue >= 1, "
+                        "--max-model-len >= 0, 0 < --kv-cache-fraction <= 1, "
+                        "--shutdown-timeout >= 0\n");
+        return 2;
+    }
+    size_t kv_bytes = 0;
+    if (kv_mem && parse_bytes(kv_mem, &kv_bytes, &err)) {
+        fprintf(stderr, "serve: --kv-cache-memory: %s\n", err.msg);
+        return 2;
+    }
+    eo.model_dir = model_dir;
+    eo.kv_cache_memory = kv_bytes;
+    eo.kv_cache_fraction = kv_fraction;
+    eo.block_size = block_size;
+    eo.max_num_seqs = max_num_seqs;
+    eo.max_num_batched_tokens = max_batched;
+    eo.max_model_len = max_model_len;
+    eo.max_queue = max_queue;
+    eo.seed = (uint64_t)seed;
+
+    char *name = served ? strdup(served) : folder_name(model_dir);
+    if (!name || !name[0] || pipe(g_sig_pipe)) {
+        fprintf(stderr, "serve: could not set up (%s)\n", name ? strerror(errno) : "out of memory");
+        free(name);
+        return 1;
+    }
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN); /* a client that hangs up is an error return, not a kill */
+
+    ds_server_opts so;
+    ds_server_opts_default(&so);
+    so.host = host;
+    so.port = port;
+    so.api_key = api_key;
+    so.served_model_name = name;
+    ds_server *srv = NULL;
+    ds_engine *e = NULL;
+    int status = 1;
+    if (ds_server_create(&so, &srv, &err)) {
+        fprintf(stderr, "serve: %s\n", err.msg);
+        goto out;
+    }
+    printf("[deltaserve] listening on %s:%d; loading %s (/health answers 503 until ready)\n", host,
+           ds_server_port(srv), model_dir);
+    fflush(stdout);
+    if (ds_engine_create(&eo, &e, &err) || ds_engine_start(e, &err)) {
+        fprintf(stderr, "serve: %s\n", err.msg);
+        goto out;
+    }
+    ds_server_attach(srv, e);
+    g_loading = 0;
+    print_ready(host, ds_server_port(srv), name, ds_engine_max_model_len(e), api_key);
+
+    char sig = 0;
+    while (read(g_sig_pipe[0], &sig, 1) < 0 && errno == EINTR) continue;
+    printf("[deltaserve] %s: shutting down (running requests get up to %.1f s)\n",
+           sig == SIGINT ? "SIGINT" : "SIGTERM", grace);
+    fflush(stdout);
+    ds_server_quiesce(srv);
+    ds_engine_stop(e, grace);
+    status = 0;
+out:
+    /* the server's connection threads may still use the engine: they are joined first */
+    ds_server_free(srv);
+    if (e) ds_engine_free(e);
+    free(name);
+    if (status == 0) printf("[deltaserve] stopped\n");
+    return status;
+}

@@ -1,0 +1,201 @@
+/* metrics.c — fixed-bucket histograms and the Prometheus text format.
+ *
+ * Buckets are stored per bucket (not cumulative) so an observation touches one counter; the
+ * renderer accumulates them into Prometheus's cumulative `le` form. Bucket bounds reach down to a
+ * millisecond because a small model on a CPU answers that fast, and up to hours for long jobs. */
+#include "server/metrics.h"
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#define MAX_BUCKETS 32
+
+typedef struct hist_def {
+    const char *name; /* without the prefix */
+    const char *help;
+    const double *bounds; /* [n_bounds] ascending upper bounds; +Inf is implied */
+    int n_bounds;
+} hist_def;
+
+static const double TTFT_BOUNDS[] = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,
+                                     0.25,  0.5,   0.75, 1.0,  2.5,  5.0,  7.5,  10.0,
+                                     20.0,  40.0,  80.0, 160., 640., 2560.};
+static const double ITL_BOUNDS[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1,
+                                    0.15,  0.2,    0.3,   0.4,  0.5,   0.75, 1.0,   2.5,
+                                    5.0,   7.5,    10.0,  20.0, 40.0,  80.0};
+static const double E2E_BOUNDS[] = {0.01, 0.05, 0.1,  0.3,  0.5,  0.8,  1.0,  1.5,
+                                    2.0,  2.5,  5.0,  10.0, 15.0, 20.0, 30.0, 40.0,
+                                    50.0, 60.0, 120., 240., 480., 960., 1920, 7680.0};
+
+static const hist_def HISTS[DS_HIST_COUNT] = {
+    {"time_to_first_token_seconds", "Time from request arrival to its first generated token.",
+     TTFT_BOUNDS, (int)DS_ARRAY_LEN(TTFT_BOUNDS)},
+    {"inter_token_latency_seconds", "Time between consecutive tokens of a choice.", ITL_BOUNDS,
+     (int)DS_ARRAY_LEN(ITL_BOUNDS)},
+    {"e2e_request_latency_seconds", "Time from request arrival to its last event.", E2E_BOUNDS,
+     (int)DS_ARRAY_LEN(E2E_BOUNDS)},
+};
+
+typedef struct hist {
+    uint64_t counts[MAX_BUCKETS + 1]; /* [n_bounds + 1]: counts[i] for bounds[i-1] < x <= bounds[i],
+                                         the last one for x > every bound */
+    double sum;
+    uint64_t count;
+} hist;
+
+struct ds_metrics {
+    pthread_mutex_t mu;
+    hist h[DS_HIST_COUNT];
+};
+
+ds_metrics *ds_metrics_new(ds_err *err) {
+    ds_metrics *m = ds_calloc(1, sizeof *m, err);
+    if (!m) return NULL;
+    pthread_mutex_init(&m->mu, NULL);
+    return m;
+}
+
+void ds_metrics_free(ds_metrics *m) {
+    if (!m) return;
+    pthread_mutex_destroy(&m->mu);
+    free(m);
+}
+
+void ds_metrics_observe(ds_metrics *m, ds_hist_id id, double seconds) {
+    const hist_def *d = &HISTS[id];
+    int b = 0;
+    while (b < d->n_bounds && seconds > d->bounds[b]) b++;
+    pthread_mutex_lock(&m->mu);
+    m->h[id].counts[b]++;
+    m->h[id].sum += seconds;
+    m->h[id].count++;
+    pthread_mutex_unlock(&m->mu);
+}
+
+/* A growing text buffer; a failed allocation sticks (oom) and the render returns NULL. */
+typedef struct textbuf {
+    char *s;
+    size_t len, cap;
+    int oom;
+} textbuf;
+
+__attribute__((format(printf, 2, 3))) static void tb_printf(textbuf *t, const char *fmt, ...) {
+    if (t->oom) return;
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(t->s + t->len, t->cap - t->len, fmt, ap);
+        va_end(ap);
+        if (n < 0) {
+            t->oom = 1;
+            return;
+        }
+        if ((size_t)n < t->cap - t->len) {
+            t->len += (size_t)n;
+            return;
+        }
+        size_t cap = DS_MAX(2 * t->cap, t->len + (size_t)n + 1);
+        char *s = realloc(t->s, cap);
+        if (!s) {
+            t->oom = 1;
+            return;
+        }
+        t->s = s, t->cap = cap;
+    }
+}
+
+static void metric_head(textbuf *t, const char *name, const char *type, const char *help) {
+    tb_printf(t, "# HELP deltaserve:%s %s\n# TYPE deltaserve:%s %s\n", name, help, name, type);
+}
+
+static void gauge(textbuf *t, const char *name, const char *help, const char *labels, double v) {
+    metric_head(t, name, "gauge", help);
+    tb_printf(t, "deltaserve:%s{%s} %.17g\n", name, labels, v);
+}
+
+static void counter(textbuf *t, const char *name, const char *help, const char *labels, double v) {
+    metric_head(t, name, "counter", help);
+    tb_printf(t, "deltaserve:%s{%s} %.17g\n", name, labels, v);
+}
+
+char *ds_metrics_render(ds_metrics *m, const ds_engine_stats *st, const char *model_name,
+                        size_t *len, ds_err *err) {
+    textbuf t = {0};
+    t.cap = 8192;
+    t.s = malloc(t.cap);
+    if (!t.s) {
+        ds_errf(err, "out of memory rendering metrics");
+        return NULL;
+    }
+    /* label values escape backslash, quote and newline (the exposition format's rule) */
+    char labels[600] = "model_name=\"";
+    size_t k = strlen(labels);
+    for (const char *p = model_name; *p && k < sizeof labels - 4; p++) {
+        if (*p == '\\' || *p == '"') labels[k++] = '\\';
+        if (*p == '\n') {
+            labels[k++] = '\\';
+            labels[k++] = 'n';
+        } else {
+            labels[k++] = *p;
+        }
+    }
+    labels[k++] = '"';
+    labels[k] = 0;
+
+    gauge(&t, "num_requests_running", "Requests in the running batch.", labels, st->running);
+    gauge(&t, "num_requests_waiting", "Requests waiting to be scheduled.", labels, st->waiting);
+    gauge(&t, "kv_cache_usage_perc", "Fraction of MLA latent pages in use (1 = full).", labels,
+          st->pages_total ? (double)st->pages_used / st->pages_total : 0.0);
+    gauge(&t, "state_slot_usage_perc", "Fraction of KDA state slots in use (1 = full).", labels,
+          st->slots_total ? (double)st->slots_used / st->slots_total : 0.0);
+    counter(&t, "prompt_tokens_total", "Prompt tokens processed.", labels,
+            (double)st->prompt_tokens_total);
+    counter(&t, "generation_tokens_total", "Tokens generated.", labels,
+            (double)st->generation_tokens_total);
+    counter(&t, "num_preemptions_total", "Sequences preempted (to be recomputed).", labels,
+            (double)st->preemptions_total);
+    counter(&t, "engine_steps_total", "Engine steps run.", labels, (double)st->steps_total);
+    counter(&t, "engine_step_seconds_total", "Seconds spent in forward passes and sampling.",
+            labels, st->step_seconds_total);
+
+    metric_head(&t, "request_success_total", "counter", "Finished requests by finish reason.");
+    static const struct {
+        ds_finish f;
+        const char *name;
+    } REASONS[] = {{DS_FINISH_STOP, "stop"},
+                   {DS_FINISH_LENGTH, "length"},
+                   {DS_FINISH_ABORT, "abort"},
+                   {DS_FINISH_ERROR, "error"}};
+    for (size_t i = 0; i < DS_ARRAY_LEN(REASONS); i++)
+        tb_printf(&t, "deltaserve:request_success_total{%s,finished_reason=\"%s\"} %llu\n", labels,
+                  REASONS[i].name, (unsigned long long)st->finished[REASONS[i].f]);
+
+    hist snap[DS_HIST_COUNT];
+    pthread_mutex_lock(&m->mu);
+    memcpy(snap, m->h, sizeof snap);
+    pthread_mutex_unlock(&m->mu);
+    for (int i = 0; i < DS_HIST_COUNT; i++) {
+        const hist_def *d = &HISTS[i];
+        metric_head(&t, d->name, "histogram", d->help);
+        uint64_t cum = 0;
+        for (int b = 0; b < d->n_bounds; b++) {
+            cum += snap[i].counts[b];
+            tb_printf(&t, "deltaserve:%s_bucket{%s,le=\"%g\"} %llu\n", d->name, labels,
+                      d->bounds[b], (unsigned long long)cum);
+        }
+        tb_printf(&t, "deltaserve:%s_bucket{%s,le=\"+Inf\"} %llu\n", d->name, labels,
+                  (unsigned long long)snap[i].count);
+        tb_printf(&t, "deltaserve:%s_sum{%s} %.17g\n", d->name, labels, snap[i].sum);
+        tb_printf(&t, "deltaserve:%s_count{%s} %llu\n", d->name, labels,
+                  (unsigned long long)snap[i].count);
+    }
+    if (t.oom) {
+        free(t.s);
+        ds_errf(err, "out of memory rendering metrics");
+        return NULL;
+    }
+    *len = t.len;
+    return t.s;
+}
