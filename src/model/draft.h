@@ -1,0 +1,87 @@
+/* draft.h — the DSpark speculative draft (k3_dspark, MODEL_SPEC §8) on the CPU.
+ *
+ * The draft is a small MLA stack that reads the target's hidden states instead of its own tokens:
+ *   1. context: every position j the target processes yields ctx_j = RMSNorm(W_context ·
+ *      concat(target taps at j)); each draft layer caches one latent row per position from it
+ *      (ds_draft_write_context).
+ *   2. proposal: the block [anchor, mask, ..., mask] at positions p+1..p+T runs through the layers
+ *      (non-causal inside the block, attending to context rows 0..p), the target's lm_head gives
+ *      logits U[T][V], and a rank-r Markov walk turns them into T draft tokens (ds_draft_propose).
+ *
+ * The draft borrows the target's embed_tokens and lm_head (ds_model_embed / ds_model_lm_head): the
+ * target must outlive the draft. Like ds_model, a ds_draft keeps scratch buffers, so one thread at
+ * a time may use it; the per-sequence latent rows live in a ds_draft_cache owned by the caller. */
+#ifndef DS_DRAFT_H
+#define DS_DRAFT_H
+
+#include "model/model.h"
+
+typedef struct ds_draft ds_draft;
+
+/* Loads DIR (config.json + safetensors of a k3_dspark draft) for `target`. Rejects a draft that
+ * does not fit the target: hidden sizes (target_hidden_size and the draft's own, since it embeds
+ * with the target's table), vocabulary, tap ids outside the target's layers, a different
+ * target_num_hidden_layers. Binds every weight with its dtype and shape checked; a leading
+ * "model." on tensor names is accepted. */
+int ds_draft_load(const char *dir, const ds_model *target, ds_draft **out, ds_err *err);
+void ds_draft_free(ds_draft *d);
+const ds_draft_config *ds_draft_config_of(const ds_draft *d);
+
+/* The target layers to tap (target_layer_ids, ascending; -1 = embedding output), in the order
+ * ds_draft_write_context expects them: pass both to ds_seq_batch's tap_layers / n_taps. */
+int ds_draft_n_taps(const ds_draft *d);
+const int *ds_draft_tap_layers(const ds_draft *d);
+
+/* ---- RoPE / YaRN (MODEL_SPEC §8.6) ------------------------------------------------------------
+ */
+typedef struct ds_yarn {
+    int lo, hi; /* correction range: dims < lo keep inv_i, dims >= hi get inv_i / factor */
+    double softmax_scale;  /* (dn+dr)^-1/2 * yarn_mscale(factor, mscale_all_dim)^2 */
+    double cos_sin_mscale; /* yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) */
+} ds_yarn;
+
+/* Computes the YaRN table of config c: inv_freq [qk_rope_head_dim / 2] (may be NULL) and *y.
+ * Without YaRN (factor <= 1) inv_freq is plain RoPE and lo = hi = 0. */
+int ds_draft_yarn(const ds_draft_config *c, double *inv_freq, ds_yarn *y, ds_err *err);
+/* The table the loaded draft uses (inv_freq [qk_rope_head_dim / 2]). */
+const double *ds_draft_inv_freq(const ds_draft *d, ds_yarn *y);
+
+/* ---- per-sequence latent cache ----------------------------------------------------------------
+ */
+/* One paged pool per draft layer: layer[l] holds [n_pages + n_spare][block_size][row] floats,
+ * row = kv_lora_rank + qk_rope_head_dim, addressed through the sequence's block table like
+ * ds_kv_pool. Pages n_pages.. are the proposal's own: a block pass copies the last, partly filled
+ * context page there and appends its block rows behind it, so the attention kernel sees context
+ * and block as one paged sequence without a write into the sequence's pages. */
+typedef struct ds_draft_cache {
+    float **layer; /* [n_layers] pointers */
+    int n_layers, n_pages, n_spare, block_size, row;
+    int max_block; /* largest T ds_draft_propose accepts with this cache */
+} ds_draft_cache;
+
+int ds_draft_cache_init(ds_draft_cache *c, const ds_draft *d, int n_pages, int block_size,
+                        int max_block, ds_err *err);
+void ds_draft_cache_free(ds_draft_cache *c);
+
+/* ---- forward ----------------------------------------------------------------------------------
+ */
+/* ctx [n][D] = RMSNorm_{context_norm}(W_context · concat_j taps[j]) for n positions
+ * (MODEL_SPEC §8.4); taps: [n_taps][n][target D], as ds_model_forward's tap capture writes them. */
+int ds_draft_context(ds_draft *d, int n, const float *taps, float *ctx, ds_err *err);
+
+/* Computes the ctx rows of positions pos0..pos0+n-1 from taps [n_taps][n][D] and writes every
+ * draft layer's latent row [RMSNorm(kv[0:R]) | RoPE_pos(kv[R:R+dr])] at those positions. Rows of
+ * rejected verify tokens are overwritten by the next call that covers their positions, so writing
+ * ahead is harmless. block_table: pages covering positions [0, pos0+n). */
+int ds_draft_write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int pos0,
+                           int n, const float *taps, ds_err *err);
+
+/* Proposes T tokens after context rows 0..p (p = the last position the target has processed,
+ * whose ctx row is written; the anchor, the token the target just produced, sits at p+1).
+ * drafts [T] receive d_1..d_T; block_logits [T][V] (or NULL) receive U, the block's lm_head
+ * logits before the Markov bias. The block's own latent rows stay in the cache's spare pages.
+ * block_table: pages covering positions [0, p]. 1 <= T <= c->max_block. */
+int ds_draft_propose(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int p,
+                     int32_t anchor, int T, int32_t *drafts, float *block_logits, ds_err *err);
+
+#endif

@@ -1,0 +1,589 @@
+/* model_draft.c — the DSpark draft (MODEL_SPEC §8): weight binding, context rows, block pass,
+ * Markov walk.
+ *
+ * Data flow:
+ *   write_context: taps [n_taps][n][Dt] -> concat -> W_context -> RMSNorm = ctx [n][D]
+ *                  -> per layer: W_kva ctx -> [RMSNorm(c) | RoPE(kR)] -> latent cache rows.
+ *   propose:       embed([anchor, M...]) -> per layer: RMSNorm -> MLA (YaRN RoPE, absorbed, over
+ *                  context rows and the block's own rows, non-causal) -> += ; RMSNorm -> SwiGLU
+ *                  -> += ; final RMSNorm -> target lm_head = U [T][V] -> Markov walk -> drafts.
+ * Every norm uses rms_norm_eps (1e-5 in the published draft; the draft has no 1e-6 norms, trap 1).
+ */
+#include "model/draft.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+// ---- weights ------------------------------------------------------------------------------------
+
+typedef struct draft_layer {
+    float *in_norm, *post_norm; /* [D] */
+    ds_mat q;                   /* [Ha*(dn+dr)][D] when q_lora_rank == 0 */
+    ds_mat q_a, q_b;            /* [Rq][D], [Ha*(dn+dr)][Rq] */
+    float *q_a_norm;            /* [Rq] */
+    ds_mat kv_a;                /* [R+dr][D] */
+    float *kv_a_norm;           /* [R] */
+    ds_mat kv_b;                /* [Ha*(dn+dvh)][R]: per head W_UK [dn][R] then W_UV [dvh][R] */
+    ds_mat o;                   /* [D][Ha*dvh] */
+    ds_mat gate, up, down;      /* [I][D], [I][D], [D][I] */
+} draft_layer;
+
+struct ds_draft {
+    ds_draft_config cfg;
+    ds_st *st;
+    const ds_mat *embed, *lm_head; /* the target's, [V][D] each */
+    ds_mat context_proj;           /* [D][n_taps*Dt] */
+    float *context_norm;           /* [D] */
+    float *final_norm;             /* [D] */
+    draft_layer *layers;           /* [L] */
+    ds_mat markov_w1, markov_w2;   /* [V][r] each */
+    float *vecs;                   /* every norm weight, widened to f32 at load */
+    double *inv_freq;              /* [dr/2] YaRN-corrected inverse frequencies */
+    ds_yarn yarn;
+    /* scratch, grown on demand */
+    float *scratch; /* see carve() */
+    size_t scratch_cap;
+    int32_t *table; /* block table of one proposal's view (context pages + spare pages) */
+    size_t table_cap;
+};
+
+const ds_draft_config *ds_draft_config_of(const ds_draft *d) {
+    return &d->cfg;
+}
+int ds_draft_n_taps(const ds_draft *d) {
+    return d->cfg.num_target_layers;
+}
+const int *ds_draft_tap_layers(const ds_draft *d) {
+    return d->cfg.target_layer_ids;
+}
+const double *ds_draft_inv_freq(const ds_draft *d, ds_yarn *y) {
+    if (y) *y = d->yarn;
+    return d->inv_freq;
+}
+
+#define FLOAT_TYPES ((1u << DS_DT_F32) | (1u << DS_DT_F16) | (1u << DS_DT_BF16))
+
+/* The checkpoint name of a draft tensor: as given, or with the "model." prefix some exports add
+ * (MODEL_SPEC §8.2). */
+static const char *resolve(const ds_draft *d, const char *name, char *buf, size_t cap) {
+    if (ds_st_find(d->st, name)) return name;
+    snprintf(buf, cap, "model.%s", name);
+    return ds_st_find(d->st, buf) ? buf
+                                  : name; /* absent either way: ds_st_get names the plain one */
+}
+
+static int bind_mat(ds_draft *d, const char *name, int rows, int cols, ds_mat *out, ds_err *err) {
+    char buf[512];
+    const ds_tensor *t;
+    int64_t shape[2] = {rows, cols};
+    if (ds_st_get(d->st, resolve(d, name, buf, sizeof buf), FLOAT_TYPES, 2, shape, &t, err))
+        return DS_ERR;
+    *out = (ds_mat){t->data, t->dtype, rows, cols};
+    return DS_OK;
+}
+
+/* Widens a [n] norm weight into the next n floats of d->vecs (*next advances). */
+static int bind_vec(ds_draft *d, const char *name, int n, float **next, float **out, ds_err *err) {
+    char buf[512];
+    const ds_tensor *t;
+    int64_t shape[1] = {n};
+    if (ds_st_get(d->st, resolve(d, name, buf, sizeof buf), FLOAT_TYPES, 1, shape, &t, err) ||
+        ds_tensor_to_f32(t, *next, err))
+        return DS_ERR;
+    *out = *next;
+    *next += n;
+    return DS_OK;
+}
+
+#define NAME(buf, ...) snprintf(buf, sizeof buf, __VA_ARGS__)
+
+static int bind_layer(ds_draft *d, int i, float **vec, draft_layer *w, ds_err *err) {
+    const ds_draft_config *c = &d->cfg;
+    int D = c->hidden_size, Ha = c->num_attention_heads, R = c->kv_lora_rank, Rq = c->q_lora_rank;
+    int dq = c->qk_nope_head_dim + c->qk_rope_head_dim, dr = c->qk_rope_head_dim;
+    int dvh = c->v_head_dim, I = c->intermediate_size;
+    char n[256];
+    if (NAME(n, "layers.%d.input_layernorm.weight", i), bind_vec(d, n, D, vec, &w->in_norm, err))
+        return DS_ERR;
+    if (NAME(n, "layers.%d.post_attention_layernorm.weight", i),
+        bind_vec(d, n, D, vec, &w->post_norm, err))
+        return DS_ERR;
+    if (Rq) {
+        if (NAME(n, "layers.%d.self_attn.q_a_proj.weight", i), bind_mat(d, n, Rq, D, &w->q_a, err))
+            return DS_ERR;
+        if (NAME(n, "layers.%d.self_attn.q_a_layernorm.weight", i),
+            bind_vec(d, n, Rq, vec, &w->q_a_norm, err))
+            return DS_ERR;
+        if (NAME(n, "layers.%d.self_attn.q_b_proj.weight", i),
+            bind_mat(d, n, Ha * dq, Rq, &w->q_b, err))
+            return DS_ERR;
+    } else if (NAME(n, "layers.%d.self_attn.q_proj.weight", i),
+               bind_mat(d, n, Ha * dq, D, &w->q, err)) {
+        return DS_ERR;
+    }
+    if (NAME(n, "layers.%d.self_attn.kv_a_proj_with_mqa.weight", i),
+        bind_mat(d, n, R + dr, D, &w->kv_a, err))
+        return DS_ERR;
+    if (NAME(n, "layers.%d.self_attn.kv_a_layernorm.weight", i),
+        bind_vec(d, n, R, vec, &w->kv_a_norm, err))
+        return DS_ERR;
+    if (NAME(n, "layers.%d.self_attn.kv_b_proj.weight", i),
+        bind_mat(d, n, Ha * (c->qk_nope_head_dim + dvh), R, &w->kv_b, err))
+        return DS_ERR;
+    if (NAME(n, "layers.%d.self_attn.o_proj.weight", i), bind_mat(d, n, D, Ha * dvh, &w->o, err))
+        return DS_ERR;
+    if (NAME(n, "layers.%d.mlp.gate_proj.weight", i), bind_mat(d, n, I, D, &w->gate, err))
+        return DS_ERR;
+    if (NAME(n, "layers.%d.mlp.up_proj.weight", i), bind_mat(d, n, I, D, &w->up, err))
+        return DS_ERR;
+    if (NAME(n, "layers.%d.mlp.down_proj.weight", i), bind_mat(d, n, D, I, &w->down, err))
+        return DS_ERR;
+    return DS_OK;
+}
+
+/* The draft only makes sense next to the target it was trained on: it reads that target's hidden
+ * states, embedding and lm_head. */
+static int check_against_target(const ds_draft_config *c, const ds_config *t, ds_err *err) {
+    if (c->target_hidden_size != t->hidden_size)
+        return ds_errf(err, "target_hidden_size = %d, but the target's hidden_size is %d",
+                       c->target_hidden_size, t->hidden_size);
+    if (c->hidden_size != t->hidden_size)
+        return ds_errf(err,
+                       "hidden_size = %d differs from the target's %d; the draft embeds its block "
+                       "with the target's embed_tokens and decodes with its lm_head",
+                       c->hidden_size, t->hidden_size);
+    if (c->vocab_size != t->vocab_size)
+        return ds_errf(err, "vocab_size = %d differs from the target's %d", c->vocab_size,
+                       t->vocab_size);
+    for (int j = 0; j < c->num_target_layers; j++)
+        if (c->target_layer_ids[j] >= t->num_hidden_layers)
+            return ds_errf(err, "target_layer_ids[%d] = %d, but the target has %d layers", j,
+                           c->target_layer_ids[j], t->num_hidden_layers);
+    if (c->target_num_hidden_layers != t->num_hidden_layers)
+        return ds_errf(err, "target_num_hidden_layers = %d, but the target has %d layers",
+                       c->target_num_hidden_layers, t->num_hidden_layers);
+    if (c->fc_norm)
+        return ds_errf(err, "fc_norm = true (per-tap norms of TorchSpec drafts) is not supported");
+    if (c->aux_hidden_stream_attn_res)
+        return ds_errf(err, "aux_hidden_stream = \"attn_res\" is not supported: the target taps "
+                            "the block-local stream (\"prefix\")");
+    if (c->qk_rope_head_dim % 2)
+        return ds_errf(err, "qk_rope_head_dim = %d: RoPE turns lane pairs, so it must be even",
+                       c->qk_rope_head_dim);
+    return DS_OK;
+}
+
+int ds_draft_load(const char *dir, const ds_model *target, ds_draft **out, ds_err *err) {
+    *out = NULL;
+    ds_kernels_init();
+    ds_draft *d = ds_calloc(1, sizeof *d, err);
+    if (!d) return DS_ERR;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    if (ds_draft_config_load(path, &d->cfg, err)) goto fail;
+    const ds_draft_config *c = &d->cfg;
+    if (check_against_target(c, ds_model_config(target), err)) {
+        ds_err_prefix(err, "%s", path);
+        goto fail;
+    }
+    if (ds_st_open_dir(dir, &d->st, err)) goto fail;
+    d->embed = ds_model_embed(target);
+    d->lm_head = ds_model_lm_head(target);
+    int D = c->hidden_size, L = c->num_hidden_layers, V = c->vocab_size, r = c->markov_rank;
+    size_t n_vec = 2 * (size_t)D + (size_t)L * (2 * (size_t)D + c->q_lora_rank + c->kv_lora_rank);
+    d->vecs = ds_malloc(n_vec * sizeof(float), err);
+    d->layers = ds_calloc((size_t)L, sizeof(draft_layer), err);
+    d->inv_freq = ds_malloc((size_t)c->qk_rope_head_dim / 2 * sizeof(double), err);
+    if (!d->vecs || !d->layers || !d->inv_freq) goto fail;
+    float *vec = d->vecs;
+    if (bind_mat(d, "context_proj.weight", D, c->num_target_layers * c->target_hidden_size,
+                 &d->context_proj, err) ||
+        bind_vec(d, "context_norm.weight", D, &vec, &d->context_norm, err) ||
+        bind_vec(d, "final_norm.weight", D, &vec, &d->final_norm, err))
+        goto fail;
+    for (int i = 0; i < L; i++)
+        if (bind_layer(d, i, &vec, &d->layers[i], err)) goto fail;
+    if (bind_mat(d, "markov_head.markov_w1.weight", V, r, &d->markov_w1, err) ||
+        bind_mat(d, "markov_head.markov_w2.weight", V, r, &d->markov_w2, err))
+        goto fail;
+    /* embed_tokens (a frozen copy of the target's) and confidence_head (training only) are left
+     * unread on purpose (MODEL_SPEC §8.2, §8.7). */
+    if (ds_draft_yarn(c, d->inv_freq, &d->yarn, err)) goto fail;
+    *out = d;
+    return DS_OK;
+fail:
+    ds_err_prefix(err, "loading DSpark draft from %s", dir);
+    ds_draft_free(d);
+    return DS_ERR;
+}
+
+void ds_draft_free(ds_draft *d) {
+    if (!d) return;
+    if (d->st) ds_st_close(d->st);
+    free(d->layers);
+    free(d->vecs);
+    free(d->inv_freq);
+    free(d->scratch);
+    free(d->table);
+    free(d);
+}
+
+// ---- RoPE / YaRN (MODEL_SPEC §8.6) --------------------------------------------------------------
+
+static double yarn_mscale(double s, double m) {
+    return s <= 1.0 ? 1.0 : 0.1 * m * log(s) + 1.0;
+}
+
+int ds_draft_yarn(const ds_draft_config *c, double *inv_freq, ds_yarn *y, ds_err *err) {
+    int r = c->qk_rope_head_dim;
+    double theta = c->rope_theta, s = c->rope_factor;
+    if (r < 2 || r % 2 || !(theta > 1.0))
+        return ds_errf(err, "YaRN: qk_rope_head_dim = %d (needs even >= 2), rope_theta = %g", r,
+                       theta);
+    double base_scale = 1.0 / sqrt((double)(c->qk_nope_head_dim + r));
+    *y = (ds_yarn){0, 0, base_scale, 1.0};
+    if (s <= 1.0) {
+        if (inv_freq)
+            for (int i = 0; i < r / 2; i++) inv_freq[i] = pow(theta, -2.0 * i / r);
+        return DS_OK;
+    }
+    double L0 = (double)c->rope_original_max_position_embeddings;
+    if (!(L0 > 0)) return ds_errf(err, "YaRN: original_max_position_embeddings must be > 0");
+    /* dim(n): the rotary dimension whose wavelength fits n turns into L0 positions. Dimensions
+     * turning more than beta_fast times keep their frequency; fewer than beta_slow are divided by
+     * the factor; a linear ramp blends the ones between. */
+    double k = r / (2.0 * log(theta));
+    y->lo = DS_MAX((int)floor(k * log(L0 / (2.0 * M_PI * c->rope_beta_fast))), 0);
+    y->hi = DS_MIN((int)ceil(k * log(L0 / (2.0 * M_PI * c->rope_beta_slow))), r - 1);
+    double hi = y->lo == y->hi ? y->hi + 0.001 : (double)y->hi;
+    if (inv_freq)
+        for (int i = 0; i < r / 2; i++) {
+            double inv = pow(theta, -2.0 * i / r);
+            double ramp = (i - y->lo) / (hi - y->lo);
+            ramp = ramp < 0 ? 0 : ramp > 1 ? 1 : ramp;
+            inv_freq[i] = inv / s * ramp + inv * (1.0 - ramp);
+        }
+    double m_all = yarn_mscale(s, c->rope_mscale_all_dim);
+    y->softmax_scale = base_scale * m_all * m_all;
+    y->cos_sin_mscale = yarn_mscale(s, c->rope_mscale) / m_all;
+    return DS_OK;
+}
+
+/* cs[t][i] = {cos, sin}(pos0+t) * mscale of lane pair i: cs [n][dr/2][2]. Angles are formed in
+ * double so that positions near the 1M context limit keep their low bits. */
+static void rope_table(const ds_draft *d, float *cs, int pos0, int n) {
+    int half = d->cfg.qk_rope_head_dim / 2;
+    double m = d->yarn.cos_sin_mscale;
+    for (int t = 0; t < n; t++)
+        for (int i = 0; i < half; i++) {
+            double a = (double)(pos0 + t) * d->inv_freq[i];
+            cs[((size_t)t * half + i) * 2] = (float)(cos(a) * m);
+            cs[((size_t)t * half + i) * 2 + 1] = (float)(sin(a) * m);
+        }
+}
+
+/* Turns adjacent lanes (x[2i], x[2i+1]) of x [dr] by pair i's angle (GPT-J / "interleaved"
+ * pairing, as ATOM, vLLM and sglang DeepSeek MLA; checked by the golden's block logits). */
+static void rope_apply(float *x, const float *cs, int half) {
+    for (int i = 0; i < half; i++) {
+        float a = x[2 * i], b = x[2 * i + 1], c = cs[2 * i], s = cs[2 * i + 1];
+        x[2 * i] = a * c - b * s;
+        x[2 * i + 1] = a * s + b * c;
+    }
+}
+
+// ---- per-sequence latent cache ------------------------------------------------------------------
+
+int ds_draft_cache_init(ds_draft_cache *c, const ds_draft *d, int n_pages, int block_size,
+                        int max_block, ds_err *err) {
+    memset(c, 0, sizeof *c);
+    if (n_pages < 1 || block_size < 1 || max_block < 1)
+        return ds_errf(err,
+                       "draft cache: n_pages = %d, block_size = %d, max_block = %d (each >= 1)",
+                       n_pages, block_size, max_block);
+    c->n_layers = d->cfg.num_hidden_layers;
+    c->n_pages = n_pages;
+    c->block_size = block_size;
+    c->max_block = max_block;
+    /* a partly filled context page (< block_size rows) plus the block's rows */
+    c->n_spare = (block_size - 1 + max_block + block_size - 1) / block_size;
+    c->row = d->cfg.kv_lora_rank + d->cfg.qk_rope_head_dim;
+    c->layer = ds_calloc((size_t)c->n_layers, sizeof(float *), err);
+    if (!c->layer) return DS_ERR;
+    for (int l = 0; l < c->n_layers; l++) {
+        c->layer[l] = ds_calloc((size_t)(n_pages + c->n_spare) * (size_t)block_size,
+                                (size_t)c->row * sizeof(float), err);
+        if (!c->layer[l]) {
+            ds_draft_cache_free(c);
+            return DS_ERR;
+        }
+    }
+    return DS_OK;
+}
+
+void ds_draft_cache_free(ds_draft_cache *c) {
+    if (c->layer)
+        for (int l = 0; l < c->n_layers; l++) free(c->layer[l]);
+    free(c->layer);
+    memset(c, 0, sizeof *c);
+}
+
+// ---- scratch ------------------------------------------------------------------------------------
+
+/* Cuts n buffers of sizes[i] floats out of the draft's scratch (grown when short); each starts on
+ * a 64-byte boundary. */
+static int carve(ds_draft *d, const size_t *sizes, float **bufs, int n, ds_err *err) {
+    size_t need = 0;
+    for (int i = 0; i < n; i++) need += (sizes[i] + 15) & ~(size_t)15;
+    if (need > d->scratch_cap) {
+        free(d->scratch);
+        d->scratch = ds_aligned_alloc(need * sizeof(float), err);
+        d->scratch_cap = d->scratch ? need : 0;
+        if (!d->scratch) return DS_ERR;
+    }
+    float *p = d->scratch;
+    for (int i = 0; i < n; i++) {
+        bufs[i] = p;
+        p += (sizes[i] + 15) & ~(size_t)15;
+    }
+    return DS_OK;
+}
+
+// ---- context (MODEL_SPEC §8.4) ------------------------------------------------------------------
+
+/* ctx [n][D] from taps [n_taps][n][Dt], with a [n][n_taps*Dt] buffer for the concatenation. */
+static void context_rows(const ds_draft *d, int n, const float *taps, float *cat, float *ctx) {
+    const ds_draft_config *c = &d->cfg;
+    int nt = c->num_target_layers, Dt = c->target_hidden_size, D = c->hidden_size;
+    for (int t = 0; t < n; t++)
+        for (int j = 0; j < nt; j++)
+            memcpy(cat + ((size_t)t * nt + j) * Dt, taps + ((size_t)j * n + t) * Dt,
+                   (size_t)Dt * sizeof(float));
+    ds_matmul(ctx, D, cat, nt * Dt, n, &d->context_proj);
+    ds_rmsnorm(ctx, ctx, d->context_norm, n, D, c->rms_norm_eps);
+}
+
+int ds_draft_context(ds_draft *d, int n, const float *taps, float *ctx, ds_err *err) {
+    if (n < 1) return ds_errf(err, "draft context: n = %d (>= 1)", n);
+    const ds_draft_config *c = &d->cfg;
+    size_t sizes[1] = {(size_t)n * c->num_target_layers * c->target_hidden_size};
+    float *cat;
+    if (carve(d, sizes, &cat, 1, err)) return DS_ERR;
+    context_rows(d, n, taps, cat, ctx);
+    return DS_OK;
+}
+
+/* kv [n][R+dr] (raw W_kva output) -> latent rows [RMSNorm_{kv_a_layernorm}(c) | RoPE(kR)], with
+ * cs [n][dr/2][2] the rotation of each row's position. */
+static void finish_latent(const ds_draft *d, const draft_layer *w, float *kv, const float *cs,
+                          int n) {
+    const ds_draft_config *c = &d->cfg;
+    int R = c->kv_lora_rank, dr = c->qk_rope_head_dim, row = R + dr;
+    for (int t = 0; t < n; t++) {
+        float *kt = kv + (size_t)t * row;
+        ds_rmsnorm(kt, kt, w->kv_a_norm, 1, R, c->rms_norm_eps);
+        rope_apply(kt + R, cs + (size_t)t * dr, dr / 2);
+    }
+}
+
+int ds_draft_write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int pos0,
+                           int n, const float *taps, ds_err *err) {
+    const ds_draft_config *cf = &d->cfg;
+    int D = cf->hidden_size, dr = cf->qk_rope_head_dim, row = cf->kv_lora_rank + dr;
+    if (n < 1 || pos0 < 0)
+        return ds_errf(err, "draft write_context: n = %d, pos0 = %d (need n >= 1, pos0 >= 0)", n,
+                       pos0);
+    if (c->row != row || c->n_layers != cf->num_hidden_layers)
+        return ds_errf(err,
+                       "draft write_context: cache of %d layers x %d floats, draft needs %d x %d",
+                       c->n_layers, c->row, cf->num_hidden_layers, row);
+    size_t sizes[4] = {
+        (size_t)n * cf->num_target_layers * cf->target_hidden_size, /* cat [n][n_taps*Dt] */
+        (size_t)n * D,                                              /* ctx [n][D] */
+        (size_t)n * row,                                            /* kv [n][R+dr] */
+        (size_t)n * dr,                                             /* cs [n][dr/2][2] */
+    };
+    float *b[4];
+    if (carve(d, sizes, b, 4, err)) return DS_ERR;
+    float *cat = b[0], *ctx = b[1], *kv = b[2], *cs = b[3];
+    context_rows(d, n, taps, cat, ctx);
+    rope_table(d, cs, pos0, n);
+    /* ctx feeds W_kva directly: it does not pass through input_layernorm (§8.4). */
+    for (int l = 0; l < cf->num_hidden_layers; l++) {
+        const draft_layer *w = &d->layers[l];
+        ds_matmul(kv, row, ctx, D, n, &w->kv_a);
+        finish_latent(d, w, kv, cs, n);
+        ds_latent_view view = {c->layer[l], block_table, c->block_size, row};
+        for (int t = 0; t < n; t++)
+            memcpy(ds_latent_row(&view, pos0 + t), kv + (size_t)t * row,
+                   (size_t)row * sizeof(float));
+    }
+    return DS_OK;
+}
+
+// ---- block pass (MODEL_SPEC §8.5) and Markov walk (§8.7) ----------------------------------------
+
+/* Buffers of one proposal of T rows. */
+typedef struct block_bufs {
+    float *h, *x, *a;   /* [T][D] stream, normed input, sublayer output */
+    float *qa;          /* [T][Rq] */
+    float *q;           /* [T][Ha][dn+dr] */
+    float *kv;          /* [T][R+dr] the block's latent rows */
+    float *qr;          /* [T][Ha][dr] rotated rope part of the queries */
+    float *qbar, *obar; /* [T][Ha][R] queries / outputs in the latent space */
+    float *o;           /* [T][Ha][dvh] */
+    float *g, *u;       /* [T][I] MLP gate / up */
+    float *cs;          /* [T][dr/2][2] rotations of positions p+1..p+T */
+    float *U;           /* [T][V] block logits when the caller passes none */
+    float *w1, *bias;   /* [r] Markov row of the previous token, [V] its bias over the vocabulary */
+} block_bufs;
+
+/* The block's MLA for layer l: out bb->a [T][D] from the normed input bb->x. view: context pages
+ * for positions <= p plus spare pages from the page holding p+1 on. */
+static void block_attention(ds_draft *d, int l, block_bufs *bb, ds_latent_view *view, int p,
+                            int T) {
+    const ds_draft_config *c = &d->cfg;
+    const draft_layer *w = &d->layers[l];
+    int D = c->hidden_size, Ha = c->num_attention_heads, R = c->kv_lora_rank, Rq = c->q_lora_rank;
+    int dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dvh = c->v_head_dim, dq = dn + dr;
+    int row = R + dr;
+    if (Rq) {
+        ds_matmul(bb->qa, Rq, bb->x, D, T, &w->q_a);
+        ds_rmsnorm(bb->qa, bb->qa, w->q_a_norm, T, Rq, c->rms_norm_eps);
+        ds_matmul(bb->q, Ha * dq, bb->qa, Rq, T, &w->q_b);
+    } else {
+        ds_matmul(bb->q, Ha * dq, bb->x, D, T, &w->q);
+    }
+    ds_matmul(bb->kv, row, bb->x, D, T, &w->kv_a);
+    finish_latent(d, w, bb->kv, bb->cs, T);
+    for (int t = 0; t < T; t++)
+        memcpy(ds_latent_row(view, p + 1 + t), bb->kv + (size_t)t * row,
+               (size_t)row * sizeof(float));
+    /* qR turns at its own row's position, like the key it is matched with (trap 9). */
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < Ha; h++) {
+            float *qr = bb->qr + ((size_t)t * Ha + h) * dr;
+            memcpy(qr, bb->q + ((size_t)t * Ha + h) * dq + dn, (size_t)dr * sizeof(float));
+            rope_apply(qr, bb->cs + (size_t)t * dr, dr / 2);
+        }
+    for (int h = 0; h < Ha; h++) {
+        ds_mat uk = ds_mat_rows(&w->kv_b, h * (dn + dvh), dn);
+        ds_matmul_t(bb->qbar + (size_t)h * R, Ha * R, bb->q + (size_t)h * dq, Ha * dq, T, &uk);
+    }
+    /* Non-causal: every block row sees context rows 0..p and all T block rows (§8.5, trap 15). */
+    ds_mla_attend_absorbed(bb->obar, bb->qbar, bb->qr, T, Ha, R, dr, view, p + 1, p + 1 + T, 0,
+                           (float)d->yarn.softmax_scale);
+    for (int h = 0; h < Ha; h++) {
+        ds_mat uv = ds_mat_rows(&w->kv_b, h * (dn + dvh) + dn, dvh);
+        ds_matmul(bb->o + (size_t)h * dvh, Ha * dvh, bb->obar + (size_t)h * R, Ha * R, T, &uv);
+    }
+    ds_matmul(bb->a, D, bb->o, Ha * dvh, T, &w->o);
+}
+
+/* The block table of a proposal's view: context rows 0..p through the sequence's pages, rows
+ * p+1.. in the cache's spare pages. The page holding p+1 is replaced by the first spare page,
+ * which receives a copy of that page's context rows (spare_view_fill), so context and block read
+ * as one paged sequence without a write into the sequence's own pages. */
+static int spare_table(ds_draft *d, const ds_draft_cache *c, const int32_t *block_table, int p,
+                       ds_err *err) {
+    int full = (p + 1) / c->block_size; /* pages wholly made of context rows */
+    size_t n_tab = (size_t)full + (size_t)c->n_spare;
+    if (n_tab > d->table_cap) {
+        int32_t *t = realloc(d->table, n_tab * sizeof *t);
+        if (!t) return ds_errf(err, "out of memory (draft block table of %zu pages)", n_tab);
+        d->table = t;
+        d->table_cap = n_tab;
+    }
+    memcpy(d->table, block_table, (size_t)full * sizeof(int32_t));
+    for (int k = 0; k < c->n_spare; k++) d->table[full + k] = c->n_pages + k;
+    return DS_OK;
+}
+
+/* Layer l's view through d->table, with the context rows of the page holding p+1 copied in. */
+static ds_latent_view spare_view_fill(const ds_draft *d, ds_draft_cache *c, int l,
+                                      const int32_t *block_table, int p) {
+    int bs = c->block_size;
+    ds_latent_view view = {c->layer[l], d->table, bs, c->row};
+    ds_latent_view seq = {c->layer[l], block_table, bs, c->row};
+    for (int pos = (p + 1) / bs * bs; pos <= p; pos++)
+        memcpy(ds_latent_row(&view, pos), ds_latent_row(&seq, pos), (size_t)c->row * sizeof(float));
+    return view;
+}
+
+int ds_draft_propose(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int p,
+                     int32_t anchor, int T, int32_t *drafts, float *block_logits, ds_err *err) {
+    const ds_draft_config *cf = &d->cfg;
+    int D = cf->hidden_size, V = cf->vocab_size, Ha = cf->num_attention_heads;
+    int R = cf->kv_lora_rank, dr = cf->qk_rope_head_dim, dq = cf->qk_nope_head_dim + dr;
+    int I = cf->intermediate_size, r = cf->markov_rank;
+    if (T < 1 || T > c->max_block || p < 0)
+        return ds_errf(err, "draft propose: T = %d (cache allows 1..%d), p = %d (>= 0)", T,
+                       c->max_block, p);
+    /* The anchor comes from the target's argmax, so an id outside the vocabulary is a caller bug:
+     * report it rather than clamp it (ATOM clamps because its batches carry padding ids). */
+    if (anchor < 0 || anchor >= V)
+        return ds_errf(err, "draft propose: anchor id %d is outside [0, %d)", anchor, V);
+    if (c->row != R + dr || c->n_layers != cf->num_hidden_layers)
+        return ds_errf(err, "draft propose: cache of %d layers x %d floats, draft needs %d x %d",
+                       c->n_layers, c->row, cf->num_hidden_layers, R + dr);
+    size_t TD = (size_t)T * D;
+    size_t sizes[] = {
+        TD,
+        TD,
+        TD,                                                  /* h, x, a */
+        (size_t)T * (cf->q_lora_rank ? cf->q_lora_rank : 1), /* qa */
+        (size_t)T * Ha * dq,                                 /* q */
+        (size_t)T * (R + dr),                                /* kv */
+        (size_t)T * Ha * dr,                                 /* qr */
+        (size_t)T * Ha * R,
+        (size_t)T * Ha * R,              /* qbar, obar */
+        (size_t)T * Ha * cf->v_head_dim, /* o */
+        (size_t)T * I,
+        (size_t)T * I,                    /* g, u */
+        (size_t)T * dr,                   /* cs */
+        block_logits ? 1 : (size_t)T * V, /* U */
+        (size_t)r,
+        (size_t)V, /* w1, bias */
+        (size_t)T, /* ids (int32) */
+    };
+    float *b[DS_ARRAY_LEN(sizes)];
+    if (carve(d, sizes, b, (int)DS_ARRAY_LEN(sizes), err)) return DS_ERR;
+    block_bufs bb = {b[0], b[1], b[2],  b[3],  b[4],  b[5],  b[6],  b[7],
+                     b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]};
+    if (block_logits) bb.U = block_logits;
+    int32_t *ids = (int32_t *)b[16]; /* [T] */
+
+    /* Inputs [x0, M, ..., M] at positions p+1..p+T, embedded with the target's table. */
+    ids[0] = anchor;
+    for (int t = 1; t < T; t++) ids[t] = cf->mask_token_id;
+    ds_embed(bb.h, d->embed, ids, T);
+    rope_table(d, bb.cs, p + 1, T);
+    if (spare_table(d, c, block_table, p, err)) return DS_ERR;
+    for (int l = 0; l < cf->num_hidden_layers; l++) {
+        const draft_layer *w = &d->layers[l];
+        ds_latent_view view = spare_view_fill(d, c, l, block_table, p);
+        ds_rmsnorm(bb.x, bb.h, w->in_norm, T, D, cf->rms_norm_eps);
+        block_attention(d, l, &bb, &view, p, T);
+        ds_add(bb.h, bb.a, TD);
+        ds_rmsnorm(bb.x, bb.h, w->post_norm, T, D, cf->rms_norm_eps);
+        ds_matmul(bb.g, I, bb.x, D, T, &w->gate);
+        ds_matmul(bb.u, I, bb.x, D, T, &w->up);
+        ds_act_swiglu(bb.g, bb.g, bb.u, (size_t)T * I);
+        ds_matmul(bb.a, D, bb.g, I, T, &w->down);
+        ds_add(bb.h, bb.a, TD);
+    }
+    ds_rmsnorm(bb.x, bb.h, d->final_norm, T, D, cf->rms_norm_eps);
+    ds_matmul(bb.U, V, bb.x, D, T, d->lm_head);
+
+    /* Markov walk: row k-1's logits plus the rank-r bias W2 · W1[x_{k-1}] of the token chosen
+     * before it. Only this loop is sequential. */
+    int32_t prev = anchor;
+    for (int k = 0; k < T; k++) {
+        ds_embed(bb.w1, &d->markov_w1, &prev, 1);
+        ds_matmul(bb.bias, V, bb.w1, r, 1, &d->markov_w2);
+        ds_add(bb.bias, bb.U + (size_t)k * V, (size_t)V);
+        prev = drafts[k] = ds_argmax(bb.bias, V);
+    }
+    return DS_OK;
+}
