@@ -91,7 +91,7 @@ static int run_prompt(ds_model *m, int T, int reps, double *sec, ds_err *err) {
     double best = 1e30;
     for (int r = 0; r < reps; r++) {
         memset(slot, 0, ds_model_slot_floats(m) * sizeof(float));
-        ds_seq_batch sb = {ids, T, 0, slot, table, logits, 1, NULL, NULL, NULL, 0, NULL};
+        ds_seq_batch sb = {ids, T, 0, slot, table, logits, 1, NULL, NULL, NULL, 0, NULL, NULL};
         double t0 = ds_now();
         if (ds_model_forward(m, &pool, &sb, 1, err)) goto out;
         double dt = ds_now() - t0;

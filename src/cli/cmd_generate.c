@@ -48,7 +48,7 @@ static int feed(ds_model *m, one_seq *s, const int32_t *ids, int n, int pos0, fl
         int len = DS_MIN(PREFILL_CHUNK, n - done);
         int is_last = done + len == n;
         ds_seq_batch sb = {ids + done, len,  pos0 + done, s->slot, s->table, is_last ? last : NULL,
-                           is_last,    NULL, NULL,        NULL,    0,        NULL};
+                           is_last,    NULL, NULL,        NULL,    0,        NULL, NULL};
         if (ds_model_forward(m, &s->pool, &sb, 1, err)) return DS_ERR;
         done += len;
     }
@@ -264,7 +264,7 @@ int ds_cmd_logits(int argc, char **argv) {
     int V = ds_model_config(m)->vocab_size;
     logits = ds_malloc((size_t)n * V * sizeof(float), &err);
     if (!logits || one_seq_init(&s, m, n, &err)) goto done;
-    ds_seq_batch sb = {ids, n, 0, s.slot, s.table, logits, n, NULL, NULL, NULL, 0, NULL};
+    ds_seq_batch sb = {ids, n, 0, s.slot, s.table, logits, n, NULL, NULL, NULL, 0, NULL, NULL};
     if (ds_model_forward(m, &s.pool, &sb, 1, &err)) goto done;
     if (write_npy(out, logits, n, V, &err)) goto done;
     status = 0;

@@ -213,6 +213,9 @@ int ds_cmd_serve(int argc, char **argv) {
     fflush(stdout);
     ds_server_quiesce(srv);
     ds_engine_stop(e, grace);
+    /* every stream now has its last events; give slow readers a moment to take them */
+    int left = ds_server_drain(srv, 2.0);
+    if (left) printf("[deltaserve] closing %d connection(s) still writing\n", left);
     status = 0;
 out:
     /* the server's connection threads may still use the engine: they are joined first */

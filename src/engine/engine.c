@@ -5,6 +5,8 @@
  * thread owns everything else (scheduler, sequences, pools) without locking. */
 #include "engine/engine.h"
 
+#include "cache/offload.h"
+#include "cache/prefix.h"
 #include "engine/sampler.h"
 #include "engine/scheduler.h"
 #include "engine/textout.h"
@@ -17,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <xxhash.h>
 
 typedef struct request request;
 
@@ -52,6 +55,8 @@ struct ds_engine {
     ds_kv_pool kv;
     ds_page_pool *pages;
     ds_slot_pool *slots;
+    ds_prefix *prefix;   /* NULL when prefix caching is off */
+    ds_offload *offload; /* NULL when no tier is configured */
     ds_scheduler *sched;
     int max_model_len;
     int V;
@@ -87,6 +92,10 @@ void ds_engine_opts_default(ds_engine_opts *o) {
     o->max_num_seqs = 64;
     o->max_num_batched_tokens = 2048;
     o->max_queue = 1024;
+    o->enable_prefix_caching = 1;
+    o->state_checkpoint_interval_tokens = 256;
+    o->state_checkpoint_memory = (size_t)64 << 20;
+    o->kv_offload_remote_timeout_ms = 100;
 }
 
 void ds_request_params_default(ds_request_params *p) {
@@ -180,6 +189,57 @@ static int size_pools(ds_engine *e, ds_err *err) {
     return DS_OK;
 }
 
+/* Prefix caching and the offload tier. Every hash is seeded with the model's identity (its
+ * config.json and weight size), and offload keys carry it too, so two models never share
+ * entries. */
+static int setup_prefix(ds_engine *e, ds_err *err) {
+    const ds_engine_opts *o = &e->opts;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", e->model_dir);
+    size_t len = 0;
+    char *cfg = ds_read_file(path, &len, NULL);
+    uint64_t seed = XXH3_64bits_withSeed(cfg ? cfg : "", cfg ? len : 0,
+                                         (uint64_t)ds_model_weight_bytes(e->model));
+    free(cfg);
+    char model_id[32];
+    snprintf(model_id, sizeof model_id, "%016llx", (unsigned long long)seed);
+    const ds_config *c = ds_model_config(e->model);
+    if (o->kv_offload_ram_bytes || (o->kv_offload_disk_dir && o->kv_offload_disk_dir[0]) ||
+        (o->kv_offload_remote && o->kv_offload_remote[0])) {
+        /* one stage holding every layer, TP rank 0, layout version 1 */
+        ds_offload_opts oo = {.ram_bytes = o->kv_offload_ram_bytes,
+                              .disk_dir = o->kv_offload_disk_dir,
+                              .disk_bytes = o->kv_offload_disk_bytes,
+                              .remote = o->kv_offload_remote,
+                              .remote_timeout_ms = o->kv_offload_remote_timeout_ms,
+                              .model_id = model_id,
+                              .layer_lo = 0,
+                              .layer_hi = c->num_hidden_layers,
+                              .tp_rank = 0,
+                              .layout = 1};
+        if (ds_offload_create(&oo, &e->offload, err)) return DS_ERR;
+    }
+    size_t slot_bytes = DS_MAX(ds_model_slot_floats(e->model) * sizeof(float), 1);
+    size_t n_ckpt = o->state_checkpoint_memory / slot_bytes;
+    if (n_ckpt > (1u << 20)) n_ckpt = 1u << 20;
+    ds_prefix_opts po = {o->block_size, o->state_checkpoint_interval_tokens, (int)n_ckpt, seed,
+                         o->prefix_test_hash_bits};
+    if (ds_prefix_create(&po, ds_model_slot_floats(e->model), e->pages, &e->kv, e->offload,
+                         &e->prefix, err))
+        return DS_ERR;
+    ds_sched_set_prefix(e->sched, e->prefix);
+    int rung = DS_MAX(o->block_size,
+                      o->state_checkpoint_interval_tokens / o->block_size * o->block_size);
+    fprintf(stderr,
+            "[deltaserve] prefix caching on: %zu KDA checkpoint slots (%.1f MiB), rungs every %d "
+            "tokens%s%s%s\n",
+            n_ckpt, (double)(n_ckpt * slot_bytes) / 1048576.0, rung,
+            o->kv_offload_ram_bytes ? ", offload to RAM" : "",
+            o->kv_offload_disk_dir && o->kv_offload_disk_dir[0] ? ", to disk" : "",
+            o->kv_offload_remote && o->kv_offload_remote[0] ? ", to Redis" : "");
+    return DS_OK;
+}
+
 int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
     *out = NULL;
     ds_engine *e = ds_calloc(1, sizeof *e, err);
@@ -205,6 +265,7 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
     ds_sched_opts so = {opts->block_size, opts->max_num_seqs, opts->max_num_batched_tokens,
                         DS_MIN(512, opts->max_num_batched_tokens)};
     if (ds_sched_create(&so, e->pages, e->slots, &e->sched, err)) goto fail;
+    if (opts->enable_prefix_caching && setup_prefix(e, err)) goto fail;
     int S = opts->max_num_seqs;
     e->items = ds_calloc((size_t)S, sizeof *e->items, err);
     e->preempted = ds_calloc((size_t)S, sizeof *e->preempted, err);
@@ -260,6 +321,9 @@ static void finish_choice(ds_engine *e, choice *ch, ds_finish why) {
     if (ch->done) return;
     ch->done = 1;
     if (ch->seq) {
+        /* a finished prefix is worth keeping beyond the device pools */
+        if (ch->in_sched && e->prefix && why != DS_FINISH_ABORT)
+            ds_prefix_on_finish(e->prefix, ch->seq);
         if (ch->in_sched)
             ds_sched_remove(e->sched, ch->seq,
                             why == DS_FINISH_ABORT ? DS_SEQ_ABORTED : DS_SEQ_FINISHED);
@@ -285,10 +349,13 @@ static void finish_choice(ds_engine *e, choice *ch, ds_finish why) {
 }
 
 static void abort_request(ds_engine *e, request *r) {
-    for (int i = 0; i < r->spec.params.n; i++) {
+    int n = r->spec.params.n;
+    for (int i = 0; i < n; i++) {
         if (r->choices[i].done) continue;
+        /* finishing the last open choice frees r: decide before, never read r after */
+        int last = r->n_done == n - 1;
         finish_choice(e, &r->choices[i], DS_FINISH_ABORT);
-        if (r->n_done == r->spec.params.n) return; /* r is freed */
+        if (last) return;
     }
 }
 
@@ -403,9 +470,11 @@ static int take_inbox(ds_engine *e) {
     int n_ab = e->n_aborts;
     int64_t ab[256];
     if (n_ab > 256) n_ab = 256;
-    memcpy(ab, e->aborts, (size_t)n_ab * sizeof *ab);
-    memmove(e->aborts, e->aborts + n_ab, (size_t)(e->n_aborts - n_ab) * sizeof *ab);
-    e->n_aborts -= n_ab;
+    if (n_ab) { /* e->aborts is NULL until the first abort: memcpy(NULL, 0) is UB */
+        memcpy(ab, e->aborts, (size_t)n_ab * sizeof *ab);
+        memmove(e->aborts, e->aborts + n_ab, (size_t)(e->n_aborts - n_ab) * sizeof *ab);
+        e->n_aborts -= n_ab;
+    }
     int stopping = e->stopping;
     double deadline = e->stop_deadline;
     pthread_mutex_unlock(&e->mu);
@@ -415,7 +484,8 @@ static int take_inbox(ds_engine *e) {
         in = in->next;
         r->next = e->live;
         e->live = r;
-        for (int i = 0; i < r->spec.params.n; i++) {
+        int n = r->spec.params.n;
+        for (int i = 0; i < n; i++) {
             ds_err err;
             choice *ch = &r->choices[i];
             if (ds_sched_add(e->sched, ch->seq, &err) == DS_OK) {
@@ -424,8 +494,9 @@ static int take_inbox(ds_engine *e) {
                 /* cannot ever fit the pools: fail this choice cleanly */
                 ds_seq_free(ch->seq);
                 ch->seq = NULL;
+                int last = r->n_done == n - 1; /* then finish_choice frees r */
                 finish_choice(e, ch, DS_FINISH_ERROR);
-                if (r->n_done == r->spec.params.n) break;
+                if (last) break;
             }
         }
     }
@@ -512,8 +583,12 @@ static void run_step(ds_engine *e) {
                                      NULL,
                                      NULL,
                                      0,
+                                     NULL,
                                      NULL};
         if (it->pos0 < s->n_prompt) n_prompt_tokens += DS_MIN(it->n, s->n_prompt - it->pos0);
+        /* A sequence resumed from a checkpoint starts from a copy of it: before any kernel reads
+         * its slot, whatever kind of step this is. */
+        if (e->prefix) ds_prefix_take_fork(e->prefix, s, e->batch[i].slot);
     }
     ds_err err;
     if (ds_model_forward(e->model, &e->kv, e->batch, n_items, &err)) {
@@ -524,6 +599,14 @@ static void run_step(ds_engine *e) {
         return;
     }
     ds_sched_commit(e->sched, e->items, n_items);
+    /* File the pages and rung checkpoints this step completed, before sampling appends tokens
+     * (the slot now summarises exactly n_computed tokens). */
+    if (e->prefix)
+        for (int i = 0; i < n_items; i++) {
+            ds_seq *s = e->items[i].seq;
+            if (s->status == DS_SEQ_RUNNING)
+                ds_prefix_on_computed(e->prefix, s, ds_slot_data(e->slots, s->slot));
+        }
     for (int i = 0; i < n_items; i++)
         if (e->items[i].sample)
             sample_and_emit(e, e->items[i].seq->owner, e->logits + (size_t)i * e->V);
@@ -544,6 +627,32 @@ static void update_queue_stats(ds_engine *e) {
     e->stats.pages_used = e->stats.pages_total - ds_page_n_free(e->pages);
     e->stats.slots_total = ds_slot_n_total(e->slots);
     e->stats.slots_used = e->stats.slots_total - ds_slot_n_free(e->slots);
+    e->stats.pages_cached_idle = ds_page_n_cached_idle(e->pages);
+    if (e->prefix) {
+        ds_prefix_stats ps;
+        ds_prefix_get_stats(e->prefix, &ps);
+        e->stats.prefix_query_tokens = ps.query_tokens;
+        e->stats.prefix_hit_tokens = ps.hit_tokens;
+        e->stats.ckpt_kept = ps.ckpt_kept;
+        e->stats.ckpt_dropped = ps.ckpt_dropped;
+        e->stats.ckpt_evicted = ps.ckpt_evicted;
+        e->stats.forks = ps.forks;
+        e->stats.prefix_pages_evicted = ps.pages_evicted;
+        e->stats.prefix_collisions = ps.collisions;
+        e->stats.ckpt_slots_total = ps.ckpt_total;
+        e->stats.ckpt_slots_used = ps.ckpt_used;
+    }
+    if (e->offload) {
+        ds_offload_stats os;
+        ds_offload_get_stats(e->offload, &os);
+        e->stats.offload_stores = os.stores;
+        e->stats.offload_loads_ram = os.loads_ram;
+        e->stats.offload_loads_disk = os.loads_disk;
+        e->stats.offload_loads_remote = os.loads_remote;
+        e->stats.offload_misses = os.misses;
+        e->stats.offload_bad = os.bad;
+        e->stats.offload_remote_errors = os.remote_errors;
+    }
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -596,6 +705,8 @@ void ds_engine_free(ds_engine *e) {
     }
     while (e->live) abort_request(e, e->live);
     if (e->sched) ds_sched_free(e->sched);
+    ds_prefix_free(e->prefix);
+    ds_offload_free(e->offload);
     ds_slot_pool_free(e->slots);
     ds_page_pool_free(e->pages);
     ds_kv_pool_free(&e->kv);

@@ -25,6 +25,17 @@ typedef struct ds_engine_opts {
     int max_model_len;          /* context limit; 0: min(max_position_embeddings, capacity) */
     int max_queue;              /* waiting requests beyond which submit fails (default 1024) */
     uint64_t seed;              /* base seed for requests without one */
+    /* prefix caching (cache/prefix.h) */
+    int enable_prefix_caching;            /* default 1 */
+    int state_checkpoint_interval_tokens; /* rung spacing, snapped to block_size (default 256) */
+    size_t state_checkpoint_memory;       /* bytes of KDA checkpoint slots (default 64 MiB) */
+    int prefix_test_hash_bits;            /* tests only: > 0 forces hash collisions */
+    /* offload tier (cache/offload.h); each is off when 0 / NULL */
+    size_t kv_offload_ram_bytes;
+    const char *kv_offload_disk_dir;
+    size_t kv_offload_disk_bytes;     /* 0: unlimited */
+    const char *kv_offload_remote;    /* "redis://host:port" */
+    int kv_offload_remote_timeout_ms; /* default 100 */
 } ds_engine_opts;
 
 void ds_engine_opts_default(ds_engine_opts *o);
@@ -115,6 +126,14 @@ typedef struct ds_engine_stats {
     uint64_t finished[5]; /* by ds_finish */
     uint64_t steps_total;
     double step_seconds_total; /* time inside forward + sampling */
+    /* prefix caching: tokens of admitted prompts looked up, and resumed from the cache */
+    uint64_t prefix_query_tokens, prefix_hit_tokens;
+    uint64_t ckpt_kept, ckpt_dropped, ckpt_evicted, forks; /* checkpoint rungs, see prefix.h */
+    uint64_t prefix_pages_evicted, prefix_collisions;
+    int ckpt_slots_total, ckpt_slots_used, pages_cached_idle;
+    /* offload tier */
+    uint64_t offload_stores, offload_loads_ram, offload_loads_disk, offload_loads_remote;
+    uint64_t offload_misses, offload_bad, offload_remote_errors;
 } ds_engine_stats;
 void ds_engine_get_stats(ds_engine *e, ds_engine_stats *s);
 

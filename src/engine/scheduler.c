@@ -49,6 +49,7 @@ ds_seq *ds_seq_new(int64_t id, const int32_t *prompt, int n_prompt, int max_len,
     s->n_tokens = n_prompt;
     s->n_prompt = n_prompt;
     s->slot = -1;
+    s->fork_ckpt = -1;
     s->status = DS_SEQ_WAITING;
     s->max_len = max_len;
     return s;
@@ -75,7 +76,22 @@ void ds_seq_free(ds_seq *s) {
     if (!s) return;
     free(s->tokens);
     free(s->block_table);
+    free(s->entry);
+    free(s->rungs);
     free(s);
+}
+
+int ds_seq_reserve_blocks(ds_seq *q, int need) {
+    if (q->cap_blocks >= need) return DS_OK;
+    int cap = DS_MAX(need, DS_MAX(2 * q->cap_blocks, 4));
+    int32_t *t = realloc(q->block_table, (size_t)cap * sizeof *t);
+    if (!t) return DS_ERR;
+    q->block_table = t;
+    int32_t *e = realloc(q->entry, (size_t)cap * sizeof *e);
+    if (!e) return DS_ERR; /* cap_blocks unchanged: the larger table is simply not used yet */
+    q->entry = e;
+    q->cap_blocks = cap;
+    return DS_OK;
 }
 
 /* ---- scheduler state --------------------------------------------------------------------- */
@@ -84,6 +100,7 @@ struct ds_scheduler {
     ds_sched_opts o;
     ds_page_pool *pages; /* not owned */
     ds_slot_pool *slots; /* not owned */
+    ds_prefix *prefix;   /* not owned; NULL: prefix caching off */
     ds_seq **running;    /* [max_num_seqs] oldest first; each holds a slot and its pages */
     int n_running;
     ds_seq **waiting; /* [cap_waiting] oldest first; none holds a slot or a page */
@@ -116,9 +133,20 @@ int ds_sched_create(const ds_sched_opts *o, ds_page_pool *pages, ds_slot_pool *s
     return DS_OK;
 }
 
-/* Gives back everything the sequence holds; it then needs recomputing from position 0. */
+void ds_sched_set_prefix(ds_scheduler *s, ds_prefix *px) {
+    s->prefix = px;
+}
+
+/* Gives back everything the sequence holds; it then needs recomputing from position 0. With
+ * prefix caching, pages go back tail first, so that among cached pages a prefix's end is always
+ * older than its start and the page LRU evicts leaves before the parents they hang from. */
 static void release_resources(ds_scheduler *s, ds_seq *q) {
-    for (int b = 0; b < q->n_blocks; b++) ds_page_unref(s->pages, q->block_table[b]);
+    if (s->prefix) {
+        ds_prefix_release(s->prefix, q);
+        for (int b = q->n_blocks - 1; b >= 0; b--) ds_page_unref(s->pages, q->block_table[b]);
+    } else {
+        for (int b = 0; b < q->n_blocks; b++) ds_page_unref(s->pages, q->block_table[b]);
+    }
     q->n_blocks = 0;
     if (q->slot >= 0) ds_slot_release(s->slots, q->slot);
     q->slot = -1;
@@ -217,10 +245,16 @@ typedef struct plan {
     int budget; /* tokens left in this step */
 } plan;
 
-/* End of q's next item: cut at the next absolute multiple of chunk_tokens, or at n_tokens. */
+/* End of q's next item: cut at the next absolute multiple of chunk_tokens, at q's next rung
+ * (where a checkpoint is filed), or at n_tokens. Every cut is a function of q alone. */
 static int item_end(const ds_scheduler *s, const ds_seq *q) {
     int ct = s->o.chunk_tokens;
     int next_cut = (q->n_computed / ct + 1) * ct;
+    for (int i = 0; i < q->n_rungs; i++)
+        if (q->rungs[i] > q->n_computed) {
+            next_cut = DS_MIN(next_cut, q->rungs[i]);
+            break;
+        }
     return DS_MIN(q->n_tokens, next_cut);
 }
 
@@ -250,13 +284,7 @@ static void preempt(ds_scheduler *s, plan *pl, ds_seq *v) {
 }
 
 static int grow_table(ds_seq *q, int need) {
-    if (q->cap_blocks >= need) return DS_OK;
-    int cap = DS_MAX(need, DS_MAX(2 * q->cap_blocks, 4));
-    int32_t *t = realloc(q->block_table, (size_t)cap * sizeof *t);
-    if (!t) return DS_ERR;
-    q->block_table = t;
-    q->cap_blocks = cap;
-    return DS_OK;
+    return ds_seq_reserve_blocks(q, need);
 }
 
 /* Makes q's block table cover positions [0, end), evicting the youngest running sequence while
@@ -316,11 +344,17 @@ void ds_sched_schedule(ds_scheduler *s, ds_sched_item *items, int *n_items, ds_s
      *    only throw its work away again). */
     while (!stalled && pl.n_preempted == 0 && s->n_waiting > 0) {
         ds_seq *q = s->waiting[0];
+        if (s->n_running >= s->o.max_num_seqs || ds_slot_n_free(s->slots) == 0) break;
+        /* Resume from the deepest cached prefix: shared pages, n_computed past them. */
+        if (s->prefix) ds_prefix_match(s->prefix, q);
         int end = item_end(s, q), nb = blocks_for(s, end);
-        if (s->n_running >= s->o.max_num_seqs || end - q->n_computed > pl.budget ||
-            nb - q->n_blocks > ds_page_n_free(s->pages) || ds_slot_n_free(s->slots) == 0 ||
-            grow_table(q, nb) != DS_OK)
+        if (end - q->n_computed > pl.budget || nb - q->n_blocks > ds_page_n_free(s->pages) ||
+            grow_table(q, nb) != DS_OK) {
+            release_resources(s, q); /* the hit, if any, is looked up again next time */
+            q->n_computed = 0;
             break;
+        }
+        if (s->prefix) ds_prefix_admitted(s->prefix, q);
         q->slot = ds_slot_alloc(s->slots);
         while (q->n_blocks < nb) q->block_table[q->n_blocks++] = ds_page_alloc(s->pages);
         q->status = DS_SEQ_RUNNING;

@@ -9,18 +9,24 @@
  *  - Then prompts (running sequences still in prefill, then waiting ones in arrival order) get
  *    chunks while the step's token budget, max_num_seqs and the pools allow. A waiting sequence is
  *    admitted only if a slot and the pages for its first chunk are free.
- *  - Prompt chunks are cut only at absolute multiples of chunk_tokens (a sequence's prompt is
- *    always split at the same positions whatever else is in the batch, so its numerics — and its
- *    greedy output — do not depend on its neighbours). A chunk that does not fit the remaining
- *    budget waits for the next step; a lone chunk larger than the whole budget is impossible
- *    because chunk_tokens <= max_num_batched_tokens.
+ *  - Prompt chunks are cut only at absolute multiples of chunk_tokens and at the sequence's own
+ *    checkpoint rungs (a sequence's prompt is always split at the same positions whatever else is
+ *    in the batch, so its numerics — and its greedy output — do not depend on its neighbours; a
+ *    step that ends on a rung leaves the slot holding exactly the state a checkpoint needs). A
+ *    chunk that does not fit the remaining budget waits for the next step; a lone chunk larger
+ *    than the whole budget is impossible because chunk_tokens <= max_num_batched_tokens.
  *  - FCFS admission: a waiting sequence is never overtaken by a younger one (no starvation).
+ *  - With a prefix cache, admission first resumes the sequence from the deepest cached prefix
+ *    (shared pages + a checkpoint fork, see cache/prefix.h) and then needs pages only for the
+ *    rest; a release gives shared pages back tail first, so the page LRU evicts prefixes from
+ *    their ends.
  */
 #ifndef DS_SCHEDULER_H
 #define DS_SCHEDULER_H
 
 #include "base/ds_base.h"
 #include "cache/pages.h"
+#include "cache/prefix.h"
 #include "cache/state.h"
 
 typedef enum {
@@ -31,7 +37,7 @@ typedef enum {
     DS_SEQ_ABORTED,
 } ds_seq_status;
 
-typedef struct ds_seq {
+struct ds_seq {
     int64_t id;
     uint64_t arrival;   /* submission order; smaller = older */
     int32_t *tokens;    /* [cap] prompt followed by generated tokens */
@@ -42,14 +48,24 @@ typedef struct ds_seq {
     int n_blocks, cap_blocks;
     int slot;           /* KDA state slot, -1 when none */
     ds_seq_status status;
+    /* prefix caching (cache/prefix.c owns these; all empty when it is off) */
+    int32_t *entry;   /* [cap_blocks] prefix-index entry of block b, for b < n_filed */
+    int n_filed;      /* blocks [0, n_filed) are filed in (or were matched from) the index */
+    int chain_broken; /* a block's hash was taken by other tokens: file nothing further */
+    int32_t *rungs;   /* [cap_rungs] ascending positions where a checkpoint is filed */
+    int n_rungs, cap_rungs;
+    int rungs_planned;
+    int fork_ckpt;    /* checkpoint slot copied into `slot` before the next step; -1 none */
     int max_len;        /* n_tokens never exceeds this (prompt + max_tokens, capped by context) */
     void *owner;        /* the engine's per-request data */
-} ds_seq;
+};
 
 /* Creates a sequence holding a copy of the prompt. */
 ds_seq *ds_seq_new(int64_t id, const int32_t *prompt, int n_prompt, int max_len, ds_err *err);
 int ds_seq_append(ds_seq *s, int32_t token, ds_err *err);
 void ds_seq_free(ds_seq *s);
+/* Grows the block table (and the parallel prefix entries) to hold n blocks. */
+int ds_seq_reserve_blocks(ds_seq *s, int n);
 
 typedef struct ds_sched_opts {
     int block_size, max_num_seqs, max_num_batched_tokens, chunk_tokens;
@@ -68,6 +84,8 @@ typedef struct ds_scheduler ds_scheduler;
 int ds_sched_create(const ds_sched_opts *o, ds_page_pool *pages, ds_slot_pool *slots,
                     ds_scheduler **out, ds_err *err);
 void ds_sched_free(ds_scheduler *s); /* frees every sequence still held */
+/* Turns prefix caching on (px not owned; NULL turns it off). Set before adding sequences. */
+void ds_sched_set_prefix(ds_scheduler *s, ds_prefix *px);
 
 /* Adds a new sequence (status WAITING). Fails if it can never fit the pools. */
 int ds_sched_add(ds_scheduler *s, ds_seq *seq, ds_err *err);

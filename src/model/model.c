@@ -535,12 +535,31 @@ static void kda_forward(step *s, const layer_w *lw, const float *xn, float *out)
     const ds_mat *proj[3] = {&w->q, &w->k, &w->v};
     const float *conv_w[3] = {w->q_conv, w->k_conv, w->v_conv};
     float *dst[3] = {q, k, v};
+    size_t slot_n = ds_model_slot_floats(s->m), tail_n = (size_t)(W - 1) * P;
     for (int j = 0; j < 3; j++) {
         ds_matmul(pre, P, xn, D, T, proj[j]);
         for (int qi = 0; qi < s->n_seq; qi++) {
-            float *tail = slot_conv(s, qi, lw->kind_idx) + (size_t)j * (W - 1) * P;
+            const ds_seq_batch *sb = &s->seqs[qi];
+            float *tail = slot_conv(s, qi, lw->kind_idx) + (size_t)j * tail_n;
             size_t r = (size_t)s->off[qi] * P;
-            ds_short_conv_silu(dst[j] + r, pre + r, s->seqs[qi].n, P, conv_w[j], W, tail);
+            float *old = NULL; /* [W-1][P] the tail before this step */
+            if (sb->state_rows) {
+                old = sc_take(sc, tail_n);
+                if (sc->overflow) return;
+                memcpy(old, tail, tail_n * sizeof(float));
+            }
+            ds_short_conv_silu(dst[j] + r, pre + r, sb->n, P, conv_w[j], W, tail);
+            /* The tail after token t is rows t-W+2 .. t of (old tail ++ this step's inputs). */
+            for (int t = 0; old && t < sb->n; t++) {
+                float *dstrow = sb->state_rows + (size_t)t * slot_n +
+                                (size_t)(tail - sb->slot);
+                for (int i = 0; i < W - 1; i++) {
+                    int u = t - (W - 1) + 1 + i;
+                    const float *src = u < 0 ? old + (size_t)(u + W - 1) * P : pre + r + (size_t)u * P;
+                    memcpy(dstrow + (size_t)i * P, src, (size_t)P * sizeof(float));
+                }
+            }
+            if (old) sc->used -= (tail_n + 15) & ~(size_t)15;
         }
     }
     ds_l2norm_heads(q, T, H, dk, 1e-6f, 1.0f / sqrtf((float)dk));
@@ -555,7 +574,18 @@ static void kda_forward(step *s, const layer_w *lw, const float *xn, float *out)
         int n = s->seqs[qi].n;
         size_t r = (size_t)s->off[qi] * P;
         float *S = slot_rec(s, qi, lw->kind_idx);
-        if (n >= s->m->opts.kda_chunked_min)
+        const ds_seq_batch *sb = &s->seqs[qi];
+        if (sb->state_rows) {
+            size_t rec_n = (size_t)H * dk * dk;
+            float *rows = sc_take(sc, (size_t)n * rec_n); /* [n][H][dk][dv] */
+            if (sc->overflow) return;
+            ds_kda_recurrent(o + r, q + r, k + r, v + r, g + r, beta + (size_t)s->off[qi] * H, S,
+                             rows, n, H, dk, dk);
+            for (int t = 0; t < n; t++)
+                memcpy(sb->state_rows + (size_t)t * slot_n + (size_t)(S - sb->slot),
+                       rows + (size_t)t * rec_n, rec_n * sizeof(float));
+            sc->used -= ((size_t)n * rec_n + 15) & ~(size_t)15;
+        } else if (n >= s->m->opts.kda_chunked_min)
             ds_kda_chunked(o + r, q + r, k + r, v + r, g + r, beta + (size_t)s->off[qi] * H, S, n,
                            H, dk, dk, s->m->opts.kda_chunk);
         else
@@ -862,6 +892,11 @@ static size_t step_need(const step *s) {
     size_t base = T + 3 * T * D + (N ? ((L + N - 1) / N + 1) * T * D : 0) + 5 * pad;
     size_t H = (size_t)c->kda_num_heads, dk = (size_t)c->kda_head_dim, P = H * dk;
     size_t kda = c->num_kda_layers ? 7 * T * P + T * dk + T * H + 8 * pad : 0;
+    size_t rows_max = 0; /* speculative state rows (see kda_forward) */
+    for (int q = 0; q < s->n_seq; q++)
+        if (s->seqs[q].state_rows)
+            rows_max = DS_MAX(rows_max, (size_t)s->seqs[q].n * H * dk * dk + (size_t)(c->short_conv_kernel_size - 1) * P + 2 * pad);
+    if (kda) kda += rows_max;
     size_t mla = 0;
     if (c->num_mla_layers) {
         size_t Ha = (size_t)c->num_attention_heads, R = (size_t)c->kv_lora_rank;

@@ -75,6 +75,10 @@ typedef struct ds_seq_batch {
     const int *tap_layers; /* [n_taps] */
     int n_taps;
     float *taps; /* [n_taps][n][D] */
+    /* optional [n][ds_model_slot_floats]: the KDA slot as it is after each token of this segment,
+     * so a speculative verify can roll back to the last accepted token by copying one row into
+     * the slot. Forces the recurrent KDA form for the segment. */
+    float *state_rows;
 } ds_seq_batch;
 
 /* Runs one step over n_seq segments. Segments of the same sequence must not appear twice. */

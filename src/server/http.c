@@ -56,6 +56,9 @@ struct ds_server {
     size_t max_body;
     double retry_after;
     ds_metrics *metrics;
+    pthread_mutex_t active_mu; /* guards n_active */
+    pthread_cond_t active_cv;  /* signalled when n_active drops */
+    int n_active;              /* generation requests whose connection has not completed */
     atomic_ullong next_id;
     uint64_t id_salt; /* differs per process so response ids do not repeat across restarts */
 };
@@ -523,6 +526,9 @@ static enum MHD_Result handle_generate(ds_server *s, struct MHD_Connection *c, c
         return send_errorf(c, 500, NULL, NULL, "out of memory");
     }
     cc->gen = r; /* from here the connection's reference is dropped by on_completed */
+    pthread_mutex_lock(&s->active_mu);
+    s->n_active++;
+    pthread_mutex_unlock(&s->active_mu);
 
     ds_request_spec spec = {ids, n_prompt, r->oai.params, on_event, r};
     int why = 0;
@@ -851,8 +857,13 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
     conn_ctx *cc = *con_cls;
     if (!cc) return;
     if (cc->gen) {
+        ds_server *s = cls;
         if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK) gen_abandon(cc->gen);
         gen_unref(cc->gen);
+        pthread_mutex_lock(&s->active_mu);
+        s->n_active--;
+        pthread_cond_broadcast(&s->active_cv);
+        pthread_mutex_unlock(&s->active_mu);
     }
     free(cc->body);
     free(cc);
@@ -875,6 +886,12 @@ int ds_server_create(const ds_server_opts *o, ds_server **out, ds_err *err) {
     ds_server *s = ds_calloc(1, sizeof *s, err);
     if (!s) return DS_ERR;
     s->listen_fd = MHD_INVALID_SOCKET;
+    pthread_mutex_init(&s->active_mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&s->active_cv, &ca);
+    pthread_condattr_destroy(&ca);
     s->max_body = o->max_body_bytes ? o->max_body_bytes : 16u << 20;
     s->retry_after = o->retry_after_s > 0 ? o->retry_after_s : 1;
     s->api_key = o->api_key && o->api_key[0] ? strdup(o->api_key) : NULL;
@@ -932,11 +949,27 @@ void ds_server_quiesce(ds_server *s) {
     s->listen_fd = MHD_quiesce_daemon(s->mhd);
 }
 
+int ds_server_drain(ds_server *s, double timeout_s) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    double end = ts.tv_sec + ts.tv_nsec * 1e-9 + timeout_s;
+    ts.tv_sec = (time_t)end;
+    ts.tv_nsec = (long)((end - (double)ts.tv_sec) * 1e9);
+    pthread_mutex_lock(&s->active_mu);
+    while (s->n_active > 0)
+        if (pthread_cond_timedwait(&s->active_cv, &s->active_mu, &ts) == ETIMEDOUT) break;
+    int left = s->n_active;
+    pthread_mutex_unlock(&s->active_mu);
+    return left;
+}
+
 void ds_server_free(ds_server *s) {
     if (!s) return;
     if (s->mhd) MHD_stop_daemon(s->mhd);
     if (s->listen_fd != MHD_INVALID_SOCKET) close(s->listen_fd); /* ours after quiesce */
     ds_metrics_free(s->metrics);
+    pthread_cond_destroy(&s->active_cv);
+    pthread_mutex_destroy(&s->active_mu);
     free(s->api_key);
     free(s->model_name);
     free(s);

@@ -6,8 +6,9 @@
  * Life cycle: ds_server_create listens at once and answers 503 (/health included) until
  * ds_server_attach hands it a started engine, so a load balancer can watch a large model load.
  * Shutdown is ds_server_quiesce (no new connections; /health 503), then ds_engine_stop (which
- * delivers every request's final events, ending streams), then ds_server_free (joins connection
- * threads), then ds_engine_free.
+ * delivers every request's final events, ending streams), then ds_server_drain (lets those last
+ * chunks reach the clients), then ds_server_free (closes connections, joins their threads), then
+ * ds_engine_free.
  *
  * A request's state is shared by its connection thread and the engine thread and freed by
  * whichever lets go last (a reference count), so a client that disconnects mid-stream aborts its
@@ -42,6 +43,9 @@ int ds_server_port(const ds_server *s);
 void ds_server_attach(ds_server *s, ds_engine *e);
 /* Stops accepting connections; requests still arriving on open connections get 503. */
 void ds_server_quiesce(ds_server *s);
+/* Waits up to timeout_s for every generation request to finish writing its response (after
+ * ds_engine_stop they all have their final events). Returns how many were still writing. */
+int ds_server_drain(ds_server *s, double timeout_s);
 /* Closes every connection and joins their threads. Call after ds_engine_stop, so that requests
  * waiting on the engine have had their final events. */
 void ds_server_free(ds_server *s);

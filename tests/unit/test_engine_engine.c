@@ -111,7 +111,7 @@ static void reference_greedy(const int32_t *prompt, int n_prompt, int max_tokens
     *n_out = 0;
     while (*n_out < max_tokens) {
         ds_seq_batch sb = {seq + pos, len - pos, pos,  slot, table, logits,
-                           1,         NULL,      NULL, NULL, 0,     NULL};
+                           1,         NULL,      NULL, NULL, 0,     NULL, NULL};
         if (ds_model_forward(m, &pool, &sb, 1, &err)) fail_msg("%s", err.msg);
         pos = len;
         int32_t t = (int32_t)ds_argmax(logits, c->vocab_size);

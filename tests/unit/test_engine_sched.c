@@ -558,11 +558,39 @@ static void test_sim_many_short(void **st) {
     assert_int_equal(run_sim(&c), c.o.max_num_seqs);
 }
 
+/* Rungs cut prompt chunks too (a checkpoint needs a step ending exactly there); decode is not
+ * affected. bs 4, chunk 8, 32 tokens a step: rungs at 4 and 12 give items [0,4) [4,8) [8,12)
+ * [12,16) [16,18). */
+static void test_rung_cuts(void **st) {
+    (void)st;
+    world w;
+    world_init(
+        &w,
+        (ds_sched_opts){
+            .block_size = 4, .max_num_seqs = 2, .max_num_batched_tokens = 32, .chunk_tokens = 8},
+        8, 2);
+    ds_seq *A = new_seq(1, 18, 24);
+    A->rungs = malloc(2 * sizeof(int32_t));
+    A->rungs[0] = 4;
+    A->rungs[1] = 12;
+    A->n_rungs = A->cap_rungs = 2;
+    ds_err err;
+    assert_int_equal(ds_sched_add(w.sched, A, &err), DS_OK);
+    expect_step(&w, (want[]){{A, 0, 4, 0}}, 1, NULL, 0);
+    expect_step(&w, (want[]){{A, 4, 4, 0}}, 1, NULL, 0);
+    expect_step(&w, (want[]){{A, 8, 4, 0}}, 1, NULL, 0);
+    expect_step(&w, (want[]){{A, 12, 4, 0}}, 1, NULL, 0);
+    expect_step(&w, (want[]){{A, 16, 2, 1}}, 1, NULL, 0);
+    expect_step(&w, (want[]){{A, 18, 1, 1}}, 1, NULL, 0);
+    world_free(&w);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_scenario),      cmocka_unit_test(test_recompute_chunks),
         cmocka_unit_test(test_rejections),    cmocka_unit_test(test_sim_tight_pages),
         cmocka_unit_test(test_sim_odd_sizes), cmocka_unit_test(test_sim_many_short),
+        cmocka_unit_test(test_rung_cuts),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

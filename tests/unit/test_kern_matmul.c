@@ -198,6 +198,25 @@ static void test_matmul_batch_invariant(void **state) {
     ds_kernels_force_isa(DS_ISA_AVX512);
 }
 
+/* A prompt longer than one blocked chunk (512 tokens) gives each token the same bits as T = 1. */
+static void test_matmul_long_prompt(void **state) {
+    (void)state;
+    ds_rng rng;
+    ds_rng_seed(&rng, 7);
+    const int R = 7, C = 33, T = 515;
+    float *x = rand_vec(&rng, (size_t)T * C), *y = malloc((size_t)T * R * sizeof(float));
+    test_mat w = make_mat(&rng, DS_DT_BF16, R, C);
+    ds_matmul(y, R, x, C, T, &w.m);
+    for (int t = 0; t < T; t += 3) {
+        float y1[7];
+        ds_matmul(y1, R, x + (size_t)t * C, C, 1, &w.m);
+        assert_memory_equal(y1, y + (size_t)t * R, sizeof y1);
+    }
+    free_mat(&w);
+    free(x);
+    free(y);
+}
+
 /* A row slice is a matrix of its own: same numbers as the matching rows of the whole product. */
 static void test_mat_rows(void **state) {
     (void)state;
@@ -299,9 +318,13 @@ static void test_embed(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_isa_selection),          cmocka_unit_test(test_matmul_vs_reference),
-        cmocka_unit_test(test_matmul_batch_invariant), cmocka_unit_test(test_mat_rows),
-        cmocka_unit_test(test_matmul_t_vs_reference),  cmocka_unit_test(test_embed),
+        cmocka_unit_test(test_isa_selection),
+        cmocka_unit_test(test_matmul_vs_reference),
+        cmocka_unit_test(test_matmul_batch_invariant),
+        cmocka_unit_test(test_matmul_long_prompt),
+        cmocka_unit_test(test_mat_rows),
+        cmocka_unit_test(test_matmul_t_vs_reference),
+        cmocka_unit_test(test_embed),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -121,7 +121,7 @@ static void check_golden(int which, const char *golden_rel) {
     float *hidden = malloc((size_t)L * T * D * sizeof(float));
     float *final = malloc((size_t)T * D * sizeof(float));
     float *slot = new_slot(f.m);
-    ds_seq_batch sb = {ids, T, 0, slot, f.table, logits, T, hidden, final, NULL, 0, NULL};
+    ds_seq_batch sb = {ids, T, 0, slot, f.table, logits, T, hidden, final, NULL, 0, NULL, NULL};
     ds_err err = {{0}};
     if (ds_model_forward(f.m, &f.pool, &sb, 1, &err)) fail_msg("%s", err.msg);
     for (int i = 0; i < L; i++) {
@@ -170,7 +170,7 @@ static float *full_logits(fixture *f, const int32_t *ids, int n) {
     int V = ds_model_config(f->m)->vocab_size;
     float *logits = malloc((size_t)n * V * sizeof(float));
     float *slot = new_slot(f->m);
-    ds_seq_batch sb = {ids, n, 0, slot, f->table, logits, n, NULL, NULL, NULL, 0, NULL};
+    ds_seq_batch sb = {ids, n, 0, slot, f->table, logits, n, NULL, NULL, NULL, 0, NULL, NULL};
     ds_err err = {{0}};
     if (ds_model_forward(f->m, &f->pool, &sb, 1, &err)) fail_msg("%s", err.msg);
     free(slot);
@@ -185,7 +185,7 @@ static void stepped_logits(fixture *f, const int32_t *ids, const int *steps, int
     for (int s = 0; s < n_steps; s++) {
         int last = s == n_steps - 1;
         ds_seq_batch sb = {ids + pos, steps[s], pos,  slot, f->table, last ? out : NULL,
-                           last,      NULL,     NULL, NULL, 0,        NULL};
+                           last,      NULL,     NULL, NULL, 0,        NULL, NULL};
         ds_err err = {{0}};
         if (ds_model_forward(f->m, &f->pool, &sb, 1, &err)) fail_msg("%s", err.msg);
         pos += steps[s];
@@ -247,19 +247,19 @@ static void test_batch_invariance(void **state) {
     float *sa = new_slot(f.m), *sb_slot = new_slot(f.m);
     ds_err err = {{0}};
     /* alone: prefill 39, decode 1 */
-    ds_seq_batch s1 = {a, 39, 0, sa, f.table, NULL, 0, NULL, NULL, NULL, 0, NULL};
+    ds_seq_batch s1 = {a, 39, 0, sa, f.table, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL};
     if (ds_model_forward(f.m, &f.pool, &s1, 1, &err)) fail_msg("%s", err.msg);
-    ds_seq_batch s2 = {a + 39, 1, 39, sa, f.table, alone, 1, NULL, NULL, NULL, 0, NULL};
+    ds_seq_batch s2 = {a + 39, 1, 39, sa, f.table, alone, 1, NULL, NULL, NULL, 0, NULL, NULL};
     if (ds_model_forward(f.m, &f.pool, &s2, 1, &err)) fail_msg("%s", err.msg);
     /* batched: same steps, with another sequence's prefill alongside each */
     memset(sa, 0, ds_model_slot_floats(f.m) * sizeof(float));
     ds_seq_batch p1[2] = {
-        {b, 50, 0, sb_slot, f.table + n_pages, NULL, 0, NULL, NULL, NULL, 0, NULL},
-        {a, 39, 0, sa, f.table, NULL, 0, NULL, NULL, NULL, 0, NULL}};
+        {b, 50, 0, sb_slot, f.table + n_pages, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL},
+        {a, 39, 0, sa, f.table, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL}};
     if (ds_model_forward(f.m, &f.pool, p1, 2, &err)) fail_msg("%s", err.msg);
     ds_seq_batch p2[2] = {
-        {b + 50, 20, 50, sb_slot, f.table + n_pages, NULL, 0, NULL, NULL, NULL, 0, NULL},
-        {a + 39, 1, 39, sa, f.table, batched, 1, NULL, NULL, NULL, 0, NULL}};
+        {b + 50, 20, 50, sb_slot, f.table + n_pages, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL},
+        {a + 39, 1, 39, sa, f.table, batched, 1, NULL, NULL, NULL, 0, NULL, NULL}};
     if (ds_model_forward(f.m, &f.pool, p2, 2, &err)) fail_msg("%s", err.msg);
     assert_memory_equal(alone, batched, (size_t)V * sizeof(float));
     free(alone);
@@ -269,13 +269,83 @@ static void test_batch_invariance(void **state) {
     close_model(&f);
 }
 
+/* Speculative verify with per-token state rows: for every accepted count a in 0..k, rolling the
+ * KDA slot back to row a and truncating the latent rows gives the same greedy continuation as
+ * plain one-token decoding (DESIGN.md invariant 6, at the model level). */
+static void test_spec_rollback(void **state) {
+    (void)state;
+    fixture f;
+    open_model(&f, 0, NULL);
+    const ds_config *c = ds_model_config(f.m);
+    int V = c->vocab_size;
+    enum { P = 30, G = 40, K = 4 };
+    int32_t seq[P + G + K + 2];
+    random_ids(seq, P, V, 99);
+    size_t slot_n = ds_model_slot_floats(f.m);
+    float *logits = malloc((size_t)(K + 1) * V * sizeof(float));
+    /* plain greedy: G tokens */
+    int32_t plain[G];
+    float *slot = new_slot(f.m);
+    ds_err err = {{0}};
+    ds_seq_batch sb = {seq, P, 0, slot, f.table, logits, 1, NULL, NULL, NULL, 0, NULL, NULL};
+    if (ds_model_forward(f.m, &f.pool, &sb, 1, &err)) fail_msg("%s", err.msg);
+    int32_t ctx[P + G];
+    memcpy(ctx, seq, P * sizeof(int32_t));
+    for (int g = 0; g < G; g++) {
+        plain[g] = ds_argmax(logits, V);
+        ctx[P + g] = plain[g];
+        ds_seq_batch d = {ctx + P + g, 1, P + g, slot, f.table, logits, 1,
+                          NULL, NULL, NULL, 0, NULL, NULL};
+        if (ds_model_forward(f.m, &f.pool, &d, 1, &err)) fail_msg("%s", err.msg);
+    }
+    /* speculative: drafts are the true continuation for `want` positions, then wrong tokens */
+    memset(slot, 0, slot_n * sizeof(float));
+    sb.slot = slot;
+    if (ds_model_forward(f.m, &f.pool, &sb, 1, &err)) fail_msg("%s", err.msg);
+    float *rows = malloc((size_t)(K + 1) * slot_n * sizeof(float));
+    int32_t out[G + K + 1];
+    int n_out = 0, pos = P, round = 0;
+    int32_t x0 = ds_argmax(logits, V);
+    out[n_out++] = x0;
+    int seen[K + 1] = {0};
+    while (n_out < G) {
+        int want = round++ % (K + 1);
+        int32_t win[K + 1];
+        win[0] = x0;
+        for (int i = 1; i <= K; i++) {
+            int idx = n_out - 1 + i; /* index in plain[] of the token at this draft slot */
+            int32_t truth = idx < G ? plain[idx] : 0;
+            win[i] = i <= want ? truth : (truth + 1 + i) % V;
+        }
+        ds_seq_batch v = {win, K + 1, pos, slot, f.table, logits, K + 1,
+                          NULL, NULL, NULL, 0, NULL, rows};
+        if (ds_model_forward(f.m, &f.pool, &v, 1, &err)) fail_msg("%s", err.msg);
+        int a = 0;
+        while (a < K && win[a + 1] == ds_argmax(logits + (size_t)a * V, V)) a++;
+        seen[a]++;
+        for (int i = 1; i <= a && n_out < G; i++) out[n_out++] = win[i];
+        int32_t bonus = ds_argmax(logits + (size_t)a * V, V);
+        if (n_out < G) out[n_out++] = bonus;
+        memcpy(slot, rows + (size_t)a * slot_n, slot_n * sizeof(float));
+        pos += a + 1;
+        x0 = bonus;
+    }
+    assert_memory_equal(out, plain, G * sizeof(int32_t));
+    for (int a = 0; a <= K; a++)
+        if (!seen[a]) fail_msg("accepted count %d never happened", a);
+    free(rows);
+    free(logits);
+    free(slot);
+    close_model(&f);
+}
+
 static void test_bad_tokens(void **state) {
     (void)state;
     fixture f;
     open_model(&f, 1, NULL);
     float *slot = new_slot(f.m);
     int32_t ids[2] = {5, 1 << 20};
-    ds_seq_batch sb = {ids, 2, 0, slot, f.table, NULL, 0, NULL, NULL, NULL, 0, NULL};
+    ds_seq_batch sb = {ids, 2, 0, slot, f.table, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL};
     ds_err err = {{0}};
     assert_int_equal(ds_model_forward(f.m, &f.pool, &sb, 1, &err), DS_ERR);
     assert_non_null(strstr(err.msg, "1048576"));
@@ -287,7 +357,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_golden_tiny_k3),    cmocka_unit_test(test_golden_tiny_linear),
         cmocka_unit_test(test_prefill_decode_k3), cmocka_unit_test(test_prefill_decode_linear),
-        cmocka_unit_test(test_batch_invariance),  cmocka_unit_test(test_bad_tokens),
+        cmocka_unit_test(test_batch_invariance), cmocka_unit_test(test_spec_rollback),  cmocka_unit_test(test_bad_tokens),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

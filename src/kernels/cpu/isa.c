@@ -8,12 +8,19 @@
  * which is why the lazy initialisation below needs no lock. */
 #include "kernels/cpu/kernels.h"
 
+#include <cpuid.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <strings.h>
 
 static int g_inited;
 static ds_isa g_isa = DS_ISA_SCALAR;
+
+/* CPUID.1:ECX.F16C, read directly: clang's __builtin_cpu_supports does not know "f16c". */
+static int has_f16c(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+}
 
 int ds_isa_supported(ds_isa isa) {
     switch (isa) {
@@ -22,8 +29,7 @@ int ds_isa_supported(ds_isa isa) {
     case DS_ISA_AVX2:
         /* __builtin_cpu_supports also checks that the OS saves the YMM state (XGETBV). The AVX2
          * kernels use FMA and F16C (half -> float) besides AVX2 itself. */
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               __builtin_cpu_supports("f16c");
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c();
     case DS_ISA_AVX512:
         /* The AVX-512 kernels are compiled for F+BW+VL and use no BF16 instructions, so those three
          * (plus the AVX2 set, which every such CPU has) are what must be present. */

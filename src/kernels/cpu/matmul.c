@@ -36,6 +36,7 @@ enum {
     NB_MAX = 64,     /* blocked: rows per block (the f32 panel, NB x KC_BLOCK, stays in L2) */
     NB_MIN = 16,     /* blocked: fewer rows per block when that keeps every thread busy */
     KC_BLOCK = 1024, /* blocked: columns per block; a multiple of 16 */
+    T_CHUNK = 512,   /* blocked: tokens per call of the blocked driver */
     MAX_LANES = 16,  /* widest path (AVX-512) */
     TN_COLS = 32,    /* ds_matmul_t: output columns per tile (4 AVX2 vectors) */
     TN_TOK = 2,      /* ds_matmul_t: tokens per tile */
@@ -346,12 +347,10 @@ static AVX512_FN void panel_avx512(float *panel, size_t ldp, const void *w, size
     }
 
 /* ---- the instantiated tiles ------------------------------------------------------------------ */
+#define TILES_FOR_MR(GEN, MR_, SRC_) GEN(MR_, 1, SRC_) GEN(MR_, 2, SRC_) GEN(MR_, 3, SRC_)
 #define TILES_FOR_SRC(GEN, SRC_)                                                                   \
-    GEN(1, 1, SRC_)                                                                                \
-    GEN(1, 2, SRC_)                                                                                \
-    GEN(1, 3, SRC_)                                                                                \
-    GEN(2, 1, SRC_) GEN(2, 2, SRC_) GEN(2, 3, SRC_) GEN(3, 1, SRC_) GEN(3, 2, SRC_)                \
-        GEN(3, 3, SRC_) GEN(4, 1, SRC_) GEN(4, 2, SRC_) GEN(4, 3, SRC_)
+    TILES_FOR_MR(GEN, 1, SRC_)                                                                     \
+    TILES_FOR_MR(GEN, 2, SRC_) TILES_FOR_MR(GEN, 3, SRC_) TILES_FOR_MR(GEN, 4, SRC_)
 #define ALL_TILES(GEN) TILES_FOR_SRC(GEN, 0) TILES_FOR_SRC(GEN, 1) TILES_FOR_SRC(GEN, 2)
 ALL_TILES(SCALAR_TILE)
 ALL_TILES(AVX2_TILE)
@@ -511,10 +510,15 @@ void ds_matmul(float *y, int ldy, const float *x, int ldx, int T, const ds_mat *
         return;
     }
     const simd_ops *ops = ops_for(ds_kernels_isa());
-    if (T <= T_STREAM)
+    if (T <= T_STREAM) {
         matmul_stream(ops, y, ldy, x, ldx, T, w);
-    else
-        matmul_blocked(ops, y, ldy, x, ldx, T, w);
+        return;
+    }
+    /* Long prompts go T_CHUNK tokens at a time, which bounds the packed copy of x (T_CHUNK x K
+     * floats) while a weight element still serves 2 * T_CHUNK flops per read. */
+    for (int t0 = 0; t0 < T; t0 += T_CHUNK)
+        matmul_blocked(ops, y + (size_t)t0 * (size_t)ldy, ldy, x + (size_t)t0 * (size_t)ldx, ldx,
+                       DS_MIN(T_CHUNK, T - t0), w);
 }
 
 /* ---- ds_matmul_t: y = x W, the outer-product form -------------------------------------------- */

@@ -20,8 +20,9 @@
 #include <math.h>
 #include <stdlib.h>
 
-/* Scratch of up to this many floats lives on the stack (K3: 2*896 + 16 groups + 16). */
+/* Scratch up to these sizes lives on the stack (K3: 2*896 + 16 floats, a handful of groups). */
 #define ROUTE_STACK_FLOATS 4096
+#define ROUTE_STACK_GROUPS 256
 
 /* Keeps the n best (value, index) pairs seen so far in val/id[0..count), best first. Candidates
  * arrive in increasing index order and an equal value never displaces an earlier one, so ties go
@@ -44,19 +45,23 @@ void ds_moe_route(int32_t *idx, float *w, const float *z, const float *bias, int
     if (k <= 0) return;
     const int grouped = n_group > 1 && topk_group > 0 && topk_group < n_group && E % n_group == 0;
     const int G = grouped ? n_group : 0;
-    /* scratch: s [E] sigmoid scores | sel [E] selection scores | gval [G] | gid [G] | val [k] */
-    const size_t need = 2 * (size_t)E + 2 * (size_t)G + (size_t)k;
-    float stack_buf[ROUTE_STACK_FLOATS];
-    float *scratch = need <= ROUTE_STACK_FLOATS ? stack_buf : malloc(need * sizeof(float));
-    if (!scratch) { /* cannot route: send the token nowhere rather than crash */
+    /* scratch: s [E] sigmoid scores | sel [E] selection scores | gval [G] | val [k];
+     * gid: [G] the kept groups */
+    const size_t need = 2 * (size_t)E + (size_t)G + (size_t)k;
+    float stack_f[ROUTE_STACK_FLOATS];
+    int32_t stack_g[ROUTE_STACK_GROUPS];
+    float *scratch = need <= ROUTE_STACK_FLOATS ? stack_f : malloc(need * sizeof(float));
+    int32_t *gid = G <= ROUTE_STACK_GROUPS ? stack_g : malloc((size_t)G * sizeof(int32_t));
+    if (!scratch || !gid) { /* cannot route: send the token nowhere rather than crash */
         for (int j = 0; j < k; j++) {
             idx[j] = 0;
             w[j] = 0.0f;
         }
+        if (scratch != stack_f) free(scratch);
+        if (gid != stack_g) free(gid);
         return;
     }
-    float *s = scratch, *sel = s + E, *gval = sel + E, *val = gval + 2 * G;
-    int32_t *gid = (int32_t *)(gval + G);
+    float *s = scratch, *sel = s + E, *gval = sel + E, *val = gval + G;
 
     for (int e = 0; e < E; e++) {
         s[e] = 1.0f / (1.0f + expf(-z[e]));
@@ -110,5 +115,6 @@ void ds_moe_route(int32_t *idx, float *w, const float *z, const float *bias, int
     } else {
         for (int j = 0; j < k; j++) w[j] *= scale;
     }
-    if (scratch != stack_buf) free(scratch);
+    if (scratch != stack_f) free(scratch);
+    if (gid != stack_g) free(gid);
 }

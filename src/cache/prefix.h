@@ -1,0 +1,79 @@
+/* prefix.h — prefix caching with recurrent state: full MLA pages filed under a chained hash, KDA
+ * checkpoints filed at rungs, and resuming a new sequence from the deepest prefix that has both.
+ *
+ * Index: one entry per cached block, keyed by h_i = XXH3-128(seed; h_{i-1} || tokens of block i)
+ * with h_0 = 0 and the seed naming the model. An entry stores its block's token ids and its
+ * parent entry, and a lookup accepts it only when both match what the walk came from, so a hash
+ * collision is a miss, never another user's prefix. An entry lives while it holds a page, holds a
+ * checkpoint, has children, or lies on a live sequence's chain (pinned); parents therefore always
+ * outlive their children and the parent link stays sound.
+ *
+ * Pages: a filed page is marked cached in the page pool; unreferenced it stays cached until the
+ * pool evicts it (LRU), when this module offloads it (if a tier is set) and forgets it.
+ * Checkpoints: copies of a sequence's slot taken right after a step ended exactly on a rung (the
+ * scheduler cuts prompt chunks there), kept in their own slot pool with LRU eviction.
+ * Rungs of a sequence: every interval_tokens (snapped down to block_size), the end of its prompt
+ * (snapped down to a page, and the deepest page a repeat of the prompt can use), and demand rungs:
+ * depths where a lookup found pages but no checkpoint.
+ *
+ * All calls come from the engine thread (the scheduler and the step loop). */
+#ifndef DS_PREFIX_H
+#define DS_PREFIX_H
+
+#include "base/ds_base.h"
+#include "cache/offload.h"
+#include "cache/pages.h"
+#include "cache/state.h"
+#include "model/model.h"
+
+typedef struct ds_seq ds_seq;
+typedef struct ds_prefix ds_prefix;
+
+typedef struct ds_prefix_opts {
+    int block_size;
+    int interval_tokens; /* rung spacing; snapped down to block_size (at least one page) */
+    int n_ckpt_slots;    /* checkpoint pool size; 0 disables checkpoints (and thus hits) */
+    uint64_t seed;       /* model identity, mixed into every hash */
+    int test_hash_bits;  /* tests only: > 0 keeps this many low hash bits, forcing collisions */
+} ds_prefix_opts;
+
+typedef struct ds_prefix_stats {
+    uint64_t query_tokens, hit_tokens; /* over admitted sequences: tokens looked up / resumed */
+    uint64_t ckpt_kept;                /* rung checkpoints filed */
+    uint64_t ckpt_dropped; /* rungs reached that could not be filed (pool pinned, chain broken) */
+    uint64_t ckpt_evicted; /* filed checkpoints evicted for room (LRU) */
+    uint64_t forks;        /* checkpoints copied into a sequence's slot */
+    uint64_t pages_filed, pages_evicted, collisions;
+    uint64_t page_loads, ckpt_loads; /* from the offload tier */
+    int ckpt_total, ckpt_used, entries;
+} ds_prefix_stats;
+
+/* kv: the latent pool whose pages are offloaded; off: may be NULL. Installs the page pool's
+ * evict hook. slot_floats: size of one KDA slot. */
+int ds_prefix_create(const ds_prefix_opts *o, size_t slot_floats, ds_page_pool *pages,
+                     ds_kv_pool *kv, ds_offload *off, ds_prefix **out, ds_err *err);
+void ds_prefix_free(ds_prefix *px);
+
+/* out = hash of a block given its parent's hash (NULL for the root). */
+void ds_prefix_hash_block(const ds_prefix *px, const uint64_t *parent, const int32_t *tokens,
+                          uint64_t out[2]);
+
+/* At admission of a sequence holding nothing (n_computed 0, no pages): plans its rungs, finds
+ * the deepest usable prefix (pages and a checkpoint, at most n_tokens - 1 tokens, loading missing
+ * pieces from the offload tier) and gives it to q: shared pages (ref'd) in its block table,
+ * n_computed = depth, fork_ckpt = the pinned checkpoint. Returns the depth in tokens (0: none). */
+int ds_prefix_match(ds_prefix *px, ds_seq *q);
+/* The sequence matched above was admitted (counts the query and the hit). */
+void ds_prefix_admitted(ds_prefix *px, const ds_seq *q);
+/* Drops q's claims on the index (chain pins, a pending fork). Its pages are the caller's. */
+void ds_prefix_release(ds_prefix *px, ds_seq *q);
+/* Before q's first step after a hit: copies the checkpoint into slot [slot_floats]. 1 if done. */
+int ds_prefix_take_fork(ds_prefix *px, ds_seq *q, float *slot);
+/* After a step committed: files q's newly full blocks and, when n_computed is one of its rungs,
+ * a checkpoint copied from slot (the state after exactly n_computed tokens). */
+void ds_prefix_on_computed(ds_prefix *px, ds_seq *q, const float *slot);
+/* q finished: hands its filed pages and checkpoints to the offload tier (if any). */
+void ds_prefix_on_finish(ds_prefix *px, ds_seq *q);
+void ds_prefix_get_stats(const ds_prefix *px, ds_prefix_stats *s);
+
+#endif

@@ -1,0 +1,265 @@
+/* test_engine_offload.c — the RAM / disk / Redis offload tier (invariant 5): pages and KDA
+ * checkpoints stored when they leave the device pools or their request finishes, and loaded on a
+ * later hit, give exactly the cold greedy tokens; a damaged disk entry is a counted miss; a Redis
+ * server killed mid-run costs only misses. redis-server must be installed (`make` installs it):
+ * without it the Redis tests fail, they are not skipped. */
+#include "test_engine_prefix_harness.h"
+
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <hiredis/hiredis.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+
+enum { NA = 100, GEN = 10 };
+#define KV_MEM (8u << 20)
+
+static int32_t g_a[NA];
+static int32_t g_ref[GEN];
+
+/* Prompt A and its cold tokens, once. */
+static void cold_ref(void) {
+    static int done;
+    if (done) return;
+    h_prompt(g_a, NA, 4242);
+    ds_engine_opts o;
+    h_opts(&o, 0, KV_MEM);
+    ds_engine *cold = h_start(&o);
+    h_run(cold, g_a, NA, GEN, g_ref);
+    h_stop(cold);
+    done = 1;
+}
+
+/* Runs A on e and checks its tokens and how deep it resumed. */
+static ds_engine_stats run_a(ds_engine *e, int want_hit) {
+    ds_engine_stats s0 = h_stats(e);
+    int32_t out[GEN];
+    h_run(e, g_a, NA, GEN, out);
+    assert_memory_equal(out, g_ref, sizeof out);
+    ds_engine_stats s1 = h_stats(e);
+    if (want_hit >= 0)
+        assert_int_equal(s1.prefix_hit_tokens - s0.prefix_hit_tokens, (uint64_t)want_hit);
+    return s1;
+}
+
+/* Device pools too small to keep A: after six other prompts its pages and its checkpoints are
+ * gone from the device, and the rerun loads them from RAM. */
+static void test_ram_tier(void **st) {
+    (void)st;
+    cold_ref();
+    ds_engine_opts o;
+    h_opts(&o, 1, 600u << 10);
+    o.state_checkpoint_memory = 2 * h_slot_bytes();
+    o.kv_offload_ram_bytes = 32u << 20;
+    ds_engine *e = h_start(&o);
+    run_a(e, 0);
+    for (int i = 0; i < 6; i++) {
+        int32_t p[NA], out[GEN];
+        h_prompt(p, NA, 50 + (uint64_t)i);
+        h_run(e, p, NA, GEN, out);
+    }
+    ds_engine_stats s0 = h_stats(e);
+    assert_true(s0.ckpt_evicted > 0);
+    assert_true(s0.prefix_pages_evicted > 0);
+    ds_engine_stats s = run_a(e, 96);
+    print_message("ram: stores %llu, loads %llu\n", (unsigned long long)s.offload_stores,
+                  (unsigned long long)s.offload_loads_ram);
+    assert_true(s.offload_loads_ram > s0.offload_loads_ram);
+    h_stop(e);
+}
+
+/* A second engine (nothing on its device) resumes A from files the first one wrote. */
+static void test_disk_tier(void **st) {
+    (void)st;
+    cold_ref();
+    char *dir = ds_test_tmpdir();
+    ds_engine_opts o;
+    h_opts(&o, 1, KV_MEM);
+    o.kv_offload_disk_dir = dir;
+    ds_engine *e = h_start(&o);
+    ds_engine_stats s = run_a(e, 0);
+    assert_true(s.offload_stores > 0);
+    h_stop(e);
+    e = h_start(&o);
+    s = run_a(e, 96);
+    assert_true(s.offload_loads_disk > 0);
+    assert_int_equal(s.offload_bad, 0);
+    h_stop(e);
+    free(dir);
+}
+
+/* Flips bytes in the middle of every stored file: each is a counted miss (bad), A is recomputed
+ * from scratch and still gives the cold tokens. */
+static void test_disk_corrupt(void **st) {
+    (void)st;
+    cold_ref();
+    char *dir = ds_test_tmpdir();
+    ds_engine_opts o;
+    h_opts(&o, 1, KV_MEM);
+    o.kv_offload_disk_dir = dir;
+    ds_engine *e = h_start(&o);
+    run_a(e, 0);
+    h_stop(e);
+    DIR *d = opendir(dir);
+    assert_non_null(d);
+    int n_files = 0;
+    for (struct dirent *de; (de = readdir(d));) {
+        if (!strstr(de->d_name, ".dsb")) continue;
+        char path[1024];
+        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+        FILE *f = fopen(path, "r+b");
+        assert_non_null(f);
+        fseek(f, 0, SEEK_END);
+        long n = ftell(f);
+        fseek(f, n / 2, SEEK_SET);
+        int c = fgetc(f);
+        fseek(f, n / 2, SEEK_SET);
+        fputc(c ^ 0x5a, f);
+        fclose(f);
+        n_files++;
+    }
+    closedir(d);
+    assert_true(n_files > 0);
+    e = h_start(&o);
+    ds_engine_stats s = run_a(e, 0);
+    print_message("corrupt: %d files, bad %llu, misses %llu\n", n_files,
+                  (unsigned long long)s.offload_bad, (unsigned long long)s.offload_misses);
+    assert_true(s.offload_bad > 0);
+    assert_int_equal(s.offload_loads_disk, 0);
+    h_stop(e);
+    free(dir);
+}
+
+/* ---- Redis ---------------------------------------------------------------------------------- */
+
+static int free_port(void) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {0};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    socklen_t len = sizeof a;
+    getsockname(fd, (struct sockaddr *)&a, &len);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+/* Starts redis-server on a free port and waits until it answers PING. */
+static pid_t start_redis(int *port) {
+    *port = free_port();
+    char ps[16];
+    snprintf(ps, sizeof ps, "%d", *port);
+    pid_t pid = fork();
+    if (pid == 0) {
+        int null = open("/dev/null", O_WRONLY);
+        if (null >= 0) {
+            dup2(null, 1);
+            dup2(null, 2);
+        }
+        execlp("redis-server", "redis-server", "--port", ps, "--bind", "127.0.0.1", "--save", "",
+               "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning", (char *)NULL);
+        _exit(127);
+    }
+    assert_true(pid > 0);
+    for (int i = 0; i < 100; i++) {
+        int status;
+        if (waitpid(pid, &status, WNOHANG) == pid)
+            fail_msg("redis-server did not start (exit %d): is it installed?",
+                     WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+        redisContext *c = redisConnect("127.0.0.1", *port);
+        if (c && !c->err) {
+            redisReply *r = redisCommand(c, "PING");
+            int ok = r && r->type == REDIS_REPLY_STATUS;
+            if (r) freeReplyObject(r);
+            redisFree(c);
+            if (ok) return pid;
+        } else if (c) {
+            redisFree(c);
+        }
+        usleep(50000);
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    fail_msg("redis-server did not answer on port %d", *port);
+    return -1;
+}
+
+static void stop_redis(pid_t pid) {
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+}
+
+/* One engine stores A in Redis; a fresh one resumes from it. */
+static void test_redis_tier(void **st) {
+    (void)st;
+    cold_ref();
+    int port;
+    pid_t rp = start_redis(&port);
+    char url[64];
+    snprintf(url, sizeof url, "redis://127.0.0.1:%d", port);
+    ds_engine_opts o;
+    h_opts(&o, 1, KV_MEM);
+    o.kv_offload_remote = url;
+    ds_engine *e = h_start(&o);
+    ds_engine_stats s = run_a(e, 0);
+    assert_true(s.offload_stores > 0);
+    h_stop(e);
+    e = h_start(&o);
+    s = run_a(e, 96);
+    assert_true(s.offload_loads_remote > 0);
+    assert_int_equal(s.offload_remote_errors, 0);
+    h_stop(e);
+    stop_redis(rp);
+}
+
+/* Redis killed while requests run: they all finish with the cold tokens, and later ones too. */
+static void test_redis_killed(void **st) {
+    (void)st;
+    cold_ref();
+    enum { N = 6 };
+    int32_t p[N][NA], ref[N][GEN];
+    ds_engine_opts o;
+    h_opts(&o, 0, KV_MEM);
+    ds_engine *cold = h_start(&o);
+    for (int i = 0; i < N; i++) {
+        h_prompt(p[i], NA, 900 + (uint64_t)i);
+        h_run(cold, p[i], NA, GEN, ref[i]);
+    }
+    h_stop(cold);
+    int port;
+    pid_t rp = start_redis(&port);
+    char url[64];
+    snprintf(url, sizeof url, "redis://127.0.0.1:%d", port);
+    h_opts(&o, 1, KV_MEM);
+    o.max_num_seqs = 2;
+    o.kv_offload_remote = url;
+    ds_engine *e = h_start(&o);
+    h_req r[N];
+    for (int i = 0; i < N; i++) h_submit(e, p[i], NA, GEN, &r[i]);
+    h_wait(&r[0]);
+    stop_redis(rp);
+    for (int i = 0; i < N; i++) {
+        h_wait(&r[i]);
+        assert_int_equal(r[i].why, DS_FINISH_LENGTH);
+        assert_memory_equal(r[i].tokens, ref[i], sizeof ref[i]);
+    }
+    ds_engine_stats s = run_a(e, 0);
+    print_message("redis killed: remote errors %llu, stores %llu\n",
+                  (unsigned long long)s.offload_remote_errors,
+                  (unsigned long long)s.offload_stores);
+    assert_true(s.offload_remote_errors > 0);
+    h_stop(e);
+}
+
+int main(void) {
+    signal(SIGPIPE, SIG_IGN); /* a write to a killed Redis must be an error, not a signal */
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_ram_tier),     cmocka_unit_test(test_disk_tier),
+        cmocka_unit_test(test_disk_corrupt), cmocka_unit_test(test_redis_tier),
+        cmocka_unit_test(test_redis_killed),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,367 @@
+/* test_engine_prefix.c — prefix caching with KDA checkpoints (invariant 5): the hash chain and the
+ * token-id confirmation (collisions forced through a test hook), then whole engines whose warm
+ * runs must give exactly the greedy tokens of a cold run with prefix caching off — for hits that
+ * end on a page, on a chunk and on a rung, prompts shorter than a page, forks followed by decode,
+ * 32 concurrent requests sharing a system prompt, eviction pressure and forced collisions. */
+#include "test_engine_prefix_harness.h"
+
+#include "cache/prefix.h"
+#include "engine/scheduler.h"
+
+/* ---- the index alone ------------------------------------------------------------------------ */
+
+typedef struct px_world {
+    ds_page_pool *pages;
+    ds_kv_pool kv;
+    float *layer0; /* [n_pages][bs][row] */
+    ds_prefix *px;
+} px_world;
+
+enum { PW_BS = 4, PW_ROW = 2, PW_PAGES = 16, PW_SLOT = 8 };
+
+static void pw_init(px_world *w, int hash_bits, int n_ckpt) {
+    ds_err err = {{0}};
+    assert_int_equal(ds_page_pool_create(PW_PAGES, &w->pages, &err), DS_OK);
+    w->layer0 = calloc(PW_PAGES * PW_BS * PW_ROW, sizeof(float));
+    w->kv.layer = &w->layer0;
+    w->kv.n_layers = 1;
+    w->kv.n_pages = PW_PAGES;
+    w->kv.block_size = PW_BS;
+    w->kv.row = PW_ROW;
+    ds_prefix_opts o = {PW_BS, 8, n_ckpt, 42, hash_bits};
+    if (ds_prefix_create(&o, PW_SLOT, w->pages, &w->kv, NULL, &w->px, &err))
+        fail_msg("%s", err.msg);
+}
+
+static void pw_free(px_world *w) {
+    ds_prefix_free(w->px);
+    assert_int_equal(ds_page_n_bad(w->pages), 0);
+    ds_page_pool_free(w->pages);
+    free(w->layer0);
+}
+
+/* Runs q's whole prompt as if by the engine: admission match, pages for the rest, steps cut at
+ * rungs (filing after each), then release. slot_val fills the "state" after each step so that a
+ * checkpoint's contents say which step it came from. Returns the matched depth. */
+static int pw_run(px_world *w, ds_seq *q, float *fork_out) {
+    int d = ds_prefix_match(w->px, q);
+    float slot[PW_SLOT] = {0};
+    if (ds_prefix_take_fork(w->px, q, slot) && fork_out) memcpy(fork_out, slot, sizeof slot);
+    ds_seq_reserve_blocks(q, q->n_tokens / PW_BS + 1);
+    while (q->n_blocks * PW_BS < q->n_tokens)
+        q->block_table[q->n_blocks++] = ds_page_alloc(w->pages);
+    while (q->n_computed < q->n_prompt) {
+        int end = q->n_prompt;
+        for (int i = 0; i < q->n_rungs; i++)
+            if (q->rungs[i] > q->n_computed) {
+                end = DS_MIN(end, q->rungs[i]);
+                break;
+            }
+        q->n_computed = end;
+        for (int i = 0; i < PW_SLOT; i++) slot[i] = (float)(end * 100 + i);
+        ds_prefix_on_computed(w->px, q, slot);
+    }
+    ds_prefix_release(w->px, q);
+    for (int b = q->n_blocks - 1; b >= 0; b--) ds_page_unref(w->pages, q->block_table[b]);
+    q->n_blocks = 0;
+    return d;
+}
+
+static ds_seq *pw_seq(const int32_t *t, int n) {
+    ds_err err = {{0}};
+    ds_seq *q = ds_seq_new(1, t, n, n + 4, &err);
+    assert_non_null(q);
+    return q;
+}
+
+/* The chain: a block's hash depends on its tokens and on everything before it; a repeat of a
+ * prompt resumes from the deepest rung with the exact state filed there, sharing the pages. */
+static void test_hash_chain_and_hit(void **st) {
+    (void)st;
+    px_world w;
+    pw_init(&w, 0, 4);
+    int32_t a[4] = {1, 2, 3, 4}, b[4] = {5, 6, 7, 8};
+    uint64_t ha[2], hb[2], hab[2], hba[2], ha2[2];
+    ds_prefix_hash_block(w.px, NULL, a, ha);
+    ds_prefix_hash_block(w.px, NULL, a, ha2);
+    ds_prefix_hash_block(w.px, NULL, b, hb);
+    ds_prefix_hash_block(w.px, ha, b, hab);
+    ds_prefix_hash_block(w.px, hb, a, hba);
+    assert_memory_equal(ha, ha2, 16);
+    assert_memory_not_equal(ha, hb, 16);
+    assert_memory_not_equal(hab, hb, 16); /* same tokens, another parent */
+    assert_memory_not_equal(hab, hba, 16);
+
+    int32_t p[14];
+    for (int i = 0; i < 14; i++) p[i] = 10 + i;
+    ds_seq *q1 = pw_seq(p, 14);
+    assert_int_equal(pw_run(&w, q1, NULL), 0);
+    /* rungs: interval 8, end 12 (both 14/4*4 and 13/4*4) */
+    assert_int_equal(q1->n_rungs, 2);
+    assert_int_equal(q1->rungs[0], 8);
+    assert_int_equal(q1->rungs[1], 12);
+    int32_t pages1[3];
+    memcpy(pages1, q1->block_table, sizeof pages1);
+    ds_prefix_stats s;
+    ds_prefix_get_stats(w.px, &s);
+    assert_int_equal(s.ckpt_kept, 2);
+    assert_int_equal(s.pages_filed, 3);
+    assert_int_equal(ds_page_n_cached_idle(w.pages), 3);
+
+    ds_seq *q2 = pw_seq(p, 14);
+    float fork[PW_SLOT];
+    assert_int_equal(pw_run(&w, q2, fork), 12);
+    assert_memory_equal(q2->block_table, pages1, sizeof pages1); /* shared, not copied */
+    for (int i = 0; i < PW_SLOT; i++) assert_true(fork[i] == (float)(1200 + i));
+
+    /* a prompt of 13 tokens can use at most 12: the same rung */
+    ds_seq *q3 = pw_seq(p, 13);
+    assert_int_equal(pw_run(&w, q3, fork), 12);
+    /* a prompt diverging in its third block resumes at the rung at 8 */
+    int32_t p4[14];
+    memcpy(p4, p, sizeof p4);
+    p4[9] = 999;
+    ds_seq *q4 = pw_seq(p4, 14);
+    assert_int_equal(pw_run(&w, q4, fork), 8);
+    for (int i = 0; i < PW_SLOT; i++) assert_true(fork[i] == (float)(800 + i));
+    /* shorter than a page: nothing to share */
+    ds_seq *q5 = pw_seq(p, 3);
+    assert_int_equal(pw_run(&w, q5, NULL), 0);
+    ds_prefix_get_stats(w.px, &s);
+    assert_int_equal(s.forks, 3);
+    assert_int_equal(s.collisions, 0);
+    ds_seq_free(q1);
+    ds_seq_free(q2);
+    ds_seq_free(q3);
+    ds_seq_free(q4);
+    ds_seq_free(q5);
+    pw_free(&w);
+}
+
+/* Demand rungs: a lookup that finds pages deeper than any checkpoint (q1 had no rung at 12)
+ * makes its own sequence file one there, so the next sequence sharing that much resumes there. */
+static void test_demand_rung(void **st) {
+    (void)st;
+    px_world w;
+    pw_init(&w, 0, 4);
+    int32_t p[24], p2[24], p3[24];
+    for (int i = 0; i < 24; i++) p[i] = 3 * i + 1;
+    ds_seq *q1 = pw_seq(p, 23); /* rungs 8, 16, 20; pages up to 20 */
+    assert_int_equal(pw_run(&w, q1, NULL), 0);
+    memcpy(p2, p, sizeof p2);
+    p2[13] = 999; /* shares pages [0, 12) with q1 */
+    ds_seq *q2 = pw_seq(p2, 20);
+    assert_int_equal(pw_run(&w, q2, NULL), 8);
+    assert_int_equal(q2->rungs[1], 12); /* 8, 12 (demand), 16, 20 */
+    memcpy(p3, p, sizeof p3);
+    p3[14] = 555;
+    ds_seq *q3 = pw_seq(p3, 20);
+    float fork[PW_SLOT];
+    assert_int_equal(pw_run(&w, q3, fork), 12);
+    for (int i = 0; i < PW_SLOT; i++) assert_true(fork[i] == (float)(1200 + i));
+    ds_seq_free(q1);
+    ds_seq_free(q2);
+    ds_seq_free(q3);
+    pw_free(&w);
+}
+
+/* With 1-bit hashes nearly every block collides with another; token and parent confirmation
+ * must turn every collision into a miss: a lookup never returns a depth whose tokens differ. */
+static void test_forced_collisions(void **st) {
+    (void)st;
+    px_world w;
+    pw_init(&w, 1, 8);
+    int32_t fam[3][20];
+    for (int f = 0; f < 3; f++)
+        for (int i = 0; i < 20; i++) fam[f][i] = 100 * f + i;
+    for (int round = 0; round < 2; round++)
+        for (int f = 0; f < 3; f++) {
+            ds_seq *q = pw_seq(fam[f], 20);
+            float fork[PW_SLOT];
+            int d = pw_run(&w, q, fork);
+            if (d > 0) /* whatever was served is this family's own state at that depth */
+                for (int i = 0; i < PW_SLOT; i++) assert_true(fork[i] == (float)(d * 100 + i));
+            ds_seq_free(q);
+        }
+    ds_prefix_stats s;
+    ds_prefix_get_stats(w.px, &s);
+    assert_true(s.collisions > 0);
+    pw_free(&w);
+}
+
+/* ---- whole engines -------------------------------------------------------------------------- */
+
+#define KV_MEM (8u << 20)
+
+typedef struct warm_case {
+    int n_prompt;
+    uint64_t seed;
+    int want_hit; /* tokens the second run must resume from */
+} warm_case;
+
+/* Each prompt twice on a warm engine: the second resumes exactly want_hit tokens deep, and both
+ * give the cold engine's tokens. */
+static void test_warm_equals_cold(void **st) {
+    (void)st;
+    /* chunk 64, page 16, rungs every 48 and at prompt ends */
+    const warm_case cases[] = {
+        {33, 1, 32}, /* ends on a page (the prompt's own end rung), first item is one token */
+        {40, 2, 32}, /* ends on a page, then a fork followed by a prefill of 8 and decode */
+        {65, 3, 64}, /* ends on a chunk boundary */
+        {60, 4, 48}, /* ends on an interval rung */
+        {10, 5, 0},  /* shorter than a page: nothing to share, still correct */
+        {16, 6, 0},  /* exactly one page: the last token must run, so no hit */
+        {17, 7, 16}, /* one page and one token */
+    };
+    enum { GEN = 24 };
+    ds_engine_opts o;
+    h_opts(&o, 0, KV_MEM);
+    ds_engine *cold = h_start(&o);
+    h_opts(&o, 1, KV_MEM);
+    ds_engine *warm = h_start(&o);
+    for (size_t c = 0; c < DS_ARRAY_LEN(cases); c++) {
+        int32_t p[128], ref[GEN], out[GEN];
+        h_prompt(p, cases[c].n_prompt, cases[c].seed);
+        h_run(cold, p, cases[c].n_prompt, GEN, ref);
+        h_run(warm, p, cases[c].n_prompt, GEN, out);
+        assert_memory_equal(out, ref, sizeof ref);
+        ds_engine_stats s0 = h_stats(warm);
+        h_run(warm, p, cases[c].n_prompt, GEN, out);
+        ds_engine_stats s1 = h_stats(warm);
+        print_message("prompt %d: hit %llu tokens\n", cases[c].n_prompt,
+                      (unsigned long long)(s1.prefix_hit_tokens - s0.prefix_hit_tokens));
+        assert_int_equal(s1.prefix_hit_tokens - s0.prefix_hit_tokens, cases[c].want_hit);
+        assert_int_equal(s1.forks - s0.forks, cases[c].want_hit ? 1 : 0);
+        assert_memory_equal(out, ref, sizeof ref);
+    }
+    /* a prompt sharing 50 tokens with the 60-token one resumes at its rung at 48 */
+    int32_t p[128], ref[GEN], out[GEN];
+    h_prompt(p, 60, 4);
+    for (int i = 50; i < 70; i++) p[i] = (int32_t)(i * 7 % 700);
+    h_run(cold, p, 70, GEN, ref);
+    ds_engine_stats s0 = h_stats(warm);
+    h_run(warm, p, 70, GEN, out);
+    ds_engine_stats s1 = h_stats(warm);
+    assert_int_equal(s1.prefix_hit_tokens - s0.prefix_hit_tokens, 48);
+    assert_memory_equal(out, ref, sizeof ref);
+    assert_int_equal(s1.ckpt_dropped, 0);
+    h_assert_idle(warm);
+    h_stop(cold);
+    h_stop(warm);
+}
+
+/* 32 requests sharing an 80-token system prompt, all submitted at once (8 run at a time): every
+ * one gives its cold tokens, and the later ones resume from the shared prefix. */
+static void test_shared_system_prompt(void **st) {
+    (void)st;
+    enum { N = 32, SYS = 80, GEN = 12 };
+    int32_t(*p)[160] = calloc(N, sizeof *p);
+    int n[N];
+    for (int i = 0; i < N; i++) {
+        h_prompt(p[i], SYS, 77);
+        n[i] = SYS + 3 + (i * 5) % 40;
+        h_prompt(p[i] + SYS, n[i] - SYS, 1000 + (uint64_t)i);
+    }
+    int32_t(*ref)[GEN] = calloc(N, sizeof *ref);
+    ds_engine_opts o;
+    h_opts(&o, 0, KV_MEM);
+    ds_engine *cold = h_start(&o);
+    for (int i = 0; i < N; i++) h_run(cold, p[i], n[i], GEN, ref[i]);
+    h_stop(cold);
+
+    h_opts(&o, 1, KV_MEM);
+    ds_engine *warm = h_start(&o);
+    h_req *r = calloc(N, sizeof *r);
+    for (int i = 0; i < N; i++) h_submit(warm, p[i], n[i], GEN, &r[i]);
+    for (int i = 0; i < N; i++) {
+        h_wait(&r[i]);
+        assert_int_equal(r[i].n, GEN);
+        assert_memory_equal(r[i].tokens, ref[i], sizeof ref[i]);
+    }
+    ds_engine_stats s = h_stats(warm);
+    print_message("shared prompt: %llu of %llu tokens from cache, %llu forks\n",
+                  (unsigned long long)s.prefix_hit_tokens,
+                  (unsigned long long)s.prefix_query_tokens, (unsigned long long)s.forks);
+    assert_true(s.forks >= N / 2);
+    assert_true(s.prefix_hit_tokens >= (uint64_t)(N / 2) * 64);
+    h_stop(warm);
+    free(p);
+    free(ref);
+    free(r);
+}
+
+/* Tiny pools: few pages beyond what the running sequences need and four checkpoint slots, so
+ * cached pages and checkpoints are evicted all the time; outputs stay cold-exact. Then the same
+ * with 3-bit hashes, so collisions happen everywhere and must all be misses. */
+static void run_pressure(int hash_bits) {
+    enum { N = 16, GEN = 10 };
+    int32_t(*p)[128] = calloc(N, sizeof *p);
+    int n[N];
+    for (int i = 0; i < N; i++) {
+        int fam = i % 2;
+        h_prompt(p[i], 64, 300 + (uint64_t)fam);
+        n[i] = 40 + (i * 13) % 60;
+        if (n[i] > 64) h_prompt(p[i] + 64, n[i] - 64, 400 + (uint64_t)i);
+    }
+    int32_t(*ref)[GEN] = calloc(N, sizeof *ref);
+    size_t mem = 600u << 10; /* ~40 pages */
+    ds_engine_opts o;
+    h_opts(&o, 0, mem);
+    o.max_num_seqs = 4;
+    ds_engine *cold = h_start(&o);
+    for (int i = 0; i < N; i++) h_run(cold, p[i], n[i], GEN, ref[i]);
+    h_stop(cold);
+
+    h_opts(&o, 1, mem);
+    o.max_num_seqs = 4;
+    o.prefix_test_hash_bits = hash_bits;
+    o.state_checkpoint_memory = 4 * h_slot_bytes(); /* four checkpoint slots */
+    ds_engine *warm = h_start(&o);
+    h_req *r = calloc(N, sizeof *r);
+    for (int round = 0; round < 2; round++) {
+        for (int i = 0; i < N; i++) h_submit(warm, p[i], n[i], GEN, &r[i]);
+        for (int i = 0; i < N; i++) {
+            h_wait(&r[i]);
+            assert_memory_equal(r[i].tokens, ref[i], sizeof ref[i]);
+        }
+    }
+    ds_engine_stats s = h_stats(warm);
+    print_message("pressure (hash bits %d): hits %llu tokens, forks %llu, ckpt kept %llu evicted "
+                  "%llu dropped %llu, pages evicted %llu, collisions %llu, preemptions %llu\n",
+                  hash_bits, (unsigned long long)s.prefix_hit_tokens, (unsigned long long)s.forks,
+                  (unsigned long long)s.ckpt_kept, (unsigned long long)s.ckpt_evicted,
+                  (unsigned long long)s.ckpt_dropped, (unsigned long long)s.prefix_pages_evicted,
+                  (unsigned long long)s.prefix_collisions, (unsigned long long)s.preemptions_total);
+    assert_int_equal(s.ckpt_slots_total, 4);
+    if (hash_bits) {
+        assert_true(s.prefix_collisions > 0);
+    } else {
+        assert_true(s.ckpt_evicted > 0);
+        assert_true(s.prefix_pages_evicted > 0);
+        assert_true(s.forks > 0);
+    }
+    h_stop(warm);
+    free(p);
+    free(ref);
+    free(r);
+}
+
+static void test_eviction_pressure(void **st) {
+    (void)st;
+    run_pressure(0);
+}
+
+static void test_engine_collisions(void **st) {
+    (void)st;
+    run_pressure(3);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_hash_chain_and_hit),   cmocka_unit_test(test_demand_rung),
+        cmocka_unit_test(test_forced_collisions),    cmocka_unit_test(test_warm_equals_cold),
+        cmocka_unit_test(test_shared_system_prompt), cmocka_unit_test(test_eviction_pressure),
+        cmocka_unit_test(test_engine_collisions),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
