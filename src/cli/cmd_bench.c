@@ -109,6 +109,7 @@ out:
 }
 
 int ds_cmd_bench(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "serve")) return ds_cmd_bench_serve(argc - 1, argv + 1);
     const char *model_dir = NULL, *json_path = NULL;
     int prompt_tokens = 512, steps = 8, reps = 2;
     ds_arg opts[] = {
@@ -121,7 +122,8 @@ int ds_cmd_bench(int argc, char **argv) {
     ds_args a = {"deltaserve bench",
                  "Prompt tokens/s at --prompt-tokens and decode tokens/s at batch 1 and 16, with\n"
                  "achieved GB/s and GFLOP/s as fractions of this machine's read bandwidth and FMA\n"
-                 "peak, measured in the same run.",
+                 "peak, measured in the same run.\n"
+                 "`deltaserve bench serve --help`: the load generator for a running server.",
                  opts, (int)DS_ARRAY_LEN(opts)};
     int rc;
     if (ds_args_parse_cli(&a, argc, argv, &rc)) return rc;

@@ -16,8 +16,6 @@ import signal
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -32,9 +30,9 @@ class Server:
 
     def __init__(self, *extra_args, startup_timeout=120.0):
         if not os.path.exists(DS_BIN):
-            pytest.skip(f"{DS_BIN} is not built (set DS_BIN)")
+            pytest.fail(f"{DS_BIN} is not built (set DS_BIN)")
         if not os.path.exists(os.path.join(DS_MODEL, "config.json")):
-            pytest.skip(f"no model at {DS_MODEL} (run make, or set DS_MODEL)")
+            pytest.fail(f"no model at {DS_MODEL} (run make, or set DS_MODEL)")
         self.args = [DS_BIN, "serve", "--model", DS_MODEL, "--port", "0",
                      "--kv-cache-memory", "32M", "--shutdown-timeout", "2", *extra_args]
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

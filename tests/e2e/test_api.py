@@ -4,7 +4,7 @@ import http.client
 import json
 import re
 
-from conftest import MODEL_NAME, sse_events
+from conftest import MODEL_NAME
 
 PROMPT = "The quick brown fox"
 
