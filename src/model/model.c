@@ -66,7 +66,9 @@ struct ds_model {
     ds_mat lm_head;    /* [V][D] */
     float *final_norm; /* [D] */
     float *out_res_np; /* [D] AttnRes output mix, or NULL */
-    layer_w *layers;   /* [L] */
+    layer_w *layers;   /* [L]; only [l0, l1) are bound */
+    int l0, l1;        /* this stage's layers (all of them without pipeline parallelism) */
+    int n_kda, n_mla;  /* KDA / MLA layers among them */
     void **owned;      /* every f32 vector converted at load */
     int n_owned, cap_owned;
     size_t weight_bytes;
@@ -80,6 +82,8 @@ void ds_model_opts_default(ds_model_opts *o) {
     o->kda_chunked_min = 16;
     o->mla_expanded_min = 32;
     o->hf_kl_router_quirk = 0;
+    o->layer_begin = 0;
+    o->layer_end = 0;
 }
 
 const ds_config *ds_model_config(const ds_model *m) {
@@ -313,14 +317,26 @@ int ds_model_load(const char *dir, const ds_model_opts *opts, ds_model **out, ds
     int D = c->hidden_size, V = c->vocab_size, L = c->num_hidden_layers;
     const char *wp = c->weight_prefix;
     char n[512];
-    if (NAME(n, "%smodel.embed_tokens.weight", wp), bind_mat(m, n, V, D, &m->embed, err)) goto fail;
-    if (c->tie_word_embeddings) {
-        m->lm_head = m->embed;
-    } else if (NAME(n, "%slm_head.weight", wp), bind_mat(m, n, V, D, &m->lm_head, err)) {
+    m->l0 = m->opts.layer_begin;
+    m->l1 = m->opts.layer_end ? m->opts.layer_end : L;
+    if (m->l0 < 0 || m->l1 > L || m->l0 >= m->l1) {
+        ds_errf(err, "layer range [%d, %d) is not inside the model's %d layers", m->l0, m->l1, L);
         goto fail;
     }
-    if (NAME(n, "%smodel.norm.weight", wp), bind_vec1(m, n, D, &m->final_norm, err)) goto fail;
-    if (c->attn_res_block_size > 0) {
+    int first = m->l0 == 0, last = m->l1 == L;
+    /* The embedding lives on the first stage, the final mix, norm and lm_head on the last; a tied
+     * lm_head is the embedding, so the last stage binds it too. */
+    if ((first || (last && c->tie_word_embeddings)) &&
+        (NAME(n, "%smodel.embed_tokens.weight", wp), bind_mat(m, n, V, D, &m->embed, err)))
+        goto fail;
+    if (last && c->tie_word_embeddings) {
+        m->lm_head = m->embed;
+    } else if (last && (NAME(n, "%slm_head.weight", wp), bind_mat(m, n, V, D, &m->lm_head, err))) {
+        goto fail;
+    }
+    if (last && (NAME(n, "%smodel.norm.weight", wp), bind_vec1(m, n, D, &m->final_norm, err)))
+        goto fail;
+    if (last && c->attn_res_block_size > 0) {
         char n2[512];
         NAME(n, "%smodel.output_attn_res_norm.weight", wp);
         NAME(n2, "%smodel.output_attn_res_proj.weight", wp);
@@ -329,7 +345,7 @@ int ds_model_load(const char *dir, const ds_model_opts *opts, ds_model **out, ds
     m->layers = ds_calloc((size_t)L, sizeof(layer_w), err);
     if (!m->layers) goto fail;
     int n_kda = 0, n_mla = 0;
-    for (int i = 0; i < L; i++) {
+    for (int i = m->l0; i < m->l1; i++) {
         layer_w *lw = &m->layers[i];
         char pre[256], apre[300];
         snprintf(pre, sizeof pre, "%smodel.layers.%d.", wp, i);
@@ -358,6 +374,8 @@ int ds_model_load(const char *dir, const ds_model_opts *opts, ds_model **out, ds
         }
         if (bind_ffn(m, pre, i, &lw->ffn, err)) goto fail;
     }
+    m->n_kda = n_kda;
+    m->n_mla = n_mla;
     *out = m;
     return DS_OK;
 fail:
@@ -436,7 +454,7 @@ static size_t rec_floats(const ds_config *c) {
 
 size_t ds_model_slot_floats(const ds_model *m) {
     const ds_config *c = &m->cfg;
-    return (size_t)c->num_kda_layers * (conv_floats(c) + rec_floats(c));
+    return (size_t)m->n_kda * (conv_floats(c) + rec_floats(c));
 }
 
 int ds_model_latent_row(const ds_model *m) {
@@ -445,7 +463,7 @@ int ds_model_latent_row(const ds_model *m) {
 
 int ds_kv_pool_init(ds_kv_pool *p, const ds_model *m, int n_pages, int block_size, ds_err *err) {
     memset(p, 0, sizeof *p);
-    p->n_layers = m->cfg.num_mla_layers;
+    p->n_layers = m->n_mla;
     p->n_pages = n_pages;
     p->block_size = block_size;
     p->row = ds_model_latent_row(m);
@@ -500,8 +518,10 @@ typedef struct step {
     ds_kv_pool *pool;
     ds_seq_batch *seqs;
     int n_seq;
-    int T;    /* total tokens */
-    int *off; /* [n_seq] first row of each segment */
+    int T;                 /* total tokens */
+    int *off;              /* [n_seq] first row of each segment */
+    const ds_stage_io *in; /* from the previous pipeline stage, or NULL on the first */
+    ds_stage_io *out;      /* to the next stage, or NULL on the last */
     scratch sc;
 } step;
 
@@ -511,8 +531,7 @@ static float *slot_conv(const step *s, int q, int kda_idx) {
 }
 static float *slot_rec(const step *s, int q, int kda_idx) {
     const ds_config *c = &s->m->cfg;
-    return s->seqs[q].slot + (size_t)c->num_kda_layers * conv_floats(c) +
-           (size_t)kda_idx * rec_floats(c);
+    return s->seqs[q].slot + (size_t)s->m->n_kda * conv_floats(c) + (size_t)kda_idx * rec_floats(c);
 }
 
 /* out[T][D] = KDA(xn[T][D]) (MODEL_SPEC §3). */
@@ -551,11 +570,11 @@ static void kda_forward(step *s, const layer_w *lw, const float *xn, float *out)
             ds_short_conv_silu(dst[j] + r, pre + r, sb->n, P, conv_w[j], W, tail);
             /* The tail after token t is rows t-W+2 .. t of (old tail ++ this step's inputs). */
             for (int t = 0; old && t < sb->n; t++) {
-                float *dstrow = sb->state_rows + (size_t)t * slot_n +
-                                (size_t)(tail - sb->slot);
+                float *dstrow = sb->state_rows + (size_t)t * slot_n + (size_t)(tail - sb->slot);
                 for (int i = 0; i < W - 1; i++) {
                     int u = t - (W - 1) + 1 + i;
-                    const float *src = u < 0 ? old + (size_t)(u + W - 1) * P : pre + r + (size_t)u * P;
+                    const float *src =
+                        u < 0 ? old + (size_t)(u + W - 1) * P : pre + r + (size_t)u * P;
                     memcpy(dstrow + (size_t)i * P, src, (size_t)P * sizeof(float));
                 }
             }
@@ -817,12 +836,20 @@ static size_t run_step(step *s) {
         free(cands);
         return sc->need + 1;
     }
-    for (int q = 0; q < s->n_seq; q++)
-        memcpy(ids + s->off[q], s->seqs[q].tokens, (size_t)s->seqs[q].n * sizeof(int32_t));
-    ds_embed(P, &m->embed, ids, T);
-    save_hidden(s, -1, P);
     int nb = 0; /* banked AttnRes blocks */
-    for (int i = 0; i < L && !sc->overflow; i++) {
+    if (m->l0 == 0) {
+        for (int q = 0; q < s->n_seq; q++)
+            memcpy(ids + s->off[q], s->seqs[q].tokens, (size_t)s->seqs[q].n * sizeof(int32_t));
+        ds_embed(P, &m->embed, ids, T);
+        save_hidden(s, -1, P);
+    } else {
+        /* A later pipeline stage: the stream and the banked blocks arrive from the previous one
+         * (MODEL_SPEC §6.4) — a block opened there may close here. */
+        memcpy(P, s->in->h, TD * sizeof(float));
+        nb = s->in->n_banks;
+        if (nb) memcpy(bank, s->in->banks, (size_t)nb * TD * sizeof(float));
+    }
+    for (int i = m->l0; i < m->l1 && !sc->overflow; i++) {
         const layer_w *lw = &m->layers[i];
         if (N > 0) {
             /* Mix first, then bank P: layer 0 banks the embedding (MODEL_SPEC §6.3, trap 13). */
@@ -863,6 +890,13 @@ static size_t run_step(step *s) {
         free(cands);
         return sc->need + 1;
     }
+    if (m->l1 < L) { /* not the last stage: hand the stream and the banks on */
+        memcpy(s->out->h, P, TD * sizeof(float));
+        s->out->n_banks = nb;
+        if (nb) memcpy(s->out->banks, bank, (size_t)nb * TD * sizeof(float));
+        free(cands);
+        return 0;
+    }
     if (N > 0) {
         for (int j = 0; j < nb; j++) cands[j] = bank + (size_t)j * TD;
         cands[nb] = P;
@@ -895,7 +929,8 @@ static size_t step_need(const step *s) {
     size_t rows_max = 0; /* speculative state rows (see kda_forward) */
     for (int q = 0; q < s->n_seq; q++)
         if (s->seqs[q].state_rows)
-            rows_max = DS_MAX(rows_max, (size_t)s->seqs[q].n * H * dk * dk + (size_t)(c->short_conv_kernel_size - 1) * P + 2 * pad);
+            rows_max = DS_MAX(rows_max, (size_t)s->seqs[q].n * H * dk * dk +
+                                            (size_t)(c->short_conv_kernel_size - 1) * P + 2 * pad);
     if (kda) kda += rows_max;
     size_t mla = 0;
     if (c->num_mla_layers) {
@@ -925,6 +960,28 @@ static size_t step_need(const step *s) {
 }
 
 int ds_model_forward(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, int n_seq, ds_err *err) {
+    return ds_model_forward_stage(m, pool, seqs, n_seq, NULL, NULL, err);
+}
+
+int ds_model_first_layer(const ds_model *m) {
+    return m->l0;
+}
+int ds_model_end_layer(const ds_model *m) {
+    return m->l1;
+}
+int ds_model_max_banks(const ds_model *m) {
+    int L = m->cfg.num_hidden_layers, N = m->cfg.attn_res_block_size;
+    return N > 0 ? (L + N - 1) / N + 1 : 0;
+}
+
+int ds_model_forward_stage(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, int n_seq,
+                           const ds_stage_io *in, ds_stage_io *out, ds_err *err) {
+    if ((m->l0 > 0 && !in) || (m->l1 < m->cfg.num_hidden_layers && !out))
+        return ds_errf(err, "forward: stage [%d, %d) needs its %s tensors", m->l0, m->l1,
+                       m->l0 > 0 && !in ? "incoming" : "outgoing");
+    if (in && in->n_banks > ds_model_max_banks(m))
+        return ds_errf(err, "forward: %d banked AttnRes blocks arrived, at most %d exist",
+                       in->n_banks, ds_model_max_banks(m));
     const ds_config *c = &m->cfg;
     int T = 0;
     int *off = ds_malloc((size_t)(n_seq ? n_seq : 1) * sizeof(int), err);
@@ -945,7 +1002,7 @@ int ds_model_forward(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, int n_se
         off[q] = T;
         T += sb->n;
     }
-    step s = {m, pool, seqs, n_seq, T, off, {0}};
+    step s = {m, pool, seqs, n_seq, T, off, in, out, {0}};
     if (T == 0) {
         free(off);
         return DS_OK;

@@ -16,10 +16,11 @@
 #include "model/safetensors.h"
 
 typedef struct ds_model_opts {
-    int kda_chunk;             /* chunk length of the chunked KDA form (default 64) */
-    int kda_chunked_min;       /* segments with at least this many tokens use the chunked form */
-    int mla_expanded_min;      /* segments with at least this many tokens use expanded MLA */
-    int hf_kl_router_quirk;    /* reproduce HF-KL's biased combine weights (parity tests only) */
+    int kda_chunk;              /* chunk length of the chunked KDA form (default 64) */
+    int kda_chunked_min;        /* segments with at least this many tokens use the chunked form */
+    int mla_expanded_min;       /* segments with at least this many tokens use expanded MLA */
+    int hf_kl_router_quirk;     /* reproduce HF-KL's biased combine weights (parity tests only) */
+    int layer_begin, layer_end; /* pipeline stage: layers [begin, end); end 0 = all */
 } ds_model_opts;
 
 void ds_model_opts_default(ds_model_opts *o);
@@ -41,7 +42,8 @@ const ds_mat *ds_model_lm_head(const ds_model *m);
 /* Total bytes of weight tensors bound by the model. */
 size_t ds_model_weight_bytes(const ds_model *m);
 
-/* ---- per-sequence state ------------------------------------------------------------------------ */
+/* ---- per-sequence state ------------------------------------------------------------------------
+ */
 /* Floats in one KDA state slot: conv tails [n_kda][3][W-1][P] followed by recurrent states
  * [n_kda][Hk][dk][dv]. A new sequence starts from all zeros. */
 size_t ds_model_slot_floats(const ds_model *m);
@@ -83,5 +85,24 @@ typedef struct ds_seq_batch {
 
 /* Runs one step over n_seq segments. Segments of the same sequence must not appear twice. */
 int ds_model_forward(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, int n_seq, ds_err *err);
+
+/* ---- pipeline stages ---------------------------------------------------------------------------
+ * A model loaded with a layer range runs only those layers: the first stage embeds, the last
+ * applies the final AttnRes mix, the norm and lm_head. Between stages crosses, for all T tokens of
+ * the step in segment order, the residual stream (the block-local sum P with AttnRes) and the
+ * banked AttnRes blocks with their count — nothing else (MODEL_SPEC §6.4). A stage's KDA slot
+ * and latent pool hold only its own layers. */
+typedef struct ds_stage_io {
+    float *h;     /* [T][D] */
+    float *banks; /* [ds_model_max_banks][T][D], the first n_banks valid */
+    int n_banks;
+} ds_stage_io;
+
+int ds_model_first_layer(const ds_model *m);
+int ds_model_end_layer(const ds_model *m);
+int ds_model_max_banks(const ds_model *m);
+/* in: NULL on the first stage; out: NULL on the last. */
+int ds_model_forward_stage(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, int n_seq,
+                           const ds_stage_io *in, ds_stage_io *out, ds_err *err);
 
 #endif

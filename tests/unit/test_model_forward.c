@@ -184,8 +184,8 @@ static void stepped_logits(fixture *f, const int32_t *ids, const int *steps, int
     int pos = 0;
     for (int s = 0; s < n_steps; s++) {
         int last = s == n_steps - 1;
-        ds_seq_batch sb = {ids + pos, steps[s], pos,  slot, f->table, last ? out : NULL,
-                           last,      NULL,     NULL, NULL, 0,        NULL, NULL};
+        ds_seq_batch sb = {ids + pos, steps[s], pos, slot, f->table, last ? out : NULL, last, NULL,
+                           NULL,      NULL,     0,   NULL, NULL};
         ds_err err = {{0}};
         if (ds_model_forward(f->m, &f->pool, &sb, 1, &err)) fail_msg("%s", err.msg);
         pos += steps[s];
@@ -294,8 +294,8 @@ static void test_spec_rollback(void **state) {
     for (int g = 0; g < G; g++) {
         plain[g] = ds_argmax(logits, V);
         ctx[P + g] = plain[g];
-        ds_seq_batch d = {ctx + P + g, 1, P + g, slot, f.table, logits, 1,
-                          NULL, NULL, NULL, 0, NULL, NULL};
+        ds_seq_batch d = {ctx + P + g, 1,    P + g, slot, f.table, logits, 1,
+                          NULL,        NULL, NULL,  0,    NULL,    NULL};
         if (ds_model_forward(f.m, &f.pool, &d, 1, &err)) fail_msg("%s", err.msg);
     }
     /* speculative: drafts are the true continuation for `want` positions, then wrong tokens */
@@ -317,8 +317,8 @@ static void test_spec_rollback(void **state) {
             int32_t truth = idx < G ? plain[idx] : 0;
             win[i] = i <= want ? truth : (truth + 1 + i) % V;
         }
-        ds_seq_batch v = {win, K + 1, pos, slot, f.table, logits, K + 1,
-                          NULL, NULL, NULL, 0, NULL, rows};
+        ds_seq_batch v = {win,  K + 1, pos,  slot, f.table, logits, K + 1,
+                          NULL, NULL,  NULL, 0,    NULL,    rows};
         if (ds_model_forward(f.m, &f.pool, &v, 1, &err)) fail_msg("%s", err.msg);
         int a = 0;
         while (a < K && win[a + 1] == ds_argmax(logits + (size_t)a * V, V)) a++;
@@ -357,7 +357,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_golden_tiny_k3),    cmocka_unit_test(test_golden_tiny_linear),
         cmocka_unit_test(test_prefill_decode_k3), cmocka_unit_test(test_prefill_decode_linear),
-        cmocka_unit_test(test_batch_invariance), cmocka_unit_test(test_spec_rollback),  cmocka_unit_test(test_bad_tokens),
+        cmocka_unit_test(test_batch_invariance),  cmocka_unit_test(test_spec_rollback),
+        cmocka_unit_test(test_bad_tokens),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
