@@ -294,7 +294,7 @@ static void test_shared_system_prompt(void **st) {
  * cached pages and checkpoints are evicted all the time; outputs stay cold-exact. Then the same
  * with 3-bit hashes, so collisions happen everywhere and must all be misses. */
 static void run_pressure(int hash_bits) {
-    enum { N = 16, GEN = 10 };
+    enum { N = 24, GEN = 10 };
     int32_t(*p)[128] = calloc(N, sizeof *p);
     int n[N];
     for (int i = 0; i < N; i++) {
