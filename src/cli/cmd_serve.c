@@ -108,7 +108,10 @@ int ds_cmd_serve(int argc, char **argv) {
     ds_engine_opts eo;
     ds_engine_opts_default(&eo);
     const char *model_dir = NULL, *host = "127.0.0.1", *api_key = NULL, *served = NULL;
-    const char *kv_mem = NULL;
+    const char *kv_mem = NULL, *ckpt_mem = NULL, *off_ram = NULL, *off_disk_bytes = NULL;
+    const char *off_disk_dir = NULL, *off_remote = NULL;
+    int prefix_caching = eo.enable_prefix_caching,
+        ckpt_interval = eo.state_checkpoint_interval_tokens;
     int port = 8000, max_num_seqs = eo.max_num_seqs, max_batched = eo.max_num_batched_tokens;
     int block_size = eo.block_size, max_model_len = eo.max_model_len, max_queue = eo.max_queue;
     double kv_fraction = eo.kv_cache_fraction, grace = 5.0;
@@ -134,6 +137,20 @@ int ds_cmd_serve(int argc, char **argv) {
         DS_OPT("max-queue", NULL, DS_ARG_INT, &max_queue, "N",
                "waiting requests beyond which new ones get 503"),
         DS_OPT("seed", NULL, DS_ARG_I64, &seed, "S", "base seed for requests without one"),
+        DS_OPT("enable-prefix-caching", NULL, DS_ARG_BOOL, &prefix_caching, NULL,
+               "reuse cached MLA pages and KDA checkpoints of shared prompt prefixes"),
+        DS_OPT("state-checkpoint-interval-tokens", NULL, DS_ARG_INT, &ckpt_interval, "N",
+               "KDA checkpoint spacing in tokens (snapped to --block-size)"),
+        DS_OPT("state-checkpoint-memory", NULL, DS_ARG_STRING, &ckpt_mem, "BYTES",
+               "memory for KDA checkpoint slots, e.g. 64M"),
+        DS_OPT("kv-offload-ram", NULL, DS_ARG_STRING, &off_ram, "BYTES",
+               "host-RAM offload tier size (default: off)"),
+        DS_OPT("kv-offload-disk-dir", NULL, DS_ARG_STRING, &off_disk_dir, "DIR",
+               "local-disk offload tier folder (default: off)"),
+        DS_OPT("kv-offload-disk-bytes", NULL, DS_ARG_STRING, &off_disk_bytes, "BYTES",
+               "disk tier size limit (default: unlimited)"),
+        DS_OPT("kv-offload-remote", NULL, DS_ARG_STRING, &off_remote, "URL",
+               "remote offload tier, redis://host:port (default: off)"),
         DS_OPT("shutdown-timeout", NULL, DS_ARG_FLOAT, &grace, "SEC",
                "on SIGINT/SIGTERM, let running requests finish this long, then abort them"),
     };
@@ -153,8 +170,21 @@ int ds_cmd_serve(int argc, char **argv) {
         return 2;
     }
     size_t kv_bytes = 0;
-    if (kv_mem && parse_bytes(kv_mem, &kv_bytes, &err)) {
-        fprintf(stderr, "serve: --kv-cache-memory: %s\n", err.msg);
+    struct {
+        const char *flag, *value;
+        size_t *dest;
+    } sizes[] = {{"--kv-cache-memory", kv_mem, &kv_bytes},
+                 {"--state-checkpoint-memory", ckpt_mem, &eo.state_checkpoint_memory},
+                 {"--kv-offload-ram", off_ram, &eo.kv_offload_ram_bytes},
+                 {"--kv-offload-disk-bytes", off_disk_bytes, &eo.kv_offload_disk_bytes}};
+    for (size_t i = 0; i < DS_ARRAY_LEN(sizes); i++) {
+        if (sizes[i].value && parse_bytes(sizes[i].value, sizes[i].dest, &err)) {
+            fprintf(stderr, "serve: %s: %s\n", sizes[i].flag, err.msg);
+            return 2;
+        }
+    }
+    if (ckpt_interval < 1) {
+        fprintf(stderr, "serve: need --state-checkpoint-interval-tokens >= 1\n");
         return 2;
     }
     eo.model_dir = model_dir;
@@ -166,6 +196,10 @@ int ds_cmd_serve(int argc, char **argv) {
     eo.max_model_len = max_model_len;
     eo.max_queue = max_queue;
     eo.seed = (uint64_t)seed;
+    eo.enable_prefix_caching = prefix_caching;
+    eo.state_checkpoint_interval_tokens = ckpt_interval;
+    eo.kv_offload_disk_dir = off_disk_dir;
+    eo.kv_offload_remote = off_remote;
 
     char *name = served ? strdup(served) : folder_name(model_dir);
     if (!name || !name[0] || pipe(g_sig_pipe)) {
