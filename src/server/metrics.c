@@ -7,6 +7,7 @@
 
 #include <pthread.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -159,6 +160,43 @@ char *ds_metrics_render(ds_metrics *m, const ds_engine_stats *st, const char *mo
     counter(&t, "engine_steps_total", "Engine steps run.", labels, (double)st->steps_total);
     counter(&t, "engine_step_seconds_total", "Seconds spent in forward passes and sampling.",
             labels, st->step_seconds_total);
+    /* prefix caching and offload: what the cache kept and why */
+    static const struct {
+        const char *name, *help;
+        size_t off;
+    } CACHE[] = {
+        {"prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+         offsetof(ds_engine_stats, prefix_query_tokens)},
+        {"prefix_cache_hits_total", "Prompt tokens resumed from the prefix cache.",
+         offsetof(ds_engine_stats, prefix_hit_tokens)},
+        {"state_checkpoints_kept_total", "KDA checkpoint rungs filed.",
+         offsetof(ds_engine_stats, ckpt_kept)},
+        {"state_checkpoints_dropped_total", "KDA checkpoint rungs not filed (no budget).",
+         offsetof(ds_engine_stats, ckpt_dropped)},
+        {"state_checkpoints_evicted_total", "KDA checkpoints evicted (least recently used).",
+         offsetof(ds_engine_stats, ckpt_evicted)},
+        {"prefix_cache_forks_total", "Sequences resumed by forking a checkpoint.",
+         offsetof(ds_engine_stats, forks)},
+        {"prefix_cache_pages_evicted_total", "Cached MLA pages evicted.",
+         offsetof(ds_engine_stats, prefix_pages_evicted)},
+        {"kv_offload_stores_total", "Pages and checkpoints written to the offload tiers.",
+         offsetof(ds_engine_stats, offload_stores)},
+        {"kv_offload_loads_ram_total", "Loads served by the RAM tier.",
+         offsetof(ds_engine_stats, offload_loads_ram)},
+        {"kv_offload_loads_disk_total", "Loads served by the disk tier.",
+         offsetof(ds_engine_stats, offload_loads_disk)},
+        {"kv_offload_loads_remote_total", "Loads served by the remote (Redis) tier.",
+         offsetof(ds_engine_stats, offload_loads_remote)},
+        {"kv_offload_misses_total", "Offload lookups that found nothing.",
+         offsetof(ds_engine_stats, offload_misses)},
+        {"kv_offload_bad_entries_total", "Offload entries rejected by their checksum.",
+         offsetof(ds_engine_stats, offload_bad)},
+        {"kv_offload_remote_errors_total", "Errors talking to the remote tier.",
+         offsetof(ds_engine_stats, offload_remote_errors)},
+    };
+    for (size_t i = 0; i < DS_ARRAY_LEN(CACHE); i++)
+        counter(&t, CACHE[i].name, CACHE[i].help, labels,
+                (double)*(const uint64_t *)((const char *)st + CACHE[i].off));
 
     metric_head(&t, "request_success_total", "counter", "Finished requests by finish reason.");
     static const struct {
