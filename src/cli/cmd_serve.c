@@ -116,6 +116,9 @@ int ds_cmd_serve(int argc, char **argv) {
     int block_size = eo.block_size, max_model_len = eo.max_model_len, max_queue = eo.max_queue;
     double kv_fraction = eo.kv_cache_fraction, grace = 5.0;
     int64_t seed = (int64_t)eo.seed;
+    const char *spec_method = "none", *draft_dir = NULL;
+    int spec_k = eo.num_speculative_tokens;
+    static const char *const SPEC_METHODS[] = {"none", "dspark", "ngram", NULL};
     ds_arg opts[] = {
         {"model", "m", DS_ARG_STRING, &model_dir, "DIR", "checkpoint folder", .required = 1},
         DS_OPT("host", NULL, DS_ARG_STRING, &host, "ADDR", "address to bind"),
@@ -137,6 +140,13 @@ int ds_cmd_serve(int argc, char **argv) {
         DS_OPT("max-queue", NULL, DS_ARG_INT, &max_queue, "N",
                "waiting requests beyond which new ones get 503"),
         DS_OPT("seed", NULL, DS_ARG_I64, &seed, "S", "base seed for requests without one"),
+        {"speculative-method", "method", DS_ARG_STRING, &spec_method, "M",
+         "speculative decoding: dspark (draft model) or ngram (prompt lookup)",
+         .choices = SPEC_METHODS},
+        DS_OPT("num-speculative-tokens", NULL, DS_ARG_INT, &spec_k, "K",
+               "drafts verified per step"),
+        DS_OPT("draft-model", NULL, DS_ARG_STRING, &draft_dir, "DIR",
+               "DSpark draft checkpoint (default: MODEL/draft)"),
         DS_OPT("enable-prefix-caching", NULL, DS_ARG_BOOL, &prefix_caching, NULL,
                "reuse cached MLA pages and KDA checkpoints of shared prompt prefixes"),
         DS_OPT("state-checkpoint-interval-tokens", NULL, DS_ARG_INT, &ckpt_interval, "N",
@@ -196,6 +206,11 @@ int ds_cmd_serve(int argc, char **argv) {
     eo.max_model_len = max_model_len;
     eo.max_queue = max_queue;
     eo.seed = (uint64_t)seed;
+    eo.speculative_method = !strcmp(spec_method, "dspark")  ? DS_SPEC_DSPARK
+                            : !strcmp(spec_method, "ngram") ? DS_SPEC_NGRAM
+                                                            : DS_SPEC_NONE;
+    eo.num_speculative_tokens = spec_k;
+    eo.draft_model_dir = draft_dir;
     eo.enable_prefix_caching = prefix_caching;
     eo.state_checkpoint_interval_tokens = ckpt_interval;
     eo.kv_offload_disk_dir = off_disk_dir;

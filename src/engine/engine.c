@@ -11,6 +11,7 @@
 #include "engine/scheduler.h"
 #include "engine/textout.h"
 #include "model/chat.h"
+#include "model/draft.h"
 #include "model/model.h"
 
 #include <math.h>
@@ -34,6 +35,8 @@ typedef struct choice {
     int n_generated;
     int in_sched; /* added to the scheduler (so it must be removed from it) */
     int done;
+    int32_t drafts[DS_MAX_SPEC]; /* [n_drafts] proposed continuation after the last token */
+    int n_drafts;
 } choice;
 
 struct request {
@@ -79,8 +82,16 @@ struct ds_engine {
     ds_sched_item *items; /* [max_num_seqs] */
     ds_seq **preempted;   /* [max_num_seqs] */
     ds_seq_batch *batch;  /* [max_num_seqs] */
-    float *logits;        /* [max_num_seqs][V] */
+    float *logits;        /* [max_num_seqs][k+1][V] */
     ds_sample_scratch *scratch;
+
+    /* speculative decoding (k = 0: off) */
+    int k;
+    ds_draft *draft;       /* dspark */
+    ds_draft_cache dcache; /* the draft's latent rows, addressed by the same pages */
+    float *state_rows;     /* [max_num_seqs][k+1][slot floats] KDA slot after each verify row */
+    float *taps;           /* [sum of item tokens][n_taps][D] this step's draft taps */
+    size_t taps_cap;       /* floats */
 
     ds_engine_stats stats; /* guarded by mu */
 };
@@ -92,6 +103,7 @@ void ds_engine_opts_default(ds_engine_opts *o) {
     o->max_num_seqs = 64;
     o->max_num_batched_tokens = 2048;
     o->max_queue = 1024;
+    o->num_speculative_tokens = 7;
     o->enable_prefix_caching = 1;
     o->state_checkpoint_interval_tokens = 256;
     o->state_checkpoint_memory = (size_t)64 << 20;
@@ -228,8 +240,8 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
                          &e->prefix, err))
         return DS_ERR;
     ds_sched_set_prefix(e->sched, e->prefix);
-    int rung = DS_MAX(o->block_size,
-                      o->state_checkpoint_interval_tokens / o->block_size * o->block_size);
+    int rung =
+        DS_MAX(o->block_size, o->state_checkpoint_interval_tokens / o->block_size * o->block_size);
     fprintf(stderr,
             "[deltaserve] prefix caching on: %zu KDA checkpoint slots (%.1f MiB), rungs every %d "
             "tokens%s%s%s\n",
@@ -237,6 +249,33 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
             o->kv_offload_ram_bytes ? ", offload to RAM" : "",
             o->kv_offload_disk_dir && o->kv_offload_disk_dir[0] ? ", to disk" : "",
             o->kv_offload_remote && o->kv_offload_remote[0] ? ", to Redis" : "");
+    return DS_OK;
+}
+
+/* Speculative decoding: k drafts per verify; dspark loads its draft next to the target and keeps
+ * its latent rows in a cache addressed by the target's own pages (so a shared prefix page shares
+ * its draft rows too). */
+static int setup_spec(ds_engine *e, ds_err *err) {
+    const ds_engine_opts *o = &e->opts;
+    if (o->num_speculative_tokens < 1 || o->num_speculative_tokens > DS_MAX_SPEC)
+        return ds_errf(err, "--num-speculative-tokens must be in [1, %d], got %d", DS_MAX_SPEC,
+                       o->num_speculative_tokens);
+    e->k = o->num_speculative_tokens;
+    if (o->speculative_method == DS_SPEC_DSPARK && !o->spec_test_drafts) {
+        char dir[4096];
+        if (o->draft_model_dir)
+            snprintf(dir, sizeof dir, "%s", o->draft_model_dir);
+        else
+            snprintf(dir, sizeof dir, "%s/draft", e->model_dir);
+        if (ds_draft_load(dir, e->model, &e->draft, err) ||
+            ds_draft_cache_init(&e->dcache, e->draft, ds_page_n_total(e->pages), e->opts.block_size,
+                                e->k, err))
+            return ds_err_prefix(err, "--draft-model %s", dir);
+    } else if (o->speculative_method != DS_SPEC_NGRAM && o->speculative_method != DS_SPEC_DSPARK) {
+        return ds_errf(err, "unknown speculative method %d", o->speculative_method);
+    }
+    fprintf(stderr, "[deltaserve] speculative decoding: %s, k = %d\n",
+            o->speculative_method == DS_SPEC_DSPARK ? "dspark" : "ngram", e->k);
     return DS_OK;
 }
 
@@ -266,13 +305,19 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
                         DS_MIN(512, opts->max_num_batched_tokens)};
     if (ds_sched_create(&so, e->pages, e->slots, &e->sched, err)) goto fail;
     if (opts->enable_prefix_caching && setup_prefix(e, err)) goto fail;
-    int S = opts->max_num_seqs;
+    if (opts->speculative_method != DS_SPEC_NONE && setup_spec(e, err)) goto fail;
+    int S = opts->max_num_seqs, rows = e->k + 1;
     e->items = ds_calloc((size_t)S, sizeof *e->items, err);
     e->preempted = ds_calloc((size_t)S, sizeof *e->preempted, err);
     e->batch = ds_calloc((size_t)S, sizeof *e->batch, err);
-    e->logits = ds_malloc((size_t)S * e->V * sizeof(float), err);
+    e->logits = ds_malloc((size_t)S * rows * e->V * sizeof(float), err);
     e->scratch = ds_sample_scratch_new(e->V, err);
     if (!e->items || !e->preempted || !e->batch || !e->logits || !e->scratch) goto fail;
+    if (e->k) {
+        e->state_rows =
+            ds_malloc((size_t)S * rows * ds_model_slot_floats(e->model) * sizeof(float) + 1, err);
+        if (!e->state_rows) goto fail;
+    }
     *out = e;
     return DS_OK;
 fail:
@@ -511,31 +556,47 @@ static int take_inbox(ds_engine *e) {
     return stopping && !e->live;
 }
 
-/* Samples the next token of a choice from its logits row and decides whether it finished. */
-static void sample_and_emit(ds_engine *e, choice *ch, float *row) {
-    request *r = ch->req;
-    const ds_request_params *p = &r->spec.params;
-    const ds_config *c = ds_model_config(e->model);
+/* The tokens that end a choice: eos (unless ignored) and the request's stop ids. */
+static int stop_ids_of(const ds_engine *e, const ds_request_params *p, int32_t *ids) {
+    int n = 0;
+    if (!p->ignore_eos) ids[n++] = ds_model_config(e->model)->eos_token_id;
+    for (int i = 0; i < p->n_stop_token_ids; i++) ids[n++] = p->stop_token_ids[i];
+    return n;
+}
+
+/* Samples a choice's next token from one logits row; `ahead` tokens of this step were already
+ * chosen (and counted) before it, so min_tokens and penalties see exactly what plain decoding
+ * would. Draws from the choice's own RNG. */
+static int32_t choose(ds_engine *e, choice *ch, float *row, int ahead, ds_logprobs_out *lp) {
+    const ds_request_params *p = &ch->req->spec.params;
     int32_t stop_ids[DS_MAX_STOP + 1];
-    int n_stop = 0;
-    if (!p->ignore_eos) stop_ids[n_stop++] = c->eos_token_id;
-    for (int i = 0; i < p->n_stop_token_ids; i++) stop_ids[n_stop++] = p->stop_token_ids[i];
+    int n_stop = stop_ids_of(e, p, stop_ids);
     ds_sample_params sp = {p->temperature,      p->top_p, p->top_k, p->min_p, p->presence_penalty,
                            p->frequency_penalty};
-    ds_logprobs_out lp = {0};
-    int allow_stop = ch->n_generated >= p->min_tokens;
+    int allow_stop = ch->n_generated + ahead >= p->min_tokens;
     int32_t tok = ds_sample_token(row, e->V, &sp, &ch->counts, allow_stop, stop_ids, n_stop,
-                                  &ch->rng, e->scratch, p->logprobs >= 0 ? &lp : NULL,
+                                  &ch->rng, e->scratch, p->logprobs >= 0 ? lp : NULL,
                                   p->logprobs > 0 ? p->logprobs : 0);
-    ch->n_generated++;
     ds_token_counts_add(&ch->counts, tok);
+    return tok;
+}
+
+/* Hands a chosen token to the client: appends it to the sequence (unless a verify already holds
+ * it there as an accepted draft), feeds the text, emits the event, and finishes the choice on a
+ * stop or the length limit. Returns 1 when the choice finished (it may be freed by then). */
+static int deliver(ds_engine *e, choice *ch, int32_t tok, const ds_logprobs_out *lp, int in_seq) {
+    const ds_request_params *p = &ch->req->spec.params;
+    int32_t stop_ids[DS_MAX_STOP + 1];
+    int n_stop = stop_ids_of(e, p, stop_ids);
+    int allow_stop = ch->n_generated >= p->min_tokens;
+    ch->n_generated++;
     ds_err err;
     ds_seq *s = ch->seq;
     int is_stop_tok = 0;
     for (int i = 0; i < n_stop; i++) is_stop_tok |= tok == stop_ids[i];
-    if (ds_seq_append(s, tok, &err)) {
+    if (!in_seq && ds_seq_append(s, tok, &err)) {
         finish_choice(e, ch, DS_FINISH_ERROR);
-        return;
+        return 1;
     }
     pthread_mutex_lock(&e->mu);
     e->stats.generation_tokens_total++;
@@ -554,40 +615,170 @@ static void sample_and_emit(ds_engine *e, choice *ch, float *row) {
         fin = DS_FINISH_STOP;
     else if (ch->n_generated >= p->max_tokens || s->n_tokens >= s->max_len)
         fin = DS_FINISH_LENGTH;
-    emit(ch, tok, delta, dlen, &lp, DS_FINISH_NONE);
-    if (fin != DS_FINISH_NONE) finish_choice(e, ch, fin);
+    emit(ch, tok, delta, dlen, lp, DS_FINISH_NONE);
+    if (fin == DS_FINISH_NONE) return 0;
+    finish_choice(e, ch, fin);
+    return 1;
+}
+
+/* Prompt lookup: the continuation that followed the latest earlier occurrence of the sequence's
+ * last n tokens (n = 3, 2, 1), up to k tokens. */
+static int ngram_propose(const int32_t *t, int n_tokens, int k, int32_t *out) {
+    for (int n = 3; n >= 1; n--) {
+        if (n_tokens <= n) continue;
+        const int32_t *tail = t + n_tokens - n;
+        for (int at = n_tokens - n - 1; at >= 0; at--) {
+            if (memcmp(t + at, tail, (size_t)n * sizeof *t)) continue;
+            int m = 0;
+            while (m < k && at + n + m < n_tokens) {
+                out[m] = t[at + n + m];
+                m++;
+            }
+            if (m > 0) return m;
+        }
+    }
+    return 0;
+}
+
+/* Drafts for a choice whose last token is its only uncomputed one (it will be verified next). */
+static void propose(ds_engine *e, choice *ch) {
+    ds_seq *s = ch->seq;
+    ch->n_drafts = 0;
+    if (!e->k || s->n_computed != s->n_tokens - 1) return;
+    int k = e->k;
+    if (e->opts.spec_test_drafts) {
+        int n =
+            e->opts.spec_test_drafts(e->opts.spec_test_ctx, s->tokens, s->n_tokens, k, ch->drafts);
+        ch->n_drafts = DS_MAX(0, DS_MIN(n, k));
+    } else if (e->draft) {
+        ds_err err;
+        if (ds_draft_propose(e->draft, &e->dcache, s->block_table, s->n_computed - 1,
+                             s->tokens[s->n_tokens - 1], k, ch->drafts, NULL, &err) == DS_OK)
+            ch->n_drafts = k;
+        else /* a draft failure costs speed, never output: decode without drafts */
+            fprintf(stderr, "[deltaserve] draft: %s\n", err.msg);
+    } else {
+        ch->n_drafts = ngram_propose(s->tokens, s->n_tokens, k, ch->drafts);
+    }
+}
+
+/* Puts each decoding choice's drafts behind its last token, as many as its limits allow. */
+static void attach_drafts(ds_engine *e) {
+    for (request *r = e->live; r; r = r->next)
+        for (int i = 0; i < r->spec.params.n; i++) {
+            choice *ch = &r->choices[i];
+            ds_seq *s = ch->seq;
+            if (ch->done || !s || !ch->in_sched || s->status != DS_SEQ_RUNNING || !ch->n_drafts ||
+                s->n_computed != s->n_tokens - 1)
+                continue;
+            /* room for the drafts and the token after them, within the request's limits */
+            int room = DS_MIN(s->max_len - s->n_tokens - 1,
+                              r->spec.params.max_tokens - ch->n_generated - 1);
+            int n = DS_MIN(ch->n_drafts, room);
+            ds_err err;
+            for (int j = 0; j < n; j++)
+                if (ds_seq_append(s, ch->drafts[j], &err)) {
+                    n = j;
+                    break;
+                }
+            s->n_spec = DS_MAX(n, 0);
+        }
+}
+
+/* Drops drafts that did not run this step (their sequence was not scheduled). */
+static void detach_drafts(ds_engine *e) {
+    for (request *r = e->live; r; r = r->next)
+        for (int i = 0; i < r->spec.params.n; i++) {
+            ds_seq *s = r->choices[i].seq;
+            if (!r->choices[i].done && s && s->n_spec) {
+                s->n_tokens -= s->n_spec;
+                s->n_spec = 0;
+            }
+        }
+}
+
+/* Verify (MODEL_SPEC §8.8): sample every row in order with the request's own sampler; a draft
+ * is accepted while it equals the token sampled at its row. Sampling each row exactly as plain
+ * decoding would is the lossless rule for drafts proposed deterministically: it accepts draft d
+ * with probability p(d) and otherwise draws from p without d. Greedy is the same rule at T = 0,
+ * so greedy output equals plain decoding. Returns the accepted count a; toks[0..a] are the
+ * tokens to deliver (a accepted drafts and the correction or bonus). */
+static int verify(ds_engine *e, choice *ch, ds_sched_item *it, float *rows, int32_t *toks,
+                  ds_logprobs_out *lps) {
+    ds_seq *s = it->seq;
+    int k = s->n_spec, a = 0;
+    for (;;) {
+        toks[a] = choose(e, ch, rows + (size_t)a * e->V, a, &lps[a]);
+        if (a == k || toks[a] != s->tokens[it->pos0 + 1 + a]) break;
+        a++;
+    }
+    pthread_mutex_lock(&e->mu);
+    e->stats.spec_verifies++;
+    e->stats.spec_draft_tokens += (uint64_t)k;
+    e->stats.spec_accepted_tokens += (uint64_t)a;
+    e->stats.spec_emitted_tokens += (uint64_t)a + 1;
+    for (int i = 0; i < a; i++) e->stats.spec_accepted_at[i]++;
+    pthread_mutex_unlock(&e->mu);
+    return a;
+}
+
+/* Taps of item rows [0, n_keep) packed as [n_taps][n_keep][D] at the start of its buffer. */
+static void pack_taps(float *taps, int n_taps, int n, int n_keep, int D) {
+    for (int j = 1; j < n_taps && n_keep < n; j++)
+        memmove(taps + (size_t)j * n_keep * D, taps + (size_t)j * n * D,
+                (size_t)n_keep * D * sizeof(float));
 }
 
 static void run_step(ds_engine *e) {
     int n_items = 0, n_pre = 0;
+    if (e->k) attach_drafts(e);
     ds_sched_schedule(e->sched, e->items, &n_items, e->preempted, &n_pre);
     if (n_pre) {
         pthread_mutex_lock(&e->mu);
         e->stats.preemptions_total += (uint64_t)n_pre;
         pthread_mutex_unlock(&e->mu);
     }
-    if (!n_items) return;
+    if (!n_items) {
+        if (e->k) detach_drafts(e);
+        return;
+    }
     double t0 = ds_now();
-    int n_prompt_tokens = 0;
+    int n_prompt_tokens = 0, rows = e->k + 1;
+    const ds_config *c = ds_model_config(e->model);
+    int n_taps = e->draft ? ds_draft_n_taps(e->draft) : 0, D = c->hidden_size;
+    size_t slot_n = ds_model_slot_floats(e->model), tap_need = 0;
+    for (int i = 0; i < n_items; i++) tap_need += (size_t)e->items[i].n * n_taps * D;
+    if (tap_need > e->taps_cap) {
+        float *t = realloc(e->taps, tap_need * sizeof(float));
+        if (!t) { /* no taps this step: the draft context lags, outputs stay exact */
+            n_taps = 0;
+        } else {
+            e->taps = t;
+            e->taps_cap = tap_need;
+        }
+    }
+    size_t tap_off = 0;
     for (int i = 0; i < n_items; i++) {
         ds_sched_item *it = &e->items[i];
         ds_seq *s = it->seq;
-        e->batch[i] = (ds_seq_batch){s->tokens + it->pos0,
-                                     it->n,
-                                     it->pos0,
-                                     ds_slot_data(e->slots, s->slot),
-                                     s->block_table,
-                                     it->sample ? e->logits + (size_t)i * e->V : NULL,
-                                     it->sample ? 1 : 0,
-                                     NULL,
-                                     NULL,
-                                     NULL,
-                                     0,
-                                     NULL,
-                                     NULL};
+        int verify_rows = s->n_spec ? s->n_spec + 1 : 1;
+        e->batch[i] = (ds_seq_batch){
+            .tokens = s->tokens + it->pos0,
+            .n = it->n,
+            .pos0 = it->pos0,
+            .slot = ds_slot_data(e->slots, s->slot),
+            .block_table = s->block_table,
+            .logits = it->sample ? e->logits + (size_t)i * rows * e->V : NULL,
+            .n_logits = it->sample ? verify_rows : 0,
+            .tap_layers = n_taps ? ds_draft_tap_layers(e->draft) : NULL,
+            .n_taps = n_taps,
+            .taps = n_taps ? e->taps + tap_off : NULL,
+            .state_rows = s->n_spec ? e->state_rows + (size_t)i * rows * slot_n : NULL,
+        };
+        tap_off += (size_t)it->n * n_taps * D;
         if (it->pos0 < s->n_prompt) n_prompt_tokens += DS_MIN(it->n, s->n_prompt - it->pos0);
         /* A sequence resumed from a checkpoint starts from a copy of it: before any kernel reads
-         * its slot, whatever kind of step this is. */
+         * its slot, whatever kind of step this is (prefill, decode or verify). */
         if (e->prefix) ds_prefix_take_fork(e->prefix, s, e->batch[i].slot);
     }
     ds_err err;
@@ -598,6 +789,40 @@ static void run_step(ds_engine *e) {
         for (int i = 0; i < n_items; i++) finish_choice(e, e->items[i].seq->owner, DS_FINISH_ERROR);
         return;
     }
+    /* Verify items: choose their tokens now, roll the KDA slot back to the last accepted row and
+     * shrink the item to what was accepted, so the commit below (and the prefix cache) only ever
+     * sees accepted tokens. */
+    int32_t(*vt)[DS_MAX_SPEC + 1] = NULL; /* [n_items][k+1] tokens to deliver */
+    ds_logprobs_out *vlp = NULL;          /* [n_items][k+1] */
+    int *va = NULL;                       /* [n_items] accepted count, -1: not a verify */
+    if (e->k) {
+        vt = calloc((size_t)n_items, sizeof *vt);
+        vlp = calloc((size_t)n_items * rows, sizeof *vlp);
+        va = malloc((size_t)n_items * sizeof *va);
+        if (!vt || !vlp || !va) {
+            fprintf(stderr, "[deltaserve] out of memory in a verify step\n");
+            for (int i = 0; i < n_items; i++)
+                finish_choice(e, e->items[i].seq->owner, DS_FINISH_ERROR);
+            free(vt);
+            free(vlp);
+            free(va);
+            return;
+        }
+        for (int i = 0; i < n_items; i++) {
+            ds_sched_item *it = &e->items[i];
+            ds_seq *s = it->seq;
+            va[i] = -1;
+            if (!s->n_spec) continue;
+            int a = verify(e, s->owner, it, e->logits + (size_t)i * rows * e->V, vt[i],
+                           vlp + (size_t)i * rows);
+            memcpy(e->batch[i].slot, e->state_rows + ((size_t)i * rows + a) * slot_n,
+                   slot_n * sizeof(float));
+            s->n_tokens = it->pos0 + 1 + a; /* the accepted drafts stay, the rest go */
+            s->n_spec = 0;
+            it->n = a + 1;
+            va[i] = a;
+        }
+    }
     ds_sched_commit(e->sched, e->items, n_items);
     /* File the pages and rung checkpoints this step completed, before sampling appends tokens
      * (the slot now summarises exactly n_computed tokens). */
@@ -607,9 +832,39 @@ static void run_step(ds_engine *e) {
             if (s->status == DS_SEQ_RUNNING)
                 ds_prefix_on_computed(e->prefix, s, ds_slot_data(e->slots, s->slot));
         }
-    for (int i = 0; i < n_items; i++)
-        if (e->items[i].sample)
-            sample_and_emit(e, e->items[i].seq->owner, e->logits + (size_t)i * e->V);
+    /* The draft's context rows for every position the target just computed (for a verify, only
+     * the accepted ones; later rows are rewritten when they are recomputed). */
+    if (n_taps) {
+        tap_off = 0;
+        for (int i = 0; i < n_items; i++) {
+            ds_sched_item *it = &e->items[i];
+            int n_run = e->batch[i].n;
+            pack_taps(e->taps + tap_off, n_taps, n_run, it->n, D);
+            if (ds_draft_write_context(e->draft, &e->dcache, it->seq->block_table, it->pos0, it->n,
+                                       e->taps + tap_off, &err))
+                fprintf(stderr, "[deltaserve] draft context: %s\n", err.msg);
+            tap_off += (size_t)n_run * n_taps * D;
+        }
+    }
+    for (int i = 0; i < n_items; i++) {
+        ds_sched_item *it = &e->items[i];
+        if (!it->sample) continue;
+        choice *ch = it->seq->owner;
+        int finished = 0;
+        if (va && va[i] >= 0) {
+            for (int j = 0; j <= va[i] && !finished; j++)
+                finished = deliver(e, ch, vt[i][j], &vlp[(size_t)i * rows + j], j < va[i]);
+        } else {
+            ds_logprobs_out lp = {0};
+            int32_t tok = choose(e, ch, e->logits + (size_t)i * rows * e->V, 0, &lp);
+            finished = deliver(e, ch, tok, &lp, 0);
+        }
+        if (!finished && e->k) propose(e, ch);
+    }
+    free(vt);
+    free(vlp);
+    free(va);
+    if (e->k) detach_drafts(e);
     pthread_mutex_lock(&e->mu);
     e->stats.prompt_tokens_total += (uint64_t)n_prompt_tokens;
     e->stats.steps_total++;
@@ -711,6 +966,12 @@ void ds_engine_free(ds_engine *e) {
     ds_page_pool_free(e->pages);
     ds_kv_pool_free(&e->kv);
     ds_sample_scratch_free(e->scratch);
+    if (e->draft) {
+        ds_draft_cache_free(&e->dcache);
+        ds_draft_free(e->draft);
+    }
+    free(e->state_rows);
+    free(e->taps);
     free(e->items);
     free(e->preempted);
     free(e->batch);

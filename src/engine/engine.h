@@ -15,6 +15,9 @@
 
 typedef struct ds_engine ds_engine;
 
+enum { DS_SPEC_NONE = 0, DS_SPEC_DSPARK = 1, DS_SPEC_NGRAM = 2 };
+#define DS_MAX_SPEC 16
+
 typedef struct ds_engine_opts {
     const char *model_dir;
     size_t kv_cache_memory;     /* bytes for MLA pages + KDA slots; 0: kv_cache_fraction of free */
@@ -25,6 +28,13 @@ typedef struct ds_engine_opts {
     int max_model_len;          /* context limit; 0: min(max_position_embeddings, capacity) */
     int max_queue;              /* waiting requests beyond which submit fails (default 1024) */
     uint64_t seed;              /* base seed for requests without one */
+    /* speculative decoding */
+    int speculative_method;      /* DS_SPEC_NONE, DS_SPEC_DSPARK or DS_SPEC_NGRAM */
+    int num_speculative_tokens;  /* k drafts per verify (default 7) */
+    const char *draft_model_dir; /* dspark: the draft checkpoint (default MODEL/draft) */
+    /* tests only: when set, drafts come from this function instead of the method */
+    int (*spec_test_drafts)(void *ctx, const int32_t *tokens, int n_tokens, int k, int32_t *drafts);
+    void *spec_test_ctx;
     /* prefix caching (cache/prefix.h) */
     int enable_prefix_caching;            /* default 1 */
     int state_checkpoint_interval_tokens; /* rung spacing, snapped to block_size (default 256) */
@@ -40,27 +50,27 @@ typedef struct ds_engine_opts {
 
 void ds_engine_opts_default(ds_engine_opts *o);
 
-#define DS_MAX_STOP      16
-#define DS_MAX_LOGPROBS  20
+#define DS_MAX_STOP     16
+#define DS_MAX_LOGPROBS 20
 
 typedef struct ds_request_params {
-    float temperature;        /* default 1.0; 0 = greedy */
-    float top_p;              /* default 1 */
-    int top_k;                /* default 0 (off) */
-    float min_p;              /* default 0 */
+    float temperature; /* default 1.0; 0 = greedy */
+    float top_p;       /* default 1 */
+    int top_k;         /* default 0 (off) */
+    float min_p;       /* default 0 */
     int has_seed;
     uint64_t seed;
     float presence_penalty, frequency_penalty; /* default 0 */
-    int max_tokens;           /* default 16; capped by the context limit */
-    int min_tokens;           /* default 0: stop tokens and strings are ignored before this */
+    int max_tokens;                            /* default 16; capped by the context limit */
+    int min_tokens; /* default 0: stop tokens and strings are ignored before this */
     int ignore_eos;
     int32_t stop_token_ids[DS_MAX_STOP];
     int n_stop_token_ids;
     char *stop[DS_MAX_STOP]; /* stop strings (owned by the caller until the request finishes) */
     int n_stop;
-    int logprobs;             /* -1: none; k >= 0: the sampled token's logprob and top-k others */
-    int n;                    /* choices (default 1) */
-    int skip_special_tokens;  /* default 1 */
+    int logprobs;            /* -1: none; k >= 0: the sampled token's logprob and top-k others */
+    int n;                   /* choices (default 1) */
+    int skip_special_tokens; /* default 1 */
 } ds_request_params;
 
 void ds_request_params_default(ds_request_params *p);
@@ -76,17 +86,17 @@ typedef enum {
 const char *ds_finish_name(ds_finish f); /* "stop", "length", "abort", "error" */
 
 typedef struct ds_token_event {
-    int index;          /* which choice (0..n-1) */
-    int32_t token;      /* -1 on a final event that carries no token */
-    const char *text;   /* newly final text of this choice (may be empty: text held back while it
-                           could still become a stop string, or a partial UTF-8 character) */
+    int index;        /* which choice (0..n-1) */
+    int32_t token;    /* -1 on a final event that carries no token */
+    const char *text; /* newly final text of this choice (may be empty: text held back while it
+                         could still become a stop string, or a partial UTF-8 character) */
     size_t text_len;
-    float logprob;      /* of the sampled token, when logprobs >= 0 */
+    float logprob; /* of the sampled token, when logprobs >= 0 */
     int n_top;
-    const int32_t *top_ids;     /* [n_top] */
-    const float *top_logprobs;  /* [n_top] */
+    const int32_t *top_ids;    /* [n_top] */
+    const float *top_logprobs; /* [n_top] */
     ds_finish finish;
-    int n_prompt, n_generated;  /* counts so far, for usage */
+    int n_prompt, n_generated; /* counts so far, for usage */
 } ds_token_event;
 
 typedef void (*ds_event_fn)(void *user, const ds_token_event *ev);
@@ -134,6 +144,9 @@ typedef struct ds_engine_stats {
     /* offload tier */
     uint64_t offload_stores, offload_loads_ram, offload_loads_disk, offload_loads_remote;
     uint64_t offload_misses, offload_bad, offload_remote_errors;
+    /* speculative decoding: verify steps, drafts proposed / accepted, tokens they emitted */
+    uint64_t spec_verifies, spec_draft_tokens, spec_accepted_tokens, spec_emitted_tokens;
+    uint64_t spec_accepted_at[DS_MAX_SPEC]; /* drafts accepted at position i (0-based) */
 } ds_engine_stats;
 void ds_engine_get_stats(ds_engine *e, ds_engine_stats *s);
 

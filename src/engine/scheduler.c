@@ -277,6 +277,8 @@ static void preempt(ds_scheduler *s, plan *pl, ds_seq *v) {
     }
     list_remove(s->running, &s->n_running, v);
     release_resources(s, v);
+    v->n_tokens -= v->n_spec; /* drafts are proposals, not tokens to recompute */
+    v->n_spec = 0;
     v->n_computed = 0;
     v->status = DS_SEQ_PREEMPTED;
     list_insert(s->waiting, &s->n_waiting, v); /* has room: see waiting_reserve */
@@ -319,8 +321,9 @@ void ds_sched_schedule(ds_scheduler *s, ds_sched_item *items, int *n_items, ds_s
      *    only remove entries after i, or i itself when it is the last). */
     for (int i = 0; i < s->n_running && pl.budget > 0; i++) {
         ds_seq *q = s->running[i];
-        if (q->n_tokens - q->n_computed != 1) continue;
-        if (take_pages(s, &pl, q, q->n_computed + 1, 1) == DS_OK) emit(&pl, q, q->n_computed + 1);
+        /* a decode: the last token, plus the drafts riding on it (a verify) */
+        if (q->n_tokens - q->n_spec - q->n_computed != 1) continue;
+        if (take_pages(s, &pl, q, q->n_tokens, 1) == DS_OK) emit(&pl, q, q->n_tokens);
     }
 
     /* 2. Running prompts (and recomputes), oldest first. One that does not fit the budget waits
@@ -329,7 +332,7 @@ void ds_sched_schedule(ds_scheduler *s, ds_sched_item *items, int *n_items, ds_s
     int stalled = 0;
     for (int i = 0; i < s->n_running; i++) {
         ds_seq *q = s->running[i];
-        if (q->n_tokens - q->n_computed <= 1) continue;
+        if (q->n_tokens - q->n_spec - q->n_computed <= 1) continue;
         int end = item_end(s, q);
         if (end - q->n_computed > pl.budget || take_pages(s, &pl, q, end, 0) != DS_OK) {
             stalled = 1;

@@ -39,14 +39,16 @@ typedef enum {
 
 struct ds_seq {
     int64_t id;
-    uint64_t arrival;   /* submission order; smaller = older */
-    int32_t *tokens;    /* [cap] prompt followed by generated tokens */
+    uint64_t arrival; /* submission order; smaller = older */
+    int32_t *tokens;  /* [cap] prompt followed by generated tokens */
     int n_tokens, cap;
     int n_prompt;
-    int n_computed;     /* tokens already summarised by the slot and written to pages */
+    int n_computed;       /* tokens already summarised by the slot and written to pages */
     int32_t *block_table; /* [cap_blocks] page ids covering positions [0, n_blocks*block_size) */
     int n_blocks, cap_blocks;
-    int slot;           /* KDA state slot, -1 when none */
+    int slot;   /* KDA state slot, -1 when none */
+    int n_spec; /* trailing tokens that are speculative drafts, not yet accepted: they run
+                   with the token before them as one verify item and never alone */
     ds_seq_status status;
     /* prefix caching (cache/prefix.c owns these; all empty when it is off) */
     int32_t *entry;   /* [cap_blocks] prefix-index entry of block b, for b < n_filed */
@@ -55,9 +57,9 @@ struct ds_seq {
     int32_t *rungs;   /* [cap_rungs] ascending positions where a checkpoint is filed */
     int n_rungs, cap_rungs;
     int rungs_planned;
-    int fork_ckpt;    /* checkpoint slot copied into `slot` before the next step; -1 none */
-    int max_len;        /* n_tokens never exceeds this (prompt + max_tokens, capped by context) */
-    void *owner;        /* the engine's per-request data */
+    int fork_ckpt; /* checkpoint slot copied into `slot` before the next step; -1 none */
+    int max_len;   /* n_tokens never exceeds this (prompt + max_tokens, capped by context) */
+    void *owner;   /* the engine's per-request data */
 };
 
 /* Creates a sequence holding a copy of the prompt. */

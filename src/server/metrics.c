@@ -193,10 +193,27 @@ char *ds_metrics_render(ds_metrics *m, const ds_engine_stats *st, const char *mo
          offsetof(ds_engine_stats, offload_bad)},
         {"kv_offload_remote_errors_total", "Errors talking to the remote tier.",
          offsetof(ds_engine_stats, offload_remote_errors)},
+        {"spec_decode_num_verifies_total", "Speculative verify steps (one forward each).",
+         offsetof(ds_engine_stats, spec_verifies)},
+        {"spec_decode_num_draft_tokens_total", "Draft tokens proposed and verified.",
+         offsetof(ds_engine_stats, spec_draft_tokens)},
+        {"spec_decode_num_accepted_tokens_total", "Draft tokens accepted.",
+         offsetof(ds_engine_stats, spec_accepted_tokens)},
+        {"spec_decode_num_emitted_tokens_total",
+         "Tokens emitted by verify steps (accepted drafts plus one); divided by verifies it is "
+         "the tokens per forward.",
+         offsetof(ds_engine_stats, spec_emitted_tokens)},
     };
     for (size_t i = 0; i < DS_ARRAY_LEN(CACHE); i++)
         counter(&t, CACHE[i].name, CACHE[i].help, labels,
                 (double)*(const uint64_t *)((const char *)st + CACHE[i].off));
+
+    metric_head(&t, "spec_decode_num_accepted_tokens_per_pos", "counter",
+                "Draft tokens accepted, by position in the draft block.");
+    for (int i = 0; i < DS_MAX_SPEC; i++)
+        tb_printf(&t,
+                  "deltaserve:spec_decode_num_accepted_tokens_per_pos{%s,position=\"%d\"} %llu\n",
+                  labels, i, (unsigned long long)st->spec_accepted_at[i]);
 
     metric_head(&t, "request_success_total", "counter", "Finished requests by finish reason.");
     static const struct {

@@ -11,6 +11,7 @@ grace period fails the session, so an unclean shutdown is caught too.
 import http.client
 import json
 import os
+import shlex
 import re
 import signal
 import subprocess
@@ -33,8 +34,10 @@ class Server:
             pytest.fail(f"{DS_BIN} is not built (set DS_BIN)")
         if not os.path.exists(os.path.join(DS_MODEL, "config.json")):
             pytest.fail(f"no model at {DS_MODEL} (run make, or set DS_MODEL)")
+        # DS_SERVE_ARGS runs the whole suite against another configuration (e.g. speculation).
         self.args = [DS_BIN, "serve", "--model", DS_MODEL, "--port", "0",
-                     "--kv-cache-memory", "32M", "--shutdown-timeout", "2", *extra_args]
+                     "--kv-cache-memory", "32M", "--shutdown-timeout", "2", *extra_args,
+                     *shlex.split(os.environ.get("DS_SERVE_ARGS", ""))]
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, bufsize=1)
         self.log = []

@@ -71,9 +71,21 @@ static void wait_done(collected *c) {
     pthread_mutex_unlock(&c->mu);
 }
 
+static ds_engine *start_engine_spec(int max_num_seqs, int budget_tokens, size_t mem, int method,
+                                    int k, void *hook, void *hook_ctx);
+
 static ds_engine *start_engine(int max_num_seqs, int budget_tokens, size_t mem) {
+    return start_engine_spec(max_num_seqs, budget_tokens, mem, DS_SPEC_NONE, 0, NULL, NULL);
+}
+
+static ds_engine *start_engine_spec(int max_num_seqs, int budget_tokens, size_t mem, int method,
+                                    int k, void *hook, void *hook_ctx) {
     ds_engine_opts o;
     ds_engine_opts_default(&o);
+    o.speculative_method = method;
+    if (k) o.num_speculative_tokens = k;
+    o.spec_test_drafts = hook;
+    o.spec_test_ctx = hook_ctx;
     o.model_dir = model_dir();
     o.block_size = 16;
     o.max_num_seqs = max_num_seqs;
@@ -110,8 +122,8 @@ static void reference_greedy(const int32_t *prompt, int n_prompt, int max_tokens
     int len = n_prompt, pos = 0;
     *n_out = 0;
     while (*n_out < max_tokens) {
-        ds_seq_batch sb = {seq + pos, len - pos, pos,  slot, table, logits,
-                           1,         NULL,      NULL, NULL, 0,     NULL, NULL};
+        ds_seq_batch sb = {seq + pos, len - pos, pos,  slot, table, logits, 1,
+                           NULL,      NULL,      NULL, 0,    NULL,  NULL};
         if (ds_model_forward(m, &pool, &sb, 1, &err)) fail_msg("%s", err.msg);
         pos = len;
         int32_t t = (int32_t)ds_argmax(logits, c->vocab_size);
@@ -254,6 +266,80 @@ static void test_pressure_and_abort(void **state) {
     free(p);
 }
 
+/* Oracle drafts for invariant 6: the true greedy continuation for `want` positions, then wrong
+ * tokens, with `want` cycling through 0..k so every accepted count happens. */
+typedef struct oracle {
+    const int32_t *ref;
+    int n_ref, n_prompt, calls;
+} oracle;
+
+static int oracle_drafts(void *ctx, const int32_t *tokens, int n_tokens, int k, int32_t *drafts) {
+    oracle *o = ctx;
+    (void)tokens;
+    int g = n_tokens - o->n_prompt; /* generated so far; drafts guess ref[g..] */
+    int want = o->calls++ % (k + 1);
+    for (int i = 0; i < k; i++) {
+        int32_t truth = g + i < o->n_ref ? o->ref[g + i] : 1;
+        drafts[i] = i < want ? truth : (truth + 7) % 700;
+    }
+    return k;
+}
+
+/* Invariant 6: greedy output with speculation equals plain greedy output, at every accepted
+ * count from 0 to k, with oracle drafts, the DSpark draft and n-gram drafts, alone and in a
+ * batch under pool pressure. */
+static void test_spec_greedy_equals_plain(void **state) {
+    (void)state;
+    enum { K = 4, NP = 60, MT = 40 };
+    int32_t prompt[NP];
+    prompt_ids(prompt, NP, 21);
+    int32_t ref[MT];
+    int n_ref;
+    reference_greedy(prompt, NP, MT, ref, &n_ref);
+
+    oracle o = {ref, n_ref, NP, 0};
+    ds_engine *e = start_engine_spec(8, 256, 32u << 20, DS_SPEC_DSPARK, K, oracle_drafts, &o);
+    collected c;
+    submit(e, prompt, NP, MT, &c, 1, 0.0f, 0);
+    wait_done(&c);
+    assert_int_equal(c.n[0], n_ref);
+    assert_memory_equal(c.tokens[0], ref, (size_t)n_ref * sizeof(int32_t));
+    ds_engine_stats st;
+    ds_engine_get_stats(e, &st);
+    print_message("oracle: %llu verifies, %llu drafts accepted, all %d accepted %llu times\n",
+                  (unsigned long long)st.spec_verifies, (unsigned long long)st.spec_accepted_tokens,
+                  K, (unsigned long long)st.spec_accepted_at[K - 1]);
+    assert_true(st.spec_verifies > 0);
+    assert_true(st.spec_accepted_at[K - 1] > 0);            /* a = k happened */
+    assert_true(st.spec_verifies > st.spec_accepted_at[0]); /* a = 0 happened */
+    assert_true(st.spec_emitted_tokens > st.spec_verifies); /* > 1 token per verify */
+    ds_engine_stop(e, 1.0);
+    ds_engine_free(e);
+
+    int methods[2] = {DS_SPEC_DSPARK, DS_SPEC_NGRAM};
+    for (int mi = 0; mi < 2; mi++) {
+        /* tight pools: 8 requests, preemption likely; the first is the one checked */
+        e = start_engine_spec(4, 64, 600u << 10, methods[mi], K, NULL, NULL);
+        collected *cs = calloc(8, sizeof *cs);
+        int32_t others[7][120];
+        submit(e, prompt, NP, MT, &cs[0], 1, 0.0f, 0);
+        for (int i = 1; i < 8; i++) {
+            prompt_ids(others[i - 1], 30 + 10 * i, 900 + (uint64_t)i);
+            submit(e, others[i - 1], 30 + 10 * i, 60, &cs[i], 1 + i % 2, i % 2 ? 0.9f : 0.0f,
+                   (uint64_t)i);
+        }
+        for (int i = 0; i < 8; i++) wait_done(&cs[i]);
+        assert_int_equal(cs[0].n[0], n_ref);
+        assert_memory_equal(cs[0].tokens[0], ref, (size_t)n_ref * sizeof(int32_t));
+        ds_engine_get_stats(e, &st);
+        assert_true(st.spec_verifies > 0);
+        assert_pools_empty(e);
+        ds_engine_stop(e, 1.0);
+        ds_engine_free(e);
+        free(cs);
+    }
+}
+
 /* A prompt that cannot fit the context is refused at submit, naming both lengths. */
 static void test_too_long(void **state) {
     (void)state;
@@ -286,6 +372,7 @@ int main(void) {
         cmocka_unit_test(test_seeded_sampling),
         cmocka_unit_test(test_pressure_and_abort),
         cmocka_unit_test(test_too_long),
+        cmocka_unit_test(test_spec_greedy_equals_plain),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
