@@ -6,11 +6,11 @@ MODEL ?= models/tiny-k3
 PROMPT ?= The quick brown fox
 DEB_PKGS := build-essential cmake pkg-config libjansson-dev libpcre2-dev libxxhash-dev \
             libcmocka-dev libmicrohttpd-dev libopenmpi-dev openmpi-bin libhiredis-dev redis-server \
-            libcurl4-openssl-dev
+            libcurl4-openssl-dev clang libclang-rt-14-dev libomp-dev
 PIP_PKGS := pytest openai numpy
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps build run test clean format bench
+.PHONY: all deps build run test clean format bench test-asan fuzz fuzz-build fuzz-short soak soak-short
 
 all: build
 
@@ -35,11 +35,49 @@ $(MODEL)/config.json: | build
 model: build $(MODEL)/config.json
 
 run: build $(MODEL)/config.json
-	./$(BUILD)/deltaserve generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens 32
+	./$(BUILD)/deltaserve serve --model $(MODEL) --host 127.0.0.1 --port 8000
 
 test: build $(MODEL)/config.json
 	cd $(BUILD) && ctest --output-on-failure -j 2
 	DS_BIN=$(CURDIR)/$(BUILD)/deltaserve DS_MODEL=$(CURDIR)/$(MODEL) python3 -m pytest -q tests/e2e
+	DS_SERVE_ARGS="--speculative-method dspark --num-speculative-tokens 4" \
+	  DS_BIN=$(CURDIR)/$(BUILD)/deltaserve DS_MODEL=$(CURDIR)/$(MODEL) python3 -m pytest -q tests/e2e
+	$(MAKE) --no-print-directory test-asan
+	$(MAKE) --no-print-directory fuzz-short
+	$(MAKE) --no-print-directory soak-short
+
+# ---- hardening (issue 8): sanitizers, fuzzing, soak ----
+# Every C test again in build-asan with ASan + UBSan (no recovery) and LeakSanitizer: any report
+# aborts the test, so it fails.
+ASAN_BUILD ?= build-asan
+SAN_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+           UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 OMP_NUM_THREADS=2
+test-asan: deps
+	@cmake -S . -B $(ASAN_BUILD) -DDS_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	@cmake --build $(ASAN_BUILD) -j $(JOBS)
+	cd $(ASAN_BUILD) && $(SAN_ENV) ctest --output-on-failure -j 2
+
+# libFuzzer targets (tests/fuzz/fuzz_*.c, clang), each run FUZZ_SECONDS from its seed corpus
+# tests/fuzz/corpus/<target>/; a crashing input is copied there and fails the run.
+FUZZ_BUILD ?= build-fuzz
+FUZZ_SECONDS ?= 300
+fuzz-build: deps
+	@cmake -S . -B $(FUZZ_BUILD) -DDS_FUZZ=ON -DCMAKE_C_COMPILER=clang \
+	  -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	@cmake --build $(FUZZ_BUILD) -j $(JOBS) --target fuzz_all
+fuzz: fuzz-build
+	tests/fuzz/run_fuzzers.sh $(FUZZ_BUILD) $(FUZZ_SECONDS)
+fuzz-short: fuzz-build
+	tests/fuzz/run_fuzzers.sh $(FUZZ_BUILD) 20
+
+# Soak: a real server under a mix of valid, malformed and abandoned requests (tests/soak/soak.py).
+SOAK_SECONDS ?= 600
+soak: build $(MODEL)/config.json
+	DS_BIN=$(CURDIR)/$(BUILD)/deltaserve DS_MODEL=$(CURDIR)/$(MODEL) \
+	  python3 tests/soak/soak.py --seconds $(SOAK_SECONDS)
+soak-short: build $(MODEL)/config.json
+	DS_BIN=$(CURDIR)/$(BUILD)/deltaserve DS_MODEL=$(CURDIR)/$(MODEL) \
+	  python3 tests/soak/soak.py --seconds 60
 
 bench: build
 	@[ -f models/bench-large/config.json ] || ./$(BUILD)/deltaserve init-model --preset bench-large --out models/bench-large
