@@ -69,6 +69,11 @@ struct ds_model {
     layer_w *layers;   /* [L]; only [l0, l1) are bound */
     int l0, l1;        /* this stage's layers (all of them without pipeline parallelism) */
     int n_kda, n_mla;  /* KDA / MLA layers among them */
+    /* tensor parallelism: this rank's share (the whole model when tp_size == 1) */
+    int tp_rank, tp_size;
+    int Hk, Ha;        /* KDA heads, MLA heads on this rank */
+    int I_dense, I_sh; /* dense-MLP and shared-expert intermediate rows on this rank */
+    int e0, e1;        /* routed experts [e0, e1) on this rank */
     void **owned;      /* every f32 vector converted at load */
     int n_owned, cap_owned;
     size_t weight_bytes;
@@ -84,6 +89,31 @@ void ds_model_opts_default(ds_model_opts *o) {
     o->hf_kl_router_quirk = 0;
     o->layer_begin = 0;
     o->layer_end = 0;
+    o->tp_rank = 0;
+    o->tp_size = 1;
+    o->allreduce = NULL;
+    o->allreduce_ctx = NULL;
+}
+
+int ds_model_tp_check(const ds_config *c, int T, ds_err *err) {
+    if (T < 1) return ds_errf(err, "tensor parallel size %d: must be at least 1", T);
+    char bad[768] = "";
+    size_t len = 0;
+#define TP_NEED(cond, ...)                                                                         \
+    if (!(cond) && len < sizeof bad)                                                               \
+        len += (size_t)snprintf(bad + len, sizeof bad - len, __VA_ARGS__);
+    TP_NEED(!c->num_kda_layers || c->kda_num_heads % T == 0, "; %d KDA heads", c->kda_num_heads)
+    TP_NEED(!c->num_mla_layers || c->num_attention_heads % T == 0, "; %d MLA heads",
+            c->num_attention_heads)
+    TP_NEED(c->num_experts % T == 0, "; %d routed experts", c->num_experts)
+    TP_NEED(c->intermediate_size % T == 0, "; dense intermediate size %d", c->intermediate_size)
+    TP_NEED((c->moe_intermediate_size * c->num_shared_experts) % T == 0,
+            "; shared-expert intermediate size %d",
+            c->moe_intermediate_size * c->num_shared_experts)
+#undef TP_NEED
+    if (len)
+        return ds_errf(err, "tensor parallel size %d does not divide the model's %s", T, bad + 2);
+    return DS_OK;
 }
 
 const ds_config *ds_model_config(const ds_model *m) {
@@ -126,6 +156,50 @@ static int bind_mat(ds_model *m, const char *name, int rows, int cols, ds_mat *o
     return DS_OK;
 }
 
+/* Binds rows [r0, r0+nr) of the matrix [rows][cols] (column-parallel split): a view into the
+ * mapped file, no copy. */
+static int bind_mat_rows(ds_model *m, const char *name, int rows, int cols, int r0, int nr,
+                         ds_mat *out, ds_err *err) {
+    size_t before = m->weight_bytes;
+    if (bind_mat(m, name, rows, cols, out, err)) return DS_ERR;
+    if (nr == rows) return DS_OK;
+    *out = ds_mat_rows(out, r0, nr);
+    m->weight_bytes = before + (size_t)nr * (size_t)cols * ds_dtype_size(out->dtype);
+    return DS_OK;
+}
+
+/* Binds columns [c0, c0+nc) of the matrix [rows][cols] (row-parallel split). A matrix has no row
+ * stride, so the slice is copied, in its file dtype, into memory the model owns. */
+static int bind_mat_cols(ds_model *m, const char *name, int rows, int cols, int c0, int nc,
+                         ds_mat *out, ds_err *err) {
+    size_t before = m->weight_bytes;
+    ds_mat full;
+    if (bind_mat(m, name, rows, cols, &full, err)) return DS_ERR;
+    if (nc == cols) {
+        *out = full;
+        return DS_OK;
+    }
+    size_t es = ds_dtype_size(full.dtype), row = (size_t)nc * es;
+    char *p = ds_aligned_alloc((size_t)rows * row, err);
+    if (!p || own(m, p, err)) {
+        free(p);
+        return DS_ERR;
+    }
+    for (int r = 0; r < rows; r++)
+        memcpy(p + (size_t)r * row, (const char *)full.data + ((size_t)r * cols + c0) * es, row);
+    *out = full;
+    out->data = p;
+    out->cols = nc;
+    m->weight_bytes = before + (size_t)rows * row;
+    return DS_OK;
+}
+
+/* Keeps elements [off, off+n) of a vector bound by bind_vec, moved to its start (the buffer stays
+ * owned by the model; its tail is unused). */
+static void keep_slice(float *v, size_t off, size_t n) {
+    if (off) memmove(v, v + off, n * sizeof(float));
+}
+
 /* Reads a small float tensor of the given shape into a new f32 vector owned by the model. */
 static int bind_vec(ds_model *m, const char *name, int ndim, const int64_t *shape, float **out,
                     ds_err *err) {
@@ -161,14 +235,21 @@ static int bind_res_pair(ds_model *m, const char *norm, const char *proj, float 
 
 #define NAME(buf, ...) snprintf(buf, sizeof buf, __VA_ARGS__)
 
+/* KDA under tensor parallelism: this rank keeps heads [r*Hl, (r+1)*Hl), i.e. channels
+ * [r*Pl, (r+1)*Pl) of every per-channel tensor (projections, convs, gates, dt_bias) and columns of
+ * o_proj; the low-rank inputs f_a / g_a and o_norm (per head-dim) are replicated. */
 static int bind_kda(ds_model *m, const char *pre, kda_w *w, ds_err *err) {
     const ds_config *c = &m->cfg;
     int D = c->hidden_size, H = c->kda_num_heads, dk = c->kda_head_dim, P = H * dk;
     int W = c->short_conv_kernel_size;
+    int Hl = m->Hk, Pl = Hl * dk, p0 = m->tp_rank * Pl;
     char n[512];
-    if (NAME(n, "%sq_proj.weight", pre), bind_mat(m, n, P, D, &w->q, err)) return DS_ERR;
-    if (NAME(n, "%sk_proj.weight", pre), bind_mat(m, n, P, D, &w->k, err)) return DS_ERR;
-    if (NAME(n, "%sv_proj.weight", pre), bind_mat(m, n, P, D, &w->v, err)) return DS_ERR;
+    if (NAME(n, "%sq_proj.weight", pre), bind_mat_rows(m, n, P, D, p0, Pl, &w->q, err))
+        return DS_ERR;
+    if (NAME(n, "%sk_proj.weight", pre), bind_mat_rows(m, n, P, D, p0, Pl, &w->k, err))
+        return DS_ERR;
+    if (NAME(n, "%sv_proj.weight", pre), bind_mat_rows(m, n, P, D, p0, Pl, &w->v, err))
+        return DS_ERR;
     int64_t conv_shape[3] = {P, 1, W};
     if (NAME(n, "%sq_conv1d.weight", pre), bind_vec(m, n, 3, conv_shape, &w->q_conv, err))
         return DS_ERR;
@@ -176,9 +257,14 @@ static int bind_kda(ds_model *m, const char *pre, kda_w *w, ds_err *err) {
         return DS_ERR;
     if (NAME(n, "%sv_conv1d.weight", pre), bind_vec(m, n, 3, conv_shape, &w->v_conv, err))
         return DS_ERR;
+    keep_slice(w->q_conv, (size_t)p0 * W, (size_t)Pl * W);
+    keep_slice(w->k_conv, (size_t)p0 * W, (size_t)Pl * W);
+    keep_slice(w->v_conv, (size_t)p0 * W, (size_t)Pl * W);
     if (NAME(n, "%sf_a_proj.weight", pre), bind_mat(m, n, dk, D, &w->f_a, err)) return DS_ERR;
-    if (NAME(n, "%sf_b_proj.weight", pre), bind_mat(m, n, P, dk, &w->f_b, err)) return DS_ERR;
+    if (NAME(n, "%sf_b_proj.weight", pre), bind_mat_rows(m, n, P, dk, p0, Pl, &w->f_b, err))
+        return DS_ERR;
     if (NAME(n, "%sdt_bias", pre), bind_vec1(m, n, P, &w->dt_bias, err)) return DS_ERR;
+    keep_slice(w->dt_bias, (size_t)p0, (size_t)Pl);
     /* A_log ships as [1,1,Hk,1] (Kimi-Linear) or [>=Hk] padded with zeros (K3): take the first
      * Hk entries of the flattened tensor (MODEL_SPEC §10 trap 3). */
     NAME(n, "%sA_log", pre);
@@ -192,22 +278,31 @@ static int bind_kda(ds_model *m, const char *pre, kda_w *w, ds_err *err) {
     int64_t alog_shape[DS_MAX_DIMS];
     for (int i = 0; i < t->ndim; i++) alog_shape[i] = t->shape[i];
     if (bind_vec(m, n, t->ndim, alog_shape, &w->A_log, err)) return DS_ERR;
-    if (NAME(n, "%sb_proj.weight", pre), bind_mat(m, n, H, D, &w->b, err)) return DS_ERR;
+    keep_slice(w->A_log, (size_t)m->tp_rank * Hl, (size_t)Hl);
+    if (NAME(n, "%sb_proj.weight", pre), bind_mat_rows(m, n, H, D, m->tp_rank * Hl, Hl, &w->b, err))
+        return DS_ERR;
     if (c->use_full_rank_gate) {
-        if (NAME(n, "%sg_proj.weight", pre), bind_mat(m, n, P, D, &w->g, err)) return DS_ERR;
+        if (NAME(n, "%sg_proj.weight", pre), bind_mat_rows(m, n, P, D, p0, Pl, &w->g, err))
+            return DS_ERR;
     } else {
         if (NAME(n, "%sg_a_proj.weight", pre), bind_mat(m, n, dk, D, &w->g_a, err)) return DS_ERR;
-        if (NAME(n, "%sg_b_proj.weight", pre), bind_mat(m, n, P, dk, &w->g_b, err)) return DS_ERR;
+        if (NAME(n, "%sg_b_proj.weight", pre), bind_mat_rows(m, n, P, dk, p0, Pl, &w->g_b, err))
+            return DS_ERR;
     }
     if (NAME(n, "%so_norm.weight", pre), bind_vec1(m, n, dk, &w->o_norm, err)) return DS_ERR;
-    if (NAME(n, "%so_proj.weight", pre), bind_mat(m, n, D, P, &w->o, err)) return DS_ERR;
+    if (NAME(n, "%so_proj.weight", pre), bind_mat_cols(m, n, D, P, p0, Pl, &w->o, err))
+        return DS_ERR;
     return DS_OK;
 }
 
+/* MLA under tensor parallelism: this rank keeps heads [r*Hl, (r+1)*Hl) of q / q_b, kv_b, the
+ * output gate (rows) and o_proj (columns). q_a and kv_a are replicated: the latent row is shared by
+ * all heads, so every rank computes and caches all of it. */
 static int bind_mla(ds_model *m, const char *pre, mla_w *w, ds_err *err) {
     const ds_config *c = &m->cfg;
     int D = c->hidden_size, Ha = c->num_attention_heads, R = c->kv_lora_rank;
     int dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dvh = c->v_head_dim;
+    int Hl = m->Ha, h0 = m->tp_rank * Hl, dq = dn + dr;
     char n[512];
     if (c->q_lora_rank) {
         if (NAME(n, "%sq_a_proj.weight", pre), bind_mat(m, n, c->q_lora_rank, D, &w->q_a, err))
@@ -216,21 +311,27 @@ static int bind_mla(ds_model *m, const char *pre, mla_w *w, ds_err *err) {
             bind_vec1(m, n, c->q_lora_rank, &w->q_a_norm, err))
             return DS_ERR;
         if (NAME(n, "%sq_b_proj.weight", pre),
-            bind_mat(m, n, Ha * (dn + dr), c->q_lora_rank, &w->q_b, err))
+            bind_mat_rows(m, n, Ha * dq, c->q_lora_rank, h0 * dq, Hl * dq, &w->q_b, err))
             return DS_ERR;
     } else {
-        if (NAME(n, "%sq_proj.weight", pre), bind_mat(m, n, Ha * (dn + dr), D, &w->q, err))
+        if (NAME(n, "%sq_proj.weight", pre),
+            bind_mat_rows(m, n, Ha * dq, D, h0 * dq, Hl * dq, &w->q, err))
             return DS_ERR;
     }
     if (NAME(n, "%skv_a_proj_with_mqa.weight", pre), bind_mat(m, n, R + dr, D, &w->kv_a, err))
         return DS_ERR;
     if (NAME(n, "%skv_a_layernorm.weight", pre), bind_vec1(m, n, R, &w->kv_a_norm, err))
         return DS_ERR;
-    if (NAME(n, "%skv_b_proj.weight", pre), bind_mat(m, n, Ha * (dn + dvh), R, &w->kv_b, err))
+    if (NAME(n, "%skv_b_proj.weight", pre),
+        bind_mat_rows(m, n, Ha * (dn + dvh), R, h0 * (dn + dvh), Hl * (dn + dvh), &w->kv_b, err))
         return DS_ERR;
-    if (NAME(n, "%so_proj.weight", pre), bind_mat(m, n, D, Ha * dvh, &w->o, err)) return DS_ERR;
+    if (NAME(n, "%so_proj.weight", pre),
+        bind_mat_cols(m, n, D, Ha * dvh, h0 * dvh, Hl * dvh, &w->o, err))
+        return DS_ERR;
     if (c->mla_use_output_gate) {
-        if (NAME(n, "%sg_proj.weight", pre), bind_mat(m, n, Ha * dvh, D, &w->g, err)) return DS_ERR;
+        if (NAME(n, "%sg_proj.weight", pre),
+            bind_mat_rows(m, n, Ha * dvh, D, h0 * dvh, Hl * dvh, &w->g, err))
+            return DS_ERR;
     }
     return DS_OK;
 }
@@ -240,12 +341,15 @@ static int bind_ffn(ds_model *m, const char *pre, int layer, ffn_w *w, ds_err *e
     int D = c->hidden_size;
     char n[512];
     w->is_moe = ds_config_layer_is_moe(c, layer);
-    if (!w->is_moe) {
-        int I = c->intermediate_size;
-        if (NAME(n, "%smlp.gate_proj.weight", pre), bind_mat(m, n, I, D, &w->gate, err))
+    if (!w->is_moe) { /* gate/up column-parallel, down row-parallel */
+        int I = c->intermediate_size, Il = m->I_dense, i0 = m->tp_rank * Il;
+        if (NAME(n, "%smlp.gate_proj.weight", pre),
+            bind_mat_rows(m, n, I, D, i0, Il, &w->gate, err))
             return DS_ERR;
-        if (NAME(n, "%smlp.up_proj.weight", pre), bind_mat(m, n, I, D, &w->up, err)) return DS_ERR;
-        if (NAME(n, "%smlp.down_proj.weight", pre), bind_mat(m, n, D, I, &w->down, err))
+        if (NAME(n, "%smlp.up_proj.weight", pre), bind_mat_rows(m, n, I, D, i0, Il, &w->up, err))
+            return DS_ERR;
+        if (NAME(n, "%smlp.down_proj.weight", pre),
+            bind_mat_cols(m, n, D, I, i0, Il, &w->down, err))
             return DS_ERR;
         return DS_OK;
     }
@@ -260,7 +364,8 @@ static int bind_ffn(ds_model *m, const char *pre, int layer, ffn_w *w, ds_err *e
     if (!w->w1 || own(m, w->w1, err)) return DS_ERR;
     w->w3 = w->w1 + E;
     w->w2 = w->w1 + 2 * E;
-    for (int e = 0; e < E; e++) {
+    /* Experts are split whole across TP ranks (block [e0, e1) here); the others stay unbound. */
+    for (int e = m->e0; e < m->e1; e++) {
         if (NAME(n, "%sblock_sparse_moe.experts.%d.w1.weight", pre, e),
             bind_mat(m, n, Ie, Hin, &w->w1[e], err))
             return DS_ERR;
@@ -271,16 +376,16 @@ static int bind_ffn(ds_model *m, const char *pre, int layer, ffn_w *w, ds_err *e
             bind_mat(m, n, Hin, Ie, &w->w2[e], err))
             return DS_ERR;
     }
-    if (c->num_shared_experts > 0) {
-        int Is = Ie * c->num_shared_experts;
+    if (c->num_shared_experts > 0) { /* split like the dense MLP */
+        int Is = Ie * c->num_shared_experts, Il = m->I_sh, i0 = m->tp_rank * Il;
         if (NAME(n, "%sblock_sparse_moe.shared_experts.gate_proj.weight", pre),
-            bind_mat(m, n, Is, D, &w->sh_gate, err))
+            bind_mat_rows(m, n, Is, D, i0, Il, &w->sh_gate, err))
             return DS_ERR;
         if (NAME(n, "%sblock_sparse_moe.shared_experts.up_proj.weight", pre),
-            bind_mat(m, n, Is, D, &w->sh_up, err))
+            bind_mat_rows(m, n, Is, D, i0, Il, &w->sh_up, err))
             return DS_ERR;
         if (NAME(n, "%sblock_sparse_moe.shared_experts.down_proj.weight", pre),
-            bind_mat(m, n, D, Is, &w->sh_down, err))
+            bind_mat_cols(m, n, D, Is, i0, Il, &w->sh_down, err))
             return DS_ERR;
     }
     if (c->routed_expert_hidden_size) {
@@ -323,6 +428,23 @@ int ds_model_load(const char *dir, const ds_model_opts *opts, ds_model **out, ds
         ds_errf(err, "layer range [%d, %d) is not inside the model's %d layers", m->l0, m->l1, L);
         goto fail;
     }
+    m->tp_rank = m->opts.tp_rank;
+    m->tp_size = m->opts.tp_size > 0 ? m->opts.tp_size : 1;
+    if (m->tp_rank < 0 || m->tp_rank >= m->tp_size) {
+        ds_errf(err, "tensor parallel rank %d is outside [0, %d)", m->tp_rank, m->tp_size);
+        goto fail;
+    }
+    if (m->tp_size > 1 && !m->opts.allreduce) {
+        ds_errf(err, "tensor parallel size %d needs an all-reduce", m->tp_size);
+        goto fail;
+    }
+    if (ds_model_tp_check(c, m->tp_size, err)) goto fail;
+    m->Hk = c->kda_num_heads / m->tp_size;
+    m->Ha = c->num_attention_heads / m->tp_size;
+    m->I_dense = c->intermediate_size / m->tp_size;
+    m->I_sh = c->moe_intermediate_size * c->num_shared_experts / m->tp_size;
+    m->e0 = m->tp_rank * (c->num_experts / m->tp_size);
+    m->e1 = m->e0 + c->num_experts / m->tp_size;
     int first = m->l0 == 0, last = m->l1 == L;
     /* The embedding lives on the first stage, the final mix, norm and lm_head on the last; a tied
      * lm_head is the embedding, so the last stage binds it too. */
@@ -420,11 +542,14 @@ static void layer_traffic(const ds_model *m, double *elems, double *bytes) {
             *bytes += mat_bytes(mats[j]);
         }
         if (f->is_moe) {
-            /* experts are the same shape: one token reads k of them */
-            double e = mat_elems(&f->w1[0]) + mat_elems(&f->w3[0]) + mat_elems(&f->w2[0]);
-            double b = mat_bytes(&f->w1[0]) + mat_bytes(&f->w3[0]) + mat_bytes(&f->w2[0]);
-            *elems += e * c->num_experts_per_token;
-            *bytes += b * c->num_experts_per_token;
+            /* experts are the same shape: one token reads k of them, on average k * (share of
+             * the experts held here) on this rank */
+            int e0 = m->e0;
+            double k = c->num_experts_per_token * (double)(m->e1 - m->e0) / c->num_experts;
+            double e = mat_elems(&f->w1[e0]) + mat_elems(&f->w3[e0]) + mat_elems(&f->w2[e0]);
+            double b = mat_bytes(&f->w1[e0]) + mat_bytes(&f->w3[e0]) + mat_bytes(&f->w2[e0]);
+            *elems += e * k;
+            *bytes += b * k;
         }
     }
 }
@@ -444,17 +569,18 @@ double ds_model_token_flops(const ds_model *m, int with_lm_head) {
 /* ---- per-sequence state -----------------------------------------------------------------------
  */
 
-static size_t conv_floats(const ds_config *c) {
-    return (size_t)3 * (size_t)(c->short_conv_kernel_size - 1) *
-           (size_t)(c->kda_num_heads * c->kda_head_dim);
+/* Per KDA layer, for this rank's m->Hk heads. */
+static size_t conv_floats(const ds_model *m) {
+    const ds_config *c = &m->cfg;
+    return (size_t)3 * (size_t)(c->short_conv_kernel_size - 1) * (size_t)(m->Hk * c->kda_head_dim);
 }
-static size_t rec_floats(const ds_config *c) {
-    return (size_t)c->kda_num_heads * (size_t)c->kda_head_dim * (size_t)c->kda_head_dim;
+static size_t rec_floats(const ds_model *m) {
+    const ds_config *c = &m->cfg;
+    return (size_t)m->Hk * (size_t)c->kda_head_dim * (size_t)c->kda_head_dim;
 }
 
 size_t ds_model_slot_floats(const ds_model *m) {
-    const ds_config *c = &m->cfg;
-    return (size_t)m->n_kda * (conv_floats(c) + rec_floats(c));
+    return (size_t)m->n_kda * (conv_floats(m) + rec_floats(m));
 }
 
 int ds_model_latent_row(const ds_model *m) {
@@ -523,22 +649,31 @@ typedef struct step {
     const ds_stage_io *in; /* from the previous pipeline stage, or NULL on the first */
     ds_stage_io *out;      /* to the next stage, or NULL on the last */
     scratch sc;
+    int tp_failed; /* an all-reduce failed during this step */
 } step;
 
 static float *slot_conv(const step *s, int q, int kda_idx) {
-    const ds_config *c = &s->m->cfg;
-    return s->seqs[q].slot + (size_t)kda_idx * conv_floats(c);
+    return s->seqs[q].slot + (size_t)kda_idx * conv_floats(s->m);
 }
 static float *slot_rec(const step *s, int q, int kda_idx) {
-    const ds_config *c = &s->m->cfg;
-    return s->seqs[q].slot + (size_t)s->m->n_kda * conv_floats(c) + (size_t)kda_idx * rec_floats(c);
+    return s->seqs[q].slot + (size_t)s->m->n_kda * conv_floats(s->m) +
+           (size_t)kda_idx * rec_floats(s->m);
+}
+
+/* Sums a row-parallel partial output over the TP group (nothing to do on one rank). After a
+ * failure the step still runs to its end — with wrong numbers — and then reports it: the comm is
+ * broken and the caller ends the job. */
+static void tp_sum(step *s, float *buf, size_t n) {
+    const ds_model *m = s->m;
+    if (m->tp_size == 1 || s->tp_failed) return;
+    if (m->opts.allreduce(m->opts.allreduce_ctx, buf, n)) s->tp_failed = 1;
 }
 
 /* out[T][D] = KDA(xn[T][D]) (MODEL_SPEC §3). */
 static void kda_forward(step *s, const layer_w *lw, const float *xn, float *out) {
     const ds_config *c = &s->m->cfg;
     const kda_w *w = &lw->kda;
-    int T = s->T, D = c->hidden_size, H = c->kda_num_heads, dk = c->kda_head_dim, P = H * dk;
+    int T = s->T, D = c->hidden_size, H = s->m->Hk, dk = c->kda_head_dim, P = H * dk;
     int W = c->short_conv_kernel_size;
     scratch *sc = &s->sc;
     size_t mark = sc->used;
@@ -620,6 +755,7 @@ static void kda_forward(step *s, const layer_w *lw, const float *xn, float *out)
     }
     ds_gated_rmsnorm_heads(q, o, g, w->o_norm, T, H, dk, c->rms_norm_eps);
     ds_matmul(out, D, q, P, T, &w->o);
+    tp_sum(s, out, (size_t)T * D);
     sc->used = mark;
 }
 
@@ -627,7 +763,7 @@ static void kda_forward(step *s, const layer_w *lw, const float *xn, float *out)
 static void mla_forward(step *s, const layer_w *lw, const float *xn, float *out) {
     const ds_config *c = &s->m->cfg;
     const mla_w *w = &lw->mla;
-    int T = s->T, D = c->hidden_size, Ha = c->num_attention_heads, R = c->kv_lora_rank;
+    int T = s->T, D = c->hidden_size, Ha = s->m->Ha, R = c->kv_lora_rank;
     int dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dvh = c->v_head_dim, dq = dn + dr;
     int row = R + dr;
     scratch *sc = &s->sc;
@@ -710,6 +846,7 @@ static void mla_forward(step *s, const layer_w *lw, const float *xn, float *out)
         for (size_t i = 0; i < (size_t)T * Ha * dvh; i++) o[i] *= gt[i];
     }
     ds_matmul(out, D, o, Ha * dvh, T, &w->o);
+    tp_sum(s, out, (size_t)T * D);
     sc->used = mark;
 }
 
@@ -743,6 +880,7 @@ static void ffn_forward(step *s, const layer_w *lw, const float *xn, float *out)
     int T = s->T, D = c->hidden_size;
     if (!w->is_moe) {
         mlp(s, &w->gate, &w->up, &w->down, xn, T, out);
+        tp_sum(s, out, (size_t)T * D);
         return;
     }
     int E = c->num_experts, K = c->num_experts_per_token;
@@ -770,8 +908,9 @@ static void ffn_forward(step *s, const layer_w *lw, const float *xn, float *out)
         memcpy(u, xn, (size_t)T * D * sizeof(float));
     memset(acc, 0, (size_t)T * Hin * sizeof(float));
     /* Experts in id order: a token's sum is accumulated in ascending expert id whatever else is
-     * in the batch, so its result does not depend on its neighbours. */
-    for (int e = 0; e < E; e++) {
+     * in the batch, so its result does not depend on its neighbours. Under tensor parallelism
+     * each rank sums its own experts [e0, e1) and the all-reduce below adds the ranks' sums. */
+    for (int e = s->m->e0; e < s->m->e1; e++) {
         int Te = 0;
         for (int t = 0; t < T; t++)
             for (int j = 0; j < K; j++)
@@ -786,7 +925,11 @@ static void ffn_forward(step *s, const layer_w *lw, const float *xn, float *out)
         for (int r = 0; r < Te; r++)
             ds_axpy(acc + (size_t)rows[r] * Hin, rw[r], ye + (size_t)r * Hin, (size_t)Hin);
     }
-    if (c->routed_expert_hidden_size) {
+    int latent = c->routed_expert_hidden_size > 0;
+    if (latent) {
+        /* The latent norm is nonlinear: the routed sum must be complete before it (MODEL_SPEC
+         * §5.4), so it is all-reduced here; up-projection then runs replicated on every rank. */
+        tp_sum(s, acc, (size_t)T * Hin);
         if (w->lat_norm) ds_rmsnorm(acc, acc, w->lat_norm, T, Hin, c->rms_norm_eps);
         ds_matmul(out, D, acc, Hin, T, &w->lat_up);
     } else {
@@ -797,8 +940,10 @@ static void ffn_forward(step *s, const layer_w *lw, const float *xn, float *out)
         if (Hin < D) sh = sc_take(sc, (size_t)T * D);
         if (sc->overflow) return;
         mlp(s, &w->sh_gate, &w->sh_up, &w->sh_down, xn, T, sh);
+        if (latent) tp_sum(s, sh, (size_t)T * D); /* out is already complete on every rank */
         ds_add(out, sh, (size_t)T * D);
     }
+    if (!latent) tp_sum(s, out, (size_t)T * D); /* routed + shared partials in one all-reduce */
     sc->used = mark;
 }
 
@@ -1002,7 +1147,7 @@ int ds_model_forward_stage(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, in
         off[q] = T;
         T += sb->n;
     }
-    step s = {m, pool, seqs, n_seq, T, off, in, out, {0}};
+    step s = {m, pool, seqs, n_seq, T, off, in, out, {0}, 0};
     if (T == 0) {
         free(off);
         return DS_OK;
@@ -1022,5 +1167,6 @@ int ds_model_forward_stage(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, in
     if (short_by)
         return ds_errf(err, "forward: internal error: scratch estimate %zu floats, step took %zu",
                        need, short_by - 1);
+    if (s.tp_failed) return ds_errf(err, "forward: a tensor-parallel all-reduce failed");
     return DS_OK;
 }

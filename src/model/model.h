@@ -21,11 +21,28 @@ typedef struct ds_model_opts {
     int mla_expanded_min;       /* segments with at least this many tokens use expanded MLA */
     int hf_kl_router_quirk;     /* reproduce HF-KL's biased combine weights (parity tests only) */
     int layer_begin, layer_end; /* pipeline stage: layers [begin, end); end 0 = all */
+    /* Tensor parallelism (tp_size > 1): this rank holds 1/tp_size of the KDA heads, MLA heads,
+     * dense and shared-expert intermediate rows and routed experts (a contiguous block of each,
+     * block tp_rank); q/k/v, gate and up projections are split by output rows (column-parallel),
+     * o_proj and down projections by input columns (row-parallel), and the partial outputs are
+     * summed with `allreduce` (every rank of the TP group must call the forward together).
+     * Replicated on every rank: embedding, lm_head, norms, AttnRes, the router, the KDA f_a / g_a
+     * low-rank inputs, MLA q_a and kv_a (the latent is shared by all heads, so every rank keeps
+     * the full latent rows), and the latent MoE down/up projections. */
+    int tp_rank, tp_size; /* 0, 1 without tensor parallelism */
+    /* buf[n] <- sum over the TP group; returns DS_OK or DS_ERR (the forward then fails) */
+    int (*allreduce)(void *ctx, float *buf, size_t n);
+    void *allreduce_ctx;
 } ds_model_opts;
 
 void ds_model_opts_default(ds_model_opts *o);
 
 typedef struct ds_model ds_model;
+
+/* Can cfg be split over T tensor-parallel ranks? KDA heads, MLA heads, routed experts and the
+ * dense / shared-expert intermediate sizes must divide by T; the message names each that does not.
+ */
+int ds_model_tp_check(const ds_config *cfg, int T, ds_err *err);
 
 /* Loads DIR (config.json + safetensors). Every tensor's dtype and shape is checked. */
 int ds_model_load(const char *dir, const ds_model_opts *opts, ds_model **out, ds_err *err);
@@ -45,9 +62,11 @@ size_t ds_model_weight_bytes(const ds_model *m);
 /* ---- per-sequence state ------------------------------------------------------------------------
  */
 /* Floats in one KDA state slot: conv tails [n_kda][3][W-1][P] followed by recurrent states
- * [n_kda][Hk][dk][dv]. A new sequence starts from all zeros. */
+ * [n_kda][Hk][dk][dv], with Hk and P = Hk*dk this rank's heads under tensor parallelism. A new
+ * sequence starts from all zeros. */
 size_t ds_model_slot_floats(const ds_model *m);
-/* Floats per latent row of one MLA layer (kv_lora_rank + qk_rope_head_dim). */
+/* Floats per latent row of one MLA layer (kv_lora_rank + qk_rope_head_dim); the same on every
+ * TP rank, since the latent is shared by all heads. */
 int ds_model_latent_row(const ds_model *m);
 
 /* Paged MLA latent pool: for each MLA layer j, layer[j] holds [n_pages][block_size][row] floats. */
