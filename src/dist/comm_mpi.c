@@ -1,0 +1,204 @@
+/* comm_mpi.c — the communication interface over Open MPI.
+ *
+ * The world is split twice: by stage into TP groups (key tp_rank, so a TP group's rank is the
+ * tp_rank) and by tp_rank into PP groups (key stage, so a PP group's rank is the stage number).
+ * Every communicator returns MPI errors instead of aborting inside the library, so a failure
+ * reaches the caller as a message naming this rank and the operation.
+ *
+ * Hangs: a peer that dies is noticed by mpirun, which kills the job and names the rank. A peer
+ * that is alive but stuck is not; with DS_COMM_TIMEOUT_S=N (seconds, > 0) every operation is
+ * posted non-blocking and polled, and gives up with an error naming the peer after N seconds, so
+ * the caller can abort the job. Without it the blocking calls are used (no polling overhead). */
+#include "dist/comm.h"
+
+#include <limits.h>
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+typedef struct mpi_impl {
+    MPI_Comm tp, pp;  /* this stage's TP group; this tp_rank's pipeline */
+    double timeout_s; /* 0: block forever */
+} mpi_impl;
+
+static mpi_impl *impl_of(ds_comm *c) {
+    return c->impl;
+}
+
+static int mpi_fail(ds_comm *c, int rc, const char *what, ds_err *err) {
+    char s[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    if (MPI_Error_string(rc, s, &len) != MPI_SUCCESS) snprintf(s, sizeof s, "MPI error %d", rc);
+    return ds_errf(err, "%s: %s: %s", c->who, what, s);
+}
+
+/* Waits for req, polling when a timeout is set. Yields the core between polls: ranks are often
+ * oversubscribed (8 ranks on 2 cores in the tests), and a spinning waiter starves the peer it
+ * waits for. */
+static int wait_req(ds_comm *c, MPI_Request *req, const char *what, ds_err *err) {
+    double limit = impl_of(c)->timeout_s;
+    if (limit <= 0) {
+        int rc = MPI_Wait(req, MPI_STATUS_IGNORE);
+        return rc == MPI_SUCCESS ? DS_OK : mpi_fail(c, rc, what, err);
+    }
+    double t0 = MPI_Wtime();
+    for (long spins = 0;; spins++) {
+        int done = 0;
+        int rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS) return mpi_fail(c, rc, what, err);
+        if (done) return DS_OK;
+        if (MPI_Wtime() - t0 > limit) {
+            MPI_Cancel(req);
+            return ds_errf(err, "%s: %s: no answer after %.0f s (DS_COMM_TIMEOUT_S)", c->who, what,
+                           limit);
+        }
+        if (spins > 1000) nanosleep(&(struct timespec){0, 50000}, NULL);
+    }
+}
+
+/* Messages are cut into pieces MPI's int counts can hold. */
+enum { PIECE = 1 << 30 };
+
+static int mpi_allreduce(ds_comm *c, float *buf, size_t n, ds_err *err) {
+    if (c->tp_size == 1) return DS_OK;
+    char what[96];
+    snprintf(what, sizeof what, "all-reduce of %zu floats in the TP group of stage %d", n,
+             c->stage);
+    for (size_t off = 0; off < n; off += PIECE) {
+        int cnt = (int)DS_MIN((size_t)PIECE, n - off);
+        MPI_Request req;
+        int rc =
+            MPI_Iallreduce(MPI_IN_PLACE, buf + off, cnt, MPI_FLOAT, MPI_SUM, impl_of(c)->tp, &req);
+        if (rc != MPI_SUCCESS) return mpi_fail(c, rc, what, err);
+        if (wait_req(c, &req, what, err)) return DS_ERR;
+    }
+    return DS_OK;
+}
+
+static int check_stage(ds_comm *c, int stage, const char *verb, ds_err *err) {
+    if (stage < 0 || stage >= c->n_stages || stage == c->stage)
+        return ds_errf(err, "%s: %s stage %d: not another stage of this %d-stage job", c->who, verb,
+                       stage, c->n_stages);
+    return DS_OK;
+}
+
+static int mpi_send(ds_comm *c, int stage, const float *buf, size_t n, ds_err *err) {
+    if (check_stage(c, stage, "send to", err)) return DS_ERR;
+    char what[96];
+    snprintf(what, sizeof what, "send of %zu floats to stage %d (rank %d)", n, stage,
+             stage * c->tp_size + c->tp_rank);
+    for (size_t off = 0; off < n; off += PIECE) {
+        int cnt = (int)DS_MIN((size_t)PIECE, n - off);
+        MPI_Request req;
+        int rc = MPI_Isend(buf + off, cnt, MPI_FLOAT, stage, 0, impl_of(c)->pp, &req);
+        if (rc != MPI_SUCCESS) return mpi_fail(c, rc, what, err);
+        if (wait_req(c, &req, what, err)) return DS_ERR;
+    }
+    return DS_OK;
+}
+
+static int mpi_recv(ds_comm *c, int stage, float *buf, size_t n, ds_err *err) {
+    if (check_stage(c, stage, "receive from", err)) return DS_ERR;
+    char what[96];
+    snprintf(what, sizeof what, "receive of %zu floats from stage %d (rank %d)", n, stage,
+             stage * c->tp_size + c->tp_rank);
+    for (size_t off = 0; off < n; off += PIECE) {
+        int cnt = (int)DS_MIN((size_t)PIECE, n - off);
+        MPI_Request req;
+        int rc = MPI_Irecv(buf + off, cnt, MPI_FLOAT, stage, 0, impl_of(c)->pp, &req);
+        if (rc != MPI_SUCCESS) return mpi_fail(c, rc, what, err);
+        if (wait_req(c, &req, what, err)) return DS_ERR;
+    }
+    return DS_OK;
+}
+
+static int mpi_bcast(ds_comm *c, void *buf, size_t n, ds_err *err) {
+    if (c->size == 1) return DS_OK;
+    char what[96];
+    snprintf(what, sizeof what, "broadcast of %zu bytes from the head", n);
+    for (size_t off = 0; off < n; off += PIECE) {
+        int cnt = (int)DS_MIN((size_t)PIECE, n - off);
+        MPI_Request req;
+        int rc = MPI_Ibcast((char *)buf + off, cnt, MPI_BYTE, 0, MPI_COMM_WORLD, &req);
+        if (rc != MPI_SUCCESS) return mpi_fail(c, rc, what, err);
+        if (wait_req(c, &req, what, err)) return DS_ERR;
+    }
+    return DS_OK;
+}
+
+static int mpi_barrier(ds_comm *c, ds_err *err) {
+    MPI_Request req;
+    int rc = MPI_Ibarrier(MPI_COMM_WORLD, &req);
+    if (rc != MPI_SUCCESS) return mpi_fail(c, rc, "barrier", err);
+    return wait_req(c, &req, "barrier", err);
+}
+
+static int mpi_finish(ds_comm *c, int status) {
+    mpi_impl *im = impl_of(c);
+    if (status) {
+        /* Peers may be blocked in a collective with this rank: only an abort frees them. mpirun
+         * prints which rank aborted and ends the job with a non-zero status. */
+        MPI_Abort(MPI_COMM_WORLD, status);
+        return status; /* not reached */
+    }
+    if (im) {
+        if (im->tp != MPI_COMM_NULL) MPI_Comm_free(&im->tp);
+        if (im->pp != MPI_COMM_NULL) MPI_Comm_free(&im->pp);
+    }
+    free(im);
+    free(c);
+    MPI_Finalize();
+    return status;
+}
+
+static const ds_comm_ops MPI_OPS = {"mpi",     mpi_allreduce, mpi_send,  mpi_recv,
+                                    mpi_bcast, mpi_barrier,   mpi_finish};
+
+int ds_comm_mpi_init(int tp, int pp, ds_comm **out, ds_err *err) {
+    *out = NULL;
+    int inited = 0;
+    MPI_Initialized(&inited);
+    if (!inited) {
+        /* FUNNELED: only the thread that called init makes MPI calls; OpenMP threads never do. */
+        int provided;
+        if (MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
+            return ds_errf(err, "MPI_Init_thread failed");
+    }
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    ds_comm *c = ds_calloc(1, sizeof *c, err);
+    mpi_impl *im = ds_calloc(1, sizeof *im, err);
+    if (!c || !im) {
+        free(c);
+        free(im);
+        MPI_Abort(MPI_COMM_WORLD, 1); /* peers are already inside MPI and would wait */
+        return DS_ERR;
+    }
+    c->ops = &MPI_OPS;
+    c->impl = im;
+    im->tp = im->pp = MPI_COMM_NULL;
+    MPI_Comm_rank(MPI_COMM_WORLD, &c->rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &c->size);
+    c->tp_size = 1;
+    c->n_stages = 1;
+    ds_comm_set_who(c);
+    *out = c; /* from here on the caller ends the job through ds_comm_finish, even after errors */
+    const char *to = getenv("DS_COMM_TIMEOUT_S");
+    im->timeout_s = to && *to ? atof(to) : 0;
+    if (tp < 1 || pp < 1 || (long)tp * pp != c->size)
+        return ds_errf(err,
+                       "%s: -tp %d x -pp %d needs %ld ranks, but mpirun started %d (use mpirun "
+                       "-np %ld, or start deltaserve without mpirun and it launches itself)",
+                       c->who, tp, pp, (long)tp * pp, c->size, (long)tp * pp);
+    c->tp_size = tp;
+    c->n_stages = pp;
+    c->tp_rank = c->rank % tp;
+    c->stage = c->rank / tp;
+    ds_comm_set_who(c);
+    int rc = MPI_Comm_split(MPI_COMM_WORLD, c->stage, c->tp_rank, &im->tp);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_split(MPI_COMM_WORLD, c->tp_rank, c->stage, &im->pp);
+    if (rc != MPI_SUCCESS) return mpi_fail(c, rc, "splitting TP and PP groups", err);
+    MPI_Comm_set_errhandler(im->tp, MPI_ERRORS_RETURN);
+    MPI_Comm_set_errhandler(im->pp, MPI_ERRORS_RETURN);
+    return DS_OK;
+}
