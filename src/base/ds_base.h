@@ -60,8 +60,8 @@ uint64_t ds_rng_next(ds_rng *r);
 double ds_rng_uniform(ds_rng *r); /* [0, 1) with 53 bits */
 double ds_rng_normal(ds_rng *r);  /* standard normal (Box-Muller, no cached second value) */
 
-#define DS_MIN(a, b) ((a) < (b) ? (a) : (b))
-#define DS_MAX(a, b) ((a) > (b) ? (a) : (b))
+#define DS_MIN(a, b)    ((a) < (b) ? (a) : (b))
+#define DS_MAX(a, b)    ((a) > (b) ? (a) : (b))
 #define DS_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 
 #endif

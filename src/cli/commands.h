@@ -7,13 +7,13 @@
 #ifndef DS_COMMANDS_H
 #define DS_COMMANDS_H
 
-int ds_cmd_serve(int argc, char **argv);      /* OpenAI-compatible HTTP server */
-int ds_cmd_generate(int argc, char **argv);   /* complete a prompt, print the text */
-int ds_cmd_logits(int argc, char **argv);     /* print / dump the logits of a prompt */
-int ds_cmd_bench(int argc, char **argv);      /* throughput against the machine's limits */
+int ds_cmd_serve(int argc, char **argv);       /* OpenAI-compatible HTTP server */
+int ds_cmd_generate(int argc, char **argv);    /* complete a prompt, print the text */
+int ds_cmd_logits(int argc, char **argv);      /* print / dump the logits of a prompt */
+int ds_cmd_bench(int argc, char **argv);       /* throughput against the machine's limits */
 int ds_cmd_bench_serve(int argc, char **argv); /* load generator against a running server */
-int ds_cmd_eval(int argc, char **argv);       /* evaluation runs (not yet) */
-int ds_cmd_tokenize(int argc, char **argv);   /* text -> ids, ids -> text */
-int ds_cmd_init_model(int argc, char **argv); /* write a random checkpoint from a preset */
+int ds_cmd_eval(int argc, char **argv);        /* evaluation runs (not yet) */
+int ds_cmd_tokenize(int argc, char **argv);    /* text -> ids, ids -> text */
+int ds_cmd_init_model(int argc, char **argv);  /* write a random checkpoint from a preset */
 
 #endif

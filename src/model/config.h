@@ -1,6 +1,6 @@
 /* config.h — config.json -> ds_config for kimi_linear and Kimi-K3 (text model under text_config),
- * and the DSpark draft config (k3_dspark). MODEL_SPEC.md §1 and §8.1 list every key and its default.
- * The 1-based layer lists of linear_attn_config are converted to 0-based here, once. */
+ * and the DSpark draft config (k3_dspark). MODEL_SPEC.md §1 and §8.1 list every key and its
+ * default. The 1-based layer lists of linear_attn_config are converted to 0-based here, once. */
 #ifndef DS_CONFIG_H
 #define DS_CONFIG_H
 

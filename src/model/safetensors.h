@@ -1,8 +1,9 @@
-/* safetensors.h — read-only, mmap-backed access to a checkpoint's tensors (one file or a sharded set
- * named by model.safetensors.index.json), and a writer used by init-model.
+/* safetensors.h — read-only, mmap-backed access to a checkpoint's tensors (one file or a sharded
+ * set named by model.safetensors.index.json), and a writer used by init-model.
  *
- * Every header is validated when opened: JSON well formed, every entry has dtype/shape/data_offsets,
- * offsets lie inside the file, are consistent with dtype x shape, and no two tensors overlap. */
+ * Every header is validated when opened: JSON well formed, every entry has
+ * dtype/shape/data_offsets, offsets lie inside the file, are consistent with dtype x shape, and no
+ * two tensors overlap. */
 #ifndef DS_SAFETENSORS_H
 #define DS_SAFETENSORS_H
 

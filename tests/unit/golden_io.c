@@ -36,14 +36,18 @@ static void seterr(char *buf, size_t len, const char *fmt, ...) {
 static size_t dtype_size(int dt) {
     switch (dt) {
     case DS_GOLDEN_F32:
-    case DS_GOLDEN_I32: return 4;
+    case DS_GOLDEN_I32:
+        return 4;
     case DS_GOLDEN_F64:
-    case DS_GOLDEN_U64: return 8;
-    default: return 0;
+    case DS_GOLDEN_U64:
+        return 8;
+    default:
+        return 0;
     }
 }
 
-/* Reads a whole file; returns a malloc'd buffer (at least 1 byte allocated) or NULL with errno set. */
+/* Reads a whole file; returns a malloc'd buffer (at least 1 byte allocated) or NULL with errno set.
+ */
 static unsigned char *read_all(const char *path, size_t *size) {
     FILE *f = fopen(path, "rb");
     if (!f) return NULL;
@@ -149,13 +153,15 @@ ds_golden *ds_golden_load(const char *path, char *errbuf, size_t errlen) {
         goto fail;
     }
     if (le(b + 8, 4) != 1) {
-        seterr(errbuf, errlen, "golden %s: version %u not supported (expected 1)", path, (unsigned)le(b + 8, 4));
+        seterr(errbuf, errlen, "golden %s: version %u not supported (expected 1)", path,
+               (unsigned)le(b + 8, 4));
         goto fail;
     }
     n_entries = le(b + 12, 4);
     /* smallest entry: u16 + 1 name byte + u8 + u8 = 5 bytes */
     if (n_entries > c.left / 5) {
-        seterr(errbuf, errlen, "golden %s: n_entries %llu cannot fit in %zu remaining bytes (truncated?)", path,
+        seterr(errbuf, errlen,
+               "golden %s: n_entries %llu cannot fit in %zu remaining bytes (truncated?)", path,
                (unsigned long long)n_entries, c.left);
         goto fail;
     }
@@ -168,23 +174,24 @@ ds_golden *ds_golden_load(const char *path, char *errbuf, size_t errlen) {
         golden_entry *e = &g->e[k];
         size_t start = c.off;
         if (take(&c, 2, &b)) {
-            seterr(errbuf, errlen, "golden %s: truncated at byte %zu (entry %llu name length)", path, start,
-                   (unsigned long long)k);
+            seterr(errbuf, errlen, "golden %s: truncated at byte %zu (entry %llu name length)",
+                   path, start, (unsigned long long)k);
             goto fail;
         }
         size_t nl = (size_t)le(b, 2);
         if (nl == 0) {
-            seterr(errbuf, errlen, "golden %s: entry %llu at byte %zu has an empty name", path, (unsigned long long)k,
-                   start);
+            seterr(errbuf, errlen, "golden %s: entry %llu at byte %zu has an empty name", path,
+                   (unsigned long long)k, start);
             goto fail;
         }
         if (take(&c, nl, &b)) {
-            seterr(errbuf, errlen, "golden %s: truncated at byte %zu (entry %llu name, %zu bytes)", path, c.off,
-                   (unsigned long long)k, nl);
+            seterr(errbuf, errlen, "golden %s: truncated at byte %zu (entry %llu name, %zu bytes)",
+                   path, c.off, (unsigned long long)k, nl);
             goto fail;
         }
         if (memchr(b, 0, nl)) {
-            seterr(errbuf, errlen, "golden %s: entry %llu name contains a NUL byte", path, (unsigned long long)k);
+            seterr(errbuf, errlen, "golden %s: entry %llu name contains a NUL byte", path,
+                   (unsigned long long)k);
             goto fail;
         }
         e->name = malloc(nl + 1);
@@ -202,14 +209,16 @@ ds_golden *ds_golden_load(const char *path, char *errbuf, size_t errlen) {
             }
         }
         if (take(&c, 2, &b)) {
-            seterr(errbuf, errlen, "golden %s: truncated at byte %zu (entry '%s' dtype/ndim)", path, c.off, e->name);
+            seterr(errbuf, errlen, "golden %s: truncated at byte %zu (entry '%s' dtype/ndim)", path,
+                   c.off, e->name);
             goto fail;
         }
         e->dtype = b[0];
         e->ndim = b[1];
         size_t esz = dtype_size(e->dtype);
         if (esz == 0) {
-            seterr(errbuf, errlen, "golden %s: entry '%s' has unknown dtype %d", path, e->name, e->dtype);
+            seterr(errbuf, errlen, "golden %s: entry '%s' has unknown dtype %d", path, e->name,
+                   e->dtype);
             goto fail;
         }
         if (e->ndim > DS_GOLDEN_MAX_NDIM) {
@@ -218,7 +227,8 @@ ds_golden *ds_golden_load(const char *path, char *errbuf, size_t errlen) {
             goto fail;
         }
         if (take(&c, (size_t)e->ndim * 8, &b)) {
-            seterr(errbuf, errlen, "golden %s: truncated at byte %zu (entry '%s' dims)", path, c.off, e->name);
+            seterr(errbuf, errlen, "golden %s: truncated at byte %zu (entry '%s' dims)", path,
+                   c.off, e->name);
             goto fail;
         }
         uint64_t numel = 1;
@@ -233,15 +243,18 @@ ds_golden *ds_golden_load(const char *path, char *errbuf, size_t errlen) {
         e->numel = numel;
         if (numel > (uint64_t)(SIZE_MAX / esz) || numel * esz > (uint64_t)c.left) {
             seterr(errbuf, errlen,
-                   "golden %s: truncated: entry '%s' needs %llu bytes of data at byte %zu, only %zu left", path,
-                   e->name, (unsigned long long)numel * (unsigned long long)esz, c.off, c.left);
+                   "golden %s: truncated: entry '%s' needs %llu bytes of data at byte %zu, only "
+                   "%zu left",
+                   path, e->name, (unsigned long long)numel * (unsigned long long)esz, c.off,
+                   c.left);
             goto fail;
         }
         size_t nbytes = (size_t)numel * esz;
         take(&c, nbytes, &b);
         e->data = malloc(nbytes ? nbytes : 1);
         if (!e->data) {
-            seterr(errbuf, errlen, "golden %s: out of memory (%zu bytes for '%s')", path, nbytes, e->name);
+            seterr(errbuf, errlen, "golden %s: out of memory (%zu bytes for '%s')", path, nbytes,
+                   e->name);
             goto fail;
         }
         if (nbytes) memcpy(e->data, b, nbytes);
@@ -274,7 +287,8 @@ static const golden_entry *find(const ds_golden *g, const char *name) {
     return NULL;
 }
 
-const void *ds_golden_get(const ds_golden *g, const char *name, int dtype, int *ndim, const uint64_t **dims) {
+const void *ds_golden_get(const ds_golden *g, const char *name, int dtype, int *ndim,
+                          const uint64_t **dims) {
     const golden_entry *e = find(g, name);
     if (!e || e->dtype != dtype) return NULL;
     if (ndim) *ndim = e->ndim;
@@ -287,7 +301,9 @@ uint64_t ds_golden_numel(const ds_golden *g, const char *name) {
     return e ? e->numel : 0;
 }
 
-int ds_golden_count(const ds_golden *g) { return g ? g->n : 0; }
+int ds_golden_count(const ds_golden *g) {
+    return g ? g->n : 0;
+}
 
 const char *ds_golden_name(const ds_golden *g, int i) {
     return (g && i >= 0 && i < g->n) ? g->e[i].name : NULL;
@@ -353,7 +369,8 @@ int ds_golden_checkpoint_fnv1a64(const char *dir, uint64_t *out, char *errbuf, s
         snprintf(path, pl, "%s/%s", dir, names[i]);
         FILE *f = fopen(path, "rb");
         if (!f) {
-            seterr(errbuf, errlen, "checkpoint %s: cannot open %s: %s", dir, names[i], strerror(errno));
+            seterr(errbuf, errlen, "checkpoint %s: cannot open %s: %s", dir, names[i],
+                   strerror(errno));
             free(path);
             free(buf);
             goto done;
@@ -373,7 +390,8 @@ int ds_golden_checkpoint_fnv1a64(const char *dir, uint64_t *out, char *errbuf, s
     *out = h;
     rc = 0;
 done:
-    if (rc != 0 && errbuf && errlen && errbuf[0] == '\0') seterr(errbuf, errlen, "checkpoint %s: out of memory", dir);
+    if (rc != 0 && errbuf && errlen && errbuf[0] == '\0')
+        seterr(errbuf, errlen, "checkpoint %s: out of memory", dir);
     for (size_t i = 0; i < n; i++) free(names[i]);
     free(names);
     closedir(d);

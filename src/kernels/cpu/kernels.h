@@ -10,15 +10,17 @@
 #include "base/ds_base.h"
 #include "model/safetensors.h"
 
-/* ---- ISA selection ---------------------------------------------------------------------------- */
+/* ---- ISA selection ----------------------------------------------------------------------------
+ */
 typedef enum { DS_ISA_SCALAR = 0, DS_ISA_AVX2 = 1, DS_ISA_AVX512 = 2 } ds_isa;
-void ds_kernels_init(void);  /* idempotent; reads DS_ISA, checks cpuid */
+void ds_kernels_init(void); /* idempotent; reads DS_ISA, checks cpuid */
 ds_isa ds_kernels_isa(void);
 const char *ds_isa_name(ds_isa isa);
 void ds_kernels_force_isa(ds_isa isa); /* tests: run the same case on every supported path */
 int ds_isa_supported(ds_isa isa);
 
-/* ---- matrices --------------------------------------------------------------------------------- */
+/* ---- matrices ---------------------------------------------------------------------------------
+ */
 /* A weight matrix W[rows][cols], row-major, in its file dtype. */
 typedef struct ds_mat {
     const void *data;
@@ -37,25 +39,28 @@ void ds_matmul_t(float *y, int ldy, const float *x, int ldx, int T, const ds_mat
 /* out[t][:] = row ids[t] of E widened to f32: out [T][E.cols]. */
 void ds_embed(float *out, const ds_mat *e, const int32_t *ids, int T);
 
-/* ---- elementwise / norms ---------------------------------------------------------------------- */
-/* y[t] = w ⊙ x[t] / sqrt(mean(x[t]^2) + eps), statistics in f32; x,y: [T][D], w: [D]; y may == x. */
+/* ---- elementwise / norms ----------------------------------------------------------------------
+ */
+/* y[t] = w ⊙ x[t] / sqrt(mean(x[t]^2) + eps), statistics in f32; x,y: [T][D], w: [D]; y may == x.
+ */
 void ds_rmsnorm(float *y, const float *x, const float *w, int T, int D, float eps);
 /* In place, per head: x[t][h] = x[t][h] / sqrt(sum x^2 + eps) * scale; x: [T][H][d]. */
 void ds_l2norm_heads(float *x, int T, int H, int d, float eps, float scale);
 /* y[t][h] = RMSNorm_{w,eps}(o[t][h]) ⊙ sigmoid(gate[t][h]); o, gate, y: [T][H][d], w: [d]. */
 void ds_gated_rmsnorm_heads(float *y, const float *o, const float *gate, const float *w, int T,
                             int H, int d, float eps);
-void ds_add(float *y, const float *x, size_t n);                 /* y += x */
-void ds_axpy(float *y, float a, const float *x, size_t n);       /* y += a x */
+void ds_add(float *y, const float *x, size_t n);           /* y += x */
+void ds_axpy(float *y, float a, const float *x, size_t n); /* y += a x */
 void ds_sigmoid_inplace(float *x, size_t n);
 /* out[i] = silu(gate[i]) * up[i] */
 void ds_act_swiglu(float *out, const float *gate, const float *up, size_t n);
-/* out[i] = beta*tanh(g/beta)*sigmoid(g) * phi(u), phi(u) = lin_beta*tanh(u/lin_beta) if lin_beta > 0
- * else u (MODEL_SPEC §5.1). */
+/* out[i] = beta*tanh(g/beta)*sigmoid(g) * phi(u), phi(u) = lin_beta*tanh(u/lin_beta) if lin_beta >
+ * 0 else u (MODEL_SPEC §5.1). */
 void ds_act_situ(float *out, const float *gate, const float *up, size_t n, float beta,
                  float lin_beta);
 
-/* ---- KDA -------------------------------------------------------------------------------------- */
+/* ---- KDA --------------------------------------------------------------------------------------
+ */
 /* Causal depthwise conv + SiLU with a carried tail.
  * in: [T][C] pre-conv projections; w: [C][W] (tap W-1 multiplies the current token);
  * tail: [W-1][C] the previous W-1 pre-conv inputs, oldest first (zeros for a new sequence), updated
@@ -78,7 +83,8 @@ void ds_kda_recurrent(float *o, const float *q, const float *k, const float *v, 
 void ds_kda_chunked(float *o, const float *q, const float *k, const float *v, const float *g,
                     const float *beta, float *S, int T, int H, int dk, int dv, int chunk);
 
-/* ---- MLA -------------------------------------------------------------------------------------- */
+/* ---- MLA --------------------------------------------------------------------------------------
+ */
 /* A paged latent cache: row for position p lives at
  * pool + ((size_t)block_table[p / block_size] * block_size + p % block_size) * row. */
 typedef struct ds_latent_view {
@@ -89,10 +95,9 @@ typedef struct ds_latent_view {
 } ds_latent_view;
 
 static inline float *ds_latent_row(const ds_latent_view *v, int pos) {
-    return v->pool +
-           ((size_t)v->block_table[pos / v->block_size] * (size_t)v->block_size +
-            (size_t)(pos % v->block_size)) *
-               (size_t)v->row;
+    return v->pool + ((size_t)v->block_table[pos / v->block_size] * (size_t)v->block_size +
+                      (size_t)(pos % v->block_size)) *
+                         (size_t)v->row;
 }
 
 /* Absorbed attention over the latent cache (MODEL_SPEC §4.4). Query t sits at position pos0+t and,
@@ -108,7 +113,8 @@ void ds_mla_attend_expanded(float *o, const float *q, const float *kN, const flo
                             const float *v, int T, int n_ctx, int Ha, int dn, int dr, int dvh,
                             int pos0, int causal, float scale);
 
-/* ---- MoE -------------------------------------------------------------------------------------- */
+/* ---- MoE --------------------------------------------------------------------------------------
+ */
 /* Router for one token (MODEL_SPEC §5.3). z: [E] f32 logits; bias: [E] or NULL.
  * Outputs idx: [k] expert ids, w: [k] combine weights (unbiased sigmoid scores, renormalised when
  * renormalize && k > 1, times scale). n_group > 1 enables group-limited selection.
@@ -116,14 +122,16 @@ void ds_mla_attend_expanded(float *o, const float *q, const float *kN, const flo
 void ds_moe_route(int32_t *idx, float *w, const float *z, const float *bias, int E, int k,
                   int n_group, int topk_group, int renormalize, float scale, int hf_kl_quirk);
 
-/* ---- AttnRes ---------------------------------------------------------------------------------- */
+/* ---- AttnRes ----------------------------------------------------------------------------------
+ */
 /* out[t] = sum_j alpha_j(t) cands[j][t], alpha = softmax_j(sum_d rmsnorm(cands[j][t])[d] * np[d])
  * (MODEL_SPEC §6.2). cands: m pointers to [T][D]; np: [D] = norm weight ⊙ proj weight; out: [T][D]
  * (may alias none of the candidates). */
 void ds_attnres_mix(float *out, const float *const *cands, int m, const float *np, int T, int D,
                     float eps);
 
-/* ---- sampling helpers ------------------------------------------------------------------------- */
+/* ---- sampling helpers -------------------------------------------------------------------------
+ */
 int ds_argmax(const float *x, int n); /* ties: lowest index */
 
 #endif
