@@ -787,56 +787,79 @@ static void mla_forward(step *s, const layer_w *lw, const float *xn, float *out)
     float scale = 1.0f / sqrtf((float)dq);
     for (int qi = 0; qi < s->n_seq; qi++) {
         const ds_seq_batch *sb = &s->seqs[qi];
+        view.block_table = sb->block_table;
+        for (int t = 0; t < sb->n; t++)
+            memcpy(ds_latent_row(&view, sb->pos0 + t), kv + (size_t)(s->off[qi] + t) * row,
+                   (size_t)row * sizeof(float));
+    }
+    /* Short segments (decodes, verifies) use the absorbed form. Consecutive ones form a run whose
+     * query absorption and value up-projection are one GEMM per head over all its rows; only the
+     * attention itself is per sequence. Per-row results do not depend on the run's size. */
+    int run0 = -1; /* first segment of the open run */
+    for (int qi = 0; qi <= s->n_seq; qi++) {
+        int expanded = qi < s->n_seq && s->seqs[qi].n >= s->m->opts.mla_expanded_min;
+        if (run0 >= 0 && (qi == s->n_seq || expanded)) {
+            int r_start = s->off[run0], Tr = s->off[qi - 1] + s->seqs[qi - 1].n - r_start;
+            size_t m2 = sc->used;
+            float *qr = sc_take(sc, (size_t)Tr * Ha * dr);  /* [Tr][Ha][dr] */
+            float *qbar = sc_take(sc, (size_t)Tr * Ha * R); /* [Tr][Ha][R] */
+            float *obar = sc_take(sc, (size_t)Tr * Ha * R); /* [Tr][Ha][R] */
+            if (sc->overflow) return;
+            const float *qs = q + (size_t)r_start * Ha * dq;
+            for (int t = 0; t < Tr; t++)
+                for (int h = 0; h < Ha; h++)
+                    memcpy(qr + ((size_t)t * Ha + h) * dr, qs + ((size_t)t * Ha + h) * dq + dn,
+                           (size_t)dr * sizeof(float));
+            for (int h = 0; h < Ha; h++) { /* q̄_h = W_UK_h^T qN_h (MODEL_SPEC §4.4) */
+                ds_mat uk = ds_mat_rows(&w->kv_b, h * (dn + dvh), dn);
+                ds_matmul_t(qbar + (size_t)h * R, Ha * R, qs + (size_t)h * dq, Ha * dq, Tr, &uk);
+            }
+            for (int qj = run0; qj < qi; qj++) {
+                const ds_seq_batch *sb = &s->seqs[qj];
+                size_t at = (size_t)(s->off[qj] - r_start) * Ha;
+                view.block_table = sb->block_table;
+                ds_mla_attend_absorbed(obar + at * R, qbar + at * R, qr + at * dr, sb->n, Ha, R, dr,
+                                       &view, sb->pos0, sb->pos0 + sb->n, 1, scale);
+            }
+            float *os = o + (size_t)r_start * Ha * dvh;
+            for (int h = 0; h < Ha; h++) { /* o_h = W_UV_h ō_h */
+                ds_mat uv = ds_mat_rows(&w->kv_b, h * (dn + dvh) + dn, dvh);
+                ds_matmul(os + (size_t)h * dvh, Ha * dvh, obar + (size_t)h * R, Ha * R, Tr, &uv);
+            }
+            sc->used = m2;
+            run0 = -1;
+        }
+        if (qi == s->n_seq) break;
+        if (!expanded) {
+            if (run0 < 0) run0 = qi;
+            continue;
+        }
+        /* Expanded form: up-project every context latent once for this segment. */
+        const ds_seq_batch *sb = &s->seqs[qi];
         int n = sb->n, pos0 = sb->pos0, ctx = pos0 + n, r0 = s->off[qi];
         view.block_table = sb->block_table;
-        for (int t = 0; t < n; t++)
-            memcpy(ds_latent_row(&view, pos0 + t), kv + (size_t)(r0 + t) * row,
-                   (size_t)row * sizeof(float));
         const float *qs = q + (size_t)r0 * Ha * dq;
         float *os = o + (size_t)r0 * Ha * dvh;
         size_t m2 = sc->used;
-        float *qr = sc_take(sc, (size_t)n * Ha * dr); /* [n][Ha][dr] */
+        float *cl = sc_take(sc, (size_t)ctx * R);                /* [ctx][R] */
+        float *kr = sc_take(sc, (size_t)ctx * dr);               /* [ctx][dr] */
+        float *kvb = sc_take(sc, (size_t)ctx * Ha * (dn + dvh)); /* [ctx][Ha][dn+dvh] */
+        float *kn = sc_take(sc, (size_t)ctx * Ha * dn);          /* [ctx][Ha][dn] */
+        float *vv = sc_take(sc, (size_t)ctx * Ha * dvh);         /* [ctx][Ha][dvh] */
         if (sc->overflow) return;
-        for (int t = 0; t < n; t++)
-            for (int h = 0; h < Ha; h++)
-                memcpy(qr + ((size_t)t * Ha + h) * dr, qs + ((size_t)t * Ha + h) * dq + dn,
-                       (size_t)dr * sizeof(float));
-        if (n >= s->m->opts.mla_expanded_min) {
-            /* Expanded form: up-project every context latent once for this segment. */
-            float *cl = sc_take(sc, (size_t)ctx * R);                /* [ctx][R] */
-            float *kr = sc_take(sc, (size_t)ctx * dr);               /* [ctx][dr] */
-            float *kvb = sc_take(sc, (size_t)ctx * Ha * (dn + dvh)); /* [ctx][Ha][dn+dvh] */
-            float *kn = sc_take(sc, (size_t)ctx * Ha * dn);          /* [ctx][Ha][dn] */
-            float *vv = sc_take(sc, (size_t)ctx * Ha * dvh);         /* [ctx][Ha][dvh] */
-            if (sc->overflow) return;
-            for (int t = 0; t < ctx; t++) {
-                const float *lr = ds_latent_row(&view, t);
-                memcpy(cl + (size_t)t * R, lr, (size_t)R * sizeof(float));
-                memcpy(kr + (size_t)t * dr, lr + R, (size_t)dr * sizeof(float));
-            }
-            ds_matmul(kvb, Ha * (dn + dvh), cl, R, ctx, &w->kv_b);
-            for (int t = 0; t < ctx; t++)
-                for (int h = 0; h < Ha; h++) {
-                    const float *src = kvb + ((size_t)t * Ha + h) * (dn + dvh);
-                    memcpy(kn + ((size_t)t * Ha + h) * dn, src, (size_t)dn * sizeof(float));
-                    memcpy(vv + ((size_t)t * Ha + h) * dvh, src + dn, (size_t)dvh * sizeof(float));
-                }
-            ds_mla_attend_expanded(os, qs, kn, kr, vv, n, ctx, Ha, dn, dr, dvh, pos0, 1, scale);
-        } else {
-            /* Absorbed form: queries move into the latent space (MODEL_SPEC §4.4). */
-            float *qbar = sc_take(sc, (size_t)n * Ha * R); /* [n][Ha][R] */
-            float *obar = sc_take(sc, (size_t)n * Ha * R); /* [n][Ha][R] */
-            if (sc->overflow) return;
-            for (int h = 0; h < Ha; h++) {
-                ds_mat uk = ds_mat_rows(&w->kv_b, h * (dn + dvh), dn);
-                ds_matmul_t(qbar + (size_t)h * R, Ha * R, qs + (size_t)h * dq, Ha * dq, n, &uk);
-            }
-            ds_mla_attend_absorbed(obar, qbar, qr, n, Ha, R, dr, &view, pos0, ctx, 1, scale);
-            for (int h = 0; h < Ha; h++) {
-                ds_mat uv = ds_mat_rows(&w->kv_b, h * (dn + dvh) + dn, dvh);
-                ds_matmul(os + (size_t)h * dvh, Ha * dvh, obar + (size_t)h * R, Ha * R, n, &uv);
-            }
+        for (int t = 0; t < ctx; t++) {
+            const float *lr = ds_latent_row(&view, t);
+            memcpy(cl + (size_t)t * R, lr, (size_t)R * sizeof(float));
+            memcpy(kr + (size_t)t * dr, lr + R, (size_t)dr * sizeof(float));
         }
+        ds_matmul(kvb, Ha * (dn + dvh), cl, R, ctx, &w->kv_b);
+        for (int t = 0; t < ctx; t++)
+            for (int h = 0; h < Ha; h++) {
+                const float *src = kvb + ((size_t)t * Ha + h) * (dn + dvh);
+                memcpy(kn + ((size_t)t * Ha + h) * dn, src, (size_t)dn * sizeof(float));
+                memcpy(vv + ((size_t)t * Ha + h) * dvh, src + dn, (size_t)dvh * sizeof(float));
+            }
+        ds_mla_attend_expanded(os, qs, kn, kr, vv, n, ctx, Ha, dn, dr, dvh, pos0, 1, scale);
         sc->used = m2;
     }
     if (c->mla_use_output_gate) {
@@ -1084,11 +1107,10 @@ static size_t step_need(const step *s) {
         size_t dvh = (size_t)c->v_head_dim;
         size_t seg = 0;
         for (int q = 0; q < s->n_seq; q++) {
-            size_t n = (size_t)s->seqs[q].n, ctx = (size_t)s->seqs[q].pos0 + n;
-            size_t ex = ctx * (R + dr + 2 * Ha * (dn + dvh)) + 5 * pad;
-            size_t ab = 2 * n * Ha * R + 2 * pad;
-            seg = DS_MAX(seg, n * Ha * dr + pad + DS_MAX(ex, ab));
+            size_t ctx = (size_t)s->seqs[q].pos0 + (size_t)s->seqs[q].n;
+            seg = DS_MAX(seg, ctx * (R + dr + 2 * Ha * (dn + dvh)) + 5 * pad); /* expanded */
         }
+        seg = DS_MAX(seg, T * Ha * (dr + 2 * R) + 3 * pad); /* one absorbed run */
         mla = T * Ha * (dn + dr) + T * (R + dr) + T * Ha * dvh + T * (size_t)c->q_lora_rank +
               4 * pad + seg;
     }
