@@ -340,6 +340,130 @@ static void test_spec_greedy_equals_plain(void **state) {
     }
 }
 
+/* Drafts from the model itself: its greedy continuation of the sequence (so they are often
+ * accepted under sampling, and sometimes not). */
+typedef struct model_drafts {
+    ds_model *m;
+    ds_kv_pool pool;
+    int32_t table[64];
+    float *slot, *logits;
+} model_drafts;
+
+static int greedy_drafts(void *ctx, const int32_t *tokens, int n_tokens, int k, int32_t *drafts) {
+    model_drafts *md = ctx;
+    int V = ds_model_config(md->m)->vocab_size;
+    int32_t seq[256];
+    if (n_tokens + k > 256) return 0;
+    memcpy(seq, tokens, (size_t)n_tokens * sizeof(int32_t));
+    memset(md->slot, 0, ds_model_slot_floats(md->m) * sizeof(float));
+    int pos = 0, len = n_tokens;
+    ds_err err;
+    for (int i = 0; i < k; i++) {
+        ds_seq_batch sb = {seq + pos, len - pos, pos,  md->slot, md->table, md->logits, 1,
+                           NULL,      NULL,      NULL, 0,        NULL,      NULL};
+        if (ds_model_forward(md->m, &md->pool, &sb, 1, &err)) return 0;
+        pos = len;
+        drafts[i] = seq[len++] = ds_argmax(md->logits, V);
+    }
+    return k;
+}
+
+/* The stochastic rule preserves the target distribution (issue 6): with temperature 0.7 and
+ * top_k 3 (27 possible 3-token continuations), 600 seeded requests with speculation and 600
+ * without give the same distribution by a two-sample chi-square test. Each emitted token draws
+ * exactly one uniform from the request's RNG in both modes, so nearly every seed even gives the
+ * same tokens; a rule that accepted drafts too often, or a wrong rollback, shows in both checks. */
+static void test_spec_sampling_preserves_distribution(void **state) {
+    (void)state;
+    enum { N = 600, NP = 20, MT = 3, K = 2 };
+    int32_t prompt[NP];
+    prompt_ids(prompt, NP, 33);
+    model_drafts md;
+    ds_err err = {{0}};
+    if (ds_model_load(model_dir(), NULL, &md.m, &err)) fail_msg("%s", err.msg);
+    if (ds_kv_pool_init(&md.pool, md.m, 64, 16, &err)) fail_msg("%s", err.msg);
+    for (int i = 0; i < 64; i++) md.table[i] = i;
+    md.slot = calloc(ds_model_slot_floats(md.m), sizeof(float));
+    md.logits = malloc((size_t)ds_model_config(md.m)->vocab_size * sizeof(float));
+    int32_t(*out)[2][MT] = calloc(N, sizeof *out); /* [seed][mode][token] */
+    uint64_t accepted = 0, drafted = 0;
+    for (int mode = 0; mode < 2; mode++) {
+        ds_engine *e =
+            mode ? start_engine_spec(16, 256, 32u << 20, DS_SPEC_DSPARK, K, greedy_drafts, &md)
+                 : start_engine(16, 256, 32u << 20);
+        for (int i = 0; i < N; i += 16) {
+            collected c[16];
+            int n = DS_MIN(16, N - i);
+            for (int j = 0; j < n; j++) {
+                ds_request_spec spec = {0};
+                spec.prompt = prompt;
+                spec.n_prompt = NP;
+                ds_request_params_default(&spec.params);
+                spec.params.temperature = 0.7f;
+                spec.params.top_k = 3;
+                spec.params.max_tokens = MT;
+                spec.params.ignore_eos = 1;
+                spec.params.has_seed = 1;
+                spec.params.seed = (uint64_t)(i + j);
+                spec.on_event = on_event;
+                spec.user = &c[j];
+                collected_init(&c[j], 1);
+                int why;
+                if (ds_engine_submit(e, &spec, &why, &err) < 0) fail_msg("%s", err.msg);
+            }
+            for (int j = 0; j < n; j++) {
+                wait_done(&c[j]);
+                assert_int_equal(c[j].n[0], MT);
+                memcpy(out[i + j][mode], c[j].tokens[0], sizeof out[0][0]);
+            }
+        }
+        if (mode) {
+            ds_engine_stats st;
+            ds_engine_get_stats(e, &st);
+            accepted = st.spec_accepted_tokens;
+            drafted = st.spec_draft_tokens;
+        }
+        ds_engine_stop(e, 1.0);
+        ds_engine_free(e);
+    }
+    /* both branches of the rule ran */
+    print_message("drafts accepted: %llu of %llu\n", (unsigned long long)accepted,
+                  (unsigned long long)drafted);
+    assert_true(accepted > 0 && accepted < drafted);
+    /* two-sample chi-square over the distinct continuations */
+    int same = 0, n_cells = 0;
+    int32_t cell[2 * N][MT];
+    int cnt[2 * N][2];
+    for (int i = 0; i < N; i++) {
+        same += !memcmp(out[i][0], out[i][1], sizeof out[0][0]);
+        for (int mode = 0; mode < 2; mode++) {
+            int c = 0;
+            while (c < n_cells && memcmp(cell[c], out[i][mode], sizeof cell[0])) c++;
+            if (c == n_cells) {
+                memcpy(cell[n_cells], out[i][mode], sizeof cell[0]);
+                cnt[n_cells][0] = cnt[n_cells][1] = 0;
+                n_cells++;
+            }
+            cnt[c][mode]++;
+        }
+    }
+    double chi2 = 0;
+    for (int c = 0; c < n_cells; c++) {
+        double a = cnt[c][0], b = cnt[c][1];
+        chi2 += (a - b) * (a - b) / (a + b); /* equal sample sizes */
+    }
+    print_message("%d cells, chi2 %.1f, %d of %d seeds identical\n", n_cells, chi2, same, N);
+    /* df = n_cells - 1 <= 26: the 0.999 quantile of chi2(26) is 54.1 */
+    assert_true(n_cells <= 27);
+    assert_true(chi2 < 54.1);
+    assert_true(same >= N * 95 / 100);
+    free(out);
+    free(md.slot);
+    free(md.logits);
+    ds_kv_pool_free(&md.pool);
+    ds_model_free(md.m);
+}
+
 /* A prompt that cannot fit the context is refused at submit, naming both lengths. */
 static void test_too_long(void **state) {
     (void)state;
@@ -373,6 +497,7 @@ int main(void) {
         cmocka_unit_test(test_pressure_and_abort),
         cmocka_unit_test(test_too_long),
         cmocka_unit_test(test_spec_greedy_equals_plain),
+        cmocka_unit_test(test_spec_sampling_preserves_distribution),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
