@@ -4,6 +4,7 @@
 #include "testutil.h"
 
 #include "engine/sampler.h"
+#include "kernels/cpu/kernels.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -313,16 +314,9 @@ static void test_large_vocab_sets(void **state) {
     free(l);
 }
 
-/* A quadratic scheme would take seconds per token at V = 163840 and a full sort of the
- * vocabulary a few milliseconds; the linear paths take about one (0.1-2 ms on one core). Sanitizer
- * builds run the same loops several times slower. */
-#if defined(__SANITIZE_ADDRESS__)
-#define MAX_MS_PER_TOKEN 200.0
-#else
-#define MAX_MS_PER_TOKEN 15.0
-#endif
-
-static void test_large_vocab_speed(void **state) {
+/* The real vocabulary size through every path (speed is measured by benchmarks, not here): each
+ * draw is inside the vocabulary, and greedy equals the argmax. */
+static void test_large_vocab(void **state) {
     (void)state;
     float *l = malloc(BIG_V * sizeof(float)), *work = malloc(BIG_V * sizeof(float));
     ds_rng rng;
@@ -335,14 +329,12 @@ static void test_large_vocab_speed(void **state) {
     for (size_t c = 0; c < DS_ARRAY_LEN(cases); c++) {
         enum { N = 40 };
         ds_logprobs_out lp;
-        double t0 = ds_now();
         for (int i = 0; i < N; i++) {
             memcpy(work, l, BIG_V * sizeof(float));
             int32_t t = ds_sample_token(work, BIG_V, &cases[c], NULL, 1, NULL, 0, &rng, s, &lp, 20);
             assert_true(t >= 0 && t < BIG_V);
+            if (cases[c].temperature == 0.0f) assert_int_equal(t, ds_argmax(l, BIG_V));
         }
-        double ms = (ds_now() - t0) / N * 1e3;
-        if (ms > MAX_MS_PER_TOKEN) fail_msg("case %zu: %.2f ms per token at V = %d", c, ms, BIG_V);
     }
     ds_sample_scratch_free(s);
     free(work);
@@ -571,7 +563,7 @@ int main(void) {
         cmocka_unit_test(test_top_p_partitioned),
         cmocka_unit_test(test_min_p),
         cmocka_unit_test(test_large_vocab_sets),
-        cmocka_unit_test(test_large_vocab_speed),
+        cmocka_unit_test(test_large_vocab),
         cmocka_unit_test(test_token_counts),
         cmocka_unit_test(test_penalties),
         cmocka_unit_test(test_stop_mask),
