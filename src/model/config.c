@@ -6,6 +6,7 @@
  * "<file>: missing required key '<path.to.key>'". JSON null is treated as "absent" for optional
  * keys, because the published configs write `null` for "feature off" (q_lora_rank, num_experts). */
 #include "model/config.h"
+#include "model/jsonutil.h"
 
 #include <jansson.h>
 #include <limits.h>
@@ -24,30 +25,9 @@ typedef struct scope {
     ds_err *err;
 } scope;
 
-static const char *jtype_name(const json_t *v) {
-    switch (json_typeof(v)) {
-    case JSON_OBJECT:
-        return "object";
-    case JSON_ARRAY:
-        return "array";
-    case JSON_STRING:
-        return "string";
-    case JSON_INTEGER:
-        return "integer";
-    case JSON_REAL:
-        return "real";
-    case JSON_TRUE:
-    case JSON_FALSE:
-        return "boolean";
-    case JSON_NULL:
-        return "null";
-    }
-    return "?";
-}
-
 static int sc_type_err(const scope *s, const char *key, const char *expected, const json_t *v) {
     return ds_errf(s->err, "%s: key '%s%s': expected %s, found %s", s->what, s->prefix, key,
-                   expected, jtype_name(v));
+                   expected, ds_json_type_name(v));
 }
 
 static int sc_missing(const scope *s, const char *key) {
@@ -210,7 +190,7 @@ static json_t *parse_json(const char *json, size_t len, const char *what, ds_err
     }
     if (!json_is_object(root)) {
         ds_errf(err, "%s: expected a JSON object at the top level, found %s", what,
-                jtype_name(root));
+                ds_json_type_name(root));
         json_decref(root);
         return NULL;
     }
@@ -230,7 +210,7 @@ static int read_layer_list(const scope *s, const char *key, int L, uint8_t *mark
     json_array_foreach(arr, i, v) {
         if (!json_is_integer(v))
             return ds_errf(s->err, "%s: key '%s%s': entry %zu: expected integer, found %s", s->what,
-                           s->prefix, key, i, jtype_name(v));
+                           s->prefix, key, i, ds_json_type_name(v));
         json_int_t id = json_integer_value(v);
         if (id < 1 || id > L)
             return ds_errf(s->err,
@@ -682,7 +662,7 @@ static int draft_from_root(const json_t *root, const char *what, ds_draft_config
     json_array_foreach(ids, i, v) {
         if (!json_is_integer(v))
             return ds_errf(err, "%s: key 'target_layer_ids': entry %zu: expected integer, found %s",
-                           what, i, jtype_name(v));
+                           what, i, ds_json_type_name(v));
         json_int_t id = json_integer_value(v);
         /* -1 taps the embedding output (HF hidden_states[0]); L taps the output of layer L. */
         if (id < -1 || id >= c->target_num_hidden_layers)

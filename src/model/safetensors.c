@@ -10,6 +10,7 @@
  * message, never an out-of-bounds read. Tensors are found by name through an open-addressing hash
  * table (a checkpoint can hold ~100k tensors). */
 #include "model/safetensors.h"
+#include "model/jsonutil.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -132,27 +133,6 @@ static const char *tensor_name_at(const void *ctx, int i) {
     return ((const ds_st *)ctx)->tensors[i].name;
 }
 
-static const char *json_type_name(const json_t *v) {
-    switch (json_typeof(v)) {
-    case JSON_OBJECT:
-        return "object";
-    case JSON_ARRAY:
-        return "array";
-    case JSON_STRING:
-        return "string";
-    case JSON_INTEGER:
-        return "integer";
-    case JSON_REAL:
-        return "real";
-    case JSON_TRUE:
-    case JSON_FALSE:
-        return "boolean";
-    case JSON_NULL:
-        return "null";
-    }
-    return "?";
-}
-
 static int push_tensor(ds_st *st, ds_tensor **out, ds_err *err) {
     if (st->count == st->cap) {
         int ncap = st->cap ? st->cap * 2 : 64;
@@ -172,7 +152,7 @@ static int parse_entry(const char *path, const char *name, const json_t *e, cons
                        size_t data_len, ds_tensor *t, ds_err *err) {
     if (!json_is_object(e))
         return ds_errf(err, "%s: tensor '%s': header entry must be an object, found %s", path, name,
-                       json_type_name(e));
+                       ds_json_type_name(e));
     const json_t *jd = json_object_get(e, "dtype"), *js = json_object_get(e, "shape"),
                  *jo = json_object_get(e, "data_offsets");
     if (!jd) return ds_errf(err, "%s: tensor '%s': header entry has no 'dtype'", path, name);
@@ -180,7 +160,7 @@ static int parse_entry(const char *path, const char *name, const json_t *e, cons
     if (!jo) return ds_errf(err, "%s: tensor '%s': header entry has no 'data_offsets'", path, name);
     if (!json_is_string(jd))
         return ds_errf(err, "%s: tensor '%s': 'dtype' must be a string, found %s", path, name,
-                       json_type_name(jd));
+                       ds_json_type_name(jd));
     if (dtype_from_name(json_string_value(jd), &t->dtype) != DS_OK)
         return ds_errf(err,
                        "%s: tensor '%s': unsupported dtype \"%s\" (expected one of F32, F16, "
@@ -188,7 +168,7 @@ static int parse_entry(const char *path, const char *name, const json_t *e, cons
                        path, name, json_string_value(jd));
     if (!json_is_array(js))
         return ds_errf(err, "%s: tensor '%s': 'shape' must be an array, found %s", path, name,
-                       json_type_name(js));
+                       ds_json_type_name(js));
     size_t nd = json_array_size(js);
     if (nd > DS_MAX_DIMS)
         return ds_errf(err, "%s: tensor '%s': %zu dimensions, at most %d supported", path, name, nd,
@@ -200,7 +180,7 @@ static int parse_entry(const char *path, const char *name, const json_t *e, cons
         const json_t *d = json_array_get(js, i);
         if (!json_is_integer(d))
             return ds_errf(err, "%s: tensor '%s': shape[%zu] must be an integer, found %s", path,
-                           name, i, json_type_name(d));
+                           name, i, ds_json_type_name(d));
         json_int_t v = json_integer_value(d);
         if (v < 0)
             return ds_errf(err, "%s: tensor '%s': shape[%zu] = %lld is negative", path, name, i,
@@ -348,7 +328,7 @@ static int load_file(ds_st *st, const char *path, ds_err *err) {
                        je.column, je.text);
     }
     if (!json_is_object(root)) {
-        ds_errf(err, "%s: header must be a JSON object, found %s", path, json_type_name(root));
+        ds_errf(err, "%s: header must be a JSON object, found %s", path, ds_json_type_name(root));
         json_decref(root);
         return DS_ERR;
     }
@@ -362,7 +342,7 @@ static int load_file(ds_st *st, const char *path, ds_err *err) {
         if (strcmp(key, "__metadata__") == 0) {
             if (!json_is_object(val)) {
                 rc = ds_errf(err, "%s: '__metadata__' must be an object, found %s", path,
-                             json_type_name(val));
+                             ds_json_type_name(val));
                 break;
             }
             const char *mk;
@@ -370,7 +350,7 @@ static int load_file(ds_st *st, const char *path, ds_err *err) {
             json_object_foreach(val, mk, mv) {
                 if (!json_is_string(mv)) {
                     rc = ds_errf(err, "%s: '__metadata__' key '%s' must map to a string, found %s",
-                                 path, mk, json_type_name(mv));
+                                 path, mk, ds_json_type_name(mv));
                     break;
                 }
             }
@@ -486,7 +466,7 @@ static int open_index(ds_st *st, const char *dir, const char *index_path, ds_err
     json_object_foreach(wm, tname, fv) {
         if (!json_is_string(fv)) {
             rc = ds_errf(err, "%s: weight_map['%s'] must be a file name string, found %s",
-                         index_path, tname, json_type_name(fv));
+                         index_path, tname, ds_json_type_name(fv));
             goto done;
         }
         const char *fname = json_string_value(fv);
