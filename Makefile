@@ -42,6 +42,8 @@ test: build $(MODEL)/config.json
 	DS_BIN=$(CURDIR)/$(BUILD)/deltaserve DS_MODEL=$(CURDIR)/$(MODEL) python3 -m pytest -q tests/e2e
 	DS_SERVE_ARGS="--speculative-method dspark --num-speculative-tokens 4" \
 	  DS_BIN=$(CURDIR)/$(BUILD)/deltaserve DS_MODEL=$(CURDIR)/$(MODEL) python3 -m pytest -q tests/e2e
+	DS_SERVE_ARGS="-tp 2 -pp 2" \
+	  DS_BIN=$(CURDIR)/$(BUILD)/deltaserve DS_MODEL=$(CURDIR)/$(MODEL) python3 -m pytest -q tests/e2e
 	$(MAKE) --no-print-directory test-asan
 	$(MAKE) --no-print-directory fuzz-short
 	$(MAKE) --no-print-directory soak-short

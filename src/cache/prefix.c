@@ -37,6 +37,8 @@ struct ds_prefix {
     ds_page_pool *pages; /* not owned */
     ds_kv_pool *kv;      /* not owned */
     ds_offload *off;     /* not owned; may be NULL */
+    int (*agree)(void *ctx, int v); /* min of v over a job's ranks (NULL: one process) */
+    void *agree_ctx;
     entry *ents;         /* [cap] */
     int32_t *toks;       /* [cap][bs] block tokens of each entry */
     int cap, n_used, free_head;
@@ -224,12 +226,26 @@ static void attach_page(ds_prefix *px, int e, int page) {
     ds_page_set_cached(px->pages, page, 1);
 }
 
+/* An offload lookup; in a job it counts as a hit only where every rank hit, since each rank's
+ * tiers hold its own layers and may have evicted differently, and the ranks must take the same
+ * decision. */
+static int off_get(ds_prefix *px, char kind, const uint64_t h[2], const int32_t *tokens, int n,
+                   float *out, size_t n_floats) {
+    int hit = ds_offload_get(px->off, kind, h, tokens, n, out, n_floats);
+    return px->agree ? px->agree(px->agree_ctx, hit) : hit;
+}
+
+void ds_prefix_set_agree(ds_prefix *px, int (*agree)(void *ctx, int v), void *ctx) {
+    px->agree = agree;
+    px->agree_ctx = ctx;
+}
+
 /* A page for block `depth` of tokens[0 .. depth*bs) loaded from the offload tier: a new held
  * page (refcount 1) with its latents written, or -1 on a miss or when no page can be had. The
  * payload is read before a page is taken, so a miss never evicts anything. */
 static int load_page(ds_prefix *px, const uint64_t h[2], const int32_t *tokens, int depth) {
     if (!ds_offload_enabled(px->off) ||
-        !ds_offload_get(px->off, 'p', h, tokens, depth * px->bs, px->pbuf, page_floats(px)))
+        !off_get(px, 'p', h, tokens, depth * px->bs, px->pbuf, page_floats(px)))
         return -1;
     int page = ds_page_alloc(px->pages);
     if (page < 0) return -1;
@@ -469,8 +485,7 @@ int ds_prefix_match(ds_prefix *px, ds_seq *q) {
         if (!ds_offload_enabled(px->off) || !(px->ents[e].ckpt_stored || has_rung(q, j * bs)))
             continue;
         probes++;
-        if (!ds_offload_get(px->off, 'c', px->ents[e].hash, q->tokens, j * bs, px->sbuf,
-                            px->slot_floats))
+        if (!off_get(px, 'c', px->ents[e].hash, q->tokens, j * bs, px->sbuf, px->slot_floats))
             continue;
         int c = ck_take(px, e);
         if (c < 0) break;

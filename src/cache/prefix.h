@@ -53,6 +53,9 @@ typedef struct ds_prefix_stats {
 int ds_prefix_create(const ds_prefix_opts *o, size_t slot_floats, ds_page_pool *pages,
                      ds_kv_pool *kv, ds_offload *off, ds_prefix **out, ds_err *err);
 void ds_prefix_free(ds_prefix *px);
+/* In a TP x PP job: agree(ctx, v) returns the smallest v over all ranks (a collective every rank
+ * reaches in the same order, since all run the same schedule). Offload hits go through it. */
+void ds_prefix_set_agree(ds_prefix *px, int (*agree)(void *ctx, int v), void *ctx);
 
 /* out = hash of a block given its parent's hash (NULL for the root). */
 void ds_prefix_hash_block(const ds_prefix *px, const uint64_t *parent, const int32_t *tokens,

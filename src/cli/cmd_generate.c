@@ -248,21 +248,6 @@ typedef struct rank_ctx {
     int first, last; /* this rank's stage is the first / the last */
 } rank_ctx;
 
-/* The checks every rank would otherwise make for itself, made once before any rank exists:
- * the split fits the model (TP divisibility, the layer partition). counts: [pp]. */
-static int check_split(const char *model_dir, int tp, int pp, const char *partition, int *counts,
-                       ds_err *err) {
-    char path[4096];
-    ds_config c;
-    snprintf(path, sizeof path, "%s/config.json", model_dir);
-    if (tp < 1 || pp < 1)
-        return ds_errf(err, "-tp and -pp must be at least 1 (got -tp %d -pp %d)", tp, pp);
-    if (ds_config_load(path, &c, err) || ds_model_tp_check(&c, tp, err) ||
-        ds_pp_partition(c.num_hidden_layers, pp, partition, counts, err))
-        return DS_ERR;
-    return DS_OK;
-}
-
 /* Joins the job (MPI when started by mpirun) and loads this rank's stage and TP slice. */
 static int rank_open(const char *model_dir, int tp, int pp, const int *counts, rank_ctx *r,
                      ds_err *err) {
@@ -278,49 +263,6 @@ static int rank_open(const char *model_dir, int tp, int pp, const int *counts, r
     r->first = r->comm->stage == 0;
     r->last = r->comm->stage == pp - 1;
     return ds_model_load(model_dir, &o, &r->m, err);
-}
-
-/* One forward step of a distributed job: receive from the previous stage, run this stage's
- * layers, send to the next. io: [2] buffers of T tokens (in, out). */
-static int stage_forward(rank_ctx *r, one_seq *s, ds_seq_batch *sb, ds_stage_io *io, ds_err *err) {
-    int T = sb->n, D = ds_model_config(r->m)->hidden_size;
-    int N = ds_model_config(r->m)->attn_res_block_size;
-    ds_stage_io *in = r->first ? NULL : &io[0], *out = r->last ? NULL : &io[1];
-    if (in && ds_pp_recv(r->comm, in, T, D, ds_pp_banks_before(N, ds_model_first_layer(r->m)), err))
-        return DS_ERR;
-    if (ds_model_forward_stage(r->m, &s->pool, sb, 1, in, out, err)) {
-        if (r->comm->last_err.msg[0]) ds_err_prefix(err, "%s", r->comm->last_err.msg);
-        return DS_ERR;
-    }
-    if (!out) return DS_OK;
-    /* The receiver sizes its receive by its first layer (MODEL_SPEC §6.4); a disagreement would
-     * truncate the message or hang, so it is caught here. */
-    int expect = ds_pp_banks_before(N, ds_model_end_layer(r->m));
-    if (out->n_banks != expect)
-        return ds_errf(err,
-                       "%s: %d AttnRes blocks to hand on at layer %d, the next stage expects %d",
-                       r->comm->who, out->n_banks, ds_model_end_layer(r->m), expect);
-    return ds_pp_send(r->comm, out, T, D, err);
-}
-
-/* io[2] sized for T tokens of this model. */
-static int stage_io_alloc(const ds_model *m, int T, ds_stage_io *io, ds_err *err) {
-    size_t TD = (size_t)T * ds_model_config(m)->hidden_size;
-    int nb = ds_model_max_banks(m);
-    for (int k = 0; k < 2; k++) {
-        io[k].h = ds_malloc(TD * sizeof(float), err);
-        io[k].banks = ds_malloc((nb ? nb : 1) * TD * sizeof(float), err);
-        io[k].n_banks = 0;
-        if (!io[k].h || !io[k].banks) return DS_ERR;
-    }
-    return DS_OK;
-}
-
-static void stage_io_free(ds_stage_io *io) {
-    for (int k = 0; k < 2; k++) {
-        free(io[k].h);
-        free(io[k].banks);
-    }
 }
 
 int ds_cmd_logits(int argc, char **argv) {
@@ -348,14 +290,13 @@ int ds_cmd_logits(int argc, char **argv) {
     float *logits = NULL;
     one_seq s = {0};
     rank_ctx r = {0};
-    ds_stage_io io[2] = {{0}};
+    ds_pp_bufs io = {0};
     int counts[DS_MAX_LAYERS];
     /* Usage errors are the same on every rank: only world rank 0 (or a lone process) says so. */
     const char *wr = getenv("OMPI_COMM_WORLD_RANK");
     int quiet = wr && atoi(wr) != 0;
     if (parse_ids(ids_arg, &ids, &n, &err) ||
-        (pp <= DS_MAX_LAYERS && check_split(model_dir, tp, pp, partition, counts, &err)) ||
-        (pp > DS_MAX_LAYERS && ds_errf(&err, "-pp %d: more stages than layers", pp))) {
+        ds_pp_check_split(model_dir, tp, pp, partition, counts, &err)) {
         if (!quiet) fprintf(stderr, "logits: %s\n", err.msg);
         free(ids);
         return 2;
@@ -369,11 +310,11 @@ int ds_cmd_logits(int argc, char **argv) {
     if (rank_open(model_dir, tp, pp, counts, &r, &err)) goto done;
     int V = ds_model_config(r.m)->vocab_size;
     if (r.last) logits = ds_malloc((size_t)n * V * sizeof(float), &err);
-    if ((r.last && !logits) || one_seq_init(&s, r.m, n, &err) || stage_io_alloc(r.m, n, io, &err))
+    if ((r.last && !logits) || one_seq_init(&s, r.m, n, &err))
         goto done;
     ds_seq_batch sb = {ids,  n,    0,    s.slot, s.table, logits, r.last ? n : 0,
                        NULL, NULL, NULL, 0,      NULL,    NULL};
-    if (stage_forward(&r, &s, &sb, io, &err)) goto done;
+    if (ds_pp_step(r.comm, r.m, &s.pool, &sb, 1, &io, &err)) goto done;
     /* Every TP rank of the last stage holds the same logits (replicated lm_head); one writes. */
     if (r.last && r.comm->tp_rank == 0 && write_npy(out, logits, n, V, &err)) goto done;
     status = 0;
@@ -384,7 +325,7 @@ done:
             !r.comm || r.comm->size == 1 || !strncmp(err.msg, r.comm->who, strlen(r.comm->who));
         fprintf(stderr, "logits: %s%s%s\n", named ? "" : r.comm->who, named ? "" : ": ", err.msg);
     }
-    stage_io_free(io);
+    ds_pp_bufs_free(&io);
     one_seq_free(&s);
     free(ids);
     free(logits);

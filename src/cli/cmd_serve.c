@@ -14,6 +14,9 @@
 
 #include "cli/args.h"
 #include "cli/commands.h"
+#include "dist/comm.h"
+#include "dist/launch.h"
+#include "dist/pipeline.h"
 #include "engine/engine.h"
 #include "server/http.h"
 
@@ -104,6 +107,24 @@ static void print_ready(const char *host, int port, const char *name, int max_mo
     fflush(stdout);
 }
 
+/* A rank other than the head: no HTTP, just the engine in lock step with the head until the head's
+ * stop reaches it. Signals are the head's business (mpirun forwards them to every rank). */
+static int serve_rank(const ds_engine_opts *eo, ds_comm *comm) {
+    signal(SIGINT, SIG_IGN);
+    signal(SIGTERM, SIG_IGN);
+    signal(SIGUSR1, SIG_IGN);
+    ds_err err = {{0}};
+    ds_engine *e = NULL;
+    if (ds_engine_create(eo, &e, &err) || ds_engine_start(e, &err)) {
+        fprintf(stderr, "serve: %s: %s\n", comm->who, err.msg);
+        ds_engine_free(e);
+        return ds_comm_finish(comm, 1);
+    }
+    ds_engine_join(e);
+    ds_engine_free(e);
+    return ds_comm_finish(comm, 0);
+}
+
 int ds_cmd_serve(int argc, char **argv) {
     ds_engine_opts eo;
     ds_engine_opts_default(&eo);
@@ -116,7 +137,8 @@ int ds_cmd_serve(int argc, char **argv) {
     int block_size = eo.block_size, max_model_len = eo.max_model_len, max_queue = eo.max_queue;
     double kv_fraction = eo.kv_cache_fraction, grace = 5.0;
     int64_t seed = (int64_t)eo.seed;
-    const char *spec_method = "none", *draft_dir = NULL;
+    const char *spec_method = "none", *draft_dir = NULL, *partition = "";
+    int tp = 1, pp = 1;
     int spec_k = eo.num_speculative_tokens;
     static const char *const SPEC_METHODS[] = {"none", "dspark", "ngram", NULL};
     ds_arg opts[] = {
@@ -163,6 +185,11 @@ int ds_cmd_serve(int argc, char **argv) {
                "remote offload tier, redis://host:port (default: off)"),
         DS_OPT("shutdown-timeout", NULL, DS_ARG_FLOAT, &grace, "SEC",
                "on SIGINT/SIGTERM, let running requests finish this long, then abort them"),
+        DS_OPT("tensor-parallel-size", "tp", DS_ARG_INT, &tp, "T",
+               "tensor-parallel ranks per stage (MPI; re-launches through mpirun)"),
+        DS_OPT("pipeline-parallel-size", "pp", DS_ARG_INT, &pp, "P", "pipeline stages"),
+        DS_OPT("pp-layer-partition", NULL, DS_ARG_STRING, &partition, "N,N,...",
+               "layers per stage (default: even, remainder to the middle stages)"),
     };
     ds_args a = {"deltaserve serve",
                  "Serve an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions\n"
@@ -216,6 +243,32 @@ int ds_cmd_serve(int argc, char **argv) {
     eo.kv_offload_disk_dir = off_disk_dir;
     eo.kv_offload_remote = off_remote;
 
+    /* Tensor / pipeline parallelism: checked once here, then (unless mpirun started us) the job
+     * is started under mpirun as a child; every rank comes back through this function. */
+    int counts[DS_MAX_LAYERS];
+    const char *wr = getenv("OMPI_COMM_WORLD_RANK");
+    int rank0 = !wr || atoi(wr) == 0;
+    if (ds_pp_check_split(model_dir, tp, pp, partition, counts, &err)) {
+        if (rank0) fprintf(stderr, "serve: %s\n", err.msg);
+        return 2;
+    }
+    if (tp * pp > 1 && !ds_comm_under_mpirun()) {
+        int st = 1;
+        if (ds_launch_mpirun_supervised(tp * pp, argc, argv, &st, &err)) {
+            fprintf(stderr, "serve: %s\n", err.msg);
+            return 1;
+        }
+        return st;
+    }
+    ds_comm *comm = NULL;
+    if (ds_comm_init(tp, pp, &comm, &err)) {
+        fprintf(stderr, "serve: %s\n", err.msg);
+        return ds_comm_finish(comm, 1);
+    }
+    eo.comm = comm;
+    eo.pp_layer_counts = counts;
+    if (comm->rank != 0) return serve_rank(&eo, comm);
+
     char *name = served ? strdup(served) : folder_name(model_dir);
     if (!name || !name[0] || pipe(g_sig_pipe)) {
         fprintf(stderr, "serve: could not set up (%s)\n", name ? strerror(errno) : "out of memory");
@@ -229,7 +282,8 @@ int ds_cmd_serve(int argc, char **argv) {
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
-    signal(SIGPIPE, SIG_IGN); /* a client that hangs up is an error return, not a kill */
+    sigaction(SIGUSR1, &sa, NULL); /* a job's launcher stops it this way (dist/launch.h) */
+    signal(SIGPIPE, SIG_IGN);      /* a client that hangs up is an error return, not a kill */
 
     ds_server_opts so;
     ds_server_opts_default(&so);
@@ -248,7 +302,8 @@ int ds_cmd_serve(int argc, char **argv) {
            ds_server_port(srv), model_dir);
     fflush(stdout);
     if (ds_engine_create(&eo, &e, &err) || ds_engine_start(e, &err)) {
-        fprintf(stderr, "serve: %s\n", err.msg);
+        fprintf(stderr, "serve: %s%s%s\n", comm->size > 1 ? comm->who : "",
+                comm->size > 1 ? ": " : "", err.msg);
         goto out;
     }
     ds_server_attach(srv, e);
@@ -258,7 +313,7 @@ int ds_cmd_serve(int argc, char **argv) {
     char sig = 0;
     while (read(g_sig_pipe[0], &sig, 1) < 0 && errno == EINTR) continue;
     printf("[deltaserve] %s: shutting down (running requests get up to %.1f s)\n",
-           sig == SIGINT ? "SIGINT" : "SIGTERM", grace);
+           sig == SIGINT ? "SIGINT" : sig == SIGUSR1 ? "SIGUSR1" : "SIGTERM", grace);
     fflush(stdout);
     ds_server_quiesce(srv);
     ds_engine_stop(e, grace);
@@ -272,5 +327,5 @@ out:
     if (e) ds_engine_free(e);
     free(name);
     if (status == 0) printf("[deltaserve] stopped\n");
-    return status;
+    return ds_comm_finish(comm, status);
 }

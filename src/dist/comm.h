@@ -19,6 +19,7 @@
 #define DS_COMM_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "base/ds_base.h"
 
@@ -31,8 +32,9 @@ typedef struct ds_comm_ops {
     /* buf[n] to the rank of stage `stage` with this rank's tp_rank (pipeline neighbours) */
     int (*send)(ds_comm *c, int stage, const float *buf, size_t n, ds_err *err);
     int (*recv)(ds_comm *c, int stage, float *buf, size_t n, ds_err *err);
-    /* buf[n] bytes from the head (world rank 0) to every rank; n must agree on all ranks */
-    int (*bcast)(ds_comm *c, void *buf, size_t n, ds_err *err);
+    /* buf[n] bytes from world rank `root` to every rank; n must agree on all ranks (the head
+     * broadcasts step plans, the sampling rank of the last stage broadcasts sampled tokens) */
+    int (*bcast)(ds_comm *c, int root, void *buf, size_t n, ds_err *err);
     int (*barrier)(ds_comm *c, ds_err *err);
     /* status 0: orderly shutdown (collective); else end every rank of the job now */
     int (*finish)(ds_comm *c, int status);
@@ -76,7 +78,10 @@ static inline int ds_comm_recv(ds_comm *c, int stage, float *buf, size_t n, ds_e
     return c->ops->recv(c, stage, buf, n, err);
 }
 static inline int ds_comm_bcast(ds_comm *c, void *buf, size_t n, ds_err *err) {
-    return c->ops->bcast(c, buf, n, err);
+    return c->ops->bcast(c, 0, buf, n, err);
+}
+static inline int ds_comm_bcast_from(ds_comm *c, int root, void *buf, size_t n, ds_err *err) {
+    return c->ops->bcast(c, root, buf, n, err);
 }
 static inline int ds_comm_barrier(ds_comm *c, ds_err *err) {
     return c->ops->barrier(c, err);
@@ -84,6 +89,11 @@ static inline int ds_comm_barrier(ds_comm *c, ds_err *err) {
 /* A blob whose length only the head knows: the length goes first, then the bytes. On the other
  * ranks *buf is malloc'd (free it); on the head it is left as given. */
 int ds_comm_bcast_blob(ds_comm *c, void **buf, size_t *n, ds_err *err);
+/* The same from world rank `root`: on root *buf is left as given, elsewhere it is malloc'd. */
+int ds_comm_bcast_blob_from(ds_comm *c, int root, void **buf, size_t *n, ds_err *err);
+/* The smallest of every rank's v, on every rank (a start-up agreement, e.g. on pool sizes; it costs
+ * one broadcast per rank). */
+int ds_comm_min_u64(ds_comm *c, uint64_t *v, ds_err *err);
 
 /* Adapter for ds_model_opts.allreduce: ctx is the ds_comm. Errors are kept in the comm's last
  * error (ds_comm_last_error) because the model's callback has no ds_err of its own. */

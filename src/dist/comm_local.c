@@ -17,8 +17,8 @@ static int local_recv(ds_comm *c, int stage, float *buf, size_t n, ds_err *err) 
     return ds_errf(err, "%s: receive from stage %d in a single-process job", c->who, stage);
 }
 
-static int local_bcast(ds_comm *c, void *buf, size_t n, ds_err *err) {
-    (void)c, (void)buf, (void)n, (void)err;
+static int local_bcast(ds_comm *c, int root, void *buf, size_t n, ds_err *err) {
+    (void)c, (void)root, (void)buf, (void)n, (void)err;
     return DS_OK;
 }
 

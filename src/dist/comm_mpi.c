@@ -6,9 +6,10 @@
  * reaches the caller as a message naming this rank and the operation.
  *
  * Hangs: a peer that dies is noticed by mpirun, which kills the job and names the rank. A peer
- * that is alive but stuck is not; with DS_COMM_TIMEOUT_S=N (seconds, > 0) every operation is
- * posted non-blocking and polled, and gives up with an error naming the peer after N seconds, so
- * the caller can abort the job. Without it the blocking calls are used (no polling overhead). */
+ * that is alive but stuck is not; with DS_COMM_TIMEOUT_S=N (seconds, > 0) every operation gives
+ * up with an error naming the peer after N seconds, so the caller can abort the job. Every
+ * operation is posted non-blocking and polled with growing naps rather than MPI's spinning wait:
+ * ranks are often oversubscribed, and an idle serving rank must not burn a core. */
 #include "dist/comm.h"
 
 #include <limits.h>
@@ -38,22 +39,22 @@ static int mpi_fail(ds_comm *c, int rc, const char *what, ds_err *err) {
  * waits for. */
 static int wait_req(ds_comm *c, MPI_Request *req, const char *what, ds_err *err) {
     double limit = impl_of(c)->timeout_s;
-    if (limit <= 0) {
-        int rc = MPI_Wait(req, MPI_STATUS_IGNORE);
-        return rc == MPI_SUCCESS ? DS_OK : mpi_fail(c, rc, what, err);
-    }
     double t0 = MPI_Wtime();
+    long nap_ns = 20000; /* grows to 1 ms: an idle serving rank waits for the next plan this way */
     for (long spins = 0;; spins++) {
         int done = 0;
         int rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
         if (rc != MPI_SUCCESS) return mpi_fail(c, rc, what, err);
         if (done) return DS_OK;
-        if (MPI_Wtime() - t0 > limit) {
+        if (limit > 0 && MPI_Wtime() - t0 > limit) {
             MPI_Cancel(req);
             return ds_errf(err, "%s: %s: no answer after %.0f s (DS_COMM_TIMEOUT_S)", c->who, what,
                            limit);
         }
-        if (spins > 1000) nanosleep(&(struct timespec){0, 50000}, NULL);
+        if (spins > 200) {
+            nanosleep(&(struct timespec){0, nap_ns}, NULL);
+            if (nap_ns < 1000000) nap_ns += nap_ns / 4;
+        }
     }
 }
 
@@ -113,14 +114,16 @@ static int mpi_recv(ds_comm *c, int stage, float *buf, size_t n, ds_err *err) {
     return DS_OK;
 }
 
-static int mpi_bcast(ds_comm *c, void *buf, size_t n, ds_err *err) {
+static int mpi_bcast(ds_comm *c, int root, void *buf, size_t n, ds_err *err) {
     if (c->size == 1) return DS_OK;
     char what[96];
-    snprintf(what, sizeof what, "broadcast of %zu bytes from the head", n);
+    if (root < 0 || root >= c->size)
+        return ds_errf(err, "%s: broadcast from rank %d of %d", c->who, root, c->size);
+    snprintf(what, sizeof what, "broadcast of %zu bytes from rank %d", n, root);
     for (size_t off = 0; off < n; off += PIECE) {
         int cnt = (int)DS_MIN((size_t)PIECE, n - off);
         MPI_Request req;
-        int rc = MPI_Ibcast((char *)buf + off, cnt, MPI_BYTE, 0, MPI_COMM_WORLD, &req);
+        int rc = MPI_Ibcast((char *)buf + off, cnt, MPI_BYTE, root, MPI_COMM_WORLD, &req);
         if (rc != MPI_SUCCESS) return mpi_fail(c, rc, what, err);
         if (wait_req(c, &req, what, err)) return DS_ERR;
     }
@@ -160,10 +163,15 @@ int ds_comm_mpi_init(int tp, int pp, ds_comm **out, ds_err *err) {
     int inited = 0;
     MPI_Initialized(&inited);
     if (!inited) {
-        /* FUNNELED: only the thread that called init makes MPI calls; OpenMP threads never do. */
+        /* SERIALIZED: one thread at a time makes MPI calls (a serving rank's engine thread while
+         * it runs, main before and after); OpenMP threads never do. */
         int provided;
-        if (MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
+        if (MPI_Init_thread(NULL, NULL, MPI_THREAD_SERIALIZED, &provided) != MPI_SUCCESS)
             return ds_errf(err, "MPI_Init_thread failed");
+        if (provided < MPI_THREAD_SERIALIZED) {
+            MPI_Abort(MPI_COMM_WORLD, 1);
+            return ds_errf(err, "this MPI library cannot be called from a second thread");
+        }
     }
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     ds_comm *c = ds_calloc(1, sizeof *c, err);

@@ -2,6 +2,8 @@
 #include "dist/launch.h"
 
 #include <errno.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,4 +62,41 @@ int ds_launch_mpirun(int n_ranks, int argc, char **argv, ds_err *err) {
                    "cannot start '%s' for %d ranks: %s (install Open MPI's mpirun, or set "
                    "DS_MPIRUN)",
                    mpirun, n_ranks, strerror(e));
+}
+
+static volatile pid_t g_child = 0;
+
+/* SIGINT/SIGTERM for the job: mpirun would kill the ranks outright, so it gets SIGUSR1 instead,
+ * which it hands to every rank; the head shuts down in order and the others follow its plan. */
+static void forward_stop(int sig) {
+    (void)sig;
+    if (g_child > 0) kill(g_child, SIGUSR1);
+}
+
+int ds_launch_mpirun_supervised(int n_ranks, int argc, char **argv, int *status, ds_err *err) {
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    if (pid < 0) return ds_errf(err, "cannot fork to start mpirun: %s", strerror(errno));
+    if (pid == 0) {
+        /* Its own process group: a terminal's Ctrl-C reaches only this launcher, which forwards
+         * it as above, instead of every rank at once. */
+        setpgid(0, 0);
+        ds_err e2 = {{0}};
+        ds_launch_mpirun(n_ranks, argc, argv, &e2);
+        fprintf(stderr, "%s\n", e2.msg);
+        _exit(127);
+    }
+    g_child = pid;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = forward_stop;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    int st = 0;
+    while (waitpid(pid, &st, 0) < 0)
+        if (errno != EINTR) return ds_errf(err, "waiting for mpirun: %s", strerror(errno));
+    *status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + (WIFSIGNALED(st) ? WTERMSIG(st) : 0);
+    return DS_OK;
 }

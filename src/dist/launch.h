@@ -17,4 +17,10 @@
  * Returns only on failure (mpirun not found), with the message in err. */
 int ds_launch_mpirun(int n_ranks, int argc, char **argv, ds_err *err);
 
+/* The same as a child process that this one supervises, for long-running jobs (serve): SIGINT
+ * and SIGTERM reach the job as SIGUSR1, which mpirun forwards to every rank (the head then shuts
+ * down in order; killing mpirun would kill the ranks mid-request). *status: mpirun's exit status
+ * (128 + signal when it was killed). */
+int ds_launch_mpirun_supervised(int n_ranks, int argc, char **argv, int *status, ds_err *err);
+
 #endif

@@ -7,6 +7,8 @@
 
 #include "cache/offload.h"
 #include "cache/prefix.h"
+#include "dist/comm.h"
+#include "dist/pipeline.h"
 #include "engine/sampler.h"
 #include "engine/scheduler.h"
 #include "engine/textout.h"
@@ -46,6 +48,8 @@ struct request {
     choice *choices;      /* [n] */
     int n_done;
     int aborted;
+    int owns_stop; /* a mirrored request (not the head): spec.params.stop strings are ours */
+    uint64_t seed_base; /* choice i draws from seed_base + i */
     request *next; /* inbox / live list */
 };
 
@@ -94,6 +98,15 @@ struct ds_engine {
     size_t taps_cap;       /* floats */
 
     ds_engine_stats stats; /* guarded by mu */
+
+    /* tensor / pipeline parallelism (opts.comm); dist = 0 for one process */
+    ds_comm *comm;
+    int dist;
+    int head;         /* world rank 0: takes submits, emits events */
+    int sampler;      /* this rank samples: last stage, TP rank 0 */
+    int sampler_rank; /* world rank of the sampling rank */
+    int last_stage;   /* this rank computes logits */
+    ds_pp_bufs ppb;   /* stage-boundary buffers */
 };
 
 void ds_engine_opts_default(ds_engine_opts *o) {
@@ -167,7 +180,7 @@ static int size_pools(ds_engine *e, ds_err *err) {
     size_t budget = e->opts.kv_cache_memory;
     if (!budget) budget = (size_t)(e->opts.kv_cache_fraction * (double)mem_available());
     size_t slot_bytes = ds_model_slot_floats(e->model) * sizeof(float);
-    size_t page_bytes = (size_t)c->num_mla_layers * e->opts.block_size *
+    size_t page_bytes = (size_t)ds_kv_pool_layers(e->model) * e->opts.block_size *
                         (size_t)ds_model_latent_row(e->model) * sizeof(float);
     if (slot_bytes == 0) slot_bytes = 1;
     if (page_bytes == 0) page_bytes = 1;
@@ -176,6 +189,15 @@ static int size_pools(ds_engine *e, ds_err *err) {
         return ds_errf(err, "kv cache memory %zu bytes cannot hold one KDA state slot (%zu bytes)",
                        budget, slot_bytes);
     size_t n_pages = (budget - n_slots * slot_bytes) / page_bytes;
+    /* In a job every rank must hold the same number of slots and pages (they run one schedule),
+     * and a stage's layers need less than the whole model's: the job takes the smallest count. */
+    if (e->dist) {
+        uint64_t ns = n_slots, np = n_pages;
+        if (ds_comm_min_u64(e->comm, &ns, err) || ds_comm_min_u64(e->comm, &np, err))
+            return DS_ERR;
+        n_slots = ns;
+        n_pages = np;
+    }
     size_t min_pages = (size_t)(e->opts.max_num_batched_tokens / e->opts.block_size + 2);
     if (n_pages < min_pages)
         return ds_errf(err,
@@ -192,13 +214,25 @@ static int size_pools(ds_engine *e, ds_err *err) {
         ds_page_pool_create((int)n_pages, &e->pages, err) ||
         ds_slot_pool_create((int)n_slots, ds_model_slot_floats(e->model), &e->slots, err))
         return DS_ERR;
-    fprintf(stderr,
+    if (e->head)
+        fprintf(stderr,
             "[deltaserve] kv budget %.1f MiB: %zu KDA state slots x %.2f MiB + %zu MLA pages x "
             "%.1f KiB (block %d) -> max %zu concurrent sequences, %zu tokens in cache, "
             "max_model_len %d\n",
             budget / 1048576.0, n_slots, slot_bytes / 1048576.0, n_pages, page_bytes / 1024.0,
             e->opts.block_size, n_slots, n_pages * e->opts.block_size, e->max_model_len);
     return DS_OK;
+}
+
+static void dist_fatal(ds_engine *e, const char *what, const char *msg);
+
+/* The smallest v over the job's ranks (prefix.h's agreement on offload hits). */
+static int agree_min(void *ctx, int v) {
+    ds_engine *e = ctx;
+    ds_err err = {{0}};
+    uint64_t x = v > 0 ? (uint64_t)v : 0;
+    if (ds_comm_min_u64(e->comm, &x, &err)) dist_fatal(e, "offload agreement", err.msg);
+    return (int)x;
 }
 
 /* Prefix caching and the offload tier. Every hash is seeded with the model's identity (its
@@ -213,36 +247,44 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
     uint64_t seed = XXH3_64bits_withSeed(cfg ? cfg : "", cfg ? len : 0,
                                          (uint64_t)ds_model_weight_bytes(e->model));
     free(cfg);
+    /* one identity for the whole job (each rank holds a different share of the weights) */
+    if (e->dist && ds_comm_bcast(e->comm, &seed, sizeof seed, err)) return DS_ERR;
     char model_id[32];
     snprintf(model_id, sizeof model_id, "%016llx", (unsigned long long)seed);
-    const ds_config *c = ds_model_config(e->model);
     if (o->kv_offload_ram_bytes || (o->kv_offload_disk_dir && o->kv_offload_disk_dir[0]) ||
         (o->kv_offload_remote && o->kv_offload_remote[0])) {
-        /* one stage holding every layer, TP rank 0, layout version 1 */
+        /* each rank stores and loads its own stage's layers and TP slice (layout version 1) */
         ds_offload_opts oo = {.ram_bytes = o->kv_offload_ram_bytes,
                               .disk_dir = o->kv_offload_disk_dir,
                               .disk_bytes = o->kv_offload_disk_bytes,
                               .remote = o->kv_offload_remote,
                               .remote_timeout_ms = o->kv_offload_remote_timeout_ms,
                               .model_id = model_id,
-                              .layer_lo = 0,
-                              .layer_hi = c->num_hidden_layers,
-                              .tp_rank = 0,
+                              .layer_lo = ds_model_first_layer(e->model),
+                              .layer_hi = ds_model_end_layer(e->model),
+                              .tp_rank = e->comm ? e->comm->tp_rank : 0,
                               .layout = 1};
         if (ds_offload_create(&oo, &e->offload, err)) return DS_ERR;
     }
     size_t slot_bytes = DS_MAX(ds_model_slot_floats(e->model) * sizeof(float), 1);
     size_t n_ckpt = o->state_checkpoint_memory / slot_bytes;
     if (n_ckpt > (1u << 20)) n_ckpt = 1u << 20;
+    if (e->dist) { /* the same checkpoint slots on every rank, as for the pools */
+        uint64_t nc = n_ckpt;
+        if (ds_comm_min_u64(e->comm, &nc, err)) return DS_ERR;
+        n_ckpt = nc;
+    }
     ds_prefix_opts po = {o->block_size, o->state_checkpoint_interval_tokens, (int)n_ckpt, seed,
                          o->prefix_test_hash_bits};
     if (ds_prefix_create(&po, ds_model_slot_floats(e->model), e->pages, &e->kv, e->offload,
                          &e->prefix, err))
         return DS_ERR;
     ds_sched_set_prefix(e->sched, e->prefix);
+    if (e->dist) ds_prefix_set_agree(e->prefix, agree_min, e);
     int rung =
         DS_MAX(o->block_size, o->state_checkpoint_interval_tokens / o->block_size * o->block_size);
-    fprintf(stderr,
+    if (e->head)
+        fprintf(stderr,
             "[deltaserve] prefix caching on: %zu KDA checkpoint slots (%.1f MiB), rungs every %d "
             "tokens%s%s%s\n",
             n_ckpt, (double)(n_ckpt * slot_bytes) / 1048576.0, rung,
@@ -261,7 +303,11 @@ static int setup_spec(ds_engine *e, ds_err *err) {
         return ds_errf(err, "--num-speculative-tokens must be in [1, %d], got %d", DS_MAX_SPEC,
                        o->num_speculative_tokens);
     e->k = o->num_speculative_tokens;
-    if (o->speculative_method == DS_SPEC_DSPARK && !o->spec_test_drafts) {
+    if (o->speculative_method == DS_SPEC_DSPARK && e->dist && e->comm->n_stages > 1)
+        return ds_errf(err, "--speculative-method dspark under -pp > 1 is not supported yet (the "
+                            "draft's taps live on earlier stages); use ngram or -pp 1");
+    /* In a job only the sampling rank drafts (its drafts reach the others with its tokens). */
+    if (o->speculative_method == DS_SPEC_DSPARK && !o->spec_test_drafts && e->sampler) {
         char dir[4096];
         if (o->draft_model_dir)
             snprintf(dir, sizeof dir, "%s", o->draft_model_dir);
@@ -274,7 +320,8 @@ static int setup_spec(ds_engine *e, ds_err *err) {
     } else if (o->speculative_method != DS_SPEC_NGRAM && o->speculative_method != DS_SPEC_DSPARK) {
         return ds_errf(err, "unknown speculative method %d", o->speculative_method);
     }
-    fprintf(stderr, "[deltaserve] speculative decoding: %s, k = %d\n",
+    if (e->head)
+        fprintf(stderr, "[deltaserve] speculative decoding: %s, k = %d\n",
             o->speculative_method == DS_SPEC_DSPARK ? "dspark" : "ngram", e->k);
     return DS_OK;
 }
@@ -294,7 +341,28 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
         goto fail;
     }
     ds_chat_format fmt;
-    if (ds_model_load(e->model_dir, NULL, &e->model, err) ||
+    ds_model_opts mo;
+    ds_model_opts_default(&mo);
+    e->comm = opts->comm;
+    e->dist = e->comm && e->comm->size > 1;
+    e->head = !e->comm || e->comm->rank == 0;
+    e->last_stage = !e->comm || e->comm->stage == e->comm->n_stages - 1;
+    e->sampler = e->last_stage && (!e->comm || e->comm->tp_rank == 0);
+    e->sampler_rank = e->comm ? (e->comm->n_stages - 1) * e->comm->tp_size : 0;
+    if (e->dist) {
+        if (e->comm->n_stages > 1 && !opts->pp_layer_counts) {
+            ds_errf(err, "engine: a pipeline-parallel job needs the layer partition");
+            goto fail;
+        }
+        if (e->comm->n_stages > 1)
+            ds_pp_stage_range(opts->pp_layer_counts, e->comm->stage, &mo.layer_begin,
+                              &mo.layer_end);
+        mo.tp_rank = e->comm->tp_rank;
+        mo.tp_size = e->comm->tp_size;
+        mo.allreduce = ds_comm_allreduce_cb;
+        mo.allreduce_ctx = e->comm;
+    }
+    if (ds_model_load(e->model_dir, &mo, &e->model, err) ||
         ds_tok_load(e->model_dir, &e->tok, err) || ds_chat_format_from_dir(e->model_dir, &fmt, err))
         goto fail;
     e->chat_format = (int)fmt;
@@ -344,7 +412,7 @@ static void emit(choice *ch, int32_t token, const char *text, size_t len, const 
     ev.finish = finish;
     ev.n_prompt = r->spec.n_prompt;
     ev.n_generated = ch->n_generated;
-    r->spec.on_event(r->spec.user, &ev);
+    if (r->spec.on_event) r->spec.on_event(r->spec.user, &ev); /* NULL: mirrored on a non-head */
 }
 
 static void request_free(request *r) {
@@ -357,6 +425,8 @@ static void request_free(request *r) {
     }
     free(r->choices);
     free(r->prompt);
+    if (r->owns_stop)
+        for (int i = 0; i < r->spec.params.n_stop; i++) free(r->spec.params.stop[i]);
     free(r);
 }
 
@@ -407,6 +477,42 @@ static void abort_request(ds_engine *e, request *r) {
 /* ---- submit / abort (any thread) --------------------------------------------------------------
  */
 
+/* A request with its choices and their sequences (prompt copied); id and seed fixed by the caller.
+ * The head makes one per submit; the other ranks of a job make the same from the step plan. */
+static request *request_new(ds_engine *e, const ds_request_spec *spec, int64_t id,
+                            uint64_t seed_base, ds_err *err) {
+    const ds_request_params *p = &spec->params;
+    request *r = ds_calloc(1, sizeof *r, err);
+    if (!r) return NULL;
+    r->spec = *spec;
+    r->id = id;
+    r->seed_base = seed_base;
+    r->prompt = ds_malloc((size_t)spec->n_prompt * sizeof(int32_t), err);
+    r->choices = ds_calloc((size_t)p->n, sizeof(choice), err);
+    if (!r->prompt || !r->choices) {
+        request_free(r);
+        return NULL;
+    }
+    memcpy(r->prompt, spec->prompt, (size_t)spec->n_prompt * sizeof(int32_t));
+    r->spec.prompt = r->prompt;
+    int max_len = spec->n_prompt + p->max_tokens;
+    if (max_len > e->max_model_len) max_len = e->max_model_len;
+    for (int i = 0; i < p->n; i++) {
+        choice *ch = &r->choices[i];
+        ch->req = r;
+        ch->index = i;
+        ds_rng_seed(&ch->rng, seed_base + (uint64_t)i);
+        ch->seq = ds_seq_new(id, r->prompt, spec->n_prompt, max_len, err);
+        if (!ch->seq || ds_token_counts_init(&ch->counts, err) ||
+            ds_textout_init(&ch->text, p->stop, p->n_stop, err)) {
+            request_free(r);
+            return NULL;
+        }
+        ch->seq->owner = ch;
+    }
+    return r;
+}
+
 int64_t ds_engine_submit(ds_engine *e, const ds_request_spec *spec, int *why, ds_err *err) {
     int dummy;
     if (!why) why = &dummy;
@@ -427,38 +533,13 @@ int64_t ds_engine_submit(ds_engine *e, const ds_request_spec *spec, int *why, ds
                        "tokens (room is needed for at least one generated token)",
                        spec->n_prompt, e->max_model_len),
                -1;
-    request *r = ds_calloc(1, sizeof *r, err);
-    if (!r) return -1;
-    r->spec = *spec;
-    r->prompt = ds_malloc((size_t)spec->n_prompt * sizeof(int32_t), err);
-    r->choices = ds_calloc((size_t)p->n, sizeof(choice), err);
-    if (!r->prompt || !r->choices) {
-        request_free(r);
-        return -1;
-    }
-    memcpy(r->prompt, spec->prompt, (size_t)spec->n_prompt * sizeof(int32_t));
-    r->spec.prompt = r->prompt;
-    int max_len = spec->n_prompt + p->max_tokens;
-    if (max_len > e->max_model_len) max_len = e->max_model_len;
     pthread_mutex_lock(&e->mu);
     int64_t id = e->next_id++;
     uint64_t seed_base =
         p->has_seed ? p->seed : e->opts.seed ^ (uint64_t)id * 0x9e3779b97f4a7c15ull;
     pthread_mutex_unlock(&e->mu);
-    r->id = id;
-    for (int i = 0; i < p->n; i++) {
-        choice *ch = &r->choices[i];
-        ch->req = r;
-        ch->index = i;
-        ds_rng_seed(&ch->rng, seed_base + (uint64_t)i);
-        ch->seq = ds_seq_new(id, r->prompt, spec->n_prompt, max_len, err);
-        if (!ch->seq || ds_token_counts_init(&ch->counts, err) ||
-            ds_textout_init(&ch->text, p->stop, p->n_stop, err)) {
-            request_free(r);
-            return -1;
-        }
-        ch->seq->owner = ch;
-    }
+    request *r = request_new(e, spec, id, seed_base, err);
+    if (!r) return -1;
     pthread_mutex_lock(&e->mu);
     if (e->stopping || e->n_queued >= e->opts.max_queue) {
         int stopping = e->stopping;
@@ -502,27 +583,35 @@ void ds_engine_abort(ds_engine *e, int64_t id) {
 /* ---- the step loop (engine thread) ------------------------------------------------------------
  */
 
+static void plan_exchange(ds_engine *e, request **in, int64_t *ab, int *n_ab, int *stopping,
+                          int *abort_all);
+
 /* Moves the inbox into the scheduler and applies aborts. Returns 1 when the engine should exit. */
 static int take_inbox(ds_engine *e) {
-    pthread_mutex_lock(&e->mu);
-    for (;;) {
-        int idle = !e->inbox && !e->n_aborts && !e->live;
-        if (!idle || e->stopping) break;
-        pthread_cond_wait(&e->wake, &e->mu);
-    }
-    request *in = e->inbox;
-    e->inbox = e->inbox_tail = NULL;
-    int n_ab = e->n_aborts;
+    request *in = NULL;
+    int n_ab = 0, stopping = 0, abort_all = 0;
     int64_t ab[256];
-    if (n_ab > 256) n_ab = 256;
-    if (n_ab) { /* e->aborts is NULL until the first abort: memcpy(NULL, 0) is UB */
-        memcpy(ab, e->aborts, (size_t)n_ab * sizeof *ab);
-        memmove(e->aborts, e->aborts + n_ab, (size_t)(e->n_aborts - n_ab) * sizeof *ab);
-        e->n_aborts -= n_ab;
+    if (e->head) {
+        pthread_mutex_lock(&e->mu);
+        for (;;) {
+            int idle = !e->inbox && !e->n_aborts && !e->live;
+            if (!idle || e->stopping) break;
+            pthread_cond_wait(&e->wake, &e->mu);
+        }
+        in = e->inbox;
+        e->inbox = e->inbox_tail = NULL;
+        n_ab = DS_MIN(e->n_aborts, 256);
+        if (n_ab) { /* e->aborts is NULL until the first abort: memcpy(NULL, 0) is UB */
+            memcpy(ab, e->aborts, (size_t)n_ab * sizeof *ab);
+            memmove(e->aborts, e->aborts + n_ab, (size_t)(e->n_aborts - n_ab) * sizeof *ab);
+            e->n_aborts -= n_ab;
+        }
+        stopping = e->stopping;
+        abort_all = stopping && ds_now() >= e->stop_deadline;
+        pthread_mutex_unlock(&e->mu);
     }
-    int stopping = e->stopping;
-    double deadline = e->stop_deadline;
-    pthread_mutex_unlock(&e->mu);
+    /* In a job the other ranks wait here for the head's plan (idle ranks included). */
+    if (e->dist) plan_exchange(e, &in, ab, &n_ab, &stopping, &abort_all);
 
     while (in) {
         request *r = in;
@@ -551,7 +640,7 @@ static int take_inbox(ds_engine *e) {
                 abort_request(e, r);
                 break;
             }
-    if (stopping && ds_now() >= deadline)
+    if (abort_all)
         while (e->live) abort_request(e, e->live);
     return stopping && !e->live;
 }
@@ -712,6 +801,10 @@ static int verify(ds_engine *e, choice *ch, ds_sched_item *it, float *rows, int3
         if (a == k || toks[a] != s->tokens[it->pos0 + 1 + a]) break;
         a++;
     }
+    return a;
+}
+
+static void count_verify(ds_engine *e, int k, int a) {
     pthread_mutex_lock(&e->mu);
     e->stats.spec_verifies++;
     e->stats.spec_draft_tokens += (uint64_t)k;
@@ -719,7 +812,6 @@ static int verify(ds_engine *e, choice *ch, ds_sched_item *it, float *rows, int3
     e->stats.spec_emitted_tokens += (uint64_t)a + 1;
     for (int i = 0; i < a; i++) e->stats.spec_accepted_at[i]++;
     pthread_mutex_unlock(&e->mu);
-    return a;
 }
 
 /* Taps of item rows [0, n_keep) packed as [n_taps][n_keep][D] at the start of its buffer. */
@@ -727,6 +819,188 @@ static void pack_taps(float *taps, int n_taps, int n, int n_keep, int D) {
     for (int j = 1; j < n_taps && n_keep < n; j++)
         memmove(taps + (size_t)j * n_keep * D, taps + (size_t)j * n * D,
                 (size_t)n_keep * D * sizeof(float));
+}
+
+/* ---- lock-step messages of a TP x PP job -----------------------------------------------------
+ * Two blobs per step, both length-prefixed broadcasts: the head's plan before the step (new
+ * requests, aborts, stop), and the sampling rank's outcome after it (per sampled item: accepted
+ * count, tokens, logprobs when asked, then the drafts for the next step). Every rank applies them
+ * in the same order, so schedulers, pools, prefix caches and texts stay identical everywhere. */
+typedef struct wbuf {
+    char *p;
+    size_t n, cap;
+    int oom;
+} wbuf;
+
+static void put(wbuf *w, const void *x, size_t n) {
+    if (w->oom) return;
+    if (w->n + n > w->cap) {
+        size_t cap = DS_MAX(2 * w->cap, w->n + n + 256);
+        char *q = realloc(w->p, cap);
+        if (!q) {
+            w->oom = 1;
+            return;
+        }
+        w->p = q;
+        w->cap = cap;
+    }
+    memcpy(w->p + w->n, x, n);
+    w->n += n;
+}
+
+typedef struct rbuf {
+    const char *p;
+    size_t n, off;
+    int bad; /* read past the end: a protocol bug, ends the job */
+} rbuf;
+
+static void get(rbuf *r, void *x, size_t n) {
+    if (r->bad || r->off + n > r->n) {
+        r->bad = 1;
+        memset(x, 0, n);
+        return;
+    }
+    memcpy(x, r->p + r->off, n);
+    r->off += n;
+}
+
+/* A lock-step job cannot go on without this rank: say why and end every rank (non-zero). */
+static void dist_fatal(ds_engine *e, const char *what, const char *msg) {
+    fprintf(stderr, "[deltaserve] %s: %s: %s\n", e->comm->who, what, msg);
+    ds_comm_finish(e->comm, 1); /* aborts the job; does not return under MPI */
+    abort();
+}
+
+typedef struct plan_hdr {
+    int32_t stopping, abort_all, n_new, n_aborts;
+} plan_hdr;
+
+/* Head: sends the requests of `in` (its own objects), the aborts and the stop flags.
+ * Others: receive them and build the same requests into *in. */
+static void plan_exchange(ds_engine *e, request **in, int64_t *ab, int *n_ab, int *stopping,
+                          int *abort_all) {
+    ds_err err = {{0}};
+    wbuf w = {0};
+    void *blob = NULL;
+    size_t n = 0;
+    if (e->head) {
+        plan_hdr h = {*stopping, *abort_all, 0, *n_ab};
+        for (request *r = *in; r; r = r->next) h.n_new++;
+        put(&w, &h, sizeof h);
+        for (request *r = *in; r; r = r->next) {
+            ds_request_params p = r->spec.params;
+            for (int i = 0; i < DS_MAX_STOP; i++) p.stop[i] = NULL;
+            put(&w, &r->id, sizeof r->id);
+            put(&w, &r->seed_base, sizeof r->seed_base);
+            put(&w, &r->spec.n_prompt, sizeof r->spec.n_prompt);
+            put(&w, &p, sizeof p);
+            for (int i = 0; i < p.n_stop; i++) {
+                uint32_t len = (uint32_t)strlen(r->spec.params.stop[i]);
+                put(&w, &len, sizeof len);
+                put(&w, r->spec.params.stop[i], len);
+            }
+            put(&w, r->prompt, (size_t)r->spec.n_prompt * sizeof(int32_t));
+        }
+        put(&w, ab, (size_t)*n_ab * sizeof *ab);
+        if (w.oom) dist_fatal(e, "step plan", "out of memory");
+        blob = w.p;
+        n = w.n;
+    }
+    if (ds_comm_bcast_blob(e->comm, &blob, &n, &err)) dist_fatal(e, "step plan", err.msg);
+    if (e->head) {
+        free(w.p);
+        return;
+    }
+    rbuf rb = {blob, n, 0, 0};
+    plan_hdr h;
+    get(&rb, &h, sizeof h);
+    *stopping = h.stopping;
+    *abort_all = h.abort_all;
+    request *head = NULL, **tail = &head;
+    for (int q = 0; q < h.n_new && !rb.bad; q++) {
+        ds_request_spec spec = {0};
+        int64_t id;
+        uint64_t seed_base;
+        get(&rb, &id, sizeof id);
+        get(&rb, &seed_base, sizeof seed_base);
+        get(&rb, &spec.n_prompt, sizeof spec.n_prompt);
+        get(&rb, &spec.params, sizeof spec.params);
+        if (spec.params.n_stop < 0 || spec.params.n_stop > DS_MAX_STOP) rb.bad = 1;
+        for (int i = 0; i < spec.params.n_stop && !rb.bad; i++) {
+            uint32_t len = 0;
+            get(&rb, &len, sizeof len);
+            if (len > rb.n - rb.off) {
+                rb.bad = 1;
+                break;
+            }
+            spec.params.stop[i] = strndup(rb.p + rb.off, len);
+            rb.off += len;
+            if (!spec.params.stop[i]) dist_fatal(e, "step plan", "out of memory");
+        }
+        if (spec.n_prompt < 1 || (size_t)spec.n_prompt * sizeof(int32_t) > rb.n - rb.off)
+            rb.bad = 1;
+        if (rb.bad) break;
+        spec.prompt = (const int32_t *)(rb.p + rb.off); /* request_new copies it */
+        rb.off += (size_t)spec.n_prompt * sizeof(int32_t);
+        spec.on_event = NULL;
+        request *r = request_new(e, &spec, id, seed_base, &err);
+        if (!r) dist_fatal(e, "step plan", err.msg);
+        r->owns_stop = 1;
+        *tail = r;
+        tail = &r->next;
+    }
+    *n_ab = DS_MIN(h.n_aborts, 256);
+    get(&rb, ab, (size_t)*n_ab * sizeof *ab);
+    if (rb.bad) dist_fatal(e, "step plan", "malformed message from the head");
+    free(blob);
+    *in = head;
+}
+
+/* After the forward: the sampling rank chose every sampled item's tokens (vt, va, vlp) and, after
+ * delivering them, the next drafts (dr, n_dr); the others receive all of it. Sizes are those of
+ * run_step's arrays. */
+static void outcome_exchange(ds_engine *e, int n_items, int32_t (*vt)[DS_MAX_SPEC + 1],
+                             ds_logprobs_out *vlp, int *va, int32_t (*dr)[DS_MAX_SPEC],
+                             int *n_dr) {
+    ds_err err = {{0}};
+    int rows = e->k + 1;
+    wbuf w = {0};
+    void *blob = NULL;
+    size_t n = 0;
+    if (e->sampler) {
+        for (int i = 0; i < n_items; i++) {
+            if (!e->items[i].sample) continue;
+            int cnt = va[i] < 0 ? 1 : va[i] + 1;
+            put(&w, &va[i], sizeof va[i]);
+            put(&w, vt[i], (size_t)cnt * sizeof(int32_t));
+            put(&w, &vlp[(size_t)i * rows], (size_t)cnt * sizeof *vlp);
+            put(&w, &n_dr[i], sizeof n_dr[i]);
+            put(&w, dr[i], (size_t)n_dr[i] * sizeof(int32_t));
+        }
+        if (w.oom) dist_fatal(e, "step outcome", "out of memory");
+        blob = w.p;
+        n = w.n;
+    }
+    if (ds_comm_bcast_blob_from(e->comm, e->sampler_rank, &blob, &n, &err))
+        dist_fatal(e, "step outcome", err.msg);
+    if (e->sampler) {
+        free(w.p);
+        return;
+    }
+    rbuf rb = {blob, n, 0, 0};
+    for (int i = 0; i < n_items && !rb.bad; i++) {
+        if (!e->items[i].sample) continue;
+        get(&rb, &va[i], sizeof va[i]);
+        if (va[i] < -1 || va[i] > e->k) rb.bad = 1;
+        int cnt = va[i] < 0 ? 1 : va[i] + 1;
+        get(&rb, vt[i], (size_t)cnt * sizeof(int32_t));
+        get(&rb, &vlp[(size_t)i * rows], (size_t)cnt * sizeof *vlp);
+        get(&rb, &n_dr[i], sizeof n_dr[i]);
+        if (n_dr[i] < 0 || n_dr[i] > e->k) rb.bad = 1;
+        if (!rb.bad) get(&rb, dr[i], (size_t)n_dr[i] * sizeof(int32_t));
+    }
+    if (rb.bad || rb.off != rb.n) dist_fatal(e, "step outcome", "malformed message");
+    free(blob);
 }
 
 static void run_step(ds_engine *e) {
@@ -762,14 +1036,15 @@ static void run_step(ds_engine *e) {
         ds_sched_item *it = &e->items[i];
         ds_seq *s = it->seq;
         int verify_rows = s->n_spec ? s->n_spec + 1 : 1;
+        int want_logits = it->sample && e->last_stage;
         e->batch[i] = (ds_seq_batch){
             .tokens = s->tokens + it->pos0,
             .n = it->n,
             .pos0 = it->pos0,
             .slot = ds_slot_data(e->slots, s->slot),
             .block_table = s->block_table,
-            .logits = it->sample ? e->logits + (size_t)i * rows * e->V : NULL,
-            .n_logits = it->sample ? verify_rows : 0,
+            .logits = want_logits ? e->logits + (size_t)i * rows * e->V : NULL,
+            .n_logits = want_logits ? verify_rows : 0,
             .tap_layers = n_taps ? ds_draft_tap_layers(e->draft) : NULL,
             .n_taps = n_taps,
             .taps = n_taps ? e->taps + tap_off : NULL,
@@ -781,47 +1056,59 @@ static void run_step(ds_engine *e) {
          * its slot, whatever kind of step this is (prefill, decode or verify). */
         if (e->prefix) ds_prefix_take_fork(e->prefix, s, e->batch[i].slot);
     }
-    ds_err err;
-    if (ds_model_forward(e->model, &e->kv, e->batch, n_items, &err)) {
-        /* Only a bug can bring us here (inputs were validated at submit): fail the batch's
-         * requests rather than the server. */
+    ds_err err = {{0}};
+    int frc = e->dist ? ds_pp_step(e->comm, e->model, &e->kv, e->batch, n_items, &e->ppb, &err)
+                      : ds_model_forward(e->model, &e->kv, e->batch, n_items, &err);
+    if (frc) {
+        /* In a job the ranks would diverge: end it. Alone, only a bug can bring us here (inputs
+         * were validated at submit): fail the batch's requests rather than the server. */
+        if (e->dist) dist_fatal(e, "forward", err.msg);
         fprintf(stderr, "[deltaserve] forward failed: %s\n", err.msg);
         for (int i = 0; i < n_items; i++) finish_choice(e, e->items[i].seq->owner, DS_FINISH_ERROR);
+        if (e->k) detach_drafts(e);
         return;
     }
-    /* Verify items: choose their tokens now, roll the KDA slot back to the last accepted row and
-     * shrink the item to what was accepted, so the commit below (and the prefix cache) only ever
-     * sees accepted tokens. */
-    int32_t(*vt)[DS_MAX_SPEC + 1] = NULL; /* [n_items][k+1] tokens to deliver */
-    ds_logprobs_out *vlp = NULL;          /* [n_items][k+1] */
-    int *va = NULL;                       /* [n_items] accepted count, -1: not a verify */
-    if (e->k) {
-        vt = calloc((size_t)n_items, sizeof *vt);
-        vlp = calloc((size_t)n_items * rows, sizeof *vlp);
-        va = malloc((size_t)n_items * sizeof *va);
-        if (!vt || !vlp || !va) {
-            fprintf(stderr, "[deltaserve] out of memory in a verify step\n");
-            for (int i = 0; i < n_items; i++)
-                finish_choice(e, e->items[i].seq->owner, DS_FINISH_ERROR);
-            free(vt);
-            free(vlp);
-            free(va);
-            return;
-        }
+    /* Every sampled item's tokens: a verify samples its rows until a draft is rejected, a plain
+     * item samples one. The sampling rank chooses; in a job the others learn the outcome. */
+    int32_t(*vt)[DS_MAX_SPEC + 1] = calloc((size_t)n_items, sizeof *vt); /* [n_items][k+1] */
+    ds_logprobs_out *vlp = calloc((size_t)n_items * rows, sizeof *vlp);  /* [n_items][k+1] */
+    int *va = malloc((size_t)n_items * sizeof *va); /* [n_items] accepted, -1: not a verify */
+    int32_t(*dr)[DS_MAX_SPEC] = calloc((size_t)n_items, sizeof *dr); /* [n_items][k] drafts */
+    int *n_dr = calloc((size_t)n_items, sizeof *n_dr);                /* [n_items] */
+    if (!vt || !vlp || !va || !dr || !n_dr) {
+        if (e->dist) dist_fatal(e, "step", "out of memory");
+        fprintf(stderr, "[deltaserve] out of memory in a step\n");
+        for (int i = 0; i < n_items; i++) finish_choice(e, e->items[i].seq->owner, DS_FINISH_ERROR);
+        goto out;
+    }
+    if (e->sampler) {
         for (int i = 0; i < n_items; i++) {
             ds_sched_item *it = &e->items[i];
-            ds_seq *s = it->seq;
             va[i] = -1;
-            if (!s->n_spec) continue;
-            int a = verify(e, s->owner, it, e->logits + (size_t)i * rows * e->V, vt[i],
-                           vlp + (size_t)i * rows);
-            memcpy(e->batch[i].slot, e->state_rows + ((size_t)i * rows + a) * slot_n,
-                   slot_n * sizeof(float));
-            s->n_tokens = it->pos0 + 1 + a; /* the accepted drafts stay, the rest go */
-            s->n_spec = 0;
-            it->n = a + 1;
-            va[i] = a;
+            if (!it->sample) continue;
+            float *lg = e->logits + (size_t)i * rows * e->V;
+            choice *ch = it->seq->owner;
+            if (it->seq->n_spec)
+                va[i] = verify(e, ch, it, lg, vt[i], vlp + (size_t)i * rows);
+            else
+                vt[i][0] = choose(e, ch, lg, 0, &vlp[(size_t)i * rows]);
         }
+    } else {
+        outcome_exchange(e, n_items, vt, vlp, va, dr, n_dr);
+    }
+    /* Verify items: roll the KDA slot back to the last accepted row and shrink the item to what
+     * was accepted, so the commit below (and the prefix cache) only ever sees accepted tokens. */
+    for (int i = 0; i < n_items; i++) {
+        ds_sched_item *it = &e->items[i];
+        ds_seq *s = it->seq;
+        if (!it->sample || !s->n_spec) continue;
+        int a = va[i];
+        count_verify(e, s->n_spec, a);
+        memcpy(e->batch[i].slot, e->state_rows + ((size_t)i * rows + a) * slot_n,
+               slot_n * sizeof(float));
+        s->n_tokens = it->pos0 + 1 + a; /* the accepted drafts stay, the rest go */
+        s->n_spec = 0;
+        it->n = a + 1;
     }
     ds_sched_commit(e->sched, e->items, n_items);
     /* File the pages and rung checkpoints this step completed, before sampling appends tokens
@@ -850,20 +1137,26 @@ static void run_step(ds_engine *e) {
         ds_sched_item *it = &e->items[i];
         if (!it->sample) continue;
         choice *ch = it->seq->owner;
-        int finished = 0;
-        if (va && va[i] >= 0) {
-            for (int j = 0; j <= va[i] && !finished; j++)
-                finished = deliver(e, ch, vt[i][j], &vlp[(size_t)i * rows + j], j < va[i]);
+        int finished = 0, cnt = va[i] < 0 ? 1 : va[i] + 1;
+        for (int j = 0; j < cnt && !finished; j++)
+            finished = deliver(e, ch, vt[i][j], &vlp[(size_t)i * rows + j], j < cnt - 1);
+        if (finished || !e->k) continue;
+        if (e->sampler) {
+            propose(e, ch);
+            n_dr[i] = ch->n_drafts;
+            memcpy(dr[i], ch->drafts, (size_t)ch->n_drafts * sizeof(int32_t));
         } else {
-            ds_logprobs_out lp = {0};
-            int32_t tok = choose(e, ch, e->logits + (size_t)i * rows * e->V, 0, &lp);
-            finished = deliver(e, ch, tok, &lp, 0);
+            ch->n_drafts = n_dr[i];
+            memcpy(ch->drafts, dr[i], (size_t)n_dr[i] * sizeof(int32_t));
         }
-        if (!finished && e->k) propose(e, ch);
     }
+    if (e->dist && e->sampler) outcome_exchange(e, n_items, vt, vlp, va, dr, n_dr);
+out:
     free(vt);
     free(vlp);
     free(va);
+    free(dr);
+    free(n_dr);
     if (e->k) detach_drafts(e);
     pthread_mutex_lock(&e->mu);
     e->stats.prompt_tokens_total += (uint64_t)n_prompt_tokens;
@@ -942,6 +1235,13 @@ void ds_engine_stop(ds_engine *e, double grace_s) {
     }
 }
 
+void ds_engine_join(ds_engine *e) {
+    if (e->started) {
+        pthread_join(e->thread, NULL);
+        e->started = 0;
+    }
+}
+
 void ds_engine_get_stats(ds_engine *e, ds_engine_stats *s) {
     pthread_mutex_lock(&e->mu);
     *s = e->stats;
@@ -977,6 +1277,7 @@ void ds_engine_free(ds_engine *e) {
     free(e->batch);
     free(e->logits);
     free(e->aborts);
+    ds_pp_bufs_free(&e->ppb);
     ds_tok_free(e->tok);
     ds_model_free(e->model);
     free(e->model_dir);

@@ -46,6 +46,14 @@ typedef struct ds_engine_opts {
     size_t kv_offload_disk_bytes;     /* 0: unlimited */
     const char *kv_offload_remote;    /* "redis://host:port" */
     int kv_offload_remote_timeout_ms; /* default 100 */
+    /* Tensor / pipeline parallelism (DESIGN.md, "Process model"): this rank's ds_comm (NULL: one
+     * process) and the layers of each stage ([comm->n_stages], NULL: one stage). Every rank of
+     * the job creates an engine; they run the same schedule in lock step: the head (world rank
+     * 0, the only one whose submit/abort are used) broadcasts new requests and aborts before each
+     * step, the sampling rank (last stage, TP rank 0) broadcasts the tokens it chose and the next
+     * drafts after it. */
+    struct ds_comm *comm;
+    const int *pp_layer_counts;
 } ds_engine_opts;
 
 void ds_engine_opts_default(ds_engine_opts *o);
@@ -121,6 +129,8 @@ int64_t ds_engine_submit(ds_engine *e, const ds_request_spec *spec, int *why, ds
 void ds_engine_abort(ds_engine *e, int64_t id);
 /* Stops accepting, aborts what is left after grace_s seconds, joins the thread. */
 void ds_engine_stop(ds_engine *e, double grace_s);
+/* A rank other than the head: waits until the head's stop reaches the step loop and it ends. */
+void ds_engine_join(ds_engine *e);
 void ds_engine_free(ds_engine *e);
 
 const ds_tokenizer *ds_engine_tokenizer(const ds_engine *e);

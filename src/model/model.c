@@ -587,6 +587,10 @@ int ds_model_latent_row(const ds_model *m) {
     return m->cfg.kv_lora_rank + m->cfg.qk_rope_head_dim;
 }
 
+int ds_kv_pool_layers(const ds_model *m) {
+    return m->n_mla;
+}
+
 int ds_kv_pool_init(ds_kv_pool *p, const ds_model *m, int n_pages, int block_size, ds_err *err) {
     memset(p, 0, sizeof *p);
     p->n_layers = m->n_mla;

@@ -75,6 +75,8 @@ typedef struct ds_kv_pool {
     int n_layers, n_pages, block_size, row;
 } ds_kv_pool;
 
+/* MLA layers of this model's stage: the layers a pool page holds rows for. */
+int ds_kv_pool_layers(const ds_model *m);
 int ds_kv_pool_init(ds_kv_pool *p, const ds_model *m, int n_pages, int block_size, ds_err *err);
 void ds_kv_pool_free(ds_kv_pool *p);
 
