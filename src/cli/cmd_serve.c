@@ -5,6 +5,7 @@
  * http.h asks: stop accepting, let the engine finish or abort what runs (a grace period), join the
  * connections, free the engine. */
 #include <errno.h>
+#include <jansson.h>
 #include <limits.h>
 #include <signal.h>
 #include <stdio.h>
@@ -107,6 +108,90 @@ static void print_ready(const char *host, int port, const char *name, int max_mo
     fflush(stdout);
 }
 
+/* ---- the speculation test oracle (--speculative-test-oracle) -----------------------------------
+ * Invariant 6 must hold at every accepted count from 0 to k, which a real draft reaches only by
+ * luck. The oracle knows each prompt's true greedy output (JSON lines {"prompt": [ids], "output":
+ * [ids]}) and drafts it right for `want` positions and wrong after, with want cycling 0..k. */
+typedef struct oracle_entry {
+    int32_t *prompt, *out; /* [n_prompt], [n_out] */
+    int n_prompt, n_out;
+} oracle_entry;
+
+typedef struct oracle {
+    oracle_entry *e; /* [n] */
+    int n;
+    unsigned long calls;
+} oracle;
+
+static int oracle_drafts(void *ctx, const int32_t *tokens, int n_tokens, int k, int32_t *drafts) {
+    oracle *o = ctx;
+    const oracle_entry *best = NULL;
+    for (int i = 0; i < o->n; i++) {
+        const oracle_entry *x = &o->e[i];
+        if (x->n_prompt <= n_tokens && (!best || x->n_prompt > best->n_prompt) &&
+            !memcmp(x->prompt, tokens, (size_t)x->n_prompt * sizeof(int32_t)))
+            best = x;
+    }
+    if (!best) return 0;
+    int g = n_tokens - best->n_prompt, want = (int)(o->calls++ % (unsigned long)(k + 1));
+    for (int i = 0; i < k; i++) {
+        int32_t truth = g + i < best->n_out ? best->out[g + i] : 0;
+        drafts[i] = i < want ? truth : truth > 0 ? truth - 1 : truth + 1;
+    }
+    return k;
+}
+
+static int ids_of(json_t *a, int32_t **out, int *n, ds_err *err) {
+    if (!json_is_array(a)) return ds_errf(err, "expected a list of token ids");
+    *n = (int)json_array_size(a);
+    *out = ds_malloc((size_t)(*n ? *n : 1) * sizeof(int32_t), err);
+    if (!*out) return DS_ERR;
+    for (int i = 0; i < *n; i++) {
+        json_t *v = json_array_get(a, (size_t)i);
+        if (!json_is_integer(v)) return ds_errf(err, "token id %d is not an integer", i);
+        (*out)[i] = (int32_t)json_integer_value(v);
+    }
+    return DS_OK;
+}
+
+static int oracle_load(const char *path, oracle *o, ds_err *err) {
+    memset(o, 0, sizeof *o);
+    FILE *f = fopen(path, "r");
+    if (!f) return ds_errf(err, "%s: %s", path, strerror(errno));
+    char *line = NULL;
+    size_t cap = 0;
+    int rc = DS_OK, lineno = 0;
+    while (rc == DS_OK && getline(&line, &cap, f) > 0) {
+        lineno++;
+        json_error_t je;
+        json_t *j = json_loads(line, 0, &je);
+        oracle_entry *ne = realloc(o->e, (size_t)(o->n + 1) * sizeof *ne);
+        if (!j || !ne) {
+            rc = ds_errf(err, "%s:%d: %s", path, lineno, j ? "out of memory" : je.text);
+        } else {
+            o->e = ne;
+            oracle_entry *x = &o->e[o->n];
+            memset(x, 0, sizeof *x);
+            o->n++;
+            if (ids_of(json_object_get(j, "prompt"), &x->prompt, &x->n_prompt, err) ||
+                ids_of(json_object_get(j, "output"), &x->out, &x->n_out, err))
+                rc = ds_err_prefix(err, "%s:%d", path, lineno);
+        }
+        json_decref(j);
+    }
+    free(line);
+    fclose(f);
+    return rc;
+}
+
+static void oracle_free(oracle *o) {
+    for (int i = 0; i < o->n; i++) {
+        free(o->e[i].prompt);
+        free(o->e[i].out);
+    }
+    free(o->e);
+}
+
 /* A rank other than the head: no HTTP, just the engine in lock step with the head until the head's
  * stop reaches it. Signals are the head's business (mpirun forwards them to every rank). */
 static int serve_rank(const ds_engine_opts *eo, ds_comm *comm) {
@@ -126,6 +211,7 @@ static int serve_rank(const ds_engine_opts *eo, ds_comm *comm) {
 }
 
 int ds_cmd_serve(int argc, char **argv) {
+    static oracle orc; /* outlives the engine; freed on the way out */
     ds_engine_opts eo;
     ds_engine_opts_default(&eo);
     const char *model_dir = NULL, *host = "127.0.0.1", *api_key = NULL, *served = NULL;
@@ -137,7 +223,9 @@ int ds_cmd_serve(int argc, char **argv) {
     int block_size = eo.block_size, max_model_len = eo.max_model_len, max_queue = eo.max_queue;
     double kv_fraction = eo.kv_cache_fraction, grace = 5.0;
     int64_t seed = (int64_t)eo.seed;
-    const char *spec_method = "none", *draft_dir = NULL, *partition = "";
+    const char *spec_method = "none", *draft_dir = NULL, *partition = "", *relay = "partial-sum";
+    const char *oracle_path = NULL;
+    static const char *const RELAYS[] = {"partial-sum", "plain", NULL};
     int tp = 1, pp = 1;
     int spec_k = eo.num_speculative_tokens;
     static const char *const SPEC_METHODS[] = {"none", "dspark", "ngram", NULL};
@@ -169,6 +257,13 @@ int ds_cmd_serve(int argc, char **argv) {
                "drafts verified per step"),
         DS_OPT("draft-model", NULL, DS_ARG_STRING, &draft_dir, "DIR",
                "DSpark draft checkpoint (default: MODEL/draft)"),
+        {"draft-tap-relay", NULL, DS_ARG_STRING, &relay, "R",
+         "DSpark under -pp: partial-sum (one [tokens, hidden] sum per stage boundary) or plain "
+         "(every tap sent to the last stage)",
+         .choices = RELAYS},
+        DS_OPT("speculative-test-oracle", NULL, DS_ARG_STRING, &oracle_path, "FILE",
+               "testing: draft from known greedy outputs (JSON lines {prompt, output} of token "
+               "ids), right for 0..k positions in turn, instead of the method's drafts"),
         DS_OPT("enable-prefix-caching", NULL, DS_ARG_BOOL, &prefix_caching, NULL,
                "reuse cached MLA pages and KDA checkpoints of shared prompt prefixes"),
         DS_OPT("state-checkpoint-interval-tokens", NULL, DS_ARG_INT, &ckpt_interval, "N",
@@ -238,6 +333,17 @@ int ds_cmd_serve(int argc, char **argv) {
                                                             : DS_SPEC_NONE;
     eo.num_speculative_tokens = spec_k;
     eo.draft_model_dir = draft_dir;
+    eo.draft_tap_relay = !strcmp(relay, "plain") ? DS_RELAY_PLAIN : DS_RELAY_PARTIAL_SUM;
+    if (oracle_path) {
+        if (oracle_load(oracle_path, &orc, &err)) {
+            fprintf(stderr, "serve: --speculative-test-oracle: %s\n", err.msg);
+            oracle_free(&orc);
+            return 2;
+        }
+        if (eo.speculative_method == DS_SPEC_NONE) eo.speculative_method = DS_SPEC_NGRAM;
+        eo.spec_test_drafts = oracle_drafts;
+        eo.spec_test_ctx = &orc;
+    }
     eo.enable_prefix_caching = prefix_caching;
     eo.state_checkpoint_interval_tokens = ckpt_interval;
     eo.kv_offload_disk_dir = off_disk_dir;
@@ -267,7 +373,11 @@ int ds_cmd_serve(int argc, char **argv) {
     }
     eo.comm = comm;
     eo.pp_layer_counts = counts;
-    if (comm->rank != 0) return serve_rank(&eo, comm);
+    if (comm->rank != 0) {
+        int st = serve_rank(&eo, comm);
+        oracle_free(&orc);
+        return st;
+    }
 
     char *name = served ? strdup(served) : folder_name(model_dir);
     if (!name || !name[0] || pipe(g_sig_pipe)) {
@@ -327,5 +437,6 @@ out:
     if (e) ds_engine_free(e);
     free(name);
     if (status == 0) printf("[deltaserve] stopped\n");
+    oracle_free(&orc);
     return ds_comm_finish(comm, status);
 }

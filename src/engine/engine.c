@@ -95,6 +95,14 @@ struct ds_engine {
     ds_draft_cache dcache; /* the draft's latent rows, addressed by the same pages */
     float *state_rows;     /* [max_num_seqs][k+1][slot floats] KDA slot after each verify row */
     float *taps;           /* [sum of item tokens][n_taps][D] this step's draft taps */
+    /* DSpark taps in a job: every rank knows the tap layers; stage s holds taps [j0, j1) */
+    int n_taps;                     /* taps this rank captures (0: none) */
+    int n_tap_ids;                  /* taps of the draft */
+    int tap_ids[DS_MAX_LAYERS + 1]; /* [n_taps] target_layer_ids */
+    int tap_j0[DS_MAX_LAYERS], tap_j1[DS_MAX_LAYERS]; /* [n_stages] each stage's tap range */
+    ds_draft *draft_ctx;            /* partial-sum relay on an earlier stage: context_proj only */
+    float *relay;                   /* [tokens][D] partial sum, or packed taps of one stage */
+    size_t relay_cap;               /* floats */
     size_t taps_cap;       /* floats */
 
     ds_engine_stats stats; /* guarded by mu */
@@ -294,6 +302,45 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
     return DS_OK;
 }
 
+/* Which taps each stage holds ([tap_j0, tap_j1) of the ascending tap list: a stage's layers are
+ * contiguous, and the embedding tap -1 is the first stage's), and what this rank needs to capture
+ * and relay them. */
+static int setup_taps(ds_engine *e, const char *dir, ds_err *err) {
+    ds_draft_config dc;
+    char path[4200];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    if (ds_draft_config_load(path, &dc, err)) return DS_ERR;
+    int nt = dc.num_target_layers, P = e->comm ? e->comm->n_stages : 1;
+    if (nt < 1 || nt > DS_MAX_LAYERS + 1) return ds_errf(err, "%d taps", nt);
+    memcpy(e->tap_ids, dc.target_layer_ids, (size_t)nt * sizeof(int));
+    e->n_tap_ids = nt;
+    for (int st = 0, b = 0; st < P; st++) {
+        int lo = b, hi = b + (P > 1 ? e->opts.pp_layer_counts[st] : ds_model_config(e->model)->num_hidden_layers);
+        b = hi;
+        e->tap_j0[st] = e->tap_j1[st] = 0;
+        int first = -1;
+        for (int j = 0; j < nt; j++) {
+            int L = e->tap_ids[j];
+            if ((L >= lo && L < hi) || (L < 0 && st == 0)) {
+                if (first < 0) first = j;
+                e->tap_j1[st] = j + 1;
+            }
+        }
+        e->tap_j0[st] = first < 0 ? 0 : first;
+        if (first < 0) e->tap_j1[st] = 0;
+    }
+    int stage = e->comm ? e->comm->stage : 0, tp = e->comm ? e->comm->tp_rank : 0;
+    int own = e->tap_j1[stage] > e->tap_j0[stage];
+    /* The sampling rank captures its own taps (and, relayed plainly, holds everyone's); an earlier
+     * stage's TP rank 0 captures its own for the relay (its TP peers hold the same stream). */
+    e->n_taps = e->sampler || (tp == 0 && own) ? nt : 0;
+    if (e->dist && P > 1 && tp == 0 && !e->last_stage &&
+        e->opts.draft_tap_relay == DS_RELAY_PARTIAL_SUM &&
+        ds_draft_load_context_only(dir, e->model, &e->draft_ctx, err))
+        return DS_ERR;
+    return DS_OK;
+}
+
 /* Speculative decoding: k drafts per verify; dspark loads its draft next to the target and keeps
  * its latent rows in a cache addressed by the target's own pages (so a shared prefix page shares
  * its draft rows too). */
@@ -303,20 +350,19 @@ static int setup_spec(ds_engine *e, ds_err *err) {
         return ds_errf(err, "--num-speculative-tokens must be in [1, %d], got %d", DS_MAX_SPEC,
                        o->num_speculative_tokens);
     e->k = o->num_speculative_tokens;
-    if (o->speculative_method == DS_SPEC_DSPARK && e->dist && e->comm->n_stages > 1)
-        return ds_errf(err, "--speculative-method dspark under -pp > 1 is not supported yet (the "
-                            "draft's taps live on earlier stages); use ngram or -pp 1");
-    /* In a job only the sampling rank drafts (its drafts reach the others with its tokens). */
-    if (o->speculative_method == DS_SPEC_DSPARK && !o->spec_test_drafts && e->sampler) {
+    /* In a job only the sampling rank drafts (its drafts reach the others with its tokens); the
+     * earlier stages' TP rank 0 capture their taps and relay them (see setup_taps). */
+    if (o->speculative_method == DS_SPEC_DSPARK && !o->spec_test_drafts) {
         char dir[4096];
         if (o->draft_model_dir)
             snprintf(dir, sizeof dir, "%s", o->draft_model_dir);
         else
             snprintf(dir, sizeof dir, "%s/draft", e->model_dir);
-        if (ds_draft_load(dir, e->model, &e->draft, err) ||
-            ds_draft_cache_init(&e->dcache, e->draft, ds_page_n_total(e->pages), e->opts.block_size,
-                                e->k, err))
+        if (e->sampler && (ds_draft_load(dir, e->model, &e->draft, err) ||
+                           ds_draft_cache_init(&e->dcache, e->draft, ds_page_n_total(e->pages),
+                                               e->opts.block_size, e->k, err)))
             return ds_err_prefix(err, "--draft-model %s", dir);
+        if (setup_taps(e, dir, err)) return ds_err_prefix(err, "--draft-model %s", dir);
     } else if (o->speculative_method != DS_SPEC_NGRAM && o->speculative_method != DS_SPEC_DSPARK) {
         return ds_errf(err, "unknown speculative method %d", o->speculative_method);
     }
@@ -1003,6 +1049,87 @@ static void outcome_exchange(ds_engine *e, int n_items, int32_t (*vt)[DS_MAX_SPE
     free(blob);
 }
 
+static float *relay_buf(ds_engine *e, size_t n) {
+    if (n > e->relay_cap) {
+        float *b = realloc(e->relay, n * sizeof(float));
+        if (!b) dist_fatal(e, "tap relay", "out of memory");
+        e->relay = b;
+        e->relay_cap = n;
+    }
+    return e->relay;
+}
+
+/* DSpark in a pipeline job, after the forward: brings the taps of earlier stages to the draft on
+ * the sampling rank, along the TP-rank-0 ranks of each stage. Partial-sum relay: every stage
+ * receives the running sum of W_context[:, tap] . tap from the one before (zeros on the first),
+ * adds its own taps' products and hands it on; the last stage adds its own, leaving the whole
+ * context (before context_norm) in e->relay [tokens][D]. Plain relay: each earlier stage with
+ * taps sends them ([its taps][tokens][D], item by item) to the last stage, which unpacks them into
+ * its own tap buffer as if it had captured them. */
+static void relay_taps(ds_engine *e, int n_items) {
+    ds_comm *c = e->comm;
+    int P = c->n_stages, st = c->stage, D = ds_model_config(e->model)->hidden_size;
+    int j0 = e->tap_j0[st], j1 = e->tap_j1[st], n_all = e->n_tap_ids;
+    if (P == 1 || c->tp_rank != 0 || e->opts.speculative_method != DS_SPEC_DSPARK ||
+        e->opts.spec_test_drafts)
+        return;
+    ds_err err = {{0}};
+    size_t T = 0;
+    for (int i = 0; i < n_items; i++) T += (size_t)e->batch[i].n;
+    if (e->opts.draft_tap_relay == DS_RELAY_PARTIAL_SUM) {
+        float *acc = relay_buf(e, T * D);
+        if (st > 0) {
+            if (ds_comm_recv(c, st - 1, acc, T * D, &err)) dist_fatal(e, "tap relay", err.msg);
+        } else {
+            memset(acc, 0, T * D * sizeof(float));
+        }
+        ds_draft *d = e->last_stage ? e->draft : e->draft_ctx;
+        if (j1 > j0) {
+            size_t tap_off = 0, off = 0;
+            for (int i = 0; i < n_items; i++) {
+                int n = e->batch[i].n;
+                if (ds_draft_context_add(d, n, j0, j1, e->taps + tap_off + (size_t)j0 * n * D,
+                                         acc + off * D, &err))
+                    dist_fatal(e, "tap relay", err.msg);
+                tap_off += (size_t)n * n_all * D;
+                off += (size_t)n;
+            }
+        }
+        if (!e->last_stage && ds_comm_send(c, st + 1, acc, T * D, &err))
+            dist_fatal(e, "tap relay", err.msg);
+        return;
+    }
+    /* plain */
+    if (!e->last_stage) {
+        if (j1 <= j0) return;
+        float *pk = relay_buf(e, (size_t)(j1 - j0) * T * D), *w = pk;
+        size_t tap_off = 0;
+        for (int i = 0; i < n_items; i++) {
+            size_t rows = (size_t)e->batch[i].n * D;
+            memcpy(w, e->taps + tap_off + (size_t)j0 * rows, (size_t)(j1 - j0) * rows * sizeof(float));
+            w += (size_t)(j1 - j0) * rows;
+            tap_off += rows * n_all;
+        }
+        if (ds_comm_send(c, P - 1, pk, (size_t)(j1 - j0) * T * D, &err))
+            dist_fatal(e, "tap relay", err.msg);
+        return;
+    }
+    for (int q = 0; q < P - 1; q++) {
+        int a = e->tap_j0[q], b = e->tap_j1[q];
+        if (b <= a) continue;
+        float *pk = relay_buf(e, (size_t)(b - a) * T * D), *r = pk;
+        if (ds_comm_recv(c, q, pk, (size_t)(b - a) * T * D, &err))
+            dist_fatal(e, "tap relay", err.msg);
+        size_t tap_off = 0;
+        for (int i = 0; i < n_items; i++) {
+            size_t rows = (size_t)e->batch[i].n * D;
+            memcpy(e->taps + tap_off + (size_t)a * rows, r, (size_t)(b - a) * rows * sizeof(float));
+            r += (size_t)(b - a) * rows;
+            tap_off += rows * n_all;
+        }
+    }
+}
+
 static void run_step(ds_engine *e) {
     int n_items = 0, n_pre = 0;
     if (e->k) attach_drafts(e);
@@ -1019,12 +1146,13 @@ static void run_step(ds_engine *e) {
     double t0 = ds_now();
     int n_prompt_tokens = 0, rows = e->k + 1;
     const ds_config *c = ds_model_config(e->model);
-    int n_taps = e->draft ? ds_draft_n_taps(e->draft) : 0, D = c->hidden_size;
+    int n_taps = e->n_taps, D = c->hidden_size;
     size_t slot_n = ds_model_slot_floats(e->model), tap_need = 0;
     for (int i = 0; i < n_items; i++) tap_need += (size_t)e->items[i].n * n_taps * D;
     if (tap_need > e->taps_cap) {
         float *t = realloc(e->taps, tap_need * sizeof(float));
         if (!t) { /* no taps this step: the draft context lags, outputs stay exact */
+            if (e->dist) dist_fatal(e, "draft taps", "out of memory"); /* the relay needs them */
             n_taps = 0;
         } else {
             e->taps = t;
@@ -1045,7 +1173,7 @@ static void run_step(ds_engine *e) {
             .block_table = s->block_table,
             .logits = want_logits ? e->logits + (size_t)i * rows * e->V : NULL,
             .n_logits = want_logits ? verify_rows : 0,
-            .tap_layers = n_taps ? ds_draft_tap_layers(e->draft) : NULL,
+            .tap_layers = n_taps ? e->tap_ids : NULL,
             .n_taps = n_taps,
             .taps = n_taps ? e->taps + tap_off : NULL,
             .state_rows = s->n_spec ? e->state_rows + (size_t)i * rows * slot_n : NULL,
@@ -1068,6 +1196,7 @@ static void run_step(ds_engine *e) {
         if (e->k) detach_drafts(e);
         return;
     }
+    if (e->dist) relay_taps(e, n_items);
     /* Every sampled item's tokens: a verify samples its rows until a draft is rejected, a plain
      * item samples one. The sampling rank chooses; in a job the others learn the outcome. */
     int32_t(*vt)[DS_MAX_SPEC + 1] = calloc((size_t)n_items, sizeof *vt); /* [n_items][k+1] */
@@ -1121,16 +1250,24 @@ static void run_step(ds_engine *e) {
         }
     /* The draft's context rows for every position the target just computed (for a verify, only
      * the accepted ones; later rows are rewritten when they are recomputed). */
-    if (n_taps) {
+    int summed = e->dist && e->comm->n_stages > 1 && e->opts.draft_tap_relay == DS_RELAY_PARTIAL_SUM;
+    if (n_taps && e->draft) {
         tap_off = 0;
+        size_t off = 0;
         for (int i = 0; i < n_items; i++) {
             ds_sched_item *it = &e->items[i];
-            int n_run = e->batch[i].n;
-            pack_taps(e->taps + tap_off, n_taps, n_run, it->n, D);
-            if (ds_draft_write_context(e->draft, &e->dcache, it->seq->block_table, it->pos0, it->n,
-                                       e->taps + tap_off, &err))
-                fprintf(stderr, "[deltaserve] draft context: %s\n", err.msg);
+            int n_run = e->batch[i].n, rc;
+            if (summed) {
+                rc = ds_draft_write_context_sum(e->draft, &e->dcache, it->seq->block_table,
+                                                it->pos0, it->n, e->relay + off * D, &err);
+            } else {
+                pack_taps(e->taps + tap_off, n_taps, n_run, it->n, D);
+                rc = ds_draft_write_context(e->draft, &e->dcache, it->seq->block_table, it->pos0,
+                                            it->n, e->taps + tap_off, &err);
+            }
+            if (rc) fprintf(stderr, "[deltaserve] draft context: %s\n", err.msg);
             tap_off += (size_t)n_run * n_taps * D;
+            off += (size_t)n_run;
         }
     }
     for (int i = 0; i < n_items; i++) {
@@ -1149,6 +1286,10 @@ static void run_step(ds_engine *e) {
             ch->n_drafts = n_dr[i];
             memcpy(ch->drafts, dr[i], (size_t)n_dr[i] * sizeof(int32_t));
         }
+        pthread_mutex_lock(&e->mu);
+        e->stats.spec_draft_digest = (uint32_t)XXH64(ch->drafts, (size_t)ch->n_drafts * 4,
+                                                     e->stats.spec_draft_digest);
+        pthread_mutex_unlock(&e->mu);
     }
     if (e->dist && e->sampler) outcome_exchange(e, n_items, vt, vlp, va, dr, n_dr);
 out:
@@ -1278,6 +1419,8 @@ void ds_engine_free(ds_engine *e) {
     free(e->logits);
     free(e->aborts);
     ds_pp_bufs_free(&e->ppb);
+    ds_draft_free(e->draft_ctx);
+    free(e->relay);
     ds_tok_free(e->tok);
     ds_model_free(e->model);
     free(e->model_dir);

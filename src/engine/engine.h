@@ -54,7 +54,15 @@ typedef struct ds_engine_opts {
      * drafts after it. */
     struct ds_comm *comm;
     const int *pp_layer_counts;
+    /* DSpark under pipeline parallelism: how the taps of earlier stages reach the draft on the
+     * last stage. DS_RELAY_PARTIAL_SUM (default): each stage adds W_context[:, its taps] . taps
+     * into one running [tokens][D] sum handed on with the stream, so a boundary carries one such
+     * tensor whatever the depth; DS_RELAY_PLAIN: each stage sends its raw taps to the last. Both
+     * give the same drafts to the bit. */
+    int draft_tap_relay;
 } ds_engine_opts;
+
+enum { DS_RELAY_PARTIAL_SUM = 0, DS_RELAY_PLAIN = 1 };
 
 void ds_engine_opts_default(ds_engine_opts *o);
 
@@ -157,6 +165,8 @@ typedef struct ds_engine_stats {
     /* speculative decoding: verify steps, drafts proposed / accepted, tokens they emitted */
     uint64_t spec_verifies, spec_draft_tokens, spec_accepted_tokens, spec_emitted_tokens;
     uint64_t spec_accepted_at[DS_MAX_SPEC]; /* drafts accepted at position i (0-based) */
+    uint32_t spec_draft_digest; /* checksum over every draft proposed, in order: two runs that
+                                   drafted the same tokens agree (a test of the tap relays) */
 } ds_engine_stats;
 void ds_engine_get_stats(ds_engine *e, ds_engine_stats *s);
 

@@ -24,6 +24,11 @@ typedef struct ds_draft ds_draft;
  * target_num_hidden_layers. Binds every weight with its dtype and shape checked; a leading
  * "model." on tensor names is accepted. */
 int ds_draft_load(const char *dir, const ds_model *target, ds_draft **out, ds_err *err);
+/* Only what an earlier pipeline stage needs for the partial-sum tap relay: the config and
+ * context_proj (ds_draft_context_add); every other call fails on it. On a stage without the
+ * target's embedding, ds_draft_load binds the draft checkpoint's own embed_tokens copy. */
+int ds_draft_load_context_only(const char *dir, const ds_model *target, ds_draft **out,
+                               ds_err *err);
 void ds_draft_free(ds_draft *d);
 const ds_draft_config *ds_draft_config_of(const ds_draft *d);
 
@@ -75,6 +80,16 @@ int ds_draft_context(ds_draft *d, int n, const float *taps, float *ctx, ds_err *
  * ahead is harmless. block_table: pages covering positions [0, pos0+n). */
 int ds_draft_write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int pos0,
                            int n, const float *taps, ds_err *err);
+
+/* acc [n][D] += W_context[:, tap j] taps[j - j0] for the taps j in [j0, j1) (taps
+ * [j1-j0][n][Dt]), one tap at a time in tap order. The context is this sum over every tap before
+ * context_norm; built on one rank or stage by stage (each stage adding its own taps and handing
+ * acc on), it comes out the same to the bit, since the additions happen in the same order. */
+int ds_draft_context_add(ds_draft *d, int n, int j0, int j1, const float *taps, float *acc,
+                         ds_err *err);
+/* ds_draft_write_context from a finished sum [n][D] (all taps added) instead of the taps. */
+int ds_draft_write_context_sum(ds_draft *d, ds_draft_cache *c, const int32_t *block_table,
+                               int pos0, int n, const float *sum, ds_err *err);
 
 /* Proposes T tokens after context rows 0..p (p = the last position the target has processed,
  * whose ctx row is written; the anchor, the token the target just produced, sits at p+1).

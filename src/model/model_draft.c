@@ -33,7 +33,11 @@ struct ds_draft {
     ds_draft_config cfg;
     ds_st *st;
     const ds_mat *embed, *lm_head; /* the target's, [V][D] each */
+    ds_mat own_embed;              /* [V][D] the checkpoint's copy, where the target has none */
     ds_mat context_proj;           /* [D][n_taps*Dt] */
+    ds_mat *ctx_blocks;            /* [n_taps] W_context[:, tap j] as [D][Dt] matrices */
+    void *ctx_block_data;          /* their storage (copies, in the checkpoint's dtype) */
+    int context_only;              /* loaded for the partial-sum tap relay: context_proj only */
     float *context_norm;           /* [D] */
     float *final_norm;             /* [D] */
     draft_layer *layers;           /* [L] */
@@ -174,6 +178,55 @@ static int check_against_target(const ds_draft_config *c, const ds_config *t, ds
     return DS_OK;
 }
 
+/* W_context split into one [D][Dt] matrix per tap, so that the context can be summed tap by tap:
+ * on one rank for all taps, or stage by stage under pipeline parallelism, with the same
+ * arithmetic in the same order either way. */
+static int split_context(ds_draft *d, ds_err *err) {
+    const ds_draft_config *c = &d->cfg;
+    int nt = c->num_target_layers, Dt = c->target_hidden_size, D = c->hidden_size;
+    size_t es = ds_dtype_size(d->context_proj.dtype), blk = (size_t)D * Dt * es;
+    d->ctx_blocks = ds_calloc((size_t)nt, sizeof *d->ctx_blocks, err);
+    d->ctx_block_data = ds_malloc(blk * nt + 1, err);
+    if (!d->ctx_blocks || !d->ctx_block_data) return DS_ERR;
+    const char *src = d->context_proj.data;
+    for (int j = 0; j < nt; j++) {
+        char *dst = (char *)d->ctx_block_data + blk * j;
+        for (int r = 0; r < D; r++)
+            memcpy(dst + (size_t)r * Dt * es, src + ((size_t)r * nt * Dt + (size_t)j * Dt) * es,
+                   (size_t)Dt * es);
+        d->ctx_blocks[j] = (ds_mat){dst, d->context_proj.dtype, D, Dt};
+    }
+    return DS_OK;
+}
+
+int ds_draft_load_context_only(const char *dir, const ds_model *target, ds_draft **out,
+                               ds_err *err) {
+    *out = NULL;
+    ds_kernels_init();
+    ds_draft *d = ds_calloc(1, sizeof *d, err);
+    if (!d) return DS_ERR;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    d->context_only = 1;
+    if (ds_draft_config_load(path, &d->cfg, err)) goto fail;
+    const ds_draft_config *c = &d->cfg;
+    if (check_against_target(c, ds_model_config(target), err)) {
+        ds_err_prefix(err, "%s", path);
+        goto fail;
+    }
+    if (ds_st_open_dir(dir, &d->st, err) ||
+        bind_mat(d, "context_proj.weight", c->hidden_size,
+                 c->num_target_layers * c->target_hidden_size, &d->context_proj, err) ||
+        split_context(d, err))
+        goto fail;
+    *out = d;
+    return DS_OK;
+fail:
+    ds_err_prefix(err, "loading DSpark draft context projection from %s", dir);
+    ds_draft_free(d);
+    return DS_ERR;
+}
+
 int ds_draft_load(const char *dir, const ds_model *target, ds_draft **out, ds_err *err) {
     *out = NULL;
     ds_kernels_init();
@@ -191,6 +244,15 @@ int ds_draft_load(const char *dir, const ds_model *target, ds_draft **out, ds_er
     d->embed = ds_model_embed(target);
     d->lm_head = ds_model_lm_head(target);
     int D = c->hidden_size, L = c->num_hidden_layers, V = c->vocab_size, r = c->markov_rank;
+    /* A later pipeline stage holds no target embedding: the draft's frozen copy stands in. */
+    if (!d->embed || !d->embed->data) {
+        if (bind_mat(d, "embed_tokens.weight", V, D, &d->own_embed, err)) goto fail;
+        d->embed = &d->own_embed;
+    }
+    if (!d->lm_head || !d->lm_head->data) {
+        ds_errf(err, "the target's lm_head is not on this rank (the draft runs on the last stage)");
+        goto fail;
+    }
     size_t n_vec = 2 * (size_t)D + (size_t)L * (2 * (size_t)D + c->q_lora_rank + c->kv_lora_rank);
     d->vecs = ds_malloc(n_vec * sizeof(float), err);
     d->layers = ds_calloc((size_t)L, sizeof(draft_layer), err);
@@ -200,7 +262,7 @@ int ds_draft_load(const char *dir, const ds_model *target, ds_draft **out, ds_er
     if (bind_mat(d, "context_proj.weight", D, c->num_target_layers * c->target_hidden_size,
                  &d->context_proj, err) ||
         bind_vec(d, "context_norm.weight", D, &vec, &d->context_norm, err) ||
-        bind_vec(d, "final_norm.weight", D, &vec, &d->final_norm, err))
+        bind_vec(d, "final_norm.weight", D, &vec, &d->final_norm, err) || split_context(d, err))
         goto fail;
     for (int i = 0; i < L; i++)
         if (bind_layer(d, i, &vec, &d->layers[i], err)) goto fail;
@@ -226,6 +288,8 @@ void ds_draft_free(ds_draft *d) {
     free(d->inv_freq);
     free(d->scratch);
     free(d->table);
+    free(d->ctx_blocks);
+    free(d->ctx_block_data);
     free(d);
 }
 
@@ -352,25 +416,45 @@ static int carve(ds_draft *d, const size_t *sizes, float **bufs, int n, ds_err *
 
 // ---- context (MODEL_SPEC §8.4) ------------------------------------------------------------------
 
-/* ctx [n][D] from taps [n_taps][n][Dt], with a [n][n_taps*Dt] buffer for the concatenation. */
-static void context_rows(const ds_draft *d, int n, const float *taps, float *cat, float *ctx) {
+/* acc [n][D] += W_context[:, tap j] taps[j - j0] for j in [j0, j1), one tap at a time, in tap
+ * order (taps [j1-j0][n][Dt]; tmp [n][D] scratch). */
+static void context_add(const ds_draft *d, int n, int j0, int j1, const float *taps, float *acc,
+                        float *tmp) {
     const ds_draft_config *c = &d->cfg;
-    int nt = c->num_target_layers, Dt = c->target_hidden_size, D = c->hidden_size;
-    for (int t = 0; t < n; t++)
-        for (int j = 0; j < nt; j++)
-            memcpy(cat + ((size_t)t * nt + j) * Dt, taps + ((size_t)j * n + t) * Dt,
-                   (size_t)Dt * sizeof(float));
-    ds_matmul(ctx, D, cat, nt * Dt, n, &d->context_proj);
-    ds_rmsnorm(ctx, ctx, d->context_norm, n, D, c->rms_norm_eps);
+    int Dt = c->target_hidden_size, D = c->hidden_size;
+    for (int j = j0; j < j1; j++) {
+        ds_matmul(tmp, D, taps + (size_t)(j - j0) * n * Dt, Dt, n, &d->ctx_blocks[j]);
+        ds_add(acc, tmp, (size_t)n * D);
+    }
+}
+
+/* ctx [n][D] from taps [n_taps][n][Dt]: the sum over taps, then context_norm. */
+static void context_rows(const ds_draft *d, int n, const float *taps, float *tmp, float *ctx) {
+    const ds_draft_config *c = &d->cfg;
+    memset(ctx, 0, (size_t)n * c->hidden_size * sizeof(float));
+    context_add(d, n, 0, c->num_target_layers, taps, ctx, tmp);
+    ds_rmsnorm(ctx, ctx, d->context_norm, n, c->hidden_size, c->rms_norm_eps);
 }
 
 int ds_draft_context(ds_draft *d, int n, const float *taps, float *ctx, ds_err *err) {
     if (n < 1) return ds_errf(err, "draft context: n = %d (>= 1)", n);
-    const ds_draft_config *c = &d->cfg;
-    size_t sizes[1] = {(size_t)n * c->num_target_layers * c->target_hidden_size};
-    float *cat;
-    if (carve(d, sizes, &cat, 1, err)) return DS_ERR;
-    context_rows(d, n, taps, cat, ctx);
+    if (d->context_only) return ds_errf(err, "draft context: loaded for the tap relay only");
+    size_t sizes[1] = {(size_t)n * d->cfg.hidden_size};
+    float *tmp;
+    if (carve(d, sizes, &tmp, 1, err)) return DS_ERR;
+    context_rows(d, n, taps, tmp, ctx);
+    return DS_OK;
+}
+
+int ds_draft_context_add(ds_draft *d, int n, int j0, int j1, const float *taps, float *acc,
+                         ds_err *err) {
+    if (n < 1 || j0 < 0 || j1 > d->cfg.num_target_layers || j0 > j1)
+        return ds_errf(err, "draft context_add: n = %d, taps [%d, %d) of %d", n, j0, j1,
+                       d->cfg.num_target_layers);
+    size_t sizes[1] = {(size_t)n * d->cfg.hidden_size};
+    float *tmp;
+    if (carve(d, sizes, &tmp, 1, err)) return DS_ERR;
+    context_add(d, n, j0, j1, taps, acc, tmp);
     return DS_OK;
 }
 
@@ -387,10 +471,13 @@ static void finish_latent(const ds_draft *d, const draft_layer *w, float *kv, co
     }
 }
 
-int ds_draft_write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int pos0,
-                           int n, const float *taps, ds_err *err) {
+/* Both write_context forms: from taps [n_taps][n][Dt], or (taps NULL) from sum [n][D], the
+ * context before context_norm. */
+static int write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int pos0,
+                         int n, const float *taps, const float *sum, ds_err *err) {
     const ds_draft_config *cf = &d->cfg;
     int D = cf->hidden_size, dr = cf->qk_rope_head_dim, row = cf->kv_lora_rank + dr;
+    if (d->context_only) return ds_errf(err, "draft write_context: loaded for the tap relay only");
     if (n < 1 || pos0 < 0)
         return ds_errf(err, "draft write_context: n = %d, pos0 = %d (need n >= 1, pos0 >= 0)", n,
                        pos0);
@@ -399,15 +486,19 @@ int ds_draft_write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_
                        "draft write_context: cache of %d layers x %d floats, draft needs %d x %d",
                        c->n_layers, c->row, cf->num_hidden_layers, row);
     size_t sizes[4] = {
-        (size_t)n * cf->num_target_layers * cf->target_hidden_size, /* cat [n][n_taps*Dt] */
-        (size_t)n * D,                                              /* ctx [n][D] */
-        (size_t)n * row,                                            /* kv [n][R+dr] */
-        (size_t)n * dr,                                             /* cs [n][dr/2][2] */
+        (size_t)n * D,   /* tmp [n][D] */
+        (size_t)n * D,   /* ctx [n][D] */
+        (size_t)n * row, /* kv [n][R+dr] */
+        (size_t)n * dr,  /* cs [n][dr/2][2] */
     };
     float *b[4];
     if (carve(d, sizes, b, 4, err)) return DS_ERR;
-    float *cat = b[0], *ctx = b[1], *kv = b[2], *cs = b[3];
-    context_rows(d, n, taps, cat, ctx);
+    float *tmp = b[0], *ctx = b[1], *kv = b[2], *cs = b[3];
+    if (taps) {
+        context_rows(d, n, taps, tmp, ctx);
+    } else {
+        ds_rmsnorm(ctx, sum, d->context_norm, n, D, cf->rms_norm_eps);
+    }
     rope_table(d, cs, pos0, n);
     /* ctx feeds W_kva directly: it does not pass through input_layernorm (§8.4). */
     for (int l = 0; l < cf->num_hidden_layers; l++) {
@@ -420,6 +511,16 @@ int ds_draft_write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_
                    (size_t)row * sizeof(float));
     }
     return DS_OK;
+}
+
+int ds_draft_write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int pos0,
+                           int n, const float *taps, ds_err *err) {
+    return write_context(d, c, block_table, pos0, n, taps, NULL, err);
+}
+
+int ds_draft_write_context_sum(ds_draft *d, ds_draft_cache *c, const int32_t *block_table,
+                               int pos0, int n, const float *sum, ds_err *err) {
+    return write_context(d, c, block_table, pos0, n, NULL, sum, err);
 }
 
 // ---- block pass (MODEL_SPEC §8.5) and Markov walk (§8.7) ----------------------------------------

@@ -514,7 +514,8 @@ static enum MHD_Result handle_generate(ds_server *s, struct MHD_Connection *c, c
                                .created = (long long)time(NULL),
                                .logprobs = r->oai.params.logprobs,
                                .tok = tok,
-                               .keep_special = !r->oai.params.skip_special_tokens};
+                               .keep_special = !r->oai.params.skip_special_tokens,
+                               .token_ids = r->oai.return_token_ids};
     const union MHD_ConnectionInfo *ci =
         MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
     r->fd = ci ? ci->connect_fd : -1;

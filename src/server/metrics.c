@@ -215,6 +215,11 @@ char *ds_metrics_render(ds_metrics *m, const ds_engine_stats *st, const char *mo
                   "deltaserve:spec_decode_num_accepted_tokens_per_pos{%s,position=\"%d\"} %llu\n",
                   labels, i, (unsigned long long)st->spec_accepted_at[i]);
 
+    gauge(&t, "spec_decode_draft_digest",
+          "Checksum of every draft token proposed so far, in order (equal in two runs that drafted "
+          "the same tokens).",
+          labels, (double)st->spec_draft_digest);
+
     metric_head(&t, "request_success_total", "counter", "Finished requests by finish reason.");
     static const struct {
         ds_finish f;

@@ -415,7 +415,8 @@ static int parse_fields(json_t *root, const char *served_name, int vocab_size, d
 
     if (parse_stop(root, vocab_size, pp, e)) return DS_ERR;
     if (get_bool(root, "ignore_eos", &pp->ignore_eos, e) ||
-        get_bool(root, "skip_special_tokens", &pp->skip_special_tokens, e))
+        get_bool(root, "skip_special_tokens", &pp->skip_special_tokens, e) ||
+        get_bool(root, "return_token_ids", &r->return_token_ids, e))
         return DS_ERR;
 
     if (chat) {
@@ -619,6 +620,12 @@ int ds_oai_choice_add(const ds_oai_resp_ctx *c, ds_oai_choice *ch, const ds_oai_
         ch->len += ev->text_len;
         ch->text[ch->len] = 0;
     }
+    if (c->token_ids && ev->token >= 0) {
+        if (!ch->token_ids && !(ch->token_ids = json_array()))
+            return ds_errf(err, "out of memory for token ids");
+        if (json_array_append_new(ch->token_ids, json_integer(ev->token)))
+            return ds_errf(err, "out of memory for token ids");
+    }
     if (c->logprobs >= 0 && ev->token >= 0) {
         if (!ch->logprobs && !(ch->logprobs = lp_new(c->kind)))
             return ds_errf(err, "out of memory for logprobs");
@@ -634,6 +641,7 @@ void ds_oai_choice_free(ds_oai_choice *ch) {
     if (!ch) return;
     free(ch->text);
     json_decref(ch->logprobs);
+    json_decref(ch->token_ids);
     memset(ch, 0, sizeof *ch);
 }
 
@@ -668,6 +676,9 @@ json_t *ds_oai_response(const ds_oai_resp_ctx *c, const ds_oai_choice *choices, 
                                         : json_null();
         json_object_set_new(o, "logprobs", lp);
         json_object_set_new(o, "finish_reason", finish_json(ch->finish));
+        if (c->token_ids)
+            json_object_set_new(o, "token_ids",
+                                ch->token_ids ? json_incref(ch->token_ids) : json_array());
         json_array_append_new(arr, o);
         n_completion += ch->n_generated;
     }
@@ -687,7 +698,8 @@ json_t *ds_oai_chunk(const ds_oai_resp_ctx *c, ds_oai_choice *ch, const ds_oai_e
     }
     ch->n_generated = DS_MAX(ch->n_generated, ev->n_generated);
     if (ev->finish != DS_FINISH_NONE) ch->finish = ev->finish;
-    if (!ev->text_len && !lp && ev->finish == DS_FINISH_NONE) return NULL;
+    if (!ev->text_len && !lp && ev->finish == DS_FINISH_NONE && !(c->token_ids && ev->token >= 0))
+        return NULL;
 
     int chat = c->kind == DS_OAI_CHAT;
     json_t *r = envelope(c, chat ? "chat.completion.chunk" : "text_completion");
@@ -704,6 +716,9 @@ json_t *ds_oai_chunk(const ds_oai_resp_ctx *c, ds_oai_choice *ch, const ds_oai_e
     }
     json_object_set_new(o, "logprobs", lp ? lp : json_null());
     json_object_set_new(o, "finish_reason", finish_json(ev->finish));
+    if (c->token_ids)
+        json_object_set_new(o, "token_ids",
+                            ev->token >= 0 ? json_pack("[i]", (int)ev->token) : json_array());
     json_object_set_new(r, "choices", json_pack("[o]", o));
     return r;
 }

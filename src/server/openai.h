@@ -60,6 +60,7 @@ typedef struct ds_oai_request {
     ds_request_params params; /* params.stop[] point into this struct's own copies */
     int max_tokens_set;       /* 0: ds_oai_fit_context picks the default */
     int stream, include_usage;
+    int return_token_ids; /* vLLM's extension: choices carry "token_ids" (generated ids) */
 } ds_oai_request;
 
 /* Parses and validates a request body of len bytes. served_name: the model name this server
@@ -87,6 +88,7 @@ typedef struct ds_oai_resp_ctx {
     int logprobs;            /* -1: none; else the top-k count asked for */
     const ds_tokenizer *tok; /* token strings for logprobs; may be NULL when logprobs < 0 */
     int keep_special;        /* skip_special_tokens was false: specials' names are in the text */
+    int token_ids;           /* return_token_ids: each choice (or chunk) lists its token ids */
 } ds_oai_resp_ctx;
 
 /* One engine event, copied off the engine thread (the engine's pointers die with the callback). */
@@ -108,6 +110,7 @@ typedef struct ds_oai_choice {
     char *text; /* [len] accumulated text (non-streaming only), NUL-terminated */
     size_t len, cap;
     json_t *logprobs;  /* non-streaming: the choice's logprobs object so far, or NULL */
+    json_t *token_ids; /* non-streaming with return_token_ids: the ids so far, or NULL */
     long long n_chars; /* characters of token text so far: the next token's text_offset */
     ds_finish finish;
     int n_generated;

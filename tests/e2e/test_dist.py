@@ -64,3 +64,92 @@ def test_pp2_tp2_prefix_fork_offload_match_one_process(reference, spec):
     finally:
         log = "".join(srv.log[-30:])
         assert srv.stop() == 0, log
+
+
+# ---- speculative decoding under PP x TP (issue 6) ------------------------------------------------
+
+def greedy_ids(server, prompt_ids, max_tokens):
+    status, r = server.post_json("/v1/completions", {
+        "model": MODEL_NAME, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True})
+    assert status == 200, r
+    return r["choices"][0]["token_ids"]
+
+
+PROMPTS = [[(37 * i + 11 * j) % 700 for j in range(40 + 9 * i)] for i in range(3)]
+
+
+def test_invariant6_pp2_tp4_every_accepted_count(reference, tmp_path):
+    """Greedy with speculation equals greedy without, under PP 2 x TP 4 (eight ranks), with an
+    oracle draft that is right for 0, 1, ..., k positions in turn."""
+    k, n_out = 4, 30
+    want = [greedy_ids(reference, p, n_out) for p in PROMPTS]
+    assert all(len(w) == n_out for w in want)
+    orc = tmp_path / "oracle.jsonl"
+    import json
+    orc.write_text("".join(json.dumps({"prompt": p, "output": w}) + "\n"
+                           for p, w in zip(PROMPTS, want)))
+    srv = Server("-tp", "4", "-pp", "2", "--speculative-method", "dspark",
+                 "--num-speculative-tokens", str(k), "--speculative-test-oracle", str(orc),
+                 "--seed", "1", env_args=False)
+    try:
+        for p, w in zip(PROMPTS, want):
+            assert greedy_ids(srv, p, n_out) == w
+        m = srv.metrics()
+        verifies = m["deltaserve:spec_decode_num_verifies_total"]
+        per_pos = [m[f'deltaserve:spec_decode_num_accepted_tokens_per_pos{{position="{i}"}}']
+                   for i in range(k)]
+        assert verifies > 0
+        assert per_pos[k - 1] > 0          # a = k happened
+        assert verifies > per_pos[0]        # a = 0 happened
+        for i in range(k - 1):              # and every count between: a >= i+1 more often
+            assert per_pos[i] > per_pos[i + 1]
+    finally:
+        assert srv.stop() == 0
+
+
+def draft_variant(tmp_path, taps):
+    """models/<m>/draft with other target_layer_ids (same number of taps, so the same weights)."""
+    import json
+    import os
+    from conftest import DS_MODEL
+    d = tmp_path / ("draft_" + "_".join(str(t) for t in taps).replace("-", "m"))
+    d.mkdir()
+    cfg = json.load(open(os.path.join(DS_MODEL, "draft", "config.json")))
+    assert len(cfg["target_layer_ids"]) == len(taps)
+    cfg["target_layer_ids"] = taps
+    (d / "config.json").write_text(json.dumps(cfg))
+    for f in os.listdir(os.path.join(DS_MODEL, "draft")):
+        if f.endswith(".safetensors"):
+            os.symlink(os.path.join(DS_MODEL, "draft", f), d / f)
+    return str(d)
+
+
+def spec_run(args):
+    """Greedy outputs and the draft digest of a server started with args (one request at a time,
+    so every configuration drafts in the same order)."""
+    srv = Server("--speculative-method", "dspark", "--num-speculative-tokens", "4", "--seed", "1",
+                 *args, env_args=False)
+    try:
+        outs = [greedy_ids(srv, p, 24) for p in PROMPTS]
+        m = srv.metrics()
+        return outs, m["deltaserve:spec_decode_draft_digest"], \
+            m["deltaserve:spec_decode_num_draft_tokens_total"]
+    finally:
+        assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("taps", [None, [-1, 0, 1]], ids=["model-taps", "embedding-and-stage0"])
+def test_tap_relays_give_the_drafts_of_one_process(tmp_path, taps):
+    """The draft under PP sees the same context as on one process: plain relay, partial-sum relay,
+    PP 4 (a stage with no taps, the draft on a stage without the target embedding) and, with taps
+    [-1, 0, 1], the embedding tap and every tap on stage 0 — all propose the same drafts, to the
+    bit (the partial sums add the taps in the same order as one process does)."""
+    extra = ["--draft-model", draft_variant(tmp_path, taps)] if taps else []
+    base = spec_run(extra)
+    assert base[2] > 0
+    for args in (["-pp", "2", "--draft-tap-relay", "plain"],
+                 ["-pp", "2", "--draft-tap-relay", "partial-sum"],
+                 ["-pp", "4"]):
+        got = spec_run(args + extra)
+        assert got == base, args
