@@ -366,6 +366,9 @@ int ds_cmd_serve(int argc, char **argv) {
         }
         return st;
     }
+    /* A rank that hangs must end the job: ranks wait at most this long for each other (an idle
+     * head still sends a plan every second). */
+    if (tp * pp > 1 && !getenv("DS_COMM_TIMEOUT_S")) setenv("DS_COMM_TIMEOUT_S", "60", 1);
     ds_comm *comm = NULL;
     if (ds_comm_init(tp, pp, &comm, &err)) {
         fprintf(stderr, "serve: %s\n", err.msg);

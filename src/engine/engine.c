@@ -16,6 +16,7 @@
 #include "model/draft.h"
 #include "model/model.h"
 
+#include <errno.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -630,19 +631,31 @@ void ds_engine_abort(ds_engine *e, int64_t id) {
  */
 
 static void plan_exchange(ds_engine *e, request **in, int64_t *ab, int *n_ab, int *stopping,
-                          int *abort_all);
+                          int *abort_all, int heartbeat);
 
 /* Moves the inbox into the scheduler and applies aborts. Returns 1 when the engine should exit. */
 static int take_inbox(ds_engine *e) {
     request *in = NULL;
-    int n_ab = 0, stopping = 0, abort_all = 0;
+    int n_ab = 0, stopping = 0, abort_all = 0, heartbeat = 0;
     int64_t ab[256];
     if (e->head) {
         pthread_mutex_lock(&e->mu);
         for (;;) {
             int idle = !e->inbox && !e->n_aborts && !e->live;
             if (!idle || e->stopping) break;
-            pthread_cond_wait(&e->wake, &e->mu);
+            if (!e->dist) {
+                pthread_cond_wait(&e->wake, &e->mu);
+                continue;
+            }
+            /* In a job an idle head still sends an (empty) plan every second: the other ranks'
+             * waits stay short, so DS_COMM_TIMEOUT_S can tell a hung rank from an idle server. */
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            until.tv_sec += 1;
+            if (pthread_cond_timedwait(&e->wake, &e->mu, &until) == ETIMEDOUT) {
+                heartbeat = !e->inbox && !e->n_aborts && !e->live && !e->stopping;
+                break;
+            }
         }
         in = e->inbox;
         e->inbox = e->inbox_tail = NULL;
@@ -657,7 +670,7 @@ static int take_inbox(ds_engine *e) {
         pthread_mutex_unlock(&e->mu);
     }
     /* In a job the other ranks wait here for the head's plan (idle ranks included). */
-    if (e->dist) plan_exchange(e, &in, ab, &n_ab, &stopping, &abort_all);
+    if (e->dist) plan_exchange(e, &in, ab, &n_ab, &stopping, &abort_all, heartbeat);
 
     while (in) {
         request *r = in;
@@ -919,18 +932,19 @@ static void dist_fatal(ds_engine *e, const char *what, const char *msg) {
 
 typedef struct plan_hdr {
     int32_t stopping, abort_all, n_new, n_aborts;
+    int32_t heartbeat; /* an idle head's plan: every rank answers, so a hung one is found */
 } plan_hdr;
 
 /* Head: sends the requests of `in` (its own objects), the aborts and the stop flags.
  * Others: receive them and build the same requests into *in. */
 static void plan_exchange(ds_engine *e, request **in, int64_t *ab, int *n_ab, int *stopping,
-                          int *abort_all) {
+                          int *abort_all, int heartbeat) {
     ds_err err = {{0}};
     wbuf w = {0};
     void *blob = NULL;
     size_t n = 0;
     if (e->head) {
-        plan_hdr h = {*stopping, *abort_all, 0, *n_ab};
+        plan_hdr h = {*stopping, *abort_all, 0, *n_ab, heartbeat};
         for (request *r = *in; r; r = r->next) h.n_new++;
         put(&w, &h, sizeof h);
         for (request *r = *in; r; r = r->next) {
@@ -955,11 +969,21 @@ static void plan_exchange(ds_engine *e, request **in, int64_t *ab, int *n_ab, in
     if (ds_comm_bcast_blob(e->comm, &blob, &n, &err)) dist_fatal(e, "step plan", err.msg);
     if (e->head) {
         free(w.p);
+        /* Broadcasts of a few bytes complete at the head even when a rank is stuck, so an idle
+         * head would never notice: a heartbeat makes every rank broadcast in turn, and a rank
+         * that does not is named by the timeout (DS_COMM_TIMEOUT_S). */
+        uint64_t one = 1;
+        if (heartbeat && ds_comm_min_u64(e->comm, &one, &err))
+            dist_fatal(e, "heartbeat", err.msg);
         return;
     }
     rbuf rb = {blob, n, 0, 0};
     plan_hdr h;
     get(&rb, &h, sizeof h);
+    if (!rb.bad && h.heartbeat) {
+        uint64_t one = 1;
+        if (ds_comm_min_u64(e->comm, &one, &err)) dist_fatal(e, "heartbeat", err.msg);
+    }
     *stopping = h.stopping;
     *abort_all = h.abort_all;
     request *head = NULL, **tail = &head;

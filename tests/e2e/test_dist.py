@@ -153,3 +153,61 @@ def test_tap_relays_give_the_drafts_of_one_process(tmp_path, taps):
                  ["-pp", "4"]):
         got = spec_run(args + extra)
         assert got == base, args
+
+
+# ---- a rank that dies ----------------------------------------------------------------------------
+
+def rank_pids(root_pid):
+    """{world rank: pid} of the MPI ranks below root_pid (read from their environment)."""
+    import os
+    out, todo = {}, [root_pid]
+    while todo:
+        pid = todo.pop()
+        try:
+            kids = open(f"/proc/{pid}/task/{pid}/children").read().split()
+        except OSError:
+            continue
+        for k in map(int, kids):
+            todo.append(k)
+            try:
+                env = open(f"/proc/{k}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            for kv in env:
+                if kv.startswith(b"OMPI_COMM_WORLD_RANK="):
+                    out[int(kv.split(b"=", 1)[1])] = k
+    return out
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_dead_or_hung_rank_ends_the_job_naming_it(how, monkeypatch):
+    """A rank killed outright (mpirun notices) or stopped (the others time out on it, here after
+    3 s; an idle head's heartbeat makes every rank answer) ends the job non-zero, naming it."""
+    import os
+    import signal as sig
+    import time
+    monkeypatch.setenv("DS_COMM_TIMEOUT_S", "3")
+    srv = Server("-pp", "2", env_args=False)
+    ranks = {}
+    for _ in range(50):
+        ranks = rank_pids(srv.proc.pid)
+        if 1 in ranks:
+            break
+        time.sleep(0.1)
+    assert 1 in ranks, ranks
+    run(srv, "hello there", max_tokens=4)  # serving first
+    os.kill(ranks[1], getattr(sig, how))
+    t0 = time.time()
+    try:
+        rc = srv.proc.wait(timeout=30)
+    finally:
+        if how == "SIGSTOP":
+            try:
+                os.kill(ranks[1], sig.SIGKILL)
+            except ProcessLookupError:
+                pass
+    srv.pump.join(timeout=5)
+    log = "".join(srv.log)
+    assert rc != 0
+    assert time.time() - t0 < 30
+    assert ("rank 1" if how == "SIGKILL" else "from rank 1: no answer") in log, log[-2000:]
