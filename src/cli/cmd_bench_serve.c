@@ -79,7 +79,9 @@ static void on_sse_data(stream_state *s, const char *data, size_t n) {
     json_t *err = json_object_get(j, "error");
     if (err) req_error(r, "server error: %s", json_string_value(json_object_get(err, "message")));
     json_t *ch = json_array_get(json_object_get(j, "choices"), 0);
-    if (json_string_length(json_object_get(ch, "text")) > 0) {
+    /* a token arrived: text, or (token ids asked for) an id whose bytes do not decode alone */
+    if (json_string_length(json_object_get(ch, "text")) > 0 ||
+        json_array_size(json_object_get(ch, "token_ids")) > 0) {
         double now = ds_now();
         if (!s->got_first) {
             r->ttft = now - s->t_start;
@@ -152,9 +154,12 @@ static char *request_body(const bench *b, int i) {
             json_array_append_new(prompt,
                                   json_integer((json_int_t)(ds_rng_next(&rng) % PROMPT_ID_RANGE)));
     }
-    json_t *j = json_pack("{s:s, s:o, s:i, s:b, s:{s:b}, s:b, s:f}", "model", b->model, "prompt",
-                          prompt, "max_tokens", r->max_tokens, "stream", 1, "stream_options",
-                          "include_usage", 1, "ignore_eos", 1, "temperature", 0.0);
+    /* return_token_ids: every token then streams a chunk, also one whose bytes make no text yet
+     * (a random-weight model samples such ids), so the timings count tokens */
+    json_t *j = json_pack("{s:s, s:o, s:i, s:b, s:{s:b}, s:b, s:f, s:b}", "model", b->model,
+                          "prompt", prompt, "max_tokens", r->max_tokens, "stream", 1,
+                          "stream_options", "include_usage", 1, "ignore_eos", 1, "temperature",
+                          0.0, "return_token_ids", 1);
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
     return s;
