@@ -36,6 +36,12 @@ typedef struct ds_comm_ops {
      * broadcasts step plans, the sampling rank of the last stage broadcasts sampled tokens) */
     int (*bcast)(ds_comm *c, int root, void *buf, size_t n, ds_err *err);
     int (*barrier)(ds_comm *c, ds_err *err);
+    /* Byte messages between any two ranks, for traffic that must not make ranks wait on each
+     * other the way a collective does (pipelined steps): post copies buf[n] and returns at once
+     * (the copy is sent in the background, in order per destination and tag); take waits for the
+     * next message from `src` with `tag` and returns it malloc'd in *buf (*n bytes). */
+    int (*post)(ds_comm *c, int dst, int tag, const void *buf, size_t n, ds_err *err);
+    int (*take)(ds_comm *c, int src, int tag, void **buf, size_t *n, ds_err *err);
     /* status 0: orderly shutdown (collective); else end every rank of the job now */
     int (*finish)(ds_comm *c, int status);
 } ds_comm_ops;
@@ -82,6 +88,13 @@ static inline int ds_comm_bcast(ds_comm *c, void *buf, size_t n, ds_err *err) {
 }
 static inline int ds_comm_bcast_from(ds_comm *c, int root, void *buf, size_t n, ds_err *err) {
     return c->ops->bcast(c, root, buf, n, err);
+}
+static inline int ds_comm_post(ds_comm *c, int dst, int tag, const void *buf, size_t n,
+                               ds_err *err) {
+    return c->ops->post(c, dst, tag, buf, n, err);
+}
+static inline int ds_comm_take(ds_comm *c, int src, int tag, void **buf, size_t *n, ds_err *err) {
+    return c->ops->take(c, src, tag, buf, n, err);
 }
 static inline int ds_comm_barrier(ds_comm *c, ds_err *err) {
     return c->ops->barrier(c, err);

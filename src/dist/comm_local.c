@@ -27,14 +27,25 @@ static int local_barrier(ds_comm *c, ds_err *err) {
     return DS_OK;
 }
 
+/* One process has no one to message. */
+static int local_post(ds_comm *c, int dst, int tag, const void *buf, size_t n, ds_err *err) {
+    (void)buf, (void)n, (void)tag;
+    return ds_errf(err, "%s: message to rank %d in a single-process job", c->who, dst);
+}
+static int local_take(ds_comm *c, int src, int tag, void **buf, size_t *n, ds_err *err) {
+    (void)buf, (void)n, (void)tag;
+    return ds_errf(err, "%s: message from rank %d in a single-process job", c->who, src);
+}
+
 /* The local comm is a static object: nothing to free. */
 static int local_finish(ds_comm *c, int status) {
     (void)c;
     return status;
 }
 
-static const ds_comm_ops LOCAL_OPS = {"local",     local_allreduce, local_send,  local_recv,
-                                      local_bcast, local_barrier,   local_finish};
+static const ds_comm_ops LOCAL_OPS = {"local",       local_allreduce, local_send, local_recv,
+                                      local_bcast,   local_barrier,   local_post, local_take,
+                                      local_finish};
 
 ds_comm *ds_comm_local(void) {
     /* One per process; its only mutable field is last_err, which a local all-reduce never sets. */

@@ -16,11 +16,21 @@
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
+
+/* A byte message on its way (ds_comm_post): its own copy, freed once MPI is done with it. */
+typedef struct posted {
+    MPI_Request req;
+    void *copy;
+} posted;
 
 typedef struct mpi_impl {
     MPI_Comm tp, pp;  /* this stage's TP group; this tp_rank's pipeline */
+    MPI_Comm msg;     /* byte messages (post / take), apart from every collective */
     double timeout_s; /* 0: block forever */
+    posted *posts;    /* [n_posts] not yet known to be delivered */
+    int n_posts, cap_posts;
 } mpi_impl;
 
 static mpi_impl *impl_of(ds_comm *c) {
@@ -130,6 +140,92 @@ static int mpi_bcast(ds_comm *c, int root, void *buf, size_t n, ds_err *err) {
     return DS_OK;
 }
 
+/* Frees the copies of posts MPI has finished with (all of them when `all`, waiting). */
+static int reap_posts(ds_comm *c, int all, ds_err *err) {
+    mpi_impl *im = impl_of(c);
+    int k = 0;
+    for (int i = 0; i < im->n_posts; i++) {
+        int done = 0;
+        if (all) {
+            if (wait_req(c, &im->posts[i].req, "delivering a message", err)) return DS_ERR;
+            done = 1;
+        } else if (MPI_Test(&im->posts[i].req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) {
+            return ds_errf(err, "%s: a posted message failed", c->who);
+        }
+        if (done)
+            free(im->posts[i].copy);
+        else
+            im->posts[k++] = im->posts[i];
+    }
+    im->n_posts = k;
+    return DS_OK;
+}
+
+static int mpi_post(ds_comm *c, int dst, int tag, const void *buf, size_t n, ds_err *err) {
+    mpi_impl *im = impl_of(c);
+    if (dst < 0 || dst >= c->size || dst == c->rank)
+        return ds_errf(err, "%s: message to rank %d of %d", c->who, dst, c->size);
+    if (n > INT_MAX) return ds_errf(err, "%s: message of %zu bytes is too large", c->who, n);
+    if (reap_posts(c, 0, err)) return DS_ERR;
+    if (im->n_posts == im->cap_posts) {
+        int cap = im->cap_posts ? 2 * im->cap_posts : 16;
+        posted *p = realloc(im->posts, (size_t)cap * sizeof *p);
+        if (!p) return ds_errf(err, "%s: out of memory for messages", c->who);
+        im->posts = p;
+        im->cap_posts = cap;
+    }
+    posted *p = &im->posts[im->n_posts];
+    p->copy = ds_malloc(n ? n : 1, err);
+    if (!p->copy) return DS_ERR;
+    memcpy(p->copy, buf, n);
+    int rc = MPI_Isend(p->copy, (int)n, MPI_BYTE, dst, tag, im->msg, &p->req);
+    if (rc != MPI_SUCCESS) {
+        free(p->copy);
+        return mpi_fail(c, rc, "posting a message", err);
+    }
+    im->n_posts++;
+    return DS_OK;
+}
+
+static int mpi_take(ds_comm *c, int src, int tag, void **buf, size_t *n, ds_err *err) {
+    mpi_impl *im = impl_of(c);
+    char what[96];
+    snprintf(what, sizeof what, "message (tag %d) from rank %d", tag, src);
+    if (src < 0 || src >= c->size || src == c->rank)
+        return ds_errf(err, "%s: message from rank %d of %d", c->who, src, c->size);
+    /* Probe with the same polling as every other wait (timeout, naps), then receive. */
+    double t0 = MPI_Wtime();
+    long nap_ns = 20000;
+    MPI_Message m;
+    MPI_Status st;
+    for (long spins = 0;; spins++) {
+        int found = 0;
+        int rc = MPI_Improbe(src, tag, im->msg, &found, &m, &st);
+        if (rc != MPI_SUCCESS) return mpi_fail(c, rc, what, err);
+        if (found) break;
+        if (reap_posts(c, 0, err)) return DS_ERR;
+        if (im->timeout_s > 0 && MPI_Wtime() - t0 > im->timeout_s)
+            return ds_errf(err, "%s: %s: no answer after %.0f s (DS_COMM_TIMEOUT_S)", c->who,
+                           what, im->timeout_s);
+        if (spins > 200) {
+            nanosleep(&(struct timespec){0, nap_ns}, NULL);
+            if (nap_ns < 1000000) nap_ns += nap_ns / 4;
+        }
+    }
+    int cnt = 0;
+    MPI_Get_count(&st, MPI_BYTE, &cnt);
+    *buf = ds_malloc(cnt ? (size_t)cnt : 1, err);
+    if (!*buf) return DS_ERR;
+    int rc = MPI_Mrecv(*buf, cnt, MPI_BYTE, &m, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) {
+        free(*buf);
+        *buf = NULL;
+        return mpi_fail(c, rc, what, err);
+    }
+    *n = (size_t)cnt;
+    return DS_OK;
+}
+
 static int mpi_barrier(ds_comm *c, ds_err *err) {
     MPI_Request req;
     int rc = MPI_Ibarrier(MPI_COMM_WORLD, &req);
@@ -146,8 +242,12 @@ static int mpi_finish(ds_comm *c, int status) {
         return status; /* not reached */
     }
     if (im) {
+        ds_err e2;
+        reap_posts(c, 1, &e2); /* every message reaches its rank before MPI goes */
+        free(im->posts);
         if (im->tp != MPI_COMM_NULL) MPI_Comm_free(&im->tp);
         if (im->pp != MPI_COMM_NULL) MPI_Comm_free(&im->pp);
+        if (im->msg != MPI_COMM_NULL) MPI_Comm_free(&im->msg);
     }
     free(im);
     free(c);
@@ -155,8 +255,8 @@ static int mpi_finish(ds_comm *c, int status) {
     return status;
 }
 
-static const ds_comm_ops MPI_OPS = {"mpi",     mpi_allreduce, mpi_send,  mpi_recv,
-                                    mpi_bcast, mpi_barrier,   mpi_finish};
+static const ds_comm_ops MPI_OPS = {"mpi",       mpi_allreduce, mpi_send, mpi_recv, mpi_bcast,
+                                    mpi_barrier, mpi_post,      mpi_take, mpi_finish};
 
 int ds_comm_mpi_init(int tp, int pp, ds_comm **out, ds_err *err) {
     *out = NULL;
@@ -184,7 +284,7 @@ int ds_comm_mpi_init(int tp, int pp, ds_comm **out, ds_err *err) {
     }
     c->ops = &MPI_OPS;
     c->impl = im;
-    im->tp = im->pp = MPI_COMM_NULL;
+    im->tp = im->pp = im->msg = MPI_COMM_NULL;
     MPI_Comm_rank(MPI_COMM_WORLD, &c->rank);
     MPI_Comm_size(MPI_COMM_WORLD, &c->size);
     c->tp_size = 1;
@@ -205,8 +305,10 @@ int ds_comm_mpi_init(int tp, int pp, ds_comm **out, ds_err *err) {
     ds_comm_set_who(c);
     int rc = MPI_Comm_split(MPI_COMM_WORLD, c->stage, c->tp_rank, &im->tp);
     if (rc == MPI_SUCCESS) rc = MPI_Comm_split(MPI_COMM_WORLD, c->tp_rank, c->stage, &im->pp);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_dup(MPI_COMM_WORLD, &im->msg);
     if (rc != MPI_SUCCESS) return mpi_fail(c, rc, "splitting TP and PP groups", err);
     MPI_Comm_set_errhandler(im->tp, MPI_ERRORS_RETURN);
     MPI_Comm_set_errhandler(im->pp, MPI_ERRORS_RETURN);
+    MPI_Comm_set_errhandler(im->msg, MPI_ERRORS_RETURN);
     return DS_OK;
 }

@@ -40,6 +40,7 @@ typedef struct choice {
     int done;
     int32_t drafts[DS_MAX_SPEC]; /* [n_drafts] proposed continuation after the last token */
     int n_drafts;
+    int busy; /* its sequence has a step in flight (launched, outcome not yet applied) */
 } choice;
 
 struct request {
@@ -53,6 +54,22 @@ struct request {
     uint64_t seed_base; /* choice i draws from seed_base + i */
     request *next; /* inbox / live list */
 };
+
+/* One step between its launch (schedule, forward, the sampling rank's choices) and its completion
+ * (every rank applies the outcome). Without pipelining a step completes right after it is
+ * launched; with P pipeline stages P steps are in flight, each for its own group of sequences,
+ * and a step's outcome is applied when its group's turn comes again. */
+typedef struct inflight {
+    int active, n_items, n_prompt_tokens;
+    double t0;
+    ds_sched_item *items;           /* [max_num_seqs] */
+    int32_t (*vt)[DS_MAX_SPEC + 1]; /* [max_num_seqs][k+1] tokens to deliver */
+    ds_logprobs_out *vlp;           /* [max_num_seqs][k+1] */
+    int *va;                        /* [max_num_seqs] accepted drafts, -1: not a verify */
+    int32_t (*dr)[DS_MAX_SPEC];     /* [max_num_seqs][k] the next drafts */
+    int *n_dr;                      /* [max_num_seqs] */
+    float *state_rows; /* [max_num_seqs][k+1][slot floats] KDA slot after each verify row */
+} inflight;
 
 struct ds_engine {
     ds_engine_opts opts;
@@ -84,7 +101,11 @@ struct ds_engine {
     request *live; /* engine thread only: requests with choices not yet done */
 
     /* step buffers, engine thread only */
-    ds_sched_item *items; /* [max_num_seqs] */
+    inflight *fl;         /* [n_fl] steps in flight, used round robin */
+    int n_fl;             /* P with pipelined stages, else 1 */
+    uint64_t micro;       /* steps launched so far */
+    int64_t *deferred;    /* [n_deferred] aborts of requests with a step in flight */
+    int n_deferred, cap_deferred;
     ds_seq **preempted;   /* [max_num_seqs] */
     ds_seq_batch *batch;  /* [max_num_seqs] */
     float *logits;        /* [max_num_seqs][k+1][V] */
@@ -94,7 +115,6 @@ struct ds_engine {
     int k;
     ds_draft *draft;       /* dspark */
     ds_draft_cache dcache; /* the draft's latent rows, addressed by the same pages */
-    float *state_rows;     /* [max_num_seqs][k+1][slot floats] KDA slot after each verify row */
     float *taps;           /* [sum of item tokens][n_taps][D] this step's draft taps */
     /* DSpark taps in a job: every rank knows the tap layers; stage s holds taps [j0, j1) */
     int n_taps;                     /* taps this rank captures (0: none) */
@@ -422,17 +442,31 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
     if (opts->enable_prefix_caching && setup_prefix(e, err)) goto fail;
     if (opts->speculative_method != DS_SPEC_NONE && setup_spec(e, err)) goto fail;
     int S = opts->max_num_seqs, rows = e->k + 1;
-    e->items = ds_calloc((size_t)S, sizeof *e->items, err);
+    /* With pipelined stages P steps are in flight (DESIGN.md, "Process model"). */
+    e->n_fl = e->dist && e->comm->n_stages > 1 && !opts->pp_lock_step ? e->comm->n_stages : 1;
+    e->fl = ds_calloc((size_t)e->n_fl, sizeof *e->fl, err);
+    if (!e->fl) goto fail;
+    for (int q = 0; q < e->n_fl; q++) {
+        inflight *f = &e->fl[q];
+        f->items = ds_calloc((size_t)S, sizeof *f->items, err);
+        f->vt = ds_calloc((size_t)S, sizeof *f->vt, err);
+        f->vlp = ds_calloc((size_t)S * rows, sizeof *f->vlp, err);
+        f->va = ds_calloc((size_t)S, sizeof *f->va, err);
+        f->dr = ds_calloc((size_t)S, sizeof *f->dr, err);
+        f->n_dr = ds_calloc((size_t)S, sizeof *f->n_dr, err);
+        f->state_rows =
+            e->k ? ds_malloc((size_t)S * rows * ds_model_slot_floats(e->model) * sizeof(float) + 1,
+                             err)
+                 : NULL;
+        if (!f->items || !f->vt || !f->vlp || !f->va || !f->dr || !f->n_dr ||
+            (e->k && !f->state_rows))
+            goto fail;
+    }
     e->preempted = ds_calloc((size_t)S, sizeof *e->preempted, err);
     e->batch = ds_calloc((size_t)S, sizeof *e->batch, err);
     e->logits = ds_malloc((size_t)S * rows * e->V * sizeof(float), err);
     e->scratch = ds_sample_scratch_new(e->V, err);
-    if (!e->items || !e->preempted || !e->batch || !e->logits || !e->scratch) goto fail;
-    if (e->k) {
-        e->state_rows =
-            ds_malloc((size_t)S * rows * ds_model_slot_floats(e->model) * sizeof(float) + 1, err);
-        if (!e->state_rows) goto fail;
-    }
+    if (!e->preempted || !e->batch || !e->logits || !e->scratch) goto fail;
     *out = e;
     return DS_OK;
 fail:
@@ -633,6 +667,39 @@ void ds_engine_abort(ds_engine *e, int64_t id) {
 static void plan_exchange(ds_engine *e, request **in, int64_t *ab, int *n_ab, int *stopping,
                           int *abort_all, int heartbeat);
 
+static int request_busy(const request *r) {
+    for (int i = 0; i < r->spec.params.n; i++)
+        if (r->choices[i].busy) return 1;
+    return 0;
+}
+
+/* Aborts request `id` now, or (a step of it is in flight) once that step completes: the same
+ * decision on every rank, so the ranks stay in step. Unknown ids are ignored. */
+static void abort_or_defer(ds_engine *e, int64_t id) {
+    for (request *r = e->live; r; r = r->next) {
+        if (r->id != id) continue;
+        if (!request_busy(r)) {
+            abort_request(e, r);
+        } else {
+            if (e->n_deferred == e->cap_deferred) {
+                int cap = e->cap_deferred ? 2 * e->cap_deferred : 16;
+                int64_t *d = realloc(e->deferred, (size_t)cap * sizeof *d);
+                if (!d) return; /* cannot keep it: the request runs to its end */
+                e->deferred = d;
+                e->cap_deferred = cap;
+            }
+            e->deferred[e->n_deferred++] = id;
+        }
+        return;
+    }
+}
+
+static void retry_deferred_aborts(ds_engine *e) {
+    int n = e->n_deferred;
+    e->n_deferred = 0;
+    for (int i = 0; i < n; i++) abort_or_defer(e, e->deferred[i]);
+}
+
 /* Moves the inbox into the scheduler and applies aborts. Returns 1 when the engine should exit. */
 static int take_inbox(ds_engine *e) {
     request *in = NULL;
@@ -693,14 +760,16 @@ static int take_inbox(ds_engine *e) {
             }
         }
     }
-    for (int a = 0; a < n_ab; a++)
-        for (request *r = e->live; r; r = r->next)
-            if (r->id == ab[a]) {
-                abort_request(e, r);
-                break;
-            }
-    if (abort_all)
-        while (e->live) abort_request(e, e->live);
+    for (int a = 0; a < n_ab; a++) abort_or_defer(e, ab[a]);
+    if (abort_all) { /* aborting frees requests: walk the list by id */
+        for (;;) {
+            request *r = e->live;
+            while (r && request_busy(r)) r = r->next;
+            if (!r) break;
+            abort_request(e, r);
+        }
+        for (request *r = e->live; r; r = r->next) abort_or_defer(e, r->id);
+    }
     return stopping && !e->live;
 }
 
@@ -788,36 +857,14 @@ static int ngram_propose(const int32_t *t, int n_tokens, int k, int32_t *out) {
     return 0;
 }
 
-/* Drafts for a choice whose last token is its only uncomputed one (it will be verified next). */
-static void propose(ds_engine *e, choice *ch) {
-    ds_seq *s = ch->seq;
-    ch->n_drafts = 0;
-    if (!e->k || s->n_computed != s->n_tokens - 1) return;
-    int k = e->k;
-    if (e->opts.spec_test_drafts) {
-        int n =
-            e->opts.spec_test_drafts(e->opts.spec_test_ctx, s->tokens, s->n_tokens, k, ch->drafts);
-        ch->n_drafts = DS_MAX(0, DS_MIN(n, k));
-    } else if (e->draft) {
-        ds_err err;
-        if (ds_draft_propose(e->draft, &e->dcache, s->block_table, s->n_computed - 1,
-                             s->tokens[s->n_tokens - 1], k, ch->drafts, NULL, &err) == DS_OK)
-            ch->n_drafts = k;
-        else /* a draft failure costs speed, never output: decode without drafts */
-            fprintf(stderr, "[deltaserve] draft: %s\n", err.msg);
-    } else {
-        ch->n_drafts = ngram_propose(s->tokens, s->n_tokens, k, ch->drafts);
-    }
-}
-
 /* Puts each decoding choice's drafts behind its last token, as many as its limits allow. */
 static void attach_drafts(ds_engine *e) {
     for (request *r = e->live; r; r = r->next)
         for (int i = 0; i < r->spec.params.n; i++) {
             choice *ch = &r->choices[i];
             ds_seq *s = ch->seq;
-            if (ch->done || !s || !ch->in_sched || s->status != DS_SEQ_RUNNING || !ch->n_drafts ||
-                s->n_computed != s->n_tokens - 1)
+            if (ch->done || ch->busy || !s || !ch->in_sched || s->status != DS_SEQ_RUNNING ||
+                !ch->n_drafts || s->n_computed != s->n_tokens - 1)
                 continue;
             /* room for the drafts and the token after them, within the request's limits */
             int room = DS_MIN(s->max_len - s->n_tokens - 1,
@@ -838,7 +885,8 @@ static void detach_drafts(ds_engine *e) {
     for (request *r = e->live; r; r = r->next)
         for (int i = 0; i < r->spec.params.n; i++) {
             ds_seq *s = r->choices[i].seq;
-            if (!r->choices[i].done && s && s->n_spec) {
+            /* a choice in flight keeps its drafts: its step's outcome settles them */
+            if (!r->choices[i].done && !r->choices[i].busy && s && s->n_spec) {
                 s->n_tokens -= s->n_spec;
                 s->n_spec = 0;
             }
@@ -885,6 +933,8 @@ static void pack_taps(float *taps, int n_taps, int n, int n_keep, int D) {
  * requests, aborts, stop), and the sampling rank's outcome after it (per sampled item: accepted
  * count, tokens, logprobs when asked, then the drafts for the next step). Every rank applies them
  * in the same order, so schedulers, pools, prefix caches and texts stay identical everywhere. */
+enum { TAG_PLAN = 1, TAG_OUTCOME = 2 }; /* byte messages between ranks (ds_comm_post) */
+
 typedef struct wbuf {
     char *p;
     size_t n, cap;
@@ -966,7 +1016,15 @@ static void plan_exchange(ds_engine *e, request **in, int64_t *ab, int *n_ab, in
         blob = w.p;
         n = w.n;
     }
-    if (ds_comm_bcast_blob(e->comm, &blob, &n, &err)) dist_fatal(e, "step plan", err.msg);
+    /* A message to each rank rather than a broadcast: with pipelined stages the ranks read a
+     * step's plan at different times, and the head must not wait for the last of them. */
+    if (e->head) {
+        for (int r = 1; r < e->comm->size; r++)
+            if (ds_comm_post(e->comm, r, TAG_PLAN, blob, n, &err))
+                dist_fatal(e, "step plan", err.msg);
+    } else if (ds_comm_take(e->comm, 0, TAG_PLAN, &blob, &n, &err)) {
+        dist_fatal(e, "step plan", err.msg);
+    }
     if (e->head) {
         free(w.p);
         /* Broadcasts of a few bytes complete at the head even when a rank is stuck, so an idle
@@ -1026,48 +1084,48 @@ static void plan_exchange(ds_engine *e, request **in, int64_t *ab, int *n_ab, in
     *in = head;
 }
 
-/* After the forward: the sampling rank chose every sampled item's tokens (vt, va, vlp) and, after
- * delivering them, the next drafts (dr, n_dr); the others receive all of it. Sizes are those of
- * run_step's arrays. */
-static void outcome_exchange(ds_engine *e, int n_items, int32_t (*vt)[DS_MAX_SPEC + 1],
-                             ds_logprobs_out *vlp, int *va, int32_t (*dr)[DS_MAX_SPEC],
-                             int *n_dr) {
+/* The outcome of step f, from the sampling rank to each other rank (per sampled item: accepted
+ * count, tokens, logprobs, then the next drafts), as a message of its own: with pipelined stages
+ * the ranks take it at different times, so no collective may carry it. */
+static void outcome_send(ds_engine *e, inflight *f) {
     ds_err err = {{0}};
     int rows = e->k + 1;
     wbuf w = {0};
+    for (int i = 0; i < f->n_items; i++) {
+        if (!f->items[i].sample) continue;
+        int cnt = f->va[i] < 0 ? 1 : f->va[i] + 1;
+        put(&w, &f->va[i], sizeof f->va[i]);
+        put(&w, f->vt[i], (size_t)cnt * sizeof(int32_t));
+        put(&w, &f->vlp[(size_t)i * rows], (size_t)cnt * sizeof *f->vlp);
+        put(&w, &f->n_dr[i], sizeof f->n_dr[i]);
+        put(&w, f->dr[i], (size_t)f->n_dr[i] * sizeof(int32_t));
+    }
+    if (w.oom) dist_fatal(e, "step outcome", "out of memory");
+    for (int r = 0; r < e->comm->size; r++)
+        if (r != e->comm->rank && ds_comm_post(e->comm, r, TAG_OUTCOME, w.p, w.n, &err))
+            dist_fatal(e, "step outcome", err.msg);
+    free(w.p);
+}
+
+static void outcome_take(ds_engine *e, inflight *f) {
+    ds_err err = {{0}};
+    int rows = e->k + 1;
     void *blob = NULL;
     size_t n = 0;
-    if (e->sampler) {
-        for (int i = 0; i < n_items; i++) {
-            if (!e->items[i].sample) continue;
-            int cnt = va[i] < 0 ? 1 : va[i] + 1;
-            put(&w, &va[i], sizeof va[i]);
-            put(&w, vt[i], (size_t)cnt * sizeof(int32_t));
-            put(&w, &vlp[(size_t)i * rows], (size_t)cnt * sizeof *vlp);
-            put(&w, &n_dr[i], sizeof n_dr[i]);
-            put(&w, dr[i], (size_t)n_dr[i] * sizeof(int32_t));
-        }
-        if (w.oom) dist_fatal(e, "step outcome", "out of memory");
-        blob = w.p;
-        n = w.n;
-    }
-    if (ds_comm_bcast_blob_from(e->comm, e->sampler_rank, &blob, &n, &err))
+    if (ds_comm_take(e->comm, e->sampler_rank, TAG_OUTCOME, &blob, &n, &err))
         dist_fatal(e, "step outcome", err.msg);
-    if (e->sampler) {
-        free(w.p);
-        return;
-    }
     rbuf rb = {blob, n, 0, 0};
-    for (int i = 0; i < n_items && !rb.bad; i++) {
-        if (!e->items[i].sample) continue;
-        get(&rb, &va[i], sizeof va[i]);
-        if (va[i] < -1 || va[i] > e->k) rb.bad = 1;
-        int cnt = va[i] < 0 ? 1 : va[i] + 1;
-        get(&rb, vt[i], (size_t)cnt * sizeof(int32_t));
-        get(&rb, &vlp[(size_t)i * rows], (size_t)cnt * sizeof *vlp);
-        get(&rb, &n_dr[i], sizeof n_dr[i]);
-        if (n_dr[i] < 0 || n_dr[i] > e->k) rb.bad = 1;
-        if (!rb.bad) get(&rb, dr[i], (size_t)n_dr[i] * sizeof(int32_t));
+    for (int i = 0; i < f->n_items && !rb.bad; i++) {
+        f->va[i] = -1;
+        if (!f->items[i].sample) continue;
+        get(&rb, &f->va[i], sizeof f->va[i]);
+        if (f->va[i] < -1 || f->va[i] > e->k) rb.bad = 1;
+        int cnt = f->va[i] < 0 ? 1 : f->va[i] + 1;
+        get(&rb, f->vt[i], (size_t)cnt * sizeof(int32_t));
+        get(&rb, &f->vlp[(size_t)i * rows], (size_t)cnt * sizeof *f->vlp);
+        get(&rb, &f->n_dr[i], sizeof f->n_dr[i]);
+        if (f->n_dr[i] < 0 || f->n_dr[i] > e->k) rb.bad = 1;
+        if (!rb.bad) get(&rb, f->dr[i], (size_t)f->n_dr[i] * sizeof(int32_t));
     }
     if (rb.bad || rb.off != rb.n) dist_fatal(e, "step outcome", "malformed message");
     free(blob);
@@ -1154,25 +1212,57 @@ static void relay_taps(ds_engine *e, int n_items) {
     }
 }
 
-static void run_step(ds_engine *e) {
+/* The drafts for a choice after its step: the tokens it has once the outcome is applied are
+ * tokens[0 .. n_keep) and then `next`. Proposed by the sampling rank at launch, so that they can
+ * travel with the outcome. */
+static int draft_after(ds_engine *e, ds_seq *s, const ds_sched_item *it, int n_keep, int32_t next,
+                       int32_t *out) {
+    int k = e->k, len = it->pos0 + n_keep + 1;
+    if (e->draft && !e->opts.spec_test_drafts) {
+        ds_err err;
+        if (ds_draft_propose(e->draft, &e->dcache, s->block_table, len - 2, next, k, out, NULL,
+                             &err) == DS_OK)
+            return k;
+        fprintf(stderr, "[deltaserve] draft: %s\n", err.msg); /* costs speed, never output */
+        return 0;
+    }
+    int32_t *t = malloc((size_t)len * sizeof *t); /* [len] the tokens after the step */
+    if (!t) return 0;
+    memcpy(t, s->tokens, (size_t)(len - 1) * sizeof *t);
+    t[len - 1] = next;
+    int n = e->opts.spec_test_drafts
+                ? e->opts.spec_test_drafts(e->opts.spec_test_ctx, t, len, k, out)
+                : ngram_propose(t, len, k, out);
+    free(t);
+    return DS_MAX(0, DS_MIN(n, k));
+}
+
+/* Schedules and runs one step for the sequences of group g (every sequence when not pipelined);
+ * the sampling rank chooses the tokens, writes the draft's context, proposes the next drafts and
+ * sends the outcome. Returns 0 when there was nothing to run. */
+static int launch(ds_engine *e, inflight *f, int g) {
     int n_items = 0, n_pre = 0;
+    ds_sched_set_group(e->sched, g, e->n_fl);
     if (e->k) attach_drafts(e);
-    ds_sched_schedule(e->sched, e->items, &n_items, e->preempted, &n_pre);
+    ds_sched_schedule(e->sched, f->items, &n_items, e->preempted, &n_pre);
     if (n_pre) {
         pthread_mutex_lock(&e->mu);
         e->stats.preemptions_total += (uint64_t)n_pre;
         pthread_mutex_unlock(&e->mu);
     }
+    f->n_items = n_items;
+    f->active = 0;
     if (!n_items) {
         if (e->k) detach_drafts(e);
-        return;
+        return 0;
     }
-    double t0 = ds_now();
-    int n_prompt_tokens = 0, rows = e->k + 1;
+    f->t0 = ds_now();
+    f->n_prompt_tokens = 0;
+    int rows = e->k + 1;
     const ds_config *c = ds_model_config(e->model);
     int n_taps = e->n_taps, D = c->hidden_size;
     size_t slot_n = ds_model_slot_floats(e->model), tap_need = 0;
-    for (int i = 0; i < n_items; i++) tap_need += (size_t)e->items[i].n * n_taps * D;
+    for (int i = 0; i < n_items; i++) tap_need += (size_t)f->items[i].n * n_taps * D;
     if (tap_need > e->taps_cap) {
         float *t = realloc(e->taps, tap_need * sizeof(float));
         if (!t) { /* no taps this step: the draft context lags, outputs stay exact */
@@ -1185,8 +1275,9 @@ static void run_step(ds_engine *e) {
     }
     size_t tap_off = 0;
     for (int i = 0; i < n_items; i++) {
-        ds_sched_item *it = &e->items[i];
+        ds_sched_item *it = &f->items[i];
         ds_seq *s = it->seq;
+        ((choice *)s->owner)->busy = 1;
         int verify_rows = s->n_spec ? s->n_spec + 1 : 1;
         int want_logits = it->sample && e->last_stage;
         e->batch[i] = (ds_seq_batch){
@@ -1200,14 +1291,15 @@ static void run_step(ds_engine *e) {
             .tap_layers = n_taps ? e->tap_ids : NULL,
             .n_taps = n_taps,
             .taps = n_taps ? e->taps + tap_off : NULL,
-            .state_rows = s->n_spec ? e->state_rows + (size_t)i * rows * slot_n : NULL,
+            .state_rows = s->n_spec ? f->state_rows + (size_t)i * rows * slot_n : NULL,
         };
         tap_off += (size_t)it->n * n_taps * D;
-        if (it->pos0 < s->n_prompt) n_prompt_tokens += DS_MIN(it->n, s->n_prompt - it->pos0);
+        if (it->pos0 < s->n_prompt) f->n_prompt_tokens += DS_MIN(it->n, s->n_prompt - it->pos0);
         /* A sequence resumed from a checkpoint starts from a copy of it: before any kernel reads
          * its slot, whatever kind of step this is (prefill, decode or verify). */
         if (e->prefix) ds_prefix_take_fork(e->prefix, s, e->batch[i].slot);
     }
+    f->active = 1;
     ds_err err = {{0}};
     int frc = e->dist ? ds_pp_step(e->comm, e->model, &e->kv, e->batch, n_items, &e->ppb, &err)
                       : ds_model_forward(e->model, &e->kv, e->batch, n_items, &err);
@@ -1216,117 +1308,117 @@ static void run_step(ds_engine *e) {
          * were validated at submit): fail the batch's requests rather than the server. */
         if (e->dist) dist_fatal(e, "forward", err.msg);
         fprintf(stderr, "[deltaserve] forward failed: %s\n", err.msg);
-        for (int i = 0; i < n_items; i++) finish_choice(e, e->items[i].seq->owner, DS_FINISH_ERROR);
+        for (int i = 0; i < n_items; i++) {
+            choice *ch = f->items[i].seq->owner;
+            ch->busy = 0;
+            finish_choice(e, ch, DS_FINISH_ERROR);
+        }
+        f->active = 0;
         if (e->k) detach_drafts(e);
-        return;
+        return 0;
     }
     if (e->dist) relay_taps(e, n_items);
-    /* Every sampled item's tokens: a verify samples its rows until a draft is rejected, a plain
-     * item samples one. The sampling rank chooses; in a job the others learn the outcome. */
-    int32_t(*vt)[DS_MAX_SPEC + 1] = calloc((size_t)n_items, sizeof *vt); /* [n_items][k+1] */
-    ds_logprobs_out *vlp = calloc((size_t)n_items * rows, sizeof *vlp);  /* [n_items][k+1] */
-    int *va = malloc((size_t)n_items * sizeof *va); /* [n_items] accepted, -1: not a verify */
-    int32_t(*dr)[DS_MAX_SPEC] = calloc((size_t)n_items, sizeof *dr); /* [n_items][k] drafts */
-    int *n_dr = calloc((size_t)n_items, sizeof *n_dr);                /* [n_items] */
-    if (!vt || !vlp || !va || !dr || !n_dr) {
-        if (e->dist) dist_fatal(e, "step", "out of memory");
-        fprintf(stderr, "[deltaserve] out of memory in a step\n");
-        for (int i = 0; i < n_items; i++) finish_choice(e, e->items[i].seq->owner, DS_FINISH_ERROR);
-        goto out;
-    }
     if (e->sampler) {
+        /* Every sampled item's tokens: a verify samples its rows until a draft is rejected, a
+         * plain item samples one. */
+        int summed = e->dist && e->comm->n_stages > 1 &&
+                     e->opts.draft_tap_relay == DS_RELAY_PARTIAL_SUM;
+        tap_off = 0;
+        size_t off = 0;
         for (int i = 0; i < n_items; i++) {
-            ds_sched_item *it = &e->items[i];
-            va[i] = -1;
-            if (!it->sample) continue;
+            ds_sched_item *it = &f->items[i];
+            ds_seq *s = it->seq;
+            choice *ch = s->owner;
+            int n_run = e->batch[i].n;
+            f->va[i] = -1;
+            f->n_dr[i] = 0;
             float *lg = e->logits + (size_t)i * rows * e->V;
-            choice *ch = it->seq->owner;
-            if (it->seq->n_spec)
-                va[i] = verify(e, ch, it, lg, vt[i], vlp + (size_t)i * rows);
-            else
-                vt[i][0] = choose(e, ch, lg, 0, &vlp[(size_t)i * rows]);
+            int n_keep = it->n; /* positions the step keeps: a verify only its accepted ones */
+            if (it->sample) {
+                if (s->n_spec) {
+                    f->va[i] = verify(e, ch, it, lg, f->vt[i], f->vlp + (size_t)i * rows);
+                    n_keep = f->va[i] + 1;
+                } else {
+                    f->vt[i][0] = choose(e, ch, lg, 0, &f->vlp[(size_t)i * rows]);
+                }
+            }
+            /* The draft's context rows for the positions kept (later ones are rewritten when
+             * they are recomputed), before it drafts from them. */
+            if (n_taps && e->draft) {
+                int rc;
+                if (summed) {
+                    rc = ds_draft_write_context_sum(e->draft, &e->dcache, s->block_table, it->pos0,
+                                                    n_keep, e->relay + off * D, &err);
+                } else {
+                    pack_taps(e->taps + tap_off, n_taps, n_run, n_keep, D);
+                    rc = ds_draft_write_context(e->draft, &e->dcache, s->block_table, it->pos0,
+                                                n_keep, e->taps + tap_off, &err);
+                }
+                if (rc) fprintf(stderr, "[deltaserve] draft context: %s\n", err.msg);
+            }
+            tap_off += (size_t)n_run * n_taps * D;
+            off += (size_t)n_run;
+            if (it->sample && e->k)
+                f->n_dr[i] = draft_after(e, s, it, n_keep, f->vt[i][f->va[i] < 0 ? 0 : f->va[i]],
+                                         f->dr[i]);
         }
-    } else {
-        outcome_exchange(e, n_items, vt, vlp, va, dr, n_dr);
+        if (e->dist) outcome_send(e, f);
     }
-    /* Verify items: roll the KDA slot back to the last accepted row and shrink the item to what
-     * was accepted, so the commit below (and the prefix cache) only ever sees accepted tokens. */
+    if (e->k) detach_drafts(e);
+    return 1;
+}
+
+/* Applies step f's outcome on this rank: KDA rollback and truncation of verifies, the commit,
+ * prefix-cache filing, the tokens (events on the head), the next drafts. */
+static void complete(ds_engine *e, inflight *f) {
+    if (!f->active) return;
+    f->active = 0;
+    int n_items = f->n_items, rows = e->k + 1;
+    size_t slot_n = ds_model_slot_floats(e->model);
+    if (!e->sampler) outcome_take(e, f);
     for (int i = 0; i < n_items; i++) {
-        ds_sched_item *it = &e->items[i];
+        ds_sched_item *it = &f->items[i];
         ds_seq *s = it->seq;
-        if (!it->sample || !s->n_spec) continue;
-        int a = va[i];
-        count_verify(e, s->n_spec, a);
-        memcpy(e->batch[i].slot, e->state_rows + ((size_t)i * rows + a) * slot_n,
+        ((choice *)s->owner)->busy = 0;
+        if (!it->sample || f->va[i] < 0) continue;
+        /* a verify: roll the KDA slot back to the last accepted row and shrink the item to what
+         * was accepted, so the commit below (and the prefix cache) only see accepted tokens */
+        int a = f->va[i];
+        count_verify(e, it->n - 1, a);
+        memcpy(ds_slot_data(e->slots, s->slot), f->state_rows + ((size_t)i * rows + a) * slot_n,
                slot_n * sizeof(float));
         s->n_tokens = it->pos0 + 1 + a; /* the accepted drafts stay, the rest go */
         s->n_spec = 0;
         it->n = a + 1;
     }
-    ds_sched_commit(e->sched, e->items, n_items);
+    ds_sched_commit(e->sched, f->items, n_items);
     /* File the pages and rung checkpoints this step completed, before sampling appends tokens
      * (the slot now summarises exactly n_computed tokens). */
     if (e->prefix)
         for (int i = 0; i < n_items; i++) {
-            ds_seq *s = e->items[i].seq;
+            ds_seq *s = f->items[i].seq;
             if (s->status == DS_SEQ_RUNNING)
                 ds_prefix_on_computed(e->prefix, s, ds_slot_data(e->slots, s->slot));
         }
-    /* The draft's context rows for every position the target just computed (for a verify, only
-     * the accepted ones; later rows are rewritten when they are recomputed). */
-    int summed = e->dist && e->comm->n_stages > 1 && e->opts.draft_tap_relay == DS_RELAY_PARTIAL_SUM;
-    if (n_taps && e->draft) {
-        tap_off = 0;
-        size_t off = 0;
-        for (int i = 0; i < n_items; i++) {
-            ds_sched_item *it = &e->items[i];
-            int n_run = e->batch[i].n, rc;
-            if (summed) {
-                rc = ds_draft_write_context_sum(e->draft, &e->dcache, it->seq->block_table,
-                                                it->pos0, it->n, e->relay + off * D, &err);
-            } else {
-                pack_taps(e->taps + tap_off, n_taps, n_run, it->n, D);
-                rc = ds_draft_write_context(e->draft, &e->dcache, it->seq->block_table, it->pos0,
-                                            it->n, e->taps + tap_off, &err);
-            }
-            if (rc) fprintf(stderr, "[deltaserve] draft context: %s\n", err.msg);
-            tap_off += (size_t)n_run * n_taps * D;
-            off += (size_t)n_run;
-        }
-    }
     for (int i = 0; i < n_items; i++) {
-        ds_sched_item *it = &e->items[i];
+        ds_sched_item *it = &f->items[i];
         if (!it->sample) continue;
         choice *ch = it->seq->owner;
-        int finished = 0, cnt = va[i] < 0 ? 1 : va[i] + 1;
+        int finished = 0, cnt = f->va[i] < 0 ? 1 : f->va[i] + 1;
         for (int j = 0; j < cnt && !finished; j++)
-            finished = deliver(e, ch, vt[i][j], &vlp[(size_t)i * rows + j], j < cnt - 1);
+            finished = deliver(e, ch, f->vt[i][j], &f->vlp[(size_t)i * rows + j], j < cnt - 1);
         if (finished || !e->k) continue;
-        if (e->sampler) {
-            propose(e, ch);
-            n_dr[i] = ch->n_drafts;
-            memcpy(dr[i], ch->drafts, (size_t)ch->n_drafts * sizeof(int32_t));
-        } else {
-            ch->n_drafts = n_dr[i];
-            memcpy(ch->drafts, dr[i], (size_t)n_dr[i] * sizeof(int32_t));
-        }
+        ch->n_drafts = f->n_dr[i];
+        memcpy(ch->drafts, f->dr[i], (size_t)f->n_dr[i] * sizeof(int32_t));
         pthread_mutex_lock(&e->mu);
         e->stats.spec_draft_digest = (uint32_t)XXH64(ch->drafts, (size_t)ch->n_drafts * 4,
                                                      e->stats.spec_draft_digest);
         pthread_mutex_unlock(&e->mu);
     }
-    if (e->dist && e->sampler) outcome_exchange(e, n_items, vt, vlp, va, dr, n_dr);
-out:
-    free(vt);
-    free(vlp);
-    free(va);
-    free(dr);
-    free(n_dr);
-    if (e->k) detach_drafts(e);
     pthread_mutex_lock(&e->mu);
-    e->stats.prompt_tokens_total += (uint64_t)n_prompt_tokens;
+    e->stats.prompt_tokens_total += (uint64_t)f->n_prompt_tokens;
     e->stats.steps_total++;
-    e->stats.step_seconds_total += ds_now() - t0;
+    e->stats.step_seconds_total += ds_now() - f->t0;
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -1369,12 +1461,20 @@ static void update_queue_stats(ds_engine *e) {
     pthread_mutex_unlock(&e->mu);
 }
 
+/* The step loop. Step m completes step m - n_fl (the last one of the same group) first, then takes
+ * the head's plan and launches; without pipelining (n_fl = 1) every step completes right after
+ * its launch. */
 static void *engine_main(void *arg) {
     ds_engine *e = arg;
     for (;;) {
+        inflight *f = &e->fl[e->micro % (uint64_t)e->n_fl];
+        complete(e, f);
+        retry_deferred_aborts(e);
         if (take_inbox(e)) break;
         update_queue_stats(e);
-        run_step(e);
+        launch(e, f, (int)(e->micro % (uint64_t)e->n_fl));
+        e->micro++;
+        if (e->n_fl == 1) complete(e, f);
         update_queue_stats(e);
     }
     update_queue_stats(e);
@@ -1435,9 +1535,19 @@ void ds_engine_free(ds_engine *e) {
         ds_draft_cache_free(&e->dcache);
         ds_draft_free(e->draft);
     }
-    free(e->state_rows);
+    for (int q = 0; e->fl && q < e->n_fl; q++) {
+        inflight *f = &e->fl[q];
+        free(f->items);
+        free(f->vt);
+        free(f->vlp);
+        free(f->va);
+        free(f->dr);
+        free(f->n_dr);
+        free(f->state_rows);
+    }
+    free(e->fl);
+    free(e->deferred);
     free(e->taps);
-    free(e->items);
     free(e->preempted);
     free(e->batch);
     free(e->logits);

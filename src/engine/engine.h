@@ -60,6 +60,9 @@ typedef struct ds_engine_opts {
      * tensor whatever the depth; DS_RELAY_PLAIN: each stage sends its raw taps to the last. Both
      * give the same drafts to the bit. */
     int draft_tap_relay;
+    /* With P > 1 stages, P steps are in flight (one per group of sequences) so that every stage
+     * computes at once; pp_lock_step runs one step at a time instead (slower; for comparison). */
+    int pp_lock_step;
 } ds_engine_opts;
 
 enum { DS_RELAY_PARTIAL_SUM = 0, DS_RELAY_PLAIN = 1 };

@@ -50,6 +50,7 @@ ds_seq *ds_seq_new(int64_t id, const int32_t *prompt, int n_prompt, int max_len,
     s->n_prompt = n_prompt;
     s->slot = -1;
     s->fork_ckpt = -1;
+    s->group = -1;
     s->status = DS_SEQ_WAITING;
     s->max_len = max_len;
     return s;
@@ -106,7 +107,18 @@ struct ds_scheduler {
     ds_seq **waiting; /* [cap_waiting] oldest first; none holds a slot or a page */
     int n_waiting, cap_waiting;
     uint64_t next_arrival;
+    int cur_group, n_groups; /* pipelined steps: schedule only group cur_group of n_groups */
 };
+
+void ds_sched_set_group(ds_scheduler *s, int g, int n_groups) {
+    s->cur_group = g;
+    s->n_groups = n_groups;
+}
+
+/* May this step touch q (pipelined: only its own group's sequences)? */
+static int in_group(const ds_scheduler *s, const ds_seq *q) {
+    return s->n_groups <= 1 || q->group == s->cur_group;
+}
 
 int ds_sched_create(const ds_sched_opts *o, ds_page_pool *pages, ds_slot_pool *slots,
                     ds_scheduler **out, ds_err *err) {
@@ -280,6 +292,7 @@ static void preempt(ds_scheduler *s, plan *pl, ds_seq *v) {
     v->n_tokens -= v->n_spec; /* drafts are proposals, not tokens to recompute */
     v->n_spec = 0;
     v->n_computed = 0;
+    v->group = -1;
     v->status = DS_SEQ_PREEMPTED;
     list_insert(s->waiting, &s->n_waiting, v); /* has room: see waiting_reserve */
     pl->preempted[pl->n_preempted++] = v;
@@ -302,7 +315,12 @@ static int take_pages(ds_scheduler *s, plan *pl, ds_seq *q, int end, int may_evi
             q->block_table[q->n_blocks++] = page;
             continue;
         }
-        ds_seq *youngest = s->running[s->n_running - 1];
+        ds_seq *youngest = q; /* the youngest this step may evict */
+        for (int i = s->n_running - 1; i >= 0; i--)
+            if (in_group(s, s->running[i])) {
+                youngest = s->running[i];
+                break;
+            }
         if (youngest == q) {
             if (may_evict_self) preempt(s, pl, q);
             return DS_ERR;
@@ -322,7 +340,7 @@ void ds_sched_schedule(ds_scheduler *s, ds_sched_item *items, int *n_items, ds_s
     for (int i = 0; i < s->n_running && pl.budget > 0; i++) {
         ds_seq *q = s->running[i];
         /* a decode: the last token, plus the drafts riding on it (a verify) */
-        if (q->n_tokens - q->n_spec - q->n_computed != 1) continue;
+        if (!in_group(s, q) || q->n_tokens - q->n_spec - q->n_computed != 1) continue;
         if (take_pages(s, &pl, q, q->n_tokens, 1) == DS_OK) emit(&pl, q, q->n_tokens);
     }
 
@@ -332,7 +350,7 @@ void ds_sched_schedule(ds_scheduler *s, ds_sched_item *items, int *n_items, ds_s
     int stalled = 0;
     for (int i = 0; i < s->n_running; i++) {
         ds_seq *q = s->running[i];
-        if (q->n_tokens - q->n_spec - q->n_computed <= 1) continue;
+        if (!in_group(s, q) || q->n_tokens - q->n_spec - q->n_computed <= 1) continue;
         int end = item_end(s, q);
         if (end - q->n_computed > pl.budget || take_pages(s, &pl, q, end, 0) != DS_OK) {
             stalled = 1;
@@ -345,9 +363,15 @@ void ds_sched_schedule(ds_scheduler *s, ds_sched_item *items, int *n_items, ds_s
      *    stalled (a newcomer would take the budget or pages its elder is waiting for) and when
      *    this step evicted someone (the pools are tight; re-admitting the evicted at once would
      *    only throw its work away again). */
+    int in_g = 0; /* pipelined: a group takes newcomers up to its share of all sequences, so
+                     that the groups in flight stay about the same size */
+    if (s->n_groups > 1)
+        for (int i = 0; i < s->n_running; i++) in_g += s->running[i]->group == s->cur_group;
     while (!stalled && pl.n_preempted == 0 && s->n_waiting > 0) {
         ds_seq *q = s->waiting[0];
         if (s->n_running >= s->o.max_num_seqs || ds_slot_n_free(s->slots) == 0) break;
+        if (s->n_groups > 1 && in_g * s->n_groups >= s->n_running + s->n_waiting) break;
+        in_g++;
         /* Resume from the deepest cached prefix: shared pages, n_computed past them. */
         if (s->prefix) ds_prefix_match(s->prefix, q);
         int end = item_end(s, q), nb = blocks_for(s, end);
@@ -361,6 +385,7 @@ void ds_sched_schedule(ds_scheduler *s, ds_sched_item *items, int *n_items, ds_s
         q->slot = ds_slot_alloc(s->slots);
         while (q->n_blocks < nb) q->block_table[q->n_blocks++] = ds_page_alloc(s->pages);
         q->status = DS_SEQ_RUNNING;
+        q->group = s->n_groups > 1 ? s->cur_group : -1;
         list_remove(s->waiting, &s->n_waiting, q);
         list_insert(s->running, &s->n_running, q);
         emit(&pl, q, end);

@@ -59,6 +59,7 @@ struct ds_seq {
     int rungs_planned;
     int fork_ckpt; /* checkpoint slot copied into `slot` before the next step; -1 none */
     int max_len;   /* n_tokens never exceeds this (prompt + max_tokens, capped by context) */
+    int group;     /* pipelined steps: the micro-batch group it runs in (-1: none yet) */
     void *owner;   /* the engine's per-request data */
 };
 
@@ -97,6 +98,11 @@ int ds_sched_add(ds_scheduler *s, ds_seq *seq, ds_err *err);
 void ds_sched_schedule(ds_scheduler *s, ds_sched_item *items, int *n_items, ds_seq **preempted,
                        int *n_preempted);
 /* After the step ran: n_computed += n for each item. */
+/* Pipelined steps (P micro-batch groups in flight): from now on schedule only sequences of group
+ * g of n_groups; admission puts newcomers into g, and only g's sequences are preempted (the
+ * others have a step in flight). n_groups <= 1: every sequence, as without pipelining. */
+void ds_sched_set_group(ds_scheduler *s, int g, int n_groups);
+
 void ds_sched_commit(ds_scheduler *s, const ds_sched_item *items, int n_items);
 /* Removes a sequence (finished or aborted) from the scheduler and returns its pages and slot.
  * The caller still owns seq (ds_seq_free). */
