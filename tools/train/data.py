@@ -1,0 +1,99 @@
+"""Training data for tools/train: synthetic GSM8K-style problems from tools/data/gsm.py
+(`make_problems(split, n, seed)`, `format_example(p)`, examples joined by "\\n\\n"), tokenized with the
+Kimi tiktoken folder and packed into fixed-length sequences that start at an example boundary.
+Generation and tokenization run in DataLoader worker processes."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_GSM = os.path.join(HERE, "..", "data", "gsm.py")
+SEP = "\n\n"
+EVAL_SEED = 987_654_321  # held-out train-split problems for the quick accuracy estimate
+
+
+def load_gsm(path: str = None):
+    path = path or DEFAULT_GSM
+    spec = importlib.util.spec_from_file_location("gsm_data", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for fn in ("make_problems", "format_example"):
+        if not hasattr(mod, fn):
+            raise AttributeError(f"{path} has no {fn}()")
+    return mod
+
+
+class PackedStream(IterableDataset):
+    """Endless batches [batch, seq_len + 1] of token ids (inputs = [:, :-1], labels = [:, 1:]).
+    Each row starts at an example boundary; examples follow each other joined by "\\n\\n" and the
+    example cut by the row end is dropped (the next row starts with a fresh example).  No BOS."""
+
+    def __init__(self, tok_dir, seq_len, batch, seed, gsm_path=None, chunk=512):
+        self.tok_dir, self.seq_len, self.batch, self.seed = tok_dir, seq_len, batch, seed
+        self.gsm_path, self.chunk = gsm_path, chunk
+
+    def __iter__(self):
+        from tok import Tokenizer
+
+        wi = get_worker_info()
+        wid, nw = (wi.id, wi.num_workers) if wi else (0, 1)
+        tok = Tokenizer(self.tok_dir)
+        gsm = load_gsm(self.gsm_path)
+        n = self.seq_len + 1
+        rows, cur, k = [], [], 0
+        while True:
+            # distinct seed per (run seed, worker, call); EVAL_SEED is far outside this range
+            s = (self.seed * 1_000_003 + wid + nw * k) % 900_000_000
+            k += 1
+            texts = [gsm.format_example(p) + SEP for p in gsm.make_problems("train", self.chunk, s)]
+            for ids in tok.encode_batch(texts):
+                cur.extend(ids)
+                if len(cur) >= n:
+                    rows.append(cur[:n])
+                    cur = []
+                    if len(rows) == self.batch:
+                        yield torch.tensor(rows, dtype=torch.long)
+                        rows = []
+
+
+def _worker_init(_):
+    # workers must die quietly on the DataLoader's SIGTERM, not run the trainer's handler
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the main process
+
+
+def make_loader(tok_dir, seq_len, batch, seed, workers, pin, gsm_path=None):
+    ds = PackedStream(tok_dir, seq_len, batch, seed, gsm_path)
+    if workers <= 0:
+        return iter(ds)
+    return iter(DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=pin, prefetch_factor=4,
+                           persistent_workers=True, worker_init_fn=_worker_init))
+
+
+def eval_prompts(gsm, tok, n, seed=EVAL_SEED, shots=4, split="train"):
+    """n (prompt ids, answer) pairs: few-shot prompts in the generator's own format (its
+    few_shot_prompt / fewshot_examples when present), ending in "Answer:"."""
+    probs = gsm.make_problems(split, n, seed)
+    if hasattr(gsm, "few_shot_prompt") and hasattr(gsm, "fewshot_examples"):
+        sh = gsm.fewshot_examples()[:shots] if shots else []
+        texts = [gsm.few_shot_prompt(p["question"], sh) for p in probs]
+    else:
+        sh = gsm.make_problems("train", shots, seed + 1) if shots else []
+        head = SEP.join(gsm.format_example(s) for s in sh)
+        texts = [(head + SEP if head else "") + "Question: " + p["question"] + "\nAnswer:" for p in probs]
+    return [(tok.encode(t), str(p["answer"])) for t, p in zip(texts, probs)]
+
+
+_ANS = re.compile(r"####\s*(-?[\d,]+)")
+
+
+def extract_answer(text: str):
+    m = _ANS.search(text.split(SEP)[0])
+    return m.group(1).replace(",", "") if m else None
