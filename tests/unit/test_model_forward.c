@@ -22,10 +22,12 @@ typedef struct fixture {
 
 enum { BLOCK = 16, MAX_CTX = 512 };
 
-static char *g_dirs[2];
+static char *g_dirs[3];
 
+/* 0, 1: the tiny presets, built by init-model; 2: the bundled trained model in the repository. */
 static const char *preset_dir(int which) {
     static const char *names[2] = {"tiny-k3", "tiny-linear"};
+    if (which == 2 && !g_dirs[2]) g_dirs[2] = ds_test_src_path("models/gsm-k3");
     if (!g_dirs[which]) {
         char *tmp = ds_test_tmpdir();
         assert_non_null(tmp);
@@ -157,6 +159,13 @@ static void test_golden_tiny_k3(void **state) {
 static void test_golden_tiny_linear(void **state) {
     (void)state;
     check_golden(1, "tests/golden/tiny-linear.bin");
+}
+
+/* The trained bundled model (issue 7) on a few-shot GSM prompt: the C engine runs the weights the
+ * trainer wrote as the float64 reference does. */
+static void test_golden_gsm_k3(void **state) {
+    (void)state;
+    check_golden(2, "tests/golden/gsm-k3.bin");
 }
 
 static void random_ids(int32_t *ids, int n, int V, uint64_t seed) {
@@ -356,6 +365,7 @@ static void test_bad_tokens(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_golden_tiny_k3),    cmocka_unit_test(test_golden_tiny_linear),
+        cmocka_unit_test(test_golden_gsm_k3),
         cmocka_unit_test(test_prefill_decode_k3), cmocka_unit_test(test_prefill_decode_linear),
         cmocka_unit_test(test_batch_invariance),  cmocka_unit_test(test_spec_rollback),
         cmocka_unit_test(test_bad_tokens),

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""The eval table of issue 7: the bundled model through `deltaserve serve` in each serving
+configuration, one server at a time, every configuration on the same problems.
+
+    python3 eval/run_table.py [--limit N] [--configs one,pp2tp4,...] [--out bench/eval_table.json]
+
+Prints a markdown table (accuracy both ways with its standard error, acceptance and tokens per
+forward where speculation is on, wall time) and writes every result as JSON."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import gsm_eval  # noqa: E402
+
+SPEC = ["--speculative-method", "dspark", "--num-speculative-tokens", "7"]
+CONFIGS = {  # name: (label, serve flags)
+    "one": ("one process", ["--no-enable-prefix-caching"]),
+    "pp2tp4": ("PP 2 x TP 4", ["-pp", "2", "-tp", "4", "--no-enable-prefix-caching"]),
+    "spec": ("PP 2 x TP 4 + DSpark k=7", ["-pp", "2", "-tp", "4", "--no-enable-prefix-caching", *SPEC]),
+    "prefix": ("+ prefix caching", ["-pp", "2", "-tp", "4", *SPEC]),
+    "offload": ("+ RAM offload", ["-pp", "2", "-tp", "4", *SPEC, "--kv-offload-ram", "256M",
+                                  "--kv-cache-memory", "48M"]),
+    "one-spec": ("one process + DSpark k=7", SPEC),
+}
+
+
+def serve(args, port):
+    cmd = [os.path.join(REPO, "build", "deltaserve"), "serve", "--model",
+           os.path.join(REPO, "models", "gsm-k3"), "--port", str(port), "--kv-cache-memory",
+           "512M", *args]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(600):
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).status == 200:
+                return p
+        except Exception:
+            time.sleep(0.2)
+    p.kill()
+    raise RuntimeError("server did not start: " + " ".join(cmd))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--configs", default="one,pp2tp4,spec,prefix,offload")
+    ap.add_argument("--port", type=int, default=8150)
+    ap.add_argument("--out", default=os.path.join(REPO, "bench", "eval_table.json"))
+    a = ap.parse_args()
+    probs = gsm_eval.load_jsonl(gsm_eval.DEFAULT_DATASET)
+    shots = gsm_eval.load_jsonl(gsm_eval.DEFAULT_FEWSHOT)
+    rows = []
+    for name in a.configs.split(","):
+        label, args = CONFIGS[name]
+        p = serve(args, a.port)
+        try:
+            r = gsm_eval.run_eval(f"http://127.0.0.1:{a.port}/v1", probs, 32, 4, a.limit, 256,
+                                  fewshot=shots)
+        finally:
+            p.terminate()
+            p.wait(timeout=60)
+        r.pop("records")
+        r["config"], r["flags"] = label, " ".join(args)
+        rows.append(r)
+        print(f"{label}: flexible {r['flexible_extract']:.4f} strict {r['strict_match']:.4f} "
+              f"({r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+        json.dump(rows, open(a.out, "w"), indent=1)
+    print("| configuration | flexible | strict | acceptance | tokens / forward | wall s |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        s = r["spec_decode"] or {}
+        acc = f"{s['acceptance_rate']:.3f}" if s.get("verifies") else "-"
+        tpf = f"{s['tokens_per_forward']:.2f}" if s.get("verifies") else "-"
+        print(f"| {r['config']} | {r['flexible_extract']:.4f} ± {r['flexible_extract_stderr']:.4f} "
+              f"| {r['strict_match']:.4f} ± {r['strict_match_stderr']:.4f} | {acc} | {tpf} "
+              f"| {r['wall_s']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
