@@ -3,6 +3,8 @@ SHELL := /bin/bash
 BUILD ?= build
 JOBS ?= $(shell nproc)
 MODEL ?= models/tiny-k3
+# the bundled trained model (issue 7), shipped in the repository: what `make run` serves
+RUN_MODEL ?= models/gsm-k3
 PROMPT ?= The quick brown fox
 DEB_PKGS := build-essential cmake pkg-config libjansson-dev libpcre2-dev libxxhash-dev \
             libcmocka-dev libmicrohttpd-dev libopenmpi-dev openmpi-bin libhiredis-dev redis-server \
@@ -34,8 +36,8 @@ $(MODEL)/config.json: | build
 
 model: build $(MODEL)/config.json
 
-run: build $(MODEL)/config.json
-	./$(BUILD)/deltaserve serve --model $(MODEL) --host 127.0.0.1 --port 8000
+run: build
+	./$(BUILD)/deltaserve serve --model $(RUN_MODEL) --host 127.0.0.1 --port 8000
 
 test: build $(MODEL)/config.json
 	cd $(BUILD) && ctest --output-on-failure -j 2

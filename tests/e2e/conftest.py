@@ -29,13 +29,13 @@ MODEL_NAME = os.path.basename(os.path.normpath(DS_MODEL))
 class Server:
     """A running `deltaserve serve` and small helpers to talk to it."""
 
-    def __init__(self, *extra_args, startup_timeout=120.0, env_args=True):
+    def __init__(self, *extra_args, startup_timeout=120.0, env_args=True, model=None):
         if not os.path.exists(DS_BIN):
             pytest.fail(f"{DS_BIN} is not built (set DS_BIN)")
-        if not os.path.exists(os.path.join(DS_MODEL, "config.json")):
+        if not os.path.exists(os.path.join(model or DS_MODEL, "config.json")):
             pytest.fail(f"no model at {DS_MODEL} (run make, or set DS_MODEL)")
         # DS_SERVE_ARGS runs the whole suite against another configuration (e.g. speculation).
-        self.args = [DS_BIN, "serve", "--model", DS_MODEL, "--port", "0",
+        self.args = [DS_BIN, "serve", "--model", model or DS_MODEL, "--port", "0",
                      "--kv-cache-memory", "32M", "--shutdown-timeout", "2", *extra_args,
                      *(shlex.split(os.environ.get("DS_SERVE_ARGS", "")) if env_args else [])]
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
