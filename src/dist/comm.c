@@ -24,6 +24,10 @@ int ds_comm_init(int tp, int pp, ds_comm **out, ds_err *err) {
 
 int ds_comm_finish(ds_comm *c, int status) {
     if (!c) return status;
+    const char *st = getenv("DS_COMM_STATS");
+    if (st && *st && *st != '0' && c->size > 1)
+        fprintf(stderr, "[deltaserve] %s sent %llu bytes to other stages, %llu in messages\n",
+                c->who, (unsigned long long)c->bytes_sent_pp, (unsigned long long)c->bytes_posted);
     fflush(stdout);
     fflush(stderr);
     return c->ops->finish(c, status);

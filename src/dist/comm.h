@@ -53,6 +53,9 @@ struct ds_comm {
     int stage, n_stages;  /* pipeline stage of this rank, P */
     char who[64];         /* "rank 3 (stage 1, tp 1)": prefixed to messages */
     ds_err last_err;      /* the failure ds_comm_allreduce_cb saw, for its caller to report */
+    /* traffic this rank sent: pipeline hand-overs (send) and messages (post), in bytes; with
+     * DS_COMM_STATS=1 each rank prints them when it finishes */
+    uint64_t bytes_sent_pp, bytes_posted;
     void *impl;
 };
 

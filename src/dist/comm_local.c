@@ -49,6 +49,7 @@ static const ds_comm_ops LOCAL_OPS = {"local",       local_allreduce, local_send
 
 ds_comm *ds_comm_local(void) {
     /* One per process; its only mutable field is last_err, which a local all-reduce never sets. */
-    static ds_comm c = {&LOCAL_OPS, 0, 1, 0, 1, 0, 1, "rank 0 (stage 0, tp 0)", {{0}}, NULL};
+    static ds_comm c = {.ops = &LOCAL_OPS, .size = 1, .tp_size = 1, .n_stages = 1,
+                        .who = "rank 0 (stage 0, tp 0)"};
     return &c;
 }

@@ -105,6 +105,7 @@ static int mpi_send(ds_comm *c, int stage, const float *buf, size_t n, ds_err *e
         int rc = MPI_Isend(buf + off, cnt, MPI_FLOAT, stage, 0, impl_of(c)->pp, &req);
         if (rc != MPI_SUCCESS) return mpi_fail(c, rc, what, err);
         if (wait_req(c, &req, what, err)) return DS_ERR;
+        c->bytes_sent_pp += (uint64_t)cnt * sizeof(float);
     }
     return DS_OK;
 }
@@ -184,6 +185,7 @@ static int mpi_post(ds_comm *c, int dst, int tag, const void *buf, size_t n, ds_
         return mpi_fail(c, rc, "posting a message", err);
     }
     im->n_posts++;
+    c->bytes_posted += n;
     return DS_OK;
 }
 
