@@ -602,61 +602,17 @@ static enum MHD_Result handle_metrics(ds_server *s, struct MHD_Connection *c) {
     return send_buf(c, 200, text, len, "text/plain; version=0.0.4; charset=utf-8");
 }
 
-/* Parses a body that must be a JSON object; NULL after sending the 400 (*ret holds the result). */
-static json_t *body_object(struct MHD_Connection *c, conn_ctx *cc, enum MHD_Result *ret) {
-    json_error_t je;
-    json_t *j = json_loadb(cc->body ? cc->body : "", cc->len, JSON_ALLOW_NUL, &je);
-    if (!j || !json_is_object(j)) {
-        *ret =
-            j ? send_errorf(c, 400, NULL, "invalid_json", "the request body must be a JSON object")
-              : send_errorf(c, 400, NULL, "invalid_json",
-                            "invalid JSON in the request body: %s (line %d, column %d)", je.text,
-                            je.line, je.column);
-        json_decref(j);
-        return NULL;
-    }
-    return j;
-}
-
 /* /tokenize: {"prompt": text} or {"messages": [...]} -> {tokens, count, max_model_len}. */
 static enum MHD_Result handle_tokenize(ds_server *s, struct MHD_Connection *c, conn_ctx *cc) {
     ds_engine *e = ready_engine(s);
     if (!e) return not_ready(s, c);
-    enum MHD_Result ret;
-    json_t *j = body_object(c, cc, &ret);
-    if (!j) return ret;
-    int has_prompt = json_object_get(j, "prompt") != NULL;
-    if (!has_prompt && !json_object_get(j, "messages")) {
-        json_decref(j);
-        return send_errorf(c, 400, "prompt", "missing_required_parameter",
-                           "either prompt (text or token ids) or messages is required");
-    }
     ds_oai_request q;
     ds_oai_error oe;
-    /* reuse the generation parser for the prompt/messages forms and the model check; the sampling
-     * fields it also reads are absent here and take their defaults */
-    json_t *sub = json_object();
-    const char *keys[] = {
-        "model", "prompt", "messages", "tools", "add_generation_prompt", "chat_template_kwargs"};
-    for (size_t i = 0; i < DS_ARRAY_LEN(keys); i++)
-        if (json_object_get(j, keys[i])) json_object_set(sub, keys[i], json_object_get(j, keys[i]));
     int add_special = 0;
-    json_t *as = json_object_get(j, "add_special_tokens");
-    if (as && !json_is_boolean(as) && !json_is_null(as)) {
-        json_decref(sub);
-        json_decref(j);
-        return send_errorf(c, 400, "add_special_tokens", "invalid_type",
-                           "add_special_tokens: expected a boolean");
-    }
-    add_special = json_is_true(as);
-    char *txt = ds_oai_dumps(sub);
-    json_decref(j);
-    if (!txt) return send_errorf(c, 500, NULL, NULL, "out of memory");
-    int rc =
-        ds_oai_parse_request(has_prompt ? DS_OAI_COMPLETIONS : DS_OAI_CHAT, txt, strlen(txt),
-                             s->model_name, ds_tok_vocab_size(ds_engine_tokenizer(e)), &q, &oe);
-    free(txt);
-    if (rc) return send_error(c, &oe);
+    if (ds_oai_parse_tokenize(cc->body, cc->len, s->model_name,
+                              ds_tok_vocab_size(ds_engine_tokenizer(e)), &q, &add_special, &oe))
+        return send_error(c, &oe);
+    int has_prompt = q.kind == DS_OAI_COMPLETIONS;
     int32_t *ids = NULL;
     int n = 0;
     if (build_prompt(e, &q, &ids, &n, &oe)) {
@@ -680,42 +636,14 @@ static enum MHD_Result handle_tokenize(ds_server *s, struct MHD_Connection *c, c
 static enum MHD_Result handle_detokenize(ds_server *s, struct MHD_Connection *c, conn_ctx *cc) {
     ds_engine *e = ready_engine(s);
     if (!e) return not_ready(s, c);
-    enum MHD_Result ret;
-    json_t *j = body_object(c, cc, &ret);
-    if (!j) return ret;
     const ds_tokenizer *tok = ds_engine_tokenizer(e);
-    json_t *model = json_object_get(j, "model");
-    if (json_is_string(model) && strcmp(json_string_value(model), s->model_name)) {
-        ret = send_errorf(c, 404, "model", "model_not_found", "The model `%.200s` does not exist.",
-                          json_string_value(model));
-        json_decref(j);
-        return ret;
-    }
-    json_t *t = json_object_get(j, "tokens");
-    if (!json_is_array(t)) {
-        ret = send_errorf(c, 400, "tokens", "invalid_type", "tokens: expected a list of token ids");
-        json_decref(j);
-        return ret;
-    }
-    size_t n = json_array_size(t);
-    int32_t *ids = malloc((n ? n : 1) * sizeof *ids);
-    if (!ids) {
-        json_decref(j);
-        return send_errorf(c, 500, NULL, NULL, "out of memory");
-    }
-    int vocab = ds_tok_vocab_size(tok);
-    for (size_t i = 0; i < n; i++) {
-        json_t *x = json_array_get(t, i);
-        long long v = json_integer_value(x);
-        if (!json_is_integer(x) || v < 0 || v >= vocab) {
-            free(ids);
-            json_decref(j);
-            return send_errorf(c, 400, "tokens", "invalid_value",
-                               "tokens[%zu]: expected a token id in [0, %d)", i, vocab);
-        }
-        ids[i] = (int32_t)v;
-    }
-    json_decref(j);
+    ds_oai_error oe;
+    int32_t *ids = NULL;
+    int n_ids = 0;
+    if (ds_oai_parse_detokenize(cc->body, cc->len, s->model_name, ds_tok_vocab_size(tok), &ids,
+                                &n_ids, &oe))
+        return send_error(c, &oe);
+    size_t n = (size_t)n_ids;
     char *text = NULL;
     size_t len = 0;
     ds_err err = {{0}};

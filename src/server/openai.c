@@ -759,3 +759,102 @@ char *ds_oai_sse(json_t *j, size_t *len) {
     free(s);
     return out;
 }
+
+/* The body as a JSON object, or a 400 naming what is wrong with it. */
+static json_t *body_json(const char *body, size_t len, ds_oai_error *e) {
+    json_error_t je;
+    json_t *j = json_loadb(body ? body : "", len, JSON_ALLOW_NUL, &je);
+    if (!j) {
+        ds_oai_errorf(e, 400, NULL, "invalid_json",
+                      "invalid JSON in the request body: %s (line %d, column %d)", je.text,
+                      je.line, je.column);
+        return NULL;
+    }
+    if (!json_is_object(j)) {
+        json_decref(j);
+        ds_oai_errorf(e, 400, NULL, "invalid_json", "the request body must be a JSON object");
+        return NULL;
+    }
+    return j;
+}
+
+int ds_oai_parse_tokenize(const char *body, size_t len, const char *served_name, int vocab_size,
+                          ds_oai_request *out, int *add_special, ds_oai_error *e) {
+    memset(out, 0, sizeof *out);
+    *add_special = 0;
+    json_t *j = body_json(body, len, e);
+    if (!j) return DS_ERR;
+    int has_prompt = json_object_get(j, "prompt") != NULL;
+    if (!has_prompt && !json_object_get(j, "messages")) {
+        json_decref(j);
+        return ds_oai_errorf(e, 400, "prompt", "missing_required_parameter",
+                             "either prompt (text or token ids) or messages is required");
+    }
+    json_t *as = json_object_get(j, "add_special_tokens");
+    if (as && !json_is_boolean(as) && !json_is_null(as)) {
+        json_decref(j);
+        return ds_oai_errorf(e, 400, "add_special_tokens", "invalid_type",
+                             "add_special_tokens: expected a boolean");
+    }
+    *add_special = json_is_true(as);
+    /* reuse the generation parser for the prompt/messages forms and the model check; the
+     * sampling fields it also reads are absent here and take their defaults */
+    json_t *sub = json_object();
+    const char *keys[] = {
+        "model", "prompt", "messages", "tools", "add_generation_prompt", "chat_template_kwargs"};
+    for (size_t i = 0; sub && i < DS_ARRAY_LEN(keys); i++)
+        if (json_object_get(j, keys[i])) json_object_set(sub, keys[i], json_object_get(j, keys[i]));
+    json_decref(j);
+    char *txt = sub ? ds_oai_dumps(sub) : NULL; /* steals sub */
+    if (!txt) return ds_oai_errorf(e, 500, NULL, NULL, "out of memory");
+    int rc = ds_oai_parse_request(has_prompt ? DS_OAI_COMPLETIONS : DS_OAI_CHAT, txt, strlen(txt),
+                                  served_name, vocab_size, out, e);
+    free(txt);
+    return rc;
+}
+
+int ds_oai_parse_detokenize(const char *body, size_t len, const char *served_name, int vocab_size,
+                            int32_t **ids, int *n, ds_oai_error *e) {
+    *ids = NULL;
+    *n = 0;
+    json_t *j = body_json(body, len, e);
+    if (!j) return DS_ERR;
+    json_t *model = json_object_get(j, "model");
+    if (served_name && json_is_string(model) && strcmp(json_string_value(model), served_name)) {
+        ds_oai_errorf(e, 404, "model", "model_not_found", "The model `%.200s` does not exist.",
+                      json_string_value(model));
+        json_decref(j);
+        return DS_ERR;
+    }
+    json_t *t = json_object_get(j, "tokens");
+    if (!json_is_array(t)) {
+        json_decref(j);
+        return ds_oai_errorf(e, 400, "tokens", "invalid_type",
+                             "tokens: expected a list of token ids");
+    }
+    size_t cnt = json_array_size(t);
+    if (cnt > INT32_MAX / 2) {
+        json_decref(j);
+        return ds_oai_errorf(e, 400, "tokens", "invalid_value", "tokens: too many ids");
+    }
+    int32_t *out = malloc((cnt ? cnt : 1) * sizeof *out);
+    if (!out) {
+        json_decref(j);
+        return ds_oai_errorf(e, 500, NULL, NULL, "out of memory");
+    }
+    for (size_t i = 0; i < cnt; i++) {
+        json_t *x = json_array_get(t, i);
+        long long v = json_integer_value(x);
+        if (!json_is_integer(x) || v < 0 || v >= vocab_size) {
+            free(out);
+            json_decref(j);
+            return ds_oai_errorf(e, 400, "tokens", "invalid_value",
+                                 "tokens[%zu]: expected a token id in [0, %d)", i, vocab_size);
+        }
+        out[i] = (int32_t)v;
+    }
+    json_decref(j);
+    *ids = out;
+    *n = (int)cnt;
+    return DS_OK;
+}

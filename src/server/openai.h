@@ -71,6 +71,16 @@ int ds_oai_parse_request(ds_oai_kind kind, const char *body, size_t len, const c
                          int vocab_size, ds_oai_request *out, ds_oai_error *e);
 void ds_oai_request_free(ds_oai_request *r);
 
+/* /tokenize: {"prompt": text or ids} or {"messages": [...]} (+ "model", "tools",
+ * "add_generation_prompt", "chat_template_kwargs", "add_special_tokens"). Fills out like the
+ * generation parser (kind: completions for a prompt, chat for messages; no sampling fields) and
+ * *add_special. On error nothing is left to free and e says why. */
+int ds_oai_parse_tokenize(const char *body, size_t len, const char *served_name, int vocab_size,
+                          ds_oai_request *out, int *add_special, ds_oai_error *e);
+/* /detokenize: {"tokens": [ids in [0, vocab_size)], "model"?} -> *ids [*n] (malloc'd). */
+int ds_oai_parse_detokenize(const char *body, size_t len, const char *served_name, int vocab_size,
+                            int32_t **ids, int *n, ds_oai_error *e);
+
 /* Checks the tokenized prompt against the context limit and settles max_tokens: an explicit one
  * must satisfy n_prompt + max_tokens <= max_model_len (else 400 naming both lengths); without one,
  * completions get OpenAI's 16 and chat gets the rest of the context, either capped by what is left.

@@ -1,6 +1,7 @@
 /* fuzz_server_openai.c — libFuzzer target for the HTTP request bodies of /v1/completions and
  * /v1/chat/completions (src/server/openai.c, src/model/chat.c): everything the server does with a
- * body before the engine sees it, then the response builders on made-up events.
+ * body before the engine sees it, then the response builders on made-up events. Every input is
+ * also fed to the /tokenize and /detokenize body parsers.
  *
  * Input: first byte = flags (bit 0: chat, else completions; bit 1: the K3 vocabulary and chat
  * format, else Kimi-Linear's; bits 2-4: how many events per choice to fake), then the body.
@@ -88,7 +89,8 @@ static void build_responses(ds_oai_request *q, const ds_tokenizer *tok, const in
                          1700000000,
                          q->params.logprobs,
                          tok,
-                         !q->params.skip_special_tokens};
+                         !q->params.skip_special_tokens,
+                         q->return_token_ids};
     int n = q->params.n;
     ds_oai_choice ch[DS_OAI_MAX_N];
     memset(ch, 0, sizeof ch);
@@ -158,6 +160,36 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     memset(&e, 0, sizeof e);
     int rc = ds_oai_parse_request(kind, body, size - 1, "tiny", ds_tok_vocab_size(tok), &q, &e);
     fz_note("parse", rc, e.message);
+    /* the same bytes as /tokenize and /detokenize bodies */
+    {
+        ds_oai_request tq;
+        ds_oai_error te;
+        memset(&te, 0, sizeof te);
+        int add_special = -1;
+        int trc = ds_oai_parse_tokenize(body, size - 1, "tiny", ds_tok_vocab_size(tok), &tq,
+                                        &add_special, &te);
+        if (trc == DS_OK) {
+            if (add_special != 0 && add_special != 1) fz_fail("add_special %d", add_special);
+            ds_oai_request_free(&tq);
+        } else {
+            check_error(&te);
+        }
+        int32_t *dids = NULL;
+        int dn = -1;
+        memset(&te, 0, sizeof te);
+        trc = ds_oai_parse_detokenize(body, size - 1, "tiny", ds_tok_vocab_size(tok), &dids, &dn,
+                                      &te);
+        if (trc == DS_OK) {
+            for (int i = 0; i < dn; i++)
+                if (dids[i] < 0 || dids[i] >= ds_tok_vocab_size(tok))
+                    fz_fail("detokenize accepted id %d", dids[i]);
+        } else if (dids || dn != 0) {
+            fz_fail("detokenize failed but returned ids");
+        } else {
+            check_error(&te);
+        }
+        free(dids);
+    }
     free(body);
     if (rc != DS_OK) {
         check_error(&e);
