@@ -39,6 +39,9 @@ struct ds_prefix {
     ds_offload *off;     /* not owned; may be NULL */
     int (*agree)(void *ctx, int v); /* min of v over a job's ranks (NULL: one process) */
     void *agree_ctx;
+    /* rows other caches keep per page (the DSpark draft's latents), offloaded with the page */
+    float **xlayer; /* [n_xlayers] each [>= n_pages][bs][xrow], not owned */
+    int n_xlayers, xrow;
     entry *ents;         /* [cap] */
     int32_t *toks;       /* [cap][bs] block tokens of each entry */
     int cap, n_used, free_head;
@@ -174,20 +177,40 @@ static const int32_t *prefix_tokens(ds_prefix *px, int e) {
 /* ---- pages and the offload tier ------------------------------------------------------------- */
 
 static size_t page_floats(const ds_prefix *px) {
-    return (size_t)px->kv->n_layers * px->bs * px->kv->row;
+    return (size_t)px->kv->n_layers * px->bs * px->kv->row +
+           (size_t)px->n_xlayers * px->bs * px->xrow;
 }
 
 /* pbuf [n_layers][bs][row] <-> the page's rows in every MLA layer of the latent pool */
 static void page_gather(ds_prefix *px, int page) {
-    size_t n = (size_t)px->bs * px->kv->row;
+    size_t n = (size_t)px->bs * px->kv->row, xn = (size_t)px->bs * px->xrow;
+    float *x = px->pbuf + (size_t)px->kv->n_layers * n;
     for (int j = 0; j < px->kv->n_layers; j++)
         memcpy(px->pbuf + j * n, px->kv->layer[j] + (size_t)page * n, n * sizeof(float));
+    for (int j = 0; j < px->n_xlayers; j++)
+        memcpy(x + j * xn, px->xlayer[j] + (size_t)page * xn, xn * sizeof(float));
 }
 
 static void page_scatter(ds_prefix *px, int page) {
-    size_t n = (size_t)px->bs * px->kv->row;
+    size_t n = (size_t)px->bs * px->kv->row, xn = (size_t)px->bs * px->xrow;
+    const float *x = px->pbuf + (size_t)px->kv->n_layers * n;
     for (int j = 0; j < px->kv->n_layers; j++)
         memcpy(px->kv->layer[j] + (size_t)page * n, px->pbuf + j * n, n * sizeof(float));
+    for (int j = 0; j < px->n_xlayers; j++)
+        memcpy(px->xlayer[j] + (size_t)page * xn, x + j * xn, xn * sizeof(float));
+}
+
+int ds_prefix_add_page_rows(ds_prefix *px, float **layers, int n_layers, int row, ds_err *err) {
+    float *b = realloc(px->pbuf, DS_MAX((size_t)px->kv->n_layers * px->bs * px->kv->row +
+                                            (size_t)n_layers * px->bs * row,
+                                        1) *
+                                     sizeof(float));
+    if (!b) return ds_errf(err, "prefix cache: out of memory for page rows");
+    px->pbuf = b;
+    px->xlayer = layers;
+    px->n_xlayers = n_layers;
+    px->xrow = row;
+    return DS_OK;
 }
 
 static void store_page(ds_prefix *px, int e, const int32_t *tokens) {

@@ -55,6 +55,10 @@ int ds_prefix_create(const ds_prefix_opts *o, size_t slot_floats, ds_page_pool *
 void ds_prefix_free(ds_prefix *px);
 /* In a TP x PP job: agree(ctx, v) returns the smallest v over all ranks (a collective every rank
  * reaches in the same order, since all run the same schedule). Offload hits go through it. */
+/* Rows another cache keeps per MLA page (the DSpark draft's context latents: layers[j] holds
+ * [n_pages...][block_size][row] floats, addressed by the same page ids): offloaded and loaded
+ * with the page, so a prefix that comes back from a tier brings its draft context too. */
+int ds_prefix_add_page_rows(ds_prefix *px, float **layers, int n_layers, int row, ds_err *err);
 void ds_prefix_set_agree(ds_prefix *px, int (*agree)(void *ctx, int v), void *ctx);
 
 /* out = hash of a block given its parent's hash (NULL for the root). */

@@ -255,6 +255,11 @@ static int size_pools(ds_engine *e, ds_err *err) {
 
 static void dist_fatal(ds_engine *e, const char *what, const char *msg);
 
+/* Will this rank load a DSpark draft (setup_spec)? */
+static int will_draft(const ds_engine *e) {
+    return e->opts.speculative_method == DS_SPEC_DSPARK && !e->opts.spec_test_drafts && e->sampler;
+}
+
 /* The smallest v over the job's ranks (prefix.h's agreement on offload hits). */
 static int agree_min(void *ctx, int v) {
     ds_engine *e = ctx;
@@ -292,7 +297,8 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
                               .layer_lo = ds_model_first_layer(e->model),
                               .layer_hi = ds_model_end_layer(e->model),
                               .tp_rank = e->comm ? e->comm->tp_rank : 0,
-                              .layout = 1};
+                              /* 2: pages also carry the DSpark draft's rows (setup_spec) */
+                              .layout = will_draft(e) ? 2 : 1};
         if (ds_offload_create(&oo, &e->offload, err)) return DS_ERR;
     }
     size_t slot_bytes = DS_MAX(ds_model_slot_floats(e->model) * sizeof(float), 1);
@@ -383,6 +389,11 @@ static int setup_spec(ds_engine *e, ds_err *err) {
                            ds_draft_cache_init(&e->dcache, e->draft, ds_page_n_total(e->pages),
                                                e->opts.block_size, e->k, err)))
             return ds_err_prefix(err, "--draft-model %s", dir);
+        /* the draft's rows of a page travel with the page through the offload tiers */
+        if (e->draft && e->prefix &&
+            ds_prefix_add_page_rows(e->prefix, e->dcache.layer, e->dcache.n_layers,
+                                    e->dcache.row, err))
+            return DS_ERR;
         if (setup_taps(e, dir, err)) return ds_err_prefix(err, "--draft-model %s", dir);
     } else if (o->speculative_method != DS_SPEC_NGRAM && o->speculative_method != DS_SPEC_DSPARK) {
         return ds_errf(err, "unknown speculative method %d", o->speculative_method);
