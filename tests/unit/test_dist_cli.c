@@ -119,6 +119,7 @@ static void test_tp_close(void **state) {
     (void)state;
     expect_close(g_k3, IDS_A, "-tp 2");
     expect_close(g_k3, IDS_B, "-tp 2");
+    expect_close(g_k3, IDS_A, "-tp 4");
     expect_close(g_k3, IDS_A, "-tp 2 -pp 2");
     expect_close(g_lin, IDS_B, "-tp 2 -pp 2");
     expect_close(g_k3, IDS_B, "-tp 4 -pp 2"); /* 8 ranks */
