@@ -341,20 +341,15 @@ static int setup_taps(ds_engine *e, const char *dir, ds_err *err) {
     if (nt < 1 || nt > DS_MAX_LAYERS + 1) return ds_errf(err, "%d taps", nt);
     memcpy(e->tap_ids, dc.target_layer_ids, (size_t)nt * sizeof(int));
     e->n_tap_ids = nt;
-    for (int st = 0, b = 0; st < P; st++) {
-        int lo = b, hi = b + (P > 1 ? e->opts.pp_layer_counts[st] : ds_model_config(e->model)->num_hidden_layers);
-        b = hi;
-        e->tap_j0[st] = e->tap_j1[st] = 0;
-        int first = -1;
-        for (int j = 0; j < nt; j++) {
-            int L = e->tap_ids[j];
-            if ((L >= lo && L < hi) || (L < 0 && st == 0)) {
-                if (first < 0) first = j;
-                e->tap_j1[st] = j + 1;
-            }
-        }
-        e->tap_j0[st] = first < 0 ? 0 : first;
-        if (first < 0) e->tap_j1[st] = 0;
+    for (int st = 0; st < P; st++) {
+        int lo = 0, hi = ds_model_config(e->model)->num_hidden_layers;
+        if (P > 1) ds_pp_stage_range(e->opts.pp_layer_counts, st, &lo, &hi);
+        if (st == 0) lo = -1; /* the embedding tap */
+        int j0 = 0, j1 = 0; /* the taps are ascending: the stage's are one run of them */
+        while (j0 < nt && e->tap_ids[j0] < lo) j0++;
+        for (j1 = j0; j1 < nt && e->tap_ids[j1] < hi; j1++) continue;
+        e->tap_j0[st] = j0;
+        e->tap_j1[st] = j1;
     }
     int stage = e->comm ? e->comm->stage : 0, tp = e->comm ? e->comm->tp_rank : 0;
     int own = e->tap_j1[stage] > e->tap_j0[stage];
@@ -772,15 +767,11 @@ static int take_inbox(ds_engine *e) {
         }
     }
     for (int a = 0; a < n_ab; a++) abort_or_defer(e, ab[a]);
-    if (abort_all) { /* aborting frees requests: walk the list by id */
-        for (;;) {
-            request *r = e->live;
-            while (r && request_busy(r)) r = r->next;
-            if (!r) break;
-            abort_request(e, r);
+    if (abort_all) /* aborting frees r (and only r): take its successor first */
+        for (request *r = e->live, *next; r; r = next) {
+            next = r->next;
+            abort_or_defer(e, r->id);
         }
-        for (request *r = e->live; r; r = r->next) abort_or_defer(e, r->id);
-    }
     return stopping && !e->live;
 }
 
@@ -939,10 +930,10 @@ static void pack_taps(float *taps, int n_taps, int n, int n_keep, int D) {
                 (size_t)n_keep * D * sizeof(float));
 }
 
-/* ---- lock-step messages of a TP x PP job -----------------------------------------------------
- * Two blobs per step, both length-prefixed broadcasts: the head's plan before the step (new
- * requests, aborts, stop), and the sampling rank's outcome after it (per sampled item: accepted
- * count, tokens, logprobs when asked, then the drafts for the next step). Every rank applies them
+/* ---- messages of a TP x PP job ----------------------------------------------------------------
+ * Two messages per step, point to point (ds_comm_post / ds_comm_take): the head's plan before the
+ * step (new requests, aborts, stop), and the sampling rank's outcome after it (per sampled item:
+ * accepted count, tokens, logprobs, then the drafts for the next step). Every rank applies them
  * in the same order, so schedulers, pools, prefix caches and texts stay identical everywhere. */
 enum { TAG_PLAN = 1, TAG_OUTCOME = 2 }; /* byte messages between ranks (ds_comm_post) */
 
@@ -1033,10 +1024,6 @@ static void plan_exchange(ds_engine *e, request **in, int64_t *ab, int *n_ab, in
         for (int r = 1; r < e->comm->size; r++)
             if (ds_comm_post(e->comm, r, TAG_PLAN, blob, n, &err))
                 dist_fatal(e, "step plan", err.msg);
-    } else if (ds_comm_take(e->comm, 0, TAG_PLAN, &blob, &n, &err)) {
-        dist_fatal(e, "step plan", err.msg);
-    }
-    if (e->head) {
         free(w.p);
         /* Broadcasts of a few bytes complete at the head even when a rank is stuck, so an idle
          * head would never notice: a heartbeat makes every rank broadcast in turn, and a rank
@@ -1046,6 +1033,7 @@ static void plan_exchange(ds_engine *e, request **in, int64_t *ab, int *n_ab, in
             dist_fatal(e, "heartbeat", err.msg);
         return;
     }
+    if (ds_comm_take(e->comm, 0, TAG_PLAN, &blob, &n, &err)) dist_fatal(e, "step plan", err.msg);
     rbuf rb = {blob, n, 0, 0};
     plan_hdr h;
     get(&rb, &h, sizeof h);
@@ -1163,9 +1151,7 @@ static void relay_taps(ds_engine *e, int n_items) {
     ds_comm *c = e->comm;
     int P = c->n_stages, st = c->stage, D = ds_model_config(e->model)->hidden_size;
     int j0 = e->tap_j0[st], j1 = e->tap_j1[st], n_all = e->n_tap_ids;
-    if (P == 1 || c->tp_rank != 0 || e->opts.speculative_method != DS_SPEC_DSPARK ||
-        e->opts.spec_test_drafts)
-        return;
+    if (P == 1 || c->tp_rank != 0 || !n_all) return; /* no draft taps (setup_taps) */
     ds_err err = {{0}};
     size_t T = 0;
     for (int i = 0; i < n_items; i++) T += (size_t)e->batch[i].n;
@@ -1199,7 +1185,8 @@ static void relay_taps(ds_engine *e, int n_items) {
         size_t tap_off = 0;
         for (int i = 0; i < n_items; i++) {
             size_t rows = (size_t)e->batch[i].n * D;
-            memcpy(w, e->taps + tap_off + (size_t)j0 * rows, (size_t)(j1 - j0) * rows * sizeof(float));
+            memcpy(w, e->taps + tap_off + (size_t)j0 * rows,
+                   (size_t)(j1 - j0) * rows * sizeof(float));
             w += (size_t)(j1 - j0) * rows;
             tap_off += rows * n_all;
         }
@@ -1216,7 +1203,8 @@ static void relay_taps(ds_engine *e, int n_items) {
         size_t tap_off = 0;
         for (int i = 0; i < n_items; i++) {
             size_t rows = (size_t)e->batch[i].n * D;
-            memcpy(e->taps + tap_off + (size_t)a * rows, r, (size_t)(b - a) * rows * sizeof(float));
+            memcpy(e->taps + tap_off + (size_t)a * rows, r,
+                   (size_t)(b - a) * rows * sizeof(float));
             r += (size_t)(b - a) * rows;
             tap_off += rows * n_all;
         }
@@ -1250,8 +1238,8 @@ static int draft_after(ds_engine *e, ds_seq *s, const ds_sched_item *it, int n_k
 
 /* Schedules and runs one step for the sequences of group g (every sequence when not pipelined);
  * the sampling rank chooses the tokens, writes the draft's context, proposes the next drafts and
- * sends the outcome. Returns 0 when there was nothing to run. */
-static int launch(ds_engine *e, inflight *f, int g) {
+ * sends the outcome. f stays inactive when there was nothing to run. */
+static void launch(ds_engine *e, inflight *f, int g) {
     int n_items = 0, n_pre = 0;
     ds_sched_set_group(e->sched, g, e->n_fl);
     if (e->k) attach_drafts(e);
@@ -1265,7 +1253,7 @@ static int launch(ds_engine *e, inflight *f, int g) {
     f->active = 0;
     if (!n_items) {
         if (e->k) detach_drafts(e);
-        return 0;
+        return;
     }
     f->t0 = ds_now();
     f->n_prompt_tokens = 0;
@@ -1326,7 +1314,7 @@ static int launch(ds_engine *e, inflight *f, int g) {
         }
         f->active = 0;
         if (e->k) detach_drafts(e);
-        return 0;
+        return;
     }
     if (e->dist) relay_taps(e, n_items);
     if (e->sampler) {
@@ -1376,7 +1364,6 @@ static int launch(ds_engine *e, inflight *f, int g) {
         if (e->dist) outcome_send(e, f);
     }
     if (e->k) detach_drafts(e);
-    return 1;
 }
 
 /* Applies step f's outcome on this rank: KDA rollback and truncation of verifies, the commit,
