@@ -34,16 +34,16 @@ typedef struct entry {
 struct ds_prefix {
     ds_prefix_opts o;
     int bs, interval;
-    ds_page_pool *pages; /* not owned */
-    ds_kv_pool *kv;      /* not owned */
-    ds_offload *off;     /* not owned; may be NULL */
+    ds_page_pool *pages;            /* not owned */
+    ds_kv_pool *kv;                 /* not owned */
+    ds_offload *off;                /* not owned; may be NULL */
     int (*agree)(void *ctx, int v); /* min of v over a job's ranks (NULL: one process) */
     void *agree_ctx;
     /* rows other caches keep per page (the DSpark draft's latents), offloaded with the page */
     float **xlayer; /* [n_xlayers] each [>= n_pages][bs][xrow], not owned */
     int n_xlayers, xrow;
-    entry *ents;         /* [cap] */
-    int32_t *toks;       /* [cap][bs] block tokens of each entry */
+    entry *ents;   /* [cap] */
+    int32_t *toks; /* [cap][bs] block tokens of each entry */
     int cap, n_used, free_head;
     int32_t *buckets; /* [n_buckets] first entry of each chain, -1 none */
     int n_buckets;

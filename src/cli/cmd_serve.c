@@ -426,7 +426,10 @@ int ds_cmd_serve(int argc, char **argv) {
     char sig = 0;
     while (read(g_sig_pipe[0], &sig, 1) < 0 && errno == EINTR) continue;
     printf("[deltaserve] %s: shutting down (running requests get up to %.1f s)\n",
-           sig == SIGINT ? "SIGINT" : sig == SIGUSR1 ? "SIGUSR1" : "SIGTERM", grace);
+           sig == SIGINT    ? "SIGINT"
+           : sig == SIGUSR1 ? "SIGUSR1"
+                            : "SIGTERM",
+           grace);
     fflush(stdout);
     ds_server_quiesce(srv);
     ds_engine_stop(e, grace);

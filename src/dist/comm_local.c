@@ -43,13 +43,13 @@ static int local_finish(ds_comm *c, int status) {
     return status;
 }
 
-static const ds_comm_ops LOCAL_OPS = {"local",       local_allreduce, local_send, local_recv,
-                                      local_bcast,   local_barrier,   local_post, local_take,
-                                      local_finish};
+static const ds_comm_ops LOCAL_OPS = {"local",    local_allreduce, local_send,
+                                      local_recv, local_bcast,     local_barrier,
+                                      local_post, local_take,      local_finish};
 
 ds_comm *ds_comm_local(void) {
     /* One per process; its only mutable field is last_err, which a local all-reduce never sets. */
-    static ds_comm c = {.ops = &LOCAL_OPS, .size = 1, .tp_size = 1, .n_stages = 1,
-                        .who = "rank 0 (stage 0, tp 0)"};
+    static ds_comm c = {
+        .ops = &LOCAL_OPS, .size = 1, .tp_size = 1, .n_stages = 1, .who = "rank 0 (stage 0, tp 0)"};
     return &c;
 }

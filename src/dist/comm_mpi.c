@@ -207,8 +207,8 @@ static int mpi_take(ds_comm *c, int src, int tag, void **buf, size_t *n, ds_err 
         if (found) break;
         if (reap_posts(c, 0, err)) return DS_ERR;
         if (im->timeout_s > 0 && MPI_Wtime() - t0 > im->timeout_s)
-            return ds_errf(err, "%s: %s: no answer after %.0f s (DS_COMM_TIMEOUT_S)", c->who,
-                           what, im->timeout_s);
+            return ds_errf(err, "%s: %s: no answer after %.0f s (DS_COMM_TIMEOUT_S)", c->who, what,
+                           im->timeout_s);
         if (spins > 200) {
             nanosleep(&(struct timespec){0, nap_ns}, NULL);
             if (nap_ns < 1000000) nap_ns += nap_ns / 4;
@@ -257,7 +257,7 @@ static int mpi_finish(ds_comm *c, int status) {
     return status;
 }
 
-static const ds_comm_ops MPI_OPS = {"mpi",       mpi_allreduce, mpi_send, mpi_recv, mpi_bcast,
+static const ds_comm_ops MPI_OPS = {"mpi",       mpi_allreduce, mpi_send, mpi_recv,  mpi_bcast,
                                     mpi_barrier, mpi_post,      mpi_take, mpi_finish};
 
 int ds_comm_mpi_init(int tp, int pp, ds_comm **out, ds_err *err) {

@@ -130,7 +130,8 @@ int ds_pp_step(ds_comm *c, ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, in
      * truncate the message or hang, so it is caught here. */
     int expect = ds_pp_banks_before(N, ds_model_end_layer(m));
     if (out->n_banks != expect)
-        return ds_errf(err, "%s: %d AttnRes blocks to hand on at layer %d, the next stage expects %d",
+        return ds_errf(err,
+                       "%s: %d AttnRes blocks to hand on at layer %d, the next stage expects %d",
                        c->who, out->n_banks, ds_model_end_layer(m), expect);
     return ds_pp_send(c, out, T, D, err);
 }

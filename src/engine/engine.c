@@ -50,9 +50,9 @@ struct request {
     choice *choices;      /* [n] */
     int n_done;
     int aborted;
-    int owns_stop; /* a mirrored request (not the head): spec.params.stop strings are ours */
+    int owns_stop;      /* a mirrored request (not the head): spec.params.stop strings are ours */
     uint64_t seed_base; /* choice i draws from seed_base + i */
-    request *next; /* inbox / live list */
+    request *next;      /* inbox / live list */
 };
 
 /* One step between its launch (schedule, forward, the sampling rank's choices) and its completion
@@ -101,14 +101,14 @@ struct ds_engine {
     request *live; /* engine thread only: requests with choices not yet done */
 
     /* step buffers, engine thread only */
-    inflight *fl;         /* [n_fl] steps in flight, used round robin */
-    int n_fl;             /* P with pipelined stages, else 1 */
-    uint64_t micro;       /* steps launched so far */
-    int64_t *deferred;    /* [n_deferred] aborts of requests with a step in flight */
+    inflight *fl;      /* [n_fl] steps in flight, used round robin */
+    int n_fl;          /* P with pipelined stages, else 1 */
+    uint64_t micro;    /* steps launched so far */
+    int64_t *deferred; /* [n_deferred] aborts of requests with a step in flight */
     int n_deferred, cap_deferred;
-    ds_seq **preempted;   /* [max_num_seqs] */
-    ds_seq_batch *batch;  /* [max_num_seqs] */
-    float *logits;        /* [max_num_seqs][k+1][V] */
+    ds_seq **preempted;  /* [max_num_seqs] */
+    ds_seq_batch *batch; /* [max_num_seqs] */
+    float *logits;       /* [max_num_seqs][k+1][V] */
     ds_sample_scratch *scratch;
 
     /* speculative decoding (k = 0: off) */
@@ -117,14 +117,14 @@ struct ds_engine {
     ds_draft_cache dcache; /* the draft's latent rows, addressed by the same pages */
     float *taps;           /* [sum of item tokens][n_taps][D] this step's draft taps */
     /* DSpark taps in a job: every rank knows the tap layers; stage s holds taps [j0, j1) */
-    int n_taps;                     /* taps this rank captures (0: none) */
-    int n_tap_ids;                  /* taps of the draft */
-    int tap_ids[DS_MAX_LAYERS + 1]; /* [n_taps] target_layer_ids */
+    int n_taps;                                       /* taps this rank captures (0: none) */
+    int n_tap_ids;                                    /* taps of the draft */
+    int tap_ids[DS_MAX_LAYERS + 1];                   /* [n_taps] target_layer_ids */
     int tap_j0[DS_MAX_LAYERS], tap_j1[DS_MAX_LAYERS]; /* [n_stages] each stage's tap range */
-    ds_draft *draft_ctx;            /* partial-sum relay on an earlier stage: context_proj only */
-    float *relay;                   /* [tokens][D] partial sum, or packed taps of one stage */
-    size_t relay_cap;               /* floats */
-    size_t taps_cap;       /* floats */
+    ds_draft *draft_ctx; /* partial-sum relay on an earlier stage: context_proj only */
+    float *relay;        /* [tokens][D] partial sum, or packed taps of one stage */
+    size_t relay_cap;    /* floats */
+    size_t taps_cap;     /* floats */
 
     ds_engine_stats stats; /* guarded by mu */
 
@@ -222,8 +222,7 @@ static int size_pools(ds_engine *e, ds_err *err) {
      * and a stage's layers need less than the whole model's: the job takes the smallest count. */
     if (e->dist) {
         uint64_t ns = n_slots, np = n_pages;
-        if (ds_comm_min_u64(e->comm, &ns, err) || ds_comm_min_u64(e->comm, &np, err))
-            return DS_ERR;
+        if (ds_comm_min_u64(e->comm, &ns, err) || ds_comm_min_u64(e->comm, &np, err)) return DS_ERR;
         n_slots = ns;
         n_pages = np;
     }
@@ -245,11 +244,11 @@ static int size_pools(ds_engine *e, ds_err *err) {
         return DS_ERR;
     if (e->head)
         fprintf(stderr,
-            "[deltaserve] kv budget %.1f MiB: %zu KDA state slots x %.2f MiB + %zu MLA pages x "
-            "%.1f KiB (block %d) -> max %zu concurrent sequences, %zu tokens in cache, "
-            "max_model_len %d\n",
-            budget / 1048576.0, n_slots, slot_bytes / 1048576.0, n_pages, page_bytes / 1024.0,
-            e->opts.block_size, n_slots, n_pages * e->opts.block_size, e->max_model_len);
+                "[deltaserve] kv budget %.1f MiB: %zu KDA state slots x %.2f MiB + %zu MLA pages x "
+                "%.1f KiB (block %d) -> max %zu concurrent sequences, %zu tokens in cache, "
+                "max_model_len %d\n",
+                budget / 1048576.0, n_slots, slot_bytes / 1048576.0, n_pages, page_bytes / 1024.0,
+                e->opts.block_size, n_slots, n_pages * e->opts.block_size, e->max_model_len);
     return DS_OK;
 }
 
@@ -319,7 +318,8 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
     int rung =
         DS_MAX(o->block_size, o->state_checkpoint_interval_tokens / o->block_size * o->block_size);
     if (e->head)
-        fprintf(stderr,
+        fprintf(
+            stderr,
             "[deltaserve] prefix caching on: %zu KDA checkpoint slots (%.1f MiB), rungs every %d "
             "tokens%s%s%s\n",
             n_ckpt, (double)(n_ckpt * slot_bytes) / 1048576.0, rung,
@@ -345,7 +345,7 @@ static int setup_taps(ds_engine *e, const char *dir, ds_err *err) {
         int lo = 0, hi = ds_model_config(e->model)->num_hidden_layers;
         if (P > 1) ds_pp_stage_range(e->opts.pp_layer_counts, st, &lo, &hi);
         if (st == 0) lo = -1; /* the embedding tap */
-        int j0 = 0, j1 = 0; /* the taps are ascending: the stage's are one run of them */
+        int j0 = 0, j1 = 0;   /* the taps are ascending: the stage's are one run of them */
         while (j0 < nt && e->tap_ids[j0] < lo) j0++;
         for (j1 = j0; j1 < nt && e->tap_ids[j1] < hi; j1++) continue;
         e->tap_j0[st] = j0;
@@ -386,8 +386,8 @@ static int setup_spec(ds_engine *e, ds_err *err) {
             return ds_err_prefix(err, "--draft-model %s", dir);
         /* the draft's rows of a page travel with the page through the offload tiers */
         if (e->draft && e->prefix &&
-            ds_prefix_add_page_rows(e->prefix, e->dcache.layer, e->dcache.n_layers,
-                                    e->dcache.row, err))
+            ds_prefix_add_page_rows(e->prefix, e->dcache.layer, e->dcache.n_layers, e->dcache.row,
+                                    err))
             return DS_ERR;
         if (setup_taps(e, dir, err)) return ds_err_prefix(err, "--draft-model %s", dir);
     } else if (o->speculative_method != DS_SPEC_NGRAM && o->speculative_method != DS_SPEC_DSPARK) {
@@ -395,7 +395,7 @@ static int setup_spec(ds_engine *e, ds_err *err) {
     }
     if (e->head)
         fprintf(stderr, "[deltaserve] speculative decoding: %s, k = %d\n",
-            o->speculative_method == DS_SPEC_DSPARK ? "dspark" : "ngram", e->k);
+                o->speculative_method == DS_SPEC_DSPARK ? "dspark" : "ngram", e->k);
     return DS_OK;
 }
 
@@ -1029,8 +1029,7 @@ static void plan_exchange(ds_engine *e, request **in, int64_t *ab, int *n_ab, in
          * head would never notice: a heartbeat makes every rank broadcast in turn, and a rank
          * that does not is named by the timeout (DS_COMM_TIMEOUT_S). */
         uint64_t one = 1;
-        if (heartbeat && ds_comm_min_u64(e->comm, &one, &err))
-            dist_fatal(e, "heartbeat", err.msg);
+        if (heartbeat && ds_comm_min_u64(e->comm, &one, &err)) dist_fatal(e, "heartbeat", err.msg);
         return;
     }
     if (ds_comm_take(e->comm, 0, TAG_PLAN, &blob, &n, &err)) dist_fatal(e, "step plan", err.msg);
@@ -1203,8 +1202,7 @@ static void relay_taps(ds_engine *e, int n_items) {
         size_t tap_off = 0;
         for (int i = 0; i < n_items; i++) {
             size_t rows = (size_t)e->batch[i].n * D;
-            memcpy(e->taps + tap_off + (size_t)a * rows, r,
-                   (size_t)(b - a) * rows * sizeof(float));
+            memcpy(e->taps + tap_off + (size_t)a * rows, r, (size_t)(b - a) * rows * sizeof(float));
             r += (size_t)(b - a) * rows;
             tap_off += rows * n_all;
         }
@@ -1320,8 +1318,8 @@ static void launch(ds_engine *e, inflight *f, int g) {
     if (e->sampler) {
         /* Every sampled item's tokens: a verify samples its rows until a draft is rejected, a
          * plain item samples one. */
-        int summed = e->dist && e->comm->n_stages > 1 &&
-                     e->opts.draft_tap_relay == DS_RELAY_PARTIAL_SUM;
+        int summed =
+            e->dist && e->comm->n_stages > 1 && e->opts.draft_tap_relay == DS_RELAY_PARTIAL_SUM;
         tap_off = 0;
         size_t off = 0;
         for (int i = 0; i < n_items; i++) {
@@ -1358,8 +1356,8 @@ static void launch(ds_engine *e, inflight *f, int g) {
             tap_off += (size_t)n_run * n_taps * D;
             off += (size_t)n_run;
             if (it->sample && e->k)
-                f->n_dr[i] = draft_after(e, s, it, n_keep, f->vt[i][f->va[i] < 0 ? 0 : f->va[i]],
-                                         f->dr[i]);
+                f->n_dr[i] =
+                    draft_after(e, s, it, n_keep, f->vt[i][f->va[i] < 0 ? 0 : f->va[i]], f->dr[i]);
         }
         if (e->dist) outcome_send(e, f);
     }
@@ -1409,8 +1407,8 @@ static void complete(ds_engine *e, inflight *f) {
         ch->n_drafts = f->n_dr[i];
         memcpy(ch->drafts, f->dr[i], (size_t)f->n_dr[i] * sizeof(int32_t));
         pthread_mutex_lock(&e->mu);
-        e->stats.spec_draft_digest = (uint32_t)XXH64(ch->drafts, (size_t)ch->n_drafts * 4,
-                                                     e->stats.spec_draft_digest);
+        e->stats.spec_draft_digest =
+            (uint32_t)XXH64(ch->drafts, (size_t)ch->n_drafts * 4, e->stats.spec_draft_digest);
         pthread_mutex_unlock(&e->mu);
     }
     pthread_mutex_lock(&e->mu);

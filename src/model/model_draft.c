@@ -518,8 +518,8 @@ int ds_draft_write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_
     return write_context(d, c, block_table, pos0, n, taps, NULL, err);
 }
 
-int ds_draft_write_context_sum(ds_draft *d, ds_draft_cache *c, const int32_t *block_table,
-                               int pos0, int n, const float *sum, ds_err *err) {
+int ds_draft_write_context_sum(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int pos0,
+                               int n, const float *sum, ds_err *err) {
     return write_context(d, c, block_table, pos0, n, NULL, sum, err);
 }
 

@@ -766,8 +766,8 @@ static json_t *body_json(const char *body, size_t len, ds_oai_error *e) {
     json_t *j = json_loadb(body ? body : "", len, JSON_ALLOW_NUL, &je);
     if (!j) {
         ds_oai_errorf(e, 400, NULL, "invalid_json",
-                      "invalid JSON in the request body: %s (line %d, column %d)", je.text,
-                      je.line, je.column);
+                      "invalid JSON in the request body: %s (line %d, column %d)", je.text, je.line,
+                      je.column);
         return NULL;
     }
     if (!json_is_object(j)) {
