@@ -156,10 +156,10 @@ static char *request_body(const bench *b, int i) {
     }
     /* return_token_ids: every token then streams a chunk, also one whose bytes make no text yet
      * (a random-weight model samples such ids), so the timings count tokens */
-    json_t *j = json_pack("{s:s, s:o, s:i, s:b, s:{s:b}, s:b, s:f, s:b}", "model", b->model,
-                          "prompt", prompt, "max_tokens", r->max_tokens, "stream", 1,
-                          "stream_options", "include_usage", 1, "ignore_eos", 1, "temperature",
-                          0.0, "return_token_ids", 1);
+    json_t *j =
+        json_pack("{s:s, s:o, s:i, s:b, s:{s:b}, s:b, s:f, s:b}", "model", b->model, "prompt",
+                  prompt, "max_tokens", r->max_tokens, "stream", 1, "stream_options",
+                  "include_usage", 1, "ignore_eos", 1, "temperature", 0.0, "return_token_ids", 1);
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
     return s;

@@ -310,8 +310,7 @@ int ds_cmd_logits(int argc, char **argv) {
     if (rank_open(model_dir, tp, pp, counts, &r, &err)) goto done;
     int V = ds_model_config(r.m)->vocab_size;
     if (r.last) logits = ds_malloc((size_t)n * V * sizeof(float), &err);
-    if ((r.last && !logits) || one_seq_init(&s, r.m, n, &err))
-        goto done;
+    if ((r.last && !logits) || one_seq_init(&s, r.m, n, &err)) goto done;
     ds_seq_batch sb = {ids,  n,    0,    s.slot, s.table, logits, r.last ? n : 0,
                        NULL, NULL, NULL, 0,      NULL,    NULL};
     if (ds_pp_step(r.comm, r.m, &s.pool, &sb, 1, &io, &err)) goto done;

@@ -88,8 +88,8 @@ int ds_draft_write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_
 int ds_draft_context_add(ds_draft *d, int n, int j0, int j1, const float *taps, float *acc,
                          ds_err *err);
 /* ds_draft_write_context from a finished sum [n][D] (all taps added) instead of the taps. */
-int ds_draft_write_context_sum(ds_draft *d, ds_draft_cache *c, const int32_t *block_table,
-                               int pos0, int n, const float *sum, ds_err *err);
+int ds_draft_write_context_sum(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int pos0,
+                               int n, const float *sum, ds_err *err);
 
 /* Proposes T tokens after context rows 0..p (p = the last position the target has processed,
  * whose ctx row is written; the anchor, the token the target just produced, sits at p+1).

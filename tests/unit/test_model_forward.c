@@ -364,11 +364,10 @@ static void test_bad_tokens(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_golden_tiny_k3),    cmocka_unit_test(test_golden_tiny_linear),
-        cmocka_unit_test(test_golden_gsm_k3),
-        cmocka_unit_test(test_prefill_decode_k3), cmocka_unit_test(test_prefill_decode_linear),
-        cmocka_unit_test(test_batch_invariance),  cmocka_unit_test(test_spec_rollback),
-        cmocka_unit_test(test_bad_tokens),
+        cmocka_unit_test(test_golden_tiny_k3),        cmocka_unit_test(test_golden_tiny_linear),
+        cmocka_unit_test(test_golden_gsm_k3),         cmocka_unit_test(test_prefill_decode_k3),
+        cmocka_unit_test(test_prefill_decode_linear), cmocka_unit_test(test_batch_invariance),
+        cmocka_unit_test(test_spec_rollback),         cmocka_unit_test(test_bad_tokens),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
