@@ -37,19 +37,15 @@ void ds_comm_set_who(ds_comm *c) {
     snprintf(c->who, sizeof c->who, "rank %d (stage %d, tp %d)", c->rank, c->stage, c->tp_rank);
 }
 
-int ds_comm_bcast_blob_from(ds_comm *c, int root, void **buf, size_t *n, ds_err *err) {
-    uint64_t len = c->rank == root ? (uint64_t)*n : 0;
-    if (ds_comm_bcast_from(c, root, &len, sizeof len, err)) return DS_ERR;
-    if (c->rank != root) {
+int ds_comm_bcast_blob(ds_comm *c, void **buf, size_t *n, ds_err *err) {
+    uint64_t len = c->rank == 0 ? (uint64_t)*n : 0;
+    if (ds_comm_bcast(c, &len, sizeof len, err)) return DS_ERR;
+    if (c->rank != 0) {
         *buf = ds_malloc(len ? (size_t)len : 1, err);
         if (!*buf) return DS_ERR;
         *n = (size_t)len;
     }
-    return len ? ds_comm_bcast_from(c, root, *buf, (size_t)len, err) : DS_OK;
-}
-
-int ds_comm_bcast_blob(ds_comm *c, void **buf, size_t *n, ds_err *err) {
-    return ds_comm_bcast_blob_from(c, 0, buf, n, err);
+    return len ? ds_comm_bcast(c, *buf, (size_t)len, err) : DS_OK;
 }
 
 int ds_comm_min_u64(ds_comm *c, uint64_t *v, ds_err *err) {

@@ -105,8 +105,6 @@ static inline int ds_comm_barrier(ds_comm *c, ds_err *err) {
 /* A blob whose length only the head knows: the length goes first, then the bytes. On the other
  * ranks *buf is malloc'd (free it); on the head it is left as given. */
 int ds_comm_bcast_blob(ds_comm *c, void **buf, size_t *n, ds_err *err);
-/* The same from world rank `root`: on root *buf is left as given, elsewhere it is malloc'd. */
-int ds_comm_bcast_blob_from(ds_comm *c, int root, void **buf, size_t *n, ds_err *err);
 /* The smallest of every rank's v, on every rank (a start-up agreement, e.g. on pool sizes; it costs
  * one broadcast per rank). */
 int ds_comm_min_u64(ds_comm *c, uint64_t *v, ds_err *err);
