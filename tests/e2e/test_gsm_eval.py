@@ -3,6 +3,7 @@
 OpenAI API (32 concurrent 4-shot completion requests), in whatever configuration the suite runs
 (DS_SERVE_ARGS: plain, DSpark speculation with the bundled draft, PP 2 x TP 2)."""
 import os
+import shlex
 import sys
 
 from conftest import REPO, Server
@@ -23,7 +24,11 @@ def test_gsm_slice_accuracy_floor():
         assert r["flexible_extract"] >= 0.90, r["flexible_extract"]
         assert r["strict_match"] >= 0.90, r["strict_match"]
         s = r["spec_decode"] or {}
-        if s.get("verifies"):  # with the bundled draft, speculation must pay off
+        args = shlex.split(os.environ.get("DS_SERVE_ARGS", ""))
+        k = int(args[args.index("--num-speculative-tokens") + 1]) \
+            if "--num-speculative-tokens" in args else 7
+        if "dspark" in args and k >= 4:  # the bundled draft must pay off (issue 7: >= 4 at k 7)
+            assert s.get("verifies"), s
             assert s["tokens_per_forward"] >= 4.0, s
     finally:
         assert srv.stop() == 0, "".join(srv.log[-30:])
