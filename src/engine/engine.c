@@ -124,7 +124,9 @@ struct ds_engine {
     ds_draft *draft_ctx; /* partial-sum relay on an earlier stage: context_proj only */
     float *relay;        /* [tokens][D] partial sum, or packed taps of one stage */
     size_t relay_cap;    /* floats */
-    size_t taps_cap;     /* floats */
+    int32_t *after;      /* [after_cap] a sequence's tokens after a step, for drafting */
+    size_t after_cap;
+    size_t taps_cap; /* floats */
 
     ds_engine_stats stats; /* guarded by mu */
 
@@ -1223,14 +1225,18 @@ static int draft_after(ds_engine *e, ds_seq *s, const ds_sched_item *it, int n_k
         fprintf(stderr, "[deltaserve] draft: %s\n", err.msg); /* costs speed, never output */
         return 0;
     }
-    int32_t *t = malloc((size_t)len * sizeof *t); /* [len] the tokens after the step */
-    if (!t) return 0;
+    if ((size_t)len > e->after_cap) { /* grown, not allocated per call: this runs every step */
+        int32_t *b = realloc(e->after, (size_t)len * sizeof *b);
+        if (!b) return 0; /* no drafts: costs speed, never output */
+        e->after = b;
+        e->after_cap = (size_t)len;
+    }
+    int32_t *t = e->after;
     memcpy(t, s->tokens, (size_t)(len - 1) * sizeof *t);
     t[len - 1] = next;
     int n = e->opts.spec_test_drafts
                 ? e->opts.spec_test_drafts(e->opts.spec_test_ctx, t, len, k, out)
                 : ngram_propose(t, len, k, out);
-    free(t);
     return DS_MAX(0, DS_MIN(n, k));
 }
 
@@ -1551,6 +1557,7 @@ void ds_engine_free(ds_engine *e) {
     ds_pp_bufs_free(&e->ppb);
     ds_draft_free(e->draft_ctx);
     free(e->relay);
+    free(e->after);
     ds_tok_free(e->tok);
     ds_model_free(e->model);
     free(e->model_dir);
