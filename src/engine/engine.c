@@ -368,6 +368,8 @@ static int setup_taps(ds_engine *e, const char *dir, ds_err *err) {
 /* Speculative decoding: k drafts per verify; dspark loads its draft next to the target and keeps
  * its latent rows in a cache addressed by the target's own pages (so a shared prefix page shares
  * its draft rows too). */
+static int admit_drafts(void *ctx, ds_seq *q);
+
 static int setup_spec(ds_engine *e, ds_err *err) {
     const ds_engine_opts *o = &e->opts;
     if (o->num_speculative_tokens < 1 || o->num_speculative_tokens > DS_MAX_SPEC)
@@ -449,6 +451,8 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
     if (ds_sched_create(&so, e->pages, e->slots, &e->sched, err)) goto fail;
     if (opts->enable_prefix_caching && setup_prefix(e, err)) goto fail;
     if (opts->speculative_method != DS_SPEC_NONE && setup_spec(e, err)) goto fail;
+    /* only a prefix hit resumes a sequence one token short of its end */
+    if (e->k && e->prefix) ds_sched_set_admit_drafts(e->sched, admit_drafts, e);
     int S = opts->max_num_seqs, rows = e->k + 1;
     /* With pipelined stages P steps are in flight (DESIGN.md, "Process model"). */
     e->n_fl = e->dist && e->comm->n_stages > 1 && !opts->pp_lock_step ? e->comm->n_stages : 1;
@@ -861,6 +865,42 @@ static int ngram_propose(const int32_t *t, int n_tokens, int k, int32_t *out) {
     return 0;
 }
 
+/* Drafts a choice's sequence may carry now: room for them and the token after them, within the
+ * request's limits. */
+static int draft_room(const request *r, const choice *ch, const ds_seq *s) {
+    return DS_MIN(s->max_len - s->n_tokens - 1, r->spec.params.max_tokens - ch->n_generated - 1);
+}
+
+/* Appends up to n drafts behind s's last token; s->n_spec = how many went on. */
+static void append_drafts(ds_seq *s, const int32_t *drafts, int n) {
+    ds_err err;
+    int j = 0;
+    while (j < n && ds_seq_append(s, drafts[j], &err) == DS_OK) j++;
+    s->n_spec = j;
+}
+
+/* The scheduler's admission hook (ds_sched_set_admit_drafts): q resumes one token short of its
+ * end, so its first step can be a verify — the step that also forks its checkpoint. Drafts come
+ * from what every rank of a job can reproduce: the choice's own pending drafts (a decode that was
+ * preempted keeps the ones proposed after its last token) or a draft-free method (n-gram, the test
+ * oracle). A DSpark draft needs the last token's taps, which no step has computed yet. */
+static int admit_drafts(void *ctx, ds_seq *q) {
+    ds_engine *e = ctx;
+    choice *ch = q->owner;
+    int room = DS_MIN(draft_room(ch->req, ch, q), e->k);
+    if (room <= 0) return 0;
+    int32_t d[DS_MAX_SPEC];
+    int n = 0;
+    if (ch->n_drafts)
+        memcpy(d, ch->drafts, (size_t)(n = ch->n_drafts) * sizeof *d);
+    else if (e->opts.spec_test_drafts)
+        n = e->opts.spec_test_drafts(e->opts.spec_test_ctx, q->tokens, q->n_tokens, e->k, d);
+    else if (e->opts.speculative_method == DS_SPEC_NGRAM)
+        n = ngram_propose(q->tokens, q->n_tokens, e->k, d);
+    append_drafts(q, d, DS_MIN(DS_MAX(n, 0), room));
+    return q->n_spec;
+}
+
 /* Puts each decoding choice's drafts behind its last token, as many as its limits allow. */
 static void attach_drafts(ds_engine *e) {
     for (request *r = e->live; r; r = r->next)
@@ -870,17 +910,7 @@ static void attach_drafts(ds_engine *e) {
             if (ch->done || ch->busy || !s || !ch->in_sched || s->status != DS_SEQ_RUNNING ||
                 !ch->n_drafts || s->n_computed != s->n_tokens - 1)
                 continue;
-            /* room for the drafts and the token after them, within the request's limits */
-            int room = DS_MIN(s->max_len - s->n_tokens - 1,
-                              r->spec.params.max_tokens - ch->n_generated - 1);
-            int n = DS_MIN(ch->n_drafts, room);
-            ds_err err;
-            for (int j = 0; j < n; j++)
-                if (ds_seq_append(s, ch->drafts[j], &err)) {
-                    n = j;
-                    break;
-                }
-            s->n_spec = DS_MAX(n, 0);
+            append_drafts(s, ch->drafts, DS_MIN(ch->n_drafts, draft_room(r, ch, s)));
         }
 }
 
@@ -1300,7 +1330,11 @@ static void launch(ds_engine *e, inflight *f, int g) {
         if (it->pos0 < s->n_prompt) f->n_prompt_tokens += DS_MIN(it->n, s->n_prompt - it->pos0);
         /* A sequence resumed from a checkpoint starts from a copy of it: before any kernel reads
          * its slot, whatever kind of step this is (prefill, decode or verify). */
-        if (e->prefix) ds_prefix_take_fork(e->prefix, s, e->batch[i].slot);
+        if (e->prefix && ds_prefix_take_fork(e->prefix, s, e->batch[i].slot) && s->n_spec) {
+            pthread_mutex_lock(&e->mu);
+            e->stats.spec_fork_verifies++;
+            pthread_mutex_unlock(&e->mu);
+        }
     }
     f->active = 1;
     ds_err err = {{0}};

@@ -168,8 +168,10 @@ typedef struct ds_engine_stats {
     /* speculative decoding: verify steps, drafts proposed / accepted, tokens they emitted */
     uint64_t spec_verifies, spec_draft_tokens, spec_accepted_tokens, spec_emitted_tokens;
     uint64_t spec_accepted_at[DS_MAX_SPEC]; /* drafts accepted at position i (0-based) */
-    uint32_t spec_draft_digest; /* checksum over every draft proposed, in order: two runs that
-                                   drafted the same tokens agree (a test of the tap relays) */
+    uint64_t spec_fork_verifies; /* verifies that were also a sequence's first step after a
+                                    prefix hit (the checkpoint forked before the kernels ran) */
+    uint32_t spec_draft_digest;  /* checksum over every draft proposed, in order: two runs that
+                                    drafted the same tokens agree (a test of the tap relays) */
 } ds_engine_stats;
 void ds_engine_get_stats(ds_engine *e, ds_engine_stats *s);
 

@@ -108,7 +108,14 @@ struct ds_scheduler {
     int n_waiting, cap_waiting;
     uint64_t next_arrival;
     int cur_group, n_groups; /* pipelined steps: schedule only group cur_group of n_groups */
+    int (*admit_drafts)(void *ctx, ds_seq *q); /* see ds_sched_set_admit_drafts; NULL: none */
+    void *admit_ctx;
 };
+
+void ds_sched_set_admit_drafts(ds_scheduler *s, int (*fn)(void *ctx, ds_seq *q), void *ctx) {
+    s->admit_drafts = fn;
+    s->admit_ctx = ctx;
+}
 
 void ds_sched_set_group(ds_scheduler *s, int g, int n_groups) {
     s->cur_group = g;
@@ -276,6 +283,11 @@ static void emit(plan *pl, ds_seq *q, int end) {
     pl->budget -= n;
 }
 
+static void drop_drafts(ds_seq *q) {
+    q->n_tokens -= q->n_spec;
+    q->n_spec = 0;
+}
+
 /* Evicts a running sequence: drops an item already planned for it this step (refunding its
  * tokens), frees its pages and slot, and files it back among the waiting by arrival. */
 static void preempt(ds_scheduler *s, plan *pl, ds_seq *v) {
@@ -289,8 +301,7 @@ static void preempt(ds_scheduler *s, plan *pl, ds_seq *v) {
     }
     list_remove(s->running, &s->n_running, v);
     release_resources(s, v);
-    v->n_tokens -= v->n_spec; /* drafts are proposals, not tokens to recompute */
-    v->n_spec = 0;
+    drop_drafts(v); /* drafts are proposals, not tokens to recompute */
     v->n_computed = 0;
     v->group = -1;
     v->status = DS_SEQ_PREEMPTED;
@@ -374,11 +385,21 @@ void ds_sched_schedule(ds_scheduler *s, ds_sched_item *items, int *n_items, ds_s
         in_g++;
         /* Resume from the deepest cached prefix: shared pages, n_computed past them. */
         if (s->prefix) ds_prefix_match(s->prefix, q);
-        int end = item_end(s, q), nb = blocks_for(s, end);
+        /* Resumed one token short of its end (a cached prompt, or a preempted decode): its first
+         * step may be a verify, drafts riding on the last token; that item is cut nowhere. */
+        if (s->admit_drafts && q->n_tokens - q->n_computed == 1) {
+            s->admit_drafts(s->admit_ctx, q);
+            /* drafts are a bonus: they never keep a sequence from being admitted */
+            if (q->n_spec && (q->n_tokens - q->n_computed > pl.budget ||
+                              blocks_for(s, q->n_tokens) - q->n_blocks > ds_page_n_free(s->pages)))
+                drop_drafts(q);
+        }
+        int end = q->n_spec ? q->n_tokens : item_end(s, q), nb = blocks_for(s, end);
         if (end - q->n_computed > pl.budget || nb - q->n_blocks > ds_page_n_free(s->pages) ||
             grow_table(q, nb) != DS_OK) {
             release_resources(s, q); /* the hit, if any, is looked up again next time */
             q->n_computed = 0;
+            drop_drafts(q); /* proposed again when it is admitted */
             break;
         }
         if (s->prefix) ds_prefix_admitted(s->prefix, q);

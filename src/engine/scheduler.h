@@ -103,6 +103,12 @@ void ds_sched_schedule(ds_scheduler *s, ds_sched_item *items, int *n_items, ds_s
  * others have a step in flight). n_groups <= 1: every sequence, as without pipelining. */
 void ds_sched_set_group(ds_scheduler *s, int g, int n_groups);
 
+/* Drafts at admission: fn(ctx, q) is called for a sequence being admitted with exactly one token
+ * left to compute (a prefix hit one token short of its end) and may append drafts to it (setting
+ * q->n_spec), so that its first step — the one that forks the checkpoint — is already a verify.
+ * Every rank of a job must propose the same drafts. */
+void ds_sched_set_admit_drafts(ds_scheduler *s, int (*fn)(void *ctx, ds_seq *q), void *ctx);
+
 void ds_sched_commit(ds_scheduler *s, const ds_sched_item *items, int n_items);
 /* Removes a sequence (finished or aborted) from the scheduler and returns its pages and slot.
  * The caller still owns seq (ds_seq_free). */

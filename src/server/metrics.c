@@ -203,6 +203,10 @@ char *ds_metrics_render(ds_metrics *m, const ds_engine_stats *st, const char *mo
          "Tokens emitted by verify steps (accepted drafts plus one); divided by verifies it is "
          "the tokens per forward.",
          offsetof(ds_engine_stats, spec_emitted_tokens)},
+        {"spec_decode_num_fork_verifies_total",
+         "Verify steps that were a sequence's first step after a prefix-cache hit (resumed one "
+         "token short of its end, drafts riding on that token).",
+         offsetof(ds_engine_stats, spec_fork_verifies)},
     };
     for (size_t i = 0; i < DS_ARRAY_LEN(CACHE); i++)
         counter(&t, CACHE[i].name, CACHE[i].help, labels,

@@ -250,6 +250,76 @@ static void test_warm_equals_cold(void **st) {
     h_stop(warm);
 }
 
+/* Drafts for the fork test: the cold continuation ref with the first `good` drafts right and the
+ * rest wrong, so a verify accepts exactly `good` of them (the last token of the prompt sits at
+ * n_prompt - 1; drafts proposed for length len continue ref at len - n_prompt). */
+typedef struct fork_oracle {
+    const int32_t *ref;
+    int n_ref, n_prompt, good, calls_at_prompt;
+} fork_oracle;
+
+static int fork_oracle_drafts(void *ctx, const int32_t *t, int len, int k, int32_t *d) {
+    (void)t;
+    fork_oracle *o = ctx;
+    int at = len - o->n_prompt;
+    if (at == 0) o->calls_at_prompt++;
+    int n = 0;
+    for (; n < k && at + n < o->n_ref; n++)
+        d[n] = n < o->good ? o->ref[at + n] : (o->ref[at + n] + 1) % 700;
+    return n;
+}
+
+/* A fork on a verify step (issue 6): a repeat of a prompt of 16 m + 1 tokens resumes from the
+ * checkpoint at 16 m, one token short of its end, so its first step — the one that copies the
+ * checkpoint into its slot — is already a verify with drafts riding on the last prompt token.
+ * Output equals the cold engine's (no prefix caching, no speculation) for n-gram drafts on a
+ * repetitive prompt and for oracle drafts forcing every accepted count 0..k on that first verify
+ * (each count rolls the forked KDA state back to a different row). */
+static void test_fork_on_verify(void **st) {
+    (void)st;
+    enum { NP = 65, GEN = 24, K = 4 };
+    int32_t p[NP], ref[GEN], out[GEN];
+    for (int i = 0; i < NP; i++) p[i] = (int32_t)(11 + 13 * (i % 7)); /* n-gram drafts exist */
+    ds_engine_opts o;
+    h_opts(&o, 0, KV_MEM);
+    ds_engine *cold = h_start(&o);
+    h_run(cold, p, NP, GEN, ref);
+    h_stop(cold);
+
+    fork_oracle orc = {ref, GEN, NP, 0, 0};
+    for (int method = 0; method < 2; method++) {
+        h_opts(&o, 1, KV_MEM);
+        o.speculative_method = DS_SPEC_NGRAM;
+        o.num_speculative_tokens = K;
+        if (method == 1) {
+            o.spec_test_drafts = fork_oracle_drafts;
+            o.spec_test_ctx = &orc;
+        }
+        ds_engine *e = h_start(&o);
+        h_run(e, p, NP, GEN, out); /* cold: files the checkpoint at 64 */
+        assert_memory_equal(out, ref, sizeof ref);
+        for (int good = 0; good <= (method ? K : 0); good++) {
+            orc.good = good;
+            orc.calls_at_prompt = 0;
+            ds_engine_stats s0 = h_stats(e);
+            h_run(e, p, NP, GEN, out);
+            ds_engine_stats s1 = h_stats(e);
+            print_message("%s drafts, %d right: hit %llu, fork verifies %llu, accepted %llu\n",
+                          method ? "oracle" : "n-gram", good,
+                          (unsigned long long)(s1.prefix_hit_tokens - s0.prefix_hit_tokens),
+                          (unsigned long long)(s1.spec_fork_verifies - s0.spec_fork_verifies),
+                          (unsigned long long)(s1.spec_accepted_at[0] - s0.spec_accepted_at[0]));
+            assert_memory_equal(out, ref, sizeof ref);
+            assert_int_equal(s1.prefix_hit_tokens - s0.prefix_hit_tokens, NP - 1);
+            assert_int_equal(s1.forks - s0.forks, 1);
+            assert_int_equal(s1.spec_fork_verifies - s0.spec_fork_verifies, 1);
+            if (method) assert_int_equal(orc.calls_at_prompt, 1); /* drafted at admission */
+        }
+        h_assert_idle(e);
+        h_stop(e);
+    }
+}
+
 /* 32 requests sharing an 80-token system prompt, all submitted at once (8 run at a time): every
  * one gives its cold tokens, and the later ones resume from the shared prefix. */
 static void test_shared_system_prompt(void **st) {
@@ -361,7 +431,7 @@ int main(void) {
         cmocka_unit_test(test_hash_chain_and_hit),   cmocka_unit_test(test_demand_rung),
         cmocka_unit_test(test_forced_collisions),    cmocka_unit_test(test_warm_equals_cold),
         cmocka_unit_test(test_shared_system_prompt), cmocka_unit_test(test_eviction_pressure),
-        cmocka_unit_test(test_engine_collisions),
+        cmocka_unit_test(test_engine_collisions),    cmocka_unit_test(test_fork_on_verify),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
