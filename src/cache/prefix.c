@@ -539,6 +539,7 @@ int ds_prefix_match(ds_prefix *px, ds_seq *q) {
     if (best == 0) return 0;
     q->fork_ckpt = ckpt; /* pinned above */
     q->n_computed = best * bs;
+    q->settled = q->n_computed;
     return q->n_computed;
 }
 
@@ -568,8 +569,14 @@ int ds_prefix_take_fork(ds_prefix *px, ds_seq *q, float *slot) {
     return 1;
 }
 
+int ds_prefix_would_hold(const ds_prefix *px, const ds_seq *q, int pos0) {
+    (void)px;
+    return pos0 > q->settled && has_rung(q, pos0);
+}
+
 void ds_prefix_on_computed(ds_prefix *px, ds_seq *q, const float *slot) {
     const int bs = px->bs;
+    q->settled = q->n_computed;
     int full = q->n_computed / bs;
     if (ds_seq_reserve_blocks(q, full) != DS_OK) return;
     while (!q->chain_broken && q->n_filed < full) {

@@ -79,6 +79,11 @@ int ds_prefix_take_fork(ds_prefix *px, ds_seq *q, float *slot);
 /* After a step committed: files q's newly full blocks and, when n_computed is one of its rungs,
  * a checkpoint copied from slot (the state after exactly n_computed tokens). */
 void ds_prefix_on_computed(ds_prefix *px, ds_seq *q, const float *slot);
+/* Would a step of q starting at pos0 have to wait for a checkpoint? 1 when pos0 is one of q's
+ * rungs and the step that ended there has not been filed yet (ds_prefix_on_computed). The engine
+ * files in each step's completion, before the sequence's next step is planned, so this never
+ * happens; the engine counts it (the `checkpoint holds` metric) to show that it does not. */
+int ds_prefix_would_hold(const ds_prefix *px, const ds_seq *q, int pos0);
 /* q finished: hands its filed pages and checkpoints to the offload tier (if any). */
 void ds_prefix_on_finish(ds_prefix *px, ds_seq *q);
 void ds_prefix_get_stats(const ds_prefix *px, ds_prefix_stats *s);

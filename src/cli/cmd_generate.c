@@ -260,6 +260,8 @@ static int rank_open(const char *model_dir, int tp, int pp, const int *counts, r
     o.tp_size = r->comm->tp_size;
     o.allreduce = ds_comm_allreduce_cb;
     o.allreduce_ctx = r->comm;
+    o.allgather = ds_comm_allgather_cb;
+    o.allgather_ctx = r->comm;
     r->first = r->comm->stage == 0;
     r->last = r->comm->stage == pp - 1;
     return ds_model_load(model_dir, &o, &r->m, err);

@@ -64,6 +64,11 @@ int ds_comm_allreduce_cb(void *ctx, float *buf, size_t n) {
     return ds_comm_allreduce_sum(c, buf, n, &c->last_err);
 }
 
+int ds_comm_allgather_cb(void *ctx, const float *mine, size_t n, float *all) {
+    ds_comm *c = ctx;
+    return ds_comm_allgather(c, mine, n, all, &c->last_err);
+}
+
 const char *ds_comm_last_error(const ds_comm *c) {
     return c->last_err.msg;
 }

@@ -44,6 +44,9 @@ typedef struct ds_comm_ops {
     int (*take)(ds_comm *c, int src, int tag, void **buf, size_t *n, ds_err *err);
     /* status 0: orderly shutdown (collective); else end every rank of the job now */
     int (*finish)(ds_comm *c, int status);
+    /* all[tp_size][n] <- every TP rank's mine[n], in tp_rank order, on every rank of the group
+     * (vocabulary-parallel logits) */
+    int (*allgather)(ds_comm *c, const float *mine, size_t n, float *all, ds_err *err);
 } ds_comm_ops;
 
 struct ds_comm {
@@ -80,6 +83,10 @@ int ds_comm_finish(ds_comm *c, int status);
 static inline int ds_comm_allreduce_sum(ds_comm *c, float *buf, size_t n, ds_err *err) {
     return c->ops->allreduce_sum(c, buf, n, err);
 }
+static inline int ds_comm_allgather(ds_comm *c, const float *mine, size_t n, float *all,
+                                    ds_err *err) {
+    return c->ops->allgather(c, mine, n, all, err);
+}
 static inline int ds_comm_send(ds_comm *c, int stage, const float *buf, size_t n, ds_err *err) {
     return c->ops->send(c, stage, buf, n, err);
 }
@@ -113,6 +120,8 @@ int ds_comm_min_u64(ds_comm *c, uint64_t *v, ds_err *err);
  * error (ds_comm_last_error) because the model's callback has no ds_err of its own. */
 int ds_comm_allreduce_cb(void *ctx, float *buf, size_t n);
 const char *ds_comm_last_error(const ds_comm *c);
+/* Adapter for ds_model_opts.allgather, likewise. */
+int ds_comm_allgather_cb(void *ctx, const float *mine, size_t n, float *all);
 
 /* Fills c->who from the rank fields. */
 void ds_comm_set_who(ds_comm *c);

@@ -87,6 +87,22 @@ static int mpi_allreduce(ds_comm *c, float *buf, size_t n, ds_err *err) {
     return DS_OK;
 }
 
+static int mpi_allgather(ds_comm *c, const float *mine, size_t n, float *all, ds_err *err) {
+    if (c->tp_size == 1) {
+        if (all != mine) memmove(all, mine, n * sizeof *all);
+        return DS_OK;
+    }
+    char what[96];
+    snprintf(what, sizeof what, "all-gather of %zu floats per rank in the TP group of stage %d", n,
+             c->stage);
+    /* one call: the pieces of a cut message would interleave wrongly in `all` */
+    if (n > (size_t)INT_MAX) return ds_errf(err, "%s: %s: too large", c->who, what);
+    MPI_Request req;
+    int rc = MPI_Iallgather(mine, (int)n, MPI_FLOAT, all, (int)n, MPI_FLOAT, impl_of(c)->tp, &req);
+    if (rc != MPI_SUCCESS) return mpi_fail(c, rc, what, err);
+    return wait_req(c, &req, what, err);
+}
+
 static int check_stage(ds_comm *c, int stage, const char *verb, ds_err *err) {
     if (stage < 0 || stage >= c->n_stages || stage == c->stage)
         return ds_errf(err, "%s: %s stage %d: not another stage of this %d-stage job", c->who, verb,
@@ -257,8 +273,9 @@ static int mpi_finish(ds_comm *c, int status) {
     return status;
 }
 
-static const ds_comm_ops MPI_OPS = {"mpi",       mpi_allreduce, mpi_send, mpi_recv,  mpi_bcast,
-                                    mpi_barrier, mpi_post,      mpi_take, mpi_finish};
+static const ds_comm_ops MPI_OPS = {"mpi",      mpi_allreduce, mpi_send, mpi_recv,
+                                    mpi_bcast,  mpi_barrier,   mpi_post, mpi_take,
+                                    mpi_finish, mpi_allgather};
 
 int ds_comm_mpi_init(int tp, int pp, ds_comm **out, ds_err *err) {
     *out = NULL;

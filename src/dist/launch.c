@@ -39,8 +39,11 @@ int ds_launch_mpirun(int n_ranks, int argc, char **argv, ds_err *err) {
     av[k++] = "-np";
     av[k++] = np;
     av[k++] = "--oversubscribe";
+    /* Unbound by default: tests run 8 ranks on 2 cores. DS_MPIRUN_BIND=core pins one rank per
+     * core (the pipeline benchmark: one stage per core). */
+    const char *bind = getenv("DS_MPIRUN_BIND");
     av[k++] = "--bind-to";
-    av[k++] = "none";
+    av[k++] = (char *)(bind && *bind ? bind : "none");
     if (geteuid() == 0) av[k++] = "--allow-run-as-root";
     for (char *p = strtok(extra, " "); p; p = strtok(NULL, " ")) av[k++] = p;
     av[k++] = exe;

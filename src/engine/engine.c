@@ -438,6 +438,8 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
         mo.tp_size = e->comm->tp_size;
         mo.allreduce = ds_comm_allreduce_cb;
         mo.allreduce_ctx = e->comm;
+        mo.allgather = ds_comm_allgather_cb;
+        mo.allgather_ctx = e->comm;
     }
     if (ds_model_load(e->model_dir, &mo, &e->model, err) ||
         ds_tok_load(e->model_dir, &e->tok, err) || ds_chat_format_from_dir(e->model_dir, &fmt, err))
@@ -1330,6 +1332,11 @@ static void launch(ds_engine *e, inflight *f, int g) {
         if (it->pos0 < s->n_prompt) f->n_prompt_tokens += DS_MIN(it->n, s->n_prompt - it->pos0);
         /* A sequence resumed from a checkpoint starts from a copy of it: before any kernel reads
          * its slot, whatever kind of step this is (prefill, decode or verify). */
+        if (e->prefix && ds_prefix_would_hold(e->prefix, s, it->pos0)) {
+            pthread_mutex_lock(&e->mu);
+            e->stats.ckpt_holds++;
+            pthread_mutex_unlock(&e->mu);
+        }
         if (e->prefix && ds_prefix_take_fork(e->prefix, s, e->batch[i].slot) && s->n_spec) {
             pthread_mutex_lock(&e->mu);
             e->stats.spec_fork_verifies++;

@@ -160,6 +160,7 @@ typedef struct ds_engine_stats {
     /* prefix caching: tokens of admitted prompts looked up, and resumed from the cache */
     uint64_t prefix_query_tokens, prefix_hit_tokens;
     uint64_t ckpt_kept, ckpt_dropped, ckpt_evicted, forks; /* checkpoint rungs, see prefix.h */
+    uint64_t ckpt_holds; /* steps that started on a rung not yet filed (ds_prefix_would_hold) */
     uint64_t prefix_pages_evicted, prefix_collisions;
     int ckpt_slots_total, ckpt_slots_used, pages_cached_idle;
     /* offload tier */

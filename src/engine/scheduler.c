@@ -303,6 +303,7 @@ static void preempt(ds_scheduler *s, plan *pl, ds_seq *v) {
     release_resources(s, v);
     drop_drafts(v); /* drafts are proposals, not tokens to recompute */
     v->n_computed = 0;
+    v->settled = 0;
     v->group = -1;
     v->status = DS_SEQ_PREEMPTED;
     list_insert(s->waiting, &s->n_waiting, v); /* has room: see waiting_reserve */

@@ -58,6 +58,8 @@ struct ds_seq {
     int n_rungs, cap_rungs;
     int rungs_planned;
     int fork_ckpt; /* checkpoint slot copied into `slot` before the next step; -1 none */
+    int settled;   /* n_computed when the prefix cache last filed for it (or the matched depth):
+                      every rung up to here has had its checkpoint filed */
     int max_len;   /* n_tokens never exceeds this (prompt + max_tokens, capped by context) */
     int group;     /* pipelined steps: the micro-batch group it runs in (-1: none yet) */
     void *owner;   /* the engine's per-request data */

@@ -62,18 +62,20 @@ struct ds_model {
     ds_config cfg;
     ds_model_opts opts;
     ds_st *st;
-    ds_mat embed;      /* [V][D] */
-    ds_mat lm_head;    /* [V][D] */
-    float *final_norm; /* [D] */
-    float *out_res_np; /* [D] AttnRes output mix, or NULL */
-    layer_w *layers;   /* [L]; only [l0, l1) are bound */
-    int l0, l1;        /* this stage's layers (all of them without pipeline parallelism) */
-    int n_kda, n_mla;  /* KDA / MLA layers among them */
+    ds_mat embed;        /* [nv][D] this rank's vocabulary rows [v0, v0+nv) (all V when T = 1) */
+    ds_mat lm_head;      /* [nv][D] likewise */
+    ds_mat lm_head_full; /* [V][D] a view of the whole lm_head (last stage), for the draft */
+    float *final_norm;   /* [D] */
+    float *out_res_np;   /* [D] AttnRes output mix, or NULL */
+    layer_w *layers;     /* [L]; only [l0, l1) are bound */
+    int l0, l1;          /* this stage's layers (all of them without pipeline parallelism) */
+    int n_kda, n_mla;    /* KDA / MLA layers among them */
     /* tensor parallelism: this rank's share (the whole model when tp_size == 1) */
     int tp_rank, tp_size;
     int Hk, Ha;        /* KDA heads, MLA heads on this rank */
     int I_dense, I_sh; /* dense-MLP and shared-expert intermediate rows on this rank */
     int e0, e1;        /* routed experts [e0, e1) on this rank */
+    int v0, nv, vp;    /* vocabulary rows [v0, v0+nv) on this rank; vp = ceil(V / T) per rank */
     void **owned;      /* every f32 vector converted at load */
     int n_owned, cap_owned;
     size_t weight_bytes;
@@ -120,10 +122,10 @@ const ds_config *ds_model_config(const ds_model *m) {
     return &m->cfg;
 }
 const ds_mat *ds_model_embed(const ds_model *m) {
-    return &m->embed;
+    return m->tp_size > 1 ? NULL : &m->embed; /* a vocabulary slice is not an embedding */
 }
 const ds_mat *ds_model_lm_head(const ds_model *m) {
-    return &m->lm_head;
+    return &m->lm_head_full;
 }
 size_t ds_model_weight_bytes(const ds_model *m) {
     return m->weight_bytes;
@@ -434,8 +436,8 @@ int ds_model_load(const char *dir, const ds_model_opts *opts, ds_model **out, ds
         ds_errf(err, "tensor parallel rank %d is outside [0, %d)", m->tp_rank, m->tp_size);
         goto fail;
     }
-    if (m->tp_size > 1 && !m->opts.allreduce) {
-        ds_errf(err, "tensor parallel size %d needs an all-reduce", m->tp_size);
+    if (m->tp_size > 1 && (!m->opts.allreduce || !m->opts.allgather)) {
+        ds_errf(err, "tensor parallel size %d needs an all-reduce and an all-gather", m->tp_size);
         goto fail;
     }
     if (ds_model_tp_check(c, m->tp_size, err)) goto fail;
@@ -445,16 +447,29 @@ int ds_model_load(const char *dir, const ds_model_opts *opts, ds_model **out, ds
     m->I_sh = c->moe_intermediate_size * c->num_shared_experts / m->tp_size;
     m->e0 = m->tp_rank * (c->num_experts / m->tp_size);
     m->e1 = m->e0 + c->num_experts / m->tp_size;
+    m->vp = (V + m->tp_size - 1) / m->tp_size;
+    m->v0 = DS_MIN(V, m->tp_rank * m->vp);
+    m->nv = DS_MIN(V, m->v0 + m->vp) - m->v0;
     int first = m->l0 == 0, last = m->l1 == L;
-    /* The embedding lives on the first stage, the final mix, norm and lm_head on the last; a tied
-     * lm_head is the embedding, so the last stage binds it too. */
+    /* The embedding lives on the first stage, the final mix, norm and lm_head on the last, each
+     * rank holding its block of vocabulary rows; a tied lm_head is the embedding, so the last
+     * stage binds it too. The full lm_head is also bound as a view (mapped, touched only if the
+     * DSpark draft on this rank reads it). */
+    const char *head = c->tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
     if ((first || (last && c->tie_word_embeddings)) &&
-        (NAME(n, "%smodel.embed_tokens.weight", wp), bind_mat(m, n, V, D, &m->embed, err)))
+        (NAME(n, "%smodel.embed_tokens.weight", wp),
+         bind_mat_rows(m, n, V, D, m->v0, m->nv, &m->embed, err)))
         goto fail;
     if (last && c->tie_word_embeddings) {
         m->lm_head = m->embed;
-    } else if (last && (NAME(n, "%slm_head.weight", wp), bind_mat(m, n, V, D, &m->lm_head, err))) {
+    } else if (last && (NAME(n, "%slm_head.weight", wp),
+                        bind_mat_rows(m, n, V, D, m->v0, m->nv, &m->lm_head, err))) {
         goto fail;
+    }
+    if (last) {
+        size_t counted = m->weight_bytes;
+        if (NAME(n, "%s%s", wp, head), bind_mat(m, n, V, D, &m->lm_head_full, err)) goto fail;
+        m->weight_bytes = counted;
     }
     if (last && (NAME(n, "%smodel.norm.weight", wp), bind_vec1(m, n, D, &m->final_norm, err)))
         goto fail;
@@ -671,6 +686,62 @@ static void tp_sum(step *s, float *buf, size_t n) {
     const ds_model *m = s->m;
     if (m->tp_size == 1 || s->tp_failed) return;
     if (m->opts.allreduce(m->opts.allreduce_ctx, buf, n)) s->tp_failed = 1;
+}
+
+/* P[T][D] = the embedding rows of ids[T]. Vocabulary-parallel: each rank writes the rows of the
+ * tokens in its block and zeros elsewhere, and the sum over the group is exact (one row's value
+ * plus zeros), so every rank ends with the whole embedding, as one process has it. */
+static void embed_tokens(step *s, const int32_t *ids, float *P) {
+    const ds_model *m = s->m;
+    int T = s->T, D = m->cfg.hidden_size;
+    if (m->tp_size == 1) {
+        ds_embed(P, &m->embed, ids, T);
+        return;
+    }
+    for (int t = 0; t < T; t++) {
+        int32_t id = ids[t] - m->v0;
+        if (id >= 0 && id < m->nv)
+            ds_embed(P + (size_t)t * D, &m->embed, &id, 1);
+        else
+            memset(P + (size_t)t * D, 0, (size_t)D * sizeof(float));
+    }
+    tp_sum(s, P, (size_t)T * D);
+}
+
+/* The logits every segment asked for, from this rank's lm_head rows: mine [R][vp] (R rows over all
+ * segments, one matmul per segment), all-gathered into [T][R][vp] and put in vocabulary order.
+ * Each logit is the same dot product one process computes, so the result is identical. The
+ * scratch region is released by the caller's mark. */
+static void vocab_parallel_logits(step *s, const float *x) {
+    const ds_model *m = s->m;
+    int V = m->cfg.vocab_size, D = m->cfg.hidden_size, Tp = m->tp_size, vp = m->vp, R = 0;
+    for (int q = 0; q < s->n_seq; q++)
+        if (s->seqs[q].logits) R += s->seqs[q].n_logits;
+    if (R == 0) return; /* every rank of the group sees the same segments: none gathers */
+    float *mine = sc_take(&s->sc, (size_t)R * vp);     /* [R][vp] */
+    float *all = sc_take(&s->sc, (size_t)Tp * R * vp); /* [Tp][R][vp] */
+    if (s->sc.overflow) return;
+    int r = 0;
+    for (int q = 0; q < s->n_seq; q++) {
+        const ds_seq_batch *sb = &s->seqs[q];
+        if (!sb->logits || !sb->n_logits) continue;
+        const float *xs = x + (size_t)(s->off[q] + sb->n - sb->n_logits) * D;
+        ds_matmul(mine + (size_t)r * vp, vp, xs, D, sb->n_logits, &m->lm_head);
+        r += sb->n_logits;
+    }
+    if (!s->tp_failed && m->opts.allgather(m->opts.allgather_ctx, mine, (size_t)R * vp, all))
+        s->tp_failed = 1;
+    r = 0;
+    for (int q = 0; q < s->n_seq; q++) {
+        const ds_seq_batch *sb = &s->seqs[q];
+        if (!sb->logits || !sb->n_logits) continue;
+        for (int i = 0; i < sb->n_logits; i++, r++)
+            for (int t = 0; t < Tp; t++) {
+                int v0 = DS_MIN(V, t * vp), nv = DS_MIN(V, v0 + vp) - v0;
+                memcpy(sb->logits + (size_t)i * V + v0, all + ((size_t)t * R + r) * vp,
+                       (size_t)nv * sizeof(float));
+            }
+    }
 }
 
 /* out[T][D] = KDA(xn[T][D]) (MODEL_SPEC §3). */
@@ -1012,7 +1083,7 @@ static size_t run_step(step *s) {
     if (m->l0 == 0) {
         for (int q = 0; q < s->n_seq; q++)
             memcpy(ids + s->off[q], s->seqs[q].tokens, (size_t)s->seqs[q].n * sizeof(int32_t));
-        ds_embed(P, &m->embed, ids, T);
+        embed_tokens(s, ids, P);
         save_hidden(s, -1, P);
     } else {
         /* A later pipeline stage: the stream and the banked blocks arrive from the previous one
@@ -1082,10 +1153,12 @@ static size_t run_step(step *s) {
         ds_seq_batch *sb = &s->seqs[q];
         const float *xs = x + (size_t)s->off[q] * D;
         if (sb->final_hidden) memcpy(sb->final_hidden, xs, (size_t)sb->n * D * sizeof(float));
-        if (sb->logits && sb->n_logits > 0)
+        if (m->tp_size == 1 && sb->logits && sb->n_logits > 0)
             ds_matmul(sb->logits, c->vocab_size, xs + (size_t)(sb->n - sb->n_logits) * D, D,
                       sb->n_logits, &m->lm_head);
     }
+    if (m->tp_size > 1) vocab_parallel_logits(s, x);
+    if (sc->overflow) return sc->need + 1;
     return 0;
 }
 
@@ -1127,7 +1200,14 @@ static size_t step_need(const step *s) {
         moe += DS_MAX(2 * T * Ie + 2 * pad, T * D + pad + 2 * T * Is + 2 * pad);
         ffn = DS_MAX(ffn, moe);
     }
-    return base + DS_MAX(DS_MAX(kda, mla), ffn);
+    size_t lg = 0; /* vocabulary-parallel logits (see vocab_parallel_logits) */
+    if (s->m->tp_size > 1 && s->m->l1 == (int)L) {
+        size_t R = 0;
+        for (int q = 0; q < s->n_seq; q++)
+            if (s->seqs[q].logits) R += (size_t)s->seqs[q].n_logits;
+        lg = R * (size_t)s->m->vp * (1 + (size_t)s->m->tp_size) + 2 * pad;
+    }
+    return base + DS_MAX(DS_MAX(DS_MAX(kda, mla), ffn), lg);
 }
 
 int ds_model_forward(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, int n_seq, ds_err *err) {

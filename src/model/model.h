@@ -26,13 +26,18 @@ typedef struct ds_model_opts {
      * block tp_rank); q/k/v, gate and up projections are split by output rows (column-parallel),
      * o_proj and down projections by input columns (row-parallel), and the partial outputs are
      * summed with `allreduce` (every rank of the TP group must call the forward together).
-     * Replicated on every rank: embedding, lm_head, norms, AttnRes, the router, the KDA f_a / g_a
+     * The embedding and lm_head are vocabulary-parallel: rank r holds rows [r vp, (r+1) vp) with
+     * vp = ceil(V / T); embedded rows are summed with `allreduce`, logits gathered with
+     * `allgather`. Replicated on every rank: norms, AttnRes, the router, the KDA f_a / g_a
      * low-rank inputs, MLA q_a and kv_a (the latent is shared by all heads, so every rank keeps
      * the full latent rows), and the latent MoE down/up projections. */
     int tp_rank, tp_size; /* 0, 1 without tensor parallelism */
     /* buf[n] <- sum over the TP group; returns DS_OK or DS_ERR (the forward then fails) */
     int (*allreduce)(void *ctx, float *buf, size_t n);
     void *allreduce_ctx;
+    /* all[T][n] <- every rank's mine[n] in tp_rank order; DS_OK or DS_ERR likewise */
+    int (*allgather)(void *ctx, const float *mine, size_t n, float *all);
+    void *allgather_ctx;
 } ds_model_opts;
 
 void ds_model_opts_default(ds_model_opts *o);

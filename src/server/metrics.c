@@ -177,6 +177,11 @@ char *ds_metrics_render(ds_metrics *m, const ds_engine_stats *st, const char *mo
          offsetof(ds_engine_stats, ckpt_evicted)},
         {"prefix_cache_forks_total", "Sequences resumed by forking a checkpoint.",
          offsetof(ds_engine_stats, forks)},
+        {"prefix_cache_checkpoint_holds_total",
+         "Steps that started on a checkpoint rung before that checkpoint was filed (a design "
+         "that files asynchronously must hold them; deltaserve files in each step's completion, "
+         "before the sequence's next step, so this stays 0 — also under pipeline parallelism).",
+         offsetof(ds_engine_stats, ckpt_holds)},
         {"prefix_cache_pages_evicted_total", "Cached MLA pages evicted.",
          offsetof(ds_engine_stats, prefix_pages_evicted)},
         {"kv_offload_stores_total", "Pages and checkpoints written to the offload tiers.",

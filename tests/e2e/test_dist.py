@@ -59,6 +59,8 @@ def test_pp2_tp2_prefix_fork_offload_match_one_process(reference, spec):
         assert delta(after, before, "deltaserve:prefix_cache_hits_total") >= 64
         assert delta(after, before, "deltaserve:prefix_cache_forks_total") >= 1
         assert delta(after, before, "deltaserve:kv_offload_loads_ram_total") >= 1
+        # no stage waits for another to file a checkpoint (issue 5)
+        assert after["deltaserve:prefix_cache_checkpoint_holds_total"] == 0
         if spec:
             assert delta(after, before, "deltaserve:spec_decode_num_verifies_total") >= 1
             # A fork on a verify step (issue 6): a repeat of a prompt of 16 m + 1 tokens resumes

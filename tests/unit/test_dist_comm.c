@@ -39,6 +39,12 @@ static int child_ops(void) {
     float v[3] = {(float)c->rank, 1.0f, (float)(10 * c->stage)};
     CHILD_CHECK(c, ds_comm_allreduce_sum(c, v, 3, &err) == DS_OK);
     CHILD_CHECK(c, v[0] == (float)(4 * c->stage + 1) && v[1] == 2.0f && v[2] == 20.0f * c->stage);
+    /* All-gather within the stage, in tp_rank order. */
+    float mine[2] = {(float)c->rank, -(float)c->rank}, all[4] = {0};
+    CHILD_CHECK(c, ds_comm_allgather(c, mine, 2, all, &err) == DS_OK);
+    for (int q = 0; q < 2; q++)
+        CHILD_CHECK(c, all[2 * q] == (float)(2 * c->stage + q) &&
+                           all[2 * q + 1] == -(float)(2 * c->stage + q));
     /* Stage 0 hands each TP rank's buffer to the same TP rank of stage 1. */
     float h[4] = {0};
     if (c->stage == 0) {
@@ -124,6 +130,9 @@ static void test_local(void **state) {
     assert_int_equal(ds_comm_allreduce_sum(c, v, 2, &err), DS_OK);
     assert_true(v[0] == 1.5f && v[1] == -2.0f); /* a group of one sums to itself */
     assert_int_equal(ds_comm_allreduce_cb(c, v, 2), DS_OK);
+    float all[2] = {0};
+    assert_int_equal(ds_comm_allgather(c, v, 2, all, &err), DS_OK);
+    assert_true(all[0] == 1.5f && all[1] == -2.0f); /* a group of one gathers itself */
     assert_int_equal(ds_comm_send(c, 1, v, 2, &err), DS_ERR);
     assert_non_null(strstr(err.msg, "single-process"));
     void *blob = "x";

@@ -58,8 +58,13 @@ static int pw_run(px_world *w, ds_seq *q, float *fork_out) {
                 break;
             }
         q->n_computed = end;
+        /* a step starting at a rung before that rung is filed would have to hold */
+        int rung = 0;
+        for (int i = 0; i < q->n_rungs; i++) rung |= q->rungs[i] == end;
+        assert_int_equal(ds_prefix_would_hold(w->px, q, end), rung);
         for (int i = 0; i < PW_SLOT; i++) slot[i] = (float)(end * 100 + i);
         ds_prefix_on_computed(w->px, q, slot);
+        assert_false(ds_prefix_would_hold(w->px, q, end));
     }
     ds_prefix_release(w->px, q);
     for (int b = q->n_blocks - 1; b >= 0; b--) ds_page_unref(w->pages, q->block_table[b]);
@@ -313,6 +318,7 @@ static void test_fork_on_verify(void **st) {
             assert_int_equal(s1.prefix_hit_tokens - s0.prefix_hit_tokens, NP - 1);
             assert_int_equal(s1.forks - s0.forks, 1);
             assert_int_equal(s1.spec_fork_verifies - s0.spec_fork_verifies, 1);
+            assert_int_equal(s1.ckpt_holds, 0);
             if (method) assert_int_equal(orc.calls_at_prompt, 1); /* drafted at admission */
         }
         h_assert_idle(e);

@@ -68,6 +68,21 @@ static int group_allreduce(void *ctx, float *buf, size_t n) {
     return g->mismatch ? DS_ERR : DS_OK;
 }
 
+/* The group's all-gather: every rank posts its part and copies all of them in rank order. */
+static int group_allgather(void *ctx, const float *mine, size_t n, float *all) {
+    rank *k = ctx;
+    group *g = k->g;
+    g->bufs[k->r] = (float *)mine;
+    g->n[k->r] = n;
+    pthread_barrier_wait(&g->bar);
+    for (int q = 0; q < g->T; q++) {
+        if (g->n[q] != n) g->mismatch = 1;
+        if (!g->mismatch) memcpy(all + (size_t)q * n, g->bufs[q], n * sizeof(float));
+    }
+    pthread_barrier_wait(&g->bar);
+    return g->mismatch ? DS_ERR : DS_OK;
+}
+
 static void *run_rank(void *arg) {
     rank *k = arg;
     ds_model_opts o;
@@ -76,6 +91,8 @@ static void *run_rank(void *arg) {
     o.tp_size = k->g->T;
     o.allreduce = group_allreduce;
     o.allreduce_ctx = k;
+    o.allgather = group_allgather;
+    o.allgather_ctx = k;
     ds_model *m;
     ds_kv_pool pool;
     ds_err err = {{0}};
@@ -120,7 +137,7 @@ static float *run_tp(const char *dir, int T, const int32_t *ids, int V, size_t *
     assert_false(g.mismatch);
     for (int r = 0; r < T; r++)
         if (ranks[r].err[0]) fail_msg("T=%d rank %d: %s", T, r, ranks[r].err);
-    /* Replicated lm_head over identical all-reduced streams: the ranks agree bit for bit. */
+    /* Vocabulary-parallel lm_head, gathered: the ranks agree bit for bit. */
     for (int r = 1; r < T; r++) {
         assert_memory_equal(ranks[r].logits, ranks[0].logits, (size_t)N_STEPS * V * sizeof(float));
         free(ranks[r].logits);
@@ -192,6 +209,7 @@ static void test_tp_indivisible(void **state) {
     ds_model_opts_default(&o);
     o.tp_size = 8;
     o.allreduce = group_allreduce;
+    o.allgather = group_allgather;
     ds_model *m = NULL;
     assert_int_equal(ds_model_load(dir, &o, &m, &err), DS_ERR);
     assert_non_null(strstr(err.msg, "tensor parallel size 8 does not divide the model's 4 KDA"));
