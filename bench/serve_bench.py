@@ -37,8 +37,10 @@ def main():
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--extra", default="", help="more serve flags")
+    ap.add_argument("--server-prefix", default="",
+                    help="command put before the server only, e.g. 'taskset -c 0' to pin it")
     a = ap.parse_args()
-    srv = subprocess.Popen([a.bin, "serve", "--model", a.model, "--port", str(a.port),
+    srv = subprocess.Popen([*shlex.split(a.server_prefix), a.bin, "serve", "--model", a.model, "--port", str(a.port),
                             "--max-num-seqs", "64", "--kv-cache-memory", "256M",
                             *shlex.split(a.extra)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -708,39 +708,61 @@ static void embed_tokens(step *s, const int32_t *ids, float *P) {
     tp_sum(s, P, (size_t)T * D);
 }
 
-/* The logits every segment asked for, from this rank's lm_head rows: mine [R][vp] (R rows over all
- * segments, one matmul per segment), all-gathered into [T][R][vp] and put in vocabulary order.
- * Each logit is the same dot product one process computes, so the result is identical. The
- * scratch region is released by the caller's mark. */
-static void vocab_parallel_logits(step *s, const float *x) {
+/* Rows of logits computed per lm_head matmul: the rows of every segment that asks for logits are
+ * gathered, so one matmul streams the V x D weights once for up to LG_CHUNK tokens (one matmul per
+ * sequence streamed all of them for every decode token: at V = 65536 that was most of a decode
+ * step). The matmul gives each row the same bits whatever else is in its batch. */
+enum { LG_CHUNK = 32 };
+
+/* Writes chunk rows mine[n][vp] (this rank's vocabulary block) to their segments' logits dst[n]
+ * [V]; vocabulary-parallel, the blocks of every rank are all-gathered first. */
+static void logits_flush(step *s, int n, float *mine, float *all, float **dst) {
     const ds_model *m = s->m;
-    int V = m->cfg.vocab_size, D = m->cfg.hidden_size, Tp = m->tp_size, vp = m->vp, R = 0;
-    for (int q = 0; q < s->n_seq; q++)
-        if (s->seqs[q].logits) R += s->seqs[q].n_logits;
-    if (R == 0) return; /* every rank of the group sees the same segments: none gathers */
-    float *mine = sc_take(&s->sc, (size_t)R * vp);     /* [R][vp] */
-    float *all = sc_take(&s->sc, (size_t)Tp * R * vp); /* [Tp][R][vp] */
-    if (s->sc.overflow) return;
-    int r = 0;
-    for (int q = 0; q < s->n_seq; q++) {
-        const ds_seq_batch *sb = &s->seqs[q];
-        if (!sb->logits || !sb->n_logits) continue;
-        const float *xs = x + (size_t)(s->off[q] + sb->n - sb->n_logits) * D;
-        ds_matmul(mine + (size_t)r * vp, vp, xs, D, sb->n_logits, &m->lm_head);
-        r += sb->n_logits;
+    int V = m->cfg.vocab_size, Tp = m->tp_size, vp = m->vp;
+    if (Tp == 1) {
+        for (int j = 0; j < n; j++)
+            memcpy(dst[j], mine + (size_t)j * vp, (size_t)V * sizeof(float));
+        return;
     }
-    if (!s->tp_failed && m->opts.allgather(m->opts.allgather_ctx, mine, (size_t)R * vp, all))
+    if (!s->tp_failed && m->opts.allgather(m->opts.allgather_ctx, mine, (size_t)n * vp, all))
         s->tp_failed = 1;
-    r = 0;
+    for (int j = 0; j < n; j++)
+        for (int t = 0; t < Tp; t++) {
+            int v0 = DS_MIN(V, t * vp), nv = DS_MIN(V, v0 + vp) - v0;
+            memcpy(dst[j] + v0, all + ((size_t)t * n + j) * vp, (size_t)nv * sizeof(float));
+        }
+}
+
+/* The logits every segment asked for (its last n_logits rows of x [T][D]). Vocabulary-parallel,
+ * each rank computes its block of V and the blocks are all-gathered: each logit is the same dot
+ * product one process computes, so the result is identical. The ranks of a TP group see the same
+ * segments, so they flush the same chunks. */
+static void compute_logits(step *s, const float *x) {
+    const ds_model *m = s->m;
+    int V = m->cfg.vocab_size, D = m->cfg.hidden_size, Tp = m->tp_size, vp = m->vp;
+    float *xr = sc_take(&s->sc, (size_t)LG_CHUNK * D);    /* [LG_CHUNK][D] gathered rows */
+    float *mine = sc_take(&s->sc, (size_t)LG_CHUNK * vp); /* [LG_CHUNK][vp] */
+    float *all = Tp > 1 ? sc_take(&s->sc, (size_t)Tp * LG_CHUNK * vp) : NULL; /* [Tp][n][vp] */
+    if (s->sc.overflow) return;
+    float *dst[LG_CHUNK];
+    int n = 0;
     for (int q = 0; q < s->n_seq; q++) {
         const ds_seq_batch *sb = &s->seqs[q];
-        if (!sb->logits || !sb->n_logits) continue;
-        for (int i = 0; i < sb->n_logits; i++, r++)
-            for (int t = 0; t < Tp; t++) {
-                int v0 = DS_MIN(V, t * vp), nv = DS_MIN(V, v0 + vp) - v0;
-                memcpy(sb->logits + (size_t)i * V + v0, all + ((size_t)t * R + r) * vp,
-                       (size_t)nv * sizeof(float));
+        if (!sb->logits) continue;
+        for (int i = 0; i < sb->n_logits; i++) {
+            memcpy(xr + (size_t)n * D, x + (size_t)(s->off[q] + sb->n - sb->n_logits + i) * D,
+                   (size_t)D * sizeof(float));
+            dst[n++] = sb->logits + (size_t)i * V;
+            if (n == LG_CHUNK) {
+                ds_matmul(mine, vp, xr, D, n, &m->lm_head);
+                logits_flush(s, n, mine, all, dst);
+                n = 0;
             }
+        }
+    }
+    if (n) {
+        ds_matmul(mine, vp, xr, D, n, &m->lm_head);
+        logits_flush(s, n, mine, all, dst);
     }
 }
 
@@ -1153,11 +1175,8 @@ static size_t run_step(step *s) {
         ds_seq_batch *sb = &s->seqs[q];
         const float *xs = x + (size_t)s->off[q] * D;
         if (sb->final_hidden) memcpy(sb->final_hidden, xs, (size_t)sb->n * D * sizeof(float));
-        if (m->tp_size == 1 && sb->logits && sb->n_logits > 0)
-            ds_matmul(sb->logits, c->vocab_size, xs + (size_t)(sb->n - sb->n_logits) * D, D,
-                      sb->n_logits, &m->lm_head);
     }
-    if (m->tp_size > 1) vocab_parallel_logits(s, x);
+    compute_logits(s, x);
     if (sc->overflow) return sc->need + 1;
     return 0;
 }
@@ -1200,12 +1219,10 @@ static size_t step_need(const step *s) {
         moe += DS_MAX(2 * T * Ie + 2 * pad, T * D + pad + 2 * T * Is + 2 * pad);
         ffn = DS_MAX(ffn, moe);
     }
-    size_t lg = 0; /* vocabulary-parallel logits (see vocab_parallel_logits) */
-    if (s->m->tp_size > 1 && s->m->l1 == (int)L) {
-        size_t R = 0;
-        for (int q = 0; q < s->n_seq; q++)
-            if (s->seqs[q].logits) R += (size_t)s->seqs[q].n_logits;
-        lg = R * (size_t)s->m->vp * (1 + (size_t)s->m->tp_size) + 2 * pad;
+    size_t lg = 0; /* the logits chunk (see compute_logits) */
+    if (s->m->l1 == (int)L) {
+        size_t vp = (size_t)s->m->vp, Tp = (size_t)s->m->tp_size;
+        lg = LG_CHUNK * (D + vp + (Tp > 1 ? Tp * vp : 0)) + 3 * pad;
     }
     return base + DS_MAX(DS_MAX(DS_MAX(kda, mla), ffn), lg);
 }
