@@ -26,8 +26,11 @@ int ds_comm_finish(ds_comm *c, int status) {
     if (!c) return status;
     const char *st = getenv("DS_COMM_STATS");
     if (st && *st && *st != '0' && c->size > 1)
-        fprintf(stderr, "[deltaserve] %s sent %llu bytes to other stages, %llu in messages\n",
-                c->who, (unsigned long long)c->bytes_sent_pp, (unsigned long long)c->bytes_posted);
+        fprintf(stderr,
+                "[deltaserve] %s sent %llu bytes to other stages, %llu in messages; waited %.2f s "
+                "on transfers and collectives, %.2f s for messages\n",
+                c->who, (unsigned long long)c->bytes_sent_pp, (unsigned long long)c->bytes_posted,
+                c->wait_s, c->take_wait_s);
     fflush(stdout);
     fflush(stderr);
     return c->ops->finish(c, status);

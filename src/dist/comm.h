@@ -59,6 +59,9 @@ struct ds_comm {
     /* traffic this rank sent: pipeline hand-overs (send) and messages (post), in bytes; with
      * DS_COMM_STATS=1 each rank prints them when it finishes */
     uint64_t bytes_sent_pp, bytes_posted;
+    /* seconds this rank spent waiting: on its sends, receives and collectives (wait_s), and for
+     * messages (take_wait_s); printed with DS_COMM_STATS=1 to show where a pipeline stalls */
+    double wait_s, take_wait_s;
     void *impl;
 };
 

@@ -47,9 +47,8 @@ static int mpi_fail(ds_comm *c, int rc, const char *what, ds_err *err) {
 /* Waits for req, polling when a timeout is set. Yields the core between polls: ranks are often
  * oversubscribed (8 ranks on 2 cores in the tests), and a spinning waiter starves the peer it
  * waits for. */
-static int wait_req(ds_comm *c, MPI_Request *req, const char *what, ds_err *err) {
-    double limit = impl_of(c)->timeout_s;
-    double t0 = MPI_Wtime();
+static int wait_req_at(ds_comm *c, MPI_Request *req, const char *what, double t0, double limit,
+                       ds_err *err) {
     long nap_ns = 20000; /* grows to 1 ms: an idle serving rank waits for the next plan this way */
     for (long spins = 0;; spins++) {
         int done = 0;
@@ -66,6 +65,14 @@ static int wait_req(ds_comm *c, MPI_Request *req, const char *what, ds_err *err)
             if (nap_ns < 1000000) nap_ns += nap_ns / 4;
         }
     }
+}
+
+static int wait_req(ds_comm *c, MPI_Request *req, const char *what, ds_err *err) {
+    double limit = impl_of(c)->timeout_s;
+    double t0 = MPI_Wtime();
+    int rc = wait_req_at(c, req, what, t0, limit, err);
+    c->wait_s += MPI_Wtime() - t0;
+    return rc;
 }
 
 /* Messages are cut into pieces MPI's int counts can hold. */
@@ -230,6 +237,7 @@ static int mpi_take(ds_comm *c, int src, int tag, void **buf, size_t *n, ds_err 
             if (nap_ns < 1000000) nap_ns += nap_ns / 4;
         }
     }
+    c->take_wait_s += MPI_Wtime() - t0;
     int cnt = 0;
     MPI_Get_count(&st, MPI_BYTE, &cnt);
     *buf = ds_malloc(cnt ? (size_t)cnt : 1, err);
