@@ -12,7 +12,7 @@ DEB_PKGS := build-essential cmake pkg-config libjansson-dev libpcre2-dev libxxha
 PIP_PKGS := pytest openai numpy
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps build run test clean format bench test-asan fuzz fuzz-build fuzz-short soak soak-short
+.PHONY: all deps build run test clean format bench test-asan fuzz fuzz-build fuzz-short soak soak-short cuda
 
 all: build
 
@@ -89,6 +89,12 @@ bench: build
 
 format:
 	clang-format -i $$(git ls-files 'src/*.c' 'src/*.h' 'tests/*.c' 'tests/*.h')
+
+# CUDA backend (issue 9): compiles and links the CUDA kernels and their checks against the CPU
+# backend with the CUDA toolkit (no GPU needed to build; not part of `make test`, which stays
+# CPU-only). On the GPU machine, tools/device/cuda_check.sh builds, checks and times in one call.
+cuda:
+	tools/cuda_build.sh build-cuda
 
 clean:
 	rm -rf $(BUILD)

@@ -1,0 +1,80 @@
+/* cuda_kernels.h — the CUDA backend's kernels (issue 9), one per CPU kernel of kernels/cpu, with
+ * the same contracts (see kernels/cpu/kernels.h for what each computes) on device memory.
+ *
+ * This is the first slice of the backend: the kernels and their checks against the CPU backend
+ * (tests/cuda/test_cuda_kernels.c, run on the GPU machine by tools/device/cuda_check.sh). The
+ * engine does not call them yet.
+ *
+ * Every function takes a ds_cu (one CUDA stream, a cuBLAS handle and scratch) and works on plain
+ * cudaMalloc'd pointers; launches are asynchronous on the stream, and ds_cu_sync reports the first
+ * error any of them hit. Pure C interface: no CUDA types leak out, so C code links against it. */
+#ifndef DS_CUDA_KERNELS_H
+#define DS_CUDA_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "base/ds_base.h" /* C declarations: inside the extern "C" block for the .cu side */
+
+typedef struct ds_cu ds_cu;
+
+/* Device `device`; the handle owns a stream and a cuBLAS handle. */
+int ds_cu_create(int device, ds_cu **out, ds_err *err);
+void ds_cu_free(ds_cu *c);
+/* Waits for the stream; DS_ERR with the CUDA / cuBLAS message if any launch failed. */
+int ds_cu_sync(ds_cu *c, ds_err *err);
+/* "NVIDIA H200, 132 SMs, 139.8 GiB" */
+const char *ds_cu_device_name(const ds_cu *c);
+
+/* Device memory (plain cudaMalloc; never managed memory). */
+void *ds_cu_alloc(ds_cu *c, size_t bytes, ds_err *err);
+void ds_cu_dealloc(void *p);
+int ds_cu_upload(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err);
+int ds_cu_download(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err);
+int ds_cu_fill_bytes(ds_cu *c, void *dst, int byte, size_t bytes, ds_err *err);
+
+/* A BF16 weight matrix W[rows][cols], row-major, in device memory. */
+typedef struct ds_cu_mat {
+    const uint16_t *data;
+    int rows, cols;
+} ds_cu_mat;
+
+/* y[t][r] = sum_c x[t][c] W[r][c] (y = x W^T, as ds_matmul). x: [T][ldx] f32, y: [T][ldy] f32.
+ * x is rounded to BF16 (cuBLAS BF16 x BF16 -> F32 with F32 accumulation): relative error against
+ * the CPU's f32 activations is that of BF16 operands (~1e-3). */
+int ds_cu_matmul(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, const ds_cu_mat *w,
+                 ds_err *err);
+/* out[t][:] = row ids[t] of E in f32: out [T][E.cols]; ids in device memory. */
+void ds_cu_embed(ds_cu *c, float *out, const ds_cu_mat *e, const int32_t *ids, int T);
+/* y[t] = w ⊙ x[t] / sqrt(mean(x[t]^2) + eps); x, y: [T][D]; w: [D]; y may == x. */
+void ds_cu_rmsnorm(ds_cu *c, float *y, const float *x, const float *w, int T, int D, float eps);
+/* out[i] = silu(gate[i]) * up[i] */
+void ds_cu_swiglu(ds_cu *c, float *out, const float *gate, const float *up, size_t n);
+/* The KDA delta-rule recurrence, as ds_kda_recurrent: q, k: [T][H][dk]; v: [T][H][dv];
+ * g: [T][H][dk] (log decay); beta: [T][H]; S: [H][dk][dv] in/out; o: [T][H][dv];
+ * S_rows (or NULL): [T][H][dk][dv] the state after each token (speculative rollback).
+ * dk must be 32, 64 or 128 (the state column lives in registers). */
+int ds_cu_kda_recurrent(ds_cu *c, float *o, const float *q, const float *k, const float *v,
+                        const float *g, const float *beta, float *S, float *S_rows, int T, int H,
+                        int dk, int dv, ds_err *err);
+
+/* ---- timing (device events on the stream) --------------------------------------------------- */
+typedef struct ds_cu_timer ds_cu_timer;
+ds_cu_timer *ds_cu_timer_start(ds_cu *c);
+/* Milliseconds since start (waits for the stream); frees the timer. */
+double ds_cu_timer_stop(ds_cu *c, ds_cu_timer *t);
+/* A device-to-device copy of `bytes` (the bandwidth ceiling). */
+int ds_cu_copy_d2d(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err);
+/* C[m][n] = A[m][k] B[n][k]^T in BF16 with F32 accumulation, all BF16 (the GEMM rate ceiling). */
+int ds_cu_gemm_bf16(ds_cu *c, uint16_t *C, const uint16_t *A, const uint16_t *B, int m, int n,
+                    int k, ds_err *err);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

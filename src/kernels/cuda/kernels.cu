@@ -1,0 +1,340 @@
+/* kernels.cu — CUDA kernels with the CPU backend's contracts (see cuda_kernels.h).
+ *
+ * Built for sm_90a (Hopper) plus PTX for older and newer parts (tools/cuda_build.sh). */
+#include "kernels/cuda/cuda_kernels.h"
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+struct ds_cu {
+    int device;
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    uint16_t *xb; /* [xb_cap] activations rounded to BF16 for cuBLAS */
+    size_t xb_cap;
+    char name[160];
+    cudaError_t sticky; /* first launch error seen by a void function; reported by ds_cu_sync */
+};
+
+#define CU_TRY(call, what)                                                                         \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess)                                                                     \
+            return ds_errf(err, "cuda: %s: %s", what, cudaGetErrorString(e_));                     \
+    } while (0)
+
+#define BLAS_TRY(call, what)                                                                       \
+    do {                                                                                           \
+        cublasStatus_t s_ = (call);                                                                \
+        if (s_ != CUBLAS_STATUS_SUCCESS)                                                           \
+            return ds_errf(err, "cublas: %s: status %d", what, (int)s_);                           \
+    } while (0)
+
+/* A void launcher records its launch error here; the next ds_cu_sync reports it. */
+static void note_launch(ds_cu *c) {
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess && c->sticky == cudaSuccess) c->sticky = e;
+}
+
+extern "C" int ds_cu_create(int device, ds_cu **out, ds_err *err) {
+    *out = NULL;
+    int n = 0;
+    CU_TRY(cudaGetDeviceCount(&n), "counting devices");
+    if (device < 0 || device >= n)
+        return ds_errf(err, "cuda: device %d does not exist (%d found)", device, n);
+    CU_TRY(cudaSetDevice(device), "selecting the device");
+    ds_cu *c = (ds_cu *)calloc(1, sizeof *c);
+    if (!c) return ds_errf(err, "cuda: out of memory");
+    c->device = device;
+    cudaDeviceProp p;
+    if (cudaGetDeviceProperties(&p, device) == cudaSuccess)
+        snprintf(c->name, sizeof c->name, "%s, %d SMs, %.1f GiB, sm_%d%d", p.name,
+                 p.multiProcessorCount, (double)p.totalGlobalMem / (1u << 30), p.major, p.minor);
+    if (cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking) != cudaSuccess) {
+        free(c);
+        return ds_errf(err, "cuda: cannot create a stream");
+    }
+    if (cublasCreate(&c->blas) != CUBLAS_STATUS_SUCCESS ||
+        cublasSetStream(c->blas, c->stream) != CUBLAS_STATUS_SUCCESS) {
+        cudaStreamDestroy(c->stream);
+        free(c);
+        return ds_errf(err, "cublas: cannot create a handle");
+    }
+    *out = c;
+    return DS_OK;
+}
+
+extern "C" void ds_cu_free(ds_cu *c) {
+    if (!c) return;
+    cudaStreamSynchronize(c->stream);
+    cudaFree(c->xb);
+    cublasDestroy(c->blas);
+    cudaStreamDestroy(c->stream);
+    free(c);
+}
+
+extern "C" int ds_cu_sync(ds_cu *c, ds_err *err) {
+    CU_TRY(cudaStreamSynchronize(c->stream), "stream");
+    if (c->sticky != cudaSuccess) {
+        cudaError_t e = c->sticky;
+        c->sticky = cudaSuccess;
+        return ds_errf(err, "cuda: launch: %s", cudaGetErrorString(e));
+    }
+    CU_TRY(cudaGetLastError(), "last error");
+    return DS_OK;
+}
+
+extern "C" const char *ds_cu_device_name(const ds_cu *c) {
+    return c->name;
+}
+
+extern "C" void *ds_cu_alloc(ds_cu *c, size_t bytes, ds_err *err) {
+    (void)c;
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
+    if (e != cudaSuccess) {
+        ds_errf(err, "cuda: allocating %zu bytes: %s", bytes, cudaGetErrorString(e));
+        return NULL;
+    }
+    return p;
+}
+
+extern "C" void ds_cu_dealloc(void *p) {
+    cudaFree(p);
+}
+
+extern "C" int ds_cu_upload(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err) {
+    CU_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream), "upload");
+    CU_TRY(cudaStreamSynchronize(c->stream), "upload");
+    return DS_OK;
+}
+
+extern "C" int ds_cu_download(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err) {
+    CU_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream), "download");
+    CU_TRY(cudaStreamSynchronize(c->stream), "download");
+    return DS_OK;
+}
+
+extern "C" int ds_cu_fill_bytes(ds_cu *c, void *dst, int byte, size_t bytes, ds_err *err) {
+    CU_TRY(cudaMemsetAsync(dst, byte, bytes, c->stream), "fill");
+    return DS_OK;
+}
+
+extern "C" int ds_cu_copy_d2d(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err) {
+    CU_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->stream), "copy");
+    return DS_OK;
+}
+
+/* ---- matmul ----------------------------------------------------------------------------------- */
+
+/* xb[t][c] = bf16(x[t][c]) for c < K (x row stride ldx, xb packed). */
+__global__ void to_bf16_rows(__nv_bfloat16 *xb, const float *x, int ldx, int K, int T) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)T * K) return;
+    int t = (int)(i / K), c = (int)(i % K);
+    xb[i] = __float2bfloat16_rn(x[(size_t)t * ldx + c]);
+}
+
+extern "C" int ds_cu_matmul(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T,
+                            const ds_cu_mat *w, ds_err *err) {
+    const int N = w->rows, K = w->cols;
+    if (T <= 0) return DS_OK;
+    size_t need = (size_t)T * K;
+    if (need > c->xb_cap) {
+        cudaFree(c->xb);
+        c->xb = NULL;
+        c->xb_cap = 0;
+        CU_TRY(cudaMalloc(&c->xb, need * sizeof(uint16_t)), "matmul scratch");
+        c->xb_cap = need;
+    }
+    to_bf16_rows<<<(unsigned)((need + 255) / 256), 256, 0, c->stream>>>((__nv_bfloat16 *)c->xb, x,
+                                                                        ldx, K, T);
+    CU_TRY(cudaGetLastError(), "matmul: rounding x");
+    /* Row-major y[T][N] is column-major N x T; W[N][K] row-major is column-major K x N, so
+     * Y = W^T X with X = xb column-major K x T. */
+    const float one = 1.0f, zero = 0.0f;
+    BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, &one, w->data, CUDA_R_16BF,
+                          K, c->xb, CUDA_R_16BF, K, &zero, y, CUDA_R_32F, ldy,
+                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+             "matmul");
+    return DS_OK;
+}
+
+extern "C" int ds_cu_gemm_bf16(ds_cu *c, uint16_t *C, const uint16_t *A, const uint16_t *B, int m,
+                               int n, int k, ds_err *err) {
+    /* Row-major C[m][n] = A[m][k] B[n][k]^T  <=>  column-major C^T (n x m) = B A^T. */
+    const float one = 1.0f, zero = 0.0f;
+    BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, B, CUDA_R_16BF, k, A,
+                          CUDA_R_16BF, k, &zero, C, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                          CUBLAS_GEMM_DEFAULT),
+             "gemm");
+    return DS_OK;
+}
+
+/* ---- embedding, norms, activations -------------------------------------------------------- */
+
+__global__ void embed_k(float *out, const __nv_bfloat16 *e, const int32_t *ids, int D) {
+    int t = blockIdx.x;
+    const __nv_bfloat16 *row = e + (size_t)ids[t] * D;
+    for (int c = threadIdx.x; c < D; c += blockDim.x)
+        out[(size_t)t * D + c] = __bfloat162float(row[c]);
+}
+
+extern "C" void ds_cu_embed(ds_cu *c, float *out, const ds_cu_mat *e, const int32_t *ids, int T) {
+    if (T <= 0) return;
+    embed_k<<<T, 256, 0, c->stream>>>(out, (const __nv_bfloat16 *)e->data, ids, e->cols);
+    note_launch(c);
+}
+
+/* Sum over the block (blockDim.x a multiple of 32, at most 1024). */
+__device__ float block_sum(float v) {
+    __shared__ float part[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    __syncthreads(); /* part may still be read by a previous call */
+    if (lane == 0) part[wid] = v;
+    __syncthreads();
+    v = lane < nw ? part[lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__global__ void rmsnorm_k(float *y, const float *x, const float *w, int D, float eps) {
+    const float *xr = x + (size_t)blockIdx.x * D;
+    float *yr = y + (size_t)blockIdx.x * D;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < D; c += blockDim.x) ss += xr[c] * xr[c];
+    float inv = rsqrtf(block_sum(ss) / (float)D + eps);
+    for (int c = threadIdx.x; c < D; c += blockDim.x) yr[c] = w[c] * (xr[c] * inv);
+}
+
+extern "C" void ds_cu_rmsnorm(ds_cu *c, float *y, const float *x, const float *w, int T, int D,
+                              float eps) {
+    if (T <= 0) return;
+    rmsnorm_k<<<T, 256, 0, c->stream>>>(y, x, w, D, eps);
+    note_launch(c);
+}
+
+__global__ void swiglu_k(float *out, const float *gate, const float *up, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float g = gate[i];
+    out[i] = g / (1.0f + expf(-g)) * up[i];
+}
+
+extern "C" void ds_cu_swiglu(ds_cu *c, float *out, const float *gate, const float *up, size_t n) {
+    if (!n) return;
+    swiglu_k<<<(unsigned)((n + 255) / 256), 256, 0, c->stream>>>(out, gate, up, n);
+    note_launch(c);
+}
+
+/* ---- KDA recurrence ---------------------------------------------------------------------------
+ * One block per (head, 32 value columns); thread x of the block owns column v0 + x... no: each
+ * warp owns one column group, each lane one column, and the lane keeps that column's DK state
+ * entries in registers for the whole sequence, so S is read and written once per call. Per
+ * token the block stages q, k and exp(g) in shared memory. */
+template <int DK>
+__global__ void __launch_bounds__(128) kda_recurrent_k(float *o, const float *q, const float *k,
+                                                       const float *v, const float *g,
+                                                       const float *beta, float *S, float *S_rows,
+                                                       int T, int H, int dv) {
+    const int h = blockIdx.x, col = blockIdx.y * blockDim.x + threadIdx.x;
+    const bool live = col < dv;
+    __shared__ float qs[DK], ks[DK], ds[DK];
+    float s[DK];
+    float *Sh = S + (size_t)h * DK * dv;
+#pragma unroll
+    for (int c = 0; c < DK; c++) s[c] = live ? Sh[(size_t)c * dv + col] : 0.0f;
+    for (int t = 0; t < T; t++) {
+        const size_t th = (size_t)t * H + h;
+        __syncthreads();
+        for (int c = threadIdx.x; c < DK; c += blockDim.x) {
+            qs[c] = q[th * DK + c];
+            ks[c] = k[th * DK + c];
+            ds[c] = expf(g[th * DK + c]);
+        }
+        __syncthreads();
+        /* decay, then predict v from the decayed state */
+        float e = 0.0f;
+#pragma unroll
+        for (int c = 0; c < DK; c++) {
+            s[c] *= ds[c];
+            e += ks[c] * s[c];
+        }
+        const float err_v = live ? beta[th] * (v[th * dv + col] - e) : 0.0f;
+        /* write k (beta e)^T, read with q after the write */
+        float acc = 0.0f;
+#pragma unroll
+        for (int c = 0; c < DK; c++) {
+            s[c] += ks[c] * err_v;
+            acc += qs[c] * s[c];
+        }
+        if (live) {
+            o[th * dv + col] = acc;
+            if (S_rows) {
+                float *R = S_rows + th * DK * dv;
+#pragma unroll
+                for (int c = 0; c < DK; c++) R[(size_t)c * dv + col] = s[c];
+            }
+        }
+    }
+    if (live)
+#pragma unroll
+        for (int c = 0; c < DK; c++) Sh[(size_t)c * dv + col] = s[c];
+}
+
+extern "C" int ds_cu_kda_recurrent(ds_cu *c, float *o, const float *q, const float *k,
+                                   const float *v, const float *g, const float *beta, float *S,
+                                   float *S_rows, int T, int H, int dk, int dv, ds_err *err) {
+    if (T <= 0 || H <= 0) return DS_OK;
+    const int threads = dv >= 128 ? 128 : (dv + 31) / 32 * 32;
+    dim3 grid((unsigned)H, (unsigned)((dv + threads - 1) / threads));
+    switch (dk) {
+    case 32:
+        kda_recurrent_k<32>
+            <<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, S, S_rows, T, H, dv);
+        break;
+    case 64:
+        kda_recurrent_k<64>
+            <<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, S, S_rows, T, H, dv);
+        break;
+    case 128:
+        kda_recurrent_k<128>
+            <<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, S, S_rows, T, H, dv);
+        break;
+    default:
+        return ds_errf(err, "cuda: kda_recurrent: head dim %d (32, 64 or 128 supported)", dk);
+    }
+    CU_TRY(cudaGetLastError(), "kda_recurrent");
+    return DS_OK;
+}
+
+/* ---- timing ------------------------------------------------------------------------------------ */
+
+struct ds_cu_timer {
+    cudaEvent_t a, b;
+};
+
+extern "C" ds_cu_timer *ds_cu_timer_start(ds_cu *c) {
+    ds_cu_timer *t = (ds_cu_timer *)calloc(1, sizeof *t);
+    if (!t) return NULL;
+    cudaEventCreate(&t->a);
+    cudaEventCreate(&t->b);
+    cudaEventRecord(t->a, c->stream);
+    return t;
+}
+
+extern "C" double ds_cu_timer_stop(ds_cu *c, ds_cu_timer *t) {
+    if (!t) return -1.0;
+    cudaEventRecord(t->b, c->stream);
+    cudaEventSynchronize(t->b);
+    float ms = -1.0f;
+    cudaEventElapsedTime(&ms, t->a, t->b);
+    cudaEventDestroy(t->a);
+    cudaEventDestroy(t->b);
+    free(t);
+    return ms;
+}

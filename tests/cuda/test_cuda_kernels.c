@@ -1,0 +1,389 @@
+/* test_cuda_kernels.c — every CUDA kernel against the CPU backend (issue 9), then timings.
+ *
+ *   test_cuda_kernels            checks only (exit 1 on any failure)
+ *   test_cuda_kernels --bench    checks, then the ceilings and kernel timings
+ *
+ * Checks follow the device method: fresh random inputs for every case (never zeros), outputs
+ * poisoned with NaN bytes before each run so that an unwritten element fails, and the error as
+ * ||gpu - cpu|| / ||cpu|| in double. f32 kernels must land under 1e-5; the matmul rounds its
+ * activations to BF16 (cuBLAS BF16 x BF16 -> F32), so it is held to 1e-2 and its error printed.
+ * Built and run on the GPU machine by tools/device/cuda_check.sh. */
+#include "kernels/cpu/kernels.h"
+#include "kernels/cuda/cuda_kernels.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int g_fail = 0;
+static ds_rng g_rng;
+
+#define DIE(...)                                                                                   \
+    do {                                                                                           \
+        fprintf(stderr, __VA_ARGS__);                                                              \
+        fprintf(stderr, "\n");                                                                     \
+        exit(2);                                                                                   \
+    } while (0)
+
+static float urand(float lo, float hi) {
+    return lo + (hi - lo) * (float)ds_rng_uniform(&g_rng);
+}
+
+static float *rand_f32(size_t n, float lo, float hi) {
+    float *p = malloc(n * sizeof *p);
+    if (!p) DIE("out of memory");
+    for (size_t i = 0; i < n; i++) p[i] = urand(lo, hi);
+    return p;
+}
+
+static uint16_t *rand_bf16(size_t n, float lo, float hi) {
+    uint16_t *p = malloc(n * sizeof *p);
+    if (!p) DIE("out of memory");
+    for (size_t i = 0; i < n; i++) p[i] = ds_f32_to_bf16(urand(lo, hi));
+    return p;
+}
+
+static void *dev(ds_cu *c, const void *host, size_t bytes) {
+    ds_err err = {{0}};
+    void *d = ds_cu_alloc(c, bytes, &err);
+    if (!d) DIE("%s", err.msg);
+    if (host && ds_cu_upload(c, d, host, bytes, &err)) DIE("%s", err.msg);
+    return d;
+}
+
+/* NaN bytes: a kernel that skips an element leaves a NaN, which every check rejects. */
+static void poison(ds_cu *c, void *d, size_t bytes) {
+    ds_err err = {{0}};
+    if (ds_cu_fill_bytes(c, d, 0xff, bytes, &err)) DIE("%s", err.msg);
+}
+
+static void fetch(ds_cu *c, void *host, const void *d, size_t bytes) {
+    ds_err err = {{0}};
+    if (ds_cu_sync(c, &err) || ds_cu_download(c, host, d, bytes, &err)) DIE("%s", err.msg);
+}
+
+/* ||a - b|| / ||b|| over n, rows of `cols` at stride ld (ld = cols: packed); NaN anywhere: inf. */
+static double rel_err(const float *a, const float *b, size_t rows, size_t cols, size_t ld) {
+    double num = 0, den = 0;
+    for (size_t r = 0; r < rows; r++)
+        for (size_t i = 0; i < cols; i++) {
+            double x = a[r * ld + i], y = b[r * ld + i];
+            if (isnan(x) || isnan(y)) return INFINITY;
+            num += (x - y) * (x - y);
+            den += y * y;
+        }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+static void report(const char *what, double err, double tol) {
+    int ok = err <= tol;
+    printf("check %-44s rel err %.2e (tol %.0e) %s\n", what, err, tol, ok ? "ok" : "FAIL");
+    if (!ok) g_fail = 1;
+}
+
+/* ---- checks --------------------------------------------------------------------------------- */
+
+static void check_matmul(ds_cu *c, int T, int N, int K, int pad) {
+    int ldx = K + pad, ldy = N + pad;
+    float *x = rand_f32((size_t)T * ldx, -1, 1);
+    uint16_t *w = rand_bf16((size_t)N * K, -0.05f, 0.05f);
+    float *ref = calloc((size_t)T * ldy, sizeof *ref), *got = calloc((size_t)T * ldy, sizeof *got);
+    ds_mat hw = {w, DS_DT_BF16, N, K};
+    ds_matmul(ref, ldy, x, ldx, T, &hw);
+    float *dx = dev(c, x, (size_t)T * ldx * 4), *dy = dev(c, NULL, (size_t)T * ldy * 4);
+    uint16_t *dw = dev(c, w, (size_t)N * K * 2);
+    poison(c, dy, (size_t)T * ldy * 4);
+    ds_cu_mat m = {dw, N, K};
+    ds_err err = {{0}};
+    if (ds_cu_matmul(c, dy, ldy, dx, ldx, T, &m, &err)) DIE("%s", err.msg);
+    fetch(c, got, dy, (size_t)T * ldy * 4);
+    char what[96];
+    snprintf(what, sizeof what, "matmul T=%d N=%d K=%d%s", T, N, K, pad ? " (strided)" : "");
+    report(what, rel_err(got, ref, (size_t)T, (size_t)N, (size_t)ldy), 1e-2);
+    ds_cu_dealloc(dx), ds_cu_dealloc(dy), ds_cu_dealloc(dw);
+    free(x), free(w), free(ref), free(got);
+}
+
+static void check_embed(ds_cu *c, int V, int D, int T) {
+    uint16_t *e = rand_bf16((size_t)V * D, -1, 1);
+    int32_t *ids = malloc((size_t)T * sizeof *ids);
+    for (int t = 0; t < T; t++) ids[t] = (int32_t)(ds_rng_next(&g_rng) % (uint64_t)V);
+    float *ref = malloc((size_t)T * D * 4), *got = malloc((size_t)T * D * 4);
+    ds_mat he = {e, DS_DT_BF16, V, D};
+    ds_embed(ref, &he, ids, T);
+    uint16_t *de = dev(c, e, (size_t)V * D * 2);
+    int32_t *dids = dev(c, ids, (size_t)T * 4);
+    float *dout = dev(c, NULL, (size_t)T * D * 4);
+    poison(c, dout, (size_t)T * D * 4);
+    ds_cu_mat m = {de, V, D};
+    ds_cu_embed(c, dout, &m, dids, T);
+    fetch(c, got, dout, (size_t)T * D * 4);
+    char what[96];
+    snprintf(what, sizeof what, "embed V=%d D=%d T=%d", V, D, T);
+    report(what, rel_err(got, ref, (size_t)T, (size_t)D, (size_t)D), 0.0);
+    ds_cu_dealloc(de), ds_cu_dealloc(dids), ds_cu_dealloc(dout);
+    free(e), free(ids), free(ref), free(got);
+}
+
+static void check_rmsnorm(ds_cu *c, int T, int D, int in_place) {
+    float *x = rand_f32((size_t)T * D, -3, 3), *w = rand_f32((size_t)D, 0.5f, 1.5f);
+    float *ref = malloc((size_t)T * D * 4), *got = malloc((size_t)T * D * 4);
+    ds_rmsnorm(ref, x, w, T, D, 1e-6f);
+    float *dx = dev(c, x, (size_t)T * D * 4), *dw = dev(c, w, (size_t)D * 4);
+    float *dy = in_place ? dx : dev(c, NULL, (size_t)T * D * 4);
+    if (!in_place) poison(c, dy, (size_t)T * D * 4);
+    ds_cu_rmsnorm(c, dy, dx, dw, T, D, 1e-6f);
+    fetch(c, got, dy, (size_t)T * D * 4);
+    char what[96];
+    snprintf(what, sizeof what, "rmsnorm T=%d D=%d%s", T, D, in_place ? " (in place)" : "");
+    report(what, rel_err(got, ref, (size_t)T, (size_t)D, (size_t)D), 1e-5);
+    if (!in_place) ds_cu_dealloc(dy);
+    ds_cu_dealloc(dx), ds_cu_dealloc(dw);
+    free(x), free(w), free(ref), free(got);
+}
+
+static void check_swiglu(ds_cu *c, size_t n) {
+    float *g = rand_f32(n, -6, 6), *u = rand_f32(n, -2, 2);
+    float *ref = malloc(n * 4), *got = malloc(n * 4);
+    ds_act_swiglu(ref, g, u, n);
+    float *dg = dev(c, g, n * 4), *du = dev(c, u, n * 4), *dout = dev(c, NULL, n * 4);
+    poison(c, dout, n * 4);
+    ds_cu_swiglu(c, dout, dg, du, n);
+    fetch(c, got, dout, n * 4);
+    char what[96];
+    snprintf(what, sizeof what, "swiglu n=%zu", n);
+    report(what, rel_err(got, ref, 1, n, n), 1e-5);
+    ds_cu_dealloc(dg), ds_cu_dealloc(du), ds_cu_dealloc(dout);
+    free(g), free(u), free(ref), free(got);
+}
+
+/* q, k as the model gives them: L2-normalised per head (q also scaled by dk^-1/2). */
+static void norm_heads(float *x, int T, int H, int d, float scale) {
+    for (int i = 0; i < T * H; i++) {
+        double s = 0;
+        for (int j = 0; j < d; j++) s += (double)x[i * d + j] * x[i * d + j];
+        float inv = (float)(scale / sqrt(s + 1e-6));
+        for (int j = 0; j < d; j++) x[i * d + j] *= inv;
+    }
+}
+
+static void check_kda(ds_cu *c, int T, int H, int dk, int dv, int rows) {
+    size_t nq = (size_t)T * H * dk, nv = (size_t)T * H * dv, ns = (size_t)H * dk * dv;
+    float *q = rand_f32(nq, -1, 1), *k = rand_f32(nq, -1, 1), *v = rand_f32(nv, -1, 1);
+    float *g = rand_f32(nq, -0.7f, 0), *beta = rand_f32((size_t)T * H, 0, 1);
+    float *S0 = rand_f32(ns, -0.5f, 0.5f);
+    norm_heads(q, T, H, dk, 1.0f / sqrtf((float)dk));
+    norm_heads(k, T, H, dk, 1.0f);
+    float *Sref = malloc(ns * 4), *Sgot = malloc(ns * 4);
+    memcpy(Sref, S0, ns * 4);
+    float *oref = malloc(nv * 4), *ogot = malloc(nv * 4);
+    float *Rref = rows ? malloc((size_t)T * ns * 4) : NULL;
+    float *Rgot = rows ? malloc((size_t)T * ns * 4) : NULL;
+    ds_kda_recurrent(oref, q, k, v, g, beta, Sref, Rref, T, H, dk, dv);
+    float *dq = dev(c, q, nq * 4), *dk_ = dev(c, k, nq * 4), *dv_ = dev(c, v, nv * 4);
+    float *dg = dev(c, g, nq * 4), *db = dev(c, beta, (size_t)T * H * 4), *dS = dev(c, S0, ns * 4);
+    float *dout = dev(c, NULL, nv * 4), *dR = rows ? dev(c, NULL, (size_t)T * ns * 4) : NULL;
+    poison(c, dout, nv * 4);
+    if (rows) poison(c, dR, (size_t)T * ns * 4);
+    ds_err err = {{0}};
+    if (ds_cu_kda_recurrent(c, dout, dq, dk_, dv_, dg, db, dS, dR, T, H, dk, dv, &err))
+        DIE("%s", err.msg);
+    fetch(c, ogot, dout, nv * 4);
+    fetch(c, Sgot, dS, ns * 4);
+    char what[96];
+    snprintf(what, sizeof what, "kda_recurrent T=%d H=%d dk=%d dv=%d: out", T, H, dk, dv);
+    report(what, rel_err(ogot, oref, 1, nv, nv), 1e-5);
+    snprintf(what, sizeof what, "kda_recurrent T=%d H=%d dk=%d dv=%d: state", T, H, dk, dv);
+    report(what, rel_err(Sgot, Sref, 1, ns, ns), 1e-5);
+    if (rows) {
+        fetch(c, Rgot, dR, (size_t)T * ns * 4);
+        snprintf(what, sizeof what, "kda_recurrent T=%d H=%d dk=%d dv=%d: rows", T, H, dk, dv);
+        report(what, rel_err(Rgot, Rref, 1, (size_t)T * ns, (size_t)T * ns), 1e-5);
+        ds_cu_dealloc(dR);
+    }
+    ds_cu_dealloc(dq), ds_cu_dealloc(dk_), ds_cu_dealloc(dv_), ds_cu_dealloc(dg);
+    ds_cu_dealloc(db), ds_cu_dealloc(dS), ds_cu_dealloc(dout);
+    free(q), free(k), free(v), free(g), free(beta), free(S0), free(Sref), free(Sgot);
+    free(oref), free(ogot), free(Rref), free(Rgot);
+}
+
+/* ---- timings -------------------------------------------------------------------------------- */
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+typedef void (*run_fn)(ds_cu *c, void *ctx);
+
+/* Median milliseconds of `reps` runs after `warm` warm-ups, each timed with events. */
+static double median_ms(ds_cu *c, run_fn f, void *ctx, int warm, int reps) {
+    for (int i = 0; i < warm; i++) f(c, ctx);
+    double t[64];
+    if (reps > 64) reps = 64;
+    for (int i = 0; i < reps; i++) {
+        ds_cu_timer *tm = ds_cu_timer_start(c);
+        f(c, ctx);
+        t[i] = ds_cu_timer_stop(c, tm);
+    }
+    ds_err err = {{0}};
+    if (ds_cu_sync(c, &err)) DIE("%s", err.msg);
+    qsort(t, (size_t)reps, sizeof *t, cmp_d);
+    return t[reps / 2];
+}
+
+typedef struct copy_ctx {
+    void *dst[2];
+    const void *src[2];
+    size_t bytes;
+    int i;
+} copy_ctx;
+static void run_copy(ds_cu *c, void *p) {
+    copy_ctx *x = p;
+    ds_err err;
+    x->i ^= 1; /* alternate two buffer pairs so that nothing is served from L2 */
+    if (ds_cu_copy_d2d(c, x->dst[x->i], x->src[x->i], x->bytes, &err)) DIE("%s", err.msg);
+}
+
+typedef struct gemm_ctx {
+    uint16_t *C;
+    const uint16_t *A, *B;
+    int m, n, k;
+} gemm_ctx;
+static void run_gemm(ds_cu *c, void *p) {
+    gemm_ctx *x = p;
+    ds_err err;
+    if (ds_cu_gemm_bf16(c, x->C, x->A, x->B, x->m, x->n, x->k, &err)) DIE("%s", err.msg);
+}
+
+typedef struct mm_ctx {
+    float *y, *x;
+    ds_cu_mat w[4]; /* rotated: each more than L2 on its own */
+    int T, i;
+} mm_ctx;
+static void run_mm(ds_cu *c, void *p) {
+    mm_ctx *x = p;
+    ds_err err;
+    x->i = (x->i + 1) % 4;
+    if (ds_cu_matmul(c, x->y, x->w[x->i].rows, x->x, x->w[x->i].cols, x->T, &x->w[x->i], &err))
+        DIE("%s", err.msg);
+}
+
+typedef struct kda_ctx {
+    float *o, *q, *k, *v, *g, *beta, *S;
+    int T, H, dk, dv, n_seq;
+} kda_ctx;
+static void run_kda(ds_cu *c, void *p) {
+    kda_ctx *x = p;
+    ds_err err;
+    size_t ns = (size_t)x->H * x->dk * x->dv;
+    for (int s = 0; s < x->n_seq; s++) /* one launch per sequence: the batched kernel is next */
+        if (ds_cu_kda_recurrent(c, x->o, x->q, x->k, x->v, x->g, x->beta, x->S + s * ns, NULL,
+                                x->T, x->H, x->dk, x->dv, &err))
+            DIE("%s", err.msg);
+}
+
+static void bench(ds_cu *c) {
+    ds_err err = {{0}};
+    /* 1. copy bandwidth: 2 x 2 GiB pairs, bytes read + written */
+    size_t cb = (size_t)2 << 30;
+    copy_ctx cc = {{dev(c, NULL, cb), dev(c, NULL, cb)}, {dev(c, NULL, cb), dev(c, NULL, cb)}, cb,
+                   0};
+    for (int i = 0; i < 2; i++) /* random-ish bytes, not zeros */
+        if (ds_cu_fill_bytes(c, (void *)cc.src[i], 0x3c + i, cb, &err)) DIE("%s", err.msg);
+    double ms = median_ms(c, run_copy, &cc, 3, 20);
+    double copy_gbs = 2.0 * (double)cb / (ms * 1e-3) / 1e9;
+    printf("bench copy d2d %zu MiB: %.3f ms, %.0f GB/s (read + write)\n", cb >> 20, ms, copy_gbs);
+    for (int i = 0; i < 2; i++) ds_cu_dealloc(cc.dst[i]), ds_cu_dealloc((void *)cc.src[i]);
+
+    /* 2. cuBLAS BF16 GEMM rate, 8192^3 on random data */
+    int n = 8192;
+    uint16_t *A = rand_bf16((size_t)n * n, -1, 1);
+    gemm_ctx gc = {dev(c, NULL, (size_t)n * n * 2), dev(c, A, (size_t)n * n * 2),
+                   dev(c, A, (size_t)n * n * 2), n, n, n};
+    free(A);
+    ms = median_ms(c, run_gemm, &gc, 3, 10);
+    double gemm_tf = 2.0 * n * (double)n * n / (ms * 1e-3) / 1e12;
+    printf("bench gemm bf16 %d^3: %.3f ms, %.0f TFLOP/s\n", n, ms, gemm_tf);
+    ds_cu_dealloc(gc.C), ds_cu_dealloc((void *)gc.A), ds_cu_dealloc((void *)gc.B);
+
+    /* 3. decode-shaped matmuls at Kimi-Linear-48B-A3B's hidden size 2304: bytes a step must
+     *    read (the weights, BF16) over time, against the copy ceiling */
+    static const int shapes[][2] = {{4096, 2304}, {2304, 4096}, {163840, 2304}};
+    static const int Ts[] = {1, 8, 64, 256};
+    for (size_t si = 0; si < DS_ARRAY_LEN(shapes); si++) {
+        int N = shapes[si][0], K = shapes[si][1];
+        mm_ctx mc = {0};
+        uint16_t *w = rand_bf16((size_t)N * K, -0.05f, 0.05f);
+        for (int i = 0; i < 4; i++) mc.w[i] = (ds_cu_mat){dev(c, w, (size_t)N * K * 2), N, K};
+        free(w);
+        float *x = rand_f32((size_t)256 * K, -1, 1);
+        mc.x = dev(c, x, (size_t)256 * K * 4);
+        free(x);
+        mc.y = dev(c, NULL, (size_t)256 * N * 4);
+        for (size_t ti = 0; ti < DS_ARRAY_LEN(Ts); ti++) {
+            mc.T = Ts[ti];
+            ms = median_ms(c, run_mm, &mc, 3, 30);
+            double bytes = (double)N * K * 2 + (double)mc.T * (K * 4 + N * 4);
+            double flops = 2.0 * N * (double)K * mc.T;
+            printf("bench matmul N=%d K=%d T=%d: %.4f ms, %.0f GB/s (%.0f%% of copy), %.1f "
+                   "TFLOP/s (%.1f%% of gemm)\n",
+                   N, K, mc.T, ms, bytes / (ms * 1e-3) / 1e9,
+                   100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs, flops / (ms * 1e-3) / 1e12,
+                   100.0 * flops / (ms * 1e-3) / 1e12 / gemm_tf);
+        }
+        for (int i = 0; i < 4; i++) ds_cu_dealloc((void *)mc.w[i].data);
+        ds_cu_dealloc(mc.x), ds_cu_dealloc(mc.y);
+    }
+
+    /* 4. KDA decode: Kimi-Linear's 32 heads of 128 x 128, one token, 1 and 64 sequences */
+    static const int seqs[] = {1, 64};
+    for (size_t i = 0; i < DS_ARRAY_LEN(seqs); i++) {
+        kda_ctx kc = {0};
+        kc.T = 1, kc.H = 32, kc.dk = 128, kc.dv = 128, kc.n_seq = seqs[i];
+        size_t nq = (size_t)kc.H * kc.dk, ns = (size_t)kc.H * kc.dk * kc.dv;
+        float *h = rand_f32(ns * (size_t)kc.n_seq, -0.5f, 0.5f);
+        kc.S = dev(c, h, ns * (size_t)kc.n_seq * 4);
+        free(h);
+        h = rand_f32(nq, -0.1f, 0.1f);
+        kc.q = dev(c, h, nq * 4), kc.k = dev(c, h, nq * 4), kc.v = dev(c, h, nq * 4);
+        kc.g = dev(c, h, nq * 4), kc.beta = dev(c, h, (size_t)kc.H * 4), kc.o = dev(c, NULL, nq * 4);
+        free(h);
+        ms = median_ms(c, run_kda, &kc, 3, 30);
+        double bytes = 2.0 * (double)ns * 4 * kc.n_seq;
+        printf("bench kda_recurrent decode H=32 dk=dv=128, %d sequence(s): %.4f ms, %.0f GB/s "
+               "(%.0f%% of copy)\n",
+               kc.n_seq, ms, bytes / (ms * 1e-3) / 1e9,
+               100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
+        ds_cu_dealloc(kc.S), ds_cu_dealloc(kc.q), ds_cu_dealloc(kc.k), ds_cu_dealloc(kc.v);
+        ds_cu_dealloc(kc.g), ds_cu_dealloc(kc.beta), ds_cu_dealloc(kc.o);
+    }
+}
+
+int main(int argc, char **argv) {
+    int do_bench = argc > 1 && !strcmp(argv[1], "--bench");
+    ds_kernels_init();
+    ds_rng_seed(&g_rng, 20261201);
+    ds_cu *c;
+    ds_err err = {{0}};
+    if (ds_cu_create(0, &c, &err)) DIE("%s", err.msg);
+    printf("device: %s; CPU kernels: %s\n", ds_cu_device_name(c), ds_isa_name(ds_kernels_isa()));
+
+    check_matmul(c, 1, 4096, 2304, 0);
+    check_matmul(c, 7, 1000, 333, 0);
+    check_matmul(c, 64, 2304, 4096, 0);
+    check_matmul(c, 5, 257, 130, 3);
+    check_embed(c, 1000, 2304, 13);
+    check_rmsnorm(c, 5, 2304, 0);
+    check_rmsnorm(c, 3, 100, 1);
+    check_swiglu(c, 1000003);
+    check_kda(c, 1, 4, 128, 128, 1);
+    check_kda(c, 9, 3, 64, 96, 1);
+    check_kda(c, 33, 2, 32, 40, 0);
+    check_kda(c, 5, 32, 128, 128, 0);
+    printf("checks: %s\n", g_fail ? "FAILED" : "all passed");
+    if (do_bench && !g_fail) bench(c);
+    ds_cu_free(c);
+    return g_fail;
+}
