@@ -44,8 +44,9 @@ typedef struct ds_cu_mat {
 } ds_cu_mat;
 
 /* y[t][r] = sum_c x[t][c] W[r][c] (y = x W^T, as ds_matmul). x: [T][ldx] f32, y: [T][ldy] f32.
- * x is rounded to BF16 (cuBLAS BF16 x BF16 -> F32 with F32 accumulation): relative error against
- * the CPU's f32 activations is that of BF16 operands (~1e-3). */
+ * T = 1 (K a multiple of 8, x 16-byte aligned): a GEMV kernel reads W once and keeps
+ * x in f32, as the CPU does. Larger T: x is rounded to BF16 for cuBLAS (BF16 x BF16 -> F32, F32
+ * accumulation), so the error against the CPU is that of BF16 operands (~1e-3). */
 int ds_cu_matmul(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, const ds_cu_mat *w,
                  ds_err *err);
 /* out[t][:] = row ids[t] of E in f32: out [T][E.cols]; ids in device memory. */
@@ -61,6 +62,14 @@ void ds_cu_swiglu(ds_cu *c, float *out, const float *gate, const float *up, size
 int ds_cu_kda_recurrent(ds_cu *c, float *o, const float *q, const float *k, const float *v,
                         const float *g, const float *beta, float *S, float *S_rows, int T, int H,
                         int dk, int dv, ds_err *err);
+/* The same over a batch of sequences in one launch (decode, verify and short prefills): sequence
+ * z runs tokens [seg_off[z], seg_off[z+1]) of the packed q/k/v/g/beta/o ([tokens][H][...]) on its
+ * own state S[z] ([H][dk][dv]), writing S_rows[z] ([its tokens][H][dk][dv]) when S_rows is not
+ * NULL. seg_off [n_seq+1], S [n_seq] and S_rows [n_seq] are device arrays. */
+int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, const float *k, const float *v,
+                              const float *g, const float *beta, const int32_t *seg_off,
+                              float *const *S, float *const *S_rows, int n_seq, int H, int dk,
+                              int dv, ds_err *err);
 
 /* ---- timing (device events on the stream) --------------------------------------------------- */
 typedef struct ds_cu_timer ds_cu_timer;

@@ -138,10 +138,55 @@ __global__ void to_bf16_rows(__nv_bfloat16 *xb, const float *x, int ldx, int K, 
     xb[i] = __float2bfloat16_rn(x[(size_t)t * ldx + c]);
 }
 
+/* Single-token matmul (measured on the H200: at T = 1 it reads the 163840 x 2304 lm_head at 104%
+ * of the copy rate where cuBLAS reaches 90%, and small matrices in half cuBLAS's time; at T = 2 it
+ * already trails cuBLAS, at T = 8 by 4x, since every warp re-reads all of x): one warp per output
+ * row streams that row of W once with 16-byte
+ * loads (8 BF16 each) and dots it with every token's f32 x (small, served by L1), accumulating in
+ * f32 — the weights are the bytes that matter, and they are read exactly once. */
+template <int TT>
+__global__ void __launch_bounds__(256) gemv_bf16_k(float *y, int ldy, const float *x, int ldx,
+                                                   const uint16_t *W, int N, int K) {
+    const int lane = threadIdx.x & 31, n = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (n >= N) return; /* a whole warp leaves together; no block barrier follows */
+    const uint4 *wr = (const uint4 *)(W + (size_t)n * K);
+    float acc[TT];
+#pragma unroll
+    for (int t = 0; t < TT; t++) acc[t] = 0.0f;
+#pragma unroll 4
+    for (int k8 = lane; k8 < K / 8; k8 += 32) {
+        const uint4 u = __ldg(wr + k8);
+        const float w[8] = {__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
+                            __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u),
+                            __uint_as_float(u.z << 16), __uint_as_float(u.z & 0xffff0000u),
+                            __uint_as_float(u.w << 16), __uint_as_float(u.w & 0xffff0000u)};
+#pragma unroll
+        for (int t = 0; t < TT; t++) {
+            const float4 *xp = (const float4 *)(x + (size_t)t * ldx + (size_t)k8 * 8);
+            const float4 a = xp[0], b = xp[1];
+            acc[t] += w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y +
+                      w[6] * b.z + w[7] * b.w;
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < TT; t++) {
+        float v = acc[t];
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) y[(size_t)t * ldy + n] = v;
+    }
+}
+
 extern "C" int ds_cu_matmul(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T,
                             const ds_cu_mat *w, ds_err *err) {
     const int N = w->rows, K = w->cols;
     if (T <= 0) return DS_OK;
+    if (T == 1 && K % 8 == 0 && ldx % 4 == 0 && (uintptr_t)x % 16 == 0 &&
+        (uintptr_t)w->data % 16 == 0) {
+        const unsigned blocks = (unsigned)((N + 7) / 8);
+        gemv_bf16_k<1><<<blocks, 256, 0, c->stream>>>(y, ldy, x, ldx, w->data, N, K);
+        CU_TRY(cudaGetLastError(), "matmul (gemv)");
+        return DS_OK;
+    }
     size_t need = (size_t)T * K;
     if (need > c->xb_cap) {
         cudaFree(c->xb);
@@ -232,23 +277,22 @@ extern "C" void ds_cu_swiglu(ds_cu *c, float *out, const float *gate, const floa
 }
 
 /* ---- KDA recurrence ---------------------------------------------------------------------------
- * One block per (head, 32 value columns); thread x of the block owns column v0 + x... no: each
- * warp owns one column group, each lane one column, and the lane keeps that column's DK state
- * entries in registers for the whole sequence, so S is read and written once per call. Per
- * token the block stages q, k and exp(g) in shared memory. */
-template <int DK>
-__global__ void __launch_bounds__(128) kda_recurrent_k(float *o, const float *q, const float *k,
-                                                       const float *v, const float *g,
-                                                       const float *beta, float *S, float *S_rows,
-                                                       int T, int H, int dv) {
-    const int h = blockIdx.x, col = blockIdx.y * blockDim.x + threadIdx.x;
-    const bool live = col < dv;
+ * Each (head, value column) is independent. A thread keeps DK / SPLIT entries of its column of S
+ * in registers for the whole call (S is read and written once), SPLIT neighbouring lanes sharing
+ * a column and adding their partial dot products with a shuffle (SPLIT 2 at DK 128 keeps the
+ * column in registers without spilling). Per token the block stages q, k and exp(g) in shared
+ * memory. Blocks: (head, column tile, sequence); a batch of sequences is one launch. */
+template <int DK, int SPLIT>
+__device__ void kda_run(float *o, const float *q, const float *k, const float *v, const float *g,
+                        const float *beta, float *Sh, float *S_rows, int t0, int t1, int H, int dv,
+                        int h, int col, bool live, int part) {
+    constexpr int DP = DK / SPLIT; /* state entries of the column this thread holds */
     __shared__ float qs[DK], ks[DK], ds[DK];
-    float s[DK];
-    float *Sh = S + (size_t)h * DK * dv;
+    float s[DP];
+    const int c0 = part * DP;
 #pragma unroll
-    for (int c = 0; c < DK; c++) s[c] = live ? Sh[(size_t)c * dv + col] : 0.0f;
-    for (int t = 0; t < T; t++) {
+    for (int c = 0; c < DP; c++) s[c] = live ? Sh[(size_t)(c0 + c) * dv + col] : 0.0f;
+    for (int t = t0; t < t1; t++) {
         const size_t th = (size_t)t * H + h;
         __syncthreads();
         for (int c = threadIdx.x; c < DK; c += blockDim.x) {
@@ -260,55 +304,120 @@ __global__ void __launch_bounds__(128) kda_recurrent_k(float *o, const float *q,
         /* decay, then predict v from the decayed state */
         float e = 0.0f;
 #pragma unroll
-        for (int c = 0; c < DK; c++) {
-            s[c] *= ds[c];
-            e += ks[c] * s[c];
+        for (int c = 0; c < DP; c++) {
+            s[c] *= ds[c0 + c];
+            e += ks[c0 + c] * s[c];
         }
+#pragma unroll
+        for (int m = 1; m < SPLIT; m <<= 1) e += __shfl_xor_sync(0xffffffffu, e, m);
         const float err_v = live ? beta[th] * (v[th * dv + col] - e) : 0.0f;
         /* write k (beta e)^T, read with q after the write */
         float acc = 0.0f;
 #pragma unroll
-        for (int c = 0; c < DK; c++) {
-            s[c] += ks[c] * err_v;
-            acc += qs[c] * s[c];
+        for (int c = 0; c < DP; c++) {
+            s[c] += ks[c0 + c] * err_v;
+            acc += qs[c0 + c] * s[c];
         }
-        if (live) {
-            o[th * dv + col] = acc;
-            if (S_rows) {
-                float *R = S_rows + th * DK * dv;
 #pragma unroll
-                for (int c = 0; c < DK; c++) R[(size_t)c * dv + col] = s[c];
+        for (int m = 1; m < SPLIT; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+        if (live) {
+            if (part == 0) o[th * dv + col] = acc;
+            if (S_rows) {
+                float *R = S_rows + ((size_t)(t - t0) * H + h) * DK * dv;
+#pragma unroll
+                for (int c = 0; c < DP; c++) R[(size_t)(c0 + c) * dv + col] = s[c];
             }
         }
     }
     if (live)
 #pragma unroll
-        for (int c = 0; c < DK; c++) Sh[(size_t)c * dv + col] = s[c];
+        for (int c = 0; c < DP; c++) Sh[(size_t)(c0 + c) * dv + col] = s[c];
+}
+
+/* Sequence blockIdx.z: tokens [off[z], off[z+1]) of the packed q/k/v/g/beta/o, its state S[z]
+ * ([H][DK][dv]) and optional rows S_rows[z] ([tokens][H][DK][dv]). */
+template <int DK, int SPLIT>
+__global__ void __launch_bounds__(128)
+    kda_batch_k(float *o, const float *q, const float *k, const float *v, const float *g,
+                const float *beta, const int32_t *off, float *const *S, float *const *S_rows,
+                int H, int dv) {
+    const int h = blockIdx.x, z = blockIdx.z, part = threadIdx.x % SPLIT;
+    const int col = blockIdx.y * (blockDim.x / SPLIT) + threadIdx.x / SPLIT;
+    float *Sh = S[z] + (size_t)h * DK * dv;
+    kda_run<DK, SPLIT>(o, q, k, v, g, beta, Sh, S_rows ? S_rows[z] : NULL, off[z], off[z + 1], H,
+                       dv, h, col, col < dv, part);
+}
+
+/* One sequence, arguments by value (no device arrays to fill). */
+template <int DK, int SPLIT>
+__global__ void __launch_bounds__(128)
+    kda_one_k(float *o, const float *q, const float *k, const float *v, const float *g,
+              const float *beta, float *S, float *S_rows, int T, int H, int dv) {
+    const int h = blockIdx.x, part = threadIdx.x % SPLIT;
+    const int col = blockIdx.y * (blockDim.x / SPLIT) + threadIdx.x / SPLIT;
+    kda_run<DK, SPLIT>(o, q, k, v, g, beta, S + (size_t)h * DK * dv, S_rows, 0, T, H, dv, h, col,
+                       col < dv, part);
+}
+
+/* Threads per block and columns per block for a head dim. */
+static void kda_shape(int dk, int dv, int *threads, int *cols) {
+    int split = dk == 128 ? 2 : 1;
+    int want = dv * split;
+    *threads = want >= 128 ? 128 : (want + 31) / 32 * 32;
+    *cols = *threads / split;
 }
 
 extern "C" int ds_cu_kda_recurrent(ds_cu *c, float *o, const float *q, const float *k,
                                    const float *v, const float *g, const float *beta, float *S,
                                    float *S_rows, int T, int H, int dk, int dv, ds_err *err) {
     if (T <= 0 || H <= 0) return DS_OK;
-    const int threads = dv >= 128 ? 128 : (dv + 31) / 32 * 32;
-    dim3 grid((unsigned)H, (unsigned)((dv + threads - 1) / threads));
+    int threads, cols;
+    kda_shape(dk, dv, &threads, &cols);
+    dim3 grid((unsigned)H, (unsigned)((dv + cols - 1) / cols));
     switch (dk) {
     case 32:
-        kda_recurrent_k<32>
-            <<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, S, S_rows, T, H, dv);
+        kda_one_k<32, 1><<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, S, S_rows, T, H, dv);
         break;
     case 64:
-        kda_recurrent_k<64>
-            <<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, S, S_rows, T, H, dv);
+        kda_one_k<64, 1><<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, S, S_rows, T, H, dv);
         break;
     case 128:
-        kda_recurrent_k<128>
+        kda_one_k<128, 2>
             <<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, S, S_rows, T, H, dv);
         break;
     default:
         return ds_errf(err, "cuda: kda_recurrent: head dim %d (32, 64 or 128 supported)", dk);
     }
     CU_TRY(cudaGetLastError(), "kda_recurrent");
+    return DS_OK;
+}
+
+extern "C" int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, const float *k,
+                                         const float *v, const float *g, const float *beta,
+                                         const int32_t *seg_off, float *const *S,
+                                         float *const *S_rows, int n_seq, int H, int dk, int dv,
+                                         ds_err *err) {
+    if (n_seq <= 0 || H <= 0) return DS_OK;
+    int threads, cols;
+    kda_shape(dk, dv, &threads, &cols);
+    dim3 grid((unsigned)H, (unsigned)((dv + cols - 1) / cols), (unsigned)n_seq);
+    switch (dk) {
+    case 32:
+        kda_batch_k<32, 1>
+            <<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows, H, dv);
+        break;
+    case 64:
+        kda_batch_k<64, 1>
+            <<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows, H, dv);
+        break;
+    case 128:
+        kda_batch_k<128, 2>
+            <<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows, H, dv);
+        break;
+    default:
+        return ds_errf(err, "cuda: kda_recurrent: head dim %d (32, 64 or 128 supported)", dk);
+    }
+    CU_TRY(cudaGetLastError(), "kda_recurrent_batch");
     return DS_OK;
 }
 
