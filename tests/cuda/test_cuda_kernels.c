@@ -262,6 +262,129 @@ static void check_kda_batch(ds_cu *c, const int *lens, int n_seq, int H, int dk,
     free(oref), free(ogot), free(Rref), free(Rgot);
 }
 
+static void check_short_conv(ds_cu *c, int T, int C, int W) {
+    float *in = rand_f32((size_t)T * C, -2, 2), *w = rand_f32((size_t)C * W, -1, 1);
+    float *tail = rand_f32((size_t)(W - 1) * C, -2, 2), *tail_ref = malloc((size_t)(W - 1) * C * 4);
+    memcpy(tail_ref, tail, (size_t)(W - 1) * C * 4);
+    float *ref = malloc((size_t)T * C * 4), *got = malloc((size_t)T * C * 4);
+    float *tail_got = malloc((size_t)(W - 1) * C * 4);
+    ds_short_conv_silu(ref, in, T, C, w, W, tail_ref);
+    float *din = dev(c, in, (size_t)T * C * 4), *dw = dev(c, w, (size_t)C * W * 4);
+    float *dtail = dev(c, tail, (size_t)(W - 1) * C * 4), *dout = dev(c, NULL, (size_t)T * C * 4);
+    poison(c, dout, (size_t)T * C * 4);
+    ds_err err = {{0}};
+    if (ds_cu_short_conv_silu(c, dout, din, T, C, dw, W, dtail, &err)) DIE("%s", err.msg);
+    fetch(c, got, dout, (size_t)T * C * 4);
+    fetch(c, tail_got, dtail, (size_t)(W - 1) * C * 4);
+    char what[96];
+    snprintf(what, sizeof what, "short conv T=%d C=%d W=%d: out", T, C, W);
+    report(what, rel_err(got, ref, 1, (size_t)T * C, (size_t)T * C), 1e-5);
+    snprintf(what, sizeof what, "short conv T=%d C=%d W=%d: tail", T, C, W);
+    report(what, rel_err(tail_got, tail_ref, 1, (size_t)(W - 1) * C, (size_t)(W - 1) * C), 0.0);
+    ds_cu_dealloc(din), ds_cu_dealloc(dw), ds_cu_dealloc(dtail), ds_cu_dealloc(dout);
+    free(in), free(w), free(tail), free(tail_ref), free(ref), free(got), free(tail_got);
+}
+
+static void check_kda_gate(ds_cu *c, int T, int H, int dk, int lb_form) {
+    size_t n = (size_t)T * H * dk;
+    float *f = rand_f32(n, -8, 8), *A = rand_f32((size_t)H, -2, 1),
+          *b = rand_f32((size_t)H * dk, -1, 1);
+    float *ref = malloc(n * 4), *got = malloc(n * 4);
+    ds_kda_gate(ref, f, T, H, dk, A, b, lb_form, -5.0f);
+    float *df = dev(c, f, n * 4), *dA = dev(c, A, (size_t)H * 4),
+          *db = dev(c, b, (size_t)H * dk * 4);
+    float *dg = dev(c, NULL, n * 4);
+    poison(c, dg, n * 4);
+    ds_cu_kda_gate(c, dg, df, T, H, dk, dA, db, lb_form, -5.0f);
+    fetch(c, got, dg, n * 4);
+    char what[96];
+    snprintf(what, sizeof what, "kda gate T=%d H=%d dk=%d (%s)", T, H, dk,
+             lb_form ? "lower bound" : "softplus");
+    report(what, rel_err(got, ref, 1, n, n), 1e-5);
+    ds_cu_dealloc(df), ds_cu_dealloc(dA), ds_cu_dealloc(db), ds_cu_dealloc(dg);
+    free(f), free(A), free(b), free(ref), free(got);
+}
+
+static void check_head_norms(ds_cu *c, int T, int H, int d) {
+    size_t n = (size_t)T * H * d;
+    float *x = rand_f32(n, -3, 3), *gate = rand_f32(n, -4, 4), *w = rand_f32((size_t)d, 0.5f, 1.5f);
+    float *ref = malloc(n * 4), *got = malloc(n * 4);
+    memcpy(ref, x, n * 4);
+    ds_l2norm_heads(ref, T, H, d, 1e-6f, 0.125f);
+    float *dx = dev(c, x, n * 4);
+    ds_cu_l2norm_heads(c, dx, T, H, d, 1e-6f, 0.125f);
+    fetch(c, got, dx, n * 4);
+    char what[96];
+    snprintf(what, sizeof what, "l2norm heads T=%d H=%d d=%d", T, H, d);
+    report(what, rel_err(got, ref, 1, n, n), 1e-5);
+    ds_gated_rmsnorm_heads(ref, x, gate, w, T, H, d, 1e-5f);
+    float *dg = dev(c, gate, n * 4), *dw = dev(c, w, (size_t)d * 4), *dy = dev(c, NULL, n * 4);
+    ds_cu_upload(c, dx, x, n * 4, NULL);
+    poison(c, dy, n * 4);
+    ds_cu_gated_rmsnorm_heads(c, dy, dx, dg, dw, T, H, d, 1e-5f);
+    fetch(c, got, dy, n * 4);
+    snprintf(what, sizeof what, "gated rmsnorm heads T=%d H=%d d=%d", T, H, d);
+    report(what, rel_err(got, ref, 1, n, n), 1e-5);
+    ds_cu_dealloc(dx), ds_cu_dealloc(dg), ds_cu_dealloc(dw), ds_cu_dealloc(dy);
+    free(x), free(gate), free(w), free(ref), free(got);
+}
+
+static void check_attnres(ds_cu *c, int m, int T, int D) {
+    float *h[8], *dh[8];
+    for (int j = 0; j < m; j++) {
+        h[j] = rand_f32((size_t)T * D, -2, 2);
+        dh[j] = dev(c, h[j], (size_t)T * D * 4);
+    }
+    float *np = rand_f32((size_t)D, -0.05f, 0.05f);
+    float *ref = malloc((size_t)T * D * 4), *got = malloc((size_t)T * D * 4);
+    ds_attnres_mix(ref, (const float *const *)h, m, np, T, D, 1e-6f);
+    float *dnp = dev(c, np, (size_t)D * 4), *dout = dev(c, NULL, (size_t)T * D * 4);
+    float **dptr = dev(c, dh, (size_t)m * sizeof *dh);
+    poison(c, dout, (size_t)T * D * 4);
+    ds_err err = {{0}};
+    if (ds_cu_attnres_mix(c, dout, (const float *const *)dptr, m, dnp, T, D, 1e-6f, &err))
+        DIE("%s", err.msg);
+    fetch(c, got, dout, (size_t)T * D * 4);
+    char what[96];
+    snprintf(what, sizeof what, "attnres mix m=%d T=%d D=%d", m, T, D);
+    report(what, rel_err(got, ref, 1, (size_t)T * D, (size_t)T * D), 1e-5);
+    for (int j = 0; j < m; j++) ds_cu_dealloc(dh[j]), free(h[j]);
+    ds_cu_dealloc(dnp), ds_cu_dealloc(dout), ds_cu_dealloc(dptr);
+    free(np), free(ref), free(got);
+}
+
+/* Absorbed MLA over a paged pool whose block table is shuffled (pages out of order). */
+static void check_mla(ds_cu *c, int T, int Ha, int R, int dr, int pos0, int n_ctx, int causal) {
+    enum { BS = 16 };
+    int rowf = R + dr, n_rows = n_ctx, n_pages = n_rows / BS + 2;
+    float *pool = rand_f32((size_t)n_pages * BS * rowf, -1, 1);
+    int32_t *table = malloc((size_t)n_pages * 4);
+    for (int i = 0; i < n_pages; i++) table[i] = (int32_t)((i * 7 + 3) % n_pages);
+    float *qbar = rand_f32((size_t)T * Ha * R, -0.2f, 0.2f),
+          *qr = rand_f32((size_t)T * Ha * dr, -1, 1);
+    float *ref = malloc((size_t)T * Ha * R * 4), *got = malloc((size_t)T * Ha * R * 4);
+    ds_latent_view kv = {pool, table, BS, rowf};
+    float scale = 1.0f / sqrtf(192.0f);
+    ds_mla_attend_absorbed(ref, qbar, qr, T, Ha, R, dr, &kv, pos0, n_ctx, causal, scale);
+    float *dpool = dev(c, pool, (size_t)n_pages * BS * rowf * 4);
+    int32_t *dtable = dev(c, table, (size_t)n_pages * 4);
+    float *dq = dev(c, qbar, (size_t)T * Ha * R * 4), *dqr = dev(c, qr, (size_t)T * Ha * dr * 4);
+    float *dout = dev(c, NULL, (size_t)T * Ha * R * 4);
+    poison(c, dout, (size_t)T * Ha * R * 4);
+    ds_err err = {{0}};
+    if (ds_cu_mla_attend_absorbed(c, dout, dq, dqr, T, Ha, R, dr, dpool, dtable, BS, rowf, pos0,
+                                  n_ctx, causal, scale, &err))
+        DIE("%s", err.msg);
+    fetch(c, got, dout, (size_t)T * Ha * R * 4);
+    char what[96];
+    snprintf(what, sizeof what, "mla absorbed T=%d Ha=%d R=%d %s %d", T, Ha, R,
+             causal ? "causal from" : "context", causal ? pos0 : n_ctx);
+    report(what, rel_err(got, ref, 1, (size_t)T * Ha * R, (size_t)T * Ha * R), 1e-5);
+    ds_cu_dealloc(dpool), ds_cu_dealloc(dtable), ds_cu_dealloc(dq), ds_cu_dealloc(dqr);
+    ds_cu_dealloc(dout);
+    free(pool), free(table), free(qbar), free(qr), free(ref), free(got);
+}
+
 /* ---- timings -------------------------------------------------------------------------------- */
 
 static int cmp_d(const void *a, const void *b) {
@@ -335,23 +458,36 @@ static void run_kda(ds_cu *c, void *p) {
     ds_err err;
     size_t ns = (size_t)x->H * x->dk * x->dv;
     if (x->batched) {
-        if (ds_cu_kda_recurrent_batch(c, x->o, x->q, x->k, x->v, x->g, x->beta, x->off, x->Sp,
-                                      NULL, x->n_seq, x->H, x->dk, x->dv, &err))
+        if (ds_cu_kda_recurrent_batch(c, x->o, x->q, x->k, x->v, x->g, x->beta, x->off, x->Sp, NULL,
+                                      x->n_seq, x->H, x->dk, x->dv, &err))
             DIE("%s", err.msg);
         return;
     }
     for (int s = 0; s < x->n_seq; s++) /* one launch per sequence */
-        if (ds_cu_kda_recurrent(c, x->o, x->q, x->k, x->v, x->g, x->beta, x->S + s * ns, NULL,
-                                x->T, x->H, x->dk, x->dv, &err))
+        if (ds_cu_kda_recurrent(c, x->o, x->q, x->k, x->v, x->g, x->beta, x->S + s * ns, NULL, x->T,
+                                x->H, x->dk, x->dv, &err))
             DIE("%s", err.msg);
+}
+
+typedef struct mla_ctx {
+    float *obar, *qbar, *qr, *pool;
+    int32_t *table;
+    int Ha, n_ctx;
+} mla_ctx;
+static void run_mla(ds_cu *c, void *p) {
+    mla_ctx *x = p;
+    ds_err err;
+    if (ds_cu_mla_attend_absorbed(c, x->obar, x->qbar, x->qr, 1, x->Ha, 512, 64, x->pool, x->table,
+                                  16, 576, x->n_ctx - 1, x->n_ctx, 1, 0.07f, &err))
+        DIE("%s", err.msg);
 }
 
 static void bench(ds_cu *c) {
     ds_err err = {{0}};
     /* 1. copy bandwidth: 2 x 2 GiB pairs, bytes read + written */
     size_t cb = (size_t)2 << 30;
-    copy_ctx cc = {{dev(c, NULL, cb), dev(c, NULL, cb)}, {dev(c, NULL, cb), dev(c, NULL, cb)}, cb,
-                   0};
+    copy_ctx cc = {
+        {dev(c, NULL, cb), dev(c, NULL, cb)}, {dev(c, NULL, cb), dev(c, NULL, cb)}, cb, 0};
     for (int i = 0; i < 2; i++) /* random-ish bytes, not zeros */
         if (ds_cu_fill_bytes(c, (void *)cc.src[i], 0x3c + i, cb, &err)) DIE("%s", err.msg);
     double ms = median_ms(c, run_copy, &cc, 3, 20);
@@ -362,8 +498,12 @@ static void bench(ds_cu *c) {
     /* 2. cuBLAS BF16 GEMM rate, 8192^3 on random data */
     int n = 8192;
     uint16_t *A = rand_bf16((size_t)n * n, -1, 1);
-    gemm_ctx gc = {dev(c, NULL, (size_t)n * n * 2), dev(c, A, (size_t)n * n * 2),
-                   dev(c, A, (size_t)n * n * 2), n, n, n};
+    gemm_ctx gc = {dev(c, NULL, (size_t)n * n * 2),
+                   dev(c, A, (size_t)n * n * 2),
+                   dev(c, A, (size_t)n * n * 2),
+                   n,
+                   n,
+                   n};
     free(A);
     ms = median_ms(c, run_gemm, &gc, 3, 10);
     double gemm_tf = 2.0 * n * (double)n * n / (ms * 1e-3) / 1e12;
@@ -435,6 +575,34 @@ static void bench(ds_cu *c) {
             ds_cu_dealloc(kc.g), ds_cu_dealloc(kc.beta), ds_cu_dealloc(kc.o);
             ds_cu_dealloc(kc.Sp), ds_cu_dealloc(kc.off);
         }
+
+    /* 5. MLA absorbed decode, one token, 32 heads (Kimi-Linear), R 512 + dr 64, f32 cache; the
+     *    bytes that must be read: the context's latent rows once */
+    static const int ctxs[] = {4096, 32768};
+    for (size_t i = 0; i < DS_ARRAY_LEN(ctxs); i++) {
+        mla_ctx mc = {0};
+        mc.Ha = 32, mc.n_ctx = ctxs[i];
+        int pages = mc.n_ctx / 16;
+        float *h = rand_f32((size_t)mc.n_ctx * 576, -1, 1);
+        mc.pool = dev(c, h, (size_t)mc.n_ctx * 576 * 4);
+        free(h);
+        int32_t *tb = malloc((size_t)pages * 4);
+        for (int p = 0; p < pages; p++) tb[p] = (int32_t)((p * 7 + 3) % pages);
+        mc.table = dev(c, tb, (size_t)pages * 4);
+        free(tb);
+        h = rand_f32((size_t)32 * 512, -0.1f, 0.1f);
+        mc.qbar = dev(c, h, (size_t)32 * 512 * 4), mc.qr = dev(c, h, (size_t)32 * 64 * 4);
+        free(h);
+        mc.obar = dev(c, NULL, (size_t)32 * 512 * 4);
+        ms = median_ms(c, run_mla, &mc, 3, 20);
+        double bytes = (double)mc.n_ctx * 576 * 4;
+        printf("bench mla absorbed decode Ha=32, %d context rows: %.4f ms, %.0f GB/s of cache "
+               "(%.0f%% of copy)\n",
+               mc.n_ctx, ms, bytes / (ms * 1e-3) / 1e9,
+               100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
+        ds_cu_dealloc(mc.pool), ds_cu_dealloc(mc.table), ds_cu_dealloc(mc.qbar);
+        ds_cu_dealloc(mc.qr), ds_cu_dealloc(mc.obar);
+    }
 }
 
 int main(int argc, char **argv) {
@@ -466,6 +634,17 @@ int main(int argc, char **argv) {
     static const int lens_a[] = {1, 3, 1, 5, 2}, lens_b[] = {1, 1, 1, 1, 1, 1, 1, 1};
     check_kda_batch(c, lens_a, 5, 4, 128, 128);
     check_kda_batch(c, lens_b, 8, 3, 64, 72);
+    check_short_conv(c, 7, 300, 4);
+    check_short_conv(c, 1, 4096, 4);
+    check_kda_gate(c, 5, 4, 128, 0);
+    check_kda_gate(c, 3, 4, 64, 1);
+    check_head_norms(c, 6, 32, 128);
+    check_attnres(c, 3, 4, 2304);
+    check_attnres(c, 1, 2, 100);
+    check_mla(c, 1, 16, 512, 64, 700, 701, 1);
+    check_mla(c, 5, 4, 512, 64, 40, 45, 1);
+    check_mla(c, 4, 3, 512, 64, 30, 32, 1); /* the last two queries are capped at n_ctx */
+    check_mla(c, 3, 2, 64, 16, 0, 37, 0);
     printf("checks: %s\n", g_fail ? "FAILED" : "all passed");
     if (do_bench && !g_fail) bench(c);
     ds_cu_free(c);

@@ -71,6 +71,29 @@ int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, const float *k
                               float *const *S, float *const *S_rows, int n_seq, int H, int dk,
                               int dv, ds_err *err);
 
+/* As ds_short_conv_silu: in [T][C], w [C][W] (W <= 8), tail [W-1][C] in/out, out [T][C]. */
+int ds_cu_short_conv_silu(ds_cu *c, float *out, const float *in, int T, int C, const float *w,
+                          int W, float *tail, ds_err *err);
+/* As ds_kda_gate: f, g [T][H*dk]; A_log [H]; dt_bias [H*dk]. */
+void ds_cu_kda_gate(ds_cu *c, float *g, const float *f, int T, int H, int dk, const float *A_log,
+                    const float *dt_bias, int lower_bound_form, float lb);
+/* As ds_l2norm_heads (in place, x [T][H][d]) and ds_gated_rmsnorm_heads (y, o, gate [T][H][d]). */
+void ds_cu_l2norm_heads(ds_cu *c, float *x, int T, int H, int d, float eps, float scale);
+void ds_cu_gated_rmsnorm_heads(ds_cu *c, float *y, const float *o, const float *gate,
+                               const float *w, int T, int H, int d, float eps);
+/* As ds_attnres_mix; cands: a device array of m (<= 32) device pointers to [T][D]. */
+int ds_cu_attnres_mix(ds_cu *c, float *out, const float *const *cands, int m, const float *np,
+                      int T, int D, float eps, ds_err *err);
+/* As ds_mla_attend_absorbed over a paged latent pool (pool [pages][block_size][row], block_table
+ * on the device): qbar, obar [T][Ha][R]; qr [T][Ha][dr]; causal token t sees rows
+ * 0..min(pos0+t, n_ctx-1), as on the CPU. At most ds_cu_mla_max_ctx() visible rows
+ * in this first version. */
+int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qbar, const float *qr, int T,
+                              int Ha, int R, int dr, const float *pool, const int32_t *block_table,
+                              int block_size, int row, int pos0, int n_ctx, int causal, float scale,
+                              ds_err *err);
+int ds_cu_mla_max_ctx(void);
+
 /* ---- timing (device events on the stream) --------------------------------------------------- */
 typedef struct ds_cu_timer ds_cu_timer;
 ds_cu_timer *ds_cu_timer_start(ds_cu *c);

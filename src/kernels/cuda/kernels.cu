@@ -6,6 +6,7 @@
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -274,6 +275,206 @@ extern "C" void ds_cu_swiglu(ds_cu *c, float *out, const float *gate, const floa
     if (!n) return;
     swiglu_k<<<(unsigned)((n + 255) / 256), 256, 0, c->stream>>>(out, gate, up, n);
     note_launch(c);
+}
+
+/* ---- KDA inputs: short conv, gates, head norms ------------------------------------------------ */
+
+/* One thread per channel walks the tokens in order with its window of the last W inputs in
+ * registers (W <= 8), then writes the new tail. */
+__global__ void short_conv_silu_k(float *out, const float *in, int T, int C, const float *w, int W,
+                                  float *tail) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float win[8]; /* win[j]: input at position t - (W-1) + j */
+    for (int j = 0; j < W - 1; j++) win[j] = tail[(size_t)j * C + c];
+    const float *wc = w + (size_t)c * W;
+    for (int t = 0; t < T; t++) {
+        win[W - 1] = in[(size_t)t * C + c];
+        float acc = 0.0f;
+        for (int j = 0; j < W; j++) acc += wc[j] * win[j];
+        out[(size_t)t * C + c] = acc / (1.0f + expf(-acc));
+        for (int j = 0; j < W - 1; j++) win[j] = win[j + 1];
+    }
+    for (int j = 0; j < W - 1; j++) tail[(size_t)j * C + c] = win[j];
+}
+
+extern "C" int ds_cu_short_conv_silu(ds_cu *c, float *out, const float *in, int T, int C,
+                                     const float *w, int W, float *tail, ds_err *err) {
+    if (W < 1 || W > 8) return ds_errf(err, "cuda: short conv kernel size %d (1..8)", W);
+    if (T <= 0 || C <= 0) return DS_OK;
+    short_conv_silu_k<<<(C + 127) / 128, 128, 0, c->stream>>>(out, in, T, C, w, W, tail);
+    CU_TRY(cudaGetLastError(), "short conv");
+    return DS_OK;
+}
+
+__global__ void kda_gate_k(float *g, const float *f, int T, int H, int dk, const float *A_log,
+                           const float *dt_bias, int lower_bound_form, float lb) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x, P = (size_t)H * dk;
+    if (i >= (size_t)T * P) return;
+    const int hc = (int)(i % P), h = hc / dk;
+    const float a = expf(A_log[h]), x = f[i] + dt_bias[hc];
+    if (lower_bound_form) {
+        g[i] = lb / (1.0f + expf(-a * x));
+    } else {
+        g[i] = -a * (fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))));
+    }
+}
+
+extern "C" void ds_cu_kda_gate(ds_cu *c, float *g, const float *f, int T, int H, int dk,
+                               const float *A_log, const float *dt_bias, int lower_bound_form,
+                               float lb) {
+    size_t n = (size_t)T * H * dk;
+    if (!n) return;
+    kda_gate_k<<<(unsigned)((n + 255) / 256), 256, 0, c->stream>>>(g, f, T, H, dk, A_log, dt_bias,
+                                                                   lower_bound_form, lb);
+    note_launch(c);
+}
+
+/* One warp per row of d (a head): the sum of squares by shuffles, then the scaled row. */
+__global__ void l2norm_heads_k(float *x, int rows, int d, float eps, float scale) {
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    float *xr = x + (size_t)row * d, ss = 0.0f;
+    for (int i = lane; i < d; i += 32) ss += xr[i] * xr[i];
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float s = scale / sqrtf(ss + eps); /* eps inside the root of the plain sum (§10 trap 1) */
+    for (int i = lane; i < d; i += 32) xr[i] *= s;
+}
+
+extern "C" void ds_cu_l2norm_heads(ds_cu *c, float *x, int T, int H, int d, float eps,
+                                   float scale) {
+    int rows = T * H;
+    if (rows <= 0) return;
+    l2norm_heads_k<<<(rows + 7) / 8, 256, 0, c->stream>>>(x, rows, d, eps, scale);
+    note_launch(c);
+}
+
+__global__ void gated_rmsnorm_heads_k(float *y, const float *o, const float *gate, const float *w,
+                                      int rows, int d, float eps) {
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const size_t off = (size_t)row * d;
+    float ss = 0.0f;
+    for (int i = lane; i < d; i += 32) ss += o[off + i] * o[off + i];
+    for (int k = 16; k > 0; k >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, k);
+    const float r = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int i = lane; i < d; i += 32)
+        y[off + i] = o[off + i] * r * w[i] / (1.0f + expf(-gate[off + i]));
+}
+
+extern "C" void ds_cu_gated_rmsnorm_heads(ds_cu *c, float *y, const float *o, const float *gate,
+                                          const float *w, int T, int H, int d, float eps) {
+    int rows = T * H;
+    if (rows <= 0) return;
+    gated_rmsnorm_heads_k<<<(rows + 7) / 8, 256, 0, c->stream>>>(y, o, gate, w, rows, d, eps);
+    note_launch(c);
+}
+
+/* ---- AttnRes ----------------------------------------------------------------------------------
+ * One block per token: each candidate's RMS and its dot with np (block sums), a softmax over the
+ * m candidates, then the mix. cands: device array of m pointers to [T][D]. */
+__global__ void attnres_mix_k(float *out, const float *const *cands, int m, const float *np, int D,
+                              float eps) {
+    const int t = blockIdx.x;
+    __shared__ float alpha[32];
+    for (int j = 0; j < m; j++) {
+        const float *x = cands[j] + (size_t)t * D;
+        float ss = 0.0f, dot = 0.0f;
+        for (int i = threadIdx.x; i < D; i += blockDim.x) {
+            ss += x[i] * x[i];
+            dot += x[i] * np[i];
+        }
+        ss = block_sum(ss);
+        dot = block_sum(dot);
+        if (threadIdx.x == 0) alpha[j] = dot / sqrtf(ss / (float)D + eps);
+    }
+    __syncthreads();
+    float mx = -INFINITY, sum = 0.0f;
+    for (int j = 0; j < m; j++) mx = fmaxf(mx, alpha[j]);
+    float a[32];
+    for (int j = 0; j < m; j++) sum += (a[j] = expf(alpha[j] - mx));
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < m; j++) acc += a[j] / sum * cands[j][(size_t)t * D + i];
+        out[(size_t)t * D + i] = acc;
+    }
+}
+
+extern "C" int ds_cu_attnres_mix(ds_cu *c, float *out, const float *const *cands, int m,
+                                 const float *np, int T, int D, float eps, ds_err *err) {
+    if (m < 1 || m > 32) return ds_errf(err, "cuda: attnres: %d candidates (1..32)", m);
+    if (T <= 0) return DS_OK;
+    attnres_mix_k<<<T, 256, 0, c->stream>>>(out, cands, m, np, D, eps);
+    CU_TRY(cudaGetLastError(), "attnres");
+    return DS_OK;
+}
+
+/* ---- MLA, absorbed, over the paged latent cache ---------------------------------------------
+ * One block per (token, head): scores of every visible row in dynamic shared memory (one warp per
+ * row at a time, lanes across the R + dr latent entries), a block softmax, then obar as the
+ * weighted sum of the rows' first R entries (threads across R). A first version: it re-reads the
+ * cache once per head, and n_ctx is bounded by shared memory (ds_cu_mla_max_ctx). */
+__global__ void mla_absorbed_k(float *obar, const float *qbar, const float *qr, int Ha, int R,
+                               int dr, const float *pool, const int32_t *table, int bs, int row,
+                               int pos0, int n_ctx, int causal, float scale) {
+    extern __shared__ float sc[]; /* [n] scores, then probabilities */
+    const int t = blockIdx.x / Ha, h = blockIdx.x % Ha;
+    const int n = causal ? min(pos0 + t + 1, n_ctx) : n_ctx; /* never past the cache's rows */
+    const float *qb = qbar + ((size_t)t * Ha + h) * R, *qp = qr + ((size_t)t * Ha + h) * dr;
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int j = wid; j < n; j += nw) {
+        const float *kv = pool + ((size_t)table[j / bs] * bs + j % bs) * row;
+        float d = 0.0f;
+        for (int i = lane; i < R; i += 32) d += qb[i] * kv[i];
+        for (int i = lane; i < dr; i += 32) d += qp[i] * kv[R + i];
+        for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+        if (lane == 0) sc[j] = d * scale;
+    }
+    __syncthreads();
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, sc[j]);
+    __shared__ float red[32];
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) red[wid] = mx;
+    __syncthreads();
+    mx = -INFINITY;
+    for (int w = 0; w < nw; w++) mx = fmaxf(mx, red[w]);
+    __syncthreads();
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) sum += (sc[j] = expf(sc[j] - mx));
+    sum = block_sum(sum); /* its barriers also publish the exponentials */
+    const float inv = 1.0f / sum;
+    for (int i = threadIdx.x; i < R; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < n; j++)
+            acc += sc[j] * pool[((size_t)table[j / bs] * bs + j % bs) * row + i];
+        obar[((size_t)t * Ha + h) * R + i] = acc * inv;
+    }
+}
+
+extern "C" int ds_cu_mla_max_ctx(void) {
+    return (160 << 10) / (int)sizeof(float);
+}
+
+extern "C" int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qbar, const float *qr,
+                                         int T, int Ha, int R, int dr, const float *pool,
+                                         const int32_t *block_table, int block_size, int row,
+                                         int pos0, int n_ctx, int causal, float scale,
+                                         ds_err *err) {
+    if (T <= 0 || Ha <= 0) return DS_OK;
+    int n_max = causal ? DS_MIN(pos0 + T, n_ctx) : n_ctx;
+    if (n_max > ds_cu_mla_max_ctx())
+        return ds_errf(err, "cuda: mla: %d context rows (at most %d in this version)", n_max,
+                       ds_cu_mla_max_ctx());
+    size_t smem = (size_t)DS_MAX(n_max, 1) * sizeof(float);
+    if (smem > 48 * 1024)
+        CU_TRY(cudaFuncSetAttribute(mla_absorbed_k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)smem),
+               "mla: shared memory");
+    mla_absorbed_k<<<T * Ha, 256, smem, c->stream>>>(obar, qbar, qr, Ha, R, dr, pool, block_table,
+                                                     block_size, row, pos0, n_ctx, causal, scale);
+    CU_TRY(cudaGetLastError(), "mla");
+    return DS_OK;
 }
 
 /* ---- KDA recurrence ---------------------------------------------------------------------------
