@@ -645,6 +645,8 @@ int main(int argc, char **argv) {
     check_mla(c, 5, 4, 512, 64, 40, 45, 1);
     check_mla(c, 4, 3, 512, 64, 30, 32, 1); /* the last two queries are capped at n_ctx */
     check_mla(c, 3, 2, 64, 16, 0, 37, 0);
+    check_mla(c, 2, 4, 512, 64, 0, 1000, 0);  /* 4 splits, one partial */
+    check_mla(c, 3, 2, 512, 64, 255, 258, 1); /* token 0 ends on a split's last row */
     printf("checks: %s\n", g_fail ? "FAILED" : "all passed");
     if (do_bench && !g_fail) bench(c);
     ds_cu_free(c);

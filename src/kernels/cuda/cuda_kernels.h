@@ -86,13 +86,12 @@ int ds_cu_attnres_mix(ds_cu *c, float *out, const float *const *cands, int m, co
                       int T, int D, float eps, ds_err *err);
 /* As ds_mla_attend_absorbed over a paged latent pool (pool [pages][block_size][row], block_table
  * on the device): qbar, obar [T][Ha][R]; qr [T][Ha][dr]; causal token t sees rows
- * 0..min(pos0+t, n_ctx-1), as on the CPU. At most ds_cu_mla_max_ctx() visible rows
- * in this first version. */
+ * 0..min(pos0+t, n_ctx-1), as on the CPU. Split over the context in chunks of 256 rows, merged
+ * by a second kernel (flash-decoding). */
 int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qbar, const float *qr, int T,
                               int Ha, int R, int dr, const float *pool, const int32_t *block_table,
                               int block_size, int row, int pos0, int n_ctx, int causal, float scale,
                               ds_err *err);
-int ds_cu_mla_max_ctx(void);
 
 /* ---- timing (device events on the stream) --------------------------------------------------- */
 typedef struct ds_cu_timer ds_cu_timer;

@@ -16,6 +16,8 @@ struct ds_cu {
     cublasHandle_t blas;
     uint16_t *xb; /* [xb_cap] activations rounded to BF16 for cuBLAS */
     size_t xb_cap;
+    float *part; /* [part_cap] split-context attention partials (ds_cu_mla_attend_absorbed) */
+    size_t part_cap;
     char name[160];
     cudaError_t sticky; /* first launch error seen by a void function; reported by ds_cu_sync */
 };
@@ -72,6 +74,7 @@ extern "C" void ds_cu_free(ds_cu *c) {
     if (!c) return;
     cudaStreamSynchronize(c->stream);
     cudaFree(c->xb);
+    cudaFree(c->part);
     cublasDestroy(c->blas);
     cudaStreamDestroy(c->stream);
     free(c);
@@ -410,50 +413,74 @@ extern "C" int ds_cu_attnres_mix(ds_cu *c, float *out, const float *const *cands
 }
 
 /* ---- MLA, absorbed, over the paged latent cache ---------------------------------------------
- * One block per (token, head): scores of every visible row in dynamic shared memory (one warp per
- * row at a time, lanes across the R + dr latent entries), a block softmax, then obar as the
- * weighted sum of the rows' first R entries (threads across R). A first version: it re-reads the
- * cache once per head, and n_ctx is bounded by shared memory (ds_cu_mla_max_ctx). */
-__global__ void mla_absorbed_k(float *obar, const float *qbar, const float *qr, int Ha, int R,
-                               int dr, const float *pool, const int32_t *table, int bs, int row,
-                               int pos0, int n_ctx, int causal, float scale) {
-    extern __shared__ float sc[]; /* [n] scores, then probabilities */
-    const int t = blockIdx.x / Ha, h = blockIdx.x % Ha;
+ * Split over the context (flash-decoding): block (query row q = t*Ha + h, split s) takes rows
+ * [s*MLA_CHUNK, ...) of what q sees: their scores in shared memory (a warp per row, lanes across
+ * the R + dr latent entries), its own max m and sum l of exp(score - m), and the unnormalised
+ * partial o = sum exp(score - m) c over its rows (threads across R). A second kernel merges the
+ * splits: M = max m_s, o = sum o_s e^{m_s - M} / sum l_s e^{m_s - M}. Every head still reads the
+ * rows on its own (all heads of a token in one block is the next step). */
+enum { MLA_CHUNK = 256 };
+
+__global__ void mla_split_k(float *part_o, float *part_ml, const float *qbar, const float *qr,
+                            int Ha, int R, int dr, const float *pool, const int32_t *table, int bs,
+                            int row, int pos0, int n_ctx, int causal, float scale, int n_split) {
+    __shared__ float sc[MLA_CHUNK];
+    __shared__ float red[32];
+    const int q = blockIdx.x, t = q / Ha, s = blockIdx.y;
     const int n = causal ? min(pos0 + t + 1, n_ctx) : n_ctx; /* never past the cache's rows */
-    const float *qb = qbar + ((size_t)t * Ha + h) * R, *qp = qr + ((size_t)t * Ha + h) * dr;
+    const int j0 = s * MLA_CHUNK, j1 = min(n, j0 + MLA_CHUNK);
+    float *po = part_o + ((size_t)q * n_split + s) * R, *pml = part_ml + ((size_t)q * n_split + s) * 2;
+    if (j0 >= j1) { /* nothing visible in this split: an empty partial */
+        for (int i = threadIdx.x; i < R; i += blockDim.x) po[i] = 0.0f;
+        if (threadIdx.x == 0) pml[0] = -INFINITY, pml[1] = 0.0f;
+        return;
+    }
+    const float *qb = qbar + (size_t)q * R, *qp = qr + (size_t)q * dr;
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int j = wid; j < n; j += nw) {
+    for (int j = j0 + wid; j < j1; j += nw) {
         const float *kv = pool + ((size_t)table[j / bs] * bs + j % bs) * row;
         float d = 0.0f;
         for (int i = lane; i < R; i += 32) d += qb[i] * kv[i];
         for (int i = lane; i < dr; i += 32) d += qp[i] * kv[R + i];
         for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-        if (lane == 0) sc[j] = d * scale;
+        if (lane == 0) sc[j - j0] = d * scale;
     }
     __syncthreads();
     float mx = -INFINITY;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, sc[j]);
-    __shared__ float red[32];
+    for (int j = threadIdx.x; j < j1 - j0; j += blockDim.x) mx = fmaxf(mx, sc[j]);
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     if (lane == 0) red[wid] = mx;
     __syncthreads();
     mx = -INFINITY;
     for (int w = 0; w < nw; w++) mx = fmaxf(mx, red[w]);
-    __syncthreads();
     float sum = 0.0f;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) sum += (sc[j] = expf(sc[j] - mx));
+    for (int j = threadIdx.x; j < j1 - j0; j += blockDim.x) sum += (sc[j] = expf(sc[j] - mx));
     sum = block_sum(sum); /* its barriers also publish the exponentials */
-    const float inv = 1.0f / sum;
     for (int i = threadIdx.x; i < R; i += blockDim.x) {
         float acc = 0.0f;
-        for (int j = 0; j < n; j++)
-            acc += sc[j] * pool[((size_t)table[j / bs] * bs + j % bs) * row + i];
-        obar[((size_t)t * Ha + h) * R + i] = acc * inv;
+        for (int j = j0; j < j1; j++)
+            acc += sc[j - j0] * pool[((size_t)table[j / bs] * bs + j % bs) * row + i];
+        po[i] = acc;
     }
+    if (threadIdx.x == 0) pml[0] = mx, pml[1] = sum;
 }
 
-extern "C" int ds_cu_mla_max_ctx(void) {
-    return (160 << 10) / (int)sizeof(float);
+__global__ void mla_merge_k(float *obar, const float *part_o, const float *part_ml, int R,
+                            int n_split) {
+    const int q = blockIdx.x;
+    const float *ml = part_ml + (size_t)q * n_split * 2;
+    float M = -INFINITY;
+    for (int s = 0; s < n_split; s++) M = fmaxf(M, ml[2 * s]);
+    float L = 0.0f;
+    for (int s = 0; s < n_split; s++)
+        if (ml[2 * s + 1] > 0.0f) L += ml[2 * s + 1] * expf(ml[2 * s] - M);
+    for (int i = threadIdx.x; i < R; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < n_split; s++)
+            if (ml[2 * s + 1] > 0.0f)
+                acc += part_o[((size_t)q * n_split + s) * R + i] * expf(ml[2 * s] - M);
+        obar[(size_t)q * R + i] = acc / L;
+    }
 }
 
 extern "C" int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qbar, const float *qr,
@@ -462,18 +489,24 @@ extern "C" int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qba
                                          int pos0, int n_ctx, int causal, float scale,
                                          ds_err *err) {
     if (T <= 0 || Ha <= 0) return DS_OK;
-    int n_max = causal ? DS_MIN(pos0 + T, n_ctx) : n_ctx;
-    if (n_max > ds_cu_mla_max_ctx())
-        return ds_errf(err, "cuda: mla: %d context rows (at most %d in this version)", n_max,
-                       ds_cu_mla_max_ctx());
-    size_t smem = (size_t)DS_MAX(n_max, 1) * sizeof(float);
-    if (smem > 48 * 1024)
-        CU_TRY(cudaFuncSetAttribute(mla_absorbed_k, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)smem),
-               "mla: shared memory");
-    mla_absorbed_k<<<T * Ha, 256, smem, c->stream>>>(obar, qbar, qr, Ha, R, dr, pool, block_table,
-                                                     block_size, row, pos0, n_ctx, causal, scale);
+    const int n_max = causal ? DS_MIN(pos0 + T, n_ctx) : n_ctx;
+    if (n_max <= 0) return ds_errf(err, "cuda: mla: no context rows to attend to");
+    const int n_split = (n_max + MLA_CHUNK - 1) / MLA_CHUNK, rows = T * Ha;
+    size_t need = (size_t)rows * n_split * ((size_t)R + 2);
+    if (need > c->part_cap) {
+        cudaFree(c->part);
+        c->part = NULL;
+        c->part_cap = 0;
+        CU_TRY(cudaMalloc(&c->part, need * sizeof(float)), "mla scratch");
+        c->part_cap = need;
+    }
+    float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
+    mla_split_k<<<dim3((unsigned)rows, (unsigned)n_split), 256, 0, c->stream>>>(
+        part_o, part_ml, qbar, qr, Ha, R, dr, pool, block_table, block_size, row, pos0, n_ctx,
+        causal, scale, n_split);
     CU_TRY(cudaGetLastError(), "mla");
+    mla_merge_k<<<rows, 256, 0, c->stream>>>(obar, part_o, part_ml, R, n_split);
+    CU_TRY(cudaGetLastError(), "mla merge");
     return DS_OK;
 }
 
