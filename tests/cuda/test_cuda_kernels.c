@@ -385,6 +385,38 @@ static void check_mla(ds_cu *c, int T, int Ha, int R, int dr, int pos0, int n_ct
     free(pool), free(table), free(qbar), free(qr), free(ref), free(got);
 }
 
+/* Router: the same experts (exactly) and weights (to f32 rounding) as the CPU, token by token;
+ * ties are made likely by quantising the logits. */
+static void check_moe_route(ds_cu *c, int T, int E, int k, int n_group, int topk_group, int quirk,
+                            int ties) {
+    float *z = rand_f32((size_t)T * E, -4, 4), *bias = rand_f32((size_t)E, -0.1f, 0.1f);
+    if (ties)
+        for (size_t i = 0; i < (size_t)T * E; i++) z[i] = roundf(z[i]);
+    int32_t *iref = malloc((size_t)T * k * 4), *igot = malloc((size_t)T * k * 4);
+    float *wref = malloc((size_t)T * k * 4), *wgot = malloc((size_t)T * k * 4);
+    for (int t = 0; t < T; t++)
+        ds_moe_route(iref + (size_t)t * k, wref + (size_t)t * k, z + (size_t)t * E,
+                     ties ? NULL : bias, E, k, n_group, topk_group, 1, 2.5f, quirk);
+    float *dz = dev(c, z, (size_t)T * E * 4), *db = dev(c, bias, (size_t)E * 4);
+    int32_t *di = dev(c, NULL, (size_t)T * k * 4);
+    float *dw = dev(c, NULL, (size_t)T * k * 4);
+    poison(c, dw, (size_t)T * k * 4);
+    ds_err err = {{0}};
+    if (ds_cu_moe_route(c, di, dw, dz, ties ? NULL : db, T, E, k, n_group, topk_group, 1, 2.5f,
+                        quirk, &err))
+        DIE("%s", err.msg);
+    fetch(c, igot, di, (size_t)T * k * 4);
+    fetch(c, wgot, dw, (size_t)T * k * 4);
+    int same = !memcmp(igot, iref, (size_t)T * k * 4);
+    char what[96];
+    snprintf(what, sizeof what, "moe route T=%d E=%d k=%d groups %d/%d%s%s: weights", T, E, k,
+             topk_group, n_group, quirk ? " quirk" : "", ties ? " ties" : "");
+    report(what, same ? rel_err(wgot, wref, 1, (size_t)T * k, (size_t)T * k) : INFINITY, 1e-6);
+    if (!same) printf("       (expert ids differ from the CPU's)\n");
+    ds_cu_dealloc(dz), ds_cu_dealloc(db), ds_cu_dealloc(di), ds_cu_dealloc(dw);
+    free(z), free(bias), free(iref), free(igot), free(wref), free(wgot);
+}
+
 /* ---- timings -------------------------------------------------------------------------------- */
 
 static int cmp_d(const void *a, const void *b) {
@@ -647,6 +679,10 @@ int main(int argc, char **argv) {
     check_mla(c, 3, 2, 64, 16, 0, 37, 0);
     check_mla(c, 2, 4, 512, 64, 0, 1000, 0);  /* 4 splits, one partial */
     check_mla(c, 3, 2, 512, 64, 255, 258, 1); /* token 0 ends on a split's last row */
+    check_moe_route(c, 7, 256, 8, 8, 4, 0, 0);
+    check_moe_route(c, 5, 64, 6, 1, 1, 0, 0);
+    check_moe_route(c, 9, 32, 4, 4, 2, 1, 0);
+    check_moe_route(c, 6, 48, 5, 1, 1, 0, 1);
     printf("checks: %s\n", g_fail ? "FAILED" : "all passed");
     if (do_bench && !g_fail) bench(c);
     ds_cu_free(c);

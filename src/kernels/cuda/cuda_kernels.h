@@ -93,6 +93,12 @@ int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qbar, const fl
                               int block_size, int row, int pos0, int n_ctx, int causal, float scale,
                               ds_err *err);
 
+/* As ds_moe_route for T tokens at once: z [T][E] router logits, bias [E] or NULL; idx, w [T][k].
+ * k and n_group at most 64. */
+int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z, const float *bias, int T,
+                    int E, int k, int n_group, int topk_group, int renormalize, float scale,
+                    int hf_kl_quirk, ds_err *err);
+
 /* ---- timing (device events on the stream) --------------------------------------------------- */
 typedef struct ds_cu_timer ds_cu_timer;
 ds_cu_timer *ds_cu_timer_start(ds_cu *c);

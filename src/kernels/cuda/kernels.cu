@@ -510,6 +510,105 @@ extern "C" int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qba
     return DS_OK;
 }
 
+/* ---- MoE router --------------------------------------------------------------------------------
+ * One block per token: sigmoid and selection scores in parallel into shared memory, then one thread
+ * makes the selection exactly as the CPU does (group scores as the sum of each group's two best,
+ * top groups, then top k with ties to the lower index) — a few hundred comparisons, small beside
+ * the expert GEMMs it feeds; a warp-parallel selection is a later step. */
+__device__ static int top_insert_d(float *val, int32_t *id, int count, int n, float v, int32_t i) {
+    if (count == n && !(v > val[n - 1])) return count;
+    int pos = count < n ? count : n - 1;
+    while (pos > 0 && v > val[pos - 1]) {
+        val[pos] = val[pos - 1];
+        id[pos] = id[pos - 1];
+        pos--;
+    }
+    val[pos] = v;
+    id[pos] = i;
+    return count < n ? count + 1 : count;
+}
+
+__global__ void moe_route_k(int32_t *idx, float *w, const float *z, const float *bias, int E,
+                            int k, int n_group, int topk_group, int renormalize, float scale,
+                            int hf_kl_quirk) {
+    extern __shared__ float rs[]; /* s [E] | sel [E] */
+    float *sv = rs, *sel = rs + E;
+    const int t = blockIdx.x;
+    const float *zt = z + (size_t)t * E;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        sv[e] = 1.0f / (1.0f + expf(-zt[e]));
+        float x = bias ? sv[e] + bias[e] : sv[e];
+        sel[e] = isnan(x) ? -INFINITY : x; /* a NaN logit is never preferred to a real one */
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    int32_t *it = idx + (size_t)t * k;
+    float *wt = w + (size_t)t * k;
+    const int grouped = n_group > 1 && topk_group > 0 && topk_group < n_group && E % n_group == 0;
+    if (grouped) {
+        const int G = n_group, gsize = E / G;
+        float gval[64];
+        int32_t gid[64];
+        int ng = 0;
+        for (int g = 0; g < G; g++) {
+            const float *gs = sel + (size_t)g * gsize;
+            float t1 = -INFINITY, t2 = -INFINITY;
+            for (int e = 0; e < gsize; e++) {
+                if (gs[e] > t1) {
+                    t2 = t1;
+                    t1 = gs[e];
+                } else if (gs[e] > t2) {
+                    t2 = gs[e];
+                }
+            }
+            ng = top_insert_d(gval, gid, ng, topk_group, gsize >= 2 ? t1 + t2 : t1, g);
+        }
+        for (int g = 0; g < G; g++) {
+            int kept = 0;
+            for (int j = 0; j < ng; j++) kept |= gid[j] == g;
+            if (kept) continue;
+            for (int e = 0; e < gsize; e++) sel[(size_t)g * gsize + e] = hf_kl_quirk ? 0.0f : -INFINITY;
+        }
+    }
+    float val[64];
+    int count = 0;
+    for (int e = 0; e < E; e++) count = top_insert_d(val, it, count, k, sel[e], e);
+    float sum = 0.0f;
+    for (int j = 0; j < k; j++) {
+        if (j >= count) {
+            it[j] = 0;
+            wt[j] = 0.0f;
+            continue;
+        }
+        const int e = it[j];
+        wt[j] = hf_kl_quirk && bias ? sv[e] + bias[e] : sv[e];
+        sum += wt[j];
+    }
+    if (renormalize && k > 1) {
+        const float den = sum + 1e-20f;
+        for (int j = 0; j < k; j++) wt[j] = wt[j] / den * scale;
+    } else {
+        for (int j = 0; j < k; j++) wt[j] *= scale;
+    }
+}
+
+extern "C" int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z, const float *bias,
+                               int T, int E, int k, int n_group, int topk_group, int renormalize,
+                               float scale, int hf_kl_quirk, ds_err *err) {
+    if (k < 1 || k > 64 || n_group > 64)
+        return ds_errf(err, "cuda: moe route: k %d, %d groups (at most 64 each)", k, n_group);
+    if (T <= 0) return DS_OK;
+    size_t smem = 2 * (size_t)E * sizeof(float);
+    if (smem > 48 * 1024)
+        CU_TRY(cudaFuncSetAttribute(moe_route_k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)smem),
+               "moe route: shared memory");
+    moe_route_k<<<T, 128, smem, c->stream>>>(idx, w, z, bias, E, k, n_group, topk_group,
+                                             renormalize, scale, hf_kl_quirk);
+    CU_TRY(cudaGetLastError(), "moe route");
+    return DS_OK;
+}
+
 /* ---- KDA recurrence ---------------------------------------------------------------------------
  * Each (head, value column) is independent. A thread keeps DK / SPLIT entries of its column of S
  * in registers for the whole call (S is read and written once), SPLIT neighbouring lanes sharing
