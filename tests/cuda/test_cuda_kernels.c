@@ -417,6 +417,53 @@ static void check_moe_route(ds_cu *c, int T, int E, int k, int n_group, int topk
     free(z), free(bias), free(iref), free(igot), free(wref), free(wgot);
 }
 
+/* Routed experts against the CPU composed from its own kernels: per (token, slot) the expert's
+ * gate and up rows (ds_matmul on BF16), the activation, the down projection, then the weighted
+ * sum in slot order. */
+static void check_moe_experts(ds_cu *c, int T, int k, int E, int D, int I, int situ) {
+    uint16_t *gu = rand_bf16((size_t)E * 2 * I * D, -0.1f, 0.1f);
+    uint16_t *dn = rand_bf16((size_t)E * D * I, -0.1f, 0.1f);
+    float *x = rand_f32((size_t)T * D, -1, 1), *w = rand_f32((size_t)T * k, 0, 1);
+    float *base = rand_f32((size_t)T * D, -1, 1);
+    int32_t *idx = malloc((size_t)T * k * 4);
+    for (int i = 0; i < T * k; i++) idx[i] = (int32_t)(ds_rng_next(&g_rng) % (uint64_t)E);
+    float *ref = malloc((size_t)T * D * 4), *got = malloc((size_t)T * D * 4);
+    float *hgu = malloc((size_t)2 * I * 4), *a = malloc((size_t)I * 4), *yr = malloc((size_t)D * 4);
+    for (int t = 0; t < T; t++) {
+        float *o = ref + (size_t)t * D;
+        for (int d = 0; d < D; d++) o[d] = 0.0f;
+        for (int j = 0; j < k; j++) {
+            int e = idx[t * k + j];
+            ds_mat mgu = {gu + (size_t)e * 2 * I * D, DS_DT_BF16, 2 * I, D};
+            ds_mat mdn = {dn + (size_t)e * D * I, DS_DT_BF16, D, I};
+            ds_matmul(hgu, 2 * I, x + (size_t)t * D, D, 1, &mgu);
+            if (situ)
+                ds_act_situ(a, hgu, hgu + I, (size_t)I, 4.0f, 6.0f);
+            else
+                ds_act_swiglu(a, hgu, hgu + I, (size_t)I);
+            ds_matmul(yr, D, a, I, 1, &mdn);
+            for (int d = 0; d < D; d++) o[d] += w[t * k + j] * yr[d];
+        }
+        for (int d = 0; d < D; d++) o[d] += base[(size_t)t * D + d]; /* accumulate mode */
+    }
+    uint16_t *dgu = dev(c, gu, (size_t)E * 2 * I * D * 2), *ddn = dev(c, dn, (size_t)E * D * I * 2);
+    float *dx = dev(c, x, (size_t)T * D * 4), *dw = dev(c, w, (size_t)T * k * 4);
+    float *dout = dev(c, base, (size_t)T * D * 4);
+    int32_t *didx = dev(c, idx, (size_t)T * k * 4);
+    ds_err err = {{0}};
+    if (ds_cu_moe_experts(c, dout, dx, didx, dw, T, k, D, I, dgu, ddn, situ, 4.0f, 6.0f, 1, &err))
+        DIE("%s", err.msg);
+    fetch(c, got, dout, (size_t)T * D * 4);
+    char what[96];
+    snprintf(what, sizeof what, "moe experts T=%d k=%d E=%d D=%d I=%d %s", T, k, E, D, I,
+             situ ? "situ" : "swiglu");
+    report(what, rel_err(got, ref, 1, (size_t)T * D, (size_t)T * D), 1e-5);
+    ds_cu_dealloc(dgu), ds_cu_dealloc(ddn), ds_cu_dealloc(dx), ds_cu_dealloc(dw);
+    ds_cu_dealloc(dout), ds_cu_dealloc(didx);
+    free(gu), free(dn), free(x), free(w), free(base), free(idx), free(ref), free(got);
+    free(hgu), free(a), free(yr);
+}
+
 /* ---- timings -------------------------------------------------------------------------------- */
 
 static int cmp_d(const void *a, const void *b) {
@@ -683,6 +730,8 @@ int main(int argc, char **argv) {
     check_moe_route(c, 5, 64, 6, 1, 1, 0, 0);
     check_moe_route(c, 9, 32, 4, 4, 2, 1, 0);
     check_moe_route(c, 6, 48, 5, 1, 1, 0, 1);
+    check_moe_experts(c, 3, 8, 64, 2304, 256, 0);
+    check_moe_experts(c, 5, 2, 4, 200, 72, 1);
     printf("checks: %s\n", g_fail ? "FAILED" : "all passed");
     if (do_bench && !g_fail) bench(c);
     ds_cu_free(c);

@@ -99,6 +99,15 @@ int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z, const floa
                     int E, int k, int n_group, int topk_group, int renormalize, float scale,
                     int hf_kl_quirk, ds_err *err);
 
+/* Routed experts (MODEL_SPEC §5): out[t] (+)= sum_j w[t][j] down_e(act(gate_e x_t, up_e x_t)),
+ * e = idx[t][j], in slot order. x, out [T][D]; idx, w [T][k] (device, e.g. from ds_cu_moe_route);
+ * gate_up [E][2I][D] BF16 (an expert's gate rows, then its up rows); down [E][D][I] BF16;
+ * act: SwiGLU, or SiTU with its betas (as ds_act_situ). accumulate: add to out instead of
+ * writing it. T * k at most 65535. */
+int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx, const float *w,
+                      int T, int k, int D, int I, const uint16_t *gate_up, const uint16_t *down,
+                      int situ, float situ_beta, float situ_lin_beta, int accumulate, ds_err *err);
+
 /* ---- timing (device events on the stream) --------------------------------------------------- */
 typedef struct ds_cu_timer ds_cu_timer;
 ds_cu_timer *ds_cu_timer_start(ds_cu *c);

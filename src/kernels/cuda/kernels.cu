@@ -609,6 +609,93 @@ extern "C" int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z,
     return DS_OK;
 }
 
+/* ---- MoE routed experts ------------------------------------------------------------------------
+ * A first version for decode-sized batches: every routed (token, slot) row is its own GEMV over
+ * its expert's weights (one warp per output, as gemv_bf16_k), so an expert's weights are read
+ * once per row routed to it; then the k rows of a token are combined in slot order (no atomics:
+ * the same bits every run). Grouping rows by expert for tensor-core GEMMs is the prefill path. */
+__global__ void __launch_bounds__(256) moe_up_k(float *h, const float *x, const int32_t *idx, int k,
+                                                int D, int I2, const uint16_t *gate_up) {
+    const int r = blockIdx.y, t = r / k, lane = threadIdx.x & 31;
+    const int n = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (n >= I2) return;
+    const uint16_t *wr = gate_up + ((size_t)idx[r] * I2 + n) * D;
+    const float *xt = x + (size_t)t * D;
+    float acc = 0.0f;
+    for (int c = lane; c < D; c += 32) acc += __uint_as_float((uint32_t)wr[c] << 16) * xt[c];
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) h[(size_t)r * I2 + n] = acc;
+}
+
+/* a[r][i] = act(gate, up) with gate = h[r][i], up = h[r][I + i]; in place into the gate half. */
+__global__ void moe_act_k(float *h, int rows, int I, int situ, float beta, float lin_beta) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * I) return;
+    float *hr = h + (i / I) * 2 * I;
+    const size_t c = i % I;
+    const float g = hr[c], u = hr[I + c];
+    if (situ) {
+        const float phi = lin_beta > 0.0f ? lin_beta * tanhf(u / lin_beta) : u;
+        hr[c] = beta * tanhf(g / beta) / (1.0f + expf(-g)) * phi;
+    } else {
+        hr[c] = g / (1.0f + expf(-g)) * u;
+    }
+}
+
+__global__ void __launch_bounds__(256) moe_down_k(float *y, const float *h, const int32_t *idx,
+                                                  int D, int I, const uint16_t *down) {
+    const int r = blockIdx.y, lane = threadIdx.x & 31, d = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (d >= D) return;
+    const uint16_t *wr = down + ((size_t)idx[r] * D + d) * I;
+    const float *a = h + (size_t)r * 2 * I;
+    float acc = 0.0f;
+    for (int c = lane; c < I; c += 32) acc += __uint_as_float((uint32_t)wr[c] << 16) * a[c];
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) y[(size_t)r * D + d] = acc;
+}
+
+__global__ void moe_combine_k(float *out, const float *y, const float *w, int T, int k, int D,
+                              int accumulate) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)T * D) return;
+    const size_t t = i / D, d = i % D;
+    float acc = 0.0f;
+    for (int j = 0; j < k; j++) acc += w[t * k + j] * y[(t * k + j) * D + d];
+    out[i] = accumulate ? out[i] + acc : acc;
+}
+
+extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx,
+                                 const float *w, int T, int k, int D, int I,
+                                 const uint16_t *gate_up, const uint16_t *down, int situ,
+                                 float situ_beta, float situ_lin_beta, int accumulate,
+                                 ds_err *err) {
+    if (T <= 0 || k <= 0) return DS_OK;
+    const int rows = T * k;
+    if (rows > 65535) return ds_errf(err, "cuda: moe: %d routed rows (at most 65535)", rows);
+    size_t need = (size_t)rows * (2 * (size_t)I + (size_t)D);
+    if (need > c->part_cap) { /* shares the attention partials' scratch */
+        cudaFree(c->part);
+        c->part = NULL;
+        c->part_cap = 0;
+        CU_TRY(cudaMalloc(&c->part, need * sizeof(float)), "moe scratch");
+        c->part_cap = need;
+    }
+    float *h = c->part, *y = c->part + (size_t)rows * 2 * I; /* h [rows][2I], y [rows][D] */
+    moe_up_k<<<dim3((unsigned)((2 * I + 7) / 8), (unsigned)rows), 256, 0, c->stream>>>(
+        h, x, idx, k, D, 2 * I, gate_up);
+    CU_TRY(cudaGetLastError(), "moe up");
+    moe_act_k<<<(unsigned)(((size_t)rows * I + 255) / 256), 256, 0, c->stream>>>(
+        h, rows, I, situ, situ_beta, situ_lin_beta);
+    CU_TRY(cudaGetLastError(), "moe act");
+    moe_down_k<<<dim3((unsigned)((D + 7) / 8), (unsigned)rows), 256, 0, c->stream>>>(y, h, idx, D,
+                                                                                    I, down);
+    CU_TRY(cudaGetLastError(), "moe down");
+    moe_combine_k<<<(unsigned)(((size_t)T * D + 255) / 256), 256, 0, c->stream>>>(out, y, w, T, k,
+                                                                                  D, accumulate);
+    CU_TRY(cudaGetLastError(), "moe combine");
+    return DS_OK;
+}
+
 /* ---- KDA recurrence ---------------------------------------------------------------------------
  * Each (head, value column) is independent. A thread keeps DK / SPLIT entries of its column of S
  * in registers for the whole call (S is read and written once), SPLIT neighbouring lanes sharing
