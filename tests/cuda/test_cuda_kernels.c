@@ -726,6 +726,7 @@ int main(int argc, char **argv) {
     check_mla(c, 3, 2, 64, 16, 0, 37, 0);
     check_mla(c, 2, 4, 512, 64, 0, 1000, 0);  /* 4 splits, one partial */
     check_mla(c, 3, 2, 512, 64, 255, 258, 1); /* token 0 ends on a split's last row */
+    check_mla(c, 2, 64, 512, 64, 300, 302, 1); /* 64 heads: the block-per-head fallback */
     check_moe_route(c, 7, 256, 8, 8, 4, 0, 0);
     check_moe_route(c, 5, 64, 6, 1, 1, 0, 0);
     check_moe_route(c, 9, 32, 4, 4, 2, 1, 0);
