@@ -464,6 +464,33 @@ static void check_moe_experts(ds_cu *c, int T, int k, int E, int D, int I, int s
     free(hgu), free(a), free(yr);
 }
 
+/* Greedy choice of every row, ties and NaN included, exactly as the CPU. */
+static void check_argmax(ds_cu *c, int rows, int V) {
+    float *x = rand_f32((size_t)rows * V, -5, 5);
+    for (int r = 0; r < rows; r++) {
+        float *xr = x + (size_t)r * V;
+        if (r % 4 == 1) /* a tie: the same maximum at two places */
+            xr[V / 3] = xr[2 * V / 3] = 9.0f;
+        if (r % 4 == 2) /* NaN scattered in */
+            for (int i = 0; i < V; i += 7) xr[i] = NAN;
+        if (r % 4 == 3 && r == rows - 1) /* a row of NaN */
+            for (int i = 0; i < V; i++) xr[i] = NAN;
+    }
+    int32_t *ref = malloc((size_t)rows * 4), *got = malloc((size_t)rows * 4);
+    for (int r = 0; r < rows; r++) ref[r] = ds_argmax(x + (size_t)r * V, V);
+    float *dx = dev(c, x, (size_t)rows * V * 4);
+    int32_t *dout = dev(c, NULL, (size_t)rows * 4);
+    ds_cu_argmax_rows(c, dout, dx, rows, V);
+    fetch(c, got, dout, (size_t)rows * 4);
+    int bad = 0;
+    for (int r = 0; r < rows; r++) bad += got[r] != ref[r];
+    char what[96];
+    snprintf(what, sizeof what, "argmax rows=%d V=%d (%d rows differ)", rows, V, bad);
+    report(what, bad ? INFINITY : 0.0, 0.0);
+    ds_cu_dealloc(dx), ds_cu_dealloc(dout);
+    free(x), free(ref), free(got);
+}
+
 /* ---- timings -------------------------------------------------------------------------------- */
 
 static int cmp_d(const void *a, const void *b) {
@@ -724,8 +751,8 @@ int main(int argc, char **argv) {
     check_mla(c, 5, 4, 512, 64, 40, 45, 1);
     check_mla(c, 4, 3, 512, 64, 30, 32, 1); /* the last two queries are capped at n_ctx */
     check_mla(c, 3, 2, 64, 16, 0, 37, 0);
-    check_mla(c, 2, 4, 512, 64, 0, 1000, 0);  /* 4 splits, one partial */
-    check_mla(c, 3, 2, 512, 64, 255, 258, 1); /* token 0 ends on a split's last row */
+    check_mla(c, 2, 4, 512, 64, 0, 1000, 0);   /* 4 splits, one partial */
+    check_mla(c, 3, 2, 512, 64, 255, 258, 1);  /* token 0 ends on a split's last row */
     check_mla(c, 2, 64, 512, 64, 300, 302, 1); /* 64 heads: the block-per-head fallback */
     check_moe_route(c, 7, 256, 8, 8, 4, 0, 0);
     check_moe_route(c, 5, 64, 6, 1, 1, 0, 0);
@@ -733,6 +760,8 @@ int main(int argc, char **argv) {
     check_moe_route(c, 6, 48, 5, 1, 1, 0, 1);
     check_moe_experts(c, 3, 8, 64, 2304, 256, 0);
     check_moe_experts(c, 5, 2, 4, 200, 72, 1);
+    check_argmax(c, 8, 163840);
+    check_argmax(c, 12, 100);
     printf("checks: %s\n", g_fail ? "FAILED" : "all passed");
     if (do_bench && !g_fail) bench(c);
     ds_cu_free(c);

@@ -108,6 +108,9 @@ int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx, 
                       int T, int k, int D, int I, const uint16_t *gate_up, const uint16_t *down,
                       int situ, float situ_beta, float situ_lin_beta, int accumulate, ds_err *err);
 
+/* out[r] = ds_argmax(x[r], V) for rows r < rows: x [rows][V]; ties to the lowest index. */
+void ds_cu_argmax_rows(ds_cu *c, int32_t *out, const float *x, int rows, int V);
+
 /* ---- timing (device events on the stream) --------------------------------------------------- */
 typedef struct ds_cu_timer ds_cu_timer;
 ds_cu_timer *ds_cu_timer_start(ds_cu *c);

@@ -696,6 +696,37 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
     return DS_OK;
 }
 
+/* ---- greedy sampling ---------------------------------------------------------------------------
+ * One block per row, as ds_argmax: the largest value (NaN never wins; fmaxf drops it), then the
+ * lowest index holding it; a row of NaN gives 0. */
+__global__ void argmax_k(int32_t *out, const float *x, int V) {
+    const float *xr = x + (size_t)blockIdx.x * V;
+    __shared__ float red[32];
+    __shared__ int first;
+    float m = -INFINITY;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) m = fmaxf(m, xr[i]); /* skips NaN */
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (lane == 0) red[wid] = m;
+    if (threadIdx.x == 0) first = V;
+    __syncthreads();
+    m = red[0];
+    for (int w = 1; w < nw; w++) m = fmaxf(m, red[w]);
+    for (int i = threadIdx.x; i < V; i += blockDim.x)
+        if (xr[i] == m) {
+            atomicMin(&first, i);
+            break; /* this thread's later indices are larger */
+        }
+    __syncthreads();
+    if (threadIdx.x == 0) out[blockIdx.x] = first < V ? first : 0;
+}
+
+extern "C" void ds_cu_argmax_rows(ds_cu *c, int32_t *out, const float *x, int rows, int V) {
+    if (rows <= 0 || V <= 0) return;
+    argmax_k<<<rows, 256, 0, c->stream>>>(out, x, V);
+    note_launch(c);
+}
+
 /* ---- KDA recurrence ---------------------------------------------------------------------------
  * Each (head, value column) is independent. A thread keeps DK / SPLIT entries of its column of S
  * in registers for the whole call (S is read and written once), SPLIT neighbouring lanes sharing
