@@ -418,7 +418,7 @@ extern "C" int ds_cu_attnres_mix(ds_cu *c, float *out, const float *const *cands
  * the R + dr latent entries), its own max m and sum l of exp(score - m), and the unnormalised
  * partial o = sum exp(score - m) c over its rows (threads across R). A second kernel merges the
  * splits: M = max m_s, o = sum o_s e^{m_s - M} / sum l_s e^{m_s - M}. Every head still reads the
- * rows on its own (all heads of a token in one block is the next step). */
+ * rows on its own (an all-heads block was tried and measured slower: bench/RESULTS.md). */
 enum { MLA_CHUNK = 256 };
 
 __global__ void mla_split_k(float *part_o, float *part_ml, const float *qbar, const float *qr,
