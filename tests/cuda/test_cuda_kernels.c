@@ -491,6 +491,31 @@ static void check_argmax(ds_cu *c, int rows, int V) {
     free(x), free(ref), free(got);
 }
 
+static void check_mla_expanded(ds_cu *c, int T, int Ha, int dn, int dr, int dvh, int pos0,
+                               int n_ctx, int causal) {
+    size_t nq = (size_t)T * Ha * (dn + dr), nk = (size_t)n_ctx * Ha * dn, nr = (size_t)n_ctx * dr;
+    size_t nv = (size_t)n_ctx * Ha * dvh, no = (size_t)T * Ha * dvh;
+    float *q = rand_f32(nq, -0.3f, 0.3f), *kN = rand_f32(nk, -1, 1), *kR = rand_f32(nr, -1, 1);
+    float *v = rand_f32(nv, -1, 1), *ref = malloc(no * 4), *got = malloc(no * 4);
+    float scale = 1.0f / sqrtf((float)(dn + dr));
+    ds_mla_attend_expanded(ref, q, kN, kR, v, T, n_ctx, Ha, dn, dr, dvh, pos0, causal, scale);
+    float *dq = dev(c, q, nq * 4), *dkN = dev(c, kN, nk * 4), *dkR = dev(c, kR, nr * 4);
+    float *dv_ = dev(c, v, nv * 4), *dout = dev(c, NULL, no * 4);
+    poison(c, dout, no * 4);
+    ds_err err = {{0}};
+    if (ds_cu_mla_attend_expanded(c, dout, dq, dkN, dkR, dv_, T, n_ctx, Ha, dn, dr, dvh, pos0,
+                                  causal, scale, &err))
+        DIE("%s", err.msg);
+    fetch(c, got, dout, no * 4);
+    char what[96];
+    snprintf(what, sizeof what, "mla expanded T=%d Ha=%d ctx %d%s", T, Ha, n_ctx,
+             causal ? " causal" : "");
+    report(what, rel_err(got, ref, 1, no, no), 1e-5);
+    ds_cu_dealloc(dq), ds_cu_dealloc(dkN), ds_cu_dealloc(dkR), ds_cu_dealloc(dv_);
+    ds_cu_dealloc(dout);
+    free(q), free(kN), free(kR), free(v), free(ref), free(got);
+}
+
 /* ---- timings -------------------------------------------------------------------------------- */
 
 static int cmp_d(const void *a, const void *b) {
@@ -754,6 +779,9 @@ int main(int argc, char **argv) {
     check_mla(c, 2, 4, 512, 64, 0, 1000, 0);   /* 4 splits, one partial */
     check_mla(c, 3, 2, 512, 64, 255, 258, 1);  /* token 0 ends on a split's last row */
     check_mla(c, 2, 64, 512, 64, 300, 302, 1); /* 64 heads: the block-per-head fallback */
+    check_mla_expanded(c, 40, 4, 128, 64, 128, 0, 40, 1);  /* a first prompt chunk */
+    check_mla_expanded(c, 33, 3, 64, 32, 64, 300, 333, 1); /* a later chunk, 2 splits */
+    check_mla_expanded(c, 5, 2, 32, 16, 48, 0, 600, 0);
     check_moe_route(c, 7, 256, 8, 8, 4, 0, 0);
     check_moe_route(c, 5, 64, 6, 1, 1, 0, 0);
     check_moe_route(c, 9, 32, 4, 4, 2, 1, 0);

@@ -93,6 +93,11 @@ int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qbar, const fl
                               int block_size, int row, int pos0, int n_ctx, int causal, float scale,
                               ds_err *err);
 
+/* As ds_mla_attend_expanded (prefill): q [T][Ha][dn+dr]; kN [n_ctx][Ha][dn]; kR [n_ctx][dr];
+ * v [n_ctx][Ha][dvh]; o [T][Ha][dvh]; causality and the n_ctx cap as above. */
+int ds_cu_mla_attend_expanded(ds_cu *c, float *o, const float *q, const float *kN, const float *kR,
+                              const float *v, int T, int n_ctx, int Ha, int dn, int dr, int dvh,
+                              int pos0, int causal, float scale, ds_err *err);
 /* As ds_moe_route for T tokens at once: z [T][E] router logits, bias [E] or NULL; idx, w [T][k].
  * k and n_group at most 64. */
 int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z, const float *bias, int T,

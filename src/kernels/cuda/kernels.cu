@@ -510,6 +510,77 @@ extern "C" int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qba
     return DS_OK;
 }
 
+/* Expanded MLA (prefill), the same split-and-merge: block (q = t*Ha + h, split s) scores its rows
+ * j as q_N . kN[j][h] + q_R . kR[j], then sums p_j v[j][h]; mla_merge_k merges the splits. */
+__global__ void mla_exp_split_k(float *part_o, float *part_ml, const float *q, const float *kN,
+                                const float *kR, const float *v, int Ha, int dn, int dr, int dvh,
+                                int pos0, int n_ctx, int causal, float scale, int n_split) {
+    __shared__ float sc[MLA_CHUNK];
+    __shared__ float red[32];
+    const int qi = blockIdx.x, t = qi / Ha, h = qi % Ha, s = blockIdx.y;
+    const int n = causal ? min(pos0 + t + 1, n_ctx) : n_ctx;
+    const int j0 = s * MLA_CHUNK, j1 = min(n, j0 + MLA_CHUNK);
+    float *po = part_o + ((size_t)qi * n_split + s) * dvh;
+    float *pml = part_ml + ((size_t)qi * n_split + s) * 2;
+    if (j0 >= j1) {
+        for (int i = threadIdx.x; i < dvh; i += blockDim.x) po[i] = 0.0f;
+        if (threadIdx.x == 0) pml[0] = -INFINITY, pml[1] = 0.0f;
+        return;
+    }
+    const float *qn = q + (size_t)qi * (dn + dr), *qp = qn + dn;
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int j = j0 + wid; j < j1; j += nw) {
+        const float *kn = kN + ((size_t)j * Ha + h) * dn, *kr = kR + (size_t)j * dr;
+        float d = 0.0f;
+        for (int i = lane; i < dn; i += 32) d += qn[i] * kn[i];
+        for (int i = lane; i < dr; i += 32) d += qp[i] * kr[i];
+        for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+        if (lane == 0) sc[j - j0] = d * scale;
+    }
+    __syncthreads();
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < j1 - j0; j += blockDim.x) mx = fmaxf(mx, sc[j]);
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) red[wid] = mx;
+    __syncthreads();
+    mx = -INFINITY;
+    for (int w = 0; w < nw; w++) mx = fmaxf(mx, red[w]);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < j1 - j0; j += blockDim.x) sum += (sc[j] = expf(sc[j] - mx));
+    sum = block_sum(sum); /* its barriers also publish the exponentials */
+    for (int i = threadIdx.x; i < dvh; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = j0; j < j1; j++) acc += sc[j - j0] * v[((size_t)j * Ha + h) * dvh + i];
+        po[i] = acc;
+    }
+    if (threadIdx.x == 0) pml[0] = mx, pml[1] = sum;
+}
+
+extern "C" int ds_cu_mla_attend_expanded(ds_cu *c, float *o, const float *q, const float *kN,
+                                         const float *kR, const float *v, int T, int n_ctx,
+                                         int Ha, int dn, int dr, int dvh, int pos0, int causal,
+                                         float scale, ds_err *err) {
+    if (T <= 0 || Ha <= 0) return DS_OK;
+    const int n_max = causal ? DS_MIN(pos0 + T, n_ctx) : n_ctx;
+    if (n_max <= 0) return ds_errf(err, "cuda: mla: no context rows to attend to");
+    const int n_split = (n_max + MLA_CHUNK - 1) / MLA_CHUNK, rows = T * Ha;
+    size_t need = (size_t)rows * n_split * ((size_t)dvh + 2);
+    if (need > c->part_cap) {
+        cudaFree(c->part);
+        c->part = NULL;
+        c->part_cap = 0;
+        CU_TRY(cudaMalloc(&c->part, need * sizeof(float)), "mla scratch");
+        c->part_cap = need;
+    }
+    float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * dvh;
+    mla_exp_split_k<<<dim3((unsigned)rows, (unsigned)n_split), 256, 0, c->stream>>>(
+        part_o, part_ml, q, kN, kR, v, Ha, dn, dr, dvh, pos0, n_ctx, causal, scale, n_split);
+    CU_TRY(cudaGetLastError(), "mla expanded");
+    mla_merge_k<<<rows, 256, 0, c->stream>>>(o, part_o, part_ml, dvh, n_split);
+    CU_TRY(cudaGetLastError(), "mla expanded merge");
+    return DS_OK;
+}
+
 /* ---- MoE router --------------------------------------------------------------------------------
  * One block per token: sigmoid and selection scores in parallel into shared memory, then one thread
  * makes the selection exactly as the CPU does (group scores as the sum of each group's two best,
