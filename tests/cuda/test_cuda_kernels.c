@@ -707,6 +707,27 @@ static void bench(ds_cu *c) {
             ds_cu_dealloc(kc.Sp), ds_cu_dealloc(kc.off);
         }
 
+    /* 4b. KDA over a prompt with the recurrent kernel: 8192 tokens, 32 heads of 128 x 128 (the
+     *     baseline a chunked kernel has to beat; it walks the tokens in order) */
+    {
+        kda_ctx kc = {0};
+        kc.T = 8192, kc.H = 32, kc.dk = 128, kc.dv = 128, kc.n_seq = 1;
+        size_t nq = (size_t)kc.T * kc.H * kc.dk, ns = (size_t)kc.H * kc.dk * kc.dv;
+        float *h = rand_f32(nq, -0.1f, 0.1f);
+        kc.q = dev(c, h, nq * 4), kc.k = dev(c, h, nq * 4), kc.v = dev(c, h, nq * 4);
+        kc.g = dev(c, h, nq * 4), kc.beta = dev(c, h, (size_t)kc.T * kc.H * 4);
+        kc.o = dev(c, NULL, nq * 4);
+        free(h);
+        h = rand_f32(ns, -0.5f, 0.5f);
+        kc.S = dev(c, h, ns * 4);
+        free(h);
+        ms = median_ms(c, run_kda, &kc, 1, 5);
+        printf("bench kda recurrent prefill T=8192 H=32 dk=dv=128: %.3f ms, %.0f tokens/s\n", ms,
+               kc.T / (ms * 1e-3));
+        ds_cu_dealloc(kc.S), ds_cu_dealloc(kc.q), ds_cu_dealloc(kc.k), ds_cu_dealloc(kc.v);
+        ds_cu_dealloc(kc.g), ds_cu_dealloc(kc.beta), ds_cu_dealloc(kc.o);
+    }
+
     /* 5. MLA absorbed decode, one token, 32 heads (Kimi-Linear), R 512 + dr 64, f32 cache; the
      *    bytes that must be read: the context's latent rows once */
     static const int ctxs[] = {4096, 32768};
