@@ -533,7 +533,8 @@ static int load_specials(ds_tokenizer *t, const char *path, ds_err *err) {
         char *endp;
         errno = 0;
         long id = strtol(key, &endp, 10);
-        if (!*key || *endp || errno) {
+        /* digits only: strtol would also take " 3" and "+3", two spellings of one id */
+        if (!*key || *endp || errno || strspn(key, "0123456789") != strlen(key)) {
             ds_errf(err, "%s: added_tokens_decoder: key \"%s\" is not a token id", path, key);
             goto out;
         }
@@ -557,6 +558,10 @@ static int load_specials(ds_tokenizer *t, const char *path, ds_err *err) {
             goto out;
         }
         int k = (int)(id - t->n_ranks);
+        if (names[k]) { /* "3" and "03": one id named twice */
+            ds_errf(err, "%s: added_tokens_decoder: token id %ld is given twice", path, id);
+            goto out;
+        }
         names[k] = strdup(json_string_value(content));
         if (!names[k]) {
             ds_errf(err, "out of memory");

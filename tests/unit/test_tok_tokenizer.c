@@ -385,6 +385,17 @@ static void test_load_errors(void **state) {
                       "{\"added_tokens_decoder\": {\"300\": {\"content\": \"<a>\"},"
                       " \"301\": {\"content\": \"<a>\"}}}",
                       "\"<a>\" is used twice", NULL);
+    /* One id under two spellings (found by fuzz_tok_load: the first name leaked) */
+    expect_load_error(m,
+                      "{\"added_tokens_decoder\": {\"300\": {\"content\": \"<a>\"},"
+                      " \"0300\": {\"content\": \"<b>\"}}}",
+                      "token id 300 is given twice", NULL);
+    expect_load_error(m,
+                      "{\"added_tokens_decoder\": {\"300\": {\"content\": \"<a>\"},"
+                      " \" 300\": {\"content\": \"<b>\"}}}",
+                      "key \" 300\" is not a token id", NULL);
+    expect_load_error(m, "{\"added_tokens_decoder\": {\"+300\": {\"content\": \"<a>\"}}}",
+                      "key \"+300\" is not a token id", NULL);
     expect_load_error(m, "{\"eos_token\": \"<nope>\"}", "eos_token \"<nope>\"", NULL);
     expect_load_error(m, "{\"added_tokens_decoder\": [", "tokenizer_config.json:1", NULL);
     free(m);
