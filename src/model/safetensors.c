@@ -358,6 +358,10 @@ static int load_file(ds_st *st, const char *path, ds_err *err) {
             f->meta = json_incref(val);
             continue;
         }
+        if (!*key) { /* no loader could ask for it, and the writer refuses to write one */
+            rc = ds_errf(err, "%s: a tensor with an empty name", path);
+            break;
+        }
         ds_tensor *t = NULL;
         if ((rc = push_tensor(st, &t, err)) != DS_OK) break;
         t->name = strdup(key);

@@ -505,6 +505,9 @@ static void test_bad_files(void **state) {
                " \"w\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [4, 8]}}",
                data, 8, "duplicate tensor name", "\"w\"");
     expect_bad("{\"__metadata__\": {\"format\": 1}}", data, 0, "__metadata__", "format");
+    /* found by fuzz_io_safetensors: read, but the writer refused to write it back */
+    expect_bad("{\"\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]}}", data, 4,
+               "a tensor with an empty name", NULL);
 }
 
 /* Empty tensors own no bytes, and holes between tensors are allowed. */
