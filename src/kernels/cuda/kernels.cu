@@ -14,10 +14,10 @@ struct ds_cu {
     int device;
     cudaStream_t stream;
     cublasHandle_t blas;
-    uint16_t *xb; /* [xb_cap] activations rounded to BF16 for cuBLAS */
-    size_t xb_cap;
-    float *part; /* [part_cap] split-context attention partials (ds_cu_mla_attend_absorbed) */
-    size_t part_cap;
+    uint16_t *xb; /* activations rounded to BF16 for cuBLAS; xb_bytes allocated */
+    size_t xb_bytes;
+    float *part; /* split-context attention partials, MoE intermediates; part_bytes allocated */
+    size_t part_bytes;
     char name[160];
     cudaError_t sticky; /* first launch error seen by a void function; reported by ds_cu_sync */
 };
@@ -25,8 +25,7 @@ struct ds_cu {
 #define CU_TRY(call, what)                                                                         \
     do {                                                                                           \
         cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess)                                                                     \
-            return ds_errf(err, "cuda: %s: %s", what, cudaGetErrorString(e_));                     \
+        if (e_ != cudaSuccess) return ds_errf(err, "cuda: %s: %s", what, cudaGetErrorString(e_));  \
     } while (0)
 
 #define BLAS_TRY(call, what)                                                                       \
@@ -132,7 +131,19 @@ extern "C" int ds_cu_copy_d2d(ds_cu *c, void *dst, const void *src, size_t bytes
     return DS_OK;
 }
 
-/* ---- matmul ----------------------------------------------------------------------------------- */
+/* Grows a device scratch buffer to at least `need` bytes (contents not kept). */
+static int grow_scratch(void **p, size_t *cap, size_t need, const char *what, ds_err *err) {
+    if (need <= *cap) return DS_OK;
+    cudaFree(*p);
+    *p = NULL;
+    *cap = 0;
+    CU_TRY(cudaMalloc(p, need), what);
+    *cap = need;
+    return DS_OK;
+}
+
+/* ---- matmul -----------------------------------------------------------------------------------
+ */
 
 /* xb[t][c] = bf16(x[t][c]) for c < K (x row stride ldx, xb packed). */
 __global__ void to_bf16_rows(__nv_bfloat16 *xb, const float *x, int ldx, int K, int T) {
@@ -149,8 +160,8 @@ __global__ void to_bf16_rows(__nv_bfloat16 *xb, const float *x, int ldx, int K, 
  * loads (8 BF16 each) and dots it with every token's f32 x (small, served by L1), accumulating in
  * f32 — the weights are the bytes that matter, and they are read exactly once. */
 template <int TT>
-__global__ void __launch_bounds__(256) gemv_bf16_k(float *y, int ldy, const float *x, int ldx,
-                                                   const uint16_t *W, int N, int K) {
+__global__ void __launch_bounds__(256)
+    gemv_bf16_k(float *y, int ldy, const float *x, int ldx, const uint16_t *W, int N, int K) {
     const int lane = threadIdx.x & 31, n = blockIdx.x * 8 + (threadIdx.x >> 5);
     if (n >= N) return; /* a whole warp leaves together; no block barrier follows */
     const uint4 *wr = (const uint4 *)(W + (size_t)n * K);
@@ -192,22 +203,17 @@ extern "C" int ds_cu_matmul(ds_cu *c, float *y, int ldy, const float *x, int ldx
         return DS_OK;
     }
     size_t need = (size_t)T * K;
-    if (need > c->xb_cap) {
-        cudaFree(c->xb);
-        c->xb = NULL;
-        c->xb_cap = 0;
-        CU_TRY(cudaMalloc(&c->xb, need * sizeof(uint16_t)), "matmul scratch");
-        c->xb_cap = need;
-    }
+    if (grow_scratch((void **)&c->xb, &c->xb_bytes, need * sizeof(uint16_t), "matmul scratch", err))
+        return DS_ERR;
     to_bf16_rows<<<(unsigned)((need + 255) / 256), 256, 0, c->stream>>>((__nv_bfloat16 *)c->xb, x,
                                                                         ldx, K, T);
     CU_TRY(cudaGetLastError(), "matmul: rounding x");
     /* Row-major y[T][N] is column-major N x T; W[N][K] row-major is column-major K x N, so
      * Y = W^T X with X = xb column-major K x T. */
     const float one = 1.0f, zero = 0.0f;
-    BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, &one, w->data, CUDA_R_16BF,
-                          K, c->xb, CUDA_R_16BF, K, &zero, y, CUDA_R_32F, ldy,
-                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+    BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, &one, w->data, CUDA_R_16BF, K,
+                          c->xb, CUDA_R_16BF, K, &zero, y, CUDA_R_32F, ldy, CUBLAS_COMPUTE_32F,
+                          CUBLAS_GEMM_DEFAULT),
              "matmul");
     return DS_OK;
 }
@@ -280,7 +286,8 @@ extern "C" void ds_cu_swiglu(ds_cu *c, float *out, const float *gate, const floa
     note_launch(c);
 }
 
-/* ---- KDA inputs: short conv, gates, head norms ------------------------------------------------ */
+/* ---- KDA inputs: short conv, gates, head norms ------------------------------------------------
+ */
 
 /* One thread per channel walks the tokens in order with its window of the last W inputs in
  * registers (W <= 8), then writes the new tail. */
@@ -421,15 +428,34 @@ extern "C" int ds_cu_attnres_mix(ds_cu *c, float *out, const float *const *cands
  * rows on its own (an all-heads block was tried and measured slower: bench/RESULTS.md). */
 enum { MLA_CHUNK = 256 };
 
+/* The split kernels' softmax over scores sc[0..n) in shared memory (written before a barrier):
+ * returns their max m and, in *sum, the sum of exp(sc - m), with sc overwritten by those
+ * exponentials and visible to the whole block on return. */
+__device__ float exp_shifted(float *sc, int n, float *sum) {
+    __shared__ float red[32];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, sc[j]);
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) red[wid] = mx;
+    __syncthreads();
+    mx = -INFINITY;
+    for (int w = 0; w < nw; w++) mx = fmaxf(mx, red[w]);
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) s += (sc[j] = expf(sc[j] - mx));
+    *sum = block_sum(s); /* its barriers also publish the exponentials */
+    return mx;
+}
+
 __global__ void mla_split_k(float *part_o, float *part_ml, const float *qbar, const float *qr,
                             int Ha, int R, int dr, const float *pool, const int32_t *table, int bs,
                             int row, int pos0, int n_ctx, int causal, float scale, int n_split) {
     __shared__ float sc[MLA_CHUNK];
-    __shared__ float red[32];
     const int q = blockIdx.x, t = q / Ha, s = blockIdx.y;
     const int n = causal ? min(pos0 + t + 1, n_ctx) : n_ctx; /* never past the cache's rows */
     const int j0 = s * MLA_CHUNK, j1 = min(n, j0 + MLA_CHUNK);
-    float *po = part_o + ((size_t)q * n_split + s) * R, *pml = part_ml + ((size_t)q * n_split + s) * 2;
+    float *po = part_o + ((size_t)q * n_split + s) * R,
+          *pml = part_ml + ((size_t)q * n_split + s) * 2;
     if (j0 >= j1) { /* nothing visible in this split: an empty partial */
         for (int i = threadIdx.x; i < R; i += blockDim.x) po[i] = 0.0f;
         if (threadIdx.x == 0) pml[0] = -INFINITY, pml[1] = 0.0f;
@@ -446,16 +472,8 @@ __global__ void mla_split_k(float *part_o, float *part_ml, const float *qbar, co
         if (lane == 0) sc[j - j0] = d * scale;
     }
     __syncthreads();
-    float mx = -INFINITY;
-    for (int j = threadIdx.x; j < j1 - j0; j += blockDim.x) mx = fmaxf(mx, sc[j]);
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (lane == 0) red[wid] = mx;
-    __syncthreads();
-    mx = -INFINITY;
-    for (int w = 0; w < nw; w++) mx = fmaxf(mx, red[w]);
-    float sum = 0.0f;
-    for (int j = threadIdx.x; j < j1 - j0; j += blockDim.x) sum += (sc[j] = expf(sc[j] - mx));
-    sum = block_sum(sum); /* its barriers also publish the exponentials */
+    float sum;
+    const float mx = exp_shifted(sc, j1 - j0, &sum);
     for (int i = threadIdx.x; i < R; i += blockDim.x) {
         float acc = 0.0f;
         for (int j = j0; j < j1; j++)
@@ -493,13 +511,8 @@ extern "C" int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qba
     if (n_max <= 0) return ds_errf(err, "cuda: mla: no context rows to attend to");
     const int n_split = (n_max + MLA_CHUNK - 1) / MLA_CHUNK, rows = T * Ha;
     size_t need = (size_t)rows * n_split * ((size_t)R + 2);
-    if (need > c->part_cap) {
-        cudaFree(c->part);
-        c->part = NULL;
-        c->part_cap = 0;
-        CU_TRY(cudaMalloc(&c->part, need * sizeof(float)), "mla scratch");
-        c->part_cap = need;
-    }
+    if (grow_scratch((void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch", err))
+        return DS_ERR;
     float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
     mla_split_k<<<dim3((unsigned)rows, (unsigned)n_split), 256, 0, c->stream>>>(
         part_o, part_ml, qbar, qr, Ha, R, dr, pool, block_table, block_size, row, pos0, n_ctx,
@@ -516,7 +529,6 @@ __global__ void mla_exp_split_k(float *part_o, float *part_ml, const float *q, c
                                 const float *kR, const float *v, int Ha, int dn, int dr, int dvh,
                                 int pos0, int n_ctx, int causal, float scale, int n_split) {
     __shared__ float sc[MLA_CHUNK];
-    __shared__ float red[32];
     const int qi = blockIdx.x, t = qi / Ha, h = qi % Ha, s = blockIdx.y;
     const int n = causal ? min(pos0 + t + 1, n_ctx) : n_ctx;
     const int j0 = s * MLA_CHUNK, j1 = min(n, j0 + MLA_CHUNK);
@@ -538,16 +550,8 @@ __global__ void mla_exp_split_k(float *part_o, float *part_ml, const float *q, c
         if (lane == 0) sc[j - j0] = d * scale;
     }
     __syncthreads();
-    float mx = -INFINITY;
-    for (int j = threadIdx.x; j < j1 - j0; j += blockDim.x) mx = fmaxf(mx, sc[j]);
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (lane == 0) red[wid] = mx;
-    __syncthreads();
-    mx = -INFINITY;
-    for (int w = 0; w < nw; w++) mx = fmaxf(mx, red[w]);
-    float sum = 0.0f;
-    for (int j = threadIdx.x; j < j1 - j0; j += blockDim.x) sum += (sc[j] = expf(sc[j] - mx));
-    sum = block_sum(sum); /* its barriers also publish the exponentials */
+    float sum;
+    const float mx = exp_shifted(sc, j1 - j0, &sum);
     for (int i = threadIdx.x; i < dvh; i += blockDim.x) {
         float acc = 0.0f;
         for (int j = j0; j < j1; j++) acc += sc[j - j0] * v[((size_t)j * Ha + h) * dvh + i];
@@ -557,21 +561,16 @@ __global__ void mla_exp_split_k(float *part_o, float *part_ml, const float *q, c
 }
 
 extern "C" int ds_cu_mla_attend_expanded(ds_cu *c, float *o, const float *q, const float *kN,
-                                         const float *kR, const float *v, int T, int n_ctx,
-                                         int Ha, int dn, int dr, int dvh, int pos0, int causal,
-                                         float scale, ds_err *err) {
+                                         const float *kR, const float *v, int T, int n_ctx, int Ha,
+                                         int dn, int dr, int dvh, int pos0, int causal, float scale,
+                                         ds_err *err) {
     if (T <= 0 || Ha <= 0) return DS_OK;
     const int n_max = causal ? DS_MIN(pos0 + T, n_ctx) : n_ctx;
     if (n_max <= 0) return ds_errf(err, "cuda: mla: no context rows to attend to");
     const int n_split = (n_max + MLA_CHUNK - 1) / MLA_CHUNK, rows = T * Ha;
     size_t need = (size_t)rows * n_split * ((size_t)dvh + 2);
-    if (need > c->part_cap) {
-        cudaFree(c->part);
-        c->part = NULL;
-        c->part_cap = 0;
-        CU_TRY(cudaMalloc(&c->part, need * sizeof(float)), "mla scratch");
-        c->part_cap = need;
-    }
+    if (grow_scratch((void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch", err))
+        return DS_ERR;
     float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * dvh;
     mla_exp_split_k<<<dim3((unsigned)rows, (unsigned)n_split), 256, 0, c->stream>>>(
         part_o, part_ml, q, kN, kR, v, Ha, dn, dr, dvh, pos0, n_ctx, causal, scale, n_split);
@@ -599,8 +598,8 @@ __device__ static int top_insert_d(float *val, int32_t *id, int count, int n, fl
     return count < n ? count + 1 : count;
 }
 
-__global__ void moe_route_k(int32_t *idx, float *w, const float *z, const float *bias, int E,
-                            int k, int n_group, int topk_group, int renormalize, float scale,
+__global__ void moe_route_k(int32_t *idx, float *w, const float *z, const float *bias, int E, int k,
+                            int n_group, int topk_group, int renormalize, float scale,
                             int hf_kl_quirk) {
     extern __shared__ float rs[]; /* s [E] | sel [E] */
     float *sv = rs, *sel = rs + E;
@@ -638,7 +637,8 @@ __global__ void moe_route_k(int32_t *idx, float *w, const float *z, const float 
             int kept = 0;
             for (int j = 0; j < ng; j++) kept |= gid[j] == g;
             if (kept) continue;
-            for (int e = 0; e < gsize; e++) sel[(size_t)g * gsize + e] = hf_kl_quirk ? 0.0f : -INFINITY;
+            for (int e = 0; e < gsize; e++)
+                sel[(size_t)g * gsize + e] = hf_kl_quirk ? 0.0f : -INFINITY;
         }
     }
     float val[64];
@@ -713,8 +713,8 @@ __global__ void moe_act_k(float *h, int rows, int I, int situ, float beta, float
     }
 }
 
-__global__ void __launch_bounds__(256) moe_down_k(float *y, const float *h, const int32_t *idx,
-                                                  int D, int I, const uint16_t *down) {
+__global__ void __launch_bounds__(256)
+    moe_down_k(float *y, const float *h, const int32_t *idx, int D, int I, const uint16_t *down) {
     const int r = blockIdx.y, lane = threadIdx.x & 31, d = blockIdx.x * 8 + (threadIdx.x >> 5);
     if (d >= D) return;
     const uint16_t *wr = down + ((size_t)idx[r] * D + d) * I;
@@ -744,13 +744,8 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
     const int rows = T * k;
     if (rows > 65535) return ds_errf(err, "cuda: moe: %d routed rows (at most 65535)", rows);
     size_t need = (size_t)rows * (2 * (size_t)I + (size_t)D);
-    if (need > c->part_cap) { /* shares the attention partials' scratch */
-        cudaFree(c->part);
-        c->part = NULL;
-        c->part_cap = 0;
-        CU_TRY(cudaMalloc(&c->part, need * sizeof(float)), "moe scratch");
-        c->part_cap = need;
-    }
+    if (grow_scratch((void **)&c->part, &c->part_bytes, need * sizeof(float), "moe scratch", err))
+        return DS_ERR;
     float *h = c->part, *y = c->part + (size_t)rows * 2 * I; /* h [rows][2I], y [rows][D] */
     moe_up_k<<<dim3((unsigned)((2 * I + 7) / 8), (unsigned)rows), 256, 0, c->stream>>>(
         h, x, idx, k, D, 2 * I, gate_up);
@@ -759,7 +754,7 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         h, rows, I, situ, situ_beta, situ_lin_beta);
     CU_TRY(cudaGetLastError(), "moe act");
     moe_down_k<<<dim3((unsigned)((D + 7) / 8), (unsigned)rows), 256, 0, c->stream>>>(y, h, idx, D,
-                                                                                    I, down);
+                                                                                     I, down);
     CU_TRY(cudaGetLastError(), "moe down");
     moe_combine_k<<<(unsigned)(((size_t)T * D + 255) / 256), 256, 0, c->stream>>>(out, y, w, T, k,
                                                                                   D, accumulate);
@@ -861,8 +856,8 @@ __device__ void kda_run(float *o, const float *q, const float *k, const float *v
 template <int DK, int SPLIT>
 __global__ void __launch_bounds__(128)
     kda_batch_k(float *o, const float *q, const float *k, const float *v, const float *g,
-                const float *beta, const int32_t *off, float *const *S, float *const *S_rows,
-                int H, int dv) {
+                const float *beta, const int32_t *off, float *const *S, float *const *S_rows, int H,
+                int dv) {
     const int h = blockIdx.x, z = blockIdx.z, part = threadIdx.x % SPLIT;
     const int col = blockIdx.y * (blockDim.x / SPLIT) + threadIdx.x / SPLIT;
     float *Sh = S[z] + (size_t)h * DK * dv;
@@ -943,7 +938,8 @@ extern "C" int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, con
     return DS_OK;
 }
 
-/* ---- timing ------------------------------------------------------------------------------------ */
+/* ---- timing ------------------------------------------------------------------------------------
+ */
 
 struct ds_cu_timer {
     cudaEvent_t a, b;
