@@ -12,6 +12,8 @@
  * token, whatever the hash does. */
 #include "cache/prefix.h"
 
+#include "base/devmem.h"
+
 #include "engine/scheduler.h"
 
 #include <stdlib.h>
@@ -186,7 +188,7 @@ static void page_gather(ds_prefix *px, int page) {
     size_t n = (size_t)px->bs * px->kv->row, xn = (size_t)px->bs * px->xrow;
     float *x = px->pbuf + (size_t)px->kv->n_layers * n;
     for (int j = 0; j < px->kv->n_layers; j++)
-        memcpy(px->pbuf + j * n, px->kv->layer[j] + (size_t)page * n, n * sizeof(float));
+        ds_dmem_copy(px->pbuf + j * n, px->kv->layer[j] + (size_t)page * n, n * sizeof(float));
     for (int j = 0; j < px->n_xlayers; j++)
         memcpy(x + j * xn, px->xlayer[j] + (size_t)page * xn, xn * sizeof(float));
 }
@@ -195,7 +197,7 @@ static void page_scatter(ds_prefix *px, int page) {
     size_t n = (size_t)px->bs * px->kv->row, xn = (size_t)px->bs * px->xrow;
     const float *x = px->pbuf + (size_t)px->kv->n_layers * n;
     for (int j = 0; j < px->kv->n_layers; j++)
-        memcpy(px->kv->layer[j] + (size_t)page * n, px->pbuf + j * n, n * sizeof(float));
+        ds_dmem_copy(px->kv->layer[j] + (size_t)page * n, px->pbuf + j * n, n * sizeof(float));
     for (int j = 0; j < px->n_xlayers; j++)
         memcpy(px->xlayer[j] + (size_t)page * xn, x + j * xn, xn * sizeof(float));
 }
@@ -226,8 +228,9 @@ static void store_ckpt(ds_prefix *px, int e, const int32_t *tokens) {
     entry *en = &px->ents[e];
     if (!ds_offload_enabled(px->off) || en->ckpt < 0 || en->ckpt_stored) return;
     if (!tokens && !(tokens = prefix_tokens(px, e))) return;
-    ds_offload_put(px->off, 'c', en->hash, tokens, en->depth * px->bs,
-                   ds_slot_data(px->ck, en->ckpt), px->slot_floats);
+    /* through sbuf: the checkpoint may be device memory */
+    ds_dmem_copy(px->sbuf, ds_slot_data(px->ck, en->ckpt), px->slot_floats * sizeof(float));
+    ds_offload_put(px->off, 'c', en->hash, tokens, en->depth * px->bs, px->sbuf, px->slot_floats);
     en->ckpt_stored = 1;
 }
 
@@ -401,7 +404,7 @@ int ds_prefix_create(const ds_prefix_opts *o, size_t slot_floats, ds_page_pool *
     for (int i = 0; i < px->n_buckets; i++) px->buckets[i] = -1;
     if (o->n_ckpt_slots > 0) {
         int n = o->n_ckpt_slots;
-        if (ds_slot_pool_create(n, slot_floats, &px->ck, err)) goto fail;
+        if (ds_slot_pool_create_on(o->on_device, n, slot_floats, &px->ck, err)) goto fail;
         px->n_ck = n;
         px->ck_entry = ds_malloc((size_t)n * sizeof(int32_t), err);
         px->ck_pins = ds_calloc((size_t)n, sizeof(int32_t), err);
@@ -512,7 +515,7 @@ int ds_prefix_match(ds_prefix *px, ds_seq *q) {
             continue;
         int c = ck_take(px, e);
         if (c < 0) break;
-        memcpy(ds_slot_data(px->ck, c), px->sbuf, px->slot_floats * sizeof(float));
+        ds_dmem_copy(ds_slot_data(px->ck, c), px->sbuf, px->slot_floats * sizeof(float));
         px->ents[e].ckpt_stored = 1;
         px->st.ckpt_loads++;
         if (ckpt >= 0) ck_unpin(px, ckpt);
@@ -562,7 +565,7 @@ void ds_prefix_release(ds_prefix *px, ds_seq *q) {
 
 int ds_prefix_take_fork(ds_prefix *px, ds_seq *q, float *slot) {
     if (q->fork_ckpt < 0) return 0;
-    memcpy(slot, ds_slot_data(px->ck, q->fork_ckpt), px->slot_floats * sizeof(float));
+    ds_dmem_copy(slot, ds_slot_data(px->ck, q->fork_ckpt), px->slot_floats * sizeof(float));
     ck_unpin(px, q->fork_ckpt);
     q->fork_ckpt = -1;
     px->st.forks++;
@@ -623,7 +626,7 @@ void ds_prefix_on_computed(ds_prefix *px, ds_seq *q, const float *slot) {
         px->st.ckpt_dropped++;
         return;
     }
-    memcpy(ds_slot_data(px->ck, c), slot, px->slot_floats * sizeof(float));
+    ds_dmem_copy(ds_slot_data(px->ck, c), slot, px->slot_floats * sizeof(float));
     px->ents[e].ckpt_stored = 0;
     px->st.ckpt_kept++;
 }

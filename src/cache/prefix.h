@@ -35,6 +35,7 @@ typedef struct ds_prefix_opts {
     int n_ckpt_slots;    /* checkpoint pool size; 0 disables checkpoints (and thus hits) */
     uint64_t seed;       /* model identity, mixed into every hash */
     int test_hash_bits;  /* tests only: > 0 keeps this many low hash bits, forcing collisions */
+    int on_device;       /* slots and the latent pool are GPU memory (base/devmem.h) */
 } ds_prefix_opts;
 
 typedef struct ds_prefix_stats {

@@ -10,10 +10,13 @@
  * and hand it to two sequences, so it is ignored and counted (tests assert the count is 0). */
 #include "cache/state.h"
 
+#include "base/devmem.h"
+
 #include <stdlib.h>
 
 struct ds_slot_pool {
     int n_slots;
+    int on_device;       /* data in GPU memory (the model runs on the CUDA backend) */
     size_t slot_floats;  /* floats a caller may use in one slot */
     size_t stride;       /* floats between slot starts: slot_floats rounded up to 64 bytes */
     float *data;         /* [n_slots][stride], 64-byte aligned */
@@ -24,6 +27,11 @@ struct ds_slot_pool {
 };
 
 int ds_slot_pool_create(int n_slots, size_t slot_floats, ds_slot_pool **out, ds_err *err) {
+    return ds_slot_pool_create_on(0, n_slots, slot_floats, out, err);
+}
+
+int ds_slot_pool_create_on(int on_device, int n_slots, size_t slot_floats, ds_slot_pool **out,
+                           ds_err *err) {
     *out = NULL;
     if (n_slots < 1) return ds_errf(err, "slot pool: need at least 1 slot, got %d", n_slots);
     size_t stride = (slot_floats + 15) & ~(size_t)15;
@@ -32,7 +40,8 @@ int ds_slot_pool_create(int n_slots, size_t slot_floats, ds_slot_pool **out, ds_
                        slot_floats);
     ds_slot_pool *p = ds_calloc(1, sizeof *p, err);
     if (!p) return DS_ERR;
-    p->data = ds_aligned_alloc((size_t)n_slots * stride * sizeof(float), err);
+    p->on_device = on_device;
+    p->data = ds_dmem_alloc(on_device, (size_t)n_slots * stride * sizeof(float), err);
     p->in_use = ds_calloc((size_t)n_slots, 1, err);
     p->free_stack = ds_malloc((size_t)n_slots * sizeof *p->free_stack, err);
     if (!p->data || !p->in_use || !p->free_stack) {
@@ -51,7 +60,7 @@ int ds_slot_pool_create(int n_slots, size_t slot_floats, ds_slot_pool **out, ds_
 
 void ds_slot_pool_free(ds_slot_pool *p) {
     if (!p) return;
-    free(p->data);
+    ds_dmem_free(p->on_device, p->data);
     free(p->in_use);
     free(p->free_stack);
     free(p);
@@ -61,7 +70,7 @@ int ds_slot_alloc(ds_slot_pool *p) {
     if (p->n_free == 0) return -1;
     int slot = p->free_stack[--p->n_free];
     p->in_use[slot] = 1;
-    memset(p->data + (size_t)slot * p->stride, 0, p->slot_floats * sizeof(float));
+    ds_dmem_zero(p->on_device, p->data + (size_t)slot * p->stride, p->slot_floats * sizeof(float));
     return slot;
 }
 
@@ -93,4 +102,8 @@ size_t ds_slot_floats(const ds_slot_pool *p) {
 
 uint64_t ds_slot_n_bad(const ds_slot_pool *p) {
     return p->n_bad;
+}
+
+int ds_slot_pool_on_device(const ds_slot_pool *p) {
+    return p->on_device;
 }

@@ -9,6 +9,11 @@
 typedef struct ds_slot_pool ds_slot_pool;
 
 int ds_slot_pool_create(int n_slots, size_t slot_floats, ds_slot_pool **out, ds_err *err);
+/* The same in device memory when on_device (see base/devmem.h): slot data is then a device
+ * pointer, copied with ds_dmem_copy, never read by the host directly. */
+int ds_slot_pool_create_on(int on_device, int n_slots, size_t slot_floats, ds_slot_pool **out,
+                           ds_err *err);
+int ds_slot_pool_on_device(const ds_slot_pool *p);
 void ds_slot_pool_free(ds_slot_pool *p);
 int ds_slot_alloc(ds_slot_pool *p); /* a zeroed slot, or -1 */
 void ds_slot_release(ds_slot_pool *p, int slot);

@@ -5,6 +5,8 @@
  * thread owns everything else (scheduler, sequences, pools) without locking. */
 #include "engine/engine.h"
 
+#include "base/devmem.h"
+
 #include "cache/offload.h"
 #include "cache/prefix.h"
 #include "dist/comm.h"
@@ -78,6 +80,7 @@ struct ds_engine {
     ds_tokenizer *tok;
     int chat_format;
     ds_kv_pool kv;
+    int on_device; /* the model, slots, pages and verify rows are on the GPU */
     ds_page_pool *pages;
     ds_slot_pool *slots;
     ds_prefix *prefix;   /* NULL when prefix caching is off */
@@ -209,7 +212,12 @@ static size_t mem_available(void) {
 static int size_pools(ds_engine *e, ds_err *err) {
     const ds_config *c = ds_model_config(e->model);
     size_t budget = e->opts.kv_cache_memory;
-    if (!budget) budget = (size_t)(e->opts.kv_cache_fraction * (double)mem_available());
+    if (!budget) {
+        /* on a GPU the pools take device memory: a fraction of what is free there */
+        size_t avail =
+            ds_model_on_device(e->model) ? ds_model_device_mem_free(e->model) : mem_available();
+        budget = (size_t)(e->opts.kv_cache_fraction * (double)avail);
+    }
     size_t slot_bytes = ds_model_slot_floats(e->model) * sizeof(float);
     size_t page_bytes = (size_t)ds_kv_pool_layers(e->model) * e->opts.block_size *
                         (size_t)ds_model_latent_row(e->model) * sizeof(float);
@@ -242,7 +250,8 @@ static int size_pools(ds_engine *e, ds_err *err) {
     if (e->max_model_len > cap) e->max_model_len = cap;
     if (ds_kv_pool_init(&e->kv, e->model, (int)n_pages, e->opts.block_size, err) ||
         ds_page_pool_create((int)n_pages, &e->pages, err) ||
-        ds_slot_pool_create((int)n_slots, ds_model_slot_floats(e->model), &e->slots, err))
+        ds_slot_pool_create_on(ds_model_on_device(e->model), (int)n_slots,
+                               ds_model_slot_floats(e->model), &e->slots, err))
         return DS_ERR;
     if (e->head)
         fprintf(stderr,
@@ -310,8 +319,12 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
         if (ds_comm_min_u64(e->comm, &nc, err)) return DS_ERR;
         n_ckpt = nc;
     }
-    ds_prefix_opts po = {o->block_size, o->state_checkpoint_interval_tokens, (int)n_ckpt, seed,
-                         o->prefix_test_hash_bits};
+    ds_prefix_opts po = {o->block_size,
+                         o->state_checkpoint_interval_tokens,
+                         (int)n_ckpt,
+                         seed,
+                         o->prefix_test_hash_bits,
+                         ds_model_on_device(e->model)};
     if (ds_prefix_create(&po, ds_model_slot_floats(e->model), e->pages, &e->kv, e->offload,
                          &e->prefix, err))
         return DS_ERR;
@@ -420,6 +433,8 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
     ds_chat_format fmt;
     ds_model_opts mo;
     ds_model_opts_default(&mo);
+    mo.device = opts->device;
+    mo.batch_invariant = opts->batch_invariant;
     e->comm = opts->comm;
     e->dist = e->comm && e->comm->size > 1;
     e->head = !e->comm || e->comm->rank == 0;
@@ -444,6 +459,7 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
     if (ds_model_load(e->model_dir, &mo, &e->model, err) ||
         ds_tok_load(e->model_dir, &e->tok, err) || ds_chat_format_from_dir(e->model_dir, &fmt, err))
         goto fail;
+    e->on_device = ds_model_on_device(e->model);
     e->chat_format = (int)fmt;
     e->V = ds_model_config(e->model)->vocab_size;
     if (size_pools(e, err)) goto fail;
@@ -468,9 +484,11 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
         f->va = ds_calloc((size_t)S, sizeof *f->va, err);
         f->dr = ds_calloc((size_t)S, sizeof *f->dr, err);
         f->n_dr = ds_calloc((size_t)S, sizeof *f->n_dr, err);
+        /* on the model's device: the forward writes them, the rollback copies one into a slot */
         f->state_rows =
-            e->k ? ds_malloc((size_t)S * rows * ds_model_slot_floats(e->model) * sizeof(float) + 1,
-                             err)
+            e->k ? ds_dmem_alloc(
+                       ds_model_on_device(e->model),
+                       (size_t)S * rows * ds_model_slot_floats(e->model) * sizeof(float) + 1, err)
                  : NULL;
         if (!f->items || !f->vt || !f->vlp || !f->va || !f->dr || !f->n_dr ||
             (e->k && !f->state_rows))
@@ -1428,8 +1446,8 @@ static void complete(ds_engine *e, inflight *f) {
          * was accepted, so the commit below (and the prefix cache) only see accepted tokens */
         int a = f->va[i];
         count_verify(e, it->n - 1, a);
-        memcpy(ds_slot_data(e->slots, s->slot), f->state_rows + ((size_t)i * rows + a) * slot_n,
-               slot_n * sizeof(float));
+        ds_dmem_copy(ds_slot_data(e->slots, s->slot),
+                     f->state_rows + ((size_t)i * rows + a) * slot_n, slot_n * sizeof(float));
         s->n_tokens = it->pos0 + 1 + a; /* the accepted drafts stay, the rest go */
         s->n_spec = 0;
         it->n = a + 1;
@@ -1586,7 +1604,7 @@ void ds_engine_free(ds_engine *e) {
         free(f->va);
         free(f->dr);
         free(f->n_dr);
-        free(f->state_rows);
+        ds_dmem_free(e->on_device, f->state_rows);
     }
     free(e->fl);
     free(e->deferred);

@@ -5,86 +5,29 @@
  *   dense MLP | MoE -> ... -> [output AttnRes mix] -> final RMSNorm -> lm_head.
  * All tokens of the step go through each weight in one GEMM; per-sequence work (conv tails, the
  * KDA recurrence, MLA attention over the paged latent cache) runs segment by segment. */
-#include "model/model.h"
+#include "model/model_impl.h"
+
+#include "base/devmem.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 
-/* ---- weights --------------------------------------------------------------------------------- */
-
-typedef struct kda_w {
-    ds_mat q, k, v;                  /* [P][D] */
-    float *q_conv, *k_conv, *v_conv; /* [P][W] f32 */
-    ds_mat f_a, f_b;                 /* [dk][D], [P][dk] */
-    float *dt_bias;                  /* [P] */
-    float *A_log;                    /* [Hk] (first Hk entries of the checkpoint tensor) */
-    ds_mat b;                        /* [Hk][D] */
-    ds_mat g, g_a, g_b;              /* full rank [P][D], or low rank [dk][D] + [P][dk] */
-    float *o_norm;                   /* [dk] */
-    ds_mat o;                        /* [D][P] */
-} kda_w;
-
-typedef struct mla_w {
-    ds_mat q;         /* [Ha*(dn+dr)][D] when q_lora_rank == 0 */
-    ds_mat q_a, q_b;  /* [Rq][D], [Ha*(dn+dr)][Rq] */
-    float *q_a_norm;  /* [Rq] */
-    ds_mat kv_a;      /* [R+dr][D] */
-    float *kv_a_norm; /* [R] */
-    ds_mat kv_b;      /* [Ha*(dn+dvh)][R] */
-    ds_mat o;         /* [D][Ha*dvh] */
-    ds_mat g;         /* [Ha*dvh][D] output gate (K3) */
-} mla_w;
-
-typedef struct ffn_w {
-    int is_moe;
-    ds_mat gate, up, down;          /* dense: [I][D], [I][D], [D][I] */
-    ds_mat router;                  /* [E][D] */
-    float *router_bias;             /* [E] or NULL */
-    ds_mat *w1, *w3, *w2;           /* [E] each: [Ie][Hin], [Ie][Hin], [Hin][Ie] */
-    ds_mat sh_gate, sh_up, sh_down; /* shared experts: [Ie*ns][D], .., [D][Ie*ns]; rows 0 if none */
-    ds_mat lat_down, lat_up;        /* latent MoE: [Dlat][D], [D][Dlat] */
-    float *lat_norm;                /* [Dlat] or NULL */
-} ffn_w;
-
-typedef struct layer_w {
-    int kind;         /* ds_layer_kind */
-    int kind_idx;     /* index among layers of the same kind (state slot / latent pool index) */
-    float *in_norm;   /* [D] */
-    float *post_norm; /* [D] */
-    float *attn_res_np, *mlp_res_np; /* [D] norm ⊙ proj, AttnRes only */
-    kda_w kda;
-    mla_w mla;
-    ffn_w ffn;
-} layer_w;
-
-struct ds_model {
-    ds_config cfg;
-    ds_model_opts opts;
-    ds_st *st;
-    ds_mat embed;        /* [nv][D] this rank's vocabulary rows [v0, v0+nv) (all V when T = 1) */
-    ds_mat lm_head;      /* [nv][D] likewise */
-    ds_mat lm_head_full; /* [V][D] a view of the whole lm_head (last stage), for the draft */
-    float *final_norm;   /* [D] */
-    float *out_res_np;   /* [D] AttnRes output mix, or NULL */
-    layer_w *layers;     /* [L]; only [l0, l1) are bound */
-    int l0, l1;          /* this stage's layers (all of them without pipeline parallelism) */
-    int n_kda, n_mla;    /* KDA / MLA layers among them */
-    /* tensor parallelism: this rank's share (the whole model when tp_size == 1) */
-    int tp_rank, tp_size;
-    int Hk, Ha;        /* KDA heads, MLA heads on this rank */
-    int I_dense, I_sh; /* dense-MLP and shared-expert intermediate rows on this rank */
-    int e0, e1;        /* routed experts [e0, e1) on this rank */
-    int v0, nv, vp;    /* vocabulary rows [v0, v0+nv) on this rank; vp = ceil(V / T) per rank */
-    void **owned;      /* every f32 vector converted at load */
-    int n_owned, cap_owned;
-    size_t weight_bytes;
-    /* scratch, grown on demand */
-    float *scratch;
-    size_t scratch_cap;
-};
+/* DS_DEVICE / DS_BATCH_INVARIANT in the environment (see model.h); unknown names stay cpu and
+ * are reported when the model loads. */
+static int env_device(void) {
+    const char *d = getenv("DS_DEVICE");
+    if (!d || !*d || !strcmp(d, "cpu")) return DS_DEVICE_CPU;
+    if (!strcmp(d, "cuda")) return DS_DEVICE_CUDA;
+    if (!strcmp(d, "auto")) return DS_DEVICE_AUTO;
+    return -1;
+}
 
 void ds_model_opts_default(ds_model_opts *o) {
+    o->device = env_device();
+    o->device_index = 0;
+    const char *bi = getenv("DS_BATCH_INVARIANT");
+    o->batch_invariant = bi && *bi && strcmp(bi, "0") != 0;
     o->kda_chunk = 64;
     o->kda_chunked_min = 16;
     o->mla_expanded_min = 32;
@@ -95,6 +38,8 @@ void ds_model_opts_default(ds_model_opts *o) {
     o->tp_size = 1;
     o->allreduce = NULL;
     o->allreduce_ctx = NULL;
+    o->allgather = NULL;
+    o->allgather_ctx = NULL;
 }
 
 int ds_model_tp_check(const ds_config *c, int T, ds_err *err) {
@@ -126,6 +71,18 @@ const ds_mat *ds_model_embed(const ds_model *m) {
 }
 const ds_mat *ds_model_lm_head(const ds_model *m) {
     return &m->lm_head_full;
+}
+int ds_model_on_device(const ds_model *m) {
+    return m->cu != NULL;
+}
+size_t ds_model_device_mem_free(const ds_model *m) {
+    return m->cu ? ds_cuda_model_mem_free(m) : 0;
+}
+const char *ds_model_device_name(const ds_model *m) {
+    static char cpu[64];
+    if (m->cu) return ds_cuda_model_device_name(m);
+    snprintf(cpu, sizeof cpu, "cpu (%s)", ds_isa_name(ds_kernels_isa()));
+    return cpu;
 }
 size_t ds_model_weight_bytes(const ds_model *m) {
     return m->weight_bytes;
@@ -513,6 +470,15 @@ int ds_model_load(const char *dir, const ds_model_opts *opts, ds_model **out, ds
     }
     m->n_kda = n_kda;
     m->n_mla = n_mla;
+    int dev = m->opts.device;
+    if (dev == DS_DEVICE_AUTO) dev = ds_cuda_available() ? DS_DEVICE_CUDA : DS_DEVICE_CPU;
+    if (dev == DS_DEVICE_CUDA) {
+        if (ds_cuda_model_attach(m, m->opts.device_index, err)) goto fail;
+    } else if (dev != DS_DEVICE_CPU) {
+        ds_errf(err, "device %d: expected cpu, cuda or auto (DS_DEVICE=%s)", dev,
+                getenv("DS_DEVICE") ? getenv("DS_DEVICE") : "");
+        goto fail;
+    }
     *out = m;
     return DS_OK;
 fail:
@@ -523,6 +489,7 @@ fail:
 
 void ds_model_free(ds_model *m) {
     if (!m) return;
+    if (m->cu) ds_cuda_model_detach(m);
     for (int i = 0; i < m->n_owned; i++) free(m->owned[i]);
     free(m->owned);
     free(m->layers);
@@ -584,14 +551,11 @@ double ds_model_token_flops(const ds_model *m, int with_lm_head) {
 /* ---- per-sequence state -----------------------------------------------------------------------
  */
 
-/* Per KDA layer, for this rank's m->Hk heads. */
 static size_t conv_floats(const ds_model *m) {
-    const ds_config *c = &m->cfg;
-    return (size_t)3 * (size_t)(c->short_conv_kernel_size - 1) * (size_t)(m->Hk * c->kda_head_dim);
+    return ds_model_conv_floats(m);
 }
 static size_t rec_floats(const ds_model *m) {
-    const ds_config *c = &m->cfg;
-    return (size_t)m->Hk * (size_t)c->kda_head_dim * (size_t)c->kda_head_dim;
+    return ds_model_rec_floats(m);
 }
 
 size_t ds_model_slot_floats(const ds_model *m) {
@@ -608,6 +572,7 @@ int ds_kv_pool_layers(const ds_model *m) {
 
 int ds_kv_pool_init(ds_kv_pool *p, const ds_model *m, int n_pages, int block_size, ds_err *err) {
     memset(p, 0, sizeof *p);
+    p->on_device = m->cu != NULL;
     p->n_layers = m->n_mla;
     p->n_pages = n_pages;
     p->block_size = block_size;
@@ -616,7 +581,11 @@ int ds_kv_pool_init(ds_kv_pool *p, const ds_model *m, int n_pages, int block_siz
     if (!p->layer) return DS_ERR;
     for (int j = 0; j < p->n_layers; j++) {
         /* calloc: large pools come straight from mmap, so untouched pages cost no memory */
-        p->layer[j] = ds_calloc((size_t)n_pages * block_size, (size_t)p->row * sizeof(float), err);
+        size_t bytes = (size_t)n_pages * block_size * (size_t)p->row * sizeof(float);
+        p->layer[j] = p->on_device ? ds_dmem_alloc(1, bytes, err)
+                                   : ds_calloc((size_t)n_pages * block_size,
+                                               (size_t)p->row * sizeof(float), err);
+        if (p->layer[j] && p->on_device) ds_dmem_zero(1, p->layer[j], bytes);
         if (!p->layer[j]) {
             ds_kv_pool_free(p);
             return DS_ERR;
@@ -627,7 +596,7 @@ int ds_kv_pool_init(ds_kv_pool *p, const ds_model *m, int n_pages, int block_siz
 
 void ds_kv_pool_free(ds_kv_pool *p) {
     if (p->layer)
-        for (int j = 0; j < p->n_layers; j++) free(p->layer[j]);
+        for (int j = 0; j < p->n_layers; j++) ds_dmem_free(p->on_device, p->layer[j]);
     free(p->layer);
     memset(p, 0, sizeof *p);
 }
@@ -1275,6 +1244,11 @@ int ds_model_forward_stage(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, in
         free(off);
         return DS_OK;
     }
+    if (m->cu) {
+        int rc = ds_cuda_forward_stage(m, pool, seqs, n_seq, off, T, in, out, err);
+        free(off);
+        return rc;
+    }
     size_t need = step_need(&s);
     if (need > m->scratch_cap) {
         free(m->scratch);
@@ -1293,3 +1267,32 @@ int ds_model_forward_stage(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, in
     if (s.tp_failed) return ds_errf(err, "forward: a tensor-parallel all-reduce failed");
     return DS_OK;
 }
+
+#ifndef DS_HAVE_CUDA
+/* A build without the CUDA backend: the device cannot be chosen. */
+int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
+    (void)m;
+    (void)device_index;
+    return ds_errf(err, "device cuda: this build has no CUDA backend (build it with `make cuda`)");
+}
+void ds_cuda_model_detach(ds_model *m) {
+    (void)m;
+}
+int ds_cuda_forward_stage(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, int n_seq,
+                          const int *off, int T, const ds_stage_io *in, ds_stage_io *out,
+                          ds_err *err) {
+    (void)m, (void)pool, (void)seqs, (void)n_seq, (void)off, (void)T, (void)in, (void)out;
+    return ds_errf(err, "forward: this build has no CUDA backend");
+}
+size_t ds_cuda_model_mem_free(const ds_model *m) {
+    (void)m;
+    return 0;
+}
+const char *ds_cuda_model_device_name(const ds_model *m) {
+    (void)m;
+    return "none";
+}
+int ds_cuda_available(void) {
+    return 0;
+}
+#endif

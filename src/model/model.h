@@ -15,7 +15,22 @@
 #include "model/config.h"
 #include "model/safetensors.h"
 
+/* Where the model runs (issue 9). AUTO: the GPU when this build has the CUDA backend and a device
+ * is present, else the CPU. */
+enum { DS_DEVICE_CPU = 0, DS_DEVICE_CUDA = 1, DS_DEVICE_AUTO = 2 };
+
 typedef struct ds_model_opts {
+    /* Device: DS_DEVICE_*. The default is the CPU, or DS_DEVICE in the environment (cpu, cuda,
+     * auto), which lets the CPU's tests run unchanged on a GPU. On CUDA the weights are uploaded
+     * once at load; the latent pool, state slots and verify rows are then device memory
+     * (base/devmem.h), while tokens, logits, hidden states and taps stay on the host. */
+    int device;
+    int device_index; /* which GPU (default 0) */
+    /* CUDA only: every matmul uses the weight-streaming kernel with f32 activations, in which a
+     * token's result never depends on how many others share its step (cuBLAS picks algorithms by
+     * batch size), and which matches the CPU's numbers to ~1e-6. Slower for long prefills. The
+     * CPU backend is batch invariant always. Default off, or DS_BATCH_INVARIANT=1. */
+    int batch_invariant;
     int kda_chunk;              /* chunk length of the chunked KDA form (default 64) */
     int kda_chunked_min;        /* segments with at least this many tokens use the chunked form */
     int mla_expanded_min;       /* segments with at least this many tokens use expanded MLA */
@@ -63,6 +78,13 @@ const ds_mat *ds_model_embed(const ds_model *m);
 const ds_mat *ds_model_lm_head(const ds_model *m);
 /* Total bytes of weight tensors bound by the model. */
 size_t ds_model_weight_bytes(const ds_model *m);
+/* Does the model run on a GPU? Its state (slots, latent pool, verify rows) is then device memory.
+ */
+int ds_model_on_device(const ds_model *m);
+/* Free device memory in bytes (0 on the CPU). */
+size_t ds_model_device_mem_free(const ds_model *m);
+/* "cpu (avx512)" or the GPU's name. */
+const char *ds_model_device_name(const ds_model *m);
 
 /* ---- per-sequence state ------------------------------------------------------------------------
  */
@@ -76,7 +98,8 @@ int ds_model_latent_row(const ds_model *m);
 
 /* Paged MLA latent pool: for each MLA layer j, layer[j] holds [n_pages][block_size][row] floats. */
 typedef struct ds_kv_pool {
-    float **layer; /* [n_mla] pointers */
+    float **layer; /* [n_mla] pointers (device memory when on_device) */
+    int on_device;
     int n_layers, n_pages, block_size, row;
 } ds_kv_pool;
 

@@ -242,7 +242,7 @@ static void check_kda_batch(ds_cu *c, const int *lens, int n_seq, int H, int dk,
     poison(c, dout, nv * 4);
     poison(c, dR, (size_t)T * ns * 4);
     ds_err err = {{0}};
-    if (ds_cu_kda_recurrent_batch(c, dout, dq, dk_, dv_, dg, db, doff, dsp, drp, n_seq, H, dk, dv,
+    if (ds_cu_kda_recurrent_batch(c, dout, dq, dk_, dv_, dg, db, doff, dsp, drp, 0, n_seq, H, dk, dv,
                                   &err))
         DIE("%s", err.msg);
     fetch(c, ogot, dout, nv * 4);
@@ -589,7 +589,7 @@ static void run_kda(ds_cu *c, void *p) {
     ds_err err;
     size_t ns = (size_t)x->H * x->dk * x->dv;
     if (x->batched) {
-        if (ds_cu_kda_recurrent_batch(c, x->o, x->q, x->k, x->v, x->g, x->beta, x->off, x->Sp, NULL,
+        if (ds_cu_kda_recurrent_batch(c, x->o, x->q, x->k, x->v, x->g, x->beta, x->off, x->Sp, NULL, 0,
                                       x->n_seq, x->H, x->dk, x->dv, &err))
             DIE("%s", err.msg);
         return;

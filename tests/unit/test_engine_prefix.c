@@ -28,7 +28,7 @@ static void pw_init(px_world *w, int hash_bits, int n_ckpt) {
     w->kv.n_pages = PW_PAGES;
     w->kv.block_size = PW_BS;
     w->kv.row = PW_ROW;
-    ds_prefix_opts o = {PW_BS, 8, n_ckpt, 42, hash_bits};
+    ds_prefix_opts o = {PW_BS, 8, n_ckpt, 42, hash_bits, 0};
     if (ds_prefix_create(&o, PW_SLOT, w->pages, &w->kv, NULL, &w->px, &err))
         fail_msg("%s", err.msg);
 }

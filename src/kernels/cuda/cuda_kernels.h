@@ -58,18 +58,19 @@ void ds_cu_swiglu(ds_cu *c, float *out, const float *gate, const float *up, size
 /* The KDA delta-rule recurrence, as ds_kda_recurrent: q, k: [T][H][dk]; v: [T][H][dv];
  * g: [T][H][dk] (log decay); beta: [T][H]; S: [H][dk][dv] in/out; o: [T][H][dv];
  * S_rows (or NULL): [T][H][dk][dv] the state after each token (speculative rollback).
- * dk must be 32, 64 or 128 (the state column lives in registers). */
+ * dk must be 16, 32, 64 or 128 (the state column lives in registers). */
 int ds_cu_kda_recurrent(ds_cu *c, float *o, const float *q, const float *k, const float *v,
                         const float *g, const float *beta, float *S, float *S_rows, int T, int H,
                         int dk, int dv, ds_err *err);
 /* The same over a batch of sequences in one launch (decode, verify and short prefills): sequence
  * z runs tokens [seg_off[z], seg_off[z+1]) of the packed q/k/v/g/beta/o ([tokens][H][...]) on its
- * own state S[z] ([H][dk][dv]), writing S_rows[z] ([its tokens][H][dk][dv]) when S_rows is not
- * NULL. seg_off [n_seq+1], S [n_seq] and S_rows [n_seq] are device arrays. */
+ * own state S[z] ([H][dk][dv]), writing the state after its token t to S_rows[z] + t*rows_stride
+ * ([H][dk][dv] each; rows_stride 0 means packed, H*dk*dv) when S_rows and S_rows[z] are not NULL.
+ * seg_off [n_seq+1], S [n_seq] and S_rows [n_seq] are device arrays. */
 int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, const float *k, const float *v,
                               const float *g, const float *beta, const int32_t *seg_off,
-                              float *const *S, float *const *S_rows, int n_seq, int H, int dk,
-                              int dv, ds_err *err);
+                              float *const *S, float *const *S_rows, size_t rows_stride,
+                              int n_seq, int H, int dk, int dv, ds_err *err);
 
 /* As ds_short_conv_silu: in [T][C], w [C][W] (W <= 8), tail [W-1][C] in/out, out [T][C]. */
 int ds_cu_short_conv_silu(ds_cu *c, float *out, const float *in, int T, int C, const float *w,
@@ -112,6 +113,39 @@ int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z, const floa
 int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx, const float *w,
                       int T, int k, int D, int I, const uint16_t *gate_up, const uint16_t *down,
                       int situ, float situ_beta, float situ_lin_beta, int accumulate, ds_err *err);
+
+/* ---- glue for the model forward (model_cuda.c) ---- */
+/* Batch-invariant matmuls (see ds_model_opts.batch_invariant): on, every ds_cu_matmul streams the
+ * weights with f32 activations in tiles of 8 tokens, so a token's bits never depend on T. */
+void ds_cu_set_batch_invariant(ds_cu *c, int on);
+void ds_cu_add(ds_cu *c, float *y, const float *x, size_t n);           /* y += x */
+void ds_cu_mul(ds_cu *c, float *y, const float *x, size_t n);           /* y *= x */
+void ds_cu_axpy(ds_cu *c, float *y, float a, const float *x, size_t n); /* y += a x */
+void ds_cu_sigmoid(ds_cu *c, float *x, size_t n);                       /* in place */
+/* As ds_act_situ. */
+void ds_cu_situ(ds_cu *c, float *out, const float *gate, const float *up, size_t n, float beta,
+                float lin_beta);
+/* ds_cu_rmsnorm over rows with strides: x [T][ldx], y [T][ldy], D <= ld. */
+void ds_cu_rmsnorm_ld(ds_cu *c, float *y, int ldy, const float *x, int ldx, const float *w, int T,
+                      int D, float eps);
+/* For i < n: dst row (dst_rows ? dst_rows[i] : i) = src row (src_rows ? src_rows[i] : i), width
+ * floats; rows ldd / lds floats apart; the index arrays are device memory. Scatters latent rows
+ * into the paged pool, gathers them back, gathers the rows that want logits. */
+int ds_cu_move_rows(ds_cu *c, float *dst, size_t ldd, const int32_t *dst_rows, const float *src,
+                    size_t lds, const int32_t *src_rows, int n, int width, ds_err *err);
+/* rows x width floats between pitched buffers (pitches in floats), any direction. */
+int ds_cu_copy_2d(ds_cu *c, float *dst, size_t ldd, const float *src, size_t lds, size_t width,
+                  size_t rows, ds_err *err);
+/* The short-conv tail after each of n tokens (speculative rollback rows): dst + t*stride gets
+ * [W-1][P], the last W-1 rows of old [W-1][P] ++ pre [n][P] up to token t. */
+int ds_cu_conv_tail_rows(ds_cu *c, float *dst, size_t stride, const float *old, const float *pre,
+                         int n, int W, int P, ds_err *err);
+/* A copy in any direction (unified addressing), done when it returns. */
+int ds_cu_copy_any(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err);
+/* Can a kernel read p (device or managed memory)? 0 for plain host memory. */
+int ds_cu_is_device_ptr(const void *p);
+/* Free device memory in bytes. */
+size_t ds_cu_mem_free(ds_cu *c);
 
 /* out[r] = ds_argmax(x[r], V) for rows r < rows: x [rows][V]; ties to the lowest index. */
 void ds_cu_argmax_rows(ds_cu *c, int32_t *out, const float *x, int rows, int V);

@@ -20,6 +20,7 @@ struct ds_cu {
     size_t part_bytes;
     char name[160];
     cudaError_t sticky; /* first launch error seen by a void function; reported by ds_cu_sync */
+    int batch_invariant; /* every matmul through the weight-streaming kernel (see the header) */
 };
 
 #define CU_TRY(call, what)                                                                         \
@@ -164,6 +165,8 @@ __global__ void __launch_bounds__(256)
     gemv_bf16_k(float *y, int ldy, const float *x, int ldx, const uint16_t *W, int N, int K) {
     const int lane = threadIdx.x & 31, n = blockIdx.x * 8 + (threadIdx.x >> 5);
     if (n >= N) return; /* a whole warp leaves together; no block barrier follows */
+    x += (size_t)blockIdx.y * TT * ldx; /* tile blockIdx.y of TT tokens */
+    y += (size_t)blockIdx.y * TT * ldy;
     const uint4 *wr = (const uint4 *)(W + (size_t)n * K);
     float acc[TT];
 #pragma unroll
@@ -191,15 +194,63 @@ __global__ void __launch_bounds__(256)
     }
 }
 
+/* The same for any K and alignment, one element at a time (the batch-invariant mode's fallback):
+ * per token the same order of operations whatever T is. */
+__global__ void __launch_bounds__(256)
+    gemv_any_k(float *y, int ldy, const float *x, int ldx, const uint16_t *W, int N, int K) {
+    const int lane = threadIdx.x & 31, n = blockIdx.x * 8 + (threadIdx.x >> 5), t = blockIdx.y;
+    if (n >= N) return;
+    const uint16_t *wr = W + (size_t)n * K;
+    const float *xt = x + (size_t)t * ldx;
+    float acc = 0.0f;
+    for (int k = lane; k < K; k += 32) acc += __uint_as_float((uint32_t)wr[k] << 16) * xt[k];
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) y[(size_t)t * ldy + n] = acc;
+}
+
+/* Tiles of 8 tokens share one read of W; the remainder runs as its own instance. Each token's
+ * dot products take the same operations in every instance, so its bits do not depend on T. */
+static int gemv_tiles(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, const uint16_t *W,
+                      int N, int K, ds_err *err) {
+    const unsigned blocks = (unsigned)((N + 7) / 8);
+    int full = T / 8, rem = T % 8;
+    for (int t0 = 0; t0 < full * 8; t0 += 8 * 65535) /* grid.y holds 65535 tiles */
+        gemv_bf16_k<8><<<dim3(blocks, (unsigned)DS_MIN(full - t0 / 8, 65535)), 256, 0, c->stream>>>(
+            y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx, W, N, K);
+    const float *xr = x + (size_t)full * 8 * ldx;
+    float *yr = y + (size_t)full * 8 * ldy;
+    switch (rem) {
+    case 0: break;
+    case 1: gemv_bf16_k<1><<<blocks, 256, 0, c->stream>>>(yr, ldy, xr, ldx, W, N, K); break;
+    case 2: gemv_bf16_k<2><<<blocks, 256, 0, c->stream>>>(yr, ldy, xr, ldx, W, N, K); break;
+    case 3: gemv_bf16_k<3><<<blocks, 256, 0, c->stream>>>(yr, ldy, xr, ldx, W, N, K); break;
+    case 4: gemv_bf16_k<4><<<blocks, 256, 0, c->stream>>>(yr, ldy, xr, ldx, W, N, K); break;
+    case 5: gemv_bf16_k<5><<<blocks, 256, 0, c->stream>>>(yr, ldy, xr, ldx, W, N, K); break;
+    case 6: gemv_bf16_k<6><<<blocks, 256, 0, c->stream>>>(yr, ldy, xr, ldx, W, N, K); break;
+    default: gemv_bf16_k<7><<<blocks, 256, 0, c->stream>>>(yr, ldy, xr, ldx, W, N, K); break;
+    }
+    CU_TRY(cudaGetLastError(), "matmul (gemv)");
+    return DS_OK;
+}
+
+extern "C" void ds_cu_set_batch_invariant(ds_cu *c, int on) {
+    c->batch_invariant = on;
+}
+
 extern "C" int ds_cu_matmul(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T,
                             const ds_cu_mat *w, ds_err *err) {
     const int N = w->rows, K = w->cols;
-    if (T <= 0) return DS_OK;
-    if (T == 1 && K % 8 == 0 && ldx % 4 == 0 && (uintptr_t)x % 16 == 0 &&
-        (uintptr_t)w->data % 16 == 0) {
-        const unsigned blocks = (unsigned)((N + 7) / 8);
-        gemv_bf16_k<1><<<blocks, 256, 0, c->stream>>>(y, ldy, x, ldx, w->data, N, K);
-        CU_TRY(cudaGetLastError(), "matmul (gemv)");
+    if (T <= 0 || N <= 0) return DS_OK;
+    const int vec = K % 8 == 0 && ldx % 4 == 0 && (uintptr_t)x % 16 == 0 &&
+                    (uintptr_t)w->data % 16 == 0;
+    if (vec && (T == 1 || c->batch_invariant))
+        return gemv_tiles(c, y, ldy, x, ldx, T, w->data, N, K, err);
+    if (c->batch_invariant) {
+        for (int t0 = 0; t0 < T; t0 += 65535)
+            gemv_any_k<<<dim3((unsigned)((N + 7) / 8), (unsigned)DS_MIN(T - t0, 65535)), 256, 0,
+                         c->stream>>>(y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx,
+                                      w->data, N, K);
+        CU_TRY(cudaGetLastError(), "matmul (gemv, any shape)");
         return DS_OK;
     }
     size_t need = (size_t)T * K;
@@ -284,6 +335,146 @@ extern "C" void ds_cu_swiglu(ds_cu *c, float *out, const float *gate, const floa
     if (!n) return;
     swiglu_k<<<(unsigned)((n + 255) / 256), 256, 0, c->stream>>>(out, gate, up, n);
     note_launch(c);
+}
+
+/* ---- the rest of the forward's glue: elementwise, strided norms, row gathers --------------- */
+
+#define ELEMWISE(name, body)                                                                       \
+    __global__ void name##_k(float *y, const float *x, size_t n, float a, float b) {               \
+        size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;                                  \
+        if (i < n) { body; }                                                                       \
+    }
+ELEMWISE(add, y[i] += x[i])
+ELEMWISE(mul, y[i] *= x[i])
+ELEMWISE(sigmoid, y[i] = 1.0f / (1.0f + expf(-y[i])))
+ELEMWISE(axpy, y[i] += a * x[i])
+#undef ELEMWISE
+
+#define ELEMWISE_LAUNCH(name, y, x, n, a, b)                                                       \
+    do {                                                                                           \
+        if (!(n)) return;                                                                          \
+        name##_k<<<(unsigned)(((n) + 255) / 256), 256, 0, c->stream>>>(y, x, n, a, b);             \
+        note_launch(c);                                                                            \
+    } while (0)
+
+extern "C" void ds_cu_add(ds_cu *c, float *y, const float *x, size_t n) {
+    ELEMWISE_LAUNCH(add, y, x, n, 0.0f, 0.0f);
+}
+extern "C" void ds_cu_mul(ds_cu *c, float *y, const float *x, size_t n) {
+    ELEMWISE_LAUNCH(mul, y, x, n, 0.0f, 0.0f);
+}
+extern "C" void ds_cu_sigmoid(ds_cu *c, float *x, size_t n) {
+    ELEMWISE_LAUNCH(sigmoid, x, x, n, 0.0f, 0.0f);
+}
+extern "C" void ds_cu_axpy(ds_cu *c, float *y, float a, const float *x, size_t n) {
+    ELEMWISE_LAUNCH(axpy, y, x, n, a, 0.0f);
+}
+
+__global__ void situ_k(float *out, const float *gate, const float *up, size_t n, float beta,
+                       float lin_beta) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float g = gate[i], u = up[i];
+    const float phi = lin_beta > 0.0f ? lin_beta * tanhf(u / lin_beta) : u;
+    out[i] = beta * tanhf(g / beta) / (1.0f + expf(-g)) * phi;
+}
+
+extern "C" void ds_cu_situ(ds_cu *c, float *out, const float *gate, const float *up, size_t n,
+                           float beta, float lin_beta) {
+    if (!n) return;
+    situ_k<<<(unsigned)((n + 255) / 256), 256, 0, c->stream>>>(out, gate, up, n, beta, lin_beta);
+    note_launch(c);
+}
+
+__global__ void rmsnorm_ld_k(float *y, int ldy, const float *x, int ldx, const float *w, int D,
+                             float eps) {
+    const float *xr = x + (size_t)blockIdx.x * ldx;
+    float *yr = y + (size_t)blockIdx.x * ldy;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < D; c += blockDim.x) ss += xr[c] * xr[c];
+    float inv = rsqrtf(block_sum(ss) / (float)D + eps);
+    for (int c = threadIdx.x; c < D; c += blockDim.x) yr[c] = w[c] * (xr[c] * inv);
+}
+
+extern "C" void ds_cu_rmsnorm_ld(ds_cu *c, float *y, int ldy, const float *x, int ldx,
+                                 const float *w, int T, int D, float eps) {
+    if (T <= 0) return;
+    rmsnorm_ld_k<<<T, 256, 0, c->stream>>>(y, ldy, x, ldx, w, D, eps);
+    note_launch(c);
+}
+
+/* dst[dst_rows ? dst_rows[i] : i][:width] = src[src_rows ? src_rows[i] : i][:width] */
+__global__ void move_rows_k(float *dst, size_t ldd, const int32_t *dst_rows, const float *src,
+                            size_t lds, const int32_t *src_rows, int width) {
+    const int i = blockIdx.x;
+    const size_t di = dst_rows ? (size_t)dst_rows[i] : (size_t)i;
+    const size_t si = src_rows ? (size_t)src_rows[i] : (size_t)i;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) dst[di * ldd + c] = src[si * lds + c];
+}
+
+extern "C" int ds_cu_move_rows(ds_cu *c, float *dst, size_t ldd, const int32_t *dst_rows,
+                               const float *src, size_t lds, const int32_t *src_rows, int n,
+                               int width, ds_err *err) {
+    for (int i0 = 0; i0 < n; i0 += 1 << 30) {
+        int m = DS_MIN(n - i0, 1 << 30);
+        move_rows_k<<<(unsigned)m, 128, 0, c->stream>>>(
+            dst_rows ? dst : dst + (size_t)i0 * ldd, ldd, dst_rows ? dst_rows + i0 : NULL,
+            src_rows ? src : src + (size_t)i0 * lds, lds, src_rows ? src_rows + i0 : NULL, width);
+        CU_TRY(cudaGetLastError(), "move rows");
+    }
+    return DS_OK;
+}
+
+extern "C" int ds_cu_copy_2d(ds_cu *c, float *dst, size_t ldd, const float *src, size_t lds,
+                             size_t width, size_t rows, ds_err *err) {
+    if (!rows || !width) return DS_OK;
+    CU_TRY(cudaMemcpy2DAsync(dst, ldd * sizeof(float), src, lds * sizeof(float),
+                             width * sizeof(float), rows, cudaMemcpyDefault, c->stream),
+           "2d copy");
+    return DS_OK;
+}
+
+/* The short-conv tail after each token of a verify segment (kernels/cpu: the tail after token t
+ * is rows t-W+2 .. t of old ++ pre): dst + t*stride holds [W-1][P]. */
+__global__ void conv_tail_rows_k(float *dst, size_t stride, const float *old, const float *pre,
+                                 int n, int W, int P) {
+    const int t = blockIdx.y, i = blockIdx.z;
+    const int u = t - (W - 1) + 1 + i;
+    const float *src = u < 0 ? old + (size_t)(u + W - 1) * P : pre + (size_t)u * P;
+    float *d = dst + (size_t)t * stride + (size_t)i * P;
+    for (int ch = blockIdx.x * blockDim.x + threadIdx.x; ch < P; ch += gridDim.x * blockDim.x)
+        d[ch] = src[ch];
+}
+
+extern "C" int ds_cu_conv_tail_rows(ds_cu *c, float *dst, size_t stride, const float *old,
+                                    const float *pre, int n, int W, int P, ds_err *err) {
+    if (n <= 0 || W <= 1) return DS_OK;
+    conv_tail_rows_k<<<dim3((unsigned)((P + 255) / 256), (unsigned)n, (unsigned)(W - 1)), 256, 0,
+                       c->stream>>>(dst, stride, old, pre, n, W, P);
+    CU_TRY(cudaGetLastError(), "conv tail rows");
+    return DS_OK;
+}
+
+extern "C" int ds_cu_copy_any(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err) {
+    CU_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->stream), "copy");
+    CU_TRY(cudaStreamSynchronize(c->stream), "copy");
+    return DS_OK;
+}
+
+extern "C" int ds_cu_is_device_ptr(const void *p) {
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        cudaGetLastError(); /* clear it: a plain host pointer is not an error */
+        return 0;
+    }
+    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
+
+extern "C" size_t ds_cu_mem_free(ds_cu *c) {
+    (void)c;
+    size_t f = 0, t = 0;
+    if (cudaMemGetInfo(&f, &t) != cudaSuccess) return 0;
+    return f;
 }
 
 /* ---- KDA inputs: short conv, gates, head norms ------------------------------------------------
@@ -801,8 +992,8 @@ extern "C" void ds_cu_argmax_rows(ds_cu *c, int32_t *out, const float *x, int ro
  * memory. Blocks: (head, column tile, sequence); a batch of sequences is one launch. */
 template <int DK, int SPLIT>
 __device__ void kda_run(float *o, const float *q, const float *k, const float *v, const float *g,
-                        const float *beta, float *Sh, float *S_rows, int t0, int t1, int H, int dv,
-                        int h, int col, bool live, int part) {
+                        const float *beta, float *Sh, float *S_rows, size_t rows_stride, int t0,
+                        int t1, int H, int dv, int h, int col, bool live, int part) {
     constexpr int DP = DK / SPLIT; /* state entries of the column this thread holds */
     __shared__ float qs[DK], ks[DK], ds[DK];
     float s[DP];
@@ -840,7 +1031,7 @@ __device__ void kda_run(float *o, const float *q, const float *k, const float *v
         if (live) {
             if (part == 0) o[th * dv + col] = acc;
             if (S_rows) {
-                float *R = S_rows + ((size_t)(t - t0) * H + h) * DK * dv;
+                float *R = S_rows + (size_t)(t - t0) * rows_stride + (size_t)h * DK * dv;
 #pragma unroll
                 for (int c = 0; c < DP; c++) R[(size_t)(c0 + c) * dv + col] = s[c];
             }
@@ -856,13 +1047,14 @@ __device__ void kda_run(float *o, const float *q, const float *k, const float *v
 template <int DK, int SPLIT>
 __global__ void __launch_bounds__(128)
     kda_batch_k(float *o, const float *q, const float *k, const float *v, const float *g,
-                const float *beta, const int32_t *off, float *const *S, float *const *S_rows, int H,
-                int dv) {
+                const float *beta, const int32_t *off, float *const *S, float *const *S_rows,
+                size_t rows_stride, int H, int dv) {
     const int h = blockIdx.x, z = blockIdx.z, part = threadIdx.x % SPLIT;
     const int col = blockIdx.y * (blockDim.x / SPLIT) + threadIdx.x / SPLIT;
     float *Sh = S[z] + (size_t)h * DK * dv;
-    kda_run<DK, SPLIT>(o, q, k, v, g, beta, Sh, S_rows ? S_rows[z] : NULL, off[z], off[z + 1], H,
-                       dv, h, col, col < dv, part);
+    /* a NULL entry: this sequence keeps no rows */
+    kda_run<DK, SPLIT>(o, q, k, v, g, beta, Sh, S_rows ? S_rows[z] : NULL, rows_stride, off[z],
+                       off[z + 1], H, dv, h, col, col < dv, part);
 }
 
 /* One sequence, arguments by value (no device arrays to fill). */
@@ -872,8 +1064,8 @@ __global__ void __launch_bounds__(128)
               const float *beta, float *S, float *S_rows, int T, int H, int dv) {
     const int h = blockIdx.x, part = threadIdx.x % SPLIT;
     const int col = blockIdx.y * (blockDim.x / SPLIT) + threadIdx.x / SPLIT;
-    kda_run<DK, SPLIT>(o, q, k, v, g, beta, S + (size_t)h * DK * dv, S_rows, 0, T, H, dv, h, col,
-                       col < dv, part);
+    kda_run<DK, SPLIT>(o, q, k, v, g, beta, S + (size_t)h * DK * dv, S_rows, (size_t)H * DK * dv, 0,
+                       T, H, dv, h, col, col < dv, part);
 }
 
 /* Threads per block and columns per block for a head dim. */
@@ -892,6 +1084,9 @@ extern "C" int ds_cu_kda_recurrent(ds_cu *c, float *o, const float *q, const flo
     kda_shape(dk, dv, &threads, &cols);
     dim3 grid((unsigned)H, (unsigned)((dv + cols - 1) / cols));
     switch (dk) {
+    case 16:
+        kda_one_k<16, 1><<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, S, S_rows, T, H, dv);
+        break;
     case 32:
         kda_one_k<32, 1><<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, S, S_rows, T, H, dv);
         break;
@@ -903,7 +1098,7 @@ extern "C" int ds_cu_kda_recurrent(ds_cu *c, float *o, const float *q, const flo
             <<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, S, S_rows, T, H, dv);
         break;
     default:
-        return ds_errf(err, "cuda: kda_recurrent: head dim %d (32, 64 or 128 supported)", dk);
+        return ds_errf(err, "cuda: kda_recurrent: head dim %d (16, 32, 64 or 128 supported)", dk);
     }
     CU_TRY(cudaGetLastError(), "kda_recurrent");
     return DS_OK;
@@ -912,27 +1107,32 @@ extern "C" int ds_cu_kda_recurrent(ds_cu *c, float *o, const float *q, const flo
 extern "C" int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, const float *k,
                                          const float *v, const float *g, const float *beta,
                                          const int32_t *seg_off, float *const *S,
-                                         float *const *S_rows, int n_seq, int H, int dk, int dv,
-                                         ds_err *err) {
+                                         float *const *S_rows, size_t rows_stride, int n_seq,
+                                         int H, int dk, int dv, ds_err *err) {
+    if (!rows_stride) rows_stride = (size_t)H * dk * dv;
     if (n_seq <= 0 || H <= 0) return DS_OK;
     int threads, cols;
     kda_shape(dk, dv, &threads, &cols);
     dim3 grid((unsigned)H, (unsigned)((dv + cols - 1) / cols), (unsigned)n_seq);
     switch (dk) {
+    case 16:
+        kda_batch_k<16, 1><<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows,
+                                                            rows_stride, H, dv);
+        break;
     case 32:
         kda_batch_k<32, 1>
-            <<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows, H, dv);
+            <<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows, rows_stride, H, dv);
         break;
     case 64:
         kda_batch_k<64, 1>
-            <<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows, H, dv);
+            <<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows, rows_stride, H, dv);
         break;
     case 128:
         kda_batch_k<128, 2>
-            <<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows, H, dv);
+            <<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows, rows_stride, H, dv);
         break;
     default:
-        return ds_errf(err, "cuda: kda_recurrent: head dim %d (32, 64 or 128 supported)", dk);
+        return ds_errf(err, "cuda: kda_recurrent: head dim %d (16, 32, 64 or 128 supported)", dk);
     }
     CU_TRY(cudaGetLastError(), "kda_recurrent_batch");
     return DS_OK;

@@ -1,0 +1,33 @@
+/* devmem.h — the memory per-sequence state lives in: the host's, or the GPU's when the model runs
+ * on the CUDA backend (issue 9). The KDA slot and checkpoint pools, the MLA latent pool and the
+ * verify rows are allocated, copied and zeroed through here, so the engine and the caches above
+ * the model run unchanged on either device.
+ *
+ * The CUDA backend installs its operations when a model is attached to a GPU (one device per
+ * process); until then every call is plain host memory. Copies take any direction: with unified
+ * addressing the backend tells host from device pointers itself. A copy or fill that fails on the
+ * device is recorded by the backend and reported by the next forward step. */
+#ifndef DS_DEVMEM_H
+#define DS_DEVMEM_H
+
+#include "base/ds_base.h"
+
+typedef struct ds_dmem_ops {
+    void *(*alloc)(size_t bytes, ds_err *err);
+    void (*release)(void *p);
+    void (*copy)(void *dst, const void *src, size_t bytes); /* done when it returns */
+    void (*zero)(void *p, size_t bytes);                    /* device memory only */
+} ds_dmem_ops;
+
+/* Installs the device's operations (NULL: back to host only). */
+void ds_dmem_install(const ds_dmem_ops *ops);
+/* Is a device installed? */
+int ds_dmem_have_device(void);
+
+/* on_device 0: 64-byte aligned host memory; 1: device memory (an error without a device). */
+void *ds_dmem_alloc(int on_device, size_t bytes, ds_err *err);
+void ds_dmem_free(int on_device, void *p);
+void ds_dmem_copy(void *dst, const void *src, size_t bytes);
+void ds_dmem_zero(int on_device, void *p, size_t bytes);
+
+#endif

@@ -1,0 +1,999 @@
+/* model_cuda.c — the forward pass on the CUDA backend (issue 9).
+ *
+ * The seam is the one calm uses: ds_model_forward_stage hands a step to this file when the model
+ * was attached to a GPU, and everything above it — scheduler, prefix cache, offload, speculation,
+ * pipeline stages, server — is shared with the CPU. The data flow is model.c's run_step, op for
+ * op, with each op a kernel of kernels/cuda on device buffers:
+ *   embed -> for each layer: [AttnRes mix] -> RMSNorm -> KDA | MLA -> [AttnRes mix] -> RMSNorm ->
+ *   dense MLP | MoE -> ... -> [output AttnRes mix] -> final RMSNorm -> lm_head.
+ *
+ * Memory: the weights are uploaded once at attach (BF16 matrices, f32 vectors); the latent pool,
+ * the KDA slots and the verify rows are device memory the engine allocated through base/devmem.h.
+ * Per step the host builds every index the step needs (token ids, segment offsets, pool rows,
+ * block tables, state pointers, AttnRes candidate lists) in two arenas and uploads each once;
+ * tokens come from the host and logits, hidden states and taps go back to it.
+ *
+ * Under tensor parallelism a GPU would need NCCL (not built yet), so attach refuses tp_size > 1;
+ * pipeline stages work, their tensors crossing through the host as on the CPU. */
+#include "model/model_impl.h"
+
+#include "base/devmem.h"
+#include "kernels/cuda/cuda_kernels.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+/* ---- the process's device -------------------------------------------------------------------
+ * One GPU per process (a job runs one rank per GPU); every model attached in the process shares
+ * its stream, so a state copy made by the engine is ordered with the steps around it. */
+static ds_cu *g_cu;
+static int g_cu_refs, g_cu_index = -1;
+static char g_copy_err[sizeof(ds_err)]; /* the first failed state copy, reported by the next step */
+
+static void *dm_alloc(size_t bytes, ds_err *err) {
+    return ds_cu_alloc(g_cu, bytes, err);
+}
+static void dm_release(void *p) {
+    ds_cu_dealloc(p);
+}
+static void dm_copy(void *dst, const void *src, size_t bytes) {
+    ds_err e;
+    if (ds_cu_copy_any(g_cu, dst, src, bytes, &e) && !g_copy_err[0])
+        snprintf(g_copy_err, sizeof g_copy_err, "%s", e.msg);
+}
+static void dm_zero(void *p, size_t bytes) {
+    ds_err e;
+    if (ds_cu_fill_bytes(g_cu, p, 0, bytes, &e) && !g_copy_err[0])
+        snprintf(g_copy_err, sizeof g_copy_err, "%s", e.msg);
+}
+static const ds_dmem_ops g_dmem = {dm_alloc, dm_release, dm_copy, dm_zero};
+
+int ds_cuda_available(void) {
+    if (g_cu) return 1;
+    ds_cu *c = NULL;
+    ds_err e;
+    if (ds_cu_create(0, &c, &e)) return 0;
+    ds_cu_free(c);
+    return 1;
+}
+
+/* ---- weights on the device ------------------------------------------------------------------ */
+
+typedef struct cu_kda {
+    ds_cu_mat q, k, v, f_a, f_b, b, g, g_a, g_b, o;
+    float *q_conv, *k_conv, *v_conv; /* [P][W] */
+    float *dt_bias, *A_log, *o_norm; /* [P], [Hk], [dk] */
+} cu_kda;
+
+typedef struct cu_mla {
+    ds_cu_mat q, q_a, q_b, kv_a, kv_b, o, g;
+    ds_cu_mat *ukT;              /* [Ha] W_UK_h^T, each [R][dn]: q̄_h = ukT_h qN_h as a matmul */
+    float *q_a_norm, *kv_a_norm; /* [Rq], [R] */
+} cu_mla;
+
+typedef struct cu_ffn {
+    ds_cu_mat gate, up, down, router, sh_gate, sh_up, sh_down, lat_down, lat_up;
+    float *router_bias, *lat_norm; /* [E] or NULL, [Hin] or NULL */
+    uint16_t *gate_up; /* [E][2 Ie][Hin] BF16: an expert's gate rows, then its up rows */
+    uint16_t *e_down;  /* [E][Hin][Ie] BF16 */
+} cu_ffn;
+
+typedef struct cu_layer {
+    float *in_norm, *post_norm, *attn_res_np, *mlp_res_np; /* [D] */
+    cu_kda kda;
+    cu_mla mla;
+    cu_ffn ffn;
+} cu_layer;
+
+typedef struct ds_cuda_model {
+    ds_cu *c;
+    cu_layer *layers; /* [L]; [l0, l1) uploaded */
+    ds_cu_mat embed, lm_head;
+    float *final_norm, *out_res_np;
+    void **allocs; /* every device allocation of the weights */
+    int n_allocs, cap_allocs;
+    size_t weight_bytes;
+    uint16_t *conv; /* host staging for dtype conversion, conv_cap elements */
+    size_t conv_cap;
+    /* per-step buffers, grown on demand */
+    float *sc; /* device scratch, sc_cap floats */
+    size_t sc_cap;
+    int32_t *iarena; /* device int32 indices, icap */
+    size_t icap;
+    void **parena; /* device pointer tables, pcap */
+    size_t pcap;
+    float *stage; /* device copies of state a caller kept in host memory, stage_cap floats */
+    size_t stage_cap;
+    int32_t *h_i; /* host staging of the two arenas */
+    size_t h_icap;
+    void **h_p;
+    size_t h_pcap;
+} ds_cuda_model;
+
+static int keep(ds_cuda_model *cm, void *p, ds_err *err) {
+    if (cm->n_allocs == cm->cap_allocs) {
+        int cap = cm->cap_allocs ? 2 * cm->cap_allocs : 256;
+        void **a = realloc(cm->allocs, (size_t)cap * sizeof *a);
+        if (!a) {
+            ds_cu_dealloc(p);
+            return ds_errf(err, "cuda: out of host memory");
+        }
+        cm->allocs = a;
+        cm->cap_allocs = cap;
+    }
+    cm->allocs[cm->n_allocs++] = p;
+    return DS_OK;
+}
+
+static void *dev_alloc(ds_cuda_model *cm, size_t bytes, ds_err *err) {
+    void *p = ds_cu_alloc(cm->c, bytes, err);
+    if (!p || keep(cm, p, err)) return NULL;
+    cm->weight_bytes += bytes;
+    return p;
+}
+
+/* src (n elements of dtype dt) as BF16 in device memory at dst. BF16 goes up as it is; F32 and F16
+ * are rounded to BF16 (the CUDA matmuls read BF16 weights). */
+static int upload_bf16(ds_cuda_model *cm, uint16_t *dst, const void *src, ds_dtype dt, size_t n,
+                       ds_err *err) {
+    if (dt == DS_DT_BF16) return ds_cu_upload(cm->c, dst, src, n * 2, err);
+    if (n > cm->conv_cap) {
+        uint16_t *b = realloc(cm->conv, n * sizeof *b);
+        if (!b) return ds_errf(err, "cuda: out of host memory converting %zu weights", n);
+        cm->conv = b;
+        cm->conv_cap = n;
+    }
+    for (size_t i = 0; i < n; i++) {
+        float f =
+            dt == DS_DT_F32 ? ((const float *)src)[i] : ds_f16_to_f32(((const uint16_t *)src)[i]);
+        cm->conv[i] = ds_f32_to_bf16(f);
+    }
+    return ds_cu_upload(cm->c, dst, cm->conv, n * 2, err);
+}
+
+static int up_mat(ds_cuda_model *cm, const ds_mat *w, ds_cu_mat *out, ds_err *err) {
+    memset(out, 0, sizeof *out);
+    if (!w->data || !w->rows || !w->cols) return DS_OK;
+    size_t n = (size_t)w->rows * w->cols;
+    uint16_t *d = dev_alloc(cm, n * 2, err);
+    if (!d || upload_bf16(cm, d, w->data, w->dtype, n, err)) return DS_ERR;
+    *out = (ds_cu_mat){d, w->rows, w->cols};
+    return DS_OK;
+}
+
+static int up_vec(ds_cuda_model *cm, const float *v, size_t n, float **out, ds_err *err) {
+    *out = NULL;
+    if (!v || !n) return DS_OK;
+    float *d = dev_alloc(cm, n * sizeof(float), err);
+    if (!d || ds_cu_upload(cm->c, d, v, n * sizeof(float), err)) return DS_ERR;
+    *out = d;
+    return DS_OK;
+}
+
+static int up_kda(ds_cuda_model *cm, const ds_model *m, const kda_w *w, cu_kda *d, ds_err *err) {
+    const ds_config *c = &m->cfg;
+    size_t P = (size_t)m->Hk * c->kda_head_dim, W = (size_t)c->short_conv_kernel_size;
+    if (up_mat(cm, &w->q, &d->q, err) || up_mat(cm, &w->k, &d->k, err) ||
+        up_mat(cm, &w->v, &d->v, err) || up_mat(cm, &w->f_a, &d->f_a, err) ||
+        up_mat(cm, &w->f_b, &d->f_b, err) || up_mat(cm, &w->b, &d->b, err) ||
+        up_mat(cm, &w->g, &d->g, err) || up_mat(cm, &w->g_a, &d->g_a, err) ||
+        up_mat(cm, &w->g_b, &d->g_b, err) || up_mat(cm, &w->o, &d->o, err) ||
+        up_vec(cm, w->q_conv, P * W, &d->q_conv, err) ||
+        up_vec(cm, w->k_conv, P * W, &d->k_conv, err) ||
+        up_vec(cm, w->v_conv, P * W, &d->v_conv, err) ||
+        up_vec(cm, w->dt_bias, P, &d->dt_bias, err) ||
+        up_vec(cm, w->A_log, (size_t)m->Hk, &d->A_log, err) ||
+        up_vec(cm, w->o_norm, (size_t)c->kda_head_dim, &d->o_norm, err))
+        return DS_ERR;
+    return DS_OK;
+}
+
+static int up_mla(ds_cuda_model *cm, const ds_model *m, const mla_w *w, cu_mla *d, ds_err *err) {
+    const ds_config *c = &m->cfg;
+    int Ha = m->Ha, R = c->kv_lora_rank, dn = c->qk_nope_head_dim, dvh = c->v_head_dim;
+    if (up_mat(cm, &w->q, &d->q, err) || up_mat(cm, &w->q_a, &d->q_a, err) ||
+        up_mat(cm, &w->q_b, &d->q_b, err) || up_mat(cm, &w->kv_a, &d->kv_a, err) ||
+        up_mat(cm, &w->kv_b, &d->kv_b, err) || up_mat(cm, &w->o, &d->o, err) ||
+        up_mat(cm, &w->g, &d->g, err) ||
+        up_vec(cm, w->q_a_norm, (size_t)c->q_lora_rank, &d->q_a_norm, err) ||
+        up_vec(cm, w->kv_a_norm, (size_t)R, &d->kv_a_norm, err))
+        return DS_ERR;
+    /* W_UK_h = kv_b rows [h (dn+dvh), h (dn+dvh) + dn), [dn][R]; its transpose [R][dn] */
+    d->ukT = calloc((size_t)Ha, sizeof *d->ukT);
+    float *t = malloc((size_t)R * dn * sizeof(float));
+    if (!d->ukT || !t) {
+        free(t);
+        return ds_errf(err, "cuda: out of host memory");
+    }
+    for (int h = 0; h < Ha; h++) {
+        ds_mat uk = ds_mat_rows(&w->kv_b, h * (dn + dvh), dn);
+        float row[4096];
+        if (R > 4096) {
+            free(t);
+            return ds_errf(err, "cuda: kv_lora_rank %d is over 4096", R);
+        }
+        for (int i = 0; i < dn; i++) {
+            ds_embed(row, &uk, &i, 1); /* row i of W_UK_h widened to f32 */
+            for (int r = 0; r < R; r++) t[(size_t)r * dn + i] = row[r];
+        }
+        ds_mat tm = {t, DS_DT_F32, R, dn};
+        if (up_mat(cm, &tm, &d->ukT[h], err)) {
+            free(t);
+            return DS_ERR;
+        }
+    }
+    free(t);
+    return DS_OK;
+}
+
+static int up_ffn(ds_cuda_model *cm, const ds_model *m, const ffn_w *w, cu_ffn *d, ds_err *err) {
+    const ds_config *c = &m->cfg;
+    if (!w->is_moe)
+        return up_mat(cm, &w->gate, &d->gate, err) || up_mat(cm, &w->up, &d->up, err) ||
+               up_mat(cm, &w->down, &d->down, err);
+    int E = c->num_experts, Ie = c->moe_intermediate_size;
+    int Hin = c->routed_expert_hidden_size ? c->routed_expert_hidden_size : c->hidden_size;
+    if (up_mat(cm, &w->router, &d->router, err) ||
+        up_vec(cm, w->router_bias, (size_t)E, &d->router_bias, err) ||
+        up_mat(cm, &w->sh_gate, &d->sh_gate, err) || up_mat(cm, &w->sh_up, &d->sh_up, err) ||
+        up_mat(cm, &w->sh_down, &d->sh_down, err) || up_mat(cm, &w->lat_down, &d->lat_down, err) ||
+        up_mat(cm, &w->lat_up, &d->lat_up, err) ||
+        up_vec(cm, w->lat_norm, (size_t)Hin, &d->lat_norm, err))
+        return DS_ERR;
+    size_t per = (size_t)Ie * Hin; /* elements of one expert matrix */
+    d->gate_up = dev_alloc(cm, (size_t)E * 2 * per * 2, err);
+    d->e_down = dev_alloc(cm, (size_t)E * per * 2, err);
+    if (!d->gate_up || !d->e_down) return DS_ERR;
+    for (int e = 0; e < E; e++) {
+        const ds_mat *w1 = &w->w1[e], *w3 = &w->w3[e], *w2 = &w->w2[e];
+        if (upload_bf16(cm, d->gate_up + (size_t)e * 2 * per, w1->data, w1->dtype, per, err) ||
+            upload_bf16(cm, d->gate_up + ((size_t)e * 2 + 1) * per, w3->data, w3->dtype, per,
+                        err) ||
+            upload_bf16(cm, d->e_down + (size_t)e * per, w2->data, w2->dtype, per, err))
+            return DS_ERR;
+    }
+    return DS_OK;
+}
+
+void ds_cuda_model_detach(ds_model *m) {
+    ds_cuda_model *cm = m->cu;
+    if (!cm) return;
+    if (cm->layers)
+        for (int i = 0; i < m->cfg.num_hidden_layers; i++) free(cm->layers[i].mla.ukT);
+    for (int i = 0; i < cm->n_allocs; i++) ds_cu_dealloc(cm->allocs[i]);
+    ds_cu_dealloc(cm->sc);
+    ds_cu_dealloc(cm->stage);
+    ds_cu_dealloc(cm->iarena);
+    ds_cu_dealloc(cm->parena);
+    free(cm->allocs);
+    free(cm->layers);
+    free(cm->conv);
+    free(cm->h_i);
+    free(cm->h_p);
+    free(cm);
+    m->cu = NULL;
+    if (--g_cu_refs == 0) {
+        ds_dmem_install(NULL);
+        ds_cu_free(g_cu);
+        g_cu = NULL;
+        g_cu_index = -1;
+    }
+}
+
+int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
+    const ds_config *c = &m->cfg;
+    if (m->tp_size > 1)
+        return ds_errf(err, "device cuda: tensor parallelism on GPUs needs NCCL, not built yet "
+                            "(run -tp on the CPU, or -pp alone on GPUs)");
+    if (g_cu && g_cu_index != device_index)
+        return ds_errf(err, "device cuda: this process already uses GPU %d, asked for %d",
+                       g_cu_index, device_index);
+    if (!g_cu) {
+        if (ds_cu_create(device_index, &g_cu, err)) return ds_err_prefix(err, "device cuda");
+        g_cu_index = device_index;
+        ds_dmem_install(&g_dmem);
+    }
+    g_cu_refs++;
+    ds_cuda_model *cm = calloc(1, sizeof *cm);
+    if (!cm) {
+        m->cu = NULL;
+        if (--g_cu_refs == 0) {
+            ds_dmem_install(NULL);
+            ds_cu_free(g_cu);
+            g_cu = NULL;
+        }
+        return ds_errf(err, "cuda: out of host memory");
+    }
+    m->cu = cm;
+    cm->c = g_cu;
+    ds_cu_set_batch_invariant(cm->c, m->opts.batch_invariant);
+    int L = c->num_hidden_layers, D = c->hidden_size;
+    cm->layers = calloc((size_t)L, sizeof *cm->layers);
+    if (!cm->layers) {
+        ds_errf(err, "cuda: out of host memory");
+        goto fail;
+    }
+    if (up_mat(cm, &m->embed, &cm->embed, err) || up_mat(cm, &m->lm_head, &cm->lm_head, err) ||
+        up_vec(cm, m->final_norm, (size_t)D, &cm->final_norm, err) ||
+        up_vec(cm, m->out_res_np, (size_t)D, &cm->out_res_np, err))
+        goto fail;
+    for (int i = m->l0; i < m->l1; i++) {
+        const layer_w *lw = &m->layers[i];
+        cu_layer *d = &cm->layers[i];
+        if (up_vec(cm, lw->in_norm, (size_t)D, &d->in_norm, err) ||
+            up_vec(cm, lw->post_norm, (size_t)D, &d->post_norm, err) ||
+            up_vec(cm, lw->attn_res_np, (size_t)D, &d->attn_res_np, err) ||
+            up_vec(cm, lw->mlp_res_np, (size_t)D, &d->mlp_res_np, err) ||
+            (lw->kind == DS_LAYER_KDA ? up_kda(cm, m, &lw->kda, &d->kda, err)
+                                      : up_mla(cm, m, &lw->mla, &d->mla, err)) ||
+            up_ffn(cm, m, &lw->ffn, &d->ffn, err))
+            goto fail;
+    }
+    free(cm->conv);
+    cm->conv = NULL;
+    cm->conv_cap = 0;
+    return ds_cu_sync(cm->c, err);
+fail:
+    ds_err_prefix(err, "device cuda: uploading the weights");
+    ds_cuda_model_detach(m);
+    return DS_ERR;
+}
+
+size_t ds_cuda_model_mem_free(const ds_model *m) {
+    return ds_cu_mem_free(m->cu->c);
+}
+
+const char *ds_cuda_model_device_name(const ds_model *m) {
+    return ds_cu_device_name(m->cu->c);
+}
+
+/* ---- one step ---------------------------------------------------------------------------------
+ */
+
+typedef struct cstep {
+    ds_model *m;
+    ds_cuda_model *cm;
+    ds_cu *c;
+    ds_kv_pool *pool;
+    ds_seq_batch *seqs;
+    int n_seq, T;
+    const int *off; /* [n_seq] first row of each segment */
+    size_t used;    /* scratch floats taken */
+    int overflow;   /* a take did not fit: the estimate is short (a bug); nothing was launched */
+    /* device views into the index arenas */
+    const int32_t *ids;      /* [T] */
+    const int32_t *seg_off;  /* [n_seq + 1] */
+    const int32_t *lat_dst;  /* [T] pool row of each token's latent */
+    const int32_t *bt;       /* block tables, sequence q's at bt + bt_off[q] */
+    const int32_t *ctx_rows; /* pool rows of an expanded segment's context, q's at ctx_off[q] */
+    const int32_t *lg_rows;  /* [n_lg] rows of x that want logits */
+    int *bt_off, *ctx_off;   /* [n_seq] host */
+    int n_lg;
+    int any_rows;              /* some segment keeps verify state rows */
+    float *const *S;           /* [n_kda][n_seq] recurrent state of each KDA layer, per sequence */
+    float *const *S_rows;      /* [n_kda][n_seq] its verify rows, or NULL entries */
+    const float *const *cands; /* [nb_max + 1][nb_max + 1] AttnRes candidate lists */
+    int nb_max;
+} cstep;
+
+static float *take(cstep *s, size_t n) {
+    n = (n + 15) & ~(size_t)15; /* 64-byte alignment for the vector loads */
+    if (s->overflow || s->used + n > s->cm->sc_cap) {
+        s->overflow = 1;
+        return s->cm->sc; /* unused: every caller checks TAKEN before launching */
+    }
+    float *p = s->cm->sc + s->used;
+    s->used += n;
+    return p;
+}
+
+/* After a group of takes: a short scratch estimate is reported, never written past. */
+#define TAKEN()                                                                                    \
+    do {                                                                                           \
+        if (s->overflow)                                                                           \
+            return ds_errf(err,                                                                    \
+                           "forward: internal error: the cuda scratch estimate (%zu floats) "      \
+                           "is short",                                                             \
+                           s->cm->sc_cap);                                                         \
+    } while (0)
+
+/* Scratch floats one step takes at most (mirrors the take calls below, 16 floats of slack each). */
+static size_t cuda_step_need(const ds_model *m, const ds_seq_batch *seqs, int n_seq, int T) {
+    const ds_config *c = &m->cfg;
+    size_t t = (size_t)T, D = (size_t)c->hidden_size, L = (size_t)c->num_hidden_layers;
+    size_t N = (size_t)c->attn_res_block_size, pad = 16;
+    size_t base = 3 * t * D + (N ? ((L + N - 1) / N + 1) * (t * D + pad) : 0) + 4 * pad;
+    size_t H = (size_t)m->Hk, dk = (size_t)c->kda_head_dim, P = H * dk;
+    size_t W = (size_t)c->short_conv_kernel_size;
+    size_t kda = m->n_kda ? 6 * t * P + t * dk + t * H + (W - 1) * P + 10 * pad : 0;
+    size_t mla = 0;
+    if (m->n_mla) {
+        size_t Ha = (size_t)m->Ha, R = (size_t)c->kv_lora_rank;
+        size_t dn = (size_t)c->qk_nope_head_dim, dr = (size_t)c->qk_rope_head_dim;
+        size_t dvh = (size_t)c->v_head_dim, seg = 0;
+        for (int q = 0; q < n_seq; q++) {
+            size_t ctx = (size_t)seqs[q].pos0 + (size_t)seqs[q].n;
+            seg = DS_MAX(seg, ctx * (R + dr + 2 * Ha * (dn + dvh)) + 5 * pad);
+        }
+        seg = DS_MAX(seg, t * Ha * (dr + 2 * R) + 3 * pad);
+        mla = t * Ha * (dn + dr) + t * (R + dr) + t * Ha * dvh + t * (size_t)c->q_lora_rank +
+              4 * pad + seg;
+    }
+    size_t ffn = 2 * t * (size_t)c->intermediate_size + 2 * pad;
+    if (c->num_experts) {
+        size_t E = (size_t)c->num_experts, K = (size_t)c->num_experts_per_token;
+        size_t Hin = c->routed_expert_hidden_size ? (size_t)c->routed_expert_hidden_size : D;
+        size_t Is = (size_t)c->moe_intermediate_size * (size_t)c->num_shared_experts;
+        ffn = DS_MAX(ffn, t * E + 2 * t * K + 2 * t * Hin + t * D + 2 * t * Is + 8 * pad);
+    }
+    size_t lg = 0;
+    if (m->l1 == (int)L) {
+        size_t nl = 0;
+        for (int q = 0; q < n_seq; q++) nl += seqs[q].logits ? (size_t)seqs[q].n_logits : 0;
+        lg = nl * (D + (size_t)m->vp) + 2 * pad;
+    }
+    return base + DS_MAX(DS_MAX(DS_MAX(kda, mla), ffn), lg);
+}
+
+/* Grows a device buffer (contents not kept). */
+static int grow(ds_cu *c, void **p, size_t *cap, size_t need, size_t elem, ds_err *err) {
+    if (need <= *cap) return DS_OK;
+    need += need / 4; /* room for the next, slightly larger step */
+    ds_cu_dealloc(*p);
+    *p = ds_cu_alloc(c, need * elem, err);
+    *cap = *p ? need : 0;
+    return *p ? DS_OK : DS_ERR;
+}
+
+static int grow_host(void **p, size_t *cap, size_t need, size_t elem, ds_err *err) {
+    if (need <= *cap) return DS_OK;
+    void *b = realloc(*p, need * elem);
+    if (!b)
+        return ds_errf(err, "cuda: out of host memory (%zu bytes of step indices)", need * elem);
+    *p = b;
+    *cap = need;
+    return DS_OK;
+}
+
+/* Builds every index of the step on the host and uploads them in two copies. */
+static int build_indices(cstep *s, const ds_stage_io *in, ds_err *err) {
+    ds_model *m = s->m;
+    ds_cuda_model *cm = s->cm;
+    const ds_config *c = &m->cfg;
+    int n_seq = s->n_seq, T = s->T, D = c->hidden_size;
+    int bs = s->pool ? s->pool->block_size : 1;
+    (void)in;
+    /* int arena: ids [T] | seg_off [n_seq+1] | lat_dst [T] | block tables | ctx rows | lg rows */
+    size_t ni = (size_t)2 * T + n_seq + 1, nbt = 0, nctx = 0, nlg = 0;
+    for (int q = 0; q < n_seq; q++) {
+        const ds_seq_batch *sb = &s->seqs[q];
+        int ctx = sb->pos0 + sb->n;
+        if (m->n_mla) {
+            nbt += (size_t)(ctx + bs - 1) / bs;
+            if (sb->n >= m->opts.mla_expanded_min) nctx += (size_t)ctx;
+        }
+        if (sb->logits) nlg += (size_t)sb->n_logits;
+    }
+    ni += nbt + nctx + nlg;
+    int nb_max = ds_model_max_banks(m);
+    size_t np = (size_t)2 * m->n_kda * n_seq + (size_t)(nb_max + 1) * (nb_max + 1);
+    if (grow_host((void **)&cm->h_i, &cm->h_icap, ni + 1, sizeof(int32_t), err) ||
+        grow_host((void **)&cm->h_p, &cm->h_pcap, np + 1, sizeof(void *), err) ||
+        grow(s->c, (void **)&cm->iarena, &cm->icap, ni + 1, sizeof(int32_t), err) ||
+        grow(s->c, (void **)&cm->parena, &cm->pcap, np + 1, sizeof(void *), err))
+        return DS_ERR;
+    int32_t *hi = cm->h_i;
+    size_t at = 0;
+    for (int q = 0; q < n_seq; q++)
+        memcpy(hi + s->off[q], s->seqs[q].tokens, (size_t)s->seqs[q].n * sizeof(int32_t));
+    at = (size_t)T;
+    for (int q = 0; q <= n_seq; q++) hi[at + q] = q < n_seq ? s->off[q] : T;
+    at += (size_t)n_seq + 1;
+    size_t lat_at = at, bt_at = at + (size_t)T;
+    for (int q = 0; q < n_seq; q++) {
+        const ds_seq_batch *sb = &s->seqs[q];
+        if (!m->n_mla) break;
+        for (int t = 0; t < sb->n; t++) {
+            int p = sb->pos0 + t;
+            hi[lat_at + s->off[q] + t] = sb->block_table[p / bs] * bs + p % bs;
+        }
+    }
+    at = bt_at;
+    for (int q = 0; q < n_seq; q++) {
+        const ds_seq_batch *sb = &s->seqs[q];
+        s->bt_off[q] = (int)(at - bt_at);
+        if (!m->n_mla) continue;
+        int np_q = (sb->pos0 + sb->n + bs - 1) / bs;
+        memcpy(hi + at, sb->block_table, (size_t)np_q * sizeof(int32_t));
+        at += (size_t)np_q;
+    }
+    size_t ctx_at = at;
+    for (int q = 0; q < n_seq; q++) {
+        const ds_seq_batch *sb = &s->seqs[q];
+        s->ctx_off[q] = (int)(at - ctx_at);
+        if (!m->n_mla || sb->n < m->opts.mla_expanded_min) continue;
+        for (int p = 0; p < sb->pos0 + sb->n; p++) hi[at++] = sb->block_table[p / bs] * bs + p % bs;
+    }
+    size_t lg_at = at;
+    s->n_lg = 0;
+    for (int q = 0; q < n_seq; q++) {
+        const ds_seq_batch *sb = &s->seqs[q];
+        if (!sb->logits) continue;
+        for (int i = 0; i < sb->n_logits; i++)
+            hi[at + s->n_lg++] = s->off[q] + sb->n - sb->n_logits + i;
+    }
+    at += (size_t)s->n_lg;
+    /* pointer arena: S [n_kda][n_seq] | S_rows [n_kda][n_seq] | cands */
+    void **hp = cm->h_p;
+    size_t slot_n = ds_model_slot_floats(m), conv_n = ds_model_conv_floats(m);
+    size_t rec_n = ds_model_rec_floats(m);
+    s->any_rows = 0;
+    for (int j = 0; j < m->n_kda; j++)
+        for (int q = 0; q < n_seq; q++) {
+            const ds_seq_batch *sb = &s->seqs[q];
+            size_t off = (size_t)m->n_kda * conv_n + (size_t)j * rec_n;
+            hp[(size_t)j * n_seq + q] = sb->slot + off;
+            hp[(size_t)(m->n_kda + j) * n_seq + q] = sb->state_rows ? sb->state_rows + off : NULL;
+            s->any_rows |= sb->state_rows != NULL;
+        }
+    (void)slot_n;
+    size_t cand_at = (size_t)2 * m->n_kda * n_seq;
+    s->nb_max = nb_max;
+    /* scratch layout: P, x, a, then the banks (see run_layers) */
+    size_t TD = (size_t)T * D, TDp = (TD + 15) & ~(size_t)15;
+    float *P = cm->sc, *bank = cm->sc + 3 * TDp;
+    for (int nb = 0; nb <= nb_max; nb++) {
+        void **row = hp + cand_at + (size_t)nb * (nb_max + 1);
+        for (int j = 0; j < nb; j++) row[j] = bank + (size_t)j * TDp;
+        row[nb] = P;
+    }
+    if (ds_cu_upload(s->c, cm->iarena, hi, at * sizeof(int32_t), err) ||
+        ds_cu_upload(s->c, cm->parena, hp, np * sizeof(void *), err))
+        return DS_ERR;
+    s->ids = cm->iarena;
+    s->seg_off = cm->iarena + T;
+    s->lat_dst = cm->iarena + lat_at;
+    s->bt = cm->iarena + bt_at;
+    s->ctx_rows = cm->iarena + ctx_at;
+    s->lg_rows = cm->iarena + lg_at;
+    s->S = (float *const *)cm->parena;
+    s->S_rows = (float *const *)cm->parena + (size_t)m->n_kda * n_seq;
+    s->cands = (const float *const *)(cm->parena + cand_at);
+    return DS_OK;
+}
+
+#define TRY(x)                                                                                     \
+    do {                                                                                           \
+        if (x) return DS_ERR;                                                                      \
+    } while (0)
+
+/* out[T][D] = KDA(xn) (model.c kda_forward). */
+static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float *xn, float *out,
+                       ds_err *err) {
+    const ds_config *c = &s->m->cfg;
+    ds_cu *cu = s->c;
+    int T = s->T, D = c->hidden_size, H = s->m->Hk, dk = c->kda_head_dim, P = H * dk;
+    int W = c->short_conv_kernel_size;
+    size_t mark = s->used;
+    float *pre = take(s, (size_t)T * P);       /* [T][P] pre-conv projection */
+    float *q = take(s, (size_t)T * P);         /* [T][H][dk] */
+    float *k = take(s, (size_t)T * P);         /* [T][H][dk] */
+    float *v = take(s, (size_t)T * P);         /* [T][H][dv] */
+    float *fa = take(s, (size_t)T * dk);       /* [T][dk] */
+    float *g = take(s, (size_t)T * P);         /* [T][H][dk] log decay, then the output gate */
+    float *beta = take(s, (size_t)T * H);      /* [T][H] */
+    float *o = take(s, (size_t)T * P);         /* [T][H][dv] */
+    float *old = take(s, (size_t)(W - 1) * P); /* [W-1][P] a verify's tail before the step */
+    TAKEN();
+    const ds_cu_mat *proj[3] = {&w->q, &w->k, &w->v};
+    const float *conv_w[3] = {w->q_conv, w->k_conv, w->v_conv};
+    float *dst[3] = {q, k, v};
+    size_t slot_n = ds_model_slot_floats(s->m), tail_n = (size_t)(W - 1) * P;
+    size_t conv_n = ds_model_conv_floats(s->m);
+    for (int j = 0; j < 3; j++) {
+        TRY(ds_cu_matmul(cu, pre, P, xn, D, T, proj[j], err));
+        for (int qi = 0; qi < s->n_seq; qi++) {
+            const ds_seq_batch *sb = &s->seqs[qi];
+            float *tail = sb->slot + (size_t)lw->kind_idx * conv_n + (size_t)j * tail_n;
+            size_t r = (size_t)s->off[qi] * P;
+            if (sb->state_rows) TRY(ds_cu_copy_d2d(cu, old, tail, tail_n * sizeof(float), err));
+            TRY(ds_cu_short_conv_silu(cu, dst[j] + r, pre + r, sb->n, P, conv_w[j], W, tail, err));
+            if (sb->state_rows)
+                TRY(ds_cu_conv_tail_rows(cu, sb->state_rows + (size_t)(tail - sb->slot), slot_n,
+                                         old, pre + r, sb->n, W, P, err));
+        }
+    }
+    ds_cu_l2norm_heads(cu, q, T, H, dk, 1e-6f, 1.0f / sqrtf((float)dk));
+    ds_cu_l2norm_heads(cu, k, T, H, dk, 1e-6f, 1.0f);
+    TRY(ds_cu_matmul(cu, fa, dk, xn, D, T, &w->f_a, err));
+    TRY(ds_cu_matmul(cu, pre, P, fa, dk, T, &w->f_b, err));
+    ds_cu_kda_gate(cu, g, pre, T, H, dk, w->A_log, w->dt_bias, c->has_gate_lower_bound,
+                   c->gate_lower_bound);
+    TRY(ds_cu_matmul(cu, beta, H, xn, D, T, &w->b, err));
+    ds_cu_sigmoid(cu, beta, (size_t)T * H);
+    /* every segment in one launch, each on its own state (and rows, for a verify) */
+    size_t j0 = (size_t)lw->kind_idx * s->n_seq;
+    TRY(ds_cu_kda_recurrent_batch(cu, o, q, k, v, g, beta, s->seg_off, s->S + j0,
+                                  s->any_rows ? s->S_rows + j0 : NULL, slot_n, s->n_seq, H, dk, dk,
+                                  err));
+    if (c->use_full_rank_gate) {
+        TRY(ds_cu_matmul(cu, g, P, xn, D, T, &w->g, err));
+    } else {
+        TRY(ds_cu_matmul(cu, fa, dk, xn, D, T, &w->g_a, err));
+        TRY(ds_cu_matmul(cu, g, P, fa, dk, T, &w->g_b, err));
+    }
+    ds_cu_gated_rmsnorm_heads(cu, q, o, g, w->o_norm, T, H, dk, c->rms_norm_eps);
+    TRY(ds_cu_matmul(cu, out, D, q, P, T, &w->o, err));
+    s->used = mark;
+    return DS_OK;
+}
+
+/* out[T][D] = MLA(xn), writing this step's latent rows into the pool (model.c mla_forward). */
+static int mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float *xn, float *out,
+                       ds_err *err) {
+    const ds_config *c = &s->m->cfg;
+    ds_cu *cu = s->c;
+    int T = s->T, D = c->hidden_size, Ha = s->m->Ha, R = c->kv_lora_rank;
+    int dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dvh = c->v_head_dim, dq = dn + dr;
+    int row = R + dr, Rq = c->q_lora_rank, bs = s->pool->block_size;
+    float *pool = s->pool->layer[lw->kind_idx];
+    size_t mark = s->used;
+    float *q = take(s, (size_t)T * Ha * dq);         /* [T][Ha][dn+dr] */
+    float *kv = take(s, (size_t)T * row);            /* [T][R+dr] this step's latent rows */
+    float *o = take(s, (size_t)T * Ha * dvh);        /* [T][Ha][dvh] */
+    float *qa = Rq ? take(s, (size_t)T * Rq) : NULL; /* [T][Rq] */
+    TAKEN();
+    if (Rq) {
+        TRY(ds_cu_matmul(cu, qa, Rq, xn, D, T, &w->q_a, err));
+        ds_cu_rmsnorm(cu, qa, qa, w->q_a_norm, T, Rq, 1e-6f);
+        TRY(ds_cu_matmul(cu, q, Ha * dq, qa, Rq, T, &w->q_b, err));
+    } else {
+        TRY(ds_cu_matmul(cu, q, Ha * dq, xn, D, T, &w->q, err));
+    }
+    TRY(ds_cu_matmul(cu, kv, row, xn, D, T, &w->kv_a, err));
+    ds_cu_rmsnorm_ld(cu, kv, row, kv, row, w->kv_a_norm, T, R, 1e-6f);
+    TRY(ds_cu_move_rows(cu, pool, (size_t)row, s->lat_dst, kv, (size_t)row, NULL, T, row, err));
+    float scale = 1.0f / sqrtf((float)dq);
+    int run0 = -1; /* consecutive short segments: one absorbed run (as on the CPU) */
+    for (int qi = 0; qi <= s->n_seq; qi++) {
+        int expanded = qi < s->n_seq && s->seqs[qi].n >= s->m->opts.mla_expanded_min;
+        if (run0 >= 0 && (qi == s->n_seq || expanded)) {
+            int r_start = s->off[run0], Tr = s->off[qi - 1] + s->seqs[qi - 1].n - r_start;
+            size_t m2 = s->used;
+            float *qr = take(s, (size_t)Tr * Ha * dr);  /* [Tr][Ha][dr] */
+            float *qbar = take(s, (size_t)Tr * Ha * R); /* [Tr][Ha][R] */
+            float *obar = take(s, (size_t)Tr * Ha * R); /* [Tr][Ha][R] */
+            TAKEN();
+            const float *qs = q + (size_t)r_start * Ha * dq;
+            TRY(ds_cu_copy_2d(cu, qr, (size_t)dr, qs + dn, (size_t)dq, (size_t)dr, (size_t)Tr * Ha,
+                              err));
+            for (int h = 0; h < Ha; h++)
+                TRY(ds_cu_matmul(cu, qbar + (size_t)h * R, Ha * R, qs + (size_t)h * dq, Ha * dq, Tr,
+                                 &w->ukT[h], err));
+            for (int qj = run0; qj < qi; qj++) {
+                const ds_seq_batch *sb = &s->seqs[qj];
+                size_t at = (size_t)(s->off[qj] - r_start) * Ha;
+                TRY(ds_cu_mla_attend_absorbed(cu, obar + at * R, qbar + at * R, qr + at * dr, sb->n,
+                                              Ha, R, dr, pool, s->bt + s->bt_off[qj], bs, row,
+                                              sb->pos0, sb->pos0 + sb->n, 1, scale, err));
+            }
+            float *os = o + (size_t)r_start * Ha * dvh;
+            for (int h = 0; h < Ha; h++) {
+                ds_cu_mat uv = {w->kv_b.data + (size_t)(h * (dn + dvh) + dn) * R, dvh, R};
+                TRY(ds_cu_matmul(cu, os + (size_t)h * dvh, Ha * dvh, obar + (size_t)h * R, Ha * R,
+                                 Tr, &uv, err));
+            }
+            s->used = m2;
+            run0 = -1;
+        }
+        if (qi == s->n_seq) break;
+        if (!expanded) {
+            if (run0 < 0) run0 = qi;
+            continue;
+        }
+        const ds_seq_batch *sb = &s->seqs[qi];
+        int n = sb->n, pos0 = sb->pos0, ctx = pos0 + n, r0 = s->off[qi];
+        size_t m2 = s->used;
+        float *cl = take(s, (size_t)ctx * R);                /* [ctx][R] */
+        float *kr = take(s, (size_t)ctx * dr);               /* [ctx][dr] */
+        float *kvb = take(s, (size_t)ctx * Ha * (dn + dvh)); /* [ctx][Ha][dn+dvh] */
+        float *kn = take(s, (size_t)ctx * Ha * dn);          /* [ctx][Ha][dn] */
+        float *vv = take(s, (size_t)ctx * Ha * dvh);         /* [ctx][Ha][dvh] */
+        TAKEN();
+        const int32_t *rows = s->ctx_rows + s->ctx_off[qi];
+        TRY(ds_cu_move_rows(cu, cl, (size_t)R, NULL, pool, (size_t)row, rows, ctx, R, err));
+        TRY(ds_cu_move_rows(cu, kr, (size_t)dr, NULL, pool + R, (size_t)row, rows, ctx, dr, err));
+        TRY(ds_cu_matmul(cu, kvb, Ha * (dn + dvh), cl, R, ctx, &w->kv_b, err));
+        TRY(ds_cu_copy_2d(cu, kn, (size_t)dn, kvb, (size_t)(dn + dvh), (size_t)dn, (size_t)ctx * Ha,
+                          err));
+        TRY(ds_cu_copy_2d(cu, vv, (size_t)dvh, kvb + dn, (size_t)(dn + dvh), (size_t)dvh,
+                          (size_t)ctx * Ha, err));
+        TRY(ds_cu_mla_attend_expanded(cu, o + (size_t)r0 * Ha * dvh, q + (size_t)r0 * Ha * dq, kn,
+                                      kr, vv, n, ctx, Ha, dn, dr, dvh, pos0, 1, scale, err));
+        s->used = m2;
+    }
+    if (c->mla_use_output_gate) {
+        float *gt = q; /* [T][Ha*dvh] fits in [T][Ha*dq] */
+        TRY(ds_cu_matmul(cu, gt, Ha * dvh, xn, D, T, &w->g, err));
+        ds_cu_sigmoid(cu, gt, (size_t)T * Ha * dvh);
+        ds_cu_mul(cu, o, gt, (size_t)T * Ha * dvh);
+    }
+    TRY(ds_cu_matmul(cu, out, D, o, Ha * dvh, T, &w->o, err));
+    s->used = mark;
+    return DS_OK;
+}
+
+/* y[T][rows of down] = down act(gate x, up x) — dense MLP and shared experts. */
+static int mlp(cstep *s, const ds_cu_mat *gate, const ds_cu_mat *up, const ds_cu_mat *down,
+               const float *x, int T, float *y, ds_err *err) {
+    const ds_config *c = &s->m->cfg;
+    int D = gate->cols, I = gate->rows;
+    size_t mark = s->used;
+    float *a = take(s, (size_t)T * I); /* [T][I] */
+    float *b = take(s, (size_t)T * I); /* [T][I] */
+    TAKEN();
+    TRY(ds_cu_matmul(s->c, a, I, x, D, T, gate, err));
+    TRY(ds_cu_matmul(s->c, b, I, x, D, T, up, err));
+    if (c->hidden_act == DS_ACT_SITU)
+        ds_cu_situ(s->c, a, a, b, (size_t)T * I, c->situ_beta, c->situ_linear_beta);
+    else
+        ds_cu_swiglu(s->c, a, a, b, (size_t)T * I);
+    TRY(ds_cu_matmul(s->c, y, down->rows, a, I, T, down, err));
+    s->used = mark;
+    return DS_OK;
+}
+
+/* out[T][D] = FFN(xn) (model.c ffn_forward). */
+static int ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, float *out,
+                       ds_err *err) {
+    const ds_config *c = &s->m->cfg;
+    ds_cu *cu = s->c;
+    int T = s->T, D = c->hidden_size;
+    if (!is_moe) return mlp(s, &w->gate, &w->up, &w->down, xn, T, out, err);
+    int E = c->num_experts, K = c->num_experts_per_token, Ie = c->moe_intermediate_size;
+    int Hin = c->routed_expert_hidden_size ? c->routed_expert_hidden_size : D;
+    int latent = c->routed_expert_hidden_size > 0;
+    size_t mark = s->used;
+    float *z = take(s, (size_t)T * E);                    /* [T][E] router logits */
+    float *wt = take(s, (size_t)T * K);                   /* [T][K] combine weights */
+    int32_t *idx = (int32_t *)take(s, (size_t)T * K);     /* [T][K] chosen experts */
+    float *u = latent ? take(s, (size_t)T * Hin) : NULL;  /* [T][Hin] expert input */
+    float *acc = latent ? take(s, (size_t)T * Hin) : out; /* [T][Hin] routed sum */
+    TAKEN();
+    TRY(ds_cu_matmul(cu, z, E, xn, D, T, &w->router, err));
+    TRY(ds_cu_moe_route(cu, idx, wt, z, w->router_bias, T, E, K,
+                        c->use_grouped_topk ? c->num_expert_group : 1, c->topk_group,
+                        c->moe_renormalize, c->routed_scaling_factor, s->m->opts.hf_kl_router_quirk,
+                        err));
+    const float *ein = xn;
+    if (latent) {
+        TRY(ds_cu_matmul(cu, u, Hin, xn, D, T, &w->lat_down, err));
+        ein = u;
+    }
+    int situ = c->hidden_act == DS_ACT_SITU, chunk = 65535 / K;
+    for (int t0 = 0; t0 < T; t0 += chunk) { /* the expert kernel takes 65535 routed rows */
+        int n = DS_MIN(chunk, T - t0);
+        TRY(ds_cu_moe_experts(cu, acc + (size_t)t0 * Hin, ein + (size_t)t0 * Hin,
+                              idx + (size_t)t0 * K, wt + (size_t)t0 * K, n, K, Hin, Ie, w->gate_up,
+                              w->e_down, situ, c->situ_beta, c->situ_linear_beta, 0, err));
+    }
+    if (latent) {
+        if (w->lat_norm) ds_cu_rmsnorm(cu, acc, acc, w->lat_norm, T, Hin, c->rms_norm_eps);
+        TRY(ds_cu_matmul(cu, out, D, acc, Hin, T, &w->lat_up, err));
+    }
+    if (c->num_shared_experts > 0) {
+        float *sh = take(s, (size_t)T * D); /* [T][D] */
+        TAKEN();
+        TRY(mlp(s, &w->sh_gate, &w->sh_up, &w->sh_down, xn, T, sh, err));
+        ds_cu_add(cu, out, sh, (size_t)T * D);
+    }
+    s->used = mark;
+    return DS_OK;
+}
+
+/* Copies the stream after `layer` (-1: the embedding) to the segments that asked for it. */
+static int save_hidden(cstep *s, int layer, const float *h, ds_err *err) {
+    int D = s->m->cfg.hidden_size;
+    for (int q = 0; q < s->n_seq; q++) {
+        ds_seq_batch *sb = &s->seqs[q];
+        size_t rows = (size_t)sb->n * D;
+        const float *src = h + (size_t)s->off[q] * D;
+        if (sb->hidden && layer >= 0)
+            TRY(ds_cu_download(s->c, sb->hidden + (size_t)layer * rows, src, rows * sizeof(float),
+                               err));
+        for (int j = 0; j < sb->n_taps; j++)
+            if (sb->tap_layers[j] == layer)
+                TRY(ds_cu_download(s->c, sb->taps + (size_t)j * rows, src, rows * sizeof(float),
+                                   err));
+    }
+    return DS_OK;
+}
+
+static int wants_hidden(const cstep *s) {
+    for (int q = 0; q < s->n_seq; q++)
+        if (s->seqs[q].hidden || s->seqs[q].n_taps) return 1;
+    return 0;
+}
+
+static int run_step(cstep *s, const ds_stage_io *in, ds_stage_io *out, ds_err *err) {
+    ds_model *m = s->m;
+    ds_cuda_model *cm = s->cm;
+    ds_cu *cu = s->c;
+    const ds_config *c = &m->cfg;
+    int T = s->T, D = c->hidden_size, L = c->num_hidden_layers, N = c->attn_res_block_size;
+    size_t TD = (size_t)T * D;
+    float *P = take(s, TD);   /* [T][D] residual stream, or the block-local sum with AttnRes */
+    float *x = take(s, TD);   /* [T][D] mixer / FFN input */
+    float *a = take(s, TD);   /* [T][D] sublayer output */
+    float *bank = take(s, 0); /* [nb_max][T][D] banked AttnRes blocks (build_indices' layout) */
+    size_t TDp = (TD + 15) & ~(size_t)15;
+    s->used += (size_t)s->nb_max * TDp;
+    if (s->used > cm->sc_cap) s->overflow = 1;
+    TAKEN();
+    int nb = 0, hid = wants_hidden(s);
+    if (m->l0 == 0) {
+        ds_cu_embed(cu, P, &cm->embed, s->ids, T);
+        if (hid) TRY(save_hidden(s, -1, P, err));
+    } else {
+        /* a later stage: the stream and the banked blocks arrive from the previous one */
+        TRY(ds_cu_upload(cu, P, in->h, TD * sizeof(float), err));
+        nb = in->n_banks;
+        for (int j = 0; j < nb; j++)
+            TRY(ds_cu_upload(cu, bank + (size_t)j * TDp, in->banks + (size_t)j * TD,
+                             TD * sizeof(float), err));
+    }
+    const int nbx = s->nb_max + 1;
+    for (int i = m->l0; i < m->l1; i++) {
+        const layer_w *lw = &m->layers[i];
+        const cu_layer *dw = &cm->layers[i];
+        if (N > 0) {
+            /* mix first, then bank P: layer 0 banks the embedding (MODEL_SPEC §6.3) */
+            TRY(ds_cu_attnres_mix(cu, x, s->cands + (size_t)nb * nbx, nb + 1, dw->attn_res_np, T, D,
+                                  c->rms_norm_eps, err));
+            int banks = i % N == 0;
+            if (banks) TRY(ds_cu_copy_d2d(cu, bank + (size_t)nb++ * TDp, P, TD * 4, err));
+            ds_cu_rmsnorm(cu, x, x, dw->in_norm, T, D, c->rms_norm_eps);
+        } else {
+            ds_cu_rmsnorm(cu, x, P, dw->in_norm, T, D, c->rms_norm_eps);
+        }
+        TRY(lw->kind == DS_LAYER_KDA ? kda_forward(s, lw, &dw->kda, x, a, err)
+                                     : mla_forward(s, lw, &dw->mla, x, a, err));
+        if (N > 0 && i % N == 0)
+            TRY(ds_cu_copy_d2d(cu, P, a, TD * 4, err));
+        else
+            ds_cu_add(cu, P, a, TD);
+        if (N > 0) {
+            TRY(ds_cu_attnres_mix(cu, x, s->cands + (size_t)nb * nbx, nb + 1, dw->mlp_res_np, T, D,
+                                  c->rms_norm_eps, err));
+            ds_cu_rmsnorm(cu, x, x, dw->post_norm, T, D, c->rms_norm_eps);
+        } else {
+            ds_cu_rmsnorm(cu, x, P, dw->post_norm, T, D, c->rms_norm_eps);
+        }
+        TRY(ffn_forward(s, &dw->ffn, lw->ffn.is_moe, x, a, err));
+        ds_cu_add(cu, P, a, TD);
+        if (hid) TRY(save_hidden(s, i, P, err));
+    }
+    if (m->l1 < L) { /* not the last stage: hand the stream and the banks on */
+        TRY(ds_cu_download(cu, out->h, P, TD * sizeof(float), err));
+        out->n_banks = nb;
+        for (int j = 0; j < nb; j++)
+            TRY(ds_cu_download(cu, out->banks + (size_t)j * TD, bank + (size_t)j * TDp,
+                               TD * sizeof(float), err));
+        return ds_cu_sync(cu, err);
+    }
+    if (N > 0) {
+        TRY(ds_cu_attnres_mix(cu, x, s->cands + (size_t)nb * nbx, nb + 1, cm->out_res_np, T, D,
+                              c->rms_norm_eps, err));
+        ds_cu_rmsnorm(cu, x, x, cm->final_norm, T, D, c->rms_norm_eps);
+    } else {
+        ds_cu_rmsnorm(cu, x, P, cm->final_norm, T, D, c->rms_norm_eps);
+    }
+    for (int q = 0; q < s->n_seq; q++) {
+        ds_seq_batch *sb = &s->seqs[q];
+        if (sb->final_hidden)
+            TRY(ds_cu_download(cu, sb->final_hidden, x + (size_t)s->off[q] * D,
+                               (size_t)sb->n * D * sizeof(float), err));
+    }
+    if (s->n_lg) {
+        int V = c->vocab_size;
+        float *xr = take(s, (size_t)s->n_lg * D); /* [n_lg][D] rows that want logits */
+        float *lg = take(s, (size_t)s->n_lg * V); /* [n_lg][V] */
+        TAKEN();
+        TRY(ds_cu_move_rows(cu, xr, (size_t)D, NULL, x, (size_t)D, s->lg_rows, s->n_lg, D, err));
+        TRY(ds_cu_matmul(cu, lg, V, xr, D, s->n_lg, &cm->lm_head, err));
+        int r = 0;
+        for (int q = 0; q < s->n_seq; q++) {
+            ds_seq_batch *sb = &s->seqs[q];
+            if (!sb->logits) continue;
+            TRY(ds_cu_download(cu, sb->logits, lg + (size_t)r * V,
+                               (size_t)sb->n_logits * V * sizeof(float), err));
+            r += sb->n_logits;
+        }
+    }
+    return ds_cu_sync(cu, err);
+}
+
+/* Callers that keep a sequence's KDA slot or verify rows in host memory (the CLI's generate, the
+ * tests) get them staged: copied to the device before the step and back after it. The engine's
+ * pools are device memory already, and pass straight through. host_side [n_seq] marks which. */
+static int stage_state(ds_model *m, ds_seq_batch *dev, const ds_seq_batch *seqs, int n_seq,
+                       int back, ds_err *err) {
+    ds_cuda_model *cm = m->cu;
+    size_t slot_n = ds_model_slot_floats(m), need = 0;
+    if (!slot_n) return DS_OK;
+    for (int q = 0; q < n_seq; q++) {
+        if (seqs[q].slot && !ds_cu_is_device_ptr(seqs[q].slot)) need += slot_n;
+        if (seqs[q].state_rows && !ds_cu_is_device_ptr(seqs[q].state_rows))
+            need += (size_t)seqs[q].n * slot_n;
+    }
+    if (!need) return DS_OK;
+    if (!back && grow(cm->c, (void **)&cm->stage, &cm->stage_cap, need, sizeof(float), err))
+        return DS_ERR;
+    float *at = cm->stage;
+    for (int q = 0; q < n_seq; q++) {
+        if (seqs[q].slot && !ds_cu_is_device_ptr(seqs[q].slot)) {
+            if (back)
+                TRY(ds_cu_download(cm->c, seqs[q].slot, at, slot_n * sizeof(float), err));
+            else
+                TRY(ds_cu_upload(cm->c, at, seqs[q].slot, slot_n * sizeof(float), err));
+            dev[q].slot = at;
+            at += slot_n;
+        }
+        if (seqs[q].state_rows && !ds_cu_is_device_ptr(seqs[q].state_rows)) {
+            size_t n = (size_t)seqs[q].n * slot_n;
+            if (back) TRY(ds_cu_download(cm->c, seqs[q].state_rows, at, n * sizeof(float), err));
+            dev[q].state_rows = at;
+            at += n;
+        }
+    }
+    return DS_OK;
+}
+
+int ds_cuda_forward_stage(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs_in, int n_seq,
+                          const int *off, int T, const ds_stage_io *in, ds_stage_io *out,
+                          ds_err *err) {
+    ds_cuda_model *cm = m->cu;
+    if (g_copy_err[0]) {
+        ds_errf(err, "forward: an earlier state copy on the GPU failed: %.900s", g_copy_err);
+        g_copy_err[0] = 0;
+        return DS_ERR;
+    }
+    if (m->n_mla && (!pool || !pool->on_device))
+        return ds_errf(err, "forward: the model is on the GPU but its latent pool is not");
+    for (int q = 0; q < n_seq; q++)
+        if (m->n_mla && !seqs_in[q].block_table)
+            return ds_errf(err, "forward: segment %d has no block table", q);
+    for (int q = 0; q < n_seq; q++)
+        if (m->n_kda && !seqs_in[q].slot)
+            return ds_errf(err, "forward: segment %d has no KDA state slot", q);
+    int *hoff = malloc((size_t)2 * (n_seq ? n_seq : 1) * sizeof(int));
+    ds_seq_batch *seqs = malloc((size_t)(n_seq ? n_seq : 1) * sizeof *seqs);
+    if (!hoff || !seqs) {
+        free(hoff);
+        free(seqs);
+        return ds_errf(err, "forward: out of memory");
+    }
+    memcpy(seqs, seqs_in, (size_t)n_seq * sizeof *seqs);
+    cstep s = {0};
+    s.m = m;
+    s.cm = cm;
+    s.c = cm->c;
+    s.pool = pool;
+    s.seqs = seqs;
+    s.n_seq = n_seq;
+    s.T = T;
+    s.off = off;
+    s.bt_off = hoff;
+    s.ctx_off = hoff + n_seq;
+    size_t need = cuda_step_need(m, seqs, n_seq, T);
+    int rc = grow(cm->c, (void **)&cm->sc, &cm->sc_cap, need, sizeof(float), err);
+    if (!rc) rc = stage_state(m, seqs, seqs_in, n_seq, 0, err);
+    if (!rc) rc = build_indices(&s, in, err);
+    if (!rc) rc = run_step(&s, in, out, err);
+    if (!rc) rc = stage_state(m, seqs, seqs_in, n_seq, 1, err);
+    free(hoff);
+    free(seqs);
+    if (rc) ds_err_prefix(err, "forward on %s", ds_cu_device_name(cm->c));
+    return rc;
+}

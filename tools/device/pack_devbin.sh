@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Here, before a device call: builds build-cuda (the whole engine with the CUDA backend) and packs
+# what the GPU machine runs into .devbin/ (carry it: `carry [".devbin"]`): the binaries, and the
+# shared libraries its image lacks (libmicrohttpd, libhiredis, libcmocka; it has the rest, and a
+# newer glibc than Debian 12's, so binaries built here run there).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+cmake -S . -B build-cuda -DDS_CUDA=ON -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$NVCC" >/dev/null
+cmake --build build-cuda -j "$(nproc)"
+tools/cuda_build.sh build-cuda >/dev/null
+rm -rf .devbin && mkdir -p .devbin/lib
+cp build-cuda/deltaserve build-cuda/test_cuda_kernels .devbin/
+for t in ${DS_DEVBIN_TESTS:-test_model_forward test_model_pipeline test_model_draft test_engine_prefix test_engine_engine test_engine_regress}; do
+  cp "build-cuda/$t" .devbin/
+done
+for l in libmicrohttpd.so.12 libhiredis.so.0.14 libcmocka.so.0; do
+  cp -L "/lib/x86_64-linux-gnu/$l" .devbin/lib/
+done
+strip .devbin/* 2>/dev/null || true
+du -sh .devbin
