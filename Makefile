@@ -90,11 +90,14 @@ bench: build
 format:
 	clang-format -i $$(git ls-files 'src/*.c' 'src/*.h' 'tests/*.c' 'tests/*.h')
 
-# CUDA backend (issue 9): compiles and links the CUDA kernels and their checks against the CPU
-# backend with the CUDA toolkit (no GPU needed to build; not part of `make test`, which stays
-# CPU-only). On the GPU machine, tools/device/cuda_check.sh builds, checks and times in one call.
-cuda:
-	tools/cuda_build.sh build-cuda
+# CUDA backend (issue 9): the whole engine with --device cuda, plus test_cuda_kernels (each CUDA
+# kernel against the CPU's), in build-cuda with the CUDA toolkit (no GPU needed to build; not part
+# of `make test`, which stays CPU-only). For the GPU machine: tools/device/pack_devbin.sh packs
+# the binaries here, tools/device/cuda_model_check.sh runs the CPU's tests there on the GPU.
+NVCC ?= $(shell command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+cuda: deps
+	@cmake -S . -B build-cuda -DDS_CUDA=ON -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER=$(NVCC) >/dev/null
+	@cmake --build build-cuda -j $(JOBS)
 
 clean:
 	rm -rf $(BUILD)

@@ -3,6 +3,7 @@
  * an FMA loop), so every figure says how far it is from the hardware. */
 #include "cli/args.h"
 #include "cli/bench_limits.h"
+#include "base/devmem.h"
 #include "cli/commands.h"
 #include "model/model.h"
 
@@ -13,12 +14,24 @@
 
 enum { BENCH_BLOCK = 64 };
 
+enum { MAX_BATCHES = 8 };
+
 typedef struct bench_result {
     double prompt_tps, prompt_gflops;
     int n_batches;
-    int batch[8];
-    double decode_tps[8], decode_gbs[8], decode_gflops[8];
+    int batch[MAX_BATCHES];
+    double decode_tps[MAX_BATCHES], decode_gbs[MAX_BATCHES], decode_gflops[MAX_BATCHES];
+    double decode_ms[MAX_BATCHES]; /* per step: the time per output token of each sequence */
 } bench_result;
+
+/* KDA state slots where the model keeps them: device memory on a GPU (the forward would
+ * otherwise stage host slots through the bus every step). */
+static float *alloc_slots(ds_model *m, size_t n, ds_err *err) {
+    size_t bytes = DS_MAX(n * ds_model_slot_floats(m) * sizeof(float), 1);
+    float *p = ds_dmem_alloc(ds_model_on_device(m), bytes, err);
+    if (p) ds_dmem_zero(ds_model_on_device(m), p, bytes);
+    return p;
+}
 
 /* Decode `steps` tokens for each of B sequences (after a short prompt each), one batched
  * forward per step; returns seconds per step (best of the steps after the first). */
@@ -30,7 +43,7 @@ static int run_decode(ds_model *m, int B, int prompt, int steps, double *sec_per
     if (ds_kv_pool_init(&pool, m, B * pages_per, BENCH_BLOCK, err)) return DS_ERR;
     int rc = DS_ERR;
     size_t slot_n = ds_model_slot_floats(m);
-    float *slots = ds_calloc((size_t)B * slot_n, sizeof(float), err);         /* [B][slot] */
+    float *slots = alloc_slots(m, (size_t)B, err);                            /* [B][slot] */
     int32_t *table = ds_malloc((size_t)B * pages_per * sizeof(int32_t), err); /* [B][pages] */
     int32_t *ids = ds_malloc((size_t)B * ctx * sizeof(int32_t), err);         /* [B][ctx] */
     ds_seq_batch *sb = ds_calloc((size_t)B, sizeof *sb, err);
@@ -46,7 +59,11 @@ static int run_decode(ds_model *m, int B, int prompt, int steps, double *sec_per
                                .slot = slots + (size_t)b * slot_n,
                                .block_table = table + (size_t)b * pages_per};
     }
-    if (ds_model_forward(m, &pool, sb, B, err)) goto out;
+    /* the context, a few sequences per forward (as the scheduler's token budget would) */
+    for (int b0 = 0, nb; b0 < B; b0 += nb) {
+        nb = DS_MAX(1, DS_MIN(B - b0, 8192 / prompt));
+        if (ds_model_forward(m, &pool, sb + b0, nb, err)) goto out;
+    }
     double best = 1e30;
     for (int s = 0; s < steps; s++) {
         for (int b = 0; b < B; b++) {
@@ -64,7 +81,7 @@ static int run_decode(ds_model *m, int B, int prompt, int steps, double *sec_per
     *sec_per_step = best;
     rc = DS_OK;
 out:
-    free(slots);
+    ds_dmem_free(ds_model_on_device(m), slots);
     free(table);
     free(ids);
     free(sb);
@@ -79,7 +96,7 @@ static int run_prompt(ds_model *m, int T, int reps, double *sec, ds_err *err) {
     ds_kv_pool pool;
     if (ds_kv_pool_init(&pool, m, pages, BENCH_BLOCK, err)) return DS_ERR;
     int rc = DS_ERR;
-    float *slot = ds_calloc(ds_model_slot_floats(m), sizeof(float), err);
+    float *slot = alloc_slots(m, 1, err); /* [slot] */
     int32_t *table = ds_malloc((size_t)pages * sizeof(int32_t), err);
     int32_t *ids = ds_malloc((size_t)T * sizeof(int32_t), err);
     float *logits = ds_malloc((size_t)c->vocab_size * sizeof(float), err);
@@ -90,7 +107,7 @@ static int run_prompt(ds_model *m, int T, int reps, double *sec, ds_err *err) {
     for (int i = 0; i < T; i++) ids[i] = (int32_t)(ds_rng_next(&rng) % 256);
     double best = 1e30;
     for (int r = 0; r < reps; r++) {
-        memset(slot, 0, ds_model_slot_floats(m) * sizeof(float));
+        ds_dmem_zero(ds_model_on_device(m), slot, ds_model_slot_floats(m) * sizeof(float));
         ds_seq_batch sb = {ids, T, 0, slot, table, logits, 1, NULL, NULL, NULL, 0, NULL, NULL};
         double t0 = ds_now();
         if (ds_model_forward(m, &pool, &sb, 1, err)) goto out;
@@ -100,7 +117,7 @@ static int run_prompt(ds_model *m, int T, int reps, double *sec, ds_err *err) {
     *sec = best;
     rc = DS_OK;
 out:
-    free(slot);
+    ds_dmem_free(ds_model_on_device(m), slot);
     free(table);
     free(ids);
     free(logits);
@@ -108,73 +125,140 @@ out:
     return rc;
 }
 
+/* "1,8,64" -> batch sizes; 0 and a message on a bad list. */
+static int parse_batches(const char *list, int *out, ds_err *err) {
+    int n = 0;
+    const char *p = list;
+    while (*p) {
+        char *end;
+        long v = strtol(p, &end, 10);
+        if (end == p || v < 1 || v > 4096 || (*end && *end != ','))
+            return ds_errf(err, "--batch-sizes '%s': expected numbers 1..4096 separated by commas",
+                           list),
+                   0;
+        if (n == MAX_BATCHES)
+            return ds_errf(err, "--batch-sizes '%s': at most %d sizes", list, MAX_BATCHES), 0;
+        out[n++] = (int)v;
+        p = *end ? end + 1 : end;
+    }
+    if (!n) ds_errf(err, "--batch-sizes is empty");
+    return n;
+}
+
 int ds_cmd_bench(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "serve")) return ds_cmd_bench_serve(argc - 1, argv + 1);
-    const char *model_dir = NULL, *json_path = NULL;
-    int prompt_tokens = 512, steps = 8, reps = 2;
+    const char *model_dir = NULL, *json_path = NULL, *device = "cpu", *load_format = "safetensors";
+    const char *batch_list = "1,16";
+    int prompt_tokens = 512, steps = 8, reps = 2, batch_invariant = 0, decode_ctx = 32;
+    static const char *const DEVICES[] = {"cpu", "cuda", "auto", NULL};
+    static const char *const FORMATS[] = {"safetensors", "random", NULL};
     ds_arg opts[] = {
         {"model", "m", DS_ARG_STRING, &model_dir, "DIR", "checkpoint folder", .required = 1},
         DS_OPT("prompt-tokens", NULL, DS_ARG_INT, &prompt_tokens, "N", "prompt length measured"),
         DS_OPT("decode-steps", NULL, DS_ARG_INT, &steps, "N", "decode steps per batch size"),
+        DS_OPT("decode-context", NULL, DS_ARG_INT, &decode_ctx, "N",
+               "prompt tokens each sequence holds before the decode steps"),
+        DS_OPT("batch-sizes", NULL, DS_ARG_STRING, &batch_list, "B,B,..",
+               "decode batch sizes measured"),
         DS_OPT("reps", NULL, DS_ARG_INT, &reps, "N", "prompt repetitions (best is kept)"),
+        {"device", NULL, DS_ARG_STRING, &device, "D", "cpu, cuda or auto", .choices = DEVICES},
+        DS_OPT("batch-invariant", NULL, DS_ARG_BOOL, &batch_invariant, NULL,
+               "CUDA: weight-streaming matmuls for every batch size (see serve --help)"),
+        {"load-format", NULL, DS_ARG_STRING, &load_format, "F",
+         "safetensors, or random: weights drawn for config.json's shape (no files read; made in "
+         "GPU memory on cuda)",
+         .choices = FORMATS},
         DS_OPT("json", NULL, DS_ARG_STRING, &json_path, "FILE", "also write the results as JSON"),
     };
-    ds_args a = {"deltaserve bench",
-                 "Prompt tokens/s at --prompt-tokens and decode tokens/s at batch 1 and 16, with\n"
-                 "achieved GB/s and GFLOP/s as fractions of this machine's read bandwidth and FMA\n"
-                 "peak, measured in the same run.\n"
-                 "`deltaserve bench serve --help`: the load generator for a running server.",
-                 opts, (int)DS_ARRAY_LEN(opts)};
+    ds_args a = {
+        "deltaserve bench",
+        "Prompt tokens/s at --prompt-tokens and decode tokens/s at each --batch-sizes,\n"
+        "with achieved GB/s and GFLOP/s as fractions of this machine's limits measured in\n"
+        "the same run: on the CPU a read-bandwidth loop and an FMA loop, on a GPU the\n"
+        "device copy rate and cuBLAS's BF16 GEMM rate.\n"
+        "`deltaserve bench serve --help`: the load generator for a running server.",
+        opts, (int)DS_ARRAY_LEN(opts)};
     int rc;
     if (ds_args_parse_cli(&a, argc, argv, &rc)) return rc;
-    if (prompt_tokens < 1 || steps < 2 || reps < 1) {
-        fprintf(stderr, "bench: need --prompt-tokens >= 1, --decode-steps >= 2, --reps >= 1\n");
+    ds_err err = {{0}};
+    bench_result r = {0};
+    if (prompt_tokens < 1 || steps < 2 || reps < 1 || decode_ctx < 1) {
+        fprintf(stderr, "bench: need --prompt-tokens >= 1, --decode-steps >= 2, --reps >= 1, "
+                        "--decode-context >= 1\n");
         return 2;
     }
-    ds_err err = {{0}};
+    if (!(r.n_batches = parse_batches(batch_list, r.batch, &err))) {
+        fprintf(stderr, "bench: %s\n", err.msg);
+        return 2;
+    }
+    ds_model_opts mo;
+    ds_model_opts_default(&mo);
+    mo.device = !strcmp(device, "cuda")   ? DS_DEVICE_CUDA
+                : !strcmp(device, "auto") ? DS_DEVICE_AUTO
+                                          : DS_DEVICE_CPU;
+    mo.batch_invariant = batch_invariant;
+    mo.load_random = !strcmp(load_format, "random");
     ds_model *m = NULL;
-    if (ds_model_load(model_dir, NULL, &m, &err)) {
+    double t_load = ds_now();
+    if (ds_model_load(model_dir, &mo, &m, &err)) {
         fprintf(stderr, "bench: %s\n", err.msg);
         return 1;
     }
-    int threads = omp_get_max_threads();
-    double bw = ds_bench_read_bandwidth((size_t)1 << 30, threads);
-    double peak = ds_bench_fma_peak(threads);
-    bench_result r = {0};
+    t_load = ds_now() - t_load;
+    int gpu = ds_model_on_device(m), threads = omp_get_max_threads();
+    /* the limits: bytes/s and FLOP/s of this machine, measured now */
+    double bw, peak;
+    if (gpu) {
+        double tf;
+        if (ds_model_device_limits(m, &bw, &tf, &err)) goto fail;
+        peak = tf * 1e3; /* GFLOP/s */
+    } else {
+        bw = ds_bench_read_bandwidth((size_t)1 << 30, threads);
+        peak = ds_bench_fma_peak(threads);
+    }
     double sec;
     if (run_prompt(m, prompt_tokens, reps, &sec, &err)) goto fail;
     r.prompt_tps = prompt_tokens / sec;
     r.prompt_gflops = ds_model_token_flops(m, 0) * prompt_tokens / sec / 1e9;
-    int batches[] = {1, 16};
-    r.n_batches = 2;
     for (int i = 0; i < r.n_batches; i++) {
-        int B = batches[i];
-        r.batch[i] = B;
-        if (run_decode(m, B, 32, steps, &sec, &err)) goto fail;
+        int B = r.batch[i];
+        if (run_decode(m, B, decode_ctx, steps, &sec, &err)) goto fail;
+        r.decode_ms[i] = sec * 1e3;
         r.decode_tps[i] = B / sec;
         /* batch 1 reads every active weight once per token; larger batches share the reads, so
          * only batch 1 is reported as bandwidth */
         r.decode_gbs[i] = B == 1 ? ds_model_decode_bytes(m) / sec / 1e9 : 0;
         r.decode_gflops[i] = ds_model_token_flops(m, 1) * B / sec / 1e9;
     }
-    printf("deltaserve bench  model=%s  isa=%s  threads=%d  weights=%.2f GB\n", model_dir,
-           ds_isa_name(ds_kernels_isa()), threads, ds_model_weight_bytes(m) / 1e9);
-    printf("machine: read bandwidth %.2f GB/s, FMA peak %.1f GFLOP/s\n", bw, peak);
-    printf("%-18s %12s %12s %10s %12s %10s\n", "case", "tokens/s", "GB/s", "of bw", "GFLOP/s",
-           "of peak");
-    printf("%-18s %12.1f %12s %10s %12.1f %9.1f%%\n", "prompt", r.prompt_tps, "-", "-",
-           r.prompt_gflops, 100 * r.prompt_gflops / peak);
+    const char *bw_name = gpu ? "copy" : "read";
+    printf("deltaserve bench  model=%s%s  device=%s  weights=%.2f GB (loaded in %.1f s)\n",
+           model_dir, mo.load_random ? " (random weights)" : "", ds_model_device_name(m),
+           ds_model_weight_bytes(m) / 1e9, t_load);
+    if (gpu)
+        printf("limits: device copy %.0f GB/s, cuBLAS BF16 GEMM %.0f TFLOP/s%s\n", bw, peak / 1e3,
+               batch_invariant ? "; batch-invariant matmuls" : "");
+    else
+        printf("limits: read bandwidth %.2f GB/s, FMA peak %.1f GFLOP/s (%d threads)\n", bw, peak,
+               threads);
+    printf("decode bytes per token at batch 1: %.3f GB\n", ds_model_decode_bytes(m) / 1e9);
+    printf("%-18s %12s %10s %12s %10s %12s %10s\n", "case", "tokens/s", "ms/step", "GB/s",
+           gpu ? "of copy" : "of read", "GFLOP/s", gpu ? "of GEMM" : "of peak");
+    char name[48];
+    snprintf(name, sizeof name, "prompt %d", prompt_tokens);
+    printf("%-18s %12.1f %10.2f %12s %10s %12.1f %9.1f%%\n", name, r.prompt_tps,
+           1e3 * prompt_tokens / r.prompt_tps, "-", "-", r.prompt_gflops,
+           100 * r.prompt_gflops / peak);
     for (int i = 0; i < r.n_batches; i++) {
-        char name[32];
         snprintf(name, sizeof name, "decode batch %d", r.batch[i]);
         if (r.decode_gbs[i] > 0)
-            printf("%-18s %12.1f %12.2f %9.1f%% %12.1f %9.1f%%\n", name, r.decode_tps[i],
-                   r.decode_gbs[i], 100 * r.decode_gbs[i] / bw, r.decode_gflops[i],
+            printf("%-18s %12.1f %10.3f %12.2f %9.1f%% %12.1f %9.1f%%\n", name, r.decode_tps[i],
+                   r.decode_ms[i], r.decode_gbs[i], 100 * r.decode_gbs[i] / bw, r.decode_gflops[i],
                    100 * r.decode_gflops[i] / peak);
         else
-            printf("%-18s %12.1f %12s %10s %12.1f %9.1f%%\n", name, r.decode_tps[i], "-", "-",
-                   r.decode_gflops[i], 100 * r.decode_gflops[i] / peak);
+            printf("%-18s %12.1f %10.3f %12s %10s %12.1f %9.1f%%\n", name, r.decode_tps[i],
+                   r.decode_ms[i], "-", "-", r.decode_gflops[i], 100 * r.decode_gflops[i] / peak);
     }
+    (void)bw_name;
     if (json_path) {
         FILE *f = fopen(json_path, "w");
         if (!f) {
@@ -182,16 +266,17 @@ int ds_cmd_bench(int argc, char **argv) {
             goto fail;
         }
         fprintf(f,
-                "{\"model\": \"%s\", \"isa\": \"%s\", \"threads\": %d, \"read_bw_gbs\": %.3f, "
-                "\"fma_peak_gflops\": %.3f, \"prompt_tokens\": %d, \"prompt_tps\": %.3f, "
-                "\"prompt_gflops\": %.3f, \"prompt_frac_peak\": %.4f, \"decode\": [",
-                model_dir, ds_isa_name(ds_kernels_isa()), threads, bw, peak, prompt_tokens,
-                r.prompt_tps, r.prompt_gflops, r.prompt_gflops / peak);
+                "{\"model\": \"%s\", \"device\": \"%s\", \"random_weights\": %d, \"threads\": %d, "
+                "\"bw_gbs\": %.3f, \"peak_gflops\": %.3f, \"prompt_tokens\": %d, "
+                "\"prompt_tps\": %.3f, \"prompt_gflops\": %.3f, \"prompt_frac_peak\": %.4f, "
+                "\"decode\": [",
+                model_dir, ds_model_device_name(m), mo.load_random, threads, bw, peak,
+                prompt_tokens, r.prompt_tps, r.prompt_gflops, r.prompt_gflops / peak);
         for (int i = 0; i < r.n_batches; i++)
             fprintf(f,
-                    "%s{\"batch\": %d, \"tps\": %.3f, \"gbs\": %.3f, \"frac_bw\": %.4f, "
-                    "\"gflops\": %.3f}",
-                    i ? ", " : "", r.batch[i], r.decode_tps[i], r.decode_gbs[i],
+                    "%s{\"batch\": %d, \"tps\": %.3f, \"ms_per_step\": %.4f, \"gbs\": %.3f, "
+                    "\"frac_bw\": %.4f, \"gflops\": %.3f}",
+                    i ? ", " : "", r.batch[i], r.decode_tps[i], r.decode_ms[i], r.decode_gbs[i],
                     r.decode_gbs[i] / bw, r.decode_gflops[i]);
         fprintf(f, "]}\n");
         fclose(f);

@@ -228,6 +228,15 @@ int ds_cmd_serve(int argc, char **argv) {
     static const char *const RELAYS[] = {"partial-sum", "plain", NULL};
     int tp = 1, pp = 1;
     int spec_k = eo.num_speculative_tokens;
+    static const char *const DEVICES[] = {"cpu", "cuda", "auto", NULL};
+    const char *device = eo.device == DS_DEVICE_CUDA   ? "cuda"
+                         : eo.device == DS_DEVICE_AUTO ? "auto"
+                                                       : "cpu";
+    int batch_invariant = eo.batch_invariant;
+    if (eo.device < 0) {
+        fprintf(stderr, "serve: DS_DEVICE=%s: expected cpu, cuda or auto\n", getenv("DS_DEVICE"));
+        return 2;
+    }
     static const char *const SPEC_METHODS[] = {"none", "dspark", "ngram", NULL};
     ds_arg opts[] = {
         {"model", "m", DS_ARG_STRING, &model_dir, "DIR", "checkpoint folder", .required = 1},
@@ -250,6 +259,13 @@ int ds_cmd_serve(int argc, char **argv) {
         DS_OPT("max-queue", NULL, DS_ARG_INT, &max_queue, "N",
                "waiting requests beyond which new ones get 503"),
         DS_OPT("seed", NULL, DS_ARG_I64, &seed, "S", "base seed for requests without one"),
+        {"device", NULL, DS_ARG_STRING, &device, "D",
+         "cpu, cuda (weights and caches in GPU memory; under MPI rank r uses GPU r mod count) or "
+         "auto (cuda when built with it and a GPU is present)",
+         .choices = DEVICES},
+        DS_OPT("batch-invariant", NULL, DS_ARG_BOOL, &batch_invariant, NULL,
+               "CUDA: every matmul streams the weights with f32 activations, so a request's output "
+               "never depends on its batch (the CPU always is); slower prefill"),
         {"speculative-method", "method", DS_ARG_STRING, &spec_method, "M",
          "speculative decoding: dspark (draft model) or ngram (prompt lookup)",
          .choices = SPEC_METHODS},
@@ -328,6 +344,10 @@ int ds_cmd_serve(int argc, char **argv) {
     eo.max_model_len = max_model_len;
     eo.max_queue = max_queue;
     eo.seed = (uint64_t)seed;
+    eo.device = !strcmp(device, "cuda")   ? DS_DEVICE_CUDA
+                : !strcmp(device, "auto") ? DS_DEVICE_AUTO
+                                          : DS_DEVICE_CPU;
+    eo.batch_invariant = batch_invariant;
     eo.speculative_method = !strcmp(spec_method, "dspark")  ? DS_SPEC_DSPARK
                             : !strcmp(spec_method, "ngram") ? DS_SPEC_NGRAM
                                                             : DS_SPEC_NONE;

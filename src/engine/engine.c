@@ -145,6 +145,10 @@ struct ds_engine {
 
 void ds_engine_opts_default(ds_engine_opts *o) {
     memset(o, 0, sizeof *o);
+    ds_model_opts mo; /* the device defaults (DS_DEVICE, DS_BATCH_INVARIANT) */
+    ds_model_opts_default(&mo);
+    o->device = mo.device; /* -1 for a DS_DEVICE nobody knows: the model load reports it */
+    o->batch_invariant = mo.batch_invariant;
     o->kv_cache_fraction = 0.3;
     o->block_size = 16;
     o->max_num_seqs = 64;
@@ -435,6 +439,10 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
     ds_model_opts_default(&mo);
     mo.device = opts->device;
     mo.batch_invariant = opts->batch_invariant;
+    /* one GPU per rank of a job: rank r of this host uses device r (the backend wraps it modulo
+     * the devices present, so a job can also share one GPU) */
+    const char *local = getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+    if (local && opts->comm && opts->comm->size > 1) mo.device_index = atoi(local);
     e->comm = opts->comm;
     e->dist = e->comm && e->comm->size > 1;
     e->head = !e->comm || e->comm->rank == 0;

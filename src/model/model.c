@@ -28,6 +28,8 @@ void ds_model_opts_default(ds_model_opts *o) {
     o->device_index = 0;
     const char *bi = getenv("DS_BATCH_INVARIANT");
     o->batch_invariant = bi && *bi && strcmp(bi, "0") != 0;
+    o->load_random = 0;
+    o->random_seed = 0;
     o->kda_chunk = 64;
     o->kda_chunked_min = 16;
     o->mla_expanded_min = 32;
@@ -84,6 +86,10 @@ const char *ds_model_device_name(const ds_model *m) {
     snprintf(cpu, sizeof cpu, "cpu (%s)", ds_isa_name(ds_kernels_isa()));
     return cpu;
 }
+int ds_model_device_limits(const ds_model *m, double *copy_gbs, double *gemm_tflops, ds_err *err) {
+    if (!m->cu) return ds_errf(err, "device limits: the model runs on the CPU");
+    return ds_cuda_model_limits(m, copy_gbs, gemm_tflops, err);
+}
 size_t ds_model_weight_bytes(const ds_model *m) {
     return m->weight_bytes;
 }
@@ -102,8 +108,77 @@ static int own(ds_model *m, void *p, ds_err *err) {
 
 #define FLOAT_TYPES ((1u << DS_DT_F32) | (1u << DS_DT_F16) | (1u << DS_DT_BF16))
 
+/* ---- random weights (--load-format random) ----------------------------------------------------
+ * Every tensor the config implies, drawn from a hash of (seed, tensor name, element index), so a
+ * tensor's values do not depend on load order or on which rank binds it. Matrices are BF16,
+ * uniform with variance 1/cols (activations keep their scale through the stack); on the GPU they
+ * are never made on the host: the data pointer is ds_random_weights and the CUDA backend fills
+ * device memory itself. Vectors follow their role: norms 1, A_log log U(1,16), the rest small. */
+const char ds_random_weights[1] = {0};
+
+static uint64_t name_hash(const char *s) {
+    uint64_t h = 1469598103934665603ull; /* FNV-1a */
+    for (; *s; s++) h = (h ^ (uint8_t)*s) * 1099511628211ull;
+    return h;
+}
+
+/* Uniform in [-1, 1) from (key, i). */
+static float hash_uniform(uint64_t key, uint64_t i) {
+    uint64_t z = key + (i + 1) * 0x9e3779b97f4a7c15ull; /* splitmix64 finalizer */
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return (float)((double)(z >> 11) * (2.0 / 9007199254740992.0) - 1.0);
+}
+
+static int rand_mat(ds_model *m, const char *name, int rows, int cols, ds_mat *out, ds_err *err) {
+    size_t n = (size_t)rows * (size_t)cols;
+    *out = (ds_mat){ds_random_weights, DS_DT_BF16, rows, cols};
+    m->weight_bytes += n * 2;
+    if (m->dev == DS_DEVICE_CUDA) return DS_OK; /* filled on the device */
+    uint16_t *p = ds_aligned_alloc(n * 2 + 2, err);
+    if (!p || own(m, p, err)) {
+        free(p);
+        return DS_ERR;
+    }
+    uint64_t key = name_hash(name) ^ m->opts.random_seed;
+    float a = sqrtf(3.0f / (float)(cols > 0 ? cols : 1));
+    for (size_t i = 0; i < n; i++) p[i] = ds_f32_to_bf16(a * hash_uniform(key, i));
+    out->data = p;
+    return DS_OK;
+}
+
+static int ends_with(const char *s, const char *suffix) {
+    size_t a = strlen(s), b = strlen(suffix);
+    return a >= b && !strcmp(s + a - b, suffix);
+}
+
+static int rand_vec(ds_model *m, const char *name, size_t n, float **out, ds_err *err) {
+    float *v = ds_malloc((n ? n : 1) * sizeof(float), err);
+    if (!v || own(m, v, err)) {
+        free(v);
+        return DS_ERR;
+    }
+    uint64_t key = name_hash(name) ^ m->opts.random_seed;
+    for (size_t i = 0; i < n; i++) {
+        float u = hash_uniform(key, i);
+        if (ends_with(name, "A_log"))
+            v[i] = logf(8.5f + 7.5f * u); /* log U(1, 16) */
+        else if (ends_with(name, "conv1d.weight"))
+            v[i] = 0.5f * u;
+        else if (ends_with(name, "res_proj.weight") || ends_with(name, "dt_bias"))
+            v[i] = 0.1f * u;
+        else /* norm weights */
+            v[i] = 1.0f + 0.05f * u;
+    }
+    m->weight_bytes += n * sizeof(float);
+    *out = v;
+    return DS_OK;
+}
+
 /* Binds a matrix [rows][cols] in its file dtype. */
 static int bind_mat(ds_model *m, const char *name, int rows, int cols, ds_mat *out, ds_err *err) {
+    if (m->random) return rand_mat(m, name, rows, cols, out, err);
     const ds_tensor *t;
     int64_t shape[2] = {rows, cols};
     if (ds_st_get(m->st, name, FLOAT_TYPES, 2, shape, &t, err)) return DS_ERR;
@@ -119,6 +194,7 @@ static int bind_mat(ds_model *m, const char *name, int rows, int cols, ds_mat *o
  * mapped file, no copy. */
 static int bind_mat_rows(ds_model *m, const char *name, int rows, int cols, int r0, int nr,
                          ds_mat *out, ds_err *err) {
+    if (m->random) return rand_mat(m, name, nr, cols, out, err);
     size_t before = m->weight_bytes;
     if (bind_mat(m, name, rows, cols, out, err)) return DS_ERR;
     if (nr == rows) return DS_OK;
@@ -131,6 +207,7 @@ static int bind_mat_rows(ds_model *m, const char *name, int rows, int cols, int 
  * stride, so the slice is copied, in its file dtype, into memory the model owns. */
 static int bind_mat_cols(ds_model *m, const char *name, int rows, int cols, int c0, int nc,
                          ds_mat *out, ds_err *err) {
+    if (m->random) return rand_mat(m, name, rows, nc, out, err);
     size_t before = m->weight_bytes;
     ds_mat full;
     if (bind_mat(m, name, rows, cols, &full, err)) return DS_ERR;
@@ -162,6 +239,11 @@ static void keep_slice(float *v, size_t off, size_t n) {
 /* Reads a small float tensor of the given shape into a new f32 vector owned by the model. */
 static int bind_vec(ds_model *m, const char *name, int ndim, const int64_t *shape, float **out,
                     ds_err *err) {
+    if (m->random) {
+        size_t n = 1;
+        for (int i = 0; i < ndim; i++) n *= (size_t)shape[i];
+        return rand_vec(m, name, n, out, err);
+    }
     const ds_tensor *t;
     if (ds_st_get(m->st, name, FLOAT_TYPES, ndim, shape, &t, err)) return DS_ERR;
     float *v = ds_malloc((size_t)t->numel * sizeof(float), err);
@@ -227,6 +309,11 @@ static int bind_kda(ds_model *m, const char *pre, kda_w *w, ds_err *err) {
     /* A_log ships as [1,1,Hk,1] (Kimi-Linear) or [>=Hk] padded with zeros (K3): take the first
      * Hk entries of the flattened tensor (MODEL_SPEC §10 trap 3). */
     NAME(n, "%sA_log", pre);
+    if (m->random) {
+        if (rand_vec(m, n, (size_t)H, &w->A_log, err)) return DS_ERR;
+        keep_slice(w->A_log, (size_t)m->tp_rank * Hl, (size_t)Hl);
+        goto after_alog;
+    }
     const ds_tensor *t = ds_st_find(m->st, n);
     if (!t) return ds_errf(err, "checkpoint: missing tensor '%s'", n);
     if (t->numel < H)
@@ -238,6 +325,7 @@ static int bind_kda(ds_model *m, const char *pre, kda_w *w, ds_err *err) {
     for (int i = 0; i < t->ndim; i++) alog_shape[i] = t->shape[i];
     if (bind_vec(m, n, t->ndim, alog_shape, &w->A_log, err)) return DS_ERR;
     keep_slice(w->A_log, (size_t)m->tp_rank * Hl, (size_t)Hl);
+after_alog:
     if (NAME(n, "%sb_proj.weight", pre), bind_mat_rows(m, n, H, D, m->tp_rank * Hl, Hl, &w->b, err))
         return DS_ERR;
     if (c->use_full_rank_gate) {
@@ -318,7 +406,8 @@ static int bind_ffn(ds_model *m, const char *pre, int layer, ffn_w *w, ds_err *e
         return DS_ERR;
     NAME(n, "%sblock_sparse_moe.gate.e_score_correction_bias", pre);
     w->router_bias = NULL;
-    if (ds_st_find(m->st, n) && bind_vec1(m, n, E, &w->router_bias, err)) return DS_ERR;
+    if (!m->random && ds_st_find(m->st, n) && bind_vec1(m, n, E, &w->router_bias, err))
+        return DS_ERR;
     w->w1 = ds_calloc((size_t)E * 3, sizeof(ds_mat), err);
     if (!w->w1 || own(m, w->w1, err)) return DS_ERR;
     w->w3 = w->w1 + E;
@@ -376,7 +465,16 @@ int ds_model_load(const char *dir, const ds_model_opts *opts, ds_model **out, ds
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);
     if (ds_config_load(path, &m->cfg, err)) goto fail;
-    if (ds_st_open_dir(dir, &m->st, err)) goto fail;
+    m->random = m->opts.load_random;
+    if (!m->random && ds_st_open_dir(dir, &m->st, err)) goto fail;
+    /* the device first: random weights are made where they will live */
+    m->dev = m->opts.device;
+    if (m->dev == DS_DEVICE_AUTO) m->dev = ds_cuda_available() ? DS_DEVICE_CUDA : DS_DEVICE_CPU;
+    if (m->dev != DS_DEVICE_CPU && m->dev != DS_DEVICE_CUDA) {
+        ds_errf(err, "device %d: expected cpu, cuda or auto (DS_DEVICE=%s)", m->dev,
+                getenv("DS_DEVICE") ? getenv("DS_DEVICE") : "");
+        goto fail;
+    }
     const ds_config *c = &m->cfg;
     int D = c->hidden_size, V = c->vocab_size, L = c->num_hidden_layers;
     const char *wp = c->weight_prefix;
@@ -423,7 +521,9 @@ int ds_model_load(const char *dir, const ds_model_opts *opts, ds_model **out, ds
                         bind_mat_rows(m, n, V, D, m->v0, m->nv, &m->lm_head, err))) {
         goto fail;
     }
-    if (last) {
+    if (last && m->random && m->tp_size == 1) {
+        m->lm_head_full = m->lm_head; /* drawing it twice would only double the memory */
+    } else if (last) {
         size_t counted = m->weight_bytes;
         if (NAME(n, "%s%s", wp, head), bind_mat(m, n, V, D, &m->lm_head_full, err)) goto fail;
         m->weight_bytes = counted;
@@ -470,15 +570,7 @@ int ds_model_load(const char *dir, const ds_model_opts *opts, ds_model **out, ds
     }
     m->n_kda = n_kda;
     m->n_mla = n_mla;
-    int dev = m->opts.device;
-    if (dev == DS_DEVICE_AUTO) dev = ds_cuda_available() ? DS_DEVICE_CUDA : DS_DEVICE_CPU;
-    if (dev == DS_DEVICE_CUDA) {
-        if (ds_cuda_model_attach(m, m->opts.device_index, err)) goto fail;
-    } else if (dev != DS_DEVICE_CPU) {
-        ds_errf(err, "device %d: expected cpu, cuda or auto (DS_DEVICE=%s)", dev,
-                getenv("DS_DEVICE") ? getenv("DS_DEVICE") : "");
-        goto fail;
-    }
+    if (m->dev == DS_DEVICE_CUDA && ds_cuda_model_attach(m, m->opts.device_index, err)) goto fail;
     *out = m;
     return DS_OK;
 fail:
@@ -1291,6 +1383,10 @@ size_t ds_cuda_model_mem_free(const ds_model *m) {
 const char *ds_cuda_model_device_name(const ds_model *m) {
     (void)m;
     return "none";
+}
+int ds_cuda_model_limits(const ds_model *m, double *copy_gbs, double *gemm_tflops, ds_err *err) {
+    (void)m, (void)copy_gbs, (void)gemm_tflops;
+    return ds_errf(err, "this build has no CUDA backend");
 }
 int ds_cuda_available(void) {
     return 0;

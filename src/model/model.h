@@ -31,6 +31,11 @@ typedef struct ds_model_opts {
      * batch size), and which matches the CPU's numbers to ~1e-6. Slower for long prefills. The
      * CPU backend is batch invariant always. Default off, or DS_BATCH_INVARIANT=1. */
     int batch_invariant;
+    /* --load-format random: no safetensors are read; every weight the config implies is drawn
+     * (BF16 matrices, made directly in GPU memory on CUDA), for benchmarks at full shape. DIR
+     * needs only config.json. */
+    int load_random;
+    uint64_t random_seed;
     int kda_chunk;              /* chunk length of the chunked KDA form (default 64) */
     int kda_chunked_min;        /* segments with at least this many tokens use the chunked form */
     int mla_expanded_min;       /* segments with at least this many tokens use expanded MLA */
@@ -83,6 +88,9 @@ size_t ds_model_weight_bytes(const ds_model *m);
 int ds_model_on_device(const ds_model *m);
 /* Free device memory in bytes (0 on the CPU). */
 size_t ds_model_device_mem_free(const ds_model *m);
+/* On a GPU: its copy bandwidth (GB/s, read + written) and BF16 GEMM rate (TFLOP/s), measured now.
+ */
+int ds_model_device_limits(const ds_model *m, double *copy_gbs, double *gemm_tflops, ds_err *err);
 /* "cpu (avx512)" or the GPU's name. */
 const char *ds_model_device_name(const ds_model *m);
 

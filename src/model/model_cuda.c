@@ -157,7 +157,14 @@ static int up_mat(ds_cuda_model *cm, const ds_mat *w, ds_cu_mat *out, ds_err *er
     if (!w->data || !w->rows || !w->cols) return DS_OK;
     size_t n = (size_t)w->rows * w->cols;
     uint16_t *d = dev_alloc(cm, n * 2, err);
-    if (!d || upload_bf16(cm, d, w->data, w->dtype, n, err)) return DS_ERR;
+    if (!d) return DS_ERR;
+    if (w->data == ds_random_weights) { /* --load-format random: drawn here, never on the host */
+        uint64_t key = 0x5eed0000ull + (uint64_t)cm->n_allocs * 0x9e3779b97f4a7c15ull;
+        if (ds_cu_fill_random_bf16(cm->c, d, n, key, sqrtf(3.0f / (float)w->cols), err))
+            return DS_ERR;
+    } else if (upload_bf16(cm, d, w->data, w->dtype, n, err)) {
+        return DS_ERR;
+    }
     *out = (ds_cu_mat){d, w->rows, w->cols};
     return DS_OK;
 }
@@ -199,31 +206,17 @@ static int up_mla(ds_cuda_model *cm, const ds_model *m, const mla_w *w, cu_mla *
         up_vec(cm, w->q_a_norm, (size_t)c->q_lora_rank, &d->q_a_norm, err) ||
         up_vec(cm, w->kv_a_norm, (size_t)R, &d->kv_a_norm, err))
         return DS_ERR;
-    /* W_UK_h = kv_b rows [h (dn+dvh), h (dn+dvh) + dn), [dn][R]; its transpose [R][dn] */
+    /* W_UK_h = kv_b rows [h (dn+dvh), h (dn+dvh) + dn), [dn][R]; its transpose [R][dn], made on
+     * the device from the uploaded kv_b */
     d->ukT = calloc((size_t)Ha, sizeof *d->ukT);
-    float *t = malloc((size_t)R * dn * sizeof(float));
-    if (!d->ukT || !t) {
-        free(t);
-        return ds_errf(err, "cuda: out of host memory");
-    }
+    if (!d->ukT) return ds_errf(err, "cuda: out of host memory");
     for (int h = 0; h < Ha; h++) {
-        ds_mat uk = ds_mat_rows(&w->kv_b, h * (dn + dvh), dn);
-        float row[4096];
-        if (R > 4096) {
-            free(t);
-            return ds_errf(err, "cuda: kv_lora_rank %d is over 4096", R);
-        }
-        for (int i = 0; i < dn; i++) {
-            ds_embed(row, &uk, &i, 1); /* row i of W_UK_h widened to f32 */
-            for (int r = 0; r < R; r++) t[(size_t)r * dn + i] = row[r];
-        }
-        ds_mat tm = {t, DS_DT_F32, R, dn};
-        if (up_mat(cm, &tm, &d->ukT[h], err)) {
-            free(t);
+        uint16_t *t = dev_alloc(cm, (size_t)R * dn * 2, err);
+        if (!t ||
+            ds_cu_transpose_bf16(cm->c, t, d->kv_b.data + (size_t)h * (dn + dvh) * R, dn, R, err))
             return DS_ERR;
-        }
+        d->ukT[h] = (ds_cu_mat){t, R, dn};
     }
-    free(t);
     return DS_OK;
 }
 
@@ -245,6 +238,15 @@ static int up_ffn(ds_cuda_model *cm, const ds_model *m, const ffn_w *w, cu_ffn *
     d->gate_up = dev_alloc(cm, (size_t)E * 2 * per * 2, err);
     d->e_down = dev_alloc(cm, (size_t)E * per * 2, err);
     if (!d->gate_up || !d->e_down) return DS_ERR;
+    if (w->w1[0].data == ds_random_weights) {
+        uint64_t key = 0xe8e8ull + (uint64_t)cm->n_allocs * 0x9e3779b97f4a7c15ull;
+        if (ds_cu_fill_random_bf16(cm->c, d->gate_up, (size_t)E * 2 * per, key,
+                                   sqrtf(3.0f / (float)Hin), err) ||
+            ds_cu_fill_random_bf16(cm->c, d->e_down, (size_t)E * per, key + 1,
+                                   sqrtf(3.0f / (float)Ie), err))
+            return DS_ERR;
+        return DS_OK;
+    }
     for (int e = 0; e < E; e++) {
         const ds_mat *w1 = &w->w1[e], *w3 = &w->w3[e], *w2 = &w->w2[e];
         if (upload_bf16(cm, d->gate_up + (size_t)e * 2 * per, w1->data, w1->dtype, per, err) ||
@@ -286,6 +288,9 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     if (m->tp_size > 1)
         return ds_errf(err, "device cuda: tensor parallelism on GPUs needs NCCL, not built yet "
                             "(run -tp on the CPU, or -pp alone on GPUs)");
+    int n_dev = ds_cu_device_count();
+    if (n_dev < 1) return ds_errf(err, "device cuda: no GPU found");
+    device_index %= n_dev; /* more ranks than GPUs share them */
     if (g_cu && g_cu_index != device_index)
         return ds_errf(err, "device cuda: this process already uses GPU %d, asked for %d",
                        g_cu_index, device_index);
@@ -342,6 +347,10 @@ fail:
 
 size_t ds_cuda_model_mem_free(const ds_model *m) {
     return ds_cu_mem_free(m->cu->c);
+}
+
+int ds_cuda_model_limits(const ds_model *m, double *copy_gbs, double *gemm_tflops, ds_err *err) {
+    return ds_cu_measure_limits(m->cu->c, copy_gbs, gemm_tflops, err);
 }
 
 const char *ds_cuda_model_device_name(const ds_model *m) {
@@ -411,12 +420,15 @@ static size_t cuda_step_need(const ds_model *m, const ds_seq_batch *seqs, int n_
     if (m->n_mla) {
         size_t Ha = (size_t)m->Ha, R = (size_t)c->kv_lora_rank;
         size_t dn = (size_t)c->qk_nope_head_dim, dr = (size_t)c->qk_rope_head_dim;
-        size_t dvh = (size_t)c->v_head_dim, seg = 0;
+        size_t dvh = (size_t)c->v_head_dim, seg = 0, short_rows = 0;
         for (int q = 0; q < n_seq; q++) {
             size_t ctx = (size_t)seqs[q].pos0 + (size_t)seqs[q].n;
-            seg = DS_MAX(seg, ctx * (R + dr + 2 * Ha * (dn + dvh)) + 5 * pad);
+            if (seqs[q].n >= m->opts.mla_expanded_min)
+                seg = DS_MAX(seg, ctx * (R + dr + 2 * Ha * (dn + dvh)) + 5 * pad);
+            else
+                short_rows += (size_t)seqs[q].n; /* absorbed runs hold at most these rows */
         }
-        seg = DS_MAX(seg, t * Ha * (dr + 2 * R) + 3 * pad);
+        seg = DS_MAX(seg, short_rows * Ha * (dr + 2 * R) + 3 * pad);
         mla = t * Ha * (dn + dr) + t * (R + dr) + t * Ha * dvh + t * (size_t)c->q_lora_rank +
               4 * pad + seg;
     }

@@ -78,6 +78,8 @@ struct ds_model {
     float *scratch;
     size_t scratch_cap;
     struct ds_cuda_model *cu; /* the weights on the GPU and its step buffers, or NULL (CPU) */
+    int dev;                  /* DS_DEVICE_CPU or DS_DEVICE_CUDA, decided at load */
+    int random;               /* --load-format random: weights drawn, not read */
 };
 
 /* Floats per KDA layer in a state slot, for this rank's m->Hk heads: conv tails [3][W-1][P], then
@@ -91,6 +93,9 @@ static inline size_t ds_model_rec_floats(const ds_model *m) {
     return (size_t)m->Hk * (size_t)c->kda_head_dim * (size_t)c->kda_head_dim;
 }
 
+/* The data pointer of a random matrix that only the device holds (see model.c). */
+extern const char ds_random_weights[1];
+
 /* The CUDA backend (model_cuda.c; in builds without it these report that). attach uploads the
  * bound weights and installs device memory (base/devmem.h); forward runs one step of n_seq
  * segments (validated by the caller, off [n_seq] their first rows, T tokens in all). */
@@ -101,6 +106,7 @@ int ds_cuda_forward_stage(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, int
                           ds_err *err);
 size_t ds_cuda_model_mem_free(const ds_model *m);
 const char *ds_cuda_model_device_name(const ds_model *m);
+int ds_cuda_model_limits(const ds_model *m, double *copy_gbs, double *gemm_tflops, ds_err *err);
 int ds_cuda_available(void); /* built with the backend and a device present */
 
 #endif

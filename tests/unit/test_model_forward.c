@@ -362,12 +362,78 @@ static void test_bad_tokens(void **state) {
     close_model(&f);
 }
 
+/* Logits of 12 fixed tokens' last position for the model in dir (opts may be NULL). */
+static void last_logits(const char *dir, const ds_model_opts *opts, float *out, ds_err *err,
+                        int *rc) {
+    fixture f = {0};
+    *rc = ds_model_load(dir, opts, &f.m, err);
+    if (*rc) return;
+    if (ds_kv_pool_init(&f.pool, f.m, 4, BLOCK, err)) fail_msg("%s", err->msg);
+    int32_t table[4] = {2, 0, 3, 1};
+    float *slot = new_slot(f.m);
+    int32_t ids[12] = {1, 5, 9, 100, 7, 7, 300, 2, 11, 64, 65, 800};
+    ds_seq_batch sb = {ids, 12, 0, slot, table, out, 1, NULL, NULL, NULL, 0, NULL, NULL};
+    if (ds_model_forward(f.m, &f.pool, &sb, 1, err)) fail_msg("%s", err->msg);
+    free(slot);
+    ds_kv_pool_free(&f.pool);
+    ds_model_free(f.m);
+}
+
+/* --load-format random: a folder with only config.json loads; the weights are drawn from the
+ * seed (the same seed gives the same logits, another seed others, and neither gives the trained
+ * checkpoint's); without random the missing weights are an error that says so. */
+static void test_random_weights(void **state) {
+    (void)state;
+    const char *real = preset_dir(0);
+    char *dir = ds_test_tmpdir(); /* config.json only */
+    char src[4200], dst[4200];
+    snprintf(src, sizeof src, "%s/config.json", real);
+    snprintf(dst, sizeof dst, "%s/config.json", dir);
+    size_t len;
+    ds_err err = {{0}};
+    char *cfg = ds_read_file(src, &len, &err);
+    assert_non_null(cfg);
+    assert_int_equal(ds_test_write_file(dst, cfg, len), 0);
+    free(cfg);
+    int V = 1024, rc;
+    float *a = malloc(V * sizeof(float)), *b = malloc(V * sizeof(float));
+    float *c = malloc(V * sizeof(float)), *t = malloc(V * sizeof(float));
+    last_logits(dir, NULL, a, &err, &rc);
+    assert_int_equal(rc, DS_ERR);
+    assert_non_null(strstr(err.msg, "safetensors"));
+    ds_model_opts o;
+    ds_model_opts_default(&o);
+    o.load_random = 1;
+    last_logits(dir, &o, a, &err, &rc);
+    assert_int_equal(rc, DS_OK);
+    last_logits(dir, &o, b, &err, &rc);
+    assert_int_equal(rc, DS_OK);
+    assert_memory_equal(a, b, V * sizeof(float));
+    o.random_seed = 7;
+    last_logits(dir, &o, c, &err, &rc);
+    last_logits(real, NULL, t, &err, &rc);
+    assert_int_equal(rc, DS_OK);
+    double spread = 0, d_seed = 0, d_real = 0;
+    for (int i = 0; i < V; i++) {
+        assert_true(isfinite(a[i]));
+        spread += fabs(a[i] - a[0]);
+        d_seed += fabs(a[i] - c[i]);
+        d_real += fabs(a[i] - t[i]);
+    }
+    assert_true(spread > 1e-3 * V); /* not a constant row */
+    assert_true(d_seed > 1e-3 * V);
+    assert_true(d_real > 1e-3 * V);
+    free(a), free(b), free(c), free(t);
+    free(dir);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_golden_tiny_k3),        cmocka_unit_test(test_golden_tiny_linear),
         cmocka_unit_test(test_golden_gsm_k3),         cmocka_unit_test(test_prefill_decode_k3),
         cmocka_unit_test(test_prefill_decode_linear), cmocka_unit_test(test_batch_invariance),
         cmocka_unit_test(test_spec_rollback),         cmocka_unit_test(test_bad_tokens),
+        cmocka_unit_test(test_random_weights),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

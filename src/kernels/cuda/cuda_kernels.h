@@ -22,6 +22,8 @@ extern "C" {
 
 typedef struct ds_cu ds_cu;
 
+/* GPUs present (0 when none or no driver). */
+int ds_cu_device_count(void);
 /* Device `device`; the handle owns a stream and a cuBLAS handle. */
 int ds_cu_create(int device, ds_cu **out, ds_err *err);
 void ds_cu_free(ds_cu *c);
@@ -142,6 +144,12 @@ int ds_cu_conv_tail_rows(ds_cu *c, float *dst, size_t stride, const float *old, 
                          int n, int W, int P, ds_err *err);
 /* A copy in any direction (unified addressing), done when it returns. */
 int ds_cu_copy_any(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err);
+/* d[i] = bf16(scale * u), u uniform in [-1, 1) from a hash of (key, i): n random weights. */
+int ds_cu_fill_random_bf16(ds_cu *c, uint16_t *d, size_t n, uint64_t key, float scale,
+                           ds_err *err);
+/* dst [cols][rows] = src [rows][cols]^T, BF16 (weights reshaped once at load). */
+int ds_cu_transpose_bf16(ds_cu *c, uint16_t *dst, const uint16_t *src, int rows, int cols,
+                         ds_err *err);
 /* Can a kernel read p (device or managed memory)? 0 for plain host memory. */
 int ds_cu_is_device_ptr(const void *p);
 /* Free device memory in bytes. */
@@ -149,6 +157,10 @@ size_t ds_cu_mem_free(ds_cu *c);
 
 /* out[r] = ds_argmax(x[r], V) for rows r < rows: x [rows][V]; ties to the lowest index. */
 void ds_cu_argmax_rows(ds_cu *c, int32_t *out, const float *x, int rows, int V);
+
+/* The ceilings figures are reported against, measured now: the device-to-device copy rate
+ * (GB/s, read + written) and cuBLAS's BF16 GEMM rate (TFLOP/s). */
+int ds_cu_measure_limits(ds_cu *c, double *copy_gbs, double *gemm_tflops, ds_err *err);
 
 /* ---- timing (device events on the stream) --------------------------------------------------- */
 typedef struct ds_cu_timer ds_cu_timer;

@@ -42,6 +42,15 @@ static void note_launch(ds_cu *c) {
     if (e != cudaSuccess && c->sticky == cudaSuccess) c->sticky = e;
 }
 
+extern "C" int ds_cu_device_count(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return n;
+}
+
 extern "C" int ds_cu_create(int device, ds_cu **out, ds_err *err) {
     *out = NULL;
     int n = 0;
@@ -458,6 +467,43 @@ extern "C" int ds_cu_conv_tail_rows(ds_cu *c, float *dst, size_t stride, const f
 extern "C" int ds_cu_copy_any(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err) {
     CU_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->stream), "copy");
     CU_TRY(cudaStreamSynchronize(c->stream), "copy");
+    return DS_OK;
+}
+
+/* d[i] = bf16(scale * U[-1, 1)) from a splitmix64 hash of (key, i): random weights made in place. */
+__global__ void fill_random_bf16_k(__nv_bfloat16 *d, size_t n, unsigned long long key, float scale) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        unsigned long long z = key + (i + 1) * 0x9e3779b97f4a7c15ull;
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        z ^= z >> 31;
+        float u = (float)((double)(z >> 11) * (2.0 / 9007199254740992.0) - 1.0);
+        d[i] = __float2bfloat16_rn(scale * u);
+    }
+}
+
+extern "C" int ds_cu_fill_random_bf16(ds_cu *c, uint16_t *d, size_t n, uint64_t key, float scale,
+                                      ds_err *err) {
+    if (!n) return DS_OK;
+    fill_random_bf16_k<<<4096, 256, 0, c->stream>>>((__nv_bfloat16 *)d, n, key, scale);
+    CU_TRY(cudaGetLastError(), "random weights");
+    return DS_OK;
+}
+
+__global__ void transpose_u16_k(uint16_t *dst, const uint16_t *src, int rows, int cols) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * cols) return;
+    const int r = (int)(i / cols), c = (int)(i % cols);
+    dst[(size_t)c * rows + r] = src[i];
+}
+
+extern "C" int ds_cu_transpose_bf16(ds_cu *c, uint16_t *dst, const uint16_t *src, int rows,
+                                    int cols, ds_err *err) {
+    size_t n = (size_t)rows * cols;
+    if (!n) return DS_OK;
+    transpose_u16_k<<<(unsigned)((n + 255) / 256), 256, 0, c->stream>>>(dst, src, rows, cols);
+    CU_TRY(cudaGetLastError(), "transpose");
     return DS_OK;
 }
 
@@ -1135,6 +1181,62 @@ extern "C" int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, con
         return ds_errf(err, "cuda: kda_recurrent: head dim %d (16, 32, 64 or 128 supported)", dk);
     }
     CU_TRY(cudaGetLastError(), "kda_recurrent_batch");
+    return DS_OK;
+}
+
+/* The two ceilings every GPU figure is reported against, measured now: the device-to-device copy
+ * rate (bytes read + written, 1 GiB buffers, median of 10) and cuBLAS's BF16 GEMM rate (8192^3,
+ * median of 5). */
+extern "C" int ds_cu_measure_limits(ds_cu *c, double *copy_gbs, double *gemm_tflops, ds_err *err) {
+    const size_t cb = (size_t)1 << 30;
+    const int n = 8192;
+    void *a = NULL, *b = NULL;
+    float times[10];
+    CU_TRY(cudaMalloc(&a, cb), "limits");
+    if (cudaMalloc(&b, cb) != cudaSuccess) {
+        cudaFree(a);
+        return ds_errf(err, "cuda: limits: cannot allocate 2 GiB");
+    }
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    cudaMemsetAsync(a, 0x3c, cb, c->stream);
+    cudaMemsetAsync(b, 0, cb, c->stream);
+    for (int i = 0; i < 12; i++) {
+        cudaEventRecord(e0, c->stream);
+        cudaMemcpyAsync(b, a, cb, cudaMemcpyDeviceToDevice, c->stream);
+        cudaEventRecord(e1, c->stream);
+        cudaEventSynchronize(e1);
+        if (i >= 2) cudaEventElapsedTime(&times[i - 2], e0, e1);
+    }
+    qsort(times, 10, sizeof(float), [](const void *x, const void *y) {
+        float u = *(const float *)x, v = *(const float *)y;
+        return (u > v) - (u < v);
+    });
+    *copy_gbs = 2.0 * (double)cb / (times[5] * 1e-3) / 1e9;
+    /* the GEMM reuses the two buffers: A, B [n][n] BF16 (128 MiB each), C in the rest of b */
+    uint16_t *A = (uint16_t *)a, *B = (uint16_t *)a + (size_t)n * n, *C = (uint16_t *)b;
+    int rc = DS_OK;
+    for (int i = 0; i < 7 && rc == DS_OK; i++) {
+        cudaEventRecord(e0, c->stream);
+        rc = ds_cu_gemm_bf16(c, C, A, B, n, n, n, err);
+        cudaEventRecord(e1, c->stream);
+        cudaEventSynchronize(e1);
+        if (i >= 2) cudaEventElapsedTime(&times[i - 2], e0, e1);
+    }
+    if (rc == DS_OK) {
+        qsort(times, 5, sizeof(float), [](const void *x, const void *y) {
+            float u = *(const float *)x, v = *(const float *)y;
+            return (u > v) - (u < v);
+        });
+        *gemm_tflops = 2.0 * n * (double)n * n / (times[2] * 1e-3) / 1e12;
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaFree(a);
+    cudaFree(b);
+    if (rc) return rc;
+    CU_TRY(cudaGetLastError(), "limits");
     return DS_OK;
 }
 
