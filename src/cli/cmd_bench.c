@@ -150,6 +150,7 @@ int ds_cmd_bench(int argc, char **argv) {
     const char *model_dir = NULL, *json_path = NULL, *device = "cpu", *load_format = "safetensors";
     const char *batch_list = "1,16";
     int prompt_tokens = 512, steps = 8, reps = 2, batch_invariant = 0, decode_ctx = 32;
+    int enforce_eager = 0;
     static const char *const DEVICES[] = {"cpu", "cuda", "auto", NULL};
     static const char *const FORMATS[] = {"safetensors", "random", NULL};
     ds_arg opts[] = {
@@ -164,6 +165,8 @@ int ds_cmd_bench(int argc, char **argv) {
         {"device", NULL, DS_ARG_STRING, &device, "D", "cpu, cuda or auto", .choices = DEVICES},
         DS_OPT("batch-invariant", NULL, DS_ARG_BOOL, &batch_invariant, NULL,
                "CUDA: weight-streaming matmuls for every batch size (see serve --help)"),
+        DS_OPT("enforce-eager", NULL, DS_ARG_BOOL, &enforce_eager, NULL,
+               "CUDA: no CUDA graphs (decode steps are replayed from graphs by default)"),
         {"load-format", NULL, DS_ARG_STRING, &load_format, "F",
          "safetensors, or random: weights drawn for config.json's shape (no files read; made in "
          "GPU memory on cuda)",
@@ -197,6 +200,7 @@ int ds_cmd_bench(int argc, char **argv) {
                 : !strcmp(device, "auto") ? DS_DEVICE_AUTO
                                           : DS_DEVICE_CPU;
     mo.batch_invariant = batch_invariant;
+    mo.enforce_eager = enforce_eager;
     mo.load_random = !strcmp(load_format, "random");
     ds_model *m = NULL;
     double t_load = ds_now();
@@ -235,8 +239,9 @@ int ds_cmd_bench(int argc, char **argv) {
            model_dir, mo.load_random ? " (random weights)" : "", ds_model_device_name(m),
            ds_model_weight_bytes(m) / 1e9, t_load);
     if (gpu)
-        printf("limits: device copy %.0f GB/s, cuBLAS BF16 GEMM %.0f TFLOP/s%s\n", bw, peak / 1e3,
-               batch_invariant ? "; batch-invariant matmuls" : "");
+        printf("limits: device copy %.0f GB/s, cuBLAS BF16 GEMM %.0f TFLOP/s; %s%s\n", bw,
+               peak / 1e3, enforce_eager ? "eager" : "CUDA graphs",
+               batch_invariant ? ", batch-invariant matmuls" : "");
     else
         printf("limits: read bandwidth %.2f GB/s, FMA peak %.1f GFLOP/s (%d threads)\n", bw, peak,
                threads);
@@ -267,11 +272,13 @@ int ds_cmd_bench(int argc, char **argv) {
         }
         fprintf(f,
                 "{\"model\": \"%s\", \"device\": \"%s\", \"random_weights\": %d, \"threads\": %d, "
+                "\"cuda_graphs\": %d, \"batch_invariant\": %d, "
                 "\"bw_gbs\": %.3f, \"peak_gflops\": %.3f, \"prompt_tokens\": %d, "
                 "\"prompt_tps\": %.3f, \"prompt_gflops\": %.3f, \"prompt_frac_peak\": %.4f, "
                 "\"decode\": [",
-                model_dir, ds_model_device_name(m), mo.load_random, threads, bw, peak,
-                prompt_tokens, r.prompt_tps, r.prompt_gflops, r.prompt_gflops / peak);
+                model_dir, ds_model_device_name(m), mo.load_random, threads, gpu && !enforce_eager,
+                batch_invariant, bw, peak, prompt_tokens, r.prompt_tps, r.prompt_gflops,
+                r.prompt_gflops / peak);
         for (int i = 0; i < r.n_batches; i++)
             fprintf(f,
                     "%s{\"batch\": %d, \"tps\": %.3f, \"ms_per_step\": %.4f, \"gbs\": %.3f, "

@@ -232,7 +232,7 @@ int ds_cmd_serve(int argc, char **argv) {
     const char *device = eo.device == DS_DEVICE_CUDA   ? "cuda"
                          : eo.device == DS_DEVICE_AUTO ? "auto"
                                                        : "cpu";
-    int batch_invariant = eo.batch_invariant;
+    int batch_invariant = eo.batch_invariant, enforce_eager = 0;
     if (eo.device < 0) {
         fprintf(stderr, "serve: DS_DEVICE=%s: expected cpu, cuda or auto\n", getenv("DS_DEVICE"));
         return 2;
@@ -266,6 +266,9 @@ int ds_cmd_serve(int argc, char **argv) {
         DS_OPT("batch-invariant", NULL, DS_ARG_BOOL, &batch_invariant, NULL,
                "CUDA: every matmul streams the weights with f32 activations, so a request's output "
                "never depends on its batch (the CPU always is); slower prefill"),
+        DS_OPT("enforce-eager", NULL, DS_ARG_BOOL, &enforce_eager, NULL,
+               "CUDA: no CUDA graphs (by default each decode / verify shape is captured once and "
+               "replayed, also under -pp)"),
         {"speculative-method", "method", DS_ARG_STRING, &spec_method, "M",
          "speculative decoding: dspark (draft model) or ngram (prompt lookup)",
          .choices = SPEC_METHODS},
@@ -348,6 +351,7 @@ int ds_cmd_serve(int argc, char **argv) {
                 : !strcmp(device, "auto") ? DS_DEVICE_AUTO
                                           : DS_DEVICE_CPU;
     eo.batch_invariant = batch_invariant;
+    eo.enforce_eager = enforce_eager;
     eo.speculative_method = !strcmp(spec_method, "dspark")  ? DS_SPEC_DSPARK
                             : !strcmp(spec_method, "ngram") ? DS_SPEC_NGRAM
                                                             : DS_SPEC_NONE;

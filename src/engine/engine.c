@@ -439,6 +439,7 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
     ds_model_opts_default(&mo);
     mo.device = opts->device;
     mo.batch_invariant = opts->batch_invariant;
+    mo.enforce_eager = opts->enforce_eager;
     /* one GPU per rank of a job: rank r of this host uses device r (the backend wraps it modulo
      * the devices present, so a job can also share one GPU) */
     const char *local = getenv("OMPI_COMM_WORLD_LOCAL_RANK");

@@ -22,6 +22,7 @@ typedef struct ds_engine_opts {
     const char *model_dir;
     int device;                 /* DS_DEVICE_CPU (default), DS_DEVICE_CUDA or DS_DEVICE_AUTO */
     int batch_invariant;        /* CUDA: a row's result never depends on its batch (model.h) */
+    int enforce_eager;          /* CUDA: no graphs (model.h) */
     size_t kv_cache_memory;     /* bytes for MLA pages + KDA slots; 0: kv_cache_fraction of free */
     double kv_cache_fraction;   /* default 0.3 */
     int block_size;             /* tokens per MLA page (default 16) */

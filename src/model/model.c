@@ -29,6 +29,7 @@ void ds_model_opts_default(ds_model_opts *o) {
     const char *bi = getenv("DS_BATCH_INVARIANT");
     o->batch_invariant = bi && *bi && strcmp(bi, "0") != 0;
     o->load_random = 0;
+    o->enforce_eager = 0;
     o->random_seed = 0;
     o->kda_chunk = 64;
     o->kda_chunked_min = 16;

@@ -36,6 +36,9 @@ typedef struct ds_model_opts {
      * needs only config.json. */
     int load_random;
     uint64_t random_seed;
+    /* CUDA: run every step eagerly (no CUDA graphs; --enforce-eager). By default a decode or
+     * verify step's launches are captured once per shape and replayed. */
+    int enforce_eager;
     int kda_chunk;              /* chunk length of the chunked KDA form (default 64) */
     int kda_chunked_min;        /* segments with at least this many tokens use the chunked form */
     int mla_expanded_min;       /* segments with at least this many tokens use expanded MLA */

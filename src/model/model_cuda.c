@@ -68,7 +68,7 @@ typedef struct cu_kda {
 
 typedef struct cu_mla {
     ds_cu_mat q, q_a, q_b, kv_a, kv_b, o, g;
-    ds_cu_mat *ukT;              /* [Ha] W_UK_h^T, each [R][dn]: q̄_h = ukT_h qN_h as a matmul */
+    ds_cu_mat ukT; /* [Ha][R][dn]: W_UK_h^T per head, q̄_h = ukT_h qN_h as a matmul */
     float *q_a_norm, *kv_a_norm; /* [Rq], [R] */
 } cu_mla;
 
@@ -105,6 +105,16 @@ typedef struct ds_cuda_model {
     size_t pcap;
     float *stage; /* device copies of state a caller kept in host memory, stage_cap floats */
     size_t stage_cap;
+    uint64_t own_epoch; /* bumped when sc, the arenas or stage move (graphs point into them) */
+    uint64_t graph_epoch;
+    struct cu_graph_entry {
+        struct graph_key {
+            int n_seq, T, n_lg, any_rows, ctx_cap, nb_in;
+        } key;
+        ds_cu_graph *g; /* NULL: capture failed, run this shape eagerly */
+    } graphs[64];
+    int n_graphs;
+    uint64_t graph_replays, graph_failures;
     int32_t *h_i; /* host staging of the two arenas */
     size_t h_icap;
     void **h_p;
@@ -208,15 +218,13 @@ static int up_mla(ds_cuda_model *cm, const ds_model *m, const mla_w *w, cu_mla *
         return DS_ERR;
     /* W_UK_h = kv_b rows [h (dn+dvh), h (dn+dvh) + dn), [dn][R]; its transpose [R][dn], made on
      * the device from the uploaded kv_b */
-    d->ukT = calloc((size_t)Ha, sizeof *d->ukT);
-    if (!d->ukT) return ds_errf(err, "cuda: out of host memory");
-    for (int h = 0; h < Ha; h++) {
-        uint16_t *t = dev_alloc(cm, (size_t)R * dn * 2, err);
-        if (!t ||
-            ds_cu_transpose_bf16(cm->c, t, d->kv_b.data + (size_t)h * (dn + dvh) * R, dn, R, err))
+    uint16_t *t = dev_alloc(cm, (size_t)Ha * R * dn * 2, err); /* [Ha][R][dn] */
+    if (!t) return DS_ERR;
+    for (int h = 0; h < Ha; h++)
+        if (ds_cu_transpose_bf16(cm->c, t + (size_t)h * R * dn,
+                                 d->kv_b.data + (size_t)h * (dn + dvh) * R, dn, R, err))
             return DS_ERR;
-        d->ukT[h] = (ds_cu_mat){t, R, dn};
-    }
+    d->ukT = (ds_cu_mat){t, R, dn}; /* head h's at data + h R dn */
     return DS_OK;
 }
 
@@ -258,12 +266,14 @@ static int up_ffn(ds_cuda_model *cm, const ds_model *m, const ffn_w *w, cu_ffn *
     return DS_OK;
 }
 
+static void drop_graphs(struct ds_cuda_model *cm);
+
 void ds_cuda_model_detach(ds_model *m) {
     ds_cuda_model *cm = m->cu;
     if (!cm) return;
-    if (cm->layers)
-        for (int i = 0; i < m->cfg.num_hidden_layers; i++) free(cm->layers[i].mla.ukT);
+    if (cm->layers) (void)0;
     for (int i = 0; i < cm->n_allocs; i++) ds_cu_dealloc(cm->allocs[i]);
+    drop_graphs(cm);
     ds_cu_dealloc(cm->sc);
     ds_cu_dealloc(cm->stage);
     ds_cu_dealloc(cm->iarena);
@@ -377,13 +387,19 @@ typedef struct cstep {
     const int32_t *bt;       /* block tables, sequence q's at bt + bt_off[q] */
     const int32_t *ctx_rows; /* pool rows of an expanded segment's context, q's at ctx_off[q] */
     const int32_t *lg_rows;  /* [n_lg] rows of x that want logits */
+    const int32_t *tok_bt;   /* [T] where each token's block table starts in bt */
+    const int32_t *tok_pos;  /* [T] each token's position in its sequence */
     int *bt_off, *ctx_off;   /* [n_seq] host */
     int n_lg;
     int any_rows;              /* some segment keeps verify state rows */
     float *const *S;           /* [n_kda][n_seq] recurrent state of each KDA layer, per sequence */
     float *const *S_rows;      /* [n_kda][n_seq] its verify rows, or NULL entries */
+    float *const *tails;       /* [n_kda][3][n_seq] short-conv tails of q, k, v */
+    float *const *tail_rows;   /* [n_kda][3][n_seq] their verify rows, or NULL entries */
     const float *const *cands; /* [nb_max + 1][nb_max + 1] AttnRes candidate lists */
     int nb_max;
+    int ctx_cap; /* absorbed attention's context bound: a power of two >= every context */
+    float *P, *x, *a, *bank, *xr, *lg; /* the step's long-lived buffers (run_step) */
 } cstep;
 
 static float *take(cstep *s, size_t n) {
@@ -412,10 +428,9 @@ static size_t cuda_step_need(const ds_model *m, const ds_seq_batch *seqs, int n_
     const ds_config *c = &m->cfg;
     size_t t = (size_t)T, D = (size_t)c->hidden_size, L = (size_t)c->num_hidden_layers;
     size_t N = (size_t)c->attn_res_block_size, pad = 16;
-    size_t base = 3 * t * D + (N ? ((L + N - 1) / N + 1) * (t * D + pad) : 0) + 4 * pad;
+    size_t base = 3 * t * D + (N ? ((L + N - 1) / N + 1) * (t * D + pad) : 0) + 6 * pad;
     size_t H = (size_t)m->Hk, dk = (size_t)c->kda_head_dim, P = H * dk;
-    size_t W = (size_t)c->short_conv_kernel_size;
-    size_t kda = m->n_kda ? 6 * t * P + t * dk + t * H + (W - 1) * P + 10 * pad : 0;
+    size_t kda = m->n_kda ? 6 * t * P + t * dk + t * H + 10 * pad : 0;
     size_t mla = 0;
     if (m->n_mla) {
         size_t Ha = (size_t)m->Ha, R = (size_t)c->kv_lora_rank;
@@ -443,14 +458,18 @@ static size_t cuda_step_need(const ds_model *m, const ds_seq_batch *seqs, int n_
     if (m->l1 == (int)L) {
         size_t nl = 0;
         for (int q = 0; q < n_seq; q++) nl += seqs[q].logits ? (size_t)seqs[q].n_logits : 0;
-        lg = nl * (D + (size_t)m->vp) + 2 * pad;
+        lg = nl * (D + (size_t)m->vp);
     }
-    return base + DS_MAX(DS_MAX(DS_MAX(kda, mla), ffn), lg);
+    return base + lg + DS_MAX(DS_MAX(kda, mla), ffn);
 }
 
 /* Grows a device buffer (contents not kept). */
+/* Moves of the buffers below (graphs captured before point into the old ones). */
+static uint64_t g_moves;
+
 static int grow(ds_cu *c, void **p, size_t *cap, size_t need, size_t elem, ds_err *err) {
     if (need <= *cap) return DS_OK;
+    g_moves++;
     need += need / 4; /* room for the next, slightly larger step */
     ds_cu_dealloc(*p);
     *p = ds_cu_alloc(c, need * elem, err);
@@ -477,7 +496,7 @@ static int build_indices(cstep *s, const ds_stage_io *in, ds_err *err) {
     int bs = s->pool ? s->pool->block_size : 1;
     (void)in;
     /* int arena: ids [T] | seg_off [n_seq+1] | lat_dst [T] | block tables | ctx rows | lg rows */
-    size_t ni = (size_t)2 * T + n_seq + 1, nbt = 0, nctx = 0, nlg = 0;
+    size_t ni = (size_t)4 * T + n_seq + 1, nbt = 0, nctx = 0, nlg = 0;
     for (int q = 0; q < n_seq; q++) {
         const ds_seq_batch *sb = &s->seqs[q];
         int ctx = sb->pos0 + sb->n;
@@ -489,54 +508,46 @@ static int build_indices(cstep *s, const ds_stage_io *in, ds_err *err) {
     }
     ni += nbt + nctx + nlg;
     int nb_max = ds_model_max_banks(m);
-    size_t np = (size_t)2 * m->n_kda * n_seq + (size_t)(nb_max + 1) * (nb_max + 1);
+    size_t np = (size_t)8 * m->n_kda * n_seq + (size_t)(nb_max + 1) * (nb_max + 1);
     if (grow_host((void **)&cm->h_i, &cm->h_icap, ni + 1, sizeof(int32_t), err) ||
         grow_host((void **)&cm->h_p, &cm->h_pcap, np + 1, sizeof(void *), err) ||
         grow(s->c, (void **)&cm->iarena, &cm->icap, ni + 1, sizeof(int32_t), err) ||
         grow(s->c, (void **)&cm->parena, &cm->pcap, np + 1, sizeof(void *), err))
         return DS_ERR;
+    /* int arena: the regions whose size depends only on the step's shape first, so that a captured
+     * graph finds them where it saw them: ids [T] | seg_off [n_seq+1] | lat_dst [T] | tok_bt [T] |
+     * tok_pos [T] | lg_rows [n_lg] | block tables | expanded segments' context rows */
     int32_t *hi = cm->h_i;
-    size_t at = 0;
+    size_t seg_at = (size_t)T, lat_at = seg_at + (size_t)n_seq + 1, tokbt_at = lat_at + (size_t)T;
+    size_t tokpos_at = tokbt_at + (size_t)T, lg_at = tokpos_at + (size_t)T;
+    size_t bt_at = lg_at + nlg, ctx_at = bt_at + nbt, at = ctx_at + nctx;
     for (int q = 0; q < n_seq; q++)
         memcpy(hi + s->off[q], s->seqs[q].tokens, (size_t)s->seqs[q].n * sizeof(int32_t));
-    at = (size_t)T;
-    for (int q = 0; q <= n_seq; q++) hi[at + q] = q < n_seq ? s->off[q] : T;
-    at += (size_t)n_seq + 1;
-    size_t lat_at = at, bt_at = at + (size_t)T;
-    for (int q = 0; q < n_seq; q++) {
-        const ds_seq_batch *sb = &s->seqs[q];
-        if (!m->n_mla) break;
-        for (int t = 0; t < sb->n; t++) {
-            int p = sb->pos0 + t;
-            hi[lat_at + s->off[q] + t] = sb->block_table[p / bs] * bs + p % bs;
-        }
-    }
-    at = bt_at;
-    for (int q = 0; q < n_seq; q++) {
-        const ds_seq_batch *sb = &s->seqs[q];
-        s->bt_off[q] = (int)(at - bt_at);
-        if (!m->n_mla) continue;
-        int np_q = (sb->pos0 + sb->n + bs - 1) / bs;
-        memcpy(hi + at, sb->block_table, (size_t)np_q * sizeof(int32_t));
-        at += (size_t)np_q;
-    }
-    size_t ctx_at = at;
-    for (int q = 0; q < n_seq; q++) {
-        const ds_seq_batch *sb = &s->seqs[q];
-        s->ctx_off[q] = (int)(at - ctx_at);
-        if (!m->n_mla || sb->n < m->opts.mla_expanded_min) continue;
-        for (int p = 0; p < sb->pos0 + sb->n; p++) hi[at++] = sb->block_table[p / bs] * bs + p % bs;
-    }
-    size_t lg_at = at;
+    for (int q = 0; q <= n_seq; q++) hi[seg_at + q] = q < n_seq ? s->off[q] : T;
+    size_t bt = bt_at, cx = ctx_at;
     s->n_lg = 0;
     for (int q = 0; q < n_seq; q++) {
         const ds_seq_batch *sb = &s->seqs[q];
-        if (!sb->logits) continue;
-        for (int i = 0; i < sb->n_logits; i++)
-            hi[at + s->n_lg++] = s->off[q] + sb->n - sb->n_logits + i;
+        s->bt_off[q] = (int)(bt - bt_at);
+        s->ctx_off[q] = (int)(cx - ctx_at);
+        for (int t = 0; t < sb->n; t++) {
+            int p = sb->pos0 + t, r = s->off[q] + t;
+            hi[lat_at + r] = m->n_mla ? sb->block_table[p / bs] * bs + p % bs : 0;
+            hi[tokbt_at + r] = s->bt_off[q];
+            hi[tokpos_at + r] = p;
+        }
+        for (int i = 0; sb->logits && i < sb->n_logits; i++)
+            hi[lg_at + s->n_lg++] = s->off[q] + sb->n - sb->n_logits + i;
+        if (!m->n_mla) continue;
+        int np_q = (sb->pos0 + sb->n + bs - 1) / bs;
+        memcpy(hi + bt, sb->block_table, (size_t)np_q * sizeof(int32_t));
+        bt += (size_t)np_q;
+        if (sb->n >= m->opts.mla_expanded_min)
+            for (int p = 0; p < sb->pos0 + sb->n; p++)
+                hi[cx++] = sb->block_table[p / bs] * bs + p % bs;
     }
-    at += (size_t)s->n_lg;
-    /* pointer arena: S [n_kda][n_seq] | S_rows [n_kda][n_seq] | cands */
+    /* pointer arena: S [n_kda][n_seq] | S_rows [n_kda][n_seq] | tails [n_kda][3][n_seq] |
+     * tail rows [n_kda][3][n_seq] | cands */
     void **hp = cm->h_p;
     size_t slot_n = ds_model_slot_floats(m), conv_n = ds_model_conv_floats(m);
     size_t rec_n = ds_model_rec_floats(m);
@@ -548,10 +559,21 @@ static int build_indices(cstep *s, const ds_stage_io *in, ds_err *err) {
             hp[(size_t)j * n_seq + q] = sb->slot + off;
             hp[(size_t)(m->n_kda + j) * n_seq + q] = sb->state_rows ? sb->state_rows + off : NULL;
             s->any_rows |= sb->state_rows != NULL;
+            for (int p = 0; p < 3; p++) {
+                size_t toff = (size_t)j * conv_n + (size_t)p * (conv_n / 3);
+                size_t at3 = ((size_t)j * 3 + p) * n_seq + q;
+                hp[(size_t)2 * m->n_kda * n_seq + at3] = sb->slot + toff;
+                hp[(size_t)5 * m->n_kda * n_seq + at3] =
+                    sb->state_rows ? sb->state_rows + toff : NULL;
+            }
         }
     (void)slot_n;
-    size_t cand_at = (size_t)2 * m->n_kda * n_seq;
+    size_t cand_at = (size_t)8 * m->n_kda * n_seq;
     s->nb_max = nb_max;
+    int max_ctx = 1;
+    for (int q = 0; q < n_seq; q++) max_ctx = DS_MAX(max_ctx, s->seqs[q].pos0 + s->seqs[q].n);
+    for (s->ctx_cap = 256; s->ctx_cap < max_ctx; s->ctx_cap *= 2) {
+    }
     /* scratch layout: P, x, a, then the banks (see run_layers) */
     size_t TD = (size_t)T * D, TDp = (TD + 15) & ~(size_t)15;
     float *P = cm->sc, *bank = cm->sc + 3 * TDp;
@@ -564,11 +586,15 @@ static int build_indices(cstep *s, const ds_stage_io *in, ds_err *err) {
         ds_cu_upload(s->c, cm->parena, hp, np * sizeof(void *), err))
         return DS_ERR;
     s->ids = cm->iarena;
-    s->seg_off = cm->iarena + T;
+    s->seg_off = cm->iarena + seg_at;
     s->lat_dst = cm->iarena + lat_at;
     s->bt = cm->iarena + bt_at;
     s->ctx_rows = cm->iarena + ctx_at;
     s->lg_rows = cm->iarena + lg_at;
+    s->tok_bt = cm->iarena + tokbt_at;
+    s->tok_pos = cm->iarena + tokpos_at;
+    s->tails = (float *const *)cm->parena + (size_t)2 * m->n_kda * n_seq;
+    s->tail_rows = (float *const *)cm->parena + (size_t)5 * m->n_kda * n_seq;
     s->S = (float *const *)cm->parena;
     s->S_rows = (float *const *)cm->parena + (size_t)m->n_kda * n_seq;
     s->cands = (const float *const *)(cm->parena + cand_at);
@@ -588,33 +614,25 @@ static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float
     int T = s->T, D = c->hidden_size, H = s->m->Hk, dk = c->kda_head_dim, P = H * dk;
     int W = c->short_conv_kernel_size;
     size_t mark = s->used;
-    float *pre = take(s, (size_t)T * P);       /* [T][P] pre-conv projection */
-    float *q = take(s, (size_t)T * P);         /* [T][H][dk] */
-    float *k = take(s, (size_t)T * P);         /* [T][H][dk] */
-    float *v = take(s, (size_t)T * P);         /* [T][H][dv] */
-    float *fa = take(s, (size_t)T * dk);       /* [T][dk] */
-    float *g = take(s, (size_t)T * P);         /* [T][H][dk] log decay, then the output gate */
-    float *beta = take(s, (size_t)T * H);      /* [T][H] */
-    float *o = take(s, (size_t)T * P);         /* [T][H][dv] */
-    float *old = take(s, (size_t)(W - 1) * P); /* [W-1][P] a verify's tail before the step */
+    float *pre = take(s, (size_t)T * P);  /* [T][P] pre-conv projection */
+    float *q = take(s, (size_t)T * P);    /* [T][H][dk] */
+    float *k = take(s, (size_t)T * P);    /* [T][H][dk] */
+    float *v = take(s, (size_t)T * P);    /* [T][H][dv] */
+    float *fa = take(s, (size_t)T * dk);  /* [T][dk] */
+    float *g = take(s, (size_t)T * P);    /* [T][H][dk] log decay, then the output gate */
+    float *beta = take(s, (size_t)T * H); /* [T][H] */
+    float *o = take(s, (size_t)T * P);    /* [T][H][dv] */
     TAKEN();
     const ds_cu_mat *proj[3] = {&w->q, &w->k, &w->v};
     const float *conv_w[3] = {w->q_conv, w->k_conv, w->v_conv};
     float *dst[3] = {q, k, v};
-    size_t slot_n = ds_model_slot_floats(s->m), tail_n = (size_t)(W - 1) * P;
-    size_t conv_n = ds_model_conv_floats(s->m);
-    for (int j = 0; j < 3; j++) {
+    size_t slot_n = ds_model_slot_floats(s->m);
+    for (int j = 0; j < 3; j++) { /* every segment's conv in one launch, each on its own tail */
+        size_t at = ((size_t)lw->kind_idx * 3 + j) * s->n_seq;
         TRY(ds_cu_matmul(cu, pre, P, xn, D, T, proj[j], err));
-        for (int qi = 0; qi < s->n_seq; qi++) {
-            const ds_seq_batch *sb = &s->seqs[qi];
-            float *tail = sb->slot + (size_t)lw->kind_idx * conv_n + (size_t)j * tail_n;
-            size_t r = (size_t)s->off[qi] * P;
-            if (sb->state_rows) TRY(ds_cu_copy_d2d(cu, old, tail, tail_n * sizeof(float), err));
-            TRY(ds_cu_short_conv_silu(cu, dst[j] + r, pre + r, sb->n, P, conv_w[j], W, tail, err));
-            if (sb->state_rows)
-                TRY(ds_cu_conv_tail_rows(cu, sb->state_rows + (size_t)(tail - sb->slot), slot_n,
-                                         old, pre + r, sb->n, W, P, err));
-        }
+        TRY(ds_cu_short_conv_silu_batch(cu, dst[j], pre, P, conv_w[j], W, s->tails + at, s->seg_off,
+                                        s->any_rows ? s->tail_rows + at : NULL, slot_n, s->n_seq,
+                                        err));
     }
     ds_cu_l2norm_heads(cu, q, T, H, dk, 1e-6f, 1.0f / sqrtf((float)dk));
     ds_cu_l2norm_heads(cu, k, T, H, dk, 1e-6f, 1.0f);
@@ -680,22 +698,19 @@ static int mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float
             const float *qs = q + (size_t)r_start * Ha * dq;
             TRY(ds_cu_copy_2d(cu, qr, (size_t)dr, qs + dn, (size_t)dq, (size_t)dr, (size_t)Tr * Ha,
                               err));
-            for (int h = 0; h < Ha; h++)
-                TRY(ds_cu_matmul(cu, qbar + (size_t)h * R, Ha * R, qs + (size_t)h * dq, Ha * dq, Tr,
-                                 &w->ukT[h], err));
-            for (int qj = run0; qj < qi; qj++) {
-                const ds_seq_batch *sb = &s->seqs[qj];
-                size_t at = (size_t)(s->off[qj] - r_start) * Ha;
-                TRY(ds_cu_mla_attend_absorbed(cu, obar + at * R, qbar + at * R, qr + at * dr, sb->n,
-                                              Ha, R, dr, pool, s->bt + s->bt_off[qj], bs, row,
-                                              sb->pos0, sb->pos0 + sb->n, 1, scale, err));
-            }
-            float *os = o + (size_t)r_start * Ha * dvh;
-            for (int h = 0; h < Ha; h++) {
-                ds_cu_mat uv = {w->kv_b.data + (size_t)(h * (dn + dvh) + dn) * R, dvh, R};
-                TRY(ds_cu_matmul(cu, os + (size_t)h * dvh, Ha * dvh, obar + (size_t)h * R, Ha * R,
-                                 Tr, &uv, err));
-            }
+            /* q̄_h = W_UK_h^T qN_h, every head in one launch */
+            TRY(ds_cu_matmul_heads(cu, qbar, Ha * R, R, qs, Ha * dq, dq, Tr, &w->ukT,
+                                   (size_t)R * dn, Ha, err));
+            /* the run's sequences in one launch; the context bound is the step's power-of-two
+             * cap, so that a graph stays valid while the contexts grow under it */
+            TRY(ds_cu_mla_attend_absorbed_batch(cu, obar, qbar, qr, Tr, Ha, R, dr, pool, s->bt,
+                                                s->tok_bt + r_start, s->tok_pos + r_start,
+                                                s->ctx_cap, bs, row, scale, err));
+
+            /* o_h = W_UV_h ō_h: kv_b rows [h (dn+dvh) + dn, +dvh), every head in one launch */
+            ds_cu_mat uv = {w->kv_b.data + (size_t)dn * R, dvh, R};
+            TRY(ds_cu_matmul_heads(cu, o + (size_t)r_start * Ha * dvh, Ha * dvh, dvh, obar, Ha * R,
+                                   R, Tr, &uv, (size_t)(dn + dvh) * R, Ha, err));
             s->used = m2;
             run0 = -1;
         }
@@ -787,8 +802,9 @@ static int ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, f
     for (int t0 = 0; t0 < T; t0 += chunk) { /* the expert kernel takes 65535 routed rows */
         int n = DS_MIN(chunk, T - t0);
         TRY(ds_cu_moe_experts(cu, acc + (size_t)t0 * Hin, ein + (size_t)t0 * Hin,
-                              idx + (size_t)t0 * K, wt + (size_t)t0 * K, n, K, Hin, Ie, w->gate_up,
-                              w->e_down, situ, c->situ_beta, c->situ_linear_beta, 0, err));
+                              idx + (size_t)t0 * K, wt + (size_t)t0 * K, n, K, E, Hin, Ie,
+                              w->gate_up, w->e_down, situ, c->situ_beta, c->situ_linear_beta, 0,
+                              err));
     }
     if (latent) {
         if (w->lat_norm) ds_cu_rmsnorm(cu, acc, acc, w->lat_norm, T, Hin, c->rms_norm_eps);
@@ -828,32 +844,21 @@ static int wants_hidden(const cstep *s) {
     return 0;
 }
 
-static int run_step(cstep *s, const ds_stage_io *in, ds_stage_io *out, ds_err *err) {
+/* The step's launches, from the embedding (or the stream that arrived) to the logits in lg: no
+ * host synchronisation inside, so that it can be captured as a graph (hidden states and taps,
+ * downloaded per layer, are the exception: such steps never are). */
+static int run_body(cstep *s, int nb, ds_err *err) {
     ds_model *m = s->m;
     ds_cuda_model *cm = s->cm;
     ds_cu *cu = s->c;
     const ds_config *c = &m->cfg;
-    int T = s->T, D = c->hidden_size, L = c->num_hidden_layers, N = c->attn_res_block_size;
-    size_t TD = (size_t)T * D;
-    float *P = take(s, TD);   /* [T][D] residual stream, or the block-local sum with AttnRes */
-    float *x = take(s, TD);   /* [T][D] mixer / FFN input */
-    float *a = take(s, TD);   /* [T][D] sublayer output */
-    float *bank = take(s, 0); /* [nb_max][T][D] banked AttnRes blocks (build_indices' layout) */
-    size_t TDp = (TD + 15) & ~(size_t)15;
-    s->used += (size_t)s->nb_max * TDp;
-    if (s->used > cm->sc_cap) s->overflow = 1;
-    TAKEN();
-    int nb = 0, hid = wants_hidden(s);
+    int T = s->T, D = c->hidden_size, N = c->attn_res_block_size;
+    size_t TD = (size_t)T * D, TDp = (TD + 15) & ~(size_t)15;
+    float *P = s->P, *x = s->x, *a = s->a, *bank = s->bank;
+    int hid = wants_hidden(s);
     if (m->l0 == 0) {
         ds_cu_embed(cu, P, &cm->embed, s->ids, T);
         if (hid) TRY(save_hidden(s, -1, P, err));
-    } else {
-        /* a later stage: the stream and the banked blocks arrive from the previous one */
-        TRY(ds_cu_upload(cu, P, in->h, TD * sizeof(float), err));
-        nb = in->n_banks;
-        for (int j = 0; j < nb; j++)
-            TRY(ds_cu_upload(cu, bank + (size_t)j * TDp, in->banks + (size_t)j * TD,
-                             TD * sizeof(float), err));
     }
     const int nbx = s->nb_max + 1;
     for (int i = m->l0; i < m->l1; i++) {
@@ -886,14 +891,7 @@ static int run_step(cstep *s, const ds_stage_io *in, ds_stage_io *out, ds_err *e
         ds_cu_add(cu, P, a, TD);
         if (hid) TRY(save_hidden(s, i, P, err));
     }
-    if (m->l1 < L) { /* not the last stage: hand the stream and the banks on */
-        TRY(ds_cu_download(cu, out->h, P, TD * sizeof(float), err));
-        out->n_banks = nb;
-        for (int j = 0; j < nb; j++)
-            TRY(ds_cu_download(cu, out->banks + (size_t)j * TD, bank + (size_t)j * TDp,
-                               TD * sizeof(float), err));
-        return ds_cu_sync(cu, err);
-    }
+    if (m->l1 < c->num_hidden_layers) return DS_OK; /* the stream and banks go on (run_step) */
     if (N > 0) {
         TRY(ds_cu_attnres_mix(cu, x, s->cands + (size_t)nb * nbx, nb + 1, cm->out_res_np, T, D,
                               c->rms_norm_eps, err));
@@ -901,27 +899,128 @@ static int run_step(cstep *s, const ds_stage_io *in, ds_stage_io *out, ds_err *e
     } else {
         ds_cu_rmsnorm(cu, x, P, cm->final_norm, T, D, c->rms_norm_eps);
     }
+    if (s->n_lg) {
+        TRY(ds_cu_move_rows(cu, s->xr, (size_t)D, NULL, x, (size_t)D, s->lg_rows, s->n_lg, D, err));
+        TRY(ds_cu_matmul(cu, s->lg, c->vocab_size, s->xr, D, s->n_lg, &cm->lm_head, err));
+    }
+    return DS_OK;
+}
+
+/* ---- graphs --------------------------------------------------------------------------------
+ * A decode or verify step (every segment short, no per-layer downloads) is replayed from a graph
+ * captured the second time its shape is seen (the first runs eagerly, growing every buffer the
+ * shape needs, so that the capture allocates nothing). What a step's launches depend on is its
+ * key; everything else they read from the index arenas, uploaded before each launch. When any
+ * buffer a graph points into moves, every graph is dropped. */
+typedef struct graph_key graph_key;
+enum { MAX_GRAPHS = 64 };
+
+static int graphable(const cstep *s, const ds_stage_io *in) {
+    const ds_model *m = s->m;
+    if (m->opts.enforce_eager || s->T > 1024 || wants_hidden(s)) return 0;
+    for (int q = 0; q < s->n_seq; q++)
+        if (m->n_mla && s->seqs[q].n >= m->opts.mla_expanded_min) return 0;
+    (void)in;
+    return 1;
+}
+
+static void drop_graphs(ds_cuda_model *cm) {
+    for (int i = 0; i < cm->n_graphs; i++) ds_cu_graph_free(cm->graphs[i].g);
+    cm->n_graphs = 0;
+}
+
+static int run_graphed(cstep *s, int nb_in, ds_err *err) {
+    ds_cuda_model *cm = s->cm;
+    uint64_t epoch = ds_cu_epoch(s->c) + g_moves;
+    if (epoch != cm->graph_epoch) {
+        drop_graphs(cm);
+        cm->graph_epoch = epoch;
+    }
+    graph_key k = {s->n_seq, s->T, s->n_lg, s->any_rows, s->ctx_cap, nb_in};
+    for (int i = 0; i < cm->n_graphs; i++)
+        if (!memcmp(&cm->graphs[i].key, &k, sizeof k)) {
+            if (!cm->graphs[i].g) return run_body(s, nb_in, err); /* capture failed once */
+            cm->graph_replays++;
+            return ds_cu_graph_launch(s->c, cm->graphs[i].g, err);
+        }
+    /* first sight: eagerly (this step's result), then capture the same launches for the next */
+    size_t used = s->used;
+    TRY(run_body(s, nb_in, err));
+    if (ds_cu_epoch(s->c) + g_moves != epoch) { /* the eager run grew a buffer */
+        drop_graphs(cm);
+        cm->graph_epoch = ds_cu_epoch(s->c) + g_moves;
+    }
+    if (cm->n_graphs == MAX_GRAPHS) drop_graphs(cm);
+    ds_cu_graph *g = NULL;
+    ds_err cap_err;
+    s->used = used;
+    if (!ds_cu_capture_begin(s->c, &cap_err)) {
+        int rc = run_body(s, nb_in, &cap_err);
+        ds_cu_graph *got = NULL;
+        int rc2 = ds_cu_capture_end(s->c, &got, &cap_err);
+        if (!rc && !rc2)
+            g = got;
+        else
+            ds_cu_graph_free(got);
+    }
+    if (!g) cm->graph_failures++; /* this shape stays eager */
+    cm->graphs[cm->n_graphs++] = (struct cu_graph_entry){k, g};
+    return DS_OK;
+}
+
+static int run_step(cstep *s, const ds_stage_io *in, ds_stage_io *out, ds_err *err) {
+    ds_model *m = s->m;
+    ds_cuda_model *cm = s->cm;
+    ds_cu *cu = s->c;
+    const ds_config *c = &m->cfg;
+    int T = s->T, D = c->hidden_size, N = c->attn_res_block_size;
+    size_t TD = (size_t)T * D, TDp = (TD + 15) & ~(size_t)15;
+    /* the buffers that outlive the layers come first, at addresses fixed by the shape */
+    s->P = take(s, TD);   /* [T][D] residual stream, or the block-local sum with AttnRes */
+    s->x = take(s, TD);   /* [T][D] mixer / FFN input */
+    s->a = take(s, TD);   /* [T][D] sublayer output */
+    s->bank = take(s, 0); /* [nb_max][T][D] banked AttnRes blocks (build_indices' layout) */
+    s->used += (size_t)s->nb_max * TDp;
+    s->xr = take(s, (size_t)s->n_lg * D);             /* [n_lg][D] rows that want logits */
+    s->lg = take(s, (size_t)s->n_lg * c->vocab_size); /* [n_lg][V] their logits */
+    if (s->used > cm->sc_cap) s->overflow = 1;
+    TAKEN();
+    int nb = 0;
+    if (m->l0 > 0) {
+        /* a later stage: the stream and the banked blocks arrive from the previous one */
+        TRY(ds_cu_upload(cu, s->P, in->h, TD * sizeof(float), err));
+        nb = in->n_banks;
+        for (int j = 0; j < nb; j++)
+            TRY(ds_cu_upload(cu, s->bank + (size_t)j * TDp, in->banks + (size_t)j * TD,
+                             TD * sizeof(float), err));
+    }
+    int nb_out = nb; /* the blocks banked by the end of this stage */
+    for (int i = m->l0; N > 0 && i < m->l1; i++) nb_out += i % N == 0;
+    if (graphable(s, in))
+        TRY(run_graphed(s, nb, err));
+    else
+        TRY(run_body(s, nb, err));
+    if (m->l1 < c->num_hidden_layers) { /* not the last stage: hand the stream and the banks on */
+        TRY(ds_cu_download(cu, out->h, s->P, TD * sizeof(float), err));
+        out->n_banks = nb_out;
+        for (int j = 0; j < nb_out; j++)
+            TRY(ds_cu_download(cu, out->banks + (size_t)j * TD, s->bank + (size_t)j * TDp,
+                               TD * sizeof(float), err));
+        return ds_cu_sync(cu, err);
+    }
     for (int q = 0; q < s->n_seq; q++) {
         ds_seq_batch *sb = &s->seqs[q];
         if (sb->final_hidden)
-            TRY(ds_cu_download(cu, sb->final_hidden, x + (size_t)s->off[q] * D,
+            TRY(ds_cu_download(cu, sb->final_hidden, s->x + (size_t)s->off[q] * D,
                                (size_t)sb->n * D * sizeof(float), err));
     }
-    if (s->n_lg) {
-        int V = c->vocab_size;
-        float *xr = take(s, (size_t)s->n_lg * D); /* [n_lg][D] rows that want logits */
-        float *lg = take(s, (size_t)s->n_lg * V); /* [n_lg][V] */
-        TAKEN();
-        TRY(ds_cu_move_rows(cu, xr, (size_t)D, NULL, x, (size_t)D, s->lg_rows, s->n_lg, D, err));
-        TRY(ds_cu_matmul(cu, lg, V, xr, D, s->n_lg, &cm->lm_head, err));
-        int r = 0;
-        for (int q = 0; q < s->n_seq; q++) {
-            ds_seq_batch *sb = &s->seqs[q];
-            if (!sb->logits) continue;
-            TRY(ds_cu_download(cu, sb->logits, lg + (size_t)r * V,
-                               (size_t)sb->n_logits * V * sizeof(float), err));
-            r += sb->n_logits;
-        }
+    int r = 0, V = c->vocab_size;
+    for (int q = 0; q < s->n_seq; q++) {
+        ds_seq_batch *sb = &s->seqs[q];
+        if (!sb->logits) continue;
+        TRY(ds_cu_download(cu, sb->logits, s->lg + (size_t)r * V,
+                           (size_t)sb->n_logits * V * sizeof(float), err));
+        r += sb->n_logits;
     }
     return ds_cu_sync(cu, err);
 }

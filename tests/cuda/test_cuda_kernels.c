@@ -105,6 +105,62 @@ static void check_matmul(ds_cu *c, int T, int N, int K, int pad, double tol) {
     free(x), free(w), free(ref), free(got);
 }
 
+/* H per-head matmuls in one call (y_h = x_h W_h^T at head strides) against the CPU head by head. */
+static void check_matmul_heads(ds_cu *c, int T, int H, int N, int K, int invariant, double tol) {
+    int ldx = H * K, ldy = H * N;
+    float *x = rand_f32((size_t)T * ldx, -1, 1);
+    uint16_t *w = rand_bf16((size_t)H * N * K, -0.05f, 0.05f);
+    float *ref = calloc((size_t)T * ldy, 4), *got = calloc((size_t)T * ldy, 4);
+    for (int h = 0; h < H; h++) {
+        ds_mat hw = {w + (size_t)h * N * K, DS_DT_BF16, N, K};
+        ds_matmul(ref + (size_t)h * N, ldy, x + (size_t)h * K, ldx, T, &hw);
+    }
+    float *dx = dev(c, x, (size_t)T * ldx * 4), *dy = dev(c, NULL, (size_t)T * ldy * 4);
+    uint16_t *dw = dev(c, w, (size_t)H * N * K * 2);
+    poison(c, dy, (size_t)T * ldy * 4);
+    ds_cu_mat m = {dw, N, K};
+    ds_err err = {{0}};
+    ds_cu_set_batch_invariant(c, invariant);
+    if (ds_cu_matmul_heads(c, dy, ldy, (size_t)N, dx, ldx, (size_t)K, T, &m, (size_t)N * K, H,
+                           &err))
+        DIE("%s", err.msg);
+    ds_cu_set_batch_invariant(c, 0);
+    fetch(c, got, dy, (size_t)T * ldy * 4);
+    char what[96];
+    snprintf(what, sizeof what, "matmul heads T=%d H=%d N=%d K=%d%s", T, H, N, K,
+             invariant ? " (invariant)" : "");
+    report(what, rel_err(got, ref, (size_t)T, (size_t)ldy, (size_t)ldy), tol);
+    ds_cu_dealloc(dx), ds_cu_dealloc(dy), ds_cu_dealloc(dw);
+    free(x), free(w), free(ref), free(got);
+}
+
+/* The batch-invariant mode's promise: a token's output bits are the same at every T. */
+static void check_matmul_invariance(ds_cu *c, int N, int K) {
+    enum { T = 21 };
+    float *x = rand_f32((size_t)T * K, -1, 1);
+    uint16_t *w = rand_bf16((size_t)N * K, -0.05f, 0.05f);
+    float *all = malloc((size_t)T * N * 4), *one = malloc((size_t)N * 4);
+    float *dx = dev(c, x, (size_t)T * K * 4), *dy = dev(c, NULL, (size_t)T * N * 4);
+    uint16_t *dw = dev(c, w, (size_t)N * K * 2);
+    ds_cu_mat m = {dw, N, K};
+    ds_err err = {{0}};
+    ds_cu_set_batch_invariant(c, 1);
+    if (ds_cu_matmul(c, dy, N, dx, K, T, &m, &err)) DIE("%s", err.msg);
+    fetch(c, all, dy, (size_t)T * N * 4);
+    int same = 1;
+    for (int t = 0; t < T; t++) { /* token t alone, from the same row of x */
+        if (ds_cu_matmul(c, dy, N, dx + (size_t)t * K, K, 1, &m, &err)) DIE("%s", err.msg);
+        fetch(c, one, dy, (size_t)N * 4);
+        same &= !memcmp(one, all + (size_t)t * N, (size_t)N * 4);
+    }
+    ds_cu_set_batch_invariant(c, 0);
+    char what[96];
+    snprintf(what, sizeof what, "matmul invariant N=%d K=%d: T=1 bits == T=%d bits", N, K, T);
+    report(what, same ? 0.0 : 1.0, 0.0);
+    ds_cu_dealloc(dx), ds_cu_dealloc(dy), ds_cu_dealloc(dw);
+    free(x), free(w), free(all), free(one);
+}
+
 static void check_embed(ds_cu *c, int V, int D, int T) {
     uint16_t *e = rand_bf16((size_t)V * D, -1, 1);
     int32_t *ids = malloc((size_t)T * sizeof *ids);
@@ -242,8 +298,8 @@ static void check_kda_batch(ds_cu *c, const int *lens, int n_seq, int H, int dk,
     poison(c, dout, nv * 4);
     poison(c, dR, (size_t)T * ns * 4);
     ds_err err = {{0}};
-    if (ds_cu_kda_recurrent_batch(c, dout, dq, dk_, dv_, dg, db, doff, dsp, drp, 0, n_seq, H, dk, dv,
-                                  &err))
+    if (ds_cu_kda_recurrent_batch(c, dout, dq, dk_, dv_, dg, db, doff, dsp, drp, 0, n_seq, H, dk,
+                                  dv, &err))
         DIE("%s", err.msg);
     fetch(c, ogot, dout, nv * 4);
     fetch(c, Sgot, dS, ns * n_seq * 4);
@@ -385,6 +441,108 @@ static void check_mla(ds_cu *c, int T, int Ha, int R, int dr, int pos0, int n_ct
     free(pool), free(table), free(qbar), free(qr), free(ref), free(got);
 }
 
+/* Every segment of a step in one launch, each on its own tail; the segments with rollback rows get
+ * the tail after each token (the CPU reference runs token by token and copies its tail). */
+static void check_short_conv_batch(ds_cu *c, const int *lens, const int *want_rows, int n_seq,
+                                   int C, int W) {
+    int T = 0, off[17];
+    for (int z = 0; z < n_seq; z++) off[z] = T, T += lens[z];
+    off[n_seq] = T;
+    size_t tn = (size_t)(W - 1) * C;
+    float *in = rand_f32((size_t)T * C, -2, 2), *w = rand_f32((size_t)C * W, -1, 1);
+    float *tails = rand_f32((size_t)n_seq * tn, -2, 2), *tails_ref = malloc((size_t)n_seq * tn * 4);
+    memcpy(tails_ref, tails, (size_t)n_seq * tn * 4);
+    float *ref = malloc((size_t)T * C * 4), *got = malloc((size_t)T * C * 4);
+    float *rows_ref = calloc((size_t)T * tn, 4), *rows_got = malloc((size_t)T * tn * 4);
+    for (int z = 0; z < n_seq; z++)
+        for (int t = off[z]; t < off[z + 1]; t++) {
+            ds_short_conv_silu(ref + (size_t)t * C, in + (size_t)t * C, 1, C, w, W,
+                               tails_ref + (size_t)z * tn);
+            memcpy(rows_ref + (size_t)t * tn, tails_ref + (size_t)z * tn, tn * 4);
+        }
+    float *din = dev(c, in, (size_t)T * C * 4), *dw = dev(c, w, (size_t)C * W * 4);
+    float *dtails = dev(c, tails, (size_t)n_seq * tn * 4), *dout = dev(c, NULL, (size_t)T * C * 4);
+    float *drows = dev(c, NULL, (size_t)T * tn * 4);
+    poison(c, dout, (size_t)T * C * 4);
+    poison(c, drows, (size_t)T * tn * 4);
+    float *tp[16], *rp[16];
+    for (int z = 0; z < n_seq; z++) {
+        tp[z] = dtails + (size_t)z * tn;
+        rp[z] = want_rows[z] ? drows + (size_t)off[z] * tn : NULL;
+    }
+    float **dtp = dev(c, tp, sizeof(float *) * n_seq), **drp = dev(c, rp, sizeof(float *) * n_seq);
+    int32_t *doff = dev(c, off, sizeof(int32_t) * (n_seq + 1));
+    ds_err err = {{0}};
+    if (ds_cu_short_conv_silu_batch(c, dout, din, C, dw, W, dtp, doff, drp, tn, n_seq, &err))
+        DIE("%s", err.msg);
+    fetch(c, got, dout, (size_t)T * C * 4);
+    fetch(c, tails, dtails, (size_t)n_seq * tn * 4);
+    fetch(c, rows_got, drows, (size_t)T * tn * 4);
+    char what[96];
+    snprintf(what, sizeof what, "short conv batch %d seqs C=%d: out", n_seq, C);
+    report(what, rel_err(got, ref, 1, (size_t)T * C, (size_t)T * C), 1e-5);
+    snprintf(what, sizeof what, "short conv batch %d seqs C=%d: tails", n_seq, C);
+    report(what, rel_err(tails, tails_ref, 1, (size_t)n_seq * tn, (size_t)n_seq * tn), 1e-6);
+    for (int z = 0; z < n_seq; z++) {
+        if (!want_rows[z]) continue;
+        snprintf(what, sizeof what, "short conv batch seq %d: rollback rows", z);
+        report(what,
+               rel_err(rows_got + (size_t)off[z] * tn, rows_ref + (size_t)off[z] * tn, 1,
+                       (size_t)lens[z] * tn, (size_t)lens[z] * tn),
+               1e-6);
+    }
+    ds_cu_dealloc(din), ds_cu_dealloc(dw), ds_cu_dealloc(dtails), ds_cu_dealloc(dout);
+    ds_cu_dealloc(drows), ds_cu_dealloc(dtp), ds_cu_dealloc(drp), ds_cu_dealloc(doff);
+    free(in), free(w), free(tails), free(tails_ref), free(ref), free(got), free(rows_ref);
+    free(rows_got);
+}
+
+/* Absorbed MLA for several sequences' tokens in one launch, each against its own block table and
+ * positions, against the CPU one sequence at a time. */
+static void check_mla_batch(ds_cu *c, const int *lens, const int *pos0, int n_seq, int Ha, int R,
+                            int dr) {
+    enum { BS = 16 };
+    int rowf = R + dr, T = 0, max_ctx = 0, pages = 0, bt_off[16], tok_bt[256], tok_pos[256];
+    for (int z = 0; z < n_seq; z++) {
+        int ctx = pos0[z] + lens[z];
+        bt_off[z] = pages;
+        pages += (ctx + BS - 1) / BS;
+        max_ctx = DS_MAX(max_ctx, ctx);
+        for (int t = 0; t < lens[z]; t++) tok_bt[T + t] = bt_off[z], tok_pos[T + t] = pos0[z] + t;
+        T += lens[z];
+    }
+    int32_t *tables = malloc((size_t)pages * 4); /* a scrambled permutation of the pool's pages */
+    for (int i = 0; i < pages; i++) tables[i] = (int32_t)((i * 7 + 3) % pages);
+    float *pool = rand_f32((size_t)pages * BS * rowf, -1, 1);
+    float *qbar = rand_f32((size_t)T * Ha * R, -0.2f, 0.2f),
+          *qr = rand_f32((size_t)T * Ha * dr, -1, 1);
+    float *ref = malloc((size_t)T * Ha * R * 4), *got = malloc((size_t)T * Ha * R * 4);
+    float scale = 1.0f / sqrtf(192.0f);
+    for (int z = 0, t0 = 0; z < n_seq; t0 += lens[z], z++) {
+        ds_latent_view kv = {pool, tables + bt_off[z], BS, rowf};
+        size_t at = (size_t)t0 * Ha;
+        ds_mla_attend_absorbed(ref + at * R, qbar + at * R, qr + at * dr, lens[z], Ha, R, dr, &kv,
+                               pos0[z], pos0[z] + lens[z], 1, scale);
+    }
+    float *dpool = dev(c, pool, (size_t)pages * BS * rowf * 4);
+    int32_t *dtables = dev(c, tables, (size_t)pages * 4), *dbt = dev(c, tok_bt, (size_t)T * 4);
+    int32_t *dpos = dev(c, tok_pos, (size_t)T * 4);
+    float *dq = dev(c, qbar, (size_t)T * Ha * R * 4), *dqr = dev(c, qr, (size_t)T * Ha * dr * 4);
+    float *dout = dev(c, NULL, (size_t)T * Ha * R * 4);
+    poison(c, dout, (size_t)T * Ha * R * 4);
+    ds_err err = {{0}};
+    if (ds_cu_mla_attend_absorbed_batch(c, dout, dq, dqr, T, Ha, R, dr, dpool, dtables, dbt, dpos,
+                                        max_ctx, BS, rowf, scale, &err))
+        DIE("%s", err.msg);
+    fetch(c, got, dout, (size_t)T * Ha * R * 4);
+    char what[96];
+    snprintf(what, sizeof what, "mla absorbed batch %d seqs Ha=%d R=%d", n_seq, Ha, R);
+    report(what, rel_err(got, ref, 1, (size_t)T * Ha * R, (size_t)T * Ha * R), 1e-5);
+    ds_cu_dealloc(dpool), ds_cu_dealloc(dtables), ds_cu_dealloc(dbt), ds_cu_dealloc(dpos);
+    ds_cu_dealloc(dq), ds_cu_dealloc(dqr), ds_cu_dealloc(dout);
+    free(tables), free(pool), free(qbar), free(qr), free(ref), free(got);
+}
+
 /* Router: the same experts (exactly) and weights (to f32 rounding) as the CPU, token by token;
  * ties are made likely by quantising the logits. */
 static void check_moe_route(ds_cu *c, int T, int E, int k, int n_group, int topk_group, int quirk,
@@ -451,7 +609,8 @@ static void check_moe_experts(ds_cu *c, int T, int k, int E, int D, int I, int s
     float *dout = dev(c, base, (size_t)T * D * 4);
     int32_t *didx = dev(c, idx, (size_t)T * k * 4);
     ds_err err = {{0}};
-    if (ds_cu_moe_experts(c, dout, dx, didx, dw, T, k, D, I, dgu, ddn, situ, 4.0f, 6.0f, 1, &err))
+    if (ds_cu_moe_experts(c, dout, dx, didx, dw, T, k, E, D, I, dgu, ddn, situ, 4.0f, 6.0f, 1,
+                          &err))
         DIE("%s", err.msg);
     fetch(c, got, dout, (size_t)T * D * 4);
     char what[96];
@@ -589,8 +748,8 @@ static void run_kda(ds_cu *c, void *p) {
     ds_err err;
     size_t ns = (size_t)x->H * x->dk * x->dv;
     if (x->batched) {
-        if (ds_cu_kda_recurrent_batch(c, x->o, x->q, x->k, x->v, x->g, x->beta, x->off, x->Sp, NULL, 0,
-                                      x->n_seq, x->H, x->dk, x->dv, &err))
+        if (ds_cu_kda_recurrent_batch(c, x->o, x->q, x->k, x->v, x->g, x->beta, x->off, x->Sp, NULL,
+                                      0, x->n_seq, x->H, x->dk, x->dv, &err))
             DIE("%s", err.msg);
         return;
     }
@@ -775,6 +934,11 @@ int main(int argc, char **argv) {
     check_matmul(c, 7, 1000, 333, 0, 1e-2);
     check_matmul(c, 64, 2304, 4096, 0, 1e-2);
     check_matmul(c, 5, 257, 130, 3, 1e-2);
+    check_matmul_heads(c, 1, 32, 512, 128, 0, 1e-5);
+    check_matmul_heads(c, 5, 4, 128, 512, 1, 1e-5);
+    check_matmul_heads(c, 9, 4, 128, 512, 0, 1e-2);
+    check_matmul_invariance(c, 1000, 2304);
+    check_matmul_invariance(c, 77, 100); /* K % 8 != 0: the element-wise kernel */
     check_embed(c, 1000, 2304, 13);
     check_rmsnorm(c, 5, 2304, 0);
     check_rmsnorm(c, 3, 100, 1);
@@ -809,6 +973,14 @@ int main(int argc, char **argv) {
     check_moe_route(c, 6, 48, 5, 1, 1, 0, 1);
     check_moe_experts(c, 3, 8, 64, 2304, 256, 0);
     check_moe_experts(c, 5, 2, 4, 200, 72, 1);
+    check_moe_experts(c, 40, 8, 64, 512, 256, 0); /* grouped: ~5 rows per expert */
+    check_moe_experts(c, 6, 3, 5, 100, 36, 1);    /* D % 8 != 0: one row at a time */
+    {
+        int lens[5] = {1, 4, 1, 9, 2}, rows[5] = {0, 1, 0, 1, 0};
+        check_short_conv_batch(c, lens, rows, 5, 4096, 4);
+        int mlens[4] = {1, 3, 1, 5}, mpos[4] = {0, 300, 700, 17};
+        check_mla_batch(c, mlens, mpos, 4, 8, 512, 64);
+    }
     check_argmax(c, 8, 163840);
     check_argmax(c, 12, 100);
     printf("checks: %s\n", g_fail ? "FAILED" : "all passed");

@@ -51,6 +51,11 @@ typedef struct ds_cu_mat {
  * accumulation), so the error against the CPU is that of BF16 operands (~1e-3). */
 int ds_cu_matmul(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, const ds_cu_mat *w,
                  ds_err *err);
+/* H matmuls in one launch (per-head projections): for h < H, y_h = x_h W_h^T with y_h = y + h ys,
+ * x_h = x + h xs, W_h = w->data + h ws ([N][K] = w->rows x w->cols each); rows ldy / ldx apart.
+ * Same numerics as ds_cu_matmul. */
+int ds_cu_matmul_heads(ds_cu *c, float *y, int ldy, size_t ys, const float *x, int ldx, size_t xs,
+                       int T, const ds_cu_mat *w, size_t ws, int H, ds_err *err);
 /* out[t][:] = row ids[t] of E in f32: out [T][E.cols]; ids in device memory. */
 void ds_cu_embed(ds_cu *c, float *out, const ds_cu_mat *e, const int32_t *ids, int T);
 /* y[t] = w ⊙ x[t] / sqrt(mean(x[t]^2) + eps); x, y: [T][D]; w: [D]; y may == x. */
@@ -111,10 +116,13 @@ int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z, const floa
  * e = idx[t][j], in slot order. x, out [T][D]; idx, w [T][k] (device, e.g. from ds_cu_moe_route);
  * gate_up [E][2I][D] BF16 (an expert's gate rows, then its up rows); down [E][D][I] BF16;
  * act: SwiGLU, or SiTU with its betas (as ds_act_situ). accumulate: add to out instead of
- * writing it. T * k at most 65535. */
+ * writing it. T * k at most 65535. With D and I multiples of 8 the routed rows are grouped by
+ * expert first, so each chosen expert's weights are read once per call (E: experts in gate_up).
+ * Either way a row's result does not depend on the other rows. */
 int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx, const float *w,
-                      int T, int k, int D, int I, const uint16_t *gate_up, const uint16_t *down,
-                      int situ, float situ_beta, float situ_lin_beta, int accumulate, ds_err *err);
+                      int T, int k, int E, int D, int I, const uint16_t *gate_up,
+                      const uint16_t *down, int situ, float situ_beta, float situ_lin_beta,
+                      int accumulate, ds_err *err);
 
 /* ---- glue for the model forward (model_cuda.c) ---- */
 /* Batch-invariant matmuls (see ds_model_opts.batch_invariant): on, every ds_cu_matmul streams the
@@ -138,10 +146,21 @@ int ds_cu_move_rows(ds_cu *c, float *dst, size_t ldd, const int32_t *dst_rows, c
 /* rows x width floats between pitched buffers (pitches in floats), any direction. */
 int ds_cu_copy_2d(ds_cu *c, float *dst, size_t ldd, const float *src, size_t lds, size_t width,
                   size_t rows, ds_err *err);
-/* The short-conv tail after each of n tokens (speculative rollback rows): dst + t*stride gets
- * [W-1][P], the last W-1 rows of old [W-1][P] ++ pre [n][P] up to token t. */
-int ds_cu_conv_tail_rows(ds_cu *c, float *dst, size_t stride, const float *old, const float *pre,
-                         int n, int W, int P, ds_err *err);
+/* ds_cu_short_conv_silu for every sequence of a step in one launch: sequence z runs tokens
+ * [seg_off[z], seg_off[z+1]) of in/out ([tokens][C]) on its tail tails[z] ([W-1][C]); when rows
+ * and rows[z] are not NULL, the tail after its token t also goes to rows[z] + t*rows_stride
+ * (speculative rollback). tails, seg_off and rows are device arrays. */
+int ds_cu_short_conv_silu_batch(ds_cu *c, float *out, const float *in, int C, const float *w,
+                                int W, float *const *tails, const int32_t *seg_off,
+                                float *const *rows, size_t rows_stride, int n_seq, ds_err *err);
+/* ds_cu_mla_attend_absorbed for the tokens of many sequences in one launch (causal): token t sits
+ * at position tok_pos[t] of its sequence, whose block table starts at tables + tok_bt[t];
+ * max_ctx bounds every tok_pos + 1. Device arrays. */
+int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const float *qbar, const float *qr,
+                                    int T, int Ha, int R, int dr, const float *pool,
+                                    const int32_t *tables, const int32_t *tok_bt,
+                                    const int32_t *tok_pos, int max_ctx, int block_size, int row,
+                                    float scale, ds_err *err);
 /* A copy in any direction (unified addressing), done when it returns. */
 int ds_cu_copy_any(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err);
 /* d[i] = bf16(scale * u), u uniform in [-1, 1) from a hash of (key, i): n random weights. */
@@ -161,6 +180,18 @@ void ds_cu_argmax_rows(ds_cu *c, int32_t *out, const float *x, int rows, int V);
 /* The ceilings figures are reported against, measured now: the device-to-device copy rate
  * (GB/s, read + written) and cuBLAS's BF16 GEMM rate (TFLOP/s). */
 int ds_cu_measure_limits(ds_cu *c, double *copy_gbs, double *gemm_tflops, ds_err *err);
+
+/* ---- CUDA graphs: a step's launches captured once, replayed in one launch ---- */
+typedef struct ds_cu_graph ds_cu_graph;
+/* Between begin and end, launches on the stream are recorded, not run; nothing may synchronise or
+ * allocate (scratch must already be grown: run the same shape eagerly first). */
+int ds_cu_capture_begin(ds_cu *c, ds_err *err);
+int ds_cu_capture_end(ds_cu *c, ds_cu_graph **out, ds_err *err);
+int ds_cu_graph_launch(ds_cu *c, ds_cu_graph *g, ds_err *err);
+void ds_cu_graph_free(ds_cu_graph *g);
+/* Changes whenever one of the backend's scratch buffers moved: graphs captured before hold stale
+ * addresses. */
+uint64_t ds_cu_epoch(ds_cu *c);
 
 /* ---- timing (device events on the stream) --------------------------------------------------- */
 typedef struct ds_cu_timer ds_cu_timer;

@@ -21,6 +21,8 @@ struct ds_cu {
     char name[160];
     cudaError_t sticky; /* first launch error seen by a void function; reported by ds_cu_sync */
     int batch_invariant; /* every matmul through the weight-streaming kernel (see the header) */
+    uint64_t epoch;      /* bumped whenever a scratch buffer moves (captured graphs go stale) */
+    void *blas_ws;       /* cuBLAS's workspace, set once so that graph capture allocates nothing */
 };
 
 #define CU_TRY(call, what)                                                                         \
@@ -70,7 +72,9 @@ extern "C" int ds_cu_create(int device, ds_cu **out, ds_err *err) {
         return ds_errf(err, "cuda: cannot create a stream");
     }
     if (cublasCreate(&c->blas) != CUBLAS_STATUS_SUCCESS ||
-        cublasSetStream(c->blas, c->stream) != CUBLAS_STATUS_SUCCESS) {
+        cublasSetStream(c->blas, c->stream) != CUBLAS_STATUS_SUCCESS ||
+        cudaMalloc(&c->blas_ws, (size_t)32 << 20) != cudaSuccess ||
+        cublasSetWorkspace(c->blas, c->blas_ws, (size_t)32 << 20) != CUBLAS_STATUS_SUCCESS) {
         cudaStreamDestroy(c->stream);
         free(c);
         return ds_errf(err, "cublas: cannot create a handle");
@@ -84,6 +88,7 @@ extern "C" void ds_cu_free(ds_cu *c) {
     cudaStreamSynchronize(c->stream);
     cudaFree(c->xb);
     cudaFree(c->part);
+    cudaFree(c->blas_ws);
     cublasDestroy(c->blas);
     cudaStreamDestroy(c->stream);
     free(c);
@@ -141,9 +146,13 @@ extern "C" int ds_cu_copy_d2d(ds_cu *c, void *dst, const void *src, size_t bytes
     return DS_OK;
 }
 
+/* Set by grow_scratch; the next ds_cu_epoch reads and clears it (one stream per process). */
+static int g_epoch_bump;
+
 /* Grows a device scratch buffer to at least `need` bytes (contents not kept). */
 static int grow_scratch(void **p, size_t *cap, size_t need, const char *what, ds_err *err) {
     if (need <= *cap) return DS_OK;
+    g_epoch_bump = 1;
     cudaFree(*p);
     *p = NULL;
     *cap = 0;
@@ -171,11 +180,13 @@ __global__ void to_bf16_rows(__nv_bfloat16 *xb, const float *x, int ldx, int K, 
  * f32 — the weights are the bytes that matter, and they are read exactly once. */
 template <int TT>
 __global__ void __launch_bounds__(256)
-    gemv_bf16_k(float *y, int ldy, const float *x, int ldx, const uint16_t *W, int N, int K) {
+    gemv_bf16_k(float *y, int ldy, const float *x, int ldx, const uint16_t *W, int N, int K,
+                size_t ys = 0, size_t xs = 0, size_t ws = 0) {
     const int lane = threadIdx.x & 31, n = blockIdx.x * 8 + (threadIdx.x >> 5);
     if (n >= N) return; /* a whole warp leaves together; no block barrier follows */
-    x += (size_t)blockIdx.y * TT * ldx; /* tile blockIdx.y of TT tokens */
-    y += (size_t)blockIdx.y * TT * ldy;
+    x += (size_t)blockIdx.y * TT * ldx + blockIdx.z * xs; /* tile blockIdx.y of TT tokens */
+    y += (size_t)blockIdx.y * TT * ldy + blockIdx.z * ys; /* head blockIdx.z */
+    W += blockIdx.z * ws;
     const uint4 *wr = (const uint4 *)(W + (size_t)n * K);
     float acc[TT];
 #pragma unroll
@@ -219,25 +230,31 @@ __global__ void __launch_bounds__(256)
 
 /* Tiles of 8 tokens share one read of W; the remainder runs as its own instance. Each token's
  * dot products take the same operations in every instance, so its bits do not depend on T. */
+/* H heads (blockIdx.z): head h's y, x and W start ys, xs and ws elements after head 0's. */
 static int gemv_tiles(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, const uint16_t *W,
-                      int N, int K, ds_err *err) {
-    const unsigned blocks = (unsigned)((N + 7) / 8);
+                      int N, int K, int H, size_t ys, size_t xs, size_t ws, ds_err *err) {
+    const unsigned blocks = (unsigned)((N + 7) / 8), hz = (unsigned)H;
     int full = T / 8, rem = T % 8;
     for (int t0 = 0; t0 < full * 8; t0 += 8 * 65535) /* grid.y holds 65535 tiles */
-        gemv_bf16_k<8><<<dim3(blocks, (unsigned)DS_MIN(full - t0 / 8, 65535)), 256, 0, c->stream>>>(
-            y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx, W, N, K);
+        gemv_bf16_k<8><<<dim3(blocks, (unsigned)DS_MIN(full - t0 / 8, 65535), hz), 256, 0,
+                         c->stream>>>(y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx, W, N,
+                                      K, ys, xs, ws);
     const float *xr = x + (size_t)full * 8 * ldx;
     float *yr = y + (size_t)full * 8 * ldy;
+    const dim3 g(blocks, 1, hz);
+#define GEMV_REM(TT)                                                                               \
+    gemv_bf16_k<TT><<<g, 256, 0, c->stream>>>(yr, ldy, xr, ldx, W, N, K, ys, xs, ws)
     switch (rem) {
     case 0: break;
-    case 1: gemv_bf16_k<1><<<blocks, 256, 0, c->stream>>>(yr, ldy, xr, ldx, W, N, K); break;
-    case 2: gemv_bf16_k<2><<<blocks, 256, 0, c->stream>>>(yr, ldy, xr, ldx, W, N, K); break;
-    case 3: gemv_bf16_k<3><<<blocks, 256, 0, c->stream>>>(yr, ldy, xr, ldx, W, N, K); break;
-    case 4: gemv_bf16_k<4><<<blocks, 256, 0, c->stream>>>(yr, ldy, xr, ldx, W, N, K); break;
-    case 5: gemv_bf16_k<5><<<blocks, 256, 0, c->stream>>>(yr, ldy, xr, ldx, W, N, K); break;
-    case 6: gemv_bf16_k<6><<<blocks, 256, 0, c->stream>>>(yr, ldy, xr, ldx, W, N, K); break;
-    default: gemv_bf16_k<7><<<blocks, 256, 0, c->stream>>>(yr, ldy, xr, ldx, W, N, K); break;
+    case 1: GEMV_REM(1); break;
+    case 2: GEMV_REM(2); break;
+    case 3: GEMV_REM(3); break;
+    case 4: GEMV_REM(4); break;
+    case 5: GEMV_REM(5); break;
+    case 6: GEMV_REM(6); break;
+    default: GEMV_REM(7); break;
     }
+#undef GEMV_REM
     CU_TRY(cudaGetLastError(), "matmul (gemv)");
     return DS_OK;
 }
@@ -253,7 +270,7 @@ extern "C" int ds_cu_matmul(ds_cu *c, float *y, int ldy, const float *x, int ldx
     const int vec = K % 8 == 0 && ldx % 4 == 0 && (uintptr_t)x % 16 == 0 &&
                     (uintptr_t)w->data % 16 == 0;
     if (vec && (T == 1 || c->batch_invariant))
-        return gemv_tiles(c, y, ldy, x, ldx, T, w->data, N, K, err);
+        return gemv_tiles(c, y, ldy, x, ldx, T, w->data, N, K, 1, 0, 0, 0, err);
     if (c->batch_invariant) {
         for (int t0 = 0; t0 < T; t0 += 65535)
             gemv_any_k<<<dim3((unsigned)((N + 7) / 8), (unsigned)DS_MIN(T - t0, 65535)), 256, 0,
@@ -275,6 +292,39 @@ extern "C" int ds_cu_matmul(ds_cu *c, float *y, int ldy, const float *x, int ldx
                           c->xb, CUDA_R_16BF, K, &zero, y, CUDA_R_32F, ldy, CUBLAS_COMPUTE_32F,
                           CUBLAS_GEMM_DEFAULT),
              "matmul");
+    return DS_OK;
+}
+
+extern "C" int ds_cu_matmul_heads(ds_cu *c, float *y, int ldy, size_t ys, const float *x, int ldx,
+                                  size_t xs, int T, const ds_cu_mat *w, size_t ws, int H,
+                                  ds_err *err) {
+    const int N = w->rows, K = w->cols;
+    if (T <= 0 || N <= 0 || H <= 0) return DS_OK;
+    const int vec = K % 8 == 0 && ldx % 4 == 0 && xs % 4 == 0 && ws % 8 == 0 &&
+                    (uintptr_t)x % 16 == 0 && (uintptr_t)w->data % 16 == 0;
+    if (vec && (T == 1 || c->batch_invariant))
+        return gemv_tiles(c, y, ldy, x, ldx, T, w->data, N, K, H, ys, xs, ws, err);
+    if (c->batch_invariant || (size_t)ldx < (size_t)(H - 1) * xs + K) {
+        for (int h = 0; h < H; h++) { /* head by head, through the plain matmul */
+            ds_cu_mat wh = {w->data + (size_t)h * ws, N, K};
+            if (ds_cu_matmul(c, y + (size_t)h * ys, ldy, x + (size_t)h * xs, ldx, T, &wh, err))
+                return DS_ERR;
+        }
+        return DS_OK;
+    }
+    /* every head's rows of x in BF16 at once, then one strided-batched GEMM */
+    size_t need = (size_t)T * ldx;
+    if (grow_scratch((void **)&c->xb, &c->xb_bytes, need * sizeof(uint16_t), "matmul scratch", err))
+        return DS_ERR;
+    to_bf16_rows<<<(unsigned)((need + 255) / 256), 256, 0, c->stream>>>((__nv_bfloat16 *)c->xb, x,
+                                                                        ldx, ldx, T);
+    CU_TRY(cudaGetLastError(), "matmul: rounding x");
+    const float one = 1.0f, zero = 0.0f;
+    BLAS_TRY(cublasGemmStridedBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, &one, w->data,
+                                        CUDA_R_16BF, K, (long long)ws, c->xb, CUDA_R_16BF, ldx,
+                                        (long long)xs, &zero, y, CUDA_R_32F, ldy, (long long)ys, H,
+                                        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+             "matmul (heads)");
     return DS_OK;
 }
 
@@ -443,27 +493,6 @@ extern "C" int ds_cu_copy_2d(ds_cu *c, float *dst, size_t ldd, const float *src,
     return DS_OK;
 }
 
-/* The short-conv tail after each token of a verify segment (kernels/cpu: the tail after token t
- * is rows t-W+2 .. t of old ++ pre): dst + t*stride holds [W-1][P]. */
-__global__ void conv_tail_rows_k(float *dst, size_t stride, const float *old, const float *pre,
-                                 int n, int W, int P) {
-    const int t = blockIdx.y, i = blockIdx.z;
-    const int u = t - (W - 1) + 1 + i;
-    const float *src = u < 0 ? old + (size_t)(u + W - 1) * P : pre + (size_t)u * P;
-    float *d = dst + (size_t)t * stride + (size_t)i * P;
-    for (int ch = blockIdx.x * blockDim.x + threadIdx.x; ch < P; ch += gridDim.x * blockDim.x)
-        d[ch] = src[ch];
-}
-
-extern "C" int ds_cu_conv_tail_rows(ds_cu *c, float *dst, size_t stride, const float *old,
-                                    const float *pre, int n, int W, int P, ds_err *err) {
-    if (n <= 0 || W <= 1) return DS_OK;
-    conv_tail_rows_k<<<dim3((unsigned)((P + 255) / 256), (unsigned)n, (unsigned)(W - 1)), 256, 0,
-                       c->stream>>>(dst, stride, old, pre, n, W, P);
-    CU_TRY(cudaGetLastError(), "conv tail rows");
-    return DS_OK;
-}
-
 extern "C" int ds_cu_copy_any(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err) {
     CU_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->stream), "copy");
     CU_TRY(cudaStreamSynchronize(c->stream), "copy");
@@ -543,6 +572,43 @@ __global__ void short_conv_silu_k(float *out, const float *in, int T, int C, con
         for (int j = 0; j < W - 1; j++) win[j] = win[j + 1];
     }
     for (int j = 0; j < W - 1; j++) tail[(size_t)j * C + c] = win[j];
+}
+
+/* Every sequence of a step in one launch: block (channel tile, sequence z) walks tokens
+ * [seg_off[z], seg_off[z+1]) on tail tails[z] ([W-1][C]); when rows[z] is not NULL it also writes
+ * the tail after each token t to rows[z] + t*rows_stride (a verify's rollback rows). */
+__global__ void short_conv_batch_k(float *out, const float *in, int C, const float *w, int W,
+                                   float *const *tails, const int32_t *seg_off,
+                                   float *const *rows, size_t rows_stride) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x, z = blockIdx.y;
+    if (c >= C) return;
+    float *tail = tails[z], *R = rows ? rows[z] : NULL;
+    float win[8];
+    for (int j = 0; j < W - 1; j++) win[j] = tail[(size_t)j * C + c];
+    const float *wc = w + (size_t)c * W;
+    const int t0 = seg_off[z], t1 = seg_off[z + 1];
+    for (int t = t0; t < t1; t++) {
+        win[W - 1] = in[(size_t)t * C + c];
+        float acc = 0.0f;
+        for (int j = 0; j < W; j++) acc += wc[j] * win[j];
+        out[(size_t)t * C + c] = acc / (1.0f + expf(-acc));
+        for (int j = 0; j < W - 1; j++) win[j] = win[j + 1];
+        if (R)
+            for (int j = 0; j < W - 1; j++) R[(size_t)(t - t0) * rows_stride + (size_t)j * C + c] = win[j];
+    }
+    for (int j = 0; j < W - 1; j++) tail[(size_t)j * C + c] = win[j];
+}
+
+extern "C" int ds_cu_short_conv_silu_batch(ds_cu *c, float *out, const float *in, int C,
+                                           const float *w, int W, float *const *tails,
+                                           const int32_t *seg_off, float *const *rows,
+                                           size_t rows_stride, int n_seq, ds_err *err) {
+    if (W < 1 || W > 8) return ds_errf(err, "cuda: short conv kernel size %d (1..8)", W);
+    if (n_seq <= 0 || C <= 0) return DS_OK;
+    short_conv_batch_k<<<dim3((unsigned)((C + 127) / 128), (unsigned)n_seq), 128, 0, c->stream>>>(
+        out, in, C, w, W, tails, seg_off, rows, rows_stride);
+    CU_TRY(cudaGetLastError(), "short conv (batch)");
+    return DS_OK;
 }
 
 extern "C" int ds_cu_short_conv_silu(ds_cu *c, float *out, const float *in, int T, int C,
@@ -684,12 +750,22 @@ __device__ float exp_shifted(float *sc, int n, float *sum) {
     return mx;
 }
 
+/* BATCH: query token t belongs to its own sequence, at position tok_pos[t] with its block table
+ * at table + tok_bt[t] (causal); otherwise one sequence, pos0 / n_ctx / causal as given. */
+template <bool BATCH>
 __global__ void mla_split_k(float *part_o, float *part_ml, const float *qbar, const float *qr,
                             int Ha, int R, int dr, const float *pool, const int32_t *table, int bs,
-                            int row, int pos0, int n_ctx, int causal, float scale, int n_split) {
+                            int row, int pos0, int n_ctx, int causal, float scale, int n_split,
+                            const int32_t *tok_bt, const int32_t *tok_pos) {
     __shared__ float sc[MLA_CHUNK];
     const int q = blockIdx.x, t = q / Ha, s = blockIdx.y;
-    const int n = causal ? min(pos0 + t + 1, n_ctx) : n_ctx; /* never past the cache's rows */
+    int n;
+    if (BATCH) {
+        n = tok_pos[t] + 1;
+        table += tok_bt[t];
+    } else {
+        n = causal ? min(pos0 + t + 1, n_ctx) : n_ctx; /* never past the cache's rows */
+    }
     const int j0 = s * MLA_CHUNK, j1 = min(n, j0 + MLA_CHUNK);
     float *po = part_o + ((size_t)q * n_split + s) * R,
           *pml = part_ml + ((size_t)q * n_split + s) * 2;
@@ -751,10 +827,32 @@ extern "C" int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qba
     if (grow_scratch((void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch", err))
         return DS_ERR;
     float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
-    mla_split_k<<<dim3((unsigned)rows, (unsigned)n_split), 256, 0, c->stream>>>(
+    mla_split_k<false><<<dim3((unsigned)rows, (unsigned)n_split), 256, 0, c->stream>>>(
         part_o, part_ml, qbar, qr, Ha, R, dr, pool, block_table, block_size, row, pos0, n_ctx,
-        causal, scale, n_split);
+        causal, scale, n_split, NULL, NULL);
     CU_TRY(cudaGetLastError(), "mla");
+    mla_merge_k<<<rows, 256, 0, c->stream>>>(obar, part_o, part_ml, R, n_split);
+    CU_TRY(cudaGetLastError(), "mla merge");
+    return DS_OK;
+}
+
+extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const float *qbar,
+                                               const float *qr, int T, int Ha, int R, int dr,
+                                               const float *pool, const int32_t *tables,
+                                               const int32_t *tok_bt, const int32_t *tok_pos,
+                                               int max_ctx, int block_size, int row, float scale,
+                                               ds_err *err) {
+    if (T <= 0 || Ha <= 0) return DS_OK;
+    if (max_ctx <= 0) return ds_errf(err, "cuda: mla: no context rows to attend to");
+    const int n_split = (max_ctx + MLA_CHUNK - 1) / MLA_CHUNK, rows = T * Ha;
+    size_t need = (size_t)rows * n_split * ((size_t)R + 2);
+    if (grow_scratch((void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch", err))
+        return DS_ERR;
+    float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
+    mla_split_k<true><<<dim3((unsigned)rows, (unsigned)n_split), 256, 0, c->stream>>>(
+        part_o, part_ml, qbar, qr, Ha, R, dr, pool, tables, block_size, row, 0, 0, 1, scale,
+        n_split, tok_bt, tok_pos);
+    CU_TRY(cudaGetLastError(), "mla (batch)");
     mla_merge_k<<<rows, 256, 0, c->stream>>>(obar, part_o, part_ml, R, n_split);
     CU_TRY(cudaGetLastError(), "mla merge");
     return DS_OK;
@@ -972,27 +1070,129 @@ __global__ void moe_combine_k(float *out, const float *y, const float *w, int T,
     out[i] = accumulate ? out[i] + acc : acc;
 }
 
+/* Grouping routed rows by expert, so that a step reads each chosen expert's weights once (one row
+ * per token per slot re-read them for every row: at batch 256 that was 30 GB a layer). One block:
+ * thread e counts expert e's rows, thread 0 lays the experts out in id order, then each thread
+ * lists its rows in row order — the same grouping every run, whatever the thread timing.
+ * start [E+1] (rows of expert e: perm[start[e] .. start[e+1])), perm [rows], active [E] the
+ * experts with rows, n_active [1]. */
+__global__ void moe_group_k(const int32_t *idx, int rows, int E, int32_t *start, int32_t *perm,
+                            int32_t *active, int32_t *n_active) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int n = 0;
+        for (int r = 0; r < rows; r++) n += idx[r] == e;
+        start[e + 1] = n; /* a count for now */
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int at = 0, na = 0;
+        start[0] = 0;
+        for (int e = 0; e < E; e++) {
+            int n = start[e + 1];
+            if (n) active[na++] = e;
+            start[e + 1] = at += n;
+        }
+        *n_active = na;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int at = start[e];
+        for (int r = 0; r < rows; r++)
+            if (idx[r] == e) perm[at++] = r;
+    }
+}
+
+/* y[perm row][n] = W_e[n] . x[row's input] for every row of active expert e = active[blockIdx.y]:
+ * one warp per output n streams that weight row once (16-byte loads) for up to 8 of the expert's
+ * rows at a time. A row's dot product takes the same operations however many rows share the pass,
+ * so its bits do not depend on the batch. x rows: x + (perm / x_div) * ldx; K % 8 == 0. */
+__global__ void __launch_bounds__(256)
+    moe_grouped_k(float *y, int ldy, const float *x, int ldx, int x_div, const uint16_t *W, int N,
+                  int K, const int32_t *start, const int32_t *perm, const int32_t *active,
+                  const int32_t *n_active) {
+    if ((int)blockIdx.y >= *n_active) return;
+    const int e = active[blockIdx.y], lane = threadIdx.x & 31;
+    const int n = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (n >= N) return;
+    const uint4 *wr = (const uint4 *)(W + ((size_t)e * N + n) * K);
+    const int r0 = start[e], r1 = start[e + 1];
+    for (int c0 = r0; c0 < r1; c0 += 8) {
+        const int nr = min(8, r1 - c0);
+        const float *xs[8];
+        float acc[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            acc[i] = 0.0f;
+            xs[i] = x + (size_t)(perm[c0 + (i < nr ? i : 0)] / x_div) * ldx;
+        }
+        for (int k8 = lane; k8 < K / 8; k8 += 32) {
+            const uint4 u = __ldg(wr + k8);
+            const float w[8] = {__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
+                                __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u),
+                                __uint_as_float(u.z << 16), __uint_as_float(u.z & 0xffff0000u),
+                                __uint_as_float(u.w << 16), __uint_as_float(u.w & 0xffff0000u)};
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                if (i < nr) {
+                    const float4 *xp = (const float4 *)(xs[i] + (size_t)k8 * 8);
+                    const float4 a = xp[0], b = xp[1];
+                    acc[i] += w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x +
+                              w[5] * b.y + w[6] * b.z + w[7] * b.w;
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            float v = acc[i];
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0 && i < nr) y[(size_t)perm[c0 + i] * ldy + n] = v;
+        }
+    }
+}
+
 extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx,
-                                 const float *w, int T, int k, int D, int I,
+                                 const float *w, int T, int k, int E, int D, int I,
                                  const uint16_t *gate_up, const uint16_t *down, int situ,
                                  float situ_beta, float situ_lin_beta, int accumulate,
                                  ds_err *err) {
     if (T <= 0 || k <= 0) return DS_OK;
     const int rows = T * k;
     if (rows > 65535) return ds_errf(err, "cuda: moe: %d routed rows (at most 65535)", rows);
-    size_t need = (size_t)rows * (2 * (size_t)I + (size_t)D);
-    if (grow_scratch((void **)&c->part, &c->part_bytes, need * sizeof(float), "moe scratch", err))
+    const int grouped = D % 8 == 0 && I % 8 == 0 && (uintptr_t)x % 16 == 0 && E > 0;
+    /* floats: h [rows][2I], y [rows][D]; then ints: start [E+1], perm [rows], active [E], n [1] */
+    size_t nf = (size_t)rows * (2 * (size_t)I + (size_t)D);
+    size_t ni = grouped ? (size_t)E + 1 + rows + E + 1 : 0;
+    if (grow_scratch((void **)&c->part, &c->part_bytes, (nf + ni) * sizeof(float), "moe scratch",
+                     err))
         return DS_ERR;
-    float *h = c->part, *y = c->part + (size_t)rows * 2 * I; /* h [rows][2I], y [rows][D] */
-    moe_up_k<<<dim3((unsigned)((2 * I + 7) / 8), (unsigned)rows), 256, 0, c->stream>>>(
-        h, x, idx, k, D, 2 * I, gate_up);
-    CU_TRY(cudaGetLastError(), "moe up");
-    moe_act_k<<<(unsigned)(((size_t)rows * I + 255) / 256), 256, 0, c->stream>>>(
-        h, rows, I, situ, situ_beta, situ_lin_beta);
-    CU_TRY(cudaGetLastError(), "moe act");
-    moe_down_k<<<dim3((unsigned)((D + 7) / 8), (unsigned)rows), 256, 0, c->stream>>>(y, h, idx, D,
-                                                                                     I, down);
-    CU_TRY(cudaGetLastError(), "moe down");
+    float *h = c->part, *y = c->part + (size_t)rows * 2 * I;
+    if (grouped) {
+        int32_t *start = (int32_t *)(c->part + nf), *perm = start + E + 1, *active = perm + rows;
+        int32_t *n_active = active + E;
+        const unsigned ya = (unsigned)DS_MIN(E, rows); /* at most this many experts have rows */
+        moe_group_k<<<1, 256, 0, c->stream>>>(idx, rows, E, start, perm, active, n_active);
+        CU_TRY(cudaGetLastError(), "moe group");
+        moe_grouped_k<<<dim3((unsigned)((2 * I + 7) / 8), ya), 256, 0, c->stream>>>(
+            h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm, active, n_active);
+        CU_TRY(cudaGetLastError(), "moe up (grouped)");
+        moe_act_k<<<(unsigned)(((size_t)rows * I + 255) / 256), 256, 0, c->stream>>>(
+            h, rows, I, situ, situ_beta, situ_lin_beta);
+        CU_TRY(cudaGetLastError(), "moe act");
+        /* the activations sit in the gate half of h: rows 2I apart, one per routed row */
+        moe_grouped_k<<<dim3((unsigned)((D + 7) / 8), ya), 256, 0, c->stream>>>(
+            y, D, h, 2 * I, 1, down, D, I, start, perm, active, n_active);
+        CU_TRY(cudaGetLastError(), "moe down (grouped)");
+    } else {
+        moe_up_k<<<dim3((unsigned)((2 * I + 7) / 8), (unsigned)rows), 256, 0, c->stream>>>(
+            h, x, idx, k, D, 2 * I, gate_up);
+        CU_TRY(cudaGetLastError(), "moe up");
+        moe_act_k<<<(unsigned)(((size_t)rows * I + 255) / 256), 256, 0, c->stream>>>(
+            h, rows, I, situ, situ_beta, situ_lin_beta);
+        CU_TRY(cudaGetLastError(), "moe act");
+        moe_down_k<<<dim3((unsigned)((D + 7) / 8), (unsigned)rows), 256, 0, c->stream>>>(
+            y, h, idx, D, I, down);
+        CU_TRY(cudaGetLastError(), "moe down");
+    }
     moe_combine_k<<<(unsigned)(((size_t)T * D + 255) / 256), 256, 0, c->stream>>>(out, y, w, T, k,
                                                                                   D, accumulate);
     CU_TRY(cudaGetLastError(), "moe combine");
@@ -1238,6 +1438,58 @@ extern "C" int ds_cu_measure_limits(ds_cu *c, double *copy_gbs, double *gemm_tfl
     if (rc) return rc;
     CU_TRY(cudaGetLastError(), "limits");
     return DS_OK;
+}
+
+/* ---- CUDA graphs -------------------------------------------------------------------------------
+ * A step's launches captured once and replayed: one launch instead of hundreds. */
+struct ds_cu_graph {
+    cudaGraphExec_t exec;
+};
+
+extern "C" uint64_t ds_cu_epoch(ds_cu *c) {
+    if (g_epoch_bump) c->epoch++, g_epoch_bump = 0;
+    return c->epoch;
+}
+
+extern "C" int ds_cu_capture_begin(ds_cu *c, ds_err *err) {
+    CU_TRY(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal), "graph capture");
+    return DS_OK;
+}
+
+extern "C" int ds_cu_capture_end(ds_cu *c, ds_cu_graph **out, ds_err *err) {
+    *out = NULL;
+    cudaGraph_t g = NULL;
+    cudaError_t e = cudaStreamEndCapture(c->stream, &g);
+    if (e != cudaSuccess) {
+        if (g) cudaGraphDestroy(g);
+        cudaGetLastError();
+        return ds_errf(err, "cuda: graph capture: %s", cudaGetErrorString(e));
+    }
+    ds_cu_graph *gr = (ds_cu_graph *)calloc(1, sizeof *gr);
+    if (!gr) {
+        cudaGraphDestroy(g);
+        return ds_errf(err, "cuda: out of host memory");
+    }
+    e = cudaGraphInstantiate(&gr->exec, g, 0);
+    cudaGraphDestroy(g);
+    if (e != cudaSuccess) {
+        free(gr);
+        cudaGetLastError();
+        return ds_errf(err, "cuda: graph instantiate: %s", cudaGetErrorString(e));
+    }
+    *out = gr;
+    return DS_OK;
+}
+
+extern "C" int ds_cu_graph_launch(ds_cu *c, ds_cu_graph *g, ds_err *err) {
+    CU_TRY(cudaGraphLaunch(g->exec, c->stream), "graph launch");
+    return DS_OK;
+}
+
+extern "C" void ds_cu_graph_free(ds_cu_graph *g) {
+    if (!g) return;
+    cudaGraphExecDestroy(g->exec);
+    free(g);
 }
 
 /* ---- timing ------------------------------------------------------------------------------------
