@@ -61,8 +61,10 @@ int ds_cuda_available(void) {
 /* ---- weights on the device ------------------------------------------------------------------ */
 
 typedef struct cu_kda {
-    ds_cu_mat q, k, v, f_a, f_b, b, g, g_a, g_b, o;
-    float *q_conv, *k_conv, *v_conv; /* [P][W] */
+    ds_cu_mat qkv;  /* [3P][D]: q, k and v stacked */
+    ds_cu_mat fg_a; /* [2 dk][D]: f_a and g_a stacked (low-rank gate), or just f_a ([dk][D]) */
+    ds_cu_mat f_b, b, g, g_b, o;
+    float *conv;                     /* [3][P][W]: q, k and v short-conv weights */
     float *dt_bias, *A_log, *o_norm; /* [P], [Hk], [dk] */
 } cu_kda;
 
@@ -73,7 +75,9 @@ typedef struct cu_mla {
 } cu_mla;
 
 typedef struct cu_ffn {
-    ds_cu_mat gate, up, down, router, sh_gate, sh_up, sh_down, lat_down, lat_up;
+    ds_cu_mat gu, down;       /* dense MLP: [2I][D] gate and up stacked, [D][I] */
+    ds_cu_mat sh_gu, sh_down; /* shared experts likewise */
+    ds_cu_mat router, lat_down, lat_up;
     float *router_bias, *lat_norm; /* [E] or NULL, [Hin] or NULL */
     uint16_t *gate_up; /* [E][2 Ie][Hin] BF16: an expert's gate rows, then its up rows */
     uint16_t *e_down;  /* [E][Hin][Ie] BF16 */
@@ -94,7 +98,8 @@ typedef struct ds_cuda_model {
     void **allocs; /* every device allocation of the weights */
     int n_allocs, cap_allocs;
     size_t weight_bytes;
-    uint16_t *conv; /* host staging for dtype conversion, conv_cap elements */
+    uint64_t n_fills; /* random matrices drawn so far: each gets its own key */
+    uint16_t *conv;   /* host staging for dtype conversion, conv_cap elements */
     size_t conv_cap;
     /* per-step buffers, grown on demand */
     float *sc; /* device scratch, sc_cap floats */
@@ -162,20 +167,42 @@ static int upload_bf16(ds_cuda_model *cm, uint16_t *dst, const void *src, ds_dty
     return ds_cu_upload(cm->c, dst, cm->conv, n * 2, err);
 }
 
+/* w's elements into device memory at d (BF16): uploaded, or drawn there for random weights. */
+static int fill_mat(ds_cuda_model *cm, uint16_t *d, const ds_mat *w, ds_err *err) {
+    size_t n = (size_t)w->rows * w->cols;
+    if (w->data == ds_random_weights) { /* --load-format random: drawn here, never on the host */
+        uint64_t key = 0x5eed0000ull + (uint64_t)(cm->n_fills++) * 0x9e3779b97f4a7c15ull;
+        return ds_cu_fill_random_bf16(cm->c, d, n, key, sqrtf(3.0f / (float)w->cols), err);
+    }
+    return upload_bf16(cm, d, w->data, w->dtype, n, err);
+}
+
 static int up_mat(ds_cuda_model *cm, const ds_mat *w, ds_cu_mat *out, ds_err *err) {
     memset(out, 0, sizeof *out);
     if (!w->data || !w->rows || !w->cols) return DS_OK;
-    size_t n = (size_t)w->rows * w->cols;
-    uint16_t *d = dev_alloc(cm, n * 2, err);
-    if (!d) return DS_ERR;
-    if (w->data == ds_random_weights) { /* --load-format random: drawn here, never on the host */
-        uint64_t key = 0x5eed0000ull + (uint64_t)cm->n_allocs * 0x9e3779b97f4a7c15ull;
-        if (ds_cu_fill_random_bf16(cm->c, d, n, key, sqrtf(3.0f / (float)w->cols), err))
-            return DS_ERR;
-    } else if (upload_bf16(cm, d, w->data, w->dtype, n, err)) {
-        return DS_ERR;
-    }
+    uint16_t *d = dev_alloc(cm, (size_t)w->rows * w->cols * 2, err);
+    if (!d || fill_mat(cm, d, w, err)) return DS_ERR;
     *out = (ds_cu_mat){d, w->rows, w->cols};
+    return DS_OK;
+}
+
+/* Matrices of equal width stacked into one ([sum of rows][cols]): projections of the same input
+ * become one weight-streaming launch (q, k and v; the two low-rank gate inputs; gate and up). */
+static int up_stack(ds_cuda_model *cm, const ds_mat *const *ws, int n, ds_cu_mat *out,
+                    ds_err *err) {
+    int rows = 0, cols = ws[0]->cols;
+    for (int i = 0; i < n; i++) {
+        if (ws[i]->cols != cols || !ws[i]->data)
+            return ds_errf(err, "cuda: stacking matrices of widths %d and %d", cols, ws[i]->cols);
+        rows += ws[i]->rows;
+    }
+    uint16_t *d = dev_alloc(cm, (size_t)rows * cols * 2, err);
+    if (!d) return DS_ERR;
+    *out = (ds_cu_mat){d, rows, cols};
+    for (int i = 0; i < n; i++) {
+        if (fill_mat(cm, d, ws[i], err)) return DS_ERR;
+        d += (size_t)ws[i]->rows * cols;
+    }
     return DS_OK;
 }
 
@@ -191,14 +218,16 @@ static int up_vec(ds_cuda_model *cm, const float *v, size_t n, float **out, ds_e
 static int up_kda(ds_cuda_model *cm, const ds_model *m, const kda_w *w, cu_kda *d, ds_err *err) {
     const ds_config *c = &m->cfg;
     size_t P = (size_t)m->Hk * c->kda_head_dim, W = (size_t)c->short_conv_kernel_size;
-    if (up_mat(cm, &w->q, &d->q, err) || up_mat(cm, &w->k, &d->k, err) ||
-        up_mat(cm, &w->v, &d->v, err) || up_mat(cm, &w->f_a, &d->f_a, err) ||
+    const ds_mat *qkv[3] = {&w->q, &w->k, &w->v}, *fg[2] = {&w->f_a, &w->g_a};
+    d->conv = dev_alloc(cm, 3 * P * W * sizeof(float), err);
+    if (!d->conv || up_stack(cm, qkv, 3, &d->qkv, err) ||
+        up_stack(cm, fg, c->use_full_rank_gate ? 1 : 2, &d->fg_a, err) ||
         up_mat(cm, &w->f_b, &d->f_b, err) || up_mat(cm, &w->b, &d->b, err) ||
-        up_mat(cm, &w->g, &d->g, err) || up_mat(cm, &w->g_a, &d->g_a, err) ||
-        up_mat(cm, &w->g_b, &d->g_b, err) || up_mat(cm, &w->o, &d->o, err) ||
-        up_vec(cm, w->q_conv, P * W, &d->q_conv, err) ||
-        up_vec(cm, w->k_conv, P * W, &d->k_conv, err) ||
-        up_vec(cm, w->v_conv, P * W, &d->v_conv, err) ||
+        up_mat(cm, &w->g, &d->g, err) || up_mat(cm, &w->g_b, &d->g_b, err) ||
+        up_mat(cm, &w->o, &d->o, err) ||
+        ds_cu_upload(cm->c, d->conv, w->q_conv, P * W * sizeof(float), err) ||
+        ds_cu_upload(cm->c, d->conv + P * W, w->k_conv, P * W * sizeof(float), err) ||
+        ds_cu_upload(cm->c, d->conv + 2 * P * W, w->v_conv, P * W * sizeof(float), err) ||
         up_vec(cm, w->dt_bias, P, &d->dt_bias, err) ||
         up_vec(cm, w->A_log, (size_t)m->Hk, &d->A_log, err) ||
         up_vec(cm, w->o_norm, (size_t)c->kda_head_dim, &d->o_norm, err))
@@ -230,14 +259,13 @@ static int up_mla(ds_cuda_model *cm, const ds_model *m, const mla_w *w, cu_mla *
 
 static int up_ffn(ds_cuda_model *cm, const ds_model *m, const ffn_w *w, cu_ffn *d, ds_err *err) {
     const ds_config *c = &m->cfg;
-    if (!w->is_moe)
-        return up_mat(cm, &w->gate, &d->gate, err) || up_mat(cm, &w->up, &d->up, err) ||
-               up_mat(cm, &w->down, &d->down, err);
+    const ds_mat *gu[2] = {&w->gate, &w->up}, *sgu[2] = {&w->sh_gate, &w->sh_up};
+    if (!w->is_moe) return up_stack(cm, gu, 2, &d->gu, err) || up_mat(cm, &w->down, &d->down, err);
     int E = c->num_experts, Ie = c->moe_intermediate_size;
     int Hin = c->routed_expert_hidden_size ? c->routed_expert_hidden_size : c->hidden_size;
     if (up_mat(cm, &w->router, &d->router, err) ||
         up_vec(cm, w->router_bias, (size_t)E, &d->router_bias, err) ||
-        up_mat(cm, &w->sh_gate, &d->sh_gate, err) || up_mat(cm, &w->sh_up, &d->sh_up, err) ||
+        (c->num_shared_experts > 0 && up_stack(cm, sgu, 2, &d->sh_gu, err)) ||
         up_mat(cm, &w->sh_down, &d->sh_down, err) || up_mat(cm, &w->lat_down, &d->lat_down, err) ||
         up_mat(cm, &w->lat_up, &d->lat_up, err) ||
         up_vec(cm, w->lat_norm, (size_t)Hin, &d->lat_norm, err))
@@ -394,8 +422,8 @@ typedef struct cstep {
     int any_rows;              /* some segment keeps verify state rows */
     float *const *S;           /* [n_kda][n_seq] recurrent state of each KDA layer, per sequence */
     float *const *S_rows;      /* [n_kda][n_seq] its verify rows, or NULL entries */
-    float *const *tails;       /* [n_kda][3][n_seq] short-conv tails of q, k, v */
-    float *const *tail_rows;   /* [n_kda][3][n_seq] their verify rows, or NULL entries */
+    float *const *tails;       /* [n_kda][n_seq] short-conv tails (q's; k's and v's follow) */
+    float *const *tail_rows;   /* [n_kda][n_seq] their verify rows, or NULL entries */
     const float *const *cands; /* [nb_max + 1][nb_max + 1] AttnRes candidate lists */
     int nb_max;
     int ctx_cap; /* absorbed attention's context bound: a power of two >= every context */
@@ -430,7 +458,7 @@ static size_t cuda_step_need(const ds_model *m, const ds_seq_batch *seqs, int n_
     size_t N = (size_t)c->attn_res_block_size, pad = 16;
     size_t base = 3 * t * D + (N ? ((L + N - 1) / N + 1) * (t * D + pad) : 0) + 6 * pad;
     size_t H = (size_t)m->Hk, dk = (size_t)c->kda_head_dim, P = H * dk;
-    size_t kda = m->n_kda ? 6 * t * P + t * dk + t * H + 10 * pad : 0;
+    size_t kda = m->n_kda ? 8 * t * P + 2 * t * dk + t * H + 10 * pad : 0;
     size_t mla = 0;
     if (m->n_mla) {
         size_t Ha = (size_t)m->Ha, R = (size_t)c->kv_lora_rank;
@@ -453,6 +481,7 @@ static size_t cuda_step_need(const ds_model *m, const ds_seq_batch *seqs, int n_
         size_t Hin = c->routed_expert_hidden_size ? (size_t)c->routed_expert_hidden_size : D;
         size_t Is = (size_t)c->moe_intermediate_size * (size_t)c->num_shared_experts;
         ffn = DS_MAX(ffn, t * E + 2 * t * K + 2 * t * Hin + t * D + 2 * t * Is + 8 * pad);
+        /* (mlp: one [T][2I] buffer, as the dense estimate above) */
     }
     size_t lg = 0;
     if (m->l1 == (int)L) {
@@ -508,7 +537,7 @@ static int build_indices(cstep *s, const ds_stage_io *in, ds_err *err) {
     }
     ni += nbt + nctx + nlg;
     int nb_max = ds_model_max_banks(m);
-    size_t np = (size_t)8 * m->n_kda * n_seq + (size_t)(nb_max + 1) * (nb_max + 1);
+    size_t np = (size_t)4 * m->n_kda * n_seq + (size_t)(nb_max + 1) * (nb_max + 1);
     if (grow_host((void **)&cm->h_i, &cm->h_icap, ni + 1, sizeof(int32_t), err) ||
         grow_host((void **)&cm->h_p, &cm->h_pcap, np + 1, sizeof(void *), err) ||
         grow(s->c, (void **)&cm->iarena, &cm->icap, ni + 1, sizeof(int32_t), err) ||
@@ -546,8 +575,8 @@ static int build_indices(cstep *s, const ds_stage_io *in, ds_err *err) {
             for (int p = 0; p < sb->pos0 + sb->n; p++)
                 hi[cx++] = sb->block_table[p / bs] * bs + p % bs;
     }
-    /* pointer arena: S [n_kda][n_seq] | S_rows [n_kda][n_seq] | tails [n_kda][3][n_seq] |
-     * tail rows [n_kda][3][n_seq] | cands */
+    /* pointer arena: S [n_kda][n_seq] | S_rows [n_kda][n_seq] | tails [n_kda][n_seq] |
+     * tail rows [n_kda][n_seq] | cands */
     void **hp = cm->h_p;
     size_t slot_n = ds_model_slot_floats(m), conv_n = ds_model_conv_floats(m);
     size_t rec_n = ds_model_rec_floats(m);
@@ -559,16 +588,14 @@ static int build_indices(cstep *s, const ds_stage_io *in, ds_err *err) {
             hp[(size_t)j * n_seq + q] = sb->slot + off;
             hp[(size_t)(m->n_kda + j) * n_seq + q] = sb->state_rows ? sb->state_rows + off : NULL;
             s->any_rows |= sb->state_rows != NULL;
-            for (int p = 0; p < 3; p++) {
-                size_t toff = (size_t)j * conv_n + (size_t)p * (conv_n / 3);
-                size_t at3 = ((size_t)j * 3 + p) * n_seq + q;
-                hp[(size_t)2 * m->n_kda * n_seq + at3] = sb->slot + toff;
-                hp[(size_t)5 * m->n_kda * n_seq + at3] =
-                    sb->state_rows ? sb->state_rows + toff : NULL;
-            }
+            /* the layer's q tail; k's and v's follow it (slot layout, model_impl.h) */
+            size_t toff = (size_t)j * conv_n;
+            hp[(size_t)(2 * m->n_kda + j) * n_seq + q] = sb->slot + toff;
+            hp[(size_t)(3 * m->n_kda + j) * n_seq + q] =
+                sb->state_rows ? sb->state_rows + toff : NULL;
         }
     (void)slot_n;
-    size_t cand_at = (size_t)8 * m->n_kda * n_seq;
+    size_t cand_at = (size_t)4 * m->n_kda * n_seq;
     s->nb_max = nb_max;
     int max_ctx = 1;
     for (int q = 0; q < n_seq; q++) max_ctx = DS_MAX(max_ctx, s->seqs[q].pos0 + s->seqs[q].n);
@@ -594,7 +621,7 @@ static int build_indices(cstep *s, const ds_stage_io *in, ds_err *err) {
     s->tok_bt = cm->iarena + tokbt_at;
     s->tok_pos = cm->iarena + tokpos_at;
     s->tails = (float *const *)cm->parena + (size_t)2 * m->n_kda * n_seq;
-    s->tail_rows = (float *const *)cm->parena + (size_t)5 * m->n_kda * n_seq;
+    s->tail_rows = (float *const *)cm->parena + (size_t)3 * m->n_kda * n_seq;
     s->S = (float *const *)cm->parena;
     s->S_rows = (float *const *)cm->parena + (size_t)m->n_kda * n_seq;
     s->cands = (const float *const *)(cm->parena + cand_at);
@@ -612,47 +639,52 @@ static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float
     const ds_config *c = &s->m->cfg;
     ds_cu *cu = s->c;
     int T = s->T, D = c->hidden_size, H = s->m->Hk, dk = c->kda_head_dim, P = H * dk;
-    int W = c->short_conv_kernel_size;
+    int W = c->short_conv_kernel_size, nf = w->fg_a.rows; /* dk, or 2 dk with g_a stacked */
     size_t mark = s->used;
-    float *pre = take(s, (size_t)T * P);  /* [T][P] pre-conv projection */
-    float *q = take(s, (size_t)T * P);    /* [T][H][dk] */
-    float *k = take(s, (size_t)T * P);    /* [T][H][dk] */
-    float *v = take(s, (size_t)T * P);    /* [T][H][dv] */
-    float *fa = take(s, (size_t)T * dk);  /* [T][dk] */
-    float *g = take(s, (size_t)T * P);    /* [T][H][dk] log decay, then the output gate */
-    float *beta = take(s, (size_t)T * H); /* [T][H] */
-    float *o = take(s, (size_t)T * P);    /* [T][H][dv] */
+    float *pre = take(s, (size_t)T * 3 * P); /* [T][3P] q, k, v before the conv; later [T][P] */
+    float *q = take(s, (size_t)T * P);       /* [T][H][dk] */
+    float *k = take(s, (size_t)T * P);       /* [T][H][dk] */
+    float *v = take(s, (size_t)T * P);       /* [T][H][dv] */
+    float *fa = take(s, (size_t)T * nf);     /* [T][nf] f_a x, then g_a x */
+    float *g = take(s, (size_t)T * P);       /* [T][H][dk] log decay, then the output gate */
+    float *beta = take(s, (size_t)T * H);    /* [T][H] */
+    float *o = take(s, (size_t)T * P);       /* [T][H][dv] */
     TAKEN();
-    const ds_cu_mat *proj[3] = {&w->q, &w->k, &w->v};
-    const float *conv_w[3] = {w->q_conv, w->k_conv, w->v_conv};
-    float *dst[3] = {q, k, v};
-    size_t slot_n = ds_model_slot_floats(s->m);
-    for (int j = 0; j < 3; j++) { /* every segment's conv in one launch, each on its own tail */
-        size_t at = ((size_t)lw->kind_idx * 3 + j) * s->n_seq;
-        TRY(ds_cu_matmul(cu, pre, P, xn, D, T, proj[j], err));
-        TRY(ds_cu_short_conv_silu_batch(cu, dst[j], pre, P, conv_w[j], W, s->tails + at, s->seg_off,
-                                        s->any_rows ? s->tail_rows + at : NULL, slot_n, s->n_seq,
-                                        err));
-    }
+    size_t slot_n = ds_model_slot_floats(s->m), at = (size_t)lw->kind_idx * s->n_seq;
+    /* q, k and v in one weight stream, then every segment's three convs in one launch, each on
+     * its own tails (and, for a verify, the tails after each token) */
+    TRY(ds_cu_matmul(cu, pre, 3 * P, xn, D, T, &w->qkv, err));
+    ds_cu_conv_batch cb = {3,
+                           P,
+                           W,
+                           pre,
+                           3 * P,
+                           q,
+                           (size_t)(k - q),
+                           w->conv,
+                           s->tails + at,
+                           s->any_rows ? s->tail_rows + at : NULL,
+                           slot_n,
+                           s->seg_off,
+                           s->n_seq};
+    if (v - k != k - q) return ds_errf(err, "forward: internal error: q, k, v not evenly spaced");
+    TRY(ds_cu_short_conv_silu_batch(cu, &cb, err));
     ds_cu_l2norm_heads(cu, q, T, H, dk, 1e-6f, 1.0f / sqrtf((float)dk));
     ds_cu_l2norm_heads(cu, k, T, H, dk, 1e-6f, 1.0f);
-    TRY(ds_cu_matmul(cu, fa, dk, xn, D, T, &w->f_a, err));
-    TRY(ds_cu_matmul(cu, pre, P, fa, dk, T, &w->f_b, err));
+    TRY(ds_cu_matmul(cu, fa, nf, xn, D, T, &w->fg_a, err));
+    TRY(ds_cu_matmul(cu, pre, P, fa, nf, T, &w->f_b, err));
     ds_cu_kda_gate(cu, g, pre, T, H, dk, w->A_log, w->dt_bias, c->has_gate_lower_bound,
                    c->gate_lower_bound);
     TRY(ds_cu_matmul(cu, beta, H, xn, D, T, &w->b, err));
     ds_cu_sigmoid(cu, beta, (size_t)T * H);
     /* every segment in one launch, each on its own state (and rows, for a verify) */
-    size_t j0 = (size_t)lw->kind_idx * s->n_seq;
-    TRY(ds_cu_kda_recurrent_batch(cu, o, q, k, v, g, beta, s->seg_off, s->S + j0,
-                                  s->any_rows ? s->S_rows + j0 : NULL, slot_n, s->n_seq, H, dk, dk,
+    TRY(ds_cu_kda_recurrent_batch(cu, o, q, k, v, g, beta, s->seg_off, s->S + at,
+                                  s->any_rows ? s->S_rows + at : NULL, slot_n, s->n_seq, H, dk, dk,
                                   err));
-    if (c->use_full_rank_gate) {
+    if (c->use_full_rank_gate)
         TRY(ds_cu_matmul(cu, g, P, xn, D, T, &w->g, err));
-    } else {
-        TRY(ds_cu_matmul(cu, fa, dk, xn, D, T, &w->g_a, err));
-        TRY(ds_cu_matmul(cu, g, P, fa, dk, T, &w->g_b, err));
-    }
+    else /* g_a x sits in fa's second half */
+        TRY(ds_cu_matmul(cu, g, P, fa + dk, nf, T, &w->g_b, err));
     ds_cu_gated_rmsnorm_heads(cu, q, o, g, w->o_norm, T, H, dk, c->rms_norm_eps);
     TRY(ds_cu_matmul(cu, out, D, q, P, T, &w->o, err));
     s->used = mark;
@@ -752,21 +784,18 @@ static int mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float
 }
 
 /* y[T][rows of down] = down act(gate x, up x) — dense MLP and shared experts. */
-static int mlp(cstep *s, const ds_cu_mat *gate, const ds_cu_mat *up, const ds_cu_mat *down,
-               const float *x, int T, float *y, ds_err *err) {
+/* y[T][rows of down] = down act(gate x, up x) — dense MLP and shared experts; gu is gate and up
+ * stacked ([2I][D]), so both come from one weight stream. */
+static int mlp(cstep *s, const ds_cu_mat *gu, const ds_cu_mat *down, const float *x, int T,
+               float *y, ds_err *err) {
     const ds_config *c = &s->m->cfg;
-    int D = gate->cols, I = gate->rows;
+    int D = gu->cols, I = gu->rows / 2;
     size_t mark = s->used;
-    float *a = take(s, (size_t)T * I); /* [T][I] */
-    float *b = take(s, (size_t)T * I); /* [T][I] */
+    float *h = take(s, (size_t)T * 2 * I); /* [T][2I]: gate | up, then act in the gate half */
     TAKEN();
-    TRY(ds_cu_matmul(s->c, a, I, x, D, T, gate, err));
-    TRY(ds_cu_matmul(s->c, b, I, x, D, T, up, err));
-    if (c->hidden_act == DS_ACT_SITU)
-        ds_cu_situ(s->c, a, a, b, (size_t)T * I, c->situ_beta, c->situ_linear_beta);
-    else
-        ds_cu_swiglu(s->c, a, a, b, (size_t)T * I);
-    TRY(ds_cu_matmul(s->c, y, down->rows, a, I, T, down, err));
+    TRY(ds_cu_matmul(s->c, h, 2 * I, x, D, T, gu, err));
+    ds_cu_act_pairs(s->c, h, T, I, c->hidden_act == DS_ACT_SITU, c->situ_beta, c->situ_linear_beta);
+    TRY(ds_cu_matmul(s->c, y, down->rows, h, 2 * I, T, down, err));
     s->used = mark;
     return DS_OK;
 }
@@ -777,17 +806,21 @@ static int ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, f
     const ds_config *c = &s->m->cfg;
     ds_cu *cu = s->c;
     int T = s->T, D = c->hidden_size;
-    if (!is_moe) return mlp(s, &w->gate, &w->up, &w->down, xn, T, out, err);
+    if (!is_moe) return mlp(s, &w->gu, &w->down, xn, T, out, err);
     int E = c->num_experts, K = c->num_experts_per_token, Ie = c->moe_intermediate_size;
     int Hin = c->routed_expert_hidden_size ? c->routed_expert_hidden_size : D;
-    int latent = c->routed_expert_hidden_size > 0;
+    int latent = c->routed_expert_hidden_size > 0, shared = c->num_shared_experts > 0;
     size_t mark = s->used;
-    float *z = take(s, (size_t)T * E);                    /* [T][E] router logits */
-    float *wt = take(s, (size_t)T * K);                   /* [T][K] combine weights */
-    int32_t *idx = (int32_t *)take(s, (size_t)T * K);     /* [T][K] chosen experts */
-    float *u = latent ? take(s, (size_t)T * Hin) : NULL;  /* [T][Hin] expert input */
-    float *acc = latent ? take(s, (size_t)T * Hin) : out; /* [T][Hin] routed sum */
+    float *z = take(s, (size_t)T * E);                            /* [T][E] router logits */
+    float *wt = take(s, (size_t)T * K);                           /* [T][K] combine weights */
+    int32_t *idx = (int32_t *)take(s, (size_t)T * K);             /* [T][K] chosen experts */
+    float *u = latent ? take(s, (size_t)T * Hin) : NULL;          /* [T][Hin] expert input */
+    float *acc = latent ? take(s, (size_t)T * Hin) : out;         /* [T][Hin] routed sum */
+    float *sh = latent && shared ? take(s, (size_t)T * D) : NULL; /* [T][D] */
     TAKEN();
+    /* Without a latent the shared experts go first, straight into out, and the routed sum is
+     * added onto them by the expert kernel (a + b == b + a: the CPU's sum, bit for bit). */
+    if (shared && !latent) TRY(mlp(s, &w->sh_gu, &w->sh_down, xn, T, out, err));
     TRY(ds_cu_matmul(cu, z, E, xn, D, T, &w->router, err));
     TRY(ds_cu_moe_route(cu, idx, wt, z, w->router_bias, T, E, K,
                         c->use_grouped_topk ? c->num_expert_group : 1, c->topk_group,
@@ -803,18 +836,16 @@ static int ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, f
         int n = DS_MIN(chunk, T - t0);
         TRY(ds_cu_moe_experts(cu, acc + (size_t)t0 * Hin, ein + (size_t)t0 * Hin,
                               idx + (size_t)t0 * K, wt + (size_t)t0 * K, n, K, E, Hin, Ie,
-                              w->gate_up, w->e_down, situ, c->situ_beta, c->situ_linear_beta, 0,
-                              err));
+                              w->gate_up, w->e_down, situ, c->situ_beta, c->situ_linear_beta,
+                              shared && !latent, err));
     }
     if (latent) {
         if (w->lat_norm) ds_cu_rmsnorm(cu, acc, acc, w->lat_norm, T, Hin, c->rms_norm_eps);
         TRY(ds_cu_matmul(cu, out, D, acc, Hin, T, &w->lat_up, err));
-    }
-    if (c->num_shared_experts > 0) {
-        float *sh = take(s, (size_t)T * D); /* [T][D] */
-        TAKEN();
-        TRY(mlp(s, &w->sh_gate, &w->sh_up, &w->sh_down, xn, T, sh, err));
-        ds_cu_add(cu, out, sh, (size_t)T * D);
+        if (shared) {
+            TRY(mlp(s, &w->sh_gu, &w->sh_down, xn, T, sh, err));
+            ds_cu_add(cu, out, sh, (size_t)T * D);
+        }
     }
     s->used = mark;
     return DS_OK;
@@ -861,10 +892,16 @@ static int run_body(cstep *s, int nb, ds_err *err) {
         if (hid) TRY(save_hidden(s, -1, P, err));
     }
     const int nbx = s->nb_max + 1;
+    /* Without AttnRes, each residual add is fused with the norm that reads its result: the FFN's
+     * add waits (pending) for the next layer's input norm, or the final norm. */
+    int pending = 0;
     for (int i = m->l0; i < m->l1; i++) {
         const layer_w *lw = &m->layers[i];
         const cu_layer *dw = &cm->layers[i];
-        if (N > 0) {
+        if (N == 0 && pending) {
+            ds_cu_add_rmsnorm(cu, x, P, a, dw->in_norm, T, D, c->rms_norm_eps);
+            pending = 0;
+        } else if (N > 0) {
             /* mix first, then bank P: layer 0 banks the embedding (MODEL_SPEC §6.3) */
             TRY(ds_cu_attnres_mix(cu, x, s->cands + (size_t)nb * nbx, nb + 1, dw->attn_res_np, T, D,
                                   c->rms_norm_eps, err));
@@ -878,24 +915,30 @@ static int run_body(cstep *s, int nb, ds_err *err) {
                                      : mla_forward(s, lw, &dw->mla, x, a, err));
         if (N > 0 && i % N == 0)
             TRY(ds_cu_copy_d2d(cu, P, a, TD * 4, err));
-        else
+        else if (N > 0)
             ds_cu_add(cu, P, a, TD);
         if (N > 0) {
             TRY(ds_cu_attnres_mix(cu, x, s->cands + (size_t)nb * nbx, nb + 1, dw->mlp_res_np, T, D,
                                   c->rms_norm_eps, err));
             ds_cu_rmsnorm(cu, x, x, dw->post_norm, T, D, c->rms_norm_eps);
         } else {
-            ds_cu_rmsnorm(cu, x, P, dw->post_norm, T, D, c->rms_norm_eps);
+            ds_cu_add_rmsnorm(cu, x, P, a, dw->post_norm, T, D, c->rms_norm_eps);
         }
         TRY(ffn_forward(s, &dw->ffn, lw->ffn.is_moe, x, a, err));
-        ds_cu_add(cu, P, a, TD);
+        if (N == 0 && !hid)
+            pending = 1; /* P += a happens in the next norm (this stage's or the final one) */
+        else
+            ds_cu_add(cu, P, a, TD);
         if (hid) TRY(save_hidden(s, i, P, err));
     }
+    if (pending && m->l1 < c->num_hidden_layers) ds_cu_add(cu, P, a, TD); /* P goes on whole */
     if (m->l1 < c->num_hidden_layers) return DS_OK; /* the stream and banks go on (run_step) */
     if (N > 0) {
         TRY(ds_cu_attnres_mix(cu, x, s->cands + (size_t)nb * nbx, nb + 1, cm->out_res_np, T, D,
                               c->rms_norm_eps, err));
         ds_cu_rmsnorm(cu, x, x, cm->final_norm, T, D, c->rms_norm_eps);
+    } else if (pending) {
+        ds_cu_add_rmsnorm(cu, x, P, a, cm->final_norm, T, D, c->rms_norm_eps);
     } else {
         ds_cu_rmsnorm(cu, x, P, cm->final_norm, T, D, c->rms_norm_eps);
     }

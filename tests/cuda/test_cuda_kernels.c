@@ -473,8 +473,8 @@ static void check_short_conv_batch(ds_cu *c, const int *lens, const int *want_ro
     float **dtp = dev(c, tp, sizeof(float *) * n_seq), **drp = dev(c, rp, sizeof(float *) * n_seq);
     int32_t *doff = dev(c, off, sizeof(int32_t) * (n_seq + 1));
     ds_err err = {{0}};
-    if (ds_cu_short_conv_silu_batch(c, dout, din, C, dw, W, dtp, doff, drp, tn, n_seq, &err))
-        DIE("%s", err.msg);
+    ds_cu_conv_batch cb = {1, C, W, din, C, dout, 0, dw, dtp, drp, tn, doff, n_seq};
+    if (ds_cu_short_conv_silu_batch(c, &cb, &err)) DIE("%s", err.msg);
     fetch(c, got, dout, (size_t)T * C * 4);
     fetch(c, tails, dtails, (size_t)n_seq * tn * 4);
     fetch(c, rows_got, drows, (size_t)T * tn * 4);

@@ -135,6 +135,12 @@ void ds_cu_sigmoid(ds_cu *c, float *x, size_t n);                       /* in pl
 /* As ds_act_situ. */
 void ds_cu_situ(ds_cu *c, float *out, const float *gate, const float *up, size_t n, float beta,
                 float lin_beta);
+/* P += a, then y = rmsnorm(P) ⊙ w (as ds_add then ds_rmsnorm): P, a, y [T][D]. */
+void ds_cu_add_rmsnorm(ds_cu *c, float *y, float *P, const float *a, const float *w, int T, int D,
+                       float eps);
+/* h [rows][2I]: gate half <- act(gate, up) in place (SwiGLU, or SiTU with its betas), as the
+ * CPU's dense MLP computes from its separate gate and up projections. */
+void ds_cu_act_pairs(ds_cu *c, float *h, int rows, int I, int situ, float beta, float lin_beta);
 /* ds_cu_rmsnorm over rows with strides: x [T][ldx], y [T][ldy], D <= ld. */
 void ds_cu_rmsnorm_ld(ds_cu *c, float *y, int ldy, const float *x, int ldx, const float *w, int T,
                       int D, float eps);
@@ -146,13 +152,24 @@ int ds_cu_move_rows(ds_cu *c, float *dst, size_t ldd, const int32_t *dst_rows, c
 /* rows x width floats between pitched buffers (pitches in floats), any direction. */
 int ds_cu_copy_2d(ds_cu *c, float *dst, size_t ldd, const float *src, size_t lds, size_t width,
                   size_t rows, ds_err *err);
-/* ds_cu_short_conv_silu for every sequence of a step in one launch: sequence z runs tokens
- * [seg_off[z], seg_off[z+1]) of in/out ([tokens][C]) on its tail tails[z] ([W-1][C]); when rows
- * and rows[z] are not NULL, the tail after its token t also goes to rows[z] + t*rows_stride
- * (speculative rollback). tails, seg_off and rows are device arrays. */
-int ds_cu_short_conv_silu_batch(ds_cu *c, float *out, const float *in, int C, const float *w,
-                                int W, float *const *tails, const int32_t *seg_off,
-                                float *const *rows, size_t rows_stride, int n_seq, ds_err *err);
+/* ds_cu_short_conv_silu for every sequence of a step, and for up to three projections side by
+ * side (KDA's q, k, v), in one launch. Sequence z runs tokens [seg_off[z], seg_off[z+1]). */
+typedef struct ds_cu_conv_batch {
+    int n_proj, C, W;     /* projections (1..3), channels per projection, kernel width (<= 8) */
+    const float *in;      /* [tokens][ld_in]: projection j's inputs at columns [j C, (j+1) C) */
+    int ld_in;
+    float *out;           /* projection j's output [tokens][C] at out + j * out_stride */
+    size_t out_stride;
+    const float *w;       /* [n_proj][C][W] */
+    float *const *tails;  /* [n_seq] device: projection 0's tail [W-1][C], projection j's at
+                             + j (W-1) C */
+    float *const *rows;   /* [n_seq] device, or NULL; NULL entries too: where a sequence keeps the
+                             tails after each token t (at + t rows_stride, laid out as tails) */
+    size_t rows_stride;
+    const int32_t *seg_off; /* [n_seq + 1] device */
+    int n_seq;
+} ds_cu_conv_batch;
+int ds_cu_short_conv_silu_batch(ds_cu *c, const ds_cu_conv_batch *b, ds_err *err);
 /* ds_cu_mla_attend_absorbed for the tokens of many sequences in one launch (causal): token t sits
  * at position tok_pos[t] of its sequence, whose block table starts at tables + tok_bt[t];
  * max_ctx bounds every tok_pos + 1. Device arrays. */

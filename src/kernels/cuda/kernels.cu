@@ -455,6 +455,51 @@ __global__ void rmsnorm_ld_k(float *y, int ldy, const float *x, int ldx, const f
     for (int c = threadIdx.x; c < D; c += blockDim.x) yr[c] = w[c] * (xr[c] * inv);
 }
 
+/* a[r][i] = act(gate, up) with gate = h[r][i], up = h[r][I + i]; in place into the gate half. */
+__global__ void moe_act_k(float *h, int rows, int I, int situ, float beta, float lin_beta) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * I) return;
+    float *hr = h + (i / I) * 2 * I;
+    const size_t c = i % I;
+    const float g = hr[c], u = hr[I + c];
+    if (situ) {
+        const float phi = lin_beta > 0.0f ? lin_beta * tanhf(u / lin_beta) : u;
+        hr[c] = beta * tanhf(g / beta) / (1.0f + expf(-g)) * phi;
+    } else {
+        hr[c] = g / (1.0f + expf(-g)) * u;
+    }
+}
+
+extern "C" void ds_cu_act_pairs(ds_cu *c, float *h, int rows, int I, int situ, float beta,
+                                float lin_beta) {
+    if (rows <= 0 || I <= 0) return;
+    moe_act_k<<<(unsigned)(((size_t)rows * I + 255) / 256), 256, 0, c->stream>>>(h, rows, I, situ,
+                                                                              beta, lin_beta);
+    note_launch(c);
+}
+
+/* P += a, then y = w ⊙ P / rms(P): a residual add and the next norm in one pass. */
+__global__ void add_rmsnorm_k(float *y, float *P, const float *a, const float *w, int D, float eps) {
+    float *pr = P + (size_t)blockIdx.x * D;
+    const float *ar = a + (size_t)blockIdx.x * D;
+    float *yr = y + (size_t)blockIdx.x * D;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < D; c += blockDim.x) {
+        float v = pr[c] + ar[c];
+        pr[c] = v;
+        ss += v * v;
+    }
+    float inv = rsqrtf(block_sum(ss) / (float)D + eps);
+    for (int c = threadIdx.x; c < D; c += blockDim.x) yr[c] = w[c] * (pr[c] * inv);
+}
+
+extern "C" void ds_cu_add_rmsnorm(ds_cu *c, float *y, float *P, const float *a, const float *w,
+                                  int T, int D, float eps) {
+    if (T <= 0) return;
+    add_rmsnorm_k<<<T, 256, 0, c->stream>>>(y, P, a, w, D, eps);
+    note_launch(c);
+}
+
 extern "C" void ds_cu_rmsnorm_ld(ds_cu *c, float *y, int ldy, const float *x, int ldx,
                                  const float *w, int T, int D, float eps) {
     if (T <= 0) return;
@@ -574,39 +619,42 @@ __global__ void short_conv_silu_k(float *out, const float *in, int T, int C, con
     for (int j = 0; j < W - 1; j++) tail[(size_t)j * C + c] = win[j];
 }
 
-/* Every sequence of a step in one launch: block (channel tile, sequence z) walks tokens
- * [seg_off[z], seg_off[z+1]) on tail tails[z] ([W-1][C]); when rows[z] is not NULL it also writes
- * the tail after each token t to rows[z] + t*rows_stride (a verify's rollback rows). */
-__global__ void short_conv_batch_k(float *out, const float *in, int C, const float *w, int W,
-                                   float *const *tails, const int32_t *seg_off,
-                                   float *const *rows, size_t rows_stride) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x, z = blockIdx.y;
+/* Every sequence of a step, and q, k and v together, in one launch: block (channel tile, sequence
+ * z, projection j) walks tokens [seg_off[z], seg_off[z+1]) of projection j on its tail (see
+ * ds_cu_conv_batch); with rollback rows it also writes the tail after each token. */
+__global__ void short_conv_batch_k(ds_cu_conv_batch b) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x, z = blockIdx.y, j = blockIdx.z;
+    const int C = b.C, W = b.W;
     if (c >= C) return;
-    float *tail = tails[z], *R = rows ? rows[z] : NULL;
+    const size_t tn = (size_t)(W - 1) * C; /* one projection's tail */
+    float *tail = b.tails[z] + j * tn, *R = b.rows && b.rows[z] ? b.rows[z] + j * tn : NULL;
+    const float *in = b.in + (size_t)j * C;
+    float *out = b.out + j * b.out_stride;
     float win[8];
-    for (int j = 0; j < W - 1; j++) win[j] = tail[(size_t)j * C + c];
-    const float *wc = w + (size_t)c * W;
-    const int t0 = seg_off[z], t1 = seg_off[z + 1];
+    for (int i = 0; i < W - 1; i++) win[i] = tail[(size_t)i * C + c];
+    const float *wc = b.w + ((size_t)j * C + c) * W;
+    const int t0 = b.seg_off[z], t1 = b.seg_off[z + 1];
     for (int t = t0; t < t1; t++) {
-        win[W - 1] = in[(size_t)t * C + c];
+        win[W - 1] = in[(size_t)t * b.ld_in + c];
         float acc = 0.0f;
-        for (int j = 0; j < W; j++) acc += wc[j] * win[j];
+        for (int i = 0; i < W; i++) acc += wc[i] * win[i];
         out[(size_t)t * C + c] = acc / (1.0f + expf(-acc));
-        for (int j = 0; j < W - 1; j++) win[j] = win[j + 1];
+        for (int i = 0; i < W - 1; i++) win[i] = win[i + 1];
         if (R)
-            for (int j = 0; j < W - 1; j++) R[(size_t)(t - t0) * rows_stride + (size_t)j * C + c] = win[j];
+            for (int i = 0; i < W - 1; i++)
+                R[(size_t)(t - t0) * b.rows_stride + (size_t)i * C + c] = win[i];
     }
-    for (int j = 0; j < W - 1; j++) tail[(size_t)j * C + c] = win[j];
+    for (int i = 0; i < W - 1; i++) tail[(size_t)i * C + c] = win[i];
 }
 
-extern "C" int ds_cu_short_conv_silu_batch(ds_cu *c, float *out, const float *in, int C,
-                                           const float *w, int W, float *const *tails,
-                                           const int32_t *seg_off, float *const *rows,
-                                           size_t rows_stride, int n_seq, ds_err *err) {
-    if (W < 1 || W > 8) return ds_errf(err, "cuda: short conv kernel size %d (1..8)", W);
-    if (n_seq <= 0 || C <= 0) return DS_OK;
-    short_conv_batch_k<<<dim3((unsigned)((C + 127) / 128), (unsigned)n_seq), 128, 0, c->stream>>>(
-        out, in, C, w, W, tails, seg_off, rows, rows_stride);
+extern "C" int ds_cu_short_conv_silu_batch(ds_cu *c, const ds_cu_conv_batch *b, ds_err *err) {
+    if (b->W < 1 || b->W > 8) return ds_errf(err, "cuda: short conv kernel size %d (1..8)", b->W);
+    if (b->n_proj < 1 || b->n_proj > 3)
+        return ds_errf(err, "cuda: short conv: %d projections (1..3)", b->n_proj);
+    if (b->n_seq <= 0 || b->C <= 0) return DS_OK;
+    short_conv_batch_k<<<dim3((unsigned)((b->C + 127) / 128), (unsigned)b->n_seq,
+                              (unsigned)b->n_proj),
+                         128, 0, c->stream>>>(*b);
     CU_TRY(cudaGetLastError(), "short conv (batch)");
     return DS_OK;
 }
@@ -946,10 +994,36 @@ __global__ void moe_route_k(int32_t *idx, float *w, const float *z, const float 
         sel[e] = isnan(x) ? -INFINITY : x; /* a NaN logit is never preferred to a real one */
     }
     __syncthreads();
-    if (threadIdx.x != 0) return;
     int32_t *it = idx + (size_t)t * k;
     float *wt = w + (size_t)t * k;
     const int grouped = n_group > 1 && topk_group > 0 && topk_group < n_group && E % n_group == 0;
+    int count = 0;
+    if (!grouped && E <= 1024) {
+        /* Warp 0 takes the k best in turn: each lane its best untaken expert among e = lane + 32 i,
+         * then a shuffle reduction; larger value first, the lower id on a tie — the order (and
+         * set) the CPU's insertion gives, in k rounds of ~40 instructions instead of a serial
+         * insertion over all E. */
+        if (threadIdx.x >= 32) return;
+        const int lane = threadIdx.x;
+        uint32_t taken = 0;
+        for (int j = 0; j < k && j < E; j++) {
+            float bv = 0.0f;
+            int be = -1;
+            for (int i = 0, e = lane; e < E; i++, e += 32)
+                if (!(taken >> i & 1) && (be < 0 || sel[e] > bv)) bv = sel[e], be = e;
+            for (int o = 16; o > 0; o >>= 1) {
+                float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                int oe = __shfl_xor_sync(0xffffffffu, be, o);
+                if (oe >= 0 && (be < 0 || ov > bv || (ov == bv && oe < be))) bv = ov, be = oe;
+            }
+            if (be % 32 == lane) taken |= 1u << (be / 32);
+            if (lane == 0) it[j] = be;
+        }
+        if (lane != 0) return;
+        count = DS_MIN(k, E);
+    } else {
+        if (threadIdx.x != 0) return;
+    }
     if (grouped) {
         const int G = n_group, gsize = E / G;
         float gval[64];
@@ -977,8 +1051,8 @@ __global__ void moe_route_k(int32_t *idx, float *w, const float *z, const float 
         }
     }
     float val[64];
-    int count = 0;
-    for (int e = 0; e < E; e++) count = top_insert_d(val, it, count, k, sel[e], e);
+    if (grouped || E > 1024)
+        for (int e = 0; e < E; e++) count = top_insert_d(val, it, count, k, sel[e], e);
     float sum = 0.0f;
     for (int j = 0; j < k; j++) {
         if (j >= count) {
@@ -1033,21 +1107,6 @@ __global__ void __launch_bounds__(256) moe_up_k(float *h, const float *x, const 
     if (lane == 0) h[(size_t)r * I2 + n] = acc;
 }
 
-/* a[r][i] = act(gate, up) with gate = h[r][i], up = h[r][I + i]; in place into the gate half. */
-__global__ void moe_act_k(float *h, int rows, int I, int situ, float beta, float lin_beta) {
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (size_t)rows * I) return;
-    float *hr = h + (i / I) * 2 * I;
-    const size_t c = i % I;
-    const float g = hr[c], u = hr[I + c];
-    if (situ) {
-        const float phi = lin_beta > 0.0f ? lin_beta * tanhf(u / lin_beta) : u;
-        hr[c] = beta * tanhf(g / beta) / (1.0f + expf(-g)) * phi;
-    } else {
-        hr[c] = g / (1.0f + expf(-g)) * u;
-    }
-}
-
 __global__ void __launch_bounds__(256)
     moe_down_k(float *y, const float *h, const int32_t *idx, int D, int I, const uint16_t *down) {
     const int r = blockIdx.y, lane = threadIdx.x & 31, d = blockIdx.x * 8 + (threadIdx.x >> 5);
@@ -1078,26 +1137,28 @@ __global__ void moe_combine_k(float *out, const float *y, const float *w, int T,
  * experts with rows, n_active [1]. */
 __global__ void moe_group_k(const int32_t *idx, int rows, int E, int32_t *start, int32_t *perm,
                             int32_t *active, int32_t *n_active) {
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        int n = 0;
-        for (int r = 0; r < rows; r++) n += idx[r] == e;
-        start[e + 1] = n; /* a count for now */
-    }
+    extern __shared__ int32_t cnt[]; /* [E + 1] counts, then starts (shared: the serial layout
+                                        pass below would otherwise wait on global memory) */
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e + 1] = 0;
     __syncthreads();
-    if (threadIdx.x == 0) {
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) atomicAdd(&cnt[idx[r] + 1], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) { /* counts are the same whatever the atomics' order */
         int at = 0, na = 0;
-        start[0] = 0;
+        cnt[0] = 0;
         for (int e = 0; e < E; e++) {
-            int n = start[e + 1];
+            int n = cnt[e + 1];
             if (n) active[na++] = e;
-            start[e + 1] = at += n;
+            cnt[e + 1] = at += n;
         }
         *n_active = na;
     }
     __syncthreads();
+    for (int e = threadIdx.x; e <= E; e += blockDim.x) start[e] = cnt[e];
+    /* each expert's rows in row order: thread e walks the rows it owns */
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        int at = start[e];
-        for (int r = 0; r < rows; r++)
+        int at = cnt[e], end = cnt[e + 1];
+        for (int r = 0; r < rows && at < end; r++)
             if (idx[r] == e) perm[at++] = r;
     }
 }
@@ -1109,21 +1170,28 @@ __global__ void moe_group_k(const int32_t *idx, int rows, int E, int32_t *start,
 __global__ void __launch_bounds__(256)
     moe_grouped_k(float *y, int ldy, const float *x, int ldx, int x_div, const uint16_t *W, int N,
                   int K, const int32_t *start, const int32_t *perm, const int32_t *active,
-                  const int32_t *n_active) {
+                  const int32_t *n_active, int rp) {
+    extern __shared__ float4 xsh[]; /* [rp][K] the pass's x rows, staged once for the 8 warps */
     if ((int)blockIdx.y >= *n_active) return;
     const int e = active[blockIdx.y], lane = threadIdx.x & 31;
     const int n = blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (n >= N) return;
-    const uint4 *wr = (const uint4 *)(W + ((size_t)e * N + n) * K);
+    const uint4 *wr = (const uint4 *)(W + ((size_t)e * N + min(n, N - 1)) * K);
     const int r0 = start[e], r1 = start[e + 1];
-    for (int c0 = r0; c0 < r1; c0 += 8) {
-        const int nr = min(8, r1 - c0);
+    for (int c0 = r0; c0 < r1; c0 += rp) {
+        const int nr = min(rp, r1 - c0);
+        __syncthreads(); /* the previous pass is done with xsh */
+        for (int i = 0; i < nr; i++) {
+            const float4 *src = (const float4 *)(x + (size_t)(perm[c0 + i] / x_div) * ldx);
+            for (int j = threadIdx.x; j < K / 4; j += blockDim.x) xsh[(size_t)i * (K / 4) + j] = src[j];
+        }
+        __syncthreads();
+        if (n >= N) continue; /* (after the barriers: every warp stages) */
         const float *xs[8];
         float acc[8];
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             acc[i] = 0.0f;
-            xs[i] = x + (size_t)(perm[c0 + (i < nr ? i : 0)] / x_div) * ldx;
+            xs[i] = (const float *)xsh + (size_t)(i < nr ? i : 0) * K;
         }
         for (int k8 = lane; k8 < K / 8; k8 += 32) {
             const uint4 u = __ldg(wr + k8);
@@ -1150,6 +1218,8 @@ __global__ void __launch_bounds__(256)
     }
 }
 
+enum : size_t { MOE_SMEM = 160 * 1024 }; /* the grouped kernel's x staging, at most */
+
 extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx,
                                  const float *w, int T, int k, int E, int D, int I,
                                  const uint16_t *gate_up, const uint16_t *down, int situ,
@@ -1170,17 +1240,31 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         int32_t *start = (int32_t *)(c->part + nf), *perm = start + E + 1, *active = perm + rows;
         int32_t *n_active = active + E;
         const unsigned ya = (unsigned)DS_MIN(E, rows); /* at most this many experts have rows */
-        moe_group_k<<<1, 256, 0, c->stream>>>(idx, rows, E, start, perm, active, n_active);
+        moe_group_k<<<1, 256, ((size_t)E + 1) * sizeof(int32_t), c->stream>>>(idx, rows, E, start,
+                                                                               perm, active, n_active);
         CU_TRY(cudaGetLastError(), "moe group");
-        moe_grouped_k<<<dim3((unsigned)((2 * I + 7) / 8), ya), 256, 0, c->stream>>>(
-            h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm, active, n_active);
+        /* rows per pass: 8, or fewer when 8 rows of x would not fit in shared memory */
+        const int rp_up = DS_MAX(1, DS_MIN(8, (int)(MOE_SMEM / ((size_t)D * 4))));
+        const int rp_dn = DS_MAX(1, DS_MIN(8, (int)(MOE_SMEM / ((size_t)I * 4))));
+        static int smem_set; /* once, before any capture can be open */
+        if (!smem_set) {
+            CU_TRY(cudaFuncSetAttribute(moe_grouped_k,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)MOE_SMEM),
+                   "moe: shared memory");
+            smem_set = 1;
+        }
+        moe_grouped_k<<<dim3((unsigned)((2 * I + 7) / 8), ya), 256, (size_t)rp_up * D * 4,
+                        c->stream>>>(h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm, active,
+                                     n_active, rp_up);
         CU_TRY(cudaGetLastError(), "moe up (grouped)");
         moe_act_k<<<(unsigned)(((size_t)rows * I + 255) / 256), 256, 0, c->stream>>>(
             h, rows, I, situ, situ_beta, situ_lin_beta);
         CU_TRY(cudaGetLastError(), "moe act");
         /* the activations sit in the gate half of h: rows 2I apart, one per routed row */
-        moe_grouped_k<<<dim3((unsigned)((D + 7) / 8), ya), 256, 0, c->stream>>>(
-            y, D, h, 2 * I, 1, down, D, I, start, perm, active, n_active);
+        moe_grouped_k<<<dim3((unsigned)((D + 7) / 8), ya), 256, (size_t)rp_dn * I * 4,
+                        c->stream>>>(y, D, h, 2 * I, 1, down, D, I, start, perm, active, n_active,
+                                     rp_dn);
         CU_TRY(cudaGetLastError(), "moe down (grouped)");
     } else {
         moe_up_k<<<dim3((unsigned)((2 * I + 7) / 8), (unsigned)rows), 256, 0, c->stream>>>(
