@@ -2,6 +2,7 @@
  * `deltaserve logits` (teacher-forced logits of a token sequence, as .npy). Both run one sequence
  * directly on the model, with its own state slot and a private latent pool sized for the request.
  */
+#include "base/devmem.h"
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "dist/comm.h"
@@ -24,7 +25,8 @@ enum { GEN_BLOCK = 64, PREFILL_CHUNK = 512 };
 typedef struct one_seq {
     ds_kv_pool pool;
     int32_t *table; /* [n_pages] identity block table */
-    float *slot;    /* [ds_model_slot_floats] */
+    float *slot;    /* [ds_model_slot_floats], on the model's device */
+    int on_device;
 } one_seq;
 
 static int one_seq_init(one_seq *s, const ds_model *m, int max_ctx, ds_err *err) {
@@ -32,8 +34,11 @@ static int one_seq_init(one_seq *s, const ds_model *m, int max_ctx, ds_err *err)
     int n_pages = (max_ctx + GEN_BLOCK - 1) / GEN_BLOCK;
     if (ds_kv_pool_init(&s->pool, m, n_pages, GEN_BLOCK, err)) return DS_ERR;
     s->table = ds_malloc((size_t)n_pages * sizeof(int32_t), err);
-    s->slot = ds_calloc(ds_model_slot_floats(m), sizeof(float), err);
+    size_t bytes = ds_model_slot_floats(m) * sizeof(float);
+    s->on_device = ds_model_on_device(m);
+    s->slot = ds_dmem_alloc(s->on_device, bytes, err);
     if (!s->table || !s->slot) return DS_ERR;
+    ds_dmem_zero(s->on_device, s->slot, bytes); /* a new sequence starts from the zero state */
     for (int i = 0; i < n_pages; i++) s->table[i] = i;
     return DS_OK;
 }
@@ -41,7 +46,7 @@ static int one_seq_init(one_seq *s, const ds_model *m, int max_ctx, ds_err *err)
 static void one_seq_free(one_seq *s) {
     ds_kv_pool_free(&s->pool);
     free(s->table);
-    free(s->slot);
+    ds_dmem_free(s->on_device, s->slot);
 }
 
 /* Feeds ids[0..n) at positions pos0.. in chunks; logits of the last token into `last`. */
@@ -59,8 +64,21 @@ static int feed(ds_model *m, one_seq *s, const int32_t *ids, int n, int pos0, fl
     return DS_OK;
 }
 
+/* --device's values, as model.h's DS_DEVICE_* (the default: cpu, or DS_DEVICE). */
+static const char *const DEVICES[] = {"cpu", "cuda", "auto", NULL};
+static int device_of(const char *name) {
+    return !strcmp(name, "cuda")   ? DS_DEVICE_CUDA
+           : !strcmp(name, "auto") ? DS_DEVICE_AUTO
+                                   : DS_DEVICE_CPU;
+}
+static const char *default_device(void) {
+    ds_model_opts o;
+    ds_model_opts_default(&o);
+    return o.device == DS_DEVICE_CUDA ? "cuda" : o.device == DS_DEVICE_AUTO ? "auto" : "cpu";
+}
+
 int ds_cmd_generate(int argc, char **argv) {
-    const char *model_dir = NULL, *prompt = NULL;
+    const char *model_dir = NULL, *prompt = NULL, *device = default_device();
     int chat = 0, max_tokens = 64, top_k = 0, ignore_eos = 0;
     double temperature = 0.0, top_p = 1.0;
     int64_t seed = 0;
@@ -75,6 +93,7 @@ int ds_cmd_generate(int argc, char **argv) {
         DS_OPT("top-k", NULL, DS_ARG_INT, &top_k, "K", "keep the K most likely tokens (0 = off)"),
         DS_OPT("seed", NULL, DS_ARG_I64, &seed, "S", "sampling seed"),
         DS_OPT("ignore-eos", NULL, DS_ARG_BOOL, &ignore_eos, NULL, "do not stop at end of turn"),
+        {"device", NULL, DS_ARG_STRING, &device, "D", "cpu, cuda or auto", .choices = DEVICES},
     };
     ds_args a = {"deltaserve generate",
                  "Stream a completion of one prompt to stdout, then print prompt and decode speed\n"
@@ -94,7 +113,10 @@ int ds_cmd_generate(int argc, char **argv) {
     int32_t *idx = NULL, *out_ids = NULL;
     one_seq s = {0};
     int n = 0, status = 1;
-    if (ds_model_load(model_dir, NULL, &m, &err) || ds_tok_load(model_dir, &tok, &err)) goto done;
+    ds_model_opts mo;
+    ds_model_opts_default(&mo);
+    mo.device = device_of(device);
+    if (ds_model_load(model_dir, &mo, &m, &err) || ds_tok_load(model_dir, &tok, &err)) goto done;
     const ds_config *c = ds_model_config(m);
     if (chat) {
         ds_chat_format fmt;
@@ -153,8 +175,7 @@ int ds_cmd_generate(int argc, char **argv) {
     fprintf(stderr,
             "[deltaserve] prompt %d tokens, %.1f tok/s | decode %d tokens, %.1f tok/s | "
             "%.2f GB/s weights read (%s)\n",
-            n, n / t_prompt, steps, steps ? steps / t_decode : 0.0, gbs,
-            ds_isa_name(ds_kernels_isa()));
+            n, n / t_prompt, steps, steps ? steps / t_decode : 0.0, gbs, ds_model_device_name(m));
     status = 0;
 done:
     if (status) fprintf(stderr, "generate: %s\n", err.msg);
@@ -249,12 +270,15 @@ typedef struct rank_ctx {
 } rank_ctx;
 
 /* Joins the job (MPI when started by mpirun) and loads this rank's stage and TP slice. */
-static int rank_open(const char *model_dir, int tp, int pp, const int *counts, rank_ctx *r,
-                     ds_err *err) {
+static int rank_open(const char *model_dir, int tp, int pp, const int *counts, int device,
+                     rank_ctx *r, ds_err *err) {
     memset(r, 0, sizeof *r);
     if (ds_comm_init(tp, pp, &r->comm, err)) return DS_ERR;
     ds_model_opts o;
     ds_model_opts_default(&o);
+    o.device = device;
+    const char *local = getenv("OMPI_COMM_WORLD_LOCAL_RANK"); /* one GPU per rank of a host */
+    if (local) o.device_index = atoi(local);
     ds_pp_stage_range(counts, r->comm->stage, &o.layer_begin, &o.layer_end);
     o.tp_rank = r->comm->tp_rank;
     o.tp_size = r->comm->tp_size;
@@ -269,6 +293,7 @@ static int rank_open(const char *model_dir, int tp, int pp, const int *counts, r
 
 int ds_cmd_logits(int argc, char **argv) {
     const char *model_dir = NULL, *ids_arg = NULL, *out = NULL, *partition = "";
+    const char *device = default_device();
     int tp = 1, pp = 1;
     ds_arg opts[] = {
         {"model", "m", DS_ARG_STRING, &model_dir, "DIR", "checkpoint folder", .required = 1},
@@ -278,6 +303,8 @@ int ds_cmd_logits(int argc, char **argv) {
         DS_OPT("pipeline-parallel-size", "pp", DS_ARG_INT, &pp, "P", "pipeline stages"),
         DS_OPT("pp-layer-partition", NULL, DS_ARG_STRING, &partition, "2,3,3,2",
                "layers per stage (default: even, remainder to the middle stages)"),
+        {"device", NULL, DS_ARG_STRING, &device, "D",
+         "cpu, cuda (rank r of a host uses GPU r mod count) or auto", .choices = DEVICES},
     };
     ds_args a = {"deltaserve logits",
                  "Teacher-forced logits of every position, written as a float32 .npy array of\n"
@@ -309,7 +336,7 @@ int ds_cmd_logits(int argc, char **argv) {
         fprintf(stderr, "logits: %s\n", err.msg);
         return 1;
     }
-    if (rank_open(model_dir, tp, pp, counts, &r, &err)) goto done;
+    if (rank_open(model_dir, tp, pp, counts, device_of(device), &r, &err)) goto done;
     int V = ds_model_config(r.m)->vocab_size;
     if (r.last) logits = ds_malloc((size_t)n * V * sizeof(float), &err);
     if ((r.last && !logits) || one_seq_init(&s, r.m, n, &err)) goto done;
