@@ -174,7 +174,7 @@ int ds_cmd_generate(int argc, char **argv) {
     fprintf(stdout, "\n");
     fprintf(stderr,
             "[deltaserve] prompt %d tokens, %.1f tok/s | decode %d tokens, %.1f tok/s | "
-            "%.2f GB/s weights read (%s)\n",
+            "%.2f GB/s weights read on %s\n",
             n, n / t_prompt, steps, steps ? steps / t_decode : 0.0, gbs, ds_model_device_name(m));
     status = 0;
 done:
