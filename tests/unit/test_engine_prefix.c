@@ -5,8 +5,71 @@
  * 32 concurrent requests sharing a system prompt, eviction pressure and forced collisions. */
 #include "test_engine_prefix_harness.h"
 
+#include "base/devmem.h"
 #include "cache/prefix.h"
 #include "engine/scheduler.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+/* ---- a fake device for the state seam --------------------------------------------------------
+ * "Device" memory that the host cannot touch: mmap'd PROT_NONE, opened only inside the installed
+ * copy and zero operations. With it installed, the index's checkpoint pool and the latent pool are
+ * such memory, so any path that reads or writes them directly instead of through base/devmem.h
+ * (as a GPU would require) dies with SIGSEGV and fails the test. */
+enum { FD_MAX = 16 };
+static struct {
+    char *p;
+    size_t n;
+} g_fd[FD_MAX];
+static int g_fd_copies, g_fd_zeros;
+
+static size_t fd_round(size_t n) {
+    size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+    return (n + pg - 1) / pg * pg;
+}
+static int fd_find(const void *p) {
+    for (int i = 0; i < FD_MAX; i++)
+        if (g_fd[i].p && (const char *)p >= g_fd[i].p && (const char *)p < g_fd[i].p + g_fd[i].n)
+            return i;
+    return -1;
+}
+static void fd_open(const void *p, int rw) {
+    int i = fd_find(p);
+    if (i >= 0) mprotect(g_fd[i].p, g_fd[i].n, rw ? PROT_READ | PROT_WRITE : PROT_NONE);
+}
+static void *fd_alloc(size_t n, ds_err *err) {
+    for (int i = 0; i < FD_MAX; i++)
+        if (!g_fd[i].p) {
+            void *p = mmap(NULL, fd_round(n), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (p == MAP_FAILED) break;
+            g_fd[i].p = p;
+            g_fd[i].n = fd_round(n);
+            return p;
+        }
+    ds_errf(err, "fake device: out of regions");
+    return NULL;
+}
+static void fd_release(void *p) {
+    int i = fd_find(p);
+    if (i < 0) return;
+    munmap(g_fd[i].p, g_fd[i].n);
+    g_fd[i].p = NULL;
+}
+static void fd_copy(void *dst, const void *src, size_t n) {
+    fd_open(dst, 1), fd_open(src, 1);
+    memcpy(dst, src, n);
+    fd_open(dst, 0), fd_open(src, 0);
+    g_fd_copies++;
+}
+static void fd_zero(void *p, size_t n) {
+    fd_open(p, 1);
+    memset(p, 0, n);
+    fd_open(p, 0);
+    g_fd_zeros++;
+}
+static const ds_dmem_ops g_fake_device = {fd_alloc, fd_release, fd_copy, fd_zero};
+static int g_dev; /* the px_world below keeps its state on the fake device */
 
 /* ---- the index alone ------------------------------------------------------------------------ */
 
@@ -22,13 +85,16 @@ enum { PW_BS = 4, PW_ROW = 2, PW_PAGES = 16, PW_SLOT = 8 };
 static void pw_init(px_world *w, int hash_bits, int n_ckpt) {
     ds_err err = {{0}};
     assert_int_equal(ds_page_pool_create(PW_PAGES, &w->pages, &err), DS_OK);
-    w->layer0 = calloc(PW_PAGES * PW_BS * PW_ROW, sizeof(float));
+    size_t lb = (size_t)PW_PAGES * PW_BS * PW_ROW * sizeof(float);
+    w->layer0 = g_dev ? ds_dmem_alloc(1, lb, &err) : calloc(1, lb);
+    assert_non_null(w->layer0);
+    if (g_dev) ds_dmem_zero(1, w->layer0, lb);
     w->kv.layer = &w->layer0;
     w->kv.n_layers = 1;
     w->kv.n_pages = PW_PAGES;
     w->kv.block_size = PW_BS;
     w->kv.row = PW_ROW;
-    ds_prefix_opts o = {PW_BS, 8, n_ckpt, 42, hash_bits, 0};
+    ds_prefix_opts o = {PW_BS, 8, n_ckpt, 42, hash_bits, g_dev};
     if (ds_prefix_create(&o, PW_SLOT, w->pages, &w->kv, NULL, &w->px, &err))
         fail_msg("%s", err.msg);
 }
@@ -37,7 +103,10 @@ static void pw_free(px_world *w) {
     ds_prefix_free(w->px);
     assert_int_equal(ds_page_n_bad(w->pages), 0);
     ds_page_pool_free(w->pages);
-    free(w->layer0);
+    if (g_dev)
+        ds_dmem_free(1, w->layer0);
+    else
+        free(w->layer0);
 }
 
 /* Runs q's whole prompt as if by the engine: admission match, pages for the rest, steps cut at
@@ -45,8 +114,13 @@ static void pw_free(px_world *w) {
  * checkpoint's contents say which step it came from. Returns the matched depth. */
 static int pw_run(px_world *w, ds_seq *q, float *fork_out) {
     int d = ds_prefix_match(w->px, q);
-    float slot[PW_SLOT] = {0};
-    if (ds_prefix_take_fork(w->px, q, slot) && fork_out) memcpy(fork_out, slot, sizeof slot);
+    float slot_h[PW_SLOT] = {0}; /* the state as the host writes it */
+    ds_err err = {{0}};
+    float *slot = g_dev ? ds_dmem_alloc(1, sizeof slot_h, &err) : slot_h; /* where it lives */
+    assert_non_null(slot);
+    if (g_dev) ds_dmem_zero(1, slot, sizeof slot_h);
+    if (ds_prefix_take_fork(w->px, q, slot) && fork_out)
+        ds_dmem_copy(fork_out, slot, sizeof slot_h);
     ds_seq_reserve_blocks(q, q->n_tokens / PW_BS + 1);
     while (q->n_blocks * PW_BS < q->n_tokens)
         q->block_table[q->n_blocks++] = ds_page_alloc(w->pages);
@@ -62,13 +136,15 @@ static int pw_run(px_world *w, ds_seq *q, float *fork_out) {
         int rung = 0;
         for (int i = 0; i < q->n_rungs; i++) rung |= q->rungs[i] == end;
         assert_int_equal(ds_prefix_would_hold(w->px, q, end), rung);
-        for (int i = 0; i < PW_SLOT; i++) slot[i] = (float)(end * 100 + i);
+        for (int i = 0; i < PW_SLOT; i++) slot_h[i] = (float)(end * 100 + i);
+        if (g_dev) ds_dmem_copy(slot, slot_h, sizeof slot_h);
         ds_prefix_on_computed(w->px, q, slot);
         assert_false(ds_prefix_would_hold(w->px, q, end));
     }
     ds_prefix_release(w->px, q);
     for (int b = q->n_blocks - 1; b >= 0; b--) ds_page_unref(w->pages, q->block_table[b]);
     q->n_blocks = 0;
+    if (g_dev) ds_dmem_free(1, slot);
     return d;
 }
 
@@ -192,6 +268,23 @@ static void test_forced_collisions(void **st) {
     ds_prefix_get_stats(w.px, &s);
     assert_true(s.collisions > 0);
     pw_free(&w);
+}
+
+/* The same scenarios with the checkpoint and latent pools in memory the host cannot touch (the
+ * fake device above): hits, demand rungs, forks and collisions give the same states, every copy
+ * goes through the installed operations, and every region is given back. */
+static void test_state_on_device(void **st) {
+    ds_dmem_install(&g_fake_device);
+    g_dev = 1;
+    g_fd_copies = g_fd_zeros = 0;
+    test_hash_chain_and_hit(st);
+    test_demand_rung(st);
+    test_forced_collisions(st);
+    g_dev = 0;
+    ds_dmem_install(NULL);
+    assert_true(g_fd_copies > 20); /* checkpoints filed and forked, slots written and read */
+    assert_true(g_fd_zeros > 0);
+    for (int i = 0; i < FD_MAX; i++) assert_null(g_fd[i].p);
 }
 
 /* ---- whole engines -------------------------------------------------------------------------- */
@@ -434,10 +527,11 @@ static void test_engine_collisions(void **st) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_hash_chain_and_hit),   cmocka_unit_test(test_demand_rung),
-        cmocka_unit_test(test_forced_collisions),    cmocka_unit_test(test_warm_equals_cold),
-        cmocka_unit_test(test_shared_system_prompt), cmocka_unit_test(test_eviction_pressure),
-        cmocka_unit_test(test_engine_collisions),    cmocka_unit_test(test_fork_on_verify),
+        cmocka_unit_test(test_hash_chain_and_hit), cmocka_unit_test(test_demand_rung),
+        cmocka_unit_test(test_state_on_device),    cmocka_unit_test(test_forced_collisions),
+        cmocka_unit_test(test_warm_equals_cold),   cmocka_unit_test(test_shared_system_prompt),
+        cmocka_unit_test(test_eviction_pressure),  cmocka_unit_test(test_engine_collisions),
+        cmocka_unit_test(test_fork_on_verify),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
