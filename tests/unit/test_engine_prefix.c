@@ -69,7 +69,8 @@ static void fd_zero(void *p, size_t n) {
     g_fd_zeros++;
 }
 static const ds_dmem_ops g_fake_device = {fd_alloc, fd_release, fd_copy, fd_zero};
-static int g_dev; /* the px_world below keeps its state on the fake device */
+static int g_dev;         /* the px_world below keeps its state on the fake device */
+static ds_offload *g_off; /* and, when set, hands finished prefixes to this offload tier */
 
 /* ---- the index alone ------------------------------------------------------------------------ */
 
@@ -95,7 +96,7 @@ static void pw_init(px_world *w, int hash_bits, int n_ckpt) {
     w->kv.block_size = PW_BS;
     w->kv.row = PW_ROW;
     ds_prefix_opts o = {PW_BS, 8, n_ckpt, 42, hash_bits, g_dev};
-    if (ds_prefix_create(&o, PW_SLOT, w->pages, &w->kv, NULL, &w->px, &err))
+    if (ds_prefix_create(&o, PW_SLOT, w->pages, &w->kv, g_off, &w->px, &err))
         fail_msg("%s", err.msg);
 }
 
@@ -140,6 +141,14 @@ static int pw_run(px_world *w, ds_seq *q, float *fork_out) {
         if (g_dev) ds_dmem_copy(slot, slot_h, sizeof slot_h);
         ds_prefix_on_computed(w->px, q, slot);
         assert_false(ds_prefix_would_hold(w->px, q, end));
+    }
+    if (g_off) { /* latent rows saying which block they belong to, then the tier stores them */
+        for (int b = 0; b < q->n_blocks; b++) {
+            float rows[PW_BS * PW_ROW];
+            for (int i = 0; i < PW_BS * PW_ROW; i++) rows[i] = (float)(b * 100 + i) + 0.5f;
+            ds_dmem_copy(w->layer0 + (size_t)q->block_table[b] * PW_BS * PW_ROW, rows, sizeof rows);
+        }
+        ds_prefix_on_finish(w->px, q);
     }
     ds_prefix_release(w->px, q);
     for (int b = q->n_blocks - 1; b >= 0; b--) ds_page_unref(w->pages, q->block_table[b]);
@@ -284,6 +293,56 @@ static void test_state_on_device(void **st) {
     ds_dmem_install(NULL);
     assert_true(g_fd_copies > 20); /* checkpoints filed and forked, slots written and read */
     assert_true(g_fd_zeros > 0);
+    for (int i = 0; i < FD_MAX; i++) assert_null(g_fd[i].p);
+}
+
+/* The offload tier with device state: a prompt's pages and checkpoints go to host RAM (read out
+ * of device memory through the seam); a second index on fresh device pools, sharing only that
+ * tier, resumes a repeat of the prompt from it with the exact state filed, and the latent rows
+ * come back into its device pool. */
+static void test_offload_on_device(void **st) {
+    (void)st;
+    ds_dmem_install(&g_fake_device);
+    g_dev = 1;
+    ds_err err = {{0}};
+    ds_offload_opts oo = {.ram_bytes = 1u << 20, .model_id = "fake-device", .layer_hi = 1};
+    assert_int_equal(ds_offload_create(&oo, &g_off, &err), DS_OK);
+    int32_t p[14];
+    for (int i = 0; i < 14; i++) p[i] = 40 + i;
+    px_world a, b;
+    pw_init(&a, 0, 4);
+    ds_seq *q1 = pw_seq(p, 14);
+    assert_int_equal(pw_run(&a, q1, NULL), 0);
+    pw_free(&a);
+    pw_init(&b, 0, 4); /* fresh pools and index; only the RAM tier remembers */
+    ds_seq *q2 = pw_seq(p, 14);
+    assert_int_equal(ds_prefix_match(b.px, q2), 12);
+    for (int blk = 0; blk < 3; blk++) { /* the rows came back into this index's device pages */
+        float rows[PW_BS * PW_ROW];
+        ds_dmem_copy(rows, b.layer0 + (size_t)q2->block_table[blk] * PW_BS * PW_ROW, sizeof rows);
+        for (int i = 0; i < PW_BS * PW_ROW; i++)
+            assert_true(rows[i] == (float)(blk * 100 + i) + 0.5f);
+    }
+    float *slot = ds_dmem_alloc(1, PW_SLOT * sizeof(float), &err), fork[PW_SLOT];
+    assert_non_null(slot);
+    assert_int_equal(ds_prefix_take_fork(b.px, q2, slot), 1);
+    ds_dmem_copy(fork, slot, sizeof fork);
+    for (int i = 0; i < PW_SLOT; i++) assert_true(fork[i] == (float)(1200 + i));
+    ds_prefix_stats s;
+    ds_prefix_get_stats(b.px, &s);
+    assert_int_equal(s.page_loads, 3);
+    assert_true(s.ckpt_loads >= 1);
+    ds_prefix_release(b.px, q2);
+    for (int blk = q2->n_blocks - 1; blk >= 0; blk--) ds_page_unref(b.pages, q2->block_table[blk]);
+    q2->n_blocks = 0;
+    ds_dmem_free(1, slot);
+    ds_seq_free(q1);
+    ds_seq_free(q2);
+    pw_free(&b);
+    ds_offload_free(g_off);
+    g_off = NULL;
+    g_dev = 0;
+    ds_dmem_install(NULL);
     for (int i = 0; i < FD_MAX; i++) assert_null(g_fd[i].p);
 }
 
@@ -527,11 +586,11 @@ static void test_engine_collisions(void **st) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_hash_chain_and_hit), cmocka_unit_test(test_demand_rung),
-        cmocka_unit_test(test_state_on_device),    cmocka_unit_test(test_forced_collisions),
-        cmocka_unit_test(test_warm_equals_cold),   cmocka_unit_test(test_shared_system_prompt),
-        cmocka_unit_test(test_eviction_pressure),  cmocka_unit_test(test_engine_collisions),
-        cmocka_unit_test(test_fork_on_verify),
+        cmocka_unit_test(test_hash_chain_and_hit),   cmocka_unit_test(test_demand_rung),
+        cmocka_unit_test(test_state_on_device),      cmocka_unit_test(test_offload_on_device),
+        cmocka_unit_test(test_forced_collisions),    cmocka_unit_test(test_warm_equals_cold),
+        cmocka_unit_test(test_shared_system_prompt), cmocka_unit_test(test_eviction_pressure),
+        cmocka_unit_test(test_engine_collisions),    cmocka_unit_test(test_fork_on_verify),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
