@@ -124,6 +124,12 @@ int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx, 
                       const uint16_t *down, int situ, float situ_beta, float situ_lin_beta,
                       int accumulate, ds_err *err);
 
+/* Routed experts of steps with >= 1024 routed rows (prefill) through cuBLAS tensor-core GEMMs,
+ * one pair per expert, activations rounded to BF16 (not with batch invariance). Off by default
+ * until its check has run on a GPU (tests/cuda: check_moe_experts_gemm); DS_CUDA_EXPERT_GEMM=1
+ * turns it on in the engine. */
+void ds_cu_set_expert_gemm(ds_cu *c, int on);
+
 /* ---- glue for the model forward (model_cuda.c) ---- */
 /* Batch-invariant matmuls (see ds_model_opts.batch_invariant): on, every ds_cu_matmul streams the
  * weights with f32 activations in tiles of 8 tokens, so a token's bits never depend on T. */

@@ -22,6 +22,11 @@ struct ds_cu {
     cudaError_t sticky; /* first launch error seen by a void function; reported by ds_cu_sync */
     int batch_invariant; /* every matmul through the weight-streaming kernel (see the header) */
     uint64_t epoch;      /* bumped whenever a scratch buffer moves (captured graphs go stale) */
+    int expert_gemm;     /* routed experts of long steps through cuBLAS (ds_cu_set_expert_gemm) */
+    void *moeg;          /* that path's buffers, moeg_bytes allocated */
+    size_t moeg_bytes;
+    int32_t *h_start;    /* host copy of the expert layout, h_start_n entries */
+    int h_start_n;
     void *blas_ws;       /* cuBLAS's workspace, set once so that graph capture allocates nothing */
 };
 
@@ -89,6 +94,8 @@ extern "C" void ds_cu_free(ds_cu *c) {
     cudaFree(c->xb);
     cudaFree(c->part);
     cudaFree(c->blas_ws);
+    cudaFree(c->moeg);
+    free(c->h_start);
     cublasDestroy(c->blas);
     cudaStreamDestroy(c->stream);
     free(c);
@@ -1220,6 +1227,122 @@ __global__ void __launch_bounds__(256)
 
 enum : size_t { MOE_SMEM = 160 * 1024 }; /* the grouped kernel's x staging, at most */
 
+/* ---- routed experts through tensor cores (long steps: prefill) ------------------------------
+ * With thousands of routed rows each expert has tens to hundreds of them: after grouping, its rows
+ * of x (in BF16) are one GEMM against its gate/up weights and one against its down weights, a
+ * cuBLAS call each, and the combine reads the results through the inverse permutation. The
+ * expert layout crosses to the host (one small copy) for the calls' sizes, so these steps are
+ * never captured in graphs; and cuBLAS picks algorithms by size, so batch invariance keeps the
+ * streaming kernel. */
+enum { EXPERT_GEMM_MIN_ROWS = 1024 };
+
+extern "C" void ds_cu_set_expert_gemm(ds_cu *c, int on) {
+    c->expert_gemm = on;
+}
+
+/* xg[i] = bf16(x[perm[i] / k]): the routed rows' inputs in expert order. */
+__global__ void moe_gather_bf16_k(__nv_bfloat16 *xg, const float *x, int D, const int32_t *perm,
+                                  int k) {
+    const int i = blockIdx.x;
+    const float *xr = x + (size_t)(perm[i] / k) * D;
+    for (int c = threadIdx.x; c < D; c += blockDim.x)
+        xg[(size_t)i * D + c] = __float2bfloat16_rn(xr[c]);
+}
+
+/* ab[i][c] = bf16(act(h[i][c], h[i][I + c])) */
+__global__ void moe_act_bf16_k(__nv_bfloat16 *ab, const float *h, int rows, int I, int situ,
+                               float beta, float lin_beta) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * I) return;
+    const float *hr = h + (i / I) * 2 * I;
+    const size_t c = i % I;
+    const float g = hr[c], u = hr[I + c];
+    float a;
+    if (situ) {
+        const float phi = lin_beta > 0.0f ? lin_beta * tanhf(u / lin_beta) : u;
+        a = beta * tanhf(g / beta) / (1.0f + expf(-g)) * phi;
+    } else {
+        a = g / (1.0f + expf(-g)) * u;
+    }
+    ab[i] = __float2bfloat16_rn(a);
+}
+
+__global__ void moe_inverse_k(int32_t *inv, const int32_t *perm, int rows) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < rows) inv[perm[i]] = i;
+}
+
+/* out[t] (+)= sum_j w[t][j] y[inv[t k + j]], slots in order (the combine of moe_combine_k). */
+__global__ void moe_combine_perm_k(float *out, const float *y, const int32_t *inv, const float *w,
+                                   int T, int k, int D, int accumulate) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)T * D) return;
+    const size_t t = i / D, d = i % D;
+    float acc = 0.0f;
+    for (int j = 0; j < k; j++) acc += w[t * k + j] * y[(size_t)inv[t * k + j] * D + d];
+    out[i] = accumulate ? out[i] + acc : acc;
+}
+
+static int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T, int k,
+                            int E, int D, int I, const uint16_t *gate_up, const uint16_t *down,
+                            int situ, float situ_beta, float situ_lin_beta, int accumulate,
+                            const int32_t *start, const int32_t *perm, ds_err *err) {
+    const int rows = T * k;
+    /* xg [rows][D] bf16 | ab [rows][I] bf16 | h [rows][2I] f32 | y [rows][D] f32 | inv [rows] */
+    size_t b_xg = (size_t)rows * D * 2, b_ab = (size_t)rows * I * 2;
+    size_t b_h = (size_t)rows * 2 * I * 4, b_y = (size_t)rows * D * 4, b_inv = (size_t)rows * 4;
+    b_xg = (b_xg + 255) & ~(size_t)255, b_ab = (b_ab + 255) & ~(size_t)255;
+    b_h = (b_h + 255) & ~(size_t)255, b_y = (b_y + 255) & ~(size_t)255;
+    if (grow_scratch(&c->moeg, &c->moeg_bytes, b_xg + b_ab + b_h + b_y + b_inv,
+                     "moe gemm scratch", err))
+        return DS_ERR;
+    char *base = (char *)c->moeg;
+    __nv_bfloat16 *xg = (__nv_bfloat16 *)base, *ab = (__nv_bfloat16 *)(base + b_xg);
+    float *h = (float *)(base + b_xg + b_ab), *y = (float *)(base + b_xg + b_ab + b_h);
+    int32_t *inv = (int32_t *)(base + b_xg + b_ab + b_h + b_y);
+    if (c->h_start_n < E + 1) {
+        int32_t *p = (int32_t *)realloc(c->h_start, (size_t)(E + 1) * sizeof *p);
+        if (!p) return ds_errf(err, "cuda: out of host memory");
+        c->h_start = p;
+        c->h_start_n = E + 1;
+    }
+    CU_TRY(cudaMemcpyAsync(c->h_start, start, (size_t)(E + 1) * sizeof(int32_t),
+                           cudaMemcpyDeviceToHost, c->stream),
+           "moe: expert layout");
+    CU_TRY(cudaStreamSynchronize(c->stream), "moe: expert layout");
+    moe_gather_bf16_k<<<rows, 256, 0, c->stream>>>(xg, x, D, perm, k);
+    CU_TRY(cudaGetLastError(), "moe gather");
+    const float one = 1.0f, zero = 0.0f;
+    const size_t per_gu = (size_t)2 * I * D, per_dn = (size_t)D * I;
+    for (int e = 0; e < E; e++) { /* H_e [n][2I] = X_e [n][D] W_gu,e^T */
+        const int r0 = c->h_start[e], n = c->h_start[e + 1] - r0;
+        if (n <= 0) continue;
+        BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, 2 * I, n, D, &one,
+                              gate_up + (size_t)e * per_gu, CUDA_R_16BF, D, xg + (size_t)r0 * D,
+                              CUDA_R_16BF, D, &zero, h + (size_t)r0 * 2 * I, CUDA_R_32F, 2 * I,
+                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                 "moe up (gemm)");
+    }
+    moe_act_bf16_k<<<(unsigned)(((size_t)rows * I + 255) / 256), 256, 0, c->stream>>>(
+        ab, h, rows, I, situ, situ_beta, situ_lin_beta);
+    CU_TRY(cudaGetLastError(), "moe act (gemm)");
+    for (int e = 0; e < E; e++) { /* Y_e [n][D] = A_e [n][I] W_down,e^T */
+        const int r0 = c->h_start[e], n = c->h_start[e + 1] - r0;
+        if (n <= 0) continue;
+        BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, D, n, I, &one,
+                              down + (size_t)e * per_dn, CUDA_R_16BF, I, ab + (size_t)r0 * I,
+                              CUDA_R_16BF, I, &zero, y + (size_t)r0 * D, CUDA_R_32F, D,
+                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                 "moe down (gemm)");
+    }
+    moe_inverse_k<<<(rows + 255) / 256, 256, 0, c->stream>>>(inv, perm, rows);
+    CU_TRY(cudaGetLastError(), "moe inverse");
+    moe_combine_perm_k<<<(unsigned)(((size_t)T * D + 255) / 256), 256, 0, c->stream>>>(
+        out, y, inv, w, T, k, D, accumulate);
+    CU_TRY(cudaGetLastError(), "moe combine (gemm)");
+    return DS_OK;
+}
+
 extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx,
                                  const float *w, int T, int k, int E, int D, int I,
                                  const uint16_t *gate_up, const uint16_t *down, int situ,
@@ -1243,6 +1366,9 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         moe_group_k<<<1, 256, ((size_t)E + 1) * sizeof(int32_t), c->stream>>>(idx, rows, E, start,
                                                                                perm, active, n_active);
         CU_TRY(cudaGetLastError(), "moe group");
+        if (c->expert_gemm && !c->batch_invariant && rows >= EXPERT_GEMM_MIN_ROWS)
+            return moe_experts_gemm(c, out, x, w, T, k, E, D, I, gate_up, down, situ, situ_beta,
+                                    situ_lin_beta, accumulate, start, perm, err);
         /* rows per pass: 8, or fewer when 8 rows of x would not fit in shared memory */
         const int rp_up = DS_MAX(1, DS_MIN(8, (int)(MOE_SMEM / ((size_t)D * 4))));
         const int rp_dn = DS_MAX(1, DS_MIN(8, (int)(MOE_SMEM / ((size_t)I * 4))));
