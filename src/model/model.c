@@ -13,8 +13,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-/* DS_DEVICE / DS_BATCH_INVARIANT in the environment (see model.h); unknown names stay cpu and
- * are reported when the model loads. */
+/* DS_DEVICE / DS_BATCH_INVARIANT in the environment (see model.h); an unknown device name gives
+ * -1, which the model load reports. */
 static int env_device(void) {
     const char *d = getenv("DS_DEVICE");
     if (!d || !*d || !strcmp(d, "cpu")) return DS_DEVICE_CPU;
@@ -69,11 +69,14 @@ int ds_model_tp_check(const ds_config *c, int T, ds_err *err) {
 const ds_config *ds_model_config(const ds_model *m) {
     return &m->cfg;
 }
+/* Host views of the embedding and lm_head (the DSpark draft reads them): none when the rank holds
+ * a vocabulary slice, or when random weights exist only in GPU memory. */
 const ds_mat *ds_model_embed(const ds_model *m) {
-    return m->tp_size > 1 ? NULL : &m->embed; /* a vocabulary slice is not an embedding */
+    if (m->tp_size > 1 || m->embed.data == ds_random_weights) return NULL;
+    return &m->embed;
 }
 const ds_mat *ds_model_lm_head(const ds_model *m) {
-    return &m->lm_head_full;
+    return m->lm_head_full.data == ds_random_weights ? NULL : &m->lm_head_full;
 }
 int ds_model_on_device(const ds_model *m) {
     return m->cu != NULL;

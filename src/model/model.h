@@ -81,7 +81,9 @@ const ds_config *ds_model_config(const ds_model *m);
 double ds_model_decode_bytes(const ds_model *m);
 /* Multiply-add FLOPs of the weight GEMMs for one token (attention over the context excluded). */
 double ds_model_token_flops(const ds_model *m, int with_lm_head);
-/* The token embedding and lm_head ([V][D] each), shared with the DSpark draft. */
+/* The token embedding and lm_head ([V][D] each) in host memory, shared with the DSpark draft;
+ * NULL where this rank has no host copy (a vocabulary slice under TP; random weights drawn only in
+ * GPU memory). */
 const ds_mat *ds_model_embed(const ds_model *m);
 const ds_mat *ds_model_lm_head(const ds_model *m);
 /* Total bytes of weight tensors bound by the model. */
