@@ -353,6 +353,8 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     ds_cu_set_batch_invariant(cm->c, m->opts.batch_invariant);
     const char *eg = getenv("DS_CUDA_EXPERT_GEMM"); /* opt-in until checked on a GPU */
     ds_cu_set_expert_gemm(cm->c, eg && atoi(eg) > 0);
+    const char *mg = getenv("DS_CUDA_MLA_GEMM"); /* likewise */
+    ds_cu_set_mla_gemm(cm->c, mg && atoi(mg) > 0);
     int L = c->num_hidden_layers, D = c->hidden_size;
     cm->layers = calloc((size_t)L, sizeof *cm->layers);
     if (!cm->layers) {

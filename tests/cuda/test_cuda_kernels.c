@@ -658,8 +658,9 @@ static void check_argmax(ds_cu *c, int rows, int V) {
     free(x), free(ref), free(got);
 }
 
-static void check_mla_expanded(ds_cu *c, int T, int Ha, int dn, int dr, int dvh, int pos0,
-                               int n_ctx, int causal) {
+/* gemm: the tensor-core path for long segments (BF16 operands and probabilities: 2e-2). */
+static void check_mla_expanded_mode(ds_cu *c, int T, int Ha, int dn, int dr, int dvh, int pos0,
+                                    int n_ctx, int causal, int gemm) {
     size_t nq = (size_t)T * Ha * (dn + dr), nk = (size_t)n_ctx * Ha * dn, nr = (size_t)n_ctx * dr;
     size_t nv = (size_t)n_ctx * Ha * dvh, no = (size_t)T * Ha * dvh;
     float *q = rand_f32(nq, -0.3f, 0.3f), *kN = rand_f32(nk, -1, 1), *kR = rand_f32(nr, -1, 1);
@@ -670,17 +671,24 @@ static void check_mla_expanded(ds_cu *c, int T, int Ha, int dn, int dr, int dvh,
     float *dv_ = dev(c, v, nv * 4), *dout = dev(c, NULL, no * 4);
     poison(c, dout, no * 4);
     ds_err err = {{0}};
+    ds_cu_set_mla_gemm(c, gemm);
     if (ds_cu_mla_attend_expanded(c, dout, dq, dkN, dkR, dv_, T, n_ctx, Ha, dn, dr, dvh, pos0,
                                   causal, scale, &err))
         DIE("%s", err.msg);
+    ds_cu_set_mla_gemm(c, 0);
     fetch(c, got, dout, no * 4);
     char what[96];
-    snprintf(what, sizeof what, "mla expanded T=%d Ha=%d ctx %d%s", T, Ha, n_ctx,
-             causal ? " causal" : "");
-    report(what, rel_err(got, ref, 1, no, no), 1e-5);
+    snprintf(what, sizeof what, "mla expanded T=%d Ha=%d ctx %d%s%s", T, Ha, n_ctx,
+             causal ? " causal" : "", gemm ? " (gemm)" : "");
+    report(what, rel_err(got, ref, 1, no, no), gemm ? 2e-2 : 1e-5);
     ds_cu_dealloc(dq), ds_cu_dealloc(dkN), ds_cu_dealloc(dkR), ds_cu_dealloc(dv_);
     ds_cu_dealloc(dout);
     free(q), free(kN), free(kR), free(v), free(ref), free(got);
+}
+
+static void check_mla_expanded(ds_cu *c, int T, int Ha, int dn, int dr, int dvh, int pos0,
+                               int n_ctx, int causal) {
+    check_mla_expanded_mode(c, T, Ha, dn, dr, dvh, pos0, n_ctx, causal, 0);
 }
 
 /* ---- timings -------------------------------------------------------------------------------- */
@@ -975,6 +983,9 @@ int main(int argc, char **argv) {
     check_mla_expanded(c, 40, 4, 128, 64, 128, 0, 40, 1);  /* a first prompt chunk */
     check_mla_expanded(c, 33, 3, 64, 32, 64, 300, 333, 1); /* a later chunk, 2 splits */
     check_mla_expanded(c, 5, 2, 32, 16, 48, 0, 600, 0);
+    check_mla_expanded_mode(c, 300, 4, 128, 64, 128, 0, 300, 1, 1); /* a prompt, tensor cores */
+    check_mla_expanded_mode(c, 200, 3, 64, 32, 64, 500, 700, 1, 1); /* a later chunk */
+    check_mla_expanded_mode(c, 130, 2, 32, 16, 48, 0, 1000, 0, 1);  /* not causal */
     check_moe_route(c, 7, 256, 8, 8, 4, 0, 0);
     check_moe_route(c, 5, 64, 6, 1, 1, 0, 0);
     check_moe_route(c, 9, 32, 4, 4, 2, 1, 0);

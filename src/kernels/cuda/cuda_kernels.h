@@ -129,6 +129,10 @@ int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx, 
  * until its check has run on a GPU (tests/cuda: check_moe_experts_gemm); DS_CUDA_EXPERT_GEMM=1
  * turns it on in the engine. */
 void ds_cu_set_expert_gemm(ds_cu *c, int on);
+/* Expanded MLA of segments with >= 128 query rows through cuBLAS (scores and values as strided-
+ * batched BF16 GEMMs over the heads, a row softmax between). Off by default until checked on a
+ * GPU (tests/cuda: check_mla_expanded_gemm); DS_CUDA_MLA_GEMM=1 turns it on in the engine. */
+void ds_cu_set_mla_gemm(ds_cu *c, int on);
 
 /* ---- glue for the model forward (model_cuda.c) ---- */
 /* Batch-invariant matmuls (see ds_model_opts.batch_invariant): on, every ds_cu_matmul streams the

@@ -23,6 +23,9 @@ struct ds_cu {
     int batch_invariant; /* every matmul through the weight-streaming kernel (see the header) */
     uint64_t epoch;      /* bumped whenever a scratch buffer moves (captured graphs go stale) */
     int expert_gemm;     /* routed experts of long steps through cuBLAS (ds_cu_set_expert_gemm) */
+    int mla_gemm;        /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
+    void *mlag;          /* that path's buffers, mlag_bytes allocated */
+    size_t mlag_bytes;
     void *moeg;          /* that path's buffers, moeg_bytes allocated */
     size_t moeg_bytes;
     int32_t *h_start;    /* host copy of the expert layout, h_start_n entries */
@@ -95,6 +98,7 @@ extern "C" void ds_cu_free(ds_cu *c) {
     cudaFree(c->part);
     cudaFree(c->blas_ws);
     cudaFree(c->moeg);
+    cudaFree(c->mlag);
     free(c->h_start);
     cublasDestroy(c->blas);
     cudaStreamDestroy(c->stream);
@@ -950,11 +954,113 @@ __global__ void mla_exp_split_k(float *part_o, float *part_ml, const float *q, c
     if (threadIdx.x == 0) pml[0] = mx, pml[1] = sum;
 }
 
+/* ---- expanded MLA through tensor cores (long prefill segments) -----------------------------
+ * Per chunk of query rows, per head (one strided-batched cuBLAS call for all heads): scores
+ * S_h = Q_h K_h^T with K_h = [kN_h | kR], a row softmax (causal, scaled) into BF16 P, then
+ * O_h = P_h V_h. Operands in BF16 with F32 accumulation; the context a chunk can see bounds both
+ * GEMMs, so the causal half is never computed. */
+extern "C" void ds_cu_set_mla_gemm(ds_cu *c, int on) {
+    c->mla_gemm = on;
+}
+
+enum { MLA_GEMM_MIN_ROWS = 128 };
+
+/* Kb[j][h][:] = bf16([kN[j][h][0..dn) | kR[j][0..dr)]) */
+__global__ void mla_kcat_k(__nv_bfloat16 *Kb, const float *kN, const float *kR, int C, int Ha,
+                           int dn, int dr) {
+    const int dq = dn + dr;
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)C * Ha * dq) return;
+    const size_t jh = i / dq;
+    const int c = (int)(i % dq);
+    const size_t j = jh / Ha;
+    Kb[i] = __float2bfloat16_rn(c < dn ? kN[jh * dn + c] : kR[j * dr + (c - dn)]);
+}
+
+/* P[h][t][j] = softmax_j(scale S[h][t][j]) over the j < n(t) a query may see, zero after: block
+ * (t, h) of a chunk whose first query sits at position p0. */
+__global__ void mla_softmax_k(__nv_bfloat16 *P, const float *S, int Tq, int Ce, int p0, int n_ctx,
+                              int causal, float scale) {
+    const int t = blockIdx.x, h = blockIdx.y;
+    const float *sr = S + ((size_t)h * Tq + t) * Ce;
+    __nv_bfloat16 *pr = P + ((size_t)h * Tq + t) * Ce;
+    const int n = causal ? min(p0 + t + 1, min(n_ctx, Ce)) : min(n_ctx, Ce);
+    __shared__ float red[32];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, sr[j] * scale);
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) red[wid] = mx;
+    __syncthreads();
+    mx = -INFINITY;
+    for (int w = 0; w < nw; w++) mx = fmaxf(mx, red[w]);
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) s += expf(sr[j] * scale - mx);
+    const float inv = 1.0f / block_sum(s);
+    for (int j = threadIdx.x; j < Ce; j += blockDim.x)
+        pr[j] = __float2bfloat16_rn(j < n ? expf(sr[j] * scale - mx) * inv : 0.0f);
+}
+
+static int mla_expanded_gemm(ds_cu *c, float *o, const float *q, const float *kN, const float *kR,
+                             const float *v, int T, int n_ctx, int Ha, int dn, int dr, int dvh,
+                             int pos0, int causal, float scale, ds_err *err) {
+    const int dq = dn + dr, C = n_ctx;
+    /* query rows per chunk: S (f32) and P (bf16) of all heads within ~1.5 GB */
+    const int Tq = (int)DS_MAX(1, DS_MIN((size_t)T, ((size_t)3 << 29) / ((size_t)Ha * C * 6)));
+    size_t b_k = (size_t)C * Ha * dq * 2, b_v = (size_t)C * Ha * dvh * 2;
+    size_t b_q = (size_t)T * Ha * dq * 2, b_s = (size_t)Ha * Tq * C * 4;
+    size_t b_p = (size_t)Ha * Tq * C * 2;
+    b_k = (b_k + 255) & ~(size_t)255, b_v = (b_v + 255) & ~(size_t)255;
+    b_q = (b_q + 255) & ~(size_t)255, b_s = (b_s + 255) & ~(size_t)255;
+    if (grow_scratch(&c->mlag, &c->mlag_bytes, b_k + b_v + b_q + b_s + b_p, "mla gemm scratch",
+                     err))
+        return DS_ERR;
+    char *base = (char *)c->mlag;
+    __nv_bfloat16 *Kb = (__nv_bfloat16 *)base, *Vb = (__nv_bfloat16 *)(base + b_k);
+    __nv_bfloat16 *Qb = (__nv_bfloat16 *)(base + b_k + b_v);
+    float *S = (float *)(base + b_k + b_v + b_q);
+    __nv_bfloat16 *P = (__nv_bfloat16 *)(base + b_k + b_v + b_q + b_s);
+    size_t nk = (size_t)C * Ha * dq;
+    mla_kcat_k<<<(unsigned)((nk + 255) / 256), 256, 0, c->stream>>>(Kb, kN, kR, C, Ha, dn, dr);
+    CU_TRY(cudaGetLastError(), "mla gemm: keys");
+    size_t nv = (size_t)C * Ha * dvh, nq = (size_t)T * Ha * dq;
+    to_bf16_rows<<<(unsigned)((nv + 255) / 256), 256, 0, c->stream>>>(Vb, v, Ha * dvh, Ha * dvh, C);
+    to_bf16_rows<<<(unsigned)((nq + 255) / 256), 256, 0, c->stream>>>(Qb, q, Ha * dq, Ha * dq, T);
+    CU_TRY(cudaGetLastError(), "mla gemm: values, queries");
+    const float one = 1.0f, zero = 0.0f;
+    for (int t0 = 0; t0 < T; t0 += Tq) {
+        const int tq = DS_MIN(Tq, T - t0);
+        const int Ce = causal ? DS_MIN(C, pos0 + t0 + tq) : C; /* what this chunk can see */
+        if (Ce <= 0) return ds_errf(err, "cuda: mla: no context rows to attend to");
+        /* S_h^T (Ce x tq, column-major) = K_h (Ce x dq) Q_h^T: rows of K and Q are Ha*dq apart */
+        BLAS_TRY(cublasGemmStridedBatchedEx(
+                     c->blas, CUBLAS_OP_T, CUBLAS_OP_N, Ce, tq, dq, &one, Kb, CUDA_R_16BF, Ha * dq,
+                     (long long)dq, Qb + (size_t)t0 * Ha * dq, CUDA_R_16BF, Ha * dq, (long long)dq,
+                     &zero, S, CUDA_R_32F, Ce, (long long)tq * Ce, Ha, CUBLAS_COMPUTE_32F,
+                     CUBLAS_GEMM_DEFAULT),
+                 "mla gemm: scores");
+        mla_softmax_k<<<dim3((unsigned)tq, (unsigned)Ha), 256, 0, c->stream>>>(
+            P, S, tq, Ce, pos0 + t0, n_ctx, causal, scale);
+        CU_TRY(cudaGetLastError(), "mla gemm: softmax");
+        /* O_h^T (dvh x tq) = V_h^T (dvh x Ce) P_h^T (Ce x tq); O rows are Ha*dvh apart */
+        BLAS_TRY(cublasGemmStridedBatchedEx(
+                     c->blas, CUBLAS_OP_N, CUBLAS_OP_N, dvh, tq, Ce, &one, Vb, CUDA_R_16BF,
+                     Ha * dvh, (long long)dvh, P, CUDA_R_16BF, Ce, (long long)tq * Ce, &zero,
+                     o + (size_t)t0 * Ha * dvh, CUDA_R_32F, Ha * dvh, (long long)dvh, Ha,
+                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                 "mla gemm: values");
+    }
+    return DS_OK;
+}
+
 extern "C" int ds_cu_mla_attend_expanded(ds_cu *c, float *o, const float *q, const float *kN,
                                          const float *kR, const float *v, int T, int n_ctx, int Ha,
                                          int dn, int dr, int dvh, int pos0, int causal, float scale,
                                          ds_err *err) {
     if (T <= 0 || Ha <= 0) return DS_OK;
+    if (c->mla_gemm && !c->batch_invariant && T >= MLA_GEMM_MIN_ROWS)
+        return mla_expanded_gemm(c, o, q, kN, kR, v, T, n_ctx, Ha, dn, dr, dvh, pos0, causal,
+                                 scale, err);
     const int n_max = causal ? DS_MIN(pos0 + T, n_ctx) : n_ctx;
     if (n_max <= 0) return ds_errf(err, "cuda: mla: no context rows to attend to");
     const int n_split = (n_max + MLA_CHUNK - 1) / MLA_CHUNK, rows = T * Ha;
@@ -971,10 +1077,10 @@ extern "C" int ds_cu_mla_attend_expanded(ds_cu *c, float *o, const float *q, con
 }
 
 /* ---- MoE router --------------------------------------------------------------------------------
- * One block per token: sigmoid and selection scores in parallel into shared memory, then one thread
- * makes the selection exactly as the CPU does (group scores as the sum of each group's two best,
- * top groups, then top k with ties to the lower index) — a few hundred comparisons, small beside
- * the expert GEMMs it feeds; a warp-parallel selection is a later step. */
+ * One block per token: sigmoid and selection scores in parallel into shared memory, then the
+ * selection exactly as the CPU makes it (group scores as the sum of each group's two best, top
+ * groups, then top k with ties to the lower index): without groups, warp 0 in k rounds; with
+ * groups, one thread. */
 __device__ static int top_insert_d(float *val, int32_t *id, int count, int n, float v, int32_t i) {
     if (count == n && !(v > val[n - 1])) return count;
     int pos = count < n ? count : n - 1;
