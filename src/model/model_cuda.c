@@ -321,8 +321,29 @@ void ds_cuda_model_detach(ds_model *m) {
     }
 }
 
+/* What the kernels support, checked at load so that a model they cannot run is refused with its
+ * reason before any memory is taken, not at its first step. */
+static int check_shapes(const ds_model *m, ds_err *err) {
+    const ds_config *c = &m->cfg;
+    int dk = c->kda_head_dim, W = c->short_conv_kernel_size;
+    if (m->n_kda && dk != 16 && dk != 32 && dk != 64 && dk != 128)
+        return ds_errf(err, "device cuda: KDA head dim %d (the kernels take 16, 32, 64 or 128)",
+                       dk);
+    if (m->n_kda && (W < 1 || W > 8))
+        return ds_errf(err, "device cuda: short conv kernel size %d (1..8)", W);
+    if (c->num_experts &&
+        (c->num_experts_per_token > 64 || (c->use_grouped_topk && c->num_expert_group > 64)))
+        return ds_errf(err, "device cuda: %d experts per token, %d groups (at most 64 each)",
+                       c->num_experts_per_token, c->num_expert_group);
+    if (c->attn_res_block_size > 0 && ds_model_max_banks(m) + 1 > 32)
+        return ds_errf(err, "device cuda: %d AttnRes blocks (the mix takes at most 31)",
+                       ds_model_max_banks(m));
+    return DS_OK;
+}
+
 int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     const ds_config *c = &m->cfg;
+    if (check_shapes(m, err)) return DS_ERR;
     if (m->tp_size > 1)
         return ds_errf(err, "device cuda: tensor parallelism on GPUs needs NCCL, not built yet "
                             "(run -tp on the CPU, or -pp alone on GPUs)");
