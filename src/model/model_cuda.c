@@ -376,6 +376,8 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     ds_cu_set_expert_gemm(cm->c, eg && atoi(eg) > 0);
     const char *mg = getenv("DS_CUDA_MLA_GEMM"); /* likewise */
     ds_cu_set_mla_gemm(cm->c, mg && atoi(mg) > 0);
+    const char *ah = getenv("DS_CUDA_MLA_ALL_HEADS"); /* likewise */
+    ds_cu_set_mla_all_heads(cm->c, ah && atoi(ah) > 0);
     int L = c->num_hidden_layers, D = c->hidden_size;
     cm->layers = calloc((size_t)L, sizeof *cm->layers);
     if (!cm->layers) {

@@ -499,8 +499,9 @@ static void check_short_conv_batch(ds_cu *c, const int *lens, const int *want_ro
 
 /* Absorbed MLA for several sequences' tokens in one launch, each against its own block table and
  * positions, against the CPU one sequence at a time. */
+/* all_heads: a block per token for every head (each latent row read once). */
 static void check_mla_batch(ds_cu *c, const int *lens, const int *pos0, int n_seq, int Ha, int R,
-                            int dr) {
+                            int dr, int all_heads) {
     enum { BS = 16 };
     int rowf = R + dr, T = 0, max_ctx = 0, pages = 0, bt_off[16], tok_bt[256], tok_pos[256];
     for (int z = 0; z < n_seq; z++) {
@@ -531,12 +532,15 @@ static void check_mla_batch(ds_cu *c, const int *lens, const int *pos0, int n_se
     float *dout = dev(c, NULL, (size_t)T * Ha * R * 4);
     poison(c, dout, (size_t)T * Ha * R * 4);
     ds_err err = {{0}};
+    ds_cu_set_mla_all_heads(c, all_heads);
     if (ds_cu_mla_attend_absorbed_batch(c, dout, dq, dqr, T, Ha, R, dr, dpool, dtables, dbt, dpos,
                                         max_ctx, BS, rowf, scale, &err))
         DIE("%s", err.msg);
+    ds_cu_set_mla_all_heads(c, 0);
     fetch(c, got, dout, (size_t)T * Ha * R * 4);
     char what[96];
-    snprintf(what, sizeof what, "mla absorbed batch %d seqs Ha=%d R=%d", n_seq, Ha, R);
+    snprintf(what, sizeof what, "mla absorbed batch %d seqs Ha=%d R=%d%s", n_seq, Ha, R,
+             all_heads ? " (all heads)" : "");
     report(what, rel_err(got, ref, 1, (size_t)T * Ha * R, (size_t)T * Ha * R), 1e-5);
     ds_cu_dealloc(dpool), ds_cu_dealloc(dtables), ds_cu_dealloc(dbt), ds_cu_dealloc(dpos);
     ds_cu_dealloc(dq), ds_cu_dealloc(dqr), ds_cu_dealloc(dout);
@@ -1000,7 +1004,10 @@ int main(int argc, char **argv) {
         int lens[5] = {1, 4, 1, 9, 2}, rows[5] = {0, 1, 0, 1, 0};
         check_short_conv_batch(c, lens, rows, 5, 4096, 4);
         int mlens[4] = {1, 3, 1, 5}, mpos[4] = {0, 300, 700, 17};
-        check_mla_batch(c, mlens, mpos, 4, 8, 512, 64);
+        check_mla_batch(c, mlens, mpos, 4, 8, 512, 64, 0);
+        check_mla_batch(c, mlens, mpos, 4, 8, 512, 64, 1);
+        int dlens[3] = {1, 1, 1}, dpos[3] = {1000, 5, 257}; /* decode rows across splits */
+        check_mla_batch(c, dlens, dpos, 3, 32, 512, 64, 1);
     }
     check_argmax(c, 8, 163840);
     check_argmax(c, 12, 100);

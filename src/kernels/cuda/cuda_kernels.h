@@ -76,8 +76,8 @@ int ds_cu_kda_recurrent(ds_cu *c, float *o, const float *q, const float *k, cons
  * seg_off [n_seq+1], S [n_seq] and S_rows [n_seq] are device arrays. */
 int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, const float *k, const float *v,
                               const float *g, const float *beta, const int32_t *seg_off,
-                              float *const *S, float *const *S_rows, size_t rows_stride,
-                              int n_seq, int H, int dk, int dv, ds_err *err);
+                              float *const *S, float *const *S_rows, size_t rows_stride, int n_seq,
+                              int H, int dk, int dv, ds_err *err);
 
 /* As ds_short_conv_silu: in [T][C], w [C][W] (W <= 8), tail [W-1][C] in/out, out [T][C]. */
 int ds_cu_short_conv_silu(ds_cu *c, float *out, const float *in, int T, int C, const float *w,
@@ -133,6 +133,11 @@ void ds_cu_set_expert_gemm(ds_cu *c, int on);
  * batched BF16 GEMMs over the heads, a row softmax between). Off by default until checked on a
  * GPU (tests/cuda: check_mla_expanded_gemm); DS_CUDA_MLA_GEMM=1 turns it on in the engine. */
 void ds_cu_set_mla_gemm(ds_cu *c, int on);
+/* ds_cu_mla_attend_absorbed_batch with one block per (token, 256-row split) for all heads, each
+ * latent row read once instead of once per head (not with batch invariance; Ha * R a multiple of
+ * 256 with at most 64 outputs per thread). Off until checked on a GPU (check_mla_batch covers it);
+ * DS_CUDA_MLA_ALL_HEADS=1 turns it on in the engine. */
+void ds_cu_set_mla_all_heads(ds_cu *c, int on);
 
 /* ---- glue for the model forward (model_cuda.c) ---- */
 /* Batch-invariant matmuls (see ds_model_opts.batch_invariant): on, every ds_cu_matmul streams the
@@ -165,16 +170,16 @@ int ds_cu_copy_2d(ds_cu *c, float *dst, size_t ldd, const float *src, size_t lds
 /* ds_cu_short_conv_silu for every sequence of a step, and for up to three projections side by
  * side (KDA's q, k, v), in one launch. Sequence z runs tokens [seg_off[z], seg_off[z+1]). */
 typedef struct ds_cu_conv_batch {
-    int n_proj, C, W;     /* projections (1..3), channels per projection, kernel width (<= 8) */
-    const float *in;      /* [tokens][ld_in]: projection j's inputs at columns [j C, (j+1) C) */
+    int n_proj, C, W; /* projections (1..3), channels per projection, kernel width (<= 8) */
+    const float *in;  /* [tokens][ld_in]: projection j's inputs at columns [j C, (j+1) C) */
     int ld_in;
-    float *out;           /* projection j's output [tokens][C] at out + j * out_stride */
+    float *out; /* projection j's output [tokens][C] at out + j * out_stride */
     size_t out_stride;
-    const float *w;       /* [n_proj][C][W] */
-    float *const *tails;  /* [n_seq] device: projection 0's tail [W-1][C], projection j's at
-                             + j (W-1) C */
-    float *const *rows;   /* [n_seq] device, or NULL; NULL entries too: where a sequence keeps the
-                             tails after each token t (at + t rows_stride, laid out as tails) */
+    const float *w;      /* [n_proj][C][W] */
+    float *const *tails; /* [n_seq] device: projection 0's tail [W-1][C], projection j's at
+                            + j (W-1) C */
+    float *const *rows;  /* [n_seq] device, or NULL; NULL entries too: where a sequence keeps the
+                            tails after each token t (at + t rows_stride, laid out as tails) */
     size_t rows_stride;
     const int32_t *seg_off; /* [n_seq + 1] device */
     int n_seq;
@@ -191,8 +196,7 @@ int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const float *qbar, co
 /* A copy in any direction (unified addressing), done when it returns. */
 int ds_cu_copy_any(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err);
 /* d[i] = bf16(scale * u), u uniform in [-1, 1) from a hash of (key, i): n random weights. */
-int ds_cu_fill_random_bf16(ds_cu *c, uint16_t *d, size_t n, uint64_t key, float scale,
-                           ds_err *err);
+int ds_cu_fill_random_bf16(ds_cu *c, uint16_t *d, size_t n, uint64_t key, float scale, ds_err *err);
 /* dst [cols][rows] = src [rows][cols]^T, BF16 (weights reshaped once at load). */
 int ds_cu_transpose_bf16(ds_cu *c, uint16_t *dst, const uint16_t *src, int rows, int cols,
                          ds_err *err);

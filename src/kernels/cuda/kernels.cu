@@ -24,6 +24,7 @@ struct ds_cu {
     uint64_t epoch;      /* bumped whenever a scratch buffer moves (captured graphs go stale) */
     int expert_gemm;     /* routed experts of long steps through cuBLAS (ds_cu_set_expert_gemm) */
     int mla_gemm;        /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
+    int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
     void *mlag;          /* that path's buffers, mlag_bytes allocated */
     size_t mlag_bytes;
     void *moeg;          /* that path's buffers, moeg_bytes allocated */
@@ -895,6 +896,93 @@ extern "C" int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qba
     return DS_OK;
 }
 
+/* ---- absorbed MLA, all heads of a token in one block ------------------------------------------
+ * The block-per-head kernel above reads every latent row once per head (32 times at Ha = 32): at
+ * batch 256 that was most of a decode step's traffic. Here block (token t, split s) reads each row
+ * of its split once into shared memory, 16 at a time, scores it against every head's query (kept
+ * in shared memory) and folds it into per-head running sums with an online softmax. Threads
+ * 256 / Ha of a head share its R outputs interleaved (thread k of the head owns r = k, k + 256/Ha,
+ * ...), so a warp reads consecutive words of a row; rows and queries sit one word apart from a
+ * multiple of 32 so that the score loops do not collide on banks. The partials are merged by
+ * mla_merge_k as before. */
+enum { MLA_AH_THREADS = 256, MLA_AH_SUB = 16, MLA_AH_ROWS = 256, MLA_AH_OPT = 64 };
+
+extern "C" void ds_cu_set_mla_all_heads(ds_cu *c, int on) {
+    c->mla_all_heads = on;
+}
+
+__global__ void __launch_bounds__(MLA_AH_THREADS)
+    mla_allheads_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int Ha, int R,
+                   int dr, const float *pool, const int32_t *tables, const int32_t *tok_bt,
+                   const int32_t *tok_pos, int bs, int row, float scale, int n_split, int opt) {
+    /* q [Ha][rq+1] | rows [SUB][row+1] | scores [Ha][SUB] */
+    extern __shared__ float sh[];
+    const int t = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, rq = R + dr;
+    const int qst = rq + 1, cst = row + 1; /* padded strides */
+    float *qs = sh, *cs = sh + (size_t)Ha * qst, *sc = cs + (size_t)MLA_AH_SUB * cst;
+    const int32_t *table = tables + tok_bt[t];
+    const int n = tok_pos[t] + 1, j0 = s * MLA_AH_ROWS, j1 = min(n, j0 + MLA_AH_ROWS);
+    const int tph = MLA_AH_THREADS / Ha, h = tid / tph, k0 = tid % tph; /* r = k0 + tph i */
+    const int live = h < Ha;
+    for (int i = tid; i < Ha * rq; i += blockDim.x) { /* every head's [q̄ | qR] */
+        const int hh = i / rq, c = i % rq;
+        qs[(size_t)hh * qst + c] =
+            c < R ? qbar[((size_t)t * Ha + hh) * R + c] : qr[((size_t)t * Ha + hh) * dr + c - R];
+    }
+    float acc[MLA_AH_OPT];
+#pragma unroll
+    for (int i = 0; i < MLA_AH_OPT; i++) acc[i] = 0.0f;
+    float m_run = -INFINITY, l_run = 0.0f;
+    for (int a = j0; a < j1; a += MLA_AH_SUB) {
+        const int nr = min(MLA_AH_SUB, j1 - a);
+        __syncthreads(); /* the previous rows and scores are used up (and q is staged) */
+        for (int i = tid; i < nr * row; i += blockDim.x) {
+            const int j = i / row, c = i % row, p = a + j;
+            cs[(size_t)j * cst + c] = pool[((size_t)table[p / bs] * bs + p % bs) * row + c];
+        }
+        __syncthreads();
+        for (int i = tid; i < Ha * MLA_AH_SUB; i += blockDim.x) {
+            const int hh = i / MLA_AH_SUB, j = i % MLA_AH_SUB;
+            float d = -INFINITY;
+            if (j < nr) {
+                const float *qh = qs + (size_t)hh * qst, *cj = cs + (size_t)j * cst;
+                d = 0.0f;
+                for (int c = 0; c < rq; c++) d += qh[c] * cj[c];
+                d *= scale;
+            }
+            sc[i] = d;
+        }
+        __syncthreads();
+        if (!live) continue;
+        const float *sh_h = sc + (size_t)h * MLA_AH_SUB;
+        float cmax = -INFINITY;
+        for (int j = 0; j < nr; j++) cmax = fmaxf(cmax, sh_h[j]);
+        const float m_new = fmaxf(m_run, cmax), alpha = expf(m_run - m_new);
+        float psum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MLA_AH_OPT; i++) acc[i] *= alpha;
+        for (int j = 0; j < nr; j++) {
+            const float pj = expf(sh_h[j] - m_new);
+            psum += pj;
+            const float *cj = cs + (size_t)j * cst + k0;
+#pragma unroll
+            for (int i = 0; i < MLA_AH_OPT; i++)
+                if (i < opt) acc[i] += pj * cj[(size_t)i * tph];
+        }
+        l_run = l_run * alpha + psum;
+        m_run = m_new;
+    }
+    if (!live) return;
+    float *po = part_o + (((size_t)t * Ha + h) * n_split + s) * R + k0;
+#pragma unroll
+    for (int i = 0; i < MLA_AH_OPT; i++) /* an empty split leaves zeros, l = 0: merge skips it */
+        if (i < opt) po[(size_t)i * tph] = acc[i];
+    if (k0 == 0) {
+        float *pml = part_ml + (((size_t)t * Ha + h) * n_split + s) * 2;
+        pml[0] = m_run, pml[1] = l_run;
+    }
+}
+
 extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const float *qbar,
                                                const float *qr, int T, int Ha, int R, int dr,
                                                const float *pool, const int32_t *tables,
@@ -903,7 +991,35 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
                                                ds_err *err) {
     if (T <= 0 || Ha <= 0) return DS_OK;
     if (max_ctx <= 0) return ds_errf(err, "cuda: mla: no context rows to attend to");
-    const int n_split = (max_ctx + MLA_CHUNK - 1) / MLA_CHUNK, rows = T * Ha;
+    const int rows = T * Ha, tph = Ha <= MLA_AH_THREADS ? MLA_AH_THREADS / Ha : 0;
+    const int opt = tph ? R / tph : 0;
+    const size_t ah_smem = ((size_t)Ha * (R + dr + 1) + (size_t)MLA_AH_SUB * (row + 1) +
+                            (size_t)Ha * MLA_AH_SUB) *
+                           sizeof(float);
+    if (c->mla_all_heads && !c->batch_invariant && tph && MLA_AH_THREADS % Ha == 0 &&
+        R % tph == 0 && opt <= MLA_AH_OPT && ah_smem <= 200 * 1024) {
+        const int n_split = (max_ctx + MLA_AH_ROWS - 1) / MLA_AH_ROWS;
+        size_t need = (size_t)rows * n_split * ((size_t)R + 2);
+        if (grow_scratch((void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch",
+                         err))
+            return DS_ERR;
+        float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
+        static size_t smem_set; /* raised once per size, before any capture can be open */
+        if (ah_smem > smem_set) {
+            CU_TRY(cudaFuncSetAttribute(mla_allheads_k,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ah_smem),
+                   "mla (all heads): shared memory");
+            smem_set = ah_smem;
+        }
+        mla_allheads_k<<<dim3((unsigned)T, (unsigned)n_split), MLA_AH_THREADS, ah_smem,
+                         c->stream>>>(part_o, part_ml, qbar, qr, Ha, R, dr, pool, tables, tok_bt,
+                                      tok_pos, block_size, row, scale, n_split, opt);
+        CU_TRY(cudaGetLastError(), "mla (all heads)");
+        mla_merge_k<<<rows, 256, 0, c->stream>>>(obar, part_o, part_ml, R, n_split);
+        CU_TRY(cudaGetLastError(), "mla merge");
+        return DS_OK;
+    }
+    const int n_split = (max_ctx + MLA_CHUNK - 1) / MLA_CHUNK;
     size_t need = (size_t)rows * n_split * ((size_t)R + 2);
     if (grow_scratch((void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch", err))
         return DS_ERR;
