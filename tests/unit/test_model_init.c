@@ -665,6 +665,64 @@ static void test_cli(void **state) {
     assert_non_null(strstr(out, "--model"));
 }
 
+/* The device flags: bad values are refused with what was wrong; asking for a GPU where there is
+ * none (a build without the backend, or no device) is an error that says so, never a crash;
+ * random weights need only config.json and run. */
+static void test_cli_device(void **state) {
+    (void)state;
+    char args[8192], out[16384];
+    snprintf(args, sizeof args, "bench --model '%s' --batch-sizes 1,x", g_k3);
+    assert_int_equal(run_cli(args, out, sizeof out), 2);
+    assert_non_null(strstr(out, "--batch-sizes '1,x'"));
+    snprintf(args, sizeof args, "bench --model '%s' --device gpu", g_k3);
+    assert_int_equal(run_cli(args, out, sizeof out), 2);
+    assert_non_null(strstr(out, "--device: expected one of cpu, cuda, auto"));
+    snprintf(args, sizeof args,
+             "bench --model '%s' --device cuda --prompt-tokens 8 --decode-steps 2 --reps 1", g_k3);
+    assert_int_equal(run_cli(args, out, sizeof out), 1);
+    assert_non_null(strstr(out, "device cuda"));
+    snprintf(args, sizeof args, "logits --model '%s' --token-ids 1,2 --out /dev/null --device cuda",
+             g_k3);
+    assert_int_equal(run_cli(args, out, sizeof out), 1);
+    assert_non_null(strstr(out, "device cuda"));
+    snprintf(args, sizeof args, "serve --model '%s' --port 0 --device cuda", g_k3);
+    assert_int_equal(run_cli(args, out, sizeof out), 1);
+    assert_non_null(strstr(out, "device cuda"));
+    /* an unknown DS_DEVICE is named, not silently taken for the CPU */
+    char env_args[8300];
+    snprintf(env_args, sizeof env_args, "serve --model '%s' --port 0", g_k3);
+    setenv("DS_DEVICE", "gpu", 1);
+    int rc = run_cli(env_args, out, sizeof out);
+    unsetenv("DS_DEVICE");
+    assert_int_equal(rc, 2);
+    assert_non_null(strstr(out, "DS_DEVICE=gpu"));
+    /* random weights: a folder with only config.json */
+    char dir[4096], cfg[4200], src[4200];
+    path_in(dir, sizeof dir, g_root, "config-only");
+    assert_int_equal(mkdir(dir, 0755), 0);
+    snprintf(src, sizeof src, "%s/config.json", g_k3);
+    snprintf(cfg, sizeof cfg, "%s/config.json", dir);
+    ds_err err = {{0}};
+    size_t len;
+    char *text = ds_read_file(src, &len, &err);
+    assert_non_null(text);
+    FILE *f = fopen(cfg, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(text, 1, len, f), len);
+    fclose(f);
+    free(text);
+    snprintf(args, sizeof args,
+             "bench --model '%s' --load-format random --prompt-tokens 8 --decode-steps 2 --reps 1 "
+             "--batch-sizes 1,2",
+             dir);
+    assert_int_equal(run_cli(args, out, sizeof out), 0);
+    assert_non_null(strstr(out, "(random weights)"));
+    assert_non_null(strstr(out, "decode batch 2"));
+    snprintf(args, sizeof args, "bench --model '%s' --prompt-tokens 8", dir); /* no weights */
+    assert_int_equal(run_cli(args, out, sizeof out), 1);
+    assert_non_null(strstr(out, "safetensors"));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_presets),       cmocka_unit_test(test_k3_config),
@@ -672,7 +730,7 @@ int main(void) {
         cmocka_unit_test(test_linear_config), cmocka_unit_test(test_linear_tensors),
         cmocka_unit_test(test_linear_shards), cmocka_unit_test(test_tokenizer_files),
         cmocka_unit_test(test_determinism),   cmocka_unit_test(test_overwrite),
-        cmocka_unit_test(test_cli),
+        cmocka_unit_test(test_cli),           cmocka_unit_test(test_cli_device),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
