@@ -32,19 +32,21 @@ static int g_cu_refs, g_cu_index = -1;
 static char g_copy_err[sizeof(ds_err)]; /* the first failed state copy, reported by the next step */
 
 static void *dm_alloc(size_t bytes, ds_err *err) {
-    return ds_cu_alloc(g_cu, bytes, err);
+    return ds_cu_bind(g_cu, err) ? NULL : ds_cu_alloc(g_cu, bytes, err);
 }
 static void dm_release(void *p) {
+    ds_err e;
+    ds_cu_bind(g_cu, &e); /* (a failure here also fails the free, which has nothing to report) */
     ds_cu_dealloc(p);
 }
 static void dm_copy(void *dst, const void *src, size_t bytes) {
     ds_err e;
-    if (ds_cu_copy_any(g_cu, dst, src, bytes, &e) && !g_copy_err[0])
+    if ((ds_cu_bind(g_cu, &e) || ds_cu_copy_any(g_cu, dst, src, bytes, &e)) && !g_copy_err[0])
         snprintf(g_copy_err, sizeof g_copy_err, "%s", e.msg);
 }
 static void dm_zero(void *p, size_t bytes) {
     ds_err e;
-    if (ds_cu_fill_bytes(g_cu, p, 0, bytes, &e) && !g_copy_err[0])
+    if ((ds_cu_bind(g_cu, &e) || ds_cu_fill_bytes(g_cu, p, 0, bytes, &e)) && !g_copy_err[0])
         snprintf(g_copy_err, sizeof g_copy_err, "%s", e.msg);
 }
 static const ds_dmem_ops g_dmem = {dm_alloc, dm_release, dm_copy, dm_zero};
@@ -1135,6 +1137,7 @@ int ds_cuda_forward_stage(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs_in, 
                           const int *off, int T, const ds_stage_io *in, ds_stage_io *out,
                           ds_err *err) {
     ds_cuda_model *cm = m->cu;
+    if (ds_cu_bind(cm->c, err)) return DS_ERR; /* the engine steps in its own thread */
     if (g_copy_err[0]) {
         ds_errf(err, "forward: an earlier state copy on the GPU failed: %.900s", g_copy_err);
         g_copy_err[0] = 0;

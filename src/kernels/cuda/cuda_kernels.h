@@ -27,6 +27,9 @@ int ds_cu_device_count(void);
 /* Device `device`; the handle owns a stream and a cuBLAS handle. */
 int ds_cu_create(int device, ds_cu **out, ds_err *err);
 void ds_cu_free(ds_cu *c);
+/* Makes c's device current for the calling thread (the CUDA runtime keeps it per thread: the
+ * engine steps in a thread of its own, and a rank may use a GPU other than 0). */
+int ds_cu_bind(ds_cu *c, ds_err *err);
 /* Waits for the stream; DS_ERR with the CUDA / cuBLAS message if any launch failed. */
 int ds_cu_sync(ds_cu *c, ds_err *err);
 /* "NVIDIA H200, 132 SMs, 139.8 GiB" */

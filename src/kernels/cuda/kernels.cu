@@ -106,6 +106,11 @@ extern "C" void ds_cu_free(ds_cu *c) {
     free(c);
 }
 
+extern "C" int ds_cu_bind(ds_cu *c, ds_err *err) {
+    CU_TRY(cudaSetDevice(c->device), "selecting the device for this thread");
+    return DS_OK;
+}
+
 extern "C" int ds_cu_sync(ds_cu *c, ds_err *err) {
     CU_TRY(cudaStreamSynchronize(c->stream), "stream");
     if (c->sticky != cudaSuccess) {
