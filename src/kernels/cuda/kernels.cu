@@ -19,7 +19,7 @@ struct ds_cu {
     float *part; /* split-context attention partials, MoE intermediates; part_bytes allocated */
     size_t part_bytes;
     char name[160];
-    cudaError_t sticky; /* first launch error seen by a void function; reported by ds_cu_sync */
+    cudaError_t sticky;  /* first launch error seen by a void function; reported by ds_cu_sync */
     int batch_invariant; /* every matmul through the weight-streaming kernel (see the header) */
     uint64_t epoch;      /* bumped whenever a scratch buffer moves (captured graphs go stale) */
     int expert_gemm;     /* routed experts of long steps through cuBLAS (ds_cu_set_expert_gemm) */
@@ -27,11 +27,11 @@ struct ds_cu {
     int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
     void *mlag;          /* that path's buffers, mlag_bytes allocated */
     size_t mlag_bytes;
-    void *moeg;          /* that path's buffers, moeg_bytes allocated */
+    void *moeg; /* that path's buffers, moeg_bytes allocated */
     size_t moeg_bytes;
-    int32_t *h_start;    /* host copy of the expert layout, h_start_n entries */
+    int32_t *h_start; /* host copy of the expert layout, h_start_n entries */
     int h_start_n;
-    void *blas_ws;       /* cuBLAS's workspace, set once so that graph capture allocates nothing */
+    void *blas_ws; /* cuBLAS's workspace, set once so that graph capture allocates nothing */
 };
 
 #define CU_TRY(call, what)                                                                         \
@@ -164,6 +164,7 @@ extern "C" int ds_cu_copy_d2d(ds_cu *c, void *dst, const void *src, size_t bytes
 }
 
 /* Set by grow_scratch; the next ds_cu_epoch reads and clears it (one stream per process). */
+static int grow_scratch(void **p, size_t *cap, size_t need, const char *what, ds_err *err);
 static int g_epoch_bump;
 
 /* Grows a device scratch buffer to at least `need` bytes (contents not kept). */
@@ -187,6 +188,22 @@ __global__ void to_bf16_rows(__nv_bfloat16 *xb, const float *x, int ldx, int K, 
     if (i >= (size_t)T * K) return;
     int t = (int)(i / K), c = (int)(i % K);
     xb[i] = __float2bfloat16_rn(x[(size_t)t * ldx + c]);
+}
+
+/* x [T][ldx] rounded to BF16 into the matmul scratch (columns [0, K), packed K apart): cuBLAS's
+ * activation operand. */
+static const uint16_t *round_x(ds_cu *c, const float *x, int ldx, int K, int T, ds_err *err) {
+    size_t need = (size_t)T * K;
+    if (grow_scratch((void **)&c->xb, &c->xb_bytes, need * sizeof(uint16_t), "matmul scratch", err))
+        return NULL;
+    to_bf16_rows<<<(unsigned)((need + 255) / 256), 256, 0, c->stream>>>((__nv_bfloat16 *)c->xb, x,
+                                                                        ldx, K, T);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) {
+        ds_errf(err, "cuda: matmul: rounding x: %s", cudaGetErrorString(e));
+        return NULL;
+    }
+    return c->xb;
 }
 
 /* Single-token matmul (measured on the H200: at T = 1 it reads the 163840 x 2304 lm_head at 104%
@@ -248,28 +265,44 @@ __global__ void __launch_bounds__(256)
 /* Tiles of 8 tokens share one read of W; the remainder runs as its own instance. Each token's
  * dot products take the same operations in every instance, so its bits do not depend on T. */
 /* H heads (blockIdx.z): head h's y, x and W start ys, xs and ws elements after head 0's. */
-static int gemv_tiles(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, const uint16_t *W,
-                      int N, int K, int H, size_t ys, size_t xs, size_t ws, ds_err *err) {
+static int gemv_tiles(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T,
+                      const uint16_t *W, int N, int K, int H, size_t ys, size_t xs, size_t ws,
+                      ds_err *err) {
     const unsigned blocks = (unsigned)((N + 7) / 8), hz = (unsigned)H;
     int full = T / 8, rem = T % 8;
     for (int t0 = 0; t0 < full * 8; t0 += 8 * 65535) /* grid.y holds 65535 tiles */
-        gemv_bf16_k<8><<<dim3(blocks, (unsigned)DS_MIN(full - t0 / 8, 65535), hz), 256, 0,
-                         c->stream>>>(y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx, W, N,
-                                      K, ys, xs, ws);
+        gemv_bf16_k<8>
+            <<<dim3(blocks, (unsigned)DS_MIN(full - t0 / 8, 65535), hz), 256, 0, c->stream>>>(
+                y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx, W, N, K, ys, xs, ws);
     const float *xr = x + (size_t)full * 8 * ldx;
     float *yr = y + (size_t)full * 8 * ldy;
     const dim3 g(blocks, 1, hz);
 #define GEMV_REM(TT)                                                                               \
     gemv_bf16_k<TT><<<g, 256, 0, c->stream>>>(yr, ldy, xr, ldx, W, N, K, ys, xs, ws)
     switch (rem) {
-    case 0: break;
-    case 1: GEMV_REM(1); break;
-    case 2: GEMV_REM(2); break;
-    case 3: GEMV_REM(3); break;
-    case 4: GEMV_REM(4); break;
-    case 5: GEMV_REM(5); break;
-    case 6: GEMV_REM(6); break;
-    default: GEMV_REM(7); break;
+    case 0:
+        break;
+    case 1:
+        GEMV_REM(1);
+        break;
+    case 2:
+        GEMV_REM(2);
+        break;
+    case 3:
+        GEMV_REM(3);
+        break;
+    case 4:
+        GEMV_REM(4);
+        break;
+    case 5:
+        GEMV_REM(5);
+        break;
+    case 6:
+        GEMV_REM(6);
+        break;
+    default:
+        GEMV_REM(7);
+        break;
     }
 #undef GEMV_REM
     CU_TRY(cudaGetLastError(), "matmul (gemv)");
@@ -284,29 +317,25 @@ extern "C" int ds_cu_matmul(ds_cu *c, float *y, int ldy, const float *x, int ldx
                             const ds_cu_mat *w, ds_err *err) {
     const int N = w->rows, K = w->cols;
     if (T <= 0 || N <= 0) return DS_OK;
-    const int vec = K % 8 == 0 && ldx % 4 == 0 && (uintptr_t)x % 16 == 0 &&
-                    (uintptr_t)w->data % 16 == 0;
+    const int vec =
+        K % 8 == 0 && ldx % 4 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)w->data % 16 == 0;
     if (vec && (T == 1 || c->batch_invariant))
         return gemv_tiles(c, y, ldy, x, ldx, T, w->data, N, K, 1, 0, 0, 0, err);
     if (c->batch_invariant) {
         for (int t0 = 0; t0 < T; t0 += 65535)
             gemv_any_k<<<dim3((unsigned)((N + 7) / 8), (unsigned)DS_MIN(T - t0, 65535)), 256, 0,
-                         c->stream>>>(y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx,
-                                      w->data, N, K);
+                         c->stream>>>(y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx, w->data,
+                                      N, K);
         CU_TRY(cudaGetLastError(), "matmul (gemv, any shape)");
         return DS_OK;
     }
-    size_t need = (size_t)T * K;
-    if (grow_scratch((void **)&c->xb, &c->xb_bytes, need * sizeof(uint16_t), "matmul scratch", err))
-        return DS_ERR;
-    to_bf16_rows<<<(unsigned)((need + 255) / 256), 256, 0, c->stream>>>((__nv_bfloat16 *)c->xb, x,
-                                                                        ldx, K, T);
-    CU_TRY(cudaGetLastError(), "matmul: rounding x");
+    const uint16_t *xb = round_x(c, x, ldx, K, T, err);
+    if (!xb) return DS_ERR;
     /* Row-major y[T][N] is column-major N x T; W[N][K] row-major is column-major K x N, so
      * Y = W^T X with X = xb column-major K x T. */
     const float one = 1.0f, zero = 0.0f;
     BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, &one, w->data, CUDA_R_16BF, K,
-                          c->xb, CUDA_R_16BF, K, &zero, y, CUDA_R_32F, ldy, CUBLAS_COMPUTE_32F,
+                          xb, CUDA_R_16BF, K, &zero, y, CUDA_R_32F, ldy, CUBLAS_COMPUTE_32F,
                           CUBLAS_GEMM_DEFAULT),
              "matmul");
     return DS_OK;
@@ -330,15 +359,11 @@ extern "C" int ds_cu_matmul_heads(ds_cu *c, float *y, int ldy, size_t ys, const 
         return DS_OK;
     }
     /* every head's rows of x in BF16 at once, then one strided-batched GEMM */
-    size_t need = (size_t)T * ldx;
-    if (grow_scratch((void **)&c->xb, &c->xb_bytes, need * sizeof(uint16_t), "matmul scratch", err))
-        return DS_ERR;
-    to_bf16_rows<<<(unsigned)((need + 255) / 256), 256, 0, c->stream>>>((__nv_bfloat16 *)c->xb, x,
-                                                                        ldx, ldx, T);
-    CU_TRY(cudaGetLastError(), "matmul: rounding x");
+    const uint16_t *xb = round_x(c, x, ldx, ldx, T, err);
+    if (!xb) return DS_ERR;
     const float one = 1.0f, zero = 0.0f;
     BLAS_TRY(cublasGemmStridedBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, &one, w->data,
-                                        CUDA_R_16BF, K, (long long)ws, c->xb, CUDA_R_16BF, ldx,
+                                        CUDA_R_16BF, K, (long long)ws, xb, CUDA_R_16BF, ldx,
                                         (long long)xs, &zero, y, CUDA_R_32F, ldy, (long long)ys, H,
                                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
              "matmul (heads)");
@@ -418,7 +443,9 @@ extern "C" void ds_cu_swiglu(ds_cu *c, float *out, const float *gate, const floa
 #define ELEMWISE(name, body)                                                                       \
     __global__ void name##_k(float *y, const float *x, size_t n, float a, float b) {               \
         size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;                                  \
-        if (i < n) { body; }                                                                       \
+        if (i < n) {                                                                               \
+            body;                                                                                  \
+        }                                                                                          \
     }
 ELEMWISE(add, y[i] += x[i])
 ELEMWISE(mul, y[i] *= x[i])
@@ -491,12 +518,13 @@ extern "C" void ds_cu_act_pairs(ds_cu *c, float *h, int rows, int I, int situ, f
                                 float lin_beta) {
     if (rows <= 0 || I <= 0) return;
     moe_act_k<<<(unsigned)(((size_t)rows * I + 255) / 256), 256, 0, c->stream>>>(h, rows, I, situ,
-                                                                              beta, lin_beta);
+                                                                                 beta, lin_beta);
     note_launch(c);
 }
 
 /* P += a, then y = w ⊙ P / rms(P): a residual add and the next norm in one pass. */
-__global__ void add_rmsnorm_k(float *y, float *P, const float *a, const float *w, int D, float eps) {
+__global__ void add_rmsnorm_k(float *y, float *P, const float *a, const float *w, int D,
+                              float eps) {
     float *pr = P + (size_t)blockIdx.x * D;
     const float *ar = a + (size_t)blockIdx.x * D;
     float *yr = y + (size_t)blockIdx.x * D;
@@ -561,8 +589,10 @@ extern "C" int ds_cu_copy_any(ds_cu *c, void *dst, const void *src, size_t bytes
     return DS_OK;
 }
 
-/* d[i] = bf16(scale * U[-1, 1)) from a splitmix64 hash of (key, i): random weights made in place. */
-__global__ void fill_random_bf16_k(__nv_bfloat16 *d, size_t n, unsigned long long key, float scale) {
+/* d[i] = bf16(scale * U[-1, 1)) from a splitmix64 hash of (key, i): random weights made in place.
+ */
+__global__ void fill_random_bf16_k(__nv_bfloat16 *d, size_t n, unsigned long long key,
+                                   float scale) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         unsigned long long z = key + (i + 1) * 0x9e3779b97f4a7c15ull;
@@ -998,9 +1028,9 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
     if (max_ctx <= 0) return ds_errf(err, "cuda: mla: no context rows to attend to");
     const int rows = T * Ha, tph = Ha <= MLA_AH_THREADS ? MLA_AH_THREADS / Ha : 0;
     const int opt = tph ? R / tph : 0;
-    const size_t ah_smem = ((size_t)Ha * (R + dr + 1) + (size_t)MLA_AH_SUB * (row + 1) +
-                            (size_t)Ha * MLA_AH_SUB) *
-                           sizeof(float);
+    const size_t ah_smem =
+        ((size_t)Ha * (R + dr + 1) + (size_t)MLA_AH_SUB * (row + 1) + (size_t)Ha * MLA_AH_SUB) *
+        sizeof(float);
     if (c->mla_all_heads && !c->batch_invariant && tph && MLA_AH_THREADS % Ha == 0 &&
         R % tph == 0 && opt <= MLA_AH_OPT && ah_smem <= 200 * 1024) {
         const int n_split = (max_ctx + MLA_AH_ROWS - 1) / MLA_AH_ROWS;
@@ -1011,8 +1041,8 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
         float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
         static size_t smem_set; /* raised once per size, before any capture can be open */
         if (ah_smem > smem_set) {
-            CU_TRY(cudaFuncSetAttribute(mla_allheads_k,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ah_smem),
+            CU_TRY(cudaFuncSetAttribute(mla_allheads_k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)ah_smem),
                    "mla (all heads): shared memory");
             smem_set = ah_smem;
         }
@@ -1180,8 +1210,8 @@ extern "C" int ds_cu_mla_attend_expanded(ds_cu *c, float *o, const float *q, con
                                          ds_err *err) {
     if (T <= 0 || Ha <= 0) return DS_OK;
     if (c->mla_gemm && !c->batch_invariant && T >= MLA_GEMM_MIN_ROWS)
-        return mla_expanded_gemm(c, o, q, kN, kR, v, T, n_ctx, Ha, dn, dr, dvh, pos0, causal,
-                                 scale, err);
+        return mla_expanded_gemm(c, o, q, kN, kR, v, T, n_ctx, Ha, dn, dr, dvh, pos0, causal, scale,
+                                 err);
     const int n_max = causal ? DS_MIN(pos0 + T, n_ctx) : n_ctx;
     if (n_max <= 0) return ds_errf(err, "cuda: mla: no context rows to attend to");
     const int n_split = (n_max + MLA_CHUNK - 1) / MLA_CHUNK, rows = T * Ha;
@@ -1416,7 +1446,8 @@ __global__ void __launch_bounds__(256)
         __syncthreads(); /* the previous pass is done with xsh */
         for (int i = 0; i < nr; i++) {
             const float4 *src = (const float4 *)(x + (size_t)(perm[c0 + i] / x_div) * ldx);
-            for (int j = threadIdx.x; j < K / 4; j += blockDim.x) xsh[(size_t)i * (K / 4) + j] = src[j];
+            for (int j = threadIdx.x; j < K / 4; j += blockDim.x)
+                xsh[(size_t)i * (K / 4) + j] = src[j];
         }
         __syncthreads();
         if (n >= N) continue; /* (after the barriers: every warp stages) */
@@ -1520,8 +1551,8 @@ static int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w
     size_t b_h = (size_t)rows * 2 * I * 4, b_y = (size_t)rows * D * 4, b_inv = (size_t)rows * 4;
     b_xg = (b_xg + 255) & ~(size_t)255, b_ab = (b_ab + 255) & ~(size_t)255;
     b_h = (b_h + 255) & ~(size_t)255, b_y = (b_y + 255) & ~(size_t)255;
-    if (grow_scratch(&c->moeg, &c->moeg_bytes, b_xg + b_ab + b_h + b_y + b_inv,
-                     "moe gemm scratch", err))
+    if (grow_scratch(&c->moeg, &c->moeg_bytes, b_xg + b_ab + b_h + b_y + b_inv, "moe gemm scratch",
+                     err))
         return DS_ERR;
     char *base = (char *)c->moeg;
     __nv_bfloat16 *xg = (__nv_bfloat16 *)base, *ab = (__nv_bfloat16 *)(base + b_xg);
@@ -1590,8 +1621,8 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         int32_t *start = (int32_t *)(c->part + nf), *perm = start + E + 1, *active = perm + rows;
         int32_t *n_active = active + E;
         const unsigned ya = (unsigned)DS_MIN(E, rows); /* at most this many experts have rows */
-        moe_group_k<<<1, 256, ((size_t)E + 1) * sizeof(int32_t), c->stream>>>(idx, rows, E, start,
-                                                                               perm, active, n_active);
+        moe_group_k<<<1, 256, ((size_t)E + 1) * sizeof(int32_t), c->stream>>>(
+            idx, rows, E, start, perm, active, n_active);
         CU_TRY(cudaGetLastError(), "moe group");
         if (c->expert_gemm && !c->batch_invariant && rows >= EXPERT_GEMM_MIN_ROWS)
             return moe_experts_gemm(c, out, x, w, T, k, E, D, I, gate_up, down, situ, situ_beta,
@@ -1601,8 +1632,7 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         const int rp_dn = DS_MAX(1, DS_MIN(8, (int)(MOE_SMEM / ((size_t)I * 4))));
         static int smem_set; /* once, before any capture can be open */
         if (!smem_set) {
-            CU_TRY(cudaFuncSetAttribute(moe_grouped_k,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+            CU_TRY(cudaFuncSetAttribute(moe_grouped_k, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         (int)MOE_SMEM),
                    "moe: shared memory");
             smem_set = 1;
@@ -1615,9 +1645,8 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
             h, rows, I, situ, situ_beta, situ_lin_beta);
         CU_TRY(cudaGetLastError(), "moe act");
         /* the activations sit in the gate half of h: rows 2I apart, one per routed row */
-        moe_grouped_k<<<dim3((unsigned)((D + 7) / 8), ya), 256, (size_t)rp_dn * I * 4,
-                        c->stream>>>(y, D, h, 2 * I, 1, down, D, I, start, perm, active, n_active,
-                                     rp_dn);
+        moe_grouped_k<<<dim3((unsigned)((D + 7) / 8), ya), 256, (size_t)rp_dn * I * 4, c->stream>>>(
+            y, D, h, 2 * I, 1, down, D, I, start, perm, active, n_active, rp_dn);
         CU_TRY(cudaGetLastError(), "moe down (grouped)");
     } else {
         moe_up_k<<<dim3((unsigned)((2 * I + 7) / 8), (unsigned)rows), 256, 0, c->stream>>>(
@@ -1790,8 +1819,8 @@ extern "C" int ds_cu_kda_recurrent(ds_cu *c, float *o, const float *q, const flo
 extern "C" int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, const float *k,
                                          const float *v, const float *g, const float *beta,
                                          const int32_t *seg_off, float *const *S,
-                                         float *const *S_rows, size_t rows_stride, int n_seq,
-                                         int H, int dk, int dv, ds_err *err) {
+                                         float *const *S_rows, size_t rows_stride, int n_seq, int H,
+                                         int dk, int dv, ds_err *err) {
     if (!rows_stride) rows_stride = (size_t)H * dk * dv;
     if (n_seq <= 0 || H <= 0) return DS_OK;
     int threads, cols;
@@ -1803,16 +1832,16 @@ extern "C" int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, con
                                                             rows_stride, H, dv);
         break;
     case 32:
-        kda_batch_k<32, 1>
-            <<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows, rows_stride, H, dv);
+        kda_batch_k<32, 1><<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows,
+                                                            rows_stride, H, dv);
         break;
     case 64:
-        kda_batch_k<64, 1>
-            <<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows, rows_stride, H, dv);
+        kda_batch_k<64, 1><<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows,
+                                                            rows_stride, H, dv);
         break;
     case 128:
-        kda_batch_k<128, 2>
-            <<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows, rows_stride, H, dv);
+        kda_batch_k<128, 2><<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S,
+                                                             S_rows, rows_stride, H, dv);
         break;
     default:
         return ds_errf(err, "cuda: kda_recurrent: head dim %d (16, 32, 64 or 128 supported)", dk);
