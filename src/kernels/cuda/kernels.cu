@@ -164,7 +164,6 @@ extern "C" int ds_cu_copy_d2d(ds_cu *c, void *dst, const void *src, size_t bytes
 }
 
 /* Set by grow_scratch; the next ds_cu_epoch reads and clears it (one stream per process). */
-static int grow_scratch(void **p, size_t *cap, size_t need, const char *what, ds_err *err);
 static int g_epoch_bump;
 
 /* Grows a device scratch buffer to at least `need` bytes (contents not kept). */
@@ -176,6 +175,21 @@ static int grow_scratch(void **p, size_t *cap, size_t need, const char *what, ds
     *cap = 0;
     CU_TRY(cudaMalloc(p, need), what);
     *cap = need;
+    return DS_OK;
+}
+
+/* n buffers of sizes[i] bytes laid out in one scratch (each 256-byte aligned), grown to fit; out[i]
+ * receive their addresses. */
+static int carve_scratch(void **buf, size_t *cap, const size_t *sizes, void **out, int n,
+                         const char *what, ds_err *err) {
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += (sizes[i] + 255) & ~(size_t)255;
+    if (grow_scratch(buf, cap, total, what, err)) return DS_ERR;
+    char *p = (char *)*buf;
+    for (int i = 0; i < n; i++) {
+        out[i] = p;
+        p += (sizes[i] + 255) & ~(size_t)255;
+    }
     return DS_OK;
 }
 
@@ -1158,19 +1172,15 @@ static int mla_expanded_gemm(ds_cu *c, float *o, const float *q, const float *kN
     const int dq = dn + dr, C = n_ctx;
     /* query rows per chunk: S (f32) and P (bf16) of all heads within ~1.5 GB */
     const int Tq = (int)DS_MAX(1, DS_MIN((size_t)T, ((size_t)3 << 29) / ((size_t)Ha * C * 6)));
-    size_t b_k = (size_t)C * Ha * dq * 2, b_v = (size_t)C * Ha * dvh * 2;
-    size_t b_q = (size_t)T * Ha * dq * 2, b_s = (size_t)Ha * Tq * C * 4;
-    size_t b_p = (size_t)Ha * Tq * C * 2;
-    b_k = (b_k + 255) & ~(size_t)255, b_v = (b_v + 255) & ~(size_t)255;
-    b_q = (b_q + 255) & ~(size_t)255, b_s = (b_s + 255) & ~(size_t)255;
-    if (grow_scratch(&c->mlag, &c->mlag_bytes, b_k + b_v + b_q + b_s + b_p, "mla gemm scratch",
-                     err))
-        return DS_ERR;
-    char *base = (char *)c->mlag;
-    __nv_bfloat16 *Kb = (__nv_bfloat16 *)base, *Vb = (__nv_bfloat16 *)(base + b_k);
-    __nv_bfloat16 *Qb = (__nv_bfloat16 *)(base + b_k + b_v);
-    float *S = (float *)(base + b_k + b_v + b_q);
-    __nv_bfloat16 *P = (__nv_bfloat16 *)(base + b_k + b_v + b_q + b_s);
+    /* Kb [C][Ha][dq], Vb [C][Ha][dvh], Qb [T][Ha][dq] bf16 | S [Ha][Tq][C] f32 | P likewise bf16 */
+    const size_t sz[5] = {(size_t)C * Ha * dq * 2, (size_t)C * Ha * dvh * 2,
+                          (size_t)T * Ha * dq * 2, (size_t)Ha * Tq * C * 4,
+                          (size_t)Ha * Tq * C * 2};
+    void *b[5];
+    if (carve_scratch(&c->mlag, &c->mlag_bytes, sz, b, 5, "mla gemm scratch", err)) return DS_ERR;
+    __nv_bfloat16 *Kb = (__nv_bfloat16 *)b[0], *Vb = (__nv_bfloat16 *)b[1];
+    __nv_bfloat16 *Qb = (__nv_bfloat16 *)b[2], *P = (__nv_bfloat16 *)b[4];
+    float *S = (float *)b[3];
     size_t nk = (size_t)C * Ha * dq;
     mla_kcat_k<<<(unsigned)((nk + 255) / 256), 256, 0, c->stream>>>(Kb, kN, kR, C, Ha, dn, dr);
     CU_TRY(cudaGetLastError(), "mla gemm: keys");
@@ -1547,17 +1557,13 @@ static int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w
                             const int32_t *start, const int32_t *perm, ds_err *err) {
     const int rows = T * k;
     /* xg [rows][D] bf16 | ab [rows][I] bf16 | h [rows][2I] f32 | y [rows][D] f32 | inv [rows] */
-    size_t b_xg = (size_t)rows * D * 2, b_ab = (size_t)rows * I * 2;
-    size_t b_h = (size_t)rows * 2 * I * 4, b_y = (size_t)rows * D * 4, b_inv = (size_t)rows * 4;
-    b_xg = (b_xg + 255) & ~(size_t)255, b_ab = (b_ab + 255) & ~(size_t)255;
-    b_h = (b_h + 255) & ~(size_t)255, b_y = (b_y + 255) & ~(size_t)255;
-    if (grow_scratch(&c->moeg, &c->moeg_bytes, b_xg + b_ab + b_h + b_y + b_inv, "moe gemm scratch",
-                     err))
-        return DS_ERR;
-    char *base = (char *)c->moeg;
-    __nv_bfloat16 *xg = (__nv_bfloat16 *)base, *ab = (__nv_bfloat16 *)(base + b_xg);
-    float *h = (float *)(base + b_xg + b_ab), *y = (float *)(base + b_xg + b_ab + b_h);
-    int32_t *inv = (int32_t *)(base + b_xg + b_ab + b_h + b_y);
+    const size_t sz[5] = {(size_t)rows * D * 2, (size_t)rows * I * 2, (size_t)rows * 2 * I * 4,
+                          (size_t)rows * D * 4, (size_t)rows * 4};
+    void *b[5];
+    if (carve_scratch(&c->moeg, &c->moeg_bytes, sz, b, 5, "moe gemm scratch", err)) return DS_ERR;
+    __nv_bfloat16 *xg = (__nv_bfloat16 *)b[0], *ab = (__nv_bfloat16 *)b[1];
+    float *h = (float *)b[2], *y = (float *)b[3];
+    int32_t *inv = (int32_t *)b[4];
     if (c->h_start_n < E + 1) {
         int32_t *p = (int32_t *)realloc(c->h_start, (size_t)(E + 1) * sizeof *p);
         if (!p) return ds_errf(err, "cuda: out of host memory");
