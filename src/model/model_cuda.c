@@ -122,6 +122,8 @@ typedef struct ds_cuda_model {
     } graphs[64];
     int n_graphs;
     uint64_t graph_replays, graph_failures;
+    float *tp_host; /* tensor parallelism: collectives staged through the host, tp_cap floats */
+    size_t tp_cap;
     int32_t *h_i; /* host staging of the two arenas */
     size_t h_icap;
     void **h_p;
@@ -263,7 +265,8 @@ static int up_ffn(ds_cuda_model *cm, const ds_model *m, const ffn_w *w, cu_ffn *
     const ds_config *c = &m->cfg;
     const ds_mat *gu[2] = {&w->gate, &w->up}, *sgu[2] = {&w->sh_gate, &w->sh_up};
     if (!w->is_moe) return up_stack(cm, gu, 2, &d->gu, err) || up_mat(cm, &w->down, &d->down, err);
-    int E = c->num_experts, Ie = c->moe_intermediate_size;
+    /* the router sees every expert; the weights are this rank's experts [e0, e1) only */
+    int E = c->num_experts, El = m->e1 - m->e0, Ie = c->moe_intermediate_size;
     int Hin = c->routed_expert_hidden_size ? c->routed_expert_hidden_size : c->hidden_size;
     if (up_mat(cm, &w->router, &d->router, err) ||
         up_vec(cm, w->router_bias, (size_t)E, &d->router_bias, err) ||
@@ -273,24 +276,24 @@ static int up_ffn(ds_cuda_model *cm, const ds_model *m, const ffn_w *w, cu_ffn *
         up_vec(cm, w->lat_norm, (size_t)Hin, &d->lat_norm, err))
         return DS_ERR;
     size_t per = (size_t)Ie * Hin; /* elements of one expert matrix */
-    d->gate_up = dev_alloc(cm, (size_t)E * 2 * per * 2, err);
-    d->e_down = dev_alloc(cm, (size_t)E * per * 2, err);
+    d->gate_up = dev_alloc(cm, (size_t)El * 2 * per * 2, err);
+    d->e_down = dev_alloc(cm, (size_t)El * per * 2, err);
     if (!d->gate_up || !d->e_down) return DS_ERR;
-    if (w->w1[0].data == ds_random_weights) {
+    if (w->w1[m->e0].data == ds_random_weights) {
         uint64_t key = 0xe8e8ull + (uint64_t)cm->n_allocs * 0x9e3779b97f4a7c15ull;
-        if (ds_cu_fill_random_bf16(cm->c, d->gate_up, (size_t)E * 2 * per, key,
+        if (ds_cu_fill_random_bf16(cm->c, d->gate_up, (size_t)El * 2 * per, key,
                                    sqrtf(3.0f / (float)Hin), err) ||
-            ds_cu_fill_random_bf16(cm->c, d->e_down, (size_t)E * per, key + 1,
+            ds_cu_fill_random_bf16(cm->c, d->e_down, (size_t)El * per, key + 1,
                                    sqrtf(3.0f / (float)Ie), err))
             return DS_ERR;
         return DS_OK;
     }
-    for (int e = 0; e < E; e++) {
+    for (int e = m->e0; e < m->e1; e++) {
         const ds_mat *w1 = &w->w1[e], *w3 = &w->w3[e], *w2 = &w->w2[e];
-        if (upload_bf16(cm, d->gate_up + (size_t)e * 2 * per, w1->data, w1->dtype, per, err) ||
-            upload_bf16(cm, d->gate_up + ((size_t)e * 2 + 1) * per, w3->data, w3->dtype, per,
-                        err) ||
-            upload_bf16(cm, d->e_down + (size_t)e * per, w2->data, w2->dtype, per, err))
+        size_t l = (size_t)(e - m->e0); /* its place among this rank's experts */
+        if (upload_bf16(cm, d->gate_up + l * 2 * per, w1->data, w1->dtype, per, err) ||
+            upload_bf16(cm, d->gate_up + (l * 2 + 1) * per, w3->data, w3->dtype, per, err) ||
+            upload_bf16(cm, d->e_down + l * per, w2->data, w2->dtype, per, err))
             return DS_ERR;
     }
     return DS_OK;
@@ -301,7 +304,6 @@ static void drop_graphs(struct ds_cuda_model *cm);
 void ds_cuda_model_detach(ds_model *m) {
     ds_cuda_model *cm = m->cu;
     if (!cm) return;
-    if (cm->layers) (void)0;
     for (int i = 0; i < cm->n_allocs; i++) ds_cu_dealloc(cm->allocs[i]);
     drop_graphs(cm);
     ds_cu_dealloc(cm->sc);
@@ -313,6 +315,7 @@ void ds_cuda_model_detach(ds_model *m) {
     free(cm->conv);
     free(cm->h_i);
     free(cm->h_p);
+    free(cm->tp_host);
     free(cm);
     m->cu = NULL;
     if (--g_cu_refs == 0) {
@@ -346,9 +349,6 @@ static int check_shapes(const ds_model *m, ds_err *err) {
 int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     const ds_config *c = &m->cfg;
     if (check_shapes(m, err)) return DS_ERR;
-    if (m->tp_size > 1)
-        return ds_errf(err, "device cuda: tensor parallelism on GPUs needs NCCL, not built yet "
-                            "(run -tp on the CPU, or -pp alone on GPUs)");
     int n_dev = ds_cu_device_count();
     if (n_dev < 1) return ds_errf(err, "device cuda: no GPU found");
     device_index %= n_dev; /* more ranks than GPUs share them */
@@ -663,6 +663,25 @@ static int build_indices(cstep *s, const ds_stage_io *in, ds_err *err) {
     } while (0)
 
 /* out[T][D] = KDA(xn) (model.c kda_forward). */
+/* Host staging for tensor-parallel collectives (until NCCL): at least n floats. */
+static float *tp_stage(cstep *s, size_t n, ds_err *err) {
+    ds_cuda_model *cm = s->cm;
+    if (grow_host((void **)&cm->tp_host, &cm->tp_cap, n, sizeof(float), err)) return NULL;
+    return cm->tp_host;
+}
+
+/* dbuf[n] (device) <- its sum over the TP group, as the CPU's tp_sum: through the host and the
+ * comm's all-reduce (NCCL would keep it on the GPUs; not built yet). Nothing on one rank. */
+static int tp_sum(cstep *s, float *dbuf, size_t n, ds_err *err) {
+    const ds_model *m = s->m;
+    if (m->tp_size == 1) return DS_OK;
+    float *h = tp_stage(s, n, err);
+    if (!h || ds_cu_download(s->c, h, dbuf, n * sizeof(float), err)) return DS_ERR;
+    if (m->opts.allreduce(m->opts.allreduce_ctx, h, n))
+        return ds_errf(err, "forward: a tensor-parallel all-reduce failed");
+    return ds_cu_upload(s->c, dbuf, h, n * sizeof(float), err);
+}
+
 static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float *xn, float *out,
                        ds_err *err) {
     const ds_config *c = &s->m->cfg;
@@ -716,6 +735,7 @@ static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float
         TRY(ds_cu_matmul(cu, g, P, fa + dk, nf, T, &w->g_b, err));
     ds_cu_gated_rmsnorm_heads(cu, q, o, g, w->o_norm, T, H, dk, c->rms_norm_eps);
     TRY(ds_cu_matmul(cu, out, D, q, P, T, &w->o, err));
+    TRY(tp_sum(s, out, (size_t)T * D, err));
     s->used = mark;
     return DS_OK;
 }
@@ -808,6 +828,7 @@ static int mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float
         ds_cu_mul(cu, o, gt, (size_t)T * Ha * dvh);
     }
     TRY(ds_cu_matmul(cu, out, D, o, Ha * dvh, T, &w->o, err));
+    TRY(tp_sum(s, out, (size_t)T * D, err));
     s->used = mark;
     return DS_OK;
 }
@@ -835,10 +856,14 @@ static int ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, f
     const ds_config *c = &s->m->cfg;
     ds_cu *cu = s->c;
     int T = s->T, D = c->hidden_size;
-    if (!is_moe) return mlp(s, &w->gu, &w->down, xn, T, out, err);
+    if (!is_moe) {
+        TRY(mlp(s, &w->gu, &w->down, xn, T, out, err));
+        return tp_sum(s, out, (size_t)T * D, err);
+    }
     int E = c->num_experts, K = c->num_experts_per_token, Ie = c->moe_intermediate_size;
     int Hin = c->routed_expert_hidden_size ? c->routed_expert_hidden_size : D;
     int latent = c->routed_expert_hidden_size > 0, shared = c->num_shared_experts > 0;
+    int e0 = s->m->e0, El = s->m->e1 - s->m->e0; /* this rank's experts */
     size_t mark = s->used;
     float *z = take(s, (size_t)T * E);                            /* [T][E] router logits */
     float *wt = take(s, (size_t)T * K);                           /* [T][K] combine weights */
@@ -864,17 +889,22 @@ static int ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, f
     for (int t0 = 0; t0 < T; t0 += chunk) { /* the expert kernel takes 65535 routed rows */
         int n = DS_MIN(chunk, T - t0);
         TRY(ds_cu_moe_experts(cu, acc + (size_t)t0 * Hin, ein + (size_t)t0 * Hin,
-                              idx + (size_t)t0 * K, wt + (size_t)t0 * K, n, K, E, Hin, Ie,
+                              idx + (size_t)t0 * K, wt + (size_t)t0 * K, n, K, El, e0, Hin, Ie,
                               w->gate_up, w->e_down, situ, c->situ_beta, c->situ_linear_beta,
                               shared && !latent, err));
     }
     if (latent) {
+        /* the latent norm is nonlinear: the routed sum is completed first (as on the CPU) */
+        TRY(tp_sum(s, acc, (size_t)T * Hin, err));
         if (w->lat_norm) ds_cu_rmsnorm(cu, acc, acc, w->lat_norm, T, Hin, c->rms_norm_eps);
         TRY(ds_cu_matmul(cu, out, D, acc, Hin, T, &w->lat_up, err));
         if (shared) {
             TRY(mlp(s, &w->sh_gu, &w->sh_down, xn, T, sh, err));
+            TRY(tp_sum(s, sh, (size_t)T * D, err));
             ds_cu_add(cu, out, sh, (size_t)T * D);
         }
+    } else {
+        TRY(tp_sum(s, out, (size_t)T * D, err)); /* routed + shared partials in one all-reduce */
     }
     s->used = mark;
     return DS_OK;
@@ -917,7 +947,8 @@ static int run_body(cstep *s, int nb, ds_err *err) {
     float *P = s->P, *x = s->x, *a = s->a, *bank = s->bank;
     int hid = wants_hidden(s);
     if (m->l0 == 0) {
-        ds_cu_embed(cu, P, &cm->embed, s->ids, T);
+        ds_cu_embed_range(cu, P, &cm->embed, s->ids, T, m->v0); /* this rank's vocabulary */
+        TRY(tp_sum(s, P, (size_t)T * D, err));
         if (hid) TRY(save_hidden(s, -1, P, err));
     }
     const int nbx = s->nb_max + 1;
@@ -971,9 +1002,9 @@ static int run_body(cstep *s, int nb, ds_err *err) {
     } else {
         ds_cu_rmsnorm(cu, x, P, cm->final_norm, T, D, c->rms_norm_eps);
     }
-    if (s->n_lg) {
+    if (s->n_lg) { /* this rank's block of the vocabulary: [n_lg][vp] */
         TRY(ds_cu_move_rows(cu, s->xr, (size_t)D, NULL, x, (size_t)D, s->lg_rows, s->n_lg, D, err));
-        TRY(ds_cu_matmul(cu, s->lg, c->vocab_size, s->xr, D, s->n_lg, &cm->lm_head, err));
+        TRY(ds_cu_matmul(cu, s->lg, m->vp, s->xr, D, s->n_lg, &cm->lm_head, err));
     }
     return DS_OK;
 }
@@ -989,7 +1020,8 @@ enum { MAX_GRAPHS = 64 };
 
 static int graphable(const cstep *s, const ds_stage_io *in) {
     const ds_model *m = s->m;
-    if (m->opts.enforce_eager || s->T > 1024 || wants_hidden(s)) return 0;
+    /* (tensor parallelism stages its collectives through the host for now: no graphs) */
+    if (m->opts.enforce_eager || m->tp_size > 1 || s->T > 1024 || wants_hidden(s)) return 0;
     for (int q = 0; q < s->n_seq; q++)
         if (m->n_mla && s->seqs[q].n >= m->opts.mla_expanded_min) return 0;
     (void)in;
@@ -1053,8 +1085,9 @@ static int run_step(cstep *s, const ds_stage_io *in, ds_stage_io *out, ds_err *e
     s->a = take(s, TD);   /* [T][D] sublayer output */
     s->bank = take(s, 0); /* [nb_max][T][D] banked AttnRes blocks (build_indices' layout) */
     s->used += (size_t)s->nb_max * TDp;
-    s->xr = take(s, (size_t)s->n_lg * D);             /* [n_lg][D] rows that want logits */
-    s->lg = take(s, (size_t)s->n_lg * c->vocab_size); /* [n_lg][V] their logits */
+    s->xr = take(s, (size_t)s->n_lg * D);     /* [n_lg][D] rows that want logits */
+    s->lg = take(s, (size_t)s->n_lg * m->vp); /* [n_lg][vp] their logits (this rank's
+vocabulary block; all of V on one) */
     if (s->used > cm->sc_cap) s->overflow = 1;
     TAKEN();
     int nb = 0;
@@ -1087,6 +1120,25 @@ static int run_step(cstep *s, const ds_stage_io *in, ds_stage_io *out, ds_err *e
                                (size_t)sb->n * D * sizeof(float), err));
     }
     int r = 0, V = c->vocab_size;
+    if (m->tp_size > 1 && s->n_lg) {
+        /* every rank's block, gathered as on the CPU (logits_flush): all [Tp][n_lg][vp] */
+        size_t nm = (size_t)s->n_lg * m->vp;
+        float *mine = tp_stage(s, nm * (1 + (size_t)m->tp_size), err);
+        if (!mine || ds_cu_download(cu, mine, s->lg, nm * sizeof(float), err)) return DS_ERR;
+        float *all = mine + nm;
+        if (m->opts.allgather(m->opts.allgather_ctx, mine, nm, all))
+            return ds_errf(err, "forward: a tensor-parallel all-gather failed");
+        for (int q = 0; q < s->n_seq; q++) {
+            ds_seq_batch *sb = &s->seqs[q];
+            for (int i = 0; sb->logits && i < sb->n_logits; i++, r++)
+                for (int t = 0; t < m->tp_size; t++) {
+                    int v0 = DS_MIN(V, t * m->vp), nv = DS_MIN(V, v0 + m->vp) - v0;
+                    memcpy(sb->logits + (size_t)i * V + v0, all + ((size_t)t * s->n_lg + r) * m->vp,
+                           (size_t)nv * sizeof(float));
+                }
+        }
+        return ds_cu_sync(cu, err);
+    }
     for (int q = 0; q < s->n_seq; q++) {
         ds_seq_batch *sb = &s->seqs[q];
         if (!sb->logits) continue;

@@ -582,9 +582,12 @@ static void check_moe_route(ds_cu *c, int T, int E, int k, int n_group, int topk
 /* Routed experts against the CPU composed from its own kernels: per (token, slot) the expert's
  * gate and up rows (ds_matmul on BF16), the activation, the down projection, then the weighted
  * sum in slot order. */
-/* gemm: the tensor-core path for long steps (activations in BF16: held to 1e-2). */
-static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, int situ,
-                                   int gemm) {
+/* gemm: the tensor-core path for long steps (activations in BF16: held to 1e-2). half: this rank
+ * holds experts [E/2, E) only, as under tensor parallelism: rows routed to the others add
+ * nothing. */
+static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, int situ, int gemm,
+                                   int half) {
+    const int e0 = half ? E / 2 : 0, El = E - e0;
     uint16_t *gu = rand_bf16((size_t)E * 2 * I * D, -0.1f, 0.1f);
     uint16_t *dn = rand_bf16((size_t)E * D * I, -0.1f, 0.1f);
     float *x = rand_f32((size_t)T * D, -1, 1), *w = rand_f32((size_t)T * k, 0, 1);
@@ -598,6 +601,7 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
         for (int d = 0; d < D; d++) o[d] = 0.0f;
         for (int j = 0; j < k; j++) {
             int e = idx[t * k + j];
+            if (e < e0) continue; /* another rank's */
             ds_mat mgu = {gu + (size_t)e * 2 * I * D, DS_DT_BF16, 2 * I, D};
             ds_mat mdn = {dn + (size_t)e * D * I, DS_DT_BF16, D, I};
             ds_matmul(hgu, 2 * I, x + (size_t)t * D, D, 1, &mgu);
@@ -610,20 +614,21 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
         }
         for (int d = 0; d < D; d++) o[d] += base[(size_t)t * D + d]; /* accumulate mode */
     }
-    uint16_t *dgu = dev(c, gu, (size_t)E * 2 * I * D * 2), *ddn = dev(c, dn, (size_t)E * D * I * 2);
+    uint16_t *dgu = dev(c, gu + (size_t)e0 * 2 * I * D, (size_t)El * 2 * I * D * 2);
+    uint16_t *ddn = dev(c, dn + (size_t)e0 * D * I, (size_t)El * D * I * 2);
     float *dx = dev(c, x, (size_t)T * D * 4), *dw = dev(c, w, (size_t)T * k * 4);
     float *dout = dev(c, base, (size_t)T * D * 4);
     int32_t *didx = dev(c, idx, (size_t)T * k * 4);
     ds_err err = {{0}};
     ds_cu_set_expert_gemm(c, gemm);
-    if (ds_cu_moe_experts(c, dout, dx, didx, dw, T, k, E, D, I, dgu, ddn, situ, 4.0f, 6.0f, 1,
+    if (ds_cu_moe_experts(c, dout, dx, didx, dw, T, k, El, e0, D, I, dgu, ddn, situ, 4.0f, 6.0f, 1,
                           &err))
         DIE("%s", err.msg);
     ds_cu_set_expert_gemm(c, 0);
     fetch(c, got, dout, (size_t)T * D * 4);
     char what[96];
-    snprintf(what, sizeof what, "moe experts T=%d k=%d E=%d D=%d I=%d %s%s", T, k, E, D, I,
-             situ ? "situ" : "swiglu", gemm ? " (gemm)" : "");
+    snprintf(what, sizeof what, "moe experts T=%d k=%d E=%d D=%d I=%d %s%s%s", T, k, E, D, I,
+             situ ? "situ" : "swiglu", gemm ? " (gemm)" : "", half ? " (half the experts)" : "");
     report(what, rel_err(got, ref, 1, (size_t)T * D, (size_t)T * D), gemm ? 1e-2 : 1e-5);
     ds_cu_dealloc(dgu), ds_cu_dealloc(ddn), ds_cu_dealloc(dx), ds_cu_dealloc(dw);
     ds_cu_dealloc(dout), ds_cu_dealloc(didx);
@@ -632,7 +637,7 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
 }
 
 static void check_moe_experts(ds_cu *c, int T, int k, int E, int D, int I, int situ) {
-    check_moe_experts_mode(c, T, k, E, D, I, situ, 0);
+    check_moe_experts_mode(c, T, k, E, D, I, situ, 0, 0);
 }
 
 /* Greedy choice of every row, ties and NaN included, exactly as the CPU. */
@@ -998,8 +1003,11 @@ int main(int argc, char **argv) {
     check_moe_experts(c, 5, 2, 4, 200, 72, 1);
     check_moe_experts(c, 40, 8, 64, 512, 256, 0);          /* grouped: ~5 rows per expert */
     check_moe_experts(c, 6, 3, 5, 100, 36, 1);             /* D % 8 != 0: one row at a time */
-    check_moe_experts_mode(c, 200, 8, 32, 512, 256, 0, 1); /* 1600 rows: tensor cores */
-    check_moe_experts_mode(c, 130, 8, 64, 256, 128, 1, 1); /* 1040 rows, SiTU */
+    check_moe_experts_mode(c, 200, 8, 32, 512, 256, 0, 1, 0); /* 1600 rows: tensor cores */
+    check_moe_experts_mode(c, 130, 8, 64, 256, 128, 1, 1, 0); /* 1040 rows, SiTU */
+    check_moe_experts_mode(c, 40, 8, 64, 512, 256, 0, 0, 1);   /* TP: half the experts */
+    check_moe_experts_mode(c, 6, 3, 8, 100, 36, 1, 0, 1);      /* ... one row at a time */
+    check_moe_experts_mode(c, 200, 8, 32, 512, 256, 0, 1, 1);  /* ... tensor cores */
     {
         int lens[5] = {1, 4, 1, 9, 2}, rows[5] = {0, 1, 0, 1, 0};
         check_short_conv_batch(c, lens, rows, 5, 4096, 4);

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU machine, with .devbin carried: pipeline stages on the GPU agree with one GPU. The
+# On the GPU machine, with .devbin carried: pipeline stages and tensor-parallel ranks on the GPU
+# agree with one GPU (-tp 2 within 1e-4 with batch-invariant matmuls, as DESIGN.md asks). The
 # bundled model's teacher-forced logits from one process on the CPU, one on the GPU, and two
 # pipeline stages on GPUs (rank r takes GPU r mod count: on one H200 both share it), compared
 # bit for bit (GPU one process vs GPU -pp 2) and by relative error (GPU vs CPU); then greedy
@@ -18,15 +19,21 @@ for mode in 0 1; do
   $B logits --model $M --token-ids $IDS --out $OUT/cpu.npy --device cpu || fail=1
   $B logits --model $M --token-ids $IDS --out $OUT/gpu1_$mode.npy --device cuda || fail=1
   $B logits --model $M --token-ids $IDS --out $OUT/gpu_pp2_$mode.npy --device cuda -pp 2 2>&1 | tail -3 || fail=1
+  $B logits --model $M --token-ids $IDS --out $OUT/gpu_tp2_$mode.npy --device cuda -tp 2 2>&1 | tail -3 || fail=1
   python3 - "$OUT" $mode <<'PY' || fail=1
 import sys, numpy as np
 out, mode = sys.argv[1], sys.argv[2]
 cpu = np.load(f"{out}/cpu.npy"); g1 = np.load(f"{out}/gpu1_{mode}.npy"); g2 = np.load(f"{out}/gpu_pp2_{mode}.npy")
+t2 = np.load(f"{out}/gpu_tp2_{mode}.npy")
 rel = float(np.linalg.norm(g1 - cpu) / np.linalg.norm(cpu))
+rel_tp = float(np.linalg.norm(t2 - g1) / np.linalg.norm(g1))
 same = bool(np.array_equal(g1, g2))
 agree = float((g1.argmax(-1) == cpu.argmax(-1)).mean())
-print(f"batch_invariant={mode}: GPU vs CPU rel err {rel:.2e}, argmax agreement {agree:.4f}; GPU -pp 2 == GPU one process: {same}")
-sys.exit(0 if same and rel < (1e-4 if mode == "1" else 2e-2) else 1)
+agree_tp = float((t2.argmax(-1) == g1.argmax(-1)).mean())
+print(f"batch_invariant={mode}: GPU vs CPU rel err {rel:.2e}, argmax agreement {agree:.4f}; GPU -pp 2 == GPU one process: {same}; "
+      f"GPU -tp 2 vs one GPU rel err {rel_tp:.2e}, argmax agreement {agree_tp:.4f}")
+tol = 1e-4 if mode == "1" else 2e-2
+sys.exit(0 if same and rel < tol and rel_tp < tol else 1)
 PY
 done
 for dev in cpu cuda; do

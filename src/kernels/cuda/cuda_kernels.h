@@ -61,6 +61,10 @@ int ds_cu_matmul_heads(ds_cu *c, float *y, int ldy, size_t ys, const float *x, i
                        int T, const ds_cu_mat *w, size_t ws, int H, ds_err *err);
 /* out[t][:] = row ids[t] of E in f32: out [T][E.cols]; ids in device memory. */
 void ds_cu_embed(ds_cu *c, float *out, const ds_cu_mat *e, const int32_t *ids, int T);
+/* The same for a vocabulary slice: e holds rows [v0, v0 + e->rows); other tokens embed as zeros
+ * (summed over the TP group, every rank ends with the whole embedding). */
+void ds_cu_embed_range(ds_cu *c, float *out, const ds_cu_mat *e, const int32_t *ids, int T,
+                       int v0);
 /* y[t] = w ⊙ x[t] / sqrt(mean(x[t]^2) + eps); x, y: [T][D]; w: [D]; y may == x. */
 void ds_cu_rmsnorm(ds_cu *c, float *y, const float *x, const float *w, int T, int D, float eps);
 /* out[i] = silu(gate[i]) * up[i] */
@@ -121,9 +125,11 @@ int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z, const floa
  * act: SwiGLU, or SiTU with its betas (as ds_act_situ). accumulate: add to out instead of
  * writing it. T * k at most 65535. With D and I multiples of 8 the routed rows are grouped by
  * expert first, so each chosen expert's weights are read once per call (E: experts in gate_up).
- * Either way a row's result does not depend on the other rows. */
+ * Either way a row's result does not depend on the other rows. Tensor parallelism: gate_up and
+ * down hold this rank's experts [e0, e0 + E) only (idx stays global); rows routed elsewhere add
+ * nothing here (the all-reduce adds them). Without it e0 = 0 and E = all experts. */
 int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx, const float *w,
-                      int T, int k, int E, int D, int I, const uint16_t *gate_up,
+                      int T, int k, int E, int e0, int D, int I, const uint16_t *gate_up,
                       const uint16_t *down, int situ, float situ_beta, float situ_lin_beta,
                       int accumulate, ds_err *err);
 

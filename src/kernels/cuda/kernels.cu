@@ -398,16 +398,25 @@ extern "C" int ds_cu_gemm_bf16(ds_cu *c, uint16_t *C, const uint16_t *A, const u
 
 /* ---- embedding, norms, activations -------------------------------------------------------- */
 
-__global__ void embed_k(float *out, const __nv_bfloat16 *e, const int32_t *ids, int D) {
-    int t = blockIdx.x;
-    const __nv_bfloat16 *row = e + (size_t)ids[t] * D;
+/* Rows [v0, v0 + nv) of the vocabulary live in e; a token outside them embeds as zeros (the
+ * vocabulary-parallel slice: the TP all-reduce then gives every rank the whole embedding). */
+__global__ void embed_k(float *out, const __nv_bfloat16 *e, const int32_t *ids, int D, int v0,
+                        int nv) {
+    int t = blockIdx.x, id = ids[t] - v0;
+    const __nv_bfloat16 *row = e + (size_t)id * D;
     for (int c = threadIdx.x; c < D; c += blockDim.x)
-        out[(size_t)t * D + c] = __bfloat162float(row[c]);
+        out[(size_t)t * D + c] = id >= 0 && id < nv ? __bfloat162float(row[c]) : 0.0f;
 }
 
 extern "C" void ds_cu_embed(ds_cu *c, float *out, const ds_cu_mat *e, const int32_t *ids, int T) {
+    ds_cu_embed_range(c, out, e, ids, T, 0);
+}
+
+extern "C" void ds_cu_embed_range(ds_cu *c, float *out, const ds_cu_mat *e, const int32_t *ids,
+                                  int T, int v0) {
     if (T <= 0) return;
-    embed_k<<<T, 256, 0, c->stream>>>(out, (const __nv_bfloat16 *)e->data, ids, e->cols);
+    embed_k<<<T, 256, 0, c->stream>>>(out, (const __nv_bfloat16 *)e->data, ids, e->cols, v0,
+                                      e->rows);
     note_launch(c);
 }
 
@@ -1370,11 +1379,12 @@ extern "C" int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z,
  * once per row routed to it; then the k rows of a token are combined in slot order (no atomics:
  * the same bits every run). Grouping rows by expert for tensor-core GEMMs is the prefill path. */
 __global__ void __launch_bounds__(256) moe_up_k(float *h, const float *x, const int32_t *idx, int k,
-                                                int D, int I2, const uint16_t *gate_up) {
+                                                int D, int I2, const uint16_t *gate_up, int e0,
+                                                int E) {
     const int r = blockIdx.y, t = r / k, lane = threadIdx.x & 31;
-    const int n = blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (n >= I2) return;
-    const uint16_t *wr = gate_up + ((size_t)idx[r] * I2 + n) * D;
+    const int n = blockIdx.x * 8 + (threadIdx.x >> 5), e = idx[r] - e0;
+    if (n >= I2 || e < 0 || e >= E) return; /* another rank's expert: the combine skips it */
+    const uint16_t *wr = gate_up + ((size_t)e * I2 + n) * D;
     const float *xt = x + (size_t)t * D;
     float acc = 0.0f;
     for (int c = lane; c < D; c += 32) acc += __uint_as_float((uint32_t)wr[c] << 16) * xt[c];
@@ -1383,10 +1393,12 @@ __global__ void __launch_bounds__(256) moe_up_k(float *h, const float *x, const 
 }
 
 __global__ void __launch_bounds__(256)
-    moe_down_k(float *y, const float *h, const int32_t *idx, int D, int I, const uint16_t *down) {
+    moe_down_k(float *y, const float *h, const int32_t *idx, int D, int I, const uint16_t *down,
+               int e0, int E) {
     const int r = blockIdx.y, lane = threadIdx.x & 31, d = blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (d >= D) return;
-    const uint16_t *wr = down + ((size_t)idx[r] * D + d) * I;
+    const int e = idx[r] - e0;
+    if (d >= D || e < 0 || e >= E) return;
+    const uint16_t *wr = down + ((size_t)e * D + d) * I;
     const float *a = h + (size_t)r * 2 * I;
     float acc = 0.0f;
     for (int c = lane; c < I; c += 32) acc += __uint_as_float((uint32_t)wr[c] << 16) * a[c];
@@ -1394,13 +1406,18 @@ __global__ void __launch_bounds__(256)
     if (lane == 0) y[(size_t)r * D + d] = acc;
 }
 
-__global__ void moe_combine_k(float *out, const float *y, const float *w, int T, int k, int D,
-                              int accumulate) {
+/* Only this rank's experts [e0, e0 + E) count: under tensor parallelism the others' rows are
+ * summed on their ranks and added by the all-reduce. */
+__global__ void moe_combine_k(float *out, const float *y, const float *w, const int32_t *idx,
+                              int e0, int E, int T, int k, int D, int accumulate) {
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)T * D) return;
     const size_t t = i / D, d = i % D;
     float acc = 0.0f;
-    for (int j = 0; j < k; j++) acc += w[t * k + j] * y[(t * k + j) * D + d];
+    for (int j = 0; j < k; j++) {
+        const int e = idx[t * k + j] - e0;
+        if (e >= 0 && e < E) acc += w[t * k + j] * y[(t * k + j) * D + d];
+    }
     out[i] = accumulate ? out[i] + acc : acc;
 }
 
@@ -1410,13 +1427,16 @@ __global__ void moe_combine_k(float *out, const float *y, const float *w, int T,
  * lists its rows in row order — the same grouping every run, whatever the thread timing.
  * start [E+1] (rows of expert e: perm[start[e] .. start[e+1])), perm [rows], active [E] the
  * experts with rows, n_active [1]. */
-__global__ void moe_group_k(const int32_t *idx, int rows, int E, int32_t *start, int32_t *perm,
-                            int32_t *active, int32_t *n_active) {
+__global__ void moe_group_k(const int32_t *idx, int rows, int e0, int E, int32_t *start,
+                            int32_t *perm, int32_t *active, int32_t *n_active) {
     extern __shared__ int32_t cnt[]; /* [E + 1] counts, then starts (shared: the serial layout
                                         pass below would otherwise wait on global memory) */
     for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e + 1] = 0;
     __syncthreads();
-    for (int r = threadIdx.x; r < rows; r += blockDim.x) atomicAdd(&cnt[idx[r] + 1], 1);
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) { /* this rank's experts only */
+        const int e = idx[r] - e0;
+        if (e >= 0 && e < E) atomicAdd(&cnt[e + 1], 1);
+    }
     __syncthreads();
     if (threadIdx.x == 0) { /* counts are the same whatever the atomics' order */
         int at = 0, na = 0;
@@ -1434,7 +1454,7 @@ __global__ void moe_group_k(const int32_t *idx, int rows, int E, int32_t *start,
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         int at = cnt[e], end = cnt[e + 1];
         for (int r = 0; r < rows && at < end; r++)
-            if (idx[r] == e) perm[at++] = r;
+            if (idx[r] - e0 == e) perm[at++] = r;
     }
 }
 
@@ -1538,7 +1558,10 @@ __global__ void moe_combine_perm_k(float *out, const float *y, const int32_t *in
     if (i >= (size_t)T * D) return;
     const size_t t = i / D, d = i % D;
     float acc = 0.0f;
-    for (int j = 0; j < k; j++) acc += w[t * k + j] * y[(size_t)inv[t * k + j] * D + d];
+    for (int j = 0; j < k; j++) { /* inv < 0: another rank's expert */
+        const int32_t r = inv[t * k + j];
+        if (r >= 0) acc += w[t * k + j] * y[(size_t)r * D + d];
+    }
     out[i] = accumulate ? out[i] + acc : acc;
 }
 
@@ -1565,7 +1588,8 @@ static int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w
                            cudaMemcpyDeviceToHost, c->stream),
            "moe: expert layout");
     CU_TRY(cudaStreamSynchronize(c->stream), "moe: expert layout");
-    moe_gather_bf16_k<<<rows, 256, 0, c->stream>>>(xg, x, D, perm, k);
+    const int n_local = c->h_start[E]; /* rows of this rank's experts, the first of perm */
+    if (n_local > 0) moe_gather_bf16_k<<<n_local, 256, 0, c->stream>>>(xg, x, D, perm, k);
     CU_TRY(cudaGetLastError(), "moe gather");
     const float one = 1.0f, zero = 0.0f;
     const size_t per_gu = (size_t)2 * I * D, per_dn = (size_t)D * I;
@@ -1578,8 +1602,9 @@ static int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w
                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                  "moe up (gemm)");
     }
-    moe_act_bf16_k<<<(unsigned)(((size_t)rows * I + 255) / 256), 256, 0, c->stream>>>(
-        ab, h, rows, I, situ, situ_beta, situ_lin_beta);
+    if (n_local > 0)
+        moe_act_bf16_k<<<(unsigned)(((size_t)n_local * I + 255) / 256), 256, 0, c->stream>>>(
+            ab, h, n_local, I, situ, situ_beta, situ_lin_beta);
     CU_TRY(cudaGetLastError(), "moe act (gemm)");
     for (int e = 0; e < E; e++) { /* Y_e [n][D] = A_e [n][I] W_down,e^T */
         const int r0 = c->h_start[e], n = c->h_start[e + 1] - r0;
@@ -1590,7 +1615,9 @@ static int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w
                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                  "moe down (gemm)");
     }
-    moe_inverse_k<<<(rows + 255) / 256, 256, 0, c->stream>>>(inv, perm, rows);
+    CU_TRY(cudaMemsetAsync(inv, 0xff, (size_t)rows * sizeof(int32_t), c->stream), "moe inverse");
+    if (n_local > 0)
+        moe_inverse_k<<<(n_local + 255) / 256, 256, 0, c->stream>>>(inv, perm, n_local);
     CU_TRY(cudaGetLastError(), "moe inverse");
     moe_combine_perm_k<<<(unsigned)(((size_t)T * D + 255) / 256), 256, 0, c->stream>>>(
         out, y, inv, w, T, k, D, accumulate);
@@ -1599,7 +1626,7 @@ static int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w
 }
 
 extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx,
-                                 const float *w, int T, int k, int E, int D, int I,
+                                 const float *w, int T, int k, int E, int e0, int D, int I,
                                  const uint16_t *gate_up, const uint16_t *down, int situ,
                                  float situ_beta, float situ_lin_beta, int accumulate,
                                  ds_err *err) {
@@ -1619,7 +1646,7 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         int32_t *n_active = active + E;
         const unsigned ya = (unsigned)DS_MIN(E, rows); /* at most this many experts have rows */
         moe_group_k<<<1, 256, ((size_t)E + 1) * sizeof(int32_t), c->stream>>>(
-            idx, rows, E, start, perm, active, n_active);
+            idx, rows, e0, E, start, perm, active, n_active);
         CU_TRY(cudaGetLastError(), "moe group");
         if (c->expert_gemm && !c->batch_invariant && rows >= EXPERT_GEMM_MIN_ROWS)
             return moe_experts_gemm(c, out, x, w, T, k, E, D, I, gate_up, down, situ, situ_beta,
@@ -1647,17 +1674,17 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         CU_TRY(cudaGetLastError(), "moe down (grouped)");
     } else {
         moe_up_k<<<dim3((unsigned)((2 * I + 7) / 8), (unsigned)rows), 256, 0, c->stream>>>(
-            h, x, idx, k, D, 2 * I, gate_up);
+            h, x, idx, k, D, 2 * I, gate_up, e0, E);
         CU_TRY(cudaGetLastError(), "moe up");
         moe_act_k<<<(unsigned)(((size_t)rows * I + 255) / 256), 256, 0, c->stream>>>(
             h, rows, I, situ, situ_beta, situ_lin_beta);
         CU_TRY(cudaGetLastError(), "moe act");
         moe_down_k<<<dim3((unsigned)((D + 7) / 8), (unsigned)rows), 256, 0, c->stream>>>(
-            y, h, idx, D, I, down);
+            y, h, idx, D, I, down, e0, E);
         CU_TRY(cudaGetLastError(), "moe down");
     }
-    moe_combine_k<<<(unsigned)(((size_t)T * D + 255) / 256), 256, 0, c->stream>>>(out, y, w, T, k,
-                                                                                  D, accumulate);
+    moe_combine_k<<<(unsigned)(((size_t)T * D + 255) / 256), 256, 0, c->stream>>>(
+        out, y, w, idx, e0, E, T, k, D, accumulate);
     CU_TRY(cudaGetLastError(), "moe combine");
     return DS_OK;
 }
