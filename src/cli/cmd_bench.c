@@ -151,7 +151,6 @@ int ds_cmd_bench(int argc, char **argv) {
     const char *batch_list = "1,16";
     int prompt_tokens = 512, steps = 8, reps = 2, batch_invariant = 0, decode_ctx = 32;
     int enforce_eager = 0;
-    static const char *const DEVICES[] = {"cpu", "cuda", "auto", NULL};
     static const char *const FORMATS[] = {"safetensors", "random", NULL};
     ds_arg opts[] = {
         {"model", "m", DS_ARG_STRING, &model_dir, "DIR", "checkpoint folder", .required = 1},
@@ -162,7 +161,8 @@ int ds_cmd_bench(int argc, char **argv) {
         DS_OPT("batch-sizes", NULL, DS_ARG_STRING, &batch_list, "B,B,..",
                "decode batch sizes measured"),
         DS_OPT("reps", NULL, DS_ARG_INT, &reps, "N", "prompt repetitions (best is kept)"),
-        {"device", NULL, DS_ARG_STRING, &device, "D", "cpu, cuda or auto", .choices = DEVICES},
+        {"device", NULL, DS_ARG_STRING, &device, "D", "cpu, cuda or auto",
+         .choices = ds_device_names},
         DS_OPT("batch-invariant", NULL, DS_ARG_BOOL, &batch_invariant, NULL,
                "CUDA: weight-streaming matmuls for every batch size (see serve --help)"),
         DS_OPT("enforce-eager", NULL, DS_ARG_BOOL, &enforce_eager, NULL,
@@ -196,9 +196,7 @@ int ds_cmd_bench(int argc, char **argv) {
     }
     ds_model_opts mo;
     ds_model_opts_default(&mo);
-    mo.device = !strcmp(device, "cuda")   ? DS_DEVICE_CUDA
-                : !strcmp(device, "auto") ? DS_DEVICE_AUTO
-                                          : DS_DEVICE_CPU;
+    mo.device = ds_device_from_name(device);
     mo.batch_invariant = batch_invariant;
     mo.enforce_eager = enforce_eager;
     mo.load_random = !strcmp(load_format, "random");

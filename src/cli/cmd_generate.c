@@ -64,17 +64,12 @@ static int feed(ds_model *m, one_seq *s, const int32_t *ids, int n, int pos0, fl
     return DS_OK;
 }
 
-/* --device's values, as model.h's DS_DEVICE_* (the default: cpu, or DS_DEVICE). */
-static const char *const DEVICES[] = {"cpu", "cuda", "auto", NULL};
-static int device_of(const char *name) {
-    return !strcmp(name, "cuda")   ? DS_DEVICE_CUDA
-           : !strcmp(name, "auto") ? DS_DEVICE_AUTO
-                                   : DS_DEVICE_CPU;
-}
+/* --device's default: cpu, or DS_DEVICE (an unknown name there is taken for cpu: the flag, or
+ * serve, names it). */
 static const char *default_device(void) {
     ds_model_opts o;
     ds_model_opts_default(&o);
-    return o.device == DS_DEVICE_CUDA ? "cuda" : o.device == DS_DEVICE_AUTO ? "auto" : "cpu";
+    return ds_device_names[o.device < 0 ? DS_DEVICE_CPU : o.device];
 }
 
 int ds_cmd_generate(int argc, char **argv) {
@@ -93,7 +88,8 @@ int ds_cmd_generate(int argc, char **argv) {
         DS_OPT("top-k", NULL, DS_ARG_INT, &top_k, "K", "keep the K most likely tokens (0 = off)"),
         DS_OPT("seed", NULL, DS_ARG_I64, &seed, "S", "sampling seed"),
         DS_OPT("ignore-eos", NULL, DS_ARG_BOOL, &ignore_eos, NULL, "do not stop at end of turn"),
-        {"device", NULL, DS_ARG_STRING, &device, "D", "cpu, cuda or auto", .choices = DEVICES},
+        {"device", NULL, DS_ARG_STRING, &device, "D", "cpu, cuda or auto",
+         .choices = ds_device_names},
     };
     ds_args a = {"deltaserve generate",
                  "Stream a completion of one prompt to stdout, then print prompt and decode speed\n"
@@ -115,7 +111,7 @@ int ds_cmd_generate(int argc, char **argv) {
     int n = 0, status = 1;
     ds_model_opts mo;
     ds_model_opts_default(&mo);
-    mo.device = device_of(device);
+    mo.device = ds_device_from_name(device);
     if (ds_model_load(model_dir, &mo, &m, &err) || ds_tok_load(model_dir, &tok, &err)) goto done;
     const ds_config *c = ds_model_config(m);
     if (chat) {
@@ -304,7 +300,7 @@ int ds_cmd_logits(int argc, char **argv) {
         DS_OPT("pp-layer-partition", NULL, DS_ARG_STRING, &partition, "2,3,3,2",
                "layers per stage (default: even, remainder to the middle stages)"),
         {"device", NULL, DS_ARG_STRING, &device, "D",
-         "cpu, cuda (rank r of a host uses GPU r mod count) or auto", .choices = DEVICES},
+         "cpu, cuda (rank r of a host uses GPU r mod count) or auto", .choices = ds_device_names},
     };
     ds_args a = {"deltaserve logits",
                  "Teacher-forced logits of every position, written as a float32 .npy array of\n"
@@ -336,7 +332,7 @@ int ds_cmd_logits(int argc, char **argv) {
         fprintf(stderr, "logits: %s\n", err.msg);
         return 1;
     }
-    if (rank_open(model_dir, tp, pp, counts, device_of(device), &r, &err)) goto done;
+    if (rank_open(model_dir, tp, pp, counts, ds_device_from_name(device), &r, &err)) goto done;
     int V = ds_model_config(r.m)->vocab_size;
     if (r.last) logits = ds_malloc((size_t)n * V * sizeof(float), &err);
     if ((r.last && !logits) || one_seq_init(&s, r.m, n, &err)) goto done;

@@ -228,15 +228,12 @@ int ds_cmd_serve(int argc, char **argv) {
     static const char *const RELAYS[] = {"partial-sum", "plain", NULL};
     int tp = 1, pp = 1;
     int spec_k = eo.num_speculative_tokens;
-    static const char *const DEVICES[] = {"cpu", "cuda", "auto", NULL};
-    const char *device = eo.device == DS_DEVICE_CUDA   ? "cuda"
-                         : eo.device == DS_DEVICE_AUTO ? "auto"
-                                                       : "cpu";
     int batch_invariant = eo.batch_invariant, enforce_eager = 0;
     if (eo.device < 0) {
         fprintf(stderr, "serve: DS_DEVICE=%s: expected cpu, cuda or auto\n", getenv("DS_DEVICE"));
         return 2;
     }
+    const char *device = ds_device_names[eo.device];
     static const char *const SPEC_METHODS[] = {"none", "dspark", "ngram", NULL};
     ds_arg opts[] = {
         {"model", "m", DS_ARG_STRING, &model_dir, "DIR", "checkpoint folder", .required = 1},
@@ -262,7 +259,7 @@ int ds_cmd_serve(int argc, char **argv) {
         {"device", NULL, DS_ARG_STRING, &device, "D",
          "cpu, cuda (weights and caches in GPU memory; under MPI rank r uses GPU r mod count) or "
          "auto (cuda when built with it and a GPU is present)",
-         .choices = DEVICES},
+         .choices = ds_device_names},
         DS_OPT("batch-invariant", NULL, DS_ARG_BOOL, &batch_invariant, NULL,
                "CUDA: every matmul streams the weights with f32 activations, so a request's output "
                "never depends on its batch (the CPU always is); slower prefill"),
@@ -347,9 +344,7 @@ int ds_cmd_serve(int argc, char **argv) {
     eo.max_model_len = max_model_len;
     eo.max_queue = max_queue;
     eo.seed = (uint64_t)seed;
-    eo.device = !strcmp(device, "cuda")   ? DS_DEVICE_CUDA
-                : !strcmp(device, "auto") ? DS_DEVICE_AUTO
-                                          : DS_DEVICE_CPU;
+    eo.device = ds_device_from_name(device);
     eo.batch_invariant = batch_invariant;
     eo.enforce_eager = enforce_eager;
     eo.speculative_method = !strcmp(spec_method, "dspark")  ? DS_SPEC_DSPARK

@@ -13,14 +13,19 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+const char *const ds_device_names[] = {"cpu", "cuda", "auto", NULL};
+
+int ds_device_from_name(const char *name) {
+    for (int i = 0; ds_device_names[i]; i++)
+        if (!strcmp(name, ds_device_names[i])) return i;
+    return -1;
+}
+
 /* DS_DEVICE / DS_BATCH_INVARIANT in the environment (see model.h); an unknown device name gives
  * -1, which the model load reports. */
 static int env_device(void) {
     const char *d = getenv("DS_DEVICE");
-    if (!d || !*d || !strcmp(d, "cpu")) return DS_DEVICE_CPU;
-    if (!strcmp(d, "cuda")) return DS_DEVICE_CUDA;
-    if (!strcmp(d, "auto")) return DS_DEVICE_AUTO;
-    return -1;
+    return !d || !*d ? DS_DEVICE_CPU : ds_device_from_name(d);
 }
 
 void ds_model_opts_default(ds_model_opts *o) {

@@ -18,6 +18,10 @@
 /* Where the model runs (issue 9). AUTO: the GPU when this build has the CUDA backend and a device
  * is present, else the CPU. */
 enum { DS_DEVICE_CPU = 0, DS_DEVICE_CUDA = 1, DS_DEVICE_AUTO = 2 };
+/* Their names, indexed by DS_DEVICE_*, NULL-terminated (the --device choices). */
+extern const char *const ds_device_names[];
+/* DS_DEVICE_* of a name, -1 for none of them. */
+int ds_device_from_name(const char *name);
 
 typedef struct ds_model_opts {
     /* Device: DS_DEVICE_*. The default is the CPU, or DS_DEVICE in the environment (cpu, cuda,
