@@ -218,8 +218,7 @@ static int size_pools(ds_engine *e, ds_err *err) {
     size_t budget = e->opts.kv_cache_memory;
     if (!budget) {
         /* on a GPU the pools take device memory: a fraction of what is free there */
-        size_t avail =
-            ds_model_on_device(e->model) ? ds_model_device_mem_free(e->model) : mem_available();
+        size_t avail = e->on_device ? ds_model_device_mem_free(e->model) : mem_available();
         budget = (size_t)(e->opts.kv_cache_fraction * (double)avail);
     }
     size_t slot_bytes = ds_model_slot_floats(e->model) * sizeof(float);
@@ -254,8 +253,8 @@ static int size_pools(ds_engine *e, ds_err *err) {
     if (e->max_model_len > cap) e->max_model_len = cap;
     if (ds_kv_pool_init(&e->kv, e->model, (int)n_pages, e->opts.block_size, err) ||
         ds_page_pool_create((int)n_pages, &e->pages, err) ||
-        ds_slot_pool_create_on(ds_model_on_device(e->model), (int)n_slots,
-                               ds_model_slot_floats(e->model), &e->slots, err))
+        ds_slot_pool_create_on(e->on_device, (int)n_slots, ds_model_slot_floats(e->model),
+                               &e->slots, err))
         return DS_ERR;
     if (e->head)
         fprintf(stderr,
@@ -328,7 +327,7 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
                          (int)n_ckpt,
                          seed,
                          o->prefix_test_hash_bits,
-                         ds_model_on_device(e->model)};
+                         e->on_device};
     if (ds_prefix_create(&po, ds_model_slot_floats(e->model), e->pages, &e->kv, e->offload,
                          &e->prefix, err))
         return DS_ERR;
@@ -496,7 +495,7 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
         /* on the model's device: the forward writes them, the rollback copies one into a slot */
         f->state_rows =
             e->k ? ds_dmem_alloc(
-                       ds_model_on_device(e->model),
+                       e->on_device,
                        (size_t)S * rows * ds_model_slot_floats(e->model) * sizeof(float) + 1, err)
                  : NULL;
         if (!f->items || !f->vt || !f->vlp || !f->va || !f->dr || !f->n_dr ||

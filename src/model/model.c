@@ -652,15 +652,8 @@ double ds_model_token_flops(const ds_model *m, int with_lm_head) {
 /* ---- per-sequence state -----------------------------------------------------------------------
  */
 
-static size_t conv_floats(const ds_model *m) {
-    return ds_model_conv_floats(m);
-}
-static size_t rec_floats(const ds_model *m) {
-    return ds_model_rec_floats(m);
-}
-
 size_t ds_model_slot_floats(const ds_model *m) {
-    return (size_t)m->n_kda * (conv_floats(m) + rec_floats(m));
+    return (size_t)m->n_kda * (ds_model_conv_floats(m) + ds_model_rec_floats(m));
 }
 
 int ds_model_latent_row(const ds_model *m) {
@@ -742,11 +735,11 @@ typedef struct step {
 } step;
 
 static float *slot_conv(const step *s, int q, int kda_idx) {
-    return s->seqs[q].slot + (size_t)kda_idx * conv_floats(s->m);
+    return s->seqs[q].slot + (size_t)kda_idx * ds_model_conv_floats(s->m);
 }
 static float *slot_rec(const step *s, int q, int kda_idx) {
-    return s->seqs[q].slot + (size_t)s->m->n_kda * conv_floats(s->m) +
-           (size_t)kda_idx * rec_floats(s->m);
+    return s->seqs[q].slot + (size_t)s->m->n_kda * ds_model_conv_floats(s->m) +
+           (size_t)kda_idx * ds_model_rec_floats(s->m);
 }
 
 /* Sums a row-parallel partial output over the TP group (nothing to do on one rank). After a
