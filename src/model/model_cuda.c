@@ -546,13 +546,12 @@ static int grow_host(void **p, size_t *cap, size_t need, size_t elem, ds_err *er
 }
 
 /* Builds every index of the step on the host and uploads them in two copies. */
-static int build_indices(cstep *s, const ds_stage_io *in, ds_err *err) {
+static int build_indices(cstep *s, ds_err *err) {
     ds_model *m = s->m;
     ds_cuda_model *cm = s->cm;
     const ds_config *c = &m->cfg;
     int n_seq = s->n_seq, T = s->T, D = c->hidden_size;
     int bs = s->pool ? s->pool->block_size : 1;
-    (void)in;
     /* int arena: ids [T] | seg_off [n_seq+1] | lat_dst [T] | block tables | ctx rows | lg rows */
     size_t ni = (size_t)4 * T + n_seq + 1, nbt = 0, nctx = 0, nlg = 0;
     for (int q = 0; q < n_seq; q++) {
@@ -607,8 +606,7 @@ static int build_indices(cstep *s, const ds_stage_io *in, ds_err *err) {
     /* pointer arena: S [n_kda][n_seq] | S_rows [n_kda][n_seq] | tails [n_kda][n_seq] |
      * tail rows [n_kda][n_seq] | cands */
     void **hp = cm->h_p;
-    size_t slot_n = ds_model_slot_floats(m), conv_n = ds_model_conv_floats(m);
-    size_t rec_n = ds_model_rec_floats(m);
+    size_t conv_n = ds_model_conv_floats(m), rec_n = ds_model_rec_floats(m);
     s->any_rows = 0;
     for (int j = 0; j < m->n_kda; j++)
         for (int q = 0; q < n_seq; q++) {
@@ -623,7 +621,6 @@ static int build_indices(cstep *s, const ds_stage_io *in, ds_err *err) {
             hp[(size_t)(3 * m->n_kda + j) * n_seq + q] =
                 sb->state_rows ? sb->state_rows + toff : NULL;
         }
-    (void)slot_n;
     size_t cand_at = (size_t)4 * m->n_kda * n_seq;
     s->nb_max = nb_max;
     int max_ctx = 1;
@@ -1018,13 +1015,12 @@ static int run_body(cstep *s, int nb, ds_err *err) {
 typedef struct graph_key graph_key;
 enum { MAX_GRAPHS = 64 };
 
-static int graphable(const cstep *s, const ds_stage_io *in) {
+static int graphable(const cstep *s) {
     const ds_model *m = s->m;
     /* (tensor parallelism stages its collectives through the host for now: no graphs) */
     if (m->opts.enforce_eager || m->tp_size > 1 || s->T > 1024 || wants_hidden(s)) return 0;
     for (int q = 0; q < s->n_seq; q++)
         if (m->n_mla && s->seqs[q].n >= m->opts.mla_expanded_min) return 0;
-    (void)in;
     return 1;
 }
 
@@ -1101,7 +1097,7 @@ vocabulary block; all of V on one) */
     }
     int nb_out = nb; /* the blocks banked by the end of this stage */
     for (int i = m->l0; N > 0 && i < m->l1; i++) nb_out += i % N == 0;
-    if (graphable(s, in))
+    if (graphable(s))
         TRY(run_graphed(s, nb, err));
     else
         TRY(run_body(s, nb, err));
@@ -1154,32 +1150,43 @@ vocabulary block; all of V on one) */
  * pools are device memory already, and pass straight through. host_side [n_seq] marks which. */
 static int stage_state(ds_model *m, ds_seq_batch *dev, const ds_seq_batch *seqs, int n_seq,
                        int back, ds_err *err) {
+    /* dev starts as a copy of seqs and a staged sequence's pointers are rewritten to the staging
+     * buffer, so the way back tells the staged ones by dev != seqs without asking the driver */
     ds_cuda_model *cm = m->cu;
     size_t slot_n = ds_model_slot_floats(m), need = 0;
     if (!slot_n) return DS_OK;
-    for (int q = 0; q < n_seq; q++) {
-        if (seqs[q].slot && !ds_cu_is_device_ptr(seqs[q].slot)) need += slot_n;
-        if (seqs[q].state_rows && !ds_cu_is_device_ptr(seqs[q].state_rows))
+    if (back) {
+        for (int q = 0; q < n_seq; q++) {
+            if (dev[q].slot != seqs[q].slot)
+                TRY(ds_cu_download(cm->c, seqs[q].slot, dev[q].slot, slot_n * sizeof(float), err));
+            if (dev[q].state_rows != seqs[q].state_rows)
+                TRY(ds_cu_download(cm->c, seqs[q].state_rows, dev[q].state_rows,
+                                   (size_t)seqs[q].n * slot_n * sizeof(float), err));
+        }
+        return DS_OK;
+    }
+    for (int q = 0; q < n_seq; q++) { /* host pointers: marked NULL in dev until staged */
+        if (seqs[q].slot && !ds_cu_is_device_ptr(seqs[q].slot)) {
+            need += slot_n;
+            dev[q].slot = NULL;
+        }
+        if (seqs[q].state_rows && !ds_cu_is_device_ptr(seqs[q].state_rows)) {
             need += (size_t)seqs[q].n * slot_n;
+            dev[q].state_rows = NULL;
+        }
     }
     if (!need) return DS_OK;
-    if (!back && grow(cm->c, (void **)&cm->stage, &cm->stage_cap, need, sizeof(float), err))
-        return DS_ERR;
+    if (grow(cm->c, (void **)&cm->stage, &cm->stage_cap, need, sizeof(float), err)) return DS_ERR;
     float *at = cm->stage;
     for (int q = 0; q < n_seq; q++) {
-        if (seqs[q].slot && !ds_cu_is_device_ptr(seqs[q].slot)) {
-            if (back)
-                TRY(ds_cu_download(cm->c, seqs[q].slot, at, slot_n * sizeof(float), err));
-            else
-                TRY(ds_cu_upload(cm->c, at, seqs[q].slot, slot_n * sizeof(float), err));
+        if (seqs[q].slot && !dev[q].slot) {
+            TRY(ds_cu_upload(cm->c, at, seqs[q].slot, slot_n * sizeof(float), err));
             dev[q].slot = at;
             at += slot_n;
         }
-        if (seqs[q].state_rows && !ds_cu_is_device_ptr(seqs[q].state_rows)) {
-            size_t n = (size_t)seqs[q].n * slot_n;
-            if (back) TRY(ds_cu_download(cm->c, seqs[q].state_rows, at, n * sizeof(float), err));
+        if (seqs[q].state_rows && !dev[q].state_rows) { /* written by the step, not read */
             dev[q].state_rows = at;
-            at += n;
+            at += (size_t)seqs[q].n * slot_n;
         }
     }
     return DS_OK;
@@ -1225,7 +1232,7 @@ int ds_cuda_forward_stage(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs_in, 
     size_t need = cuda_step_need(m, seqs, n_seq, T);
     int rc = grow(cm->c, (void **)&cm->sc, &cm->sc_cap, need, sizeof(float), err);
     if (!rc) rc = stage_state(m, seqs, seqs_in, n_seq, 0, err);
-    if (!rc) rc = build_indices(&s, in, err);
+    if (!rc) rc = build_indices(&s, err);
     if (!rc) rc = run_step(&s, in, out, err);
     if (!rc) rc = stage_state(m, seqs, seqs_in, n_seq, 1, err);
     free(hoff);
