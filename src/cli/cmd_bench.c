@@ -64,6 +64,7 @@ static int run_decode(ds_model *m, int B, int prompt, int steps, double *sec_per
         nb = DS_MAX(1, DS_MIN(B - b0, 8192 / prompt));
         if (ds_model_forward(m, &pool, sb + b0, nb, err)) goto out;
     }
+    ds_model_profile_report(m, NULL, NULL); /* the profile is of the decode steps only */
     double best = 1e30;
     for (int s = 0; s < steps; s++) {
         for (int b = 0; b < B; b++) {
@@ -113,6 +114,7 @@ static int run_prompt(ds_model *m, int T, int reps, double *sec, ds_err *err) {
         if (ds_model_forward(m, &pool, &sb, 1, err)) goto out;
         double dt = ds_now() - t0;
         if (dt < best) best = dt;
+        if (r == 0 && reps > 1) ds_model_profile_report(m, NULL, NULL); /* warm reps only */
     }
     *sec = best;
     rc = DS_OK;
@@ -220,11 +222,16 @@ int ds_cmd_bench(int argc, char **argv) {
     }
     double sec;
     if (run_prompt(m, prompt_tokens, reps, &sec, &err)) goto fail;
+    char title[48];
+    snprintf(title, sizeof title, "prompt %d", prompt_tokens);
+    ds_model_profile_report(m, stderr, title);
     r.prompt_tps = prompt_tokens / sec;
     r.prompt_gflops = ds_model_token_flops(m, 0) * prompt_tokens / sec / 1e9;
     for (int i = 0; i < r.n_batches; i++) {
         int B = r.batch[i];
         if (run_decode(m, B, decode_ctx, steps, &sec, &err)) goto fail;
+        snprintf(title, sizeof title, "decode batch %d", B);
+        ds_model_profile_report(m, stderr, title);
         r.decode_ms[i] = sec * 1e3;
         r.decode_tps[i] = B / sec;
         /* batch 1 reads every active weight once per token; larger batches share the reads, so
@@ -232,7 +239,6 @@ int ds_cmd_bench(int argc, char **argv) {
         r.decode_gbs[i] = B == 1 ? ds_model_decode_bytes(m) / sec / 1e9 : 0;
         r.decode_gflops[i] = ds_model_token_flops(m, 1) * B / sec / 1e9;
     }
-    const char *bw_name = gpu ? "copy" : "read";
     printf("deltaserve bench  model=%s%s  device=%s  weights=%.2f GB (loaded in %.1f s)\n",
            model_dir, mo.load_random ? " (random weights)" : "", ds_model_device_name(m),
            ds_model_weight_bytes(m) / 1e9, t_load);
@@ -261,7 +267,6 @@ int ds_cmd_bench(int argc, char **argv) {
             printf("%-18s %12.1f %10.3f %12s %10s %12.1f %9.1f%%\n", name, r.decode_tps[i],
                    r.decode_ms[i], "-", "-", r.decode_gflops[i], 100 * r.decode_gflops[i] / peak);
     }
-    (void)bw_name;
     if (json_path) {
         FILE *f = fopen(json_path, "w");
         if (!f) {

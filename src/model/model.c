@@ -95,6 +95,9 @@ const char *ds_model_device_name(const ds_model *m) {
     snprintf(cpu, sizeof cpu, "cpu (%s)", ds_isa_name(ds_kernels_isa()));
     return cpu;
 }
+void ds_model_profile_report(const ds_model *m, FILE *f, const char *title) {
+    if (m->cu) ds_cuda_model_profile_report(m, f, title);
+}
 int ds_model_device_limits(const ds_model *m, double *copy_gbs, double *gemm_tflops, ds_err *err) {
     if (!m->cu) return ds_errf(err, "device limits: the model runs on the CPU");
     return ds_cuda_model_limits(m, copy_gbs, gemm_tflops, err);
@@ -1392,5 +1395,8 @@ int ds_cuda_model_limits(const ds_model *m, double *copy_gbs, double *gemm_tflop
 }
 int ds_cuda_available(void) {
     return 0;
+}
+void ds_cuda_model_profile_report(const ds_model *m, FILE *f, const char *title) {
+    (void)m, (void)f, (void)title;
 }
 #endif

@@ -11,6 +11,8 @@
 #ifndef DS_MODEL_H
 #define DS_MODEL_H
 
+#include <stdio.h>
+
 #include "kernels/cpu/kernels.h"
 #include "model/config.h"
 #include "model/safetensors.h"
@@ -100,6 +102,10 @@ size_t ds_model_device_mem_free(const ds_model *m);
 /* On a GPU: its copy bandwidth (GB/s, read + written) and BF16 GEMM rate (TFLOP/s), measured now.
  */
 int ds_model_device_limits(const ds_model *m, double *copy_gbs, double *gemm_tflops, ds_err *err);
+/* With DS_CUDA_PROFILE=1 on the GPU: prints the device time of each op of the eager steps since
+ * the last report to f (NULL: prints nothing), and starts over (nothing on the CPU or without the
+ * variable). */
+void ds_model_profile_report(const ds_model *m, FILE *f, const char *title);
 /* "cpu (avx512)" or the GPU's name. */
 const char *ds_model_device_name(const ds_model *m);
 

@@ -328,6 +328,11 @@ void ds_cuda_model_detach(ds_model *m) {
 
 /* What the kernels support, checked at load so that a model they cannot run is refused with its
  * reason before any memory is taken, not at its first step. */
+static int env_flag(const char *name, int dflt) {
+    const char *v = getenv(name);
+    return v && *v ? atoi(v) > 0 : dflt;
+}
+
 static int check_shapes(const ds_model *m, ds_err *err) {
     const ds_config *c = &m->cfg;
     int dk = c->kda_head_dim, W = c->short_conv_kernel_size;
@@ -374,12 +379,11 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     m->cu = cm;
     cm->c = g_cu;
     ds_cu_set_batch_invariant(cm->c, m->opts.batch_invariant);
-    const char *eg = getenv("DS_CUDA_EXPERT_GEMM"); /* opt-in until checked on a GPU */
-    ds_cu_set_expert_gemm(cm->c, eg && atoi(eg) > 0);
-    const char *mg = getenv("DS_CUDA_MLA_GEMM"); /* likewise */
-    ds_cu_set_mla_gemm(cm->c, mg && atoi(mg) > 0);
-    const char *ah = getenv("DS_CUDA_MLA_ALL_HEADS"); /* likewise */
-    ds_cu_set_mla_all_heads(cm->c, ah && atoi(ah) > 0);
+    /* the faster paths are on unless turned off (for comparisons); the profile is opt-in */
+    ds_cu_set_expert_gemm(cm->c, env_flag("DS_CUDA_EXPERT_GEMM", 1));
+    ds_cu_set_mla_gemm(cm->c, env_flag("DS_CUDA_MLA_GEMM", 1));
+    ds_cu_set_mla_all_heads(cm->c, env_flag("DS_CUDA_MLA_ALL_HEADS", 1));
+    ds_cu_prof_enable(cm->c, env_flag("DS_CUDA_PROFILE", 0));
     int L = c->num_hidden_layers, D = c->hidden_size;
     cm->layers = calloc((size_t)L, sizeof *cm->layers);
     if (!cm->layers) {
@@ -414,6 +418,10 @@ fail:
 
 size_t ds_cuda_model_mem_free(const ds_model *m) {
     return ds_cu_mem_free(m->cu->c);
+}
+
+void ds_cuda_model_profile_report(const ds_model *m, FILE *f, const char *title) {
+    ds_cu_prof_report(m->cu->c, f, title);
 }
 
 int ds_cuda_model_limits(const ds_model *m, double *copy_gbs, double *gemm_tflops, ds_err *err) {
@@ -458,6 +466,9 @@ typedef struct cstep {
     int ctx_cap; /* absorbed attention's context bound: a power of two >= every context */
     float *P, *x, *a, *bank, *xr, *lg; /* the step's long-lived buffers (run_step) */
 } cstep;
+
+/* Opens a profiled interval (DS_CUDA_PROFILE=1; see ds_cu_prof_mark). */
+#define PROF(s, label) ds_cu_prof_mark((s)->c, label)
 
 static float *take(cstep *s, size_t n) {
     n = (n + 15) & ~(size_t)15; /* 64-byte alignment for the vector loads */
@@ -698,7 +709,9 @@ static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float
     size_t slot_n = ds_model_slot_floats(s->m), at = (size_t)lw->kind_idx * s->n_seq;
     /* q, k and v in one weight stream, then every segment's three convs in one launch, each on
      * its own tails (and, for a verify, the tails after each token) */
+    PROF(s, "kda qkv");
     TRY(ds_cu_matmul(cu, pre, 3 * P, xn, D, T, &w->qkv, err));
+    PROF(s, "kda conv+l2norm");
     ds_cu_conv_batch cb = {3,
                            P,
                            W,
@@ -711,11 +724,13 @@ static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float
                            s->any_rows ? s->tail_rows + at : NULL,
                            slot_n,
                            s->seg_off,
-                           s->n_seq};
+                           s->n_seq,
+                           T};
     if (v - k != k - q) return ds_errf(err, "forward: internal error: q, k, v not evenly spaced");
     TRY(ds_cu_short_conv_silu_batch(cu, &cb, err));
     ds_cu_l2norm_heads(cu, q, T, H, dk, 1e-6f, 1.0f / sqrtf((float)dk));
     ds_cu_l2norm_heads(cu, k, T, H, dk, 1e-6f, 1.0f);
+    PROF(s, "kda gates, beta");
     TRY(ds_cu_matmul(cu, fa, nf, xn, D, T, &w->fg_a, err));
     TRY(ds_cu_matmul(cu, pre, P, fa, nf, T, &w->f_b, err));
     ds_cu_kda_gate(cu, g, pre, T, H, dk, w->A_log, w->dt_bias, c->has_gate_lower_bound,
@@ -723,14 +738,17 @@ static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float
     TRY(ds_cu_matmul(cu, beta, H, xn, D, T, &w->b, err));
     ds_cu_sigmoid(cu, beta, (size_t)T * H);
     /* every segment in one launch, each on its own state (and rows, for a verify) */
+    PROF(s, "kda recurrence");
     TRY(ds_cu_kda_recurrent_batch(cu, o, q, k, v, g, beta, s->seg_off, s->S + at,
                                   s->any_rows ? s->S_rows + at : NULL, slot_n, s->n_seq, H, dk, dk,
                                   err));
+    PROF(s, "kda out gate, norm");
     if (c->use_full_rank_gate)
         TRY(ds_cu_matmul(cu, g, P, xn, D, T, &w->g, err));
     else /* g_a x sits in fa's second half */
         TRY(ds_cu_matmul(cu, g, P, fa + dk, nf, T, &w->g_b, err));
     ds_cu_gated_rmsnorm_heads(cu, q, o, g, w->o_norm, T, H, dk, c->rms_norm_eps);
+    PROF(s, "kda o_proj");
     TRY(ds_cu_matmul(cu, out, D, q, P, T, &w->o, err));
     TRY(tp_sum(s, out, (size_t)T * D, err));
     s->used = mark;
@@ -752,6 +770,7 @@ static int mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float
     float *o = take(s, (size_t)T * Ha * dvh);        /* [T][Ha][dvh] */
     float *qa = Rq ? take(s, (size_t)T * Rq) : NULL; /* [T][Rq] */
     TAKEN();
+    PROF(s, "mla q, kv_a");
     if (Rq) {
         TRY(ds_cu_matmul(cu, qa, Rq, xn, D, T, &w->q_a, err));
         ds_cu_rmsnorm(cu, qa, qa, w->q_a_norm, T, Rq, 1e-6f);
@@ -774,6 +793,7 @@ static int mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float
             float *obar = take(s, (size_t)Tr * Ha * R); /* [Tr][Ha][R] */
             TAKEN();
             const float *qs = q + (size_t)r_start * Ha * dq;
+            PROF(s, "mla absorbed q, o");
             TRY(ds_cu_copy_2d(cu, qr, (size_t)dr, qs + dn, (size_t)dq, (size_t)dr, (size_t)Tr * Ha,
                               err));
             /* q̄_h = W_UK_h^T qN_h, every head in one launch */
@@ -781,10 +801,12 @@ static int mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float
                                    (size_t)R * dn, Ha, err));
             /* the run's sequences in one launch; the context bound is the step's power-of-two
              * cap, so that a graph stays valid while the contexts grow under it */
+            PROF(s, "mla absorbed attend");
             TRY(ds_cu_mla_attend_absorbed_batch(cu, obar, qbar, qr, Tr, Ha, R, dr, pool, s->bt,
                                                 s->tok_bt + r_start, s->tok_pos + r_start,
                                                 s->ctx_cap, bs, row, scale, err));
 
+            PROF(s, "mla absorbed q, o");
             /* o_h = W_UV_h ō_h: kv_b rows [h (dn+dvh) + dn, +dvh), every head in one launch */
             ds_cu_mat uv = {w->kv_b.data + (size_t)dn * R, dvh, R};
             TRY(ds_cu_matmul_heads(cu, o + (size_t)r_start * Ha * dvh, Ha * dvh, dvh, obar, Ha * R,
@@ -807,6 +829,7 @@ static int mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float
         float *vv = take(s, (size_t)ctx * Ha * dvh);         /* [ctx][Ha][dvh] */
         TAKEN();
         const int32_t *rows = s->ctx_rows + s->ctx_off[qi];
+        PROF(s, "mla expanded kv_b");
         TRY(ds_cu_move_rows(cu, cl, (size_t)R, NULL, pool, (size_t)row, rows, ctx, R, err));
         TRY(ds_cu_move_rows(cu, kr, (size_t)dr, NULL, pool + R, (size_t)row, rows, ctx, dr, err));
         TRY(ds_cu_matmul(cu, kvb, Ha * (dn + dvh), cl, R, ctx, &w->kv_b, err));
@@ -814,10 +837,12 @@ static int mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float
                           err));
         TRY(ds_cu_copy_2d(cu, vv, (size_t)dvh, kvb + dn, (size_t)(dn + dvh), (size_t)dvh,
                           (size_t)ctx * Ha, err));
+        PROF(s, "mla expanded attend");
         TRY(ds_cu_mla_attend_expanded(cu, o + (size_t)r0 * Ha * dvh, q + (size_t)r0 * Ha * dq, kn,
                                       kr, vv, n, ctx, Ha, dn, dr, dvh, pos0, 1, scale, err));
         s->used = m2;
     }
+    PROF(s, "mla gate, o_proj");
     if (c->mla_use_output_gate) {
         float *gt = q; /* [T][Ha*dvh] fits in [T][Ha*dq] */
         TRY(ds_cu_matmul(cu, gt, Ha * dvh, xn, D, T, &w->g, err));
@@ -854,6 +879,7 @@ static int ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, f
     ds_cu *cu = s->c;
     int T = s->T, D = c->hidden_size;
     if (!is_moe) {
+        PROF(s, "dense mlp");
         TRY(mlp(s, &w->gu, &w->down, xn, T, out, err));
         return tp_sum(s, out, (size_t)T * D, err);
     }
@@ -871,7 +897,9 @@ static int ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, f
     TAKEN();
     /* Without a latent the shared experts go first, straight into out, and the routed sum is
      * added onto them by the expert kernel (a + b == b + a: the CPU's sum, bit for bit). */
+    PROF(s, "moe shared experts");
     if (shared && !latent) TRY(mlp(s, &w->sh_gu, &w->sh_down, xn, T, out, err));
+    PROF(s, "moe router");
     TRY(ds_cu_matmul(cu, z, E, xn, D, T, &w->router, err));
     TRY(ds_cu_moe_route(cu, idx, wt, z, w->router_bias, T, E, K,
                         c->use_grouped_topk ? c->num_expert_group : 1, c->topk_group,
@@ -882,6 +910,7 @@ static int ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, f
         TRY(ds_cu_matmul(cu, u, Hin, xn, D, T, &w->lat_down, err));
         ein = u;
     }
+    PROF(s, "moe routed experts");
     int situ = c->hidden_act == DS_ACT_SITU, chunk = 65535 / K;
     for (int t0 = 0; t0 < T; t0 += chunk) { /* the expert kernel takes 65535 routed rows */
         int n = DS_MIN(chunk, T - t0);
@@ -890,6 +919,7 @@ static int ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, f
                               w->gate_up, w->e_down, situ, c->situ_beta, c->situ_linear_beta,
                               shared && !latent, err));
     }
+    PROF(s, "moe combine");
     if (latent) {
         /* the latent norm is nonlinear: the routed sum is completed first (as on the CPU) */
         TRY(tp_sum(s, acc, (size_t)T * Hin, err));
@@ -944,6 +974,7 @@ static int run_body(cstep *s, int nb, ds_err *err) {
     float *P = s->P, *x = s->x, *a = s->a, *bank = s->bank;
     int hid = wants_hidden(s);
     if (m->l0 == 0) {
+        PROF(s, "embed");
         ds_cu_embed_range(cu, P, &cm->embed, s->ids, T, m->v0); /* this rank's vocabulary */
         TRY(tp_sum(s, P, (size_t)T * D, err));
         if (hid) TRY(save_hidden(s, -1, P, err));
@@ -955,6 +986,7 @@ static int run_body(cstep *s, int nb, ds_err *err) {
     for (int i = m->l0; i < m->l1; i++) {
         const layer_w *lw = &m->layers[i];
         const cu_layer *dw = &cm->layers[i];
+        PROF(s, "norms, residual, attnres");
         if (N == 0 && pending) {
             ds_cu_add_rmsnorm(cu, x, P, a, dw->in_norm, T, D, c->rms_norm_eps);
             pending = 0;
@@ -970,6 +1002,7 @@ static int run_body(cstep *s, int nb, ds_err *err) {
         }
         TRY(lw->kind == DS_LAYER_KDA ? kda_forward(s, lw, &dw->kda, x, a, err)
                                      : mla_forward(s, lw, &dw->mla, x, a, err));
+        PROF(s, "norms, residual, attnres");
         if (N > 0 && i % N == 0)
             TRY(ds_cu_copy_d2d(cu, P, a, TD * 4, err));
         else if (N > 0)
@@ -982,6 +1015,7 @@ static int run_body(cstep *s, int nb, ds_err *err) {
             ds_cu_add_rmsnorm(cu, x, P, a, dw->post_norm, T, D, c->rms_norm_eps);
         }
         TRY(ffn_forward(s, &dw->ffn, lw->ffn.is_moe, x, a, err));
+        PROF(s, "norms, residual, attnres");
         if (N == 0 && !hid)
             pending = 1; /* P += a happens in the next norm (this stage's or the final one) */
         else
@@ -990,6 +1024,7 @@ static int run_body(cstep *s, int nb, ds_err *err) {
     }
     if (pending && m->l1 < c->num_hidden_layers) ds_cu_add(cu, P, a, TD); /* P goes on whole */
     if (m->l1 < c->num_hidden_layers) return DS_OK; /* the stream and banks go on (run_step) */
+    PROF(s, "final norm, lm_head");
     if (N > 0) {
         TRY(ds_cu_attnres_mix(cu, x, s->cands + (size_t)nb * nbx, nb + 1, cm->out_res_np, T, D,
                               c->rms_norm_eps, err));
@@ -1234,6 +1269,7 @@ int ds_cuda_forward_stage(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs_in, 
     if (!rc) rc = stage_state(m, seqs, seqs_in, n_seq, 0, err);
     if (!rc) rc = build_indices(&s, err);
     if (!rc) rc = run_step(&s, in, out, err);
+    if (!rc) ds_cu_prof_step_end(cm->c);
     if (!rc) rc = stage_state(m, seqs, seqs_in, n_seq, 1, err);
     free(hoff);
     free(seqs);

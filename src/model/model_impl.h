@@ -107,6 +107,7 @@ int ds_cuda_forward_stage(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, int
 size_t ds_cuda_model_mem_free(const ds_model *m);
 const char *ds_cuda_model_device_name(const ds_model *m);
 int ds_cuda_model_limits(const ds_model *m, double *copy_gbs, double *gemm_tflops, ds_err *err);
+void ds_cuda_model_profile_report(const ds_model *m, FILE *f, const char *title);
 int ds_cuda_available(void); /* built with the backend and a device present */
 
 #endif

@@ -473,7 +473,7 @@ static void check_short_conv_batch(ds_cu *c, const int *lens, const int *want_ro
     float **dtp = dev(c, tp, sizeof(float *) * n_seq), **drp = dev(c, rp, sizeof(float *) * n_seq);
     int32_t *doff = dev(c, off, sizeof(int32_t) * (n_seq + 1));
     ds_err err = {{0}};
-    ds_cu_conv_batch cb = {1, C, W, din, C, dout, 0, dw, dtp, drp, tn, doff, n_seq};
+    ds_cu_conv_batch cb = {1, C, W, din, C, dout, 0, dw, dtp, drp, tn, doff, n_seq, T};
     if (ds_cu_short_conv_silu_batch(c, &cb, &err)) DIE("%s", err.msg);
     fetch(c, got, dout, (size_t)T * C * 4);
     fetch(c, tails, dtails, (size_t)n_seq * tn * 4);
@@ -499,11 +499,12 @@ static void check_short_conv_batch(ds_cu *c, const int *lens, const int *want_ro
 
 /* Absorbed MLA for several sequences' tokens in one launch, each against its own block table and
  * positions, against the CPU one sequence at a time. */
-/* all_heads: a block per token for every head (each latent row read once). */
+/* all_heads: a block per token for every head (each latent row read once): 2 always, 1 when the
+ * step fills the GPU (ds_cu_set_mla_all_heads). */
 static void check_mla_batch(ds_cu *c, const int *lens, const int *pos0, int n_seq, int Ha, int R,
                             int dr, int all_heads) {
     enum { BS = 16 };
-    int rowf = R + dr, T = 0, max_ctx = 0, pages = 0, bt_off[16], tok_bt[256], tok_pos[256];
+    int rowf = R + dr, T = 0, max_ctx = 0, pages = 0, bt_off[256], tok_bt[512], tok_pos[512];
     for (int z = 0; z < n_seq; z++) {
         int ctx = pos0[z] + lens[z];
         bt_off[z] = pages;
@@ -594,6 +595,8 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
     float *base = rand_f32((size_t)T * D, -1, 1);
     int32_t *idx = malloc((size_t)T * k * 4);
     for (int i = 0; i < T * k; i++) idx[i] = (int32_t)(ds_rng_next(&g_rng) % (uint64_t)E);
+    if (gemm == 2) /* skewed: most rows on one local expert (the per-expert GEMM fallback) */
+        for (int i = 0; i < T * k; i += 3) idx[i] = e0;
     float *ref = malloc((size_t)T * D * 4), *got = malloc((size_t)T * D * 4);
     float *hgu = malloc((size_t)2 * I * 4), *a = malloc((size_t)I * 4), *yr = malloc((size_t)D * 4);
     for (int t = 0; t < T; t++) {
@@ -628,7 +631,11 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
     fetch(c, got, dout, (size_t)T * D * 4);
     char what[96];
     snprintf(what, sizeof what, "moe experts T=%d k=%d E=%d D=%d I=%d %s%s%s", T, k, E, D, I,
-             situ ? "situ" : "swiglu", gemm ? " (gemm)" : "", half ? " (half the experts)" : "");
+             situ ? "situ" : "swiglu",
+             gemm == 2 ? " (gemm, skewed)"
+             : gemm    ? " (gemm)"
+                       : "",
+             half ? " (half the experts)" : "");
     report(what, rel_err(got, ref, 1, (size_t)T * D, (size_t)T * D), gemm ? 1e-2 : 1e-5);
     ds_cu_dealloc(dgu), ds_cu_dealloc(ddn), ds_cu_dealloc(dx), ds_cu_dealloc(dw);
     ds_cu_dealloc(dout), ds_cu_dealloc(didx);
@@ -1001,21 +1008,31 @@ int main(int argc, char **argv) {
     check_moe_route(c, 6, 48, 5, 1, 1, 0, 1);
     check_moe_experts(c, 3, 8, 64, 2304, 256, 0);
     check_moe_experts(c, 5, 2, 4, 200, 72, 1);
-    check_moe_experts(c, 40, 8, 64, 512, 256, 0);          /* grouped: ~5 rows per expert */
-    check_moe_experts(c, 6, 3, 5, 100, 36, 1);             /* D % 8 != 0: one row at a time */
-    check_moe_experts_mode(c, 200, 8, 32, 512, 256, 0, 1, 0); /* 1600 rows: tensor cores */
-    check_moe_experts_mode(c, 130, 8, 64, 256, 128, 1, 1, 0); /* 1040 rows, SiTU */
-    check_moe_experts_mode(c, 40, 8, 64, 512, 256, 0, 0, 1);   /* TP: half the experts */
-    check_moe_experts_mode(c, 6, 3, 8, 100, 36, 1, 0, 1);      /* ... one row at a time */
-    check_moe_experts_mode(c, 200, 8, 32, 512, 256, 0, 1, 1);  /* ... tensor cores */
+    check_moe_experts(c, 40, 8, 64, 512, 256, 0); /* grouped: ~5 rows per expert */
+    check_moe_experts(c, 6, 3, 5, 100, 36, 1);    /* D % 8 != 0: one row at a time */
+    /* tensor cores from 64 rows per expert on average: padded panels, one batched GEMM */
+    check_moe_experts_mode(c, 300, 8, 32, 512, 256, 0, 1, 0); /* 2400 rows */
+    check_moe_experts_mode(c, 600, 8, 64, 256, 128, 1, 1, 0); /* 4800 rows, SiTU */
+    check_moe_experts_mode(c, 300, 8, 32, 512, 256, 0, 2, 0); /* skewed: a GEMM per expert */
+    check_moe_experts_mode(c, 40, 8, 64, 512, 256, 0, 0, 1);  /* TP: half the experts */
+    check_moe_experts_mode(c, 6, 3, 8, 100, 36, 1, 0, 1);     /* ... one row at a time */
+    check_moe_experts_mode(c, 200, 8, 32, 512, 256, 0, 1, 1); /* ... tensor cores (16 local) */
+    check_moe_experts_mode(c, 160, 8, 64, 512, 256, 0, 0, 0); /* >= 1024 rows: chunked layout */
+    check_moe_experts_mode(c, 700, 6, 48, 256, 128, 1, 0, 1); /* ... with other ranks' rows */
     {
         int lens[5] = {1, 4, 1, 9, 2}, rows[5] = {0, 1, 0, 1, 0};
         check_short_conv_batch(c, lens, rows, 5, 4096, 4);
+        /* prefill lengths: time chunks (long segments split, short ones in chunk 0 alone) */
+        int plens[5] = {2, 130, 1, 900, 3}, prows[5] = {1, 1, 0, 0, 1};
+        check_short_conv_batch(c, plens, prows, 5, 512, 4);
         int mlens[4] = {1, 3, 1, 5}, mpos[4] = {0, 300, 700, 17};
         check_mla_batch(c, mlens, mpos, 4, 8, 512, 64, 0);
-        check_mla_batch(c, mlens, mpos, 4, 8, 512, 64, 1);
+        check_mla_batch(c, mlens, mpos, 4, 8, 512, 64, 2);
         int dlens[3] = {1, 1, 1}, dpos[3] = {1000, 5, 257}; /* decode rows across splits */
-        check_mla_batch(c, dlens, dpos, 3, 32, 512, 64, 1);
+        check_mla_batch(c, dlens, dpos, 3, 32, 512, 64, 2);
+        int blens[160], bpos[160]; /* a decode batch that fills the GPU: splits of > 64 rows */
+        for (int i = 0; i < 160; i++) blens[i] = 1 + (i % 7 == 0), bpos[i] = (i * 397) % 1200;
+        check_mla_batch(c, blens, bpos, 160, 16, 512, 64, 1);
     }
     check_argmax(c, 8, 163840);
     check_argmax(c, 12, 100);

@@ -9,7 +9,7 @@ NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 cmake -S . -B build-cuda -DDS_CUDA=ON -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$NVCC" >/dev/null
 cmake --build build-cuda -j "$(nproc)"
 rm -rf .devbin && mkdir -p .devbin/lib
-cp build-cuda/deltaserve build-cuda/test_cuda_kernels .devbin/
+cp build-cuda/deltaserve build-cuda/test_cuda_kernels build-cuda/bench_cublas .devbin/
 for t in ${DS_DEVBIN_TESTS:-test_model_forward test_model_pipeline test_model_draft test_engine_prefix test_engine_engine test_engine_regress}; do
   cp "build-cuda/$t" .devbin/
 done

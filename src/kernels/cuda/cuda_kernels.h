@@ -13,6 +13,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -63,8 +64,7 @@ int ds_cu_matmul_heads(ds_cu *c, float *y, int ldy, size_t ys, const float *x, i
 void ds_cu_embed(ds_cu *c, float *out, const ds_cu_mat *e, const int32_t *ids, int T);
 /* The same for a vocabulary slice: e holds rows [v0, v0 + e->rows); other tokens embed as zeros
  * (summed over the TP group, every rank ends with the whole embedding). */
-void ds_cu_embed_range(ds_cu *c, float *out, const ds_cu_mat *e, const int32_t *ids, int T,
-                       int v0);
+void ds_cu_embed_range(ds_cu *c, float *out, const ds_cu_mat *e, const int32_t *ids, int T, int v0);
 /* y[t] = w ⊙ x[t] / sqrt(mean(x[t]^2) + eps); x, y: [T][D]; w: [D]; y may == x. */
 void ds_cu_rmsnorm(ds_cu *c, float *y, const float *x, const float *w, int T, int D, float eps);
 /* out[i] = silu(gate[i]) * up[i] */
@@ -133,19 +133,21 @@ int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx, 
                       const uint16_t *down, int situ, float situ_beta, float situ_lin_beta,
                       int accumulate, ds_err *err);
 
-/* Routed experts of steps with >= 1024 routed rows (prefill) through cuBLAS tensor-core GEMMs,
- * one pair per expert, activations rounded to BF16 (not with batch invariance). Off by default
- * until its check has run on a GPU (tests/cuda: check_moe_experts_gemm); DS_CUDA_EXPERT_GEMM=1
- * turns it on in the engine. */
+/* Routed experts of steps with >= 64 routed rows per local expert on average (prefill) through
+ * cuBLAS tensor-core GEMMs (one strided-batched pair over padded per-expert panels, or a pair per
+ * expert when the routing is skewed), activations rounded to BF16 (not with batch invariance, nor
+ * inside a graph capture: the layout is read on the host). On in the engine
+ * unless DS_CUDA_EXPERT_GEMM=0 (tests/cuda: check_moe_experts_gemm). */
 void ds_cu_set_expert_gemm(ds_cu *c, int on);
 /* Expanded MLA of segments with >= 128 query rows through cuBLAS (scores and values as strided-
- * batched BF16 GEMMs over the heads, a row softmax between). Off by default until checked on a
- * GPU (tests/cuda: check_mla_expanded_gemm); DS_CUDA_MLA_GEMM=1 turns it on in the engine. */
+ * batched BF16 GEMMs over the heads, a row softmax between). On in the engine unless
+ * DS_CUDA_MLA_GEMM=0 (tests/cuda: check_mla_expanded_gemm). */
 void ds_cu_set_mla_gemm(ds_cu *c, int on);
-/* ds_cu_mla_attend_absorbed_batch with one block per (token, 256-row split) for all heads, each
- * latent row read once instead of once per head (not with batch invariance; Ha * R a multiple of
- * 256 with at most 64 outputs per thread). Off until checked on a GPU (check_mla_batch covers it);
- * DS_CUDA_MLA_ALL_HEADS=1 turns it on in the engine. */
+/* ds_cu_mla_attend_absorbed_batch with one block per (token, split) for all heads, each latent row
+ * read once instead of once per head (not with batch invariance; Ha * R a multiple of 256 with at
+ * most 64 outputs per thread). on = 1: taken when the step has enough (token, split) blocks to
+ * fill the GPU; 2: whenever the shape allows (the checks); 0: never. The engine uses 1 unless
+ * DS_CUDA_MLA_ALL_HEADS=0 (check_mla_batch covers it). */
 void ds_cu_set_mla_all_heads(ds_cu *c, int on);
 
 /* ---- glue for the model forward (model_cuda.c) ---- */
@@ -192,6 +194,7 @@ typedef struct ds_cu_conv_batch {
     size_t rows_stride;
     const int32_t *seg_off; /* [n_seq + 1] device */
     int n_seq;
+    int n_tokens; /* seg_off[n_seq] (the host's copy: how many time chunks to run) */
 } ds_cu_conv_batch;
 int ds_cu_short_conv_silu_batch(ds_cu *c, const ds_cu_conv_batch *b, ds_err *err);
 /* ds_cu_mla_attend_absorbed for the tokens of many sequences in one launch (causal): token t sits
@@ -232,6 +235,17 @@ void ds_cu_graph_free(ds_cu_graph *g);
 /* Changes whenever one of the backend's scratch buffers moved: graphs captured before hold stale
  * addresses. */
 uint64_t ds_cu_epoch(ds_cu *c);
+
+/* ---- per-op profile (DS_CUDA_PROFILE=1; eager steps only: a captured graph has no marks) ----
+ * ds_cu_prof_mark(c, label) opens an interval that the next mark (or the step's end) closes;
+ * ds_cu_prof_step_end waits for the stream and adds each interval's device time to its label;
+ * ds_cu_prof_report prints the labels by time (per step and share) to f (NULL: discards them) and
+ * starts over. Labels are
+ * string literals. Without ds_cu_prof_enable every call returns at once. */
+void ds_cu_prof_enable(ds_cu *c, int on);
+void ds_cu_prof_mark(ds_cu *c, const char *label);
+void ds_cu_prof_step_end(ds_cu *c);
+void ds_cu_prof_report(ds_cu *c, FILE *f, const char *title);
 
 /* ---- timing (device events on the stream) --------------------------------------------------- */
 typedef struct ds_cu_timer ds_cu_timer;

@@ -9,9 +9,11 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 struct ds_cu {
     int device;
+    int n_sm; /* streaming multiprocessors (how many blocks fill the GPU) */
     cudaStream_t stream;
     cublasHandle_t blas;
     uint16_t *xb; /* activations rounded to BF16 for cuBLAS; xb_bytes allocated */
@@ -31,7 +33,8 @@ struct ds_cu {
     size_t moeg_bytes;
     int32_t *h_start; /* host copy of the expert layout, h_start_n entries */
     int h_start_n;
-    void *blas_ws; /* cuBLAS's workspace, set once so that graph capture allocates nothing */
+    void *blas_ws;        /* cuBLAS's workspace, set once so that graph capture allocates nothing */
+    struct cu_prof *prof; /* per-op timing when enabled (ds_cu_prof_enable), else NULL */
 };
 
 #define CU_TRY(call, what)                                                                         \
@@ -73,7 +76,8 @@ extern "C" int ds_cu_create(int device, ds_cu **out, ds_err *err) {
     if (!c) return ds_errf(err, "cuda: out of memory");
     c->device = device;
     cudaDeviceProp p;
-    if (cudaGetDeviceProperties(&p, device) == cudaSuccess)
+    c->n_sm = 1;
+    if (cudaGetDeviceProperties(&p, device) == cudaSuccess && (c->n_sm = p.multiProcessorCount))
         snprintf(c->name, sizeof c->name, "%s, %d SMs, %.1f GiB, sm_%d%d", p.name,
                  p.multiProcessorCount, (double)p.totalGlobalMem / (1u << 30), p.major, p.minor);
     if (cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking) != cudaSuccess) {
@@ -101,6 +105,7 @@ extern "C" void ds_cu_free(ds_cu *c) {
     cudaFree(c->moeg);
     cudaFree(c->mlag);
     free(c->h_start);
+    ds_cu_prof_enable(c, 0);
     cublasDestroy(c->blas);
     cudaStreamDestroy(c->stream);
     free(c);
@@ -691,21 +696,32 @@ __global__ void short_conv_silu_k(float *out, const float *in, int T, int C, con
 }
 
 /* Every sequence of a step, and q, k and v together, in one launch: block (channel tile, sequence
- * z, projection j) walks tokens [seg_off[z], seg_off[z+1]) of projection j on its tail (see
- * ds_cu_conv_batch); with rollback rows it also writes the tail after each token. */
-__global__ void short_conv_batch_k(ds_cu_conv_batch b) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x, z = blockIdx.y, j = blockIdx.z;
+ * z, projection j and time chunk) walks its chunk of tokens [seg_off[z], seg_off[z+1]) of
+ * projection j (see ds_cu_conv_batch); with rollback rows it also writes the tail after each
+ * token. A chunk's window starts from the inputs before it, so long prefills run in parallel over
+ * time; chunks are at least W-1 tokens, so only chunk 0 ever reads the old tail, and chunk 0
+ * writes the new one after its own reads. */
+__global__ void short_conv_batch_k(ds_cu_conv_batch b, int n_chunks) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x, z = blockIdx.y;
+    const int j = blockIdx.z % b.n_proj, ch = blockIdx.z / b.n_proj;
     const int C = b.C, W = b.W;
     if (c >= C) return;
+    const int t0 = b.seg_off[z], t1 = b.seg_off[z + 1];
+    const int per = max((t1 - t0 + n_chunks - 1) / n_chunks, W - 1);
+    const int a0 = t0 + ch * per, a1 = min(t1, a0 + per);
+    if (ch > 0 && a0 >= a1) return;        /* chunk 0 runs even on no tokens: it owns the tail */
     const size_t tn = (size_t)(W - 1) * C; /* one projection's tail */
     float *tail = b.tails[z] + j * tn, *R = b.rows && b.rows[z] ? b.rows[z] + j * tn : NULL;
     const float *in = b.in + (size_t)j * C;
     float *out = b.out + j * b.out_stride;
-    float win[8];
-    for (int i = 0; i < W - 1; i++) win[i] = tail[(size_t)i * C + c];
+    float win[8]; /* win[i]: the input at position t - (W-1) + i */
+    for (int i = 0; i < W - 1; i++) {
+        const int p =
+            a0 - (W - 1) + i; /* before the segment: the tail (tail[i] is t0 - (W-1) + i) */
+        win[i] = p >= t0 ? in[(size_t)p * b.ld_in + c] : tail[(size_t)(p - t0 + W - 1) * C + c];
+    }
     const float *wc = b.w + ((size_t)j * C + c) * W;
-    const int t0 = b.seg_off[z], t1 = b.seg_off[z + 1];
-    for (int t = t0; t < t1; t++) {
+    for (int t = a0; t < a1; t++) {
         win[W - 1] = in[(size_t)t * b.ld_in + c];
         float acc = 0.0f;
         for (int i = 0; i < W; i++) acc += wc[i] * win[i];
@@ -715,7 +731,13 @@ __global__ void short_conv_batch_k(ds_cu_conv_batch b) {
             for (int i = 0; i < W - 1; i++)
                 R[(size_t)(t - t0) * b.rows_stride + (size_t)i * C + c] = win[i];
     }
-    for (int i = 0; i < W - 1; i++) tail[(size_t)i * C + c] = win[i];
+    if (ch > 0) return;
+    float nt[8]; /* the new tail: the inputs at t1 - (W-1) + i, read before any is written */
+    for (int i = 0; i < W - 1; i++) {
+        const int p = t1 - (W - 1) + i;
+        nt[i] = p >= t0 ? in[(size_t)p * b.ld_in + c] : tail[(size_t)(p - t0 + W - 1) * C + c];
+    }
+    for (int i = 0; i < W - 1; i++) tail[(size_t)i * C + c] = nt[i];
 }
 
 extern "C" int ds_cu_short_conv_silu_batch(ds_cu *c, const ds_cu_conv_batch *b, ds_err *err) {
@@ -723,9 +745,11 @@ extern "C" int ds_cu_short_conv_silu_batch(ds_cu *c, const ds_cu_conv_batch *b, 
     if (b->n_proj < 1 || b->n_proj > 3)
         return ds_errf(err, "cuda: short conv: %d projections (1..3)", b->n_proj);
     if (b->n_seq <= 0 || b->C <= 0) return DS_OK;
+    /* time chunks of ~64 tokens of the step (a decode step: one), at most 256 */
+    const int T = b->n_tokens, n_chunks = DS_MAX(1, DS_MIN(256, T / 64));
     short_conv_batch_k<<<dim3((unsigned)((b->C + 127) / 128), (unsigned)b->n_seq,
-                              (unsigned)b->n_proj),
-                         128, 0, c->stream>>>(*b);
+                              (unsigned)(b->n_proj * n_chunks)),
+                         128, 0, c->stream>>>(*b, n_chunks);
     CU_TRY(cudaGetLastError(), "short conv (batch)");
     return DS_OK;
 }
@@ -875,8 +899,8 @@ template <bool BATCH>
 __global__ void mla_split_k(float *part_o, float *part_ml, const float *qbar, const float *qr,
                             int Ha, int R, int dr, const float *pool, const int32_t *table, int bs,
                             int row, int pos0, int n_ctx, int causal, float scale, int n_split,
-                            const int32_t *tok_bt, const int32_t *tok_pos) {
-    __shared__ float sc[MLA_CHUNK];
+                            const int32_t *tok_bt, const int32_t *tok_pos, int chunk) {
+    __shared__ float sc[MLA_CHUNK]; /* chunk <= MLA_CHUNK rows per split */
     const int q = blockIdx.x, t = q / Ha, s = blockIdx.y;
     int n;
     if (BATCH) {
@@ -885,7 +909,7 @@ __global__ void mla_split_k(float *part_o, float *part_ml, const float *qbar, co
     } else {
         n = causal ? min(pos0 + t + 1, n_ctx) : n_ctx; /* never past the cache's rows */
     }
-    const int j0 = s * MLA_CHUNK, j1 = min(n, j0 + MLA_CHUNK);
+    const int j0 = s * chunk, j1 = min(n, j0 + chunk);
     float *po = part_o + ((size_t)q * n_split + s) * R,
           *pml = part_ml + ((size_t)q * n_split + s) * 2;
     if (j0 >= j1) { /* nothing visible in this split: an empty partial */
@@ -948,7 +972,7 @@ extern "C" int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qba
     float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
     mla_split_k<false><<<dim3((unsigned)rows, (unsigned)n_split), 256, 0, c->stream>>>(
         part_o, part_ml, qbar, qr, Ha, R, dr, pool, block_table, block_size, row, pos0, n_ctx,
-        causal, scale, n_split, NULL, NULL);
+        causal, scale, n_split, NULL, NULL, MLA_CHUNK);
     CU_TRY(cudaGetLastError(), "mla");
     mla_merge_k<<<rows, 256, 0, c->stream>>>(obar, part_o, part_ml, R, n_split);
     CU_TRY(cudaGetLastError(), "mla merge");
@@ -964,7 +988,7 @@ extern "C" int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qba
  * ...), so a warp reads consecutive words of a row; rows and queries sit one word apart from a
  * multiple of 32 so that the score loops do not collide on banks. The partials are merged by
  * mla_merge_k as before. */
-enum { MLA_AH_THREADS = 256, MLA_AH_SUB = 16, MLA_AH_ROWS = 256, MLA_AH_OPT = 64 };
+enum { MLA_AH_THREADS = 256, MLA_AH_SUB = 16, MLA_AH_MIN_ROWS = 64, MLA_AH_OPT = 64 };
 
 extern "C" void ds_cu_set_mla_all_heads(ds_cu *c, int on) {
     c->mla_all_heads = on;
@@ -973,14 +997,15 @@ extern "C" void ds_cu_set_mla_all_heads(ds_cu *c, int on) {
 __global__ void __launch_bounds__(MLA_AH_THREADS)
     mla_allheads_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int Ha, int R,
                    int dr, const float *pool, const int32_t *tables, const int32_t *tok_bt,
-                   const int32_t *tok_pos, int bs, int row, float scale, int n_split, int opt) {
+                   const int32_t *tok_pos, int bs, int row, float scale, int n_split, int per,
+                   int opt) {
     /* q [Ha][rq+1] | rows [SUB][row+1] | scores [Ha][SUB] */
     extern __shared__ float sh[];
     const int t = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, rq = R + dr;
     const int qst = rq + 1, cst = row + 1; /* padded strides */
     float *qs = sh, *cs = sh + (size_t)Ha * qst, *sc = cs + (size_t)MLA_AH_SUB * cst;
     const int32_t *table = tables + tok_bt[t];
-    const int n = tok_pos[t] + 1, j0 = s * MLA_AH_ROWS, j1 = min(n, j0 + MLA_AH_ROWS);
+    const int n = tok_pos[t] + 1, j0 = s * per, j1 = min(n, j0 + per);
     const int tph = MLA_AH_THREADS / Ha, h = tid / tph, k0 = tid % tph; /* r = k0 + tph i */
     const int live = h < Ha;
     for (int i = tid; i < Ha * rq; i += blockDim.x) { /* every head's [q̄ | qR] */
@@ -1055,9 +1080,18 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
     const size_t ah_smem =
         ((size_t)Ha * (R + dr + 1) + (size_t)MLA_AH_SUB * (row + 1) + (size_t)Ha * MLA_AH_SUB) *
         sizeof(float);
+    /* all heads per block: splits of `per` rows (a multiple of the 16-row tile, at least 64 so that
+     * staging every head's query stays a fraction of the rows read), aiming at two blocks per SM;
+     * a step with fewer blocks than SMs (small batches, short contexts) has more parallelism in
+     * the block-per-head path, where the re-read latents come from L2 anyway */
+    const int want = (2 * c->n_sm + T - 1) / T;
+    int per = (max_ctx + want - 1) / want;
+    per = max(MLA_AH_MIN_ROWS, (per + MLA_AH_SUB - 1) / MLA_AH_SUB * MLA_AH_SUB);
+    const int ah_split = (max_ctx + per - 1) / per;
     if (c->mla_all_heads && !c->batch_invariant && tph && MLA_AH_THREADS % Ha == 0 &&
-        R % tph == 0 && opt <= MLA_AH_OPT && ah_smem <= 200 * 1024) {
-        const int n_split = (max_ctx + MLA_AH_ROWS - 1) / MLA_AH_ROWS;
+        R % tph == 0 && opt <= MLA_AH_OPT && ah_smem <= 200 * 1024 &&
+        (c->mla_all_heads == 2 || (long)T * ah_split >= c->n_sm)) {
+        const int n_split = ah_split;
         size_t need = (size_t)rows * n_split * ((size_t)R + 2);
         if (grow_scratch((void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch",
                          err))
@@ -1072,20 +1106,29 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
         }
         mla_allheads_k<<<dim3((unsigned)T, (unsigned)n_split), MLA_AH_THREADS, ah_smem,
                          c->stream>>>(part_o, part_ml, qbar, qr, Ha, R, dr, pool, tables, tok_bt,
-                                      tok_pos, block_size, row, scale, n_split, opt);
+                                      tok_pos, block_size, row, scale, n_split, per, opt);
         CU_TRY(cudaGetLastError(), "mla (all heads)");
         mla_merge_k<<<rows, 256, 0, c->stream>>>(obar, part_o, part_ml, R, n_split);
         CU_TRY(cudaGetLastError(), "mla merge");
         return DS_OK;
     }
-    const int n_split = (max_ctx + MLA_CHUNK - 1) / MLA_CHUNK;
+    /* splits of MLA_CHUNK rows, or shorter (down to 32) when a small batch would leave SMs idle:
+     * at batch 1 a block per head and 256 rows was latency-bound at ~280 us a layer. Batch
+     * invariance keeps MLA_CHUNK: the merge's order must not depend on the batch. */
+    int chunk = MLA_CHUNK;
+    if (!c->batch_invariant) {
+        const long want = 4L * c->n_sm; /* blocks */
+        const long fit = ((long)max_ctx * rows + want - 1) / want;
+        chunk = (int)DS_MAX(32L, DS_MIN((long)MLA_CHUNK, (fit + 31) / 32 * 32));
+    }
+    const int n_split = (max_ctx + chunk - 1) / chunk;
     size_t need = (size_t)rows * n_split * ((size_t)R + 2);
     if (grow_scratch((void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch", err))
         return DS_ERR;
     float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
     mla_split_k<true><<<dim3((unsigned)rows, (unsigned)n_split), 256, 0, c->stream>>>(
         part_o, part_ml, qbar, qr, Ha, R, dr, pool, tables, block_size, row, 0, 0, 1, scale,
-        n_split, tok_bt, tok_pos);
+        n_split, tok_bt, tok_pos, chunk);
     CU_TRY(cudaGetLastError(), "mla (batch)");
     mla_merge_k<<<rows, 256, 0, c->stream>>>(obar, part_o, part_ml, R, n_split);
     CU_TRY(cudaGetLastError(), "mla merge");
@@ -1378,9 +1421,9 @@ extern "C" int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z,
  * its expert's weights (one warp per output, as gemv_bf16_k), so an expert's weights are read
  * once per row routed to it; then the k rows of a token are combined in slot order (no atomics:
  * the same bits every run). Grouping rows by expert for tensor-core GEMMs is the prefill path. */
-__global__ void __launch_bounds__(256) moe_up_k(float *h, const float *x, const int32_t *idx, int k,
-                                                int D, int I2, const uint16_t *gate_up, int e0,
-                                                int E) {
+__global__ void __launch_bounds__(256)
+    moe_up_k(float *h, const float *x, const int32_t *idx, int k, int D, int I2,
+             const uint16_t *gate_up, int e0, int E) {
     const int r = blockIdx.y, t = r / k, lane = threadIdx.x & 31;
     const int n = blockIdx.x * 8 + (threadIdx.x >> 5), e = idx[r] - e0;
     if (n >= I2 || e < 0 || e >= E) return; /* another rank's expert: the combine skips it */
@@ -1458,10 +1501,85 @@ __global__ void moe_group_k(const int32_t *idx, int rows, int e0, int E, int32_t
     }
 }
 
+/* The same layout for many routed rows (prefill), in three launches instead of one block walking
+ * every row per expert: per chunk of MOE_GCHUNK rows the experts' counts (hist [n_chunks][E]);
+ * one block turns them into start / active and each chunk's first slot per expert; one warp per
+ * chunk places its rows, 32 at a time in row order (lanes of one expert ranked by lane), so perm
+ * is exactly moe_group_k's. */
+enum { MOE_GCHUNK = 256 };
+
+__global__ void moe_hist_k(const int32_t *idx, int rows, int e0, int E, int32_t *hist) {
+    extern __shared__ int32_t cnt[]; /* [E] */
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    const int r0 = blockIdx.x * MOE_GCHUNK, r1 = min(rows, r0 + MOE_GCHUNK);
+    for (int r = r0 + threadIdx.x; r < r1; r += blockDim.x) {
+        const int e = idx[r] - e0;
+        if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) hist[(size_t)blockIdx.x * E + e] = cnt[e];
+}
+
+__global__ void moe_scan_k(int32_t *hist, int n_chunks, int E, int32_t *start, int32_t *active,
+                           int32_t *n_active) {
+    extern __shared__ int32_t tot[]; /* [E + 1]: counts, then starts */
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int n = 0;
+        for (int ch = 0; ch < n_chunks; ch++) n += hist[(size_t)ch * E + e];
+        tot[e + 1] = n;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int at = 0, na = 0;
+        tot[0] = 0;
+        for (int e = 0; e < E; e++) {
+            const int n = tot[e + 1];
+            if (n) active[na++] = e;
+            tot[e + 1] = at += n;
+        }
+        *n_active = na;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e <= E; e += blockDim.x) start[e] = tot[e];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) { /* counts -> each chunk's first slot */
+        int at = tot[e];
+        for (int ch = 0; ch < n_chunks; ch++) {
+            const int n = hist[(size_t)ch * E + e];
+            hist[(size_t)ch * E + e] = at;
+            at += n;
+        }
+    }
+}
+
+__global__ void moe_place_k(const int32_t *idx, int rows, int e0, int E, const int32_t *hist,
+                            int32_t *perm) {
+    extern __shared__ int32_t base[]; /* [E] this chunk's next slot per expert */
+    const int lane = threadIdx.x;
+    for (int e = lane; e < E; e += 32) base[e] = hist[(size_t)blockIdx.x * E + e];
+    __syncwarp();
+    const int r0 = blockIdx.x * MOE_GCHUNK, r1 = min(rows, r0 + MOE_GCHUNK);
+    for (int a = r0; a < r1; a += 32) {
+        const int r = a + lane;
+        int e = r < r1 ? idx[r] - e0 : -1;
+        if (e < 0 || e >= E) e = -1; /* another rank's expert, or past the chunk */
+        const unsigned same = __match_any_sync(0xffffffffu, e);
+        const int rank = __popc(same & ((1u << lane) - 1u));
+        if (e >= 0) perm[base[e] + rank] = r;
+        __syncwarp();
+        if (e >= 0 && rank == 0) base[e] += __popc(same);
+        __syncwarp();
+    }
+}
+
 /* y[perm row][n] = W_e[n] . x[row's input] for every row of active expert e = active[blockIdx.y]:
- * one warp per output n streams that weight row once (16-byte loads) for up to 8 of the expert's
- * rows at a time. A row's dot product takes the same operations however many rows share the pass,
- * so its bits do not depend on the batch. x rows: x + (perm / x_div) * ldx; K % 8 == 0. */
+ * each warp streams MOE_NPW weight rows n once (16-byte loads, several in flight) for up to 8 of
+ * the expert's rows at a time, staged in shared memory once per block: a block covers 8 MOE_NPW
+ * outputs, so the staging (re-read from L2 by every block) is a quarter of what it was with one
+ * output per warp — at batch 256 that traffic, twice the weights', bounded the kernel. A row's
+ * dot product takes the same operations however many rows share the pass, so its bits do not
+ * depend on the batch. x rows: x + (perm / x_div) * ldx; K % 8 == 0. */
+enum { MOE_NPW = 4, MOE_NPB = 8 * MOE_NPW };
 __global__ void __launch_bounds__(256)
     moe_grouped_k(float *y, int ldy, const float *x, int ldx, int x_div, const uint16_t *W, int N,
                   int K, const int32_t *start, const int32_t *perm, const int32_t *active,
@@ -1469,8 +1587,11 @@ __global__ void __launch_bounds__(256)
     extern __shared__ float4 xsh[]; /* [rp][K] the pass's x rows, staged once for the 8 warps */
     if ((int)blockIdx.y >= *n_active) return;
     const int e = active[blockIdx.y], lane = threadIdx.x & 31;
-    const int n = blockIdx.x * 8 + (threadIdx.x >> 5);
-    const uint4 *wr = (const uint4 *)(W + ((size_t)e * N + min(n, N - 1)) * K);
+    const int n0 = blockIdx.x * MOE_NPB + (threadIdx.x >> 5) * MOE_NPW;
+    const uint4 *wr[MOE_NPW];
+#pragma unroll
+    for (int j = 0; j < MOE_NPW; j++)
+        wr[j] = (const uint4 *)(W + ((size_t)e * N + min(n0 + j, N - 1)) * K);
     const int r0 = start[e], r1 = start[e + 1];
     for (int c0 = r0; c0 < r1; c0 += rp) {
         const int nr = min(rp, r1 - c0);
@@ -1481,26 +1602,35 @@ __global__ void __launch_bounds__(256)
                 xsh[(size_t)i * (K / 4) + j] = src[j];
         }
         __syncthreads();
-        if (n >= N) continue; /* (after the barriers: every warp stages) */
+        if (n0 >= N) continue; /* (after the barriers: every warp stages) */
         const float *xs[8];
-        float acc[8];
+        float acc[MOE_NPW][8];
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            acc[i] = 0.0f;
             xs[i] = (const float *)xsh + (size_t)(i < nr ? i : 0) * K;
+#pragma unroll
+            for (int j = 0; j < MOE_NPW; j++) acc[j][i] = 0.0f;
         }
+#pragma unroll 2
         for (int k8 = lane; k8 < K / 8; k8 += 32) {
-            const uint4 u = __ldg(wr + k8);
+            uint4 u[MOE_NPW];
+#pragma unroll
+            for (int j = 0; j < MOE_NPW; j++) u[j] = __ldg(wr[j] + k8);
 #pragma unroll
             for (int i = 0; i < 8; i++)
-                if (i < nr) acc[i] += dot8(u, xs[i] + (size_t)k8 * 8);
+                if (i < nr)
+#pragma unroll
+                    for (int j = 0; j < MOE_NPW; j++)
+                        acc[j][i] += dot8(u[j], xs[i] + (size_t)k8 * 8);
         }
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            float v = acc[i];
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == 0 && i < nr) y[(size_t)perm[c0 + i] * ldy + n] = v;
-        }
+        for (int j = 0; j < MOE_NPW; j++)
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                float v = acc[j][i];
+                for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                if (lane == 0 && i < nr && n0 + j < N) y[(size_t)perm[c0 + i] * ldy + n0 + j] = v;
+            }
     }
 }
 
@@ -1513,19 +1643,29 @@ enum : size_t { MOE_SMEM = 160 * 1024 }; /* the grouped kernel's x staging, at m
  * expert layout crosses to the host (one small copy) for the calls' sizes, so these steps are
  * never captured in graphs; and cuBLAS picks algorithms by size, so batch invariance keeps the
  * streaming kernel. */
-enum { EXPERT_GEMM_MIN_ROWS = 1024 };
+/* Rows per local expert, on average, from which the tensor-core path wins: below it (decode of
+ * large batches: a few rows per expert) a cuBLAS call per expert costs more than the streaming
+ * kernel reading each expert once, and the host round trip keeps the step out of graphs. */
+enum { EXPERT_GEMM_MIN_PER = 64 };
 
 extern "C" void ds_cu_set_expert_gemm(ds_cu *c, int on) {
     c->expert_gemm = on;
 }
 
-/* xg[i] = bf16(x[perm[i] / k]): the routed rows' inputs in expert order. */
+/* xg[slot[i]] = bf16(x[perm[i] / k]): the routed rows' inputs in expert order (slot NULL: i). */
 __global__ void moe_gather_bf16_k(__nv_bfloat16 *xg, const float *x, int D, const int32_t *perm,
-                                  int k) {
+                                  const int32_t *slot, int k) {
     const int i = blockIdx.x;
     const float *xr = x + (size_t)(perm[i] / k) * D;
-    for (int c = threadIdx.x; c < D; c += blockDim.x)
-        xg[(size_t)i * D + c] = __float2bfloat16_rn(xr[c]);
+    __nv_bfloat16 *dst = xg + (size_t)(slot ? slot[i] : i) * D;
+    for (int c = threadIdx.x; c < D; c += blockDim.x) dst[c] = __float2bfloat16_rn(xr[c]);
+}
+
+/* slot[i] = e n_max + (i - start[e]) for the rows i of expert e = blockIdx.x: each expert's rows
+ * at the head of its own n_max-row panel (the padded layout of one strided-batched GEMM). */
+__global__ void moe_slot_k(int32_t *slot, const int32_t *start, int n_max) {
+    const int e = blockIdx.x, r0 = start[e], r1 = start[e + 1];
+    for (int i = r0 + threadIdx.x; i < r1; i += blockDim.x) slot[i] = e * n_max + (i - r0);
 }
 
 /* ab[i][c] = bf16(act(h[i][c], h[i][I + c])) */
@@ -1546,9 +1686,10 @@ __global__ void moe_act_bf16_k(__nv_bfloat16 *ab, const float *h, int rows, int 
     ab[i] = __float2bfloat16_rn(a);
 }
 
-__global__ void moe_inverse_k(int32_t *inv, const int32_t *perm, int rows) {
+/* inv[perm[i]] = slot[i] (slot NULL: i): where routed row perm[i]'s output sits in y. */
+__global__ void moe_inverse_k(int32_t *inv, const int32_t *perm, const int32_t *slot, int rows) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < rows) inv[perm[i]] = i;
+    if (i < rows) inv[perm[i]] = slot ? slot[i] : i;
 }
 
 /* out[t] (+)= sum_j w[t][j] y[inv[t k + j]], slots in order (the combine of moe_combine_k). */
@@ -1565,59 +1706,103 @@ __global__ void moe_combine_perm_k(float *out, const float *y, const int32_t *in
     out[i] = accumulate ? out[i] + acc : acc;
 }
 
+/* Is the stream recording a graph? (This path reads the layout on the host, which a capture
+ * cannot; nor can the profile's events.) */
+static int capturing(ds_cu *c) {
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    return cudaStreamIsCapturing(c->stream, &st) != cudaSuccess ||
+           st != cudaStreamCaptureStatusNone;
+}
+
+/* With the layout on the host, the experts' GEMMs go one of two ways. Padded: every local expert
+ * gets a panel of n_max rows (its own rows first, the rest never read), so gate/up and down are
+ * one strided-batched GEMM each over all experts — one launch instead of 2 E, which at E = 256
+ * was host-bound (56-91 TFLOP/s). Taken while padding costs at most half as much again as the
+ * rows themselves; a skewed routing (one expert with most rows) falls back to a GEMM per expert. */
 static int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T, int k,
                             int E, int D, int I, const uint16_t *gate_up, const uint16_t *down,
                             int situ, float situ_beta, float situ_lin_beta, int accumulate,
                             const int32_t *start, const int32_t *perm, ds_err *err) {
     const int rows = T * k;
-    /* xg [rows][D] bf16 | ab [rows][I] bf16 | h [rows][2I] f32 | y [rows][D] f32 | inv [rows] */
-    const size_t sz[5] = {(size_t)rows * D * 2, (size_t)rows * I * 2, (size_t)rows * 2 * I * 4,
-                          (size_t)rows * D * 4, (size_t)rows * 4};
-    void *b[5];
-    if (carve_scratch(&c->moeg, &c->moeg_bytes, sz, b, 5, "moe gemm scratch", err)) return DS_ERR;
-    __nv_bfloat16 *xg = (__nv_bfloat16 *)b[0], *ab = (__nv_bfloat16 *)b[1];
-    float *h = (float *)b[2], *y = (float *)b[3];
-    int32_t *inv = (int32_t *)b[4];
     if (c->h_start_n < E + 1) {
         int32_t *p = (int32_t *)realloc(c->h_start, (size_t)(E + 1) * sizeof *p);
         if (!p) return ds_errf(err, "cuda: out of host memory");
         c->h_start = p;
         c->h_start_n = E + 1;
     }
+    ds_cu_prof_mark(c, "moe gemm: layout to host");
     CU_TRY(cudaMemcpyAsync(c->h_start, start, (size_t)(E + 1) * sizeof(int32_t),
                            cudaMemcpyDeviceToHost, c->stream),
            "moe: expert layout");
     CU_TRY(cudaStreamSynchronize(c->stream), "moe: expert layout");
     const int n_local = c->h_start[E]; /* rows of this rank's experts, the first of perm */
-    if (n_local > 0) moe_gather_bf16_k<<<n_local, 256, 0, c->stream>>>(xg, x, D, perm, k);
+    int n_max = 0;
+    for (int e = 0; e < E; e++) n_max = DS_MAX(n_max, c->h_start[e + 1] - c->h_start[e]);
+    const int padded = n_local > 0 && (size_t)n_max * E * 2 <= (size_t)n_local * 3;
+    const size_t pr = padded ? (size_t)n_max * E : (size_t)rows; /* rows of the GEMM buffers */
+    /* xg [pr][D] bf16 | ab [pr][I] bf16 | h [pr][2I] f32 | y [pr][D] f32 | inv [rows] |
+     * slot [rows] */
+    const size_t sz[6] = {pr * D * 2, pr * I * 2,       pr * 2 * I * 4,
+                          pr * D * 4, (size_t)rows * 4, (size_t)rows * 4};
+    void *b[6];
+    if (carve_scratch(&c->moeg, &c->moeg_bytes, sz, b, 6, "moe gemm scratch", err)) return DS_ERR;
+    __nv_bfloat16 *xg = (__nv_bfloat16 *)b[0], *ab = (__nv_bfloat16 *)b[1];
+    float *h = (float *)b[2], *y = (float *)b[3];
+    int32_t *inv = (int32_t *)b[4], *slot = padded ? (int32_t *)b[5] : NULL;
+    ds_cu_prof_mark(c, "moe gemm: gather x");
+    if (padded) moe_slot_k<<<E, 256, 0, c->stream>>>(slot, start, n_max);
+    if (n_local > 0) moe_gather_bf16_k<<<n_local, 256, 0, c->stream>>>(xg, x, D, perm, slot, k);
     CU_TRY(cudaGetLastError(), "moe gather");
     const float one = 1.0f, zero = 0.0f;
     const size_t per_gu = (size_t)2 * I * D, per_dn = (size_t)D * I;
-    for (int e = 0; e < E; e++) { /* H_e [n][2I] = X_e [n][D] W_gu,e^T */
-        const int r0 = c->h_start[e], n = c->h_start[e + 1] - r0;
-        if (n <= 0) continue;
-        BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, 2 * I, n, D, &one,
-                              gate_up + (size_t)e * per_gu, CUDA_R_16BF, D, xg + (size_t)r0 * D,
-                              CUDA_R_16BF, D, &zero, h + (size_t)r0 * 2 * I, CUDA_R_32F, 2 * I,
-                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                 "moe up (gemm)");
+    ds_cu_prof_mark(c, "moe gemm: gate/up");
+    if (padded) { /* H_e [n_max][2I] = X_e [n_max][D] W_gu,e^T, every e at once */
+        BLAS_TRY(cublasGemmStridedBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, 2 * I, n_max, D,
+                                            &one, gate_up, CUDA_R_16BF, D, (long long)per_gu, xg,
+                                            CUDA_R_16BF, D, (long long)n_max * D, &zero, h,
+                                            CUDA_R_32F, 2 * I, (long long)n_max * 2 * I, E,
+                                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                 "moe up (batched gemm)");
+    } else {
+        for (int e = 0; e < E; e++) { /* H_e [n][2I] = X_e [n][D] W_gu,e^T */
+            const int r0 = c->h_start[e], n = c->h_start[e + 1] - r0;
+            if (n <= 0) continue;
+            BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, 2 * I, n, D, &one,
+                                  gate_up + (size_t)e * per_gu, CUDA_R_16BF, D, xg + (size_t)r0 * D,
+                                  CUDA_R_16BF, D, &zero, h + (size_t)r0 * 2 * I, CUDA_R_32F, 2 * I,
+                                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                     "moe up (gemm)");
+        }
     }
-    if (n_local > 0)
-        moe_act_bf16_k<<<(unsigned)(((size_t)n_local * I + 255) / 256), 256, 0, c->stream>>>(
-            ab, h, n_local, I, situ, situ_beta, situ_lin_beta);
+    ds_cu_prof_mark(c, "moe gemm: act");
+    const int ar = padded ? n_max * E : n_local; /* a panel's unused rows: garbage, never read */
+    if (ar > 0)
+        moe_act_bf16_k<<<(unsigned)(((size_t)ar * I + 255) / 256), 256, 0, c->stream>>>(
+            ab, h, ar, I, situ, situ_beta, situ_lin_beta);
     CU_TRY(cudaGetLastError(), "moe act (gemm)");
-    for (int e = 0; e < E; e++) { /* Y_e [n][D] = A_e [n][I] W_down,e^T */
-        const int r0 = c->h_start[e], n = c->h_start[e + 1] - r0;
-        if (n <= 0) continue;
-        BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, D, n, I, &one,
-                              down + (size_t)e * per_dn, CUDA_R_16BF, I, ab + (size_t)r0 * I,
-                              CUDA_R_16BF, I, &zero, y + (size_t)r0 * D, CUDA_R_32F, D,
-                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                 "moe down (gemm)");
+    ds_cu_prof_mark(c, "moe gemm: down");
+    if (padded) { /* Y_e [n_max][D] = A_e [n_max][I] W_down,e^T, every e at once */
+        BLAS_TRY(cublasGemmStridedBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, D, n_max, I, &one,
+                                            down, CUDA_R_16BF, I, (long long)per_dn, ab,
+                                            CUDA_R_16BF, I, (long long)n_max * I, &zero, y,
+                                            CUDA_R_32F, D, (long long)n_max * D, E,
+                                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                 "moe down (batched gemm)");
+    } else {
+        for (int e = 0; e < E; e++) { /* Y_e [n][D] = A_e [n][I] W_down,e^T */
+            const int r0 = c->h_start[e], n = c->h_start[e + 1] - r0;
+            if (n <= 0) continue;
+            BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, D, n, I, &one,
+                                  down + (size_t)e * per_dn, CUDA_R_16BF, I, ab + (size_t)r0 * I,
+                                  CUDA_R_16BF, I, &zero, y + (size_t)r0 * D, CUDA_R_32F, D,
+                                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                     "moe down (gemm)");
+        }
     }
+    ds_cu_prof_mark(c, "moe gemm: combine");
     CU_TRY(cudaMemsetAsync(inv, 0xff, (size_t)rows * sizeof(int32_t), c->stream), "moe inverse");
     if (n_local > 0)
-        moe_inverse_k<<<(n_local + 255) / 256, 256, 0, c->stream>>>(inv, perm, n_local);
+        moe_inverse_k<<<(n_local + 255) / 256, 256, 0, c->stream>>>(inv, perm, slot, n_local);
     CU_TRY(cudaGetLastError(), "moe inverse");
     moe_combine_perm_k<<<(unsigned)(((size_t)T * D + 255) / 256), 256, 0, c->stream>>>(
         out, y, inv, w, T, k, D, accumulate);
@@ -1634,23 +1819,37 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
     const int rows = T * k;
     if (rows > 65535) return ds_errf(err, "cuda: moe: %d routed rows (at most 65535)", rows);
     const int grouped = D % 8 == 0 && I % 8 == 0 && (uintptr_t)x % 16 == 0 && E > 0;
-    /* floats: h [rows][2I], y [rows][D]; then ints: start [E+1], perm [rows], active [E], n [1] */
+    /* floats: h [rows][2I], y [rows][D]; then ints: start [E+1], perm [rows], active [E], n [1],
+     * and with many rows hist [n_chunks][E] */
+    const int n_chunks = rows >= 1024 ? (rows + MOE_GCHUNK - 1) / MOE_GCHUNK : 0;
     size_t nf = (size_t)rows * (2 * (size_t)I + (size_t)D);
-    size_t ni = grouped ? (size_t)E + 1 + rows + E + 1 : 0;
+    size_t ni = grouped ? (size_t)E + 1 + rows + E + 1 + (size_t)n_chunks * E : 0;
     if (grow_scratch((void **)&c->part, &c->part_bytes, (nf + ni) * sizeof(float), "moe scratch",
                      err))
         return DS_ERR;
     float *h = c->part, *y = c->part + (size_t)rows * 2 * I;
     if (grouped) {
         int32_t *start = (int32_t *)(c->part + nf), *perm = start + E + 1, *active = perm + rows;
-        int32_t *n_active = active + E;
+        int32_t *n_active = active + E, *hist = n_active + 1;
         const unsigned ya = (unsigned)DS_MIN(E, rows); /* at most this many experts have rows */
-        moe_group_k<<<1, 256, ((size_t)E + 1) * sizeof(int32_t), c->stream>>>(
-            idx, rows, e0, E, start, perm, active, n_active);
+        ds_cu_prof_mark(c, "moe group");
+        if (n_chunks) {
+            moe_hist_k<<<n_chunks, 256, (size_t)E * sizeof(int32_t), c->stream>>>(idx, rows, e0, E,
+                                                                                  hist);
+            moe_scan_k<<<1, 256, ((size_t)E + 1) * sizeof(int32_t), c->stream>>>(
+                hist, n_chunks, E, start, active, n_active);
+            moe_place_k<<<n_chunks, 32, (size_t)E * sizeof(int32_t), c->stream>>>(idx, rows, e0, E,
+                                                                                  hist, perm);
+        } else {
+            moe_group_k<<<1, 256, ((size_t)E + 1) * sizeof(int32_t), c->stream>>>(
+                idx, rows, e0, E, start, perm, active, n_active);
+        }
         CU_TRY(cudaGetLastError(), "moe group");
-        if (c->expert_gemm && !c->batch_invariant && rows >= EXPERT_GEMM_MIN_ROWS)
+        if (c->expert_gemm && !c->batch_invariant && rows >= EXPERT_GEMM_MIN_PER * E &&
+            !capturing(c))
             return moe_experts_gemm(c, out, x, w, T, k, E, D, I, gate_up, down, situ, situ_beta,
                                     situ_lin_beta, accumulate, start, perm, err);
+        ds_cu_prof_mark(c, "moe grouped experts");
         /* rows per pass: 8, or fewer when 8 rows of x would not fit in shared memory */
         const int rp_up = DS_MAX(1, DS_MIN(8, (int)(MOE_SMEM / ((size_t)D * 4))));
         const int rp_dn = DS_MAX(1, DS_MIN(8, (int)(MOE_SMEM / ((size_t)I * 4))));
@@ -1661,16 +1860,17 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
                    "moe: shared memory");
             smem_set = 1;
         }
-        moe_grouped_k<<<dim3((unsigned)((2 * I + 7) / 8), ya), 256, (size_t)rp_up * D * 4,
-                        c->stream>>>(h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm, active,
-                                     n_active, rp_up);
+        moe_grouped_k<<<dim3((unsigned)((2 * I + MOE_NPB - 1) / MOE_NPB), ya), 256,
+                        (size_t)rp_up * D * 4, c->stream>>>(h, 2 * I, x, D, k, gate_up, 2 * I, D,
+                                                            start, perm, active, n_active, rp_up);
         CU_TRY(cudaGetLastError(), "moe up (grouped)");
         moe_act_k<<<(unsigned)(((size_t)rows * I + 255) / 256), 256, 0, c->stream>>>(
             h, rows, I, situ, situ_beta, situ_lin_beta);
         CU_TRY(cudaGetLastError(), "moe act");
         /* the activations sit in the gate half of h: rows 2I apart, one per routed row */
-        moe_grouped_k<<<dim3((unsigned)((D + 7) / 8), ya), 256, (size_t)rp_dn * I * 4, c->stream>>>(
-            y, D, h, 2 * I, 1, down, D, I, start, perm, active, n_active, rp_dn);
+        moe_grouped_k<<<dim3((unsigned)((D + MOE_NPB - 1) / MOE_NPB), ya), 256,
+                        (size_t)rp_dn * I * 4, c->stream>>>(y, D, h, 2 * I, 1, down, D, I, start,
+                                                            perm, active, n_active, rp_dn);
         CU_TRY(cudaGetLastError(), "moe down (grouped)");
     } else {
         moe_up_k<<<dim3((unsigned)((2 * I + 7) / 8), (unsigned)rows), 256, 0, c->stream>>>(
@@ -1730,20 +1930,36 @@ template <int DK, int SPLIT>
 __device__ void kda_run(float *o, const float *q, const float *k, const float *v, const float *g,
                         const float *beta, float *Sh, float *S_rows, size_t rows_stride, int t0,
                         int t1, int H, int dv, int h, int col, bool live, int part) {
-    constexpr int DP = DK / SPLIT; /* state entries of the column this thread holds */
+    constexpr int DP = DK / SPLIT;     /* state entries of the column this thread holds */
+    constexpr int PF = (DK + 31) / 32; /* q/k/g entries a thread stages per token, at most */
     __shared__ float qs[DK], ks[DK], ds[DK];
     float s[DP];
     const int c0 = part * DP;
 #pragma unroll
     for (int c = 0; c < DP; c++) s[c] = live ? Sh[(size_t)(c0 + c) * dv + col] : 0.0f;
+    /* token t + 1's inputs are loaded into registers while token t computes: a prefill walks
+     * thousands of tokens in order, and waiting on each token's loads was most of its time */
+    float nq[PF], nk[PF], ng[PF], nv = 0.0f, nb = 0.0f;
+    auto fetch = [&](int t) {
+        const size_t th = (size_t)t * H + h;
+#pragma unroll
+        for (int i = 0; i < PF; i++) {
+            const int c = threadIdx.x + i * blockDim.x;
+            if (c < DK) nq[i] = q[th * DK + c], nk[i] = k[th * DK + c], ng[i] = g[th * DK + c];
+        }
+        if (live) nv = v[th * dv + col], nb = beta[th];
+    };
+    if (t0 < t1) fetch(t0);
     for (int t = t0; t < t1; t++) {
         const size_t th = (size_t)t * H + h;
         __syncthreads();
-        for (int c = threadIdx.x; c < DK; c += blockDim.x) {
-            qs[c] = q[th * DK + c];
-            ks[c] = k[th * DK + c];
-            ds[c] = expf(g[th * DK + c]);
+#pragma unroll
+        for (int i = 0; i < PF; i++) {
+            const int c = threadIdx.x + i * blockDim.x;
+            if (c < DK) qs[c] = nq[i], ks[c] = nk[i], ds[c] = expf(ng[i]);
         }
+        const float vt = nv, bt = nb;
+        if (t + 1 < t1) fetch(t + 1);
         __syncthreads();
         /* decay, then predict v from the decayed state */
         float e = 0.0f;
@@ -1754,7 +1970,7 @@ __device__ void kda_run(float *o, const float *q, const float *k, const float *v
         }
 #pragma unroll
         for (int m = 1; m < SPLIT; m <<= 1) e += __shfl_xor_sync(0xffffffffu, e, m);
-        const float err_v = live ? beta[th] * (v[th * dv + col] - e) : 0.0f;
+        const float err_v = live ? bt * (vt - e) : 0.0f;
         /* write k (beta e)^T, read with q after the write */
         float acc = 0.0f;
 #pragma unroll
@@ -2008,4 +2224,109 @@ extern "C" double ds_cu_timer_stop(ds_cu *c, ds_cu_timer *t) {
     cudaEventDestroy(t->b);
     free(t);
     return ms;
+}
+
+/* ---- per-op profile ------------------------------------------------------------------------- */
+enum { PROF_EVENTS = 8192, PROF_LABELS = 96 };
+struct cu_prof {
+    cudaEvent_t ev[PROF_EVENTS + 1]; /* a step's marks, then the step's end */
+    const char *at[PROF_EVENTS];     /* [n] the label each mark opened */
+    int n;
+    const char *label[PROF_LABELS]; /* [n_labels] distinct labels, first-seen order */
+    double ms[PROF_LABELS];         /* [n_labels] device time summed over steps */
+    long count[PROF_LABELS];        /* [n_labels] intervals summed */
+    int n_labels, steps, dropped;
+};
+
+static void prof_clear(cu_prof *p) { /* the sums start over; a step's pending marks stay */
+    memset(p->ms, 0, sizeof p->ms);
+    memset(p->count, 0, sizeof p->count);
+    p->n_labels = p->steps = p->dropped = 0;
+}
+
+extern "C" void ds_cu_prof_enable(ds_cu *c, int on) {
+    if (on && !c->prof) {
+        cu_prof *p = (cu_prof *)calloc(1, sizeof *p);
+        if (!p) return; /* a profile is best effort: no memory, no profile */
+        for (int i = 0; i <= PROF_EVENTS; i++)
+            if (cudaEventCreate(&p->ev[i]) != cudaSuccess) {
+                for (int j = 0; j < i; j++) cudaEventDestroy(p->ev[j]);
+                cudaGetLastError();
+                free(p);
+                return;
+            }
+        c->prof = p;
+    } else if (!on && c->prof) {
+        for (int i = 0; i <= PROF_EVENTS; i++) cudaEventDestroy(c->prof->ev[i]);
+        free(c->prof);
+        c->prof = NULL;
+    }
+}
+
+extern "C" void ds_cu_prof_mark(ds_cu *c, const char *label) {
+    cu_prof *p = c->prof;
+    if (!p || capturing(c)) return;
+    if (p->n == PROF_EVENTS) { /* the step's remaining time goes to its last label */
+        p->dropped++;
+        return;
+    }
+    if (cudaEventRecord(p->ev[p->n], c->stream) != cudaSuccess) {
+        cudaGetLastError();
+        return;
+    }
+    p->at[p->n++] = label;
+}
+
+extern "C" void ds_cu_prof_step_end(ds_cu *c) {
+    cu_prof *p = c->prof;
+    if (!p || !p->n || capturing(c)) return;
+    if (cudaEventRecord(p->ev[p->n], c->stream) != cudaSuccess ||
+        cudaEventSynchronize(p->ev[p->n]) != cudaSuccess) {
+        cudaGetLastError();
+        p->n = 0;
+        return;
+    }
+    for (int i = 0; i < p->n; i++) {
+        float ms = 0.0f;
+        if (cudaEventElapsedTime(&ms, p->ev[i], p->ev[i + 1]) != cudaSuccess) {
+            cudaGetLastError();
+            continue;
+        }
+        int l = 0;
+        while (l < p->n_labels && p->label[l] != p->at[i] && strcmp(p->label[l], p->at[i])) l++;
+        if (l == p->n_labels) {
+            if (l == PROF_LABELS) continue;
+            p->label[p->n_labels++] = p->at[i];
+        }
+        p->ms[l] += ms;
+        p->count[l]++;
+    }
+    p->n = 0;
+    p->steps++;
+}
+
+extern "C" void ds_cu_prof_report(ds_cu *c, FILE *f, const char *title) {
+    cu_prof *p = c->prof;
+    if (!p || !p->steps || !f) {
+        if (p) prof_clear(p);
+        return;
+    }
+    int order[PROF_LABELS];
+    double total = 0.0;
+    for (int i = 0; i < p->n_labels; i++) order[i] = i, total += p->ms[i];
+    for (int i = 1; i < p->n_labels; i++) /* by time, largest first */
+        for (int j = i; j > 0 && p->ms[order[j]] > p->ms[order[j - 1]]; j--) {
+            int t = order[j];
+            order[j] = order[j - 1];
+            order[j - 1] = t;
+        }
+    fprintf(f, "profile: %s — %d steps, %.3f ms device time per step%s\n", title, p->steps,
+            total / p->steps, p->dropped ? " (marks dropped: raise PROF_EVENTS)" : "");
+    fprintf(f, "  %-24s %12s %8s %10s\n", "op", "ms/step", "share", "calls/step");
+    for (int i = 0; i < p->n_labels; i++) {
+        int l = order[i];
+        fprintf(f, "  %-24s %12.4f %7.1f%% %10.1f\n", p->label[l], p->ms[l] / p->steps,
+                total > 0 ? 100.0 * p->ms[l] / total : 0.0, (double)p->count[l] / p->steps);
+    }
+    prof_clear(p);
 }
