@@ -17,6 +17,10 @@ typedef struct ds_dmem_ops {
     void (*release)(void *p);
     void (*copy)(void *dst, const void *src, size_t bytes); /* done when it returns */
     void (*zero)(void *p, size_t bytes);                    /* device memory only */
+    /* page-locked host memory (the device copies it at full speed); release stays valid after
+     * the operations are uninstalled */
+    void *(*host_alloc)(size_t bytes, ds_err *err);
+    void (*host_release)(void *p);
 } ds_dmem_ops;
 
 /* Installs the device's operations (NULL: back to host only). */
@@ -29,5 +33,11 @@ void *ds_dmem_alloc(int on_device, size_t bytes, ds_err *err);
 void ds_dmem_free(int on_device, void *p);
 void ds_dmem_copy(void *dst, const void *src, size_t bytes);
 void ds_dmem_zero(int on_device, void *p, size_t bytes);
+/* Host memory that a step copies results into (logits): page-locked when a device is installed,
+ * so that a download of the logits of a large batch (670 MB at batch 1024) runs at the bus's rate
+ * instead of through the driver's bounce buffer; plain aligned memory otherwise. Free it with
+ * ds_dmem_host_free, whatever is installed by then. */
+void *ds_dmem_host_alloc(size_t bytes, ds_err *err);
+void ds_dmem_host_free(void *p);
 
 #endif

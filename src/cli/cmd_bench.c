@@ -47,7 +47,7 @@ static int run_decode(ds_model *m, int B, int prompt, int steps, double *sec_per
     int32_t *table = ds_malloc((size_t)B * pages_per * sizeof(int32_t), err); /* [B][pages] */
     int32_t *ids = ds_malloc((size_t)B * ctx * sizeof(int32_t), err);         /* [B][ctx] */
     ds_seq_batch *sb = ds_calloc((size_t)B, sizeof *sb, err);
-    float *logits = ds_malloc((size_t)B * c->vocab_size * sizeof(float), err); /* [B][V] */
+    float *logits = ds_dmem_host_alloc((size_t)B * c->vocab_size * sizeof(float), err); /* [B][V] */
     if (!slots || !table || !ids || !sb || !logits) goto out;
     for (int i = 0; i < B * pages_per; i++) table[i] = i;
     ds_rng rng;
@@ -86,7 +86,7 @@ out:
     free(table);
     free(ids);
     free(sb);
-    free(logits);
+    ds_dmem_host_free(logits);
     ds_kv_pool_free(&pool);
     return rc;
 }

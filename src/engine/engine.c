@@ -504,7 +504,8 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
     }
     e->preempted = ds_calloc((size_t)S, sizeof *e->preempted, err);
     e->batch = ds_calloc((size_t)S, sizeof *e->batch, err);
-    e->logits = ds_malloc((size_t)S * rows * e->V * sizeof(float), err);
+    /* page-locked when the model is on a GPU: the step downloads its logits here */
+    e->logits = ds_dmem_host_alloc((size_t)S * rows * e->V * sizeof(float), err);
     e->scratch = ds_sample_scratch_new(e->V, err);
     if (!e->preempted || !e->batch || !e->logits || !e->scratch) goto fail;
     *out = e;
@@ -1619,7 +1620,7 @@ void ds_engine_free(ds_engine *e) {
     free(e->taps);
     free(e->preempted);
     free(e->batch);
-    free(e->logits);
+    ds_dmem_host_free(e->logits);
     free(e->aborts);
     ds_pp_bufs_free(&e->ppb);
     ds_draft_free(e->draft_ctx);

@@ -49,7 +49,8 @@ static void dm_zero(void *p, size_t bytes) {
     if ((ds_cu_bind(g_cu, &e) || ds_cu_fill_bytes(g_cu, p, 0, bytes, &e)) && !g_copy_err[0])
         snprintf(g_copy_err, sizeof g_copy_err, "%s", e.msg);
 }
-static const ds_dmem_ops g_dmem = {dm_alloc, dm_release, dm_copy, dm_zero};
+static const ds_dmem_ops g_dmem = {dm_alloc, dm_release,       dm_copy,
+                                   dm_zero,  ds_cu_host_alloc, ds_cu_host_free};
 
 int ds_cuda_available(void) {
     if (g_cu) return 1;

@@ -68,7 +68,36 @@ static void fd_zero(void *p, size_t n) {
     fd_open(p, 0);
     g_fd_zeros++;
 }
-static const ds_dmem_ops g_fake_device = {fd_alloc, fd_release, fd_copy, fd_zero};
+/* Its page-locked host memory: mapped pages (so that free() on one would crash the test),
+ * counted in and out. */
+static struct {
+    void *p;
+    size_t n;
+} g_pin[8];
+static int g_pins, g_unpins;
+static void *fd_host_alloc(size_t n, ds_err *err) {
+    for (int i = 0; i < 8; i++)
+        if (!g_pin[i].p) {
+            void *p =
+                mmap(NULL, fd_round(n), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (p == MAP_FAILED) break;
+            g_pin[i].p = p, g_pin[i].n = fd_round(n);
+            g_pins++;
+            return p;
+        }
+    ds_errf(err, "fake device: out of pinned regions");
+    return NULL;
+}
+static void fd_host_release(void *p) {
+    for (int i = 0; i < 8; i++)
+        if (g_pin[i].p == p) {
+            munmap(p, g_pin[i].n);
+            g_pin[i].p = NULL;
+            g_unpins++;
+        }
+}
+static const ds_dmem_ops g_fake_device = {fd_alloc, fd_release,    fd_copy,
+                                          fd_zero,  fd_host_alloc, fd_host_release};
 static int g_dev;         /* the px_world below keeps its state on the fake device */
 static ds_offload *g_off; /* and, when set, hands finished prefixes to this offload tier */
 
@@ -282,6 +311,32 @@ static void test_forced_collisions(void **st) {
 /* The same scenarios with the checkpoint and latent pools in memory the host cannot touch (the
  * fake device above): hits, demand rungs, forks and collisions give the same states, every copy
  * goes through the installed operations, and every region is given back. */
+/* Logits buffers: page-locked from the device while one is installed, and each freed by the
+ * release it came with even after the device is gone; plain memory without a device. */
+static void test_pinned_host_memory(void **st) {
+    (void)st;
+    ds_err err = {{0}};
+    int pins = g_pins, unpins = g_unpins;
+    ds_dmem_install(&g_fake_device);
+    float *a = ds_dmem_host_alloc(1000 * sizeof(float), &err);
+    float *b = ds_dmem_host_alloc(10, &err);
+    assert_non_null(a);
+    assert_non_null(b);
+    assert_int_equal(g_pins, pins + 2);
+    for (int i = 0; i < 1000; i++) a[i] = (float)i; /* host-writable */
+    assert_true(a[999] == 999.0f);
+    ds_dmem_host_free(b);
+    assert_int_equal(g_unpins, unpins + 1);
+    ds_dmem_install(NULL);
+    ds_dmem_host_free(a); /* after the device went: still its own release, not free() */
+    assert_int_equal(g_unpins, unpins + 2);
+    float *c = ds_dmem_host_alloc(100, &err); /* no device: plain memory */
+    assert_non_null(c);
+    assert_int_equal(g_pins, pins + 2);
+    ds_dmem_host_free(c);
+    assert_int_equal(g_unpins, unpins + 2);
+}
+
 static void test_state_on_device(void **st) {
     ds_dmem_install(&g_fake_device);
     g_dev = 1;
@@ -586,11 +641,12 @@ static void test_engine_collisions(void **st) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_hash_chain_and_hit),   cmocka_unit_test(test_demand_rung),
-        cmocka_unit_test(test_state_on_device),      cmocka_unit_test(test_offload_on_device),
-        cmocka_unit_test(test_forced_collisions),    cmocka_unit_test(test_warm_equals_cold),
-        cmocka_unit_test(test_shared_system_prompt), cmocka_unit_test(test_eviction_pressure),
-        cmocka_unit_test(test_engine_collisions),    cmocka_unit_test(test_fork_on_verify),
+        cmocka_unit_test(test_hash_chain_and_hit), cmocka_unit_test(test_demand_rung),
+        cmocka_unit_test(test_state_on_device),    cmocka_unit_test(test_offload_on_device),
+        cmocka_unit_test(test_pinned_host_memory), cmocka_unit_test(test_forced_collisions),
+        cmocka_unit_test(test_warm_equals_cold),   cmocka_unit_test(test_shared_system_prompt),
+        cmocka_unit_test(test_eviction_pressure),  cmocka_unit_test(test_engine_collisions),
+        cmocka_unit_test(test_fork_on_verify),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

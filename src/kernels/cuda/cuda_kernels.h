@@ -39,6 +39,9 @@ const char *ds_cu_device_name(const ds_cu *c);
 /* Device memory (plain cudaMalloc; never managed memory). */
 void *ds_cu_alloc(ds_cu *c, size_t bytes, ds_err *err);
 void ds_cu_dealloc(void *p);
+/* Page-locked host memory (cudaMallocHost): copies to and from it skip the driver's staging. */
+void *ds_cu_host_alloc(size_t bytes, ds_err *err);
+void ds_cu_host_free(void *p);
 int ds_cu_upload(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err);
 int ds_cu_download(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err);
 int ds_cu_fill_bytes(ds_cu *c, void *dst, int byte, size_t bytes, ds_err *err);

@@ -146,6 +146,22 @@ extern "C" void ds_cu_dealloc(void *p) {
     cudaFree(p);
 }
 
+extern "C" void *ds_cu_host_alloc(size_t bytes, ds_err *err) {
+    void *p = NULL;
+    cudaError_t e = cudaMallocHost(&p, bytes);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        ds_errf(err, "cuda: %zu bytes of page-locked host memory: %s", bytes,
+                cudaGetErrorString(e));
+        return NULL;
+    }
+    return p;
+}
+
+extern "C" void ds_cu_host_free(void *p) {
+    cudaFreeHost(p);
+}
+
 extern "C" int ds_cu_upload(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err) {
     CU_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream), "upload");
     CU_TRY(cudaStreamSynchronize(c->stream), "upload");
@@ -1738,6 +1754,7 @@ static int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w
     const int n_local = c->h_start[E]; /* rows of this rank's experts, the first of perm */
     int n_max = 0;
     for (int e = 0; e < E; e++) n_max = DS_MAX(n_max, c->h_start[e + 1] - c->h_start[e]);
+    n_max = (n_max + 31) / 32 * 32; /* whole tiles, and few distinct shapes for cuBLAS to plan */
     const int padded = n_local > 0 && (size_t)n_max * E * 2 <= (size_t)n_local * 3;
     const size_t pr = padded ? (size_t)n_max * E : (size_t)rows; /* rows of the GEMM buffers */
     /* xg [pr][D] bf16 | ab [pr][I] bf16 | h [pr][2I] f32 | y [pr][D] f32 | inv [rows] |
