@@ -20,8 +20,13 @@ run() { # name port args...
     sleep 0.5
   done
   python3 tools/device/gpu_eval.py --url "http://127.0.0.1:$port" --limit "$LIMIT" --json "$OUT/$name.json"
-  # stop it, and never wait long (a -pp server re-launched itself through mpirun; one such stop
-  # hung once on the device machine and cost the call its time)
+  # stop it the way a user does (SIGINT to the server itself: $! can name the shell that started
+  # it, which ignores SIGINT as a background job — what looked like a -pp server that would not
+  # stop in session 4), and never wait long
+  local srv
+  srv=$(pgrep -of "deltaserve serve .*--port $port")
+  [ -n "$srv" ] && kill -INT "$srv" 2>/dev/null
+  for i in $(seq 1 20); do kill -0 $pid 2>/dev/null || break; sleep 0.5; done
   kill -TERM $pid 2>/dev/null
   for i in $(seq 1 20); do kill -0 $pid 2>/dev/null || break; sleep 0.5; done
   kill -KILL $pid 2>/dev/null; pkill -KILL -f "deltaserve serve" 2>/dev/null
