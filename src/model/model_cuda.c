@@ -129,6 +129,8 @@ typedef struct ds_cuda_model {
     size_t h_icap;
     void **h_p;
     size_t h_pcap;
+    int *h_kda; /* [2][n_seq] chunked KDA's segment starts and lengths, h_kda_cap ints */
+    size_t h_kda_cap;
 } ds_cuda_model;
 
 static int keep(ds_cuda_model *cm, void *p, ds_err *err) {
@@ -317,6 +319,7 @@ void ds_cuda_model_detach(ds_model *m) {
     free(cm->h_i);
     free(cm->h_p);
     free(cm->tp_host);
+    free(cm->h_kda);
     free(cm);
     m->cu = NULL;
     if (--g_cu_refs == 0) {
@@ -691,6 +694,19 @@ static int tp_sum(cstep *s, float *dbuf, size_t n, ds_err *err) {
     return ds_cu_upload(s->c, dbuf, h, n * sizeof(float), err);
 }
 
+/* Does segment z run in chunks? The CPU's rule (long enough, no verify rows), where the GPU's
+ * chunked kernel has the head size. */
+static int kda_chunk_eligible(const cstep *s, int z) {
+    const ds_model *m = s->m;
+    return m->n_kda && s->seqs[z].n >= m->opts.kda_chunked_min && !s->seqs[z].state_rows &&
+           ds_cu_kda_chunked_supports(m->cfg.kda_head_dim, m->cfg.kda_head_dim);
+}
+static int kda_chunked_segments(const cstep *s) {
+    int n = 0;
+    for (int z = 0; z < s->n_seq; z++) n += kda_chunk_eligible(s, z);
+    return n;
+}
+
 static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float *xn, float *out,
                        ds_err *err) {
     const ds_config *c = &s->m->cfg;
@@ -738,11 +754,25 @@ static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float
                    c->gate_lower_bound);
     TRY(ds_cu_matmul(cu, beta, H, xn, D, T, &w->b, err));
     ds_cu_sigmoid(cu, beta, (size_t)T * H);
-    /* every segment in one launch, each on its own state (and rows, for a verify) */
+    /* every segment in one launch, each on its own state (and rows, for a verify); long segments
+     * without rows in chunks instead, as on the CPU (model.c kda_forward) */
+    const int n_chunked = kda_chunked_segments(s);
     PROF(s, "kda recurrence");
     TRY(ds_cu_kda_recurrent_batch(cu, o, q, k, v, g, beta, s->seg_off, s->S + at,
                                   s->any_rows ? s->S_rows + at : NULL, slot_n, s->n_seq, H, dk, dk,
-                                  err));
+                                  n_chunked ? s->m->opts.kda_chunked_min : 0, err));
+    if (n_chunked) {
+        ds_cuda_model *cm = s->cm;
+        if (grow_host((void **)&cm->h_kda, &cm->h_kda_cap, 2 * (size_t)s->n_seq, sizeof(int), err))
+            return DS_ERR;
+        int *start = cm->h_kda, *len = cm->h_kda + s->n_seq; /* length 0: not chunked */
+        for (int z = 0; z < s->n_seq; z++) {
+            start[z] = s->off[z];
+            len[z] = kda_chunk_eligible(s, z) ? s->seqs[z].n : 0;
+        }
+        TRY(ds_cu_kda_chunked(cu, o, q, k, v, g, beta, start, len, s->S + at, s->n_seq, H, dk, dk,
+                              err));
+    }
     PROF(s, "kda out gate, norm");
     if (c->use_full_rank_gate)
         TRY(ds_cu_matmul(cu, g, P, xn, D, T, &w->g, err));
@@ -1057,7 +1087,7 @@ static int graphable(const cstep *s) {
     if (m->opts.enforce_eager || m->tp_size > 1 || s->T > 1024 || wants_hidden(s)) return 0;
     for (int q = 0; q < s->n_seq; q++)
         if (m->n_mla && s->seqs[q].n >= m->opts.mla_expanded_min) return 0;
-    return 1;
+    return !kda_chunked_segments(s); /* its chunk table is built on the host per step */
 }
 
 static void drop_graphs(ds_cuda_model *cm) {

@@ -299,7 +299,7 @@ static void check_kda_batch(ds_cu *c, const int *lens, int n_seq, int H, int dk,
     poison(c, dR, (size_t)T * ns * 4);
     ds_err err = {{0}};
     if (ds_cu_kda_recurrent_batch(c, dout, dq, dk_, dv_, dg, db, doff, dsp, drp, 0, n_seq, H, dk,
-                                  dv, &err))
+                                  dv, 0, &err))
         DIE("%s", err.msg);
     fetch(c, ogot, dout, nv * 4);
     fetch(c, Sgot, dS, ns * n_seq * 4);
@@ -314,6 +314,76 @@ static void check_kda_batch(ds_cu *c, const int *lens, int n_seq, int H, int dk,
     ds_cu_dealloc(dq), ds_cu_dealloc(dk_), ds_cu_dealloc(dv_), ds_cu_dealloc(dg);
     ds_cu_dealloc(db), ds_cu_dealloc(dS), ds_cu_dealloc(dR), ds_cu_dealloc(dout);
     ds_cu_dealloc(doff), ds_cu_dealloc(dsp), ds_cu_dealloc(drp);
+    free(q), free(k), free(v), free(g), free(beta), free(S0), free(Sref), free(Sgot);
+    free(oref), free(ogot), free(Rref), free(Rgot);
+}
+
+/* The chunked form for the long segments of a step and the recurrent kernel for the rest (short
+ * ones, and those keeping verify rows), as the forward runs them: outputs, final states and rows
+ * against the CPU's recurrence of each sequence alone. Decays as strong as g_min per token (at
+ * -3, a chunk's running decay reaches e^-192: any exponent taken the wrong way round overflows). */
+static void check_kda_chunked(ds_cu *c, const int *lens, const int *rows, int n_seq, int H, int d,
+                              float g_min, int chunked_min) {
+    int off[17], cs[16], cl[16], nc = 0;
+    off[0] = 0;
+    for (int z = 0; z < n_seq; z++) off[z + 1] = off[z] + lens[z];
+    int T = off[n_seq];
+    size_t nq = (size_t)T * H * d, ns = (size_t)H * d * d;
+    float *q = rand_f32(nq, -1, 1), *k = rand_f32(nq, -1, 1), *v = rand_f32(nq, -1, 1);
+    float *g = rand_f32(nq, g_min, 0), *beta = rand_f32((size_t)T * H, 0, 1);
+    float *S0 = rand_f32(ns * n_seq, -0.5f, 0.5f);
+    norm_heads(q, T, H, d, 1.0f / sqrtf((float)d));
+    norm_heads(k, T, H, d, 1.0f);
+    float *Sref = malloc(ns * n_seq * 4), *Sgot = malloc(ns * n_seq * 4);
+    float *oref = malloc(nq * 4), *ogot = malloc(nq * 4);
+    float *Rref = malloc((size_t)T * ns * 4), *Rgot = malloc((size_t)T * ns * 4);
+    memcpy(Sref, S0, ns * n_seq * 4);
+    for (int z = 0; z < n_seq; z++) {
+        size_t t0 = (size_t)off[z];
+        ds_kda_recurrent(oref + t0 * H * d, q + t0 * H * d, k + t0 * H * d, v + t0 * H * d,
+                         g + t0 * H * d, beta + t0 * H, Sref + z * ns, Rref + t0 * ns, lens[z], H,
+                         d, d);
+    }
+    float *dq = dev(c, q, nq * 4), *dk_ = dev(c, k, nq * 4), *dv_ = dev(c, v, nq * 4);
+    float *dg = dev(c, g, nq * 4), *db = dev(c, beta, (size_t)T * H * 4);
+    float *dS = dev(c, S0, ns * n_seq * 4), *dR = dev(c, NULL, (size_t)T * ns * 4);
+    float *dout = dev(c, NULL, nq * 4);
+    float *sp[16], *rp[16], *csp[16];
+    for (int z = 0; z < n_seq; z++) {
+        sp[z] = dS + z * ns, rp[z] = rows[z] ? dR + (size_t)off[z] * ns : NULL;
+        if (!rows[z] && lens[z] >= chunked_min)
+            cs[nc] = off[z], cl[nc] = lens[z], csp[nc++] = sp[z];
+    }
+    int32_t *doff = dev(c, off, (size_t)(n_seq + 1) * 4);
+    float **dsp = dev(c, sp, (size_t)n_seq * sizeof *sp), **drp = dev(c, rp, n_seq * sizeof *rp);
+    float **dcsp = dev(c, csp, (size_t)(nc ? nc : 1) * sizeof *csp);
+    poison(c, dout, nq * 4);
+    poison(c, dR, (size_t)T * ns * 4);
+    ds_err err = {{0}};
+    if (ds_cu_kda_recurrent_batch(c, dout, dq, dk_, dv_, dg, db, doff, dsp, drp, 0, n_seq, H, d, d,
+                                  chunked_min, &err) ||
+        ds_cu_kda_chunked(c, dout, dq, dk_, dv_, dg, db, cs, cl, dcsp, nc, H, d, d, &err))
+        DIE("%s", err.msg);
+    fetch(c, ogot, dout, nq * 4);
+    fetch(c, Sgot, dS, ns * n_seq * 4);
+    fetch(c, Rgot, dR, (size_t)T * ns * 4);
+    char what[96];
+    snprintf(what, sizeof what, "kda chunked %d seqs (T=%d, %d chunked) d=%d g>=%.1f: out", n_seq,
+             T, nc, d, g_min);
+    report(what, rel_err(ogot, oref, 1, nq, nq), 1e-4);
+    snprintf(what, sizeof what, "kda chunked %d seqs d=%d g>=%.1f: states", n_seq, d, g_min);
+    report(what, rel_err(Sgot, Sref, 1, ns * n_seq, ns * n_seq), 1e-4);
+    for (int z = 0; z < n_seq; z++) {
+        if (!rows[z]) continue;
+        snprintf(what, sizeof what, "kda chunked: seq %d (recurrent, rows)", z);
+        report(what,
+               rel_err(Rgot + (size_t)off[z] * ns, Rref + (size_t)off[z] * ns, 1,
+                       (size_t)lens[z] * ns, (size_t)lens[z] * ns),
+               1e-5);
+    }
+    ds_cu_dealloc(dq), ds_cu_dealloc(dk_), ds_cu_dealloc(dv_), ds_cu_dealloc(dg);
+    ds_cu_dealloc(db), ds_cu_dealloc(dS), ds_cu_dealloc(dR), ds_cu_dealloc(dout);
+    ds_cu_dealloc(doff), ds_cu_dealloc(dsp), ds_cu_dealloc(drp), ds_cu_dealloc(dcsp);
     free(q), free(k), free(v), free(g), free(beta), free(S0), free(Sref), free(Sgot);
     free(oref), free(ogot), free(Rref), free(Rgot);
 }
@@ -773,15 +843,22 @@ typedef struct kda_ctx {
     float *o, *q, *k, *v, *g, *beta, *S;
     float **Sp; /* [n_seq] device pointers into S */
     int32_t *off;
-    int T, H, dk, dv, n_seq, batched;
+    int T, H, dk, dv, n_seq, batched, chunked;
 } kda_ctx;
 static void run_kda(ds_cu *c, void *p) {
     kda_ctx *x = p;
     ds_err err;
     size_t ns = (size_t)x->H * x->dk * x->dv;
+    if (x->chunked) { /* one sequence of T tokens */
+        int start = 0;
+        if (ds_cu_kda_chunked(c, x->o, x->q, x->k, x->v, x->g, x->beta, &start, &x->T, x->Sp, 1,
+                              x->H, x->dk, x->dv, &err))
+            DIE("%s", err.msg);
+        return;
+    }
     if (x->batched) {
         if (ds_cu_kda_recurrent_batch(c, x->o, x->q, x->k, x->v, x->g, x->beta, x->off, x->Sp, NULL,
-                                      0, x->n_seq, x->H, x->dk, x->dv, &err))
+                                      0, x->n_seq, x->H, x->dk, x->dv, 0, &err))
             DIE("%s", err.msg);
         return;
     }
@@ -915,6 +992,12 @@ static void bench(ds_cu *c) {
         ms = median_ms(c, run_kda, &kc, 1, 5);
         printf("bench kda recurrent prefill T=8192 H=32 dk=dv=128: %.3f ms, %.0f tokens/s\n", ms,
                kc.T / (ms * 1e-3));
+        kc.chunked = 1; /* the same in chunks of 64 (the forward's prefill path) */
+        kc.Sp = dev(c, &kc.S, sizeof kc.S);
+        ms = median_ms(c, run_kda, &kc, 2, 10);
+        printf("bench kda chunked prefill T=8192 H=32 dk=dv=128: %.3f ms, %.0f tokens/s\n", ms,
+               kc.T / (ms * 1e-3));
+        ds_cu_dealloc(kc.Sp);
         ds_cu_dealloc(kc.S), ds_cu_dealloc(kc.q), ds_cu_dealloc(kc.k), ds_cu_dealloc(kc.v);
         ds_cu_dealloc(kc.g), ds_cu_dealloc(kc.beta), ds_cu_dealloc(kc.o);
     }
@@ -982,6 +1065,14 @@ int main(int argc, char **argv) {
     static const int lens_a[] = {1, 3, 1, 5, 2}, lens_b[] = {1, 1, 1, 1, 1, 1, 1, 1};
     check_kda_batch(c, lens_a, 5, 4, 128, 128);
     check_kda_batch(c, lens_b, 8, 3, 64, 72);
+    {
+        int lens[7] = {1, 63, 64, 65, 300, 20, 130}, rows[7] = {0, 0, 0, 0, 0, 1, 0};
+        check_kda_chunked(c, lens, rows, 7, 4, 128, -0.7f, 16);
+        check_kda_chunked(c, lens, rows, 7, 3, 64, -0.7f, 16);
+        check_kda_chunked(c, lens, rows, 7, 2, 128, -3.0f, 16); /* strong decay */
+        int one[1] = {1000}, none[1] = {0};
+        check_kda_chunked(c, one, none, 1, 8, 128, -0.1f, 16); /* weak decay, long memory */
+    }
     check_short_conv(c, 7, 300, 4);
     check_short_conv(c, 1, 4096, 4);
     check_kda_gate(c, 5, 4, 128, 0);

@@ -83,11 +83,22 @@ int ds_cu_kda_recurrent(ds_cu *c, float *o, const float *q, const float *k, cons
  * z runs tokens [seg_off[z], seg_off[z+1]) of the packed q/k/v/g/beta/o ([tokens][H][...]) on its
  * own state S[z] ([H][dk][dv]), writing the state after its token t to S_rows[z] + t*rows_stride
  * ([H][dk][dv] each; rows_stride 0 means packed, H*dk*dv) when S_rows and S_rows[z] are not NULL.
- * seg_off [n_seq+1], S [n_seq] and S_rows [n_seq] are device arrays. */
+ * seg_off [n_seq+1], S [n_seq] and S_rows [n_seq] are device arrays. skip_from > 0: segments of
+ * at least that many tokens without rows are left alone (ds_cu_kda_chunked runs them). */
 int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, const float *k, const float *v,
                               const float *g, const float *beta, const int32_t *seg_off,
                               float *const *S, float *const *S_rows, size_t rows_stride, int n_seq,
-                              int H, int dk, int dv, ds_err *err);
+                              int H, int dk, int dv, int skip_from, ds_err *err);
+
+/* The same recurrence over long segments in chunks of 64 tokens (dk = dv = 128; no verify rows):
+ * the states at chunk boundaries are the recurrent kernel's, the tokens in between are computed
+ * from them in parallel (see kernels.cu). seg_start / seg_len [n_seq] are the host's copies of
+ * the segments' token ranges; S [n_seq] is the device array of states, as above. */
+int ds_cu_kda_chunked(ds_cu *c, float *o, const float *q, const float *k, const float *v,
+                      const float *g, const float *beta, const int *seg_start, const int *seg_len,
+                      float *const *S, int n_seq, int H, int dk, int dv, ds_err *err);
+/* Can ds_cu_kda_chunked run this head shape? */
+int ds_cu_kda_chunked_supports(int dk, int dv);
 
 /* As ds_short_conv_silu: in [T][C], w [C][W] (W <= 8), tail [W-1][C] in/out, out [T][C]. */
 int ds_cu_short_conv_silu(ds_cu *c, float *out, const float *in, int T, int C, const float *w,

@@ -29,6 +29,10 @@ struct ds_cu {
     int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
     void *mlag;          /* that path's buffers, mlag_bytes allocated */
     size_t mlag_bytes;
+    void *kdac; /* chunked KDA's per-chunk products and chunk table, kdac_bytes allocated */
+    size_t kdac_bytes;
+    void *h_kda; /* host copy of that chunk table, h_kda_bytes allocated */
+    size_t h_kda_bytes;
     void *moeg; /* that path's buffers, moeg_bytes allocated */
     size_t moeg_bytes;
     int32_t *h_start; /* host copy of the expert layout, h_start_n entries */
@@ -104,6 +108,8 @@ extern "C" void ds_cu_free(ds_cu *c) {
     cudaFree(c->blas_ws);
     cudaFree(c->moeg);
     cudaFree(c->mlag);
+    cudaFree(c->kdac);
+    free(c->h_kda);
     free(c->h_start);
     ds_cu_prof_enable(c, 0);
     cublasDestroy(c->blas);
@@ -2017,9 +2023,11 @@ template <int DK, int SPLIT>
 __global__ void __launch_bounds__(128)
     kda_batch_k(float *o, const float *q, const float *k, const float *v, const float *g,
                 const float *beta, const int32_t *off, float *const *S, float *const *S_rows,
-                size_t rows_stride, int H, int dv) {
+                size_t rows_stride, int H, int dv, int skip_from) {
     const int h = blockIdx.x, z = blockIdx.z, part = threadIdx.x % SPLIT;
     const int col = blockIdx.y * (blockDim.x / SPLIT) + threadIdx.x / SPLIT;
+    /* long segments without rows are the chunked kernel's (ds_cu_kda_recurrent_batch) */
+    if (skip_from > 0 && off[z + 1] - off[z] >= skip_from && !(S_rows && S_rows[z])) return;
     float *Sh = S[z] + (size_t)h * DK * dv;
     /* a NULL entry: this sequence keeps no rows */
     kda_run<DK, SPLIT>(o, q, k, v, g, beta, Sh, S_rows ? S_rows[z] : NULL, rows_stride, off[z],
@@ -2077,7 +2085,7 @@ extern "C" int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, con
                                          const float *v, const float *g, const float *beta,
                                          const int32_t *seg_off, float *const *S,
                                          float *const *S_rows, size_t rows_stride, int n_seq, int H,
-                                         int dk, int dv, ds_err *err) {
+                                         int dk, int dv, int skip_from, ds_err *err) {
     if (!rows_stride) rows_stride = (size_t)H * dk * dv;
     if (n_seq <= 0 || H <= 0) return DS_OK;
     int threads, cols;
@@ -2086,25 +2094,323 @@ extern "C" int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, con
     switch (dk) {
     case 16:
         kda_batch_k<16, 1><<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows,
-                                                            rows_stride, H, dv);
+                                                            rows_stride, H, dv, skip_from);
         break;
     case 32:
         kda_batch_k<32, 1><<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows,
-                                                            rows_stride, H, dv);
+                                                            rows_stride, H, dv, skip_from);
         break;
     case 64:
         kda_batch_k<64, 1><<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows,
-                                                            rows_stride, H, dv);
+                                                            rows_stride, H, dv, skip_from);
         break;
     case 128:
         kda_batch_k<128, 2><<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S,
-                                                             S_rows, rows_stride, H, dv);
+                                                             S_rows, rows_stride, H, dv, skip_from);
         break;
     default:
         return ds_errf(err, "cuda: kda_recurrent: head dim %d (16, 32, 64 or 128 supported)", dk);
     }
     CU_TRY(cudaGetLastError(), "kda_recurrent_batch");
     return DS_OK;
+}
+
+/* ---- KDA in chunks (prefill) ------------------------------------------------------------------
+ * Within a chunk of L <= 64 tokens starting from state S0, with G_t the running sum of the log
+ * decays g (per key channel, inclusive of token t; G decreases), the recurrence unrolls to
+ *   u_i = beta_i (v_i - S0^T (k_i e^{G_i})) - sum_{j<i} A_ij u_j,
+ *         A_ij = beta_i sum_c k_ic k_jc e^{G_ic - G_jc}                      (j < i)
+ *   o_t = S0^T (q_t e^{G_t}) + sum_{i<=t} P_ti u_i,  P_ti = sum_c q_tc k_ic e^{G_tc - G_ic}
+ *   S_L = e^{G_L} S0 + sum_i (k_i e^{G_L - G_i}) u_i^T
+ * so with (I + A) the unit lower-triangular matrix, U = Ut - W S0 where Ut = (I + A)^-1 diag(beta)
+ * V and W = (I + A)^-1 diag(beta) (K e^G). Every exponent is a difference G_later - G_earlier <= 0,
+ * so nothing overflows however strong the decay. Pass 1 (a block per chunk and head, all chunks
+ * at once) builds W, Ut, Qp = Q e^G, Kc = K e^{G_L - G}, P and e^{G_L}; pass 2 (a block per head,
+ * column group and sequence) walks its sequence's chunks in order: three small products per
+ * chunk, the state's 16 columns kept in shared memory. */
+enum { KC = 64, KCOLS = 16 };
+/* pass 1's output per (chunk, head): W, Ut, Qp, Kc [KC][KD], P [KC][KC], gL [KD] */
+__host__ __device__ constexpr size_t kda_ch_floats(int KD) {
+    return (size_t)4 * KC * KD + (size_t)KC * KC + KD;
+}
+
+struct kda_chunk {
+    int t0, len, seg; /* its tokens [t0, t0 + len) of segment seg */
+};
+
+template <int KD>
+__global__ void __launch_bounds__(256)
+    kda_chunk_prep_k(float *out, const float *q, const float *k, const float *v, const float *g,
+                     const float *beta, const kda_chunk *chunks, int H) {
+    constexpr int KPAD = KD + 4;
+    extern __shared__ float ksh[];
+    float *Gs = ksh;                /* [KC][KPAD] running log decay */
+    float *Ks = Gs + KC * KPAD;     /* [KC][KPAD] keys */
+    float *Qs = Ks + KC * KPAD;     /* [KC][KPAD] queries */
+    float *As = Qs + KC * KPAD;     /* [KC][KC + 1] beta_i A_ij */
+    float *bs = As + KC * (KC + 1); /* [KC] beta */
+    const kda_chunk ch = chunks[blockIdx.x];
+    const int h = blockIdx.y, L = ch.len, tid = threadIdx.x;
+    float *o = out + ((size_t)blockIdx.x * H + h) * kda_ch_floats(KD);
+    float *W = o, *Ut = W + KC * KD, *Qp = Ut + KC * KD, *Kc = Qp + KC * KD;
+    float *P = Kc + KC * KD, *gL = P + KC * KC;
+    for (int i = tid; i < KC * KD; i += blockDim.x) { /* rows past L: zero (never read back) */
+        const int t = i / KD, c = i % KD;
+        const size_t at = ((size_t)(ch.t0 + t) * H + h) * KD + c;
+        const bool in = t < L;
+        Ks[t * KPAD + c] = in ? k[at] : 0.0f;
+        Qs[t * KPAD + c] = in ? q[at] : 0.0f;
+        Gs[t * KPAD + c] = in ? g[at] : 0.0f;
+    }
+    for (int t = tid; t < KC; t += blockDim.x)
+        bs[t] = t < L ? beta[(size_t)(ch.t0 + t) * H + h] : 0.0f;
+    __syncthreads();
+    if (tid < KD) { /* running sums down each channel */
+        float acc = 0.0f;
+        for (int t = 0; t < L; t++) {
+            acc += Gs[t * KPAD + tid];
+            Gs[t * KPAD + tid] = acc;
+        }
+        gL[tid] = expf(acc);
+    }
+    __syncthreads();
+    /* A (strictly lower) and P (lower with the diagonal): thread (ti, tj) a 4 x 4 tile */
+    {
+        const int ti = tid / 16, tj = tid % 16;
+        float a[4][4], p[4][4];
+#pragma unroll
+        for (int x = 0; x < 4; x++)
+#pragma unroll
+            for (int y = 0; y < 4; y++) a[x][y] = p[x][y] = 0.0f;
+        if (tj <= ti) {
+            for (int c = 0; c < KD; c++) {
+                float ki[4], qi[4], gi[4], kj[4], gj[4];
+#pragma unroll
+                for (int x = 0; x < 4; x++) {
+                    const int i = 4 * ti + x, j = 4 * tj + x;
+                    ki[x] = Ks[i * KPAD + c], qi[x] = Qs[i * KPAD + c], gi[x] = Gs[i * KPAD + c];
+                    kj[x] = Ks[j * KPAD + c], gj[x] = Gs[j * KPAD + c];
+                }
+#pragma unroll
+                for (int x = 0; x < 4; x++)
+#pragma unroll
+                    for (int y = 0; y < 4; y++) {
+                        /* masked pairs (j > i) would have positive exponents: clamped, zeroed below
+                         */
+                        const float e = __expf(fminf(gi[x] - gj[y], 0.0f)) * kj[y];
+                        a[x][y] += ki[x] * e;
+                        p[x][y] += qi[x] * e;
+                    }
+            }
+        }
+#pragma unroll
+        for (int x = 0; x < 4; x++)
+#pragma unroll
+            for (int y = 0; y < 4; y++) {
+                const int i = 4 * ti + x, j = 4 * tj + y;
+                As[i * (KC + 1) + j] = j < i ? bs[i] * a[x][y] : 0.0f;
+                P[i * KC + j] = j <= i && i < L ? p[x][y] : 0.0f;
+            }
+    }
+    __syncthreads();
+    /* the solve: thread col < KD takes column col of diag(beta) K e^G (-> W), the others column
+     * col - KD of diag(beta) V (-> Ut); forward substitution down the 64 rows in registers */
+    if (tid < 2 * KD) {
+        const int col = tid;
+        float x[KC];
+#pragma unroll
+        for (int i = 0; i < KC; i++) {
+            float r = 0.0f;
+            if (i < L)
+                r = col < KD ? bs[i] * Ks[i * KPAD + col] * __expf(Gs[i * KPAD + col])
+                             : bs[i] * v[((size_t)(ch.t0 + i) * H + h) * KD + col - KD];
+#pragma unroll
+            for (int j = 0; j < i; j++) r -= As[i * (KC + 1) + j] * x[j];
+            x[i] = r;
+        }
+        float *dst = col < KD ? W + col : Ut + col - KD;
+#pragma unroll
+        for (int i = 0; i < KC; i++) dst[i * KD] = x[i];
+    }
+    for (int i = tid; i < KC * KD; i += blockDim.x) {
+        const int t = i / KD, c = i % KD;
+        const float gt = Gs[t * KPAD + c], gl = Gs[(L - 1) * KPAD + c];
+        Qp[i] = Qs[t * KPAD + c] * __expf(gt);
+        Kc[i] = t < L ? Ks[t * KPAD + c] * __expf(gl - gt) : 0.0f;
+    }
+}
+
+/* Pass 2: block (head h, columns [16 cg, +16), sequence z) walks z's chunks in order. */
+template <int KD>
+__global__ void __launch_bounds__(256)
+    kda_chunk_scan_k(float *o, const float *prep, const kda_chunk *chunks, const int *seg_chunk0,
+                     float *const *S, int H) {
+    constexpr int KPAD = KD + 4;
+    constexpr int NS = KD * KCOLS / 256,
+                  TPC = KCOLS / NS; /* state entries per thread, threads per channel */
+    extern __shared__ float ksh[];
+    float *Xs = ksh;                /* [KC][KPAD] the chunk's W, then Qp, then Kc */
+    float *Ps = Xs + KC * KPAD;     /* [KC][KC + 1] */
+    float *S0 = Ps + KC * (KC + 1); /* [KD][KCOLS] the state's columns */
+    float *Us = S0 + KD * KCOLS;    /* [KC][KCOLS] */
+    const int h = blockIdx.x, cg = blockIdx.y * KCOLS, z = blockIdx.z, tid = threadIdx.x;
+    float *Sh = S[z] + (size_t)h * KD * KD; /* [dk][dv] */
+    for (int i = tid; i < KD * KCOLS; i += blockDim.x)
+        S0[i] = Sh[(size_t)(i / KCOLS) * KD + cg + i % KCOLS];
+    const int c0 = seg_chunk0[z], c1 = seg_chunk0[z + 1];
+    const int rt = tid / 4, rc = (tid % 4) * 4; /* U and O: row rt, columns rc .. rc+3 */
+    const int sc = tid / TPC,
+              scol = (tid % TPC) * NS; /* state: channel sc, columns scol + [0, NS) */
+    for (int ci = c0; ci < c1; ci++) {
+        const kda_chunk ch = chunks[ci];
+        const float *pr = prep + ((size_t)ci * H + h) * kda_ch_floats(KD);
+        const float *W = pr, *Ut = W + KC * KD, *Qp = Ut + KC * KD, *Kc = Qp + KC * KD;
+        const float *P = Kc + KC * KD, *gL = P + KC * KC;
+        __syncthreads(); /* the previous chunk is done with Xs, Ps, Us and S0 is current */
+        for (int i = tid; i < KC * KD / 4; i += blockDim.x) {
+            const int t = i / (KD / 4), c4 = i % (KD / 4);
+            *(float4 *)(Xs + t * KPAD + 4 * c4) = ((const float4 *)W)[i];
+        }
+        for (int i = tid; i < KC * KC; i += blockDim.x) Ps[(i / KC) * (KC + 1) + i % KC] = P[i];
+        __syncthreads();
+        { /* U = Ut - W S0 */
+            float u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int c = 0; c < KD; c++) {
+                const float w = Xs[rt * KPAD + c];
+#pragma unroll
+                for (int y = 0; y < 4; y++) u[y] += w * S0[c * KCOLS + rc + y];
+            }
+#pragma unroll
+            for (int y = 0; y < 4; y++) Us[rt * KCOLS + rc + y] = Ut[rt * KD + cg + rc + y] - u[y];
+        }
+        __syncthreads();
+        for (int i = tid; i < KC * KD / 4; i += blockDim.x) {
+            const int t = i / (KD / 4), c4 = i % (KD / 4);
+            *(float4 *)(Xs + t * KPAD + 4 * c4) = ((const float4 *)Qp)[i];
+        }
+        __syncthreads();
+        if (rt < ch.len) { /* O = Qp S0 + P U */
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int c = 0; c < KD; c++) {
+                const float qv = Xs[rt * KPAD + c];
+#pragma unroll
+                for (int y = 0; y < 4; y++) acc[y] += qv * S0[c * KCOLS + rc + y];
+            }
+            for (int i = 0; i <= rt; i++) {
+                const float pv = Ps[rt * (KC + 1) + i];
+#pragma unroll
+                for (int y = 0; y < 4; y++) acc[y] += pv * Us[i * KCOLS + rc + y];
+            }
+            float *orow = o + ((size_t)(ch.t0 + rt) * H + h) * KD + cg + rc;
+#pragma unroll
+            for (int y = 0; y < 4; y++) orow[y] = acc[y];
+        }
+        __syncthreads();
+        for (int i = tid; i < KC * KD / 4; i += blockDim.x) {
+            const int t = i / (KD / 4), c4 = i % (KD / 4);
+            *(float4 *)(Xs + t * KPAD + 4 * c4) = ((const float4 *)Kc)[i];
+        }
+        __syncthreads();
+        { /* S0 <- e^{G_L} S0 + Kc^T U */
+            float acc[NS];
+            const float gl = gL[sc];
+#pragma unroll
+            for (int y = 0; y < NS; y++) acc[y] = gl * S0[sc * KCOLS + scol + y];
+            for (int i = 0; i < ch.len; i++) {
+                const float kv = Xs[i * KPAD + sc];
+#pragma unroll
+                for (int y = 0; y < NS; y++) acc[y] += kv * Us[i * KCOLS + scol + y];
+            }
+#pragma unroll
+            for (int y = 0; y < NS; y++) S0[sc * KCOLS + scol + y] = acc[y];
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < KD * KCOLS; i += blockDim.x)
+        Sh[(size_t)(i / KCOLS) * KD + cg + i % KCOLS] = S0[i];
+}
+
+extern "C" int ds_cu_kda_chunked_supports(int dk, int dv) {
+    return dk == dv && (dk == 64 || dk == 128);
+}
+
+template <int KD>
+static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, const float *v,
+                           const float *g, const float *beta, const kda_chunk *tab,
+                           const int *first, float *prep, int n_ch, float *const *S, int n_seq,
+                           int H, ds_err *err) {
+    constexpr int KPAD = KD + 4;
+    const size_t smem1 = ((size_t)3 * KC * KPAD + (size_t)KC * (KC + 1) + KC) * sizeof(float);
+    const size_t smem2 =
+        ((size_t)KC * KPAD + (size_t)KC * (KC + 1) + (size_t)KD * KCOLS + (size_t)KC * KCOLS) *
+        sizeof(float);
+    static int smem_set; /* once per head size; chunked steps are never captured */
+    if (!smem_set) {
+        CU_TRY(cudaFuncSetAttribute(kda_chunk_prep_k<KD>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem1),
+               "chunked kda: shared memory");
+        CU_TRY(cudaFuncSetAttribute(kda_chunk_scan_k<KD>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem2),
+               "chunked kda: shared memory");
+        smem_set = 1;
+    }
+    ds_cu_prof_mark(c, "kda chunks: prepare");
+    kda_chunk_prep_k<KD><<<dim3((unsigned)n_ch, (unsigned)H), 256, smem1, c->stream>>>(
+        prep, q, k, v, g, beta, tab, H);
+    CU_TRY(cudaGetLastError(), "chunked kda (prepare)");
+    ds_cu_prof_mark(c, "kda chunks: scan");
+    kda_chunk_scan_k<KD><<<dim3((unsigned)H, KD / KCOLS, (unsigned)n_seq), 256, smem2, c->stream>>>(
+        o, prep, tab, first, S, H);
+    CU_TRY(cudaGetLastError(), "chunked kda (scan)");
+    return DS_OK;
+}
+
+extern "C" int ds_cu_kda_chunked(ds_cu *c, float *o, const float *q, const float *k, const float *v,
+                                 const float *g, const float *beta, const int *seg_start,
+                                 const int *seg_len, float *const *S, int n_seq, int H, int dk,
+                                 int dv, ds_err *err) {
+    if (!ds_cu_kda_chunked_supports(dk, dv))
+        return ds_errf(err, "cuda: chunked kda: head dims %d x %d (64 or 128, square)", dk, dv);
+    if (n_seq <= 0 || H <= 0) return DS_OK;
+    if (capturing(c)) return ds_errf(err, "cuda: chunked kda cannot run inside a graph capture");
+    int n_ch = 0;
+    for (int z = 0; z < n_seq; z++) n_ch += (seg_len[z] + KC - 1) / KC;
+    if (!n_ch) return DS_OK;
+    /* the chunk table and each sequence's first chunk (a sequence with no tokens has none):
+     * built here, uploaded with the step */
+    const size_t tab_bytes = (size_t)n_ch * sizeof(kda_chunk), c0_bytes = (n_seq + 1) * sizeof(int);
+    /* prep [n_ch][H][kda_ch_floats] | table [n_ch] then first [n_seq + 1] */
+    const size_t sz[2] = {(size_t)n_ch * H * kda_ch_floats(dk) * sizeof(float),
+                          tab_bytes + c0_bytes};
+    void *b[2];
+    if (carve_scratch(&c->kdac, &c->kdac_bytes, sz, b, 2, "chunked kda scratch", err))
+        return DS_ERR;
+    if (c->h_kda_bytes < tab_bytes + c0_bytes) {
+        void *p = realloc(c->h_kda, tab_bytes + c0_bytes);
+        if (!p) return ds_errf(err, "cuda: out of host memory");
+        c->h_kda = p;
+        c->h_kda_bytes = tab_bytes + c0_bytes;
+    }
+    kda_chunk *tab = (kda_chunk *)c->h_kda;
+    int *first = (int *)((char *)c->h_kda + tab_bytes);
+    int at = 0;
+    for (int z = 0; z < n_seq; z++) {
+        first[z] = at;
+        for (int t = 0; t < seg_len[z]; t += KC)
+            tab[at++] = kda_chunk{seg_start[z] + t, DS_MIN(KC, seg_len[z] - t), z};
+    }
+    first[n_seq] = at;
+    /* waited for: the host table is rewritten by the next step */
+    CU_TRY(cudaMemcpyAsync(b[1], c->h_kda, tab_bytes + c0_bytes, cudaMemcpyHostToDevice, c->stream),
+           "kda chunk table");
+    CU_TRY(cudaStreamSynchronize(c->stream), "kda chunk table");
+    const kda_chunk *dtab = (const kda_chunk *)b[1];
+    const int *dfirst = (const int *)((const char *)b[1] + tab_bytes);
+    if (dk == 64)
+        return kda_chunked_run<64>(c, o, q, k, v, g, beta, dtab, dfirst, (float *)b[0], n_ch, S,
+                                   n_seq, H, err);
+    return kda_chunked_run<128>(c, o, q, k, v, g, beta, dtab, dfirst, (float *)b[0], n_ch, S, n_seq,
+                                H, err);
 }
 
 /* The two ceilings every GPU figure is reported against, measured now: the device-to-device copy
