@@ -1101,10 +1101,10 @@ int main(int argc, char **argv) {
     check_moe_experts(c, 5, 2, 4, 200, 72, 1);
     check_moe_experts(c, 40, 8, 64, 512, 256, 0); /* grouped: ~5 rows per expert */
     check_moe_experts(c, 6, 3, 5, 100, 36, 1);    /* D % 8 != 0: one row at a time */
-    /* tensor cores from 64 rows per expert on average: padded panels, one batched GEMM */
+    /* tensor cores from 64 rows per expert on average: padded panels, batched GEMMs */
     check_moe_experts_mode(c, 300, 8, 32, 512, 256, 0, 1, 0); /* 2400 rows */
     check_moe_experts_mode(c, 600, 8, 64, 256, 128, 1, 1, 0); /* 4800 rows, SiTU */
-    check_moe_experts_mode(c, 300, 8, 32, 512, 256, 0, 2, 0); /* skewed: a GEMM per expert */
+    check_moe_experts_mode(c, 300, 8, 32, 512, 256, 0, 2, 0); /* skewed: several size buckets */
     check_moe_experts_mode(c, 40, 8, 64, 512, 256, 0, 0, 1);  /* TP: half the experts */
     check_moe_experts_mode(c, 6, 3, 8, 100, 36, 1, 0, 1);     /* ... one row at a time */
     check_moe_experts_mode(c, 200, 8, 32, 512, 256, 0, 1, 1); /* ... tensor cores (16 local) */

@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/ds-out}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 B=".devbin/deltaserve bench --model configs/kimi-linear-48b-a3b --load-format random --device cuda"
-$B --prompt-tokens ${PROMPT:-8192} --reps 1 --decode-context ${CTX:-512} --decode-steps 8 \
+$B --prompt-tokens ${PROMPT:-8192} --reps ${REPS:-2} --decode-context ${CTX:-512} --decode-steps 8 \
    --batch-sizes ${BATCHES:-1,8,64,256} --json "$OUT/bench48_graphs.json" "$@" 2>&1 | tail -9
 [ "${EAGER:-1}" = 1 ] && $B --enforce-eager --prompt-tokens 512 --reps 1 --decode-context ${CTX:-512} \
    --decode-steps 8 --batch-sizes ${EAGER_BATCHES:-1,8} --json "$OUT/bench48_eager.json" "$@" 2>&1 | tail -5

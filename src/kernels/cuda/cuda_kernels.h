@@ -148,9 +148,9 @@ int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx, 
                       int accumulate, ds_err *err);
 
 /* Routed experts of steps with >= 64 routed rows per local expert on average (prefill) through
- * cuBLAS tensor-core GEMMs (one strided-batched pair over padded per-expert panels, or a pair per
- * expert when the routing is skewed), activations rounded to BF16 (not with batch invariance, nor
- * inside a graph capture: the layout is read on the host). On in the engine
+ * cuBLAS tensor-core GEMMs (pointer-array batches over padded per-expert panels, experts bucketed
+ * by row count), activations rounded to BF16 (not with batch invariance, nor inside a graph
+ * capture: the layout is read on the host). On in the engine
  * unless DS_CUDA_EXPERT_GEMM=0 (tests/cuda: check_moe_experts_gemm). */
 void ds_cu_set_expert_gemm(ds_cu *c, int on);
 /* Expanded MLA of segments with >= 128 query rows through cuBLAS (scores and values as strided-

@@ -33,10 +33,10 @@ struct ds_cu {
     size_t kdac_bytes;
     void *h_kda; /* host copy of that chunk table, h_kda_bytes allocated */
     size_t h_kda_bytes;
-    void *moeg; /* that path's buffers, moeg_bytes allocated */
+    void *moeg;   /* that path's buffers, moeg_bytes allocated */
+    void *h_moeb; /* its host-side plan (panels, pointer arrays), h_moeb_bytes allocated */
+    size_t h_moeb_bytes;
     size_t moeg_bytes;
-    int32_t *h_start; /* host copy of the expert layout, h_start_n entries */
-    int h_start_n;
     void *blas_ws;        /* cuBLAS's workspace, set once so that graph capture allocates nothing */
     struct cu_prof *prof; /* per-op timing when enabled (ds_cu_prof_enable), else NULL */
 };
@@ -110,7 +110,7 @@ extern "C" void ds_cu_free(ds_cu *c) {
     cudaFree(c->mlag);
     cudaFree(c->kdac);
     free(c->h_kda);
-    free(c->h_start);
+    free(c->h_moeb);
     ds_cu_prof_enable(c, 0);
     cublasDestroy(c->blas);
     cudaStreamDestroy(c->stream);
@@ -1683,11 +1683,11 @@ __global__ void moe_gather_bf16_k(__nv_bfloat16 *xg, const float *x, int D, cons
     for (int c = threadIdx.x; c < D; c += blockDim.x) dst[c] = __float2bfloat16_rn(xr[c]);
 }
 
-/* slot[i] = e n_max + (i - start[e]) for the rows i of expert e = blockIdx.x: each expert's rows
- * at the head of its own n_max-row panel (the padded layout of one strided-batched GEMM). */
-__global__ void moe_slot_k(int32_t *slot, const int32_t *start, int n_max) {
+/* slot[i] = panel[e] + (i - start[e]) for the rows i of expert e = blockIdx.x: each expert's rows
+ * at the head of its own panel (the padded layout of the batched GEMMs). */
+__global__ void moe_slot_k(int32_t *slot, const int32_t *start, const int32_t *panel) {
     const int e = blockIdx.x, r0 = start[e], r1 = start[e + 1];
-    for (int i = r0 + threadIdx.x; i < r1; i += blockDim.x) slot[i] = e * n_max + (i - r0);
+    for (int i = r0 + threadIdx.x; i < r1; i += blockDim.x) slot[i] = panel[e] + (i - r0);
 }
 
 /* ab[i][c] = bf16(act(h[i][c], h[i][I + c])) */
@@ -1736,91 +1736,117 @@ static int capturing(ds_cu *c) {
            st != cudaStreamCaptureStatusNone;
 }
 
-/* With the layout on the host, the experts' GEMMs go one of two ways. Padded: every local expert
- * gets a panel of n_max rows (its own rows first, the rest never read), so gate/up and down are
- * one strided-batched GEMM each over all experts — one launch instead of 2 E, which at E = 256
- * was host-bound (56-91 TFLOP/s). Taken while padding costs at most half as much again as the
- * rows themselves; a skewed routing (one expert with most rows) falls back to a GEMM per expert. */
+/* With the layout on the host, the experts' GEMMs run as a few pointer-array batches: experts
+ * sorted by their row counts are cut into buckets (a new one where a count falls under 4/5 of
+ * the bucket's first), each expert gets a panel of its bucket's largest count (rounded to 16
+ * rows; its own rows first, the rest never read), and each bucket is one batched GEMM for
+ * gate/up and one for down. Balanced routing is one bucket; skewed routing (random weights, or
+ * a hot expert) a handful — where a cuBLAS call per expert was host-bound (56-91 TFLOP/s at
+ * E = 256) and one padded batch would have padded every expert to the hottest. */
+enum { MOE_MAX_BUCKETS = 8 };
+
 static int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T, int k,
                             int E, int D, int I, const uint16_t *gate_up, const uint16_t *down,
                             int situ, float situ_beta, float situ_lin_beta, int accumulate,
                             const int32_t *start, const int32_t *perm, ds_err *err) {
     const int rows = T * k;
-    if (c->h_start_n < E + 1) {
-        int32_t *p = (int32_t *)realloc(c->h_start, (size_t)(E + 1) * sizeof *p);
+    /* host plan: start [E+1] | order [E] | panel [E] | then 6 pointer arrays [E] (A, B, C of
+     * gate/up, then of down, in bucket order) */
+    const size_t ints = (size_t)3 * E + 1,
+                 plan_bytes = ((ints * 4 + 15) & ~(size_t)15) + (size_t)6 * E * sizeof(void *);
+    if (c->h_moeb_bytes < plan_bytes) {
+        void *p = realloc(c->h_moeb, plan_bytes);
         if (!p) return ds_errf(err, "cuda: out of host memory");
-        c->h_start = p;
-        c->h_start_n = E + 1;
+        c->h_moeb = p;
+        c->h_moeb_bytes = plan_bytes;
     }
+    int32_t *hs = (int32_t *)c->h_moeb, *order = hs + E + 1, *panel = order + E;
+    const void **ptrs = (const void **)((char *)c->h_moeb + ((ints * 4 + 15) & ~(size_t)15));
     ds_cu_prof_mark(c, "moe gemm: layout to host");
-    CU_TRY(cudaMemcpyAsync(c->h_start, start, (size_t)(E + 1) * sizeof(int32_t),
-                           cudaMemcpyDeviceToHost, c->stream),
+    CU_TRY(cudaMemcpyAsync(hs, start, (size_t)(E + 1) * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                           c->stream),
            "moe: expert layout");
     CU_TRY(cudaStreamSynchronize(c->stream), "moe: expert layout");
-    const int n_local = c->h_start[E]; /* rows of this rank's experts, the first of perm */
-    int n_max = 0;
-    for (int e = 0; e < E; e++) n_max = DS_MAX(n_max, c->h_start[e + 1] - c->h_start[e]);
-    n_max = (n_max + 31) / 32 * 32; /* whole tiles, and few distinct shapes for cuBLAS to plan */
-    const int padded = n_local > 0 && (size_t)n_max * E * 2 <= (size_t)n_local * 3;
-    const size_t pr = padded ? (size_t)n_max * E : (size_t)rows; /* rows of the GEMM buffers */
+    const int n_local = hs[E]; /* rows of this rank's experts, the first of perm */
+    /* experts with rows, by count (largest first; ties by id, so the plan is deterministic) */
+    int n_act = 0;
+    for (int e = 0; e < E; e++)
+        if (hs[e + 1] > hs[e]) order[n_act++] = e;
+    for (int i = 1; i < n_act; i++)
+        for (int j = i; j > 0; j--) {
+            const int a = order[j - 1], b = order[j];
+            const int na = hs[a + 1] - hs[a], nb = hs[b + 1] - hs[b];
+            if (na > nb || (na == nb && a < b)) break;
+            order[j - 1] = b, order[j] = a;
+        }
+    int bk_first[MOE_MAX_BUCKETS + 1], bk_rows[MOE_MAX_BUCKETS], n_bk = 0;
+    size_t pr = 0; /* padded rows of all panels */
+    for (int i = 0; i < n_act; i++) {
+        const int e = order[i], n = hs[e + 1] - hs[e];
+        if (n_bk == 0 || (n * 5 < bk_rows[n_bk - 1] * 4 && n_bk < MOE_MAX_BUCKETS)) {
+            bk_first[n_bk] = i;
+            bk_rows[n_bk++] = (n + 15) / 16 * 16;
+        }
+        panel[e] = (int32_t)pr;
+        pr += (size_t)bk_rows[n_bk - 1];
+    }
+    bk_first[n_bk] = n_act;
+    if (!pr) pr = 1;
     /* xg [pr][D] bf16 | ab [pr][I] bf16 | h [pr][2I] f32 | y [pr][D] f32 | inv [rows] |
-     * slot [rows] */
-    const size_t sz[6] = {pr * D * 2, pr * I * 2,       pr * 2 * I * 4,
-                          pr * D * 4, (size_t)rows * 4, (size_t)rows * 4};
-    void *b[6];
-    if (carve_scratch(&c->moeg, &c->moeg_bytes, sz, b, 6, "moe gemm scratch", err)) return DS_ERR;
+     * slot [rows] | panel [E] | pointer arrays [6][E] */
+    const size_t sz[8] = {
+        pr * D * 2,       pr * I * 2,       pr * 2 * I * 4, pr * D * 4,
+        (size_t)rows * 4, (size_t)rows * 4, (size_t)E * 4,  (size_t)6 * E * sizeof(void *)};
+    void *b[8];
+    if (carve_scratch(&c->moeg, &c->moeg_bytes, sz, b, 8, "moe gemm scratch", err)) return DS_ERR;
     __nv_bfloat16 *xg = (__nv_bfloat16 *)b[0], *ab = (__nv_bfloat16 *)b[1];
     float *h = (float *)b[2], *y = (float *)b[3];
-    int32_t *inv = (int32_t *)b[4], *slot = padded ? (int32_t *)b[5] : NULL;
+    int32_t *inv = (int32_t *)b[4], *slot = (int32_t *)b[5], *dpanel = (int32_t *)b[6];
+    void **dptrs = (void **)b[7];
+    const size_t per_gu = (size_t)2 * I * D, per_dn = (size_t)D * I;
+    for (int i = 0; i < n_act; i++) { /* in bucket order */
+        const int e = order[i];
+        ptrs[i] = gate_up + (size_t)e * per_gu;
+        ptrs[E + i] = xg + (size_t)panel[e] * D;
+        ptrs[2 * E + i] = h + (size_t)panel[e] * 2 * I;
+        ptrs[3 * E + i] = down + (size_t)e * per_dn;
+        ptrs[4 * E + i] = ab + (size_t)panel[e] * I;
+        ptrs[5 * E + i] = y + (size_t)panel[e] * D;
+    }
+    /* (pageable copies: the host buffers may be rewritten as soon as these return) */
+    CU_TRY(cudaMemcpyAsync(dpanel, panel, (size_t)E * 4, cudaMemcpyHostToDevice, c->stream),
+           "moe: panels");
+    CU_TRY(cudaMemcpyAsync(dptrs, ptrs, (size_t)6 * E * sizeof(void *), cudaMemcpyHostToDevice,
+                           c->stream),
+           "moe: panels");
     ds_cu_prof_mark(c, "moe gemm: gather x");
-    if (padded) moe_slot_k<<<E, 256, 0, c->stream>>>(slot, start, n_max);
+    moe_slot_k<<<E, 256, 0, c->stream>>>(slot, start, dpanel);
     if (n_local > 0) moe_gather_bf16_k<<<n_local, 256, 0, c->stream>>>(xg, x, D, perm, slot, k);
     CU_TRY(cudaGetLastError(), "moe gather");
     const float one = 1.0f, zero = 0.0f;
-    const size_t per_gu = (size_t)2 * I * D, per_dn = (size_t)D * I;
     ds_cu_prof_mark(c, "moe gemm: gate/up");
-    if (padded) { /* H_e [n_max][2I] = X_e [n_max][D] W_gu,e^T, every e at once */
-        BLAS_TRY(cublasGemmStridedBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, 2 * I, n_max, D,
-                                            &one, gate_up, CUDA_R_16BF, D, (long long)per_gu, xg,
-                                            CUDA_R_16BF, D, (long long)n_max * D, &zero, h,
-                                            CUDA_R_32F, 2 * I, (long long)n_max * 2 * I, E,
-                                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+    for (int bk = 0; bk < n_bk; bk++) { /* H_e [n][2I] = X_e [n][D] W_gu,e^T */
+        const int i0 = bk_first[bk], cnt = bk_first[bk + 1] - i0;
+        BLAS_TRY(cublasGemmBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, 2 * I, bk_rows[bk], D, &one,
+                                     (const void *const *)(dptrs + i0), CUDA_R_16BF, D,
+                                     (const void *const *)(dptrs + E + i0), CUDA_R_16BF, D, &zero,
+                                     dptrs + 2 * E + i0, CUDA_R_32F, 2 * I, cnt, CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT),
                  "moe up (batched gemm)");
-    } else {
-        for (int e = 0; e < E; e++) { /* H_e [n][2I] = X_e [n][D] W_gu,e^T */
-            const int r0 = c->h_start[e], n = c->h_start[e + 1] - r0;
-            if (n <= 0) continue;
-            BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, 2 * I, n, D, &one,
-                                  gate_up + (size_t)e * per_gu, CUDA_R_16BF, D, xg + (size_t)r0 * D,
-                                  CUDA_R_16BF, D, &zero, h + (size_t)r0 * 2 * I, CUDA_R_32F, 2 * I,
-                                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                     "moe up (gemm)");
-        }
     }
     ds_cu_prof_mark(c, "moe gemm: act");
-    const int ar = padded ? n_max * E : n_local; /* a panel's unused rows: garbage, never read */
-    if (ar > 0)
-        moe_act_bf16_k<<<(unsigned)(((size_t)ar * I + 255) / 256), 256, 0, c->stream>>>(
-            ab, h, ar, I, situ, situ_beta, situ_lin_beta);
+    moe_act_bf16_k<<<(unsigned)((pr * I + 255) / 256), 256, 0, c->stream>>>(
+        ab, h, (int)pr, I, situ, situ_beta, situ_lin_beta); /* padding rows: never read */
     CU_TRY(cudaGetLastError(), "moe act (gemm)");
     ds_cu_prof_mark(c, "moe gemm: down");
-    if (padded) { /* Y_e [n_max][D] = A_e [n_max][I] W_down,e^T, every e at once */
-        BLAS_TRY(cublasGemmStridedBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, D, n_max, I, &one,
-                                            down, CUDA_R_16BF, I, (long long)per_dn, ab,
-                                            CUDA_R_16BF, I, (long long)n_max * I, &zero, y,
-                                            CUDA_R_32F, D, (long long)n_max * D, E,
-                                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+    for (int bk = 0; bk < n_bk; bk++) { /* Y_e [n][D] = A_e [n][I] W_down,e^T */
+        const int i0 = bk_first[bk], cnt = bk_first[bk + 1] - i0;
+        BLAS_TRY(cublasGemmBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, D, bk_rows[bk], I, &one,
+                                     (const void *const *)(dptrs + 3 * E + i0), CUDA_R_16BF, I,
+                                     (const void *const *)(dptrs + 4 * E + i0), CUDA_R_16BF, I,
+                                     &zero, dptrs + 5 * E + i0, CUDA_R_32F, D, cnt,
+                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                  "moe down (batched gemm)");
-    } else {
-        for (int e = 0; e < E; e++) { /* Y_e [n][D] = A_e [n][I] W_down,e^T */
-            const int r0 = c->h_start[e], n = c->h_start[e + 1] - r0;
-            if (n <= 0) continue;
-            BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, D, n, I, &one,
-                                  down + (size_t)e * per_dn, CUDA_R_16BF, I, ab + (size_t)r0 * I,
-                                  CUDA_R_16BF, I, &zero, y + (size_t)r0 * D, CUDA_R_32F, D,
-                                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                     "moe down (gemm)");
-        }
     }
     ds_cu_prof_mark(c, "moe gemm: combine");
     CU_TRY(cudaMemsetAsync(inv, 0xff, (size_t)rows * sizeof(int32_t), c->stream), "moe inverse");
@@ -2146,8 +2172,7 @@ __global__ void __launch_bounds__(256)
     extern __shared__ float ksh[];
     float *Gs = ksh;                /* [KC][KPAD] running log decay */
     float *Ks = Gs + KC * KPAD;     /* [KC][KPAD] keys */
-    float *Qs = Ks + KC * KPAD;     /* [KC][KPAD] queries */
-    float *As = Qs + KC * KPAD;     /* [KC][KC + 1] beta_i A_ij */
+    float *As = Ks + KC * KPAD;     /* [KC][KC + 1] beta_i A_ij */
     float *bs = As + KC * (KC + 1); /* [KC] beta */
     const kda_chunk ch = chunks[blockIdx.x];
     const int h = blockIdx.y, L = ch.len, tid = threadIdx.x;
@@ -2159,7 +2184,6 @@ __global__ void __launch_bounds__(256)
         const size_t at = ((size_t)(ch.t0 + t) * H + h) * KD + c;
         const bool in = t < L;
         Ks[t * KPAD + c] = in ? k[at] : 0.0f;
-        Qs[t * KPAD + c] = in ? q[at] : 0.0f;
         Gs[t * KPAD + c] = in ? g[at] : 0.0f;
     }
     for (int t = tid; t < KC; t += blockDim.x)
@@ -2183,12 +2207,21 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
             for (int y = 0; y < 4; y++) a[x][y] = p[x][y] = 0.0f;
         if (tj <= ti) {
+            /* queries from global memory (two rows per warp: L1 serves them), which keeps the
+             * block's shared memory at two blocks per SM */
+            const float *qrow[4];
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                const int i = min(4 * ti + x, L - 1);
+                qrow[x] = q + ((size_t)(ch.t0 + i) * H + h) * KD;
+            }
             for (int c = 0; c < KD; c++) {
                 float ki[4], qi[4], gi[4], kj[4], gj[4];
 #pragma unroll
                 for (int x = 0; x < 4; x++) {
                     const int i = 4 * ti + x, j = 4 * tj + x;
-                    ki[x] = Ks[i * KPAD + c], qi[x] = Qs[i * KPAD + c], gi[x] = Gs[i * KPAD + c];
+                    ki[x] = Ks[i * KPAD + c], gi[x] = Gs[i * KPAD + c];
+                    qi[x] = i < L ? __ldg(qrow[x] + c) : 0.0f;
                     kj[x] = Ks[j * KPAD + c], gj[x] = Gs[j * KPAD + c];
                 }
 #pragma unroll
@@ -2235,99 +2268,139 @@ __global__ void __launch_bounds__(256)
     for (int i = tid; i < KC * KD; i += blockDim.x) {
         const int t = i / KD, c = i % KD;
         const float gt = Gs[t * KPAD + c], gl = Gs[(L - 1) * KPAD + c];
-        Qp[i] = Qs[t * KPAD + c] * __expf(gt);
+        Qp[i] = t < L ? q[((size_t)(ch.t0 + t) * H + h) * KD + c] * __expf(gt) : 0.0f;
         Kc[i] = t < L ? Ks[t * KPAD + c] * __expf(gl - gt) : 0.0f;
     }
 }
 
-/* Pass 2: block (head h, columns [16 cg, +16), sequence z) walks z's chunks in order. */
+/* Pass 2: block (head h, columns [16 cg, +16), sequence z) walks z's chunks in order, keeping
+ * only what is sequential: U = Ut - W S0 and the next state; it leaves each chunk's starting
+ * state and U for pass 3. W and Kc are read straight from global memory (each warp's rows are
+ * contiguous), so a chunk costs two barriers. */
 template <int KD>
 __global__ void __launch_bounds__(256)
-    kda_chunk_scan_k(float *o, const float *prep, const kda_chunk *chunks, const int *seg_chunk0,
-                     float *const *S, int H) {
-    constexpr int KPAD = KD + 4;
-    constexpr int NS = KD * KCOLS / 256,
-                  TPC = KCOLS / NS; /* state entries per thread, threads per channel */
-    extern __shared__ float ksh[];
-    float *Xs = ksh;                /* [KC][KPAD] the chunk's W, then Qp, then Kc */
-    float *Ps = Xs + KC * KPAD;     /* [KC][KC + 1] */
-    float *S0 = Ps + KC * (KC + 1); /* [KD][KCOLS] the state's columns */
-    float *Us = S0 + KD * KCOLS;    /* [KC][KCOLS] */
+    kda_chunk_scan_k(float *states, float *ug, const float *prep, const kda_chunk *chunks,
+                     const int *seg_chunk0, float *const *S, int H) {
+    /* state entries per thread, threads per key channel */
+    constexpr int NS = KD * KCOLS / 256, TPC = KCOLS / NS;
+    __shared__ float S0[KD * KCOLS]; /* [KD][KCOLS] the state's columns */
+    __shared__ float Us[KC * KCOLS]; /* [KC][KCOLS] */
     const int h = blockIdx.x, cg = blockIdx.y * KCOLS, z = blockIdx.z, tid = threadIdx.x;
-    float *Sh = S[z] + (size_t)h * KD * KD; /* [dk][dv] */
-    for (int i = tid; i < KD * KCOLS; i += blockDim.x)
-        S0[i] = Sh[(size_t)(i / KCOLS) * KD + cg + i % KCOLS];
-    const int c0 = seg_chunk0[z], c1 = seg_chunk0[z + 1];
-    const int rt = tid / 4, rc = (tid % 4) * 4; /* U and O: row rt, columns rc .. rc+3 */
+    float *Sh = S[z] + (size_t)h * KD * KD;     /* [dk][dv] */
+    const int rt = tid / 4, rc = (tid % 4) * 4; /* U: row rt, columns rc .. rc+3 */
     const int sc = tid / TPC,
-              scol = (tid % TPC) * NS; /* state: channel sc, columns scol + [0, NS) */
+              scol = (tid % TPC) * NS; /* state: channel sc, columns scol + [0,NS) */
+    float st[NS];                      /* this thread's state entries */
+#pragma unroll
+    for (int y = 0; y < NS; y++) {
+        st[y] = Sh[(size_t)sc * KD + cg + scol + y];
+        S0[sc * KCOLS + scol + y] = st[y];
+    }
+    const int c0 = seg_chunk0[z], c1 = seg_chunk0[z + 1];
     for (int ci = c0; ci < c1; ci++) {
-        const kda_chunk ch = chunks[ci];
+        const int len = chunks[ci].len;
         const float *pr = prep + ((size_t)ci * H + h) * kda_ch_floats(KD);
-        const float *W = pr, *Ut = W + KC * KD, *Qp = Ut + KC * KD, *Kc = Qp + KC * KD;
-        const float *P = Kc + KC * KD, *gL = P + KC * KC;
-        __syncthreads(); /* the previous chunk is done with Xs, Ps, Us and S0 is current */
-        for (int i = tid; i < KC * KD / 4; i += blockDim.x) {
-            const int t = i / (KD / 4), c4 = i % (KD / 4);
-            *(float4 *)(Xs + t * KPAD + 4 * c4) = ((const float4 *)W)[i];
-        }
-        for (int i = tid; i < KC * KC; i += blockDim.x) Ps[(i / KC) * (KC + 1) + i % KC] = P[i];
-        __syncthreads();
-        { /* U = Ut - W S0 */
+        const float *W = pr, *Ut = W + KC * KD, *Kc = Ut + 2 * KC * KD;
+        const float *gL = pr + 4 * KC * KD + KC * KC;
+        float *sg = states + ((size_t)ci * H + h) * KD * KD; /* the state this chunk starts from */
+        /* this thread's column of Kc and its Ut entries, all loads issued now: they come from
+         * memory (pass 1's output is far larger than L2), and four at a time they were most of
+         * the chunk's time */
+        float kreg[KC], ut[4];
+#pragma unroll
+        for (int i = 0; i < KC; i++) kreg[i] = i < len ? __ldg(Kc + i * KD + sc) : 0.0f;
+#pragma unroll
+        for (int y = 0; y < 4; y++) ut[y] = __ldg(Ut + rt * KD + cg + rc + y);
+#pragma unroll
+        for (int y = 0; y < NS; y++) sg[(size_t)sc * KD + cg + scol + y] = st[y];
+        __syncthreads(); /* S0 holds this chunk's starting state; the last chunk is done with Us */
+        {                /* U = Ut - W S0 */
             float u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (int c = 0; c < KD; c++) {
-                const float w = Xs[rt * KPAD + c];
+            const float4 *wr = (const float4 *)(W + rt * KD);
+#pragma unroll 8
+            for (int c4 = 0; c4 < KD / 4; c4++) {
+                const float4 w = __ldg(wr + c4);
+                const float wv[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-                for (int y = 0; y < 4; y++) u[y] += w * S0[c * KCOLS + rc + y];
+                for (int e = 0; e < 4; e++)
+#pragma unroll
+                    for (int y = 0; y < 4; y++) u[y] += wv[e] * S0[(4 * c4 + e) * KCOLS + rc + y];
             }
+            float *ud = ug + ((size_t)ci * H + h) * KC * KD + rt * KD + cg + rc;
 #pragma unroll
-            for (int y = 0; y < 4; y++) Us[rt * KCOLS + rc + y] = Ut[rt * KD + cg + rc + y] - u[y];
-        }
-        __syncthreads();
-        for (int i = tid; i < KC * KD / 4; i += blockDim.x) {
-            const int t = i / (KD / 4), c4 = i % (KD / 4);
-            *(float4 *)(Xs + t * KPAD + 4 * c4) = ((const float4 *)Qp)[i];
-        }
-        __syncthreads();
-        if (rt < ch.len) { /* O = Qp S0 + P U */
-            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (int c = 0; c < KD; c++) {
-                const float qv = Xs[rt * KPAD + c];
-#pragma unroll
-                for (int y = 0; y < 4; y++) acc[y] += qv * S0[c * KCOLS + rc + y];
+            for (int y = 0; y < 4; y++) {
+                const float uv = ut[y] - u[y];
+                Us[rt * KCOLS + rc + y] = uv;
+                ud[y] = uv;
             }
-            for (int i = 0; i <= rt; i++) {
-                const float pv = Ps[rt * (KC + 1) + i];
-#pragma unroll
-                for (int y = 0; y < 4; y++) acc[y] += pv * Us[i * KCOLS + rc + y];
-            }
-            float *orow = o + ((size_t)(ch.t0 + rt) * H + h) * KD + cg + rc;
-#pragma unroll
-            for (int y = 0; y < 4; y++) orow[y] = acc[y];
         }
         __syncthreads();
-        for (int i = tid; i < KC * KD / 4; i += blockDim.x) {
-            const int t = i / (KD / 4), c4 = i % (KD / 4);
-            *(float4 *)(Xs + t * KPAD + 4 * c4) = ((const float4 *)Kc)[i];
-        }
-        __syncthreads();
-        { /* S0 <- e^{G_L} S0 + Kc^T U */
-            float acc[NS];
+        { /* S0 <- e^{G_L} S0 + Kc^T U, in registers, then shared for the next chunk */
             const float gl = gL[sc];
 #pragma unroll
-            for (int y = 0; y < NS; y++) acc[y] = gl * S0[sc * KCOLS + scol + y];
-            for (int i = 0; i < ch.len; i++) {
-                const float kv = Xs[i * KPAD + sc];
+            for (int y = 0; y < NS; y++) st[y] *= gl;
 #pragma unroll
-                for (int y = 0; y < NS; y++) acc[y] += kv * Us[i * KCOLS + scol + y];
-            }
+            for (int i = 0; i < KC; i++) /* rows past len: kreg 0, and Us rows 0 there too */
 #pragma unroll
-            for (int y = 0; y < NS; y++) S0[sc * KCOLS + scol + y] = acc[y];
+                for (int y = 0; y < NS; y++) st[y] += kreg[i] * Us[i * KCOLS + scol + y];
+        }
+        __syncthreads(); /* every U product has read S0 */
+#pragma unroll
+        for (int y = 0; y < NS; y++) S0[sc * KCOLS + scol + y] = st[y];
+    }
+#pragma unroll
+    for (int y = 0; y < NS; y++) Sh[(size_t)sc * KD + cg + scol + y] = st[y];
+}
+
+/* Pass 3: block (chunk, head) computes O = Qp S0 + P U for its tokens, every chunk at once: a
+ * thread takes ROWS rows and 4 columns; S0 and U rows are read by every warp (L1 serves them),
+ * Qp and P rows are the same across a warp's lanes (broadcast). */
+template <int KD>
+__global__ void __launch_bounds__(256)
+    kda_chunk_out_k(float *o, const float *states, const float *ug, const float *prep,
+                    const kda_chunk *chunks, int H) {
+    constexpr int LANES = KD / 4;          /* threads across the columns */
+    constexpr int ROWS = KC * LANES / 256; /* rows per thread: 8 (KD 128) or 4 (KD 64) */
+    const kda_chunk ch = chunks[blockIdx.x];
+    const int h = blockIdx.y, tid = threadIdx.x;
+    const int r0 = (tid / LANES) * ROWS, col = (tid % LANES) * 4;
+    const size_t at = (size_t)blockIdx.x * H + h;
+    const float *pr = prep + at * kda_ch_floats(KD);
+    const float *Qp = pr + 2 * KC * KD, *P = pr + 4 * KC * KD;
+    const float *S0 = states + at * KD * KD, *U = ug + at * KC * KD;
+    if (r0 >= ch.len) return;
+    float acc[ROWS][4];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++)
+#pragma unroll
+        for (int y = 0; y < 4; y++) acc[r][y] = 0.0f;
+#pragma unroll 8
+    for (int c = 0; c < KD; c++) {
+        const float4 sv = __ldg((const float4 *)(S0 + (size_t)c * KD + col));
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            const float qv = __ldg(Qp + (r0 + r) * KD + c);
+            acc[r][0] += qv * sv.x, acc[r][1] += qv * sv.y;
+            acc[r][2] += qv * sv.z, acc[r][3] += qv * sv.w;
         }
     }
-    __syncthreads();
-    for (int i = tid; i < KD * KCOLS; i += blockDim.x)
-        Sh[(size_t)(i / KCOLS) * KD + cg + i % KCOLS] = S0[i];
+    const int i_end = min(ch.len, r0 + ROWS); /* P is lower triangular: i <= t */
+    for (int i = 0; i < i_end; i++) {
+        const float4 uv = __ldg((const float4 *)(U + (size_t)i * KD + col));
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            const float pv = __ldg(P + (r0 + r) * KC + i); /* zero where i > t */
+            acc[r][0] += pv * uv.x, acc[r][1] += pv * uv.y;
+            acc[r][2] += pv * uv.z, acc[r][3] += pv * uv.w;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        const int t = r0 + r;
+        if (t >= ch.len) break;
+        *(float4 *)(o + ((size_t)(ch.t0 + t) * H + h) * KD + col) =
+            make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+    }
 }
 
 extern "C" int ds_cu_kda_chunked_supports(int dk, int dv) {
@@ -2337,20 +2410,14 @@ extern "C" int ds_cu_kda_chunked_supports(int dk, int dv) {
 template <int KD>
 static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, const float *v,
                            const float *g, const float *beta, const kda_chunk *tab,
-                           const int *first, float *prep, int n_ch, float *const *S, int n_seq,
-                           int H, ds_err *err) {
+                           const int *first, float *prep, float *states, float *ug, int n_ch,
+                           float *const *S, int n_seq, int H, ds_err *err) {
     constexpr int KPAD = KD + 4;
-    const size_t smem1 = ((size_t)3 * KC * KPAD + (size_t)KC * (KC + 1) + KC) * sizeof(float);
-    const size_t smem2 =
-        ((size_t)KC * KPAD + (size_t)KC * (KC + 1) + (size_t)KD * KCOLS + (size_t)KC * KCOLS) *
-        sizeof(float);
+    const size_t smem1 = ((size_t)2 * KC * KPAD + (size_t)KC * (KC + 1) + KC) * sizeof(float);
     static int smem_set; /* once per head size; chunked steps are never captured */
     if (!smem_set) {
         CU_TRY(cudaFuncSetAttribute(kda_chunk_prep_k<KD>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem1),
-               "chunked kda: shared memory");
-        CU_TRY(cudaFuncSetAttribute(kda_chunk_scan_k<KD>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem2),
                "chunked kda: shared memory");
         smem_set = 1;
     }
@@ -2359,9 +2426,13 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
         prep, q, k, v, g, beta, tab, H);
     CU_TRY(cudaGetLastError(), "chunked kda (prepare)");
     ds_cu_prof_mark(c, "kda chunks: scan");
-    kda_chunk_scan_k<KD><<<dim3((unsigned)H, KD / KCOLS, (unsigned)n_seq), 256, smem2, c->stream>>>(
-        o, prep, tab, first, S, H);
+    kda_chunk_scan_k<KD><<<dim3((unsigned)H, KD / KCOLS, (unsigned)n_seq), 256, 0, c->stream>>>(
+        states, ug, prep, tab, first, S, H);
     CU_TRY(cudaGetLastError(), "chunked kda (scan)");
+    ds_cu_prof_mark(c, "kda chunks: outputs");
+    kda_chunk_out_k<KD>
+        <<<dim3((unsigned)n_ch, (unsigned)H), 256, 0, c->stream>>>(o, states, ug, prep, tab, H);
+    CU_TRY(cudaGetLastError(), "chunked kda (outputs)");
     return DS_OK;
 }
 
@@ -2379,11 +2450,13 @@ extern "C" int ds_cu_kda_chunked(ds_cu *c, float *o, const float *q, const float
     /* the chunk table and each sequence's first chunk (a sequence with no tokens has none):
      * built here, uploaded with the step */
     const size_t tab_bytes = (size_t)n_ch * sizeof(kda_chunk), c0_bytes = (n_seq + 1) * sizeof(int);
-    /* prep [n_ch][H][kda_ch_floats] | table [n_ch] then first [n_seq + 1] */
-    const size_t sz[2] = {(size_t)n_ch * H * kda_ch_floats(dk) * sizeof(float),
-                          tab_bytes + c0_bytes};
-    void *b[2];
-    if (carve_scratch(&c->kdac, &c->kdac_bytes, sz, b, 2, "chunked kda scratch", err))
+    /* prep [n_ch][H][kda_ch_floats] | table [n_ch] then first [n_seq + 1] | states at the chunks'
+     * starts [n_ch][H][dk][dv] | U [n_ch][H][KC][dv] */
+    const size_t sz[4] = {(size_t)n_ch * H * kda_ch_floats(dk) * sizeof(float),
+                          tab_bytes + c0_bytes, (size_t)n_ch * H * dk * dv * sizeof(float),
+                          (size_t)n_ch * H * KC * dv * sizeof(float)};
+    void *b[4];
+    if (carve_scratch(&c->kdac, &c->kdac_bytes, sz, b, 4, "chunked kda scratch", err))
         return DS_ERR;
     if (c->h_kda_bytes < tab_bytes + c0_bytes) {
         void *p = realloc(c->h_kda, tab_bytes + c0_bytes);
@@ -2406,11 +2479,12 @@ extern "C" int ds_cu_kda_chunked(ds_cu *c, float *o, const float *q, const float
     CU_TRY(cudaStreamSynchronize(c->stream), "kda chunk table");
     const kda_chunk *dtab = (const kda_chunk *)b[1];
     const int *dfirst = (const int *)((const char *)b[1] + tab_bytes);
+    float *prep = (float *)b[0], *states = (float *)b[2], *ug = (float *)b[3];
     if (dk == 64)
-        return kda_chunked_run<64>(c, o, q, k, v, g, beta, dtab, dfirst, (float *)b[0], n_ch, S,
+        return kda_chunked_run<64>(c, o, q, k, v, g, beta, dtab, dfirst, prep, states, ug, n_ch, S,
                                    n_seq, H, err);
-    return kda_chunked_run<128>(c, o, q, k, v, g, beta, dtab, dfirst, (float *)b[0], n_ch, S, n_seq,
-                                H, err);
+    return kda_chunked_run<128>(c, o, q, k, v, g, beta, dtab, dfirst, prep, states, ug, n_ch, S,
+                                n_seq, H, err);
 }
 
 /* The two ceilings every GPU figure is reported against, measured now: the device-to-device copy
