@@ -385,6 +385,7 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     ds_cu_set_batch_invariant(cm->c, m->opts.batch_invariant);
     /* the faster paths are on unless turned off (for comparisons); the profile is opt-in */
     ds_cu_set_expert_gemm(cm->c, env_flag("DS_CUDA_EXPERT_GEMM", 1));
+    ds_cu_set_expert_mma(cm->c, env_flag("DS_CUDA_EXPERT_MMA", 1));
     ds_cu_set_mla_gemm(cm->c, env_flag("DS_CUDA_MLA_GEMM", 1));
     ds_cu_set_mla_all_heads(cm->c, env_flag("DS_CUDA_MLA_ALL_HEADS", 1));
     ds_cu_prof_enable(cm->c, env_flag("DS_CUDA_PROFILE", 0));

@@ -642,18 +642,21 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
     float *dout = dev(c, base, (size_t)T * D * 4);
     int32_t *didx = dev(c, idx, (size_t)T * k * 4);
     ds_err err = {{0}};
-    ds_cu_set_expert_gemm(c, gemm);
+    ds_cu_set_expert_gemm(c, gemm == 1 || gemm == 2);
+    ds_cu_set_expert_mma(c, gemm == 3);
     if (ds_cu_moe_experts(c, dout, dx, didx, dw, T, k, El, e0, D, I, dgu, ddn, situ, 4.0f, 6.0f, 1,
                           &err))
         DIE("%s", err.msg);
     ds_cu_set_expert_gemm(c, 0);
+    ds_cu_set_expert_mma(c, 0);
     fetch(c, got, dout, (size_t)T * D * 4);
     char what[96];
     snprintf(what, sizeof what, "moe experts T=%d k=%d E=%d D=%d I=%d %s%s%s", T, k, E, D, I,
              situ ? "situ" : "swiglu",
-             gemm == 2 ? " (gemm, skewed)"
-             : gemm    ? " (gemm)"
-                       : "",
+             gemm == 3   ? " (tensor cores)"
+             : gemm == 2 ? " (gemm, skewed)"
+             : gemm      ? " (gemm)"
+                         : "",
              half ? " (half the experts)" : "");
     report(what, rel_err(got, ref, 1, (size_t)T * D, (size_t)T * D), gemm ? 1e-2 : 1e-5);
     ds_cu_dealloc(dgu), ds_cu_dealloc(ddn), ds_cu_dealloc(dx), ds_cu_dealloc(dw);
@@ -1060,6 +1063,11 @@ int main(int argc, char **argv) {
     check_moe_experts_mode(c, 200, 8, 32, 512, 256, 0, 1, 1); /* ... tensor cores (16 local) */
     check_moe_experts_mode(c, 160, 8, 64, 512, 256, 0, 0, 0); /* >= 1024 rows: chunked layout */
     check_moe_experts_mode(c, 700, 6, 48, 256, 128, 1, 0, 1); /* ... with other ranks' rows */
+    /* a batch's grouped experts on tensor cores: few rows per expert, more than 16 for some,
+     * other ranks' rows, a K that is not a whole number of 256-wide chunks */
+    check_moe_experts_mode(c, 40, 8, 64, 512, 256, 0, 3, 0);
+    check_moe_experts_mode(c, 256, 8, 32, 768, 384, 1, 3, 1);
+    check_moe_experts_mode(c, 16, 8, 64, 2304, 1024, 0, 3, 0); /* the 48B widths, batch 16 */
     {
         int lens[5] = {1, 4, 1, 9, 2}, rows[5] = {0, 1, 0, 1, 0};
         check_short_conv_batch(c, lens, rows, 5, 4096, 4);

@@ -6,6 +6,7 @@
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <mma.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,6 +26,7 @@ struct ds_cu {
     int batch_invariant; /* every matmul through the weight-streaming kernel (see the header) */
     uint64_t epoch;      /* bumped whenever a scratch buffer moves (captured graphs go stale) */
     int expert_gemm;     /* routed experts of long steps through cuBLAS (ds_cu_set_expert_gemm) */
+    int expert_mma;      /* grouped experts of batches on tensor cores (ds_cu_set_expert_mma) */
     int mla_gemm;        /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
     int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
     void *mlag;          /* that path's buffers, mlag_bytes allocated */
@@ -1658,6 +1660,73 @@ __global__ void __launch_bounds__(256)
 
 enum : size_t { MOE_SMEM = 160 * 1024 }; /* the grouped kernel's x staging, at most */
 
+/* ---- routed experts on tensor cores inside a step (decode of large batches) ------------------
+ * The grouped kernel above does one f32 FMA per weight per routed row: at batch 64-256 (a few
+ * rows per expert) that is compute, not the weight stream, that bounds it. Here the same grouping
+ * feeds BF16 tensor cores (wmma 16 x 16 x 16, f32 accumulation): block (256 output columns,
+ * active expert) takes up to 16 of the expert's rows at a time, stages them as BF16 in chunks of
+ * MMA_KC along K, and each warp multiplies them with two 16-column tiles of weights read straight
+ * from global memory (a weight row is K-contiguous: the column-major B operand). Everything on
+ * the device, so a step stays capturable. Activations are rounded to BF16, as in cuBLAS's path;
+ * not with batch invariance. N % 256 == 0 and K % 16 == 0. */
+enum { MMA_ROWS = 16, MMA_N = 256, MMA_KC = 256, MMA_XLD = MMA_KC + 8, MMA_OLD = MMA_N + 4 };
+
+__global__ void __launch_bounds__(256)
+    moe_mma_k(float *y, int ldy, const float *x, int ldx, int x_div, const uint16_t *W, int N,
+              int K, const int32_t *start, const int32_t *perm, const int32_t *active,
+              const int32_t *n_active) {
+    __shared__ __align__(32) __nv_bfloat16 xs[MMA_ROWS * MMA_XLD]; /* [16][KC+8] this K chunk */
+    __shared__ __align__(32) float os[MMA_ROWS * MMA_OLD];         /* [16][256+4] the outputs */
+    if ((int)blockIdx.y >= *n_active) return;
+    const int e = active[blockIdx.y], tid = threadIdx.x, warp = tid >> 5;
+    const int n0 = blockIdx.x * MMA_N + warp * 32; /* this warp's two 16-column tiles */
+    const __nv_bfloat16 *W0 = (const __nv_bfloat16 *)W + ((size_t)e * N + n0) * K;
+    const __nv_bfloat16 *W1 = W0 + (size_t)16 * K;
+    const int r0 = start[e], r1 = start[e + 1];
+    for (int c0 = r0; c0 < r1; c0 += MMA_ROWS) {
+        const int nr = min(MMA_ROWS, r1 - c0);
+        nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> acc0, acc1;
+        nvcuda::wmma::fill_fragment(acc0, 0.0f);
+        nvcuda::wmma::fill_fragment(acc1, 0.0f);
+        for (int kc = 0; kc < K; kc += MMA_KC) {
+            const int kn = min(MMA_KC, K - kc);
+            __syncthreads(); /* the previous chunk (or pass) is done with xs */
+            for (int i = tid; i < MMA_ROWS * kn; i += blockDim.x) {
+                const int r = i / kn, col = i % kn;
+                const float v = r < nr ? x[(size_t)(perm[c0 + r] / x_div) * ldx + kc + col] : 0.0f;
+                xs[r * MMA_XLD + col] = __float2bfloat16_rn(v);
+            }
+            __syncthreads();
+#pragma unroll 4
+            for (int k0 = 0; k0 < kn; k0 += 16) {
+                nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __nv_bfloat16,
+                                       nvcuda::wmma::row_major>
+                    a;
+                nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __nv_bfloat16,
+                                       nvcuda::wmma::col_major>
+                    b0, b1;
+                nvcuda::wmma::load_matrix_sync(a, xs + k0, MMA_XLD);
+                nvcuda::wmma::load_matrix_sync(b0, W0 + kc + k0, K);
+                nvcuda::wmma::load_matrix_sync(b1, W1 + kc + k0, K);
+                nvcuda::wmma::mma_sync(acc0, a, b0, acc0);
+                nvcuda::wmma::mma_sync(acc1, a, b1, acc1);
+            }
+        }
+        nvcuda::wmma::store_matrix_sync(os + warp * 32, acc0, MMA_OLD, nvcuda::wmma::mem_row_major);
+        nvcuda::wmma::store_matrix_sync(os + warp * 32 + 16, acc1, MMA_OLD,
+                                        nvcuda::wmma::mem_row_major);
+        __syncthreads();
+        for (int i = tid; i < nr * MMA_N; i += blockDim.x) {
+            const int r = i / MMA_N, col = i % MMA_N;
+            y[(size_t)perm[c0 + r] * ldy + blockIdx.x * MMA_N + col] = os[r * MMA_OLD + col];
+        }
+    }
+}
+
+extern "C" void ds_cu_set_expert_mma(ds_cu *c, int on) {
+    c->expert_mma = on;
+}
+
 /* ---- routed experts through tensor cores (long steps: prefill) ------------------------------
  * With thousands of routed rows each expert has tens to hundreds of them: after grouping, its rows
  * of x (in BF16) are one GEMM against its gate/up weights and one against its down weights, a
@@ -1669,6 +1738,9 @@ enum : size_t { MOE_SMEM = 160 * 1024 }; /* the grouped kernel's x staging, at m
  * large batches: a few rows per expert) a cuBLAS call per expert costs more than the streaming
  * kernel reading each expert once, and the host round trip keeps the step out of graphs. */
 enum { EXPERT_GEMM_MIN_PER = 64 };
+/* Tokens from which a step's grouped experts run on tensor cores (below, the weight stream bounds
+ * the f32 kernel anyway, and its grid is the larger). */
+enum { MOE_MMA_MIN_TOKENS = 16 };
 
 extern "C" void ds_cu_set_expert_gemm(ds_cu *c, int on) {
     c->expert_gemm = on;
@@ -1899,6 +1971,9 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
             return moe_experts_gemm(c, out, x, w, T, k, E, D, I, gate_up, down, situ, situ_beta,
                                     situ_lin_beta, accumulate, start, perm, err);
         ds_cu_prof_mark(c, "moe grouped experts");
+        /* batches on tensor cores, else the f32 streaming kernel (batch invariance, decode) */
+        const int mma = c->expert_mma && !c->batch_invariant && T >= MOE_MMA_MIN_TOKENS &&
+                        (2 * I) % MMA_N == 0 && D % MMA_N == 0 && D % 16 == 0 && I % 16 == 0;
         /* rows per pass: 8, or fewer when 8 rows of x would not fit in shared memory */
         const int rp_up = DS_MAX(1, DS_MIN(8, (int)(MOE_SMEM / ((size_t)D * 4))));
         const int rp_dn = DS_MAX(1, DS_MIN(8, (int)(MOE_SMEM / ((size_t)I * 4))));
@@ -1909,17 +1984,25 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
                    "moe: shared memory");
             smem_set = 1;
         }
-        moe_grouped_k<<<dim3((unsigned)((2 * I + MOE_NPB - 1) / MOE_NPB), ya), 256,
-                        (size_t)rp_up * D * 4, c->stream>>>(h, 2 * I, x, D, k, gate_up, 2 * I, D,
-                                                            start, perm, active, n_active, rp_up);
+        if (mma)
+            moe_mma_k<<<dim3((unsigned)(2 * I / MMA_N), ya), 256, 0, c->stream>>>(
+                h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm, active, n_active);
+        else
+            moe_grouped_k<<<dim3((unsigned)((2 * I + MOE_NPB - 1) / MOE_NPB), ya), 256,
+                            (size_t)rp_up * D * 4, c->stream>>>(
+                h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm, active, n_active, rp_up);
         CU_TRY(cudaGetLastError(), "moe up (grouped)");
         moe_act_k<<<(unsigned)(((size_t)rows * I + 255) / 256), 256, 0, c->stream>>>(
             h, rows, I, situ, situ_beta, situ_lin_beta);
         CU_TRY(cudaGetLastError(), "moe act");
         /* the activations sit in the gate half of h: rows 2I apart, one per routed row */
-        moe_grouped_k<<<dim3((unsigned)((D + MOE_NPB - 1) / MOE_NPB), ya), 256,
-                        (size_t)rp_dn * I * 4, c->stream>>>(y, D, h, 2 * I, 1, down, D, I, start,
-                                                            perm, active, n_active, rp_dn);
+        if (mma)
+            moe_mma_k<<<dim3((unsigned)(D / MMA_N), ya), 256, 0, c->stream>>>(
+                y, D, h, 2 * I, 1, down, D, I, start, perm, active, n_active);
+        else
+            moe_grouped_k<<<dim3((unsigned)((D + MOE_NPB - 1) / MOE_NPB), ya), 256,
+                            (size_t)rp_dn * I * 4, c->stream>>>(
+                y, D, h, 2 * I, 1, down, D, I, start, perm, active, n_active, rp_dn);
         CU_TRY(cudaGetLastError(), "moe down (grouped)");
     } else {
         moe_up_k<<<dim3((unsigned)((2 * I + 7) / 8), (unsigned)rows), 256, 0, c->stream>>>(
