@@ -66,8 +66,8 @@ void *ds_dmem_host_alloc(size_t bytes, ds_err *err) {
             if (!g_pinned[i].p) slot = i;
         void *p = NULL;
         if (slot >= 0) {
-            ds_err ignored = {
-                {0}}; /* page-locked memory is an optimisation: fall back on failure */
+            /* page-locked memory is an optimisation: on failure, plain memory below */
+            ds_err ignored = {{0}};
             p = ops->host_alloc(bytes, &ignored);
             if (p) g_pinned[slot].p = p, g_pinned[slot].release = ops->host_release;
         }

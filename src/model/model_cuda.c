@@ -330,13 +330,14 @@ void ds_cuda_model_detach(ds_model *m) {
     }
 }
 
-/* What the kernels support, checked at load so that a model they cannot run is refused with its
- * reason before any memory is taken, not at its first step. */
+/* A DS_CUDA_* switch: unset or empty means dflt, a number above 0 on, anything else off. */
 static int env_flag(const char *name, int dflt) {
     const char *v = getenv(name);
     return v && *v ? atoi(v) > 0 : dflt;
 }
 
+/* What the kernels support, checked at load so that a model they cannot run is refused with its
+ * reason before any memory is taken, not at its first step. */
 static int check_shapes(const ds_model *m, ds_err *err) {
     const ds_config *c = &m->cfg;
     int dk = c->kda_head_dim, W = c->short_conv_kernel_size;
