@@ -90,10 +90,12 @@ int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, const float *k
                               float *const *S, float *const *S_rows, size_t rows_stride, int n_seq,
                               int H, int dk, int dv, int skip_from, ds_err *err);
 
-/* The same recurrence over long segments in chunks of 64 tokens (dk = dv = 128; no verify rows):
- * the states at chunk boundaries are the recurrent kernel's, the tokens in between are computed
- * from them in parallel (see kernels.cu). seg_start / seg_len [n_seq] are the host's copies of
- * the segments' token ranges; S [n_seq] is the device array of states, as above. */
+/* The same recurrence over long segments in chunks of 64 tokens (dk = dv = 64 or 128; no verify
+ * rows): the states at chunk boundaries are carried by a sequential scan, everything else is
+ * computed per chunk in parallel (see kernels.cu). seg_start / seg_len [n_seq] are the host's
+ * copies of the segments' token ranges (length 0: leave that sequence alone); S [n_seq] is the
+ * device array of states, as above. Synchronises the stream (its chunk table is built here), so
+ * never inside a graph capture. */
 int ds_cu_kda_chunked(ds_cu *c, float *o, const float *q, const float *k, const float *v,
                       const float *g, const float *beta, const int *seg_start, const int *seg_len,
                       float *const *S, int n_seq, int H, int dk, int dv, ds_err *err);
