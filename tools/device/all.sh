@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# On the GPU machine, with .devbin carried: everything one device call can check and time in
+# about 90 s — every kernel against the CPU, the CPU's model and engine tests on the GPU, -pp 2 /
+# -tp 2 against one GPU, the per-op profile and the 48B-shape benchmark with graphs, and the
+# bundled eval served from the GPU (300 problems, one process and PP 2 + DSpark + prefix +
+# offload). A line per part that failed at the end; logs and JSON under $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/ds-out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/../.."
+export LD_LIBRARY_PATH=$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+failed=""
+tools/device/cuda_model_check.sh 2>&1 | tail -8 || failed+=" model-check"
+tools/device/cuda_pp_check.sh 2>&1 | tail -4 || failed+=" pp-check"
+PROMPT=8192 BATCHES=1,256 timeout 200 tools/device/profile48.sh > "$OUT/profile_all.txt" 2>&1 ||
+  failed+=" profile"
+EAGER=0 timeout 200 tools/device/bench48.sh 2>&1 | tail -7 || failed+=" bench"
+timeout 120 tools/device/gpu_serve_eval.sh "${EVAL_LIMIT:-300}" 2>&1 | grep -v Killed | tail -3 ||
+  failed+=" eval"
+echo "profile tables: $OUT/profile_all.txt"
+[ -z "$failed" ] && echo "all parts ran" || { echo "failed:$failed"; exit 1; }

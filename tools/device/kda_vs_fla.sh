@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# On the GPU machine, with .devbin and .whl carried: issue 9's KDA prefill comparison side by
+# side in one run — deltaserve's chunked kernel (test_cuda_kernels --bench, 8192 tokens x 32
+# heads of 128 x 128) and flash-linear-attention's chunk_kda on the same shape (fla_kda_bench.sh;
+# Triton compiles first: budget ~5 minutes of device time).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export LD_LIBRARY_PATH=$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+DS_DEVICE=cpu .devbin/test_cuda_kernels --bench 2>&1 | grep -E "bench kda (chunked|recurrent) prefill"
+tools/device/fla_kda_bench.sh 2>&1 | grep "fla chunk_kda"
