@@ -1974,9 +1974,12 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         /* batches on tensor cores, else the f32 streaming kernel (batch invariance, decode) */
         const int mma = c->expert_mma && !c->batch_invariant && T >= MOE_MMA_MIN_TOKENS &&
                         (2 * I) % MMA_N == 0 && D % MMA_N == 0 && D % 16 == 0 && I % 16 == 0;
-        /* rows per pass: 8, or fewer when 8 rows of x would not fit in shared memory */
-        const int rp_up = DS_MAX(1, DS_MIN(8, (int)(MOE_SMEM / ((size_t)D * 4))));
-        const int rp_dn = DS_MAX(1, DS_MIN(8, (int)(MOE_SMEM / ((size_t)I * 4))));
+        /* rows per pass: 8, or fewer when 8 rows of x would not fit in shared memory, and never
+         * more than T (a token picks an expert once, so no expert has more rows): at batch 1 a
+         * block then asks for one row's shared memory instead of eight (74 KB at D = 2304),
+         * and eight blocks fit an SM instead of three. Not yet measured on a GPU. */
+        const int rp_up = DS_MAX(1, DS_MIN(DS_MIN(8, T), (int)(MOE_SMEM / ((size_t)D * 4))));
+        const int rp_dn = DS_MAX(1, DS_MIN(DS_MIN(8, T), (int)(MOE_SMEM / ((size_t)I * 4))));
         static int smem_set; /* once, before any capture can be open */
         if (!smem_set) {
             CU_TRY(cudaFuncSetAttribute(moe_grouped_k, cudaFuncAttributeMaxDynamicSharedMemorySize,
