@@ -19,10 +19,16 @@
 
 #include "base/devmem.h"
 #include "kernels/cuda/cuda_kernels.h"
+#ifdef DS_HAVE_NCCL
+#include "dist/comm_nccl.h"
+#endif
 
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 /* ---- the process's device -------------------------------------------------------------------
  * One GPU per process (a job runs one rank per GPU); every model attached in the process shares
@@ -131,6 +137,7 @@ typedef struct ds_cuda_model {
     size_t h_pcap;
     int *h_kda; /* [2][n_seq] chunked KDA's segment starts and lengths, h_kda_cap ints */
     size_t h_kda_cap;
+    void *nccl; /* ds_nccl *: the TP group's sums on the GPUs, or NULL (through the host) */
 } ds_cuda_model;
 
 static int keep(ds_cuda_model *cm, void *p, ds_err *err) {
@@ -320,6 +327,9 @@ void ds_cuda_model_detach(ds_model *m) {
     free(cm->h_p);
     free(cm->tp_host);
     free(cm->h_kda);
+#ifdef DS_HAVE_NCCL
+    ds_nccl_free(cm->nccl);
+#endif
     free(cm);
     m->cu = NULL;
     if (--g_cu_refs == 0) {
@@ -334,6 +344,52 @@ void ds_cuda_model_detach(ds_model *m) {
 static int env_flag(const char *name, int dflt) {
     const char *v = getenv(name);
     return v && *v ? atoi(v) > 0 : dflt;
+}
+
+/* Tensor parallelism across GPUs: the TP group's sums through NCCL when every rank of the group
+ * has a GPU of its own (DS_NCCL=0: never). Every rank of the group decides the same way from the
+ * same all-gathered facts, so either all of them join or none does; when none does (ranks that
+ * share a GPU, no NCCL in the build, a failed bootstrap) the sums keep going through the host
+ * and MPI, with a line saying why. Collective over the TP group, like the load. */
+static void setup_nccl(ds_model *m, ds_cuda_model *cm, int device) {
+#ifdef DS_HAVE_NCCL
+    const int T = m->tp_size;
+    if (T <= 1 || !env_flag("DS_NCCL", 1) || !m->opts.allgather) return;
+    /* me: [0] host id, [1] GPU, [2] got an id (tp rank 0), [3 ..] the id: floats carry the bits */
+    enum { NW = 3 + DS_NCCL_ID_BYTES / 4 };
+    float me[NW] = {0}, *all = malloc((size_t)T * NW * sizeof(float));
+    if (!all) return;
+    char host[256] = {0};
+    gethostname(host, sizeof host - 1);
+    uint32_t hh = 2166136261u; /* FNV-1a of the host name */
+    for (const char *p = host; *p; p++) hh = (hh ^ (uint8_t)*p) * 16777619u;
+    memcpy(&me[0], &hh, 4);
+    me[1] = (float)device;
+    ds_err err = {{0}};
+    if (m->tp_rank == 0 && !ds_nccl_unique_id(&me[3], &err)) me[2] = 1.0f;
+    if (m->opts.allgather(m->opts.allgather_ctx, me, NW, all)) {
+        free(all);
+        return; /* the comm layer names the failure */
+    }
+    const char *why = NULL; /* (tp rank 0, the one that prints, knows why it made no id) */
+    if (all[2] != 1.0f) why = err.msg[0] ? err.msg : "no NCCL id from tp rank 0";
+    for (int i = 0; i < T && !why; i++)
+        for (int j = 0; j < i && !why; j++)
+            if (!memcmp(&all[(size_t)i * NW], &all[(size_t)j * NW], 2 * sizeof(float)))
+                why = "ranks of the TP group share a GPU";
+    ds_nccl *nc = NULL;
+    if (!why && ds_nccl_init(&nc, &all[3], T, m->tp_rank, device, &err)) why = err.msg;
+    cm->nccl = nc;
+    free(all);
+    if (why && m->tp_rank == 0)
+        fprintf(stderr, "[deltaserve] tensor-parallel sums through the host (%s)\n", why);
+#else
+    (void)device;
+    if (m->tp_size > 1 && m->tp_rank == 0)
+        fprintf(stderr,
+                "[deltaserve] tensor-parallel sums through the host (built without NCCL)\n");
+    (void)cm;
+#endif
 }
 
 /* What the kernels support, checked at load so that a model they cannot run is refused with its
@@ -415,6 +471,7 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     free(cm->conv);
     cm->conv = NULL;
     cm->conv_cap = 0;
+    setup_nccl(m, cm, device_index);
     return ds_cu_sync(cm->c, err);
 fail:
     ds_err_prefix(err, "device cuda: uploading the weights");
@@ -689,6 +746,10 @@ static float *tp_stage(cstep *s, size_t n, ds_err *err) {
 static int tp_sum(cstep *s, float *dbuf, size_t n, ds_err *err) {
     const ds_model *m = s->m;
     if (m->tp_size == 1) return DS_OK;
+#ifdef DS_HAVE_NCCL
+    if (s->cm->nccl) /* on the stream: no host round trip, and capturable */
+        return ds_nccl_allreduce_sum(s->cm->nccl, dbuf, n, ds_cu_stream(s->c), err);
+#endif
     float *h = tp_stage(s, n, err);
     if (!h || ds_cu_download(s->c, h, dbuf, n * sizeof(float), err)) return DS_ERR;
     if (m->opts.allreduce(m->opts.allreduce_ctx, h, n))
@@ -1085,8 +1146,9 @@ enum { MAX_GRAPHS = 64 };
 
 static int graphable(const cstep *s) {
     const ds_model *m = s->m;
-    /* (tensor parallelism stages its collectives through the host for now: no graphs) */
-    if (m->opts.enforce_eager || m->tp_size > 1 || s->T > 1024 || wants_hidden(s)) return 0;
+    /* (tensor parallelism through the host cannot be captured; through NCCL it can) */
+    if (m->opts.enforce_eager || (m->tp_size > 1 && !s->cm->nccl) || s->T > 1024 || wants_hidden(s))
+        return 0;
     for (int q = 0; q < s->n_seq; q++)
         if (m->n_mla && s->seqs[q].n >= m->opts.mla_expanded_min) return 0;
     return !kda_chunked_segments(s); /* its chunk table is built on the host per step */

@@ -10,6 +10,9 @@
  * Built and run on the GPU machine by tools/device/cuda_check.sh. */
 #include "kernels/cpu/kernels.h"
 #include "kernels/cuda/cuda_kernels.h"
+#ifdef DS_HAVE_NCCL
+#include "dist/comm_nccl.h"
+#endif
 
 #include <math.h>
 #include <stdio.h>
@@ -670,6 +673,28 @@ static void check_moe_experts(ds_cu *c, int T, int k, int E, int D, int I, int s
 }
 
 /* Greedy choice of every row, ties and NaN included, exactly as the CPU. */
+#ifdef DS_HAVE_NCCL
+/* The NCCL binding on one GPU: a group of one rank joins, and its sum of a buffer on the
+ * backend's stream is the buffer, bit for bit (the sum between GPUs needs two of them:
+ * tools/device/cuda_pp_check.sh on nvidia-h200-x2). */
+static void check_nccl_one_rank(ds_cu *c) {
+    unsigned char id[DS_NCCL_ID_BYTES];
+    ds_nccl *n = NULL;
+    ds_err err = {{0}};
+    if (ds_nccl_unique_id(id, &err) || ds_nccl_init(&n, id, 1, 0, 0, &err)) DIE("%s", err.msg);
+    const size_t len = 100003;
+    float *x = rand_f32(len, -3, 3), *got = malloc(len * 4);
+    float *d = dev(c, x, len * 4);
+    if (ds_nccl_allreduce_sum(n, d, len, ds_cu_stream(c), &err) || ds_cu_sync(c, &err))
+        DIE("%s", err.msg);
+    fetch(c, got, d, len * 4);
+    report("nccl one rank: all-reduce is the identity", rel_err(got, x, 1, len, len), 0.0);
+    ds_nccl_free(n);
+    ds_cu_dealloc(d);
+    free(x), free(got);
+}
+#endif
+
 static void check_argmax(ds_cu *c, int rows, int V) {
     float *x = rand_f32((size_t)rows * V, -5, 5);
     for (int r = 0; r < rows; r++) {
@@ -1084,6 +1109,9 @@ int main(int argc, char **argv) {
         check_mla_batch(c, blens, bpos, 160, 16, 512, 64, 1);
     }
     check_argmax(c, 8, 163840);
+#ifdef DS_HAVE_NCCL
+    check_nccl_one_rank(c);
+#endif
     check_argmax(c, 12, 100);
     printf("checks: %s\n", g_fail ? "FAILED" : "all passed");
     if (do_bench && !g_fail) bench(c);

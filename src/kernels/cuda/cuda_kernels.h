@@ -33,6 +33,9 @@ void ds_cu_free(ds_cu *c);
 int ds_cu_bind(ds_cu *c, ds_err *err);
 /* Waits for the stream; DS_ERR with the CUDA / cuBLAS message if any launch failed. */
 int ds_cu_sync(ds_cu *c, ds_err *err);
+/* The stream every launch of c goes on (a cudaStream_t), for libraries that queue work on it
+ * (NCCL). */
+void *ds_cu_stream(ds_cu *c);
 /* "NVIDIA H200, 132 SMs, 139.8 GiB" */
 const char *ds_cu_device_name(const ds_cu *c);
 

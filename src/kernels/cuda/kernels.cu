@@ -119,6 +119,10 @@ extern "C" void ds_cu_free(ds_cu *c) {
     free(c);
 }
 
+extern "C" void *ds_cu_stream(ds_cu *c) {
+    return (void *)c->stream;
+}
+
 extern "C" int ds_cu_bind(ds_cu *c, ds_err *err) {
     CU_TRY(cudaSetDevice(c->device), "selecting the device for this thread");
     return DS_OK;
