@@ -181,6 +181,8 @@ int ds_cmd_bench(int argc, char **argv) {
         "with achieved GB/s and GFLOP/s as fractions of this machine's limits measured in\n"
         "the same run: on the CPU a read-bandwidth loop and an FMA loop, on a GPU the\n"
         "device copy rate and cuBLAS's BF16 GEMM rate.\n"
+        "On a GPU, DS_CUDA_PROFILE=1 also prints each op's device time per step of every case\n"
+        "(with --enforce-eager: a graph replay has no per-op times).\n"
         "`deltaserve bench serve --help`: the load generator for a running server.",
         opts, (int)DS_ARRAY_LEN(opts)};
     int rc;
