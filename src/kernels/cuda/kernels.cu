@@ -466,9 +466,11 @@ __device__ float block_sum(float v) {
     return v;
 }
 
-__global__ void rmsnorm_k(float *y, const float *x, const float *w, int D, float eps) {
-    const float *xr = x + (size_t)blockIdx.x * D;
-    float *yr = y + (size_t)blockIdx.x * D;
+/* y[t] = w * x[t] / rms(x[t]) for row t = blockIdx.x; rows ldx / ldy apart. */
+__global__ void rmsnorm_ld_k(float *y, int ldy, const float *x, int ldx, const float *w, int D,
+                             float eps) {
+    const float *xr = x + (size_t)blockIdx.x * ldx;
+    float *yr = y + (size_t)blockIdx.x * ldy;
     float ss = 0.0f;
     for (int c = threadIdx.x; c < D; c += blockDim.x) ss += xr[c] * xr[c];
     float inv = rsqrtf(block_sum(ss) / (float)D + eps);
@@ -478,7 +480,7 @@ __global__ void rmsnorm_k(float *y, const float *x, const float *w, int D, float
 extern "C" void ds_cu_rmsnorm(ds_cu *c, float *y, const float *x, const float *w, int T, int D,
                               float eps) {
     if (T <= 0) return;
-    rmsnorm_k<<<T, 256, 0, c->stream>>>(y, x, w, D, eps);
+    rmsnorm_ld_k<<<T, 256, 0, c->stream>>>(y, D, x, D, w, D, eps); /* packed rows */
     note_launch(c);
 }
 
@@ -544,16 +546,6 @@ extern "C" void ds_cu_situ(ds_cu *c, float *out, const float *gate, const float 
     if (!n) return;
     situ_k<<<(unsigned)((n + 255) / 256), 256, 0, c->stream>>>(out, gate, up, n, beta, lin_beta);
     note_launch(c);
-}
-
-__global__ void rmsnorm_ld_k(float *y, int ldy, const float *x, int ldx, const float *w, int D,
-                             float eps) {
-    const float *xr = x + (size_t)blockIdx.x * ldx;
-    float *yr = y + (size_t)blockIdx.x * ldy;
-    float ss = 0.0f;
-    for (int c = threadIdx.x; c < D; c += blockDim.x) ss += xr[c] * xr[c];
-    float inv = rsqrtf(block_sum(ss) / (float)D + eps);
-    for (int c = threadIdx.x; c < D; c += blockDim.x) yr[c] = w[c] * (xr[c] * inv);
 }
 
 /* a[r][i] = act(gate, up) with gate = h[r][i], up = h[r][I + i]; in place into the gate half. */
@@ -1750,12 +1742,12 @@ extern "C" void ds_cu_set_expert_gemm(ds_cu *c, int on) {
     c->expert_gemm = on;
 }
 
-/* xg[slot[i]] = bf16(x[perm[i] / k]): the routed rows' inputs in expert order (slot NULL: i). */
+/* xg[slot[i]] = bf16(x[perm[i] / k]): the routed rows' inputs in expert order, in panels. */
 __global__ void moe_gather_bf16_k(__nv_bfloat16 *xg, const float *x, int D, const int32_t *perm,
                                   const int32_t *slot, int k) {
     const int i = blockIdx.x;
     const float *xr = x + (size_t)(perm[i] / k) * D;
-    __nv_bfloat16 *dst = xg + (size_t)(slot ? slot[i] : i) * D;
+    __nv_bfloat16 *dst = xg + (size_t)slot[i] * D;
     for (int c = threadIdx.x; c < D; c += blockDim.x) dst[c] = __float2bfloat16_rn(xr[c]);
 }
 
@@ -1784,10 +1776,10 @@ __global__ void moe_act_bf16_k(__nv_bfloat16 *ab, const float *h, int rows, int 
     ab[i] = __float2bfloat16_rn(a);
 }
 
-/* inv[perm[i]] = slot[i] (slot NULL: i): where routed row perm[i]'s output sits in y. */
+/* inv[perm[i]] = slot[i]: where routed row perm[i]'s output sits in y. */
 __global__ void moe_inverse_k(int32_t *inv, const int32_t *perm, const int32_t *slot, int rows) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < rows) inv[perm[i]] = slot ? slot[i] : i;
+    if (i < rows) inv[perm[i]] = slot[i];
 }
 
 /* out[t] (+)= sum_j w[t][j] y[inv[t k + j]], slots in order (the combine of moe_combine_k). */
