@@ -466,6 +466,19 @@ __device__ float block_sum(float v) {
     return v;
 }
 
+/* Maximum over the block, likewise (exact: the order does not matter). */
+__device__ float block_max(float v) {
+    __shared__ float part[32];
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    __syncthreads(); /* part may still be read by a previous call */
+    if (lane == 0) part[wid] = v;
+    __syncthreads();
+    v = lane < nw ? part[lane] : -INFINITY;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
 /* y[t] = w * x[t] / rms(x[t]) for row t = blockIdx.x; rows ldx / ldy apart. */
 __global__ void rmsnorm_ld_k(float *y, int ldy, const float *x, int ldx, const float *w, int D,
                              float eps) {
@@ -898,15 +911,9 @@ enum { MLA_CHUNK = 256 };
  * returns their max m and, in *sum, the sum of exp(sc - m), with sc overwritten by those
  * exponentials and visible to the whole block on return. */
 __device__ float exp_shifted(float *sc, int n, float *sum) {
-    __shared__ float red[32];
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
     float mx = -INFINITY;
     for (int j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, sc[j]);
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (lane == 0) red[wid] = mx;
-    __syncthreads();
-    mx = -INFINITY;
-    for (int w = 0; w < nw; w++) mx = fmaxf(mx, red[w]);
+    mx = block_max(mx);
     float s = 0.0f;
     for (int j = threadIdx.x; j < n; j += blockDim.x) s += (sc[j] = expf(sc[j] - mx));
     *sum = block_sum(s); /* its barriers also publish the exponentials */
@@ -1223,15 +1230,9 @@ __global__ void mla_softmax_k(__nv_bfloat16 *P, const float *S, int Tq, int Ce, 
     const float *sr = S + ((size_t)h * Tq + t) * Ce;
     __nv_bfloat16 *pr = P + ((size_t)h * Tq + t) * Ce;
     const int n = causal ? min(p0 + t + 1, min(n_ctx, Ce)) : min(n_ctx, Ce);
-    __shared__ float red[32];
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
     float mx = -INFINITY;
     for (int j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, sr[j] * scale);
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (lane == 0) red[wid] = mx;
-    __syncthreads();
-    mx = -INFINITY;
-    for (int w = 0; w < nw; w++) mx = fmaxf(mx, red[w]);
+    mx = block_max(mx);
     float s = 0.0f;
     for (int j = threadIdx.x; j < n; j += blockDim.x) s += expf(sr[j] * scale - mx);
     const float inv = 1.0f / block_sum(s);
