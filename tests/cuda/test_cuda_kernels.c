@@ -85,6 +85,19 @@ static void report(const char *what, double err, double tol) {
     if (!ok) g_fail = 1;
 }
 
+/* Each sequence's rows of state (n per sequence, `row` floats each, packed from off[z] rows in)
+ * against the CPU's, for the sequences with keep[z]: the rollback rows of a verify. */
+static void report_seq_rows(const char *what, const float *got, const float *ref, const int *off,
+                            const int *lens, const int *keep, int n_seq, size_t row, double tol) {
+    char name[96];
+    for (int z = 0; z < n_seq; z++) {
+        if (!keep[z]) continue;
+        snprintf(name, sizeof name, "%s: seq %d's rows", what, z);
+        size_t at = (size_t)off[z] * row, n = (size_t)lens[z] * row;
+        report(name, rel_err(got + at, ref + at, 1, n, n), tol);
+    }
+}
+
 /* ---- checks --------------------------------------------------------------------------------- */
 
 static void check_matmul(ds_cu *c, int T, int N, int K, int pad, double tol) {
@@ -325,14 +338,8 @@ static void check_kda_step(ds_cu *c, const int *lens, const int *rows, int n_seq
     report(what, rel_err(ogot, oref, 1, nv, nv), tol);
     snprintf(what, sizeof what, "kda %d seqs (%d chunked) dk=%d dv=%d: states", n_seq, nc, dk, dv);
     report(what, rel_err(Sgot, Sref, 1, ns * n_seq, ns * n_seq), tol);
-    for (int z = 0; z < n_seq; z++) {
-        if (!rows[z]) continue;
-        snprintf(what, sizeof what, "kda %d seqs: seq %d's rows", n_seq, z);
-        report(what,
-               rel_err(Rgot + (size_t)off[z] * ns, Rref + (size_t)off[z] * ns, 1,
-                       (size_t)lens[z] * ns, (size_t)lens[z] * ns),
-               1e-5);
-    }
+    snprintf(what, sizeof what, "kda %d seqs", n_seq);
+    report_seq_rows(what, Rgot, Rref, off, lens, rows, n_seq, ns, 1e-5);
     ds_cu_dealloc(dq), ds_cu_dealloc(dk_), ds_cu_dealloc(dv_), ds_cu_dealloc(dg);
     ds_cu_dealloc(db), ds_cu_dealloc(dS), ds_cu_dealloc(dR), ds_cu_dealloc(dout);
     ds_cu_dealloc(doff), ds_cu_dealloc(dsp), ds_cu_dealloc(drp), ds_cu_dealloc(dcsp);
@@ -505,14 +512,7 @@ static void check_short_conv_batch(ds_cu *c, const int *lens, const int *want_ro
     report(what, rel_err(got, ref, 1, (size_t)T * C, (size_t)T * C), 1e-5);
     snprintf(what, sizeof what, "short conv batch %d seqs C=%d: tails", n_seq, C);
     report(what, rel_err(tails, tails_ref, 1, (size_t)n_seq * tn, (size_t)n_seq * tn), 1e-6);
-    for (int z = 0; z < n_seq; z++) {
-        if (!want_rows[z]) continue;
-        snprintf(what, sizeof what, "short conv batch seq %d: rollback rows", z);
-        report(what,
-               rel_err(rows_got + (size_t)off[z] * tn, rows_ref + (size_t)off[z] * tn, 1,
-                       (size_t)lens[z] * tn, (size_t)lens[z] * tn),
-               1e-6);
-    }
+    report_seq_rows("short conv batch", rows_got, rows_ref, off, lens, want_rows, n_seq, tn, 1e-6);
     ds_cu_dealloc(din), ds_cu_dealloc(dw), ds_cu_dealloc(dtails), ds_cu_dealloc(dout);
     ds_cu_dealloc(drows), ds_cu_dealloc(dtp), ds_cu_dealloc(drp), ds_cu_dealloc(doff);
     free(in), free(w), free(tails), free(tails_ref), free(ref), free(got), free(rows_ref);
