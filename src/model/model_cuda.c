@@ -70,9 +70,12 @@ int ds_cuda_available(void) {
 /* ---- weights on the device ------------------------------------------------------------------ */
 
 typedef struct cu_kda {
-    ds_cu_mat qkv;  /* [3P][D]: q, k and v stacked */
-    ds_cu_mat fg_a; /* [2 dk][D]: f_a and g_a stacked (low-rank gate), or just f_a ([dk][D]) */
-    ds_cu_mat f_b, b, g, g_b, o;
+    /* [3P + nf + Hk][D]: every projection of the layer's input stacked — q, k, v, f_a (and g_a,
+     * with the low-rank gate: nf = 2 dk, else dk) and b — so that a decode step streams them in
+     * one launch instead of three (bits unchanged: each output row is its own dot product) */
+    ds_cu_mat in;
+    int nf;
+    ds_cu_mat f_b, g, g_b, o;
     float *conv;                     /* [3][P][W]: q, k and v short-conv weights */
     float *dt_bias, *A_log, *o_norm; /* [P], [Hk], [dk] */
 } cu_kda;
@@ -232,13 +235,13 @@ static int up_vec(ds_cuda_model *cm, const float *v, size_t n, float **out, ds_e
 static int up_kda(ds_cuda_model *cm, const ds_model *m, const kda_w *w, cu_kda *d, ds_err *err) {
     const ds_config *c = &m->cfg;
     size_t P = (size_t)m->Hk * c->kda_head_dim, W = (size_t)c->short_conv_kernel_size;
-    const ds_mat *qkv[3] = {&w->q, &w->k, &w->v}, *fg[2] = {&w->f_a, &w->g_a};
+    const int lowrank = !c->use_full_rank_gate;
+    const ds_mat *in[6] = {&w->q, &w->k, &w->v, &w->f_a, lowrank ? &w->g_a : &w->b, &w->b};
+    d->nf = w->f_a.rows * (lowrank ? 2 : 1);
     d->conv = dev_alloc(cm, 3 * P * W * sizeof(float), err);
-    if (!d->conv || up_stack(cm, qkv, 3, &d->qkv, err) ||
-        up_stack(cm, fg, c->use_full_rank_gate ? 1 : 2, &d->fg_a, err) ||
-        up_mat(cm, &w->f_b, &d->f_b, err) || up_mat(cm, &w->b, &d->b, err) ||
-        up_mat(cm, &w->g, &d->g, err) || up_mat(cm, &w->g_b, &d->g_b, err) ||
-        up_mat(cm, &w->o, &d->o, err) ||
+    if (!d->conv || up_stack(cm, in, lowrank ? 6 : 5, &d->in, err) ||
+        up_mat(cm, &w->f_b, &d->f_b, err) || up_mat(cm, &w->g, &d->g, err) ||
+        up_mat(cm, &w->g_b, &d->g_b, err) || up_mat(cm, &w->o, &d->o, err) ||
         ds_cu_upload(cm->c, d->conv, w->q_conv, P * W * sizeof(float), err) ||
         ds_cu_upload(cm->c, d->conv + P * W, w->k_conv, P * W * sizeof(float), err) ||
         ds_cu_upload(cm->c, d->conv + 2 * P * W, w->v_conv, P * W * sizeof(float), err) ||
@@ -561,7 +564,7 @@ static size_t cuda_step_need(const ds_model *m, const ds_seq_batch *seqs, int n_
     size_t N = (size_t)c->attn_res_block_size, pad = 16;
     size_t base = 3 * t * D + (N ? ((L + N - 1) / N + 1) * (t * D + pad) : 0) + 6 * pad;
     size_t H = (size_t)m->Hk, dk = (size_t)c->kda_head_dim, P = H * dk;
-    size_t kda = m->n_kda ? 8 * t * P + 2 * t * dk + t * H + 10 * pad : 0;
+    size_t kda = m->n_kda ? 8 * t * P + 2 * t * dk + 2 * t * H + 10 * pad : 0; /* kda_forward */
     size_t mla = 0;
     if (m->n_mla) {
         size_t Ha = (size_t)m->Ha, R = (size_t)c->kv_lora_rank;
@@ -775,28 +778,29 @@ static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float
     const ds_config *c = &s->m->cfg;
     ds_cu *cu = s->c;
     int T = s->T, D = c->hidden_size, H = s->m->Hk, dk = c->kda_head_dim, P = H * dk;
-    int W = c->short_conv_kernel_size, nf = w->fg_a.rows; /* dk, or 2 dk with g_a stacked */
+    int W = c->short_conv_kernel_size, nf = w->nf, ld = 3 * P + nf + H;
     size_t mark = s->used;
-    float *pre = take(s, (size_t)T * 3 * P); /* [T][3P] q, k, v before the conv; later [T][P] */
-    float *q = take(s, (size_t)T * P);       /* [T][H][dk] */
-    float *k = take(s, (size_t)T * P);       /* [T][H][dk] */
-    float *v = take(s, (size_t)T * P);       /* [T][H][dv] */
-    float *fa = take(s, (size_t)T * nf);     /* [T][nf] f_a x, then g_a x */
-    float *g = take(s, (size_t)T * P);       /* [T][H][dk] log decay, then the output gate */
-    float *beta = take(s, (size_t)T * H);    /* [T][H] */
-    float *o = take(s, (size_t)T * P);       /* [T][H][dv] */
+    float *pre = take(s, (size_t)T * ld); /* [T][3P | nf | H]: q, k, v before the conv, f_a x
+                                              (then g_a x), b x */
+    float *q = take(s, (size_t)T * P);    /* [T][H][dk] */
+    float *k = take(s, (size_t)T * P);    /* [T][H][dk] */
+    float *v = take(s, (size_t)T * P);    /* [T][H][dv] */
+    float *g = take(s, (size_t)T * P);    /* [T][H][dk] log decay, then the output gate */
+    float *beta = take(s, (size_t)T * H); /* [T][H] */
+    float *o = take(s, (size_t)T * P);    /* [T][H][dv] f_b's output, then the recurrence's */
+    const float *fa = pre + 3 * P, *braw = fa + nf;
     TAKEN();
     size_t slot_n = ds_model_slot_floats(s->m), at = (size_t)lw->kind_idx * s->n_seq;
     /* q, k and v in one weight stream, then every segment's three convs in one launch, each on
      * its own tails (and, for a verify, the tails after each token) */
     PROF(s, "kda qkv");
-    TRY(ds_cu_matmul(cu, pre, 3 * P, xn, D, T, &w->qkv, err));
+    TRY(ds_cu_matmul(cu, pre, ld, xn, D, T, &w->in, err));
     PROF(s, "kda conv+l2norm");
     ds_cu_conv_batch cb = {3,
                            P,
                            W,
                            pre,
-                           3 * P,
+                           ld,
                            q,
                            (size_t)(k - q),
                            w->conv,
@@ -808,15 +812,11 @@ static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float
                            T};
     if (v - k != k - q) return ds_errf(err, "forward: internal error: q, k, v not evenly spaced");
     TRY(ds_cu_short_conv_silu_batch(cu, &cb, err));
-    ds_cu_l2norm_heads(cu, q, T, H, dk, 1e-6f, 1.0f / sqrtf((float)dk));
-    ds_cu_l2norm_heads(cu, k, T, H, dk, 1e-6f, 1.0f);
+    ds_cu_l2norm_heads2(cu, q, 1.0f / sqrtf((float)dk), k, 1.0f, T, H, dk, 1e-6f);
     PROF(s, "kda gates, beta");
-    TRY(ds_cu_matmul(cu, fa, nf, xn, D, T, &w->fg_a, err));
-    TRY(ds_cu_matmul(cu, pre, P, fa, nf, T, &w->f_b, err));
-    ds_cu_kda_gate(cu, g, pre, T, H, dk, w->A_log, w->dt_bias, c->has_gate_lower_bound,
-                   c->gate_lower_bound);
-    TRY(ds_cu_matmul(cu, beta, H, xn, D, T, &w->b, err));
-    ds_cu_sigmoid(cu, beta, (size_t)T * H);
+    TRY(ds_cu_matmul(cu, o, P, fa, ld, T, &w->f_b, err));
+    ds_cu_kda_gate(cu, g, o, T, H, dk, w->A_log, w->dt_bias, c->has_gate_lower_bound,
+                   c->gate_lower_bound, beta, braw, ld);
     /* every segment in one launch, each on its own state (and rows, for a verify); long segments
      * without rows in chunks instead, as on the CPU (model.c kda_forward) */
     const int n_chunked = kda_chunked_segments(s);
@@ -840,7 +840,7 @@ static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float
     if (c->use_full_rank_gate)
         TRY(ds_cu_matmul(cu, g, P, xn, D, T, &w->g, err));
     else /* g_a x sits in fa's second half */
-        TRY(ds_cu_matmul(cu, g, P, fa + dk, nf, T, &w->g_b, err));
+        TRY(ds_cu_matmul(cu, g, P, fa + dk, ld, T, &w->g_b, err));
     ds_cu_gated_rmsnorm_heads(cu, q, o, g, w->o_norm, T, H, dk, c->rms_norm_eps);
     PROF(s, "kda o_proj");
     TRY(ds_cu_matmul(cu, out, D, q, P, T, &w->o, err));

@@ -379,15 +379,27 @@ static void check_kda_gate(ds_cu *c, int T, int H, int dk, int lb_form) {
     float *df = dev(c, f, n * 4), *dA = dev(c, A, (size_t)H * 4),
           *db = dev(c, b, (size_t)H * dk * 4);
     float *dg = dev(c, NULL, n * 4);
+    /* beta from strided raw values in the same launch: bi [T][H + 3], columns [1, 1 + H) */
+    const int ldb = H + 3;
+    float *bi = rand_f32((size_t)T * ldb, -6, 6), *bref = malloc((size_t)T * H * 4),
+          *bgot = malloc((size_t)T * H * 4);
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < H; h++) bref[t * H + h] = 1.0f / (1.0f + expf(-bi[t * ldb + 1 + h]));
+    float *dbi = dev(c, bi, (size_t)T * ldb * 4), *dbeta = dev(c, NULL, (size_t)T * H * 4);
     poison(c, dg, n * 4);
-    ds_cu_kda_gate(c, dg, df, T, H, dk, dA, db, lb_form, -5.0f);
+    poison(c, dbeta, (size_t)T * H * 4);
+    ds_cu_kda_gate(c, dg, df, T, H, dk, dA, db, lb_form, -5.0f, dbeta, dbi + 1, ldb);
     fetch(c, got, dg, n * 4);
+    fetch(c, bgot, dbeta, (size_t)T * H * 4);
     char what[96];
     snprintf(what, sizeof what, "kda gate T=%d H=%d dk=%d (%s)", T, H, dk,
              lb_form ? "lower bound" : "softplus");
     report(what, rel_err(got, ref, 1, n, n), 1e-5);
+    snprintf(what, sizeof what, "kda gate T=%d H=%d: beta", T, H);
+    report(what, rel_err(bgot, bref, 1, (size_t)T * H, (size_t)T * H), 1e-6);
     ds_cu_dealloc(df), ds_cu_dealloc(dA), ds_cu_dealloc(db), ds_cu_dealloc(dg);
-    free(f), free(A), free(b), free(ref), free(got);
+    ds_cu_dealloc(dbi), ds_cu_dealloc(dbeta);
+    free(f), free(A), free(b), free(ref), free(got), free(bi), free(bref), free(bgot);
 }
 
 static void check_head_norms(ds_cu *c, int T, int H, int d) {
@@ -402,6 +414,20 @@ static void check_head_norms(ds_cu *c, int T, int H, int d) {
     char what[96];
     snprintf(what, sizeof what, "l2norm heads T=%d H=%d d=%d", T, H, d);
     report(what, rel_err(got, ref, 1, n, n), 1e-5);
+    { /* two arrays, two scales, one launch: the second is gate, at scale 1 */
+        float *ref2 = malloc(n * 4), *got2 = malloc(n * 4);
+        memcpy(ref2, gate, n * 4);
+        ds_l2norm_heads(ref2, T, H, d, 1e-6f, 1.0f);
+        float *dx2 = dev(c, gate, n * 4);
+        ds_cu_upload(c, dx, x, n * 4, NULL);
+        ds_cu_l2norm_heads2(c, dx, 0.125f, dx2, 1.0f, T, H, d, 1e-6f);
+        fetch(c, got, dx, n * 4);
+        fetch(c, got2, dx2, n * 4);
+        snprintf(what, sizeof what, "l2norm heads x2 T=%d H=%d d=%d", T, H, d);
+        report(what, DS_MAX(rel_err(got, ref, 1, n, n), rel_err(got2, ref2, 1, n, n)), 1e-5);
+        ds_cu_dealloc(dx2);
+        free(ref2), free(got2);
+    }
     ds_gated_rmsnorm_heads(ref, x, gate, w, T, H, d, 1e-5f);
     float *dg = dev(c, gate, n * 4), *dw = dev(c, w, (size_t)d * 4), *dy = dev(c, NULL, n * 4);
     ds_cu_upload(c, dx, x, n * 4, NULL);

@@ -18,4 +18,8 @@ EAGER=0 timeout 200 tools/device/bench48.sh 2>&1 | tail -7 || failed+=" bench"
 timeout 120 tools/device/gpu_serve_eval.sh "${EVAL_LIMIT:-300}" 2>&1 | grep -v Killed | tail -3 ||
   failed+=" eval"
 echo "profile tables: $OUT/profile_all.txt"
+# what comes back is at most 8 files: the logs and arrays in one archive, the profile beside it
+(cd "$OUT" && tar czf /tmp/ds-logs.tgz --exclude profile_all.txt --exclude bench48_graphs.json . &&
+  find . -mindepth 1 ! -name profile_all.txt ! -name bench48_graphs.json -delete &&
+  mv /tmp/ds-logs.tgz .)
 [ -z "$failed" ] && echo "all parts ran" || { echo "failed:$failed"; exit 1; }

@@ -108,11 +108,16 @@ int ds_cu_kda_chunked_supports(int dk, int dv);
 /* As ds_short_conv_silu: in [T][C], w [C][W] (W <= 8), tail [W-1][C] in/out, out [T][C]. */
 int ds_cu_short_conv_silu(ds_cu *c, float *out, const float *in, int T, int C, const float *w,
                           int W, float *tail, ds_err *err);
-/* As ds_kda_gate: f, g [T][H*dk]; A_log [H]; dt_bias [H*dk]. */
+/* As ds_kda_gate: f, g [T][H*dk]; A_log [H]; dt_bias [H*dk]. With beta given, the same launch
+ * also writes beta [T][H] = sigmoid(b_in[t * ld_b + h]) (as ds_cu_sigmoid, bit for bit). */
 void ds_cu_kda_gate(ds_cu *c, float *g, const float *f, int T, int H, int dk, const float *A_log,
-                    const float *dt_bias, int lower_bound_form, float lb);
+                    const float *dt_bias, int lower_bound_form, float lb, float *beta,
+                    const float *b_in, int ld_b);
 /* As ds_l2norm_heads (in place, x [T][H][d]) and ds_gated_rmsnorm_heads (y, o, gate [T][H][d]). */
 void ds_cu_l2norm_heads(ds_cu *c, float *x, int T, int H, int d, float eps, float scale);
+/* Two of them in one launch: x scaled by scale, x2 by scale2 (KDA's q and k). */
+void ds_cu_l2norm_heads2(ds_cu *c, float *x, float scale, float *x2, float scale2, int T, int H,
+                         int d, float eps);
 void ds_cu_gated_rmsnorm_heads(ds_cu *c, float *y, const float *o, const float *gate,
                                const float *w, int T, int H, int d, float eps);
 /* As ds_attnres_mix; cands: a device array of m (<= 32) device pointers to [T][D]. */

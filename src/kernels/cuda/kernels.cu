@@ -41,7 +41,41 @@ struct ds_cu {
     size_t moeg_bytes;
     void *blas_ws;        /* cuBLAS's workspace, set once so that graph capture allocates nothing */
     struct cu_prof *prof; /* per-op timing when enabled (ds_cu_prof_enable), else NULL */
+    int pdl;              /* launches may overlap the previous kernel's tail (below) */
 };
+
+/* Programmatic dependent launch (sm_90): every kernel is launched allowed to start while the one
+ * before it on the stream drains, and every kernel begins by waiting for its predecessor's grid
+ * to complete (griddepcontrol.wait: all of its memory visible), then lets its own successor be
+ * scheduled. A decode step is hundreds of small launches; this hides each one's launch and ramp
+ * behind the previous kernel's last wave, inside graphs too. Nothing is read before the wait, so
+ * any kernel may follow any other (and cuBLAS's kernels, which never trigger early, are simply
+ * waited for). DS_CUDA_PDL=0 turns it off. */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_ENTRY()                                                                                \
+    asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define PDL_ENTRY()                                                                                \
+    do {                                                                                           \
+    } while (0)
+#endif
+
+template <typename... P, typename... A>
+static void launch_k(ds_cu *c, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                     A &&...args) {
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = c->pdl;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = c->stream;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+    (void)cudaLaunchKernelEx(&cfg, kernel, static_cast<A &&>(args)...); /* seen by the caller's
+                                                                          cudaGetLastError */
+}
 
 #define CU_TRY(call, what)                                                                         \
     do {                                                                                           \
@@ -83,9 +117,12 @@ extern "C" int ds_cu_create(int device, ds_cu **out, ds_err *err) {
     c->device = device;
     cudaDeviceProp p;
     c->n_sm = 1;
-    if (cudaGetDeviceProperties(&p, device) == cudaSuccess && (c->n_sm = p.multiProcessorCount))
+    if (cudaGetDeviceProperties(&p, device) == cudaSuccess && (c->n_sm = p.multiProcessorCount)) {
         snprintf(c->name, sizeof c->name, "%s, %d SMs, %.1f GiB, sm_%d%d", p.name,
                  p.multiProcessorCount, (double)p.totalGlobalMem / (1u << 30), p.major, p.minor);
+        const char *pdl = getenv("DS_CUDA_PDL");
+        c->pdl = p.major >= 9 && !(pdl && !strcmp(pdl, "0"));
+    }
     if (cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking) != cudaSuccess) {
         free(c);
         return ds_errf(err, "cuda: cannot create a stream");
@@ -231,6 +268,7 @@ static int carve_scratch(void **buf, size_t *cap, const size_t *sizes, void **ou
 
 /* xb[t][c] = bf16(x[t][c]) for c < K (x row stride ldx, xb packed). */
 __global__ void to_bf16_rows(__nv_bfloat16 *xb, const float *x, int ldx, int K, int T) {
+    PDL_ENTRY();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)T * K) return;
     int t = (int)(i / K), c = (int)(i % K);
@@ -243,8 +281,8 @@ static const uint16_t *round_x(ds_cu *c, const float *x, int ldx, int K, int T, 
     size_t need = (size_t)T * K;
     if (grow_scratch((void **)&c->xb, &c->xb_bytes, need * sizeof(uint16_t), "matmul scratch", err))
         return NULL;
-    to_bf16_rows<<<(unsigned)((need + 255) / 256), 256, 0, c->stream>>>((__nv_bfloat16 *)c->xb, x,
-                                                                        ldx, K, T);
+    launch_k(c, to_bf16_rows, (unsigned)((need + 255) / 256), 256, 0, (__nv_bfloat16 *)c->xb, x,
+             ldx, K, T);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) {
         ds_errf(err, "cuda: matmul: rounding x: %s", cudaGetErrorString(e));
@@ -273,6 +311,7 @@ template <int TT>
 __global__ void __launch_bounds__(256)
     gemv_bf16_k(float *y, int ldy, const float *x, int ldx, const uint16_t *W, int N, int K,
                 size_t ys = 0, size_t xs = 0, size_t ws = 0) {
+    PDL_ENTRY();
     const int lane = threadIdx.x & 31, n = blockIdx.x * 8 + (threadIdx.x >> 5);
     if (n >= N) return; /* a whole warp leaves together; no block barrier follows */
     x += (size_t)blockIdx.y * TT * ldx + blockIdx.z * xs; /* tile blockIdx.y of TT tokens */
@@ -300,6 +339,7 @@ __global__ void __launch_bounds__(256)
  * per token the same order of operations whatever T is. */
 __global__ void __launch_bounds__(256)
     gemv_any_k(float *y, int ldy, const float *x, int ldx, const uint16_t *W, int N, int K) {
+    PDL_ENTRY();
     const int lane = threadIdx.x & 31, n = blockIdx.x * 8 + (threadIdx.x >> 5), t = blockIdx.y;
     if (n >= N) return;
     const uint16_t *wr = W + (size_t)n * K;
@@ -319,14 +359,12 @@ static int gemv_tiles(ds_cu *c, float *y, int ldy, const float *x, int ldx, int 
     const unsigned blocks = (unsigned)((N + 7) / 8), hz = (unsigned)H;
     int full = T / 8, rem = T % 8;
     for (int t0 = 0; t0 < full * 8; t0 += 8 * 65535) /* grid.y holds 65535 tiles */
-        gemv_bf16_k<8>
-            <<<dim3(blocks, (unsigned)DS_MIN(full - t0 / 8, 65535), hz), 256, 0, c->stream>>>(
-                y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx, W, N, K, ys, xs, ws);
+        launch_k(c, gemv_bf16_k<8>, dim3(blocks, (unsigned)DS_MIN(full - t0 / 8, 65535), hz), 256,
+                 0, y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx, W, N, K, ys, xs, ws);
     const float *xr = x + (size_t)full * 8 * ldx;
     float *yr = y + (size_t)full * 8 * ldy;
     const dim3 g(blocks, 1, hz);
-#define GEMV_REM(TT)                                                                               \
-    gemv_bf16_k<TT><<<g, 256, 0, c->stream>>>(yr, ldy, xr, ldx, W, N, K, ys, xs, ws)
+#define GEMV_REM(TT) launch_k(c, gemv_bf16_k<TT>, g, 256, 0, yr, ldy, xr, ldx, W, N, K, ys, xs, ws)
     switch (rem) {
     case 0:
         break;
@@ -371,9 +409,8 @@ extern "C" int ds_cu_matmul(ds_cu *c, float *y, int ldy, const float *x, int ldx
         return gemv_tiles(c, y, ldy, x, ldx, T, w->data, N, K, 1, 0, 0, 0, err);
     if (c->batch_invariant) {
         for (int t0 = 0; t0 < T; t0 += 65535)
-            gemv_any_k<<<dim3((unsigned)((N + 7) / 8), (unsigned)DS_MIN(T - t0, 65535)), 256, 0,
-                         c->stream>>>(y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx, w->data,
-                                      N, K);
+            launch_k(c, gemv_any_k, dim3((unsigned)((N + 7) / 8), (unsigned)DS_MIN(T - t0, 65535)),
+                     256, 0, y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx, w->data, N, K);
         CU_TRY(cudaGetLastError(), "matmul (gemv, any shape)");
         return DS_OK;
     }
@@ -435,6 +472,7 @@ extern "C" int ds_cu_gemm_bf16(ds_cu *c, uint16_t *C, const uint16_t *A, const u
  * vocabulary-parallel slice: the TP all-reduce then gives every rank the whole embedding). */
 __global__ void embed_k(float *out, const __nv_bfloat16 *e, const int32_t *ids, int D, int v0,
                         int nv) {
+    PDL_ENTRY();
     int t = blockIdx.x, id = ids[t] - v0;
     const __nv_bfloat16 *row = e + (size_t)id * D;
     for (int c = threadIdx.x; c < D; c += blockDim.x)
@@ -448,8 +486,7 @@ extern "C" void ds_cu_embed(ds_cu *c, float *out, const ds_cu_mat *e, const int3
 extern "C" void ds_cu_embed_range(ds_cu *c, float *out, const ds_cu_mat *e, const int32_t *ids,
                                   int T, int v0) {
     if (T <= 0) return;
-    embed_k<<<T, 256, 0, c->stream>>>(out, (const __nv_bfloat16 *)e->data, ids, e->cols, v0,
-                                      e->rows);
+    launch_k(c, embed_k, T, 256, 0, out, (const __nv_bfloat16 *)e->data, ids, e->cols, v0, e->rows);
     note_launch(c);
 }
 
@@ -482,6 +519,7 @@ __device__ float block_max(float v) {
 /* y[t] = w * x[t] / rms(x[t]) for row t = blockIdx.x; rows ldx / ldy apart. */
 __global__ void rmsnorm_ld_k(float *y, int ldy, const float *x, int ldx, const float *w, int D,
                              float eps) {
+    PDL_ENTRY();
     const float *xr = x + (size_t)blockIdx.x * ldx;
     float *yr = y + (size_t)blockIdx.x * ldy;
     float ss = 0.0f;
@@ -493,11 +531,12 @@ __global__ void rmsnorm_ld_k(float *y, int ldy, const float *x, int ldx, const f
 extern "C" void ds_cu_rmsnorm(ds_cu *c, float *y, const float *x, const float *w, int T, int D,
                               float eps) {
     if (T <= 0) return;
-    rmsnorm_ld_k<<<T, 256, 0, c->stream>>>(y, D, x, D, w, D, eps); /* packed rows */
+    launch_k(c, rmsnorm_ld_k, T, 256, 0, y, D, x, D, w, D, eps); /* packed rows */
     note_launch(c);
 }
 
 __global__ void swiglu_k(float *out, const float *gate, const float *up, size_t n) {
+    PDL_ENTRY();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float g = gate[i];
@@ -506,7 +545,7 @@ __global__ void swiglu_k(float *out, const float *gate, const float *up, size_t 
 
 extern "C" void ds_cu_swiglu(ds_cu *c, float *out, const float *gate, const float *up, size_t n) {
     if (!n) return;
-    swiglu_k<<<(unsigned)((n + 255) / 256), 256, 0, c->stream>>>(out, gate, up, n);
+    launch_k(c, swiglu_k, (unsigned)((n + 255) / 256), 256, 0, out, gate, up, n);
     note_launch(c);
 }
 
@@ -514,6 +553,7 @@ extern "C" void ds_cu_swiglu(ds_cu *c, float *out, const float *gate, const floa
 
 #define ELEMWISE(name, body)                                                                       \
     __global__ void name##_k(float *y, const float *x, size_t n, float a, float b) {               \
+        PDL_ENTRY();                                                                               \
         size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;                                  \
         if (i < n) {                                                                               \
             body;                                                                                  \
@@ -528,7 +568,7 @@ ELEMWISE(axpy, y[i] += a * x[i])
 #define ELEMWISE_LAUNCH(name, y, x, n, a, b)                                                       \
     do {                                                                                           \
         if (!(n)) return;                                                                          \
-        name##_k<<<(unsigned)(((n) + 255) / 256), 256, 0, c->stream>>>(y, x, n, a, b);             \
+        launch_k(c, name##_k, (unsigned)(((n) + 255) / 256), 256, 0, y, x, n, a, b);               \
         note_launch(c);                                                                            \
     } while (0)
 
@@ -547,6 +587,7 @@ extern "C" void ds_cu_axpy(ds_cu *c, float *y, float a, const float *x, size_t n
 
 __global__ void situ_k(float *out, const float *gate, const float *up, size_t n, float beta,
                        float lin_beta) {
+    PDL_ENTRY();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const float g = gate[i], u = up[i];
@@ -557,36 +598,42 @@ __global__ void situ_k(float *out, const float *gate, const float *up, size_t n,
 extern "C" void ds_cu_situ(ds_cu *c, float *out, const float *gate, const float *up, size_t n,
                            float beta, float lin_beta) {
     if (!n) return;
-    situ_k<<<(unsigned)((n + 255) / 256), 256, 0, c->stream>>>(out, gate, up, n, beta, lin_beta);
+    launch_k(c, situ_k, (unsigned)((n + 255) / 256), 256, 0, out, gate, up, n, beta, lin_beta);
     note_launch(c);
 }
 
 /* a[r][i] = act(gate, up) with gate = h[r][i], up = h[r][I + i]; in place into the gate half. */
+/* act(gate, up): SiLU(g) u, or SiTU (MODEL_SPEC) — one definition for every kernel that applies
+ * it, so that fused and separate passes give the same bits. */
+__device__ __forceinline__ float act_pair(float g, float u, int situ, float beta, float lin_beta) {
+    if (situ) {
+        const float phi = lin_beta > 0.0f ? lin_beta * tanhf(u / lin_beta) : u;
+        return beta * tanhf(g / beta) / (1.0f + expf(-g)) * phi;
+    }
+    return g / (1.0f + expf(-g)) * u;
+}
+
 __global__ void moe_act_k(float *h, int rows, int I, int situ, float beta, float lin_beta) {
+    PDL_ENTRY();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)rows * I) return;
     float *hr = h + (i / I) * 2 * I;
     const size_t c = i % I;
-    const float g = hr[c], u = hr[I + c];
-    if (situ) {
-        const float phi = lin_beta > 0.0f ? lin_beta * tanhf(u / lin_beta) : u;
-        hr[c] = beta * tanhf(g / beta) / (1.0f + expf(-g)) * phi;
-    } else {
-        hr[c] = g / (1.0f + expf(-g)) * u;
-    }
+    hr[c] = act_pair(hr[c], hr[I + c], situ, beta, lin_beta);
 }
 
 extern "C" void ds_cu_act_pairs(ds_cu *c, float *h, int rows, int I, int situ, float beta,
                                 float lin_beta) {
     if (rows <= 0 || I <= 0) return;
-    moe_act_k<<<(unsigned)(((size_t)rows * I + 255) / 256), 256, 0, c->stream>>>(h, rows, I, situ,
-                                                                                 beta, lin_beta);
+    launch_k(c, moe_act_k, (unsigned)(((size_t)rows * I + 255) / 256), 256, 0, h, rows, I, situ,
+             beta, lin_beta);
     note_launch(c);
 }
 
 /* P += a, then y = w ⊙ P / rms(P): a residual add and the next norm in one pass. */
 __global__ void add_rmsnorm_k(float *y, float *P, const float *a, const float *w, int D,
                               float eps) {
+    PDL_ENTRY();
     float *pr = P + (size_t)blockIdx.x * D;
     const float *ar = a + (size_t)blockIdx.x * D;
     float *yr = y + (size_t)blockIdx.x * D;
@@ -603,20 +650,21 @@ __global__ void add_rmsnorm_k(float *y, float *P, const float *a, const float *w
 extern "C" void ds_cu_add_rmsnorm(ds_cu *c, float *y, float *P, const float *a, const float *w,
                                   int T, int D, float eps) {
     if (T <= 0) return;
-    add_rmsnorm_k<<<T, 256, 0, c->stream>>>(y, P, a, w, D, eps);
+    launch_k(c, add_rmsnorm_k, T, 256, 0, y, P, a, w, D, eps);
     note_launch(c);
 }
 
 extern "C" void ds_cu_rmsnorm_ld(ds_cu *c, float *y, int ldy, const float *x, int ldx,
                                  const float *w, int T, int D, float eps) {
     if (T <= 0) return;
-    rmsnorm_ld_k<<<T, 256, 0, c->stream>>>(y, ldy, x, ldx, w, D, eps);
+    launch_k(c, rmsnorm_ld_k, T, 256, 0, y, ldy, x, ldx, w, D, eps);
     note_launch(c);
 }
 
 /* dst[dst_rows ? dst_rows[i] : i][:width] = src[src_rows ? src_rows[i] : i][:width] */
 __global__ void move_rows_k(float *dst, size_t ldd, const int32_t *dst_rows, const float *src,
                             size_t lds, const int32_t *src_rows, int width) {
+    PDL_ENTRY();
     const int i = blockIdx.x;
     const size_t di = dst_rows ? (size_t)dst_rows[i] : (size_t)i;
     const size_t si = src_rows ? (size_t)src_rows[i] : (size_t)i;
@@ -628,9 +676,9 @@ extern "C" int ds_cu_move_rows(ds_cu *c, float *dst, size_t ldd, const int32_t *
                                int width, ds_err *err) {
     for (int i0 = 0; i0 < n; i0 += 1 << 30) {
         int m = DS_MIN(n - i0, 1 << 30);
-        move_rows_k<<<(unsigned)m, 128, 0, c->stream>>>(
-            dst_rows ? dst : dst + (size_t)i0 * ldd, ldd, dst_rows ? dst_rows + i0 : NULL,
-            src_rows ? src : src + (size_t)i0 * lds, lds, src_rows ? src_rows + i0 : NULL, width);
+        launch_k(c, move_rows_k, (unsigned)m, 128, 0, dst_rows ? dst : dst + (size_t)i0 * ldd, ldd,
+                 dst_rows ? dst_rows + i0 : NULL, src_rows ? src : src + (size_t)i0 * lds, lds,
+                 src_rows ? src_rows + i0 : NULL, width);
         CU_TRY(cudaGetLastError(), "move rows");
     }
     return DS_OK;
@@ -655,6 +703,7 @@ extern "C" int ds_cu_copy_any(ds_cu *c, void *dst, const void *src, size_t bytes
  */
 __global__ void fill_random_bf16_k(__nv_bfloat16 *d, size_t n, unsigned long long key,
                                    float scale) {
+    PDL_ENTRY();
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         unsigned long long z = key + (i + 1) * 0x9e3779b97f4a7c15ull;
@@ -669,12 +718,13 @@ __global__ void fill_random_bf16_k(__nv_bfloat16 *d, size_t n, unsigned long lon
 extern "C" int ds_cu_fill_random_bf16(ds_cu *c, uint16_t *d, size_t n, uint64_t key, float scale,
                                       ds_err *err) {
     if (!n) return DS_OK;
-    fill_random_bf16_k<<<4096, 256, 0, c->stream>>>((__nv_bfloat16 *)d, n, key, scale);
+    launch_k(c, fill_random_bf16_k, 4096, 256, 0, (__nv_bfloat16 *)d, n, key, scale);
     CU_TRY(cudaGetLastError(), "random weights");
     return DS_OK;
 }
 
 __global__ void transpose_u16_k(uint16_t *dst, const uint16_t *src, int rows, int cols) {
+    PDL_ENTRY();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)rows * cols) return;
     const int r = (int)(i / cols), c = (int)(i % cols);
@@ -685,7 +735,7 @@ extern "C" int ds_cu_transpose_bf16(ds_cu *c, uint16_t *dst, const uint16_t *src
                                     int cols, ds_err *err) {
     size_t n = (size_t)rows * cols;
     if (!n) return DS_OK;
-    transpose_u16_k<<<(unsigned)((n + 255) / 256), 256, 0, c->stream>>>(dst, src, rows, cols);
+    launch_k(c, transpose_u16_k, (unsigned)((n + 255) / 256), 256, 0, dst, src, rows, cols);
     CU_TRY(cudaGetLastError(), "transpose");
     return DS_OK;
 }
@@ -713,6 +763,7 @@ extern "C" size_t ds_cu_mem_free(ds_cu *c) {
  * registers (W <= 8), then writes the new tail. */
 __global__ void short_conv_silu_k(float *out, const float *in, int T, int C, const float *w, int W,
                                   float *tail) {
+    PDL_ENTRY();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     float win[8]; /* win[j]: input at position t - (W-1) + j */
@@ -735,6 +786,7 @@ __global__ void short_conv_silu_k(float *out, const float *in, int T, int C, con
  * time; chunks are at least W-1 tokens, so only chunk 0 ever reads the old tail, and chunk 0
  * writes the new one after its own reads. */
 __global__ void short_conv_batch_k(ds_cu_conv_batch b, int n_chunks) {
+    PDL_ENTRY();
     const int c = blockIdx.x * blockDim.x + threadIdx.x, z = blockIdx.y;
     const int j = blockIdx.z % b.n_proj, ch = blockIdx.z / b.n_proj;
     const int C = b.C, W = b.W;
@@ -780,9 +832,10 @@ extern "C" int ds_cu_short_conv_silu_batch(ds_cu *c, const ds_cu_conv_batch *b, 
     if (b->n_seq <= 0 || b->C <= 0) return DS_OK;
     /* time chunks of ~64 tokens of the step (a decode step: one), at most 256 */
     const int T = b->n_tokens, n_chunks = DS_MAX(1, DS_MIN(256, T / 64));
-    short_conv_batch_k<<<dim3((unsigned)((b->C + 127) / 128), (unsigned)b->n_seq,
-                              (unsigned)(b->n_proj * n_chunks)),
-                         128, 0, c->stream>>>(*b, n_chunks);
+    launch_k(
+        c, short_conv_batch_k,
+        dim3((unsigned)((b->C + 127) / 128), (unsigned)b->n_seq, (unsigned)(b->n_proj * n_chunks)),
+        128, 0, *b, n_chunks);
     CU_TRY(cudaGetLastError(), "short conv (batch)");
     return DS_OK;
 }
@@ -791,15 +844,19 @@ extern "C" int ds_cu_short_conv_silu(ds_cu *c, float *out, const float *in, int 
                                      const float *w, int W, float *tail, ds_err *err) {
     if (W < 1 || W > 8) return ds_errf(err, "cuda: short conv kernel size %d (1..8)", W);
     if (T <= 0 || C <= 0) return DS_OK;
-    short_conv_silu_k<<<(C + 127) / 128, 128, 0, c->stream>>>(out, in, T, C, w, W, tail);
+    launch_k(c, short_conv_silu_k, (C + 127) / 128, 128, 0, out, in, T, C, w, W, tail);
     CU_TRY(cudaGetLastError(), "short conv");
     return DS_OK;
 }
 
 __global__ void kda_gate_k(float *g, const float *f, int T, int H, int dk, const float *A_log,
-                           const float *dt_bias, int lower_bound_form, float lb) {
+                           const float *dt_bias, int lower_bound_form, float lb, float *beta,
+                           const float *b_in, int ld_b) {
+    PDL_ENTRY();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x, P = (size_t)H * dk;
     if (i >= (size_t)T * P) return;
+    if (beta && i < (size_t)T * H) /* as ds_cu_sigmoid: the same bits */
+        beta[i] = 1.0f / (1.0f + expf(-b_in[(i / H) * ld_b + i % H]));
     const int hc = (int)(i % P), h = hc / dk;
     const float a = expf(A_log[h]), x = f[i] + dt_bias[hc];
     if (lower_bound_form) {
@@ -811,18 +868,28 @@ __global__ void kda_gate_k(float *g, const float *f, int T, int H, int dk, const
 
 extern "C" void ds_cu_kda_gate(ds_cu *c, float *g, const float *f, int T, int H, int dk,
                                const float *A_log, const float *dt_bias, int lower_bound_form,
-                               float lb) {
+                               float lb, float *beta, const float *b_in, int ld_b) {
     size_t n = (size_t)T * H * dk;
     if (!n) return;
-    kda_gate_k<<<(unsigned)((n + 255) / 256), 256, 0, c->stream>>>(g, f, T, H, dk, A_log, dt_bias,
-                                                                   lower_bound_form, lb);
+    launch_k(c, kda_gate_k, (unsigned)((n + 255) / 256), 256, 0, g, f, T, H, dk, A_log, dt_bias,
+             lower_bound_form, lb, beta, b_in, ld_b);
     note_launch(c);
 }
 
 /* One warp per row of d (a head): the sum of squares by shuffles, then the scaled row. */
-__global__ void l2norm_heads_k(float *x, int rows, int d, float eps, float scale) {
-    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
-    if (row >= rows) return;
+/* Rows [rows, 2 rows) of the grid, when x2 is given, are x2's, scaled by scale2 (q and k in one
+ * launch). */
+__global__ void l2norm_heads_k(float *x, int rows, int d, float eps, float scale, float *x2,
+                               float scale2) {
+    PDL_ENTRY();
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (row >= (x2 ? 2 * rows : rows)) return;
+    if (row >= rows) {
+        row -= rows;
+        x = x2;
+        scale = scale2;
+    }
     float *xr = x + (size_t)row * d, ss = 0.0f;
     for (int i = lane; i < d; i += 32) ss += xr[i] * xr[i];
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -834,12 +901,22 @@ extern "C" void ds_cu_l2norm_heads(ds_cu *c, float *x, int T, int H, int d, floa
                                    float scale) {
     int rows = T * H;
     if (rows <= 0) return;
-    l2norm_heads_k<<<(rows + 7) / 8, 256, 0, c->stream>>>(x, rows, d, eps, scale);
+    launch_k(c, l2norm_heads_k, (rows + 7) / 8, 256, 0, x, rows, d, eps, scale, (float *)NULL,
+             0.0f);
+    note_launch(c);
+}
+
+extern "C" void ds_cu_l2norm_heads2(ds_cu *c, float *x, float scale, float *x2, float scale2, int T,
+                                    int H, int d, float eps) {
+    int rows = T * H;
+    if (rows <= 0) return;
+    launch_k(c, l2norm_heads_k, (2 * rows + 7) / 8, 256, 0, x, rows, d, eps, scale, x2, scale2);
     note_launch(c);
 }
 
 __global__ void gated_rmsnorm_heads_k(float *y, const float *o, const float *gate, const float *w,
                                       int rows, int d, float eps) {
+    PDL_ENTRY();
     const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
     if (row >= rows) return;
     const size_t off = (size_t)row * d;
@@ -855,7 +932,7 @@ extern "C" void ds_cu_gated_rmsnorm_heads(ds_cu *c, float *y, const float *o, co
                                           const float *w, int T, int H, int d, float eps) {
     int rows = T * H;
     if (rows <= 0) return;
-    gated_rmsnorm_heads_k<<<(rows + 7) / 8, 256, 0, c->stream>>>(y, o, gate, w, rows, d, eps);
+    launch_k(c, gated_rmsnorm_heads_k, (rows + 7) / 8, 256, 0, y, o, gate, w, rows, d, eps);
     note_launch(c);
 }
 
@@ -864,6 +941,7 @@ extern "C" void ds_cu_gated_rmsnorm_heads(ds_cu *c, float *y, const float *o, co
  * m candidates, then the mix. cands: device array of m pointers to [T][D]. */
 __global__ void attnres_mix_k(float *out, const float *const *cands, int m, const float *np, int D,
                               float eps) {
+    PDL_ENTRY();
     const int t = blockIdx.x;
     __shared__ float alpha[32];
     for (int j = 0; j < m; j++) {
@@ -893,7 +971,7 @@ extern "C" int ds_cu_attnres_mix(ds_cu *c, float *out, const float *const *cands
                                  const float *np, int T, int D, float eps, ds_err *err) {
     if (m < 1 || m > 32) return ds_errf(err, "cuda: attnres: %d candidates (1..32)", m);
     if (T <= 0) return DS_OK;
-    attnres_mix_k<<<T, 256, 0, c->stream>>>(out, cands, m, np, D, eps);
+    launch_k(c, attnres_mix_k, T, 256, 0, out, cands, m, np, D, eps);
     CU_TRY(cudaGetLastError(), "attnres");
     return DS_OK;
 }
@@ -927,6 +1005,7 @@ __global__ void mla_split_k(float *part_o, float *part_ml, const float *qbar, co
                             int Ha, int R, int dr, const float *pool, const int32_t *table, int bs,
                             int row, int pos0, int n_ctx, int causal, float scale, int n_split,
                             const int32_t *tok_bt, const int32_t *tok_pos, int chunk) {
+    PDL_ENTRY();
     __shared__ float sc[MLA_CHUNK]; /* chunk <= MLA_CHUNK rows per split */
     const int q = blockIdx.x, t = q / Ha, s = blockIdx.y;
     int n;
@@ -968,6 +1047,7 @@ __global__ void mla_split_k(float *part_o, float *part_ml, const float *qbar, co
 
 __global__ void mla_merge_k(float *obar, const float *part_o, const float *part_ml, int R,
                             int n_split) {
+    PDL_ENTRY();
     const int q = blockIdx.x;
     const float *ml = part_ml + (size_t)q * n_split * 2;
     float M = -INFINITY;
@@ -997,11 +1077,11 @@ extern "C" int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qba
     if (grow_scratch((void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch", err))
         return DS_ERR;
     float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
-    mla_split_k<false><<<dim3((unsigned)rows, (unsigned)n_split), 256, 0, c->stream>>>(
-        part_o, part_ml, qbar, qr, Ha, R, dr, pool, block_table, block_size, row, pos0, n_ctx,
-        causal, scale, n_split, NULL, NULL, MLA_CHUNK);
+    launch_k(c, mla_split_k<false>, dim3((unsigned)rows, (unsigned)n_split), 256, 0, part_o,
+             part_ml, qbar, qr, Ha, R, dr, pool, block_table, block_size, row, pos0, n_ctx, causal,
+             scale, n_split, (const int32_t *)NULL, (const int32_t *)NULL, MLA_CHUNK);
     CU_TRY(cudaGetLastError(), "mla");
-    mla_merge_k<<<rows, 256, 0, c->stream>>>(obar, part_o, part_ml, R, n_split);
+    launch_k(c, mla_merge_k, rows, 256, 0, obar, part_o, part_ml, R, n_split);
     CU_TRY(cudaGetLastError(), "mla merge");
     return DS_OK;
 }
@@ -1026,6 +1106,7 @@ __global__ void __launch_bounds__(MLA_AH_THREADS)
                    int dr, const float *pool, const int32_t *tables, const int32_t *tok_bt,
                    const int32_t *tok_pos, int bs, int row, float scale, int n_split, int per,
                    int opt) {
+    PDL_ENTRY();
     /* q [Ha][rq+1] | rows [SUB][row+1] | scores [Ha][SUB] */
     extern __shared__ float sh[];
     const int t = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, rq = R + dr;
@@ -1131,11 +1212,11 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
                    "mla (all heads): shared memory");
             smem_set = ah_smem;
         }
-        mla_allheads_k<<<dim3((unsigned)T, (unsigned)n_split), MLA_AH_THREADS, ah_smem,
-                         c->stream>>>(part_o, part_ml, qbar, qr, Ha, R, dr, pool, tables, tok_bt,
-                                      tok_pos, block_size, row, scale, n_split, per, opt);
+        launch_k(c, mla_allheads_k, dim3((unsigned)T, (unsigned)n_split), MLA_AH_THREADS, ah_smem,
+                 part_o, part_ml, qbar, qr, Ha, R, dr, pool, tables, tok_bt, tok_pos, block_size,
+                 row, scale, n_split, per, opt);
         CU_TRY(cudaGetLastError(), "mla (all heads)");
-        mla_merge_k<<<rows, 256, 0, c->stream>>>(obar, part_o, part_ml, R, n_split);
+        launch_k(c, mla_merge_k, rows, 256, 0, obar, part_o, part_ml, R, n_split);
         CU_TRY(cudaGetLastError(), "mla merge");
         return DS_OK;
     }
@@ -1153,11 +1234,11 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
     if (grow_scratch((void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch", err))
         return DS_ERR;
     float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
-    mla_split_k<true><<<dim3((unsigned)rows, (unsigned)n_split), 256, 0, c->stream>>>(
-        part_o, part_ml, qbar, qr, Ha, R, dr, pool, tables, block_size, row, 0, 0, 1, scale,
-        n_split, tok_bt, tok_pos, chunk);
+    launch_k(c, mla_split_k<true>, dim3((unsigned)rows, (unsigned)n_split), 256, 0, part_o, part_ml,
+             qbar, qr, Ha, R, dr, pool, tables, block_size, row, 0, 0, 1, scale, n_split, tok_bt,
+             tok_pos, chunk);
     CU_TRY(cudaGetLastError(), "mla (batch)");
-    mla_merge_k<<<rows, 256, 0, c->stream>>>(obar, part_o, part_ml, R, n_split);
+    launch_k(c, mla_merge_k, rows, 256, 0, obar, part_o, part_ml, R, n_split);
     CU_TRY(cudaGetLastError(), "mla merge");
     return DS_OK;
 }
@@ -1167,6 +1248,7 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
 __global__ void mla_exp_split_k(float *part_o, float *part_ml, const float *q, const float *kN,
                                 const float *kR, const float *v, int Ha, int dn, int dr, int dvh,
                                 int pos0, int n_ctx, int causal, float scale, int n_split) {
+    PDL_ENTRY();
     __shared__ float sc[MLA_CHUNK];
     const int qi = blockIdx.x, t = qi / Ha, h = qi % Ha, s = blockIdx.y;
     const int n = causal ? min(pos0 + t + 1, n_ctx) : n_ctx;
@@ -1213,6 +1295,7 @@ enum { MLA_GEMM_MIN_ROWS = 128 };
 /* Kb[j][h][:] = bf16([kN[j][h][0..dn) | kR[j][0..dr)]) */
 __global__ void mla_kcat_k(__nv_bfloat16 *Kb, const float *kN, const float *kR, int C, int Ha,
                            int dn, int dr) {
+    PDL_ENTRY();
     const int dq = dn + dr;
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)C * Ha * dq) return;
@@ -1226,6 +1309,7 @@ __global__ void mla_kcat_k(__nv_bfloat16 *Kb, const float *kN, const float *kR, 
  * (t, h) of a chunk whose first query sits at position p0. */
 __global__ void mla_softmax_k(__nv_bfloat16 *P, const float *S, int Tq, int Ce, int p0, int n_ctx,
                               int causal, float scale) {
+    PDL_ENTRY();
     const int t = blockIdx.x, h = blockIdx.y;
     const float *sr = S + ((size_t)h * Tq + t) * Ce;
     __nv_bfloat16 *pr = P + ((size_t)h * Tq + t) * Ce;
@@ -1256,11 +1340,11 @@ static int mla_expanded_gemm(ds_cu *c, float *o, const float *q, const float *kN
     __nv_bfloat16 *Qb = (__nv_bfloat16 *)b[2], *P = (__nv_bfloat16 *)b[4];
     float *S = (float *)b[3];
     size_t nk = (size_t)C * Ha * dq;
-    mla_kcat_k<<<(unsigned)((nk + 255) / 256), 256, 0, c->stream>>>(Kb, kN, kR, C, Ha, dn, dr);
+    launch_k(c, mla_kcat_k, (unsigned)((nk + 255) / 256), 256, 0, Kb, kN, kR, C, Ha, dn, dr);
     CU_TRY(cudaGetLastError(), "mla gemm: keys");
     size_t nv = (size_t)C * Ha * dvh, nq = (size_t)T * Ha * dq;
-    to_bf16_rows<<<(unsigned)((nv + 255) / 256), 256, 0, c->stream>>>(Vb, v, Ha * dvh, Ha * dvh, C);
-    to_bf16_rows<<<(unsigned)((nq + 255) / 256), 256, 0, c->stream>>>(Qb, q, Ha * dq, Ha * dq, T);
+    launch_k(c, to_bf16_rows, (unsigned)((nv + 255) / 256), 256, 0, Vb, v, Ha * dvh, Ha * dvh, C);
+    launch_k(c, to_bf16_rows, (unsigned)((nq + 255) / 256), 256, 0, Qb, q, Ha * dq, Ha * dq, T);
     CU_TRY(cudaGetLastError(), "mla gemm: values, queries");
     const float one = 1.0f, zero = 0.0f;
     for (int t0 = 0; t0 < T; t0 += Tq) {
@@ -1274,8 +1358,8 @@ static int mla_expanded_gemm(ds_cu *c, float *o, const float *q, const float *kN
                      &zero, S, CUDA_R_32F, Ce, (long long)tq * Ce, Ha, CUBLAS_COMPUTE_32F,
                      CUBLAS_GEMM_DEFAULT),
                  "mla gemm: scores");
-        mla_softmax_k<<<dim3((unsigned)tq, (unsigned)Ha), 256, 0, c->stream>>>(
-            P, S, tq, Ce, pos0 + t0, n_ctx, causal, scale);
+        launch_k(c, mla_softmax_k, dim3((unsigned)tq, (unsigned)Ha), 256, 0, P, S, tq, Ce,
+                 pos0 + t0, n_ctx, causal, scale);
         CU_TRY(cudaGetLastError(), "mla gemm: softmax");
         /* O_h^T (dvh x tq) = V_h^T (dvh x Ce) P_h^T (Ce x tq); O rows are Ha*dvh apart */
         BLAS_TRY(cublasGemmStridedBatchedEx(
@@ -1303,10 +1387,10 @@ extern "C" int ds_cu_mla_attend_expanded(ds_cu *c, float *o, const float *q, con
     if (grow_scratch((void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch", err))
         return DS_ERR;
     float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * dvh;
-    mla_exp_split_k<<<dim3((unsigned)rows, (unsigned)n_split), 256, 0, c->stream>>>(
-        part_o, part_ml, q, kN, kR, v, Ha, dn, dr, dvh, pos0, n_ctx, causal, scale, n_split);
+    launch_k(c, mla_exp_split_k, dim3((unsigned)rows, (unsigned)n_split), 256, 0, part_o, part_ml,
+             q, kN, kR, v, Ha, dn, dr, dvh, pos0, n_ctx, causal, scale, n_split);
     CU_TRY(cudaGetLastError(), "mla expanded");
-    mla_merge_k<<<rows, 256, 0, c->stream>>>(o, part_o, part_ml, dvh, n_split);
+    launch_k(c, mla_merge_k, rows, 256, 0, o, part_o, part_ml, dvh, n_split);
     CU_TRY(cudaGetLastError(), "mla expanded merge");
     return DS_OK;
 }
@@ -1332,6 +1416,7 @@ __device__ static int top_insert_d(float *val, int32_t *id, int count, int n, fl
 __global__ void moe_route_k(int32_t *idx, float *w, const float *z, const float *bias, int E, int k,
                             int n_group, int topk_group, int renormalize, float scale,
                             int hf_kl_quirk) {
+    PDL_ENTRY();
     extern __shared__ float rs[]; /* s [E] | sel [E] */
     float *sv = rs, *sel = rs + E;
     const int t = blockIdx.x;
@@ -1431,8 +1516,8 @@ extern "C" int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z,
         CU_TRY(cudaFuncSetAttribute(moe_route_k, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)smem),
                "moe route: shared memory");
-    moe_route_k<<<T, 128, smem, c->stream>>>(idx, w, z, bias, E, k, n_group, topk_group,
-                                             renormalize, scale, hf_kl_quirk);
+    launch_k(c, moe_route_k, T, 128, smem, idx, w, z, bias, E, k, n_group, topk_group, renormalize,
+             scale, hf_kl_quirk);
     CU_TRY(cudaGetLastError(), "moe route");
     return DS_OK;
 }
@@ -1445,6 +1530,7 @@ extern "C" int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z,
 __global__ void __launch_bounds__(256)
     moe_up_k(float *h, const float *x, const int32_t *idx, int k, int D, int I2,
              const uint16_t *gate_up, int e0, int E) {
+    PDL_ENTRY();
     const int r = blockIdx.y, t = r / k, lane = threadIdx.x & 31;
     const int n = blockIdx.x * 8 + (threadIdx.x >> 5), e = idx[r] - e0;
     if (n >= I2 || e < 0 || e >= E) return; /* another rank's expert: the combine skips it */
@@ -1459,6 +1545,7 @@ __global__ void __launch_bounds__(256)
 __global__ void __launch_bounds__(256)
     moe_down_k(float *y, const float *h, const int32_t *idx, int D, int I, const uint16_t *down,
                int e0, int E) {
+    PDL_ENTRY();
     const int r = blockIdx.y, lane = threadIdx.x & 31, d = blockIdx.x * 8 + (threadIdx.x >> 5);
     const int e = idx[r] - e0;
     if (d >= D || e < 0 || e >= E) return;
@@ -1474,6 +1561,7 @@ __global__ void __launch_bounds__(256)
  * summed on their ranks and added by the all-reduce. */
 __global__ void moe_combine_k(float *out, const float *y, const float *w, const int32_t *idx,
                               int e0, int E, int T, int k, int D, int accumulate) {
+    PDL_ENTRY();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)T * D) return;
     const size_t t = i / D, d = i % D;
@@ -1493,6 +1581,7 @@ __global__ void moe_combine_k(float *out, const float *y, const float *w, const 
  * experts with rows, n_active [1]. */
 __global__ void moe_group_k(const int32_t *idx, int rows, int e0, int E, int32_t *start,
                             int32_t *perm, int32_t *active, int32_t *n_active) {
+    PDL_ENTRY();
     extern __shared__ int32_t cnt[]; /* [E + 1] counts, then starts (shared: the serial layout
                                         pass below would otherwise wait on global memory) */
     for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e + 1] = 0;
@@ -1530,6 +1619,7 @@ __global__ void moe_group_k(const int32_t *idx, int rows, int e0, int E, int32_t
 enum { MOE_GCHUNK = 256 };
 
 __global__ void moe_hist_k(const int32_t *idx, int rows, int e0, int E, int32_t *hist) {
+    PDL_ENTRY();
     extern __shared__ int32_t cnt[]; /* [E] */
     for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
@@ -1544,6 +1634,7 @@ __global__ void moe_hist_k(const int32_t *idx, int rows, int e0, int E, int32_t 
 
 __global__ void moe_scan_k(int32_t *hist, int n_chunks, int E, int32_t *start, int32_t *active,
                            int32_t *n_active) {
+    PDL_ENTRY();
     extern __shared__ int32_t tot[]; /* [E + 1]: counts, then starts */
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         int n = 0;
@@ -1575,6 +1666,7 @@ __global__ void moe_scan_k(int32_t *hist, int n_chunks, int E, int32_t *start, i
 
 __global__ void moe_place_k(const int32_t *idx, int rows, int e0, int E, const int32_t *hist,
                             int32_t *perm) {
+    PDL_ENTRY();
     extern __shared__ int32_t base[]; /* [E] this chunk's next slot per expert */
     const int lane = threadIdx.x;
     for (int e = lane; e < E; e += 32) base[e] = hist[(size_t)blockIdx.x * E + e];
@@ -1599,12 +1691,19 @@ __global__ void moe_place_k(const int32_t *idx, int rows, int e0, int E, const i
  * outputs, so the staging (re-read from L2 by every block) is a quarter of what it was with one
  * output per warp — at batch 256 that traffic, twice the weights', bounded the kernel. A row's
  * dot product takes the same operations however many rows share the pass, so its bits do not
- * depend on the batch. x rows: x + (perm / x_div) * ldx; K % 8 == 0. */
+ * depend on the batch. x rows: x + (perm / x_div) * ldx; K % 8 == 0. With act (the down
+ * projection), a row of x is gate | up ([2K]) and act(gate, up) is what gets staged: the
+ * activation pass of its own is gone, with the same bits (act_pair). */
+struct moe_act {
+    int on, situ;
+    float beta, lin_beta;
+};
 enum { MOE_NPW = 4, MOE_NPB = 8 * MOE_NPW };
 __global__ void __launch_bounds__(256)
     moe_grouped_k(float *y, int ldy, const float *x, int ldx, int x_div, const uint16_t *W, int N,
                   int K, const int32_t *start, const int32_t *perm, const int32_t *active,
-                  const int32_t *n_active, int rp) {
+                  const int32_t *n_active, int rp, moe_act act) {
+    PDL_ENTRY();
     extern __shared__ float4 xsh[]; /* [rp][K] the pass's x rows, staged once for the 8 warps */
     if ((int)blockIdx.y >= *n_active) return;
     const int e = active[blockIdx.y], lane = threadIdx.x & 31;
@@ -1619,8 +1718,17 @@ __global__ void __launch_bounds__(256)
         __syncthreads(); /* the previous pass is done with xsh */
         for (int i = 0; i < nr; i++) {
             const float4 *src = (const float4 *)(x + (size_t)(perm[c0 + i] / x_div) * ldx);
-            for (int j = threadIdx.x; j < K / 4; j += blockDim.x)
-                xsh[(size_t)i * (K / 4) + j] = src[j];
+            for (int j = threadIdx.x; j < K / 4; j += blockDim.x) {
+                float4 v = src[j];
+                if (act.on) {
+                    const float4 u = src[K / 4 + j];
+                    v.x = act_pair(v.x, u.x, act.situ, act.beta, act.lin_beta);
+                    v.y = act_pair(v.y, u.y, act.situ, act.beta, act.lin_beta);
+                    v.z = act_pair(v.z, u.z, act.situ, act.beta, act.lin_beta);
+                    v.w = act_pair(v.w, u.w, act.situ, act.beta, act.lin_beta);
+                }
+                xsh[(size_t)i * (K / 4) + j] = v;
+            }
         }
         __syncthreads();
         if (n0 >= N) continue; /* (after the barriers: every warp stages) */
@@ -1671,7 +1779,8 @@ enum { MMA_ROWS = 16, MMA_N = 256, MMA_KC = 256, MMA_XLD = MMA_KC + 8, MMA_OLD =
 __global__ void __launch_bounds__(256)
     moe_mma_k(float *y, int ldy, const float *x, int ldx, int x_div, const uint16_t *W, int N,
               int K, const int32_t *start, const int32_t *perm, const int32_t *active,
-              const int32_t *n_active) {
+              const int32_t *n_active, moe_act act) {
+    PDL_ENTRY();
     __shared__ __align__(32) __nv_bfloat16 xs[MMA_ROWS * MMA_XLD]; /* [16][KC+8] this K chunk */
     __shared__ __align__(32) float os[MMA_ROWS * MMA_OLD];         /* [16][256+4] the outputs */
     if ((int)blockIdx.y >= *n_active) return;
@@ -1690,7 +1799,11 @@ __global__ void __launch_bounds__(256)
             __syncthreads(); /* the previous chunk (or pass) is done with xs */
             for (int i = tid; i < MMA_ROWS * kn; i += blockDim.x) {
                 const int r = i / kn, col = i % kn;
-                const float v = r < nr ? x[(size_t)(perm[c0 + r] / x_div) * ldx + kc + col] : 0.0f;
+                float v = 0.0f;
+                if (r < nr) {
+                    const float *xr = x + (size_t)(perm[c0 + r] / x_div) * ldx + kc + col;
+                    v = act.on ? act_pair(xr[0], xr[K], act.situ, act.beta, act.lin_beta) : xr[0];
+                }
                 xs[r * MMA_XLD + col] = __float2bfloat16_rn(v);
             }
             __syncthreads();
@@ -1746,6 +1859,7 @@ extern "C" void ds_cu_set_expert_gemm(ds_cu *c, int on) {
 /* xg[slot[i]] = bf16(x[perm[i] / k]): the routed rows' inputs in expert order, in panels. */
 __global__ void moe_gather_bf16_k(__nv_bfloat16 *xg, const float *x, int D, const int32_t *perm,
                                   const int32_t *slot, int k) {
+    PDL_ENTRY();
     const int i = blockIdx.x;
     const float *xr = x + (size_t)(perm[i] / k) * D;
     __nv_bfloat16 *dst = xg + (size_t)slot[i] * D;
@@ -1755,6 +1869,7 @@ __global__ void moe_gather_bf16_k(__nv_bfloat16 *xg, const float *x, int D, cons
 /* slot[i] = panel[e] + (i - start[e]) for the rows i of expert e = blockIdx.x: each expert's rows
  * at the head of its own panel (the padded layout of the batched GEMMs). */
 __global__ void moe_slot_k(int32_t *slot, const int32_t *start, const int32_t *panel) {
+    PDL_ENTRY();
     const int e = blockIdx.x, r0 = start[e], r1 = start[e + 1];
     for (int i = r0 + threadIdx.x; i < r1; i += blockDim.x) slot[i] = panel[e] + (i - r0);
 }
@@ -1762,23 +1877,17 @@ __global__ void moe_slot_k(int32_t *slot, const int32_t *start, const int32_t *p
 /* ab[i][c] = bf16(act(h[i][c], h[i][I + c])) */
 __global__ void moe_act_bf16_k(__nv_bfloat16 *ab, const float *h, int rows, int I, int situ,
                                float beta, float lin_beta) {
+    PDL_ENTRY();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)rows * I) return;
     const float *hr = h + (i / I) * 2 * I;
     const size_t c = i % I;
-    const float g = hr[c], u = hr[I + c];
-    float a;
-    if (situ) {
-        const float phi = lin_beta > 0.0f ? lin_beta * tanhf(u / lin_beta) : u;
-        a = beta * tanhf(g / beta) / (1.0f + expf(-g)) * phi;
-    } else {
-        a = g / (1.0f + expf(-g)) * u;
-    }
-    ab[i] = __float2bfloat16_rn(a);
+    ab[i] = __float2bfloat16_rn(act_pair(hr[c], hr[I + c], situ, beta, lin_beta));
 }
 
 /* inv[perm[i]] = slot[i]: where routed row perm[i]'s output sits in y. */
 __global__ void moe_inverse_k(int32_t *inv, const int32_t *perm, const int32_t *slot, int rows) {
+    PDL_ENTRY();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < rows) inv[perm[i]] = slot[i];
 }
@@ -1786,6 +1895,7 @@ __global__ void moe_inverse_k(int32_t *inv, const int32_t *perm, const int32_t *
 /* out[t] (+)= sum_j w[t][j] y[inv[t k + j]], slots in order (the combine of moe_combine_k). */
 __global__ void moe_combine_perm_k(float *out, const float *y, const int32_t *inv, const float *w,
                                    int T, int k, int D, int accumulate) {
+    PDL_ENTRY();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)T * D) return;
     const size_t t = i / D, d = i % D;
@@ -1889,8 +1999,8 @@ static int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w
                            c->stream),
            "moe: panels");
     ds_cu_prof_mark(c, "moe gemm: gather x");
-    moe_slot_k<<<E, 256, 0, c->stream>>>(slot, start, dpanel);
-    if (n_local > 0) moe_gather_bf16_k<<<n_local, 256, 0, c->stream>>>(xg, x, D, perm, slot, k);
+    launch_k(c, moe_slot_k, E, 256, 0, slot, start, dpanel);
+    if (n_local > 0) launch_k(c, moe_gather_bf16_k, n_local, 256, 0, xg, x, D, perm, slot, k);
     CU_TRY(cudaGetLastError(), "moe gather");
     const float one = 1.0f, zero = 0.0f;
     ds_cu_prof_mark(c, "moe gemm: gate/up");
@@ -1904,8 +2014,8 @@ static int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w
                  "moe up (batched gemm)");
     }
     ds_cu_prof_mark(c, "moe gemm: act");
-    moe_act_bf16_k<<<(unsigned)((pr * I + 255) / 256), 256, 0, c->stream>>>(
-        ab, h, (int)pr, I, situ, situ_beta, situ_lin_beta); /* padding rows: never read */
+    launch_k(c, moe_act_bf16_k, (unsigned)((pr * I + 255) / 256), 256, 0, ab, h, (int)pr, I, situ,
+             situ_beta, situ_lin_beta); /* padding rows: never read */
     CU_TRY(cudaGetLastError(), "moe act (gemm)");
     ds_cu_prof_mark(c, "moe gemm: down");
     for (int bk = 0; bk < n_bk; bk++) { /* Y_e [n][D] = A_e [n][I] W_down,e^T */
@@ -1920,10 +2030,10 @@ static int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w
     ds_cu_prof_mark(c, "moe gemm: combine");
     CU_TRY(cudaMemsetAsync(inv, 0xff, (size_t)rows * sizeof(int32_t), c->stream), "moe inverse");
     if (n_local > 0)
-        moe_inverse_k<<<(n_local + 255) / 256, 256, 0, c->stream>>>(inv, perm, slot, n_local);
+        launch_k(c, moe_inverse_k, (n_local + 255) / 256, 256, 0, inv, perm, slot, n_local);
     CU_TRY(cudaGetLastError(), "moe inverse");
-    moe_combine_perm_k<<<(unsigned)(((size_t)T * D + 255) / 256), 256, 0, c->stream>>>(
-        out, y, inv, w, T, k, D, accumulate);
+    launch_k(c, moe_combine_perm_k, (unsigned)(((size_t)T * D + 255) / 256), 256, 0, out, y, inv, w,
+             T, k, D, accumulate);
     CU_TRY(cudaGetLastError(), "moe combine (gemm)");
     return DS_OK;
 }
@@ -1952,15 +2062,15 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         const unsigned ya = (unsigned)DS_MIN(E, rows); /* at most this many experts have rows */
         ds_cu_prof_mark(c, "moe group");
         if (n_chunks) {
-            moe_hist_k<<<n_chunks, 256, (size_t)E * sizeof(int32_t), c->stream>>>(idx, rows, e0, E,
-                                                                                  hist);
-            moe_scan_k<<<1, 256, ((size_t)E + 1) * sizeof(int32_t), c->stream>>>(
-                hist, n_chunks, E, start, active, n_active);
-            moe_place_k<<<n_chunks, 32, (size_t)E * sizeof(int32_t), c->stream>>>(idx, rows, e0, E,
-                                                                                  hist, perm);
+            launch_k(c, moe_hist_k, n_chunks, 256, (size_t)E * sizeof(int32_t), idx, rows, e0, E,
+                     hist);
+            launch_k(c, moe_scan_k, 1, 256, ((size_t)E + 1) * sizeof(int32_t), hist, n_chunks, E,
+                     start, active, n_active);
+            launch_k(c, moe_place_k, n_chunks, 32, (size_t)E * sizeof(int32_t), idx, rows, e0, E,
+                     hist, perm);
         } else {
-            moe_group_k<<<1, 256, ((size_t)E + 1) * sizeof(int32_t), c->stream>>>(
-                idx, rows, e0, E, start, perm, active, n_active);
+            launch_k(c, moe_group_k, 1, 256, ((size_t)E + 1) * sizeof(int32_t), idx, rows, e0, E,
+                     start, perm, active, n_active);
         }
         CU_TRY(cudaGetLastError(), "moe group");
         if (c->expert_gemm && !c->batch_invariant && rows >= EXPERT_GEMM_MIN_PER * E &&
@@ -1984,39 +2094,37 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
                    "moe: shared memory");
             smem_set = 1;
         }
+        const moe_act none = {0, 0, 0.0f, 0.0f}, act = {1, situ, situ_beta, situ_lin_beta};
         if (mma)
-            moe_mma_k<<<dim3((unsigned)(2 * I / MMA_N), ya), 256, 0, c->stream>>>(
-                h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm, active, n_active);
+            launch_k(c, moe_mma_k, dim3((unsigned)(2 * I / MMA_N), ya), 256, 0, h, 2 * I, x, D, k,
+                     gate_up, 2 * I, D, start, perm, active, n_active, none);
         else
-            moe_grouped_k<<<dim3((unsigned)((2 * I + MOE_NPB - 1) / MOE_NPB), ya), 256,
-                            (size_t)rp_up * D * 4, c->stream>>>(
-                h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm, active, n_active, rp_up);
+            launch_k(c, moe_grouped_k, dim3((unsigned)((2 * I + MOE_NPB - 1) / MOE_NPB), ya), 256,
+                     (size_t)rp_up * D * 4, h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm,
+                     active, n_active, rp_up, none);
         CU_TRY(cudaGetLastError(), "moe up (grouped)");
-        moe_act_k<<<(unsigned)(((size_t)rows * I + 255) / 256), 256, 0, c->stream>>>(
-            h, rows, I, situ, situ_beta, situ_lin_beta);
-        CU_TRY(cudaGetLastError(), "moe act");
-        /* the activations sit in the gate half of h: rows 2I apart, one per routed row */
+        /* h's rows are gate | up, one per routed row: the down pass applies act as it stages */
         if (mma)
-            moe_mma_k<<<dim3((unsigned)(D / MMA_N), ya), 256, 0, c->stream>>>(
-                y, D, h, 2 * I, 1, down, D, I, start, perm, active, n_active);
+            launch_k(c, moe_mma_k, dim3((unsigned)(D / MMA_N), ya), 256, 0, y, D, h, 2 * I, 1, down,
+                     D, I, start, perm, active, n_active, act);
         else
-            moe_grouped_k<<<dim3((unsigned)((D + MOE_NPB - 1) / MOE_NPB), ya), 256,
-                            (size_t)rp_dn * I * 4, c->stream>>>(
-                y, D, h, 2 * I, 1, down, D, I, start, perm, active, n_active, rp_dn);
+            launch_k(c, moe_grouped_k, dim3((unsigned)((D + MOE_NPB - 1) / MOE_NPB), ya), 256,
+                     (size_t)rp_dn * I * 4, y, D, h, 2 * I, 1, down, D, I, start, perm, active,
+                     n_active, rp_dn, act);
         CU_TRY(cudaGetLastError(), "moe down (grouped)");
     } else {
-        moe_up_k<<<dim3((unsigned)((2 * I + 7) / 8), (unsigned)rows), 256, 0, c->stream>>>(
-            h, x, idx, k, D, 2 * I, gate_up, e0, E);
+        launch_k(c, moe_up_k, dim3((unsigned)((2 * I + 7) / 8), (unsigned)rows), 256, 0, h, x, idx,
+                 k, D, 2 * I, gate_up, e0, E);
         CU_TRY(cudaGetLastError(), "moe up");
-        moe_act_k<<<(unsigned)(((size_t)rows * I + 255) / 256), 256, 0, c->stream>>>(
-            h, rows, I, situ, situ_beta, situ_lin_beta);
+        launch_k(c, moe_act_k, (unsigned)(((size_t)rows * I + 255) / 256), 256, 0, h, rows, I, situ,
+                 situ_beta, situ_lin_beta);
         CU_TRY(cudaGetLastError(), "moe act");
-        moe_down_k<<<dim3((unsigned)((D + 7) / 8), (unsigned)rows), 256, 0, c->stream>>>(
-            y, h, idx, D, I, down, e0, E);
+        launch_k(c, moe_down_k, dim3((unsigned)((D + 7) / 8), (unsigned)rows), 256, 0, y, h, idx, D,
+                 I, down, e0, E);
         CU_TRY(cudaGetLastError(), "moe down");
     }
-    moe_combine_k<<<(unsigned)(((size_t)T * D + 255) / 256), 256, 0, c->stream>>>(
-        out, y, w, idx, e0, E, T, k, D, accumulate);
+    launch_k(c, moe_combine_k, (unsigned)(((size_t)T * D + 255) / 256), 256, 0, out, y, w, idx, e0,
+             E, T, k, D, accumulate);
     CU_TRY(cudaGetLastError(), "moe combine");
     return DS_OK;
 }
@@ -2025,6 +2133,7 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
  * One block per row, as ds_argmax: the largest value (NaN never wins; fmaxf drops it), then the
  * lowest index holding it; a row of NaN gives 0. */
 __global__ void argmax_k(int32_t *out, const float *x, int V) {
+    PDL_ENTRY();
     const float *xr = x + (size_t)blockIdx.x * V;
     __shared__ float red[32];
     __shared__ int first;
@@ -2048,7 +2157,7 @@ __global__ void argmax_k(int32_t *out, const float *x, int V) {
 
 extern "C" void ds_cu_argmax_rows(ds_cu *c, int32_t *out, const float *x, int rows, int V) {
     if (rows <= 0 || V <= 0) return;
-    argmax_k<<<rows, 256, 0, c->stream>>>(out, x, V);
+    launch_k(c, argmax_k, rows, 256, 0, out, x, V);
     note_launch(c);
 }
 
@@ -2133,6 +2242,7 @@ __global__ void __launch_bounds__(128)
     kda_batch_k(float *o, const float *q, const float *k, const float *v, const float *g,
                 const float *beta, const int32_t *off, float *const *S, float *const *S_rows,
                 size_t rows_stride, int H, int dv, int skip_from) {
+    PDL_ENTRY();
     const int h = blockIdx.x, z = blockIdx.z, part = threadIdx.x % SPLIT;
     const int col = blockIdx.y * (blockDim.x / SPLIT) + threadIdx.x / SPLIT;
     /* long segments without rows are the chunked kernel's (ds_cu_kda_recurrent_batch) */
@@ -2148,6 +2258,7 @@ template <int DK, int SPLIT>
 __global__ void __launch_bounds__(128)
     kda_one_k(float *o, const float *q, const float *k, const float *v, const float *g,
               const float *beta, float *S, float *S_rows, int T, int H, int dv) {
+    PDL_ENTRY();
     const int h = blockIdx.x, part = threadIdx.x % SPLIT;
     const int col = blockIdx.y * (blockDim.x / SPLIT) + threadIdx.x / SPLIT;
     kda_run<DK, SPLIT>(o, q, k, v, g, beta, S + (size_t)h * DK * dv, S_rows, (size_t)H * DK * dv, 0,
@@ -2171,17 +2282,16 @@ extern "C" int ds_cu_kda_recurrent(ds_cu *c, float *o, const float *q, const flo
     dim3 grid((unsigned)H, (unsigned)((dv + cols - 1) / cols));
     switch (dk) {
     case 16:
-        kda_one_k<16, 1><<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, S, S_rows, T, H, dv);
+        launch_k(c, kda_one_k<16, 1>, grid, threads, 0, o, q, k, v, g, beta, S, S_rows, T, H, dv);
         break;
     case 32:
-        kda_one_k<32, 1><<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, S, S_rows, T, H, dv);
+        launch_k(c, kda_one_k<32, 1>, grid, threads, 0, o, q, k, v, g, beta, S, S_rows, T, H, dv);
         break;
     case 64:
-        kda_one_k<64, 1><<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, S, S_rows, T, H, dv);
+        launch_k(c, kda_one_k<64, 1>, grid, threads, 0, o, q, k, v, g, beta, S, S_rows, T, H, dv);
         break;
     case 128:
-        kda_one_k<128, 2>
-            <<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, S, S_rows, T, H, dv);
+        launch_k(c, kda_one_k<128, 2>, grid, threads, 0, o, q, k, v, g, beta, S, S_rows, T, H, dv);
         break;
     default:
         return ds_errf(err, "cuda: kda_recurrent: head dim %d (16, 32, 64 or 128 supported)", dk);
@@ -2202,20 +2312,20 @@ extern "C" int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, con
     dim3 grid((unsigned)H, (unsigned)((dv + cols - 1) / cols), (unsigned)n_seq);
     switch (dk) {
     case 16:
-        kda_batch_k<16, 1><<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows,
-                                                            rows_stride, H, dv, skip_from);
+        launch_k(c, kda_batch_k<16, 1>, grid, threads, 0, o, q, k, v, g, beta, seg_off, S, S_rows,
+                 rows_stride, H, dv, skip_from);
         break;
     case 32:
-        kda_batch_k<32, 1><<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows,
-                                                            rows_stride, H, dv, skip_from);
+        launch_k(c, kda_batch_k<32, 1>, grid, threads, 0, o, q, k, v, g, beta, seg_off, S, S_rows,
+                 rows_stride, H, dv, skip_from);
         break;
     case 64:
-        kda_batch_k<64, 1><<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S, S_rows,
-                                                            rows_stride, H, dv, skip_from);
+        launch_k(c, kda_batch_k<64, 1>, grid, threads, 0, o, q, k, v, g, beta, seg_off, S, S_rows,
+                 rows_stride, H, dv, skip_from);
         break;
     case 128:
-        kda_batch_k<128, 2><<<grid, threads, 0, c->stream>>>(o, q, k, v, g, beta, seg_off, S,
-                                                             S_rows, rows_stride, H, dv, skip_from);
+        launch_k(c, kda_batch_k<128, 2>, grid, threads, 0, o, q, k, v, g, beta, seg_off, S, S_rows,
+                 rows_stride, H, dv, skip_from);
         break;
     default:
         return ds_errf(err, "cuda: kda_recurrent: head dim %d (16, 32, 64 or 128 supported)", dk);
@@ -2251,6 +2361,7 @@ template <int KD>
 __global__ void __launch_bounds__(256)
     kda_chunk_prep_k(float *out, const float *q, const float *k, const float *v, const float *g,
                      const float *beta, const kda_chunk *chunks, int H) {
+    PDL_ENTRY();
     constexpr int KPAD = KD + 4;
     extern __shared__ float ksh[];
     float *Gs = ksh;                /* [KC][KPAD] running log decay */
@@ -2364,6 +2475,7 @@ template <int KD>
 __global__ void __launch_bounds__(256)
     kda_chunk_scan_k(float *states, float *ug, const float *prep, const kda_chunk *chunks,
                      const int *seg_chunk0, float *const *S, int H) {
+    PDL_ENTRY();
     /* state entries per thread, threads per key channel */
     constexpr int NS = KD * KCOLS / 256, TPC = KCOLS / NS;
     __shared__ float S0[KD * KCOLS]; /* [KD][KCOLS] the state's columns */
@@ -2442,6 +2554,7 @@ template <int KD>
 __global__ void __launch_bounds__(256)
     kda_chunk_out_k(float *o, const float *states, const float *ug, const float *prep,
                     const kda_chunk *chunks, int H) {
+    PDL_ENTRY();
     constexpr int LANES = KD / 4;          /* threads across the columns */
     constexpr int ROWS = KC * LANES / 256; /* rows per thread: 8 (KD 128) or 4 (KD 64) */
     const kda_chunk ch = chunks[blockIdx.x];
@@ -2505,16 +2618,16 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
         smem_set = 1;
     }
     ds_cu_prof_mark(c, "kda chunks: prepare");
-    kda_chunk_prep_k<KD><<<dim3((unsigned)n_ch, (unsigned)H), 256, smem1, c->stream>>>(
-        prep, q, k, v, g, beta, tab, H);
+    launch_k(c, kda_chunk_prep_k<KD>, dim3((unsigned)n_ch, (unsigned)H), 256, smem1, prep, q, k, v,
+             g, beta, tab, H);
     CU_TRY(cudaGetLastError(), "chunked kda (prepare)");
     ds_cu_prof_mark(c, "kda chunks: scan");
-    kda_chunk_scan_k<KD><<<dim3((unsigned)H, KD / KCOLS, (unsigned)n_seq), 256, 0, c->stream>>>(
-        states, ug, prep, tab, first, S, H);
+    launch_k(c, kda_chunk_scan_k<KD>, dim3((unsigned)H, KD / KCOLS, (unsigned)n_seq), 256, 0,
+             states, ug, prep, tab, first, S, H);
     CU_TRY(cudaGetLastError(), "chunked kda (scan)");
     ds_cu_prof_mark(c, "kda chunks: outputs");
-    kda_chunk_out_k<KD>
-        <<<dim3((unsigned)n_ch, (unsigned)H), 256, 0, c->stream>>>(o, states, ug, prep, tab, H);
+    launch_k(c, kda_chunk_out_k<KD>, dim3((unsigned)n_ch, (unsigned)H), 256, 0, o, states, ug, prep,
+             tab, H);
     CU_TRY(cudaGetLastError(), "chunked kda (outputs)");
     return DS_OK;
 }
