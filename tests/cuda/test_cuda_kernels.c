@@ -1102,6 +1102,10 @@ int main(int argc, char **argv) {
     check_moe_route(c, 9, 32, 4, 4, 2, 1, 0);
     check_moe_route(c, 6, 48, 5, 1, 1, 0, 1);
     check_moe_experts(c, 3, 8, 64, 2304, 256, 0);
+    /* one token: its routed rows straight from idx, no grouping (the 48B widths; SiTU with other
+     * ranks' rows) */
+    check_moe_experts(c, 1, 8, 256, 2304, 1024, 0);
+    check_moe_experts_mode(c, 1, 8, 64, 512, 256, 1, 0, 1);
     check_moe_experts(c, 5, 2, 4, 200, 72, 1);
     check_moe_experts(c, 40, 8, 64, 512, 256, 0); /* grouped: ~5 rows per expert */
     check_moe_experts(c, 6, 3, 5, 100, 36, 1);    /* D % 8 != 0: one row at a time */

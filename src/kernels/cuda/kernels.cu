@@ -48,9 +48,10 @@ struct ds_cu {
  * before it on the stream drains, and every kernel begins by waiting for its predecessor's grid
  * to complete (griddepcontrol.wait: all of its memory visible), then lets its own successor be
  * scheduled. A decode step is hundreds of small launches; this hides each one's launch and ramp
- * behind the previous kernel's last wave, inside graphs too. Nothing is read before the wait, so
- * any kernel may follow any other (and cuBLAS's kernels, which never trigger early, are simply
- * waited for). DS_CUDA_PDL=0 turns it off. */
+ * behind the previous kernel's last wave, inside graphs too. Nothing an earlier kernel may have
+ * written is read before the wait (only weights, which are written at load, followed by a
+ * synchronisation), so any kernel may follow any other (and cuBLAS's kernels, which never
+ * trigger early, are simply waited for). DS_CUDA_PDL=0 turns it off. */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define PDL_ENTRY()                                                                                \
     asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
@@ -311,18 +312,33 @@ template <int TT>
 __global__ void __launch_bounds__(256)
     gemv_bf16_k(float *y, int ldy, const float *x, int ldx, const uint16_t *W, int N, int K,
                 size_t ys = 0, size_t xs = 0, size_t ws = 0) {
-    PDL_ENTRY();
     const int lane = threadIdx.x & 31, n = blockIdx.x * 8 + (threadIdx.x >> 5);
+    /* The weights are no earlier kernel's output: the first GEMV_PRE loads of this lane's part
+     * of its row are issued before waiting for the previous kernel (PDL), so a small matmul's
+     * stream is already under way when its input lands. Same loads, same order of sums. */
+    enum { GEMV_PRE = 4 };
+    const uint4 *wr = (const uint4 *)(W + blockIdx.z * ws + (size_t)min(n, N - 1) * K);
+    uint4 pre[GEMV_PRE];
+#pragma unroll
+    for (int i = 0; i < GEMV_PRE; i++)
+        if (lane + 32 * i < K / 8) pre[i] = __ldg(wr + lane + 32 * i);
+    PDL_ENTRY();
     if (n >= N) return; /* a whole warp leaves together; no block barrier follows */
     x += (size_t)blockIdx.y * TT * ldx + blockIdx.z * xs; /* tile blockIdx.y of TT tokens */
     y += (size_t)blockIdx.y * TT * ldy + blockIdx.z * ys; /* head blockIdx.z */
-    W += blockIdx.z * ws;
-    const uint4 *wr = (const uint4 *)(W + (size_t)n * K);
     float acc[TT];
 #pragma unroll
     for (int t = 0; t < TT; t++) acc[t] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < GEMV_PRE; i++) {
+        const int k8 = lane + 32 * i;
+        if (k8 < K / 8)
+#pragma unroll
+            for (int t = 0; t < TT; t++)
+                acc[t] += dot8(pre[i], x + (size_t)t * ldx + (size_t)k8 * 8);
+    }
 #pragma unroll 4
-    for (int k8 = lane; k8 < K / 8; k8 += 32) {
+    for (int k8 = lane + 32 * GEMV_PRE; k8 < K / 8; k8 += 32) {
         const uint4 u = __ldg(wr + k8);
 #pragma unroll
         for (int t = 0; t < TT; t++) acc[t] += dot8(u, x + (size_t)t * ldx + (size_t)k8 * 8);
@@ -1006,7 +1022,8 @@ __global__ void mla_split_k(float *part_o, float *part_ml, const float *qbar, co
                             int row, int pos0, int n_ctx, int causal, float scale, int n_split,
                             const int32_t *tok_bt, const int32_t *tok_pos, int chunk) {
     PDL_ENTRY();
-    __shared__ float sc[MLA_CHUNK]; /* chunk <= MLA_CHUNK rows per split */
+    __shared__ float sc[MLA_CHUNK];  /* chunk <= MLA_CHUNK rows per split */
+    __shared__ size_t ro[MLA_CHUNK]; /* where each of those rows starts in the pool */
     const int q = blockIdx.x, t = q / Ha, s = blockIdx.y;
     int n;
     if (BATCH) {
@@ -1026,20 +1043,24 @@ __global__ void mla_split_k(float *part_o, float *part_ml, const float *qbar, co
     const float *qb = qbar + (size_t)q * R, *qp = qr + (size_t)q * dr;
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (int j = j0 + wid; j < j1; j += nw) {
-        const float *kv = pool + ((size_t)table[j / bs] * bs + j % bs) * row;
+        const size_t at = ((size_t)table[j / bs] * bs + j % bs) * row;
+        const float *kv = pool + at;
         float d = 0.0f;
         for (int i = lane; i < R; i += 32) d += qb[i] * kv[i];
         for (int i = lane; i < dr; i += 32) d += qp[i] * kv[R + i];
         for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-        if (lane == 0) sc[j - j0] = d * scale;
+        if (lane == 0) sc[j - j0] = d * scale, ro[j - j0] = at;
     }
     __syncthreads();
     float sum;
     const float mx = exp_shifted(sc, j1 - j0, &sum);
+    /* rows in order, as before; the table lookups done once above, so that the unrolled loads of
+     * several rows are in flight together (each used to wait on its table entry) */
+    const int nj = j1 - j0;
     for (int i = threadIdx.x; i < R; i += blockDim.x) {
         float acc = 0.0f;
-        for (int j = j0; j < j1; j++)
-            acc += sc[j - j0] * pool[((size_t)table[j / bs] * bs + j % bs) * row + i];
+#pragma unroll 8
+        for (int jj = 0; jj < nj; jj++) acc += sc[jj] * pool[ro[jj] + i];
         po[i] = acc;
     }
     if (threadIdx.x == 0) pml[0] = mx, pml[1] = sum;
@@ -1702,22 +1723,31 @@ enum { MOE_NPW = 4, MOE_NPB = 8 * MOE_NPW };
 __global__ void __launch_bounds__(256)
     moe_grouped_k(float *y, int ldy, const float *x, int ldx, int x_div, const uint16_t *W, int N,
                   int K, const int32_t *start, const int32_t *perm, const int32_t *active,
-                  const int32_t *n_active, int rp, moe_act act) {
+                  const int32_t *n_active, int rp, moe_act act, const int32_t *direct, int e0,
+                  int E) {
     PDL_ENTRY();
     extern __shared__ float4 xsh[]; /* [rp][K] the pass's x rows, staged once for the 8 warps */
-    if ((int)blockIdx.y >= *n_active) return;
-    const int e = active[blockIdx.y], lane = threadIdx.x & 31;
+    int e, r0, r1;
+    if (direct) { /* block row y is routed row y, alone with its expert (ds_cu_moe_experts) */
+        e = direct[blockIdx.y] - e0;
+        if (e < 0 || e >= E) return; /* another rank's expert */
+        r0 = blockIdx.y, r1 = r0 + 1;
+    } else {
+        if ((int)blockIdx.y >= *n_active) return;
+        e = active[blockIdx.y], r0 = start[e], r1 = start[e + 1];
+    }
+    const int lane = threadIdx.x & 31;
     const int n0 = blockIdx.x * MOE_NPB + (threadIdx.x >> 5) * MOE_NPW;
     const uint4 *wr[MOE_NPW];
 #pragma unroll
     for (int j = 0; j < MOE_NPW; j++)
         wr[j] = (const uint4 *)(W + ((size_t)e * N + min(n0 + j, N - 1)) * K);
-    const int r0 = start[e], r1 = start[e + 1];
     for (int c0 = r0; c0 < r1; c0 += rp) {
         const int nr = min(rp, r1 - c0);
         __syncthreads(); /* the previous pass is done with xsh */
         for (int i = 0; i < nr; i++) {
-            const float4 *src = (const float4 *)(x + (size_t)(perm[c0 + i] / x_div) * ldx);
+            const int r = direct ? c0 + i : perm[c0 + i];
+            const float4 *src = (const float4 *)(x + (size_t)(r / x_div) * ldx);
             for (int j = threadIdx.x; j < K / 4; j += blockDim.x) {
                 float4 v = src[j];
                 if (act.on) {
@@ -1753,12 +1783,15 @@ __global__ void __launch_bounds__(256)
                         acc[j][i] += dot8(u[j], xs[i] + (size_t)k8 * 8);
         }
 #pragma unroll
-        for (int j = 0; j < MOE_NPW; j++)
+        for (int i = 0; i < 8; i++)
+            if (i < nr) { /* (uniform in the warp) */
+                const int r = direct ? c0 + i : perm[c0 + i];
 #pragma unroll
-            for (int i = 0; i < 8; i++) {
-                float v = acc[j][i];
-                for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-                if (lane == 0 && i < nr && n0 + j < N) y[(size_t)perm[c0 + i] * ldy + n0 + j] = v;
+                for (int j = 0; j < MOE_NPW; j++) {
+                    float v = acc[j][i];
+                    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                    if (lane == 0 && n0 + j < N) y[(size_t)r * ldy + n0 + j] = v;
+                }
             }
     }
 }
@@ -2060,8 +2093,13 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         int32_t *start = (int32_t *)(c->part + nf), *perm = start + E + 1, *active = perm + rows;
         int32_t *n_active = active + E, *hist = n_active + 1;
         const unsigned ya = (unsigned)DS_MIN(E, rows); /* at most this many experts have rows */
+        /* One token picks K distinct experts: its rows need no grouping (no launch for it, and
+         * one dependent load less before the weights stream); the kernels take the routed rows
+         * straight from idx. */
+        const int32_t *direct = T == 1 ? idx : NULL;
         ds_cu_prof_mark(c, "moe group");
-        if (n_chunks) {
+        if (direct) {
+        } else if (n_chunks) {
             launch_k(c, moe_hist_k, n_chunks, 256, (size_t)E * sizeof(int32_t), idx, rows, e0, E,
                      hist);
             launch_k(c, moe_scan_k, 1, 256, ((size_t)E + 1) * sizeof(int32_t), hist, n_chunks, E,
@@ -2073,14 +2111,15 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
                      start, perm, active, n_active);
         }
         CU_TRY(cudaGetLastError(), "moe group");
-        if (c->expert_gemm && !c->batch_invariant && rows >= EXPERT_GEMM_MIN_PER * E &&
+        if (!direct && c->expert_gemm && !c->batch_invariant && rows >= EXPERT_GEMM_MIN_PER * E &&
             !capturing(c))
             return moe_experts_gemm(c, out, x, w, T, k, E, D, I, gate_up, down, situ, situ_beta,
                                     situ_lin_beta, accumulate, start, perm, err);
         ds_cu_prof_mark(c, "moe grouped experts");
         /* batches on tensor cores, else the f32 streaming kernel (batch invariance, decode) */
-        const int mma = c->expert_mma && !c->batch_invariant && T >= MOE_MMA_MIN_TOKENS &&
-                        (2 * I) % MMA_N == 0 && D % MMA_N == 0 && D % 16 == 0 && I % 16 == 0;
+        const int mma = !direct && c->expert_mma && !c->batch_invariant &&
+                        T >= MOE_MMA_MIN_TOKENS && (2 * I) % MMA_N == 0 && D % MMA_N == 0 &&
+                        D % 16 == 0 && I % 16 == 0;
         /* rows per pass: 8, or fewer when 8 rows of x would not fit in shared memory, and never
          * more than T (a token picks an expert once, so no expert has more rows): at batch 1 a
          * block then asks for one row's shared memory instead of eight (74 KB at D = 2304),
@@ -2101,7 +2140,7 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         else
             launch_k(c, moe_grouped_k, dim3((unsigned)((2 * I + MOE_NPB - 1) / MOE_NPB), ya), 256,
                      (size_t)rp_up * D * 4, h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm,
-                     active, n_active, rp_up, none);
+                     active, n_active, rp_up, none, direct, e0, E);
         CU_TRY(cudaGetLastError(), "moe up (grouped)");
         /* h's rows are gate | up, one per routed row: the down pass applies act as it stages */
         if (mma)
@@ -2110,7 +2149,7 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         else
             launch_k(c, moe_grouped_k, dim3((unsigned)((D + MOE_NPB - 1) / MOE_NPB), ya), 256,
                      (size_t)rp_dn * I * 4, y, D, h, 2 * I, 1, down, D, I, start, perm, active,
-                     n_active, rp_dn, act);
+                     n_active, rp_dn, act, direct, e0, E);
         CU_TRY(cudaGetLastError(), "moe down (grouped)");
     } else {
         launch_k(c, moe_up_k, dim3((unsigned)((2 * I + 7) / 8), (unsigned)rows), 256, 0, h, x, idx,
