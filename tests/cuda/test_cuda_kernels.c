@@ -215,6 +215,28 @@ static void check_rmsnorm(ds_cu *c, int T, int D, int in_place) {
     free(x), free(w), free(ref), free(got);
 }
 
+/* P += a, then y = norm(P): both outputs against the CPU's add and norm. */
+static void check_add_rmsnorm(ds_cu *c, int T, int D) {
+    size_t n = (size_t)T * D;
+    float *P = rand_f32(n, -3, 3), *a = rand_f32(n, -1, 1), *w = rand_f32((size_t)D, 0.5f, 1.5f);
+    float *sum = malloc(n * 4), *ref = malloc(n * 4), *got = malloc(n * 4), *gotP = malloc(n * 4);
+    for (size_t i = 0; i < n; i++) sum[i] = P[i] + a[i];
+    ds_rmsnorm(ref, sum, w, T, D, 1e-6f);
+    float *dP = dev(c, P, n * 4), *da = dev(c, a, n * 4), *dw = dev(c, w, (size_t)D * 4);
+    float *dy = dev(c, NULL, n * 4);
+    poison(c, dy, n * 4);
+    ds_cu_add_rmsnorm(c, dy, dP, da, dw, T, D, 1e-6f);
+    fetch(c, got, dy, n * 4);
+    fetch(c, gotP, dP, n * 4);
+    char what[96];
+    snprintf(what, sizeof what, "add + rmsnorm T=%d D=%d: sum", T, D);
+    report(what, rel_err(gotP, sum, 1, n, n), 0.0);
+    snprintf(what, sizeof what, "add + rmsnorm T=%d D=%d: norm", T, D);
+    report(what, rel_err(got, ref, (size_t)T, (size_t)D, (size_t)D), 1e-5);
+    ds_cu_dealloc(dP), ds_cu_dealloc(da), ds_cu_dealloc(dw), ds_cu_dealloc(dy);
+    free(P), free(a), free(w), free(sum), free(ref), free(got), free(gotP);
+}
+
 static void check_swiglu(ds_cu *c, size_t n) {
     float *g = rand_f32(n, -6, 6), *u = rand_f32(n, -2, 2);
     float *ref = malloc(n * 4), *got = malloc(n * 4);
@@ -1056,10 +1078,17 @@ int main(int argc, char **argv) {
     check_matmul_heads(c, 5, 4, 128, 512, 1, 1e-5);
     check_matmul_heads(c, 9, 4, 128, 512, 0, 1e-2);
     check_matmul_invariance(c, 1000, 2304);
+    /* few rows: warps share a row (split K), the router's shape and a tiny one */
+    check_matmul(c, 1, 256, 2304, 0, 1e-5);
+    check_matmul(c, 1, 5, 4096, 0, 1e-5);
+    check_matmul_invariance(c, 256, 2304);
     check_matmul_invariance(c, 77, 100); /* K % 8 != 0: the element-wise kernel */
     check_embed(c, 1000, 2304, 13);
     check_rmsnorm(c, 5, 2304, 0);
     check_rmsnorm(c, 3, 100, 1);
+    check_rmsnorm(c, 2, 7168, 1); /* wider than a block holds in registers */
+    check_add_rmsnorm(c, 3, 2304);
+    check_add_rmsnorm(c, 2, 7168);
     check_swiglu(c, 1000003);
     check_kda(c, 1, 4, 128, 128, 1);
     check_kda(c, 9, 3, 64, 96, 1);

@@ -308,11 +308,19 @@ __device__ __forceinline__ float dot8(uint4 u, const float *x) {
  * row streams that row of W once with 16-byte
  * loads (8 BF16 each) and dots it with every token's f32 x (small, served by L1), accumulating in
  * f32 — the weights are the bytes that matter, and they are read exactly once. */
+/* With S > 1 (few rows: the router, the shared experts, o_proj, MLA's small projections), S
+ * warps share a row, warp p of them taking the row's 16-byte pieces p, p + S, p + 2S, ... (32
+ * lanes wide), and their sums are added in the order p = 0, 1, ..; a block then covers 8 / S
+ * rows. S depends on the matrix alone (gemv_splits), never on T, so that a token's bits stay
+ * the same whatever the batch. */
 template <int TT>
 __global__ void __launch_bounds__(256)
     gemv_bf16_k(float *y, int ldy, const float *x, int ldx, const uint16_t *W, int N, int K,
-                size_t ys = 0, size_t xs = 0, size_t ws = 0) {
-    const int lane = threadIdx.x & 31, n = blockIdx.x * 8 + (threadIdx.x >> 5);
+                size_t ys, size_t xs, size_t ws, int S) {
+    __shared__ float red[8][TT]; /* [warp][token] partial sums (S > 1) */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n = blockIdx.x * (8 / S) + warp / S, part = warp % S, nk = K / 8, step = 32 * S;
+    const int k0 = lane + 32 * part;
     /* The weights are no earlier kernel's output: the first GEMV_PRE loads of this lane's part
      * of its row are issued before waiting for the previous kernel (PDL), so a small matmul's
      * stream is already under way when its input lands. Same loads, same order of sums. */
@@ -321,9 +329,9 @@ __global__ void __launch_bounds__(256)
     uint4 pre[GEMV_PRE];
 #pragma unroll
     for (int i = 0; i < GEMV_PRE; i++)
-        if (lane + 32 * i < K / 8) pre[i] = __ldg(wr + lane + 32 * i);
+        if (k0 + step * i < nk) pre[i] = __ldg(wr + k0 + step * i);
     PDL_ENTRY();
-    if (n >= N) return; /* a whole warp leaves together; no block barrier follows */
+    if (S == 1 && n >= N) return; /* a whole warp leaves together; no block barrier follows */
     x += (size_t)blockIdx.y * TT * ldx + blockIdx.z * xs; /* tile blockIdx.y of TT tokens */
     y += (size_t)blockIdx.y * TT * ldy + blockIdx.z * ys; /* head blockIdx.z */
     float acc[TT];
@@ -331,14 +339,14 @@ __global__ void __launch_bounds__(256)
     for (int t = 0; t < TT; t++) acc[t] = 0.0f;
 #pragma unroll
     for (int i = 0; i < GEMV_PRE; i++) {
-        const int k8 = lane + 32 * i;
-        if (k8 < K / 8)
+        const int k8 = k0 + step * i;
+        if (k8 < nk)
 #pragma unroll
             for (int t = 0; t < TT; t++)
                 acc[t] += dot8(pre[i], x + (size_t)t * ldx + (size_t)k8 * 8);
     }
 #pragma unroll 4
-    for (int k8 = lane + 32 * GEMV_PRE; k8 < K / 8; k8 += 32) {
+    for (int k8 = k0 + step * GEMV_PRE; k8 < nk; k8 += step) {
         const uint4 u = __ldg(wr + k8);
 #pragma unroll
         for (int t = 0; t < TT; t++) acc[t] += dot8(u, x + (size_t)t * ldx + (size_t)k8 * 8);
@@ -347,7 +355,18 @@ __global__ void __launch_bounds__(256)
     for (int t = 0; t < TT; t++) {
         float v = acc[t];
         for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0) y[(size_t)t * ldy + n] = v;
+        if (S == 1) {
+            if (lane == 0) y[(size_t)t * ldy + n] = v;
+        } else if (lane == 0) {
+            red[warp][t] = v;
+        }
+    }
+    if (S == 1) return;
+    __syncthreads();
+    if (part == 0 && lane < TT && n < N) {
+        float v = 0.0f;
+        for (int p = 0; p < S; p++) v += red[warp + p][lane];
+        y[(size_t)lane * ldy + n] = v;
     }
 }
 
@@ -369,18 +388,30 @@ __global__ void __launch_bounds__(256)
 /* Tiles of 8 tokens share one read of W; the remainder runs as its own instance. Each token's
  * dot products take the same operations in every instance, so its bits do not depend on T. */
 /* H heads (blockIdx.z): head h's y, x and W start ys, xs and ws elements after head 0's. */
+/* Warps per row for an N x K matrix (H of them): more while the rows alone would leave the GPU
+ * short of warps (about 32 per SM), as long as each warp keeps a whole 32-lane piece of K. A
+ * function of the matrix only (see gemv_bf16_k). */
+static int gemv_splits(const ds_cu *c, int N, int K, int H) {
+    const long rows = (long)N * H, want = 32L * c->n_sm;
+    int S = 1;
+    while (S < 8 && rows * S < want && K / 8 >= 32 * 2 * S) S *= 2;
+    return S;
+}
+
 static int gemv_tiles(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T,
                       const uint16_t *W, int N, int K, int H, size_t ys, size_t xs, size_t ws,
                       ds_err *err) {
-    const unsigned blocks = (unsigned)((N + 7) / 8), hz = (unsigned)H;
+    const int S = gemv_splits(c, N, K, H);
+    const unsigned blocks = (unsigned)((N + 8 / S - 1) / (8 / S)), hz = (unsigned)H;
     int full = T / 8, rem = T % 8;
     for (int t0 = 0; t0 < full * 8; t0 += 8 * 65535) /* grid.y holds 65535 tiles */
         launch_k(c, gemv_bf16_k<8>, dim3(blocks, (unsigned)DS_MIN(full - t0 / 8, 65535), hz), 256,
-                 0, y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx, W, N, K, ys, xs, ws);
+                 0, y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx, W, N, K, ys, xs, ws, S);
     const float *xr = x + (size_t)full * 8 * ldx;
     float *yr = y + (size_t)full * 8 * ldy;
     const dim3 g(blocks, 1, hz);
-#define GEMV_REM(TT) launch_k(c, gemv_bf16_k<TT>, g, 256, 0, yr, ldy, xr, ldx, W, N, K, ys, xs, ws)
+#define GEMV_REM(TT)                                                                               \
+    launch_k(c, gemv_bf16_k<TT>, g, 256, 0, yr, ldy, xr, ldx, W, N, K, ys, xs, ws, S)
     switch (rem) {
     case 0:
         break;
@@ -519,6 +550,9 @@ __device__ float block_sum(float v) {
     return v;
 }
 
+/* Values per thread a row norm keeps in registers (D up to 12 x 256 = 3072 in one pass). */
+enum { NORM_V = 12 };
+
 /* Maximum over the block, likewise (exact: the order does not matter). */
 __device__ float block_max(float v) {
     __shared__ float part[32];
@@ -539,6 +573,24 @@ __global__ void rmsnorm_ld_k(float *y, int ldy, const float *x, int ldx, const f
     const float *xr = x + (size_t)blockIdx.x * ldx;
     float *yr = y + (size_t)blockIdx.x * ldy;
     float ss = 0.0f;
+    if (D <= NORM_V * (int)blockDim.x) { /* as add_rmsnorm_k; y may be x */
+        float v[NORM_V];
+#pragma unroll
+        for (int i = 0; i < NORM_V; i++) {
+            const int c = threadIdx.x + i * blockDim.x;
+            v[i] = c < D ? xr[c] : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < NORM_V; i++)
+            if (threadIdx.x + i * blockDim.x < D) ss += v[i] * v[i];
+        const float inv = rsqrtf(block_sum(ss) / (float)D + eps);
+#pragma unroll
+        for (int i = 0; i < NORM_V; i++) {
+            const int c = threadIdx.x + i * blockDim.x;
+            if (c < D) yr[c] = w[c] * (v[i] * inv);
+        }
+        return;
+    }
     for (int c = threadIdx.x; c < D; c += blockDim.x) ss += xr[c] * xr[c];
     float inv = rsqrtf(block_sum(ss) / (float)D + eps);
     for (int c = threadIdx.x; c < D; c += blockDim.x) yr[c] = w[c] * (xr[c] * inv);
@@ -654,6 +706,26 @@ __global__ void add_rmsnorm_k(float *y, float *P, const float *a, const float *w
     const float *ar = a + (size_t)blockIdx.x * D;
     float *yr = y + (size_t)blockIdx.x * D;
     float ss = 0.0f;
+    if (D <= NORM_V * (int)blockDim.x) { /* the row in registers: every load in flight at once */
+        float v[NORM_V];
+#pragma unroll
+        for (int i = 0; i < NORM_V; i++) {
+            const int c = threadIdx.x + i * blockDim.x;
+            v[i] = c < D ? pr[c] + ar[c] : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < NORM_V; i++) {
+            const int c = threadIdx.x + i * blockDim.x;
+            if (c < D) pr[c] = v[i], ss += v[i] * v[i];
+        }
+        const float inv = rsqrtf(block_sum(ss) / (float)D + eps);
+#pragma unroll
+        for (int i = 0; i < NORM_V; i++) {
+            const int c = threadIdx.x + i * blockDim.x;
+            if (c < D) yr[c] = w[c] * (v[i] * inv);
+        }
+        return;
+    }
     for (int c = threadIdx.x; c < D; c += blockDim.x) {
         float v = pr[c] + ar[c];
         pr[c] = v;
@@ -1742,6 +1814,13 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int j = 0; j < MOE_NPW; j++)
         wr[j] = (const uint4 *)(W + ((size_t)e * N + min(n0 + j, N - 1)) * K);
+    /* the first piece of each weight row is requested before the x rows are staged (its
+     * latency hidden behind theirs); used by the first pass, reloaded by later ones */
+    uint4 u0[MOE_NPW];
+    const bool lk = lane < K / 8;
+#pragma unroll
+    for (int j = 0; j < MOE_NPW; j++)
+        if (lk) u0[j] = __ldg(wr[j] + lane);
     for (int c0 = r0; c0 < r1; c0 += rp) {
         const int nr = min(rp, r1 - c0);
         __syncthreads(); /* the previous pass is done with xsh */
@@ -1770,8 +1849,18 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
             for (int j = 0; j < MOE_NPW; j++) acc[j][i] = 0.0f;
         }
+        if (c0 != r0 && lk)
+#pragma unroll
+            for (int j = 0; j < MOE_NPW; j++) u0[j] = __ldg(wr[j] + lane);
+        if (lk)
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                if (i < nr)
+#pragma unroll
+                    for (int j = 0; j < MOE_NPW; j++)
+                        acc[j][i] += dot8(u0[j], xs[i] + (size_t)lane * 8);
 #pragma unroll 2
-        for (int k8 = lane; k8 < K / 8; k8 += 32) {
+        for (int k8 = lane + 32; k8 < K / 8; k8 += 32) {
             uint4 u[MOE_NPW];
 #pragma unroll
             for (int j = 0; j < MOE_NPW; j++) u[j] = __ldg(wr[j] + k8);
