@@ -1792,6 +1792,7 @@ struct moe_act {
     float beta, lin_beta;
 };
 enum { MOE_NPW = 4, MOE_NPB = 8 * MOE_NPW };
+template <int RPM> /* rows a pass holds at most (rp <= RPM): its accumulators' count */
 __global__ void __launch_bounds__(256)
     moe_grouped_k(float *y, int ldy, const float *x, int ldx, int x_div, const uint16_t *W, int N,
                   int K, const int32_t *start, const int32_t *perm, const int32_t *active,
@@ -1841,10 +1842,10 @@ __global__ void __launch_bounds__(256)
         }
         __syncthreads();
         if (n0 >= N) continue; /* (after the barriers: every warp stages) */
-        const float *xs[8];
-        float acc[MOE_NPW][8];
+        const float *xs[RPM];
+        float acc[MOE_NPW][RPM];
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
+        for (int i = 0; i < RPM; i++) {
             xs[i] = (const float *)xsh + (size_t)(i < nr ? i : 0) * K;
 #pragma unroll
             for (int j = 0; j < MOE_NPW; j++) acc[j][i] = 0.0f;
@@ -1854,7 +1855,7 @@ __global__ void __launch_bounds__(256)
             for (int j = 0; j < MOE_NPW; j++) u0[j] = __ldg(wr[j] + lane);
         if (lk)
 #pragma unroll
-            for (int i = 0; i < 8; i++)
+            for (int i = 0; i < RPM; i++)
                 if (i < nr)
 #pragma unroll
                     for (int j = 0; j < MOE_NPW; j++)
@@ -1865,14 +1866,14 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
             for (int j = 0; j < MOE_NPW; j++) u[j] = __ldg(wr[j] + k8);
 #pragma unroll
-            for (int i = 0; i < 8; i++)
+            for (int i = 0; i < RPM; i++)
                 if (i < nr)
 #pragma unroll
                     for (int j = 0; j < MOE_NPW; j++)
                         acc[j][i] += dot8(u[j], xs[i] + (size_t)k8 * 8);
         }
 #pragma unroll
-        for (int i = 0; i < 8; i++)
+        for (int i = 0; i < RPM; i++)
             if (i < nr) { /* (uniform in the warp) */
                 const int r = direct ? c0 + i : perm[c0 + i];
 #pragma unroll
@@ -2213,12 +2214,28 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
          * more than T (a token picks an expert once, so no expert has more rows): at batch 1 a
          * block then asks for one row's shared memory instead of eight (74 KB at D = 2304),
          * and eight blocks fit an SM instead of three. Not yet measured on a GPU. */
-        const int rp_up = DS_MAX(1, DS_MIN(DS_MIN(8, T), (int)(MOE_SMEM / ((size_t)D * 4))));
-        const int rp_dn = DS_MAX(1, DS_MIN(DS_MIN(8, T), (int)(MOE_SMEM / ((size_t)I * 4))));
+        /* and the kernel's accumulators sized to the rows an expert has: one at batch 1 (126
+         * registers a thread for eight rows' held the SMs to a quarter of their warps, measured
+         * by ncu), two while a step routes no more rows than there are experts (mostly one
+         * each), else eight; the bits do not depend on it */
+        const int rpm = T == 1 ? 1 : rows <= E ? 2 : 8;
+        const int rp_up = DS_MAX(1, DS_MIN(DS_MIN(rpm, T), (int)(MOE_SMEM / ((size_t)D * 4))));
+        const int rp_dn = DS_MAX(1, DS_MIN(DS_MIN(rpm, T), (int)(MOE_SMEM / ((size_t)I * 4))));
+        void (*grouped)(float *, int, const float *, int, int, const uint16_t *, int, int,
+                        const int32_t *, const int32_t *, const int32_t *, const int32_t *, int,
+                        moe_act, const int32_t *, int, int) = rpm == 1   ? moe_grouped_k<1>
+                                                              : rpm == 2 ? moe_grouped_k<2>
+                                                                         : moe_grouped_k<8>;
         static int smem_set; /* once, before any capture can be open */
         if (!smem_set) {
-            CU_TRY(cudaFuncSetAttribute(moe_grouped_k, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)MOE_SMEM),
+            CU_TRY(cudaFuncSetAttribute(moe_grouped_k<1>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)MOE_SMEM),
+                   "moe: shared memory");
+            CU_TRY(cudaFuncSetAttribute(moe_grouped_k<2>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)MOE_SMEM),
+                   "moe: shared memory");
+            CU_TRY(cudaFuncSetAttribute(moe_grouped_k<8>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)MOE_SMEM),
                    "moe: shared memory");
             smem_set = 1;
         }
@@ -2227,7 +2244,7 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
             launch_k(c, moe_mma_k, dim3((unsigned)(2 * I / MMA_N), ya), 256, 0, h, 2 * I, x, D, k,
                      gate_up, 2 * I, D, start, perm, active, n_active, none);
         else
-            launch_k(c, moe_grouped_k, dim3((unsigned)((2 * I + MOE_NPB - 1) / MOE_NPB), ya), 256,
+            launch_k(c, grouped, dim3((unsigned)((2 * I + MOE_NPB - 1) / MOE_NPB), ya), 256,
                      (size_t)rp_up * D * 4, h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm,
                      active, n_active, rp_up, none, direct, e0, E);
         CU_TRY(cudaGetLastError(), "moe up (grouped)");
@@ -2236,7 +2253,7 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
             launch_k(c, moe_mma_k, dim3((unsigned)(D / MMA_N), ya), 256, 0, y, D, h, 2 * I, 1, down,
                      D, I, start, perm, active, n_active, act);
         else
-            launch_k(c, moe_grouped_k, dim3((unsigned)((D + MOE_NPB - 1) / MOE_NPB), ya), 256,
+            launch_k(c, grouped, dim3((unsigned)((D + MOE_NPB - 1) / MOE_NPB), ya), 256,
                      (size_t)rp_dn * I * 4, y, D, h, 2 * I, 1, down, D, I, start, perm, active,
                      n_active, rp_dn, act, direct, e0, E);
         CU_TRY(cudaGetLastError(), "moe down (grouped)");
