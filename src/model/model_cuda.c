@@ -447,6 +447,7 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     ds_cu_set_expert_gemm(cm->c, env_flag("DS_CUDA_EXPERT_GEMM", 1));
     ds_cu_set_expert_mma(cm->c, env_flag("DS_CUDA_EXPERT_MMA", 1));
     ds_cu_set_mla_gemm(cm->c, env_flag("DS_CUDA_MLA_GEMM", 1));
+    ds_cu_set_mla_flash(cm->c, env_flag("DS_CUDA_MLA_FLASH", 1));
     ds_cu_set_mla_all_heads(cm->c, env_flag("DS_CUDA_MLA_ALL_HEADS", 1));
     ds_cu_prof_enable(cm->c, env_flag("DS_CUDA_PROFILE", 0));
     int L = c->num_hidden_layers, D = c->hidden_size;

@@ -782,15 +782,20 @@ static void check_mla_expanded_mode(ds_cu *c, int T, int Ha, int dn, int dr, int
     float *dv_ = dev(c, v, nv * 4), *dout = dev(c, NULL, no * 4);
     poison(c, dout, no * 4);
     ds_err err = {{0}};
-    ds_cu_set_mla_gemm(c, gemm);
+    ds_cu_set_mla_gemm(c, gemm != 0);
+    ds_cu_set_mla_flash(c, gemm == 2); /* the fused kernel, where the head shape has one */
     if (ds_cu_mla_attend_expanded(c, dout, dq, dkN, dkR, dv_, T, n_ctx, Ha, dn, dr, dvh, pos0,
                                   causal, scale, &err))
         DIE("%s", err.msg);
     ds_cu_set_mla_gemm(c, 0);
+    ds_cu_set_mla_flash(c, 0);
     fetch(c, got, dout, no * 4);
     char what[96];
     snprintf(what, sizeof what, "mla expanded T=%d Ha=%d ctx %d%s%s", T, Ha, n_ctx,
-             causal ? " causal" : "", gemm ? " (gemm)" : "");
+             causal ? " causal" : "",
+             gemm == 2   ? " (fused)"
+             : gemm == 1 ? " (gemm)"
+                         : "");
     report(what, rel_err(got, ref, 1, no, no), gemm ? 2e-2 : 1e-5);
     ds_cu_dealloc(dq), ds_cu_dealloc(dkN), ds_cu_dealloc(dkR), ds_cu_dealloc(dv_);
     ds_cu_dealloc(dout);
@@ -1027,6 +1032,38 @@ static void bench(ds_cu *c) {
         ds_cu_dealloc(kc.g), ds_cu_dealloc(kc.beta), ds_cu_dealloc(kc.o);
     }
 
+    /* 4c. expanded MLA over a prompt: 8192 tokens, 32 heads of 128 + 64 / 128 (causal), the
+     *     cuBLAS path against the fused kernel; FLOPs: the causal half of QK^T and PV */
+    {
+        const int T = 8192, Ha = 32, dn = 128, dr = 64, dvh = 128;
+        size_t nq = (size_t)T * Ha * (dn + dr), nk = (size_t)T * Ha * dn, nv = (size_t)T * Ha * dvh;
+        float *h = rand_f32(nq, -0.3f, 0.3f);
+        float *dq = dev(c, h, nq * 4), *dk = dev(c, h, nk * 4),
+              *dr_ = dev(c, h, (size_t)T * dr * 4);
+        float *dv_ = dev(c, h, nv * 4), *dout = dev(c, NULL, nv * 4);
+        free(h);
+        double flops = 2.0 * (double)T * T / 2 * Ha * (dn + dr + dvh);
+        for (int fused = 0; fused < 2; fused++) {
+            ds_cu_set_mla_gemm(c, 1);
+            ds_cu_set_mla_flash(c, fused);
+            double best = 1e30;
+            for (int r = 0; r < 3; r++) {
+                ds_cu_timer *tm = ds_cu_timer_start(c);
+                if (ds_cu_mla_attend_expanded(c, dout, dq, dk, dr_, dv_, T, T, Ha, dn, dr, dvh, 0,
+                                              1, 0.07f, &err))
+                    DIE("%s", err.msg);
+                double t = ds_cu_timer_stop(c, tm);
+                if (r && t < best) best = t;
+            }
+            printf("bench mla expanded prefill T=8192 Ha=32 (%s): %.3f ms, %.0f TFLOP/s\n",
+                   fused ? "fused" : "cublas", best, flops / (best * 1e-3) / 1e12);
+        }
+        ds_cu_set_mla_gemm(c, 0);
+        ds_cu_set_mla_flash(c, 0);
+        ds_cu_dealloc(dq), ds_cu_dealloc(dk), ds_cu_dealloc(dr_), ds_cu_dealloc(dv_);
+        ds_cu_dealloc(dout);
+    }
+
     /* 5. MLA absorbed decode, one token, 32 heads (Kimi-Linear), R 512 + dr 64, f32 cache; the
      *    bytes that must be read: the context's latent rows once */
     static const int ctxs[] = {4096, 32768};
@@ -1124,6 +1161,12 @@ int main(int argc, char **argv) {
     check_mla_expanded(c, 33, 3, 64, 32, 64, 300, 333, 1); /* a later chunk, 2 splits */
     check_mla_expanded(c, 5, 2, 32, 16, 48, 0, 600, 0);
     check_mla_expanded_mode(c, 300, 4, 128, 64, 128, 0, 300, 1, 1); /* a prompt, tensor cores */
+    /* the fused kernel: a prompt, a later chunk (a partial last block of queries and keys), not
+     * causal (every row sees all keys), one short of a block */
+    check_mla_expanded_mode(c, 300, 4, 128, 64, 128, 0, 300, 1, 2);
+    check_mla_expanded_mode(c, 130, 3, 128, 64, 128, 77, 207, 1, 2);
+    check_mla_expanded_mode(c, 150, 2, 128, 64, 128, 0, 170, 0, 2);
+    check_mla_expanded_mode(c, 129, 5, 128, 64, 128, 1, 130, 1, 2);
     check_mla_expanded_mode(c, 200, 3, 64, 32, 64, 500, 700, 1, 1); /* a later chunk */
     check_mla_expanded_mode(c, 130, 2, 32, 16, 48, 0, 1000, 0, 1);  /* not causal */
     check_moe_route(c, 7, 256, 8, 8, 4, 0, 0);

@@ -172,6 +172,9 @@ void ds_cu_set_expert_mma(ds_cu *c, int on);
  * batched BF16 GEMMs over the heads, a row softmax between). On in the engine unless
  * DS_CUDA_MLA_GEMM=0 (tests/cuda: check_mla_expanded_gemm). */
 void ds_cu_set_mla_gemm(ds_cu *c, int on);
+/* ... and, for Kimi's head shape (dn + dr = 192, dvh = 128), as one fused flash-attention kernel
+ * (no scores in memory) instead of the two GEMMs; on unless DS_CUDA_MLA_FLASH=0. */
+void ds_cu_set_mla_flash(ds_cu *c, int on);
 /* ds_cu_mla_attend_absorbed_batch with one block per (token, split) for all heads, each latent row
  * read once instead of once per head (not with batch invariance; Ha * R a multiple of 256 with at
  * most 64 outputs per thread). on = 1: taken when the step has enough (token, split) blocks to

@@ -29,6 +29,7 @@ struct ds_cu {
     int expert_mma;      /* grouped experts of batches on tensor cores (ds_cu_set_expert_mma) */
     int mla_gemm;        /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
     int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
+    int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
     void *mlag;          /* that path's buffers, mlag_bytes allocated */
     size_t mlag_bytes;
     void *kdac; /* chunked KDA's per-chunk products and chunk table, kdac_bytes allocated */
@@ -1417,18 +1418,181 @@ __global__ void mla_softmax_k(__nv_bfloat16 *P, const float *S, int Tq, int Ce, 
         pr[j] = __float2bfloat16_rn(j < n ? expf(sr[j] * scale - mx) * inv : 0.0f);
 }
 
+/* ---- expanded MLA in one fused kernel (flash attention) --------------------------------------
+ * The cuBLAS path above writes every score (f32) and probability (BF16) of a chunk to memory and
+ * reads them back: at 8192 tokens x 32 heads that traffic, not the products, was its time (47 ms
+ * of a 290 ms prefill). Here block (64 query rows, head) keeps everything on chip: its 4 warps
+ * hold 16 query rows each as BF16 tensor-core fragments (mma.sync m16n8k16, f32 accumulation),
+ * walk the visible keys in tiles of 64 staged in shared memory (V transposed, so that every
+ * fragment is two 32-bit loads), and keep the running maximum, sum and output of each row in
+ * registers (online softmax). The same BF16 rounding of Q, K, V and P as the cuBLAS path.
+ * Fragment layouts as the PTX ISA gives them for m16n8k16: lane = 4 g + l4 holds A's rows g and
+ * g + 8 at columns 2 l4 (+1) and 2 l4 + 8 (+1); B's column g at rows 2 l4 (+1) and 2 l4 + 8
+ * (+1); C's rows g and g + 8 at columns 2 l4 (+1). */
+enum { FL_BQ = 64, FL_BK = 64 };
+
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi); /* .x (lo) in the low half */
+    return *(uint32_t *)&v;
+}
+
+/* o [T][Ha][DV] f32 from Qb [T][Ha][DQ], Kb [C][Ha][DQ], Vb [C][Ha][DV] (BF16); query t sits at
+ * position p0 + t and, causal, sees keys j <= p0 + t (and j < C). */
+template <int DQ, int DV>
+__global__ void __launch_bounds__(128)
+    mla_flash_k(float *o, const uint16_t *Qb, const uint16_t *Kb, const uint16_t *Vb, int T, int C,
+                int Ha, int p0, int causal, float scale) {
+    PDL_ENTRY();
+    constexpr int KLD = DQ + 8, VLD = FL_BK + 8;       /* padded: conflict-free fragment loads */
+    __shared__ __align__(16) uint16_t Ks[FL_BK * KLD]; /* [key][channel] */
+    __shared__ __align__(16) uint16_t Vt[DV * VLD];    /* [value column][key] */
+    /* the longest (last) query blocks first: causal work grows with the position */
+    const int qb = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, q0 = qb * FL_BQ;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, l4 = lane & 3;
+    const size_t qs = (size_t)Ha * DQ, vs = (size_t)Ha * DV;
+    const int r0 = q0 + warp * 16 + g, r1 = r0 + 8; /* this thread's two query rows */
+    uint32_t qf[DQ / 16][4];                        /* the warp's queries as A fragments */
+#pragma unroll
+    for (int kk = 0; kk < DQ / 16; kk++) {
+        const int c = kk * 16 + l4 * 2;
+        const uint16_t *a = Qb + (size_t)r0 * qs + (size_t)h * DQ + c;
+        const uint16_t *b = Qb + (size_t)r1 * qs + (size_t)h * DQ + c;
+        qf[kk][0] = r0 < T ? *(const uint32_t *)a : 0u;
+        qf[kk][1] = r1 < T ? *(const uint32_t *)b : 0u;
+        qf[kk][2] = r0 < T ? *(const uint32_t *)(a + 8) : 0u;
+        qf[kk][3] = r1 < T ? *(const uint32_t *)(b + 8) : 0u;
+    }
+    /* keys each row may see (none for rows past T) */
+    const int lim0 = r0 < T ? (causal ? min(p0 + r0 + 1, C) : C) : 0;
+    const int lim1 = r1 < T ? (causal ? min(p0 + r1 + 1, C) : C) : 0;
+    const int last = min(q0 + FL_BQ, T) - 1;
+    const int n_end = causal ? min(C, p0 + last + 1) : C;
+    float oacc[DV / 8][4];
+#pragma unroll
+    for (int n = 0; n < DV / 8; n++) oacc[n][0] = oacc[n][1] = oacc[n][2] = oacc[n][3] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    for (int kb = 0; kb < n_end; kb += FL_BK) {
+        __syncthreads(); /* the previous tile's readers are done */
+        for (int i = tid; i < FL_BK * DQ / 8; i += blockDim.x) {
+            const int j = i / (DQ / 8), c8 = i % (DQ / 8);
+            uint4 u = make_uint4(0u, 0u, 0u, 0u);
+            if (kb + j < C)
+                u = *(const uint4 *)(Kb + (size_t)(kb + j) * qs + (size_t)h * DQ + c8 * 8);
+            *(uint4 *)(Ks + j * KLD + c8 * 8) = u;
+        }
+        for (int i = tid; i < FL_BK * DV / 8; i += blockDim.x) {
+            const int j = i % FL_BK, d8 = i / FL_BK; /* neighbouring threads: neighbouring keys */
+            uint4 u = make_uint4(0u, 0u, 0u, 0u);
+            if (kb + j < C)
+                u = *(const uint4 *)(Vb + (size_t)(kb + j) * vs + (size_t)h * DV + d8 * 8);
+            const uint16_t *e = (const uint16_t *)&u;
+#pragma unroll
+            for (int x = 0; x < 8; x++) Vt[(d8 * 8 + x) * VLD + j] = e[x];
+        }
+        __syncthreads();
+        float sc[FL_BK / 8][4]; /* scores: rows r0 (0, 1) and r1 (2, 3), keys kb + 8 t + 2 l4 */
+#pragma unroll
+        for (int t = 0; t < FL_BK / 8; t++) sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < DQ / 16; kk++)
+#pragma unroll
+            for (int t = 0; t < FL_BK / 8; t++) {
+                const uint16_t *kr = Ks + (t * 8 + g) * KLD + kk * 16 + l4 * 2;
+                mma_16816(sc[t], qf[kk], *(const uint32_t *)kr, *(const uint32_t *)(kr + 8));
+            }
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int t = 0; t < FL_BK / 8; t++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int j = kb + t * 8 + l4 * 2 + e;
+                sc[t][e] = j < lim0 ? sc[t][e] * scale : -INFINITY;
+                sc[t][2 + e] = j < lim1 ? sc[t][2 + e] * scale : -INFINITY;
+                mx0 = fmaxf(mx0, sc[t][e]);
+                mx1 = fmaxf(mx1, sc[t][2 + e]);
+            }
+        /* a row's values sit in the 4 lanes of its group */
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        /* a row that has seen nothing yet keeps zeros (max -inf: no exp of inf - inf) */
+        const float a0 = mn0 == -INFINITY ? 1.0f : __expf(m0 - mn0);
+        const float a1 = mn1 == -INFINITY ? 1.0f : __expf(m1 - mn1);
+        float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+        for (int t = 0; t < FL_BK / 8; t++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float x0 = mn0 == -INFINITY ? 0.0f : __expf(sc[t][e] - mn0);
+                const float x1 = mn1 == -INFINITY ? 0.0f : __expf(sc[t][2 + e] - mn1);
+                sc[t][e] = x0, sc[t][2 + e] = x1;
+                ps0 += x0, ps1 += x1;
+            }
+        ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
+        ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
+        ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
+        ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
+        l0 = l0 * a0 + ps0, l1 = l1 * a1 + ps1, m0 = mn0, m1 = mn1;
+#pragma unroll
+        for (int n = 0; n < DV / 8; n++)
+            oacc[n][0] *= a0, oacc[n][1] *= a0, oacc[n][2] *= a1, oacc[n][3] *= a1;
+            /* O += P V: the score tiles 2 kk and 2 kk + 1 are the A fragment of keys [16 kk, +16)
+             */
+#pragma unroll
+        for (int kk = 0; kk < FL_BK / 16; kk++) {
+            const uint32_t pa[4] = {pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]),
+                                    pack_bf16x2(sc[2 * kk][2], sc[2 * kk][3]),
+                                    pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                                    pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+            for (int n = 0; n < DV / 8; n++) {
+                const uint16_t *vr = Vt + (n * 8 + g) * VLD + kk * 16 + l4 * 2;
+                mma_16816(oacc[n], pa, *(const uint32_t *)vr, *(const uint32_t *)(vr + 8));
+            }
+        }
+    }
+    const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+#pragma unroll
+    for (int n = 0; n < DV / 8; n++) {
+        const int col = n * 8 + l4 * 2;
+        if (r0 < T)
+            *(float2 *)(o + (size_t)r0 * vs + (size_t)h * DV + col) =
+                make_float2(oacc[n][0] * i0, oacc[n][1] * i0);
+        if (r1 < T)
+            *(float2 *)(o + (size_t)r1 * vs + (size_t)h * DV + col) =
+                make_float2(oacc[n][2] * i1, oacc[n][3] * i1);
+    }
+}
+
+extern "C" void ds_cu_set_mla_flash(ds_cu *c, int on) {
+    c->mla_flash = on;
+}
+
 static int mla_expanded_gemm(ds_cu *c, float *o, const float *q, const float *kN, const float *kR,
                              const float *v, int T, int n_ctx, int Ha, int dn, int dr, int dvh,
                              int pos0, int causal, float scale, ds_err *err) {
     const int dq = dn + dr, C = n_ctx;
+    const int flash = c->mla_flash && dq == 192 && dvh == 128; /* Kimi's MLA (the instance) */
     /* query rows per chunk: S (f32) and P (bf16) of all heads within ~1.5 GB */
     const int Tq = (int)DS_MAX(1, DS_MIN((size_t)T, ((size_t)3 << 29) / ((size_t)Ha * C * 6)));
-    /* Kb [C][Ha][dq], Vb [C][Ha][dvh], Qb [T][Ha][dq] bf16 | S [Ha][Tq][C] f32 | P likewise bf16 */
+    /* Kb [C][Ha][dq], Vb [C][Ha][dvh], Qb [T][Ha][dq] bf16 | S [Ha][Tq][C] f32 | P likewise bf16
+     * (the last two not with the fused kernel) */
     const size_t sz[5] = {(size_t)C * Ha * dq * 2, (size_t)C * Ha * dvh * 2,
                           (size_t)T * Ha * dq * 2, (size_t)Ha * Tq * C * 4,
                           (size_t)Ha * Tq * C * 2};
     void *b[5];
-    if (carve_scratch(&c->mlag, &c->mlag_bytes, sz, b, 5, "mla gemm scratch", err)) return DS_ERR;
+    if (carve_scratch(&c->mlag, &c->mlag_bytes, sz, b, flash ? 3 : 5, "mla gemm scratch", err))
+        return DS_ERR;
     __nv_bfloat16 *Kb = (__nv_bfloat16 *)b[0], *Vb = (__nv_bfloat16 *)b[1];
     __nv_bfloat16 *Qb = (__nv_bfloat16 *)b[2], *P = (__nv_bfloat16 *)b[4];
     float *S = (float *)b[3];
@@ -1439,6 +1603,13 @@ static int mla_expanded_gemm(ds_cu *c, float *o, const float *q, const float *kN
     launch_k(c, to_bf16_rows, (unsigned)((nv + 255) / 256), 256, 0, Vb, v, Ha * dvh, Ha * dvh, C);
     launch_k(c, to_bf16_rows, (unsigned)((nq + 255) / 256), 256, 0, Qb, q, Ha * dq, Ha * dq, T);
     CU_TRY(cudaGetLastError(), "mla gemm: values, queries");
+    if (flash) {
+        launch_k(c, mla_flash_k<192, 128>, dim3((unsigned)((T + FL_BQ - 1) / FL_BQ), (unsigned)Ha),
+                 128, 0, o, (const uint16_t *)Qb, (const uint16_t *)Kb, (const uint16_t *)Vb, T, C,
+                 Ha, pos0, causal, scale);
+        CU_TRY(cudaGetLastError(), "mla (fused)");
+        return DS_OK;
+    }
     const float one = 1.0f, zero = 0.0f;
     for (int t0 = 0; t0 < T; t0 += Tq) {
         const int tq = DS_MIN(Tq, T - t0);
