@@ -4,6 +4,7 @@
 # -tp 2 against one GPU, the per-op profile and the 48B-shape benchmark with graphs, and the
 # bundled eval served from the GPU (300 problems, one process and PP 2 + DSpark + prefix +
 # offload). A line per part that failed at the end; logs and JSON under $OUT.
+"$(dirname "$0")/unpack_devbin.sh"
 set -uo pipefail
 OUT=${OUT:-/tmp/ds-out}
 mkdir -p "$OUT"

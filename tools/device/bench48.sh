@@ -2,6 +2,7 @@
 # On the GPU machine, with .devbin carried: decode and prefill at the shape of Kimi-Linear-48B-A3B
 # with random weights (configs/kimi-linear-48b-a3b), CUDA graphs on, then eager for comparison.
 # JSON results under $OUT.  tools/device/bench48.sh [extra bench flags]
+"$(dirname "$0")/unpack_devbin.sh"
 set -uo pipefail
 OUT=${OUT:-/tmp/ds-out}
 mkdir -p "$OUT"

@@ -4,6 +4,7 @@
 # goldens within 1e-4, pipeline stages bit-exact, prefix hits / forks / speculation equal to cold
 # runs), then the kernel checks. Logs under $OUT; a table of results last.
 #   tools/device/cuda_model_check.sh [test ...]
+"$(dirname "$0")/unpack_devbin.sh"
 set -uo pipefail
 OUT=${OUT:-/tmp/ds-out}
 mkdir -p "$OUT"

@@ -5,6 +5,7 @@
 # pipeline stages on GPUs (rank r takes GPU r mod count: on one H200 both share it), compared
 # bit for bit (GPU one process vs GPU -pp 2) and by relative error (GPU vs CPU); then greedy
 # generation on the GPU against the CPU's text. Logs under $OUT.
+"$(dirname "$0")/unpack_devbin.sh"
 set -uo pipefail
 OUT=${OUT:-/tmp/ds-out}
 mkdir -p "$OUT"

@@ -4,6 +4,7 @@
 # -pp 2 (both ranks on the one GPU), DSpark k = 7, prefix caching, the RAM offload tier.
 # Accuracy both ways, acceptance and tokens per forward; and whether the two runs' completions
 # are the same text.   tools/device/gpu_serve_eval.sh [LIMIT]
+"$(dirname "$0")/unpack_devbin.sh"
 set -uo pipefail
 OUT=${OUT:-/tmp/ds-out}
 mkdir -p "$OUT"

@@ -4,6 +4,7 @@
 # what the kernels themselves take), summed per kernel name, with the DRAM bytes they read.
 # Needs a machine whose runtime lets ncu read the counters (KINDS.md). Output: $OUT/ncu.txt.
 #   KERNELS=regex of kernel names  COUNT=launches profiled (default 1300: two steps)
+"$(dirname "$0")/unpack_devbin.sh"
 set -uo pipefail
 OUT=${OUT:-/tmp/ds-out}
 mkdir -p "$OUT"

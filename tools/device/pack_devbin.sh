@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Here, before a device call: builds build-cuda (the whole engine with the CUDA backend) and packs
-# what the GPU machine runs into .devbin/ (carry it: `carry [".devbin"]`): the binaries, and the
+# what the GPU machine runs into .devbin/bin.tar.xz (carry it: `carry [".devbin"]`; the device
+# scripts unpack it: tools/device/unpack_devbin.sh): the binaries, and the
 # shared libraries its image lacks (libmicrohttpd, libhiredis, libcmocka; it has the rest, and a
 # newer glibc than Debian 12's, so binaries built here run there).
 set -euo pipefail
@@ -17,4 +18,6 @@ for l in libmicrohttpd.so.12 libhiredis.so.0.14 libcmocka.so.0; do
   cp -L "/lib/x86_64-linux-gnu/$l" .devbin/lib/
 done
 strip .devbin/* 2>/dev/null || true
+# packed (the working tree and what is carried travel within 64 MiB): the device scripts unpack it
+(cd .devbin && tar cJf bin.tar.xz --remove-files -- *[!z])
 du -sh .devbin

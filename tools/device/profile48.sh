@@ -3,6 +3,7 @@
 # Kimi-Linear-48B-A3B (random weights), op by op (DS_CUDA_PROFILE=1: device events around each
 # op of eager steps). Prefill of PROMPT tokens (warm: the first of two reps is dropped), then
 # decode at each batch of BATCHES after a CTX-token context. The tables go to $OUT/profile.txt.
+"$(dirname "$0")/unpack_devbin.sh"
 set -uo pipefail
 OUT=${OUT:-/tmp/ds-out}
 mkdir -p "$OUT"
