@@ -1089,6 +1089,7 @@ __device__ float exp_shifted(float *sc, int n, float *sum) {
 
 /* BATCH: query token t belongs to its own sequence, at position tok_pos[t] with its block table
  * at table + tok_bt[t] (causal); otherwise one sequence, pos0 / n_ctx / causal as given. */
+enum { MLA_RW = 4 }; /* rows a warp scores at once (mla_split_k) */
 template <bool BATCH>
 __global__ void mla_split_k(float *part_o, float *part_ml, const float *qbar, const float *qr,
                             int Ha, int R, int dr, const float *pool, const int32_t *table, int bs,
@@ -1115,14 +1116,30 @@ __global__ void mla_split_k(float *part_o, float *part_ml, const float *qbar, co
     }
     const float *qb = qbar + (size_t)q * R, *qp = qr + (size_t)q * dr;
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int j = j0 + wid; j < j1; j += nw) {
-        const size_t at = ((size_t)table[j / bs] * bs + j % bs) * row;
-        const float *kv = pool + at;
-        float d = 0.0f;
-        for (int i = lane; i < R; i += 32) d += qb[i] * kv[i];
-        for (int i = lane; i < dr; i += 32) d += qp[i] * kv[R + i];
-        for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-        if (lane == 0) sc[j - j0] = d * scale, ro[j - j0] = at;
+    /* each warp scores MLA_RW rows at once (their loads in flight together; each row's sum in
+     * the same order as one at a time) */
+    for (int jb = j0 + wid; jb < j1; jb += nw * MLA_RW) {
+        size_t at[MLA_RW];
+        float d[MLA_RW];
+#pragma unroll
+        for (int r = 0; r < MLA_RW; r++) {
+            const int j = min(jb + r * nw, j1 - 1);
+            at[r] = ((size_t)table[j / bs] * bs + j % bs) * row;
+            d[r] = 0.0f;
+        }
+        for (int i = lane; i < R; i += 32)
+#pragma unroll
+            for (int r = 0; r < MLA_RW; r++) d[r] += qb[i] * pool[at[r] + i];
+        for (int i = lane; i < dr; i += 32)
+#pragma unroll
+            for (int r = 0; r < MLA_RW; r++) d[r] += qp[i] * pool[at[r] + R + i];
+#pragma unroll
+        for (int r = 0; r < MLA_RW; r++) {
+            float v = d[r];
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            const int j = jb + r * nw;
+            if (lane == 0 && j < j1) sc[j - j0] = v * scale, ro[j - j0] = at[r];
+        }
     }
     __syncthreads();
     float sum;
@@ -1451,7 +1468,9 @@ __global__ void __launch_bounds__(128)
     mla_flash_k(float *o, const uint16_t *Qb, const uint16_t *Kb, const uint16_t *Vb, int T, int C,
                 int Ha, int p0, int causal, float scale) {
     PDL_ENTRY();
-    constexpr int KLD = DQ + 8, VLD = FL_BK + 8;       /* padded: conflict-free fragment loads */
+    constexpr int KLD = DQ + 8, VLD = FL_BK + 8; /* padded: conflict-free fragment loads */
+    constexpr int NKL = FL_BK * DQ / 8 / 128, NVL = FL_BK * DV / 8 / 128; /* uint4s a thread */
+    static_assert(NKL * 128 * 8 == FL_BK * DQ && NVL * 128 * 8 == FL_BK * DV, "tile split");
     __shared__ __align__(16) uint16_t Ks[FL_BK * KLD]; /* [key][channel] */
     __shared__ __align__(16) uint16_t Vt[DV * VLD];    /* [value column][key] */
     /* the longest (last) query blocks first: causal work grows with the position */
@@ -1481,21 +1500,36 @@ __global__ void __launch_bounds__(128)
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
     for (int kb = 0; kb < n_end; kb += FL_BK) {
         __syncthreads(); /* the previous tile's readers are done */
-        for (int i = tid; i < FL_BK * DQ / 8; i += blockDim.x) {
-            const int j = i / (DQ / 8), c8 = i % (DQ / 8);
-            uint4 u = make_uint4(0u, 0u, 0u, 0u);
-            if (kb + j < C)
-                u = *(const uint4 *)(Kb + (size_t)(kb + j) * qs + (size_t)h * DQ + c8 * 8);
-            *(uint4 *)(Ks + j * KLD + c8 * 8) = u;
-        }
-        for (int i = tid; i < FL_BK * DV / 8; i += blockDim.x) {
-            const int j = i % FL_BK, d8 = i / FL_BK; /* neighbouring threads: neighbouring keys */
-            uint4 u = make_uint4(0u, 0u, 0u, 0u);
-            if (kb + j < C)
-                u = *(const uint4 *)(Vb + (size_t)(kb + j) * vs + (size_t)h * DV + d8 * 8);
-            const uint16_t *e = (const uint16_t *)&u;
+        /* every load of the tile first, then the stores: interleaved, each load waited for the
+         * store before it (the compiler cannot tell the generic pointers from shared memory) */
+        uint4 u[NKL > NVL ? NKL : NVL];
 #pragma unroll
-            for (int x = 0; x < 8; x++) Vt[(d8 * 8 + x) * VLD + j] = e[x];
+        for (int x = 0; x < NKL; x++) {
+            const int i = tid + x * 128, j = i / (DQ / 8), c8 = i % (DQ / 8);
+            u[x] =
+                kb + j < C
+                    ? __ldg((const uint4 *)(Kb + (size_t)(kb + j) * qs + (size_t)h * DQ + c8 * 8))
+                    : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int x = 0; x < NKL; x++) {
+            const int i = tid + x * 128, j = i / (DQ / 8), c8 = i % (DQ / 8);
+            *(uint4 *)(Ks + j * KLD + c8 * 8) = u[x];
+        }
+#pragma unroll
+        for (int x = 0; x < NVL; x++) {
+            const int i = tid + x * 128, j = i % FL_BK, d8 = i / FL_BK; /* neighbours: keys */
+            u[x] =
+                kb + j < C
+                    ? __ldg((const uint4 *)(Vb + (size_t)(kb + j) * vs + (size_t)h * DV + d8 * 8))
+                    : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int x = 0; x < NVL; x++) {
+            const int i = tid + x * 128, j = i % FL_BK, d8 = i / FL_BK;
+            const uint16_t *e = (const uint16_t *)&u[x];
+#pragma unroll
+            for (int y = 0; y < 8; y++) Vt[(d8 * 8 + y) * VLD + j] = e[y];
         }
         __syncthreads();
         float sc[FL_BK / 8][4]; /* scores: rows r0 (0, 1) and r1 (2, 3), keys kb + 8 t + 2 l4 */
