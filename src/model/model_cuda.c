@@ -448,6 +448,10 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     ds_cu_set_expert_mma(cm->c, env_flag("DS_CUDA_EXPERT_MMA", 1));
     ds_cu_set_mla_gemm(cm->c, env_flag("DS_CUDA_MLA_GEMM", 1));
     ds_cu_set_mla_flash(cm->c, env_flag("DS_CUDA_MLA_FLASH", 1));
+    /* a side stream for independent chains within a step (ds_cu_side_begin) */
+    ds_err side_err;
+    if (ds_cu_set_side(cm->c, env_flag("DS_CUDA_SIDE", 1), &side_err)) /* not fatal */
+        fprintf(stderr, "[deltaserve] %s: one stream per step\n", side_err.msg);
     ds_cu_set_mla_all_heads(cm->c, env_flag("DS_CUDA_MLA_ALL_HEADS", 1));
     ds_cu_prof_enable(cm->c, env_flag("DS_CUDA_PROFILE", 0));
     int L = c->num_hidden_layers, D = c->hidden_size;
@@ -796,6 +800,16 @@ static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float
      * its own tails (and, for a verify, the tails after each token) */
     PROF(s, "kda qkv");
     TRY(ds_cu_matmul(cu, pre, ld, xn, D, T, &w->in, err));
+    /* the decay gate and beta (from f_a x and b x) on the side stream, beside the convs of q, k
+     * and v; joined before the recurrence reads them */
+    PROF(s, "kda gates, beta");
+    TRY(ds_cu_side_begin(cu, err));
+    int rc = ds_cu_matmul(cu, o, P, fa, ld, T, &w->f_b, err);
+    if (!rc)
+        ds_cu_kda_gate(cu, g, o, T, H, dk, w->A_log, w->dt_bias, c->has_gate_lower_bound,
+                       c->gate_lower_bound, beta, braw, ld);
+    TRY(ds_cu_side_end(cu, err));
+    TRY(rc);
     PROF(s, "kda conv+l2norm");
     ds_cu_conv_batch cb = {3,
                            P,
@@ -814,10 +828,7 @@ static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float
     if (v - k != k - q) return ds_errf(err, "forward: internal error: q, k, v not evenly spaced");
     TRY(ds_cu_short_conv_silu_batch(cu, &cb, err));
     ds_cu_l2norm_heads2(cu, q, 1.0f / sqrtf((float)dk), k, 1.0f, T, H, dk, 1e-6f);
-    PROF(s, "kda gates, beta");
-    TRY(ds_cu_matmul(cu, o, P, fa, ld, T, &w->f_b, err));
-    ds_cu_kda_gate(cu, g, o, T, H, dk, w->A_log, w->dt_bias, c->has_gate_lower_bound,
-                   c->gate_lower_bound, beta, braw, ld);
+    TRY(ds_cu_side_join(cu, err));
     /* every segment in one launch, each on its own state (and rows, for a verify); long segments
      * without rows in chunks instead, as on the CPU (model.c kda_forward) */
     const int n_chunked = kda_chunked_segments(s);
@@ -953,16 +964,22 @@ static int mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float
 /* y[T][rows of down] = down act(gate x, up x) — dense MLP and shared experts. */
 /* y[T][rows of down] = down act(gate x, up x) — dense MLP and shared experts; gu is gate and up
  * stacked ([2I][D]), so both come from one weight stream. */
-static int mlp(cstep *s, const ds_cu_mat *gu, const ds_cu_mat *down, const float *x, int T,
-               float *y, ds_err *err) {
+static int mlp_in(cstep *s, const ds_cu_mat *gu, const ds_cu_mat *down, const float *x, int T,
+                  float *y, float *h, ds_err *err) {
     const ds_config *c = &s->m->cfg;
     int D = gu->cols, I = gu->rows / 2;
-    size_t mark = s->used;
-    float *h = take(s, (size_t)T * 2 * I); /* [T][2I]: gate | up, then act in the gate half */
-    TAKEN();
     TRY(ds_cu_matmul(s->c, h, 2 * I, x, D, T, gu, err));
     ds_cu_act_pairs(s->c, h, T, I, c->hidden_act == DS_ACT_SITU, c->situ_beta, c->situ_linear_beta);
     TRY(ds_cu_matmul(s->c, y, down->rows, h, 2 * I, T, down, err));
+    return DS_OK;
+}
+
+static int mlp(cstep *s, const ds_cu_mat *gu, const ds_cu_mat *down, const float *x, int T,
+               float *y, ds_err *err) {
+    size_t mark = s->used;
+    float *h = take(s, (size_t)T * gu->rows); /* [T][2I]: gate | up, then act in the gate half */
+    TAKEN();
+    TRY(mlp_in(s, gu, down, x, T, y, h, err));
     s->used = mark;
     return DS_OK;
 }
@@ -989,11 +1006,20 @@ static int ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, f
     float *u = latent ? take(s, (size_t)T * Hin) : NULL;          /* [T][Hin] expert input */
     float *acc = latent ? take(s, (size_t)T * Hin) : out;         /* [T][Hin] routed sum */
     float *sh = latent && shared ? take(s, (size_t)T * D) : NULL; /* [T][D] */
+    /* [T][2 Is] the shared experts' gate | up, held for the whole call (they run beside) */
+    float *hs = shared && !latent ? take(s, (size_t)T * w->sh_gu.rows) : NULL;
     TAKEN();
     /* Without a latent the shared experts go first, straight into out, and the routed sum is
-     * added onto them by the expert kernel (a + b == b + a: the CPU's sum, bit for bit). */
+     * added onto them by the expert kernel (a + b == b + a: the CPU's sum, bit for bit). They
+     * run on the side stream, beside the router and the routed experts (the expert kernel
+     * joins before it adds onto out). */
     PROF(s, "moe shared experts");
-    if (shared && !latent) TRY(mlp(s, &w->sh_gu, &w->sh_down, xn, T, out, err));
+    if (shared && !latent) {
+        TRY(ds_cu_side_begin(cu, err));
+        int rc = mlp_in(s, &w->sh_gu, &w->sh_down, xn, T, out, hs, err);
+        TRY(ds_cu_side_end(cu, err));
+        TRY(rc);
+    }
     PROF(s, "moe router");
     TRY(ds_cu_matmul(cu, z, E, xn, D, T, &w->router, err));
     TRY(ds_cu_moe_route(cu, idx, wt, z, w->router_bias, T, E, K,
@@ -1014,6 +1040,7 @@ static int ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, f
                               w->gate_up, w->e_down, situ, c->situ_beta, c->situ_linear_beta,
                               shared && !latent, err));
     }
+    TRY(ds_cu_side_join(cu, err)); /* (already, unless no expert kernel ran) */
     PROF(s, "moe combine");
     if (latent) {
         /* the latent norm is nonlinear: the routed sum is completed first (as on the CPU) */

@@ -175,6 +175,16 @@ void ds_cu_set_mla_gemm(ds_cu *c, int on);
 /* ... and, for Kimi's head shape (dn + dr = 192, dvh = 128), as one fused flash-attention kernel
  * (no scores in memory) instead of the two GEMMs; on unless DS_CUDA_MLA_FLASH=0. */
 void ds_cu_set_mla_flash(ds_cu *c, int on);
+/* A side stream for a chain of launches that does not depend on what the main stream issues
+ * next: after ds_cu_side_begin every launch (and cuBLAS call) goes to the side stream, forked
+ * from the main one; ds_cu_side_end returns to the main stream (the side work runs on beside
+ * it); ds_cu_side_join makes the main stream wait for it (ds_cu_moe_experts joins before adding
+ * onto its output; ds_cu_sync and ds_cu_capture_end join too). No-ops unless enabled with
+ * ds_cu_set_side (before any capture: it creates the stream) and while profiling. */
+int ds_cu_set_side(ds_cu *c, int on, ds_err *err);
+int ds_cu_side_begin(ds_cu *c, ds_err *err);
+int ds_cu_side_end(ds_cu *c, ds_err *err);
+int ds_cu_side_join(ds_cu *c, ds_err *err);
 /* ds_cu_mla_attend_absorbed_batch with one block per (token, split) for all heads, each latent row
  * read once instead of once per head (not with batch invariance; Ha * R a multiple of 256 with at
  * most 64 outputs per thread). on = 1: taken when the step has enough (token, split) blocks to

@@ -43,6 +43,15 @@ struct ds_cu {
     void *blas_ws;        /* cuBLAS's workspace, set once so that graph capture allocates nothing */
     struct cu_prof *prof; /* per-op timing when enabled (ds_cu_prof_enable), else NULL */
     int pdl;              /* launches may overlap the previous kernel's tail (below) */
+    /* the side stream (ds_cu_side_begin): its own cuBLAS handle, workspace and matmul scratch,
+     * swapped with the main stream's while work is issued there */
+    cudaStream_t side;
+    cublasHandle_t blas_side;
+    void *blas_ws_side;
+    uint16_t *xb_side;
+    size_t xb_side_bytes;
+    cudaEvent_t ev_fork, ev_join;
+    int side_on, on_side, side_pending;
 };
 
 /* Programmatic dependent launch (sm_90): every kernel is launched allowed to start while the one
@@ -141,8 +150,91 @@ extern "C" int ds_cu_create(int device, ds_cu **out, ds_err *err) {
     return DS_OK;
 }
 
+static void side_free(ds_cu *c) {
+    if (!c->side_on) return;
+    cudaStreamSynchronize(c->side);
+    cublasDestroy(c->blas_side);
+    cudaFree(c->blas_ws_side);
+    cudaFree(c->xb_side);
+    cudaEventDestroy(c->ev_fork);
+    cudaEventDestroy(c->ev_join);
+    cudaStreamDestroy(c->side);
+    c->side_on = 0;
+}
+
+/* ---- a second stream inside a step ----------------------------------------------------------
+ * A decode step is a chain of small kernels, each waiting for the one before; where two chains
+ * do not depend on each other (the shared experts beside the router and routed experts; the
+ * decay gates beside the short convs), the second is issued on a side stream that forks from the
+ * main one and is joined back before its results are read, so that the two run at once — in
+ * graphs too (the fork and join are events, which capture turns into edges). Between begin and
+ * end every launch (and cuBLAS call) goes to the side stream, with its own matmul scratch. Off
+ * while profiling (events of two streams interleaved would make no per-op times). */
+extern "C" int ds_cu_set_side(ds_cu *c, int on, ds_err *err) {
+    if (!on) {
+        side_free(c);
+        return DS_OK;
+    }
+    if (c->side_on) return DS_OK;
+    if (cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking) != cudaSuccess)
+        return ds_errf(err, "cuda: cannot create the side stream");
+    if (cudaEventCreateWithFlags(&c->ev_fork, cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventCreateWithFlags(&c->ev_join, cudaEventDisableTiming) != cudaSuccess ||
+        cublasCreate(&c->blas_side) != CUBLAS_STATUS_SUCCESS ||
+        cublasSetStream(c->blas_side, c->side) != CUBLAS_STATUS_SUCCESS ||
+        cudaMalloc(&c->blas_ws_side, (size_t)32 << 20) != cudaSuccess ||
+        cublasSetWorkspace(c->blas_side, c->blas_ws_side, (size_t)32 << 20) !=
+            CUBLAS_STATUS_SUCCESS) {
+        cudaGetLastError();
+        c->side_on = 1; /* so that side_free releases what was made */
+        side_free(c);
+        return ds_errf(err, "cuda: cannot set up the side stream");
+    }
+    c->side_on = 1;
+    return DS_OK;
+}
+
+static void side_swap(ds_cu *c) {
+    cudaStream_t st = c->stream;
+    c->stream = c->side, c->side = st;
+    cublasHandle_t b = c->blas;
+    c->blas = c->blas_side, c->blas_side = b;
+    uint16_t *x = c->xb;
+    c->xb = c->xb_side, c->xb_side = x;
+    size_t n = c->xb_bytes;
+    c->xb_bytes = c->xb_side_bytes, c->xb_side_bytes = n;
+    c->on_side = !c->on_side;
+}
+
+extern "C" int ds_cu_side_begin(ds_cu *c, ds_err *err) {
+    if (!c->side_on || c->prof || c->on_side) return DS_OK; /* stays on the main stream */
+    if (c->side_pending && ds_cu_side_join(c, err)) return DS_ERR;
+    CU_TRY(cudaEventRecord(c->ev_fork, c->stream), "side stream: fork");
+    CU_TRY(cudaStreamWaitEvent(c->side, c->ev_fork, 0), "side stream: fork");
+    side_swap(c);
+    return DS_OK;
+}
+
+extern "C" int ds_cu_side_end(ds_cu *c, ds_err *err) {
+    if (!c->on_side) return DS_OK;
+    cudaError_t e = cudaEventRecord(c->ev_join, c->stream);
+    side_swap(c); /* back on the main stream whatever happened */
+    if (e != cudaSuccess) return ds_errf(err, "cuda: side stream: %s", cudaGetErrorString(e));
+    c->side_pending = 1;
+    return DS_OK;
+}
+
+extern "C" int ds_cu_side_join(ds_cu *c, ds_err *err) {
+    if (!c->side_pending) return DS_OK;
+    c->side_pending = 0;
+    CU_TRY(cudaStreamWaitEvent(c->stream, c->ev_join, 0), "side stream: join");
+    return DS_OK;
+}
+
 extern "C" void ds_cu_free(ds_cu *c) {
     if (!c) return;
+    if (c->on_side) side_swap(c);
+    side_free(c);
     cudaStreamSynchronize(c->stream);
     cudaFree(c->xb);
     cudaFree(c->part);
@@ -168,6 +260,8 @@ extern "C" int ds_cu_bind(ds_cu *c, ds_err *err) {
 }
 
 extern "C" int ds_cu_sync(ds_cu *c, ds_err *err) {
+    if (c->on_side) side_swap(c); /* (an error path left it there) */
+    if (ds_cu_side_join(c, err)) return DS_ERR;
     CU_TRY(cudaStreamSynchronize(c->stream), "stream");
     if (c->sticky != cudaSuccess) {
         cudaError_t e = c->sticky;
@@ -2360,6 +2454,7 @@ static int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w
     if (n_local > 0)
         launch_k(c, moe_inverse_k, (n_local + 255) / 256, 256, 0, inv, perm, slot, n_local);
     CU_TRY(cudaGetLastError(), "moe inverse");
+    if (ds_cu_side_join(c, err)) return DS_ERR; /* out: see ds_cu_moe_experts */
     launch_k(c, moe_combine_perm_k, (unsigned)(((size_t)T * D + 255) / 256), 256, 0, out, y, inv, w,
              T, k, D, accumulate);
     CU_TRY(cudaGetLastError(), "moe combine (gemm)");
@@ -2473,6 +2568,8 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
                  I, down, e0, E);
         CU_TRY(cudaGetLastError(), "moe down");
     }
+    /* out may be the shared experts' output, still being written on the side stream */
+    if (ds_cu_side_join(c, err)) return DS_ERR;
     launch_k(c, moe_combine_k, (unsigned)(((size_t)T * D + 255) / 256), 256, 0, out, y, w, idx, e0,
              E, T, k, D, accumulate);
     CU_TRY(cudaGetLastError(), "moe combine");
@@ -3108,6 +3205,8 @@ extern "C" int ds_cu_capture_begin(ds_cu *c, ds_err *err) {
 extern "C" int ds_cu_capture_end(ds_cu *c, ds_cu_graph **out, ds_err *err) {
     *out = NULL;
     cudaGraph_t g = NULL;
+    if (c->on_side) side_swap(c);               /* (an error path left it there) */
+    if (ds_cu_side_join(c, err)) return DS_ERR; /* the side stream rejoins the capture */
     cudaError_t e = cudaStreamEndCapture(c->stream, &g);
     if (e != cudaSuccess) {
         if (g) cudaGraphDestroy(g);
