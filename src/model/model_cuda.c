@@ -569,7 +569,7 @@ static size_t cuda_step_need(const ds_model *m, const ds_seq_batch *seqs, int n_
     size_t N = (size_t)c->attn_res_block_size, pad = 16;
     size_t base = 3 * t * D + (N ? ((L + N - 1) / N + 1) * (t * D + pad) : 0) + 6 * pad;
     size_t H = (size_t)m->Hk, dk = (size_t)c->kda_head_dim, P = H * dk;
-    size_t kda = m->n_kda ? 8 * t * P + 2 * t * dk + 2 * t * H + 10 * pad : 0; /* kda_forward */
+    size_t kda = m->n_kda ? 9 * t * P + 2 * t * dk + 2 * t * H + 11 * pad : 0; /* kda_forward */
     size_t mla = 0;
     if (m->n_mla) {
         size_t Ha = (size_t)m->Ha, R = (size_t)c->kv_lora_rank;
@@ -790,7 +790,8 @@ static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float
     float *q = take(s, (size_t)T * P);    /* [T][H][dk] */
     float *k = take(s, (size_t)T * P);    /* [T][H][dk] */
     float *v = take(s, (size_t)T * P);    /* [T][H][dv] */
-    float *g = take(s, (size_t)T * P);    /* [T][H][dk] log decay, then the output gate */
+    float *g = take(s, (size_t)T * P);    /* [T][H][dk] log decay */
+    float *gt = take(s, (size_t)T * P);   /* [T][H][dv] the output gate */
     float *beta = take(s, (size_t)T * H); /* [T][H] */
     float *o = take(s, (size_t)T * P);    /* [T][H][dv] f_b's output, then the recurrence's */
     const float *fa = pre + 3 * P, *braw = fa + nf;
@@ -800,14 +801,18 @@ static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float
      * its own tails (and, for a verify, the tails after each token) */
     PROF(s, "kda qkv");
     TRY(ds_cu_matmul(cu, pre, ld, xn, D, T, &w->in, err));
-    /* the decay gate and beta (from f_a x and b x) on the side stream, beside the convs of q, k
-     * and v; joined before the recurrence reads them */
+    /* the decay gate and beta (from f_a x and b x), then the output gate, on the side stream,
+     * beside the convs of q, k and v; joined before the recurrence */
     PROF(s, "kda gates, beta");
     TRY(ds_cu_side_begin(cu, err));
     int rc = ds_cu_matmul(cu, o, P, fa, ld, T, &w->f_b, err);
     if (!rc)
         ds_cu_kda_gate(cu, g, o, T, H, dk, w->A_log, w->dt_bias, c->has_gate_lower_bound,
                        c->gate_lower_bound, beta, braw, ld);
+    if (!rc && c->use_full_rank_gate)
+        rc = ds_cu_matmul(cu, gt, P, xn, D, T, &w->g, err);
+    else if (!rc) /* g_a x sits in fa's second half */
+        rc = ds_cu_matmul(cu, gt, P, fa + dk, ld, T, &w->g_b, err);
     TRY(ds_cu_side_end(cu, err));
     TRY(rc);
     PROF(s, "kda conv+l2norm");
@@ -849,11 +854,7 @@ static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float
                               err));
     }
     PROF(s, "kda out gate, norm");
-    if (c->use_full_rank_gate)
-        TRY(ds_cu_matmul(cu, g, P, xn, D, T, &w->g, err));
-    else /* g_a x sits in fa's second half */
-        TRY(ds_cu_matmul(cu, g, P, fa + dk, ld, T, &w->g_b, err));
-    ds_cu_gated_rmsnorm_heads(cu, q, o, g, w->o_norm, T, H, dk, c->rms_norm_eps);
+    ds_cu_gated_rmsnorm_heads(cu, q, o, gt, w->o_norm, T, H, dk, c->rms_norm_eps);
     PROF(s, "kda o_proj");
     TRY(ds_cu_matmul(cu, out, D, q, P, T, &w->o, err));
     TRY(tp_sum(s, out, (size_t)T * D, err));
@@ -877,6 +878,15 @@ static int mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float
     float *qa = Rq ? take(s, (size_t)T * Rq) : NULL; /* [T][Rq] */
     TAKEN();
     PROF(s, "mla q, kv_a");
+    /* this step's latent rows (kv_a, its norm, into the pool) on the side stream, beside the
+     * queries; joined before attending */
+    TRY(ds_cu_side_begin(cu, err));
+    int rc = ds_cu_matmul(cu, kv, row, xn, D, T, &w->kv_a, err);
+    if (!rc) ds_cu_rmsnorm_ld(cu, kv, row, kv, row, w->kv_a_norm, T, R, 1e-6f);
+    if (!rc)
+        rc = ds_cu_move_rows(cu, pool, (size_t)row, s->lat_dst, kv, (size_t)row, NULL, T, row, err);
+    TRY(ds_cu_side_end(cu, err));
+    TRY(rc);
     if (Rq) {
         TRY(ds_cu_matmul(cu, qa, Rq, xn, D, T, &w->q_a, err));
         ds_cu_rmsnorm(cu, qa, qa, w->q_a_norm, T, Rq, 1e-6f);
@@ -884,9 +894,7 @@ static int mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float
     } else {
         TRY(ds_cu_matmul(cu, q, Ha * dq, xn, D, T, &w->q, err));
     }
-    TRY(ds_cu_matmul(cu, kv, row, xn, D, T, &w->kv_a, err));
-    ds_cu_rmsnorm_ld(cu, kv, row, kv, row, w->kv_a_norm, T, R, 1e-6f);
-    TRY(ds_cu_move_rows(cu, pool, (size_t)row, s->lat_dst, kv, (size_t)row, NULL, T, row, err));
+    TRY(ds_cu_side_join(cu, err));
     float scale = 1.0f / sqrtf((float)dq);
     int run0 = -1; /* consecutive short segments: one absorbed run (as on the CPU) */
     for (int qi = 0; qi <= s->n_seq; qi++) {

@@ -36,6 +36,8 @@ struct ds_cu {
     size_t kdac_bytes;
     void *h_kda; /* host copy of that chunk table, h_kda_bytes allocated */
     size_t h_kda_bytes;
+    const void *kda_tab_dev; /* where the table in h_kda sits on the device (NULL: nowhere) */
+    size_t kda_tab_bytes;
     void *moeg;   /* that path's buffers, moeg_bytes allocated */
     void *h_moeb; /* its host-side plan (panels, pointer arrays), h_moeb_bytes allocated */
     size_t h_moeb_bytes;
@@ -3099,16 +3101,21 @@ extern "C" int ds_cu_kda_chunked(ds_cu *c, float *o, const float *q, const float
                           tab_bytes + c0_bytes, (size_t)n_ch * H * dk * dv * sizeof(float),
                           (size_t)n_ch * H * KC * dv * sizeof(float)};
     void *b[4];
+    const void *was = c->kdac;
+    const size_t was_bytes = c->kdac_bytes;
     if (carve_scratch(&c->kdac, &c->kdac_bytes, sz, b, 4, "chunked kda scratch", err))
         return DS_ERR;
-    if (c->h_kda_bytes < tab_bytes + c0_bytes) {
-        void *p = realloc(c->h_kda, tab_bytes + c0_bytes);
+    if (c->kdac != was || c->kdac_bytes != was_bytes) c->kda_tab_dev = NULL; /* moved: stale */
+    /* host: [0, nb) the table last uploaded, [nb, 2 nb) this call's */
+    const size_t nb = tab_bytes + c0_bytes;
+    if (c->h_kda_bytes < 2 * nb) {
+        void *p = realloc(c->h_kda, 2 * nb);
         if (!p) return ds_errf(err, "cuda: out of host memory");
         c->h_kda = p;
-        c->h_kda_bytes = tab_bytes + c0_bytes;
+        c->h_kda_bytes = 2 * nb;
     }
-    kda_chunk *tab = (kda_chunk *)c->h_kda;
-    int *first = (int *)((char *)c->h_kda + tab_bytes);
+    kda_chunk *tab = (kda_chunk *)((char *)c->h_kda + nb);
+    int *first = (int *)((char *)c->h_kda + nb + tab_bytes);
     int at = 0;
     for (int z = 0; z < n_seq; z++) {
         first[z] = at;
@@ -3116,10 +3123,17 @@ extern "C" int ds_cu_kda_chunked(ds_cu *c, float *o, const float *q, const float
             tab[at++] = kda_chunk{seg_start[z] + t, DS_MIN(KC, seg_len[z] - t), z};
     }
     first[n_seq] = at;
-    /* waited for: the host table is rewritten by the next step */
-    CU_TRY(cudaMemcpyAsync(b[1], c->h_kda, tab_bytes + c0_bytes, cudaMemcpyHostToDevice, c->stream),
-           "kda chunk table");
-    CU_TRY(cudaStreamSynchronize(c->stream), "kda chunk table");
+    /* A step's KDA layers share one table: uploaded (and waited for, since the host copy is
+     * rewritten by the next call) only when it differs from the one on the device — once per
+     * step instead of once per layer. */
+    if (c->kda_tab_dev != b[1] || c->kda_tab_bytes != nb || memcmp(c->h_kda, tab, nb)) {
+        memcpy(c->h_kda, tab, nb);
+        c->kda_tab_dev = NULL; /* until the copy below has landed */
+        CU_TRY(cudaMemcpyAsync(b[1], c->h_kda, nb, cudaMemcpyHostToDevice, c->stream),
+               "kda chunk table");
+        CU_TRY(cudaStreamSynchronize(c->stream), "kda chunk table");
+        c->kda_tab_dev = b[1], c->kda_tab_bytes = nb;
+    }
     const kda_chunk *dtab = (const kda_chunk *)b[1];
     const int *dfirst = (const int *)((const char *)b[1] + tab_bytes);
     float *prep = (float *)b[0], *states = (float *)b[2], *ug = (float *)b[3];
