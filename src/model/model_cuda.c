@@ -969,7 +969,6 @@ static int mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float
     return DS_OK;
 }
 
-/* y[T][rows of down] = down act(gate x, up x) — dense MLP and shared experts. */
 /* y[T][rows of down] = down act(gate x, up x) — dense MLP and shared experts; gu is gate and up
  * stacked ([2I][D]), so both come from one weight stream. */
 static int mlp_in(cstep *s, const ds_cu_mat *gu, const ds_cu_mat *down, const float *x, int T,

@@ -650,6 +650,22 @@ __device__ float block_sum(float v) {
 /* Values per thread a row norm keeps in registers (D up to 12 x 256 = 3072 in one pass). */
 enum { NORM_V = 12 };
 
+/* y = w * v / rms(v) for a row held in registers, v[i] at column threadIdx.x + i blockDim.x
+ * (zeros past D): each thread's squares summed in column order, as the looping form does. */
+__device__ __forceinline__ void norm_row_regs(float *yr, const float (&v)[NORM_V], const float *w,
+                                              int D, float eps) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NORM_V; i++)
+        if (threadIdx.x + i * blockDim.x < D) ss += v[i] * v[i];
+    const float inv = rsqrtf(block_sum(ss) / (float)D + eps);
+#pragma unroll
+    for (int i = 0; i < NORM_V; i++) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < D) yr[c] = w[c] * (v[i] * inv);
+    }
+}
+
 /* Maximum over the block, likewise (exact: the order does not matter). */
 __device__ float block_max(float v) {
     __shared__ float part[32];
@@ -677,15 +693,7 @@ __global__ void rmsnorm_ld_k(float *y, int ldy, const float *x, int ldx, const f
             const int c = threadIdx.x + i * blockDim.x;
             v[i] = c < D ? xr[c] : 0.0f;
         }
-#pragma unroll
-        for (int i = 0; i < NORM_V; i++)
-            if (threadIdx.x + i * blockDim.x < D) ss += v[i] * v[i];
-        const float inv = rsqrtf(block_sum(ss) / (float)D + eps);
-#pragma unroll
-        for (int i = 0; i < NORM_V; i++) {
-            const int c = threadIdx.x + i * blockDim.x;
-            if (c < D) yr[c] = w[c] * (v[i] * inv);
-        }
+        norm_row_regs(yr, v, w, D, eps);
         return;
     }
     for (int c = threadIdx.x; c < D; c += blockDim.x) ss += xr[c] * xr[c];
@@ -813,14 +821,9 @@ __global__ void add_rmsnorm_k(float *y, float *P, const float *a, const float *w
 #pragma unroll
         for (int i = 0; i < NORM_V; i++) {
             const int c = threadIdx.x + i * blockDim.x;
-            if (c < D) pr[c] = v[i], ss += v[i] * v[i];
+            if (c < D) pr[c] = v[i];
         }
-        const float inv = rsqrtf(block_sum(ss) / (float)D + eps);
-#pragma unroll
-        for (int i = 0; i < NORM_V; i++) {
-            const int c = threadIdx.x + i * blockDim.x;
-            if (c < D) yr[c] = w[c] * (v[i] * inv);
-        }
+        norm_row_regs(yr, v, w, D, eps);
         return;
     }
     for (int c = threadIdx.x; c < D; c += blockDim.x) {
@@ -2512,14 +2515,12 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         const int mma = !direct && c->expert_mma && !c->batch_invariant &&
                         T >= MOE_MMA_MIN_TOKENS && (2 * I) % MMA_N == 0 && D % MMA_N == 0 &&
                         D % 16 == 0 && I % 16 == 0;
-        /* rows per pass: 8, or fewer when 8 rows of x would not fit in shared memory, and never
-         * more than T (a token picks an expert once, so no expert has more rows): at batch 1 a
-         * block then asks for one row's shared memory instead of eight (74 KB at D = 2304),
-         * and eight blocks fit an SM instead of three. Not yet measured on a GPU. */
-        /* and the kernel's accumulators sized to the rows an expert has: one at batch 1 (126
-         * registers a thread for eight rows' held the SMs to a quarter of their warps, measured
-         * by ncu), two while a step routes no more rows than there are experts (mostly one
-         * each), else eight; the bits do not depend on it */
+        /* rows per pass (rp) and the accumulators the kernel holds for them (rpm): sized to the
+         * rows an expert has — one at batch 1 (accumulators for eight took 126 registers a
+         * thread and held the SMs to a quarter of their warps, ncu measured), two while a step
+         * routes no more rows than there are experts (mostly one each), else eight — never more
+         * than T (a token picks an expert once) nor than shared memory holds of x; the bits do
+         * not depend on it */
         const int rpm = T == 1 ? 1 : rows <= E ? 2 : 8;
         const int rp_up = DS_MAX(1, DS_MIN(DS_MIN(rpm, T), (int)(MOE_SMEM / ((size_t)D * 4))));
         const int rp_dn = DS_MAX(1, DS_MIN(DS_MIN(rpm, T), (int)(MOE_SMEM / ((size_t)I * 4))));
