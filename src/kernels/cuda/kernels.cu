@@ -2803,6 +2803,14 @@ __host__ __device__ constexpr size_t kda_ch_floats(int KD) {
     return (size_t)4 * KC * KD + (size_t)KC * KC + KD;
 }
 
+/* Row stride of pass 1's staged keys and decays, in floats: odd, so that row j, channel c sits in
+ * bank (j + c) mod 32 and the 16 threads of a half-warp, reading rows 4 apart, meet at most two to
+ * a bank. KD + 4 (the stride before) put those rows 16 banks apart: 16 threads on 2 banks, 8-way
+ * conflicts in the inner loop of the A and P products. */
+__host__ __device__ constexpr int kda_kpad(int KD) {
+    return KD + 1;
+}
+
 struct kda_chunk {
     int t0, len, seg; /* its tokens [t0, t0 + len) of segment seg */
 };
@@ -2812,7 +2820,7 @@ __global__ void __launch_bounds__(256)
     kda_chunk_prep_k(float *out, const float *q, const float *k, const float *v, const float *g,
                      const float *beta, const kda_chunk *chunks, int H) {
     PDL_ENTRY();
-    constexpr int KPAD = KD + 4;
+    constexpr int KPAD = kda_kpad(KD);
     extern __shared__ float ksh[];
     float *Gs = ksh;                /* [KC][KPAD] running log decay */
     float *Ks = Gs + KC * KPAD;     /* [KC][KPAD] keys */
@@ -3058,7 +3066,7 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
                            const float *g, const float *beta, const kda_chunk *tab,
                            const int *first, float *prep, float *states, float *ug, int n_ch,
                            float *const *S, int n_seq, int H, ds_err *err) {
-    constexpr int KPAD = KD + 4;
+    constexpr int KPAD = kda_kpad(KD);
     const size_t smem1 = ((size_t)2 * KC * KPAD + (size_t)KC * (KC + 1) + KC) * sizeof(float);
     static int smem_set; /* once per head size; chunked steps are never captured */
     if (!smem_set) {
