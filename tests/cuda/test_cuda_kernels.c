@@ -2,6 +2,7 @@
  *
  *   test_cuda_kernels            checks only (exit 1 on any failure)
  *   test_cuda_kernels --bench    checks, then the ceilings and kernel timings
+ *   test_cuda_kernels --bench kda,mla   ... of those sections only (matmul, kda, moe, mla)
  *
  * Checks follow the device method: fresh random inputs for every case (never zeros), outputs
  * poisoned with NaN bytes before each run so that an unwritten element fails, and the error as
@@ -911,7 +912,32 @@ static void run_mla(ds_cu *c, void *p) {
         DIE("%s", err.msg);
 }
 
-static void bench(ds_cu *c) {
+/* Is section `name` among the comma-separated `only` (NULL: every section)? */
+static int wanted(const char *only, const char *name) {
+    if (!only) return 1;
+    size_t n = strlen(name);
+    for (const char *p = only; (p = strstr(p, name)) != NULL; p += n)
+        if ((p == only || p[-1] == ',') && (p[n] == ',' || p[n] == '\0')) return 1;
+    return 0;
+}
+
+/* Routed experts at the 48B widths (256 experts of 2304 x 1024, 8 a token), T tokens with
+ * distinct experts each: bytes = every expert some token picked, read once (gate, up, down). */
+typedef struct moe_ctx {
+    float *out, *x, *w;
+    int32_t *idx;
+    uint16_t *gu, *dn;
+    int T;
+} moe_ctx;
+static void run_moe(ds_cu *c, void *p) {
+    moe_ctx *m = p;
+    ds_err err;
+    if (ds_cu_moe_experts(c, m->out, m->x, m->idx, m->w, m->T, 8, 256, 0, 2304, 1024, m->gu, m->dn,
+                          0, 0.0f, 0.0f, 0, &err))
+        DIE("%s", err.msg);
+}
+
+static void bench(ds_cu *c, const char *only) {
     ds_err err = {{0}};
     /* 1. copy bandwidth: 2 x 2 GiB pairs, bytes read + written */
     size_t cb = (size_t)2 << 30;
@@ -943,7 +969,7 @@ static void bench(ds_cu *c) {
      *    read (the weights, BF16) over time, against the copy ceiling */
     static const int shapes[][2] = {{4096, 2304}, {2304, 4096}, {163840, 2304}};
     static const int Ts[] = {1, 2, 8, 64, 256};
-    for (size_t si = 0; si < DS_ARRAY_LEN(shapes); si++) {
+    for (size_t si = 0; si < DS_ARRAY_LEN(shapes) && wanted(only, "matmul"); si++) {
         int N = shapes[si][0], K = shapes[si][1];
         mm_ctx mc = {0};
         uint16_t *w = rand_bf16((size_t)N * K, -0.05f, 0.05f);
@@ -972,7 +998,7 @@ static void bench(ds_cu *c) {
      *    sequences, one launch per sequence or one for the batch; bytes = each state read and
      *    written once (q, k, v, g are small beside it) */
     static const int seqs[] = {1, 64, 256};
-    for (size_t i = 0; i < DS_ARRAY_LEN(seqs); i++)
+    for (size_t i = 0; i < DS_ARRAY_LEN(seqs) && wanted(only, "kda"); i++)
         for (int batched = 0; batched < 2; batched++) {
             kda_ctx kc = {0};
             kc.T = 1, kc.H = 32, kc.dk = 128, kc.dv = 128, kc.n_seq = seqs[i];
@@ -1007,7 +1033,7 @@ static void bench(ds_cu *c) {
 
     /* 4b. KDA over a prompt with the recurrent kernel: 8192 tokens, 32 heads of 128 x 128 (the
      *     baseline a chunked kernel has to beat; it walks the tokens in order) */
-    {
+    if (wanted(only, "kda")) {
         kda_ctx kc = {0};
         kc.T = 8192, kc.H = 32, kc.dk = 128, kc.dv = 128, kc.n_seq = 1;
         size_t nq = (size_t)kc.T * kc.H * kc.dk, ns = (size_t)kc.H * kc.dk * kc.dv;
@@ -1034,7 +1060,7 @@ static void bench(ds_cu *c) {
 
     /* 4c. expanded MLA over a prompt: 8192 tokens, 32 heads of 128 + 64 / 128 (causal), the
      *     cuBLAS path against the fused kernel; FLOPs: the causal half of QK^T and PV */
-    {
+    if (wanted(only, "mla")) {
         const int T = 8192, Ha = 32, dn = 128, dr = 64, dvh = 128;
         size_t nq = (size_t)T * Ha * (dn + dr), nk = (size_t)T * Ha * dn, nv = (size_t)T * Ha * dvh;
         float *h = rand_f32(nq, -0.3f, 0.3f);
@@ -1064,10 +1090,43 @@ static void bench(ds_cu *c) {
         ds_cu_dealloc(dout);
     }
 
+    /* 4d. routed experts at batch 1 and 8 (graph-free launches, so launch gaps included) */
+    if (wanted(only, "moe")) {
+        const size_t per = (size_t)2304 * 1024;
+        moe_ctx mc = {0};
+        mc.gu = ds_cu_alloc(c, 256 * 2 * per * 2, &err);
+        mc.dn = ds_cu_alloc(c, 256 * per * 2, &err);
+        if (!mc.gu || !mc.dn || ds_cu_fill_random_bf16(c, mc.gu, 256 * 2 * per, 7, 0.03f, &err) ||
+            ds_cu_fill_random_bf16(c, mc.dn, 256 * per, 8, 0.03f, &err))
+            DIE("%s", err.msg);
+        float *h = rand_f32((size_t)8 * 2304, -1, 1);
+        mc.x = dev(c, h, (size_t)8 * 2304 * 4);
+        free(h);
+        h = rand_f32(64, 0, 1);
+        mc.w = dev(c, h, 64 * 4);
+        free(h);
+        int32_t ids[64]; /* 37 i mod 256: 64 distinct experts (37 is odd) */
+        for (int i = 0; i < 64; i++) ids[i] = (int32_t)((i * 37) % 256);
+        mc.idx = dev(c, ids, sizeof ids);
+        mc.out = dev(c, NULL, (size_t)8 * 2304 * 4);
+        static const int mts[] = {1, 8};
+        for (size_t i = 0; i < DS_ARRAY_LEN(mts); i++) {
+            mc.T = mts[i];
+            ms = median_ms(c, run_moe, &mc, 3, 20);
+            double bytes = (double)mc.T * 8 * 3 * per * 2;
+            printf("bench moe experts T=%d (8 of 256, 2304 x 1024): %.4f ms, %.0f GB/s (%.0f%% of "
+                   "copy)\n",
+                   mc.T, ms, bytes / (ms * 1e-3) / 1e9,
+                   100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
+        }
+        ds_cu_dealloc(mc.gu), ds_cu_dealloc(mc.dn), ds_cu_dealloc(mc.x), ds_cu_dealloc(mc.w);
+        ds_cu_dealloc(mc.idx), ds_cu_dealloc(mc.out);
+    }
+
     /* 5. MLA absorbed decode, one token, 32 heads (Kimi-Linear), R 512 + dr 64, f32 cache; the
      *    bytes that must be read: the context's latent rows once */
     static const int ctxs[] = {4096, 32768};
-    for (size_t i = 0; i < DS_ARRAY_LEN(ctxs); i++) {
+    for (size_t i = 0; i < DS_ARRAY_LEN(ctxs) && wanted(only, "mla"); i++) {
         mla_ctx mc = {0};
         mc.Ha = 32, mc.n_ctx = ctxs[i];
         int pages = mc.n_ctx / 16;
@@ -1094,7 +1153,9 @@ static void bench(ds_cu *c) {
 }
 
 int main(int argc, char **argv) {
+    /* --bench [sections]: matmul, kda, moe, mla, comma-separated (default: all) */
     int do_bench = argc > 1 && !strcmp(argv[1], "--bench");
+    const char *only = do_bench && argc > 2 ? argv[2] : NULL;
     ds_kernels_init();
     ds_rng_seed(&g_rng, 20261201);
     ds_cu *c;
@@ -1216,7 +1277,7 @@ int main(int argc, char **argv) {
 #endif
     check_argmax(c, 12, 100);
     printf("checks: %s\n", g_fail ? "FAILED" : "all passed");
-    if (do_bench && !g_fail) bench(c);
+    if (do_bench && !g_fail) bench(c, only);
     ds_cu_free(c);
     return g_fail;
 }

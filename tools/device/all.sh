@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine, with .devbin carried: everything one device call can check and time in
 # about 90 s — every kernel against the CPU, the CPU's model and engine tests on the GPU, -pp 2 /
-# -tp 2 against one GPU, the per-op profile and the 48B-shape benchmark with graphs, and the
+# -tp 2 against one GPU, the per-op profile and the 48B-shape benchmark with graphs, the
 # bundled eval served from the GPU (300 problems, one process and PP 2 + DSpark + prefix +
-# offload). A line per part that failed at the end; logs and JSON under $OUT.
+# offload), and the KDA, expert and MLA kernel timings. A line per part that failed at the end;
+# logs and JSON under $OUT.
 "$(dirname "$0")/unpack_devbin.sh"
 set -uo pipefail
 OUT=${OUT:-/tmp/ds-out}
@@ -18,9 +19,12 @@ PROMPT=8192 BATCHES=1,256 timeout 200 tools/device/profile48.sh > "$OUT/profile_
 EAGER=0 timeout 200 tools/device/bench48.sh 2>&1 | tail -7 || failed+=" bench"
 timeout 120 tools/device/gpu_serve_eval.sh "${EVAL_LIMIT:-300}" 2>&1 | grep -v Killed | tail -3 ||
   failed+=" eval"
+timeout 120 .devbin/test_cuda_kernels --bench kda,moe,mla 2>&1 | grep "^bench" > "$OUT/kernel_bench.txt" ||
+  failed+=" kernel-bench"
+cat "$OUT/kernel_bench.txt"
 echo "profile tables: $OUT/profile_all.txt"
 # what comes back is at most 8 files: the logs and arrays in one archive, the profile beside it
-(cd "$OUT" && tar czf /tmp/ds-logs.tgz --exclude profile_all.txt --exclude bench48_graphs.json . &&
-  find . -mindepth 1 ! -name profile_all.txt ! -name bench48_graphs.json -delete &&
+(cd "$OUT" && tar czf /tmp/ds-logs.tgz --exclude profile_all.txt --exclude bench48_graphs.json --exclude kernel_bench.txt . &&
+  find . -mindepth 1 ! -name profile_all.txt ! -name bench48_graphs.json ! -name kernel_bench.txt -delete &&
   mv /tmp/ds-logs.tgz .)
 [ -z "$failed" ] && echo "all parts ran" || { echo "failed:$failed"; exit 1; }
