@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, with .devbin carried: everything one device call can check and time in
-# about 2.5 minutes — every kernel against the CPU, the CPU's model and engine tests on the GPU, -pp 2 /
-# -tp 2 against one GPU, the per-op profile and the 48B-shape benchmark with graphs, the
+# about 2.5 minutes — every kernel against the CPU, the CPU's model and engine tests on the GPU,
+# -pp 2 / -tp 2 against one GPU, the per-op profile and the 48B-shape benchmark with graphs, the
 # bundled eval served from the GPU (300 problems, one process and PP 2 + DSpark + prefix +
 # offload), and the KDA, expert and MLA kernel timings. A line per part that failed at the end;
 # logs and JSON under $OUT.
