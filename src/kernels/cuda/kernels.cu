@@ -30,6 +30,7 @@ struct ds_cu {
     int mla_gemm;        /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
     int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
     int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
+    int kda_tc;          /* chunked KDA's outputs on TF32 tensor cores (ds_cu_set_kda_tc) */
     void *mlag;          /* that path's buffers, mlag_bytes allocated */
     size_t mlag_bytes;
     void *kdac; /* chunked KDA's per-chunk products and chunk table, kdac_bytes allocated */
@@ -3057,6 +3058,83 @@ __global__ void __launch_bounds__(256)
     }
 }
 
+/* Pass 3 on TF32 tensor cores (opt-in, ds_cu_set_kda_tc; not yet run on a GPU): the same two
+ * products, O = Qp S0 + P U, as mma.sync m16n8k8 with f32 accumulation, the operands rounded to
+ * TF32 (10-bit mantissa: ~1e-3 relative error instead of f32's 1e-7). Block (chunk, head), 4
+ * warps of 16 rows each, every column; fragments read straight from memory (S0 and U rows from
+ * L1, shared by the warps). Rows past the chunk's length are zeros in Qp, P and U (passes 1 and
+ * 2 write them so), so no operand needs a mask; only the stores do. Fragment layouts as the PTX
+ * ISA gives them for m16n8k8 TF32: lane = 4 g + l4 holds A's (g, l4), (g + 8, l4), (g, l4 + 4),
+ * (g + 8, l4 + 4); B's (l4, g), (l4 + 4, g); C's (g, 2 l4 (+1)) and (g + 8, 2 l4 (+1)). */
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int KD>
+__global__ void __launch_bounds__(128)
+    kda_chunk_out_tc_k(float *o, const float *states, const float *ug, const float *prep,
+                       const kda_chunk *chunks, int H) {
+    PDL_ENTRY();
+    constexpr int NT = KD / 8; /* 8-column tiles of the output */
+    const kda_chunk ch = chunks[blockIdx.x];
+    const int h = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, l4 = lane & 3, r0 = warp * 16;
+    if (r0 >= ch.len) return; /* (no block barrier follows) */
+    const size_t at = (size_t)blockIdx.x * H + h;
+    const float *pr = prep + at * kda_ch_floats(KD);
+    const float *Qp = pr + 2 * KC * KD, *P = pr + 4 * KC * KD;
+    const float *S0 = states + at * KD * KD, *U = ug + at * KC * KD;
+    float acc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+        /* Qp S0: k over the KD key channels */
+#pragma unroll 2
+    for (int k0 = 0; k0 < KD; k0 += 8) {
+        const float *qa = Qp + (size_t)(r0 + g) * KD + k0 + l4;
+        const uint32_t a[4] = {to_tf32(__ldg(qa)), to_tf32(__ldg(qa + 8 * KD)),
+                               to_tf32(__ldg(qa + 4)), to_tf32(__ldg(qa + 8 * KD + 4))};
+        const float *sb = S0 + (size_t)(k0 + l4) * KD + g;
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+            mma_tf32(acc[n], a, to_tf32(__ldg(sb + n * 8)), to_tf32(__ldg(sb + 4 * KD + n * 8)));
+    }
+    /* P U: k over the chunk's tokens, up to this warp's last row (P is lower triangular) */
+    for (int k0 = 0; k0 < r0 + 16; k0 += 8) {
+        const float *pa = P + (size_t)(r0 + g) * KC + k0 + l4;
+        const uint32_t a[4] = {to_tf32(__ldg(pa)), to_tf32(__ldg(pa + 8 * KC)),
+                               to_tf32(__ldg(pa + 4)), to_tf32(__ldg(pa + 8 * KC + 4))};
+        const float *ub = U + (size_t)(k0 + l4) * KD + g;
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+            mma_tf32(acc[n], a, to_tf32(__ldg(ub + n * 8)), to_tf32(__ldg(ub + 4 * KD + n * 8)));
+    }
+    const int t0 = r0 + g, t1 = t0 + 8;
+#pragma unroll
+    for (int n = 0; n < NT; n++) {
+        const int col = n * 8 + 2 * l4;
+        if (t0 < ch.len)
+            *(float2 *)(o + ((size_t)(ch.t0 + t0) * H + h) * KD + col) =
+                make_float2(acc[n][0], acc[n][1]);
+        if (t1 < ch.len)
+            *(float2 *)(o + ((size_t)(ch.t0 + t1) * H + h) * KD + col) =
+                make_float2(acc[n][2], acc[n][3]);
+    }
+}
+
+extern "C" void ds_cu_set_kda_tc(ds_cu *c, int on) {
+    c->kda_tc = on;
+}
+
 extern "C" int ds_cu_kda_chunked_supports(int dk, int dv) {
     return dk == dv && (dk == 64 || dk == 128);
 }
@@ -3084,8 +3162,12 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
              states, ug, prep, tab, first, S, H);
     CU_TRY(cudaGetLastError(), "chunked kda (scan)");
     ds_cu_prof_mark(c, "kda chunks: outputs");
-    launch_k(c, kda_chunk_out_k<KD>, dim3((unsigned)n_ch, (unsigned)H), 256, 0, o, states, ug, prep,
-             tab, H);
+    if (c->kda_tc)
+        launch_k(c, kda_chunk_out_tc_k<KD>, dim3((unsigned)n_ch, (unsigned)H), 128, 0, o, states,
+                 ug, prep, tab, H);
+    else
+        launch_k(c, kda_chunk_out_k<KD>, dim3((unsigned)n_ch, (unsigned)H), 256, 0, o, states, ug,
+                 prep, tab, H);
     CU_TRY(cudaGetLastError(), "chunked kda (outputs)");
     return DS_OK;
 }
