@@ -709,12 +709,21 @@ extern "C" void ds_cu_rmsnorm(ds_cu *c, float *y, const float *x, const float *w
     note_launch(c);
 }
 
+/* act(gate, up): SiLU(g) u, or SiTU (MODEL_SPEC) — one definition for every kernel that applies
+ * it, so that fused and separate passes give the same bits. */
+__device__ __forceinline__ float act_pair(float g, float u, int situ, float beta, float lin_beta) {
+    if (situ) {
+        const float phi = lin_beta > 0.0f ? lin_beta * tanhf(u / lin_beta) : u;
+        return beta * tanhf(g / beta) / (1.0f + expf(-g)) * phi;
+    }
+    return g / (1.0f + expf(-g)) * u;
+}
+
 __global__ void swiglu_k(float *out, const float *gate, const float *up, size_t n) {
     PDL_ENTRY();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    float g = gate[i];
-    out[i] = g / (1.0f + expf(-g)) * up[i];
+    out[i] = act_pair(gate[i], up[i], 0, 0.0f, 0.0f);
 }
 
 extern "C" void ds_cu_swiglu(ds_cu *c, float *out, const float *gate, const float *up, size_t n) {
@@ -764,9 +773,7 @@ __global__ void situ_k(float *out, const float *gate, const float *up, size_t n,
     PDL_ENTRY();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    const float g = gate[i], u = up[i];
-    const float phi = lin_beta > 0.0f ? lin_beta * tanhf(u / lin_beta) : u;
-    out[i] = beta * tanhf(g / beta) / (1.0f + expf(-g)) * phi;
+    out[i] = act_pair(gate[i], up[i], 1, beta, lin_beta);
 }
 
 extern "C" void ds_cu_situ(ds_cu *c, float *out, const float *gate, const float *up, size_t n,
@@ -777,16 +784,6 @@ extern "C" void ds_cu_situ(ds_cu *c, float *out, const float *gate, const float 
 }
 
 /* a[r][i] = act(gate, up) with gate = h[r][i], up = h[r][I + i]; in place into the gate half. */
-/* act(gate, up): SiLU(g) u, or SiTU (MODEL_SPEC) — one definition for every kernel that applies
- * it, so that fused and separate passes give the same bits. */
-__device__ __forceinline__ float act_pair(float g, float u, int situ, float beta, float lin_beta) {
-    if (situ) {
-        const float phi = lin_beta > 0.0f ? lin_beta * tanhf(u / lin_beta) : u;
-        return beta * tanhf(g / beta) / (1.0f + expf(-g)) * phi;
-    }
-    return g / (1.0f + expf(-g)) * u;
-}
-
 __global__ void moe_act_k(float *h, int rows, int I, int situ, float beta, float lin_beta) {
     PDL_ENTRY();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -1561,6 +1558,11 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     return *(uint32_t *)&v;
 }
 
+/* Eight BF16 of row `row` (rows `stride` apart from p), or zeros for a row past n. */
+__device__ __forceinline__ uint4 row_piece(const uint16_t *p, int row, int n, size_t stride) {
+    return row < n ? __ldg((const uint4 *)(p + (size_t)row * stride)) : make_uint4(0u, 0u, 0u, 0u);
+}
+
 /* o [T][Ha][DV] f32 from Qb [T][Ha][DQ], Kb [C][Ha][DQ], Vb [C][Ha][DV] (BF16); query t sits at
  * position p0 + t and, causal, sees keys j <= p0 + t (and j < C). */
 template <int DQ, int DV>
@@ -1606,10 +1608,7 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
         for (int x = 0; x < NKL; x++) {
             const int i = tid + x * 128, j = i / (DQ / 8), c8 = i % (DQ / 8);
-            u[x] =
-                kb + j < C
-                    ? __ldg((const uint4 *)(Kb + (size_t)(kb + j) * qs + (size_t)h * DQ + c8 * 8))
-                    : make_uint4(0u, 0u, 0u, 0u);
+            u[x] = row_piece(Kb + (size_t)h * DQ + c8 * 8, kb + j, C, qs);
         }
 #pragma unroll
         for (int x = 0; x < NKL; x++) {
@@ -1619,10 +1618,7 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
         for (int x = 0; x < NVL; x++) {
             const int i = tid + x * 128, j = i % FL_BK, d8 = i / FL_BK; /* neighbours: keys */
-            u[x] =
-                kb + j < C
-                    ? __ldg((const uint4 *)(Vb + (size_t)(kb + j) * vs + (size_t)h * DV + d8 * 8))
-                    : make_uint4(0u, 0u, 0u, 0u);
+            u[x] = row_piece(Vb + (size_t)h * DV + d8 * 8, kb + j, C, vs);
         }
 #pragma unroll
         for (int x = 0; x < NVL; x++) {
@@ -3080,6 +3076,19 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+/* One k-step of 8 for a warp's 16 rows and NT 8-column tiles: acc += A B with A row-major
+ * (a: this lane's A(g, l4), rows lda apart) and B row-major (b: this lane's B(l4, g), rows ldb
+ * apart, tiles 8 columns apart). */
+template <int NT>
+__device__ __forceinline__ void tf32_kstep(float (&acc)[NT][4], const float *a, int lda,
+                                           const float *b, int ldb) {
+    const uint32_t af[4] = {to_tf32(__ldg(a)), to_tf32(__ldg(a + 8 * lda)), to_tf32(__ldg(a + 4)),
+                            to_tf32(__ldg(a + 8 * lda + 4))};
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+        mma_tf32(acc[n], af, to_tf32(__ldg(b + n * 8)), to_tf32(__ldg(b + 4 * ldb + n * 8)));
+}
+
 template <int KD>
 __global__ void __launch_bounds__(128)
     kda_chunk_out_tc_k(float *o, const float *states, const float *ug, const float *prep,
@@ -3099,25 +3108,13 @@ __global__ void __launch_bounds__(128)
     for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
         /* Qp S0: k over the KD key channels */
 #pragma unroll 2
-    for (int k0 = 0; k0 < KD; k0 += 8) {
-        const float *qa = Qp + (size_t)(r0 + g) * KD + k0 + l4;
-        const uint32_t a[4] = {to_tf32(__ldg(qa)), to_tf32(__ldg(qa + 8 * KD)),
-                               to_tf32(__ldg(qa + 4)), to_tf32(__ldg(qa + 8 * KD + 4))};
-        const float *sb = S0 + (size_t)(k0 + l4) * KD + g;
-#pragma unroll
-        for (int n = 0; n < NT; n++)
-            mma_tf32(acc[n], a, to_tf32(__ldg(sb + n * 8)), to_tf32(__ldg(sb + 4 * KD + n * 8)));
-    }
+    for (int k0 = 0; k0 < KD; k0 += 8)
+        tf32_kstep<NT>(acc, Qp + (size_t)(r0 + g) * KD + k0 + l4, KD,
+                       S0 + (size_t)(k0 + l4) * KD + g, KD);
     /* P U: k over the chunk's tokens, up to this warp's last row (P is lower triangular) */
-    for (int k0 = 0; k0 < r0 + 16; k0 += 8) {
-        const float *pa = P + (size_t)(r0 + g) * KC + k0 + l4;
-        const uint32_t a[4] = {to_tf32(__ldg(pa)), to_tf32(__ldg(pa + 8 * KC)),
-                               to_tf32(__ldg(pa + 4)), to_tf32(__ldg(pa + 8 * KC + 4))};
-        const float *ub = U + (size_t)(k0 + l4) * KD + g;
-#pragma unroll
-        for (int n = 0; n < NT; n++)
-            mma_tf32(acc[n], a, to_tf32(__ldg(ub + n * 8)), to_tf32(__ldg(ub + 4 * KD + n * 8)));
-    }
+    for (int k0 = 0; k0 < r0 + 16; k0 += 8)
+        tf32_kstep<NT>(acc, P + (size_t)(r0 + g) * KC + k0 + l4, KC, U + (size_t)(k0 + l4) * KD + g,
+                       KD);
     const int t0 = r0 + g, t1 = t0 + 8;
 #pragma unroll
     for (int n = 0; n < NT; n++) {
