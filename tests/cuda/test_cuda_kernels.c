@@ -1160,16 +1160,8 @@ static void bench(ds_cu *c, const char *only) {
     }
 }
 
-int main(int argc, char **argv) {
-    /* --bench [sections]: matmul, kda, moe, mla, comma-separated (default: all) */
-    int do_bench = argc > 1 && !strcmp(argv[1], "--bench");
-    const char *only = do_bench && argc > 2 ? argv[2] : NULL;
-    ds_kernels_init();
-    ds_rng_seed(&g_rng, 20261201);
-    ds_cu *c;
-    ds_err err = {{0}};
-    if (ds_cu_create(0, &c, &err)) DIE("%s", err.msg);
-    printf("device: %s; CPU kernels: %s\n", ds_cu_device_name(c), ds_isa_name(ds_kernels_isa()));
+/* Every kernel against the CPU backend on fresh random inputs (g_fail counts what failed). */
+static void run_checks(ds_cu *c) {
 
     /* T = 1 with K % 8 == 0: the f32 GEMV (held to f32 accuracy); else cuBLAS on BF16 x */
     check_matmul(c, 1, 4096, 2304, 0, 1e-5);
@@ -1290,7 +1282,24 @@ int main(int argc, char **argv) {
     check_nccl_one_rank(c);
 #endif
     check_argmax(c, 12, 100);
-    printf("checks: %s\n", g_fail ? "FAILED" : "all passed");
+}
+
+int main(int argc, char **argv) {
+    /* --bench [sections]: matmul, kda, moe, mla, comma-separated (default: all), after the
+     * checks; --bench-only [sections]: the timings alone (under a profiler) */
+    const int bench_only = argc > 1 && !strcmp(argv[1], "--bench-only");
+    const int do_bench = bench_only || (argc > 1 && !strcmp(argv[1], "--bench"));
+    const char *only = do_bench && argc > 2 ? argv[2] : NULL;
+    ds_kernels_init();
+    ds_rng_seed(&g_rng, 20261201);
+    ds_cu *c;
+    ds_err err = {{0}};
+    if (ds_cu_create(0, &c, &err)) DIE("%s", err.msg);
+    printf("device: %s; CPU kernels: %s\n", ds_cu_device_name(c), ds_isa_name(ds_kernels_isa()));
+    if (!bench_only) {
+        run_checks(c);
+        printf("checks: %s\n", g_fail ? "FAILED" : "all passed");
+    }
     if (do_bench && !g_fail) bench(c, only);
     ds_cu_free(c);
     return g_fail;

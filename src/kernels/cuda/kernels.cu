@@ -2792,111 +2792,182 @@ extern "C" int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, con
  * V and W = (I + A)^-1 diag(beta) (K e^G). Every exponent is a difference G_later - G_earlier <= 0,
  * so nothing overflows however strong the decay. Pass 1 (a block per chunk and head, all chunks
  * at once) builds W, Ut, Qp = Q e^G, Kc = K e^{G_L - G}, P and e^{G_L}; pass 2 (a block per head,
- * column group and sequence) walks its sequence's chunks in order: three small products per
- * chunk, the state's 16 columns kept in shared memory. */
-enum { KC = 64, KCOLS = 16 };
+ * column group and sequence) walks its sequence's chunks in order: two small products per chunk,
+ * the state's 32 columns kept in registers; pass 3 (a block per chunk and head, all at once) the
+ * outputs. */
+enum { KC = 64 };
 /* pass 1's output per (chunk, head): W, Ut, Qp, Kc [KC][KD], P [KC][KC], gL [KD] */
 __host__ __device__ constexpr size_t kda_ch_floats(int KD) {
     return (size_t)4 * KC * KD + (size_t)KC * KC + KD;
-}
-
-/* Row stride of pass 1's staged keys and decays, in floats: odd, so that row j, channel c sits in
- * bank (j + c) mod 32 and the 16 threads of a half-warp, reading rows 4 apart, meet at most two to
- * a bank. KD + 4 (the stride before) put those rows 16 banks apart: 16 threads on 2 banks, 8-way
- * conflicts in the inner loop of the A and P products. */
-__host__ __device__ constexpr int kda_kpad(int KD) {
-    return KD + 1;
 }
 
 struct kda_chunk {
     int t0, len, seg; /* its tokens [t0, t0 + len) of segment seg */
 };
 
+/* Pass 1's shared memory: keys, queries and running log2 decays channel-major (a thread's four
+ * rows of one channel are one 16-byte load), rows KPS apart; A (beta_i A_ij) later overlays the
+ * queries. */
+enum { KPS = KC + 4 };
+template <int KD> constexpr size_t kda_prep_smem() {
+    return ((size_t)3 * KD * KPS + KC) * sizeof(float);
+}
+
+/* The 4-row tile pair (ti > tj) of the strictly lower part that thread n < 120 of pass 1 takes */
+__device__ __forceinline__ void kda_tile_pair(int n, int &ti, int &tj) {
+    ti = 1;
+    while (n >= ti) n -= ti, ti++;
+    tj = n;
+}
+
 template <int KD>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, 2)
     kda_chunk_prep_k(float *out, const float *q, const float *k, const float *v, const float *g,
                      const float *beta, const kda_chunk *chunks, int H) {
     PDL_ENTRY();
-    constexpr int KPAD = kda_kpad(KD);
+    constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ float ksh[];
-    float *Gs = ksh;                /* [KC][KPAD] running log decay */
-    float *Ks = Gs + KC * KPAD;     /* [KC][KPAD] keys */
-    float *As = Ks + KC * KPAD;     /* [KC][KC + 1] beta_i A_ij */
-    float *bs = As + KC * (KC + 1); /* [KC] beta */
+    float *Kt = ksh;           /* [KD][KPS] keys, channel-major */
+    float *Gt = Kt + KD * KPS; /* [KD][KPS] running sums of the log decays, times log2(e) */
+    float *Qt = Gt + KD * KPS; /* [KD][KPS] queries; then [KC][KPS] A (beta_i A_ij, j < i) */
+    float *bs = Qt + KD * KPS; /* [KC] beta */
     const kda_chunk ch = chunks[blockIdx.x];
     const int h = blockIdx.y, L = ch.len, tid = threadIdx.x;
+    const size_t row0 = (size_t)ch.t0 * H + h; /* token t of the chunk, head h: (row0 + t H) KD */
     float *o = out + ((size_t)blockIdx.x * H + h) * kda_ch_floats(KD);
     float *W = o, *Ut = W + KC * KD, *Qp = Ut + KC * KD, *Kc = Qp + KC * KD;
     float *P = Kc + KC * KD, *gL = P + KC * KC;
-    for (int i = tid; i < KC * KD; i += blockDim.x) { /* rows past L: zero (never read back) */
-        const int t = i / KD, c = i % KD;
-        const size_t at = ((size_t)(ch.t0 + t) * H + h) * KD + c;
-        const bool in = t < L;
-        Ks[t * KPAD + c] = in ? k[at] : 0.0f;
-        Gs[t * KPAD + c] = in ? g[at] : 0.0f;
-    }
-    for (int t = tid; t < KC; t += blockDim.x)
-        bs[t] = t < L ? beta[(size_t)(ch.t0 + t) * H + h] : 0.0f;
-    __syncthreads();
-    if (tid < KD) { /* running sums down each channel */
-        float acc = 0.0f;
-        for (int t = 0; t < L; t++) {
-            acc += Gs[t * KPAD + tid];
-            Gs[t * KPAD + tid] = acc;
-        }
-        gL[tid] = expf(acc);
-    }
-    __syncthreads();
-    /* A (strictly lower) and P (lower with the diagonal): thread (ti, tj) a 4 x 4 tile */
+    /* 1. keys, queries and decays into shared memory, transposed (rows past L: zeros): 16-byte
+     *    loads, eight in flight a thread; a warp takes 8 rows x 4 pieces of 4 channels (64
+     *    contiguous bytes a row from memory, at most two lanes to a bank in shared memory) */
     {
-        const int ti = tid / 16, tj = tid % 16;
-        float a[4][4], p[4][4];
+        constexpr int V4 = KD / 4, GROUPS = (KC / 8) * (V4 / 4), N4 = 3 * GROUPS * 32, B = 8;
+        for (int base = tid; base < N4; base += 256 * B) {
+            float4 r[B];
+#pragma unroll
+            for (int u = 0; u < B; u++) {
+                const int i = base + u * 256, arr = i / (GROUPS * 32), gi = (i / 32) % GROUPS;
+                const int lane = i % 32, t = (gi % (KC / 8)) * 8 + lane % 8;
+                const int c4 = (gi / (KC / 8)) * 4 + lane / 8;
+                const float *src = arr == 0 ? k : arr == 1 ? q : g;
+                r[u] = i < N4 && t < L
+                           ? __ldg((const float4 *)(src + (row0 + (size_t)t * H) * KD) + c4)
+                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int u = 0; u < B; u++) {
+                const int i = base + u * 256, arr = i / (GROUPS * 32), gi = (i / 32) % GROUPS;
+                const int lane = i % 32, t = (gi % (KC / 8)) * 8 + lane % 8;
+                const int c4 = (gi / (KC / 8)) * 4 + lane / 8;
+                if (i >= N4) break;
+                float *dst = (arr == 0 ? Kt : arr == 1 ? Qt : Gt) + 4 * c4 * KPS + t;
+                dst[0] = r[u].x, dst[KPS] = r[u].y, dst[2 * KPS] = r[u].z, dst[3 * KPS] = r[u].w;
+            }
+        }
+        for (int t = tid; t < KC; t += 256) bs[t] = t < L ? beta[row0 + (size_t)t * H] : 0.0f;
+    }
+    __syncthreads();
+    if (tid < KD) { /* running sums down each channel, in log2 units */
+        float acc = 0.0f;
+        for (int t = 0; t < KC; t++) {
+            acc += Gt[tid * KPS + t];
+            Gt[tid * KPS + t] = acc * LOG2E;
+        }
+    }
+    __syncthreads();
+    /* 2. A_ij = sum_c k_ic k_jc e^{G_ic - G_jc} (j < i) and P_ij = sum_c q_ic k_jc e^{..} (j <= i)
+     *    in 4 x 4 tiles. Tiles below the diagonal (ti > tj, threads 0..119) factor the exponent
+     *    through r = 4 ti, the tile's first row: e^{G_i - G_r} e^{G_r - G_j}, both <= 0 since
+     *    j < r <= i (decays only shrink), so nothing overflows and the inner loop is 32 FMAs on
+     *    8 exponentials. The 16 tiles on the diagonal (threads 128..255: a tile and a 1/8 of the
+     *    channels each, summed by shuffles) take the exponent element by element. */
+    float a[4][4] = {}, p[4][4] = {};
+    int ti = 0, tj = 0;
+    if (tid < 120) {
+        kda_tile_pair(tid, ti, tj);
+        const int r = 4 * ti;
+#pragma unroll 2
+        for (int c = 0; c < KD; c++) {
+            const float gr = Gt[c * KPS + r];
+            const float4 gi = *(const float4 *)(Gt + c * KPS + r),
+                         ki = *(const float4 *)(Kt + c * KPS + r),
+                         qi = *(const float4 *)(Qt + c * KPS + r),
+                         gj = *(const float4 *)(Gt + c * KPS + 4 * tj),
+                         kj = *(const float4 *)(Kt + c * KPS + 4 * tj);
+            const float ei[4] = {exp2f(gi.x - gr), exp2f(gi.y - gr), exp2f(gi.z - gr),
+                                 exp2f(gi.w - gr)};
+            const float kr[4] = {ki.x * ei[0], ki.y * ei[1], ki.z * ei[2], ki.w * ei[3]};
+            const float qr[4] = {qi.x * ei[0], qi.y * ei[1], qi.z * ei[2], qi.w * ei[3]};
+            const float kl[4] = {kj.x * exp2f(gr - gj.x), kj.y * exp2f(gr - gj.y),
+                                 kj.z * exp2f(gr - gj.z), kj.w * exp2f(gr - gj.w)};
+#pragma unroll
+            for (int x = 0; x < 4; x++)
+#pragma unroll
+                for (int y = 0; y < 4; y++) a[x][y] += kr[x] * kl[y], p[x][y] += qr[x] * kl[y];
+        }
+    } else if (tid >= 128) {
+        constexpr int CPS = KD / 8; /* channels per slice */
+        const int d = (tid - 128) >> 3, s = tid & 7, r = 4 * d;
+        ti = tj = d;
+#pragma unroll 2
+        for (int c = s * CPS; c < (s + 1) * CPS; c++) {
+            const float4 g4 = *(const float4 *)(Gt + c * KPS + r),
+                         k4 = *(const float4 *)(Kt + c * KPS + r),
+                         q4 = *(const float4 *)(Qt + c * KPS + r);
+            const float gv[4] = {g4.x, g4.y, g4.z, g4.w}, kv[4] = {k4.x, k4.y, k4.z, k4.w},
+                        qv[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+            for (int x = 0; x < 4; x++)
+#pragma unroll
+                for (int y = 0; y <= x; y++) {
+                    const float e = kv[y] * exp2f(gv[x] - gv[y]);
+                    if (y < x) a[x][y] += kv[x] * e;
+                    p[x][y] += qv[x] * e;
+                }
+        }
 #pragma unroll
         for (int x = 0; x < 4; x++)
 #pragma unroll
-            for (int y = 0; y < 4; y++) a[x][y] = p[x][y] = 0.0f;
-        if (tj <= ti) {
-            /* queries from global memory (two rows per warp: L1 serves them), which keeps the
-             * block's shared memory at two blocks per SM */
-            const float *qrow[4];
+            for (int y = 0; y <= x; y++)
 #pragma unroll
-            for (int x = 0; x < 4; x++) {
-                const int i = min(4 * ti + x, L - 1);
-                qrow[x] = q + ((size_t)(ch.t0 + i) * H + h) * KD;
-            }
-            for (int c = 0; c < KD; c++) {
-                float ki[4], qi[4], gi[4], kj[4], gj[4];
-#pragma unroll
-                for (int x = 0; x < 4; x++) {
-                    const int i = 4 * ti + x, j = 4 * tj + x;
-                    ki[x] = Ks[i * KPAD + c], gi[x] = Gs[i * KPAD + c];
-                    qi[x] = i < L ? __ldg(qrow[x] + c) : 0.0f;
-                    kj[x] = Ks[j * KPAD + c], gj[x] = Gs[j * KPAD + c];
+                for (int m = 1; m < 8; m <<= 1) {
+                    a[x][y] += __shfl_xor_sync(0xffffffffu, a[x][y], m);
+                    p[x][y] += __shfl_xor_sync(0xffffffffu, p[x][y], m);
                 }
-#pragma unroll
-                for (int x = 0; x < 4; x++)
-#pragma unroll
-                    for (int y = 0; y < 4; y++) {
-                        /* masked pairs (j > i) would have positive exponents: clamped, zeroed below
-                         */
-                        const float e = __expf(fminf(gi[x] - gj[y], 0.0f)) * kj[y];
-                        a[x][y] += ki[x] * e;
-                        p[x][y] += qi[x] * e;
-                    }
-            }
-        }
+    }
+    /* a tile's owner stores it (a diagonal tile's eight lanes hold the same sums: the first) */
+    const bool owner = tid < 120 || (tid >= 128 && (tid & 7) == 0);
+    /* 3. P (zeros above the diagonal and past L), e^{G_L}, Qp = Q e^G and Kc = K e^{G_L - G} */
+    if (owner)
 #pragma unroll
         for (int x = 0; x < 4; x++)
 #pragma unroll
             for (int y = 0; y < 4; y++) {
                 const int i = 4 * ti + x, j = 4 * tj + y;
-                As[i * (KC + 1) + j] = j < i ? bs[i] * a[x][y] : 0.0f;
-                P[i * KC + j] = j <= i && i < L ? p[x][y] : 0.0f;
+                if (j <= i) P[i * KC + j] = i < L ? p[x][y] : 0.0f;
             }
+    for (int e = tid; e < KC * KC; e += 256)
+        if (e % KC > e / KC) P[e] = 0.0f;
+    if (tid < KD) gL[tid] = exp2f(Gt[tid * KPS + L - 1]);
+    for (int i = tid; i < KC * KD; i += 256) {
+        const int t = i / KD, c = i % KD;
+        const float gt = Gt[c * KPS + t], gl = Gt[c * KPS + L - 1];
+        Qp[i] = Qt[c * KPS + t] * exp2f(gt); /* zero past L: so is the staged query */
+        Kc[i] = Kt[c * KPS + t] * exp2f(gl - gt);
     }
+    __syncthreads(); /* the queries are read: A takes their place */
+    float *As = Qt;  /* [KC][KPS] */
+    if (owner)
+#pragma unroll
+        for (int x = 0; x < 4; x++)
+#pragma unroll
+            for (int y = 0; y < 4; y++) {
+                const int i = 4 * ti + x, j = 4 * tj + y;
+                if (j < i) As[i * KPS + j] = bs[i] * a[x][y];
+            }
     __syncthreads();
-    /* the solve: thread col < KD takes column col of diag(beta) K e^G (-> W), the others column
-     * col - KD of diag(beta) V (-> Ut); forward substitution down the 64 rows in registers */
+    /* 4. the solve: thread col < KD takes column col of diag(beta) K e^G (-> W), the others column
+     *    col - KD of diag(beta) V (-> Ut); forward substitution down the 64 rows in registers */
     if (tid < 2 * KD) {
         const int col = tid;
         float x[KC];
@@ -2904,102 +2975,156 @@ __global__ void __launch_bounds__(256)
         for (int i = 0; i < KC; i++) {
             float r = 0.0f;
             if (i < L)
-                r = col < KD ? bs[i] * Ks[i * KPAD + col] * __expf(Gs[i * KPAD + col])
-                             : bs[i] * v[((size_t)(ch.t0 + i) * H + h) * KD + col - KD];
+                r = col < KD ? bs[i] * Kt[col * KPS + i] * exp2f(Gt[col * KPS + i])
+                             : bs[i] * v[(row0 + (size_t)i * H) * KD + col - KD];
 #pragma unroll
-            for (int j = 0; j < i; j++) r -= As[i * (KC + 1) + j] * x[j];
+            for (int j = 0; j < i; j++) r -= As[i * KPS + j] * x[j];
             x[i] = r;
         }
         float *dst = col < KD ? W + col : Ut + col - KD;
 #pragma unroll
         for (int i = 0; i < KC; i++) dst[i * KD] = x[i];
     }
-    for (int i = tid; i < KC * KD; i += blockDim.x) {
-        const int t = i / KD, c = i % KD;
-        const float gt = Gs[t * KPAD + c], gl = Gs[(L - 1) * KPAD + c];
-        Qp[i] = t < L ? q[((size_t)(ch.t0 + t) * H + h) * KD + c] * __expf(gt) : 0.0f;
-        Kc[i] = t < L ? Ks[t * KPAD + c] * __expf(gl - gt) : 0.0f;
-    }
 }
 
-/* Pass 2: block (head h, columns [16 cg, +16), sequence z) walks z's chunks in order, keeping
+/* Pass 2: block (head h, columns [BV cg, +BV), sequence z) walks z's chunks in order, keeping
  * only what is sequential: U = Ut - W S0 and the next state; it leaves each chunk's starting
- * state and U for pass 3. W and Kc are read straight from global memory (each warp's rows are
- * contiguous), so a chunk costs two barriers. */
+ * state and U for pass 3. A chunk's W, Kc, Ut columns and e^{G_L} (75 KB, from memory: pass 1's
+ * output is far larger than L2) are copied into shared memory with cp.async while the chunk
+ * before is computed (two stages): the version that loaded them as it went spent ~12 us a chunk
+ * waiting on memory for ~2 us of arithmetic. */
+/* State columns and threads per block: a thread's 2 x 4 U entries and 4 x 4 state entries reuse
+ * each shared-memory load 8 and 16 times (512 threads halve that: shared memory is what the scan
+ * waits on). */
+enum { KS_BV = 32, KS_NT = 256 };
+template <int KD> struct kda_scan_smem {
+    static constexpr int WLD = KD + 4; /* W's row stride: a warp's 8 rows on 8 bank quads */
+    static constexpr int STAGE = KC * WLD + KC * KD + KC * KS_BV + KD; /* W, Kc, Ut, gL */
+    static constexpr size_t BYTES = ((size_t)2 * STAGE + KD * KS_BV + KC * KS_BV) * sizeof(float);
+};
+
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
 template <int KD>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(KS_NT)
     kda_chunk_scan_k(float *states, float *ug, const float *prep, const kda_chunk *chunks,
                      const int *seg_chunk0, float *const *S, int H) {
     PDL_ENTRY();
-    /* state entries per thread, threads per key channel */
-    constexpr int NS = KD * KCOLS / 256, TPC = KCOLS / NS;
-    __shared__ float S0[KD * KCOLS]; /* [KD][KCOLS] the state's columns */
-    __shared__ float Us[KC * KCOLS]; /* [KC][KCOLS] */
-    const int h = blockIdx.x, cg = blockIdx.y * KCOLS, z = blockIdx.z, tid = threadIdx.x;
+    using SM = kda_scan_smem<KD>;
+    /* U rows and state channels per thread (8 threads across the 32 columns) */
+    constexpr int WLD = SM::WLD, RP = KC * 8 / KS_NT, NCH = KD * 8 / KS_NT;
+    extern __shared__ float ssh[];
+    float *Ss = ssh + 2 * SM::STAGE; /* [KD][KS_BV] the state's columns, as of this chunk */
+    float *Us = Ss + KD * KS_BV;     /* [KC][KS_BV] this chunk's U */
+    const int h = blockIdx.x, cg = blockIdx.y * KS_BV, z = blockIdx.z, tid = threadIdx.x;
     float *Sh = S[z] + (size_t)h * KD * KD;     /* [dk][dv] */
-    const int rt = tid / 4, rc = (tid % 4) * 4; /* U: row rt, columns rc .. rc+3 */
-    const int sc = tid / TPC,
-              scol = (tid % TPC) * NS; /* state: channel sc, columns scol + [0,NS) */
-    float st[NS];                      /* this thread's state entries */
+    const int q = tid / 8, col = (tid % 8) * 4; /* U: rows RP q..; state: channels NCH q.. */
+    float st[NCH][4];                           /* state entries (channel NCH q + x, col + y) */
 #pragma unroll
-    for (int y = 0; y < NS; y++) {
-        st[y] = Sh[(size_t)sc * KD + cg + scol + y];
-        S0[sc * KCOLS + scol + y] = st[y];
+    for (int x = 0; x < NCH; x++) {
+        const float4 s4 = *(const float4 *)(Sh + (size_t)(NCH * q + x) * KD + cg + col);
+        st[x][0] = s4.x, st[x][1] = s4.y, st[x][2] = s4.z, st[x][3] = s4.w;
+        *(float4 *)(Ss + (NCH * q + x) * KS_BV + col) = s4;
     }
     const int c0 = seg_chunk0[z], c1 = seg_chunk0[z + 1];
-    for (int ci = c0; ci < c1; ci++) {
-        const int len = chunks[ci].len;
+    /* a chunk's operands into stage s: every thread copies its share in 16-byte pieces */
+    auto stage_in = [&](int ci, int s) {
         const float *pr = prep + ((size_t)ci * H + h) * kda_ch_floats(KD);
-        const float *W = pr, *Ut = W + KC * KD, *Kc = Ut + 2 * KC * KD;
-        const float *gL = pr + 4 * KC * KD + KC * KC;
+        float *W = ssh + s * SM::STAGE, *Kc = W + KC * WLD, *Ut = Kc + KC * KD,
+              *gL = Ut + KC * KS_BV;
+        for (int i = tid; i < KC * KD / 4; i += KS_NT) {
+            const int r = i / (KD / 4), c = (i % (KD / 4)) * 4;
+            cp_async16(W + r * WLD + c, pr + r * KD + c);
+            cp_async16(Kc + r * KD + c, pr + 3 * KC * KD + r * KD + c);
+        }
+        for (int i = tid; i < KC * KS_BV / 4; i += KS_NT) {
+            const int r = i / (KS_BV / 4), c = (i % (KS_BV / 4)) * 4;
+            cp_async16(Ut + r * KS_BV + c, pr + KC * KD + r * KD + cg + c);
+        }
+        for (int i = tid; i < KD / 4; i += KS_NT)
+            cp_async16(gL + 4 * i, pr + 4 * KC * KD + KC * KC + 4 * i);
+        cp_async_commit();
+    };
+    if (c0 < c1) stage_in(c0, 0);
+    for (int ci = c0; ci < c1; ci++) {
+        const int s = (ci - c0) & 1;
+        const float *W = ssh + s * SM::STAGE, *Kc = W + KC * WLD, *Ut = Kc + KC * KD;
+        const float *gL = Ut + KC * KS_BV;
+        cp_async_wait_all();
+        __syncthreads(); /* stage s has landed for all; everyone is done with the last chunk */
+        if (ci + 1 < c1) stage_in(ci + 1, s ^ 1);
         float *sg = states + ((size_t)ci * H + h) * KD * KD; /* the state this chunk starts from */
-        /* this thread's column of Kc and its Ut entries, all loads issued now: they come from
-         * memory (pass 1's output is far larger than L2), and four at a time they were most of
-         * the chunk's time */
-        float kreg[KC], ut[4];
 #pragma unroll
-        for (int i = 0; i < KC; i++) kreg[i] = i < len ? __ldg(Kc + i * KD + sc) : 0.0f;
+        for (int x = 0; x < NCH; x++)
+            *(float4 *)(sg + (size_t)(NCH * q + x) * KD + cg + col) =
+                make_float4(st[x][0], st[x][1], st[x][2], st[x][3]);
+        { /* U = Ut - W S0: rows RP q .., columns col .. col+3 */
+            float u[RP][4] = {};
+#pragma unroll 4
+            for (int c = 0; c < KD; c += 4) {
+                float wa[RP][4];
 #pragma unroll
-        for (int y = 0; y < 4; y++) ut[y] = __ldg(Ut + rt * KD + cg + rc + y);
+                for (int r = 0; r < RP; r++) {
+                    const float4 w4 = *(const float4 *)(W + (RP * q + r) * WLD + c);
+                    wa[r][0] = w4.x, wa[r][1] = w4.y, wa[r][2] = w4.z, wa[r][3] = w4.w;
+                }
 #pragma unroll
-        for (int y = 0; y < NS; y++) sg[(size_t)sc * KD + cg + scol + y] = st[y];
-        __syncthreads(); /* S0 holds this chunk's starting state; the last chunk is done with Us */
-        {                /* U = Ut - W S0 */
-            float u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            const float4 *wr = (const float4 *)(W + rt * KD);
+                for (int e = 0; e < 4; e++) {
+                    const float4 s4 = *(const float4 *)(Ss + (c + e) * KS_BV + col);
+#pragma unroll
+                    for (int r = 0; r < RP; r++) {
+                        u[r][0] += wa[r][e] * s4.x, u[r][1] += wa[r][e] * s4.y;
+                        u[r][2] += wa[r][e] * s4.z, u[r][3] += wa[r][e] * s4.w;
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < RP; r++) {
+                const int row = RP * q + r;
+                const float4 t4 = *(const float4 *)(Ut + row * KS_BV + col);
+                const float4 uv =
+                    make_float4(t4.x - u[r][0], t4.y - u[r][1], t4.z - u[r][2], t4.w - u[r][3]);
+                *(float4 *)(Us + row * KS_BV + col) = uv;
+                *(float4 *)(ug + ((size_t)ci * H + h) * KC * KD + (size_t)row * KD + cg + col) = uv;
+            }
+        }
+        __syncthreads(); /* U is whole; every read of Ss is done */
+        { /* S0 <- e^{G_L} S0 + Kc^T U (rows past the chunk's length are zeros in Kc and U) */
+#pragma unroll
+            for (int x = 0; x < NCH; x++) {
+                const float gl = gL[NCH * q + x];
+#pragma unroll
+                for (int y = 0; y < 4; y++) st[x][y] *= gl;
+            }
 #pragma unroll 8
-            for (int c4 = 0; c4 < KD / 4; c4++) {
-                const float4 w = __ldg(wr + c4);
-                const float wv[4] = {w.x, w.y, w.z, w.w};
+            for (int i = 0; i < KC; i++) {
+                const float4 u4 = *(const float4 *)(Us + i * KS_BV + col);
 #pragma unroll
-                for (int e = 0; e < 4; e++)
-#pragma unroll
-                    for (int y = 0; y < 4; y++) u[y] += wv[e] * S0[(4 * c4 + e) * KCOLS + rc + y];
+                for (int x = 0; x < NCH; x++) {
+                    const float kv = Kc[i * KD + NCH * q + x];
+                    st[x][0] += kv * u4.x, st[x][1] += kv * u4.y;
+                    st[x][2] += kv * u4.z, st[x][3] += kv * u4.w;
+                }
             }
-            float *ud = ug + ((size_t)ci * H + h) * KC * KD + rt * KD + cg + rc;
 #pragma unroll
-            for (int y = 0; y < 4; y++) {
-                const float uv = ut[y] - u[y];
-                Us[rt * KCOLS + rc + y] = uv;
-                ud[y] = uv;
-            }
+            for (int x = 0; x < NCH; x++)
+                *(float4 *)(Ss + (NCH * q + x) * KS_BV + col) =
+                    make_float4(st[x][0], st[x][1], st[x][2], st[x][3]);
         }
-        __syncthreads();
-        { /* S0 <- e^{G_L} S0 + Kc^T U, in registers, then shared for the next chunk */
-            const float gl = gL[sc];
-#pragma unroll
-            for (int y = 0; y < NS; y++) st[y] *= gl;
-#pragma unroll
-            for (int i = 0; i < KC; i++) /* rows past len: kreg 0, and Us rows 0 there too */
-#pragma unroll
-                for (int y = 0; y < NS; y++) st[y] += kreg[i] * Us[i * KCOLS + scol + y];
-        }
-        __syncthreads(); /* every U product has read S0 */
-#pragma unroll
-        for (int y = 0; y < NS; y++) S0[sc * KCOLS + scol + y] = st[y];
     }
 #pragma unroll
-    for (int y = 0; y < NS; y++) Sh[(size_t)sc * KD + cg + scol + y] = st[y];
+    for (int x = 0; x < NCH; x++)
+        *(float4 *)(Sh + (size_t)(NCH * q + x) * KD + cg + col) =
+            make_float4(st[x][0], st[x][1], st[x][2], st[x][3]);
 }
 
 /* Pass 3: block (chunk, head) computes O = Qp S0 + P U for its tokens, every chunk at once: a
@@ -3054,7 +3179,7 @@ __global__ void __launch_bounds__(256)
     }
 }
 
-/* Pass 3 on TF32 tensor cores (opt-in, ds_cu_set_kda_tc; not yet run on a GPU): the same two
+/* Pass 3 on TF32 tensor cores (opt-in, ds_cu_set_kda_tc): the same two
  * products, O = Qp S0 + P U, as mma.sync m16n8k8 with f32 accumulation, the operands rounded to
  * TF32 (10-bit mantissa: ~1e-3 relative error instead of f32's 1e-7). Block (chunk, head), 4
  * warps of 16 rows each, every column; fragments read straight from memory (S0 and U rows from
@@ -3141,12 +3266,15 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
                            const float *g, const float *beta, const kda_chunk *tab,
                            const int *first, float *prep, float *states, float *ug, int n_ch,
                            float *const *S, int n_seq, int H, ds_err *err) {
-    constexpr int KPAD = kda_kpad(KD);
-    const size_t smem1 = ((size_t)2 * KC * KPAD + (size_t)KC * (KC + 1) + KC) * sizeof(float);
+    const size_t smem1 = kda_prep_smem<KD>();
     static int smem_set; /* once per head size; chunked steps are never captured */
     if (!smem_set) {
         CU_TRY(cudaFuncSetAttribute(kda_chunk_prep_k<KD>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem1),
+               "chunked kda: shared memory");
+        CU_TRY(cudaFuncSetAttribute(kda_chunk_scan_k<KD>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)kda_scan_smem<KD>::BYTES),
                "chunked kda: shared memory");
         smem_set = 1;
     }
@@ -3155,8 +3283,8 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
              g, beta, tab, H);
     CU_TRY(cudaGetLastError(), "chunked kda (prepare)");
     ds_cu_prof_mark(c, "kda chunks: scan");
-    launch_k(c, kda_chunk_scan_k<KD>, dim3((unsigned)H, KD / KCOLS, (unsigned)n_seq), 256, 0,
-             states, ug, prep, tab, first, S, H);
+    launch_k(c, kda_chunk_scan_k<KD>, dim3((unsigned)H, KD / KS_BV, (unsigned)n_seq), KS_NT,
+             kda_scan_smem<KD>::BYTES, states, ug, prep, tab, first, S, H);
     CU_TRY(cudaGetLastError(), "chunked kda (scan)");
     ds_cu_prof_mark(c, "kda chunks: outputs");
     if (c->kda_tc)
