@@ -356,7 +356,7 @@ static void check_kda_step(ds_cu *c, const int *lens, const int *rows, int n_seq
     fetch(c, Sgot, dS, ns * n_seq * 4);
     fetch(c, Rgot, dR, (size_t)T * ns * 4);
     char what[96];
-    /* the chunked form sums in another order; its TF32 output pass rounds the operands */
+    /* the chunked form sums in another order; its TF32 passes round the operands */
     const double tol = !nc ? 1e-5 : g_kda_tc ? 1e-2 : 1e-4;
     snprintf(what, sizeof what, "kda %d seqs (T=%d, %d chunked%s) dk=%d dv=%d g>=%.1f: out", n_seq,
              T, nc, g_kda_tc ? ", tf32" : "", dk, dv, g_min);
@@ -1058,7 +1058,8 @@ static void bench(ds_cu *c, const char *only) {
         ds_cu_set_kda_tc(c, 1);
         ms = median_ms(c, run_kda, &kc, 2, 10);
         ds_cu_set_kda_tc(c, 0);
-        printf("bench kda chunked prefill T=8192 H=32 dk=dv=128 (tf32 outputs): %.3f ms, %.0f "
+        printf("bench kda chunked prefill T=8192 H=32 dk=dv=128 (tf32 scan and outputs): %.3f ms, "
+               "%.0f "
                "tokens/s\n",
                ms, kc.T / (ms * 1e-3));
         ds_cu_dealloc(kc.Sp);
@@ -1203,7 +1204,7 @@ static void run_checks(ds_cu *c) {
         check_kda_step(c, lens, rows, 7, 2, 128, 128, -3.0f, 16); /* strong decay */
         int one[1] = {1000}, none[1] = {0};
         check_kda_step(c, one, none, 1, 8, 128, 128, -0.1f, 16); /* weak decay, long memory */
-        /* the output pass on TF32 tensor cores */
+        /* the scan and output passes on TF32 tensor cores */
         ds_cu_set_kda_tc(c, g_kda_tc = 1);
         check_kda_step(c, lens, rows, 7, 4, 128, 128, -0.7f, 16);
         check_kda_step(c, lens, rows, 7, 3, 64, 64, -0.7f, 16);

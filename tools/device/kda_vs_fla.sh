@@ -7,5 +7,5 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export LD_LIBRARY_PATH=$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-DS_DEVICE=cpu .devbin/test_cuda_kernels --bench 2>&1 | grep -E "bench kda (chunked|recurrent) prefill"
+.devbin/test_cuda_kernels --bench-only kda 2>&1 | grep -E "bench kda (chunked|recurrent) prefill"
 tools/device/fla_kda_bench.sh 2>&1 | grep "fla chunk_kda"

@@ -102,8 +102,8 @@ int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, const float *k
 int ds_cu_kda_chunked(ds_cu *c, float *o, const float *q, const float *k, const float *v,
                       const float *g, const float *beta, const int *seg_start, const int *seg_len,
                       float *const *S, int n_seq, int H, int dk, int dv, ds_err *err);
-/* ds_cu_kda_chunked's output pass on TF32 tensor cores (~1e-3 relative error instead of 1e-7);
- * off unless DS_CUDA_KDA_TC=1 (tests/cuda checks it against the CPU at 1e-2). */
+/* ds_cu_kda_chunked's scan and output passes on TF32 tensor cores (~1e-3 relative error instead
+ * of 1e-7); off unless DS_CUDA_KDA_TC=1 (tests/cuda checks it against the CPU at 1e-2). */
 void ds_cu_set_kda_tc(ds_cu *c, int on);
 /* Can ds_cu_kda_chunked run this head shape? */
 int ds_cu_kda_chunked_supports(int dk, int dv);

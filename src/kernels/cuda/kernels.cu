@@ -2997,12 +2997,6 @@ __global__ void __launch_bounds__(256, 2)
  * each shared-memory load 8 and 16 times (512 threads halve that: shared memory is what the scan
  * waits on). */
 enum { KS_BV = 32, KS_NT = 256 };
-template <int KD> struct kda_scan_smem {
-    static constexpr int WLD = KD + 4; /* W's row stride: a warp's 8 rows on 8 bank quads */
-    static constexpr int STAGE = KC * WLD + KC * KD + KC * KS_BV + KD; /* W, Kc, Ut, gL */
-    static constexpr size_t BYTES = ((size_t)2 * STAGE + KD * KS_BV + KC * KS_BV) * sizeof(float);
-};
-
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
@@ -3014,12 +3008,43 @@ __device__ __forceinline__ void cp_async_wait_all() {
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
+/* Pass 2's shared memory: two stages of a chunk's operands (W, Kc, Ut, e^{G_L}), then the state's
+ * columns and U. The tensor-core form pads Kc, Ut, the state and U so that its fragment loads
+ * (lanes 4 g + l4 reading rows l4 and columns g) fall on 32 different banks. */
+template <int KD, bool TC> struct kda_scan_smem {
+    static constexpr int WLD = KD + 4;                 /* W: a warp's 8 rows on 8 bank quads */
+    static constexpr int KLD = TC ? KD + 8 : KD;       /* Kc */
+    static constexpr int ULD = TC ? KS_BV + 8 : KS_BV; /* Ut, the state and U */
+    static constexpr int STAGE = KC * WLD + KC * KLD + KC * ULD + KD;
+    static constexpr size_t BYTES = ((size_t)2 * STAGE + KD * ULD + KC * ULD) * sizeof(float);
+};
+
+/* A chunk's operands into a stage of pass 2's shared memory, every thread its share of 16-byte
+ * cp.async pieces (one commit group). */
+template <int KD, bool TC>
+__device__ __forceinline__ void kda_scan_stage(float *stage, const float *pr, int cg) {
+    using SM = kda_scan_smem<KD, TC>;
+    float *W = stage, *Kc = W + KC * SM::WLD, *Ut = Kc + KC * SM::KLD, *gL = Ut + KC * SM::ULD;
+    for (int i = threadIdx.x; i < KC * KD / 4; i += KS_NT) {
+        const int r = i / (KD / 4), c = (i % (KD / 4)) * 4;
+        cp_async16(W + r * SM::WLD + c, pr + r * KD + c);
+        cp_async16(Kc + r * SM::KLD + c, pr + 3 * KC * KD + r * KD + c);
+    }
+    for (int i = threadIdx.x; i < KC * KS_BV / 4; i += KS_NT) {
+        const int r = i / (KS_BV / 4), c = (i % (KS_BV / 4)) * 4;
+        cp_async16(Ut + r * SM::ULD + c, pr + KC * KD + r * KD + cg + c);
+    }
+    for (int i = threadIdx.x; i < KD / 4; i += KS_NT)
+        cp_async16(gL + 4 * i, pr + 4 * KC * KD + KC * KC + 4 * i);
+    cp_async_commit();
+}
+
 template <int KD>
 __global__ void __launch_bounds__(KS_NT)
     kda_chunk_scan_k(float *states, float *ug, const float *prep, const kda_chunk *chunks,
                      const int *seg_chunk0, float *const *S, int H) {
     PDL_ENTRY();
-    using SM = kda_scan_smem<KD>;
+    using SM = kda_scan_smem<KD, false>;
     /* U rows and state channels per thread (8 threads across the 32 columns) */
     constexpr int WLD = SM::WLD, RP = KC * 8 / KS_NT, NCH = KD * 8 / KS_NT;
     extern __shared__ float ssh[];
@@ -3038,21 +3063,8 @@ __global__ void __launch_bounds__(KS_NT)
     const int c0 = seg_chunk0[z], c1 = seg_chunk0[z + 1];
     /* a chunk's operands into stage s: every thread copies its share in 16-byte pieces */
     auto stage_in = [&](int ci, int s) {
-        const float *pr = prep + ((size_t)ci * H + h) * kda_ch_floats(KD);
-        float *W = ssh + s * SM::STAGE, *Kc = W + KC * WLD, *Ut = Kc + KC * KD,
-              *gL = Ut + KC * KS_BV;
-        for (int i = tid; i < KC * KD / 4; i += KS_NT) {
-            const int r = i / (KD / 4), c = (i % (KD / 4)) * 4;
-            cp_async16(W + r * WLD + c, pr + r * KD + c);
-            cp_async16(Kc + r * KD + c, pr + 3 * KC * KD + r * KD + c);
-        }
-        for (int i = tid; i < KC * KS_BV / 4; i += KS_NT) {
-            const int r = i / (KS_BV / 4), c = (i % (KS_BV / 4)) * 4;
-            cp_async16(Ut + r * KS_BV + c, pr + KC * KD + r * KD + cg + c);
-        }
-        for (int i = tid; i < KD / 4; i += KS_NT)
-            cp_async16(gL + 4 * i, pr + 4 * KC * KD + KC * KC + 4 * i);
-        cp_async_commit();
+        kda_scan_stage<KD, false>(ssh + s * SM::STAGE,
+                                  prep + ((size_t)ci * H + h) * kda_ch_floats(KD), cg);
     };
     if (c0 < c1) stage_in(c0, 0);
     for (int ci = c0; ci < c1; ci++) {
@@ -3253,6 +3265,114 @@ __global__ void __launch_bounds__(128)
     }
 }
 
+/* Pass 2 on TF32 tensor cores (with ds_cu_set_kda_tc): the same walk and staging, both products
+ * as mma.sync m16n8k8 with f32 accumulation (the operands rounded to TF32). The state stays in
+ * the accumulators of the second product: warp w holds channels 16 (w mod M2) + [0, 16) of
+ * N2 8-column tiles, M2 = KD / 16 tiles of channels. */
+template <int KD>
+__global__ void __launch_bounds__(KS_NT)
+    kda_chunk_scan_tc_k(float *states, float *ug, const float *prep, const kda_chunk *chunks,
+                        const int *seg_chunk0, float *const *S, int H) {
+    PDL_ENTRY();
+    using SM = kda_scan_smem<KD, true>;
+    constexpr int WLD = SM::WLD, KLD = SM::KLD, ULD = SM::ULD;
+    constexpr int M2 = KD / 16, N2 = 4 * M2 / 8; /* channel tiles; column tiles a warp holds */
+    extern __shared__ float ssh[];
+    float *Ss = ssh + 2 * SM::STAGE; /* [KD][ULD] the state's columns, as of this chunk */
+    float *Us = Ss + KD * ULD;       /* [KC][ULD] this chunk's U */
+    const int h = blockIdx.x, cg = blockIdx.y * KS_BV, z = blockIdx.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, l4 = lane & 3;
+    float *Sh = S[z] + (size_t)h * KD * KD; /* [dk][dv] */
+    /* second product's tile: channels m2 + g (+ 8), columns n2 + 8 n + 2 l4 (+ 1) */
+    const int m2 = 16 * (warp % M2), n2 = 8 * N2 * (warp / M2);
+    /* first product's tile: U rows m1 + g (+ 8), columns n1 + 8 n + 2 l4 (+ 1), n < 2 */
+    const int m1 = 16 * (warp & 3), n1 = 16 * (warp >> 2);
+    float st[N2][4];
+#pragma unroll
+    for (int n = 0; n < N2; n++)
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            const int ch = m2 + g + 8 * hh, cl = n2 + 8 * n + 2 * l4;
+            const float2 v2 = *(const float2 *)(Sh + (size_t)ch * KD + cg + cl);
+            st[n][2 * hh] = v2.x, st[n][2 * hh + 1] = v2.y;
+            *(float2 *)(Ss + ch * ULD + cl) = v2;
+        }
+    const int c0 = seg_chunk0[z], c1 = seg_chunk0[z + 1];
+    if (c0 < c1) kda_scan_stage<KD, true>(ssh, prep + ((size_t)c0 * H + h) * kda_ch_floats(KD), cg);
+    for (int ci = c0; ci < c1; ci++) {
+        const int s = (ci - c0) & 1;
+        const float *W = ssh + s * SM::STAGE, *Kc = W + KC * WLD, *Ut = Kc + KC * KLD;
+        const float *gL = Ut + KC * ULD;
+        cp_async_wait_all();
+        __syncthreads(); /* stage s has landed for all; everyone is done with the last chunk */
+        if (ci + 1 < c1)
+            kda_scan_stage<KD, true>(ssh + (s ^ 1) * SM::STAGE,
+                                     prep + ((size_t)(ci + 1) * H + h) * kda_ch_floats(KD), cg);
+        float *sg = states + ((size_t)ci * H + h) * KD * KD; /* the state this chunk starts from */
+#pragma unroll
+        for (int n = 0; n < N2; n++)
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++)
+                *(float2 *)(sg + (size_t)(m2 + g + 8 * hh) * KD + cg + n2 + 8 * n + 2 * l4) =
+                    make_float2(st[n][2 * hh], st[n][2 * hh + 1]);
+        { /* U = Ut - W S0 */
+            float acc[2][4] = {};
+#pragma unroll 4
+            for (int k0 = 0; k0 < KD; k0 += 8) {
+                const float *wa = W + (m1 + g) * WLD + k0 + l4;
+                const uint32_t af[4] = {to_tf32(wa[0]), to_tf32(wa[8 * WLD]), to_tf32(wa[4]),
+                                        to_tf32(wa[8 * WLD + 4])};
+#pragma unroll
+                for (int n = 0; n < 2; n++) {
+                    const float *sb = Ss + (k0 + l4) * ULD + n1 + 8 * n + g;
+                    mma_tf32(acc[n], af, to_tf32(sb[0]), to_tf32(sb[4 * ULD]));
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < 2; n++)
+#pragma unroll
+                for (int hh = 0; hh < 2; hh++) {
+                    const int row = m1 + g + 8 * hh, cl = n1 + 8 * n + 2 * l4;
+                    const float2 t2 = *(const float2 *)(Ut + row * ULD + cl);
+                    const float2 u2 = make_float2(t2.x - acc[n][2 * hh], t2.y - acc[n][2 * hh + 1]);
+                    *(float2 *)(Us + row * ULD + cl) = u2;
+                    *(float2 *)(ug + ((size_t)ci * H + h) * KC * KD + (size_t)row * KD + cg + cl) =
+                        u2;
+                }
+        }
+        __syncthreads(); /* U is whole; every read of Ss is done */
+        { /* S0 <- e^{G_L} S0 + Kc^T U (rows past the chunk's length are zeros in Kc and U) */
+            const float gl0 = gL[m2 + g], gl1 = gL[m2 + g + 8];
+#pragma unroll
+            for (int n = 0; n < N2; n++)
+                st[n][0] *= gl0, st[n][1] *= gl0, st[n][2] *= gl1, st[n][3] *= gl1;
+#pragma unroll 2
+            for (int k0 = 0; k0 < KC; k0 += 8) {
+                const float *ka = Kc + (k0 + l4) * KLD + m2 + g; /* A = Kc^T: A(m, k) = Kc(k, m) */
+                const uint32_t af[4] = {to_tf32(ka[0]), to_tf32(ka[8]), to_tf32(ka[4 * KLD]),
+                                        to_tf32(ka[4 * KLD + 8])};
+#pragma unroll
+                for (int n = 0; n < N2; n++) {
+                    const float *ub = Us + (k0 + l4) * ULD + n2 + 8 * n + g;
+                    mma_tf32(st[n], af, to_tf32(ub[0]), to_tf32(ub[4 * ULD]));
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < N2; n++)
+#pragma unroll
+                for (int hh = 0; hh < 2; hh++)
+                    *(float2 *)(Ss + (m2 + g + 8 * hh) * ULD + n2 + 8 * n + 2 * l4) =
+                        make_float2(st[n][2 * hh], st[n][2 * hh + 1]);
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < N2; n++)
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++)
+            *(float2 *)(Sh + (size_t)(m2 + g + 8 * hh) * KD + cg + n2 + 8 * n + 2 * l4) =
+                make_float2(st[n][2 * hh], st[n][2 * hh + 1]);
+}
+
 extern "C" void ds_cu_set_kda_tc(ds_cu *c, int on) {
     c->kda_tc = on;
 }
@@ -3274,7 +3394,11 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
                "chunked kda: shared memory");
         CU_TRY(cudaFuncSetAttribute(kda_chunk_scan_k<KD>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)kda_scan_smem<KD>::BYTES),
+                                    (int)kda_scan_smem<KD, false>::BYTES),
+               "chunked kda: shared memory");
+        CU_TRY(cudaFuncSetAttribute(kda_chunk_scan_tc_k<KD>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)kda_scan_smem<KD, true>::BYTES),
                "chunked kda: shared memory");
         smem_set = 1;
     }
@@ -3283,8 +3407,12 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
              g, beta, tab, H);
     CU_TRY(cudaGetLastError(), "chunked kda (prepare)");
     ds_cu_prof_mark(c, "kda chunks: scan");
-    launch_k(c, kda_chunk_scan_k<KD>, dim3((unsigned)H, KD / KS_BV, (unsigned)n_seq), KS_NT,
-             kda_scan_smem<KD>::BYTES, states, ug, prep, tab, first, S, H);
+    if (c->kda_tc)
+        launch_k(c, kda_chunk_scan_tc_k<KD>, dim3((unsigned)H, KD / KS_BV, (unsigned)n_seq), KS_NT,
+                 kda_scan_smem<KD, true>::BYTES, states, ug, prep, tab, first, S, H);
+    else
+        launch_k(c, kda_chunk_scan_k<KD>, dim3((unsigned)H, KD / KS_BV, (unsigned)n_seq), KS_NT,
+                 kda_scan_smem<KD, false>::BYTES, states, ug, prep, tab, first, S, H);
     CU_TRY(cudaGetLastError(), "chunked kda (scan)");
     ds_cu_prof_mark(c, "kda chunks: outputs");
     if (c->kda_tc)
