@@ -2888,14 +2888,13 @@ __global__ void __launch_bounds__(256, 2)
         const int r = 4 * ti;
 #pragma unroll 2
         for (int c = 0; c < KD; c++) {
-            const float gr = Gt[c * KPS + r];
             const float4 gi = *(const float4 *)(Gt + c * KPS + r),
                          ki = *(const float4 *)(Kt + c * KPS + r),
                          qi = *(const float4 *)(Qt + c * KPS + r),
                          gj = *(const float4 *)(Gt + c * KPS + 4 * tj),
                          kj = *(const float4 *)(Kt + c * KPS + 4 * tj);
-            const float ei[4] = {exp2f(gi.x - gr), exp2f(gi.y - gr), exp2f(gi.z - gr),
-                                 exp2f(gi.w - gr)};
+            const float gr = gi.x; /* row r's own: e^{G_r - G_r} = 1 */
+            const float ei[4] = {1.0f, exp2f(gi.y - gr), exp2f(gi.z - gr), exp2f(gi.w - gr)};
             const float kr[4] = {ki.x * ei[0], ki.y * ei[1], ki.z * ei[2], ki.w * ei[3]};
             const float qr[4] = {qi.x * ei[0], qi.y * ei[1], qi.z * ei[2], qi.w * ei[3]};
             const float kl[4] = {kj.x * exp2f(gr - gj.x), kj.y * exp2f(gr - gj.y),
@@ -2967,16 +2966,20 @@ __global__ void __launch_bounds__(256, 2)
             }
     __syncthreads();
     /* 4. the solve: thread col < KD takes column col of diag(beta) K e^G (-> W), the others column
-     *    col - KD of diag(beta) V (-> Ut); forward substitution down the 64 rows in registers */
+     *    col - KD of diag(beta) V (-> Ut); forward substitution down the 64 rows in registers.
+     *    The right-hand sides are all loaded first (V from memory: 64 loads in flight, not one
+     *    per row as each row's substitution waited on its own). */
     if (tid < 2 * KD) {
         const int col = tid;
         float x[KC];
 #pragma unroll
-        for (int i = 0; i < KC; i++) {
-            float r = 0.0f;
-            if (i < L)
-                r = col < KD ? bs[i] * Kt[col * KPS + i] * exp2f(Gt[col * KPS + i])
-                             : bs[i] * v[(row0 + (size_t)i * H) * KD + col - KD];
+        for (int i = 0; i < KC; i++)
+            x[i] = i >= L     ? 0.0f
+                   : col < KD ? bs[i] * Kt[col * KPS + i] * exp2f(Gt[col * KPS + i])
+                              : bs[i] * __ldg(v + (row0 + (size_t)i * H) * KD + col - KD);
+#pragma unroll
+        for (int i = 1; i < KC; i++) {
+            float r = x[i];
 #pragma unroll
             for (int j = 0; j < i; j++) r -= As[i * KPS + j] * x[j];
             x[i] = r;
