@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the CUDA backend's kernels and their check/bench program (issue 9) into BUILD_DIR:
 #   tools/cuda_build.sh [BUILD_DIR]      (default build-cuda; `make cuda` runs it)
+#   NVCC_EXTRA="-D..." adds nvcc flags (pack_devbin.sh's timing build)
 # nvcc compiles src/kernels/cuda/*.cu for sm_90a (Hopper's own instructions) plus PTX that the
 # driver can compile for other parts; gcc compiles the CPU kernels the checks compare against.
 # Needs only the CUDA toolkit (nvcc, cuBLAS) and gcc with OpenMP: it runs the same here (no GPU:
@@ -13,7 +14,7 @@ NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$NVCC")")")}
 mkdir -p "$OUT/obj"
 CFLAGS="-O2 -std=gnu11 -fopenmp -Wall -Wextra -Wno-unused-parameter -fno-strict-aliasing -Isrc -I$CUDA_HOME/include"
-"$NVCC" -O3 -std=c++17 -Isrc -Xcompiler -Wall \
+"$NVCC" -O3 -std=c++17 -Isrc -Xcompiler -Wall ${NVCC_EXTRA:-} \
   -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=compute_80 \
   -Xptxas -v -c src/kernels/cuda/kernels.cu -o "$OUT/obj/cuda_kernels.o" 2> "$OUT/ptxas.txt" \
   || { cat "$OUT/ptxas.txt" >&2; exit 1; }

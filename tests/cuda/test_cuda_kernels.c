@@ -1052,9 +1052,19 @@ static void bench(ds_cu *c, const char *only) {
                kc.T / (ms * 1e-3));
         kc.chunked = 1; /* the same in chunks of 64 (the forward's prefill path) */
         kc.Sp = dev(c, &kc.S, sizeof kc.S);
+        double clk[6];
+        ds_cu_kda_prep_clocks(clk); /* (zeroes them) */
         ms = median_ms(c, run_kda, &kc, 2, 10);
         printf("bench kda chunked prefill T=8192 H=32 dk=dv=128: %.3f ms, %.0f tokens/s\n", ms,
                kc.T / (ms * 1e-3));
+        if (!ds_cu_kda_prep_clocks(clk)) { /* the timing build: where pass 1's time goes */
+            static const char *phase[6] = {"stage", "sums", "A,P", "P,Qp,Kc", "A store", "solve"};
+            double tot = 0;
+            for (int i = 0; i < 6; i++) tot += clk[i];
+            printf("bench kda pass 1 phases (share of block cycles):");
+            for (int i = 0; i < 6; i++) printf(" %s %.1f%%", phase[i], 100.0 * clk[i] / tot);
+            printf("\n");
+        }
         ds_cu_set_kda_tc(c, 1);
         ms = median_ms(c, run_kda, &kc, 2, 10);
         ds_cu_set_kda_tc(c, 0);

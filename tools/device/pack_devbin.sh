@@ -14,6 +14,12 @@ cp build-cuda/deltaserve build-cuda/test_cuda_kernels build-cuda/bench_cublas .d
 for t in ${DS_DEVBIN_TESTS:-test_model_forward test_model_pipeline test_model_draft test_engine_prefix test_engine_engine test_engine_regress}; do
   cp "build-cuda/$t" .devbin/
 done
+# DS_DEVBIN_CLOCKS=1: also test_cuda_kernels_clk, whose chunked KDA first pass counts the cycles
+# of each phase (`--bench-only kda` prints the shares)
+if [ "${DS_DEVBIN_CLOCKS:-0}" = 1 ]; then
+  NVCC_EXTRA=-DDS_KDA_PREP_CLOCKS tools/cuda_build.sh build-cuda-clk >/dev/null
+  cp build-cuda-clk/test_cuda_kernels .devbin/test_cuda_kernels_clk
+fi
 for l in libmicrohttpd.so.12 libhiredis.so.0.14 libcmocka.so.0; do
   cp -L "/lib/x86_64-linux-gnu/$l" .devbin/lib/
 done

@@ -105,6 +105,9 @@ int ds_cu_kda_chunked(ds_cu *c, float *o, const float *q, const float *k, const 
 /* ds_cu_kda_chunked's scan and output passes on TF32 tensor cores (~1e-3 relative error instead
  * of 1e-7); off unless DS_CUDA_KDA_TC=1 (tests/cuda checks it against the CPU at 1e-2). */
 void ds_cu_set_kda_tc(ds_cu *c, int on);
+/* Built with DS_KDA_PREP_CLOCKS: the cycles chunked KDA's first pass spent in each of its six
+ * phases since the last call (summed over blocks; then zeroed); -1 in other builds. */
+int ds_cu_kda_prep_clocks(double cycles[6]);
 /* Can ds_cu_kda_chunked run this head shape? */
 int ds_cu_kda_chunked_supports(int dk, int dv);
 

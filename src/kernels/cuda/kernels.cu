@@ -2805,6 +2805,45 @@ struct kda_chunk {
     int t0, len, seg; /* its tokens [t0, t0 + len) of segment seg */
 };
 
+/* Built with -DDS_KDA_PREP_CLOCKS (tools/device/pack_devbin.sh's timing build), pass 1 adds up
+ * the cycles its blocks spend in each phase (thread 0's clock between barriers) for
+ * ds_cu_kda_prep_clocks; otherwise the marks are nothing. */
+#ifdef DS_KDA_PREP_CLOCKS
+__device__ unsigned long long g_kda_prep_clk[6];
+#define KDA_CLK_START() long long clk_last_ = clock64()
+#define KDA_CLK_MARK(k)                                                                            \
+    do {                                                                                           \
+        if (threadIdx.x == 0) {                                                                    \
+            const long long t_ = clock64();                                                        \
+            atomicAdd(&g_kda_prep_clk[k], (unsigned long long)(t_ - clk_last_));                   \
+            clk_last_ = t_;                                                                        \
+        }                                                                                          \
+    } while (0)
+#define KDA_CLK_SYNC_MARK(k)                                                                       \
+    do {                                                                                           \
+        __syncthreads();                                                                           \
+        KDA_CLK_MARK(k);                                                                           \
+    } while (0)
+#else
+#define KDA_CLK_START()
+#define KDA_CLK_MARK(k)
+#define KDA_CLK_SYNC_MARK(k)
+#endif
+
+extern "C" int ds_cu_kda_prep_clocks(double cycles[6]) {
+#ifdef DS_KDA_PREP_CLOCKS
+    unsigned long long h[6];
+    if (cudaMemcpyFromSymbol(h, g_kda_prep_clk, sizeof h) != cudaSuccess) return -1;
+    for (int i = 0; i < 6; i++) cycles[i] = (double)h[i];
+    static const unsigned long long zero[6] = {0};
+    cudaMemcpyToSymbol(g_kda_prep_clk, zero, sizeof zero);
+    return 0;
+#else
+    (void)cycles;
+    return -1;
+#endif
+}
+
 /* Pass 1's shared memory: keys, queries and running log2 decays channel-major (a thread's four
  * rows of one channel are one 16-byte load), rows KPS apart; A (beta_i A_ij) later overlays the
  * queries. */
@@ -2825,6 +2864,7 @@ __global__ void __launch_bounds__(256, 2)
     kda_chunk_prep_k(float *out, const float *q, const float *k, const float *v, const float *g,
                      const float *beta, const kda_chunk *chunks, int H) {
     PDL_ENTRY();
+    KDA_CLK_START();
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ float ksh[];
     float *Kt = ksh;           /* [KD][KPS] keys, channel-major */
@@ -2867,7 +2907,8 @@ __global__ void __launch_bounds__(256, 2)
         for (int t = tid; t < KC; t += 256) bs[t] = t < L ? beta[row0 + (size_t)t * H] : 0.0f;
     }
     __syncthreads();
-    if (tid < KD) { /* running sums down each channel, in log2 units */
+    KDA_CLK_MARK(0); /* staged */
+    if (tid < KD) {  /* running sums down each channel, in log2 units */
         float acc = 0.0f;
         for (int t = 0; t < KC; t++) {
             acc += Gt[tid * KPS + t];
@@ -2875,6 +2916,7 @@ __global__ void __launch_bounds__(256, 2)
         }
     }
     __syncthreads();
+    KDA_CLK_MARK(1); /* running sums */
     /* 2. A_ij = sum_c k_ic k_jc e^{G_ic - G_jc} (j < i) and P_ij = sum_c q_ic k_jc e^{..} (j <= i)
      *    in 4 x 4 tiles. Tiles below the diagonal (ti > tj, threads 0..119) factor the exponent
      *    through r = 4 ti, the tile's first row: e^{G_i - G_r} e^{G_r - G_j}, both <= 0 since
@@ -2936,6 +2978,14 @@ __global__ void __launch_bounds__(256, 2)
     }
     /* a tile's owner stores it (a diagonal tile's eight lanes hold the same sums: the first) */
     const bool owner = tid < 120 || (tid >= 128 && (tid & 7) == 0);
+    KDA_CLK_SYNC_MARK(2); /* A and P (a barrier of its own only when timed) */
+    /* V's rows for the second half of the solve, requested now: on their way while P, Qp and Kc
+     * are written (V is read nowhere else, so they come from memory) */
+    float x[KC];
+    if (tid >= KD && tid < 2 * KD)
+#pragma unroll
+        for (int i = 0; i < KC; i++)
+            x[i] = i < L ? __ldg(v + (row0 + (size_t)i * H) * KD + tid - KD) : 0.0f;
     /* 3. P (zeros above the diagonal and past L), e^{G_L}, Qp = Q e^G and Kc = K e^{G_L - G} */
     if (owner)
 #pragma unroll
@@ -2955,6 +3005,7 @@ __global__ void __launch_bounds__(256, 2)
         Kc[i] = Kt[c * KPS + t] * exp2f(gl - gt);
     }
     __syncthreads(); /* the queries are read: A takes their place */
+    KDA_CLK_MARK(3); /* P, Qp, Kc written */
     float *As = Qt;  /* [KC][KPS] */
     if (owner)
 #pragma unroll
@@ -2965,18 +3016,15 @@ __global__ void __launch_bounds__(256, 2)
                 if (j < i) As[i * KPS + j] = bs[i] * a[x][y];
             }
     __syncthreads();
+    KDA_CLK_MARK(4); /* A stored */
     /* 4. the solve: thread col < KD takes column col of diag(beta) K e^G (-> W), the others column
-     *    col - KD of diag(beta) V (-> Ut); forward substitution down the 64 rows in registers.
-     *    The right-hand sides are all loaded first (V from memory: 64 loads in flight, not one
-     *    per row as each row's substitution waited on its own). */
+     *    col - KD of diag(beta) V (-> Ut); forward substitution down the 64 rows in registers. */
     if (tid < 2 * KD) {
         const int col = tid;
-        float x[KC];
 #pragma unroll
         for (int i = 0; i < KC; i++)
-            x[i] = i >= L     ? 0.0f
-                   : col < KD ? bs[i] * Kt[col * KPS + i] * exp2f(Gt[col * KPS + i])
-                              : bs[i] * __ldg(v + (row0 + (size_t)i * H) * KD + col - KD);
+            x[i] = col < KD ? (i < L ? bs[i] * Kt[col * KPS + i] * exp2f(Gt[col * KPS + i]) : 0.0f)
+                            : bs[i] * x[i]; /* (beta is 0 past L) */
 #pragma unroll
         for (int i = 1; i < KC; i++) {
             float r = x[i];
@@ -2988,6 +3036,7 @@ __global__ void __launch_bounds__(256, 2)
 #pragma unroll
         for (int i = 0; i < KC; i++) dst[i * KD] = x[i];
     }
+    KDA_CLK_SYNC_MARK(5); /* the solve */
 }
 
 /* Pass 2: block (head h, columns [BV cg, +BV), sequence z) walks z's chunks in order, keeping
