@@ -2852,7 +2852,9 @@ template <int KD> constexpr size_t kda_prep_smem() {
     return ((size_t)3 * KD * KPS + KC) * sizeof(float);
 }
 
-/* The 4-row tile pair (ti > tj) of the strictly lower part that thread n < 120 of pass 1 takes */
+/* The 4-row tile pair (ti > tj) of the strictly lower part that thread n < 120 of pass 1 takes
+ * (a chunk of 64 rows has 16 tiles: 120 pairs below the diagonal, 16 on it) */
+static_assert(KC == 64, "pass 1 maps 120 + 16 tiles of a 64-row chunk onto 256 threads");
 __device__ __forceinline__ void kda_tile_pair(int n, int &ti, int &tj) {
     ti = 1;
     while (n >= ti) n -= ti, ti++;
@@ -3039,12 +3041,6 @@ __global__ void __launch_bounds__(256, 2)
     KDA_CLK_SYNC_MARK(5); /* the solve */
 }
 
-/* Pass 2: block (head h, columns [BV cg, +BV), sequence z) walks z's chunks in order, keeping
- * only what is sequential: U = Ut - W S0 and the next state; it leaves each chunk's starting
- * state and U for pass 3. A chunk's W, Kc, Ut columns and e^{G_L} (75 KB, from memory: pass 1's
- * output is far larger than L2) are copied into shared memory with cp.async while the chunk
- * before is computed (two stages): the version that loaded them as it went spent ~12 us a chunk
- * waiting on memory for ~2 us of arithmetic. */
 /* State columns and threads per block: a thread's 2 x 4 U entries and 4 x 4 state entries reuse
  * each shared-memory load 8 and 16 times (512 threads halve that: shared memory is what the scan
  * waits on). */
@@ -3091,6 +3087,12 @@ __device__ __forceinline__ void kda_scan_stage(float *stage, const float *pr, in
     cp_async_commit();
 }
 
+/* Pass 2: block (head h, columns [BV cg, +BV), sequence z) walks z's chunks in order, keeping
+ * only what is sequential: U = Ut - W S0 and the next state; it leaves each chunk's starting
+ * state and U for pass 3. A chunk's W, Kc, Ut columns and e^{G_L} (75 KB, from memory: pass 1's
+ * output is far larger than L2) are copied into shared memory with cp.async while the chunk
+ * before is computed (two stages): the version that loaded them as it went spent ~12 us a chunk
+ * waiting on memory for ~2 us of arithmetic. */
 template <int KD>
 __global__ void __launch_bounds__(KS_NT)
     kda_chunk_scan_k(float *states, float *ug, const float *prep, const kda_chunk *chunks,
