@@ -3245,14 +3245,16 @@ __global__ void __launch_bounds__(256)
     }
 }
 
-/* Pass 3 on TF32 tensor cores (opt-in, ds_cu_set_kda_tc): the same two
- * products, O = Qp S0 + P U, as mma.sync m16n8k8 with f32 accumulation, the operands rounded to
- * TF32 (10-bit mantissa: ~1e-3 relative error instead of f32's 1e-7). Block (chunk, head), 4
- * warps of 16 rows each, every column; fragments read straight from memory (S0 and U rows from
- * L1, shared by the warps). Rows past the chunk's length are zeros in Qp, P and U (passes 1 and
- * 2 write them so), so no operand needs a mask; only the stores do. Fragment layouts as the PTX
- * ISA gives them for m16n8k8 TF32: lane = 4 g + l4 holds A's (g, l4), (g + 8, l4), (g, l4 + 4),
- * (g + 8, l4 + 4); B's (l4, g), (l4 + 4, g); C's (g, 2 l4 (+1)) and (g + 8, 2 l4 (+1)). */
+/* Pass 3 on TF32 tensor cores (opt-in, ds_cu_set_kda_tc): the same two products, O = Qp S0 + P U,
+ * as mma.sync m16n8k8 with f32 accumulation, the operands rounded to TF32 (10-bit mantissa: ~1e-3
+ * relative error instead of f32's 1e-7). Block (chunk, head), 8 warps: rows 16 (w mod 4) + [0,
+ * 16), half the columns each. S0 and U (the B operands, read by every warp) are copied into
+ * shared memory once with cp.async, padded so that a fragment's loads fall on 32 banks; Qp and P
+ * rows (A, one warp's own) come straight from memory. Rows past the chunk's length are zeros in
+ * Qp, P and U (passes 1 and 2 write them so), so no operand needs a mask; only the stores do.
+ * Fragment layouts as the PTX ISA gives them for m16n8k8 TF32: lane = 4 g + l4 holds A's (g,
+ * l4), (g + 8, l4), (g, l4 + 4), (g + 8, l4 + 4); B's (l4, g), (l4 + 4, g); C's (g, 2 l4 (+1))
+ * and (g + 8, 2 l4 (+1)). */
 __device__ __forceinline__ uint32_t to_tf32(float x) {
     uint32_t r;
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
@@ -3267,9 +3269,9 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-/* One k-step of 8 for a warp's 16 rows and NT 8-column tiles: acc += A B with A row-major
- * (a: this lane's A(g, l4), rows lda apart) and B row-major (b: this lane's B(l4, g), rows ldb
- * apart, tiles 8 columns apart). */
+/* One k-step of 8 for a warp's 16 rows and NT 8-column tiles: acc += A B with A row-major in
+ * global memory (a: this lane's A(g, l4), rows lda apart) and B row-major in shared memory (b:
+ * this lane's B(l4, g), rows ldb apart, tiles 8 columns apart). */
 template <int NT>
 __device__ __forceinline__ void tf32_kstep(float (&acc)[NT][4], const float *a, int lda,
                                            const float *b, int ldb) {
@@ -3277,39 +3279,59 @@ __device__ __forceinline__ void tf32_kstep(float (&acc)[NT][4], const float *a, 
                             to_tf32(__ldg(a + 8 * lda + 4))};
 #pragma unroll
     for (int n = 0; n < NT; n++)
-        mma_tf32(acc[n], af, to_tf32(__ldg(b + n * 8)), to_tf32(__ldg(b + 4 * ldb + n * 8)));
+        mma_tf32(acc[n], af, to_tf32(b[n * 8]), to_tf32(b[4 * ldb + n * 8]));
+}
+
+/* pass 3's shared memory on tensor cores: S0 [KD][KD + 8] and U [KC][KD + 8] */
+template <int KD> constexpr size_t kda_out_tc_smem() {
+    return (size_t)(KD + KC) * (KD + 8) * sizeof(float);
 }
 
 template <int KD>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(256)
     kda_chunk_out_tc_k(float *o, const float *states, const float *ug, const float *prep,
                        const kda_chunk *chunks, int H) {
     PDL_ENTRY();
-    constexpr int NT = KD / 8; /* 8-column tiles of the output */
+    constexpr int BLD = KD + 8; /* S0 and U rows in shared memory */
+    constexpr int NT = KD / 16; /* 8-column tiles a warp holds (half the columns) */
+    extern __shared__ float osh[];
+    float *S0s = osh;           /* [KD][BLD] */
+    float *Us = S0s + KD * BLD; /* [KC][BLD] */
     const kda_chunk ch = chunks[blockIdx.x];
     const int h = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = lane >> 2, l4 = lane & 3, r0 = warp * 16;
-    if (r0 >= ch.len) return; /* (no block barrier follows) */
+    const int g = lane >> 2, l4 = lane & 3, r0 = 16 * (warp & 3), c0 = (KD / 2) * (warp >> 2);
     const size_t at = (size_t)blockIdx.x * H + h;
     const float *pr = prep + at * kda_ch_floats(KD);
     const float *Qp = pr + 2 * KC * KD, *P = pr + 4 * KC * KD;
     const float *S0 = states + at * KD * KD, *U = ug + at * KC * KD;
+    for (int i = threadIdx.x; i < KD * KD / 4; i += 256) {
+        const int r = i / (KD / 4), c = (i % (KD / 4)) * 4;
+        cp_async16(S0s + r * BLD + c, S0 + (size_t)r * KD + c);
+    }
+    for (int i = threadIdx.x; i < KC * KD / 4; i += 256) {
+        const int r = i / (KD / 4), c = (i % (KD / 4)) * 4;
+        cp_async16(Us + r * BLD + c, U + (size_t)r * KD + c);
+    }
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
+    if (r0 >= ch.len) return; /* (no block barrier follows) */
     float acc[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
         /* Qp S0: k over the KD key channels */
-#pragma unroll 2
+#pragma unroll 4
     for (int k0 = 0; k0 < KD; k0 += 8)
         tf32_kstep<NT>(acc, Qp + (size_t)(r0 + g) * KD + k0 + l4, KD,
-                       S0 + (size_t)(k0 + l4) * KD + g, KD);
+                       S0s + (k0 + l4) * BLD + c0 + g, BLD);
     /* P U: k over the chunk's tokens, up to this warp's last row (P is lower triangular) */
     for (int k0 = 0; k0 < r0 + 16; k0 += 8)
-        tf32_kstep<NT>(acc, P + (size_t)(r0 + g) * KC + k0 + l4, KC, U + (size_t)(k0 + l4) * KD + g,
-                       KD);
+        tf32_kstep<NT>(acc, P + (size_t)(r0 + g) * KC + k0 + l4, KC, Us + (k0 + l4) * BLD + c0 + g,
+                       BLD);
     const int t0 = r0 + g, t1 = t0 + 8;
 #pragma unroll
     for (int n = 0; n < NT; n++) {
-        const int col = n * 8 + 2 * l4;
+        const int col = c0 + n * 8 + 2 * l4;
         if (t0 < ch.len)
             *(float2 *)(o + ((size_t)(ch.t0 + t0) * H + h) * KD + col) =
                 make_float2(acc[n][0], acc[n][1]);
@@ -3450,6 +3472,10 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)kda_scan_smem<KD, false>::BYTES),
                "chunked kda: shared memory");
+        CU_TRY(cudaFuncSetAttribute(kda_chunk_out_tc_k<KD>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)kda_out_tc_smem<KD>()),
+               "chunked kda: shared memory");
         CU_TRY(cudaFuncSetAttribute(kda_chunk_scan_tc_k<KD>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)kda_scan_smem<KD, true>::BYTES),
@@ -3470,8 +3496,8 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
     CU_TRY(cudaGetLastError(), "chunked kda (scan)");
     ds_cu_prof_mark(c, "kda chunks: outputs");
     if (c->kda_tc)
-        launch_k(c, kda_chunk_out_tc_k<KD>, dim3((unsigned)n_ch, (unsigned)H), 128, 0, o, states,
-                 ug, prep, tab, H);
+        launch_k(c, kda_chunk_out_tc_k<KD>, dim3((unsigned)n_ch, (unsigned)H), 256,
+                 kda_out_tc_smem<KD>(), o, states, ug, prep, tab, H);
     else
         launch_k(c, kda_chunk_out_k<KD>, dim3((unsigned)n_ch, (unsigned)H), 256, 0, o, states, ug,
                  prep, tab, H);
