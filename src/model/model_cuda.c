@@ -448,7 +448,10 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     ds_cu_set_expert_mma(cm->c, env_flag("DS_CUDA_EXPERT_MMA", 1));
     ds_cu_set_mla_gemm(cm->c, env_flag("DS_CUDA_MLA_GEMM", 1));
     ds_cu_set_mla_flash(cm->c, env_flag("DS_CUDA_MLA_FLASH", 1));
-    ds_cu_set_kda_tc(cm->c, env_flag("DS_CUDA_KDA_TC", 0));
+    { /* chunked KDA on tensor cores: 1 TF32, 3 3xTF32 (ds_cu_set_kda_tc) */
+        const char *tc = getenv("DS_CUDA_KDA_TC");
+        ds_cu_set_kda_tc(cm->c, tc && *tc ? atoi(tc) : 0);
+    }
     /* a side stream for independent chains within a step (ds_cu_side_begin) */
     ds_err side_err;
     if (ds_cu_set_side(cm->c, env_flag("DS_CUDA_SIDE", 1), &side_err)) /* not fatal */

@@ -309,7 +309,7 @@ static void check_kda(ds_cu *c, int T, int H, int dk, int dv, int rows) {
  * outputs, final states and rows against the CPU's recurrence of each sequence alone. Decays as
  * strong as g_min per token (at -3, a chunk's running decay reaches e^-192: any exponent taken
  * the wrong way round overflows). */
-static int g_kda_tc; /* ds_cu_set_kda_tc as set by the caller (only the outputs change) */
+static int g_kda_tc; /* ds_cu_set_kda_tc's mode as set by the caller (1 TF32, 3 3xTF32) */
 static void check_kda_step(ds_cu *c, const int *lens, const int *rows, int n_seq, int H, int dk,
                            int dv, float g_min, int chunked_min) {
     int off[17], cs[16], cl[16], nc = 0;
@@ -357,9 +357,13 @@ static void check_kda_step(ds_cu *c, const int *lens, const int *rows, int n_seq
     fetch(c, Rgot, dR, (size_t)T * ns * 4);
     char what[96];
     /* the chunked form sums in another order; its TF32 passes round the operands */
-    const double tol = !nc ? 1e-5 : g_kda_tc ? 1e-2 : 1e-4;
+    const double tol = !nc ? 1e-5 : g_kda_tc == 1 ? 1e-2 : 1e-4;
     snprintf(what, sizeof what, "kda %d seqs (T=%d, %d chunked%s) dk=%d dv=%d g>=%.1f: out", n_seq,
-             T, nc, g_kda_tc ? ", tf32" : "", dk, dv, g_min);
+             T, nc,
+             g_kda_tc == 1   ? ", tf32"
+             : g_kda_tc == 3 ? ", 3xtf32"
+                             : "",
+             dk, dv, g_min);
     report(what, rel_err(ogot, oref, 1, nv, nv), tol);
     snprintf(what, sizeof what, "kda %d seqs (%d chunked) dk=%d dv=%d: states", n_seq, nc, dk, dv);
     report(what, rel_err(Sgot, Sref, 1, ns * n_seq, ns * n_seq), tol);
@@ -1065,13 +1069,16 @@ static void bench(ds_cu *c, const char *only) {
             for (int i = 0; i < 6; i++) printf(" %s %.1f%%", phase[i], 100.0 * clk[i] / tot);
             printf("\n");
         }
-        ds_cu_set_kda_tc(c, 1);
-        ms = median_ms(c, run_kda, &kc, 2, 10);
+        /* the scan and outputs on tensor cores: TF32, then 3xTF32 */
+        for (int mode = 1; mode <= 3; mode += 2) {
+            ds_cu_set_kda_tc(c, mode);
+            ms = median_ms(c, run_kda, &kc, 2, 10);
+            printf(
+                "bench kda chunked prefill T=8192 H=32 dk=dv=128 (%s scan and outputs): %.3f ms, "
+                "%.0f tokens/s\n",
+                mode == 1 ? "tf32" : "3xtf32", ms, kc.T / (ms * 1e-3));
+        }
         ds_cu_set_kda_tc(c, 0);
-        printf("bench kda chunked prefill T=8192 H=32 dk=dv=128 (tf32 scan and outputs): %.3f ms, "
-               "%.0f "
-               "tokens/s\n",
-               ms, kc.T / (ms * 1e-3));
         ds_cu_dealloc(kc.Sp);
         ds_cu_dealloc(kc.S), ds_cu_dealloc(kc.q), ds_cu_dealloc(kc.k), ds_cu_dealloc(kc.v);
         ds_cu_dealloc(kc.g), ds_cu_dealloc(kc.beta), ds_cu_dealloc(kc.o);
@@ -1219,6 +1226,12 @@ static void run_checks(ds_cu *c) {
         check_kda_step(c, lens, rows, 7, 4, 128, 128, -0.7f, 16);
         check_kda_step(c, lens, rows, 7, 3, 64, 64, -0.7f, 16);
         check_kda_step(c, lens, rows, 7, 2, 128, 128, -3.0f, 16);
+        /* ... split into two TF32 parts each: held to f32's tolerance */
+        ds_cu_set_kda_tc(c, g_kda_tc = 3);
+        check_kda_step(c, lens, rows, 7, 4, 128, 128, -0.7f, 16);
+        check_kda_step(c, lens, rows, 7, 3, 64, 64, -0.7f, 16);
+        check_kda_step(c, lens, rows, 7, 2, 128, 128, -3.0f, 16);
+        check_kda_step(c, one, none, 1, 8, 128, 128, -0.1f, 16);
         ds_cu_set_kda_tc(c, g_kda_tc = 0);
     }
     check_short_conv(c, 7, 300, 4);

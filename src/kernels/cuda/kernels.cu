@@ -30,8 +30,8 @@ struct ds_cu {
     int mla_gemm;        /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
     int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
     int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
-    int kda_tc;          /* chunked KDA's outputs on TF32 tensor cores (ds_cu_set_kda_tc) */
-    void *mlag;          /* that path's buffers, mlag_bytes allocated */
+    int kda_tc; /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
+    void *mlag; /* that path's buffers, mlag_bytes allocated */
     size_t mlag_bytes;
     void *kdac; /* chunked KDA's per-chunk products and chunk table, kdac_bytes allocated */
     size_t kdac_bytes;
@@ -3269,17 +3269,52 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+/* 3xTF32 (PREC 3): x = hi + lo, both TF32, and a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi: about
+ * f32's accuracy on tensor cores (the a_lo b_lo term, ~2^-22 relative, is left out). PREC 1 is
+ * plain TF32. An A fragment is split once and serves every column tile. */
+__device__ __forceinline__ void tf32_split(float x, uint32_t &hi, uint32_t &lo) {
+    hi = to_tf32(x);
+    lo = to_tf32(x - __uint_as_float(hi));
+}
+
+template <int PREC> struct tf32_a {
+    uint32_t hi[4], lo[4]; /* lo unused at PREC 1 */
+    __device__ __forceinline__ tf32_a(float a0, float a1, float a2, float a3) {
+        const float a[4] = {a0, a1, a2, a3};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            if constexpr (PREC == 3)
+                tf32_split(a[i], hi[i], lo[i]);
+            else
+                hi[i] = to_tf32(a[i]);
+        }
+    }
+};
+
+template <int PREC>
+__device__ __forceinline__ void mma_tf32x(float (&d)[4], const tf32_a<PREC> &a, float b0,
+                                          float b1) {
+    if constexpr (PREC == 3) {
+        uint32_t h0, l0, h1, l1;
+        tf32_split(b0, h0, l0);
+        tf32_split(b1, h1, l1);
+        mma_tf32(d, a.lo, h0, h1); /* the small terms first */
+        mma_tf32(d, a.hi, l0, l1);
+        mma_tf32(d, a.hi, h0, h1);
+    } else {
+        mma_tf32(d, a.hi, to_tf32(b0), to_tf32(b1));
+    }
+}
+
 /* One k-step of 8 for a warp's 16 rows and NT 8-column tiles: acc += A B with A row-major in
  * global memory (a: this lane's A(g, l4), rows lda apart) and B row-major in shared memory (b:
  * this lane's B(l4, g), rows ldb apart, tiles 8 columns apart). */
-template <int NT>
+template <int NT, int PREC>
 __device__ __forceinline__ void tf32_kstep(float (&acc)[NT][4], const float *a, int lda,
                                            const float *b, int ldb) {
-    const uint32_t af[4] = {to_tf32(__ldg(a)), to_tf32(__ldg(a + 8 * lda)), to_tf32(__ldg(a + 4)),
-                            to_tf32(__ldg(a + 8 * lda + 4))};
+    const tf32_a<PREC> af(__ldg(a), __ldg(a + 8 * lda), __ldg(a + 4), __ldg(a + 8 * lda + 4));
 #pragma unroll
-    for (int n = 0; n < NT; n++)
-        mma_tf32(acc[n], af, to_tf32(b[n * 8]), to_tf32(b[4 * ldb + n * 8]));
+    for (int n = 0; n < NT; n++) mma_tf32x<PREC>(acc[n], af, b[n * 8], b[4 * ldb + n * 8]);
 }
 
 /* pass 3's shared memory on tensor cores: S0 [KD][KD + 8] and U [KC][KD + 8] */
@@ -3287,7 +3322,7 @@ template <int KD> constexpr size_t kda_out_tc_smem() {
     return (size_t)(KD + KC) * (KD + 8) * sizeof(float);
 }
 
-template <int KD>
+template <int KD, int PREC>
 __global__ void __launch_bounds__(256)
     kda_chunk_out_tc_k(float *o, const float *states, const float *ug, const float *prep,
                        const kda_chunk *chunks, int H) {
@@ -3322,12 +3357,12 @@ __global__ void __launch_bounds__(256)
         /* Qp S0: k over the KD key channels */
 #pragma unroll 4
     for (int k0 = 0; k0 < KD; k0 += 8)
-        tf32_kstep<NT>(acc, Qp + (size_t)(r0 + g) * KD + k0 + l4, KD,
-                       S0s + (k0 + l4) * BLD + c0 + g, BLD);
+        tf32_kstep<NT, PREC>(acc, Qp + (size_t)(r0 + g) * KD + k0 + l4, KD,
+                             S0s + (k0 + l4) * BLD + c0 + g, BLD);
     /* P U: k over the chunk's tokens, up to this warp's last row (P is lower triangular) */
     for (int k0 = 0; k0 < r0 + 16; k0 += 8)
-        tf32_kstep<NT>(acc, P + (size_t)(r0 + g) * KC + k0 + l4, KC, Us + (k0 + l4) * BLD + c0 + g,
-                       BLD);
+        tf32_kstep<NT, PREC>(acc, P + (size_t)(r0 + g) * KC + k0 + l4, KC,
+                             Us + (k0 + l4) * BLD + c0 + g, BLD);
     const int t0 = r0 + g, t1 = t0 + 8;
 #pragma unroll
     for (int n = 0; n < NT; n++) {
@@ -3345,7 +3380,7 @@ __global__ void __launch_bounds__(256)
  * as mma.sync m16n8k8 with f32 accumulation (the operands rounded to TF32). The state stays in
  * the accumulators of the second product: warp w holds channels 16 (w mod M2) + [0, 16) of
  * N2 8-column tiles, M2 = KD / 16 tiles of channels. */
-template <int KD>
+template <int KD, int PREC>
 __global__ void __launch_bounds__(KS_NT)
     kda_chunk_scan_tc_k(float *states, float *ug, const float *prep, const kda_chunk *chunks,
                         const int *seg_chunk0, float *const *S, int H) {
@@ -3396,12 +3431,11 @@ __global__ void __launch_bounds__(KS_NT)
 #pragma unroll 4
             for (int k0 = 0; k0 < KD; k0 += 8) {
                 const float *wa = W + (m1 + g) * WLD + k0 + l4;
-                const uint32_t af[4] = {to_tf32(wa[0]), to_tf32(wa[8 * WLD]), to_tf32(wa[4]),
-                                        to_tf32(wa[8 * WLD + 4])};
+                const tf32_a<PREC> af(wa[0], wa[8 * WLD], wa[4], wa[8 * WLD + 4]);
 #pragma unroll
                 for (int n = 0; n < 2; n++) {
                     const float *sb = Ss + (k0 + l4) * ULD + n1 + 8 * n + g;
-                    mma_tf32(acc[n], af, to_tf32(sb[0]), to_tf32(sb[4 * ULD]));
+                    mma_tf32x<PREC>(acc[n], af, sb[0], sb[4 * ULD]);
                 }
             }
 #pragma unroll
@@ -3425,12 +3459,11 @@ __global__ void __launch_bounds__(KS_NT)
 #pragma unroll 2
             for (int k0 = 0; k0 < KC; k0 += 8) {
                 const float *ka = Kc + (k0 + l4) * KLD + m2 + g; /* A = Kc^T: A(m, k) = Kc(k, m) */
-                const uint32_t af[4] = {to_tf32(ka[0]), to_tf32(ka[8]), to_tf32(ka[4 * KLD]),
-                                        to_tf32(ka[4 * KLD + 8])};
+                const tf32_a<PREC> af(ka[0], ka[8], ka[4 * KLD], ka[4 * KLD + 8]);
 #pragma unroll
                 for (int n = 0; n < N2; n++) {
                     const float *ub = Us + (k0 + l4) * ULD + n2 + 8 * n + g;
-                    mma_tf32(st[n], af, to_tf32(ub[0]), to_tf32(ub[4 * ULD]));
+                    mma_tf32x<PREC>(st[n], af, ub[0], ub[4 * ULD]);
                 }
             }
 #pragma unroll
@@ -3449,12 +3482,24 @@ __global__ void __launch_bounds__(KS_NT)
                 make_float2(st[n][2 * hh], st[n][2 * hh + 1]);
 }
 
-extern "C" void ds_cu_set_kda_tc(ds_cu *c, int on) {
-    c->kda_tc = on;
+extern "C" void ds_cu_set_kda_tc(ds_cu *c, int mode) {
+    c->kda_tc = mode == 3 ? 3 : mode > 0 ? 1 : 0;
 }
 
 extern "C" int ds_cu_kda_chunked_supports(int dk, int dv) {
     return dk == dv && (dk == 64 || dk == 128);
+}
+
+/* the tensor-core passes' shared memory above the default 48 KB */
+template <int KD, int PREC> static cudaError_t kda_tc_attrs() {
+    cudaError_t e = cudaFuncSetAttribute(kda_chunk_out_tc_k<KD, PREC>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)kda_out_tc_smem<KD>());
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(kda_chunk_scan_tc_k<KD, PREC>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)kda_scan_smem<KD, true>::BYTES);
+    return e;
 }
 
 template <int KD>
@@ -3472,14 +3517,8 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)kda_scan_smem<KD, false>::BYTES),
                "chunked kda: shared memory");
-        CU_TRY(cudaFuncSetAttribute(kda_chunk_out_tc_k<KD>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)kda_out_tc_smem<KD>()),
-               "chunked kda: shared memory");
-        CU_TRY(cudaFuncSetAttribute(kda_chunk_scan_tc_k<KD>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)kda_scan_smem<KD, true>::BYTES),
-               "chunked kda: shared memory");
+        CU_TRY((kda_tc_attrs<KD, 1>()), "chunked kda: shared memory");
+        CU_TRY((kda_tc_attrs<KD, 3>()), "chunked kda: shared memory");
         smem_set = 1;
     }
     ds_cu_prof_mark(c, "kda chunks: prepare");
@@ -3487,17 +3526,24 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
              g, beta, tab, H);
     CU_TRY(cudaGetLastError(), "chunked kda (prepare)");
     ds_cu_prof_mark(c, "kda chunks: scan");
-    if (c->kda_tc)
-        launch_k(c, kda_chunk_scan_tc_k<KD>, dim3((unsigned)H, KD / KS_BV, (unsigned)n_seq), KS_NT,
-                 kda_scan_smem<KD, true>::BYTES, states, ug, prep, tab, first, S, H);
+    const dim3 sgrid((unsigned)H, KD / KS_BV, (unsigned)n_seq), ogrid((unsigned)n_ch, (unsigned)H);
+    if (c->kda_tc == 3)
+        launch_k(c, kda_chunk_scan_tc_k<KD, 3>, sgrid, KS_NT, kda_scan_smem<KD, true>::BYTES,
+                 states, ug, prep, tab, first, S, H);
+    else if (c->kda_tc)
+        launch_k(c, kda_chunk_scan_tc_k<KD, 1>, sgrid, KS_NT, kda_scan_smem<KD, true>::BYTES,
+                 states, ug, prep, tab, first, S, H);
     else
         launch_k(c, kda_chunk_scan_k<KD>, dim3((unsigned)H, KD / KS_BV, (unsigned)n_seq), KS_NT,
                  kda_scan_smem<KD, false>::BYTES, states, ug, prep, tab, first, S, H);
     CU_TRY(cudaGetLastError(), "chunked kda (scan)");
     ds_cu_prof_mark(c, "kda chunks: outputs");
-    if (c->kda_tc)
-        launch_k(c, kda_chunk_out_tc_k<KD>, dim3((unsigned)n_ch, (unsigned)H), 256,
-                 kda_out_tc_smem<KD>(), o, states, ug, prep, tab, H);
+    if (c->kda_tc == 3)
+        launch_k(c, kda_chunk_out_tc_k<KD, 3>, ogrid, 256, kda_out_tc_smem<KD>(), o, states, ug,
+                 prep, tab, H);
+    else if (c->kda_tc)
+        launch_k(c, kda_chunk_out_tc_k<KD, 1>, ogrid, 256, kda_out_tc_smem<KD>(), o, states, ug,
+                 prep, tab, H);
     else
         launch_k(c, kda_chunk_out_k<KD>, dim3((unsigned)n_ch, (unsigned)H), 256, 0, o, states, ug,
                  prep, tab, H);
