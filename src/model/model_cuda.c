@@ -450,7 +450,15 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     ds_cu_set_mla_flash(cm->c, env_flag("DS_CUDA_MLA_FLASH", 1));
     { /* chunked KDA on tensor cores: 1 TF32, 3 3xTF32 (ds_cu_set_kda_tc) */
         const char *tc = getenv("DS_CUDA_KDA_TC");
-        ds_cu_set_kda_tc(cm->c, tc && *tc ? atoi(tc) : 0);
+        int mode = 0;
+        if (tc && *tc) {
+            if (!strcmp(tc, "1") || !strcmp(tc, "3"))
+                mode = atoi(tc);
+            else if (strcmp(tc, "0"))
+                fprintf(stderr,
+                        "[deltaserve] DS_CUDA_KDA_TC=%s: 0, 1 (TF32) or 3 (3xTF32); using 0\n", tc);
+        }
+        ds_cu_set_kda_tc(cm->c, mode);
     }
     /* a side stream for independent chains within a step (ds_cu_side_begin) */
     ds_err side_err;
