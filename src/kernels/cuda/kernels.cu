@@ -3067,12 +3067,15 @@ template <int KD, bool TC> struct kda_scan_smem {
     static constexpr size_t BYTES = ((size_t)2 * STAGE + KD * ULD + KC * ULD) * sizeof(float);
 };
 
-/* A chunk's operands into a stage of pass 2's shared memory, every thread its share of 16-byte
- * cp.async pieces (one commit group). */
+/* Chunk ci's operands (head h, columns [cg, cg + KS_BV)) into stage s of pass 2's shared memory,
+ * every thread its share of 16-byte cp.async pieces (one commit group). */
 template <int KD, bool TC>
-__device__ __forceinline__ void kda_scan_stage(float *stage, const float *pr, int cg) {
+__device__ __forceinline__ void kda_scan_stage(float *ssh, int s, const float *prep, int ci, int H,
+                                               int h, int cg) {
     using SM = kda_scan_smem<KD, TC>;
-    float *W = stage, *Kc = W + KC * SM::WLD, *Ut = Kc + KC * SM::KLD, *gL = Ut + KC * SM::ULD;
+    const float *pr = prep + ((size_t)ci * H + h) * kda_ch_floats(KD);
+    float *W = ssh + s * SM::STAGE, *Kc = W + KC * SM::WLD, *Ut = Kc + KC * SM::KLD,
+          *gL = Ut + KC * SM::ULD;
     for (int i = threadIdx.x; i < KC * KD / 4; i += KS_NT) {
         const int r = i / (KD / 4), c = (i % (KD / 4)) * 4;
         cp_async16(W + r * SM::WLD + c, pr + r * KD + c);
@@ -3115,19 +3118,14 @@ __global__ void __launch_bounds__(KS_NT)
         *(float4 *)(Ss + (NCH * q + x) * KS_BV + col) = s4;
     }
     const int c0 = seg_chunk0[z], c1 = seg_chunk0[z + 1];
-    /* a chunk's operands into stage s: every thread copies its share in 16-byte pieces */
-    auto stage_in = [&](int ci, int s) {
-        kda_scan_stage<KD, false>(ssh + s * SM::STAGE,
-                                  prep + ((size_t)ci * H + h) * kda_ch_floats(KD), cg);
-    };
-    if (c0 < c1) stage_in(c0, 0);
+    if (c0 < c1) kda_scan_stage<KD, false>(ssh, 0, prep, c0, H, h, cg);
     for (int ci = c0; ci < c1; ci++) {
         const int s = (ci - c0) & 1;
         const float *W = ssh + s * SM::STAGE, *Kc = W + KC * WLD, *Ut = Kc + KC * KD;
         const float *gL = Ut + KC * KS_BV;
         cp_async_wait_all();
         __syncthreads(); /* stage s has landed for all; everyone is done with the last chunk */
-        if (ci + 1 < c1) stage_in(ci + 1, s ^ 1);
+        if (ci + 1 < c1) kda_scan_stage<KD, false>(ssh, s ^ 1, prep, ci + 1, H, h, cg);
         float *sg = states + ((size_t)ci * H + h) * KD * KD; /* the state this chunk starts from */
 #pragma unroll
         for (int x = 0; x < NCH; x++)
@@ -3409,16 +3407,14 @@ __global__ void __launch_bounds__(KS_NT)
             *(float2 *)(Ss + ch * ULD + cl) = v2;
         }
     const int c0 = seg_chunk0[z], c1 = seg_chunk0[z + 1];
-    if (c0 < c1) kda_scan_stage<KD, true>(ssh, prep + ((size_t)c0 * H + h) * kda_ch_floats(KD), cg);
+    if (c0 < c1) kda_scan_stage<KD, true>(ssh, 0, prep, c0, H, h, cg);
     for (int ci = c0; ci < c1; ci++) {
         const int s = (ci - c0) & 1;
         const float *W = ssh + s * SM::STAGE, *Kc = W + KC * WLD, *Ut = Kc + KC * KLD;
         const float *gL = Ut + KC * ULD;
         cp_async_wait_all();
         __syncthreads(); /* stage s has landed for all; everyone is done with the last chunk */
-        if (ci + 1 < c1)
-            kda_scan_stage<KD, true>(ssh + (s ^ 1) * SM::STAGE,
-                                     prep + ((size_t)(ci + 1) * H + h) * kda_ch_floats(KD), cg);
+        if (ci + 1 < c1) kda_scan_stage<KD, true>(ssh, s ^ 1, prep, ci + 1, H, h, cg);
         float *sg = states + ((size_t)ci * H + h) * KD * KD; /* the state this chunk starts from */
 #pragma unroll
         for (int n = 0; n < N2; n++)
