@@ -102,10 +102,10 @@ int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, const float *k
 int ds_cu_kda_chunked(ds_cu *c, float *o, const float *q, const float *k, const float *v,
                       const float *g, const float *beta, const int *seg_start, const int *seg_len,
                       float *const *S, int n_seq, int H, int dk, int dv, ds_err *err);
-/* ds_cu_kda_chunked's scan and output passes on tensor cores: mode 1 TF32 (~3e-4 relative error
+/* ds_cu_kda_chunked's scan and output passes: mode 1 on TF32 tensor cores (~3e-4 relative error
  * instead of 5e-7), 3 3xTF32 (each operand split into two TF32 parts: about f32's accuracy), 0
- * (the default) f32 on CUDA cores. DS_CUDA_KDA_TC sets it; tests/cuda checks mode 1 against the
- * CPU at 1e-2 and mode 3 at f32's 1e-4. */
+ * f32 on CUDA cores. A context starts at 0; the model sets 3 unless DS_CUDA_KDA_TC says
+ * otherwise. tests/cuda checks mode 1 against the CPU at 1e-2 and modes 0 and 3 at f32's 1e-4. */
 void ds_cu_set_kda_tc(ds_cu *c, int mode);
 /* Built with DS_KDA_PREP_CLOCKS: the cycles chunked KDA's first pass spent in each of its six
  * phases since the last call (summed over blocks; then zeroed); -1 in other builds. */

@@ -3243,16 +3243,16 @@ __global__ void __launch_bounds__(256)
     }
 }
 
-/* Pass 3 on TF32 tensor cores (opt-in, ds_cu_set_kda_tc): the same two products, O = Qp S0 + P U,
- * as mma.sync m16n8k8 with f32 accumulation, the operands rounded to TF32 (10-bit mantissa: ~1e-3
- * relative error instead of f32's 1e-7). Block (chunk, head), 8 warps: rows 16 (w mod 4) + [0,
- * 16), half the columns each. S0 and U (the B operands, read by every warp) are copied into
- * shared memory once with cp.async, padded so that a fragment's loads fall on 32 banks; Qp and P
- * rows (A, one warp's own) come straight from memory. Rows past the chunk's length are zeros in
- * Qp, P and U (passes 1 and 2 write them so), so no operand needs a mask; only the stores do.
- * Fragment layouts as the PTX ISA gives them for m16n8k8 TF32: lane = 4 g + l4 holds A's (g,
- * l4), (g + 8, l4), (g, l4 + 4), (g + 8, l4 + 4); B's (l4, g), (l4 + 4, g); C's (g, 2 l4 (+1))
- * and (g + 8, 2 l4 (+1)). */
+/* Pass 3 on TF32 tensor cores (ds_cu_set_kda_tc: 1, or 3 with the operands split, the model's
+ * default): the same two products, O = Qp S0 + P U, as mma.sync m16n8k8 with f32 accumulation, the
+ * operands rounded to TF32 (10-bit mantissa: ~1e-3 relative error instead of f32's 1e-7). Block
+ * (chunk, head), 8 warps: rows 16 (w mod 4) + [0, 16), half the columns each. S0 and U (the B
+ * operands, read by every warp) are copied into shared memory once with cp.async, padded so that a
+ * fragment's loads fall on 32 banks; Qp and P rows (A, one warp's own) come straight from memory.
+ * Rows past the chunk's length are zeros in Qp, P and U (passes 1 and 2 write them so), so no
+ * operand needs a mask; only the stores do. Fragment layouts as the PTX ISA gives them for m16n8k8
+ * TF32: lane = 4 g + l4 holds A's (g, l4), (g + 8, l4), (g, l4 + 4), (g + 8, l4 + 4); B's (l4, g),
+ * (l4 + 4, g); C's (g, 2 l4 (+1)) and (g + 8, 2 l4 (+1)). */
 __device__ __forceinline__ uint32_t to_tf32(float x) {
     uint32_t r;
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
