@@ -448,11 +448,7 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     ds_cu_set_expert_mma(cm->c, env_flag("DS_CUDA_EXPERT_MMA", 1));
     ds_cu_set_mla_gemm(cm->c, env_flag("DS_CUDA_MLA_GEMM", 1));
     ds_cu_set_mla_flash(cm->c, env_flag("DS_CUDA_MLA_FLASH", 1));
-    { /* DS_CUDA_FUSE: bits of DS_CU_FUSE_* (0 none) */
-        const char *f = getenv("DS_CUDA_FUSE");
-        ds_cu_set_fuse(cm->c, f && *f ? atoi(f) : 15);
-    }
-    ds_cu_set_prefetch(cm->c, env_flag("DS_CUDA_PREFETCH", 1));
+    ds_cu_set_fuse(cm->c, env_flag("DS_CUDA_FUSE", 1));
     { /* chunked KDA on tensor cores: 1 TF32, 3 3xTF32 (ds_cu_set_kda_tc) */
         /* 3xTF32 by default: f32's accuracy (checked at 1e-4) and faster than f32 on CUDA cores
          * (8192 tokens x 32 heads: 1.97 against 2.83 ms on the H200, bench/RESULTS.md) */
@@ -826,9 +822,6 @@ static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float
      * beside the convs of q, k and v; joined before the recurrence */
     PROF(s, "kda gates, beta");
     TRY(ds_cu_side_begin(cu, err));
-    /* o_proj's weights into L2 while the convs, the recurrence and the norms keep the memory idle
-     */
-    ds_cu_prefetch_l2(cu, w->o.data, (size_t)w->o.rows * w->o.cols * 2);
     int rc = ds_cu_matmul(cu, o, P, fa, ld, T, &w->f_b, err);
     if (!rc)
         ds_cu_kda_gate(cu, g, o, T, H, dk, w->A_log, w->dt_bias, c->has_gate_lower_bound,

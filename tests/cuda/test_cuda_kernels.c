@@ -631,7 +631,7 @@ static void check_conv_norm(ds_cu *c, const int *lens, int n_seq, int C, int W, 
                                dk,
                                {1.0f / sqrtf((float)dk), 1.0f},
                                1e-6f};
-        ds_cu_set_fuse(c, f ? DS_CU_FUSE_CONV_NORM : 0);
+        ds_cu_set_fuse(c, f);
         if (ds_cu_short_conv_silu_batch(c, &cb, &err)) DIE("%s", err.msg);
         got[f] = malloc((size_t)T * 3 * C * 4);
         tails_got[f] = malloc((size_t)n_seq * 3 * tn * 4);
@@ -694,7 +694,7 @@ static void check_kda_gated(ds_cu *c, const int *lens, const int *rows, int n_se
         if (ds_cu_upload(c, dS, S0, ns * n_seq * 4, &err)) DIE("%s", err.msg);
         poison(c, dout, n * 4);
         poison(c, dR, (size_t)T * ns * 4);
-        ds_cu_set_fuse(c, f ? DS_CU_FUSE_KDA_NORM : 0);
+        ds_cu_set_fuse(c, f);
         if (ds_cu_kda_recurrent_batch(c, dout, dq, dk_, dv_, dg, db, doff, dsp, drp, 0, n_seq, H,
                                       dk, dv, 0, &nm, &err))
             DIE("%s", err.msg);
@@ -825,7 +825,7 @@ static void check_moe_router(ds_cu *c, int E, int D, int k, int n_group, int top
         poison(c, dz, (size_t)E * 4);
         poison(c, dw, (size_t)k * 4);
         poison(c, di, (size_t)k * 4);
-        ds_cu_set_fuse(c, f ? DS_CU_FUSE_ROUTE : 0);
+        ds_cu_set_fuse(c, f);
         /* twice: the block tally must be back at zero after each launch */
         for (int rep = 0; rep < 2; rep++)
             if (ds_cu_moe_router(c, di, dw, dz, dx, &m, db, 1, k, n_group, topk_group, 1, 2.5f, 0,
@@ -903,7 +903,7 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
             DIE("%s", err.msg);
         fetch(c, apart, dout, (size_t)D * 4);
         if (ds_cu_upload(c, dout, base, (size_t)D * 4, &err)) DIE("%s", err.msg);
-        ds_cu_set_fuse(c, DS_CU_FUSE_COMBINE);
+        ds_cu_set_fuse(c, 1);
     }
     if (ds_cu_moe_experts(c, dout, dx, didx, dw, T, k, El, e0, D, I, dgu, ddn, situ, 4.0f, 6.0f, 1,
                           &err))

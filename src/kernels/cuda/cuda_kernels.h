@@ -101,21 +101,10 @@ int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, const float *k
                               float *const *S, float *const *S_rows, size_t rows_stride, int n_seq,
                               int H, int dk, int dv, int skip_from, const ds_cu_kda_norm *norm,
                               ds_err *err);
-/* Small kernels of a step folded into their neighbours, the same bits as apart: bits of
- * DS_CU_FUSE_*; none by default (the model reads DS_CUDA_FUSE). */
-enum {
-    DS_CU_FUSE_CONV_NORM = 1, /* KDA's q/k norms in the short convs' launch */
-    DS_CU_FUSE_KDA_NORM = 2,  /* KDA's output gate and norm in the recurrence's */
-    DS_CU_FUSE_ROUTE = 4,     /* one token's MoE route in the router GEMV's */
-    DS_CU_FUSE_COMBINE = 8    /* one token's MoE combine in the experts' down pass */
-};
-void ds_cu_set_fuse(ds_cu *c, int bits);
-/* Weights that a step reads after a stretch of small kernels are requested into L2 during it
- * (ds_cu_prefetch_l2; off by default, the model reads DS_CUDA_PREFETCH). */
-void ds_cu_set_prefetch(ds_cu *c, int on);
-/* Asks for [p, p + bytes) of weights to be brought into L2 (no wait; nothing if prefetching is
- * off). */
-void ds_cu_prefetch_l2(ds_cu *c, const void *p, size_t bytes);
+/* Small kernels of a step folded into their neighbours (the short convs' q/k norms, the KDA output
+ * norm, the MoE route and combine), the same bits as apart; off by default, on in the model
+ * unless DS_CUDA_FUSE=0. */
+void ds_cu_set_fuse(ds_cu *c, int on);
 
 /* The same recurrence over long segments in chunks of 64 tokens (dk = dv = 64 or 128; no verify
  * rows): the states at chunk boundaries are carried by a sequential scan, everything else is

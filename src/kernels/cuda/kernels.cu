@@ -32,12 +32,11 @@ struct ds_cu {
     int mla_gemm;        /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
     int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
     int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
-    int kda_tc;   /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
-    int fuse;     /* small kernels of a step folded into their neighbours: DS_CU_FUSE_* bits */
-    int prefetch; /* weights read after a stretch of small kernels requested into L2 during it */
-    int *tally;   /* [DS_CU_TALLIES] zeros: the fused kernels' counts of finished blocks (the
-                     router's at 0, the combine's output tiles from 1) */
-    void *mlag;   /* that path's buffers, mlag_bytes allocated */
+    int kda_tc; /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
+    int fuse;   /* small kernels of a step folded into their neighbours (ds_cu_set_fuse) */
+    int *tally; /* [DS_CU_TALLIES] zeros: the fused kernels' counts of finished blocks (the
+                   router's at 0, the combine's output tiles from 1) */
+    void *mlag; /* that path's buffers, mlag_bytes allocated */
     size_t mlag_bytes;
     void *kdac; /* chunked KDA's per-chunk products and chunk table, kdac_bytes allocated */
     size_t kdac_bytes;
@@ -1080,7 +1079,7 @@ extern "C" int ds_cu_short_conv_silu_batch(ds_cu *c, const ds_cu_conv_batch *b, 
     const int T = b->n_tokens, n_chunks = DS_MAX(1, DS_MIN(256, T / 64));
     const dim3 grid((unsigned)((b->C + 127) / 128), (unsigned)b->n_seq,
                     (unsigned)(b->n_proj * n_chunks));
-    const int fused = dk && (c->fuse & DS_CU_FUSE_CONV_NORM) && n_chunks == 1 && b->C % 128 == 0;
+    const int fused = dk && c->fuse && n_chunks == 1 && b->C % 128 == 0;
     if (fused)
         launch_k(c, short_conv_batch_k<true>, grid, 128, 0, *b, n_chunks);
     else
@@ -2028,7 +2027,7 @@ extern "C" int ds_cu_moe_router(ds_cu *c, int32_t *idx, float *w, float *z, cons
     const int E = router->rows, K = router->cols;
     size_t smem;
     if (route_check(E, k, n_group, &smem, err)) return DS_ERR;
-    if (T == 1 && (c->fuse & DS_CU_FUSE_ROUTE) && K % 8 == 0 && (uintptr_t)x % 16 == 0 &&
+    if (T == 1 && c->fuse && K % 8 == 0 && (uintptr_t)x % 16 == 0 &&
         (uintptr_t)router->data % 16 == 0) {
         const int S = gemv_splits(c, E, K, 1);
         const moe_pick p = {idx,     w,          bias,        E,     k,
@@ -2709,7 +2708,7 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
          * for one token it also combines (out may be the shared experts', from the side stream:
          * joined first) */
         const unsigned tiles = (unsigned)((D + MOE_NPB - 1) / MOE_NPB);
-        if (direct && (c->fuse & DS_CU_FUSE_COMBINE) && tiles + 1 <= DS_CU_TALLIES) {
+        if (direct && c->fuse && tiles + 1 <= DS_CU_TALLIES) {
             if (ds_cu_side_join(c, err)) return DS_ERR;
             const moe_comb comb = {out, w, k, accumulate, c->tally + 1};
             launch_k(c, grouped, dim3(tiles, ya), 256, (size_t)rp_dn * I * 4, y, D, h, 2 * I, 1,
@@ -2802,13 +2801,6 @@ __device__ void kda_run(float *o, const float *q, const float *k, const float *v
     /* token t + 1's inputs are loaded into registers while token t computes: a prefill walks
      * thousands of tokens in order, and waiting on each token's loads was most of its time */
     float nq[PF], nk[PF], ng[PF], nv = 0.0f, nb = 0.0f;
-    /* GATED (dv = DK): warp 0's lanes hold the output gate of their columns lane + 32 m, fetched
-     * with the token's other inputs, and the norm's weights */
-    constexpr int GM = GATED ? DK / 32 : 1;
-    float ngt[GM], cgt[GM], nw[GM];
-    if (GATED && threadIdx.x < 32)
-#pragma unroll
-        for (int m = 0; m < GM; m++) nw[m] = gn.w[threadIdx.x + 32 * m];
     auto fetch = [&](int t) {
         const size_t th = (size_t)t * H + h;
 #pragma unroll
@@ -2817,9 +2809,6 @@ __device__ void kda_run(float *o, const float *q, const float *k, const float *v
             if (c < DK) nq[i] = q[th * DK + c], nk[i] = k[th * DK + c], ng[i] = g[th * DK + c];
         }
         if (live) nv = v[th * dv + col], nb = beta[th];
-        if (GATED && threadIdx.x < 32)
-#pragma unroll
-            for (int m = 0; m < GM; m++) ngt[m] = gn.gate[th * DK + threadIdx.x + 32 * m];
     };
     if (t0 < t1) fetch(t0);
     for (int t = t0; t < t1; t++) {
@@ -2831,9 +2820,6 @@ __device__ void kda_run(float *o, const float *q, const float *k, const float *v
             if (c < DK) qs[c] = nq[i], ks[c] = nk[i], ds[c] = expf(ng[i]);
         }
         const float vt = nv, bt = nb;
-        if (GATED)
-#pragma unroll
-            for (int m = 0; m < GM; m++) cgt[m] = ngt[m];
         if (t + 1 < t1) fetch(t + 1);
         __syncthreads();
         /* decay, then predict v from the decayed state */
@@ -2858,20 +2844,17 @@ __device__ void kda_run(float *o, const float *q, const float *k, const float *v
         if (GATED) {
             /* the head's outputs through shared memory, then warp 0 as gated_rmsnorm_heads_k
              * (the same bits); the next token's first barrier keeps os until it is read */
-            __shared__ float os[GATED ? DK : 1]; /* [dv] */
+            __shared__ float os[256]; /* [dv] */
             if (live && part == 0) os[col] = acc;
             __syncthreads();
             if (threadIdx.x < 32) {
                 const int lane = threadIdx.x;
                 float ss = 0.0f;
-#pragma unroll
-                for (int m = 0; m < GM; m++) ss += os[lane + 32 * m] * os[lane + 32 * m];
+                for (int i = lane; i < dv; i += 32) ss += os[i] * os[i];
                 for (int m = 16; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
-                const float r = 1.0f / sqrtf(ss / (float)DK + gn.eps);
-#pragma unroll
-                for (int m = 0; m < GM; m++)
-                    o[th * DK + lane + 32 * m] =
-                        os[lane + 32 * m] * r * nw[m] / (1.0f + expf(-cgt[m]));
+                const float r = 1.0f / sqrtf(ss / (float)dv + gn.eps);
+                for (int i = lane; i < dv; i += 32)
+                    o[th * dv + i] = os[i] * r * gn.w[i] / (1.0f + expf(-gn.gate[th * dv + i]));
             }
         }
         if (live) {
@@ -2980,7 +2963,7 @@ extern "C" int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, con
     if (norm && skip_from)
         return ds_errf(err, "cuda: kda_recurrent: the output norm with chunked segments aside");
     const int split = dk == 128 ? 2 : 1;
-    if (norm && (c->fuse & DS_CU_FUSE_KDA_NORM) && dv == dk && (dk == 64 || dk == 128)) {
+    if (norm && c->fuse && dv * split <= 256 && (dk == 64 || dk == 128)) {
         const kda_gated gn = {norm->gate, norm->w, norm->eps};
         const dim3 grid((unsigned)H, 1, (unsigned)n_seq);
         const unsigned threads = (unsigned)((dv * split + 31) / 32 * 32);
@@ -3718,35 +3701,8 @@ __global__ void __launch_bounds__(KS_NT)
                 make_float2(st[n][2 * hh], st[n][2 * hh + 1]);
 }
 
-extern "C" void ds_cu_set_fuse(ds_cu *c, int bits) {
-    c->fuse = bits;
-}
-
-extern "C" void ds_cu_set_prefetch(ds_cu *c, int on) {
-    c->prefetch = on;
-}
-
-/* Asks L2 for [p, p + bytes) in pieces of L2_PIECE (bulk prefetches: one instruction a piece, no
- * registers waiting), then is done: the data arrives while later kernels run. Weights only (never
- * an earlier kernel's output), so no wait for the previous kernel. */
-enum { L2_PIECE = 32 << 10 };
-__global__ void l2_prefetch_k(const char *p, size_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    for (size_t off = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * L2_PIECE; off < bytes;
-         off += (size_t)gridDim.x * blockDim.x * L2_PIECE) {
-        const unsigned n = (unsigned)(bytes - off < L2_PIECE ? bytes - off : L2_PIECE);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + off), "r"(n & ~15u)
-                     : "memory");
-    }
-#endif
-}
-
-extern "C" void ds_cu_prefetch_l2(ds_cu *c, const void *p, size_t bytes) {
-    if (!c->prefetch || !bytes || (uintptr_t)p % 16) return;
-    const size_t pieces = (bytes + L2_PIECE - 1) / L2_PIECE;
-    launch_k(c, l2_prefetch_k, (unsigned)DS_MIN((pieces + 63) / 64, 64), 64, 0, (const char *)p,
-             bytes);
-    note_launch(c);
+extern "C" void ds_cu_set_fuse(ds_cu *c, int on) {
+    c->fuse = on;
 }
 
 extern "C" void ds_cu_set_kda_tc(ds_cu *c, int mode) {
