@@ -2331,14 +2331,14 @@ __global__ void __launch_bounds__(256)
     moe_grouped_body<RPM>(y, ldy, x, ldx, x_div, W, N, K, start, perm, active, n_active, rp, act,
                           direct, e0, E);
     if (!cb.out || !last_block(cb.tally + blockIdx.x, gridDim.y)) return;
-    const int d = blockIdx.x * MOE_NPB + threadIdx.x; /* this tile's outputs only */
-    if (threadIdx.x >= MOE_NPB || d >= N) return;
-    float acc = 0.0f;
-    for (int j = 0; j < cb.k; j++) {
-        const int e = direct[j] - e0;
-        if (e >= 0 && e < E) acc += cb.w[j] * __ldcg(y + (size_t)j * ldy + d);
+    for (int d = blockIdx.x * MOE_NPB + threadIdx.x; threadIdx.x < MOE_NPB && d < N; d += MOE_NPB) {
+        float acc = 0.0f;
+        for (int j = 0; j < cb.k; j++) {
+            const int e = direct[j] - e0;
+            if (e >= 0 && e < E) acc += cb.w[j] * __ldcg(y + (size_t)j * ldy + d);
+        }
+        cb.out[d] = cb.accumulate ? cb.out[d] + acc : acc;
     }
-    cb.out[d] = cb.accumulate ? cb.out[d] + acc : acc;
 }
 
 enum : size_t { MOE_SMEM = 160 * 1024 }; /* the grouped kernel's x staging, at most */
