@@ -448,7 +448,6 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     ds_cu_set_expert_mma(cm->c, env_flag("DS_CUDA_EXPERT_MMA", 1));
     ds_cu_set_mla_gemm(cm->c, env_flag("DS_CUDA_MLA_GEMM", 1));
     ds_cu_set_mla_flash(cm->c, env_flag("DS_CUDA_MLA_FLASH", 1));
-    ds_cu_set_fuse(cm->c, env_flag("DS_CUDA_FUSE", 1));
     { /* chunked KDA on tensor cores: 1 TF32, 3 3xTF32 (ds_cu_set_kda_tc) */
         /* 3xTF32 by default: f32's accuracy (checked at 1e-4) and faster than f32 on CUDA cores
          * (8192 tokens x 32 heads: 1.97 against 2.83 ms on the H200, bench/RESULTS.md) */
@@ -846,23 +845,18 @@ static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float
                            slot_n,
                            s->seg_off,
                            s->n_seq,
-                           T,
-                           dk, /* then q and k normalised per head */
-                           {1.0f / sqrtf((float)dk), 1.0f},
-                           1e-6f};
+                           T};
     if (v - k != k - q) return ds_errf(err, "forward: internal error: q, k, v not evenly spaced");
     TRY(ds_cu_short_conv_silu_batch(cu, &cb, err));
+    ds_cu_l2norm_heads2(cu, q, 1.0f / sqrtf((float)dk), k, 1.0f, T, H, dk, 1e-6f);
     TRY(ds_cu_side_join(cu, err));
     /* every segment in one launch, each on its own state (and rows, for a verify); long segments
-     * without rows in chunks instead, as on the CPU (model.c kda_forward). Without those, the
-     * output gate and norm come with the recurrence (o is then their result). */
+     * without rows in chunks instead, as on the CPU (model.c kda_forward) */
     const int n_chunked = kda_chunked_segments(s);
-    const ds_cu_kda_norm on = {gt, w->o_norm, c->rms_norm_eps, T};
     PROF(s, "kda recurrence");
     TRY(ds_cu_kda_recurrent_batch(cu, o, q, k, v, g, beta, s->seg_off, s->S + at,
                                   s->any_rows ? s->S_rows + at : NULL, slot_n, s->n_seq, H, dk, dk,
-                                  n_chunked ? s->m->opts.kda_chunked_min : 0,
-                                  n_chunked ? NULL : &on, err));
+                                  n_chunked ? s->m->opts.kda_chunked_min : 0, err));
     if (n_chunked) {
         ds_cuda_model *cm = s->cm;
         if (grow_host((void **)&cm->h_kda, &cm->h_kda_cap, 2 * (size_t)s->n_seq, sizeof(int), err))
@@ -876,9 +870,9 @@ static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float
                               err));
     }
     PROF(s, "kda out gate, norm");
-    if (n_chunked) ds_cu_gated_rmsnorm_heads(cu, o, o, gt, w->o_norm, T, H, dk, c->rms_norm_eps);
+    ds_cu_gated_rmsnorm_heads(cu, q, o, gt, w->o_norm, T, H, dk, c->rms_norm_eps);
     PROF(s, "kda o_proj");
-    TRY(ds_cu_matmul(cu, out, D, o, P, T, &w->o, err));
+    TRY(ds_cu_matmul(cu, out, D, q, P, T, &w->o, err));
     TRY(tp_sum(s, out, (size_t)T * D, err));
     s->used = mark;
     return DS_OK;
@@ -1050,10 +1044,11 @@ static int ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, f
         TRY(rc);
     }
     PROF(s, "moe router");
-    TRY(ds_cu_moe_router(cu, idx, wt, z, xn, &w->router, w->router_bias, T, K,
-                         c->use_grouped_topk ? c->num_expert_group : 1, c->topk_group,
-                         c->moe_renormalize, c->routed_scaling_factor,
-                         s->m->opts.hf_kl_router_quirk, err));
+    TRY(ds_cu_matmul(cu, z, E, xn, D, T, &w->router, err));
+    TRY(ds_cu_moe_route(cu, idx, wt, z, w->router_bias, T, E, K,
+                        c->use_grouped_topk ? c->num_expert_group : 1, c->topk_group,
+                        c->moe_renormalize, c->routed_scaling_factor, s->m->opts.hf_kl_router_quirk,
+                        err));
     const float *ein = xn;
     if (latent) {
         TRY(ds_cu_matmul(cu, u, Hin, xn, D, T, &w->lat_down, err));

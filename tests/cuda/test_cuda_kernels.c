@@ -349,7 +349,7 @@ static void check_kda_step(ds_cu *c, const int *lens, const int *rows, int n_seq
     poison(c, dR, (size_t)T * ns * 4);
     ds_err err = {{0}};
     if (ds_cu_kda_recurrent_batch(c, dout, dq, dk_, dv_, dg, db, doff, dsp, drp, 0, n_seq, H, dk,
-                                  dv, chunked_min, NULL, &err) ||
+                                  dv, chunked_min, &err) ||
         (nc && ds_cu_kda_chunked(c, dout, dq, dk_, dv_, dg, db, cs, cl, dcsp, nc, H, dk, dv, &err)))
         DIE("%s", err.msg);
     fetch(c, ogot, dout, nv * 4);
@@ -557,8 +557,7 @@ static void check_short_conv_batch(ds_cu *c, const int *lens, const int *want_ro
     float **dtp = dev(c, tp, sizeof(float *) * n_seq), **drp = dev(c, rp, sizeof(float *) * n_seq);
     int32_t *doff = dev(c, off, sizeof(int32_t) * (n_seq + 1));
     ds_err err = {{0}};
-    ds_cu_conv_batch cb = {1,   C,  W,    din,   C, dout, 0,      dw, dtp,
-                           drp, tn, doff, n_seq, T, 0,    {0, 0}, 0};
+    ds_cu_conv_batch cb = {1, C, W, din, C, dout, 0, dw, dtp, drp, tn, doff, n_seq, T};
     if (ds_cu_short_conv_silu_batch(c, &cb, &err)) DIE("%s", err.msg);
     fetch(c, got, dout, (size_t)T * C * 4);
     fetch(c, tails, dtails, (size_t)n_seq * tn * 4);
@@ -573,157 +572,6 @@ static void check_short_conv_batch(ds_cu *c, const int *lens, const int *want_ro
     ds_cu_dealloc(drows), ds_cu_dealloc(dtp), ds_cu_dealloc(drp), ds_cu_dealloc(doff);
     free(in), free(w), free(tails), free(tails_ref), free(ref), free(got), free(rows_ref);
     free(rows_got);
-}
-
-/* Words of a and b that differ (a fused kernel owes the bits of the launches it replaces). */
-static size_t differing(const float *a, const float *b, size_t n) {
-    size_t d = 0;
-    for (size_t i = 0; i < n; i++) d += memcmp(a + i, b + i, 4) != 0;
-    return d;
-}
-
-/* The three short convs of a KDA layer with q and k normalised per head of dk channels, fused
- * (ds_cu_set_fuse) and apart: the same bits, and both against the CPU (conv, then the norm). */
-static void check_conv_norm(ds_cu *c, const int *lens, int n_seq, int C, int W, int dk) {
-    int T = 0, off[17];
-    for (int z = 0; z < n_seq; z++) off[z] = T, T += lens[z];
-    off[n_seq] = T;
-    size_t tn = (size_t)(W - 1) * C, ld = 3 * (size_t)C + 5; /* odd row stride, as the model's */
-    float *in = rand_f32((size_t)T * ld, -2, 2), *w = rand_f32(3 * (size_t)C * W, -1, 1);
-    float *tails = rand_f32((size_t)n_seq * 3 * tn, -2, 2);
-    float *ref = malloc((size_t)T * 3 * C * 4), *got[2], *tails_got[2];
-    float *rt = malloc((size_t)n_seq * 3 * tn * 4), *col = malloc((size_t)C * 4);
-    memcpy(rt, tails, (size_t)n_seq * 3 * tn * 4);
-    for (int j = 0; j < 3; j++)
-        for (int z = 0; z < n_seq; z++)
-            for (int t = off[z]; t < off[z + 1]; t++) {
-                for (int i = 0; i < C; i++) col[i] = in[(size_t)t * ld + (size_t)j * C + i];
-                ds_short_conv_silu(ref + ((size_t)j * T + t) * C, col, 1, C, w + (size_t)j * C * W,
-                                   W, rt + ((size_t)z * 3 + j) * tn);
-            }
-    ds_l2norm_heads(ref, T, C / dk, dk, 1e-6f, 1.0f / sqrtf((float)dk));
-    ds_l2norm_heads(ref + (size_t)T * C, T, C / dk, dk, 1e-6f, 1.0f);
-    float *din = dev(c, in, (size_t)T * ld * 4), *dw = dev(c, w, 3 * (size_t)C * W * 4);
-    int32_t *doff = dev(c, off, sizeof(int32_t) * (n_seq + 1));
-    float *dout = dev(c, NULL, (size_t)T * 3 * C * 4);
-    float *dtails = dev(c, NULL, (size_t)n_seq * 3 * tn * 4);
-    float *tp[16];
-    for (int z = 0; z < n_seq; z++) tp[z] = dtails + (size_t)z * 3 * tn;
-    float **dtp = dev(c, tp, sizeof(float *) * n_seq);
-    for (int f = 0; f < 2; f++) {
-        ds_err err = {{0}};
-        if (ds_cu_upload(c, dtails, tails, (size_t)n_seq * 3 * tn * 4, &err)) DIE("%s", err.msg);
-        poison(c, dout, (size_t)T * 3 * C * 4);
-        ds_cu_conv_batch cb = {3,
-                               C,
-                               W,
-                               din,
-                               (int)ld,
-                               dout,
-                               (size_t)T * C,
-                               dw,
-                               dtp,
-                               NULL,
-                               0,
-                               doff,
-                               n_seq,
-                               T,
-                               dk,
-                               {1.0f / sqrtf((float)dk), 1.0f},
-                               1e-6f};
-        ds_cu_set_fuse(c, f);
-        if (ds_cu_short_conv_silu_batch(c, &cb, &err)) DIE("%s", err.msg);
-        got[f] = malloc((size_t)T * 3 * C * 4);
-        tails_got[f] = malloc((size_t)n_seq * 3 * tn * 4);
-        fetch(c, got[f], dout, (size_t)T * 3 * C * 4);
-        fetch(c, tails_got[f], dtails, (size_t)n_seq * 3 * tn * 4);
-    }
-    ds_cu_set_fuse(c, 0);
-    char what[96];
-    snprintf(what, sizeof what, "conv+l2norm T=%d C=%d dk=%d: vs cpu", T, C, dk);
-    report(what, rel_err(got[1], ref, 1, (size_t)T * 3 * C, (size_t)T * 3 * C), 1e-5);
-    snprintf(what, sizeof what, "conv+l2norm T=%d C=%d dk=%d: fused == apart", T, C, dk);
-    report(what,
-           (double)(differing(got[1], got[0], (size_t)T * 3 * C) +
-                    differing(tails_got[1], tails_got[0], (size_t)n_seq * 3 * tn)),
-           0);
-    ds_cu_dealloc(din), ds_cu_dealloc(dw), ds_cu_dealloc(doff), ds_cu_dealloc(dout);
-    ds_cu_dealloc(dtails), ds_cu_dealloc(dtp);
-    free(in), free(w), free(tails), free(ref), free(rt), free(col);
-    for (int f = 0; f < 2; f++) free(got[f]), free(tails_got[f]);
-}
-
-/* The recurrence of a batch with the output gate and norm, fused and apart: the same bits (out,
- * states, rollback rows), and against the CPU (recurrence, then the gated norm). */
-static void check_kda_gated(ds_cu *c, const int *lens, const int *rows, int n_seq, int H, int dk) {
-    int off[17];
-    off[0] = 0;
-    for (int z = 0; z < n_seq; z++) off[z + 1] = off[z] + lens[z];
-    int T = off[n_seq], dv = dk;
-    size_t n = (size_t)T * H * dk, ns = (size_t)H * dk * dv;
-    float *q = rand_f32(n, -1, 1), *k = rand_f32(n, -1, 1), *v = rand_f32(n, -1, 1);
-    float *g = rand_f32(n, -0.7f, 0), *beta = rand_f32((size_t)T * H, 0, 1);
-    float *gate = rand_f32(n, -3, 3), *w = rand_f32((size_t)dv, 0.5f, 1.5f);
-    float *S0 = rand_f32(ns * n_seq, -0.5f, 0.5f);
-    norm_heads(q, T, H, dk, 1.0f / sqrtf((float)dk));
-    norm_heads(k, T, H, dk, 1.0f);
-    float *Sref = malloc(ns * n_seq * 4), *oraw = malloc(n * 4), *oref = malloc(n * 4);
-    float *Rref = malloc((size_t)T * ns * 4);
-    memcpy(Sref, S0, ns * n_seq * 4);
-    for (int z = 0; z < n_seq; z++) {
-        size_t t0 = (size_t)off[z];
-        ds_kda_recurrent(oraw + t0 * H * dv, q + t0 * H * dk, k + t0 * H * dk, v + t0 * H * dv,
-                         g + t0 * H * dk, beta + t0 * H, Sref + z * ns, Rref + t0 * ns, lens[z], H,
-                         dk, dv);
-    }
-    ds_gated_rmsnorm_heads(oref, oraw, gate, w, T, H, dv, 1e-5f);
-    float *dq = dev(c, q, n * 4), *dk_ = dev(c, k, n * 4), *dv_ = dev(c, v, n * 4);
-    float *dg = dev(c, g, n * 4), *db = dev(c, beta, (size_t)T * H * 4);
-    float *dgate = dev(c, gate, n * 4), *dw = dev(c, w, (size_t)dv * 4);
-    float *dS = dev(c, NULL, ns * n_seq * 4), *dR = dev(c, NULL, (size_t)T * ns * 4);
-    float *dout = dev(c, NULL, n * 4);
-    float *sp[16], *rp[16];
-    for (int z = 0; z < n_seq; z++)
-        sp[z] = dS + z * ns, rp[z] = rows[z] ? dR + (size_t)off[z] * ns : NULL;
-    int32_t *doff = dev(c, off, (size_t)(n_seq + 1) * 4);
-    float **dsp = dev(c, sp, (size_t)n_seq * sizeof *sp), **drp = dev(c, rp, n_seq * sizeof *rp);
-    float *o[2], *S[2], *R[2];
-    const ds_cu_kda_norm nm = {dgate, dw, 1e-5f, T};
-    for (int f = 0; f < 2; f++) {
-        ds_err err = {{0}};
-        if (ds_cu_upload(c, dS, S0, ns * n_seq * 4, &err)) DIE("%s", err.msg);
-        poison(c, dout, n * 4);
-        poison(c, dR, (size_t)T * ns * 4);
-        ds_cu_set_fuse(c, f);
-        if (ds_cu_kda_recurrent_batch(c, dout, dq, dk_, dv_, dg, db, doff, dsp, drp, 0, n_seq, H,
-                                      dk, dv, 0, &nm, &err))
-            DIE("%s", err.msg);
-        o[f] = malloc(n * 4), S[f] = malloc(ns * n_seq * 4), R[f] = malloc((size_t)T * ns * 4);
-        fetch(c, o[f], dout, n * 4);
-        fetch(c, S[f], dS, ns * n_seq * 4);
-        fetch(c, R[f], dR, (size_t)T * ns * 4);
-    }
-    ds_cu_set_fuse(c, 0);
-    char what[96];
-    snprintf(what, sizeof what, "kda gated T=%d H=%d dk=%d: out vs cpu", T, H, dk);
-    report(what, rel_err(o[1], oref, 1, n, n), 1e-5);
-    snprintf(what, sizeof what, "kda gated T=%d H=%d dk=%d: state vs cpu", T, H, dk);
-    report(what, rel_err(S[1], Sref, 1, ns * n_seq, ns * n_seq), 1e-5);
-    report_seq_rows("kda gated", R[1], Rref, off, lens, rows, n_seq, ns, 1e-5);
-    size_t nr = 0; /* rows written: those of the sequences that keep them */
-    for (int z = 0; z < n_seq; z++)
-        if (rows[z])
-            nr += differing(R[1] + (size_t)off[z] * ns, R[0] + (size_t)off[z] * ns,
-                            (size_t)lens[z] * ns);
-    snprintf(what, sizeof what, "kda gated T=%d H=%d dk=%d: fused == apart", T, H, dk);
-    report(what, (double)(differing(o[1], o[0], n) + differing(S[1], S[0], ns * n_seq) + nr), 0);
-    ds_cu_dealloc(dq), ds_cu_dealloc(dk_), ds_cu_dealloc(dv_), ds_cu_dealloc(dg);
-    ds_cu_dealloc(db), ds_cu_dealloc(dgate), ds_cu_dealloc(dw), ds_cu_dealloc(dS);
-    ds_cu_dealloc(dR), ds_cu_dealloc(dout), ds_cu_dealloc(doff), ds_cu_dealloc(dsp);
-    ds_cu_dealloc(drp);
-    free(q), free(k), free(v), free(g), free(beta), free(gate), free(w), free(S0), free(Sref);
-    free(oraw), free(oref), free(Rref);
-    for (int f = 0; f < 2; f++) free(o[f]), free(S[f]), free(R[f]);
 }
 
 /* Absorbed MLA for several sequences' tokens in one launch, each against its own block table and
@@ -809,47 +657,6 @@ static void check_moe_route(ds_cu *c, int T, int E, int k, int n_group, int topk
     free(z), free(bias), free(iref), free(igot), free(wref), free(wgot);
 }
 
-/* One token's router in one launch (logits by the GEMV, the last block routes) against the two
- * launches: the same logits, ids and weights, bit for bit. */
-static void check_moe_router(ds_cu *c, int E, int D, int k, int n_group, int topk_group) {
-    uint16_t *wr = rand_bf16((size_t)E * D, -0.05f, 0.05f);
-    float *x = rand_f32((size_t)D, -1, 1), *bias = rand_f32((size_t)E, -0.1f, 0.1f);
-    ds_cu_mat m = {dev(c, wr, (size_t)E * D * 2), E, D};
-    float *dx = dev(c, x, (size_t)D * 4), *db = dev(c, bias, (size_t)E * 4);
-    float *dz = dev(c, NULL, (size_t)E * 4), *dw = dev(c, NULL, (size_t)k * 4);
-    int32_t *di = dev(c, NULL, (size_t)k * 4);
-    float *z[2], *w[2];
-    int32_t *id[2];
-    for (int f = 0; f < 2; f++) {
-        ds_err err = {{0}};
-        poison(c, dz, (size_t)E * 4);
-        poison(c, dw, (size_t)k * 4);
-        poison(c, di, (size_t)k * 4);
-        ds_cu_set_fuse(c, f);
-        /* twice: the block tally must be back at zero after each launch */
-        for (int rep = 0; rep < 2; rep++)
-            if (ds_cu_moe_router(c, di, dw, dz, dx, &m, db, 1, k, n_group, topk_group, 1, 2.5f, 0,
-                                 &err))
-                DIE("%s", err.msg);
-        z[f] = malloc((size_t)E * 4), w[f] = malloc((size_t)k * 4), id[f] = malloc((size_t)k * 4);
-        fetch(c, z[f], dz, (size_t)E * 4);
-        fetch(c, w[f], dw, (size_t)k * 4);
-        fetch(c, id[f], di, (size_t)k * 4);
-    }
-    ds_cu_set_fuse(c, 0);
-    char what[96];
-    snprintf(what, sizeof what, "moe router E=%d D=%d k=%d groups %d/%d: fused == apart", E, D, k,
-             topk_group, n_group);
-    report(what,
-           (double)(differing(z[1], z[0], (size_t)E) + differing(w[1], w[0], (size_t)k) +
-                    (size_t)(memcmp(id[1], id[0], (size_t)k * 4) != 0)),
-           0);
-    ds_cu_dealloc((void *)m.data), ds_cu_dealloc(dx), ds_cu_dealloc(db), ds_cu_dealloc(dz);
-    ds_cu_dealloc(dw), ds_cu_dealloc(di);
-    free(wr), free(x), free(bias);
-    for (int f = 0; f < 2; f++) free(z[f]), free(w[f]), free(id[f]);
-}
-
 /* Routed experts against the CPU composed from its own kernels: per (token, slot) the expert's
  * gate and up rows (ds_matmul on BF16), the activation, the down projection, then the weighted
  * sum in slot order. */
@@ -895,30 +702,13 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
     ds_err err = {{0}};
     ds_cu_set_expert_gemm(c, gemm == 1 || gemm == 2);
     ds_cu_set_expert_mma(c, gemm == 3);
-    /* one token: also with the combine in the down pass's launch, which owes the same bits */
-    float *apart = T == 1 && !gemm ? malloc((size_t)D * 4) : NULL;
-    if (apart) {
-        if (ds_cu_moe_experts(c, dout, dx, didx, dw, T, k, El, e0, D, I, dgu, ddn, situ, 4.0f, 6.0f,
-                              1, &err))
-            DIE("%s", err.msg);
-        fetch(c, apart, dout, (size_t)D * 4);
-        if (ds_cu_upload(c, dout, base, (size_t)D * 4, &err)) DIE("%s", err.msg);
-        ds_cu_set_fuse(c, 1);
-    }
     if (ds_cu_moe_experts(c, dout, dx, didx, dw, T, k, El, e0, D, I, dgu, ddn, situ, 4.0f, 6.0f, 1,
                           &err))
         DIE("%s", err.msg);
-    ds_cu_set_fuse(c, 0);
     ds_cu_set_expert_gemm(c, 0);
     ds_cu_set_expert_mma(c, 0);
     fetch(c, got, dout, (size_t)T * D * 4);
     char what[96];
-    if (apart) {
-        snprintf(what, sizeof what, "moe experts T=1 k=%d E=%d D=%d%s: fused == apart", k, E, D,
-                 half ? " (half)" : "");
-        report(what, (double)differing(got, apart, (size_t)D), 0);
-        free(apart);
-    }
     snprintf(what, sizeof what, "moe experts T=%d k=%d E=%d D=%d I=%d %s%s%s", T, k, E, D, I,
              situ ? "situ" : "swiglu",
              gemm == 3   ? " (tensor cores)"
@@ -1105,7 +895,7 @@ static void run_kda(ds_cu *c, void *p) {
     }
     if (x->batched) {
         if (ds_cu_kda_recurrent_batch(c, x->o, x->q, x->k, x->v, x->g, x->beta, x->off, x->Sp, NULL,
-                                      0, x->n_seq, x->H, x->dk, x->dv, 0, NULL, &err))
+                                      0, x->n_seq, x->H, x->dk, x->dv, 0, &err))
             DIE("%s", err.msg);
         return;
     }
@@ -1470,8 +1260,6 @@ static void run_checks(ds_cu *c) {
     check_mla_expanded_mode(c, 129, 5, 128, 64, 128, 1, 130, 1, 2);
     check_mla_expanded_mode(c, 200, 3, 64, 32, 64, 500, 700, 1, 1); /* a later chunk */
     check_mla_expanded_mode(c, 130, 2, 32, 16, 48, 0, 1000, 0, 1);  /* not causal */
-    check_moe_router(c, 256, 2304, 8, 1, 1);                        /* the 48B's router */
-    check_moe_router(c, 64, 512, 6, 8, 4);                          /* grouped choice */
     check_moe_route(c, 7, 256, 8, 8, 4, 0, 0);
     check_moe_route(c, 5, 64, 6, 1, 1, 0, 0);
     check_moe_route(c, 9, 32, 4, 4, 2, 1, 0);
@@ -1504,17 +1292,6 @@ static void run_checks(ds_cu *c) {
         /* prefill lengths: time chunks (long segments split, short ones in chunk 0 alone) */
         int plens[5] = {2, 130, 1, 900, 3}, prows[5] = {1, 1, 0, 0, 1};
         check_short_conv_batch(c, plens, prows, 5, 512, 4);
-        /* q and k normalised in the conv's launch: decode, a verify; a prefill's time chunks
-         * (apart); heads of 64 (two a block) */
-        int one = 1, vlens[3] = {8, 1, 3}, glens[2] = {200, 5}, grows[3] = {1, 0, 1};
-        check_conv_norm(c, &one, 1, 4096, 4, 128);
-        check_conv_norm(c, vlens, 3, 4096, 4, 128);
-        check_conv_norm(c, glens, 2, 512, 4, 128);
-        check_conv_norm(c, vlens, 3, 1024, 3, 64);
-        /* the recurrence with the output norm in its launch: decode, verify rows, heads of 64 */
-        check_kda_gated(c, &one, &grows[1], 1, 32, 128);
-        check_kda_gated(c, vlens, grows, 3, 8, 128);
-        check_kda_gated(c, vlens, grows, 3, 4, 64);
         int mlens[4] = {1, 3, 1, 5}, mpos[4] = {0, 300, 700, 17};
         check_mla_batch(c, mlens, mpos, 4, 8, 512, 64, 0);
         check_mla_batch(c, mlens, mpos, 4, 8, 512, 64, 2);

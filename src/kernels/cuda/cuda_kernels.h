@@ -87,24 +87,11 @@ int ds_cu_kda_recurrent(ds_cu *c, float *o, const float *q, const float *k, cons
  * own state S[z] ([H][dk][dv]), writing the state after its token t to S_rows[z] + t*rows_stride
  * ([H][dk][dv] each; rows_stride 0 means packed, H*dk*dv) when S_rows and S_rows[z] are not NULL.
  * seg_off [n_seq+1], S [n_seq] and S_rows [n_seq] are device arrays. skip_from > 0: segments of
- * at least that many tokens without rows are left alone (ds_cu_kda_chunked runs them).
- * norm (or NULL; not with skip_from): o is then replaced by ds_cu_gated_rmsnorm_heads(o, o, gate,
- * w) of its T tokens — in the same launch where a block can hold a whole head (ds_cu_set_fuse), the
- * same bits either way. */
-typedef struct ds_cu_kda_norm {
-    const float *gate, *w; /* [T][H][dv] device, [dv] device */
-    float eps;
-    int T; /* seg_off[n_seq] */
-} ds_cu_kda_norm;
+ * at least that many tokens without rows are left alone (ds_cu_kda_chunked runs them). */
 int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, const float *k, const float *v,
                               const float *g, const float *beta, const int32_t *seg_off,
                               float *const *S, float *const *S_rows, size_t rows_stride, int n_seq,
-                              int H, int dk, int dv, int skip_from, const ds_cu_kda_norm *norm,
-                              ds_err *err);
-/* Small kernels of a step folded into their neighbours (the short convs' q/k norms, the KDA output
- * norm, the MoE route and combine), the same bits as apart; off by default, on in the model
- * unless DS_CUDA_FUSE=0. */
-void ds_cu_set_fuse(ds_cu *c, int on);
+                              int H, int dk, int dv, int skip_from, ds_err *err);
 
 /* The same recurrence over long segments in chunks of 64 tokens (dk = dv = 64 or 128; no verify
  * rows): the states at chunk boundaries are carried by a sequential scan, everything else is
@@ -163,11 +150,6 @@ int ds_cu_mla_attend_expanded(ds_cu *c, float *o, const float *q, const float *k
 int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z, const float *bias, int T,
                     int E, int k, int n_group, int topk_group, int renormalize, float scale,
                     int hf_kl_quirk, ds_err *err);
-/* The router whole: z [T][E] = x [T][K] router^T (ds_cu_matmul), then ds_cu_moe_route — for one
- * token in one launch (ds_cu_set_fuse), the same bits. */
-int ds_cu_moe_router(ds_cu *c, int32_t *idx, float *w, float *z, const float *x,
-                     const ds_cu_mat *router, const float *bias, int T, int k, int n_group,
-                     int topk_group, int renormalize, float scale, int hf_kl_quirk, ds_err *err);
 
 /* Routed experts (MODEL_SPEC §5): out[t] (+)= sum_j w[t][j] down_e(act(gate_e x_t, up_e x_t)),
  * e = idx[t][j], in slot order. x, out [T][D]; idx, w [T][k] (device, e.g. from ds_cu_moe_route);
@@ -177,8 +159,7 @@ int ds_cu_moe_router(ds_cu *c, int32_t *idx, float *w, float *z, const float *x,
  * expert first, so each chosen expert's weights are read once per call (E: experts in gate_up).
  * Either way a row's result does not depend on the other rows. Tensor parallelism: gate_up and
  * down hold this rank's experts [e0, e0 + E) only (idx stays global); rows routed elsewhere add
- * nothing here (the all-reduce adds them). Without it e0 = 0 and E = all experts. For one token
- * the combine comes with the down pass (ds_cu_set_fuse), the same bits. */
+ * nothing here (the all-reduce adds them). Without it e0 = 0 and E = all experts. */
 int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx, const float *w,
                       int T, int k, int E, int e0, int D, int I, const uint16_t *gate_up,
                       const uint16_t *down, int situ, float situ_beta, float situ_lin_beta,
@@ -264,11 +245,6 @@ typedef struct ds_cu_conv_batch {
     const int32_t *seg_off; /* [n_seq + 1] device */
     int n_seq;
     int n_tokens; /* seg_off[n_seq] (the host's copy: how many time chunks to run) */
-    /* norm_dk > 0: projections 0 and 1 (KDA's q and k) are then L2-normalised per head of norm_dk
-     * channels and scaled by norm_scale[j], as ds_cu_l2norm_heads2 does (the same bits), inside
-     * the conv's launch where a block holds whole heads (ds_cu_set_fuse), else in a second one */
-    int norm_dk;
-    float norm_scale[2], norm_eps;
 } ds_cu_conv_batch;
 int ds_cu_short_conv_silu_batch(ds_cu *c, const ds_cu_conv_batch *b, ds_err *err);
 /* ds_cu_mla_attend_absorbed for the tokens of many sequences in one launch (causal): token t sits

@@ -12,8 +12,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { DS_CU_TALLIES = 1024 };
-
 struct ds_cu {
     int device;
     int n_sm; /* streaming multiprocessors (how many blocks fill the GPU) */
@@ -33,9 +31,6 @@ struct ds_cu {
     int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
     int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
     int kda_tc; /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
-    int fuse;   /* small kernels of a step folded into their neighbours (ds_cu_set_fuse) */
-    int *tally; /* [DS_CU_TALLIES] zeros: the fused kernels' counts of finished blocks (the
-                   router's at 0, the combine's output tiles from 1) */
     void *mlag; /* that path's buffers, mlag_bytes allocated */
     size_t mlag_bytes;
     void *kdac; /* chunked KDA's per-chunk products and chunk table, kdac_bytes allocated */
@@ -154,12 +149,6 @@ extern "C" int ds_cu_create(int device, ds_cu **out, ds_err *err) {
         free(c);
         return ds_errf(err, "cublas: cannot create a handle");
     }
-    if (cudaMalloc(&c->tally, DS_CU_TALLIES * sizeof(int)) != cudaSuccess ||
-        cudaMemset(c->tally, 0, DS_CU_TALLIES * sizeof(int)) != cudaSuccess) {
-        cudaGetLastError();
-        ds_cu_free(c);
-        return ds_errf(err, "cuda: out of device memory (block tallies)");
-    }
     *out = c;
     return DS_OK;
 }
@@ -256,7 +245,6 @@ extern "C" void ds_cu_free(ds_cu *c) {
     cudaFree(c->moeg);
     cudaFree(c->mlag);
     cudaFree(c->kdac);
-    cudaFree(c->tally);
     free(c->h_kda);
     free(c->h_moeb);
     ds_cu_prof_enable(c, 0);
@@ -424,9 +412,9 @@ __device__ __forceinline__ float dot8(uint4 u, const float *x) {
  * rows. S depends on the matrix alone (gemv_splits), never on T, so that a token's bits stay
  * the same whatever the batch. */
 template <int TT>
-__device__ __forceinline__ void gemv_body(float *y, int ldy, const float *x, int ldx,
-                                          const uint16_t *W, int N, int K, size_t ys, size_t xs,
-                                          size_t ws, int S) {
+__global__ void __launch_bounds__(256)
+    gemv_bf16_k(float *y, int ldy, const float *x, int ldx, const uint16_t *W, int N, int K,
+                size_t ys, size_t xs, size_t ws, int S) {
     __shared__ float red[8][TT]; /* [warp][token] partial sums (S > 1) */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n = blockIdx.x * (8 / S) + warp / S, part = warp % S, nk = K / 8, step = 32 * S;
@@ -478,28 +466,6 @@ __device__ __forceinline__ void gemv_body(float *y, int ldy, const float *x, int
         for (int p = 0; p < S; p++) v += red[warp + p][lane];
         y[(size_t)lane * ldy + n] = v;
     }
-}
-
-template <int TT>
-__global__ void __launch_bounds__(256)
-    gemv_bf16_k(float *y, int ldy, const float *x, int ldx, const uint16_t *W, int N, int K,
-                size_t ys, size_t xs, size_t ws, int S) {
-    gemv_body<TT>(y, ldy, x, ldx, W, N, K, ys, xs, ws, S);
-}
-
-/* "Am I the grid's last block to finish?" — counted in *tally, which the last one sets back to 0
- * for the next launch. The writes of the blocks before it are visible to it after this returns
- * true (a fence on each side of the count); read them through L2 (__ldcg), not a stale L1. */
-__device__ __forceinline__ bool last_block(int *tally, unsigned blocks) {
-    __shared__ bool last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(tally, 1) == (int)blocks - 1;
-    __syncthreads();
-    if (!last) return false;
-    __threadfence();
-    if (threadIdx.x == 0) *tally = 0;
-    return true;
 }
 
 /* The same for any K and alignment, one element at a time (the batch-invariant mode's fallback):
@@ -1005,12 +971,8 @@ __global__ void short_conv_silu_k(float *out, const float *in, int T, int C, con
  * token. A chunk's window starts from the inputs before it, so long prefills run in parallel over
  * time; chunks are at least W-1 tokens, so only chunk 0 ever reads the old tail, and chunk 0
  * writes the new one after its own reads. */
-/* NORM (one time chunk, C a multiple of the block, whole heads in a block): each token's q and k
- * outputs go through shared memory, where warp w normalises heads w, w + 4, .. of the block with
- * l2norm_heads_k's arithmetic, so that the bits are those of the separate launch. */
-template <bool NORM> __global__ void short_conv_batch_k(ds_cu_conv_batch b, int n_chunks) {
+__global__ void short_conv_batch_k(ds_cu_conv_batch b, int n_chunks) {
     PDL_ENTRY();
-    __shared__ float ys[NORM ? 128 : 1]; /* [128] a token's outputs of this block's channels */
     const int c = blockIdx.x * blockDim.x + threadIdx.x, z = blockIdx.y;
     const int j = blockIdx.z % b.n_proj, ch = blockIdx.z / b.n_proj;
     const int C = b.C, W = b.W;
@@ -1034,23 +996,7 @@ template <bool NORM> __global__ void short_conv_batch_k(ds_cu_conv_batch b, int 
         win[W - 1] = in[(size_t)t * b.ld_in + c];
         float acc = 0.0f;
         for (int i = 0; i < W; i++) acc += wc[i] * win[i];
-        const float y = acc / (1.0f + expf(-acc));
-        if (NORM && j < 2) { /* (j is the block's: the barriers are uniform) */
-            __syncthreads(); /* the previous token's heads are written */
-            ys[threadIdx.x] = y;
-            __syncthreads();
-            const int d = b.norm_dk, lane = threadIdx.x & 31, c0 = blockIdx.x * blockDim.x;
-            for (int hh = threadIdx.x >> 5; hh < (int)blockDim.x / d; hh += blockDim.x >> 5) {
-                const float *xr = ys + hh * d;
-                float ss = 0.0f;
-                for (int i = lane; i < d; i += 32) ss += xr[i] * xr[i];
-                for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-                const float s = b.norm_scale[j] / sqrtf(ss + b.norm_eps);
-                for (int i = lane; i < d; i += 32) out[(size_t)t * C + c0 + hh * d + i] = xr[i] * s;
-            }
-        } else {
-            out[(size_t)t * C + c] = y;
-        }
+        out[(size_t)t * C + c] = acc / (1.0f + expf(-acc));
         for (int i = 0; i < W - 1; i++) win[i] = win[i + 1];
         if (R)
             for (int i = 0; i < W - 1; i++)
@@ -1070,24 +1016,13 @@ extern "C" int ds_cu_short_conv_silu_batch(ds_cu *c, const ds_cu_conv_batch *b, 
     if (b->n_proj < 1 || b->n_proj > 3)
         return ds_errf(err, "cuda: short conv: %d projections (1..3)", b->n_proj);
     if (b->n_seq <= 0 || b->C <= 0) return DS_OK;
-    const int dk = b->norm_dk;
-    if (dk && (dk > 128 || 128 % dk || b->C % dk || b->n_proj < 2))
-        return ds_errf(err,
-                       "cuda: short conv: norm over heads of %d channels (of %d, %d projections)",
-                       dk, b->C, b->n_proj);
     /* time chunks of ~64 tokens of the step (a decode step: one), at most 256 */
     const int T = b->n_tokens, n_chunks = DS_MAX(1, DS_MIN(256, T / 64));
-    const dim3 grid((unsigned)((b->C + 127) / 128), (unsigned)b->n_seq,
-                    (unsigned)(b->n_proj * n_chunks));
-    const int fused = dk && c->fuse && n_chunks == 1 && b->C % 128 == 0;
-    if (fused)
-        launch_k(c, short_conv_batch_k<true>, grid, 128, 0, *b, n_chunks);
-    else
-        launch_k(c, short_conv_batch_k<false>, grid, 128, 0, *b, n_chunks);
+    launch_k(
+        c, short_conv_batch_k,
+        dim3((unsigned)((b->C + 127) / 128), (unsigned)b->n_seq, (unsigned)(b->n_proj * n_chunks)),
+        128, 0, *b, n_chunks);
     CU_TRY(cudaGetLastError(), "short conv (batch)");
-    if (dk && !fused)
-        ds_cu_l2norm_heads2(c, b->out, b->norm_scale[0], b->out + b->out_stride, b->norm_scale[1],
-                            T, b->C / dk, dk, b->norm_eps);
     return DS_OK;
 }
 
@@ -1872,29 +1807,16 @@ __device__ static int top_insert_d(float *val, int32_t *id, int count, int n, fl
     return count < n ? count + 1 : count;
 }
 
-/* How the router picks (ds_cu_moe_route's arguments). */
-struct moe_pick {
-    int32_t *idx;
-    float *w;
-    const float *bias;
-    int E, k, n_group, topk_group, renormalize;
-    float scale;
-    int hf_kl_quirk;
-};
-
-/* Token t's choice from its logits z [E] by the whole block; rs [2E] shared. l2: z was written by
- * other blocks of this grid (read through L2). */
-__device__ __noinline__ void route_token(const moe_pick &p, int t, const float *zt, bool l2,
-                                         float *rs) {
-    int32_t *idx = p.idx;
-    float *w = p.w;
-    const float *bias = p.bias;
-    const int E = p.E, k = p.k, n_group = p.n_group, topk_group = p.topk_group;
-    const int renormalize = p.renormalize, hf_kl_quirk = p.hf_kl_quirk;
-    const float scale = p.scale;
-    float *sv = rs, *sel = rs + E; /* s [E] | sel [E] */
+__global__ void moe_route_k(int32_t *idx, float *w, const float *z, const float *bias, int E, int k,
+                            int n_group, int topk_group, int renormalize, float scale,
+                            int hf_kl_quirk) {
+    PDL_ENTRY();
+    extern __shared__ float rs[]; /* s [E] | sel [E] */
+    float *sv = rs, *sel = rs + E;
+    const int t = blockIdx.x;
+    const float *zt = z + (size_t)t * E;
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        sv[e] = 1.0f / (1.0f + expf(-(l2 ? __ldcg(zt + e) : zt[e])));
+        sv[e] = 1.0f / (1.0f + expf(-zt[e]));
         float x = bias ? sv[e] + bias[e] : sv[e];
         sel[e] = isnan(x) ? -INFINITY : x; /* a NaN logit is never preferred to a real one */
     }
@@ -1977,69 +1899,21 @@ __device__ __noinline__ void route_token(const moe_pick &p, int t, const float *
     }
 }
 
-__global__ void moe_route_k(moe_pick p, const float *z) {
-    PDL_ENTRY();
-    extern __shared__ float rs[]; /* [2E] */
-    route_token(p, blockIdx.x, z + (size_t)blockIdx.x * p.E, false, rs);
-}
-
-/* One token's router: its logits by the GEMV (z [E], the same bits as gemv_bf16_k<1>), then the
- * grid's last block routes it (moe_route_k's arithmetic): one launch less on every MoE layer's
- * chain of a decode step. */
-__global__ void __launch_bounds__(256) gemv_route_k(float *z, const float *x, const uint16_t *W,
-                                                    int K, int S, moe_pick p, int *tally) {
-    extern __shared__ float rs[]; /* [2E] */
-    gemv_body<1>(z, p.E, x, K, W, p.E, K, 0, 0, 0, S);
-    if (last_block(tally, gridDim.x)) route_token(p, 0, z, true, rs);
-}
-
-static int route_check(int E, int k, int n_group, size_t *smem, ds_err *err) {
-    if (k < 1 || k > 64 || n_group > 64)
-        return ds_errf(err, "cuda: moe route: k %d, %d groups (at most 64 each)", k, n_group);
-    *smem = 2 * (size_t)E * sizeof(float);
-    if (*smem > 48 * 1024) {
-        CU_TRY(cudaFuncSetAttribute(moe_route_k, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)*smem),
-               "moe route: shared memory");
-        CU_TRY(cudaFuncSetAttribute(gemv_route_k, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)*smem),
-               "moe route: shared memory");
-    }
-    return DS_OK;
-}
-
 extern "C" int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z, const float *bias,
                                int T, int E, int k, int n_group, int topk_group, int renormalize,
                                float scale, int hf_kl_quirk, ds_err *err) {
-    size_t smem;
-    if (route_check(E, k, n_group, &smem, err)) return DS_ERR;
+    if (k < 1 || k > 64 || n_group > 64)
+        return ds_errf(err, "cuda: moe route: k %d, %d groups (at most 64 each)", k, n_group);
     if (T <= 0) return DS_OK;
-    const moe_pick p = {idx, w, bias, E, k, n_group, topk_group, renormalize, scale, hf_kl_quirk};
-    launch_k(c, moe_route_k, T, 128, smem, p, z);
+    size_t smem = 2 * (size_t)E * sizeof(float);
+    if (smem > 48 * 1024)
+        CU_TRY(cudaFuncSetAttribute(moe_route_k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)smem),
+               "moe route: shared memory");
+    launch_k(c, moe_route_k, T, 128, smem, idx, w, z, bias, E, k, n_group, topk_group, renormalize,
+             scale, hf_kl_quirk);
     CU_TRY(cudaGetLastError(), "moe route");
     return DS_OK;
-}
-
-extern "C" int ds_cu_moe_router(ds_cu *c, int32_t *idx, float *w, float *z, const float *x,
-                                const ds_cu_mat *router, const float *bias, int T, int k,
-                                int n_group, int topk_group, int renormalize, float scale,
-                                int hf_kl_quirk, ds_err *err) {
-    const int E = router->rows, K = router->cols;
-    size_t smem;
-    if (route_check(E, k, n_group, &smem, err)) return DS_ERR;
-    if (T == 1 && c->fuse && K % 8 == 0 && (uintptr_t)x % 16 == 0 &&
-        (uintptr_t)router->data % 16 == 0) {
-        const int S = gemv_splits(c, E, K, 1);
-        const moe_pick p = {idx,     w,          bias,        E,     k,
-                            n_group, topk_group, renormalize, scale, hf_kl_quirk};
-        launch_k(c, gemv_route_k, (unsigned)((E + 8 / S - 1) / (8 / S)), 256, smem, z, x,
-                 router->data, K, S, p, c->tally);
-        CU_TRY(cudaGetLastError(), "moe router (fused)");
-        return DS_OK;
-    }
-    if (ds_cu_matmul(c, z, E, x, K, T, router, err)) return DS_ERR;
-    return ds_cu_moe_route(c, idx, w, z, bias, T, E, k, n_group, topk_group, renormalize, scale,
-                           hf_kl_quirk, err);
 }
 
 /* ---- MoE routed experts ------------------------------------------------------------------------
@@ -2219,21 +2093,12 @@ struct moe_act {
     float beta, lin_beta;
 };
 enum { MOE_NPW = 4, MOE_NPB = 8 * MOE_NPW };
-/* One token's combine in the down pass's launch (ds_cu_set_fuse; direct rows, T = 1): the last of
- * the k blocks of an output tile to finish sums the tile, moe_combine_k's arithmetic. out NULL:
- * not fused. */
-struct moe_comb {
-    float *out;
-    const float *w;
-    int k, accumulate;
-    int *tally; /* [output tiles] */
-};
-template <int RPM>
-__device__ __forceinline__ void
-moe_grouped_body(float *y, int ldy, const float *x, int ldx, int x_div, const uint16_t *W, int N,
-                 int K, const int32_t *start, const int32_t *perm, const int32_t *active,
-                 const int32_t *n_active, int rp, moe_act act, const int32_t *direct, int e0,
-                 int E) {
+template <int RPM> /* rows a pass holds at most (rp <= RPM): its accumulators' count */
+__global__ void __launch_bounds__(256)
+    moe_grouped_k(float *y, int ldy, const float *x, int ldx, int x_div, const uint16_t *W, int N,
+                  int K, const int32_t *start, const int32_t *perm, const int32_t *active,
+                  const int32_t *n_active, int rp, moe_act act, const int32_t *direct, int e0,
+                  int E) {
     PDL_ENTRY();
     extern __shared__ float4 xsh[]; /* [rp][K] the pass's x rows, staged once for the 8 warps */
     int e, r0, r1;
@@ -2319,25 +2184,6 @@ moe_grouped_body(float *y, int ldy, const float *x, int ldx, int x_div, const ui
                     if (lane == 0 && n0 + j < N) y[(size_t)r * ldy + n0 + j] = v;
                 }
             }
-    }
-}
-
-template <int RPM> /* rows a pass holds at most (rp <= RPM): its accumulators' count */
-__global__ void __launch_bounds__(256)
-    moe_grouped_k(float *y, int ldy, const float *x, int ldx, int x_div, const uint16_t *W, int N,
-                  int K, const int32_t *start, const int32_t *perm, const int32_t *active,
-                  const int32_t *n_active, int rp, moe_act act, const int32_t *direct, int e0,
-                  int E, moe_comb cb) {
-    moe_grouped_body<RPM>(y, ldy, x, ldx, x_div, W, N, K, start, perm, active, n_active, rp, act,
-                          direct, e0, E);
-    if (!cb.out || !last_block(cb.tally + blockIdx.x, gridDim.y)) return;
-    for (int d = blockIdx.x * MOE_NPB + threadIdx.x; threadIdx.x < MOE_NPB && d < N; d += MOE_NPB) {
-        float acc = 0.0f;
-        for (int j = 0; j < cb.k; j++) {
-            const int e = direct[j] - e0;
-            if (e >= 0 && e < E) acc += cb.w[j] * __ldcg(y + (size_t)j * ldy + d);
-        }
-        cb.out[d] = cb.accumulate ? cb.out[d] + acc : acc;
     }
 }
 
@@ -2677,10 +2523,9 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         const int rp_dn = DS_MAX(1, DS_MIN(DS_MIN(rpm, T), (int)(MOE_SMEM / ((size_t)I * 4))));
         void (*grouped)(float *, int, const float *, int, int, const uint16_t *, int, int,
                         const int32_t *, const int32_t *, const int32_t *, const int32_t *, int,
-                        moe_act, const int32_t *, int, int, moe_comb) = rpm == 1 ? moe_grouped_k<1>
-                                                                        : rpm == 2
-                                                                            ? moe_grouped_k<2>
-                                                                            : moe_grouped_k<8>;
+                        moe_act, const int32_t *, int, int) = rpm == 1   ? moe_grouped_k<1>
+                                                              : rpm == 2 ? moe_grouped_k<2>
+                                                                         : moe_grouped_k<8>;
         static int smem_set; /* once, before any capture can be open */
         if (!smem_set) {
             CU_TRY(cudaFuncSetAttribute(moe_grouped_k<1>,
@@ -2695,33 +2540,22 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
             smem_set = 1;
         }
         const moe_act none = {0, 0, 0.0f, 0.0f}, act = {1, situ, situ_beta, situ_lin_beta};
-        const moe_comb apart = {NULL, NULL, 0, 0, NULL};
         if (mma)
             launch_k(c, moe_mma_k, dim3((unsigned)(2 * I / MMA_N), ya), 256, 0, h, 2 * I, x, D, k,
                      gate_up, 2 * I, D, start, perm, active, n_active, none);
         else
             launch_k(c, grouped, dim3((unsigned)((2 * I + MOE_NPB - 1) / MOE_NPB), ya), 256,
                      (size_t)rp_up * D * 4, h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm,
-                     active, n_active, rp_up, none, direct, e0, E, apart);
+                     active, n_active, rp_up, none, direct, e0, E);
         CU_TRY(cudaGetLastError(), "moe up (grouped)");
-        /* h's rows are gate | up, one per routed row: the down pass applies act as it stages, and
-         * for one token it also combines (out may be the shared experts', from the side stream:
-         * joined first) */
-        const unsigned tiles = (unsigned)((D + MOE_NPB - 1) / MOE_NPB);
-        if (direct && c->fuse && tiles + 1 <= DS_CU_TALLIES) {
-            if (ds_cu_side_join(c, err)) return DS_ERR;
-            const moe_comb comb = {out, w, k, accumulate, c->tally + 1};
-            launch_k(c, grouped, dim3(tiles, ya), 256, (size_t)rp_dn * I * 4, y, D, h, 2 * I, 1,
-                     down, D, I, start, perm, active, n_active, rp_dn, act, direct, e0, E, comb);
-            CU_TRY(cudaGetLastError(), "moe down and combine (grouped)");
-            return DS_OK;
-        }
+        /* h's rows are gate | up, one per routed row: the down pass applies act as it stages */
         if (mma)
             launch_k(c, moe_mma_k, dim3((unsigned)(D / MMA_N), ya), 256, 0, y, D, h, 2 * I, 1, down,
                      D, I, start, perm, active, n_active, act);
         else
-            launch_k(c, grouped, dim3(tiles, ya), 256, (size_t)rp_dn * I * 4, y, D, h, 2 * I, 1,
-                     down, D, I, start, perm, active, n_active, rp_dn, act, direct, e0, E, apart);
+            launch_k(c, grouped, dim3((unsigned)((D + MOE_NPB - 1) / MOE_NPB), ya), 256,
+                     (size_t)rp_dn * I * 4, y, D, h, 2 * I, 1, down, D, I, start, perm, active,
+                     n_active, rp_dn, act, direct, e0, E);
         CU_TRY(cudaGetLastError(), "moe down (grouped)");
     } else {
         launch_k(c, moe_up_k, dim3((unsigned)((2 * I + 7) / 8), (unsigned)rows), 256, 0, h, x, idx,
@@ -2780,17 +2614,10 @@ extern "C" void ds_cu_argmax_rows(ds_cu *c, int32_t *out, const float *x, int ro
  * a column and adding their partial dot products with a shuffle (SPLIT 2 at DK 128 keeps the
  * column in registers without spilling). Per token the block stages q, k and exp(g) in shared
  * memory. Blocks: (head, column tile, sequence); a batch of sequences is one launch. */
-/* The output gate and norm after the recurrence (ds_cu_gated_rmsnorm_heads), when a block holds a
- * whole head (kda_batch_gated_k): gate [tokens][H][dv], w [dv]; gate NULL: none. */
-struct kda_gated {
-    const float *gate, *w;
-    float eps;
-};
-template <int DK, int SPLIT, bool GATED = false>
+template <int DK, int SPLIT>
 __device__ void kda_run(float *o, const float *q, const float *k, const float *v, const float *g,
                         const float *beta, float *Sh, float *S_rows, size_t rows_stride, int t0,
-                        int t1, int H, int dv, int h, int col, bool live, int part,
-                        kda_gated gn = {}) {
+                        int t1, int H, int dv, int h, int col, bool live, int part) {
     constexpr int DP = DK / SPLIT;     /* state entries of the column this thread holds */
     constexpr int PF = (DK + 31) / 32; /* q/k/g entries a thread stages per token, at most */
     __shared__ float qs[DK], ks[DK], ds[DK];
@@ -2841,24 +2668,8 @@ __device__ void kda_run(float *o, const float *q, const float *k, const float *v
         }
 #pragma unroll
         for (int m = 1; m < SPLIT; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
-        if (GATED) {
-            /* the head's outputs through shared memory, then warp 0 as gated_rmsnorm_heads_k
-             * (the same bits); the next token's first barrier keeps os until it is read */
-            __shared__ float os[256]; /* [dv] */
-            if (live && part == 0) os[col] = acc;
-            __syncthreads();
-            if (threadIdx.x < 32) {
-                const int lane = threadIdx.x;
-                float ss = 0.0f;
-                for (int i = lane; i < dv; i += 32) ss += os[i] * os[i];
-                for (int m = 16; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
-                const float r = 1.0f / sqrtf(ss / (float)dv + gn.eps);
-                for (int i = lane; i < dv; i += 32)
-                    o[th * dv + i] = os[i] * r * gn.w[i] / (1.0f + expf(-gn.gate[th * dv + i]));
-            }
-        }
         if (live) {
-            if (part == 0 && !GATED) o[th * dv + col] = acc;
+            if (part == 0) o[th * dv + col] = acc;
             if (S_rows) {
                 float *R = S_rows + (size_t)(t - t0) * rows_stride + (size_t)h * DK * dv;
 #pragma unroll
@@ -2887,22 +2698,6 @@ __global__ void __launch_bounds__(128)
     /* a NULL entry: this sequence keeps no rows */
     kda_run<DK, SPLIT>(o, q, k, v, g, beta, Sh, S_rows ? S_rows[z] : NULL, rows_stride, off[z],
                        off[z + 1], H, dv, h, col, col < dv, part);
-}
-
-/* As kda_batch_k with the output gate and norm folded in: block (head, sequence) holds all dv
- * columns (dv SPLIT threads, at most 256), so that it has the head's whole output row. */
-template <int DK, int SPLIT>
-__global__ void __launch_bounds__(256)
-    kda_batch_gated_k(float *o, const float *q, const float *k, const float *v, const float *g,
-                      const float *beta, const int32_t *off, float *const *S, float *const *S_rows,
-                      size_t rows_stride, int H, int dv, int skip_from, kda_gated gn) {
-    PDL_ENTRY();
-    const int h = blockIdx.x, z = blockIdx.z, part = threadIdx.x % SPLIT;
-    const int col = threadIdx.x / SPLIT;
-    if (skip_from > 0 && off[z + 1] - off[z] >= skip_from && !(S_rows && S_rows[z])) return;
-    kda_run<DK, SPLIT, true>(o, q, k, v, g, beta, S[z] + (size_t)h * DK * dv,
-                             S_rows ? S_rows[z] : NULL, rows_stride, off[z], off[z + 1], H, dv, h,
-                             col, col < dv, part, gn);
 }
 
 /* One sequence, arguments by value (no device arrays to fill). */
@@ -2956,26 +2751,9 @@ extern "C" int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, con
                                          const float *v, const float *g, const float *beta,
                                          const int32_t *seg_off, float *const *S,
                                          float *const *S_rows, size_t rows_stride, int n_seq, int H,
-                                         int dk, int dv, int skip_from, const ds_cu_kda_norm *norm,
-                                         ds_err *err) {
+                                         int dk, int dv, int skip_from, ds_err *err) {
     if (!rows_stride) rows_stride = (size_t)H * dk * dv;
     if (n_seq <= 0 || H <= 0) return DS_OK;
-    if (norm && skip_from)
-        return ds_errf(err, "cuda: kda_recurrent: the output norm with chunked segments aside");
-    const int split = dk == 128 ? 2 : 1;
-    if (norm && c->fuse && dv * split <= 256 && (dk == 64 || dk == 128)) {
-        const kda_gated gn = {norm->gate, norm->w, norm->eps};
-        const dim3 grid((unsigned)H, 1, (unsigned)n_seq);
-        const unsigned threads = (unsigned)((dv * split + 31) / 32 * 32);
-        if (dk == 128)
-            launch_k(c, kda_batch_gated_k<128, 2>, grid, threads, 0, o, q, k, v, g, beta, seg_off,
-                     S, S_rows, rows_stride, H, dv, skip_from, gn);
-        else
-            launch_k(c, kda_batch_gated_k<64, 1>, grid, threads, 0, o, q, k, v, g, beta, seg_off, S,
-                     S_rows, rows_stride, H, dv, skip_from, gn);
-        CU_TRY(cudaGetLastError(), "kda_recurrent_batch (gated)");
-        return DS_OK;
-    }
     int threads, cols;
     kda_shape(dk, dv, &threads, &cols);
     dim3 grid((unsigned)H, (unsigned)((dv + cols - 1) / cols), (unsigned)n_seq);
@@ -3000,7 +2778,6 @@ extern "C" int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, con
         return ds_errf(err, "cuda: kda_recurrent: head dim %d (16, 32, 64 or 128 supported)", dk);
     }
     CU_TRY(cudaGetLastError(), "kda_recurrent_batch");
-    if (norm) ds_cu_gated_rmsnorm_heads(c, o, o, norm->gate, norm->w, norm->T, H, dv, norm->eps);
     return DS_OK;
 }
 
@@ -3699,10 +3476,6 @@ __global__ void __launch_bounds__(KS_NT)
         for (int hh = 0; hh < 2; hh++)
             *(float2 *)(Sh + (size_t)(m2 + g + 8 * hh) * KD + cg + n2 + 8 * n + 2 * l4) =
                 make_float2(st[n][2 * hh], st[n][2 * hh + 1]);
-}
-
-extern "C" void ds_cu_set_fuse(ds_cu *c, int on) {
-    c->fuse = on;
 }
 
 extern "C" void ds_cu_set_kda_tc(ds_cu *c, int mode) {
