@@ -296,6 +296,10 @@ void ds_cu_prof_enable(ds_cu *c, int on);
 void ds_cu_prof_mark(ds_cu *c, const char *label);
 void ds_cu_prof_step_end(ds_cu *c);
 void ds_cu_prof_report(ds_cu *c, FILE *f, const char *title);
+/* A what-if for finding a graph's critical path (DS_CUDA_SKIP; benchmarks only: the results are
+ * wrong): the kernels launched under these ';'-separated profile labels are left out (cuBLAS
+ * calls, copies and stream joins stay), in graphs too; NULL or "" launches everything. */
+int ds_cu_set_skip(ds_cu *c, const char *labels, ds_err *err);
 
 /* ---- timing (device events on the stream) --------------------------------------------------- */
 typedef struct ds_cu_timer ds_cu_timer;

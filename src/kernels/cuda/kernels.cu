@@ -46,6 +46,8 @@ struct ds_cu {
     void *blas_ws;        /* cuBLAS's workspace, set once so that graph capture allocates nothing */
     struct cu_prof *prof; /* per-op timing when enabled (ds_cu_prof_enable), else NULL */
     int pdl;              /* launches may overlap the previous kernel's tail (below) */
+    char *skip;           /* ';'-separated profile labels whose kernels are not launched */
+    int skipping;         /* the current label is one of them (ds_cu_set_skip) */
     /* the side stream (ds_cu_side_begin): its own cuBLAS handle, workspace and matmul scratch,
      * swapped with the main stream's while work is issued there */
     cudaStream_t side;
@@ -77,6 +79,7 @@ struct ds_cu {
 template <typename... P, typename... A>
 static void launch_k(ds_cu *c, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
                      A &&...args) {
+    if (c->skipping) return; /* a what-if measurement (ds_cu_set_skip) */
     cudaLaunchAttribute at[1];
     at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     at[0].val.programmaticStreamSerializationAllowed = c->pdl;
@@ -248,6 +251,7 @@ extern "C" void ds_cu_free(ds_cu *c) {
     free(c->h_kda);
     free(c->h_moeb);
     ds_cu_prof_enable(c, 0);
+    free(c->skip);
     cublasDestroy(c->blas);
     cudaStreamDestroy(c->stream);
     free(c);
@@ -2570,6 +2574,7 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
     }
     /* out may be the shared experts' output, still being written on the side stream */
     if (ds_cu_side_join(c, err)) return DS_ERR;
+    ds_cu_prof_mark(c, "moe combine");
     launch_k(c, moe_combine_k, (unsigned)(((size_t)T * D + 255) / 256), 256, 0, out, y, w, idx, e0,
              E, T, k, D, accumulate);
     CU_TRY(cudaGetLastError(), "moe combine");
@@ -3785,7 +3790,29 @@ extern "C" void ds_cu_prof_enable(ds_cu *c, int on) {
     }
 }
 
+extern "C" int ds_cu_set_skip(ds_cu *c, const char *labels, ds_err *err) {
+    free(c->skip);
+    c->skip = NULL;
+    c->skipping = 0;
+    if (!labels || !*labels) return DS_OK;
+    if (!(c->skip = strdup(labels))) return ds_errf(err, "cuda: out of host memory");
+    return DS_OK;
+}
+
+/* Is label one of the ';'-separated names in list? */
+static int label_listed(const char *list, const char *label) {
+    const size_t n = strlen(label);
+    for (const char *at = list; at && *at;) {
+        const char *end = strchr(at, ';');
+        const size_t len = end ? (size_t)(end - at) : strlen(at);
+        if (len == n && !strncmp(at, label, n)) return 1;
+        at = end ? end + 1 : NULL;
+    }
+    return 0;
+}
+
 extern "C" void ds_cu_prof_mark(ds_cu *c, const char *label) {
+    if (c->skip) c->skipping = label_listed(c->skip, label);
     cu_prof *p = c->prof;
     if (!p || capturing(c)) return;
     if (p->n == PROF_EVENTS) { /* the step's remaining time goes to its last label */
