@@ -525,6 +525,22 @@ static void check_mla(ds_cu *c, int T, int Ha, int R, int dr, int pos0, int n_ct
     free(pool), free(table), free(qbar), free(qr), free(ref), free(got);
 }
 
+/* A pitched copy (rows x width out of rows of lds into rows of ldd), exact. */
+static void check_copy_2d(ds_cu *c, size_t rows, size_t width, size_t lds, size_t ldd) {
+    float *src = rand_f32(rows * lds, -1, 1), *got = malloc(rows * ldd * 4);
+    float *ref = rand_f32(rows * ldd, -1, 1); /* what lies between the rows stays */
+    float *ds = dev(c, src, rows * lds * 4), *dd = dev(c, ref, rows * ldd * 4);
+    for (size_t r = 0; r < rows; r++) memcpy(ref + r * ldd, src + r * lds + 3, width * 4);
+    ds_err err = {{0}};
+    if (ds_cu_copy_2d(c, dd, ldd, ds + 3, lds, width, rows, &err)) DIE("%s", err.msg);
+    fetch(c, got, dd, rows * ldd * 4);
+    char what[96];
+    snprintf(what, sizeof what, "copy 2d %zu x %zu (pitches %zu, %zu)", rows, width, lds, ldd);
+    report(what, memcmp(got, ref, rows * ldd * 4) ? INFINITY : 0.0, 0);
+    ds_cu_dealloc(ds), ds_cu_dealloc(dd);
+    free(src), free(got), free(ref);
+}
+
 /* Every segment of a step in one launch, each on its own tail; the segments with rollback rows get
  * the tail after each token (the CPU reference runs token by token and copies its tail). */
 static void check_short_conv_batch(ds_cu *c, const int *lens, const int *want_rows, int n_seq,
@@ -1292,6 +1308,8 @@ static void run_checks(ds_cu *c) {
         /* prefill lengths: time chunks (long segments split, short ones in chunk 0 alone) */
         int plens[5] = {2, 130, 1, 900, 3}, prows[5] = {1, 1, 0, 0, 1};
         check_short_conv_batch(c, plens, prows, 5, 512, 4);
+        check_copy_2d(c, 32, 64, 192, 64);      /* MLA's rope queries at batch 1 */
+        check_copy_2d(c, 70000, 128, 256, 130); /* prefill's keys: a grid-stride loop */
         int mlens[4] = {1, 3, 1, 5}, mpos[4] = {0, 300, 700, 17};
         check_mla_batch(c, mlens, mpos, 4, 8, 512, 64, 0);
         check_mla_batch(c, mlens, mpos, 4, 8, 512, 64, 2);

@@ -225,7 +225,7 @@ void ds_cu_rmsnorm_ld(ds_cu *c, float *y, int ldy, const float *x, int ldx, cons
  * into the paged pool, gathers them back, gathers the rows that want logits. */
 int ds_cu_move_rows(ds_cu *c, float *dst, size_t ldd, const int32_t *dst_rows, const float *src,
                     size_t lds, const int32_t *src_rows, int n, int width, ds_err *err);
-/* rows x width floats between pitched buffers (pitches in floats), any direction. */
+/* rows x width floats between pitched device buffers (pitches in floats), by a kernel. */
 int ds_cu_copy_2d(ds_cu *c, float *dst, size_t ldd, const float *src, size_t lds, size_t width,
                   size_t rows, ds_err *err);
 /* ds_cu_short_conv_silu for every sequence of a step, and for up to three projections side by

@@ -657,8 +657,8 @@ enum { NORM_V = 12 };
 
 /* y = w * v / rms(v) for a row held in registers, v[i] at column threadIdx.x + i blockDim.x
  * (zeros past D): each thread's squares summed in column order, as the looping form does. */
-__device__ __forceinline__ void norm_row_regs(float *yr, const float (&v)[NORM_V], const float *w,
-                                              int D, float eps) {
+__device__ __forceinline__ void norm_row_regs(float *yr, const float (&v)[NORM_V],
+                                              const float (&w)[NORM_V], int D, float eps) {
     float ss = 0.0f;
 #pragma unroll
     for (int i = 0; i < NORM_V; i++)
@@ -667,7 +667,18 @@ __device__ __forceinline__ void norm_row_regs(float *yr, const float (&v)[NORM_V
 #pragma unroll
     for (int i = 0; i < NORM_V; i++) {
         const int c = threadIdx.x + i * blockDim.x;
-        if (c < D) yr[c] = w[c] * (v[i] * inv);
+        if (c < D) yr[c] = w[i] * (v[i] * inv);
+    }
+}
+
+/* A row norm's weights (no earlier kernel's output) into registers, laid out as norm_row_regs
+ * takes them: loaded before the wait for the previous kernel, so that a decode step's chain of
+ * norms does not wait on them after it. */
+__device__ __forceinline__ void norm_weights_regs(float (&wv)[NORM_V], const float *w, int D) {
+#pragma unroll
+    for (int i = 0; i < NORM_V; i++) {
+        const int c = threadIdx.x + i * blockDim.x;
+        wv[i] = c < D ? w[c] : 0.0f;
     }
 }
 
@@ -687,18 +698,21 @@ __device__ float block_max(float v) {
 /* y[t] = w * x[t] / rms(x[t]) for row t = blockIdx.x; rows ldx / ldy apart. */
 __global__ void rmsnorm_ld_k(float *y, int ldy, const float *x, int ldx, const float *w, int D,
                              float eps) {
+    float wv[NORM_V];
+    const bool in_regs = D <= NORM_V * (int)blockDim.x;
+    if (in_regs) norm_weights_regs(wv, w, D);
     PDL_ENTRY();
     const float *xr = x + (size_t)blockIdx.x * ldx;
     float *yr = y + (size_t)blockIdx.x * ldy;
     float ss = 0.0f;
-    if (D <= NORM_V * (int)blockDim.x) { /* as add_rmsnorm_k; y may be x */
+    if (in_regs) { /* as add_rmsnorm_k; y may be x */
         float v[NORM_V];
 #pragma unroll
         for (int i = 0; i < NORM_V; i++) {
             const int c = threadIdx.x + i * blockDim.x;
             v[i] = c < D ? xr[c] : 0.0f;
         }
-        norm_row_regs(yr, v, w, D, eps);
+        norm_row_regs(yr, v, wv, D, eps);
         return;
     }
     for (int c = threadIdx.x; c < D; c += blockDim.x) ss += xr[c] * xr[c];
@@ -808,12 +822,15 @@ extern "C" void ds_cu_act_pairs(ds_cu *c, float *h, int rows, int I, int situ, f
 /* P += a, then y = w ⊙ P / rms(P): a residual add and the next norm in one pass. */
 __global__ void add_rmsnorm_k(float *y, float *P, const float *a, const float *w, int D,
                               float eps) {
+    float wv[NORM_V];
+    const bool in_regs = D <= NORM_V * (int)blockDim.x;
+    if (in_regs) norm_weights_regs(wv, w, D);
     PDL_ENTRY();
     float *pr = P + (size_t)blockIdx.x * D;
     const float *ar = a + (size_t)blockIdx.x * D;
     float *yr = y + (size_t)blockIdx.x * D;
     float ss = 0.0f;
-    if (D <= NORM_V * (int)blockDim.x) { /* the row in registers: every load in flight at once */
+    if (in_regs) { /* the row in registers: every load in flight at once */
         float v[NORM_V];
 #pragma unroll
         for (int i = 0; i < NORM_V; i++) {
@@ -825,7 +842,7 @@ __global__ void add_rmsnorm_k(float *y, float *P, const float *a, const float *w
             const int c = threadIdx.x + i * blockDim.x;
             if (c < D) pr[c] = v[i];
         }
-        norm_row_regs(yr, v, w, D, eps);
+        norm_row_regs(yr, v, wv, D, eps);
         return;
     }
     for (int c = threadIdx.x; c < D; c += blockDim.x) {
@@ -874,12 +891,26 @@ extern "C" int ds_cu_move_rows(ds_cu *c, float *dst, size_t ldd, const int32_t *
     return DS_OK;
 }
 
+/* A kernel, not cudaMemcpy2DAsync: inside a captured step a copy node ends programmatic launch
+ * (the kernel after it cannot start under its tail) and costs a copy engine's latency; MLA's
+ * decode chain had one per layer. */
+__global__ void copy_2d_k(float *dst, size_t ldd, const float *src, size_t lds, size_t width,
+                          size_t n) {
+    PDL_ENTRY();
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = i / width, col = i % width;
+        dst[r * ldd + col] = src[r * lds + col];
+    }
+}
+
 extern "C" int ds_cu_copy_2d(ds_cu *c, float *dst, size_t ldd, const float *src, size_t lds,
                              size_t width, size_t rows, ds_err *err) {
     if (!rows || !width) return DS_OK;
-    CU_TRY(cudaMemcpy2DAsync(dst, ldd * sizeof(float), src, lds * sizeof(float),
-                             width * sizeof(float), rows, cudaMemcpyDefault, c->stream),
-           "2d copy");
+    const size_t n = rows * width;
+    launch_k(c, copy_2d_k, (unsigned)DS_MIN((n + 255) / 256, (size_t)c->n_sm * 16), 256, 0, dst,
+             ldd, src, lds, width, n);
+    CU_TRY(cudaGetLastError(), "2d copy");
     return DS_OK;
 }
 
