@@ -87,7 +87,8 @@ int ds_cu_kda_recurrent(ds_cu *c, float *o, const float *q, const float *k, cons
  * own state S[z] ([H][dk][dv]), writing the state after its token t to S_rows[z] + t*rows_stride
  * ([H][dk][dv] each; rows_stride 0 means packed, H*dk*dv) when S_rows and S_rows[z] are not NULL.
  * seg_off [n_seq+1], S [n_seq] and S_rows [n_seq] are device arrays. skip_from > 0: segments of
- * at least that many tokens without rows are left alone (ds_cu_kda_chunked runs them). */
+ * at least that many tokens without rows are left alone (ds_cu_kda_chunked runs them). Both read
+ * the states before waiting for the kernel launched just before them, which must not write them. */
 int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, const float *k, const float *v,
                               const float *g, const float *beta, const int32_t *seg_off,
                               float *const *S, float *const *S_rows, size_t rows_stride, int n_seq,

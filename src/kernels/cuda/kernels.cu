@@ -63,10 +63,13 @@ struct ds_cu {
  * before it on the stream drains, and every kernel begins by waiting for its predecessor's grid
  * to complete (griddepcontrol.wait: all of its memory visible), then lets its own successor be
  * scheduled. A decode step is hundreds of small launches; this hides each one's launch and ramp
- * behind the previous kernel's last wave, inside graphs too. Nothing an earlier kernel may have
- * written is read before the wait (only weights, which are written at load, followed by a
- * synchronisation), so any kernel may follow any other (and cuBLAS's kernels, which never
- * trigger early, are simply waited for). DS_CUDA_PDL=0 turns it off. */
+ * behind the previous kernel's last wave, inside graphs too. Before the wait a kernel reads only
+ * weights (written at load, followed by a synchronisation) — so that any kernel may follow any
+ * other (and cuBLAS's kernels, which never trigger early, are simply waited for) — with one
+ * exception: the KDA recurrence reads its state, which only the kernel just before it must not
+ * have written (everything earlier is complete by then; see kda_run). Weights loaded before the
+ * wait took 0.175 ms off a batch-1 step of the 48B shape (the row norms alone: bench/RESULTS.md).
+ * DS_CUDA_PDL=0 turns it off. */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define PDL_ENTRY()                                                                                \
     asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
@@ -1073,13 +1076,16 @@ extern "C" int ds_cu_short_conv_silu(ds_cu *c, float *out, const float *in, int 
 __global__ void kda_gate_k(float *g, const float *f, int T, int H, int dk, const float *A_log,
                            const float *dt_bias, int lower_bound_form, float lb, float *beta,
                            const float *b_in, int ld_b) {
-    PDL_ENTRY();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x, P = (size_t)H * dk;
-    if (i >= (size_t)T * P) return;
+    const int hc = (int)(i % P), h = hc / dk;
+    /* the layer's parameters before the wait for the previous kernel (they are weights) */
+    const bool live = i < (size_t)T * P;
+    const float a_log = live ? A_log[h] : 0.0f, bias = live ? dt_bias[hc] : 0.0f;
+    PDL_ENTRY();
+    if (!live) return;
     if (beta && i < (size_t)T * H) /* as ds_cu_sigmoid: the same bits */
         beta[i] = 1.0f / (1.0f + expf(-b_in[(i / H) * ld_b + i % H]));
-    const int hc = (int)(i % P), h = hc / dk;
-    const float a = expf(A_log[h]), x = f[i] + dt_bias[hc];
+    const float a = expf(a_log), x = f[i] + bias;
     if (lower_bound_form) {
         g[i] = lb / (1.0f + expf(-a * x));
     } else {
@@ -1137,15 +1143,24 @@ extern "C" void ds_cu_l2norm_heads2(ds_cu *c, float *x, float scale, float *x2, 
 
 __global__ void gated_rmsnorm_heads_k(float *y, const float *o, const float *gate, const float *w,
                                       int rows, int d, float eps) {
-    PDL_ENTRY();
+    enum { GW = 8 }; /* weights a lane holds from before the wait (d <= 256) */
     const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    float wv[GW];
+#pragma unroll
+    for (int m = 0; m < GW; m++) wv[m] = lane + 32 * m < d ? w[lane + 32 * m] : 0.0f;
+    PDL_ENTRY();
     if (row >= rows) return;
     const size_t off = (size_t)row * d;
     float ss = 0.0f;
     for (int i = lane; i < d; i += 32) ss += o[off + i] * o[off + i];
     for (int k = 16; k > 0; k >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, k);
     const float r = 1.0f / sqrtf(ss / (float)d + eps);
-    for (int i = lane; i < d; i += 32)
+#pragma unroll
+    for (int m = 0; m < GW; m++) {
+        const int i = lane + 32 * m;
+        if (i < d) y[off + i] = o[off + i] * r * wv[m] / (1.0f + expf(-gate[off + i]));
+    }
+    for (int i = lane + 32 * GW; i < d; i += 32)
         y[off + i] = o[off + i] * r * w[i] / (1.0f + expf(-gate[off + i]));
 }
 
@@ -2660,7 +2675,13 @@ __device__ void kda_run(float *o, const float *q, const float *k, const float *v
     float s[DP];
     const int c0 = part * DP;
 #pragma unroll
-    for (int c = 0; c < DP; c++) s[c] = live ? Sh[(size_t)(c0 + c) * dv + col] : 0.0f;
+    for (int c = 0; c < DP; c++) s[c] = live ? __ldcg(Sh + (size_t)(c0 + c) * dv + col) : 0.0f;
+    /* The state is read before waiting for the previous kernel (PDL): no kernel of this step
+     * writes it before this one (the chunked kernel runs after; forks and restores are copies
+     * done before the step), and every earlier kernel is complete here — this one starts only
+     * once the one before it has passed its own wait. Through L2 (__ldcg), not a stale L1. A
+     * decode step's recurrences waited on their state's latency after the wait. */
+    PDL_ENTRY();
     /* token t + 1's inputs are loaded into registers while token t computes: a prefill walks
      * thousands of tokens in order, and waiting on each token's loads was most of its time */
     float nq[PF], nk[PF], ng[PF], nv = 0.0f, nb = 0.0f;
@@ -2725,7 +2746,8 @@ __global__ void __launch_bounds__(128)
     kda_batch_k(float *o, const float *q, const float *k, const float *v, const float *g,
                 const float *beta, const int32_t *off, float *const *S, float *const *S_rows,
                 size_t rows_stride, int H, int dv, int skip_from) {
-    PDL_ENTRY();
+    /* (the wait for the previous kernel is in kda_run, after the state's loads; off, S and
+     * S_rows were uploaded before the step) */
     const int h = blockIdx.x, z = blockIdx.z, part = threadIdx.x % SPLIT;
     const int col = blockIdx.y * (blockDim.x / SPLIT) + threadIdx.x / SPLIT;
     /* long segments without rows are the chunked kernel's (ds_cu_kda_recurrent_batch) */
@@ -2741,7 +2763,7 @@ template <int DK, int SPLIT>
 __global__ void __launch_bounds__(128)
     kda_one_k(float *o, const float *q, const float *k, const float *v, const float *g,
               const float *beta, float *S, float *S_rows, int T, int H, int dv) {
-    PDL_ENTRY();
+    /* (the wait for the previous kernel is in kda_run, after the state's loads) */
     const int h = blockIdx.x, part = threadIdx.x % SPLIT;
     const int col = blockIdx.y * (blockDim.x / SPLIT) + threadIdx.x / SPLIT;
     kda_run<DK, SPLIT>(o, q, k, v, g, beta, S + (size_t)h * DK * dv, S_rows, (size_t)H * DK * dv, 0,
