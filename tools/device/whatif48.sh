@@ -5,6 +5,7 @@
 # what counts). A label whose removal saves more than its kernels take alone sits on the critical
 # path; one that saves nothing runs beside it. Output: one line per case, ms per step and the
 # saving against the full step.   tools/device/whatif48.sh [batch]
+# (Leaving out "moe router" leaves the experts without valid rows, so its saving includes theirs.)
 "$(dirname "$0")/unpack_devbin.sh"
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -36,6 +37,10 @@ moe group;moe grouped experts
 moe combine
 moe router;moe combine;norms, residual, attnres
 mla q, kv_a;mla absorbed q, o;mla absorbed attend;mla gate, o_proj
+mla q, kv_a
+mla absorbed q, o
+mla absorbed attend
+mla gate, o_proj
 final norm, lm_head
 norms, residual, attnres;kda gates, beta;kda conv+l2norm;kda recurrence;kda out gate, norm;moe router;moe combine;moe shared experts;mla absorbed q, o;mla absorbed attend
 CASES
