@@ -108,6 +108,10 @@ int ds_cu_kda_chunked(ds_cu *c, float *o, const float *q, const float *k, const 
  * f32 on CUDA cores. A context starts at 0; the model sets 3 unless DS_CUDA_KDA_TC says
  * otherwise. tests/cuda checks mode 1 against the CPU at 1e-2 and modes 0 and 3 at f32's 1e-4. */
 void ds_cu_set_kda_tc(ds_cu *c, int mode);
+/* Single-token matmuls of more than one wave of blocks split their rows over more warps when that
+ * fills the last wave markedly better (an experiment: off unless DS_CUDA_GEMV_FILL=1; still a
+ * function of the matrix, so batch invariance holds either way). */
+void ds_cu_set_gemv_fill(ds_cu *c, int on);
 /* Built with DS_KDA_PREP_CLOCKS: the cycles chunked KDA's first pass spent in each of its six
  * phases since the last call (summed over blocks; then zeroed); -1 in other builds. */
 int ds_cu_kda_prep_clocks(double cycles[6]);

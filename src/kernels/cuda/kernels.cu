@@ -30,8 +30,9 @@ struct ds_cu {
     int mla_gemm;        /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
     int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
     int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
-    int kda_tc; /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
-    void *mlag; /* that path's buffers, mlag_bytes allocated */
+    int kda_tc;    /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
+    int gemv_fill; /* GEMV splits chosen to fill the last wave too (ds_cu_set_gemv_fill) */
+    void *mlag;    /* that path's buffers, mlag_bytes allocated */
     size_t mlag_bytes;
     void *kdac; /* chunked KDA's per-chunk products and chunk table, kdac_bytes allocated */
     size_t kdac_bytes;
@@ -496,11 +497,26 @@ __global__ void __launch_bounds__(256)
 /* Warps per row for an N x K matrix (H of them): more while the rows alone would leave the GPU
  * short of warps (about 32 per SM), as long as each warp keeps a whole 32-lane piece of K. A
  * function of the matrix only (see gemv_bf16_k). */
+/* How full the last of the waves of blocks is, for S warps a row (8 / S rows a block of 256
+ * threads, 8 such blocks resident on an SM at the GEMV's 40 registers). */
+static double gemv_wave_fill(const ds_cu *c, long rows, int S) {
+    const long blocks = (rows + 8 / S - 1) / (8 / S), resident = 8L * c->n_sm;
+    const double waves = (double)blocks / (double)resident;
+    return waves / ceil(waves);
+}
+
 static int gemv_splits(const ds_cu *c, int N, int K, int H) {
     const long rows = (long)N * H, want = 32L * c->n_sm;
     int S = 1;
     while (S < 8 && rows * S < want && K / 8 >= 32 * 2 * S) S *= 2;
-    return S;
+    /* DS_CUDA_GEMV_FILL (an experiment, off by default, not yet measured): a matrix of more than
+     * one wave of blocks whose last wave is mostly empty (KDA's q/k/v at the 48B shape: 1572
+     * blocks = 1.49 waves on 132 SMs) takes more splits when they fill it markedly better */
+    if (!c->gemv_fill || (rows + 8 / S - 1) / (8 / S) <= 8L * c->n_sm) return S;
+    int best = S;
+    for (int s = S * 2; s <= 8 && K / 8 >= 32 * 2 * s; s *= 2)
+        if (gemv_wave_fill(c, rows, s) > gemv_wave_fill(c, rows, best) + 0.05) best = s;
+    return best;
 }
 
 static int gemv_tiles(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T,
@@ -3534,6 +3550,10 @@ __global__ void __launch_bounds__(KS_NT)
         for (int hh = 0; hh < 2; hh++)
             *(float2 *)(Sh + (size_t)(m2 + g + 8 * hh) * KD + cg + n2 + 8 * n + 2 * l4) =
                 make_float2(st[n][2 * hh], st[n][2 * hh + 1]);
+}
+
+extern "C" void ds_cu_set_gemv_fill(ds_cu *c, int on) {
+    c->gemv_fill = on;
 }
 
 extern "C" void ds_cu_set_kda_tc(ds_cu *c, int mode) {
