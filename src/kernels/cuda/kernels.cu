@@ -3900,6 +3900,7 @@ extern "C" void ds_cu_prof_mark(ds_cu *c, const char *label) {
 }
 
 extern "C" void ds_cu_prof_step_end(ds_cu *c) {
+    c->skipping = 0; /* what follows a step (sampling, copies) is never left out */
     cu_prof *p = c->prof;
     if (!p || !p->n || capturing(c)) return;
     if (cudaEventRecord(p->ev[p->n], c->stream) != cudaSuccess ||
