@@ -1289,6 +1289,11 @@ static void run_checks(ds_cu *c) {
     /* one token: its routed rows straight from idx, no grouping (the 48B widths; SiTU with other
      * ranks' rows) */
     check_moe_experts(c, 1, 8, 256, 2304, 1024, 0);
+    /* the down pass reading its routing before the wait: one token (direct rows), grouped rows */
+    ds_cu_set_early_experts(c, 1);
+    check_moe_experts(c, 1, 8, 256, 2304, 1024, 0);
+    check_moe_experts(c, 40, 8, 64, 512, 256, 0);
+    ds_cu_set_early_experts(c, 0);
     check_moe_experts_mode(c, 1, 8, 64, 512, 256, 1, 0, 1);
     check_moe_experts(c, 5, 2, 4, 200, 72, 1);
     check_moe_experts(c, 40, 8, 64, 512, 256, 0); /* grouped: ~5 rows per expert */

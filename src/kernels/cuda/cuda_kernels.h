@@ -112,6 +112,9 @@ void ds_cu_set_kda_tc(ds_cu *c, int mode);
  * fills the last wave markedly better (an experiment: off unless DS_CUDA_GEMV_FILL=1; still a
  * function of the matrix, so batch invariance holds either way). */
 void ds_cu_set_gemv_fill(ds_cu *c, int on);
+/* The routed experts' down pass reads its routing and first weights before waiting for the up
+ * pass (they are older than it): an experiment, off unless DS_CUDA_EARLY_EXPERTS=1. */
+void ds_cu_set_early_experts(ds_cu *c, int on);
 /* Built with DS_KDA_PREP_CLOCKS: the cycles chunked KDA's first pass spent in each of its six
  * phases since the last call (summed over blocks; then zeroed); -1 in other builds. */
 int ds_cu_kda_prep_clocks(double cycles[6]);

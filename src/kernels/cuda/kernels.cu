@@ -30,9 +30,11 @@ struct ds_cu {
     int mla_gemm;        /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
     int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
     int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
-    int kda_tc;    /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
-    int gemv_fill; /* GEMV splits chosen to fill the last wave too (ds_cu_set_gemv_fill) */
-    void *mlag;    /* that path's buffers, mlag_bytes allocated */
+    int kda_tc;        /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
+    int gemv_fill;     /* GEMV splits chosen to fill the last wave too (ds_cu_set_gemv_fill) */
+    int early_experts; /* the experts' down pass reads its routing before the wait (ds_cu_set_...)
+                        */
+    void *mlag;        /* that path's buffers, mlag_bytes allocated */
     size_t mlag_bytes;
     void *kdac; /* chunked KDA's per-chunk products and chunk table, kdac_bytes allocated */
     size_t kdac_bytes;
@@ -2164,17 +2166,20 @@ __global__ void __launch_bounds__(256)
     moe_grouped_k(float *y, int ldy, const float *x, int ldx, int x_div, const uint16_t *W, int N,
                   int K, const int32_t *start, const int32_t *perm, const int32_t *active,
                   const int32_t *n_active, int rp, moe_act act, const int32_t *direct, int e0,
-                  int E) {
-    PDL_ENTRY();
+                  int E, int early) {
+    /* early (the down pass, with ds_cu_set_early_experts): the routing is at least two kernels
+     * old (the up pass came between), so it and the first weights are read before waiting for
+     * the previous kernel (through L2); x, the up pass's output, after */
+    if (!early) PDL_ENTRY();
     extern __shared__ float4 xsh[]; /* [rp][K] the pass's x rows, staged once for the 8 warps */
     int e, r0, r1;
     if (direct) { /* block row y is routed row y, alone with its expert (ds_cu_moe_experts) */
-        e = direct[blockIdx.y] - e0;
+        e = __ldcg(direct + blockIdx.y) - e0;
         if (e < 0 || e >= E) return; /* another rank's expert */
         r0 = blockIdx.y, r1 = r0 + 1;
     } else {
-        if ((int)blockIdx.y >= *n_active) return;
-        e = active[blockIdx.y], r0 = start[e], r1 = start[e + 1];
+        if ((int)blockIdx.y >= __ldcg(n_active)) return;
+        e = __ldcg(active + blockIdx.y), r0 = __ldcg(start + e), r1 = __ldcg(start + e + 1);
     }
     const int lane = threadIdx.x & 31;
     const int n0 = blockIdx.x * MOE_NPB + (threadIdx.x >> 5) * MOE_NPW;
@@ -2189,6 +2194,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int j = 0; j < MOE_NPW; j++)
         if (lk) u0[j] = __ldg(wr[j] + lane);
+    if (early) PDL_ENTRY();
     for (int c0 = r0; c0 < r1; c0 += rp) {
         const int nr = min(rp, r1 - c0);
         __syncthreads(); /* the previous pass is done with xsh */
@@ -2589,9 +2595,9 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         const int rp_dn = DS_MAX(1, DS_MIN(DS_MIN(rpm, T), (int)(MOE_SMEM / ((size_t)I * 4))));
         void (*grouped)(float *, int, const float *, int, int, const uint16_t *, int, int,
                         const int32_t *, const int32_t *, const int32_t *, const int32_t *, int,
-                        moe_act, const int32_t *, int, int) = rpm == 1   ? moe_grouped_k<1>
-                                                              : rpm == 2 ? moe_grouped_k<2>
-                                                                         : moe_grouped_k<8>;
+                        moe_act, const int32_t *, int, int, int) = rpm == 1   ? moe_grouped_k<1>
+                                                                   : rpm == 2 ? moe_grouped_k<2>
+                                                                              : moe_grouped_k<8>;
         static int smem_set; /* once, before any capture can be open */
         if (!smem_set) {
             CU_TRY(cudaFuncSetAttribute(moe_grouped_k<1>,
@@ -2612,7 +2618,7 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         else
             launch_k(c, grouped, dim3((unsigned)((2 * I + MOE_NPB - 1) / MOE_NPB), ya), 256,
                      (size_t)rp_up * D * 4, h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm,
-                     active, n_active, rp_up, none, direct, e0, E);
+                     active, n_active, rp_up, none, direct, e0, E, 0);
         CU_TRY(cudaGetLastError(), "moe up (grouped)");
         /* h's rows are gate | up, one per routed row: the down pass applies act as it stages */
         if (mma)
@@ -2621,7 +2627,7 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         else
             launch_k(c, grouped, dim3((unsigned)((D + MOE_NPB - 1) / MOE_NPB), ya), 256,
                      (size_t)rp_dn * I * 4, y, D, h, 2 * I, 1, down, D, I, start, perm, active,
-                     n_active, rp_dn, act, direct, e0, E);
+                     n_active, rp_dn, act, direct, e0, E, c->early_experts);
         CU_TRY(cudaGetLastError(), "moe down (grouped)");
     } else {
         launch_k(c, moe_up_k, dim3((unsigned)((2 * I + 7) / 8), (unsigned)rows), 256, 0, h, x, idx,
@@ -3554,6 +3560,10 @@ __global__ void __launch_bounds__(KS_NT)
 
 extern "C" void ds_cu_set_gemv_fill(ds_cu *c, int on) {
     c->gemv_fill = on;
+}
+
+extern "C" void ds_cu_set_early_experts(ds_cu *c, int on) {
+    c->early_experts = on;
 }
 
 extern "C" void ds_cu_set_kda_tc(ds_cu *c, int mode) {

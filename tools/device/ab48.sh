@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# On the GPU machine, with .devbin carried: the 48B-shape decode step (graphs) under each setting
+# given, e.g. tools/device/ab48.sh "" "DS_CUDA_GEMV_FILL=1" "DS_CUDA_EARLY_EXPERTS=1" — one line
+# per setting and batch size; the first setting is timed again last, so that drift between runs
+# shows. BATCHES (default 1,8) picks the batch sizes.
+"$(dirname "$0")/unpack_devbin.sh"
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export LD_LIBRARY_PATH=$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+[ $# -gt 0 ] || set -- ""
+for setting in "$@" "$1"; do
+  env $setting .devbin/deltaserve bench --model configs/kimi-linear-48b-a3b --load-format random \
+    --device cuda --prompt-tokens 16 --reps 1 --decode-context 512 --decode-steps 8 \
+    --batch-sizes "${BATCHES:-1,8}" 2>/dev/null | grep "^decode batch" | sed "s|^|${setting:-(defaults)}: |"
+done
