@@ -32,8 +32,7 @@ struct ds_cu {
     int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
     int kda_tc;        /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
     int gemv_fill;     /* GEMV splits chosen to fill the last wave too (ds_cu_set_gemv_fill) */
-    int early_experts; /* the experts' down pass reads its routing before the wait (ds_cu_set_...)
-                        */
+    int early_experts; /* the experts' down pass reads its routing early (ds_cu_set_...) */
     void *mlag;        /* that path's buffers, mlag_bytes allocated */
     size_t mlag_bytes;
     void *kdac; /* chunked KDA's per-chunk products and chunk table, kdac_bytes allocated */
