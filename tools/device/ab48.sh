@@ -3,10 +3,7 @@
 # given, e.g. tools/device/ab48.sh "" "DS_CUDA_GEMV_FILL=1" "DS_CUDA_EARLY_EXPERTS=1" — one line
 # per setting and batch size; the first setting is timed again last, so that drift between runs
 # shows. BATCHES (default 1,8) picks the batch sizes.
-"$(dirname "$0")/unpack_devbin.sh"
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-export LD_LIBRARY_PATH=$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. "$(dirname "$0")/env.sh"
 [ $# -gt 0 ] || set -- ""
 for setting in "$@" "$1"; do
   env $setting .devbin/deltaserve bench --model configs/kimi-linear-48b-a3b --load-format random \

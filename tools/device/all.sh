@@ -5,12 +5,7 @@
 # bundled eval served from the GPU (300 problems, one process and PP 2 + DSpark + prefix +
 # offload), and the KDA, expert and MLA kernel timings. A line per part that failed at the end;
 # logs and JSON under $OUT.
-"$(dirname "$0")/unpack_devbin.sh"
-set -uo pipefail
-OUT=${OUT:-/tmp/ds-out}
-mkdir -p "$OUT"
-cd "$(dirname "$0")/../.."
-export LD_LIBRARY_PATH=$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. "$(dirname "$0")/env.sh"
 failed=""
 tools/device/cuda_model_check.sh 2>&1 | tail -8 || failed+=" model-check"
 tools/device/cuda_pp_check.sh 2>&1 | tail -4 || failed+=" pp-check"

@@ -2,11 +2,7 @@
 # On the GPU machine, with .devbin carried: decode and prefill at the shape of Kimi-Linear-48B-A3B
 # with random weights (configs/kimi-linear-48b-a3b), CUDA graphs on, then eager for comparison.
 # JSON results under $OUT.  tools/device/bench48.sh [extra bench flags]
-"$(dirname "$0")/unpack_devbin.sh"
-set -uo pipefail
-OUT=${OUT:-/tmp/ds-out}
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH=$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. "$(dirname "$0")/env.sh"
 B=".devbin/deltaserve bench --model configs/kimi-linear-48b-a3b --load-format random --device cuda"
 $B --prompt-tokens ${PROMPT:-8192} --reps ${REPS:-2} --decode-context ${CTX:-512} --decode-steps 8 \
    --batch-sizes ${BATCHES:-1,8,64,256} --json "$OUT/bench48_graphs.json" "$@" 2>&1 | tail -9

@@ -4,11 +4,7 @@
 # goldens within 1e-4, pipeline stages bit-exact, prefix hits / forks / speculation equal to cold
 # runs), then the kernel checks. Logs under $OUT; a table of results last.
 #   tools/device/cuda_model_check.sh [test ...]
-"$(dirname "$0")/unpack_devbin.sh"
-set -uo pipefail
-OUT=${OUT:-/tmp/ds-out}
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH=$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. "$(dirname "$0")/env.sh"
 export DS_SOURCE_DIR=$PWD DS_BUILD_DIR=$PWD/.devbin DS_BIN=$PWD/.devbin/deltaserve
 export OMP_NUM_THREADS=8 DS_DEVICE=cuda DS_BATCH_INVARIANT=1
 tests=("$@")

@@ -5,11 +5,7 @@
 # pipeline stages on GPUs (rank r takes GPU r mod count: on one H200 both share it), compared
 # bit for bit (GPU one process vs GPU -pp 2) and by relative error (GPU vs CPU); then greedy
 # generation on the GPU against the CPU's text. Logs under $OUT.
-"$(dirname "$0")/unpack_devbin.sh"
-set -uo pipefail
-OUT=${OUT:-/tmp/ds-out}
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH=$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. "$(dirname "$0")/env.sh"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
 M=${MODEL:-models/gsm-k3}
 IDS=$(python3 -c "import random; r=random.Random(5); print(','.join(str(r.randrange(2000)) for _ in range(80)))")

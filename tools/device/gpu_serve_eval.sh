@@ -4,11 +4,7 @@
 # -pp 2 (both ranks on the one GPU), DSpark k = 7, prefix caching, the RAM offload tier.
 # Accuracy both ways, acceptance and tokens per forward; and whether the two runs' completions
 # are the same text.   tools/device/gpu_serve_eval.sh [LIMIT]
-"$(dirname "$0")/unpack_devbin.sh"
-set -uo pipefail
-OUT=${OUT:-/tmp/ds-out}
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH=$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. "$(dirname "$0")/env.sh"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
 LIMIT=${1:-1319}
 B=.devbin/deltaserve

@@ -3,9 +3,6 @@
 # side in one run — deltaserve's chunked kernel (test_cuda_kernels --bench, 8192 tokens x 32
 # heads of 128 x 128) and flash-linear-attention's chunk_kda on the same shape (fla_kda_bench.sh;
 # Triton compiles first: budget ~5 minutes of device time).
-"$(dirname "$0")/unpack_devbin.sh"
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-export LD_LIBRARY_PATH=$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. "$(dirname "$0")/env.sh"
 .devbin/test_cuda_kernels --bench-only kda 2>&1 | grep -E "bench kda (chunked|recurrent) prefill"
 tools/device/fla_kda_bench.sh 2>&1 | grep "fla chunk_kda"

@@ -4,11 +4,7 @@
 # what the kernels themselves take), summed per kernel name, with the DRAM bytes they read.
 # Needs a machine whose runtime lets ncu read the counters (KINDS.md). Output: $OUT/ncu.txt.
 #   KERNELS=regex of kernel names  COUNT=launches profiled (default 1300: two steps)
-"$(dirname "$0")/unpack_devbin.sh"
-set -uo pipefail
-OUT=${OUT:-/tmp/ds-out}
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH=$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. "$(dirname "$0")/env.sh"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 [ -n "$NCU" ] || { echo "ncu not found"; exit 1; }
 # prompts of one token, so that every step profiled is a batch-1 step; the weight fills (random

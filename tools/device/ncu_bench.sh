@@ -4,12 +4,7 @@
 # each launch profiled alone. Output: $OUT/ncu_<section>.txt (the first launches that match).
 #   tools/device/ncu_bench.sh SECTION KERNEL_REGEX [LAUNCHES]
 #   e.g. tools/device/ncu_bench.sh kda 'kda_chunk' 3
-"$(dirname "$0")/unpack_devbin.sh"
-set -uo pipefail
-OUT=${OUT:-/tmp/ds-out}
-mkdir -p "$OUT"
-cd "$(dirname "$0")/../.."
-export LD_LIBRARY_PATH=$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. "$(dirname "$0")/env.sh"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 [ -n "$NCU" ] || { echo "ncu not found"; exit 1; }
 timeout 300 "$NCU" --clock-control none --section SpeedOfLight --section Occupancy \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Here, before a device call: builds build-cuda (the whole engine with the CUDA backend) and packs
 # what the GPU machine runs into .devbin/bin.tar.xz (carry it: `carry [".devbin"]`; the device
-# scripts unpack it: tools/device/unpack_devbin.sh): the binaries, and the
+# scripts unpack it through tools/device/env.sh): the binaries, and the
 # shared libraries its image lacks (libmicrohttpd, libhiredis, libcmocka; it has the rest, and a
 # newer glibc than Debian 12's, so binaries built here run there).
 set -euo pipefail

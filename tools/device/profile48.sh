@@ -3,11 +3,7 @@
 # Kimi-Linear-48B-A3B (random weights), op by op (DS_CUDA_PROFILE=1: device events around each
 # op of eager steps). Prefill of PROMPT tokens (warm: the first of two reps is dropped), then
 # decode at each batch of BATCHES after a CTX-token context. The tables go to $OUT/profile.txt.
-"$(dirname "$0")/unpack_devbin.sh"
-set -uo pipefail
-OUT=${OUT:-/tmp/ds-out}
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH=$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. "$(dirname "$0")/env.sh"
 DS_CUDA_PROFILE=1 .devbin/deltaserve bench --model configs/kimi-linear-48b-a3b --load-format random \
   --device cuda --enforce-eager --prompt-tokens ${PROMPT:-8192} --reps 2 --decode-context ${CTX:-512} \
   --decode-steps 4 --batch-sizes ${BATCHES:-1,256} "$@" 2> "$OUT/profile.txt" | tail -4

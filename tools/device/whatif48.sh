@@ -6,10 +6,7 @@
 # path; one that saves nothing runs beside it. Output: one line per case, ms per step and the
 # saving against the full step.   tools/device/whatif48.sh [batch]
 # (Leaving out "moe router" leaves the experts without valid rows, so its saving includes theirs.)
-"$(dirname "$0")/unpack_devbin.sh"
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-export LD_LIBRARY_PATH=$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. "$(dirname "$0")/env.sh"
 B=${1:-1}
 step() {
   DS_CUDA_SKIP="$1" .devbin/deltaserve bench --model configs/kimi-linear-48b-a3b --load-format random \
