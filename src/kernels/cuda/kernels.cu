@@ -498,11 +498,18 @@ __global__ void __launch_bounds__(256)
 /* Warps per row for an N x K matrix (H of them): more while the rows alone would leave the GPU
  * short of warps (about 32 per SM), as long as each warp keeps a whole 32-lane piece of K. A
  * function of the matrix only (see gemv_bf16_k). */
-/* How full the last of the waves of blocks is, for S warps a row (8 / S rows a block of 256
- * threads, 8 such blocks resident on an SM at the GEMV's 40 registers). */
+/* Blocks of 256 threads for `rows` rows at S warps a row (8 / S rows a block), and how many of
+ * them an SM holds at once (8, at the GEMV's 40 registers). */
+static long gemv_blocks(long rows, int S) {
+    return (rows + 8 / S - 1) / (8 / S);
+}
+static long gemv_resident(const ds_cu *c) {
+    return 8L * c->n_sm;
+}
+
+/* How full the last of the waves of blocks is, for S warps a row. */
 static double gemv_wave_fill(const ds_cu *c, long rows, int S) {
-    const long blocks = (rows + 8 / S - 1) / (8 / S), resident = 8L * c->n_sm;
-    const double waves = (double)blocks / (double)resident;
+    const double waves = (double)gemv_blocks(rows, S) / (double)gemv_resident(c);
     return waves / ceil(waves);
 }
 
@@ -513,7 +520,7 @@ static int gemv_splits(const ds_cu *c, int N, int K, int H) {
     /* DS_CUDA_GEMV_FILL (an experiment, off by default, not yet measured): a matrix of more than
      * one wave of blocks whose last wave is mostly empty (KDA's q/k/v at the 48B shape: 1572
      * blocks = 1.49 waves on 132 SMs) takes more splits when they fill it markedly better */
-    if (!c->gemv_fill || (rows + 8 / S - 1) / (8 / S) <= 8L * c->n_sm) return S;
+    if (!c->gemv_fill || gemv_blocks(rows, S) <= gemv_resident(c)) return S;
     int best = S;
     for (int s = S * 2; s <= 8 && K / 8 >= 32 * 2 * s; s *= 2)
         if (gemv_wave_fill(c, rows, s) > gemv_wave_fill(c, rows, best) + 0.05) best = s;
@@ -524,7 +531,7 @@ static int gemv_tiles(ds_cu *c, float *y, int ldy, const float *x, int ldx, int 
                       const uint16_t *W, int N, int K, int H, size_t ys, size_t xs, size_t ws,
                       ds_err *err) {
     const int S = gemv_splits(c, N, K, H);
-    const unsigned blocks = (unsigned)((N + 8 / S - 1) / (8 / S)), hz = (unsigned)H;
+    const unsigned blocks = (unsigned)gemv_blocks(N, S), hz = (unsigned)H;
     int full = T / 8, rem = T % 8;
     for (int t0 = 0; t0 < full * 8; t0 += 8 * 65535) /* grid.y holds 65535 tiles */
         launch_k(c, gemv_bf16_k<8>, dim3(blocks, (unsigned)DS_MIN(full - t0 / 8, 65535), hz), 256,
