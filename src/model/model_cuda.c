@@ -448,9 +448,7 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     ds_cu_set_expert_mma(cm->c, env_flag("DS_CUDA_EXPERT_MMA", 1));
     ds_cu_set_mla_gemm(cm->c, env_flag("DS_CUDA_MLA_GEMM", 1));
     ds_cu_set_mla_flash(cm->c, env_flag("DS_CUDA_MLA_FLASH", 1));
-    /* experiments, not yet measured (issue 9's notes) */
-    ds_cu_set_gemv_fill(cm->c, env_flag("DS_CUDA_GEMV_FILL", 0));
-    ds_cu_set_early_experts(cm->c, env_flag("DS_CUDA_EARLY_EXPERTS", 0));
+    ds_cu_set_early_experts(cm->c, env_flag("DS_CUDA_EARLY_EXPERTS", 1));
     { /* chunked KDA on tensor cores: 1 TF32, 3 3xTF32 (ds_cu_set_kda_tc) */
         /* 3xTF32 by default: f32's accuracy (checked at 1e-4) and faster than f32 on CUDA cores
          * (8192 tokens x 32 heads: 1.97 against 2.83 ms on the H200, bench/RESULTS.md) */
@@ -928,22 +926,20 @@ static int mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float
         if (run0 >= 0 && (qi == s->n_seq || expanded)) {
             int r_start = s->off[run0], Tr = s->off[qi - 1] + s->seqs[qi - 1].n - r_start;
             size_t m2 = s->used;
-            float *qr = take(s, (size_t)Tr * Ha * dr);  /* [Tr][Ha][dr] */
             float *qbar = take(s, (size_t)Tr * Ha * R); /* [Tr][Ha][R] */
             float *obar = take(s, (size_t)Tr * Ha * R); /* [Tr][Ha][R] */
             TAKEN();
             const float *qs = q + (size_t)r_start * Ha * dq;
             PROF(s, "mla absorbed q, o");
-            TRY(ds_cu_copy_2d(cu, qr, (size_t)dr, qs + dn, (size_t)dq, (size_t)dr, (size_t)Tr * Ha,
-                              err));
             /* q̄_h = W_UK_h^T qN_h, every head in one launch */
             TRY(ds_cu_matmul_heads(cu, qbar, Ha * R, R, qs, Ha * dq, dq, Tr, &w->ukT,
                                    (size_t)R * dn, Ha, err));
             /* the run's sequences in one launch; the context bound is the step's power-of-two
              * cap, so that a graph stays valid while the contexts grow under it */
             PROF(s, "mla absorbed attend");
-            TRY(ds_cu_mla_attend_absorbed_batch(cu, obar, qbar, qr, Tr, Ha, R, dr, pool, s->bt,
-                                                s->tok_bt + r_start, s->tok_pos + r_start,
+            /* the rope part of each query read in place (stride dq) */
+            TRY(ds_cu_mla_attend_absorbed_batch(cu, obar, qbar, qs + dn, dq, Tr, Ha, R, dr, pool,
+                                                s->bt, s->tok_bt + r_start, s->tok_pos + r_start,
                                                 s->ctx_cap, bs, row, scale, err));
 
             PROF(s, "mla absorbed q, o");

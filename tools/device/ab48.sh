@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine, with .devbin carried: the 48B-shape decode step (graphs) under each setting
-# given, e.g. tools/device/ab48.sh "" "DS_CUDA_GEMV_FILL=1" "DS_CUDA_EARLY_EXPERTS=1" — one line
+# given, e.g. tools/device/ab48.sh "" "DS_CUDA_EARLY_EXPERTS=0" — one line
 # per setting and batch size; the first setting is timed again last, so that drift between runs
 # shows. BATCHES (default 1,8) picks the batch sizes.
 . "$(dirname "$0")/env.sh"

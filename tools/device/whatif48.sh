@@ -5,6 +5,7 @@
 # what counts). A label whose removal saves more than its kernels take alone sits on the critical
 # path; one that saves nothing runs beside it. Output: one line per case, ms per step and the
 # saving against the full step.   tools/device/whatif48.sh [batch]
+# CASES (lines of labels) replaces the list below.
 # (Leaving out "moe router" leaves the experts without valid rows, so its saving includes theirs.)
 . "$(dirname "$0")/env.sh"
 B=${1:-1}
@@ -19,7 +20,7 @@ while IFS= read -r labels; do
   [ -z "$labels" ] && continue
   ms=$(step "$labels")
   printf "%-60s %8s ms  saves %s ms\n" "$labels" "$ms" "$(awk -v a="$full" -v b="$ms" 'BEGIN { printf "%.3f", a - b }')"
-done <<'CASES'
+done < <(if [ -n "${CASES:-}" ]; then printf '%s\n' "$CASES"; else cat <<'CASES'
 norms, residual, attnres
 kda qkv
 kda gates, beta
@@ -41,3 +42,4 @@ mla gate, o_proj
 final norm, lm_head
 norms, residual, attnres;kda gates, beta;kda conv+l2norm;kda recurrence;kda out gate, norm;moe router;moe combine;moe shared experts;mla absorbed q, o;mla absorbed attend
 CASES
+fi)

@@ -31,7 +31,6 @@ struct ds_cu {
     int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
     int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
     int kda_tc;        /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
-    int gemv_fill;     /* GEMV splits chosen to fill the last wave too (ds_cu_set_gemv_fill) */
     int early_experts; /* the experts' down pass reads its routing early (ds_cu_set_...) */
     void *mlag;        /* that path's buffers, mlag_bytes allocated */
     size_t mlag_bytes;
@@ -430,7 +429,8 @@ __global__ void __launch_bounds__(256)
     const int k0 = lane + 32 * part;
     /* The weights are no earlier kernel's output: the first GEMV_PRE loads of this lane's part
      * of its row are issued before waiting for the previous kernel (PDL), so a small matmul's
-     * stream is already under way when its input lands. Same loads, same order of sums. */
+     * stream is already under way when its input lands. Same loads, same order of sums. (8 or
+     * 12 of them at one token, in more registers, were measured slower: bench/RESULTS.md.) */
     enum { GEMV_PRE = 4 };
     const uint4 *wr = (const uint4 *)(W + blockIdx.z * ws + (size_t)min(n, N - 1) * K);
     uint4 pre[GEMV_PRE];
@@ -495,36 +495,22 @@ __global__ void __launch_bounds__(256)
 /* Tiles of 8 tokens share one read of W; the remainder runs as its own instance. Each token's
  * dot products take the same operations in every instance, so its bits do not depend on T. */
 /* H heads (blockIdx.z): head h's y, x and W start ys, xs and ws elements after head 0's. */
-/* Warps per row for an N x K matrix (H of them): more while the rows alone would leave the GPU
- * short of warps (about 32 per SM), as long as each warp keeps a whole 32-lane piece of K. A
- * function of the matrix only (see gemv_bf16_k). */
-/* Blocks of 256 threads for `rows` rows at S warps a row (8 / S rows a block), and how many of
- * them an SM holds at once (8, at the GEMV's 40 registers). */
+/* Blocks of 256 threads for `rows` rows at S warps a row (8 / S rows a block). */
 static long gemv_blocks(long rows, int S) {
     return (rows + 8 / S - 1) / (8 / S);
 }
-static long gemv_resident(const ds_cu *c) {
-    return 8L * c->n_sm;
-}
 
-/* How full the last of the waves of blocks is, for S warps a row. */
-static double gemv_wave_fill(const ds_cu *c, long rows, int S) {
-    const double waves = (double)gemv_blocks(rows, S) / (double)gemv_resident(c);
-    return waves / ceil(waves);
-}
-
+/* Warps per row for an N x K matrix (H of them): more while the rows alone would leave the GPU
+ * short of warps (about 32 per SM), as long as each warp keeps a whole 32-lane piece of K. A
+ * function of the matrix only (see gemv_bf16_k). */
 static int gemv_splits(const ds_cu *c, int N, int K, int H) {
     const long rows = (long)N * H, want = 32L * c->n_sm;
     int S = 1;
+    /* (Splitting a matrix of more than a wave of blocks further, so that its last wave is full —
+     * KDA's q/k/v at the 48B shape: 1.49 -> 2.98 waves — was measured slower: 2.869 against
+     * 2.836 ms a batch-1 step, bench/RESULTS.md session 9.) */
     while (S < 8 && rows * S < want && K / 8 >= 32 * 2 * S) S *= 2;
-    /* DS_CUDA_GEMV_FILL (an experiment, off by default, not yet measured): a matrix of more than
-     * one wave of blocks whose last wave is mostly empty (KDA's q/k/v at the 48B shape: 1572
-     * blocks = 1.49 waves on 132 SMs) takes more splits when they fill it markedly better */
-    if (!c->gemv_fill || gemv_blocks(rows, S) <= gemv_resident(c)) return S;
-    int best = S;
-    for (int s = S * 2; s <= 8 && K / 8 >= 32 * 2 * s; s *= 2)
-        if (gemv_wave_fill(c, rows, s) > gemv_wave_fill(c, rows, best) + 0.05) best = s;
-    return best;
+    return S;
 }
 
 static int gemv_tiles(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T,
@@ -1259,91 +1245,160 @@ __device__ float exp_shifted(float *sc, int n, float *sum) {
 }
 
 /* BATCH: query token t belongs to its own sequence, at position tok_pos[t] with its block table
- * at table + tok_bt[t] (causal); otherwise one sequence, pos0 / n_ctx / causal as given. */
-enum { MLA_RW = 4 }; /* rows a warp scores at once (mla_split_k) */
-template <bool BATCH>
-__global__ void mla_split_k(float *part_o, float *part_ml, const float *qbar, const float *qr,
-                            int Ha, int R, int dr, const float *pool, const int32_t *table, int bs,
-                            int row, int pos0, int n_ctx, int causal, float scale, int n_split,
-                            const int32_t *tok_bt, const int32_t *tok_pos, int chunk) {
-    PDL_ENTRY();
+ * at table + tok_bt[t] (causal); otherwise one sequence, pos0 / n_ctx / causal as given.
+ * V: floats per load (4 when R, dr and row are multiples of 4: a row is then 16-byte aligned).
+ * A decode step attends over a few hundred rows per head, so this kernel is bound by load latency,
+ * not bandwidth: at batch 1 of the 48B shape the first version (a warp per row, one 4-byte word
+ * per lane per trip, a trip per 32 words) took 33 us a layer. Each lane now issues all its loads
+ * for MLA_RW rows before using any (MLA_KV vectors per row per trip), and the output pass has
+ * every thread sum 16-byte columns over a share of the rows with many loads in flight, the shares
+ * added in a fixed order. */
+enum { MLA_RW = 4, MLA_KV = 5 }; /* rows a warp scores at once; vectors a lane loads per row */
+template <int V> __device__ __forceinline__ float dot_v(const float *a, const float *b) {
+    if constexpr (V == 4) {
+        const float4 x = *(const float4 *)a, y = *(const float4 *)b;
+        return x.x * y.x + x.y * y.y + x.z * y.z + x.w * y.w;
+    } else {
+        return *a * *b;
+    }
+}
+/* the latent rows and both query parts can be read as float4 (16-byte aligned) */
+static int mla_vec4(int R, int dr, int row, int ldqr, const float *qbar, const float *qr,
+                    const float *pool) {
+    return R % 4 == 0 && dr % 4 == 0 && row % 4 == 0 && ldqr % 4 == 0 &&
+           ((uintptr_t)qbar | (uintptr_t)qr | (uintptr_t)pool) % 16 == 0;
+}
+template <bool BATCH, int V>
+__global__ void __launch_bounds__(256, 4) /* 4 blocks an SM: a batch-1 step's 512 in one wave */
+    mla_split_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int ldqr, int Ha,
+                int R, int dr, const float *pool, const int32_t *table, int bs, int row, int pos0,
+                int n_ctx, int causal, float scale, int n_split, const int32_t *tok_bt,
+                const int32_t *tok_pos, int chunk) {
     __shared__ float sc[MLA_CHUNK];  /* chunk <= MLA_CHUNK rows per split */
     __shared__ size_t ro[MLA_CHUNK]; /* where each of those rows starts in the pool */
-    const int q = blockIdx.x, t = q / Ha, s = blockIdx.y;
+    __shared__ float red[256 * V]; /* [groups][R] the output pass's shares (groups * R <= 256 V) */
+    const int q = blockIdx.x, t = q / Ha, s = blockIdx.y, tid = threadIdx.x;
+    /* Before waiting for the previous kernel (PDL): the positions and block tables (the host
+     * uploads them before a step; no kernel writes them) and from them the split's row offsets.
+     * (An L2 prefetch of the rows here as well was measured slower: bench/RESULTS.md.) */
     int n;
     if (BATCH) {
-        n = tok_pos[t] + 1;
-        table += tok_bt[t];
+        n = __ldcg(tok_pos + t) + 1;
+        table += __ldcg(tok_bt + t);
     } else {
         n = causal ? min(pos0 + t + 1, n_ctx) : n_ctx; /* never past the cache's rows */
     }
     const int j0 = s * chunk, j1 = min(n, j0 + chunk);
+    for (int j = j0 + tid; j < j1; j += blockDim.x)
+        ro[j - j0] = ((size_t)__ldcg(table + j / bs) * bs + j % bs) * row;
+    PDL_ENTRY();
+    __syncthreads(); /* ro[] is the block's */
     float *po = part_o + ((size_t)q * n_split + s) * R,
           *pml = part_ml + ((size_t)q * n_split + s) * 2;
     if (j0 >= j1) { /* nothing visible in this split: an empty partial */
-        for (int i = threadIdx.x; i < R; i += blockDim.x) po[i] = 0.0f;
-        if (threadIdx.x == 0) pml[0] = -INFINITY, pml[1] = 0.0f;
+        for (int i = tid; i < R; i += blockDim.x) po[i] = 0.0f;
+        if (tid == 0) pml[0] = -INFINITY, pml[1] = 0.0f;
         return;
     }
-    const float *qb = qbar + (size_t)q * R, *qp = qr + (size_t)q * dr;
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    /* each warp scores MLA_RW rows at once (their loads in flight together; each row's sum in
-     * the same order as one at a time) */
-    for (int jb = j0 + wid; jb < j1; jb += nw * MLA_RW) {
+    const float *qb = qbar + (size_t)q * R, *qp = qr + (size_t)q * ldqr;
+    const int lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5, nv = (R + dr) / V, nvb = R / V;
+    /* a warp scores rows jb .. jb + MLA_RW - 1; each row's sum in a fixed order */
+    for (int jb = j0 + wid * MLA_RW; jb < j1; jb += nw * MLA_RW) {
         size_t at[MLA_RW];
         float d[MLA_RW];
 #pragma unroll
+        for (int r = 0; r < MLA_RW; r++) at[r] = ro[min(jb + r, j1 - 1) - j0], d[r] = 0.0f;
+        for (int v0 = 0; v0 < nv; v0 += 32 * MLA_KV)
+#pragma unroll
+            for (int k = 0; k < MLA_KV; k++) {
+                const int v = v0 + 32 * k + lane;
+                if (v < nv) {
+                    const float *qv = v < nvb ? qb + (size_t)v * V : qp + (size_t)(v - nvb) * V;
+#pragma unroll
+                    for (int r = 0; r < MLA_RW; r++)
+                        d[r] += dot_v<V>(qv, pool + at[r] + (size_t)v * V);
+                }
+            }
+#pragma unroll
         for (int r = 0; r < MLA_RW; r++) {
-            const int j = min(jb + r * nw, j1 - 1);
-            at[r] = ((size_t)table[j / bs] * bs + j % bs) * row;
-            d[r] = 0.0f;
-        }
-        for (int i = lane; i < R; i += 32)
-#pragma unroll
-            for (int r = 0; r < MLA_RW; r++) d[r] += qb[i] * pool[at[r] + i];
-        for (int i = lane; i < dr; i += 32)
-#pragma unroll
-            for (int r = 0; r < MLA_RW; r++) d[r] += qp[i] * pool[at[r] + R + i];
-#pragma unroll
-        for (int r = 0; r < MLA_RW; r++) {
-            float v = d[r];
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            const int j = jb + r * nw;
-            if (lane == 0 && j < j1) sc[j - j0] = v * scale, ro[j - j0] = at[r];
+            float x = d[r];
+            for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+            const int j = jb + r;
+            if (lane == 0 && j < j1) sc[j - j0] = x * scale;
         }
     }
     __syncthreads();
     float sum;
     const float mx = exp_shifted(sc, j1 - j0, &sum);
-    /* rows in order, as before; the table lookups done once above, so that the unrolled loads of
-     * several rows are in flight together (each used to wait on its table entry) */
-    const int nj = j1 - j0;
-    for (int i = threadIdx.x; i < R; i += blockDim.x) {
-        float acc = 0.0f;
-#pragma unroll 8
-        for (int jj = 0; jj < nj; jj++) acc += sc[jj] * pool[ro[jj] + i];
-        po[i] = acc;
+    /* o = sum_j sc[j] c_j: threads across the R / V column vectors, the block's remaining threads
+     * in `groups` row shares (rows g, g + groups, ...), added in order of g */
+    const int nj = j1 - j0, ncv = R / V, across = min(ncv, (int)blockDim.x),
+              groups = blockDim.x / across, g = tid / across;
+    if (g < groups)
+        for (int cv = tid % across; cv < ncv; cv += across) {
+            float acc[V];
+#pragma unroll
+            for (int e = 0; e < V; e++) acc[e] = 0.0f;
+#pragma unroll 16
+            for (int jj = g; jj < nj; jj += groups) {
+                const float p = sc[jj], *cj = pool + ro[jj] + (size_t)cv * V;
+                if constexpr (V == 4) {
+                    const float4 x = *(const float4 *)cj;
+                    acc[0] += p * x.x, acc[1] += p * x.y, acc[2] += p * x.z, acc[3] += p * x.w;
+                } else {
+                    acc[0] += p * *cj;
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < V; e++) {
+                if (groups == 1)
+                    po[(size_t)cv * V + e] = acc[e];
+                else
+                    red[(size_t)g * R + (size_t)cv * V + e] = acc[e];
+            }
+        }
+    if (groups > 1) {
+        __syncthreads();
+        for (int i = tid; i < R; i += blockDim.x) {
+            float o = 0.0f;
+            for (int gg = 0; gg < groups; gg++) o += red[(size_t)gg * R + i];
+            po[i] = o;
+        }
     }
-    if (threadIdx.x == 0) pml[0] = mx, pml[1] = sum;
+    if (tid == 0) pml[0] = mx, pml[1] = sum;
 }
 
-__global__ void mla_merge_k(float *obar, const float *part_o, const float *part_ml, int R,
-                            int n_split) {
+/* Block (query row q, 128 outputs blockIdx.y): a thread per output. Its loads over the splits
+ * are unrolled so that several are in flight: one at a time, a decode step's merge (16 splits)
+ * took 4.3 us, ncu measured, most of it waiting on L2 in turn. The sums run in split order. */
+enum { MLA_MERGE_THREADS = 128 };
+__global__ void __launch_bounds__(MLA_MERGE_THREADS)
+    mla_merge_k(float *obar, const float *part_o, const float *part_ml, int R, int n_split) {
     PDL_ENTRY();
-    const int q = blockIdx.x;
-    const float *ml = part_ml + (size_t)q * n_split * 2;
+    const int q = blockIdx.x, i = blockIdx.y * MLA_MERGE_THREADS + threadIdx.x;
+    if (i >= R) return;
+    const float *ml = part_ml + (size_t)q * n_split * 2, *po = part_o + (size_t)q * n_split * R + i;
     float M = -INFINITY;
+#pragma unroll 8
     for (int s = 0; s < n_split; s++) M = fmaxf(M, ml[2 * s]);
-    float L = 0.0f;
-    for (int s = 0; s < n_split; s++)
-        if (ml[2 * s + 1] > 0.0f) L += ml[2 * s + 1] * expf(ml[2 * s] - M);
-    for (int i = threadIdx.x; i < R; i += blockDim.x) {
-        float acc = 0.0f;
-        for (int s = 0; s < n_split; s++)
-            if (ml[2 * s + 1] > 0.0f)
-                acc += part_o[((size_t)q * n_split + s) * R + i] * expf(ml[2 * s] - M);
-        obar[(size_t)q * R + i] = acc / L;
+    float L = 0.0f, acc = 0.0f;
+#pragma unroll 8
+    for (int s = 0; s < n_split; s++) {
+        const float l = ml[2 * s + 1], o = po[(size_t)s * R];
+        if (l > 0.0f) {
+            const float e = expf(ml[2 * s] - M);
+            L += l * e;
+            acc += o * e;
+        }
     }
+    obar[(size_t)q * R + i] = acc / L;
+}
+
+static void mla_merge(ds_cu *c, float *obar, const float *part_o, const float *part_ml, int rows,
+                      int R, int n_split) {
+    launch_k(c, mla_merge_k,
+             dim3((unsigned)rows, (unsigned)((R + MLA_MERGE_THREADS - 1) / MLA_MERGE_THREADS)),
+             MLA_MERGE_THREADS, 0, obar, part_o, part_ml, R, n_split);
 }
 
 extern "C" int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qbar, const float *qr,
@@ -1359,11 +1414,13 @@ extern "C" int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qba
     if (grow_scratch((void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch", err))
         return DS_ERR;
     float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
-    launch_k(c, mla_split_k<false>, dim3((unsigned)rows, (unsigned)n_split), 256, 0, part_o,
-             part_ml, qbar, qr, Ha, R, dr, pool, block_table, block_size, row, pos0, n_ctx, causal,
-             scale, n_split, (const int32_t *)NULL, (const int32_t *)NULL, MLA_CHUNK);
+    launch_k(
+        c, mla_vec4(R, dr, row, dr, qbar, qr, pool) ? mla_split_k<false, 4> : mla_split_k<false, 1>,
+        dim3((unsigned)rows, (unsigned)n_split), 256, 0, part_o, part_ml, qbar, qr, dr, Ha, R, dr,
+        pool, block_table, block_size, row, pos0, n_ctx, causal, scale, n_split,
+        (const int32_t *)NULL, (const int32_t *)NULL, (int)MLA_CHUNK);
     CU_TRY(cudaGetLastError(), "mla");
-    launch_k(c, mla_merge_k, rows, 256, 0, obar, part_o, part_ml, R, n_split);
+    mla_merge(c, obar, part_o, part_ml, rows, R, n_split);
     CU_TRY(cudaGetLastError(), "mla merge");
     return DS_OK;
 }
@@ -1384,10 +1441,10 @@ extern "C" void ds_cu_set_mla_all_heads(ds_cu *c, int on) {
 }
 
 __global__ void __launch_bounds__(MLA_AH_THREADS)
-    mla_allheads_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int Ha, int R,
-                   int dr, const float *pool, const int32_t *tables, const int32_t *tok_bt,
-                   const int32_t *tok_pos, int bs, int row, float scale, int n_split, int per,
-                   int opt) {
+    mla_allheads_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int ldqr,
+                   int Ha, int R, int dr, const float *pool, const int32_t *tables,
+                   const int32_t *tok_bt, const int32_t *tok_pos, int bs, int row, float scale,
+                   int n_split, int per, int opt) {
     PDL_ENTRY();
     /* q [Ha][rq+1] | rows [SUB][row+1] | scores [Ha][SUB] */
     extern __shared__ float sh[];
@@ -1401,7 +1458,7 @@ __global__ void __launch_bounds__(MLA_AH_THREADS)
     for (int i = tid; i < Ha * rq; i += blockDim.x) { /* every head's [q̄ | qR] */
         const int hh = i / rq, c = i % rq;
         qs[(size_t)hh * qst + c] =
-            c < R ? qbar[((size_t)t * Ha + hh) * R + c] : qr[((size_t)t * Ha + hh) * dr + c - R];
+            c < R ? qbar[((size_t)t * Ha + hh) * R + c] : qr[((size_t)t * Ha + hh) * ldqr + c - R];
     }
     float acc[MLA_AH_OPT];
 #pragma unroll
@@ -1458,8 +1515,8 @@ __global__ void __launch_bounds__(MLA_AH_THREADS)
 }
 
 extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const float *qbar,
-                                               const float *qr, int T, int Ha, int R, int dr,
-                                               const float *pool, const int32_t *tables,
+                                               const float *qr, int ldqr, int T, int Ha, int R,
+                                               int dr, const float *pool, const int32_t *tables,
                                                const int32_t *tok_bt, const int32_t *tok_pos,
                                                int max_ctx, int block_size, int row, float scale,
                                                ds_err *err) {
@@ -1495,10 +1552,10 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
             smem_set = ah_smem;
         }
         launch_k(c, mla_allheads_k, dim3((unsigned)T, (unsigned)n_split), MLA_AH_THREADS, ah_smem,
-                 part_o, part_ml, qbar, qr, Ha, R, dr, pool, tables, tok_bt, tok_pos, block_size,
-                 row, scale, n_split, per, opt);
+                 part_o, part_ml, qbar, qr, ldqr, Ha, R, dr, pool, tables, tok_bt, tok_pos,
+                 block_size, row, scale, n_split, per, opt);
         CU_TRY(cudaGetLastError(), "mla (all heads)");
-        launch_k(c, mla_merge_k, rows, 256, 0, obar, part_o, part_ml, R, n_split);
+        mla_merge(c, obar, part_o, part_ml, rows, R, n_split);
         CU_TRY(cudaGetLastError(), "mla merge");
         return DS_OK;
     }
@@ -1516,11 +1573,12 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
     if (grow_scratch((void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch", err))
         return DS_ERR;
     float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
-    launch_k(c, mla_split_k<true>, dim3((unsigned)rows, (unsigned)n_split), 256, 0, part_o, part_ml,
-             qbar, qr, Ha, R, dr, pool, tables, block_size, row, 0, 0, 1, scale, n_split, tok_bt,
-             tok_pos, chunk);
+    launch_k(
+        c, mla_vec4(R, dr, row, ldqr, qbar, qr, pool) ? mla_split_k<true, 4> : mla_split_k<true, 1>,
+        dim3((unsigned)rows, (unsigned)n_split), 256, 0, part_o, part_ml, qbar, qr, ldqr, Ha, R, dr,
+        pool, tables, block_size, row, 0, 0, 1, scale, n_split, tok_bt, tok_pos, chunk);
     CU_TRY(cudaGetLastError(), "mla (batch)");
-    launch_k(c, mla_merge_k, rows, 256, 0, obar, part_o, part_ml, R, n_split);
+    mla_merge(c, obar, part_o, part_ml, rows, R, n_split);
     CU_TRY(cudaGetLastError(), "mla merge");
     return DS_OK;
 }
@@ -1858,7 +1916,7 @@ extern "C" int ds_cu_mla_attend_expanded(ds_cu *c, float *o, const float *q, con
     launch_k(c, mla_exp_split_k, dim3((unsigned)rows, (unsigned)n_split), 256, 0, part_o, part_ml,
              q, kN, kR, v, Ha, dn, dr, dvh, pos0, n_ctx, causal, scale, n_split);
     CU_TRY(cudaGetLastError(), "mla expanded");
-    launch_k(c, mla_merge_k, rows, 256, 0, o, part_o, part_ml, dvh, n_split);
+    mla_merge(c, o, part_o, part_ml, rows, dvh, n_split);
     CU_TRY(cudaGetLastError(), "mla expanded merge");
     return DS_OK;
 }
@@ -2166,8 +2224,9 @@ struct moe_act {
     int on, situ;
     float beta, lin_beta;
 };
-enum { MOE_NPW = 4, MOE_NPB = 8 * MOE_NPW };
-template <int RPM> /* rows a pass holds at most (rp <= RPM): its accumulators' count */
+/* RPM: rows a pass holds at most (rp <= RPM), its accumulators' count; NPW: weight rows a warp
+ * streams (8 NPW a block) */
+template <int RPM, int NPW>
 __global__ void __launch_bounds__(256)
     moe_grouped_k(float *y, int ldy, const float *x, int ldx, int x_div, const uint16_t *W, int N,
                   int K, const int32_t *start, const int32_t *perm, const int32_t *active,
@@ -2188,17 +2247,17 @@ __global__ void __launch_bounds__(256)
         e = __ldcg(active + blockIdx.y), r0 = __ldcg(start + e), r1 = __ldcg(start + e + 1);
     }
     const int lane = threadIdx.x & 31;
-    const int n0 = blockIdx.x * MOE_NPB + (threadIdx.x >> 5) * MOE_NPW;
-    const uint4 *wr[MOE_NPW];
+    const int n0 = blockIdx.x * 8 * NPW + (threadIdx.x >> 5) * NPW;
+    const uint4 *wr[NPW];
 #pragma unroll
-    for (int j = 0; j < MOE_NPW; j++)
+    for (int j = 0; j < NPW; j++)
         wr[j] = (const uint4 *)(W + ((size_t)e * N + min(n0 + j, N - 1)) * K);
     /* the first piece of each weight row is requested before the x rows are staged (its
      * latency hidden behind theirs); used by the first pass, reloaded by later ones */
-    uint4 u0[MOE_NPW];
+    uint4 u0[NPW];
     const bool lk = lane < K / 8;
 #pragma unroll
-    for (int j = 0; j < MOE_NPW; j++)
+    for (int j = 0; j < NPW; j++)
         if (lk) u0[j] = __ldg(wr[j] + lane);
     if (early) PDL_ENTRY();
     for (int c0 = r0; c0 < r1; c0 += rp) {
@@ -2222,41 +2281,40 @@ __global__ void __launch_bounds__(256)
         __syncthreads();
         if (n0 >= N) continue; /* (after the barriers: every warp stages) */
         const float *xs[RPM];
-        float acc[MOE_NPW][RPM];
+        float acc[NPW][RPM];
 #pragma unroll
         for (int i = 0; i < RPM; i++) {
             xs[i] = (const float *)xsh + (size_t)(i < nr ? i : 0) * K;
 #pragma unroll
-            for (int j = 0; j < MOE_NPW; j++) acc[j][i] = 0.0f;
+            for (int j = 0; j < NPW; j++) acc[j][i] = 0.0f;
         }
         if (c0 != r0 && lk)
 #pragma unroll
-            for (int j = 0; j < MOE_NPW; j++) u0[j] = __ldg(wr[j] + lane);
+            for (int j = 0; j < NPW; j++) u0[j] = __ldg(wr[j] + lane);
         if (lk)
 #pragma unroll
             for (int i = 0; i < RPM; i++)
                 if (i < nr)
 #pragma unroll
-                    for (int j = 0; j < MOE_NPW; j++)
+                    for (int j = 0; j < NPW; j++)
                         acc[j][i] += dot8(u0[j], xs[i] + (size_t)lane * 8);
 #pragma unroll 2
         for (int k8 = lane + 32; k8 < K / 8; k8 += 32) {
-            uint4 u[MOE_NPW];
+            uint4 u[NPW];
 #pragma unroll
-            for (int j = 0; j < MOE_NPW; j++) u[j] = __ldg(wr[j] + k8);
+            for (int j = 0; j < NPW; j++) u[j] = __ldg(wr[j] + k8);
 #pragma unroll
             for (int i = 0; i < RPM; i++)
                 if (i < nr)
 #pragma unroll
-                    for (int j = 0; j < MOE_NPW; j++)
-                        acc[j][i] += dot8(u[j], xs[i] + (size_t)k8 * 8);
+                    for (int j = 0; j < NPW; j++) acc[j][i] += dot8(u[j], xs[i] + (size_t)k8 * 8);
         }
 #pragma unroll
         for (int i = 0; i < RPM; i++)
             if (i < nr) { /* (uniform in the warp) */
                 const int r = direct ? c0 + i : perm[c0 + i];
 #pragma unroll
-                for (int j = 0; j < MOE_NPW; j++) {
+                for (int j = 0; j < NPW; j++) {
                     float v = acc[j][i];
                     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
                     if (lane == 0 && n0 + j < N) y[(size_t)r * ldy + n0 + j] = v;
@@ -2266,6 +2324,45 @@ __global__ void __launch_bounds__(256)
 }
 
 enum : size_t { MOE_SMEM = 160 * 1024 }; /* the grouped kernel's x staging, at most */
+
+/* The grouped kernel's instances: accumulators for rpm rows, and (at one row an expert: batch 1)
+ * more weight rows a warp when that keeps the blocks to one wave. At NPW 4 the 48B shape's down
+ * pass (2304 outputs x 8 experts) was 576 blocks for 528 places (4 an SM), its last 48 a second
+ * wave that ncu timed at 16 us for 37.8 MB against 23 us for the up pass's 75.5 MB. A row's sum
+ * takes the same operations whatever NPW is. */
+typedef void (*moe_grouped_ptr)(float *, int, const float *, int, int, const uint16_t *, int, int,
+                                const int32_t *, const int32_t *, const int32_t *, const int32_t *,
+                                int, moe_act, const int32_t *, int, int, int);
+typedef struct {
+    moe_grouped_ptr fn;
+    int rpm, rows; /* accumulators; weight rows a block (8 warps x NPW) */
+} moe_grouped_fn;
+static const moe_grouped_fn moe_grouped_fns[] = {{moe_grouped_k<1, 4>, 1, 32},
+                                                 {moe_grouped_k<1, 5>, 1, 40},
+                                                 {moe_grouped_k<1, 6>, 1, 48},
+                                                 {moe_grouped_k<2, 4>, 2, 32},
+                                                 {moe_grouped_k<8, 4>, 8, 32}};
+enum { MOE_GROUPED_N = sizeof moe_grouped_fns / sizeof moe_grouped_fns[0] };
+
+/* N outputs for ya block rows, smem bytes of staging a block */
+static moe_grouped_fn moe_grouped_pick(ds_cu *c, int rpm, int N, unsigned ya, size_t smem) {
+    static int per_sm[MOE_GROUPED_N]; /* blocks an SM holds, for the smem last asked about */
+    static size_t per_sm_smem[MOE_GROUPED_N];
+    const moe_grouped_fn *first = NULL;
+    for (int i = 0; i < MOE_GROUPED_N; i++) {
+        const moe_grouped_fn *f = &moe_grouped_fns[i];
+        if (f->rpm != rpm) continue;
+        if (!first) first = f; /* NPW 4 */
+        if (!per_sm[i] || per_sm_smem[i] != smem) {
+            if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm[i], f->fn, 256, smem) !=
+                cudaSuccess)
+                break;
+            per_sm_smem[i] = smem;
+        }
+        if ((long)((N + f->rows - 1) / f->rows) * ya <= (long)per_sm[i] * c->n_sm) return *f;
+    }
+    return *first;
+}
 
 /* ---- routed experts on tensor cores inside a step (decode of large batches) ------------------
  * The grouped kernel above does one f32 FMA per weight per routed row: at batch 64-256 (a few
@@ -2599,30 +2696,23 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         const int rpm = T == 1 ? 1 : rows <= E ? 2 : 8;
         const int rp_up = DS_MAX(1, DS_MIN(DS_MIN(rpm, T), (int)(MOE_SMEM / ((size_t)D * 4))));
         const int rp_dn = DS_MAX(1, DS_MIN(DS_MIN(rpm, T), (int)(MOE_SMEM / ((size_t)I * 4))));
-        void (*grouped)(float *, int, const float *, int, int, const uint16_t *, int, int,
-                        const int32_t *, const int32_t *, const int32_t *, const int32_t *, int,
-                        moe_act, const int32_t *, int, int, int) = rpm == 1   ? moe_grouped_k<1>
-                                                                   : rpm == 2 ? moe_grouped_k<2>
-                                                                              : moe_grouped_k<8>;
         static int smem_set; /* once, before any capture can be open */
         if (!smem_set) {
-            CU_TRY(cudaFuncSetAttribute(moe_grouped_k<1>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)MOE_SMEM),
-                   "moe: shared memory");
-            CU_TRY(cudaFuncSetAttribute(moe_grouped_k<2>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)MOE_SMEM),
-                   "moe: shared memory");
-            CU_TRY(cudaFuncSetAttribute(moe_grouped_k<8>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)MOE_SMEM),
-                   "moe: shared memory");
+            for (int i = 0; i < MOE_GROUPED_N; i++)
+                CU_TRY(cudaFuncSetAttribute(moe_grouped_fns[i].fn,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            (int)MOE_SMEM),
+                       "moe: shared memory");
             smem_set = 1;
         }
+        const moe_grouped_fn up_k = moe_grouped_pick(c, rpm, 2 * I, ya, (size_t)rp_up * D * 4),
+                             dn_k = moe_grouped_pick(c, rpm, D, ya, (size_t)rp_dn * I * 4);
         const moe_act none = {0, 0, 0.0f, 0.0f}, act = {1, situ, situ_beta, situ_lin_beta};
         if (mma)
             launch_k(c, moe_mma_k, dim3((unsigned)(2 * I / MMA_N), ya), 256, 0, h, 2 * I, x, D, k,
                      gate_up, 2 * I, D, start, perm, active, n_active, none);
         else
-            launch_k(c, grouped, dim3((unsigned)((2 * I + MOE_NPB - 1) / MOE_NPB), ya), 256,
+            launch_k(c, up_k.fn, dim3((unsigned)((2 * I + up_k.rows - 1) / up_k.rows), ya), 256,
                      (size_t)rp_up * D * 4, h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm,
                      active, n_active, rp_up, none, direct, e0, E, 0);
         CU_TRY(cudaGetLastError(), "moe up (grouped)");
@@ -2631,7 +2721,7 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
             launch_k(c, moe_mma_k, dim3((unsigned)(D / MMA_N), ya), 256, 0, y, D, h, 2 * I, 1, down,
                      D, I, start, perm, active, n_active, act);
         else
-            launch_k(c, grouped, dim3((unsigned)((D + MOE_NPB - 1) / MOE_NPB), ya), 256,
+            launch_k(c, dn_k.fn, dim3((unsigned)((D + dn_k.rows - 1) / dn_k.rows), ya), 256,
                      (size_t)rp_dn * I * 4, y, D, h, 2 * I, 1, down, D, I, start, perm, active,
                      n_active, rp_dn, act, direct, e0, E, c->early_experts);
         CU_TRY(cudaGetLastError(), "moe down (grouped)");
@@ -2798,7 +2888,8 @@ __global__ void __launch_bounds__(128)
                        T, H, dv, h, col, col < dv, part);
 }
 
-/* Threads per block and columns per block for a head dim. */
+/* Threads per block and columns per block for a head dim. (More, smaller blocks at batch 1 —
+ * four lanes a column, or 64 threads a block — were measured no faster: bench/RESULTS.md.) */
 static void kda_shape(int dk, int dv, int *threads, int *cols) {
     int split = dk == 128 ? 2 : 1;
     int want = dv * split;
@@ -3562,10 +3653,6 @@ __global__ void __launch_bounds__(KS_NT)
         for (int hh = 0; hh < 2; hh++)
             *(float2 *)(Sh + (size_t)(m2 + g + 8 * hh) * KD + cg + n2 + 8 * n + 2 * l4) =
                 make_float2(st[n][2 * hh], st[n][2 * hh + 1]);
-}
-
-extern "C" void ds_cu_set_gemv_fill(ds_cu *c, int on) {
-    c->gemv_fill = on;
 }
 
 extern "C" void ds_cu_set_early_experts(ds_cu *c, int on) {
