@@ -139,7 +139,8 @@ int ds_cu_attnres_mix(ds_cu *c, float *out, const float *const *cands, int m, co
 /* As ds_mla_attend_absorbed over a paged latent pool (pool [pages][block_size][row], block_table
  * on the device): qbar, obar [T][Ha][R]; qr [T][Ha][dr]; causal token t sees rows
  * 0..min(pos0+t, n_ctx-1), as on the CPU. Split over the context in chunks of 256 rows, merged
- * by a second kernel (flash-decoding). */
+ * by a second kernel (flash-decoding). The block table is read before the kernel waits for the
+ * one before it (PDL): that one must not write it. */
 int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qbar, const float *qr, int T,
                               int Ha, int R, int dr, const float *pool, const int32_t *block_table,
                               int block_size, int row, int pos0, int n_ctx, int causal, float scale,
@@ -256,7 +257,8 @@ int ds_cu_short_conv_silu_batch(ds_cu *c, const ds_cu_conv_batch *b, ds_err *err
  * at position tok_pos[t] of its sequence, whose block table starts at tables + tok_bt[t];
  * max_ctx bounds every tok_pos + 1. Query (t, h)'s rope part is qr[(t Ha + h) ldqr + 0..dr)
  * (ldqr = dr packed, or the stride of the full query rows so that it is read in place). Device
- * arrays. */
+ * arrays; tables, tok_bt and tok_pos are read before the kernel waits for the one before it
+ * (PDL), so that one must not write them (the forward uploads them before the step). */
 int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const float *qbar, const float *qr,
                                     int ldqr, int T, int Ha, int R, int dr, const float *pool,
                                     const int32_t *tables, const int32_t *tok_bt,
