@@ -17,7 +17,7 @@ def test_sigterm_with_streams_in_flight():
     def stream(i):
         conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
         conn.request("POST", "/v1/completions", body=json.dumps(
-            {"prompt": f"long {i}", "max_tokens": 3500, "temperature": 0, "ignore_eos": True,
+            {"prompt": f"long {i}", "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
              "stream": True}), headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
         events = sse_events(resp)
