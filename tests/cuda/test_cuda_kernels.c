@@ -1205,6 +1205,11 @@ static void run_checks(ds_cu *c) {
     /* T = 1 with K % 8 == 0: the f32 GEMV (held to f32 accuracy); else cuBLAS on BF16 x */
     check_matmul(c, 1, 4096, 2304, 0, 1e-5);
     check_matmul(c, 1, 12576, 2304, 0, 1e-5); /* KDA's stacked inputs at the 48B shape */
+    ds_cu_set_gemv_wide(c, 1); /* the same through the experts' kernel, and its bits */
+    check_matmul(c, 1, 12576, 2304, 0, 1e-5);
+    check_matmul(c, 1, 5003, 2048, 4, 1e-5); /* tail rows; one warp a row on 132 SMs */
+    check_matmul_invariance(c, 5000, 2304);
+    ds_cu_set_gemv_wide(c, 0);
     check_matmul(c, 1, 1003, 2048, 4, 1e-5);
     check_matmul(c, 2, 1003, 2048, 4, 1e-2);
     check_matmul(c, 3, 1003, 2048, 4, 1e-2);

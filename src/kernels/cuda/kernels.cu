@@ -32,6 +32,7 @@ struct ds_cu {
     int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
     int kda_tc;        /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
     int early_experts; /* the experts' down pass reads its routing early (ds_cu_set_...) */
+    int gemv_wide;     /* one-token matmuls of many rows 4 rows a warp (ds_cu_set_gemv_wide) */
     void *mlag;        /* that path's buffers, mlag_bytes allocated */
     size_t mlag_bytes;
     void *kdac; /* chunked KDA's per-chunk products and chunk table, kdac_bytes allocated */
@@ -557,6 +558,9 @@ static int gemv_tiles(ds_cu *c, float *y, int ldy, const float *x, int ldx, int 
     return DS_OK;
 }
 
+static int gemv_wide(ds_cu *c, float *y, const float *x, const uint16_t *W, int N, int K,
+                     ds_err *err);
+
 extern "C" void ds_cu_set_batch_invariant(ds_cu *c, int on) {
     c->batch_invariant = on;
 }
@@ -567,6 +571,8 @@ extern "C" int ds_cu_matmul(ds_cu *c, float *y, int ldy, const float *x, int ldx
     if (T <= 0 || N <= 0) return DS_OK;
     const int vec =
         K % 8 == 0 && ldx % 4 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)w->data % 16 == 0;
+    if (vec && T == 1 && c->gemv_wide && gemv_splits(c, N, K, 1) == 1 && (size_t)K * 4 <= 48 * 1024)
+        return gemv_wide(c, y, x, w->data, N, K, err);
     if (vec && (T == 1 || c->batch_invariant))
         return gemv_tiles(c, y, ldy, x, ldx, T, w->data, N, K, 1, 0, 0, 0, err);
     if (c->batch_invariant) {
@@ -1564,6 +1570,7 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
      * invariance keeps MLA_CHUNK: the merge's order must not depend on the batch. */
     int chunk = MLA_CHUNK;
     if (!c->batch_invariant) {
+        /* (aiming at 2 or 8 blocks an SM instead: slower or the same, bench/RESULTS.md) */
         const long want = 4L * c->n_sm; /* blocks */
         const long fit = ((long)max_ctx * rows + want - 1) / want;
         chunk = (int)DS_MAX(32L, DS_MIN((long)MLA_CHUNK, (fit + 31) / 32 * 32));
@@ -2343,6 +2350,25 @@ static const moe_grouped_fn moe_grouped_fns[] = {{moe_grouped_k<1, 4>, 1, 32},
                                                  {moe_grouped_k<2, 4>, 2, 32},
                                                  {moe_grouped_k<8, 4>, 8, 32}};
 enum { MOE_GROUPED_N = sizeof moe_grouped_fns / sizeof moe_grouped_fns[0] };
+
+/* A one-token matmul of many rows (one warp a row: gemv_splits gives 1) through the routed
+ * experts' kernel as one "expert": 4 rows a warp and x staged in shared memory, with the same
+ * sums in the same order as gemv_bf16_k (so batch invariance holds). On the H200 at the 48B
+ * shape (it takes KDA's q/k/v, MLA's queries and lm_head) a batch-1 step took 2.648-2.667 ms
+ * against 2.673-2.695 through gemv_bf16_k (three pairs in two calls). */
+__device__ int32_t g_row_zero[1]; /* gemv_wide's routing: every block row is "expert" 0 */
+
+static int gemv_wide(ds_cu *c, float *y, const float *x, const uint16_t *W, int N, int K,
+                     ds_err *err) {
+    static int32_t *zero;
+    if (!zero) CU_TRY(cudaGetSymbolAddress((void **)&zero, g_row_zero), "gemv (wide)");
+    const moe_act none = {0, 0, 0.0f, 0.0f};
+    launch_k(c, moe_grouped_k<1, 4>, dim3((unsigned)((N + 31) / 32), 1), 256, (size_t)K * 4, y, N,
+             x, K, 1, W, N, K, (const int32_t *)NULL, (const int32_t *)NULL, (const int32_t *)NULL,
+             (const int32_t *)NULL, 1, none, (const int32_t *)zero, 0, 1, 0);
+    CU_TRY(cudaGetLastError(), "gemv (wide)");
+    return DS_OK;
+}
 
 /* N outputs for ya block rows, smem bytes of staging a block */
 static moe_grouped_fn moe_grouped_pick(ds_cu *c, int rpm, int N, unsigned ya, size_t smem) {
@@ -3653,6 +3679,10 @@ __global__ void __launch_bounds__(KS_NT)
         for (int hh = 0; hh < 2; hh++)
             *(float2 *)(Sh + (size_t)(m2 + g + 8 * hh) * KD + cg + n2 + 8 * n + 2 * l4) =
                 make_float2(st[n][2 * hh], st[n][2 * hh + 1]);
+}
+
+extern "C" void ds_cu_set_gemv_wide(ds_cu *c, int on) {
+    c->gemv_wide = on;
 }
 
 extern "C" void ds_cu_set_early_experts(ds_cu *c, int on) {
