@@ -1325,6 +1325,11 @@ static void run_checks(ds_cu *c) {
         /* prefill lengths: time chunks (long segments split, short ones in chunk 0 alone) */
         int plens[5] = {2, 130, 1, 900, 3}, prows[5] = {1, 1, 0, 0, 1};
         check_short_conv_batch(c, plens, prows, 5, 512, 4);
+        check_short_conv_batch(c, plens, prows, 5, 512, 3); /* a width the fixed form lacks */
+        ds_cu_set_conv_fixed(c, 1); /* the width-4 form: registers, inputs loaded ahead */
+        check_short_conv_batch(c, lens, rows, 5, 4096, 4);
+        check_short_conv_batch(c, plens, prows, 5, 512, 4);
+        ds_cu_set_conv_fixed(c, 0);
         check_copy_2d(c, 32, 64, 192, 64);      /* MLA's rope queries at batch 1 */
         check_copy_2d(c, 70000, 128, 256, 130); /* prefill's keys: a grid-stride loop */
         int mlens[4] = {1, 3, 1, 5}, mpos[4] = {0, 300, 700, 17};

@@ -116,6 +116,9 @@ void ds_cu_set_early_experts(ds_cu *c, int on);
  * shared memory; the same bits): on by default in the model (DS_CUDA_GEMV_WIDE=0 turns it off),
  * off in a new context. */
 void ds_cu_set_gemv_wide(ds_cu *c, int on);
+/* The batched short conv of width 4 with the width known at compile time (window in registers,
+ * inputs loaded ahead; the same bits): an experiment, off unless DS_CUDA_CONV_FIXED=1. */
+void ds_cu_set_conv_fixed(ds_cu *c, int on);
 /* Built with DS_KDA_PREP_CLOCKS: the cycles chunked KDA's first pass spent in each of its six
  * phases since the last call (summed over blocks; then zeroed); -1 in other builds. */
 int ds_cu_kda_prep_clocks(double cycles[6]);

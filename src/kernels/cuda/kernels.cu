@@ -33,6 +33,7 @@ struct ds_cu {
     int kda_tc;        /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
     int early_experts; /* the experts' down pass reads its routing early (ds_cu_set_...) */
     int gemv_wide;     /* one-token matmuls of many rows 4 rows a warp (ds_cu_set_gemv_wide) */
+    int conv_fixed;    /* the short conv with its width at compile time (ds_cu_set_conv_fixed) */
     void *mlag;        /* that path's buffers, mlag_bytes allocated */
     size_t mlag_bytes;
     void *kdac; /* chunked KDA's per-chunk products and chunk table, kdac_bytes allocated */
@@ -1024,12 +1025,18 @@ __global__ void short_conv_silu_k(float *out, const float *in, int T, int C, con
  * projection j (see ds_cu_conv_batch); with rollback rows it also writes the tail after each
  * token. A chunk's window starts from the inputs before it, so long prefills run in parallel over
  * time; chunks are at least W-1 tokens, so only chunk 0 ever reads the old tail, and chunk 0
- * writes the new one after its own reads. */
-__global__ void short_conv_batch_k(ds_cu_conv_batch b, int n_chunks) {
+ * writes the new one after its own reads.
+ * WT: the kernel width when known at compile time (0: b.W at run time). With a run-time width the
+ * window is indexed at run time and lives in local memory (ptxas: a 32-byte stack frame), and each
+ * token's input load waits behind the previous token's store; with WT the window is registers and
+ * the inputs of CONV_AHEAD tokens are loaded before any of them is used (DS_CUDA_CONV_FIXED=1, an
+ * experiment: compiled, not yet run on a GPU). The same operations in the same order either way. */
+enum { CONV_AHEAD = 4 };
+template <int WT> __global__ void short_conv_batch_k(ds_cu_conv_batch b, int n_chunks) {
     PDL_ENTRY();
     const int c = blockIdx.x * blockDim.x + threadIdx.x, z = blockIdx.y;
     const int j = blockIdx.z % b.n_proj, ch = blockIdx.z / b.n_proj;
-    const int C = b.C, W = b.W;
+    const int C = b.C, W = WT ? WT : b.W;
     if (c >= C) return;
     const int t0 = b.seg_off[z], t1 = b.seg_off[z + 1];
     const int per = max((t1 - t0 + n_chunks - 1) / n_chunks, W - 1);
@@ -1039,30 +1046,57 @@ __global__ void short_conv_batch_k(ds_cu_conv_batch b, int n_chunks) {
     float *tail = b.tails[z] + j * tn, *R = b.rows && b.rows[z] ? b.rows[z] + j * tn : NULL;
     const float *in = b.in + (size_t)j * C;
     float *out = b.out + j * b.out_stride;
-    float win[8]; /* win[i]: the input at position t - (W-1) + i */
-    for (int i = 0; i < W - 1; i++) {
-        const int p =
-            a0 - (W - 1) + i; /* before the segment: the tail (tail[i] is t0 - (W-1) + i) */
+    constexpr int WM = WT ? WT : 8; /* the window's size as the compiler sees it */
+    float win[WM];                  /* win[i]: the input at position t - (W-1) + i */
+#pragma unroll
+    for (int i = 0; i < WM - 1; i++) {
+        if (!WT && i >= W - 1) break;
+        const int p = a0 - (W - 1) + i; /* before the segment: the tail (tail[i] is t0-(W-1)+i) */
         win[i] = p >= t0 ? in[(size_t)p * b.ld_in + c] : tail[(size_t)(p - t0 + W - 1) * C + c];
     }
-    const float *wc = b.w + ((size_t)j * C + c) * W;
-    for (int t = a0; t < a1; t++) {
-        win[W - 1] = in[(size_t)t * b.ld_in + c];
-        float acc = 0.0f;
-        for (int i = 0; i < W; i++) acc += wc[i] * win[i];
-        out[(size_t)t * C + c] = acc / (1.0f + expf(-acc));
-        for (int i = 0; i < W - 1; i++) win[i] = win[i + 1];
-        if (R)
-            for (int i = 0; i < W - 1; i++)
-                R[(size_t)(t - t0) * b.rows_stride + (size_t)i * C + c] = win[i];
+    float wc[WM];
+#pragma unroll
+    for (int i = 0; i < WM; i++)
+        if (WT || i < W) wc[i] = b.w[((size_t)j * C + c) * W + i];
+    constexpr int AHEAD = WT ? CONV_AHEAD : 1;
+    for (int ta = a0; ta < a1; ta += AHEAD) {
+        float nx[AHEAD];
+#pragma unroll
+        for (int u = 0; u < AHEAD; u++)
+            nx[u] = ta + u < a1 ? in[(size_t)(ta + u) * b.ld_in + c] : 0.0f;
+#pragma unroll
+        for (int u = 0; u < AHEAD; u++) {
+            const int t = ta + u;
+            if (t >= a1) break;
+            win[W - 1] = nx[u];
+            float acc = 0.0f;
+#pragma unroll
+            for (int i = 0; i < WM; i++)
+                if (WT || i < W) acc += wc[i] * win[i];
+            out[(size_t)t * C + c] = acc / (1.0f + expf(-acc));
+#pragma unroll
+            for (int i = 0; i < WM - 1; i++)
+                if (WT || i < W - 1) win[i] = win[i + 1];
+            if (R)
+#pragma unroll
+                for (int i = 0; i < WM - 1; i++)
+                    if (WT || i < W - 1)
+                        R[(size_t)(t - t0) * b.rows_stride + (size_t)i * C + c] = win[i];
+        }
     }
     if (ch > 0) return;
-    float nt[8]; /* the new tail: the inputs at t1 - (W-1) + i, read before any is written */
-    for (int i = 0; i < W - 1; i++) {
+    float nt[WM]; /* the new tail: the inputs at t1 - (W-1) + i, read before any is written */
+#pragma unroll
+    for (int i = 0; i < WM - 1; i++) {
+        if (!WT && i >= W - 1) break;
         const int p = t1 - (W - 1) + i;
         nt[i] = p >= t0 ? in[(size_t)p * b.ld_in + c] : tail[(size_t)(p - t0 + W - 1) * C + c];
     }
-    for (int i = 0; i < W - 1; i++) tail[(size_t)i * C + c] = nt[i];
+#pragma unroll
+    for (int i = 0; i < WM - 1; i++) {
+        if (!WT && i >= W - 1) break;
+        tail[(size_t)i * C + c] = nt[i];
+    }
 }
 
 extern "C" int ds_cu_short_conv_silu_batch(ds_cu *c, const ds_cu_conv_batch *b, ds_err *err) {
@@ -1073,7 +1107,7 @@ extern "C" int ds_cu_short_conv_silu_batch(ds_cu *c, const ds_cu_conv_batch *b, 
     /* time chunks of ~64 tokens of the step (a decode step: one), at most 256 */
     const int T = b->n_tokens, n_chunks = DS_MAX(1, DS_MIN(256, T / 64));
     launch_k(
-        c, short_conv_batch_k,
+        c, c->conv_fixed && b->W == 4 ? short_conv_batch_k<4> : short_conv_batch_k<0>,
         dim3((unsigned)((b->C + 127) / 128), (unsigned)b->n_seq, (unsigned)(b->n_proj * n_chunks)),
         128, 0, *b, n_chunks);
     CU_TRY(cudaGetLastError(), "short conv (batch)");
@@ -3679,6 +3713,10 @@ __global__ void __launch_bounds__(KS_NT)
         for (int hh = 0; hh < 2; hh++)
             *(float2 *)(Sh + (size_t)(m2 + g + 8 * hh) * KD + cg + n2 + 8 * n + 2 * l4) =
                 make_float2(st[n][2 * hh], st[n][2 * hh + 1]);
+}
+
+extern "C" void ds_cu_set_conv_fixed(ds_cu *c, int on) {
+    c->conv_fixed = on;
 }
 
 extern "C" void ds_cu_set_gemv_wide(ds_cu *c, int on) {
