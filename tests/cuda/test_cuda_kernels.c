@@ -1330,7 +1330,7 @@ static void run_checks(ds_cu *c) {
         check_short_conv_batch(c, lens, rows, 5, 4096, 4);
         check_short_conv_batch(c, plens, prows, 5, 512, 4);
         ds_cu_set_conv_fixed(c, 0);
-        check_copy_2d(c, 32, 64, 192, 64);      /* MLA's rope queries at batch 1 */
+        check_copy_2d(c, 32, 64, 192, 64);      /* a narrow strided copy (few rows) */
         check_copy_2d(c, 70000, 128, 256, 130); /* prefill's keys: a grid-stride loop */
         int mlens[4] = {1, 3, 1, 5}, mpos[4] = {0, 300, 700, 17};
         check_mla_batch(c, mlens, mpos, 4, 8, 512, 64, 0);
