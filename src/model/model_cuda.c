@@ -473,12 +473,13 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
         fprintf(stderr, "[deltaserve] %s: one stream per step\n", side_err.msg);
     ds_cu_set_mla_all_heads(cm->c, env_flag("DS_CUDA_MLA_ALL_HEADS", 1));
     ds_cu_prof_enable(cm->c, env_flag("DS_CUDA_PROFILE", 0));
-    if (getenv("DS_CUDA_SKIP") && *getenv("DS_CUDA_SKIP")) {
+    const char *skip = getenv("DS_CUDA_SKIP");
+    if (skip && *skip) {
         fprintf(stderr,
                 "[deltaserve] DS_CUDA_SKIP=%s: those kernels are left out (results are "
                 "wrong; for timing only)\n",
-                getenv("DS_CUDA_SKIP"));
-        if (ds_cu_set_skip(cm->c, getenv("DS_CUDA_SKIP"), err)) goto fail;
+                skip);
+        if (ds_cu_set_skip(cm->c, skip, err)) goto fail;
     }
     int L = c->num_hidden_layers, D = c->hidden_size;
     cm->layers = calloc((size_t)L, sizeof *cm->layers);

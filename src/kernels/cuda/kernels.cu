@@ -2380,7 +2380,6 @@ typedef struct {
 } moe_grouped_fn;
 static const moe_grouped_fn moe_grouped_fns[] = {{moe_grouped_k<1, 4>, 1, 32},
                                                  {moe_grouped_k<1, 5>, 1, 40},
-                                                 {moe_grouped_k<1, 6>, 1, 48},
                                                  {moe_grouped_k<2, 4>, 2, 32},
                                                  {moe_grouped_k<8, 4>, 8, 32}};
 enum { MOE_GROUPED_N = sizeof moe_grouped_fns / sizeof moe_grouped_fns[0] };
