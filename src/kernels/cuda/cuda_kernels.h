@@ -206,6 +206,9 @@ int ds_cu_set_side(ds_cu *c, int on, ds_err *err);
 int ds_cu_side_begin(ds_cu *c, ds_err *err);
 int ds_cu_side_end(ds_cu *c, ds_err *err);
 int ds_cu_side_join(ds_cu *c, ds_err *err);
+/* Starts bringing [p, p + bytes) of a weight into L2 (a hint: nothing waits for it), on the side
+ * stream only — a no-op on the main stream, where it would sit in the step's chain. */
+void ds_cu_l2_prefetch(ds_cu *c, const void *p, size_t bytes);
 /* ds_cu_mla_attend_absorbed_batch with one block per (token, split) for all heads, each latent row
  * read once instead of once per head (not with batch invariance; Ha * R a multiple of 256 with at
  * most 64 outputs per thread). on = 1: taken when the step has enough (token, split) blocks to
