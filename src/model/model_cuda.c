@@ -586,7 +586,6 @@ typedef struct cstep {
     const cu_layer *lay, *next; /* the layer being run and the one after it (NULL: the last) */
 } cstep;
 
-
 static void pf_mat(cstep *s, int bit, const ds_cu_mat *w, size_t cap) {
     if (!(s->cm->l2pf & bit) || s->T > PF_MAX_T || !w->data) return;
     size_t n = (size_t)w->rows * w->cols * sizeof(uint16_t);
