@@ -102,17 +102,6 @@ typedef struct cu_layer {
     cu_ffn ffn;
 } cu_layer;
 
-/* ---- weights into L2 ahead of use (ds_cu_l2_prefetch) ---------------------------------------
- * At batch 1, between two weight streams a step runs chains of small kernels that leave HBM idle;
- * prefetches issued on the side stream at a chain's start fill L2 with what comes after it. */
-enum {
-    PF_OUT = 1,  /* the attention's output projection, during the conv/recurrence or attend */
-    PF_FFN = 2,  /* ... and the FFN's router and shared experts, then */
-    PF_NEXT = 4, /* the next layer's first weights (or lm_head's), beside the routed experts */
-    PF_ALL = 7,
-    PF_MAX_T = 16 /* rows a step may have for it: past that the GEMMs are not waiting on HBM */
-};
-
 typedef struct ds_cuda_model {
     ds_cu *c;
     cu_layer *layers; /* [L]; [l0, l1) uploaded */
@@ -152,10 +141,6 @@ typedef struct ds_cuda_model {
     int *h_kda; /* [2][n_seq] chunked KDA's segment starts and lengths, h_kda_cap ints */
     size_t h_kda_cap;
     void *nccl; /* ds_nccl *: the TP group's sums on the GPUs, or NULL (through the host) */
-    /* weights pulled into L2 on the side stream ahead of use at small batches
-     * (DS_CUDA_L2_PREFETCH, bits: PF_*), the next layer's first weights up to l2pf_cap bytes */
-    int l2pf;
-    size_t l2pf_cap;
 } ds_cuda_model;
 
 static int keep(ds_cuda_model *cm, void *p, ds_err *err) {
@@ -465,12 +450,7 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     ds_cu_set_mla_flash(cm->c, env_flag("DS_CUDA_MLA_FLASH", 1));
     ds_cu_set_early_experts(cm->c, env_flag("DS_CUDA_EARLY_EXPERTS", 1));
     ds_cu_set_gemv_wide(cm->c, env_flag("DS_CUDA_GEMV_WIDE", 1));
-    ds_cu_set_conv_fixed(cm->c, env_flag("DS_CUDA_CONV_FIXED", 0)); /* not yet measured */
-    {
-        const char *pf = getenv("DS_CUDA_L2_PREFETCH"), *mb = getenv("DS_CUDA_L2_PREFETCH_MB");
-        cm->l2pf = pf && *pf ? atoi(pf) & PF_ALL : 0; /* not yet measured */
-        cm->l2pf_cap = (size_t)(mb && *mb ? atoi(mb) : 16) << 20;
-    }
+    ds_cu_set_conv_fixed(cm->c, env_flag("DS_CUDA_CONV_FIXED", 1));
     { /* chunked KDA on tensor cores: 1 TF32, 3 3xTF32 (ds_cu_set_kda_tc) */
         /* 3xTF32 by default: f32's accuracy (checked at 1e-4) and faster than f32 on CUDA cores
          * (8192 tokens x 32 heads: 1.97 against 2.83 ms on the H200, bench/RESULTS.md) */
@@ -583,42 +563,7 @@ typedef struct cstep {
     int nb_max;
     int ctx_cap; /* absorbed attention's context bound: a power of two >= every context */
     float *P, *x, *a, *bank, *xr, *lg; /* the step's long-lived buffers (run_step) */
-    const cu_layer *lay, *next; /* the layer being run and the one after it (NULL: the last) */
 } cstep;
-
-static void pf_mat(cstep *s, int bit, const ds_cu_mat *w, size_t cap) {
-    if (!(s->cm->l2pf & bit) || s->T > PF_MAX_T || !w->data) return;
-    size_t n = (size_t)w->rows * w->cols * sizeof(uint16_t);
-    ds_cu_l2_prefetch(s->c, w->data, cap && n > cap ? cap : n);
-}
-
-/* what the attention's chain leaves time for: its output projection, the FFN's first weights */
-static void pf_after_attention(cstep *s, const ds_cu_mat *o, const ds_cu_mat *gate) {
-    pf_mat(s, PF_OUT, o, 0);
-    if (gate) pf_mat(s, PF_OUT, gate, 0);
-    const cu_ffn *f = &s->lay->ffn;
-    pf_mat(s, PF_FFN, &f->router, 0);
-    pf_mat(s, PF_FFN, &f->sh_gu, 0);
-    pf_mat(s, PF_FFN, &f->sh_down, 0);
-}
-
-/* the next layer's first weights (lm_head's after the last layer), at most l2pf_cap bytes */
-static void pf_next(cstep *s) {
-    const ds_model *m = s->m;
-    size_t cap = s->cm->l2pf_cap;
-    if (!s->next) {
-        if (m->l1 == m->cfg.num_hidden_layers) pf_mat(s, PF_NEXT, &s->cm->lm_head, cap);
-        return;
-    }
-    int l = (int)(s->next - s->cm->layers);
-    if (m->layers[l].kind == DS_LAYER_KDA) {
-        pf_mat(s, PF_NEXT, &s->next->kda.in, cap);
-    } else {
-        const cu_mla *w = &s->next->mla;
-        pf_mat(s, PF_NEXT, &w->kv_a, cap);
-        pf_mat(s, PF_NEXT, w->q_a.data ? &w->q_a : &w->q, cap);
-    }
-}
 
 /* Opens a profiled interval (DS_CUDA_PROFILE=1; see ds_cu_prof_mark). */
 #define PROF(s, label) ds_cu_prof_mark((s)->c, label)
@@ -887,7 +832,6 @@ static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float
      * beside the convs of q, k and v; joined before the recurrence */
     PROF(s, "kda gates, beta");
     TRY(ds_cu_side_begin(cu, err));
-    pf_after_attention(s, &w->o, NULL);
     int rc = ds_cu_matmul(cu, o, P, fa, ld, T, &w->f_b, err);
     if (!rc)
         ds_cu_kda_gate(cu, g, o, T, H, dk, w->A_log, w->dt_bias, c->has_gate_lower_bound,
@@ -965,7 +909,6 @@ static int mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float
      * queries; joined before attending */
     TRY(ds_cu_side_begin(cu, err));
     int rc = ds_cu_matmul(cu, kv, row, xn, D, T, &w->kv_a, err);
-    pf_after_attention(s, &w->o, c->mla_use_output_gate ? &w->g : NULL);
     if (!rc) ds_cu_rmsnorm_ld(cu, kv, row, kv, row, w->kv_a_norm, T, R, 1e-6f);
     if (!rc)
         rc = ds_cu_move_rows(cu, pool, (size_t)row, s->lat_dst, kv, (size_t)row, NULL, T, row, err);
@@ -1106,7 +1049,6 @@ static int ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, f
     if (shared && !latent) {
         TRY(ds_cu_side_begin(cu, err));
         int rc = mlp_in(s, &w->sh_gu, &w->sh_down, xn, T, out, hs, err);
-        pf_next(s);
         TRY(ds_cu_side_end(cu, err));
         TRY(rc);
     }
@@ -1198,7 +1140,6 @@ static int run_body(cstep *s, int nb, ds_err *err) {
     for (int i = m->l0; i < m->l1; i++) {
         const layer_w *lw = &m->layers[i];
         const cu_layer *dw = &cm->layers[i];
-        s->lay = dw, s->next = i + 1 < m->l1 ? dw + 1 : NULL;
         PROF(s, "norms, residual, attnres");
         if (N == 0 && pending) {
             ds_cu_add_rmsnorm(cu, x, P, a, dw->in_norm, T, D, c->rms_norm_eps);

@@ -117,7 +117,8 @@ void ds_cu_set_early_experts(ds_cu *c, int on);
  * off in a new context. */
 void ds_cu_set_gemv_wide(ds_cu *c, int on);
 /* The batched short conv of width 4 with the width known at compile time (window in registers,
- * inputs loaded ahead; the same bits): an experiment, off unless DS_CUDA_CONV_FIXED=1. */
+ * inputs loaded ahead; the same bits): on by default in the model (DS_CUDA_CONV_FIXED=0 turns it
+ * off), off in a new context. */
 void ds_cu_set_conv_fixed(ds_cu *c, int on);
 /* Built with DS_KDA_PREP_CLOCKS: the cycles chunked KDA's first pass spent in each of its six
  * phases since the last call (summed over blocks; then zeroed); -1 in other builds. */
@@ -206,9 +207,6 @@ int ds_cu_set_side(ds_cu *c, int on, ds_err *err);
 int ds_cu_side_begin(ds_cu *c, ds_err *err);
 int ds_cu_side_end(ds_cu *c, ds_err *err);
 int ds_cu_side_join(ds_cu *c, ds_err *err);
-/* Starts bringing [p, p + bytes) of a weight into L2 (a hint: nothing waits for it), on the side
- * stream only — a no-op on the main stream, where it would sit in the step's chain. */
-void ds_cu_l2_prefetch(ds_cu *c, const void *p, size_t bytes);
 /* ds_cu_mla_attend_absorbed_batch with one block per (token, split) for all heads, each latent row
  * read once instead of once per head (not with batch invariance; Ha * R a multiple of 256 with at
  * most 64 outputs per thread). on = 1: taken when the step has enough (token, split) blocks to
