@@ -1286,8 +1286,9 @@ static void run_checks(ds_cu *c) {
     check_mla_expanded_mode(c, 130, 3, 128, 64, 128, 77, 207, 1, 2);
     check_mla_expanded_mode(c, 150, 2, 128, 64, 128, 0, 170, 0, 2);
     check_mla_expanded_mode(c, 129, 5, 128, 64, 128, 1, 130, 1, 2);
-    check_mla_expanded_mode(c, 200, 3, 64, 32, 64, 500, 700, 1, 1); /* a later chunk */
-    check_mla_expanded_mode(c, 130, 2, 32, 16, 48, 0, 1000, 0, 1);  /* not causal */
+    check_mla_expanded_mode(c, 40, 2, 128, 64, 128, 590, 630, 1, 2); /* partial key tiles */
+    check_mla_expanded_mode(c, 200, 3, 64, 32, 64, 500, 700, 1, 1);  /* a later chunk */
+    check_mla_expanded_mode(c, 130, 2, 32, 16, 48, 0, 1000, 0, 1);   /* not causal */
     check_moe_route(c, 7, 256, 8, 8, 4, 0, 0);
     check_moe_route(c, 5, 64, 6, 1, 1, 0, 0);
     check_moe_route(c, 9, 32, 4, 4, 2, 1, 0);

@@ -1712,9 +1712,13 @@ __global__ void mla_softmax_k(__nv_bfloat16 *P, const float *S, int Tq, int Ce, 
  * reads them back: at 8192 tokens x 32 heads that traffic, not the products, was its time (47 ms
  * of a 290 ms prefill). Here block (64 query rows, head) keeps everything on chip: its 4 warps
  * hold 16 query rows each as BF16 tensor-core fragments (mma.sync m16n8k16, f32 accumulation),
- * walk the visible keys in tiles of 64 staged in shared memory (V transposed, so that every
- * fragment is two 32-bit loads), and keep the running maximum, sum and output of each row in
- * registers (online softmax). The same BF16 rounding of Q, K, V and P as the cuBLAS path.
+ * walk the visible keys in tiles of 64, and keep the running maximum, sum and output of each row
+ * in registers (online softmax). The tiles of keys and values go by cp.async into one of two
+ * stages as they lie in memory (rows past C zero-filled), the next on its way while this one is
+ * multiplied, and the fragments come out by ldmatrix — K's as stored, V's transposed by
+ * ldmatrix.trans. (Staged by plain loads and stores, V transposed by the stores, the kernel took
+ * 5.39 ms at 8192 tokens x 32 heads; pipelined so, 3.76 ms, the same bits.) The same BF16
+ * rounding of Q, K, V and P as the cuBLAS path.
  * Fragment layouts as the PTX ISA gives them for m16n8k16: lane = 4 g + l4 holds A's rows g and
  * g + 8 at columns 2 l4 (+1) and 2 l4 + 8 (+1); B's column g at rows 2 l4 (+1) and 2 l4 + 8
  * (+1); C's rows g and g + 8 at columns 2 l4 (+1). */
@@ -1733,9 +1737,42 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     return *(uint32_t *)&v;
 }
 
-/* Eight BF16 of row `row` (rows `stride` apart from p), or zeros for a row past n. */
-__device__ __forceinline__ uint4 row_piece(const uint16_t *p, int row, int n, size_t stride) {
-    return row < n ? __ldg((const uint4 *)(p + (size_t)row * stride)) : make_uint4(0u, 0u, 0u, 0u);
+/* cp.async: 16-byte copies global -> shared that run on while the thread goes on */
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+template <int DQ, int DV> struct fl_smem {
+    static constexpr int KLD = DQ + 8, VLD = DV + 8; /* row strides 4 banks apart: conflict-free */
+    static constexpr int K_ELEMS = FL_BK * KLD, V_ELEMS = FL_BK * VLD;
+    static constexpr size_t BYTES = (size_t)2 * (K_ELEMS + V_ELEMS) * sizeof(uint16_t);
+};
+
+__device__ __forceinline__ void cp_async16_zfill(void *smem, const void *gmem, bool valid) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+                 "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *smem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void *smem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
 }
 
 /* o [T][Ha][DV] f32 from Qb [T][Ha][DQ], Kb [C][Ha][DQ], Vb [C][Ha][DV] (BF16); query t sits at
@@ -1745,17 +1782,39 @@ __global__ void __launch_bounds__(128)
     mla_flash_k(float *o, const uint16_t *Qb, const uint16_t *Kb, const uint16_t *Vb, int T, int C,
                 int Ha, int p0, int causal, float scale) {
     PDL_ENTRY();
-    constexpr int KLD = DQ + 8, VLD = FL_BK + 8; /* padded: conflict-free fragment loads */
-    constexpr int NKL = FL_BK * DQ / 8 / 128, NVL = FL_BK * DV / 8 / 128; /* uint4s a thread */
-    static_assert(NKL * 128 * 8 == FL_BK * DQ && NVL * 128 * 8 == FL_BK * DV, "tile split");
-    __shared__ __align__(16) uint16_t Ks[FL_BK * KLD]; /* [key][channel] */
-    __shared__ __align__(16) uint16_t Vt[DV * VLD];    /* [value column][key] */
+    typedef fl_smem<DQ, DV> L;
+    constexpr int KP = DQ / 8, VP = DV / 8; /* 16-byte pieces of a key row, of a value row */
+    static_assert((FL_BK * KP) % 128 == 0 && (FL_BK * VP) % 128 == 0, "tile split");
+    static_assert(FL_BK % 16 == 0 && DQ % 16 == 0 && DV % 16 == 0, "ldmatrix tiles");
+    extern __shared__ __align__(16) uint16_t fsh[];
+    uint16_t *Ks = fsh;                  /* [2][FL_BK][KLD] keys as stored */
+    uint16_t *Vs = fsh + 2 * L::K_ELEMS; /* [2][FL_BK][VLD] values as stored */
     /* the longest (last) query blocks first: causal work grows with the position */
     const int qb = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, q0 = qb * FL_BQ;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, l4 = lane & 3;
     const size_t qs = (size_t)Ha * DQ, vs = (size_t)Ha * DV;
     const int r0 = q0 + warp * 16 + g, r1 = r0 + 8; /* this thread's two query rows */
-    uint32_t qf[DQ / 16][4];                        /* the warp's queries as A fragments */
+    const int last = min(q0 + FL_BQ, T) - 1;
+    const int n_end = causal ? min(C, p0 + last + 1) : C;
+    /* tile kb into stage st: every thread's pieces in flight at once */
+    auto stage = [&](int kb, int st) {
+        uint16_t *ks = Ks + st * L::K_ELEMS, *vsm = Vs + st * L::V_ELEMS;
+#pragma unroll
+        for (int x = 0; x < FL_BK * KP / 128; x++) {
+            const int i = tid + x * 128, j = i / KP, c8 = i % KP, row = kb + j;
+            cp_async16_zfill(ks + j * L::KLD + c8 * 8,
+                             Kb + (size_t)min(row, C - 1) * qs + (size_t)h * DQ + c8 * 8, row < C);
+        }
+#pragma unroll
+        for (int x = 0; x < FL_BK * VP / 128; x++) {
+            const int i = tid + x * 128, j = i / VP, d8 = i % VP, row = kb + j;
+            cp_async16_zfill(vsm + j * L::VLD + d8 * 8,
+                             Vb + (size_t)min(row, C - 1) * vs + (size_t)h * DV + d8 * 8, row < C);
+        }
+        cp_async_commit();
+    };
+    if (n_end > 0) stage(0, 0); /* on its way while the queries load */
+    uint32_t qf[DQ / 16][4];    /* the warp's queries as A fragments */
 #pragma unroll
     for (int kk = 0; kk < DQ / 16; kk++) {
         const int c = kk * 16 + l4 * 2;
@@ -1769,49 +1828,34 @@ __global__ void __launch_bounds__(128)
     /* keys each row may see (none for rows past T) */
     const int lim0 = r0 < T ? (causal ? min(p0 + r0 + 1, C) : C) : 0;
     const int lim1 = r1 < T ? (causal ? min(p0 + r1 + 1, C) : C) : 0;
-    const int last = min(q0 + FL_BQ, T) - 1;
-    const int n_end = causal ? min(C, p0 + last + 1) : C;
     float oacc[DV / 8][4];
 #pragma unroll
     for (int n = 0; n < DV / 8; n++) oacc[n][0] = oacc[n][1] = oacc[n][2] = oacc[n][3] = 0.0f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
-    for (int kb = 0; kb < n_end; kb += FL_BK) {
-        __syncthreads(); /* the previous tile's readers are done */
-        /* every load of the tile first, then the stores: interleaved, each load waited for the
-         * store before it (the compiler cannot tell the generic pointers from shared memory) */
-        uint4 u[NKL > NVL ? NKL : NVL];
-#pragma unroll
-        for (int x = 0; x < NKL; x++) {
-            const int i = tid + x * 128, j = i / (DQ / 8), c8 = i % (DQ / 8);
-            u[x] = row_piece(Kb + (size_t)h * DQ + c8 * 8, kb + j, C, qs);
-        }
-#pragma unroll
-        for (int x = 0; x < NKL; x++) {
-            const int i = tid + x * 128, j = i / (DQ / 8), c8 = i % (DQ / 8);
-            *(uint4 *)(Ks + j * KLD + c8 * 8) = u[x];
-        }
-#pragma unroll
-        for (int x = 0; x < NVL; x++) {
-            const int i = tid + x * 128, j = i % FL_BK, d8 = i / FL_BK; /* neighbours: keys */
-            u[x] = row_piece(Vb + (size_t)h * DV + d8 * 8, kb + j, C, vs);
-        }
-#pragma unroll
-        for (int x = 0; x < NVL; x++) {
-            const int i = tid + x * 128, j = i % FL_BK, d8 = i / FL_BK;
-            const uint16_t *e = (const uint16_t *)&u[x];
-#pragma unroll
-            for (int y = 0; y < 8; y++) Vt[(d8 * 8 + y) * VLD + j] = e[y];
+    /* ldmatrix: lane L gives the address of row L % 8 of matrix L / 8 */
+    const int mi = lane >> 3, mr = lane & 7;
+    for (int kb = 0, it = 0; kb < n_end; kb += FL_BK, it++) {
+        const int st = it & 1;
+        if (kb + FL_BK < n_end) { /* the next tile into the other stage, then wait for this one */
+            stage(kb + FL_BK, st ^ 1);
+            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        } else {
+            cp_async_wait_all();
         }
         __syncthreads();
+        const uint16_t *ks = Ks + st * L::K_ELEMS, *vsm = Vs + st * L::V_ELEMS;
         float sc[FL_BK / 8][4]; /* scores: rows r0 (0, 1) and r1 (2, 3), keys kb + 8 t + 2 l4 */
 #pragma unroll
         for (int t = 0; t < FL_BK / 8; t++) sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < DQ / 16; kk++)
 #pragma unroll
-            for (int t = 0; t < FL_BK / 8; t++) {
-                const uint16_t *kr = Ks + (t * 8 + g) * KLD + kk * 16 + l4 * 2;
-                mma_16816(sc[t], qf[kk], *(const uint32_t *)kr, *(const uint32_t *)(kr + 8));
+            for (int t = 0; t < FL_BK / 8; t += 2) {
+                /* matrices: keys of tile t (+1 for mi >= 2), channels kk 16 (+8 for odd mi) */
+                uint32_t b[4];
+                ldsm_x4(b, ks + ((t + (mi >> 1)) * 8 + mr) * L::KLD + kk * 16 + (mi & 1) * 8);
+                mma_16816(sc[t], qf[kk], b[0], b[1]);
+                mma_16816(sc[t + 1], qf[kk], b[2], b[3]);
             }
         float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
@@ -1860,11 +1904,17 @@ __global__ void __launch_bounds__(128)
                                     pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
                                     pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
 #pragma unroll
-            for (int n = 0; n < DV / 8; n++) {
-                const uint16_t *vr = Vt + (n * 8 + g) * VLD + kk * 16 + l4 * 2;
-                mma_16816(oacc[n], pa, *(const uint32_t *)vr, *(const uint32_t *)(vr + 8));
+            for (int n = 0; n < DV / 8; n += 2) {
+                /* matrices: keys kk 16 (+8 for odd mi), value columns of tile n (+1 for mi >= 2),
+                 * transposed: lane 4 g + l4 gets keys 2 l4, 2 l4 + 1 of column g */
+                uint32_t b[4];
+                ldsm_x4_trans(b,
+                              vsm + (kk * 16 + (mi & 1) * 8 + mr) * L::VLD + (n + (mi >> 1)) * 8);
+                mma_16816(oacc[n], pa, b[0], b[1]);
+                mma_16816(oacc[n + 1], pa, b[2], b[3]);
             }
         }
+        __syncthreads(); /* this stage is refilled two tiles on */
     }
     const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
 #pragma unroll
@@ -1909,9 +1959,17 @@ static int mla_expanded_gemm(ds_cu *c, float *o, const float *q, const float *kN
     launch_k(c, to_bf16_rows, (unsigned)((nq + 255) / 256), 256, 0, Qb, q, Ha * dq, Ha * dq, T);
     CU_TRY(cudaGetLastError(), "mla gemm: values, queries");
     if (flash) {
+        static int smem_set; /* once: prefills are never captured */
+        if (!smem_set) {
+            CU_TRY(cudaFuncSetAttribute(mla_flash_k<192, 128>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)fl_smem<192, 128>::BYTES),
+                   "mla (fused): shared memory");
+            smem_set = 1;
+        }
         launch_k(c, mla_flash_k<192, 128>, dim3((unsigned)((T + FL_BQ - 1) / FL_BQ), (unsigned)Ha),
-                 128, 0, o, (const uint16_t *)Qb, (const uint16_t *)Kb, (const uint16_t *)Vb, T, C,
-                 Ha, pos0, causal, scale);
+                 128, fl_smem<192, 128>::BYTES, o, (const uint16_t *)Qb, (const uint16_t *)Kb,
+                 (const uint16_t *)Vb, T, C, Ha, pos0, causal, scale);
         CU_TRY(cudaGetLastError(), "mla (fused)");
         return DS_OK;
     }
@@ -3283,16 +3341,6 @@ __global__ void __launch_bounds__(256, 2)
  * each shared-memory load 8 and 16 times (512 threads halve that: shared memory is what the scan
  * waits on). */
 enum { KS_BV = 32, KS_NT = 256 };
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::);
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
 
 /* Pass 2's shared memory: two stages of a chunk's operands (W, Kc, Ut, e^{G_L}), then the state's
  * columns and U. The tensor-core form pads Kc, Ut, the state and U so that its fragment loads
