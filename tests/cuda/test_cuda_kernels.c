@@ -1265,6 +1265,7 @@ static void run_checks(ds_cu *c) {
     check_short_conv(c, 1, 4096, 4);
     check_kda_gate(c, 5, 4, 128, 0);
     check_kda_gate(c, 3, 4, 64, 1);
+    check_kda_gate(c, 66000, 2, 32, 0); /* more rows than a grid's y: the row loop */
     check_head_norms(c, 6, 32, 128);
     check_attnres(c, 3, 4, 2304);
     check_attnres(c, 1, 2, 100);

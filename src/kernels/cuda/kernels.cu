@@ -936,21 +936,19 @@ extern "C" int ds_cu_move_rows(ds_cu *c, float *dst, size_t ldd, const int32_t *
  * (the kernel after it cannot start under its tail) and costs a copy engine's latency; MLA's
  * decode chain had one per layer. */
 __global__ void copy_2d_k(float *dst, size_t ldd, const float *src, size_t lds, size_t width,
-                          size_t n) {
+                          size_t rows) {
     PDL_ENTRY();
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        const size_t r = i / width, col = i % width;
-        dst[r * ldd + col] = src[r * lds + col];
-    }
+    for (size_t r = blockIdx.x; r < rows; r += gridDim.x) /* a block a row (no division) */
+        for (size_t col = threadIdx.x; col < width; col += blockDim.x)
+            dst[r * ldd + col] = src[r * lds + col];
 }
 
 extern "C" int ds_cu_copy_2d(ds_cu *c, float *dst, size_t ldd, const float *src, size_t lds,
                              size_t width, size_t rows, ds_err *err) {
     if (!rows || !width) return DS_OK;
-    const size_t n = rows * width;
-    launch_k(c, copy_2d_k, (unsigned)DS_MIN((n + 255) / 256, (size_t)c->n_sm * 16), 256, 0, dst,
-             ldd, src, lds, width, n);
+    launch_k(c, copy_2d_k, (unsigned)DS_MIN(rows, (size_t)c->n_sm * 16),
+             (unsigned)DS_MIN((width + 31) / 32 * 32, (size_t)256), 0, dst, ldd, src, lds, width,
+             rows);
     CU_TRY(cudaGetLastError(), "2d copy");
     return DS_OK;
 }
@@ -1146,33 +1144,38 @@ extern "C" int ds_cu_short_conv_silu(ds_cu *c, float *out, const float *in, int 
     return DS_OK;
 }
 
+/* thread x of the grid takes column hc = x of every row t = blockIdx.y (+ gridDim.y ...): no
+ * division an element */
 __global__ void kda_gate_k(float *g, const float *f, int T, int H, int dk, const float *A_log,
                            const float *dt_bias, int lower_bound_form, float lb, float *beta,
                            const float *b_in, int ld_b) {
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x, P = (size_t)H * dk;
-    const int hc = (int)(i % P), h = hc / dk;
+    const int P = H * dk, hc = blockIdx.x * blockDim.x + threadIdx.x, h = hc / dk;
     /* the layer's parameters before the wait for the previous kernel (they are weights) */
-    const bool live = i < (size_t)T * P;
+    const bool live = hc < P;
     const float a_log = live ? A_log[h] : 0.0f, bias = live ? dt_bias[hc] : 0.0f;
     PDL_ENTRY();
     if (!live) return;
-    if (beta && i < (size_t)T * H) /* as ds_cu_sigmoid: the same bits */
-        beta[i] = 1.0f / (1.0f + expf(-b_in[(i / H) * ld_b + i % H]));
-    const float a = expf(a_log), x = f[i] + bias;
-    if (lower_bound_form) {
-        g[i] = lb / (1.0f + expf(-a * x));
-    } else {
-        g[i] = -a * (fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))));
+    const float a = expf(a_log);
+    for (int t = blockIdx.y; t < T; t += gridDim.y) {
+        if (beta && hc < H) /* as ds_cu_sigmoid: the same bits */
+            beta[(size_t)t * H + hc] = 1.0f / (1.0f + expf(-b_in[(size_t)t * ld_b + hc]));
+        const size_t i = (size_t)t * P + hc;
+        const float x = f[i] + bias;
+        if (lower_bound_form) {
+            g[i] = lb / (1.0f + expf(-a * x));
+        } else {
+            g[i] = -a * (fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))));
+        }
     }
 }
 
 extern "C" void ds_cu_kda_gate(ds_cu *c, float *g, const float *f, int T, int H, int dk,
                                const float *A_log, const float *dt_bias, int lower_bound_form,
                                float lb, float *beta, const float *b_in, int ld_b) {
-    size_t n = (size_t)T * H * dk;
-    if (!n) return;
-    launch_k(c, kda_gate_k, (unsigned)((n + 255) / 256), 256, 0, g, f, T, H, dk, A_log, dt_bias,
-             lower_bound_form, lb, beta, b_in, ld_b);
+    const int P = H * dk;
+    if (T <= 0 || P <= 0) return;
+    launch_k(c, kda_gate_k, dim3((unsigned)((P + 255) / 256), (unsigned)DS_MIN(T, 65535)), 256, 0,
+             g, f, T, H, dk, A_log, dt_bias, lower_bound_form, lb, beta, b_in, ld_b);
     note_launch(c);
 }
 
@@ -1696,17 +1699,19 @@ extern "C" void ds_cu_set_mla_gemm(ds_cu *c, int on) {
 
 enum { MLA_GEMM_MIN_ROWS = 128 };
 
-/* Kb[j][h][:] = bf16([kN[j][h][0..dn) | kR[j][0..dr)]) */
+/* Kb[j][h][:] = bf16([kN[j][h][0..dn) | kR[j][0..dr)]): a block a key row j (grid-stride) */
 __global__ void mla_kcat_k(__nv_bfloat16 *Kb, const float *kN, const float *kR, int C, int Ha,
                            int dn, int dr) {
     PDL_ENTRY();
     const int dq = dn + dr;
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (size_t)C * Ha * dq) return;
-    const size_t jh = i / dq;
-    const int c = (int)(i % dq);
-    const size_t j = jh / Ha;
-    Kb[i] = __float2bfloat16_rn(c < dn ? kN[jh * dn + c] : kR[j * dr + (c - dn)]);
+    for (int j = blockIdx.x; j < C; j += gridDim.x) {
+        __nv_bfloat16 *kb = Kb + (size_t)j * Ha * dq;
+        const float *kn = kN + (size_t)j * Ha * dn, *kr = kR + (size_t)j * dr;
+        for (int e = threadIdx.x; e < Ha * dq; e += blockDim.x) {
+            const int h = e / dq, c = e - h * dq;
+            kb[e] = __float2bfloat16_rn(c < dn ? kn[h * dn + c] : kr[c - dn]);
+        }
+    }
 }
 
 /* P[h][t][j] = softmax_j(scale S[h][t][j]) over the j < n(t) a query may see, zero after: block
@@ -1974,8 +1979,7 @@ static int mla_expanded_gemm(ds_cu *c, float *o, const float *q, const float *kN
     __nv_bfloat16 *Kb = (__nv_bfloat16 *)b[0], *Vb = (__nv_bfloat16 *)b[1];
     __nv_bfloat16 *Qb = (__nv_bfloat16 *)b[2], *P = (__nv_bfloat16 *)b[4];
     float *S = (float *)b[3];
-    size_t nk = (size_t)C * Ha * dq;
-    launch_k(c, mla_kcat_k, (unsigned)((nk + 255) / 256), 256, 0, Kb, kN, kR, C, Ha, dn, dr);
+    launch_k(c, mla_kcat_k, (unsigned)DS_MIN(C, 1 << 20), 256, 0, Kb, kN, kR, C, Ha, dn, dr);
     CU_TRY(cudaGetLastError(), "mla gemm: keys");
     round_rows(c, Vb, v, Ha * dvh, Ha * dvh, C);
     round_rows(c, Qb, q, Ha * dq, Ha * dq, T);
