@@ -1768,6 +1768,17 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
 }
+/* rows x COLS floats (COLS a multiple of 4) from src, rows lds apart, into dst, rows ldd apart
+ * (both 16-byte aligned): 16-byte pieces, thread threadIdx.x of NT taking every NT-th */
+template <int COLS, int NT>
+__device__ __forceinline__ void cp_async_rows(float *dst, int ldd, const float *src, size_t lds,
+                                              int rows) {
+    static_assert(COLS % 4 == 0, "16-byte pieces");
+    for (int i = threadIdx.x; i < rows * (COLS / 4); i += NT) {
+        const int r = i / (COLS / 4), c = (i % (COLS / 4)) * 4;
+        cp_async16(dst + r * ldd + c, src + (size_t)r * lds + c);
+    }
+}
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::);
 }
@@ -3412,15 +3423,14 @@ __device__ __forceinline__ void kda_scan_stage(float *ssh, int s, const float *p
     const float *pr = prep + ((size_t)ci * H + h) * kda_ch_floats(KD);
     float *W = ssh + s * SM::STAGE, *Kc = W + KC * SM::WLD, *Ut = Kc + KC * SM::KLD,
           *gL = Ut + KC * SM::ULD;
+    /* W's and Kc's pieces interleaved: copied one matrix after the other (cp_async_rows twice),
+     * the TF32 chunked KDA took 1.670 against 1.624 ms at 8192 tokens x 32 heads */
     for (int i = threadIdx.x; i < KC * KD / 4; i += KS_NT) {
         const int r = i / (KD / 4), c = (i % (KD / 4)) * 4;
         cp_async16(W + r * SM::WLD + c, pr + r * KD + c);
         cp_async16(Kc + r * SM::KLD + c, pr + 3 * KC * KD + r * KD + c);
     }
-    for (int i = threadIdx.x; i < KC * KS_BV / 4; i += KS_NT) {
-        const int r = i / (KS_BV / 4), c = (i % (KS_BV / 4)) * 4;
-        cp_async16(Ut + r * SM::ULD + c, pr + KC * KD + r * KD + cg + c);
-    }
+    cp_async_rows<KS_BV, KS_NT>(Ut, SM::ULD, pr + KC * KD + cg, KD, KC);
     for (int i = threadIdx.x; i < KD / 4; i += KS_NT)
         cp_async16(gL + 4 * i, pr + 4 * KC * KD + KC * KC + 4 * i);
     cp_async_commit();
@@ -3673,14 +3683,8 @@ __global__ void __launch_bounds__(256)
     const float *pr = prep + at * kda_ch_floats(KD);
     const float *Qp = pr + 2 * KC * KD, *P = pr + 4 * KC * KD;
     const float *S0 = states + at * KD * KD, *U = ug + at * KC * KD;
-    for (int i = threadIdx.x; i < KD * KD / 4; i += 256) {
-        const int r = i / (KD / 4), c = (i % (KD / 4)) * 4;
-        cp_async16(S0s + r * BLD + c, S0 + (size_t)r * KD + c);
-    }
-    for (int i = threadIdx.x; i < KC * KD / 4; i += 256) {
-        const int r = i / (KD / 4), c = (i % (KD / 4)) * 4;
-        cp_async16(Us + r * BLD + c, U + (size_t)r * KD + c);
-    }
+    cp_async_rows<KD, 256>(S0s, BLD, S0, KD, KD);
+    cp_async_rows<KD, 256>(Us, BLD, U, KD, KC);
     cp_async_commit();
     cp_async_wait_all();
     __syncthreads();
