@@ -253,6 +253,31 @@ static void check_swiglu(ds_cu *c, size_t n) {
     free(g), free(u), free(ref), free(got);
 }
 
+/* h [rows][2I] (gate | up) -> act in the gate half, in place; the up half untouched. */
+static void check_act_pairs(ds_cu *c, int rows, int I) {
+    size_t n = (size_t)rows * 2 * I, half = (size_t)rows * I;
+    float *h = rand_f32(n, -6, 6), *g = malloc(half * 4), *u = malloc(half * 4);
+    float *ref = malloc(half * 4), *got = malloc(n * 4), *gg = malloc(half * 4);
+    for (size_t r = 0; r < (size_t)rows; r++) {
+        memcpy(g + r * I, h + r * 2 * I, (size_t)I * 4);
+        memcpy(u + r * I, h + r * 2 * I + I, (size_t)I * 4);
+    }
+    ds_act_swiglu(ref, g, u, half);
+    float *dh = dev(c, h, n * 4);
+    ds_cu_act_pairs(c, dh, rows, I, 0, 0.0f, 0.0f);
+    fetch(c, got, dh, n * 4);
+    int up_kept = 1;
+    for (size_t r = 0; r < (size_t)rows; r++) {
+        memcpy(gg + r * I, got + r * 2 * I, (size_t)I * 4);
+        up_kept &= !memcmp(got + r * 2 * I + I, u + r * I, (size_t)I * 4);
+    }
+    char what[96];
+    snprintf(what, sizeof what, "act pairs rows=%d I=%d (swiglu)", rows, I);
+    report(what, up_kept ? rel_err(gg, ref, 1, half, half) : INFINITY, 1e-5);
+    ds_cu_dealloc(dh);
+    free(h), free(g), free(u), free(ref), free(got), free(gg);
+}
+
 /* q, k as the model gives them: L2-normalised per head (q also scaled by dk^-1/2). */
 static void norm_heads(float *x, int T, int H, int d, float scale) {
     for (int i = 0; i < T * H; i++) {
@@ -1233,6 +1258,8 @@ static void run_checks(ds_cu *c) {
     check_add_rmsnorm(c, 3, 2304);
     check_add_rmsnorm(c, 2, 7168);
     check_swiglu(c, 1000003);
+    check_act_pairs(c, 3, 1024);   /* a decode step's shared experts */
+    check_act_pairs(c, 66000, 40); /* more rows than a grid's y: the row loop */
     check_kda(c, 1, 4, 128, 128, 1);
     check_kda(c, 9, 3, 64, 96, 1);
     check_kda(c, 33, 2, 32, 40, 0);

@@ -842,21 +842,23 @@ extern "C" void ds_cu_situ(ds_cu *c, float *out, const float *gate, const float 
     note_launch(c);
 }
 
-/* a[r][i] = act(gate, up) with gate = h[r][i], up = h[r][I + i]; in place into the gate half. */
+/* a[r][i] = act(gate, up) with gate = h[r][i], up = h[r][I + i]; in place into the gate half.
+ * Thread x of the grid takes column x of rows blockIdx.y, + gridDim.y, ... (no division). */
 __global__ void moe_act_k(float *h, int rows, int I, int situ, float beta, float lin_beta) {
     PDL_ENTRY();
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (size_t)rows * I) return;
-    float *hr = h + (i / I) * 2 * I;
-    const size_t c = i % I;
-    hr[c] = act_pair(hr[c], hr[I + c], situ, beta, lin_beta);
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= I) return;
+    for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+        float *hr = h + (size_t)r * 2 * I;
+        hr[c] = act_pair(hr[c], hr[I + c], situ, beta, lin_beta);
+    }
 }
 
 extern "C" void ds_cu_act_pairs(ds_cu *c, float *h, int rows, int I, int situ, float beta,
                                 float lin_beta) {
     if (rows <= 0 || I <= 0) return;
-    launch_k(c, moe_act_k, (unsigned)(((size_t)rows * I + 255) / 256), 256, 0, h, rows, I, situ,
-             beta, lin_beta);
+    launch_k(c, moe_act_k, dim3((unsigned)((I + 255) / 256), (unsigned)DS_MIN(rows, 65535)), 256, 0,
+             h, rows, I, situ, beta, lin_beta);
     note_launch(c);
 }
 
