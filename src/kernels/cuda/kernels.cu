@@ -32,6 +32,7 @@ struct ds_cu {
     int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
     int kda_tc;        /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
     int early_experts; /* the experts' down pass reads its routing early (ds_cu_set_...) */
+    int down_combine;  /* at batch 1, the down pass and the combine in one launch (ds_cu_set_...) */
     int gemv_wide;     /* one-token matmuls of many rows 4 rows a warp (ds_cu_set_gemv_wide) */
     int conv_fixed;    /* the short conv with its width at compile time (ds_cu_set_conv_fixed) */
     void *mlag;        /* that path's buffers, mlag_bytes allocated */
@@ -2465,6 +2466,61 @@ __global__ void __launch_bounds__(256)
 
 enum : size_t { MOE_SMEM = 160 * 1024 }; /* the grouped kernel's x staging, at most */
 
+/* Batch 1's down pass and combine in one launch (ds_cu_set_down_combine): warp n takes output row
+ * n of every routed expert of this rank — each dot product as moe_grouped_k<1, *> makes it (its
+ * lane order and shuffle tree), over act(gate, up) staged for all k experts — and adds their
+ * weighted sum onto out as moe_combine_k does (j in order, from zero), so the bits are the same
+ * and the combine's launch leaves the step's chain. The routing is at least two kernels old (the
+ * up pass came between), so it and the first weights are read before the wait. KMAX >= k. */
+enum { DC_KMAX = 8 };
+__global__ void __launch_bounds__(256)
+    moe_down_combine1_k(float *out, const float *h, int I, const uint16_t *W, int D,
+                        const int32_t *idx, const float *w, int k, int e0, int E, moe_act act,
+                        int accumulate) {
+    extern __shared__ float4 xsh[]; /* [k][I] act(gate, up) of each routed row */
+    const int lane = threadIdx.x & 31, n = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const bool lk = lane < I / 8, live = n < D;
+    int ej[DC_KMAX];
+    uint4 u0[DC_KMAX];
+#pragma unroll
+    for (int j = 0; j < DC_KMAX; j++) {
+        ej[j] = j < k ? __ldcg(idx + j) - e0 : -1;
+        if (ej[j] >= E) ej[j] = -1; /* another rank's expert */
+        if (ej[j] >= 0 && live && lk)
+            u0[j] = __ldg((const uint4 *)(W + ((size_t)ej[j] * D + n) * I) + lane);
+    }
+    PDL_ENTRY();
+    for (int i = 0; i < k; i++) {
+        const float4 *src = (const float4 *)(h + (size_t)i * 2 * I);
+        for (int c4 = threadIdx.x; c4 < I / 4; c4 += blockDim.x) {
+            float4 v = src[c4];
+            const float4 u = src[I / 4 + c4];
+            v.x = act_pair(v.x, u.x, act.situ, act.beta, act.lin_beta);
+            v.y = act_pair(v.y, u.y, act.situ, act.beta, act.lin_beta);
+            v.z = act_pair(v.z, u.z, act.situ, act.beta, act.lin_beta);
+            v.w = act_pair(v.w, u.w, act.situ, act.beta, act.lin_beta);
+            xsh[(size_t)i * (I / 4) + c4] = v;
+        }
+    }
+    __syncthreads();
+    if (!live) return;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < DC_KMAX; j++) {
+        if (ej[j] < 0) continue; /* (uniform in the warp) */
+        const float *xs = (const float *)xsh + (size_t)j * I;
+        const uint4 *wr = (const uint4 *)(W + ((size_t)ej[j] * D + n) * I);
+        float a = 0.0f;
+        if (lk) a += dot8(u0[j], xs + (size_t)lane * 8);
+#pragma unroll 2
+        for (int k8 = lane + 32; k8 < I / 8; k8 += 32)
+            a += dot8(__ldg(wr + k8), xs + (size_t)k8 * 8);
+        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+        sum += __ldcg(w + j) * a;
+    }
+    if (lane == 0) out[n] = accumulate ? out[n] + sum : sum;
+}
+
 /* The grouped kernel's instances: accumulators for rpm rows, and (at one row an expert: batch 1)
  * more weight rows a warp when that keeps the blocks to one wave. At NPW 4 the 48B shape's down
  * pass (2304 outputs x 8 experts) was 576 blocks for 528 places (4 an SM), its last 48 a second
@@ -2899,6 +2955,22 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
                      active, n_active, rp_up, none, direct, e0, E, 0);
         CU_TRY(cudaGetLastError(), "moe up (grouped)");
         /* h's rows are gate | up, one per routed row: the down pass applies act as it stages */
+        if (direct && c->down_combine && k <= DC_KMAX && (size_t)k * I * 4 <= MOE_SMEM) {
+            static int dc_smem; /* once, before any capture can be open */
+            if (!dc_smem) {
+                CU_TRY(cudaFuncSetAttribute(moe_down_combine1_k,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            (int)MOE_SMEM),
+                       "moe: shared memory");
+                dc_smem = 1;
+            }
+            /* out may be the shared experts' output, still being written on the side stream */
+            if (ds_cu_side_join(c, err)) return DS_ERR;
+            launch_k(c, moe_down_combine1_k, (unsigned)((D + 7) / 8), 256, (size_t)k * I * 4, out,
+                     h, I, down, D, idx, w, k, e0, E, act, accumulate);
+            CU_TRY(cudaGetLastError(), "moe down + combine");
+            return DS_OK;
+        }
         if (mma)
             launch_k(c, moe_mma_k, dim3((unsigned)(D / MMA_N), ya), 256, 0, y, D, h, 2 * I, 1, down,
                      D, I, start, perm, active, n_active, act);
@@ -3830,6 +3902,10 @@ extern "C" void ds_cu_set_gemv_wide(ds_cu *c, int on) {
 
 extern "C" void ds_cu_set_early_experts(ds_cu *c, int on) {
     c->early_experts = on;
+}
+
+extern "C" void ds_cu_set_down_combine(ds_cu *c, int on) {
+    c->down_combine = on;
 }
 
 extern "C" void ds_cu_set_kda_tc(ds_cu *c, int mode) {
