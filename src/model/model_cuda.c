@@ -452,6 +452,11 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     ds_cu_set_early_experts(cm->c, env_flag("DS_CUDA_EARLY_EXPERTS", 1));
     ds_cu_set_down_combine(cm->c, env_flag("DS_CUDA_DOWN_COMBINE", 0)); /* not yet measured */
     cm->mla_gate_side = env_flag("DS_CUDA_MLA_GATE_SIDE", 0);           /* not yet measured */
+    if (env_flag("DS_CUDA_UPDOWN", 0)) {                                /* not yet measured */
+        ds_err ud_err;
+        if (ds_cu_set_updown(cm->c, 1, &ud_err))
+            fprintf(stderr, "[deltaserve] %s: the expert passes in two launches\n", ud_err.msg);
+    }
     ds_cu_set_gemv_wide(cm->c, env_flag("DS_CUDA_GEMV_WIDE", 1));
     ds_cu_set_conv_fixed(cm->c, env_flag("DS_CUDA_CONV_FIXED", 1));
     { /* chunked KDA on tensor cores: 1 TF32, 3 3xTF32 (ds_cu_set_kda_tc) */

@@ -765,6 +765,20 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
         fetch(c, got1, dout1, (size_t)D * 4);
         snprintf(what, sizeof what, "moe experts T=1 k=%d E=%d D=%d: down + combine bits", k, E, D);
         report(what, memcmp(got1, got, (size_t)D * 4) ? INFINITY : 0.0, 0.0);
+        /* both passes in one launch (twice: the counters reset themselves) */
+        if (ds_cu_set_updown(c, 1, &err)) DIE("%s", err.msg);
+        for (int rep = 0; rep < 2; rep++) {
+            ds_cu_dealloc(dout1);
+            dout1 = dev(c, base, (size_t)D * 4);
+            if (ds_cu_moe_experts(c, dout1, dx, didx, dw, T, k, El, e0, D, I, dgu, ddn, situ, 4.0f,
+                                  6.0f, 1, &err))
+                DIE("%s", err.msg);
+            fetch(c, got1, dout1, (size_t)D * 4);
+            snprintf(what, sizeof what, "moe experts T=1 k=%d E=%d D=%d: up + down bits (%d)", k, E,
+                     D, rep);
+            report(what, memcmp(got1, got, (size_t)D * 4) ? INFINITY : 0.0, 0.0);
+        }
+        if (ds_cu_set_updown(c, 0, &err)) DIE("%s", err.msg);
         ds_cu_dealloc(dout1);
         free(got1);
     }

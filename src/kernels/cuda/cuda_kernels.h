@@ -116,6 +116,11 @@ void ds_cu_set_early_experts(ds_cu *c, int on);
  * in one warp, summed in the combine's order: the same bits, a kernel less in the step's chain):
  * an experiment, off unless DS_CUDA_DOWN_COMBINE=1 in the model, off in a new context. */
 void ds_cu_set_down_combine(ds_cu *c, int on);
+/* At batch 1, the experts' up and down passes in one launch, a down tile waiting only for its own
+ * expert's up tiles (counters in device memory, made here: call before any capture); the same
+ * bits: an experiment, off unless DS_CUDA_UPDOWN=1 in the model. Takes precedence over
+ * ds_cu_set_down_combine. */
+int ds_cu_set_updown(ds_cu *c, int on, ds_err *err);
 /* One-token matmuls of one warp a row go through the routed experts' kernel (4 rows a warp, x in
  * shared memory; the same bits): on by default in the model (DS_CUDA_GEMV_WIDE=0 turns it off),
  * off in a new context. */

@@ -33,9 +33,10 @@ struct ds_cu {
     int kda_tc;        /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
     int early_experts; /* the experts' down pass reads its routing early (ds_cu_set_...) */
     int down_combine;  /* at batch 1, the down pass and the combine in one launch (ds_cu_set_...) */
-    int gemv_wide;     /* one-token matmuls of many rows 4 rows a warp (ds_cu_set_gemv_wide) */
-    int conv_fixed;    /* the short conv with its width at compile time (ds_cu_set_conv_fixed) */
-    void *mlag;        /* that path's buffers, mlag_bytes allocated */
+    unsigned *updown_ctr; /* at batch 1, both expert passes in one launch: its counters, or NULL */
+    int gemv_wide;        /* one-token matmuls of many rows 4 rows a warp (ds_cu_set_gemv_wide) */
+    int conv_fixed;       /* the short conv with its width at compile time (ds_cu_set_conv_fixed) */
+    void *mlag;           /* that path's buffers, mlag_bytes allocated */
     size_t mlag_bytes;
     void *kdac; /* chunked KDA's per-chunk products and chunk table, kdac_bytes allocated */
     size_t kdac_bytes;
@@ -253,6 +254,7 @@ extern "C" void ds_cu_free(ds_cu *c) {
     cudaFree(c->part);
     cudaFree(c->blas_ws);
     cudaFree(c->moeg);
+    cudaFree(c->updown_ctr);
     cudaFree(c->mlag);
     cudaFree(c->kdac);
     free(c->h_kda);
@@ -2521,6 +2523,124 @@ __global__ void __launch_bounds__(256)
     if (lane == 0) out[n] = accumulate ? out[n] + sum : sum;
 }
 
+/* Batch 1's two expert passes in one launch (ds_cu_set_updown): each block takes a ticket in
+ * order — first the up pass's tiles (32 rows of gate | up of routed row j), then the down pass's
+ * (32 rows of its down projection) — and a down tile waits only for its own row's up tiles (a
+ * counter each) instead of the whole up pass, so the passes overlap. A block only ever waits for
+ * tiles of lower tickets, which blocks already running hold: no deadlock, whatever the schedule.
+ * Each row's dot product is moe_grouped_k's (its lane order and shuffle tree): the same h and y,
+ * bit for bit. The last block to finish zeroes the counters for the next launch (ctr [2 + k]:
+ * ticket, blocks done, up tiles done per routed row). A wait that never ends traps (an error,
+ * not a hang). */
+enum { UD_NPW = 4, UD_ROWS = 8 * UD_NPW };
+__device__ __forceinline__ unsigned ld_acquire_u32(const unsigned *p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__global__ void __launch_bounds__(256)
+    moe_updown1_k(float *h, float *y, const float *x, const uint16_t *Wgu, const uint16_t *Wdn,
+                  const int32_t *idx, int k, int e0, int E, int D, int I, moe_act act,
+                  unsigned *ctr) {
+    extern __shared__ float4 xsh[]; /* [D] x (up tiles) or [I] act(gate, up) (down tiles) */
+    __shared__ unsigned ticket;
+    PDL_ENTRY();
+    const int UT = (2 * I + UD_ROWS - 1) / UD_ROWS, DT = (D + UD_ROWS - 1) / UD_ROWS;
+    const unsigned total = (unsigned)(k * (UT + DT));
+    if (threadIdx.x == 0) ticket = atomicAdd(ctr, 1u);
+    __syncthreads();
+    const unsigned tk = ticket;
+    const bool up = tk < (unsigned)(k * UT);
+    const int j = up ? (int)tk / UT : (int)(tk - k * UT) / DT;
+    const int tile = up ? (int)tk % UT : (int)(tk - k * UT) % DT;
+    const int N = up ? 2 * I : D, K = up ? D : I;
+    int e = __ldcg(idx + j) - e0;
+    if (e >= E) e = -1; /* another rank's expert: nothing to do but the accounting */
+    const int lane = threadIdx.x & 31, n0 = tile * UD_ROWS + (threadIdx.x >> 5) * UD_NPW;
+    const uint16_t *W = up ? Wgu : Wdn;
+    const uint4 *wr[UD_NPW];
+    uint4 u0[UD_NPW];
+    const bool lk = lane < K / 8;
+#pragma unroll
+    for (int r = 0; r < UD_NPW; r++) {
+        wr[r] = (const uint4 *)(W + ((size_t)(e < 0 ? 0 : e) * N + min(n0 + r, N - 1)) * K);
+        if (e >= 0 && lk) u0[r] = __ldg(wr[r] + lane); /* on its way during the wait */
+    }
+    if (!up && e >= 0 && threadIdx.x == 0) {
+        long long spins = 0;
+        while (ld_acquire_u32(ctr + 2 + j) < (unsigned)UT)
+            if (++spins > (1ll << 22)) __trap(); /* seconds: a lost count, not a slow tile */
+    }
+    __syncthreads();
+    if (e >= 0) {
+        if (up) {
+            const float4 *src = (const float4 *)x;
+            for (int c4 = threadIdx.x; c4 < D / 4; c4 += blockDim.x) xsh[c4] = src[c4];
+        } else { /* h [j][2I], written by other blocks: through L2 */
+            const float4 *g = (const float4 *)(h + (size_t)j * 2 * I), *u = g + I / 4;
+            for (int c4 = threadIdx.x; c4 < I / 4; c4 += blockDim.x) {
+                float4 v = __ldcg(g + c4);
+                const float4 b = __ldcg(u + c4);
+                v.x = act_pair(v.x, b.x, act.situ, act.beta, act.lin_beta);
+                v.y = act_pair(v.y, b.y, act.situ, act.beta, act.lin_beta);
+                v.z = act_pair(v.z, b.z, act.situ, act.beta, act.lin_beta);
+                v.w = act_pair(v.w, b.w, act.situ, act.beta, act.lin_beta);
+                xsh[c4] = v;
+            }
+        }
+    }
+    __syncthreads();
+    if (e >= 0 && n0 < N) {
+        const float *xs = (const float *)xsh;
+        float acc[UD_NPW];
+#pragma unroll
+        for (int r = 0; r < UD_NPW; r++) acc[r] = 0.0f;
+        if (lk)
+#pragma unroll
+            for (int r = 0; r < UD_NPW; r++) acc[r] += dot8(u0[r], xs + (size_t)lane * 8);
+#pragma unroll 2
+        for (int k8 = lane + 32; k8 < K / 8; k8 += 32) {
+            uint4 u[UD_NPW];
+#pragma unroll
+            for (int r = 0; r < UD_NPW; r++) u[r] = __ldg(wr[r] + k8);
+#pragma unroll
+            for (int r = 0; r < UD_NPW; r++) acc[r] += dot8(u[r], xs + (size_t)k8 * 8);
+        }
+        float *dst = up ? h + (size_t)j * 2 * I : y + (size_t)j * D;
+#pragma unroll
+        for (int r = 0; r < UD_NPW; r++) {
+            float v = acc[r];
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0 && n0 + r < N) dst[n0 + r] = v;
+        }
+    }
+    __syncthreads(); /* every store of the tile issued */
+    if (threadIdx.x == 0) {
+        __threadfence(); /* the tile's h rows before the count that releases them */
+        if (up) atomicAdd(ctr + 2 + j, 1u);
+        if (atomicAdd(ctr + 1, 1u) == total - 1) { /* the last block: every ticket was taken */
+            for (int i = 0; i < 2 + k; i++) ctr[i] = 0u;
+            __threadfence();
+        }
+    }
+}
+
+extern "C" int ds_cu_set_updown(ds_cu *c, int on, ds_err *err) {
+    if (!on) {
+        cudaFree(c->updown_ctr);
+        c->updown_ctr = NULL;
+        return DS_OK;
+    }
+    if (c->updown_ctr) return DS_OK;
+    CU_TRY(cudaMalloc((void **)&c->updown_ctr, (2 + DC_KMAX) * sizeof(unsigned)),
+           "moe (up + down): counters");
+    CU_TRY(cudaMemset(c->updown_ctr, 0, (2 + DC_KMAX) * sizeof(unsigned)),
+           "moe (up + down): counters");
+    CU_TRY(cudaDeviceSynchronize(), "moe (up + down): counters");
+    return DS_OK;
+}
+
 /* The grouped kernel's instances: accumulators for rpm rows, and (at one row an expert: batch 1)
  * more weight rows a warp when that keeps the blocks to one wave. At NPW 4 the 48B shape's down
  * pass (2304 outputs x 8 experts) was 576 blocks for 528 places (4 an SM), its last 48 a second
@@ -2946,7 +3066,22 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         const moe_grouped_fn up_k = moe_grouped_pick(c, rpm, 2 * I, ya, (size_t)rp_up * D * 4),
                              dn_k = moe_grouped_pick(c, rpm, D, ya, (size_t)rp_dn * I * 4);
         const moe_act none = {0, 0, 0.0f, 0.0f}, act = {1, situ, situ_beta, situ_lin_beta};
-        if (mma)
+        /* both passes in one launch at batch 1 (ds_cu_set_updown) */
+        const int updown =
+            direct && c->updown_ctr && k <= DC_KMAX && (size_t)DS_MAX(D, I) * 4 <= MOE_SMEM;
+        if (updown) {
+            static int ud_smem; /* once, before any capture can be open */
+            if (!ud_smem) {
+                CU_TRY(cudaFuncSetAttribute(moe_updown1_k,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            (int)MOE_SMEM),
+                       "moe: shared memory");
+                ud_smem = 1;
+            }
+            const int tiles = k * ((2 * I + UD_ROWS - 1) / UD_ROWS + (D + UD_ROWS - 1) / UD_ROWS);
+            launch_k(c, moe_updown1_k, (unsigned)tiles, 256, (size_t)DS_MAX(D, I) * 4, h, y, x,
+                     gate_up, down, idx, k, e0, E, D, I, act, c->updown_ctr);
+        } else if (mma)
             launch_k(c, moe_mma_k, dim3((unsigned)(2 * I / MMA_N), ya), 256, 0, h, 2 * I, x, D, k,
                      gate_up, 2 * I, D, start, perm, active, n_active, none);
         else
@@ -2955,7 +3090,9 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
                      active, n_active, rp_up, none, direct, e0, E, 0);
         CU_TRY(cudaGetLastError(), "moe up (grouped)");
         /* h's rows are gate | up, one per routed row: the down pass applies act as it stages */
-        if (direct && c->down_combine && k <= DC_KMAX && (size_t)k * I * 4 <= MOE_SMEM) {
+        if (updown) {
+            /* y is written: the combine below */
+        } else if (direct && c->down_combine && k <= DC_KMAX && (size_t)k * I * 4 <= MOE_SMEM) {
             static int dc_smem; /* once, before any capture can be open */
             if (!dc_smem) {
                 CU_TRY(cudaFuncSetAttribute(moe_down_combine1_k,
@@ -2970,21 +3107,21 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
                      h, I, down, D, idx, w, k, e0, E, act, accumulate);
             CU_TRY(cudaGetLastError(), "moe down + combine");
             return DS_OK;
-        }
-        if (mma)
+        } else if (mma) {
             launch_k(c, moe_mma_k, dim3((unsigned)(D / MMA_N), ya), 256, 0, y, D, h, 2 * I, 1, down,
                      D, I, start, perm, active, n_active, act);
-        else
+        } else {
             launch_k(c, dn_k.fn, dim3((unsigned)((D + dn_k.rows - 1) / dn_k.rows), ya), 256,
                      (size_t)rp_dn * I * 4, y, D, h, 2 * I, 1, down, D, I, start, perm, active,
                      n_active, rp_dn, act, direct, e0, E, c->early_experts);
+        }
         CU_TRY(cudaGetLastError(), "moe down (grouped)");
     } else {
         launch_k(c, moe_up_k, dim3((unsigned)((2 * I + 7) / 8), (unsigned)rows), 256, 0, h, x, idx,
                  k, D, 2 * I, gate_up, e0, E);
         CU_TRY(cudaGetLastError(), "moe up");
-        launch_k(c, moe_act_k, (unsigned)(((size_t)rows * I + 255) / 256), 256, 0, h, rows, I, situ,
-                 situ_beta, situ_lin_beta);
+        launch_k(c, moe_act_k, dim3((unsigned)((I + 255) / 256), (unsigned)DS_MIN(rows, 65535)),
+                 256, 0, h, rows, I, situ, situ_beta, situ_lin_beta);
         CU_TRY(cudaGetLastError(), "moe act");
         launch_k(c, moe_down_k, dim3((unsigned)((D + 7) / 8), (unsigned)rows), 256, 0, y, h, idx, D,
                  I, down, e0, E);
