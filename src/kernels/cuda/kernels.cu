@@ -781,6 +781,14 @@ __device__ __forceinline__ float act_pair(float g, float u, int situ, float beta
     return g / (1.0f + expf(-g)) * u;
 }
 
+/* act_pair on four gate and four up values */
+__device__ __forceinline__ float4 act_pair4(float4 g, float4 u, int situ, float beta,
+                                            float lin_beta) {
+    return make_float4(
+        act_pair(g.x, u.x, situ, beta, lin_beta), act_pair(g.y, u.y, situ, beta, lin_beta),
+        act_pair(g.z, u.z, situ, beta, lin_beta), act_pair(g.w, u.w, situ, beta, lin_beta));
+}
+
 __global__ void swiglu_k(float *out, const float *gate, const float *up, size_t n) {
     PDL_ENTRY();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -2411,13 +2419,7 @@ __global__ void __launch_bounds__(256)
             const float4 *src = (const float4 *)(x + (size_t)(r / x_div) * ldx);
             for (int j = threadIdx.x; j < K / 4; j += blockDim.x) {
                 float4 v = src[j];
-                if (act.on) {
-                    const float4 u = src[K / 4 + j];
-                    v.x = act_pair(v.x, u.x, act.situ, act.beta, act.lin_beta);
-                    v.y = act_pair(v.y, u.y, act.situ, act.beta, act.lin_beta);
-                    v.z = act_pair(v.z, u.z, act.situ, act.beta, act.lin_beta);
-                    v.w = act_pair(v.w, u.w, act.situ, act.beta, act.lin_beta);
-                }
+                if (act.on) v = act_pair4(v, src[K / 4 + j], act.situ, act.beta, act.lin_beta);
                 xsh[(size_t)i * (K / 4) + j] = v;
             }
         }
@@ -2495,13 +2497,8 @@ __global__ void __launch_bounds__(256)
     for (int i = 0; i < k; i++) {
         const float4 *src = (const float4 *)(h + (size_t)i * 2 * I);
         for (int c4 = threadIdx.x; c4 < I / 4; c4 += blockDim.x) {
-            float4 v = src[c4];
-            const float4 u = src[I / 4 + c4];
-            v.x = act_pair(v.x, u.x, act.situ, act.beta, act.lin_beta);
-            v.y = act_pair(v.y, u.y, act.situ, act.beta, act.lin_beta);
-            v.z = act_pair(v.z, u.z, act.situ, act.beta, act.lin_beta);
-            v.w = act_pair(v.w, u.w, act.situ, act.beta, act.lin_beta);
-            xsh[(size_t)i * (I / 4) + c4] = v;
+            xsh[(size_t)i * (I / 4) + c4] =
+                act_pair4(src[c4], src[I / 4 + c4], act.situ, act.beta, act.lin_beta);
         }
     }
     __syncthreads();
@@ -2580,13 +2577,8 @@ __global__ void __launch_bounds__(256)
         } else { /* h [j][2I], written by other blocks: through L2 */
             const float4 *g = (const float4 *)(h + (size_t)j * 2 * I), *u = g + I / 4;
             for (int c4 = threadIdx.x; c4 < I / 4; c4 += blockDim.x) {
-                float4 v = __ldcg(g + c4);
-                const float4 b = __ldcg(u + c4);
-                v.x = act_pair(v.x, b.x, act.situ, act.beta, act.lin_beta);
-                v.y = act_pair(v.y, b.y, act.situ, act.beta, act.lin_beta);
-                v.z = act_pair(v.z, b.z, act.situ, act.beta, act.lin_beta);
-                v.w = act_pair(v.w, b.w, act.situ, act.beta, act.lin_beta);
-                xsh[c4] = v;
+                xsh[c4] =
+                    act_pair4(__ldcg(g + c4), __ldcg(u + c4), act.situ, act.beta, act.lin_beta);
             }
         }
     }
@@ -2819,11 +2811,7 @@ __global__ void moe_act_bf16_k(__nv_bfloat16 *ab, const float *h, int I, int sit
     const size_t i = blockIdx.x;
     const float4 *g = (const float4 *)(h + i * 2 * I), *u = g + I / 4;
     for (int c4 = threadIdx.x; c4 < I / 4; c4 += blockDim.x) {
-        const float4 a = g[c4], b = u[c4];
-        store_bf16x4(ab + i * I + 4 * c4, make_float4(act_pair(a.x, b.x, situ, beta, lin_beta),
-                                                      act_pair(a.y, b.y, situ, beta, lin_beta),
-                                                      act_pair(a.z, b.z, situ, beta, lin_beta),
-                                                      act_pair(a.w, b.w, situ, beta, lin_beta)));
+        store_bf16x4(ab + i * I + 4 * c4, act_pair4(g[c4], u[c4], situ, beta, lin_beta));
     }
 }
 
@@ -3056,9 +3044,10 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         const int rp_dn = DS_MAX(1, DS_MIN(DS_MIN(rpm, T), (int)(MOE_SMEM / ((size_t)I * 4))));
         static int smem_set; /* once, before any capture can be open */
         if (!smem_set) {
-            for (int i = 0; i < MOE_GROUPED_N; i++)
-                CU_TRY(cudaFuncSetAttribute(moe_grouped_fns[i].fn,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+            void *fns[MOE_GROUPED_N + 2] = {(void *)moe_down_combine1_k, (void *)moe_updown1_k};
+            for (int i = 0; i < MOE_GROUPED_N; i++) fns[2 + i] = (void *)moe_grouped_fns[i].fn;
+            for (int i = 0; i < MOE_GROUPED_N + 2; i++)
+                CU_TRY(cudaFuncSetAttribute(fns[i], cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             (int)MOE_SMEM),
                        "moe: shared memory");
             smem_set = 1;
@@ -3070,14 +3059,6 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         const int updown =
             direct && c->updown_ctr && k <= DC_KMAX && (size_t)DS_MAX(D, I) * 4 <= MOE_SMEM;
         if (updown) {
-            static int ud_smem; /* once, before any capture can be open */
-            if (!ud_smem) {
-                CU_TRY(cudaFuncSetAttribute(moe_updown1_k,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            (int)MOE_SMEM),
-                       "moe: shared memory");
-                ud_smem = 1;
-            }
             const int tiles = k * ((2 * I + UD_ROWS - 1) / UD_ROWS + (D + UD_ROWS - 1) / UD_ROWS);
             launch_k(c, moe_updown1_k, (unsigned)tiles, 256, (size_t)DS_MAX(D, I) * 4, h, y, x,
                      gate_up, down, idx, k, e0, E, D, I, act, c->updown_ctr);
@@ -3093,14 +3074,6 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         if (updown) {
             /* y is written: the combine below */
         } else if (direct && c->down_combine && k <= DC_KMAX && (size_t)k * I * 4 <= MOE_SMEM) {
-            static int dc_smem; /* once, before any capture can be open */
-            if (!dc_smem) {
-                CU_TRY(cudaFuncSetAttribute(moe_down_combine1_k,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            (int)MOE_SMEM),
-                       "moe: shared memory");
-                dc_smem = 1;
-            }
             /* out may be the shared experts' output, still being written on the side stream */
             if (ds_cu_side_join(c, err)) return DS_ERR;
             launch_k(c, moe_down_combine1_k, (unsigned)((D + 7) / 8), 256, (size_t)k * I * 4, out,
