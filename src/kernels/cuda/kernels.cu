@@ -2584,6 +2584,7 @@ __global__ void __launch_bounds__(256)
     }
     __syncthreads();
     if (e >= 0 && n0 < N) {
+        /* moe_grouped_k's loop for one x row, operation for operation: the same bits */
         const float *xs = (const float *)xsh;
         float acc[UD_NPW];
 #pragma unroll
