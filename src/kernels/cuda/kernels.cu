@@ -1834,19 +1834,19 @@ __global__ void __launch_bounds__(128)
     PDL_ENTRY();
     typedef fl_smem<DQ, DV> L;
     constexpr int KP = DQ / 8, VP = DV / 8; /* 16-byte pieces of a key row, of a value row */
-    /* threads; query rows a block (8 warps sharing each tile, 128 rows: 3.73 against 3.47 ms) */
-    constexpr int NT = 128, BQ = FL_BQ;
+    /* threads (8 warps sharing each tile, 128 query rows: 3.73 against 3.47 ms) */
+    constexpr int NT = 128;
     static_assert((FL_BK * KP) % NT == 0 && (FL_BK * VP) % NT == 0, "tile split");
     static_assert(FL_BK % 16 == 0 && DQ % 16 == 0 && DV % 16 == 0, "ldmatrix tiles");
     extern __shared__ __align__(16) uint16_t fsh[];
     uint16_t *Ks = fsh;                  /* [2][FL_BK][KLD] keys as stored */
     uint16_t *Vs = fsh + 2 * L::K_ELEMS; /* [2][FL_BK][VLD] values as stored */
     /* the longest (last) query blocks first: causal work grows with the position */
-    const int qb = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, q0 = qb * BQ;
+    const int qb = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, q0 = qb * FL_BQ;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, l4 = lane & 3;
     const size_t qs = (size_t)Ha * DQ, vs = (size_t)Ha * DV;
     const int r0 = q0 + warp * 16 + g, r1 = r0 + 8; /* this thread's two query rows */
-    const int last = min(q0 + BQ, T) - 1;
+    const int last = min(q0 + FL_BQ, T) - 1;
     const int n_end = causal ? min(C, p0 + last + 1) : C;
     /* tile kb into stage st: every thread's pieces in flight at once */
     auto stage = [&](int kb, int st) {
@@ -2375,6 +2375,33 @@ struct moe_act {
     int on, situ;
     float beta, lin_beta;
 };
+
+/* The experts' weight streaming: acc[j][i] += this lane's share of W_j . x_i for NPW weight rows
+ * wr[j] (K BF16 each; u0[j], their first pieces, already loaded when lk) and the pass's nr <= RPM
+ * x rows xs[i] in shared memory; the warp's shuffle tree follows in the caller. moe_grouped_k and
+ * the batch-1 kernels below all run this, so their sums take the same operations: the same bits. */
+template <int NPW, int RPM>
+__device__ __forceinline__ void
+stream_rows_dot(float (&acc)[NPW][RPM], const uint4 (&u0)[NPW], const uint4 *const (&wr)[NPW],
+                const float *const (&xs)[RPM], int nr, int K, int lane, bool lk) {
+    if (lk)
+#pragma unroll
+        for (int i = 0; i < RPM; i++)
+            if (i < nr)
+#pragma unroll
+                for (int j = 0; j < NPW; j++) acc[j][i] += dot8(u0[j], xs[i] + (size_t)lane * 8);
+#pragma unroll 2
+    for (int k8 = lane + 32; k8 < K / 8; k8 += 32) {
+        uint4 u[NPW];
+#pragma unroll
+        for (int j = 0; j < NPW; j++) u[j] = __ldg(wr[j] + k8);
+#pragma unroll
+        for (int i = 0; i < RPM; i++)
+            if (i < nr)
+#pragma unroll
+                for (int j = 0; j < NPW; j++) acc[j][i] += dot8(u[j], xs[i] + (size_t)k8 * 8);
+    }
+}
 /* RPM: rows a pass holds at most (rp <= RPM), its accumulators' count; NPW: weight rows a warp
  * streams (8 NPW a block) */
 template <int RPM, int NPW>
@@ -2436,24 +2463,7 @@ __global__ void __launch_bounds__(256)
         if (c0 != r0 && lk)
 #pragma unroll
             for (int j = 0; j < NPW; j++) u0[j] = __ldg(wr[j] + lane);
-        if (lk)
-#pragma unroll
-            for (int i = 0; i < RPM; i++)
-                if (i < nr)
-#pragma unroll
-                    for (int j = 0; j < NPW; j++)
-                        acc[j][i] += dot8(u0[j], xs[i] + (size_t)lane * 8);
-#pragma unroll 2
-        for (int k8 = lane + 32; k8 < K / 8; k8 += 32) {
-            uint4 u[NPW];
-#pragma unroll
-            for (int j = 0; j < NPW; j++) u[j] = __ldg(wr[j] + k8);
-#pragma unroll
-            for (int i = 0; i < RPM; i++)
-                if (i < nr)
-#pragma unroll
-                    for (int j = 0; j < NPW; j++) acc[j][i] += dot8(u[j], xs[i] + (size_t)k8 * 8);
-        }
+        stream_rows_dot<NPW, RPM>(acc, u0, wr, xs, nr, K, lane, lk);
 #pragma unroll
         for (int i = 0; i < RPM; i++)
             if (i < nr) { /* (uniform in the warp) */
@@ -2507,13 +2517,12 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int j = 0; j < DC_KMAX; j++) {
         if (ej[j] < 0) continue; /* (uniform in the warp) */
-        const float *xs = (const float *)xsh + (size_t)j * I;
-        const uint4 *wr = (const uint4 *)(W + ((size_t)ej[j] * D + n) * I);
-        float a = 0.0f;
-        if (lk) a += dot8(u0[j], xs + (size_t)lane * 8);
-#pragma unroll 2
-        for (int k8 = lane + 32; k8 < I / 8; k8 += 32)
-            a += dot8(__ldg(wr + k8), xs + (size_t)k8 * 8);
+        const float *const xs[1] = {(const float *)xsh + (size_t)j * I};
+        const uint4 *const wr[1] = {(const uint4 *)(W + ((size_t)ej[j] * D + n) * I)};
+        const uint4 u1[1] = {u0[j]};
+        float acc[1][1] = {{0.0f}};
+        stream_rows_dot<1, 1>(acc, u1, wr, xs, 1, I, lane, lk);
+        float a = acc[0][0];
         for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
         sum += __ldcg(w + j) * a;
     }
@@ -2584,26 +2593,15 @@ __global__ void __launch_bounds__(256)
     }
     __syncthreads();
     if (e >= 0 && n0 < N) {
-        /* moe_grouped_k's loop for one x row, operation for operation: the same bits */
-        const float *xs = (const float *)xsh;
-        float acc[UD_NPW];
+        const float *const xs[1] = {(const float *)xsh};
+        float acc[UD_NPW][1];
 #pragma unroll
-        for (int r = 0; r < UD_NPW; r++) acc[r] = 0.0f;
-        if (lk)
-#pragma unroll
-            for (int r = 0; r < UD_NPW; r++) acc[r] += dot8(u0[r], xs + (size_t)lane * 8);
-#pragma unroll 2
-        for (int k8 = lane + 32; k8 < K / 8; k8 += 32) {
-            uint4 u[UD_NPW];
-#pragma unroll
-            for (int r = 0; r < UD_NPW; r++) u[r] = __ldg(wr[r] + k8);
-#pragma unroll
-            for (int r = 0; r < UD_NPW; r++) acc[r] += dot8(u[r], xs + (size_t)k8 * 8);
-        }
+        for (int r = 0; r < UD_NPW; r++) acc[r][0] = 0.0f;
+        stream_rows_dot<UD_NPW, 1>(acc, u0, wr, xs, 1, K, lane, lk);
         float *dst = up ? h + (size_t)j * 2 * I : y + (size_t)j * D;
 #pragma unroll
         for (int r = 0; r < UD_NPW; r++) {
-            float v = acc[r];
+            float v = acc[r][0];
             for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
             if (lane == 0 && n0 + r < N) dst[n0 + r] = v;
         }
