@@ -141,7 +141,6 @@ typedef struct ds_cuda_model {
     int *h_kda; /* [2][n_seq] chunked KDA's segment starts and lengths, h_kda_cap ints */
     size_t h_kda_cap;
     void *nccl;        /* ds_nccl *: the TP group's sums on the GPUs, or NULL (through the host) */
-    int mla_gate_side; /* MLA's output gate on the side stream, beside the attention */
 } ds_cuda_model;
 
 static int keep(ds_cuda_model *cm, void *p, ds_err *err) {
@@ -450,13 +449,6 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     ds_cu_set_mla_gemm(cm->c, env_flag("DS_CUDA_MLA_GEMM", 1));
     ds_cu_set_mla_flash(cm->c, env_flag("DS_CUDA_MLA_FLASH", 1));
     ds_cu_set_early_experts(cm->c, env_flag("DS_CUDA_EARLY_EXPERTS", 1));
-    ds_cu_set_down_combine(cm->c, env_flag("DS_CUDA_DOWN_COMBINE", 0)); /* not yet measured */
-    cm->mla_gate_side = env_flag("DS_CUDA_MLA_GATE_SIDE", 0);           /* not yet measured */
-    if (env_flag("DS_CUDA_UPDOWN", 0)) {                                /* not yet measured */
-        ds_err ud_err;
-        if (ds_cu_set_updown(cm->c, 1, &ud_err))
-            fprintf(stderr, "[deltaserve] %s: the expert passes in two launches\n", ud_err.msg);
-    }
     ds_cu_set_gemv_wide(cm->c, env_flag("DS_CUDA_GEMV_WIDE", 1));
     ds_cu_set_conv_fixed(cm->c, env_flag("DS_CUDA_CONV_FIXED", 1));
     { /* chunked KDA on tensor cores: 1 TF32, 3 3xTF32 (ds_cu_set_kda_tc) */
@@ -932,17 +924,6 @@ static int mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float
         TRY(ds_cu_matmul(cu, q, Ha * dq, xn, D, T, &w->q, err));
     }
     TRY(ds_cu_side_join(cu, err));
-    /* DS_CUDA_MLA_GATE_SIDE=1 (an experiment): the output gate (a weight stream of its own, and
-     * the sigmoid) on the side stream beside the attention, whose chain of small kernels leaves
-     * HBM idle, instead of after it; joined before it multiplies o (the same bits) */
-    const int gate_side = gt && s->cm->mla_gate_side;
-    if (gate_side) {
-        TRY(ds_cu_side_begin(cu, err));
-        int rc = ds_cu_matmul(cu, gt, Ha * dvh, xn, D, T, &w->g, err);
-        if (!rc) ds_cu_sigmoid(cu, gt, (size_t)T * Ha * dvh);
-        TRY(ds_cu_side_end(cu, err));
-        TRY(rc);
-    }
     float scale = 1.0f / sqrtf((float)dq);
     int run0 = -1; /* consecutive short segments: one absorbed run (as on the CPU) */
     for (int qi = 0; qi <= s->n_seq; qi++) {
@@ -1004,12 +985,8 @@ static int mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float
     }
     PROF(s, "mla gate, o_proj");
     if (gt) {
-        if (gate_side) {
-            TRY(ds_cu_side_join(cu, err));
-        } else {
-            TRY(ds_cu_matmul(cu, gt, Ha * dvh, xn, D, T, &w->g, err));
-            ds_cu_sigmoid(cu, gt, (size_t)T * Ha * dvh);
-        }
+        TRY(ds_cu_matmul(cu, gt, Ha * dvh, xn, D, T, &w->g, err));
+        ds_cu_sigmoid(cu, gt, (size_t)T * Ha * dvh);
         ds_cu_mul(cu, o, gt, (size_t)T * Ha * dvh);
     }
     TRY(ds_cu_matmul(cu, out, D, o, Ha * dvh, T, &w->o, err));

@@ -755,33 +755,6 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
     ds_cu_set_expert_mma(c, 0);
     fetch(c, got, dout, (size_t)T * D * 4);
     char what[96];
-    if (T == 1 && !gemm) { /* the down pass and combine in one launch: the same bits */
-        float *dout1 = dev(c, base, (size_t)D * 4), *got1 = malloc((size_t)D * 4);
-        ds_cu_set_down_combine(c, 1);
-        if (ds_cu_moe_experts(c, dout1, dx, didx, dw, T, k, El, e0, D, I, dgu, ddn, situ, 4.0f,
-                              6.0f, 1, &err))
-            DIE("%s", err.msg);
-        ds_cu_set_down_combine(c, 0);
-        fetch(c, got1, dout1, (size_t)D * 4);
-        snprintf(what, sizeof what, "moe experts T=1 k=%d E=%d D=%d: down + combine bits", k, E, D);
-        report(what, memcmp(got1, got, (size_t)D * 4) ? INFINITY : 0.0, 0.0);
-        /* both passes in one launch (twice: the counters reset themselves) */
-        if (ds_cu_set_updown(c, 1, &err)) DIE("%s", err.msg);
-        for (int rep = 0; rep < 2; rep++) {
-            ds_cu_dealloc(dout1);
-            dout1 = dev(c, base, (size_t)D * 4);
-            if (ds_cu_moe_experts(c, dout1, dx, didx, dw, T, k, El, e0, D, I, dgu, ddn, situ, 4.0f,
-                                  6.0f, 1, &err))
-                DIE("%s", err.msg);
-            fetch(c, got1, dout1, (size_t)D * 4);
-            snprintf(what, sizeof what, "moe experts T=1 k=%d E=%d D=%d: up + down bits (%d)", k, E,
-                     D, rep);
-            report(what, memcmp(got1, got, (size_t)D * 4) ? INFINITY : 0.0, 0.0);
-        }
-        if (ds_cu_set_updown(c, 0, &err)) DIE("%s", err.msg);
-        ds_cu_dealloc(dout1);
-        free(got1);
-    }
     snprintf(what, sizeof what, "moe experts T=%d k=%d E=%d D=%d I=%d %s%s%s", T, k, E, D, I,
              situ ? "situ" : "swiglu",
              gemm == 3   ? " (tensor cores)"

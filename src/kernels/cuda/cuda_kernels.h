@@ -112,15 +112,6 @@ void ds_cu_set_kda_tc(ds_cu *c, int mode);
  * pass (they are older than it): on by default (DS_CUDA_EARLY_EXPERTS=0 turns it off); 2.836 ->
  * 2.783 ms a batch-1 step of the 48B shape. */
 void ds_cu_set_early_experts(ds_cu *c, int on);
-/* At batch 1, the experts' down pass and the combine in one launch (every routed expert's row n
- * in one warp, summed in the combine's order: the same bits, a kernel less in the step's chain):
- * an experiment, off unless DS_CUDA_DOWN_COMBINE=1 in the model, off in a new context. */
-void ds_cu_set_down_combine(ds_cu *c, int on);
-/* At batch 1, the experts' up and down passes in one launch, a down tile waiting only for its own
- * expert's up tiles (counters in device memory, made here: call before any capture); the same
- * bits: an experiment, off unless DS_CUDA_UPDOWN=1 in the model. Takes precedence over
- * ds_cu_set_down_combine. */
-int ds_cu_set_updown(ds_cu *c, int on, ds_err *err);
 /* One-token matmuls of one warp a row go through the routed experts' kernel (4 rows a warp, x in
  * shared memory; the same bits): on by default in the model (DS_CUDA_GEMV_WIDE=0 turns it off),
  * off in a new context. */

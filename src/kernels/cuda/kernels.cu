@@ -32,8 +32,6 @@ struct ds_cu {
     int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
     int kda_tc;        /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
     int early_experts; /* the experts' down pass reads its routing early (ds_cu_set_...) */
-    int down_combine;  /* at batch 1, the down pass and the combine in one launch (ds_cu_set_...) */
-    unsigned *updown_ctr; /* at batch 1, both expert passes in one launch: its counters, or NULL */
     int gemv_wide;        /* one-token matmuls of many rows 4 rows a warp (ds_cu_set_gemv_wide) */
     int conv_fixed;       /* the short conv with its width at compile time (ds_cu_set_conv_fixed) */
     void *mlag;           /* that path's buffers, mlag_bytes allocated */
@@ -254,7 +252,6 @@ extern "C" void ds_cu_free(ds_cu *c) {
     cudaFree(c->part);
     cudaFree(c->blas_ws);
     cudaFree(c->moeg);
-    cudaFree(c->updown_ctr);
     cudaFree(c->mlag);
     cudaFree(c->kdac);
     free(c->h_kda);
@@ -2378,8 +2375,9 @@ struct moe_act {
 
 /* The experts' weight streaming: acc[j][i] += this lane's share of W_j . x_i for NPW weight rows
  * wr[j] (K BF16 each; u0[j], their first pieces, already loaded when lk) and the pass's nr <= RPM
- * x rows xs[i] in shared memory; the warp's shuffle tree follows in the caller. moe_grouped_k and
- * the batch-1 kernels below all run this, so their sums take the same operations: the same bits. */
+ * x rows xs[i] in shared memory; the warp's shuffle tree follows in the caller. Kept apart from
+ * moe_grouped_k so that any other kernel streaming expert rows takes the same operations, and so
+ * gives the same bits. */
 template <int NPW, int RPM>
 __device__ __forceinline__ void
 stream_rows_dot(float (&acc)[NPW][RPM], const uint4 (&u0)[NPW], const uint4 *const (&wr)[NPW],
@@ -2479,158 +2477,6 @@ __global__ void __launch_bounds__(256)
 }
 
 enum : size_t { MOE_SMEM = 160 * 1024 }; /* the grouped kernel's x staging, at most */
-
-/* Batch 1's down pass and combine in one launch (ds_cu_set_down_combine): warp n takes output row
- * n of every routed expert of this rank — each dot product as moe_grouped_k<1, *> makes it (its
- * lane order and shuffle tree), over act(gate, up) staged for all k experts — and adds their
- * weighted sum onto out as moe_combine_k does (j in order, from zero), so the bits are the same
- * and the combine's launch leaves the step's chain. The routing is at least two kernels old (the
- * up pass came between), so it and the first weights are read before the wait. KMAX >= k. */
-enum { DC_KMAX = 8 };
-__global__ void __launch_bounds__(256)
-    moe_down_combine1_k(float *out, const float *h, int I, const uint16_t *W, int D,
-                        const int32_t *idx, const float *w, int k, int e0, int E, moe_act act,
-                        int accumulate) {
-    extern __shared__ float4 xsh[]; /* [k][I] act(gate, up) of each routed row */
-    const int lane = threadIdx.x & 31, n = blockIdx.x * 8 + (threadIdx.x >> 5);
-    const bool lk = lane < I / 8, live = n < D;
-    int ej[DC_KMAX];
-    uint4 u0[DC_KMAX];
-#pragma unroll
-    for (int j = 0; j < DC_KMAX; j++) {
-        ej[j] = j < k ? __ldcg(idx + j) - e0 : -1;
-        if (ej[j] >= E) ej[j] = -1; /* another rank's expert */
-        if (ej[j] >= 0 && live && lk)
-            u0[j] = __ldg((const uint4 *)(W + ((size_t)ej[j] * D + n) * I) + lane);
-    }
-    PDL_ENTRY();
-    for (int i = 0; i < k; i++) {
-        const float4 *src = (const float4 *)(h + (size_t)i * 2 * I);
-        for (int c4 = threadIdx.x; c4 < I / 4; c4 += blockDim.x) {
-            xsh[(size_t)i * (I / 4) + c4] =
-                act_pair4(src[c4], src[I / 4 + c4], act.situ, act.beta, act.lin_beta);
-        }
-    }
-    __syncthreads();
-    if (!live) return;
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < DC_KMAX; j++) {
-        if (ej[j] < 0) continue; /* (uniform in the warp) */
-        const float *const xs[1] = {(const float *)xsh + (size_t)j * I};
-        const uint4 *const wr[1] = {(const uint4 *)(W + ((size_t)ej[j] * D + n) * I)};
-        const uint4 u1[1] = {u0[j]};
-        float acc[1][1] = {{0.0f}};
-        stream_rows_dot<1, 1>(acc, u1, wr, xs, 1, I, lane, lk);
-        float a = acc[0][0];
-        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-        sum += __ldcg(w + j) * a;
-    }
-    if (lane == 0) out[n] = accumulate ? out[n] + sum : sum;
-}
-
-/* Batch 1's two expert passes in one launch (ds_cu_set_updown): each block takes a ticket in
- * order — first the up pass's tiles (32 rows of gate | up of routed row j), then the down pass's
- * (32 rows of its down projection) — and a down tile waits only for its own row's up tiles (a
- * counter each) instead of the whole up pass, so the passes overlap. A block only ever waits for
- * tiles of lower tickets, which blocks already running hold: no deadlock, whatever the schedule.
- * Each row's dot product is moe_grouped_k's (its lane order and shuffle tree): the same h and y,
- * bit for bit. The last block to finish zeroes the counters for the next launch (ctr [2 + k]:
- * ticket, blocks done, up tiles done per routed row). A wait that never ends traps (an error,
- * not a hang). */
-enum { UD_NPW = 4, UD_ROWS = 8 * UD_NPW };
-__device__ __forceinline__ unsigned ld_acquire_u32(const unsigned *p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__global__ void __launch_bounds__(256)
-    moe_updown1_k(float *h, float *y, const float *x, const uint16_t *Wgu, const uint16_t *Wdn,
-                  const int32_t *idx, int k, int e0, int E, int D, int I, moe_act act,
-                  unsigned *ctr) {
-    extern __shared__ float4 xsh[]; /* [D] x (up tiles) or [I] act(gate, up) (down tiles) */
-    __shared__ unsigned ticket;
-    PDL_ENTRY();
-    const int UT = (2 * I + UD_ROWS - 1) / UD_ROWS, DT = (D + UD_ROWS - 1) / UD_ROWS;
-    const unsigned total = (unsigned)(k * (UT + DT));
-    if (threadIdx.x == 0) ticket = atomicAdd(ctr, 1u);
-    __syncthreads();
-    const unsigned tk = ticket;
-    const bool up = tk < (unsigned)(k * UT);
-    const int j = up ? (int)tk / UT : (int)(tk - k * UT) / DT;
-    const int tile = up ? (int)tk % UT : (int)(tk - k * UT) % DT;
-    const int N = up ? 2 * I : D, K = up ? D : I;
-    int e = __ldcg(idx + j) - e0;
-    if (e >= E) e = -1; /* another rank's expert: nothing to do but the accounting */
-    const int lane = threadIdx.x & 31, n0 = tile * UD_ROWS + (threadIdx.x >> 5) * UD_NPW;
-    const uint16_t *W = up ? Wgu : Wdn;
-    const uint4 *wr[UD_NPW];
-    uint4 u0[UD_NPW];
-    const bool lk = lane < K / 8;
-#pragma unroll
-    for (int r = 0; r < UD_NPW; r++) {
-        wr[r] = (const uint4 *)(W + ((size_t)(e < 0 ? 0 : e) * N + min(n0 + r, N - 1)) * K);
-        if (e >= 0 && lk) u0[r] = __ldg(wr[r] + lane); /* on its way during the wait */
-    }
-    if (!up && e >= 0 && threadIdx.x == 0) {
-        long long spins = 0;
-        while (ld_acquire_u32(ctr + 2 + j) < (unsigned)UT)
-            if (++spins > (1ll << 22)) __trap(); /* seconds: a lost count, not a slow tile */
-    }
-    __syncthreads();
-    if (e >= 0) {
-        if (up) {
-            const float4 *src = (const float4 *)x;
-            for (int c4 = threadIdx.x; c4 < D / 4; c4 += blockDim.x) xsh[c4] = src[c4];
-        } else { /* h [j][2I], written by other blocks: through L2 */
-            const float4 *g = (const float4 *)(h + (size_t)j * 2 * I), *u = g + I / 4;
-            for (int c4 = threadIdx.x; c4 < I / 4; c4 += blockDim.x) {
-                xsh[c4] =
-                    act_pair4(__ldcg(g + c4), __ldcg(u + c4), act.situ, act.beta, act.lin_beta);
-            }
-        }
-    }
-    __syncthreads();
-    if (e >= 0 && n0 < N) {
-        const float *const xs[1] = {(const float *)xsh};
-        float acc[UD_NPW][1];
-#pragma unroll
-        for (int r = 0; r < UD_NPW; r++) acc[r][0] = 0.0f;
-        stream_rows_dot<UD_NPW, 1>(acc, u0, wr, xs, 1, K, lane, lk);
-        float *dst = up ? h + (size_t)j * 2 * I : y + (size_t)j * D;
-#pragma unroll
-        for (int r = 0; r < UD_NPW; r++) {
-            float v = acc[r][0];
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == 0 && n0 + r < N) dst[n0 + r] = v;
-        }
-    }
-    __syncthreads(); /* every store of the tile issued */
-    if (threadIdx.x == 0) {
-        __threadfence(); /* the tile's h rows before the count that releases them */
-        if (up) atomicAdd(ctr + 2 + j, 1u);
-        if (atomicAdd(ctr + 1, 1u) == total - 1) { /* the last block: every ticket was taken */
-            for (int i = 0; i < 2 + k; i++) ctr[i] = 0u;
-            __threadfence();
-        }
-    }
-}
-
-extern "C" int ds_cu_set_updown(ds_cu *c, int on, ds_err *err) {
-    if (!on) {
-        cudaFree(c->updown_ctr);
-        c->updown_ctr = NULL;
-        return DS_OK;
-    }
-    if (c->updown_ctr) return DS_OK;
-    CU_TRY(cudaMalloc((void **)&c->updown_ctr, (2 + DC_KMAX) * sizeof(unsigned)),
-           "moe (up + down): counters");
-    CU_TRY(cudaMemset(c->updown_ctr, 0, (2 + DC_KMAX) * sizeof(unsigned)),
-           "moe (up + down): counters");
-    CU_TRY(cudaDeviceSynchronize(), "moe (up + down): counters");
-    return DS_OK;
-}
 
 /* The grouped kernel's instances: accumulators for rpm rows, and (at one row an expert: batch 1)
  * more weight rows a warp when that keeps the blocks to one wave. At NPW 4 the 48B shape's down
@@ -3043,10 +2889,9 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         const int rp_dn = DS_MAX(1, DS_MIN(DS_MIN(rpm, T), (int)(MOE_SMEM / ((size_t)I * 4))));
         static int smem_set; /* once, before any capture can be open */
         if (!smem_set) {
-            void *fns[MOE_GROUPED_N + 2] = {(void *)moe_down_combine1_k, (void *)moe_updown1_k};
-            for (int i = 0; i < MOE_GROUPED_N; i++) fns[2 + i] = (void *)moe_grouped_fns[i].fn;
-            for (int i = 0; i < MOE_GROUPED_N + 2; i++)
-                CU_TRY(cudaFuncSetAttribute(fns[i], cudaFuncAttributeMaxDynamicSharedMemorySize,
+            for (int i = 0; i < MOE_GROUPED_N; i++)
+                CU_TRY(cudaFuncSetAttribute((const void *)moe_grouped_fns[i].fn,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             (int)MOE_SMEM),
                        "moe: shared memory");
             smem_set = 1;
@@ -3054,14 +2899,7 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         const moe_grouped_fn up_k = moe_grouped_pick(c, rpm, 2 * I, ya, (size_t)rp_up * D * 4),
                              dn_k = moe_grouped_pick(c, rpm, D, ya, (size_t)rp_dn * I * 4);
         const moe_act none = {0, 0, 0.0f, 0.0f}, act = {1, situ, situ_beta, situ_lin_beta};
-        /* both passes in one launch at batch 1 (ds_cu_set_updown) */
-        const int updown =
-            direct && c->updown_ctr && k <= DC_KMAX && (size_t)DS_MAX(D, I) * 4 <= MOE_SMEM;
-        if (updown) {
-            const int tiles = k * ((2 * I + UD_ROWS - 1) / UD_ROWS + (D + UD_ROWS - 1) / UD_ROWS);
-            launch_k(c, moe_updown1_k, (unsigned)tiles, 256, (size_t)DS_MAX(D, I) * 4, h, y, x,
-                     gate_up, down, idx, k, e0, E, D, I, act, c->updown_ctr);
-        } else if (mma)
+        if (mma)
             launch_k(c, moe_mma_k, dim3((unsigned)(2 * I / MMA_N), ya), 256, 0, h, 2 * I, x, D, k,
                      gate_up, 2 * I, D, start, perm, active, n_active, none);
         else
@@ -3070,16 +2908,7 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
                      active, n_active, rp_up, none, direct, e0, E, 0);
         CU_TRY(cudaGetLastError(), "moe up (grouped)");
         /* h's rows are gate | up, one per routed row: the down pass applies act as it stages */
-        if (updown) {
-            /* y is written: the combine below */
-        } else if (direct && c->down_combine && k <= DC_KMAX && (size_t)k * I * 4 <= MOE_SMEM) {
-            /* out may be the shared experts' output, still being written on the side stream */
-            if (ds_cu_side_join(c, err)) return DS_ERR;
-            launch_k(c, moe_down_combine1_k, (unsigned)((D + 7) / 8), 256, (size_t)k * I * 4, out,
-                     h, I, down, D, idx, w, k, e0, E, act, accumulate);
-            CU_TRY(cudaGetLastError(), "moe down + combine");
-            return DS_OK;
-        } else if (mma) {
+        if (mma) {
             launch_k(c, moe_mma_k, dim3((unsigned)(D / MMA_N), ya), 256, 0, y, D, h, 2 * I, 1, down,
                      D, I, start, perm, active, n_active, act);
         } else {
@@ -4011,10 +3840,6 @@ extern "C" void ds_cu_set_gemv_wide(ds_cu *c, int on) {
 
 extern "C" void ds_cu_set_early_experts(ds_cu *c, int on) {
     c->early_experts = on;
-}
-
-extern "C" void ds_cu_set_down_combine(ds_cu *c, int on) {
-    c->down_combine = on;
 }
 
 extern "C" void ds_cu_set_kda_tc(ds_cu *c, int mode) {
