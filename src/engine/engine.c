@@ -112,6 +112,7 @@ struct ds_engine {
     ds_seq **preempted;  /* [max_num_seqs] */
     ds_seq_batch *batch; /* [max_num_seqs] */
     float *logits;       /* [max_num_seqs][k+1][V] */
+    int32_t *argmax;     /* [max_num_seqs][k+1] greedy tokens picked beside the logits */
     ds_sample_scratch *scratch;
 
     /* speculative decoding (k = 0: off) */
@@ -506,8 +507,9 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
     e->batch = ds_calloc((size_t)S, sizeof *e->batch, err);
     /* page-locked when the model is on a GPU: the step downloads its logits here */
     e->logits = ds_dmem_host_alloc((size_t)S * rows * e->V * sizeof(float), err);
+    e->argmax = ds_malloc((size_t)S * rows * sizeof(int32_t), err);
     e->scratch = ds_sample_scratch_new(e->V, err);
-    if (!e->preempted || !e->batch || !e->logits || !e->scratch) goto fail;
+    if (!e->preempted || !e->batch || !e->logits || !e->argmax || !e->scratch) goto fail;
     *out = e;
     return DS_OK;
 fail:
@@ -818,19 +820,38 @@ static int stop_ids_of(const ds_engine *e, const ds_request_params *p, int32_t *
     return n;
 }
 
-/* Samples a choice's next token from one logits row; `ahead` tokens of this step were already
- * chosen (and counted) before it, so min_tokens and penalties see exactly what plain decoding
- * would. Draws from the choice's own RNG. */
-static int32_t choose(ds_engine *e, choice *ch, float *row, int ahead, ds_logprobs_out *lp) {
+static ds_sample_params sample_params_of(const ds_request_params *p) {
+    return (ds_sample_params){
+        p->temperature, p->top_p, p->top_k, p->min_p, p->presence_penalty, p->frequency_penalty};
+}
+
+/* Can the model pick this choice's tokens of the coming step itself (ds_seq_batch.argmax), so
+ * that its logits need not come back? When every row the step samples for it is a plain argmax
+ * for its sampler (ds_sample_is_argmax); rows further ahead only allow stops more, so the first
+ * row decides for all. */
+static int picks_greedy(const ds_engine *e, const choice *ch) {
+    const ds_request_params *p = &ch->req->spec.params;
+    int32_t stop_ids[DS_MAX_STOP + 1];
+    ds_sample_params sp = sample_params_of(p);
+    return ds_sample_is_argmax(&sp, ch->n_generated >= p->min_tokens, stop_ids_of(e, p, stop_ids),
+                               p->logprobs);
+}
+
+/* Samples a choice's next token from one logits row, or takes the greedy token the model picked
+ * for it (row NULL, *pick: see picks_greedy); `ahead` tokens of this step were already chosen (and
+ * counted) before it, so min_tokens and penalties see exactly what plain decoding would. Draws
+ * from the choice's own RNG. */
+static int32_t choose(ds_engine *e, choice *ch, float *row, const int32_t *pick, int ahead,
+                      ds_logprobs_out *lp) {
     const ds_request_params *p = &ch->req->spec.params;
     int32_t stop_ids[DS_MAX_STOP + 1];
     int n_stop = stop_ids_of(e, p, stop_ids);
-    ds_sample_params sp = {p->temperature,      p->top_p, p->top_k, p->min_p, p->presence_penalty,
-                           p->frequency_penalty};
+    ds_sample_params sp = sample_params_of(p);
     int allow_stop = ch->n_generated + ahead >= p->min_tokens;
-    int32_t tok = ds_sample_token(row, e->V, &sp, &ch->counts, allow_stop, stop_ids, n_stop,
-                                  &ch->rng, e->scratch, p->logprobs >= 0 ? lp : NULL,
-                                  p->logprobs > 0 ? p->logprobs : 0);
+    int32_t tok = row ? ds_sample_token(row, e->V, &sp, &ch->counts, allow_stop, stop_ids, n_stop,
+                                        &ch->rng, e->scratch, p->logprobs >= 0 ? lp : NULL,
+                                        p->logprobs > 0 ? p->logprobs : 0)
+                      : *pick;
     ds_token_counts_add(&ch->counts, tok);
     return tok;
 }
@@ -962,12 +983,13 @@ static void detach_drafts(ds_engine *e) {
  * with probability p(d) and otherwise draws from p without d. Greedy is the same rule at T = 0,
  * so greedy output equals plain decoding. Returns the accepted count a; toks[0..a] are the
  * tokens to deliver (a accepted drafts and the correction or bonus). */
-static int verify(ds_engine *e, choice *ch, ds_sched_item *it, float *rows, int32_t *toks,
-                  ds_logprobs_out *lps) {
+static int verify(ds_engine *e, choice *ch, ds_sched_item *it, float *rows, const int32_t *picks,
+                  int32_t *toks, ds_logprobs_out *lps) {
     ds_seq *s = it->seq;
     int k = s->n_spec, a = 0;
     for (;;) {
-        toks[a] = choose(e, ch, rows + (size_t)a * e->V, a, &lps[a]);
+        toks[a] = choose(e, ch, rows ? rows + (size_t)a * e->V : NULL, picks ? picks + a : NULL, a,
+                         &lps[a]);
         if (a == k || toks[a] != s->tokens[it->pos0 + 1 + a]) break;
         a++;
     }
@@ -1342,13 +1364,16 @@ static void launch(ds_engine *e, inflight *f, int g) {
         ((choice *)s->owner)->busy = 1;
         int verify_rows = s->n_spec ? s->n_spec + 1 : 1;
         int want_logits = it->sample && e->last_stage;
+        /* a greedy choice gets its tokens picked beside the logits, which then stay there */
+        int greedy = want_logits && picks_greedy(e, (choice *)s->owner);
         e->batch[i] = (ds_seq_batch){
             .tokens = s->tokens + it->pos0,
             .n = it->n,
             .pos0 = it->pos0,
             .slot = ds_slot_data(e->slots, s->slot),
             .block_table = s->block_table,
-            .logits = want_logits ? e->logits + (size_t)i * rows * e->V : NULL,
+            .logits = want_logits && !greedy ? e->logits + (size_t)i * rows * e->V : NULL,
+            .argmax = greedy ? e->argmax + (size_t)i * rows : NULL,
             .n_logits = want_logits ? verify_rows : 0,
             .tap_layers = n_taps ? e->tap_ids : NULL,
             .n_taps = n_taps,
@@ -1403,14 +1428,15 @@ static void launch(ds_engine *e, inflight *f, int g) {
             int n_run = e->batch[i].n;
             f->va[i] = -1;
             f->n_dr[i] = 0;
-            float *lg = e->logits + (size_t)i * rows * e->V;
+            float *lg = e->batch[i].logits;            /* or NULL, and then: */
+            const int32_t *picks = e->batch[i].argmax; /* the greedy tokens */
             int n_keep = it->n; /* positions the step keeps: a verify only its accepted ones */
             if (it->sample) {
                 if (s->n_spec) {
-                    f->va[i] = verify(e, ch, it, lg, f->vt[i], f->vlp + (size_t)i * rows);
+                    f->va[i] = verify(e, ch, it, lg, picks, f->vt[i], f->vlp + (size_t)i * rows);
                     n_keep = f->va[i] + 1;
                 } else {
-                    f->vt[i][0] = choose(e, ch, lg, 0, &f->vlp[(size_t)i * rows]);
+                    f->vt[i][0] = choose(e, ch, lg, picks, 0, &f->vlp[(size_t)i * rows]);
                 }
             }
             /* The draft's context rows for the positions kept (later ones are rewritten when
@@ -1621,6 +1647,7 @@ void ds_engine_free(ds_engine *e) {
     free(e->preempted);
     free(e->batch);
     ds_dmem_host_free(e->logits);
+    free(e->argmax);
     free(e->aborts);
     ds_pp_bufs_free(&e->ppb);
     ds_draft_free(e->draft_ctx);

@@ -494,6 +494,13 @@ int32_t ds_sample_token(float *logits, int V, const ds_sample_params *p,
     return tok;
 }
 
+int ds_sample_is_argmax(const ds_sample_params *p, int allow_stop, int n_stop_ids, int logprobs) {
+    /* the conditions under which ds_sample_token neither edits the logits (penalise, mask) nor
+     * reads them for logprobs, and takes the greedy branch */
+    return !(p->temperature >= GREEDY_TEMPERATURE) && p->presence_penalty == 0 &&
+           p->frequency_penalty == 0 && (allow_stop || n_stop_ids == 0) && logprobs < 0;
+}
+
 int32_t ds_sample(float *logits, int V, const ds_sampling *p, ds_rng *rng, float *scratch,
                   int32_t *idx) {
     ds_sample_params sp;

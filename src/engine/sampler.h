@@ -88,6 +88,13 @@ int32_t ds_sample_token(float *logits, int V, const ds_sample_params *p,
                         int n_stop_ids, ds_rng *rng, ds_sample_scratch *scratch,
                         ds_logprobs_out *lp, int n_top);
 
+/* Would ds_sample_token return ds_argmax of the logits as they come in, whatever the counts and
+ * the RNG hold? Yes for a greedy request with no penalty, nothing masked (allow_stop, or no stop
+ * ids) and no logprobs wanted (logprobs < 0): the caller may then take a greedy token found
+ * beside the logits (on the GPU, ds_seq_batch.argmax) and skip the call, which draws nothing from
+ * the RNG in that case anyway. */
+int ds_sample_is_argmax(const ds_sample_params *p, int allow_stop, int n_stop_ids, int logprobs);
+
 /* The simple form the generate command uses: no penalties, stops or logprobs. scratch: [V] floats
  * and idx: [V] ints of caller memory. */
 int32_t ds_sample(float *logits, int V, const ds_sampling *p, ds_rng *rng, float *scratch,

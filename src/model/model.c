@@ -781,22 +781,27 @@ static void embed_tokens(step *s, const int32_t *ids, float *P) {
 enum { LG_CHUNK = 32 };
 
 /* Writes chunk rows mine[n][vp] (this rank's vocabulary block) to their segments' logits dst[n]
- * [V]; vocabulary-parallel, the blocks of every rank are all-gathered first. */
-static void logits_flush(step *s, int n, float *mine, float *all, float **dst) {
+ * [V] and their greedy tokens *am[n] (either NULL where not wanted); vocabulary-parallel, the
+ * blocks of every rank are all-gathered first. */
+static void logits_flush(step *s, int n, float *mine, float *all, float **dst, int32_t **am) {
     const ds_model *m = s->m;
     int V = m->cfg.vocab_size, Tp = m->tp_size, vp = m->vp;
     if (Tp == 1) {
-        for (int j = 0; j < n; j++)
-            memcpy(dst[j], mine + (size_t)j * vp, (size_t)V * sizeof(float));
+        for (int j = 0; j < n; j++) {
+            if (dst[j]) memcpy(dst[j], mine + (size_t)j * vp, (size_t)V * sizeof(float));
+            if (am[j]) *am[j] = ds_argmax(mine + (size_t)j * vp, V);
+        }
         return;
     }
     if (!s->tp_failed && m->opts.allgather(m->opts.allgather_ctx, mine, (size_t)n * vp, all))
         s->tp_failed = 1;
-    for (int j = 0; j < n; j++)
-        for (int t = 0; t < Tp; t++) {
+    for (int j = 0; j < n; j++) {
+        if (am[j]) *am[j] = ds_argmax_blocks(all + (size_t)j * vp, (size_t)n * vp, vp, V);
+        for (int t = 0; dst[j] && t < Tp; t++) {
             int v0 = DS_MIN(V, t * vp), nv = DS_MIN(V, v0 + vp) - v0;
             memcpy(dst[j] + v0, all + ((size_t)t * n + j) * vp, (size_t)nv * sizeof(float));
         }
+    }
 }
 
 /* The logits every segment asked for (its last n_logits rows of x [T][D]). Vocabulary-parallel,
@@ -811,24 +816,26 @@ static void compute_logits(step *s, const float *x) {
     float *all = Tp > 1 ? sc_take(&s->sc, (size_t)Tp * LG_CHUNK * vp) : NULL; /* [Tp][n][vp] */
     if (s->sc.overflow) return;
     float *dst[LG_CHUNK];
+    int32_t *am[LG_CHUNK];
     int n = 0;
     for (int q = 0; q < s->n_seq; q++) {
         const ds_seq_batch *sb = &s->seqs[q];
-        if (!sb->logits) continue;
-        for (int i = 0; i < sb->n_logits; i++) {
-            memcpy(xr + (size_t)n * D, x + (size_t)(s->off[q] + sb->n - sb->n_logits + i) * D,
+        int nl = ds_seq_logit_rows(sb);
+        for (int i = 0; i < nl; i++) {
+            memcpy(xr + (size_t)n * D, x + (size_t)(s->off[q] + sb->n - nl + i) * D,
                    (size_t)D * sizeof(float));
-            dst[n++] = sb->logits + (size_t)i * V;
+            dst[n] = sb->logits ? sb->logits + (size_t)i * V : NULL;
+            am[n++] = sb->argmax ? sb->argmax + i : NULL;
             if (n == LG_CHUNK) {
                 ds_matmul(mine, vp, xr, D, n, &m->lm_head);
-                logits_flush(s, n, mine, all, dst);
+                logits_flush(s, n, mine, all, dst, am);
                 n = 0;
             }
         }
     }
     if (n) {
         ds_matmul(mine, vp, xr, D, n, &m->lm_head);
-        logits_flush(s, n, mine, all, dst);
+        logits_flush(s, n, mine, all, dst, am);
     }
 }
 

@@ -153,7 +153,18 @@ typedef struct ds_seq_batch {
      * so a speculative verify can roll back to the last accepted token by copying one row into
      * the slot. Forces the recurrent KDA form for the segment. */
     float *state_rows;
+    /* optional [n_logits]: the greedy token of each of those rows (ds_argmax: the lowest id among
+     * the largest logits), found where the logits are. logits may then be NULL: the rows are not
+     * returned at all — on a GPU 4 bytes a row cross to the host instead of V floats, which is
+     * what lets greedy decoding at large batches skip downloading and scanning the vocabulary
+     * on the host. */
+    int32_t *argmax;
 } ds_seq_batch;
+
+/* Rows of logits a segment asks for, as logits, argmax or both. */
+static inline int ds_seq_logit_rows(const ds_seq_batch *sb) {
+    return sb->logits || sb->argmax ? sb->n_logits : 0;
+}
 
 /* Runs one step over n_seq segments. Segments of the same sequence must not appear twice. */
 int ds_model_forward(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, int n_seq, ds_err *err);

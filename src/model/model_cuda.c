@@ -140,7 +140,7 @@ typedef struct ds_cuda_model {
     size_t h_pcap;
     int *h_kda; /* [2][n_seq] chunked KDA's segment starts and lengths, h_kda_cap ints */
     size_t h_kda_cap;
-    void *nccl;        /* ds_nccl *: the TP group's sums on the GPUs, or NULL (through the host) */
+    void *nccl; /* ds_nccl *: the TP group's sums on the GPUs, or NULL (through the host) */
 } ds_cuda_model;
 
 static int keep(ds_cuda_model *cm, void *p, ds_err *err) {
@@ -563,6 +563,7 @@ typedef struct cstep {
     int nb_max;
     int ctx_cap; /* absorbed attention's context bound: a power of two >= every context */
     float *P, *x, *a, *bank, *xr, *lg; /* the step's long-lived buffers (run_step) */
+    int32_t *am;                       /* [n_lg] the greedy token of each row of lg */
 } cstep;
 
 /* Opens a profiled interval (DS_CUDA_PROFILE=1; see ds_cu_prof_mark). */
@@ -624,8 +625,8 @@ static size_t cuda_step_need(const ds_model *m, const ds_seq_batch *seqs, int n_
     size_t lg = 0;
     if (m->l1 == (int)L) {
         size_t nl = 0;
-        for (int q = 0; q < n_seq; q++) nl += seqs[q].logits ? (size_t)seqs[q].n_logits : 0;
-        lg = nl * (D + (size_t)m->vp);
+        for (int q = 0; q < n_seq; q++) nl += (size_t)ds_seq_logit_rows(&seqs[q]);
+        lg = nl * (D + (size_t)m->vp + 1) + 2 * pad; /* xr, lg and the greedy tokens */
     }
     return base + lg + DS_MAX(DS_MAX(kda, mla), ffn);
 }
@@ -670,7 +671,7 @@ static int build_indices(cstep *s, ds_err *err) {
             nbt += (size_t)(ctx + bs - 1) / bs;
             if (sb->n >= m->opts.mla_expanded_min) nctx += (size_t)ctx;
         }
-        if (sb->logits) nlg += (size_t)sb->n_logits;
+        nlg += (size_t)ds_seq_logit_rows(sb);
     }
     ni += nbt + nctx + nlg;
     int nb_max = ds_model_max_banks(m);
@@ -702,8 +703,8 @@ static int build_indices(cstep *s, ds_err *err) {
             hi[tokbt_at + r] = s->bt_off[q];
             hi[tokpos_at + r] = p;
         }
-        for (int i = 0; sb->logits && i < sb->n_logits; i++)
-            hi[lg_at + s->n_lg++] = s->off[q] + sb->n - sb->n_logits + i;
+        for (int i = 0, nl = ds_seq_logit_rows(sb); i < nl; i++)
+            hi[lg_at + s->n_lg++] = s->off[q] + sb->n - nl + i;
         if (!m->n_mla) continue;
         int np_q = (sb->pos0 + sb->n + bs - 1) / bs;
         memcpy(hi + bt, sb->block_table, (size_t)np_q * sizeof(int32_t));
@@ -1272,9 +1273,10 @@ static int run_step(cstep *s, const ds_stage_io *in, ds_stage_io *out, ds_err *e
     s->a = take(s, TD);   /* [T][D] sublayer output */
     s->bank = take(s, 0); /* [nb_max][T][D] banked AttnRes blocks (build_indices' layout) */
     s->used += (size_t)s->nb_max * TDp;
-    s->xr = take(s, (size_t)s->n_lg * D);     /* [n_lg][D] rows that want logits */
-    s->lg = take(s, (size_t)s->n_lg * m->vp); /* [n_lg][vp] their logits (this rank's
-vocabulary block; all of V on one) */
+    s->xr = take(s, (size_t)s->n_lg * D);        /* [n_lg][D] rows that want logits */
+    s->lg = take(s, (size_t)s->n_lg * m->vp);    /* [n_lg][vp] their logits (this rank's
+   vocabulary block; all of V on one) */
+    s->am = (int32_t *)take(s, (size_t)s->n_lg); /* (4-byte elements, as floats) */
     if (s->used > cm->sc_cap) s->overflow = 1;
     TAKEN();
     int nb = 0;
@@ -1317,21 +1319,33 @@ vocabulary block; all of V on one) */
             return ds_errf(err, "forward: a tensor-parallel all-gather failed");
         for (int q = 0; q < s->n_seq; q++) {
             ds_seq_batch *sb = &s->seqs[q];
-            for (int i = 0; sb->logits && i < sb->n_logits; i++, r++)
-                for (int t = 0; t < m->tp_size; t++) {
+            for (int i = 0; i < ds_seq_logit_rows(sb); i++, r++) {
+                if (sb->argmax)
+                    sb->argmax[i] = ds_argmax_blocks(all + (size_t)r * m->vp,
+                                                     (size_t)s->n_lg * m->vp, m->vp, V);
+                for (int t = 0; sb->logits && t < m->tp_size; t++) {
                     int v0 = DS_MIN(V, t * m->vp), nv = DS_MIN(V, v0 + m->vp) - v0;
                     memcpy(sb->logits + (size_t)i * V + v0, all + ((size_t)t * s->n_lg + r) * m->vp,
                            (size_t)nv * sizeof(float));
                 }
+            }
         }
         return ds_cu_sync(cu, err);
     }
+    int any_am = 0;
+    for (int q = 0; q < s->n_seq; q++) any_am |= s->seqs[q].argmax && s->seqs[q].n_logits;
+    if (any_am) { /* after the graph: a kernel over the rows, 4 bytes a row to the host */
+        ds_cu_argmax_rows(cu, s->am, s->lg, s->n_lg, V); /* (a failed launch: the sync says) */
+    }
     for (int q = 0; q < s->n_seq; q++) {
         ds_seq_batch *sb = &s->seqs[q];
-        if (!sb->logits) continue;
-        TRY(ds_cu_download(cu, sb->logits, s->lg + (size_t)r * V,
-                           (size_t)sb->n_logits * V * sizeof(float), err));
-        r += sb->n_logits;
+        int nl = ds_seq_logit_rows(sb);
+        if (sb->argmax && nl)
+            TRY(ds_cu_download(cu, sb->argmax, s->am + r, (size_t)nl * sizeof(int32_t), err));
+        if (sb->logits && nl)
+            TRY(ds_cu_download(cu, sb->logits, s->lg + (size_t)r * V,
+                               (size_t)nl * V * sizeof(float), err));
+        r += nl;
     }
     return ds_cu_sync(cu, err);
 }

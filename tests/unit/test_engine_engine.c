@@ -123,7 +123,7 @@ static void reference_greedy(const int32_t *prompt, int n_prompt, int max_tokens
     *n_out = 0;
     while (*n_out < max_tokens) {
         ds_seq_batch sb = {seq + pos, len - pos, pos,  slot, table, logits, 1,
-                           NULL,      NULL,      NULL, 0,    NULL,  NULL};
+                           NULL,      NULL,      NULL, 0,    NULL,  NULL,   NULL};
         if (ds_model_forward(m, &pool, &sb, 1, &err)) fail_msg("%s", err.msg);
         pos = len;
         int32_t t = (int32_t)ds_argmax(logits, c->vocab_size);
@@ -360,7 +360,7 @@ static int greedy_drafts(void *ctx, const int32_t *tokens, int n_tokens, int k, 
     ds_err err;
     for (int i = 0; i < k; i++) {
         ds_seq_batch sb = {seq + pos, len - pos, pos,  md->slot, md->table, md->logits, 1,
-                           NULL,      NULL,      NULL, 0,        NULL,      NULL};
+                           NULL,      NULL,      NULL, 0,        NULL,      NULL,       NULL};
         if (ds_model_forward(md->m, &md->pool, &sb, 1, &err)) return 0;
         pos = len;
         drafts[i] = seq[len++] = ds_argmax(md->logits, V);

@@ -411,6 +411,59 @@ static void test_penalties(void **state) {
     ds_token_counts_free(&c);
 }
 
+/* ds_sample_is_argmax says yes exactly when the sampler's token is the raw logits' argmax
+ * whatever the counts, stop mask and RNG hold: the engine then takes the token the model picked
+ * beside the logits (on a GPU) and never calls the sampler. Each condition it checks is shown to
+ * matter: with it broken, the sampled token here differs from the argmax. */
+static void test_is_argmax(void **state) {
+    (void)state;
+    const float raw[4] = {2.0f, 1.8f, 1.5f, 0.0f}; /* argmax 0 */
+    const int32_t stops[2] = {0, 3};
+    ds_token_counts c = {0};
+    for (int k = 0; k < 3; k++) ds_token_counts_add(&c, 0);
+    ds_sample_scratch *s = scratch_for(4);
+    const float temps[] = {0.0f, 1e-6f, 1.0f};
+    const float pens[] = {0.0f, 0.5f};
+    const int lps[] = {-1, 0, 2};
+    int yes = 0, no = 0;
+    for (size_t ti = 0; ti < DS_ARRAY_LEN(temps); ti++)
+        for (size_t pi = 0; pi < DS_ARRAY_LEN(pens); pi++)
+            for (size_t fi = 0; fi < DS_ARRAY_LEN(pens); fi++)
+                for (int allow = 0; allow < 2; allow++)
+                    for (int n_stop = 0; n_stop <= 2; n_stop += 2)
+                        for (size_t li = 0; li < DS_ARRAY_LEN(lps); li++) {
+                            ds_sample_params p = params(temps[ti], 1.0f, 0, 0.0f);
+                            p.presence_penalty = pens[pi];
+                            p.frequency_penalty = pens[fi];
+                            int want = temps[ti] < 1e-5f && pens[pi] == 0 && pens[fi] == 0 &&
+                                       (allow || !n_stop) && lps[li] < 0;
+                            int got = ds_sample_is_argmax(&p, allow, n_stop, lps[li]);
+                            assert_int_equal(got, want);
+                            yes += got;
+                            no += !got;
+                            ds_rng rng, before;
+                            ds_rng_seed(&rng, 7 + (uint64_t)ti);
+                            before = rng;
+                            float l[4];
+                            ds_logprobs_out lp;
+                            memcpy(l, raw, sizeof l);
+                            int32_t t = ds_sample_token(l, 4, &p, &c, allow, stops, n_stop, &rng, s,
+                                                        lps[li] >= 0 ? &lp : NULL,
+                                                        lps[li] > 0 ? lps[li] : 0);
+                            if (got) { /* the argmax, and nothing drawn */
+                                assert_int_equal(t, ds_argmax(raw, 4));
+                                assert_memory_equal(&rng, &before, sizeof rng);
+                            }
+                            /* a penalty on token 0 (counted 3 times) or its stop mask moves
+                             * greedy off the argmax: the predicate must have said no */
+                            if (temps[ti] < 1e-5f && (pens[pi] || pens[fi] || (!allow && n_stop)))
+                                assert_int_not_equal(t, ds_argmax(raw, 4));
+                        }
+    assert_true(yes > 0 && no > yes);
+    ds_sample_scratch_free(s);
+    ds_token_counts_free(&c);
+}
+
 static void test_stop_mask(void **state) {
     (void)state;
     const float raw[4] = {1.0f, 5.0f, 3.0f, 4.0f};
@@ -567,6 +620,7 @@ int main(void) {
         cmocka_unit_test(test_token_counts),
         cmocka_unit_test(test_penalties),
         cmocka_unit_test(test_stop_mask),
+        cmocka_unit_test(test_is_argmax),
         cmocka_unit_test(test_logprobs),
         cmocka_unit_test(test_seeds),
         cmocka_unit_test(test_simple_front_end),

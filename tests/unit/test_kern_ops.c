@@ -286,6 +286,34 @@ static void test_argmax(void **state) {
     free(x);
 }
 
+/* ds_argmax_blocks over a row split in blocks (vocabulary-parallel logits as gathered: block t at
+ * t * stride, the last block cut) equals ds_argmax over the row laid out flat: random rows with
+ * ties inside and across blocks, NaN blocks, -inf everywhere. */
+static void test_argmax_blocks(void **state) {
+    (void)state;
+    enum { N = 1000, BL = 251, NB = (N + BL - 1) / BL, STRIDE = 300 };
+    float flat[N], split[NB * STRIDE];
+    ds_rng rng;
+    ds_rng_seed(&rng, 12);
+    for (int trial = 0; trial < 400; trial++) {
+        int kind = trial % 5;
+        for (int i = 0; i < N; i++) {
+            float v = (float)(ds_rng_next(&rng) % 17); /* many ties */
+            if (kind == 1 && i < 2 * BL) v = NAN;      /* the first two blocks NaN */
+            if (kind == 2) v = -INFINITY;
+            if (kind == 3 && i >= BL) v = NAN;           /* only the first block has numbers */
+            if (kind == 4) v = i < BL ? NAN : -INFINITY; /* NaN, then -inf: the first -inf */
+            flat[i] = v;
+        }
+        for (int i = 0; i < NB * STRIDE; i++) split[i] = 99.0f; /* never read */
+        for (int i = 0; i < N; i++) split[(i / BL) * STRIDE + i % BL] = flat[i];
+        assert_int_equal(ds_argmax_blocks(split, STRIDE, BL, N), ds_argmax(flat, N));
+    }
+    for (int i = 0; i < N; i++) flat[i] = NAN;
+    for (int i = 0; i < N; i++) split[(i / BL) * STRIDE + i % BL] = flat[i];
+    assert_int_equal(ds_argmax_blocks(split, STRIDE, BL, N), 0);
+}
+
 /* ---- router ---------------------------------------------------------------------------------- */
 
 static float logit(double p) {
@@ -531,6 +559,7 @@ int main(void) {
         cmocka_unit_test(test_add_axpy),
         cmocka_unit_test(test_activations),
         cmocka_unit_test(test_argmax),
+        cmocka_unit_test(test_argmax_blocks),
         cmocka_unit_test(test_route_plain),
         cmocka_unit_test(test_route_bias),
         cmocka_unit_test(test_route_groups),

@@ -123,7 +123,8 @@ static void check_golden(int which, const char *golden_rel) {
     float *hidden = malloc((size_t)L * T * D * sizeof(float));
     float *final = malloc((size_t)T * D * sizeof(float));
     float *slot = new_slot(f.m);
-    ds_seq_batch sb = {ids, T, 0, slot, f.table, logits, T, hidden, final, NULL, 0, NULL, NULL};
+    ds_seq_batch sb = {ids,    T,     0,    slot, f.table, logits, T,
+                       hidden, final, NULL, 0,    NULL,    NULL,   NULL};
     ds_err err = {{0}};
     if (ds_model_forward(f.m, &f.pool, &sb, 1, &err)) fail_msg("%s", err.msg);
     for (int i = 0; i < L; i++) {
@@ -179,7 +180,7 @@ static float *full_logits(fixture *f, const int32_t *ids, int n) {
     int V = ds_model_config(f->m)->vocab_size;
     float *logits = malloc((size_t)n * V * sizeof(float));
     float *slot = new_slot(f->m);
-    ds_seq_batch sb = {ids, n, 0, slot, f->table, logits, n, NULL, NULL, NULL, 0, NULL, NULL};
+    ds_seq_batch sb = {ids, n, 0, slot, f->table, logits, n, NULL, NULL, NULL, 0, NULL, NULL, NULL};
     ds_err err = {{0}};
     if (ds_model_forward(f->m, &f->pool, &sb, 1, &err)) fail_msg("%s", err.msg);
     free(slot);
@@ -193,8 +194,9 @@ static void stepped_logits(fixture *f, const int32_t *ids, const int *steps, int
     int pos = 0;
     for (int s = 0; s < n_steps; s++) {
         int last = s == n_steps - 1;
-        ds_seq_batch sb = {ids + pos, steps[s], pos, slot, f->table, last ? out : NULL, last, NULL,
-                           NULL,      NULL,     0,   NULL, NULL};
+        ds_seq_batch sb = {ids + pos, steps[s], pos,  slot, f->table, last ? out : NULL,
+                           last,      NULL,     NULL, NULL, 0,        NULL,
+                           NULL,      NULL};
         ds_err err = {{0}};
         if (ds_model_forward(f->m, &f->pool, &sb, 1, &err)) fail_msg("%s", err.msg);
         pos += steps[s];
@@ -241,6 +243,44 @@ static void test_prefill_decode_linear(void **state) {
     check_prefill_decode(1);
 }
 
+/* Greedy tokens picked beside the logits (ds_seq_batch.argmax): one step of two segments, the
+ * first asking for its last 3 rows' logits and tokens, the second for its last 2 rows' tokens
+ * alone; each token is ds_argmax of the row a step asking for logits only returns, and the logits
+ * asked for alongside are those rows, bit for bit. (On a GPU the tokens come from a kernel and
+ * the second segment's rows never reach the host.) */
+static void test_greedy_picks(void **state) {
+    (void)state;
+    fixture f;
+    open_model(&f, 2, NULL);
+    const ds_config *c = ds_model_config(f.m);
+    int V = c->vocab_size, n_pages = MAX_CTX / BLOCK;
+    int32_t a[30], b[45];
+    random_ids(a, 30, V, 21);
+    random_ids(b, 45, V, 22);
+    float *ref = malloc((size_t)5 * V * sizeof(float)); /* [3 + 2][V] */
+    float *got = malloc((size_t)3 * V * sizeof(float)); /* [3][V] */
+    int32_t picks[5] = {-1, -1, -1, -1, -1};
+    float *sa = new_slot(f.m), *sb_slot = new_slot(f.m);
+    ds_err err = {{0}};
+    ds_seq_batch r[2] = {{a, 30, 0, sa, f.table, ref, 3, NULL, NULL, NULL, 0, NULL, NULL, NULL},
+                         {b, 45, 0, sb_slot, f.table + n_pages, ref + (size_t)3 * V, 2, NULL, NULL,
+                          NULL, 0, NULL, NULL, NULL}};
+    if (ds_model_forward(f.m, &f.pool, r, 2, &err)) fail_msg("%s", err.msg);
+    memset(sa, 0, ds_model_slot_floats(f.m) * sizeof(float));
+    memset(sb_slot, 0, ds_model_slot_floats(f.m) * sizeof(float));
+    ds_seq_batch g[2] = {{a, 30, 0, sa, f.table, got, 3, NULL, NULL, NULL, 0, NULL, NULL, picks},
+                         {b, 45, 0, sb_slot, f.table + n_pages, NULL, 2, NULL, NULL, NULL, 0, NULL,
+                          NULL, picks + 3}};
+    if (ds_model_forward(f.m, &f.pool, g, 2, &err)) fail_msg("%s", err.msg);
+    assert_memory_equal(got, ref, (size_t)3 * V * sizeof(float));
+    for (int i = 0; i < 5; i++) assert_int_equal(picks[i], ds_argmax(ref + (size_t)i * V, V));
+    free(sa);
+    free(sb_slot);
+    free(ref);
+    free(got);
+    close_model(&f);
+}
+
 /* Invariant 7: a sequence's logits are bit-identical alone and inside a batch. */
 static void test_batch_invariance(void **state) {
     (void)state;
@@ -256,19 +296,20 @@ static void test_batch_invariance(void **state) {
     float *sa = new_slot(f.m), *sb_slot = new_slot(f.m);
     ds_err err = {{0}};
     /* alone: prefill 39, decode 1 */
-    ds_seq_batch s1 = {a, 39, 0, sa, f.table, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL};
+    ds_seq_batch s1 = {a, 39, 0, sa, f.table, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL, NULL};
     if (ds_model_forward(f.m, &f.pool, &s1, 1, &err)) fail_msg("%s", err.msg);
-    ds_seq_batch s2 = {a + 39, 1, 39, sa, f.table, alone, 1, NULL, NULL, NULL, 0, NULL, NULL};
+    ds_seq_batch s2 = {a + 39, 1, 39, sa, f.table, alone, 1, NULL, NULL, NULL, 0, NULL, NULL, NULL};
     if (ds_model_forward(f.m, &f.pool, &s2, 1, &err)) fail_msg("%s", err.msg);
     /* batched: same steps, with another sequence's prefill alongside each */
     memset(sa, 0, ds_model_slot_floats(f.m) * sizeof(float));
     ds_seq_batch p1[2] = {
-        {b, 50, 0, sb_slot, f.table + n_pages, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL},
-        {a, 39, 0, sa, f.table, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL}};
+        {b, 50, 0, sb_slot, f.table + n_pages, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL, NULL},
+        {a, 39, 0, sa, f.table, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL, NULL}};
     if (ds_model_forward(f.m, &f.pool, p1, 2, &err)) fail_msg("%s", err.msg);
     ds_seq_batch p2[2] = {
-        {b + 50, 20, 50, sb_slot, f.table + n_pages, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL},
-        {a + 39, 1, 39, sa, f.table, batched, 1, NULL, NULL, NULL, 0, NULL, NULL}};
+        {b + 50, 20, 50, sb_slot, f.table + n_pages, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL,
+         NULL},
+        {a + 39, 1, 39, sa, f.table, batched, 1, NULL, NULL, NULL, 0, NULL, NULL, NULL}};
     if (ds_model_forward(f.m, &f.pool, p2, 2, &err)) fail_msg("%s", err.msg);
     assert_memory_equal(alone, batched, (size_t)V * sizeof(float));
     free(alone);
@@ -296,7 +337,7 @@ static void test_spec_rollback(void **state) {
     int32_t plain[G];
     float *slot = new_slot(f.m);
     ds_err err = {{0}};
-    ds_seq_batch sb = {seq, P, 0, slot, f.table, logits, 1, NULL, NULL, NULL, 0, NULL, NULL};
+    ds_seq_batch sb = {seq, P, 0, slot, f.table, logits, 1, NULL, NULL, NULL, 0, NULL, NULL, NULL};
     if (ds_model_forward(f.m, &f.pool, &sb, 1, &err)) fail_msg("%s", err.msg);
     int32_t ctx[P + G];
     memcpy(ctx, seq, P * sizeof(int32_t));
@@ -304,7 +345,7 @@ static void test_spec_rollback(void **state) {
         plain[g] = ds_argmax(logits, V);
         ctx[P + g] = plain[g];
         ds_seq_batch d = {ctx + P + g, 1,    P + g, slot, f.table, logits, 1,
-                          NULL,        NULL, NULL,  0,    NULL,    NULL};
+                          NULL,        NULL, NULL,  0,    NULL,    NULL,   NULL};
         if (ds_model_forward(f.m, &f.pool, &d, 1, &err)) fail_msg("%s", err.msg);
     }
     /* speculative: drafts are the true continuation for `want` positions, then wrong tokens */
@@ -327,7 +368,7 @@ static void test_spec_rollback(void **state) {
             win[i] = i <= want ? truth : (truth + 1 + i) % V;
         }
         ds_seq_batch v = {win,  K + 1, pos,  slot, f.table, logits, K + 1,
-                          NULL, NULL,  NULL, 0,    NULL,    rows};
+                          NULL, NULL,  NULL, 0,    NULL,    rows,   NULL};
         if (ds_model_forward(f.m, &f.pool, &v, 1, &err)) fail_msg("%s", err.msg);
         int a = 0;
         while (a < K && win[a + 1] == ds_argmax(logits + (size_t)a * V, V)) a++;
@@ -354,7 +395,7 @@ static void test_bad_tokens(void **state) {
     open_model(&f, 1, NULL);
     float *slot = new_slot(f.m);
     int32_t ids[2] = {5, 1 << 20};
-    ds_seq_batch sb = {ids, 2, 0, slot, f.table, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL};
+    ds_seq_batch sb = {ids, 2, 0, slot, f.table, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL, NULL};
     ds_err err = {{0}};
     assert_int_equal(ds_model_forward(f.m, &f.pool, &sb, 1, &err), DS_ERR);
     assert_non_null(strstr(err.msg, "1048576"));
@@ -372,7 +413,7 @@ static void last_logits(const char *dir, const ds_model_opts *opts, float *out, 
     int32_t table[4] = {2, 0, 3, 1};
     float *slot = new_slot(f.m);
     int32_t ids[12] = {1, 5, 9, 100, 7, 7, 300, 2, 11, 64, 65, 800};
-    ds_seq_batch sb = {ids, 12, 0, slot, table, out, 1, NULL, NULL, NULL, 0, NULL, NULL};
+    ds_seq_batch sb = {ids, 12, 0, slot, table, out, 1, NULL, NULL, NULL, 0, NULL, NULL, NULL};
     if (ds_model_forward(f.m, &f.pool, &sb, 1, err)) fail_msg("%s", err->msg);
     free(slot);
     ds_kv_pool_free(&f.pool);
@@ -433,7 +474,7 @@ int main(void) {
         cmocka_unit_test(test_golden_gsm_k3),         cmocka_unit_test(test_prefill_decode_k3),
         cmocka_unit_test(test_prefill_decode_linear), cmocka_unit_test(test_batch_invariance),
         cmocka_unit_test(test_spec_rollback),         cmocka_unit_test(test_bad_tokens),
-        cmocka_unit_test(test_random_weights),
+        cmocka_unit_test(test_random_weights),        cmocka_unit_test(test_greedy_picks),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

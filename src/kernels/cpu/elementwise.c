@@ -490,3 +490,19 @@ int ds_argmax(const float *x, int n) {
         if (x[i] == m) return i;
     return 0; /* all NaN */
 }
+
+int ds_argmax_blocks(const float *x, size_t stride, int block_len, int n) {
+    int best = -1;
+    float bm = -INFINITY;
+    for (int v0 = 0, t = 0; v0 < n; v0 += block_len, t++) {
+        const float *b = x + (size_t)t * stride;
+        int i = ds_argmax(b, DS_MIN(block_len, n - v0));
+        /* a block of NaN only (its index 0 then holds NaN) has no candidate; on equal maxima the
+         * earlier block holds the lower index */
+        if (b[i] == b[i] && (best < 0 || b[i] > bm)) {
+            best = v0 + i;
+            bm = b[i];
+        }
+    }
+    return best < 0 ? 0 : best;
+}

@@ -132,6 +132,11 @@ void ds_attnres_mix(float *out, const float *const *cands, int m, const float *n
 
 /* ---- sampling helpers -------------------------------------------------------------------------
  */
-int ds_argmax(const float *x, int n); /* ties: lowest index */
+/* The greedy token of x[n]: the lowest index among the largest values; NaN never wins; 0 when
+ * every value is NaN. */
+int ds_argmax(const float *x, int n);
+/* ds_argmax of a row of n values held in blocks of block_len (the last one cut at n), block t at
+ * x + t * stride: vocabulary-parallel logits as the ranks' blocks are gathered. */
+int ds_argmax_blocks(const float *x, size_t stride, int block_len, int n);
 
 #endif
