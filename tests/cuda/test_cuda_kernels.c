@@ -800,11 +800,18 @@ static void check_argmax(ds_cu *c, int rows, int V) {
     float *x = rand_f32((size_t)rows * V, -5, 5);
     for (int r = 0; r < rows; r++) {
         float *xr = x + (size_t)r * V;
-        if (r % 4 == 1) /* a tie: the same maximum at two places */
+        if (r % 8 == 1) /* a tie: the same maximum at two places */
             xr[V / 3] = xr[2 * V / 3] = 9.0f;
-        if (r % 4 == 2) /* NaN scattered in */
+        if (r % 8 == 2) /* NaN scattered in */
             for (int i = 0; i < V; i += 7) xr[i] = NAN;
-        if (r % 4 == 3 && r == rows - 1) /* a row of NaN */
+        if (r % 8 == 4) /* -0 and +0 the largest: equal, so the first of them */
+            for (int i = 0; i < V; i++)
+                xr[i] = i == V / 2 ? -0.0f : i == V / 4 ? 0.0f : -xr[i] * xr[i] - 1;
+        if (r % 8 == 5) /* -0 first, then +0 */
+            for (int i = 0; i < V; i++) xr[i] = i == V / 5 ? -0.0f : i == V - 1 ? 0.0f : -1.0f;
+        if (r % 8 == 6) /* all -inf but for NaN in front: the first -inf */
+            for (int i = 0; i < V; i++) xr[i] = i < V / 3 ? NAN : -INFINITY;
+        if (r % 8 == 7 && r == rows - 1) /* a row of NaN */
             for (int i = 0; i < V; i++) xr[i] = NAN;
     }
     int32_t *ref = malloc((size_t)rows * 4), *got = malloc((size_t)rows * 4);

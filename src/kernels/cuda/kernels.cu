@@ -32,9 +32,9 @@ struct ds_cu {
     int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
     int kda_tc;        /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
     int early_experts; /* the experts' down pass reads its routing early (ds_cu_set_...) */
-    int gemv_wide;        /* one-token matmuls of many rows 4 rows a warp (ds_cu_set_gemv_wide) */
-    int conv_fixed;       /* the short conv with its width at compile time (ds_cu_set_conv_fixed) */
-    void *mlag;           /* that path's buffers, mlag_bytes allocated */
+    int gemv_wide;     /* one-token matmuls of many rows 4 rows a warp (ds_cu_set_gemv_wide) */
+    int conv_fixed;    /* the short conv with its width at compile time (ds_cu_set_conv_fixed) */
+    void *mlag;        /* that path's buffers, mlag_bytes allocated */
     size_t mlag_bytes;
     void *kdac; /* chunked KDA's per-chunk products and chunk table, kdac_bytes allocated */
     size_t kdac_bytes;
@@ -2938,34 +2938,44 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
 }
 
 /* ---- greedy sampling ---------------------------------------------------------------------------
- * One block per row, as ds_argmax: the largest value (NaN never wins; fmaxf drops it), then the
- * lowest index holding it; a row of NaN gives 0. */
-__global__ void argmax_k(int32_t *out, const float *x, int V) {
+ * ds_argmax in one pass: each element becomes a 64-bit key, its value's bits ordered as the floats
+ * are (above) and its index inverted (below), so the largest key is the largest value at its
+ * lowest index; NaN is key 0, which never wins, and a row of NaN gives 0. -0 becomes +0 first,
+ * since ds_argmax finds them equal. One block of 1024 threads a row, 4 loads in flight each. */
+__device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
+    if (v != v) return 0ull;
+    if (v == 0.0f) v = 0.0f;
+    unsigned u = __float_as_uint(v);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u); /* -inf is 0x007fffff: above NaN's 0 */
+    return ((unsigned long long)u << 32) | (unsigned)~i;
+}
+
+__global__ void __launch_bounds__(1024) argmax_k(int32_t *out, const float *x, int V) {
     PDL_ENTRY();
     const float *xr = x + (size_t)blockIdx.x * V;
-    __shared__ float red[32];
-    __shared__ int first;
-    float m = -INFINITY;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) m = fmaxf(m, xr[i]); /* skips NaN */
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    if (lane == 0) red[wid] = m;
-    if (threadIdx.x == 0) first = V;
+    const int nt = blockDim.x;
+    unsigned long long best = 0ull;
+    int i = threadIdx.x;
+    for (; i + 3 * nt < V; i += 4 * nt) {
+        const float v0 = xr[i], v1 = xr[i + nt], v2 = xr[i + 2 * nt], v3 = xr[i + 3 * nt];
+        best = max(max(best, argmax_key(v0, i)), argmax_key(v1, i + nt));
+        best = max(max(best, argmax_key(v2, i + 2 * nt)), argmax_key(v3, i + 3 * nt));
+    }
+    for (; i < V; i += nt) best = max(best, argmax_key(xr[i], i));
+    for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
+    __shared__ unsigned long long red[32];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    if (lane == 0) red[wid] = best;
     __syncthreads();
-    m = red[0];
-    for (int w = 1; w < nw; w++) m = fmaxf(m, red[w]);
-    for (int i = threadIdx.x; i < V; i += blockDim.x)
-        if (xr[i] == m) {
-            atomicMin(&first, i);
-            break; /* this thread's later indices are larger */
-        }
-    __syncthreads();
-    if (threadIdx.x == 0) out[blockIdx.x] = first < V ? first : 0;
+    if (wid) return;
+    best = lane < (nt >> 5) ? red[lane] : 0ull;
+    for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
+    if (lane == 0) out[blockIdx.x] = best ? (int32_t) ~(unsigned)best : 0;
 }
 
 extern "C" void ds_cu_argmax_rows(ds_cu *c, int32_t *out, const float *x, int rows, int V) {
     if (rows <= 0 || V <= 0) return;
-    launch_k(c, argmax_k, rows, 256, 0, out, x, V);
+    launch_k(c, argmax_k, rows, 1024, 0, out, x, V);
     note_launch(c);
 }
 
