@@ -563,7 +563,8 @@ typedef struct cstep {
     int nb_max;
     int ctx_cap; /* absorbed attention's context bound: a power of two >= every context */
     float *P, *x, *a, *bank, *xr, *lg; /* the step's long-lived buffers (run_step) */
-    int32_t *am;                       /* [n_lg] the greedy token of each row of lg */
+    uint64_t *am; /* [n_lg][am_parts] keys of the greedy token of each row of lg (in parts) */
+    int am_parts;
 } cstep;
 
 /* Opens a profiled interval (DS_CUDA_PROFILE=1; see ds_cu_prof_mark). */
@@ -626,7 +627,8 @@ static size_t cuda_step_need(const ds_model *m, const ds_seq_batch *seqs, int n_
     if (m->l1 == (int)L) {
         size_t nl = 0;
         for (int q = 0; q < n_seq; q++) nl += (size_t)ds_seq_logit_rows(&seqs[q]);
-        lg = nl * (D + (size_t)m->vp + 1) + 2 * pad; /* xr, lg and the greedy tokens */
+        /* xr, lg and the greedy tokens' keys (ds_cu_argmax_parts: rows x parts <= rows + 264) */
+        lg = nl * (D + (size_t)m->vp) + 2 * (nl + 264) + 3 * pad;
     }
     return base + lg + DS_MAX(DS_MAX(kda, mla), ffn);
 }
@@ -1273,10 +1275,11 @@ static int run_step(cstep *s, const ds_stage_io *in, ds_stage_io *out, ds_err *e
     s->a = take(s, TD);   /* [T][D] sublayer output */
     s->bank = take(s, 0); /* [nb_max][T][D] banked AttnRes blocks (build_indices' layout) */
     s->used += (size_t)s->nb_max * TDp;
-    s->xr = take(s, (size_t)s->n_lg * D);        /* [n_lg][D] rows that want logits */
-    s->lg = take(s, (size_t)s->n_lg * m->vp);    /* [n_lg][vp] their logits (this rank's
-   vocabulary block; all of V on one) */
-    s->am = (int32_t *)take(s, (size_t)s->n_lg); /* (4-byte elements, as floats) */
+    s->xr = take(s, (size_t)s->n_lg * D);     /* [n_lg][D] rows that want logits */
+    s->lg = take(s, (size_t)s->n_lg * m->vp); /* [n_lg][vp] their logits (this rank's
+vocabulary block; all of V on one) */
+    s->am_parts = ds_cu_argmax_parts(s->n_lg, m->vp);
+    s->am = (uint64_t *)take(s, 2 * (size_t)s->n_lg * s->am_parts); /* (8 bytes: 2 floats) */
     if (s->used > cm->sc_cap) s->overflow = 1;
     TAKEN();
     int nb = 0;
@@ -1334,20 +1337,31 @@ static int run_step(cstep *s, const ds_stage_io *in, ds_stage_io *out, ds_err *e
     }
     int any_am = 0;
     for (int q = 0; q < s->n_seq; q++) any_am |= s->seqs[q].argmax && s->seqs[q].n_logits;
-    if (any_am) { /* after the graph: a kernel over the rows, 4 bytes a row to the host */
-        ds_cu_argmax_rows(cu, s->am, s->lg, s->n_lg, V); /* (a failed launch: the sync says) */
+    uint64_t *keys = NULL; /* [n_lg][am_parts] on the host */
+    if (any_am) { /* after the graph: a kernel over the rows, a few bytes a row to the host */
+        const size_t nk = (size_t)s->n_lg * s->am_parts;
+        if (!(keys = (uint64_t *)tp_stage(s, 2 * nk, err))) return DS_ERR;
+        ds_cu_argmax_rows(cu, s->am, s->lg, s->n_lg, V, s->am_parts);
+        TRY(ds_cu_download(cu, keys, s->am, nk * sizeof(uint64_t), err));
     }
     for (int q = 0; q < s->n_seq; q++) {
         ds_seq_batch *sb = &s->seqs[q];
         int nl = ds_seq_logit_rows(sb);
-        if (sb->argmax && nl)
-            TRY(ds_cu_download(cu, sb->argmax, s->am + r, (size_t)nl * sizeof(int32_t), err));
         if (sb->logits && nl)
             TRY(ds_cu_download(cu, sb->logits, s->lg + (size_t)r * V,
                                (size_t)nl * V * sizeof(float), err));
         r += nl;
     }
-    return ds_cu_sync(cu, err);
+    TRY(ds_cu_sync(cu, err));
+    r = 0;
+    for (int q = 0; keys && q < s->n_seq; q++) {
+        ds_seq_batch *sb = &s->seqs[q];
+        int nl = ds_seq_logit_rows(sb);
+        for (int i = 0; sb->argmax && i < nl; i++)
+            sb->argmax[i] = ds_cu_argmax_token(keys + (size_t)(r + i) * s->am_parts, s->am_parts);
+        r += nl;
+    }
+    return DS_OK;
 }
 
 /* Callers that keep a sequence's KDA slot or verify rows in host memory (the CLI's generate, the

@@ -796,7 +796,7 @@ static void check_nccl_one_rank(ds_cu *c) {
 }
 #endif
 
-static void check_argmax(ds_cu *c, int rows, int V) {
+static void check_argmax(ds_cu *c, int rows, int V, int parts) {
     float *x = rand_f32((size_t)rows * V, -5, 5);
     for (int r = 0; r < rows; r++) {
         float *xr = x + (size_t)r * V;
@@ -817,16 +817,20 @@ static void check_argmax(ds_cu *c, int rows, int V) {
     int32_t *ref = malloc((size_t)rows * 4), *got = malloc((size_t)rows * 4);
     for (int r = 0; r < rows; r++) ref[r] = ds_argmax(x + (size_t)r * V, V);
     float *dx = dev(c, x, (size_t)rows * V * 4);
-    int32_t *dout = dev(c, NULL, (size_t)rows * 4);
-    ds_cu_argmax_rows(c, dout, dx, rows, V);
-    fetch(c, got, dout, (size_t)rows * 4);
+    if (!parts) parts = ds_cu_argmax_parts(rows, V);
+    uint64_t *dkeys = dev(c, NULL, (size_t)rows * parts * 8),
+             *keys = malloc((size_t)rows * parts * 8);
+    ds_cu_argmax_rows(c, dkeys, dx, rows, V, parts);
+    fetch(c, keys, dkeys, (size_t)rows * parts * 8);
+    for (int r = 0; r < rows; r++) got[r] = ds_cu_argmax_token(keys + (size_t)r * parts, parts);
     int bad = 0;
     for (int r = 0; r < rows; r++) bad += got[r] != ref[r];
     char what[96];
-    snprintf(what, sizeof what, "argmax rows=%d V=%d (%d rows differ)", rows, V, bad);
+    snprintf(what, sizeof what, "argmax rows=%d V=%d in %d parts (%d rows differ)", rows, V, parts,
+             bad);
     report(what, bad ? INFINITY : 0.0, 0.0);
-    ds_cu_dealloc(dx), ds_cu_dealloc(dout);
-    free(x), free(ref), free(got);
+    ds_cu_dealloc(dx), ds_cu_dealloc(dkeys);
+    free(x), free(ref), free(got), free(keys);
 }
 
 /* gemm: the tensor-core path for long segments (BF16 operands and probabilities: 2e-2). */
@@ -1379,11 +1383,15 @@ static void run_checks(ds_cu *c) {
         for (int i = 0; i < 160; i++) blens[i] = 1 + (i % 7 == 0), bpos[i] = (i * 397) % 1200;
         check_mla_batch(c, blens, bpos, 160, 16, 512, 64, 1);
     }
-    check_argmax(c, 8, 163840);
+    check_argmax(c, 8, 163840, 0); /* parts as the model takes them */
+    check_argmax(c, 8, 163840, 1);
+    check_argmax(c, 1, 163840, 0);
+    check_argmax(c, 300, 5003, 0);
+    check_argmax(c, 12, 100, 7); /* parts of 15, the last one short */
 #ifdef DS_HAVE_NCCL
     check_nccl_one_rank(c);
 #endif
-    check_argmax(c, 12, 100);
+    check_argmax(c, 12, 100, 0);
 }
 
 int main(int argc, char **argv) {

@@ -284,8 +284,17 @@ int ds_cu_is_device_ptr(const void *p);
 /* Free device memory in bytes. */
 size_t ds_cu_mem_free(ds_cu *c);
 
-/* out[r] = ds_argmax(x[r], V) for rows r < rows: x [rows][V]; ties to the lowest index. */
-void ds_cu_argmax_rows(ds_cu *c, int32_t *out, const float *x, int rows, int V);
+/* Greedy tokens (ds_argmax) of rows x [rows][V], each row cut in `parts` so that a short batch
+ * still spreads over the GPU: keys [rows][parts] receive each part's best as a 64-bit key (the
+ * value's bits ordered as floats are, above the inverted index; 0 for a part of NaN), and
+ * ds_cu_argmax_token reduces a row's keys on the host after they are downloaded. */
+int ds_cu_argmax_parts(int rows, int V); /* the parts that fill the GPU for this shape */
+void ds_cu_argmax_rows(ds_cu *c, uint64_t *keys, const float *x, int rows, int V, int parts);
+static inline int32_t ds_cu_argmax_token(const uint64_t *keys, int parts) {
+    uint64_t best = 0;
+    for (int p = 0; p < parts; p++) best = keys[p] > best ? keys[p] : best;
+    return best ? (int32_t) ~(uint32_t)best : 0; /* a row of NaN: 0, as ds_argmax */
+}
 
 /* The ceilings figures are reported against, measured now: the device-to-device copy rate
  * (GB/s, read + written) and cuBLAS's BF16 GEMM rate (TFLOP/s). */

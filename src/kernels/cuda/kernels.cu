@@ -2941,7 +2941,8 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
  * ds_argmax in one pass: each element becomes a 64-bit key, its value's bits ordered as the floats
  * are (above) and its index inverted (below), so the largest key is the largest value at its
  * lowest index; NaN is key 0, which never wins, and a row of NaN gives 0. -0 becomes +0 first,
- * since ds_argmax finds them equal. One block of 1024 threads a row, 4 loads in flight each. */
+ * since ds_argmax finds them equal. A block takes one part of a row (ds_cu_argmax_parts), 4 loads
+ * in flight a thread; the host takes the largest of a row's part keys (ds_cu_argmax_token). */
 __device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
     if (v != v) return 0ull;
     if (v == 0.0f) v = 0.0f;
@@ -2950,32 +2951,43 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
     return ((unsigned long long)u << 32) | (unsigned)~i;
 }
 
-__global__ void __launch_bounds__(1024) argmax_k(int32_t *out, const float *x, int V) {
+enum { ARGMAX_THREADS = 256, ARGMAX_MIN_PART = 4096 };
+
+__global__ void __launch_bounds__(ARGMAX_THREADS)
+    argmax_k(unsigned long long *keys, const float *x, int V, int part_len) {
     PDL_ENTRY();
-    const float *xr = x + (size_t)blockIdx.x * V;
-    const int nt = blockDim.x;
+    const float *xr = x + (size_t)blockIdx.y * V;
+    const int nt = ARGMAX_THREADS, end = min(V, (blockIdx.x + 1) * part_len);
     unsigned long long best = 0ull;
-    int i = threadIdx.x;
-    for (; i + 3 * nt < V; i += 4 * nt) {
+    int i = blockIdx.x * part_len + threadIdx.x;
+    for (; i + 3 * nt < end; i += 4 * nt) {
         const float v0 = xr[i], v1 = xr[i + nt], v2 = xr[i + 2 * nt], v3 = xr[i + 3 * nt];
         best = max(max(best, argmax_key(v0, i)), argmax_key(v1, i + nt));
         best = max(max(best, argmax_key(v2, i + 2 * nt)), argmax_key(v3, i + 3 * nt));
     }
-    for (; i < V; i += nt) best = max(best, argmax_key(xr[i], i));
+    for (; i < end; i += nt) best = max(best, argmax_key(xr[i], i));
     for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
-    __shared__ unsigned long long red[32];
+    __shared__ unsigned long long red[ARGMAX_THREADS / 32];
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     if (lane == 0) red[wid] = best;
     __syncthreads();
-    if (wid) return;
-    best = lane < (nt >> 5) ? red[lane] : 0ull;
-    for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
-    if (lane == 0) out[blockIdx.x] = best ? (int32_t) ~(unsigned)best : 0;
+    if (threadIdx.x) return;
+    for (int w = 1; w < ARGMAX_THREADS / 32; w++) best = max(best, red[w]);
+    keys[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = best;
 }
 
-extern "C" void ds_cu_argmax_rows(ds_cu *c, int32_t *out, const float *x, int rows, int V) {
-    if (rows <= 0 || V <= 0) return;
-    launch_k(c, argmax_k, rows, 1024, 0, out, x, V);
+extern "C" int ds_cu_argmax_parts(int rows, int V) {
+    /* two blocks an SM of an H200 (132), parts of at least ARGMAX_MIN_PART values */
+    const int want = (264 + rows - 1) / DS_MAX(rows, 1);
+    return DS_MAX(1, DS_MIN(want, (V + ARGMAX_MIN_PART - 1) / ARGMAX_MIN_PART));
+}
+
+extern "C" void ds_cu_argmax_rows(ds_cu *c, uint64_t *keys, const float *x, int rows, int V,
+                                  int parts) {
+    if (rows <= 0 || V <= 0 || parts <= 0) return;
+    const int part_len = (V + parts - 1) / parts;
+    launch_k(c, argmax_k, dim3((unsigned)parts, (unsigned)rows), ARGMAX_THREADS, 0,
+             (unsigned long long *)keys, x, V, part_len);
     note_launch(c);
 }
 
