@@ -20,6 +20,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <omp.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -109,11 +110,12 @@ struct ds_engine {
     uint64_t micro;    /* steps launched so far */
     int64_t *deferred; /* [n_deferred] aborts of requests with a step in flight */
     int n_deferred, cap_deferred;
-    ds_seq **preempted;  /* [max_num_seqs] */
-    ds_seq_batch *batch; /* [max_num_seqs] */
-    float *logits;       /* [max_num_seqs][k+1][V] */
-    int32_t *argmax;     /* [max_num_seqs][k+1] greedy tokens picked beside the logits */
-    ds_sample_scratch *scratch;
+    ds_seq **preempted;          /* [max_num_seqs] */
+    ds_seq_batch *batch;         /* [max_num_seqs] */
+    float *logits;               /* [max_num_seqs][k+1][V] */
+    int32_t *argmax;             /* [max_num_seqs][k+1] greedy tokens picked beside the logits */
+    ds_sample_scratch **scratch; /* [n_scratch]: one per sampling thread */
+    int n_scratch;
 
     /* speculative decoding (k = 0: off) */
     int k;
@@ -508,8 +510,11 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
     /* page-locked when the model is on a GPU: the step downloads its logits here */
     e->logits = ds_dmem_host_alloc((size_t)S * rows * e->V * sizeof(float), err);
     e->argmax = ds_malloc((size_t)S * rows * sizeof(int32_t), err);
-    e->scratch = ds_sample_scratch_new(e->V, err);
+    e->n_scratch = DS_MAX(1, DS_MIN(omp_get_max_threads(), 16));
+    e->scratch = ds_calloc((size_t)e->n_scratch, sizeof *e->scratch, err);
     if (!e->preempted || !e->batch || !e->logits || !e->argmax || !e->scratch) goto fail;
+    for (int t = 0; t < e->n_scratch; t++)
+        if (!(e->scratch[t] = ds_sample_scratch_new(e->V, err))) goto fail;
     *out = e;
     return DS_OK;
 fail:
@@ -841,17 +846,17 @@ static int picks_greedy(const ds_engine *e, const choice *ch) {
  * for it (row NULL, *pick: see picks_greedy); `ahead` tokens of this step were already chosen (and
  * counted) before it, so min_tokens and penalties see exactly what plain decoding would. Draws
  * from the choice's own RNG. */
-static int32_t choose(ds_engine *e, choice *ch, float *row, const int32_t *pick, int ahead,
-                      ds_logprobs_out *lp) {
+static int32_t choose(ds_engine *e, choice *ch, float *row, const int32_t *pick,
+                      ds_sample_scratch *sc, int ahead, ds_logprobs_out *lp) {
     const ds_request_params *p = &ch->req->spec.params;
     int32_t stop_ids[DS_MAX_STOP + 1];
     int n_stop = stop_ids_of(e, p, stop_ids);
     ds_sample_params sp = sample_params_of(p);
     int allow_stop = ch->n_generated + ahead >= p->min_tokens;
-    int32_t tok = row ? ds_sample_token(row, e->V, &sp, &ch->counts, allow_stop, stop_ids, n_stop,
-                                        &ch->rng, e->scratch, p->logprobs >= 0 ? lp : NULL,
-                                        p->logprobs > 0 ? p->logprobs : 0)
-                      : *pick;
+    int32_t tok =
+        row ? ds_sample_token(row, e->V, &sp, &ch->counts, allow_stop, stop_ids, n_stop, &ch->rng,
+                              sc, p->logprobs >= 0 ? lp : NULL, p->logprobs > 0 ? p->logprobs : 0)
+            : *pick;
     ds_token_counts_add(&ch->counts, tok);
     return tok;
 }
@@ -984,12 +989,12 @@ static void detach_drafts(ds_engine *e) {
  * so greedy output equals plain decoding. Returns the accepted count a; toks[0..a] are the
  * tokens to deliver (a accepted drafts and the correction or bonus). */
 static int verify(ds_engine *e, choice *ch, ds_sched_item *it, float *rows, const int32_t *picks,
-                  int32_t *toks, ds_logprobs_out *lps) {
+                  ds_sample_scratch *sc, int32_t *toks, ds_logprobs_out *lps) {
     ds_seq *s = it->seq;
     int k = s->n_spec, a = 0;
     for (;;) {
-        toks[a] = choose(e, ch, rows ? rows + (size_t)a * e->V : NULL, picks ? picks + a : NULL, a,
-                         &lps[a]);
+        toks[a] = choose(e, ch, rows ? rows + (size_t)a * e->V : NULL, picks ? picks + a : NULL, sc,
+                         a, &lps[a]);
         if (a == k || toks[a] != s->tokens[it->pos0 + 1 + a]) break;
         a++;
     }
@@ -1419,26 +1424,34 @@ static void launch(ds_engine *e, inflight *f, int g) {
          * plain item samples one. */
         int summed =
             e->dist && e->comm->n_stages > 1 && e->opts.draft_tap_relay == DS_RELAY_PARTIAL_SUM;
+        /* The tokens first, the items side by side when more than one samples on the host (at
+         * V = 163840 a row costs ~1 ms of one core): each choice samples from its own rows with
+         * its own RNG and counts, so neither the order nor the thread changes what it draws. */
+        int n_host = 0;
+        for (int i = 0; i < n_items; i++) n_host += f->items[i].sample && e->batch[i].logits;
+#pragma omp parallel for schedule(dynamic) num_threads(e->n_scratch) if (n_host > 1)
+        for (int i = 0; i < n_items; i++) {
+            ds_sched_item *it = &f->items[i];
+            choice *ch = it->seq->owner;
+            ds_sample_scratch *sc = e->scratch[omp_get_thread_num()];
+            float *lg = e->batch[i].logits;            /* or NULL, and then: */
+            const int32_t *picks = e->batch[i].argmax; /* the greedy tokens */
+            f->va[i] = -1;
+            if (!it->sample) continue;
+            if (it->seq->n_spec)
+                f->va[i] = verify(e, ch, it, lg, picks, sc, f->vt[i], f->vlp + (size_t)i * rows);
+            else
+                f->vt[i][0] = choose(e, ch, lg, picks, sc, 0, &f->vlp[(size_t)i * rows]);
+        }
         tap_off = 0;
         size_t off = 0;
         for (int i = 0; i < n_items; i++) {
             ds_sched_item *it = &f->items[i];
             ds_seq *s = it->seq;
-            choice *ch = s->owner;
             int n_run = e->batch[i].n;
-            f->va[i] = -1;
             f->n_dr[i] = 0;
-            float *lg = e->batch[i].logits;            /* or NULL, and then: */
-            const int32_t *picks = e->batch[i].argmax; /* the greedy tokens */
-            int n_keep = it->n; /* positions the step keeps: a verify only its accepted ones */
-            if (it->sample) {
-                if (s->n_spec) {
-                    f->va[i] = verify(e, ch, it, lg, picks, f->vt[i], f->vlp + (size_t)i * rows);
-                    n_keep = f->va[i] + 1;
-                } else {
-                    f->vt[i][0] = choose(e, ch, lg, picks, 0, &f->vlp[(size_t)i * rows]);
-                }
-            }
+            /* positions the step keeps: a verify only its accepted ones */
+            int n_keep = f->va[i] >= 0 ? f->va[i] + 1 : it->n;
             /* The draft's context rows for the positions kept (later ones are rewritten when
              * they are recomputed), before it drafts from them. */
             if (n_taps && e->draft) {
@@ -1626,7 +1639,8 @@ void ds_engine_free(ds_engine *e) {
     ds_slot_pool_free(e->slots);
     ds_page_pool_free(e->pages);
     ds_kv_pool_free(&e->kv);
-    ds_sample_scratch_free(e->scratch);
+    for (int t = 0; e->scratch && t < e->n_scratch; t++) ds_sample_scratch_free(e->scratch[t]);
+    free(e->scratch);
     if (e->draft) {
         ds_draft_cache_free(&e->dcache);
         ds_draft_free(e->draft);

@@ -229,6 +229,21 @@ static void test_seeded_sampling(void **state) {
     int differ =
         a.n[0] != a.n[1] || memcmp(a.tokens[0], a.tokens[1], (size_t)a.n[0] * sizeof(int32_t)) != 0;
     assert_true(differ);
+    /* Sampled alone (the only row sampled on the host: one thread) and among 6 other sampled
+     * requests (the step's rows sampled side by side on the engine's threads): the same tokens. */
+    collected solo, crowd, others[6];
+    submit(e, prompt, 20, 30, &solo, 1, 1.0f, 99);
+    wait_done(&solo);
+    int32_t op[6][40];
+    for (int i = 0; i < 6; i++) {
+        prompt_ids(op[i], 12 + 4 * i, 900 + (uint64_t)i);
+        submit(e, op[i], 12 + 4 * i, 30, &others[i], 1 + i % 2, 0.9f, 40 + (uint64_t)i);
+        if (i == 2) submit(e, prompt, 20, 30, &crowd, 1, 1.0f, 99);
+    }
+    wait_done(&crowd);
+    for (int i = 0; i < 6; i++) wait_done(&others[i]);
+    assert_int_equal(crowd.n[0], solo.n[0]);
+    assert_memory_equal(crowd.tokens[0], solo.tokens[0], (size_t)solo.n[0] * sizeof(int32_t));
     ds_engine_stop(e, 1.0);
     ds_engine_free(e);
 }
