@@ -5,6 +5,7 @@
 #include "cli/bench_limits.h"
 #include "base/devmem.h"
 #include "cli/commands.h"
+#include "engine/sampler.h"
 #include "model/model.h"
 
 #include <omp.h>
@@ -22,7 +23,39 @@ typedef struct bench_result {
     int batch[MAX_BATCHES];
     double decode_tps[MAX_BATCHES], decode_gbs[MAX_BATCHES], decode_gflops[MAX_BATCHES];
     double decode_ms[MAX_BATCHES]; /* per step: the time per output token of each sequence */
+    /* --full-logits: sampling a step's rows on the host, ms, on one thread and on sample_threads */
+    double sample_ms1[MAX_BATCHES], sample_msn[MAX_BATCHES];
+    int sample_threads;
 } bench_result;
+
+/* ms to sample B rows of logits [B][V] (temperature 1, top-p 0.95: a typical sampled request)
+ * on nt threads, as the engine does a step's rows (a scratch a thread, an RNG a row). */
+static double time_sampling(float *logits, int B, int V, int nt, ds_err *err) {
+    ds_sample_scratch *sc[16] = {0};
+    nt = DS_MAX(1, DS_MIN(nt, 16));
+    double ms = -1;
+    for (int t = 0; t < nt; t++)
+        if (!(sc[t] = ds_sample_scratch_new(V, err))) goto out;
+    ds_sample_params p;
+    ds_sample_params_default(&p);
+    p.top_p = 0.95f;
+    double best = 1e30;
+    for (int rep = 0; rep < 3; rep++) {
+        double t0 = ds_now();
+#pragma omp parallel for schedule(dynamic) num_threads(nt)
+        for (int b = 0; b < B; b++) {
+            ds_rng rng;
+            ds_rng_seed(&rng, (uint64_t)b + 1);
+            ds_sample_token(logits + (size_t)b * V, V, &p, NULL, 1, NULL, 0, &rng,
+                            sc[omp_get_thread_num()], NULL, 0);
+        }
+        best = DS_MIN(best, ds_now() - t0);
+    }
+    ms = best * 1e3;
+out:
+    for (int t = 0; t < nt; t++) ds_sample_scratch_free(sc[t]);
+    return ms;
+}
 
 /* KDA state slots where the model keeps them: device memory on a GPU (the forward would
  * otherwise stage host slots through the bus every step). */
@@ -39,7 +72,7 @@ static float *alloc_slots(ds_model *m, size_t n, ds_err *err) {
  * greedy requests, or (full_logits) with every row of logits on the host, as a request that
  * samples or wants logprobs needs them. */
 static int run_decode(ds_model *m, int B, int prompt, int steps, int full_logits,
-                      double *sec_per_step, ds_err *err) {
+                      double *sec_per_step, bench_result *res, int slot, ds_err *err) {
     const ds_config *c = ds_model_config(m);
     int ctx = prompt + steps + 1, pages_per = (ctx + BENCH_BLOCK - 1) / BENCH_BLOCK;
     ds_kv_pool pool;
@@ -85,6 +118,11 @@ static int run_decode(ds_model *m, int B, int prompt, int steps, int full_logits
         if (s > 0 && dt < best) best = dt;
     }
     *sec_per_step = best;
+    if (full_logits) { /* what the host then does with the rows */
+        res->sample_ms1[slot] = time_sampling(logits, B, c->vocab_size, 1, err);
+        res->sample_msn[slot] = time_sampling(logits, B, c->vocab_size, res->sample_threads, err);
+        if (res->sample_ms1[slot] < 0 || res->sample_msn[slot] < 0) goto out;
+    }
     rc = DS_OK;
 out:
     ds_dmem_free(ds_model_on_device(m), slots);
@@ -232,6 +270,7 @@ int ds_cmd_bench(int argc, char **argv) {
         bw = ds_bench_read_bandwidth((size_t)1 << 30, threads);
         peak = ds_bench_fma_peak(threads);
     }
+    r.sample_threads = DS_MIN(threads, 16); /* the engine's sampling threads */
     double sec;
     if (run_prompt(m, prompt_tokens, reps, &sec, &err)) goto fail;
     char title[48];
@@ -241,7 +280,7 @@ int ds_cmd_bench(int argc, char **argv) {
     r.prompt_gflops = ds_model_token_flops(m, 0) * prompt_tokens / sec / 1e9;
     for (int i = 0; i < r.n_batches; i++) {
         int B = r.batch[i];
-        if (run_decode(m, B, decode_ctx, steps, full_logits, &sec, &err)) goto fail;
+        if (run_decode(m, B, decode_ctx, steps, full_logits, &sec, &r, i, &err)) goto fail;
         snprintf(title, sizeof title, "decode batch %d", B);
         ds_model_profile_report(m, stderr, title);
         r.decode_ms[i] = sec * 1e3;
@@ -280,6 +319,11 @@ int ds_cmd_bench(int argc, char **argv) {
             printf("%-18s %12.1f %10.3f %12s %10s %12.1f %9.1f%%\n", name, r.decode_tps[i],
                    r.decode_ms[i], "-", "-", r.decode_gflops[i], 100 * r.decode_gflops[i] / peak);
     }
+    for (int i = 0; full_logits && i < r.n_batches; i++)
+        printf("host sampling batch %d (T 1, top-p 0.95, V %d): %.3f ms on 1 thread, %.3f ms on "
+               "%d\n",
+               r.batch[i], ds_model_config(m)->vocab_size, r.sample_ms1[i], r.sample_msn[i],
+               r.sample_threads);
     if (json_path) {
         FILE *f = fopen(json_path, "w");
         if (!f) {
