@@ -1195,6 +1195,13 @@ static int run_body(cstep *s, int nb, ds_err *err) {
     if (s->n_lg) { /* this rank's block of the vocabulary: [n_lg][vp] */
         TRY(ds_cu_move_rows(cu, s->xr, (size_t)D, NULL, x, (size_t)D, s->lg_rows, s->n_lg, D, err));
         TRY(ds_cu_matmul(cu, s->lg, m->vp, s->xr, D, s->n_lg, &cm->lm_head, err));
+        /* every row's greedy token, inside the step (and its graph) whether or not a sequence
+         * wants it this time: a graph serves steps of the same shape whatever their sampling,
+         * and the pass is ~1% of lm_head's (it reads the logits once, from L2 at small batches) */
+        if (m->tp_size == 1) {
+            PROF(s, "greedy tokens");
+            ds_cu_argmax_rows(cu, s->am, s->lg, s->n_lg, m->vp, s->am_parts);
+        }
     }
     return DS_OK;
 }
@@ -1338,10 +1345,9 @@ vocabulary block; all of V on one) */
     int any_am = 0;
     for (int q = 0; q < s->n_seq; q++) any_am |= s->seqs[q].argmax && s->seqs[q].n_logits;
     uint64_t *keys = NULL; /* [n_lg][am_parts] on the host */
-    if (any_am) { /* after the graph: a kernel over the rows, a few bytes a row to the host */
+    if (any_am) {          /* the step's greedy tokens (run_body), a few bytes a row to the host */
         const size_t nk = (size_t)s->n_lg * s->am_parts;
         if (!(keys = (uint64_t *)tp_stage(s, 2 * nk, err))) return DS_ERR;
-        ds_cu_argmax_rows(cu, s->am, s->lg, s->n_lg, V, s->am_parts);
         TRY(ds_cu_download(cu, keys, s->am, nk * sizeof(uint64_t), err));
     }
     for (int q = 0; q < s->n_seq; q++) {
