@@ -449,8 +449,7 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     ds_cu_set_mla_gemm(cm->c, env_flag("DS_CUDA_MLA_GEMM", 1));
     ds_cu_set_mla_flash(cm->c, env_flag("DS_CUDA_MLA_FLASH", 1));
     ds_cu_set_early_experts(cm->c, env_flag("DS_CUDA_EARLY_EXPERTS", 1));
-    ds_cu_set_wide_early(cm->c, env_flag("DS_CUDA_WIDE_EARLY", 0));   /* not yet measured */
-    ds_cu_set_expert_l2pf(cm->c, env_flag("DS_CUDA_EXPERT_L2PF", 0)); /* not yet measured */
+    ds_cu_set_wide_early(cm->c, env_flag("DS_CUDA_WIDE_EARLY", 1));
     ds_cu_set_gemv_wide(cm->c, env_flag("DS_CUDA_GEMV_WIDE", 1));
     ds_cu_set_conv_fixed(cm->c, env_flag("DS_CUDA_CONV_FIXED", 1));
     { /* chunked KDA on tensor cores: 1 TF32, 3 3xTF32 (ds_cu_set_kda_tc) */

@@ -1245,13 +1245,10 @@ static void run_checks(ds_cu *c) {
     check_matmul(c, 1, 12576, 2304, 0, 1e-5);
     check_matmul(c, 1, 5003, 2048, 4, 1e-5); /* tail rows; one warp a row on 132 SMs */
     check_matmul_invariance(c, 5000, 2304);
-    /* its first weights before the wait, and the rows' rest requested into L2 (the same sums) */
-    ds_cu_set_wide_early(c, 1);
-    ds_cu_set_expert_l2pf(c, 1);
+    ds_cu_set_wide_early(c, 1); /* its first weights before the wait: the same sums */
     check_matmul(c, 1, 5003, 2048, 4, 1e-5);
-    check_matmul(c, 1, 12576, 2304, 0, 1e-5); /* past the prefetch's 40 MB: early loads only */
+    check_matmul(c, 1, 12576, 2304, 0, 1e-5);
     check_matmul_invariance(c, 5000, 2304);
-    ds_cu_set_expert_l2pf(c, 0);
     ds_cu_set_wide_early(c, 0);
     ds_cu_set_gemv_wide(c, 0);
     check_matmul(c, 1, 1003, 2048, 4, 1e-5);
@@ -1348,10 +1345,6 @@ static void run_checks(ds_cu *c) {
     ds_cu_set_early_experts(c, 1);
     check_moe_experts(c, 1, 8, 256, 2304, 1024, 0);
     check_moe_experts(c, 40, 8, 64, 512, 256, 0);
-    ds_cu_set_expert_l2pf(c, 1); /* and the down pass's rows requested into L2 */
-    check_moe_experts(c, 1, 8, 256, 2304, 1024, 0);
-    check_moe_experts(c, 1, 8, 256, 2304, 1024, 1);
-    ds_cu_set_expert_l2pf(c, 0);
     ds_cu_set_early_experts(c, 0);
     check_moe_experts_mode(c, 1, 8, 64, 512, 256, 1, 0, 1);
     check_moe_experts(c, 5, 2, 4, 200, 72, 1);

@@ -33,7 +33,6 @@ struct ds_cu {
     int kda_tc;        /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
     int early_experts; /* the experts' down pass reads its routing early (ds_cu_set_...) */
     int wide_early;    /* one-token matmuls through the experts' kernel load before the wait */
-    int expert_l2pf;   /* ... and request their rows' rest into L2 (ds_cu_set_expert_l2pf) */
     int gemv_wide;     /* one-token matmuls of many rows 4 rows a warp (ds_cu_set_gemv_wide) */
     int conv_fixed;    /* the short conv with its width at compile time (ds_cu_set_conv_fixed) */
     void *mlag;        /* that path's buffers, mlag_bytes allocated */
@@ -425,11 +424,6 @@ static const uint16_t *round_x(ds_cu *c, const float *x, int ldx, int K, int T, 
 
 /* Eight BF16 weights (one 16-byte load) dotted with eight f32 activations, in a fixed order: the
  * weight-streaming kernels' inner step. */
-/* Asks for the 128-byte line at p to be brought into L2 (no register waits on it). */
-__device__ __forceinline__ void prefetch_l2(const void *p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 __device__ __forceinline__ float dot8(uint4 u, const float *x) {
     const float4 a = ((const float4 *)x)[0], b = ((const float4 *)x)[1];
     return __uint_as_float(u.x << 16) * a.x + __uint_as_float(u.x & 0xffff0000u) * a.y +
@@ -2416,10 +2410,9 @@ __global__ void __launch_bounds__(256)
                   const int32_t *n_active, int rp, moe_act act, const int32_t *direct, int e0,
                   int E, int early) {
     /* early (the down pass, with ds_cu_set_early_experts; a one-token matmul, whose routing is a
-     * constant): the routing is at least two kernels old (the up pass came between), so it and
-     * the first weights are read before waiting for the previous kernel (through L2); x, the up
-     * pass's output, after. early & 2 (ds_cu_set_expert_l2pf): the rest of each weight row is
-     * also requested into L2 before the wait, so that the stream after it finds it there. */
+     * constant, with ds_cu_set_wide_early): the routing is at least two kernels old (the up pass
+     * came between), so it and the first weights are read before waiting for the previous kernel
+     * (through L2); x, the up pass's output, after */
     if (!early) PDL_ENTRY();
     extern __shared__ float4 xsh[]; /* [rp][K] the pass's x rows, staged once for the 8 warps */
     int e, r0, r1;
@@ -2444,12 +2437,6 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int j = 0; j < NPW; j++)
         if (lk) u0[j] = __ldg(wr[j] + lane);
-    if (early & 2) /* lines past u0's 512 bytes, a line a lane (rows up to 4.5 KB past them) */
-#pragma unroll
-        for (int j = 0; j < NPW; j++) {
-            const size_t off = 512 + (size_t)lane * 128;
-            if (off < (size_t)K * 2) prefetch_l2((const char *)wr[j] + off);
-        }
     if (early) PDL_ENTRY();
     for (int c0 = r0; c0 < r1; c0 += rp) {
         const int nr = min(rp, r1 - c0);
@@ -2518,13 +2505,6 @@ enum { MOE_GROUPED_N = sizeof moe_grouped_fns / sizeof moe_grouped_fns[0] };
  * against 2.673-2.695 through gemv_bf16_k (three pairs in two calls). */
 __device__ int32_t g_row_zero[1]; /* gemv_wide's routing: every block row is "expert" 0 */
 
-/* Does a weight stream of `bytes` take the rows' L2 prefetch (ds_cu_set_expert_l2pf)? Only when
- * it fits the H200's 50 MB L2 with room: every resident warp asks for its rows at once, and a
- * larger stream would evict lines before they are read (lm_head's 755 MB at the 48B shape). */
-static int l2pf_fits(const ds_cu *c, size_t bytes) {
-    return c->expert_l2pf && bytes <= (size_t)40 << 20;
-}
-
 static int gemv_wide(ds_cu *c, float *y, const float *x, const uint16_t *W, int N, int K,
                      ds_err *err) {
     static int32_t *zero;
@@ -2532,8 +2512,7 @@ static int gemv_wide(ds_cu *c, float *y, const float *x, const uint16_t *W, int 
     const moe_act none = {0, 0, 0.0f, 0.0f};
     launch_k(c, moe_grouped_k<1, 4>, dim3((unsigned)((N + 31) / 32), 1), 256, (size_t)K * 4, y, N,
              x, K, 1, W, N, K, (const int32_t *)NULL, (const int32_t *)NULL, (const int32_t *)NULL,
-             (const int32_t *)NULL, 1, none, (const int32_t *)zero, 0, 1,
-             c->wide_early ? 1 | (l2pf_fits(c, (size_t)N * K * 2) ? 2 : 0) : 0);
+             (const int32_t *)NULL, 1, none, (const int32_t *)zero, 0, 1, c->wide_early);
     CU_TRY(cudaGetLastError(), "gemv (wide)");
     return DS_OK;
 }
@@ -2937,9 +2916,7 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         } else {
             launch_k(c, dn_k.fn, dim3((unsigned)((D + dn_k.rows - 1) / dn_k.rows), ya), 256,
                      (size_t)rp_dn * I * 4, y, D, h, 2 * I, 1, down, D, I, start, perm, active,
-                     n_active, rp_dn, act, direct, e0, E,
-                     c->early_experts ? 1 | (direct && l2pf_fits(c, (size_t)k * D * I * 2) ? 2 : 0)
-                                      : 0);
+                     n_active, rp_dn, act, direct, e0, E, c->early_experts);
         }
         CU_TRY(cudaGetLastError(), "moe down (grouped)");
     } else {
@@ -3891,10 +3868,6 @@ extern "C" void ds_cu_set_early_experts(ds_cu *c, int on) {
 
 extern "C" void ds_cu_set_wide_early(ds_cu *c, int on) {
     c->wide_early = on;
-}
-
-extern "C" void ds_cu_set_expert_l2pf(ds_cu *c, int on) {
-    c->expert_l2pf = on;
 }
 
 extern "C" void ds_cu_set_kda_tc(ds_cu *c, int mode) {
