@@ -6,6 +6,7 @@
 #include "model/model.h"
 #include "testutil.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -104,9 +105,13 @@ static void prompt_ids(int32_t *ids, int n, uint64_t seed) {
     for (int i = 0; i < n; i++) ids[i] = (int32_t)(ds_rng_next(&r) % 700);
 }
 
-/* Greedy reference: one sequence, prompt in one forward, then token by token. */
-static void reference_greedy(const int32_t *prompt, int n_prompt, int max_tokens, int32_t *out,
-                             int *n_out) {
+enum { STOP_NONE = -1, STOP_EOS = -2 }; /* reference_stop's stop: none, the model's eos */
+
+/* Greedy reference: one sequence, prompt in one forward, then token by token, until `stop` comes
+ * out; while fewer than min_tokens are out, stop's logit is -inf (the engine's rule for
+ * min_tokens). */
+static void reference_stop(const int32_t *prompt, int n_prompt, int max_tokens, int32_t stop,
+                           int min_tokens, int32_t *out, int *n_out) {
     ds_model *m;
     ds_err err = {{0}};
     if (ds_model_load(model_dir(), NULL, &m, &err)) fail_msg("%s", err.msg);
@@ -120,21 +125,28 @@ static void reference_greedy(const int32_t *prompt, int n_prompt, int max_tokens
     int32_t seq[1024];
     memcpy(seq, prompt, (size_t)n_prompt * sizeof(int32_t));
     int len = n_prompt, pos = 0;
+    if (stop == STOP_EOS) stop = c->eos_token_id;
     *n_out = 0;
     while (*n_out < max_tokens) {
         ds_seq_batch sb = {seq + pos, len - pos, pos,  slot, table, logits, 1,
                            NULL,      NULL,      NULL, 0,    NULL,  NULL,   NULL};
         if (ds_model_forward(m, &pool, &sb, 1, &err)) fail_msg("%s", err.msg);
         pos = len;
+        if (stop >= 0 && *n_out < min_tokens) logits[stop] = -INFINITY;
         int32_t t = (int32_t)ds_argmax(logits, c->vocab_size);
         out[(*n_out)++] = t;
-        if (t == c->eos_token_id) break;
+        if (t == stop) break;
         seq[len++] = t;
     }
     free(slot);
     free(logits);
     ds_kv_pool_free(&pool);
     ds_model_free(m);
+}
+
+static void reference_greedy(const int32_t *prompt, int n_prompt, int max_tokens, int32_t *out,
+                             int *n_out) {
+    reference_stop(prompt, n_prompt, max_tokens, STOP_EOS, 0, out, n_out);
 }
 
 static int64_t submit(ds_engine *e, const int32_t *prompt, int n, int max_tokens, collected *c,
@@ -210,6 +222,54 @@ static void test_greedy_matches_reference_in_batch(void **state) {
     ds_engine_stop(e, 1.0);
     ds_engine_free(e);
     free(others);
+}
+
+/* min_tokens holds a stop id back: while fewer tokens than min_tokens are out the engine masks it
+ * and samples on the host (the model's own greedy pick may be that id), afterwards the model
+ * picks greedy tokens beside the logits and the stop id ends the choice — both against a
+ * reference that masks the same way, alone and beside plain greedy requests. */
+static void test_greedy_min_tokens(void **state) {
+    (void)state;
+    int32_t prompt[100];
+    prompt_ids(prompt, 100, 11);
+    int32_t free_run[64], want[64];
+    int n_free, n_want;
+    reference_stop(prompt, 100, 16, STOP_NONE, 0, free_run, &n_free);
+    const int32_t stop = free_run[2];
+    reference_stop(prompt, 100, 16, stop, 5, want, &n_want);
+    assert_int_not_equal(want[2], stop); /* the mask mattered */
+    ds_engine *e = start_engine(8, 256, 32u << 20);
+    for (int crowd = 0; crowd < 2; crowd++) {
+        collected got, others[3];
+        int32_t op[3][50];
+        ds_request_spec spec = {0};
+        spec.prompt = prompt;
+        spec.n_prompt = 100;
+        ds_request_params_default(&spec.params);
+        spec.params.temperature = 0.0f;
+        spec.params.max_tokens = 16;
+        spec.params.ignore_eos = 1;
+        spec.params.min_tokens = 5;
+        spec.params.stop_token_ids[0] = stop;
+        spec.params.n_stop_token_ids = 1;
+        spec.on_event = on_event;
+        spec.user = &got;
+        collected_init(&got, 1);
+        for (int i = 0; crowd && i < 3; i++) {
+            prompt_ids(op[i], 20 + 10 * i, 70 + (uint64_t)i);
+            submit(e, op[i], 20 + 10 * i, 12, &others[i], 1, 0.0f, 0);
+        }
+        int why;
+        ds_err err = {{0}};
+        if (ds_engine_submit(e, &spec, &why, &err) < 0) fail_msg("submit: %s", err.msg);
+        wait_done(&got);
+        for (int i = 0; crowd && i < 3; i++) wait_done(&others[i]);
+        assert_int_equal(got.n[0], n_want);
+        assert_memory_equal(got.tokens[0], want, (size_t)n_want * sizeof(int32_t));
+        assert_int_equal(got.why[0], want[n_want - 1] == stop ? DS_FINISH_STOP : DS_FINISH_LENGTH);
+    }
+    ds_engine_stop(e, 1.0);
+    ds_engine_free(e);
 }
 
 /* Same seed, same sampled tokens; the two choices of an n=2 request differ. */
@@ -509,6 +569,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_greedy_matches_reference_in_batch),
         cmocka_unit_test(test_seeded_sampling),
+        cmocka_unit_test(test_greedy_min_tokens),
         cmocka_unit_test(test_pressure_and_abort),
         cmocka_unit_test(test_too_long),
         cmocka_unit_test(test_spec_greedy_equals_plain),
