@@ -190,7 +190,7 @@ static void page_gather(ds_prefix *px, int page) {
     for (int j = 0; j < px->kv->n_layers; j++)
         ds_dmem_copy(px->pbuf + j * n, px->kv->layer[j] + (size_t)page * n, n * sizeof(float));
     for (int j = 0; j < px->n_xlayers; j++)
-        memcpy(x + j * xn, px->xlayer[j] + (size_t)page * xn, xn * sizeof(float));
+        ds_dmem_copy(x + j * xn, px->xlayer[j] + (size_t)page * xn, xn * sizeof(float));
 }
 
 static void page_scatter(ds_prefix *px, int page) {
@@ -199,7 +199,7 @@ static void page_scatter(ds_prefix *px, int page) {
     for (int j = 0; j < px->kv->n_layers; j++)
         ds_dmem_copy(px->kv->layer[j] + (size_t)page * n, px->pbuf + j * n, n * sizeof(float));
     for (int j = 0; j < px->n_xlayers; j++)
-        memcpy(px->xlayer[j] + (size_t)page * xn, x + j * xn, xn * sizeof(float));
+        ds_dmem_copy(px->xlayer[j] + (size_t)page * xn, x + j * xn, xn * sizeof(float));
 }
 
 int ds_prefix_add_page_rows(ds_prefix *px, float **layers, int n_layers, int row, ds_err *err) {

@@ -59,7 +59,8 @@ const double *ds_draft_inv_freq(const ds_draft *d, ds_yarn *y);
  * context page there and appends its block rows behind it, so the attention kernel sees context
  * and block as one paged sequence without a write into the sequence's pages. */
 typedef struct ds_draft_cache {
-    float **layer; /* [n_layers] pointers */
+    float **layer; /* [n_layers] pointers (device memory when on_device) */
+    int on_device; /* the draft runs on the target's GPU (base/devmem.h copies reach the rows) */
     int n_layers, n_pages, n_spare, block_size, row;
     int max_block; /* largest T ds_draft_propose accepts with this cache */
 } ds_draft_cache;

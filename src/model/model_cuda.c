@@ -16,6 +16,7 @@
  * Under tensor parallelism a GPU would need NCCL (not built yet), so attach refuses tp_size > 1;
  * pipeline stages work, their tensors crossing through the host as on the CPU. */
 #include "model/model_impl.h"
+#include "model/draft_impl.h"
 
 #include "base/devmem.h"
 #include "kernels/cuda/cuda_kernels.h"
@@ -1466,4 +1467,306 @@ int ds_cuda_forward_stage(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs_in, 
     free(seqs);
     if (rc) ds_err_prefix(err, "forward on %s", ds_cu_device_name(cm->c));
     return rc;
+}
+
+/* ---- the DSpark draft on the GPU (model_draft.c's device path) -------------------------------
+ * The same data flow as the CPU draft (model_draft.c's header), through this backend's kernels:
+ * the block pass's matmuls, norms, absorbed MLA over the draft's paged latent rows (the spare
+ * pages of a proposal included), the target's lm_head over the block and the Markov walk's bias
+ * and argmax all stay on the GPU; what crosses to the host is the taps in (as the target's step
+ * returned them), a few row indices, and one 8-byte key a part of each walk step out. Its weights
+ * are uploaded into the target's allocations (freed with the target, which outlives the draft
+ * anyway). */
+
+typedef struct cu_draft_layer {
+    float *in_norm, *post_norm; /* [D] */
+    cu_mla mla;                 /* q or q_a / q_b, kv_a, kv_b (with ukT), o; g unused */
+    ds_cu_mat gate, up, down;
+} cu_draft_layer;
+
+struct ds_draft_dev {
+    ds_cuda_model *cm;
+    ds_cu_mat embed, lm_head; /* [V][D] each (the target's where it holds them whole) */
+    ds_cu_mat *ctx_blocks;    /* [n_taps] W_context[:, tap j], [D][Dt] */
+    float *context_norm, *final_norm;
+    cu_draft_layer *layers; /* [L] */
+    ds_cu_mat markov_w1, markov_w2;
+    float *buf; /* device scratch, buf_cap floats, carved per call */
+    size_t buf_cap;
+    int32_t *ibuf; /* device indices, ibuf_cap ints */
+    size_t ibuf_cap;
+    int32_t *hi; /* host staging of those indices, hi_cap ints */
+    size_t hi_cap;
+    float *hcs; /* host rotations [max rows][dr/2][2], hcs_cap floats */
+    size_t hcs_cap;
+};
+
+int ds_draft_dev_create(ds_draft *d, const ds_model *target, ds_err *err) {
+    ds_cuda_model *cm = target->cu;
+    /* the draft reads the whole vocabulary's lm_head: one process holding all of it */
+    if (!cm || target->tp_size != 1 || !cm->lm_head.data || !env_flag("DS_DRAFT_DEVICE", 1))
+        return DS_OK;
+    const ds_draft_config *c = &d->cfg;
+    ds_draft_dev *g = calloc(1, sizeof *g);
+    if (!g) return ds_errf(err, "draft on the GPU: out of host memory");
+    d->dev = g;
+    g->cm = cm;
+    g->lm_head = cm->lm_head;
+    int L = c->num_hidden_layers, n_taps = c->num_target_layers;
+    g->layers = calloc((size_t)L, sizeof *g->layers);
+    g->ctx_blocks = calloc((size_t)n_taps, sizeof *g->ctx_blocks);
+    if (!g->layers || !g->ctx_blocks) return ds_errf(err, "draft on the GPU: out of host memory");
+    /* the target's embedding where this stage holds all of it, else the draft's own copy */
+    if (cm->embed.data && target->v0 == 0 && target->nv == c->vocab_size)
+        g->embed = cm->embed;
+    else if (up_mat(cm, d->embed, &g->embed, err))
+        return DS_ERR;
+    for (int j = 0; j < n_taps; j++)
+        if (up_mat(cm, &d->ctx_blocks[j], &g->ctx_blocks[j], err)) return DS_ERR;
+    if (up_vec(cm, d->context_norm, (size_t)c->hidden_size, &g->context_norm, err) ||
+        up_vec(cm, d->final_norm, (size_t)c->hidden_size, &g->final_norm, err) ||
+        up_mat(cm, &d->markov_w1, &g->markov_w1, err) ||
+        up_mat(cm, &d->markov_w2, &g->markov_w2, err))
+        return DS_ERR;
+    for (int l = 0; l < L; l++) {
+        const draft_layer *w = &d->layers[l];
+        cu_draft_layer *x = &g->layers[l];
+        /* up_mla's model: the draft's heads, all of them on this one process */
+        ds_model shape = {0};
+        shape.cfg.kv_lora_rank = c->kv_lora_rank;
+        shape.cfg.qk_nope_head_dim = c->qk_nope_head_dim;
+        shape.cfg.v_head_dim = c->v_head_dim;
+        shape.cfg.q_lora_rank = c->q_lora_rank;
+        shape.Ha = c->num_attention_heads;
+        mla_w mw = {w->q, w->q_a, w->q_b, w->q_a_norm, w->kv_a, w->kv_a_norm, w->kv_b, w->o, {0}};
+        if (up_mla(cm, &shape, &mw, &x->mla, err) ||
+            up_vec(cm, w->in_norm, (size_t)c->hidden_size, &x->in_norm, err) ||
+            up_vec(cm, w->post_norm, (size_t)c->hidden_size, &x->post_norm, err) ||
+            up_mat(cm, &w->gate, &x->gate, err) || up_mat(cm, &w->up, &x->up, err) ||
+            up_mat(cm, &w->down, &x->down, err))
+            return DS_ERR;
+    }
+    return ds_cu_sync(cm->c, err);
+}
+
+void ds_draft_dev_free(ds_draft *d) {
+    ds_draft_dev *g = d->dev;
+    if (!g) return;
+    ds_cu_dealloc(g->buf);
+    ds_cu_dealloc(g->ibuf);
+    free(g->hi);
+    free(g->hcs);
+    free(g->layers);
+    free(g->ctx_blocks);
+    free(g);
+    d->dev = NULL;
+}
+
+/* Cuts n device buffers of sizes[i] floats out of the draft's scratch (grown when short, contents
+ * not kept), each on a 64-byte boundary. */
+static int dev_carve(ds_draft_dev *g, const size_t *sizes, float **bufs, int n, ds_err *err) {
+    size_t need = 0;
+    for (int i = 0; i < n; i++) need += (sizes[i] + 15) & ~(size_t)15;
+    if (grow(g->cm->c, (void **)&g->buf, &g->buf_cap, need, sizeof(float), err)) return DS_ERR;
+    float *p = g->buf;
+    for (int i = 0; i < n; i++) {
+        bufs[i] = p;
+        p += (sizes[i] + 15) & ~(size_t)15;
+    }
+    return DS_OK;
+}
+
+/* The n host indices in g->hi to the device (g->ibuf at offset at); returns their device copy. */
+static const int32_t *dev_indices(ds_draft_dev *g, size_t at, size_t n, ds_err *err) {
+    if (grow(g->cm->c, (void **)&g->ibuf, &g->ibuf_cap, at + n, sizeof(int32_t), err) ||
+        ds_cu_upload(g->cm->c, g->ibuf + at, g->hi + at, n * sizeof(int32_t), err))
+        return NULL;
+    return g->ibuf + at;
+}
+
+static int host_room(ds_draft_dev *g, size_t n_idx, size_t n_cs, ds_err *err) {
+    if (grow_host((void **)&g->hi, &g->hi_cap, n_idx, sizeof(int32_t), err) ||
+        grow_host((void **)&g->hcs, &g->hcs_cap, n_cs, sizeof(float), err))
+        return DS_ERR;
+    return DS_OK;
+}
+
+/* kv [n][R+dr] (W_kva's output) -> [RMSNorm(c) | RoPE(kR)] with cs [n][dr/2][2] (device). */
+static int dev_finish_latent(ds_draft *d, const cu_draft_layer *w, float *kv, const float *cs,
+                             int n, ds_err *err) {
+    const ds_draft_config *c = &d->cfg;
+    int R = c->kv_lora_rank, dr = c->qk_rope_head_dim, row = R + dr;
+    ds_cu *cu = d->dev->cm->c;
+    ds_cu_rmsnorm_ld(cu, kv, row, kv, row, w->mla.kv_a_norm, n, R, c->rms_norm_eps);
+    return ds_cu_rope_pairs(cu, kv + R, row, n, 1, cs, dr / 2, err);
+}
+
+int ds_draft_dev_write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int pos0,
+                               int n, const float *taps, const float *sum, ds_err *err) {
+    ds_draft_dev *g = d->dev;
+    ds_cu *cu = g->cm->c;
+    const ds_draft_config *cf = &d->cfg;
+    int D = cf->hidden_size, Dt = cf->target_hidden_size, nt = cf->num_target_layers;
+    int dr = cf->qk_rope_head_dim, row = cf->kv_lora_rank + dr, bs = c->block_size;
+    size_t in_n = taps ? (size_t)nt * n * Dt : (size_t)n * D;
+    size_t sizes[5] = {in_n, (size_t)n * D, (size_t)n * D, (size_t)n * row, (size_t)n * dr};
+    float *b[5];
+    if (dev_carve(g, sizes, b, 5, err) || host_room(g, (size_t)n, (size_t)n * dr, err))
+        return DS_ERR;
+    float *in = b[0], *tmp = b[1], *ctx = b[2], *kv = b[3], *cs = b[4];
+    TRY(ds_cu_upload(cu, in, taps ? taps : sum, in_n * sizeof(float), err));
+    if (taps) { /* the sum over taps in tap order, as the CPU's context_add */
+        for (int j = 0; j < nt; j++) {
+            TRY(ds_cu_matmul(cu, j ? tmp : ctx, D, in + (size_t)j * n * Dt, Dt, n,
+                             &g->ctx_blocks[j], err));
+            if (j) ds_cu_add(cu, ctx, tmp, (size_t)n * D);
+        }
+        ds_cu_rmsnorm(cu, ctx, ctx, g->context_norm, n, D, cf->rms_norm_eps);
+    } else {
+        ds_cu_rmsnorm(cu, ctx, in, g->context_norm, n, D, cf->rms_norm_eps);
+    }
+    ds_draft_rope_table(d, g->hcs, pos0, n);
+    TRY(ds_cu_upload(cu, cs, g->hcs, (size_t)n * dr * sizeof(float), err));
+    for (int t = 0; t < n; t++) {
+        int p = pos0 + t;
+        g->hi[t] = block_table[p / bs] * bs + p % bs; /* the row of position p in a layer */
+    }
+    const int32_t *dst = dev_indices(g, 0, (size_t)n, err);
+    if (!dst) return DS_ERR;
+    for (int l = 0; l < cf->num_hidden_layers; l++) {
+        const cu_draft_layer *w = &g->layers[l];
+        TRY(ds_cu_matmul(cu, kv, row, ctx, D, n, &w->mla.kv_a, err));
+        TRY(dev_finish_latent(d, w, kv, cs, n, err));
+        TRY(ds_cu_move_rows(cu, c->layer[l], (size_t)row, dst, kv, (size_t)row, NULL, n, row, err));
+    }
+    return ds_cu_sync(cu, err);
+}
+
+int ds_draft_dev_propose(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int p,
+                         int32_t anchor, int T, int32_t *drafts, float *block_logits, ds_err *err) {
+    ds_draft_dev *g = d->dev;
+    ds_cu *cu = g->cm->c;
+    const ds_draft_config *cf = &d->cfg;
+    int D = cf->hidden_size, V = cf->vocab_size, Ha = cf->num_attention_heads;
+    int R = cf->kv_lora_rank, dn = cf->qk_nope_head_dim, dr = cf->qk_rope_head_dim, dq = dn + dr;
+    int dvh = cf->v_head_dim, Rq = cf->q_lora_rank, I = cf->intermediate_size, r = cf->markov_rank;
+    int row = R + dr, bs = c->block_size;
+    float eps = cf->rms_norm_eps;
+    size_t TD = (size_t)T * D;
+    const int parts = ds_cu_argmax_parts(1, V);
+    size_t sizes[] = {
+        TD,
+        TD,
+        TD,                        /* h, x, a */
+        (size_t)T * (Rq ? Rq : 1), /* qa */
+        (size_t)T * Ha * dq,       /* q */
+        (size_t)T * row,           /* kv: the block's latent rows */
+        (size_t)T * Ha * dr,       /* qr */
+        (size_t)T * Ha * R,
+        (size_t)T * Ha * R,   /* qbar, obar */
+        (size_t)T * Ha * dvh, /* o */
+        (size_t)T * I,
+        (size_t)T * I,  /* g, u */
+        (size_t)T * dr, /* cs */
+        (size_t)T * V,  /* U */
+        (size_t)r,
+        (size_t)V,         /* w1, bias */
+        2 * (size_t)parts, /* the walk step's part keys (8 bytes each) */
+    };
+    float *b[DS_ARRAY_LEN(sizes)];
+    TRY(dev_carve(g, sizes, b, (int)DS_ARRAY_LEN(sizes), err));
+    float *h = b[0], *x = b[1], *a = b[2], *qa = b[3], *q = b[4], *kv = b[5], *qr = b[6];
+    float *qbar = b[7], *obar = b[8], *o = b[9], *gg = b[10], *u = b[11], *cs = b[12], *U = b[13];
+    float *w1 = b[14], *bias = b[15];
+    uint64_t *keys = (uint64_t *)b[16];
+    /* the view: context pages for rows 0..p, then the spare pages (as spare_table); the context
+     * rows of the page holding p+1 are copied into the first spare page */
+    const int full = (p + 1) / bs, n_tab = full + c->n_spare, n_copy = (p + 1) - full * bs;
+    /* host indices: ids [T] | table [n_tab] | copy src [n_copy] | copy dst [n_copy] | block
+     * rows [T] */
+    const size_t at_tab = (size_t)T, at_src = at_tab + n_tab, at_dst = at_src + n_copy;
+    const size_t at_blk = at_dst + n_copy, n_idx = at_blk + T;
+    TRY(host_room(g, n_idx, (size_t)T * dr, err));
+    int32_t *hi = g->hi;
+    hi[0] = anchor;
+    for (int t = 1; t < T; t++) hi[t] = cf->mask_token_id;
+    for (int k = 0; k < full; k++) hi[at_tab + k] = block_table[k];
+    for (int k = 0; k < c->n_spare; k++) hi[at_tab + full + k] = c->n_pages + k;
+    for (int i = 0; i < n_copy; i++) {
+        int pos = full * bs + i;
+        hi[at_src + i] = block_table[pos / bs] * bs + pos % bs;
+        hi[at_dst + i] = hi[at_tab + pos / bs] * bs + pos % bs;
+    }
+    for (int t = 0; t < T; t++) {
+        int pos = p + 1 + t;
+        hi[at_blk + t] = hi[at_tab + pos / bs] * bs + pos % bs;
+    }
+    const int32_t *di = dev_indices(g, 0, n_idx, err);
+    if (!di) return DS_ERR;
+    const int32_t *ids = di, *table = di + at_tab, *csrc = di + at_src, *cdst = di + at_dst;
+    const int32_t *blk = di + at_blk;
+    ds_draft_rope_table(d, g->hcs, p + 1, T);
+    TRY(ds_cu_upload(cu, cs, g->hcs, (size_t)T * dr * sizeof(float), err));
+    ds_cu_embed(cu, h, &g->embed, ids, T);
+    for (int l = 0; l < cf->num_hidden_layers; l++) {
+        const cu_draft_layer *w = &g->layers[l];
+        const cu_mla *m = &w->mla;
+        float *pool = c->layer[l];
+        if (n_copy)
+            TRY(ds_cu_move_rows(cu, pool, (size_t)row, cdst, pool, (size_t)row, csrc, n_copy, row,
+                                err));
+        ds_cu_rmsnorm(cu, x, h, w->in_norm, T, D, eps);
+        /* MLA (block_attention): queries, the block's latent rows into the spare pages, absorbed
+         * attention over context and block (non-causal), the output projection */
+        if (Rq) {
+            TRY(ds_cu_matmul(cu, qa, Rq, x, D, T, &m->q_a, err));
+            ds_cu_rmsnorm(cu, qa, qa, m->q_a_norm, T, Rq, eps);
+            TRY(ds_cu_matmul(cu, q, Ha * dq, qa, Rq, T, &m->q_b, err));
+        } else {
+            TRY(ds_cu_matmul(cu, q, Ha * dq, x, D, T, &m->q, err));
+        }
+        TRY(ds_cu_matmul(cu, kv, row, x, D, T, &m->kv_a, err));
+        TRY(dev_finish_latent(d, w, kv, cs, T, err));
+        TRY(ds_cu_move_rows(cu, pool, (size_t)row, blk, kv, (size_t)row, NULL, T, row, err));
+        /* qR turns at its own row's position (trap 9): row t h of qr at cs row t */
+        TRY(ds_cu_copy_2d(cu, qr, (size_t)dr, q + dn, (size_t)dq, (size_t)dr, (size_t)T * Ha, err));
+        TRY(ds_cu_rope_pairs(cu, qr, dr, T * Ha, Ha, cs, dr / 2, err));
+        TRY(ds_cu_matmul_heads(cu, qbar, Ha * R, R, q, Ha * dq, dq, T, &m->ukT, (size_t)R * dn, Ha,
+                               err));
+        TRY(ds_cu_mla_attend_absorbed(cu, obar, qbar, qr, T, Ha, R, dr, pool, table, bs, row, p + 1,
+                                      p + 1 + T, 0, (float)d->yarn.softmax_scale, err));
+        ds_cu_mat uv = {m->kv_b.data + (size_t)dn * R, dvh, R};
+        TRY(ds_cu_matmul_heads(cu, o, Ha * dvh, dvh, obar, Ha * R, R, T, &uv,
+                               (size_t)(dn + dvh) * R, Ha, err));
+        TRY(ds_cu_matmul(cu, a, D, o, Ha * dvh, T, &m->o, err));
+        ds_cu_add(cu, h, a, TD);
+        /* SwiGLU MLP */
+        ds_cu_rmsnorm(cu, x, h, w->post_norm, T, D, eps);
+        TRY(ds_cu_matmul(cu, gg, I, x, D, T, &w->gate, err));
+        TRY(ds_cu_matmul(cu, u, I, x, D, T, &w->up, err));
+        ds_cu_swiglu(cu, gg, gg, u, (size_t)T * I);
+        TRY(ds_cu_matmul(cu, a, D, gg, I, T, &w->down, err));
+        ds_cu_add(cu, h, a, TD);
+    }
+    ds_cu_rmsnorm(cu, x, h, g->final_norm, T, D, eps);
+    TRY(ds_cu_matmul(cu, U, V, x, D, T, &g->lm_head, err));
+    if (block_logits) TRY(ds_cu_download(cu, block_logits, U, (size_t)T * V * sizeof(float), err));
+    /* the Markov walk: row k's logits plus W2 · W1[previous token], its argmax the next token */
+    uint64_t hk[64];
+    if (parts > (int)DS_ARRAY_LEN(hk))
+        return ds_errf(err, "draft on the GPU: a vocabulary of %d in %d parts", V, parts);
+    int32_t prev = anchor;
+    for (int k = 0; k < T; k++) {
+        g->hi[0] = prev;
+        const int32_t *dprev = dev_indices(g, 0, 1, err);
+        if (!dprev) return DS_ERR;
+        ds_cu_embed(cu, w1, &g->markov_w1, dprev, 1);
+        TRY(ds_cu_matmul(cu, bias, V, w1, r, 1, &g->markov_w2, err));
+        ds_cu_add(cu, bias, U + (size_t)k * V, (size_t)V);
+        ds_cu_argmax_rows(cu, keys, bias, 1, V, parts);
+        TRY(ds_cu_download(cu, hk, keys, (size_t)parts * sizeof(uint64_t), err));
+        TRY(ds_cu_sync(cu, err));
+        prev = drafts[k] = ds_cu_argmax_token(hk, parts);
+    }
+    return DS_OK;
 }

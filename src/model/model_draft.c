@@ -9,48 +9,13 @@
  *                  -> += ; final RMSNorm -> target lm_head = U [T][V] -> Markov walk -> drafts.
  * Every norm uses rms_norm_eps (1e-5 in the published draft; the draft has no 1e-6 norms, trap 1).
  */
-#include "model/draft.h"
+#include "model/draft_impl.h"
+
+#include "base/devmem.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
-
-// ---- weights ------------------------------------------------------------------------------------
-
-typedef struct draft_layer {
-    float *in_norm, *post_norm; /* [D] */
-    ds_mat q;                   /* [Ha*(dn+dr)][D] when q_lora_rank == 0 */
-    ds_mat q_a, q_b;            /* [Rq][D], [Ha*(dn+dr)][Rq] */
-    float *q_a_norm;            /* [Rq] */
-    ds_mat kv_a;                /* [R+dr][D] */
-    float *kv_a_norm;           /* [R] */
-    ds_mat kv_b;                /* [Ha*(dn+dvh)][R]: per head W_UK [dn][R] then W_UV [dvh][R] */
-    ds_mat o;                   /* [D][Ha*dvh] */
-    ds_mat gate, up, down;      /* [I][D], [I][D], [D][I] */
-} draft_layer;
-
-struct ds_draft {
-    ds_draft_config cfg;
-    ds_st *st;
-    const ds_mat *embed, *lm_head; /* the target's, [V][D] each */
-    ds_mat own_embed;              /* [V][D] the checkpoint's copy, where the target has none */
-    ds_mat context_proj;           /* [D][n_taps*Dt] */
-    ds_mat *ctx_blocks;            /* [n_taps] W_context[:, tap j] as [D][Dt] matrices */
-    void *ctx_block_data;          /* their storage (copies, in the checkpoint's dtype) */
-    int context_only;              /* loaded for the partial-sum tap relay: context_proj only */
-    float *context_norm;           /* [D] */
-    float *final_norm;             /* [D] */
-    draft_layer *layers;           /* [L] */
-    ds_mat markov_w1, markov_w2;   /* [V][r] each */
-    float *vecs;                   /* every norm weight, widened to f32 at load */
-    double *inv_freq;              /* [dr/2] YaRN-corrected inverse frequencies */
-    ds_yarn yarn;
-    /* scratch, grown on demand */
-    float *scratch; /* see carve() */
-    size_t scratch_cap;
-    int32_t *table; /* block table of one proposal's view (context pages + spare pages) */
-    size_t table_cap;
-};
 
 const ds_draft_config *ds_draft_config_of(const ds_draft *d) {
     return &d->cfg;
@@ -272,6 +237,9 @@ int ds_draft_load(const char *dir, const ds_model *target, ds_draft **out, ds_er
     /* embed_tokens (a frozen copy of the target's) and confidence_head (training only) are left
      * unread on purpose (MODEL_SPEC §8.2, §8.7). */
     if (ds_draft_yarn(c, d->inv_freq, &d->yarn, err)) goto fail;
+#ifdef DS_HAVE_CUDA
+    if (ds_draft_dev_create(d, target, err)) goto fail; /* a target on a GPU: the draft beside it */
+#endif
     *out = d;
     return DS_OK;
 fail:
@@ -282,6 +250,9 @@ fail:
 
 void ds_draft_free(ds_draft *d) {
     if (!d) return;
+#ifdef DS_HAVE_CUDA
+    ds_draft_dev_free(d);
+#endif
     if (d->st) ds_st_close(d->st);
     free(d->layers);
     free(d->vecs);
@@ -336,7 +307,7 @@ int ds_draft_yarn(const ds_draft_config *c, double *inv_freq, ds_yarn *y, ds_err
 
 /* cs[t][i] = {cos, sin}(pos0+t) * mscale of lane pair i: cs [n][dr/2][2]. Angles are formed in
  * double so that positions near the 1M context limit keep their low bits. */
-static void rope_table(const ds_draft *d, float *cs, int pos0, int n) {
+void ds_draft_rope_table(const ds_draft *d, float *cs, int pos0, int n) {
     int half = d->cfg.qk_rope_head_dim / 2;
     double m = d->yarn.cos_sin_mscale;
     for (int t = 0; t < n; t++)
@@ -373,22 +344,25 @@ int ds_draft_cache_init(ds_draft_cache *c, const ds_draft *d, int n_pages, int b
     /* a partly filled context page (< block_size rows) plus the block's rows */
     c->n_spare = (block_size - 1 + max_block + block_size - 1) / block_size;
     c->row = d->cfg.kv_lora_rank + d->cfg.qk_rope_head_dim;
+    c->on_device = d->dev != NULL;
     c->layer = ds_calloc((size_t)c->n_layers, sizeof(float *), err);
     if (!c->layer) return DS_ERR;
+    const size_t bytes =
+        (size_t)(n_pages + c->n_spare) * (size_t)block_size * (size_t)c->row * sizeof(float);
     for (int l = 0; l < c->n_layers; l++) {
-        c->layer[l] = ds_calloc((size_t)(n_pages + c->n_spare) * (size_t)block_size,
-                                (size_t)c->row * sizeof(float), err);
+        c->layer[l] = ds_dmem_alloc(c->on_device, bytes, err);
         if (!c->layer[l]) {
             ds_draft_cache_free(c);
             return DS_ERR;
         }
+        ds_dmem_zero(c->on_device, c->layer[l], bytes);
     }
     return DS_OK;
 }
 
 void ds_draft_cache_free(ds_draft_cache *c) {
     if (c->layer)
-        for (int l = 0; l < c->n_layers; l++) free(c->layer[l]);
+        for (int l = 0; l < c->n_layers; l++) ds_dmem_free(c->on_device, c->layer[l]);
     free(c->layer);
     memset(c, 0, sizeof *c);
 }
@@ -485,6 +459,9 @@ static int write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_ta
         return ds_errf(err,
                        "draft write_context: cache of %d layers x %d floats, draft needs %d x %d",
                        c->n_layers, c->row, cf->num_hidden_layers, row);
+#ifdef DS_HAVE_CUDA
+    if (d->dev) return ds_draft_dev_write_context(d, c, block_table, pos0, n, taps, sum, err);
+#endif
     size_t sizes[4] = {
         (size_t)n * D,   /* tmp [n][D] */
         (size_t)n * D,   /* ctx [n][D] */
@@ -499,7 +476,7 @@ static int write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_ta
     } else {
         ds_rmsnorm(ctx, sum, d->context_norm, n, D, cf->rms_norm_eps);
     }
-    rope_table(d, cs, pos0, n);
+    ds_draft_rope_table(d, cs, pos0, n);
     /* ctx feeds W_kva directly: it does not pass through input_layernorm (§8.4). */
     for (int l = 0; l < cf->num_hidden_layers; l++) {
         const draft_layer *w = &d->layers[l];
@@ -628,6 +605,10 @@ int ds_draft_propose(ds_draft *d, ds_draft_cache *c, const int32_t *block_table,
     if (c->row != R + dr || c->n_layers != cf->num_hidden_layers)
         return ds_errf(err, "draft propose: cache of %d layers x %d floats, draft needs %d x %d",
                        c->n_layers, c->row, cf->num_hidden_layers, R + dr);
+#ifdef DS_HAVE_CUDA
+    if (d->dev)
+        return ds_draft_dev_propose(d, c, block_table, p, anchor, T, drafts, block_logits, err);
+#endif
     size_t TD = (size_t)T * D;
     size_t sizes[] = {
         TD,
@@ -659,7 +640,7 @@ int ds_draft_propose(ds_draft *d, ds_draft_cache *c, const int32_t *block_table,
     ids[0] = anchor;
     for (int t = 1; t < T; t++) ids[t] = cf->mask_token_id;
     ds_embed(bb.h, d->embed, ids, T);
-    rope_table(d, bb.cs, p + 1, T);
+    ds_draft_rope_table(d, bb.cs, p + 1, T);
     if (spare_table(d, c, block_table, p, err)) return DS_ERR;
     for (int l = 0; l < cf->num_hidden_layers; l++) {
         const draft_layer *w = &d->layers[l];

@@ -4,6 +4,7 @@
  * not depend on the cache's paging, YaRN follows §8.6 for the tiny and the published K3 configs,
  * and drafts that do not fit their target are refused. */
 #include "golden_io.h"
+#include "base/devmem.h"
 #include "model/draft.h"
 #include "model/init_model.h"
 #include "testutil.h"
@@ -150,6 +151,16 @@ static void run_context(fx *f, ds_draft_cache *c, const int32_t *ids, const int 
     free(slot);
 }
 
+/* Layer l of a draft cache in host memory (a copy: the cache is device memory when the target
+ * runs on a GPU, which the draft then runs beside); free() it. */
+static float *cache_layer(const ds_draft_cache *c, int l) {
+    size_t n = (size_t)(c->n_pages + c->n_spare) * c->block_size * c->row;
+    float *h = malloc(n * sizeof(float));
+    assert_non_null(h);
+    ds_dmem_copy(h, c->layer[l], n * sizeof(float));
+    return h;
+}
+
 static void check_rel(const char *what, const float *a, const float *ref, size_t n, double tol) {
     double e = ds_test_rel_err_f(a, ref, n);
     if (getenv("DS_VERBOSE")) print_message("%s: rel err %.3g\n", what, e);
@@ -198,9 +209,11 @@ static void test_golden(void **state) {
     check_rel("ctx", ctx, gold("ctx", DS_GOLDEN_F32, &dims), (size_t)n * D, 1e-4);
     float *rows = malloc((size_t)n * row * sizeof(float));
     for (int l = 0; l < dc->num_hidden_layers; l++) {
-        ds_latent_view v = {c.layer[l], f.table, 16, row};
+        float *lay = cache_layer(&c, l);
+        ds_latent_view v = {lay, f.table, 16, row};
         for (int t = 0; t < n; t++)
             memcpy(rows + (size_t)t * row, ds_latent_row(&v, t), (size_t)row * sizeof(float));
+        free(lay);
         char name[32];
         snprintf(name, sizeof name, "latent.%d", l);
         check_rel(name, rows, gold(name, DS_GOLDEN_F32, &dims), (size_t)n * row, 1e-4);
@@ -283,14 +296,19 @@ static void test_context_chunks(void **state) {
         if (ds_draft_write_context(f.d, &two, f.table, p0, len, part, &err))
             fail_msg("%s", err.msg);
     }
-    for (int l = 0; l < L; l++)
-        check_rel("draft context in two calls vs one", two.layer[l], one.layer[l], per_layer, 1e-6);
+    for (int l = 0; l < L; l++) {
+        float *a = cache_layer(&two, l), *b = cache_layer(&one, l);
+        check_rel("draft context in two calls vs one", a, b, per_layer, 1e-6);
+        free(a), free(b);
+    }
 
     int cuts[4] = {13, 5, 1, n - 19};
     run_context(&f, &steps, ids, cuts, 4, NULL, NULL);
-    for (int l = 0; l < L; l++)
-        check_rel("target steps + draft context vs one prefill", steps.layer[l], one.layer[l],
-                  per_layer, 1e-4);
+    for (int l = 0; l < L; l++) {
+        float *a = cache_layer(&steps, l), *b = cache_layer(&one, l);
+        check_rel("target steps + draft context vs one prefill", a, b, per_layer, 1e-4);
+        free(a), free(b);
+    }
     int32_t d1[MAX_BLOCK], d2[MAX_BLOCK], d3[MAX_BLOCK];
     if (ds_draft_propose(f.d, &one, f.table, n - 1, 100, 7, d1, NULL, &err) ||
         ds_draft_propose(f.d, &two, f.table, n - 1, 100, 7, d2, NULL, &err) ||

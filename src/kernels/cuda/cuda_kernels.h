@@ -289,6 +289,12 @@ int ds_cu_is_device_ptr(const void *p);
 /* Free device memory in bytes. */
 size_t ds_cu_mem_free(ds_cu *c);
 
+/* RoPE on rows of x [rows][ldx]: lanes (2i, 2i+1), i < half, of row r turned by
+ * cs [rows / per][half][2] = {cos, sin} of row r / per (GPT-J pairing, the DSpark draft's);
+ * rows <= 65535. */
+int ds_cu_rope_pairs(ds_cu *c, float *x, int ldx, int rows, int per, const float *cs, int half,
+                     ds_err *err);
+
 /* Greedy tokens (ds_argmax) of rows x [rows][V], each row cut in `parts` so that a short batch
  * still spreads over the GPU: keys [rows][parts] receive each part's best as a 64-bit key (the
  * value's bits ordered as floats are, above the inverted index; 0 for a part of NaN), and

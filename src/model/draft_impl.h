@@ -1,0 +1,67 @@
+/* draft_impl.h — the inside of ds_draft, shared by the CPU draft (model_draft.c) and its GPU path
+ * (model_cuda.c). Nothing outside src/model includes this. */
+#ifndef DS_DRAFT_IMPL_H
+#define DS_DRAFT_IMPL_H
+
+#include "model/draft.h"
+
+/* ---- weights ------------------------------------------------------------------------------ */
+
+typedef struct draft_layer {
+    float *in_norm, *post_norm; /* [D] */
+    ds_mat q;                   /* [Ha*(dn+dr)][D] when q_lora_rank == 0 */
+    ds_mat q_a, q_b;            /* [Rq][D], [Ha*(dn+dr)][Rq] */
+    float *q_a_norm;            /* [Rq] */
+    ds_mat kv_a;                /* [R+dr][D] */
+    float *kv_a_norm;           /* [R] */
+    ds_mat kv_b;                /* [Ha*(dn+dvh)][R]: per head W_UK [dn][R] then W_UV [dvh][R] */
+    ds_mat o;                   /* [D][Ha*dvh] */
+    ds_mat gate, up, down;      /* [I][D], [I][D], [D][I] */
+} draft_layer;
+
+struct ds_draft {
+    ds_draft_config cfg;
+    ds_st *st;
+    const ds_mat *embed, *lm_head; /* the target's, [V][D] each */
+    ds_mat own_embed;              /* [V][D] the checkpoint's copy, where the target has none */
+    ds_mat context_proj;           /* [D][n_taps*Dt] */
+    ds_mat *ctx_blocks;            /* [n_taps] W_context[:, tap j] as [D][Dt] matrices */
+    void *ctx_block_data;          /* their storage (copies, in the checkpoint's dtype) */
+    int context_only;              /* loaded for the partial-sum tap relay: context_proj only */
+    float *context_norm;           /* [D] */
+    float *final_norm;             /* [D] */
+    draft_layer *layers;           /* [L] */
+    ds_mat markov_w1, markov_w2;   /* [V][r] each */
+    float *vecs;                   /* every norm weight, widened to f32 at load */
+    double *inv_freq;              /* [dr/2] YaRN-corrected inverse frequencies */
+    ds_yarn yarn;
+    /* scratch, grown on demand */
+    float *scratch; /* see carve() */
+    size_t scratch_cap;
+    int32_t *table; /* block table of one proposal's view (context pages + spare pages) */
+    size_t table_cap;
+    /* the same draft on the target's GPU (model_cuda.c), or NULL: then write_context and
+     * propose run there, and the caches it makes are device memory */
+    struct ds_draft_dev *dev;
+};
+
+/* cs [n][dr/2][2]: {cos, sin} * mscale of positions pos0 .. pos0+n-1 (YaRN), as the CPU path
+ * turns its rows. */
+void ds_draft_rope_table(const ds_draft *d, float *cs, int pos0, int n);
+
+#ifdef DS_HAVE_CUDA
+typedef struct ds_draft_dev ds_draft_dev;
+/* The draft on the target's GPU (model_cuda.c): its weights uploaded (they live as long as the
+ * target's), d->dev set. Only for a target on a GPU holding its whole vocabulary (no tensor
+ * parallelism); returns DS_OK leaving d->dev NULL where it does not apply. */
+int ds_draft_dev_create(ds_draft *d, const ds_model *target, ds_err *err);
+void ds_draft_dev_free(ds_draft *d);
+/* The device forms of write_context (taps [n_taps][n][Dt] or sum [n][D], host memory) and
+ * propose; the cache's layers are device memory. Same contracts as the CPU's. */
+int ds_draft_dev_write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int pos0,
+                               int n, const float *taps, const float *sum, ds_err *err);
+int ds_draft_dev_propose(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int p,
+                         int32_t anchor, int T, int32_t *drafts, float *block_logits, ds_err *err);
+#endif
+
+#endif
