@@ -416,9 +416,12 @@ static int setup_spec(ds_engine *e, ds_err *err) {
     } else if (o->speculative_method != DS_SPEC_NGRAM && o->speculative_method != DS_SPEC_DSPARK) {
         return ds_errf(err, "unknown speculative method %d", o->speculative_method);
     }
-    if (e->head)
+    if (e->head) /* (the draft lives on the sampling rank: where it runs is said there) */
         fprintf(stderr, "[deltaserve] speculative decoding: %s, k = %d\n",
                 o->speculative_method == DS_SPEC_DSPARK ? "dspark" : "ngram", e->k);
+    if (e->draft)
+        fprintf(stderr, "[deltaserve] DSpark draft on the %s\n",
+                ds_draft_on_device(e->draft) ? "GPU, beside the target" : "CPU");
     return DS_OK;
 }
 

@@ -17,6 +17,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+int ds_draft_on_device(const ds_draft *d) {
+    return d->dev != NULL;
+}
+
 const ds_draft_config *ds_draft_config_of(const ds_draft *d) {
     return &d->cfg;
 }
