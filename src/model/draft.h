@@ -30,8 +30,8 @@ int ds_draft_load(const char *dir, const ds_model *target, ds_draft **out, ds_er
 int ds_draft_load_context_only(const char *dir, const ds_model *target, ds_draft **out,
                                ds_err *err);
 void ds_draft_free(ds_draft *d);
-/* Does the draft run on the target's GPU? (A target on a GPU holding its whole vocabulary, unless
- * DS_DRAFT_DEVICE=0; then the caches ds_draft_cache_init makes are device memory.) */
+/* Does the draft run on the target's GPU? (Whenever the target does, unless DS_DRAFT_DEVICE=0;
+ * then the caches ds_draft_cache_init makes are device memory.) */
 int ds_draft_on_device(const ds_draft *d);
 const ds_draft_config *ds_draft_config_of(const ds_draft *d);
 

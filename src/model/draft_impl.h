@@ -52,8 +52,8 @@ void ds_draft_rope_table(const ds_draft *d, float *cs, int pos0, int n);
 #ifdef DS_HAVE_CUDA
 typedef struct ds_draft_dev ds_draft_dev;
 /* The draft on the target's GPU (model_cuda.c): its weights uploaded (they live as long as the
- * target's), d->dev set. Only for a target on a GPU holding its whole vocabulary (no tensor
- * parallelism); returns DS_OK leaving d->dev NULL where it does not apply. */
+ * target's; a vocabulary-parallel rank also uploads the whole lm_head), d->dev set. Returns DS_OK
+ * leaving d->dev NULL for a target on the CPU or with DS_DRAFT_DEVICE=0. */
 int ds_draft_dev_create(ds_draft *d, const ds_model *target, ds_err *err);
 void ds_draft_dev_free(ds_draft *d);
 /* The device forms of write_context (taps [n_taps][n][Dt] or sum [n][D], host memory) and

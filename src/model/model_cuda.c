@@ -1503,15 +1503,18 @@ struct ds_draft_dev {
 
 int ds_draft_dev_create(ds_draft *d, const ds_model *target, ds_err *err) {
     ds_cuda_model *cm = target->cu;
-    /* the draft reads the whole vocabulary's lm_head: one process holding all of it */
-    if (!cm || target->tp_size != 1 || !cm->lm_head.data || !env_flag("DS_DRAFT_DEVICE", 1))
-        return DS_OK;
+    if (!cm || !env_flag("DS_DRAFT_DEVICE", 1)) return DS_OK;
     const ds_draft_config *c = &d->cfg;
     ds_draft_dev *g = calloc(1, sizeof *g);
     if (!g) return ds_errf(err, "draft on the GPU: out of host memory");
     d->dev = g;
     g->cm = cm;
-    g->lm_head = cm->lm_head;
+    /* the draft reads the whole vocabulary's lm_head: the target's where this rank holds all of
+     * it, else (a vocabulary-parallel rank) a copy of the whole from the host's view */
+    if (cm->lm_head.data && target->v0 == 0 && target->nv == c->vocab_size)
+        g->lm_head = cm->lm_head;
+    else if (up_mat(cm, d->lm_head, &g->lm_head, err))
+        return DS_ERR;
     int L = c->num_hidden_layers, n_taps = c->num_target_layers;
     g->layers = calloc((size_t)L, sizeof *g->layers);
     g->ctx_blocks = calloc((size_t)n_taps, sizeof *g->ctx_blocks);

@@ -2,7 +2,7 @@
 # On the GPU machine, with .devbin carried: everything one device call can check and time in
 # about 2.5 minutes — every kernel against the CPU, the CPU's model and engine tests on the GPU,
 # -pp 2 / -tp 2 against one GPU, the per-op profile and the 48B-shape benchmark with graphs, the
-# bundled eval served from the GPU (300 problems, one process and PP 2 + DSpark + prefix +
+# bundled eval served from the GPU (300 problems, one process, PP 2 and TP 2 + DSpark + prefix +
 # offload), and the KDA, expert and MLA kernel timings. A line per part that failed at the end;
 # logs and JSON under $OUT.
 . "$(dirname "$0")/env.sh"
@@ -15,7 +15,7 @@ EAGER=0 timeout 200 tools/device/bench48.sh 2>&1 | tail -7 || failed+=" bench"
 # the prompt again with chunked KDA on CUDA cores in f32 (the default is 3xTF32 tensor cores)
 DS_CUDA_KDA_TC=0 OUT=/tmp/ds-kda-f32 EAGER=0 BATCHES=1 REPS=2 timeout 100 tools/device/bench48.sh 2>&1 |
   grep "prompt" | sed "s/^/DS_CUDA_KDA_TC=0: /" || failed+=" bench-kda-f32"
-timeout 120 tools/device/gpu_serve_eval.sh "${EVAL_LIMIT:-300}" 2>&1 | grep -v Killed | tail -3 ||
+timeout 180 tools/device/gpu_serve_eval.sh "${EVAL_LIMIT:-300}" 2>&1 | grep -v Killed | tail -5 ||
   failed+=" eval"
 timeout 120 .devbin/test_cuda_kernels --bench kda,moe,mla 2>&1 | grep "^bench" > "$OUT/kernel_bench.txt" ||
   failed+=" kernel-bench"
