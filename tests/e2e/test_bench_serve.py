@@ -1,6 +1,8 @@
-"""`deltaserve bench serve` against the shared server: exact output lengths and the figures."""
+"""`deltaserve bench serve` against the shared server (exact output lengths and the figures), and
+`deltaserve bench` on the test model."""
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -27,3 +29,27 @@ def test_bench_serve(server, tmp_path):
     assert 0 < d["median_ttft_ms"] <= d["p99_ttft_ms"]
     assert d["mean_e2el_ms"] > d["mean_ttft_ms"] > 0
     assert d["output_throughput"] > 0
+
+
+@pytest.mark.parametrize("full_logits", [False, True])
+def test_model_bench(tmp_path, full_logits):
+    """`deltaserve bench` on the test model: its decode steps end with greedy tokens picked beside
+    the logits, or with every row's logits (--full-logits), whose host sampling it then times."""
+    from conftest import DS_MODEL
+    out = tmp_path / "model_bench.json"
+    r = subprocess.run([DS_BIN, "bench", "--model", DS_MODEL, "--prompt-tokens", "8", "--reps", "1",
+                        "--decode-steps", "2", "--decode-context", "4", "--batch-sizes", "1,3",
+                        "--json", str(out)] + (["--full-logits"] if full_logits else []),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(out.read_text())
+    assert [x["batch"] for x in d["decode"]] == [1, 3]
+    assert all(x["tps"] > 0 and x["ms_per_step"] > 0 for x in d["decode"])
+    sampling = [l for l in r.stdout.splitlines() if l.startswith("host sampling batch")]
+    if full_logits:  # one line a batch size, with its two positive timings
+        assert [l.split()[3] for l in sampling] == ["1", "3"], r.stdout
+        for l in sampling:
+            m = re.search(r": ([\d.]+) ms on 1 thread, ([\d.]+) ms on (\d+)$", l)
+            assert m and float(m[1]) > 0 and float(m[2]) > 0 and int(m[3]) >= 1, l
+    else:
+        assert not sampling, r.stdout
