@@ -119,7 +119,12 @@ struct ds_engine {
 
     /* speculative decoding (k = 0: off) */
     int k;
-    ds_draft *draft;       /* dspark */
+    ds_draft *draft; /* dspark */
+    /* a step's proposals, gathered for one ds_draft_propose_batch: item, block table, position of
+     * the last context row, anchor of each ([max_num_seqs]); drafts [max_num_seqs][k] */
+    int *prop_item, *prop_p;
+    const int32_t **prop_table;
+    int32_t *prop_anchor, *prop_drafts;
     ds_draft_cache dcache; /* the draft's latent rows, addressed by the same pages */
     float *taps;           /* [sum of item tokens][n_taps][D] this step's draft taps */
     /* DSpark taps in a job: every rank knows the tap layers; stage s holds taps [j0, j1) */
@@ -391,6 +396,7 @@ static int admit_drafts(void *ctx, ds_seq *q);
 
 static int setup_spec(ds_engine *e, ds_err *err) {
     const ds_engine_opts *o = &e->opts;
+    const int S = o->max_num_seqs; /* sequences a step may hold: proposals at once, at most */
     if (o->num_speculative_tokens < 1 || o->num_speculative_tokens > DS_MAX_SPEC)
         return ds_errf(err, "--num-speculative-tokens must be in [1, %d], got %d", DS_MAX_SPEC,
                        o->num_speculative_tokens);
@@ -404,9 +410,18 @@ static int setup_spec(ds_engine *e, ds_err *err) {
         else
             snprintf(dir, sizeof dir, "%s/draft", e->model_dir);
         if (e->sampler && (ds_draft_load(dir, e->model, &e->draft, err) ||
-                           ds_draft_cache_init(&e->dcache, e->draft, ds_page_n_total(e->pages),
-                                               e->opts.block_size, e->k, err)))
+                           ds_draft_cache_init_seqs(&e->dcache, e->draft, ds_page_n_total(e->pages),
+                                                    e->opts.block_size, e->k, S, err)))
             return ds_err_prefix(err, "--draft-model %s", dir);
+        if (e->draft) {
+            e->prop_item = ds_malloc((size_t)S * sizeof(int), err);
+            e->prop_p = ds_malloc((size_t)S * sizeof(int), err);
+            e->prop_table = ds_malloc((size_t)S * sizeof(int32_t *), err);
+            e->prop_anchor = ds_malloc((size_t)S * sizeof(int32_t), err);
+            e->prop_drafts = ds_malloc((size_t)S * e->k * sizeof(int32_t), err);
+            if (!e->prop_item || !e->prop_p || !e->prop_table || !e->prop_anchor || !e->prop_drafts)
+                return DS_ERR;
+        }
         /* the draft's rows of a page travel with the page through the offload tiers */
         if (e->draft && e->prefix &&
             ds_prefix_add_page_rows(e->prefix, e->dcache.layer, e->dcache.n_layers, e->dcache.row,
@@ -1306,14 +1321,6 @@ static void relay_taps(ds_engine *e, int n_items) {
 static int draft_after(ds_engine *e, ds_seq *s, const ds_sched_item *it, int n_keep, int32_t next,
                        int32_t *out) {
     int k = e->k, len = it->pos0 + n_keep + 1;
-    if (e->draft && !e->opts.spec_test_drafts) {
-        ds_err err;
-        if (ds_draft_propose(e->draft, &e->dcache, s->block_table, len - 2, next, k, out, NULL,
-                             &err) == DS_OK)
-            return k;
-        fprintf(stderr, "[deltaserve] draft: %s\n", err.msg); /* costs speed, never output */
-        return 0;
-    }
     if ((size_t)len > e->after_cap) { /* grown, not allocated per call: this runs every step */
         int32_t *b = realloc(e->after, (size_t)len * sizeof *b);
         if (!b) return 0; /* no drafts: costs speed, never output */
@@ -1448,6 +1455,7 @@ static void launch(ds_engine *e, inflight *f, int g) {
         }
         tap_off = 0;
         size_t off = 0;
+        int n_prop = 0; /* DSpark proposals gathered */
         for (int i = 0; i < n_items; i++) {
             ds_sched_item *it = &f->items[i];
             ds_seq *s = it->seq;
@@ -1471,9 +1479,34 @@ static void launch(ds_engine *e, inflight *f, int g) {
             }
             tap_off += (size_t)n_run * n_taps * D;
             off += (size_t)n_run;
-            if (it->sample && e->k)
-                f->n_dr[i] =
-                    draft_after(e, s, it, n_keep, f->vt[i][f->va[i] < 0 ? 0 : f->va[i]], f->dr[i]);
+            if (it->sample && e->k) {
+                int32_t next = f->vt[i][f->va[i] < 0 ? 0 : f->va[i]];
+                if (e->draft && !e->opts.spec_test_drafts) { /* proposed below, all together */
+                    e->prop_item[n_prop] = i;
+                    e->prop_table[n_prop] = s->block_table;
+                    e->prop_p[n_prop] = it->pos0 + n_keep - 1; /* the last context row */
+                    e->prop_anchor[n_prop++] = next;
+                } else {
+                    f->n_dr[i] = draft_after(e, s, it, n_keep, next, f->dr[i]);
+                }
+            }
+        }
+        /* The DSpark proposals of every sampled item in as few passes as the draft cache's spare
+         * slots allow: each item's context rows were written above, and a proposal reads only
+         * its own sequence's rows. */
+        for (int c0 = 0, m; c0 < n_prop; c0 += m) {
+            m = DS_MIN(n_prop - c0, e->dcache.max_seqs);
+            int rc =
+                ds_draft_propose_batch(e->draft, &e->dcache, m, e->prop_table + c0, e->prop_p + c0,
+                                       e->prop_anchor + c0, e->k, e->prop_drafts, NULL, &err);
+            if (rc) fprintf(stderr, "[deltaserve] draft: %s\n", err.msg); /* speed, not output */
+            for (int j = 0; j < m; j++) {
+                int i = e->prop_item[c0 + j];
+                f->n_dr[i] = rc ? 0 : e->k;
+                if (!rc)
+                    memcpy(f->dr[i], e->prop_drafts + (size_t)j * e->k,
+                           (size_t)e->k * sizeof(int32_t));
+            }
         }
         if (e->dist) outcome_send(e, f);
     }
@@ -1670,6 +1703,11 @@ void ds_engine_free(ds_engine *e) {
     ds_draft_free(e->draft_ctx);
     free(e->relay);
     free(e->after);
+    free(e->prop_item);
+    free(e->prop_p);
+    free(e->prop_table);
+    free(e->prop_anchor);
+    free(e->prop_drafts);
     ds_tok_free(e->tok);
     ds_model_free(e->model);
     free(e->model_dir);

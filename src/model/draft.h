@@ -57,20 +57,27 @@ const double *ds_draft_inv_freq(const ds_draft *d, ds_yarn *y);
 
 /* ---- per-sequence latent cache ----------------------------------------------------------------
  */
-/* One paged pool per draft layer: layer[l] holds [n_pages + n_spare][block_size][row] floats,
- * row = kv_lora_rank + qk_rope_head_dim, addressed through the sequence's block table like
- * ds_kv_pool. Pages n_pages.. are the proposal's own: a block pass copies the last, partly filled
- * context page there and appends its block rows behind it, so the attention kernel sees context
- * and block as one paged sequence without a write into the sequence's pages. */
+/* One paged pool per draft layer: layer[l] holds [n_pages + n_spare * max_seqs][block_size][row]
+ * floats, row = kv_lora_rank + qk_rope_head_dim, addressed through the sequence's block table like
+ * ds_kv_pool. Pages n_pages.. are the proposals' own, n_spare for each of max_seqs at once: a
+ * block pass copies the last, partly filled context page there and appends its block rows behind
+ * it, so the attention kernel sees context and block as one paged sequence without a write into
+ * the sequence's pages. */
 typedef struct ds_draft_cache {
     float **layer; /* [n_layers] pointers (device memory when on_device) */
     int on_device; /* the draft runs on the target's GPU (base/devmem.h copies reach the rows) */
     int n_layers, n_pages, n_spare, block_size, row;
     int max_block; /* largest T ds_draft_propose accepts with this cache */
+    int max_seqs;  /* most sequences one ds_draft_propose_batch takes (a spare slot each) */
 } ds_draft_cache;
 
+/* ds_draft_cache_init_seqs for one sequence a proposal. */
 int ds_draft_cache_init(ds_draft_cache *c, const ds_draft *d, int n_pages, int block_size,
                         int max_block, ds_err *err);
+/* A cache with spare pages for max_seqs proposals at once (ds_draft_propose_batch): layer l holds
+ * [n_pages + n_spare * max_seqs][block_size][row] floats. */
+int ds_draft_cache_init_seqs(ds_draft_cache *c, const ds_draft *d, int n_pages, int block_size,
+                             int max_block, int max_seqs, ds_err *err);
 void ds_draft_cache_free(ds_draft_cache *c);
 
 /* ---- forward ----------------------------------------------------------------------------------
@@ -103,5 +110,14 @@ int ds_draft_write_context_sum(ds_draft *d, ds_draft_cache *c, const int32_t *bl
  * block_table: pages covering positions [0, p]. 1 <= T <= c->max_block. */
 int ds_draft_propose(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int p,
                      int32_t anchor, int T, int32_t *drafts, float *block_logits, ds_err *err);
+/* ds_draft_propose for n <= c->max_seqs sequences at once: sequence b's context through
+ * block_tables[b] (rows 0..ps[b]), its anchor anchors[b], its drafts drafts[b T .. b T + T) and
+ * (block_logits not NULL) its U at block_logits + b T V. On the CPU the block pass runs all n T
+ * rows through each matmul together — a row's bits do not depend on the others, so each sequence
+ * gets exactly the drafts ds_draft_propose gives it alone — and the walks step together. */
+int ds_draft_propose_batch(ds_draft *d, ds_draft_cache *c, int n,
+                           const int32_t *const *block_tables, const int *ps,
+                           const int32_t *anchors, int T, int32_t *drafts, float *block_logits,
+                           ds_err *err);
 
 #endif

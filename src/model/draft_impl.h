@@ -57,11 +57,13 @@ typedef struct ds_draft_dev ds_draft_dev;
 int ds_draft_dev_create(ds_draft *d, const ds_model *target, ds_err *err);
 void ds_draft_dev_free(ds_draft *d);
 /* The device forms of write_context (taps [n_taps][n][Dt] or sum [n][D], host memory) and
- * propose; the cache's layers are device memory. Same contracts as the CPU's. */
+ * of one sequence's propose, in the cache's spare slot `slot` (of c->max_seqs); the cache's
+ * layers are device memory. Same contracts as the CPU's. */
 int ds_draft_dev_write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int pos0,
                                int n, const float *taps, const float *sum, ds_err *err);
-int ds_draft_dev_propose(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int p,
-                         int32_t anchor, int T, int32_t *drafts, float *block_logits, ds_err *err);
+int ds_draft_dev_propose(ds_draft *d, ds_draft_cache *c, int slot, const int32_t *block_table,
+                         int p, int32_t anchor, int T, int32_t *drafts, float *block_logits,
+                         ds_err *err);
 #endif
 
 #endif

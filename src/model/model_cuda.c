@@ -1645,8 +1645,9 @@ int ds_draft_dev_write_context(ds_draft *d, ds_draft_cache *c, const int32_t *bl
     return ds_cu_sync(cu, err);
 }
 
-int ds_draft_dev_propose(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int p,
-                         int32_t anchor, int T, int32_t *drafts, float *block_logits, ds_err *err) {
+int ds_draft_dev_propose(ds_draft *d, ds_draft_cache *c, int slot, const int32_t *block_table,
+                         int p, int32_t anchor, int T, int32_t *drafts, float *block_logits,
+                         ds_err *err) {
     ds_draft_dev *g = d->dev;
     ds_cu *cu = g->cm->c;
     const ds_draft_config *cf = &d->cfg;
@@ -1694,7 +1695,8 @@ int ds_draft_dev_propose(ds_draft *d, ds_draft_cache *c, const int32_t *block_ta
     hi[0] = anchor;
     for (int t = 1; t < T; t++) hi[t] = cf->mask_token_id;
     for (int k = 0; k < full; k++) hi[at_tab + k] = block_table[k];
-    for (int k = 0; k < c->n_spare; k++) hi[at_tab + full + k] = c->n_pages + k;
+    for (int k = 0; k < c->n_spare; k++)
+        hi[at_tab + full + k] = c->n_pages + slot * c->n_spare + k; /* this proposal's spares */
     for (int i = 0; i < n_copy; i++) {
         int pos = full * bs + i;
         hi[at_src + i] = block_table[pos / bs] * bs + pos % bs;

@@ -336,11 +336,17 @@ static void rope_apply(float *x, const float *cs, int half) {
 
 int ds_draft_cache_init(ds_draft_cache *c, const ds_draft *d, int n_pages, int block_size,
                         int max_block, ds_err *err) {
+    return ds_draft_cache_init_seqs(c, d, n_pages, block_size, max_block, 1, err);
+}
+
+int ds_draft_cache_init_seqs(ds_draft_cache *c, const ds_draft *d, int n_pages, int block_size,
+                             int max_block, int max_seqs, ds_err *err) {
     memset(c, 0, sizeof *c);
-    if (n_pages < 1 || block_size < 1 || max_block < 1)
+    if (n_pages < 1 || block_size < 1 || max_block < 1 || max_seqs < 1)
         return ds_errf(err,
-                       "draft cache: n_pages = %d, block_size = %d, max_block = %d (each >= 1)",
-                       n_pages, block_size, max_block);
+                       "draft cache: n_pages = %d, block_size = %d, max_block = %d, max_seqs = %d "
+                       "(each >= 1)",
+                       n_pages, block_size, max_block, max_seqs);
     c->n_layers = d->cfg.num_hidden_layers;
     c->n_pages = n_pages;
     c->block_size = block_size;
@@ -351,8 +357,9 @@ int ds_draft_cache_init(ds_draft_cache *c, const ds_draft *d, int n_pages, int b
     c->on_device = d->dev != NULL;
     c->layer = ds_calloc((size_t)c->n_layers, sizeof(float *), err);
     if (!c->layer) return DS_ERR;
-    const size_t bytes =
-        (size_t)(n_pages + c->n_spare) * (size_t)block_size * (size_t)c->row * sizeof(float);
+    c->max_seqs = max_seqs;
+    const size_t bytes = ((size_t)n_pages + (size_t)c->n_spare * max_seqs) * (size_t)block_size *
+                         (size_t)c->row * sizeof(float);
     for (int l = 0; l < c->n_layers; l++) {
         c->layer[l] = ds_dmem_alloc(c->on_device, bytes, err);
         if (!c->layer[l]) {
@@ -506,44 +513,55 @@ int ds_draft_write_context_sum(ds_draft *d, ds_draft_cache *c, const int32_t *bl
 
 // ---- block pass (MODEL_SPEC §8.5) and Markov walk (§8.7) ----------------------------------------
 
-/* Buffers of one proposal of T rows. */
+/* Buffers of one proposal pass: n sequences of T rows each, rows b T .. b T + T - 1 sequence b's
+ * (NT = n T). */
 typedef struct block_bufs {
-    float *h, *x, *a;   /* [T][D] stream, normed input, sublayer output */
-    float *qa;          /* [T][Rq] */
-    float *q;           /* [T][Ha][dn+dr] */
-    float *kv;          /* [T][R+dr] the block's latent rows */
-    float *qr;          /* [T][Ha][dr] rotated rope part of the queries */
-    float *qbar, *obar; /* [T][Ha][R] queries / outputs in the latent space */
-    float *o;           /* [T][Ha][dvh] */
-    float *g, *u;       /* [T][I] MLP gate / up */
-    float *cs;          /* [T][dr/2][2] rotations of positions p+1..p+T */
-    float *U;           /* [T][V] block logits when the caller passes none */
-    float *w1, *bias;   /* [r] Markov row of the previous token, [V] its bias over the vocabulary */
+    float *h, *x, *a;   /* [NT][D] stream, normed input, sublayer output */
+    float *qa;          /* [NT][Rq] */
+    float *q;           /* [NT][Ha][dn+dr] */
+    float *kv;          /* [NT][R+dr] the blocks' latent rows */
+    float *qr;          /* [NT][Ha][dr] rotated rope part of the queries */
+    float *qbar, *obar; /* [NT][Ha][R] queries / outputs in the latent space */
+    float *o;           /* [NT][Ha][dvh] */
+    float *g, *u;       /* [NT][I] MLP gate / up */
+    float *cs;          /* [NT][dr/2][2] rotations of each row's position (p_b+1..p_b+T) */
+    float *U;           /* [NT][V] block logits when the caller passes none */
+    float *w1, *bias;   /* [n][r] Markov rows of the previous tokens, [n][V] their biases */
 } block_bufs;
 
-/* The block's MLA for layer l: out bb->a [T][D] from the normed input bb->x. view: context pages
- * for positions <= p plus spare pages from the page holding p+1 on. */
-static void block_attention(ds_draft *d, int l, block_bufs *bb, ds_latent_view *view, int p,
+/* One proposal's view of layer l's rows: its sequence's context pages for positions <= p, then
+ * its own spare pages (spare slot b) from the page holding p+1 on. */
+typedef struct block_seq {
+    ds_latent_view view;
+    const int32_t *block_table;
+    int p;
+} block_seq;
+
+/* The blocks' MLA for layer l: out bb->a [NT][D] from the normed input bb->x; the projections
+ * run over all n T rows at once (a row's bits do not depend on the others: ds_matmul), the
+ * latent rows and the attention per sequence, through seq[b]'s view. */
+static void block_attention(ds_draft *d, int l, block_bufs *bb, const block_seq *seq, int n,
                             int T) {
     const ds_draft_config *c = &d->cfg;
     const draft_layer *w = &d->layers[l];
     int D = c->hidden_size, Ha = c->num_attention_heads, R = c->kv_lora_rank, Rq = c->q_lora_rank;
     int dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dvh = c->v_head_dim, dq = dn + dr;
-    int row = R + dr;
+    int row = R + dr, NT = n * T;
     if (Rq) {
-        ds_matmul(bb->qa, Rq, bb->x, D, T, &w->q_a);
-        ds_rmsnorm(bb->qa, bb->qa, w->q_a_norm, T, Rq, c->rms_norm_eps);
-        ds_matmul(bb->q, Ha * dq, bb->qa, Rq, T, &w->q_b);
+        ds_matmul(bb->qa, Rq, bb->x, D, NT, &w->q_a);
+        ds_rmsnorm(bb->qa, bb->qa, w->q_a_norm, NT, Rq, c->rms_norm_eps);
+        ds_matmul(bb->q, Ha * dq, bb->qa, Rq, NT, &w->q_b);
     } else {
-        ds_matmul(bb->q, Ha * dq, bb->x, D, T, &w->q);
+        ds_matmul(bb->q, Ha * dq, bb->x, D, NT, &w->q);
     }
-    ds_matmul(bb->kv, row, bb->x, D, T, &w->kv_a);
-    finish_latent(d, w, bb->kv, bb->cs, T);
-    for (int t = 0; t < T; t++)
-        memcpy(ds_latent_row(view, p + 1 + t), bb->kv + (size_t)t * row,
-               (size_t)row * sizeof(float));
+    ds_matmul(bb->kv, row, bb->x, D, NT, &w->kv_a);
+    finish_latent(d, w, bb->kv, bb->cs, NT);
+    for (int b = 0; b < n; b++)
+        for (int t = 0; t < T; t++)
+            memcpy(ds_latent_row(&seq[b].view, seq[b].p + 1 + t),
+                   bb->kv + ((size_t)b * T + t) * row, (size_t)row * sizeof(float));
     /* qR turns at its own row's position, like the key it is matched with (trap 9). */
-    for (int t = 0; t < T; t++)
+    for (int t = 0; t < NT; t++)
         for (int h = 0; h < Ha; h++) {
             float *qr = bb->qr + ((size_t)t * Ha + h) * dr;
             memcpy(qr, bb->q + ((size_t)t * Ha + h) * dq + dn, (size_t)dr * sizeof(float));
@@ -551,125 +569,162 @@ static void block_attention(ds_draft *d, int l, block_bufs *bb, ds_latent_view *
         }
     for (int h = 0; h < Ha; h++) {
         ds_mat uk = ds_mat_rows(&w->kv_b, h * (dn + dvh), dn);
-        ds_matmul_t(bb->qbar + (size_t)h * R, Ha * R, bb->q + (size_t)h * dq, Ha * dq, T, &uk);
+        ds_matmul_t(bb->qbar + (size_t)h * R, Ha * R, bb->q + (size_t)h * dq, Ha * dq, NT, &uk);
     }
     /* Non-causal: every block row sees context rows 0..p and all T block rows (§8.5, trap 15). */
-    ds_mla_attend_absorbed(bb->obar, bb->qbar, bb->qr, T, Ha, R, dr, view, p + 1, p + 1 + T, 0,
-                           (float)d->yarn.softmax_scale);
+    for (int b = 0; b < n; b++) {
+        size_t r0 = (size_t)b * T * Ha;
+        ds_mla_attend_absorbed(bb->obar + r0 * R, bb->qbar + r0 * R, bb->qr + r0 * dr, T, Ha, R, dr,
+                               &seq[b].view, seq[b].p + 1, seq[b].p + 1 + T, 0,
+                               (float)d->yarn.softmax_scale);
+    }
     for (int h = 0; h < Ha; h++) {
         ds_mat uv = ds_mat_rows(&w->kv_b, h * (dn + dvh) + dn, dvh);
-        ds_matmul(bb->o + (size_t)h * dvh, Ha * dvh, bb->obar + (size_t)h * R, Ha * R, T, &uv);
+        ds_matmul(bb->o + (size_t)h * dvh, Ha * dvh, bb->obar + (size_t)h * R, Ha * R, NT, &uv);
     }
-    ds_matmul(bb->a, D, bb->o, Ha * dvh, T, &w->o);
+    ds_matmul(bb->a, D, bb->o, Ha * dvh, NT, &w->o);
 }
 
-/* The block table of a proposal's view: context rows 0..p through the sequence's pages, rows
- * p+1.. in the cache's spare pages. The page holding p+1 is replaced by the first spare page,
- * which receives a copy of that page's context rows (spare_view_fill), so context and block read
- * as one paged sequence without a write into the sequence's own pages. */
-static int spare_table(ds_draft *d, const ds_draft_cache *c, const int32_t *block_table, int p,
-                       ds_err *err) {
+/* Proposal b's block table (tab [full + n_spare]): context rows 0..p through the sequence's pages,
+ * rows p+1.. in the cache's spare pages of slot b. The page holding p+1 is replaced by the
+ * slot's first spare page, which receives a copy of that page's context rows (spare_fill), so
+ * context and block read as one paged sequence without a write into the sequence's own pages. */
+static void spare_table(const ds_draft_cache *c, const int32_t *block_table, int p, int b,
+                        int32_t *tab) {
     int full = (p + 1) / c->block_size; /* pages wholly made of context rows */
-    size_t n_tab = (size_t)full + (size_t)c->n_spare;
-    if (n_tab > d->table_cap) {
-        int32_t *t = realloc(d->table, n_tab * sizeof *t);
-        if (!t) return ds_errf(err, "out of memory (draft block table of %zu pages)", n_tab);
-        d->table = t;
-        d->table_cap = n_tab;
-    }
-    memcpy(d->table, block_table, (size_t)full * sizeof(int32_t));
-    for (int k = 0; k < c->n_spare; k++) d->table[full + k] = c->n_pages + k;
-    return DS_OK;
+    memcpy(tab, block_table, (size_t)full * sizeof(int32_t));
+    for (int k = 0; k < c->n_spare; k++) tab[full + k] = c->n_pages + b * c->n_spare + k;
 }
 
-/* Layer l's view through d->table, with the context rows of the page holding p+1 copied in. */
-static ds_latent_view spare_view_fill(const ds_draft *d, ds_draft_cache *c, int l,
-                                      const int32_t *block_table, int p) {
+/* Copies the context rows of the page holding p+1 into the view's spare page (layer l). */
+static void spare_fill(ds_draft_cache *c, int l, const block_seq *q) {
     int bs = c->block_size;
-    ds_latent_view view = {c->layer[l], d->table, bs, c->row};
-    ds_latent_view seq = {c->layer[l], block_table, bs, c->row};
-    for (int pos = (p + 1) / bs * bs; pos <= p; pos++)
-        memcpy(ds_latent_row(&view, pos), ds_latent_row(&seq, pos), (size_t)c->row * sizeof(float));
-    return view;
+    ds_latent_view seq = {c->layer[l], q->block_table, bs, c->row};
+    for (int pos = (q->p + 1) / bs * bs; pos <= q->p; pos++)
+        memcpy(ds_latent_row(&q->view, pos), ds_latent_row(&seq, pos),
+               (size_t)c->row * sizeof(float));
 }
 
 int ds_draft_propose(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int p,
                      int32_t anchor, int T, int32_t *drafts, float *block_logits, ds_err *err) {
+    return ds_draft_propose_batch(d, c, 1, &block_table, &p, &anchor, T, drafts, block_logits, err);
+}
+
+int ds_draft_propose_batch(ds_draft *d, ds_draft_cache *c, int n,
+                           const int32_t *const *block_tables, const int *ps,
+                           const int32_t *anchors, int T, int32_t *drafts, float *block_logits,
+                           ds_err *err) {
     const ds_draft_config *cf = &d->cfg;
     int D = cf->hidden_size, V = cf->vocab_size, Ha = cf->num_attention_heads;
     int R = cf->kv_lora_rank, dr = cf->qk_rope_head_dim, dq = cf->qk_nope_head_dim + dr;
     int I = cf->intermediate_size, r = cf->markov_rank;
-    if (T < 1 || T > c->max_block || p < 0)
-        return ds_errf(err, "draft propose: T = %d (cache allows 1..%d), p = %d (>= 0)", T,
-                       c->max_block, p);
-    /* The anchor comes from the target's argmax, so an id outside the vocabulary is a caller bug:
-     * report it rather than clamp it (ATOM clamps because its batches carry padding ids). */
-    if (anchor < 0 || anchor >= V)
-        return ds_errf(err, "draft propose: anchor id %d is outside [0, %d)", anchor, V);
+    if (n < 1 || n > c->max_seqs)
+        return ds_errf(err, "draft propose: %d sequences (cache allows 1..%d)", n, c->max_seqs);
+    if (T < 1 || T > c->max_block)
+        return ds_errf(err, "draft propose: T = %d (cache allows 1..%d)", T, c->max_block);
+    for (int b = 0; b < n; b++) {
+        if (ps[b] < 0) return ds_errf(err, "draft propose: p = %d (>= 0)", ps[b]);
+        /* The anchor comes from the target's argmax, so an id outside the vocabulary is a caller
+         * bug: report it rather than clamp it (ATOM clamps because its batches carry padding
+         * ids). */
+        if (anchors[b] < 0 || anchors[b] >= V)
+            return ds_errf(err, "draft propose: anchor id %d is outside [0, %d)", anchors[b], V);
+    }
     if (c->row != R + dr || c->n_layers != cf->num_hidden_layers)
         return ds_errf(err, "draft propose: cache of %d layers x %d floats, draft needs %d x %d",
                        c->n_layers, c->row, cf->num_hidden_layers, R + dr);
 #ifdef DS_HAVE_CUDA
-    if (d->dev)
-        return ds_draft_dev_propose(d, c, block_table, p, anchor, T, drafts, block_logits, err);
+    if (d->dev) { /* one sequence at a time on the GPU, each in its own spare slot */
+        for (int b = 0; b < n; b++)
+            if (ds_draft_dev_propose(d, c, b, block_tables[b], ps[b], anchors[b], T,
+                                     drafts + (size_t)b * T,
+                                     block_logits ? block_logits + (size_t)b * T * V : NULL, err))
+                return DS_ERR;
+        return DS_OK;
+    }
 #endif
-    size_t TD = (size_t)T * D;
+    const size_t NT = (size_t)n * T, TD = NT * D;
+    size_t n_tab = 0; /* the n block tables, each [full_b + n_spare] */
+    for (int b = 0; b < n; b++) n_tab += (size_t)(ps[b] + 1) / c->block_size + c->n_spare;
     size_t sizes[] = {
         TD,
         TD,
-        TD,                                                  /* h, x, a */
-        (size_t)T * (cf->q_lora_rank ? cf->q_lora_rank : 1), /* qa */
-        (size_t)T * Ha * dq,                                 /* q */
-        (size_t)T * (R + dr),                                /* kv */
-        (size_t)T * Ha * dr,                                 /* qr */
-        (size_t)T * Ha * R,
-        (size_t)T * Ha * R,              /* qbar, obar */
-        (size_t)T * Ha * cf->v_head_dim, /* o */
-        (size_t)T * I,
-        (size_t)T * I,                    /* g, u */
-        (size_t)T * dr,                   /* cs */
-        block_logits ? 1 : (size_t)T * V, /* U */
-        (size_t)r,
-        (size_t)V, /* w1, bias */
-        (size_t)T, /* ids (int32) */
+        TD,                                           /* h, x, a */
+        NT * (cf->q_lora_rank ? cf->q_lora_rank : 1), /* qa */
+        NT * Ha * dq,                                 /* q */
+        NT * (R + dr),                                /* kv */
+        NT * Ha * dr,                                 /* qr */
+        NT * Ha * R,
+        NT * Ha * R,              /* qbar, obar */
+        NT * Ha * cf->v_head_dim, /* o */
+        NT * I,
+        NT * I,                    /* g, u */
+        NT * dr,                   /* cs */
+        block_logits ? 1 : NT * V, /* U */
+        (size_t)n * r,
+        (size_t)n * V, /* w1, bias */
+        NT,            /* ids (int32) */
+        (size_t)n,     /* prev (int32) */
     };
-    float *b[DS_ARRAY_LEN(sizes)];
-    if (carve(d, sizes, b, (int)DS_ARRAY_LEN(sizes), err)) return DS_ERR;
-    block_bufs bb = {b[0], b[1], b[2],  b[3],  b[4],  b[5],  b[6],  b[7],
-                     b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]};
+    float *bf[DS_ARRAY_LEN(sizes)];
+    if (carve(d, sizes, bf, (int)DS_ARRAY_LEN(sizes), err)) return DS_ERR;
+    block_bufs bb = {bf[0], bf[1], bf[2],  bf[3],  bf[4],  bf[5],  bf[6],  bf[7],
+                     bf[8], bf[9], bf[10], bf[11], bf[12], bf[13], bf[14], bf[15]};
     if (block_logits) bb.U = block_logits;
-    int32_t *ids = (int32_t *)b[16]; /* [T] */
+    int32_t *ids = (int32_t *)bf[16];  /* [NT] */
+    int32_t *prev = (int32_t *)bf[17]; /* [n] */
+    if (n_tab > d->table_cap) {
+        int32_t *t = realloc(d->table, n_tab * sizeof *t);
+        if (!t) return ds_errf(err, "out of memory (draft block tables of %zu pages)", n_tab);
+        d->table = t;
+        d->table_cap = n_tab;
+    }
+    block_seq *seq = malloc((size_t)n * sizeof *seq);
+    if (!seq) return ds_errf(err, "out of memory (draft views of %d sequences)", n);
 
-    /* Inputs [x0, M, ..., M] at positions p+1..p+T, embedded with the target's table. */
-    ids[0] = anchor;
-    for (int t = 1; t < T; t++) ids[t] = cf->mask_token_id;
-    ds_embed(bb.h, d->embed, ids, T);
-    ds_draft_rope_table(d, bb.cs, p + 1, T);
-    if (spare_table(d, c, block_table, p, err)) return DS_ERR;
+    /* Inputs [x0, M, ..., M] at positions p+1..p+T of each sequence, embedded with the target's
+     * table. */
+    int32_t *tab = d->table;
+    for (int b = 0; b < n; b++) {
+        ids[(size_t)b * T] = anchors[b];
+        for (int t = 1; t < T; t++) ids[(size_t)b * T + t] = cf->mask_token_id;
+        ds_draft_rope_table(d, bb.cs + (size_t)b * T * dr, ps[b] + 1, T);
+        spare_table(c, block_tables[b], ps[b], b, tab);
+        seq[b] = (block_seq){{NULL, tab, c->block_size, c->row}, block_tables[b], ps[b]};
+        tab += (ps[b] + 1) / c->block_size + c->n_spare;
+    }
+    ds_embed(bb.h, d->embed, ids, (int)NT);
     for (int l = 0; l < cf->num_hidden_layers; l++) {
         const draft_layer *w = &d->layers[l];
-        ds_latent_view view = spare_view_fill(d, c, l, block_table, p);
-        ds_rmsnorm(bb.x, bb.h, w->in_norm, T, D, cf->rms_norm_eps);
-        block_attention(d, l, &bb, &view, p, T);
+        for (int b = 0; b < n; b++) {
+            seq[b].view.pool = c->layer[l];
+            spare_fill(c, l, &seq[b]);
+        }
+        ds_rmsnorm(bb.x, bb.h, w->in_norm, (int)NT, D, cf->rms_norm_eps);
+        block_attention(d, l, &bb, seq, n, T);
         ds_add(bb.h, bb.a, TD);
-        ds_rmsnorm(bb.x, bb.h, w->post_norm, T, D, cf->rms_norm_eps);
-        ds_matmul(bb.g, I, bb.x, D, T, &w->gate);
-        ds_matmul(bb.u, I, bb.x, D, T, &w->up);
-        ds_act_swiglu(bb.g, bb.g, bb.u, (size_t)T * I);
-        ds_matmul(bb.a, D, bb.g, I, T, &w->down);
+        ds_rmsnorm(bb.x, bb.h, w->post_norm, (int)NT, D, cf->rms_norm_eps);
+        ds_matmul(bb.g, I, bb.x, D, (int)NT, &w->gate);
+        ds_matmul(bb.u, I, bb.x, D, (int)NT, &w->up);
+        ds_act_swiglu(bb.g, bb.g, bb.u, NT * I);
+        ds_matmul(bb.a, D, bb.g, I, (int)NT, &w->down);
         ds_add(bb.h, bb.a, TD);
     }
-    ds_rmsnorm(bb.x, bb.h, d->final_norm, T, D, cf->rms_norm_eps);
-    ds_matmul(bb.U, V, bb.x, D, T, d->lm_head);
+    free(seq);
+    ds_rmsnorm(bb.x, bb.h, d->final_norm, (int)NT, D, cf->rms_norm_eps);
+    ds_matmul(bb.U, V, bb.x, D, (int)NT, d->lm_head);
 
     /* Markov walk: row k-1's logits plus the rank-r bias W2 · W1[x_{k-1}] of the token chosen
-     * before it. Only this loop is sequential. */
-    int32_t prev = anchor;
+     * before it, every sequence's step k together. Only this loop is sequential. */
+    for (int b = 0; b < n; b++) prev[b] = anchors[b];
     for (int k = 0; k < T; k++) {
-        ds_embed(bb.w1, &d->markov_w1, &prev, 1);
-        ds_matmul(bb.bias, V, bb.w1, r, 1, &d->markov_w2);
-        ds_add(bb.bias, bb.U + (size_t)k * V, (size_t)V);
-        prev = drafts[k] = ds_argmax(bb.bias, V);
+        ds_embed(bb.w1, &d->markov_w1, prev, n);
+        ds_matmul(bb.bias, V, bb.w1, r, n, &d->markov_w2);
+        for (int b = 0; b < n; b++) {
+            float *bias = bb.bias + (size_t)b * V;
+            ds_add(bias, bb.U + ((size_t)b * T + k) * V, (size_t)V);
+            prev[b] = drafts[(size_t)b * T + k] = ds_argmax(bias, V);
+        }
     }
     return DS_OK;
 }

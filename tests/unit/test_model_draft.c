@@ -324,6 +324,66 @@ static void test_context_chunks(void **state) {
     close_fx(&f);
 }
 
+/* Proposals for several sequences in one call: three contexts of different lengths in different
+ * pages of one cache, proposed alone and all at once (each in its own spare slot) — the same
+ * drafts and block logits to the bit; more sequences than the cache's slots is refused. */
+static void test_batch_propose(void **state) {
+    (void)state;
+    const uint64_t *dims;
+    const int32_t *ids = gold("input_ids", DS_GOLDEN_I32, &dims);
+    int n = (int)dims[0];
+    fx f;
+    open_fx(&f, 16);
+    const ds_draft_config *dc = ds_draft_config_of(f.d);
+    int nt = ds_draft_n_taps(f.d), D = dc->target_hidden_size, V = dc->vocab_size;
+    enum { NS = 3, P = MAX_CTX / 16, T = 7 };
+    ds_draft_cache tmp, c;
+    ds_err err = {{0}};
+    if (ds_draft_cache_init(&tmp, f.d, P, 16, MAX_BLOCK, &err) ||
+        ds_draft_cache_init_seqs(&c, f.d, NS * P, 16, MAX_BLOCK, NS, &err))
+        fail_msg("%s", err.msg);
+    assert_int_equal(c.max_seqs, NS);
+    float *taps = malloc((size_t)nt * n * D * sizeof(float)); /* [n_taps][n][D] */
+    run_context(&f, &tmp, ids, &n, 1, taps, NULL);
+    int32_t tabs[NS][P], anchors[NS] = {100, 7, 333};
+    const int32_t *tp[NS];
+    int ps[NS];
+    float *part = malloc((size_t)nt * n * D * sizeof(float));
+    for (int b = 0; b < NS; b++) {
+        for (int i = 0; i < P; i++) tabs[b][i] = b * P + f.table[i];
+        tp[b] = tabs[b];
+        int len = n - 6 * b; /* rows [0, len) of every tap */
+        ps[b] = len - 1;
+        for (int j = 0; j < nt; j++)
+            memcpy(part + (size_t)j * len * D, taps + (size_t)j * n * D,
+                   (size_t)len * D * sizeof(float));
+        if (ds_draft_write_context(f.d, &c, tabs[b], 0, len, part, &err)) fail_msg("%s", err.msg);
+    }
+    int32_t alone[NS][T], together[NS][T];
+    float *Ua = malloc((size_t)NS * T * V * sizeof(float));
+    float *Ub = malloc((size_t)NS * T * V * sizeof(float));
+    for (int b = 0; b < NS; b++)
+        if (ds_draft_propose(f.d, &c, tabs[b], ps[b], anchors[b], T, alone[b],
+                             Ua + (size_t)b * T * V, &err))
+            fail_msg("%s", err.msg);
+    if (ds_draft_propose_batch(f.d, &c, NS, tp, ps, anchors, T, &together[0][0], Ub, &err))
+        fail_msg("%s", err.msg);
+    assert_memory_equal(together, alone, sizeof alone);
+    assert_memory_equal(Ub, Ua, (size_t)NS * T * V * sizeof(float));
+    /* the three differ (their contexts and anchors do), so a mix-up would show */
+    assert_true(memcmp(alone[0], alone[1], sizeof alone[0]) ||
+                memcmp(alone[1], alone[2], sizeof alone[0]));
+    const int32_t *tp4[4] = {tp[0], tp[1], tp[2], tp[0]};
+    int ps4[4] = {ps[0], ps[1], ps[2], ps[0]};
+    int32_t an4[4] = {1, 2, 3, 4}, d4[4 * T];
+    assert_int_equal(ds_draft_propose_batch(f.d, &c, 4, tp4, ps4, an4, T, d4, NULL, &err), DS_ERR);
+    assert_non_null(strstr(err.msg, "4 sequences (cache allows 1..3)"));
+    free(Ua), free(Ub), free(part), free(taps);
+    ds_draft_cache_free(&tmp);
+    ds_draft_cache_free(&c);
+    close_fx(&f);
+}
+
 /* The block pass reads the context through the caller's pages and its own spare pages; the page
  * size (and so where p falls inside a page) must not change a single bit of the result. Block 1:
  * every context page is whole; 8: p+1 = 40 ends a page; 16: p falls mid-page; 64: p is in the
@@ -590,6 +650,7 @@ int main(void) {
         cmocka_unit_test(test_golden),
         cmocka_unit_test(test_context_chunks),
         cmocka_unit_test(test_paging_invariance),
+        cmocka_unit_test(test_batch_propose),
         cmocka_unit_test(test_yarn),
         cmocka_unit_test(test_rejects),
         cmocka_unit_test(test_prefix_and_args),
