@@ -635,18 +635,24 @@ static size_t cuda_step_need(const ds_model *m, const ds_seq_batch *seqs, int n_
     return base + lg + DS_MAX(DS_MAX(kda, mla), ffn);
 }
 
-/* Grows a device buffer (contents not kept). */
-/* Moves of the buffers below (graphs captured before point into the old ones). */
-static uint64_t g_moves;
-
-static int grow(ds_cu *c, void **p, size_t *cap, size_t need, size_t elem, ds_err *err) {
+/* Grows a device buffer (contents not kept), with room for the next, slightly larger need. */
+static int grow_dev(ds_cu *c, void **p, size_t *cap, size_t need, size_t elem, ds_err *err) {
     if (need <= *cap) return DS_OK;
-    g_moves++;
-    need += need / 4; /* room for the next, slightly larger step */
+    need += need / 4;
     ds_cu_dealloc(*p);
     *p = ds_cu_alloc(c, need * elem, err);
     *cap = *p ? need : 0;
     return *p ? DS_OK : DS_ERR;
+}
+
+/* Moves of the step's buffers (graphs captured before point into the old ones). */
+static uint64_t g_moves;
+
+/* grow_dev for a buffer the step's graphs read or write: a move drops them. */
+static int grow(ds_cu *c, void **p, size_t *cap, size_t need, size_t elem, ds_err *err) {
+    if (need <= *cap) return DS_OK;
+    g_moves++;
+    return grow_dev(c, p, cap, need, elem, err);
 }
 
 static int grow_host(void **p, size_t *cap, size_t need, size_t elem, ds_err *err) {
@@ -1570,7 +1576,8 @@ void ds_draft_dev_free(ds_draft *d) {
 static int dev_carve(ds_draft_dev *g, const size_t *sizes, float **bufs, int n, ds_err *err) {
     size_t need = 0;
     for (int i = 0; i < n; i++) need += (sizes[i] + 15) & ~(size_t)15;
-    if (grow(g->cm->c, (void **)&g->buf, &g->buf_cap, need, sizeof(float), err)) return DS_ERR;
+    /* (grow_dev: no graph of the target's step reads the draft's buffers) */
+    if (grow_dev(g->cm->c, (void **)&g->buf, &g->buf_cap, need, sizeof(float), err)) return DS_ERR;
     float *p = g->buf;
     for (int i = 0; i < n; i++) {
         bufs[i] = p;
@@ -1581,7 +1588,7 @@ static int dev_carve(ds_draft_dev *g, const size_t *sizes, float **bufs, int n, 
 
 /* The n host indices in g->hi to the device (g->ibuf at offset at); returns their device copy. */
 static const int32_t *dev_indices(ds_draft_dev *g, size_t at, size_t n, ds_err *err) {
-    if (grow(g->cm->c, (void **)&g->ibuf, &g->ibuf_cap, at + n, sizeof(int32_t), err) ||
+    if (grow_dev(g->cm->c, (void **)&g->ibuf, &g->ibuf_cap, at + n, sizeof(int32_t), err) ||
         ds_cu_upload(g->cm->c, g->ibuf + at, g->hi + at, n * sizeof(int32_t), err))
         return NULL;
     return g->ibuf + at;
