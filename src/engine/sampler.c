@@ -4,6 +4,8 @@
  * top-p and greedy never depend on how ties happen to fall in memory. */
 #include "engine/sampler.h"
 
+#include "kernels/cpu/kernels.h"
+
 #include <math.h>
 #include <stdlib.h>
 
@@ -124,14 +126,6 @@ static float max_of(const float *x, int n) {
     float r = m[0];
     for (int j = 1; j < LANES; j++) r = m[j] > r ? m[j] : r;
     return r;
-}
-
-/* Lowest id among the maxima; NaN never wins (0 if everything is NaN). */
-static int32_t argmax(const float *x, int n) {
-    float m = max_of(x, n);
-    for (int i = 0; i < n; i++)
-        if (x[i] == m) return i;
-    return 0;
 }
 
 /* Sum of w[0..n) in double (one accumulator would wait on add latency at every element). */
@@ -407,7 +401,7 @@ static int32_t draw(const float *logits, int V, const ds_sample_params *p, doubl
                     ds_sample_scratch *s) {
     float mx = max_of(logits, V);
     /* All masked, or an infinite logit: no distribution to draw from, take the maximum. */
-    if (!(mx > -INFINITY) || mx == INFINITY) return argmax(logits, V);
+    if (!(mx > -INFINITY) || mx == INFINITY) return ds_argmax(logits, V);
     float *w = s->w;
     int32_t *idx = s->idx;
     int top_k = p->top_k > 0 && p->top_k < V ? p->top_k : 0;
@@ -487,7 +481,7 @@ int32_t ds_sample_token(float *logits, int V, const ds_sample_params *p,
 
     int32_t tok;
     if (!(p->temperature >= GREEDY_TEMPERATURE))
-        tok = argmax(logits, V);
+        tok = ds_argmax(logits, V); /* the model's greedy picks are this function too */
     else
         tok = draw(logits, V, p, ds_rng_uniform(rng), scratch);
     if (lp) lp->logprob = (float)((double)raw[tok] - lse);
