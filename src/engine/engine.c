@@ -125,8 +125,9 @@ struct ds_engine {
     int *prop_item, *prop_p;
     const int32_t **prop_table;
     int32_t *prop_anchor, *prop_drafts;
-    ds_draft_cache dcache; /* the draft's latent rows, addressed by the same pages */
-    float *taps;           /* [sum of item tokens][n_taps][D] this step's draft taps */
+    ds_draft_ctx_write *ctx_w; /* [max_num_seqs] a step's context writes, made together */
+    ds_draft_cache dcache;     /* the draft's latent rows, addressed by the same pages */
+    float *taps;               /* [sum of item tokens][n_taps][D] this step's draft taps */
     /* DSpark taps in a job: every rank knows the tap layers; stage s holds taps [j0, j1) */
     int n_taps;                                       /* taps this rank captures (0: none) */
     int n_tap_ids;                                    /* taps of the draft */
@@ -419,7 +420,9 @@ static int setup_spec(ds_engine *e, ds_err *err) {
             e->prop_table = ds_malloc((size_t)S * sizeof(int32_t *), err);
             e->prop_anchor = ds_malloc((size_t)S * sizeof(int32_t), err);
             e->prop_drafts = ds_malloc((size_t)S * e->k * sizeof(int32_t), err);
-            if (!e->prop_item || !e->prop_p || !e->prop_table || !e->prop_anchor || !e->prop_drafts)
+            e->ctx_w = ds_malloc((size_t)S * sizeof(ds_draft_ctx_write), err);
+            if (!e->prop_item || !e->prop_p || !e->prop_table || !e->prop_anchor ||
+                !e->prop_drafts || !e->ctx_w)
                 return DS_ERR;
         }
         /* the draft's rows of a page travel with the page through the offload tiers */
@@ -1455,7 +1458,7 @@ static void launch(ds_engine *e, inflight *f, int g) {
         }
         tap_off = 0;
         size_t off = 0;
-        int n_prop = 0; /* DSpark proposals gathered */
+        int n_prop = 0, n_ctx = 0; /* DSpark proposals and context writes gathered */
         for (int i = 0; i < n_items; i++) {
             ds_sched_item *it = &f->items[i];
             ds_seq *s = it->seq;
@@ -1464,18 +1467,17 @@ static void launch(ds_engine *e, inflight *f, int g) {
             /* positions the step keeps: a verify only its accepted ones */
             int n_keep = f->va[i] >= 0 ? f->va[i] + 1 : it->n;
             /* The draft's context rows for the positions kept (later ones are rewritten when
-             * they are recomputed), before it drafts from them. */
+             * they are recomputed), written below for every item together, before it drafts
+             * from them. */
             if (n_taps && e->draft) {
-                int rc;
+                ds_draft_ctx_write *cw = &e->ctx_w[n_ctx++];
+                *cw = (ds_draft_ctx_write){s->block_table, it->pos0, n_keep, NULL, NULL};
                 if (summed) {
-                    rc = ds_draft_write_context_sum(e->draft, &e->dcache, s->block_table, it->pos0,
-                                                    n_keep, e->relay + off * D, &err);
+                    cw->sum = e->relay + off * D;
                 } else {
                     pack_taps(e->taps + tap_off, n_taps, n_run, n_keep, D);
-                    rc = ds_draft_write_context(e->draft, &e->dcache, s->block_table, it->pos0,
-                                                n_keep, e->taps + tap_off, &err);
+                    cw->taps = e->taps + tap_off;
                 }
-                if (rc) fprintf(stderr, "[deltaserve] draft context: %s\n", err.msg);
             }
             tap_off += (size_t)n_run * n_taps * D;
             off += (size_t)n_run;
@@ -1491,6 +1493,8 @@ static void launch(ds_engine *e, inflight *f, int g) {
                 }
             }
         }
+        if (n_ctx && ds_draft_write_context_batch(e->draft, &e->dcache, n_ctx, e->ctx_w, &err))
+            fprintf(stderr, "[deltaserve] draft context: %s\n", err.msg);
         /* The DSpark proposals of every sampled item in as few passes as the draft cache's spare
          * slots allow: each item's context rows were written above, and a proposal reads only
          * its own sequence's rows. */
@@ -1708,6 +1712,7 @@ void ds_engine_free(ds_engine *e) {
     free(e->prop_table);
     free(e->prop_anchor);
     free(e->prop_drafts);
+    free(e->ctx_w);
     ds_tok_free(e->tok);
     ds_model_free(e->model);
     free(e->model_dir);

@@ -102,6 +102,18 @@ int ds_draft_context_add(ds_draft *d, int n, int j0, int j1, const float *taps, 
 /* ds_draft_write_context from a finished sum [n][D] (all taps added) instead of the taps. */
 int ds_draft_write_context_sum(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int pos0,
                                int n, const float *sum, ds_err *err);
+/* One sequence's context rows for ds_draft_write_context_batch: positions pos0..pos0+n-1 through
+ * block_table, from taps [n_taps][n][Dt] or (taps NULL) a finished sum [n][D]. */
+typedef struct ds_draft_ctx_write {
+    const int32_t *block_table;
+    int pos0, n;
+    const float *taps, *sum;
+} ds_draft_ctx_write;
+/* The context writes of n_items sequences (a step's), every item of the same kind (taps or
+ * sums): on the GPU one pass over all their rows (one synchronisation), on the CPU one item
+ * after another. */
+int ds_draft_write_context_batch(ds_draft *d, ds_draft_cache *c, int n_items,
+                                 const ds_draft_ctx_write *w, ds_err *err);
 
 /* Proposes T tokens after context rows 0..p (p = the last position the target has processed,
  * whose ctx row is written; the anchor, the token the target just produced, sits at p+1).

@@ -56,14 +56,15 @@ typedef struct ds_draft_dev ds_draft_dev;
  * leaving d->dev NULL for a target on the CPU or with DS_DRAFT_DEVICE=0. */
 int ds_draft_dev_create(ds_draft *d, const ds_model *target, ds_err *err);
 void ds_draft_dev_free(ds_draft *d);
-/* The device forms of write_context (taps [n_taps][n][Dt] or sum [n][D], host memory) and
- * of one sequence's propose, in the cache's spare slot `slot` (of c->max_seqs); the cache's
- * layers are device memory. Same contracts as the CPU's. */
-int ds_draft_dev_write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int pos0,
-                               int n, const float *taps, const float *sum, ds_err *err);
-int ds_draft_dev_propose(ds_draft *d, ds_draft_cache *c, int slot, const int32_t *block_table,
-                         int p, int32_t anchor, int T, int32_t *drafts, float *block_logits,
-                         ds_err *err);
+/* The device forms of ds_draft_write_context_batch (every item's rows in one pass; inputs in
+ * host memory) and of ds_draft_propose_batch (n sequences in one block pass, sequence b in the
+ * cache's spare slot b; the walks step together, one synchronisation a step); the cache's layers
+ * are device memory. Same contracts as the CPU's (arguments already checked there). */
+int ds_draft_dev_write_context(ds_draft *d, ds_draft_cache *c, int n_items,
+                               const ds_draft_ctx_write *w, ds_err *err);
+int ds_draft_dev_propose(ds_draft *d, ds_draft_cache *c, int n, const int32_t *const *block_tables,
+                         const int *ps, const int32_t *anchors, int T, int32_t *drafts,
+                         float *block_logits, ds_err *err);
 #endif
 
 #endif

@@ -447,6 +447,7 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     /* the faster paths are on unless turned off (for comparisons); the profile is opt-in */
     ds_cu_set_expert_gemm(cm->c, env_flag("DS_CUDA_EXPERT_GEMM", 1));
     ds_cu_set_expert_mma(cm->c, env_flag("DS_CUDA_EXPERT_MMA", 1));
+    ds_cu_set_expert_tc(cm->c, env_flag("DS_CUDA_EXPERT_TC", 1));
     ds_cu_set_mla_gemm(cm->c, env_flag("DS_CUDA_MLA_GEMM", 1));
     ds_cu_set_mla_flash(cm->c, env_flag("DS_CUDA_MLA_FLASH", 1));
     ds_cu_set_early_experts(cm->c, env_flag("DS_CUDA_EARLY_EXPERTS", 1));
@@ -1505,6 +1506,8 @@ struct ds_draft_dev {
     size_t hi_cap;
     float *hcs; /* host rotations [max rows][dr/2][2], hcs_cap floats */
     size_t hcs_cap;
+    uint64_t *hk; /* a walk step's argmax part keys [n][parts], hk_cap */
+    size_t hk_cap;
 };
 
 int ds_draft_dev_create(ds_draft *d, const ds_model *target, ds_err *err) {
@@ -1565,6 +1568,7 @@ void ds_draft_dev_free(ds_draft *d) {
     ds_cu_dealloc(g->ibuf);
     free(g->hi);
     free(g->hcs);
+    free(g->hk);
     free(g->layers);
     free(g->ctx_blocks);
     free(g);
@@ -1611,174 +1615,217 @@ static int dev_finish_latent(ds_draft *d, const cu_draft_layer *w, float *kv, co
     return ds_cu_rope_pairs(cu, kv + R, row, n, 1, cs, dr / 2, err);
 }
 
-int ds_draft_dev_write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int pos0,
-                               int n, const float *taps, const float *sum, ds_err *err) {
+int ds_draft_dev_write_context(ds_draft *d, ds_draft_cache *c, int n_items,
+                               const ds_draft_ctx_write *w, ds_err *err) {
     ds_draft_dev *g = d->dev;
     ds_cu *cu = g->cm->c;
     const ds_draft_config *cf = &d->cfg;
     int D = cf->hidden_size, Dt = cf->target_hidden_size, nt = cf->num_target_layers;
     int dr = cf->qk_rope_head_dim, row = cf->kv_lora_rank + dr, bs = c->block_size;
-    size_t in_n = taps ? (size_t)nt * n * Dt : (size_t)n * D;
-    size_t sizes[5] = {in_n, (size_t)n * D, (size_t)n * D, (size_t)n * row, (size_t)n * dr};
+    const int taps = w[0].taps != NULL; /* (every item the same kind: checked by the caller) */
+    int N = 0;                          /* the items' rows stacked, item i's from its offset on */
+    for (int i = 0; i < n_items; i++) N += w[i].n;
+    size_t in_n = taps ? (size_t)nt * N * Dt : (size_t)N * D;
+    size_t sizes[5] = {in_n, (size_t)N * D, (size_t)N * D, (size_t)N * row, (size_t)N * dr};
     float *b[5];
-    if (dev_carve(g, sizes, b, 5, err) || host_room(g, (size_t)n, (size_t)n * dr, err))
+    if (dev_carve(g, sizes, b, 5, err) || host_room(g, (size_t)N, (size_t)N * dr, err))
         return DS_ERR;
+    /* in: taps [nt][N][Dt] or sums [N][D]; tmp, ctx [N][D]; kv [N][row]; cs [N][dr/2][2] */
     float *in = b[0], *tmp = b[1], *ctx = b[2], *kv = b[3], *cs = b[4];
-    TRY(ds_cu_upload(cu, in, taps ? taps : sum, in_n * sizeof(float), err));
+    for (int i = 0, off = 0; i < n_items; off += w[i].n, i++) {
+        const size_t ni = (size_t)w[i].n;
+        if (taps)
+            for (int j = 0; j < nt; j++)
+                TRY(ds_cu_upload(cu, in + ((size_t)j * N + off) * Dt, w[i].taps + j * ni * Dt,
+                                 ni * Dt * sizeof(float), err));
+        else
+            TRY(ds_cu_upload(cu, in + (size_t)off * D, w[i].sum, ni * D * sizeof(float), err));
+        ds_draft_rope_table(d, g->hcs + (size_t)off * dr, w[i].pos0, w[i].n);
+        for (int t = 0; t < w[i].n; t++) {
+            const int p = w[i].pos0 + t;
+            g->hi[off + t] = w[i].block_table[p / bs] * bs + p % bs; /* its row in a layer */
+        }
+    }
     if (taps) { /* the sum over taps in tap order, as the CPU's context_add */
         for (int j = 0; j < nt; j++) {
-            TRY(ds_cu_matmul(cu, j ? tmp : ctx, D, in + (size_t)j * n * Dt, Dt, n,
+            TRY(ds_cu_matmul(cu, j ? tmp : ctx, D, in + (size_t)j * N * Dt, Dt, N,
                              &g->ctx_blocks[j], err));
-            if (j) ds_cu_add(cu, ctx, tmp, (size_t)n * D);
+            if (j) ds_cu_add(cu, ctx, tmp, (size_t)N * D);
         }
-        ds_cu_rmsnorm(cu, ctx, ctx, g->context_norm, n, D, cf->rms_norm_eps);
+        ds_cu_rmsnorm(cu, ctx, ctx, g->context_norm, N, D, cf->rms_norm_eps);
     } else {
-        ds_cu_rmsnorm(cu, ctx, in, g->context_norm, n, D, cf->rms_norm_eps);
+        ds_cu_rmsnorm(cu, ctx, in, g->context_norm, N, D, cf->rms_norm_eps);
     }
-    ds_draft_rope_table(d, g->hcs, pos0, n);
-    TRY(ds_cu_upload(cu, cs, g->hcs, (size_t)n * dr * sizeof(float), err));
-    for (int t = 0; t < n; t++) {
-        int p = pos0 + t;
-        g->hi[t] = block_table[p / bs] * bs + p % bs; /* the row of position p in a layer */
-    }
-    const int32_t *dst = dev_indices(g, 0, (size_t)n, err);
+    TRY(ds_cu_upload(cu, cs, g->hcs, (size_t)N * dr * sizeof(float), err));
+    const int32_t *dst = dev_indices(g, 0, (size_t)N, err);
     if (!dst) return DS_ERR;
     for (int l = 0; l < cf->num_hidden_layers; l++) {
-        const cu_draft_layer *w = &g->layers[l];
-        TRY(ds_cu_matmul(cu, kv, row, ctx, D, n, &w->mla.kv_a, err));
-        TRY(dev_finish_latent(d, w, kv, cs, n, err));
-        TRY(ds_cu_move_rows(cu, c->layer[l], (size_t)row, dst, kv, (size_t)row, NULL, n, row, err));
+        const cu_draft_layer *lw = &g->layers[l];
+        TRY(ds_cu_matmul(cu, kv, row, ctx, D, N, &lw->mla.kv_a, err));
+        TRY(dev_finish_latent(d, lw, kv, cs, N, err));
+        TRY(ds_cu_move_rows(cu, c->layer[l], (size_t)row, dst, kv, (size_t)row, NULL, N, row, err));
     }
     return ds_cu_sync(cu, err);
 }
 
-int ds_draft_dev_propose(ds_draft *d, ds_draft_cache *c, int slot, const int32_t *block_table,
-                         int p, int32_t anchor, int T, int32_t *drafts, float *block_logits,
-                         ds_err *err) {
+int ds_draft_dev_propose(ds_draft *d, ds_draft_cache *c, int n, const int32_t *const *block_tables,
+                         const int *ps, const int32_t *anchors, int T, int32_t *drafts,
+                         float *block_logits, ds_err *err) {
     ds_draft_dev *g = d->dev;
     ds_cu *cu = g->cm->c;
     const ds_draft_config *cf = &d->cfg;
     int D = cf->hidden_size, V = cf->vocab_size, Ha = cf->num_attention_heads;
     int R = cf->kv_lora_rank, dn = cf->qk_nope_head_dim, dr = cf->qk_rope_head_dim, dq = dn + dr;
     int dvh = cf->v_head_dim, Rq = cf->q_lora_rank, I = cf->intermediate_size, r = cf->markov_rank;
-    int row = R + dr, bs = c->block_size;
+    int row = R + dr, bs = c->block_size, NT = n * T;
     float eps = cf->rms_norm_eps;
-    size_t TD = (size_t)T * D;
-    const int parts = ds_cu_argmax_parts(1, V);
+    size_t TD = (size_t)NT * D;
+    const int parts = ds_cu_argmax_parts(n, V);
+    /* rows b T + t (sequence b, block row t) through the block pass; the final norm's rows are
+     * reordered to t n + b so that each walk step's n rows of U are contiguous */
     size_t sizes[] = {
         TD,
         TD,
-        TD,                        /* h, x, a */
-        (size_t)T * (Rq ? Rq : 1), /* qa */
-        (size_t)T * Ha * dq,       /* q */
-        (size_t)T * row,           /* kv: the block's latent rows */
-        (size_t)T * Ha * dr,       /* qr */
-        (size_t)T * Ha * R,
-        (size_t)T * Ha * R,   /* qbar, obar */
-        (size_t)T * Ha * dvh, /* o */
-        (size_t)T * I,
-        (size_t)T * I,  /* g, u */
-        (size_t)T * dr, /* cs */
-        (size_t)T * V,  /* U */
-        (size_t)r,
-        (size_t)V,         /* w1, bias */
-        2 * (size_t)parts, /* the walk step's part keys (8 bytes each) */
+        TD,                         /* h, x, a [NT][D] */
+        (size_t)NT * (Rq ? Rq : 1), /* qa [NT][Rq] */
+        (size_t)NT * Ha * dq,       /* q [NT][Ha][dq] */
+        (size_t)NT * row,           /* kv [NT][row]: the blocks' latent rows */
+        (size_t)NT * Ha * dr,       /* qr [NT][Ha][dr] */
+        (size_t)NT * Ha * R,
+        (size_t)NT * Ha * R,   /* qbar, obar [NT][Ha][R] */
+        (size_t)NT * Ha * dvh, /* o [NT][Ha][dvh] */
+        (size_t)NT * I,
+        (size_t)NT * I,        /* g, u [NT][I] */
+        (size_t)NT * dr,       /* cs [NT][dr/2][2] */
+        (size_t)NT * V,        /* U [T][n][V] */
+        (size_t)n * r,         /* w1 [n][r] */
+        (size_t)n * V,         /* bias [n][V] */
+        2 * (size_t)n * parts, /* a walk step's part keys [n][parts] (8 bytes each) */
+        TD,                    /* xr [T][n][D]: the normed rows in walk order */
     };
     float *b[DS_ARRAY_LEN(sizes)];
     TRY(dev_carve(g, sizes, b, (int)DS_ARRAY_LEN(sizes), err));
     float *h = b[0], *x = b[1], *a = b[2], *qa = b[3], *q = b[4], *kv = b[5], *qr = b[6];
     float *qbar = b[7], *obar = b[8], *o = b[9], *gg = b[10], *u = b[11], *cs = b[12], *U = b[13];
-    float *w1 = b[14], *bias = b[15];
+    float *w1 = b[14], *bias = b[15], *xr = b[17];
     uint64_t *keys = (uint64_t *)b[16];
-    /* the view: context pages for rows 0..p, then the spare pages (as spare_table); the context
-     * rows of the page holding p+1 are copied into the first spare page */
-    const int full = (p + 1) / bs, n_tab = full + c->n_spare, n_copy = (p + 1) - full * bs;
-    /* host indices: ids [T] | table [n_tab] | copy src [n_copy] | copy dst [n_copy] | block
-     * rows [T] */
-    const size_t at_tab = (size_t)T, at_src = at_tab + n_tab, at_dst = at_src + n_copy;
-    const size_t at_blk = at_dst + n_copy, n_idx = at_blk + T;
-    TRY(host_room(g, n_idx, (size_t)T * dr, err));
-    int32_t *hi = g->hi;
-    hi[0] = anchor;
-    for (int t = 1; t < T; t++) hi[t] = cf->mask_token_id;
-    for (int k = 0; k < full; k++) hi[at_tab + k] = block_table[k];
-    for (int k = 0; k < c->n_spare; k++)
-        hi[at_tab + full + k] = c->n_pages + slot * c->n_spare + k; /* this proposal's spares */
-    for (int i = 0; i < n_copy; i++) {
-        int pos = full * bs + i;
-        hi[at_src + i] = block_table[pos / bs] * bs + pos % bs;
-        hi[at_dst + i] = hi[at_tab + pos / bs] * bs + pos % bs;
+    /* each sequence's view: its context pages for rows 0..p, then its spare slot's pages (as
+     * spare_table); the context rows of the page holding p+1 are copied into the slot's first
+     * spare page. Host indices: ids [NT] | tables (sequence b's full_b + n_spare) | copy src
+     * [n_copy] | copy dst [n_copy] | block rows [NT] | walk order [NT] */
+    size_t n_tab = 0, n_copy = 0;
+    for (int q0 = 0; q0 < n; q0++) {
+        const int full = (ps[q0] + 1) / bs;
+        n_tab += (size_t)full + c->n_spare;
+        n_copy += (size_t)(ps[q0] + 1 - full * bs);
     }
-    for (int t = 0; t < T; t++) {
-        int pos = p + 1 + t;
-        hi[at_blk + t] = hi[at_tab + pos / bs] * bs + pos % bs;
+    const size_t at_tab = (size_t)NT, at_src = at_tab + n_tab, at_dst = at_src + n_copy;
+    const size_t at_blk = at_dst + n_copy, at_ord = at_blk + NT, n_idx = at_ord + NT;
+    TRY(host_room(g, n_idx, (size_t)NT * dr, err));
+    if (grow_host((void **)&g->hk, &g->hk_cap, (size_t)n * parts, sizeof(uint64_t), err))
+        return DS_ERR;
+    uint64_t *hk = g->hk;
+    int32_t *hi = g->hi;
+    size_t tab = at_tab, cp = 0;
+    for (int s0 = 0; s0 < n; s0++) {
+        const int p = ps[s0], full = (p + 1) / bs, nc = (p + 1) - full * bs;
+        const int32_t *bt = block_tables[s0];
+        int32_t *my = hi + tab;
+        hi[(size_t)s0 * T] = anchors[s0];
+        for (int t = 1; t < T; t++) hi[(size_t)s0 * T + t] = cf->mask_token_id;
+        for (int k = 0; k < full; k++) my[k] = bt[k];
+        for (int k = 0; k < c->n_spare; k++)
+            my[full + k] = c->n_pages + s0 * c->n_spare + k; /* this sequence's spare slot */
+        for (int i = 0; i < nc; i++, cp++) {
+            const int pos = full * bs + i;
+            hi[at_src + cp] = bt[pos / bs] * bs + pos % bs;
+            hi[at_dst + cp] = my[pos / bs] * bs + pos % bs;
+        }
+        for (int t = 0; t < T; t++) {
+            const int pos = p + 1 + t;
+            hi[at_blk + (size_t)s0 * T + t] = my[pos / bs] * bs + pos % bs;
+            hi[at_ord + (size_t)t * n + s0] = s0 * T + t;
+        }
+        ds_draft_rope_table(d, g->hcs + (size_t)s0 * T * dr, p + 1, T);
+        tab += (size_t)full + c->n_spare;
     }
     const int32_t *di = dev_indices(g, 0, n_idx, err);
     if (!di) return DS_ERR;
-    const int32_t *ids = di, *table = di + at_tab, *csrc = di + at_src, *cdst = di + at_dst;
-    const int32_t *blk = di + at_blk;
-    ds_draft_rope_table(d, g->hcs, p + 1, T);
-    TRY(ds_cu_upload(cu, cs, g->hcs, (size_t)T * dr * sizeof(float), err));
-    ds_cu_embed(cu, h, &g->embed, ids, T);
+    const int32_t *ids = di, *csrc = di + at_src, *cdst = di + at_dst, *blk = di + at_blk;
+    const int32_t *ord = di + at_ord;
+    TRY(ds_cu_upload(cu, cs, g->hcs, (size_t)NT * dr * sizeof(float), err));
+    ds_cu_embed(cu, h, &g->embed, ids, NT);
     for (int l = 0; l < cf->num_hidden_layers; l++) {
         const cu_draft_layer *w = &g->layers[l];
         const cu_mla *m = &w->mla;
         float *pool = c->layer[l];
         if (n_copy)
-            TRY(ds_cu_move_rows(cu, pool, (size_t)row, cdst, pool, (size_t)row, csrc, n_copy, row,
-                                err));
-        ds_cu_rmsnorm(cu, x, h, w->in_norm, T, D, eps);
-        /* MLA (block_attention): queries, the block's latent rows into the spare pages, absorbed
-         * attention over context and block (non-causal), the output projection */
+            TRY(ds_cu_move_rows(cu, pool, (size_t)row, cdst, pool, (size_t)row, csrc, (int)n_copy,
+                                row, err));
+        ds_cu_rmsnorm(cu, x, h, w->in_norm, NT, D, eps);
+        /* MLA (block_attention): queries, the blocks' latent rows into the spare pages, absorbed
+         * attention over context and block (non-causal, a launch per sequence: each its own
+         * view), the output projection */
         if (Rq) {
-            TRY(ds_cu_matmul(cu, qa, Rq, x, D, T, &m->q_a, err));
-            ds_cu_rmsnorm(cu, qa, qa, m->q_a_norm, T, Rq, eps);
-            TRY(ds_cu_matmul(cu, q, Ha * dq, qa, Rq, T, &m->q_b, err));
+            TRY(ds_cu_matmul(cu, qa, Rq, x, D, NT, &m->q_a, err));
+            ds_cu_rmsnorm(cu, qa, qa, m->q_a_norm, NT, Rq, eps);
+            TRY(ds_cu_matmul(cu, q, Ha * dq, qa, Rq, NT, &m->q_b, err));
         } else {
-            TRY(ds_cu_matmul(cu, q, Ha * dq, x, D, T, &m->q, err));
+            TRY(ds_cu_matmul(cu, q, Ha * dq, x, D, NT, &m->q, err));
         }
-        TRY(ds_cu_matmul(cu, kv, row, x, D, T, &m->kv_a, err));
-        TRY(dev_finish_latent(d, w, kv, cs, T, err));
-        TRY(ds_cu_move_rows(cu, pool, (size_t)row, blk, kv, (size_t)row, NULL, T, row, err));
+        TRY(ds_cu_matmul(cu, kv, row, x, D, NT, &m->kv_a, err));
+        TRY(dev_finish_latent(d, w, kv, cs, NT, err));
+        TRY(ds_cu_move_rows(cu, pool, (size_t)row, blk, kv, (size_t)row, NULL, NT, row, err));
         /* qR turns at its own row's position (trap 9): row t h of qr at cs row t */
-        TRY(ds_cu_copy_2d(cu, qr, (size_t)dr, q + dn, (size_t)dq, (size_t)dr, (size_t)T * Ha, err));
-        TRY(ds_cu_rope_pairs(cu, qr, dr, T * Ha, Ha, cs, dr / 2, err));
-        TRY(ds_cu_matmul_heads(cu, qbar, Ha * R, R, q, Ha * dq, dq, T, &m->ukT, (size_t)R * dn, Ha,
+        TRY(ds_cu_copy_2d(cu, qr, (size_t)dr, q + dn, (size_t)dq, (size_t)dr, (size_t)NT * Ha,
+                          err));
+        TRY(ds_cu_rope_pairs(cu, qr, dr, NT * Ha, Ha, cs, dr / 2, err));
+        TRY(ds_cu_matmul_heads(cu, qbar, Ha * R, R, q, Ha * dq, dq, NT, &m->ukT, (size_t)R * dn, Ha,
                                err));
-        TRY(ds_cu_mla_attend_absorbed(cu, obar, qbar, qr, T, Ha, R, dr, pool, table, bs, row, p + 1,
-                                      p + 1 + T, 0, (float)d->yarn.softmax_scale, err));
+        const int32_t *table = di + at_tab; /* sequence s0's, then the next one's */
+        for (int s0 = 0; s0 < n; s0++) {
+            const size_t r0 = (size_t)s0 * T * Ha;
+            TRY(ds_cu_mla_attend_absorbed(cu, obar + r0 * R, qbar + r0 * R, qr + r0 * dr, T, Ha, R,
+                                          dr, pool, table, bs, row, ps[s0] + 1, ps[s0] + 1 + T, 0,
+                                          (float)d->yarn.softmax_scale, err));
+            table += (ps[s0] + 1) / bs + c->n_spare;
+        }
         ds_cu_mat uv = {m->kv_b.data + (size_t)dn * R, dvh, R};
-        TRY(ds_cu_matmul_heads(cu, o, Ha * dvh, dvh, obar, Ha * R, R, T, &uv,
+        TRY(ds_cu_matmul_heads(cu, o, Ha * dvh, dvh, obar, Ha * R, R, NT, &uv,
                                (size_t)(dn + dvh) * R, Ha, err));
-        TRY(ds_cu_matmul(cu, a, D, o, Ha * dvh, T, &m->o, err));
+        TRY(ds_cu_matmul(cu, a, D, o, Ha * dvh, NT, &m->o, err));
         ds_cu_add(cu, h, a, TD);
         /* SwiGLU MLP */
-        ds_cu_rmsnorm(cu, x, h, w->post_norm, T, D, eps);
-        TRY(ds_cu_matmul(cu, gg, I, x, D, T, &w->gate, err));
-        TRY(ds_cu_matmul(cu, u, I, x, D, T, &w->up, err));
-        ds_cu_swiglu(cu, gg, gg, u, (size_t)T * I);
-        TRY(ds_cu_matmul(cu, a, D, gg, I, T, &w->down, err));
+        ds_cu_rmsnorm(cu, x, h, w->post_norm, NT, D, eps);
+        TRY(ds_cu_matmul(cu, gg, I, x, D, NT, &w->gate, err));
+        TRY(ds_cu_matmul(cu, u, I, x, D, NT, &w->up, err));
+        ds_cu_swiglu(cu, gg, gg, u, (size_t)NT * I);
+        TRY(ds_cu_matmul(cu, a, D, gg, I, NT, &w->down, err));
         ds_cu_add(cu, h, a, TD);
     }
-    ds_cu_rmsnorm(cu, x, h, g->final_norm, T, D, eps);
-    TRY(ds_cu_matmul(cu, U, V, x, D, T, &g->lm_head, err));
-    if (block_logits) TRY(ds_cu_download(cu, block_logits, U, (size_t)T * V * sizeof(float), err));
-    /* the Markov walk: row k's logits plus W2 · W1[previous token], its argmax the next token */
-    uint64_t hk[64];
-    if (parts > (int)DS_ARRAY_LEN(hk))
-        return ds_errf(err, "draft on the GPU: a vocabulary of %d in %d parts", V, parts);
-    int32_t prev = anchor;
+    ds_cu_rmsnorm(cu, x, h, g->final_norm, NT, D, eps);
+    TRY(ds_cu_move_rows(cu, xr, (size_t)D, NULL, x, (size_t)D, ord, NT, D, err));
+    TRY(ds_cu_matmul(cu, U, V, xr, D, NT, &g->lm_head, err));
+    if (block_logits) /* [n][T][V] for the caller, from walk order */
+        for (int s0 = 0; s0 < n; s0++)
+            for (int t = 0; t < T; t++)
+                TRY(ds_cu_download(cu, block_logits + ((size_t)s0 * T + t) * V,
+                                   U + ((size_t)t * n + s0) * V, (size_t)V * sizeof(float), err));
+    /* the Markov walks, a step for all n together: row k's logits plus W2 · W1[previous token],
+     * the argmax the next token */
+    for (int s0 = 0; s0 < n; s0++) hi[s0] = anchors[s0];
     for (int k = 0; k < T; k++) {
-        g->hi[0] = prev;
-        const int32_t *dprev = dev_indices(g, 0, 1, err);
+        const int32_t *dprev = dev_indices(g, 0, (size_t)n, err);
         if (!dprev) return DS_ERR;
-        ds_cu_embed(cu, w1, &g->markov_w1, dprev, 1);
-        TRY(ds_cu_matmul(cu, bias, V, w1, r, 1, &g->markov_w2, err));
-        ds_cu_add(cu, bias, U + (size_t)k * V, (size_t)V);
-        ds_cu_argmax_rows(cu, keys, bias, 1, V, parts);
-        TRY(ds_cu_download(cu, hk, keys, (size_t)parts * sizeof(uint64_t), err));
+        ds_cu_embed(cu, w1, &g->markov_w1, dprev, n);
+        TRY(ds_cu_matmul(cu, bias, V, w1, r, n, &g->markov_w2, err));
+        ds_cu_add(cu, bias, U + (size_t)k * n * V, (size_t)n * V);
+        ds_cu_argmax_rows(cu, keys, bias, n, V, parts);
+        TRY(ds_cu_download(cu, hk, keys, (size_t)n * parts * sizeof(uint64_t), err));
         TRY(ds_cu_sync(cu, err));
-        prev = drafts[k] = ds_cu_argmax_token(hk, parts);
+        for (int s0 = 0; s0 < n; s0++)
+            hi[s0] = drafts[(size_t)s0 * T + k] =
+                ds_cu_argmax_token(hk + (size_t)s0 * parts, parts);
     }
     return DS_OK;
 }

@@ -456,23 +456,12 @@ static void finish_latent(const ds_draft *d, const draft_layer *w, float *kv, co
     }
 }
 
-/* Both write_context forms: from taps [n_taps][n][Dt], or (taps NULL) from sum [n][D], the
- * context before context_norm. */
+/* One item's context rows on the CPU: from taps [n_taps][n][Dt], or (taps NULL) from sum
+ * [n][D], the context before context_norm (checked by the caller). */
 static int write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int pos0,
                          int n, const float *taps, const float *sum, ds_err *err) {
     const ds_draft_config *cf = &d->cfg;
     int D = cf->hidden_size, dr = cf->qk_rope_head_dim, row = cf->kv_lora_rank + dr;
-    if (d->context_only) return ds_errf(err, "draft write_context: loaded for the tap relay only");
-    if (n < 1 || pos0 < 0)
-        return ds_errf(err, "draft write_context: n = %d, pos0 = %d (need n >= 1, pos0 >= 0)", n,
-                       pos0);
-    if (c->row != row || c->n_layers != cf->num_hidden_layers)
-        return ds_errf(err,
-                       "draft write_context: cache of %d layers x %d floats, draft needs %d x %d",
-                       c->n_layers, c->row, cf->num_hidden_layers, row);
-#ifdef DS_HAVE_CUDA
-    if (d->dev) return ds_draft_dev_write_context(d, c, block_table, pos0, n, taps, sum, err);
-#endif
     size_t sizes[4] = {
         (size_t)n * D,   /* tmp [n][D] */
         (size_t)n * D,   /* ctx [n][D] */
@@ -501,14 +490,44 @@ static int write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_ta
     return DS_OK;
 }
 
+int ds_draft_write_context_batch(ds_draft *d, ds_draft_cache *c, int n_items,
+                                 const ds_draft_ctx_write *w, ds_err *err) {
+    const ds_draft_config *cf = &d->cfg;
+    int row = cf->kv_lora_rank + cf->qk_rope_head_dim;
+    if (d->context_only) return ds_errf(err, "draft write_context: loaded for the tap relay only");
+    if (c->row != row || c->n_layers != cf->num_hidden_layers)
+        return ds_errf(err,
+                       "draft write_context: cache of %d layers x %d floats, draft needs %d x %d",
+                       c->n_layers, c->row, cf->num_hidden_layers, row);
+    for (int i = 0; i < n_items; i++) {
+        if (w[i].n < 1 || w[i].pos0 < 0)
+            return ds_errf(err, "draft write_context: n = %d, pos0 = %d (need n >= 1, pos0 >= 0)",
+                           w[i].n, w[i].pos0);
+        if (!w[i].taps == !w[i].sum || !w[i].taps != !w[0].taps)
+            return ds_errf(err,
+                           "draft write_context: item %d: give taps or a sum, the same kind "
+                           "for every item",
+                           i);
+    }
+#ifdef DS_HAVE_CUDA
+    if (d->dev) return n_items ? ds_draft_dev_write_context(d, c, n_items, w, err) : DS_OK;
+#endif
+    for (int i = 0; i < n_items; i++)
+        if (write_context(d, c, w[i].block_table, w[i].pos0, w[i].n, w[i].taps, w[i].sum, err))
+            return DS_ERR;
+    return DS_OK;
+}
+
 int ds_draft_write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int pos0,
                            int n, const float *taps, ds_err *err) {
-    return write_context(d, c, block_table, pos0, n, taps, NULL, err);
+    const ds_draft_ctx_write w = {block_table, pos0, n, taps, NULL};
+    return ds_draft_write_context_batch(d, c, 1, &w, err);
 }
 
 int ds_draft_write_context_sum(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int pos0,
                                int n, const float *sum, ds_err *err) {
-    return write_context(d, c, block_table, pos0, n, NULL, sum, err);
+    const ds_draft_ctx_write w = {block_table, pos0, n, NULL, sum};
+    return ds_draft_write_context_batch(d, c, 1, &w, err);
 }
 
 // ---- block pass (MODEL_SPEC §8.5) and Markov walk (§8.7) ----------------------------------------
@@ -634,14 +653,9 @@ int ds_draft_propose_batch(ds_draft *d, ds_draft_cache *c, int n,
         return ds_errf(err, "draft propose: cache of %d layers x %d floats, draft needs %d x %d",
                        c->n_layers, c->row, cf->num_hidden_layers, R + dr);
 #ifdef DS_HAVE_CUDA
-    if (d->dev) { /* one sequence at a time on the GPU, each in its own spare slot */
-        for (int b = 0; b < n; b++)
-            if (ds_draft_dev_propose(d, c, b, block_tables[b], ps[b], anchors[b], T,
-                                     drafts + (size_t)b * T,
-                                     block_logits ? block_logits + (size_t)b * T * V : NULL, err))
-                return DS_ERR;
-        return DS_OK;
-    }
+    if (d->dev)
+        return ds_draft_dev_propose(d, c, n, block_tables, ps, anchors, T, drafts, block_logits,
+                                    err);
 #endif
     const size_t NT = (size_t)n * T, TD = NT * D;
     size_t n_tab = 0; /* the n block tables, each [full_b + n_spare] */

@@ -747,17 +747,20 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
     int32_t *didx = dev(c, idx, (size_t)T * k * 4);
     ds_err err = {{0}};
     ds_cu_set_expert_gemm(c, gemm == 1 || gemm == 2);
-    ds_cu_set_expert_mma(c, gemm == 3);
+    ds_cu_set_expert_mma(c, gemm == 3 || gemm == 4);
+    ds_cu_set_expert_tc(c, gemm == 4);
     if (ds_cu_moe_experts(c, dout, dx, didx, dw, T, k, El, e0, D, I, dgu, ddn, situ, 4.0f, 6.0f, 1,
                           &err))
         DIE("%s", err.msg);
     ds_cu_set_expert_gemm(c, 0);
     ds_cu_set_expert_mma(c, 0);
+    ds_cu_set_expert_tc(c, 0);
     fetch(c, got, dout, (size_t)T * D * 4);
     char what[96];
     snprintf(what, sizeof what, "moe experts T=%d k=%d E=%d D=%d I=%d %s%s%s", T, k, E, D, I,
              situ ? "situ" : "swiglu",
-             gemm == 3   ? " (tensor cores)"
+             gemm == 4   ? " (tensor cores, streaming)"
+             : gemm == 3 ? " (tensor cores)"
              : gemm == 2 ? " (gemm, skewed)"
              : gemm      ? " (gemm)"
                          : "",
@@ -1229,6 +1232,42 @@ static void bench(ds_cu *c, const char *only) {
                    mc.T, ms, bytes / (ms * 1e-3) / 1e9,
                    100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
         }
+        /* batches: random routing (the bytes: every expert some token picked), the wmma kernel
+         * against the streaming one */
+        ds_cu_set_expert_mma(c, 1);
+        static const int bts[] = {64, 256};
+        for (size_t i = 0; i < DS_ARRAY_LEN(bts); i++) {
+            const int T = bts[i];
+            int32_t *bid = malloc((size_t)T * 8 * 4);
+            int used[256] = {0}, n_used = 0;
+            for (int t = 0; t < T; t++) /* 8 distinct experts a token */
+                for (int j = 0; j < 8; j++) {
+                    int e, dup;
+                    do {
+                        e = (int)(ds_rng_next(&g_rng) % 256), dup = 0;
+                        for (int q = 0; q < j; q++) dup |= bid[t * 8 + q] == e;
+                    } while (dup);
+                    bid[t * 8 + j] = e;
+                    n_used += !used[e], used[e] = 1;
+                }
+            float *hx = rand_f32((size_t)T * 2304, -1, 1), *hw = rand_f32((size_t)T * 8, 0, 1);
+            moe_ctx bc = mc;
+            bc.T = T, bc.x = dev(c, hx, (size_t)T * 2304 * 4), bc.w = dev(c, hw, (size_t)T * 32);
+            bc.idx = dev(c, bid, (size_t)T * 32), bc.out = dev(c, NULL, (size_t)T * 2304 * 4);
+            for (int tc = 0; tc <= 1; tc++) {
+                ds_cu_set_expert_tc(c, tc);
+                ms = median_ms(c, run_moe, &bc, 3, 20);
+                double bytes = (double)n_used * 3 * per * 2;
+                printf("bench moe experts T=%d (%d experts, %s): %.4f ms, %.0f GB/s (%.0f%% of "
+                       "copy)\n",
+                       T, n_used, tc ? "streaming mma" : "wmma", ms, bytes / (ms * 1e-3) / 1e9,
+                       100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
+            }
+            ds_cu_set_expert_tc(c, 0);
+            ds_cu_dealloc(bc.x), ds_cu_dealloc(bc.w), ds_cu_dealloc(bc.idx), ds_cu_dealloc(bc.out);
+            free(hx), free(hw), free(bid);
+        }
+        ds_cu_set_expert_mma(c, 0);
         ds_cu_dealloc(mc.gu), ds_cu_dealloc(mc.dn), ds_cu_dealloc(mc.x), ds_cu_dealloc(mc.w);
         ds_cu_dealloc(mc.idx), ds_cu_dealloc(mc.out);
     }
@@ -1391,6 +1430,13 @@ static void run_checks(ds_cu *c) {
     check_moe_experts_mode(c, 40, 8, 64, 512, 256, 0, 3, 0);
     check_moe_experts_mode(c, 256, 8, 32, 768, 384, 1, 3, 1);
     check_moe_experts_mode(c, 16, 8, 64, 2304, 1024, 0, 3, 0); /* the 48B widths, batch 16 */
+    /* the same through the streaming tensor-core kernel: 8, 16 and 32 tokens a pass (more rows
+     * than that on an expert: another pass), other ranks' rows, SiTU, the 48B widths */
+    check_moe_experts_mode(c, 40, 8, 64, 512, 256, 0, 4, 0);
+    check_moe_experts_mode(c, 256, 8, 32, 768, 384, 1, 4, 1);
+    check_moe_experts_mode(c, 16, 8, 64, 2304, 1024, 0, 4, 0);
+    check_moe_experts_mode(c, 200, 8, 16, 512, 192, 1, 4, 0); /* ~100 rows an expert */
+    check_moe_experts_mode(c, 64, 8, 256, 2304, 1024, 1, 4, 1);
     {
         int lens[5] = {1, 4, 1, 9, 2}, rows[5] = {0, 1, 0, 1, 0};
         check_short_conv_batch(c, lens, rows, 5, 4096, 4);

@@ -326,7 +326,9 @@ static void test_context_chunks(void **state) {
 
 /* Proposals for several sequences in one call: three contexts of different lengths in different
  * pages of one cache, proposed alone and all at once (each in its own spare slot) — the same
- * drafts and block logits to the bit; more sequences than the cache's slots is refused. */
+ * drafts and block logits to the bit; more sequences than the cache's slots is refused. The
+ * three contexts written in one ds_draft_write_context_batch (into a second cache) give the same
+ * proposals again; items of mixed kinds are refused. */
 static void test_batch_propose(void **state) {
     (void)state;
     const uint64_t *dims;
@@ -337,10 +339,11 @@ static void test_batch_propose(void **state) {
     const ds_draft_config *dc = ds_draft_config_of(f.d);
     int nt = ds_draft_n_taps(f.d), D = dc->target_hidden_size, V = dc->vocab_size;
     enum { NS = 3, P = MAX_CTX / 16, T = 7 };
-    ds_draft_cache tmp, c;
+    ds_draft_cache tmp, c, c2;
     ds_err err = {{0}};
     if (ds_draft_cache_init(&tmp, f.d, P, 16, MAX_BLOCK, &err) ||
-        ds_draft_cache_init_seqs(&c, f.d, NS * P, 16, MAX_BLOCK, NS, &err))
+        ds_draft_cache_init_seqs(&c, f.d, NS * P, 16, MAX_BLOCK, NS, &err) ||
+        ds_draft_cache_init_seqs(&c2, f.d, NS * P, 16, MAX_BLOCK, NS, &err))
         fail_msg("%s", err.msg);
     assert_int_equal(c.max_seqs, NS);
     float *taps = malloc((size_t)nt * n * D * sizeof(float)); /* [n_taps][n][D] */
@@ -348,17 +351,22 @@ static void test_batch_propose(void **state) {
     int32_t tabs[NS][P], anchors[NS] = {100, 7, 333};
     const int32_t *tp[NS];
     int ps[NS];
-    float *part = malloc((size_t)nt * n * D * sizeof(float));
+    float *part[NS];
+    ds_draft_ctx_write cw[NS];
     for (int b = 0; b < NS; b++) {
         for (int i = 0; i < P; i++) tabs[b][i] = b * P + f.table[i];
         tp[b] = tabs[b];
         int len = n - 6 * b; /* rows [0, len) of every tap */
         ps[b] = len - 1;
+        part[b] = malloc((size_t)nt * len * D * sizeof(float));
         for (int j = 0; j < nt; j++)
-            memcpy(part + (size_t)j * len * D, taps + (size_t)j * n * D,
+            memcpy(part[b] + (size_t)j * len * D, taps + (size_t)j * n * D,
                    (size_t)len * D * sizeof(float));
-        if (ds_draft_write_context(f.d, &c, tabs[b], 0, len, part, &err)) fail_msg("%s", err.msg);
+        if (ds_draft_write_context(f.d, &c, tabs[b], 0, len, part[b], &err))
+            fail_msg("%s", err.msg);
+        cw[b] = (ds_draft_ctx_write){tabs[b], 0, len, part[b], NULL};
     }
+    if (ds_draft_write_context_batch(f.d, &c2, NS, cw, &err)) fail_msg("%s", err.msg);
     int32_t alone[NS][T], together[NS][T];
     float *Ua = malloc((size_t)NS * T * V * sizeof(float));
     float *Ub = malloc((size_t)NS * T * V * sizeof(float));
@@ -370,6 +378,13 @@ static void test_batch_propose(void **state) {
         fail_msg("%s", err.msg);
     assert_memory_equal(together, alone, sizeof alone);
     assert_memory_equal(Ub, Ua, (size_t)NS * T * V * sizeof(float));
+    if (ds_draft_propose_batch(f.d, &c2, NS, tp, ps, anchors, T, &together[0][0], Ub, &err))
+        fail_msg("%s", err.msg);
+    assert_memory_equal(together, alone, sizeof alone);
+    assert_memory_equal(Ub, Ua, (size_t)NS * T * V * sizeof(float));
+    cw[1].sum = cw[1].taps, cw[1].taps = NULL; /* a sum among taps */
+    assert_int_equal(ds_draft_write_context_batch(f.d, &c2, NS, cw, &err), DS_ERR);
+    assert_non_null(strstr(err.msg, "item 1: give taps or a sum"));
     /* the three differ (their contexts and anchors do), so a mix-up would show */
     assert_true(memcmp(alone[0], alone[1], sizeof alone[0]) ||
                 memcmp(alone[1], alone[2], sizeof alone[0]));
@@ -378,9 +393,11 @@ static void test_batch_propose(void **state) {
     int32_t an4[4] = {1, 2, 3, 4}, d4[4 * T];
     assert_int_equal(ds_draft_propose_batch(f.d, &c, 4, tp4, ps4, an4, T, d4, NULL, &err), DS_ERR);
     assert_non_null(strstr(err.msg, "4 sequences (cache allows 1..3)"));
-    free(Ua), free(Ub), free(part), free(taps);
+    free(Ua), free(Ub), free(taps);
+    for (int b = 0; b < NS; b++) free(part[b]);
     ds_draft_cache_free(&tmp);
     ds_draft_cache_free(&c);
+    ds_draft_cache_free(&c2);
     close_fx(&f);
 }
 

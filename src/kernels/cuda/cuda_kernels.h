@@ -195,6 +195,11 @@ void ds_cu_set_expert_gemm(ds_cu *c, int on);
  * invariance; 2I and D multiples of 256). On in the engine unless DS_CUDA_EXPERT_MMA=0
  * (tests/cuda: check_moe_experts_mode, mode 3). */
 void ds_cu_set_expert_mma(ds_cu *c, int on);
+/* Those batches' experts through a kernel that streams the weights as tensor-core A operands
+ * straight from memory (mma.sync, tokens as BF16 B operands, the activation applied in the up
+ * pass's registers) instead of wmma over shared-memory chunks: on in the engine unless
+ * DS_CUDA_EXPERT_TC=0 (tests/cuda: check_moe_experts_mode, mode 4; K % 64 == 0). */
+void ds_cu_set_expert_tc(ds_cu *c, int on);
 /* Expanded MLA of segments with >= 128 query rows through cuBLAS (scores and values as strided-
  * batched BF16 GEMMs over the heads, a row softmax between). On in the engine unless
  * DS_CUDA_MLA_GEMM=0 (tests/cuda: check_mla_expanded_gemm). */

@@ -27,6 +27,7 @@ struct ds_cu {
     uint64_t epoch;      /* bumped whenever a scratch buffer moves (captured graphs go stale) */
     int expert_gemm;     /* routed experts of long steps through cuBLAS (ds_cu_set_expert_gemm) */
     int expert_mma;      /* grouped experts of batches on tensor cores (ds_cu_set_expert_mma) */
+    int expert_tc;       /* ...through the streaming tensor-core kernel (ds_cu_set_expert_tc) */
     int mla_gemm;        /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
     int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
     int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
@@ -2373,7 +2374,6 @@ struct moe_act {
     int on, situ;
     float beta, lin_beta;
 };
-
 /* The experts' weight streaming: acc[j][i] += this lane's share of W_j . x_i for NPW weight rows
  * wr[j] (K BF16 each; u0[j], their first pieces, already loaded when lk) and the pass's nr <= RPM
  * x rows xs[i] in shared memory; the warp's shuffle tree follows in the caller. Kept apart from
@@ -2607,6 +2607,138 @@ __global__ void __launch_bounds__(256)
 
 extern "C" void ds_cu_set_expert_mma(ds_cu *c, int on) {
     c->expert_mma = on;
+}
+
+/* ---- routed experts of batches on tensor cores, streaming (decode of 16+ tokens) -------------
+ * The weights are the bytes: at batch 64-256 a layer's active experts are most of its 3.6 GB
+ * (48B shape) and each has a few rows, so the kernel must stream weights at the copy rate and
+ * treat the products as nearly free. Each warp holds two 16-row tiles of weights as the A operand
+ * of mma.sync m16n8k16, loaded straight from memory as 16-byte pieces (no shared memory, no
+ * barriers); the tokens are B (n = 8 a tile, NT tiles a pass), BF16 rows in expert order read
+ * through L1. A dot product may take its k in any order, so long as A and B agree: lane 4 g + l4
+ * loads k [16 l4, 16 l4 + 16) of a 64-wide step for weight rows g, g + 8 and token g, and its
+ * four mma read those pieces' pairs in the same order on both sides (the PTX fragment layout
+ * then sums every k exactly once). UP: rows c and I + c of gate_up sit in the same lane's
+ * accumulators (tiles 0 and 1), so the activation is applied in registers and BF16 act rows come
+ * out (no [rows][2I] round trip); DOWN: the f32 rows y[perm row] for moe_combine_k. Not with batch
+ * invariance (BF16 activations, as moe_mma_k). K % 64 == 0, N % 16 == 0. */
+__device__ __forceinline__ uint4
+ldg_stream(const uint4 *p) { /* weights: read once, not kept in L1 */
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
+
+template <int NT, bool UP>
+__global__ void __launch_bounds__(256)
+    moe_tc_k(void *out, int ldo, const __nv_bfloat16 *xb, const uint16_t *W, int N, int K,
+             const int32_t *start, const int32_t *perm, const int32_t *active,
+             const int32_t *n_active, moe_act act) {
+    PDL_ENTRY();
+    if ((int)blockIdx.y >= *n_active) return;
+    const int e = active[blockIdx.y], r0 = start[e], r1 = start[e + 1];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, l4 = lane & 3;
+    /* UP: act columns [c0, c0 + 16) (gate rows c0.., up rows N + c0..); DOWN: rows [c0, c0 + 32) */
+    const int c0 = (blockIdx.x * 8 + warp) * (UP ? 16 : 32);
+    if (c0 >= N) return;
+    const size_t erows = UP ? 2 * (size_t)N : (size_t)N;
+    const uint4 *wr[2][2]; /* [tile][row g, g + 8], at this lane's first piece */
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int row = UP ? m * N + c0 + g + 8 * h : min(c0 + 16 * m + g + 8 * h, N - 1);
+            wr[m][h] = (const uint4 *)(W + ((size_t)e * erows + row) * K) + 2 * l4;
+        }
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    for (int p0 = r0; p0 < r1; p0 += 8 * NT) {
+        float acc[2][NT][4];
+        const uint4 *xr[NT];
+        bool xv[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const int r = p0 + nt * 8 + g;
+            xv[nt] = r < r1;
+            xr[nt] = (const uint4 *)(xb + (size_t)(xv[nt] ? r : r0) * K) + 2 * l4;
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[0][nt][i] = acc[1][nt][i] = 0.0f;
+        }
+#pragma unroll 2
+        for (int k8 = 0; k8 < K / 8; k8 += 8) { /* a 64-wide step: 8 pieces of 8 a row */
+            uint4 a[2][2][2], b[NT][2];
+#pragma unroll
+            for (int m = 0; m < 2; m++)
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+#pragma unroll
+                    for (int p = 0; p < 2; p++) a[m][h][p] = ldg_stream(wr[m][h] + k8 + p);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int p = 0; p < 2; p++) b[nt][p] = xv[nt] ? __ldg(xr[nt] + k8 + p) : zero;
+#pragma unroll
+            for (int p = 0; p < 2; p++)
+#pragma unroll
+                for (int m = 0; m < 2; m++) {
+                    const uint32_t lo[4] = {a[m][0][p].x, a[m][1][p].x, a[m][0][p].y, a[m][1][p].y},
+                                   hi[4] = {a[m][0][p].z, a[m][1][p].z, a[m][0][p].w, a[m][1][p].w};
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+                        mma_16816(acc[m][nt], lo, b[nt][p].x, b[nt][p].y);
+                        mma_16816(acc[m][nt], hi, b[nt][p].z, b[nt][p].w);
+                    }
+                }
+        }
+        /* C: rows g (elements 0, 1) and g + 8 (2, 3) of a tile, tokens 2 l4 and 2 l4 + 1 */
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const int r = p0 + nt * 8 + 2 * l4 + j;
+                if (r >= r1) continue;
+                if (UP) {
+                    __nv_bfloat16 *ab = (__nv_bfloat16 *)out + (size_t)r * ldo + c0 + g;
+                    ab[0] = __float2bfloat16_rn(
+                        act_pair(acc[0][nt][j], acc[1][nt][j], act.situ, act.beta, act.lin_beta));
+                    ab[8] = __float2bfloat16_rn(act_pair(acc[0][nt][2 + j], acc[1][nt][2 + j],
+                                                         act.situ, act.beta, act.lin_beta));
+                } else {
+                    float *y = (float *)out + (size_t)perm[r] * ldo;
+#pragma unroll
+                    for (int m = 0; m < 2; m++)
+#pragma unroll
+                        for (int h = 0; h < 2; h++) {
+                            const int row = c0 + 16 * m + g + 8 * h;
+                            if (row < N) y[row] = acc[m][nt][2 * h + j];
+                        }
+                }
+            }
+    }
+}
+
+/* xb[i] = bf16(x[perm[i] / k]) for this rank's routed rows i < start[E], in expert order */
+__global__ void moe_gather_rows_k(__nv_bfloat16 *xb, const float *x, int D, const int32_t *perm,
+                                  const int32_t *start, int E, int k) {
+    PDL_ENTRY();
+    const int i = blockIdx.x;
+    if (i >= start[E]) return;
+    const float4 *xr = (const float4 *)(x + (size_t)(perm[i] / k) * D);
+    for (int c4 = threadIdx.x; c4 < D / 4; c4 += blockDim.x)
+        store_bf16x4(xb + (size_t)i * D + 4 * c4, xr[c4]);
+}
+
+/* The three instances of moe_tc_k per direction: tokens a pass 8, 16, 32 (a lane's accumulators
+ * 8 NT floats) */
+typedef void (*moe_tc_ptr)(void *, int, const __nv_bfloat16 *, const uint16_t *, int, int,
+                           const int32_t *, const int32_t *, const int32_t *, const int32_t *,
+                           moe_act);
+static const moe_tc_ptr moe_tc_up[3] = {moe_tc_k<1, true>, moe_tc_k<2, true>, moe_tc_k<4, true>},
+                        moe_tc_dn[3] = {moe_tc_k<1, false>, moe_tc_k<2, false>, moe_tc_k<4, false>};
+
+extern "C" void ds_cu_set_expert_tc(ds_cu *c, int on) {
+    c->expert_tc = on;
 }
 
 /* ---- routed experts through tensor cores (long steps: prefill) ------------------------------
@@ -2843,12 +2975,14 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
     /* floats: h [rows][2I], y [rows][D]; then ints: start [E+1], perm [rows], active [E], n [1],
      * and with many rows hist [n_chunks][E] */
     const int n_chunks = rows >= 1024 ? (rows + MOE_GCHUNK - 1) / MOE_GCHUNK : 0;
-    size_t nf = (size_t)rows * (2 * (size_t)I + (size_t)D);
+    /* h's place also holds moe_tc_k's BF16 rows: x [rows][D], then act [rows][I] */
+    const size_t hf = (size_t)rows * DS_MAX(2 * (size_t)I, ((size_t)D + (size_t)I + 1) / 2);
+    size_t nf = hf + (size_t)rows * D;
     size_t ni = grouped ? (size_t)E + 1 + rows + E + 1 + (size_t)n_chunks * E : 0;
     if (grow_scratch((void **)&c->part, &c->part_bytes, (nf + ni) * sizeof(float), "moe scratch",
                      err))
         return DS_ERR;
-    float *h = c->part, *y = c->part + (size_t)rows * 2 * I;
+    float *h = c->part, *y = c->part + hf;
     if (grouped) {
         int32_t *start = (int32_t *)(c->part + nf), *perm = start + E + 1, *active = perm + rows;
         int32_t *n_active = active + E, *hist = n_active + 1;
@@ -2877,9 +3011,11 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
                                     situ_lin_beta, accumulate, start, perm, err);
         ds_cu_prof_mark(c, "moe grouped experts");
         /* batches on tensor cores, else the f32 streaming kernel (batch invariance, decode) */
-        const int mma = !direct && c->expert_mma && !c->batch_invariant &&
-                        T >= MOE_MMA_MIN_TOKENS && (2 * I) % MMA_N == 0 && D % MMA_N == 0 &&
-                        D % 16 == 0 && I % 16 == 0;
+        const int batch_tc =
+            !direct && c->expert_mma && !c->batch_invariant && T >= MOE_MMA_MIN_TOKENS;
+        const int tc = batch_tc && c->expert_tc && D % 64 == 0 && I % 64 == 0;
+        const int mma =
+            batch_tc && !tc && (2 * I) % MMA_N == 0 && D % MMA_N == 0 && D % 16 == 0 && I % 16 == 0;
         /* rows per pass (rp) and the accumulators the kernel holds for them (rpm): sized to the
          * rows an expert has — one at batch 1 (accumulators for eight took 126 registers a
          * thread and held the SMs to a quarter of their warps, ncu measured), two while a step
@@ -2901,24 +3037,36 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
         const moe_grouped_fn up_k = moe_grouped_pick(c, rpm, 2 * I, ya, (size_t)rp_up * D * 4),
                              dn_k = moe_grouped_pick(c, rpm, D, ya, (size_t)rp_dn * I * 4);
         const moe_act none = {0, 0, 0.0f, 0.0f}, act = {1, situ, situ_beta, situ_lin_beta};
-        if (mma)
-            launch_k(c, moe_mma_k, dim3((unsigned)(2 * I / MMA_N), ya), 256, 0, h, 2 * I, x, D, k,
-                     gate_up, 2 * I, D, start, perm, active, n_active, none);
-        else
-            launch_k(c, up_k.fn, dim3((unsigned)((2 * I + up_k.rows - 1) / up_k.rows), ya), 256,
-                     (size_t)rp_up * D * 4, h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm,
-                     active, n_active, rp_up, none, direct, e0, E, 0);
-        CU_TRY(cudaGetLastError(), "moe up (grouped)");
-        /* h's rows are gate | up, one per routed row: the down pass applies act as it stages */
-        if (mma) {
-            launch_k(c, moe_mma_k, dim3((unsigned)(D / MMA_N), ya), 256, 0, y, D, h, 2 * I, 1, down,
-                     D, I, start, perm, active, n_active, act);
+        if (tc) {
+            __nv_bfloat16 *xb = (__nv_bfloat16 *)h, *ab = xb + (size_t)rows * D;
+            /* tokens a pass from the rows an active expert has on average (more: another pass
+             * over its weights) */
+            const int per = (rows + (int)ya - 1) / (int)ya, nt = per <= 4 ? 0 : per <= 12 ? 1 : 2;
+            launch_k(c, moe_gather_rows_k, (unsigned)rows, 128, 0, xb, x, D, perm, start, E, k);
+            launch_k(c, moe_tc_up[nt], dim3((unsigned)((I + 127) / 128), ya), 256, 0, (void *)ab, I,
+                     (const __nv_bfloat16 *)xb, gate_up, I, D, start, perm, active, n_active, act);
+            launch_k(c, moe_tc_dn[nt], dim3((unsigned)((D + 255) / 256), ya), 256, 0, (void *)y, D,
+                     (const __nv_bfloat16 *)ab, down, D, I, start, perm, active, n_active, none);
+            CU_TRY(cudaGetLastError(), "moe experts (tensor cores)");
         } else {
-            launch_k(c, dn_k.fn, dim3((unsigned)((D + dn_k.rows - 1) / dn_k.rows), ya), 256,
-                     (size_t)rp_dn * I * 4, y, D, h, 2 * I, 1, down, D, I, start, perm, active,
-                     n_active, rp_dn, act, direct, e0, E, c->early_experts);
+            if (mma)
+                launch_k(c, moe_mma_k, dim3((unsigned)(2 * I / MMA_N), ya), 256, 0, h, 2 * I, x, D,
+                         k, gate_up, 2 * I, D, start, perm, active, n_active, none);
+            else
+                launch_k(c, up_k.fn, dim3((unsigned)((2 * I + up_k.rows - 1) / up_k.rows), ya), 256,
+                         (size_t)rp_up * D * 4, h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm,
+                         active, n_active, rp_up, none, direct, e0, E, 0);
+            CU_TRY(cudaGetLastError(), "moe up (grouped)");
+            /* h's rows are gate | up, one per routed row: the down pass applies act as it stages */
+            if (mma)
+                launch_k(c, moe_mma_k, dim3((unsigned)(D / MMA_N), ya), 256, 0, y, D, h, 2 * I, 1,
+                         down, D, I, start, perm, active, n_active, act);
+            else
+                launch_k(c, dn_k.fn, dim3((unsigned)((D + dn_k.rows - 1) / dn_k.rows), ya), 256,
+                         (size_t)rp_dn * I * 4, y, D, h, 2 * I, 1, down, D, I, start, perm, active,
+                         n_active, rp_dn, act, direct, e0, E, c->early_experts);
+            CU_TRY(cudaGetLastError(), "moe down (grouped)");
         }
-        CU_TRY(cudaGetLastError(), "moe down (grouped)");
     } else {
         launch_k(c, moe_up_k, dim3((unsigned)((2 * I + 7) / 8), (unsigned)rows), 256, 0, h, x, idx,
                  k, D, 2 * I, gate_up, e0, E);
