@@ -747,7 +747,7 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
     int32_t *didx = dev(c, idx, (size_t)T * k * 4);
     ds_err err = {{0}};
     ds_cu_set_expert_gemm(c, gemm == 1 || gemm == 2);
-    ds_cu_set_expert_mma(c, gemm == 3 || gemm == 4);
+    ds_cu_set_expert_mma(c, gemm >= 3);
     ds_cu_set_expert_tc(c, gemm == 4);
     if (ds_cu_moe_experts(c, dout, dx, didx, dw, T, k, El, e0, D, I, dgu, ddn, situ, 4.0f, 6.0f, 1,
                           &err))
@@ -756,7 +756,7 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
     ds_cu_set_expert_mma(c, 0);
     ds_cu_set_expert_tc(c, 0);
     fetch(c, got, dout, (size_t)T * D * 4);
-    char what[96];
+    char what[160];
     snprintf(what, sizeof what, "moe experts T=%d k=%d E=%d D=%d I=%d %s%s%s", T, k, E, D, I,
              situ ? "situ" : "swiglu",
              gemm == 4   ? " (tensor cores, streaming)"
@@ -1437,6 +1437,7 @@ static void run_checks(ds_cu *c) {
     check_moe_experts_mode(c, 16, 8, 64, 2304, 1024, 0, 4, 0);
     check_moe_experts_mode(c, 200, 8, 16, 512, 192, 1, 4, 0); /* ~100 rows an expert */
     check_moe_experts_mode(c, 64, 8, 256, 2304, 1024, 1, 4, 1);
+    check_moe_experts_mode(c, 256, 8, 256, 2304, 1024, 0, 4, 0); /* 16 tokens a pass */
     {
         int lens[5] = {1, 4, 1, 9, 2}, rows[5] = {0, 1, 0, 1, 0};
         check_short_conv_batch(c, lens, rows, 5, 4096, 4);

@@ -15,7 +15,7 @@ EAGER=0 timeout 200 tools/device/bench48.sh 2>&1 | tail -7 || failed+=" bench"
 # the prompt again with chunked KDA on CUDA cores in f32 (the default is 3xTF32 tensor cores)
 DS_CUDA_KDA_TC=0 OUT=/tmp/ds-kda-f32 EAGER=0 BATCHES=1 REPS=2 timeout 100 tools/device/bench48.sh 2>&1 |
   grep "prompt" | sed "s/^/DS_CUDA_KDA_TC=0: /" || failed+=" bench-kda-f32"
-timeout 180 tools/device/gpu_serve_eval.sh "${EVAL_LIMIT:-300}" 2>&1 | grep -v Killed | tail -5 ||
+timeout 200 tools/device/gpu_serve_eval.sh "${EVAL_LIMIT:-300}" 2>&1 | grep -v Killed | tail -7 ||
   failed+=" eval"
 timeout 120 .devbin/test_cuda_kernels --bench kda,moe,mla 2>&1 | grep "^bench" > "$OUT/kernel_bench.txt" ||
   failed+=" kernel-bench"

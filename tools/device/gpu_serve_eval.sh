@@ -2,7 +2,7 @@
 # On the GPU machine, with .devbin carried: the bundled model's eval served from the GPU, one
 # process against the seed's configuration at the pipeline depth one GPU allows (issue 10):
 # -pp 2 (both ranks on the one GPU), DSpark k = 7, prefix caching, the RAM offload tier; then
-# the same at -tp 2.
+# the same at -tp 2 (and first DSpark on one process).
 # Accuracy both ways, acceptance and tokens per forward; and whether the two runs' completions
 # are the same text.   tools/device/gpu_serve_eval.sh [LIMIT]
 . "$(dirname "$0")/env.sh"
@@ -31,6 +31,8 @@ run() { # name port args...
   wait $pid 2>/dev/null
 }
 run one 8101
+# DSpark alone on one process (what speculation buys without the pipeline's hops)
+run one_dspark 8104 --speculative-method dspark --num-speculative-tokens 7 --kv-offload-ram 1G
 run pp2_dspark 8102 -pp 2 --speculative-method dspark --num-speculative-tokens 7 --kv-offload-ram 1G
 # tensor parallelism too (two ranks on the one GPU): the draft on the sampling rank's GPU with a
 # whole copy of lm_head
@@ -38,7 +40,7 @@ run tp2_dspark 8103 -tp 2 --speculative-method dspark --num-speculative-tokens 7
 python3 - "$OUT" <<'PY'
 import json, sys
 a = json.load(open(f"{sys.argv[1]}/one.json"))
-for name in ("pp2_dspark", "tp2_dspark"):
+for name in ("one_dspark", "pp2_dspark", "tp2_dspark"):
     b = json.load(open(f"{sys.argv[1]}/{name}.json"))
     same = sum(x == y for x, y in zip(a["texts"], b["texts"]))
     print(f"{name}: completions identical to one process: {same} of {a['n']}")
