@@ -749,12 +749,14 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
     ds_cu_set_expert_gemm(c, gemm == 1 || gemm == 2);
     ds_cu_set_expert_mma(c, gemm >= 3);
     ds_cu_set_expert_tc(c, gemm == 4);
+    ds_cu_set_expert_mma_min(c, gemm >= 3 ? 16 : 0); /* (the engine's is 40 tokens) */
     if (ds_cu_moe_experts(c, dout, dx, didx, dw, T, k, El, e0, D, I, dgu, ddn, situ, 4.0f, 6.0f, 1,
                           &err))
         DIE("%s", err.msg);
     ds_cu_set_expert_gemm(c, 0);
     ds_cu_set_expert_mma(c, 0);
     ds_cu_set_expert_tc(c, 0);
+    ds_cu_set_expert_mma_min(c, 0);
     fetch(c, got, dout, (size_t)T * D * 4);
     char what[160];
     snprintf(what, sizeof what, "moe experts T=%d k=%d E=%d D=%d I=%d %s%s%s", T, k, E, D, I,

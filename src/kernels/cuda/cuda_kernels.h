@@ -190,7 +190,7 @@ int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx, 
  * capture: the layout is read on the host). On in the engine
  * unless DS_CUDA_EXPERT_GEMM=0 (tests/cuda: check_moe_experts_gemm). */
 void ds_cu_set_expert_gemm(ds_cu *c, int on);
-/* Grouped routed experts of steps of >= 16 tokens (batch decode, verify, short prefill chunks) on
+/* Grouped routed experts of steps of >= 40 tokens (batch decode, verify, short prefill chunks) on
  * BF16 tensor cores (wmma), on the device so the step stays capturable (not with batch
  * invariance; 2I and D multiples of 256). On in the engine unless DS_CUDA_EXPERT_MMA=0
  * (tests/cuda: check_moe_experts_mode, mode 3). */
@@ -200,6 +200,9 @@ void ds_cu_set_expert_mma(ds_cu *c, int on);
  * pass's registers) instead of wmma over shared-memory chunks: on in the engine unless
  * DS_CUDA_EXPERT_TC=0 (tests/cuda: check_moe_experts_mode, mode 4; K % 64 == 0). */
 void ds_cu_set_expert_tc(ds_cu *c, int on);
+/* Tokens a step from which batches' experts take the tensor-core path (0: the default, 40;
+ * DS_CUDA_EXPERT_MMA_MIN in the engine). */
+void ds_cu_set_expert_mma_min(ds_cu *c, int tokens);
 /* Expanded MLA of segments with >= 128 query rows through cuBLAS (scores and values as strided-
  * batched BF16 GEMMs over the heads, a row softmax between). On in the engine unless
  * DS_CUDA_MLA_GEMM=0 (tests/cuda: check_mla_expanded_gemm). */

@@ -28,6 +28,7 @@ struct ds_cu {
     int expert_gemm;     /* routed experts of long steps through cuBLAS (ds_cu_set_expert_gemm) */
     int expert_mma;      /* grouped experts of batches on tensor cores (ds_cu_set_expert_mma) */
     int expert_tc;       /* ...through the streaming tensor-core kernel (ds_cu_set_expert_tc) */
+    int mma_min_tokens;  /* ...from this many tokens a step (ds_cu_set_expert_mma_min; 0: 40) */
     int mla_gemm;        /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
     int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
     int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
@@ -2762,6 +2763,10 @@ extern "C" void ds_cu_set_expert_tc(ds_cu *c, int on) {
     c->expert_tc = on;
 }
 
+extern "C" void ds_cu_set_expert_mma_min(ds_cu *c, int tokens) {
+    c->mma_min_tokens = tokens;
+}
+
 /* ---- routed experts through tensor cores (long steps: prefill) ------------------------------
  * With thousands of routed rows each expert has tens to hundreds of them: after grouping, its rows
  * of x (in BF16) are one GEMM against its gate/up weights and one against its down weights, a
@@ -2774,8 +2779,11 @@ extern "C" void ds_cu_set_expert_tc(ds_cu *c, int on) {
  * kernel reading each expert once, and the host round trip keeps the step out of graphs. */
 enum { EXPERT_GEMM_MIN_PER = 64 };
 /* Tokens from which a step's grouped experts run on tensor cores (below, the weight stream bounds
- * the f32 kernel anyway, and its grid is the larger). */
-enum { MOE_MMA_MIN_TOKENS = 16 };
+ * the f32 kernel anyway, and its grid — 32 weight rows a block against 128 or 256 — balances
+ * the fewer active experts better). 48B shape, steps with graphs on the H200, f32 kernel / the
+ * streaming mma one: batch 16 14.20 / 16.69 ms, 24 19.39 / 21.14, 32 23.40 / 24.86, 48 34.62 /
+ * 30.15, 64 40.88 / 34.86. */
+enum { MOE_MMA_MIN_TOKENS = 40 };
 
 extern "C" void ds_cu_set_expert_gemm(ds_cu *c, int on) {
     c->expert_gemm = on;
@@ -3032,8 +3040,8 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
                                     situ_lin_beta, accumulate, start, perm, err);
         ds_cu_prof_mark(c, "moe grouped experts");
         /* batches on tensor cores, else the f32 streaming kernel (batch invariance, decode) */
-        const int batch_tc =
-            !direct && c->expert_mma && !c->batch_invariant && T >= MOE_MMA_MIN_TOKENS;
+        const int batch_tc = !direct && c->expert_mma && !c->batch_invariant &&
+                             T >= (c->mma_min_tokens > 0 ? c->mma_min_tokens : MOE_MMA_MIN_TOKENS);
         const int tc = batch_tc && c->expert_tc && D % 64 == 0 && I % 64 == 0;
         const int mma =
             batch_tc && !tc && (2 * I) % MMA_N == 0 && D % MMA_N == 0 && D % 16 == 0 && I % 16 == 0;
