@@ -448,9 +448,10 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     ds_cu_set_expert_gemm(cm->c, env_flag("DS_CUDA_EXPERT_GEMM", 1));
     ds_cu_set_expert_mma(cm->c, env_flag("DS_CUDA_EXPERT_MMA", 1));
     ds_cu_set_expert_tc(cm->c, env_flag("DS_CUDA_EXPERT_TC", 1));
-    {
-        const char *mn = getenv("DS_CUDA_EXPERT_MMA_MIN");
+    { /* tuning knobs (0: the kernels' defaults) */
+        const char *mn = getenv("DS_CUDA_EXPERT_MMA_MIN"), *gt = getenv("DS_CUDA_GEMV_MAX_T");
         ds_cu_set_expert_mma_min(cm->c, mn && *mn ? atoi(mn) : 0);
+        ds_cu_set_gemv_max_t(cm->c, gt && *gt ? atoi(gt) : 0);
     }
     ds_cu_set_mla_gemm(cm->c, env_flag("DS_CUDA_MLA_GEMM", 1));
     ds_cu_set_mla_flash(cm->c, env_flag("DS_CUDA_MLA_FLASH", 1));

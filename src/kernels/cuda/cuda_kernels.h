@@ -203,6 +203,9 @@ void ds_cu_set_expert_tc(ds_cu *c, int on);
 /* Tokens a step from which batches' experts take the tensor-core path (0: the default, 40;
  * DS_CUDA_EXPERT_MMA_MIN in the engine). */
 void ds_cu_set_expert_mma_min(ds_cu *c, int tokens);
+/* Matmuls (and per-head matmuls) of up to `rows` rows go through the weight-streaming kernel
+ * instead of cuBLAS (0: the default, two rows; DS_CUDA_GEMV_MAX_T in the engine). */
+void ds_cu_set_gemv_max_t(ds_cu *c, int rows);
 /* Expanded MLA of segments with >= 128 query rows through cuBLAS (scores and values as strided-
  * batched BF16 GEMMs over the heads, a row softmax between). On in the engine unless
  * DS_CUDA_MLA_GEMM=0 (tests/cuda: check_mla_expanded_gemm). */

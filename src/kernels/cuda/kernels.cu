@@ -29,6 +29,7 @@ struct ds_cu {
     int expert_mma;      /* grouped experts of batches on tensor cores (ds_cu_set_expert_mma) */
     int expert_tc;       /* ...through the streaming tensor-core kernel (ds_cu_set_expert_tc) */
     int mma_min_tokens;  /* ...from this many tokens a step (ds_cu_set_expert_mma_min; 0: 40) */
+    int gemv_max_t;      /* matmuls of up to this many rows stream (ds_cu_set_gemv_max_t; 0: 2) */
     int mla_gemm;        /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
     int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
     int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
@@ -590,6 +591,15 @@ extern "C" void ds_cu_set_batch_invariant(ds_cu *c, int on) {
     c->batch_invariant = on;
 }
 
+/* Rows up to which a matmul streams its weights (gemv_tiles) rather than calling cuBLAS: the 48B
+ * shape's steps with graphs on the H200, streaming / cuBLAS for the rows above one: batch 2
+ * 4.007 / 4.111 ms, 4 6.632 / 5.668, 8 10.97 / 8.45, 16 20.58 / 14.16. */
+enum { GEMV_MAX_T = 2 };
+
+extern "C" void ds_cu_set_gemv_max_t(ds_cu *c, int rows) {
+    c->gemv_max_t = rows;
+}
+
 extern "C" int ds_cu_matmul(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T,
                             const ds_cu_mat *w, ds_err *err) {
     const int N = w->rows, K = w->cols;
@@ -598,7 +608,7 @@ extern "C" int ds_cu_matmul(ds_cu *c, float *y, int ldy, const float *x, int ldx
         K % 8 == 0 && ldx % 4 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)w->data % 16 == 0;
     if (vec && T == 1 && c->gemv_wide && gemv_splits(c, N, K, 1) == 1 && (size_t)K * 4 <= 48 * 1024)
         return gemv_wide(c, y, x, w->data, N, K, err);
-    if (vec && (T == 1 || c->batch_invariant))
+    if (vec && (T <= (c->gemv_max_t > 0 ? c->gemv_max_t : GEMV_MAX_T) || c->batch_invariant))
         return gemv_tiles(c, y, ldy, x, ldx, T, w->data, N, K, 1, 0, 0, 0, err);
     if (c->batch_invariant) {
         for (int t0 = 0; t0 < T; t0 += 65535)
@@ -626,7 +636,7 @@ extern "C" int ds_cu_matmul_heads(ds_cu *c, float *y, int ldy, size_t ys, const 
     if (T <= 0 || N <= 0 || H <= 0) return DS_OK;
     const int vec = K % 8 == 0 && ldx % 4 == 0 && xs % 4 == 0 && ws % 8 == 0 &&
                     (uintptr_t)x % 16 == 0 && (uintptr_t)w->data % 16 == 0;
-    if (vec && (T == 1 || c->batch_invariant))
+    if (vec && (T <= (c->gemv_max_t > 0 ? c->gemv_max_t : GEMV_MAX_T) || c->batch_invariant))
         return gemv_tiles(c, y, ldy, x, ldx, T, w->data, N, K, H, ys, xs, ws, err);
     if (c->batch_invariant || (size_t)ldx < (size_t)(H - 1) * xs + K) {
         for (int h = 0; h < H; h++) { /* head by head, through the plain matmul */
