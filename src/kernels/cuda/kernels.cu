@@ -2385,6 +2385,7 @@ struct moe_act {
     int on, situ;
     float beta, lin_beta;
 };
+
 /* The experts' weight streaming: acc[j][i] += this lane's share of W_j . x_i for NPW weight rows
  * wr[j] (K BF16 each; u0[j], their first pieces, already loaded when lk) and the pass's nr <= RPM
  * x rows xs[i] in shared memory; the warp's shuffle tree follows in the caller. Kept apart from
@@ -2620,7 +2621,7 @@ extern "C" void ds_cu_set_expert_mma(ds_cu *c, int on) {
     c->expert_mma = on;
 }
 
-/* ---- routed experts of batches on tensor cores, streaming (decode of 16+ tokens) -------------
+/* ---- routed experts of batches on tensor cores, streaming (decode of 40+ tokens) -------------
  * The weights are the bytes: at batch 64-256 a layer's active experts are most of its 3.6 GB
  * (48B shape) and each has a few rows, so the kernel must stream weights at the copy rate and
  * treat the products as nearly free. Each warp holds two 16-row tiles of weights as the A operand
