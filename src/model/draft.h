@@ -110,8 +110,8 @@ typedef struct ds_draft_ctx_write {
     const float *taps, *sum;
 } ds_draft_ctx_write;
 /* The context writes of n_items sequences (a step's), every item of the same kind (taps or
- * sums): on the GPU one pass over all their rows (one synchronisation), on the CPU one item
- * after another. */
+ * sums), their rows through each matmul together (on the GPU one pass and one synchronisation;
+ * on the CPU up to 512 rows a pass): each item's rows come out exactly as written alone. */
 int ds_draft_write_context_batch(ds_draft *d, ds_draft_cache *c, int n_items,
                                  const ds_draft_ctx_write *w, ds_err *err);
 

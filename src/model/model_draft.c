@@ -456,36 +456,61 @@ static void finish_latent(const ds_draft *d, const draft_layer *w, float *kv, co
     }
 }
 
-/* One item's context rows on the CPU: from taps [n_taps][n][Dt], or (taps NULL) from sum
- * [n][D], the context before context_norm (checked by the caller). */
-static int write_context(ds_draft *d, ds_draft_cache *c, const int32_t *block_table, int pos0,
-                         int n, const float *taps, const float *sum, ds_err *err) {
+/* Rows a CPU context write stacks from several items at most (their taps copied together: a
+ * bound on that copy; an item longer than this goes alone, uncopied). */
+enum { CTX_STACK_ROWS = 512 };
+
+/* Context rows on the CPU for n_items items (checked by the caller) holding N rows in all, every
+ * row through each matmul together (a row's bits do not depend on the others: ds_matmul), so
+ * each item gets exactly what it would alone: from taps [n_taps][n][Dt] or sums [n][D] (the
+ * context before context_norm). */
+static int write_context(ds_draft *d, ds_draft_cache *c, int n_items, const ds_draft_ctx_write *w,
+                         int N, ds_err *err) {
     const ds_draft_config *cf = &d->cfg;
-    int D = cf->hidden_size, dr = cf->qk_rope_head_dim, row = cf->kv_lora_rank + dr;
-    size_t sizes[4] = {
-        (size_t)n * D,   /* tmp [n][D] */
-        (size_t)n * D,   /* ctx [n][D] */
-        (size_t)n * row, /* kv [n][R+dr] */
-        (size_t)n * dr,  /* cs [n][dr/2][2] */
+    int D = cf->hidden_size, Dt = cf->target_hidden_size, nt = cf->num_target_layers;
+    int dr = cf->qk_rope_head_dim, row = cf->kv_lora_rank + dr;
+    const int taps = w[0].taps != NULL;
+    const size_t in_n = n_items == 1 ? 0 : taps ? (size_t)nt * N * Dt : (size_t)N * D;
+    size_t sizes[5] = {
+        in_n,            /* the items' inputs stacked: taps [nt][N][Dt] or sums [N][D] */
+        (size_t)N * D,   /* tmp [N][D] */
+        (size_t)N * D,   /* ctx [N][D] */
+        (size_t)N * row, /* kv [N][R+dr] */
+        (size_t)N * dr,  /* cs [N][dr/2][2] */
     };
-    float *b[4];
-    if (carve(d, sizes, b, 4, err)) return DS_ERR;
-    float *tmp = b[0], *ctx = b[1], *kv = b[2], *cs = b[3];
-    if (taps) {
-        context_rows(d, n, taps, tmp, ctx);
-    } else {
-        ds_rmsnorm(ctx, sum, d->context_norm, n, D, cf->rms_norm_eps);
+    float *b[5];
+    if (carve(d, sizes, b, 5, err)) return DS_ERR;
+    float *tmp = b[1], *ctx = b[2], *kv = b[3], *cs = b[4];
+    const float *in = taps ? w[0].taps : w[0].sum;
+    if (n_items > 1) {
+        for (int i = 0, off = 0; i < n_items; off += w[i].n, i++) {
+            const size_t ni = (size_t)w[i].n;
+            if (taps)
+                for (int j = 0; j < nt; j++)
+                    memcpy(b[0] + ((size_t)j * N + off) * Dt, w[i].taps + j * ni * Dt,
+                           ni * Dt * sizeof(float));
+            else
+                memcpy(b[0] + (size_t)off * D, w[i].sum, ni * D * sizeof(float));
+        }
+        in = b[0];
     }
-    ds_draft_rope_table(d, cs, pos0, n);
+    if (taps)
+        context_rows(d, N, in, tmp, ctx);
+    else
+        ds_rmsnorm(ctx, in, d->context_norm, N, D, cf->rms_norm_eps);
+    for (int i = 0, off = 0; i < n_items; off += w[i].n, i++)
+        ds_draft_rope_table(d, cs + (size_t)off * dr, w[i].pos0, w[i].n);
     /* ctx feeds W_kva directly: it does not pass through input_layernorm (§8.4). */
     for (int l = 0; l < cf->num_hidden_layers; l++) {
-        const draft_layer *w = &d->layers[l];
-        ds_matmul(kv, row, ctx, D, n, &w->kv_a);
-        finish_latent(d, w, kv, cs, n);
-        ds_latent_view view = {c->layer[l], block_table, c->block_size, row};
-        for (int t = 0; t < n; t++)
-            memcpy(ds_latent_row(&view, pos0 + t), kv + (size_t)t * row,
-                   (size_t)row * sizeof(float));
+        const draft_layer *lw = &d->layers[l];
+        ds_matmul(kv, row, ctx, D, N, &lw->kv_a);
+        finish_latent(d, lw, kv, cs, N);
+        for (int i = 0, off = 0; i < n_items; off += w[i].n, i++) {
+            ds_latent_view view = {c->layer[l], w[i].block_table, c->block_size, row};
+            for (int t = 0; t < w[i].n; t++)
+                memcpy(ds_latent_row(&view, w[i].pos0 + t), kv + ((size_t)off + t) * row,
+                       (size_t)row * sizeof(float));
+        }
     }
     return DS_OK;
 }
@@ -512,9 +537,11 @@ int ds_draft_write_context_batch(ds_draft *d, ds_draft_cache *c, int n_items,
 #ifdef DS_HAVE_CUDA
     if (d->dev) return n_items ? ds_draft_dev_write_context(d, c, n_items, w, err) : DS_OK;
 #endif
-    for (int i = 0; i < n_items; i++)
-        if (write_context(d, c, w[i].block_table, w[i].pos0, w[i].n, w[i].taps, w[i].sum, err))
-            return DS_ERR;
+    for (int i0 = 0, i1; i0 < n_items; i0 = i1) { /* items stacked up to CTX_STACK_ROWS rows */
+        int N = w[i0].n;
+        for (i1 = i0 + 1; i1 < n_items && N + w[i1].n <= CTX_STACK_ROWS; i1++) N += w[i1].n;
+        if (write_context(d, c, i1 - i0, w + i0, N, err)) return DS_ERR;
+    }
     return DS_OK;
 }
 
