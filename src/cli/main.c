@@ -1,5 +1,6 @@
 /* main.c — `deltaserve <command> [flags]`: picks the subcommand and hands it the rest of argv.
  * Only here (and in the commands' return values) does the process decide its exit status. */
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,20 +41,51 @@ static const command *find_command(const char *name) {
     return NULL;
 }
 
-/* OpenMP threads that spin while they wait for work steal the CPU from whatever else runs (the
- * HTTP threads, other processes, other MPI ranks): on a loaded 2-core machine a decode step was
- * measured 10x slower with libgomp's default active waiting than with passive waiting. libgomp
- * reads OMP_WAIT_POLICY when it loads, before main, so when the user has not chosen one we set
- * it and run ourselves again. */
-static void prefer_passive_wait(char **argv) {
-    if (getenv("OMP_WAIT_POLICY")) return;
+/* How OpenMP threads wait between parallel regions. Spinning without bound steals the CPU from
+ * whatever else runs (the HTTP threads, other processes, other MPI ranks): on a loaded 2-core
+ * machine a decode step was measured 10x slower with libgomp's default active waiting than with
+ * passive waiting, and 4 ranks of -pp 2 -tp 2 on 2 cores served 6x slower with even a short spin.
+ * Sleeping at once costs a futex wake-up and a core's exit from idle for every one of a step's
+ * hundreds of regions: on this 2-core machine a gsm-k3 decode step of one row took 4.84 ms passive
+ * against 0.69 ms with a short spin first (GOMP_SPINCOUNT=10000), a DSpark server at concurrency
+ * 1 / 16 gave 243 / 604 tokens/s against 809 / 1188 (bench/RESULTS.md). So: passive, with that
+ * short spin when this process's threads have the CPUs to themselves — its MPI ranks on this
+ * host (Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE, MPICH's MPI_LOCALNRANKS) times OMP_NUM_THREADS at
+ * most the CPUs it may run on. A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT stands. libgomp reads
+ * them when it loads, before main, so we set them and run ourselves again; DS_OMP_WAIT_PID marks
+ * the process that chose (a rank started by mpirun inherits its launcher's choice and chooses
+ * again for itself). */
+static int env_int(const char *name, int dflt) {
+    const char *v = getenv(name);
+    int n = v && *v ? atoi(v) : 0;
+    return n > 0 ? n : dflt;
+}
+
+static void choose_wait_policy(char **argv) {
+    const char *marker = getenv("DS_OMP_WAIT_PID");
+    char pid[24];
+    snprintf(pid, sizeof pid, "%ld", (long)getpid());
+    if (marker && strcmp(marker, pid) == 0) return; /* chosen, and running again */
+    if (marker) {                                   /* an ancestor's choice: choose again */
+        unsetenv("OMP_WAIT_POLICY");
+        unsetenv("GOMP_SPINCOUNT");
+    } else if (getenv("OMP_WAIT_POLICY") || getenv("GOMP_SPINCOUNT")) {
+        return; /* the user's */
+    }
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) cpus = CPU_COUNT(&set);
+    const long ranks = env_int("OMPI_COMM_WORLD_LOCAL_SIZE", env_int("MPI_LOCALNRANKS", 1));
+    const long threads = env_int("OMP_NUM_THREADS", (int)(cpus > 0 ? cpus : 1));
     setenv("OMP_WAIT_POLICY", "passive", 1);
+    if (ranks * threads <= cpus) setenv("GOMP_SPINCOUNT", "10000", 1);
+    setenv("DS_OMP_WAIT_PID", pid, 1);
     execv("/proc/self/exe", argv);
     /* exec failed: carry on with the default policy */
 }
 
 int main(int argc, char **argv) {
-    prefer_passive_wait(argv);
+    choose_wait_policy(argv);
     if (argc < 2) {
         print_usage(stderr);
         return 2;
