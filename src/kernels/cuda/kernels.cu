@@ -600,6 +600,11 @@ extern "C" void ds_cu_set_gemv_max_t(ds_cu *c, int rows) {
     c->gemv_max_t = rows;
 }
 
+/* up to how many rows ds_cu_matmul and ds_cu_matmul_heads stream their weights */
+static int gemv_rows_max(const ds_cu *c) {
+    return c->gemv_max_t > 0 ? c->gemv_max_t : GEMV_MAX_T;
+}
+
 extern "C" int ds_cu_matmul(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T,
                             const ds_cu_mat *w, ds_err *err) {
     const int N = w->rows, K = w->cols;
@@ -608,7 +613,7 @@ extern "C" int ds_cu_matmul(ds_cu *c, float *y, int ldy, const float *x, int ldx
         K % 8 == 0 && ldx % 4 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)w->data % 16 == 0;
     if (vec && T == 1 && c->gemv_wide && gemv_splits(c, N, K, 1) == 1 && (size_t)K * 4 <= 48 * 1024)
         return gemv_wide(c, y, x, w->data, N, K, err);
-    if (vec && (T <= (c->gemv_max_t > 0 ? c->gemv_max_t : GEMV_MAX_T) || c->batch_invariant))
+    if (vec && (T <= gemv_rows_max(c) || c->batch_invariant))
         return gemv_tiles(c, y, ldy, x, ldx, T, w->data, N, K, 1, 0, 0, 0, err);
     if (c->batch_invariant) {
         for (int t0 = 0; t0 < T; t0 += 65535)
@@ -636,7 +641,7 @@ extern "C" int ds_cu_matmul_heads(ds_cu *c, float *y, int ldy, size_t ys, const 
     if (T <= 0 || N <= 0 || H <= 0) return DS_OK;
     const int vec = K % 8 == 0 && ldx % 4 == 0 && xs % 4 == 0 && ws % 8 == 0 &&
                     (uintptr_t)x % 16 == 0 && (uintptr_t)w->data % 16 == 0;
-    if (vec && (T <= (c->gemv_max_t > 0 ? c->gemv_max_t : GEMV_MAX_T) || c->batch_invariant))
+    if (vec && (T <= gemv_rows_max(c) || c->batch_invariant))
         return gemv_tiles(c, y, ldy, x, ldx, T, w->data, N, K, H, ys, xs, ws, err);
     if (c->batch_invariant || (size_t)ldx < (size_t)(H - 1) * xs + K) {
         for (int h = 0; h < H; h++) { /* head by head, through the plain matmul */
