@@ -181,6 +181,36 @@ static void weigh(float *w, const float *x, int n, float mx, float inv_t) {
     for (int i = 0; i < n; i++) w[i] = exp_nonpos((x[i] - mx) * inv_t);
 }
 
+void ds_sample_weights(float *w, const float *x, int n, float mx, float inv_t) {
+    weigh(w, x, n, mx, inv_t);
+}
+
+/* A weight's mass: w * 2^40 (exact in float) truncated to an integer. Sums of masses are exact, so
+ * a row's top-p set and its draw do not depend on the order its elements are added in: the GPU's
+ * parallel passes reach the token this file's loops reach (ds_cu_draw_rows). A weight below 2^-40
+ * (a probability under ~1e-12 of the top token's) has no mass and is never drawn. Up to 2^23
+ * tokens of mass <= 2^40 sum below 2^63. */
+#define MASS_SCALE 0x1p40f
+
+static inline uint64_t mass_of(float w) {
+    return (uint64_t)(int64_t)(w * MASS_SCALE);
+}
+
+static uint64_t mass_sum(const float *w, int n) {
+    uint64_t s[4] = {0};
+    int i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (int j = 0; j < 4; j++) s[j] += mass_of(w[i + j]);
+    for (; i < n; i++) s[0] += mass_of(w[i]);
+    return s[0] + s[1] + s[2] + s[3];
+}
+
+/* The top-p goal over a kept mass: top_p of it, at least 1 (so that a set is never empty). */
+static uint64_t top_p_goal(float top_p, uint64_t kept) {
+    uint64_t g = (uint64_t)((double)top_p * (double)kept);
+    return g ? g : 1;
+}
+
 /* ---- ordering and selection -------------------------------------------------------------- */
 
 /* 1 if id a comes before id b: larger logit first, then smaller id. Branch-free: partitions
@@ -227,23 +257,23 @@ static int partition(int32_t *idx, int lo, int hi, const float *key) {
     return s;
 }
 
-static double sum_at(const float *w, const int32_t *idx, int n) {
-    double s[4] = {0};
+static uint64_t sum_at(const float *w, const int32_t *idx, int n) {
+    uint64_t s[4] = {0};
     int i = 0;
     for (; i + 4 <= n; i += 4)
-        for (int j = 0; j < 4; j++) s[j] += w[idx[i + j]];
-    for (; i < n; i++) s[0] += w[idx[i]];
-    return (s[0] + s[1]) + (s[2] + s[3]);
+        for (int j = 0; j < 4; j++) s[j] += mass_of(w[idx[i + j]]);
+    for (; i < n; i++) s[0] += mass_of(w[idx[i]]);
+    return s[0] + s[1] + s[2] + s[3];
 }
 
 /* Quickselect over idx[0..n): rearranges it so that idx[0..m) are the first m ids in `before`
  * order (in no particular order among themselves) and returns m. With k > 0, m = k (k <= n);
- * otherwise m is the smallest count whose w-mass reaches target (at least 1; n if none does).
+ * otherwise m is the smallest count whose mass reaches target (at least 1; n if none does).
  * Expected O(n), so top-k and top-p never sort the vocabulary. */
 static int select_prefix(int32_t *idx, int n, const float *key, const float *w, int k,
-                         double target) {
+                         uint64_t target) {
     int lo = 0, hi = n;
-    double acc = 0; /* mass of idx[0..lo); stays below target */
+    uint64_t acc = 0; /* mass of idx[0..lo); stays below target */
     while (hi - lo > 16) {
         int q = partition(idx, lo, hi, key);
         if (k > 0) {
@@ -253,13 +283,13 @@ static int select_prefix(int32_t *idx, int n, const float *key, const float *w, 
             else
                 lo = q + 1;
         } else {
-            double m = sum_at(w, idx + lo, q - lo);
+            uint64_t m = sum_at(w, idx + lo, q - lo), mq = mass_of(w[idx[q]]);
             if (acc + m >= target) {
                 hi = q;
-            } else if (acc + m + w[idx[q]] >= target) {
+            } else if (acc + m + mq >= target) {
                 return q + 1;
             } else {
-                acc += m + w[idx[q]];
+                acc += m + mq;
                 lo = q + 1;
             }
         }
@@ -267,7 +297,7 @@ static int select_prefix(int32_t *idx, int n, const float *key, const float *w, 
     sort_small(idx + lo, hi - lo, key);
     if (k > 0) return k;
     for (int i = lo; i < hi; i++) {
-        acc += w[idx[i]];
+        acc += mass_of(w[idx[i]]);
         if (acc >= target) return i + 1;
     }
     return hi;
@@ -305,28 +335,25 @@ static double raw_logprobs(const float *x, int V, int k, ds_logprobs_out *lp, fl
 
 /* ---- the draw ---------------------------------------------------------------------------- */
 
-/* The first i whose prefix sum of w exceeds u * sum(w), found by block sums so that only one
- * block is scanned element by element. w has at least one positive entry. */
-static int32_t pick_dense(const float *w, int n, double u) {
+/* The draw: with S the mass of w[0..n) and r = floor(u * S) (at most S - 1), the first i, in id
+ * order, whose inclusive prefix mass exceeds r. Block sums first, so that only one block is
+ * scanned element by element. Some w must have mass (the maximum's weight, 1, always has). */
+static int32_t pick_mass(const float *w, int n, double u) {
     enum { MAX_BLOCKS = 256 };
-    double bsum[MAX_BLOCKS]; /* [nb] */
+    uint64_t bsum[MAX_BLOCKS]; /* [nb] */
     int bs = DS_MAX(1024, (n + MAX_BLOCKS - 1) / MAX_BLOCKS), nb = (n + bs - 1) / bs;
-    double total = 0;
+    uint64_t total = 0;
     for (int b = 0; b < nb; b++)
-        total += bsum[b] = sum_of(w + (size_t)b * bs, DS_MIN(bs, n - b * bs));
-    double target = u * total, acc = 0;
+        total += bsum[b] = mass_sum(w + (size_t)b * bs, DS_MIN(bs, n - b * bs));
+    uint64_t r = (uint64_t)(u * (double)total), acc = 0;
+    if (r >= total) r = total - 1; /* u * S rounded up to S */
     int b = 0;
-    while (b < nb - 1 && acc + bsum[b] <= target) acc += bsum[b++];
-    int32_t last = -1;
-    for (int i = b * bs; i < n; i++)
-        if (w[i] > 0.0f) {
-            acc += w[i];
-            last = i;
-            if (target < acc) return i;
-        }
-    for (int i = b * bs - 1; last < 0 && i >= 0; i--) /* rounding left target past the end */
-        if (w[i] > 0.0f) last = i;
-    return last;
+    while (b < nb - 1 && acc + bsum[b] <= r) acc += bsum[b++];
+    for (int i = b * bs; i < n; i++) {
+        acc += mass_of(w[i]);
+        if (r < acc) return i;
+    }
+    return n - 1; /* not reached: r < total */
 }
 
 /* Probabilities are bucketed by the top bits of their float pattern (exponent and 2 mantissa
@@ -345,7 +372,7 @@ static inline uint32_t bucket_of(float f) {
  * (k > 0) or hold less than target of the mass (k == 0), and with bucket b they reach it; 0 when
  * even that falls short. Four interleaved histograms, so that runs of equal buckets do not wait
  * on each other's stores. */
-static int threshold_bucket(const float *w, int V, int k, double target) {
+static int threshold_bucket(const float *w, int V, int k, uint64_t target) {
     int b = N_BUCKETS - 1;
     if (k > 0) {
         int cnt[4][N_BUCKETS];
@@ -357,14 +384,14 @@ static int threshold_bucket(const float *w, int V, int k, double target) {
         for (long c = 0; b > 0; b--)
             if ((c += cnt[0][b] + cnt[1][b] + cnt[2][b] + cnt[3][b]) >= k) break;
     } else {
-        double mass[4][N_BUCKETS];
+        uint64_t mass[4][N_BUCKETS];
         memset(mass, 0, sizeof mass);
         int i = 0;
         for (; i + 4 <= V; i += 4)
-            for (int j = 0; j < 4; j++) mass[j][bucket_of(w[i + j])] += w[i + j];
-        for (; i < V; i++) mass[0][bucket_of(w[i])] += w[i];
-        for (double m = 0; b > 0; b--)
-            if ((m += (mass[0][b] + mass[1][b]) + (mass[2][b] + mass[3][b])) >= target) break;
+            for (int j = 0; j < 4; j++) mass[j][bucket_of(w[i + j])] += mass_of(w[i + j]);
+        for (; i < V; i++) mass[0][bucket_of(w[i])] += mass_of(w[i]);
+        for (uint64_t m = 0; b > 0; b--)
+            if ((m += mass[0][b] + mass[1][b] + mass[2][b] + mass[3][b]) >= target) break;
     }
     return b;
 }
@@ -396,7 +423,21 @@ static int gather(const float *w, int V, int b, int32_t *idx, int *n_above) {
     return na + nb;
 }
 
-/* Draws from softmax(logits / T) restricted by top-k, top-p and min-p. u in [0, 1). */
+/* Zeroes the weight of every id after `last` in the candidate order (logit descending, id
+ * ascending): what is left is a prefix of that order, ending with `last`. */
+static void keep_through(float *w, const float *x, int V, int32_t last) {
+    float xl = x[last];
+#pragma omp simd
+    for (int i = 0; i < V; i++) w[i] = pick((x[i] > xl) | ((x[i] == xl) & (i <= last)), w[i], 0.0f);
+}
+
+/* Draws from softmax(logits / T) restricted by top-k, top-p and min-p. u in [0, 1).
+ *
+ * Exactly (ds_cu_draw_rows computes the same): weights w = exp((x - max) / T) (exp_nonpos, every
+ * float operation as written), masses m = mass_of(w); the candidates are the ids with m > 0 in
+ * the order (logit descending, id ascending). Top-k keeps the first k of them; top-p then keeps the
+ * shortest prefix of those whose mass reaches top_p_goal of theirs; min-p drops ids with
+ * w < min_p; the token is pick_mass over what is left, in id order. */
 static int32_t draw(const float *logits, int V, const ds_sample_params *p, double u,
                     ds_sample_scratch *s) {
     float mx = max_of(logits, V);
@@ -410,46 +451,60 @@ static int32_t draw(const float *logits, int V, const ds_sample_params *p, doubl
     float min_w = p->min_p > 0.0f ? DS_MIN(p->min_p, 1.0f) : 0.0f;
     weigh(w, logits, V, mx, 1.0f / p->temperature);
 
-    if (!top_k && !top_p) {
-        if (min_w > 0.0f) {
-#pragma omp simd
-            for (int i = 0; i < V; i++) w[i] = pick(w[i] >= min_w, w[i], 0.0f);
-        }
-        return pick_dense(w, V, u);
-    }
-
-    int n, na;
-    if (top_k) {
-        n = gather(w, V, threshold_bucket(w, V, top_k, 0), idx, &na);
-        if (n > top_k) {
-            select_prefix(idx + na, n - na, logits, w, top_k - na, 0);
-            n = top_k;
-        }
-        if (top_p) /* the mass renormalises over what top-k kept */
-            n = select_prefix(idx, n, logits, w, 0, (double)p->top_p * sum_at(w, idx, n));
-    } else {
-        double target = (double)p->top_p * sum_of(w, V);
-        n = gather(w, V, threshold_bucket(w, V, 0, target), idx, &na);
-        double above = sum_at(w, idx, na), edge = sum_at(w, idx + na, n - na);
-        if (above < target && above + edge >= target) {
+    if (top_k || top_p) {
+        /* The kept prefix, idx[0..n) in no particular order. Ids with weight but no mass may be
+         * among top-k's; they are never drawn, and every id after them has no mass either. */
+        int n, na;
+        if (top_k) {
+            n = gather(w, V, threshold_bucket(w, V, top_k, 0), idx, &na);
+            if (n > top_k) {
+                select_prefix(idx + na, n - na, logits, w, top_k - na, 0);
+                n = top_k;
+            }
+            if (top_p) /* the mass renormalises over what top-k kept */
+                n = select_prefix(idx, n, logits, w, 0, top_p_goal(p->top_p, sum_at(w, idx, n)));
+        } else {
+            uint64_t target = top_p_goal(p->top_p, mass_sum(w, V));
+            n = gather(w, V, threshold_bucket(w, V, 0, target), idx, &na);
+            uint64_t above = sum_at(w, idx, na); /* exact sums: bucket b is where target falls */
             n = na + select_prefix(idx + na, n - na, logits, w, 0, target - above);
-        } else { /* the histogram's sums rounded to the other side of target */
-            if (above + edge < target) n = gather(w, V, 0, idx, &na);
-            n = select_prefix(idx, n, logits, w, 0, target);
         }
+        int32_t last = idx[0]; /* the prefix's end: the last of idx[0..n) in candidate order */
+        for (int j = 1; j < n; j++)
+            if (before(last, idx[j], logits)) last = idx[j];
+        keep_through(w, logits, V, last);
     }
-    double sum = 0;
-    for (int j = 0; j < n; j++)
-        if (w[idx[j]] >= min_w) sum += w[idx[j]];
-    double target = u * sum, acc = 0;
-    int32_t last = idx[0];
-    for (int j = 0; j < n; j++)
-        if (w[idx[j]] >= min_w) {
-            acc += w[idx[j]];
-            last = idx[j];
-            if (target < acc) return idx[j];
+    if (min_w > 0.0f) {
+#pragma omp simd
+        for (int i = 0; i < V; i++) w[i] = pick(w[i] >= min_w, w[i], 0.0f);
+    }
+    return pick_mass(w, V, u);
+}
+
+/* Penalties over the generated tokens, then the stop ids masked: the logits as they are drawn
+ * from. The GPU applies the same float operations in the same order (ds_cu_draw_rows). */
+static void edit_logits(float *logits, int V, const ds_sample_params *p,
+                        const ds_token_count *counts, int n_counts, const int32_t *mask,
+                        int n_mask) {
+    if (p->presence_penalty != 0 || p->frequency_penalty != 0)
+        for (int i = 0; i < n_counts; i++) {
+            const ds_token_count *c = &counts[i];
+            if (c->id < 0 || c->id >= V) continue;
+            logits[c->id] -= p->frequency_penalty * (float)c->count;
+            logits[c->id] -= p->presence_penalty;
         }
-    return last;
+    for (int i = 0; i < n_mask; i++)
+        if (mask[i] >= 0 && mask[i] < V) logits[mask[i]] = -INFINITY;
+}
+
+int ds_sample_draws_uniform(const ds_sample_params *p) {
+    return p->temperature >= GREEDY_TEMPERATURE;
+}
+
+int32_t ds_sample_row(float *logits, int V, const ds_row_draw *d, ds_sample_scratch *scratch) {
+    edit_logits(logits, V, &d->p, d->counts, d->n_counts, d->mask, d->n_mask);
+    if (!ds_sample_draws_uniform(&d->p)) return ds_argmax(logits, V);
+    return draw(logits, V, &d->p, d->u, scratch);
 }
 
 int32_t ds_sample_token(float *logits, int V, const ds_sample_params *p,
@@ -468,22 +523,15 @@ int32_t ds_sample_token(float *logits, int V, const ds_sample_params *p,
             raw = scratch->raw;
         }
     }
-    if (penalise)
-        for (int i = 0; i < counts->cap; i++) {
-            const ds_token_count *c = &counts->slots[i];
-            if (c->id < 0 || c->id >= V) continue;
-            logits[c->id] -= p->frequency_penalty * (float)c->count;
-            logits[c->id] -= p->presence_penalty;
-        }
-    if (mask)
-        for (int i = 0; i < n_stop_ids; i++)
-            if (stop_ids[i] >= 0 && stop_ids[i] < V) logits[stop_ids[i]] = -INFINITY;
-
-    int32_t tok;
-    if (!(p->temperature >= GREEDY_TEMPERATURE))
-        tok = ds_argmax(logits, V); /* the model's greedy picks are this function too */
-    else
-        tok = draw(logits, V, p, ds_rng_uniform(rng), scratch);
+    /* the table's empty slots (id -1) are skipped like any id outside the vocabulary */
+    ds_row_draw d = {*p,
+                     0,
+                     counts ? counts->slots : NULL,
+                     penalise ? counts->cap : 0,
+                     stop_ids,
+                     mask ? n_stop_ids : 0};
+    if (ds_sample_draws_uniform(p)) d.u = ds_rng_uniform(rng);
+    int32_t tok = ds_sample_row(logits, V, &d, scratch);
     if (lp) lp->logprob = (float)((double)raw[tok] - lse);
     return tok;
 }

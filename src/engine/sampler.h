@@ -88,6 +88,31 @@ int32_t ds_sample_token(float *logits, int V, const ds_sample_params *p,
                         int n_stop_ids, ds_rng *rng, ds_sample_scratch *scratch,
                         ds_logprobs_out *lp, int n_top);
 
+/* One row's sampling as a value: what ds_sample_token does without logprobs, its uniform drawn
+ * by the caller, so that the row can be sampled where its logits are (ds_seq_batch.draws: on a
+ * GPU, without bringing the row to the host). */
+typedef struct ds_row_draw {
+    ds_sample_params p;
+    double u;                     /* [0, 1): read only when ds_sample_draws_uniform(&p) */
+    const ds_token_count *counts; /* [n_counts] penalised ids (distinct; id < 0: skipped) */
+    int n_counts;
+    const int32_t *mask; /* [n_mask] ids set to -inf (stop ids before min_tokens) */
+    int n_mask;
+} ds_row_draw;
+
+/* Does sampling with these parameters draw a uniform (temperature >= 1e-5), or take the argmax? */
+int ds_sample_draws_uniform(const ds_sample_params *p);
+
+/* Samples one token from logits[V] (edited in place) as d describes. ds_sample_token is this with
+ * the counts, stops and uniform of a sequence. The result is defined exactly — integer masses, an
+ * order on the candidates, the draw in id order; see draw() in sampler.c — so that another
+ * backend computing the same definition returns the same token for the same row and uniform. */
+int32_t ds_sample_row(float *logits, int V, const ds_row_draw *d, ds_sample_scratch *scratch);
+
+/* The draw's weights: w[i] = exp((x[i] - mx) * inv_t) within a few ulp, by float operations a
+ * GPU can repeat exactly (no library exp); 0 below exp(-87), for -inf and for NaN. */
+void ds_sample_weights(float *w, const float *x, int n, float mx, float inv_t);
+
 /* Would ds_sample_token return ds_argmax of the logits as they come in, whatever the counts and
  * the RNG hold? Yes for a greedy request with no penalty, nothing masked (allow_stop, or no stop
  * ids) and no logprobs wanted (logprobs < 0): the caller may then take a greedy token found

@@ -341,6 +341,147 @@ static void test_large_vocab(void **state) {
     free(l);
 }
 
+/* ---- the exact definition ------------------------------------------------------------------
+ * ds_sample_row's token is defined exactly (sampler.h), so that a GPU computing the same returns
+ * the same token. The reference below is that definition done the slow way — a full sort of the
+ * candidates, prefix sums in order — against the histogram and quickselect of the sampler, on
+ * rows with many equal logits (ties decided by id), NaN, -inf and uniforms at both ends. */
+
+static uint64_t ref_mass(float w) {
+    return (uint64_t)(int64_t)(w * 0x1p40f);
+}
+
+static int32_t reference_draw(const float *x, int V, const ds_sample_params *p, double u) {
+    float mx = -INFINITY;
+    for (int i = 0; i < V; i++)
+        if (x[i] > mx) mx = x[i];
+    if (!(mx > -INFINITY) || mx == INFINITY || !(p->temperature >= 1e-5f)) return ds_argmax(x, V);
+    float *w = malloc((size_t)V * sizeof *w);
+    ds_sample_weights(w, x, V, mx, 1.0f / p->temperature);
+    int32_t *ids = malloc((size_t)V * sizeof *ids); /* the candidates: ids with mass (no NaN) */
+    int n = 0;
+    for (int i = 0; i < V; i++)
+        if (ref_mass(w[i]) > 0) ids[n++] = i;
+    g_key = x;
+    qsort(ids, (size_t)n, sizeof *ids, cmp_key);
+    if (p->top_k > 0 && p->top_k < n) n = p->top_k;
+    if (p->top_p < 1.0f) {
+        uint64_t kept = 0, acc = 0;
+        for (int j = 0; j < n; j++) kept += ref_mass(w[ids[j]]);
+        uint64_t goal = (uint64_t)((double)p->top_p * (double)kept);
+        if (!goal) goal = 1;
+        int m = 0;
+        while (m < n && acc < goal) acc += ref_mass(w[ids[m++]]);
+        n = m;
+    }
+    char *in = calloc((size_t)V, 1);
+    float min_w = p->min_p > 0 ? DS_MIN(p->min_p, 1.0f) : 0.0f;
+    for (int j = 0; j < n; j++) in[ids[j]] = w[ids[j]] >= min_w;
+    uint64_t S = 0, acc = 0;
+    for (int i = 0; i < V; i++) S += in[i] ? ref_mass(w[i]) : 0;
+    uint64_t r = (uint64_t)(u * (double)S);
+    if (r >= S) r = S - 1;
+    int32_t tok = -1;
+    for (int i = 0; i < V && tok < 0; i++)
+        if (in[i] && r < (acc += ref_mass(w[i]))) tok = i;
+    free(in);
+    free(ids);
+    free(w);
+    return tok;
+}
+
+static void test_row_draw_exact(void **state) {
+    (void)state;
+    enum { V = 6000 };
+    float *x = malloc(V * sizeof(float)), *work = malloc(V * sizeof(float));
+    ds_sample_scratch *s = scratch_for(V);
+    ds_rng rng;
+    ds_rng_seed(&rng, 41);
+    const ds_sample_params cases[] = {
+        params(1.0f, 1.0f, 0, 0.0f),  params(0.8f, 0.9f, 0, 0.0f),   params(1.0f, 0.5f, 0, 0.0f),
+        params(1.3f, 1.0f, 40, 0.0f), params(1.0f, 0.7f, 300, 0.0f), params(0.6f, 0.95f, 0, 0.05f),
+        params(1.0f, 1.0f, 0, 0.3f),  params(2.0f, 0.999f, 7, 0.0f), params(1.0f, 0.0f, 0, 0.0f),
+        params(0.05f, 0.9f, 0, 0.0f),
+    };
+    const double us[] = {0.0, 0.5, 0.999999, 1.0 - 0x1p-53};
+    int n_checked = 0, distinct_tok = 0, last_tok = -1;
+    for (int shape = 0; shape < 6; shape++) {
+        for (int i = 0; i < V; i++) {
+            double z = ds_rng_normal(&rng);
+            /* 0: smooth; 1: logits on a grid of 1/4 (hundreds of ties a value); 2: peaked;
+             * 3: NaN and -inf sprinkled; 4: a few values only; 5: very flat (small spread) */
+            x[i] = shape == 1   ? (float)(floor(z * 4.0) / 4.0)
+                   : shape == 4 ? (float)(i % 5)
+                   : shape == 5 ? (float)(z * 0.01)
+                                : (float)(2.0 * z);
+        }
+        if (shape == 2)
+            for (int j = 0; j < 9; j++) x[(j * 977 + 5) % V] = 9.0f + 0.25f * (float)(j % 3);
+        if (shape == 3)
+            for (int i = 0; i < V; i += 37) x[i] = i % 74 ? NAN : -INFINITY;
+        for (size_t c = 0; c < DS_ARRAY_LEN(cases); c++)
+            for (int k = 0; k < 12; k++) {
+                double u = k < 4 ? us[k] : ds_rng_uniform(&rng);
+                ds_row_draw d = {cases[c], u, NULL, 0, NULL, 0};
+                memcpy(work, x, V * sizeof(float));
+                int32_t got = ds_sample_row(work, V, &d, s),
+                        want = reference_draw(x, V, &cases[c], u);
+                if (got != want)
+                    fail_msg("shape %d case %zu u %.17g: sampler %d, definition %d", shape, c, u,
+                             got, want);
+                n_checked++;
+                distinct_tok += got != last_tok;
+                last_tok = got;
+            }
+    }
+    assert_true(n_checked == 6 * (int)DS_ARRAY_LEN(cases) * 12);
+    assert_true(distinct_tok > n_checked / 4); /* the cases do not all collapse on one token */
+    free(work);
+    free(x);
+    ds_sample_scratch_free(s);
+}
+
+/* The row form with counts and a mask is ds_sample_token's edits: the same token for the same
+ * uniform, and the same edited logits. */
+static void test_row_draw_edits(void **state) {
+    (void)state;
+    enum { V = 500 };
+    float x[V], a[V], b[V];
+    ds_rng rng, r2;
+    ds_rng_seed(&rng, 5);
+    for (int i = 0; i < V; i++) x[i] = (float)ds_rng_normal(&rng);
+    ds_token_counts c = {0};
+    for (int i = 0; i < 40; i++) ds_token_counts_add(&c, (i * 37) % 61);
+    const int32_t stops[] = {3, 17, 17, 499};
+    ds_sample_scratch *s = scratch_for(V);
+    for (int t = 0; t < 3; t++) {
+        ds_sample_params p = params(t == 0 ? 0.0f : 0.9f, t == 2 ? 0.8f : 1.0f, 0, 0.0f);
+        p.presence_penalty = 0.7f;
+        p.frequency_penalty = 0.35f;
+        /* flat compact list of the counts, as the engine hands them to a GPU */
+        ds_token_count flat[64];
+        int n = 0;
+        for (int i = 0; i < c.cap; i++)
+            if (c.slots[i].id >= 0) flat[n++] = c.slots[i];
+        for (int allow = 0; allow < 2; allow++) {
+            ds_rng_seed(&r2, 77 + t);
+            double u = ds_sample_draws_uniform(&p) ? ds_rng_uniform(&r2) : 0;
+            ds_rng_seed(&r2, 77 + t);
+            memcpy(a, x, sizeof x);
+            memcpy(b, x, sizeof x);
+            int32_t want = ds_sample_token(a, V, &p, &c, allow, stops, 4, &r2, s, NULL, 0);
+            ds_row_draw d = {p, u, flat, n, stops, allow ? 0 : 4};
+            int32_t got = ds_sample_row(b, V, &d, s);
+            assert_int_equal(got, want);
+            assert_memory_equal(a, b, sizeof a);
+            if (!allow) assert_true(b[17] == -INFINITY && got != 17);
+            assert_true(b[0] < x[0]); /* id 0 was generated: penalised */
+        }
+    }
+    ds_token_counts_free(&c);
+    ds_sample_scratch_free(s);
+}
+
 /* ---- penalties, stops, logprobs ----------------------------------------------------------------
  */
 
@@ -617,6 +758,8 @@ int main(void) {
         cmocka_unit_test(test_min_p),
         cmocka_unit_test(test_large_vocab_sets),
         cmocka_unit_test(test_large_vocab),
+        cmocka_unit_test(test_row_draw_exact),
+        cmocka_unit_test(test_row_draw_edits),
         cmocka_unit_test(test_token_counts),
         cmocka_unit_test(test_penalties),
         cmocka_unit_test(test_stop_mask),
