@@ -5,7 +5,7 @@
 #include "cli/bench_limits.h"
 #include "base/devmem.h"
 #include "cli/commands.h"
-#include "engine/sampler.h"
+#include "model/sampler.h"
 #include "model/model.h"
 
 #include <omp.h>
@@ -70,8 +70,9 @@ static float *alloc_slots(ds_model *m, size_t n, ds_err *err) {
  * forward per step; returns seconds per step (best of the steps after the first). Each step ends
  * with every sequence's greedy token on the host, picked beside the logits as the server does for
  * greedy requests, or (full_logits) with every row of logits on the host, as a request that
- * samples or wants logprobs needs them. */
-static int run_decode(ds_model *m, int B, int prompt, int steps, int full_logits,
+ * samples or wants logprobs needs them, or (sampled) with every row's token drawn where the
+ * logits are (temperature 1, top-p 0.95), as the server does for a sampled request. */
+static int run_decode(ds_model *m, int B, int prompt, int steps, int full_logits, int sampled,
                       double *sec_per_step, bench_result *res, int slot, ds_err *err) {
     const ds_config *c = ds_model_config(m);
     int ctx = prompt + steps + 1, pages_per = (ctx + BENCH_BLOCK - 1) / BENCH_BLOCK;
@@ -85,7 +86,8 @@ static int run_decode(ds_model *m, int B, int prompt, int steps, int full_logits
     ds_seq_batch *sb = ds_calloc((size_t)B, sizeof *sb, err);
     float *logits = ds_dmem_host_alloc((size_t)B * c->vocab_size * sizeof(float), err); /* [B][V] */
     int32_t *picks = ds_malloc((size_t)B * sizeof(int32_t), err);                       /* [B] */
-    if (!slots || !table || !ids || !sb || !logits || !picks) goto out;
+    ds_row_draw *draws = ds_calloc((size_t)B, sizeof *draws, err);                      /* [B] */
+    if (!slots || !table || !ids || !sb || !logits || !picks || !draws) goto out;
     for (int i = 0; i < B * pages_per; i++) table[i] = i;
     ds_rng rng;
     ds_rng_seed(&rng, 1);
@@ -111,6 +113,12 @@ static int run_decode(ds_model *m, int B, int prompt, int steps, int full_logits
             sb[b].logits = full_logits ? logits + (size_t)b * c->vocab_size : NULL;
             sb[b].argmax = full_logits ? NULL : picks + b;
             sb[b].n_logits = 1;
+            if (sampled) {
+                ds_sample_params_default(&draws[b].p);
+                draws[b].p.top_p = 0.95f;
+                draws[b].u = ds_rng_uniform(&rng);
+                sb[b].draws = draws + b;
+            }
         }
         double t0 = ds_now();
         if (ds_model_forward(m, &pool, sb, B, err)) goto out;
@@ -131,6 +139,7 @@ out:
     free(sb);
     ds_dmem_host_free(logits);
     free(picks);
+    free(draws);
     ds_kv_pool_free(&pool);
     return rc;
 }
@@ -153,8 +162,8 @@ static int run_prompt(ds_model *m, int T, int reps, double *sec, ds_err *err) {
     double best = 1e30;
     for (int r = 0; r < reps; r++) {
         ds_dmem_zero(ds_model_on_device(m), slot, ds_model_slot_floats(m) * sizeof(float));
-        ds_seq_batch sb = {ids,  T,    0,    slot, table, logits, 1,
-                           NULL, NULL, NULL, 0,    NULL,  NULL,   NULL};
+        ds_seq_batch sb = {ids,  T,    0, slot, table, logits, 1,   NULL,
+                           NULL, NULL, 0, NULL, NULL,  NULL,   NULL};
         double t0 = ds_now();
         if (ds_model_forward(m, &pool, &sb, 1, err)) goto out;
         double dt = ds_now() - t0;
@@ -197,7 +206,7 @@ int ds_cmd_bench(int argc, char **argv) {
     const char *model_dir = NULL, *json_path = NULL, *device = "cpu", *load_format = "safetensors";
     const char *batch_list = "1,16";
     int prompt_tokens = 512, steps = 8, reps = 2, batch_invariant = 0, decode_ctx = 32;
-    int enforce_eager = 0, full_logits = 0;
+    int enforce_eager = 0, full_logits = 0, sampled = 0;
     static const char *const FORMATS[] = {"safetensors", "random", NULL};
     ds_arg opts[] = {
         {"model", "m", DS_ARG_STRING, &model_dir, "DIR", "checkpoint folder", .required = 1},
@@ -217,6 +226,9 @@ int ds_cmd_bench(int argc, char **argv) {
         DS_OPT("full-logits", NULL, DS_ARG_BOOL, &full_logits, NULL,
                "decode steps return every row's logits to the host (as sampled requests need) "
                "instead of its greedy token"),
+        DS_OPT("sampled", NULL, DS_ARG_BOOL, &sampled, NULL,
+               "decode steps draw every row's token where the logits are (temperature 1, top-p "
+               "0.95), as for a sampled request"),
         {"load-format", NULL, DS_ARG_STRING, &load_format, "F",
          "safetensors, or random: weights drawn for config.json's shape (no files read; made in "
          "GPU memory on cuda)",
@@ -280,7 +292,7 @@ int ds_cmd_bench(int argc, char **argv) {
     r.prompt_gflops = ds_model_token_flops(m, 0) * prompt_tokens / sec / 1e9;
     for (int i = 0; i < r.n_batches; i++) {
         int B = r.batch[i];
-        if (run_decode(m, B, decode_ctx, steps, full_logits, &sec, &r, i, &err)) goto fail;
+        if (run_decode(m, B, decode_ctx, steps, full_logits, sampled, &sec, &r, i, &err)) goto fail;
         snprintf(title, sizeof title, "decode batch %d", B);
         ds_model_profile_report(m, stderr, title);
         r.decode_ms[i] = sec * 1e3;
@@ -297,7 +309,9 @@ int ds_cmd_bench(int argc, char **argv) {
         printf("limits: device copy %.0f GB/s, cuBLAS BF16 GEMM %.0f TFLOP/s; %s%s%s\n", bw,
                peak / 1e3, enforce_eager ? "eager" : "CUDA graphs",
                batch_invariant ? ", batch-invariant matmuls" : "",
-               full_logits ? ", decode returns full logits" : ", decode returns greedy tokens");
+               full_logits ? ", decode returns full logits"
+               : sampled   ? ", decode draws tokens (T 1, top-p 0.95)"
+                           : ", decode returns greedy tokens");
     else
         printf("limits: read bandwidth %.2f GB/s, FMA peak %.1f GFLOP/s (%d threads)\n", bw, peak,
                threads);

@@ -8,7 +8,7 @@
 #include "dist/comm.h"
 #include "dist/launch.h"
 #include "dist/pipeline.h"
-#include "engine/sampler.h"
+#include "model/sampler.h"
 #include "model/chat.h"
 #include "model/model.h"
 #include "model/tokenizer.h"
@@ -57,7 +57,7 @@ static int feed(ds_model *m, one_seq *s, const int32_t *ids, int n, int pos0, fl
         int is_last = done + len == n;
         ds_seq_batch sb = {ids + done, len,  pos0 + done, s->slot, s->table, is_last ? last : NULL,
                            is_last,    NULL, NULL,        NULL,    0,        NULL,
-                           NULL,       NULL};
+                           NULL,       NULL, NULL};
         if (ds_model_forward(m, &s->pool, &sb, 1, err)) return DS_ERR;
         done += len;
     }
@@ -336,8 +336,8 @@ int ds_cmd_logits(int argc, char **argv) {
     int V = ds_model_config(r.m)->vocab_size;
     if (r.last) logits = ds_malloc((size_t)n * V * sizeof(float), &err);
     if ((r.last && !logits) || one_seq_init(&s, r.m, n, &err)) goto done;
-    ds_seq_batch sb = {ids,  n,    0,    s.slot, s.table, logits, r.last ? n : 0,
-                       NULL, NULL, NULL, 0,      NULL,    NULL,   NULL};
+    ds_seq_batch sb = {ids,  n, 0,    s.slot, s.table, logits, r.last ? n : 0, NULL, NULL,
+                       NULL, 0, NULL, NULL,   NULL,    NULL};
     if (ds_pp_step(r.comm, r.m, &s.pool, &sb, 1, &io, &err)) goto done;
     /* Every TP rank of the last stage holds the same logits (replicated lm_head); one writes. */
     if (r.last && r.comm->tp_rank == 0 && write_npy(out, logits, n, V, &err)) goto done;

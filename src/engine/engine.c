@@ -11,7 +11,7 @@
 #include "cache/prefix.h"
 #include "dist/comm.h"
 #include "dist/pipeline.h"
-#include "engine/sampler.h"
+#include "model/sampler.h"
 #include "engine/scheduler.h"
 #include "engine/textout.h"
 #include "model/chat.h"
@@ -110,10 +110,16 @@ struct ds_engine {
     uint64_t micro;    /* steps launched so far */
     int64_t *deferred; /* [n_deferred] aborts of requests with a step in flight */
     int n_deferred, cap_deferred;
-    ds_seq **preempted;          /* [max_num_seqs] */
-    ds_seq_batch *batch;         /* [max_num_seqs] */
-    float *logits;               /* [max_num_seqs][k+1][V] */
-    int32_t *argmax;             /* [max_num_seqs][k+1] greedy tokens picked beside the logits */
+    ds_seq **preempted;  /* [max_num_seqs] */
+    ds_seq_batch *batch; /* [max_num_seqs] */
+    float *logits;       /* [max_num_seqs][k+1][V] */
+    int32_t *argmax;     /* [max_num_seqs][k+1] greedy tokens picked beside the logits */
+    /* rows the model draws where their logits are (ds_seq_batch.draws), [max_num_seqs][k+1]; their
+     * penalised counts [cap_dcounts] and stop ids [max_num_seqs][DS_MAX_STOP + 1] */
+    ds_row_draw *draws;
+    ds_token_count *dcounts;
+    size_t cap_dcounts;
+    int32_t *dstops;
     ds_sample_scratch **scratch; /* [n_scratch]: one per sampling thread */
     int n_scratch;
 
@@ -531,9 +537,13 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
     /* page-locked when the model is on a GPU: the step downloads its logits here */
     e->logits = ds_dmem_host_alloc((size_t)S * rows * e->V * sizeof(float), err);
     e->argmax = ds_malloc((size_t)S * rows * sizeof(int32_t), err);
+    e->draws = ds_calloc((size_t)S * rows, sizeof *e->draws, err);
+    e->dstops = ds_malloc((size_t)S * (DS_MAX_STOP + 1) * sizeof(int32_t), err);
     e->n_scratch = DS_MAX(1, DS_MIN(omp_get_max_threads(), 16));
     e->scratch = ds_calloc((size_t)e->n_scratch, sizeof *e->scratch, err);
-    if (!e->preempted || !e->batch || !e->logits || !e->argmax || !e->scratch) goto fail;
+    if (!e->preempted || !e->batch || !e->logits || !e->argmax || !e->draws || !e->dstops ||
+        !e->scratch)
+        goto fail;
     for (int t = 0; t < e->n_scratch; t++)
         if (!(e->scratch[t] = ds_sample_scratch_new(e->V, err))) goto fail;
     *out = e;
@@ -863,11 +873,56 @@ static int picks_greedy(const ds_engine *e, const choice *ch) {
                                p->logprobs);
 }
 
-/* Samples a choice's next token from one logits row, or takes the greedy token the model picked
- * for it (row NULL, *pick: see picks_greedy); `ahead` tokens of this step were already chosen (and
- * counted) before it, so min_tokens and penalties see exactly what plain decoding would. Draws
- * from the choice's own RNG. */
-static int32_t choose(ds_engine *e, choice *ch, float *row, const int32_t *pick,
+/* Can the model draw this choice's tokens of the coming step where the logits are
+ * (ds_seq_batch.draws), so that the rows need not come back? Every sampled row can, except where
+ * logprobs are wanted (they read the whole row). */
+static int model_draws(const choice *ch) {
+    return ch->req->spec.params.logprobs < 0;
+}
+
+/* Penalised counts a step's draws of one choice need: each row's table and the drafts before it. */
+static size_t draw_counts_need(const choice *ch, int n_rows) {
+    const ds_request_params *p = &ch->req->spec.params;
+    if (p->presence_penalty == 0 && p->frequency_penalty == 0) return 0;
+    return (size_t)n_rows * ((size_t)ch->counts.n + (size_t)n_rows);
+}
+
+/* Row j of a choice's step, as ds_row_draw: the uniform plain decoding would draw for its token
+ * (the RNG is only peeked: choose moves it as each row is taken), the counts of the tokens
+ * generated before it (the choice's, then the drafts at rows 0..j-1, which are its tokens if row j
+ * is reached at all), and the stop ids masked while min_tokens is not reached. counts: room for
+ * draw_counts_need entries; stops: room for DS_MAX_STOP + 1. */
+static void set_draws(const ds_engine *e, const choice *ch, const int32_t *drafts, int n_rows,
+                      ds_row_draw *d, ds_token_count *counts, int32_t *stops) {
+    const ds_request_params *p = &ch->req->spec.params;
+    ds_sample_params sp = sample_params_of(p);
+    int n_stop = stop_ids_of(e, p, stops), penalise = draw_counts_need(ch, 1) > 0;
+    ds_rng rng = ch->rng;
+    for (int j = 0; j < n_rows; j++) {
+        int allow_stop = ch->n_generated + j >= p->min_tokens, n = 0;
+        d[j] = (ds_row_draw){sp, 0, NULL, 0, stops, allow_stop ? 0 : n_stop};
+        if (ds_sample_draws_uniform(&sp)) d[j].u = ds_rng_uniform(&rng);
+        if (!penalise) continue;
+        for (int i = 0; i < ch->counts.cap; i++)
+            if (ch->counts.slots[i].id >= 0) counts[n++] = ch->counts.slots[i];
+        for (int t = 0; t < j; t++) { /* the drafts before row j, merged: one entry an id */
+            int at = 0;
+            while (at < n && counts[at].id != drafts[t]) at++;
+            if (at == n) counts[n++] = (ds_token_count){drafts[t], 0};
+            counts[at].count++;
+        }
+        d[j].counts = counts;
+        d[j].n_counts = n;
+        counts += n;
+    }
+}
+
+/* Samples a choice's next token from one logits row, or takes the token the model picked for it
+ * (row NULL, *pick): its greedy token (picks_greedy) or its draw (drawn: set_draws, which gave
+ * it this row's uniform; the RNG moves past it here, as ds_sample_token would have moved it).
+ * `ahead` tokens of this step were already chosen (and counted) before it, so min_tokens and
+ * penalties see exactly what plain decoding would. Draws from the choice's own RNG. */
+static int32_t choose(ds_engine *e, choice *ch, float *row, const int32_t *pick, int drawn,
                       ds_sample_scratch *sc, int ahead, ds_logprobs_out *lp) {
     const ds_request_params *p = &ch->req->spec.params;
     int32_t stop_ids[DS_MAX_STOP + 1];
@@ -878,6 +933,7 @@ static int32_t choose(ds_engine *e, choice *ch, float *row, const int32_t *pick,
         row ? ds_sample_token(row, e->V, &sp, &ch->counts, allow_stop, stop_ids, n_stop, &ch->rng,
                               sc, p->logprobs >= 0 ? lp : NULL, p->logprobs > 0 ? p->logprobs : 0)
             : *pick;
+    if (!row && drawn && ds_sample_draws_uniform(&sp)) (void)ds_rng_uniform(&ch->rng);
     ds_token_counts_add(&ch->counts, tok);
     return tok;
 }
@@ -1010,12 +1066,12 @@ static void detach_drafts(ds_engine *e) {
  * so greedy output equals plain decoding. Returns the accepted count a; toks[0..a] are the
  * tokens to deliver (a accepted drafts and the correction or bonus). */
 static int verify(ds_engine *e, choice *ch, ds_sched_item *it, float *rows, const int32_t *picks,
-                  ds_sample_scratch *sc, int32_t *toks, ds_logprobs_out *lps) {
+                  int drawn, ds_sample_scratch *sc, int32_t *toks, ds_logprobs_out *lps) {
     ds_seq *s = it->seq;
     int k = s->n_spec, a = 0;
     for (;;) {
-        toks[a] = choose(e, ch, rows ? rows + (size_t)a * e->V : NULL, picks ? picks + a : NULL, sc,
-                         a, &lps[a]);
+        toks[a] = choose(e, ch, rows ? rows + (size_t)a * e->V : NULL, picks ? picks + a : NULL,
+                         drawn, sc, a, &lps[a]);
         if (a == k || toks[a] != s->tokens[it->pos0 + 1 + a]) break;
         a++;
     }
@@ -1375,23 +1431,48 @@ static void launch(ds_engine *e, inflight *f, int g) {
             e->taps_cap = tap_need;
         }
     }
-    size_t tap_off = 0;
+    /* room for the draws' penalised counts, before any pointer into it is taken */
+    size_t dc_need = 0;
+    for (int i = 0; e->sampler && i < n_items; i++) {
+        ds_seq *s = f->items[i].seq;
+        if (f->items[i].sample) dc_need += draw_counts_need(s->owner, s->n_spec + 1);
+    }
+    int draws_ok = 1; /* without the room, rows come back whole and are sampled here */
+    if (dc_need > e->cap_dcounts) {
+        ds_token_count *dc = realloc(e->dcounts, dc_need * sizeof *dc);
+        if (dc) {
+            e->dcounts = dc;
+            e->cap_dcounts = dc_need;
+        } else {
+            draws_ok = 0;
+        }
+    }
+    size_t tap_off = 0, dc_off = 0;
     for (int i = 0; i < n_items; i++) {
         ds_sched_item *it = &f->items[i];
         ds_seq *s = it->seq;
-        ((choice *)s->owner)->busy = 1;
+        choice *ch = s->owner;
+        ch->busy = 1;
         int verify_rows = s->n_spec ? s->n_spec + 1 : 1;
         int want_logits = it->sample && e->last_stage;
-        /* a greedy choice gets its tokens picked beside the logits, which then stay there */
-        int greedy = want_logits && picks_greedy(e, (choice *)s->owner);
+        /* a greedy choice gets its tokens picked beside the logits, which then stay there; a
+         * sampled one (on the sampling rank) gets them drawn there */
+        int greedy = want_logits && picks_greedy(e, ch);
+        int drawn = want_logits && !greedy && e->sampler && draws_ok && model_draws(ch);
+        if (drawn) {
+            set_draws(e, ch, s->tokens + it->pos0 + 1, verify_rows, e->draws + (size_t)i * rows,
+                      e->dcounts + dc_off, e->dstops + (size_t)i * (DS_MAX_STOP + 1));
+            dc_off += draw_counts_need(ch, verify_rows);
+        }
         e->batch[i] = (ds_seq_batch){
             .tokens = s->tokens + it->pos0,
             .n = it->n,
             .pos0 = it->pos0,
             .slot = ds_slot_data(e->slots, s->slot),
             .block_table = s->block_table,
-            .logits = want_logits && !greedy ? e->logits + (size_t)i * rows * e->V : NULL,
-            .argmax = greedy ? e->argmax + (size_t)i * rows : NULL,
+            .logits = want_logits && !greedy && !drawn ? e->logits + (size_t)i * rows * e->V : NULL,
+            .argmax = greedy || drawn ? e->argmax + (size_t)i * rows : NULL,
+            .draws = drawn ? e->draws + (size_t)i * rows : NULL,
             .n_logits = want_logits ? verify_rows : 0,
             .tap_layers = n_taps ? e->tap_ids : NULL,
             .n_taps = n_taps,
@@ -1451,10 +1532,12 @@ static void launch(ds_engine *e, inflight *f, int g) {
             const int32_t *picks = e->batch[i].argmax; /* the greedy tokens */
             f->va[i] = -1;
             if (!it->sample) continue;
+            int drawn = e->batch[i].draws != NULL;
             if (it->seq->n_spec)
-                f->va[i] = verify(e, ch, it, lg, picks, sc, f->vt[i], f->vlp + (size_t)i * rows);
+                f->va[i] =
+                    verify(e, ch, it, lg, picks, drawn, sc, f->vt[i], f->vlp + (size_t)i * rows);
             else
-                f->vt[i][0] = choose(e, ch, lg, picks, sc, 0, &f->vlp[(size_t)i * rows]);
+                f->vt[i][0] = choose(e, ch, lg, picks, drawn, sc, 0, &f->vlp[(size_t)i * rows]);
         }
         tap_off = 0;
         size_t off = 0;
@@ -1702,6 +1785,9 @@ void ds_engine_free(ds_engine *e) {
     free(e->batch);
     ds_dmem_host_free(e->logits);
     free(e->argmax);
+    free(e->draws);
+    free(e->dcounts);
+    free(e->dstops);
     free(e->aborts);
     ds_pp_bufs_free(&e->ppb);
     ds_draft_free(e->draft_ctx);

@@ -10,6 +10,7 @@
 #include "base/devmem.h"
 
 #include <math.h>
+#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -598,6 +599,9 @@ void ds_model_free(ds_model *m) {
     free(m->owned);
     free(m->layers);
     free(m->scratch);
+    free(m->draw_rows);
+    for (int i = 0; i < m->n_draw_sc; i++) ds_sample_scratch_free(m->draw_sc[i]);
+    free(m->draw_sc);
     if (m->st) ds_st_close(m->st);
     free(m);
 }
@@ -780,28 +784,75 @@ static void embed_tokens(step *s, const int32_t *ids, float *P) {
  * step). The matmul gives each row the same bits whatever else is in its batch. */
 enum { LG_CHUNK = 32 };
 
+int ds_model_draw_space(ds_model *m, ds_err *err) {
+    if (m->draw_sc) return DS_OK;
+    int V = m->cfg.vocab_size, n = omp_get_max_threads();
+    m->draw_rows = ds_malloc((size_t)DS_DRAW_CHUNK * V * sizeof(float), err);
+    ds_sample_scratch **sc = m->draw_rows ? ds_calloc((size_t)n, sizeof *sc, err) : NULL;
+    for (int i = 0; sc && i < n; i++)
+        if (!(sc[i] = ds_sample_scratch_new(V, err))) {
+            for (int j = 0; j < i; j++) ds_sample_scratch_free(sc[j]);
+            free(sc);
+            sc = NULL;
+        }
+    if (!sc) {
+        free(m->draw_rows);
+        m->draw_rows = NULL;
+        return DS_ERR;
+    }
+    m->draw_sc = sc;
+    m->n_draw_sc = n;
+    return DS_OK;
+}
+
+void ds_model_draw_host(ds_model *m, const float *x, size_t stride, int vp, int n,
+                        const ds_row_draw *const *d, int32_t *const *out) {
+    int V = m->cfg.vocab_size;
+    for (int j0 = 0; j0 < n; j0 += DS_DRAW_CHUNK) {
+        int nc = DS_MIN(DS_DRAW_CHUNK, n - j0), nd = 0;
+        for (int j = j0; j < j0 + nc; j++) {
+            if (!d[j]) continue;
+            nd++;
+            float *row = m->draw_rows + (size_t)(j - j0) * V; /* the row whole, to be edited */
+            for (int v0 = 0, t = 0; v0 < V; v0 += vp, t++)
+                memcpy(row + v0, x + (size_t)t * stride + (size_t)j * vp,
+                       (size_t)DS_MIN(vp, V - v0) * sizeof(float));
+        }
+#pragma omp parallel for schedule(dynamic) num_threads(m->n_draw_sc) if (nd > 1)
+        for (int j = j0; j < j0 + nc; j++)
+            if (d[j])
+                *out[j] = ds_sample_row(m->draw_rows + (size_t)(j - j0) * V, V, d[j],
+                                        m->draw_sc[omp_get_thread_num()]);
+    }
+}
+
 /* Writes chunk rows mine[n][vp] (this rank's vocabulary block) to their segments' logits dst[n]
- * [V] and their greedy tokens *am[n] (either NULL where not wanted); vocabulary-parallel, the
- * blocks of every rank are all-gathered first. */
-static void logits_flush(step *s, int n, float *mine, float *all, float **dst, int32_t **am) {
-    const ds_model *m = s->m;
-    int V = m->cfg.vocab_size, Tp = m->tp_size, vp = m->vp;
+ * [V], their greedy tokens or draws *am[n] (either NULL where not wanted; dr[j] non-NULL: drawn);
+ * vocabulary-parallel, the blocks of every rank are all-gathered first. */
+static void logits_flush(step *s, int n, float *mine, float *all, float **dst, int32_t **am,
+                         const ds_row_draw **dr) {
+    ds_model *m = s->m;
+    int V = m->cfg.vocab_size, Tp = m->tp_size, vp = m->vp, nd = 0;
     if (Tp == 1) {
         for (int j = 0; j < n; j++) {
             if (dst[j]) memcpy(dst[j], mine + (size_t)j * vp, (size_t)V * sizeof(float));
-            if (am[j]) *am[j] = ds_argmax(mine + (size_t)j * vp, V);
+            if (am[j] && !dr[j]) *am[j] = ds_argmax(mine + (size_t)j * vp, V);
+            nd += dr[j] != NULL;
         }
+        if (nd) ds_model_draw_host(m, mine, 0, vp, n, dr, am);
         return;
     }
     if (!s->tp_failed && m->opts.allgather(m->opts.allgather_ctx, mine, (size_t)n * vp, all))
         s->tp_failed = 1;
     for (int j = 0; j < n; j++) {
-        if (am[j]) *am[j] = ds_argmax_blocks(all + (size_t)j * vp, (size_t)n * vp, vp, V);
+        if (am[j] && !dr[j]) *am[j] = ds_argmax_blocks(all + (size_t)j * vp, (size_t)n * vp, vp, V);
+        nd += dr[j] != NULL;
         for (int t = 0; dst[j] && t < Tp; t++) {
             int v0 = DS_MIN(V, t * vp), nv = DS_MIN(V, v0 + vp) - v0;
             memcpy(dst[j] + v0, all + ((size_t)t * n + j) * vp, (size_t)nv * sizeof(float));
         }
     }
+    if (nd) ds_model_draw_host(m, all, (size_t)n * vp, vp, n, dr, am);
 }
 
 /* The logits every segment asked for (its last n_logits rows of x [T][D]). Vocabulary-parallel,
@@ -817,6 +868,7 @@ static void compute_logits(step *s, const float *x) {
     if (s->sc.overflow) return;
     float *dst[LG_CHUNK];
     int32_t *am[LG_CHUNK];
+    const ds_row_draw *dr[LG_CHUNK];
     int n = 0;
     for (int q = 0; q < s->n_seq; q++) {
         const ds_seq_batch *sb = &s->seqs[q];
@@ -825,17 +877,18 @@ static void compute_logits(step *s, const float *x) {
             memcpy(xr + (size_t)n * D, x + (size_t)(s->off[q] + sb->n - nl + i) * D,
                    (size_t)D * sizeof(float));
             dst[n] = sb->logits ? sb->logits + (size_t)i * V : NULL;
+            dr[n] = sb->argmax && sb->draws ? sb->draws + i : NULL;
             am[n++] = sb->argmax ? sb->argmax + i : NULL;
             if (n == LG_CHUNK) {
                 ds_matmul(mine, vp, xr, D, n, &m->lm_head);
-                logits_flush(s, n, mine, all, dst, am);
+                logits_flush(s, n, mine, all, dst, am, dr);
                 n = 0;
             }
         }
     }
     if (n) {
         ds_matmul(mine, vp, xr, D, n, &m->lm_head);
-        logits_flush(s, n, mine, all, dst, am);
+        logits_flush(s, n, mine, all, dst, am, dr);
     }
 }
 
@@ -1342,6 +1395,12 @@ int ds_model_forward_stage(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, in
             }
         off[q] = T;
         T += sb->n;
+        /* host draws: on the CPU, and on GPUs of a TP group (the rows are gathered on the host) */
+        if (sb->draws && sb->argmax && sb->n_logits && m->l1 == c->num_hidden_layers &&
+            (m->dev != DS_DEVICE_CUDA || m->tp_size > 1) && ds_model_draw_space(m, err)) {
+            free(off);
+            return DS_ERR;
+        }
     }
     step s = {m, pool, seqs, n_seq, T, off, in, out, {0}, 0};
     if (T == 0) {

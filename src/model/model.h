@@ -16,6 +16,7 @@
 #include "kernels/cpu/kernels.h"
 #include "model/config.h"
 #include "model/safetensors.h"
+#include "model/sampler.h"
 
 /* Where the model runs (issue 9). AUTO: the GPU when this build has the CUDA backend and a device
  * is present, else the CPU. */
@@ -159,6 +160,11 @@ typedef struct ds_seq_batch {
      * what lets greedy decoding at large batches skip downloading and scanning the vocabulary
      * on the host. */
     int32_t *argmax;
+    /* optional [n_logits], with argmax: row i's token is drawn as draws[i] describes
+     * (ds_sample_row: penalties, stops, temperature, top-k/p, min-p, the uniform given) where the
+     * logits are, and argmax[i] receives it instead of the greedy token. On one GPU the row never
+     * comes to the host. logits, if also wanted, are the rows before the draw's edits. */
+    const ds_row_draw *draws;
 } ds_seq_batch;
 
 /* Rows of logits a segment asks for, as logits, argmax or both. */

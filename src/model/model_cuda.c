@@ -135,6 +135,13 @@ typedef struct ds_cuda_model {
     uint64_t graph_replays, graph_failures;
     float *tp_host; /* tensor parallelism: collectives staged through the host, tp_cap floats */
     size_t tp_cap;
+    /* a step's draws (draw_rows): per logits row its draw and token ([n_lg] each, NULL: not
+     * drawn), and for the device the draws' numbers, edits and tokens; *_cap elements each */
+    const ds_row_draw **draw_d;
+    int32_t **draw_out;
+    ds_cu_draw *draw_cu;
+    int32_t *draw_ed, *draw_tok;
+    size_t draw_d_cap, draw_out_cap, draw_cu_cap, draw_ed_cap, draw_tok_cap;
     int32_t *h_i; /* host staging of the two arenas */
     size_t h_icap;
     void **h_p;
@@ -330,6 +337,11 @@ void ds_cuda_model_detach(ds_model *m) {
     free(cm->h_i);
     free(cm->h_p);
     free(cm->tp_host);
+    free(cm->draw_d);
+    free(cm->draw_out);
+    free(cm->draw_cu);
+    free(cm->draw_ed);
+    free(cm->draw_tok);
     free(cm->h_kda);
 #ifdef DS_HAVE_NCCL
     ds_nccl_free(cm->nccl);
@@ -1220,6 +1232,93 @@ static int run_body(cstep *s, int nb, ds_err *err) {
     return DS_OK;
 }
 
+/* ---- draws (ds_seq_batch.draws) --------------------------------------------------------------
+ * On one GPU the rows are drawn where they are (ds_cu_draw_rows: the host's definition, the same
+ * token); a TP group's rows are gathered on the host anyway, and drawn there. */
+
+/* Rows of the step's logits (in segment order) that are drawn: *n of them, their draws d[*n]
+ * and where their tokens go out[*n], in s->draw_* (grown here). */
+static int draw_rows(cstep *s, int *n, ds_err *err) {
+    ds_cuda_model *cm = s->cm;
+    int cnt = 0;
+    for (int q = 0; q < s->n_seq; q++)
+        if (s->seqs[q].draws && s->seqs[q].argmax) cnt += ds_seq_logit_rows(&s->seqs[q]);
+    *n = cnt;
+    if (!cnt) return DS_OK;
+    if (grow_host((void **)&cm->draw_d, &cm->draw_d_cap, (size_t)s->n_lg,
+                  sizeof(const ds_row_draw *), err) ||
+        grow_host((void **)&cm->draw_out, &cm->draw_out_cap, (size_t)s->n_lg, sizeof(int32_t *),
+                  err))
+        return DS_ERR;
+    for (int q = 0, r = 0; q < s->n_seq; q++) {
+        ds_seq_batch *sb = &s->seqs[q];
+        int drawn = sb->draws && sb->argmax;
+        for (int i = 0; i < ds_seq_logit_rows(sb); i++, r++) {
+            cm->draw_d[r] = drawn ? &sb->draws[i] : NULL;
+            cm->draw_out[r] = drawn ? &sb->argmax[i] : NULL;
+        }
+    }
+    return DS_OK;
+}
+
+/* A TP group's gathered rows all [Tp][n_lg][vp] (host): its draws, on the host. */
+static int draw_gathered(cstep *s, const float *all, ds_err *err) {
+    int n;
+    TRY(draw_rows(s, &n, err));
+    if (n)
+        ds_model_draw_host(s->m, all, (size_t)s->n_lg * s->m->vp, s->m->vp, s->n_lg, s->cm->draw_d,
+                           s->cm->draw_out);
+    return DS_OK;
+}
+
+/* One GPU: the step's drawn rows of s->lg, drawn there; 4 bytes a row come back. */
+static int draw_on_device(cstep *s, ds_err *err) {
+    ds_cuda_model *cm = s->cm;
+    const ds_model *m = s->m;
+    int n, V = m->cfg.vocab_size;
+    TRY(draw_rows(s, &n, err));
+    if (!n) return DS_OK;
+    size_t n_edits = 0;
+    for (int r = 0; r < s->n_lg; r++)
+        if (cm->draw_d[r]) n_edits += 2 * (size_t)cm->draw_d[r]->n_counts + cm->draw_d[r]->n_mask;
+    if (grow_host((void **)&cm->draw_cu, &cm->draw_cu_cap, (size_t)n, sizeof(ds_cu_draw), err) ||
+        grow_host((void **)&cm->draw_ed, &cm->draw_ed_cap, DS_MAX(n_edits, 1), sizeof(int32_t),
+                  err) ||
+        grow_host((void **)&cm->draw_tok, &cm->draw_tok_cap, (size_t)n, sizeof(int32_t), err))
+        return DS_ERR;
+    size_t e = 0;
+    for (int r = 0, j = 0; r < s->n_lg; r++) {
+        const ds_row_draw *d = cm->draw_d[r];
+        if (!d) continue;
+        const ds_sample_params *p = &d->p;
+        /* the parameters as sampler.c's draw() reads them */
+        cm->draw_cu[j++] = (ds_cu_draw){
+            .u = d->u,
+            .inv_t = ds_sample_draws_uniform(p) ? 1.0f / p->temperature : 0.0f,
+            .top_p = p->top_p,
+            .min_w = p->min_p > 0.0f ? DS_MIN(p->min_p, 1.0f) : 0.0f,
+            .presence = d->n_counts ? p->presence_penalty : 0.0f,
+            .frequency = d->n_counts ? p->frequency_penalty : 0.0f,
+            .greedy = !ds_sample_draws_uniform(p),
+            .top_k = p->top_k > 0 && p->top_k < V ? p->top_k : 0,
+            .row = r,
+            .edits = (int)e,
+            .n_counts = d->n_counts,
+            .n_mask = d->n_mask,
+        };
+        for (int i = 0; i < d->n_counts; i++) {
+            cm->draw_ed[e++] = d->counts[i].id;
+            cm->draw_ed[e++] = d->counts[i].count;
+        }
+        for (int i = 0; i < d->n_mask; i++) cm->draw_ed[e++] = d->mask[i];
+    }
+    TRY(ds_cu_draw_rows(cm->c, cm->draw_tok, s->lg, (size_t)m->vp, V, cm->draw_cu, n, cm->draw_ed,
+                        e, err));
+    for (int r = 0, j = 0; r < s->n_lg; r++)
+        if (cm->draw_d[r]) *cm->draw_out[r] = cm->draw_tok[j++];
+    return DS_OK;
+}
+
 /* ---- graphs --------------------------------------------------------------------------------
  * A decode or verify step (every segment short, no per-layer downloads) is replayed from a graph
  * captured the second time its shape is seen (the first runs eagerly, growing every buffer the
@@ -1341,10 +1440,11 @@ vocabulary block; all of V on one) */
         float *all = mine + nm;
         if (m->opts.allgather(m->opts.allgather_ctx, mine, nm, all))
             return ds_errf(err, "forward: a tensor-parallel all-gather failed");
+        TRY(draw_gathered(s, all, err));
         for (int q = 0; q < s->n_seq; q++) {
             ds_seq_batch *sb = &s->seqs[q];
             for (int i = 0; i < ds_seq_logit_rows(sb); i++, r++) {
-                if (sb->argmax)
+                if (sb->argmax && !sb->draws)
                     sb->argmax[i] = ds_argmax_blocks(all + (size_t)r * m->vp,
                                                      (size_t)s->n_lg * m->vp, m->vp, V);
                 for (int t = 0; sb->logits && t < m->tp_size; t++) {
@@ -1372,12 +1472,13 @@ vocabulary block; all of V on one) */
                                (size_t)nl * V * sizeof(float), err));
         r += nl;
     }
+    TRY(draw_on_device(s, err)); /* after the downloads: the draws edit the rows in place */
     TRY(ds_cu_sync(cu, err));
     r = 0;
     for (int q = 0; keys && q < s->n_seq; q++) {
         ds_seq_batch *sb = &s->seqs[q];
         int nl = ds_seq_logit_rows(sb);
-        for (int i = 0; sb->argmax && i < nl; i++)
+        for (int i = 0; sb->argmax && !sb->draws && i < nl; i++)
             sb->argmax[i] = ds_cu_argmax_token(keys + (size_t)(r + i) * s->am_parts, s->am_parts);
         r += nl;
     }

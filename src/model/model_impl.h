@@ -80,7 +80,22 @@ struct ds_model {
     struct ds_cuda_model *cu; /* the weights on the GPU and its step buffers, or NULL (CPU) */
     int dev;                  /* DS_DEVICE_CPU or DS_DEVICE_CUDA, decided at load */
     int random;               /* --load-format random: weights drawn, not read */
+    /* host draws (ds_model_draw_host), made at the first step that asks for one */
+    float *draw_rows;            /* [DS_DRAW_CHUNK][V] the rows, whole */
+    ds_sample_scratch **draw_sc; /* [n_draw_sc] one a thread */
+    int n_draw_sc;
 };
+
+enum { DS_DRAW_CHUNK = 32 }; /* rows drawn on the host side by side */
+
+/* Makes the host draws' memory (once). */
+int ds_model_draw_space(ds_model *m, ds_err *err);
+/* Draws n rows on the host (ds_seq_batch.draws): row j's logits are in blocks of vp values (the
+ * last cut at V), block t at x + t * stride + j * vp (one block of V: vp = V). d[j] NULL: not
+ * drawn; otherwise *out[j] receives the token. Rows side by side on the OpenMP threads: each draw
+ * depends only on its row and its own uniform. */
+void ds_model_draw_host(ds_model *m, const float *x, size_t stride, int vp, int n,
+                        const ds_row_draw *const *d, int32_t *const *out);
 
 /* Floats per KDA layer in a state slot, for this rank's m->Hk heads: conv tails [3][W-1][P], then
  * the recurrent state [Hk][dk][dv]. */

@@ -128,8 +128,8 @@ static void reference_stop(const int32_t *prompt, int n_prompt, int max_tokens, 
     if (stop == STOP_EOS) stop = c->eos_token_id;
     *n_out = 0;
     while (*n_out < max_tokens) {
-        ds_seq_batch sb = {seq + pos, len - pos, pos,  slot, table, logits, 1,
-                           NULL,      NULL,      NULL, 0,    NULL,  NULL,   NULL};
+        ds_seq_batch sb = {seq + pos, len - pos, pos, slot, table, logits, 1,   NULL,
+                           NULL,      NULL,      0,   NULL, NULL,  NULL,   NULL};
         if (ds_model_forward(m, &pool, &sb, 1, &err)) fail_msg("%s", err.msg);
         pos = len;
         if (stop >= 0 && *n_out < min_tokens) logits[stop] = -INFINITY;
@@ -434,8 +434,8 @@ static int greedy_drafts(void *ctx, const int32_t *tokens, int n_tokens, int k, 
     int pos = 0, len = n_tokens;
     ds_err err;
     for (int i = 0; i < k; i++) {
-        ds_seq_batch sb = {seq + pos, len - pos, pos,  md->slot, md->table, md->logits, 1,
-                           NULL,      NULL,      NULL, 0,        NULL,      NULL,       NULL};
+        ds_seq_batch sb = {seq + pos, len - pos, pos, md->slot, md->table, md->logits, 1,   NULL,
+                           NULL,      NULL,      0,   NULL,     NULL,      NULL,       NULL};
         if (ds_model_forward(md->m, &md->pool, &sb, 1, &err)) return 0;
         pos = len;
         drafts[i] = seq[len++] = ds_argmax(md->logits, V);
@@ -539,6 +539,86 @@ static void test_spec_sampling_preserves_distribution(void **state) {
     ds_model_free(md.m);
 }
 
+/* A sampled row is drawn where its logits are (ds_seq_batch.draws) unless logprobs are wanted,
+ * when it comes back whole and ds_sample_token samples it here. The two routes must give the same
+ * tokens seed for seed: the draws carry each row's uniform (the RNG peeked, then moved as rows
+ * are taken), its penalties over the tokens before it — in a verify, the drafts of the rows
+ * above too (a step that left them out fails here) — and the stops masked until min_tokens
+ * (verifies crossing min_tokens run here, though on this random model the masked ids hold
+ * little mass at the rows accepted drafts reach, so a mask one row off may go unseen). Each
+ * request runs alone, so both routes see the same forwards and the same logits. */
+static void test_drawn_equals_host_sampled(void **state) {
+    (void)state;
+    enum { NP = 16, MT = 40, SEEDS = 8 };
+    int32_t prompt[NP];
+    prompt_ids(prompt, NP, 71);
+    model_drafts md;
+    ds_err err = {{0}};
+    if (ds_model_load(model_dir(), NULL, &md.m, &err)) fail_msg("%s", err.msg);
+    if (ds_kv_pool_init(&md.pool, md.m, 64, 16, &err)) fail_msg("%s", err.msg);
+    for (int i = 0; i < 64; i++) md.table[i] = i;
+    md.slot = calloc(ds_model_slot_floats(md.m), sizeof(float));
+    md.logits = malloc((size_t)ds_model_config(md.m)->vocab_size * sizeof(float));
+    uint64_t accepted = 0;
+    int stopped = 0;
+    for (int spec = 0; spec < 2; spec++) {
+        ds_engine *e =
+            spec ? start_engine_spec(4, 256, 32u << 20, DS_SPEC_DSPARK, 3, greedy_drafts, &md)
+                 : start_engine(4, 256, 32u << 20);
+        for (int seed = 0; seed < SEEDS; seed++) {
+            /* pass 0 finds likely tokens (no stops); passes 1 and 2 are the two routes with
+             * 16 of them as stop ids, masked until min_tokens (the mask moves every draw's
+             * boundaries, sampled or not): a verify crossing min_tokens masks row by row */
+            collected c[3];
+            for (int pass = 0; pass < 3; pass++) {
+                int route = pass == 2;
+                ds_request_spec rs = {0};
+                rs.prompt = prompt;
+                rs.n_prompt = NP;
+                ds_request_params_default(&rs.params);
+                rs.params.temperature = 0.3f;
+                rs.params.top_p = seed % 2 ? 0.9f : 1.0f;
+                rs.params.min_p = seed == 4 ? 0.02f : 0.0f;
+                rs.params.presence_penalty = 0.6f;
+                rs.params.frequency_penalty = 0.4f;
+                rs.params.min_tokens = 10 + seed;
+                rs.params.ignore_eos = 1;
+                for (int j = 0; pass && j < DS_MAX_STOP && 8 + j < c[0].n[0]; j++)
+                    rs.params.stop_token_ids[rs.params.n_stop_token_ids++] = c[0].tokens[0][8 + j];
+                rs.params.max_tokens = MT;
+                rs.params.logprobs = route ? 0 : -1; /* 0: wanted, so the row comes back */
+                rs.params.has_seed = 1;
+                rs.params.seed = 500 + (uint64_t)seed;
+                rs.on_event = on_event;
+                rs.user = &c[pass];
+                collected_init(&c[pass], 1);
+                int why;
+                if (ds_engine_submit(e, &rs, &why, &err) < 0) fail_msg("%s", err.msg);
+                wait_done(&c[pass]);
+            }
+            if (c[1].n[0] != c[2].n[0] ||
+                memcmp(c[1].tokens[0], c[2].tokens[0], (size_t)c[1].n[0] * sizeof(int32_t)))
+                fail_msg("spec %d seed %d: drawn and host-sampled tokens differ", spec, seed);
+            assert_true(c[1].n[0] >= 10 + seed); /* min_tokens held the stops back */
+            stopped += c[1].n[0] < MT;
+        }
+        if (spec) {
+            ds_engine_stats st;
+            ds_engine_get_stats(e, &st);
+            accepted = st.spec_accepted_tokens;
+        }
+        ds_engine_stop(e, 1.0);
+        ds_engine_free(e);
+    }
+    print_message("drafts accepted: %llu, %d of %d runs stopped\n", (unsigned long long)accepted,
+                  stopped, 2 * SEEDS);
+    assert_true(accepted > 0); /* rows below an accepted draft were drawn */
+    free(md.slot);
+    free(md.logits);
+    ds_kv_pool_free(&md.pool);
+    ds_model_free(md.m);
+}
+
 /* A prompt that cannot fit the context is refused at submit, naming both lengths. */
 static void test_too_long(void **state) {
     (void)state;
@@ -570,6 +650,7 @@ int main(void) {
         cmocka_unit_test(test_greedy_matches_reference_in_batch),
         cmocka_unit_test(test_seeded_sampling),
         cmocka_unit_test(test_greedy_min_tokens),
+        cmocka_unit_test(test_drawn_equals_host_sampled),
         cmocka_unit_test(test_pressure_and_abort),
         cmocka_unit_test(test_too_long),
         cmocka_unit_test(test_spec_greedy_equals_plain),

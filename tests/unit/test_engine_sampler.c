@@ -3,7 +3,7 @@
  * the critical values are the 0.1% tails). */
 #include "testutil.h"
 
-#include "engine/sampler.h"
+#include "model/sampler.h"
 #include "kernels/cpu/kernels.h"
 
 #include <math.h>

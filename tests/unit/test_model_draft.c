@@ -133,7 +133,7 @@ static void run_context(fx *f, ds_draft_cache *c, const int32_t *ids, const int 
         float *taps = malloc((size_t)nt * n * D * sizeof(float)); /* [n_taps][n][D] */
         ds_seq_batch sb = {ids + pos, n,    pos,  slot, f->table, last ? last_logits : NULL,
                            last,      NULL, NULL, NULL, 0,        NULL,
-                           NULL,      NULL};
+                           NULL,      NULL, NULL};
         sb.tap_layers = ds_draft_tap_layers(f->d);
         sb.n_taps = nt;
         sb.taps = taps;

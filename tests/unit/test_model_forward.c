@@ -123,8 +123,8 @@ static void check_golden(int which, const char *golden_rel) {
     float *hidden = malloc((size_t)L * T * D * sizeof(float));
     float *final = malloc((size_t)T * D * sizeof(float));
     float *slot = new_slot(f.m);
-    ds_seq_batch sb = {ids,    T,     0,    slot, f.table, logits, T,
-                       hidden, final, NULL, 0,    NULL,    NULL,   NULL};
+    ds_seq_batch sb = {ids,   T,    0, slot, f.table, logits, T,   hidden,
+                       final, NULL, 0, NULL, NULL,    NULL,   NULL};
     ds_err err = {{0}};
     if (ds_model_forward(f.m, &f.pool, &sb, 1, &err)) fail_msg("%s", err.msg);
     for (int i = 0; i < L; i++) {
@@ -180,7 +180,8 @@ static float *full_logits(fixture *f, const int32_t *ids, int n) {
     int V = ds_model_config(f->m)->vocab_size;
     float *logits = malloc((size_t)n * V * sizeof(float));
     float *slot = new_slot(f->m);
-    ds_seq_batch sb = {ids, n, 0, slot, f->table, logits, n, NULL, NULL, NULL, 0, NULL, NULL, NULL};
+    ds_seq_batch sb = {ids,  n,    0, slot, f->table, logits, n,   NULL,
+                       NULL, NULL, 0, NULL, NULL,     NULL,   NULL};
     ds_err err = {{0}};
     if (ds_model_forward(f->m, &f->pool, &sb, 1, &err)) fail_msg("%s", err.msg);
     free(slot);
@@ -196,7 +197,7 @@ static void stepped_logits(fixture *f, const int32_t *ids, const int *steps, int
         int last = s == n_steps - 1;
         ds_seq_batch sb = {ids + pos, steps[s], pos,  slot, f->table, last ? out : NULL,
                            last,      NULL,     NULL, NULL, 0,        NULL,
-                           NULL,      NULL};
+                           NULL,      NULL,     NULL};
         ds_err err = {{0}};
         if (ds_model_forward(f->m, &f->pool, &sb, 1, &err)) fail_msg("%s", err.msg);
         pos += steps[s];
@@ -262,15 +263,17 @@ static void test_greedy_picks(void **state) {
     int32_t picks[5] = {-1, -1, -1, -1, -1};
     float *sa = new_slot(f.m), *sb_slot = new_slot(f.m);
     ds_err err = {{0}};
-    ds_seq_batch r[2] = {{a, 30, 0, sa, f.table, ref, 3, NULL, NULL, NULL, 0, NULL, NULL, NULL},
-                         {b, 45, 0, sb_slot, f.table + n_pages, ref + (size_t)3 * V, 2, NULL, NULL,
-                          NULL, 0, NULL, NULL, NULL}};
+    ds_seq_batch r[2] = {
+        {a, 30, 0, sa, f.table, ref, 3, NULL, NULL, NULL, 0, NULL, NULL, NULL, NULL},
+        {b, 45, 0, sb_slot, f.table + n_pages, ref + (size_t)3 * V, 2, NULL, NULL, NULL, 0, NULL,
+         NULL, NULL, NULL}};
     if (ds_model_forward(f.m, &f.pool, r, 2, &err)) fail_msg("%s", err.msg);
     memset(sa, 0, ds_model_slot_floats(f.m) * sizeof(float));
     memset(sb_slot, 0, ds_model_slot_floats(f.m) * sizeof(float));
-    ds_seq_batch g[2] = {{a, 30, 0, sa, f.table, got, 3, NULL, NULL, NULL, 0, NULL, NULL, picks},
-                         {b, 45, 0, sb_slot, f.table + n_pages, NULL, 2, NULL, NULL, NULL, 0, NULL,
-                          NULL, picks + 3}};
+    ds_seq_batch g[2] = {
+        {a, 30, 0, sa, f.table, got, 3, NULL, NULL, NULL, 0, NULL, NULL, picks, NULL},
+        {b, 45, 0, sb_slot, f.table + n_pages, NULL, 2, NULL, NULL, NULL, 0, NULL, NULL, picks + 3,
+         NULL}};
     if (ds_model_forward(f.m, &f.pool, g, 2, &err)) fail_msg("%s", err.msg);
     assert_memory_equal(got, ref, (size_t)3 * V * sizeof(float));
     for (int i = 0; i < 5; i++) assert_int_equal(picks[i], ds_argmax(ref + (size_t)i * V, V));
@@ -296,20 +299,22 @@ static void test_batch_invariance(void **state) {
     float *sa = new_slot(f.m), *sb_slot = new_slot(f.m);
     ds_err err = {{0}};
     /* alone: prefill 39, decode 1 */
-    ds_seq_batch s1 = {a, 39, 0, sa, f.table, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL, NULL};
+    ds_seq_batch s1 = {a, 39, 0, sa, f.table, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL, NULL, NULL};
     if (ds_model_forward(f.m, &f.pool, &s1, 1, &err)) fail_msg("%s", err.msg);
-    ds_seq_batch s2 = {a + 39, 1, 39, sa, f.table, alone, 1, NULL, NULL, NULL, 0, NULL, NULL, NULL};
+    ds_seq_batch s2 = {a + 39, 1,    39, sa,   f.table, alone, 1,   NULL,
+                       NULL,   NULL, 0,  NULL, NULL,    NULL,  NULL};
     if (ds_model_forward(f.m, &f.pool, &s2, 1, &err)) fail_msg("%s", err.msg);
     /* batched: same steps, with another sequence's prefill alongside each */
     memset(sa, 0, ds_model_slot_floats(f.m) * sizeof(float));
     ds_seq_batch p1[2] = {
-        {b, 50, 0, sb_slot, f.table + n_pages, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL, NULL},
-        {a, 39, 0, sa, f.table, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL, NULL}};
+        {b, 50, 0, sb_slot, f.table + n_pages, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL, NULL,
+         NULL},
+        {a, 39, 0, sa, f.table, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL, NULL, NULL}};
     if (ds_model_forward(f.m, &f.pool, p1, 2, &err)) fail_msg("%s", err.msg);
     ds_seq_batch p2[2] = {
-        {b + 50, 20, 50, sb_slot, f.table + n_pages, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL,
+        {b + 50, 20, 50, sb_slot, f.table + n_pages, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL, NULL,
          NULL},
-        {a + 39, 1, 39, sa, f.table, batched, 1, NULL, NULL, NULL, 0, NULL, NULL, NULL}};
+        {a + 39, 1, 39, sa, f.table, batched, 1, NULL, NULL, NULL, 0, NULL, NULL, NULL, NULL}};
     if (ds_model_forward(f.m, &f.pool, p2, 2, &err)) fail_msg("%s", err.msg);
     assert_memory_equal(alone, batched, (size_t)V * sizeof(float));
     free(alone);
@@ -337,15 +342,16 @@ static void test_spec_rollback(void **state) {
     int32_t plain[G];
     float *slot = new_slot(f.m);
     ds_err err = {{0}};
-    ds_seq_batch sb = {seq, P, 0, slot, f.table, logits, 1, NULL, NULL, NULL, 0, NULL, NULL, NULL};
+    ds_seq_batch sb = {seq,  P,    0, slot, f.table, logits, 1,   NULL,
+                       NULL, NULL, 0, NULL, NULL,    NULL,   NULL};
     if (ds_model_forward(f.m, &f.pool, &sb, 1, &err)) fail_msg("%s", err.msg);
     int32_t ctx[P + G];
     memcpy(ctx, seq, P * sizeof(int32_t));
     for (int g = 0; g < G; g++) {
         plain[g] = ds_argmax(logits, V);
         ctx[P + g] = plain[g];
-        ds_seq_batch d = {ctx + P + g, 1,    P + g, slot, f.table, logits, 1,
-                          NULL,        NULL, NULL,  0,    NULL,    NULL,   NULL};
+        ds_seq_batch d = {ctx + P + g, 1,    P + g, slot, f.table, logits, 1,   NULL,
+                          NULL,        NULL, 0,     NULL, NULL,    NULL,   NULL};
         if (ds_model_forward(f.m, &f.pool, &d, 1, &err)) fail_msg("%s", err.msg);
     }
     /* speculative: drafts are the true continuation for `want` positions, then wrong tokens */
@@ -367,8 +373,8 @@ static void test_spec_rollback(void **state) {
             int32_t truth = idx < G ? plain[idx] : 0;
             win[i] = i <= want ? truth : (truth + 1 + i) % V;
         }
-        ds_seq_batch v = {win,  K + 1, pos,  slot, f.table, logits, K + 1,
-                          NULL, NULL,  NULL, 0,    NULL,    rows,   NULL};
+        ds_seq_batch v = {win,  K + 1, pos, slot, f.table, logits, K + 1, NULL,
+                          NULL, NULL,  0,   NULL, rows,    NULL,   NULL};
         if (ds_model_forward(f.m, &f.pool, &v, 1, &err)) fail_msg("%s", err.msg);
         int a = 0;
         while (a < K && win[a + 1] == ds_argmax(logits + (size_t)a * V, V)) a++;
@@ -395,7 +401,8 @@ static void test_bad_tokens(void **state) {
     open_model(&f, 1, NULL);
     float *slot = new_slot(f.m);
     int32_t ids[2] = {5, 1 << 20};
-    ds_seq_batch sb = {ids, 2, 0, slot, f.table, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL, NULL};
+    ds_seq_batch sb = {ids,  2,    0, slot, f.table, NULL, 0,   NULL,
+                       NULL, NULL, 0, NULL, NULL,    NULL, NULL};
     ds_err err = {{0}};
     assert_int_equal(ds_model_forward(f.m, &f.pool, &sb, 1, &err), DS_ERR);
     assert_non_null(strstr(err.msg, "1048576"));
@@ -413,7 +420,8 @@ static void last_logits(const char *dir, const ds_model_opts *opts, float *out, 
     int32_t table[4] = {2, 0, 3, 1};
     float *slot = new_slot(f.m);
     int32_t ids[12] = {1, 5, 9, 100, 7, 7, 300, 2, 11, 64, 65, 800};
-    ds_seq_batch sb = {ids, 12, 0, slot, table, out, 1, NULL, NULL, NULL, 0, NULL, NULL, NULL};
+    ds_seq_batch sb = {ids,  12,   0, slot, table, out,  1,   NULL,
+                       NULL, NULL, 0, NULL, NULL,  NULL, NULL};
     if (ds_model_forward(f.m, &f.pool, &sb, 1, err)) fail_msg("%s", err->msg);
     free(slot);
     ds_kv_pool_free(&f.pool);

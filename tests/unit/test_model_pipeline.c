@@ -69,7 +69,7 @@ static float *run_split(const char *dir, const int *cuts, int n_cuts, const int3
             ds_seq_batch sb = {
                 ids + pos, steps[s], pos,  st[i].slot, table, last ? out + (size_t)s * V : NULL,
                 last,      NULL,     NULL, NULL,       0,     NULL,
-                NULL,      NULL};
+                NULL,      NULL,     NULL};
             const ds_stage_io *in = i ? &io[(i - 1) % 2] : NULL;
             ds_stage_io *o = last ? NULL : &io[i % 2];
             if (ds_model_forward_stage(st[i].m, &st[i].pool, &sb, 1, in, o, &err))

@@ -124,7 +124,8 @@ static void *run_rank(void *arg) {
                            0,
                            NULL,
                            NULL,
-                           k->picks + s};
+                           k->picks + s,
+                           NULL};
         if (ds_model_forward(m, &pool, &sb, 1, &err))
             snprintf(k->err, sizeof k->err, "%s", err.msg);
     }

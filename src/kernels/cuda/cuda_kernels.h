@@ -318,6 +318,27 @@ static inline int32_t ds_cu_argmax_token(const uint64_t *keys, int parts) {
     return best ? (int32_t) ~(uint32_t)best : 0; /* a row of NaN: 0, as ds_argmax */
 }
 
+/* One row's sampling, as ds_row_draw (model/sampler.h) turned into numbers: */
+typedef struct ds_cu_draw {
+    double u;       /* the uniform, [0, 1) */
+    float inv_t;    /* 1.0f / temperature, computed as sampler.c does */
+    float top_p;    /* >= 1: off */
+    float min_w;    /* min_p clamped to [0, 1]; 0: off */
+    float presence; /* penalties */
+    float frequency;
+    int greedy; /* the argmax of the edited row, no draw */
+    int top_k;  /* 0: off (< V) */
+    int row;    /* the row of x */
+    int edits;  /* offset in edits: n_counts (id, count) pairs, then n_mask ids */
+    int n_counts, n_mask;
+} ds_cu_draw;
+
+/* tokens[n] (host) = ds_sample_row of rows d[i].row of x [.][ld] (device; edited in place) — the
+ * same token for the same row and uniform. d[n] and edits[n_edits] are host memory. Synchronises.
+ */
+int ds_cu_draw_rows(ds_cu *c, int32_t *tokens, float *x, size_t ld, int V, const ds_cu_draw *d,
+                    int n, const int32_t *edits, size_t n_edits, ds_err *err);
+
 /* The ceilings figures are reported against, measured now: the device-to-device copy rate
  * (GB/s, read + written) and cuBLAS's BF16 GEMM rate (TFLOP/s). */
 int ds_cu_measure_limits(ds_cu *c, double *copy_gbs, double *gemm_tflops, ds_err *err);

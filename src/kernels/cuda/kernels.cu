@@ -64,6 +64,8 @@ struct ds_cu {
     size_t xb_side_bytes;
     cudaEvent_t ev_fork, ev_join;
     int side_on, on_side, side_pending;
+    void *drawb; /* ds_cu_draw_rows' draws, edits, weights and tokens, drawb_bytes allocated */
+    size_t drawb_bytes;
 };
 
 /* Programmatic dependent launch (sm_90): every kernel is launched allowed to start while the one
@@ -256,6 +258,7 @@ extern "C" void ds_cu_free(ds_cu *c) {
     cudaFree(c->part);
     cudaFree(c->blas_ws);
     cudaFree(c->moeg);
+    cudaFree(c->drawb);
     cudaFree(c->mlag);
     cudaFree(c->kdac);
     free(c->h_kda);
@@ -3208,6 +3211,268 @@ extern "C" void ds_cu_argmax_rows(ds_cu *c, uint64_t *keys, const float *x, int 
     launch_k(c, argmax_k, dim3((unsigned)parts, (unsigned)rows), ARGMAX_THREADS, 0,
              (unsigned long long *)keys, x, V, part_len);
     note_launch(c);
+}
+
+/* ---- sampling ------------------------------------------------------------------------------
+ * ds_sample_row's definition (engine/sampler.c, draw()) computed by one block of DRAW_THREADS a
+ * row: the same float operations for the edits and the weights (every one rounded as written:
+ * no contraction into FMAs), integer masses, so every sum is exact and no order of adding
+ * changes a bit. The kept prefix of the candidate order (logit descending, id ascending) is
+ * found by radix selection over the logits' ordered bits, a byte a pass (counts for top-k,
+ * masses for top-p), and the ties at the boundary in id order; the draw is the first id, in id
+ * order, whose prefix mass passes floor(u * S). The weights are stored once and re-read. */
+enum { DRAW_THREADS = 1024, DRAW_WARPS = DRAW_THREADS / 32 };
+
+/* engine/sampler.c's exp_nonpos, operation for operation */
+__device__ __forceinline__ float draw_exp(float x) {
+    const bool ok = x >= -87.0f;
+    const float xc = ok ? x : -87.0f;
+    const float n = __fsub_rn(__fadd_rn(__fmul_rn(xc, 1.44269504f), 12582912.0f), 12582912.0f);
+    const float r =
+        __fsub_rn(__fsub_rn(xc, __fmul_rn(n, 0.693145751953125f)), __fmul_rn(n, 1.42860677e-6f));
+    float p = 1.0f / 5040;
+    p = __fadd_rn(__fmul_rn(p, r), 1.0f / 720);
+    p = __fadd_rn(__fmul_rn(p, r), 1.0f / 120);
+    p = __fadd_rn(__fmul_rn(p, r), 1.0f / 24);
+    p = __fadd_rn(__fmul_rn(p, r), 1.0f / 6);
+    p = __fadd_rn(__fmul_rn(p, r), 0.5f);
+    p = __fadd_rn(__fmul_rn(p, r), 1.0f);
+    p = __fadd_rn(__fmul_rn(p, r), 1.0f);
+    const float scale = __int_as_float(((int)n + 127) << 23);
+    return ok ? __fmul_rn(p, scale) : 0.0f;
+}
+
+__device__ __forceinline__ unsigned long long draw_mass(float w) {
+    return (unsigned long long)__float2ll_rz(__fmul_rn(w, 0x1p40f)); /* sampler.c's mass_of */
+}
+
+/* a logit's place in the candidate order: larger first; -0 and +0 equal (candidates hold no NaN) */
+__device__ __forceinline__ unsigned draw_key(float v) {
+    if (v == 0.0f) v = 0.0f;
+    const unsigned u = __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+struct draw_bound { /* ids up to here in the candidate order: key > k, or key == k and id <= id */
+    unsigned k;
+    int id;
+    bool on;
+};
+__device__ __forceinline__ bool draw_within(const draw_bound &b, unsigned key, int i) {
+    return !b.on || key > b.k || (key == b.k && i <= b.id);
+}
+
+__device__ unsigned long long draw_block_sum(unsigned long long v, unsigned long long *red) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    unsigned long long t = 0;
+    for (int w = 0; w < DRAW_WARPS; w++) t += red[w]; /* a fixed order (exact anyway) */
+    return t;
+}
+
+/* What an element adds in a pass: MODE 0 a count, 1 its mass (both only for candidates inside
+ * `lim` whose key matches `pre` under `pmask`), 2 its mass when also w >= min_w (the draw). */
+template <int MODE>
+__device__ __forceinline__ unsigned long long draw_value(const float *x, const float *w, int i,
+                                                         const draw_bound &lim, unsigned pre,
+                                                         unsigned pmask, float min_w) {
+    const float wi = w[i];
+    const unsigned long long m = draw_mass(wi);
+    if (!m) return 0;
+    const unsigned key = draw_key(x[i]);
+    if ((key & pmask) != pre || !draw_within(lim, key, i)) return 0;
+    if (MODE == 2 && !(wi >= min_w)) return 0;
+    return MODE == 0 ? 1ull : m;
+}
+
+/* The first id, in id order, whose inclusive prefix of draw_value passes r (r < the row's total).
+ * Warp w holds ids [w * span, (w + 1) * span), read 32 at a time. */
+template <int MODE>
+__device__ int draw_find(const float *x, const float *w, int V, const draw_bound &lim, unsigned pre,
+                         unsigned pmask, float min_w, unsigned long long r, unsigned long long *red,
+                         int *found) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int span = ((V + DRAW_WARPS - 1) / DRAW_WARPS + 31) & ~31;
+    const int i0 = wid * span, i1 = min(V, i0 + span);
+    unsigned long long tot = 0;
+    for (int i = i0 + lane; i < i1; i += 32)
+        tot += draw_value<MODE>(x, w, i, lim, pre, pmask, min_w);
+    for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
+    __syncthreads();
+    if (lane == 0) red[wid] = tot;
+    if (threadIdx.x == 0) *found = -1;
+    __syncthreads();
+    unsigned long long acc = 0;
+    for (int v = 0; v < wid; v++) acc += red[v];
+    if (r >= acc && r < acc + tot) { /* this warp holds it: walk its ids 32 at a time */
+        for (int b = i0; b < i1; b += 32) {
+            const int i = b + lane;
+            unsigned long long v = i < i1 ? draw_value<MODE>(x, w, i, lim, pre, pmask, min_w) : 0;
+            for (int o = 1; o < 32; o <<= 1) { /* inclusive scan over the lanes */
+                const unsigned long long t = __shfl_up_sync(0xffffffffu, v, o);
+                if (lane >= o) v += t;
+            }
+            const unsigned hit = __ballot_sync(0xffffffffu, acc + v > r);
+            if (hit) {
+                if (lane == 0) *found = b + __ffs(hit) - 1;
+                break;
+            }
+            acc += __shfl_sync(0xffffffffu, v, 31);
+        }
+    }
+    __syncthreads();
+    return *found;
+}
+
+/* Radix selection: the key of the element where the running total (in the candidate order, over
+ * candidates within lim) first reaches goal — counts (MODE 0) or masses (1). On return *goal is
+ * what is still to reach among the elements of that key, in id order. */
+template <int MODE>
+__device__ unsigned draw_select(const float *x, const float *w, int V, const draw_bound &lim,
+                                unsigned long long *goal, unsigned long long *hist,
+                                unsigned long long *red) {
+    unsigned pre = 0, pmask = 0;
+    const int lane = threadIdx.x & 31;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += DRAW_THREADS) hist[b] = 0;
+        __syncthreads();
+        for (int base = 0; base < V; base += DRAW_THREADS) {
+            const int i = base + threadIdx.x;
+            unsigned long long v = i < V ? draw_value<MODE>(x, w, i, lim, pre, pmask, 0.0f) : 0ull;
+            const unsigned bin = i < V ? (draw_key(x[i]) >> shift) & 255u : 0u;
+            const unsigned live = __ballot_sync(0xffffffffu, v != 0);
+            if (v) { /* lanes of one bin add together: most of a row shares its top bytes */
+                const unsigned peers = __match_any_sync(live, bin);
+                unsigned long long sum;
+                if (MODE == 0) {
+                    sum = __popc(peers);
+                } else { /* masses < 2^41: two 21-bit halves, 32 of which fit in 32 bits */
+                    const unsigned lo = __reduce_add_sync(peers, (unsigned)(v & 0x1fffffu));
+                    const unsigned hi = __reduce_add_sync(peers, (unsigned)(v >> 21));
+                    sum = ((unsigned long long)hi << 21) + lo;
+                }
+                if (lane == __ffs(peers) - 1) atomicAdd(&hist[bin], sum);
+            }
+        }
+        __syncthreads();
+        /* the bin where the goal is reached, from the largest keys down (every thread alike) */
+        unsigned long long acc = 0;
+        int b = 255;
+        for (; b > 0 && acc + hist[b] < *goal; b--) acc += hist[b];
+        __syncthreads(); /* everyone has read hist before the next pass clears it */
+        *goal -= acc;
+        pre |= (unsigned)b << shift;
+        pmask |= 255u << shift;
+    }
+    (void)red;
+    return pre;
+}
+
+__global__ void __launch_bounds__(DRAW_THREADS, 1)
+    draw_k(int *tokens, float *x, size_t ld, int V, const ds_cu_draw *draws, const int *edits,
+           float *wbuf) {
+    PDL_ENTRY();
+    __shared__ unsigned long long hist[256], red[DRAW_WARPS];
+    __shared__ int found;
+    const ds_cu_draw d = draws[blockIdx.x];
+    float *xr = x + (size_t)d.row * ld;
+    float *w = wbuf + (size_t)blockIdx.x * V;
+    /* the edits: penalties, then the stops masked (sampler.c's edit_logits) */
+    const int *cnt = edits + d.edits, *mask = cnt + 2 * d.n_counts;
+    if (d.presence != 0.0f || d.frequency != 0.0f)
+        for (int j = threadIdx.x; j < d.n_counts; j += DRAW_THREADS) {
+            const int id = cnt[2 * j], c = cnt[2 * j + 1];
+            if (id < 0 || id >= V) continue;
+            float v = __fsub_rn(xr[id], __fmul_rn(d.frequency, (float)c));
+            xr[id] = __fsub_rn(v, d.presence);
+        }
+    __syncthreads();
+    for (int j = threadIdx.x; j < d.n_mask; j += DRAW_THREADS)
+        if (mask[j] >= 0 && mask[j] < V) xr[mask[j]] = -INFINITY;
+    __syncthreads();
+    /* the maximum and the argmax (ds_argmax: the lowest id among the largest, NaN ignored) */
+    float mx = -INFINITY;
+    unsigned long long best = 0;
+    for (int i = threadIdx.x; i < V; i += DRAW_THREADS) {
+        const float v = xr[i];
+        mx = fmaxf(mx, v);
+        best = max(best, argmax_key(v, i));
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
+    }
+    __shared__ float mxs[DRAW_WARPS];
+    if ((threadIdx.x & 31) == 0) {
+        mxs[threadIdx.x >> 5] = mx;
+        red[threadIdx.x >> 5] = best;
+    }
+    __syncthreads();
+    for (int v = 0; v < DRAW_WARPS; v++) {
+        mx = fmaxf(mx, mxs[v]);
+        best = max(best, red[v]);
+    }
+    if (d.greedy || !(mx > -INFINITY) || mx == INFINITY) {
+        if (threadIdx.x == 0) tokens[blockIdx.x] = best ? (int)~(unsigned)best : 0;
+        return;
+    }
+    for (int i = threadIdx.x; i < V; i += DRAW_THREADS)
+        w[i] = draw_exp(__fmul_rn(__fsub_rn(xr[i], mx), d.inv_t));
+    __syncthreads();
+    draw_bound lim = {0u, 0, false};
+    if (d.top_k > 0) {
+        unsigned long long n = 0; /* candidates: top-k binds only when there are more than k */
+        for (int i = threadIdx.x; i < V; i += DRAW_THREADS) n += draw_mass(w[i]) != 0;
+        n = draw_block_sum(n, red);
+        if (n > (unsigned long long)d.top_k) {
+            unsigned long long goal = (unsigned long long)d.top_k;
+            const unsigned k = draw_select<0>(xr, w, V, lim, &goal, hist, red);
+            const int id = draw_find<0>(xr, w, V, lim, k, 0xffffffffu, 0.0f, goal - 1, red, &found);
+            lim = {k, id, true};
+        }
+    }
+    if (d.top_p < 1.0f) {
+        unsigned long long kept = 0;
+        for (int i = threadIdx.x; i < V; i += DRAW_THREADS)
+            kept += draw_value<1>(xr, w, i, lim, 0u, 0u, 0.0f);
+        kept = draw_block_sum(kept, red);
+        unsigned long long goal =
+            (unsigned long long)__double2ll_rz(__dmul_rn((double)d.top_p, __ull2double_rn(kept)));
+        if (!goal) goal = 1;
+        const unsigned k = draw_select<1>(xr, w, V, lim, &goal, hist, red);
+        const int id = draw_find<1>(xr, w, V, lim, k, 0xffffffffu, 0.0f, goal - 1, red, &found);
+        lim = {k, id, true};
+    }
+    unsigned long long S = 0;
+    for (int i = threadIdx.x; i < V; i += DRAW_THREADS)
+        S += draw_value<2>(xr, w, i, lim, 0u, 0u, d.min_w);
+    S = draw_block_sum(S, red);
+    unsigned long long r = (unsigned long long)__double2ll_rz(__dmul_rn(d.u, __ull2double_rn(S)));
+    if (r >= S) r = S - 1;
+    const int tok = draw_find<2>(xr, w, V, lim, 0u, 0u, d.min_w, r, red, &found);
+    if (threadIdx.x == 0) tokens[blockIdx.x] = tok;
+}
+
+extern "C" int ds_cu_draw_rows(ds_cu *c, int32_t *tokens, float *x, size_t ld, int V,
+                               const ds_cu_draw *d, int n, const int32_t *edits, size_t n_edits,
+                               ds_err *err) {
+    if (n <= 0) return DS_OK;
+    void *b[4];
+    const size_t sz[4] = {(size_t)n * sizeof *d, DS_MAX(n_edits, (size_t)1) * sizeof *edits,
+                          (size_t)n * V * sizeof(float), (size_t)n * sizeof(int32_t)};
+    if (carve_scratch(&c->drawb, &c->drawb_bytes, sz, b, 4, "draw scratch", err)) return DS_ERR;
+    CU_TRY(cudaMemcpyAsync(b[0], d, sz[0], cudaMemcpyHostToDevice, c->stream), "draws up");
+    if (n_edits)
+        CU_TRY(cudaMemcpyAsync(b[1], edits, n_edits * sizeof *edits, cudaMemcpyHostToDevice,
+                               c->stream),
+               "draw edits up");
+    launch_k(c, draw_k, dim3((unsigned)n), DRAW_THREADS, 0, (int *)b[3], x, ld, V,
+             (const ds_cu_draw *)b[0], (const int *)b[1], (float *)b[2]);
+    CU_TRY(cudaGetLastError(), "draw");
+    CU_TRY(cudaMemcpyAsync(tokens, b[3], sz[3], cudaMemcpyDeviceToHost, c->stream), "tokens down");
+    return ds_cu_sync(c, err);
 }
 
 /* ---- KDA recurrence ---------------------------------------------------------------------------

@@ -2,7 +2,7 @@
  *
  * The order of a candidate is (logit descending, id ascending): a strict total order, so top-k,
  * top-p and greedy never depend on how ties happen to fall in memory. */
-#include "engine/sampler.h"
+#include "model/sampler.h"
 
 #include "kernels/cpu/kernels.h"
 
