@@ -3262,112 +3262,169 @@ __device__ __forceinline__ bool draw_within(const draw_bound &b, unsigned key, i
     return !b.on || key > b.k || (key == b.k && i <= b.id);
 }
 
+/* v summed over the block (every thread gets it). */
 __device__ unsigned long long draw_block_sum(unsigned long long v, unsigned long long *red) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     __syncthreads();
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
     __syncthreads();
     unsigned long long t = 0;
-    for (int w = 0; w < DRAW_WARPS; w++) t += red[w]; /* a fixed order (exact anyway) */
+    for (int w = 0; w < DRAW_WARPS; w++) t += red[w]; /* exact: the order is immaterial */
     return t;
 }
 
-/* What an element adds in a pass: MODE 0 a count, 1 its mass (both only for candidates inside
- * `lim` whose key matches `pre` under `pmask`), 2 its mass when also w >= min_w (the draw). */
+/* What element i (logit xi, weight wi) adds in a pass: MODE 0 a count, 1 its mass (both only for
+ * candidates inside lim whose key matches pre under pmask), 2 its mass when also wi >= min_w. */
 template <int MODE>
-__device__ __forceinline__ unsigned long long draw_value(const float *x, const float *w, int i,
-                                                         const draw_bound &lim, unsigned pre,
-                                                         unsigned pmask, float min_w) {
-    const float wi = w[i];
+__device__ __forceinline__ unsigned long long draw_val(float xi, float wi, int i,
+                                                       const draw_bound &lim, unsigned pre,
+                                                       unsigned pmask, float min_w) {
     const unsigned long long m = draw_mass(wi);
     if (!m) return 0;
-    const unsigned key = draw_key(x[i]);
+    const unsigned key = draw_key(xi);
     if ((key & pmask) != pre || !draw_within(lim, key, i)) return 0;
     if (MODE == 2 && !(wi >= min_w)) return 0;
     return MODE == 0 ? 1ull : m;
 }
 
-/* The first id, in id order, whose inclusive prefix of draw_value passes r (r < the row's total).
- * Warp w holds ids [w * span, (w + 1) * span), read 32 at a time. */
+/* The elements a thread takes in order for draw_find: a contiguous run of `per` ids (a multiple
+ * of 4 when V is, so that the run is read as float4). */
+__device__ __forceinline__ int draw_per(int V) {
+    const int per = (V + DRAW_THREADS - 1) / DRAW_THREADS;
+    return (V & 3) ? per : (per + 3) & ~3;
+}
+
+/* The first id, in id order, whose inclusive prefix of draw_val passes r (r < the row's total):
+ * each thread sums its run, a block scan of the runs finds the thread that holds r, and that
+ * thread walks its run. Loads are independent of the sums, so they stay in flight. */
 template <int MODE>
 __device__ int draw_find(const float *x, const float *w, int V, const draw_bound &lim, unsigned pre,
                          unsigned pmask, float min_w, unsigned long long r, unsigned long long *red,
                          int *found) {
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    const int span = ((V + DRAW_WARPS - 1) / DRAW_WARPS + 31) & ~31;
-    const int i0 = wid * span, i1 = min(V, i0 + span);
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, per = draw_per(V);
+    const int i0 = min(V, threadIdx.x * per), i1 = min(V, i0 + per);
     unsigned long long tot = 0;
-    for (int i = i0 + lane; i < i1; i += 32)
-        tot += draw_value<MODE>(x, w, i, lim, pre, pmask, min_w);
-    for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
+    if (!(V & 3)) {
+        const float4 *x4 = (const float4 *)x, *w4 = (const float4 *)w;
+#pragma unroll 4
+        for (int j = i0 >> 2; j < i1 >> 2; j++) {
+            const float4 a = x4[j], b = w4[j];
+            const int i = 4 * j;
+            tot += draw_val<MODE>(a.x, b.x, i, lim, pre, pmask, min_w) +
+                   draw_val<MODE>(a.y, b.y, i + 1, lim, pre, pmask, min_w) +
+                   draw_val<MODE>(a.z, b.z, i + 2, lim, pre, pmask, min_w) +
+                   draw_val<MODE>(a.w, b.w, i + 3, lim, pre, pmask, min_w);
+        }
+    } else {
+#pragma unroll 4
+        for (int i = i0; i < i1; i++) tot += draw_val<MODE>(x[i], w[i], i, lim, pre, pmask, min_w);
+    }
+    unsigned long long inc = tot; /* inclusive scan over the warp, then the warps before */
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long t = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += t;
+    }
     __syncthreads();
-    if (lane == 0) red[wid] = tot;
+    if (lane == 31) red[wid] = inc;
     if (threadIdx.x == 0) *found = -1;
     __syncthreads();
-    unsigned long long acc = 0;
+    unsigned long long acc = inc - tot;
     for (int v = 0; v < wid; v++) acc += red[v];
-    if (r >= acc && r < acc + tot) { /* this warp holds it: walk its ids 32 at a time */
-        for (int b = i0; b < i1; b += 32) {
-            const int i = b + lane;
-            unsigned long long v = i < i1 ? draw_value<MODE>(x, w, i, lim, pre, pmask, min_w) : 0;
-            for (int o = 1; o < 32; o <<= 1) { /* inclusive scan over the lanes */
-                const unsigned long long t = __shfl_up_sync(0xffffffffu, v, o);
-                if (lane >= o) v += t;
-            }
-            const unsigned hit = __ballot_sync(0xffffffffu, acc + v > r);
-            if (hit) {
-                if (lane == 0) *found = b + __ffs(hit) - 1;
+    if (tot && r >= acc && r < acc + tot) /* this thread holds it */
+        for (int i = i0; i < i1; i++) {
+            acc += draw_val<MODE>(x[i], w[i], i, lim, pre, pmask, min_w);
+            if (r < acc) {
+                *found = i;
                 break;
             }
-            acc += __shfl_sync(0xffffffffu, v, 31);
         }
-    }
     __syncthreads();
     return *found;
 }
 
+/* A logit's coarse bin for draw_select: 256 bins over the candidates' span of logits (a weight
+ * of at least 2^-40 is (x - max) / T >= -27.73), in the candidate order — monotone in the key,
+ * equal logits in one bin. Only a guide: the exact key decides within the bin. */
+__device__ __forceinline__ unsigned draw_cbin(float xi, float mx, float scale) {
+    const float d = __fmul_rn(__fsub_rn(mx, xi), scale);
+    return d < 255.0f ? (unsigned)d : 255u;
+}
+
 /* Radix selection: the key of the element where the running total (in the candidate order, over
  * candidates within lim) first reaches goal — counts (MODE 0) or masses (1). On return *goal is
- * what is still to reach among the elements of that key, in id order. */
+ * what is still to reach among the elements of that key, in id order. A first pass over coarse
+ * bins of the logits' span (spread, so shared atomics rarely collide) picks a bin; four passes
+ * over the key's bytes, counting only that bin's elements, pick the key. */
 template <int MODE>
 __device__ unsigned draw_select(const float *x, const float *w, int V, const draw_bound &lim,
-                                unsigned long long *goal, unsigned long long *hist,
-                                unsigned long long *red) {
-    unsigned pre = 0, pmask = 0;
-    const int lane = threadIdx.x & 31;
-    for (int shift = 24; shift >= 0; shift -= 8) {
+                                float mx, float scale, unsigned long long *goal,
+                                unsigned long long *hist) {
+    unsigned pre = 0, pmask = 0, cb = 0;
+    for (int pass = 0; pass < 5; pass++) {
+        const int shift = 32 - 8 * pass; /* pass 0: the coarse bins */
         for (int b = threadIdx.x; b < 256; b += DRAW_THREADS) hist[b] = 0;
         __syncthreads();
-        for (int base = 0; base < V; base += DRAW_THREADS) {
-            const int i = base + threadIdx.x;
-            unsigned long long v = i < V ? draw_value<MODE>(x, w, i, lim, pre, pmask, 0.0f) : 0ull;
-            const unsigned bin = i < V ? (draw_key(x[i]) >> shift) & 255u : 0u;
-            const unsigned live = __ballot_sync(0xffffffffu, v != 0);
-            if (v) { /* lanes of one bin add together: most of a row shares its top bytes */
-                const unsigned peers = __match_any_sync(live, bin);
-                unsigned long long sum;
-                if (MODE == 0) {
-                    sum = __popc(peers);
-                } else { /* masses < 2^41: two 21-bit halves, 32 of which fit in 32 bits */
-                    const unsigned lo = __reduce_add_sync(peers, (unsigned)(v & 0x1fffffu));
-                    const unsigned hi = __reduce_add_sync(peers, (unsigned)(v >> 21));
-                    sum = ((unsigned long long)hi << 21) + lo;
-                }
-                if (lane == __ffs(peers) - 1) atomicAdd(&hist[bin], sum);
+        auto add = [&](float xi, float wi, int i) {
+            const unsigned long long v = draw_val<MODE>(xi, wi, i, lim, pre, pmask, 0.0f);
+            if (!v) return;
+            const unsigned c = draw_cbin(xi, mx, scale);
+            if (pass == 0)
+                atomicAdd(&hist[c], v);
+            else if (c == cb)
+                atomicAdd(&hist[(draw_key(xi) >> shift) & 255u], v);
+        };
+        if (!(V & 3)) {
+            const float4 *x4 = (const float4 *)x, *w4 = (const float4 *)w;
+#pragma unroll 2
+            for (int j = threadIdx.x; j < V >> 2; j += DRAW_THREADS) {
+                const float4 a = x4[j], b = w4[j];
+                add(a.x, b.x, 4 * j), add(a.y, b.y, 4 * j + 1);
+                add(a.z, b.z, 4 * j + 2), add(a.w, b.w, 4 * j + 3);
             }
+        } else {
+            for (int i = threadIdx.x; i < V; i += DRAW_THREADS) add(x[i], w[i], i);
         }
         __syncthreads();
-        /* the bin where the goal is reached, from the largest keys down (every thread alike) */
+        /* the bin where the goal is reached, in the candidate order (every thread alike): the
+         * coarse bins from 0 (the largest logits) up, the key's bytes from 255 down */
         unsigned long long acc = 0;
-        int b = 255;
-        for (; b > 0 && acc + hist[b] < *goal; b--) acc += hist[b];
+        int b;
+        if (pass == 0) {
+            for (b = 0; b < 255 && acc + hist[b] < *goal; b++) acc += hist[b];
+            cb = (unsigned)b;
+        } else {
+            for (b = 255; b > 0 && acc + hist[b] < *goal; b--) acc += hist[b];
+            pre |= (unsigned)b << shift;
+            pmask |= 255u << shift;
+        }
         __syncthreads(); /* everyone has read hist before the next pass clears it */
         *goal -= acc;
-        pre |= (unsigned)b << shift;
-        pmask |= 255u << shift;
     }
-    (void)red;
     return pre;
+}
+
+/* sum over the block of draw_val<MODE> (float4 loads where V allows) */
+template <int MODE>
+__device__ unsigned long long draw_total(const float *x, const float *w, int V,
+                                         const draw_bound &lim, float min_w,
+                                         unsigned long long *red) {
+    unsigned long long t = 0;
+    if (!(V & 3)) {
+        const float4 *x4 = (const float4 *)x, *w4 = (const float4 *)w;
+#pragma unroll 4
+        for (int j = threadIdx.x; j < V >> 2; j += DRAW_THREADS) {
+            const float4 a = x4[j], b = w4[j];
+            const int i = 4 * j;
+            t += draw_val<MODE>(a.x, b.x, i, lim, 0u, 0u, min_w) +
+                 draw_val<MODE>(a.y, b.y, i + 1, lim, 0u, 0u, min_w) +
+                 draw_val<MODE>(a.z, b.z, i + 2, lim, 0u, 0u, min_w) +
+                 draw_val<MODE>(a.w, b.w, i + 3, lim, 0u, 0u, min_w);
+        }
+    } else {
+        for (int i = threadIdx.x; i < V; i += DRAW_THREADS)
+            t += draw_val<MODE>(x[i], w[i], i, lim, 0u, 0u, min_w);
+    }
+    return draw_block_sum(t, red);
 }
 
 __global__ void __launch_bounds__(DRAW_THREADS, 1)
@@ -3375,6 +3432,7 @@ __global__ void __launch_bounds__(DRAW_THREADS, 1)
            float *wbuf) {
     PDL_ENTRY();
     __shared__ unsigned long long hist[256], red[DRAW_WARPS];
+    __shared__ float mxs[DRAW_WARPS];
     __shared__ int found;
     const ds_cu_draw d = draws[blockIdx.x];
     float *xr = x + (size_t)d.row * ld;
@@ -3385,7 +3443,7 @@ __global__ void __launch_bounds__(DRAW_THREADS, 1)
         for (int j = threadIdx.x; j < d.n_counts; j += DRAW_THREADS) {
             const int id = cnt[2 * j], c = cnt[2 * j + 1];
             if (id < 0 || id >= V) continue;
-            float v = __fsub_rn(xr[id], __fmul_rn(d.frequency, (float)c));
+            const float v = __fsub_rn(xr[id], __fmul_rn(d.frequency, (float)c));
             xr[id] = __fsub_rn(v, d.presence);
         }
     __syncthreads();
@@ -3395,16 +3453,26 @@ __global__ void __launch_bounds__(DRAW_THREADS, 1)
     /* the maximum and the argmax (ds_argmax: the lowest id among the largest, NaN ignored) */
     float mx = -INFINITY;
     unsigned long long best = 0;
-    for (int i = threadIdx.x; i < V; i += DRAW_THREADS) {
-        const float v = xr[i];
-        mx = fmaxf(mx, v);
-        best = max(best, argmax_key(v, i));
+    const bool vec = !(V & 3);
+    if (vec) {
+        const float4 *x4 = (const float4 *)xr;
+#pragma unroll 4
+        for (int j = threadIdx.x; j < V >> 2; j += DRAW_THREADS) {
+            const float4 a = x4[j];
+            mx = fmaxf(fmaxf(mx, a.x), fmaxf(a.y, fmaxf(a.z, a.w)));
+            best = max(max(best, argmax_key(a.x, 4 * j)), argmax_key(a.y, 4 * j + 1));
+            best = max(max(best, argmax_key(a.z, 4 * j + 2)), argmax_key(a.w, 4 * j + 3));
+        }
+    } else {
+        for (int i = threadIdx.x; i < V; i += DRAW_THREADS) {
+            mx = fmaxf(mx, xr[i]);
+            best = max(best, argmax_key(xr[i], i));
+        }
     }
     for (int o = 16; o > 0; o >>= 1) {
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
         best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
     }
-    __shared__ float mxs[DRAW_WARPS];
     if ((threadIdx.x & 31) == 0) {
         mxs[threadIdx.x >> 5] = mx;
         red[threadIdx.x >> 5] = best;
@@ -3418,37 +3486,55 @@ __global__ void __launch_bounds__(DRAW_THREADS, 1)
         if (threadIdx.x == 0) tokens[blockIdx.x] = best ? (int)~(unsigned)best : 0;
         return;
     }
-    for (int i = threadIdx.x; i < V; i += DRAW_THREADS)
-        w[i] = draw_exp(__fmul_rn(__fsub_rn(xr[i], mx), d.inv_t));
-    __syncthreads();
-    draw_bound lim = {0u, 0, false};
-    if (d.top_k > 0) {
-        unsigned long long n = 0; /* candidates: top-k binds only when there are more than k */
-        for (int i = threadIdx.x; i < V; i += DRAW_THREADS) n += draw_mass(w[i]) != 0;
-        n = draw_block_sum(n, red);
-        if (n > (unsigned long long)d.top_k) {
-            unsigned long long goal = (unsigned long long)d.top_k;
-            const unsigned k = draw_select<0>(xr, w, V, lim, &goal, hist, red);
-            const int id = draw_find<0>(xr, w, V, lim, k, 0xffffffffu, 0.0f, goal - 1, red, &found);
-            lim = {k, id, true};
+    /* the weights, stored once; the candidates counted and their mass summed on the way */
+    unsigned long long n_cand = 0, s_all = 0;
+    if (vec) {
+        const float4 *x4 = (const float4 *)xr;
+        float4 *w4 = (float4 *)w;
+#pragma unroll 4
+        for (int j = threadIdx.x; j < V >> 2; j += DRAW_THREADS) {
+            const float4 a = x4[j];
+            float4 b;
+            b.x = draw_exp(__fmul_rn(__fsub_rn(a.x, mx), d.inv_t));
+            b.y = draw_exp(__fmul_rn(__fsub_rn(a.y, mx), d.inv_t));
+            b.z = draw_exp(__fmul_rn(__fsub_rn(a.z, mx), d.inv_t));
+            b.w = draw_exp(__fmul_rn(__fsub_rn(a.w, mx), d.inv_t));
+            w4[j] = b;
+            const unsigned long long m0 = draw_mass(b.x), m1 = draw_mass(b.y);
+            const unsigned long long m2 = draw_mass(b.z), m3 = draw_mass(b.w);
+            n_cand += (m0 != 0) + (m1 != 0) + (m2 != 0) + (m3 != 0);
+            s_all += m0 + m1 + m2 + m3;
+        }
+    } else {
+        for (int i = threadIdx.x; i < V; i += DRAW_THREADS) {
+            const float wi = draw_exp(__fmul_rn(__fsub_rn(xr[i], mx), d.inv_t));
+            w[i] = wi;
+            n_cand += draw_mass(wi) != 0;
+            s_all += draw_mass(wi);
         }
     }
+    n_cand = draw_block_sum(n_cand, red);
+    s_all = draw_block_sum(s_all, red);
+    draw_bound lim = {0u, 0, false};
+    const float cscale = __fmul_rn(d.inv_t, 256.0f / 27.8f); /* draw_cbin's: 27.8 > 40 ln 2 */
+    /* top-k binds only when there are more candidates than k */
+    if (d.top_k > 0 && n_cand > (unsigned long long)d.top_k) {
+        unsigned long long goal = (unsigned long long)d.top_k;
+        const unsigned k = draw_select<0>(xr, w, V, lim, mx, cscale, &goal, hist);
+        const int id = draw_find<0>(xr, w, V, lim, k, 0xffffffffu, 0.0f, goal - 1, red, &found);
+        lim = {k, id, true};
+    }
     if (d.top_p < 1.0f) {
-        unsigned long long kept = 0;
-        for (int i = threadIdx.x; i < V; i += DRAW_THREADS)
-            kept += draw_value<1>(xr, w, i, lim, 0u, 0u, 0.0f);
-        kept = draw_block_sum(kept, red);
+        const unsigned long long kept = lim.on ? draw_total<1>(xr, w, V, lim, 0.0f, red) : s_all;
         unsigned long long goal =
             (unsigned long long)__double2ll_rz(__dmul_rn((double)d.top_p, __ull2double_rn(kept)));
         if (!goal) goal = 1;
-        const unsigned k = draw_select<1>(xr, w, V, lim, &goal, hist, red);
+        const unsigned k = draw_select<1>(xr, w, V, lim, mx, cscale, &goal, hist);
         const int id = draw_find<1>(xr, w, V, lim, k, 0xffffffffu, 0.0f, goal - 1, red, &found);
         lim = {k, id, true};
     }
-    unsigned long long S = 0;
-    for (int i = threadIdx.x; i < V; i += DRAW_THREADS)
-        S += draw_value<2>(xr, w, i, lim, 0u, 0u, d.min_w);
-    S = draw_block_sum(S, red);
+    const unsigned long long S =
+        lim.on || d.min_w > 0.0f ? draw_total<2>(xr, w, V, lim, d.min_w, red) : s_all;
     unsigned long long r = (unsigned long long)__double2ll_rz(__dmul_rn(d.u, __ull2double_rn(S)));
     if (r >= S) r = S - 1;
     const int tok = draw_find<2>(xr, w, V, lim, 0u, 0u, d.min_w, r, red, &found);
