@@ -424,6 +424,22 @@ typedef struct model_drafts {
     float *slot, *logits;
 } model_drafts;
 
+static void model_drafts_open(model_drafts *md) {
+    ds_err err = {{0}};
+    if (ds_model_load(model_dir(), NULL, &md->m, &err)) fail_msg("%s", err.msg);
+    if (ds_kv_pool_init(&md->pool, md->m, 64, 16, &err)) fail_msg("%s", err.msg);
+    for (int i = 0; i < 64; i++) md->table[i] = i;
+    md->slot = calloc(ds_model_slot_floats(md->m), sizeof(float));
+    md->logits = malloc((size_t)ds_model_config(md->m)->vocab_size * sizeof(float));
+}
+
+static void model_drafts_close(model_drafts *md) {
+    free(md->slot);
+    free(md->logits);
+    ds_kv_pool_free(&md->pool);
+    ds_model_free(md->m);
+}
+
 static int greedy_drafts(void *ctx, const int32_t *tokens, int n_tokens, int k, int32_t *drafts) {
     model_drafts *md = ctx;
     int V = ds_model_config(md->m)->vocab_size;
@@ -454,12 +470,8 @@ static void test_spec_sampling_preserves_distribution(void **state) {
     int32_t prompt[NP];
     prompt_ids(prompt, NP, 33);
     model_drafts md;
+    model_drafts_open(&md);
     ds_err err = {{0}};
-    if (ds_model_load(model_dir(), NULL, &md.m, &err)) fail_msg("%s", err.msg);
-    if (ds_kv_pool_init(&md.pool, md.m, 64, 16, &err)) fail_msg("%s", err.msg);
-    for (int i = 0; i < 64; i++) md.table[i] = i;
-    md.slot = calloc(ds_model_slot_floats(md.m), sizeof(float));
-    md.logits = malloc((size_t)ds_model_config(md.m)->vocab_size * sizeof(float));
     int32_t(*out)[2][MT] = calloc(N, sizeof *out); /* [seed][mode][token] */
     uint64_t accepted = 0, drafted = 0;
     for (int mode = 0; mode < 2; mode++) {
@@ -533,10 +545,7 @@ static void test_spec_sampling_preserves_distribution(void **state) {
     assert_true(chi2 < 54.1);
     assert_true(same >= N * 95 / 100);
     free(out);
-    free(md.slot);
-    free(md.logits);
-    ds_kv_pool_free(&md.pool);
-    ds_model_free(md.m);
+    model_drafts_close(&md);
 }
 
 /* A sampled row is drawn where its logits are (ds_seq_batch.draws) unless logprobs are wanted,
@@ -553,12 +562,8 @@ static void test_drawn_equals_host_sampled(void **state) {
     int32_t prompt[NP];
     prompt_ids(prompt, NP, 71);
     model_drafts md;
+    model_drafts_open(&md);
     ds_err err = {{0}};
-    if (ds_model_load(model_dir(), NULL, &md.m, &err)) fail_msg("%s", err.msg);
-    if (ds_kv_pool_init(&md.pool, md.m, 64, 16, &err)) fail_msg("%s", err.msg);
-    for (int i = 0; i < 64; i++) md.table[i] = i;
-    md.slot = calloc(ds_model_slot_floats(md.m), sizeof(float));
-    md.logits = malloc((size_t)ds_model_config(md.m)->vocab_size * sizeof(float));
     uint64_t accepted = 0;
     int stopped = 0;
     for (int spec = 0; spec < 2; spec++) {
@@ -613,10 +618,7 @@ static void test_drawn_equals_host_sampled(void **state) {
     print_message("drafts accepted: %llu, %d of %d runs stopped\n", (unsigned long long)accepted,
                   stopped, 2 * SEEDS);
     assert_true(accepted > 0); /* rows below an accepted draft were drawn */
-    free(md.slot);
-    free(md.logits);
-    ds_kv_pool_free(&md.pool);
-    ds_model_free(md.m);
+    model_drafts_close(&md);
 }
 
 /* A prompt that cannot fit the context is refused at submit, naming both lengths. */
