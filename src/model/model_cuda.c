@@ -1261,6 +1261,33 @@ static int draw_rows(cstep *s, int *n, ds_err *err) {
     return DS_OK;
 }
 
+size_t ds_cuda_pack_draw(const ds_row_draw *d, int V, int row, size_t at, int32_t *edits,
+                         struct ds_cu_draw *out) {
+    const ds_sample_params *p = &d->p;
+    const ds_draw_numbers nb = ds_sample_numbers(p, V); /* what sampler.c's draw() reads */
+    *out = (ds_cu_draw){
+        .u = d->u,
+        .inv_t = nb.inv_t,
+        .top_p = p->top_p,
+        .min_w = nb.min_w,
+        .presence = d->n_counts ? p->presence_penalty : 0.0f,
+        .frequency = d->n_counts ? p->frequency_penalty : 0.0f,
+        .greedy = nb.greedy,
+        .top_k = nb.top_k,
+        .row = row,
+        .edits = (int)at,
+        .n_counts = d->n_counts,
+        .n_mask = d->n_mask,
+    };
+    size_t e = at;
+    for (int i = 0; i < d->n_counts; i++) {
+        edits[e++] = d->counts[i].id;
+        edits[e++] = d->counts[i].count;
+    }
+    for (int i = 0; i < d->n_mask; i++) edits[e++] = d->mask[i];
+    return e - at;
+}
+
 /* A TP group's gathered rows all [Tp][n_lg][vp] (host): its draws, on the host. */
 static int draw_gathered(cstep *s, const float *all, ds_err *err) {
     int n;
@@ -1287,31 +1314,9 @@ static int draw_on_device(cstep *s, ds_err *err) {
         grow_host((void **)&cm->draw_tok, &cm->draw_tok_cap, (size_t)n, sizeof(int32_t), err))
         return DS_ERR;
     size_t e = 0;
-    for (int r = 0, j = 0; r < s->n_lg; r++) {
-        const ds_row_draw *d = cm->draw_d[r];
-        if (!d) continue;
-        const ds_sample_params *p = &d->p;
-        /* the parameters as sampler.c's draw() reads them */
-        cm->draw_cu[j++] = (ds_cu_draw){
-            .u = d->u,
-            .inv_t = ds_sample_draws_uniform(p) ? 1.0f / p->temperature : 0.0f,
-            .top_p = p->top_p,
-            .min_w = p->min_p > 0.0f ? DS_MIN(p->min_p, 1.0f) : 0.0f,
-            .presence = d->n_counts ? p->presence_penalty : 0.0f,
-            .frequency = d->n_counts ? p->frequency_penalty : 0.0f,
-            .greedy = !ds_sample_draws_uniform(p),
-            .top_k = p->top_k > 0 && p->top_k < V ? p->top_k : 0,
-            .row = r,
-            .edits = (int)e,
-            .n_counts = d->n_counts,
-            .n_mask = d->n_mask,
-        };
-        for (int i = 0; i < d->n_counts; i++) {
-            cm->draw_ed[e++] = d->counts[i].id;
-            cm->draw_ed[e++] = d->counts[i].count;
-        }
-        for (int i = 0; i < d->n_mask; i++) cm->draw_ed[e++] = d->mask[i];
-    }
+    for (int r = 0, j = 0; r < s->n_lg; r++)
+        if (cm->draw_d[r])
+            e += ds_cuda_pack_draw(cm->draw_d[r], V, r, e, cm->draw_ed, &cm->draw_cu[j++]);
     TRY(ds_cu_draw_rows(cm->c, cm->draw_tok, s->lg, (size_t)m->vp, V, cm->draw_cu, n, cm->draw_ed,
                         e, err));
     for (int r = 0, j = 0; r < s->n_lg; r++)

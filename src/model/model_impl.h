@@ -124,5 +124,10 @@ const char *ds_cuda_model_device_name(const ds_model *m);
 int ds_cuda_model_limits(const ds_model *m, double *copy_gbs, double *gemm_tflops, ds_err *err);
 void ds_cuda_model_profile_report(const ds_model *m, FILE *f, const char *title);
 int ds_cuda_available(void); /* built with the backend and a device present */
+/* Row `row`'s draw d as the GPU's draw kernel reads it (ds_cu_draw_rows): *out, and its edits
+ * (penalised (id, count) pairs, then masked ids) written at edits[at..]; returns how many. */
+struct ds_cu_draw;
+size_t ds_cuda_pack_draw(const ds_row_draw *d, int V, int row, size_t at, int32_t *edits,
+                         struct ds_cu_draw *out);
 
 #endif

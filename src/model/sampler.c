@@ -445,11 +445,10 @@ static int32_t draw(const float *logits, int V, const ds_sample_params *p, doubl
     if (!(mx > -INFINITY) || mx == INFINITY) return ds_argmax(logits, V);
     float *w = s->w;
     int32_t *idx = s->idx;
-    int top_k = p->top_k > 0 && p->top_k < V ? p->top_k : 0;
-    int top_p = p->top_p < 1.0f;
-    /* Every w is <= 1 and the maximum's is exactly 1, so min-p's "min_p * p_max" is min_p. */
-    float min_w = p->min_p > 0.0f ? DS_MIN(p->min_p, 1.0f) : 0.0f;
-    weigh(w, logits, V, mx, 1.0f / p->temperature);
+    const ds_draw_numbers nb = ds_sample_numbers(p, V);
+    int top_k = nb.top_k, top_p = p->top_p < 1.0f;
+    float min_w = nb.min_w;
+    weigh(w, logits, V, mx, nb.inv_t);
 
     if (top_k || top_p) {
         /* The kept prefix, idx[0..n) in no particular order. Ids with weight but no mass may be
@@ -499,6 +498,14 @@ static void edit_logits(float *logits, int V, const ds_sample_params *p,
 
 int ds_sample_draws_uniform(const ds_sample_params *p) {
     return p->temperature >= GREEDY_TEMPERATURE;
+}
+
+ds_draw_numbers ds_sample_numbers(const ds_sample_params *p, int V) {
+    int greedy = !ds_sample_draws_uniform(p);
+    /* Every w is <= 1 and the maximum's is exactly 1, so min-p's "min_p * p_max" is min_p. */
+    return (ds_draw_numbers){greedy, greedy ? 0.0f : 1.0f / p->temperature,
+                             p->top_k > 0 && p->top_k < V ? p->top_k : 0,
+                             p->min_p > 0.0f ? DS_MIN(p->min_p, 1.0f) : 0.0f};
 }
 
 int32_t ds_sample_row(float *logits, int V, const ds_row_draw *d, ds_sample_scratch *scratch) {

@@ -103,6 +103,17 @@ typedef struct ds_row_draw {
 /* Does sampling with these parameters draw a uniform (temperature >= 1e-5), or take the argmax? */
 int ds_sample_draws_uniform(const ds_sample_params *p);
 
+/* The numbers a draw reads from p, as draw() uses them (and a GPU must, to return its token):
+ * greedy (no uniform drawn), 1 / temperature, top-k (0: off, or not binding at this V) and the
+ * min-p floor on weights (0: off). */
+typedef struct ds_draw_numbers {
+    int greedy;
+    float inv_t;
+    int top_k;
+    float min_w;
+} ds_draw_numbers;
+ds_draw_numbers ds_sample_numbers(const ds_sample_params *p, int V);
+
 /* Samples one token from logits[V] (edited in place) as d describes. ds_sample_token is this with
  * the counts, stops and uniform of a sequence. The result is defined exactly — integer masses, an
  * order on the candidates, the draw in id order; see draw() in sampler.c — so that another

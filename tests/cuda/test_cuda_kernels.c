@@ -11,7 +11,9 @@
  * Built and run on the GPU machine by tools/device/cuda_check.sh. */
 #include "kernels/cpu/kernels.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "model/model_impl.h"
 #include "model/sampler.h"
+#include "../unit/draw_rows.h"
 #ifdef DS_HAVE_NCCL
 #include "dist/comm_nccl.h"
 #endif
@@ -868,22 +870,6 @@ static void check_argmax(ds_cu *c, int rows, int V, int parts) {
 
 /* ---- draws: ds_cu_draw_rows against ds_sample_row, token for token ---- */
 
-/* Row r's shape (as the CPU's exact-definition test): smooth, ties on a grid, peaked, NaN and
- * -inf, few values, very flat. */
-static void draw_row_fill(float *x, int V, int shape, ds_rng *rng) {
-    for (int i = 0; i < V; i++) {
-        double z = ds_rng_normal(rng);
-        x[i] = shape == 1   ? (float)(floor(z * 4.0) / 4.0)
-               : shape == 4 ? (float)(i % 5)
-               : shape == 5 ? (float)(z * 0.01)
-                            : (float)(2.0 * z);
-    }
-    if (shape == 2)
-        for (int j = 0; j < 9; j++) x[(j * 977 + 5) % V] = 9.0f + 0.25f * (float)(j % 3);
-    if (shape == 3)
-        for (int i = 0; i < V; i += 37) x[i] = i % 74 ? NAN : -INFINITY;
-}
-
 /* The parameters of draw i (a cycle of top-k, top-p, min-p, penalties, masks, greedy) and its
  * counts and mask (static storage of the caller). */
 static ds_row_draw draw_case(int i, int V, double u, ds_token_count *counts, int32_t *mask) {
@@ -918,7 +904,7 @@ static void check_draws(ds_cu *c, int rows, int V) {
     ds_rng_seed(&rng, (uint64_t)rows * 131 + (uint64_t)V);
     size_t nx = (size_t)rows * V;
     float *x = malloc(nx * 4), *work = malloc((size_t)V * 4);
-    for (int r = 0; r < rows; r++) draw_row_fill(x + (size_t)r * V, V, r % 6, &rng);
+    for (int r = 0; r < rows; r++) draw_row_fill(x + (size_t)r * V, V, r % DRAW_ROW_SHAPES, &rng);
     ds_token_count(*counts)[8] = calloc((size_t)rows, sizeof *counts);
     int32_t(*mask)[4] = calloc((size_t)rows, sizeof *mask);
     ds_row_draw *d = malloc((size_t)rows * sizeof *d);
@@ -934,25 +920,7 @@ static void check_draws(ds_cu *c, int rows, int V) {
         d[r] = draw_case(r, V, u, counts[r], mask[r]);
         memcpy(work, x + (size_t)r * V, (size_t)V * 4);
         ref[r] = ds_sample_row(work, V, &d[r], sc);
-        const ds_sample_params *p = &d[r].p;
-        /* what the model's packing does (model_cuda.c, draw_on_device) */
-        cd[r] = (ds_cu_draw){u,
-                             ds_sample_draws_uniform(p) ? 1.0f / p->temperature : 0.0f,
-                             p->top_p,
-                             p->min_p > 0.0f ? DS_MIN(p->min_p, 1.0f) : 0.0f,
-                             d[r].n_counts ? p->presence_penalty : 0.0f,
-                             d[r].n_counts ? p->frequency_penalty : 0.0f,
-                             !ds_sample_draws_uniform(p),
-                             p->top_k > 0 && p->top_k < V ? p->top_k : 0,
-                             r,
-                             (int)ne,
-                             d[r].n_counts,
-                             d[r].n_mask};
-        for (int j = 0; j < d[r].n_counts; j++) {
-            ed[ne++] = d[r].counts[j].id;
-            ed[ne++] = d[r].counts[j].count;
-        }
-        for (int j = 0; j < d[r].n_mask; j++) ed[ne++] = d[r].mask[j];
+        ne += ds_cuda_pack_draw(&d[r], V, r, ne, ed, &cd[r]); /* as the model packs them */
     }
     float *dx = dev(c, x, nx * 4);
     if (ds_cu_draw_rows(c, got, dx, (size_t)V, V, cd, rows, ed, ne, &err)) DIE("%s", err.msg);
@@ -966,8 +934,8 @@ static void check_draws(ds_cu *c, int rows, int V) {
     if (bad)
         printf("  first: row %d (shape %d, T %g, top_p %g, top_k %d, min_p %g, u %.17g): GPU %d, "
                "CPU %d\n",
-               first, first % 6, d[first].p.temperature, d[first].p.top_p, d[first].p.top_k,
-               d[first].p.min_p, d[first].u, got[first], ref[first]);
+               first, first % DRAW_ROW_SHAPES, d[first].p.temperature, d[first].p.top_p,
+               d[first].p.top_k, d[first].p.min_p, d[first].u, got[first], ref[first]);
     ds_cu_dealloc(dx);
     ds_sample_scratch_free(sc);
     free(x), free(work), free(counts), free(mask), free(d), free(cd), free(ed), free(got);

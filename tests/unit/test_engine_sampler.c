@@ -3,6 +3,8 @@
  * the critical values are the 0.1% tails). */
 #include "testutil.h"
 
+#include "draw_rows.h"
+
 #include "model/sampler.h"
 #include "kernels/cpu/kernels.h"
 
@@ -405,20 +407,8 @@ static void test_row_draw_exact(void **state) {
     };
     const double us[] = {0.0, 0.5, 0.999999, 1.0 - 0x1p-53};
     int n_checked = 0, distinct_tok = 0, last_tok = -1;
-    for (int shape = 0; shape < 6; shape++) {
-        for (int i = 0; i < V; i++) {
-            double z = ds_rng_normal(&rng);
-            /* 0: smooth; 1: logits on a grid of 1/4 (hundreds of ties a value); 2: peaked;
-             * 3: NaN and -inf sprinkled; 4: a few values only; 5: very flat (small spread) */
-            x[i] = shape == 1   ? (float)(floor(z * 4.0) / 4.0)
-                   : shape == 4 ? (float)(i % 5)
-                   : shape == 5 ? (float)(z * 0.01)
-                                : (float)(2.0 * z);
-        }
-        if (shape == 2)
-            for (int j = 0; j < 9; j++) x[(j * 977 + 5) % V] = 9.0f + 0.25f * (float)(j % 3);
-        if (shape == 3)
-            for (int i = 0; i < V; i += 37) x[i] = i % 74 ? NAN : -INFINITY;
+    for (int shape = 0; shape < DRAW_ROW_SHAPES; shape++) {
+        draw_row_fill(x, V, shape, &rng);
         for (size_t c = 0; c < DS_ARRAY_LEN(cases); c++)
             for (int k = 0; k < 12; k++) {
                 double u = k < 4 ? us[k] : ds_rng_uniform(&rng);
@@ -434,7 +424,7 @@ static void test_row_draw_exact(void **state) {
                 last_tok = got;
             }
     }
-    assert_true(n_checked == 6 * (int)DS_ARRAY_LEN(cases) * 12);
+    assert_true(n_checked == DRAW_ROW_SHAPES * (int)DS_ARRAY_LEN(cases) * 12);
     assert_true(distinct_tok > n_checked / 4); /* the cases do not all collapse on one token */
     free(work);
     free(x);
