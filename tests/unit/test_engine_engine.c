@@ -552,20 +552,19 @@ static void test_spec_sampling_preserves_distribution(void **state) {
  * when it comes back whole and ds_sample_token samples it here. The two routes must give the same
  * tokens seed for seed: the draws carry each row's uniform (the RNG peeked, then moved as rows
  * are taken), its penalties over the tokens before it — in a verify, the drafts of the rows
- * above too (a step that left them out fails here) — and the stops masked until min_tokens
- * (verifies crossing min_tokens run here, though on this random model the masked ids hold
- * little mass at the rows accepted drafts reach, so a mask one row off may go unseen). Each
+ * above too (a step that left them out fails here) — and the stops masked until min_tokens, row
+ * by row in a verify that crosses it (a mask one row off fails the nearly greedy cases). Each
  * request runs alone, so both routes see the same forwards and the same logits. */
 static void test_drawn_equals_host_sampled(void **state) {
     (void)state;
-    enum { NP = 16, MT = 40, SEEDS = 8 };
+    enum { NP = 16, MT = 40, SEEDS = 12, SHARP = 8 };
     int32_t prompt[NP];
     prompt_ids(prompt, NP, 71);
     model_drafts md;
     model_drafts_open(&md);
     ds_err err = {{0}};
     uint64_t accepted = 0;
-    int stopped = 0;
+    int stopped = 0, sharp_stopped = 0;
     for (int spec = 0; spec < 2; spec++) {
         ds_engine *e =
             spec ? start_engine_spec(4, 256, 32u << 20, DS_SPEC_DSPARK, 3, greedy_drafts, &md)
@@ -573,7 +572,11 @@ static void test_drawn_equals_host_sampled(void **state) {
         for (int seed = 0; seed < SEEDS; seed++) {
             /* pass 0 finds likely tokens (no stops); passes 1 and 2 are the two routes with
              * 16 of them as stop ids, masked until min_tokens (the mask moves every draw's
-             * boundaries, sampled or not): a verify crossing min_tokens masks row by row */
+             * boundaries, sampled or not): a verify crossing min_tokens masks row by row. From
+             * seed SHARP on, nearly greedy (T 0.05, no penalties) with the tokens from
+             * min_tokens on as the stops: a verify's rows past min_tokens then hold a stop that
+             * is almost surely drawn — unless that row is masked as if before min_tokens */
+            const int sharp = seed >= SHARP, min_tokens = 10 + seed % SHARP;
             collected c[3];
             for (int pass = 0; pass < 3; pass++) {
                 int route = pass == 2;
@@ -581,15 +584,17 @@ static void test_drawn_equals_host_sampled(void **state) {
                 rs.prompt = prompt;
                 rs.n_prompt = NP;
                 ds_request_params_default(&rs.params);
-                rs.params.temperature = 0.3f;
+                rs.params.temperature = sharp ? 0.05f : 0.3f;
                 rs.params.top_p = seed % 2 ? 0.9f : 1.0f;
                 rs.params.min_p = seed == 4 ? 0.02f : 0.0f;
-                rs.params.presence_penalty = 0.6f;
-                rs.params.frequency_penalty = 0.4f;
-                rs.params.min_tokens = 10 + seed;
+                rs.params.presence_penalty = sharp ? 0.0f : 0.6f;
+                rs.params.frequency_penalty = sharp ? 0.0f : 0.4f;
+                rs.params.min_tokens = min_tokens;
                 rs.params.ignore_eos = 1;
-                for (int j = 0; pass && j < DS_MAX_STOP && 8 + j < c[0].n[0]; j++)
-                    rs.params.stop_token_ids[rs.params.n_stop_token_ids++] = c[0].tokens[0][8 + j];
+                const int first_stop = sharp ? min_tokens : 8;
+                for (int j = 0; pass && j < DS_MAX_STOP && first_stop + j < c[0].n[0]; j++)
+                    rs.params.stop_token_ids[rs.params.n_stop_token_ids++] =
+                        c[0].tokens[0][first_stop + j];
                 rs.params.max_tokens = MT;
                 rs.params.logprobs = route ? 0 : -1; /* 0: wanted, so the row comes back */
                 rs.params.has_seed = 1;
@@ -604,8 +609,9 @@ static void test_drawn_equals_host_sampled(void **state) {
             if (c[1].n[0] != c[2].n[0] ||
                 memcmp(c[1].tokens[0], c[2].tokens[0], (size_t)c[1].n[0] * sizeof(int32_t)))
                 fail_msg("spec %d seed %d: drawn and host-sampled tokens differ", spec, seed);
-            assert_true(c[1].n[0] >= 10 + seed); /* min_tokens held the stops back */
+            assert_true(c[1].n[0] >= min_tokens); /* min_tokens held the stops back */
             stopped += c[1].n[0] < MT;
+            sharp_stopped += sharp && c[1].n[0] < MT;
         }
         if (spec) {
             ds_engine_stats st;
@@ -617,7 +623,8 @@ static void test_drawn_equals_host_sampled(void **state) {
     }
     print_message("drafts accepted: %llu, %d of %d runs stopped\n", (unsigned long long)accepted,
                   stopped, 2 * SEEDS);
-    assert_true(accepted > 0); /* rows below an accepted draft were drawn */
+    assert_true(accepted > 0);      /* rows below an accepted draft were drawn */
+    assert_true(sharp_stopped > 0); /* the sharp cases did reach their stops */
     model_drafts_close(&md);
 }
 
