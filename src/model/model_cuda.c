@@ -103,6 +103,8 @@ typedef struct cu_layer {
     cu_ffn ffn;
 } cu_layer;
 
+enum { KDA_FUSE_MAX = 2 }; /* see kda_fused */
+
 typedef struct ds_cuda_model {
     ds_cu *c;
     cu_layer *layers; /* [L]; [l0, l1) uploaded */
@@ -133,7 +135,8 @@ typedef struct ds_cuda_model {
     } graphs[64];
     int n_graphs;
     uint64_t graph_replays, graph_failures;
-    float *tp_host; /* tensor parallelism: collectives staged through the host, tp_cap floats */
+    int kda_fuse_max; /* decode steps of up to this many sequences take KDA's fused kernel */
+    float *tp_host;   /* tensor parallelism: collectives staged through the host, tp_cap floats */
     size_t tp_cap;
     /* a step's draws (draw_rows): per logits row its draw and token ([n_lg] each, NULL: not
      * drawn), and for the device the draws' numbers, edits and tokens; *_cap elements each */
@@ -471,6 +474,10 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     ds_cu_set_wide_early(cm->c, env_flag("DS_CUDA_WIDE_EARLY", 1));
     ds_cu_set_gemv_wide(cm->c, env_flag("DS_CUDA_GEMV_WIDE", 1));
     ds_cu_set_conv_fixed(cm->c, env_flag("DS_CUDA_CONV_FIXED", 1));
+    { /* sequences up to which a decode step's KDA middle is one kernel (0: never) */
+        const char *kf = getenv("DS_CUDA_KDA_FUSED");
+        cm->kda_fuse_max = kf && *kf ? atoi(kf) : KDA_FUSE_MAX;
+    }
     { /* chunked KDA on tensor cores: 1 TF32, 3 3xTF32 (ds_cu_set_kda_tc) */
         /* 3xTF32 by default: f32's accuracy (checked at 1e-4) and faster than f32 on CUDA cores
          * (8192 tokens x 32 heads: 1.97 against 2.83 ms on the H200, bench/RESULTS.md) */
@@ -834,6 +841,24 @@ static int kda_chunked_segments(const cstep *s) {
     return n;
 }
 
+/* A decode step's KDA middle as one kernel (ds_cu_kda_decode_fused: the same bits as the seven
+ * launches it replaces) when every sequence brings one token and keeps no rollback rows, up to
+ * kda_fuse_max sequences (KDA_FUSE_MAX, DS_CUDA_KDA_FUSED; 0: never). Each cluster stages its
+ * head's f_b and g_b rows, which the batched matmuls read once for all sequences: on the H200 at
+ * the 48B shape (bench/RESULTS.md, session 14) a step took 2.548-2.553 ms against 2.597-2.616 at
+ * batch 1, 3.989-4.029 against 4.045 at 2, but 5.81 against 5.69 at 4 and 8.68 against 8.47 at 8. */
+static int kda_fused(const cstep *s, const cu_kda *w) {
+    const ds_config *c = &s->m->cfg;
+    if (s->any_rows || s->n_seq > s->cm->kda_fuse_max || s->T != s->n_seq ||
+        c->use_full_rank_gate ||
+        !ds_cu_kda_decode_fits(s->c, c->kda_head_dim, c->short_conv_kernel_size, w->f_b.cols,
+                               w->g_b.cols))
+        return 0;
+    for (int z = 0; z < s->n_seq; z++)
+        if (s->seqs[z].n != 1 || kda_chunk_eligible(s, z)) return 0;
+    return 1;
+}
+
 static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float *xn, float *out,
                        ds_err *err) {
     const ds_config *c = &s->m->cfg;
@@ -857,60 +882,93 @@ static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float
      * its own tails (and, for a verify, the tails after each token) */
     PROF(s, "kda qkv");
     TRY(ds_cu_matmul(cu, pre, ld, xn, D, T, &w->in, err));
-    /* the decay gate and beta (from f_a x and b x), then the output gate, on the side stream,
-     * beside the convs of q, k and v; joined before the recurrence */
-    PROF(s, "kda gates, beta");
-    TRY(ds_cu_side_begin(cu, err));
-    int rc = ds_cu_matmul(cu, o, P, fa, ld, T, &w->f_b, err);
-    if (!rc)
-        ds_cu_kda_gate(cu, g, o, T, H, dk, w->A_log, w->dt_bias, c->has_gate_lower_bound,
-                       c->gate_lower_bound, beta, braw, ld);
-    if (!rc && c->use_full_rank_gate)
-        rc = ds_cu_matmul(cu, gt, P, xn, D, T, &w->g, err);
-    else if (!rc) /* g_a x sits in fa's second half */
-        rc = ds_cu_matmul(cu, gt, P, fa + dk, ld, T, &w->g_b, err);
-    TRY(ds_cu_side_end(cu, err));
-    TRY(rc);
-    PROF(s, "kda conv+l2norm");
-    ds_cu_conv_batch cb = {3,
-                           P,
-                           W,
-                           pre,
-                           ld,
-                           q,
-                           (size_t)(k - q),
-                           w->conv,
-                           s->tails + at,
-                           s->any_rows ? s->tail_rows + at : NULL,
-                           slot_n,
-                           s->seg_off,
-                           s->n_seq,
-                           T};
-    if (v - k != k - q) return ds_errf(err, "forward: internal error: q, k, v not evenly spaced");
-    TRY(ds_cu_short_conv_silu_batch(cu, &cb, err));
-    ds_cu_l2norm_heads2(cu, q, 1.0f / sqrtf((float)dk), k, 1.0f, T, H, dk, 1e-6f);
-    TRY(ds_cu_side_join(cu, err));
-    /* every segment in one launch, each on its own state (and rows, for a verify); long segments
-     * without rows in chunks instead, as on the CPU (model.c kda_forward) */
-    const int n_chunked = kda_chunked_segments(s);
-    PROF(s, "kda recurrence");
-    TRY(ds_cu_kda_recurrent_batch(cu, o, q, k, v, g, beta, s->seg_off, s->S + at,
-                                  s->any_rows ? s->S_rows + at : NULL, slot_n, s->n_seq, H, dk, dk,
-                                  n_chunked ? s->m->opts.kda_chunked_min : 0, err));
-    if (n_chunked) {
-        ds_cuda_model *cm = s->cm;
-        if (grow_host((void **)&cm->h_kda, &cm->h_kda_cap, 2 * (size_t)s->n_seq, sizeof(int), err))
-            return DS_ERR;
-        int *start = cm->h_kda, *len = cm->h_kda + s->n_seq; /* length 0: not chunked */
-        for (int z = 0; z < s->n_seq; z++) {
-            start[z] = s->off[z];
-            len[z] = kda_chunk_eligible(s, z) ? s->seqs[z].n : 0;
+    int fused = kda_fused(s, w);
+    if (fused) {
+        PROF(s, "kda recurrence");
+        const ds_cu_kda_decode kd = {.pre = pre,
+                                     .ld = ld,
+                                     .fa_off = 3 * P,
+                                     .ga_off = 3 * P + dk, /* g_a x: fa's second half */
+                                     .b_off = 3 * P + nf,
+                                     .conv_w = w->conv,
+                                     .tails = s->tails + at,
+                                     .f_b = w->f_b.data,
+                                     .g_b = w->g_b.data,
+                                     .Kf = w->f_b.cols,
+                                     .Kg = w->g_b.cols,
+                                     .A_log = w->A_log,
+                                     .dt_bias = w->dt_bias,
+                                     .o_norm = w->o_norm,
+                                     .lower_bound_form = c->has_gate_lower_bound,
+                                     .lb = c->gate_lower_bound,
+                                     .q_scale = 1.0f / sqrtf((float)dk),
+                                     .eps = 1e-6f,
+                                     .norm_eps = c->rms_norm_eps,
+                                     .S = s->S + at,
+                                     .y = q, /* o_proj's input, as the gated norm below writes */
+                                     .n_seq = s->n_seq,
+                                     .H = H,
+                                     .dk = dk,
+                                     .W = W};
+        TRY(ds_cu_kda_decode_fused(cu, &kd, err));
+    } else {
+        /* the decay gate and beta (from f_a x and b x), then the output gate, on the side
+         * stream, beside the convs of q, k and v; joined before the recurrence */
+        PROF(s, "kda gates, beta");
+        TRY(ds_cu_side_begin(cu, err));
+        int rc = ds_cu_matmul(cu, o, P, fa, ld, T, &w->f_b, err);
+        if (!rc)
+            ds_cu_kda_gate(cu, g, o, T, H, dk, w->A_log, w->dt_bias, c->has_gate_lower_bound,
+                           c->gate_lower_bound, beta, braw, ld);
+        if (!rc && c->use_full_rank_gate)
+            rc = ds_cu_matmul(cu, gt, P, xn, D, T, &w->g, err);
+        else if (!rc) /* g_a x sits in fa's second half */
+            rc = ds_cu_matmul(cu, gt, P, fa + dk, ld, T, &w->g_b, err);
+        TRY(ds_cu_side_end(cu, err));
+        TRY(rc);
+        PROF(s, "kda conv+l2norm");
+        ds_cu_conv_batch cb = {3,
+                               P,
+                               W,
+                               pre,
+                               ld,
+                               q,
+                               (size_t)(k - q),
+                               w->conv,
+                               s->tails + at,
+                               s->any_rows ? s->tail_rows + at : NULL,
+                               slot_n,
+                               s->seg_off,
+                               s->n_seq,
+                               T};
+        if (v - k != k - q)
+            return ds_errf(err, "forward: internal error: q, k, v not evenly spaced");
+        TRY(ds_cu_short_conv_silu_batch(cu, &cb, err));
+        ds_cu_l2norm_heads2(cu, q, 1.0f / sqrtf((float)dk), k, 1.0f, T, H, dk, 1e-6f);
+        TRY(ds_cu_side_join(cu, err));
+        /* every segment in one launch, each on its own state (and rows, for a verify); long
+         * segments without rows in chunks instead, as on the CPU (model.c kda_forward) */
+        const int n_chunked = kda_chunked_segments(s);
+        PROF(s, "kda recurrence");
+        TRY(ds_cu_kda_recurrent_batch(cu, o, q, k, v, g, beta, s->seg_off, s->S + at,
+                                      s->any_rows ? s->S_rows + at : NULL, slot_n, s->n_seq, H, dk,
+                                      dk, n_chunked ? s->m->opts.kda_chunked_min : 0, err));
+        if (n_chunked) {
+            ds_cuda_model *cm = s->cm;
+            if (grow_host((void **)&cm->h_kda, &cm->h_kda_cap, 2 * (size_t)s->n_seq, sizeof(int),
+                          err))
+                return DS_ERR;
+            int *start = cm->h_kda, *len = cm->h_kda + s->n_seq; /* length 0: not chunked */
+            for (int z = 0; z < s->n_seq; z++) {
+                start[z] = s->off[z];
+                len[z] = kda_chunk_eligible(s, z) ? s->seqs[z].n : 0;
+            }
+            TRY(ds_cu_kda_chunked(cu, o, q, k, v, g, beta, start, len, s->S + at, s->n_seq, H, dk,
+                                  dk, err));
         }
-        TRY(ds_cu_kda_chunked(cu, o, q, k, v, g, beta, start, len, s->S + at, s->n_seq, H, dk, dk,
-                              err));
     }
     PROF(s, "kda out gate, norm");
-    ds_cu_gated_rmsnorm_heads(cu, q, o, gt, w->o_norm, T, H, dk, c->rms_norm_eps);
+    if (!fused) ds_cu_gated_rmsnorm_heads(cu, q, o, gt, w->o_norm, T, H, dk, c->rms_norm_eps);
     PROF(s, "kda o_proj");
     TRY(ds_cu_matmul(cu, out, D, q, P, T, &w->o, err));
     TRY(tp_sum(s, out, (size_t)T * D, err));

@@ -618,6 +618,124 @@ static void check_short_conv_batch(ds_cu *c, const int *lens, const int *want_ro
     free(rows_got);
 }
 
+/* Bits that differ between two device results of n floats (words compared, NaN bytes too). */
+static size_t words_differ(const float *a, const float *b, size_t n) {
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) bad += memcmp(&a[i], &b[i], 4) != 0;
+    return bad;
+}
+
+/* The fused KDA decode (ds_cu_kda_decode_fused) against the seven launches it stands in for —
+ * convs, head norms, f_b's and g_b's matmuls (streamed, as at one token or in the
+ * batch-invariant mode), gate and beta, recurrence, gated output norm — on the same inputs:
+ * outputs, states and tails bit for bit (the seven are each checked against the CPU above). */
+static void check_kda_decode_fused(ds_cu *c, int n_seq, int H, int Kf, int Kg, int lb_form) {
+    const int dk = 128, W = 4, P = H * dk, nf = Kf + Kg, ld = 3 * P + nf + H;
+    const size_t npre = (size_t)n_seq * ld, ns = (size_t)H * dk * dk, tn = (size_t)(W - 1) * P;
+    const size_t nt = (size_t)n_seq * 3 * tn, nS = ns * n_seq, no = (size_t)n_seq * P;
+    if (n_seq > 64) DIE("check_kda_decode_fused: at most 64 sequences");
+    float *pre = rand_f32(npre, -2, 2), *cw = rand_f32((size_t)3 * P * W, -1, 1);
+    float *tails = rand_f32(nt, -2, 2), *S0 = rand_f32(nS, -0.5f, 0.5f);
+    uint16_t *fb = rand_bf16((size_t)P * Kf, -0.3f, 0.3f);
+    uint16_t *gb = rand_bf16((size_t)P * Kg, -0.3f, 0.3f);
+    float *A = rand_f32((size_t)H, -1, 1), *bias = rand_f32((size_t)P, -1, 1);
+    float *nw = rand_f32((size_t)dk, 0.5f, 1.5f);
+    float *dpre = dev(c, pre, npre * 4), *dcw = dev(c, cw, (size_t)3 * P * W * 4);
+    uint16_t *dfb = dev(c, fb, (size_t)P * Kf * 2), *dgb = dev(c, gb, (size_t)P * Kg * 2);
+    float *dA = dev(c, A, (size_t)H * 4), *dbias = dev(c, bias, (size_t)P * 4);
+    float *dnw = dev(c, nw, (size_t)dk * 4);
+    float *dqkv = dev(c, NULL, 3 * no * 4), *df = dev(c, NULL, no * 4), *dg = dev(c, NULL, no * 4);
+    float *dgt = dev(c, NULL, no * 4), *dbeta = dev(c, NULL, (size_t)n_seq * H * 4);
+    /* [2]: the seven launches' run, the fused one's; each from the same tails and states */
+    float *dt[2], *dS[2], *dy[2], *got_y[2], *got_S[2], *got_t[2];
+    float **dtp[2], **dsp[2];
+    int32_t off[65];
+    for (int z = 0; z <= n_seq; z++) off[z] = z;
+    int32_t *doff = dev(c, off, (size_t)(n_seq + 1) * 4);
+    for (int r = 0; r < 2; r++) {
+        dt[r] = dev(c, tails, nt * 4), dS[r] = dev(c, S0, nS * 4), dy[r] = dev(c, NULL, no * 4);
+        poison(c, dy[r], no * 4);
+        float *tp[64], *sp[64];
+        for (int z = 0; z < n_seq; z++) tp[z] = dt[r] + (size_t)z * 3 * tn, sp[z] = dS[r] + z * ns;
+        dtp[r] = dev(c, tp, (size_t)n_seq * sizeof *tp);
+        dsp[r] = dev(c, sp, (size_t)n_seq * sizeof *sp);
+        got_y[r] = malloc(no * 4), got_S[r] = malloc(nS * 4), got_t[r] = malloc(nt * 4);
+    }
+    ds_err err = {{0}};
+    const float qs = 1.0f / sqrtf((float)dk), lb = -5.0f, neps = 1e-5f;
+    ds_cu_set_batch_invariant(c, 1); /* matmuls streamed at every batch, as the fused kernel sums */
+    ds_cu_conv_batch cb = {3, P, W, dpre, ld, dqkv, no, dcw, dtp[0], NULL, 0, doff, n_seq, n_seq};
+    const ds_cu_mat mf = {dfb, P, Kf}, mg = {dgb, P, Kg};
+    if (ds_cu_short_conv_silu_batch(c, &cb, &err)) DIE("%s", err.msg);
+    ds_cu_l2norm_heads2(c, dqkv, qs, dqkv + no, 1.0f, n_seq, H, dk, 1e-6f);
+    if (ds_cu_matmul(c, df, P, dpre + 3 * P, ld, n_seq, &mf, &err) ||
+        ds_cu_matmul(c, dgt, P, dpre + 3 * P + Kf, ld, n_seq, &mg, &err))
+        DIE("%s", err.msg);
+    ds_cu_kda_gate(c, dg, df, n_seq, H, dk, dA, dbias, lb_form, lb, dbeta, dpre + 3 * P + nf, ld);
+    if (ds_cu_kda_recurrent_batch(c, df, dqkv, dqkv + no, dqkv + 2 * no, dg, dbeta, doff, dsp[0],
+                                  NULL, 0, n_seq, H, dk, dk, 0, &err))
+        DIE("%s", err.msg);
+    ds_cu_gated_rmsnorm_heads(c, dy[0], df, dgt, dnw, n_seq, H, dk, neps);
+    ds_cu_set_batch_invariant(c, 0);
+    const ds_cu_kda_decode kd = {.pre = dpre,
+                                 .ld = ld,
+                                 .fa_off = 3 * P,
+                                 .ga_off = 3 * P + Kf,
+                                 .b_off = 3 * P + nf,
+                                 .conv_w = dcw,
+                                 .tails = dtp[1],
+                                 .f_b = dfb,
+                                 .g_b = dgb,
+                                 .Kf = Kf,
+                                 .Kg = Kg,
+                                 .A_log = dA,
+                                 .dt_bias = dbias,
+                                 .o_norm = dnw,
+                                 .lower_bound_form = lb_form,
+                                 .lb = lb,
+                                 .q_scale = qs,
+                                 .eps = 1e-6f,
+                                 .norm_eps = neps,
+                                 .S = dsp[1],
+                                 .y = dy[1],
+                                 .n_seq = n_seq,
+                                 .H = H,
+                                 .dk = dk,
+                                 .W = W};
+    if (ds_cu_kda_decode_fused(c, &kd, &err)) DIE("%s", err.msg);
+    for (int r = 0; r < 2; r++) {
+        fetch(c, got_y[r], dy[r], no * 4);
+        fetch(c, got_S[r], dS[r], nS * 4);
+        fetch(c, got_t[r], dt[r], nt * 4);
+    }
+    const size_t by = words_differ(got_y[1], got_y[0], no);
+    const size_t bS = words_differ(got_S[1], got_S[0], nS),
+                 bt = words_differ(got_t[1], got_t[0], nt);
+    char what[128];
+    snprintf(what, sizeof what,
+             "kda decode fused %d seqs H=%d Kf=%d Kg=%d lb=%d (%zu/%zu/%zu differ)", n_seq, H, Kf,
+             Kg, lb_form, by, bS, bt);
+    report(what, by || bS || bt ? INFINITY : 0.0, 0.0);
+    /* both runs written (poisoned outputs would agree too), the states and tails moved */
+    size_t nan = 0;
+    for (size_t i = 0; i < no; i++) nan += isnan(got_y[1][i]) || isnan(got_y[0][i]);
+    const size_t still = nS - words_differ(got_S[1], S0, nS);
+    const size_t tstill = nt - words_differ(got_t[1], tails, nt);
+    snprintf(what, sizeof what, "kda decode fused: %zu NaN, %zu states, %zu tails unmoved", nan,
+             still, tstill);
+    report(what, nan || still > nS / 2 || tstill > nt / 2 ? INFINITY : 0.0, 0.0);
+    for (int r = 0; r < 2; r++) {
+        ds_cu_dealloc(dt[r]), ds_cu_dealloc(dS[r]), ds_cu_dealloc(dy[r]);
+        ds_cu_dealloc(dtp[r]), ds_cu_dealloc(dsp[r]);
+        free(got_y[r]), free(got_S[r]), free(got_t[r]);
+    }
+    ds_cu_dealloc(dpre), ds_cu_dealloc(dcw), ds_cu_dealloc(dfb), ds_cu_dealloc(dgb);
+    ds_cu_dealloc(dA), ds_cu_dealloc(dbias), ds_cu_dealloc(dnw), ds_cu_dealloc(dqkv);
+    ds_cu_dealloc(df), ds_cu_dealloc(dg), ds_cu_dealloc(dgt), ds_cu_dealloc(dbeta);
+    ds_cu_dealloc(doff);
+    free(pre), free(cw), free(tails), free(S0), free(fb), free(gb), free(A), free(bias), free(nw);
+}
+
 /* Absorbed MLA for several sequences' tokens in one launch, each against its own block table and
  * positions, against the CPU one sequence at a time. */
 /* all_heads: a block per token for every head (each latent row read once): 2 always, 1 when the
@@ -1579,6 +1697,9 @@ static void run_checks(ds_cu *c) {
         int plens[5] = {2, 130, 1, 900, 3}, prows[5] = {1, 1, 0, 0, 1};
         check_short_conv_batch(c, plens, prows, 5, 512, 4);
         check_short_conv_batch(c, plens, prows, 5, 512, 3); /* a width the fixed form lacks */
+        check_kda_decode_fused(c, 1, 32, 128, 128, 0);      /* the 48B shape at batch 1 */
+        check_kda_decode_fused(c, 5, 4, 128, 128, 1);       /* the gate's lower bound */
+        check_kda_decode_fused(c, 3, 8, 64, 32, 0);         /* narrower f_a and g_a */
         ds_cu_set_conv_fixed(c, 1); /* the width-4 form: registers, inputs loaded ahead */
         check_short_conv_batch(c, lens, rows, 5, 4096, 4);
         check_short_conv_batch(c, plens, prows, 5, 512, 4);

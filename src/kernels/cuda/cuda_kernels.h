@@ -277,6 +277,36 @@ typedef struct ds_cu_conv_batch {
     int n_tokens; /* seg_off[n_seq] (the host's copy: how many time chunks to run) */
 } ds_cu_conv_batch;
 int ds_cu_short_conv_silu_batch(ds_cu *c, const ds_cu_conv_batch *b, ds_err *err);
+/* A decode step's KDA middle in one launch, for sequences of one token each and no rollback rows
+ * (and the low-rank output gate): per (head, sequence), the short convs of the head's q, k and v
+ * channels (tails updated), the head norms of q (scaled by q_scale) and k, f_b's and g_b's rows of
+ * the head against f_a x and g_a x, the decay gate and beta, the recurrence and the gated output
+ * norm — what ds_cu_short_conv_silu_batch, ds_cu_l2norm_heads2, ds_cu_matmul (one token, twice),
+ * ds_cu_kda_gate, ds_cu_kda_recurrent_batch and ds_cu_gated_rmsnorm_heads do, with the same
+ * operations on every value, so the same bits, in one launch instead of seven. */
+typedef struct ds_cu_kda_decode {
+    const float *pre; /* [n_seq][ld]: raw q, k, v at columns [0, P), [P, 2P), [2P, 3P); f_a x at
+                         fa_off, g_a x at ga_off, b x at b_off (P = H dk) */
+    int ld, fa_off, ga_off, b_off;
+    const float *conv_w;  /* [3][P][W] */
+    float *const *tails;  /* [n_seq] device: as ds_cu_conv_batch's */
+    const uint16_t *f_b;  /* [P][Kf] BF16: the decay gate's up-projection */
+    const uint16_t *g_b;  /* [P][Kg] BF16: the output gate's */
+    int Kf, Kg;           /* their columns: the first Kf of f_a x, Kg of g_a x */
+    const float *A_log;   /* [H] */
+    const float *dt_bias; /* [P] */
+    const float *o_norm;  /* [dk] */
+    int lower_bound_form;
+    float lb, q_scale, eps, norm_eps; /* the gate's lower bound; q's scale, the head norms' eps;
+                                         the output norm's */
+    float *const *S;                  /* [n_seq] device: each sequence's state [H][dk][dk] */
+    float *y;                         /* [n_seq][H][dk]: the gated, normed output */
+    int n_seq, H, dk, W;
+} ds_cu_kda_decode;
+/* Can ds_cu_kda_decode_fused take this shape (dk 128, conv width 4, Kf and Kg multiples of 8 up
+ * to 128) on this GPU (sm_90: clusters)? */
+int ds_cu_kda_decode_fits(const ds_cu *c, int dk, int W, int Kf, int Kg);
+int ds_cu_kda_decode_fused(ds_cu *c, const ds_cu_kda_decode *d, ds_err *err);
 /* ds_cu_mla_attend_absorbed for the tokens of many sequences in one launch (causal): token t sits
  * at position tok_pos[t] of its sequence, whose block table starts at tables + tok_bt[t];
  * max_ctx bounds every tok_pos + 1. Query (t, h)'s rope part is qr[(t Ha + h) ldqr + 0..dr)

@@ -5,6 +5,7 @@
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <mma.h>
 #include <math.h>
@@ -52,6 +53,7 @@ struct ds_cu {
     size_t moeg_bytes;
     void *blas_ws;        /* cuBLAS's workspace, set once so that graph capture allocates nothing */
     struct cu_prof *prof; /* per-op timing when enabled (ds_cu_prof_enable), else NULL */
+    int sm90;             /* compute capability 9 or above: thread block clusters */
     int pdl;              /* launches may overlap the previous kernel's tail (below) */
     char *skip;           /* ';'-separated profile labels whose kernels are not launched */
     int skipping;         /* the current label is one of them (ds_cu_set_skip) */
@@ -106,6 +108,28 @@ static void launch_k(ds_cu *c, void (*kernel)(P...), dim3 grid, dim3 block, size
                                                                           cudaGetLastError */
 }
 
+/* launch_k for a kernel run in clusters of cl blocks along x (thread block clusters: sm_90) */
+template <typename... P, typename... A>
+static void launch_cluster_k(ds_cu *c, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                             unsigned cl, A &&...args) {
+    if (c->skipping) return;
+    cudaLaunchAttribute at[2];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = c->pdl;
+    at[1].id = cudaLaunchAttributeClusterDimension;
+    at[1].val.clusterDim.x = cl;
+    at[1].val.clusterDim.y = 1;
+    at[1].val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = c->stream;
+    cfg.attrs = at;
+    cfg.numAttrs = 2;
+    (void)cudaLaunchKernelEx(&cfg, kernel, static_cast<A &&>(args)...);
+}
+
 #define CU_TRY(call, what)                                                                         \
     do {                                                                                           \
         cudaError_t e_ = (call);                                                                   \
@@ -151,6 +175,7 @@ extern "C" int ds_cu_create(int device, ds_cu **out, ds_err *err) {
                  p.multiProcessorCount, (double)p.totalGlobalMem / (1u << 30), p.major, p.minor);
         const char *pdl = getenv("DS_CUDA_PDL");
         c->pdl = p.major >= 9 && !(pdl && !strcmp(pdl, "0"));
+        c->sm90 = p.major >= 9;
     }
     if (cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking) != cudaSuccess) {
         free(c);
@@ -3739,6 +3764,204 @@ extern "C" int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, con
         return ds_errf(err, "cuda: kda_recurrent: head dim %d (16, 32, 64 or 128 supported)", dk);
     }
     CU_TRY(cudaGetLastError(), "kda_recurrent_batch");
+    return DS_OK;
+}
+
+/* ---- KDA decode in one kernel (ds_cu_kda_decode_fused) ------------------------------------------
+ * At batch 1 every kernel of the step is a chain of latencies after its wait for the one before
+ * (bench/RESULTS.md, sessions 8-9), and KDA's middle was seven of them: the convs, the head
+ * norms, f_b's and g_b's matmuls, the gate, the recurrence and the gated output norm (13 us a
+ * layer of the 48B shape's step on the H200, by the what-if). Here a cluster of KDF_CL blocks per
+ * (head, sequence) does all of them: block r of the cluster owns a quarter of the head — the
+ * convs of its q, k and v channels (their tails: one writer each), f_b's and g_b's rows of its
+ * channels and the recurrence of its value columns — and hands the q, k and decay values every
+ * block needs to the others' shared memory (distributed shared memory), as it does the
+ * recurrence's outputs for the output norm. A block per head did the same work in 13.5 us: one
+ * SM then reads and writes the head's 64 KB state and 64 KB of weights alone. Its state, conv
+ * weights and tails are read, and its f_b and g_b rows start on their way to shared memory
+ * (cp.async), before the wait for the previous kernel. Each value takes the operations of the
+ * kernel it stands in for (short_conv_batch_k, l2norm_heads_k, stream_rows_dot through a warp's
+ * shuffle tree, kda_gate_k, kda_run at SPLIT 2, gated_rmsnorm_heads_k), so the bits are the
+ * same as theirs. */
+enum { KDF_DK = 128, KDF_CL = 4, KDF_THREADS = 128, KDF_K_MAX = 128 };
+enum { KDF_Q = KDF_DK / KDF_CL }; /* channels (and value columns) a block owns: 32 */
+
+/* the dynamic shared memory: the block's f_b rows then its g_b rows, BF16 */
+static size_t kdf_smem(int Kf, int Kg) {
+    return (size_t)KDF_Q * (Kf + Kg) * sizeof(uint16_t);
+}
+
+template <int W>
+__global__ void __launch_bounds__(KDF_THREADS) kda_decode_fused_k(ds_cu_kda_decode d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 /* (launched in clusters of KDF_CL) */
+    namespace cg = cooperative_groups;
+    constexpr int DK = KDF_DK, Q = KDF_Q, SPLIT = 2, DP = DK / SPLIT;
+    static_assert(KDF_THREADS == 4 * Q && Q == 32, "a warp per 32 rows of a block's share");
+    extern __shared__ uint4 kdf_dyn[]; /* [Q][Kf] f_b's rows, then [Q][Kg] g_b's */
+    __shared__ __align__(16) float fas[KDF_K_MAX], gas[KDF_K_MAX]; /* f_a x, g_a x */
+    /* the head's q and k after the conv (then their norms), e^g: every block's whole copy */
+    __shared__ __align__(16) float qs[DK], ks[DK], ds[DK], os[DK];
+    __shared__ float vs[Q], gts[Q], beta_s; /* this block's v, output gate */
+    cg::cluster_group cl = cg::this_cluster();
+    const int r = (int)cl.block_rank(), h = blockIdx.x / KDF_CL, z = blockIdx.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int P = d.H * DK, Kf = d.Kf, Kg = d.Kg, q0 = r * Q; /* this block's channels q0 + .. */
+    const uint16_t *fbw = (const uint16_t *)kdf_dyn, *gbw = fbw + (size_t)Q * Kf;
+    /* the recurrence: threads 0..63, two a value column q0 + col */
+    const bool rec = tid < SPLIT * Q;
+    const int col = q0 + (tid & 63) / SPLIT, part = tid % SPLIT, c0 = part * DP;
+    /* before the wait: nothing of this step writes these (as kda_run's state; the tails are
+     * this kernel's alone within a step) */
+    float *Sh = d.S[z] + (size_t)h * DK * DK;
+    float s[DP];
+#pragma unroll
+    for (int c = 0; c < DP; c++) s[c] = rec ? __ldcg(Sh + (size_t)(c0 + c) * DK + col) : 0.0f;
+    {
+        uint16_t *dst = (uint16_t *)kdf_dyn;
+        const uint16_t *fb = d.f_b + (size_t)(h * DK + q0) * Kf;
+        const uint16_t *gb = d.g_b + (size_t)(h * DK + q0) * Kg;
+        for (int i = tid; i < Q * Kf / 8; i += KDF_THREADS) cp_async16(dst + i * 8, fb + i * 8);
+        dst += (size_t)Q * Kf;
+        for (int i = tid; i < Q * Kg / 8; i += KDF_THREADS) cp_async16(dst + i * 8, gb + i * 8);
+        cp_async_commit();
+    }
+    /* thread tid < 3 Q: projection j = tid / Q's channel q0 + tid % Q */
+    const bool cv = tid < 3 * Q;
+    const int j = tid / Q, cc = h * DK + q0 + tid % Q;
+    float *tail = d.tails[z];
+    const size_t tn = (size_t)(W - 1) * P; /* one projection's tail */
+    float wc[W], win[W];
+    if (cv) {
+#pragma unroll
+        for (int i = 0; i < W; i++) wc[i] = d.conv_w[((size_t)j * P + cc) * W + i];
+#pragma unroll
+        for (int i = 0; i < W - 1; i++) win[i] = __ldcg(tail + j * tn + (size_t)i * P + cc);
+    }
+    /* lane l < 8 of warp w holds the bias of f_b row q0 + 8 w + l, the rows the warp sums */
+    const float bias = lane < 8 ? d.dt_bias[h * DK + q0 + 8 * warp + lane] : 0.0f;
+    const float a_log = d.A_log[h], nw = d.o_norm[q0 + lane];
+    /* every block of the cluster has started before any writes into another's shared memory */
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+    PDL_ENTRY();
+    const float *pre = d.pre + (size_t)z * d.ld;
+    for (int i = tid; i < Kf; i += KDF_THREADS) fas[i] = pre[d.fa_off + i];
+    for (int i = tid; i < Kg; i += KDF_THREADS) gas[i] = pre[d.ga_off + i];
+    if (tid == 0) beta_s = 1.0f / (1.0f + expf(-pre[d.b_off + h])); /* as kda_gate_k */
+    float cout = 0.0f; /* the conv (short_conv_batch_k at one token), and the new tail */
+    if (cv) {
+        win[W - 1] = pre[(size_t)j * P + cc];
+        float acc = 0.0f;
+#pragma unroll
+        for (int i = 0; i < W; i++) acc += wc[i] * win[i];
+        cout = acc / (1.0f + expf(-acc));
+#pragma unroll
+        for (int i = 0; i < W - 1; i++) tail[j * tn + (size_t)i * P + cc] = win[i + 1];
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+    if (cv && j < 2) /* q and k to every block */
+        for (int b = 0; b < KDF_CL; b++)
+            cl.map_shared_rank(j == 0 ? qs : ks, b)[q0 + tid % Q] = cout;
+    else if (cv)
+        vs[tid % Q] = cout;
+    /* f_b's and g_b's rows q0 + 8 warp + i (stream_rows_dot's order: lane l's pieces l, l + 32,
+     * .., then the shuffle tree); the decay gate (kda_gate_k) and its exponential (as kda_run
+     * stages it) to every block */
+    const float a = expf(a_log);
+    float f[8], gt[8]; /* rows 8 warp + i: the partial sums side by side, then their trees */
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int n = 8 * warp + i; /* of this block's Q rows */
+        const uint4 *fr = (const uint4 *)(fbw + (size_t)n * Kf);
+        const uint4 *gr = (const uint4 *)(gbw + (size_t)n * Kg);
+        f[i] = 0.0f, gt[i] = 0.0f;
+        for (int k8 = lane; k8 < Kf / 8; k8 += 32) f[i] += dot8(fr[k8], fas + (size_t)k8 * 8);
+        for (int k8 = lane; k8 < Kg / 8; k8 += 32) gt[i] += dot8(gr[k8], gas + (size_t)k8 * 8);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            f[i] += __shfl_xor_sync(0xffffffffu, f[i], o);
+            gt[i] += __shfl_xor_sync(0xffffffffu, gt[i], o);
+        }
+    float fl = 0.0f, gl = 0.0f; /* lane l < 8 takes row 8 warp + l */
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        if (lane == i) fl = f[i], gl = gt[i];
+    if (lane < 8) {
+        const int n = 8 * warp + lane;
+        const float x = fl + bias;
+        const float g = d.lower_bound_form ? d.lb / (1.0f + expf(-a * x))
+                                           : -a * (fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))));
+        const float eg = expf(g);
+        for (int b = 0; b < KDF_CL; b++) cl.map_shared_rank(ds, b)[q0 + n] = eg;
+        gts[n] = gl;
+    }
+    cl.sync(); /* every block's q, k and e^g in place */
+    /* q's and k's head norms (l2norm_heads_k: a warp a row; each block its own copy) */
+    if (warp < 2) {
+        float *xr = warp == 0 ? qs : ks, ss = 0.0f;
+        for (int i = lane; i < DK; i += 32) ss += xr[i] * xr[i];
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        const float sc = (warp == 0 ? d.q_scale : 1.0f) / sqrtf(ss + d.eps);
+        for (int i = lane; i < DK; i += 32) xr[i] *= sc;
+    }
+    __syncthreads();
+    /* the recurrence at one token (kda_run), this block's value columns */
+    if (rec) {
+        float e = 0.0f;
+#pragma unroll
+        for (int c = 0; c < DP; c++) {
+            s[c] *= ds[c0 + c];
+            e += ks[c0 + c] * s[c];
+        }
+        e += __shfl_xor_sync(0xffffffffu, e, 1);
+        const float err_v = beta_s * (vs[col - q0] - e);
+        float acc = 0.0f;
+#pragma unroll
+        for (int c = 0; c < DP; c++) {
+            s[c] += ks[c0 + c] * err_v;
+            acc += qs[c0 + c] * s[c];
+        }
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+        if (part == 0)
+            for (int b = 0; b < KDF_CL; b++) cl.map_shared_rank(os, b)[col] = acc;
+#pragma unroll
+        for (int c = 0; c < DP; c++) Sh[(size_t)(c0 + c) * DK + col] = s[c];
+    }
+    cl.sync(); /* the head's outputs in every block (and no block reads another's memory after) */
+    /* the gated output norm (gated_rmsnorm_heads_k: a warp a row), this block's columns */
+    if (warp == 0) {
+        float ss = 0.0f;
+        for (int i = lane; i < DK; i += 32) ss += os[i] * os[i];
+        for (int k = 16; k > 0; k >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, k);
+        const float rr = 1.0f / sqrtf(ss / (float)DK + d.norm_eps);
+        d.y[((size_t)z * d.H + h) * DK + q0 + lane] =
+            os[q0 + lane] * rr * nw / (1.0f + expf(-gts[lane]));
+    }
+#endif
+}
+
+extern "C" int ds_cu_kda_decode_fits(const ds_cu *c, int dk, int W, int Kf, int Kg) {
+    return c->sm90 && dk == KDF_DK && W == 4 && Kf > 0 && Kf % 8 == 0 && Kf <= KDF_K_MAX &&
+           Kg > 0 && Kg % 8 == 0 && Kg <= KDF_K_MAX;
+}
+
+extern "C" int ds_cu_kda_decode_fused(ds_cu *c, const ds_cu_kda_decode *d, ds_err *err) {
+    if (!ds_cu_kda_decode_fits(c, d->dk, d->W, d->Kf, d->Kg))
+        return ds_errf(err,
+                       "cuda: kda decode (fused): head dim %d, conv width %d, f_b and g_b of "
+                       "%d and %d columns (128, 4, multiples of 8 up to 128; sm_90)",
+                       d->dk, d->W, d->Kf, d->Kg);
+    if (d->n_seq <= 0 || d->H <= 0) return DS_OK;
+    if (d->n_seq > 65535) return ds_errf(err, "cuda: kda decode (fused): %d sequences", d->n_seq);
+    if ((uintptr_t)d->f_b % 16 || (uintptr_t)d->g_b % 16)
+        return ds_errf(err, "cuda: kda decode (fused): f_b or g_b not 16-byte aligned");
+    launch_cluster_k(c, kda_decode_fused_k<4>, dim3((unsigned)(d->H * KDF_CL), (unsigned)d->n_seq),
+                     KDF_THREADS, kdf_smem(d->Kf, d->Kg), KDF_CL, *d);
+    CU_TRY(cudaGetLastError(), "kda decode (fused)");
     return DS_OK;
 }
 
