@@ -3803,10 +3803,6 @@ __global__ void __launch_bounds__(KDF_THREADS) kda_decode_fused_k(ds_cu_kda_deco
     /* the head's q and k after the conv (then their norms), e^g: every block's whole copy */
     __shared__ __align__(16) float qs[DK], ks[DK], ds[DK], os[DK];
     __shared__ float vs[Q], gts[Q], beta_s; /* this block's v, output gate */
-    /* the state's rows [part 64, part 64 + 64) of this block's Q columns, the second half
-     * 16 floats on so that a warp's two halves fall in different banks (SS_PART apart) */
-    constexpr int SS_PART = DP * Q + 16;
-    __shared__ __align__(16) float Ss[SPLIT * SS_PART];
     cg::cluster_group cl = cg::this_cluster();
     const int r = (int)cl.block_rank(), h = blockIdx.x / KDF_CL, z = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -3816,15 +3812,11 @@ __global__ void __launch_bounds__(KDF_THREADS) kda_decode_fused_k(ds_cu_kda_deco
     const bool rec = tid < SPLIT * Q;
     const int col = q0 + (tid & 63) / SPLIT, part = tid % SPLIT, c0 = part * DP;
     /* before the wait: nothing of this step writes these (as kda_run's state; the tails are
-     * this kernel's alone within a step). The state goes to shared memory by cp.async (in
-     * registers from here it held 64 of them a thread through the whole kernel: 162 in all, too
-     * many to sit beside the q/k/v matmul's blocks before the wait) */
+     * this kernel's alone within a step) */
     float *Sh = d.S[z] + (size_t)h * DK * DK;
-    for (int i = tid; i < DK * (Q / 4); i += KDF_THREADS) {
-        const int row = i / (Q / 4), c4 = (i % (Q / 4)) * 4;
-        cp_async16(Ss + (row / DP) * SS_PART + (row % DP) * Q + c4,
-                   Sh + (size_t)row * DK + q0 + c4);
-    }
+    float s[DP];
+#pragma unroll
+    for (int c = 0; c < DP; c++) s[c] = rec ? __ldcg(Sh + (size_t)(c0 + c) * DK + col) : 0.0f;
     {
         uint16_t *dst = (uint16_t *)kdf_dyn;
         const uint16_t *fb = d.f_b + (size_t)(h * DK + q0) * Kf;
@@ -3878,31 +3870,27 @@ __global__ void __launch_bounds__(KDF_THREADS) kda_decode_fused_k(ds_cu_kda_deco
      * .., then the shuffle tree); the decay gate (kda_gate_k) and its exponential (as kda_run
      * stages it) to every block */
     const float a = expf(a_log);
-    /* rows 8 warp + i: four at a time, their partial sums side by side, then their trees */
+    float f[8], gt[8]; /* rows 8 warp + i: the partial sums side by side, then their trees */
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int n = 8 * warp + i; /* of this block's Q rows */
+        const uint4 *fr = (const uint4 *)(fbw + (size_t)n * Kf);
+        const uint4 *gr = (const uint4 *)(gbw + (size_t)n * Kg);
+        f[i] = 0.0f, gt[i] = 0.0f; /* a lane has one piece at most: K <= 32 x 8 */
+        if (lane < Kf / 8) f[i] += dot8(fr[lane], fas + (size_t)lane * 8);
+        if (lane < Kg / 8) gt[i] += dot8(gr[lane], gas + (size_t)lane * 8);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            f[i] += __shfl_xor_sync(0xffffffffu, f[i], o);
+            gt[i] += __shfl_xor_sync(0xffffffffu, gt[i], o);
+        }
     float fl = 0.0f, gl = 0.0f; /* lane l < 8 takes row 8 warp + l */
 #pragma unroll
-    for (int i0 = 0; i0 < 8; i0 += 4) {
-        float f[4], gt[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int n = 8 * warp + i0 + i; /* of this block's Q rows */
-            const uint4 *fr = (const uint4 *)(fbw + (size_t)n * Kf);
-            const uint4 *gr = (const uint4 *)(gbw + (size_t)n * Kg);
-            f[i] = 0.0f, gt[i] = 0.0f; /* a lane has one piece at most: K <= 32 x 8 */
-            if (lane < Kf / 8) f[i] += dot8(fr[lane], fas + (size_t)lane * 8);
-            if (lane < Kg / 8) gt[i] += dot8(gr[lane], gas + (size_t)lane * 8);
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                f[i] += __shfl_xor_sync(0xffffffffu, f[i], o);
-                gt[i] += __shfl_xor_sync(0xffffffffu, gt[i], o);
-            }
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            if (lane == i0 + i) fl = f[i], gl = gt[i];
-    }
+    for (int i = 0; i < 8; i++)
+        if (lane == i) fl = f[i], gl = gt[i];
     if (lane < 8) {
         const int n = 8 * warp + lane;
         const float x = fl + bias;
@@ -3924,29 +3912,25 @@ __global__ void __launch_bounds__(KDF_THREADS) kda_decode_fused_k(ds_cu_kda_deco
     __syncthreads();
     /* the recurrence at one token (kda_run), this block's value columns */
     if (rec) {
-        /* the column's state stays in shared memory (decayed in place by the first loop):
-         * kept in registers it took 157 of them a thread, too many for the kernel to sit beside
-         * the q/k/v matmul's blocks before the wait */
-        float *sp = Ss + part * SS_PART + (col - q0);
         float e = 0.0f;
-#pragma unroll 16
+#pragma unroll
         for (int c = 0; c < DP; c++) {
-            const float sc = sp[c * Q] * ds[c0 + c];
-            sp[c * Q] = sc;
-            e += ks[c0 + c] * sc;
+            s[c] *= ds[c0 + c];
+            e += ks[c0 + c] * s[c];
         }
         e += __shfl_xor_sync(0xffffffffu, e, 1);
         const float err_v = beta_s * (vs[col - q0] - e);
         float acc = 0.0f;
-#pragma unroll 16
+#pragma unroll
         for (int c = 0; c < DP; c++) {
-            const float sc = sp[c * Q] + ks[c0 + c] * err_v;
-            acc += qs[c0 + c] * sc;
-            Sh[(size_t)(c0 + c) * DK + col] = sc;
+            s[c] += ks[c0 + c] * err_v;
+            acc += qs[c0 + c] * s[c];
         }
         acc += __shfl_xor_sync(0xffffffffu, acc, 1);
         if (part == 0)
             for (int b = 0; b < KDF_CL; b++) cl.map_shared_rank(os, b)[col] = acc;
+#pragma unroll
+        for (int c = 0; c < DP; c++) Sh[(size_t)(c0 + c) * DK + col] = s[c];
     }
     cl.sync(); /* the head's outputs in every block (and no block reads another's memory after) */
     /* the gated output norm (gated_rmsnorm_heads_k: a warp a row), this block's columns */
