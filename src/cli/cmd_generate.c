@@ -74,7 +74,7 @@ static const char *default_device(void) {
 
 int ds_cmd_generate(int argc, char **argv) {
     const char *model_dir = NULL, *prompt = NULL, *device = default_device();
-    int chat = 0, max_tokens = 64, top_k = 0, ignore_eos = 0;
+    int chat = 0, max_tokens = 64, top_k = 0, ignore_eos = 0, print_ids = 0;
     double temperature = 0.0, top_p = 1.0;
     int64_t seed = 0;
     ds_arg opts[] = {
@@ -88,6 +88,9 @@ int ds_cmd_generate(int argc, char **argv) {
         DS_OPT("top-k", NULL, DS_ARG_INT, &top_k, "K", "keep the K most likely tokens (0 = off)"),
         DS_OPT("seed", NULL, DS_ARG_I64, &seed, "S", "sampling seed"),
         DS_OPT("ignore-eos", NULL, DS_ARG_BOOL, &ignore_eos, NULL, "do not stop at end of turn"),
+        DS_OPT("print-ids", NULL, DS_ARG_BOOL, &print_ids, NULL,
+               "after the text, the generated token ids on a line of their own (special and "
+               "unprintable tokens included)"),
         {"device", NULL, DS_ARG_STRING, &device, "D", "cpu, cuda or auto",
          .choices = ds_device_names},
     };
@@ -168,6 +171,10 @@ int ds_cmd_generate(int argc, char **argv) {
     int steps = produced > 1 ? produced - 1 : 0;
     double gbs = steps ? ds_model_decode_bytes(m) * steps / t_decode / 1e9 : 0;
     fprintf(stdout, "\n");
+    if (print_ids) {
+        for (int i = 0; i < produced; i++) fprintf(stdout, "%s%d", i ? "," : "ids: ", out_ids[i]);
+        fprintf(stdout, "\n");
+    }
     fprintf(stderr,
             "[deltaserve] prompt %d tokens, %.1f tok/s | decode %d tokens, %.1f tok/s | "
             "%.2f GB/s weights read on %s\n",

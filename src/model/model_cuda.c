@@ -154,6 +154,14 @@ typedef struct ds_cuda_model {
     void *nccl; /* ds_nccl *: the TP group's sums on the GPUs, or NULL (through the host) */
 } ds_cuda_model;
 
+/* Does this model's KDA shape fit ds_cu_kda_decode_fused (see kda_fused)? */
+static int kda_fuse_fits(const ds_model *m, const ds_cuda_model *cm, const cu_kda *w) {
+    const ds_config *c = &m->cfg;
+    return !c->use_full_rank_gate &&
+           ds_cu_kda_decode_fits(cm->c, c->kda_head_dim, c->short_conv_kernel_size, w->f_b.cols,
+                                 w->g_b.cols);
+}
+
 static int keep(ds_cuda_model *cm, void *p, ds_err *err) {
     if (cm->n_allocs == cm->cap_allocs) {
         int cap = cm->cap_allocs ? 2 * cm->cap_allocs : 256;
@@ -533,6 +541,17 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     free(cm->conv);
     cm->conv = NULL;
     cm->conv_cap = 0;
+    const char *kf = getenv("DS_CUDA_KDA_FUSED");
+    for (int i = m->l0; kf && *kf && i < m->l1; i++) /* asked for: say whether it applies */
+        if (m->layers[i].kind == DS_LAYER_KDA) {
+            fprintf(stderr, "[deltaserve] DS_CUDA_KDA_FUSED=%s: %s\n", kf,
+                    !kda_fuse_fits(m, cm, &cm->layers[i].kda)
+                        ? "this model's KDA shape does not fit the fused decode kernel"
+                    : cm->kda_fuse_max > 0
+                        ? "decode steps of that many sequences or fewer take the fused KDA kernel"
+                        : "the fused KDA decode kernel is off");
+            break;
+        }
     setup_nccl(m, cm, device_index);
     return ds_cu_sync(cm->c, err);
 fail:
@@ -845,14 +864,12 @@ static int kda_chunked_segments(const cstep *s) {
  * launches it replaces) when every sequence brings one token and keeps no rollback rows, up to
  * kda_fuse_max sequences (KDA_FUSE_MAX, DS_CUDA_KDA_FUSED; 0: never). Each cluster stages its
  * head's f_b and g_b rows, which the batched matmuls read once for all sequences: on the H200 at
- * the 48B shape (bench/RESULTS.md, session 14) a step took 2.548-2.553 ms against 2.597-2.616 at
- * batch 1, 3.989-4.029 against 4.045 at 2, but 5.81 against 5.69 at 4 and 8.68 against 8.47 at 8. */
+ * the 48B shape (bench/RESULTS.md, session 14) a step took 2.529-2.553 ms against 2.588-2.616
+ * at batch 1, 3.989-4.029 against 4.013-4.045 at 2, but 5.81 against 5.69-5.72 at 4 and 8.68
+ * against 8.47-8.48 at 8. */
 static int kda_fused(const cstep *s, const cu_kda *w) {
-    const ds_config *c = &s->m->cfg;
     if (s->any_rows || s->n_seq > s->cm->kda_fuse_max || s->T != s->n_seq ||
-        c->use_full_rank_gate ||
-        !ds_cu_kda_decode_fits(s->c, c->kda_head_dim, c->short_conv_kernel_size, w->f_b.cols,
-                               w->g_b.cols))
+        !kda_fuse_fits(s->m, s->cm, w))
         return 0;
     for (int z = 0; z < s->n_seq; z++)
         if (s->seqs[z].n != 1 || kda_chunk_eligible(s, z)) return 0;

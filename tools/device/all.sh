@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # On the GPU machine, with .devbin carried: everything one device call can check and time in
-# about 2.5 minutes — every kernel against the CPU, the CPU's model and engine tests on the GPU,
+# about 4 minutes — every kernel against the CPU, the CPU's model and engine tests on the GPU,
 # -pp 2 / -tp 2 against one GPU, the per-op profile and the 48B-shape benchmark with graphs, the
 # bundled eval served from the GPU (300 problems, one process, PP 2 and TP 2 + DSpark + prefix +
-# offload), and the KDA, expert and MLA kernel timings. A line per part that failed at the end;
+# offload), the fused KDA decode through a whole model (fused_check.sh), and the KDA, expert and
+# MLA kernel timings. A line per part that failed at the end;
 # logs and JSON under $OUT.
 . "$(dirname "$0")/env.sh"
 failed=""
+# bench-large's random checkpoint (for fused_check.sh, at the end) written beside the first parts
+.devbin/deltaserve init-model --preset bench-large --out /tmp/bench-large > "$OUT/bl_init.log" 2>&1 &
+bl_pid=$!
 tools/device/cuda_model_check.sh 2>&1 | tail -8 || failed+=" model-check"
 tools/device/cuda_pp_check.sh 2>&1 | tail -4 || failed+=" pp-check"
 PROMPT=8192 BATCHES=1,256 timeout 200 tools/device/profile48.sh > "$OUT/profile_all.txt" 2>&1 ||
@@ -17,6 +21,8 @@ DS_CUDA_KDA_TC=0 OUT=/tmp/ds-kda-f32 EAGER=0 BATCHES=1 REPS=2 timeout 100 tools/
   grep "prompt" | sed "s/^/DS_CUDA_KDA_TC=0: /" || failed+=" bench-kda-f32"
 timeout 200 tools/device/gpu_serve_eval.sh "${EVAL_LIMIT:-300}" 2>&1 | grep -v Killed | tail -7 ||
   failed+=" eval"
+wait $bl_pid
+BL=/tmp/bench-large timeout 120 tools/device/fused_check.sh 2>&1 | tail -5 || failed+=" fused-check"
 timeout 120 .devbin/test_cuda_kernels --bench kda,moe,mla 2>&1 | grep "^bench" > "$OUT/kernel_bench.txt" ||
   failed+=" kernel-bench"
 cat "$OUT/kernel_bench.txt"
