@@ -90,29 +90,12 @@ struct ds_cu {
     } while (0)
 #endif
 
-template <typename... P, typename... A>
-static void launch_k(ds_cu *c, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
-                     A &&...args) {
-    if (c->skipping) return; /* a what-if measurement (ds_cu_set_skip) */
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = c->pdl;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = c->stream;
-    cfg.attrs = at;
-    cfg.numAttrs = 1;
-    (void)cudaLaunchKernelEx(&cfg, kernel, static_cast<A &&>(args)...); /* seen by the caller's
-                                                                          cudaGetLastError */
-}
-
-/* launch_k for a kernel run in clusters of cl blocks along x (thread block clusters: sm_90) */
+/* A launch on the step's stream, with programmatic dependent launch when on; cl > 0 runs the
+ * blocks in clusters of cl along x (thread block clusters: sm_90). */
 template <typename... P, typename... A>
 static void launch_cluster_k(ds_cu *c, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
                              unsigned cl, A &&...args) {
-    if (c->skipping) return;
+    if (c->skipping) return; /* a what-if measurement (ds_cu_set_skip) */
     cudaLaunchAttribute at[2];
     at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     at[0].val.programmaticStreamSerializationAllowed = c->pdl;
@@ -126,8 +109,15 @@ static void launch_cluster_k(ds_cu *c, void (*kernel)(P...), dim3 grid, dim3 blo
     cfg.dynamicSmemBytes = smem;
     cfg.stream = c->stream;
     cfg.attrs = at;
-    cfg.numAttrs = 2;
-    (void)cudaLaunchKernelEx(&cfg, kernel, static_cast<A &&>(args)...);
+    cfg.numAttrs = cl ? 2 : 1;
+    (void)cudaLaunchKernelEx(&cfg, kernel, static_cast<A &&>(args)...); /* seen by the caller's
+                                                                          cudaGetLastError */
+}
+
+template <typename... P, typename... A>
+static void launch_k(ds_cu *c, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                     A &&...args) {
+    launch_cluster_k(c, kernel, grid, block, smem, 0u, static_cast<A &&>(args)...);
 }
 
 #define CU_TRY(call, what)                                                                         \
