@@ -3788,6 +3788,7 @@ __global__ void __launch_bounds__(KDF_THREADS) kda_decode_fused_k(ds_cu_kda_deco
     constexpr int DK = KDF_DK, Q = KDF_Q, SPLIT = 2, DP = DK / SPLIT;
     static_assert(KDF_THREADS == 4 * Q && Q == 32, "a warp per 32 rows of a block's share");
     static_assert(KDF_K_MAX <= 32 * 8, "f_b's and g_b's rows: one 16-byte piece a lane");
+    static_assert(KDF_K_MAX <= KDF_THREADS, "f_a x and g_a x: one element a thread");
     extern __shared__ uint4 kdf_dyn[]; /* [Q][Kf] f_b's rows, then [Q][Kg] g_b's */
     __shared__ __align__(16) float fas[KDF_K_MAX], gas[KDF_K_MAX]; /* f_a x, g_a x */
     /* the head's q and k after the conv (then their norms), e^g: every block's whole copy */
@@ -3803,17 +3804,30 @@ __global__ void __launch_bounds__(KDF_THREADS) kda_decode_fused_k(ds_cu_kda_deco
     const int col = q0 + (tid & 63) / SPLIT, part = tid % SPLIT, c0 = part * DP;
     /* before the wait: nothing of this step writes these (as kda_run's state; the tails are
      * this kernel's alone within a step) */
-    float *Sh = d.S[z] + (size_t)h * DK * DK;
+    /* this thread's column from row c0 on: entry c at Sc[c DK], a constant offset (an address
+     * worked out per entry took four instructions and a register each) */
+    float *Sc = d.S[z] + (size_t)h * DK * DK + (size_t)c0 * DK + col;
     float s[DP];
 #pragma unroll
-    for (int c = 0; c < DP; c++) s[c] = rec ? __ldcg(Sh + (size_t)(c0 + c) * DK + col) : 0.0f;
+    for (int c = 0; c < DP; c++) s[c] = __ldcg(Sc + c * DK); /* (threads 64.. repeat 0..63's) */
     {
         uint16_t *dst = (uint16_t *)kdf_dyn;
         const uint16_t *fb = d.f_b + (size_t)(h * DK + q0) * Kf;
         const uint16_t *gb = d.g_b + (size_t)(h * DK + q0) * Kg;
-        for (int i = tid; i < Q * Kf / 8; i += KDF_THREADS) cp_async16(dst + i * 8, fb + i * 8);
+        /* (trip counts bounded at compile time: a run-time loop here was unrolled with its
+         * remainders into more code than the rest of the kernel) */
+        constexpr int PT = Q * KDF_K_MAX / 8 / KDF_THREADS; /* pieces a thread, at most */
+#pragma unroll
+        for (int u = 0; u < PT; u++) {
+            const int i = tid + u * KDF_THREADS;
+            if (i < Q * Kf / 8) cp_async16(dst + i * 8, fb + i * 8);
+        }
         dst += (size_t)Q * Kf;
-        for (int i = tid; i < Q * Kg / 8; i += KDF_THREADS) cp_async16(dst + i * 8, gb + i * 8);
+#pragma unroll
+        for (int u = 0; u < PT; u++) {
+            const int i = tid + u * KDF_THREADS;
+            if (i < Q * Kg / 8) cp_async16(dst + i * 8, gb + i * 8);
+        }
         cp_async_commit();
     }
     /* thread tid < 3 Q: projection j = tid / Q's channel q0 + tid % Q */
@@ -3835,18 +3849,16 @@ __global__ void __launch_bounds__(KDF_THREADS) kda_decode_fused_k(ds_cu_kda_deco
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
     PDL_ENTRY();
     const float *pre = d.pre + (size_t)z * d.ld;
-    for (int i = tid; i < Kf; i += KDF_THREADS) fas[i] = pre[d.fa_off + i];
-    for (int i = tid; i < Kg; i += KDF_THREADS) gas[i] = pre[d.ga_off + i];
+    if (tid < Kf) fas[tid] = pre[d.fa_off + tid]; /* (Kf, Kg <= KDF_THREADS) */
+    if (tid < Kg) gas[tid] = pre[d.ga_off + tid];
     if (tid == 0) beta_s = 1.0f / (1.0f + expf(-pre[d.b_off + h])); /* as kda_gate_k */
-    float cout = 0.0f; /* the conv (short_conv_batch_k at one token), and the new tail */
+    float cout = 0.0f; /* the conv (short_conv_batch_k at one token); the new tail at the end */
     if (cv) {
         win[W - 1] = pre[(size_t)j * P + cc];
         float acc = 0.0f;
 #pragma unroll
         for (int i = 0; i < W; i++) acc += wc[i] * win[i];
         cout = acc / (1.0f + expf(-acc));
-#pragma unroll
-        for (int i = 0; i < W - 1; i++) tail[j * tn + (size_t)i * P + cc] = win[i + 1];
     }
     cp_async_wait_all();
     __syncthreads();
@@ -3861,14 +3873,17 @@ __global__ void __launch_bounds__(KDF_THREADS) kda_decode_fused_k(ds_cu_kda_deco
      * stages it) to every block */
     const float a = expf(a_log);
     float f[8], gt[8]; /* rows 8 warp + i: the partial sums side by side, then their trees */
+    /* A lane has one piece of a row at most (K <= 32 x 8): its sum is 0 + that piece, or 0.
+     * Lanes past the row compute a piece they then drop (no branch a row). */
+    const bool fl_on = lane < Kf / 8, gl_on = lane < Kg / 8;
+    const int fk = fl_on ? lane : 0, gk = gl_on ? lane : 0;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         const int n = 8 * warp + i; /* of this block's Q rows */
-        const uint4 *fr = (const uint4 *)(fbw + (size_t)n * Kf);
-        const uint4 *gr = (const uint4 *)(gbw + (size_t)n * Kg);
-        f[i] = 0.0f, gt[i] = 0.0f; /* a lane has one piece at most: K <= 32 x 8 */
-        if (lane < Kf / 8) f[i] += dot8(fr[lane], fas + (size_t)lane * 8);
-        if (lane < Kg / 8) gt[i] += dot8(gr[lane], gas + (size_t)lane * 8);
+        const float fv = dot8(((const uint4 *)(fbw + (size_t)n * Kf))[fk], fas + (size_t)fk * 8);
+        const float gv = dot8(((const uint4 *)(gbw + (size_t)n * Kg))[gk], gas + (size_t)gk * 8);
+        f[i] = fl_on ? 0.0f + fv : 0.0f;
+        gt[i] = gl_on ? 0.0f + gv : 0.0f;
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
@@ -3891,46 +3906,60 @@ __global__ void __launch_bounds__(KDF_THREADS) kda_decode_fused_k(ds_cu_kda_deco
         gts[n] = gl;
     }
     cl.sync(); /* every block's q, k and e^g in place */
-    /* q's and k's head norms (l2norm_heads_k: a warp a row; each block its own copy) */
-    if (warp < 2) {
-        float *xr = warp == 0 ? qs : ks, ss = 0.0f;
+    /* Every warp runs the shuffles below, whatever part of the result it keeps: a shuffle
+     * under a branch the compiler cannot see is warp-uniform gets a second, collective copy of
+     * the code around it (the recurrence was in the kernel twice). */
+    /* q's and k's head norms (l2norm_heads_k: a warp a row; each block its own copy). Warps 2
+     * and 3 sum e^g (read-only here) and keep nothing. */
+    {
+        const float *xr = warp == 0 ? qs : warp == 1 ? ks : ds;
+        float ss = 0.0f;
         for (int i = lane; i < DK; i += 32) ss += xr[i] * xr[i];
         for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
         const float sc = (warp == 0 ? d.q_scale : 1.0f) / sqrtf(ss + d.eps);
-        for (int i = lane; i < DK; i += 32) xr[i] *= sc;
+        if (warp < 2)
+            for (int i = lane; i < DK; i += 32) (warp == 0 ? qs : ks)[i] *= sc;
     }
     __syncthreads();
-    /* the recurrence at one token (kda_run), this block's value columns */
-    if (rec) {
-        float e = 0.0f;
+    /* the recurrence at one token (kda_run), this block's value columns (warps 2 and 3 repeat
+     * 0 and 1 and keep nothing) */
+    float e = 0.0f;
 #pragma unroll
-        for (int c = 0; c < DP; c++) {
-            s[c] *= ds[c0 + c];
-            e += ks[c0 + c] * s[c];
-        }
-        e += __shfl_xor_sync(0xffffffffu, e, 1);
-        const float err_v = beta_s * (vs[col - q0] - e);
-        float acc = 0.0f;
-#pragma unroll
-        for (int c = 0; c < DP; c++) {
-            s[c] += ks[c0 + c] * err_v;
-            acc += qs[c0 + c] * s[c];
-        }
-        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-        if (part == 0)
-            for (int b = 0; b < KDF_CL; b++) cl.map_shared_rank(os, b)[col] = acc;
-#pragma unroll
-        for (int c = 0; c < DP; c++) Sh[(size_t)(c0 + c) * DK + col] = s[c];
+    for (int c = 0; c < DP; c++) {
+        s[c] *= ds[c0 + c];
+        e += ks[c0 + c] * s[c];
     }
+    e += __shfl_xor_sync(0xffffffffu, e, 1);
+    const float err_v = beta_s * (vs[col - q0] - e);
+    float acc = 0.0f;
+#pragma unroll
+    for (int c = 0; c < DP; c++) {
+        s[c] += ks[c0 + c] * err_v;
+        acc += qs[c0 + c] * s[c];
+    }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    if (rec && part == 0)
+        for (int b = 0; b < KDF_CL; b++) cl.map_shared_rank(os, b)[col] = acc;
+    /* (A cluster barrier's release is a GPU-wide memory barrier on this hardware: it waits for
+     * every store still in flight. The state's and the tails' stores, read only by the next
+     * step, go after the last one.) */
     cl.sync(); /* the head's outputs in every block (and no block reads another's memory after) */
-    /* the gated output norm (gated_rmsnorm_heads_k: a warp a row), this block's columns */
-    if (warp == 0) {
+    if (rec)
+#pragma unroll
+        for (int c = 0; c < DP; c++) Sc[c * DK] = s[c];
+    if (cv)
+#pragma unroll
+        for (int i = 0; i < W - 1; i++) tail[j * tn + (size_t)i * P + cc] = win[i + 1];
+    /* the gated output norm (gated_rmsnorm_heads_k: a warp a row), this block's columns: warp
+     * 0's to keep */
+    {
         float ss = 0.0f;
         for (int i = lane; i < DK; i += 32) ss += os[i] * os[i];
         for (int k = 16; k > 0; k >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, k);
         const float rr = 1.0f / sqrtf(ss / (float)DK + d.norm_eps);
-        d.y[((size_t)z * d.H + h) * DK + q0 + lane] =
-            os[q0 + lane] * rr * nw / (1.0f + expf(-gts[lane]));
+        if (warp == 0)
+            d.y[((size_t)z * d.H + h) * DK + q0 + lane] =
+                os[q0 + lane] * rr * nw / (1.0f + expf(-gts[lane]));
     }
 #endif
 }
