@@ -1190,6 +1190,13 @@ extern "C" int ds_cu_short_conv_silu(ds_cu *c, float *out, const float *in, int 
     return DS_OK;
 }
 
+/* The log decay of a channel from f_b's output plus its bias (x) and a = e^A_log: kda_gate_k's
+ * and the fused decode's one expression, so that both give the same bits. */
+__device__ __forceinline__ float kda_decay(float x, float a, int lower_bound_form, float lb) {
+    return lower_bound_form ? lb / (1.0f + expf(-a * x))
+                            : -a * (fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))));
+}
+
 /* thread x of the grid takes column hc = x of every row t = blockIdx.y (+ gridDim.y ...): no
  * division an element */
 __global__ void kda_gate_k(float *g, const float *f, int T, int H, int dk, const float *A_log,
@@ -1206,12 +1213,7 @@ __global__ void kda_gate_k(float *g, const float *f, int T, int H, int dk, const
         if (beta && hc < H) /* as ds_cu_sigmoid: the same bits */
             beta[(size_t)t * H + hc] = 1.0f / (1.0f + expf(-b_in[(size_t)t * ld_b + hc]));
         const size_t i = (size_t)t * P + hc;
-        const float x = f[i] + bias;
-        if (lower_bound_form) {
-            g[i] = lb / (1.0f + expf(-a * x));
-        } else {
-            g[i] = -a * (fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))));
-        }
+        g[i] = kda_decay(f[i] + bias, a, lower_bound_form, lb);
     }
 }
 
@@ -3582,6 +3584,33 @@ extern "C" int ds_cu_draw_rows(ds_cu *c, int32_t *tokens, float *x, size_t ld, i
  * a column and adding their partial dot products with a shuffle (SPLIT 2 at DK 128 keeps the
  * column in registers without spilling). Per token the block stages q, k and exp(g) in shared
  * memory. Blocks: (head, column tile, sequence); a batch of sequences is one launch. */
+/* One token of the recurrence for a thread's DP entries s of a state column (entries c0 + c),
+ * SPLIT neighbouring lanes sharing the column: decay by ds, predict v from the decayed state
+ * (with k), write k (beta err)^T, read with q; returns the column's output (every lane of the
+ * SPLIT has it). kda_run's and the fused decode's one step, so that both give the same bits. */
+template <int DP, int SPLIT>
+__device__ __forceinline__ float kda_token(float (&s)[DP], const float *qs, const float *ks,
+                                           const float *ds, int c0, float vt, float bt, bool live) {
+    float e = 0.0f;
+#pragma unroll
+    for (int c = 0; c < DP; c++) {
+        s[c] *= ds[c0 + c];
+        e += ks[c0 + c] * s[c];
+    }
+#pragma unroll
+    for (int m = 1; m < SPLIT; m <<= 1) e += __shfl_xor_sync(0xffffffffu, e, m);
+    const float err_v = live ? bt * (vt - e) : 0.0f;
+    float acc = 0.0f;
+#pragma unroll
+    for (int c = 0; c < DP; c++) {
+        s[c] += ks[c0 + c] * err_v;
+        acc += qs[c0 + c] * s[c];
+    }
+#pragma unroll
+    for (int m = 1; m < SPLIT; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+    return acc;
+}
+
 template <int DK, int SPLIT>
 __device__ void kda_run(float *o, const float *q, const float *k, const float *v, const float *g,
                         const float *beta, float *Sh, float *S_rows, size_t rows_stride, int t0,
@@ -3623,25 +3652,7 @@ __device__ void kda_run(float *o, const float *q, const float *k, const float *v
         const float vt = nv, bt = nb;
         if (t + 1 < t1) fetch(t + 1);
         __syncthreads();
-        /* decay, then predict v from the decayed state */
-        float e = 0.0f;
-#pragma unroll
-        for (int c = 0; c < DP; c++) {
-            s[c] *= ds[c0 + c];
-            e += ks[c0 + c] * s[c];
-        }
-#pragma unroll
-        for (int m = 1; m < SPLIT; m <<= 1) e += __shfl_xor_sync(0xffffffffu, e, m);
-        const float err_v = live ? bt * (vt - e) : 0.0f;
-        /* write k (beta e)^T, read with q after the write */
-        float acc = 0.0f;
-#pragma unroll
-        for (int c = 0; c < DP; c++) {
-            s[c] += ks[c0 + c] * err_v;
-            acc += qs[c0 + c] * s[c];
-        }
-#pragma unroll
-        for (int m = 1; m < SPLIT; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+        const float acc = kda_token<DP, SPLIT>(s, qs, ks, ds, c0, vt, bt, live);
         if (live) {
             if (part == 0) o[th * dv + col] = acc;
             if (S_rows) {
@@ -3898,10 +3909,7 @@ __global__ void __launch_bounds__(KDF_THREADS) kda_decode_fused_k(ds_cu_kda_deco
         if (lane == i) fl = f[i], gl = gt[i];
     if (lane < 8) {
         const int n = 8 * warp + lane;
-        const float x = fl + bias;
-        const float g = d.lower_bound_form ? d.lb / (1.0f + expf(-a * x))
-                                           : -a * (fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))));
-        const float eg = expf(g);
+        const float eg = expf(kda_decay(fl + bias, a, d.lower_bound_form, d.lb));
         for (int b = 0; b < KDF_CL; b++) cl.map_shared_rank(ds, b)[q0 + n] = eg;
         gts[n] = gl;
     }
@@ -3923,21 +3931,7 @@ __global__ void __launch_bounds__(KDF_THREADS) kda_decode_fused_k(ds_cu_kda_deco
     __syncthreads();
     /* the recurrence at one token (kda_run), this block's value columns (warps 2 and 3 repeat
      * 0 and 1 and keep nothing) */
-    float e = 0.0f;
-#pragma unroll
-    for (int c = 0; c < DP; c++) {
-        s[c] *= ds[c0 + c];
-        e += ks[c0 + c] * s[c];
-    }
-    e += __shfl_xor_sync(0xffffffffu, e, 1);
-    const float err_v = beta_s * (vs[col - q0] - e);
-    float acc = 0.0f;
-#pragma unroll
-    for (int c = 0; c < DP; c++) {
-        s[c] += ks[c0 + c] * err_v;
-        acc += qs[c0 + c] * s[c];
-    }
-    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    const float acc = kda_token<DP, SPLIT>(s, qs, ks, ds, c0, vs[col - q0], beta_s, true);
     if (rec && part == 0)
         for (int b = 0; b < KDF_CL; b++) cl.map_shared_rank(os, b)[col] = acc;
     /* (A cluster barrier's release is a GPU-wide memory barrier on this hardware: it waits for
