@@ -482,10 +482,9 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     ds_cu_set_wide_early(cm->c, env_flag("DS_CUDA_WIDE_EARLY", 1));
     ds_cu_set_gemv_wide(cm->c, env_flag("DS_CUDA_GEMV_WIDE", 1));
     ds_cu_set_conv_fixed(cm->c, env_flag("DS_CUDA_CONV_FIXED", 1));
-    { /* sequences up to which a decode step's KDA middle is one kernel (0: never) */
-        const char *kf = getenv("DS_CUDA_KDA_FUSED");
-        cm->kda_fuse_max = kf && *kf ? atoi(kf) : KDA_FUSE_MAX;
-    }
+    /* sequences up to which a decode step's KDA middle is one kernel (0: never) */
+    const char *kf = getenv("DS_CUDA_KDA_FUSED");
+    cm->kda_fuse_max = kf && *kf ? atoi(kf) : KDA_FUSE_MAX;
     { /* chunked KDA on tensor cores: 1 TF32, 3 3xTF32 (ds_cu_set_kda_tc) */
         /* 3xTF32 by default: f32's accuracy (checked at 1e-4) and faster than f32 on CUDA cores
          * (8192 tokens x 32 heads: 1.97 against 2.83 ms on the H200, bench/RESULTS.md) */
@@ -541,7 +540,6 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     free(cm->conv);
     cm->conv = NULL;
     cm->conv_cap = 0;
-    const char *kf = getenv("DS_CUDA_KDA_FUSED");
     for (int i = m->l0; kf && *kf && i < m->l1; i++) /* asked for: say whether it applies */
         if (m->layers[i].kind == DS_LAYER_KDA) {
             fprintf(stderr, "[deltaserve] DS_CUDA_KDA_FUSED=%s: %s\n", kf,
