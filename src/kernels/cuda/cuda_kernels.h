@@ -179,10 +179,28 @@ int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z, const floa
  * Either way a row's result does not depend on the other rows. Tensor parallelism: gate_up and
  * down hold this rank's experts [e0, e0 + E) only (idx stays global); rows routed elsewhere add
  * nothing here (the all-reduce adds them). Without it e0 = 0 and E = all experts. */
+/* The routed rows' weighted sum into out, as ds_cu_moe_experts leaves it to its caller when
+ * given a tail: the expert rows y [T k][D] (scratch, valid until the next ds_cu_moe_experts), the
+ * slots' weights w and experts idx [T][k] as passed in. y NULL: nothing was left. */
+typedef struct {
+    const float *y, *w;
+    const int32_t *idx;
+    int e0, E, k, accumulate;
+} ds_cu_moe_tail;
+/* tail NULL: the call ends with out complete. Otherwise, where its last launch would be the plain
+ * combine (decode steps; not the cuBLAS path of long prompts), it fills *tail and launches nothing
+ * more: ds_cu_moe_tail_add_rmsnorm or ds_cu_moe_tail_finish complete out later, in the stream's
+ * order. */
 int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx, const float *w,
                       int T, int k, int E, int e0, int D, int I, const uint16_t *gate_up,
                       const uint16_t *down, int situ, float situ_beta, float situ_lin_beta,
-                      int accumulate, ds_err *err);
+                      int accumulate, ds_cu_moe_tail *tail, ds_err *err);
+/* out [T][D] completed from the tail (nothing when tail->y is NULL). */
+void ds_cu_moe_tail_finish(ds_cu *c, float *out, const ds_cu_moe_tail *tail, int T, int D);
+/* ds_cu_add_rmsnorm(x, P, a) with a completed from the tail first; one launch when the row fits
+ * in registers: a itself is then left as it was (its combine is never written out). */
+void ds_cu_moe_tail_add_rmsnorm(ds_cu *c, float *x, float *P, float *a, const ds_cu_moe_tail *tail,
+                                const float *w, int T, int D, float eps);
 
 /* Routed experts of steps with >= 64 routed rows per local expert on average (prefill) through
  * cuBLAS tensor-core GEMMs (pointer-array batches over padded per-expert panels, experts bucketed
