@@ -2271,16 +2271,22 @@ __global__ void __launch_bounds__(256)
 
 /* Only this rank's experts [e0, e0 + E) count: under tensor parallelism the others' rows are
  * summed on their ranks and added by the all-reduce. */
-/* Element d of row t after the combine: the k slots' weighted rows summed in slot order, added to
- * what out holds when accumulating. One definition for moe_combine_k and the combine that the
- * next norm does (moe_combine_add_rmsnorm_k), so that both give the same bits. */
+/* The combine's step: a slot's weighted row added to the sum so far — one fused multiply-add,
+ * written out so that moe_combine_k and the combine that the next norm does
+ * (moe_combine_add_rmsnorm_k) take the same operation and give the same bits. The sum starts at
+ * 0, takes this rank's slots in slot order, and is added to what out holds when accumulating. */
+__device__ __forceinline__ float moe_slot_term(float acc, float w, float y) {
+    return __fmaf_rn(w, y, acc);
+}
+
+/* Element d of row t after the combine. */
 __device__ __forceinline__ float moe_combine_at(const float *out, const float *y, const float *w,
                                                 const int32_t *idx, int e0, int E, size_t t, int k,
                                                 int D, size_t d, int accumulate) {
     float acc = 0.0f;
     for (int j = 0; j < k; j++) {
         const int e = idx[t * k + j] - e0;
-        if (e >= 0 && e < E) acc += w[t * k + j] * y[(t * k + j) * D + d];
+        if (e >= 0 && e < E) acc = moe_slot_term(acc, w[t * k + j], y[(t * k + j) * D + d]);
     }
     return accumulate ? out[t * D + d] + acc : acc;
 }
@@ -2295,7 +2301,11 @@ __global__ void moe_combine_k(float *out, const float *y, const float *w, const 
 
 /* add_rmsnorm_k with a = the routed experts' combine (ds_cu_moe_tail), which is not written out:
  * a decode step's MoE layer ends in the next norm's launch instead of one of its own. Row
- * t = blockIdx.x; the row in registers (D <= NORM_V * blockDim.x, ds_cu_moe_tail_add_rmsnorm). */
+ * t = blockIdx.x; the row in registers (D <= NORM_V * blockDim.x, ds_cu_moe_tail_add_rmsnorm).
+ * One block does a row's whole combine (at batch 1, one block in all): the expert rows are
+ * loaded four slots at a time, all of them in flight before the sums — element by element, as
+ * moe_combine_at, the loads one after another cost 0.3 ms a batch-1 step of the 48B shape
+ * (26 layers of 8 slots x 9 elements a thread, each an L2 round trip). */
 __global__ void moe_combine_add_rmsnorm_k(float *xo, float *P, const float *a, const float *y,
                                           const float *w, const int32_t *idx, int e0, int E, int k,
                                           int accumulate, const float *nw, int D, float eps) {
@@ -2304,11 +2314,36 @@ __global__ void moe_combine_add_rmsnorm_k(float *xo, float *P, const float *a, c
     PDL_ENTRY();
     const size_t t = blockIdx.x;
     float *pr = P + t * D;
-    float v[NORM_V];
+    const int32_t *ir = idx + t * k;
+    const float *wr = w + t * k;
+    float acc[NORM_V], v[NORM_V];
+#pragma unroll
+    for (int i = 0; i < NORM_V; i++) acc[i] = 0.0f;
+    for (int j0 = 0; j0 < k; j0 += 4) {
+        float yv[4][NORM_V], wj[4];
+        bool on[4];
+#pragma unroll
+        for (int g = 0; g < 4; g++) {
+            const int j = j0 + g, e = j < k ? ir[j] - e0 : -1;
+            on[g] = e >= 0 && e < E; /* (the same for the whole block) */
+            wj[g] = on[g] ? wr[j] : 0.0f;
+            const float *yr = y + ((size_t)t * k + j) * D;
+#pragma unroll
+            for (int i = 0; i < NORM_V; i++) {
+                const int c = threadIdx.x + i * blockDim.x;
+                yv[g][i] = on[g] && c < D ? yr[c] : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < 4; g++)
+            if (on[g])
+#pragma unroll
+                for (int i = 0; i < NORM_V; i++) acc[i] = moe_slot_term(acc[i], wj[g], yv[g][i]);
+    }
 #pragma unroll
     for (int i = 0; i < NORM_V; i++) {
         const int c = threadIdx.x + i * blockDim.x;
-        v[i] = c < D ? pr[c] + moe_combine_at(a, y, w, idx, e0, E, t, k, D, c, accumulate) : 0.0f;
+        v[i] = c < D ? pr[c] + (accumulate ? a[t * D + c] + acc[i] : acc[i]) : 0.0f;
     }
 #pragma unroll
     for (int i = 0; i < NORM_V; i++) {
