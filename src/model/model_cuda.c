@@ -486,7 +486,9 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     /* sequences up to which a decode step's KDA middle is one kernel (0: never) */
     const char *kf = getenv("DS_CUDA_KDA_FUSED");
     cm->kda_fuse_max = kf && *kf ? atoi(kf) : KDA_FUSE_MAX;
-    cm->moe_tail = env_flag("DS_CUDA_MOE_TAIL", 1);
+    /* off until its second form (four slots' loads at a time) is timed: the first was 0.3 ms
+     * slower a batch-1 step (bench/RESULTS.md, session 15) */
+    cm->moe_tail = env_flag("DS_CUDA_MOE_TAIL", 0);
     { /* chunked KDA on tensor cores: 1 TF32, 3 3xTF32 (ds_cu_set_kda_tc) */
         /* 3xTF32 by default: f32's accuracy (checked at 1e-4) and faster than f32 on CUDA cores
          * (8192 tokens x 32 heads: 1.97 against 2.83 ms on the H200, bench/RESULTS.md) */
