@@ -170,15 +170,6 @@ int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z, const floa
                     int E, int k, int n_group, int topk_group, int renormalize, float scale,
                     int hf_kl_quirk, ds_err *err);
 
-/* Routed experts (MODEL_SPEC §5): out[t] (+)= sum_j w[t][j] down_e(act(gate_e x_t, up_e x_t)),
- * e = idx[t][j], in slot order. x, out [T][D]; idx, w [T][k] (device, e.g. from ds_cu_moe_route);
- * gate_up [E][2I][D] BF16 (an expert's gate rows, then its up rows); down [E][D][I] BF16;
- * act: SwiGLU, or SiTU with its betas (as ds_act_situ). accumulate: add to out instead of
- * writing it. T * k at most 65535. With D and I multiples of 8 the routed rows are grouped by
- * expert first, so each chosen expert's weights are read once per call (E: experts in gate_up).
- * Either way a row's result does not depend on the other rows. Tensor parallelism: gate_up and
- * down hold this rank's experts [e0, e0 + E) only (idx stays global); rows routed elsewhere add
- * nothing here (the all-reduce adds them). Without it e0 = 0 and E = all experts. */
 /* The routed rows' weighted sum into out, as ds_cu_moe_experts leaves it to its caller when
  * given a tail: the expert rows y [T k][D] (scratch, valid until the next ds_cu_moe_experts), the
  * slots' weights w and experts idx [T][k] as passed in. y NULL: nothing was left. */
@@ -187,7 +178,16 @@ typedef struct {
     const int32_t *idx;
     int e0, E, k, accumulate;
 } ds_cu_moe_tail;
-/* tail NULL: the call ends with out complete. Otherwise, where its last launch would be the plain
+/* Routed experts (MODEL_SPEC §5): out[t] (+)= sum_j w[t][j] down_e(act(gate_e x_t, up_e x_t)),
+ * e = idx[t][j], in slot order. x, out [T][D]; idx, w [T][k] (device, e.g. from ds_cu_moe_route);
+ * gate_up [E][2I][D] BF16 (an expert's gate rows, then its up rows); down [E][D][I] BF16;
+ * act: SwiGLU, or SiTU with its betas (as ds_act_situ). accumulate: add to out instead of
+ * writing it. T * k at most 65535. With D and I multiples of 8 the routed rows are grouped by
+ * expert first, so each chosen expert's weights are read once per call (E: experts in gate_up).
+ * Either way a row's result does not depend on the other rows. Tensor parallelism: gate_up and
+ * down hold this rank's experts [e0, e0 + E) only (idx stays global); rows routed elsewhere add
+ * nothing here (the all-reduce adds them). Without it e0 = 0 and E = all experts.
+ * tail NULL: the call ends with out complete. Otherwise, where its last launch would be the plain
  * combine (decode steps; not the cuBLAS path of long prompts), it fills *tail and launches nothing
  * more: ds_cu_moe_tail_add_rmsnorm or ds_cu_moe_tail_finish complete out later, in the stream's
  * order. */

@@ -2269,8 +2269,6 @@ __global__ void __launch_bounds__(256)
     if (lane == 0) y[(size_t)r * D + d] = acc;
 }
 
-/* Only this rank's experts [e0, e0 + E) count: under tensor parallelism the others' rows are
- * summed on their ranks and added by the all-reduce. */
 /* The combine's step: a slot's weighted row added to the sum so far — one fused multiply-add,
  * written out so that moe_combine_k and the combine that the next norm does
  * (moe_combine_add_rmsnorm_k) take the same operation and give the same bits. The sum starts at
@@ -2279,7 +2277,8 @@ __device__ __forceinline__ float moe_slot_term(float acc, float w, float y) {
     return __fmaf_rn(w, y, acc);
 }
 
-/* Element d of row t after the combine. */
+/* Element d of row t after the combine. Only this rank's experts [e0, e0 + E) count: under
+ * tensor parallelism the others' rows are summed on their ranks and added by the all-reduce. */
 __device__ __forceinline__ float moe_combine_at(const float *out, const float *y, const float *w,
                                                 const int32_t *idx, int e0, int E, size_t t, int k,
                                                 int D, size_t d, int accumulate) {
