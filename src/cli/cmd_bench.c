@@ -290,6 +290,10 @@ int ds_cmd_bench(int argc, char **argv) {
     ds_model_profile_report(m, stderr, title);
     r.prompt_tps = prompt_tokens / sec;
     r.prompt_gflops = ds_model_token_flops(m, 0) * prompt_tokens / sec / 1e9;
+    /* a batch-1 step's reads: the weights, then the sequence's state and the f32 vectors, at the
+     * shortest context a timed step has (decode_ctx + 1 rows: the fewest bytes) */
+    const double step_bytes =
+        ds_model_decode_bytes(m) + ds_model_decode_state_bytes(m, decode_ctx + 1);
     for (int i = 0; i < r.n_batches; i++) {
         int B = r.batch[i];
         if (run_decode(m, B, decode_ctx, steps, full_logits, sampled, &sec, &r, i, &err)) goto fail;
@@ -299,7 +303,7 @@ int ds_cmd_bench(int argc, char **argv) {
         r.decode_tps[i] = B / sec;
         /* batch 1 reads every active weight once per token; larger batches share the reads, so
          * only batch 1 is reported as bandwidth */
-        r.decode_gbs[i] = B == 1 ? ds_model_decode_bytes(m) / sec / 1e9 : 0;
+        r.decode_gbs[i] = B == 1 ? step_bytes / sec / 1e9 : 0;
         r.decode_gflops[i] = ds_model_token_flops(m, 1) * B / sec / 1e9;
     }
     printf("deltaserve bench  model=%s%s  device=%s  weights=%.2f GB (loaded in %.1f s)\n",
@@ -315,7 +319,10 @@ int ds_cmd_bench(int argc, char **argv) {
     else
         printf("limits: read bandwidth %.2f GB/s, FMA peak %.1f GFLOP/s (%d threads)\n", bw, peak,
                threads);
-    printf("decode bytes per token at batch 1: %.3f GB\n", ds_model_decode_bytes(m) / 1e9);
+    printf("decode bytes per token at batch 1: %.3f GB (weights %.3f GB; state and vectors %.1f MB "
+           "at context %d)\n",
+           step_bytes / 1e9, ds_model_decode_bytes(m) / 1e9,
+           ds_model_decode_state_bytes(m, decode_ctx + 1) / 1e6, decode_ctx + 1);
     printf("%-18s %12s %10s %12s %10s %12s %10s\n", "case", "tokens/s", "ms/step", "GB/s",
            gpu ? "of copy" : "of read", "GFLOP/s", gpu ? "of GEMM" : "of peak");
     char name[48];

@@ -169,7 +169,9 @@ int ds_cmd_generate(int argc, char **argv) {
     double t_decode = ds_now() - t1;
     /* The first sampled token came from the prompt's logits; decode steps = produced - 1. */
     int steps = produced > 1 ? produced - 1 : 0;
-    double gbs = steps ? ds_model_decode_bytes(m) * steps / t_decode / 1e9 : 0;
+    /* each step's reads: the weights, the state and vectors at the prompt's context (its fewest) */
+    double step_bytes = ds_model_decode_bytes(m) + ds_model_decode_state_bytes(m, n);
+    double gbs = steps ? step_bytes * steps / t_decode / 1e9 : 0;
     fprintf(stdout, "\n");
     if (print_ids) {
         for (int i = 0; i < produced; i++) fprintf(stdout, "%s%d", i ? "," : "ids: ", out_ids[i]);
@@ -177,7 +179,7 @@ int ds_cmd_generate(int argc, char **argv) {
     }
     fprintf(stderr,
             "[deltaserve] prompt %d tokens, %.1f tok/s | decode %d tokens, %.1f tok/s | "
-            "%.2f GB/s weights read on %s\n",
+            "%.2f GB/s read on %s\n",
             n, n / t_prompt, steps, steps ? steps / t_decode : 0.0, gbs, ds_model_device_name(m));
     status = 0;
 done:

@@ -185,6 +185,7 @@ static int rand_vec(ds_model *m, const char *name, size_t n, float **out, ds_err
             v[i] = 1.0f + 0.05f * u;
     }
     m->weight_bytes += n * sizeof(float);
+    m->vec_floats += n;
     *out = v;
     return DS_OK;
 }
@@ -266,6 +267,7 @@ static int bind_vec(ds_model *m, const char *name, int ndim, const int64_t *shap
     }
     if (ds_tensor_to_f32(t, v, err)) return DS_ERR;
     m->weight_bytes += t->nbytes;
+    m->vec_floats += (size_t)t->numel;
     *out = v;
     return DS_OK;
 }
@@ -283,6 +285,7 @@ static int bind_res_pair(ds_model *m, const char *norm, const char *proj, float 
     int64_t pshape[2] = {1, D};
     if (bind_vec1(m, norm, D, &n, err) || bind_vec(m, proj, 2, pshape, &p, err)) return DS_ERR;
     for (int d = 0; d < D; d++) n[d] *= p[d];
+    m->vec_floats -= (size_t)D; /* the two are one vector from here on */
     *out = n;
     return DS_OK;
 }
@@ -648,6 +651,14 @@ double ds_model_decode_bytes(const ds_model *m) {
     double e, b;
     layer_traffic(m, &e, &b);
     return b + mat_bytes(&m->lm_head) + (double)m->cfg.hidden_size * ds_dtype_size(m->embed.dtype);
+}
+
+double ds_model_decode_state_bytes(const ds_model *m, int context) {
+    /* the f32 vectors, one sequence's KDA state (conv tails and recurrent state, read and then
+     * written: counted once), and its MLA latent rows at this context (all f32) */
+    double floats = (double)m->vec_floats + (double)ds_model_slot_floats(m) +
+                    (double)m->n_mla * (double)(context > 0 ? context : 0) * ds_model_latent_row(m);
+    return floats * sizeof(float);
 }
 
 double ds_model_token_flops(const ds_model *m, int with_lm_head) {

@@ -84,8 +84,11 @@ int ds_model_load(const char *dir, const ds_model_opts *opts, ds_model **out, ds
 void ds_model_free(ds_model *m);
 const ds_config *ds_model_config(const ds_model *m);
 /* Bytes of weights a decode step of one token reads (embedding row, every dense weight, the
- * active experts' share, lm_head): the figure achieved bandwidth is computed from. */
+ * active experts' share, lm_head). */
 double ds_model_decode_bytes(const ds_model *m);
+/* The rest of what that step must read: the f32 vectors (norms, convs, biases), the sequence's
+ * KDA state, its MLA latent rows at `context` tokens. Achieved bandwidth counts both. */
+double ds_model_decode_state_bytes(const ds_model *m, int context);
 /* Multiply-add FLOPs of the weight GEMMs for one token (attention over the context excluded). */
 double ds_model_token_flops(const ds_model *m, int with_lm_head);
 /* The token embedding and lm_head ([V][D] each) in host memory, shared with the DSpark draft;

@@ -74,6 +74,8 @@ struct ds_model {
     void **owned;      /* every f32 vector converted at load */
     int n_owned, cap_owned;
     size_t weight_bytes;
+    size_t vec_floats; /* floats in the f32 vectors held (norms, convs, gates' biases): read every
+                          step */
     /* scratch, grown on demand */
     float *scratch;
     size_t scratch_cap;

@@ -476,6 +476,41 @@ static void test_random_weights(void **state) {
     free(dir);
 }
 
+/* What a decode step must read besides its matrices, against the checkpoint's own list: every
+ * vector it ships (norms, convs, A_log, dt_bias, the router's bias; an AttnRes norm and its [1, D]
+ * projection become one vector), one sequence's KDA state and its MLA rows at the context. */
+static void test_decode_bytes(void **state) {
+    (void)state;
+    for (int which = 0; which < 2; which++) {
+        const char *dir = preset_dir(which);
+        ds_err err = {{0}};
+        ds_st *st;
+        if (ds_st_open_dir(dir, &st, &err)) fail_msg("%s", err.msg);
+        double vec = 0;
+        for (int i = 0; i < ds_st_count(st); i++) {
+            const ds_tensor *t = ds_st_at(st, i);
+            const char *n = t->name;
+            if (strstr(n, "res_proj")) continue; /* folded into its norm */
+            if (t->ndim == 1 || strstr(n, "conv1d") || strstr(n, "A_log") || strstr(n, "dt_bias"))
+                vec += (double)t->numel;
+        }
+        ds_st_close(st);
+        fixture f;
+        open_model(&f, which, NULL);
+        const ds_config *c = ds_model_config(f.m);
+        const int n_kda = c->num_kda_layers, n_mla = c->num_mla_layers;
+        const double P = (double)c->kda_num_heads * c->kda_head_dim;
+        const double kda = n_kda * (3.0 * (c->short_conv_kernel_size - 1) * P +
+                                    (double)c->kda_num_heads * c->kda_head_dim * c->kda_head_dim);
+        const double row = (double)c->kv_lora_rank + c->qk_rope_head_dim;
+        assert_true(vec > 0 && n_kda > 0 && n_mla > 0);
+        assert_float_equal(ds_model_decode_state_bytes(f.m, 0), 4.0 * (vec + kda), 0.5);
+        assert_float_equal(ds_model_decode_state_bytes(f.m, 100),
+                           4.0 * (vec + kda + 100.0 * n_mla * row), 0.5);
+        close_model(&f);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_golden_tiny_k3),        cmocka_unit_test(test_golden_tiny_linear),
@@ -483,6 +518,7 @@ int main(void) {
         cmocka_unit_test(test_prefill_decode_linear), cmocka_unit_test(test_batch_invariance),
         cmocka_unit_test(test_spec_rollback),         cmocka_unit_test(test_bad_tokens),
         cmocka_unit_test(test_random_weights),        cmocka_unit_test(test_greedy_picks),
+        cmocka_unit_test(test_decode_bytes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
