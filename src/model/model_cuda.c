@@ -136,7 +136,6 @@ typedef struct ds_cuda_model {
     int n_graphs;
     uint64_t graph_replays, graph_failures;
     int kda_fuse_max; /* decode steps of up to this many sequences take KDA's fused kernel */
-    int moe_tail;     /* a MoE layer's combine may wait for the next norm (run_body) */
     float *tp_host;   /* tensor parallelism: collectives staged through the host, tp_cap floats */
     size_t tp_cap;
     /* a step's draws (draw_rows): per logits row its draw and token ([n_lg] each, NULL: not
@@ -486,9 +485,6 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     /* sequences up to which a decode step's KDA middle is one kernel (0: never) */
     const char *kf = getenv("DS_CUDA_KDA_FUSED");
     cm->kda_fuse_max = kf && *kf ? atoi(kf) : KDA_FUSE_MAX;
-    /* off until its second form (four slots' loads at a time) is timed: the first was 0.3 ms
-     * slower a batch-1 step (bench/RESULTS.md, session 15) */
-    cm->moe_tail = env_flag("DS_CUDA_MOE_TAIL", 0);
     { /* chunked KDA on tensor cores: 1 TF32, 3 3xTF32 (ds_cu_set_kda_tc) */
         /* 3xTF32 by default: f32's accuracy (checked at 1e-4) and faster than f32 on CUDA cores
          * (8192 tokens x 32 heads: 1.97 against 2.83 ms on the H200, bench/RESULTS.md) */
@@ -1123,15 +1119,12 @@ static int mlp(cstep *s, const ds_cu_mat *gu, const ds_cu_mat *down, const float
     return DS_OK;
 }
 
-/* out[T][D] = FFN(xn) (model.c ffn_forward). With tail (not NULL) the routed experts' combine
- * may be left to the caller's next norm (ds_cu_moe_tail_add_rmsnorm; tail->y says whether it
- * was): out is then complete only after that, or after ds_cu_moe_tail_finish. */
+/* out[T][D] = FFN(xn) (model.c ffn_forward). */
 static int ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, float *out,
-                       ds_cu_moe_tail *tail, ds_err *err) {
+                       ds_err *err) {
     const ds_config *c = &s->m->cfg;
     ds_cu *cu = s->c;
     int T = s->T, D = c->hidden_size;
-    if (tail) tail->y = NULL;
     if (!is_moe) {
         PROF(s, "dense mlp");
         TRY(mlp(s, &w->gu, &w->down, xn, T, out, err));
@@ -1175,15 +1168,12 @@ static int ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, f
     }
     PROF(s, "moe routed experts");
     int situ = c->hidden_act == DS_ACT_SITU, chunk = 65535 / K;
-    /* the combine can wait for the next norm where nothing comes between: no latent (whose norm
-     * and up projection read the sum), no all-reduce, one call of the expert kernel */
-    ds_cu_moe_tail *defer = !latent && s->m->tp_size == 1 && T <= chunk ? tail : NULL;
     for (int t0 = 0; t0 < T; t0 += chunk) { /* the expert kernel takes 65535 routed rows */
         int n = DS_MIN(chunk, T - t0);
         TRY(ds_cu_moe_experts(cu, acc + (size_t)t0 * Hin, ein + (size_t)t0 * Hin,
                               idx + (size_t)t0 * K, wt + (size_t)t0 * K, n, K, El, e0, Hin, Ie,
                               w->gate_up, w->e_down, situ, c->situ_beta, c->situ_linear_beta,
-                              shared && !latent, defer, err));
+                              shared && !latent, err));
     }
     TRY(ds_cu_side_join(cu, err)); /* (already, unless no expert kernel ran) */
     PROF(s, "moe combine");
@@ -1248,16 +1238,14 @@ static int run_body(cstep *s, int nb, ds_err *err) {
     }
     const int nbx = s->nb_max + 1;
     /* Without AttnRes, each residual add is fused with the norm that reads its result: the FFN's
-     * add waits (pending) for the next layer's input norm, or the final norm — and so does a MoE
-     * layer's combine (tail), one launch less a layer in a decode step. */
+     * add waits (pending) for the next layer's input norm, or the final norm. */
     int pending = 0;
-    ds_cu_moe_tail tail = {0}; /* a pending MoE layer's combine, done by the norm that follows */
     for (int i = m->l0; i < m->l1; i++) {
         const layer_w *lw = &m->layers[i];
         const cu_layer *dw = &cm->layers[i];
         PROF(s, "norms, residual, attnres");
         if (N == 0 && pending) {
-            ds_cu_moe_tail_add_rmsnorm(cu, x, P, a, &tail, dw->in_norm, T, D, c->rms_norm_eps);
+            ds_cu_add_rmsnorm(cu, x, P, a, dw->in_norm, T, D, c->rms_norm_eps);
             pending = 0;
         } else if (N > 0) {
             /* mix first, then bank P: layer 0 banks the embedding (MODEL_SPEC §6.3) */
@@ -1283,8 +1271,7 @@ static int run_body(cstep *s, int nb, ds_err *err) {
         } else {
             ds_cu_add_rmsnorm(cu, x, P, a, dw->post_norm, T, D, c->rms_norm_eps);
         }
-        TRY(ffn_forward(s, &dw->ffn, lw->ffn.is_moe, x, a,
-                        N == 0 && !hid && cm->moe_tail ? &tail : NULL, err));
+        TRY(ffn_forward(s, &dw->ffn, lw->ffn.is_moe, x, a, err));
         PROF(s, "norms, residual, attnres");
         if (N == 0 && !hid)
             pending = 1; /* P += a happens in the next norm (this stage's or the final one) */
@@ -1292,10 +1279,7 @@ static int run_body(cstep *s, int nb, ds_err *err) {
             ds_cu_add(cu, P, a, TD);
         if (hid) TRY(save_hidden(s, i, P, err));
     }
-    if (pending && m->l1 < c->num_hidden_layers) { /* P goes on whole */
-        ds_cu_moe_tail_finish(cu, a, &tail, T, D);
-        ds_cu_add(cu, P, a, TD);
-    }
+    if (pending && m->l1 < c->num_hidden_layers) ds_cu_add(cu, P, a, TD); /* P goes on whole */
     if (m->l1 < c->num_hidden_layers) return DS_OK; /* the stream and banks go on (run_step) */
     PROF(s, "final norm, lm_head");
     if (N > 0) {
@@ -1303,7 +1287,7 @@ static int run_body(cstep *s, int nb, ds_err *err) {
                               c->rms_norm_eps, err));
         ds_cu_rmsnorm(cu, x, x, cm->final_norm, T, D, c->rms_norm_eps);
     } else if (pending) {
-        ds_cu_moe_tail_add_rmsnorm(cu, x, P, a, &tail, cm->final_norm, T, D, c->rms_norm_eps);
+        ds_cu_add_rmsnorm(cu, x, P, a, cm->final_norm, T, D, c->rms_norm_eps);
     } else {
         ds_cu_rmsnorm(cu, x, P, cm->final_norm, T, D, c->rms_norm_eps);
     }

@@ -170,14 +170,6 @@ int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z, const floa
                     int E, int k, int n_group, int topk_group, int renormalize, float scale,
                     int hf_kl_quirk, ds_err *err);
 
-/* The routed rows' weighted sum into out, as ds_cu_moe_experts leaves it to its caller when
- * given a tail: the expert rows y [T k][D] (scratch, valid until the next ds_cu_moe_experts), the
- * slots' weights w and experts idx [T][k] as passed in. y NULL: nothing was left. */
-typedef struct {
-    const float *y, *w;
-    const int32_t *idx;
-    int e0, E, k, accumulate;
-} ds_cu_moe_tail;
 /* Routed experts (MODEL_SPEC §5): out[t] (+)= sum_j w[t][j] down_e(act(gate_e x_t, up_e x_t)),
  * e = idx[t][j], in slot order. x, out [T][D]; idx, w [T][k] (device, e.g. from ds_cu_moe_route);
  * gate_up [E][2I][D] BF16 (an expert's gate rows, then its up rows); down [E][D][I] BF16;
@@ -186,21 +178,11 @@ typedef struct {
  * expert first, so each chosen expert's weights are read once per call (E: experts in gate_up).
  * Either way a row's result does not depend on the other rows. Tensor parallelism: gate_up and
  * down hold this rank's experts [e0, e0 + E) only (idx stays global); rows routed elsewhere add
- * nothing here (the all-reduce adds them). Without it e0 = 0 and E = all experts.
- * tail NULL: the call ends with out complete. Otherwise, where its last launch would be the plain
- * combine (decode steps; not the cuBLAS path of long prompts), it fills *tail and launches nothing
- * more: ds_cu_moe_tail_add_rmsnorm or ds_cu_moe_tail_finish complete out later, in the stream's
- * order. */
+ * nothing here (the all-reduce adds them). Without it e0 = 0 and E = all experts. */
 int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx, const float *w,
                       int T, int k, int E, int e0, int D, int I, const uint16_t *gate_up,
                       const uint16_t *down, int situ, float situ_beta, float situ_lin_beta,
-                      int accumulate, ds_cu_moe_tail *tail, ds_err *err);
-/* out [T][D] completed from the tail (nothing when tail->y is NULL). */
-void ds_cu_moe_tail_finish(ds_cu *c, float *out, const ds_cu_moe_tail *tail, int T, int D);
-/* ds_cu_add_rmsnorm(x, P, a) with a completed from the tail first; one launch when the row fits
- * in registers: a itself is then left as it was (its combine is never written out). */
-void ds_cu_moe_tail_add_rmsnorm(ds_cu *c, float *x, float *P, float *a, const ds_cu_moe_tail *tail,
-                                const float *w, int T, int D, float eps);
+                      int accumulate, ds_err *err);
 
 /* Routed experts of steps with >= 64 routed rows per local expert on average (prefill) through
  * cuBLAS tensor-core GEMMs (pointer-array batches over padded per-expert panels, experts bucketed

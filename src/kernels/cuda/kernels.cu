@@ -2269,109 +2269,20 @@ __global__ void __launch_bounds__(256)
     if (lane == 0) y[(size_t)r * D + d] = acc;
 }
 
-/* The combine's step: a slot's weighted row added to the sum so far — one fused multiply-add,
- * written out so that moe_combine_k and the combine that the next norm does
- * (moe_combine_add_rmsnorm_k) take the same operation and give the same bits. The sum starts at
- * 0, takes this rank's slots in slot order, and is added to what out holds when accumulating. */
-__device__ __forceinline__ float moe_slot_term(float acc, float w, float y) {
-    return __fmaf_rn(w, y, acc);
-}
-
-/* Element d of row t after the combine. Only this rank's experts [e0, e0 + E) count: under
- * tensor parallelism the others' rows are summed on their ranks and added by the all-reduce. */
-__device__ __forceinline__ float moe_combine_at(const float *out, const float *y, const float *w,
-                                                const int32_t *idx, int e0, int E, size_t t, int k,
-                                                int D, size_t d, int accumulate) {
-    float acc = 0.0f;
-    for (int j = 0; j < k; j++) {
-        const int e = idx[t * k + j] - e0;
-        if (e >= 0 && e < E) acc = moe_slot_term(acc, w[t * k + j], y[(t * k + j) * D + d]);
-    }
-    return accumulate ? out[t * D + d] + acc : acc;
-}
-
+/* Only this rank's experts [e0, e0 + E) count: under tensor parallelism the others' rows are
+ * summed on their ranks and added by the all-reduce. */
 __global__ void moe_combine_k(float *out, const float *y, const float *w, const int32_t *idx,
                               int e0, int E, int T, int k, int D, int accumulate) {
     PDL_ENTRY();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)T * D) return;
-    out[i] = moe_combine_at(out, y, w, idx, e0, E, i / D, k, D, i % D, accumulate);
-}
-
-/* add_rmsnorm_k with a = the routed experts' combine (ds_cu_moe_tail), which is not written out:
- * a decode step's MoE layer ends in the next norm's launch instead of one of its own. Row
- * t = blockIdx.x; the row in registers (D <= NORM_V * blockDim.x, ds_cu_moe_tail_add_rmsnorm).
- * One block does a row's whole combine (at batch 1, one block in all): the expert rows are
- * loaded four slots at a time, all of them in flight before the sums — element by element, as
- * moe_combine_at, the loads one after another cost 0.3 ms a batch-1 step of the 48B shape
- * (26 layers of 8 slots x 9 elements a thread, each an L2 round trip). */
-__global__ void moe_combine_add_rmsnorm_k(float *xo, float *P, const float *a, const float *y,
-                                          const float *w, const int32_t *idx, int e0, int E, int k,
-                                          int accumulate, const float *nw, int D, float eps) {
-    float wv[NORM_V];
-    norm_weights_regs(wv, nw, D);
-    PDL_ENTRY();
-    const size_t t = blockIdx.x;
-    float *pr = P + t * D;
-    const int32_t *ir = idx + t * k;
-    const float *wr = w + t * k;
-    float acc[NORM_V], v[NORM_V];
-#pragma unroll
-    for (int i = 0; i < NORM_V; i++) acc[i] = 0.0f;
-    for (int j0 = 0; j0 < k; j0 += 4) {
-        float yv[4][NORM_V], wj[4];
-        bool on[4];
-#pragma unroll
-        for (int g = 0; g < 4; g++) {
-            const int j = j0 + g, e = j < k ? ir[j] - e0 : -1;
-            on[g] = e >= 0 && e < E; /* (the same for the whole block) */
-            wj[g] = on[g] ? wr[j] : 0.0f;
-            const float *yr = y + ((size_t)t * k + j) * D;
-#pragma unroll
-            for (int i = 0; i < NORM_V; i++) {
-                const int c = threadIdx.x + i * blockDim.x;
-                yv[g][i] = on[g] && c < D ? yr[c] : 0.0f;
-            }
-        }
-#pragma unroll
-        for (int g = 0; g < 4; g++)
-            if (on[g])
-#pragma unroll
-                for (int i = 0; i < NORM_V; i++) acc[i] = moe_slot_term(acc[i], wj[g], yv[g][i]);
+    const size_t t = i / D, d = i % D;
+    float acc = 0.0f;
+    for (int j = 0; j < k; j++) {
+        const int e = idx[t * k + j] - e0;
+        if (e >= 0 && e < E) acc += w[t * k + j] * y[(t * k + j) * D + d];
     }
-#pragma unroll
-    for (int i = 0; i < NORM_V; i++) {
-        const int c = threadIdx.x + i * blockDim.x;
-        v[i] = c < D ? pr[c] + (accumulate ? a[t * D + c] + acc[i] : acc[i]) : 0.0f;
-    }
-#pragma unroll
-    for (int i = 0; i < NORM_V; i++) {
-        const int c = threadIdx.x + i * blockDim.x;
-        if (c < D) pr[c] = v[i];
-    }
-    norm_row_regs(xo + t * D, v, wv, D, eps);
-}
-
-extern "C" void ds_cu_moe_tail_add_rmsnorm(ds_cu *c, float *x, float *P, float *a,
-                                           const ds_cu_moe_tail *tail, const float *w, int T, int D,
-                                           float eps) {
-    if (T <= 0) return;
-    if (!tail->y || D > NORM_V * 256) { /* nothing deferred, or a row too long for registers */
-        ds_cu_moe_tail_finish(c, a, tail, T, D);
-        ds_cu_add_rmsnorm(c, x, P, a, w, T, D, eps);
-        return;
-    }
-    launch_k(c, moe_combine_add_rmsnorm_k, T, 256, 0, x, P, (const float *)a, tail->y, tail->w,
-             tail->idx, tail->e0, tail->E, tail->k, tail->accumulate, w, D, eps);
-    note_launch(c);
-}
-
-extern "C" void ds_cu_moe_tail_finish(ds_cu *c, float *out, const ds_cu_moe_tail *tail, int T,
-                                      int D) {
-    if (!tail->y || T <= 0) return;
-    launch_k(c, moe_combine_k, (unsigned)(((size_t)T * D + 255) / 256), 256, 0, out, tail->y,
-             tail->w, tail->idx, tail->e0, tail->E, T, tail->k, D, tail->accumulate);
-    note_launch(c);
+    out[i] = accumulate ? out[i] + acc : acc;
 }
 
 /* Grouping routed rows by expert, so that a step reads each chosen expert's weights once (one row
@@ -3121,8 +3032,7 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
                                  const float *w, int T, int k, int E, int e0, int D, int I,
                                  const uint16_t *gate_up, const uint16_t *down, int situ,
                                  float situ_beta, float situ_lin_beta, int accumulate,
-                                 ds_cu_moe_tail *tail, ds_err *err) {
-    if (tail) tail->y = NULL; /* nothing deferred unless the combine below is */
+                                 ds_err *err) {
     if (T <= 0 || k <= 0) return DS_OK;
     const int rows = T * k;
     if (rows > 65535) return ds_errf(err, "cuda: moe: %d routed rows (at most 65535)", rows);
@@ -3236,12 +3146,8 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
     /* out may be the shared experts' output, still being written on the side stream */
     if (ds_cu_side_join(c, err)) return DS_ERR;
     ds_cu_prof_mark(c, "moe combine");
-    const ds_cu_moe_tail now = {y, w, idx, e0, E, k, accumulate};
-    if (tail) { /* the caller's next norm does it (or ds_cu_moe_tail_finish) */
-        *tail = now;
-        return DS_OK;
-    }
-    ds_cu_moe_tail_finish(c, out, &now, T, D);
+    launch_k(c, moe_combine_k, (unsigned)(((size_t)T * D + 255) / 256), 256, 0, out, y, w, idx, e0,
+             E, T, k, D, accumulate);
     CU_TRY(cudaGetLastError(), "moe combine");
     return DS_OK;
 }
