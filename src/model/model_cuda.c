@@ -135,9 +135,8 @@ typedef struct ds_cuda_model {
     } graphs[64];
     int n_graphs;
     uint64_t graph_replays, graph_failures;
-    int kda_fuse_max;  /* decode steps of up to this many sequences take KDA's fused kernel */
-    int waited_copies; /* DS_CUDA_WAITED_COPIES=1: a step's index and key copies waited for */
-    float *tp_host;    /* tensor parallelism: collectives staged through the host, tp_cap floats */
+    int kda_fuse_max; /* decode steps of up to this many sequences take KDA's fused kernel */
+    float *tp_host;   /* tensor parallelism: collectives staged through the host, tp_cap floats */
     size_t tp_cap;
     /* a step's draws (draw_rows): per logits row its draw and token ([n_lg] each, NULL: not
      * drawn), and for the device the draws' numbers, edits and tokens; *_cap elements each */
@@ -346,9 +345,9 @@ void ds_cuda_model_detach(ds_model *m) {
     free(cm->allocs);
     free(cm->layers);
     free(cm->conv);
-    ds_cu_host_free(cm->h_i);
-    ds_cu_host_free(cm->h_p);
-    ds_cu_host_free(cm->tp_host);
+    free(cm->h_i);
+    free(cm->h_p);
+    free(cm->tp_host);
     free(cm->draw_d);
     free(cm->draw_out);
     free(cm->draw_cu);
@@ -486,7 +485,6 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     /* sequences up to which a decode step's KDA middle is one kernel (0: never) */
     const char *kf = getenv("DS_CUDA_KDA_FUSED");
     cm->kda_fuse_max = kf && *kf ? atoi(kf) : KDA_FUSE_MAX;
-    cm->waited_copies = env_flag("DS_CUDA_WAITED_COPIES", 0); /* (the old way, for an A/B) */
     { /* chunked KDA on tensor cores: 1 TF32, 3 3xTF32 (ds_cu_set_kda_tc) */
         /* 3xTF32 by default: f32's accuracy (checked at 1e-4) and faster than f32 on CUDA cores
          * (8192 tokens x 32 heads: 1.97 against 2.83 ms on the H200, bench/RESULTS.md) */
@@ -709,21 +707,7 @@ static int grow_host(void **p, size_t *cap, size_t need, size_t elem, ds_err *er
     return DS_OK;
 }
 
-/* grow_host in page-locked memory, for the copies that are not waited for (ds_cu_upload_async):
- * the stream is drained before an old buffer goes, in case a copy from it is still queued. */
-static int grow_pinned(ds_cu *c, void **p, size_t *cap, size_t need, size_t elem, ds_err *err) {
-    if (need <= *cap) return DS_OK;
-    if (*p && ds_cu_sync(c, err)) return DS_ERR;
-    const size_t n = DS_MAX(need, 2 * *cap); /* (each allocation is slow: a few, then none) */
-    ds_cu_host_free(*p);
-    *cap = 0;
-    if (!(*p = ds_cu_host_alloc(n * elem, err))) return DS_ERR;
-    *cap = n;
-    return DS_OK;
-}
-
-/* Builds every index of the step on the host and uploads them in two copies, not waited for: the
- * host buffers stay as they are until the step's last sync. */
+/* Builds every index of the step on the host and uploads them in two copies. */
 static int build_indices(cstep *s, ds_err *err) {
     ds_model *m = s->m;
     ds_cuda_model *cm = s->cm;
@@ -744,8 +728,8 @@ static int build_indices(cstep *s, ds_err *err) {
     ni += nbt + nctx + nlg;
     int nb_max = ds_model_max_banks(m);
     size_t np = (size_t)4 * m->n_kda * n_seq + (size_t)(nb_max + 1) * (nb_max + 1);
-    if (grow_pinned(s->c, (void **)&cm->h_i, &cm->h_icap, ni + 1, sizeof(int32_t), err) ||
-        grow_pinned(s->c, (void **)&cm->h_p, &cm->h_pcap, np + 1, sizeof(void *), err) ||
+    if (grow_host((void **)&cm->h_i, &cm->h_icap, ni + 1, sizeof(int32_t), err) ||
+        grow_host((void **)&cm->h_p, &cm->h_pcap, np + 1, sizeof(void *), err) ||
         grow(s->c, (void **)&cm->iarena, &cm->icap, ni + 1, sizeof(int32_t), err) ||
         grow(s->c, (void **)&cm->parena, &cm->pcap, np + 1, sizeof(void *), err))
         return DS_ERR;
@@ -813,10 +797,8 @@ static int build_indices(cstep *s, ds_err *err) {
         for (int j = 0; j < nb; j++) row[j] = bank + (size_t)j * TDp;
         row[nb] = P;
     }
-    int (*up)(ds_cu *, void *, const void *, size_t, ds_err *) =
-        cm->waited_copies ? ds_cu_upload : ds_cu_upload_async;
-    if (up(s->c, cm->iarena, hi, at * sizeof(int32_t), err) ||
-        up(s->c, cm->parena, hp, np * sizeof(void *), err))
+    if (ds_cu_upload(s->c, cm->iarena, hi, at * sizeof(int32_t), err) ||
+        ds_cu_upload(s->c, cm->parena, hp, np * sizeof(void *), err))
         return DS_ERR;
     s->ids = cm->iarena;
     s->seg_off = cm->iarena + seg_at;
@@ -839,11 +821,11 @@ static int build_indices(cstep *s, ds_err *err) {
         if (x) return DS_ERR;                                                                      \
     } while (0)
 
-/* Host staging for tensor-parallel collectives (until NCCL) and the greedy tokens' keys: at least
- * n floats, page-locked (the keys' download is not waited for). */
+/* out[T][D] = KDA(xn) (model.c kda_forward). */
+/* Host staging for tensor-parallel collectives (until NCCL): at least n floats. */
 static float *tp_stage(cstep *s, size_t n, ds_err *err) {
     ds_cuda_model *cm = s->cm;
-    if (grow_pinned(s->c, (void **)&cm->tp_host, &cm->tp_cap, n, sizeof(float), err)) return NULL;
+    if (grow_host((void **)&cm->tp_host, &cm->tp_cap, n, sizeof(float), err)) return NULL;
     return cm->tp_host;
 }
 
@@ -892,7 +874,6 @@ static int kda_fused(const cstep *s, const cu_kda *w) {
     return 1;
 }
 
-/* out[T][D] = KDA(xn) (model.c kda_forward). */
 static int kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float *xn, float *out,
                        ds_err *err) {
     const ds_config *c = &s->m->cfg;
@@ -1559,9 +1540,7 @@ vocabulary block; all of V on one) */
     if (any_am) {          /* the step's greedy tokens (run_body), a few bytes a row to the host */
         const size_t nk = (size_t)s->n_lg * s->am_parts;
         if (!(keys = (uint64_t *)tp_stage(s, 2 * nk, err))) return DS_ERR;
-        /* (read after the sync below) */
-        TRY((cm->waited_copies ? ds_cu_download : ds_cu_download_async)(
-            cu, keys, s->am, nk * sizeof(uint64_t), err));
+        TRY(ds_cu_download(cu, keys, s->am, nk * sizeof(uint64_t), err));
     }
     for (int q = 0; q < s->n_seq; q++) {
         ds_seq_batch *sb = &s->seqs[q];

@@ -45,14 +45,8 @@ void ds_cu_dealloc(void *p);
 /* Page-locked host memory (cudaMallocHost): copies to and from it skip the driver's staging. */
 void *ds_cu_host_alloc(size_t bytes, ds_err *err);
 void ds_cu_host_free(void *p);
-/* Copies that are done when they return (the host may reuse src, or read dst, at once). */
 int ds_cu_upload(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err);
 int ds_cu_download(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err);
-/* The same, queued on the stream and not waited for: the host buffer must be page-locked
- * (ds_cu_host_alloc) and left alone until the next ds_cu_sync. A step's index uploads and its
- * greedy tokens' download go this way: each waited-for copy was a round trip with the GPU idle. */
-int ds_cu_upload_async(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err);
-int ds_cu_download_async(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err);
 int ds_cu_fill_bytes(ds_cu *c, void *dst, int byte, size_t bytes, ds_err *err);
 
 /* A BF16 weight matrix W[rows][cols], row-major, in device memory. */

@@ -354,17 +354,6 @@ extern "C" int ds_cu_download(ds_cu *c, void *dst, const void *src, size_t bytes
     return DS_OK;
 }
 
-extern "C" int ds_cu_upload_async(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err) {
-    CU_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream), "upload");
-    return DS_OK;
-}
-
-extern "C" int ds_cu_download_async(ds_cu *c, void *dst, const void *src, size_t bytes,
-                                    ds_err *err) {
-    CU_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream), "download");
-    return DS_OK;
-}
-
 extern "C" int ds_cu_fill_bytes(ds_cu *c, void *dst, int byte, size_t bytes, ds_err *err) {
     CU_TRY(cudaMemsetAsync(dst, byte, bytes, c->stream), "fill");
     return DS_OK;
