@@ -1,10 +1,15 @@
 /* cmd_bench.c — `deltaserve bench --model DIR`: prompt and decode throughput of the forward pass,
  * each reported against this machine's limits measured in the same run (a read-bandwidth loop and
- * an FMA loop), so every figure says how far it is from the hardware. */
+ * an FMA loop), so every figure says how far it is from the hardware. With -tp / -pp the same
+ * steps run on every rank of the job, each step ending as the engine's do: the last stage's
+ * greedy tokens broadcast to every rank (the next step's input depends on them). */
 #include "cli/args.h"
 #include "cli/bench_limits.h"
 #include "base/devmem.h"
 #include "cli/commands.h"
+#include "cli/ranks.h"
+#include "dist/launch.h"
+#include "dist/pipeline.h"
 #include "model/sampler.h"
 #include "model/model.h"
 
@@ -26,6 +31,10 @@ typedef struct bench_result {
     /* --full-logits: sampling a step's rows on the host, ms, on one thread and on sample_threads */
     double sample_ms1[MAX_BATCHES], sample_msn[MAX_BATCHES];
     int sample_threads;
+    /* FNV-1a of every greedy token of the decode steps, in order: the same model gives the same
+     * tokens alone or split over ranks (the tests compare them); 0 when the steps drew or
+     * returned logits */
+    uint64_t ids_hash[MAX_BATCHES];
 } bench_result;
 
 /* ms to sample B rows of logits [B][V] (temperature 1, top-p 0.95: a typical sampled request)
@@ -57,6 +66,47 @@ out:
     return ms;
 }
 
+/* This rank's part of the job and its stage hand-over buffers; root is the world rank whose
+ * greedy tokens every rank receives after a step (the last stage's first TP rank). */
+typedef struct bench_job {
+    ds_rank r;
+    ds_pp_bufs io;
+    int root;
+} bench_job;
+
+/* One forward step of the whole job over sb[n]; picks[n_picks] (the last stage's greedy tokens,
+ * or NULL) then reach every rank, as sampled tokens do in the engine. */
+static int job_step(bench_job *j, ds_kv_pool *pool, ds_seq_batch *sb, int n, int32_t *picks,
+                    int n_picks, ds_err *err) {
+    if (ds_pp_step(j->r.comm, j->r.m, pool, sb, n, &j->io, err)) return DS_ERR;
+    if (j->r.comm->size == 1) return DS_OK;
+    if (picks) return ds_comm_bcast_from(j->r.comm, j->root, picks, n_picks * sizeof *picks, err);
+    return ds_comm_barrier(j->r.comm, err); /* the step ends on every rank together */
+}
+
+/* v <- its sum over every rank of the job (each rank broadcasts its own in turn: once, at start).
+ */
+static int job_sum(ds_comm *c, double *v, ds_err *err) {
+    if (c->size == 1) return DS_OK;
+    double sum = 0;
+    for (int r = 0; r < c->size; r++) {
+        double x = r == c->rank ? *v : 0;
+        if (ds_comm_bcast_from(c, r, &x, sizeof x, err)) return DS_ERR;
+        sum += x;
+    }
+    *v = sum;
+    return DS_OK;
+}
+
+/* "12.3%" of lim into buf, or "-" where no fraction is reported (lim 0). */
+static const char *pct(char *buf, size_t cap, double v, double lim) {
+    if (lim > 0)
+        snprintf(buf, cap, "%.1f%%", 100 * v / lim);
+    else
+        snprintf(buf, cap, "-");
+    return buf;
+}
+
 /* KDA state slots where the model keeps them: device memory on a GPU (the forward would
  * otherwise stage host slots through the bus every step). */
 static float *alloc_slots(ds_model *m, size_t n, ds_err *err) {
@@ -72,8 +122,10 @@ static float *alloc_slots(ds_model *m, size_t n, ds_err *err) {
  * greedy requests, or (full_logits) with every row of logits on the host, as a request that
  * samples or wants logprobs needs them, or (sampled) with every row's token drawn where the
  * logits are (temperature 1, top-p 0.95), as the server does for a sampled request. */
-static int run_decode(ds_model *m, int B, int prompt, int steps, int full_logits, int sampled,
+static int run_decode(bench_job *j, int B, int prompt, int steps, int full_logits, int sampled,
                       double *sec_per_step, bench_result *res, int slot, ds_err *err) {
+    ds_model *m = j->r.m;
+    const int last = j->r.last; /* only the last stage has logits */
     const ds_config *c = ds_model_config(m);
     int ctx = prompt + steps + 1, pages_per = (ctx + BENCH_BLOCK - 1) / BENCH_BLOCK;
     ds_kv_pool pool;
@@ -85,7 +137,7 @@ static int run_decode(ds_model *m, int B, int prompt, int steps, int full_logits
     int32_t *ids = ds_malloc((size_t)B * ctx * sizeof(int32_t), err);         /* [B][ctx] */
     ds_seq_batch *sb = ds_calloc((size_t)B, sizeof *sb, err);
     float *logits = ds_dmem_host_alloc((size_t)B * c->vocab_size * sizeof(float), err); /* [B][V] */
-    int32_t *picks = ds_malloc((size_t)B * sizeof(int32_t), err);                       /* [B] */
+    int32_t *picks = ds_calloc((size_t)B, sizeof(int32_t), err);                        /* [B] */
     ds_row_draw *draws = ds_calloc((size_t)B, sizeof *draws, err);                      /* [B] */
     if (!slots || !table || !ids || !sb || !logits || !picks || !draws) goto out;
     for (int i = 0; i < B * pages_per; i++) table[i] = i;
@@ -101,19 +153,20 @@ static int run_decode(ds_model *m, int B, int prompt, int steps, int full_logits
     /* the context, a few sequences per forward (as the scheduler's token budget would) */
     for (int b0 = 0, nb; b0 < B; b0 += nb) {
         nb = DS_MAX(1, DS_MIN(B - b0, 8192 / prompt));
-        if (ds_model_forward(m, &pool, sb + b0, nb, err)) goto out;
+        if (job_step(j, &pool, sb + b0, nb, NULL, 0, err)) goto out;
     }
     ds_model_profile_report(m, NULL, NULL); /* the profile is of the decode steps only */
     double best = 1e30;
+    res->ids_hash[slot] = full_logits || sampled ? 0 : 0xcbf29ce484222325ull; /* FNV offset */
     for (int s = 0; s < steps; s++) {
         for (int b = 0; b < B; b++) {
             sb[b].tokens = ids + (size_t)b * ctx + prompt + s;
             sb[b].n = 1;
             sb[b].pos0 = prompt + s;
-            sb[b].logits = full_logits ? logits + (size_t)b * c->vocab_size : NULL;
-            sb[b].argmax = full_logits ? NULL : picks + b;
-            sb[b].n_logits = 1;
-            if (sampled) {
+            sb[b].logits = last && full_logits ? logits + (size_t)b * c->vocab_size : NULL;
+            sb[b].argmax = last && !full_logits ? picks + b : NULL;
+            sb[b].n_logits = last;
+            if (last && sampled) {
                 ds_sample_params_default(&draws[b].p);
                 draws[b].p.top_p = 0.95f;
                 draws[b].u = ds_rng_uniform(&rng);
@@ -121,12 +174,17 @@ static int run_decode(ds_model *m, int B, int prompt, int steps, int full_logits
             }
         }
         double t0 = ds_now();
-        if (ds_model_forward(m, &pool, sb, B, err)) goto out;
+        if (job_step(j, &pool, sb, B, picks, B, err)) goto out;
         double dt = ds_now() - t0;
         if (s > 0 && dt < best) best = dt;
+        for (int b = 0; !full_logits && !sampled && b < B; b++)
+            for (int k = 0; k < 4; k++)
+                res->ids_hash[slot] =
+                    (res->ids_hash[slot] ^ (((uint32_t)picks[b] >> (8 * k)) & 0xff)) *
+                    0x100000001b3ull;
     }
     *sec_per_step = best;
-    if (full_logits) { /* what the host then does with the rows */
+    if (full_logits && last) { /* what the host then does with the rows */
         res->sample_ms1[slot] = time_sampling(logits, B, c->vocab_size, 1, err);
         res->sample_msn[slot] = time_sampling(logits, B, c->vocab_size, res->sample_threads, err);
         if (res->sample_ms1[slot] < 0 || res->sample_msn[slot] < 0) goto out;
@@ -144,7 +202,8 @@ out:
     return rc;
 }
 
-static int run_prompt(ds_model *m, int T, int reps, double *sec, ds_err *err) {
+static int run_prompt(bench_job *j, int T, int reps, double *sec, ds_err *err) {
+    ds_model *m = j->r.m;
     const ds_config *c = ds_model_config(m);
     int pages = (T + BENCH_BLOCK - 1) / BENCH_BLOCK;
     ds_kv_pool pool;
@@ -162,10 +221,12 @@ static int run_prompt(ds_model *m, int T, int reps, double *sec, ds_err *err) {
     double best = 1e30;
     for (int r = 0; r < reps; r++) {
         ds_dmem_zero(ds_model_on_device(m), slot, ds_model_slot_floats(m) * sizeof(float));
-        ds_seq_batch sb = {ids,  T,    0, slot, table, logits, 1,   NULL,
-                           NULL, NULL, 0, NULL, NULL,  NULL,   NULL};
+        ds_seq_batch sb = {ids,       T,    0,    slot, table, j->r.last ? logits : NULL,
+                           j->r.last, NULL, NULL, NULL, 0,     NULL,
+                           NULL,      NULL, NULL};
+        if (j->r.comm->size > 1 && ds_comm_barrier(j->r.comm, err)) goto out; /* start together */
         double t0 = ds_now();
-        if (ds_model_forward(m, &pool, &sb, 1, err)) goto out;
+        if (job_step(j, &pool, &sb, 1, NULL, 0, err)) goto out;
         double dt = ds_now() - t0;
         if (dt < best) best = dt;
         if (r == 0 && reps > 1) ds_model_profile_report(m, NULL, NULL); /* warm reps only */
@@ -204,9 +265,9 @@ static int parse_batches(const char *list, int *out, ds_err *err) {
 int ds_cmd_bench(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "serve")) return ds_cmd_bench_serve(argc - 1, argv + 1);
     const char *model_dir = NULL, *json_path = NULL, *device = "cpu", *load_format = "safetensors";
-    const char *batch_list = "1,16";
+    const char *batch_list = "1,16", *partition = "";
     int prompt_tokens = 512, steps = 8, reps = 2, batch_invariant = 0, decode_ctx = 32;
-    int enforce_eager = 0, full_logits = 0, sampled = 0;
+    int enforce_eager = 0, full_logits = 0, sampled = 0, tp = 1, pp = 1;
     static const char *const FORMATS[] = {"safetensors", "random", NULL};
     ds_arg opts[] = {
         {"model", "m", DS_ARG_STRING, &model_dir, "DIR", "checkpoint folder", .required = 1},
@@ -233,6 +294,10 @@ int ds_cmd_bench(int argc, char **argv) {
          "safetensors, or random: weights drawn for config.json's shape (no files read; made in "
          "GPU memory on cuda)",
          .choices = FORMATS},
+        DS_OPT("tensor-parallel-size", "tp", DS_ARG_INT, &tp, "T", "tensor-parallel ranks"),
+        DS_OPT("pipeline-parallel-size", "pp", DS_ARG_INT, &pp, "P", "pipeline stages"),
+        DS_OPT("pp-layer-partition", NULL, DS_ARG_STRING, &partition, "2,3,3,2",
+               "layers per stage (default: even, remainder to the middle stages)"),
         DS_OPT("json", NULL, DS_ARG_STRING, &json_path, "FILE", "also write the results as JSON"),
     };
     ds_args a = {
@@ -243,6 +308,9 @@ int ds_cmd_bench(int argc, char **argv) {
         "device copy rate and cuBLAS's BF16 GEMM rate.\n"
         "On a GPU, DS_CUDA_PROFILE=1 also prints each op's device time per step of every case\n"
         "(with --enforce-eager: a graph replay has no per-op times).\n"
+        "With -tp / -pp it runs on T x P ranks under MPI (re-launching itself through mpirun\n"
+        "unless started by it; rank r of a host uses GPU r mod count); the last stage's first\n"
+        "rank reports, bytes and FLOPs summed over the ranks.\n"
         "`deltaserve bench serve --help`: the load generator for a running server.",
         opts, (int)DS_ARRAY_LEN(opts)};
     int rc;
@@ -258,54 +326,82 @@ int ds_cmd_bench(int argc, char **argv) {
         fprintf(stderr, "bench: %s\n", err.msg);
         return 2;
     }
+    /* usage errors are the same on every rank: only world rank 0 (or a lone process) says so */
+    const char *wr = getenv("OMPI_COMM_WORLD_RANK");
+    const int quiet = wr && atoi(wr) != 0;
+    int counts[DS_MAX_LAYERS];
+    if (ds_pp_check_split(model_dir, tp, pp, partition, counts, &err)) {
+        if (!quiet) fprintf(stderr, "bench: %s\n", err.msg);
+        return 2;
+    }
+    if (tp * pp > 1 && !ds_comm_under_mpirun()) {
+        ds_launch_mpirun(tp * pp, argc, argv, &err);
+        fprintf(stderr, "bench: %s\n", err.msg);
+        return 1;
+    }
     ds_model_opts mo;
     ds_model_opts_default(&mo);
     mo.device = ds_device_from_name(device);
     mo.batch_invariant = batch_invariant;
     mo.enforce_eager = enforce_eager;
     mo.load_random = !strcmp(load_format, "random");
-    ds_model *m = NULL;
+    bench_job job;
+    memset(&job, 0, sizeof job);
     double t_load = ds_now();
-    if (ds_model_load(model_dir, &mo, &m, &err)) {
-        fprintf(stderr, "bench: %s\n", err.msg);
-        return 1;
-    }
+    if (ds_rank_open(model_dir, tp, pp, counts, &mo, &job.r, &err)) goto fail;
     t_load = ds_now() - t_load;
+    ds_model *m = job.r.m;
+    ds_comm *comm = job.r.comm;
+    job.root = (pp - 1) * tp;
+    const int report = comm->rank == job.root, alone = comm->size == 1;
     int gpu = ds_model_on_device(m), threads = omp_get_max_threads();
-    /* the limits: bytes/s and FLOP/s of this machine, measured now */
-    double bw, peak;
-    if (gpu) {
+    /* the limits: bytes/s and FLOP/s of this machine, measured now by the reporting rank while
+     * the others wait (ranks may share a GPU) */
+    double bw = 0, peak = 0;
+    if (report && gpu) {
         double tf;
         if (ds_model_device_limits(m, &bw, &tf, &err)) goto fail;
         peak = tf * 1e3; /* GFLOP/s */
-    } else {
+    } else if (report) {
         bw = ds_bench_read_bandwidth((size_t)1 << 30, threads);
         peak = ds_bench_fma_peak(threads);
     }
+    if (!alone && ds_comm_barrier(comm, &err)) goto fail;
     r.sample_threads = DS_MIN(threads, 16); /* the engine's sampling threads */
+    /* what a token costs the whole job: FLOPs and a batch-1 step's reads (the weights, then the
+     * sequence's state and the f32 vectors, at the shortest context a timed step has:
+     * decode_ctx + 1 rows, the fewest bytes), summed over the ranks */
+    double flops_prompt = ds_model_token_flops(m, 0), flops_decode = ds_model_token_flops(m, 1);
+    double step_bytes = ds_model_decode_bytes(m) + ds_model_decode_state_bytes(m, decode_ctx + 1);
+    double state_bytes = ds_model_decode_state_bytes(m, decode_ctx + 1);
+    if (job_sum(comm, &flops_prompt, &err) || job_sum(comm, &flops_decode, &err) ||
+        job_sum(comm, &step_bytes, &err) || job_sum(comm, &state_bytes, &err))
+        goto fail;
     double sec;
-    if (run_prompt(m, prompt_tokens, reps, &sec, &err)) goto fail;
+    if (run_prompt(&job, prompt_tokens, reps, &sec, &err)) goto fail;
     char title[48];
     snprintf(title, sizeof title, "prompt %d", prompt_tokens);
-    ds_model_profile_report(m, stderr, title);
+    if (report) ds_model_profile_report(m, stderr, title);
     r.prompt_tps = prompt_tokens / sec;
-    r.prompt_gflops = ds_model_token_flops(m, 0) * prompt_tokens / sec / 1e9;
-    /* a batch-1 step's reads: the weights, then the sequence's state and the f32 vectors, at the
-     * shortest context a timed step has (decode_ctx + 1 rows: the fewest bytes) */
-    const double step_bytes =
-        ds_model_decode_bytes(m) + ds_model_decode_state_bytes(m, decode_ctx + 1);
+    r.prompt_gflops = flops_prompt * prompt_tokens / sec / 1e9;
     for (int i = 0; i < r.n_batches; i++) {
         int B = r.batch[i];
-        if (run_decode(m, B, decode_ctx, steps, full_logits, sampled, &sec, &r, i, &err)) goto fail;
+        if (run_decode(&job, B, decode_ctx, steps, full_logits, sampled, &sec, &r, i, &err))
+            goto fail;
         snprintf(title, sizeof title, "decode batch %d", B);
-        ds_model_profile_report(m, stderr, title);
+        if (report) ds_model_profile_report(m, stderr, title);
         r.decode_ms[i] = sec * 1e3;
         r.decode_tps[i] = B / sec;
         /* batch 1 reads every active weight once per token; larger batches share the reads, so
          * only batch 1 is reported as bandwidth */
         r.decode_gbs[i] = B == 1 ? step_bytes / sec / 1e9 : 0;
-        r.decode_gflops[i] = ds_model_token_flops(m, 1) * B / sec / 1e9;
+        r.decode_gflops[i] = flops_decode * B / sec / 1e9;
     }
+    if (!report) goto done;
+    if (!alone) /* the limits are one device's: fractions of them only for one process */
+        printf("ranks: %d (tp %d x pp %d), this rank: %s; GB/s and GFLOP/s summed over the ranks, "
+               "no fractions of one device's limits\n",
+               comm->size, tp, pp, comm->who);
     printf("deltaserve bench  model=%s%s  device=%s  weights=%.2f GB (loaded in %.1f s)\n",
            model_dir, mo.load_random ? " (random weights)" : "", ds_model_device_name(m),
            ds_model_weight_bytes(m) / 1e9, t_load);
@@ -321,24 +417,21 @@ int ds_cmd_bench(int argc, char **argv) {
                threads);
     printf("decode bytes per token at batch 1: %.3f GB (weights %.3f GB; state and vectors %.1f MB "
            "at context %d)\n",
-           step_bytes / 1e9, ds_model_decode_bytes(m) / 1e9,
-           ds_model_decode_state_bytes(m, decode_ctx + 1) / 1e6, decode_ctx + 1);
+           step_bytes / 1e9, (step_bytes - state_bytes) / 1e9, state_bytes / 1e6, decode_ctx + 1);
     printf("%-18s %12s %10s %12s %10s %12s %10s\n", "case", "tokens/s", "ms/step", "GB/s",
            gpu ? "of copy" : "of read", "GFLOP/s", gpu ? "of GEMM" : "of peak");
-    char name[48];
+    char name[48], gbs[24], fb[16], fp[16];
+    const double bw_lim = alone ? bw : 0, peak_lim = alone ? peak : 0;
     snprintf(name, sizeof name, "prompt %d", prompt_tokens);
-    printf("%-18s %12.1f %10.2f %12s %10s %12.1f %9.1f%%\n", name, r.prompt_tps,
+    printf("%-18s %12.1f %10.2f %12s %10s %12.1f %10s\n", name, r.prompt_tps,
            1e3 * prompt_tokens / r.prompt_tps, "-", "-", r.prompt_gflops,
-           100 * r.prompt_gflops / peak);
+           pct(fp, sizeof fp, r.prompt_gflops, peak_lim));
     for (int i = 0; i < r.n_batches; i++) {
         snprintf(name, sizeof name, "decode batch %d", r.batch[i]);
-        if (r.decode_gbs[i] > 0)
-            printf("%-18s %12.1f %10.3f %12.2f %9.1f%% %12.1f %9.1f%%\n", name, r.decode_tps[i],
-                   r.decode_ms[i], r.decode_gbs[i], 100 * r.decode_gbs[i] / bw, r.decode_gflops[i],
-                   100 * r.decode_gflops[i] / peak);
-        else
-            printf("%-18s %12.1f %10.3f %12s %10s %12.1f %9.1f%%\n", name, r.decode_tps[i],
-                   r.decode_ms[i], "-", "-", r.decode_gflops[i], 100 * r.decode_gflops[i] / peak);
+        snprintf(gbs, sizeof gbs, r.decode_gbs[i] > 0 ? "%.2f" : "-", r.decode_gbs[i]);
+        printf("%-18s %12.1f %10.3f %12s %10s %12.1f %10s\n", name, r.decode_tps[i], r.decode_ms[i],
+               gbs, r.decode_gbs[i] > 0 ? pct(fb, sizeof fb, r.decode_gbs[i], bw_lim) : "-",
+               r.decode_gflops[i], pct(fp, sizeof fp, r.decode_gflops[i], peak_lim));
     }
     for (int i = 0; full_logits && i < r.n_batches; i++)
         printf("host sampling batch %d (T 1, top-p 0.95, V %d): %.3f ms on 1 thread, %.3f ms on "
@@ -353,26 +446,34 @@ int ds_cmd_bench(int argc, char **argv) {
         }
         fprintf(f,
                 "{\"model\": \"%s\", \"device\": \"%s\", \"random_weights\": %d, \"threads\": %d, "
-                "\"cuda_graphs\": %d, \"batch_invariant\": %d, "
+                "\"cuda_graphs\": %d, \"batch_invariant\": %d, \"tp\": %d, \"pp\": %d, "
                 "\"bw_gbs\": %.3f, \"peak_gflops\": %.3f, \"prompt_tokens\": %d, "
                 "\"prompt_tps\": %.3f, \"prompt_gflops\": %.3f, \"prompt_frac_peak\": %.4f, "
                 "\"decode\": [",
                 model_dir, ds_model_device_name(m), mo.load_random, threads, gpu && !enforce_eager,
-                batch_invariant, bw, peak, prompt_tokens, r.prompt_tps, r.prompt_gflops,
-                r.prompt_gflops / peak);
+                batch_invariant, tp, pp, bw, peak, prompt_tokens, r.prompt_tps, r.prompt_gflops,
+                alone ? r.prompt_gflops / peak : 0);
         for (int i = 0; i < r.n_batches; i++)
             fprintf(f,
                     "%s{\"batch\": %d, \"tps\": %.3f, \"ms_per_step\": %.4f, \"gbs\": %.3f, "
-                    "\"frac_bw\": %.4f, \"gflops\": %.3f}",
+                    "\"frac_bw\": %.4f, \"gflops\": %.3f, \"ids_hash\": \"%016llx\"}",
                     i ? ", " : "", r.batch[i], r.decode_tps[i], r.decode_ms[i], r.decode_gbs[i],
-                    r.decode_gbs[i] / bw, r.decode_gflops[i]);
+                    alone ? r.decode_gbs[i] / bw : 0, r.decode_gflops[i],
+                    (unsigned long long)r.ids_hash[i]);
         fprintf(f, "]}\n");
         fclose(f);
     }
-    ds_model_free(m);
-    return 0;
+done:
+    ds_pp_bufs_free(&job.io);
+    ds_model_free(job.r.m);
+    return ds_comm_finish(job.r.comm, 0);
 fail:
-    fprintf(stderr, "bench: %s\n", err.msg);
-    ds_model_free(m);
-    return 1;
+    if (job.r.comm && job.r.comm->size > 1 &&
+        strncmp(err.msg, job.r.comm->who, strlen(job.r.comm->who)))
+        fprintf(stderr, "bench: %s: %s\n", job.r.comm->who, err.msg);
+    else
+        fprintf(stderr, "bench: %s\n", err.msg);
+    ds_pp_bufs_free(&job.io);
+    ds_model_free(job.r.m);
+    return job.r.comm ? ds_comm_finish(job.r.comm, 1) : 1;
 }

@@ -5,6 +5,7 @@
 #include "base/devmem.h"
 #include "cli/args.h"
 #include "cli/commands.h"
+#include "cli/ranks.h"
 #include "dist/comm.h"
 #include "dist/launch.h"
 #include "dist/pipeline.h"
@@ -267,35 +268,6 @@ static int write_npy(const char *path, const float *data, int rows, int cols, ds
     return DS_OK;
 }
 
-/* One rank's part of a distributed job: its comm, its layers and TP slice of the model. */
-typedef struct rank_ctx {
-    ds_comm *comm;
-    ds_model *m;
-    int first, last; /* this rank's stage is the first / the last */
-} rank_ctx;
-
-/* Joins the job (MPI when started by mpirun) and loads this rank's stage and TP slice. */
-static int rank_open(const char *model_dir, int tp, int pp, const int *counts, int device,
-                     rank_ctx *r, ds_err *err) {
-    memset(r, 0, sizeof *r);
-    if (ds_comm_init(tp, pp, &r->comm, err)) return DS_ERR;
-    ds_model_opts o;
-    ds_model_opts_default(&o);
-    o.device = device;
-    const char *local = getenv("OMPI_COMM_WORLD_LOCAL_RANK"); /* one GPU per rank of a host */
-    if (local) o.device_index = atoi(local);
-    ds_pp_stage_range(counts, r->comm->stage, &o.layer_begin, &o.layer_end);
-    o.tp_rank = r->comm->tp_rank;
-    o.tp_size = r->comm->tp_size;
-    o.allreduce = ds_comm_allreduce_cb;
-    o.allreduce_ctx = r->comm;
-    o.allgather = ds_comm_allgather_cb;
-    o.allgather_ctx = r->comm;
-    r->first = r->comm->stage == 0;
-    r->last = r->comm->stage == pp - 1;
-    return ds_model_load(model_dir, &o, &r->m, err);
-}
-
 int ds_cmd_logits(int argc, char **argv) {
     const char *model_dir = NULL, *ids_arg = NULL, *out = NULL, *partition = "";
     const char *device = default_device();
@@ -323,7 +295,7 @@ int ds_cmd_logits(int argc, char **argv) {
     int n = 0, status = 1;
     float *logits = NULL;
     one_seq s = {0};
-    rank_ctx r = {0};
+    ds_rank r = {0};
     ds_pp_bufs io = {0};
     int counts[DS_MAX_LAYERS];
     /* Usage errors are the same on every rank: only world rank 0 (or a lone process) says so. */
@@ -341,7 +313,10 @@ int ds_cmd_logits(int argc, char **argv) {
         fprintf(stderr, "logits: %s\n", err.msg);
         return 1;
     }
-    if (rank_open(model_dir, tp, pp, counts, ds_device_from_name(device), &r, &err)) goto done;
+    ds_model_opts o;
+    ds_model_opts_default(&o);
+    o.device = ds_device_from_name(device);
+    if (ds_rank_open(model_dir, tp, pp, counts, &o, &r, &err)) goto done;
     int V = ds_model_config(r.m)->vocab_size;
     if (r.last) logits = ds_malloc((size_t)n * V * sizeof(float), &err);
     if ((r.last && !logits) || one_seq_init(&s, r.m, n, &err)) goto done;

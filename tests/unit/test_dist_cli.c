@@ -4,7 +4,8 @@
  *     that open on one stage and close on the next, a boundary on every bank) and tiny-linear;
  *   invariant 4: TP 2 and PP 2 x TP 2 logits within 1e-4 (relative) of one process, and the
  *     greedy token at every position the same, on two prompts; PP 2 x TP 4 (8 ranks) once;
- *   usage errors before any rank starts. */
+ *   usage errors before any rank starts;
+ *   `bench` over the same ranks decodes the same greedy tokens as one process. */
 #include "kernels/cpu/kernels.h"
 #include "model/init_model.h"
 #include "testutil.h"
@@ -145,6 +146,54 @@ static void test_under_mpirun(void **state) {
     assert_non_null(strstr(out, "-tp 1 x -pp 2 needs 2 ranks, but mpirun started 3"));
 }
 
+/* `bench -tp/-pp`: the decode steps' greedy tokens (the JSON's ids_hash per batch size) are
+ * those of one process, and one line of results comes from the reporting rank only. */
+static void bench_hashes(const char *flags, char hashes[2][17]) {
+    static int k;
+    char path[4096], args[12288], out[16384];
+    snprintf(path, sizeof path, "%s/b%d.json", g_tmp, k++);
+    snprintf(args, sizeof args,
+             "bench -m '%s' --prompt-tokens 24 --decode-context 12 --decode-steps 4 "
+             "--batch-sizes 1,3 --json '%s' %s",
+             g_k3, path, flags);
+    int rc = run("", args, out, sizeof out);
+    if (rc) fail_msg("bench %s: exit %d\n%s", flags, rc, out);
+    const char *row = strstr(out, "decode batch 3");
+    assert_non_null(row);
+    assert_null(strstr(row + 1, "decode batch 3")); /* one reporting rank */
+    size_t len;
+    ds_err err = {{0}};
+    char *js = ds_read_file(path, &len, &err);
+    assert_non_null(js);
+    const char *at = js;
+    for (int i = 0; i < 2; i++) {
+        at = strstr(at, "\"ids_hash\": \"");
+        assert_non_null(at);
+        at += strlen("\"ids_hash\": \"");
+        memcpy(hashes[i], at, 16);
+        hashes[i][16] = 0;
+    }
+    free(js);
+}
+
+static void test_bench_ranks(void **state) {
+    (void)state;
+    char ref[2][17], got[2][17];
+    bench_hashes("", ref);
+    assert_string_not_equal(ref[0], ref[1]); /* batch 1 and 3 decode different tokens */
+    const char *flags[] = {"-pp 2", "-tp 2", "-pp 2 -tp 2"};
+    for (size_t i = 0; i < sizeof flags / sizeof *flags; i++) {
+        bench_hashes(flags[i], got);
+        if (strcmp(got[0], ref[0]) || strcmp(got[1], ref[1]))
+            fail_msg("bench %s: greedy tokens %s %s, one process %s %s", flags[i], got[0], got[1],
+                     ref[0], ref[1]);
+    }
+    char args[8192], out[16384];
+    snprintf(args, sizeof args, "bench -m '%s' -pp 11", g_k3);
+    assert_int_equal(run("", args, out, sizeof out), 2);
+    assert_non_null(strstr(out, "11 stages for 10 layers"));
+}
+
 static void test_usage_errors(void **state) {
     (void)state;
     char args[8192], out[16384];
@@ -163,9 +212,8 @@ static void test_usage_errors(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_pp_bitexact),
-        cmocka_unit_test(test_tp_close),
-        cmocka_unit_test(test_under_mpirun),
+        cmocka_unit_test(test_pp_bitexact),  cmocka_unit_test(test_tp_close),
+        cmocka_unit_test(test_under_mpirun), cmocka_unit_test(test_bench_ranks),
         cmocka_unit_test(test_usage_errors),
     };
     return cmocka_run_group_tests(tests, setup, NULL);

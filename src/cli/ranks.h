@@ -1,0 +1,21 @@
+/* ranks.h — one rank's part of a `-tp T -pp P` command (logits, bench): its comm and its slice of
+ * the model. */
+#ifndef DS_CLI_RANKS_H
+#define DS_CLI_RANKS_H
+
+#include "dist/comm.h"
+#include "model/model.h"
+
+typedef struct ds_rank {
+    ds_comm *comm;
+    ds_model *m;
+    int first, last; /* this rank's stage is the first / the last */
+} ds_rank;
+
+/* Joins the job (MPI when started by mpirun, else a local comm) and loads this rank's stage
+ * (layers per stage in counts[pp], from ds_pp_check_split) and TP slice, with base's other
+ * options. Rank r of a host uses GPU r mod count. */
+int ds_rank_open(const char *model_dir, int tp, int pp, const int *counts,
+                 const ds_model_opts *base, ds_rank *r, ds_err *err);
+
+#endif
