@@ -78,11 +78,11 @@ const ds_config *ds_model_config(const ds_model *m) {
 /* Host views of the embedding and lm_head (the DSpark draft reads them): none when the rank holds
  * a vocabulary slice, or when random weights exist only in GPU memory. */
 const ds_mat *ds_model_embed(const ds_model *m) {
-    if (m->tp_size > 1 || m->embed.data == ds_random_weights) return NULL;
+    if (m->tp_size > 1 || ds_model_rand_mat(m, &m->embed)) return NULL;
     return &m->embed;
 }
 const ds_mat *ds_model_lm_head(const ds_model *m) {
-    return m->lm_head_full.data == ds_random_weights ? NULL : &m->lm_head_full;
+    return ds_model_rand_mat(m, &m->lm_head_full) ? NULL : &m->lm_head_full;
 }
 int ds_model_on_device(const ds_model *m) {
     return m->cu != NULL;
@@ -122,12 +122,13 @@ static int own(ds_model *m, void *p, ds_err *err) {
 #define FLOAT_TYPES ((1u << DS_DT_F32) | (1u << DS_DT_F16) | (1u << DS_DT_BF16))
 
 /* ---- random weights (--load-format random) ----------------------------------------------------
- * Every tensor the config implies, drawn from a hash of (seed, tensor name, element index), so a
- * tensor's values do not depend on load order or on which rank binds it. Matrices are BF16,
- * uniform with variance 1/cols (activations keep their scale through the stack); on the GPU they
- * are never made on the host: the data pointer is ds_random_weights and the CUDA backend fills
- * device memory itself. Vectors follow their role: norms 1, A_log log U(1,16), the rest small. */
-const char ds_random_weights[1] = {0};
+ * Every tensor the config implies, drawn from a hash of (seed, tensor name, element index in the
+ * whole tensor), so a tensor's values do not depend on load order or on which rank binds which
+ * slice of it: pipeline stages and tensor-parallel ranks hold the one-process model. Matrices are
+ * BF16, uniform with variance 1/cols of the whole tensor (activations keep their scale through
+ * the stack); on the GPU they are never made on the host: the data pointer is a ds_rand_mat and
+ * the CUDA backend fills device memory itself, with the same values. Vectors follow their role:
+ * norms 1, A_log log U(1,16), the rest small. */
 
 static uint64_t name_hash(const char *s) {
     uint64_t h = 1469598103934665603ull; /* FNV-1a */
@@ -144,21 +145,42 @@ static float hash_uniform(uint64_t key, uint64_t i) {
     return (float)((double)(z >> 11) * (2.0 / 9007199254740992.0) - 1.0);
 }
 
-static int rand_mat(ds_model *m, const char *name, int rows, int cols, ds_mat *out, ds_err *err) {
+/* Rows [r0, r0+rows) x columns [c0, c0+cols) of the tensor `name` of full_cols columns. */
+static int rand_mat(ds_model *m, const char *name, int rows, int cols, int r0, int c0,
+                    int full_cols, ds_mat *out, ds_err *err) {
     size_t n = (size_t)rows * (size_t)cols;
-    *out = (ds_mat){ds_random_weights, DS_DT_BF16, rows, cols};
+    const uint64_t key = name_hash(name) ^ m->opts.random_seed;
+    const float a = sqrtf(3.0f / (float)(full_cols > 0 ? full_cols : 1));
+    *out = (ds_mat){NULL, DS_DT_BF16, rows, cols};
     m->weight_bytes += n * 2;
-    if (m->dev == DS_DEVICE_CUDA) return DS_OK; /* filled on the device */
+    if (m->dev == DS_DEVICE_CUDA) { /* filled on the device */
+        ds_rand_mat *d = ds_malloc(sizeof *d, err);
+        if (!d || own(m, d, err)) {
+            free(d);
+            return DS_ERR;
+        }
+        *d = (ds_rand_mat){DS_RAND_MAGIC, m, key, r0, c0, full_cols, a};
+        out->data = d;
+        return DS_OK;
+    }
     uint16_t *p = ds_aligned_alloc(n * 2 + 2, err);
     if (!p || own(m, p, err)) {
         free(p);
         return DS_ERR;
     }
-    uint64_t key = name_hash(name) ^ m->opts.random_seed;
-    float a = sqrtf(3.0f / (float)(cols > 0 ? cols : 1));
-    for (size_t i = 0; i < n; i++) p[i] = ds_f32_to_bf16(a * hash_uniform(key, i));
+    for (size_t i = 0; i < (size_t)rows; i++)
+        for (size_t j = 0; j < (size_t)cols; j++)
+            p[i * cols + j] = ds_f32_to_bf16(
+                a * hash_uniform(key, ((size_t)r0 + i) * (size_t)full_cols + (size_t)c0 + j));
     out->data = p;
     return DS_OK;
+}
+
+const ds_rand_mat *ds_model_rand_mat(const ds_model *m, const ds_mat *w) {
+    /* on a GPU with random weights every bound matrix is one (the check reads no element) */
+    if (!m->random || m->dev != DS_DEVICE_CUDA || !w->data) return NULL;
+    const ds_rand_mat *d = w->data;
+    return d->magic == DS_RAND_MAGIC && d->owner == m ? d : NULL;
 }
 
 static int ends_with(const char *s, const char *suffix) {
@@ -192,7 +214,7 @@ static int rand_vec(ds_model *m, const char *name, size_t n, float **out, ds_err
 
 /* Binds a matrix [rows][cols] in its file dtype. */
 static int bind_mat(ds_model *m, const char *name, int rows, int cols, ds_mat *out, ds_err *err) {
-    if (m->random) return rand_mat(m, name, rows, cols, out, err);
+    if (m->random) return rand_mat(m, name, rows, cols, 0, 0, cols, out, err);
     const ds_tensor *t;
     int64_t shape[2] = {rows, cols};
     if (ds_st_get(m->st, name, FLOAT_TYPES, 2, shape, &t, err)) return DS_ERR;
@@ -208,7 +230,7 @@ static int bind_mat(ds_model *m, const char *name, int rows, int cols, ds_mat *o
  * mapped file, no copy. */
 static int bind_mat_rows(ds_model *m, const char *name, int rows, int cols, int r0, int nr,
                          ds_mat *out, ds_err *err) {
-    if (m->random) return rand_mat(m, name, nr, cols, out, err);
+    if (m->random) return rand_mat(m, name, nr, cols, r0, 0, cols, out, err);
     size_t before = m->weight_bytes;
     if (bind_mat(m, name, rows, cols, out, err)) return DS_ERR;
     if (nr == rows) return DS_OK;
@@ -221,7 +243,7 @@ static int bind_mat_rows(ds_model *m, const char *name, int rows, int cols, int 
  * stride, so the slice is copied, in its file dtype, into memory the model owns. */
 static int bind_mat_cols(ds_model *m, const char *name, int rows, int cols, int c0, int nc,
                          ds_mat *out, ds_err *err) {
-    if (m->random) return rand_mat(m, name, rows, nc, out, err);
+    if (m->random) return rand_mat(m, name, rows, nc, 0, c0, cols, out, err);
     size_t before = m->weight_bytes;
     ds_mat full;
     if (bind_mat(m, name, rows, cols, &full, err)) return DS_ERR;

@@ -113,8 +113,8 @@ typedef struct ds_cuda_model {
     void **allocs; /* every device allocation of the weights */
     int n_allocs, cap_allocs;
     size_t weight_bytes;
-    uint64_t n_fills; /* random matrices drawn so far: each gets its own key */
-    uint16_t *conv;   /* host staging for dtype conversion, conv_cap elements */
+    const ds_model *m; /* the model these are the weights of */
+    uint16_t *conv;    /* host staging for dtype conversion, conv_cap elements */
     size_t conv_cap;
     /* per-step buffers, grown on demand */
     float *sc; /* device scratch, sc_cap floats */
@@ -206,10 +206,11 @@ static int upload_bf16(ds_cuda_model *cm, uint16_t *dst, const void *src, ds_dty
 /* w's elements into device memory at d (BF16): uploaded, or drawn there for random weights. */
 static int fill_mat(ds_cuda_model *cm, uint16_t *d, const ds_mat *w, ds_err *err) {
     size_t n = (size_t)w->rows * w->cols;
-    if (w->data == ds_random_weights) { /* --load-format random: drawn here, never on the host */
-        uint64_t key = 0x5eed0000ull + (uint64_t)(cm->n_fills++) * 0x9e3779b97f4a7c15ull;
-        return ds_cu_fill_random_bf16(cm->c, d, n, key, sqrtf(3.0f / (float)w->cols), err);
-    }
+    const ds_rand_mat *r = ds_model_rand_mat(cm->m, w);
+    if (r) /* --load-format random: drawn here, never on the host */
+        return ds_cu_fill_random_bf16(cm->c, d, (size_t)w->rows, (size_t)w->cols, r->key,
+                                      (size_t)r->row0, (size_t)r->col0, (size_t)r->full_cols,
+                                      r->scale, err);
     return upload_bf16(cm, d, w->data, w->dtype, n, err);
 }
 
@@ -311,21 +312,12 @@ static int up_ffn(ds_cuda_model *cm, const ds_model *m, const ffn_w *w, cu_ffn *
     d->gate_up = dev_alloc(cm, (size_t)El * 2 * per * 2, err);
     d->e_down = dev_alloc(cm, (size_t)El * per * 2, err);
     if (!d->gate_up || !d->e_down) return DS_ERR;
-    if (w->w1[m->e0].data == ds_random_weights) {
-        uint64_t key = 0xe8e8ull + (uint64_t)cm->n_allocs * 0x9e3779b97f4a7c15ull;
-        if (ds_cu_fill_random_bf16(cm->c, d->gate_up, (size_t)El * 2 * per, key,
-                                   sqrtf(3.0f / (float)Hin), err) ||
-            ds_cu_fill_random_bf16(cm->c, d->e_down, (size_t)El * per, key + 1,
-                                   sqrtf(3.0f / (float)Ie), err))
-            return DS_ERR;
-        return DS_OK;
-    }
     for (int e = m->e0; e < m->e1; e++) {
         const ds_mat *w1 = &w->w1[e], *w3 = &w->w3[e], *w2 = &w->w2[e];
         size_t l = (size_t)(e - m->e0); /* its place among this rank's experts */
-        if (upload_bf16(cm, d->gate_up + l * 2 * per, w1->data, w1->dtype, per, err) ||
-            upload_bf16(cm, d->gate_up + (l * 2 + 1) * per, w3->data, w3->dtype, per, err) ||
-            upload_bf16(cm, d->e_down + l * per, w2->data, w2->dtype, per, err))
+        if (fill_mat(cm, d->gate_up + l * 2 * per, w1, err) ||
+            fill_mat(cm, d->gate_up + (l * 2 + 1) * per, w3, err) ||
+            fill_mat(cm, d->e_down + l * per, w2, err))
             return DS_ERR;
     }
     return DS_OK;
@@ -455,6 +447,7 @@ int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
     }
     g_cu_refs++;
     ds_cuda_model *cm = calloc(1, sizeof *cm);
+    if (cm) cm->m = m;
     if (!cm) {
         m->cu = NULL;
         if (--g_cu_refs == 0) {

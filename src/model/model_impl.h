@@ -110,8 +110,20 @@ static inline size_t ds_model_rec_floats(const ds_model *m) {
     return (size_t)m->Hk * (size_t)c->kda_head_dim * (size_t)c->kda_head_dim;
 }
 
-/* The data pointer of a random matrix that only the device holds (see model.c). */
-extern const char ds_random_weights[1];
+/* A random matrix that only the device holds (--load-format random on a GPU; model.c): the
+ * ds_mat's data points to this instead of elements. Element (i, j) of the rank's [rows][cols]
+ * slice is element (row0 + i, col0 + j) of the full [.][full_cols] tensor, drawn from key and its
+ * index there, times scale — the values the CPU draws, whichever rank holds which slice. */
+typedef struct ds_rand_mat {
+    uint64_t magic; /* DS_RAND_MAGIC */
+    const struct ds_model *owner;
+    uint64_t key;
+    int64_t row0, col0, full_cols;
+    float scale;
+} ds_rand_mat;
+#define DS_RAND_MAGIC 0x72616e646d617431ull
+/* w's descriptor when it is such a matrix of m, else NULL. */
+const ds_rand_mat *ds_model_rand_mat(const ds_model *m, const ds_mat *w);
 
 /* The CUDA backend (model_cuda.c; in builds without it these report that). attach uploads the
  * bound weights and installs device memory (base/devmem.h); forward runs one step of n_seq

@@ -1421,8 +1421,9 @@ static void bench(ds_cu *c, const char *only) {
         moe_ctx mc = {0};
         mc.gu = ds_cu_alloc(c, 256 * 2 * per * 2, &err);
         mc.dn = ds_cu_alloc(c, 256 * per * 2, &err);
-        if (!mc.gu || !mc.dn || ds_cu_fill_random_bf16(c, mc.gu, 256 * 2 * per, 7, 0.03f, &err) ||
-            ds_cu_fill_random_bf16(c, mc.dn, 256 * per, 8, 0.03f, &err))
+        if (!mc.gu || !mc.dn ||
+            ds_cu_fill_random_bf16(c, mc.gu, 256 * 2 * per, 1, 7, 0, 0, 1, 0.03f, &err) ||
+            ds_cu_fill_random_bf16(c, mc.dn, 256 * per, 1, 8, 0, 0, 1, 0.03f, &err))
             DIE("%s", err.msg);
         float *h = rand_f32((size_t)8 * 2304, -1, 1);
         mc.x = dev(c, h, (size_t)8 * 2304 * 4);

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -148,14 +149,14 @@ static void test_under_mpirun(void **state) {
 
 /* `bench -tp/-pp`: the decode steps' greedy tokens (the JSON's ids_hash per batch size) are
  * those of one process, and one line of results comes from the reporting rank only. */
-static void bench_hashes(const char *flags, char hashes[2][17]) {
+static void bench_hashes(const char *model, const char *flags, char hashes[2][17]) {
     static int k;
     char path[4096], args[12288], out[16384];
     snprintf(path, sizeof path, "%s/b%d.json", g_tmp, k++);
     snprintf(args, sizeof args,
              "bench -m '%s' --prompt-tokens 24 --decode-context 12 --decode-steps 4 "
              "--batch-sizes 1,3 --json '%s' %s",
-             g_k3, path, flags);
+             model, path, flags);
     int rc = run("", args, out, sizeof out);
     if (rc) fail_msg("bench %s: exit %d\n%s", flags, rc, out);
     const char *row = strstr(out, "decode batch 3");
@@ -178,15 +179,34 @@ static void bench_hashes(const char *flags, char hashes[2][17]) {
 
 static void test_bench_ranks(void **state) {
     (void)state;
-    char ref[2][17], got[2][17];
-    bench_hashes("", ref);
-    assert_string_not_equal(ref[0], ref[1]); /* batch 1 and 3 decode different tokens */
-    const char *flags[] = {"-pp 2", "-tp 2", "-pp 2 -tp 2"};
-    for (size_t i = 0; i < sizeof flags / sizeof *flags; i++) {
-        bench_hashes(flags[i], got);
-        if (strcmp(got[0], ref[0]) || strcmp(got[1], ref[1]))
-            fail_msg("bench %s: greedy tokens %s %s, one process %s %s", flags[i], got[0], got[1],
-                     ref[0], ref[1]);
+    /* random weights too (config.json only): every rank draws its slice of the one-process
+     * model, whatever slice it holds */
+    char rnd[4200], src[4400], dst[4400];
+    snprintf(rnd, sizeof rnd, "%s/rk3", g_tmp);
+    snprintf(src, sizeof src, "%s/config.json", g_k3);
+    snprintf(dst, sizeof dst, "%s/config.json", rnd);
+    assert_int_equal(mkdir(rnd, 0755), 0);
+    size_t len;
+    ds_err err = {{0}};
+    char *cfg = ds_read_file(src, &len, &err);
+    assert_non_null(cfg);
+    assert_int_equal(ds_test_write_file(dst, cfg, len), 0);
+    free(cfg);
+    const char *models[] = {g_k3, rnd}, *extra[] = {"", "--load-format random"};
+    char ref[2][17], got[2][17], real[2][17] = {{0}}, fl[256];
+    for (int k = 0; k < 2; k++) {
+        bench_hashes(models[k], extra[k], ref);
+        assert_string_not_equal(ref[0], ref[1]); /* batch 1 and 3 decode different tokens */
+        if (k == 1) assert_string_not_equal(ref[0], real[0]); /* a model of its own */
+        memcpy(real, ref, sizeof real);
+        const char *flags[] = {"-pp 2", "-tp 2", "-pp 2 -tp 2"};
+        for (size_t i = 0; i < sizeof flags / sizeof *flags; i++) {
+            snprintf(fl, sizeof fl, "%s %s", extra[k], flags[i]);
+            bench_hashes(models[k], fl, got);
+            if (strcmp(got[0], ref[0]) || strcmp(got[1], ref[1]))
+                fail_msg("bench %s: greedy tokens %s %s, one process %s %s", fl, got[0], got[1],
+                         ref[0], ref[1]);
+        }
     }
     char args[8192], out[16384];
     snprintf(args, sizeof args, "bench -m '%s' -pp 11", g_k3);

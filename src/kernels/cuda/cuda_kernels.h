@@ -321,7 +321,11 @@ int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const float *qbar, co
 /* A copy in any direction (unified addressing), done when it returns. */
 int ds_cu_copy_any(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err);
 /* d[i] = bf16(scale * u), u uniform in [-1, 1) from a hash of (key, i): n random weights. */
-int ds_cu_fill_random_bf16(ds_cu *c, uint16_t *d, size_t n, uint64_t key, float scale, ds_err *err);
+/* d [rows][cols] <- scale x U[-1, 1) from (key, index in the whole tensor): element (i, j) is
+ * element (row0 + i, col0 + j) of a tensor of full_cols columns, the value the CPU's random
+ * weights have there (model.c hash_uniform, then rounded to BF16 to nearest even). */
+int ds_cu_fill_random_bf16(ds_cu *c, uint16_t *d, size_t rows, size_t cols, uint64_t key,
+                           size_t row0, size_t col0, size_t full_cols, float scale, ds_err *err);
 /* dst [cols][rows] = src [rows][cols]^T, BF16 (weights reshaped once at load). */
 int ds_cu_transpose_bf16(ds_cu *c, uint16_t *dst, const uint16_t *src, int rows, int cols,
                          ds_err *err);

@@ -1007,12 +1007,14 @@ extern "C" int ds_cu_copy_any(ds_cu *c, void *dst, const void *src, size_t bytes
 
 /* d[i] = bf16(scale * U[-1, 1)) from a splitmix64 hash of (key, i): random weights made in place.
  */
-__global__ void fill_random_bf16_k(__nv_bfloat16 *d, size_t n, unsigned long long key,
-                                   float scale) {
+__global__ void fill_random_bf16_k(__nv_bfloat16 *d, size_t rows, size_t cols,
+                                   unsigned long long key, size_t row0, size_t col0,
+                                   size_t full_cols, float scale) {
     PDL_ENTRY();
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < rows * cols;
          i += (size_t)gridDim.x * blockDim.x) {
-        unsigned long long z = key + (i + 1) * 0x9e3779b97f4a7c15ull;
+        const size_t g = (row0 + i / cols) * full_cols + col0 + i % cols; /* (a load-time kernel) */
+        unsigned long long z = key + (g + 1) * 0x9e3779b97f4a7c15ull;
         z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
         z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
         z ^= z >> 31;
@@ -1021,10 +1023,12 @@ __global__ void fill_random_bf16_k(__nv_bfloat16 *d, size_t n, unsigned long lon
     }
 }
 
-extern "C" int ds_cu_fill_random_bf16(ds_cu *c, uint16_t *d, size_t n, uint64_t key, float scale,
+extern "C" int ds_cu_fill_random_bf16(ds_cu *c, uint16_t *d, size_t rows, size_t cols, uint64_t key,
+                                      size_t row0, size_t col0, size_t full_cols, float scale,
                                       ds_err *err) {
-    if (!n) return DS_OK;
-    launch_k(c, fill_random_bf16_k, 4096, 256, 0, (__nv_bfloat16 *)d, n, key, scale);
+    if (!rows || !cols) return DS_OK;
+    launch_k(c, fill_random_bf16_k, 4096, 256, 0, (__nv_bfloat16 *)d, rows, cols,
+             (unsigned long long)key, row0, col0, full_cols, scale);
     CU_TRY(cudaGetLastError(), "random weights");
     return DS_OK;
 }
