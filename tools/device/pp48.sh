@@ -15,4 +15,14 @@ for run in "one:" "pp2:-pp 2" "pp2_eager:-pp 2 --enforce-eager" "one_eager:--enf
     { fail=1; echo "$name: failed"; tail -5 "$OUT/pp48_$name.log"; }
   grep -E "^(prompt|decode batch)" "$OUT/pp48_$name.log" | sed "s|^|$name: |"
 done
+# the same model every way (random weights are drawn per tensor, whichever rank holds a slice):
+# the greedy tokens of every batch size agree
+python3 - "$OUT" <<'PY' || fail=1
+import json, sys
+runs = {n: json.load(open(f"{sys.argv[1]}/pp48_{n}.json")) for n in ["one", "pp2", "pp2_eager", "one_eager"]}
+ref = [d["ids_hash"] for d in runs["one"]["decode"]]
+bad = [n for n, r in runs.items() if [d["ids_hash"] for d in r["decode"]] != ref]
+print("pp48: greedy tokens the same in all four runs" if not bad else f"pp48: greedy tokens differ: {bad}")
+sys.exit(1 if bad else 0)
+PY
 exit $fail
