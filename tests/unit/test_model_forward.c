@@ -458,6 +458,13 @@ static void test_random_weights(void **state) {
     last_logits(dir, &o, b, &err, &rc);
     assert_int_equal(rc, DS_OK);
     assert_memory_equal(a, b, V * sizeof(float));
+    /* the values the CPU draws, on whichever device (DS_DEVICE=cuda: drawn in GPU memory) */
+    ds_model_opts oc = o;
+    oc.device = DS_DEVICE_CPU;
+    last_logits(dir, &oc, c, &err, &rc);
+    assert_int_equal(rc, DS_OK);
+    double rel = ds_test_rel_err_f(a, c, (size_t)V);
+    if (rel > 1e-4) fail_msg("random weights: device vs CPU relative error %.3g", rel);
     o.random_seed = 7;
     last_logits(dir, &o, c, &err, &rc);
     last_logits(real, NULL, t, &err, &rc);
