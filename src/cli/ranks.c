@@ -13,13 +13,7 @@ int ds_rank_open(const char *model_dir, int tp, int pp, const int *counts,
     ds_model_opts o = *base;
     const char *local = getenv("OMPI_COMM_WORLD_LOCAL_RANK"); /* one GPU per rank of a host */
     if (local) o.device_index = atoi(local);
-    ds_pp_stage_range(counts, r->comm->stage, &o.layer_begin, &o.layer_end);
-    o.tp_rank = r->comm->tp_rank;
-    o.tp_size = r->comm->tp_size;
-    o.allreduce = ds_comm_allreduce_cb;
-    o.allreduce_ctx = r->comm;
-    o.allgather = ds_comm_allgather_cb;
-    o.allgather_ctx = r->comm;
+    ds_pp_rank_opts(r->comm, counts, &o);
     r->first = r->comm->stage == 0;
     r->last = r->comm->stage == pp - 1;
     return ds_model_load(model_dir, &o, &r->m, err);

@@ -135,3 +135,14 @@ int ds_pp_step(ds_comm *c, ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, in
                        c->who, out->n_banks, ds_model_end_layer(m), expect);
     return ds_pp_send(c, out, T, D, err);
 }
+
+void ds_pp_rank_opts(ds_comm *c, const int *counts, ds_model_opts *o) {
+    if (counts && c->n_stages > 1)
+        ds_pp_stage_range(counts, c->stage, &o->layer_begin, &o->layer_end);
+    o->tp_rank = c->tp_rank;
+    o->tp_size = c->tp_size;
+    o->allreduce = ds_comm_allreduce_cb;
+    o->allreduce_ctx = c;
+    o->allgather = ds_comm_allgather_cb;
+    o->allgather_ctx = c;
+}

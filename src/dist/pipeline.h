@@ -40,6 +40,10 @@ typedef struct ds_pp_bufs {
     int cap_tokens;
 } ds_pp_bufs;
 
+/* This rank's part of the model in o: its stage's layers (counts[P] layers per stage; NULL with
+ * one stage), its TP slice, and the comm's collectives as the model's callbacks. */
+void ds_pp_rank_opts(ds_comm *c, const int *counts, ds_model_opts *o);
+
 /* Grows b to hold T tokens of model m (never shrinks). */
 int ds_pp_bufs_reserve(ds_pp_bufs *b, const ds_model *m, int T, ds_err *err);
 void ds_pp_bufs_free(ds_pp_bufs *b);

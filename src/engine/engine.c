@@ -484,15 +484,7 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
             ds_errf(err, "engine: a pipeline-parallel job needs the layer partition");
             goto fail;
         }
-        if (e->comm->n_stages > 1)
-            ds_pp_stage_range(opts->pp_layer_counts, e->comm->stage, &mo.layer_begin,
-                              &mo.layer_end);
-        mo.tp_rank = e->comm->tp_rank;
-        mo.tp_size = e->comm->tp_size;
-        mo.allreduce = ds_comm_allreduce_cb;
-        mo.allreduce_ctx = e->comm;
-        mo.allgather = ds_comm_allgather_cb;
-        mo.allgather_ctx = e->comm;
+        ds_pp_rank_opts(e->comm, opts->pp_layer_counts, &mo);
     }
     if (ds_model_load(e->model_dir, &mo, &e->model, err) ||
         ds_tok_load(e->model_dir, &e->tok, err) || ds_chat_format_from_dir(e->model_dir, &fmt, err))

@@ -181,17 +181,10 @@ static void test_bench_ranks(void **state) {
     (void)state;
     /* random weights too (config.json only): every rank draws its slice of the one-process
      * model, whatever slice it holds */
-    char rnd[4200], src[4400], dst[4400];
+    char rnd[4200];
     snprintf(rnd, sizeof rnd, "%s/rk3", g_tmp);
-    snprintf(src, sizeof src, "%s/config.json", g_k3);
-    snprintf(dst, sizeof dst, "%s/config.json", rnd);
     assert_int_equal(mkdir(rnd, 0755), 0);
-    size_t len;
-    ds_err err = {{0}};
-    char *cfg = ds_read_file(src, &len, &err);
-    assert_non_null(cfg);
-    assert_int_equal(ds_test_write_file(dst, cfg, len), 0);
-    free(cfg);
+    assert_int_equal(ds_test_copy_config(g_k3, rnd), 0);
     const char *models[] = {g_k3, rnd}, *extra[] = {"", "--load-format random"};
     char ref[2][17], got[2][17], real[2][17] = {{0}}, fl[256];
     for (int k = 0; k < 2; k++) {

@@ -435,15 +435,8 @@ static void test_random_weights(void **state) {
     (void)state;
     const char *real = preset_dir(0);
     char *dir = ds_test_tmpdir(); /* config.json only */
-    char src[4200], dst[4200];
-    snprintf(src, sizeof src, "%s/config.json", real);
-    snprintf(dst, sizeof dst, "%s/config.json", dir);
-    size_t len;
+    assert_int_equal(ds_test_copy_config(real, dir), 0);
     ds_err err = {{0}};
-    char *cfg = ds_read_file(src, &len, &err);
-    assert_non_null(cfg);
-    assert_int_equal(ds_test_write_file(dst, cfg, len), 0);
-    free(cfg);
     int V = 1024, rc;
     float *a = malloc(V * sizeof(float)), *b = malloc(V * sizeof(float));
     float *c = malloc(V * sizeof(float)), *t = malloc(V * sizeof(float));

@@ -1,5 +1,7 @@
 #include "testutil.h"
 
+#include "base/ds_base.h"
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,6 +45,18 @@ int ds_test_write_file(const char *path, const void *data, size_t n) {
     size_t w = fwrite(data, 1, n, f);
     fclose(f);
     return w == n ? 0 : -1;
+}
+
+int ds_test_copy_config(const char *from_dir, const char *to_dir) {
+    char src[4200], dst[4200];
+    snprintf(src, sizeof src, "%s/config.json", from_dir);
+    snprintf(dst, sizeof dst, "%s/config.json", to_dir);
+    size_t len;
+    ds_err err = {{0}};
+    char *cfg = ds_read_file(src, &len, &err);
+    int rc = cfg ? ds_test_write_file(dst, cfg, len) : -1;
+    free(cfg);
+    return rc;
 }
 
 char *ds_test_src_path(const char *rel) {

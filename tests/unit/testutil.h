@@ -15,6 +15,8 @@ double ds_test_rel_err_f(const float *a, const float *b, size_t n);
 char *ds_test_tmpdir(void);
 /* Writes a file; returns 0 on success. */
 int ds_test_write_file(const char *path, const void *data, size_t n);
+/* from_dir/config.json copied into to_dir (a folder for --load-format random); 0 on success. */
+int ds_test_copy_config(const char *from_dir, const char *to_dir);
 /* $DS_SOURCE_DIR/rel (or ./rel); caller frees. */
 char *ds_test_src_path(const char *rel);
 
