@@ -8,7 +8,6 @@
 #include "base/devmem.h"
 #include "cli/commands.h"
 #include "cli/ranks.h"
-#include "dist/launch.h"
 #include "dist/pipeline.h"
 #include "model/sampler.h"
 #include "model/model.h"
@@ -326,19 +325,9 @@ int ds_cmd_bench(int argc, char **argv) {
         fprintf(stderr, "bench: %s\n", err.msg);
         return 2;
     }
-    /* usage errors are the same on every rank: only world rank 0 (or a lone process) says so */
-    const char *wr = getenv("OMPI_COMM_WORLD_RANK");
-    const int quiet = wr && atoi(wr) != 0;
     int counts[DS_MAX_LAYERS];
-    if (ds_pp_check_split(model_dir, tp, pp, partition, counts, &err)) {
-        if (!quiet) fprintf(stderr, "bench: %s\n", err.msg);
-        return 2;
-    }
-    if (tp * pp > 1 && !ds_comm_under_mpirun()) {
-        ds_launch_mpirun(tp * pp, argc, argv, &err);
-        fprintf(stderr, "bench: %s\n", err.msg);
-        return 1;
-    }
+    if ((rc = ds_rank_prepare("bench", model_dir, tp, pp, partition, counts, argc, argv)) >= 0)
+        return rc;
     ds_model_opts mo;
     ds_model_opts_default(&mo);
     mo.device = ds_device_from_name(device);
@@ -372,11 +361,12 @@ int ds_cmd_bench(int argc, char **argv) {
      * sequence's state and the f32 vectors, at the shortest context a timed step has:
      * decode_ctx + 1 rows, the fewest bytes), summed over the ranks */
     double flops_prompt = ds_model_token_flops(m, 0), flops_decode = ds_model_token_flops(m, 1);
-    double step_bytes = ds_model_decode_bytes(m) + ds_model_decode_state_bytes(m, decode_ctx + 1);
+    double weight_bytes = ds_model_decode_bytes(m);
     double state_bytes = ds_model_decode_state_bytes(m, decode_ctx + 1);
     if (job_sum(comm, &flops_prompt, &err) || job_sum(comm, &flops_decode, &err) ||
-        job_sum(comm, &step_bytes, &err) || job_sum(comm, &state_bytes, &err))
+        job_sum(comm, &weight_bytes, &err) || job_sum(comm, &state_bytes, &err))
         goto fail;
+    const double step_bytes = weight_bytes + state_bytes;
     double sec;
     if (run_prompt(&job, prompt_tokens, reps, &sec, &err)) goto fail;
     char title[48];
@@ -417,7 +407,7 @@ int ds_cmd_bench(int argc, char **argv) {
                threads);
     printf("decode bytes per token at batch 1: %.3f GB (weights %.3f GB; state and vectors %.1f MB "
            "at context %d)\n",
-           step_bytes / 1e9, (step_bytes - state_bytes) / 1e9, state_bytes / 1e6, decode_ctx + 1);
+           step_bytes / 1e9, weight_bytes / 1e9, state_bytes / 1e6, decode_ctx + 1);
     printf("%-18s %12s %10s %12s %10s %12s %10s\n", "case", "tokens/s", "ms/step", "GB/s",
            gpu ? "of copy" : "of read", "GFLOP/s", gpu ? "of GEMM" : "of peak");
     char name[48], gbs[24], fb[16], fp[16];

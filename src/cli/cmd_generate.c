@@ -7,7 +7,6 @@
 #include "cli/commands.h"
 #include "cli/ranks.h"
 #include "dist/comm.h"
-#include "dist/launch.h"
 #include "dist/pipeline.h"
 #include "model/sampler.h"
 #include "model/chat.h"
@@ -298,20 +297,14 @@ int ds_cmd_logits(int argc, char **argv) {
     ds_rank r = {0};
     ds_pp_bufs io = {0};
     int counts[DS_MAX_LAYERS];
-    /* Usage errors are the same on every rank: only world rank 0 (or a lone process) says so. */
-    const char *wr = getenv("OMPI_COMM_WORLD_RANK");
-    int quiet = wr && atoi(wr) != 0;
-    if (parse_ids(ids_arg, &ids, &n, &err) ||
-        ds_pp_check_split(model_dir, tp, pp, partition, counts, &err)) {
-        if (!quiet) fprintf(stderr, "logits: %s\n", err.msg);
+    if (parse_ids(ids_arg, &ids, &n, &err)) {
+        if (!ds_rank_quiet()) fprintf(stderr, "logits: %s\n", err.msg);
         free(ids);
         return 2;
     }
-    if (tp * pp > 1 && !ds_comm_under_mpirun()) {
+    if ((rc = ds_rank_prepare("logits", model_dir, tp, pp, partition, counts, argc, argv)) >= 0) {
         free(ids);
-        ds_launch_mpirun(tp * pp, argc, argv, &err);
-        fprintf(stderr, "logits: %s\n", err.msg);
-        return 1;
+        return rc;
     }
     ds_model_opts o;
     ds_model_opts_default(&o);

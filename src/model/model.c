@@ -6,6 +6,7 @@
  * All tokens of the step go through each weight in one GEMM; per-sequence work (conv tails, the
  * KDA recurrence, MLA attention over the paged latent cache) runs segment by segment. */
 #include "model/model_impl.h"
+#include "model/rand_hash.h"
 
 #include "base/devmem.h"
 
@@ -136,15 +137,6 @@ static uint64_t name_hash(const char *s) {
     return h;
 }
 
-/* Uniform in [-1, 1) from (key, i). */
-static float hash_uniform(uint64_t key, uint64_t i) {
-    uint64_t z = key + (i + 1) * 0x9e3779b97f4a7c15ull; /* splitmix64 finalizer */
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    return (float)((double)(z >> 11) * (2.0 / 9007199254740992.0) - 1.0);
-}
-
 /* Rows [r0, r0+rows) x columns [c0, c0+cols) of the tensor `name` of full_cols columns. */
 static int rand_mat(ds_model *m, const char *name, int rows, int cols, int r0, int c0,
                     int full_cols, ds_mat *out, ds_err *err) {
@@ -171,7 +163,7 @@ static int rand_mat(ds_model *m, const char *name, int rows, int cols, int r0, i
     for (size_t i = 0; i < (size_t)rows; i++)
         for (size_t j = 0; j < (size_t)cols; j++)
             p[i * cols + j] = ds_f32_to_bf16(
-                a * hash_uniform(key, ((size_t)r0 + i) * (size_t)full_cols + (size_t)c0 + j));
+                a * ds_hash_uniform(key, ((size_t)r0 + i) * (size_t)full_cols + (size_t)c0 + j));
     out->data = p;
     return DS_OK;
 }
@@ -196,7 +188,7 @@ static int rand_vec(ds_model *m, const char *name, size_t n, float **out, ds_err
     }
     uint64_t key = name_hash(name) ^ m->opts.random_seed;
     for (size_t i = 0; i < n; i++) {
-        float u = hash_uniform(key, i);
+        float u = ds_hash_uniform(key, i);
         if (ends_with(name, "A_log"))
             v[i] = logf(8.5f + 7.5f * u); /* log U(1, 16) */
         else if (ends_with(name, "conv1d.weight"))

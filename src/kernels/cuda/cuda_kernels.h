@@ -320,7 +320,6 @@ int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const float *qbar, co
                                     float scale, ds_err *err);
 /* A copy in any direction (unified addressing), done when it returns. */
 int ds_cu_copy_any(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err);
-/* d[i] = bf16(scale * u), u uniform in [-1, 1) from a hash of (key, i): n random weights. */
 /* d [rows][cols] <- scale x U[-1, 1) from (key, index in the whole tensor): element (i, j) is
  * element (row0 + i, col0 + j) of a tensor of full_cols columns, the value the CPU's random
  * weights have there (model.c hash_uniform, then rounded to BF16 to nearest even). */

@@ -2,6 +2,7 @@
  *
  * Built for sm_90a (Hopper) plus PTX for older and newer parts (tools/cuda_build.sh). */
 #include "kernels/cuda/cuda_kernels.h"
+#include "model/rand_hash.h"
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -1014,12 +1015,7 @@ __global__ void fill_random_bf16_k(__nv_bfloat16 *d, size_t rows, size_t cols,
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < rows * cols;
          i += (size_t)gridDim.x * blockDim.x) {
         const size_t g = (row0 + i / cols) * full_cols + col0 + i % cols; /* (a load-time kernel) */
-        unsigned long long z = key + (g + 1) * 0x9e3779b97f4a7c15ull;
-        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-        z ^= z >> 31;
-        float u = (float)((double)(z >> 11) * (2.0 / 9007199254740992.0) - 1.0);
-        d[i] = __float2bfloat16_rn(scale * u);
+        d[i] = __float2bfloat16_rn(scale * ds_hash_uniform(key, g));
     }
 }
 
