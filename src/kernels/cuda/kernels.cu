@@ -1006,8 +1006,8 @@ extern "C" int ds_cu_copy_any(ds_cu *c, void *dst, const void *src, size_t bytes
     return DS_OK;
 }
 
-/* d[i] = bf16(scale * U[-1, 1)) from a splitmix64 hash of (key, i): random weights made in place.
- */
+/* Random weights made in place (ds_cu_fill_random_bf16): element i of the [rows][cols] slice from
+ * its index g in the whole tensor, the CPU's value (rand_hash.h). */
 __global__ void fill_random_bf16_k(__nv_bfloat16 *d, size_t rows, size_t cols,
                                    unsigned long long key, size_t row0, size_t col0,
                                    size_t full_cols, float scale) {
