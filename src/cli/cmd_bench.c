@@ -23,6 +23,7 @@ enum { MAX_BATCHES = 8 };
 
 typedef struct bench_result {
     double prompt_tps, prompt_gflops;
+    double prompt_gemm_tflops, prompt_gemm_ms; /* its cuBLAS weight GEMMs alone (profile on) */
     int n_batches;
     int batch[MAX_BATCHES];
     double decode_tps[MAX_BATCHES], decode_gbs[MAX_BATCHES], decode_gflops[MAX_BATCHES];
@@ -371,6 +372,7 @@ int ds_cmd_bench(int argc, char **argv) {
     if (run_prompt(&job, prompt_tokens, reps, &sec, &err)) goto fail;
     char title[48];
     snprintf(title, sizeof title, "prompt %d", prompt_tokens);
+    r.prompt_gemm_tflops = ds_model_profile_gemm_tflops(m, &r.prompt_gemm_ms);
     if (report) ds_model_profile_report(m, stderr, title);
     r.prompt_tps = prompt_tokens / sec;
     r.prompt_gflops = flops_prompt * prompt_tokens / sec / 1e9;
@@ -423,6 +425,11 @@ int ds_cmd_bench(int argc, char **argv) {
                gbs, r.decode_gbs[i] > 0 ? pct(fb, sizeof fb, r.decode_gbs[i], bw_lim) : "-",
                r.decode_gflops[i], pct(fp, sizeof fp, r.decode_gflops[i], peak_lim));
     }
+    if (r.prompt_gemm_tflops > 0)
+        printf("prompt %d's cuBLAS weight GEMMs alone (profile): %.2f ms a prompt, %.1f TFLOP/s "
+               "(%s of GEMM)\n",
+               prompt_tokens, r.prompt_gemm_ms, r.prompt_gemm_tflops,
+               pct(fp, sizeof fp, r.prompt_gemm_tflops * 1e3, peak_lim));
     for (int i = 0; full_logits && i < r.n_batches; i++)
         printf("host sampling batch %d (T 1, top-p 0.95, V %d): %.3f ms on 1 thread, %.3f ms on "
                "%d\n",
@@ -439,10 +446,11 @@ int ds_cmd_bench(int argc, char **argv) {
                 "\"cuda_graphs\": %d, \"batch_invariant\": %d, \"tp\": %d, \"pp\": %d, "
                 "\"bw_gbs\": %.3f, \"peak_gflops\": %.3f, \"prompt_tokens\": %d, "
                 "\"prompt_tps\": %.3f, \"prompt_gflops\": %.3f, \"prompt_frac_peak\": %.4f, "
-                "\"decode\": [",
+                "\"prompt_gemm_tflops\": %.3f, \"prompt_gemm_frac_peak\": %.4f, \"decode\": [",
                 model_dir, ds_model_device_name(m), mo.load_random, threads, gpu && !enforce_eager,
                 batch_invariant, tp, pp, bw, peak, prompt_tokens, r.prompt_tps, r.prompt_gflops,
-                alone ? r.prompt_gflops / peak : 0);
+                alone ? r.prompt_gflops / peak : 0, r.prompt_gemm_tflops,
+                alone && peak > 0 ? r.prompt_gemm_tflops * 1e3 / peak : 0);
         for (int i = 0; i < r.n_batches; i++)
             fprintf(f,
                     "%s{\"batch\": %d, \"tps\": %.3f, \"ms_per_step\": %.4f, \"gbs\": %.3f, "

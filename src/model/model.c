@@ -100,6 +100,10 @@ const char *ds_model_device_name(const ds_model *m) {
 void ds_model_profile_report(const ds_model *m, FILE *f, const char *title) {
     if (m->cu) ds_cuda_model_profile_report(m, f, title);
 }
+double ds_model_profile_gemm_tflops(const ds_model *m, double *ms_per_step) {
+    *ms_per_step = 0;
+    return m->cu ? ds_cuda_model_profile_gemm_tflops(m, ms_per_step) : 0;
+}
 int ds_model_device_limits(const ds_model *m, double *copy_gbs, double *gemm_tflops, ds_err *err) {
     if (!m->cu) return ds_errf(err, "device limits: the model runs on the CPU");
     return ds_cuda_model_limits(m, copy_gbs, gemm_tflops, err);
@@ -1489,5 +1493,9 @@ int ds_cuda_available(void) {
 }
 void ds_cuda_model_profile_report(const ds_model *m, FILE *f, const char *title) {
     (void)m, (void)f, (void)title;
+}
+double ds_cuda_model_profile_gemm_tflops(const ds_model *m, double *ms_per_step) {
+    (void)m, (void)ms_per_step;
+    return 0;
 }
 #endif

@@ -110,6 +110,9 @@ int ds_model_device_limits(const ds_model *m, double *copy_gbs, double *gemm_tfl
  * the last report to f (NULL: prints nothing), and starts over (nothing on the CPU or without the
  * variable). */
 void ds_model_profile_report(const ds_model *m, FILE *f, const char *title);
+/* With the profile on: the TFLOP/s of the weight GEMMs that cuBLAS ran since the last report,
+ * their device ms a step in *ms_per_step (call before the report: it starts over); else 0. */
+double ds_model_profile_gemm_tflops(const ds_model *m, double *ms_per_step);
 /* "cpu (avx512)" or the GPU's name. */
 const char *ds_model_device_name(const ds_model *m);
 

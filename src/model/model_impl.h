@@ -137,6 +137,7 @@ size_t ds_cuda_model_mem_free(const ds_model *m);
 const char *ds_cuda_model_device_name(const ds_model *m);
 int ds_cuda_model_limits(const ds_model *m, double *copy_gbs, double *gemm_tflops, ds_err *err);
 void ds_cuda_model_profile_report(const ds_model *m, FILE *f, const char *title);
+double ds_cuda_model_profile_gemm_tflops(const ds_model *m, double *ms_per_step);
 int ds_cuda_available(void); /* built with the backend and a device present */
 /* Row `row`'s draw d as the GPU's draw kernel reads it (ds_cu_draw_rows): *out, and its edits
  * (penalised (id, count) pairs, then masked ids) written at edits[at..]; returns how many. */

@@ -1735,6 +1735,71 @@ static void run_checks(ds_cu *c) {
     check_draws(c, 7, 33);      /* fewer ids than threads */
 }
 
+/* Reads n floats from dir/name into a new buffer. */
+static float *read_f32(const char *dir, const char *name, size_t n) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "rb");
+    if (!f) DIE("%s: cannot open", path);
+    float *p = malloc(n * sizeof *p);
+    if (!p) DIE("out of memory");
+    const size_t got = fread(p, sizeof *p, n, f);
+    const int extra = fgetc(f) != EOF;
+    fclose(f);
+    if (got != n || extra) DIE("%s: want exactly %zu floats", path, n);
+    return p;
+}
+
+static void write_f32(const char *dir, const char *name, const float *p, size_t n) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(p, sizeof *p, n, f) != n || fclose(f)) DIE("%s: cannot write", path);
+}
+
+/* --kda-io DIR T H D: the chunked KDA on inputs a peer wrote (tools/device/fla_kda_bench.py, so
+ * that both are scored against one float64 reference): DIR/{q,k,v,g}.f32 [T][H][D],
+ * beta.f32 [T][H], s0.f32 [H][D][D]; writes out_M.f32 [T][H][D] and state_M.f32 [H][D][D] for
+ * the scan modes M = 0 (f32), 1 (TF32), 3 (3xTF32). */
+static void kda_io(ds_cu *c, const char *dir, int T, int H, int D) {
+    if (T < 1 || H < 1 || !ds_cu_kda_chunked_supports(D, D)) DIE("--kda-io: bad shape");
+    const size_t nq = (size_t)T * H * D, ns = (size_t)H * D * D;
+    kda_ctx kc = {0};
+    kc.T = T, kc.H = H, kc.dk = kc.dv = D, kc.n_seq = 1, kc.chunked = 1;
+    static const char *in[4] = {"q.f32", "k.f32", "v.f32", "g.f32"};
+    float **dst[4] = {&kc.q, &kc.k, &kc.v, &kc.g};
+    for (int i = 0; i < 4; i++) {
+        float *h = read_f32(dir, in[i], nq);
+        *dst[i] = dev(c, h, nq * 4);
+        free(h);
+    }
+    float *h = read_f32(dir, "beta.f32", (size_t)T * H);
+    kc.beta = dev(c, h, (size_t)T * H * 4);
+    free(h);
+    float *s0 = read_f32(dir, "s0.f32", ns), *o = malloc(nq * 4), *st = malloc(ns * 4);
+    if (!o || !st) DIE("out of memory");
+    kc.S = dev(c, NULL, ns * 4), kc.o = dev(c, NULL, nq * 4);
+    kc.Sp = dev(c, &kc.S, sizeof kc.S);
+    static const int modes[3] = {0, 1, 3};
+    for (int i = 0; i < 3; i++) {
+        ds_err err = {{0}};
+        if (ds_cu_upload(c, kc.S, s0, ns * 4, &err)) DIE("%s", err.msg);
+        ds_cu_set_kda_tc(c, modes[i]);
+        run_kda(c, &kc);
+        fetch(c, o, kc.o, nq * 4);
+        fetch(c, st, kc.S, ns * 4);
+        char name[32];
+        snprintf(name, sizeof name, "out_%d.f32", modes[i]);
+        write_f32(dir, name, o, nq);
+        snprintf(name, sizeof name, "state_%d.f32", modes[i]);
+        write_f32(dir, name, st, ns);
+    }
+    printf("kda-io: %d tokens x %d heads of %d, modes 0 1 3 written to %s\n", T, H, D, dir);
+    free(s0), free(o), free(st);
+    ds_cu_dealloc(kc.q), ds_cu_dealloc(kc.k), ds_cu_dealloc(kc.v), ds_cu_dealloc(kc.g);
+    ds_cu_dealloc(kc.beta), ds_cu_dealloc(kc.S), ds_cu_dealloc(kc.o), ds_cu_dealloc(kc.Sp);
+}
+
 int main(int argc, char **argv) {
     /* --bench [sections]: matmul, kda, moe, mla, comma-separated (default: all), after the
      * checks; --bench-only [sections]: the timings alone (under a profiler) */
@@ -1747,6 +1812,11 @@ int main(int argc, char **argv) {
     ds_err err = {{0}};
     if (ds_cu_create(0, &c, &err)) DIE("%s", err.msg);
     printf("device: %s; CPU kernels: %s\n", ds_cu_device_name(c), ds_isa_name(ds_kernels_isa()));
+    if (argc == 6 && !strcmp(argv[1], "--kda-io")) {
+        kda_io(c, argv[2], atoi(argv[3]), atoi(argv[4]), atoi(argv[5]));
+        ds_cu_free(c);
+        return 0;
+    }
     if (!bench_only) {
         run_checks(c);
         printf("checks: %s\n", g_fail ? "FAILED" : "all passed");

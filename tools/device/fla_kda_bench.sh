@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# On the GPU machine: install the carried flash-linear-attention wheels and time its chunk KDA.
-# The wheels are fetched here first (the GPU machine has no network) into .whl/, which
+# On the GPU machine: install the carried flash-linear-attention wheels (once a machine) and run
+# fla_kda_bench.py with this script's arguments (none: time its chunk KDA; gen/score DIR: see the
+# script). The wheels are fetched here first (the GPU machine has no network) into .whl/, which
 # .git/info/exclude ignores and the device call carries:
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl \
 #     fla-core==0.6.0 flash-linear-attention==0.6.0 einops
 set -euo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl
-PYTHONPATH=/tmp/site python3 tools/device/fla_kda_bench.py
+[ -d /tmp/site/fla ] ||
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+PYTHONPATH=/tmp/site python3 tools/device/fla_kda_bench.py "$@"

@@ -2,7 +2,12 @@
 # On the GPU machine, with .devbin and .whl carried: issue 9's KDA prefill comparison side by
 # side in one run — deltaserve's chunked kernel (test_cuda_kernels --bench, 8192 tokens x 32
 # heads of 128 x 128) and flash-linear-attention's chunk_kda on the same shape (fla_kda_bench.sh;
-# Triton compiles first: budget ~5 minutes of device time).
+# Triton compiles first: budget ~5 minutes of device time) — and both scored on one set of inputs
+# against a float64 reference computed token by token.
 . "$(dirname "$0")/env.sh"
+io=/tmp/kda_io
+mkdir -p "$io"
+tools/device/fla_kda_bench.sh gen "$io" || exit 1
+.devbin/test_cuda_kernels --kda-io "$io" 8192 32 128 || exit 1
 .devbin/test_cuda_kernels --bench-only kda 2>&1 | grep -E "bench kda (chunked|recurrent) prefill"
-tools/device/fla_kda_bench.sh 2>&1 | grep "fla chunk_kda"
+tools/device/fla_kda_bench.sh score "$io" 2>&1 | grep -E "fla chunk_kda|deltaserve chunked|Error|error"

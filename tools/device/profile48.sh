@@ -6,5 +6,5 @@
 . "$(dirname "$0")/env.sh"
 DS_CUDA_PROFILE=1 .devbin/deltaserve bench --model configs/kimi-linear-48b-a3b --load-format random \
   --device cuda --enforce-eager --prompt-tokens ${PROMPT:-8192} --reps 2 --decode-context ${CTX:-512} \
-  --decode-steps 4 --batch-sizes ${BATCHES:-1,256} "$@" 2> "$OUT/profile.txt" | tail -4
+  --decode-steps 4 --batch-sizes ${BATCHES:-1,256} "$@" 2> "$OUT/profile.txt" | tail -7
 cat "$OUT/profile.txt"

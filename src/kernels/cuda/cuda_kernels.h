@@ -398,6 +398,10 @@ void ds_cu_prof_enable(ds_cu *c, int on);
 void ds_cu_prof_mark(ds_cu *c, const char *label);
 void ds_cu_prof_step_end(ds_cu *c);
 void ds_cu_prof_report(ds_cu *c, FILE *f, const char *title);
+/* The weight GEMMs that cuBLAS ran since the last report (their own profile label, FLOPs of the
+ * rows multiplied, not of padding): TFLOP/s, and their device ms a step in *ms_per_step; 0 when
+ * none ran or no profile is on. */
+double ds_cu_prof_gemm_tflops(ds_cu *c, double *ms_per_step);
 /* A what-if for finding a graph's critical path (DS_CUDA_SKIP; benchmarks only: the results are
  * wrong): the kernels launched under these ';'-separated profile labels are left out (cuBLAS
  * calls, copies and stream joins stay), in graphs too; NULL or "" launches everything. */

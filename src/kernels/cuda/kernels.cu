@@ -605,6 +605,9 @@ static int gemv_tiles(ds_cu *c, float *y, int ldy, const float *x, int ldx, int 
 
 static int gemv_wide(ds_cu *c, float *y, const float *x, const uint16_t *W, int N, int K,
                      ds_err *err);
+/* a weight GEMM's own profile interval (defined with the profile, at the end) */
+static const char *prof_gemm_open(ds_cu *c);
+static void prof_gemm_close(ds_cu *c, const char *prev, double flops);
 
 extern "C" void ds_cu_set_batch_invariant(ds_cu *c, int on) {
     c->batch_invariant = on;
@@ -646,10 +649,12 @@ extern "C" int ds_cu_matmul(ds_cu *c, float *y, int ldy, const float *x, int ldx
     /* Row-major y[T][N] is column-major N x T; W[N][K] row-major is column-major K x N, so
      * Y = W^T X with X = xb column-major K x T. */
     const float one = 1.0f, zero = 0.0f;
+    const char *prof = prof_gemm_open(c);
     BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, &one, w->data, CUDA_R_16BF, K,
                           xb, CUDA_R_16BF, K, &zero, y, CUDA_R_32F, ldy, CUBLAS_COMPUTE_32F,
                           CUBLAS_GEMM_DEFAULT),
              "matmul");
+    prof_gemm_close(c, prof, 2.0 * N * K * T);
     return DS_OK;
 }
 
@@ -674,11 +679,13 @@ extern "C" int ds_cu_matmul_heads(ds_cu *c, float *y, int ldy, size_t ys, const 
     const uint16_t *xb = round_x(c, x, ldx, ldx, T, err);
     if (!xb) return DS_ERR;
     const float one = 1.0f, zero = 0.0f;
+    const char *prof = prof_gemm_open(c);
     BLAS_TRY(cublasGemmStridedBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, &one, w->data,
                                         CUDA_R_16BF, K, (long long)ws, xb, CUDA_R_16BF, ldx,
                                         (long long)xs, &zero, y, CUDA_R_32F, ldy, (long long)ys, H,
                                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
              "matmul (heads)");
+    prof_gemm_close(c, prof, 2.0 * N * K * T * H);
     return DS_OK;
 }
 
@@ -2994,6 +3001,8 @@ static int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w
     CU_TRY(cudaGetLastError(), "moe gather");
     const float one = 1.0f, zero = 0.0f;
     ds_cu_prof_mark(c, "moe gemm: gate/up");
+    /* FLOPs counted for the routed rows only (not the panels' padding) */
+    const char *prof = prof_gemm_open(c);
     for (int bk = 0; bk < n_bk; bk++) { /* H_e [n][2I] = X_e [n][D] W_gu,e^T */
         const int i0 = bk_first[bk], cnt = bk_first[bk + 1] - i0;
         BLAS_TRY(cublasGemmBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, 2 * I, bk_rows[bk], D, &one,
@@ -3003,11 +3012,13 @@ static int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w
                                      CUBLAS_GEMM_DEFAULT),
                  "moe up (batched gemm)");
     }
+    prof_gemm_close(c, prof, 2.0 * n_local * 2 * I * D);
     ds_cu_prof_mark(c, "moe gemm: act");
     launch_k(c, moe_act_bf16_k, (unsigned)pr, 256, 0, ab, h, I, situ, situ_beta,
              situ_lin_beta); /* (padding rows: never read) */
     CU_TRY(cudaGetLastError(), "moe act (gemm)");
     ds_cu_prof_mark(c, "moe gemm: down");
+    prof = prof_gemm_open(c);
     for (int bk = 0; bk < n_bk; bk++) { /* Y_e [n][D] = A_e [n][I] W_down,e^T */
         const int i0 = bk_first[bk], cnt = bk_first[bk + 1] - i0;
         BLAS_TRY(cublasGemmBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, D, bk_rows[bk], I, &one,
@@ -3017,6 +3028,7 @@ static int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w
                                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                  "moe down (batched gemm)");
     }
+    prof_gemm_close(c, prof, 2.0 * n_local * D * I);
     ds_cu_prof_mark(c, "moe gemm: combine");
     CU_TRY(cudaMemsetAsync(inv, 0xff, (size_t)rows * sizeof(int32_t), c->stream), "moe inverse");
     if (n_local > 0)
@@ -4837,9 +4849,11 @@ extern "C" int ds_cu_measure_limits(ds_cu *c, double *copy_gbs, double *gemm_tfl
         return (u > v) - (u < v);
     });
     *copy_gbs = 2.0 * (double)cb / (times[5] * 1e-3) / 1e9;
-    /* the GEMM reuses the two buffers: A, B [n][n] BF16 (128 MiB each), C in the rest of b */
+    /* the GEMM reuses the two buffers: A, B [n][n] BF16 (128 MiB each), C in the rest of b.
+     * Random operands, as a model's are: on a constant fill (the copy's) the tensor cores draw
+     * less power and this H200 ran 885 TFLOP/s against 806 on random data. */
     uint16_t *A = (uint16_t *)a, *B = (uint16_t *)a + (size_t)n * n, *C = (uint16_t *)b;
-    int rc = DS_OK;
+    int rc = ds_cu_fill_random_bf16(c, A, 2 * (size_t)n, n, 0x6c696d697473ull, 0, 0, n, 1.0f, err);
     for (int i = 0; i < 7 && rc == DS_OK; i++) {
         cudaEventRecord(e0, c->stream);
         rc = ds_cu_gemm_bf16(c, C, A, B, n, n, n, err);
@@ -4955,12 +4969,20 @@ struct cu_prof {
     double ms[PROF_LABELS];         /* [n_labels] device time summed over steps */
     long count[PROF_LABELS];        /* [n_labels] intervals summed */
     int n_labels, steps, dropped;
+    const char *cur;   /* the label of the interval open now (NULL before a step's first mark) */
+    double step_flops; /* the FLOPs of this step's weight GEMMs so far (prof_gemm_close) */
+    double gemm_flops; /* ... summed over the steps since the last report */
 };
+
+/* Every weight GEMM that cuBLAS runs is timed under this label of its own (the caller's label
+ * resumes after it), so that a profile can say how fast the GEMMs themselves ran. */
+static const char PROF_GEMM[] = "cuBLAS weight GEMMs";
 
 static void prof_clear(cu_prof *p) { /* the sums start over; a step's pending marks stay */
     memset(p->ms, 0, sizeof p->ms);
     memset(p->count, 0, sizeof p->count);
     p->n_labels = p->steps = p->dropped = 0;
+    p->gemm_flops = 0;
 }
 
 extern "C" void ds_cu_prof_enable(ds_cu *c, int on) {
@@ -5003,8 +5025,8 @@ static int label_listed(const char *list, const char *label) {
     return 0;
 }
 
-extern "C" void ds_cu_prof_mark(ds_cu *c, const char *label) {
-    if (c->skip) c->skipping = label_listed(c->skip, label);
+/* Opens an interval under label (no what-if bookkeeping: see ds_cu_prof_mark). */
+static void prof_open(ds_cu *c, const char *label) {
     cu_prof *p = c->prof;
     if (!p || capturing(c)) return;
     if (p->n == PROF_EVENTS) { /* the step's remaining time goes to its last label */
@@ -5015,19 +5037,44 @@ extern "C" void ds_cu_prof_mark(ds_cu *c, const char *label) {
         cudaGetLastError();
         return;
     }
-    p->at[p->n++] = label;
+    p->at[p->n++] = p->cur = label;
+}
+
+extern "C" void ds_cu_prof_mark(ds_cu *c, const char *label) {
+    if (c->skip) c->skipping = label_listed(c->skip, label);
+    prof_open(c, label);
+}
+
+/* A weight GEMM's interval: prof_gemm_open before the cuBLAS call returns the caller's label,
+ * prof_gemm_close after it reopens that label and counts the call's FLOPs. The what-if's skip
+ * state is the caller's throughout (cuBLAS calls are never left out anyway). */
+static const char *prof_gemm_open(ds_cu *c) {
+    cu_prof *p = c->prof;
+    if (!p || capturing(c)) return NULL;
+    const char *prev = p->cur ? p->cur : "(before the first label)";
+    prof_open(c, PROF_GEMM);
+    return prev;
+}
+
+static void prof_gemm_close(ds_cu *c, const char *prev, double flops) {
+    if (!prev) return;
+    c->prof->step_flops += flops;
+    prof_open(c, prev);
 }
 
 extern "C" void ds_cu_prof_step_end(ds_cu *c) {
     c->skipping = 0; /* what follows a step (sampling, copies) is never left out */
     cu_prof *p = c->prof;
     if (!p || !p->n || capturing(c)) return;
+    const double flops = p->step_flops;
+    p->step_flops = 0, p->cur = NULL;
     if (cudaEventRecord(p->ev[p->n], c->stream) != cudaSuccess ||
         cudaEventSynchronize(p->ev[p->n]) != cudaSuccess) {
         cudaGetLastError();
         p->n = 0;
         return;
     }
+    p->gemm_flops += flops;
     for (int i = 0; i < p->n; i++) {
         float ms = 0.0f;
         if (cudaEventElapsedTime(&ms, p->ev[i], p->ev[i + 1]) != cudaSuccess) {
@@ -5070,5 +5117,19 @@ extern "C" void ds_cu_prof_report(ds_cu *c, FILE *f, const char *title) {
         fprintf(f, "  %-24s %12.4f %7.1f%% %10.1f\n", p->label[l], p->ms[l] / p->steps,
                 total > 0 ? 100.0 * p->ms[l] / total : 0.0, (double)p->count[l] / p->steps);
     }
+    double gemm_ms;
+    const double tf = ds_cu_prof_gemm_tflops(c, &gemm_ms);
+    if (tf > 0)
+        fprintf(f, "  %s: %.3f TFLOP a step in %.3f ms, %.1f TFLOP/s\n", PROF_GEMM,
+                p->gemm_flops / p->steps / 1e12, gemm_ms, tf);
     prof_clear(p);
+}
+
+extern "C" double ds_cu_prof_gemm_tflops(ds_cu *c, double *ms_per_step) {
+    cu_prof *p = c->prof;
+    *ms_per_step = 0;
+    if (!p || !p->steps || p->gemm_flops <= 0) return 0;
+    for (int l = 0; l < p->n_labels; l++)
+        if (p->label[l] == PROF_GEMM) *ms_per_step = p->ms[l] / p->steps;
+    return *ms_per_step > 0 ? p->gemm_flops / p->steps / (*ms_per_step * 1e-3) / 1e12 : 0;
 }
