@@ -1202,6 +1202,21 @@ static void run_mla(ds_cu *c, void *p) {
         DIE("%s", err.msg);
 }
 
+/* Absorbed MLA of a decode batch: one token for each of n_seq sequences of n_ctx rows */
+typedef struct mla_batch_ctx {
+    float *obar, *qbar, *qr, *pool;
+    int32_t *tables, *tok_bt, *tok_pos;
+    int n_seq, n_ctx;
+} mla_batch_ctx;
+static void run_mla_batch(ds_cu *c, void *p) {
+    mla_batch_ctx *x = p;
+    ds_err err;
+    if (ds_cu_mla_attend_absorbed_batch(c, x->obar, x->qbar, x->qr, 64, x->n_seq, 32, 512, 64,
+                                        x->pool, x->tables, x->tok_bt, x->tok_pos, x->n_ctx, 16,
+                                        576, 0.07f, &err))
+        DIE("%s", err.msg);
+}
+
 /* Is section `name` among the comma-separated `only` (NULL: every section)? */
 static int wanted(const char *only, const char *name) {
     if (!only) return 1;
@@ -1511,6 +1526,44 @@ static void bench(ds_cu *c, const char *only) {
                100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
         ds_cu_dealloc(mc.pool), ds_cu_dealloc(mc.table), ds_cu_dealloc(mc.qbar);
         ds_cu_dealloc(mc.qr), ds_cu_dealloc(mc.obar);
+    }
+    /* 5b. a decode batch's MLA: 64 and 256 sequences of 512 rows, every head's query against its
+     *     own sequence (pages scattered through one pool), all heads a block against a block a
+     *     head */
+    static const int bseqs[] = {64, 256};
+    for (size_t i = 0; i < DS_ARRAY_LEN(bseqs) && wanted(only, "mla"); i++) {
+        mla_batch_ctx bc = {0};
+        bc.n_seq = bseqs[i], bc.n_ctx = 512;
+        const int per_seq = bc.n_ctx / 16, pages = bc.n_seq * per_seq;
+        float *h = rand_f32((size_t)pages * 16 * 576, -1, 1);
+        bc.pool = dev(c, h, (size_t)pages * 16 * 576 * 4);
+        free(h);
+        int32_t *tb = malloc((size_t)pages * 4), *bt = malloc((size_t)bc.n_seq * 4),
+                *pos = malloc((size_t)bc.n_seq * 4);
+        if (!tb || !bt || !pos) DIE("out of memory");
+        for (int p = 0; p < pages; p++) tb[p] = (int32_t)(((long)p * 7 + 3) % pages);
+        for (int z = 0; z < bc.n_seq; z++) bt[z] = z * per_seq, pos[z] = bc.n_ctx - 1;
+        bc.tables = dev(c, tb, (size_t)pages * 4), bc.tok_bt = dev(c, bt, (size_t)bc.n_seq * 4);
+        bc.tok_pos = dev(c, pos, (size_t)bc.n_seq * 4);
+        free(tb), free(bt), free(pos);
+        h = rand_f32((size_t)bc.n_seq * 32 * 512, -0.1f, 0.1f);
+        bc.qbar = dev(c, h, (size_t)bc.n_seq * 32 * 512 * 4);
+        bc.qr = dev(c, h, (size_t)bc.n_seq * 32 * 64 * 4);
+        free(h);
+        bc.obar = dev(c, NULL, (size_t)bc.n_seq * 32 * 512 * 4);
+        for (int ah = 2; ah >= 0; ah -= 2) {
+            ds_cu_set_mla_all_heads(c, ah);
+            ms = median_ms(c, run_mla_batch, &bc, 3, 20);
+            const double bytes = (double)bc.n_seq * bc.n_ctx * 576 * 4;
+            printf("bench mla absorbed decode batch %d x %d rows, Ha=32 (%s): %.4f ms, %.0f GB/s "
+                   "of cache (%.0f%% of copy)\n",
+                   bc.n_seq, bc.n_ctx, ah ? "all heads" : "a block a head", ms,
+                   bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
+        }
+        ds_cu_set_mla_all_heads(c, 0);
+        ds_cu_dealloc(bc.pool), ds_cu_dealloc(bc.tables), ds_cu_dealloc(bc.tok_bt);
+        ds_cu_dealloc(bc.tok_pos), ds_cu_dealloc(bc.qbar), ds_cu_dealloc(bc.qr);
+        ds_cu_dealloc(bc.obar);
     }
 
     /* 6. draws at the 48B vocabulary: the whole call (draws and edits up, tokens down) on rows of

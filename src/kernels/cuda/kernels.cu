@@ -1343,6 +1343,29 @@ extern "C" int ds_cu_attnres_mix(ds_cu *c, float *out, const float *const *cands
     return DS_OK;
 }
 
+/* cp.async: 16-byte copies global -> shared that run on while the thread goes on */
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+/* rows x COLS floats (COLS a multiple of 4) from src, rows lds apart, into dst, rows ldd apart
+ * (both 16-byte aligned): 16-byte pieces, thread threadIdx.x of NT taking every NT-th */
+template <int COLS, int NT>
+__device__ __forceinline__ void cp_async_rows(float *dst, int ldd, const float *src, size_t lds,
+                                              int rows) {
+    static_assert(COLS % 4 == 0, "16-byte pieces");
+    for (int i = threadIdx.x; i < rows * (COLS / 4); i += NT) {
+        const int r = i / (COLS / 4), c = (i % (COLS / 4)) * 4;
+        cp_async16(dst + r * ldd + c, src + (size_t)r * lds + c);
+    }
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
 /* ---- MLA, absorbed, over the paged latent cache ---------------------------------------------
  * Split over the context (flash-decoding): block (query row q = t*Ha + h, split s) takes rows
  * [s*MLA_CHUNK, ...) of what q sees: their scores in shared memory (a warp per row, lanes across
@@ -1548,90 +1571,155 @@ extern "C" int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qba
 
 /* ---- absorbed MLA, all heads of a token in one block ------------------------------------------
  * The block-per-head kernel above reads every latent row once per head (32 times at Ha = 32): at
- * batch 256 that was most of a decode step's traffic. Here block (token t, split s) reads each row
- * of its split once into shared memory, 16 at a time, scores it against every head's query (kept
- * in shared memory) and folds it into per-head running sums with an online softmax. Threads
- * 256 / Ha of a head share its R outputs interleaved (thread k of the head owns r = k, k + 256/Ha,
- * ...), so a warp reads consecutive words of a row; rows and queries sit one word apart from a
- * multiple of 32 so that the score loops do not collide on banks. The partials are merged by
- * mla_merge_k as before. */
-enum { MLA_AH_THREADS = 256, MLA_AH_SUB = 16, MLA_AH_MIN_ROWS = 64, MLA_AH_OPT = 64 };
+ * batch 256 that was most of a decode step's traffic. Here block (token t, split s) copies each
+ * tile of 16 rows of its split once into shared memory (cp.async) and works on it as two small
+ * matrix products held in registers, every head at once:
+ *   scores S [Ha][16] = Q [Ha][rq] C [16][rq]^T: thread tiles of 4 heads x 4 rows over a slice of
+ *     the rq columns (slices = 256 / Ha lanes side by side, summed by shuffles), 16-byte loads;
+ *   an online softmax per head (a half-warp a head: max and sum by shuffles);
+ *   O [Ha][R] += P [Ha][16] C [16][R]: thread tiles of 4 heads x OT outputs (4 floats every
+ *     4 L apart, L = 1024 / Ha threads a head group, so a warp's loads are consecutive).
+ * The version before (a thread a head's outputs, one dot product at a time) issued a scalar
+ * shared load for every FMA and waited on shared memory: 1.7 ms a layer at batch 256, context 512.
+ * The partials are merged by mla_merge_k as before. */
+enum { MLA_AH_THREADS = 256, MLA_AH_SUB = 16, MLA_AH_MIN_ROWS = 64 };
 
 extern "C" void ds_cu_set_mla_all_heads(ds_cu *c, int on) {
     c->mla_all_heads = on;
 }
 
-__global__ void __launch_bounds__(MLA_AH_THREADS)
+/* Shared memory of mla_allheads_k, floats: q [Ha][rq] | rows [SUB][rq] | p [SUB][Ha] | m, l,
+ * alpha [Ha] each. (No padding: a quarter-warp's 16-byte loads are consecutive in every phase.)
+ * At Ha = 32, rq = 576: 113 KB, two blocks an SM. */
+static size_t mla_ah_floats(int Ha, int rq) {
+    return (size_t)(Ha + MLA_AH_SUB) * rq + (size_t)MLA_AH_SUB * Ha + 3 * (size_t)Ha;
+}
+
+template <int OT>
+__global__ void __launch_bounds__(MLA_AH_THREADS, 2)
     mla_allheads_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int ldqr,
                    int Ha, int R, int dr, const float *pool, const int32_t *tables,
                    const int32_t *tok_bt, const int32_t *tok_pos, int bs, int row, float scale,
-                   int n_split, int per, int opt) {
+                   int n_split, int per) {
     PDL_ENTRY();
-    /* q [Ha][rq+1] | rows [SUB][row+1] | scores [Ha][SUB] */
     extern __shared__ float sh[];
-    const int t = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, rq = R + dr;
-    const int qst = rq + 1, cst = row + 1; /* padded strides */
-    float *qs = sh, *cs = sh + (size_t)Ha * qst, *sc = cs + (size_t)MLA_AH_SUB * cst;
+    const int t = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, rq = R + dr, ld = rq;
+    float *qs = sh, *cs = qs + (size_t)Ha * ld, *pt = cs + (size_t)MLA_AH_SUB * ld;
+    float *m_sh = pt + MLA_AH_SUB * Ha, *l_sh = m_sh + Ha, *a_sh = l_sh + Ha;
     const int32_t *table = tables + tok_bt[t];
     const int n = tok_pos[t] + 1, j0 = s * per, j1 = min(n, j0 + per);
-    const int tph = MLA_AH_THREADS / Ha, h = tid / tph, k0 = tid % tph; /* r = k0 + tph i */
-    const int live = h < Ha;
-    for (int i = tid; i < Ha * rq; i += blockDim.x) { /* every head's [q̄ | qR] */
-        const int hh = i / rq, c = i % rq;
-        qs[(size_t)hh * qst + c] =
-            c < R ? qbar[((size_t)t * Ha + hh) * R + c] : qr[((size_t)t * Ha + hh) * ldqr + c - R];
+    for (int i = tid; i < Ha * (rq / 4); i += MLA_AH_THREADS) { /* every head's [q̄ | qR] */
+        const int hh = i / (rq / 4), c = (i % (rq / 4)) * 4;
+        const float *src = c < R ? qbar + ((size_t)t * Ha + hh) * R + c
+                                 : qr + ((size_t)t * Ha + hh) * ldqr + c - R;
+        *(float4 *)(qs + (size_t)hh * ld + c) = *(const float4 *)src;
     }
-    float acc[MLA_AH_OPT];
+    if (tid < Ha) m_sh[tid] = -INFINITY, l_sh[tid] = 0.0f;
+    /* the score tile: slice sl of the columns' 16-byte quads, heads 4 th.., rows 4 tr.. */
+    const int slices = MLA_AH_THREADS / Ha, sl = tid % slices, tile = tid / slices;
+    const int tr = tile % (MLA_AH_SUB / 4), th = tile / (MLA_AH_SUB / 4);
+    /* the output tile: heads 4 hg.., floats 4 (lo + L k) .. + 3 for k < OT / 4 */
+    const int L = MLA_AH_THREADS / (Ha / 4), hg = tid / L, lo = tid % L;
+    float acc[4][OT];
 #pragma unroll
-    for (int i = 0; i < MLA_AH_OPT; i++) acc[i] = 0.0f;
-    float m_run = -INFINITY, l_run = 0.0f;
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int o = 0; o < OT; o++) acc[i][o] = 0.0f;
     for (int a = j0; a < j1; a += MLA_AH_SUB) {
         const int nr = min(MLA_AH_SUB, j1 - a);
-        __syncthreads(); /* the previous rows and scores are used up (and q is staged) */
-        for (int i = tid; i < nr * row; i += blockDim.x) {
-            const int j = i / row, c = i % row, p = a + j;
-            cs[(size_t)j * cst + c] = pool[((size_t)table[p / bs] * bs + p % bs) * row + c];
+        __syncthreads(); /* the previous tile and its p are used up (and q is staged) */
+        for (int i = tid; i < nr * (rq / 4); i += MLA_AH_THREADS) {
+            const int j = i / (rq / 4), c = (i % (rq / 4)) * 4, p = a + j;
+            cp_async16(cs + (size_t)j * ld + c,
+                       pool + ((size_t)table[p / bs] * bs + p % bs) * row + c);
         }
+        cp_async_commit();
+        cp_async_wait_all();
         __syncthreads();
-        for (int i = tid; i < Ha * MLA_AH_SUB; i += blockDim.x) {
-            const int hh = i / MLA_AH_SUB, j = i % MLA_AH_SUB;
-            float d = -INFINITY;
-            if (j < nr) {
-                const float *qh = qs + (size_t)hh * qst, *cj = cs + (size_t)j * cst;
-                d = 0.0f;
-                for (int c = 0; c < rq; c++) d += qh[c] * cj[c];
-                d *= scale;
+        { /* scores */
+            float d[4][4] = {};
+            for (int q4 = sl; q4 < rq / 4; q4 += slices) {
+                float4 qv[4], cv[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    qv[i] = *(const float4 *)(qs + (size_t)(4 * th + i) * ld + 4 * q4);
+                    cv[i] = *(const float4 *)(cs + (size_t)(4 * tr + i) * ld + 4 * q4);
+                }
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+                        d[i][j] += qv[i].x * cv[j].x + qv[i].y * cv[j].y + qv[i].z * cv[j].z +
+                                   qv[i].w * cv[j].w;
             }
-            sc[i] = d;
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    for (int m = 1; m < slices; m <<= 1)
+                        d[i][j] += __shfl_xor_sync(0xffffffffu, d[i][j], m);
+            if (sl == 0)
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++) { /* raw scores for now, p after the softmax */
+                        const int jj = 4 * tr + j;
+                        pt[jj * Ha + 4 * th + i] = jj < nr ? d[i][j] * scale : -INFINITY;
+                    }
         }
         __syncthreads();
-        if (!live) continue;
-        const float *sh_h = sc + (size_t)h * MLA_AH_SUB;
-        float cmax = -INFINITY;
-        for (int j = 0; j < nr; j++) cmax = fmaxf(cmax, sh_h[j]);
-        const float m_new = fmaxf(m_run, cmax), alpha = expf(m_run - m_new);
-        float psum = 0.0f;
-#pragma unroll
-        for (int i = 0; i < MLA_AH_OPT; i++) acc[i] *= alpha;
-        for (int j = 0; j < nr; j++) {
-            const float pj = expf(sh_h[j] - m_new);
-            psum += pj;
-            const float *cj = cs + (size_t)j * cst + k0;
-#pragma unroll
-            for (int i = 0; i < MLA_AH_OPT; i++)
-                if (i < opt) acc[i] += pj * cj[(size_t)i * tph];
+        /* online softmax: a half-warp a head, lane j of it row j */
+        for (int h = 2 * (tid / 32) + (tid % 32) / 16; h < Ha; h += 2 * (MLA_AH_THREADS / 32)) {
+            const int j = tid % 16;
+            const float sc = pt[j * Ha + h];
+            float cmax = sc;
+            for (int m = 8; m; m >>= 1) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, m));
+            const float m_old = m_sh[h], m_new = fmaxf(m_old, cmax); /* finite: nr >= 1 */
+            const float p = j < nr ? expf(sc - m_new) : 0.0f;
+            float ps = p;
+            for (int m = 8; m; m >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, m);
+            pt[j * Ha + h] = p;
+            if (j == 0) {
+                const float alpha = expf(m_old - m_new); /* 0 at the first tile */
+                a_sh[h] = alpha, l_sh[h] = l_sh[h] * alpha + ps, m_sh[h] = m_new;
+            }
         }
-        l_run = l_run * alpha + psum;
-        m_run = m_new;
-    }
-    if (!live) return;
-    float *po = part_o + (((size_t)t * Ha + h) * n_split + s) * R + k0;
+        __syncthreads();
+        { /* outputs */
+            const float4 al = *(const float4 *)(a_sh + 4 * hg);
+            const float av[4] = {al.x, al.y, al.z, al.w};
 #pragma unroll
-    for (int i = 0; i < MLA_AH_OPT; i++) /* an empty split leaves zeros, l = 0: merge skips it */
-        if (i < opt) po[(size_t)i * tph] = acc[i];
-    if (k0 == 0) {
-        float *pml = part_ml + (((size_t)t * Ha + h) * n_split + s) * 2;
-        pml[0] = m_run, pml[1] = l_run;
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int o = 0; o < OT; o++) acc[i][o] *= av[i];
+            for (int j = 0; j < nr; j++) {
+                const float4 p4 = *(const float4 *)(pt + j * Ha + 4 * hg);
+                const float pv[4] = {p4.x, p4.y, p4.z, p4.w};
+#pragma unroll
+                for (int k = 0; k < OT / 4; k++) {
+                    const float4 c4 = *(const float4 *)(cs + (size_t)j * ld + 4 * (lo + L * k));
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        acc[i][4 * k] += pv[i] * c4.x, acc[i][4 * k + 1] += pv[i] * c4.y;
+                        acc[i][4 * k + 2] += pv[i] * c4.z, acc[i][4 * k + 3] += pv[i] * c4.w;
+                    }
+                }
+            }
+        }
+    }
+    /* an empty split leaves zeros, l = 0: the merge skips it */
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float *po = part_o + (((size_t)t * Ha + 4 * hg + i) * n_split + s) * R;
+#pragma unroll
+        for (int k = 0; k < OT / 4; k++)
+            *(float4 *)(po + 4 * (lo + L * k)) =
+                make_float4(acc[i][4 * k], acc[i][4 * k + 1], acc[i][4 * k + 2], acc[i][4 * k + 3]);
+    }
+    __syncthreads(); /* (m and l of a split with no rows are their initial values) */
+    if (tid < Ha) {
+        float *pml = part_ml + (((size_t)t * Ha + tid) * n_split + s) * 2;
+        pml[0] = m_sh[tid], pml[1] = l_sh[tid];
     }
 }
 
@@ -1643,11 +1731,7 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
                                                ds_err *err) {
     if (T <= 0 || Ha <= 0) return DS_OK;
     if (max_ctx <= 0) return ds_errf(err, "cuda: mla: no context rows to attend to");
-    const int rows = T * Ha, tph = Ha <= MLA_AH_THREADS ? MLA_AH_THREADS / Ha : 0;
-    const int opt = tph ? R / tph : 0;
-    const size_t ah_smem =
-        ((size_t)Ha * (R + dr + 1) + (size_t)MLA_AH_SUB * (row + 1) + (size_t)Ha * MLA_AH_SUB) *
-        sizeof(float);
+    const int rows = T * Ha;
     /* all heads per block: splits of `per` rows (a multiple of the 16-row tile, at least 64 so that
      * staging every head's query stays a fraction of the rows read), aiming at two blocks per SM;
      * a step with fewer blocks than SMs (small batches, short contexts) has more parallelism in
@@ -1656,8 +1740,14 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
     int per = (max_ctx + want - 1) / want;
     per = max(MLA_AH_MIN_ROWS, (per + MLA_AH_SUB - 1) / MLA_AH_SUB * MLA_AH_SUB);
     const int ah_split = (max_ctx + per - 1) / per;
-    if (c->mla_all_heads && !c->batch_invariant && tph && MLA_AH_THREADS % Ha == 0 &&
-        R % tph == 0 && opt <= MLA_AH_OPT && ah_smem <= 200 * 1024 &&
+    /* the kernel's tiles: 4-head groups, 256 / Ha column slices in a warp (Ha a power of two,
+     * 8..256), OT = R Ha / 1024 outputs a head a thread (4, 8 or 16 registers' worth) */
+    const int ot = (int)((long)R * Ha / 1024);
+    const int ah_shape = Ha >= 8 && Ha <= MLA_AH_THREADS && (Ha & (Ha - 1)) == 0 &&
+                         (long)R * Ha % 1024 == 0 && (ot == 4 || ot == 8 || ot == 16) &&
+                         mla_vec4(R, dr, row, ldqr, qbar, qr, pool);
+    const size_t ah_smem = mla_ah_floats(Ha, R + dr) * sizeof(float);
+    if (c->mla_all_heads && !c->batch_invariant && ah_shape && ah_smem <= 200 * 1024 &&
         (c->mla_all_heads == 2 || (long)T * ah_split >= c->n_sm)) {
         const int n_split = ah_split;
         size_t need = (size_t)rows * n_split * ((size_t)R + 2);
@@ -1665,16 +1755,20 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
                          err))
             return DS_ERR;
         float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
-        static size_t smem_set; /* raised once per size, before any capture can be open */
-        if (ah_smem > smem_set) {
-            CU_TRY(cudaFuncSetAttribute(mla_allheads_k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        auto kernel = ot == 16  ? mla_allheads_k<16>
+                      : ot == 8 ? mla_allheads_k<8>
+                                : mla_allheads_k<4>;
+        static size_t smem_set[3]; /* raised once per size, before any capture can be open */
+        size_t *set = &smem_set[ot == 16 ? 2 : ot == 8 ? 1 : 0];
+        if (ah_smem > *set) {
+            CU_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         (int)ah_smem),
                    "mla (all heads): shared memory");
-            smem_set = ah_smem;
+            *set = ah_smem;
         }
-        launch_k(c, mla_allheads_k, dim3((unsigned)T, (unsigned)n_split), MLA_AH_THREADS, ah_smem,
-                 part_o, part_ml, qbar, qr, ldqr, Ha, R, dr, pool, tables, tok_bt, tok_pos,
-                 block_size, row, scale, n_split, per, opt);
+        launch_k(c, kernel, dim3((unsigned)T, (unsigned)n_split), MLA_AH_THREADS, ah_smem, part_o,
+                 part_ml, qbar, qr, ldqr, Ha, R, dr, pool, tables, tok_bt, tok_pos, block_size, row,
+                 scale, n_split, per);
         CU_TRY(cudaGetLastError(), "mla (all heads)");
         mla_merge(c, obar, part_o, part_ml, rows, R, n_split);
         CU_TRY(cudaGetLastError(), "mla merge");
@@ -1816,29 +1910,6 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi); /* .x (lo) in the low half */
     return *(uint32_t *)&v;
-}
-
-/* cp.async: 16-byte copies global -> shared that run on while the thread goes on */
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-/* rows x COLS floats (COLS a multiple of 4) from src, rows lds apart, into dst, rows ldd apart
- * (both 16-byte aligned): 16-byte pieces, thread threadIdx.x of NT taking every NT-th */
-template <int COLS, int NT>
-__device__ __forceinline__ void cp_async_rows(float *dst, int ldd, const float *src, size_t lds,
-                                              int rows) {
-    static_assert(COLS % 4 == 0, "16-byte pieces");
-    for (int i = threadIdx.x; i < rows * (COLS / 4); i += NT) {
-        const int r = i / (COLS / 4), c = (i % (COLS / 4)) * 4;
-        cp_async16(dst + r * ldd + c, src + (size_t)r * lds + c);
-    }
-}
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::);
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
 template <int DQ, int DV> struct fl_smem {
