@@ -1178,8 +1178,13 @@ extern "C" int ds_cu_short_conv_silu_batch(ds_cu *c, const ds_cu_conv_batch *b, 
     if (b->n_proj < 1 || b->n_proj > 3)
         return ds_errf(err, "cuda: short conv: %d projections (1..3)", b->n_proj);
     if (b->n_seq <= 0 || b->C <= 0) return DS_OK;
-    /* time chunks of ~64 tokens of the step (a decode step: one), at most 256 */
-    const int T = b->n_tokens, n_chunks = DS_MAX(1, DS_MIN(256, T / 64));
+    /* time chunks of ~64 tokens of the longest segment, at most 256 — bounded by T - n_seq + 1,
+     * every other segment having a token (an empty one only costs parallelism, never a result:
+     * any count of chunks gives the same bits). From T alone a decode step of 256 sequences
+     * launched four blocks for every one with work, 0.15 against 0.02 ms a layer at 64 on the
+     * H200 (eager profile, "kda conv+l2norm"). */
+    const int longest = DS_MAX(1, b->n_tokens - b->n_seq + 1);
+    const int n_chunks = DS_MAX(1, DS_MIN(256, longest / 64));
     launch_k(
         c, c->conv_fixed && b->W == 4 ? short_conv_batch_k<4> : short_conv_batch_k<0>,
         dim3((unsigned)((b->C + 127) / 128), (unsigned)b->n_seq, (unsigned)(b->n_proj * n_chunks)),
@@ -3694,17 +3699,24 @@ __device__ __forceinline__ float kda_token(float (&s)[DP], const float *qs, cons
     return acc;
 }
 
-template <int DK, int SPLIT>
+/* DVC: dv when known at compile time (0: run time). With dv a run-time value the state's 64
+ * entries a thread had 64 addresses, kept live from the loads to the stores: 234 registers a
+ * thread at DK 128, two blocks an SM, and a decode step's recurrences at 62% of the copy rate
+ * (batch 256 at the 48B shape). With it each entry is a constant offset from one address: 168
+ * registers, three blocks (four, at 128 registers, spilled 208 bytes). */
+template <int DK, int SPLIT, int DVC>
 __device__ void kda_run(float *o, const float *q, const float *k, const float *v, const float *g,
                         const float *beta, float *Sh, float *S_rows, size_t rows_stride, int t0,
-                        int t1, int H, int dv, int h, int col, bool live, int part) {
+                        int t1, int H, int dv_rt, int h, int col, bool live, int part) {
     constexpr int DP = DK / SPLIT;     /* state entries of the column this thread holds */
     constexpr int PF = (DK + 31) / 32; /* q/k/g entries a thread stages per token, at most */
+    const int dv = DVC ? DVC : dv_rt;
     __shared__ float qs[DK], ks[DK], ds[DK];
     float s[DP];
     const int c0 = part * DP;
+    float *Sc = Sh + (size_t)c0 * dv + col; /* this thread's entry c at Sc[c dv] */
 #pragma unroll
-    for (int c = 0; c < DP; c++) s[c] = live ? __ldcg(Sh + (size_t)(c0 + c) * dv + col) : 0.0f;
+    for (int c = 0; c < DP; c++) s[c] = live ? __ldcg(Sc + (size_t)c * dv) : 0.0f;
     /* The state is read before waiting for the previous kernel (PDL): no kernel of this step
      * writes it before this one (the chunked kernel runs after; forks and restores are copies
      * done before the step), and every earlier kernel is complete here — this one starts only
@@ -3739,20 +3751,21 @@ __device__ void kda_run(float *o, const float *q, const float *k, const float *v
         if (live) {
             if (part == 0) o[th * dv + col] = acc;
             if (S_rows) {
-                float *R = S_rows + (size_t)(t - t0) * rows_stride + (size_t)h * DK * dv;
+                float *R = S_rows + (size_t)(t - t0) * rows_stride + (size_t)h * DK * dv +
+                           (size_t)c0 * dv + col;
 #pragma unroll
-                for (int c = 0; c < DP; c++) R[(size_t)(c0 + c) * dv + col] = s[c];
+                for (int c = 0; c < DP; c++) R[(size_t)c * dv] = s[c];
             }
         }
     }
     if (live)
 #pragma unroll
-        for (int c = 0; c < DP; c++) Sh[(size_t)(c0 + c) * dv + col] = s[c];
+        for (int c = 0; c < DP; c++) Sc[(size_t)c * dv] = s[c];
 }
 
 /* Sequence blockIdx.z: tokens [off[z], off[z+1]) of the packed q/k/v/g/beta/o, its state S[z]
  * ([H][DK][dv]) and optional rows S_rows[z] ([tokens][H][DK][dv]). */
-template <int DK, int SPLIT>
+template <int DK, int SPLIT, int DVC>
 __global__ void __launch_bounds__(128)
     kda_batch_k(float *o, const float *q, const float *k, const float *v, const float *g,
                 const float *beta, const int32_t *off, float *const *S, float *const *S_rows,
@@ -3765,20 +3778,20 @@ __global__ void __launch_bounds__(128)
     if (skip_from > 0 && off[z + 1] - off[z] >= skip_from && !(S_rows && S_rows[z])) return;
     float *Sh = S[z] + (size_t)h * DK * dv;
     /* a NULL entry: this sequence keeps no rows */
-    kda_run<DK, SPLIT>(o, q, k, v, g, beta, Sh, S_rows ? S_rows[z] : NULL, rows_stride, off[z],
-                       off[z + 1], H, dv, h, col, col < dv, part);
+    kda_run<DK, SPLIT, DVC>(o, q, k, v, g, beta, Sh, S_rows ? S_rows[z] : NULL, rows_stride, off[z],
+                            off[z + 1], H, dv, h, col, col < dv, part);
 }
 
 /* One sequence, arguments by value (no device arrays to fill). */
-template <int DK, int SPLIT>
+template <int DK, int SPLIT, int DVC>
 __global__ void __launch_bounds__(128)
     kda_one_k(float *o, const float *q, const float *k, const float *v, const float *g,
               const float *beta, float *S, float *S_rows, int T, int H, int dv) {
     /* (the wait for the previous kernel is in kda_run, after the state's loads) */
     const int h = blockIdx.x, part = threadIdx.x % SPLIT;
     const int col = blockIdx.y * (blockDim.x / SPLIT) + threadIdx.x / SPLIT;
-    kda_run<DK, SPLIT>(o, q, k, v, g, beta, S + (size_t)h * DK * dv, S_rows, (size_t)H * DK * dv, 0,
-                       T, H, dv, h, col, col < dv, part);
+    kda_run<DK, SPLIT, DVC>(o, q, k, v, g, beta, S + (size_t)h * DK * dv, S_rows,
+                            (size_t)H * DK * dv, 0, T, H, dv, h, col, col < dv, part);
 }
 
 /* Threads per block and columns per block for a head dim. (More, smaller blocks at batch 1 —
@@ -3799,16 +3812,20 @@ extern "C" int ds_cu_kda_recurrent(ds_cu *c, float *o, const float *q, const flo
     dim3 grid((unsigned)H, (unsigned)((dv + cols - 1) / cols));
     switch (dk) {
     case 16:
-        launch_k(c, kda_one_k<16, 1>, grid, threads, 0, o, q, k, v, g, beta, S, S_rows, T, H, dv);
+        launch_k(c, kda_one_k<16, 1, 0>, grid, threads, 0, o, q, k, v, g, beta, S, S_rows, T, H,
+                 dv);
         break;
     case 32:
-        launch_k(c, kda_one_k<32, 1>, grid, threads, 0, o, q, k, v, g, beta, S, S_rows, T, H, dv);
+        launch_k(c, kda_one_k<32, 1, 0>, grid, threads, 0, o, q, k, v, g, beta, S, S_rows, T, H,
+                 dv);
         break;
     case 64:
-        launch_k(c, kda_one_k<64, 1>, grid, threads, 0, o, q, k, v, g, beta, S, S_rows, T, H, dv);
+        launch_k(c, kda_one_k<64, 1, 0>, grid, threads, 0, o, q, k, v, g, beta, S, S_rows, T, H,
+                 dv);
         break;
     case 128:
-        launch_k(c, kda_one_k<128, 2>, grid, threads, 0, o, q, k, v, g, beta, S, S_rows, T, H, dv);
+        launch_k(c, dv == 128 ? kda_one_k<128, 2, 128> : kda_one_k<128, 2, 0>, grid, threads, 0, o,
+                 q, k, v, g, beta, S, S_rows, T, H, dv);
         break;
     default:
         return ds_errf(err, "cuda: kda_recurrent: head dim %d (16, 32, 64 or 128 supported)", dk);
@@ -3829,20 +3846,20 @@ extern "C" int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, con
     dim3 grid((unsigned)H, (unsigned)((dv + cols - 1) / cols), (unsigned)n_seq);
     switch (dk) {
     case 16:
-        launch_k(c, kda_batch_k<16, 1>, grid, threads, 0, o, q, k, v, g, beta, seg_off, S, S_rows,
-                 rows_stride, H, dv, skip_from);
+        launch_k(c, kda_batch_k<16, 1, 0>, grid, threads, 0, o, q, k, v, g, beta, seg_off, S,
+                 S_rows, rows_stride, H, dv, skip_from);
         break;
     case 32:
-        launch_k(c, kda_batch_k<32, 1>, grid, threads, 0, o, q, k, v, g, beta, seg_off, S, S_rows,
-                 rows_stride, H, dv, skip_from);
+        launch_k(c, kda_batch_k<32, 1, 0>, grid, threads, 0, o, q, k, v, g, beta, seg_off, S,
+                 S_rows, rows_stride, H, dv, skip_from);
         break;
     case 64:
-        launch_k(c, kda_batch_k<64, 1>, grid, threads, 0, o, q, k, v, g, beta, seg_off, S, S_rows,
-                 rows_stride, H, dv, skip_from);
+        launch_k(c, kda_batch_k<64, 1, 0>, grid, threads, 0, o, q, k, v, g, beta, seg_off, S,
+                 S_rows, rows_stride, H, dv, skip_from);
         break;
     case 128:
-        launch_k(c, kda_batch_k<128, 2>, grid, threads, 0, o, q, k, v, g, beta, seg_off, S, S_rows,
-                 rows_stride, H, dv, skip_from);
+        launch_k(c, dv == 128 ? kda_batch_k<128, 2, 128> : kda_batch_k<128, 2, 0>, grid, threads, 0,
+                 o, q, k, v, g, beta, seg_off, S, S_rows, rows_stride, H, dv, skip_from);
         break;
     default:
         return ds_errf(err, "cuda: kda_recurrent: head dim %d (16, 32, 64 or 128 supported)", dk);
