@@ -1661,6 +1661,7 @@ static void run_checks(ds_cu *c) {
         check_kda_step(c, lens, rows, 7, 4, 128, 128, -0.7f, 16);
         check_kda_step(c, lens, rows, 7, 3, 64, 64, -0.7f, 16);
         check_kda_step(c, lens, rows, 7, 2, 128, 128, -3.0f, 16); /* strong decay */
+        check_kda_step(c, lens, rows, 7, 2, 128, 128, -12.0f, 16);
         int one[1] = {1000}, none[1] = {0};
         check_kda_step(c, one, none, 1, 8, 128, 128, -0.1f, 16); /* weak decay, long memory */
         /* the scan and output passes on TF32 tensor cores */
@@ -1673,6 +1674,9 @@ static void run_checks(ds_cu *c) {
         check_kda_step(c, lens, rows, 7, 4, 128, 128, -0.7f, 16);
         check_kda_step(c, lens, rows, 7, 3, 64, 64, -0.7f, 16);
         check_kda_step(c, lens, rows, 7, 2, 128, 128, -3.0f, 16);
+        /* decays that empty the state within a few tokens: pass 1's exponents through a block's
+         * first row must neither overflow nor lose what they keep */
+        check_kda_step(c, lens, rows, 7, 2, 128, 128, -12.0f, 16);
         check_kda_step(c, one, none, 1, 8, 128, 128, -0.1f, 16);
         ds_cu_set_kda_tc(c, g_kda_tc = 0);
     }
