@@ -58,10 +58,18 @@ struct ds_prefix {
     int32_t *ck_pins;           /* [n_ck] pending forks */
     int32_t *ck_prev, *ck_next; /* [n_ck] LRU of filed unpinned checkpoints */
     int32_t ck_head, ck_tail;
-    /* scratch */
-    uint8_t *hbuf; /* [16 + 4*bs] hash input */
-    float *pbuf;   /* [n_layers * bs * row] one page's latents, gathered */
-    float *sbuf;   /* [slot_floats] a checkpoint read from the offload tier */
+    /* scratch. Loads and stores have separate buffers: a load's payload sits in its buffer
+     * until it is installed, and installing it takes a page or a checkpoint slot, which may
+     * evict another one whose store runs right then (issue 30: the store used to overwrite the
+     * payload being loaded, and another prefix's state was filed under this one). A store only
+     * ever writes st_*, a load only ld_*, and neither path calls the other. */
+    uint8_t *hbuf;  /* [16 + 4*bs] hash input */
+    float *ld_pbuf; /* [page_floats] a page read from the offload tier, until scattered */
+    float *st_pbuf; /* [page_floats] a page gathered for a store */
+    float *ld_sbuf; /* [slot_floats] a checkpoint read from the offload tier, until copied */
+    float *st_sbuf; /* [slot_floats] a checkpoint staged for a store (it may be device memory) */
+    int loading;    /* a load holds ld_* (checked: a store never runs inside a store) */
+    int storing;
     int32_t *tbuf; /* [cap_tbuf] a prefix's tokens */
     int cap_tbuf;
     ds_prefix_stats st;
@@ -183,44 +191,56 @@ static size_t page_floats(const ds_prefix *px) {
            (size_t)px->n_xlayers * px->bs * px->xrow;
 }
 
-/* pbuf [n_layers][bs][row] <-> the page's rows in every MLA layer of the latent pool */
-static void page_gather(ds_prefix *px, int page) {
+/* buf [n_layers][bs][row] (then the extra rows) <-> the page's rows in every MLA layer of the
+ * latent pool */
+static void page_gather(ds_prefix *px, int page, float *buf) {
     size_t n = (size_t)px->bs * px->kv->row, xn = (size_t)px->bs * px->xrow;
-    float *x = px->pbuf + (size_t)px->kv->n_layers * n;
+    float *x = buf + (size_t)px->kv->n_layers * n;
     for (int j = 0; j < px->kv->n_layers; j++)
-        ds_dmem_copy(px->pbuf + j * n, px->kv->layer[j] + (size_t)page * n, n * sizeof(float));
+        ds_dmem_copy(buf + j * n, px->kv->layer[j] + (size_t)page * n, n * sizeof(float));
     for (int j = 0; j < px->n_xlayers; j++)
         ds_dmem_copy(x + j * xn, px->xlayer[j] + (size_t)page * xn, xn * sizeof(float));
 }
 
-static void page_scatter(ds_prefix *px, int page) {
+static void page_scatter(ds_prefix *px, int page, const float *buf) {
     size_t n = (size_t)px->bs * px->kv->row, xn = (size_t)px->bs * px->xrow;
-    const float *x = px->pbuf + (size_t)px->kv->n_layers * n;
+    const float *x = buf + (size_t)px->kv->n_layers * n;
     for (int j = 0; j < px->kv->n_layers; j++)
-        ds_dmem_copy(px->kv->layer[j] + (size_t)page * n, px->pbuf + j * n, n * sizeof(float));
+        ds_dmem_copy(px->kv->layer[j] + (size_t)page * n, buf + j * n, n * sizeof(float));
     for (int j = 0; j < px->n_xlayers; j++)
         ds_dmem_copy(px->xlayer[j] + (size_t)page * xn, x + j * xn, xn * sizeof(float));
 }
 
 int ds_prefix_add_page_rows(ds_prefix *px, float **layers, int n_layers, int row, ds_err *err) {
-    float *b = realloc(px->pbuf, DS_MAX((size_t)px->kv->n_layers * px->bs * px->kv->row +
-                                            (size_t)n_layers * px->bs * row,
-                                        1) *
-                                     sizeof(float));
-    if (!b) return ds_errf(err, "prefix cache: out of memory for page rows");
-    px->pbuf = b;
+    size_t n = DS_MAX((size_t)px->kv->n_layers * px->bs * px->kv->row +
+                          (size_t)n_layers * px->bs * row,
+                      1);
+    float *ld = realloc(px->ld_pbuf, n * sizeof(float));
+    if (ld) px->ld_pbuf = ld;
+    float *st = ld ? realloc(px->st_pbuf, n * sizeof(float)) : NULL;
+    if (st) px->st_pbuf = st;
+    if (!ld || !st) return ds_errf(err, "prefix cache: out of memory for page rows");
     px->xlayer = layers;
     px->n_xlayers = n_layers;
     px->xrow = row;
     return DS_OK;
 }
 
+/* Stores run from eviction hooks in the middle of a load, so they touch only st_* and tbuf
+ * (which no load uses) and never start a load. */
 static void store_page(ds_prefix *px, int e, const int32_t *tokens) {
     entry *en = &px->ents[e];
     if (!ds_offload_enabled(px->off) || en->page < 0 || en->page_stored) return;
     if (!tokens && !(tokens = prefix_tokens(px, e))) return;
-    page_gather(px, en->page);
-    ds_offload_put(px->off, 'p', en->hash, tokens, en->depth * px->bs, px->pbuf, page_floats(px));
+    if (px->storing) { /* impossible by construction; a miss later is harmless, a clobber not */
+        px->st.reentries++;
+        return;
+    }
+    px->storing = 1;
+    page_gather(px, en->page, px->st_pbuf);
+    ds_offload_put(px->off, 'p', en->hash, tokens, en->depth * px->bs, px->st_pbuf,
+                   page_floats(px));
+    px->storing = 0;
     en->page_stored = 1;
 }
 
@@ -228,9 +248,16 @@ static void store_ckpt(ds_prefix *px, int e, const int32_t *tokens) {
     entry *en = &px->ents[e];
     if (!ds_offload_enabled(px->off) || en->ckpt < 0 || en->ckpt_stored) return;
     if (!tokens && !(tokens = prefix_tokens(px, e))) return;
-    /* through sbuf: the checkpoint may be device memory */
-    ds_dmem_copy(px->sbuf, ds_slot_data(px->ck, en->ckpt), px->slot_floats * sizeof(float));
-    ds_offload_put(px->off, 'c', en->hash, tokens, en->depth * px->bs, px->sbuf, px->slot_floats);
+    if (px->storing) {
+        px->st.reentries++;
+        return;
+    }
+    px->storing = 1;
+    /* staged on the host: the checkpoint may be device memory */
+    ds_dmem_copy(px->st_sbuf, ds_slot_data(px->ck, en->ckpt), px->slot_floats * sizeof(float));
+    ds_offload_put(px->off, 'c', en->hash, tokens, en->depth * px->bs, px->st_sbuf,
+                   px->slot_floats);
+    px->storing = 0;
     en->ckpt_stored = 1;
 }
 
@@ -270,13 +297,21 @@ void ds_prefix_set_agree(ds_prefix *px, int (*agree)(void *ctx, int v), void *ct
  * page (refcount 1) with its latents written, or -1 on a miss or when no page can be had. The
  * payload is read before a page is taken, so a miss never evicts anything. */
 static int load_page(ds_prefix *px, const uint64_t h[2], const int32_t *tokens, int depth) {
-    if (!ds_offload_enabled(px->off) ||
-        !off_get(px, 'p', h, tokens, depth * px->bs, px->pbuf, page_floats(px)))
+    if (!ds_offload_enabled(px->off)) return -1;
+    if (px->loading || px->storing) {
+        px->st.reentries++;
         return -1;
-    int page = ds_page_alloc(px->pages);
-    if (page < 0) return -1;
-    page_scatter(px, page);
-    px->st.page_loads++;
+    }
+    px->loading = 1;
+    int page = -1;
+    if (off_get(px, 'p', h, tokens, depth * px->bs, px->ld_pbuf, page_floats(px))) {
+        page = ds_page_alloc(px->pages); /* may evict (and store) an idle page: st_pbuf */
+        if (page >= 0) {
+            page_scatter(px, page, px->ld_pbuf);
+            px->st.page_loads++;
+        }
+    }
+    px->loading = 0;
     return page;
 }
 
@@ -395,11 +430,15 @@ int ds_prefix_create(const ds_prefix_opts *o, size_t slot_floats, ds_page_pool *
     int n_pages = ds_page_n_total(pages);
     px->page_entry = ds_malloc((size_t)n_pages * sizeof *px->page_entry, err);
     px->hbuf = ds_malloc(16 + (size_t)px->bs * 4, err);
-    px->pbuf = ds_malloc(DS_MAX(page_floats(px), 1) * sizeof(float), err);
-    px->sbuf = ds_malloc(DS_MAX(slot_floats, 1) * sizeof(float), err);
+    px->ld_pbuf = ds_malloc(DS_MAX(page_floats(px), 1) * sizeof(float), err);
+    px->st_pbuf = ds_malloc(DS_MAX(page_floats(px), 1) * sizeof(float), err);
+    px->ld_sbuf = ds_malloc(DS_MAX(slot_floats, 1) * sizeof(float), err);
+    px->st_sbuf = ds_malloc(DS_MAX(slot_floats, 1) * sizeof(float), err);
     px->n_buckets = 256;
     px->buckets = ds_malloc((size_t)px->n_buckets * sizeof *px->buckets, err);
-    if (!px->page_entry || !px->hbuf || !px->pbuf || !px->sbuf || !px->buckets) goto fail;
+    if (!px->page_entry || !px->hbuf || !px->ld_pbuf || !px->st_pbuf || !px->ld_sbuf ||
+        !px->st_sbuf || !px->buckets)
+        goto fail;
     for (int i = 0; i < n_pages; i++) px->page_entry[i] = -1;
     for (int i = 0; i < px->n_buckets; i++) px->buckets[i] = -1;
     if (o->n_ckpt_slots > 0) {
@@ -441,8 +480,10 @@ void ds_prefix_free(ds_prefix *px) {
     free(px->buckets);
     free(px->page_entry);
     free(px->hbuf);
-    free(px->pbuf);
-    free(px->sbuf);
+    free(px->ld_pbuf);
+    free(px->st_pbuf);
+    free(px->ld_sbuf);
+    free(px->st_sbuf);
     free(px->tbuf);
     free(px);
 }
@@ -511,11 +552,22 @@ int ds_prefix_match(ds_prefix *px, ds_seq *q) {
         if (!ds_offload_enabled(px->off) || !(px->ents[e].ckpt_stored || has_rung(q, j * bs)))
             continue;
         probes++;
-        if (!off_get(px, 'c', px->ents[e].hash, q->tokens, j * bs, px->sbuf, px->slot_floats))
-            continue;
-        int c = ck_take(px, e);
-        if (c < 0) break;
-        ds_dmem_copy(ds_slot_data(px->ck, c), px->sbuf, px->slot_floats * sizeof(float));
+        if (px->loading || px->storing) {
+            px->st.reentries++;
+            break;
+        }
+        px->loading = 1;
+        int c = -1,
+            hit = off_get(px, 'c', px->ents[e].hash, q->tokens, j * bs, px->ld_sbuf,
+                          px->slot_floats);
+        if (hit) {
+            c = ck_take(px, e); /* may evict (and store) another checkpoint: st_sbuf */
+            if (c >= 0)
+                ds_dmem_copy(ds_slot_data(px->ck, c), px->ld_sbuf, px->slot_floats * sizeof(float));
+        }
+        px->loading = 0;
+        if (!hit) continue;
+        if (c < 0) break; /* every slot pinned */
         px->ents[e].ckpt_stored = 1;
         px->st.ckpt_loads++;
         if (ckpt >= 0) ck_unpin(px, ckpt);

@@ -46,6 +46,7 @@ typedef struct ds_prefix_stats {
     uint64_t forks;        /* checkpoints copied into a sequence's slot */
     uint64_t pages_filed, pages_evicted, collisions;
     uint64_t page_loads, ckpt_loads; /* from the offload tier */
+    uint64_t reentries; /* a load or store started inside another (a bug; tests assert 0) */
     int ckpt_total, ckpt_used, entries;
 } ds_prefix_stats;
 
