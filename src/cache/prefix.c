@@ -36,6 +36,8 @@ typedef struct entry {
 struct ds_prefix {
     ds_prefix_opts o;
     int bs, interval;
+    int chunk; /* the scheduler's cut spacing */
+    int granule; /* lcm(chunk, bs): rungs are multiples of it (cuts that are page boundaries) */
     ds_page_pool *pages;            /* not owned */
     ds_kv_pool *kv;                 /* not owned */
     ds_offload *off;                /* not owned; may be NULL */
@@ -64,6 +66,8 @@ struct ds_prefix {
      * payload being loaded, and another prefix's state was filed under this one). A store only
      * ever writes st_*, a load only ld_*, and neither path calls the other. */
     uint8_t *hbuf;  /* [16 + 4*bs] hash input */
+    int32_t *ld_kbuf; /* [cap_ld_kbuf] a load's key: the prefix's tokens */
+    int cap_ld_kbuf;
     float *ld_pbuf; /* [page_floats] a page read from the offload tier, until scattered */
     float *st_pbuf; /* [page_floats] a page gathered for a store */
     float *ld_sbuf; /* [slot_floats] a checkpoint read from the offload tier, until copied */
@@ -89,6 +93,16 @@ void ds_prefix_hash_block(const ds_prefix *px, const uint64_t *parent, const int
         out[0] &= ((uint64_t)1 << px->o.test_hash_bits) - 1;
         out[1] = 0;
     }
+}
+
+/* The blocks of a prompt of n tokens that the index may hold (docs/prefix-cache.md): a prompt is
+ * cut at multiples of chunk and at its end, so rows below n snapped down to a multiple of chunk
+ * lie in whole chunk-sized steps, computed the way every prompt that shares them computes them.
+ * Rows of the prompt's last, partial step were computed in a step only prompts of exactly n
+ * tokens make (and no checkpoint can sit among them), and rows past n come from decode steps,
+ * whose numerics no prompt reproduces: neither is ever filed. */
+static int fileable_blocks(const ds_prefix *px, int n_prompt) {
+    return n_prompt / px->chunk * px->chunk / px->bs;
 }
 
 static int bucket(const ds_prefix *px, const uint64_t h[2]) {
@@ -169,19 +183,31 @@ static void maybe_remove(ds_prefix *px, int e) {
     }
 }
 
-/* The tokens [0, depth*bs) an entry summarises, gathered up its parent chain into tbuf. */
-static const int32_t *prefix_tokens(ds_prefix *px, int e) {
-    int n = px->ents[e].depth * px->bs;
-    if (n > px->cap_tbuf) {
-        int32_t *t = realloc(px->tbuf, (size_t)n * sizeof *t);
+/* Grows *buf to hold n int32s. */
+static int32_t *grow_i32(int32_t **buf, int *cap, int n) {
+    if (n > *cap) {
+        int32_t *t = realloc(*buf, (size_t)n * sizeof *t);
         if (!t) return NULL;
-        px->tbuf = t;
-        px->cap_tbuf = n;
+        *buf = t;
+        *cap = n;
     }
-    for (; e >= 0; e = px->ents[e].parent)
-        memcpy(px->tbuf + (size_t)(px->ents[e].depth - 1) * px->bs, px->toks + (size_t)e * px->bs,
-               (size_t)px->bs * sizeof(int32_t));
-    return px->tbuf;
+    return *buf;
+}
+
+/* The key an entry is kept under in the offload tier, into *buf: the tokens [0, depth*bs) it
+ * summarises (from `tokens`, or gathered up its parent chain when NULL). Returns the count, -1
+ * when out of memory. */
+static int entry_key(ds_prefix *px, int e, const int32_t *tokens, int32_t **buf, int *cap) {
+    const entry *en = &px->ents[e];
+    int n = en->depth * px->bs;
+    if (!grow_i32(buf, cap, n)) return -1;
+    if (tokens)
+        memcpy(*buf, tokens, (size_t)n * sizeof(int32_t));
+    else
+        for (int a = e; a >= 0; a = px->ents[a].parent)
+            memcpy(*buf + (size_t)(px->ents[a].depth - 1) * px->bs, px->toks + (size_t)a * px->bs,
+                   (size_t)px->bs * sizeof(int32_t));
+    return n;
 }
 
 /* ---- pages and the offload tier ------------------------------------------------------------- */
@@ -231,15 +257,15 @@ int ds_prefix_add_page_rows(ds_prefix *px, float **layers, int n_layers, int row
 static void store_page(ds_prefix *px, int e, const int32_t *tokens) {
     entry *en = &px->ents[e];
     if (!ds_offload_enabled(px->off) || en->page < 0 || en->page_stored) return;
-    if (!tokens && !(tokens = prefix_tokens(px, e))) return;
+    int nk = entry_key(px, e, tokens, &px->tbuf, &px->cap_tbuf);
+    if (nk < 0) return;
     if (px->storing) { /* impossible by construction; a miss later is harmless, a clobber not */
         px->st.reentries++;
         return;
     }
     px->storing = 1;
     page_gather(px, en->page, px->st_pbuf);
-    ds_offload_put(px->off, 'p', en->hash, tokens, en->depth * px->bs, px->st_pbuf,
-                   page_floats(px));
+    ds_offload_put(px->off, 'p', en->hash, px->tbuf, nk, px->st_pbuf, page_floats(px));
     px->storing = 0;
     en->page_stored = 1;
 }
@@ -247,7 +273,8 @@ static void store_page(ds_prefix *px, int e, const int32_t *tokens) {
 static void store_ckpt(ds_prefix *px, int e, const int32_t *tokens) {
     entry *en = &px->ents[e];
     if (!ds_offload_enabled(px->off) || en->ckpt < 0 || en->ckpt_stored) return;
-    if (!tokens && !(tokens = prefix_tokens(px, e))) return;
+    int nk = entry_key(px, e, tokens, &px->tbuf, &px->cap_tbuf);
+    if (nk < 0) return;
     if (px->storing) {
         px->st.reentries++;
         return;
@@ -255,8 +282,7 @@ static void store_ckpt(ds_prefix *px, int e, const int32_t *tokens) {
     px->storing = 1;
     /* staged on the host: the checkpoint may be device memory */
     ds_dmem_copy(px->st_sbuf, ds_slot_data(px->ck, en->ckpt), px->slot_floats * sizeof(float));
-    ds_offload_put(px->off, 'c', en->hash, tokens, en->depth * px->bs, px->st_sbuf,
-                   px->slot_floats);
+    ds_offload_put(px->off, 'c', en->hash, px->tbuf, nk, px->st_sbuf, px->slot_floats);
     px->storing = 0;
     en->ckpt_stored = 1;
 }
@@ -296,15 +322,25 @@ void ds_prefix_set_agree(ds_prefix *px, int (*agree)(void *ctx, int v), void *ct
 /* A page for block `depth` of tokens[0 .. depth*bs) loaded from the offload tier: a new held
  * page (refcount 1) with its latents written, or -1 on a miss or when no page can be had. The
  * payload is read before a page is taken, so a miss never evicts anything. */
+/* A load's key (entry_key's layout) into ld_kbuf, which no store touches. */
+static int load_key(ds_prefix *px, const int32_t *tokens, int depth) {
+    int n = depth * px->bs;
+    if (!grow_i32(&px->ld_kbuf, &px->cap_ld_kbuf, n)) return -1;
+    memcpy(px->ld_kbuf, tokens, (size_t)n * sizeof(int32_t));
+    return n;
+}
+
 static int load_page(ds_prefix *px, const uint64_t h[2], const int32_t *tokens, int depth) {
     if (!ds_offload_enabled(px->off)) return -1;
     if (px->loading || px->storing) {
         px->st.reentries++;
         return -1;
     }
+    int nk = load_key(px, tokens, depth);
+    if (nk < 0) return -1;
     px->loading = 1;
     int page = -1;
-    if (off_get(px, 'p', h, tokens, depth * px->bs, px->ld_pbuf, page_floats(px))) {
+    if (off_get(px, 'p', h, px->ld_kbuf, nk, px->ld_pbuf, page_floats(px))) {
         page = ds_page_alloc(px->pages); /* may evict (and store) an idle page: st_pbuf */
         if (page >= 0) {
             page_scatter(px, page, px->ld_pbuf);
@@ -397,14 +433,15 @@ static void add_rung(ds_seq *q, int pos) {
     q->rungs[i] = pos;
 }
 
-/* Rungs that depend on the prompt alone: every interval, the prompt's end snapped down to a
- * page, and the deepest page a repeat of the same prompt can resume from (one token short). */
+/* Rungs that depend on the prompt alone, all of them cuts the scheduler makes anyway (multiples
+ * of the granule): every interval, and the deepest one a repeat of the same prompt can resume
+ * from (at most n_prompt - 1). */
 static void plan_rungs(ds_prefix *px, ds_seq *q) {
     if (q->rungs_planned || !px->ck) return;
     q->rungs_planned = 1;
-    for (int r = px->interval; r <= q->n_prompt; r += px->interval) add_rung(q, r);
-    add_rung(q, q->n_prompt / px->bs * px->bs);
-    add_rung(q, (q->n_prompt - 1) / px->bs * px->bs);
+    int top = fileable_blocks(px, q->n_prompt) * px->bs;
+    for (int r = px->interval; r <= top; r += px->interval) add_rung(q, r);
+    add_rung(q, DS_MIN(top, q->n_prompt - 1) / px->granule * px->granule);
 }
 
 /* ---- public --------------------------------------------------------------------------------- */
@@ -420,7 +457,15 @@ int ds_prefix_create(const ds_prefix_opts *o, size_t slot_floats, ds_page_pool *
     px->o = *o;
     px->bs = o->block_size;
     int iv = o->interval_tokens > 0 ? o->interval_tokens : 256;
-    px->interval = DS_MAX(px->bs, iv / px->bs * px->bs);
+    px->chunk = o->chunk_tokens > 0 ? o->chunk_tokens : px->bs;
+    int g = px->chunk, b = px->bs; /* lcm(chunk, bs) */
+    while (b) {
+        int t = g % b;
+        g = b;
+        b = t;
+    }
+    px->granule = px->chunk / g * px->bs;
+    px->interval = DS_MAX(px->granule, iv / px->granule * px->granule);
     px->pages = pages;
     px->kv = kv;
     px->off = off;
@@ -485,6 +530,7 @@ void ds_prefix_free(ds_prefix *px) {
     free(px->ld_sbuf);
     free(px->st_sbuf);
     free(px->tbuf);
+    free(px->ld_kbuf);
     free(px);
 }
 
@@ -492,8 +538,9 @@ int ds_prefix_match(ds_prefix *px, ds_seq *q) {
     const int bs = px->bs;
     plan_rungs(px, q);
     if (q->n_computed != 0 || q->n_blocks != 0 || !px->ck) return 0;
-    int max_blocks = (q->n_tokens - 1) / bs; /* the last token must run to give logits */
-    if (max_blocks == 0 || ds_seq_reserve_blocks(q, max_blocks) != DS_OK) return 0;
+    /* the last token must run to give logits; only fileable blocks are ever in the index */
+    int max_blocks = DS_MIN((q->n_tokens - 1) / bs, fileable_blocks(px, q->n_prompt));
+    if (max_blocks <= 0 || ds_seq_reserve_blocks(q, max_blocks) != DS_OK) return 0;
 
     /* 1. Walk the chain as far as pages exist (on device, or loadable), pinning as we go. */
     int k = 0, best = 0, parent = -1;
@@ -546,7 +593,8 @@ int ds_prefix_match(ds_prefix *px, ds_seq *q) {
     if (ckpt >= 0) ck_pin(px, ckpt);
 
     /* 2. A deeper checkpoint from the offload tier, probed only where one is likely filed. The
-     *    state is read into scratch first, so a miss evicts nothing. */
+     *    state is read into ld_sbuf first, so a miss evicts nothing, and it stays there until it
+     *    is copied into its slot. */
     for (int j = k, probes = 0; j > best && probes < MAX_CKPT_PROBES; j--) {
         int e = q->entry[j - 1];
         if (!ds_offload_enabled(px->off) || !(px->ents[e].ckpt_stored || has_rung(q, j * bs)))
@@ -556,9 +604,11 @@ int ds_prefix_match(ds_prefix *px, ds_seq *q) {
             px->st.reentries++;
             break;
         }
+        int nk = load_key(px, q->tokens, j);
+        if (nk < 0) break;
         px->loading = 1;
         int c = -1,
-            hit = off_get(px, 'c', px->ents[e].hash, q->tokens, j * bs, px->ld_sbuf,
+            hit = off_get(px, 'c', px->ents[e].hash, px->ld_kbuf, nk, px->ld_sbuf,
                           px->slot_floats);
         if (hit) {
             c = ck_take(px, e); /* may evict (and store) another checkpoint: st_sbuf */
@@ -577,11 +627,13 @@ int ds_prefix_match(ds_prefix *px, ds_seq *q) {
         break;
     }
 
-    /* 3. Pages past the checkpoint: ask for rungs there, so the next sequence passing can
-     *    resume that deep; this one passes them too, so it files them itself. */
-    if (best < k) px->ents[q->entry[k - 1]].demand = 1;
+    /* 3. Pages past the checkpoint: ask for a rung at the deepest cut among them, so the next
+     *    sequence passing can resume that deep; this one passes it too, so it files it itself.
+     *    Only granule multiples qualify: every prompt is cut there, so the rung adds no cut. */
+    int dj = k * bs / px->granule * px->granule / bs;
+    if (dj > best) px->ents[q->entry[dj - 1]].demand = 1;
     for (int j = best + 1; j <= k; j++)
-        if (px->ents[q->entry[j - 1]].demand) add_rung(q, j * bs);
+        if (px->ents[q->entry[j - 1]].demand && (j * bs) % px->granule == 0) add_rung(q, j * bs);
 
     /* 4. Keep [0, best) and give back the rest, tail first (it will be recomputed). */
     for (int j = k - 1; j >= best; j--) {
@@ -632,7 +684,8 @@ int ds_prefix_would_hold(const ds_prefix *px, const ds_seq *q, int pos0) {
 void ds_prefix_on_computed(ds_prefix *px, ds_seq *q, const float *slot) {
     const int bs = px->bs;
     q->settled = q->n_computed;
-    int full = q->n_computed / bs;
+    /* only blocks computed in whole chunk-sized prompt steps (fileable_blocks) */
+    int full = DS_MIN(q->n_computed / bs, fileable_blocks(px, q->n_prompt));
     if (ds_seq_reserve_blocks(q, full) != DS_OK) return;
     while (!q->chain_broken && q->n_filed < full) {
         int i = q->n_filed;
@@ -696,4 +749,8 @@ void ds_prefix_get_stats(const ds_prefix *px, ds_prefix_stats *s) {
     s->ckpt_total = px->ck ? ds_slot_n_total(px->ck) : 0;
     s->ckpt_used = px->ck ? s->ckpt_total - ds_slot_n_free(px->ck) : 0;
     s->entries = px->n_used;
+}
+
+int ds_prefix_rung_interval(const ds_prefix *px) {
+    return px->interval;
 }

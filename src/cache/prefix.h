@@ -36,6 +36,8 @@ typedef struct ds_prefix_opts {
     uint64_t seed;       /* model identity, mixed into every hash */
     int test_hash_bits;  /* tests only: > 0 keeps this many low hash bits, forcing collisions */
     int on_device;       /* slots and the latent pool are GPU memory (base/devmem.h) */
+    int chunk_tokens;    /* the scheduler's cut spacing (0: block_size); rungs fall on its
+                            multiples, so they never add cuts */
 } ds_prefix_opts;
 
 typedef struct ds_prefix_stats {
@@ -89,5 +91,7 @@ int ds_prefix_would_hold(const ds_prefix *px, const ds_seq *q, int pos0);
 /* q finished: hands its filed pages and checkpoints to the offload tier (if any). */
 void ds_prefix_on_finish(ds_prefix *px, ds_seq *q);
 void ds_prefix_get_stats(const ds_prefix *px, ds_prefix_stats *s);
+/* Tokens between interval rungs: the interval snapped to a multiple of lcm(chunk, block). */
+int ds_prefix_rung_interval(const ds_prefix *px);
 
 #endif

@@ -108,6 +108,7 @@ struct ds_engine {
     inflight *fl;      /* [n_fl] steps in flight, used round robin */
     int n_fl;          /* P with pipelined stages, else 1 */
     uint64_t micro;    /* steps launched so far */
+    int chunk_tokens;  /* prompt cut spacing (scheduler.h) */
     int64_t *deferred; /* [n_deferred] aborts of requests with a step in flight */
     int n_deferred, cap_deferred;
     ds_seq **preempted;  /* [max_num_seqs] */
@@ -300,6 +301,12 @@ static int agree_min(void *ctx, int v) {
 /* Prefix caching and the offload tier. Every hash is seeded with the model's identity (its
  * config.json and weight size), and offload keys carry it too, so two models never share
  * entries. */
+/* The prompt cut spacing: the rung interval snapped down to a page (at least one). */
+static int chunk_of(const ds_engine_opts *o) {
+    int iv = o->state_checkpoint_interval_tokens > 0 ? o->state_checkpoint_interval_tokens : 256;
+    return DS_MAX(o->block_size, iv / o->block_size * o->block_size);
+}
+
 static int setup_prefix(ds_engine *e, ds_err *err) {
     const ds_engine_opts *o = &e->opts;
     char path[4096];
@@ -342,14 +349,14 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
                          (int)n_ckpt,
                          seed,
                          o->prefix_test_hash_bits,
-                         e->on_device};
+                         e->on_device,
+                         e->chunk_tokens};
     if (ds_prefix_create(&po, ds_model_slot_floats(e->model), e->pages, &e->kv, e->offload,
                          &e->prefix, err))
         return DS_ERR;
     ds_sched_set_prefix(e->sched, e->prefix);
     if (e->dist) ds_prefix_set_agree(e->prefix, agree_min, e);
-    int rung =
-        DS_MAX(o->block_size, o->state_checkpoint_interval_tokens / o->block_size * o->block_size);
+    int rung = ds_prefix_rung_interval(e->prefix);
     if (e->head)
         fprintf(
             stderr,
@@ -493,9 +500,12 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
     e->chat_format = (int)fmt;
     e->V = ds_model_config(e->model)->vocab_size;
     if (size_pools(e, err)) goto fail;
-    /* Prompt chunks of at most 512 tokens, cut at fixed positions (see scheduler.h). */
+    /* Prompt chunks cut at fixed positions (see scheduler.h): multiples of the checkpoint
+     * interval (snapped to a page), capped by the step budget. The cuts are the same with prefix
+     * caching on or off, so turning it on changes no request's numbers. */
+    e->chunk_tokens = DS_MIN(opts->max_num_batched_tokens, chunk_of(opts));
     ds_sched_opts so = {opts->block_size, opts->max_num_seqs, opts->max_num_batched_tokens,
-                        DS_MIN(512, opts->max_num_batched_tokens)};
+                        e->chunk_tokens};
     if (ds_sched_create(&so, e->pages, e->slots, &e->sched, err)) goto fail;
     if (opts->enable_prefix_caching && setup_prefix(e, err)) goto fail;
     if (opts->speculative_method != DS_SPEC_NONE && setup_spec(e, err)) goto fail;
@@ -1694,6 +1704,7 @@ static void *engine_main(void *arg) {
         inflight *f = &e->fl[e->micro % (uint64_t)e->n_fl];
         complete(e, f);
         retry_deferred_aborts(e);
+        if (e->head && e->opts.test_step_hook) e->opts.test_step_hook(e->opts.test_step_ctx, e->micro);
         if (take_inbox(e)) break;
         update_queue_stats(e);
         launch(e, f, (int)(e->micro % (uint64_t)e->n_fl));

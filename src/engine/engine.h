@@ -38,6 +38,12 @@ typedef struct ds_engine_opts {
     /* tests only: when set, drafts come from this function instead of the method */
     int (*spec_test_drafts)(void *ctx, const int32_t *tokens, int n_tokens, int k, int32_t *drafts);
     void *spec_test_ctx;
+    /* tests only (tests/cachefuzz): called on the head's engine thread at the top of every
+     * step-loop iteration, before new requests and aborts are taken in, with the number of steps
+     * launched so far. It may call ds_engine_submit and ds_engine_abort, so a workload whose
+     * arrivals and aborts are keyed to steps runs the same interleaving every time. */
+    void (*test_step_hook)(void *ctx, uint64_t steps);
+    void *test_step_ctx;
     /* prefix caching (cache/prefix.h) */
     int enable_prefix_caching;            /* default 1 */
     int state_checkpoint_interval_tokens; /* rung spacing, snapped to block_size (default 256) */

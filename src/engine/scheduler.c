@@ -264,17 +264,21 @@ typedef struct plan {
     int budget; /* tokens left in this step */
 } plan;
 
-/* End of q's next item: cut at the next absolute multiple of chunk_tokens, at q's next rung
- * (where a checkpoint is filed), or at n_tokens. Every cut is a function of q alone. */
+/* End of q's next item. A sequence's cuts are its own: the absolute multiples of chunk_tokens,
+ * the end of its prompt, and n_tokens. They depend on nothing else — not on its neighbours, not
+ * on whether prefix caching is on or what the cache holds — so a request computes every row the
+ * same way whatever happens around it (docs/prefix-cache.md, "The numeric contract"). The prefix
+ * cache only ever files checkpoints at these cuts; it adds none. */
+int ds_seq_next_cut(const ds_seq *q, int chunk_tokens, int block_size) {
+    int p = q->n_computed;
+    int cut = (p / chunk_tokens + 1) * chunk_tokens;
+    (void)block_size;
+    if (q->n_prompt > p) cut = DS_MIN(cut, q->n_prompt);
+    return DS_MIN(q->n_tokens, cut);
+}
+
 static int item_end(const ds_scheduler *s, const ds_seq *q) {
-    int ct = s->o.chunk_tokens;
-    int next_cut = (q->n_computed / ct + 1) * ct;
-    for (int i = 0; i < q->n_rungs; i++)
-        if (q->rungs[i] > q->n_computed) {
-            next_cut = DS_MIN(next_cut, q->rungs[i]);
-            break;
-        }
-    return DS_MIN(q->n_tokens, next_cut);
+    return ds_seq_next_cut(q, s->o.chunk_tokens, s->o.block_size);
 }
 
 static void emit(plan *pl, ds_seq *q, int end) {

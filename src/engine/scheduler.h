@@ -9,11 +9,12 @@
  *  - Then prompts (running sequences still in prefill, then waiting ones in arrival order) get
  *    chunks while the step's token budget, max_num_seqs and the pools allow. A waiting sequence is
  *    admitted only if a slot and the pages for its first chunk are free.
- *  - Prompt chunks are cut only at absolute multiples of chunk_tokens and at the sequence's own
- *    checkpoint rungs (a sequence's prompt is always split at the same positions whatever else is
- *    in the batch, so its numerics — and its greedy output — do not depend on its neighbours; a
- *    step that ends on a rung leaves the slot holding exactly the state a checkpoint needs). A
- *    chunk that does not fit the remaining budget waits for the next step; a lone chunk larger
+ *  - Prompt chunks are cut only at absolute multiples of chunk_tokens and at the prompt's end (a
+ *    preempted sequence's recompute cuts there too). A sequence's prompt is always split at the
+ *    same positions whatever else is in the batch and whatever the prefix cache holds, so its
+ *    numerics — and its greedy output — depend on neither. Checkpoint rungs are a subset of these
+ *    cuts, so a step that ends on a rung leaves the slot holding exactly the state a checkpoint
+ *    needs. A chunk that does not fit the remaining budget waits for the next step; a lone chunk larger
  *    than the whole budget is impossible because chunk_tokens <= max_num_batched_tokens.
  *  - FCFS admission: a waiting sequence is never overtaken by a younger one (no starvation).
  *  - With a prefix cache, admission first resumes the sequence from the deepest cached prefix
@@ -65,6 +66,8 @@ struct ds_seq {
     void *owner;   /* the engine's per-request data */
 };
 
+/* The end of q's next step from n_computed: the cut rule of the numeric contract (scheduler.c). */
+int ds_seq_next_cut(const ds_seq *q, int chunk_tokens, int block_size);
 /* Creates a sequence holding a copy of the prompt. */
 ds_seq *ds_seq_new(int64_t id, const int32_t *prompt, int n_prompt, int max_len, ds_err *err);
 int ds_seq_append(ds_seq *s, int32_t token, ds_err *err);

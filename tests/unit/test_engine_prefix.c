@@ -124,7 +124,7 @@ static void pw_init(px_world *w, int hash_bits, int n_ckpt) {
     w->kv.n_pages = PW_PAGES;
     w->kv.block_size = PW_BS;
     w->kv.row = PW_ROW;
-    ds_prefix_opts o = {PW_BS, 8, n_ckpt, 42, hash_bits, g_dev};
+    ds_prefix_opts o = {PW_BS, 8, n_ckpt, 42, hash_bits, g_dev, PW_BS};
     if (ds_prefix_create(&o, PW_SLOT, w->pages, &w->kv, g_off, &w->px, &err))
         fail_msg("%s", err.msg);
 }
@@ -415,15 +415,19 @@ typedef struct warm_case {
  * give the cold engine's tokens. */
 static void test_warm_equals_cold(void **st) {
     (void)st;
-    /* chunk 64, page 16, rungs every 48 and at prompt ends */
+    /* page 16, prompts cut every 48 tokens (the rung interval; the step budget is 64) and at
+     * their ends; only blocks of whole 48-token steps are filed, and a repeat resumes at the
+     * deepest rung short of its last token (docs/prefix-cache.md) */
     const warm_case cases[] = {
-        {33, 1, 32}, /* ends on a page (the prompt's own end rung), first item is one token */
-        {40, 2, 32}, /* ends on a page, then a fork followed by a prefill of 8 and decode */
-        {65, 3, 64}, /* ends on a chunk boundary */
-        {60, 4, 48}, /* ends on an interval rung */
-        {10, 5, 0},  /* shorter than a page: nothing to share, still correct */
-        {16, 6, 0},  /* exactly one page: the last token must run, so no hit */
-        {17, 7, 16}, /* one page and one token */
+        {33, 1, 0},  /* shorter than one step: nothing filed */
+        {48, 8, 0},  /* one whole step, but the last token must run: its rung at 48 is too deep */
+        {49, 9, 48}, /* one step and one token: the fork is the whole prefill */
+        {65, 3, 48}, /* a step and a partial one: the partial one's rows are never filed */
+        {60, 4, 48},
+        {96, 10, 48}, /* two whole steps: the rung at 96 is one token too deep */
+        {97, 11, 96},
+        {10, 5, 0},  /* shorter than a page */
+        {17, 7, 0},
     };
     enum { GEN = 24 };
     ds_engine_opts o;
@@ -489,7 +493,7 @@ static int fork_oracle_drafts(void *ctx, const int32_t *t, int len, int k, int32
  * (each count rolls the forked KDA state back to a different row). */
 static void test_fork_on_verify(void **st) {
     (void)st;
-    enum { NP = 65, GEN = 24, K = 4 };
+    enum { NP = 49, GEN = 24, K = 4 }; /* a repeat resumes at the rung at 48: one token short */
     int32_t p[NP], ref[GEN], out[GEN];
     for (int i = 0; i < NP; i++) p[i] = (int32_t)(11 + 13 * (i % 7)); /* n-gram drafts exist */
     ds_engine_opts o;
@@ -508,7 +512,7 @@ static void test_fork_on_verify(void **st) {
             o.spec_test_ctx = &orc;
         }
         ds_engine *e = h_start(&o);
-        h_run(e, p, NP, GEN, out); /* cold: files the checkpoint at 64 */
+        h_run(e, p, NP, GEN, out); /* cold: files the checkpoint at 48 */
         assert_memory_equal(out, ref, sizeof ref);
         for (int good = 0; good <= (method ? K : 0); good++) {
             orc.good = good;
@@ -587,16 +591,18 @@ static void run_pressure(int hash_bits) {
         if (n[i] > 64) h_prompt(p[i] + 64, n[i] - 64, 400 + (uint64_t)i);
     }
     int32_t(*ref)[GEN] = calloc(N, sizeof *ref);
-    size_t mem = 600u << 10; /* ~40 pages */
+    size_t mem = 360u << 10; /* a few pages beyond what four running sequences need */
     ds_engine_opts o;
     h_opts(&o, 0, mem);
     o.max_num_seqs = 4;
+    o.state_checkpoint_interval_tokens = 16; /* prompts cut (and rungs) every page */
     ds_engine *cold = h_start(&o);
     for (int i = 0; i < N; i++) h_run(cold, p[i], n[i], GEN, ref[i]);
     h_stop(cold);
 
     h_opts(&o, 1, mem);
     o.max_num_seqs = 4;
+    o.state_checkpoint_interval_tokens = 16;
     o.prefix_test_hash_bits = hash_bits;
     o.state_checkpoint_memory = 4 * h_slot_bytes(); /* four checkpoint slots */
     ds_engine *warm = h_start(&o);

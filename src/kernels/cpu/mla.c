@@ -6,9 +6,15 @@
  * unnormalised output O per query, so every key row is loaded once per group. In the absorbed form
  * every head of every token reads the same latent rows [c | kR], so a group is consecutive
  * (token, head) pairs and the value is c itself; in the expanded form keys and values are per
- * head, so a group is consecutive tokens of one head. When there are fewer groups than threads
- * (decode), the keys are also cut into ranges whose partial (m, l, O) are merged at the end
- * (flash-decoding), so that one token's attention over a long cache still uses every core. */
+ * head, so a group is consecutive tokens of one head. Long contexts also cut the keys into
+ * ranges whose partial (m, l, O) are merged at the end (flash-decoding), so that one token's
+ * attention over a long cache still uses every core.
+ *
+ * Determinism (docs/prefix-cache.md): in the absorbed form a group holds heads of one token only,
+ * and its key ranges and tiles lie at absolute positions that depend on that token's position
+ * alone, so a row's result is the same bits whether it runs alone (decode), as one row of a
+ * verify, or inside a short prompt segment. The expanded form (prompt segments) cuts its ranges
+ * from the segment's shape; neither depends on the number of threads. */
 #include "kernels/cpu/kernels.h"
 
 #include <math.h>
@@ -78,8 +84,12 @@ static int mla_groups_per_head(const mla_problem *pb) {
     return (pb->T + MLA_QB - 1) / MLA_QB;
 }
 
+/* Absorbed form: groups of one token's heads. */
+static int mla_head_groups(const mla_problem *pb) {
+    return (pb->Ha + MLA_QB - 1) / MLA_QB;
+}
 static int mla_num_groups(const mla_problem *pb) {
-    if (pb->lat) return (pb->T * pb->Ha + MLA_QB - 1) / MLA_QB;
+    if (pb->lat) return pb->T * mla_head_groups(pb);
     return pb->Ha * mla_groups_per_head(pb);
 }
 
@@ -87,8 +97,8 @@ static int mla_num_groups(const mla_problem *pb) {
 static int mla_group(const mla_problem *pb, int g, int *th, int *head) {
     int n = 0;
     if (pb->lat) {
-        int first = g * MLA_QB, last = DS_MIN(first + MLA_QB, pb->T * pb->Ha);
-        for (int x = first; x < last; x++) th[n++] = x;
+        int hg = mla_head_groups(pb), t = g / hg, h0 = (g % hg) * MLA_QB;
+        for (int h = h0; h < DS_MIN(h0 + MLA_QB, pb->Ha); h++) th[n++] = t * pb->Ha + h;
         *head = -1;
     } else {
         int gph = mla_groups_per_head(pb), h = g / gph, t0 = (g % gph) * MLA_QB;

@@ -1,0 +1,743 @@
+/* cache_fuzz.c — randomized differential testing of the prefix cache and the offload tiers
+ * (issue 30; docs/prefix-cache.md states the contract it checks).
+ *
+ * Each seed draws an engine configuration (block size, step budget, rung spacing, tiny page,
+ * checkpoint and RAM pools, which offload tiers, a forced short hash, speculation) and a workload
+ * (requests sharing prefixes of random lengths around page, chunk and rung boundaries, exact
+ * repeats, extensions, multi-turn follow-ups built from an earlier answer, greedy and seeded
+ * sampled requests, n = 2, logprobs, aborts), runs the workload on an engine with prefix caching
+ * and then every request again, alone, on a cold engine (no prefix cache, no tier, ample pools),
+ * and compares each choice token for token and its logprobs bit for bit.
+ *
+ * Arrivals and aborts are keyed to engine steps through the engine's test step hook, so a seed
+ * replays the same interleaving every time: a failing seed is a reproducible case, saved as a
+ * one-line file of arguments (--save-dir) and replayed with --case FILE.
+ *
+ * Pools are sized so that nothing is preempted (a preempted sequence recomputes its generated
+ * tokens as a prompt, which the contract does not make bit-exact; the run fails if one happens).
+ *
+ * Usage: cache_fuzz [--model DIR] [--seeds N] [--seed0 S] [--redis redis://h:p] [-tp T] [-pp P]
+ *                   [--device cpu|cuda] [--batch-invariant] [--save-dir DIR] [--case FILE]
+ *                   [--work-dir DIR] [--verbose]
+ * Exit status 0 when every seed agreed and the run exercised hits, tier loads and evictions. */
+#include "dist/comm.h"
+#include "dist/launch.h"
+#include "dist/pipeline.h"
+#include "engine/engine.h"
+#include "model/init_model.h"
+#include "model/model.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#define MAX_REQS  24
+#define MAX_GEN   24
+#define MAX_N     2
+#define MAX_TOP   3
+#define MAX_PLEN  300
+#define MODEL_LEN 384
+#define VOCAB_USE 700 /* prompt ids below the tiny models' special tokens */
+
+/* ---- the run's options ------------------------------------------------------------------------ */
+
+typedef struct fz_opts {
+    const char *model;
+    int seeds;
+    uint64_t seed0;
+    const char *redis;
+    int tp, pp;
+    int device, batch_invariant;
+    const char *save_dir, *work_dir;
+    int verbose;
+    int counts[DS_MAX_LAYERS];
+} fz_opts;
+
+/* ---- a seed's configuration and workload ------------------------------------------------------ */
+
+typedef struct fz_cfg {
+    int block_size, max_batched, max_seqs, interval, ckpt_slots, extra_pages;
+    int ram, disk, remote; /* tiers */
+    size_t ram_pages;      /* RAM tier budget in pages */
+    size_t disk_pages;     /* disk tier budget in pages (0: unlimited) */
+    int hash_bits;
+    int spec, k;
+} fz_cfg;
+
+typedef struct fz_out {
+    int32_t tok[MAX_GEN];
+    uint32_t lp[MAX_GEN]; /* logprob bits */
+    int32_t top_id[MAX_GEN][MAX_TOP];
+    uint32_t top_lp[MAX_GEN][MAX_TOP];
+    int n_top[MAX_GEN];
+    int n;
+    ds_finish finish;
+} fz_out;
+
+typedef struct fz_req {
+    int32_t prompt[MAX_PLEN + MAX_GEN + 32];
+    int n_prompt;
+    int base;     /* multi-turn: the request whose prompt and answer open this one; -1 none */
+    int32_t extra[32];
+    int n_extra;  /* multi-turn: tokens after the earlier answer */
+    int at;       /* steps after the previous arrival (0: the same step) */
+    int abort_in; /* steps after submission to abort it; -1 never */
+    ds_request_params p;
+    /* run state */
+    int64_t id;
+    int submitted, done, aborted_sent;
+    uint64_t submit_step;
+    fz_out out[MAX_N];
+    int n_done;
+} fz_req;
+
+typedef struct fz_work {
+    fz_cfg cfg;
+    fz_req r[MAX_REQS];
+    int n;
+    /* driving */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    ds_engine *e;
+    int next;          /* next request to submit */
+    int outstanding;   /* submitted, not done */
+    uint64_t last_arr; /* step of the last arrival */
+    int alone;         /* the cold run: one request at a time */
+    int finished_all;
+    fz_req *cur;       /* alone: the request running */
+} fz_work;
+
+static uint64_t rnd(uint64_t *s) { /* splitmix64 */
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static int rint_(uint64_t *s, int lo, int hi) { /* [lo, hi] */
+    return lo + (int)(rnd(s) % (uint64_t)(hi - lo + 1));
+}
+static int chance(uint64_t *s, int pct) {
+    return (int)(rnd(s) % 100) < pct;
+}
+
+static void draw_cfg(uint64_t *s, const fz_opts *fo, int have_draft, fz_cfg *c) {
+    memset(c, 0, sizeof *c);
+    static const int bss[] = {8, 16};
+    c->block_size = bss[rint_(s, 0, 1)];
+    static const int mbs[] = {16, 24, 32, 48, 64, 96};
+    c->max_batched = mbs[rint_(s, 0, 5)];
+    if (c->max_batched < c->block_size) c->max_batched = c->block_size;
+    c->max_seqs = rint_(s, 2, 4);
+    static const int ivs[] = {8, 16, 32, 48, 64, 96, 128};
+    c->interval = ivs[rint_(s, 0, 6)];
+    c->ckpt_slots = rint_(s, 1, 5);
+    c->extra_pages = rint_(s, 0, 24);
+    int t = rint_(s, 0, 9);
+    c->ram = t >= 2 && t != 4 && t != 5;
+    c->disk = t == 4 || t == 5 || t >= 7;
+    c->remote = fo->redis && (t == 5 || t == 9);
+    c->ram_pages = (size_t)rint_(s, 2, 48);
+    c->disk_pages = chance(s, 50) ? 0 : (size_t)rint_(s, 8, 64);
+    c->hash_bits = chance(s, 25) ? rint_(s, 2, 8) : 0;
+    int sp = rint_(s, 0, 9);
+    c->spec = sp < 6 ? DS_SPEC_NONE : sp < 8 || !have_draft ? DS_SPEC_NGRAM : DS_SPEC_DSPARK;
+    c->k = rint_(s, 2, 4);
+    if (getenv("CF_DEBUG_NOTIERS")) c->ram = c->disk = c->remote = 0;
+    if (getenv("CF_DEBUG_RAMONLY")) c->disk = c->remote = 0, c->ram = 1;
+    if (getenv("CF_DEBUG_NOSPEC")) c->spec = 0;
+}
+
+/* A prefix length near a boundary the cache cares about. */
+static int near_boundary(uint64_t *s, const fz_cfg *c, int max) {
+    int chunk = DS_MIN(c->max_batched, DS_MAX(c->block_size, c->interval / c->block_size *
+                                                                c->block_size));
+    int units[3] = {c->block_size, chunk, c->interval};
+    int u = units[rint_(s, 0, 2)];
+    int m = rint_(s, 1, DS_MAX(1, max / u));
+    int L = m * u + rint_(s, -2, 2);
+    return DS_MAX(1, DS_MIN(max, L));
+}
+
+static void rand_tokens(uint64_t *s, int32_t *t, int n) {
+    for (int i = 0; i < n; i++) t[i] = (int32_t)(rnd(s) % VOCAB_USE);
+}
+
+static void draw_work(uint64_t *s, fz_work *w) {
+    int32_t fam[3][MAX_PLEN];
+    int n_fam = rint_(s, 1, 3);
+    for (int f = 0; f < n_fam; f++) rand_tokens(s, fam[f], MAX_PLEN);
+    w->n = rint_(s, 6, MAX_REQS);
+    for (int i = 0; i < w->n; i++) {
+        fz_req *q = &w->r[i];
+        memset(q, 0, sizeof *q);
+        q->base = -1;
+        ds_request_params_default(&q->p);
+        int kind = rint_(s, 0, 9);
+        int prev = i ? rint_(s, 0, i - 1) : -1;
+        if (prev >= 0 && kind == 0 && w->r[prev].base < 0) { /* an exact repeat */
+            q->n_prompt = w->r[prev].n_prompt;
+            memcpy(q->prompt, w->r[prev].prompt, (size_t)q->n_prompt * 4);
+        } else if (prev >= 0 && kind == 1 && w->r[prev].base < 0 &&
+                   w->r[prev].n_prompt < MAX_PLEN - 40) { /* an extension */
+            q->n_prompt = w->r[prev].n_prompt;
+            memcpy(q->prompt, w->r[prev].prompt, (size_t)q->n_prompt * 4);
+            int add = rint_(s, 1, 40);
+            rand_tokens(s, q->prompt + q->n_prompt, add);
+            q->n_prompt += add;
+        } else if (prev >= 0 && kind == 2 && w->r[prev].base < 0 && w->r[prev].p.n == 1 &&
+                   w->r[prev].n_prompt < MAX_PLEN - 40) { /* multi-turn: after prev's answer */
+            q->base = prev;
+            q->n_extra = rint_(s, 1, 24);
+            rand_tokens(s, q->extra, q->n_extra);
+        } else { /* a family prefix and a fresh tail */
+            int L = near_boundary(s, &w->cfg, MAX_PLEN - 40);
+            memcpy(q->prompt, fam[rint_(s, 0, n_fam - 1)], (size_t)L * 4);
+            int add = rint_(s, 0, 30);
+            rand_tokens(s, q->prompt + L, add);
+            q->n_prompt = L + add;
+        }
+        q->p.max_tokens = rint_(s, 1, MAX_GEN);
+        q->p.ignore_eos = 1;
+        if (chance(s, 70)) {
+            q->p.temperature = 0.0f;
+        } else {
+            q->p.temperature = 0.6f + 0.1f * (float)rint_(s, 0, 6);
+            q->p.top_p = chance(s, 50) ? 0.9f : 1.0f;
+            q->p.has_seed = 1;
+            q->p.seed = rnd(s);
+        }
+        int lp = rint_(s, 0, 2);
+        q->p.logprobs = lp == 0 ? -1 : lp == 1 ? 0 : MAX_TOP;
+        q->p.n = chance(s, 10) ? 2 : 1;
+        q->at = chance(s, 40) ? 0 : rint_(s, 1, 8);
+        q->abort_in = chance(s, 12) ? rint_(s, 0, 15) : -1;
+    }
+}
+
+/* ---- driving an engine ------------------------------------------------------------------------ */
+
+static void on_event(void *user, const ds_token_event *ev) {
+    fz_req *q = user;
+    fz_out *o = &q->out[ev->index];
+    if (ev->token >= 0 && o->n < MAX_GEN) {
+        int i = o->n++;
+        o->tok[i] = ev->token;
+        memcpy(&o->lp[i], &ev->logprob, 4);
+        o->n_top[i] = DS_MIN(ev->n_top, MAX_TOP);
+        for (int j = 0; j < o->n_top[i]; j++) {
+            o->top_id[i][j] = ev->top_ids[j];
+            memcpy(&o->top_lp[i][j], &ev->top_logprobs[j], 4);
+        }
+    }
+    if (ev->finish != DS_FINISH_NONE) {
+        o->finish = ev->finish;
+        if (++q->n_done == q->p.n) q->done = 1;
+    }
+}
+
+/* The prompt of a multi-turn request, from its base's prompt and first answer. */
+static void build_prompt(fz_work *w, fz_req *q) {
+    if (q->base < 0) return;
+    const fz_req *b = &w->r[q->base];
+    q->n_prompt = 0;
+    memcpy(q->prompt, b->prompt, (size_t)b->n_prompt * 4);
+    q->n_prompt = b->n_prompt;
+    memcpy(q->prompt + q->n_prompt, b->out[0].tok, (size_t)b->out[0].n * 4);
+    q->n_prompt += b->out[0].n;
+    memcpy(q->prompt + q->n_prompt, q->extra, (size_t)q->n_extra * 4);
+    q->n_prompt += q->n_extra;
+}
+
+static void submit(fz_work *w, fz_req *q, uint64_t step) {
+    for (int c = 0; c < MAX_N; c++) memset(&q->out[c], 0, sizeof q->out[c]);
+    q->n_done = q->done = q->aborted_sent = 0;
+    ds_request_spec spec = {q->prompt, q->n_prompt, q->p, on_event, q};
+    int why;
+    ds_err err = {{0}};
+    q->id = ds_engine_submit(w->e, &spec, &why, &err);
+    if (q->id < 0) {
+        fprintf(stdout, "cache_fuzz: submit failed: %s\n", err.msg);
+        exit(3); /* a tester bug: the workload is always valid */
+    }
+    q->submitted = 1;
+    q->submit_step = step;
+    w->outstanding++;
+}
+
+/* The step hook: arrivals keyed to steps, aborts, and multi-turn follow-ups once their base is
+ * done. An idle engine gets the next arrival at once (time skips ahead). */
+static void hook(void *ctx, uint64_t step) {
+    fz_work *w = ctx;
+    for (int i = 0; i < w->n; i++) { /* completions seen since the last step */
+        fz_req *q = &w->r[i];
+        if (q->submitted && q->done && q->submitted != 2) {
+            q->submitted = 2;
+            w->outstanding--;
+        }
+    }
+    if (w->alone) {
+        if (w->outstanding == 0) {
+            if (w->next < w->n) submit(w, &w->r[w->next++], step);
+        }
+    } else {
+        for (int i = 0; i < w->n; i++) {
+            fz_req *q = &w->r[i];
+            if (q->submitted == 1 && !q->done && q->abort_in >= 0 && !q->aborted_sent &&
+                step >= q->submit_step + (uint64_t)q->abort_in) {
+                ds_engine_abort(w->e, q->id);
+                q->aborted_sent = 1;
+            }
+        }
+        while (w->next < w->n) {
+            fz_req *q = &w->r[w->next];
+            if (q->base >= 0 && !w->r[q->base].done) {
+                if (w->outstanding > 0) break; /* waits for its base's answer */
+            }
+            if (w->outstanding > 0 && step < w->last_arr + (uint64_t)q->at) break;
+            build_prompt(w, q);
+            submit(w, q, step);
+            w->last_arr = step;
+            w->next++;
+        }
+    }
+    if (w->next >= w->n && w->outstanding == 0) {
+        pthread_mutex_lock(&w->mu);
+        w->finished_all = 1;
+        pthread_cond_broadcast(&w->cv);
+        pthread_mutex_unlock(&w->mu);
+    }
+}
+
+typedef struct fz_counts {
+    uint64_t requests, compared, aborted, hit_tokens, query_tokens, forks, ckpt_evicted,
+        pages_evicted, loads_ram, loads_disk, loads_remote, stores, collisions, preemptions,
+        verifies, tokens;
+} fz_counts;
+
+static void engine_opts(const fz_opts *fo, const fz_cfg *c, int cached, ds_comm *comm,
+                        const char *disk_dir, size_t slot_bytes, size_t page_bytes,
+                        ds_engine_opts *o) {
+    ds_engine_opts_default(o);
+    o->model_dir = fo->model;
+    o->device = fo->device;
+    o->batch_invariant = fo->batch_invariant;
+    o->block_size = c->block_size;
+    o->max_num_batched_tokens = c->max_batched;
+    o->max_model_len = MODEL_LEN;
+    o->comm = comm;
+    o->pp_layer_counts = comm && comm->size > 1 ? fo->counts : NULL;
+    o->speculative_method = c->spec;
+    o->num_speculative_tokens = c->k;
+    o->seed = 12345;
+    /* the prompt cut spacing comes from it: the same for the cold run */
+    o->state_checkpoint_interval_tokens = c->interval;
+    if (!cached) { /* the cold reference: one request at a time, room for everything */
+        o->max_num_seqs = 2;
+        o->enable_prefix_caching = 0;
+        o->kv_cache_memory = 2 * slot_bytes + (size_t)(2 * MODEL_LEN / c->block_size + 8) *
+                                                  page_bytes;
+        return;
+    }
+    o->max_num_seqs = c->max_seqs;
+    /* never preempt: every running sequence can reach MODEL_LEN; the rest are idle cached pages
+     * the cache must evict */
+    size_t pages = (size_t)c->max_seqs * (MODEL_LEN / c->block_size + 1) + (size_t)c->extra_pages;
+    o->kv_cache_memory = (size_t)c->max_seqs * slot_bytes + pages * page_bytes;
+    o->enable_prefix_caching = !getenv("CF_DEBUG_NOCACHE");
+    o->state_checkpoint_memory = (size_t)c->ckpt_slots * slot_bytes;
+    o->prefix_test_hash_bits = c->hash_bits;
+    if (c->ram) o->kv_offload_ram_bytes = c->ram_pages * (page_bytes + 4096) + slot_bytes;
+    if (c->disk) {
+        o->kv_offload_disk_dir = disk_dir;
+        o->kv_offload_disk_bytes = c->disk_pages * (page_bytes + 4096);
+    }
+    if (c->remote) o->kv_offload_remote = fo->redis;
+}
+
+/* Runs the workload on one engine (every rank calls this; the head drives). */
+static int run_engine(const ds_engine_opts *o, fz_work *w, int head, int alone, fz_counts *ct,
+                      ds_err *err) {
+    ds_engine_opts oo = *o;
+    w->next = 0;
+    w->outstanding = 0;
+    w->last_arr = 0;
+    w->alone = alone;
+    w->finished_all = 0;
+    if (head) {
+        oo.test_step_hook = hook;
+        oo.test_step_ctx = w;
+    }
+    if (ds_engine_create(&oo, &w->e, err)) return DS_ERR;
+    if (ds_engine_start(w->e, err)) {
+        ds_engine_free(w->e);
+        return DS_ERR;
+    }
+    if (head) {
+        /* the loop's first iteration calls the hook before it waits for work */
+        pthread_mutex_lock(&w->mu);
+        while (!w->finished_all) pthread_cond_wait(&w->cv, &w->mu);
+        pthread_mutex_unlock(&w->mu);
+        ds_engine_stats s;
+        ds_engine_get_stats(w->e, &s);
+        if (ct) {
+            ct->hit_tokens += s.prefix_hit_tokens;
+            ct->query_tokens += s.prefix_query_tokens;
+            ct->forks += s.forks;
+            ct->ckpt_evicted += s.ckpt_evicted;
+            ct->pages_evicted += s.prefix_pages_evicted;
+            ct->loads_ram += s.offload_loads_ram;
+            ct->loads_disk += s.offload_loads_disk;
+            ct->loads_remote += s.offload_loads_remote;
+            ct->stores += s.offload_stores;
+            ct->collisions += s.prefix_collisions;
+            ct->preemptions += s.preemptions_total;
+            ct->verifies += s.spec_verifies;
+        }
+        ds_engine_stop(w->e, 5.0);
+    } else {
+        ds_engine_join(w->e);
+    }
+    ds_engine_free(w->e);
+    w->e = NULL;
+    return DS_OK;
+}
+
+static int same_out(const fz_out *a, const fz_out *ref, int aborted, int lp, char *why,
+                    size_t cap) {
+    if (aborted ? a->n > ref->n : a->n != ref->n) {
+        snprintf(why, cap, "%d tokens, the cold run %d", a->n, ref->n);
+        return 0;
+    }
+    for (int i = 0; i < a->n; i++) {
+        if (a->tok[i] != ref->tok[i]) {
+            snprintf(why, cap, "token %d: %d, the cold run %d", i, a->tok[i], ref->tok[i]);
+            return 0;
+        }
+        if (lp && a->lp[i] != ref->lp[i]) {
+            float x, y;
+            memcpy(&x, &a->lp[i], 4);
+            memcpy(&y, &ref->lp[i], 4);
+            snprintf(why, cap, "logprob of token %d: %.9g, the cold run %.9g (diff %.3g)", i, x, y,
+                     (double)(x - y));
+            return 0;
+        }
+        if (lp && (a->n_top[i] != ref->n_top[i] ||
+                   memcmp(a->top_id[i], ref->top_id[i], (size_t)a->n_top[i] * 4) ||
+                   memcmp(a->top_lp[i], ref->top_lp[i], (size_t)a->n_top[i] * 4))) {
+            snprintf(why, cap, "top logprobs of token %d differ", i);
+            return 0;
+        }
+    }
+    if (!aborted && a->finish != ref->finish) {
+        snprintf(why, cap, "finish %s, the cold run %s", ds_finish_name(a->finish),
+                 ds_finish_name(ref->finish));
+        return 0;
+    }
+    return 1;
+}
+
+static void describe_cfg(const fz_cfg *c, char *b, size_t cap) {
+    snprintf(b, cap,
+             "block %d, step budget %d, seqs %d, rungs every %d, %d checkpoint slots, +%d pages, "
+             "tiers%s%s%s%s (ram %zu pages, disk %zu pages), hash bits %d, spec %s k %d",
+             c->block_size, c->max_batched, c->max_seqs, c->interval, c->ckpt_slots,
+             c->extra_pages, c->ram ? " ram" : "", c->disk ? " disk" : "",
+             c->remote ? " redis" : "", !c->ram && !c->disk && !c->remote ? " none" : "",
+             c->ram_pages, c->disk_pages, c->hash_bits,
+             c->spec == DS_SPEC_NONE ? "none" : c->spec == DS_SPEC_NGRAM ? "ngram" : "dspark",
+             c->k);
+}
+
+static void rm_tree(const char *dir) {
+    char cmd[4200];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0) { /* leftovers in a temporary folder */
+    }
+}
+
+/* One seed on every rank; the head compares. Returns 1 when it agreed, 0 on a mismatch. */
+static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_draft,
+                    size_t slot_bytes, size_t page_bytes, fz_counts *ct, ds_err *err) {
+    int head = !comm || comm->rank == 0;
+    static fz_work w; /* large: not on the stack */
+    memset(&w.cfg, 0, sizeof w.cfg);
+    pthread_mutex_init(&w.mu, NULL);
+    pthread_cond_init(&w.cv, NULL);
+    uint64_t s = seed * 0x9e3779b97f4a7c15ull + 1;
+    draw_cfg(&s, fo, have_draft, &w.cfg);
+    draw_work(&s, &w);
+    char disk[4096];
+    snprintf(disk, sizeof disk, "%s/seed-%llu", fo->work_dir, (unsigned long long)seed);
+    ds_engine_opts o;
+    engine_opts(fo, &w.cfg, 1, comm, disk, slot_bytes, page_bytes, &o);
+    if (run_engine(&o, &w, head, 0, ct, err)) return -1;
+    /* the cold reference, every request alone (aborted ones too: what they emitted must be a
+     * prefix of what they would have) */
+    static fz_work ref;
+    ref = w;
+    pthread_mutex_init(&ref.mu, NULL);
+    pthread_cond_init(&ref.cv, NULL);
+    for (int i = 0; i < ref.n; i++) {
+        ref.r[i].base = -1; /* prompts as the cached run built them */
+        ref.r[i].submitted = 0;
+        ref.r[i].aborted_sent = 0;
+    }
+    engine_opts(fo, &w.cfg, 0, comm, disk, slot_bytes, page_bytes, &o);
+    if (run_engine(&o, &ref, head, 1, NULL, err)) return -1;
+    if (head) rm_tree(disk);
+    if (!head) return 1;
+    int ok = 1;
+    for (int i = 0; i < w.n; i++) {
+        fz_req *q = &w.r[i];
+        ct->requests++;
+        for (int c = 0; c < q->p.n; c++) {
+            int aborted = q->out[c].finish == DS_FINISH_ABORT;
+            ct->aborted += aborted;
+            ct->compared++;
+            ct->tokens += (uint64_t)q->out[c].n;
+            char why[256];
+            if (!same_out(&q->out[c], &ref.r[i].out[c], aborted, q->p.logprobs >= 0, why,
+                          sizeof why)) {
+                char cfg[512];
+                describe_cfg(&w.cfg, cfg, sizeof cfg);
+                printf("MISMATCH seed %llu request %d (prompt %d tokens%s, %s, n %d) choice %d: "
+                       "%s\n  config: %s\n",
+                       (unsigned long long)seed, i, q->n_prompt,
+                       q->base >= 0 ? ", multi-turn" : "",
+                       q->p.temperature == 0.0f ? "greedy" : "sampled", q->p.n, c, why, cfg);
+                ok = 0;
+            }
+        }
+    }
+    return ok;
+}
+
+static int parse_args(int argc, char **argv, fz_opts *fo, const char **case_file) {
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--verbose")) {
+            fo->verbose = 1;
+            continue;
+        }
+        if (!strcmp(a, "--batch-invariant")) {
+            fo->batch_invariant = 1;
+            continue;
+        }
+        if (!v) {
+            fprintf(stderr, "cache_fuzz: %s needs a value (or is unknown)\n", a);
+            return -1;
+        }
+        i++;
+        if (!strcmp(a, "--model"))
+            fo->model = v;
+        else if (!strcmp(a, "--seeds"))
+            fo->seeds = atoi(v);
+        else if (!strcmp(a, "--seed0"))
+            fo->seed0 = strtoull(v, NULL, 10);
+        else if (!strcmp(a, "--redis"))
+            fo->redis = v;
+        else if (!strcmp(a, "-tp"))
+            fo->tp = atoi(v);
+        else if (!strcmp(a, "-pp"))
+            fo->pp = atoi(v);
+        else if (!strcmp(a, "--device"))
+            fo->device = !strcmp(v, "cuda") ? DS_DEVICE_CUDA : DS_DEVICE_CPU;
+        else if (!strcmp(a, "--save-dir"))
+            fo->save_dir = v;
+        else if (!strcmp(a, "--work-dir"))
+            fo->work_dir = v;
+        else if (!strcmp(a, "--case"))
+            *case_file = v;
+        else {
+            fprintf(stderr, "cache_fuzz: unknown flag %s\n", a);
+            return -1;
+        }
+    }
+    if (fo->seeds < 1 || fo->tp < 1 || fo->pp < 1) {
+        fprintf(stderr, "cache_fuzz: --seeds, -tp and -pp must be positive\n");
+        return -1;
+    }
+    return 0;
+}
+
+/* A saved case: one line of arguments (seed0 / seeds / tp / pp / device / redis). */
+static int read_case(const char *path, fz_opts *fo) {
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        fprintf(stderr, "cache_fuzz: cannot read case %s: %s\n", path, strerror(errno));
+        return -1;
+    }
+    char line[1024];
+    int ok = fgets(line, sizeof line, f) != NULL;
+    fclose(f);
+    if (!ok) {
+        fprintf(stderr, "cache_fuzz: case %s is empty\n", path);
+        return -1;
+    }
+    char *av[32];
+    int ac = 1;
+    av[0] = "cache_fuzz";
+    for (char *t = strtok(line, " \t\n"); t && ac < 31; t = strtok(NULL, " \t\n"))
+        av[ac++] = strdup(t);
+    const char *dummy = NULL;
+    return parse_args(ac, av, fo, &dummy);
+}
+
+int main(int argc, char **argv) {
+    fz_opts fo = {0};
+    fo.seeds = 100;
+    fo.tp = fo.pp = 1;
+    fo.device = DS_DEVICE_CPU;
+    const char *case_file = NULL;
+    if (parse_args(argc, argv, &fo, &case_file)) return 2;
+    if (case_file && read_case(case_file, &fo)) return 2;
+    ds_err err = {{0}};
+    char tmp_model[4200], tmp_work[4000];
+    if (!fo.work_dir) {
+        /* one folder for the job, made before mpirun so every rank gets the same path */
+        snprintf(tmp_work, sizeof tmp_work, "%s/cache-fuzz-XXXXXX",
+                 getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
+        if (!mkdtemp(tmp_work)) {
+            fprintf(stderr, "cache_fuzz: cannot make a work folder: %s\n", strerror(errno));
+            return 2;
+        }
+        fo.work_dir = tmp_work;
+        if (!fo.model) {
+            snprintf(tmp_model, sizeof tmp_model, "%s/tiny-k3", tmp_work);
+            if (ds_init_model("tiny-k3", tmp_model, 0, &err)) {
+                fprintf(stderr, "cache_fuzz: %s\n", err.msg);
+                return 2;
+            }
+            fo.model = tmp_model;
+        }
+        if (fo.tp * fo.pp > 1 && !ds_comm_under_mpirun()) {
+            /* the job re-runs this program with the folder and model named */
+            char **av = calloc((size_t)argc + 5, sizeof *av);
+            int k = 0;
+            for (int i = 1; i < argc; i++) av[k++] = argv[i];
+            av[k++] = "--work-dir";
+            av[k++] = tmp_work;
+            av[k++] = "--model";
+            av[k++] = (char *)fo.model;
+            int st = 1;
+            if (ds_launch_mpirun_supervised(fo.tp * fo.pp, k, av, &st, &err)) {
+                fprintf(stderr, "cache_fuzz: %s\n", err.msg);
+                st = 2;
+            }
+            rm_tree(tmp_work);
+            free(av);
+            return st;
+        }
+    } else if (!fo.model) {
+        fprintf(stderr, "cache_fuzz: --work-dir needs --model\n");
+        return 2;
+    }
+    if (ds_pp_check_split(fo.model, fo.tp, fo.pp, NULL, fo.counts, &err)) {
+        fprintf(stderr, "cache_fuzz: %s\n", err.msg);
+        return 2;
+    }
+    if (fo.tp * fo.pp > 1 && !getenv("DS_COMM_TIMEOUT_S")) setenv("DS_COMM_TIMEOUT_S", "120", 1);
+    ds_comm *comm = NULL;
+    if (ds_comm_init(fo.tp, fo.pp, &comm, &err)) {
+        fprintf(stderr, "cache_fuzz: %s\n", err.msg);
+        return ds_comm_finish(comm, 2);
+    }
+    int head = comm->rank == 0;
+    /* the engines' set-up lines, twice a seed, would bury the report */
+    if (!fo.verbose) {
+        int fd = open("/dev/null", O_WRONLY);
+        if (fd >= 0) {
+            fflush(stderr);
+            dup2(fd, 2);
+            close(fd);
+        }
+    }
+    ds_model *m;
+    if (ds_model_load(fo.model, NULL, &m, &err)) {
+        printf("cache_fuzz: %s\n", err.msg);
+        return ds_comm_finish(comm, 2);
+    }
+    size_t slot_bytes = ds_model_slot_floats(m) * sizeof(float);
+    size_t page_bytes_per_token =
+        (size_t)ds_kv_pool_layers(m) * (size_t)ds_model_latent_row(m) * sizeof(float);
+    ds_model_free(m);
+    char draft[4200];
+    snprintf(draft, sizeof draft, "%s/draft/config.json", fo.model);
+    int have_draft = access(draft, R_OK) == 0;
+
+    fz_counts ct = {0};
+    int failed = 0, status = 0;
+    double t0 = ds_now();
+    for (int i = 0; i < fo.seeds; i++) {
+        uint64_t seed = fo.seed0 + (uint64_t)i;
+        uint64_t s = seed * 0x9e3779b97f4a7c15ull + 1;
+        fz_cfg c;
+        draw_cfg(&s, &fo, have_draft, &c); /* the block size, for the page's bytes */
+        int r = run_seed(&fo, comm, seed, have_draft, slot_bytes,
+                         page_bytes_per_token * (size_t)c.block_size, &ct, &err);
+        if (r < 0) {
+            if (head) printf("cache_fuzz: seed %llu: %s\n", (unsigned long long)seed, err.msg);
+            status = 2;
+            break;
+        }
+        if (head && !r) {
+            failed++;
+            if (fo.save_dir) {
+                char path[4300];
+                mkdir(fo.save_dir, 0755);
+                snprintf(path, sizeof path, "%s/seed-%llu%s%s.case", fo.save_dir,
+                         (unsigned long long)seed, fo.tp * fo.pp > 1 ? "-dist" : "",
+                         fo.device == DS_DEVICE_CUDA ? "-cuda" : "");
+                FILE *f = fopen(path, "w");
+                if (f) {
+                    fprintf(f, "--seed0 %llu --seeds 1 -tp %d -pp %d --device %s%s%s\n",
+                            (unsigned long long)seed, fo.tp, fo.pp,
+                            fo.device == DS_DEVICE_CUDA ? "cuda" : "cpu",
+                            fo.batch_invariant ? " --batch-invariant" : "",
+                            fo.redis && c.remote ? " --redis redis://127.0.0.1:6379" : "");
+                    fclose(f);
+                    printf("  saved as %s\n", path);
+                }
+            }
+        }
+        if (head && fo.verbose)
+            printf("seed %llu: %s\n", (unsigned long long)seed, r ? "ok" : "MISMATCH");
+    }
+    if (head && status == 0) {
+        printf("cache_fuzz: %d seeds from %llu (-tp %d -pp %d, %s) in %.1f s: %llu requests, "
+               "%llu choices compared (%llu aborted), %llu tokens; prefix hits %llu of %llu "
+               "prompt tokens, %llu forks, %llu checkpoint and %llu page evictions, tier loads "
+               "ram %llu disk %llu redis %llu (%llu stores), %llu hash collisions, %llu verifies, "
+               "%llu preemptions\n",
+               fo.seeds, (unsigned long long)fo.seed0, fo.tp, fo.pp,
+               fo.device == DS_DEVICE_CUDA ? "cuda" : "cpu", ds_now() - t0,
+               (unsigned long long)ct.requests, (unsigned long long)ct.compared,
+               (unsigned long long)ct.aborted, (unsigned long long)ct.tokens,
+               (unsigned long long)ct.hit_tokens, (unsigned long long)ct.query_tokens,
+               (unsigned long long)ct.forks, (unsigned long long)ct.ckpt_evicted,
+               (unsigned long long)ct.pages_evicted, (unsigned long long)ct.loads_ram,
+               (unsigned long long)ct.loads_disk, (unsigned long long)ct.loads_remote,
+               (unsigned long long)ct.stores, (unsigned long long)ct.collisions,
+               (unsigned long long)ct.verifies, (unsigned long long)ct.preemptions);
+        if (ct.preemptions) {
+            printf("cache_fuzz: a sequence was preempted: the pools are sized so that none is\n");
+            status = 1;
+        }
+        /* a run long enough to mean something must have exercised the cache */
+        if (fo.seeds >= 20 && (!ct.hit_tokens || !ct.forks || !ct.ckpt_evicted ||
+                               !ct.pages_evicted || !(ct.loads_ram + ct.loads_disk))) {
+            printf("cache_fuzz: the run did not exercise hits, forks, evictions and tier loads\n");
+            status = 1;
+        }
+        printf("%d passed, %d failed\n", fo.seeds - failed, failed);
+        if (failed) status = 1;
+    }
+    return ds_comm_finish(comm, status);
+}
