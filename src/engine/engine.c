@@ -8,6 +8,7 @@
 #include "base/devmem.h"
 
 #include "cache/offload.h"
+#include "cache/identity.h"
 #include "cache/prefix.h"
 #include "dist/comm.h"
 #include "dist/pipeline.h"
@@ -298,24 +299,37 @@ static int agree_min(void *ctx, int v) {
     return (int)x;
 }
 
-/* Prefix caching and the offload tier. Every hash is seeded with the model's identity (its
- * config.json and weight size), and offload keys carry it too, so two models never share
- * entries. */
 /* The prompt cut spacing: the rung interval snapped down to a page (at least one). */
 static int chunk_of(const ds_engine_opts *o) {
     int iv = o->state_checkpoint_interval_tokens > 0 ? o->state_checkpoint_interval_tokens : 256;
     return DS_MAX(o->block_size, iv / o->block_size * o->block_size);
 }
 
+/* Prefix caching and the offload tier. Every hash is seeded with the model's identity, and
+ * offload keys carry it too, so two models never share entries. With a tier that outlives the
+ * process (disk, Redis) the identity is a digest of the weights' bytes (cache/identity.h: a
+ * fine-tune of the same shape is another model); otherwise the config and weight size suffice.
+ * It also names what changes the cached numbers besides the weights: the device, the
+ * batch-invariant mode, the tensor-parallel width (each rank keeps its own slice and sums in its
+ * own order) and the prompt cut spacing (docs/prefix-cache.md). */
 static int setup_prefix(ds_engine *e, ds_err *err) {
     const ds_engine_opts *o = &e->opts;
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", e->model_dir);
     size_t len = 0;
     char *cfg = ds_read_file(path, &len, NULL);
-    uint64_t seed = XXH3_64bits_withSeed(cfg ? cfg : "", cfg ? len : 0,
-                                         (uint64_t)ds_model_weight_bytes(e->model));
+    uint64_t id[8] = {XXH3_64bits_withSeed(cfg ? cfg : "", cfg ? len : 0,
+                                           (uint64_t)ds_model_weight_bytes(e->model))};
     free(cfg);
+    int persistent = (o->kv_offload_disk_dir && o->kv_offload_disk_dir[0]) ||
+                     (o->kv_offload_remote && o->kv_offload_remote[0]);
+    if (persistent && e->head && ds_checkpoint_digest(e->model_dir, id + 1, err)) return DS_ERR;
+    id[3] = (uint64_t)e->on_device;
+    id[4] = (uint64_t)o->batch_invariant;
+    id[5] = (uint64_t)(e->comm ? e->comm->tp_size : 1);
+    id[6] = (uint64_t)e->chunk_tokens;
+    id[7] = 1; /* the numeric contract's version */
+    uint64_t seed = XXH3_64bits(id, sizeof id);
     /* one identity for the whole job (each rank holds a different share of the weights) */
     if (e->dist && ds_comm_bcast(e->comm, &seed, sizeof seed, err)) return DS_ERR;
     char model_id[32];

@@ -254,12 +254,78 @@ static void test_redis_killed(void **st) {
     h_stop(e);
 }
 
+/* Issue 30, case 3: two models of the same shape (tiny-k3 drawn from two seeds: the same
+ * config.json, the same weight bytes, other values) share one disk folder and one Redis. The
+ * second never loads the first's entries: it resumes from nothing and gives its own cold tokens.
+ * Keyed by config and weight size, as before, it loaded them and answered with the first
+ * model's continuation. */
+static void test_two_models_share_tiers(void **st) {
+    (void)st;
+    cold_ref();
+    char *tmp = ds_test_tmpdir(), other[4200], cfg_a[4300], cfg_b[4300];
+    snprintf(other, sizeof other, "%s/other-k3", tmp);
+    ds_err err = {{0}};
+    if (ds_init_model("tiny-k3", other, 7, &err)) fail_msg("%s", err.msg);
+    snprintf(cfg_a, sizeof cfg_a, "%s/config.json", h_model_dir());
+    snprintf(cfg_b, sizeof cfg_b, "%s/config.json", other);
+    size_t la = 0, lb = 0;
+    char *a = ds_read_file(cfg_a, &la, NULL), *b = ds_read_file(cfg_b, &lb, NULL);
+    assert_non_null(a);
+    assert_non_null(b);
+    assert_true(la == lb && memcmp(a, b, la) == 0); /* else this test would prove nothing */
+    free(a);
+    free(b);
+    int port;
+    pid_t rp = start_redis(&port);
+    char url[64], dir[4200];
+    snprintf(url, sizeof url, "redis://127.0.0.1:%d", port);
+    snprintf(dir, sizeof dir, "%s/shared-tier", tmp);
+    /* the other model's cold tokens for prompt A */
+    ds_engine_opts o;
+    h_opts(&o, 0, KV_MEM);
+    o.model_dir = other;
+    ds_engine *cold = h_start(&o);
+    int32_t ref_b[GEN], out[GEN];
+    h_run(cold, g_a, NA, GEN, ref_b);
+    h_stop(cold);
+    assert_true(memcmp(ref_b, g_ref, sizeof ref_b) != 0); /* the two models differ on A */
+    for (int tier = 0; tier < 2; tier++) { /* disk, then Redis */
+        h_opts(&o, 1, KV_MEM);
+        if (tier == 0) o.kv_offload_disk_dir = dir;
+        else o.kv_offload_remote = url;
+        ds_engine *e = h_start(&o); /* the first model files A in the shared tier */
+        ds_engine_stats s = run_a(e, 0);
+        assert_true(s.offload_stores > 0);
+        h_stop(e);
+        o.model_dir = other;
+        e = h_start(&o);
+        h_run(e, g_a, NA, GEN, out);
+        s = h_stats(e);
+        print_message("second model (%s): hit %llu, loads %llu %llu\n", tier ? "redis" : "disk",
+                      (unsigned long long)s.prefix_hit_tokens,
+                      (unsigned long long)s.offload_loads_disk,
+                      (unsigned long long)s.offload_loads_remote);
+        assert_int_equal(s.prefix_hit_tokens, 0);
+        assert_int_equal(s.offload_loads_disk + s.offload_loads_remote, 0);
+        assert_memory_equal(out, ref_b, sizeof out);
+        h_stop(e);
+        /* and the first model still finds its own entries there */
+        o.model_dir = h_model_dir();
+        e = h_start(&o);
+        s = run_a(e, 96);
+        assert_true(s.offload_loads_disk + s.offload_loads_remote > 0);
+        h_stop(e);
+    }
+    stop_redis(rp);
+    free(tmp);
+}
+
 int main(void) {
     signal(SIGPIPE, SIG_IGN); /* a write to a killed Redis must be an error, not a signal */
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_ram_tier),     cmocka_unit_test(test_disk_tier),
         cmocka_unit_test(test_disk_corrupt), cmocka_unit_test(test_redis_tier),
-        cmocka_unit_test(test_redis_killed),
+        cmocka_unit_test(test_redis_killed), cmocka_unit_test(test_two_models_share_tiers),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
