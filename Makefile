@@ -12,7 +12,7 @@ DEB_PKGS := build-essential cmake pkg-config libjansson-dev libpcre2-dev libxxha
 PIP_PKGS := pytest openai numpy
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps build run test clean format bench test-asan fuzz fuzz-build fuzz-short soak soak-short cuda
+.PHONY: all deps build run test clean format bench test-asan fuzz fuzz-build fuzz-short soak soak-short cuda cache-fuzz
 
 all: build
 
@@ -101,3 +101,19 @@ cuda: deps
 
 clean:
 	rm -rf $(BUILD)
+
+# The prefix cache's randomized differential tester (issue 30): CACHE_FUZZ_SEEDS seeds on one
+# process and a quarter as many at -tp 2 -pp 2 (four MPI ranks), with a Redis tier; failing seeds
+# are saved to tests/cachefuzz/cases (replayed by `make test`).
+CACHE_FUZZ_SEEDS ?= 2000
+CACHE_FUZZ_SEED0 ?= 1
+cache-fuzz: build
+	@port=$$((20000 + RANDOM % 20000)); \
+	redis-server --port $$port --bind 127.0.0.1 --save "" --appendonly no --daemonize yes \
+	  --loglevel warning --pidfile /tmp/ds-cache-fuzz-redis.pid >/dev/null; sleep 0.5; \
+	OMP_NUM_THREADS=2 ./$(BUILD)/cache_fuzz --seeds $(CACHE_FUZZ_SEEDS) --seed0 $(CACHE_FUZZ_SEED0) \
+	  --redis redis://127.0.0.1:$$port --save-dir tests/cachefuzz/cases; st=$$?; \
+	OMP_NUM_THREADS=2 ./$(BUILD)/cache_fuzz --seeds $$(( $(CACHE_FUZZ_SEEDS) / 4 )) \
+	  --seed0 $$(( $(CACHE_FUZZ_SEED0) + 1000000 )) -tp 2 -pp 2 --save-dir tests/cachefuzz/cases \
+	  || st=1; \
+	kill $$(cat /tmp/ds-cache-fuzz-redis.pid) 2>/dev/null; exit $$st

@@ -401,6 +401,110 @@ static void test_offload_on_device(void **st) {
     for (int i = 0; i < FD_MAX; i++) assert_null(g_fd[i].p);
 }
 
+/* ---- issue 30, cases 1 and 2: a load owns its buffer until it is installed ------------------ */
+
+/* A sequence that files its prompt's blocks and a checkpoint at 8 (state `val` + i) and rows
+ * `rowval` + ..., then is dropped without finishing (as an aborted request is): nothing of it
+ * reaches the tier until an eviction stores it. */
+static void pw_file_unfinished(px_world *w, const int32_t *t, int n, float val, float rowval) {
+    ds_seq *q = pw_seq(t, n);
+    ds_prefix_match(w->px, q); /* plans its rungs */
+    ds_seq_reserve_blocks(q, n / PW_BS + 1);
+    while (q->n_blocks * PW_BS < n) q->block_table[q->n_blocks++] = ds_page_alloc(w->pages);
+    for (int b = 0; b < q->n_blocks; b++) {
+        float rows[PW_BS * PW_ROW];
+        for (int i = 0; i < PW_BS * PW_ROW; i++) rows[i] = rowval - (float)(b * 100 + i);
+        ds_dmem_copy(w->layer0 + (size_t)q->block_table[b] * PW_BS * PW_ROW, rows, sizeof rows);
+    }
+    float slot_h[PW_SLOT];
+    for (int i = 0; i < PW_SLOT; i++) slot_h[i] = val + (float)i;
+    q->n_computed = 8;
+    ds_prefix_on_computed(w->px, q, slot_h);
+    q->n_computed = n;
+    ds_prefix_on_computed(w->px, q, slot_h);
+    ds_prefix_release(w->px, q);
+    for (int b = q->n_blocks - 1; b >= 0; b--) ds_page_unref(w->pages, q->block_table[b]);
+    q->n_blocks = 0;
+    ds_seq_free(q);
+}
+
+/* Case 1: A's checkpoint at 8 comes back from the RAM tier while the only checkpoint slot holds
+ * B's, which was never stored; taking the slot stores B's on the way out. The fork must be A's
+ * state (the store once went through the buffer holding A's, and filed B's state under A). */
+static void test_tier_checkpoint_load_owns_buffer(void **st) {
+    (void)st;
+    ds_err err = {{0}};
+    ds_offload_opts oo = {.ram_bytes = 1u << 20, .model_id = "case1", .layer_hi = 1};
+    assert_int_equal(ds_offload_create(&oo, &g_off, &err), DS_OK);
+    px_world w;
+    pw_init(&w, 0, 1); /* one checkpoint slot */
+    int32_t a[12], b[12];
+    for (int i = 0; i < 12; i++) a[i] = 1 + i, b[i] = 500 + i;
+    ds_seq *qa = pw_seq(a, 12);
+    assert_int_equal(pw_run(&w, qa, NULL), 0); /* files A's state at 8 (800 + i), stores it */
+    ds_seq_free(qa);
+    pw_file_unfinished(&w, b, 12, -7000.0f, -1.0f); /* B's takes the slot; A's stays in RAM */
+    ds_prefix_stats s0;
+    ds_prefix_get_stats(w.px, &s0);
+    float fork[PW_SLOT];
+    qa = pw_seq(a, 12);
+    assert_int_equal(pw_run(&w, qa, fork), 8);
+    for (int i = 0; i < PW_SLOT; i++) assert_true(fork[i] == (float)(800 + i));
+    ds_prefix_stats s1;
+    ds_prefix_get_stats(w.px, &s1);
+    assert_int_equal(s1.ckpt_loads - s0.ckpt_loads, 1);
+    assert_int_equal(s1.ckpt_evicted - s0.ckpt_evicted, 1);
+    assert_int_equal(s1.reentries, 0);
+    ds_seq_free(qa);
+    pw_free(&w);
+    ds_offload_free(g_off);
+    g_off = NULL;
+}
+
+/* Case 2: A's pages come back from the RAM tier into a pool whose only idle pages belong to
+ * sequences that never finished; each page taken stores one of theirs on the way out. A's pages
+ * must hold A's rows (the store once went through the buffer holding A's page). */
+static void test_tier_page_load_owns_buffer(void **st) {
+    (void)st;
+    ds_err err = {{0}};
+    ds_offload_opts oo = {.ram_bytes = 1u << 20, .model_id = "case2", .layer_hi = 1};
+    assert_int_equal(ds_offload_create(&oo, &g_off, &err), DS_OK);
+    px_world w;
+    pw_init(&w, 0, 8);
+    int32_t a[12];
+    for (int i = 0; i < 12; i++) a[i] = 1 + i;
+    ds_seq *qa = pw_seq(a, 12);
+    pw_run(&w, qa, NULL); /* A's rows b*100 + i + 0.5, stored when it finished */
+    ds_seq_free(qa);
+    for (int k = 0; k < PW_PAGES / 4; k++) { /* four unfinished prompts of 4 pages: A's go */
+        int32_t t[16];
+        for (int i = 0; i < 16; i++) t[i] = 1000 * (k + 1) + i;
+        pw_file_unfinished(&w, t, 16, -100.0f * (float)(k + 1), -5000.0f * (float)(k + 1));
+    }
+    ds_prefix_stats s0;
+    ds_prefix_get_stats(w.px, &s0);
+    assert_true(s0.pages_evicted >= 3);
+    qa = pw_seq(a, 12);
+    int d = ds_prefix_match(w.px, qa);
+    assert_int_equal(d, 8);
+    for (int b = 0; b < d / PW_BS; b++) {
+        float rows[PW_BS * PW_ROW];
+        ds_dmem_copy(rows, w.layer0 + (size_t)qa->block_table[b] * PW_BS * PW_ROW, sizeof rows);
+        for (int i = 0; i < PW_BS * PW_ROW; i++) assert_true(rows[i] == (float)(b * 100 + i) + 0.5f);
+    }
+    ds_prefix_stats s1;
+    ds_prefix_get_stats(w.px, &s1);
+    assert_true(s1.page_loads - s0.page_loads >= 2);
+    assert_int_equal(s1.reentries, 0);
+    ds_prefix_release(w.px, qa);
+    for (int b = qa->n_blocks - 1; b >= 0; b--) ds_page_unref(w.pages, qa->block_table[b]);
+    qa->n_blocks = 0;
+    ds_seq_free(qa);
+    pw_free(&w);
+    ds_offload_free(g_off);
+    g_off = NULL;
+}
+
 /* ---- whole engines -------------------------------------------------------------------------- */
 
 #define KV_MEM (8u << 20)
@@ -653,6 +757,8 @@ int main(void) {
         cmocka_unit_test(test_warm_equals_cold),   cmocka_unit_test(test_shared_system_prompt),
         cmocka_unit_test(test_eviction_pressure),  cmocka_unit_test(test_engine_collisions),
         cmocka_unit_test(test_fork_on_verify),
+        cmocka_unit_test(test_tier_checkpoint_load_owns_buffer),
+        cmocka_unit_test(test_tier_page_load_owns_buffer),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
