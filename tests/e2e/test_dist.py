@@ -63,16 +63,18 @@ def test_pp2_tp2_prefix_fork_offload_match_one_process(reference, spec):
         assert after["deltaserve:prefix_cache_checkpoint_holds_total"] == 0
         if spec:
             assert delta(after, before, "deltaserve:spec_decode_num_verifies_total") >= 1
-            # A fork on a verify step (issue 6): a repeat of a prompt of 16 m + 1 tokens resumes
-            # one token short of its end, so its first step — the one that forks the checkpoint on
-            # every stage — is already a verify, n-gram drafts riding on the last prompt token.
-            ids = [11 + 13 * (j % 7) for j in range(16 * 5 + 1)]
+            # A fork on a verify step (issue 6): a repeat of a prompt of 64 m + 1 tokens resumes
+            # one token short of its end (rungs, like prompt cuts, fall on multiples of the 64-token
+            # interval: docs/prefix-cache.md), so its first step — the one that forks the
+            # checkpoint on every stage — is already a verify, n-gram drafts riding on the last
+            # prompt token.
+            ids = [11 + 13 * (j % 7) for j in range(64 + 1)]
             want_ids = greedy_ids(reference, ids, 8)
             assert greedy_ids(srv, ids, 8) == want_ids
             before = srv.metrics()
             assert greedy_ids(srv, ids, 8) == want_ids
             after = srv.metrics()
-            assert delta(after, before, "deltaserve:prefix_cache_hits_total") == 16 * 5
+            assert delta(after, before, "deltaserve:prefix_cache_hits_total") == 64
             assert delta(after, before, "deltaserve:spec_decode_num_fork_verifies_total") == 1
     finally:
         log = "".join(srv.log[-30:])
