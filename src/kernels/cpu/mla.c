@@ -220,16 +220,134 @@ static MLA_HOT void mla_tile(int nq, const float *const *q1, const float *const 
     }
 }
 
+/* The number of parallel work items the expanded form aims for when it splits keys: a constant,
+ * not the thread count, so that the result does not depend on the machine. */
+#define MLA_WORK 32
+
+/* Absorbed form: the key range length for a token that sees lim rows — a multiple of the tile,
+ * at least four tiles, at most MLA_MAX_SPLITS ranges. A function of lim alone. */
+#define MLA_MAX_SPLITS 16
+static int mla_split_len(int lim) {
+    int sl = 4 * MLA_KB;
+    while ((lim + sl - 1) / sl > MLA_MAX_SPLITS) sl *= 2;
+    return sl;
+}
+
+/* Token t's work items (one per head group and key range) start at first[t]; a binary search. */
+static int mla_item_token(const int *first, int T, int it) {
+    int t = 0, lo = 0, hi = T - 1;
+    while (lo <= hi) {
+        int mid = (lo + hi) / 2;
+        if (first[mid] <= it)
+            t = mid, lo = mid + 1;
+        else
+            hi = mid - 1;
+    }
+    return t;
+}
+
+static void mla_run_absorbed(const mla_problem *pb) {
+    const int T = pb->T, Ha = pb->Ha, hg = mla_head_groups(pb), dv = pb->dv;
+    if (T * Ha <= 0) return;
+    /* token t: ns[t] key ranges; its work items start at first[t]; with more than one range its
+     * partials sit at poff[t] in part, laid out [range][head][2 + dv] (m, l, O) */
+    int *ns = mla_alloc(sizeof(int) * (size_t)T * 2), *first = ns + T;
+    size_t *poff = mla_alloc(sizeof(size_t) * (size_t)T);
+    int n_items = 0;
+    size_t n_part = 0;
+    for (int t = 0; t < T; t++) {
+        int lim = mla_limit(pb, t), sl = mla_split_len(lim);
+        ns[t] = lim > 0 ? (lim + sl - 1) / sl : 1;
+        first[t] = n_items;
+        n_items += hg * ns[t];
+        poff[t] = n_part;
+        if (ns[t] > 1) n_part += (size_t)ns[t] * Ha * (2 + (size_t)dv);
+    }
+    float *part = n_part ? mla_alloc(sizeof(float) * n_part) : NULL;
+    const int nthr = omp_get_max_threads();
+    const size_t thr = (size_t)MLA_QB * ((size_t)dv + MLA_KB + 2);
+    float *scratch = mla_alloc(sizeof(float) * thr * (size_t)nthr);
+#pragma omp parallel
+    {
+        float *O = scratch + thr * (size_t)omp_get_thread_num();
+        float *P = O + (size_t)MLA_QB * dv, *m = P + MLA_QB * MLA_KB, *l = m + MLA_QB;
+        int th[MLA_QB], lim[MLA_QB];
+        const float *q1[MLA_QB], *q2[MLA_QB];
+        const float *k1[MLA_KB], *k2[MLA_KB], *vv[MLA_KB];
+#pragma omp for schedule(dynamic, 1)
+        for (int it = 0; it < n_items; it++) {
+            const int t = mla_item_token(first, T, it);
+            const int r = it - first[t], g = t * hg + r / ns[t], s = r % ns[t];
+            int h, nq = mla_group(pb, g, th, &h);
+            const int L = mla_limit(pb, t), sl = mla_split_len(L);
+            for (int i = 0; i < nq; i++) {
+                lim[i] = L;
+                q1[i] = pb->q1 + (size_t)th[i] * pb->q_ld;
+                q2[i] = pb->q2 + (size_t)th[i] * pb->q_ld2;
+                m[i] = -INFINITY, l[i] = 0.0f;
+            }
+            memset(O, 0, sizeof(float) * (size_t)nq * dv);
+            const int kb = s * sl, ke = DS_MIN(L, kb + sl); /* absolute positions */
+            for (int p0 = kb; p0 < ke; p0 += MLA_KB) {
+                const int nk = DS_MIN(MLA_KB, ke - p0);
+                mla_gather(pb, h, p0, nk, k1, k2, vv);
+                mla_tile(nq, q1, q2, lim, p0, nk, k1, k2, vv, pb->d1, pb->d2, dv, pb->scale, m, l,
+                         O, P);
+            }
+            for (int i = 0; i < nq; i++) {
+                const float *Oi = O + (size_t)i * dv;
+                if (ns[t] == 1) {
+                    float *y = pb->out + (size_t)th[i] * dv;
+                    const float inv = l[i] > 0 ? 1.0f / l[i] : 0.0f; /* no keys: output 0 */
+                    for (int x = 0; x < dv; x++) y[x] = Oi[x] * inv;
+                } else {
+                    float *d = part + poff[t] + ((size_t)s * Ha + th[i] % Ha) * (2 + (size_t)dv);
+                    d[0] = m[i], d[1] = l[i];
+                    memcpy(d + 2, Oi, sizeof(float) * (size_t)dv);
+                }
+            }
+        }
+        /* Merge each token's ranges in order: rescale to the common max, renormalise. */
+#pragma omp for schedule(static)
+        for (int q = 0; q < T * Ha; q++) {
+            const int t = q / Ha, h = q % Ha;
+            if (ns[t] == 1) continue;
+            float M = -INFINITY, Lsum = 0.0f, *y = pb->out + (size_t)q * dv;
+            for (int s = 0; s < ns[t]; s++)
+                M = fmaxf(M, part[poff[t] + ((size_t)s * Ha + h) * (2 + (size_t)dv)]);
+            memset(y, 0, sizeof(float) * (size_t)dv);
+            if (M == -INFINITY) continue;
+            for (int s = 0; s < ns[t]; s++) {
+                const float *d = part + poff[t] + ((size_t)s * Ha + h) * (2 + (size_t)dv);
+                if (d[1] == 0.0f) continue;
+                const float w = expf(d[0] - M);
+                Lsum += d[1] * w;
+                for (int x = 0; x < dv; x++) y[x] += d[2 + x] * w;
+            }
+            const float inv = 1.0f / Lsum;
+            for (int x = 0; x < dv; x++) y[x] *= inv;
+        }
+    }
+    free(scratch);
+    free(part);
+    free(poff);
+    free(ns);
+}
+
 static void mla_run(const mla_problem *pb) {
+    if (pb->lat) {
+        mla_run_absorbed(pb);
+        return;
+    }
     const int nq_all = pb->T * pb->Ha, ng = mla_num_groups(pb), dv = pb->dv;
     if (nq_all <= 0) return;
     const int nthr = omp_get_max_threads();
 
-    /* Key splits: only when groups alone cannot keep the threads busy, and never below a few
-     * tiles per split. */
+    /* Key splits: only when groups alone are few (a constant, not the thread count), and never
+     * below a few tiles per split. */
     int ns = 1;
-    if (ng < 2 * nthr) {
-        int want = (2 * nthr + ng - 1) / ng, most = DS_MAX(1, pb->n_ctx / (4 * MLA_KB));
+    if (ng < MLA_WORK) {
+        int want = (MLA_WORK + ng - 1) / ng, most = DS_MAX(1, pb->n_ctx / (4 * MLA_KB));
         ns = DS_MAX(1, DS_MIN(want, most));
     }
     float *part = NULL; /* [ns][nq_all][2 + dv]: m, l, O of each split */
