@@ -9,19 +9,25 @@
  *
  * RAM: a chained hash table of blobs with an LRU list, trimmed to ram_bytes.
  * Disk: one file per key, written to a temporary name and renamed into place, so a reader sees
- *       either nothing or a whole file; the files this process wrote are trimmed, oldest first, to
- *       disk_bytes.
+ *       either nothing or a whole file. The budget covers the whole folder, across processes and
+ *       restarts: at start-up (and every DISK_RESCAN puts, to see other processes' files) the
+ *       folder is scanned, temporary files of processes that no longer run are removed, and the
+ *       oldest files (by modification time; a load touches its file) are removed until the rest
+ *       fit disk_bytes. A key already on disk is not written again (its contents are the same).
  * Redis: SET/GET of the blob under the key, with short timeouts. Any failure drops the
  *       connection and leaves the remote alone for REMOTE_BACKOFF_S, so a dead server costs the
  *       step loop at most one timeout per backoff period. */
 #include "cache/offload.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <hiredis/hiredis.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -29,6 +35,7 @@
 #define BLOB_VERSION     1
 #define REMOTE_BACKOFF_S 1.0
 #define KEY_MAX          256
+#define DISK_RESCAN      256 /* puts between scans of the disk folder */
 
 typedef struct blob_hdr {
     uint64_t magic;
@@ -51,6 +58,7 @@ typedef struct ram_node {
 typedef struct disk_file {
     char *path;
     size_t size;
+    struct timespec mtime;
 } disk_file;
 
 struct ds_offload {
@@ -65,6 +73,7 @@ struct ds_offload {
     disk_file *files;
     size_t n_files, cap_files, files_head, disk_used;
     uint64_t tmp_counter;
+    uint64_t puts_since_scan;
     /* remote tier */
     char *host;
     int port;
@@ -227,9 +236,62 @@ static void disk_trim(ds_offload *o) {
     }
 }
 
+static int mtime_cmp(const void *a, const void *b) {
+    const disk_file *x = a, *y = b;
+    if (x->mtime.tv_sec != y->mtime.tv_sec) return x->mtime.tv_sec < y->mtime.tv_sec ? -1 : 1;
+    if (x->mtime.tv_nsec != y->mtime.tv_nsec) return x->mtime.tv_nsec < y->mtime.tv_nsec ? -1 : 1;
+    return strcmp(x->path, y->path);
+}
+
+static void disk_forget(ds_offload *o) {
+    for (size_t i = o->files_head; i < o->n_files; i++) free(o->files[i].path);
+    o->n_files = o->files_head = 0;
+    o->disk_used = 0;
+}
+
+/* Rebuilds the view of the folder from the folder itself: every entry file (ours, earlier
+ * processes', concurrent ones'), oldest first; removes temporary files whose writer is gone. */
+static void disk_scan(ds_offload *o) {
+    DIR *d = opendir(o->disk_dir);
+    if (!d) return;
+    disk_forget(o);
+    for (struct dirent *de; (de = readdir(d));) {
+        const char *n = de->d_name;
+        char path[1024];
+        if (snprintf(path, sizeof path, "%s/%s", o->disk_dir, n) >= (int)sizeof path) continue;
+        int pid;
+        if (sscanf(n, ".tmp-%d-", &pid) == 1) {
+            if (pid > 0 && pid != (int)getpid() && kill(pid, 0) != 0 && errno == ESRCH)
+                unlink(path); /* orphaned by a process that died mid-write */
+            continue;
+        }
+        size_t len = strlen(n);
+        if (len < 5 || strcmp(n + len - 4, ".dsb") != 0) continue;
+        struct stat sb;
+        if (stat(path, &sb) != 0 || !S_ISREG(sb.st_mode)) continue;
+        if (o->n_files == o->cap_files) {
+            size_t cap = o->cap_files ? 2 * o->cap_files : 64;
+            disk_file *nf = realloc(o->files, cap * sizeof *nf);
+            if (!nf) break;
+            o->files = nf;
+            o->cap_files = cap;
+        }
+        char *p = strdup(path);
+        if (!p) break;
+        o->files[o->n_files++] = (disk_file){p, (size_t)sb.st_size, sb.st_mtim};
+        o->disk_used += (size_t)sb.st_size;
+    }
+    closedir(d);
+    qsort(o->files, o->n_files, sizeof *o->files, mtime_cmp);
+    o->puts_since_scan = 0;
+}
+
 static void disk_put(ds_offload *o, const char *key, const uint8_t *blob, size_t size) {
     char path[1024], tmp[1100];
     snprintf(path, sizeof path, "%s/%s.dsb", o->disk_dir, key);
+    /* already there (this or another process stored the same prefix): keep it, mark it used */
+    if (utimensat(AT_FDCWD, path, NULL, 0) == 0) return;
+    if (o->o.disk_bytes && ++o->puts_since_scan >= DISK_RESCAN) disk_scan(o);
     snprintf(tmp, sizeof tmp, "%s/.tmp-%d-%llu", o->disk_dir, (int)getpid(),
              (unsigned long long)o->tmp_counter++);
     FILE *f = fopen(tmp, "wb");
@@ -249,7 +311,9 @@ static void disk_put(ds_offload *o, const char *key, const uint8_t *blob, size_t
     }
     char *p = strdup(path);
     if (!p) return;
-    o->files[o->n_files++] = (disk_file){p, size};
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    o->files[o->n_files++] = (disk_file){p, size, now};
     o->disk_used += size;
     disk_trim(o);
 }
@@ -270,6 +334,7 @@ static uint8_t *disk_get(ds_offload *o, const char *key, size_t *size) {
         }
     }
     fclose(f);
+    if (b) utimensat(AT_FDCWD, path, NULL, 0); /* recently used: trimmed last */
     return b;
 }
 
@@ -364,6 +429,8 @@ int ds_offload_create(const ds_offload_opts *opts, ds_offload **out, ds_err *err
         }
         o->disk_dir = strdup(opts->disk_dir);
         if (!o->disk_dir) goto oom;
+        disk_scan(o); /* what earlier processes left counts against the budget */
+        disk_trim(o);
     }
     if (opts->remote && opts->remote[0]) {
         const char *r = opts->remote;

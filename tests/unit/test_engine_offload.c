@@ -12,6 +12,7 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 enum { NA = 100, GEN = 10 };
@@ -320,12 +321,91 @@ static void test_two_models_share_tiers(void **st) {
     free(tmp);
 }
 
+static size_t dir_bytes(const char *dir, int *n_tmp) {
+    DIR *d = opendir(dir);
+    assert_non_null(d);
+    size_t total = 0;
+    *n_tmp = 0;
+    for (struct dirent *de; (de = readdir(d));) {
+        char path[4400];
+        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+        struct stat sb;
+        if (de->d_name[0] == '.' && strncmp(de->d_name, ".tmp-", 5) != 0) continue;
+        if (strncmp(de->d_name, ".tmp-", 5) == 0) (*n_tmp)++;
+        if (stat(path, &sb) == 0 && S_ISREG(sb.st_mode)) total += (size_t)sb.st_size;
+    }
+    closedir(d);
+    return total;
+}
+
+/* Issue 30, case 6: the disk tier's budget covers the folder across processes and restarts. A
+ * folder already over budget (files an earlier process left, and a temporary file of a writer
+ * that died) is trimmed at start-up; each of several engines in turn stays within the budget;
+ * the newest entries survive. Before, each process counted only its own files, and the folder
+ * grew past the budget with every restart. */
+static void test_disk_budget_across_restarts(void **st) {
+    (void)st;
+    cold_ref();
+    char *tmp = ds_test_tmpdir(), dir[4200], path[4400];
+    snprintf(dir, sizeof dir, "%s/budget", tmp);
+    assert_int_equal(mkdir(dir, 0755), 0);
+    /* a dead writer's pid: a child that has exited */
+    pid_t dead = fork();
+    if (dead == 0) _exit(0);
+    waitpid(dead, NULL, 0);
+    snprintf(path, sizeof path, "%s/.tmp-%d-7", dir, (int)dead);
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    fputs("half a blob", f);
+    fclose(f);
+    char big[20000];
+    memset(big, 'x', sizeof big);
+    for (int i = 0; i < 8; i++) { /* 160 KB of old entries */
+        snprintf(path, sizeof path, "%s/ds-old-%d.dsb", dir, i);
+        f = fopen(path, "wb");
+        assert_non_null(f);
+        fwrite(big, 1, sizeof big, f);
+        fclose(f);
+        struct timespec ts[2] = {{1000000 + i, 0}, {1000000 + i, 0}};
+        utimensat(AT_FDCWD, path, ts, 0);
+    }
+    const size_t budget = 64u << 10;
+    int n_tmp;
+    for (int run = 0; run < 3; run++) {
+        ds_engine_opts o;
+        h_opts(&o, 1, KV_MEM);
+        o.kv_offload_disk_dir = dir;
+        o.kv_offload_disk_bytes = budget;
+        ds_engine *e = h_start(&o);
+        size_t at_start = dir_bytes(dir, &n_tmp);
+        assert_true(at_start <= budget);
+        assert_int_equal(n_tmp, 0); /* the orphan is gone */
+        for (int i = 0; i < 4; i++) {
+            int32_t p[NA], out[GEN];
+            h_prompt(p, NA, 7000 + (uint64_t)(run * 10 + i));
+            h_run(e, p, NA, GEN, out);
+        }
+        ds_engine_stats s = h_stats(e);
+        assert_true(s.offload_stores > 0);
+        h_stop(e);
+        size_t after = dir_bytes(dir, &n_tmp);
+        print_message("disk budget run %d: %zu bytes at start, %zu after (budget %zu)\n", run,
+                      at_start, after, budget);
+        assert_true(after <= budget);
+        assert_true(after > 0);
+    }
+    snprintf(path, sizeof path, "%s/ds-old-7.dsb", dir);
+    assert_int_equal(access(path, F_OK), -1); /* the oldest went first */
+    free(tmp);
+}
+
 int main(void) {
     signal(SIGPIPE, SIG_IGN); /* a write to a killed Redis must be an error, not a signal */
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_ram_tier),     cmocka_unit_test(test_disk_tier),
         cmocka_unit_test(test_disk_corrupt), cmocka_unit_test(test_redis_tier),
         cmocka_unit_test(test_redis_killed), cmocka_unit_test(test_two_models_share_tiers),
+        cmocka_unit_test(test_disk_budget_across_restarts),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
