@@ -87,6 +87,7 @@ typedef struct fz_req {
     int32_t extra[32];
     int n_extra;  /* multi-turn: tokens after the earlier answer */
     int at;       /* steps after the previous arrival (0: the same step) */
+    int max_len;  /* the most tokens one of its sequences can hold (prompt bound + max_tokens) */
     int abort_in; /* steps after submission to abort it; -1 never */
     ds_request_params p;
     /* run state */
@@ -137,7 +138,7 @@ static void draw_cfg(uint64_t *s, const fz_opts *fo, int have_draft, fz_cfg *c) 
     static const int ivs[] = {8, 16, 32, 48, 64, 96, 128};
     c->interval = ivs[rint_(s, 0, 6)];
     c->ckpt_slots = rint_(s, 1, 5);
-    c->extra_pages = rint_(s, 0, 24);
+    c->extra_pages = rint_(s, 0, 12);
     int t = rint_(s, 0, 9);
     c->ram = t >= 2 && t != 4 && t != 5;
     c->disk = t == 4 || t == 5 || t >= 7;
@@ -213,6 +214,8 @@ static void draw_work(uint64_t *s, fz_work *w) {
         q->p.logprobs = lp == 0 ? -1 : lp == 1 ? 0 : MAX_TOP;
         q->p.n = chance(s, 10) ? 2 : 1;
         q->at = chance(s, 40) ? 0 : rint_(s, 1, 8);
+        int plen = q->base >= 0 ? w->r[q->base].max_len + q->n_extra : q->n_prompt;
+        q->max_len = plen + q->p.max_tokens;
         q->abort_in = chance(s, 12) ? rint_(s, 0, 15) : -1;
     }
 }
@@ -317,9 +320,25 @@ typedef struct fz_counts {
         verifies, tokens;
 } fz_counts;
 
+/* Pages the max_seqs largest sequences of the workload need at their longest. */
+static int pages_needed(const fz_work *w) {
+    int need[MAX_REQS * MAX_N], n = 0, bs = w->cfg.block_size;
+    for (int i = 0; i < w->n; i++)
+        for (int c = 0; c < w->r[i].p.n; c++) need[n++] = (w->r[i].max_len + bs - 1) / bs + 1;
+    int total = 0;
+    for (int k = 0; k < w->cfg.max_seqs && k < n; k++) { /* the largest remaining, k times */
+        int best = 0;
+        for (int j = 1; j < n; j++)
+            if (need[j] > need[best]) best = j;
+        total += need[best];
+        need[best] = 0;
+    }
+    return total;
+}
+
 static void engine_opts(const fz_opts *fo, const fz_cfg *c, int cached, ds_comm *comm,
                         const char *disk_dir, size_t slot_bytes, size_t page_bytes,
-                        ds_engine_opts *o) {
+                        int need_pages, ds_engine_opts *o) {
     ds_engine_opts_default(o);
     o->model_dir = fo->model;
     o->device = fo->device;
@@ -342,9 +361,10 @@ static void engine_opts(const fz_opts *fo, const fz_cfg *c, int cached, ds_comm 
         return;
     }
     o->max_num_seqs = c->max_seqs;
-    /* never preempt: every running sequence can reach MODEL_LEN; the rest are idle cached pages
-     * the cache must evict */
-    size_t pages = (size_t)c->max_seqs * (MODEL_LEN / c->block_size + 1) + (size_t)c->extra_pages;
+    /* never preempt, and little more: the max_seqs largest sequences of the workload at their
+     * longest fit (so a running set always does); the few pages beyond hold the idle cached
+     * prefixes the cache must evict to admit anything */
+    size_t pages = (size_t)need_pages + (size_t)c->extra_pages;
     o->kv_cache_memory = (size_t)c->max_seqs * slot_bytes + pages * page_bytes;
     o->enable_prefix_caching = 1;
     o->state_checkpoint_memory = (size_t)c->ckpt_slots * slot_bytes;
@@ -472,7 +492,7 @@ static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_dr
     char disk[4096];
     snprintf(disk, sizeof disk, "%s/seed-%llu", fo->work_dir, (unsigned long long)seed);
     ds_engine_opts o;
-    engine_opts(fo, &w.cfg, 1, comm, disk, slot_bytes, page_bytes, &o);
+    engine_opts(fo, &w.cfg, 1, comm, disk, slot_bytes, page_bytes, pages_needed(&w), &o);
     if (run_engine(&o, &w, head, 0, ct, err)) return -1;
     /* the cold reference, every request alone (aborted ones too: what they emitted must be a
      * prefix of what they would have) */
@@ -485,7 +505,7 @@ static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_dr
         ref.r[i].submitted = 0;
         ref.r[i].aborted_sent = 0;
     }
-    engine_opts(fo, &w.cfg, 0, comm, disk, slot_bytes, page_bytes, &o);
+    engine_opts(fo, &w.cfg, 0, comm, disk, slot_bytes, page_bytes, 0, &o);
     if (run_engine(&o, &ref, head, 1, NULL, err)) return -1;
     if (head) rm_tree(disk);
     if (!head) return 1;
