@@ -282,7 +282,7 @@ static void disk_scan(ds_offload *o) {
         o->disk_used += (size_t)sb.st_size;
     }
     closedir(d);
-    qsort(o->files, o->n_files, sizeof *o->files, mtime_cmp);
+    if (o->n_files > 1) qsort(o->files, o->n_files, sizeof *o->files, mtime_cmp);
     o->puts_since_scan = 0;
 }
 

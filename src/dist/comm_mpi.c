@@ -201,7 +201,7 @@ static int mpi_post(ds_comm *c, int dst, int tag, const void *buf, size_t n, ds_
     posted *p = &im->posts[im->n_posts];
     p->copy = ds_malloc(n ? n : 1, err);
     if (!p->copy) return DS_ERR;
-    memcpy(p->copy, buf, n);
+    if (n) memcpy(p->copy, buf, n); /* an empty message may come with no buffer */
     int rc = MPI_Isend(p->copy, (int)n, MPI_BYTE, dst, tag, im->msg, &p->req);
     if (rc != MPI_SUCCESS) {
         free(p->copy);
