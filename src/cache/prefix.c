@@ -74,7 +74,7 @@ struct ds_prefix {
     float *st_sbuf; /* [slot_floats] a checkpoint staged for a store (it may be device memory) */
     int loading;    /* a load holds ld_* (checked: a store never runs inside a store) */
     int storing;
-    int32_t *tbuf; /* [cap_tbuf] a prefix's tokens */
+    int32_t *tbuf; /* [cap_tbuf] a store's key: the prefix's tokens */
     int cap_tbuf;
     ds_prefix_stats st;
 };
@@ -319,9 +319,6 @@ void ds_prefix_set_agree(ds_prefix *px, int (*agree)(void *ctx, int v), void *ct
     px->agree_ctx = ctx;
 }
 
-/* A page for block `depth` of tokens[0 .. depth*bs) loaded from the offload tier: a new held
- * page (refcount 1) with its latents written, or -1 on a miss or when no page can be had. The
- * payload is read before a page is taken, so a miss never evicts anything. */
 /* A load's key (entry_key's layout) into ld_kbuf, which no store touches. */
 static int load_key(ds_prefix *px, const int32_t *tokens, int depth) {
     int n = depth * px->bs;
@@ -329,6 +326,11 @@ static int load_key(ds_prefix *px, const int32_t *tokens, int depth) {
     memcpy(px->ld_kbuf, tokens, (size_t)n * sizeof(int32_t));
     return n;
 }
+
+/* A page for block `depth` of tokens[0 .. depth*bs) loaded from the offload tier: a new held
+ * page (refcount 1) with its latents written, or -1 on a miss or when no page can be had. The
+ * payload is read into ld_pbuf before a page is taken, so a miss never evicts anything, and it
+ * stays there (no store writes ld_pbuf) until it is scattered into the page. */
 
 static int load_page(ds_prefix *px, const uint64_t h[2], const int32_t *tokens, int depth) {
     if (!ds_offload_enabled(px->off)) return -1;

@@ -10,11 +10,12 @@
  *
  * Pages: a filed page is marked cached in the page pool; unreferenced it stays cached until the
  * pool evicts it (LRU), when this module offloads it (if a tier is set) and forgets it.
- * Checkpoints: copies of a sequence's slot taken right after a step ended exactly on a rung (the
- * scheduler cuts prompt chunks there), kept in their own slot pool with LRU eviction.
- * Rungs of a sequence: every interval_tokens (snapped down to block_size), the end of its prompt
- * (snapped down to a page, and the deepest page a repeat of the prompt can use), and demand rungs:
- * depths where a lookup found pages but no checkpoint.
+ * Checkpoints: copies of a sequence's slot taken right after a step ended exactly on a rung,
+ * kept in their own slot pool with LRU eviction. Rungs are cuts the scheduler makes anyway
+ * (multiples of chunk_tokens that are page boundaries), so the cache never changes how a prompt is
+ * cut: every interval_tokens, the deepest one a repeat of the prompt can resume from, and demand
+ * rungs (depths where a lookup found pages but no checkpoint). Only blocks computed in whole
+ * chunk-sized prompt steps are filed, never rows of decode steps (docs/prefix-cache.md).
  *
  * All calls come from the engine thread (the scheduler and the step loop). */
 #ifndef DS_PREFIX_H
