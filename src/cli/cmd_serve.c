@@ -283,7 +283,8 @@ int ds_cmd_serve(int argc, char **argv) {
         DS_OPT("enable-prefix-caching", NULL, DS_ARG_BOOL, &prefix_caching, NULL,
                "reuse cached MLA pages and KDA checkpoints of shared prompt prefixes"),
         DS_OPT("state-checkpoint-interval-tokens", NULL, DS_ARG_INT, &ckpt_interval, "N",
-               "KDA checkpoint spacing in tokens (snapped to --block-size)"),
+               "KDA checkpoint spacing in tokens, snapped to --block-size; prompts are cut into "
+               "steps of this size (capped by --max-num-batched-tokens), caching on or off"),
         DS_OPT("state-checkpoint-memory", NULL, DS_ARG_STRING, &ckpt_mem, "BYTES",
                "memory for KDA checkpoint slots, e.g. 64M"),
         DS_OPT("kv-offload-ram", NULL, DS_ARG_STRING, &off_ram, "BYTES",

@@ -46,7 +46,8 @@ typedef struct ds_engine_opts {
     void *test_step_ctx;
     /* prefix caching (cache/prefix.h) */
     int enable_prefix_caching;            /* default 1 */
-    int state_checkpoint_interval_tokens; /* rung spacing, snapped to block_size (default 256) */
+    int state_checkpoint_interval_tokens; /* rung spacing, snapped to block_size (default 256);
+                                             also the prompt cut spacing (scheduler.h) */
     size_t state_checkpoint_memory;       /* bytes of KDA checkpoint slots (default 64 MiB) */
     int prefix_test_hash_bits;            /* tests only: > 0 forces hash collisions */
     /* offload tier (cache/offload.h); each is off when 0 / NULL */
