@@ -767,7 +767,7 @@ int main(int argc, char **argv) {
             status = 1;
         }
         /* a run long enough to mean something must have exercised the cache */
-        if (ran >= 10 && (!ct.hit_tokens || !ct.forks || !ct.ckpt_evicted ||
+        if (ran >= 8 && (!ct.hit_tokens || !ct.forks || !ct.ckpt_evicted ||
                                !(ct.loads_ram + ct.loads_disk) ||
                                (fo.tp * fo.pp == 1 && !ct.pages_evicted))) {
             printf("cache_fuzz: the run did not exercise hits, forks, evictions and tier loads\n");
