@@ -14,7 +14,7 @@
 
 #include "base/devmem.h"
 
-#include "engine/scheduler.h"
+#include "cache/sequence.h"
 
 #include <stdlib.h>
 #include <xxhash.h>

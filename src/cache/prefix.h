@@ -27,7 +27,7 @@
 #include "cache/state.h"
 #include "model/model.h"
 
-typedef struct ds_seq ds_seq;
+#include "cache/sequence.h"
 typedef struct ds_prefix ds_prefix;
 
 typedef struct ds_prefix_opts {

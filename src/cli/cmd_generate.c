@@ -6,12 +6,12 @@
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "cli/ranks.h"
-#include "dist/comm.h"
-#include "dist/pipeline.h"
-#include "model/sampler.h"
-#include "model/chat.h"
+#include "transport/comm.h"
+#include "parallel/pipeline.h"
+#include "sample/sampler.h"
+#include "text/chat.h"
 #include "model/model.h"
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 
 #include <errno.h>
 #include <jansson.h>

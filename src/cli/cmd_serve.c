@@ -15,9 +15,9 @@
 
 #include "cli/args.h"
 #include "cli/commands.h"
-#include "dist/comm.h"
-#include "dist/launch.h"
-#include "dist/pipeline.h"
+#include "transport/comm.h"
+#include "transport/launch.h"
+#include "parallel/pipeline.h"
 #include "engine/engine.h"
 #include "server/http.h"
 
@@ -415,7 +415,7 @@ int ds_cmd_serve(int argc, char **argv) {
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGUSR1, &sa, NULL); /* a job's launcher stops it this way (dist/launch.h) */
+    sigaction(SIGUSR1, &sa, NULL); /* a job's launcher stops it this way (transport/launch.h) */
     signal(SIGPIPE, SIG_IGN);      /* a client that hangs up is an error return, not a kill */
 
     ds_server_opts so;

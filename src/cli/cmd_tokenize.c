@@ -7,7 +7,7 @@
 
 #include "cli/args.h"
 #include "cli/commands.h"
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 
 /* Parses "1,2, 3" into *ids [*n] (malloc'd). Errors name the offending item. */
 static int parse_ids(const char *s, int32_t **ids, int *n, ds_err *err) {

@@ -1,8 +1,8 @@
 /* ranks.c — see ranks.h. */
 #include "cli/ranks.h"
 
-#include "dist/launch.h"
-#include "dist/pipeline.h"
+#include "transport/launch.h"
+#include "parallel/pipeline.h"
 
 #include <stdio.h>
 

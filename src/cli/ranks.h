@@ -3,7 +3,7 @@
 #ifndef DS_CLI_RANKS_H
 #define DS_CLI_RANKS_H
 
-#include "dist/comm.h"
+#include "transport/comm.h"
 #include "model/model.h"
 
 typedef struct ds_rank {

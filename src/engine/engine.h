@@ -11,7 +11,7 @@
 #define DS_ENGINE_H
 
 #include "base/ds_base.h"
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 
 typedef struct ds_engine ds_engine;
 

@@ -1,5 +1,5 @@
 /* draft.h — the DSpark speculative draft (k3_dspark, MODEL_SPEC §8), on the CPU or beside a target
- * on a GPU (model_cuda.c: the same steps through that backend's kernels).
+ * on a GPU (backend/cuda/forward.c: the same steps through that backend's kernels).
  *
  * The draft is a small MLA stack that reads the target's hidden states instead of its own tokens:
  *   1. context: every position j the target processes yields ctx_j = RMSNorm(W_context ·

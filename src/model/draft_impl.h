@@ -1,5 +1,5 @@
 /* draft_impl.h — the inside of ds_draft, shared by the CPU draft (model_draft.c) and its GPU path
- * (model_cuda.c). Nothing outside src/model includes this. */
+ * (backend/cuda/forward.c). Nothing outside src/model includes this. */
 #ifndef DS_DRAFT_IMPL_H
 #define DS_DRAFT_IMPL_H
 
@@ -40,7 +40,7 @@ struct ds_draft {
     size_t scratch_cap;
     int32_t *table; /* block table of one proposal's view (context pages + spare pages) */
     size_t table_cap;
-    /* the same draft on the target's GPU (model_cuda.c), or NULL: then write_context and
+    /* the same draft on the target's GPU (backend/cuda/forward.c), or NULL: then write_context and
      * propose run there, and the caches it makes are device memory */
     struct ds_draft_dev *dev;
 };
@@ -51,7 +51,7 @@ void ds_draft_rope_table(const ds_draft *d, float *cs, int pos0, int n);
 
 #ifdef DS_HAVE_CUDA
 typedef struct ds_draft_dev ds_draft_dev;
-/* The draft on the target's GPU (model_cuda.c): its weights uploaded (they live as long as the
+/* The draft on the target's GPU (backend/cuda/forward.c): its weights uploaded (they live as long as the
  * target's; a vocabulary-parallel rank also uploads the whole lm_head), d->dev set. Returns DS_OK
  * leaving d->dev NULL for a target on the CPU or with DS_DRAFT_DEVICE=0. */
 int ds_draft_dev_create(ds_draft *d, const ds_model *target, ds_err *err);

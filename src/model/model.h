@@ -14,9 +14,9 @@
 #include <stdio.h>
 
 #include "kernels/cpu/kernels.h"
-#include "model/config.h"
-#include "model/safetensors.h"
-#include "model/sampler.h"
+#include "io/config.h"
+#include "io/safetensors.h"
+#include "sample/sampler.h"
 
 /* Where the model runs (issue 9). AUTO: the GPU when this build has the CUDA backend and a device
  * is present, else the CPU. */

@@ -1,5 +1,5 @@
 /* model_impl.h — the inside of ds_model, shared by the CPU forward (model.c) and the CUDA one
- * (model_cuda.c): bound weights, the stage and tensor-parallel share, and state sizes. Nothing
+ * (backend/cuda/forward.c): bound weights, the stage and tensor-parallel share, and state sizes. Nothing
  * outside src/model includes this. */
 #ifndef DS_MODEL_IMPL_H
 #define DS_MODEL_IMPL_H
@@ -125,7 +125,7 @@ typedef struct ds_rand_mat {
 /* w's descriptor when it is such a matrix of m, else NULL. */
 const ds_rand_mat *ds_model_rand_mat(const ds_model *m, const ds_mat *w);
 
-/* The CUDA backend (model_cuda.c; in builds without it these report that). attach uploads the
+/* The CUDA backend (backend/cuda/forward.c; in builds without it these report that). attach uploads the
  * bound weights and installs device memory (base/devmem.h); forward runs one step of n_seq
  * segments (validated by the caller, off [n_seq] their first rows, T tokens in all). */
 int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err);

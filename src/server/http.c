@@ -34,7 +34,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "model/chat.h"
+#include "text/chat.h"
 #include "server/metrics.h"
 #include "server/openai.h"
 

@@ -17,7 +17,7 @@
 
 #include "base/ds_base.h"
 #include "engine/engine.h"
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 
 #define DS_OAI_MAX_N 16 /* choices per request */
 

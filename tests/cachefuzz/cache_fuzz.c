@@ -20,11 +20,11 @@
  *                   [--device cpu|cuda] [--batch-invariant] [--save-dir DIR] [--case FILE]
  *                   [--work-dir DIR] [--max-seconds S] [--verbose]
  * Exit status 0 when every seed agreed and the run exercised hits, tier loads and evictions. */
-#include "dist/comm.h"
-#include "dist/launch.h"
-#include "dist/pipeline.h"
+#include "transport/comm.h"
+#include "transport/launch.h"
+#include "parallel/pipeline.h"
 #include "engine/engine.h"
-#include "model/init_model.h"
+#include "devtools/init_model.h"
 #include "model/model.h"
 
 #include <errno.h>

@@ -12,10 +12,10 @@
 #include "kernels/cpu/kernels.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "model/model_impl.h"
-#include "model/sampler.h"
+#include "sample/sampler.h"
 #include "../unit/draw_rows.h"
 #ifdef DS_HAVE_NCCL
-#include "dist/comm_nccl.h"
+#include "transport/comm_nccl.h"
 #endif
 
 #include <math.h>

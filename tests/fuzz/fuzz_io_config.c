@@ -1,10 +1,10 @@
-/* fuzz_io_config.c — libFuzzer target for config.json parsing (src/model/config.c): every input
+/* fuzz_io_config.c — libFuzzer target for config.json parsing (src/io/config.c): every input
  * goes through both ds_config_parse (kimi_linear / kimi_k3) and ds_draft_config_parse (k3_dspark).
  * A parse either fails with a message or gives a config whose layer schedule fits its arrays. */
 #include <stdlib.h>
 
 #include "fuzzutil.h"
-#include "model/config.h"
+#include "io/config.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {

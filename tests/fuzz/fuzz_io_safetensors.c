@@ -1,4 +1,4 @@
-/* fuzz_io_safetensors.c — libFuzzer target for the safetensors reader (src/model/safetensors.c).
+/* fuzz_io_safetensors.c — libFuzzer target for the safetensors reader (src/io/safetensors.c).
  *
  * Input, by its first byte:
  *   even: the rest is one .safetensors file, opened from a memfd through /proc/self/fd (the real
@@ -14,7 +14,7 @@
 #include <unistd.h>
 
 #include "fuzzutil.h"
-#include "model/safetensors.h"
+#include "io/safetensors.h"
 
 static volatile uint8_t g_sink;
 

@@ -1,5 +1,5 @@
 /* fuzz_server_openai.c — libFuzzer target for the HTTP request bodies of /v1/completions and
- * /v1/chat/completions (src/server/openai.c, src/model/chat.c): everything the server does with a
+ * /v1/chat/completions (src/server/openai.c, src/text/chat.c): everything the server does with a
  * body before the engine sees it, then the response builders on made-up events. Every input is
  * also fed to the /tokenize and /detokenize body parsers.
  *
@@ -13,8 +13,8 @@
 #include <stdlib.h>
 
 #include "fuzzutil.h"
-#include "model/chat.h"
-#include "model/tokenizer.h"
+#include "text/chat.h"
+#include "text/tokenizer.h"
 #include "server/openai.h"
 
 #define MAX_MODEL_LEN 1024

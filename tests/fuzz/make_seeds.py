@@ -137,7 +137,7 @@ def read(rel):
 
 
 def seeds_tok():
-    t = "fuzz_tok_load"
+    t = "fuzz_text_load"
     sep = b"\n--8<-- tiktoken.model\n"
     for v in ["vocab768_kimi_linear", "vocab2048_k3"]:
         d = "tests/golden/tok/" + v
@@ -155,7 +155,7 @@ def seeds_tok():
     put(t, "dup_special", json.dumps({"added_tokens_decoder": {
         "1": {"content": "x"}, "2": {"content": "x"}}}).encode() + sep + b"YQ== 0\n")
 
-    t = "fuzz_tok_encode"
+    t = "fuzz_text_encode"
     texts = [
         "Hello, world! The quick brown fox jumps over the lazy dog.",
         "你好，世界。日本語のテキスト、한국어 텍스트",

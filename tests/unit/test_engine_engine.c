@@ -2,7 +2,7 @@
  * single-sequence greedy loop over the model (whatever else is in the batch — invariant 7),
  * aborts and shutdown deliver final events, and every page and slot returns to its pool. */
 #include "engine/engine.h"
-#include "model/init_model.h"
+#include "devtools/init_model.h"
 #include "model/model.h"
 #include "testutil.h"
 

@@ -6,7 +6,7 @@
 #define DS_TEST_ENGINE_PREFIX_HARNESS_H
 
 #include "engine/engine.h"
-#include "model/init_model.h"
+#include "devtools/init_model.h"
 #include "model/model.h"
 #include "testutil.h"
 

@@ -8,7 +8,7 @@
  *    which is undefined behaviour (UBSan: "null pointer passed as argument 2"): any request at
  *    all runs that path, so every test here covers it. */
 #include "engine/engine.h"
-#include "model/init_model.h"
+#include "devtools/init_model.h"
 #include "testutil.h"
 
 #include <pthread.h>

@@ -5,7 +5,7 @@
  * the rule under test. */
 #include "testutil.h"
 
-#include "model/config.h"
+#include "io/config.h"
 
 #include <jansson.h>
 #include <math.h>

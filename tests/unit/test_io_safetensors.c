@@ -2,7 +2,7 @@
  * reader, each built by hand as bytes so the test does not depend on the writer being right. */
 #include "testutil.h"
 
-#include "model/safetensors.h"
+#include "io/safetensors.h"
 
 #include <dirent.h>
 #include <stdio.h>

@@ -6,7 +6,7 @@
 #include "golden_io.h"
 #include "base/devmem.h"
 #include "model/draft.h"
-#include "model/init_model.h"
+#include "devtools/init_model.h"
 #include "testutil.h"
 
 #include <dirent.h>

@@ -3,7 +3,7 @@
  * (chunked KDA vs recurrent, expanded MLA vs absorbed), chunked prefill equals one-shot prefill,
  * and a sequence's logits do not depend on what else is in the batch (invariant 7). */
 #include "golden_io.h"
-#include "model/init_model.h"
+#include "devtools/init_model.h"
 #include "model/model.h"
 #include "testutil.h"
 

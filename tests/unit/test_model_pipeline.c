@@ -2,7 +2,7 @@
  * ranges, run stage after stage with the stream and the banked AttnRes blocks handed across, is
  * bit-exact with the whole model — including blocks that open on one stage and close on the next
  * and a boundary right after a block closes. */
-#include "model/init_model.h"
+#include "devtools/init_model.h"
 #include "model/model.h"
 #include "testutil.h"
 

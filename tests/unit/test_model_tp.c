@@ -4,7 +4,7 @@
  * long enough for the chunked KDA and expanded MLA forms, then decode steps (recurrent KDA,
  * absorbed MLA), on both presets (K3: latent MoE with its norm after the routed sum; Kimi-Linear:
  * low-rank KDA gate, plain MoE). */
-#include "model/init_model.h"
+#include "devtools/init_model.h"
 #include "model/model.h"
 #include "testutil.h"
 

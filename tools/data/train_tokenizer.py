@@ -2,7 +2,7 @@
 """Learns a small byte-level BPE vocabulary on generator text and writes it as Kimi ships one:
 `tiktoken.model` (base64 token bytes, space, rank; ranks 0..255 are the single bytes in byte order)
 and `tokenizer_config.json` with the 256 K3 special tokens at ids n_ranks .. n_ranks + 255, laid
-out like src/model/bpe_train.c writes them for the bundled models.
+out like src/devtools/bpe_train.c writes them for the bundled models.
 
 Rules:
   * text is pre-split with the Kimi pattern (MODEL_SPEC §9.2), so merges never cross pieces;

@@ -8,7 +8,7 @@
 #define DS_KERNELS_H
 
 #include "base/ds_base.h"
-#include "model/safetensors.h"
+#include "io/safetensors.h"
 
 /* ---- ISA selection ----------------------------------------------------------------------------
  */

@@ -230,7 +230,7 @@ int ds_cu_side_join(ds_cu *c, ds_err *err);
  * DS_CUDA_MLA_ALL_HEADS=0 (check_mla_batch covers it). */
 void ds_cu_set_mla_all_heads(ds_cu *c, int on);
 
-/* ---- glue for the model forward (model_cuda.c) ---- */
+/* ---- glue for the model forward (backend/cuda/forward.c) ---- */
 /* Batch-invariant matmuls (see ds_model_opts.batch_invariant): on, every ds_cu_matmul streams the
  * weights with f32 activations in tiles of 8 tokens, so a token's bits never depend on T. */
 void ds_cu_set_batch_invariant(ds_cu *c, int on);
@@ -351,7 +351,7 @@ static inline int32_t ds_cu_argmax_token(const uint64_t *keys, int parts) {
     return best ? (int32_t) ~(uint32_t)best : 0; /* a row of NaN: 0, as ds_argmax */
 }
 
-/* One row's sampling, as ds_row_draw (model/sampler.h) turned into numbers: */
+/* One row's sampling, as ds_row_draw (sample/sampler.h) turned into numbers: */
 typedef struct ds_cu_draw {
     double u;       /* the uniform, [0, 1) */
     float inv_t;    /* 1.0f / temperature, computed as sampler.c does */

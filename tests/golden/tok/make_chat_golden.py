@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes chat_k3.json: K3 prompts rendered by the reference encoder, checked by test_tok_chat.c.
+"""Writes chat_k3.json: K3 prompts rendered by the reference encoder, checked by test_text_chat.c.
 
 The reference is Moonshot's encoding_k3.py as published in NVIDIA-NeMo/Automodel
 (nemo_automodel/components/models/kimi_k3/encoding.py); it is not vendored here. Its segments are

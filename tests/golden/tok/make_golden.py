@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes the tokenizer golden vectors checked by tests/unit/test_tok_tokenizer.c.
+"""Writes the tokenizer golden vectors checked by tests/unit/test_text_tokenizer.c.
 
 Independent references (none of them is the C code):
   * splits.json      — pieces of the MODEL_SPEC §9.2 pattern in its original form, with `&&` class

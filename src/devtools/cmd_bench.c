@@ -1,0 +1,477 @@
+/* cmd_bench.c — `deltaserve bench --model DIR`: prompt and decode throughput of the forward pass,
+ * each reported against this machine's limits measured in the same run (a read-bandwidth loop and
+ * an FMA loop), so every figure says how far it is from the hardware. With -tp / -pp the same
+ * steps run on every rank of the job, each step ending as the engine's do: the last stage's
+ * greedy tokens broadcast to every rank (the next step's input depends on them). */
+#include "cli/args.h"
+#include "devtools/bench_limits.h"
+#include "base/devmem.h"
+#include "cli/commands.h"
+#include "cli/ranks.h"
+#include "parallel/pipeline.h"
+#include "sample/sampler.h"
+#include "model/model.h"
+
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { BENCH_BLOCK = 64 };
+
+enum { MAX_BATCHES = 8 };
+
+typedef struct bench_result {
+    double prompt_tps, prompt_gflops;
+    double prompt_gemm_tflops, prompt_gemm_ms; /* its cuBLAS weight GEMMs alone (profile on) */
+    int n_batches;
+    int batch[MAX_BATCHES];
+    double decode_tps[MAX_BATCHES], decode_gbs[MAX_BATCHES], decode_gflops[MAX_BATCHES];
+    double decode_ms[MAX_BATCHES]; /* per step: the time per output token of each sequence */
+    /* --full-logits: sampling a step's rows on the host, ms, on one thread and on sample_threads */
+    double sample_ms1[MAX_BATCHES], sample_msn[MAX_BATCHES];
+    int sample_threads;
+    /* FNV-1a of every greedy token of the decode steps, in order: the same model gives the same
+     * tokens alone or split over ranks (the tests compare them); 0 when the steps drew or
+     * returned logits */
+    uint64_t ids_hash[MAX_BATCHES];
+} bench_result;
+
+/* ms to sample B rows of logits [B][V] (temperature 1, top-p 0.95: a typical sampled request)
+ * on nt threads, as the engine does a step's rows (a scratch a thread, an RNG a row). */
+static double time_sampling(float *logits, int B, int V, int nt, ds_err *err) {
+    ds_sample_scratch *sc[16] = {0};
+    nt = DS_MAX(1, DS_MIN(nt, 16));
+    double ms = -1;
+    for (int t = 0; t < nt; t++)
+        if (!(sc[t] = ds_sample_scratch_new(V, err))) goto out;
+    ds_sample_params p;
+    ds_sample_params_default(&p);
+    p.top_p = 0.95f;
+    double best = 1e30;
+    for (int rep = 0; rep < 3; rep++) {
+        double t0 = ds_now();
+#pragma omp parallel for schedule(dynamic) num_threads(nt)
+        for (int b = 0; b < B; b++) {
+            ds_rng rng;
+            ds_rng_seed(&rng, (uint64_t)b + 1);
+            ds_sample_token(logits + (size_t)b * V, V, &p, NULL, 1, NULL, 0, &rng,
+                            sc[omp_get_thread_num()], NULL, 0);
+        }
+        best = DS_MIN(best, ds_now() - t0);
+    }
+    ms = best * 1e3;
+out:
+    for (int t = 0; t < nt; t++) ds_sample_scratch_free(sc[t]);
+    return ms;
+}
+
+/* This rank's part of the job and its stage hand-over buffers; root is the world rank whose
+ * greedy tokens every rank receives after a step (the last stage's first TP rank). */
+typedef struct bench_job {
+    ds_rank r;
+    ds_pp_bufs io;
+    int root;
+} bench_job;
+
+/* One forward step of the whole job over sb[n]; picks[n_picks] (the last stage's greedy tokens,
+ * or NULL) then reach every rank, as sampled tokens do in the engine. */
+static int job_step(bench_job *j, ds_kv_pool *pool, ds_seq_batch *sb, int n, int32_t *picks,
+                    int n_picks, ds_err *err) {
+    if (ds_pp_step(j->r.comm, j->r.m, pool, sb, n, &j->io, err)) return DS_ERR;
+    if (j->r.comm->size == 1) return DS_OK;
+    if (picks) return ds_comm_bcast_from(j->r.comm, j->root, picks, n_picks * sizeof *picks, err);
+    return ds_comm_barrier(j->r.comm, err); /* the step ends on every rank together */
+}
+
+/* v <- its sum over every rank of the job (each rank broadcasts its own in turn: once, at start).
+ */
+static int job_sum(ds_comm *c, double *v, ds_err *err) {
+    if (c->size == 1) return DS_OK;
+    double sum = 0;
+    for (int r = 0; r < c->size; r++) {
+        double x = r == c->rank ? *v : 0;
+        if (ds_comm_bcast_from(c, r, &x, sizeof x, err)) return DS_ERR;
+        sum += x;
+    }
+    *v = sum;
+    return DS_OK;
+}
+
+/* "12.3%" of lim into buf, or "-" where no fraction is reported (lim 0). */
+static const char *pct(char *buf, size_t cap, double v, double lim) {
+    if (lim > 0)
+        snprintf(buf, cap, "%.1f%%", 100 * v / lim);
+    else
+        snprintf(buf, cap, "-");
+    return buf;
+}
+
+/* KDA state slots where the model keeps them: device memory on a GPU (the forward would
+ * otherwise stage host slots through the bus every step). */
+static float *alloc_slots(ds_model *m, size_t n, ds_err *err) {
+    size_t bytes = DS_MAX(n * ds_model_slot_floats(m) * sizeof(float), 1);
+    float *p = ds_dmem_alloc(ds_model_on_device(m), bytes, err);
+    if (p) ds_dmem_zero(ds_model_on_device(m), p, bytes);
+    return p;
+}
+
+/* Decode `steps` tokens for each of B sequences (after a short prompt each), one batched
+ * forward per step; returns seconds per step (best of the steps after the first). Each step ends
+ * with every sequence's greedy token on the host, picked beside the logits as the server does for
+ * greedy requests, or (full_logits) with every row of logits on the host, as a request that
+ * samples or wants logprobs needs them, or (sampled) with every row's token drawn where the
+ * logits are (temperature 1, top-p 0.95), as the server does for a sampled request. */
+static int run_decode(bench_job *j, int B, int prompt, int steps, int full_logits, int sampled,
+                      double *sec_per_step, bench_result *res, int slot, ds_err *err) {
+    ds_model *m = j->r.m;
+    const int last = j->r.last; /* only the last stage has logits */
+    const ds_config *c = ds_model_config(m);
+    int ctx = prompt + steps + 1, pages_per = (ctx + BENCH_BLOCK - 1) / BENCH_BLOCK;
+    ds_kv_pool pool;
+    if (ds_kv_pool_init(&pool, m, B * pages_per, BENCH_BLOCK, err)) return DS_ERR;
+    int rc = DS_ERR;
+    size_t slot_n = ds_model_slot_floats(m);
+    float *slots = alloc_slots(m, (size_t)B, err);                            /* [B][slot] */
+    int32_t *table = ds_malloc((size_t)B * pages_per * sizeof(int32_t), err); /* [B][pages] */
+    int32_t *ids = ds_malloc((size_t)B * ctx * sizeof(int32_t), err);         /* [B][ctx] */
+    ds_seq_batch *sb = ds_calloc((size_t)B, sizeof *sb, err);
+    float *logits = ds_dmem_host_alloc((size_t)B * c->vocab_size * sizeof(float), err); /* [B][V] */
+    int32_t *picks = ds_calloc((size_t)B, sizeof(int32_t), err);                        /* [B] */
+    ds_row_draw *draws = ds_calloc((size_t)B, sizeof *draws, err);                      /* [B] */
+    if (!slots || !table || !ids || !sb || !logits || !picks || !draws) goto out;
+    for (int i = 0; i < B * pages_per; i++) table[i] = i;
+    ds_rng rng;
+    ds_rng_seed(&rng, 1);
+    for (int i = 0; i < B * ctx; i++) ids[i] = (int32_t)(ds_rng_next(&rng) % 256);
+    for (int b = 0; b < B; b++) {
+        sb[b] = (ds_seq_batch){.tokens = ids + (size_t)b * ctx,
+                               .n = prompt,
+                               .slot = slots + (size_t)b * slot_n,
+                               .block_table = table + (size_t)b * pages_per};
+    }
+    /* the context, a few sequences per forward (as the scheduler's token budget would) */
+    for (int b0 = 0, nb; b0 < B; b0 += nb) {
+        nb = DS_MAX(1, DS_MIN(B - b0, 8192 / prompt));
+        if (job_step(j, &pool, sb + b0, nb, NULL, 0, err)) goto out;
+    }
+    ds_model_profile_report(m, NULL, NULL); /* the profile is of the decode steps only */
+    double best = 1e30;
+    res->ids_hash[slot] = full_logits || sampled ? 0 : 0xcbf29ce484222325ull; /* FNV offset */
+    for (int s = 0; s < steps; s++) {
+        for (int b = 0; b < B; b++) {
+            sb[b].tokens = ids + (size_t)b * ctx + prompt + s;
+            sb[b].n = 1;
+            sb[b].pos0 = prompt + s;
+            sb[b].logits = last && full_logits ? logits + (size_t)b * c->vocab_size : NULL;
+            sb[b].argmax = last && !full_logits ? picks + b : NULL;
+            sb[b].n_logits = last;
+            if (last && sampled) {
+                ds_sample_params_default(&draws[b].p);
+                draws[b].p.top_p = 0.95f;
+                draws[b].u = ds_rng_uniform(&rng);
+                sb[b].draws = draws + b;
+            }
+        }
+        double t0 = ds_now();
+        if (job_step(j, &pool, sb, B, picks, B, err)) goto out;
+        double dt = ds_now() - t0;
+        if (s > 0 && dt < best) best = dt;
+        for (int b = 0; !full_logits && !sampled && b < B; b++)
+            for (int k = 0; k < 4; k++)
+                res->ids_hash[slot] =
+                    (res->ids_hash[slot] ^ (((uint32_t)picks[b] >> (8 * k)) & 0xff)) *
+                    0x100000001b3ull;
+    }
+    *sec_per_step = best;
+    if (full_logits && last) { /* what the host then does with the rows */
+        res->sample_ms1[slot] = time_sampling(logits, B, c->vocab_size, 1, err);
+        res->sample_msn[slot] = time_sampling(logits, B, c->vocab_size, res->sample_threads, err);
+        if (res->sample_ms1[slot] < 0 || res->sample_msn[slot] < 0) goto out;
+    }
+    rc = DS_OK;
+out:
+    ds_dmem_free(ds_model_on_device(m), slots);
+    free(table);
+    free(ids);
+    free(sb);
+    ds_dmem_host_free(logits);
+    free(picks);
+    free(draws);
+    ds_kv_pool_free(&pool);
+    return rc;
+}
+
+static int run_prompt(bench_job *j, int T, int reps, double *sec, ds_err *err) {
+    ds_model *m = j->r.m;
+    const ds_config *c = ds_model_config(m);
+    int pages = (T + BENCH_BLOCK - 1) / BENCH_BLOCK;
+    ds_kv_pool pool;
+    if (ds_kv_pool_init(&pool, m, pages, BENCH_BLOCK, err)) return DS_ERR;
+    int rc = DS_ERR;
+    float *slot = alloc_slots(m, 1, err); /* [slot] */
+    int32_t *table = ds_malloc((size_t)pages * sizeof(int32_t), err);
+    int32_t *ids = ds_malloc((size_t)T * sizeof(int32_t), err);
+    float *logits = ds_malloc((size_t)c->vocab_size * sizeof(float), err);
+    if (!slot || !table || !ids || !logits) goto out;
+    for (int i = 0; i < pages; i++) table[i] = i;
+    ds_rng rng;
+    ds_rng_seed(&rng, 2);
+    for (int i = 0; i < T; i++) ids[i] = (int32_t)(ds_rng_next(&rng) % 256);
+    double best = 1e30;
+    for (int r = 0; r < reps; r++) {
+        ds_dmem_zero(ds_model_on_device(m), slot, ds_model_slot_floats(m) * sizeof(float));
+        ds_seq_batch sb = {ids,       T,    0,    slot, table, j->r.last ? logits : NULL,
+                           j->r.last, NULL, NULL, NULL, 0,     NULL,
+                           NULL,      NULL, NULL};
+        if (j->r.comm->size > 1 && ds_comm_barrier(j->r.comm, err)) goto out; /* start together */
+        double t0 = ds_now();
+        if (job_step(j, &pool, &sb, 1, NULL, 0, err)) goto out;
+        double dt = ds_now() - t0;
+        if (dt < best) best = dt;
+        if (r == 0 && reps > 1) ds_model_profile_report(m, NULL, NULL); /* warm reps only */
+    }
+    *sec = best;
+    rc = DS_OK;
+out:
+    ds_dmem_free(ds_model_on_device(m), slot);
+    free(table);
+    free(ids);
+    free(logits);
+    ds_kv_pool_free(&pool);
+    return rc;
+}
+
+/* "1,8,64" -> batch sizes; 0 and a message on a bad list. */
+static int parse_batches(const char *list, int *out, ds_err *err) {
+    int n = 0;
+    const char *p = list;
+    while (*p) {
+        char *end;
+        long v = strtol(p, &end, 10);
+        if (end == p || v < 1 || v > 4096 || (*end && *end != ','))
+            return ds_errf(err, "--batch-sizes '%s': expected numbers 1..4096 separated by commas",
+                           list),
+                   0;
+        if (n == MAX_BATCHES)
+            return ds_errf(err, "--batch-sizes '%s': at most %d sizes", list, MAX_BATCHES), 0;
+        out[n++] = (int)v;
+        p = *end ? end + 1 : end;
+    }
+    if (!n) ds_errf(err, "--batch-sizes is empty");
+    return n;
+}
+
+int ds_cmd_bench(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "serve")) return ds_cmd_bench_serve(argc - 1, argv + 1);
+    const char *model_dir = NULL, *json_path = NULL, *device = "cpu", *load_format = "safetensors";
+    const char *batch_list = "1,16", *partition = "";
+    int prompt_tokens = 512, steps = 8, reps = 2, batch_invariant = 0, decode_ctx = 32;
+    int enforce_eager = 0, full_logits = 0, sampled = 0, tp = 1, pp = 1;
+    static const char *const FORMATS[] = {"safetensors", "random", NULL};
+    ds_arg opts[] = {
+        {"model", "m", DS_ARG_STRING, &model_dir, "DIR", "checkpoint folder", .required = 1},
+        DS_OPT("prompt-tokens", NULL, DS_ARG_INT, &prompt_tokens, "N", "prompt length measured"),
+        DS_OPT("decode-steps", NULL, DS_ARG_INT, &steps, "N", "decode steps per batch size"),
+        DS_OPT("decode-context", NULL, DS_ARG_INT, &decode_ctx, "N",
+               "prompt tokens each sequence holds before the decode steps"),
+        DS_OPT("batch-sizes", NULL, DS_ARG_STRING, &batch_list, "B,B,..",
+               "decode batch sizes measured"),
+        DS_OPT("reps", NULL, DS_ARG_INT, &reps, "N", "prompt repetitions (best is kept)"),
+        {"device", NULL, DS_ARG_STRING, &device, "D", "cpu, cuda or auto",
+         .choices = ds_device_names},
+        DS_OPT("batch-invariant", NULL, DS_ARG_BOOL, &batch_invariant, NULL,
+               "CUDA: weight-streaming matmuls for every batch size (see serve --help)"),
+        DS_OPT("enforce-eager", NULL, DS_ARG_BOOL, &enforce_eager, NULL,
+               "CUDA: no CUDA graphs (decode steps are replayed from graphs by default)"),
+        DS_OPT("full-logits", NULL, DS_ARG_BOOL, &full_logits, NULL,
+               "decode steps return every row's logits to the host (as sampled requests need) "
+               "instead of its greedy token"),
+        DS_OPT("sampled", NULL, DS_ARG_BOOL, &sampled, NULL,
+               "decode steps draw every row's token where the logits are (temperature 1, top-p "
+               "0.95), as for a sampled request"),
+        {"load-format", NULL, DS_ARG_STRING, &load_format, "F",
+         "safetensors, or random: weights drawn for config.json's shape (no files read; made in "
+         "GPU memory on cuda)",
+         .choices = FORMATS},
+        DS_OPT("tensor-parallel-size", "tp", DS_ARG_INT, &tp, "T", "tensor-parallel ranks"),
+        DS_OPT("pipeline-parallel-size", "pp", DS_ARG_INT, &pp, "P", "pipeline stages"),
+        DS_OPT("pp-layer-partition", NULL, DS_ARG_STRING, &partition, "2,3,3,2",
+               "layers per stage (default: even, remainder to the middle stages)"),
+        DS_OPT("json", NULL, DS_ARG_STRING, &json_path, "FILE", "also write the results as JSON"),
+    };
+    ds_args a = {
+        "deltaserve bench",
+        "Prompt tokens/s at --prompt-tokens and decode tokens/s at each --batch-sizes,\n"
+        "with achieved GB/s and GFLOP/s as fractions of this machine's limits measured in\n"
+        "the same run: on the CPU a read-bandwidth loop and an FMA loop, on a GPU the\n"
+        "device copy rate and cuBLAS's BF16 GEMM rate.\n"
+        "On a GPU, DS_CUDA_PROFILE=1 also prints each op's device time per step of every case\n"
+        "(with --enforce-eager: a graph replay has no per-op times).\n"
+        "With -tp / -pp it runs on T x P ranks under MPI (re-launching itself through mpirun\n"
+        "unless started by it; rank r of a host uses GPU r mod count); the last stage's first\n"
+        "rank reports, bytes and FLOPs summed over the ranks.\n"
+        "`deltaserve bench serve --help`: the load generator for a running server.",
+        opts, (int)DS_ARRAY_LEN(opts)};
+    int rc;
+    if (ds_args_parse_cli(&a, argc, argv, &rc)) return rc;
+    ds_err err = {{0}};
+    bench_result r = {0};
+    if (prompt_tokens < 1 || steps < 2 || reps < 1 || decode_ctx < 1) {
+        fprintf(stderr, "bench: need --prompt-tokens >= 1, --decode-steps >= 2, --reps >= 1, "
+                        "--decode-context >= 1\n");
+        return 2;
+    }
+    if (!(r.n_batches = parse_batches(batch_list, r.batch, &err))) {
+        fprintf(stderr, "bench: %s\n", err.msg);
+        return 2;
+    }
+    int counts[DS_MAX_LAYERS];
+    if ((rc = ds_rank_prepare("bench", model_dir, tp, pp, partition, counts, argc, argv)) >= 0)
+        return rc;
+    ds_model_opts mo;
+    ds_model_opts_default(&mo);
+    mo.device = ds_device_from_name(device);
+    mo.batch_invariant = batch_invariant;
+    mo.enforce_eager = enforce_eager;
+    mo.load_random = !strcmp(load_format, "random");
+    bench_job job;
+    memset(&job, 0, sizeof job);
+    double t_load = ds_now();
+    if (ds_rank_open(model_dir, tp, pp, counts, &mo, &job.r, &err)) goto fail;
+    t_load = ds_now() - t_load;
+    ds_model *m = job.r.m;
+    ds_comm *comm = job.r.comm;
+    job.root = (pp - 1) * tp;
+    const int report = comm->rank == job.root, alone = comm->size == 1;
+    int gpu = ds_model_on_device(m), threads = omp_get_max_threads();
+    /* the limits: bytes/s and FLOP/s of this machine, measured now by the reporting rank while
+     * the others wait (ranks may share a GPU) */
+    double bw = 0, peak = 0;
+    if (report && gpu) {
+        double tf;
+        if (ds_model_device_limits(m, &bw, &tf, &err)) goto fail;
+        peak = tf * 1e3; /* GFLOP/s */
+    } else if (report) {
+        bw = ds_bench_read_bandwidth((size_t)1 << 30, threads);
+        peak = ds_bench_fma_peak(threads);
+    }
+    if (!alone && ds_comm_barrier(comm, &err)) goto fail;
+    r.sample_threads = DS_MIN(threads, 16); /* the engine's sampling threads */
+    /* what a token costs the whole job: FLOPs and a batch-1 step's reads (the weights, then the
+     * sequence's state and the f32 vectors, at the shortest context a timed step has:
+     * decode_ctx + 1 rows, the fewest bytes), summed over the ranks */
+    double flops_prompt = ds_model_token_flops(m, 0), flops_decode = ds_model_token_flops(m, 1);
+    double weight_bytes = ds_model_decode_bytes(m);
+    double state_bytes = ds_model_decode_state_bytes(m, decode_ctx + 1);
+    if (job_sum(comm, &flops_prompt, &err) || job_sum(comm, &flops_decode, &err) ||
+        job_sum(comm, &weight_bytes, &err) || job_sum(comm, &state_bytes, &err))
+        goto fail;
+    const double step_bytes = weight_bytes + state_bytes;
+    double sec;
+    if (run_prompt(&job, prompt_tokens, reps, &sec, &err)) goto fail;
+    char title[48];
+    snprintf(title, sizeof title, "prompt %d", prompt_tokens);
+    r.prompt_gemm_tflops = ds_model_profile_gemm_tflops(m, &r.prompt_gemm_ms);
+    if (report) ds_model_profile_report(m, stderr, title);
+    r.prompt_tps = prompt_tokens / sec;
+    r.prompt_gflops = flops_prompt * prompt_tokens / sec / 1e9;
+    for (int i = 0; i < r.n_batches; i++) {
+        int B = r.batch[i];
+        if (run_decode(&job, B, decode_ctx, steps, full_logits, sampled, &sec, &r, i, &err))
+            goto fail;
+        snprintf(title, sizeof title, "decode batch %d", B);
+        if (report) ds_model_profile_report(m, stderr, title);
+        r.decode_ms[i] = sec * 1e3;
+        r.decode_tps[i] = B / sec;
+        /* batch 1 reads every active weight once per token; larger batches share the reads, so
+         * only batch 1 is reported as bandwidth */
+        r.decode_gbs[i] = B == 1 ? step_bytes / sec / 1e9 : 0;
+        r.decode_gflops[i] = flops_decode * B / sec / 1e9;
+    }
+    if (!report) goto done;
+    if (!alone) /* the limits are one device's: fractions of them only for one process */
+        printf("ranks: %d (tp %d x pp %d), this rank: %s; GB/s and GFLOP/s summed over the ranks, "
+               "no fractions of one device's limits\n",
+               comm->size, tp, pp, comm->who);
+    printf("deltaserve bench  model=%s%s  device=%s  weights=%.2f GB (loaded in %.1f s)\n",
+           model_dir, mo.load_random ? " (random weights)" : "", ds_model_device_name(m),
+           ds_model_weight_bytes(m) / 1e9, t_load);
+    if (gpu)
+        printf("limits: device copy %.0f GB/s, cuBLAS BF16 GEMM %.0f TFLOP/s; %s%s%s\n", bw,
+               peak / 1e3, enforce_eager ? "eager" : "CUDA graphs",
+               batch_invariant ? ", batch-invariant matmuls" : "",
+               full_logits ? ", decode returns full logits"
+               : sampled   ? ", decode draws tokens (T 1, top-p 0.95)"
+                           : ", decode returns greedy tokens");
+    else
+        printf("limits: read bandwidth %.2f GB/s, FMA peak %.1f GFLOP/s (%d threads)\n", bw, peak,
+               threads);
+    printf("decode bytes per token at batch 1: %.3f GB (weights %.3f GB; state and vectors %.1f MB "
+           "at context %d)\n",
+           step_bytes / 1e9, weight_bytes / 1e9, state_bytes / 1e6, decode_ctx + 1);
+    printf("%-18s %12s %10s %12s %10s %12s %10s\n", "case", "tokens/s", "ms/step", "GB/s",
+           gpu ? "of copy" : "of read", "GFLOP/s", gpu ? "of GEMM" : "of peak");
+    char name[48], gbs[24], fb[16], fp[16];
+    const double bw_lim = alone ? bw : 0, peak_lim = alone ? peak : 0;
+    snprintf(name, sizeof name, "prompt %d", prompt_tokens);
+    printf("%-18s %12.1f %10.2f %12s %10s %12.1f %10s\n", name, r.prompt_tps,
+           1e3 * prompt_tokens / r.prompt_tps, "-", "-", r.prompt_gflops,
+           pct(fp, sizeof fp, r.prompt_gflops, peak_lim));
+    for (int i = 0; i < r.n_batches; i++) {
+        snprintf(name, sizeof name, "decode batch %d", r.batch[i]);
+        snprintf(gbs, sizeof gbs, r.decode_gbs[i] > 0 ? "%.2f" : "-", r.decode_gbs[i]);
+        printf("%-18s %12.1f %10.3f %12s %10s %12.1f %10s\n", name, r.decode_tps[i], r.decode_ms[i],
+               gbs, r.decode_gbs[i] > 0 ? pct(fb, sizeof fb, r.decode_gbs[i], bw_lim) : "-",
+               r.decode_gflops[i], pct(fp, sizeof fp, r.decode_gflops[i], peak_lim));
+    }
+    if (r.prompt_gemm_tflops > 0)
+        printf("prompt %d's cuBLAS weight GEMMs alone (profile): %.2f ms a prompt, %.1f TFLOP/s "
+               "(%s of GEMM)\n",
+               prompt_tokens, r.prompt_gemm_ms, r.prompt_gemm_tflops,
+               pct(fp, sizeof fp, r.prompt_gemm_tflops * 1e3, peak_lim));
+    for (int i = 0; full_logits && i < r.n_batches; i++)
+        printf("host sampling batch %d (T 1, top-p 0.95, V %d): %.3f ms on 1 thread, %.3f ms on "
+               "%d\n",
+               r.batch[i], ds_model_config(m)->vocab_size, r.sample_ms1[i], r.sample_msn[i],
+               r.sample_threads);
+    if (json_path) {
+        FILE *f = fopen(json_path, "w");
+        if (!f) {
+            ds_errf(&err, "%s: cannot write", json_path);
+            goto fail;
+        }
+        fprintf(f,
+                "{\"model\": \"%s\", \"device\": \"%s\", \"random_weights\": %d, \"threads\": %d, "
+                "\"cuda_graphs\": %d, \"batch_invariant\": %d, \"tp\": %d, \"pp\": %d, "
+                "\"bw_gbs\": %.3f, \"peak_gflops\": %.3f, \"prompt_tokens\": %d, "
+                "\"prompt_tps\": %.3f, \"prompt_gflops\": %.3f, \"prompt_frac_peak\": %.4f, "
+                "\"prompt_gemm_tflops\": %.3f, \"prompt_gemm_frac_peak\": %.4f, \"decode\": [",
+                model_dir, ds_model_device_name(m), mo.load_random, threads, gpu && !enforce_eager,
+                batch_invariant, tp, pp, bw, peak, prompt_tokens, r.prompt_tps, r.prompt_gflops,
+                alone ? r.prompt_gflops / peak : 0, r.prompt_gemm_tflops,
+                alone && peak > 0 ? r.prompt_gemm_tflops * 1e3 / peak : 0);
+        for (int i = 0; i < r.n_batches; i++)
+            fprintf(f,
+                    "%s{\"batch\": %d, \"tps\": %.3f, \"ms_per_step\": %.4f, \"gbs\": %.3f, "
+                    "\"frac_bw\": %.4f, \"gflops\": %.3f, \"ids_hash\": \"%016llx\"}",
+                    i ? ", " : "", r.batch[i], r.decode_tps[i], r.decode_ms[i], r.decode_gbs[i],
+                    alone ? r.decode_gbs[i] / bw : 0, r.decode_gflops[i],
+                    (unsigned long long)r.ids_hash[i]);
+        fprintf(f, "]}\n");
+        fclose(f);
+    }
+done:
+    ds_pp_bufs_free(&job.io);
+    ds_model_free(job.r.m);
+    return ds_comm_finish(job.r.comm, 0);
+fail:
+    if (job.r.comm && job.r.comm->size > 1 &&
+        strncmp(err.msg, job.r.comm->who, strlen(job.r.comm->who)))
+        fprintf(stderr, "bench: %s: %s\n", job.r.comm->who, err.msg);
+    else
+        fprintf(stderr, "bench: %s\n", err.msg);
+    ds_pp_bufs_free(&job.io);
+    ds_model_free(job.r.m);
+    return job.r.comm ? ds_comm_finish(job.r.comm, 1) : 1;
+}
