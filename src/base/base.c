@@ -1,5 +1,5 @@
 #define _POSIX_C_SOURCE 200809L
-#include "ds_base.h"
+#include "base/ds_base.h"
 
 #include <errno.h>
 #include <math.h>
