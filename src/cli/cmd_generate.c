@@ -144,7 +144,11 @@ int ds_cmd_generate(int argc, char **argv) {
     out_ids = ds_malloc((size_t)(max_tokens + 1) * sizeof(int32_t), &err);
     if (!logits || !probs || !idx || !out_ids || one_seq_init(&s, m, n + max_tokens + 1, &err))
         goto done;
-    ds_sampling sp = {(float)temperature, (float)top_p, top_k, 0.0f};
+    ds_sample_params sp;
+    ds_sample_params_default(&sp);
+    sp.temperature = (float)temperature;
+    sp.top_p = (float)top_p;
+    sp.top_k = top_k;
     ds_rng rng;
     ds_rng_seed(&rng, (uint64_t)seed);
     int32_t stop = c->eos_token_id; /* the end-of-turn id of config.json, not [EOS] */

@@ -180,8 +180,7 @@ void ds_engine_opts_default(ds_engine_opts *o) {
 
 void ds_request_params_default(ds_request_params *p) {
     memset(p, 0, sizeof *p);
-    p->temperature = 1.0f;
-    p->top_p = 1.0f;
+    ds_sample_params_default(&p->sample);
     p->max_tokens = 16;
     p->logprobs = -1;
     p->n = 1;
@@ -872,11 +871,6 @@ static int stop_ids_of(const ds_engine *e, const ds_request_params *p, int32_t *
     return n;
 }
 
-static ds_sample_params sample_params_of(const ds_request_params *p) {
-    return (ds_sample_params){
-        p->temperature, p->top_p, p->top_k, p->min_p, p->presence_penalty, p->frequency_penalty};
-}
-
 /* Can the model pick this choice's tokens of the coming step itself (ds_seq_batch.argmax), so
  * that its logits need not come back? When every row the step samples for it is a plain argmax
  * for its sampler (ds_sample_is_argmax); rows further ahead only allow stops more, so the first
@@ -884,7 +878,7 @@ static ds_sample_params sample_params_of(const ds_request_params *p) {
 static int picks_greedy(const ds_engine *e, const choice *ch) {
     const ds_request_params *p = &ch->req->spec.params;
     int32_t stop_ids[DS_MAX_STOP + 1];
-    ds_sample_params sp = sample_params_of(p);
+    const ds_sample_params sp = p->sample;
     return ds_sample_is_argmax(&sp, ch->n_generated >= p->min_tokens, stop_ids_of(e, p, stop_ids),
                                p->logprobs);
 }
@@ -899,7 +893,7 @@ static int model_draws(const choice *ch) {
 /* Penalised counts a step's draws of one choice need: each row's table and the drafts before it. */
 static size_t draw_counts_need(const choice *ch, int n_rows) {
     const ds_request_params *p = &ch->req->spec.params;
-    if (p->presence_penalty == 0 && p->frequency_penalty == 0) return 0;
+    if (p->sample.presence_penalty == 0 && p->sample.frequency_penalty == 0) return 0;
     return (size_t)n_rows * ((size_t)ch->counts.n + (size_t)n_rows);
 }
 
@@ -911,7 +905,7 @@ static size_t draw_counts_need(const choice *ch, int n_rows) {
 static void set_draws(const ds_engine *e, const choice *ch, const int32_t *drafts, int n_rows,
                       ds_row_draw *d, ds_token_count *counts, int32_t *stops) {
     const ds_request_params *p = &ch->req->spec.params;
-    ds_sample_params sp = sample_params_of(p);
+    const ds_sample_params sp = p->sample;
     int n_stop = stop_ids_of(e, p, stops), penalise = draw_counts_need(ch, 1) > 0;
     ds_rng rng = ch->rng;
     for (int j = 0; j < n_rows; j++) {
@@ -943,7 +937,7 @@ static int32_t choose(ds_engine *e, choice *ch, float *row, const int32_t *pick,
     const ds_request_params *p = &ch->req->spec.params;
     int32_t stop_ids[DS_MAX_STOP + 1];
     int n_stop = stop_ids_of(e, p, stop_ids);
-    ds_sample_params sp = sample_params_of(p);
+    const ds_sample_params sp = p->sample;
     int allow_stop = ch->n_generated + ahead >= p->min_tokens;
     int32_t tok =
         row ? ds_sample_token(row, e->V, &sp, &ch->counts, allow_stop, stop_ids, n_stop, &ch->rng,
@@ -1718,7 +1712,8 @@ static void *engine_main(void *arg) {
         inflight *f = &e->fl[e->micro % (uint64_t)e->n_fl];
         complete(e, f);
         retry_deferred_aborts(e);
-        if (e->head && e->opts.test_step_hook) e->opts.test_step_hook(e->opts.test_step_ctx, e->micro);
+        if (e->head && e->opts.test_step_hook)
+            e->opts.test_step_hook(e->opts.test_step_ctx, e->micro);
         if (take_inbox(e)) break;
         update_queue_stats(e);
         launch(e, f, (int)(e->micro % (uint64_t)e->n_fl));

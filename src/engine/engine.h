@@ -11,6 +11,7 @@
 #define DS_ENGINE_H
 
 #include "base/ds_base.h"
+#include "sample/sampler.h"
 #include "text/tokenizer.h"
 
 typedef struct ds_engine ds_engine;
@@ -79,18 +80,14 @@ enum { DS_RELAY_PARTIAL_SUM = 0, DS_RELAY_PLAIN = 1 };
 
 void ds_engine_opts_default(ds_engine_opts *o);
 
-#define DS_MAX_STOP     16
-#define DS_MAX_LOGPROBS 20
+#define DS_MAX_STOP 16
 
 typedef struct ds_request_params {
-    float temperature; /* default 1.0; 0 = greedy */
-    float top_p;       /* default 1 */
-    int top_k;         /* default 0 (off) */
-    float min_p;       /* default 0 */
+    ds_sample_params sample; /* how a token is drawn (sample/sampler.h: the one type from the
+                                request's JSON to the draw kernels; its defaults are there) */
     int has_seed;
     uint64_t seed;
-    float presence_penalty, frequency_penalty; /* default 0 */
-    int max_tokens;                            /* default 16; capped by the context limit */
+    int max_tokens; /* default 16; capped by the context limit */
     int min_tokens; /* default 0: stop tokens and strings are ignored before this */
     int ignore_eos;
     int32_t stop_token_ids[DS_MAX_STOP];

@@ -18,13 +18,6 @@ void ds_sample_params_default(ds_sample_params *p) {
     p->top_p = 1.0f;
 }
 
-void ds_sampling_default(ds_sampling *s) {
-    s->temperature = 1.0f;
-    s->top_p = 1.0f;
-    s->top_k = 0;
-    s->min_p = 0.0f;
-}
-
 /* ---- token counts ---------------------------------------------------------------------- */
 
 static uint32_t hash_id(int32_t id) {
@@ -550,14 +543,8 @@ int ds_sample_is_argmax(const ds_sample_params *p, int allow_stop, int n_stop_id
            p->frequency_penalty == 0 && (allow_stop || n_stop_ids == 0) && logprobs < 0;
 }
 
-int32_t ds_sample(float *logits, int V, const ds_sampling *p, ds_rng *rng, float *scratch,
+int32_t ds_sample(float *logits, int V, const ds_sample_params *p, ds_rng *rng, float *scratch,
                   int32_t *idx) {
-    ds_sample_params sp;
-    ds_sample_params_default(&sp);
-    sp.temperature = p->temperature;
-    sp.top_p = p->top_p;
-    sp.top_k = p->top_k;
-    sp.min_p = p->min_p;
     ds_sample_scratch s = {scratch, idx, NULL, V};
-    return ds_sample_token(logits, V, &sp, NULL, 1, NULL, 0, rng, &s, NULL, 0);
+    return ds_sample_token(logits, V, p, NULL, 1, NULL, 0, rng, &s, NULL, 0);
 }

@@ -13,7 +13,7 @@
 
 #include "base/ds_base.h"
 
-#define DS_MAX_LOGPROBS 20 /* same value as engine.h (an identical redefinition is allowed) */
+#define DS_MAX_LOGPROBS 20 /* the most top_logprobs a request may ask for */
 
 typedef struct ds_sample_params {
     float temperature;                         /* < 1e-5: greedy (lowest id among equal maxima) */
@@ -24,16 +24,6 @@ typedef struct ds_sample_params {
 } ds_sample_params;
 
 void ds_sample_params_default(ds_sample_params *p); /* T 1, top_p 1, everything else off */
-
-/* The generate command's four knobs (its callers initialise it positionally). */
-typedef struct ds_sampling {
-    float temperature; /* 0: greedy */
-    float top_p;       /* 1: off */
-    int top_k;         /* 0 or <0: off */
-    float min_p;       /* 0: off */
-} ds_sampling;
-
-void ds_sampling_default(ds_sampling *s);
 
 /* Token id -> how often it was generated, for one sequence. Open addressing with linear probing:
  * V is 163840 but a request generates few distinct tokens, so a dense [V] array per sequence
@@ -133,7 +123,7 @@ int ds_sample_is_argmax(const ds_sample_params *p, int allow_stop, int n_stop_id
 
 /* The simple form the generate command uses: no penalties, stops or logprobs. scratch: [V] floats
  * and idx: [V] ints of caller memory. */
-int32_t ds_sample(float *logits, int V, const ds_sampling *p, ds_rng *rng, float *scratch,
+int32_t ds_sample(float *logits, int V, const ds_sample_params *p, ds_rng *rng, float *scratch,
                   int32_t *idx);
 
 #endif

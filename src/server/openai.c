@@ -402,14 +402,14 @@ static int parse_fields(json_t *root, const char *served_name, int vocab_size, d
                              "min_tokens: must be <= max_tokens (%d), got %d", pp->max_tokens,
                              pp->min_tokens);
 
-    if (get_num(root, "temperature", 0, 2, 0, &pp->temperature, e) ||
-        get_num(root, "top_p", 0, 1, 1, &pp->top_p, e) ||
-        get_num(root, "min_p", 0, 1, 0, &pp->min_p, e) ||
-        get_num(root, "presence_penalty", -2, 2, 0, &pp->presence_penalty, e) ||
-        get_num(root, "frequency_penalty", -2, 2, 0, &pp->frequency_penalty, e))
+    if (get_num(root, "temperature", 0, 2, 0, &pp->sample.temperature, e) ||
+        get_num(root, "top_p", 0, 1, 1, &pp->sample.top_p, e) ||
+        get_num(root, "min_p", 0, 1, 0, &pp->sample.min_p, e) ||
+        get_num(root, "presence_penalty", -2, 2, 0, &pp->sample.presence_penalty, e) ||
+        get_num(root, "frequency_penalty", -2, 2, 0, &pp->sample.frequency_penalty, e))
         return DS_ERR;
     if (get_int(root, "top_k", -1, 1 << 30, &x, &set, e)) return DS_ERR;
-    if (set) pp->top_k = x < 0 ? 0 : (int)x; /* vLLM's -1 and 0 both mean off */
+    if (set) pp->sample.top_k = x < 0 ? 0 : (int)x; /* vLLM's -1 and 0 both mean off */
     if (get_int(root, "seed", INT64_MIN, INT64_MAX, &x, &set, e)) return DS_ERR;
     if (set) pp->has_seed = 1, pp->seed = (uint64_t)x;
 

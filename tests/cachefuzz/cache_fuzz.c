@@ -204,10 +204,10 @@ static void draw_work(uint64_t *s, fz_work *w) {
         q->p.max_tokens = rint_(s, 1, MAX_GEN);
         q->p.ignore_eos = 1;
         if (chance(s, 70)) {
-            q->p.temperature = 0.0f;
+            q->p.sample.temperature = 0.0f;
         } else {
-            q->p.temperature = 0.6f + 0.1f * (float)rint_(s, 0, 6);
-            q->p.top_p = chance(s, 50) ? 0.9f : 1.0f;
+            q->p.sample.temperature = 0.6f + 0.1f * (float)rint_(s, 0, 6);
+            q->p.sample.top_p = chance(s, 50) ? 0.9f : 1.0f;
             q->p.has_seed = 1;
             q->p.seed = rnd(s);
         }
@@ -528,7 +528,7 @@ static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_dr
                        "%s\n  config: %s\n",
                        (unsigned long long)seed, i, q->n_prompt,
                        q->base >= 0 ? ", multi-turn" : "",
-                       q->p.temperature == 0.0f ? "greedy" : "sampled", q->p.n, c, why, cfg);
+                       q->p.sample.temperature == 0.0f ? "greedy" : "sampled", q->p.n, c, why, cfg);
                 ok = 0;
             }
         }

@@ -70,10 +70,10 @@ static void check_params(const ds_oai_request *q) {
     if (p->n_stop_token_ids < 0 || p->n_stop_token_ids > DS_MAX_STOP)
         fz_fail("n_stop_token_ids = %d", p->n_stop_token_ids);
     if (p->logprobs < -1 || p->logprobs > DS_MAX_LOGPROBS) fz_fail("logprobs = %d", p->logprobs);
-    if (!(p->temperature >= 0) || !(p->top_p >= 0 && p->top_p <= 1) || p->top_k < -1 ||
-        !(p->min_p >= 0 && p->min_p <= 1))
-        fz_fail("sampling out of range: t %g p %g k %d min_p %g", p->temperature, p->top_p,
-                p->top_k, p->min_p);
+    if (!(p->sample.temperature >= 0) || !(p->sample.top_p >= 0 && p->sample.top_p <= 1) || p->sample.top_k < -1 ||
+        !(p->sample.min_p >= 0 && p->sample.min_p <= 1))
+        fz_fail("sampling out of range: t %g p %g k %d min_p %g", p->sample.temperature, p->sample.top_p,
+                p->sample.top_k, p->sample.min_p);
     if (q->kind == DS_OAI_COMPLETIONS && !q->prompt == !q->prompt_ids)
         fz_fail("completions need exactly one of prompt / prompt_ids");
     if (q->kind == DS_OAI_CHAT && !q->messages_json) fz_fail("chat without messages");

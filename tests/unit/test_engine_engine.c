@@ -155,7 +155,7 @@ static int64_t submit(ds_engine *e, const int32_t *prompt, int n, int max_tokens
     spec.prompt = prompt;
     spec.n_prompt = n;
     ds_request_params_default(&spec.params);
-    spec.params.temperature = temperature;
+    spec.params.sample.temperature = temperature;
     spec.params.max_tokens = max_tokens;
     spec.params.n = n_choices;
     spec.params.has_seed = 1;
@@ -246,7 +246,7 @@ static void test_greedy_min_tokens(void **state) {
         spec.prompt = prompt;
         spec.n_prompt = 100;
         ds_request_params_default(&spec.params);
-        spec.params.temperature = 0.0f;
+        spec.params.sample.temperature = 0.0f;
         spec.params.max_tokens = 16;
         spec.params.ignore_eos = 1;
         spec.params.min_tokens = 5;
@@ -486,8 +486,8 @@ static void test_spec_sampling_preserves_distribution(void **state) {
                 spec.prompt = prompt;
                 spec.n_prompt = NP;
                 ds_request_params_default(&spec.params);
-                spec.params.temperature = 0.7f;
-                spec.params.top_k = 3;
+                spec.params.sample.temperature = 0.7f;
+                spec.params.sample.top_k = 3;
                 spec.params.max_tokens = MT;
                 spec.params.ignore_eos = 1;
                 spec.params.has_seed = 1;
@@ -584,11 +584,11 @@ static void test_drawn_equals_host_sampled(void **state) {
                 rs.prompt = prompt;
                 rs.n_prompt = NP;
                 ds_request_params_default(&rs.params);
-                rs.params.temperature = sharp ? 0.05f : 0.3f;
-                rs.params.top_p = seed % 2 ? 0.9f : 1.0f;
-                rs.params.min_p = seed == 4 ? 0.02f : 0.0f;
-                rs.params.presence_penalty = sharp ? 0.0f : 0.6f;
-                rs.params.frequency_penalty = sharp ? 0.0f : 0.4f;
+                rs.params.sample.temperature = sharp ? 0.05f : 0.3f;
+                rs.params.sample.top_p = seed % 2 ? 0.9f : 1.0f;
+                rs.params.sample.min_p = seed == 4 ? 0.02f : 0.0f;
+                rs.params.sample.presence_penalty = sharp ? 0.0f : 0.6f;
+                rs.params.sample.frequency_penalty = sharp ? 0.0f : 0.4f;
                 rs.params.min_tokens = min_tokens;
                 rs.params.ignore_eos = 1;
                 const int first_stop = sharp ? min_tokens : 8;

@@ -601,7 +601,7 @@ static void lp_run(ds_engine *e, const int32_t *prompt, int n, int gen, int32_t 
     spec.prompt = prompt;
     spec.n_prompt = n;
     ds_request_params_default(&spec.params);
-    spec.params.temperature = 0.0f;
+    spec.params.sample.temperature = 0.0f;
     spec.params.max_tokens = gen;
     spec.params.ignore_eos = 1;
     spec.params.logprobs = 0;

@@ -96,7 +96,7 @@ static void h_submit(ds_engine *e, const int32_t *prompt, int n, int max_tokens,
     spec.prompt = prompt;
     spec.n_prompt = n;
     ds_request_params_default(&spec.params);
-    spec.params.temperature = 0.0f;
+    spec.params.sample.temperature = 0.0f;
     spec.params.max_tokens = max_tokens;
     spec.params.ignore_eos = 1; /* every request runs its full length: more decode after forks */
     spec.on_event = h_on_event;

@@ -726,8 +726,8 @@ static void test_simple_front_end(void **state) {
     int32_t idx[5];
     ds_rng rng;
     ds_rng_seed(&rng, 1);
-    ds_sampling sp;
-    ds_sampling_default(&sp);
+    ds_sample_params sp;
+    ds_sample_params_default(&sp);
     sp.temperature = 0.0f;
     assert_int_equal(ds_sample(l, 5, &sp, &rng, probs, idx), 1);
     sp.temperature = 1.0f;

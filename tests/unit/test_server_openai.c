@@ -66,8 +66,8 @@ static void test_completion_defaults(void **state) {
     assert_string_equal(r.model, "tiny");
     assert_null(r.prompt_ids);
     assert_int_equal(r.max_tokens_set, 0);
-    assert_true(r.params.temperature == 1.0f);
-    assert_true(r.params.top_p == 1.0f);
+    assert_true(r.params.sample.temperature == 1.0f);
+    assert_true(r.params.sample.top_p == 1.0f);
     assert_int_equal(r.params.n, 1);
     assert_int_equal(r.params.logprobs, -1);
     assert_int_equal(r.params.skip_special_tokens, 1);
@@ -94,10 +94,10 @@ static void test_completion_mapping(void **state) {
     const ds_request_params *p = &r.params;
     assert_int_equal(r.max_tokens_set, 1);
     assert_int_equal(p->max_tokens, 7);
-    assert_true(p->temperature == 0.5f);
-    assert_true(p->top_p == 0.9f);
-    assert_int_equal(p->top_k, 5);
-    assert_true(p->min_p == 0.1f);
+    assert_true(p->sample.temperature == 0.5f);
+    assert_true(p->sample.top_p == 0.9f);
+    assert_int_equal(p->sample.top_k, 5);
+    assert_true(p->sample.min_p == 0.1f);
     assert_int_equal(p->has_seed, 1);
     assert_true(p->seed == (uint64_t)-3);
     assert_int_equal(p->n_stop, 2); /* the empty stop string is dropped */
@@ -108,8 +108,8 @@ static void test_completion_mapping(void **state) {
     assert_int_equal(p->stop_token_ids[1], 2000);
     assert_int_equal(p->ignore_eos, 1);
     assert_int_equal(p->min_tokens, 2);
-    assert_true(p->presence_penalty == 0.25f);
-    assert_true(p->frequency_penalty == -1.5f);
+    assert_true(p->sample.presence_penalty == 0.25f);
+    assert_true(p->sample.frequency_penalty == -1.5f);
     assert_int_equal(p->logprobs, 3);
     assert_int_equal(p->n, 4);
     assert_int_equal(p->skip_special_tokens, 0);
@@ -120,7 +120,7 @@ static void test_completion_mapping(void **state) {
     parse_ok(DS_OAI_COMPLETIONS, "{\"prompt\": \"x\", \"stop\": \"END\", \"top_k\": -1}", &r);
     assert_int_equal(r.params.n_stop, 1);
     assert_string_equal(r.params.stop[0], "END");
-    assert_int_equal(r.params.top_k, 0); /* vLLM's -1 = off */
+    assert_int_equal(r.params.sample.top_k, 0); /* vLLM's -1 = off */
     ds_oai_request_free(&r);
 }
 
