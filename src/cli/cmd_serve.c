@@ -361,8 +361,8 @@ int ds_cmd_serve(int argc, char **argv) {
             return 2;
         }
         if (eo.speculative_method == DS_SPEC_NONE) eo.speculative_method = DS_SPEC_NGRAM;
-        eo.spec_test_drafts = oracle_drafts;
-        eo.spec_test_ctx = &orc;
+        eo.test.spec_drafts = oracle_drafts;
+        eo.test.spec_ctx = &orc;
     }
     eo.enable_prefix_caching = prefix_caching;
     eo.state_checkpoint_interval_tokens = ckpt_interval;

@@ -286,7 +286,7 @@ static void dist_fatal(ds_engine *e, const char *what, const char *msg);
 
 /* Will this rank load a DSpark draft (setup_spec)? */
 static int will_draft(const ds_engine *e) {
-    return e->opts.speculative_method == DS_SPEC_DSPARK && !e->opts.spec_test_drafts && e->sampler;
+    return e->opts.speculative_method == DS_SPEC_DSPARK && !e->opts.test.spec_drafts && e->sampler;
 }
 
 /* The smallest v over the job's ranks (prefix.h's agreement on offload hits). */
@@ -361,7 +361,7 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
                          o->state_checkpoint_interval_tokens,
                          (int)n_ckpt,
                          seed,
-                         o->prefix_test_hash_bits,
+                         o->test.prefix_hash_bits,
                          e->on_device,
                          e->chunk_tokens};
     if (ds_prefix_create(&po, ds_model_slot_floats(e->model), e->pages, &e->kv, e->offload,
@@ -430,7 +430,7 @@ static int setup_spec(ds_engine *e, ds_err *err) {
     e->k = o->num_speculative_tokens;
     /* In a job only the sampling rank drafts (its drafts reach the others with its tokens); the
      * earlier stages' TP rank 0 capture their taps and relay them (see setup_taps). */
-    if (o->speculative_method == DS_SPEC_DSPARK && !o->spec_test_drafts) {
+    if (o->speculative_method == DS_SPEC_DSPARK && !o->test.spec_drafts) {
         char dir[4096];
         if (o->draft_model_dir)
             snprintf(dir, sizeof dir, "%s", o->draft_model_dir);
@@ -1035,8 +1035,8 @@ static int admit_drafts(void *ctx, ds_seq *q) {
     int n = 0;
     if (ch->n_drafts)
         memcpy(d, ch->drafts, (size_t)(n = ch->n_drafts) * sizeof *d);
-    else if (e->opts.spec_test_drafts)
-        n = e->opts.spec_test_drafts(e->opts.spec_test_ctx, q->tokens, q->n_tokens, e->k, d);
+    else if (e->opts.test.spec_drafts)
+        n = e->opts.test.spec_drafts(e->opts.test.spec_ctx, q->tokens, q->n_tokens, e->k, d);
     else if (e->opts.speculative_method == DS_SPEC_NGRAM)
         n = ngram_propose(q->tokens, q->n_tokens, e->k, d);
     append_drafts(q, d, DS_MIN(DS_MAX(n, 0), room));
@@ -1399,8 +1399,8 @@ static int draft_after(ds_engine *e, ds_seq *s, const ds_sched_item *it, int n_k
     int32_t *t = e->after;
     memcpy(t, s->tokens, (size_t)(len - 1) * sizeof *t);
     t[len - 1] = next;
-    int n = e->opts.spec_test_drafts
-                ? e->opts.spec_test_drafts(e->opts.spec_test_ctx, t, len, k, out)
+    int n = e->opts.test.spec_drafts
+                ? e->opts.test.spec_drafts(e->opts.test.spec_ctx, t, len, k, out)
                 : ngram_propose(t, len, k, out);
     return DS_MAX(0, DS_MIN(n, k));
 }
@@ -1576,7 +1576,7 @@ static void launch(ds_engine *e, inflight *f, int g) {
             off += (size_t)n_run;
             if (it->sample && e->k) {
                 int32_t next = f->vt[i][f->va[i] < 0 ? 0 : f->va[i]];
-                if (e->draft && !e->opts.spec_test_drafts) { /* proposed below, all together */
+                if (e->draft && !e->opts.test.spec_drafts) { /* proposed below, all together */
                     e->prop_item[n_prop] = i;
                     e->prop_table[n_prop] = s->block_table;
                     e->prop_p[n_prop] = it->pos0 + n_keep - 1; /* the last context row */
@@ -1712,8 +1712,7 @@ static void *engine_main(void *arg) {
         inflight *f = &e->fl[e->micro % (uint64_t)e->n_fl];
         complete(e, f);
         retry_deferred_aborts(e);
-        if (e->head && e->opts.test_step_hook)
-            e->opts.test_step_hook(e->opts.test_step_ctx, e->micro);
+        if (e->head && e->opts.test.step) e->opts.test.step(e->opts.test.step_ctx, e->micro);
         if (take_inbox(e)) break;
         update_queue_stats(e);
         launch(e, f, (int)(e->micro % (uint64_t)e->n_fl));

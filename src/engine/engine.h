@@ -19,6 +19,21 @@ typedef struct ds_engine ds_engine;
 enum { DS_SPEC_NONE = 0, DS_SPEC_DSPARK = 1, DS_SPEC_NGRAM = 2 };
 #define DS_MAX_SPEC 16
 
+/* What tests put into an engine, in one place (all zero in production; the CLI's flags for them
+ * are hidden from --help). */
+typedef struct ds_test_hooks {
+    /* when set, drafts come from this function instead of the speculative method */
+    int (*spec_drafts)(void *ctx, const int32_t *tokens, int n_tokens, int k, int32_t *drafts);
+    void *spec_ctx;
+    /* tests/cachefuzz: called on the head's engine thread at the top of every step-loop
+     * iteration, before new requests and aborts are taken in, with the number of steps launched
+     * so far. It may call ds_engine_submit and ds_engine_abort, so a workload whose arrivals and
+     * aborts are keyed to steps runs the same interleaving every time. */
+    void (*step)(void *ctx, uint64_t steps);
+    void *step_ctx;
+    int prefix_hash_bits; /* > 0: the prefix cache keeps this many hash bits, forcing collisions */
+} ds_test_hooks;
+
 typedef struct ds_engine_opts {
     const char *model_dir;
     int device;                 /* DS_DEVICE_CPU (default), DS_DEVICE_CUDA or DS_DEVICE_AUTO */
@@ -36,21 +51,11 @@ typedef struct ds_engine_opts {
     int speculative_method;      /* DS_SPEC_NONE, DS_SPEC_DSPARK or DS_SPEC_NGRAM */
     int num_speculative_tokens;  /* k drafts per verify (default 7) */
     const char *draft_model_dir; /* dspark: the draft checkpoint (default MODEL/draft) */
-    /* tests only: when set, drafts come from this function instead of the method */
-    int (*spec_test_drafts)(void *ctx, const int32_t *tokens, int n_tokens, int k, int32_t *drafts);
-    void *spec_test_ctx;
-    /* tests only (tests/cachefuzz): called on the head's engine thread at the top of every
-     * step-loop iteration, before new requests and aborts are taken in, with the number of steps
-     * launched so far. It may call ds_engine_submit and ds_engine_abort, so a workload whose
-     * arrivals and aborts are keyed to steps runs the same interleaving every time. */
-    void (*test_step_hook)(void *ctx, uint64_t steps);
-    void *test_step_ctx;
     /* prefix caching (cache/prefix.h) */
     int enable_prefix_caching;            /* default 1 */
     int state_checkpoint_interval_tokens; /* rung spacing, snapped to block_size (default 256);
                                              also the prompt cut spacing (scheduler.h) */
     size_t state_checkpoint_memory;       /* bytes of KDA checkpoint slots (default 64 MiB) */
-    int prefix_test_hash_bits;            /* tests only: > 0 forces hash collisions */
     /* offload tier (cache/offload.h); each is off when 0 / NULL */
     size_t kv_offload_ram_bytes;
     const char *kv_offload_disk_dir;
@@ -74,6 +79,7 @@ typedef struct ds_engine_opts {
     /* With P > 1 stages, P steps are in flight (one per group of sequences) so that every stage
      * computes at once; pp_lock_step runs one step at a time instead (slower; for comparison). */
     int pp_lock_step;
+    ds_test_hooks test; /* tests only; all zero in production */
 } ds_engine_opts;
 
 enum { DS_RELAY_PARTIAL_SUM = 0, DS_RELAY_PLAIN = 1 };

@@ -45,7 +45,8 @@
 #define MODEL_LEN 384
 #define VOCAB_USE 700 /* prompt ids below the tiny models' special tokens */
 
-/* ---- the run's options ------------------------------------------------------------------------ */
+/* ---- the run's options ------------------------------------------------------------------------
+ */
 
 typedef struct fz_opts {
     const char *model;
@@ -60,7 +61,8 @@ typedef struct fz_opts {
     int counts[DS_MAX_LAYERS];
 } fz_opts;
 
-/* ---- a seed's configuration and workload ------------------------------------------------------ */
+/* ---- a seed's configuration and workload ------------------------------------------------------
+ */
 
 typedef struct fz_cfg {
     int block_size, max_batched, max_seqs, interval, ckpt_slots, extra_pages;
@@ -84,7 +86,7 @@ typedef struct fz_out {
 typedef struct fz_req {
     int32_t prompt[MAX_PLEN + MAX_GEN + 32];
     int n_prompt;
-    int base;     /* multi-turn: the request whose prompt and answer open this one; -1 none */
+    int base; /* multi-turn: the request whose prompt and answer open this one; -1 none */
     int32_t extra[32];
     int n_extra;  /* multi-turn: tokens after the earlier answer */
     int at;       /* steps after the previous arrival (0: the same step) */
@@ -112,7 +114,7 @@ typedef struct fz_work {
     uint64_t last_arr; /* step of the last arrival */
     int alone;         /* the cold run: one request at a time */
     int finished_all;
-    fz_req *cur;       /* alone: the request running */
+    fz_req *cur; /* alone: the request running */
 } fz_work;
 
 static uint64_t rnd(uint64_t *s) { /* splitmix64 */
@@ -154,8 +156,8 @@ static void draw_cfg(uint64_t *s, const fz_opts *fo, int have_draft, fz_cfg *c) 
 
 /* A prefix length near a boundary the cache cares about. */
 static int near_boundary(uint64_t *s, const fz_cfg *c, int max) {
-    int chunk = DS_MIN(c->max_batched, DS_MAX(c->block_size, c->interval / c->block_size *
-                                                                c->block_size));
+    int chunk =
+        DS_MIN(c->max_batched, DS_MAX(c->block_size, c->interval / c->block_size * c->block_size));
     int units[3] = {c->block_size, chunk, c->interval};
     int u = units[rint_(s, 0, 2)];
     int m = rint_(s, 1, DS_MAX(1, max / u));
@@ -221,7 +223,8 @@ static void draw_work(uint64_t *s, fz_work *w) {
     }
 }
 
-/* ---- driving an engine ------------------------------------------------------------------------ */
+/* ---- driving an engine ------------------------------------------------------------------------
+ */
 
 static void on_event(void *user, const ds_token_event *ev) {
     fz_req *q = user;
@@ -338,8 +341,8 @@ static int pages_needed(const fz_work *w) {
 }
 
 static void engine_opts(const fz_opts *fo, const fz_cfg *c, int cached, ds_comm *comm,
-                        const char *disk_dir, size_t slot_bytes, size_t page_bytes,
-                        int need_pages, ds_engine_opts *o) {
+                        const char *disk_dir, size_t slot_bytes, size_t page_bytes, int need_pages,
+                        ds_engine_opts *o) {
     ds_engine_opts_default(o);
     o->model_dir = fo->model;
     o->device = fo->device;
@@ -357,8 +360,8 @@ static void engine_opts(const fz_opts *fo, const fz_cfg *c, int cached, ds_comm 
     if (!cached) { /* the cold reference: one request at a time, room for everything */
         o->max_num_seqs = 2;
         o->enable_prefix_caching = 0;
-        o->kv_cache_memory = 2 * slot_bytes + (size_t)(2 * MODEL_LEN / c->block_size + 8) *
-                                                  page_bytes;
+        o->kv_cache_memory =
+            2 * slot_bytes + (size_t)(2 * MODEL_LEN / c->block_size + 8) * page_bytes;
         return;
     }
     o->max_num_seqs = c->max_seqs;
@@ -369,7 +372,7 @@ static void engine_opts(const fz_opts *fo, const fz_cfg *c, int cached, ds_comm 
     o->kv_cache_memory = (size_t)c->max_seqs * slot_bytes + pages * page_bytes;
     o->enable_prefix_caching = 1;
     o->state_checkpoint_memory = (size_t)c->ckpt_slots * slot_bytes;
-    o->prefix_test_hash_bits = c->hash_bits;
+    o->test.prefix_hash_bits = c->hash_bits;
     if (c->ram) o->kv_offload_ram_bytes = c->ram_pages * (page_bytes + 4096) + slot_bytes;
     if (c->disk) {
         o->kv_offload_disk_dir = disk_dir;
@@ -388,8 +391,8 @@ static int run_engine(const ds_engine_opts *o, fz_work *w, int head, int alone, 
     w->alone = alone;
     w->finished_all = 0;
     if (head) {
-        oo.test_step_hook = hook;
-        oo.test_step_ctx = w;
+        oo.test.step = hook;
+        oo.test.step_ctx = w;
     }
     if (ds_engine_create(&oo, &w->e, err)) return DS_ERR;
     if (ds_engine_start(w->e, err)) {
@@ -464,11 +467,13 @@ static void describe_cfg(const fz_cfg *c, char *b, size_t cap) {
     snprintf(b, cap,
              "block %d, step budget %d, seqs %d, rungs every %d, %d checkpoint slots, +%d pages, "
              "tiers%s%s%s%s (ram %zu pages, disk %zu pages), hash bits %d, spec %s k %d",
-             c->block_size, c->max_batched, c->max_seqs, c->interval, c->ckpt_slots,
-             c->extra_pages, c->ram ? " ram" : "", c->disk ? " disk" : "",
-             c->remote ? " redis" : "", !c->ram && !c->disk && !c->remote ? " none" : "",
-             c->ram_pages, c->disk_pages, c->hash_bits,
-             c->spec == DS_SPEC_NONE ? "none" : c->spec == DS_SPEC_NGRAM ? "ngram" : "dspark",
+             c->block_size, c->max_batched, c->max_seqs, c->interval, c->ckpt_slots, c->extra_pages,
+             c->ram ? " ram" : "", c->disk ? " disk" : "", c->remote ? " redis" : "",
+             !c->ram && !c->disk && !c->remote ? " none" : "", c->ram_pages, c->disk_pages,
+             c->hash_bits,
+             c->spec == DS_SPEC_NONE    ? "none"
+             : c->spec == DS_SPEC_NGRAM ? "ngram"
+                                        : "dspark",
              c->k);
 }
 
@@ -526,8 +531,7 @@ static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_dr
                 describe_cfg(&w.cfg, cfg, sizeof cfg);
                 printf("MISMATCH seed %llu request %d (prompt %d tokens%s, %s, n %d) choice %d: "
                        "%s\n  config: %s\n",
-                       (unsigned long long)seed, i, q->n_prompt,
-                       q->base >= 0 ? ", multi-turn" : "",
+                       (unsigned long long)seed, i, q->n_prompt, q->base >= 0 ? ", multi-turn" : "",
                        q->p.sample.temperature == 0.0f ? "greedy" : "sampled", q->p.n, c, why, cfg);
                 ok = 0;
             }
@@ -604,8 +608,7 @@ static int read_case(const char *path, fz_opts *fo) {
     char *av[32];
     int ac = 1;
     av[0] = "cache_fuzz";
-    for (char *t = strtok(line, " \t\n"); t && ac < 31; t = strtok(NULL, " \t\n"))
-        av[ac++] = t;
+    for (char *t = strtok(line, " \t\n"); t && ac < 31; t = strtok(NULL, " \t\n")) av[ac++] = t;
     const char *dummy = NULL;
     return parse_args(ac, av, fo, &dummy);
 }
@@ -767,9 +770,9 @@ int main(int argc, char **argv) {
             status = 1;
         }
         /* a run long enough to mean something must have exercised the cache */
-        if (ran >= 8 && (!ct.hit_tokens || !ct.forks || !ct.ckpt_evicted ||
-                               !(ct.loads_ram + ct.loads_disk) ||
-                               (fo.tp * fo.pp == 1 && !ct.pages_evicted))) {
+        if (ran >= 8 &&
+            (!ct.hit_tokens || !ct.forks || !ct.ckpt_evicted || !(ct.loads_ram + ct.loads_disk) ||
+             (fo.tp * fo.pp == 1 && !ct.pages_evicted))) {
             printf("cache_fuzz: the run did not exercise hits, forks, evictions and tier loads\n");
             status = 1;
         }

@@ -85,8 +85,8 @@ static ds_engine *start_engine_spec(int max_num_seqs, int budget_tokens, size_t 
     ds_engine_opts_default(&o);
     o.speculative_method = method;
     if (k) o.num_speculative_tokens = k;
-    o.spec_test_drafts = hook;
-    o.spec_test_ctx = hook_ctx;
+    o.test.spec_drafts = hook;
+    o.test.spec_ctx = hook_ctx;
     o.model_dir = model_dir();
     o.block_size = 16;
     o.max_num_seqs = max_num_seqs;

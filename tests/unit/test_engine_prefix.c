@@ -490,7 +490,8 @@ static void test_tier_page_load_owns_buffer(void **st) {
     for (int b = 0; b < d / PW_BS; b++) {
         float rows[PW_BS * PW_ROW];
         ds_dmem_copy(rows, w.layer0 + (size_t)qa->block_table[b] * PW_BS * PW_ROW, sizeof rows);
-        for (int i = 0; i < PW_BS * PW_ROW; i++) assert_true(rows[i] == (float)(b * 100 + i) + 0.5f);
+        for (int i = 0; i < PW_BS * PW_ROW; i++)
+            assert_true(rows[i] == (float)(b * 100 + i) + 0.5f);
     }
     ds_prefix_stats s1;
     ds_prefix_get_stats(w.px, &s1);
@@ -527,10 +528,8 @@ static void test_warm_equals_cold(void **st) {
         {48, 8, 0},  /* one whole step, but the last token must run: its rung at 48 is too deep */
         {49, 9, 48}, /* one step and one token: the fork is the whole prefill */
         {65, 3, 48}, /* a step and a partial one: the partial one's rows are never filed */
-        {60, 4, 48},
-        {96, 10, 48}, /* two whole steps: the rung at 96 is one token too deep */
-        {97, 11, 96},
-        {10, 5, 0},  /* shorter than a page */
+        {60, 4, 48},  {96, 10, 48}, /* two whole steps: the rung at 96 is one token too deep */
+        {97, 11, 96}, {10, 5, 0},   /* shorter than a page */
         {17, 7, 0},
     };
     enum { GEN = 24 };
@@ -711,8 +710,8 @@ static void test_fork_on_verify(void **st) {
         o.speculative_method = DS_SPEC_NGRAM;
         o.num_speculative_tokens = K;
         if (method == 1) {
-            o.spec_test_drafts = fork_oracle_drafts;
-            o.spec_test_ctx = &orc;
+            o.test.spec_drafts = fork_oracle_drafts;
+            o.test.spec_ctx = &orc;
         }
         ds_engine *e = h_start(&o);
         h_run(e, p, NP, GEN, out); /* cold: files the checkpoint at 48 */
@@ -806,7 +805,7 @@ static void run_pressure(int hash_bits) {
     h_opts(&o, 1, mem);
     o.max_num_seqs = 4;
     o.state_checkpoint_interval_tokens = 16;
-    o.prefix_test_hash_bits = hash_bits;
+    o.test.prefix_hash_bits = hash_bits;
     o.state_checkpoint_memory = 4 * h_slot_bytes(); /* four checkpoint slots */
     ds_engine *warm = h_start(&o);
     h_req *r = calloc(N, sizeof *r);
@@ -850,11 +849,16 @@ static void test_engine_collisions(void **st) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_hash_chain_and_hit), cmocka_unit_test(test_demand_rung),
-        cmocka_unit_test(test_state_on_device),    cmocka_unit_test(test_offload_on_device),
-        cmocka_unit_test(test_pinned_host_memory), cmocka_unit_test(test_forced_collisions),
-        cmocka_unit_test(test_warm_equals_cold),   cmocka_unit_test(test_shared_system_prompt),
-        cmocka_unit_test(test_eviction_pressure),  cmocka_unit_test(test_engine_collisions),
+        cmocka_unit_test(test_hash_chain_and_hit),
+        cmocka_unit_test(test_demand_rung),
+        cmocka_unit_test(test_state_on_device),
+        cmocka_unit_test(test_offload_on_device),
+        cmocka_unit_test(test_pinned_host_memory),
+        cmocka_unit_test(test_forced_collisions),
+        cmocka_unit_test(test_warm_equals_cold),
+        cmocka_unit_test(test_shared_system_prompt),
+        cmocka_unit_test(test_eviction_pressure),
+        cmocka_unit_test(test_engine_collisions),
         cmocka_unit_test(test_fork_on_verify),
         cmocka_unit_test(test_logprobs_bit_exact),
         cmocka_unit_test(test_tier_checkpoint_load_owns_buffer),
