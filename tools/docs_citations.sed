@@ -3,8 +3,11 @@
 #   sed -i -f tools/docs_citations.sed $(git grep -lE 'MODEL_SPEC|DESIGN(\.md| invariant)')
 # docs/model.md keeps MODEL_SPEC's section numbers, docs/architecture.md DESIGN's invariant
 # numbers, so a citation keeps its number. tools/check_docs.py checks that each one resolves.
-# Order matters: the specific forms first, the bare names last.
+# Order matters: the specific forms first, the bare names last. Afterwards run clang-format on
+# the files it changed (longer names push some comment lines past 100 columns; it reflows them).
 
+# a `// ---- title (MODEL_SPEC §x) ----` banner keeps its width: the name grows by 3 characters
+/MODEL_SPEC [^.].*----$/s/---$//
 # a path to the old notes (/work/shared/..., ../shared/...)
 s#\(\.\./\)*\(/work/\)\{0,1\}shared/MODEL_SPEC\.md#docs/model.md#g
 s#\(\.\./\)*\(/work/\)\{0,1\}shared/DESIGN\.md#docs/architecture.md#g
