@@ -64,52 +64,83 @@ typedef struct plan_hdr {
     int32_t heartbeat; /* an idle head's plan: every rank answers, so a hung one is found */
 } plan_hdr;
 
-/* Head: sends the requests of `in` (its own objects), the aborts and the stop flags.
- * Others: receive them and build the same requests into *in. */
-void eng_plan_exchange(ds_engine *e, request **in, int64_t *ab, int *n_ab, int *stopping,
-                       int *abort_all, int heartbeat) {
+/* Head: the plan to every other rank — the requests of `in` (its own objects), the aborts ab[n_ab]
+ * and the stop flags. A message to each rank rather than a broadcast: with pipelined stages the
+ * ranks read a step's plan at different times, and the head must not wait for the last of them. */
+static void plan_send(ds_engine *e, request *in, const int64_t *ab, int n_ab, int stopping,
+                      int abort_all, int heartbeat) {
     ds_err err = {{0}};
     wbuf w = {0};
+    plan_hdr h = {stopping, abort_all, 0, n_ab, heartbeat};
+    for (request *r = in; r; r = r->next) h.n_new++;
+    put(&w, &h, sizeof h);
+    for (request *r = in; r; r = r->next) {
+        ds_request_params p = r->spec.params;
+        for (int i = 0; i < DS_MAX_STOP; i++) p.stop[i] = NULL;
+        put(&w, &r->id, sizeof r->id);
+        put(&w, &r->seed_base, sizeof r->seed_base);
+        put(&w, &r->spec.n_prompt, sizeof r->spec.n_prompt);
+        put(&w, &p, sizeof p);
+        for (int i = 0; i < p.n_stop; i++) {
+            uint32_t len = (uint32_t)strlen(r->spec.params.stop[i]);
+            put(&w, &len, sizeof len);
+            put(&w, r->spec.params.stop[i], len);
+        }
+        put(&w, r->prompt, (size_t)r->spec.n_prompt * sizeof(int32_t));
+    }
+    put(&w, ab, (size_t)n_ab * sizeof *ab);
+    if (w.oom) eng_dist_fatal(e, "step plan", "out of memory");
+    for (int r = 1; r < e->comm->size; r++)
+        if (ds_comm_post(e->comm, r, TAG_PLAN, w.p, w.n, &err))
+            eng_dist_fatal(e, "step plan", err.msg);
+    free(w.p);
+    /* Broadcasts of a few bytes complete at the head even when a rank is stuck, so an idle head
+     * would never notice: a heartbeat makes every rank broadcast in turn, and a rank that does not
+     * is named by the timeout (DS_COMM_TIMEOUT_S). */
+    uint64_t one = 1;
+    if (heartbeat && ds_comm_min_u64(e->comm, &one, &err)) eng_dist_fatal(e, "heartbeat", err.msg);
+}
+
+/* One request of the head's plan, made as the head made it (its stop strings ours). NULL with
+ * rb->bad set when the message is malformed. */
+static request *plan_read_request(ds_engine *e, rbuf *rb) {
+    ds_err err = {{0}};
+    ds_request_spec spec = {0};
+    int64_t id;
+    uint64_t seed_base;
+    get(rb, &id, sizeof id);
+    get(rb, &seed_base, sizeof seed_base);
+    get(rb, &spec.n_prompt, sizeof spec.n_prompt);
+    get(rb, &spec.params, sizeof spec.params);
+    if (spec.params.n_stop < 0 || spec.params.n_stop > DS_MAX_STOP) rb->bad = 1;
+    for (int i = 0; i < spec.params.n_stop && !rb->bad; i++) {
+        uint32_t len = 0;
+        get(rb, &len, sizeof len);
+        if (len > rb->n - rb->off) {
+            rb->bad = 1;
+            break;
+        }
+        spec.params.stop[i] = strndup(rb->p + rb->off, len);
+        rb->off += len;
+        if (!spec.params.stop[i]) eng_dist_fatal(e, "step plan", "out of memory");
+    }
+    if (spec.n_prompt < 1 || (size_t)spec.n_prompt * sizeof(int32_t) > rb->n - rb->off) rb->bad = 1;
+    if (rb->bad) return NULL;
+    spec.prompt = (const int32_t *)(rb->p + rb->off); /* eng_request_new copies it */
+    rb->off += (size_t)spec.n_prompt * sizeof(int32_t);
+    spec.on_event = NULL;
+    request *r = eng_request_new(e, &spec, id, seed_base, &err);
+    if (!r) eng_dist_fatal(e, "step plan", err.msg);
+    r->owns_stop = 1;
+    return r;
+}
+
+/* Another rank: waits for the head's plan and builds the same requests into *in. */
+static void plan_take(ds_engine *e, request **in, int64_t *ab, int *n_ab, int *stopping,
+                      int *abort_all) {
+    ds_err err = {{0}};
     void *blob = NULL;
     size_t n = 0;
-    if (e->head) {
-        plan_hdr h = {*stopping, *abort_all, 0, *n_ab, heartbeat};
-        for (request *r = *in; r; r = r->next) h.n_new++;
-        put(&w, &h, sizeof h);
-        for (request *r = *in; r; r = r->next) {
-            ds_request_params p = r->spec.params;
-            for (int i = 0; i < DS_MAX_STOP; i++) p.stop[i] = NULL;
-            put(&w, &r->id, sizeof r->id);
-            put(&w, &r->seed_base, sizeof r->seed_base);
-            put(&w, &r->spec.n_prompt, sizeof r->spec.n_prompt);
-            put(&w, &p, sizeof p);
-            for (int i = 0; i < p.n_stop; i++) {
-                uint32_t len = (uint32_t)strlen(r->spec.params.stop[i]);
-                put(&w, &len, sizeof len);
-                put(&w, r->spec.params.stop[i], len);
-            }
-            put(&w, r->prompt, (size_t)r->spec.n_prompt * sizeof(int32_t));
-        }
-        put(&w, ab, (size_t)*n_ab * sizeof *ab);
-        if (w.oom) eng_dist_fatal(e, "step plan", "out of memory");
-        blob = w.p;
-        n = w.n;
-    }
-    /* A message to each rank rather than a broadcast: with pipelined stages the ranks read a
-     * step's plan at different times, and the head must not wait for the last of them. */
-    if (e->head) {
-        for (int r = 1; r < e->comm->size; r++)
-            if (ds_comm_post(e->comm, r, TAG_PLAN, blob, n, &err))
-                eng_dist_fatal(e, "step plan", err.msg);
-        free(w.p);
-        /* Broadcasts of a few bytes complete at the head even when a rank is stuck, so an idle
-         * head would never notice: a heartbeat makes every rank broadcast in turn, and a rank
-         * that does not is named by the timeout (DS_COMM_TIMEOUT_S). */
-        uint64_t one = 1;
-        if (heartbeat && ds_comm_min_u64(e->comm, &one, &err))
-            eng_dist_fatal(e, "heartbeat", err.msg);
-        return;
-    }
     if (ds_comm_take(e->comm, 0, TAG_PLAN, &blob, &n, &err))
         eng_dist_fatal(e, "step plan", err.msg);
     rbuf rb = {blob, n, 0, 0};
@@ -123,34 +154,8 @@ void eng_plan_exchange(ds_engine *e, request **in, int64_t *ab, int *n_ab, int *
     *abort_all = h.abort_all;
     request *head = NULL, **tail = &head;
     for (int q = 0; q < h.n_new && !rb.bad; q++) {
-        ds_request_spec spec = {0};
-        int64_t id;
-        uint64_t seed_base;
-        get(&rb, &id, sizeof id);
-        get(&rb, &seed_base, sizeof seed_base);
-        get(&rb, &spec.n_prompt, sizeof spec.n_prompt);
-        get(&rb, &spec.params, sizeof spec.params);
-        if (spec.params.n_stop < 0 || spec.params.n_stop > DS_MAX_STOP) rb.bad = 1;
-        for (int i = 0; i < spec.params.n_stop && !rb.bad; i++) {
-            uint32_t len = 0;
-            get(&rb, &len, sizeof len);
-            if (len > rb.n - rb.off) {
-                rb.bad = 1;
-                break;
-            }
-            spec.params.stop[i] = strndup(rb.p + rb.off, len);
-            rb.off += len;
-            if (!spec.params.stop[i]) eng_dist_fatal(e, "step plan", "out of memory");
-        }
-        if (spec.n_prompt < 1 || (size_t)spec.n_prompt * sizeof(int32_t) > rb.n - rb.off)
-            rb.bad = 1;
-        if (rb.bad) break;
-        spec.prompt = (const int32_t *)(rb.p + rb.off); /* eng_request_new copies it */
-        rb.off += (size_t)spec.n_prompt * sizeof(int32_t);
-        spec.on_event = NULL;
-        request *r = eng_request_new(e, &spec, id, seed_base, &err);
-        if (!r) eng_dist_fatal(e, "step plan", err.msg);
-        r->owns_stop = 1;
+        request *r = plan_read_request(e, &rb);
+        if (!r) break;
         *tail = r;
         tail = &r->next;
     }
@@ -159,6 +164,16 @@ void eng_plan_exchange(ds_engine *e, request **in, int64_t *ab, int *n_ab, int *
     if (rb.bad) eng_dist_fatal(e, "step plan", "malformed message from the head");
     free(blob);
     *in = head;
+}
+
+/* Head: sends the requests of `in`, the aborts and the stop flags. Others: receive them and build
+ * the same requests into *in. */
+void eng_plan_exchange(ds_engine *e, request **in, int64_t *ab, int *n_ab, int *stopping,
+                       int *abort_all, int heartbeat) {
+    if (e->head)
+        plan_send(e, *in, ab, *n_ab, *stopping, *abort_all, heartbeat);
+    else
+        plan_take(e, in, ab, n_ab, stopping, abort_all);
 }
 
 /* The outcome of step f, from the sampling rank to each other rank (per sampled item: accepted

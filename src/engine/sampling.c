@@ -43,7 +43,7 @@ size_t eng_draw_counts_need(const choice *ch, int n_rows) {
 }
 
 /* Row j of a choice's step, as ds_row_draw: the uniform plain decoding would draw for its token
- * (the RNG is only peeked: choose moves it as each row is taken), the counts of the tokens
+ * (the RNG is only peeked: eng_choose moves it as each row is taken), the counts of the tokens
  * generated before it (the choice's, then the drafts at rows 0..j-1, which are its tokens if row j
  * is reached at all), and the stop ids masked while min_tokens is not reached. counts: room for
  * eng_draw_counts_need entries; stops: room for DS_MAX_STOP + 1. */
