@@ -40,7 +40,7 @@ static void fd_open(const void *p, int rw) {
     int i = fd_find(p);
     if (i >= 0) mprotect(g_fd[i].p, g_fd[i].n, rw ? PROT_READ | PROT_WRITE : PROT_NONE);
 }
-static void *fd_alloc(size_t n, ds_err *err) {
+static void *fd_alloc(void *ctx, size_t n, ds_err *err) {
     for (int i = 0; i < FD_MAX; i++)
         if (!g_fd[i].p) {
             void *p = mmap(NULL, fd_round(n), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -52,19 +52,19 @@ static void *fd_alloc(size_t n, ds_err *err) {
     ds_errf(err, "fake device: out of regions");
     return NULL;
 }
-static void fd_release(void *p) {
+static void fd_release(void *ctx, void *p) {
     int i = fd_find(p);
     if (i < 0) return;
     munmap(g_fd[i].p, g_fd[i].n);
     g_fd[i].p = NULL;
 }
-static void fd_copy(void *dst, const void *src, size_t n) {
+static void fd_copy(void *ctx, void *dst, const void *src, size_t n) {
     fd_open(dst, 1), fd_open(src, 1);
     memcpy(dst, src, n);
     fd_open(dst, 0), fd_open(src, 0);
     g_fd_copies++;
 }
-static void fd_zero(void *p, size_t n) {
+static void fd_zero(void *ctx, void *p, size_t n) {
     fd_open(p, 1);
     memset(p, 0, n);
     fd_open(p, 0);
@@ -319,7 +319,7 @@ static void test_pinned_host_memory(void **st) {
     (void)st;
     ds_err err = {{0}};
     int pins = g_pins, unpins = g_unpins;
-    ds_dmem_install(&g_fake_device);
+    ds_dmem_install(&g_fake_device, NULL);
     float *a = ds_dmem_host_alloc(1000 * sizeof(float), &err);
     float *b = ds_dmem_host_alloc(10, &err);
     assert_non_null(a);
@@ -329,7 +329,7 @@ static void test_pinned_host_memory(void **st) {
     assert_true(a[999] == 999.0f);
     ds_dmem_host_free(b);
     assert_int_equal(g_unpins, unpins + 1);
-    ds_dmem_install(NULL);
+    ds_dmem_install(NULL, NULL);
     ds_dmem_host_free(a); /* after the device went: still its own release, not free() */
     assert_int_equal(g_unpins, unpins + 2);
     float *c = ds_dmem_host_alloc(100, &err); /* no device: plain memory */
@@ -340,14 +340,14 @@ static void test_pinned_host_memory(void **st) {
 }
 
 static void test_state_on_device(void **st) {
-    ds_dmem_install(&g_fake_device);
+    ds_dmem_install(&g_fake_device, NULL);
     g_dev = 1;
     g_fd_copies = g_fd_zeros = 0;
     test_hash_chain_and_hit(st);
     test_demand_rung(st);
     test_forced_collisions(st);
     g_dev = 0;
-    ds_dmem_install(NULL);
+    ds_dmem_install(NULL, NULL);
     assert_true(g_fd_copies > 20); /* checkpoints filed and forked, slots written and read */
     assert_true(g_fd_zeros > 0);
     for (int i = 0; i < FD_MAX; i++) assert_null(g_fd[i].p);
@@ -359,7 +359,7 @@ static void test_state_on_device(void **st) {
  * come back into its device pool. */
 static void test_offload_on_device(void **st) {
     (void)st;
-    ds_dmem_install(&g_fake_device);
+    ds_dmem_install(&g_fake_device, NULL);
     g_dev = 1;
     ds_err err = {{0}};
     ds_offload_opts oo = {.ram_bytes = 1u << 20, .model_id = "fake-device", .layer_hi = 1};
@@ -399,7 +399,7 @@ static void test_offload_on_device(void **st) {
     ds_offload_free(g_off);
     g_off = NULL;
     g_dev = 0;
-    ds_dmem_install(NULL);
+    ds_dmem_install(NULL, NULL);
     for (int i = 0; i < FD_MAX; i++) assert_null(g_fd[i].p);
 }
 
