@@ -6,7 +6,7 @@
  * All tokens of the step go through each weight in one GEMM; per-sequence work (conv tails, the
  * KDA recurrence, MLA attention over the paged latent cache) runs segment by segment. */
 #include "model/model_impl.h"
-#include "model/rand_hash.h"
+#include "kernels/shared/rand_hash.h"
 
 #include "base/devmem.h"
 
