@@ -55,7 +55,8 @@ void ds_moe_route(int32_t *idx, float *w, const float *z, const float *bias, int
     }
 
     if (grouped) ds_moe_mask_groups(sel, E, G, topk_group, hf_kl_quirk, gval, gid);
-    const int count = ds_moe_topk(val, idx, sel, E, k);
+    int count = 0;
+    for (int e = 0; e < E; e++) count = ds_top_insert(val, idx, count, k, sel[e], e);
     ds_moe_weights(idx, w, s, bias, count, k, renormalize, scale, hf_kl_quirk);
     if (scratch != stack_f) free(scratch);
     if (gid != stack_g) free(gid);

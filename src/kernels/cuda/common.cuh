@@ -179,7 +179,6 @@ int gemv_wide(ds_cu *c, float *y, const float *x, const uint16_t *W, int N, int 
 const char *prof_gemm_open(ds_cu *c);
 void prof_gemm_close(ds_cu *c, const char *prev, double flops);
 
-
 /* Four floats rounded to BF16, stored as one 8-byte word (dst 8-byte aligned). */
 static __device__ __forceinline__ void store_bf16x4(__nv_bfloat16 *dst, float4 v) {
     __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
@@ -226,7 +225,8 @@ static __device__ inline float block_max(float v) {
 
 /* act(gate, up): SiLU(g) u, or SiTU (MODEL_SPEC) — one definition for every kernel that applies
  * it, so that fused and separate passes give the same bits. */
-static __device__ __forceinline__ float act_pair(float g, float u, int situ, float beta, float lin_beta) {
+static __device__ __forceinline__ float act_pair(float g, float u, int situ, float beta,
+                                                 float lin_beta) {
     if (situ) {
         const float phi = lin_beta > 0.0f ? lin_beta * tanhf(u / lin_beta) : u;
         return beta * tanhf(g / beta) / (1.0f + expf(-g)) * phi;
@@ -236,7 +236,7 @@ static __device__ __forceinline__ float act_pair(float g, float u, int situ, flo
 
 /* act_pair on four gate and four up values */
 static __device__ __forceinline__ float4 act_pair4(float4 g, float4 u, int situ, float beta,
-                                            float lin_beta) {
+                                                   float lin_beta) {
     return make_float4(
         act_pair(g.x, u.x, situ, beta, lin_beta), act_pair(g.y, u.y, situ, beta, lin_beta),
         act_pair(g.z, u.z, situ, beta, lin_beta), act_pair(g.w, u.w, situ, beta, lin_beta));
@@ -250,8 +250,8 @@ static __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) 
 /* rows x COLS floats (COLS a multiple of 4) from src, rows lds apart, into dst, rows ldd apart
  * (both 16-byte aligned): 16-byte pieces, thread threadIdx.x of NT taking every NT-th */
 template <int COLS, int NT>
-static __device__ __forceinline__ void cp_async_rows(float *dst, int ldd, const float *src, size_t lds,
-                                              int rows) {
+static __device__ __forceinline__ void cp_async_rows(float *dst, int ldd, const float *src,
+                                                     size_t lds, int rows) {
     static_assert(COLS % 4 == 0, "16-byte pieces");
     for (int i = threadIdx.x; i < rows * (COLS / 4); i += NT) {
         const int r = i / (COLS / 4), c = (i % (COLS / 4)) * 4;
@@ -266,7 +266,7 @@ static __device__ __forceinline__ void cp_async_wait_all() {
 }
 
 static __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                          uint32_t b1) {
+                                                 uint32_t b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
                  "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])

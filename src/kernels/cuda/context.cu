@@ -246,7 +246,7 @@ int grow_scratch(ds_cu *c, void **p, size_t *cap, size_t need, const char *what,
 /* n buffers of sizes[i] bytes laid out in one scratch (each 256-byte aligned), grown to fit; out[i]
  * receive their addresses. */
 int carve_scratch(ds_cu *c, void **buf, size_t *cap, const size_t *sizes, void **out, int n,
-                         const char *what, ds_err *err) {
+                  const char *what, ds_err *err) {
     size_t total = 0;
     for (int i = 0; i < n; i++) total += (sizes[i] + 255) & ~(size_t)255;
     if (grow_scratch(c, buf, cap, total, what, err)) return DS_ERR;

@@ -237,9 +237,9 @@ void ds_cu_set_mla_all_heads(ds_cu *c, int on);
 /* Batch-invariant matmuls (see ds_model_opts.batch_invariant): on, every ds_cu_matmul streams the
  * weights with f32 activations in tiles of 8 tokens, so a token's bits never depend on T. */
 void ds_cu_set_batch_invariant(ds_cu *c, int on);
-void ds_cu_add(ds_cu *c, float *y, const float *x, size_t n);           /* y += x */
-void ds_cu_mul(ds_cu *c, float *y, const float *x, size_t n);           /* y *= x */
-void ds_cu_sigmoid(ds_cu *c, float *x, size_t n);                       /* in place */
+void ds_cu_add(ds_cu *c, float *y, const float *x, size_t n); /* y += x */
+void ds_cu_mul(ds_cu *c, float *y, const float *x, size_t n); /* y *= x */
+void ds_cu_sigmoid(ds_cu *c, float *x, size_t n);             /* in place */
 /* P += a, then y = rmsnorm(P) ⊙ w (as ds_add then ds_rmsnorm): P, a, y [T][D]. */
 void ds_cu_add_rmsnorm(ds_cu *c, float *y, float *P, const float *a, const float *w, int T, int D,
                        float eps);

@@ -27,7 +27,6 @@ extern "C" void ds_cu_embed_range(ds_cu *c, float *out, const ds_cu_mat *e, cons
     note_launch(c);
 }
 
-
 __global__ void swiglu_k(float *out, const float *gate, const float *up, size_t n) {
     PDL_ENTRY();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -72,7 +71,6 @@ extern "C" void ds_cu_mul(ds_cu *c, float *y, const float *x, size_t n) {
 extern "C" void ds_cu_sigmoid(ds_cu *c, float *x, size_t n) {
     ELEMWISE_LAUNCH(sigmoid, x, x, n, 0.0f, 0.0f);
 }
-
 
 /* dst[dst_rows ? dst_rows[i] : i][:width] = src[src_rows ? src_rows[i] : i][:width] */
 __global__ void move_rows_k(float *dst, size_t ldd, const int32_t *dst_rows, const float *src,

@@ -136,7 +136,6 @@ extern "C" int ds_cu_short_conv_silu(ds_cu *c, float *out, const float *in, int 
     return DS_OK;
 }
 
-
 /* thread x of the grid takes column hc = x of every row t = blockIdx.y (+ gridDim.y ...): no
  * division an element */
 __global__ void kda_gate_k(float *g, const float *f, int T, int H, int dk, const float *A_log,

@@ -32,7 +32,8 @@ void round_rows(ds_cu *c, __nv_bfloat16 *xb, const float *x, int ldx, int K, int
  * activation operand. */
 static const uint16_t *round_x(ds_cu *c, const float *x, int ldx, int K, int T, ds_err *err) {
     size_t need = (size_t)T * K;
-    if (grow_scratch(c, (void **)&c->xb, &c->xb_bytes, need * sizeof(uint16_t), "matmul scratch", err))
+    if (grow_scratch(c, (void **)&c->xb, &c->xb_bytes, need * sizeof(uint16_t), "matmul scratch",
+                     err))
         return NULL;
     round_rows(c, (__nv_bfloat16 *)c->xb, x, ldx, K, T);
     cudaError_t e = cudaGetLastError();
@@ -42,7 +43,6 @@ static const uint16_t *round_x(ds_cu *c, const float *x, int ldx, int K, int T, 
     }
     return c->xb;
 }
-
 
 /* Single-token matmul (measured on the H200: at T = 1 it reads the 163840 x 2304 lm_head at 104%
  * of the copy rate where cuBLAS reaches 90%, and small matrices in half cuBLAS's time; at T = 2 it
@@ -192,7 +192,6 @@ static int gemv_tiles(ds_cu *c, float *y, int ldy, const float *x, int ldx, int 
     CU_TRY(cudaGetLastError(), "matmul (gemv)");
     return DS_OK;
 }
-
 
 extern "C" void ds_cu_set_batch_invariant(ds_cu *c, int on) {
     c->batch_invariant = on;

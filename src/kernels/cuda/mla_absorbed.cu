@@ -161,8 +161,8 @@ __global__ void __launch_bounds__(MLA_MERGE_THREADS)
     obar[(size_t)q * R + i] = acc / L;
 }
 
-void mla_merge(ds_cu *c, float *obar, const float *part_o, const float *part_ml, int rows,
-                      int R, int n_split) {
+void mla_merge(ds_cu *c, float *obar, const float *part_o, const float *part_ml, int rows, int R,
+               int n_split) {
     launch_k(c, mla_merge_k,
              dim3((unsigned)rows, (unsigned)((R + MLA_MERGE_THREADS - 1) / MLA_MERGE_THREADS)),
              MLA_MERGE_THREADS, 0, obar, part_o, part_ml, R, n_split);
@@ -178,7 +178,8 @@ extern "C" int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qba
     if (n_max <= 0) return ds_errf(err, "cuda: mla: no context rows to attend to");
     const int n_split = (n_max + MLA_CHUNK - 1) / MLA_CHUNK, rows = T * Ha;
     size_t need = (size_t)rows * n_split * ((size_t)R + 2);
-    if (grow_scratch(c, (void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch", err))
+    if (grow_scratch(c, (void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch",
+                     err))
         return DS_ERR;
     float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
     launch_k(
@@ -409,7 +410,8 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
     }
     const int n_split = (max_ctx + chunk - 1) / chunk;
     size_t need = (size_t)rows * n_split * ((size_t)R + 2);
-    if (grow_scratch(c, (void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch", err))
+    if (grow_scratch(c, (void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch",
+                     err))
         return DS_ERR;
     float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
     launch_k(

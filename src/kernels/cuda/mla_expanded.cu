@@ -103,7 +103,6 @@ __global__ void mla_softmax_k(__nv_bfloat16 *P, const float *S, int Tq, int Ce, 
  * (+1); C's rows g and g + 8 at columns 2 l4 (+1). */
 enum { FL_BQ = 64, FL_BK = 64 };
 
-
 template <int DQ, int DV> struct fl_smem {
     static constexpr int KLD = DQ + 8, VLD = DV + 8; /* row strides 4 banks apart: conflict-free */
     static constexpr int K_ELEMS = FL_BK * KLD, V_ELEMS = FL_BK * VLD;
@@ -365,7 +364,8 @@ extern "C" int ds_cu_mla_attend_expanded(ds_cu *c, float *o, const float *q, con
     if (n_max <= 0) return ds_errf(err, "cuda: mla: no context rows to attend to");
     const int n_split = (n_max + MLA_CHUNK - 1) / MLA_CHUNK, rows = T * Ha;
     size_t need = (size_t)rows * n_split * ((size_t)dvh + 2);
-    if (grow_scratch(c, (void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch", err))
+    if (grow_scratch(c, (void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch",
+                     err))
         return DS_ERR;
     float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * dvh;
     launch_k(c, mla_exp_split_k, dim3((unsigned)rows, (unsigned)n_split), 256, 0, part_o, part_ml,

@@ -328,8 +328,7 @@ enum { MOE_GROUPED_N = sizeof moe_grouped_fns / sizeof moe_grouped_fns[0] };
  * against 2.673-2.695 through gemv_bf16_k (three pairs in two calls). */
 __device__ int32_t g_row_zero[1]; /* gemv_wide's routing: every block row is "expert" 0 */
 
-int gemv_wide(ds_cu *c, float *y, const float *x, const uint16_t *W, int N, int K,
-                     ds_err *err) {
+int gemv_wide(ds_cu *c, float *y, const float *x, const uint16_t *W, int N, int K, ds_err *err) {
     if (!c->row_zero)
         CU_TRY(cudaGetSymbolAddress((void **)&c->row_zero, g_row_zero), "gemv (wide)");
     const moe_act none = {0, 0, 0.0f, 0.0f};
@@ -370,6 +369,16 @@ extern "C" void ds_cu_set_wide_early(ds_cu *c, int on) {
     c->wide_early = on;
 }
 
+/* Rows per local expert, on average, from which the tensor-core path wins: below it (decode of
+ * large batches: a few rows per expert) a cuBLAS call per expert costs more than the streaming
+ * kernel reading each expert once, and the host round trip keeps the step out of graphs. */
+enum { EXPERT_GEMM_MIN_PER = 64 };
+/* Tokens from which a step's grouped experts run on tensor cores (below, the weight stream bounds
+ * the f32 kernel anyway, and its grid — 32 weight rows a block against 128 or 256 — balances
+ * the fewer active experts better). 48B shape, steps with graphs on the H200, f32 kernel / the
+ * streaming mma one: batch 16 14.20 / 16.69 ms, 24 19.39 / 21.14, 32 23.40 / 24.86, 48 34.62 /
+ * 30.15, 64 40.88 / 34.86. */
+enum { MOE_MMA_MIN_TOKENS = 40 };
 
 extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx,
                                  const float *w, int T, int k, int E, int e0, int D, int I,

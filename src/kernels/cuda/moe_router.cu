@@ -58,7 +58,8 @@ __global__ void moe_route_k(int32_t *idx, float *w, const float *z, const float 
         ds_moe_mask_groups(sel, E, n_group, topk_group, hf_kl_quirk, gval, gid);
     }
     float val[64];
-    if (grouped || E > 1024) count = ds_moe_topk(val, it, sel, E, k);
+    if (grouped || E > 1024)
+        for (int e = 0; e < E; e++) count = ds_top_insert(val, it, count, k, sel[e], e);
     ds_moe_weights(it, wt, sv, bias, count, k, renormalize, scale, hf_kl_quirk);
 }
 

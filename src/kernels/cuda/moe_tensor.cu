@@ -261,17 +261,6 @@ extern "C" void ds_cu_set_expert_mma_min(ds_cu *c, int tokens) {
  * expert layout crosses to the host (one small copy) for the calls' sizes, so these steps are
  * never captured in graphs; and cuBLAS picks algorithms by size, so batch invariance keeps the
  * streaming kernel. */
-/* Rows per local expert, on average, from which the tensor-core path wins: below it (decode of
- * large batches: a few rows per expert) a cuBLAS call per expert costs more than the streaming
- * kernel reading each expert once, and the host round trip keeps the step out of graphs. */
-enum { EXPERT_GEMM_MIN_PER = 64 };
-/* Tokens from which a step's grouped experts run on tensor cores (below, the weight stream bounds
- * the f32 kernel anyway, and its grid — 32 weight rows a block against 128 or 256 — balances
- * the fewer active experts better). 48B shape, steps with graphs on the H200, f32 kernel / the
- * streaming mma one: batch 16 14.20 / 16.69 ms, 24 19.39 / 21.14, 32 23.40 / 24.86, 48 34.62 /
- * 30.15, 64 40.88 / 34.86. */
-enum { MOE_MMA_MIN_TOKENS = 40 };
-
 extern "C" void ds_cu_set_expert_gemm(ds_cu *c, int on) {
     c->expert_gemm = on;
 }
@@ -354,10 +343,10 @@ static int cmp_u64(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T, int k,
-                            int E, int D, int I, const uint16_t *gate_up, const uint16_t *down,
-                            int situ, float situ_beta, float situ_lin_beta, int accumulate,
-                            const int32_t *start, const int32_t *perm, ds_err *err) {
+int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T, int k, int E,
+                     int D, int I, const uint16_t *gate_up, const uint16_t *down, int situ,
+                     float situ_beta, float situ_lin_beta, int accumulate, const int32_t *start,
+                     const int32_t *perm, ds_err *err) {
     const int rows = T * k;
     /* host plan: start [E+1] | order [E] | panel [E] | then 6 pointer arrays [E] (A, B, C of
      * gate/up, then of down, in bucket order) | sort keys [E]. Pinned: the layout comes back and
@@ -410,7 +399,8 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
         pr * D * 2,       pr * I * 2,       pr * 2 * I * 4, pr * D * 4,
         (size_t)rows * 4, (size_t)rows * 4, (size_t)E * 4,  (size_t)6 * E * sizeof(void *)};
     void *b[8];
-    if (carve_scratch(c, &c->moeg, &c->moeg_bytes, sz, b, 8, "moe gemm scratch", err)) return DS_ERR;
+    if (carve_scratch(c, &c->moeg, &c->moeg_bytes, sz, b, 8, "moe gemm scratch", err))
+        return DS_ERR;
     __nv_bfloat16 *xg = (__nv_bfloat16 *)b[0], *ab = (__nv_bfloat16 *)b[1];
     float *h = (float *)b[2], *y = (float *)b[3];
     int32_t *inv = (int32_t *)b[4], *slot = (int32_t *)b[5], *dpanel = (int32_t *)b[6];

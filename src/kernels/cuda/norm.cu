@@ -2,7 +2,6 @@
  * the gated per-head RMSNorm of KDA's output. */
 #include "kernels/cuda/common.cuh"
 
-
 /* Values per thread a row norm keeps in registers (D up to 12 x 256 = 3072 in one pass). */
 enum { NORM_V = 12 };
 
@@ -32,7 +31,6 @@ __device__ __forceinline__ void norm_weights_regs(float (&wv)[NORM_V], const flo
         wv[i] = c < D ? w[c] : 0.0f;
     }
 }
-
 
 /* y[t] = w * x[t] / rms(x[t]) for row t = blockIdx.x; rows ldx / ldy apart. */
 __global__ void rmsnorm_ld_k(float *y, int ldy, const float *x, int ldx, const float *w, int D,
@@ -65,7 +63,6 @@ extern "C" void ds_cu_rmsnorm(ds_cu *c, float *y, const float *x, const float *w
     launch_k(c, rmsnorm_ld_k, T, 256, 0, y, D, x, D, w, D, eps); /* packed rows */
     note_launch(c);
 }
-
 
 /* P += a, then y = w ⊙ P / rms(P): a residual add and the next norm in one pass. */
 __global__ void add_rmsnorm_k(float *y, float *P, const float *a, const float *w, int D,

@@ -262,4 +262,3 @@ extern "C" double ds_cu_prof_gemm_tflops(ds_cu *c, double *ms_per_step) {
         if (p->label[l] == PROF_GEMM) *ms_per_step = p->ms[l] / p->steps;
     return *ms_per_step > 0 ? p->gemm_flops / p->steps / (*ms_per_step * 1e-3) / 1e12 : 0;
 }
-

@@ -67,23 +67,9 @@ extern "C" void ds_cu_argmax_rows(ds_cu *c, uint64_t *keys, const float *x, int 
  * order, whose prefix mass passes floor(u * S). The weights are stored once and re-read. */
 enum { DRAW_THREADS = 1024, DRAW_WARPS = DRAW_THREADS / 32 };
 
-/* engine/sampler.c's exp_nonpos, operation for operation */
+/* the CPU sampler's exp_nonpos (kernels/shared/draw_exp.h) */
 __device__ __forceinline__ float draw_exp(float x) {
-    const bool ok = x >= -87.0f;
-    const float xc = ok ? x : -87.0f;
-    const float n = __fsub_rn(__fadd_rn(__fmul_rn(xc, 1.44269504f), 12582912.0f), 12582912.0f);
-    const float r =
-        __fsub_rn(__fsub_rn(xc, __fmul_rn(n, 0.693145751953125f)), __fmul_rn(n, 1.42860677e-6f));
-    float p = 1.0f / 5040;
-    p = __fadd_rn(__fmul_rn(p, r), 1.0f / 720);
-    p = __fadd_rn(__fmul_rn(p, r), 1.0f / 120);
-    p = __fadd_rn(__fmul_rn(p, r), 1.0f / 24);
-    p = __fadd_rn(__fmul_rn(p, r), 1.0f / 6);
-    p = __fadd_rn(__fmul_rn(p, r), 0.5f);
-    p = __fadd_rn(__fmul_rn(p, r), 1.0f);
-    p = __fadd_rn(__fmul_rn(p, r), 1.0f);
-    const float scale = __int_as_float(((int)n + 127) << 23);
-    return ok ? __fmul_rn(p, scale) : 0.0f;
+    return ds_exp_nonpos(x);
 }
 
 __device__ __forceinline__ unsigned long long draw_mass(float w) {

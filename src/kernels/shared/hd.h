@@ -5,9 +5,11 @@
 #define DS_HD_H
 
 #ifdef __CUDACC__
-#define DS_HD __host__ __device__
+#define DS_HD        __host__ __device__
+#define DS_HD_INLINE __host__ __device__ __forceinline__ /* inlined on the device */
 #else
 #define DS_HD
+#define DS_HD_INLINE inline
 #endif
 
 #endif

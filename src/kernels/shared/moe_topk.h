@@ -1,8 +1,8 @@
 /* moe_topk.h — the MoE router's selection, one definition for the CPU router (kernels/cpu/moe.c)
  * and the GPU's (kernels/cuda/moe_router.cu), so that both pick the same experts with the same
- * weights: the ordered top-n insertion (ties to the lower index), the group-limited mask, the
- * top k, and the weights gathered from the unbiased scores. Every function takes the same float
- * operations in the same order on both sides. */
+ * weights: the ordered top-n insertion (ties to the lower index, which also takes the top k), the
+ * group-limited mask, and the weights gathered from the unbiased scores. Every function takes the
+ * same float operations in the same order on both sides. */
 #ifndef DS_MOE_TOPK_H
 #define DS_MOE_TOPK_H
 
@@ -57,13 +57,6 @@ static inline DS_HD void ds_moe_mask_groups(float *sel, int E, int G, int topk_g
         for (int e = 0; e < gsize; e++)
             sel[(size_t)g * (size_t)gsize + (size_t)e] = hf_kl_quirk ? 0.0f : -INFINITY;
     }
-}
-
-/* The k best of sel [E] into idx [k] in order (val [k]: scratch); returns how many (min(k, E)). */
-static inline DS_HD int ds_moe_topk(float *val, int32_t *idx, const float *sel, int E, int k) {
-    int count = 0;
-    for (int e = 0; e < E; e++) count = ds_top_insert(val, idx, count, k, sel[e], e);
-    return count;
 }
 
 /* w [k] from the sigmoid scores s [E] of the count chosen idx [k] (the slots past count: expert 0,
