@@ -1,9 +1,9 @@
 /* cuda_kernels.h — the CUDA backend's kernels (issue 9), one per CPU kernel of kernels/cpu, with
  * the same contracts (see kernels/cpu/kernels.h for what each computes) on device memory.
  *
- * This is the first slice of the backend: the kernels and their checks against the CPU backend
- * (tests/cuda/test_cuda_kernels.c, run on the GPU machine by tools/device/cuda_check.sh). The
- * engine does not call them yet.
+ * The kernels live one op a file in kernels/cuda (common.cuh holds what they share); each is
+ * checked against the CPU's by tests/cuda (test_cuda_kernels, run on the GPU machine by
+ * tools/device/cuda_check.sh).
  *
  * Every function takes a ds_cu (one CUDA stream, a cuBLAS handle and scratch) and works on plain
  * cudaMalloc'd pointers; launches are asynchronous on the stream, and ds_cu_sync reports the first

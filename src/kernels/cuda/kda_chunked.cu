@@ -83,6 +83,8 @@ __device__ __forceinline__ void kda_tile_pair(int n, int &ti, int &tj) {
     tj = n;
 }
 
+/* long: one chunk's passes share their tiles in registers and shared memory between barriers;
+ * split into functions, each would take a dozen array references. */
 template <int KD>
 __global__ void __launch_bounds__(256, 2)
     kda_chunk_prep_k(float *out, const float *q, const float *k, const float *v, const float *g,

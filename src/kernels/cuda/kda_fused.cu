@@ -27,6 +27,8 @@ static size_t kdf_smem(int Kf, int Kg) {
     return (size_t)KDF_Q * (Kf + Kg) * sizeof(uint16_t);
 }
 
+/* long: seven kernels' steps in one, the head's state kept in registers from the first load to
+ * the last store, with cluster barriers between the steps. */
 template <int W>
 __global__ void __launch_bounds__(KDF_THREADS) kda_decode_fused_k(ds_cu_kda_decode d) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 /* (launched in clusters of KDF_CL) */

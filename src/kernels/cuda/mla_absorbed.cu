@@ -219,6 +219,7 @@ static size_t mla_ah_floats(int Ha, int rq) {
     return (size_t)(Ha + MLA_AH_SUB) * rq + (size_t)MLA_AH_SUB * Ha + 3 * (size_t)Ha;
 }
 
+/* long: the scores, softmax and output passes share the block's staged rows and registers. */
 template <int OT>
 __global__ void __launch_bounds__(MLA_AH_THREADS, 2)
     mla_allheads_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int ldqr,

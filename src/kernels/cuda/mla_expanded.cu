@@ -131,6 +131,8 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void *smem
 
 /* o [T][Ha][DV] f32 from Qb [T][Ha][DQ], Kb [C][Ha][DQ], Vb [C][Ha][DV] (BF16); query t sits at
  * position p0 + t and, causal, sees keys j <= p0 + t (and j < C). */
+/* long: the online softmax keeps each row's maximum, sum and output fragments in registers
+ * across the pipelined tiles of keys. */
 template <int DQ, int DV>
 __global__ void __launch_bounds__(128)
     mla_flash_k(float *o, const uint16_t *Qb, const uint16_t *Kb, const uint16_t *Vb, int T, int C,

@@ -329,6 +329,7 @@ __global__ void moe_combine_perm_k(float *out, const float *y, const int32_t *in
         o[d4] = acc;
     }
 }
+
 /* With the layout on the host, the experts' GEMMs run as a few pointer-array batches: experts
  * sorted by their row counts are cut into buckets (a new one where a count falls under 4/5 of
  * the bucket's first), each expert gets a panel of its bucket's largest count (rounded to 16
@@ -341,6 +342,38 @@ enum { MOE_MAX_BUCKETS = 8 };
 static int cmp_u64(const void *a, const void *b) {
     const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
     return (x > y) - (x < y);
+}
+
+/* The plan's buckets from the layout hs [E+1] (keys [E]: scratch): the experts with rows into
+ * order [*n_act] by count (largest first; ties by id), bucket b holding order[bk_first[b] ..
+ * bk_first[b + 1]) at bk_rows[b] padded rows each, panel[e] expert e's first padded row. Returns
+ * the buckets; *pr: the padded rows of all panels (at least 1). */
+static int moe_buckets(const int32_t *hs, int E, uint64_t *keys, int32_t *order, int32_t *panel,
+                       int *bk_first, int *bk_rows, int *n_act_out, size_t *pr_out) {
+    /* experts with rows, by count (largest first; ties by id, so the plan is deterministic):
+     * one sort of keys (INT32_MAX - count, id) */
+    int n_act = 0;
+    for (int e = 0; e < E; e++)
+        if (hs[e + 1] > hs[e])
+            keys[n_act++] =
+                (uint64_t)(uint32_t)(INT32_MAX - (hs[e + 1] - hs[e])) << 32 | (uint32_t)e;
+    qsort(keys, (size_t)n_act, sizeof *keys, cmp_u64);
+    for (int i = 0; i < n_act; i++) order[i] = (int)(uint32_t)keys[i];
+    int n_bk = 0;
+    size_t pr = 0;
+    for (int i = 0; i < n_act; i++) {
+        const int e = order[i], n = hs[e + 1] - hs[e];
+        if (n_bk == 0 || (n * 5 < bk_rows[n_bk - 1] * 4 && n_bk < MOE_MAX_BUCKETS)) {
+            bk_first[n_bk] = i;
+            bk_rows[n_bk++] = (n + 15) / 16 * 16;
+        }
+        panel[e] = (int32_t)pr;
+        pr += (size_t)bk_rows[n_bk - 1];
+    }
+    bk_first[n_bk] = n_act;
+    if (!pr) pr = 1;
+    *n_act_out = n_act, *pr_out = pr;
+    return n_bk;
 }
 
 int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T, int k, int E,
@@ -371,28 +404,9 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
            "moe: expert layout");
     CU_TRY(cudaStreamSynchronize(c->stream), "moe: expert layout");
     const int n_local = hs[E]; /* rows of this rank's experts, the first of perm */
-    /* experts with rows, by count (largest first; ties by id, so the plan is deterministic):
-     * one sort of keys (INT32_MAX - count, id) */
-    int n_act = 0;
-    for (int e = 0; e < E; e++)
-        if (hs[e + 1] > hs[e])
-            keys[n_act++] =
-                (uint64_t)(uint32_t)(INT32_MAX - (hs[e + 1] - hs[e])) << 32 | (uint32_t)e;
-    qsort(keys, (size_t)n_act, sizeof *keys, cmp_u64);
-    for (int i = 0; i < n_act; i++) order[i] = (int)(uint32_t)keys[i];
-    int bk_first[MOE_MAX_BUCKETS + 1], bk_rows[MOE_MAX_BUCKETS], n_bk = 0;
-    size_t pr = 0; /* padded rows of all panels */
-    for (int i = 0; i < n_act; i++) {
-        const int e = order[i], n = hs[e + 1] - hs[e];
-        if (n_bk == 0 || (n * 5 < bk_rows[n_bk - 1] * 4 && n_bk < MOE_MAX_BUCKETS)) {
-            bk_first[n_bk] = i;
-            bk_rows[n_bk++] = (n + 15) / 16 * 16;
-        }
-        panel[e] = (int32_t)pr;
-        pr += (size_t)bk_rows[n_bk - 1];
-    }
-    bk_first[n_bk] = n_act;
-    if (!pr) pr = 1;
+    int bk_first[MOE_MAX_BUCKETS + 1], bk_rows[MOE_MAX_BUCKETS], n_act;
+    size_t pr; /* padded rows of all panels */
+    const int n_bk = moe_buckets(hs, E, keys, order, panel, bk_first, bk_rows, &n_act, &pr);
     /* xg [pr][D] bf16 | ab [pr][I] bf16 | h [pr][2I] f32 | y [pr][D] f32 | inv [rows] |
      * slot [rows] | panel [E] | pointer arrays [6][E] */
     const size_t sz[8] = {
