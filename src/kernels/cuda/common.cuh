@@ -156,8 +156,8 @@ static inline void note_launch(ds_cu *c) {
     if (e != cudaSuccess && c->sticky == cudaSuccess) c->sticky = e;
 }
 
-/* Is the stream recording a graph? (This path reads the layout on the host, which a capture
- * cannot; nor can the profile's events.) */
+/* Is the stream recording a graph? (The experts' cuBLAS path reads their layout on the host, which
+ * a capture cannot; nor can the profile's events record.) */
 static inline int capturing(ds_cu *c) {
     cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
     return cudaStreamIsCapturing(c->stream, &st) != cudaSuccess ||

@@ -7,7 +7,8 @@
 
 /* The log decay of a channel from f_b's output plus its bias (x) and a = e^A_log: kda_gate_k's
  * and the fused decode's one expression, so that both give the same bits. */
-__device__ __forceinline__ float kda_decay(float x, float a, int lower_bound_form, float lb) {
+static __device__ __forceinline__ float kda_decay(float x, float a, int lower_bound_form,
+                                                  float lb) {
     return lower_bound_form ? lb / (1.0f + expf(-a * x))
                             : -a * (fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))));
 }

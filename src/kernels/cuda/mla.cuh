@@ -10,7 +10,7 @@ enum { MLA_CHUNK = 256 };
 /* The split kernels' softmax over scores sc[0..n) in shared memory (written before a barrier):
  * returns their max m and, in *sum, the sum of exp(sc - m), with sc overwritten by those
  * exponentials and visible to the whole block on return. */
-__device__ float exp_shifted(float *sc, int n, float *sum) {
+static __device__ inline float exp_shifted(float *sc, int n, float *sum) {
     float mx = -INFINITY;
     for (int j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, sc[j]);
     mx = block_max(mx);
