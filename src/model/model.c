@@ -5,7 +5,7 @@
  * src/backend/cuda). */
 #include "model/model_impl.h"
 #include "model/backend.h"
-#include "model/rand_hash.h"
+#include "kernels/shared/rand_hash.h"
 
 #include "base/devmem.h"
 

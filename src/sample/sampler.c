@@ -5,6 +5,7 @@
 #include "sample/sampler.h"
 
 #include "kernels/cpu/kernels.h"
+#include "kernels/shared/draw_exp.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -144,27 +145,10 @@ static inline float pick(int c, float a, float b) {
     return a;
 }
 
-/* exp(x) for x <= 0 within a few ulp; 0 below -87 (also -inf and NaN). Straight-line code the
- * compiler vectorises, where libm's expf is one call per element: x = n ln2 + r with |r| <= ln2/2
- * (ln2 split in a part exact in n * hi and a remainder), e^r by Taylor to r^7 (the next term,
- * 0.35^8 / 8! < 6e-9, is below float precision), 2^n built in the exponent bits. */
+/* exp(x) for x <= 0 within a few ulp (kernels/shared/draw_exp.h: the GPU's draw computes the
+ * same bits), vectorised in weigh's loop */
 static inline float exp_nonpos(float x) {
-    int ok = x >= -87.0f;
-    float xc = pick(ok, x, -87.0f);
-    float n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f; /* 1.5 * 2^23 rounds to integer */
-    float r = (xc - n * 0.693145751953125f) - n * 1.42860677e-6f;
-    float p = 1.0f / 5040;
-    p = p * r + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23; /* n in [-126, 0] */
-    float scale;
-    memcpy(&scale, &e, 4);
-    return pick(ok, p * scale, 0.0f);
+    return ds_exp_nonpos(x);
 }
 
 /* w[i] = exp((x[i] - mx) * inv_t): unnormalised probabilities in [0, 1], the maximum's exactly

@@ -91,7 +91,7 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     if (ds_cu_set_side(c, t->side, &side_err)) /* not fatal */
         fprintf(stderr, "[deltaserve] %s: one stream per step\n", side_err.msg);
     ds_cu_set_mla_all_heads(c, t->mla_all_heads);
-    /* TODO(lead): ds_cu_set_pdl(c, t->pdl) */
+    ds_cu_set_pdl(c, t->pdl);
     ds_cu_prof_enable(c, t->profile);
     if (t->skip) {
         fprintf(stderr,

@@ -16,6 +16,7 @@
  *
  * The router is a few hundred scalar operations per token, so it has one portable version. */
 #include "kernels/cpu/kernels.h"
+#include "kernels/shared/moe_topk.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -23,22 +24,6 @@
 /* Scratch up to these sizes lives on the stack (K3: 2*896 + 16 floats, a handful of groups). */
 #define ROUTE_STACK_FLOATS 4096
 #define ROUTE_STACK_GROUPS 256
-
-/* Keeps the n best (value, index) pairs seen so far in val/id[0..count), best first. Candidates
- * arrive in increasing index order and an equal value never displaces an earlier one, so ties go
- * to the lower index. Returns the new count. */
-static int top_insert(float *val, int32_t *id, int count, int n, float v, int32_t i) {
-    if (count == n && !(v > val[n - 1])) return count;
-    int pos = count < n ? count : n - 1;
-    while (pos > 0 && v > val[pos - 1]) {
-        val[pos] = val[pos - 1];
-        id[pos] = id[pos - 1];
-        pos--;
-    }
-    val[pos] = v;
-    id[pos] = i;
-    return count < n ? count + 1 : count;
-}
 
 void ds_moe_route(int32_t *idx, float *w, const float *z, const float *bias, int E, int k,
                   int n_group, int topk_group, int renormalize, float scale, int hf_kl_quirk) {
@@ -69,52 +54,10 @@ void ds_moe_route(int32_t *idx, float *w, const float *z, const float *bias, int
         if (isnan(sel[e])) sel[e] = -INFINITY; /* a NaN logit is never preferred to a real one */
     }
 
-    if (grouped) {
-        const int gsize = E / G;
-        int ng = 0;
-        for (int g = 0; g < G; g++) {
-            const float *gs = sel + (size_t)g * (size_t)gsize;
-            float t1 = -INFINITY, t2 = -INFINITY; /* the two largest selection scores */
-            for (int e = 0; e < gsize; e++) {
-                if (gs[e] > t1) {
-                    t2 = t1;
-                    t1 = gs[e];
-                } else if (gs[e] > t2) {
-                    t2 = gs[e];
-                }
-            }
-            ng = top_insert(gval, gid, ng, topk_group, gsize >= 2 ? t1 + t2 : t1, g);
-        }
-        for (int g = 0; g < G; g++) {
-            int kept = 0;
-            for (int j = 0; j < ng; j++) kept |= gid[j] == g;
-            if (kept) continue;
-            for (int e = 0; e < gsize; e++)
-                sel[(size_t)g * (size_t)gsize + (size_t)e] = hf_kl_quirk ? 0.0f : -INFINITY;
-        }
-    }
-
+    if (grouped) ds_moe_mask_groups(sel, E, G, topk_group, hf_kl_quirk, gval, gid);
     int count = 0;
-    for (int e = 0; e < E; e++) count = top_insert(val, idx, count, k, sel[e], e);
-
-    float sum = 0.0f;
-    for (int j = 0; j < k; j++) {
-        if (j >= count) { /* k > E: pad with weightless copies of expert 0 */
-            idx[j] = 0;
-            w[j] = 0.0f;
-            continue;
-        }
-        const int e = idx[j];
-        /* The quirk gathers from the biased (but unmasked) scores: masked_fill was out of place. */
-        w[j] = hf_kl_quirk && bias ? s[e] + bias[e] : s[e];
-        sum += w[j];
-    }
-    if (renormalize && k > 1) {
-        const float den = sum + 1e-20f;
-        for (int j = 0; j < k; j++) w[j] = w[j] / den * scale;
-    } else {
-        for (int j = 0; j < k; j++) w[j] *= scale;
-    }
+    for (int e = 0; e < E; e++) count = ds_top_insert(val, idx, count, k, sel[e], e);
+    ds_moe_weights(idx, w, s, bias, count, k, renormalize, scale, hf_kl_quirk);
     if (scratch != stack_f) free(scratch);
     if (gid != stack_g) free(gid);
 }

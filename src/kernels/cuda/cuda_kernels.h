@@ -1,9 +1,9 @@
 /* cuda_kernels.h — the CUDA backend's kernels (issue 9), one per CPU kernel of kernels/cpu, with
  * the same contracts (see kernels/cpu/kernels.h for what each computes) on device memory.
  *
- * This is the first slice of the backend: the kernels and their checks against the CPU backend
- * (tests/cuda/test_cuda_kernels.c, run on the GPU machine by tools/device/cuda_check.sh). The
- * engine does not call them yet.
+ * The kernels live one op a file in kernels/cuda (common.cuh holds what they share); each is
+ * checked against the CPU's by tests/cuda (test_cuda_kernels, run on the GPU machine by
+ * tools/device/cuda_check.sh).
  *
  * Every function takes a ds_cu (one CUDA stream, a cuBLAS handle and scratch) and works on plain
  * cudaMalloc'd pointers; launches are asynchronous on the stream, and ds_cu_sync reports the first
@@ -33,6 +33,9 @@ void ds_cu_free(ds_cu *c);
 int ds_cu_bind(ds_cu *c, ds_err *err);
 /* Waits for the stream; DS_ERR with the CUDA / cuBLAS message if any launch failed. */
 int ds_cu_sync(ds_cu *c, ds_err *err);
+/* Programmatic dependent launch (sm_90: each kernel may start while the one before it drains;
+ * common.cuh says how): on by default where the device has it; off, every launch waits. */
+void ds_cu_set_pdl(ds_cu *c, int on);
 /* The stream every launch of c goes on (a cudaStream_t), for libraries that queue work on it
  * (NCCL). */
 void *ds_cu_stream(ds_cu *c);
@@ -96,7 +99,7 @@ int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, const float *k
 
 /* The same recurrence over long segments in chunks of 64 tokens (dk = dv = 64 or 128; no verify
  * rows): the states at chunk boundaries are carried by a sequential scan, everything else is
- * computed per chunk in parallel (see kernels.cu). seg_start / seg_len [n_seq] are the host's
+ * computed per chunk in parallel (see kda_chunked.cu). seg_start / seg_len [n_seq] are the host's
  * copies of the segments' token ranges (length 0: leave that sequence alone); S [n_seq] is the
  * device array of states, as above. Synchronises the stream (its chunk table is built here), so
  * never inside a graph capture. */
@@ -234,13 +237,9 @@ void ds_cu_set_mla_all_heads(ds_cu *c, int on);
 /* Batch-invariant matmuls (see ds_model_opts.batch_invariant): on, every ds_cu_matmul streams the
  * weights with f32 activations in tiles of 8 tokens, so a token's bits never depend on T. */
 void ds_cu_set_batch_invariant(ds_cu *c, int on);
-void ds_cu_add(ds_cu *c, float *y, const float *x, size_t n);           /* y += x */
-void ds_cu_mul(ds_cu *c, float *y, const float *x, size_t n);           /* y *= x */
-void ds_cu_axpy(ds_cu *c, float *y, float a, const float *x, size_t n); /* y += a x */
-void ds_cu_sigmoid(ds_cu *c, float *x, size_t n);                       /* in place */
-/* As ds_act_situ. */
-void ds_cu_situ(ds_cu *c, float *out, const float *gate, const float *up, size_t n, float beta,
-                float lin_beta);
+void ds_cu_add(ds_cu *c, float *y, const float *x, size_t n); /* y += x */
+void ds_cu_mul(ds_cu *c, float *y, const float *x, size_t n); /* y *= x */
+void ds_cu_sigmoid(ds_cu *c, float *x, size_t n);             /* in place */
 /* P += a, then y = rmsnorm(P) ⊙ w (as ds_add then ds_rmsnorm): P, a, y [T][D]. */
 void ds_cu_add_rmsnorm(ds_cu *c, float *y, float *P, const float *a, const float *w, int T, int D,
                        float eps);

@@ -1,19 +1,15 @@
 /* rand_hash.h — the one definition of a random weight's value (--load-format random), shared by
- * the CPU loader (model.c) and the GPU's fill kernel (kernels.cu), so that both draw the same
- * model. */
+ * the CPU loader (model/model.c) and the GPU's fill kernel (kernels/cuda/elementwise.cu), so that
+ * both draw the same model. */
 #ifndef DS_RAND_HASH_H
 #define DS_RAND_HASH_H
 
+#include "kernels/shared/hd.h"
+
 #include <stdint.h>
 
-#ifdef __CUDACC__
-#define DS_HOST_DEVICE __host__ __device__
-#else
-#define DS_HOST_DEVICE
-#endif
-
 /* Uniform in [-1, 1) from (key, i): splitmix64's finalizer over key + (i + 1) * golden ratio. */
-static inline DS_HOST_DEVICE float ds_hash_uniform(uint64_t key, uint64_t i) {
+static inline DS_HD float ds_hash_uniform(uint64_t key, uint64_t i) {
     uint64_t z = key + (i + 1) * 0x9e3779b97f4a7c15ull;
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;

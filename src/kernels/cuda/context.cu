@@ -1,0 +1,329 @@
+/* context.cu — the ds_cu context: devices, create/free, streams (the side stream), memory and
+ * copies, scratch growth and its epoch, CUDA graphs. */
+#include "kernels/cuda/common.cuh"
+
+extern "C" int ds_cu_device_count(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return n;
+}
+
+extern "C" int ds_cu_create(int device, ds_cu **out, ds_err *err) {
+    *out = NULL;
+    int n = 0;
+    CU_TRY(cudaGetDeviceCount(&n), "counting devices");
+    if (device < 0 || device >= n)
+        return ds_errf(err, "cuda: device %d does not exist (%d found)", device, n);
+    CU_TRY(cudaSetDevice(device), "selecting the device");
+    ds_cu *c = (ds_cu *)calloc(1, sizeof *c);
+    if (!c) return ds_errf(err, "cuda: out of memory");
+    c->device = device;
+    cudaDeviceProp p;
+    c->n_sm = 1;
+    if (cudaGetDeviceProperties(&p, device) == cudaSuccess && (c->n_sm = p.multiProcessorCount)) {
+        snprintf(c->name, sizeof c->name, "%s, %d SMs, %.1f GiB, sm_%d%d", p.name,
+                 p.multiProcessorCount, (double)p.totalGlobalMem / (1u << 30), p.major, p.minor);
+        c->pdl = p.major >= 9; /* on by default (ds_cu_set_pdl) */
+        c->sm90 = p.major >= 9;
+    }
+    if (cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking) != cudaSuccess) {
+        free(c);
+        return ds_errf(err, "cuda: cannot create a stream");
+    }
+    if (cublasCreate(&c->blas) != CUBLAS_STATUS_SUCCESS ||
+        cublasSetStream(c->blas, c->stream) != CUBLAS_STATUS_SUCCESS ||
+        cudaMalloc(&c->blas_ws, (size_t)32 << 20) != cudaSuccess ||
+        cublasSetWorkspace(c->blas, c->blas_ws, (size_t)32 << 20) != CUBLAS_STATUS_SUCCESS) {
+        cudaStreamDestroy(c->stream);
+        free(c);
+        return ds_errf(err, "cublas: cannot create a handle");
+    }
+    *out = c;
+    return DS_OK;
+}
+
+static void side_free(ds_cu *c) {
+    if (!c->side_on) return;
+    cudaStreamSynchronize(c->side);
+    cublasDestroy(c->blas_side);
+    cudaFree(c->blas_ws_side);
+    cudaFree(c->xb_side);
+    cudaEventDestroy(c->ev_fork);
+    cudaEventDestroy(c->ev_join);
+    cudaStreamDestroy(c->side);
+    c->side_on = 0;
+}
+
+/* ---- a second stream inside a step ----------------------------------------------------------
+ * A decode step is a chain of small kernels, each waiting for the one before; where two chains
+ * do not depend on each other (the shared experts beside the router and routed experts; the
+ * decay gates beside the short convs), the second is issued on a side stream that forks from the
+ * main one and is joined back before its results are read, so that the two run at once — in
+ * graphs too (the fork and join are events, which capture turns into edges). Between begin and
+ * end every launch (and cuBLAS call) goes to the side stream, with its own matmul scratch. Off
+ * while profiling (events of two streams interleaved would make no per-op times). */
+extern "C" int ds_cu_set_side(ds_cu *c, int on, ds_err *err) {
+    if (!on) {
+        side_free(c);
+        return DS_OK;
+    }
+    if (c->side_on) return DS_OK;
+    if (cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking) != cudaSuccess)
+        return ds_errf(err, "cuda: cannot create the side stream");
+    if (cudaEventCreateWithFlags(&c->ev_fork, cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventCreateWithFlags(&c->ev_join, cudaEventDisableTiming) != cudaSuccess ||
+        cublasCreate(&c->blas_side) != CUBLAS_STATUS_SUCCESS ||
+        cublasSetStream(c->blas_side, c->side) != CUBLAS_STATUS_SUCCESS ||
+        cudaMalloc(&c->blas_ws_side, (size_t)32 << 20) != cudaSuccess ||
+        cublasSetWorkspace(c->blas_side, c->blas_ws_side, (size_t)32 << 20) !=
+            CUBLAS_STATUS_SUCCESS) {
+        cudaGetLastError();
+        c->side_on = 1; /* so that side_free releases what was made */
+        side_free(c);
+        return ds_errf(err, "cuda: cannot set up the side stream");
+    }
+    c->side_on = 1;
+    return DS_OK;
+}
+
+static void side_swap(ds_cu *c) {
+    cudaStream_t st = c->stream;
+    c->stream = c->side, c->side = st;
+    cublasHandle_t b = c->blas;
+    c->blas = c->blas_side, c->blas_side = b;
+    uint16_t *x = c->xb;
+    c->xb = c->xb_side, c->xb_side = x;
+    size_t n = c->xb_bytes;
+    c->xb_bytes = c->xb_side_bytes, c->xb_side_bytes = n;
+    c->on_side = !c->on_side;
+}
+
+extern "C" int ds_cu_side_begin(ds_cu *c, ds_err *err) {
+    if (!c->side_on || c->prof || c->on_side) return DS_OK; /* stays on the main stream */
+    if (c->side_pending && ds_cu_side_join(c, err)) return DS_ERR;
+    CU_TRY(cudaEventRecord(c->ev_fork, c->stream), "side stream: fork");
+    CU_TRY(cudaStreamWaitEvent(c->side, c->ev_fork, 0), "side stream: fork");
+    side_swap(c);
+    return DS_OK;
+}
+
+extern "C" int ds_cu_side_end(ds_cu *c, ds_err *err) {
+    if (!c->on_side) return DS_OK;
+    cudaError_t e = cudaEventRecord(c->ev_join, c->stream);
+    side_swap(c); /* back on the main stream whatever happened */
+    if (e != cudaSuccess) return ds_errf(err, "cuda: side stream: %s", cudaGetErrorString(e));
+    c->side_pending = 1;
+    return DS_OK;
+}
+
+extern "C" int ds_cu_side_join(ds_cu *c, ds_err *err) {
+    if (!c->side_pending) return DS_OK;
+    c->side_pending = 0;
+    CU_TRY(cudaStreamWaitEvent(c->stream, c->ev_join, 0), "side stream: join");
+    return DS_OK;
+}
+
+extern "C" void ds_cu_free(ds_cu *c) {
+    if (!c) return;
+    if (c->on_side) side_swap(c);
+    side_free(c);
+    cudaStreamSynchronize(c->stream);
+    cudaFree(c->xb);
+    cudaFree(c->part);
+    cudaFree(c->blas_ws);
+    cudaFree(c->moeg);
+    cudaFree(c->drawb);
+    cudaFree(c->mlag);
+    cudaFree(c->kdac);
+    free(c->h_kda);
+    cudaFreeHost(c->h_moeb);
+    ds_cu_prof_enable(c, 0);
+    free(c->skip);
+    cublasDestroy(c->blas);
+    cudaStreamDestroy(c->stream);
+    free(c);
+}
+
+extern "C" void ds_cu_set_pdl(ds_cu *c, int on) {
+    c->pdl = on && c->sm90;
+}
+
+extern "C" void *ds_cu_stream(ds_cu *c) {
+    return (void *)c->stream;
+}
+
+extern "C" int ds_cu_bind(ds_cu *c, ds_err *err) {
+    CU_TRY(cudaSetDevice(c->device), "selecting the device for this thread");
+    return DS_OK;
+}
+
+extern "C" int ds_cu_sync(ds_cu *c, ds_err *err) {
+    if (c->on_side) side_swap(c); /* (an error path left it there) */
+    if (ds_cu_side_join(c, err)) return DS_ERR;
+    CU_TRY(cudaStreamSynchronize(c->stream), "stream");
+    if (c->sticky != cudaSuccess) {
+        cudaError_t e = c->sticky;
+        c->sticky = cudaSuccess;
+        return ds_errf(err, "cuda: launch: %s", cudaGetErrorString(e));
+    }
+    CU_TRY(cudaGetLastError(), "last error");
+    return DS_OK;
+}
+
+extern "C" const char *ds_cu_device_name(const ds_cu *c) {
+    return c->name;
+}
+
+extern "C" void *ds_cu_alloc(ds_cu *c, size_t bytes, ds_err *err) {
+    (void)c;
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
+    if (e != cudaSuccess) {
+        ds_errf(err, "cuda: allocating %zu bytes: %s", bytes, cudaGetErrorString(e));
+        return NULL;
+    }
+    return p;
+}
+
+extern "C" void ds_cu_dealloc(void *p) {
+    cudaFree(p);
+}
+
+extern "C" void *ds_cu_host_alloc(size_t bytes, ds_err *err) {
+    void *p = NULL;
+    cudaError_t e = cudaMallocHost(&p, bytes);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        ds_errf(err, "cuda: %zu bytes of page-locked host memory: %s", bytes,
+                cudaGetErrorString(e));
+        return NULL;
+    }
+    return p;
+}
+
+extern "C" void ds_cu_host_free(void *p) {
+    cudaFreeHost(p);
+}
+
+extern "C" int ds_cu_upload(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err) {
+    CU_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream), "upload");
+    CU_TRY(cudaStreamSynchronize(c->stream), "upload");
+    return DS_OK;
+}
+
+extern "C" int ds_cu_download(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err) {
+    CU_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream), "download");
+    CU_TRY(cudaStreamSynchronize(c->stream), "download");
+    return DS_OK;
+}
+
+extern "C" int ds_cu_fill_bytes(ds_cu *c, void *dst, int byte, size_t bytes, ds_err *err) {
+    CU_TRY(cudaMemsetAsync(dst, byte, bytes, c->stream), "fill");
+    return DS_OK;
+}
+
+extern "C" int ds_cu_copy_d2d(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err) {
+    CU_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->stream), "copy");
+    return DS_OK;
+}
+
+/* Grows a device scratch buffer to at least `need` bytes (contents not kept); the next ds_cu_epoch
+ * reports the move. */
+int grow_scratch(ds_cu *c, void **p, size_t *cap, size_t need, const char *what, ds_err *err) {
+    if (need <= *cap) return DS_OK;
+    c->epoch_bump = 1;
+    cudaFree(*p);
+    *p = NULL;
+    *cap = 0;
+    CU_TRY(cudaMalloc(p, need), what);
+    *cap = need;
+    return DS_OK;
+}
+
+/* n buffers of sizes[i] bytes laid out in one scratch (each 256-byte aligned), grown to fit; out[i]
+ * receive their addresses. */
+int carve_scratch(ds_cu *c, void **buf, size_t *cap, const size_t *sizes, void **out, int n,
+                  const char *what, ds_err *err) {
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += (sizes[i] + 255) & ~(size_t)255;
+    if (grow_scratch(c, buf, cap, total, what, err)) return DS_ERR;
+    char *p = (char *)*buf;
+    for (int i = 0; i < n; i++) {
+        out[i] = p;
+        p += (sizes[i] + 255) & ~(size_t)255;
+    }
+    return DS_OK;
+}
+
+extern "C" int ds_cu_is_device_ptr(const void *p) {
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        cudaGetLastError(); /* clear it: a plain host pointer is not an error */
+        return 0;
+    }
+    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
+
+extern "C" size_t ds_cu_mem_free(ds_cu *c) {
+    (void)c;
+    size_t f = 0, t = 0;
+    if (cudaMemGetInfo(&f, &t) != cudaSuccess) return 0;
+    return f;
+}
+
+/* ---- CUDA graphs -------------------------------------------------------------------------------
+ * A step's launches captured once and replayed: one launch instead of hundreds. */
+struct ds_cu_graph {
+    cudaGraphExec_t exec;
+};
+
+extern "C" uint64_t ds_cu_epoch(ds_cu *c) {
+    if (c->epoch_bump) c->epoch++, c->epoch_bump = 0;
+    return c->epoch;
+}
+
+extern "C" int ds_cu_capture_begin(ds_cu *c, ds_err *err) {
+    CU_TRY(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal), "graph capture");
+    return DS_OK;
+}
+
+extern "C" int ds_cu_capture_end(ds_cu *c, ds_cu_graph **out, ds_err *err) {
+    *out = NULL;
+    cudaGraph_t g = NULL;
+    if (c->on_side) side_swap(c);               /* (an error path left it there) */
+    if (ds_cu_side_join(c, err)) return DS_ERR; /* the side stream rejoins the capture */
+    cudaError_t e = cudaStreamEndCapture(c->stream, &g);
+    if (e != cudaSuccess) {
+        if (g) cudaGraphDestroy(g);
+        cudaGetLastError();
+        return ds_errf(err, "cuda: graph capture: %s", cudaGetErrorString(e));
+    }
+    ds_cu_graph *gr = (ds_cu_graph *)calloc(1, sizeof *gr);
+    if (!gr) {
+        cudaGraphDestroy(g);
+        return ds_errf(err, "cuda: out of host memory");
+    }
+    e = cudaGraphInstantiate(&gr->exec, g, 0);
+    cudaGraphDestroy(g);
+    if (e != cudaSuccess) {
+        free(gr);
+        cudaGetLastError();
+        return ds_errf(err, "cuda: graph instantiate: %s", cudaGetErrorString(e));
+    }
+    *out = gr;
+    return DS_OK;
+}
+
+extern "C" int ds_cu_graph_launch(ds_cu *c, ds_cu_graph *g, ds_err *err) {
+    CU_TRY(cudaGraphLaunch(g->exec, c->stream), "graph launch");
+    return DS_OK;
+}
+
+extern "C" void ds_cu_graph_free(ds_cu_graph *g) {
+    if (!g) return;
+    cudaGraphExecDestroy(g->exec);
+    free(g);
+}

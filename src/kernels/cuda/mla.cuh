@@ -1,0 +1,28 @@
+/* mla.cuh — what the absorbed and expanded MLA kernels share: the split size, the split
+ * softmax and the merge of the splits. */
+#ifndef DS_CUDA_MLA_CUH
+#define DS_CUDA_MLA_CUH
+
+#include "kernels/cuda/common.cuh"
+
+enum { MLA_CHUNK = 256 };
+
+/* The split kernels' softmax over scores sc[0..n) in shared memory (written before a barrier):
+ * returns their max m and, in *sum, the sum of exp(sc - m), with sc overwritten by those
+ * exponentials and visible to the whole block on return. */
+static __device__ inline float exp_shifted(float *sc, int n, float *sum) {
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, sc[j]);
+    mx = block_max(mx);
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) s += (sc[j] = expf(sc[j] - mx));
+    *sum = block_sum(s); /* its barriers also publish the exponentials */
+    return mx;
+}
+
+/* merges n_split partials per row (part_o [rows][n_split][R], part_ml [rows][n_split][2]: max and
+ * sum) into obar [rows][R] (mla_absorbed.cu) */
+void mla_merge(ds_cu *c, float *obar, const float *part_o, const float *part_ml, int rows, int R,
+               int n_split);
+
+#endif

@@ -1,0 +1,34 @@
+/* moe.cuh — what the routed experts' two files share: the activation a kernel applies as it
+ * stages, the wmma kernel's tile sizes, and moe_tensor.cu's entry points. */
+#ifndef DS_CUDA_MOE_CUH
+#define DS_CUDA_MOE_CUH
+
+#include "kernels/cuda/common.cuh"
+
+struct moe_act {
+    int on, situ;
+    float beta, lin_beta;
+};
+
+enum { MMA_ROWS = 16, MMA_N = 256, MMA_KC = 256, MMA_XLD = MMA_KC + 8, MMA_OLD = MMA_N + 4 };
+
+/* The routed experts of a step through cuBLAS (long steps: prefill), rows grouped by expert
+ * (start [E+1], perm [T k]); never while a graph is being captured. */
+int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T, int k, int E,
+                     int D, int I, const uint16_t *gate_up, const uint16_t *down, int situ,
+                     float situ_beta, float situ_lin_beta, int accumulate, const int32_t *start,
+                     const int32_t *perm, ds_err *err);
+/* The grouped experts' up and down passes on the streaming tensor-core kernels: h holds the BF16
+ * rows (x [rows][D], then act [rows][I]), y [rows][D] the f32 outputs; ya blocks rows of experts.
+ * Launch errors are the caller's to read. */
+void moe_tc_experts(ds_cu *c, float *h, float *y, const float *x, int rows, unsigned ya, int D,
+                    int I, int E, int k, const uint16_t *gate_up, const uint16_t *down,
+                    const int32_t *start, const int32_t *perm, const int32_t *active,
+                    const int32_t *n_active, moe_act act);
+/* One grouped pass (N outputs, K inputs) on the wmma kernel moe_mma_k, ya blocks rows of experts.
+ * Launch errors are the caller's to read. */
+void moe_mma_pass(ds_cu *c, float *y, int ldy, const float *x, int ldx, int x_div,
+                  const uint16_t *W, int N, int K, const int32_t *start, const int32_t *perm,
+                  const int32_t *active, const int32_t *n_active, unsigned ya, moe_act act);
+
+#endif

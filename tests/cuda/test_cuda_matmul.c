@@ -1,0 +1,161 @@
+/* test_cuda_matmul.c — the matmuls (streamed, through cuBLAS, per head, batch-invariant) against
+ * the CPU's, and their timings at decode shapes. */
+#include "cuda_check.h"
+
+static void check_matmul(ds_cu *c, int T, int N, int K, int pad, double tol) {
+    int ldx = K + pad, ldy = N + pad;
+    float *x = rand_f32((size_t)T * ldx, -1, 1);
+    uint16_t *w = rand_bf16((size_t)N * K, -0.05f, 0.05f);
+    float *ref = calloc((size_t)T * ldy, sizeof *ref), *got = calloc((size_t)T * ldy, sizeof *got);
+    ds_mat hw = {w, DS_DT_BF16, N, K};
+    ds_matmul(ref, ldy, x, ldx, T, &hw);
+    float *dx = dev(c, x, (size_t)T * ldx * 4), *dy = dev(c, NULL, (size_t)T * ldy * 4);
+    uint16_t *dw = dev(c, w, (size_t)N * K * 2);
+    poison(c, dy, (size_t)T * ldy * 4);
+    ds_cu_mat m = {dw, N, K};
+    ds_err err = {{0}};
+    if (ds_cu_matmul(c, dy, ldy, dx, ldx, T, &m, &err)) DIE("%s", err.msg);
+    fetch(c, got, dy, (size_t)T * ldy * 4);
+    char what[96];
+    snprintf(what, sizeof what, "matmul T=%d N=%d K=%d%s", T, N, K, pad ? " (strided)" : "");
+    report(what, rel_err(got, ref, (size_t)T, (size_t)N, (size_t)ldy), tol);
+    ds_cu_dealloc(dx), ds_cu_dealloc(dy), ds_cu_dealloc(dw);
+    free(x), free(w), free(ref), free(got);
+}
+
+/* H per-head matmuls in one call (y_h = x_h W_h^T at head strides) against the CPU head by head. */
+static void check_matmul_heads(ds_cu *c, int T, int H, int N, int K, int invariant, double tol) {
+    int ldx = H * K, ldy = H * N;
+    float *x = rand_f32((size_t)T * ldx, -1, 1);
+    uint16_t *w = rand_bf16((size_t)H * N * K, -0.05f, 0.05f);
+    float *ref = calloc((size_t)T * ldy, 4), *got = calloc((size_t)T * ldy, 4);
+    for (int h = 0; h < H; h++) {
+        ds_mat hw = {w + (size_t)h * N * K, DS_DT_BF16, N, K};
+        ds_matmul(ref + (size_t)h * N, ldy, x + (size_t)h * K, ldx, T, &hw);
+    }
+    float *dx = dev(c, x, (size_t)T * ldx * 4), *dy = dev(c, NULL, (size_t)T * ldy * 4);
+    uint16_t *dw = dev(c, w, (size_t)H * N * K * 2);
+    poison(c, dy, (size_t)T * ldy * 4);
+    ds_cu_mat m = {dw, N, K};
+    ds_err err = {{0}};
+    ds_cu_set_batch_invariant(c, invariant);
+    if (ds_cu_matmul_heads(c, dy, ldy, (size_t)N, dx, ldx, (size_t)K, T, &m, (size_t)N * K, H,
+                           &err))
+        DIE("%s", err.msg);
+    ds_cu_set_batch_invariant(c, 0);
+    fetch(c, got, dy, (size_t)T * ldy * 4);
+    char what[96];
+    snprintf(what, sizeof what, "matmul heads T=%d H=%d N=%d K=%d%s", T, H, N, K,
+             invariant ? " (invariant)" : "");
+    report(what, rel_err(got, ref, (size_t)T, (size_t)ldy, (size_t)ldy), tol);
+    ds_cu_dealloc(dx), ds_cu_dealloc(dy), ds_cu_dealloc(dw);
+    free(x), free(w), free(ref), free(got);
+}
+
+/* The batch-invariant mode's promise: a token's output bits are the same at every T. */
+static void check_matmul_invariance(ds_cu *c, int N, int K) {
+    enum { T = 21 };
+    float *x = rand_f32((size_t)T * K, -1, 1);
+    uint16_t *w = rand_bf16((size_t)N * K, -0.05f, 0.05f);
+    float *all = malloc((size_t)T * N * 4), *one = malloc((size_t)N * 4);
+    float *dx = dev(c, x, (size_t)T * K * 4), *dy = dev(c, NULL, (size_t)T * N * 4);
+    uint16_t *dw = dev(c, w, (size_t)N * K * 2);
+    ds_cu_mat m = {dw, N, K};
+    ds_err err = {{0}};
+    ds_cu_set_batch_invariant(c, 1);
+    if (ds_cu_matmul(c, dy, N, dx, K, T, &m, &err)) DIE("%s", err.msg);
+    fetch(c, all, dy, (size_t)T * N * 4);
+    int same = 1;
+    for (int t = 0; t < T; t++) { /* token t alone, from the same row of x */
+        if (ds_cu_matmul(c, dy, N, dx + (size_t)t * K, K, 1, &m, &err)) DIE("%s", err.msg);
+        fetch(c, one, dy, (size_t)N * 4);
+        same &= !memcmp(one, all + (size_t)t * N, (size_t)N * 4);
+    }
+    ds_cu_set_batch_invariant(c, 0);
+    char what[96];
+    snprintf(what, sizeof what, "matmul invariant N=%d K=%d: T=1 bits == T=%d bits", N, K, T);
+    report(what, same ? 0.0 : 1.0, 0.0);
+    ds_cu_dealloc(dx), ds_cu_dealloc(dy), ds_cu_dealloc(dw);
+    free(x), free(w), free(all), free(one);
+}
+
+typedef struct mm_ctx {
+    float *y, *x;
+    ds_cu_mat w[4]; /* rotated: each more than L2 on its own */
+    int T, i;
+} mm_ctx;
+static void run_mm(ds_cu *c, void *p) {
+    mm_ctx *x = p;
+    ds_err err;
+    x->i = (x->i + 1) % 4;
+    if (ds_cu_matmul(c, x->y, x->w[x->i].rows, x->x, x->w[x->i].cols, x->T, &x->w[x->i], &err))
+        DIE("%s", err.msg);
+}
+
+/* the matmul checks, in their order of old (one random stream feeds every check) */
+void checks_matmul(ds_cu *c) {
+    /* T = 1 with K % 8 == 0: the f32 GEMV (held to f32 accuracy); else cuBLAS on BF16 x */
+    check_matmul(c, 1, 4096, 2304, 0, 1e-5);
+    check_matmul(c, 1, 12576, 2304, 0, 1e-5); /* KDA's stacked inputs at the 48B shape */
+    ds_cu_set_gemv_wide(c, 1); /* the same through the experts' kernel, and its bits */
+    check_matmul(c, 1, 12576, 2304, 0, 1e-5);
+    check_matmul(c, 1, 5003, 2048, 4, 1e-5); /* tail rows; one warp a row on 132 SMs */
+    check_matmul_invariance(c, 5000, 2304);
+    ds_cu_set_wide_early(c, 1); /* its first weights before the wait: the same sums */
+    check_matmul(c, 1, 5003, 2048, 4, 1e-5);
+    check_matmul(c, 1, 12576, 2304, 0, 1e-5);
+    check_matmul_invariance(c, 5000, 2304);
+    ds_cu_set_wide_early(c, 0);
+    ds_cu_set_gemv_wide(c, 0);
+    check_matmul(c, 1, 1003, 2048, 4, 1e-5);
+    check_matmul(c, 2, 1003, 2048, 4, 1e-2);
+    check_matmul(c, 3, 1003, 2048, 4, 1e-2);
+    check_matmul(c, 8, 163840, 256, 0, 1e-2);
+    check_matmul(c, 7, 1000, 333, 0, 1e-2);
+    check_matmul(c, 64, 2304, 4096, 0, 1e-2);
+    check_matmul(c, 5, 257, 130, 3, 1e-2);
+    check_matmul_heads(c, 1, 32, 512, 128, 0, 1e-5);
+    check_matmul_heads(c, 5, 4, 128, 512, 1, 1e-5);
+    check_matmul_heads(c, 9, 4, 128, 512, 0, 1e-2);
+    check_matmul_invariance(c, 1000, 2304);
+    /* few rows: warps share a row (split K), the router's shape and a tiny one */
+    check_matmul(c, 1, 256, 2304, 0, 1e-5);
+    check_matmul(c, 1, 5, 4096, 0, 1e-5);
+    check_matmul_invariance(c, 256, 2304);
+    check_matmul_invariance(c, 77, 100); /* K % 8 != 0: the element-wise kernel */
+}
+
+/* decode-shaped matmuls against the copy and GEMM ceilings */
+void bench_matmul(ds_cu *c, const cuda_ceilings *ceil) {
+    double ms;
+    const double copy_gbs = ceil->copy_gbs;
+    const double gemm_tf = ceil->gemm_tf;
+    /* 3. decode-shaped matmuls at Kimi-Linear-48B-A3B's hidden size 2304: bytes a step must
+     *    read (the weights, BF16) over time, against the copy ceiling */
+    static const int shapes[][2] = {{4096, 2304}, {2304, 4096}, {163840, 2304}};
+    static const int Ts[] = {1, 2, 8, 64, 256};
+    for (size_t si = 0; si < DS_ARRAY_LEN(shapes); si++) {
+        int N = shapes[si][0], K = shapes[si][1];
+        mm_ctx mc = {0};
+        uint16_t *w = rand_bf16((size_t)N * K, -0.05f, 0.05f);
+        for (int i = 0; i < 4; i++) mc.w[i] = (ds_cu_mat){dev(c, w, (size_t)N * K * 2), N, K};
+        free(w);
+        float *x = rand_f32((size_t)256 * K, -1, 1);
+        mc.x = dev(c, x, (size_t)256 * K * 4);
+        free(x);
+        mc.y = dev(c, NULL, (size_t)256 * N * 4);
+        for (size_t ti = 0; ti < DS_ARRAY_LEN(Ts); ti++) {
+            mc.T = Ts[ti];
+            ms = median_ms(c, run_mm, &mc, 3, 30);
+            double bytes = (double)N * K * 2 + (double)mc.T * (K * 4 + N * 4);
+            double flops = 2.0 * N * (double)K * mc.T;
+            printf("bench matmul N=%d K=%d T=%d: %.4f ms, %.0f GB/s (%.0f%% of copy), %.1f "
+                   "TFLOP/s (%.1f%% of gemm)\n",
+                   N, K, mc.T, ms, bytes / (ms * 1e-3) / 1e9,
+                   100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs, flops / (ms * 1e-3) / 1e12,
+                   100.0 * flops / (ms * 1e-3) / 1e12 / gemm_tf);
+        }
+        for (int i = 0; i < 4; i++) ds_cu_dealloc((void *)mc.w[i].data);
+        ds_cu_dealloc(mc.x), ds_cu_dealloc(mc.y);
+    }
+}

@@ -1,0 +1,304 @@
+/* test_cuda_mla.c — MLA against the CPU: absorbed (one sequence, a step's batch, all heads a
+ * block) and expanded (split, cuBLAS, fused); the MLA timings. */
+#include "cuda_check.h"
+
+/* Absorbed MLA over a paged pool whose block table is shuffled (pages out of order). */
+static void check_mla(ds_cu *c, int T, int Ha, int R, int dr, int pos0, int n_ctx, int causal) {
+    enum { BS = 16 };
+    int rowf = R + dr, n_rows = n_ctx, n_pages = n_rows / BS + 2;
+    float *pool = rand_f32((size_t)n_pages * BS * rowf, -1, 1);
+    int32_t *table = malloc((size_t)n_pages * 4);
+    for (int i = 0; i < n_pages; i++) table[i] = (int32_t)((i * 7 + 3) % n_pages);
+    float *qbar = rand_f32((size_t)T * Ha * R, -0.2f, 0.2f),
+          *qr = rand_f32((size_t)T * Ha * dr, -1, 1);
+    float *ref = malloc((size_t)T * Ha * R * 4), *got = malloc((size_t)T * Ha * R * 4);
+    ds_latent_view kv = {pool, table, BS, rowf};
+    float scale = 1.0f / sqrtf(192.0f);
+    ds_mla_attend_absorbed(ref, qbar, qr, T, Ha, R, dr, &kv, pos0, n_ctx, causal, scale);
+    float *dpool = dev(c, pool, (size_t)n_pages * BS * rowf * 4);
+    int32_t *dtable = dev(c, table, (size_t)n_pages * 4);
+    float *dq = dev(c, qbar, (size_t)T * Ha * R * 4), *dqr = dev(c, qr, (size_t)T * Ha * dr * 4);
+    float *dout = dev(c, NULL, (size_t)T * Ha * R * 4);
+    poison(c, dout, (size_t)T * Ha * R * 4);
+    ds_err err = {{0}};
+    if (ds_cu_mla_attend_absorbed(c, dout, dq, dqr, T, Ha, R, dr, dpool, dtable, BS, rowf, pos0,
+                                  n_ctx, causal, scale, &err))
+        DIE("%s", err.msg);
+    fetch(c, got, dout, (size_t)T * Ha * R * 4);
+    char what[96];
+    snprintf(what, sizeof what, "mla absorbed T=%d Ha=%d R=%d %s %d", T, Ha, R,
+             causal ? "causal from" : "context", causal ? pos0 : n_ctx);
+    report(what, rel_err(got, ref, 1, (size_t)T * Ha * R, (size_t)T * Ha * R), 1e-5);
+    ds_cu_dealloc(dpool), ds_cu_dealloc(dtable), ds_cu_dealloc(dq), ds_cu_dealloc(dqr);
+    ds_cu_dealloc(dout);
+    free(pool), free(table), free(qbar), free(qr), free(ref), free(got);
+}
+
+/* Absorbed MLA for several sequences' tokens in one launch, each against its own block table and
+ * positions, against the CPU one sequence at a time. */
+/* all_heads: a block per token for every head (each latent row read once): 2 always, 1 when the
+ * step fills the GPU (ds_cu_set_mla_all_heads). */
+static void check_mla_batch(ds_cu *c, const int *lens, const int *pos0, int n_seq, int Ha, int R,
+                            int dr, int all_heads) {
+    enum { BS = 16 };
+    int rowf = R + dr, T = 0, max_ctx = 0, pages = 0, bt_off[256], tok_bt[512], tok_pos[512];
+    for (int z = 0; z < n_seq; z++) {
+        int ctx = pos0[z] + lens[z];
+        bt_off[z] = pages;
+        pages += (ctx + BS - 1) / BS;
+        max_ctx = DS_MAX(max_ctx, ctx);
+        for (int t = 0; t < lens[z]; t++) tok_bt[T + t] = bt_off[z], tok_pos[T + t] = pos0[z] + t;
+        T += lens[z];
+    }
+    int32_t *tables = malloc((size_t)pages * 4); /* a scrambled permutation of the pool's pages */
+    for (int i = 0; i < pages; i++) tables[i] = (int32_t)((i * 7 + 3) % pages);
+    float *pool = rand_f32((size_t)pages * BS * rowf, -1, 1);
+    float *qbar = rand_f32((size_t)T * Ha * R, -0.2f, 0.2f),
+          *qr = rand_f32((size_t)T * Ha * dr, -1, 1);
+    float *ref = malloc((size_t)T * Ha * R * 4), *got = malloc((size_t)T * Ha * R * 4);
+    float scale = 1.0f / sqrtf(192.0f);
+    for (int z = 0, t0 = 0; z < n_seq; t0 += lens[z], z++) {
+        ds_latent_view kv = {pool, tables + bt_off[z], BS, rowf};
+        size_t at = (size_t)t0 * Ha;
+        ds_mla_attend_absorbed(ref + at * R, qbar + at * R, qr + at * dr, lens[z], Ha, R, dr, &kv,
+                               pos0[z], pos0[z] + lens[z], 1, scale);
+    }
+    float *dpool = dev(c, pool, (size_t)pages * BS * rowf * 4);
+    int32_t *dtables = dev(c, tables, (size_t)pages * 4), *dbt = dev(c, tok_bt, (size_t)T * 4);
+    int32_t *dpos = dev(c, tok_pos, (size_t)T * 4);
+    /* the rope parts on the device at a wider stride, as the model passes them (read in place
+     * from the full query rows) */
+    const int ldqr = dr + 12;
+    float *qrs = calloc((size_t)T * Ha * ldqr, 4); /* [T][Ha][ldqr] */
+    for (size_t i = 0; i < (size_t)T * Ha; i++) memcpy(qrs + i * ldqr, qr + i * dr, (size_t)dr * 4);
+    float *dq = dev(c, qbar, (size_t)T * Ha * R * 4), *dqr = dev(c, qrs, (size_t)T * Ha * ldqr * 4);
+    float *dout = dev(c, NULL, (size_t)T * Ha * R * 4);
+    poison(c, dout, (size_t)T * Ha * R * 4);
+    ds_err err = {{0}};
+    ds_cu_set_mla_all_heads(c, all_heads);
+    if (ds_cu_mla_attend_absorbed_batch(c, dout, dq, dqr, ldqr, T, Ha, R, dr, dpool, dtables, dbt,
+                                        dpos, max_ctx, BS, rowf, scale, &err))
+        DIE("%s", err.msg);
+    ds_cu_set_mla_all_heads(c, 0);
+    fetch(c, got, dout, (size_t)T * Ha * R * 4);
+    char what[96];
+    snprintf(what, sizeof what, "mla absorbed batch %d seqs Ha=%d R=%d%s", n_seq, Ha, R,
+             all_heads ? " (all heads)" : "");
+    report(what, rel_err(got, ref, 1, (size_t)T * Ha * R, (size_t)T * Ha * R), 1e-5);
+    ds_cu_dealloc(dpool), ds_cu_dealloc(dtables), ds_cu_dealloc(dbt), ds_cu_dealloc(dpos);
+    ds_cu_dealloc(dq), ds_cu_dealloc(dqr), ds_cu_dealloc(dout);
+    free(tables), free(pool), free(qbar), free(qr), free(qrs), free(ref), free(got);
+}
+
+/* gemm: the tensor-core path for long segments (BF16 operands and probabilities: 2e-2). */
+static void check_mla_expanded_mode(ds_cu *c, int T, int Ha, int dn, int dr, int dvh, int pos0,
+                                    int n_ctx, int causal, int gemm) {
+    size_t nq = (size_t)T * Ha * (dn + dr), nk = (size_t)n_ctx * Ha * dn, nr = (size_t)n_ctx * dr;
+    size_t nv = (size_t)n_ctx * Ha * dvh, no = (size_t)T * Ha * dvh;
+    float *q = rand_f32(nq, -0.3f, 0.3f), *kN = rand_f32(nk, -1, 1), *kR = rand_f32(nr, -1, 1);
+    float *v = rand_f32(nv, -1, 1), *ref = malloc(no * 4), *got = malloc(no * 4);
+    float scale = 1.0f / sqrtf((float)(dn + dr));
+    ds_mla_attend_expanded(ref, q, kN, kR, v, T, n_ctx, Ha, dn, dr, dvh, pos0, causal, scale);
+    float *dq = dev(c, q, nq * 4), *dkN = dev(c, kN, nk * 4), *dkR = dev(c, kR, nr * 4);
+    float *dv_ = dev(c, v, nv * 4), *dout = dev(c, NULL, no * 4);
+    poison(c, dout, no * 4);
+    ds_err err = {{0}};
+    ds_cu_set_mla_gemm(c, gemm != 0);
+    ds_cu_set_mla_flash(c, gemm == 2); /* the fused kernel, where the head shape has one */
+    if (ds_cu_mla_attend_expanded(c, dout, dq, dkN, dkR, dv_, T, n_ctx, Ha, dn, dr, dvh, pos0,
+                                  causal, scale, &err))
+        DIE("%s", err.msg);
+    ds_cu_set_mla_gemm(c, 0);
+    ds_cu_set_mla_flash(c, 0);
+    fetch(c, got, dout, no * 4);
+    char what[96];
+    snprintf(what, sizeof what, "mla expanded T=%d Ha=%d ctx %d%s%s", T, Ha, n_ctx,
+             causal ? " causal" : "",
+             gemm == 2   ? " (fused)"
+             : gemm == 1 ? " (gemm)"
+                         : "");
+    report(what, rel_err(got, ref, 1, no, no), gemm ? 2e-2 : 1e-5);
+    ds_cu_dealloc(dq), ds_cu_dealloc(dkN), ds_cu_dealloc(dkR), ds_cu_dealloc(dv_);
+    ds_cu_dealloc(dout);
+    free(q), free(kN), free(kR), free(v), free(ref), free(got);
+}
+
+static void check_mla_expanded(ds_cu *c, int T, int Ha, int dn, int dr, int dvh, int pos0,
+                               int n_ctx, int causal) {
+    check_mla_expanded_mode(c, T, Ha, dn, dr, dvh, pos0, n_ctx, causal, 0);
+}
+
+typedef struct mla_ctx {
+    float *obar, *qbar, *qr, *pool;
+    int32_t *table;
+    int Ha, n_ctx;
+} mla_ctx;
+static void run_mla(ds_cu *c, void *p) {
+    mla_ctx *x = p;
+    ds_err err;
+    if (ds_cu_mla_attend_absorbed(c, x->obar, x->qbar, x->qr, 1, x->Ha, 512, 64, x->pool, x->table,
+                                  16, 576, x->n_ctx - 1, x->n_ctx, 1, 0.07f, &err))
+        DIE("%s", err.msg);
+}
+
+/* Absorbed MLA of a decode batch: one token for each of n_seq sequences of n_ctx rows */
+typedef struct mla_batch_ctx {
+    float *obar, *qbar, *qr, *pool;
+    int32_t *tables, *tok_bt, *tok_pos;
+    int n_seq, n_ctx;
+} mla_batch_ctx;
+static void run_mla_batch(ds_cu *c, void *p) {
+    mla_batch_ctx *x = p;
+    ds_err err;
+    if (ds_cu_mla_attend_absorbed_batch(c, x->obar, x->qbar, x->qr, 64, x->n_seq, 32, 512, 64,
+                                        x->pool, x->tables, x->tok_bt, x->tok_pos, x->n_ctx, 16,
+                                        576, 0.07f, &err))
+        DIE("%s", err.msg);
+}
+
+/* absorbed and expanded MLA */
+void checks_mla(ds_cu *c) {
+    check_mla(c, 1, 16, 512, 64, 700, 701, 1);
+    check_mla(c, 5, 4, 512, 64, 40, 45, 1);
+    check_mla(c, 4, 3, 512, 64, 30, 32, 1); /* the last two queries are capped at n_ctx */
+    check_mla(c, 3, 2, 64, 16, 0, 37, 0);
+    check_mla(c, 3, 2, 30, 6, 0, 37, 0);       /* rows not a multiple of 4 floats: scalar loads */
+    check_mla(c, 2, 4, 512, 64, 0, 1000, 0);   /* 4 splits, one partial */
+    check_mla(c, 3, 2, 512, 64, 255, 258, 1);  /* token 0 ends on a split's last row */
+    check_mla(c, 2, 64, 512, 64, 300, 302, 1); /* 64 heads: the block-per-head fallback */
+    check_mla_expanded(c, 40, 4, 128, 64, 128, 0, 40, 1);  /* a first prompt chunk */
+    check_mla_expanded(c, 33, 3, 64, 32, 64, 300, 333, 1); /* a later chunk, 2 splits */
+    check_mla_expanded(c, 5, 2, 32, 16, 48, 0, 600, 0);
+    check_mla_expanded_mode(c, 300, 4, 128, 64, 128, 0, 300, 1, 1); /* a prompt, tensor cores */
+    /* the fused kernel: a prompt, a later chunk (a partial last block of queries and keys), not
+     * causal (every row sees all keys), one short of a block */
+    check_mla_expanded_mode(c, 300, 4, 128, 64, 128, 0, 300, 1, 2);
+    check_mla_expanded_mode(c, 130, 3, 128, 64, 128, 77, 207, 1, 2);
+    check_mla_expanded_mode(c, 150, 2, 128, 64, 128, 0, 170, 0, 2);
+    check_mla_expanded_mode(c, 129, 5, 128, 64, 128, 1, 130, 1, 2);
+    check_mla_expanded_mode(c, 40, 2, 128, 64, 128, 590, 630, 1, 2); /* partial key tiles */
+    check_mla_expanded_mode(c, 200, 3, 64, 32, 64, 500, 700, 1, 1);  /* a later chunk */
+    check_mla_expanded_mode(c, 130, 2, 32, 16, 48, 0, 1000, 0, 1);   /* not causal */
+}
+
+/* absorbed MLA over a step's sequences */
+void checks_mla_batch(ds_cu *c) {
+    int mlens[4] = {1, 3, 1, 5}, mpos[4] = {0, 300, 700, 17};
+    check_mla_batch(c, mlens, mpos, 4, 8, 512, 64, 0);
+    check_mla_batch(c, mlens, mpos, 4, 8, 512, 64, 2);
+    int dlens[3] = {1, 1, 1}, dpos[3] = {1000, 5, 257}; /* decode rows across splits */
+    check_mla_batch(c, dlens, dpos, 3, 32, 512, 64, 2);
+    check_mla_batch(c, dlens, dpos, 3, 32, 512, 64, 0); /* a block per head (batch 1) */
+    check_mla_batch(c, mlens, mpos, 4, 2, 30, 6, 0);    /* scalar loads */
+    int blens[160], bpos[160]; /* a decode batch that fills the GPU: splits of > 64 rows */
+    for (int i = 0; i < 160; i++) blens[i] = 1 + (i % 7 == 0), bpos[i] = (i * 397) % 1200;
+    check_mla_batch(c, blens, bpos, 160, 16, 512, 64, 1);
+}
+
+/* expanded MLA over a prompt: cuBLAS against the fused kernel */
+void bench_mla_expanded(ds_cu *c, const cuda_ceilings *ceil) {
+    ds_err err = {{0}};
+    (void)ceil;
+    /* 4c. expanded MLA over a prompt: 8192 tokens, 32 heads of 128 + 64 / 128 (causal), the
+     *     cuBLAS path against the fused kernel; FLOPs: the causal half of QK^T and PV */
+    {
+        const int T = 8192, Ha = 32, dn = 128, dr = 64, dvh = 128;
+        size_t nq = (size_t)T * Ha * (dn + dr), nk = (size_t)T * Ha * dn, nv = (size_t)T * Ha * dvh;
+        float *h = rand_f32(nq, -0.3f, 0.3f);
+        float *dq = dev(c, h, nq * 4), *dk = dev(c, h, nk * 4),
+              *dr_ = dev(c, h, (size_t)T * dr * 4);
+        float *dv_ = dev(c, h, nv * 4), *dout = dev(c, NULL, nv * 4);
+        free(h);
+        double flops = 2.0 * (double)T * T / 2 * Ha * (dn + dr + dvh);
+        for (int fused = 0; fused < 2; fused++) {
+            ds_cu_set_mla_gemm(c, 1);
+            ds_cu_set_mla_flash(c, fused);
+            double best = 1e30;
+            for (int r = 0; r < 3; r++) {
+                ds_cu_timer *tm = ds_cu_timer_start(c);
+                if (ds_cu_mla_attend_expanded(c, dout, dq, dk, dr_, dv_, T, T, Ha, dn, dr, dvh, 0,
+                                              1, 0.07f, &err))
+                    DIE("%s", err.msg);
+                double t = ds_cu_timer_stop(c, tm);
+                if (r && t < best) best = t;
+            }
+            printf("bench mla expanded prefill T=8192 Ha=32 (%s): %.3f ms, %.0f TFLOP/s\n",
+                   fused ? "fused" : "cublas", best, flops / (best * 1e-3) / 1e12);
+        }
+        ds_cu_set_mla_gemm(c, 0);
+        ds_cu_set_mla_flash(c, 0);
+        ds_cu_dealloc(dq), ds_cu_dealloc(dk), ds_cu_dealloc(dr_), ds_cu_dealloc(dv_);
+        ds_cu_dealloc(dout);
+    }
+}
+
+/* absorbed MLA at decode: one sequence, then batches */
+void bench_mla_absorbed(ds_cu *c, const cuda_ceilings *ceil) {
+    double ms;
+    const double copy_gbs = ceil->copy_gbs;
+    /* 5. MLA absorbed decode, one token, 32 heads (Kimi-Linear), R 512 + dr 64, f32 cache; the
+     *    bytes that must be read: the context's latent rows once */
+    static const int ctxs[] = {4096, 32768};
+    for (size_t i = 0; i < DS_ARRAY_LEN(ctxs); i++) {
+        mla_ctx mc = {0};
+        mc.Ha = 32, mc.n_ctx = ctxs[i];
+        int pages = mc.n_ctx / 16;
+        float *h = rand_f32((size_t)mc.n_ctx * 576, -1, 1);
+        mc.pool = dev(c, h, (size_t)mc.n_ctx * 576 * 4);
+        free(h);
+        int32_t *tb = malloc((size_t)pages * 4);
+        for (int p = 0; p < pages; p++) tb[p] = (int32_t)((p * 7 + 3) % pages);
+        mc.table = dev(c, tb, (size_t)pages * 4);
+        free(tb);
+        h = rand_f32((size_t)32 * 512, -0.1f, 0.1f);
+        mc.qbar = dev(c, h, (size_t)32 * 512 * 4), mc.qr = dev(c, h, (size_t)32 * 64 * 4);
+        free(h);
+        mc.obar = dev(c, NULL, (size_t)32 * 512 * 4);
+        ms = median_ms(c, run_mla, &mc, 3, 20);
+        double bytes = (double)mc.n_ctx * 576 * 4;
+        printf("bench mla absorbed decode Ha=32, %d context rows: %.4f ms, %.0f GB/s of cache "
+               "(%.0f%% of copy)\n",
+               mc.n_ctx, ms, bytes / (ms * 1e-3) / 1e9,
+               100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
+        ds_cu_dealloc(mc.pool), ds_cu_dealloc(mc.table), ds_cu_dealloc(mc.qbar);
+        ds_cu_dealloc(mc.qr), ds_cu_dealloc(mc.obar);
+    }
+    /* 5b. a decode batch's MLA: 64 and 256 sequences of 512 rows, every head's query against its
+     *     own sequence (pages scattered through one pool), all heads a block against a block a
+     *     head */
+    static const int bseqs[] = {64, 256};
+    for (size_t i = 0; i < DS_ARRAY_LEN(bseqs); i++) {
+        mla_batch_ctx bc = {0};
+        bc.n_seq = bseqs[i], bc.n_ctx = 512;
+        const int per_seq = bc.n_ctx / 16, pages = bc.n_seq * per_seq;
+        float *h = rand_f32((size_t)pages * 16 * 576, -1, 1);
+        bc.pool = dev(c, h, (size_t)pages * 16 * 576 * 4);
+        free(h);
+        int32_t *tb = malloc((size_t)pages * 4), *bt = malloc((size_t)bc.n_seq * 4),
+                *pos = malloc((size_t)bc.n_seq * 4);
+        if (!tb || !bt || !pos) DIE("out of memory");
+        for (int p = 0; p < pages; p++) tb[p] = (int32_t)(((long)p * 7 + 3) % pages);
+        for (int z = 0; z < bc.n_seq; z++) bt[z] = z * per_seq, pos[z] = bc.n_ctx - 1;
+        bc.tables = dev(c, tb, (size_t)pages * 4), bc.tok_bt = dev(c, bt, (size_t)bc.n_seq * 4);
+        bc.tok_pos = dev(c, pos, (size_t)bc.n_seq * 4);
+        free(tb), free(bt), free(pos);
+        h = rand_f32((size_t)bc.n_seq * 32 * 512, -0.1f, 0.1f);
+        bc.qbar = dev(c, h, (size_t)bc.n_seq * 32 * 512 * 4);
+        bc.qr = dev(c, h, (size_t)bc.n_seq * 32 * 64 * 4);
+        free(h);
+        bc.obar = dev(c, NULL, (size_t)bc.n_seq * 32 * 512 * 4);
+        for (int ah = 2; ah >= 0; ah -= 2) {
+            ds_cu_set_mla_all_heads(c, ah);
+            ms = median_ms(c, run_mla_batch, &bc, 3, 20);
+            const double bytes = (double)bc.n_seq * bc.n_ctx * 576 * 4;
+            printf("bench mla absorbed decode batch %d x %d rows, Ha=32 (%s): %.4f ms, %.0f GB/s "
+                   "of cache (%.0f%% of copy)\n",
+                   bc.n_seq, bc.n_ctx, ah ? "all heads" : "a block a head", ms,
+                   bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
+        }
+        ds_cu_set_mla_all_heads(c, 0);
+        ds_cu_dealloc(bc.pool), ds_cu_dealloc(bc.tables), ds_cu_dealloc(bc.tok_bt);
+        ds_cu_dealloc(bc.tok_pos), ds_cu_dealloc(bc.qbar), ds_cu_dealloc(bc.qr);
+        ds_cu_dealloc(bc.obar);
+    }
+}
