@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 static const ds_dmem_ops *g_ops; /* the installed device, or NULL */
+static void *g_ctx;              /* its context */
 
 /* The page-locked blocks handed out, each with the release that belongs to it (a block may be
  * freed after its device's operations were uninstalled). Few: one logits buffer per engine. */
@@ -15,12 +16,13 @@ static struct {
 } g_pinned[MAX_PINNED];
 static pthread_mutex_t g_pinned_mu = PTHREAD_MUTEX_INITIALIZER;
 
-void ds_dmem_install(const ds_dmem_ops *ops) {
+void ds_dmem_install(const ds_dmem_ops *ops, void *ctx) {
     g_ops = ops;
+    g_ctx = ops ? ctx : NULL;
 }
 
-int ds_dmem_have_device(void) {
-    return g_ops != NULL;
+void *ds_dmem_installed(const ds_dmem_ops *ops) {
+    return ops && g_ops == ops ? g_ctx : NULL;
 }
 
 void *ds_dmem_alloc(int on_device, size_t bytes, ds_err *err) {
@@ -29,13 +31,13 @@ void *ds_dmem_alloc(int on_device, size_t bytes, ds_err *err) {
         ds_errf(err, "device memory asked for, but no device backend is in use");
         return NULL;
     }
-    return g_ops->alloc(bytes, err);
+    return g_ops->alloc(g_ctx, bytes, err);
 }
 
 void ds_dmem_free(int on_device, void *p) {
     if (!p) return;
     if (on_device && g_ops)
-        g_ops->release(p);
+        g_ops->release(g_ctx, p);
     else
         free(p);
 }
@@ -43,7 +45,7 @@ void ds_dmem_free(int on_device, void *p) {
 void ds_dmem_copy(void *dst, const void *src, size_t bytes) {
     if (!bytes || dst == src) return;
     if (g_ops)
-        g_ops->copy(dst, src, bytes);
+        g_ops->copy(g_ctx, dst, src, bytes);
     else
         memcpy(dst, src, bytes);
 }
@@ -51,7 +53,7 @@ void ds_dmem_copy(void *dst, const void *src, size_t bytes) {
 void ds_dmem_zero(int on_device, void *p, size_t bytes) {
     if (!bytes) return;
     if (on_device && g_ops)
-        g_ops->zero(p, bytes);
+        g_ops->zero(g_ctx, p, bytes);
     else
         memset(p, 0, bytes);
 }

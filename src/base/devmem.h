@@ -3,8 +3,9 @@
  * verify rows are allocated, copied and zeroed through here, so the engine and the caches above
  * the model run unchanged on either device.
  *
- * The CUDA backend installs its operations when a model is attached to a GPU (one device per
- * process); until then every call is plain host memory. Copies take any direction: with unified
+ * The CUDA backend installs its operations, with its device as their context, when a model is
+ * attached to a GPU (one device per process: a second model attached finds it installed here and
+ * shares it); until then every call is plain host memory. Copies take any direction: with unified
  * addressing the backend tells host from device pointers itself. A copy or fill that fails on the
  * device is recorded by the backend and reported by the next forward step. */
 #ifndef DS_DEVMEM_H
@@ -12,21 +13,22 @@
 
 #include "base/ds_base.h"
 
+/* A device's memory operations; ctx is the context given to ds_dmem_install with them. */
 typedef struct ds_dmem_ops {
-    void *(*alloc)(size_t bytes, ds_err *err);
-    void (*release)(void *p);
-    void (*copy)(void *dst, const void *src, size_t bytes); /* done when it returns */
-    void (*zero)(void *p, size_t bytes);                    /* device memory only */
+    void *(*alloc)(void *ctx, size_t bytes, ds_err *err);
+    void (*release)(void *ctx, void *p);
+    void (*copy)(void *ctx, void *dst, const void *src, size_t bytes); /* done when it returns */
+    void (*zero)(void *ctx, void *p, size_t bytes);                    /* device memory only */
     /* page-locked host memory (the device copies it at full speed); release stays valid after
      * the operations are uninstalled */
     void *(*host_alloc)(size_t bytes, ds_err *err);
     void (*host_release)(void *p);
 } ds_dmem_ops;
 
-/* Installs the device's operations (NULL: back to host only). */
-void ds_dmem_install(const ds_dmem_ops *ops);
-/* Is a device installed? */
-int ds_dmem_have_device(void);
+/* Installs a device's operations and their context (ops NULL: back to host only). */
+void ds_dmem_install(const ds_dmem_ops *ops, void *ctx);
+/* The context installed with ops, when ops are the ones installed; else NULL. */
+void *ds_dmem_installed(const ds_dmem_ops *ops);
 
 /* on_device 0: 64-byte aligned host memory; 1: device memory (an error without a device). */
 void *ds_dmem_alloc(int on_device, size_t bytes, ds_err *err);

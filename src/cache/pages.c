@@ -28,7 +28,6 @@ struct ds_page_pool {
     int n_lru;
     ds_page_evict_fn evict;
     void *evict_user;
-    uint64_t n_evicted;
     uint64_t n_bad; /* refs/unrefs of free or out-of-range pages (bugs), for tests */
 };
 
@@ -102,7 +101,6 @@ int ds_page_alloc(ds_page_pool *p) {
         page = p->lru_head;
         lru_unlink(p, page);
         p->cached[page] = 0;
-        p->n_evicted++;
         if (p->evict) p->evict(p->evict_user, page);
     } else {
         return -1;
@@ -177,17 +175,9 @@ void ds_page_set_cached(ds_page_pool *p, int page, int cached) {
     p->cached[page] = 0;
 }
 
-int ds_page_is_cached(const ds_page_pool *p, int page) {
-    return page >= 0 && page < p->n_pages && p->cached[page];
-}
-
 void ds_page_set_evict_hook(ds_page_pool *p, ds_page_evict_fn fn, void *user) {
     p->evict = fn;
     p->evict_user = user;
-}
-
-uint64_t ds_page_n_evicted(const ds_page_pool *p) {
-    return p->n_evicted;
 }
 
 uint64_t ds_page_n_bad(const ds_page_pool *p) {

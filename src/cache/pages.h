@@ -32,9 +32,7 @@ int ds_page_n_total(const ds_page_pool *p);
 int ds_page_n_cached_idle(const ds_page_pool *p);
 /* Marks a held or idle-cached page cached (1) or not (0). Uncaching an idle page frees it. */
 void ds_page_set_cached(ds_page_pool *p, int page, int cached);
-int ds_page_is_cached(const ds_page_pool *p, int page);
 void ds_page_set_evict_hook(ds_page_pool *p, ds_page_evict_fn fn, void *user);
-uint64_t ds_page_n_evicted(const ds_page_pool *p);
 /* Refs/unrefs of a page that was not held (refcount 0 and not cached) or not in the pool: caller
  * bugs, ignored so that the free list stays sound, and counted so tests can assert none. */
 uint64_t ds_page_n_bad(const ds_page_pool *p);

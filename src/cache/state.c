@@ -103,7 +103,3 @@ size_t ds_slot_floats(const ds_slot_pool *p) {
 uint64_t ds_slot_n_bad(const ds_slot_pool *p) {
     return p->n_bad;
 }
-
-int ds_slot_pool_on_device(const ds_slot_pool *p) {
-    return p->on_device;
-}

@@ -13,7 +13,6 @@ int ds_slot_pool_create(int n_slots, size_t slot_floats, ds_slot_pool **out, ds_
  * pointer, copied with ds_dmem_copy, never read by the host directly. */
 int ds_slot_pool_create_on(int on_device, int n_slots, size_t slot_floats, ds_slot_pool **out,
                            ds_err *err);
-int ds_slot_pool_on_device(const ds_slot_pool *p);
 void ds_slot_pool_free(ds_slot_pool *p);
 int ds_slot_alloc(ds_slot_pool *p); /* a zeroed slot, or -1 */
 void ds_slot_release(ds_slot_pool *p, int slot);

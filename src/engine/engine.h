@@ -22,8 +22,10 @@ enum { DS_SPEC_NONE = 0, DS_SPEC_DSPARK = 1, DS_SPEC_NGRAM = 2 };
 /* What tests put into an engine, in one place (all zero in production; the CLI's flags for them
  * are hidden from --help). */
 typedef struct ds_test_hooks {
-    /* when set, drafts come from this function instead of the speculative method */
-    int (*spec_drafts)(void *ctx, const int32_t *tokens, int n_tokens, int k, int32_t *drafts);
+    /* when set, drafts come from this function instead of the speculative method: up to
+     * num_speculative_tokens of them into drafts, returning how many */
+    int (*spec_drafts)(void *ctx, const int32_t *tokens, int n_tokens, int num_speculative_tokens,
+                       int32_t *drafts);
     void *spec_ctx;
     /* tests/cachefuzz: called on the head's engine thread at the top of every step-loop
      * iteration, before new requests and aborts are taken in, with the number of steps launched
@@ -49,7 +51,7 @@ typedef struct ds_engine_opts {
     uint64_t seed;              /* base seed for requests without one */
     /* speculative decoding */
     int speculative_method;      /* DS_SPEC_NONE, DS_SPEC_DSPARK or DS_SPEC_NGRAM */
-    int num_speculative_tokens;  /* k drafts per verify (default 7) */
+    int num_speculative_tokens;  /* drafts proposed per verify (default 7) */
     const char *draft_model_dir; /* dspark: the draft checkpoint (default MODEL/draft) */
     /* prefix caching (cache/prefix.h) */
     int enable_prefix_caching;            /* default 1 */

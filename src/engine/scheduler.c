@@ -190,7 +190,6 @@ typedef struct plan {
     int budget; /* tokens left in this step */
 } plan;
 
-
 static int item_end(const ds_scheduler *s, const ds_seq *q) {
     return ds_seq_next_cut(q, s->o.chunk_tokens, s->o.block_size);
 }

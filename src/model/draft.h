@@ -1,5 +1,6 @@
-/* draft.h — the DSpark speculative draft (k3_dspark, MODEL_SPEC §8), on the CPU or beside a target
- * on a GPU (backend/cuda/forward.c: the same steps through that backend's kernels).
+/* draft.h — the DSpark speculative draft (k3_dspark, MODEL_SPEC §8), on the host or beside a
+ * target on a GPU (the target's backend's draft path, src/backend/cuda/draft.c: the same steps
+ * through that backend's kernels).
  *
  * The draft is a small MLA stack that reads the target's hidden states instead of its own tokens:
  *   1. context: every position j the target processes yields ctx_j = RMSNorm(W_context ·

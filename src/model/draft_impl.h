@@ -1,5 +1,6 @@
-/* draft_impl.h — the inside of ds_draft, shared by the CPU draft (model_draft.c) and its GPU path
- * (backend/cuda/forward.c). Nothing outside src/model includes this. */
+/* draft_impl.h — the inside of ds_draft, shared by the host draft (model_draft.c) and the device
+ * path a backend gives it (ds_backend_ops.draft_*; src/backend/cuda/draft.c). Nothing outside
+ * src/model and src/backend includes this. */
 #ifndef DS_DRAFT_IMPL_H
 #define DS_DRAFT_IMPL_H
 
@@ -40,31 +41,15 @@ struct ds_draft {
     size_t scratch_cap;
     int32_t *table; /* block table of one proposal's view (context pages + spare pages) */
     size_t table_cap;
-    /* the same draft on the target's GPU (backend/cuda/forward.c), or NULL: then write_context and
-     * propose run there, and the caches it makes are device memory */
-    struct ds_draft_dev *dev;
+    /* the target's backend, and the same draft on its device (be->draft_create), or NULL: with
+     * it, write_context and propose run there (be->draft_*), and the caches made are device
+     * memory */
+    const struct ds_backend_ops *be;
+    void *dev;
 };
 
-/* cs [n][dr/2][2]: {cos, sin} * mscale of positions pos0 .. pos0+n-1 (YaRN), as the CPU path
+/* cs [n][dr/2][2]: {cos, sin} * mscale of positions pos0 .. pos0+n-1 (YaRN), as the host path
  * turns its rows. */
 void ds_draft_rope_table(const ds_draft *d, float *cs, int pos0, int n);
-
-#ifdef DS_HAVE_CUDA
-typedef struct ds_draft_dev ds_draft_dev;
-/* The draft on the target's GPU (backend/cuda/forward.c): its weights uploaded (they live as long as the
- * target's; a vocabulary-parallel rank also uploads the whole lm_head), d->dev set. Returns DS_OK
- * leaving d->dev NULL for a target on the CPU or with DS_DRAFT_DEVICE=0. */
-int ds_draft_dev_create(ds_draft *d, const ds_model *target, ds_err *err);
-void ds_draft_dev_free(ds_draft *d);
-/* The device forms of ds_draft_write_context_batch (every item's rows in one pass; inputs in
- * host memory) and of ds_draft_propose_batch (n sequences in one block pass, sequence b in the
- * cache's spare slot b; the walks step together, one synchronisation a step); the cache's layers
- * are device memory. Same contracts as the CPU's (arguments already checked there). */
-int ds_draft_dev_write_context(ds_draft *d, ds_draft_cache *c, int n_items,
-                               const ds_draft_ctx_write *w, ds_err *err);
-int ds_draft_dev_propose(ds_draft *d, ds_draft_cache *c, int n, const int32_t *const *block_tables,
-                         const int *ps, const int32_t *anchors, int T, int32_t *drafts,
-                         float *block_logits, ds_err *err);
-#endif
 
 #endif

@@ -1,17 +1,15 @@
-/* model.c — weight binding and the forward pass (MODEL_SPEC §2–§7).
- *
- * Data flow of one step, top to bottom:
- *   embed -> for each layer: [AttnRes mix] -> RMSNorm -> KDA | MLA -> [AttnRes mix] -> RMSNorm ->
- *   dense MLP | MoE -> ... -> [output AttnRes mix] -> final RMSNorm -> lm_head.
- * All tokens of the step go through each weight in one GEMM; per-sequence work (conv tails, the
- * KDA recurrence, MLA attention over the paged latent cache) runs segment by segment. */
+/* model.c — loading a model: its config, the backend it runs on (chosen once, model/backend.h),
+ * this stage's and this rank's share of the weights, bound from the checkpoint or drawn
+ * (--load-format random); the per-sequence state's sizes; and a step's inputs checked and its
+ * plan made before the backend runs it (the forward passes themselves: src/backend/cpu,
+ * src/backend/cuda). */
 #include "model/model_impl.h"
+#include "model/backend.h"
 #include "model/rand_hash.h"
 
 #include "base/devmem.h"
 
 #include <math.h>
-#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -86,27 +84,23 @@ const ds_mat *ds_model_lm_head(const ds_model *m) {
     return ds_model_rand_mat(m, &m->lm_head_full) ? NULL : &m->lm_head_full;
 }
 int ds_model_on_device(const ds_model *m) {
-    return m->cu != NULL;
+    return m->be->device_memory;
 }
 size_t ds_model_device_mem_free(const ds_model *m) {
-    return m->cu ? ds_cuda_model_mem_free(m) : 0;
+    return m->be->mem_free(m);
 }
 const char *ds_model_device_name(const ds_model *m) {
-    static char cpu[64];
-    if (m->cu) return ds_cuda_model_device_name(m);
-    snprintf(cpu, sizeof cpu, "cpu (%s)", ds_isa_name(ds_kernels_isa()));
-    return cpu;
+    return m->be->device_name(m);
 }
 void ds_model_profile_report(const ds_model *m, FILE *f, const char *title) {
-    if (m->cu) ds_cuda_model_profile_report(m, f, title);
+    m->be->profile_report(m, f, title);
 }
 double ds_model_profile_gemm_tflops(const ds_model *m, double *ms_per_step) {
     *ms_per_step = 0;
-    return m->cu ? ds_cuda_model_profile_gemm_tflops(m, ms_per_step) : 0;
+    return m->be->profile_gemm_tflops(m, ms_per_step);
 }
 int ds_model_device_limits(const ds_model *m, double *copy_gbs, double *gemm_tflops, ds_err *err) {
-    if (!m->cu) return ds_errf(err, "device limits: the model runs on the CPU");
-    return ds_cuda_model_limits(m, copy_gbs, gemm_tflops, err);
+    return m->be->limits(m, copy_gbs, gemm_tflops, err);
 }
 size_t ds_model_weight_bytes(const ds_model *m) {
     return m->weight_bytes;
@@ -149,7 +143,7 @@ static int rand_mat(ds_model *m, const char *name, int rows, int cols, int r0, i
     const float a = sqrtf(3.0f / (float)(full_cols > 0 ? full_cols : 1));
     *out = (ds_mat){NULL, DS_DT_BF16, rows, cols};
     m->weight_bytes += n * 2;
-    if (m->dev == DS_DEVICE_CUDA) { /* filled on the device */
+    if (m->be->device_memory) { /* filled on the device */
         ds_rand_mat *d = ds_malloc(sizeof *d, err);
         if (!d || own(m, d, err)) {
             free(d);
@@ -174,7 +168,7 @@ static int rand_mat(ds_model *m, const char *name, int rows, int cols, int r0, i
 
 const ds_rand_mat *ds_model_rand_mat(const ds_model *m, const ds_mat *w) {
     /* on a GPU with random weights every bound matrix is one (the check reads no element) */
-    if (!m->random || m->dev != DS_DEVICE_CUDA || !w->data) return NULL;
+    if (!m->random || !m->be->device_memory || !w->data) return NULL;
     const ds_rand_mat *d = w->data;
     return d->magic == DS_RAND_MAGIC && d->owner == m ? d : NULL;
 }
@@ -487,6 +481,117 @@ static int bind_ffn(ds_model *m, const char *pre, int layer, ffn_w *w, ds_err *e
     return DS_OK;
 }
 
+/* The layer range and this rank's tensor-parallel share of every split dimension. */
+static int plan_shares(ds_model *m, ds_err *err) {
+    const ds_config *c = &m->cfg;
+    int V = c->vocab_size, L = c->num_hidden_layers;
+    m->l0 = m->opts.layer_begin;
+    m->l1 = m->opts.layer_end ? m->opts.layer_end : L;
+    if (m->l0 < 0 || m->l1 > L || m->l0 >= m->l1)
+        return ds_errf(err, "layer range [%d, %d) is not inside the model's %d layers", m->l0,
+                       m->l1, L);
+    m->tp_rank = m->opts.tp_rank;
+    m->tp_size = m->opts.tp_size > 0 ? m->opts.tp_size : 1;
+    if (m->tp_rank < 0 || m->tp_rank >= m->tp_size)
+        return ds_errf(err, "tensor parallel rank %d is outside [0, %d)", m->tp_rank, m->tp_size);
+    if (m->tp_size > 1 && (!m->opts.allreduce || !m->opts.allgather))
+        return ds_errf(err, "tensor parallel size %d needs an all-reduce and an all-gather",
+                       m->tp_size);
+    if (ds_model_tp_check(c, m->tp_size, err)) return DS_ERR;
+    m->Hk = c->kda_num_heads / m->tp_size;
+    m->Ha = c->num_attention_heads / m->tp_size;
+    m->I_dense = c->intermediate_size / m->tp_size;
+    m->I_sh = c->moe_intermediate_size * c->num_shared_experts / m->tp_size;
+    m->e0 = m->tp_rank * (c->num_experts / m->tp_size);
+    m->e1 = m->e0 + c->num_experts / m->tp_size;
+    m->vp = (V + m->tp_size - 1) / m->tp_size;
+    m->v0 = DS_MIN(V, m->tp_rank * m->vp);
+    m->nv = DS_MIN(V, m->v0 + m->vp) - m->v0;
+    return DS_OK;
+}
+
+/* The embedding lives on the first stage, the final mix, norm and lm_head on the last, each rank
+ * holding its block of vocabulary rows; a tied lm_head is the embedding, so the last stage binds
+ * it too. The full lm_head is also bound as a view (mapped, touched only if the DSpark draft on
+ * this rank reads it). */
+static int bind_ends(ds_model *m, ds_err *err) {
+    const ds_config *c = &m->cfg;
+    int D = c->hidden_size, V = c->vocab_size;
+    int first = m->l0 == 0, last = m->l1 == c->num_hidden_layers;
+    const char *wp = c->weight_prefix;
+    char n[512];
+    const char *head = c->tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
+    if ((first || (last && c->tie_word_embeddings)) &&
+        (NAME(n, "%smodel.embed_tokens.weight", wp),
+         bind_mat_rows(m, n, V, D, m->v0, m->nv, &m->embed, err)))
+        return DS_ERR;
+    if (last && c->tie_word_embeddings) {
+        m->lm_head = m->embed;
+    } else if (last && (NAME(n, "%slm_head.weight", wp),
+                        bind_mat_rows(m, n, V, D, m->v0, m->nv, &m->lm_head, err))) {
+        return DS_ERR;
+    }
+    if (last && m->random && m->tp_size == 1) {
+        m->lm_head_full = m->lm_head; /* drawing it twice would only double the memory */
+    } else if (last) {
+        size_t counted = m->weight_bytes;
+        if (NAME(n, "%s%s", wp, head), bind_mat(m, n, V, D, &m->lm_head_full, err)) return DS_ERR;
+        m->weight_bytes = counted;
+    }
+    if (last && (NAME(n, "%smodel.norm.weight", wp), bind_vec1(m, n, D, &m->final_norm, err)))
+        return DS_ERR;
+    if (last && c->attn_res_block_size > 0) {
+        char n2[512];
+        NAME(n, "%smodel.output_attn_res_norm.weight", wp);
+        NAME(n2, "%smodel.output_attn_res_proj.weight", wp);
+        if (bind_res_pair(m, n, n2, &m->out_res_np, err)) return DS_ERR;
+    }
+    return DS_OK;
+}
+
+/* The layers of this stage, [l0, l1); counts its KDA and MLA layers. */
+static int bind_layers(ds_model *m, ds_err *err) {
+    const ds_config *c = &m->cfg;
+    int D = c->hidden_size;
+    const char *wp = c->weight_prefix;
+    char n[512];
+    m->layers = ds_calloc((size_t)c->num_hidden_layers, sizeof(layer_w), err);
+    if (!m->layers) return DS_ERR;
+    int n_kda = 0, n_mla = 0;
+    for (int i = m->l0; i < m->l1; i++) {
+        layer_w *lw = &m->layers[i];
+        char pre[256], apre[300];
+        snprintf(pre, sizeof pre, "%smodel.layers.%d.", wp, i);
+        snprintf(apre, sizeof apre, "%sself_attn.", pre);
+        lw->kind = c->layer_kind[i];
+        if (NAME(n, "%sinput_layernorm.weight", pre), bind_vec1(m, n, D, &lw->in_norm, err))
+            return DS_ERR;
+        if (NAME(n, "%spost_attention_layernorm.weight", pre),
+            bind_vec1(m, n, D, &lw->post_norm, err))
+            return DS_ERR;
+        if (c->attn_res_block_size > 0) {
+            char n2[512];
+            NAME(n, "%sself_attention_res_norm.weight", pre);
+            NAME(n2, "%sself_attention_res_proj.weight", pre);
+            if (bind_res_pair(m, n, n2, &lw->attn_res_np, err)) return DS_ERR;
+            NAME(n, "%smlp_res_norm.weight", pre);
+            NAME(n2, "%smlp_res_proj.weight", pre);
+            if (bind_res_pair(m, n, n2, &lw->mlp_res_np, err)) return DS_ERR;
+        }
+        if (lw->kind == DS_LAYER_KDA) {
+            lw->kind_idx = n_kda++;
+            if (bind_kda(m, apre, &lw->kda, err)) return DS_ERR;
+        } else {
+            lw->kind_idx = n_mla++;
+            if (bind_mla(m, apre, &lw->mla, err)) return DS_ERR;
+        }
+        if (bind_ffn(m, pre, i, &lw->ffn, err)) return DS_ERR;
+    }
+    m->n_kda = n_kda;
+    m->n_mla = n_mla;
+    return DS_OK;
+}
+
 int ds_model_load(const char *dir, const ds_model_opts *opts, ds_model **out, ds_err *err) {
     *out = NULL;
     ds_kernels_init();
@@ -501,110 +606,16 @@ int ds_model_load(const char *dir, const ds_model_opts *opts, ds_model **out, ds
     if (ds_config_load(path, &m->cfg, err)) goto fail;
     m->random = m->opts.load_random;
     if (!m->random && ds_st_open_dir(dir, &m->st, err)) goto fail;
-    /* the device first: random weights are made where they will live */
-    m->dev = m->opts.device;
-    if (m->dev == DS_DEVICE_AUTO) m->dev = ds_cuda_available() ? DS_DEVICE_CUDA : DS_DEVICE_CPU;
-    if (m->dev != DS_DEVICE_CPU && m->dev != DS_DEVICE_CUDA) {
-        ds_errf(err, "device %d: expected cpu, cuda or auto (DS_DEVICE=%s)", m->dev,
+    /* the backend first, chosen once: random weights are made where they will live */
+    int dev = m->opts.device;
+    if (dev != DS_DEVICE_CPU && dev != DS_DEVICE_CUDA && dev != DS_DEVICE_AUTO) {
+        ds_errf(err, "device %d: expected cpu, cuda or auto (DS_DEVICE=%s)", dev,
                 getenv("DS_DEVICE") ? getenv("DS_DEVICE") : "");
         goto fail;
     }
-    const ds_config *c = &m->cfg;
-    int D = c->hidden_size, V = c->vocab_size, L = c->num_hidden_layers;
-    const char *wp = c->weight_prefix;
-    char n[512];
-    m->l0 = m->opts.layer_begin;
-    m->l1 = m->opts.layer_end ? m->opts.layer_end : L;
-    if (m->l0 < 0 || m->l1 > L || m->l0 >= m->l1) {
-        ds_errf(err, "layer range [%d, %d) is not inside the model's %d layers", m->l0, m->l1, L);
+    if (!(m->be = ds_backend_find(dev, err)) || plan_shares(m, err) || bind_ends(m, err) ||
+        bind_layers(m, err) || m->be->attach(m, m->opts.device_index, err))
         goto fail;
-    }
-    m->tp_rank = m->opts.tp_rank;
-    m->tp_size = m->opts.tp_size > 0 ? m->opts.tp_size : 1;
-    if (m->tp_rank < 0 || m->tp_rank >= m->tp_size) {
-        ds_errf(err, "tensor parallel rank %d is outside [0, %d)", m->tp_rank, m->tp_size);
-        goto fail;
-    }
-    if (m->tp_size > 1 && (!m->opts.allreduce || !m->opts.allgather)) {
-        ds_errf(err, "tensor parallel size %d needs an all-reduce and an all-gather", m->tp_size);
-        goto fail;
-    }
-    if (ds_model_tp_check(c, m->tp_size, err)) goto fail;
-    m->Hk = c->kda_num_heads / m->tp_size;
-    m->Ha = c->num_attention_heads / m->tp_size;
-    m->I_dense = c->intermediate_size / m->tp_size;
-    m->I_sh = c->moe_intermediate_size * c->num_shared_experts / m->tp_size;
-    m->e0 = m->tp_rank * (c->num_experts / m->tp_size);
-    m->e1 = m->e0 + c->num_experts / m->tp_size;
-    m->vp = (V + m->tp_size - 1) / m->tp_size;
-    m->v0 = DS_MIN(V, m->tp_rank * m->vp);
-    m->nv = DS_MIN(V, m->v0 + m->vp) - m->v0;
-    int first = m->l0 == 0, last = m->l1 == L;
-    /* The embedding lives on the first stage, the final mix, norm and lm_head on the last, each
-     * rank holding its block of vocabulary rows; a tied lm_head is the embedding, so the last
-     * stage binds it too. The full lm_head is also bound as a view (mapped, touched only if the
-     * DSpark draft on this rank reads it). */
-    const char *head = c->tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
-    if ((first || (last && c->tie_word_embeddings)) &&
-        (NAME(n, "%smodel.embed_tokens.weight", wp),
-         bind_mat_rows(m, n, V, D, m->v0, m->nv, &m->embed, err)))
-        goto fail;
-    if (last && c->tie_word_embeddings) {
-        m->lm_head = m->embed;
-    } else if (last && (NAME(n, "%slm_head.weight", wp),
-                        bind_mat_rows(m, n, V, D, m->v0, m->nv, &m->lm_head, err))) {
-        goto fail;
-    }
-    if (last && m->random && m->tp_size == 1) {
-        m->lm_head_full = m->lm_head; /* drawing it twice would only double the memory */
-    } else if (last) {
-        size_t counted = m->weight_bytes;
-        if (NAME(n, "%s%s", wp, head), bind_mat(m, n, V, D, &m->lm_head_full, err)) goto fail;
-        m->weight_bytes = counted;
-    }
-    if (last && (NAME(n, "%smodel.norm.weight", wp), bind_vec1(m, n, D, &m->final_norm, err)))
-        goto fail;
-    if (last && c->attn_res_block_size > 0) {
-        char n2[512];
-        NAME(n, "%smodel.output_attn_res_norm.weight", wp);
-        NAME(n2, "%smodel.output_attn_res_proj.weight", wp);
-        if (bind_res_pair(m, n, n2, &m->out_res_np, err)) goto fail;
-    }
-    m->layers = ds_calloc((size_t)L, sizeof(layer_w), err);
-    if (!m->layers) goto fail;
-    int n_kda = 0, n_mla = 0;
-    for (int i = m->l0; i < m->l1; i++) {
-        layer_w *lw = &m->layers[i];
-        char pre[256], apre[300];
-        snprintf(pre, sizeof pre, "%smodel.layers.%d.", wp, i);
-        snprintf(apre, sizeof apre, "%sself_attn.", pre);
-        lw->kind = c->layer_kind[i];
-        if (NAME(n, "%sinput_layernorm.weight", pre), bind_vec1(m, n, D, &lw->in_norm, err))
-            goto fail;
-        if (NAME(n, "%spost_attention_layernorm.weight", pre),
-            bind_vec1(m, n, D, &lw->post_norm, err))
-            goto fail;
-        if (c->attn_res_block_size > 0) {
-            char n2[512];
-            NAME(n, "%sself_attention_res_norm.weight", pre);
-            NAME(n2, "%sself_attention_res_proj.weight", pre);
-            if (bind_res_pair(m, n, n2, &lw->attn_res_np, err)) goto fail;
-            NAME(n, "%smlp_res_norm.weight", pre);
-            NAME(n2, "%smlp_res_proj.weight", pre);
-            if (bind_res_pair(m, n, n2, &lw->mlp_res_np, err)) goto fail;
-        }
-        if (lw->kind == DS_LAYER_KDA) {
-            lw->kind_idx = n_kda++;
-            if (bind_kda(m, apre, &lw->kda, err)) goto fail;
-        } else {
-            lw->kind_idx = n_mla++;
-            if (bind_mla(m, apre, &lw->mla, err)) goto fail;
-        }
-        if (bind_ffn(m, pre, i, &lw->ffn, err)) goto fail;
-    }
-    m->n_kda = n_kda;
-    m->n_mla = n_mla;
-    if (m->dev == DS_DEVICE_CUDA && ds_cuda_model_attach(m, m->opts.device_index, err)) goto fail;
     *out = m;
     return DS_OK;
 fail:
@@ -615,14 +626,10 @@ fail:
 
 void ds_model_free(ds_model *m) {
     if (!m) return;
-    if (m->cu) ds_cuda_model_detach(m);
+    if (m->be) m->be->detach(m);
     for (int i = 0; i < m->n_owned; i++) free(m->owned[i]);
     free(m->owned);
     free(m->layers);
-    free(m->scratch);
-    free(m->draw_rows);
-    for (int i = 0; i < m->n_draw_sc; i++) ds_sample_scratch_free(m->draw_sc[i]);
-    free(m->draw_sc);
     if (m->st) ds_st_close(m->st);
     free(m);
 }
@@ -702,7 +709,7 @@ int ds_kv_pool_layers(const ds_model *m) {
 
 int ds_kv_pool_init(ds_kv_pool *p, const ds_model *m, int n_pages, int block_size, ds_err *err) {
     memset(p, 0, sizeof *p);
-    p->on_device = m->cu != NULL;
+    p->on_device = ds_model_on_device(m);
     p->n_layers = m->n_mla;
     p->n_pages = n_pages;
     p->block_size = block_size;
@@ -731,657 +738,6 @@ void ds_kv_pool_free(ds_kv_pool *p) {
     memset(p, 0, sizeof *p);
 }
 
-/* ---- scratch ----------------------------------------------------------------------------------
- */
-
-/* A bump allocator over one growing buffer; reset at the start of every step. */
-typedef struct scratch {
-    ds_model *m;
-    size_t used;
-    int overflow;
-    size_t need;
-} scratch;
-
-static float *sc_take(scratch *s, size_t n) {
-    n = (n + 15) & ~(size_t)15; /* keep 64-byte alignment */
-    s->need += n;
-    if (s->overflow || s->used + n > s->m->scratch_cap) {
-        s->overflow = 1;
-        return NULL;
-    }
-    float *p = s->m->scratch + s->used;
-    s->used += n;
-    return p;
-}
-
-/* ---- the step ---------------------------------------------------------------------------------
- */
-
-typedef struct step {
-    ds_model *m;
-    ds_kv_pool *pool;
-    ds_seq_batch *seqs;
-    int n_seq;
-    int T;                 /* total tokens */
-    int *off;              /* [n_seq] first row of each segment */
-    const ds_stage_io *in; /* from the previous pipeline stage, or NULL on the first */
-    ds_stage_io *out;      /* to the next stage, or NULL on the last */
-    scratch sc;
-    int tp_failed; /* an all-reduce failed during this step */
-} step;
-
-static float *slot_conv(const step *s, int q, int kda_idx) {
-    return s->seqs[q].slot + (size_t)kda_idx * ds_model_conv_floats(s->m);
-}
-static float *slot_rec(const step *s, int q, int kda_idx) {
-    return s->seqs[q].slot + (size_t)s->m->n_kda * ds_model_conv_floats(s->m) +
-           (size_t)kda_idx * ds_model_rec_floats(s->m);
-}
-
-/* Sums a row-parallel partial output over the TP group (nothing to do on one rank). After a
- * failure the step still runs to its end — with wrong numbers — and then reports it: the comm is
- * broken and the caller ends the job. */
-static void tp_sum(step *s, float *buf, size_t n) {
-    const ds_model *m = s->m;
-    if (m->tp_size == 1 || s->tp_failed) return;
-    if (m->opts.allreduce(m->opts.allreduce_ctx, buf, n)) s->tp_failed = 1;
-}
-
-/* P[T][D] = the embedding rows of ids[T]. Vocabulary-parallel: each rank writes the rows of the
- * tokens in its block and zeros elsewhere, and the sum over the group is exact (one row's value
- * plus zeros), so every rank ends with the whole embedding, as one process has it. */
-static void embed_tokens(step *s, const int32_t *ids, float *P) {
-    const ds_model *m = s->m;
-    int T = s->T, D = m->cfg.hidden_size;
-    if (m->tp_size == 1) {
-        ds_embed(P, &m->embed, ids, T);
-        return;
-    }
-    for (int t = 0; t < T; t++) {
-        int32_t id = ids[t] - m->v0;
-        if (id >= 0 && id < m->nv)
-            ds_embed(P + (size_t)t * D, &m->embed, &id, 1);
-        else
-            memset(P + (size_t)t * D, 0, (size_t)D * sizeof(float));
-    }
-    tp_sum(s, P, (size_t)T * D);
-}
-
-/* Rows of logits computed per lm_head matmul: the rows of every segment that asks for logits are
- * gathered, so one matmul streams the V x D weights once for up to LG_CHUNK tokens (one matmul per
- * sequence streamed all of them for every decode token: at V = 65536 that was most of a decode
- * step). The matmul gives each row the same bits whatever else is in its batch. */
-enum { LG_CHUNK = 32 };
-
-int ds_model_draw_space(ds_model *m, ds_err *err) {
-    if (m->draw_sc) return DS_OK;
-    int V = m->cfg.vocab_size, n = omp_get_max_threads();
-    m->draw_rows = ds_malloc((size_t)DS_DRAW_CHUNK * V * sizeof(float), err);
-    ds_sample_scratch **sc = m->draw_rows ? ds_calloc((size_t)n, sizeof *sc, err) : NULL;
-    for (int i = 0; sc && i < n; i++)
-        if (!(sc[i] = ds_sample_scratch_new(V, err))) {
-            for (int j = 0; j < i; j++) ds_sample_scratch_free(sc[j]);
-            free(sc);
-            sc = NULL;
-        }
-    if (!sc) {
-        free(m->draw_rows);
-        m->draw_rows = NULL;
-        return DS_ERR;
-    }
-    m->draw_sc = sc;
-    m->n_draw_sc = n;
-    return DS_OK;
-}
-
-void ds_model_draw_host(ds_model *m, const float *x, size_t stride, int vp, int n,
-                        const ds_row_draw *const *d, int32_t *const *out) {
-    int V = m->cfg.vocab_size;
-    for (int j0 = 0; j0 < n; j0 += DS_DRAW_CHUNK) {
-        int nc = DS_MIN(DS_DRAW_CHUNK, n - j0), nd = 0;
-        for (int j = j0; j < j0 + nc; j++) {
-            if (!d[j]) continue;
-            nd++;
-            float *row = m->draw_rows + (size_t)(j - j0) * V; /* the row whole, to be edited */
-            for (int v0 = 0, t = 0; v0 < V; v0 += vp, t++)
-                memcpy(row + v0, x + (size_t)t * stride + (size_t)j * vp,
-                       (size_t)DS_MIN(vp, V - v0) * sizeof(float));
-        }
-#pragma omp parallel for schedule(dynamic) num_threads(m->n_draw_sc) if (nd > 1)
-        for (int j = j0; j < j0 + nc; j++)
-            if (d[j])
-                *out[j] = ds_sample_row(m->draw_rows + (size_t)(j - j0) * V, V, d[j],
-                                        m->draw_sc[omp_get_thread_num()]);
-    }
-}
-
-/* Writes chunk rows mine[n][vp] (this rank's vocabulary block) to their segments' logits dst[n]
- * [V], their greedy tokens or draws *am[n] (either NULL where not wanted; dr[j] non-NULL: drawn);
- * vocabulary-parallel, the blocks of every rank are all-gathered first. */
-static void logits_flush(step *s, int n, float *mine, float *all, float **dst, int32_t **am,
-                         const ds_row_draw **dr) {
-    ds_model *m = s->m;
-    int V = m->cfg.vocab_size, Tp = m->tp_size, vp = m->vp, nd = 0;
-    if (Tp == 1) {
-        for (int j = 0; j < n; j++) {
-            if (dst[j]) memcpy(dst[j], mine + (size_t)j * vp, (size_t)V * sizeof(float));
-            if (am[j] && !dr[j]) *am[j] = ds_argmax(mine + (size_t)j * vp, V);
-            nd += dr[j] != NULL;
-        }
-        if (nd) ds_model_draw_host(m, mine, 0, vp, n, dr, am);
-        return;
-    }
-    if (!s->tp_failed && m->opts.allgather(m->opts.allgather_ctx, mine, (size_t)n * vp, all))
-        s->tp_failed = 1;
-    for (int j = 0; j < n; j++) {
-        if (am[j] && !dr[j]) *am[j] = ds_argmax_blocks(all + (size_t)j * vp, (size_t)n * vp, vp, V);
-        nd += dr[j] != NULL;
-        for (int t = 0; dst[j] && t < Tp; t++) {
-            int v0 = DS_MIN(V, t * vp), nv = DS_MIN(V, v0 + vp) - v0;
-            memcpy(dst[j] + v0, all + ((size_t)t * n + j) * vp, (size_t)nv * sizeof(float));
-        }
-    }
-    if (nd) ds_model_draw_host(m, all, (size_t)n * vp, vp, n, dr, am);
-}
-
-/* The logits every segment asked for (its last n_logits rows of x [T][D]). Vocabulary-parallel,
- * each rank computes its block of V and the blocks are all-gathered: each logit is the same dot
- * product one process computes, so the result is identical. The ranks of a TP group see the same
- * segments, so they flush the same chunks. */
-static void compute_logits(step *s, const float *x) {
-    const ds_model *m = s->m;
-    int V = m->cfg.vocab_size, D = m->cfg.hidden_size, Tp = m->tp_size, vp = m->vp;
-    float *xr = sc_take(&s->sc, (size_t)LG_CHUNK * D);    /* [LG_CHUNK][D] gathered rows */
-    float *mine = sc_take(&s->sc, (size_t)LG_CHUNK * vp); /* [LG_CHUNK][vp] */
-    float *all = Tp > 1 ? sc_take(&s->sc, (size_t)Tp * LG_CHUNK * vp) : NULL; /* [Tp][n][vp] */
-    if (s->sc.overflow) return;
-    float *dst[LG_CHUNK];
-    int32_t *am[LG_CHUNK];
-    const ds_row_draw *dr[LG_CHUNK];
-    int n = 0;
-    for (int q = 0; q < s->n_seq; q++) {
-        const ds_seq_batch *sb = &s->seqs[q];
-        int nl = ds_seq_logit_rows(sb);
-        for (int i = 0; i < nl; i++) {
-            memcpy(xr + (size_t)n * D, x + (size_t)(s->off[q] + sb->n - nl + i) * D,
-                   (size_t)D * sizeof(float));
-            dst[n] = sb->logits ? sb->logits + (size_t)i * V : NULL;
-            dr[n] = sb->argmax && sb->draws ? sb->draws + i : NULL;
-            am[n++] = sb->argmax ? sb->argmax + i : NULL;
-            if (n == LG_CHUNK) {
-                ds_matmul(mine, vp, xr, D, n, &m->lm_head);
-                logits_flush(s, n, mine, all, dst, am, dr);
-                n = 0;
-            }
-        }
-    }
-    if (n) {
-        ds_matmul(mine, vp, xr, D, n, &m->lm_head);
-        logits_flush(s, n, mine, all, dst, am, dr);
-    }
-}
-
-/* out[T][D] = KDA(xn[T][D]) (MODEL_SPEC §3). */
-static void kda_forward(step *s, const layer_w *lw, const float *xn, float *out) {
-    const ds_config *c = &s->m->cfg;
-    const kda_w *w = &lw->kda;
-    int T = s->T, D = c->hidden_size, H = s->m->Hk, dk = c->kda_head_dim, P = H * dk;
-    int W = c->short_conv_kernel_size;
-    scratch *sc = &s->sc;
-    size_t mark = sc->used;
-    float *pre = sc_take(sc, (size_t)T * P);  /* [T][P] pre-conv projection */
-    float *q = sc_take(sc, (size_t)T * P);    /* [T][H][dk] */
-    float *k = sc_take(sc, (size_t)T * P);    /* [T][H][dk] */
-    float *v = sc_take(sc, (size_t)T * P);    /* [T][H][dv] */
-    float *fa = sc_take(sc, (size_t)T * dk);  /* [T][dk] */
-    float *g = sc_take(sc, (size_t)T * P);    /* [T][H][dk] log decay, then reused for the gate */
-    float *beta = sc_take(sc, (size_t)T * H); /* [T][H] */
-    float *o = sc_take(sc, (size_t)T * P);    /* [T][H][dv] */
-    if (sc->overflow) return;
-    const ds_mat *proj[3] = {&w->q, &w->k, &w->v};
-    const float *conv_w[3] = {w->q_conv, w->k_conv, w->v_conv};
-    float *dst[3] = {q, k, v};
-    size_t slot_n = ds_model_slot_floats(s->m), tail_n = (size_t)(W - 1) * P;
-    for (int j = 0; j < 3; j++) {
-        ds_matmul(pre, P, xn, D, T, proj[j]);
-        for (int qi = 0; qi < s->n_seq; qi++) {
-            const ds_seq_batch *sb = &s->seqs[qi];
-            float *tail = slot_conv(s, qi, lw->kind_idx) + (size_t)j * tail_n;
-            size_t r = (size_t)s->off[qi] * P;
-            float *old = NULL; /* [W-1][P] the tail before this step */
-            if (sb->state_rows) {
-                old = sc_take(sc, tail_n);
-                if (sc->overflow) return;
-                memcpy(old, tail, tail_n * sizeof(float));
-            }
-            ds_short_conv_silu(dst[j] + r, pre + r, sb->n, P, conv_w[j], W, tail);
-            /* The tail after token t is rows t-W+2 .. t of (old tail ++ this step's inputs). */
-            for (int t = 0; old && t < sb->n; t++) {
-                float *dstrow = sb->state_rows + (size_t)t * slot_n + (size_t)(tail - sb->slot);
-                for (int i = 0; i < W - 1; i++) {
-                    int u = t - (W - 1) + 1 + i;
-                    const float *src =
-                        u < 0 ? old + (size_t)(u + W - 1) * P : pre + r + (size_t)u * P;
-                    memcpy(dstrow + (size_t)i * P, src, (size_t)P * sizeof(float));
-                }
-            }
-            if (old) sc->used -= (tail_n + 15) & ~(size_t)15;
-        }
-    }
-    ds_l2norm_heads(q, T, H, dk, 1e-6f, 1.0f / sqrtf((float)dk));
-    ds_l2norm_heads(k, T, H, dk, 1e-6f, 1.0f);
-    ds_matmul(fa, dk, xn, D, T, &w->f_a);
-    ds_matmul(pre, P, fa, dk, T, &w->f_b);
-    ds_kda_gate(g, pre, T, H, dk, w->A_log, w->dt_bias, c->has_gate_lower_bound,
-                c->gate_lower_bound);
-    ds_matmul(beta, H, xn, D, T, &w->b);
-    ds_sigmoid_inplace(beta, (size_t)T * H);
-    for (int qi = 0; qi < s->n_seq; qi++) {
-        int n = s->seqs[qi].n;
-        size_t r = (size_t)s->off[qi] * P;
-        float *S = slot_rec(s, qi, lw->kind_idx);
-        const ds_seq_batch *sb = &s->seqs[qi];
-        if (sb->state_rows) {
-            size_t rec_n = (size_t)H * dk * dk;
-            float *rows = sc_take(sc, (size_t)n * rec_n); /* [n][H][dk][dv] */
-            if (sc->overflow) return;
-            ds_kda_recurrent(o + r, q + r, k + r, v + r, g + r, beta + (size_t)s->off[qi] * H, S,
-                             rows, n, H, dk, dk);
-            for (int t = 0; t < n; t++)
-                memcpy(sb->state_rows + (size_t)t * slot_n + (size_t)(S - sb->slot),
-                       rows + (size_t)t * rec_n, rec_n * sizeof(float));
-            sc->used -= ((size_t)n * rec_n + 15) & ~(size_t)15;
-        } else if (n >= s->m->opts.kda_chunked_min)
-            ds_kda_chunked(o + r, q + r, k + r, v + r, g + r, beta + (size_t)s->off[qi] * H, S, n,
-                           H, dk, dk, s->m->opts.kda_chunk);
-        else
-            ds_kda_recurrent(o + r, q + r, k + r, v + r, g + r, beta + (size_t)s->off[qi] * H, S,
-                             NULL, n, H, dk, dk);
-    }
-    /* output gate logits into g (no longer needed as decay) */
-    if (c->use_full_rank_gate) {
-        ds_matmul(g, P, xn, D, T, &w->g);
-    } else {
-        ds_matmul(fa, dk, xn, D, T, &w->g_a);
-        ds_matmul(g, P, fa, dk, T, &w->g_b);
-    }
-    ds_gated_rmsnorm_heads(q, o, g, w->o_norm, T, H, dk, c->rms_norm_eps);
-    ds_matmul(out, D, q, P, T, &w->o);
-    tp_sum(s, out, (size_t)T * D);
-    sc->used = mark;
-}
-
-/* out[T][D] = MLA(xn[T][D]) (MODEL_SPEC §4); writes this step's latent rows into the pool. */
-static void mla_forward(step *s, const layer_w *lw, const float *xn, float *out) {
-    const ds_config *c = &s->m->cfg;
-    const mla_w *w = &lw->mla;
-    int T = s->T, D = c->hidden_size, Ha = s->m->Ha, R = c->kv_lora_rank;
-    int dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dvh = c->v_head_dim, dq = dn + dr;
-    int row = R + dr;
-    scratch *sc = &s->sc;
-    size_t mark = sc->used;
-    float *q = sc_take(sc, (size_t)T * Ha * dq);  /* [T][Ha][dn+dr] */
-    float *kv = sc_take(sc, (size_t)T * row);     /* [T][R+dr] this step's latent rows */
-    float *o = sc_take(sc, (size_t)T * Ha * dvh); /* [T][Ha][dvh] */
-    float *qa = c->q_lora_rank ? sc_take(sc, (size_t)T * c->q_lora_rank) : NULL; /* [T][Rq] */
-    if (sc->overflow) return;
-    if (c->q_lora_rank) {
-        ds_matmul(qa, c->q_lora_rank, xn, D, T, &w->q_a);
-        ds_rmsnorm(qa, qa, w->q_a_norm, T, c->q_lora_rank, 1e-6f);
-        ds_matmul(q, Ha * dq, qa, c->q_lora_rank, T, &w->q_b);
-    } else {
-        ds_matmul(q, Ha * dq, xn, D, T, &w->q);
-    }
-    ds_matmul(kv, row, xn, D, T, &w->kv_a);
-    for (int t = 0; t < T; t++)
-        ds_rmsnorm(kv + (size_t)t * row, kv + (size_t)t * row, w->kv_a_norm, 1, R, 1e-6f);
-    ds_latent_view view = {s->pool->layer[lw->kind_idx], NULL, s->pool->block_size, row};
-    float scale = 1.0f / sqrtf((float)dq);
-    for (int qi = 0; qi < s->n_seq; qi++) {
-        const ds_seq_batch *sb = &s->seqs[qi];
-        view.block_table = sb->block_table;
-        for (int t = 0; t < sb->n; t++)
-            memcpy(ds_latent_row(&view, sb->pos0 + t), kv + (size_t)(s->off[qi] + t) * row,
-                   (size_t)row * sizeof(float));
-    }
-    /* Short segments (decodes, verifies) use the absorbed form. Consecutive ones form a run whose
-     * query absorption and value up-projection are one GEMM per head over all its rows; only the
-     * attention itself is per sequence. Per-row results do not depend on the run's size. */
-    int run0 = -1; /* first segment of the open run */
-    for (int qi = 0; qi <= s->n_seq; qi++) {
-        int expanded = qi < s->n_seq && s->seqs[qi].n >= s->m->opts.mla_expanded_min;
-        if (run0 >= 0 && (qi == s->n_seq || expanded)) {
-            int r_start = s->off[run0], Tr = s->off[qi - 1] + s->seqs[qi - 1].n - r_start;
-            size_t m2 = sc->used;
-            float *qr = sc_take(sc, (size_t)Tr * Ha * dr);  /* [Tr][Ha][dr] */
-            float *qbar = sc_take(sc, (size_t)Tr * Ha * R); /* [Tr][Ha][R] */
-            float *obar = sc_take(sc, (size_t)Tr * Ha * R); /* [Tr][Ha][R] */
-            if (sc->overflow) return;
-            const float *qs = q + (size_t)r_start * Ha * dq;
-            for (int t = 0; t < Tr; t++)
-                for (int h = 0; h < Ha; h++)
-                    memcpy(qr + ((size_t)t * Ha + h) * dr, qs + ((size_t)t * Ha + h) * dq + dn,
-                           (size_t)dr * sizeof(float));
-            for (int h = 0; h < Ha; h++) { /* q̄_h = W_UK_h^T qN_h (MODEL_SPEC §4.4) */
-                ds_mat uk = ds_mat_rows(&w->kv_b, h * (dn + dvh), dn);
-                ds_matmul_t(qbar + (size_t)h * R, Ha * R, qs + (size_t)h * dq, Ha * dq, Tr, &uk);
-            }
-            for (int qj = run0; qj < qi; qj++) {
-                const ds_seq_batch *sb = &s->seqs[qj];
-                size_t at = (size_t)(s->off[qj] - r_start) * Ha;
-                view.block_table = sb->block_table;
-                ds_mla_attend_absorbed(obar + at * R, qbar + at * R, qr + at * dr, sb->n, Ha, R, dr,
-                                       &view, sb->pos0, sb->pos0 + sb->n, 1, scale);
-            }
-            float *os = o + (size_t)r_start * Ha * dvh;
-            for (int h = 0; h < Ha; h++) { /* o_h = W_UV_h ō_h */
-                ds_mat uv = ds_mat_rows(&w->kv_b, h * (dn + dvh) + dn, dvh);
-                ds_matmul(os + (size_t)h * dvh, Ha * dvh, obar + (size_t)h * R, Ha * R, Tr, &uv);
-            }
-            sc->used = m2;
-            run0 = -1;
-        }
-        if (qi == s->n_seq) break;
-        if (!expanded) {
-            if (run0 < 0) run0 = qi;
-            continue;
-        }
-        /* Expanded form: up-project every context latent once for this segment. */
-        const ds_seq_batch *sb = &s->seqs[qi];
-        int n = sb->n, pos0 = sb->pos0, ctx = pos0 + n, r0 = s->off[qi];
-        view.block_table = sb->block_table;
-        const float *qs = q + (size_t)r0 * Ha * dq;
-        float *os = o + (size_t)r0 * Ha * dvh;
-        size_t m2 = sc->used;
-        float *cl = sc_take(sc, (size_t)ctx * R);                /* [ctx][R] */
-        float *kr = sc_take(sc, (size_t)ctx * dr);               /* [ctx][dr] */
-        float *kvb = sc_take(sc, (size_t)ctx * Ha * (dn + dvh)); /* [ctx][Ha][dn+dvh] */
-        float *kn = sc_take(sc, (size_t)ctx * Ha * dn);          /* [ctx][Ha][dn] */
-        float *vv = sc_take(sc, (size_t)ctx * Ha * dvh);         /* [ctx][Ha][dvh] */
-        if (sc->overflow) return;
-        for (int t = 0; t < ctx; t++) {
-            const float *lr = ds_latent_row(&view, t);
-            memcpy(cl + (size_t)t * R, lr, (size_t)R * sizeof(float));
-            memcpy(kr + (size_t)t * dr, lr + R, (size_t)dr * sizeof(float));
-        }
-        ds_matmul(kvb, Ha * (dn + dvh), cl, R, ctx, &w->kv_b);
-        for (int t = 0; t < ctx; t++)
-            for (int h = 0; h < Ha; h++) {
-                const float *src = kvb + ((size_t)t * Ha + h) * (dn + dvh);
-                memcpy(kn + ((size_t)t * Ha + h) * dn, src, (size_t)dn * sizeof(float));
-                memcpy(vv + ((size_t)t * Ha + h) * dvh, src + dn, (size_t)dvh * sizeof(float));
-            }
-        ds_mla_attend_expanded(os, qs, kn, kr, vv, n, ctx, Ha, dn, dr, dvh, pos0, 1, scale);
-        sc->used = m2;
-    }
-    if (c->mla_use_output_gate) {
-        float *gt = q; /* reuse: [T][Ha*dvh] fits in [T][Ha*dq] */
-        ds_matmul(gt, Ha * dvh, xn, D, T, &w->g);
-        ds_sigmoid_inplace(gt, (size_t)T * Ha * dvh);
-        for (size_t i = 0; i < (size_t)T * Ha * dvh; i++) o[i] *= gt[i];
-    }
-    ds_matmul(out, D, o, Ha * dvh, T, &w->o);
-    tp_sum(s, out, (size_t)T * D);
-    sc->used = mark;
-}
-
-static void act(const ds_config *c, float *out, const float *gate, const float *up, size_t n) {
-    if (c->hidden_act == DS_ACT_SITU)
-        ds_act_situ(out, gate, up, n, c->situ_beta, c->situ_linear_beta);
-    else
-        ds_act_swiglu(out, gate, up, n);
-}
-
-/* y[T][D] = W_down act(W_gate x, W_up x) — dense MLP and shared experts. */
-static void mlp(step *s, const ds_mat *gate, const ds_mat *up, const ds_mat *down, const float *x,
-                int T, float *y) {
-    const ds_config *c = &s->m->cfg;
-    int D = gate->cols, I = gate->rows;
-    size_t mark = s->sc.used;
-    float *a = sc_take(&s->sc, (size_t)T * I); /* [T][I] */
-    float *b = sc_take(&s->sc, (size_t)T * I); /* [T][I] */
-    if (s->sc.overflow) return;
-    ds_matmul(a, I, x, D, T, gate);
-    ds_matmul(b, I, x, D, T, up);
-    act(c, a, a, b, (size_t)T * I);
-    ds_matmul(y, down->rows, a, I, T, down);
-    s->sc.used = mark;
-}
-
-/* out[T][D] = FFN(xn[T][D]) (MODEL_SPEC §5). */
-static void ffn_forward(step *s, const layer_w *lw, const float *xn, float *out) {
-    const ds_config *c = &s->m->cfg;
-    const ffn_w *w = &lw->ffn;
-    int T = s->T, D = c->hidden_size;
-    if (!w->is_moe) {
-        mlp(s, &w->gate, &w->up, &w->down, xn, T, out);
-        tp_sum(s, out, (size_t)T * D);
-        return;
-    }
-    int E = c->num_experts, K = c->num_experts_per_token;
-    int Hin = c->routed_expert_hidden_size ? c->routed_expert_hidden_size : D;
-    scratch *sc = &s->sc;
-    size_t mark = sc->used;
-    float *z = sc_take(sc, (size_t)T * E);                /* [T][E] router logits */
-    float *wt = sc_take(sc, (size_t)T * K);               /* [T][K] combine weights */
-    int32_t *idx = (int32_t *)sc_take(sc, (size_t)T * K); /* [T][K] chosen experts */
-    float *u = sc_take(sc, (size_t)T * Hin);              /* [T][Hin] expert input */
-    float *acc = sc_take(sc, (size_t)T * Hin);            /* [T][Hin] weighted expert sum */
-    float *xe = sc_take(sc, (size_t)T * Hin);             /* [Te][Hin] gathered rows */
-    float *ye = sc_take(sc, (size_t)T * Hin);             /* [Te][Hin] expert outputs */
-    int32_t *rows = (int32_t *)sc_take(sc, (size_t)T);    /* [Te] token of each gathered row */
-    float *rw = sc_take(sc, (size_t)T);                   /* [Te] its combine weight */
-    if (sc->overflow) return;
-    ds_matmul(z, E, xn, D, T, &w->router);
-    for (int t = 0; t < T; t++)
-        ds_moe_route(idx + (size_t)t * K, wt + (size_t)t * K, z + (size_t)t * E, w->router_bias, E,
-                     K, c->use_grouped_topk ? c->num_expert_group : 1, c->topk_group,
-                     c->moe_renormalize, c->routed_scaling_factor, s->m->opts.hf_kl_router_quirk);
-    if (c->routed_expert_hidden_size)
-        ds_matmul(u, Hin, xn, D, T, &w->lat_down);
-    else
-        memcpy(u, xn, (size_t)T * D * sizeof(float));
-    memset(acc, 0, (size_t)T * Hin * sizeof(float));
-    /* Experts in id order: a token's sum is accumulated in ascending expert id whatever else is
-     * in the batch, so its result does not depend on its neighbours. Under tensor parallelism
-     * each rank sums its own experts [e0, e1) and the all-reduce below adds the ranks' sums. */
-    for (int e = s->m->e0; e < s->m->e1; e++) {
-        int Te = 0;
-        for (int t = 0; t < T; t++)
-            for (int j = 0; j < K; j++)
-                if (idx[(size_t)t * K + j] == e) {
-                    rows[Te] = t;
-                    rw[Te] = wt[(size_t)t * K + j];
-                    memcpy(xe + (size_t)Te * Hin, u + (size_t)t * Hin, (size_t)Hin * sizeof(float));
-                    Te++;
-                }
-        if (!Te) continue;
-        mlp(s, &w->w1[e], &w->w3[e], &w->w2[e], xe, Te, ye);
-        for (int r = 0; r < Te; r++)
-            ds_axpy(acc + (size_t)rows[r] * Hin, rw[r], ye + (size_t)r * Hin, (size_t)Hin);
-    }
-    int latent = c->routed_expert_hidden_size > 0;
-    if (latent) {
-        /* The latent norm is nonlinear: the routed sum must be complete before it (MODEL_SPEC
-         * §5.4), so it is all-reduced here; up-projection then runs replicated on every rank. */
-        tp_sum(s, acc, (size_t)T * Hin);
-        if (w->lat_norm) ds_rmsnorm(acc, acc, w->lat_norm, T, Hin, c->rms_norm_eps);
-        ds_matmul(out, D, acc, Hin, T, &w->lat_up);
-    } else {
-        memcpy(out, acc, (size_t)T * D * sizeof(float));
-    }
-    if (c->num_shared_experts > 0) {
-        float *sh = u; /* [T][D] reuse when Hin >= D; else take fresh */
-        if (Hin < D) sh = sc_take(sc, (size_t)T * D);
-        if (sc->overflow) return;
-        mlp(s, &w->sh_gate, &w->sh_up, &w->sh_down, xn, T, sh);
-        if (latent) tp_sum(s, sh, (size_t)T * D); /* out is already complete on every rank */
-        ds_add(out, sh, (size_t)T * D);
-    }
-    if (!latent) tp_sum(s, out, (size_t)T * D); /* routed + shared partials in one all-reduce */
-    sc->used = mark;
-}
-
-/* Copies the stream after `layer` (-1: the embedding) to the segments that asked for it. */
-static void save_hidden(step *s, int layer, const float *h) {
-    int D = s->m->cfg.hidden_size;
-    for (int q = 0; q < s->n_seq; q++) {
-        ds_seq_batch *sb = &s->seqs[q];
-        size_t rows = (size_t)sb->n * D;
-        const float *src = h + (size_t)s->off[q] * D;
-        if (sb->hidden && layer >= 0)
-            memcpy(sb->hidden + (size_t)layer * rows, src, rows * sizeof(float));
-        for (int j = 0; j < sb->n_taps; j++)
-            if (sb->tap_layers[j] == layer)
-                memcpy(sb->taps + (size_t)j * rows, src, rows * sizeof(float));
-    }
-}
-
-/* Runs the whole step; returns the scratch floats it needed (0 when the buffer was enough). */
-static size_t run_step(step *s) {
-    ds_model *m = s->m;
-    const ds_config *c = &m->cfg;
-    int T = s->T, D = c->hidden_size, L = c->num_hidden_layers, N = c->attn_res_block_size;
-    size_t TD = (size_t)T * D;
-    s->sc = (scratch){m, 0, 0, 0};
-    scratch *sc = &s->sc;
-    int n_banks_max = N > 0 ? (L + N - 1) / N + 1 : 0;
-    int32_t *ids = (int32_t *)sc_take(sc, (size_t)T); /* [T] */
-    float *P = sc_take(sc, TD); /* [T][D] residual stream, or the block-local sum with AttnRes */
-    float *x = sc_take(sc, TD); /* [T][D] mixer / FFN input */
-    float *a = sc_take(sc, TD); /* [T][D] sublayer output */
-    float *bank = n_banks_max ? sc_take(sc, (size_t)n_banks_max * TD) : NULL; /* [nb][T][D] */
-    const float **cands = calloc((size_t)n_banks_max + 2, sizeof *cands);
-    if (sc->overflow || !cands) {
-        free(cands);
-        return sc->need + 1;
-    }
-    int nb = 0; /* banked AttnRes blocks */
-    if (m->l0 == 0) {
-        for (int q = 0; q < s->n_seq; q++)
-            memcpy(ids + s->off[q], s->seqs[q].tokens, (size_t)s->seqs[q].n * sizeof(int32_t));
-        embed_tokens(s, ids, P);
-        save_hidden(s, -1, P);
-    } else {
-        /* A later pipeline stage: the stream and the banked blocks arrive from the previous one
-         * (MODEL_SPEC §6.4) — a block opened there may close here. */
-        memcpy(P, s->in->h, TD * sizeof(float));
-        nb = s->in->n_banks;
-        if (nb) memcpy(bank, s->in->banks, (size_t)nb * TD * sizeof(float));
-    }
-    for (int i = m->l0; i < m->l1 && !sc->overflow; i++) {
-        const layer_w *lw = &m->layers[i];
-        if (N > 0) {
-            /* Mix first, then bank P: layer 0 banks the embedding (MODEL_SPEC §6.3, trap 13). */
-            for (int j = 0; j < nb; j++) cands[j] = bank + (size_t)j * TD;
-            cands[nb] = P;
-            ds_attnres_mix(x, cands, nb + 1, lw->attn_res_np, T, D, c->rms_norm_eps);
-            int banks = i % N == 0;
-            if (banks) memcpy(bank + (size_t)nb++ * TD, P, TD * sizeof(float));
-            ds_rmsnorm(x, x, lw->in_norm, T, D, c->rms_norm_eps);
-            if (lw->kind == DS_LAYER_KDA)
-                kda_forward(s, lw, x, a);
-            else
-                mla_forward(s, lw, x, a);
-            if (banks)
-                memcpy(P, a, TD * sizeof(float));
-            else
-                ds_add(P, a, TD);
-            for (int j = 0; j < nb; j++) cands[j] = bank + (size_t)j * TD;
-            cands[nb] = P;
-            ds_attnres_mix(x, cands, nb + 1, lw->mlp_res_np, T, D, c->rms_norm_eps);
-            ds_rmsnorm(x, x, lw->post_norm, T, D, c->rms_norm_eps);
-            ffn_forward(s, lw, x, a);
-            ds_add(P, a, TD);
-        } else {
-            ds_rmsnorm(x, P, lw->in_norm, T, D, c->rms_norm_eps);
-            if (lw->kind == DS_LAYER_KDA)
-                kda_forward(s, lw, x, a);
-            else
-                mla_forward(s, lw, x, a);
-            ds_add(P, a, TD);
-            ds_rmsnorm(x, P, lw->post_norm, T, D, c->rms_norm_eps);
-            ffn_forward(s, lw, x, a);
-            ds_add(P, a, TD);
-        }
-        save_hidden(s, i, P);
-    }
-    if (sc->overflow) {
-        free(cands);
-        return sc->need + 1;
-    }
-    if (m->l1 < L) { /* not the last stage: hand the stream and the banks on */
-        memcpy(s->out->h, P, TD * sizeof(float));
-        s->out->n_banks = nb;
-        if (nb) memcpy(s->out->banks, bank, (size_t)nb * TD * sizeof(float));
-        free(cands);
-        return 0;
-    }
-    if (N > 0) {
-        for (int j = 0; j < nb; j++) cands[j] = bank + (size_t)j * TD;
-        cands[nb] = P;
-        ds_attnres_mix(x, cands, nb + 1, m->out_res_np, T, D, c->rms_norm_eps);
-        ds_rmsnorm(x, x, m->final_norm, T, D, c->rms_norm_eps);
-    } else {
-        ds_rmsnorm(x, P, m->final_norm, T, D, c->rms_norm_eps);
-    }
-    free(cands);
-    for (int q = 0; q < s->n_seq; q++) {
-        ds_seq_batch *sb = &s->seqs[q];
-        const float *xs = x + (size_t)s->off[q] * D;
-        if (sb->final_hidden) memcpy(sb->final_hidden, xs, (size_t)sb->n * D * sizeof(float));
-    }
-    compute_logits(s, x);
-    if (sc->overflow) return sc->need + 1;
-    return 0;
-}
-
-/* Upper bound, in floats, of the scratch one step takes (mirrors the sc_take calls above; every
- * take is counted with 16 floats of alignment slack). */
-static size_t step_need(const step *s) {
-    const ds_config *c = &s->m->cfg;
-    size_t T = (size_t)s->T, D = (size_t)c->hidden_size, L = (size_t)c->num_hidden_layers;
-    size_t N = (size_t)c->attn_res_block_size, pad = 16;
-    size_t base = T + 3 * T * D + (N ? ((L + N - 1) / N + 1) * T * D : 0) + 5 * pad;
-    size_t H = (size_t)c->kda_num_heads, dk = (size_t)c->kda_head_dim, P = H * dk;
-    size_t kda = c->num_kda_layers ? 7 * T * P + T * dk + T * H + 8 * pad : 0;
-    size_t rows_max = 0; /* speculative state rows (see kda_forward) */
-    for (int q = 0; q < s->n_seq; q++)
-        if (s->seqs[q].state_rows)
-            rows_max = DS_MAX(rows_max, (size_t)s->seqs[q].n * H * dk * dk +
-                                            (size_t)(c->short_conv_kernel_size - 1) * P + 2 * pad);
-    if (kda) kda += rows_max;
-    size_t mla = 0;
-    if (c->num_mla_layers) {
-        size_t Ha = (size_t)c->num_attention_heads, R = (size_t)c->kv_lora_rank;
-        size_t dn = (size_t)c->qk_nope_head_dim, dr = (size_t)c->qk_rope_head_dim;
-        size_t dvh = (size_t)c->v_head_dim;
-        size_t seg = 0;
-        for (int q = 0; q < s->n_seq; q++) {
-            size_t ctx = (size_t)s->seqs[q].pos0 + (size_t)s->seqs[q].n;
-            seg = DS_MAX(seg, ctx * (R + dr + 2 * Ha * (dn + dvh)) + 5 * pad); /* expanded */
-        }
-        seg = DS_MAX(seg, T * Ha * (dr + 2 * R) + 3 * pad); /* one absorbed run */
-        mla = T * Ha * (dn + dr) + T * (R + dr) + T * Ha * dvh + T * (size_t)c->q_lora_rank +
-              4 * pad + seg;
-    }
-    size_t ffn = 2 * T * (size_t)c->intermediate_size + 2 * pad;
-    if (c->num_experts) {
-        size_t E = (size_t)c->num_experts, K = (size_t)c->num_experts_per_token;
-        size_t Hin = c->routed_expert_hidden_size ? (size_t)c->routed_expert_hidden_size : D;
-        size_t Ie = (size_t)c->moe_intermediate_size, Is = Ie * (size_t)c->num_shared_experts;
-        size_t moe = T * E + 2 * T * K + 4 * T * Hin + 2 * T + 9 * pad;
-        moe += DS_MAX(2 * T * Ie + 2 * pad, T * D + pad + 2 * T * Is + 2 * pad);
-        ffn = DS_MAX(ffn, moe);
-    }
-    size_t lg = 0; /* the logits chunk (see compute_logits) */
-    if (s->m->l1 == (int)L) {
-        size_t vp = (size_t)s->m->vp, Tp = (size_t)s->m->tp_size;
-        lg = LG_CHUNK * (D + vp + (Tp > 1 ? Tp * vp : 0)) + 3 * pad;
-    }
-    return base + DS_MAX(DS_MAX(DS_MAX(kda, mla), ffn), lg);
-}
-
 int ds_model_forward(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, int n_seq, ds_err *err) {
     return ds_model_forward_stage(m, pool, seqs, n_seq, NULL, NULL, err);
 }
@@ -1397,6 +753,21 @@ int ds_model_max_banks(const ds_model *m) {
     return N > 0 ? (L + N - 1) / N + 1 : 0;
 }
 
+/* ---- the step: its inputs checked, its plan made, then the backend ---------------------------
+ */
+
+/* Segment q's inputs, as model.h promises them to the backends. */
+static int check_segment(const ds_model *m, const ds_seq_batch *sb, int q, ds_err *err) {
+    if (sb->n <= 0 || sb->pos0 < 0 || sb->n_logits < 0 || sb->n_logits > sb->n)
+        return ds_errf(err, "forward: segment %d has n=%d pos0=%d n_logits=%d", q, sb->n, sb->pos0,
+                       sb->n_logits);
+    for (int t = 0; t < sb->n; t++)
+        if (sb->tokens[t] < 0 || sb->tokens[t] >= m->cfg.vocab_size)
+            return ds_errf(err, "forward: token id %d at index %d is outside [0, %d)",
+                           sb->tokens[t], t, m->cfg.vocab_size);
+    return DS_OK;
+}
+
 int ds_model_forward_stage(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, int n_seq,
                            const ds_stage_io *in, ds_stage_io *out, ds_err *err) {
     if ((m->l0 > 0 && !in) || (m->l1 < m->cfg.num_hidden_layers && !out))
@@ -1405,97 +776,26 @@ int ds_model_forward_stage(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, in
     if (in && in->n_banks > ds_model_max_banks(m))
         return ds_errf(err, "forward: %d banked AttnRes blocks arrived, at most %d exist",
                        in->n_banks, ds_model_max_banks(m));
-    const ds_config *c = &m->cfg;
-    int T = 0;
-    int *off = ds_malloc((size_t)(n_seq ? n_seq : 1) * sizeof(int), err);
+    const size_t n = (size_t)(n_seq ? n_seq : 1);
+    int *off = ds_malloc(n * sizeof(int) + 2 * n, err); /* off [n], then the two flags [n] each */
     if (!off) return DS_ERR;
+    uint8_t *expanded = (uint8_t *)(off + n), *chunked = expanded + n;
+    ds_step_plan plan = {0, off, expanded, chunked, 0};
+    const int last = m->l1 == m->cfg.num_hidden_layers;
     for (int q = 0; q < n_seq; q++) {
-        ds_seq_batch *sb = &seqs[q];
-        if (sb->n <= 0 || sb->pos0 < 0 || sb->n_logits < 0 || sb->n_logits > sb->n) {
-            free(off);
-            return ds_errf(err, "forward: segment %d has n=%d pos0=%d n_logits=%d", q, sb->n,
-                           sb->pos0, sb->n_logits);
-        }
-        for (int t = 0; t < sb->n; t++)
-            if (sb->tokens[t] < 0 || sb->tokens[t] >= c->vocab_size) {
-                free(off);
-                return ds_errf(err, "forward: token id %d at index %d is outside [0, %d)",
-                               sb->tokens[t], t, c->vocab_size);
-            }
-        off[q] = T;
-        T += sb->n;
-        /* host draws: on the CPU, and on GPUs of a TP group (the rows are gathered on the host) */
-        if (sb->draws && sb->argmax && sb->n_logits && m->l1 == c->num_hidden_layers &&
-            (m->dev != DS_DEVICE_CUDA || m->tp_size > 1) && ds_model_draw_space(m, err)) {
+        const ds_seq_batch *sb = &seqs[q];
+        if (check_segment(m, sb, q, err)) {
             free(off);
             return DS_ERR;
         }
+        off[q] = plan.T;
+        plan.T += sb->n;
+        /* the two forms every backend chooses between (model/backend.h) */
+        expanded[q] = m->n_mla > 0 && sb->n >= m->opts.mla_expanded_min;
+        chunked[q] = m->n_kda > 0 && sb->n >= m->opts.kda_chunked_min && !sb->state_rows;
+        plan.draws |= last && sb->draws && sb->argmax && sb->n_logits;
     }
-    step s = {m, pool, seqs, n_seq, T, off, in, out, {0}, 0};
-    if (T == 0) {
-        free(off);
-        return DS_OK;
-    }
-    if (m->cu) {
-        int rc = ds_cuda_forward_stage(m, pool, seqs, n_seq, off, T, in, out, err);
-        free(off);
-        return rc;
-    }
-    size_t need = step_need(&s);
-    if (need > m->scratch_cap) {
-        free(m->scratch);
-        m->scratch = ds_aligned_alloc(need * sizeof(float), err);
-        m->scratch_cap = m->scratch ? need : 0;
-        if (!m->scratch) {
-            free(off);
-            return DS_ERR;
-        }
-    }
-    size_t short_by = run_step(&s);
+    int rc = plan.T ? m->be->forward(m, &plan, pool, seqs, n_seq, in, out, err) : DS_OK;
     free(off);
-    if (short_by)
-        return ds_errf(err, "forward: internal error: scratch estimate %zu floats, step took %zu",
-                       need, short_by - 1);
-    if (s.tp_failed) return ds_errf(err, "forward: a tensor-parallel all-reduce failed");
-    return DS_OK;
+    return rc;
 }
-
-#ifndef DS_HAVE_CUDA
-/* A build without the CUDA backend: the device cannot be chosen. */
-int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err) {
-    (void)m;
-    (void)device_index;
-    return ds_errf(err, "device cuda: this build has no CUDA backend (build it with `make cuda`)");
-}
-void ds_cuda_model_detach(ds_model *m) {
-    (void)m;
-}
-int ds_cuda_forward_stage(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, int n_seq,
-                          const int *off, int T, const ds_stage_io *in, ds_stage_io *out,
-                          ds_err *err) {
-    (void)m, (void)pool, (void)seqs, (void)n_seq, (void)off, (void)T, (void)in, (void)out;
-    return ds_errf(err, "forward: this build has no CUDA backend");
-}
-size_t ds_cuda_model_mem_free(const ds_model *m) {
-    (void)m;
-    return 0;
-}
-const char *ds_cuda_model_device_name(const ds_model *m) {
-    (void)m;
-    return "none";
-}
-int ds_cuda_model_limits(const ds_model *m, double *copy_gbs, double *gemm_tflops, ds_err *err) {
-    (void)m, (void)copy_gbs, (void)gemm_tflops;
-    return ds_errf(err, "this build has no CUDA backend");
-}
-int ds_cuda_available(void) {
-    return 0;
-}
-void ds_cuda_model_profile_report(const ds_model *m, FILE *f, const char *title) {
-    (void)m, (void)f, (void)title;
-}
-double ds_cuda_model_profile_gemm_tflops(const ds_model *m, double *ms_per_step) {
-    (void)m, (void)ms_per_step;
-    return 0;
-}
-#endif

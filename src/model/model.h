@@ -1,4 +1,5 @@
-/* model.h — a loaded kimi_linear / Kimi-K3 text model and its forward pass on the CPU.
+/* model.h — a loaded kimi_linear / Kimi-K3 text model and its forward pass, on the CPU or a GPU
+ * (the backend chosen at load: model/backend.h).
  *
  * The forward runs a batch of sequence segments at once: all their tokens go through the
  * projections together (one GEMM per weight), while the token mixers (short conv, KDA recurrence,

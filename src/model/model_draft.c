@@ -10,6 +10,8 @@
  * Every norm uses rms_norm_eps (1e-5 in the published draft; the draft has no 1e-6 norms, trap 1).
  */
 #include "model/draft_impl.h"
+#include "model/backend.h"
+#include "model/model_impl.h"
 
 #include "base/devmem.h"
 
@@ -241,9 +243,9 @@ int ds_draft_load(const char *dir, const ds_model *target, ds_draft **out, ds_er
     /* embed_tokens (a frozen copy of the target's) and confidence_head (training only) are left
      * unread on purpose (MODEL_SPEC §8.2, §8.7). */
     if (ds_draft_yarn(c, d->inv_freq, &d->yarn, err)) goto fail;
-#ifdef DS_HAVE_CUDA
-    if (ds_draft_dev_create(d, target, err)) goto fail; /* a target on a GPU: the draft beside it */
-#endif
+    /* a target on a device: the draft beside it, where its backend has a device path */
+    d->be = target->be;
+    if (d->be->draft_create && d->be->draft_create(d, target, err)) goto fail;
     *out = d;
     return DS_OK;
 fail:
@@ -254,9 +256,7 @@ fail:
 
 void ds_draft_free(ds_draft *d) {
     if (!d) return;
-#ifdef DS_HAVE_CUDA
-    ds_draft_dev_free(d);
-#endif
+    if (d->dev) d->be->draft_free(d);
     if (d->st) ds_st_close(d->st);
     free(d->layers);
     free(d->vecs);
@@ -539,9 +539,7 @@ int ds_draft_write_context_batch(ds_draft *d, ds_draft_cache *c, int n_items,
                            "for every item",
                            i);
     }
-#ifdef DS_HAVE_CUDA
-    if (d->dev) return n_items ? ds_draft_dev_write_context(d, c, n_items, w, err) : DS_OK;
-#endif
+    if (d->dev) return n_items ? d->be->draft_write_context(d, c, n_items, w, err) : DS_OK;
     for (int i0 = 0, i1; i0 < n_items; i0 = i1) { /* items stacked up to CTX_STACK_ROWS rows */
         int N = w[i0].n;
         for (i1 = i0 + 1; i1 < n_items && N + w[i1].n <= CTX_STACK_ROWS; i1++) N += w[i1].n;
@@ -684,11 +682,9 @@ int ds_draft_propose_batch(ds_draft *d, ds_draft_cache *c, int n,
     if (c->row != R + dr || c->n_layers != cf->num_hidden_layers)
         return ds_errf(err, "draft propose: cache of %d layers x %d floats, draft needs %d x %d",
                        c->n_layers, c->row, cf->num_hidden_layers, R + dr);
-#ifdef DS_HAVE_CUDA
     if (d->dev)
-        return ds_draft_dev_propose(d, c, n, block_tables, ps, anchors, T, drafts, block_logits,
+        return d->be->draft_propose(d, c, n, block_tables, ps, anchors, T, drafts, block_logits,
                                     err);
-#endif
     const size_t NT = (size_t)n * T, TD = NT * D;
     size_t n_tab = 0; /* the n block tables, each [full_b + n_spare] */
     for (int b = 0; b < n; b++) n_tab += (size_t)(ps[b] + 1) / c->block_size + c->n_spare;

@@ -1,6 +1,6 @@
-/* model_impl.h — the inside of ds_model, shared by the CPU forward (model.c) and the CUDA one
- * (backend/cuda/forward.c): bound weights, the stage and tensor-parallel share, and state sizes. Nothing
- * outside src/model includes this. */
+/* model_impl.h — the inside of ds_model, shared by model.c (loading, binding) and the backends that
+ * run it (src/backend/cpu, src/backend/cuda): bound weights, the stage and tensor-parallel share,
+ * and state sizes. Nothing outside src/model and src/backend includes this. */
 #ifndef DS_MODEL_IMPL_H
 #define DS_MODEL_IMPL_H
 
@@ -76,28 +76,12 @@ struct ds_model {
     size_t weight_bytes;
     size_t vec_floats; /* floats in the f32 vectors held (norms, convs, gates' biases): read every
                           step */
-    /* scratch, grown on demand */
-    float *scratch;
-    size_t scratch_cap;
-    struct ds_cuda_model *cu; /* the weights on the GPU and its step buffers, or NULL (CPU) */
-    int dev;                  /* DS_DEVICE_CPU or DS_DEVICE_CUDA, decided at load */
-    int random;               /* --load-format random: weights drawn, not read */
-    /* host draws (ds_model_draw_host), made at the first step that asks for one */
-    float *draw_rows;            /* [DS_DRAW_CHUNK][V] the rows, whole */
-    ds_sample_scratch **draw_sc; /* [n_draw_sc] one a thread */
-    int n_draw_sc;
+    /* where it runs: the backend chosen at load (model/backend.h) and its state for this model
+     * (its copy of the weights, scratch and step buffers), or NULL before attach */
+    const struct ds_backend_ops *be;
+    void *be_ctx;
+    int random; /* --load-format random: weights drawn, not read */
 };
-
-enum { DS_DRAW_CHUNK = 32 }; /* rows drawn on the host side by side */
-
-/* Makes the host draws' memory (once). */
-int ds_model_draw_space(ds_model *m, ds_err *err);
-/* Draws n rows on the host (ds_seq_batch.draws): row j's logits are in blocks of vp values (the
- * last cut at V), block t at x + t * stride + j * vp (one block of V: vp = V). d[j] NULL: not
- * drawn; otherwise *out[j] receives the token. Rows side by side on the OpenMP threads: each draw
- * depends only on its row and its own uniform. */
-void ds_model_draw_host(ds_model *m, const float *x, size_t stride, int vp, int n,
-                        const ds_row_draw *const *d, int32_t *const *out);
 
 /* Floats per KDA layer in a state slot, for this rank's m->Hk heads: conv tails [3][W-1][P], then
  * the recurrent state [Hk][dk][dv]. */
@@ -110,10 +94,11 @@ static inline size_t ds_model_rec_floats(const ds_model *m) {
     return (size_t)m->Hk * (size_t)c->kda_head_dim * (size_t)c->kda_head_dim;
 }
 
-/* A random matrix that only the device holds (--load-format random on a GPU; model.c): the
- * ds_mat's data points to this instead of elements. Element (i, j) of the rank's [rows][cols]
- * slice is element (row0 + i, col0 + j) of the full [.][full_cols] tensor, drawn from key and its
- * index there, times scale — the values the CPU draws, whichever rank holds which slice. */
+/* A random matrix that only the device holds (--load-format random on a backend with
+ * device_memory; model.c): the ds_mat's data points to this instead of elements. Element (i, j)
+ * of the rank's [rows][cols] slice is element (row0 + i, col0 + j) of the full [.][full_cols]
+ * tensor, drawn from key and its index there, times scale — the values the CPU draws, whichever
+ * rank holds which slice. */
 typedef struct ds_rand_mat {
     uint64_t magic; /* DS_RAND_MAGIC */
     const struct ds_model *owner;
@@ -124,25 +109,5 @@ typedef struct ds_rand_mat {
 #define DS_RAND_MAGIC 0x72616e646d617431ull
 /* w's descriptor when it is such a matrix of m, else NULL. */
 const ds_rand_mat *ds_model_rand_mat(const ds_model *m, const ds_mat *w);
-
-/* The CUDA backend (backend/cuda/forward.c; in builds without it these report that). attach uploads the
- * bound weights and installs device memory (base/devmem.h); forward runs one step of n_seq
- * segments (validated by the caller, off [n_seq] their first rows, T tokens in all). */
-int ds_cuda_model_attach(ds_model *m, int device_index, ds_err *err);
-void ds_cuda_model_detach(ds_model *m);
-int ds_cuda_forward_stage(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, int n_seq,
-                          const int *off, int T, const ds_stage_io *in, ds_stage_io *out,
-                          ds_err *err);
-size_t ds_cuda_model_mem_free(const ds_model *m);
-const char *ds_cuda_model_device_name(const ds_model *m);
-int ds_cuda_model_limits(const ds_model *m, double *copy_gbs, double *gemm_tflops, ds_err *err);
-void ds_cuda_model_profile_report(const ds_model *m, FILE *f, const char *title);
-double ds_cuda_model_profile_gemm_tflops(const ds_model *m, double *ms_per_step);
-int ds_cuda_available(void); /* built with the backend and a device present */
-/* Row `row`'s draw d as the GPU's draw kernel reads it (ds_cu_draw_rows): *out, and its edits
- * (penalised (id, count) pairs, then masked ids) written at edits[at..]; returns how many. */
-struct ds_cu_draw;
-size_t ds_cuda_pack_draw(const ds_row_draw *d, int V, int row, size_t at, int32_t *edits,
-                         struct ds_cu_draw *out);
 
 #endif

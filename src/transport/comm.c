@@ -36,6 +36,10 @@ int ds_comm_finish(ds_comm *c, int status) {
     return c->ops->finish(c, status);
 }
 
+int ds_comm_local_rank(const ds_comm *c) {
+    return c ? c->local_rank : 0;
+}
+
 void ds_comm_set_who(ds_comm *c) {
     snprintf(c->who, sizeof c->who, "rank %d (stage %d, tp %d)", c->rank, c->stage, c->tp_rank);
 }

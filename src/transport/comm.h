@@ -52,6 +52,7 @@ typedef struct ds_comm_ops {
 struct ds_comm {
     const ds_comm_ops *ops;
     int rank, size;       /* world */
+    int local_rank;       /* among the job's ranks on this host (0 for one process) */
     int tp_rank, tp_size; /* within this stage's TP group */
     int stage, n_stages;  /* pipeline stage of this rank, P */
     char who[64];         /* "rank 3 (stage 1, tp 1)": prefixed to messages */
@@ -125,6 +126,11 @@ int ds_comm_allreduce_cb(void *ctx, float *buf, size_t n);
 const char *ds_comm_last_error(const ds_comm *c);
 /* Adapter for ds_model_opts.allgather, likewise. */
 int ds_comm_allgather_cb(void *ctx, const float *mine, size_t n, float *all);
+
+/* This rank's index among the job's ranks on its host (0 in a single process): which of the
+ * host's devices it takes. The transport knows it from its launcher (Open MPI's
+ * OMPI_COMM_WORLD_LOCAL_RANK, else MPI_COMM_TYPE_SHARED), so no caller reads MPI's environment. */
+int ds_comm_local_rank(const ds_comm *c);
 
 /* Fills c->who from the rank fields. */
 void ds_comm_set_who(ds_comm *c);

@@ -285,6 +285,23 @@ static const ds_comm_ops MPI_OPS = {"mpi",      mpi_allreduce, mpi_send, mpi_rec
                                     mpi_bcast,  mpi_barrier,   mpi_post, mpi_take,
                                     mpi_finish, mpi_allgather};
 
+/* c->local_rank: Open MPI's mpirun says it (OMPI_COMM_WORLD_LOCAL_RANK, set on every rank or on
+ * none); another launcher's ranks find it among the ranks that share their host's memory. */
+static int mpi_local_rank(ds_comm *c, ds_err *err) {
+    const char *local = getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+    if (local && *local) {
+        c->local_rank = atoi(local);
+        return DS_OK;
+    }
+    MPI_Comm node;
+    int rc =
+        MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL, &node);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(node, &c->local_rank);
+    if (rc != MPI_SUCCESS) return mpi_fail(c, rc, "finding the ranks of this host", err);
+    MPI_Comm_free(&node);
+    return DS_OK;
+}
+
 int ds_comm_mpi_init(int tp, int pp, ds_comm **out, ds_err *err) {
     *out = NULL;
     int inited = 0;
@@ -334,6 +351,7 @@ int ds_comm_mpi_init(int tp, int pp, ds_comm **out, ds_err *err) {
     if (rc == MPI_SUCCESS) rc = MPI_Comm_split(MPI_COMM_WORLD, c->tp_rank, c->stage, &im->pp);
     if (rc == MPI_SUCCESS) rc = MPI_Comm_dup(MPI_COMM_WORLD, &im->msg);
     if (rc != MPI_SUCCESS) return mpi_fail(c, rc, "splitting TP and PP groups", err);
+    if (mpi_local_rank(c, err)) return DS_ERR;
     MPI_Comm_set_errhandler(im->tp, MPI_ERRORS_RETURN);
     MPI_Comm_set_errhandler(im->pp, MPI_ERRORS_RETURN);
     MPI_Comm_set_errhandler(im->msg, MPI_ERRORS_RETURN);

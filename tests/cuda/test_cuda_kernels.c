@@ -11,7 +11,7 @@
  * Built and run on the GPU machine by tools/device/cuda_check.sh. */
 #include "kernels/cpu/kernels.h"
 #include "kernels/cuda/cuda_kernels.h"
-#include "model/model_impl.h"
+#include "backend/cuda/cuda.h"
 #include "sample/sampler.h"
 #include "../unit/draw_rows.h"
 #ifdef DS_HAVE_NCCL

@@ -1,76 +1,14 @@
 /* The engine end to end, without HTTP: greedy requests give exactly the tokens of a plain
  * single-sequence greedy loop over the model (whatever else is in the batch — invariant 7),
  * aborts and shutdown deliver final events, and every page and slot returns to its pool. */
-#include "engine/engine.h"
-#include "devtools/init_model.h"
+#include "engine_harness.h"
+
 #include "model/model.h"
-#include "testutil.h"
 
 #include <math.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
-
-static char *g_model;
-
-static const char *model_dir(void) {
-    if (!g_model) {
-        char *tmp = ds_test_tmpdir();
-        g_model = malloc(strlen(tmp) + 16);
-        sprintf(g_model, "%s/tiny-k3", tmp);
-        free(tmp);
-        ds_err err = {{0}};
-        if (ds_init_model("tiny-k3", g_model, 0, &err)) fail_msg("%s", err.msg);
-    }
-    return g_model;
-}
-
-/* What one request's callback collected. */
-typedef struct collected {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    int32_t tokens[4][256]; /* [choice][token] */
-    int n[4];
-    int finished[4];
-    ds_finish why[4];
-    int n_final;
-    int n_choices;
-    char text[4][4096];
-    size_t text_len[4];
-} collected;
-
-static void on_event(void *user, const ds_token_event *ev) {
-    collected *c = user;
-    pthread_mutex_lock(&c->mu);
-    if (ev->token >= 0 && c->n[ev->index] < 256)
-        c->tokens[ev->index][c->n[ev->index]++] = ev->token;
-    if (ev->text_len && c->text_len[ev->index] + ev->text_len < sizeof c->text[0]) {
-        memcpy(c->text[ev->index] + c->text_len[ev->index], ev->text, ev->text_len);
-        c->text_len[ev->index] += ev->text_len;
-    }
-    if (ev->finish != DS_FINISH_NONE) {
-        c->finished[ev->index] = 1;
-        c->why[ev->index] = ev->finish;
-        c->n_final++;
-        pthread_cond_broadcast(&c->cv);
-    }
-    pthread_mutex_unlock(&c->mu);
-}
-
-static void collected_init(collected *c, int n_choices) {
-    memset(c, 0, sizeof *c);
-    pthread_mutex_init(&c->mu, NULL);
-    pthread_cond_init(&c->cv, NULL);
-    c->n_choices = n_choices;
-}
-
-static void wait_done(collected *c) {
-    pthread_mutex_lock(&c->mu);
-    while (c->n_final < c->n_choices) pthread_cond_wait(&c->cv, &c->mu);
-    pthread_mutex_unlock(&c->mu);
-}
 
 static ds_engine *start_engine_spec(int max_num_seqs, int budget_tokens, size_t mem, int method,
                                     int k, void *hook, void *hook_ctx);
@@ -87,22 +25,12 @@ static ds_engine *start_engine_spec(int max_num_seqs, int budget_tokens, size_t 
     if (k) o.num_speculative_tokens = k;
     o.test.spec_drafts = hook;
     o.test.spec_ctx = hook_ctx;
-    o.model_dir = model_dir();
+    o.model_dir = h_model_dir();
     o.block_size = 16;
     o.max_num_seqs = max_num_seqs;
     o.max_num_batched_tokens = budget_tokens;
     o.kv_cache_memory = mem;
-    ds_engine *e;
-    ds_err err = {{0}};
-    if (ds_engine_create(&o, &e, &err)) fail_msg("%s", err.msg);
-    if (ds_engine_start(e, &err)) fail_msg("%s", err.msg);
-    return e;
-}
-
-static void prompt_ids(int32_t *ids, int n, uint64_t seed) {
-    ds_rng r;
-    ds_rng_seed(&r, seed);
-    for (int i = 0; i < n; i++) ids[i] = (int32_t)(ds_rng_next(&r) % 700);
+    return h_start(&o);
 }
 
 enum { STOP_NONE = -1, STOP_EOS = -2 }; /* reference_stop's stop: none, the model's eos */
@@ -114,7 +42,7 @@ static void reference_stop(const int32_t *prompt, int n_prompt, int max_tokens, 
                            int min_tokens, int32_t *out, int *n_out) {
     ds_model *m;
     ds_err err = {{0}};
-    if (ds_model_load(model_dir(), NULL, &m, &err)) fail_msg("%s", err.msg);
+    if (ds_model_load(h_model_dir(), NULL, &m, &err)) fail_msg("%s", err.msg);
     const ds_config *c = ds_model_config(m);
     ds_kv_pool pool;
     if (ds_kv_pool_init(&pool, m, 64, 16, &err)) fail_msg("%s", err.msg);
@@ -149,7 +77,7 @@ static void reference_greedy(const int32_t *prompt, int n_prompt, int max_tokens
     reference_stop(prompt, n_prompt, max_tokens, STOP_EOS, 0, out, n_out);
 }
 
-static int64_t submit(ds_engine *e, const int32_t *prompt, int n, int max_tokens, collected *c,
+static int64_t submit(ds_engine *e, const int32_t *prompt, int n, int max_tokens, h_req *c,
                       int n_choices, float temperature, uint64_t seed) {
     ds_request_spec spec = {0};
     spec.prompt = prompt;
@@ -160,57 +88,37 @@ static int64_t submit(ds_engine *e, const int32_t *prompt, int n, int max_tokens
     spec.params.n = n_choices;
     spec.params.has_seed = 1;
     spec.params.seed = seed;
-    spec.on_event = on_event;
-    spec.user = c;
-    collected_init(c, n_choices);
-    int why;
-    ds_err err = {{0}};
-    int64_t id = ds_engine_submit(e, &spec, &why, &err);
-    if (id < 0) fail_msg("submit: %s", err.msg);
-    return id;
-}
-
-static void assert_pools_empty(ds_engine *e) {
-    ds_engine_stats s;
-    for (int i = 0; i < 200; i++) { /* the engine thread updates stats after its step */
-        ds_engine_get_stats(e, &s);
-        if (!s.pages_used && !s.slots_used && !s.running && !s.waiting) break;
-        usleep(10000);
-    }
-    assert_int_equal(s.pages_used, 0);
-    assert_int_equal(s.slots_used, 0);
-    assert_int_equal(s.running, 0);
-    assert_int_equal(s.waiting, 0);
+    return h_submit_spec(e, &spec, c);
 }
 
 /* Greedy tokens equal the reference, alone and inside a busy batch of other requests. */
 static void test_greedy_matches_reference_in_batch(void **state) {
     (void)state;
     int32_t prompt[100];
-    prompt_ids(prompt, 100, 11);
+    h_prompt(prompt, 100, 11);
     int32_t ref[64];
     int n_ref;
     reference_greedy(prompt, 100, 24, ref, &n_ref);
 
     ds_engine *e = start_engine(16, 256, 64u << 20);
-    collected alone;
+    h_req alone;
     submit(e, prompt, 100, 24, &alone, 1, 0.0f, 0);
-    wait_done(&alone);
+    h_wait(&alone);
     assert_int_equal(alone.n[0], n_ref);
     assert_memory_equal(alone.tokens[0], ref, (size_t)n_ref * sizeof(int32_t));
 
     /* the same request among 12 others of varied lengths, some sampled */
-    collected *others = calloc(12, sizeof *others);
+    h_req *others = calloc(12, sizeof *others);
     int32_t op[12][300];
-    collected busy;
+    h_req busy;
     for (int i = 0; i < 12; i++) {
         int n = 5 + i * 23;
-        prompt_ids(op[i], n, 100 + (uint64_t)i);
+        h_prompt(op[i], n, 100 + (uint64_t)i);
         submit(e, op[i], n, 10 + i, &others[i], 1 + i % 2, i % 3 ? 0.8f : 0.0f, (uint64_t)i);
         if (i == 5) submit(e, prompt, 100, 24, &busy, 1, 0.0f, 0);
     }
-    wait_done(&busy);
-    for (int i = 0; i < 12; i++) wait_done(&others[i]);
+    h_wait(&busy);
+    for (int i = 0; i < 12; i++) h_wait(&others[i]);
     assert_int_equal(busy.n[0], n_ref);
     assert_memory_equal(busy.tokens[0], ref, (size_t)n_ref * sizeof(int32_t));
     for (int i = 0; i < 12; i++)
@@ -218,9 +126,8 @@ static void test_greedy_matches_reference_in_batch(void **state) {
             assert_true(others[i].why[j] == DS_FINISH_LENGTH || others[i].why[j] == DS_FINISH_STOP);
             if (others[i].why[j] == DS_FINISH_LENGTH) assert_int_equal(others[i].n[j], 10 + i);
         }
-    assert_pools_empty(e);
-    ds_engine_stop(e, 1.0);
-    ds_engine_free(e);
+    h_assert_idle(e);
+    h_stop(e);
     free(others);
 }
 
@@ -231,7 +138,7 @@ static void test_greedy_matches_reference_in_batch(void **state) {
 static void test_greedy_min_tokens(void **state) {
     (void)state;
     int32_t prompt[100];
-    prompt_ids(prompt, 100, 11);
+    h_prompt(prompt, 100, 11);
     int32_t free_run[64], want[64];
     int n_free, n_want;
     reference_stop(prompt, 100, 16, STOP_NONE, 0, free_run, &n_free);
@@ -240,7 +147,7 @@ static void test_greedy_min_tokens(void **state) {
     assert_int_not_equal(want[2], stop); /* the mask mattered */
     ds_engine *e = start_engine(8, 256, 32u << 20);
     for (int crowd = 0; crowd < 2; crowd++) {
-        collected got, others[3];
+        h_req got, others[3];
         int32_t op[3][50];
         ds_request_spec spec = {0};
         spec.prompt = prompt;
@@ -252,24 +159,18 @@ static void test_greedy_min_tokens(void **state) {
         spec.params.min_tokens = 5;
         spec.params.stop_token_ids[0] = stop;
         spec.params.n_stop_token_ids = 1;
-        spec.on_event = on_event;
-        spec.user = &got;
-        collected_init(&got, 1);
         for (int i = 0; crowd && i < 3; i++) {
-            prompt_ids(op[i], 20 + 10 * i, 70 + (uint64_t)i);
+            h_prompt(op[i], 20 + 10 * i, 70 + (uint64_t)i);
             submit(e, op[i], 20 + 10 * i, 12, &others[i], 1, 0.0f, 0);
         }
-        int why;
-        ds_err err = {{0}};
-        if (ds_engine_submit(e, &spec, &why, &err) < 0) fail_msg("submit: %s", err.msg);
-        wait_done(&got);
-        for (int i = 0; crowd && i < 3; i++) wait_done(&others[i]);
+        h_submit_spec(e, &spec, &got);
+        h_wait(&got);
+        for (int i = 0; crowd && i < 3; i++) h_wait(&others[i]);
         assert_int_equal(got.n[0], n_want);
         assert_memory_equal(got.tokens[0], want, (size_t)n_want * sizeof(int32_t));
         assert_int_equal(got.why[0], want[n_want - 1] == stop ? DS_FINISH_STOP : DS_FINISH_LENGTH);
     }
-    ds_engine_stop(e, 1.0);
-    ds_engine_free(e);
+    h_stop(e);
 }
 
 /* Same seed, same sampled tokens; the two choices of an n=2 request differ. */
@@ -277,12 +178,12 @@ static void test_seeded_sampling(void **state) {
     (void)state;
     ds_engine *e = start_engine(8, 256, 32u << 20);
     int32_t prompt[20];
-    prompt_ids(prompt, 20, 5);
-    collected a, b;
+    h_prompt(prompt, 20, 5);
+    h_req a, b;
     submit(e, prompt, 20, 30, &a, 2, 1.0f, 1234);
-    wait_done(&a);
+    h_wait(&a);
     submit(e, prompt, 20, 30, &b, 2, 1.0f, 1234);
-    wait_done(&b);
+    h_wait(&b);
     assert_int_equal(a.n[0], b.n[0]);
     assert_memory_equal(a.tokens[0], b.tokens[0], (size_t)a.n[0] * sizeof(int32_t));
     assert_memory_equal(a.tokens[1], b.tokens[1], (size_t)a.n[1] * sizeof(int32_t));
@@ -291,21 +192,20 @@ static void test_seeded_sampling(void **state) {
     assert_true(differ);
     /* Sampled alone (the only row sampled on the host: one thread) and among 6 other sampled
      * requests (the step's rows sampled side by side on the engine's threads): the same tokens. */
-    collected solo, crowd, others[6];
+    h_req solo, crowd, others[6];
     submit(e, prompt, 20, 30, &solo, 1, 1.0f, 99);
-    wait_done(&solo);
+    h_wait(&solo);
     int32_t op[6][40];
     for (int i = 0; i < 6; i++) {
-        prompt_ids(op[i], 12 + 4 * i, 900 + (uint64_t)i);
+        h_prompt(op[i], 12 + 4 * i, 900 + (uint64_t)i);
         submit(e, op[i], 12 + 4 * i, 30, &others[i], 1 + i % 2, 0.9f, 40 + (uint64_t)i);
         if (i == 2) submit(e, prompt, 20, 30, &crowd, 1, 1.0f, 99);
     }
-    wait_done(&crowd);
-    for (int i = 0; i < 6; i++) wait_done(&others[i]);
+    h_wait(&crowd);
+    for (int i = 0; i < 6; i++) h_wait(&others[i]);
     assert_int_equal(crowd.n[0], solo.n[0]);
     assert_memory_equal(crowd.tokens[0], solo.tokens[0], (size_t)solo.n[0] * sizeof(int32_t));
-    ds_engine_stop(e, 1.0);
-    ds_engine_free(e);
+    h_stop(e);
 }
 
 /* Under a pool too small for everyone, requests are preempted and recomputed, all finish, and
@@ -315,15 +215,15 @@ static void test_pressure_and_abort(void **state) {
     /* ~40 pages of 16 tokens: far less than 24 requests x ~150 tokens */
     ds_engine *e = start_engine(8, 64, 600u << 10);
     enum { N = 24 };
-    collected *c = calloc(N, sizeof *c);
+    h_req *c = calloc(N, sizeof *c);
     int32_t(*p)[200] = calloc(N, sizeof *p);
     int64_t ids[N];
     for (int i = 0; i < N; i++) {
-        prompt_ids(p[i], 30 + i * 3, 500 + (uint64_t)i);
+        h_prompt(p[i], 30 + i * 3, 500 + (uint64_t)i);
         ids[i] = submit(e, p[i], 30 + i * 3, 120, &c[i], 1, 0.0f, 0);
     }
     for (int i = 0; i < N; i += 5) ds_engine_abort(e, ids[i]);
-    for (int i = 0; i < N; i++) wait_done(&c[i]);
+    for (int i = 0; i < N; i++) h_wait(&c[i]);
     for (int i = 0; i < N; i++) {
         if (i % 5 == 0)
             assert_true(c[i].why[0] == DS_FINISH_ABORT || c[i].n[0] > 0);
@@ -334,9 +234,8 @@ static void test_pressure_and_abort(void **state) {
     ds_engine_get_stats(e, &st);
     print_message("preemptions: %llu\n", (unsigned long long)st.preemptions_total);
     assert_true(st.preemptions_total > 0);
-    assert_pools_empty(e);
-    ds_engine_stop(e, 1.0);
-    ds_engine_free(e);
+    h_assert_idle(e);
+    h_stop(e);
     free(c);
     free(p);
 }
@@ -367,16 +266,16 @@ static void test_spec_greedy_equals_plain(void **state) {
     (void)state;
     enum { K = 4, NP = 60, MT = 40 };
     int32_t prompt[NP];
-    prompt_ids(prompt, NP, 21);
+    h_prompt(prompt, NP, 21);
     int32_t ref[MT];
     int n_ref;
     reference_greedy(prompt, NP, MT, ref, &n_ref);
 
     oracle o = {ref, n_ref, NP, 0};
     ds_engine *e = start_engine_spec(8, 256, 32u << 20, DS_SPEC_DSPARK, K, oracle_drafts, &o);
-    collected c;
+    h_req c;
     submit(e, prompt, NP, MT, &c, 1, 0.0f, 0);
-    wait_done(&c);
+    h_wait(&c);
     assert_int_equal(c.n[0], n_ref);
     assert_memory_equal(c.tokens[0], ref, (size_t)n_ref * sizeof(int32_t));
     ds_engine_stats st;
@@ -388,29 +287,27 @@ static void test_spec_greedy_equals_plain(void **state) {
     assert_true(st.spec_accepted_at[K - 1] > 0);            /* a = k happened */
     assert_true(st.spec_verifies > st.spec_accepted_at[0]); /* a = 0 happened */
     assert_true(st.spec_emitted_tokens > st.spec_verifies); /* > 1 token per verify */
-    ds_engine_stop(e, 1.0);
-    ds_engine_free(e);
+    h_stop(e);
 
     int methods[2] = {DS_SPEC_DSPARK, DS_SPEC_NGRAM};
     for (int mi = 0; mi < 2; mi++) {
         /* tight pools: 8 requests, preemption likely; the first is the one checked */
         e = start_engine_spec(4, 64, 600u << 10, methods[mi], K, NULL, NULL);
-        collected *cs = calloc(8, sizeof *cs);
+        h_req *cs = calloc(8, sizeof *cs);
         int32_t others[7][120];
         submit(e, prompt, NP, MT, &cs[0], 1, 0.0f, 0);
         for (int i = 1; i < 8; i++) {
-            prompt_ids(others[i - 1], 30 + 10 * i, 900 + (uint64_t)i);
+            h_prompt(others[i - 1], 30 + 10 * i, 900 + (uint64_t)i);
             submit(e, others[i - 1], 30 + 10 * i, 60, &cs[i], 1 + i % 2, i % 2 ? 0.9f : 0.0f,
                    (uint64_t)i);
         }
-        for (int i = 0; i < 8; i++) wait_done(&cs[i]);
+        for (int i = 0; i < 8; i++) h_wait(&cs[i]);
         assert_int_equal(cs[0].n[0], n_ref);
         assert_memory_equal(cs[0].tokens[0], ref, (size_t)n_ref * sizeof(int32_t));
         ds_engine_get_stats(e, &st);
         assert_true(st.spec_verifies > 0);
-        assert_pools_empty(e);
-        ds_engine_stop(e, 1.0);
-        ds_engine_free(e);
+        h_assert_idle(e);
+        h_stop(e);
         free(cs);
     }
 }
@@ -426,7 +323,7 @@ typedef struct model_drafts {
 
 static void model_drafts_open(model_drafts *md) {
     ds_err err = {{0}};
-    if (ds_model_load(model_dir(), NULL, &md->m, &err)) fail_msg("%s", err.msg);
+    if (ds_model_load(h_model_dir(), NULL, &md->m, &err)) fail_msg("%s", err.msg);
     if (ds_kv_pool_init(&md->pool, md->m, 64, 16, &err)) fail_msg("%s", err.msg);
     for (int i = 0; i < 64; i++) md->table[i] = i;
     md->slot = calloc(ds_model_slot_floats(md->m), sizeof(float));
@@ -468,10 +365,9 @@ static void test_spec_sampling_preserves_distribution(void **state) {
     (void)state;
     enum { N = 600, NP = 20, MT = 3, K = 2 };
     int32_t prompt[NP];
-    prompt_ids(prompt, NP, 33);
+    h_prompt(prompt, NP, 33);
     model_drafts md;
     model_drafts_open(&md);
-    ds_err err = {{0}};
     int32_t(*out)[2][MT] = calloc(N, sizeof *out); /* [seed][mode][token] */
     uint64_t accepted = 0, drafted = 0;
     for (int mode = 0; mode < 2; mode++) {
@@ -479,7 +375,7 @@ static void test_spec_sampling_preserves_distribution(void **state) {
             mode ? start_engine_spec(16, 256, 32u << 20, DS_SPEC_DSPARK, K, greedy_drafts, &md)
                  : start_engine(16, 256, 32u << 20);
         for (int i = 0; i < N; i += 16) {
-            collected c[16];
+            h_req c[16];
             int n = DS_MIN(16, N - i);
             for (int j = 0; j < n; j++) {
                 ds_request_spec spec = {0};
@@ -492,14 +388,10 @@ static void test_spec_sampling_preserves_distribution(void **state) {
                 spec.params.ignore_eos = 1;
                 spec.params.has_seed = 1;
                 spec.params.seed = (uint64_t)(i + j);
-                spec.on_event = on_event;
-                spec.user = &c[j];
-                collected_init(&c[j], 1);
-                int why;
-                if (ds_engine_submit(e, &spec, &why, &err) < 0) fail_msg("%s", err.msg);
+                h_submit_spec(e, &spec, &c[j]);
             }
             for (int j = 0; j < n; j++) {
-                wait_done(&c[j]);
+                h_wait(&c[j]);
                 assert_int_equal(c[j].n[0], MT);
                 memcpy(out[i + j][mode], c[j].tokens[0], sizeof out[0][0]);
             }
@@ -510,8 +402,7 @@ static void test_spec_sampling_preserves_distribution(void **state) {
             accepted = st.spec_accepted_tokens;
             drafted = st.spec_draft_tokens;
         }
-        ds_engine_stop(e, 1.0);
-        ds_engine_free(e);
+        h_stop(e);
     }
     /* both branches of the rule ran */
     print_message("drafts accepted: %llu of %llu\n", (unsigned long long)accepted,
@@ -559,10 +450,9 @@ static void test_drawn_equals_host_sampled(void **state) {
     (void)state;
     enum { NP = 16, MT = 40, SEEDS = 12, SHARP = 8 };
     int32_t prompt[NP];
-    prompt_ids(prompt, NP, 71);
+    h_prompt(prompt, NP, 71);
     model_drafts md;
     model_drafts_open(&md);
-    ds_err err = {{0}};
     uint64_t accepted = 0;
     int stopped = 0, sharp_stopped = 0;
     for (int spec = 0; spec < 2; spec++) {
@@ -577,7 +467,7 @@ static void test_drawn_equals_host_sampled(void **state) {
              * min_tokens on as the stops: a verify's rows past min_tokens then hold a stop that
              * is almost surely drawn — unless that row is masked as if before min_tokens */
             const int sharp = seed >= SHARP, min_tokens = 10 + seed % SHARP;
-            collected c[3];
+            h_req c[3];
             for (int pass = 0; pass < 3; pass++) {
                 int route = pass == 2;
                 ds_request_spec rs = {0};
@@ -599,12 +489,8 @@ static void test_drawn_equals_host_sampled(void **state) {
                 rs.params.logprobs = route ? 0 : -1; /* 0: wanted, so the row comes back */
                 rs.params.has_seed = 1;
                 rs.params.seed = 500 + (uint64_t)seed;
-                rs.on_event = on_event;
-                rs.user = &c[pass];
-                collected_init(&c[pass], 1);
-                int why;
-                if (ds_engine_submit(e, &rs, &why, &err) < 0) fail_msg("%s", err.msg);
-                wait_done(&c[pass]);
+                h_submit_spec(e, &rs, &c[pass]);
+                h_wait(&c[pass]);
             }
             if (c[1].n[0] != c[2].n[0] ||
                 memcmp(c[1].tokens[0], c[2].tokens[0], (size_t)c[1].n[0] * sizeof(int32_t)))
@@ -618,8 +504,7 @@ static void test_drawn_equals_host_sampled(void **state) {
             ds_engine_get_stats(e, &st);
             accepted = st.spec_accepted_tokens;
         }
-        ds_engine_stop(e, 1.0);
-        ds_engine_free(e);
+        h_stop(e);
     }
     print_message("drafts accepted: %llu, %d of %d runs stopped\n", (unsigned long long)accepted,
                   stopped, 2 * SEEDS);
@@ -638,9 +523,9 @@ static void test_too_long(void **state) {
     spec.prompt = p;
     spec.n_prompt = L + 5;
     ds_request_params_default(&spec.params);
-    spec.on_event = on_event;
-    collected c;
-    collected_init(&c, 1);
+    spec.on_event = h_on_event;
+    h_req c;
+    h_req_init(&c, 1);
     spec.user = &c;
     int why;
     ds_err err = {{0}};
@@ -650,8 +535,7 @@ static void test_too_long(void **state) {
     snprintf(want, sizeof want, "%d", L);
     assert_non_null(strstr(err.msg, want));
     free(p);
-    ds_engine_stop(e, 1.0);
-    ds_engine_free(e);
+    h_stop(e);
 }
 
 int main(void) {

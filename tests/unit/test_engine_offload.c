@@ -3,7 +3,9 @@
  * later hit, give exactly the cold greedy tokens; a damaged disk entry is a counted miss; a Redis
  * server killed mid-run costs only misses. redis-server must be installed (`make` installs it):
  * without it the Redis tests fail, they are not skipped. */
-#include "test_engine_prefix_harness.h"
+#include "engine_harness.h"
+
+#include "devtools/init_model.h"
 
 #include <arpa/inet.h>
 #include <dirent.h>
@@ -14,6 +16,10 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 enum { NA = 100, GEN = 10 };
 #define KV_MEM (8u << 20)
@@ -244,8 +250,8 @@ static void test_redis_killed(void **st) {
     stop_redis(rp);
     for (int i = 0; i < N; i++) {
         h_wait(&r[i]);
-        assert_int_equal(r[i].why, DS_FINISH_LENGTH);
-        assert_memory_equal(r[i].tokens, ref[i], sizeof ref[i]);
+        assert_int_equal(r[i].why[0], DS_FINISH_LENGTH);
+        assert_memory_equal(r[i].tokens[0], ref[i], sizeof ref[i]);
     }
     ds_engine_stats s = run_a(e, 0);
     print_message("redis killed: remote errors %llu, stores %llu\n",
@@ -290,10 +296,12 @@ static void test_two_models_share_tiers(void **st) {
     h_run(cold, g_a, NA, GEN, ref_b);
     h_stop(cold);
     assert_true(memcmp(ref_b, g_ref, sizeof ref_b) != 0); /* the two models differ on A */
-    for (int tier = 0; tier < 2; tier++) { /* disk, then Redis */
+    for (int tier = 0; tier < 2; tier++) {                /* disk, then Redis */
         h_opts(&o, 1, KV_MEM);
-        if (tier == 0) o.kv_offload_disk_dir = dir;
-        else o.kv_offload_remote = url;
+        if (tier == 0)
+            o.kv_offload_disk_dir = dir;
+        else
+            o.kv_offload_remote = url;
         ds_engine *e = h_start(&o); /* the first model files A in the shared tier */
         ds_engine_stats s = run_a(e, 0);
         assert_true(s.offload_stores > 0);
@@ -402,9 +410,12 @@ static void test_disk_budget_across_restarts(void **st) {
 int main(void) {
     signal(SIGPIPE, SIG_IGN); /* a write to a killed Redis must be an error, not a signal */
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_ram_tier),     cmocka_unit_test(test_disk_tier),
-        cmocka_unit_test(test_disk_corrupt), cmocka_unit_test(test_redis_tier),
-        cmocka_unit_test(test_redis_killed), cmocka_unit_test(test_two_models_share_tiers),
+        cmocka_unit_test(test_ram_tier),
+        cmocka_unit_test(test_disk_tier),
+        cmocka_unit_test(test_disk_corrupt),
+        cmocka_unit_test(test_redis_tier),
+        cmocka_unit_test(test_redis_killed),
+        cmocka_unit_test(test_two_models_share_tiers),
         cmocka_unit_test(test_disk_budget_across_restarts),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

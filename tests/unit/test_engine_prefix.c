@@ -3,12 +3,14 @@
  * runs must give exactly the greedy tokens of a cold run with prefix caching off — for hits that
  * end on a page, on a chunk and on a rung, prompts shorter than a page, forks followed by decode,
  * 32 concurrent requests sharing a system prompt, eviction pressure and forced collisions. */
-#include "test_engine_prefix_harness.h"
+#include "engine_harness.h"
 
 #include "base/devmem.h"
 #include "cache/prefix.h"
 #include "engine/scheduler.h"
 
+#include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -38,7 +40,7 @@ static void fd_open(const void *p, int rw) {
     int i = fd_find(p);
     if (i >= 0) mprotect(g_fd[i].p, g_fd[i].n, rw ? PROT_READ | PROT_WRITE : PROT_NONE);
 }
-static void *fd_alloc(size_t n, ds_err *err) {
+static void *fd_alloc(void *ctx, size_t n, ds_err *err) {
     for (int i = 0; i < FD_MAX; i++)
         if (!g_fd[i].p) {
             void *p = mmap(NULL, fd_round(n), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -50,19 +52,19 @@ static void *fd_alloc(size_t n, ds_err *err) {
     ds_errf(err, "fake device: out of regions");
     return NULL;
 }
-static void fd_release(void *p) {
+static void fd_release(void *ctx, void *p) {
     int i = fd_find(p);
     if (i < 0) return;
     munmap(g_fd[i].p, g_fd[i].n);
     g_fd[i].p = NULL;
 }
-static void fd_copy(void *dst, const void *src, size_t n) {
+static void fd_copy(void *ctx, void *dst, const void *src, size_t n) {
     fd_open(dst, 1), fd_open(src, 1);
     memcpy(dst, src, n);
     fd_open(dst, 0), fd_open(src, 0);
     g_fd_copies++;
 }
-static void fd_zero(void *p, size_t n) {
+static void fd_zero(void *ctx, void *p, size_t n) {
     fd_open(p, 1);
     memset(p, 0, n);
     fd_open(p, 0);
@@ -317,7 +319,7 @@ static void test_pinned_host_memory(void **st) {
     (void)st;
     ds_err err = {{0}};
     int pins = g_pins, unpins = g_unpins;
-    ds_dmem_install(&g_fake_device);
+    ds_dmem_install(&g_fake_device, NULL);
     float *a = ds_dmem_host_alloc(1000 * sizeof(float), &err);
     float *b = ds_dmem_host_alloc(10, &err);
     assert_non_null(a);
@@ -327,7 +329,7 @@ static void test_pinned_host_memory(void **st) {
     assert_true(a[999] == 999.0f);
     ds_dmem_host_free(b);
     assert_int_equal(g_unpins, unpins + 1);
-    ds_dmem_install(NULL);
+    ds_dmem_install(NULL, NULL);
     ds_dmem_host_free(a); /* after the device went: still its own release, not free() */
     assert_int_equal(g_unpins, unpins + 2);
     float *c = ds_dmem_host_alloc(100, &err); /* no device: plain memory */
@@ -338,14 +340,14 @@ static void test_pinned_host_memory(void **st) {
 }
 
 static void test_state_on_device(void **st) {
-    ds_dmem_install(&g_fake_device);
+    ds_dmem_install(&g_fake_device, NULL);
     g_dev = 1;
     g_fd_copies = g_fd_zeros = 0;
     test_hash_chain_and_hit(st);
     test_demand_rung(st);
     test_forced_collisions(st);
     g_dev = 0;
-    ds_dmem_install(NULL);
+    ds_dmem_install(NULL, NULL);
     assert_true(g_fd_copies > 20); /* checkpoints filed and forked, slots written and read */
     assert_true(g_fd_zeros > 0);
     for (int i = 0; i < FD_MAX; i++) assert_null(g_fd[i].p);
@@ -357,7 +359,7 @@ static void test_state_on_device(void **st) {
  * come back into its device pool. */
 static void test_offload_on_device(void **st) {
     (void)st;
-    ds_dmem_install(&g_fake_device);
+    ds_dmem_install(&g_fake_device, NULL);
     g_dev = 1;
     ds_err err = {{0}};
     ds_offload_opts oo = {.ram_bytes = 1u << 20, .model_id = "fake-device", .layer_hi = 1};
@@ -397,7 +399,7 @@ static void test_offload_on_device(void **st) {
     ds_offload_free(g_off);
     g_off = NULL;
     g_dev = 0;
-    ds_dmem_install(NULL);
+    ds_dmem_install(NULL, NULL);
     for (int i = 0; i < FD_MAX; i++) assert_null(g_fd[i].p);
 }
 
@@ -571,52 +573,6 @@ static void test_warm_equals_cold(void **st) {
 
 /* ---- issue 30, cases 4 and 5: bit-identical logprobs, not only tokens ----------------------- */
 
-typedef struct lp_req {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    int32_t tok[H_MAX_GEN];
-    float lp[H_MAX_GEN];
-    int n, done;
-} lp_req;
-
-static void lp_on_event(void *user, const ds_token_event *ev) {
-    lp_req *c = user;
-    pthread_mutex_lock(&c->mu);
-    if (ev->token >= 0 && c->n < H_MAX_GEN) c->tok[c->n] = ev->token, c->lp[c->n++] = ev->logprob;
-    if (ev->finish != DS_FINISH_NONE) {
-        c->done = 1;
-        pthread_cond_broadcast(&c->cv);
-    }
-    pthread_mutex_unlock(&c->mu);
-}
-
-/* One greedy request with the sampled token's logprob; out: its tokens and logprobs [gen]. */
-static void lp_run(ds_engine *e, const int32_t *prompt, int n, int gen, int32_t *tok, float *lp) {
-    lp_req c;
-    memset(&c, 0, sizeof c);
-    pthread_mutex_init(&c.mu, NULL);
-    pthread_cond_init(&c.cv, NULL);
-    ds_request_spec spec = {0};
-    spec.prompt = prompt;
-    spec.n_prompt = n;
-    ds_request_params_default(&spec.params);
-    spec.params.sample.temperature = 0.0f;
-    spec.params.max_tokens = gen;
-    spec.params.ignore_eos = 1;
-    spec.params.logprobs = 0;
-    spec.on_event = lp_on_event;
-    spec.user = &c;
-    int why;
-    ds_err err = {{0}};
-    if (ds_engine_submit(e, &spec, &why, &err) < 0) fail_msg("submit: %s", err.msg);
-    pthread_mutex_lock(&c.mu);
-    while (!c.done) pthread_cond_wait(&c.cv, &c.mu);
-    pthread_mutex_unlock(&c.mu);
-    assert_int_equal(c.n, gen);
-    memcpy(tok, c.tok, (size_t)gen * sizeof *tok);
-    memcpy(lp, c.lp, (size_t)gen * sizeof *lp);
-}
-
 /* Case 4: a multi-turn follow-up (the first turn's prompt, its answer, a new question) on a warm
  * engine gives the cold engine's logprobs to the bit. Before, the answer's blocks — computed by
  * decode steps — were filed and served to the follow-up's prompt, whose rows then differed in the
@@ -638,11 +594,11 @@ static void test_logprobs_bit_exact(void **st) {
     o.speculative_method = DS_SPEC_NGRAM;
     o.num_speculative_tokens = 3;
     ds_engine *spec = h_start(&o);
-    lp_run(cold, p1, N1, GEN, t1c, l1c);
-    lp_run(warm, p1, N1, GEN, t1, l1);
+    h_run_lp(cold, p1, N1, GEN, t1c, l1c);
+    h_run_lp(warm, p1, N1, GEN, t1, l1);
     assert_memory_equal(t1, t1c, sizeof t1);
     assert_memory_equal(l1, l1c, sizeof l1); /* case 5: caching on changes no bit */
-    lp_run(spec, p1, N1, GEN, t1, l1);
+    h_run_lp(spec, p1, N1, GEN, t1, l1);
     ds_engine_stats ss = h_stats(spec);
     assert_true(ss.spec_verifies > 0); /* rows ran as verifies, drafts riding on them */
     assert_memory_equal(t1, t1c, sizeof t1);
@@ -651,16 +607,16 @@ static void test_logprobs_bit_exact(void **st) {
     memcpy(p2 + N1, t1c, sizeof t1c);
     h_prompt(p2 + N1 + GEN, EXTRA, 77);
     int n2 = N1 + GEN + EXTRA;
-    lp_run(cold, p2, n2, GEN, t2c, l2c);
+    h_run_lp(cold, p2, n2, GEN, t2c, l2c);
     ds_engine_stats s0 = h_stats(warm);
-    lp_run(warm, p2, n2, GEN, t2, l2);
+    h_run_lp(warm, p2, n2, GEN, t2, l2);
     ds_engine_stats s1 = h_stats(warm);
     print_message("follow-up: hit %llu of %d tokens\n",
                   (unsigned long long)(s1.prefix_hit_tokens - s0.prefix_hit_tokens), n2);
     assert_true(s1.prefix_hit_tokens - s0.prefix_hit_tokens >= 144); /* the first turn's steps */
     assert_memory_equal(t2, t2c, sizeof t2);
     assert_memory_equal(l2, l2c, sizeof l2); /* case 4 */
-    lp_run(spec, p2, n2, GEN, t2, l2);
+    h_run_lp(spec, p2, n2, GEN, t2, l2);
     assert_memory_equal(t2, t2c, sizeof t2);
     assert_memory_equal(l2, l2c, sizeof l2);
     h_stop(spec);
@@ -764,8 +720,8 @@ static void test_shared_system_prompt(void **st) {
     for (int i = 0; i < N; i++) h_submit(warm, p[i], n[i], GEN, &r[i]);
     for (int i = 0; i < N; i++) {
         h_wait(&r[i]);
-        assert_int_equal(r[i].n, GEN);
-        assert_memory_equal(r[i].tokens, ref[i], sizeof ref[i]);
+        assert_int_equal(r[i].n[0], GEN);
+        assert_memory_equal(r[i].tokens[0], ref[i], sizeof ref[i]);
     }
     ds_engine_stats s = h_stats(warm);
     print_message("shared prompt: %llu of %llu tokens from cache, %llu forks\n",
@@ -813,7 +769,7 @@ static void run_pressure(int hash_bits) {
         for (int i = 0; i < N; i++) h_submit(warm, p[i], n[i], GEN, &r[i]);
         for (int i = 0; i < N; i++) {
             h_wait(&r[i]);
-            assert_memory_equal(r[i].tokens, ref[i], sizeof ref[i]);
+            assert_memory_equal(r[i].tokens[0], ref[i], sizeof ref[i]);
         }
     }
     ds_engine_stats s = h_stats(warm);

@@ -22,13 +22,14 @@ DS_CUDA_KDA_TC=0 OUT=/tmp/ds-kda-f32 EAGER=0 BATCHES=1 REPS=2 timeout 100 tools/
 timeout 200 tools/device/gpu_serve_eval.sh "${EVAL_LIMIT:-300}" 2>&1 | grep -v Killed | tail -7 ||
   failed+=" eval"
 wait $bl_pid
+timeout 120 tools/device/greedy_ids.sh > /dev/null 2>&1 || failed+=" greedy-ids"
 BL=/tmp/bench-large timeout 120 tools/device/fused_check.sh 2>&1 | tail -5 || failed+=" fused-check"
 timeout 120 .devbin/test_cuda_kernels --bench kda,moe,mla 2>&1 | grep "^bench" > "$OUT/kernel_bench.txt" ||
   failed+=" kernel-bench"
 cat "$OUT/kernel_bench.txt"
 echo "profile tables: $OUT/profile_all.txt"
 # what comes back is at most 8 files: the logs and arrays in one archive, the profile beside it
-(cd "$OUT" && tar czf /tmp/ds-logs.tgz --exclude profile_all.txt --exclude bench48_graphs.json --exclude kernel_bench.txt . &&
-  find . -mindepth 1 ! -name profile_all.txt ! -name bench48_graphs.json ! -name kernel_bench.txt -delete &&
+(cd "$OUT" && tar czf /tmp/ds-logs.tgz --exclude profile_all.txt --exclude bench48_graphs.json --exclude kernel_bench.txt --exclude greedy_ids.txt . &&
+  find . -mindepth 1 ! -name profile_all.txt ! -name bench48_graphs.json ! -name kernel_bench.txt ! -name greedy_ids.txt -delete &&
   mv /tmp/ds-logs.tgz .)
 [ -z "$failed" ] && echo "all parts ran" || { echo "failed:$failed"; exit 1; }

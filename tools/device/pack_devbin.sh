@@ -7,12 +7,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
-cmake -S . -B build-cuda -DDS_CUDA=ON -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$NVCC" >/dev/null
-cmake --build build-cuda -j "$(nproc)"
+# DS_DEVBIN_BUILD: pack another CUDA build folder (e.g. a baseline commit's), as it is
+BC=${DS_DEVBIN_BUILD:-build-cuda}
+if [ -z "${DS_DEVBIN_BUILD:-}" ]; then
+  cmake -S . -B build-cuda -DDS_CUDA=ON -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$NVCC" >/dev/null
+  cmake --build build-cuda -j "$(nproc)"
+fi
 rm -rf .devbin && mkdir -p .devbin/lib
-cp build-cuda/deltaserve build-cuda/test_cuda_kernels build-cuda/bench_cublas .devbin/
+cp "$BC/deltaserve" "$BC/test_cuda_kernels" "$BC/bench_cublas" .devbin/
 for t in ${DS_DEVBIN_TESTS:-test_model_forward test_model_pipeline test_model_draft test_engine_prefix test_engine_engine test_engine_regress}; do
-  cp "build-cuda/$t" .devbin/
+  cp "$BC/$t" .devbin/
 done
 # DS_DEVBIN_CLOCKS=1: also test_cuda_kernels_clk, whose chunked KDA first pass counts the cycles
 # of each phase (`--bench-only kda` prints the shares)

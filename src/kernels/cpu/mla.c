@@ -246,6 +246,84 @@ static int mla_item_token(const int *first, int T, int it) {
     return t;
 }
 
+/* One thread's workspace for a work item (a head group over one key range): O [QB][dv],
+ * P [QB][KB], m [QB], l [QB], and the group's queries. */
+typedef struct mla_ws {
+    float *O, *P, *m, *l;
+    int th[MLA_QB], lim[MLA_QB], nq, h;
+    const float *q1[MLA_QB], *q2[MLA_QB];
+    const float *k1[MLA_KB], *k2[MLA_KB], *vv[MLA_KB];
+} mla_ws;
+
+static void mla_ws_at(mla_ws *w, float *scratch, int dv) {
+    w->O = scratch;
+    w->P = w->O + (size_t)MLA_QB * dv;
+    w->m = w->P + MLA_QB * MLA_KB;
+    w->l = w->m + MLA_QB;
+}
+
+/* Loads group g's queries and clears their running max, sum and output; returns the longest
+ * key limit among them. */
+static int mla_item_begin(const mla_problem *pb, mla_ws *w, int g) {
+    int most = 0;
+    w->nq = mla_group(pb, g, w->th, &w->h);
+    for (int i = 0; i < w->nq; i++) {
+        w->lim[i] = mla_limit(pb, w->th[i] / pb->Ha);
+        most = DS_MAX(most, w->lim[i]);
+        w->q1[i] = pb->q1 + (size_t)w->th[i] * pb->q_ld;
+        w->q2[i] = pb->q2 + (size_t)w->th[i] * pb->q_ld2;
+        w->m[i] = -INFINITY, w->l[i] = 0.0f;
+    }
+    memset(w->O, 0, sizeof(float) * (size_t)w->nq * pb->dv);
+    return most;
+}
+
+/* Runs the loaded queries over keys [kb, ke) (absolute positions), a tile at a time. */
+static void mla_item_keys(const mla_problem *pb, mla_ws *w, int kb, int ke) {
+    for (int p0 = kb; p0 < ke; p0 += MLA_KB) {
+        const int nk = DS_MIN(MLA_KB, ke - p0);
+        mla_gather(pb, w->h, p0, nk, w->k1, w->k2, w->vv);
+        mla_tile(w->nq, w->q1, w->q2, w->lim, p0, nk, w->k1, w->k2, w->vv, pb->d1, pb->d2, pb->dv,
+                 pb->scale, w->m, w->l, w->O, w->P);
+    }
+}
+
+/* Writes the item's result: the normalised output when its range is the query's only one
+ * (part NULL), else its partial (m, l, O) at part + (th[i] - th0) * (2 + dv). */
+static void mla_item_end(const mla_problem *pb, const mla_ws *w, float *part, int th0) {
+    const int dv = pb->dv;
+    for (int i = 0; i < w->nq; i++) {
+        const float *Oi = w->O + (size_t)i * dv;
+        if (!part) {
+            float *y = pb->out + (size_t)w->th[i] * dv;
+            const float inv = w->l[i] > 0 ? 1.0f / w->l[i] : 0.0f; /* no keys: output 0 */
+            for (int x = 0; x < dv; x++) y[x] = Oi[x] * inv;
+        } else {
+            float *d = part + (size_t)(w->th[i] - th0) * (2 + (size_t)dv);
+            d[0] = w->m[i], d[1] = w->l[i];
+            memcpy(d + 2, Oi, sizeof(float) * (size_t)dv);
+        }
+    }
+}
+
+/* Merges one query's ns partials (range s's at d0 + s * stride) in order: rescale each to the
+ * common max, renormalise. */
+static void mla_merge(float *y, const float *d0, size_t stride, int ns, int dv) {
+    float M = -INFINITY, Lsum = 0.0f;
+    for (int s = 0; s < ns; s++) M = fmaxf(M, d0[(size_t)s * stride]);
+    memset(y, 0, sizeof(float) * (size_t)dv);
+    if (M == -INFINITY) return;
+    for (int s = 0; s < ns; s++) {
+        const float *d = d0 + (size_t)s * stride;
+        if (d[1] == 0.0f) continue;
+        const float w = expf(d[0] - M);
+        Lsum += d[1] * w;
+        for (int x = 0; x < dv; x++) y[x] += d[2 + x] * w;
+    }
+    const float inv = 1.0f / Lsum;
+    for (int x = 0; x < dv; x++) y[x] *= inv;
+}
+
 static void mla_run_absorbed(const mla_problem *pb) {
     const int T = pb->T, Ha = pb->Ha, hg = mla_head_groups(pb), dv = pb->dv;
     if (T * Ha <= 0) return;
@@ -267,65 +345,28 @@ static void mla_run_absorbed(const mla_problem *pb) {
     const int nthr = omp_get_max_threads();
     const size_t thr = (size_t)MLA_QB * ((size_t)dv + MLA_KB + 2);
     float *scratch = mla_alloc(sizeof(float) * thr * (size_t)nthr);
+    const size_t split_stride = (size_t)Ha * (2 + (size_t)dv);
 #pragma omp parallel
     {
-        float *O = scratch + thr * (size_t)omp_get_thread_num();
-        float *P = O + (size_t)MLA_QB * dv, *m = P + MLA_QB * MLA_KB, *l = m + MLA_QB;
-        int th[MLA_QB], lim[MLA_QB];
-        const float *q1[MLA_QB], *q2[MLA_QB];
-        const float *k1[MLA_KB], *k2[MLA_KB], *vv[MLA_KB];
+        mla_ws w;
+        mla_ws_at(&w, scratch + thr * (size_t)omp_get_thread_num(), dv);
 #pragma omp for schedule(dynamic, 1)
         for (int it = 0; it < n_items; it++) {
+            /* a group holds heads of one token, so its queries share the token's limit L */
             const int t = mla_item_token(first, T, it);
             const int r = it - first[t], g = t * hg + r / ns[t], s = r % ns[t];
-            int h, nq = mla_group(pb, g, th, &h);
-            const int L = mla_limit(pb, t), sl = mla_split_len(L);
-            for (int i = 0; i < nq; i++) {
-                lim[i] = L;
-                q1[i] = pb->q1 + (size_t)th[i] * pb->q_ld;
-                q2[i] = pb->q2 + (size_t)th[i] * pb->q_ld2;
-                m[i] = -INFINITY, l[i] = 0.0f;
-            }
-            memset(O, 0, sizeof(float) * (size_t)nq * dv);
-            const int kb = s * sl, ke = DS_MIN(L, kb + sl); /* absolute positions */
-            for (int p0 = kb; p0 < ke; p0 += MLA_KB) {
-                const int nk = DS_MIN(MLA_KB, ke - p0);
-                mla_gather(pb, h, p0, nk, k1, k2, vv);
-                mla_tile(nq, q1, q2, lim, p0, nk, k1, k2, vv, pb->d1, pb->d2, dv, pb->scale, m, l,
-                         O, P);
-            }
-            for (int i = 0; i < nq; i++) {
-                const float *Oi = O + (size_t)i * dv;
-                if (ns[t] == 1) {
-                    float *y = pb->out + (size_t)th[i] * dv;
-                    const float inv = l[i] > 0 ? 1.0f / l[i] : 0.0f; /* no keys: output 0 */
-                    for (int x = 0; x < dv; x++) y[x] = Oi[x] * inv;
-                } else {
-                    float *d = part + poff[t] + ((size_t)s * Ha + th[i] % Ha) * (2 + (size_t)dv);
-                    d[0] = m[i], d[1] = l[i];
-                    memcpy(d + 2, Oi, sizeof(float) * (size_t)dv);
-                }
-            }
+            const int L = mla_item_begin(pb, &w, g), sl = mla_split_len(L);
+            mla_item_keys(pb, &w, s * sl, DS_MIN(L, s * sl + sl));
+            mla_item_end(pb, &w, ns[t] == 1 ? NULL : part + poff[t] + (size_t)s * split_stride,
+                         t * Ha);
         }
-        /* Merge each token's ranges in order: rescale to the common max, renormalise. */
+        /* Merge each token's ranges in order. */
 #pragma omp for schedule(static)
         for (int q = 0; q < T * Ha; q++) {
             const int t = q / Ha, h = q % Ha;
             if (ns[t] == 1) continue;
-            float M = -INFINITY, Lsum = 0.0f, *y = pb->out + (size_t)q * dv;
-            for (int s = 0; s < ns[t]; s++)
-                M = fmaxf(M, part[poff[t] + ((size_t)s * Ha + h) * (2 + (size_t)dv)]);
-            memset(y, 0, sizeof(float) * (size_t)dv);
-            if (M == -INFINITY) continue;
-            for (int s = 0; s < ns[t]; s++) {
-                const float *d = part + poff[t] + ((size_t)s * Ha + h) * (2 + (size_t)dv);
-                if (d[1] == 0.0f) continue;
-                const float w = expf(d[0] - M);
-                Lsum += d[1] * w;
-                for (int x = 0; x < dv; x++) y[x] += d[2 + x] * w;
-            }
-            const float inv = 1.0f / Lsum;
-            for (int x = 0; x < dv; x++) y[x] *= inv;
+            mla_merge(pb->out + (size_t)q * dv, part + poff[t] + (size_t)h * (2 + (size_t)dv),
+                      split_stride, ns[t], dv);
         }
     }
     free(scratch);
@@ -355,69 +396,26 @@ static void mla_run(const mla_problem *pb) {
         part = malloc(sizeof(float) * (size_t)ns * nq_all * (2 + (size_t)dv));
         if (!part) ns = 1;
     }
-    /* Per thread: O [QB][dv], P [QB][KB], m [QB], l [QB]. */
     const size_t thr = (size_t)MLA_QB * ((size_t)dv + MLA_KB + 2);
     float *scratch = mla_alloc(sizeof(float) * thr * (size_t)nthr);
-
+    const size_t split_stride = (size_t)nq_all * (2 + (size_t)dv);
 #pragma omp parallel
     {
-        float *O = scratch + thr * (size_t)omp_get_thread_num();
-        float *P = O + (size_t)MLA_QB * dv, *m = P + MLA_QB * MLA_KB, *l = m + MLA_QB;
-        int th[MLA_QB], lim[MLA_QB];
-        const float *q1[MLA_QB], *q2[MLA_QB];
-        const float *k1[MLA_KB], *k2[MLA_KB], *vv[MLA_KB];
+        mla_ws w;
+        mla_ws_at(&w, scratch + thr * (size_t)omp_get_thread_num(), dv);
 #pragma omp for schedule(dynamic, 1)
         for (int it = 0; it < ng * ns; it++) {
             const int g = it / ns, s = it % ns;
-            int h, nq = mla_group(pb, g, th, &h), most = 0;
-            for (int i = 0; i < nq; i++) {
-                lim[i] = mla_limit(pb, th[i] / pb->Ha);
-                most = DS_MAX(most, lim[i]);
-                q1[i] = pb->q1 + (size_t)th[i] * pb->q_ld;
-                q2[i] = pb->q2 + (size_t)th[i] * pb->q_ld2;
-                m[i] = -INFINITY, l[i] = 0.0f;
-            }
-            memset(O, 0, sizeof(float) * (size_t)nq * dv);
-            const int kb = (int)((long long)most * s / ns),
-                      ke = (int)((long long)most * (s + 1) / ns);
-            for (int p0 = kb; p0 < ke; p0 += MLA_KB) {
-                const int nk = DS_MIN(MLA_KB, ke - p0);
-                mla_gather(pb, h, p0, nk, k1, k2, vv);
-                mla_tile(nq, q1, q2, lim, p0, nk, k1, k2, vv, pb->d1, pb->d2, dv, pb->scale, m, l,
-                         O, P);
-            }
-            for (int i = 0; i < nq; i++) {
-                const float *Oi = O + (size_t)i * dv;
-                if (ns == 1) {
-                    float *y = pb->out + (size_t)th[i] * dv;
-                    const float inv = l[i] > 0 ? 1.0f / l[i] : 0.0f; /* no keys: output 0 */
-                    for (int x = 0; x < dv; x++) y[x] = Oi[x] * inv;
-                } else {
-                    float *d = part + ((size_t)s * nq_all + th[i]) * (2 + (size_t)dv);
-                    d[0] = m[i], d[1] = l[i];
-                    memcpy(d + 2, Oi, sizeof(float) * (size_t)dv);
-                }
-            }
+            const int most = mla_item_begin(pb, &w, g);
+            mla_item_keys(pb, &w, (int)((long long)most * s / ns),
+                          (int)((long long)most * (s + 1) / ns));
+            mla_item_end(pb, &w, ns == 1 ? NULL : part + (size_t)s * split_stride, 0);
         }
         if (ns > 1) {
-            /* Merge the splits: rescale each to the common max and renormalise. */
 #pragma omp for schedule(static)
-            for (int q = 0; q < nq_all; q++) {
-                float M = -INFINITY, Lsum = 0.0f, *y = pb->out + (size_t)q * dv;
-                for (int s = 0; s < ns; s++)
-                    M = fmaxf(M, part[((size_t)s * nq_all + q) * (2 + (size_t)dv)]);
-                memset(y, 0, sizeof(float) * (size_t)dv);
-                if (M == -INFINITY) continue;
-                for (int s = 0; s < ns; s++) {
-                    const float *d = part + ((size_t)s * nq_all + q) * (2 + (size_t)dv);
-                    if (d[1] == 0.0f) continue;
-                    const float w = expf(d[0] - M);
-                    Lsum += d[1] * w;
-                    for (int x = 0; x < dv; x++) y[x] += d[2 + x] * w;
-                }
-                const float inv = 1.0f / Lsum;
-                for (int x = 0; x < dv; x++) y[x] *= inv;
-            }
+            for (int q = 0; q < nq_all; q++)
+                mla_merge(pb->out + (size_t)q * dv, part + (size_t)q * (2 + (size_t)dv),
+                          split_stride, ns, dv);
         }
     }
     free(scratch);

@@ -1,0 +1,367 @@
+/* layers.c — the CUDA backend's layers, each the CPU backend's (src/backend/cpu/layers.c) through
+ * kernels/cuda: KDA (the stacked input projections, the gates on the side stream, the short convs
+ * and the recurrence of every segment in one launch each, long segments in chunks, a decode
+ * step's middle as one fused kernel), MLA (absorbed runs, expanded long segments) and the
+ * feed-forward blocks (dense MLP, MoE with shared experts beside the routed ones). */
+#include "backend/cuda/internal.h"
+
+#include <math.h>
+
+/* Does this model's KDA shape fit ds_cu_kda_decode_fused (see kda_fused)? */
+int cuda_kda_fuse_fits(const ds_model *m, const ds_cuda_model *cm, const cu_kda *w) {
+    const ds_config *c = &m->cfg;
+    return !c->use_full_rank_gate &&
+           ds_cu_kda_decode_fits(cm->c, c->kda_head_dim, c->short_conv_kernel_size, w->f_b.cols,
+                                 w->g_b.cols);
+}
+
+/* Does segment z run in chunks? The plan's choice (model.c: long enough, no verify rows), where
+ * the GPU's chunked kernel has the head size. */
+static int kda_chunk_eligible(const cstep *s, int z) {
+    const ds_model *m = s->m;
+    return s->plan->kda_chunked[z] &&
+           ds_cu_kda_chunked_supports(m->cfg.kda_head_dim, m->cfg.kda_head_dim);
+}
+int cuda_kda_chunked_segments(const cstep *s) {
+    int n = 0;
+    for (int z = 0; z < s->n_seq; z++) n += kda_chunk_eligible(s, z);
+    return n;
+}
+
+/* A decode step's KDA middle as one kernel (ds_cu_kda_decode_fused: the same bits as the seven
+ * launches it replaces) when every sequence brings one token and keeps no rollback rows, up to
+ * tune.kda_fused sequences (DS_CUDA_KDA_FUSED, default DS_CUDA_KDA_FUSE_MAX; 0: never). Each
+ * cluster stages its head's f_b and g_b rows, which the batched matmuls read once for all
+ * sequences: on the H200 at the 48B shape (bench/RESULTS.md, session 14) a step took 2.529-2.553 ms
+ * against 2.588-2.616 at batch 1, 3.989-4.029 against 4.013-4.045 at 2, but 5.81 against 5.69-5.72
+ * at 4 and 8.68 against 8.47-8.48 at 8. */
+static int kda_fused(const cstep *s, const cu_kda *w) {
+    if (s->any_rows || s->n_seq > s->cm->tune.kda_fused || s->T != s->n_seq ||
+        !cuda_kda_fuse_fits(s->m, s->cm, w))
+        return 0;
+    for (int z = 0; z < s->n_seq; z++)
+        if (s->seqs[z].n != 1 || kda_chunk_eligible(s, z)) return 0;
+    return 1;
+}
+
+/* out[T][D] = KDA(xn) (cpu_kda_forward). */
+int cuda_kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float *xn, float *out,
+                     ds_err *err) {
+    const ds_config *c = &s->m->cfg;
+    ds_cu *cu = s->c;
+    int T = s->T, D = c->hidden_size, H = s->m->Hk, dk = c->kda_head_dim, P = H * dk;
+    int W = c->short_conv_kernel_size, nf = w->nf, ld = 3 * P + nf + H;
+    size_t mark = s->used;
+    float *pre = take(s, (size_t)T * ld); /* [T][3P | nf | H]: q, k, v before the conv, f_a x
+                                              (then g_a x), b x */
+    float *q = take(s, (size_t)T * P);    /* [T][H][dk] */
+    float *k = take(s, (size_t)T * P);    /* [T][H][dk] */
+    float *v = take(s, (size_t)T * P);    /* [T][H][dv] */
+    float *g = take(s, (size_t)T * P);    /* [T][H][dk] log decay */
+    float *gt = take(s, (size_t)T * P);   /* [T][H][dv] the output gate */
+    float *beta = take(s, (size_t)T * H); /* [T][H] */
+    float *o = take(s, (size_t)T * P);    /* [T][H][dv] f_b's output, then the recurrence's */
+    const float *fa = pre + 3 * P, *braw = fa + nf;
+    TAKEN();
+    size_t slot_n = ds_model_slot_floats(s->m), at = (size_t)lw->kind_idx * s->n_seq;
+    /* q, k and v in one weight stream, then every segment's three convs in one launch, each on
+     * its own tails (and, for a verify, the tails after each token) */
+    PROF(s, "kda qkv");
+    TRY(ds_cu_matmul(cu, pre, ld, xn, D, T, &w->in, err));
+    int fused = kda_fused(s, w);
+    if (fused) {
+        PROF(s, "kda recurrence");
+        const ds_cu_kda_decode kd = {.pre = pre,
+                                     .ld = ld,
+                                     .fa_off = 3 * P,
+                                     .ga_off = 3 * P + dk, /* g_a x: fa's second half */
+                                     .b_off = 3 * P + nf,
+                                     .conv_w = w->conv,
+                                     .tails = s->tails + at,
+                                     .f_b = w->f_b.data,
+                                     .g_b = w->g_b.data,
+                                     .Kf = w->f_b.cols,
+                                     .Kg = w->g_b.cols,
+                                     .A_log = w->A_log,
+                                     .dt_bias = w->dt_bias,
+                                     .o_norm = w->o_norm,
+                                     .lower_bound_form = c->has_gate_lower_bound,
+                                     .lb = c->gate_lower_bound,
+                                     .q_scale = 1.0f / sqrtf((float)dk),
+                                     .eps = 1e-6f,
+                                     .norm_eps = c->rms_norm_eps,
+                                     .S = s->S + at,
+                                     .y = q, /* o_proj's input, as the gated norm below writes */
+                                     .n_seq = s->n_seq,
+                                     .H = H,
+                                     .dk = dk,
+                                     .W = W};
+        TRY(ds_cu_kda_decode_fused(cu, &kd, err));
+    } else {
+        /* the decay gate and beta (from f_a x and b x), then the output gate, on the side
+         * stream, beside the convs of q, k and v; joined before the recurrence */
+        PROF(s, "kda gates, beta");
+        TRY(ds_cu_side_begin(cu, err));
+        int rc = ds_cu_matmul(cu, o, P, fa, ld, T, &w->f_b, err);
+        if (!rc)
+            ds_cu_kda_gate(cu, g, o, T, H, dk, w->A_log, w->dt_bias, c->has_gate_lower_bound,
+                           c->gate_lower_bound, beta, braw, ld);
+        if (!rc && c->use_full_rank_gate)
+            rc = ds_cu_matmul(cu, gt, P, xn, D, T, &w->g, err);
+        else if (!rc) /* g_a x sits in fa's second half */
+            rc = ds_cu_matmul(cu, gt, P, fa + dk, ld, T, &w->g_b, err);
+        TRY(ds_cu_side_end(cu, err));
+        TRY(rc);
+        PROF(s, "kda conv+l2norm");
+        ds_cu_conv_batch cb = {3,
+                               P,
+                               W,
+                               pre,
+                               ld,
+                               q,
+                               (size_t)(k - q),
+                               w->conv,
+                               s->tails + at,
+                               s->any_rows ? s->tail_rows + at : NULL,
+                               slot_n,
+                               s->seg_off,
+                               s->n_seq,
+                               T};
+        if (v - k != k - q)
+            return ds_errf(err, "forward: internal error: q, k, v not evenly spaced");
+        TRY(ds_cu_short_conv_silu_batch(cu, &cb, err));
+        ds_cu_l2norm_heads2(cu, q, 1.0f / sqrtf((float)dk), k, 1.0f, T, H, dk, 1e-6f);
+        TRY(ds_cu_side_join(cu, err));
+        /* every segment in one launch, each on its own state (and rows, for a verify); long
+         * segments without rows in chunks instead, as on the CPU (cpu_kda_forward) */
+        const int n_chunked = cuda_kda_chunked_segments(s);
+        PROF(s, "kda recurrence");
+        TRY(ds_cu_kda_recurrent_batch(cu, o, q, k, v, g, beta, s->seg_off, s->S + at,
+                                      s->any_rows ? s->S_rows + at : NULL, slot_n, s->n_seq, H, dk,
+                                      dk, n_chunked ? s->m->opts.kda_chunked_min : 0, err));
+        if (n_chunked) {
+            ds_cuda_model *cm = s->cm;
+            if (cuda_grow_host((void **)&cm->h_kda, &cm->h_kda_cap, 2 * (size_t)s->n_seq,
+                               sizeof(int), err))
+                return DS_ERR;
+            int *start = cm->h_kda, *len = cm->h_kda + s->n_seq; /* length 0: not chunked */
+            for (int z = 0; z < s->n_seq; z++) {
+                start[z] = s->off[z];
+                len[z] = kda_chunk_eligible(s, z) ? s->seqs[z].n : 0;
+            }
+            TRY(ds_cu_kda_chunked(cu, o, q, k, v, g, beta, start, len, s->S + at, s->n_seq, H, dk,
+                                  dk, err));
+        }
+    }
+    PROF(s, "kda out gate, norm");
+    if (!fused) ds_cu_gated_rmsnorm_heads(cu, q, o, gt, w->o_norm, T, H, dk, c->rms_norm_eps);
+    PROF(s, "kda o_proj");
+    TRY(ds_cu_matmul(cu, out, D, q, P, T, &w->o, err));
+    TRY(cuda_tp_sum(s, out, (size_t)T * D, err));
+    s->used = mark;
+    return DS_OK;
+}
+
+/* out[T][D] = MLA(xn), writing this step's latent rows into the pool (cpu_mla_forward). */
+int cuda_mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float *xn, float *out,
+                     ds_err *err) {
+    const ds_config *c = &s->m->cfg;
+    ds_cu *cu = s->c;
+    int T = s->T, D = c->hidden_size, Ha = s->m->Ha, R = c->kv_lora_rank;
+    int dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dvh = c->v_head_dim, dq = dn + dr;
+    int row = R + dr, Rq = c->q_lora_rank, bs = s->pool->block_size;
+    float *pool = s->pool->layer[lw->kind_idx];
+    size_t mark = s->used;
+    float *q = take(s, (size_t)T * Ha * dq);         /* [T][Ha][dn+dr] */
+    float *kv = take(s, (size_t)T * row);            /* [T][R+dr] this step's latent rows */
+    float *o = take(s, (size_t)T * Ha * dvh);        /* [T][Ha][dvh] */
+    float *qa = Rq ? take(s, (size_t)T * Rq) : NULL; /* [T][Rq] */
+    /* [T][Ha*dvh] sigmoid(x W_g): the output gate */
+    float *gt = c->mla_use_output_gate ? take(s, (size_t)T * Ha * dvh) : NULL;
+    TAKEN();
+    PROF(s, "mla q, kv_a");
+    /* this step's latent rows (kv_a, its norm, into the pool) on the side stream, beside the
+     * queries; joined before attending */
+    TRY(ds_cu_side_begin(cu, err));
+    int rc = ds_cu_matmul(cu, kv, row, xn, D, T, &w->kv_a, err);
+    if (!rc) ds_cu_rmsnorm_ld(cu, kv, row, kv, row, w->kv_a_norm, T, R, 1e-6f);
+    if (!rc)
+        rc = ds_cu_move_rows(cu, pool, (size_t)row, s->lat_dst, kv, (size_t)row, NULL, T, row, err);
+    TRY(ds_cu_side_end(cu, err));
+    TRY(rc);
+    if (Rq) {
+        TRY(ds_cu_matmul(cu, qa, Rq, xn, D, T, &w->q_a, err));
+        ds_cu_rmsnorm(cu, qa, qa, w->q_a_norm, T, Rq, 1e-6f);
+        TRY(ds_cu_matmul(cu, q, Ha * dq, qa, Rq, T, &w->q_b, err));
+    } else {
+        TRY(ds_cu_matmul(cu, q, Ha * dq, xn, D, T, &w->q, err));
+    }
+    TRY(ds_cu_side_join(cu, err));
+    float scale = 1.0f / sqrtf((float)dq);
+    int run0 = -1; /* consecutive short segments: one absorbed run (as on the CPU) */
+    for (int qi = 0; qi <= s->n_seq; qi++) {
+        int expanded = qi < s->n_seq && s->plan->mla_expanded[qi];
+        if (run0 >= 0 && (qi == s->n_seq || expanded)) {
+            int r_start = s->off[run0], Tr = s->off[qi - 1] + s->seqs[qi - 1].n - r_start;
+            size_t m2 = s->used;
+            float *qbar = take(s, (size_t)Tr * Ha * R); /* [Tr][Ha][R] */
+            float *obar = take(s, (size_t)Tr * Ha * R); /* [Tr][Ha][R] */
+            TAKEN();
+            const float *qs = q + (size_t)r_start * Ha * dq;
+            PROF(s, "mla absorbed q, o");
+            /* q̄_h = W_UK_h^T qN_h, every head in one launch */
+            TRY(ds_cu_matmul_heads(cu, qbar, Ha * R, R, qs, Ha * dq, dq, Tr, &w->ukT,
+                                   (size_t)R * dn, Ha, err));
+            /* the run's sequences in one launch; the context bound is the step's power-of-two
+             * cap, so that a graph stays valid while the contexts grow under it */
+            PROF(s, "mla absorbed attend");
+            /* the rope part of each query read in place (stride dq) */
+            TRY(ds_cu_mla_attend_absorbed_batch(cu, obar, qbar, qs + dn, dq, Tr, Ha, R, dr, pool,
+                                                s->bt, s->tok_bt + r_start, s->tok_pos + r_start,
+                                                s->ctx_cap, bs, row, scale, err));
+
+            PROF(s, "mla absorbed q, o");
+            /* o_h = W_UV_h ō_h: kv_b rows [h (dn+dvh) + dn, +dvh), every head in one launch */
+            ds_cu_mat uv = {w->kv_b.data + (size_t)dn * R, dvh, R};
+            TRY(ds_cu_matmul_heads(cu, o + (size_t)r_start * Ha * dvh, Ha * dvh, dvh, obar, Ha * R,
+                                   R, Tr, &uv, (size_t)(dn + dvh) * R, Ha, err));
+            s->used = m2;
+            run0 = -1;
+        }
+        if (qi == s->n_seq) break;
+        if (!expanded) {
+            if (run0 < 0) run0 = qi;
+            continue;
+        }
+        const ds_seq_batch *sb = &s->seqs[qi];
+        int n = sb->n, pos0 = sb->pos0, ctx = pos0 + n, r0 = s->off[qi];
+        size_t m2 = s->used;
+        float *cl = take(s, (size_t)ctx * R);                /* [ctx][R] */
+        float *kr = take(s, (size_t)ctx * dr);               /* [ctx][dr] */
+        float *kvb = take(s, (size_t)ctx * Ha * (dn + dvh)); /* [ctx][Ha][dn+dvh] */
+        float *kn = take(s, (size_t)ctx * Ha * dn);          /* [ctx][Ha][dn] */
+        float *vv = take(s, (size_t)ctx * Ha * dvh);         /* [ctx][Ha][dvh] */
+        TAKEN();
+        const int32_t *rows = s->ctx_rows + s->ctx_off[qi];
+        PROF(s, "mla expanded kv_b");
+        TRY(ds_cu_move_rows(cu, cl, (size_t)R, NULL, pool, (size_t)row, rows, ctx, R, err));
+        TRY(ds_cu_move_rows(cu, kr, (size_t)dr, NULL, pool + R, (size_t)row, rows, ctx, dr, err));
+        TRY(ds_cu_matmul(cu, kvb, Ha * (dn + dvh), cl, R, ctx, &w->kv_b, err));
+        TRY(ds_cu_copy_2d(cu, kn, (size_t)dn, kvb, (size_t)(dn + dvh), (size_t)dn, (size_t)ctx * Ha,
+                          err));
+        TRY(ds_cu_copy_2d(cu, vv, (size_t)dvh, kvb + dn, (size_t)(dn + dvh), (size_t)dvh,
+                          (size_t)ctx * Ha, err));
+        PROF(s, "mla expanded attend");
+        TRY(ds_cu_mla_attend_expanded(cu, o + (size_t)r0 * Ha * dvh, q + (size_t)r0 * Ha * dq, kn,
+                                      kr, vv, n, ctx, Ha, dn, dr, dvh, pos0, 1, scale, err));
+        s->used = m2;
+    }
+    PROF(s, "mla gate, o_proj");
+    if (gt) {
+        TRY(ds_cu_matmul(cu, gt, Ha * dvh, xn, D, T, &w->g, err));
+        ds_cu_sigmoid(cu, gt, (size_t)T * Ha * dvh);
+        ds_cu_mul(cu, o, gt, (size_t)T * Ha * dvh);
+    }
+    TRY(ds_cu_matmul(cu, out, D, o, Ha * dvh, T, &w->o, err));
+    TRY(cuda_tp_sum(s, out, (size_t)T * D, err));
+    s->used = mark;
+    return DS_OK;
+}
+
+/* y[T][rows of down] = down act(gate x, up x) — dense MLP and shared experts; gu is gate and up
+ * stacked ([2I][D]), so both come from one weight stream. */
+static int mlp_in(cstep *s, const ds_cu_mat *gu, const ds_cu_mat *down, const float *x, int T,
+                  float *y, float *h, ds_err *err) {
+    const ds_config *c = &s->m->cfg;
+    int D = gu->cols, I = gu->rows / 2;
+    TRY(ds_cu_matmul(s->c, h, 2 * I, x, D, T, gu, err));
+    ds_cu_act_pairs(s->c, h, T, I, c->hidden_act == DS_ACT_SITU, c->situ_beta, c->situ_linear_beta);
+    TRY(ds_cu_matmul(s->c, y, down->rows, h, 2 * I, T, down, err));
+    return DS_OK;
+}
+
+static int mlp(cstep *s, const ds_cu_mat *gu, const ds_cu_mat *down, const float *x, int T,
+               float *y, ds_err *err) {
+    size_t mark = s->used;
+    float *h = take(s, (size_t)T * gu->rows); /* [T][2I]: gate | up, then act in the gate half */
+    TAKEN();
+    TRY(mlp_in(s, gu, down, x, T, y, h, err));
+    s->used = mark;
+    return DS_OK;
+}
+
+/* out[T][D] = FFN(xn) (cpu_ffn_forward). */
+int cuda_ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, float *out,
+                     ds_err *err) {
+    const ds_config *c = &s->m->cfg;
+    ds_cu *cu = s->c;
+    int T = s->T, D = c->hidden_size;
+    if (!is_moe) {
+        PROF(s, "dense mlp");
+        TRY(mlp(s, &w->gu, &w->down, xn, T, out, err));
+        return cuda_tp_sum(s, out, (size_t)T * D, err);
+    }
+    int E = c->num_experts, K = c->num_experts_per_token, Ie = c->moe_intermediate_size;
+    int Hin = c->routed_expert_hidden_size ? c->routed_expert_hidden_size : D;
+    int latent = c->routed_expert_hidden_size > 0, shared = c->num_shared_experts > 0;
+    int e0 = s->m->e0, El = s->m->e1 - s->m->e0; /* this rank's experts */
+    size_t mark = s->used;
+    float *z = take(s, (size_t)T * E);                            /* [T][E] router logits */
+    float *wt = take(s, (size_t)T * K);                           /* [T][K] combine weights */
+    int32_t *idx = (int32_t *)take(s, (size_t)T * K);             /* [T][K] chosen experts */
+    float *u = latent ? take(s, (size_t)T * Hin) : NULL;          /* [T][Hin] expert input */
+    float *acc = latent ? take(s, (size_t)T * Hin) : out;         /* [T][Hin] routed sum */
+    float *sh = latent && shared ? take(s, (size_t)T * D) : NULL; /* [T][D] */
+    /* [T][2 Is] the shared experts' gate | up, held for the whole call (they run beside) */
+    float *hs = shared && !latent ? take(s, (size_t)T * w->sh_gu.rows) : NULL;
+    TAKEN();
+    /* Without a latent the shared experts go first, straight into out, and the routed sum is
+     * added onto them by the expert kernel (a + b == b + a: the CPU's sum, bit for bit). They
+     * run on the side stream, beside the router and the routed experts (the expert kernel
+     * joins before it adds onto out). */
+    PROF(s, "moe shared experts");
+    if (shared && !latent) {
+        TRY(ds_cu_side_begin(cu, err));
+        int rc = mlp_in(s, &w->sh_gu, &w->sh_down, xn, T, out, hs, err);
+        TRY(ds_cu_side_end(cu, err));
+        TRY(rc);
+    }
+    PROF(s, "moe router");
+    TRY(ds_cu_matmul(cu, z, E, xn, D, T, &w->router, err));
+    TRY(ds_cu_moe_route(cu, idx, wt, z, w->router_bias, T, E, K,
+                        c->use_grouped_topk ? c->num_expert_group : 1, c->topk_group,
+                        c->moe_renormalize, c->routed_scaling_factor, s->m->opts.hf_kl_router_quirk,
+                        err));
+    const float *ein = xn;
+    if (latent) {
+        TRY(ds_cu_matmul(cu, u, Hin, xn, D, T, &w->lat_down, err));
+        ein = u;
+    }
+    PROF(s, "moe routed experts");
+    int situ = c->hidden_act == DS_ACT_SITU, chunk = 65535 / K;
+    for (int t0 = 0; t0 < T; t0 += chunk) { /* the expert kernel takes 65535 routed rows */
+        int n = DS_MIN(chunk, T - t0);
+        TRY(ds_cu_moe_experts(cu, acc + (size_t)t0 * Hin, ein + (size_t)t0 * Hin,
+                              idx + (size_t)t0 * K, wt + (size_t)t0 * K, n, K, El, e0, Hin, Ie,
+                              w->gate_up, w->e_down, situ, c->situ_beta, c->situ_linear_beta,
+                              shared && !latent, err));
+    }
+    TRY(ds_cu_side_join(cu, err)); /* (already, unless no expert kernel ran) */
+    PROF(s, "moe combine");
+    if (latent) {
+        /* the latent norm is nonlinear: the routed sum is completed first (as on the CPU) */
+        TRY(cuda_tp_sum(s, acc, (size_t)T * Hin, err));
+        if (w->lat_norm) ds_cu_rmsnorm(cu, acc, acc, w->lat_norm, T, Hin, c->rms_norm_eps);
+        TRY(ds_cu_matmul(cu, out, D, acc, Hin, T, &w->lat_up, err));
+        if (shared) {
+            TRY(mlp(s, &w->sh_gu, &w->sh_down, xn, T, sh, err));
+            TRY(cuda_tp_sum(s, sh, (size_t)T * D, err));
+            ds_cu_add(cu, out, sh, (size_t)T * D);
+        }
+    } else {
+        TRY(cuda_tp_sum(s, out, (size_t)T * D,
+                        err)); /* routed + shared partials in one all-reduce */
+    }
+    s->used = mark;
+    return DS_OK;
+}

@@ -1,0 +1,104 @@
+/* tuning.c — the CUDA backend's switches read from the environment once, at attach, and set on
+ * the device context (tuning.h holds the table of them). */
+#include "backend/cuda/tuning.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* A flag: unset or empty means dflt, a number above 0 on, anything else off. */
+static int env_flag(const char *name, int dflt) {
+    const char *v = getenv(name);
+    return v && *v ? atoi(v) > 0 : dflt;
+}
+
+/* A count: unset or empty means dflt, else the number. */
+static int env_count(const char *name, int dflt) {
+    const char *v = getenv(name);
+    return v && *v ? atoi(v) : dflt;
+}
+
+/* The variable's value, or NULL when it is unset or empty. */
+static const char *env_text(const char *name) {
+    const char *v = getenv(name);
+    return v && *v ? v : NULL;
+}
+
+/* chunked KDA on tensor cores: 1 TF32, 3 3xTF32 (ds_cu_set_kda_tc) */
+static int kda_tc_mode(void) {
+    /* 3xTF32 by default: f32's accuracy (checked at 1e-4) and faster than f32 on CUDA cores
+     * (8192 tokens x 32 heads: 1.97 against 2.83 ms on the H200). TF32 (1.66 ms) is off by
+     * 3.0e-4 alone, a quarter of FLA's chunk_kda on f32 inputs, but through the bundled
+     * model (80 tokens, no batch invariance) it took the GPU's logits from 8.1e-3 to 1.2e-2
+     * off the CPU's and TP 2's from 6.1e-3 to 2.5e-2 off one GPU's (bench/RESULTS.md). */
+    const char *tc = getenv("DS_CUDA_KDA_TC");
+    int mode = 3;
+    if (tc && *tc) {
+        if (!strcmp(tc, "0") || !strcmp(tc, "1") || !strcmp(tc, "3"))
+            mode = atoi(tc);
+        else
+            fprintf(stderr,
+                    "[deltaserve] DS_CUDA_KDA_TC=%s: 0 (f32), 1 (TF32) or 3 (3xTF32); using 3\n",
+                    tc);
+    }
+    return mode;
+}
+
+void ds_cuda_tuning_read(ds_cuda_tuning *t) {
+    memset(t, 0, sizeof *t);
+    /* the faster paths are on unless turned off (for comparisons); the profile is opt-in */
+    t->expert_gemm = env_flag("DS_CUDA_EXPERT_GEMM", 1);
+    t->expert_mma = env_flag("DS_CUDA_EXPERT_MMA", 1);
+    t->expert_tc = env_flag("DS_CUDA_EXPERT_TC", 1);
+    /* tuning knobs (0: the kernels' defaults) */
+    t->expert_mma_min = env_count("DS_CUDA_EXPERT_MMA_MIN", 0);
+    t->gemv_max_t = env_count("DS_CUDA_GEMV_MAX_T", 0);
+    t->mla_gemm = env_flag("DS_CUDA_MLA_GEMM", 1);
+    t->mla_flash = env_flag("DS_CUDA_MLA_FLASH", 1);
+    t->early_experts = env_flag("DS_CUDA_EARLY_EXPERTS", 1);
+    t->wide_early = env_flag("DS_CUDA_WIDE_EARLY", 1);
+    t->gemv_wide = env_flag("DS_CUDA_GEMV_WIDE", 1);
+    t->conv_fixed = env_flag("DS_CUDA_CONV_FIXED", 1);
+    /* sequences up to which a decode step's KDA middle is one kernel (0: never) */
+    t->kda_fused_set = env_text("DS_CUDA_KDA_FUSED");
+    t->kda_fused = env_count("DS_CUDA_KDA_FUSED", DS_CUDA_KDA_FUSE_MAX);
+    t->kda_tc = kda_tc_mode();
+    t->side = env_flag("DS_CUDA_SIDE", 1);
+    t->mla_all_heads = env_flag("DS_CUDA_MLA_ALL_HEADS", 1);
+    const char *pdl = getenv("DS_CUDA_PDL"); /* (on unless exactly "0", as the kernels read it) */
+    t->pdl = !(pdl && !strcmp(pdl, "0"));
+    t->profile = env_flag("DS_CUDA_PROFILE", 0);
+    t->skip = env_text("DS_CUDA_SKIP");
+    t->nccl = env_flag("DS_NCCL", 1);
+    t->draft_device = env_flag("DS_DRAFT_DEVICE", 1);
+}
+
+int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
+    ds_cu_set_expert_gemm(c, t->expert_gemm);
+    ds_cu_set_expert_mma(c, t->expert_mma);
+    ds_cu_set_expert_tc(c, t->expert_tc);
+    ds_cu_set_expert_mma_min(c, t->expert_mma_min);
+    ds_cu_set_gemv_max_t(c, t->gemv_max_t);
+    ds_cu_set_mla_gemm(c, t->mla_gemm);
+    ds_cu_set_mla_flash(c, t->mla_flash);
+    ds_cu_set_early_experts(c, t->early_experts);
+    ds_cu_set_wide_early(c, t->wide_early);
+    ds_cu_set_gemv_wide(c, t->gemv_wide);
+    ds_cu_set_conv_fixed(c, t->conv_fixed);
+    ds_cu_set_kda_tc(c, t->kda_tc);
+    /* a side stream for independent chains within a step (ds_cu_side_begin) */
+    ds_err side_err;
+    if (ds_cu_set_side(c, t->side, &side_err)) /* not fatal */
+        fprintf(stderr, "[deltaserve] %s: one stream per step\n", side_err.msg);
+    ds_cu_set_mla_all_heads(c, t->mla_all_heads);
+    /* TODO(lead): ds_cu_set_pdl(c, t->pdl) */
+    ds_cu_prof_enable(c, t->profile);
+    if (t->skip) {
+        fprintf(stderr,
+                "[deltaserve] DS_CUDA_SKIP=%s: those kernels are left out (results are "
+                "wrong; for timing only)\n",
+                t->skip);
+        if (ds_cu_set_skip(c, t->skip, err)) return DS_ERR;
+    }
+    return DS_OK;
+}

@@ -1,0 +1,80 @@
+/* tuning.h — the CUDA backend's switches: every DS_CUDA_* environment variable (and the two other
+ * switches the backend reads, DS_NCCL and DS_DRAFT_DEVICE), read once when a model is attached
+ * (ds_cuda_tuning_read) into one struct that the rest of the backend reads. The faster paths are
+ * on unless turned off (for comparisons); the profile and the what-if are opt-in.
+ *
+ * A flag (F) is on for a number above 0 and off for anything else; unset or empty keeps the
+ * default. A count (N) is the number itself (atoi); unset or empty keeps the default.
+ *
+ *   variable               kind   default  what it changes
+ *   DS_CUDA_EXPERT_GEMM    F      1        prefill steps' routed experts (>= 64 rows a local
+ *                                          expert on average) as cuBLAS tensor-core GEMMs
+ *   DS_CUDA_EXPERT_MMA     F      1        grouped routed experts of steps of >= 40 tokens on BF16
+ *                                          tensor cores, on the device (capturable)
+ *   DS_CUDA_EXPERT_TC      F      1        those through the mma.sync kernel that streams the
+ *                                          weights as A operands; 0: the older wmma kernel
+ *   DS_CUDA_EXPERT_MMA_MIN N      0        tokens from which they take the tensor-core path
+ *                                          (0: the kernels' default, 40)
+ *   DS_CUDA_GEMV_MAX_T     N      0        matmuls of up to this many rows stream the weights
+ *                                          instead of cuBLAS (0: the kernels' default, 2)
+ *   DS_CUDA_MLA_GEMM       F      1        expanded MLA of >= 128 query rows through cuBLAS
+ *   DS_CUDA_MLA_FLASH      F      1        ... and for Kimi's head shape as one flash kernel
+ *   DS_CUDA_EARLY_EXPERTS  F      1        the experts' down pass reads its routing and first
+ *                                          weights before waiting for the up pass
+ *   DS_CUDA_WIDE_EARLY     F      1        one-token matmuls through the experts' kernel load
+ *                                          their first weights before the wait
+ *   DS_CUDA_GEMV_WIDE      F      1        one-token matmuls of one warp a row through the routed
+ *                                          experts' kernel
+ *   DS_CUDA_CONV_FIXED     F      1        the short conv of width 4 compiled for its width
+ *                                          (0: the width read at run time)
+ *   DS_CUDA_KDA_FUSED      N      2        decode steps of up to this many sequences run KDA's
+ *                                          middle as one kernel (0: never); when set, a line says
+ *                                          whether that applies to the model
+ *   DS_CUDA_KDA_TC         0|1|3  3        chunked KDA's passes in f32 (0), TF32 (1) or 3xTF32 (3);
+ *                                          another value: a line, then 3
+ *   DS_CUDA_SIDE           F      1        a side stream for independent chains within a step (if
+ *                                          it cannot be made: a line, and one stream)
+ *   DS_CUDA_MLA_ALL_HEADS  F      1        absorbed MLA with one block a (token, split) for all
+ *                                          heads when the step has enough of them
+ *   DS_CUDA_PDL            "0"    on       programmatic dependent launch (sm_90); exactly "0"
+ *                                          turns it off
+ *   DS_CUDA_PROFILE        F      0        the device time of each op of the eager steps
+ *                                          (ds_model_profile_report prints it)
+ *   DS_CUDA_SKIP           labels unset    the kernels of these ';'-separated profile labels left
+ *                                          out (wrong results: timing what-ifs only; a line says
+ *                                          so)
+ *   DS_NCCL                F      1        a TP group's sums through NCCL when every rank has a
+ *                                          GPU of its own (else through the host and MPI)
+ *   DS_DRAFT_DEVICE        F      1        the DSpark draft on the target's GPU (0: on the host)
+ */
+#ifndef DS_BACKEND_CUDA_TUNING_H
+#define DS_BACKEND_CUDA_TUNING_H
+
+#include "kernels/cuda/cuda_kernels.h"
+
+enum { DS_CUDA_KDA_FUSE_MAX = 2 }; /* DS_CUDA_KDA_FUSED's default (layers.c kda_fused says why) */
+
+typedef struct ds_cuda_tuning {
+    int expert_gemm, expert_mma, expert_tc;
+    int expert_mma_min, gemv_max_t; /* 0: the kernels' defaults */
+    int mla_gemm, mla_flash;
+    int early_experts, wide_early, gemv_wide, conv_fixed;
+    int kda_fused;             /* sequences up to which a decode step's KDA middle is one kernel */
+    const char *kda_fused_set; /* DS_CUDA_KDA_FUSED as given, or NULL when unset or empty */
+    int kda_tc;                /* 0, 1 or 3 */
+    int side, mla_all_heads;
+    int pdl;
+    int profile;
+    const char *skip; /* DS_CUDA_SKIP's labels, or NULL when unset or empty */
+    int nccl;
+    int draft_device;
+} ds_cuda_tuning;
+
+/* Fills t from the environment (the table above); prints the line for a bad DS_CUDA_KDA_TC. */
+void ds_cuda_tuning_read(ds_cuda_tuning *t);
+/* Sets t's switches on the device context c (batch invariance, the model's option, is set by
+ * attach before); a side stream that cannot be made is a line, not an error. Fails only for
+ * DS_CUDA_SKIP labels the kernels do not know. */
+int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err);
+
+#endif

@@ -1,0 +1,196 @@
+/* upload.c — a model's weights on the GPU: BF16 matrices (converted from F32 / F16 on the host,
+ * or drawn on the device for random weights), f32 vectors, and the stacked and transposed forms
+ * the step's kernels read (q, k, v and the gates' inputs as one matrix; gate and up; W_UK
+ * transposed per head). Every allocation is the model's, freed at detach. */
+#include "backend/cuda/internal.h"
+
+static int keep(ds_cuda_model *cm, void *p, ds_err *err) {
+    if (cm->n_allocs == cm->cap_allocs) {
+        int cap = cm->cap_allocs ? 2 * cm->cap_allocs : 256;
+        void **a = realloc(cm->allocs, (size_t)cap * sizeof *a);
+        if (!a) {
+            ds_cu_dealloc(p);
+            return ds_errf(err, "cuda: out of host memory");
+        }
+        cm->allocs = a;
+        cm->cap_allocs = cap;
+    }
+    cm->allocs[cm->n_allocs++] = p;
+    return DS_OK;
+}
+
+static void *dev_alloc(ds_cuda_model *cm, size_t bytes, ds_err *err) {
+    void *p = ds_cu_alloc(cm->c, bytes, err);
+    if (!p || keep(cm, p, err)) return NULL;
+    cm->weight_bytes += bytes;
+    return p;
+}
+
+/* src (n elements of dtype dt) as BF16 in device memory at dst. BF16 goes up as it is; F32 and F16
+ * are rounded to BF16 (the CUDA matmuls read BF16 weights). */
+static int upload_bf16(ds_cuda_model *cm, uint16_t *dst, const void *src, ds_dtype dt, size_t n,
+                       ds_err *err) {
+    if (dt == DS_DT_BF16) return ds_cu_upload(cm->c, dst, src, n * 2, err);
+    if (n > cm->conv_cap) {
+        uint16_t *b = realloc(cm->conv, n * sizeof *b);
+        if (!b) return ds_errf(err, "cuda: out of host memory converting %zu weights", n);
+        cm->conv = b;
+        cm->conv_cap = n;
+    }
+    for (size_t i = 0; i < n; i++) {
+        float f =
+            dt == DS_DT_F32 ? ((const float *)src)[i] : ds_f16_to_f32(((const uint16_t *)src)[i]);
+        cm->conv[i] = ds_f32_to_bf16(f);
+    }
+    return ds_cu_upload(cm->c, dst, cm->conv, n * 2, err);
+}
+
+/* w's elements into device memory at d (BF16): uploaded, or drawn there for random weights. */
+static int fill_mat(ds_cuda_model *cm, uint16_t *d, const ds_mat *w, ds_err *err) {
+    size_t n = (size_t)w->rows * w->cols;
+    const ds_rand_mat *r = ds_model_rand_mat(cm->m, w);
+    if (r) /* --load-format random: drawn here, never on the host */
+        return ds_cu_fill_random_bf16(cm->c, d, (size_t)w->rows, (size_t)w->cols, r->key,
+                                      (size_t)r->row0, (size_t)r->col0, (size_t)r->full_cols,
+                                      r->scale, err);
+    return upload_bf16(cm, d, w->data, w->dtype, n, err);
+}
+
+int cuda_up_mat(ds_cuda_model *cm, const ds_mat *w, ds_cu_mat *out, ds_err *err) {
+    memset(out, 0, sizeof *out);
+    if (!w->data || !w->rows || !w->cols) return DS_OK;
+    uint16_t *d = dev_alloc(cm, (size_t)w->rows * w->cols * 2, err);
+    if (!d || fill_mat(cm, d, w, err)) return DS_ERR;
+    *out = (ds_cu_mat){d, w->rows, w->cols};
+    return DS_OK;
+}
+
+/* Matrices of equal width stacked into one ([sum of rows][cols]): projections of the same input
+ * become one weight-streaming launch (q, k and v; the two low-rank gate inputs; gate and up). */
+static int up_stack(ds_cuda_model *cm, const ds_mat *const *ws, int n, ds_cu_mat *out,
+                    ds_err *err) {
+    int rows = 0, cols = ws[0]->cols;
+    for (int i = 0; i < n; i++) {
+        if (ws[i]->cols != cols || !ws[i]->data)
+            return ds_errf(err, "cuda: stacking matrices of widths %d and %d", cols, ws[i]->cols);
+        rows += ws[i]->rows;
+    }
+    uint16_t *d = dev_alloc(cm, (size_t)rows * cols * 2, err);
+    if (!d) return DS_ERR;
+    *out = (ds_cu_mat){d, rows, cols};
+    for (int i = 0; i < n; i++) {
+        if (fill_mat(cm, d, ws[i], err)) return DS_ERR;
+        d += (size_t)ws[i]->rows * cols;
+    }
+    return DS_OK;
+}
+
+int cuda_up_vec(ds_cuda_model *cm, const float *v, size_t n, float **out, ds_err *err) {
+    *out = NULL;
+    if (!v || !n) return DS_OK;
+    float *d = dev_alloc(cm, n * sizeof(float), err);
+    if (!d || ds_cu_upload(cm->c, d, v, n * sizeof(float), err)) return DS_ERR;
+    *out = d;
+    return DS_OK;
+}
+
+static int up_kda(ds_cuda_model *cm, const ds_model *m, const kda_w *w, cu_kda *d, ds_err *err) {
+    const ds_config *c = &m->cfg;
+    size_t P = (size_t)m->Hk * c->kda_head_dim, W = (size_t)c->short_conv_kernel_size;
+    const int lowrank = !c->use_full_rank_gate;
+    const ds_mat *in[6] = {&w->q, &w->k, &w->v, &w->f_a, lowrank ? &w->g_a : &w->b, &w->b};
+    d->nf = w->f_a.rows * (lowrank ? 2 : 1);
+    d->conv = dev_alloc(cm, 3 * P * W * sizeof(float), err);
+    if (!d->conv || up_stack(cm, in, lowrank ? 6 : 5, &d->in, err) ||
+        cuda_up_mat(cm, &w->f_b, &d->f_b, err) || cuda_up_mat(cm, &w->g, &d->g, err) ||
+        cuda_up_mat(cm, &w->g_b, &d->g_b, err) || cuda_up_mat(cm, &w->o, &d->o, err) ||
+        ds_cu_upload(cm->c, d->conv, w->q_conv, P * W * sizeof(float), err) ||
+        ds_cu_upload(cm->c, d->conv + P * W, w->k_conv, P * W * sizeof(float), err) ||
+        ds_cu_upload(cm->c, d->conv + 2 * P * W, w->v_conv, P * W * sizeof(float), err) ||
+        cuda_up_vec(cm, w->dt_bias, P, &d->dt_bias, err) ||
+        cuda_up_vec(cm, w->A_log, (size_t)m->Hk, &d->A_log, err) ||
+        cuda_up_vec(cm, w->o_norm, (size_t)c->kda_head_dim, &d->o_norm, err))
+        return DS_ERR;
+    return DS_OK;
+}
+
+int cuda_up_mla(ds_cuda_model *cm, const ds_model *m, const mla_w *w, cu_mla *d, ds_err *err) {
+    const ds_config *c = &m->cfg;
+    int Ha = m->Ha, R = c->kv_lora_rank, dn = c->qk_nope_head_dim, dvh = c->v_head_dim;
+    if (cuda_up_mat(cm, &w->q, &d->q, err) || cuda_up_mat(cm, &w->q_a, &d->q_a, err) ||
+        cuda_up_mat(cm, &w->q_b, &d->q_b, err) || cuda_up_mat(cm, &w->kv_a, &d->kv_a, err) ||
+        cuda_up_mat(cm, &w->kv_b, &d->kv_b, err) || cuda_up_mat(cm, &w->o, &d->o, err) ||
+        cuda_up_mat(cm, &w->g, &d->g, err) ||
+        cuda_up_vec(cm, w->q_a_norm, (size_t)c->q_lora_rank, &d->q_a_norm, err) ||
+        cuda_up_vec(cm, w->kv_a_norm, (size_t)R, &d->kv_a_norm, err))
+        return DS_ERR;
+    /* W_UK_h = kv_b rows [h (dn+dvh), h (dn+dvh) + dn), [dn][R]; its transpose [R][dn], made on
+     * the device from the uploaded kv_b */
+    uint16_t *t = dev_alloc(cm, (size_t)Ha * R * dn * 2, err); /* [Ha][R][dn] */
+    if (!t) return DS_ERR;
+    for (int h = 0; h < Ha; h++)
+        if (ds_cu_transpose_bf16(cm->c, t + (size_t)h * R * dn,
+                                 d->kv_b.data + (size_t)h * (dn + dvh) * R, dn, R, err))
+            return DS_ERR;
+    d->ukT = (ds_cu_mat){t, R, dn}; /* head h's at data + h R dn */
+    return DS_OK;
+}
+
+static int up_ffn(ds_cuda_model *cm, const ds_model *m, const ffn_w *w, cu_ffn *d, ds_err *err) {
+    const ds_config *c = &m->cfg;
+    const ds_mat *gu[2] = {&w->gate, &w->up}, *sgu[2] = {&w->sh_gate, &w->sh_up};
+    if (!w->is_moe)
+        return up_stack(cm, gu, 2, &d->gu, err) || cuda_up_mat(cm, &w->down, &d->down, err);
+    /* the router sees every expert; the weights are this rank's experts [e0, e1) only */
+    int E = c->num_experts, El = m->e1 - m->e0, Ie = c->moe_intermediate_size;
+    int Hin = c->routed_expert_hidden_size ? c->routed_expert_hidden_size : c->hidden_size;
+    if (cuda_up_mat(cm, &w->router, &d->router, err) ||
+        cuda_up_vec(cm, w->router_bias, (size_t)E, &d->router_bias, err) ||
+        (c->num_shared_experts > 0 && up_stack(cm, sgu, 2, &d->sh_gu, err)) ||
+        cuda_up_mat(cm, &w->sh_down, &d->sh_down, err) ||
+        cuda_up_mat(cm, &w->lat_down, &d->lat_down, err) ||
+        cuda_up_mat(cm, &w->lat_up, &d->lat_up, err) ||
+        cuda_up_vec(cm, w->lat_norm, (size_t)Hin, &d->lat_norm, err))
+        return DS_ERR;
+    size_t per = (size_t)Ie * Hin; /* elements of one expert matrix */
+    d->gate_up = dev_alloc(cm, (size_t)El * 2 * per * 2, err);
+    d->e_down = dev_alloc(cm, (size_t)El * per * 2, err);
+    if (!d->gate_up || !d->e_down) return DS_ERR;
+    for (int e = m->e0; e < m->e1; e++) {
+        const ds_mat *w1 = &w->w1[e], *w3 = &w->w3[e], *w2 = &w->w2[e];
+        size_t l = (size_t)(e - m->e0); /* its place among this rank's experts */
+        if (fill_mat(cm, d->gate_up + l * 2 * per, w1, err) ||
+            fill_mat(cm, d->gate_up + (l * 2 + 1) * per, w3, err) ||
+            fill_mat(cm, d->e_down + l * per, w2, err))
+            return DS_ERR;
+    }
+    return DS_OK;
+}
+
+int cuda_upload_weights(ds_cuda_model *cm, const ds_model *m, ds_err *err) {
+    const ds_config *c = &m->cfg;
+    int L = c->num_hidden_layers, D = c->hidden_size;
+    cm->layers = calloc((size_t)L, sizeof *cm->layers);
+    if (!cm->layers) return ds_errf(err, "cuda: out of host memory");
+    if (cuda_up_mat(cm, &m->embed, &cm->embed, err) ||
+        cuda_up_mat(cm, &m->lm_head, &cm->lm_head, err) ||
+        cuda_up_vec(cm, m->final_norm, (size_t)D, &cm->final_norm, err) ||
+        cuda_up_vec(cm, m->out_res_np, (size_t)D, &cm->out_res_np, err))
+        return DS_ERR;
+    for (int i = m->l0; i < m->l1; i++) {
+        const layer_w *lw = &m->layers[i];
+        cu_layer *d = &cm->layers[i];
+        if (cuda_up_vec(cm, lw->in_norm, (size_t)D, &d->in_norm, err) ||
+            cuda_up_vec(cm, lw->post_norm, (size_t)D, &d->post_norm, err) ||
+            cuda_up_vec(cm, lw->attn_res_np, (size_t)D, &d->attn_res_np, err) ||
+            cuda_up_vec(cm, lw->mlp_res_np, (size_t)D, &d->mlp_res_np, err) ||
+            (lw->kind == DS_LAYER_KDA ? up_kda(cm, m, &lw->kda, &d->kda, err)
+                                      : cuda_up_mla(cm, m, &lw->mla, &d->mla, err)) ||
+            up_ffn(cm, m, &lw->ffn, &d->ffn, err))
+            return DS_ERR;
+    }
+    free(cm->conv);
+    cm->conv = NULL;
+    cm->conv_cap = 0;
+    return DS_OK;
+}

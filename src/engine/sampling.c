@@ -1,0 +1,160 @@
+/* sampling.c — the engine's sampling glue: the stop ids of a request, where a choice's tokens of a
+ * step are picked (greedy beside the logits, drawn where the logits are, or sampled here from rows
+ * that came back), choosing a token with the choice's own RNG and counts, and delivering it (the
+ * sequence, the text, the event, the finish). */
+#include "engine/engine_impl.h"
+
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The tokens that end a choice: eos (unless ignored) and the request's stop ids. */
+static int stop_ids_of(const ds_engine *e, const ds_request_params *p, int32_t *ids) {
+    int n = 0;
+    if (!p->ignore_eos) ids[n++] = ds_model_config(e->model)->eos_token_id;
+    for (int i = 0; i < p->n_stop_token_ids; i++) ids[n++] = p->stop_token_ids[i];
+    return n;
+}
+
+/* Can the model pick this choice's tokens of the coming step itself (ds_seq_batch.argmax), so
+ * that its logits need not come back? When every row the step samples for it is a plain argmax
+ * for its sampler (ds_sample_is_argmax); rows further ahead only allow stops more, so the first
+ * row decides for all. */
+int eng_picks_greedy(const ds_engine *e, const choice *ch) {
+    const ds_request_params *p = &ch->req->spec.params;
+    int32_t stop_ids[DS_MAX_STOP + 1];
+    const ds_sample_params sp = p->sample;
+    return ds_sample_is_argmax(&sp, ch->n_generated >= p->min_tokens, stop_ids_of(e, p, stop_ids),
+                               p->logprobs);
+}
+
+/* Can the model draw this choice's tokens of the coming step where the logits are
+ * (ds_seq_batch.draws), so that the rows need not come back? Every sampled row can, except where
+ * logprobs are wanted (they read the whole row). */
+int eng_model_draws(const choice *ch) {
+    return ch->req->spec.params.logprobs < 0;
+}
+
+/* Penalised counts a step's draws of one choice need: each row's table and the drafts before it. */
+size_t eng_draw_counts_need(const choice *ch, int n_rows) {
+    const ds_request_params *p = &ch->req->spec.params;
+    if (p->sample.presence_penalty == 0 && p->sample.frequency_penalty == 0) return 0;
+    return (size_t)n_rows * ((size_t)ch->counts.n + (size_t)n_rows);
+}
+
+/* Row j of a choice's step, as ds_row_draw: the uniform plain decoding would draw for its token
+ * (the RNG is only peeked: eng_choose moves it as each row is taken), the counts of the tokens
+ * generated before it (the choice's, then the drafts at rows 0..j-1, which are its tokens if row j
+ * is reached at all), and the stop ids masked while min_tokens is not reached. counts: room for
+ * eng_draw_counts_need entries; stops: room for DS_MAX_STOP + 1. */
+void eng_set_draws(const ds_engine *e, const choice *ch, const int32_t *drafts, int n_rows,
+                   ds_row_draw *d, ds_token_count *counts, int32_t *stops) {
+    const ds_request_params *p = &ch->req->spec.params;
+    const ds_sample_params sp = p->sample;
+    int n_stop = stop_ids_of(e, p, stops), penalise = eng_draw_counts_need(ch, 1) > 0;
+    ds_rng rng = ch->rng;
+    for (int j = 0; j < n_rows; j++) {
+        int allow_stop = ch->n_generated + j >= p->min_tokens, n = 0;
+        d[j] = (ds_row_draw){sp, 0, NULL, 0, stops, allow_stop ? 0 : n_stop};
+        if (ds_sample_draws_uniform(&sp)) d[j].u = ds_rng_uniform(&rng);
+        if (!penalise) continue;
+        for (int i = 0; i < ch->counts.cap; i++)
+            if (ch->counts.slots[i].id >= 0) counts[n++] = ch->counts.slots[i];
+        for (int t = 0; t < j; t++) { /* the drafts before row j, merged: one entry an id */
+            int at = 0;
+            while (at < n && counts[at].id != drafts[t]) at++;
+            if (at == n) counts[n++] = (ds_token_count){drafts[t], 0};
+            counts[at].count++;
+        }
+        d[j].counts = counts;
+        d[j].n_counts = n;
+        counts += n;
+    }
+}
+
+/* Samples a choice's next token from one logits row, or takes the token the model picked for it
+ * (row NULL, *pick): its greedy token (eng_picks_greedy) or its draw (drawn: eng_set_draws, which
+ * gave it this row's uniform; the RNG moves past it here, as ds_sample_token would have moved it).
+ * `ahead` tokens of this step were already chosen (and counted) before it, so min_tokens and
+ * penalties see exactly what plain decoding would. Draws from the choice's own RNG. */
+int32_t eng_choose(ds_engine *e, choice *ch, float *row, const int32_t *pick, int drawn,
+                   ds_sample_scratch *sc, int ahead, ds_logprobs_out *lp) {
+    const ds_request_params *p = &ch->req->spec.params;
+    int32_t stop_ids[DS_MAX_STOP + 1];
+    int n_stop = stop_ids_of(e, p, stop_ids);
+    const ds_sample_params sp = p->sample;
+    int allow_stop = ch->n_generated + ahead >= p->min_tokens;
+    int32_t tok =
+        row ? ds_sample_token(row, e->V, &sp, &ch->counts, allow_stop, stop_ids, n_stop, &ch->rng,
+                              sc, p->logprobs >= 0 ? lp : NULL, p->logprobs > 0 ? p->logprobs : 0)
+            : *pick;
+    if (!row && drawn && ds_sample_draws_uniform(&sp)) (void)ds_rng_uniform(&ch->rng);
+    ds_token_counts_add(&ch->counts, tok);
+    return tok;
+}
+
+/* Hands a chosen token to the client: appends it to the sequence (unless a verify already holds
+ * it there as an accepted draft), feeds the text, emits the event, and finishes the choice on a
+ * stop or the length limit. Returns 1 when the choice finished (it may be freed by then). */
+int eng_deliver(ds_engine *e, choice *ch, int32_t tok, const ds_logprobs_out *lp, int in_seq) {
+    const ds_request_params *p = &ch->req->spec.params;
+    int32_t stop_ids[DS_MAX_STOP + 1];
+    int n_stop = stop_ids_of(e, p, stop_ids);
+    int allow_stop = ch->n_generated >= p->min_tokens;
+    ch->n_generated++;
+    ds_err err;
+    ds_seq *s = ch->seq;
+    int is_stop_tok = 0;
+    for (int i = 0; i < n_stop; i++) is_stop_tok |= tok == stop_ids[i];
+    if (!in_seq && ds_seq_append(s, tok, &err)) {
+        eng_finish_choice(e, ch, DS_FINISH_ERROR);
+        return 1;
+    }
+    pthread_mutex_lock(&e->mu);
+    e->stats.generation_tokens_total++;
+    pthread_mutex_unlock(&e->mu);
+    const char *delta = NULL;
+    size_t dlen = 0;
+    int stopped = 0;
+    if (!(is_stop_tok && allow_stop) &&
+        !(p->skip_special_tokens && ds_tok_is_special(e->tok, tok))) {
+        size_t blen = 0;
+        const char *bytes = ds_tok_token_bytes(e->tok, tok, &blen);
+        ds_textout_push(&ch->text, bytes ? bytes : "", bytes ? blen : 0, &delta, &dlen, &stopped);
+    }
+    ds_finish fin = DS_FINISH_NONE;
+    if ((is_stop_tok && allow_stop) || stopped)
+        fin = DS_FINISH_STOP;
+    else if (ch->n_generated >= p->max_tokens || s->n_tokens >= s->max_len)
+        fin = DS_FINISH_LENGTH;
+    eng_emit(ch, tok, delta, dlen, lp, DS_FINISH_NONE);
+    if (fin == DS_FINISH_NONE) return 0;
+    eng_finish_choice(e, ch, fin);
+    return 1;
+}
+
+/* Every sampled item's tokens of step f: a verify samples its rows until a draft is rejected, a
+ * plain item samples one. The items side by side when more than one samples on the host (at
+ * V = 163840 a row costs ~1 ms of one core): each choice samples from its own rows with its own
+ * RNG and counts, so neither the order nor the thread changes what it draws. */
+void eng_sample_items(ds_engine *e, inflight *f) {
+    const int n_items = f->n_items, rows = e->num_speculative_tokens + 1;
+    int n_host = 0;
+    for (int i = 0; i < n_items; i++) n_host += f->items[i].sample && e->batch[i].logits;
+#pragma omp parallel for schedule(dynamic) num_threads(e->n_scratch) if (n_host > 1)
+    for (int i = 0; i < n_items; i++) {
+        ds_sched_item *it = &f->items[i];
+        choice *ch = it->seq->owner;
+        ds_sample_scratch *sc = e->scratch[omp_get_thread_num()];
+        float *lg = e->batch[i].logits;            /* or NULL, and then: */
+        const int32_t *picks = e->batch[i].argmax; /* the greedy tokens */
+        f->va[i] = -1;
+        if (!it->sample) continue;
+        int drawn = e->batch[i].draws != NULL;
+        if (it->seq->n_spec)
+            f->va[i] =
+                eng_verify(e, ch, it, lg, picks, drawn, sc, f->vt[i], f->vlp + (size_t)i * rows);
+        else
+            f->vt[i][0] = eng_choose(e, ch, lg, picks, drawn, sc, 0, &f->vlp[(size_t)i * rows]);
+    }
+}
