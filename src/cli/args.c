@@ -166,6 +166,12 @@ int ds_args_parse(ds_args *a, int argc, char **argv, ds_err *err) {
     return rc;
 }
 
+int ds_args_seen(const ds_args *a, const char *name) {
+    for (int i = 0; i < a->n_opts; i++)
+        if (strcmp(a->opts[i].name, name) == 0) return a->opts[i].seen;
+    return 0;
+}
+
 /* The current value of o as text (for "default: ..."); "" when there is none worth showing. */
 static void format_default(const ds_arg *o, char *buf, size_t cap) {
     switch (o->type) {
@@ -204,6 +210,7 @@ void ds_args_print_help(const ds_args *a, FILE *f) {
     char left[160], def[256];
     int width = 12; /* "-h, --help" */
     for (int i = 0; i < a->n_opts; i++) {
+        if (a->opts[i].hidden) continue;
         format_left(&a->opts[i], left, sizeof left);
         width = DS_MAX(width, (int)strlen(left));
     }
@@ -211,6 +218,7 @@ void ds_args_print_help(const ds_args *a, FILE *f) {
     fprintf(f, "usage: %s [options]\n\n%s\n\noptions:\n", a->prog, a->summary ? a->summary : "");
     for (int i = 0; i < a->n_opts; i++) {
         const ds_arg *o = &a->opts[i];
+        if (o->hidden) continue;
         format_left(o, left, sizeof left);
         format_default(o, def, sizeof def);
         fprintf(f, "  %-*s %s", width, left, o->help ? o->help : "");

@@ -47,7 +47,8 @@ typedef struct ds_arg {
     const char *help;           /* one line */
     int required;               /* must be given */
     const char *const *choices; /* DS_ARG_STRING only: NULL-terminated allowed values, or NULL */
-    int seen;                   /* set by the parser: given on the command line */
+    int hidden; /* parsed like any other flag but not listed by --help: test hooks only */
+    int seen;   /* set by the parser: given on the command line */
 } ds_arg;
 
 /* An optional flag with no choices. */
@@ -55,6 +56,13 @@ typedef struct ds_arg {
     {                                                                                              \
         .name = (name_), .alias = (alias_), .type = (type_), .dest = (dest_),                      \
         .metavar = (metavar_), .help = (help_)                                                     \
+    }
+
+/* A flag that exists for the tests (cli/test_hooks.h): it works, --help does not list it. */
+#define DS_TEST_OPT(name_, type_, dest_, metavar_, help_)                                          \
+    {                                                                                              \
+        .name = (name_), .type = (type_), .dest = (dest_), .metavar = (metavar_), .help = (help_), \
+        .hidden = 1                                                                                \
     }
 
 typedef struct ds_args {
@@ -71,7 +79,12 @@ typedef struct ds_args {
  * Positional arguments are errors. A flag given twice keeps the last value. */
 int ds_args_parse(ds_args *a, int argc, char **argv, ds_err *err);
 
-/* Prints usage, summary and one line per flag with its default (or "required"). */
+/* Was the flag with this long name given on the command line (after ds_args_parse)? 0 for a name
+ * the table does not have. */
+int ds_args_seen(const ds_args *a, const char *name);
+
+/* Prints usage, summary and one line per flag with its default (or "required"); hidden flags are
+ * left out. */
 void ds_args_print_help(const ds_args *a, FILE *f);
 
 /* ds_args_parse for a command's entry point. Returns 0 to go on; otherwise the command should

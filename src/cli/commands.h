@@ -12,7 +12,6 @@ int ds_cmd_generate(int argc, char **argv);    /* complete a prompt, print the t
 int ds_cmd_logits(int argc, char **argv);      /* print / dump the logits of a prompt */
 int ds_cmd_bench(int argc, char **argv);       /* throughput against the machine's limits */
 int ds_cmd_bench_serve(int argc, char **argv); /* load generator against a running server */
-int ds_cmd_eval(int argc, char **argv);        /* evaluation runs (not yet) */
 int ds_cmd_tokenize(int argc, char **argv);    /* text -> ids, ids -> text */
 int ds_cmd_init_model(int argc, char **argv);  /* write a random checkpoint from a preset */
 

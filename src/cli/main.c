@@ -11,7 +11,7 @@
 
 typedef struct command {
     const char *name;
-    int (*run)(int argc, char **argv); /* NULL: not implemented yet */
+    int (*run)(int argc, char **argv);
     const char *summary;
 } command;
 
@@ -20,7 +20,6 @@ static const command COMMANDS[] = {
     {"generate", ds_cmd_generate, "complete a prompt and print the text"},
     {"logits", ds_cmd_logits, "print the logits a model gives a prompt"},
     {"bench", ds_cmd_bench, "measure prefill/decode throughput against the machine's limits"},
-    {"eval", NULL, "run evaluation tasks against a model"},
     {"tokenize", ds_cmd_tokenize, "encode text to token ids, or decode ids to text"},
     {"init-model", ds_cmd_init_model, "write a random-initialised checkpoint from a preset"},
 };
@@ -30,8 +29,7 @@ static void print_usage(FILE *f) {
                "A serving engine for kimi_linear-family models (Kimi-Linear, Kimi-K3).\n\n"
                "commands:\n");
     for (size_t i = 0; i < DS_ARRAY_LEN(COMMANDS); i++)
-        fprintf(f, "  %-12s %s%s\n", COMMANDS[i].name, COMMANDS[i].summary,
-                COMMANDS[i].run ? "" : " (not implemented yet)");
+        fprintf(f, "  %-12s %s\n", COMMANDS[i].name, COMMANDS[i].summary);
     fprintf(f, "\nRun 'deltaserve <command> --help' for a command's options.\n");
 }
 
@@ -109,13 +107,6 @@ int main(int argc, char **argv) {
         fprintf(stderr, "deltaserve: unknown command '%s' (run 'deltaserve --help' for the list)\n",
                 name);
         return 2;
-    }
-    if (!c->run) {
-        int help = argc >= 3 && (strcmp(argv[2], "--help") == 0 || strcmp(argv[2], "-h") == 0);
-        fprintf(help ? stdout : stderr,
-                "usage: deltaserve %s [options]\n\n%s\n\n%s: not implemented yet\n", c->name,
-                c->summary, c->name);
-        return help ? 0 : 2;
     }
     argv[1] = (char *)c->name;
     return c->run(argc - 1, argv + 1);

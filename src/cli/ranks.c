@@ -34,8 +34,8 @@ int ds_rank_open(const char *model_dir, int tp, int pp, const int *counts,
     memset(r, 0, sizeof *r);
     if (ds_comm_init(tp, pp, &r->comm, err)) return DS_ERR;
     ds_model_opts o = *base;
-    const char *local = getenv("OMPI_COMM_WORLD_LOCAL_RANK"); /* one GPU per rank of a host */
-    if (local) o.device_index = atoi(local);
+    /* one GPU per rank of a host, as the engine picks it */
+    if (r->comm->size > 1) o.device_index = ds_comm_local_rank(r->comm);
     ds_pp_rank_opts(r->comm, counts, &o);
     r->first = r->comm->stage == 0;
     r->last = r->comm->stage == pp - 1;

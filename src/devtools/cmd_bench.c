@@ -262,44 +262,242 @@ static int parse_batches(const char *list, int *out, ds_err *err) {
     return n;
 }
 
-int ds_cmd_bench(int argc, char **argv) {
-    if (argc > 1 && !strcmp(argv[1], "serve")) return ds_cmd_bench_serve(argc - 1, argv + 1);
-    const char *model_dir = NULL, *json_path = NULL, *device = "cpu", *load_format = "safetensors";
-    const char *batch_list = "1,16", *partition = "";
-    int prompt_tokens = 512, steps = 8, reps = 2, batch_invariant = 0, decode_ctx = 32;
-    int enforce_eager = 0, full_logits = 0, sampled = 0, tp = 1, pp = 1;
-    static const char *const FORMATS[] = {"safetensors", "random", NULL};
-    ds_arg opts[] = {
-        {"model", "m", DS_ARG_STRING, &model_dir, "DIR", "checkpoint folder", .required = 1},
-        DS_OPT("prompt-tokens", NULL, DS_ARG_INT, &prompt_tokens, "N", "prompt length measured"),
-        DS_OPT("decode-steps", NULL, DS_ARG_INT, &steps, "N", "decode steps per batch size"),
-        DS_OPT("decode-context", NULL, DS_ARG_INT, &decode_ctx, "N",
+/* bench's flags. */
+typedef struct bench_flags {
+    const char *model_dir, *json_path, *device, *load_format, *batch_list, *partition;
+    int prompt_tokens, steps, reps, batch_invariant, decode_ctx;
+    int enforce_eager, full_logits, sampled, tp, pp;
+} bench_flags;
+
+/* What one run measured besides the results: the machine's limits and a token's costs, summed
+ * over the ranks. */
+typedef struct bench_costs {
+    double t_load;   /* seconds to load the model */
+    double bw, peak; /* bytes/s (GB/s) and GFLOP/s of this machine (reporting rank) */
+    double flops_prompt, flops_decode;
+    double weight_bytes, state_bytes; /* a batch-1 decode step's reads */
+    int threads, gpu, report, alone;  /* report: this rank prints; alone: a job of one */
+} bench_costs;
+
+static const char *const FORMATS[] = {"safetensors", "random", NULL};
+
+enum { BENCH_FLAGS = 16 }; /* entries bench_table writes */
+
+static int bench_table(bench_flags *f, ds_arg *out) {
+    ds_arg table[BENCH_FLAGS] = {
+        {"model", "m", DS_ARG_STRING, &f->model_dir, "DIR", "checkpoint folder", .required = 1},
+        DS_OPT("prompt-tokens", NULL, DS_ARG_INT, &f->prompt_tokens, "N", "prompt length measured"),
+        DS_OPT("decode-steps", NULL, DS_ARG_INT, &f->steps, "N", "decode steps per batch size"),
+        DS_OPT("decode-context", NULL, DS_ARG_INT, &f->decode_ctx, "N",
                "prompt tokens each sequence holds before the decode steps"),
-        DS_OPT("batch-sizes", NULL, DS_ARG_STRING, &batch_list, "B,B,..",
+        DS_OPT("batch-sizes", NULL, DS_ARG_STRING, &f->batch_list, "B,B,..",
                "decode batch sizes measured"),
-        DS_OPT("reps", NULL, DS_ARG_INT, &reps, "N", "prompt repetitions (best is kept)"),
-        {"device", NULL, DS_ARG_STRING, &device, "D", "cpu, cuda or auto",
+        DS_OPT("reps", NULL, DS_ARG_INT, &f->reps, "N", "prompt repetitions (best is kept)"),
+        {"device", NULL, DS_ARG_STRING, &f->device, "D", "cpu, cuda or auto",
          .choices = ds_device_names},
-        DS_OPT("batch-invariant", NULL, DS_ARG_BOOL, &batch_invariant, NULL,
+        DS_OPT("batch-invariant", NULL, DS_ARG_BOOL, &f->batch_invariant, NULL,
                "CUDA: weight-streaming matmuls for every batch size (see serve --help)"),
-        DS_OPT("enforce-eager", NULL, DS_ARG_BOOL, &enforce_eager, NULL,
+        DS_OPT("enforce-eager", NULL, DS_ARG_BOOL, &f->enforce_eager, NULL,
                "CUDA: no CUDA graphs (decode steps are replayed from graphs by default)"),
-        DS_OPT("full-logits", NULL, DS_ARG_BOOL, &full_logits, NULL,
+        DS_OPT("full-logits", NULL, DS_ARG_BOOL, &f->full_logits, NULL,
                "decode steps return every row's logits to the host (as sampled requests need) "
                "instead of its greedy token"),
-        DS_OPT("sampled", NULL, DS_ARG_BOOL, &sampled, NULL,
+        DS_OPT("sampled", NULL, DS_ARG_BOOL, &f->sampled, NULL,
                "decode steps draw every row's token where the logits are (temperature 1, top-p "
                "0.95), as for a sampled request"),
-        {"load-format", NULL, DS_ARG_STRING, &load_format, "F",
+        {"load-format", NULL, DS_ARG_STRING, &f->load_format, "F",
          "safetensors, or random: weights drawn for config.json's shape (no files read; made in "
          "GPU memory on cuda)",
          .choices = FORMATS},
-        DS_OPT("tensor-parallel-size", "tp", DS_ARG_INT, &tp, "T", "tensor-parallel ranks"),
-        DS_OPT("pipeline-parallel-size", "pp", DS_ARG_INT, &pp, "P", "pipeline stages"),
-        DS_OPT("pp-layer-partition", NULL, DS_ARG_STRING, &partition, "2,3,3,2",
+        DS_OPT("tensor-parallel-size", "tp", DS_ARG_INT, &f->tp, "T", "tensor-parallel ranks"),
+        DS_OPT("pipeline-parallel-size", "pp", DS_ARG_INT, &f->pp, "P", "pipeline stages"),
+        DS_OPT("pp-layer-partition", NULL, DS_ARG_STRING, &f->partition, "2,3,3,2",
                "layers per stage (default: even, remainder to the middle stages)"),
-        DS_OPT("json", NULL, DS_ARG_STRING, &json_path, "FILE", "also write the results as JSON"),
+        DS_OPT("json", NULL, DS_ARG_STRING, &f->json_path, "FILE",
+               "also write the results as JSON"),
     };
+    memcpy(out, table, sizeof table);
+    return BENCH_FLAGS;
+}
+
+/* The machine's limits, measured by the reporting rank while the others wait (ranks may share a
+ * GPU), and what a token costs the whole job: FLOPs and a batch-1 step's reads (the weights,
+ * then the sequence's state and the f32 vectors, at the shortest context a timed step has:
+ * decode_ctx + 1 rows, the fewest bytes), summed over the ranks. */
+static int bench_measure_costs(bench_job *job, const bench_flags *f, bench_costs *c, ds_err *err) {
+    ds_model *m = job->r.m;
+    ds_comm *comm = job->r.comm;
+    c->report = comm->rank == job->root;
+    c->alone = comm->size == 1;
+    c->gpu = ds_model_on_device(m);
+    c->threads = omp_get_max_threads();
+    if (c->report && c->gpu) {
+        double tf;
+        if (ds_model_device_limits(m, &c->bw, &tf, err)) return DS_ERR;
+        c->peak = tf * 1e3; /* GFLOP/s */
+    } else if (c->report) {
+        c->bw = ds_bench_read_bandwidth((size_t)1 << 30, c->threads);
+        c->peak = ds_bench_fma_peak(c->threads);
+    }
+    if (!c->alone && ds_comm_barrier(comm, err)) return DS_ERR;
+    c->flops_prompt = ds_model_token_flops(m, 0);
+    c->flops_decode = ds_model_token_flops(m, 1);
+    c->weight_bytes = ds_model_decode_bytes(m);
+    c->state_bytes = ds_model_decode_state_bytes(m, f->decode_ctx + 1);
+    if (job_sum(comm, &c->flops_prompt, err) || job_sum(comm, &c->flops_decode, err) ||
+        job_sum(comm, &c->weight_bytes, err) || job_sum(comm, &c->state_bytes, err))
+        return DS_ERR;
+    return DS_OK;
+}
+
+/* The prompt case, then a decode case per batch size, into r. */
+static int bench_cases(bench_job *job, const bench_flags *f, const bench_costs *c, bench_result *r,
+                       ds_err *err) {
+    ds_model *m = job->r.m;
+    const double step_bytes = c->weight_bytes + c->state_bytes;
+    double sec;
+    if (run_prompt(job, f->prompt_tokens, f->reps, &sec, err)) return DS_ERR;
+    char title[48];
+    snprintf(title, sizeof title, "prompt %d", f->prompt_tokens);
+    r->prompt_gemm_tflops = ds_model_profile_gemm_tflops(m, &r->prompt_gemm_ms);
+    if (c->report) ds_model_profile_report(m, stderr, title);
+    r->prompt_tps = f->prompt_tokens / sec;
+    r->prompt_gflops = c->flops_prompt * f->prompt_tokens / sec / 1e9;
+    for (int i = 0; i < r->n_batches; i++) {
+        int B = r->batch[i];
+        if (run_decode(job, B, f->decode_ctx, f->steps, f->full_logits, f->sampled, &sec, r, i,
+                       err))
+            return DS_ERR;
+        snprintf(title, sizeof title, "decode batch %d", B);
+        if (c->report) ds_model_profile_report(m, stderr, title);
+        r->decode_ms[i] = sec * 1e3;
+        r->decode_tps[i] = B / sec;
+        /* batch 1 reads every active weight once per token; larger batches share the reads, so
+         * only batch 1 is reported as bandwidth */
+        r->decode_gbs[i] = B == 1 ? step_bytes / sec / 1e9 : 0;
+        r->decode_gflops[i] = c->flops_decode * B / sec / 1e9;
+    }
+    return DS_OK;
+}
+
+/* The report's head: the job, the model, the limits and a token's bytes. */
+static void bench_print_head(const bench_flags *f, const bench_costs *c, const ds_model *m,
+                             const ds_comm *comm, int random) {
+    if (!c->alone) /* the limits are one device's: fractions of them only for one process */
+        printf("ranks: %d (tp %d x pp %d), this rank: %s; GB/s and GFLOP/s summed over the ranks, "
+               "no fractions of one device's limits\n",
+               comm->size, f->tp, f->pp, comm->who);
+    printf("deltaserve bench  model=%s%s  device=%s  weights=%.2f GB (loaded in %.1f s)\n",
+           f->model_dir, random ? " (random weights)" : "", ds_model_device_name(m),
+           ds_model_weight_bytes(m) / 1e9, c->t_load);
+    if (c->gpu)
+        printf("limits: device copy %.0f GB/s, cuBLAS BF16 GEMM %.0f TFLOP/s; %s%s%s\n", c->bw,
+               c->peak / 1e3, f->enforce_eager ? "eager" : "CUDA graphs",
+               f->batch_invariant ? ", batch-invariant matmuls" : "",
+               f->full_logits ? ", decode returns full logits"
+               : f->sampled   ? ", decode draws tokens (T 1, top-p 0.95)"
+                              : ", decode returns greedy tokens");
+    else
+        printf("limits: read bandwidth %.2f GB/s, FMA peak %.1f GFLOP/s (%d threads)\n", c->bw,
+               c->peak, c->threads);
+    printf("decode bytes per token at batch 1: %.3f GB (weights %.3f GB; state and vectors %.1f MB "
+           "at context %d)\n",
+           (c->weight_bytes + c->state_bytes) / 1e9, c->weight_bytes / 1e9, c->state_bytes / 1e6,
+           f->decode_ctx + 1);
+}
+
+/* The table of cases, then the GEMM profile and host sampling lines when measured. */
+static void bench_print_cases(const bench_flags *f, const bench_costs *c, const ds_model *m,
+                              const bench_result *r) {
+    printf("%-18s %12s %10s %12s %10s %12s %10s\n", "case", "tokens/s", "ms/step", "GB/s",
+           c->gpu ? "of copy" : "of read", "GFLOP/s", c->gpu ? "of GEMM" : "of peak");
+    char name[48], gbs[24], fb[16], fp[16];
+    const double bw_lim = c->alone ? c->bw : 0, peak_lim = c->alone ? c->peak : 0;
+    snprintf(name, sizeof name, "prompt %d", f->prompt_tokens);
+    printf("%-18s %12.1f %10.2f %12s %10s %12.1f %10s\n", name, r->prompt_tps,
+           1e3 * f->prompt_tokens / r->prompt_tps, "-", "-", r->prompt_gflops,
+           pct(fp, sizeof fp, r->prompt_gflops, peak_lim));
+    for (int i = 0; i < r->n_batches; i++) {
+        snprintf(name, sizeof name, "decode batch %d", r->batch[i]);
+        snprintf(gbs, sizeof gbs, r->decode_gbs[i] > 0 ? "%.2f" : "-", r->decode_gbs[i]);
+        printf("%-18s %12.1f %10.3f %12s %10s %12.1f %10s\n", name, r->decode_tps[i],
+               r->decode_ms[i], gbs,
+               r->decode_gbs[i] > 0 ? pct(fb, sizeof fb, r->decode_gbs[i], bw_lim) : "-",
+               r->decode_gflops[i], pct(fp, sizeof fp, r->decode_gflops[i], peak_lim));
+    }
+    if (r->prompt_gemm_tflops > 0)
+        printf("prompt %d's cuBLAS weight GEMMs alone (profile): %.2f ms a prompt, %.1f TFLOP/s "
+               "(%s of GEMM)\n",
+               f->prompt_tokens, r->prompt_gemm_ms, r->prompt_gemm_tflops,
+               pct(fp, sizeof fp, r->prompt_gemm_tflops * 1e3, peak_lim));
+    for (int i = 0; f->full_logits && i < r->n_batches; i++)
+        printf("host sampling batch %d (T 1, top-p 0.95, V %d): %.3f ms on 1 thread, %.3f ms on "
+               "%d\n",
+               r->batch[i], ds_model_config(m)->vocab_size, r->sample_ms1[i], r->sample_msn[i],
+               r->sample_threads);
+}
+
+/* --json FILE: the results as one JSON object. */
+static int bench_write_json(const bench_flags *f, const bench_costs *c, const ds_model *m,
+                            int random, const bench_result *r, ds_err *err) {
+    FILE *o = fopen(f->json_path, "w");
+    if (!o) return ds_errf(err, "%s: cannot write", f->json_path);
+    const double peak = c->peak, bw = c->bw;
+    fprintf(o,
+            "{\"model\": \"%s\", \"device\": \"%s\", \"random_weights\": %d, \"threads\": %d, "
+            "\"cuda_graphs\": %d, \"batch_invariant\": %d, \"tp\": %d, \"pp\": %d, "
+            "\"bw_gbs\": %.3f, \"peak_gflops\": %.3f, \"prompt_tokens\": %d, "
+            "\"prompt_tps\": %.3f, \"prompt_gflops\": %.3f, \"prompt_frac_peak\": %.4f, "
+            "\"prompt_gemm_tflops\": %.3f, \"prompt_gemm_frac_peak\": %.4f, \"decode\": [",
+            f->model_dir, ds_model_device_name(m), random, c->threads, c->gpu && !f->enforce_eager,
+            f->batch_invariant, f->tp, f->pp, bw, peak, f->prompt_tokens, r->prompt_tps,
+            r->prompt_gflops, c->alone ? r->prompt_gflops / peak : 0, r->prompt_gemm_tflops,
+            c->alone && peak > 0 ? r->prompt_gemm_tflops * 1e3 / peak : 0);
+    for (int i = 0; i < r->n_batches; i++)
+        fprintf(o,
+                "%s{\"batch\": %d, \"tps\": %.3f, \"ms_per_step\": %.4f, \"gbs\": %.3f, "
+                "\"frac_bw\": %.4f, \"gflops\": %.3f, \"ids_hash\": \"%016llx\"}",
+                i ? ", " : "", r->batch[i], r->decode_tps[i], r->decode_ms[i], r->decode_gbs[i],
+                c->alone ? r->decode_gbs[i] / bw : 0, r->decode_gflops[i],
+                (unsigned long long)r->ids_hash[i]);
+    fprintf(o, "]}\n");
+    fclose(o);
+    return DS_OK;
+}
+
+/* Checks the numeric flags (errors name the flag) and reads the batch sizes into r. */
+static int bench_check(const bench_flags *f, bench_result *r, ds_err *err) {
+    const struct {
+        const char *flag;
+        int value, min;
+    } ints[] = {{"--prompt-tokens", f->prompt_tokens, 1},
+                {"--decode-steps", f->steps, 2},
+                {"--reps", f->reps, 1},
+                {"--decode-context", f->decode_ctx, 1}};
+    for (size_t i = 0; i < DS_ARRAY_LEN(ints); i++)
+        if (ints[i].value < ints[i].min)
+            return ds_errf(err, "%s: expected at least %d, got %d", ints[i].flag, ints[i].min,
+                           ints[i].value);
+    return (r->n_batches = parse_batches(f->batch_list, r->batch, err)) ? DS_OK : DS_ERR;
+}
+
+int ds_cmd_bench(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "serve")) return ds_cmd_bench_serve(argc - 1, argv + 1);
+    ds_model_opts mo;
+    ds_model_opts_default(&mo); /* the device defaults (DS_DEVICE, DS_BATCH_INVARIANT) */
+    bench_flags f = {.device = ds_device_names[mo.device < 0 ? DS_DEVICE_CPU : mo.device],
+                     .load_format = "safetensors",
+                     .batch_list = "1,16",
+                     .partition = "",
+                     .prompt_tokens = 512,
+                     .steps = 8,
+                     .reps = 2,
+                     .batch_invariant = mo.batch_invariant,
+                     .decode_ctx = 32,
+                     .enforce_eager = mo.enforce_eager,
+                     .tp = 1,
+                     .pp = 1};
+    ds_arg opts[BENCH_FLAGS];
     ds_args a = {
         "deltaserve bench",
         "Prompt tokens/s at --prompt-tokens and decode tokens/s at each --batch-sizes,\n"
@@ -312,156 +510,38 @@ int ds_cmd_bench(int argc, char **argv) {
         "unless started by it; rank r of a host uses GPU r mod count); the last stage's first\n"
         "rank reports, bytes and FLOPs summed over the ranks.\n"
         "`deltaserve bench serve --help`: the load generator for a running server.",
-        opts, (int)DS_ARRAY_LEN(opts)};
+        opts, bench_table(&f, opts)};
     int rc;
     if (ds_args_parse_cli(&a, argc, argv, &rc)) return rc;
     ds_err err = {{0}};
     bench_result r = {0};
-    if (prompt_tokens < 1 || steps < 2 || reps < 1 || decode_ctx < 1) {
-        fprintf(stderr, "bench: need --prompt-tokens >= 1, --decode-steps >= 2, --reps >= 1, "
-                        "--decode-context >= 1\n");
-        return 2;
-    }
-    if (!(r.n_batches = parse_batches(batch_list, r.batch, &err))) {
+    if (bench_check(&f, &r, &err)) {
         fprintf(stderr, "bench: %s\n", err.msg);
         return 2;
     }
     int counts[DS_MAX_LAYERS];
-    if ((rc = ds_rank_prepare("bench", model_dir, tp, pp, partition, counts, argc, argv)) >= 0)
+    if ((rc = ds_rank_prepare("bench", f.model_dir, f.tp, f.pp, f.partition, counts, argc, argv)) >=
+        0)
         return rc;
-    ds_model_opts mo;
-    ds_model_opts_default(&mo);
-    mo.device = ds_device_from_name(device);
-    mo.batch_invariant = batch_invariant;
-    mo.enforce_eager = enforce_eager;
-    mo.load_random = !strcmp(load_format, "random");
+    mo.device = ds_device_from_name(f.device);
+    mo.batch_invariant = f.batch_invariant;
+    mo.enforce_eager = f.enforce_eager;
+    mo.load_random = !strcmp(f.load_format, "random");
     bench_job job;
     memset(&job, 0, sizeof job);
-    double t_load = ds_now();
-    if (ds_rank_open(model_dir, tp, pp, counts, &mo, &job.r, &err)) goto fail;
-    t_load = ds_now() - t_load;
-    ds_model *m = job.r.m;
-    ds_comm *comm = job.r.comm;
-    job.root = (pp - 1) * tp;
-    const int report = comm->rank == job.root, alone = comm->size == 1;
-    int gpu = ds_model_on_device(m), threads = omp_get_max_threads();
-    /* the limits: bytes/s and FLOP/s of this machine, measured now by the reporting rank while
-     * the others wait (ranks may share a GPU) */
-    double bw = 0, peak = 0;
-    if (report && gpu) {
-        double tf;
-        if (ds_model_device_limits(m, &bw, &tf, &err)) goto fail;
-        peak = tf * 1e3; /* GFLOP/s */
-    } else if (report) {
-        bw = ds_bench_read_bandwidth((size_t)1 << 30, threads);
-        peak = ds_bench_fma_peak(threads);
+    bench_costs c = {0};
+    c.t_load = ds_now();
+    if (ds_rank_open(f.model_dir, f.tp, f.pp, counts, &mo, &job.r, &err)) goto fail;
+    c.t_load = ds_now() - c.t_load;
+    job.root = (f.pp - 1) * f.tp;
+    if (bench_measure_costs(&job, &f, &c, &err)) goto fail;
+    r.sample_threads = DS_MIN(c.threads, 16); /* the engine's sampling threads */
+    if (bench_cases(&job, &f, &c, &r, &err)) goto fail;
+    if (c.report) {
+        bench_print_head(&f, &c, job.r.m, job.r.comm, mo.load_random);
+        bench_print_cases(&f, &c, job.r.m, &r);
+        if (f.json_path && bench_write_json(&f, &c, job.r.m, mo.load_random, &r, &err)) goto fail;
     }
-    if (!alone && ds_comm_barrier(comm, &err)) goto fail;
-    r.sample_threads = DS_MIN(threads, 16); /* the engine's sampling threads */
-    /* what a token costs the whole job: FLOPs and a batch-1 step's reads (the weights, then the
-     * sequence's state and the f32 vectors, at the shortest context a timed step has:
-     * decode_ctx + 1 rows, the fewest bytes), summed over the ranks */
-    double flops_prompt = ds_model_token_flops(m, 0), flops_decode = ds_model_token_flops(m, 1);
-    double weight_bytes = ds_model_decode_bytes(m);
-    double state_bytes = ds_model_decode_state_bytes(m, decode_ctx + 1);
-    if (job_sum(comm, &flops_prompt, &err) || job_sum(comm, &flops_decode, &err) ||
-        job_sum(comm, &weight_bytes, &err) || job_sum(comm, &state_bytes, &err))
-        goto fail;
-    const double step_bytes = weight_bytes + state_bytes;
-    double sec;
-    if (run_prompt(&job, prompt_tokens, reps, &sec, &err)) goto fail;
-    char title[48];
-    snprintf(title, sizeof title, "prompt %d", prompt_tokens);
-    r.prompt_gemm_tflops = ds_model_profile_gemm_tflops(m, &r.prompt_gemm_ms);
-    if (report) ds_model_profile_report(m, stderr, title);
-    r.prompt_tps = prompt_tokens / sec;
-    r.prompt_gflops = flops_prompt * prompt_tokens / sec / 1e9;
-    for (int i = 0; i < r.n_batches; i++) {
-        int B = r.batch[i];
-        if (run_decode(&job, B, decode_ctx, steps, full_logits, sampled, &sec, &r, i, &err))
-            goto fail;
-        snprintf(title, sizeof title, "decode batch %d", B);
-        if (report) ds_model_profile_report(m, stderr, title);
-        r.decode_ms[i] = sec * 1e3;
-        r.decode_tps[i] = B / sec;
-        /* batch 1 reads every active weight once per token; larger batches share the reads, so
-         * only batch 1 is reported as bandwidth */
-        r.decode_gbs[i] = B == 1 ? step_bytes / sec / 1e9 : 0;
-        r.decode_gflops[i] = flops_decode * B / sec / 1e9;
-    }
-    if (!report) goto done;
-    if (!alone) /* the limits are one device's: fractions of them only for one process */
-        printf("ranks: %d (tp %d x pp %d), this rank: %s; GB/s and GFLOP/s summed over the ranks, "
-               "no fractions of one device's limits\n",
-               comm->size, tp, pp, comm->who);
-    printf("deltaserve bench  model=%s%s  device=%s  weights=%.2f GB (loaded in %.1f s)\n",
-           model_dir, mo.load_random ? " (random weights)" : "", ds_model_device_name(m),
-           ds_model_weight_bytes(m) / 1e9, t_load);
-    if (gpu)
-        printf("limits: device copy %.0f GB/s, cuBLAS BF16 GEMM %.0f TFLOP/s; %s%s%s\n", bw,
-               peak / 1e3, enforce_eager ? "eager" : "CUDA graphs",
-               batch_invariant ? ", batch-invariant matmuls" : "",
-               full_logits ? ", decode returns full logits"
-               : sampled   ? ", decode draws tokens (T 1, top-p 0.95)"
-                           : ", decode returns greedy tokens");
-    else
-        printf("limits: read bandwidth %.2f GB/s, FMA peak %.1f GFLOP/s (%d threads)\n", bw, peak,
-               threads);
-    printf("decode bytes per token at batch 1: %.3f GB (weights %.3f GB; state and vectors %.1f MB "
-           "at context %d)\n",
-           step_bytes / 1e9, weight_bytes / 1e9, state_bytes / 1e6, decode_ctx + 1);
-    printf("%-18s %12s %10s %12s %10s %12s %10s\n", "case", "tokens/s", "ms/step", "GB/s",
-           gpu ? "of copy" : "of read", "GFLOP/s", gpu ? "of GEMM" : "of peak");
-    char name[48], gbs[24], fb[16], fp[16];
-    const double bw_lim = alone ? bw : 0, peak_lim = alone ? peak : 0;
-    snprintf(name, sizeof name, "prompt %d", prompt_tokens);
-    printf("%-18s %12.1f %10.2f %12s %10s %12.1f %10s\n", name, r.prompt_tps,
-           1e3 * prompt_tokens / r.prompt_tps, "-", "-", r.prompt_gflops,
-           pct(fp, sizeof fp, r.prompt_gflops, peak_lim));
-    for (int i = 0; i < r.n_batches; i++) {
-        snprintf(name, sizeof name, "decode batch %d", r.batch[i]);
-        snprintf(gbs, sizeof gbs, r.decode_gbs[i] > 0 ? "%.2f" : "-", r.decode_gbs[i]);
-        printf("%-18s %12.1f %10.3f %12s %10s %12.1f %10s\n", name, r.decode_tps[i], r.decode_ms[i],
-               gbs, r.decode_gbs[i] > 0 ? pct(fb, sizeof fb, r.decode_gbs[i], bw_lim) : "-",
-               r.decode_gflops[i], pct(fp, sizeof fp, r.decode_gflops[i], peak_lim));
-    }
-    if (r.prompt_gemm_tflops > 0)
-        printf("prompt %d's cuBLAS weight GEMMs alone (profile): %.2f ms a prompt, %.1f TFLOP/s "
-               "(%s of GEMM)\n",
-               prompt_tokens, r.prompt_gemm_ms, r.prompt_gemm_tflops,
-               pct(fp, sizeof fp, r.prompt_gemm_tflops * 1e3, peak_lim));
-    for (int i = 0; full_logits && i < r.n_batches; i++)
-        printf("host sampling batch %d (T 1, top-p 0.95, V %d): %.3f ms on 1 thread, %.3f ms on "
-               "%d\n",
-               r.batch[i], ds_model_config(m)->vocab_size, r.sample_ms1[i], r.sample_msn[i],
-               r.sample_threads);
-    if (json_path) {
-        FILE *f = fopen(json_path, "w");
-        if (!f) {
-            ds_errf(&err, "%s: cannot write", json_path);
-            goto fail;
-        }
-        fprintf(f,
-                "{\"model\": \"%s\", \"device\": \"%s\", \"random_weights\": %d, \"threads\": %d, "
-                "\"cuda_graphs\": %d, \"batch_invariant\": %d, \"tp\": %d, \"pp\": %d, "
-                "\"bw_gbs\": %.3f, \"peak_gflops\": %.3f, \"prompt_tokens\": %d, "
-                "\"prompt_tps\": %.3f, \"prompt_gflops\": %.3f, \"prompt_frac_peak\": %.4f, "
-                "\"prompt_gemm_tflops\": %.3f, \"prompt_gemm_frac_peak\": %.4f, \"decode\": [",
-                model_dir, ds_model_device_name(m), mo.load_random, threads, gpu && !enforce_eager,
-                batch_invariant, tp, pp, bw, peak, prompt_tokens, r.prompt_tps, r.prompt_gflops,
-                alone ? r.prompt_gflops / peak : 0, r.prompt_gemm_tflops,
-                alone && peak > 0 ? r.prompt_gemm_tflops * 1e3 / peak : 0);
-        for (int i = 0; i < r.n_batches; i++)
-            fprintf(f,
-                    "%s{\"batch\": %d, \"tps\": %.3f, \"ms_per_step\": %.4f, \"gbs\": %.3f, "
-                    "\"frac_bw\": %.4f, \"gflops\": %.3f, \"ids_hash\": \"%016llx\"}",
-                    i ? ", " : "", r.batch[i], r.decode_tps[i], r.decode_ms[i], r.decode_gbs[i],
-                    alone ? r.decode_gbs[i] / bw : 0, r.decode_gflops[i],
-                    (unsigned long long)r.ids_hash[i]);
-        fprintf(f, "]}\n");
-        fclose(f);
-    }
-done:
     ds_pp_bufs_free(&job.io);
     ds_model_free(job.r.m);
     return ds_comm_finish(job.r.comm, 0);

@@ -370,6 +370,150 @@ static char *fetch_model_name(const char *url, const char *api_key, ds_err *err)
 
 /* ---- the command ---- */
 
+/* What the run measured, over the requests that completed. */
+typedef struct bench_summary {
+    int completed, failed;
+    long long in_tok, out_tok;
+    double duration; /* seconds */
+    stat3 st[4];     /* ttft, tpot, itl, e2e */
+} bench_summary;
+
+static const char *const STAT_NAMES[4] = {"ttft", "tpot", "itl", "e2el"};
+
+/* Counts the completed and failed requests (the first failures said on stderr) and the latency
+ * statistics. */
+static int bench_summarize(const bench *b, bench_summary *s) {
+    int n_itl = 0;
+    for (int i = 0; i < b->n; i++) {
+        const bench_req *r = &b->reqs[i];
+        if (!r->ok) {
+            if (s->failed++ < 5) fprintf(stderr, "[bench] request %d failed: %s\n", i, r->err);
+            continue;
+        }
+        s->completed++;
+        s->in_tok += r->prompt_tokens;
+        s->out_tok += r->output_tokens;
+        n_itl += r->n_itl;
+    }
+    double *vals = malloc((size_t)(DS_MAX(n_itl, b->n) + 1) * sizeof *vals); /* [k] per stat */
+    if (!vals) return DS_ERR;
+    for (int m = 0; m < 4; m++) {
+        int k = 0;
+        for (int i = 0; i < b->n; i++) {
+            const bench_req *r = &b->reqs[i];
+            if (!r->ok) continue;
+            if (m == 0) vals[k++] = r->ttft;
+            if (m == 1 && r->output_tokens > 1)
+                vals[k++] = (r->e2e - r->ttft) / (r->output_tokens - 1);
+            if (m == 2)
+                for (int q = 0; q < r->n_itl; q++) vals[k++] = r->itl[q];
+            if (m == 3) vals[k++] = r->e2e;
+        }
+        s->st[m] = stats_ms(vals, k);
+    }
+    free(vals);
+    return DS_OK;
+}
+
+/* The report, laid out as `vllm bench serve` prints it. */
+static void bench_print(const bench_summary *s, int concurrency, double rate) {
+    static const char *const titles[4] = {"Time to First Token",
+                                          "Time per Output Token (excl. 1st token)",
+                                          "Inter-token Latency", "End-to-end Latency"};
+    static const char *const abbr[4] = {"TTFT", "TPOT", "ITL", "E2EL"};
+    const double duration = s->duration;
+    printf("============ Serving Benchmark Result ============\n");
+    printf("%-40s %d\n", "Successful requests:", s->completed);
+    printf("%-40s %d\n", "Failed requests:", s->failed);
+    printf("%-40s %d\n", "Maximum request concurrency:", concurrency);
+    if (rate > 0)
+        printf("%-40s %.2f\n", "Request rate configured (RPS):", rate);
+    else
+        printf("%-40s %s\n", "Request rate configured (RPS):", "inf");
+    printf("%-40s %.2f\n", "Benchmark duration (s):", duration);
+    printf("%-40s %lld\n", "Total input tokens:", s->in_tok);
+    printf("%-40s %lld\n", "Total generated tokens:", s->out_tok);
+    printf("%-40s %.2f\n", "Request throughput (req/s):", s->completed / duration);
+    printf("%-40s %.2f\n", "Output token throughput (tok/s):", s->out_tok / duration);
+    printf("%-40s %.2f\n", "Total Token throughput (tok/s):", (s->in_tok + s->out_tok) / duration);
+    for (int m = 0; m < 4; m++) {
+        int pad = (50 - 2 - (int)strlen(titles[m])) / 2;
+        printf("%.*s%s%.*s\n", pad, "--------------------------------------------------", titles[m],
+               50 - pad - (int)strlen(titles[m]),
+               "--------------------------------------------------");
+        char label[64];
+        snprintf(label, sizeof label, "Mean %s (ms):", abbr[m]);
+        printf("%-40s %.2f\n", label, s->st[m].mean);
+        snprintf(label, sizeof label, "Median %s (ms):", abbr[m]);
+        printf("%-40s %.2f\n", label, s->st[m].median);
+        snprintf(label, sizeof label, "P99 %s (ms):", abbr[m]);
+        printf("%-40s %.2f\n", label, s->st[m].p99);
+    }
+    printf("==================================================\n");
+}
+
+/* --out FILE.json: the summary and every request's lengths, TTFT and error. */
+static int bench_write_json(const char *out_path, const bench *b, const bench_summary *s,
+                            int concurrency, double rate) {
+    const double duration = s->duration;
+    json_t *j = json_pack("{s:s, s:s, s:i, s:i, s:i, s:f, s:f, s:I, s:I, s:f, s:f, s:f}", "url",
+                          b->url, "model", b->model, "num_prompts", b->n, "completed", s->completed,
+                          "failed", s->failed, "request_rate", rate, "duration", duration,
+                          "total_input_tokens", (json_int_t)s->in_tok, "total_output_tokens",
+                          (json_int_t)s->out_tok, "request_throughput", s->completed / duration,
+                          "output_throughput", s->out_tok / duration, "total_token_throughput",
+                          (s->in_tok + s->out_tok) / duration);
+    json_object_set_new(j, "max_concurrency", json_integer(concurrency));
+    for (int m = 0; m < 4; m++) {
+        char k[48];
+        snprintf(k, sizeof k, "mean_%s_ms", STAT_NAMES[m]);
+        json_object_set_new(j, k, json_real(s->st[m].mean));
+        snprintf(k, sizeof k, "median_%s_ms", STAT_NAMES[m]);
+        json_object_set_new(j, k, json_real(s->st[m].median));
+        snprintf(k, sizeof k, "p99_%s_ms", STAT_NAMES[m]);
+        json_object_set_new(j, k, json_real(s->st[m].p99));
+    }
+    json_t *il = json_array(), *ol = json_array(), *tt = json_array(), *er = json_array();
+    for (int i = 0; i < b->n; i++) {
+        const bench_req *r = &b->reqs[i];
+        json_array_append_new(il, json_integer(r->prompt_tokens));
+        json_array_append_new(ol, json_integer(r->output_tokens));
+        json_array_append_new(tt, json_real(r->ok ? r->ttft : 0));
+        json_array_append_new(er, json_string(r->err));
+    }
+    json_object_set_new(j, "input_lens", il);
+    json_object_set_new(j, "output_lens", ol);
+    json_object_set_new(j, "ttfts", tt);
+    json_object_set_new(j, "errors", er);
+    int rc = json_dump_file(j, out_path, JSON_INDENT(2));
+    json_decref(j);
+    if (rc) {
+        fprintf(stderr, "bench serve: could not write %s\n", out_path);
+        return DS_ERR;
+    }
+    fprintf(stderr, "[bench] results written to %s\n", out_path);
+    return DS_OK;
+}
+
+/* Arrival times: all at once (rate 0), or a Poisson process of `rate` requests per second. */
+static void bench_arrivals(bench *b, double rate, uint64_t seed) {
+    ds_rng rng;
+    ds_rng_seed(&rng, seed ^ 0xa5a5a5a5ull);
+    double t = 0;
+    for (int i = 0; i < b->n; i++) {
+        if (rate > 0) t += -log(1.0 - ds_rng_uniform(&rng)) / rate; /* exponential gaps */
+        b->reqs[i].arrival = t;
+    }
+}
+
+/* The server's base URL: trailing slashes and a "/v1" taken off, into base[cap]. */
+static void base_url(const char *url, char *base, size_t cap) {
+    snprintf(base, cap, "%s", url);
+    size_t bl = strlen(base);
+    while (bl && base[bl - 1] == '/') base[--bl] = 0;
+    if (bl >= 3 && strcmp(base + bl - 3, "/v1") == 0) base[bl -= 3] = 0;
+}
+
 int ds_cmd_bench_serve(int argc, char **argv) {
     const char *url = "http://127.0.0.1:8000", *dataset = NULL, *out_path = NULL, *model = NULL;
     const char *api_key = NULL;
@@ -399,18 +543,27 @@ int ds_cmd_bench_serve(int argc, char **argv) {
     if (argc > 1 && strcmp(argv[1], "serve") == 0) argc--, argv++;
     int rc;
     if (ds_args_parse_cli(&a, argc, argv, &rc)) return rc;
-    if (num_prompts < 1 || concurrency < 1 || input_len < 1 || output_len < 1 || rate < 0) {
-        fprintf(stderr, "bench serve: need --num-prompts, --concurrency, --input-len, "
-                        "--output-len >= 1 and --request-rate >= 0\n");
+    const struct {
+        const char *flag;
+        int value;
+    } ints[] = {{"--num-prompts", num_prompts},
+                {"--concurrency", concurrency},
+                {"--input-len", input_len},
+                {"--output-len", output_len}};
+    for (size_t i = 0; i < DS_ARRAY_LEN(ints); i++)
+        if (ints[i].value < 1) {
+            fprintf(stderr, "bench serve: %s: expected at least 1, got %d\n", ints[i].flag,
+                    ints[i].value);
+            return 2;
+        }
+    if (rate < 0) {
+        fprintf(stderr, "bench serve: --request-rate: expected >= 0, got %g\n", rate);
         return 2;
     }
     ds_err err = {{0}};
     curl_global_init(CURL_GLOBAL_DEFAULT);
     char base[1024];
-    snprintf(base, sizeof base, "%s", url);
-    size_t bl = strlen(base);
-    while (bl && base[bl - 1] == '/') base[--bl] = 0;
-    if (bl >= 3 && strcmp(base + bl - 3, "/v1") == 0) base[bl -= 3] = 0;
+    base_url(url, base, sizeof base);
 
     bench b;
     memset(&b, 0, sizeof b);
@@ -424,7 +577,6 @@ int ds_cmd_bench_serve(int argc, char **argv) {
     b.reqs = calloc((size_t)num_prompts, sizeof *b.reqs);
     int status = 1;
     pthread_t *th = calloc((size_t)concurrency, sizeof *th);
-    double *vals = NULL;
     if (!model_name || !b.reqs || !th) {
         fprintf(stderr, "bench serve: %s\n", err.msg[0] ? err.msg : "out of memory");
         goto out;
@@ -439,13 +591,7 @@ int ds_cmd_bench_serve(int argc, char **argv) {
         for (int i = 0; i < num_prompts; i++)
             b.reqs[i].input_len = input_len, b.reqs[i].max_tokens = output_len;
     }
-    ds_rng rng;
-    ds_rng_seed(&rng, (uint64_t)seed ^ 0xa5a5a5a5ull);
-    double t = 0;
-    for (int i = 0; i < num_prompts; i++) {
-        if (rate > 0) t += -log(1.0 - ds_rng_uniform(&rng)) / rate; /* exponential gaps */
-        b.reqs[i].arrival = t;
-    }
+    bench_arrivals(&b, rate, (uint64_t)seed);
 
     fprintf(stderr, "[bench] %d requests to %s (model '%s'), concurrency %d, rate %s\n",
             num_prompts, base, model_name, concurrency, rate > 0 ? "poisson" : "inf");
@@ -453,113 +599,12 @@ int ds_cmd_bench_serve(int argc, char **argv) {
     int n_threads = DS_MIN(concurrency, num_prompts);
     for (int i = 0; i < n_threads; i++) pthread_create(&th[i], NULL, client_thread, &b);
     for (int i = 0; i < n_threads; i++) pthread_join(th[i], NULL);
-    double duration = ds_now() - b.t0;
+    bench_summary sum = {.duration = ds_now() - b.t0};
     fprintf(stderr, "\n");
-
-    /* aggregate */
-    int completed = 0, failed = 0, n_itl = 0;
-    long long in_tok = 0, out_tok = 0;
-    for (int i = 0; i < num_prompts; i++) {
-        bench_req *r = &b.reqs[i];
-        if (!r->ok) {
-            if (failed++ < 5) fprintf(stderr, "[bench] request %d failed: %s\n", i, r->err);
-            continue;
-        }
-        completed++;
-        in_tok += r->prompt_tokens;
-        out_tok += r->output_tokens;
-        n_itl += r->n_itl;
-    }
-    vals = malloc((size_t)(DS_MAX(n_itl, num_prompts) + 1) * sizeof *vals);
-    if (!vals) goto out;
-    stat3 st[4]; /* ttft, tpot, itl, e2e */
-    const char *names[4] = {"ttft", "tpot", "itl", "e2el"};
-    for (int m = 0; m < 4; m++) {
-        int k = 0;
-        for (int i = 0; i < num_prompts; i++) {
-            bench_req *r = &b.reqs[i];
-            if (!r->ok) continue;
-            if (m == 0) vals[k++] = r->ttft;
-            if (m == 1 && r->output_tokens > 1)
-                vals[k++] = (r->e2e - r->ttft) / (r->output_tokens - 1);
-            if (m == 2)
-                for (int q = 0; q < r->n_itl; q++) vals[k++] = r->itl[q];
-            if (m == 3) vals[k++] = r->e2e;
-        }
-        st[m] = stats_ms(vals, k);
-    }
-
-    const char *titles[4] = {"Time to First Token", "Time per Output Token (excl. 1st token)",
-                             "Inter-token Latency", "End-to-end Latency"};
-    const char *abbr[4] = {"TTFT", "TPOT", "ITL", "E2EL"};
-    printf("============ Serving Benchmark Result ============\n");
-    printf("%-40s %d\n", "Successful requests:", completed);
-    printf("%-40s %d\n", "Failed requests:", failed);
-    printf("%-40s %d\n", "Maximum request concurrency:", concurrency);
-    if (rate > 0)
-        printf("%-40s %.2f\n", "Request rate configured (RPS):", rate);
-    else
-        printf("%-40s %s\n", "Request rate configured (RPS):", "inf");
-    printf("%-40s %.2f\n", "Benchmark duration (s):", duration);
-    printf("%-40s %lld\n", "Total input tokens:", in_tok);
-    printf("%-40s %lld\n", "Total generated tokens:", out_tok);
-    printf("%-40s %.2f\n", "Request throughput (req/s):", completed / duration);
-    printf("%-40s %.2f\n", "Output token throughput (tok/s):", out_tok / duration);
-    printf("%-40s %.2f\n", "Total Token throughput (tok/s):", (in_tok + out_tok) / duration);
-    for (int m = 0; m < 4; m++) {
-        int pad = (50 - 2 - (int)strlen(titles[m])) / 2;
-        printf("%.*s%s%.*s\n", pad, "--------------------------------------------------", titles[m],
-               50 - pad - (int)strlen(titles[m]),
-               "--------------------------------------------------");
-        char label[64];
-        snprintf(label, sizeof label, "Mean %s (ms):", abbr[m]);
-        printf("%-40s %.2f\n", label, st[m].mean);
-        snprintf(label, sizeof label, "Median %s (ms):", abbr[m]);
-        printf("%-40s %.2f\n", label, st[m].median);
-        snprintf(label, sizeof label, "P99 %s (ms):", abbr[m]);
-        printf("%-40s %.2f\n", label, st[m].p99);
-    }
-    printf("==================================================\n");
-
-    if (out_path) {
-        json_t *j = json_pack("{s:s, s:s, s:i, s:i, s:i, s:f, s:f, s:I, s:I, s:f, s:f, s:f}", "url",
-                              base, "model", model_name, "num_prompts", num_prompts, "completed",
-                              completed, "failed", failed, "request_rate", rate, "duration",
-                              duration, "total_input_tokens", (json_int_t)in_tok,
-                              "total_output_tokens", (json_int_t)out_tok, "request_throughput",
-                              completed / duration, "output_throughput", out_tok / duration,
-                              "total_token_throughput", (in_tok + out_tok) / duration);
-        json_object_set_new(j, "max_concurrency", json_integer(concurrency));
-        for (int m = 0; m < 4; m++) {
-            char k[48];
-            snprintf(k, sizeof k, "mean_%s_ms", names[m]);
-            json_object_set_new(j, k, json_real(st[m].mean));
-            snprintf(k, sizeof k, "median_%s_ms", names[m]);
-            json_object_set_new(j, k, json_real(st[m].median));
-            snprintf(k, sizeof k, "p99_%s_ms", names[m]);
-            json_object_set_new(j, k, json_real(st[m].p99));
-        }
-        json_t *il = json_array(), *ol = json_array(), *tt = json_array(), *er = json_array();
-        for (int i = 0; i < num_prompts; i++) {
-            bench_req *r = &b.reqs[i];
-            json_array_append_new(il, json_integer(r->prompt_tokens));
-            json_array_append_new(ol, json_integer(r->output_tokens));
-            json_array_append_new(tt, json_real(r->ok ? r->ttft : 0));
-            json_array_append_new(er, json_string(r->err));
-        }
-        json_object_set_new(j, "input_lens", il);
-        json_object_set_new(j, "output_lens", ol);
-        json_object_set_new(j, "ttfts", tt);
-        json_object_set_new(j, "errors", er);
-        if (json_dump_file(j, out_path, JSON_INDENT(2))) {
-            fprintf(stderr, "bench serve: could not write %s\n", out_path);
-            json_decref(j);
-            goto out;
-        }
-        json_decref(j);
-        fprintf(stderr, "[bench] results written to %s\n", out_path);
-    }
-    status = failed ? 1 : 0;
+    if (bench_summarize(&b, &sum)) goto out;
+    bench_print(&sum, concurrency, rate);
+    if (out_path && bench_write_json(out_path, &b, &sum, concurrency, rate)) goto out;
+    status = sum.failed ? 1 : 0;
 out:
     for (int i = 0; b.reqs && i < num_prompts; i++) {
         free(b.reqs[i].prompt_text);
@@ -567,7 +612,6 @@ out:
     }
     free(b.reqs);
     free(th);
-    free(vals);
     free(model_name);
     pthread_mutex_destroy(&b.print_mu);
     curl_global_cleanup();

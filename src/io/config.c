@@ -250,13 +250,10 @@ static int parse_layer_kinds(const scope *lin, ds_config *cfg) {
     return DS_OK;
 }
 
-/* Reads the text model's keys from `t` (root or root.text_config); `root` supplies token ids.
- * k3 selects the defaults of K3's own config class where MODEL_SPEC §1 lists two defaults
- * (HF-K3 vs transformers), since that is the class that would have read the file. */
-static int parse_text(const scope *root, const scope *t, int k3, ds_config *c) {
+/* parse_text's part: the sizes and rms_norm_eps. */
+static int text_sizes(const scope *t, int k3, ds_config *c) {
     ds_err *err = t->err;
     double d;
-    int p;
 
     /* Sizes */
     if (sc_int(t, "vocab_size", NULL, 0, 163840, &c->vocab_size, NULL) ||
@@ -274,6 +271,14 @@ static int parse_text(const scope *root, const scope *t, int k3, ds_config *c) {
         return ds_errf(err, "%s: key '%srms_norm_eps': expected a value in (0, 1), found %g",
                        t->what, t->prefix, d);
     c->rms_norm_eps = (float)d;
+    return DS_OK;
+}
+
+/* parse_text's part: the FFN activation and its betas. */
+static int text_activation(const scope *t, ds_config *c) {
+    ds_err *err = t->err;
+    double d;
+    int p;
 
     /* Activation */
     const char *act;
@@ -297,6 +302,12 @@ static int parse_text(const scope *root, const scope *t, int k3, ds_config *c) {
         return ds_errf(err, "%s: key '%sactivation_situ_linear_beta': expected > 0, found %g",
                        t->what, t->prefix, d);
     c->situ_linear_beta = (float)d;
+    return DS_OK;
+}
+
+/* parse_text's part: MLA's heads and ranks; the dimensions are checked by text_layers, once it is
+ * known whether any layer is MLA. */
+static int text_mla(const scope *t, ds_config *c) {
 
     /* MLA; dimensions are checked once we know whether any MLA layer exists. */
     if (sc_int(t, "num_attention_heads", NULL, 1, 0, &c->num_attention_heads, NULL)) return DS_ERR;
@@ -316,6 +327,14 @@ static int parse_text(const scope *root, const scope *t, int k3, ds_config *c) {
         sc_int(t, "qk_rope_head_dim", NULL, 0, 0, &c->qk_rope_head_dim, NULL) ||
         sc_int(t, "v_head_dim", NULL, 0, 0, &c->v_head_dim, NULL))
         return DS_ERR;
+    return DS_OK;
+}
+
+/* parse_text's part: linear_attn_config (KDA) and which layer is KDA or MLA, then the dimensions
+ * the present kinds need. */
+static int text_layers(const scope *t, ds_config *c) {
+    ds_err *err = t->err;
+    double d;
 
     /* KDA: linear_attn_config */
     const json_t *lin_obj;
@@ -355,6 +374,14 @@ static int parse_text(const scope *root, const scope *t, int k3, ds_config *c) {
             if (check_range(t, need[i], vals[i], 1, -1)) return DS_ERR;
         }
     }
+    return DS_OK;
+}
+
+/* parse_text's part: the FFN / MoE keys (DeepSeek spellings accepted, as ATOM's
+ * _normalize_kimi_config does). */
+static int text_moe(const scope *t, int k3, ds_config *c) {
+    ds_err *err = t->err;
+    double d;
 
     /* FFN / MoE (DeepSeek spellings accepted, as ATOM's _normalize_kimi_config does) */
     if (sc_int(t, "num_experts", "n_routed_experts", 0, 0, &c->num_experts, NULL) ||
@@ -415,6 +442,12 @@ static int parse_text(const scope *root, const scope *t, int k3, ds_config *c) {
                            t->what, t->prefix, c->num_experts_per_token, c->topk_group,
                            c->num_experts / c->num_expert_group);
     }
+    return DS_OK;
+}
+
+/* parse_text's part: AttnRes, MTP, the context length, tie_word_embeddings and the token ids
+ * (`root` supplies these first). */
+static int text_context(const scope *root, const scope *t, ds_config *c) {
 
     /* AttnRes, MTP, context */
     if (sc_int(t, "attn_res_block_size", NULL, 0, 0, &c->attn_res_block_size, NULL) ||
@@ -448,6 +481,16 @@ static int parse_text(const scope *root, const scope *t, int k3, ds_config *c) {
             sc_int(second, ids[i], NULL, 0, defs[i], outs[i], NULL))
             return DS_ERR;
     }
+    return DS_OK;
+}
+
+/* Reads the text model's keys from `t` (root or root.text_config); `root` supplies token ids.
+ * k3 selects the defaults of K3's own config class where MODEL_SPEC §1 lists two defaults
+ * (HF-K3 vs transformers), since that is the class that would have read the file. */
+static int parse_text(const scope *root, const scope *t, int k3, ds_config *c) {
+    if (text_sizes(t, k3, c) || text_activation(t, c) || text_mla(t, c) || text_layers(t, c) ||
+        text_moe(t, k3, c) || text_context(root, t, c))
+        return DS_ERR;
     return DS_OK;
 }
 
@@ -577,6 +620,48 @@ static int parse_draft_rope(const scope *s, int64_t max_pos, ds_draft_config *c)
     return DS_OK;
 }
 
+/* draft_from_root's part: which target layers the draft taps (target_layer_ids, ascending, -1
+ * for the embedding output) and the target's sizes they imply. */
+static int draft_taps(const scope *s, ds_draft_config *c) {
+    ds_err *err = s->err;
+    const char *what = s->what;
+    if (sc_int(s, "num_target_layers", NULL, 1, 0, &c->num_target_layers, NULL) ||
+        sc_int(s, "target_hidden_size", NULL, 1, 0, &c->target_hidden_size, NULL) ||
+        sc_int(s, "target_num_hidden_layers", NULL, 1, 0, &c->target_num_hidden_layers, NULL) ||
+        check_range(s, "num_target_layers", c->num_target_layers, 1, DS_MAX_TAPS) ||
+        check_range(s, "target_hidden_size", c->target_hidden_size, 1, -1) ||
+        check_range(s, "target_num_hidden_layers", c->target_num_hidden_layers, 1, DS_MAX_LAYERS))
+        return DS_ERR;
+    const json_t *ids;
+    if (sc_arr(s, "target_layer_ids", 1, &ids)) return DS_ERR;
+    if ((int)json_array_size(ids) != c->num_target_layers)
+        return ds_errf(err,
+                       "%s: key 'target_layer_ids': expected %d entries (num_target_layers), "
+                       "found %zu",
+                       what, c->num_target_layers, json_array_size(ids));
+    size_t i;
+    const json_t *v;
+    json_array_foreach(ids, i, v) {
+        if (!json_is_integer(v))
+            return ds_errf(err, "%s: key 'target_layer_ids': entry %zu: expected integer, found %s",
+                           what, i, ds_json_type_name(v));
+        json_int_t id = json_integer_value(v);
+        /* -1 taps the embedding output (HF hidden_states[0]); L taps the output of layer L. */
+        if (id < -1 || id >= c->target_num_hidden_layers)
+            return ds_errf(err,
+                           "%s: key 'target_layer_ids': entry %zu = %lld is outside {-1} u [0, "
+                           "%d) (target_num_hidden_layers)",
+                           what, i, (long long)id, c->target_num_hidden_layers);
+        if (i > 0 && id <= c->target_layer_ids[i - 1])
+            return ds_errf(err,
+                           "%s: key 'target_layer_ids': ids must be strictly ascending, found %d "
+                           "then %lld",
+                           what, c->target_layer_ids[i - 1], (long long)id);
+        c->target_layer_ids[i] = (int)id;
+    }
+    return DS_OK;
+}
+
 static int draft_from_root(const json_t *root, const char *what, ds_draft_config *c, ds_err *err) {
     memset(c, 0, sizeof *c);
     scope s = {what, "", root, err};
@@ -642,41 +727,7 @@ static int draft_from_root(const json_t *root, const char *what, ds_draft_config
     if (!(c->rope_theta > 0))
         return ds_errf(err, "%s: key 'rope_theta': expected > 0, found %g", what, c->rope_theta);
 
-    /* Taps */
-    if (sc_int(&s, "num_target_layers", NULL, 1, 0, &c->num_target_layers, NULL) ||
-        sc_int(&s, "target_hidden_size", NULL, 1, 0, &c->target_hidden_size, NULL) ||
-        sc_int(&s, "target_num_hidden_layers", NULL, 1, 0, &c->target_num_hidden_layers, NULL) ||
-        check_range(&s, "num_target_layers", c->num_target_layers, 1, DS_MAX_TAPS) ||
-        check_range(&s, "target_hidden_size", c->target_hidden_size, 1, -1) ||
-        check_range(&s, "target_num_hidden_layers", c->target_num_hidden_layers, 1, DS_MAX_LAYERS))
-        return DS_ERR;
-    const json_t *ids;
-    if (sc_arr(&s, "target_layer_ids", 1, &ids)) return DS_ERR;
-    if ((int)json_array_size(ids) != c->num_target_layers)
-        return ds_errf(err,
-                       "%s: key 'target_layer_ids': expected %d entries (num_target_layers), "
-                       "found %zu",
-                       what, c->num_target_layers, json_array_size(ids));
-    size_t i;
-    const json_t *v;
-    json_array_foreach(ids, i, v) {
-        if (!json_is_integer(v))
-            return ds_errf(err, "%s: key 'target_layer_ids': entry %zu: expected integer, found %s",
-                           what, i, ds_json_type_name(v));
-        json_int_t id = json_integer_value(v);
-        /* -1 taps the embedding output (HF hidden_states[0]); L taps the output of layer L. */
-        if (id < -1 || id >= c->target_num_hidden_layers)
-            return ds_errf(err,
-                           "%s: key 'target_layer_ids': entry %zu = %lld is outside {-1} u [0, "
-                           "%d) (target_num_hidden_layers)",
-                           what, i, (long long)id, c->target_num_hidden_layers);
-        if (i > 0 && id <= c->target_layer_ids[i - 1])
-            return ds_errf(err,
-                           "%s: key 'target_layer_ids': ids must be strictly ascending, found %d "
-                           "then %lld",
-                           what, c->target_layer_ids[i - 1], (long long)id);
-        c->target_layer_ids[i] = (int)id;
-    }
+    if (draft_taps(&s, c)) return DS_ERR;
 
     if (sc_int(&s, "mask_token_id", NULL, 1, 0, &c->mask_token_id, NULL) ||
         check_range(&s, "mask_token_id", c->mask_token_id, 0, c->vocab_size - 1) ||

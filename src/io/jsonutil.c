@@ -1,3 +1,4 @@
+/* jsonutil.c — see jsonutil.h. */
 #include "io/jsonutil.h"
 
 const char *ds_json_type_name(const json_t *v) {
@@ -10,8 +11,8 @@ const char *ds_json_type_name(const json_t *v) {
         return "string";
     case JSON_INTEGER:
         return "integer";
-    case JSON_REAL:
-        return "real";
+    case JSON_REAL: /* JSON has numbers; integer vs real is jansson's distinction */
+        return "number";
     case JSON_TRUE:
     case JSON_FALSE:
         return "boolean";

@@ -1,5 +1,5 @@
-/* safetensors.c — mmap-backed safetensors reader (one file or an index-named shard set) and a
- * writer.
+/* safetensors.c — the mmap-backed safetensors reader (one file or an index-named shard set), the
+ * dtypes, and the conversion of float tensors to f32; the writer is in safetensors_write.c.
  *
  * File layout: u64 little-endian N | N bytes of JSON header | data section. The header maps each
  * tensor name to {"dtype", "shape", "data_offsets": [begin, end]} with offsets relative to the
@@ -11,6 +11,7 @@
  * table (a checkpoint can hold ~100k tensors). */
 #include "io/safetensors.h"
 #include "io/jsonutil.h"
+#include "io/strtab.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -47,70 +48,6 @@ static int dtype_from_name(const char *s, ds_dtype *out) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * String hash table: maps a name to an index into its owner's array. The owner supplies the
- * names through name_at(), so the table stores only indices. */
-
-typedef const char *(*name_at_fn)(const void *ctx, int i);
-
-typedef struct strtab {
-    int *slot;  /* [cap] index + 1 into the owner's array; 0 = empty */
-    size_t cap; /* power of two, kept >= 2 x n so probes stay short */
-    int n;
-} strtab;
-
-static uint64_t hash_str(const char *s) {
-    uint64_t h = 1469598103934665603ull; /* FNV-1a, then a final mix for the low bits */
-    for (; *s; s++) h = (h ^ (uint8_t)*s) * 1099511628211ull;
-    h ^= h >> 33;
-    h *= 0xff51afd7ed558ccdull;
-    h ^= h >> 33;
-    return h;
-}
-
-static int strtab_find(const strtab *t, const char *key, name_at_fn name_at, const void *ctx) {
-    if (!t->cap) return -1;
-    for (size_t i = hash_str(key) & (t->cap - 1);; i = (i + 1) & (t->cap - 1)) {
-        int s = t->slot[i];
-        if (!s) return -1;
-        if (strcmp(name_at(ctx, s - 1), key) == 0) return s - 1;
-    }
-}
-
-static void strtab_put_slot(strtab *t, int idx, const char *key) {
-    size_t i = hash_str(key) & (t->cap - 1);
-    while (t->slot[i]) i = (i + 1) & (t->cap - 1);
-    t->slot[i] = idx + 1;
-}
-
-/* Inserts idx under key. Returns -1 when inserted, the existing index when key is already there,
- * -2 when out of memory. */
-static int strtab_insert(strtab *t, int idx, const char *key, name_at_fn name_at, const void *ctx,
-                         ds_err *err) {
-    int found = strtab_find(t, key, name_at, ctx);
-    if (found >= 0) return found;
-    if ((size_t)(t->n + 1) * 2 > t->cap) {
-        size_t ncap = t->cap ? t->cap * 2 : 64;
-        int *ns = ds_calloc(ncap, sizeof *ns, err);
-        if (!ns) return -2;
-        int *old = t->slot;
-        size_t ocap = t->cap;
-        t->slot = ns;
-        t->cap = ncap;
-        for (size_t i = 0; i < ocap; i++)
-            if (old[i]) strtab_put_slot(t, old[i] - 1, name_at(ctx, old[i] - 1));
-        free(old);
-    }
-    strtab_put_slot(t, idx, key);
-    t->n++;
-    return -1;
-}
-
-static void strtab_free(strtab *t) {
-    free(t->slot);
-    memset(t, 0, sizeof *t);
-}
-
-/* ---------------------------------------------------------------------------------------------
  * Reader */
 
 typedef struct st_file {
@@ -126,7 +63,7 @@ struct ds_st {
     int nfiles, files_cap;
     ds_tensor *tensors; /* [count] in file order, then header order */
     int count, cap;
-    strtab by_name;
+    ds_strtab by_name;
 };
 
 static const char *tensor_name_at(const void *ctx, int i) {
@@ -380,7 +317,7 @@ static int load_file(ds_st *st, const char *path, ds_err *err) {
 /* Builds the name index over every tensor; a name in two files is an error. */
 static int build_index(ds_st *st, ds_err *err) {
     for (int i = 0; i < st->count; i++) {
-        int prev = strtab_insert(&st->by_name, i, st->tensors[i].name, tensor_name_at, st, err);
+        int prev = ds_strtab_insert(&st->by_name, i, st->tensors[i].name, tensor_name_at, st, err);
         if (prev == -2) return DS_ERR;
         if (prev >= 0)
             return ds_errf(err, "%s: tensor '%s' appears twice: in '%s' and in '%s'", st->path,
@@ -454,7 +391,7 @@ static int open_index(ds_st *st, const char *dir, const char *index_path, ds_err
                        je.column, je.text);
     int rc = DS_OK;
     shard_list sl = {0};
-    strtab shard_tab = {0};
+    ds_strtab shard_tab = {0};
     json_t *wm = json_is_object(root) ? json_object_get(root, "weight_map") : NULL;
     if (!wm || !json_is_object(wm)) {
         rc = ds_errf(err, "%s: missing required key 'weight_map' (an object of tensor -> file)",
@@ -490,7 +427,7 @@ static int open_index(ds_st *st, const char *dir, const char *index_path, ds_err
             sl.cap = ncap;
         }
         sl.names[sl.n] = fname;
-        int prev = strtab_insert(&shard_tab, sl.n, fname, shard_name_at, &sl, err);
+        int prev = ds_strtab_insert(&shard_tab, sl.n, fname, shard_name_at, &sl, err);
         if (prev == -2) {
             rc = DS_ERR;
             goto done;
@@ -515,7 +452,7 @@ static int open_index(ds_st *st, const char *dir, const char *index_path, ds_err
     /* The index must describe the shards truthfully. Shard i is file i (opened in order). */
     json_object_foreach(wm, tname, fv) {
         const char *fname = json_string_value(fv);
-        int si = strtab_find(&shard_tab, fname, shard_name_at, &sl);
+        int si = ds_strtab_find(&shard_tab, fname, shard_name_at, &sl);
         const ds_tensor *t = ds_st_find(st, tname);
         if (!t) {
             rc = ds_errf(err, "%s: tensor '%s' is mapped to '%s' but that shard does not hold it",
@@ -530,7 +467,7 @@ static int open_index(ds_st *st, const char *dir, const char *index_path, ds_err
     }
 done:
     free(sl.names);
-    strtab_free(&shard_tab);
+    ds_strtab_free(&shard_tab);
     json_decref(root);
     return rc;
 }
@@ -611,7 +548,7 @@ void ds_st_close(ds_st *st) {
         free(st->files[i].path);
     }
     free(st->files);
-    strtab_free(&st->by_name);
+    ds_strtab_free(&st->by_name);
     free(st->path);
     free(st);
 }
@@ -626,7 +563,7 @@ const ds_tensor *ds_st_at(const ds_st *st, int i) {
 
 const ds_tensor *ds_st_find(const ds_st *st, const char *name) {
     if (!st || !name) return NULL;
-    int i = strtab_find(&st->by_name, name, tensor_name_at, st);
+    int i = ds_strtab_find(&st->by_name, name, tensor_name_at, st);
     return i >= 0 ? &st->tensors[i] : NULL;
 }
 
@@ -716,308 +653,4 @@ int ds_tensor_to_f32(const ds_tensor *t, float *dst, ds_err *err) {
                        ds_dtype_name(t->dtype));
     }
     return DS_OK;
-}
-
-/* ---------------------------------------------------------------------------------------------
- * Writer */
-
-typedef struct wr_tensor {
-    char *name;
-    ds_dtype dtype;
-    int ndim;
-    int64_t shape[DS_MAX_DIMS];
-    void *data; /* [nbytes] private copy */
-    size_t nbytes;
-} wr_tensor;
-
-struct ds_st_writer {
-    wr_tensor *t; /* [n] in insertion order (= header order) */
-    int n, cap;
-    strtab by_name;
-    char **meta; /* [2 * nmeta] key, value pairs in insertion order */
-    int nmeta;
-    size_t bytes; /* sum of nbytes */
-};
-
-static const char *wr_name_at(const void *ctx, int i) {
-    return ((const ds_st_writer *)ctx)->t[i].name;
-}
-
-ds_st_writer *ds_st_writer_new(ds_err *err) {
-    return ds_calloc(1, sizeof(ds_st_writer), err);
-}
-
-void ds_st_writer_free(ds_st_writer *w) {
-    if (!w) return;
-    for (int i = 0; i < w->n; i++) {
-        free(w->t[i].name);
-        free(w->t[i].data);
-    }
-    free(w->t);
-    for (int i = 0; i < 2 * w->nmeta; i++) free(w->meta[i]);
-    free(w->meta);
-    strtab_free(&w->by_name);
-    free(w);
-}
-
-size_t ds_st_writer_bytes(const ds_st_writer *w) {
-    return w ? w->bytes : 0;
-}
-
-int ds_st_writer_add(ds_st_writer *w, const char *name, ds_dtype dtype, int ndim,
-                     const int64_t *shape, const void *data, ds_err *err) {
-    if (!w || !name || !*name) return ds_errf(err, "safetensors writer: empty tensor name");
-    if (strcmp(name, "__metadata__") == 0)
-        return ds_errf(err, "safetensors writer: '__metadata__' is reserved, not a tensor name");
-    if ((unsigned)dtype >= DS_DT_COUNT)
-        return ds_errf(err, "safetensors writer: tensor '%s': invalid dtype %d", name, (int)dtype);
-    if (ndim < 0 || ndim > DS_MAX_DIMS)
-        return ds_errf(err, "safetensors writer: tensor '%s': ndim %d outside [0, %d]", name, ndim,
-                       DS_MAX_DIMS);
-    uint64_t numel = 1, nbytes;
-    for (int i = 0; i < ndim; i++) {
-        if (shape[i] < 0)
-            return ds_errf(err, "safetensors writer: tensor '%s': shape[%d] = %lld is negative",
-                           name, i, (long long)shape[i]);
-        if (__builtin_mul_overflow(numel, (uint64_t)shape[i], &numel))
-            return ds_errf(err, "safetensors writer: tensor '%s': shape overflows", name);
-    }
-    if (__builtin_mul_overflow(numel, (uint64_t)ds_dtype_size(dtype), &nbytes) ||
-        nbytes > (uint64_t)SIZE_MAX / 2)
-        return ds_errf(err, "safetensors writer: tensor '%s': shape overflows", name);
-    if (nbytes && !data)
-        return ds_errf(err, "safetensors writer: tensor '%s': no data for %llu bytes", name,
-                       (unsigned long long)nbytes);
-    if (strtab_find(&w->by_name, name, wr_name_at, w) >= 0)
-        return ds_errf(err, "safetensors writer: tensor '%s' added twice", name);
-    if (w->n == w->cap) {
-        int ncap = w->cap ? w->cap * 2 : 32;
-        wr_tensor *nt = realloc(w->t, (size_t)ncap * sizeof *nt);
-        if (!nt) return ds_errf(err, "safetensors writer: out of memory");
-        w->t = nt;
-        w->cap = ncap;
-    }
-    wr_tensor *t = &w->t[w->n];
-    memset(t, 0, sizeof *t);
-    t->name = strdup(name);
-    t->data = ds_malloc((size_t)nbytes, err);
-    if (!t->name || !t->data) {
-        free(t->name);
-        free(t->data);
-        return ds_errf(err, "safetensors writer: tensor '%s': out of memory (%llu bytes)", name,
-                       (unsigned long long)nbytes);
-    }
-    if (nbytes) memcpy(t->data, data, (size_t)nbytes);
-    t->dtype = dtype;
-    t->ndim = ndim;
-    for (int i = 0; i < ndim; i++) t->shape[i] = shape[i];
-    t->nbytes = (size_t)nbytes;
-    if (strtab_insert(&w->by_name, w->n, name, wr_name_at, w, err) == -2) {
-        free(t->name);
-        free(t->data);
-        return DS_ERR;
-    }
-    w->n++;
-    w->bytes += t->nbytes;
-    return DS_OK;
-}
-
-int ds_st_writer_set_metadata(ds_st_writer *w, const char *key, const char *value, ds_err *err) {
-    if (!w || !key || !value)
-        return ds_errf(err, "safetensors writer: metadata needs a key and value");
-    for (int i = 0; i < w->nmeta; i++)
-        if (strcmp(w->meta[2 * i], key) == 0) {
-            char *v = strdup(value);
-            if (!v) return ds_errf(err, "safetensors writer: out of memory");
-            free(w->meta[2 * i + 1]);
-            w->meta[2 * i + 1] = v;
-            return DS_OK;
-        }
-    char **nm = realloc(w->meta, (size_t)(w->nmeta + 1) * 2 * sizeof *nm);
-    if (!nm) return ds_errf(err, "safetensors writer: out of memory");
-    w->meta = nm;
-    char *k = strdup(key), *v = strdup(value);
-    if (!k || !v) {
-        free(k);
-        free(v);
-        return ds_errf(err, "safetensors writer: out of memory");
-    }
-    w->meta[2 * w->nmeta] = k;
-    w->meta[2 * w->nmeta + 1] = v;
-    w->nmeta++;
-    return DS_OK;
-}
-
-/* A growable byte buffer for the header text. */
-typedef struct sbuf {
-    char *p;
-    size_t len, cap;
-    int oom;
-} sbuf;
-
-static void sb_put(sbuf *b, const char *s, size_t n) {
-    if (b->oom) return;
-    if (b->len + n + 1 > b->cap) {
-        size_t ncap = (b->len + n + 1) * 2;
-        char *np = realloc(b->p, ncap);
-        if (!np) {
-            b->oom = 1;
-            return;
-        }
-        b->p = np;
-        b->cap = ncap;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = 0;
-}
-
-static void sb_str(sbuf *b, const char *s) {
-    sb_put(b, s, strlen(s));
-}
-
-static void sb_fmt(sbuf *b, const char *fmt, long long v) {
-    char tmp[32];
-    int n = snprintf(tmp, sizeof tmp, fmt, v);
-    sb_put(b, tmp, (size_t)n);
-}
-
-/* A JSON string literal; bytes >= 0x80 pass through (the name is expected to be UTF-8). */
-static void sb_json_str(sbuf *b, const char *s) {
-    sb_put(b, "\"", 1);
-    for (; *s; s++) {
-        unsigned char c = (unsigned char)*s;
-        if (c == '"' || c == '\\') {
-            char esc[2] = {'\\', (char)c};
-            sb_put(b, esc, 2);
-        } else if (c < 0x20) {
-            sb_fmt(b, "\\u%04llx", c);
-        } else {
-            sb_put(b, (const char *)&c, 1);
-        }
-    }
-    sb_put(b, "\"", 1);
-}
-
-/* Data order: larger elements first (stable), so that with the header padded to 8 bytes every
- * tensor starts at a multiple of its element size. No gaps: the Python safetensors reader
- * rejects holes between tensors. */
-static int wr_order_cmp(const void *a, const void *b, void *ctx) {
-    const ds_st_writer *w = ctx;
-    int x = *(const int *)a, y = *(const int *)b;
-    size_t sx = ds_dtype_size(w->t[x].dtype), sy = ds_dtype_size(w->t[y].dtype);
-    if (sx != sy) return sx > sy ? -1 : 1;
-    return x - y;
-}
-
-static int write_all(int fd, const void *p, size_t n) {
-    const uint8_t *q = p;
-    while (n) {
-        ssize_t k = write(fd, q, n > (1u << 30) ? (1u << 30) : n);
-        if (k < 0) {
-            if (errno == EINTR) continue;
-            return -1;
-        }
-        q += k;
-        n -= (size_t)k;
-    }
-    return 0;
-}
-
-int ds_st_writer_write(ds_st_writer *w, const char *path, ds_err *err) {
-    if (!w || !path) return ds_errf(err, "safetensors writer: no writer or path");
-    int *order = ds_malloc((size_t)(w->n ? w->n : 1) * sizeof *order, err);    /* [n] data order */
-    size_t *begin = ds_malloc((size_t)(w->n ? w->n : 1) * sizeof *begin, err); /* [n] offsets */
-    if (!order || !begin) {
-        free(order);
-        free(begin);
-        return ds_errf(err, "%s: out of memory", path);
-    }
-    for (int i = 0; i < w->n; i++) order[i] = i;
-    qsort_r(order, (size_t)w->n, sizeof *order, wr_order_cmp, w);
-    size_t off = 0;
-    for (int i = 0; i < w->n; i++) {
-        begin[order[i]] = off;
-        off += w->t[order[i]].nbytes;
-    }
-
-    sbuf h = {0};
-    sb_str(&h, "{");
-    int first = 1;
-    if (w->nmeta) {
-        sb_str(&h, "\"__metadata__\":{");
-        for (int i = 0; i < w->nmeta; i++) {
-            if (i) sb_str(&h, ",");
-            sb_json_str(&h, w->meta[2 * i]);
-            sb_str(&h, ":");
-            sb_json_str(&h, w->meta[2 * i + 1]);
-        }
-        sb_str(&h, "}");
-        first = 0;
-    }
-    for (int i = 0; i < w->n; i++) {
-        const wr_tensor *t = &w->t[i];
-        if (!first) sb_str(&h, ",");
-        first = 0;
-        sb_json_str(&h, t->name);
-        sb_str(&h, ":{\"dtype\":\"");
-        sb_str(&h, ds_dtype_name(t->dtype));
-        sb_str(&h, "\",\"shape\":[");
-        for (int d = 0; d < t->ndim; d++) sb_fmt(&h, d ? ",%lld" : "%lld", (long long)t->shape[d]);
-        sb_fmt(&h, "],\"data_offsets\":[%lld", (long long)begin[i]);
-        sb_fmt(&h, ",%lld]}", (long long)(begin[i] + t->nbytes));
-    }
-    sb_str(&h, "}");
-    while (h.len % 8) sb_str(&h, " "); /* data section starts 8-aligned */
-    free(begin);
-    if (h.oom) {
-        free(order);
-        free(h.p);
-        return ds_errf(err, "%s: out of memory building the header", path);
-    }
-
-    /* Temporary file in the same directory, so rename() is atomic and never crosses devices. */
-    size_t tl = strlen(path) + 16;
-    char *tmp = ds_malloc(tl, err);
-    if (!tmp) {
-        free(order);
-        free(h.p);
-        return DS_ERR;
-    }
-    snprintf(tmp, tl, "%s.tmp.XXXXXX", path);
-    int rc = DS_OK;
-    int fd = mkstemp(tmp);
-    if (fd < 0) {
-        rc = ds_errf(err, "%s: cannot create temporary file %s: %s", path, tmp, strerror(errno));
-        goto out;
-    }
-    uint8_t len8[8];
-    for (int i = 0; i < 8; i++) len8[i] = (uint8_t)((uint64_t)h.len >> (8 * i));
-    int bad = write_all(fd, len8, 8) || write_all(fd, h.p, h.len);
-    for (int i = 0; !bad && i < w->n; i++)
-        bad = write_all(fd, w->t[order[i]].data, w->t[order[i]].nbytes);
-    if (!bad) bad = fchmod(fd, 0644) || fsync(fd);
-    if (bad) {
-        int e = errno;
-        close(fd);
-        unlink(tmp);
-        rc = ds_errf(err, "%s: write failed: %s", path, strerror(e));
-        goto out;
-    }
-    if (close(fd) != 0) {
-        int e = errno;
-        unlink(tmp);
-        rc = ds_errf(err, "%s: write failed on close: %s", path, strerror(e));
-        goto out;
-    }
-    if (rename(tmp, path) != 0) {
-        int e = errno;
-        unlink(tmp);
-        rc = ds_errf(err, "%s: cannot rename %s into place: %s", path, tmp, strerror(e));
-    }
-out:
-    free(tmp);
-    free(order);
-    free(h.p);
-    return rc;
 }

@@ -121,19 +121,12 @@ static void counter(textbuf *t, const char *name, const char *help, const char *
     tb_printf(t, "deltaserve:%s{%s} %.17g\n", name, labels, v);
 }
 
-char *ds_metrics_render(ds_metrics *m, const ds_engine_stats *st, const char *model_name,
-                        size_t *len, ds_err *err) {
-    textbuf t = {0};
-    t.cap = 8192;
-    t.s = malloc(t.cap);
-    if (!t.s) {
-        ds_errf(err, "out of memory rendering metrics");
-        return NULL;
-    }
-    /* label values escape backslash, quote and newline (the exposition format's rule) */
-    char labels[600] = "model_name=\"";
+/* The labels every sample carries: model_name="NAME", the value escaped as the exposition format
+ * wants (backslash, quote and newline). labels[cap]. */
+static void format_labels(char *labels, size_t cap, const char *model_name) {
+    snprintf(labels, cap, "model_name=\"");
     size_t k = strlen(labels);
-    for (const char *p = model_name; *p && k < sizeof labels - 4; p++) {
+    for (const char *p = model_name; *p && k < cap - 4; p++) {
         if (*p == '\\' || *p == '"') labels[k++] = '\\';
         if (*p == '\n') {
             labels[k++] = '\\';
@@ -144,22 +137,31 @@ char *ds_metrics_render(ds_metrics *m, const ds_engine_stats *st, const char *mo
     }
     labels[k++] = '"';
     labels[k] = 0;
+}
 
-    gauge(&t, "num_requests_running", "Requests in the running batch.", labels, st->running);
-    gauge(&t, "num_requests_waiting", "Requests waiting to be scheduled.", labels, st->waiting);
-    gauge(&t, "kv_cache_usage_perc", "Fraction of MLA latent pages in use (1 = full).", labels,
+/* The engine's load and totals: running / waiting requests, pool use, tokens, steps. */
+static void render_engine(textbuf *t, const ds_engine_stats *st, const char *labels) {
+    gauge(t, "num_requests_running", "Requests in the running batch.", labels, st->running);
+    gauge(t, "num_requests_waiting", "Requests waiting to be scheduled.", labels, st->waiting);
+    gauge(t, "kv_cache_usage_perc", "Fraction of MLA latent pages in use (1 = full).", labels,
           st->pages_total ? (double)st->pages_used / st->pages_total : 0.0);
-    gauge(&t, "state_slot_usage_perc", "Fraction of KDA state slots in use (1 = full).", labels,
+    gauge(t, "state_slot_usage_perc", "Fraction of KDA state slots in use (1 = full).", labels,
           st->slots_total ? (double)st->slots_used / st->slots_total : 0.0);
-    counter(&t, "prompt_tokens_total", "Prompt tokens processed.", labels,
+    counter(t, "prompt_tokens_total", "Prompt tokens processed.", labels,
             (double)st->prompt_tokens_total);
-    counter(&t, "generation_tokens_total", "Tokens generated.", labels,
+    counter(t, "generation_tokens_total", "Tokens generated.", labels,
             (double)st->generation_tokens_total);
-    counter(&t, "num_preemptions_total", "Sequences preempted (to be recomputed).", labels,
+    counter(t, "num_preemptions_total", "Sequences preempted (to be recomputed).", labels,
             (double)st->preemptions_total);
-    counter(&t, "engine_steps_total", "Engine steps run.", labels, (double)st->steps_total);
-    counter(&t, "engine_step_seconds_total", "Seconds spent in forward passes and sampling.",
-            labels, st->step_seconds_total);
+    counter(t, "engine_steps_total", "Engine steps run.", labels, (double)st->steps_total);
+    counter(t, "engine_step_seconds_total", "Seconds spent in forward passes and sampling.", labels,
+            st->step_seconds_total);
+}
+
+/* The counters of the prefix cache, the offload tiers and speculative decoding (uint64_t fields
+ * of ds_engine_stats, by offset), the accepted drafts by position, the draft digest, and the
+ * finished requests by reason. */
+static void render_counters(textbuf *t, const ds_engine_stats *st, const char *labels) {
     /* prefix caching and offload: what the cache kept and why */
     static const struct {
         const char *name, *help;
@@ -214,52 +216,64 @@ char *ds_metrics_render(ds_metrics *m, const ds_engine_stats *st, const char *mo
          offsetof(ds_engine_stats, spec_fork_verifies)},
     };
     for (size_t i = 0; i < DS_ARRAY_LEN(CACHE); i++)
-        counter(&t, CACHE[i].name, CACHE[i].help, labels,
+        counter(t, CACHE[i].name, CACHE[i].help, labels,
                 (double)*(const uint64_t *)((const char *)st + CACHE[i].off));
 
-    metric_head(&t, "spec_decode_num_accepted_tokens_per_pos", "counter",
+    metric_head(t, "spec_decode_num_accepted_tokens_per_pos", "counter",
                 "Draft tokens accepted, by position in the draft block.");
     for (int i = 0; i < DS_MAX_SPEC; i++)
-        tb_printf(&t,
+        tb_printf(t,
                   "deltaserve:spec_decode_num_accepted_tokens_per_pos{%s,position=\"%d\"} %llu\n",
                   labels, i, (unsigned long long)st->spec_accepted_at[i]);
 
-    gauge(&t, "spec_decode_draft_digest",
+    gauge(t, "spec_decode_draft_digest",
           "Checksum of every draft token proposed so far, in order (equal in two runs that drafted "
           "the same tokens).",
           labels, (double)st->spec_draft_digest);
 
-    metric_head(&t, "request_success_total", "counter", "Finished requests by finish reason.");
-    static const struct {
-        ds_finish f;
-        const char *name;
-    } REASONS[] = {{DS_FINISH_STOP, "stop"},
-                   {DS_FINISH_LENGTH, "length"},
-                   {DS_FINISH_ABORT, "abort"},
-                   {DS_FINISH_ERROR, "error"}};
-    for (size_t i = 0; i < DS_ARRAY_LEN(REASONS); i++)
-        tb_printf(&t, "deltaserve:request_success_total{%s,finished_reason=\"%s\"} %llu\n", labels,
-                  REASONS[i].name, (unsigned long long)st->finished[REASONS[i].f]);
+    metric_head(t, "request_success_total", "counter", "Finished requests by finish reason.");
+    for (ds_finish f = DS_FINISH_STOP; f <= DS_FINISH_ERROR; f++)
+        tb_printf(t, "deltaserve:request_success_total{%s,finished_reason=\"%s\"} %llu\n", labels,
+                  ds_finish_name(f), (unsigned long long)st->finished[f]);
+}
 
+/* The latency histograms (a snapshot taken under the lock), cumulative as Prometheus wants. */
+static void render_histograms(textbuf *t, ds_metrics *m, const char *labels) {
     hist snap[DS_HIST_COUNT];
     pthread_mutex_lock(&m->mu);
     memcpy(snap, m->h, sizeof snap);
     pthread_mutex_unlock(&m->mu);
     for (int i = 0; i < DS_HIST_COUNT; i++) {
         const hist_def *d = &HISTS[i];
-        metric_head(&t, d->name, "histogram", d->help);
+        metric_head(t, d->name, "histogram", d->help);
         uint64_t cum = 0;
         for (int b = 0; b < d->n_bounds; b++) {
             cum += snap[i].counts[b];
-            tb_printf(&t, "deltaserve:%s_bucket{%s,le=\"%g\"} %llu\n", d->name, labels,
-                      d->bounds[b], (unsigned long long)cum);
+            tb_printf(t, "deltaserve:%s_bucket{%s,le=\"%g\"} %llu\n", d->name, labels, d->bounds[b],
+                      (unsigned long long)cum);
         }
-        tb_printf(&t, "deltaserve:%s_bucket{%s,le=\"+Inf\"} %llu\n", d->name, labels,
+        tb_printf(t, "deltaserve:%s_bucket{%s,le=\"+Inf\"} %llu\n", d->name, labels,
                   (unsigned long long)snap[i].count);
-        tb_printf(&t, "deltaserve:%s_sum{%s} %.17g\n", d->name, labels, snap[i].sum);
-        tb_printf(&t, "deltaserve:%s_count{%s} %llu\n", d->name, labels,
+        tb_printf(t, "deltaserve:%s_sum{%s} %.17g\n", d->name, labels, snap[i].sum);
+        tb_printf(t, "deltaserve:%s_count{%s} %llu\n", d->name, labels,
                   (unsigned long long)snap[i].count);
     }
+}
+
+char *ds_metrics_render(ds_metrics *m, const ds_engine_stats *st, const char *model_name,
+                        size_t *len, ds_err *err) {
+    textbuf t = {0};
+    t.cap = 8192;
+    t.s = malloc(t.cap);
+    if (!t.s) {
+        ds_errf(err, "out of memory rendering metrics");
+        return NULL;
+    }
+    char labels[600];
+    format_labels(labels, sizeof labels, model_name);
+    render_engine(&t, st, labels);
+    render_counters(&t, st, labels);
+    render_histograms(&t, m, labels);
     if (t.oom) {
         free(t.s);
         ds_errf(err, "out of memory rendering metrics");

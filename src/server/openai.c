@@ -8,6 +8,8 @@
  * model-made string goes through ds_oai_json_string_lossy. */
 #include "server/openai.h"
 
+#include "io/jsonutil.h"
+
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -119,26 +121,6 @@ static long long utf8_chars(const char *b, size_t n) {
 /* ---------------------------------------------------------------------------------------------
  * request parsing */
 
-static const char *json_type_name(const json_t *v) {
-    switch (json_typeof(v)) {
-    case JSON_OBJECT:
-        return "object";
-    case JSON_ARRAY:
-        return "array";
-    case JSON_STRING:
-        return "string";
-    case JSON_INTEGER:
-        return "integer";
-    case JSON_REAL:
-        return "number";
-    case JSON_TRUE:
-    case JSON_FALSE:
-        return "boolean";
-    default:
-        return "null";
-    }
-}
-
 /* o[key], treating an explicit null as absent (clients send null for "not given"). */
 static json_t *field(json_t *o, const char *key) {
     json_t *v = json_object_get(o, key);
@@ -147,7 +129,7 @@ static json_t *field(json_t *o, const char *key) {
 
 static int type_error(ds_oai_error *e, const char *key, const char *want, const json_t *v) {
     return ds_oai_errorf(e, 400, key, "invalid_type", "%s: expected %s, got %s", key, want,
-                         json_type_name(v));
+                         ds_json_type_name(v));
 }
 
 /* Reads an optional integer in [lo, hi]; *set says whether it was given. */
@@ -213,7 +195,7 @@ static int get_ids(json_t *arr, const char *key, int vocab_size, int32_t **ids, 
             if (!json_is_integer(x))
                 return ds_oai_errorf(e, 400, key, "invalid_type",
                                      "%s[%zu]: expected a token id (integer), got %s", key, i,
-                                     json_type_name(x));
+                                     ds_json_type_name(x));
             return ds_oai_errorf(e, 400, key, "invalid_value",
                                  "%s[%zu]: token id %lld is outside the vocabulary [0, %d)", key, i,
                                  t, vocab_size);
@@ -266,7 +248,7 @@ static int parse_stop(json_t *root, int vocab_size, ds_request_params *pp, ds_oa
             json_t *x = json_is_string(s) ? s : json_array_get(s, i);
             if (!json_is_string(x))
                 return ds_oai_errorf(e, 400, "stop", "invalid_type",
-                                     "stop[%zu]: expected a string, got %s", i, json_type_name(x));
+                                     "stop[%zu]: expected a string, got %s", i, ds_json_type_name(x));
             if (json_string_length(x) == 0) continue; /* matches everywhere: meaningless */
             if (strlen(json_string_value(x)) != json_string_length(x))
                 return ds_oai_errorf(e, 400, "stop", "invalid_value",
@@ -307,7 +289,7 @@ static int parse_chat(json_t *root, ds_oai_request *r, ds_oai_error *e) {
         if (!json_is_object(json_array_get(m, i)))
             return ds_oai_errorf(e, 400, "messages", "invalid_type",
                                  "messages[%zu]: expected an object, got %s", i,
-                                 json_type_name(json_array_get(m, i)));
+                                 ds_json_type_name(json_array_get(m, i)));
     r->messages_json = json_dumps(m, JSON_COMPACT);
     json_t *t = field(root, "tools");
     if (t) {
@@ -464,7 +446,7 @@ int ds_oai_parse_request(ds_oai_kind kind, const char *body, size_t len, const c
     int rc = DS_OK;
     if (!json_is_object(root))
         rc = ds_oai_errorf(e, 400, NULL, "invalid_json",
-                           "the request body must be a JSON object, got %s", json_type_name(root));
+                           "the request body must be a JSON object, got %s", ds_json_type_name(root));
     else
         rc = parse_fields(root, served_name, vocab_size, out, e);
     json_decref(root);
@@ -518,24 +500,8 @@ int ds_oai_fit_context(ds_oai_request *r, int n_prompt, int max_model_len, ds_oa
 /* ---------------------------------------------------------------------------------------------
  * responses */
 
-static const char *finish_reason(ds_finish f) {
-    switch (f) {
-    case DS_FINISH_STOP:
-        return "stop";
-    case DS_FINISH_LENGTH:
-        return "length";
-    case DS_FINISH_ABORT:
-        return "abort";
-    case DS_FINISH_ERROR:
-        return "error";
-    default:
-        return NULL;
-    }
-}
-
 static json_t *finish_json(ds_finish f) {
-    const char *s = finish_reason(f);
-    return s ? json_string(s) : json_null();
+    return f == DS_FINISH_NONE ? json_null() : json_string(ds_finish_name(f));
 }
 
 static json_t *logprob_json(float lp) {

@@ -1,6 +1,7 @@
 """The command line's generate: the ids `--print-ids` lists are the tokens it generated. Greedy
 tokens are the argmax of the teacher-forced logits (`deltaserve logits`) over the prompt and the
-tokens before them, and their text is the one printed above the ids."""
+tokens before them, and their text is the one printed above the ids. The statistics go to stderr;
+flag errors name the flag; test-only flags work but --help does not list them."""
 
 import subprocess
 
@@ -20,7 +21,7 @@ def test_generate_print_ids_are_the_greedy_tokens(tmp_path):
     prompt = "Question: Tom has 3 apples and buys 5 more. How many"
     n = 8
     out = run("generate", "--model", DS_MODEL, "--prompt", prompt, "-n", str(n), "--ignore-eos",
-              "--print-ids")
+              "--print-ids", "--temperature", "0")
     text, ids_line = out.rstrip(b"\n").rsplit(b"\n", 1)
     assert ids_line.startswith(b"ids: "), out
     ids = [int(x) for x in ids_line[len(b"ids: "):].split(b",")]
@@ -34,7 +35,39 @@ def test_generate_print_ids_are_the_greedy_tokens(tmp_path):
     logits = np.load(npy)
     assert logits.shape[0] == len(p_ids) + n - 1
     assert ids == logits[len(p_ids) - 1:].argmax(-1).tolist()
-    # the text is those tokens' (special ones print nothing)
+    # the text is those tokens' (special ones print nothing), as the engine streams text: valid
+    # UTF-8, bytes that cannot be UTF-8 replaced the way Python's errors="replace" does
     decoded = run("tokenize", "--model", DS_MODEL, "--decode", ",".join(map(str, ids)),
                   "--skip-special")
-    assert text == decoded.rstrip(b"\n")
+    assert text == decoded.rstrip(b"\n").decode("utf-8", errors="replace").encode()
+
+
+def test_generate_stats_on_stderr_and_stop():
+    r = subprocess.run([DS_BIN, "generate", "--model", DS_MODEL, "--prompt", "Question: Tom has",
+                        "-n", "4", "--ignore-eos", "-t", "0"], capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    assert b"tok/s" not in r.stdout
+    stats = [l for l in r.stderr.split(b"\n") if l.startswith(b"[deltaserve] prompt ")]
+    assert len(stats) == 1 and b"decode 3 tokens" in stats[0], r.stderr
+
+
+def test_flag_errors_name_the_flag():
+    for cmd, args, names in [
+            ("generate", ["--prompt", "x", "--num-speculative-tokens", "3"],
+             [b"--num-speculative-tokens", b"--speculative-method"]),
+            ("serve", ["--num-speculative-tokens", "3"],
+             [b"--num-speculative-tokens", b"--speculative-method"]),
+            ("generate", ["--prompt", "x", "--top-p", "2"], [b"--top-p"]),
+            ("generate", ["--prompt", "x", "--max-tokens", "0"], [b"--max-tokens"])]:
+        r = subprocess.run([DS_BIN, cmd, "--model", DS_MODEL, *args], capture_output=True,
+                           timeout=60)
+        assert r.returncode == 2, (cmd, args, r.stderr)
+        for name in names:
+            assert name in r.stderr, (cmd, args, r.stderr)
+
+
+def test_test_hooks_hidden_from_help():
+    for cmd in ["serve", "generate"]:
+        out = run(cmd, "--help")
+        assert b"--speculative-test-oracle" not in out and b"--prefix-hash-bits" not in out
+        assert b"--num-speculative-tokens" in out

@@ -15,7 +15,7 @@ P="Question: Tom has 3 apples and buys 5 more. How many apples does he have? Ans
 fail=0
 gen() { # name, device, env...
   local name=$1 dev=$2; shift 2
-  env "$@" $B generate --model "$BL" --prompt "$P" -n 32 --ignore-eos --print-ids --device "$dev" \
+  env "$@" $B generate --model "$BL" --prompt "$P" -n 32 -t 0 --ignore-eos --print-ids --device "$dev" \
     > "$OUT/fused_$name.txt" 2> "$OUT/fused_$name.err" || { echo "fused check: $name failed"; fail=1; }
 }
 gen fused cuda DS_BATCH_INVARIANT=1 DS_CUDA_KDA_FUSED=1

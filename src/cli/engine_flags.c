@@ -1,0 +1,196 @@
+/* engine_flags.c — see engine_flags.h. */
+#include "cli/engine_flags.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/ranks.h"
+#include "parallel/pipeline.h"
+#include "transport/comm.h"
+#include "transport/launch.h"
+
+static const char *const SPEC_METHODS[] = {"none", "dspark", "ngram", NULL};
+static const char *const RELAYS[] = {"partial-sum", "plain", NULL};
+
+int ds_parse_bytes(const char *s, size_t *out, ds_err *err) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (end == s || errno || v < 0) return ds_errf(err, "expected a size such as 2G, got '%s'", s);
+    double mult = 1;
+    switch (*end) {
+    case 'k':
+    case 'K':
+        mult = 1024.0, end++;
+        break;
+    case 'm':
+    case 'M':
+        mult = 1024.0 * 1024, end++;
+        break;
+    case 'g':
+    case 'G':
+        mult = 1024.0 * 1024 * 1024, end++;
+        break;
+    case 't':
+    case 'T':
+        mult = 1024.0 * 1024 * 1024 * 1024, end++;
+        break;
+    default:
+        break;
+    }
+    if (mult > 1 && *end == 'i') end++;
+    if (*end == 'B' || *end == 'b') end++;
+    if (*end) return ds_errf(err, "expected a size such as 2G, got '%s'", s);
+    if (v * mult > (double)SIZE_MAX / 2) return ds_errf(err, "size '%s' is too large", s);
+    *out = (size_t)(v * mult);
+    return DS_OK;
+}
+
+int ds_engine_flags_init(ds_engine_flags *f, const char *cmd) {
+    memset(f, 0, sizeof *f);
+    ds_engine_opts_default(&f->eo);
+    f->cmd = cmd;
+    if (f->eo.device < 0) {
+        fprintf(stderr, "%s: DS_DEVICE=%s: expected cpu, cuda or auto\n", cmd, getenv("DS_DEVICE"));
+        return DS_ERR;
+    }
+    f->device = ds_device_names[f->eo.device];
+    f->spec_method = SPEC_METHODS[f->eo.speculative_method];
+    f->relay = RELAYS[f->eo.draft_tap_relay];
+    f->partition = "";
+    f->tp = f->pp = 1;
+    return DS_OK;
+}
+
+int ds_engine_flags_table(ds_engine_flags *f, ds_arg *out) {
+    ds_engine_opts *eo = &f->eo;
+    ds_arg table[] = {
+        {"model", "m", DS_ARG_STRING, &eo->model_dir, "DIR", "checkpoint folder", .required = 1},
+        {"device", NULL, DS_ARG_STRING, &f->device, "D",
+         "cpu, cuda (weights and caches in GPU memory; under MPI rank r uses GPU r mod count) or "
+         "auto (cuda when built with it and a GPU is present)",
+         .choices = ds_device_names},
+        DS_OPT("batch-invariant", NULL, DS_ARG_BOOL, &eo->batch_invariant, NULL,
+               "CUDA: every matmul streams the weights with f32 activations, so a request's output "
+               "never depends on its batch (the CPU always is); slower prefill"),
+        DS_OPT("enforce-eager", NULL, DS_ARG_BOOL, &eo->enforce_eager, NULL,
+               "CUDA: no CUDA graphs (by default each decode / verify shape is captured once and "
+               "replayed, also under -pp)"),
+        DS_OPT("kv-cache-memory", NULL, DS_ARG_STRING, &f->kv_mem, "BYTES",
+               "memory for MLA pages + KDA state slots, e.g. 2G (default: a fraction of free)"),
+        DS_OPT("kv-cache-fraction", NULL, DS_ARG_FLOAT, &eo->kv_cache_fraction, "F",
+               "fraction of free memory for the caches when --kv-cache-memory is not given"),
+        DS_OPT("max-model-len", NULL, DS_ARG_INT, &eo->max_model_len, "N",
+               "context limit (0: the model's, capped by the cache)"),
+        {"speculative-method", "method", DS_ARG_STRING, &f->spec_method, "M",
+         "speculative decoding: dspark (draft model) or ngram (prompt lookup)",
+         .choices = SPEC_METHODS},
+        DS_OPT("num-speculative-tokens", NULL, DS_ARG_INT, &eo->num_speculative_tokens, "K",
+               "drafts verified per step (needs --speculative-method)"),
+        DS_OPT("draft-model", NULL, DS_ARG_STRING, &eo->draft_model_dir, "DIR",
+               "DSpark draft checkpoint (default: MODEL/draft)"),
+        {"draft-tap-relay", NULL, DS_ARG_STRING, &f->relay, "R",
+         "DSpark under -pp: partial-sum (one [tokens, hidden] sum per stage boundary) or plain "
+         "(every tap sent to the last stage)",
+         .choices = RELAYS},
+        DS_OPT("tensor-parallel-size", "tp", DS_ARG_INT, &f->tp, "T",
+               "tensor-parallel ranks per stage (MPI; re-launches through mpirun)"),
+        DS_OPT("pipeline-parallel-size", "pp", DS_ARG_INT, &f->pp, "P", "pipeline stages"),
+        DS_OPT("pp-layer-partition", NULL, DS_ARG_STRING, &f->partition, "N,N,...",
+               "layers per stage (default: even, remainder to the middle stages)"),
+    };
+    _Static_assert(DS_ARRAY_LEN(table) + DS_TEST_FLAGS_MAX == DS_ENGINE_FLAGS_MAX,
+                   "DS_ENGINE_FLAGS_MAX counts the table");
+    memcpy(out, table, sizeof table);
+    return (int)DS_ARRAY_LEN(table) + ds_test_flags_table(&f->test, out + DS_ARRAY_LEN(table));
+}
+
+static int index_of(const char *const *names, const char *s) {
+    for (int i = 0; names[i]; i++)
+        if (strcmp(names[i], s) == 0) return i;
+    return 0;
+}
+
+int ds_engine_flags_apply(ds_engine_flags *f, const ds_args *a, ds_err *err) {
+    ds_engine_opts *eo = &f->eo;
+    if (f->kv_mem && ds_parse_bytes(f->kv_mem, &eo->kv_cache_memory, err))
+        return ds_err_prefix(err, "--kv-cache-memory");
+    if (eo->kv_cache_fraction <= 0 || eo->kv_cache_fraction > 1)
+        return ds_errf(err, "--kv-cache-fraction: expected 0 < F <= 1, got %g",
+                       eo->kv_cache_fraction);
+    if (eo->max_model_len < 0)
+        return ds_errf(err, "--max-model-len: expected N >= 0, got %d", eo->max_model_len);
+    if (f->tp < 1 || f->pp < 1)
+        return ds_errf(err, "%s: expected at least 1, got %d",
+                       f->tp < 1 ? "--tensor-parallel-size" : "--pipeline-parallel-size",
+                       f->tp < 1 ? f->tp : f->pp);
+    eo->device = ds_device_from_name(f->device);
+    eo->speculative_method = index_of(SPEC_METHODS, f->spec_method);
+    eo->draft_tap_relay = index_of(RELAYS, f->relay);
+    if (ds_args_seen(a, "num-speculative-tokens") && eo->speculative_method == DS_SPEC_NONE)
+        return ds_errf(err,
+                       "--num-speculative-tokens needs --speculative-method (dspark or ngram)");
+    if (eo->num_speculative_tokens < 1 || eo->num_speculative_tokens > DS_MAX_SPEC)
+        return ds_errf(err, "--num-speculative-tokens: expected 1..%d, got %d", DS_MAX_SPEC,
+                       eo->num_speculative_tokens);
+    return ds_test_flags_apply(&f->test, eo, err);
+}
+
+int ds_engine_flags_job(ds_engine_flags *f, int supervised, int argc, char **argv) {
+    ds_err err = {{0}};
+    const int n = f->tp * f->pp;
+    if (!supervised || n == 1 || ds_comm_under_mpirun()) {
+        int rc = ds_rank_prepare(f->cmd, f->eo.model_dir, f->tp, f->pp, f->partition, f->counts,
+                                 argc, argv);
+        if (rc >= 0) return rc;
+    } else { /* a long-running job: mpirun as a child that hands signals on */
+        if (ds_pp_check_split(f->eo.model_dir, f->tp, f->pp, f->partition, f->counts, &err)) {
+            fprintf(stderr, "%s: %s\n", f->cmd, err.msg);
+            return 2;
+        }
+        int st = 1;
+        if (ds_launch_mpirun_supervised(n, argc, argv, &st, &err)) {
+            fprintf(stderr, "%s: %s\n", f->cmd, err.msg);
+            return 1;
+        }
+        return st;
+    }
+    /* A rank that hangs must end the job: ranks wait at most this long for each other (an idle
+     * head still sends a plan every second). */
+    if (n > 1 && !getenv("DS_COMM_TIMEOUT_S")) setenv("DS_COMM_TIMEOUT_S", "60", 1);
+    ds_comm *comm = NULL;
+    if (ds_comm_init(f->tp, f->pp, &comm, &err)) {
+        fprintf(stderr, "%s: %s\n", f->cmd, err.msg);
+        return ds_comm_finish(comm, 1);
+    }
+    f->eo.comm = comm;
+    f->eo.pp_layer_counts = f->counts;
+    return -1;
+}
+
+int ds_engine_flags_run_rank(ds_engine_flags *f) {
+    /* Signals are the head's business (mpirun forwards them to every rank). */
+    signal(SIGINT, SIG_IGN);
+    signal(SIGTERM, SIG_IGN);
+    signal(SIGUSR1, SIG_IGN);
+    ds_comm *comm = f->eo.comm;
+    ds_err err = {{0}};
+    ds_engine *e = NULL;
+    int status = 0;
+    if (ds_engine_create(&f->eo, &e, &err) || ds_engine_start(e, &err)) {
+        fprintf(stderr, "%s: %s: %s\n", f->cmd, comm->who, err.msg);
+        status = 1;
+    } else {
+        ds_engine_join(e);
+    }
+    ds_engine_free(e);
+    ds_engine_flags_free(f);
+    return ds_comm_finish(comm, status);
+}
+
+void ds_engine_flags_free(ds_engine_flags *f) {
+    ds_test_flags_free(&f->test);
+}
