@@ -257,7 +257,7 @@ out:
 }
 
 /* ------------------------------------------------------------------------------------------------
- * Special tokens of each family (MODEL_SPEC §9.3): offset from n_ranks, name, `special` flag. */
+ * Special tokens of each family (docs/model.md §9.3): offset from n_ranks, name, `special` flag. */
 
 typedef struct {
     int offset;

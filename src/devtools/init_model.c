@@ -108,7 +108,7 @@ static const preset PRESETS[] = {
 };
 // clang-format on
 
-/* Special ids, as offsets from n_ranks (MODEL_SPEC §9.3: 163584 + k). */
+/* Special ids, as offsets from n_ranks (docs/model.md §9.3: 163584 + k). */
 enum { SP_BOS = 0, SP_EOS = 2, SP_MEDIA = 21, SP_MASK = 253, SP_PAD = 255 };
 
 static const preset *find_preset(const char *name) {
@@ -231,7 +231,8 @@ static tspec *tl_add(tlist *l, init_rule rule, ds_dtype dt, const int64_t *shape
 #define BF16 DS_DT_BF16
 #define F32  DS_DT_F32
 
-/* MLA attention (MODEL_SPEC §4.1), shared by the target and the draft. pre ends in "self_attn.". */
+/* MLA attention (docs/model.md §4.1), shared by the target and the draft. pre ends in "self_attn.".
+ */
 static void add_mla(tlist *l, const char *pre, int D, int H, int q_lora, int kv_lora, int dn,
                     int dr, int dvh, int out_gate) {
     if (q_lora) {
@@ -248,7 +249,7 @@ static void add_mla(tlist *l, const char *pre, int D, int H, int q_lora, int kv_
     if (out_gate) tl_add(l, INIT_LINEAR, BF16, SHAPE(H * dvh, D), "%sg_proj.weight", pre);
 }
 
-/* KDA attention (MODEL_SPEC §3.1). pre ends in "self_attn.". */
+/* KDA attention (docs/model.md §3.1). pre ends in "self_attn.". */
 static void add_kda(tlist *l, const preset *p, const char *pre) {
     const int D = p->hidden, Hk = p->kda_heads, dk = p->kda_dim, P = Hk * dk;
     static const char qkv[3] = {'q', 'k', 'v'};
@@ -273,14 +274,14 @@ static void add_kda(tlist *l, const preset *p, const char *pre) {
     tl_add(l, INIT_LINEAR, BF16, SHAPE(D, P), "%so_proj.weight", pre);
 }
 
-/* SwiGLU/SiTU MLP: dense layer, shared expert, draft MLP (MODEL_SPEC §5.2). */
+/* SwiGLU/SiTU MLP: dense layer, shared expert, draft MLP (docs/model.md §5.2). */
 static void add_mlp(tlist *l, const char *pre, int D, int I) {
     tl_add(l, INIT_LINEAR, BF16, SHAPE(I, D), "%sgate_proj.weight", pre);
     tl_add(l, INIT_LINEAR, BF16, SHAPE(I, D), "%sup_proj.weight", pre);
     tl_add(l, INIT_LINEAR, BF16, SHAPE(D, I), "%sdown_proj.weight", pre);
 }
 
-/* Router, optional latent projections, routed and shared experts (MODEL_SPEC §5.3, §5.4).
+/* Router, optional latent projections, routed and shared experts (docs/model.md §5.3, §5.4).
  * pre ends in "block_sparse_moe.". */
 static void add_moe(tlist *l, const preset *p, const char *pre) {
     const int D = p->hidden, E = p->experts, I = p->moe_inter;
@@ -346,7 +347,7 @@ static void build_target(tlist *l, const preset *p) {
     tl_add(l, INIT_LINEAR, BF16, SHAPE(V, D), "%slm_head.weight", wp);
 }
 
-/* The DSpark draft (MODEL_SPEC §8.2), all BF16. Its embed_tokens is a copy of the target's: it
+/* The DSpark draft (docs/model.md §8.2), all BF16. Its embed_tokens is a copy of the target's: it
  * draws from the target embedding's RNG stream, so the bytes are identical. */
 static void build_draft(tlist *l, const preset *p) {
     const draft_preset *d = p->draft;
@@ -596,7 +597,8 @@ static json_t *str_array(const char *s) {
     return a;
 }
 
-/* The kimi_linear text config (MODEL_SPEC §1): the whole file for Kimi-Linear, text_config in K3.
+/* The kimi_linear text config (docs/model.md §1): the whole file for Kimi-Linear, text_config in
+ * K3.
  */
 static json_t *text_config_json(const preset *p) {
     json_t *c = json_object(), *la = json_object(), *kda = json_array(), *full = json_array();
@@ -678,7 +680,7 @@ static json_t *config_json(const preset *p) {
     return root;
 }
 
-/* The k3_dspark draft config (MODEL_SPEC §8.1), scaled down. */
+/* The k3_dspark draft config (docs/model.md §8.1), scaled down. */
 static json_t *draft_config_json(const preset *p) {
     const draft_preset *d = p->draft;
     json_t *c = json_object(), *rope = json_object(), *taps = json_array();

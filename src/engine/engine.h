@@ -64,12 +64,12 @@ typedef struct ds_engine_opts {
     size_t kv_offload_disk_bytes;     /* 0: unlimited */
     const char *kv_offload_remote;    /* "redis://host:port" */
     int kv_offload_remote_timeout_ms; /* default 100 */
-    /* Tensor / pipeline parallelism (DESIGN.md, "Process model"): this rank's ds_comm (NULL: one
-     * process) and the layers of each stage ([comm->n_stages], NULL: one stage). Every rank of
-     * the job creates an engine; they run the same schedule in lock step: the head (world rank
-     * 0, the only one whose submit/abort are used) broadcasts new requests and aborts before each
-     * step, the sampling rank (last stage, TP rank 0) broadcasts the tokens it chose and the next
-     * drafts after it. */
+    /* Tensor / pipeline parallelism (docs/parallelism.md, "Process model"): this rank's ds_comm
+     * (NULL: one process) and the layers of each stage ([comm->n_stages], NULL: one stage). Every
+     * rank of the job creates an engine; they run the same schedule in lock step: the head (world
+     * rank 0, the only one whose submit/abort are used) broadcasts new requests and aborts before
+     * each step, the sampling rank (last stage, TP rank 0) broadcasts the tokens it chose and the
+     * next drafts after it. */
     struct ds_comm *comm;
     const int *pp_layer_counts;
     /* DSpark under pipeline parallelism: how the taps of earlier stages reach the draft on the

@@ -341,7 +341,7 @@ fail:
 static int alloc_step_buffers(ds_engine *e, ds_err *err) {
     const ds_engine_opts *opts = &e->opts;
     int S = opts->max_num_seqs, rows = e->num_speculative_tokens + 1;
-    /* With pipelined stages P steps are in flight (DESIGN.md, "Process model"). */
+    /* With pipelined stages P steps are in flight (docs/parallelism.md, "Process model"). */
     e->n_fl = e->dist && e->comm->n_stages > 1 && !opts->pp_lock_step ? e->comm->n_stages : 1;
     e->fl = ds_calloc((size_t)e->n_fl, sizeof *e->fl, err);
     if (!e->fl) return DS_ERR;

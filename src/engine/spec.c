@@ -124,7 +124,7 @@ void eng_detach_drafts(ds_engine *e) {
         }
 }
 
-/* Verify (MODEL_SPEC §8.8): sample every row in order with the request's own sampler; a draft
+/* Verify (docs/model.md §8.8): sample every row in order with the request's own sampler; a draft
  * is accepted while it equals the token sampled at its row. Sampling each row exactly as plain
  * decoding would is the lossless rule for drafts proposed deterministically: it accepts draft d
  * with probability p(d) and otherwise draws from p without d. Greedy is the same rule at T = 0,

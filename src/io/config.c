@@ -1,5 +1,5 @@
 /* config.c — config.json -> ds_config (kimi_linear, Kimi-K3 text_config) and ds_draft_config
- * (k3_dspark). MODEL_SPEC.md §1 (keys and defaults), §2 (layer schedule), §8.1 (draft).
+ * (k3_dspark). docs/model.md §1 (keys and defaults), §2 (layer schedule), §8.1 (draft).
  *
  * Every key is read through one small set of typed accessors (the "scope" helpers below) so that
  * every error has the same shape: "<file>: key '<path.to.key>': expected <type>, found <type>" or
@@ -485,7 +485,7 @@ static int text_context(const scope *root, const scope *t, ds_config *c) {
 }
 
 /* Reads the text model's keys from `t` (root or root.text_config); `root` supplies token ids.
- * k3 selects the defaults of K3's own config class where MODEL_SPEC §1 lists two defaults
+ * k3 selects the defaults of K3's own config class where docs/model.md §1 lists two defaults
  * (HF-K3 vs transformers), since that is the class that would have read the file. */
 static int parse_text(const scope *root, const scope *t, int k3, ds_config *c) {
     if (text_sizes(t, k3, c) || text_activation(t, c) || text_mla(t, c) || text_layers(t, c) ||
@@ -567,7 +567,7 @@ int ds_config_layer_is_moe(const ds_config *cfg, int layer) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * DSpark draft config (MODEL_SPEC §8.1) */
+ * DSpark draft config (docs/model.md §8.1) */
 
 /* rope_parameters (transformers 5.x) or rope_scaling (older) -> YaRN fields. Defaults are those of
  * DeepSeek's YaRN: beta_fast 32, beta_slow 1, mscale 1, mscale_all_dim 0 (no attention scaling). */

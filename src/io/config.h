@@ -1,5 +1,5 @@
 /* config.h — config.json -> ds_config for kimi_linear and Kimi-K3 (text model under text_config),
- * and the DSpark draft config (k3_dspark). MODEL_SPEC.md §1 and §8.1 list every key and its
+ * and the DSpark draft config (k3_dspark). docs/model.md §1 and §8.1 list every key and its
  * default. The 1-based layer lists of linear_attn_config are converted to 0-based here, once. */
 #ifndef DS_CONFIG_H
 #define DS_CONFIG_H
@@ -54,10 +54,10 @@ int ds_config_load(const char *path, ds_config *cfg, ds_err *err);
 /* Same, from a JSON string; `what` names the source in error messages. */
 int ds_config_parse(const char *json, const char *what, ds_config *cfg, ds_err *err);
 
-/* Layer i is MoE (vs dense MLP) per MODEL_SPEC §2. */
+/* Layer i is MoE (vs dense MLP) per docs/model.md §2. */
 int ds_config_layer_is_moe(const ds_config *cfg, int layer);
 
-/* DSpark draft config (MODEL_SPEC §8.1). */
+/* DSpark draft config (docs/model.md §8.1). */
 typedef struct ds_draft_config {
     int hidden_size, intermediate_size, num_hidden_layers, num_attention_heads;
     int q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim;

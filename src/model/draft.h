@@ -1,4 +1,4 @@
-/* draft.h — the DSpark speculative draft (k3_dspark, MODEL_SPEC §8), on the host or beside a
+/* draft.h — the DSpark speculative draft (k3_dspark, docs/model.md §8), on the host or beside a
  * target on a GPU (the target's backend's draft path, src/backend/cuda/draft.c: the same steps
  * through that backend's kernels).
  *
@@ -42,7 +42,7 @@ const ds_draft_config *ds_draft_config_of(const ds_draft *d);
 int ds_draft_n_taps(const ds_draft *d);
 const int *ds_draft_tap_layers(const ds_draft *d);
 
-/* ---- RoPE / YaRN (MODEL_SPEC §8.6) ------------------------------------------------------------
+/* ---- RoPE / YaRN (docs/model.md §8.6) ---------------------------------------------------------
  */
 typedef struct ds_yarn {
     int lo, hi; /* correction range: dims < lo keep inv_i, dims >= hi get inv_i / factor */
@@ -84,7 +84,8 @@ void ds_draft_cache_free(ds_draft_cache *c);
 /* ---- forward ----------------------------------------------------------------------------------
  */
 /* ctx [n][D] = RMSNorm_{context_norm}(W_context · concat_j taps[j]) for n positions
- * (MODEL_SPEC §8.4); taps: [n_taps][n][target D], as ds_model_forward's tap capture writes them. */
+ * (docs/model.md §8.4); taps: [n_taps][n][target D], as ds_model_forward's tap capture writes them.
+ */
 int ds_draft_context(ds_draft *d, int n, const float *taps, float *ctx, ds_err *err);
 
 /* Computes the ctx rows of positions pos0..pos0+n-1 from taps [n_taps][n][D] and writes every

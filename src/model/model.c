@@ -289,7 +289,7 @@ static int bind_vec1(ds_model *m, const char *name, int n, float **out, ds_err *
     return bind_vec(m, name, 1, shape, out, err);
 }
 
-/* AttnRes: the norm weight and the [1, D] projection fold into one vector (MODEL_SPEC §6.2). */
+/* AttnRes: the norm weight and the [1, D] projection fold into one vector (docs/model.md §6.2). */
 static int bind_res_pair(ds_model *m, const char *norm, const char *proj, float **out,
                          ds_err *err) {
     int D = m->cfg.hidden_size;
@@ -335,7 +335,7 @@ static int bind_kda(ds_model *m, const char *pre, kda_w *w, ds_err *err) {
     if (NAME(n, "%sdt_bias", pre), bind_vec1(m, n, P, &w->dt_bias, err)) return DS_ERR;
     keep_slice(w->dt_bias, (size_t)p0, (size_t)Pl);
     /* A_log ships as [1,1,Hk,1] (Kimi-Linear) or [>=Hk] padded with zeros (K3): take the first
-     * Hk entries of the flattened tensor (MODEL_SPEC §10 trap 3). */
+     * Hk entries of the flattened tensor (docs/model.md §10 trap 3). */
     NAME(n, "%sA_log", pre);
     if (m->random) {
         if (rand_vec(m, n, (size_t)H, &w->A_log, err)) return DS_ERR;

@@ -152,7 +152,7 @@ typedef struct ds_seq_batch {
                       sum P with AttnRes), for tests and DSpark taps; NULL to skip */
     float *final_hidden; /* optional [n][D]: normed input of lm_head */
     /* optional DSpark taps: taps[j] [n][D] receives the residual stream after layer
-     * tap_layers[j] (the block-local sum P with AttnRes, MODEL_SPEC §8.3); layer -1 is the
+     * tap_layers[j] (the block-local sum P with AttnRes, docs/model.md §8.3); layer -1 is the
      * embedding output */
     const int *tap_layers; /* [n_taps] */
     int n_taps;
@@ -186,7 +186,7 @@ int ds_model_forward(ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, int n_se
  * A model loaded with a layer range runs only those layers: the first stage embeds, the last
  * applies the final AttnRes mix, the norm and lm_head. Between stages crosses, for all T tokens of
  * the step in segment order, the residual stream (the block-local sum P with AttnRes) and the
- * banked AttnRes blocks with their count — nothing else (MODEL_SPEC §6.4). A stage's KDA slot
+ * banked AttnRes blocks with their count — nothing else (docs/model.md §6.4). A stage's KDA slot
  * and latent pool hold only its own layers. */
 typedef struct ds_stage_io {
     float *h;     /* [T][D] */

@@ -1,4 +1,4 @@
-/* model_draft.c — the DSpark draft (MODEL_SPEC §8): weight binding, context rows, block pass,
+/* model_draft.c — the DSpark draft (docs/model.md §8): weight binding, context rows, block pass,
  * Markov walk.
  *
  * Data flow:
@@ -40,7 +40,7 @@ const double *ds_draft_inv_freq(const ds_draft *d, ds_yarn *y) {
 #define FLOAT_TYPES ((1u << DS_DT_F32) | (1u << DS_DT_F16) | (1u << DS_DT_BF16))
 
 /* The checkpoint name of a draft tensor: as given, or with the "model." prefix some exports add
- * (MODEL_SPEC §8.2). */
+ * (docs/model.md §8.2). */
 static const char *resolve(const ds_draft *d, const char *name, char *buf, size_t cap) {
     if (ds_st_find(d->st, name)) return name;
     snprintf(buf, cap, "model.%s", name);
@@ -241,7 +241,7 @@ int ds_draft_load(const char *dir, const ds_model *target, ds_draft **out, ds_er
         bind_mat(d, "markov_head.markov_w2.weight", V, r, &d->markov_w2, err))
         goto fail;
     /* embed_tokens (a frozen copy of the target's) and confidence_head (training only) are left
-     * unread on purpose (MODEL_SPEC §8.2, §8.7). */
+     * unread on purpose (docs/model.md §8.2, §8.7). */
     if (ds_draft_yarn(c, d->inv_freq, &d->yarn, err)) goto fail;
     /* a target on a device: the draft beside it, where its backend has a device path */
     d->be = target->be;
@@ -268,7 +268,7 @@ void ds_draft_free(ds_draft *d) {
     free(d);
 }
 
-// ---- RoPE / YaRN (MODEL_SPEC §8.6) --------------------------------------------------------------
+// ---- RoPE / YaRN (docs/model.md §8.6) -----------------------------------------------------------
 
 static double yarn_mscale(double s, double m) {
     return s <= 1.0 ? 1.0 : 0.1 * m * log(s) + 1.0;
@@ -404,7 +404,7 @@ static int carve(ds_draft *d, const size_t *sizes, float **bufs, int n, ds_err *
     return DS_OK;
 }
 
-// ---- context (MODEL_SPEC §8.4) ------------------------------------------------------------------
+// ---- context (docs/model.md §8.4) ---------------------------------------------------------------
 
 /* acc [n][D] += W_context[:, tap j] taps[j - j0] for j in [j0, j1), one tap at a time, in tap
  * order (taps [j1-j0][n][Dt]; tmp [n][D] scratch). */
@@ -560,7 +560,7 @@ int ds_draft_write_context_sum(ds_draft *d, ds_draft_cache *c, const int32_t *bl
     return ds_draft_write_context_batch(d, c, 1, &w, err);
 }
 
-// ---- block pass (MODEL_SPEC §8.5) and Markov walk (§8.7) ----------------------------------------
+// ---- block pass (docs/model.md §8.5) and Markov walk (§8.7) -------------------------------------
 
 /* Buffers of one proposal pass: n sequences of T rows each, rows b T .. b T + T - 1 sequence b's
  * (NT = n T). */

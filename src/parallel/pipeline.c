@@ -126,7 +126,7 @@ int ds_pp_step(ds_comm *c, ds_model *m, ds_kv_pool *pool, ds_seq_batch *seqs, in
         return DS_ERR;
     }
     if (!out) return DS_OK;
-    /* The receiver sizes its receive by its first layer (MODEL_SPEC §6.4); a disagreement would
+    /* The receiver sizes its receive by its first layer (docs/model.md §6.4); a disagreement would
      * truncate the message or hang, so it is caught here. */
     int expect = ds_pp_banks_before(N, ds_model_end_layer(m));
     if (out->n_banks != expect)

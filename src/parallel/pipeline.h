@@ -1,5 +1,5 @@
 /* pipeline.h — pipeline-parallel stages: which layers a stage runs, and handing the stage's
- * tensors (ds_stage_io, MODEL_SPEC §6.4) to the next stage through the comm. */
+ * tensors (ds_stage_io, docs/model.md §6.4) to the next stage through the comm. */
 #ifndef DS_PIPELINE_H
 #define DS_PIPELINE_H
 
@@ -25,7 +25,7 @@ int ds_pp_check_split(const char *model_dir, int tp, int pp, const char *partiti
 void ds_pp_stage_range(const int *counts, int stage, int *begin, int *end);
 
 /* Banked AttnRes blocks crossing the boundary in front of layer `layer` (>= 1): floor((layer-1)/N)
- * + 1 with N = attn_res_block_size (MODEL_SPEC §6.4); 0 when AttnRes is off (N == 0). */
+ * + 1 with N = attn_res_block_size (docs/model.md §6.4); 0 when AttnRes is off (N == 0). */
 int ds_pp_banks_before(int attn_res_block_size, int layer);
 
 /* Sends io (h [T][D], then banks [n_banks][T][D]) to stage c->stage + 1, same tp_rank. */

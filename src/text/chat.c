@@ -1,4 +1,4 @@
-/* chat.c — chat templates of the kimi_linear family (MODEL_SPEC §9.4 Kimi-Linear, §9.5 K3).
+/* chat.c — chat templates of the kimi_linear family (docs/model.md §9.4 Kimi-Linear, §9.5 K3).
  *
  * Both formats render into a list of segments over one text buffer: K3 needs the segments because
  * its reference (encoding_k3.py) tokenizes each segment separately — markers as special ids, every

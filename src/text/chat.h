@@ -1,6 +1,6 @@
 /* chat.h — OpenAI-style messages -> prompt token ids, in the two chat formats of the family.
  *
- * DS_CHAT_KIMI_LINEAR (MODEL_SPEC §9.4): the K2-Instruct Jinja template, rendered to one string
+ * DS_CHAT_KIMI_LINEAR (docs/model.md §9.4): the K2-Instruct Jinja template, rendered to one string
  * and encoded with special strings allowed (so marker strings typed by a user become markers).
  * DS_CHAT_K3 (§9.5): the "XTML" of encoding_k3.py; markers <|open|> <|sep|> <|close|>
  * <|end_of_msg|> are emitted as ids and every other segment (tag names, attributes, content) is

@@ -9,7 +9,7 @@
 #include <string.h>
 
 /* ------------------------------------------------------------------------------------------------
- * K3 XTML, MODEL_SPEC §9.5 (encoding_k3.py) */
+ * K3 XTML, docs/model.md §9.5 (encoding_k3.py) */
 
 /* Python's str.isspace() over UTF-8, for the reference's `.strip()` emptiness tests. */
 static int is_blank(const char *s, size_t n) {

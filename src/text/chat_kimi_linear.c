@@ -10,7 +10,7 @@
 static const char k_default_system[] = "You are a helpful assistant provided by Moonshot-AI.";
 
 /* ------------------------------------------------------------------------------------------------
- * Kimi-Linear (K2-Instruct Jinja), MODEL_SPEC §9.4 */
+ * Kimi-Linear (K2-Instruct Jinja), docs/model.md §9.4 */
 
 static void kl_content(render *r, json_t *m) {
     json_t *c = json_object_get(m, "content");

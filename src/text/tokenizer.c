@@ -1,4 +1,5 @@
-/* tokenizer.c — tiktoken byte-level BPE with the Kimi pre-tokenisation regex (MODEL_SPEC §9.1–9.3).
+/* tokenizer.c — tiktoken byte-level BPE with the Kimi pre-tokenisation regex (docs/model.md
+ * §9.1–9.3).
  *
  * Sections: UTF-8 and base64 helpers; the rank table (byte string -> rank); the special-token trie;
  * the PCRE2 splitter; loading; encoding (Moonshot caps -> specials -> regex -> BPE); decoding. */
@@ -240,7 +241,7 @@ int32_t ds_tok_special_id(const ds_tokenizer *t, const char *content) {
 }
 
 /* ------------------------------------------------------------------------------------------------
- * The splitter: MODEL_SPEC §9.2 rewritten for PCRE2.
+ * The splitter: docs/model.md §9.2 rewritten for PCRE2.
  *
  * - PCRE2 has no class intersection, so `[X&&[^\p{Han}]]` becomes `(?:(?!\p{Han})[X])` with the
  *   quantifier outside the group (one character per repetition, as in the original).

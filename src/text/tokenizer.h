@@ -1,4 +1,4 @@
-/* tokenizer.h — the tiktoken byte-level BPE tokenizer of the kimi_linear family (MODEL_SPEC
+/* tokenizer.h — the tiktoken byte-level BPE tokenizer of the kimi_linear family (docs/model.md
  * §9.1–9.3).
  *
  * A tokenizer folder holds tiktoken.model (one `<base64 bytes> <rank>` line per mergeable token,

@@ -1,5 +1,5 @@
-/* comm.h — the one communication interface of a tensor- x pipeline-parallel job (DESIGN.md,
- * "Process model").
+/* comm.h — the one communication interface of a tensor- x pipeline-parallel job
+ * (docs/parallelism.md, "Process model").
  *
  * A job has T x P ranks laid out as rank = stage * T + tp_rank: the T ranks of a stage form its
  * TP group (they all-reduce partial sums), and the ranks with the same tp_rank form a PP group

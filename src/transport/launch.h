@@ -1,6 +1,6 @@
 /* launch.h — `deltaserve CMD -tp T -pp P` started without mpirun re-launches itself under mpirun
- * with T * P ranks on this host (DESIGN.md, "Process model"). Across hosts, start it through
- * mpirun yourself: `mpirun -np 8 --hostfile hosts deltaserve CMD -tp 4 -pp 2`. */
+ * with T * P ranks on this host (docs/parallelism.md, "Process model"). Across hosts, start it
+ * through mpirun yourself: `mpirun -np 8 --hostfile hosts deltaserve CMD -tp 4 -pp 2`. */
 #ifndef DS_LAUNCH_H
 #define DS_LAUNCH_H
 

@@ -1,5 +1,5 @@
-/* test_devtools_init.c — init-model writes checkpoints in the published layouts (MODEL_SPEC §1, §3.1,
- * §4.1, §5, §6.1, §7, §8.1, §8.2): read back through the real config and safetensors loaders,
+/* test_devtools_init.c — init-model writes checkpoints in the published layouts (docs/model.md §1,
+ * §3.1, §4.1, §5, §6.1, §7, §8.1, §8.2): read back through the real config and safetensors loaders,
  * every tensor's name, dtype and shape is what the spec tables say, the K3 A_log padding is zero,
  * tiny-linear is sharded with a consistent index, and the bytes depend only on (preset, seed). */
 #include "testutil.h"
@@ -110,7 +110,7 @@ static void stats(const ds_tensor *t, double *mean, double *sd) {
     free(v);
 }
 
-/* The F32 tensors of the K3 checkpoint (MODEL_SPEC §10 trap 4); everything else is BF16. */
+/* The F32 tensors of the K3 checkpoint (docs/model.md §10 trap 4); everything else is BF16. */
 static int k3_is_f32(const char *name) {
     static const char *const suffix[] = {"conv1d.weight", ".dt_bias", ".A_log", "o_norm.weight",
                                          "e_score_correction_bias"};

@@ -1,4 +1,4 @@
-/* test_io_config.c — config.json parsing (MODEL_SPEC §1, §2) and the DSpark draft config (§8.1).
+/* test_io_config.c — config.json parsing (docs/model.md §1, §2) and the DSpark draft config (§8.1).
  *
  * The good configs are modelled on the published Kimi-Linear-48B-A3B and K3 tables; each bad
  * input is a one-key mutation of a good config (made with jansson), so a failure points at exactly
@@ -148,7 +148,7 @@ static void test_kimi_linear(void **state) {
     assert_int_equal(c.short_conv_kernel_size, 4);
     assert_int_equal(c.has_gate_lower_bound, 0);
     assert_int_equal(c.use_full_rank_gate, 0);
-    /* MLA at 0-based 3, 7, ..., 23 and 26 (MODEL_SPEC §2) */
+    /* MLA at 0-based 3, 7, ..., 23 and 26 (docs/model.md §2) */
     for (int i = 0; i < 27; i++) {
         int mla = (i + 1) % 4 == 0 || i == 26;
         assert_int_equal(c.layer_kind[i], mla ? DS_LAYER_MLA : DS_LAYER_KDA);

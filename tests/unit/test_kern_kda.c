@@ -1,5 +1,5 @@
 /* test_kern_kda.c — the KDA kernels (short conv, forget gate, recurrence, chunked form) against
- * plain float64 references written here from MODEL_SPEC §3. */
+ * plain float64 references written here from docs/model.md §3. */
 #include "testutil.h"
 
 #include "kernels/cpu/kernels.h"
@@ -178,7 +178,7 @@ static void free_case(kda_case *c) {
     free(c->q), free(c->k), free(c->v), free(c->g), free(c->beta), free(c->S0);
 }
 
-/* MODEL_SPEC §3.4 in float64. S: [H][dk][dv] in/out; S_rows (optional): [T][H][dk][dv]. */
+/* docs/model.md §3.4 in float64. S: [H][dk][dv] in/out; S_rows (optional): [T][H][dk][dv]. */
 static void ref_recurrent(double *o, double *S, double *S_rows, const kda_case *c) {
     const int H = c->H, dk = c->dk, dv = c->dv;
     double *e = dvec((size_t)dv);

@@ -1,7 +1,7 @@
 /* test_kern_mla.c — MLA attention, absorbed (over a paged latent cache) and expanded, against a
- * float64 reference of the expanded math (MODEL_SPEC §4.3). The test builds the per-head keys and
- * values from latents with random W_UK / W_UV and does the absorption itself (q̄ = W_UKᵀ qN,
- * o = W_UV ō), so passing also checks the absorption identity of §4.4. */
+ * float64 reference of the expanded math (docs/model.md §4.3). The test builds the per-head keys
+ * and values from latents with random W_UK / W_UV and does the absorption itself (q̄ = W_UKᵀ qN, o =
+ * W_UV ō), so passing also checks the absorption identity of §4.4. */
 #include "testutil.h"
 
 #include "kernels/cpu/kernels.h"

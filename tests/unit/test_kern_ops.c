@@ -418,7 +418,7 @@ static void test_route_groups(void **state) {
     assert_float_equal(w[2], q6 / qs, 1e-5);
 }
 
-/* Randomised check of the full rule against a float64 transcription of MODEL_SPEC §5.3. */
+/* Randomised check of the full rule against a float64 transcription of docs/model.md §5.3. */
 static void test_route_random(void **state) {
     (void)state;
     ds_rng rng;

@@ -1,4 +1,4 @@
-/* The DSpark draft (MODEL_SPEC §8) against the float64 reference's golden
+/* The DSpark draft (docs/model.md §8) against the float64 reference's golden
  * (tools/reference/write_draft_golden.py -> tests/golden/tiny-k3-draft.bin), and the properties the
  * engine relies on: context rows do not depend on how the target's steps were cut, proposals do
  * not depend on the cache's paging, YaRN follows §8.6 for the tiny and the published K3 configs,
@@ -265,7 +265,8 @@ static void test_golden(void **state) {
  * over in two calls (prefill chunk, then the rest) give the same cache rows up to fp32 rounding.
  * Whole pipeline: the target run as prefill 13 + steps 5, 1, 21 (chunked vs recurrent KDA,
  * expanded vs absorbed MLA) gives context rows within the golden tolerance of one prefill — the
- * MODEL_SPEC §12 invariant "ctx row identical whether produced by prefill or by a verify pass". */
+ * docs/model.md §12 invariant "ctx row identical whether produced by prefill or by a verify pass".
+ */
 static void test_context_chunks(void **state) {
     (void)state;
     const uint64_t *dims;
@@ -446,10 +447,10 @@ static void test_paging_invariance(void **state) {
     free(U0);
 }
 
-/* ---- YaRN (MODEL_SPEC §8.6) --------------------------------------------------------------------
+/* ---- YaRN (docs/model.md §8.6) -----------------------------------------------------------------
  */
 
-/* The published Kimi-K3-DSpark config.json (MODEL_SPEC §8.1). */
+/* The published Kimi-K3-DSpark config.json (docs/model.md §8.1). */
 static const char K3_DRAFT_JSON[] =
     "{\"architectures\":[\"K3DSparkModel\"],\"model_type\":\"k3_dspark\",\"hidden_size\":7168,"
     "\"intermediate_size\":14336,\"num_hidden_layers\":5,\"num_attention_heads\":64,"

@@ -1,7 +1,7 @@
-/* The whole forward pass against the Python reference's golden files (DESIGN.md invariant 2),
- * and the consistency properties the engine relies on: prefill-then-decode equals one forward
- * (chunked KDA vs recurrent, expanded MLA vs absorbed), chunked prefill equals one-shot prefill,
- * and a sequence's logits do not depend on what else is in the batch (invariant 7). */
+/* The whole forward pass against the Python reference's golden files (docs/architecture.md
+ * invariant 2), and the consistency properties the engine relies on: prefill-then-decode equals one
+ * forward (chunked KDA vs recurrent, expanded MLA vs absorbed), chunked prefill equals one-shot
+ * prefill, and a sequence's logits do not depend on what else is in the batch (invariant 7). */
 #include "golden_io.h"
 #include "devtools/init_model.h"
 #include "model/model.h"
@@ -326,7 +326,7 @@ static void test_batch_invariance(void **state) {
 
 /* Speculative verify with per-token state rows: for every accepted count a in 0..k, rolling the
  * KDA slot back to row a and truncating the latent rows gives the same greedy continuation as
- * plain one-token decoding (DESIGN.md invariant 6, at the model level). */
+ * plain one-token decoding (docs/architecture.md invariant 6, at the model level). */
 static void test_spec_rollback(void **state) {
     (void)state;
     fixture f;

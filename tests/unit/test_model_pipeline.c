@@ -1,7 +1,7 @@
-/* Pipeline stages at the model level (DESIGN.md invariant 3 without MPI): a model split into layer
- * ranges, run stage after stage with the stream and the banked AttnRes blocks handed across, is
- * bit-exact with the whole model — including blocks that open on one stage and close on the next
- * and a boundary right after a block closes. */
+/* Pipeline stages at the model level (docs/architecture.md invariant 3 without MPI): a model split
+ * into layer ranges, run stage after stage with the stream and the banked AttnRes blocks handed
+ * across, is bit-exact with the whole model — including blocks that open on one stage and close on
+ * the next and a boundary right after a block closes. */
 #include "devtools/init_model.h"
 #include "model/model.h"
 #include "testutil.h"

@@ -1,7 +1,7 @@
-/* Tensor parallelism at the model level (DESIGN.md invariant 4 without MPI): T threads, each a
- * rank holding its slice of the weights, all-reduce through shared memory. Logits stay within
- * 1e-4 (relative) of one rank and the greedy token of every step is the same — over a prefill
- * long enough for the chunked KDA and expanded MLA forms, then decode steps (recurrent KDA,
+/* Tensor parallelism at the model level (docs/architecture.md invariant 4 without MPI): T threads,
+ * each a rank holding its slice of the weights, all-reduce through shared memory. Logits stay
+ * within 1e-4 (relative) of one rank and the greedy token of every step is the same — over a
+ * prefill long enough for the chunked KDA and expanded MLA forms, then decode steps (recurrent KDA,
  * absorbed MLA), on both presets (K3: latent MoE with its norm after the routed sum; Kimi-Linear:
  * low-rank KDA gate, plain MoE). */
 #include "devtools/init_model.h"

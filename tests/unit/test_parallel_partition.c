@@ -62,7 +62,7 @@ static void test_given_partition(void **state) {
 
 static void test_banks_before(void **state) {
     (void)state;
-    /* N = 3: banks at layers 0, 3, 6, 9 (MODEL_SPEC §6.3); a boundary before layer i carries the
+    /* N = 3: banks at layers 0, 3, 6, 9 (docs/model.md §6.3); a boundary before layer i carries the
      * blocks banked by layers < i. */
     assert_int_equal(ds_pp_banks_before(3, 1), 1);
     assert_int_equal(ds_pp_banks_before(3, 3), 1);

@@ -1,4 +1,4 @@
-/* test_text_chat.c — chat rendering against strings written by hand from MODEL_SPEC §9.4 / §9.5
+/* test_text_chat.c — chat rendering against strings written by hand from docs/model.md §9.4 / §9.5
  * (and encoding_k3.py for K3 details), then the ids of markers and segment-wise encoding. */
 #include <jansson.h>
 #include <stdio.h>

@@ -72,7 +72,7 @@ static void test_split_matches_intersection_pattern(void **state) {
     ds_tok_splitter_free(sp);
 }
 
-/* MODEL_SPEC §9.2 / §12: "、" (Script=Common, scx includes Han) stays out of Han runs. */
+/* docs/model.md §9.2 / §12: "、" (Script=Common, scx includes Han) stays out of Han runs. */
 static void test_split_han_script_vector(void **state) {
     (void)state;
     ds_err err = {{0}};

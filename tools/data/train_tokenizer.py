@@ -5,7 +5,7 @@ and `tokenizer_config.json` with the 256 K3 special tokens at ids n_ranks .. n_r
 out like src/devtools/bpe_train.c writes them for the bundled models.
 
 Rules:
-  * text is pre-split with the Kimi pattern (MODEL_SPEC §9.2), so merges never cross pieces;
+  * text is pre-split with the Kimi pattern (docs/model.md §9.2), so merges never cross pieces;
   * no learned token contains a digit: numbers stay one token per digit, which keeps arithmetic
     learnable for a tiny model;
   * tiktoken encodes by "merge the adjacent pair whose concatenation has the lowest rank", not by
@@ -29,7 +29,7 @@ import regex
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gsm  # noqa: E402
 
-# MODEL_SPEC §9.2 in its original form; the `regex` module's V1 mode supports `&&`.
+# docs/model.md §9.2 in its original form; the `regex` module's V1 mode supports `&&`.
 _NH_U = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
 _NH_L = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
 _CONTR = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
@@ -46,7 +46,7 @@ KIMI_PATTERN = "|".join([
 
 N_SPECIAL = 256
 # K3 special tokens: (offset from n_ranks, content, special flag); the same table as
-# bpe_train.c's k_k3_specials (MODEL_SPEC §9.3); the other slots are <|reserved_token_{id}|>.
+# bpe_train.c's k_k3_specials (docs/model.md §9.3); the other slots are <|reserved_token_{id}|>.
 K3_SPECIALS = [
     (0, "[BOS]", True), (1, "[EOS]", True), (2, "<|end_of_msg|>", True), (3, "<|open|>", True),
     (4, "<|close|>", True), (5, "<|sep|>", True), (6, "[start_header_id]", True),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine, with .devbin carried: pipeline stages and tensor-parallel ranks on the GPU
-# agree with one GPU (-tp 2 within 1e-4 with batch-invariant matmuls, as DESIGN.md asks). The
+# agree with one GPU (-tp 2 within 1e-4 with batch-invariant matmuls, as docs/architecture.md asks). The
 # bundled model's teacher-forced logits from one process on the CPU, one on the GPU, and two
 # pipeline stages on GPUs (rank r takes GPU r mod count: on one H200 both share it), compared
 # bit for bit (GPU one process vs GPU -pp 2) and by relative error (GPU vs CPU); then greedy

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Independent float64 reference of the DSpark draft (`k3_dspark`, MODEL_SPEC §8).
+"""Independent float64 reference of the DSpark draft (`k3_dspark`, docs/model.md §8).
 
-Written from /work/shared/MODEL_SPEC.md §8 (section numbers cited as §n).  The draft borrows the target's
+Written from docs/model.md §8 (section numbers cited as §n).  The draft borrows the target's
 `embed_tokens` and `lm_head` (§8.2), so it is built on top of a loaded `model.ReferenceModel`.  Every
 computation runs in float64 on the CPU.  Attention uses the expanded form (§4.3, up-projecting every key)
 while the C engine uses the absorbed form over its paged latent cache, so the golden comparison also checks

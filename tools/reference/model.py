@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Independent float64 reference of the kimi_linear family (Kimi-Linear-48B-A3B, Kimi-K3 text stack).
 
-Written from /work/shared/MODEL_SPEC.md (section numbers are cited as §n).  Every weight is read from the
+Written from docs/model.md (section numbers are cited as §n).  Every weight is read from the
 checkpoint's safetensors files (BF16 / F16 / F32 / F64, or MXFP4-packed experts) and converted to float64;
 every computation below runs in float64 on the CPU.  This file is the numerical truth the C engine's
 golden tests compare against; it favours clarity over speed.
@@ -14,7 +14,7 @@ Public API
     out = ref.forward(ids2, state=out.state)            # continue: prefill-then-decode
     out = ref.forward_incremental(ids, chunks=[7, 1, 1, 20, ...])   # convenience wrapper
 
-Choices where the sources differ (see MODEL_SPEC preamble): unbiased router combine weights (a debug
+Choices where the sources differ (see docs/model.md §0): unbiased router combine weights (a debug
 switch `router_quirk_hf_kl` reproduces Moonshot's HF-KL in-place-bias quirk), 1e-6 for q_a / kv_a norms,
 layer-counted AttnRes, softplus(a) = a for a > 20 (fla / HF behaviour).
 """

@@ -3,7 +3,7 @@
 
   1. tokenizer: `deltaserve tokenize` ids == tools/train/tok.py ids on a GSM prompt;
   2. target: `deltaserve logits` vs the float64 reference (tools/reference/model.py) on that prompt
-     plus random ids: max rel err (DESIGN invariant: <= 1e-4), and the argmax agreement;
+     plus random ids: max rel err (docs/architecture.md invariant 2: <= 1e-4), and the argmax agreement;
      the trainer's own fp32 k3_torch vs the reference, for scale;
   3. draft (--draft): `deltaserve serve --speculative-method dspark` greedy completion of the prompt,
      its /metrics acceptance counters vs this trainer's Python simulation of the same speculative

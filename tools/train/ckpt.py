@@ -1,5 +1,5 @@
 """Config builders and checkpoint writers for the trainer (layout of models/tiny-k3: kimi_k3 root with
-`text_config`, `language_model.` names, BF16 with the F32 tensors of MODEL_SPEC trap 4; the draft as
+`text_config`, `language_model.` names, BF16 with the F32 tensors of docs/model.md §10 trap 4; the draft as
 one k3_dspark model.safetensors)."""
 from __future__ import annotations
 

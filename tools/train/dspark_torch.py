@@ -1,4 +1,4 @@
-"""Batched, differentiable DSpark draft (`k3_dspark`, MODEL_SPEC §8) for training.
+"""Batched, differentiable DSpark draft (`k3_dspark`, docs/model.md §8) for training.
 
 Same math as tools/reference/draft.py (checked to 1e-9 in float64 by check_equiv.py).  One forward
 runs many blocks at once: for every anchor p (context rows 0..p processed by the target) a block of

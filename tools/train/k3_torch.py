@@ -1,4 +1,4 @@
-"""Batched, differentiable Kimi-K3 text model for training (MODEL_SPEC §2-§7).
+"""Batched, differentiable Kimi-K3 text model for training (docs/model.md §2-§7).
 
 Same math as tools/reference/model.py (checked to 1e-9 in float64 by check_equiv.py), but for [B, T]
 batches with autograd and without any cache:

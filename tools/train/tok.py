@@ -1,11 +1,11 @@
 """Tokenizer loading for the trainer: a Kimi tiktoken folder (tiktoken.model + tokenizer_config.json)
-as a `tiktoken.Encoding`, with the special-id layout of MODEL_SPEC §9.1/§9.3 (ranks 0..n-1, then 256
+as a `tiktoken.Encoding`, with the special-id layout of docs/model.md §9.1/§9.3 (ranks 0..n-1, then 256
 special slots n..n+255, named from added_tokens_decoder, the rest <|reserved_token_{id}|>)."""
 import base64
 import json
 import os
 
-# MODEL_SPEC §9.2, verbatim (tiktoken's Rust regex supports the `&&` class intersection).
+# docs/model.md §9.2, verbatim (tiktoken's Rust regex supports the `&&` class intersection).
 KIMI_PAT = "|".join([
     r"""[\p{Han}]+""",
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",

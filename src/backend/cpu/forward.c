@@ -1,5 +1,5 @@
 /* forward.c — the CPU backend (cpu.h): its table of operations and one step of the forward pass
- * (MODEL_SPEC §2–§7).
+ * (docs/model.md §2–§7).
  *
  * Data flow of one step, top to bottom:
  *   embed -> for each layer: [AttnRes mix] -> RMSNorm -> KDA | MLA -> [AttnRes mix] -> RMSNorm ->
@@ -147,7 +147,7 @@ static size_t run_step(step *s) {
         save_hidden(s, -1, P);
     } else {
         /* A later pipeline stage: the stream and the banked blocks arrive from the previous one
-         * (MODEL_SPEC §6.4) — a block opened there may close here. */
+         * (docs/model.md §6.4) — a block opened there may close here. */
         memcpy(P, s->in->h, TD * sizeof(float));
         nb = s->in->n_banks;
         if (nb) memcpy(bank, s->in->banks, (size_t)nb * TD * sizeof(float));
@@ -155,7 +155,7 @@ static size_t run_step(step *s) {
     for (int i = m->l0; i < m->l1 && !sc->overflow; i++) {
         const layer_w *lw = &m->layers[i];
         if (N > 0) {
-            /* Mix first, then bank P: layer 0 banks the embedding (MODEL_SPEC §6.3, trap 13). */
+            /* Mix first, then bank P: layer 0 banks the embedding (docs/model.md §6.3, trap 13). */
             for (int j = 0; j < nb; j++) cands[j] = bank + (size_t)j * TD;
             cands[nb] = P;
             ds_attnres_mix(x, cands, nb + 1, lw->attn_res_np, T, D, c->rms_norm_eps);

@@ -17,7 +17,7 @@ static float *slot_rec(const step *s, int q, int kda_idx) {
            (size_t)kda_idx * ds_model_rec_floats(s->m);
 }
 
-/* out[T][D] = KDA(xn[T][D]) (MODEL_SPEC §3). */
+/* out[T][D] = KDA(xn[T][D]) (docs/model.md §3). */
 void cpu_kda_forward(step *s, const layer_w *lw, const float *xn, float *out) {
     const ds_config *c = &s->m->cfg;
     const kda_w *w = &lw->kda;
@@ -107,7 +107,7 @@ void cpu_kda_forward(step *s, const layer_w *lw, const float *xn, float *out) {
     sc->used = mark;
 }
 
-/* out[T][D] = MLA(xn[T][D]) (MODEL_SPEC §4); writes this step's latent rows into the pool. */
+/* out[T][D] = MLA(xn[T][D]) (docs/model.md §4); writes this step's latent rows into the pool. */
 void cpu_mla_forward(step *s, const layer_w *lw, const float *xn, float *out) {
     const ds_config *c = &s->m->cfg;
     const mla_w *w = &lw->mla;
@@ -158,7 +158,7 @@ void cpu_mla_forward(step *s, const layer_w *lw, const float *xn, float *out) {
                 for (int h = 0; h < Ha; h++)
                     memcpy(qr + ((size_t)t * Ha + h) * dr, qs + ((size_t)t * Ha + h) * dq + dn,
                            (size_t)dr * sizeof(float));
-            for (int h = 0; h < Ha; h++) { /* q̄_h = W_UK_h^T qN_h (MODEL_SPEC §4.4) */
+            for (int h = 0; h < Ha; h++) { /* q̄_h = W_UK_h^T qN_h (docs/model.md §4.4) */
                 ds_mat uk = ds_mat_rows(&w->kv_b, h * (dn + dvh), dn);
                 ds_matmul_t(qbar + (size_t)h * R, Ha * R, qs + (size_t)h * dq, Ha * dq, Tr, &uk);
             }
@@ -244,7 +244,7 @@ static void mlp(step *s, const ds_mat *gate, const ds_mat *up, const ds_mat *dow
     s->sc.used = mark;
 }
 
-/* out[T][D] = FFN(xn[T][D]) (MODEL_SPEC §5). */
+/* out[T][D] = FFN(xn[T][D]) (docs/model.md §5). */
 void cpu_ffn_forward(step *s, const layer_w *lw, const float *xn, float *out) {
     const ds_config *c = &s->m->cfg;
     const ffn_w *w = &lw->ffn;
@@ -298,7 +298,7 @@ void cpu_ffn_forward(step *s, const layer_w *lw, const float *xn, float *out) {
     }
     int latent = c->routed_expert_hidden_size > 0;
     if (latent) {
-        /* The latent norm is nonlinear: the routed sum must be complete before it (MODEL_SPEC
+        /* The latent norm is nonlinear: the routed sum must be complete before it (docs/model.md
          * §5.4), so it is all-reduced here; up-projection then runs replicated on every rank. */
         cpu_tp_sum(s, acc, (size_t)T * Hin);
         if (w->lat_norm) ds_rmsnorm(acc, acc, w->lat_norm, T, Hin, c->rms_norm_eps);

@@ -277,7 +277,7 @@ static int run_body(cstep *s, int nb, ds_err *err) {
             ds_cu_add_rmsnorm(cu, x, P, a, dw->in_norm, T, D, c->rms_norm_eps);
             pending = 0;
         } else if (N > 0) {
-            /* mix first, then bank P: layer 0 banks the embedding (MODEL_SPEC §6.3) */
+            /* mix first, then bank P: layer 0 banks the embedding (docs/model.md §6.3) */
             TRY(ds_cu_attnres_mix(cu, x, s->cands + (size_t)nb * nbx, nb + 1, dw->attn_res_np, T, D,
                                   c->rms_norm_eps, err));
             int banks = i % N == 0;

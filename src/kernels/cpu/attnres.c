@@ -1,4 +1,4 @@
-/* attnres.c — the AttnRes mix (MODEL_SPEC §6.2), all in f32:
+/* attnres.c — the AttnRes mix (docs/model.md §6.2), all in f32:
  *
  *   score_j = sum_d (V_j[d] / sqrt(mean(V_j^2) + eps)) * np[d] = rms_j * (V_j . np)
  *   alpha   = softmax_j(score)            (no temperature)

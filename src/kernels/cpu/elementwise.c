@@ -294,7 +294,7 @@ void ds_l2norm_heads(float *x, int T, int H, int d, float eps, float scale) {
 #pragma omp parallel for schedule(static) if (rows > 1 && (double)rows * d >= PAR_MIN_ELEMS)
     for (int i = 0; i < rows; i++) {
         float *xi = x + (size_t)i * (size_t)d;
-        /* eps sits inside the root of the plain sum (not the mean): MODEL_SPEC §10 trap 1. */
+        /* eps sits inside the root of the plain sum (not the mean): docs/model.md §10 trap 1. */
         const float s = scale / sqrtf(sumsq(isa, xi, d) + eps);
         scale_row(isa, xi, xi, s, NULL, NULL, d);
     }

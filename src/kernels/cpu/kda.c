@@ -1,4 +1,4 @@
-/* kda.c — Kimi Delta Attention kernels (MODEL_SPEC §3): the short causal conv, the forget gate,
+/* kda.c — Kimi Delta Attention kernels (docs/model.md §3): the short causal conv, the forget gate,
  * the per-token delta-rule recurrence (decode, speculative verify) and its chunked form (prefill).
  *
  * The recurrent state is K-first, S[h][c][v] (c < dk key channel, v < dv value column), f32.
@@ -240,7 +240,7 @@ void ds_kda_gate(float *g, const float *f, int T, int H, int dk, const float *A_
 
 /* ---- recurrence ---------------------------------------------------------------------------- */
 
-/* Columns [v0, v0+nv) of head h over T tokens (MODEL_SPEC §3.4), in place on S. With
+/* Columns [v0, v0+nv) of head h over T tokens (docs/model.md §3.4), in place on S. With
  * nv == KDA_VB the error and output rows live in registers; narrower blocks use the plain loops. */
 static KDA_HOT void kda_recurrent_block(float *o, const float *q, const float *k, const float *v,
                                         const float *g, const float *beta, float *S, float *S_rows,
@@ -330,7 +330,7 @@ void ds_kda_recurrent(float *o, const float *q, const float *k, const float *v, 
 /* ---- chunked form ---------------------------------------------------------------------------- */
 
 /* What one (head, chunk) needs from the key side, computed before the state is known
- * (MODEL_SPEC §3.6, with n <= C tokens and D_ij = e^{Γ_i − Γ_j}, Γ inclusive of token i):
+ * (docs/model.md §3.6, with n <= C tokens and D_ij = e^{Γ_i − Γ_j}, Γ inclusive of token i):
  *   A   [C][ld]  A[i][j] = Σ_c q_i D_ij k_j              (j <= i)
  *   L   [C][ld]  L[i][j] = β_i Σ_c k_i D_ij k_j          (j < i)
  *   Kg  [C][dk]  e^{Γ_i} ⊙ k_i     Qg [C][dk] e^{Γ_i} ⊙ q_i

@@ -3,7 +3,7 @@
  * time (AVX-512 / AVX2+FMA / portable C); DS_ISA=scalar|avx2|avx512 in the environment forces one.
  * Threads: OpenMP inside the kernels; callers are single-threaded.
  *
- * Every kernel has a float64 reference in tests/unit/ (DESIGN.md invariant 1). */
+ * Every kernel has a float64 reference in tests/unit/ (docs/architecture.md invariant 1). */
 #ifndef DS_KERNELS_H
 #define DS_KERNELS_H
 
@@ -55,7 +55,7 @@ void ds_sigmoid_inplace(float *x, size_t n);
 /* out[i] = silu(gate[i]) * up[i] */
 void ds_act_swiglu(float *out, const float *gate, const float *up, size_t n);
 /* out[i] = beta*tanh(g/beta)*sigmoid(g) * phi(u), phi(u) = lin_beta*tanh(u/lin_beta) if lin_beta >
- * 0 else u (MODEL_SPEC §5.1). */
+ * 0 else u (docs/model.md §5.1). */
 void ds_act_situ(float *out, const float *gate, const float *up, size_t n, float beta,
                  float lin_beta);
 
@@ -67,18 +67,18 @@ void ds_act_situ(float *out, const float *gate, const float *up, size_t n, float
  * in place to the last W-1 inputs; out: [T][C] = silu(conv). out must not alias in. */
 void ds_short_conv_silu(float *out, const float *in, int T, int C, const float *w, int W,
                         float *tail);
-/* Forget gate (MODEL_SPEC §3.3). f: [T][H*dk] = W_fb W_fa x; dt_bias: [H*dk]; A_log: [H];
+/* Forget gate (docs/model.md §3.3). f: [T][H*dk] = W_fb W_fa x; dt_bias: [H*dk]; A_log: [H];
  * g: [T][H*dk] log decay (<= 0). lower_bound_form: g = lb*sigmoid(exp(A_log)*(f+dt_bias)),
  * else g = -exp(A_log)*softplus(f+dt_bias). */
 void ds_kda_gate(float *g, const float *f, int T, int H, int dk, const float *A_log,
                  const float *dt_bias, int lower_bound_form, float lb);
-/* The delta-rule recurrence (MODEL_SPEC §3.4), K-first state.
+/* The delta-rule recurrence (docs/model.md §3.4), K-first state.
  * q, k: [T][H][dk] (L2-normalised; q already scaled by dk^-1/2); v: [T][H][dv]; g: [T][H][dk];
  * beta: [T][H]; S: [H][dk][dv] f32, in/out; o: [T][H][dv].
  * S_rows, if non-NULL: [T][H][dk][dv], the state after each token (for speculative rollback). */
 void ds_kda_recurrent(float *o, const float *q, const float *k, const float *v, const float *g,
                       const float *beta, float *S, float *S_rows, int T, int H, int dk, int dv);
-/* Chunked form (MODEL_SPEC §3.6), same contract and result as ds_kda_recurrent (without S_rows).
+/* Chunked form (docs/model.md §3.6), same contract and result as ds_kda_recurrent (without S_rows).
  * chunk: chunk length (64 in production; any >= 1). */
 void ds_kda_chunked(float *o, const float *q, const float *k, const float *v, const float *g,
                     const float *beta, float *S, int T, int H, int dk, int dv, int chunk);
@@ -100,14 +100,14 @@ static inline float *ds_latent_row(const ds_latent_view *v, int pos) {
                          (size_t)v->row;
 }
 
-/* Absorbed attention over the latent cache (MODEL_SPEC §4.4). Query t sits at position pos0+t and,
- * when causal, attends to rows 0..pos0+t; otherwise to rows 0..n_ctx-1.
- * qbar: [T][Ha][R] (= W_UK_h^T qN_h); qr: [T][Ha][dr]; each cache row is [c (R) | kR (dr)];
- * obar: [T][Ha][R] = sum_t' softmax(scale*(qbar.c + qr.kR)) c. */
+/* Absorbed attention over the latent cache (docs/model.md §4.4). Query t sits at position pos0+t
+ * and, when causal, attends to rows 0..pos0+t; otherwise to rows 0..n_ctx-1. qbar: [T][Ha][R] (=
+ * W_UK_h^T qN_h); qr: [T][Ha][dr]; each cache row is [c (R) | kR (dr)]; obar: [T][Ha][R] = sum_t'
+ * softmax(scale*(qbar.c + qr.kR)) c. */
 void ds_mla_attend_absorbed(float *obar, const float *qbar, const float *qr, int T, int Ha, int R,
                             int dr, const ds_latent_view *kv, int pos0, int n_ctx, int causal,
                             float scale);
-/* Expanded attention (MODEL_SPEC §4.3). q: [T][Ha][dn+dr]; kN: [n_ctx][Ha][dn]; kR: [n_ctx][dr]
+/* Expanded attention (docs/model.md §4.3). q: [T][Ha][dn+dr]; kN: [n_ctx][Ha][dn]; kR: [n_ctx][dr]
  * (shared by heads); v: [n_ctx][Ha][dvh]; o: [T][Ha][dvh]. Causality as above. */
 void ds_mla_attend_expanded(float *o, const float *q, const float *kN, const float *kR,
                             const float *v, int T, int n_ctx, int Ha, int dn, int dr, int dvh,
@@ -115,7 +115,7 @@ void ds_mla_attend_expanded(float *o, const float *q, const float *kN, const flo
 
 /* ---- MoE --------------------------------------------------------------------------------------
  */
-/* Router for one token (MODEL_SPEC §5.3). z: [E] f32 logits; bias: [E] or NULL.
+/* Router for one token (docs/model.md §5.3). z: [E] f32 logits; bias: [E] or NULL.
  * Outputs idx: [k] expert ids, w: [k] combine weights (unbiased sigmoid scores, renormalised when
  * renormalize && k > 1, times scale). n_group > 1 enables group-limited selection.
  * hf_kl_quirk: combine with the biased scores and mask groups with 0 (HF-KL remote code). */
@@ -125,8 +125,8 @@ void ds_moe_route(int32_t *idx, float *w, const float *z, const float *bias, int
 /* ---- AttnRes ----------------------------------------------------------------------------------
  */
 /* out[t] = sum_j alpha_j(t) cands[j][t], alpha = softmax_j(sum_d rmsnorm(cands[j][t])[d] * np[d])
- * (MODEL_SPEC §6.2). cands: m pointers to [T][D]; np: [D] = norm weight ⊙ proj weight; out: [T][D]
- * (may alias none of the candidates). */
+ * (docs/model.md §6.2). cands: m pointers to [T][D]; np: [D] = norm weight ⊙ proj weight; out:
+ * [T][D] (may alias none of the candidates). */
 void ds_attnres_mix(float *out, const float *const *cands, int m, const float *np, int T, int D,
                     float eps);
 

@@ -6,8 +6,8 @@
  * the portable path, 16 for AVX-512); lane l accumulates x[t][c] * W[r][c] for c = l (mod V) in
  * increasing c, and the last partial vector of a row is padded with zeros. Tiling, the K blocking,
  * the f32 panel, the thread count and T only decide when each step runs, never the order of the
- * additions, so a token's result is bit-identical whatever else is in the batch (DESIGN.md
- * invariant 7) and whichever of the decode/prefill strategies below is taken.
+ * additions, so a token's result is bit-identical whatever else is in the batch
+ * (docs/architecture.md invariant 7) and whichever of the decode/prefill strategies below is taken.
  *
  * Two strategies, both built on one register-blocked micro-kernel (a tile of up to 4 rows x 3
  * tokens: 12 independent FMA chains, 7 loads per 12 FMAs):

@@ -1,4 +1,4 @@
-/* mla.c — multi-head latent attention (MODEL_SPEC §4): the absorbed form over the paged latent
+/* mla.c — multi-head latent attention (docs/model.md §4): the absorbed form over the paged latent
  * cache (decode, verify, chunked prefill) and the expanded form.
  *
  * Both forms run one engine. A group of up to MLA_QB queries that read the same keys walks those

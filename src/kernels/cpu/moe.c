@@ -1,4 +1,4 @@
-/* moe.c — the MoE router for one token (MODEL_SPEC §5.3).
+/* moe.c — the MoE router for one token (docs/model.md §5.3).
  *
  *   s  = sigmoid(z)                        scores, f32
  *   s' = s + bias                          selection scores (bias: e_score_correction_bias)

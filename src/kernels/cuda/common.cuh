@@ -223,7 +223,7 @@ static __device__ inline float block_max(float v) {
     return v;
 }
 
-/* act(gate, up): SiLU(g) u, or SiTU (MODEL_SPEC) — one definition for every kernel that applies
+/* act(gate, up): SiLU(g) u, or SiTU (docs/model.md) — one definition for every kernel that applies
  * it, so that fused and separate passes give the same bits. */
 static __device__ __forceinline__ float act_pair(float g, float u, int situ, float beta,
                                                  float lin_beta) {

@@ -173,7 +173,7 @@ int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z, const floa
                     int E, int k, int n_group, int topk_group, int renormalize, float scale,
                     int hf_kl_quirk, ds_err *err);
 
-/* Routed experts (MODEL_SPEC §5): out[t] (+)= sum_j w[t][j] down_e(act(gate_e x_t, up_e x_t)),
+/* Routed experts (docs/model.md §5): out[t] (+)= sum_j w[t][j] down_e(act(gate_e x_t, up_e x_t)),
  * e = idx[t][j], in slot order. x, out [T][D]; idx, w [T][k] (device, e.g. from ds_cu_moe_route);
  * gate_up [E][2I][D] BF16 (an expert's gate rows, then its up rows); down [E][D][I] BF16;
  * act: SwiGLU, or SiTU with its betas (as ds_act_situ). accumulate: add to out instead of

@@ -2,7 +2,7 @@
 """Writes the tokenizer golden vectors checked by tests/unit/test_text_tokenizer.c.
 
 Independent references (none of them is the C code):
-  * splits.json      — pieces of the MODEL_SPEC §9.2 pattern in its original form, with `&&` class
+  * splits.json      — pieces of the docs/model.md §9.2 pattern in its original form, with `&&` class
                        intersection, run by the Python `regex` module (V1); cross-checked against the
                        lookahead rewrite that the C code hands to PCRE2.
   * ids_<vocab>.json — tiktoken (Rust core, the library Moonshot's tokenization_kimi.py wraps) built
