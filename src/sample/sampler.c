@@ -526,9 +526,3 @@ int ds_sample_is_argmax(const ds_sample_params *p, int allow_stop, int n_stop_id
     return !(p->temperature >= GREEDY_TEMPERATURE) && p->presence_penalty == 0 &&
            p->frequency_penalty == 0 && (allow_stop || n_stop_ids == 0) && logprobs < 0;
 }
-
-int32_t ds_sample(float *logits, int V, const ds_sample_params *p, ds_rng *rng, float *scratch,
-                  int32_t *idx) {
-    ds_sample_scratch s = {scratch, idx, NULL, V};
-    return ds_sample_token(logits, V, p, NULL, 1, NULL, 0, rng, &s, NULL, 0);
-}

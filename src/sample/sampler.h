@@ -121,9 +121,4 @@ void ds_sample_weights(float *w, const float *x, int n, float mx, float inv_t);
  * the RNG in that case anyway. */
 int ds_sample_is_argmax(const ds_sample_params *p, int allow_stop, int n_stop_ids, int logprobs);
 
-/* The simple form the generate command uses: no penalties, stops or logprobs. scratch: [V] floats
- * and idx: [V] ints of caller memory. */
-int32_t ds_sample(float *logits, int V, const ds_sample_params *p, ds_rng *rng, float *scratch,
-                  int32_t *idx);
-
 #endif

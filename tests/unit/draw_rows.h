@@ -1,5 +1,5 @@
 /* draw_rows.h — rows of logits for the sampler's exact-definition checks, shared by the host
- * test (test_sample_sampler.c) and the GPU's (tests/cuda/test_cuda_kernels.c), which link
+ * test (test_sample_sampler.c) and the GPU's (tests/cuda/test_cuda_sample.c), which link
  * different helpers. */
 #ifndef DS_TEST_DRAW_ROWS_H
 #define DS_TEST_DRAW_ROWS_H

@@ -719,25 +719,6 @@ static void test_seeds(void **state) {
     ds_sample_scratch_free(s);
 }
 
-static void test_simple_front_end(void **state) {
-    (void)state;
-    float l[5] = {0.1f, 3.0f, 0.2f, 3.0f, -2.0f};
-    float probs[5];
-    int32_t idx[5];
-    ds_rng rng;
-    ds_rng_seed(&rng, 1);
-    ds_sample_params sp;
-    ds_sample_params_default(&sp);
-    sp.temperature = 0.0f;
-    assert_int_equal(ds_sample(l, 5, &sp, &rng, probs, idx), 1);
-    sp.temperature = 1.0f;
-    sp.top_k = 2; /* {1, 3} */
-    int seen[5] = {0};
-    for (int i = 0; i < 400; i++) seen[ds_sample(l, 5, &sp, &rng, probs, idx)]++;
-    assert_int_equal(seen[0] + seen[2] + seen[4], 0);
-    assert_true(seen[1] > 140 && seen[3] > 140);
-}
-
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_greedy_ties),
@@ -756,7 +737,6 @@ int main(void) {
         cmocka_unit_test(test_is_argmax),
         cmocka_unit_test(test_logprobs),
         cmocka_unit_test(test_seeds),
-        cmocka_unit_test(test_simple_front_end),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

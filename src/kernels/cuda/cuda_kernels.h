@@ -233,7 +233,7 @@ int ds_cu_side_join(ds_cu *c, ds_err *err);
  * DS_CUDA_MLA_ALL_HEADS=0 (check_mla_batch covers it). */
 void ds_cu_set_mla_all_heads(ds_cu *c, int on);
 
-/* ---- glue for the model forward (backend/cuda/forward.c) ---- */
+/* ---- glue for the model forward (src/backend/cuda/step.c, layers.c) ---- */
 /* Batch-invariant matmuls (see ds_model_opts.batch_invariant): on, every ds_cu_matmul streams the
  * weights with f32 activations in tiles of 8 tokens, so a token's bits never depend on T. */
 void ds_cu_set_batch_invariant(ds_cu *c, int on);
