@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""check_docs.py — every reference to the project's docs resolves, and the README stays a front door.
+"""check_docs.py — every reference to the project's docs resolves, and the docs name only what exists.
 
 Scans src/, tests/, tools/, README.md and docs/ for:
   1. `docs/<name>.md`: the file exists;
@@ -8,12 +8,20 @@ Scans src/, tests/, tools/, README.md and docs/ for:
   3. `docs/<name>.md invariant N`: that file has an "Invariants" heading with an item `N.` below it;
   4. `docs/<name>.md, "Heading"`: that file has a heading containing the quoted words;
   5. relative markdown links in README.md and docs/*.md: the target exists.
-And for README.md: at most 6,000 bytes; every repo path it names (a backquoted `src/...`,
-`tools/...`, `docs/...`, `tests/...`, `models/...`, `configs/...`, `eval/...`, `bench/...`, a link,
-the first word of a line in a code block) exists; every `--flag` it names is a flag some command
-parses (a quoted "flag" or "--flag" in src/ or tests/cachefuzz/).
+And for README.md and every docs/*.md:
+  6. every repo path it names (a backquoted `src/...`, `tests/...`, `tools/...`, `docs/...`,
+     `models/...`, `configs/...`, `eval/...`, `bench/...`, a link, the first word of a line in a
+     code block) exists as a file or folder; a trailing `/` is allowed, and a pattern (a name
+     holding `<`, `*` or `{`, such as `test_cuda_<op>.c`) is skipped;
+  7. every `--flag` it names is a flag some command parses: a quoted "flag" or "--flag" in the C
+     sources (src/, tests/) or in the Python drivers (bench/, eval/, tools/); flags of other
+     programs the docs show being run are listed in FOREIGN_FLAGS;
+  8. README.md is at most 6,000 bytes;
+  9. docs/architecture.md's include table ("| folder | may include |") is tools/check_layout.py's
+     LAYERS, row for row.
 
-Prints every breach and exits 1 if there is one. Usage: tools/check_docs.py [repo root]."""
+Prints every breach and exits 1 if there is one. Usage: tools/check_docs.py [repo root] (the
+root defaults to this file's parent folder, so it runs from any cwd; ctest: check_docs)."""
 import os
 import re
 import sys
@@ -28,6 +36,13 @@ SECTION_LIST = re.compile(r"docs/([\w.-]+\.md)`?((?:" + SEP + r"§\d+(?:\.\d+)*)
 DOC_REF = re.compile(r"docs/([\w.-]+\.md)")
 INVARIANT_REF = re.compile(r"docs/([\w.-]+\.md)`?,?\s+invariants?\s+(\d+)")
 QUOTED_REF = re.compile(r"docs/([\w.-]+\.md)`?,\s*\"([^\"]+)\"")
+# Flags of programs that are not ours, named where the docs show them being run; every other
+# `--flag` in README.md and docs/ must be parsed by deltaserve or one of the repo's own scripts.
+# (mpirun's --oversubscribe, --bind-to, --allow-run-as-root need no entry: src/transport passes them.)
+FOREIGN_FLAGS = {
+    "hostfile",                 # mpirun across hosts (docs/parallelism.md)
+    "tasks", "include_path",    # lm_eval, the eval through lm-eval-harness (eval/README.md)
+}
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
@@ -114,8 +129,9 @@ def check_refs(root, path, text, bad):
                 bad.append(f"{where(m.start())}: link to {m.group(1)}, which does not exist")
 
 
-def readme_paths(text):
-    """Repo paths README.md names: backquoted spans, the first word of code-block lines."""
+def doc_paths(text):
+    """(line, path) for the repo paths a markdown page names: words of backquoted spans, link
+    targets and the first word of code-block lines that start with a repo folder."""
     out, fenced = [], False
     for ln, l in enumerate(text.split("\n"), 1):
         if l.lstrip().startswith("```"):
@@ -127,35 +143,95 @@ def readme_paths(text):
                 out.append((ln, words[0]))
             continue
         for span in re.findall(r"`([^`]+)`", l):
-            w = span.split()[0] if span.split() else ""
-            if re.match(PATH_PREFIX, w):
-                out.append((ln, w))
+            for w in span.split():
+                if re.match(PATH_PREFIX, w):
+                    out.append((ln, w))
     return out
 
 
-def check_readme(root, bad):
+def parsed_flags(root, cache={}):
+    """Every quoted lowercase word in the C sources and every quoted "--flag" in the Python
+    drivers: a superset of the flags the repo's commands parse."""
+    if root not in cache:
+        parsed = set()
+        for top, ext, pat in (("src", (".c", ".h"), r"\"(?:--)?([a-z][a-z0-9-]+)\""),
+                              ("tests", (".c", ".h", ".cu"), r"\"(?:--)?([a-z][a-z0-9-]+)\""),
+                              ("bench", (".py",), r"[\"']--([a-z][a-z0-9_-]+)[\"']"),
+                              ("eval", (".py",), r"[\"']--([a-z][a-z0-9_-]+)[\"']"),
+                              ("tools", (".py",), r"[\"']--([a-z][a-z0-9_-]+)[\"']")):
+            for dp, dns, fs in os.walk(os.path.join(root, top)):
+                dns[:] = [d for d in dns if not d.startswith(".") and d != "corpus"]
+                for f in fs:
+                    if f.endswith(ext):
+                        with open(os.path.join(dp, f), encoding="utf-8", errors="replace") as fh:
+                            parsed |= set(re.findall(pat, fh.read()))
+        cache[root] = parsed
+    return cache[root]
+
+
+def check_page(root, rel, text, bad):
+    """Rules 6 and 7 for one markdown page (README.md or docs/*.md)."""
+    for ln, w in doc_paths(text):
+        w = re.split(r"::|:\d", w)[0].rstrip(".,;:)'\"")
+        if any(c in w for c in "<*{") or "..." in w or "…" in w:
+            continue
+        if not os.path.exists(os.path.join(root, w)):
+            bad.append(f"{rel}:{ln}: names {w}, which does not exist")
+    parsed = parsed_flags(root) | FOREIGN_FLAGS
+    for ln, l in enumerate(text.split("\n"), 1):
+        for flag in re.findall(r"(?<![\w-])--([a-z][a-z0-9_-]*[a-z0-9])", l):
+            name = flag[3:] if flag.startswith("no-") else flag
+            if flag != "help" and flag not in parsed and name not in parsed:
+                bad.append(f"{rel}:{ln}: names --{flag}, which no command parses")
+
+
+def check_pages(root, bad):
     p = os.path.join(root, "README.md")
     size = os.path.getsize(p)
     if size > README_MAX:
         bad.append(f"README.md: {size} bytes (> {README_MAX}); move detail into docs/")
-    with open(p, encoding="utf-8") as f:
-        text = f.read()
-    for ln, w in readme_paths(text):
-        w = re.split(r"::", w)[0].rstrip(".,;:)")
-        if not os.path.exists(os.path.join(root, w)):
-            bad.append(f"README.md:{ln}: names {w}, which does not exist")
-    parsed = set()
-    for top in ("src", os.path.join("tests", "cachefuzz")):
-        for dp, _, fs in os.walk(os.path.join(root, top)):
-            for f in fs:
-                if f.endswith((".c", ".h")):
-                    with open(os.path.join(dp, f), encoding="utf-8", errors="replace") as fh:
-                        parsed |= set(re.findall(r"\"(?:--)?([a-z][a-z0-9-]+)\"", fh.read()))
-    for ln, l in enumerate(text.split("\n"), 1):
-        for flag in re.findall(r"(?<![\w-])--([a-z][a-z0-9-]+)", l):
-            name = flag[3:] if flag.startswith("no-") else flag
-            if flag != "help" and name not in parsed:
-                bad.append(f"README.md:{ln}: names --{flag}, which no command parses")
+    pages = ["README.md"] + sorted(os.path.join("docs", f)
+                                   for f in os.listdir(os.path.join(root, "docs"))
+                                   if f.endswith(".md"))
+    for rel in pages:
+        with open(os.path.join(root, rel), encoding="utf-8") as f:
+            check_page(root, rel, f.read(), bad)
+
+
+def check_layers(root, bad):
+    """Rule 9: the include table of docs/architecture.md equals check_layout.py's LAYERS."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "check_layout", os.path.join(root, "tools", "check_layout.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    page = os.path.join(root, "docs", "architecture.md")
+    rows, in_table = {}, False
+    with open(page, encoding="utf-8") as f:
+        for l in f:
+            cells = [c.strip() for c in l.strip().strip("|").split("|")]
+            if cells[:2] == ["folder", "may include"]:
+                in_table = True
+                continue
+            if in_table and l.startswith("|"):
+                if set(cells[0]) <= set("-: "):
+                    continue
+                rows[cells[0]] = [] if cells[1] in ("—", "-", "") else \
+                    [c.strip() for c in cells[1].split(",")]
+            elif in_table:
+                break
+    if not rows:
+        bad.append("docs/architecture.md: no '| folder | may include |' table")
+        return
+    for k, v in mod.LAYERS.items():
+        if k not in rows:
+            bad.append(f"docs/architecture.md: the include table has no row for {k} (LAYERS has)")
+        elif rows[k] != list(v):
+            bad.append(f"docs/architecture.md: {k} may include {', '.join(v) or '—'} "
+                       f"(LAYERS), the table says {', '.join(rows[k]) or '—'}")
+    for k in rows:
+        if k not in mod.LAYERS:
+            bad.append(f"docs/architecture.md: the include table's {k} is not in LAYERS")
 
 
 def main(root):
@@ -168,7 +244,8 @@ def main(root):
             bad.append(f"{path}: {e}")
             continue
         check_refs(root, path, text, bad)
-    check_readme(root, bad)
+    check_pages(root, bad)
+    check_layers(root, bad)
     for b in bad:
         print(b)
     if bad:
