@@ -70,7 +70,8 @@ int ds_engine_flags_table(ds_engine_flags *f, ds_arg *out) {
     ds_arg table[] = {
         {"model", "m", DS_ARG_STRING, &eo->model_dir, "DIR", "checkpoint folder", .required = 1},
         {"device", NULL, DS_ARG_STRING, &f->device, "D",
-         "cpu, cuda (weights and caches in GPU memory; under MPI rank r uses GPU r mod count) or "
+         "cpu, cuda (weights and caches in GPU memory; under MPI the rank with local rank r uses "
+         "GPU r mod count) or "
          "auto (cuda when built with it and a GPU is present)",
          .choices = ds_device_names},
         DS_OPT("batch-invariant", NULL, DS_ARG_BOOL, &eo->batch_invariant, NULL,
