@@ -4,11 +4,8 @@
 #include <pthread.h>
 #include <stdlib.h>
 
-static const ds_dmem_ops *g_ops; /* the installed device, or NULL */
-static void *g_ctx;              /* its context */
-
 /* The page-locked blocks handed out, each with the release that belongs to it (a block may be
- * freed after its device's operations were uninstalled). Few: one logits buffer per engine. */
+ * freed after its device is gone). Few: one logits buffer per engine. */
 enum { MAX_PINNED = 64 };
 static struct {
     void *p;
@@ -16,51 +13,42 @@ static struct {
 } g_pinned[MAX_PINNED];
 static pthread_mutex_t g_pinned_mu = PTHREAD_MUTEX_INITIALIZER;
 
-void ds_dmem_install(const ds_dmem_ops *ops, void *ctx) {
-    g_ops = ops;
-    g_ctx = ops ? ctx : NULL;
+int ds_dmem_on_device(const ds_dmem *d) {
+    return d && d->ops;
 }
 
-void *ds_dmem_installed(const ds_dmem_ops *ops) {
-    return ops && g_ops == ops ? g_ctx : NULL;
+void *ds_dmem_alloc(const ds_dmem *d, size_t bytes, ds_err *err) {
+    if (!ds_dmem_on_device(d)) return ds_aligned_alloc(bytes ? bytes : 1, err);
+    return d->ops->alloc(d->ctx, bytes, err);
 }
 
-void *ds_dmem_alloc(int on_device, size_t bytes, ds_err *err) {
-    if (!on_device) return ds_aligned_alloc(bytes ? bytes : 1, err);
-    if (!g_ops) {
-        ds_errf(err, "device memory asked for, but no device backend is in use");
-        return NULL;
-    }
-    return g_ops->alloc(g_ctx, bytes, err);
-}
-
-void ds_dmem_free(int on_device, void *p) {
+void ds_dmem_free(const ds_dmem *d, void *p) {
     if (!p) return;
-    if (on_device && g_ops)
-        g_ops->release(g_ctx, p);
+    if (ds_dmem_on_device(d))
+        d->ops->release(d->ctx, p);
     else
         free(p);
 }
 
-void ds_dmem_copy(void *dst, const void *src, size_t bytes) {
+void ds_dmem_copy(const ds_dmem *d, void *dst, const void *src, size_t bytes) {
     if (!bytes || dst == src) return;
-    if (g_ops)
-        g_ops->copy(g_ctx, dst, src, bytes);
+    if (ds_dmem_on_device(d))
+        d->ops->copy(d->ctx, dst, src, bytes);
     else
         memcpy(dst, src, bytes);
 }
 
-void ds_dmem_zero(int on_device, void *p, size_t bytes) {
+void ds_dmem_zero(const ds_dmem *d, void *p, size_t bytes) {
     if (!bytes) return;
-    if (on_device && g_ops)
-        g_ops->zero(g_ctx, p, bytes);
+    if (ds_dmem_on_device(d))
+        d->ops->zero(d->ctx, p, bytes);
     else
         memset(p, 0, bytes);
 }
 
-void *ds_dmem_host_alloc(size_t bytes, ds_err *err) {
+void *ds_dmem_host_alloc(const ds_dmem *d, size_t bytes, ds_err *err) {
     if (!bytes) bytes = 1;
-    const ds_dmem_ops *ops = g_ops;
+    const ds_dmem_ops *ops = ds_dmem_on_device(d) ? d->ops : NULL;
     if (ops && ops->host_alloc && ops->host_release) {
         pthread_mutex_lock(&g_pinned_mu);
         int slot = -1;
@@ -79,7 +67,8 @@ void *ds_dmem_host_alloc(size_t bytes, ds_err *err) {
     return ds_aligned_alloc(bytes, err);
 }
 
-void ds_dmem_host_free(void *p) {
+void ds_dmem_host_free(const ds_dmem *d, void *p) {
+    (void)d; /* the block's own release is kept with it: d may be another, or its device gone */
     if (!p) return;
     void (*release)(void *) = NULL;
     pthread_mutex_lock(&g_pinned_mu);

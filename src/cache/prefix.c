@@ -36,7 +36,7 @@ typedef struct entry {
 struct ds_prefix {
     ds_prefix_opts o;
     int bs, interval;
-    int chunk; /* the scheduler's cut spacing */
+    int chunk;   /* the scheduler's cut spacing */
     int granule; /* lcm(chunk, bs): rungs are multiples of it (cuts that are page boundaries) */
     ds_page_pool *pages;            /* not owned */
     ds_kv_pool *kv;                 /* not owned */
@@ -65,7 +65,7 @@ struct ds_prefix {
      * evict another one whose store runs right then (issue 30: the store used to overwrite the
      * payload being loaded, and another prefix's state was filed under this one). A store only
      * ever writes st_*, a load only ld_*, and neither path calls the other. */
-    uint8_t *hbuf;  /* [16 + 4*bs] hash input */
+    uint8_t *hbuf;    /* [16 + 4*bs] hash input */
     int32_t *ld_kbuf; /* [cap_ld_kbuf] a load's key: the prefix's tokens */
     int cap_ld_kbuf;
     float *ld_pbuf; /* [page_floats] a page read from the offload tier, until scattered */
@@ -223,24 +223,23 @@ static void page_gather(ds_prefix *px, int page, float *buf) {
     size_t n = (size_t)px->bs * px->kv->row, xn = (size_t)px->bs * px->xrow;
     float *x = buf + (size_t)px->kv->n_layers * n;
     for (int j = 0; j < px->kv->n_layers; j++)
-        ds_dmem_copy(buf + j * n, px->kv->layer[j] + (size_t)page * n, n * sizeof(float));
+        ds_dmem_copy(px->o.dm, buf + j * n, px->kv->layer[j] + (size_t)page * n, n * sizeof(float));
     for (int j = 0; j < px->n_xlayers; j++)
-        ds_dmem_copy(x + j * xn, px->xlayer[j] + (size_t)page * xn, xn * sizeof(float));
+        ds_dmem_copy(px->o.dm, x + j * xn, px->xlayer[j] + (size_t)page * xn, xn * sizeof(float));
 }
 
 static void page_scatter(ds_prefix *px, int page, const float *buf) {
     size_t n = (size_t)px->bs * px->kv->row, xn = (size_t)px->bs * px->xrow;
     const float *x = buf + (size_t)px->kv->n_layers * n;
     for (int j = 0; j < px->kv->n_layers; j++)
-        ds_dmem_copy(px->kv->layer[j] + (size_t)page * n, buf + j * n, n * sizeof(float));
+        ds_dmem_copy(px->o.dm, px->kv->layer[j] + (size_t)page * n, buf + j * n, n * sizeof(float));
     for (int j = 0; j < px->n_xlayers; j++)
-        ds_dmem_copy(px->xlayer[j] + (size_t)page * xn, x + j * xn, xn * sizeof(float));
+        ds_dmem_copy(px->o.dm, px->xlayer[j] + (size_t)page * xn, x + j * xn, xn * sizeof(float));
 }
 
 int ds_prefix_add_page_rows(ds_prefix *px, float **layers, int n_layers, int row, ds_err *err) {
-    size_t n = DS_MAX((size_t)px->kv->n_layers * px->bs * px->kv->row +
-                          (size_t)n_layers * px->bs * row,
-                      1);
+    size_t n = DS_MAX(
+        (size_t)px->kv->n_layers * px->bs * px->kv->row + (size_t)n_layers * px->bs * row, 1);
     float *ld = realloc(px->ld_pbuf, n * sizeof(float));
     if (ld) px->ld_pbuf = ld;
     float *st = ld ? realloc(px->st_pbuf, n * sizeof(float)) : NULL;
@@ -281,7 +280,8 @@ static void store_ckpt(ds_prefix *px, int e, const int32_t *tokens) {
     }
     px->storing = 1;
     /* staged on the host: the checkpoint may be device memory */
-    ds_dmem_copy(px->st_sbuf, ds_slot_data(px->ck, en->ckpt), px->slot_floats * sizeof(float));
+    ds_dmem_copy(px->o.dm, px->st_sbuf, ds_slot_data(px->ck, en->ckpt),
+                 px->slot_floats * sizeof(float));
     ds_offload_put(px->off, 'c', en->hash, px->tbuf, nk, px->st_sbuf, px->slot_floats);
     px->storing = 0;
     en->ckpt_stored = 1;
@@ -490,7 +490,7 @@ int ds_prefix_create(const ds_prefix_opts *o, size_t slot_floats, ds_page_pool *
     for (int i = 0; i < px->n_buckets; i++) px->buckets[i] = -1;
     if (o->n_ckpt_slots > 0) {
         int n = o->n_ckpt_slots;
-        if (ds_slot_pool_create_on(o->on_device, n, slot_floats, &px->ck, err)) goto fail;
+        if (ds_slot_pool_create_on(o->dm, n, slot_floats, &px->ck, err)) goto fail;
         px->n_ck = n;
         px->ck_entry = ds_malloc((size_t)n * sizeof(int32_t), err);
         px->ck_pins = ds_calloc((size_t)n, sizeof(int32_t), err);
@@ -610,12 +610,12 @@ int ds_prefix_match(ds_prefix *px, ds_seq *q) {
         if (nk < 0) break;
         px->loading = 1;
         int c = -1,
-            hit = off_get(px, 'c', px->ents[e].hash, px->ld_kbuf, nk, px->ld_sbuf,
-                          px->slot_floats);
+            hit = off_get(px, 'c', px->ents[e].hash, px->ld_kbuf, nk, px->ld_sbuf, px->slot_floats);
         if (hit) {
             c = ck_take(px, e); /* may evict (and store) another checkpoint: st_sbuf */
             if (c >= 0)
-                ds_dmem_copy(ds_slot_data(px->ck, c), px->ld_sbuf, px->slot_floats * sizeof(float));
+                ds_dmem_copy(px->o.dm, ds_slot_data(px->ck, c), px->ld_sbuf,
+                             px->slot_floats * sizeof(float));
         }
         px->loading = 0;
         if (!hit) continue;
@@ -671,7 +671,8 @@ void ds_prefix_release(ds_prefix *px, ds_seq *q) {
 
 int ds_prefix_take_fork(ds_prefix *px, ds_seq *q, float *slot) {
     if (q->fork_ckpt < 0) return 0;
-    ds_dmem_copy(slot, ds_slot_data(px->ck, q->fork_ckpt), px->slot_floats * sizeof(float));
+    ds_dmem_copy(px->o.dm, slot, ds_slot_data(px->ck, q->fork_ckpt),
+                 px->slot_floats * sizeof(float));
     ck_unpin(px, q->fork_ckpt);
     q->fork_ckpt = -1;
     px->st.forks++;
@@ -733,7 +734,7 @@ void ds_prefix_on_computed(ds_prefix *px, ds_seq *q, const float *slot) {
         px->st.ckpt_dropped++;
         return;
     }
-    ds_dmem_copy(ds_slot_data(px->ck, c), slot, px->slot_floats * sizeof(float));
+    ds_dmem_copy(px->o.dm, ds_slot_data(px->ck, c), slot, px->slot_floats * sizeof(float));
     px->ents[e].ckpt_stored = 0;
     px->st.ckpt_kept++;
 }

@@ -36,9 +36,11 @@ typedef struct ds_prefix_opts {
     int n_ckpt_slots;    /* checkpoint pool size; 0 disables checkpoints (and thus hits) */
     uint64_t seed;       /* model identity, mixed into every hash */
     int test_hash_bits;  /* tests only: > 0 keeps this many low hash bits, forcing collisions */
-    int on_device;       /* slots and the latent pool are GPU memory (base/devmem.h) */
-    int chunk_tokens;    /* the scheduler's cut spacing (0: block_size); rungs fall on its
-                            multiples, so they never add cuts */
+    /* the memory of the checkpoint slots and the latent pool (base/devmem.h: the model's, NULL
+     * the host's); must outlive the cache */
+    const ds_dmem *dm;
+    int chunk_tokens; /* the scheduler's cut spacing (0: block_size); rungs fall on its
+                         multiples, so they never add cuts */
 } ds_prefix_opts;
 
 typedef struct ds_prefix_stats {

@@ -16,7 +16,7 @@
 
 struct ds_slot_pool {
     int n_slots;
-    int on_device;       /* data in GPU memory (the model runs on the CUDA backend) */
+    const ds_dmem *dm;   /* where data lives (GPU memory when the model runs on CUDA) */
     size_t slot_floats;  /* floats a caller may use in one slot */
     size_t stride;       /* floats between slot starts: slot_floats rounded up to 64 bytes */
     float *data;         /* [n_slots][stride], 64-byte aligned */
@@ -27,10 +27,10 @@ struct ds_slot_pool {
 };
 
 int ds_slot_pool_create(int n_slots, size_t slot_floats, ds_slot_pool **out, ds_err *err) {
-    return ds_slot_pool_create_on(0, n_slots, slot_floats, out, err);
+    return ds_slot_pool_create_on(NULL, n_slots, slot_floats, out, err);
 }
 
-int ds_slot_pool_create_on(int on_device, int n_slots, size_t slot_floats, ds_slot_pool **out,
+int ds_slot_pool_create_on(const ds_dmem *dm, int n_slots, size_t slot_floats, ds_slot_pool **out,
                            ds_err *err) {
     *out = NULL;
     if (n_slots < 1) return ds_errf(err, "slot pool: need at least 1 slot, got %d", n_slots);
@@ -40,8 +40,8 @@ int ds_slot_pool_create_on(int on_device, int n_slots, size_t slot_floats, ds_sl
                        slot_floats);
     ds_slot_pool *p = ds_calloc(1, sizeof *p, err);
     if (!p) return DS_ERR;
-    p->on_device = on_device;
-    p->data = ds_dmem_alloc(on_device, (size_t)n_slots * stride * sizeof(float), err);
+    p->dm = dm;
+    p->data = ds_dmem_alloc(dm, (size_t)n_slots * stride * sizeof(float), err);
     p->in_use = ds_calloc((size_t)n_slots, 1, err);
     p->free_stack = ds_malloc((size_t)n_slots * sizeof *p->free_stack, err);
     if (!p->data || !p->in_use || !p->free_stack) {
@@ -60,7 +60,7 @@ int ds_slot_pool_create_on(int on_device, int n_slots, size_t slot_floats, ds_sl
 
 void ds_slot_pool_free(ds_slot_pool *p) {
     if (!p) return;
-    ds_dmem_free(p->on_device, p->data);
+    ds_dmem_free(p->dm, p->data);
     free(p->in_use);
     free(p->free_stack);
     free(p);
@@ -70,7 +70,7 @@ int ds_slot_alloc(ds_slot_pool *p) {
     if (p->n_free == 0) return -1;
     int slot = p->free_stack[--p->n_free];
     p->in_use[slot] = 1;
-    ds_dmem_zero(p->on_device, p->data + (size_t)slot * p->stride, p->slot_floats * sizeof(float));
+    ds_dmem_zero(p->dm, p->data + (size_t)slot * p->stride, p->slot_floats * sizeof(float));
     return slot;
 }
 

@@ -4,14 +4,16 @@
 #ifndef DS_STATE_H
 #define DS_STATE_H
 
+#include "base/devmem.h"
 #include "base/ds_base.h"
 
 typedef struct ds_slot_pool ds_slot_pool;
 
 int ds_slot_pool_create(int n_slots, size_t slot_floats, ds_slot_pool **out, ds_err *err);
-/* The same in device memory when on_device (see base/devmem.h): slot data is then a device
- * pointer, copied with ds_dmem_copy, never read by the host directly. */
-int ds_slot_pool_create_on(int on_device, int n_slots, size_t slot_floats, ds_slot_pool **out,
+/* The same in dm's memory (see base/devmem.h; NULL: the host's): on a device, slot data is a
+ * device pointer, copied with ds_dmem_copy, never read by the host directly. dm must outlive the
+ * pool. */
+int ds_slot_pool_create_on(const ds_dmem *dm, int n_slots, size_t slot_floats, ds_slot_pool **out,
                            ds_err *err);
 void ds_slot_pool_free(ds_slot_pool *p);
 int ds_slot_alloc(ds_slot_pool *p); /* a zeroed slot, or -1 */

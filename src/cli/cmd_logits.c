@@ -20,9 +20,9 @@ enum { LOGITS_BLOCK = 64 };
 /* A single sequence's cache: one KDA slot and a latent pool of just enough pages. */
 typedef struct one_seq {
     ds_kv_pool pool;
-    int32_t *table; /* [n_pages] identity block table */
-    float *slot;    /* [ds_model_slot_floats], on the model's device */
-    int on_device;
+    int32_t *table;    /* [n_pages] identity block table */
+    float *slot;       /* [ds_model_slot_floats], in dm's memory */
+    const ds_dmem *dm; /* the model's memory (NULL: the host's) */
 } one_seq;
 
 static int one_seq_init(one_seq *s, const ds_model *m, int max_ctx, ds_err *err) {
@@ -31,10 +31,10 @@ static int one_seq_init(one_seq *s, const ds_model *m, int max_ctx, ds_err *err)
     if (ds_kv_pool_init(&s->pool, m, n_pages, LOGITS_BLOCK, err)) return DS_ERR;
     s->table = ds_malloc((size_t)n_pages * sizeof(int32_t), err);
     size_t bytes = ds_model_slot_floats(m) * sizeof(float);
-    s->on_device = ds_model_on_device(m);
-    s->slot = ds_dmem_alloc(s->on_device, bytes, err);
+    s->dm = ds_model_dmem(m);
+    s->slot = ds_dmem_alloc(s->dm, bytes, err);
     if (!s->table || !s->slot) return DS_ERR;
-    ds_dmem_zero(s->on_device, s->slot, bytes); /* a new sequence starts from the zero state */
+    ds_dmem_zero(s->dm, s->slot, bytes); /* a new sequence starts from the zero state */
     for (int i = 0; i < n_pages; i++) s->table[i] = i;
     return DS_OK;
 }
@@ -42,7 +42,7 @@ static int one_seq_init(one_seq *s, const ds_model *m, int max_ctx, ds_err *err)
 static void one_seq_free(one_seq *s) {
     ds_kv_pool_free(&s->pool);
     free(s->table);
-    ds_dmem_free(s->on_device, s->slot);
+    ds_dmem_free(s->dm, s->slot);
 }
 
 /* --device's default: cpu, or DS_DEVICE (an unknown name there is taken for cpu: the flag, or

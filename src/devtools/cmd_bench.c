@@ -111,8 +111,8 @@ static const char *pct(char *buf, size_t cap, double v, double lim) {
  * otherwise stage host slots through the bus every step). */
 static float *alloc_slots(ds_model *m, size_t n, ds_err *err) {
     size_t bytes = DS_MAX(n * ds_model_slot_floats(m) * sizeof(float), 1);
-    float *p = ds_dmem_alloc(ds_model_on_device(m), bytes, err);
-    if (p) ds_dmem_zero(ds_model_on_device(m), p, bytes);
+    float *p = ds_dmem_alloc(ds_model_dmem(m), bytes, err);
+    if (p) ds_dmem_zero(ds_model_dmem(m), p, bytes);
     return p;
 }
 
@@ -136,9 +136,10 @@ static int run_decode(bench_job *j, int B, int prompt, int steps, int full_logit
     int32_t *table = ds_malloc((size_t)B * pages_per * sizeof(int32_t), err); /* [B][pages] */
     int32_t *ids = ds_malloc((size_t)B * ctx * sizeof(int32_t), err);         /* [B][ctx] */
     ds_seq_batch *sb = ds_calloc((size_t)B, sizeof *sb, err);
-    float *logits = ds_dmem_host_alloc((size_t)B * c->vocab_size * sizeof(float), err); /* [B][V] */
-    int32_t *picks = ds_calloc((size_t)B, sizeof(int32_t), err);                        /* [B] */
-    ds_row_draw *draws = ds_calloc((size_t)B, sizeof *draws, err);                      /* [B] */
+    float *logits = ds_dmem_host_alloc(ds_model_dmem(m), (size_t)B * c->vocab_size * sizeof(float),
+                                       err);                       /* [B][V] */
+    int32_t *picks = ds_calloc((size_t)B, sizeof(int32_t), err);   /* [B] */
+    ds_row_draw *draws = ds_calloc((size_t)B, sizeof *draws, err); /* [B] */
     if (!slots || !table || !ids || !sb || !logits || !picks || !draws) goto out;
     for (int i = 0; i < B * pages_per; i++) table[i] = i;
     ds_rng rng;
@@ -191,11 +192,11 @@ static int run_decode(bench_job *j, int B, int prompt, int steps, int full_logit
     }
     rc = DS_OK;
 out:
-    ds_dmem_free(ds_model_on_device(m), slots);
+    ds_dmem_free(ds_model_dmem(m), slots);
     free(table);
     free(ids);
     free(sb);
-    ds_dmem_host_free(logits);
+    ds_dmem_host_free(ds_model_dmem(m), logits);
     free(picks);
     free(draws);
     ds_kv_pool_free(&pool);
@@ -220,7 +221,7 @@ static int run_prompt(bench_job *j, int T, int reps, double *sec, ds_err *err) {
     for (int i = 0; i < T; i++) ids[i] = (int32_t)(ds_rng_next(&rng) % 256);
     double best = 1e30;
     for (int r = 0; r < reps; r++) {
-        ds_dmem_zero(ds_model_on_device(m), slot, ds_model_slot_floats(m) * sizeof(float));
+        ds_dmem_zero(ds_model_dmem(m), slot, ds_model_slot_floats(m) * sizeof(float));
         ds_seq_batch sb = {ids,       T,    0,    slot, table, j->r.last ? logits : NULL,
                            j->r.last, NULL, NULL, NULL, 0,     NULL,
                            NULL,      NULL, NULL};
@@ -234,7 +235,7 @@ static int run_prompt(bench_job *j, int T, int reps, double *sec, ds_err *err) {
     *sec = best;
     rc = DS_OK;
 out:
-    ds_dmem_free(ds_model_on_device(m), slot);
+    ds_dmem_free(ds_model_dmem(m), slot);
     free(table);
     free(ids);
     free(logits);

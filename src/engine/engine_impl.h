@@ -86,7 +86,7 @@ struct ds_engine {
     ds_tokenizer *tok;
     int chat_format;
     ds_kv_pool kv;
-    int on_device; /* the model, slots, pages and verify rows are on the GPU */
+    const ds_dmem *dm; /* the model's memory: slots, pages and verify rows (NULL: the host's) */
     ds_page_pool *pages;
     ds_slot_pool *slots;
     ds_prefix *prefix;   /* NULL when prefix caching is off */

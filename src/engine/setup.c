@@ -72,7 +72,8 @@ static int size_pools(ds_engine *e, ds_err *err) {
     size_t budget = e->opts.kv_cache_memory;
     if (!budget) {
         /* on a GPU the pools take device memory: a fraction of what is free there */
-        size_t avail = e->on_device ? ds_model_device_mem_free(e->model) : mem_available();
+        size_t avail =
+            ds_dmem_on_device(e->dm) ? ds_model_device_mem_free(e->model) : mem_available();
         budget = (size_t)(e->opts.kv_cache_fraction * (double)avail);
     }
     size_t slot_bytes = ds_model_slot_floats(e->model) * sizeof(float);
@@ -107,8 +108,7 @@ static int size_pools(ds_engine *e, ds_err *err) {
     if (e->max_model_len > cap) e->max_model_len = cap;
     if (ds_kv_pool_init(&e->kv, e->model, (int)n_pages, e->opts.block_size, err) ||
         ds_page_pool_create((int)n_pages, &e->pages, err) ||
-        ds_slot_pool_create_on(e->on_device, (int)n_slots, ds_model_slot_floats(e->model),
-                               &e->slots, err))
+        ds_slot_pool_create_on(e->dm, (int)n_slots, ds_model_slot_floats(e->model), &e->slots, err))
         return DS_ERR;
     if (e->head)
         fprintf(stderr,
@@ -159,7 +159,7 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
     int persistent = (o->kv_offload_disk_dir && o->kv_offload_disk_dir[0]) ||
                      (o->kv_offload_remote && o->kv_offload_remote[0]);
     if (persistent && e->head && ds_checkpoint_digest(e->model_dir, id + 1, err)) return DS_ERR;
-    id[3] = (uint64_t)e->on_device;
+    id[3] = (uint64_t)ds_dmem_on_device(e->dm); /* the bit: the same id as before on either */
     id[4] = (uint64_t)o->batch_invariant;
     id[5] = (uint64_t)(e->comm ? e->comm->tp_size : 1);
     id[6] = (uint64_t)e->chunk_tokens;
@@ -198,7 +198,7 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
                          (int)n_ckpt,
                          seed,
                          o->test.prefix_hash_bits,
-                         e->on_device,
+                         e->dm,
                          e->chunk_tokens};
     if (ds_prefix_create(&po, ds_model_slot_floats(e->model), e->pages, &e->kv, e->offload,
                          &e->prefix, err))
@@ -313,7 +313,7 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
     if (ds_model_load(e->model_dir, &mo, &e->model, err) ||
         ds_tok_load(e->model_dir, &e->tok, err) || ds_chat_format_from_dir(e->model_dir, &fmt, err))
         goto fail;
-    e->on_device = ds_model_on_device(e->model);
+    e->dm = ds_model_dmem(e->model);
     e->chat_format = (int)fmt;
     e->V = ds_model_config(e->model)->vocab_size;
     if (size_pools(e, err)) goto fail;
@@ -357,8 +357,8 @@ static int alloc_step_buffers(ds_engine *e, ds_err *err) {
         f->state_rows =
             e->num_speculative_tokens
                 ? ds_dmem_alloc(
-                      e->on_device,
-                      (size_t)S * rows * ds_model_slot_floats(e->model) * sizeof(float) + 1, err)
+                      e->dm, (size_t)S * rows * ds_model_slot_floats(e->model) * sizeof(float) + 1,
+                      err)
                 : NULL;
         if (!f->items || !f->vt || !f->vlp || !f->va || !f->dr || !f->n_dr ||
             (e->num_speculative_tokens && !f->state_rows))
@@ -367,7 +367,7 @@ static int alloc_step_buffers(ds_engine *e, ds_err *err) {
     e->preempted = ds_calloc((size_t)S, sizeof *e->preempted, err);
     e->batch = ds_calloc((size_t)S, sizeof *e->batch, err);
     /* page-locked when the model is on a GPU: the step downloads its logits here */
-    e->logits = ds_dmem_host_alloc((size_t)S * rows * e->V * sizeof(float), err);
+    e->logits = ds_dmem_host_alloc(e->dm, (size_t)S * rows * e->V * sizeof(float), err);
     e->argmax = ds_malloc((size_t)S * rows * sizeof(int32_t), err);
     e->draws = ds_calloc((size_t)S * rows, sizeof *e->draws, err);
     e->dstops = ds_malloc((size_t)S * (DS_MAX_STOP + 1) * sizeof(int32_t), err);
@@ -438,14 +438,14 @@ void ds_engine_free(ds_engine *e) {
         free(f->va);
         free(f->dr);
         free(f->n_dr);
-        ds_dmem_free(e->on_device, f->state_rows);
+        ds_dmem_free(e->dm, f->state_rows);
     }
     free(e->fl);
     free(e->deferred);
     free(e->taps);
     free(e->preempted);
     free(e->batch);
-    ds_dmem_host_free(e->logits);
+    ds_dmem_host_free(e->dm, e->logits);
     free(e->argmax);
     free(e->draws);
     free(e->dcounts);

@@ -186,7 +186,7 @@ static void complete(ds_engine *e, inflight *f) {
          * was accepted, so the commit below (and the prefix cache) only see accepted tokens */
         int a = f->va[i];
         eng_count_verify(e, it->n - 1, a);
-        ds_dmem_copy(ds_slot_data(e->slots, s->slot),
+        ds_dmem_copy(e->dm, ds_slot_data(e->slots, s->slot),
                      f->state_rows + ((size_t)i * rows + a) * slot_n, slot_n * sizeof(float));
         s->n_tokens = it->pos0 + 1 + a; /* the accepted drafts stay, the rest go */
         s->n_spec = 0;

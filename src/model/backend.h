@@ -62,6 +62,9 @@ typedef struct ds_backend_ops {
                    struct ds_seq_batch *seqs, int n_seq, const struct ds_stage_io *in,
                    struct ds_stage_io *out, ds_err *err);
     size_t (*mem_free)(const struct ds_model *m); /* free device memory in bytes (0: none) */
+    /* The memory m's state lives in (base/devmem.h): the device m is attached to, or NULL (the
+     * host's; also a NULL entry) */
+    const struct ds_dmem *(*dmem)(const struct ds_model *m);
     const char *(*device_name)(const struct ds_model *m);
     /* copy bandwidth (GB/s) and BF16 GEMM rate (TFLOP/s) of the device, measured now */
     int (*limits)(const struct ds_model *m, double *copy_gbs, double *gemm_tflops, ds_err *err);

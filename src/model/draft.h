@@ -65,8 +65,10 @@ const double *ds_draft_inv_freq(const ds_draft *d, ds_yarn *y);
  * it, so the attention kernel sees context and block as one paged sequence without a write into
  * the sequence's pages. */
 typedef struct ds_draft_cache {
-    float **layer; /* [n_layers] pointers (device memory when on_device) */
-    int on_device; /* the draft runs on the target's GPU (base/devmem.h copies reach the rows) */
+    float **layer; /* [n_layers] pointers (in dm's memory) */
+    /* the target's GPU memory when the draft runs there (base/devmem.h copies reach the rows), or
+     * NULL: the host's */
+    const ds_dmem *dm;
     int n_layers, n_pages, n_spare, block_size, row;
     int max_block; /* largest T ds_draft_propose accepts with this cache */
     int max_seqs;  /* most sequences one ds_draft_propose_batch takes (a spare slot each) */

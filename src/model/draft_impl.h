@@ -46,6 +46,7 @@ struct ds_draft {
      * memory */
     const struct ds_backend_ops *be;
     void *dev;
+    const ds_dmem *dm; /* the target's memory (ds_model_dmem), where the caches live with dev */
 };
 
 /* cs [n][dr/2][2]: {cos, sin} * mscale of positions pos0 .. pos0+n-1 (YaRN), as the host path

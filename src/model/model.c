@@ -86,6 +86,9 @@ const ds_mat *ds_model_lm_head(const ds_model *m) {
 int ds_model_on_device(const ds_model *m) {
     return m->be->device_memory;
 }
+const ds_dmem *ds_model_dmem(const ds_model *m) {
+    return m->be->dmem ? m->be->dmem(m) : NULL;
+}
 size_t ds_model_device_mem_free(const ds_model *m) {
     return m->be->mem_free(m);
 }
@@ -709,7 +712,7 @@ int ds_kv_pool_layers(const ds_model *m) {
 
 int ds_kv_pool_init(ds_kv_pool *p, const ds_model *m, int n_pages, int block_size, ds_err *err) {
     memset(p, 0, sizeof *p);
-    p->on_device = ds_model_on_device(m);
+    p->dm = ds_model_dmem(m);
     p->n_layers = m->n_mla;
     p->n_pages = n_pages;
     p->block_size = block_size;
@@ -719,10 +722,11 @@ int ds_kv_pool_init(ds_kv_pool *p, const ds_model *m, int n_pages, int block_siz
     for (int j = 0; j < p->n_layers; j++) {
         /* calloc: large pools come straight from mmap, so untouched pages cost no memory */
         size_t bytes = (size_t)n_pages * block_size * (size_t)p->row * sizeof(float);
-        p->layer[j] = p->on_device ? ds_dmem_alloc(1, bytes, err)
-                                   : ds_calloc((size_t)n_pages * block_size,
-                                               (size_t)p->row * sizeof(float), err);
-        if (p->layer[j] && p->on_device) ds_dmem_zero(1, p->layer[j], bytes);
+        const int dev = ds_dmem_on_device(p->dm);
+        p->layer[j] =
+            dev ? ds_dmem_alloc(p->dm, bytes, err)
+                : ds_calloc((size_t)n_pages * block_size, (size_t)p->row * sizeof(float), err);
+        if (p->layer[j] && dev) ds_dmem_zero(p->dm, p->layer[j], bytes);
         if (!p->layer[j]) {
             ds_kv_pool_free(p);
             return DS_ERR;
@@ -733,7 +737,7 @@ int ds_kv_pool_init(ds_kv_pool *p, const ds_model *m, int n_pages, int block_siz
 
 void ds_kv_pool_free(ds_kv_pool *p) {
     if (p->layer)
-        for (int j = 0; j < p->n_layers; j++) ds_dmem_free(p->on_device, p->layer[j]);
+        for (int j = 0; j < p->n_layers; j++) ds_dmem_free(p->dm, p->layer[j]);
     free(p->layer);
     memset(p, 0, sizeof *p);
 }

@@ -14,6 +14,7 @@
 
 #include <stdio.h>
 
+#include "base/devmem.h"
 #include "kernels/cpu/kernels.h"
 #include "io/config.h"
 #include "io/safetensors.h"
@@ -102,6 +103,9 @@ size_t ds_model_weight_bytes(const ds_model *m);
 /* Does the model run on a GPU? Its state (slots, latent pool, verify rows) is then device memory.
  */
 int ds_model_on_device(const ds_model *m);
+/* The memory its state lives in (base/devmem.h): the GPU's it runs on, or NULL (the host's). Valid
+ * while the model is. */
+const ds_dmem *ds_model_dmem(const ds_model *m);
 /* Free device memory in bytes (0 on the CPU). */
 size_t ds_model_device_mem_free(const ds_model *m);
 /* On a GPU: its copy bandwidth (GB/s, read + written) and BF16 GEMM rate (TFLOP/s), measured now.
@@ -129,8 +133,8 @@ int ds_model_latent_row(const ds_model *m);
 
 /* Paged MLA latent pool: for each MLA layer j, layer[j] holds [n_pages][block_size][row] floats. */
 typedef struct ds_kv_pool {
-    float **layer; /* [n_mla] pointers (device memory when on_device) */
-    int on_device;
+    float **layer;     /* [n_mla] pointers (in dm's memory) */
+    const ds_dmem *dm; /* the model's memory (ds_model_dmem; NULL: the host's) */
     int n_layers, n_pages, block_size, row;
 } ds_kv_pool;
 

@@ -246,6 +246,7 @@ int ds_draft_load(const char *dir, const ds_model *target, ds_draft **out, ds_er
     /* a target on a device: the draft beside it, where its backend has a device path */
     d->be = target->be;
     if (d->be->draft_create && d->be->draft_create(d, target, err)) goto fail;
+    d->dm = ds_model_dmem(target);
     *out = d;
     return DS_OK;
 fail:
@@ -354,7 +355,7 @@ int ds_draft_cache_init_seqs(ds_draft_cache *c, const ds_draft *d, int n_pages, 
     /* a partly filled context page (< block_size rows) plus the block's rows */
     c->n_spare = (block_size - 1 + max_block + block_size - 1) / block_size;
     c->row = d->cfg.kv_lora_rank + d->cfg.qk_rope_head_dim;
-    c->on_device = d->dev != NULL;
+    c->dm = d->dev ? d->dm : NULL;
     c->layer = ds_calloc((size_t)c->n_layers, sizeof(float *), err);
     if (!c->layer) return DS_ERR;
     c->max_seqs = max_seqs;
@@ -365,20 +366,21 @@ int ds_draft_cache_init_seqs(ds_draft_cache *c, const ds_draft *d, int n_pages, 
          * as zero pages, so untouched pages cost neither memory nor time — a memset touched
          * every page of a cache sized for the whole pool: 16 s before a DSpark server on this
          * 2-core machine answered, against 0.1 s without the draft) */
-        c->layer[l] = c->on_device ? ds_dmem_alloc(1, bytes, err)
-                                   : ds_calloc(bytes / sizeof(float), sizeof(float), err);
+        c->layer[l] = ds_dmem_on_device(c->dm)
+                          ? ds_dmem_alloc(c->dm, bytes, err)
+                          : ds_calloc(bytes / sizeof(float), sizeof(float), err);
         if (!c->layer[l]) {
             ds_draft_cache_free(c);
             return DS_ERR;
         }
-        if (c->on_device) ds_dmem_zero(1, c->layer[l], bytes);
+        if (ds_dmem_on_device(c->dm)) ds_dmem_zero(c->dm, c->layer[l], bytes);
     }
     return DS_OK;
 }
 
 void ds_draft_cache_free(ds_draft_cache *c) {
     if (c->layer)
-        for (int l = 0; l < c->n_layers; l++) ds_dmem_free(c->on_device, c->layer[l]);
+        for (int l = 0; l < c->n_layers; l++) ds_dmem_free(c->dm, c->layer[l]);
     free(c->layer);
     memset(c, 0, sizeof *c);
 }

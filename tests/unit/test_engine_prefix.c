@@ -15,8 +15,9 @@
 #include <unistd.h>
 
 /* ---- a fake device for the state seam --------------------------------------------------------
- * "Device" memory that the host cannot touch: mmap'd PROT_NONE, opened only inside the installed
- * copy and zero operations. With it installed, the index's checkpoint pool and the latent pool are
+ * "Device" memory that the host cannot touch: mmap'd PROT_NONE, opened only inside the fake
+ * device's copy and zero operations. With its handle given to them (g_dev), the index's checkpoint
+ * pool and the latent pool are
  * such memory, so any path that reads or writes them directly instead of through base/devmem.h
  * (as a GPU would require) dies with SIGSEGV and fails the test. */
 enum { FD_MAX = 16 };
@@ -100,8 +101,14 @@ static void fd_host_release(void *p) {
 }
 static const ds_dmem_ops g_fake_device = {fd_alloc, fd_release,    fd_copy,
                                           fd_zero,  fd_host_alloc, fd_host_release};
+static const ds_dmem g_fake_dm = {&g_fake_device, NULL}; /* its memory, as a model gives it */
 static int g_dev;         /* the px_world below keeps its state on the fake device */
 static ds_offload *g_off; /* and, when set, hands finished prefixes to this offload tier */
+
+/* The memory the px_world's state lives in: the fake device's with g_dev, else the host's. */
+static const ds_dmem *pw_dm(void) {
+    return g_dev ? &g_fake_dm : NULL;
+}
 
 /* ---- the index alone ------------------------------------------------------------------------ */
 
@@ -118,15 +125,16 @@ static void pw_init(px_world *w, int hash_bits, int n_ckpt) {
     ds_err err = {{0}};
     assert_int_equal(ds_page_pool_create(PW_PAGES, &w->pages, &err), DS_OK);
     size_t lb = (size_t)PW_PAGES * PW_BS * PW_ROW * sizeof(float);
-    w->layer0 = g_dev ? ds_dmem_alloc(1, lb, &err) : calloc(1, lb);
+    w->layer0 = g_dev ? ds_dmem_alloc(pw_dm(), lb, &err) : calloc(1, lb);
     assert_non_null(w->layer0);
-    if (g_dev) ds_dmem_zero(1, w->layer0, lb);
+    if (g_dev) ds_dmem_zero(pw_dm(), w->layer0, lb);
     w->kv.layer = &w->layer0;
     w->kv.n_layers = 1;
     w->kv.n_pages = PW_PAGES;
     w->kv.block_size = PW_BS;
     w->kv.row = PW_ROW;
-    ds_prefix_opts o = {PW_BS, 8, n_ckpt, 42, hash_bits, g_dev, PW_BS};
+    w->kv.dm = pw_dm();
+    ds_prefix_opts o = {PW_BS, 8, n_ckpt, 42, hash_bits, pw_dm(), PW_BS};
     if (ds_prefix_create(&o, PW_SLOT, w->pages, &w->kv, g_off, &w->px, &err))
         fail_msg("%s", err.msg);
 }
@@ -136,7 +144,7 @@ static void pw_free(px_world *w) {
     assert_int_equal(ds_page_n_bad(w->pages), 0);
     ds_page_pool_free(w->pages);
     if (g_dev)
-        ds_dmem_free(1, w->layer0);
+        ds_dmem_free(pw_dm(), w->layer0);
     else
         free(w->layer0);
 }
@@ -148,11 +156,11 @@ static int pw_run(px_world *w, ds_seq *q, float *fork_out) {
     int d = ds_prefix_match(w->px, q);
     float slot_h[PW_SLOT] = {0}; /* the state as the host writes it */
     ds_err err = {{0}};
-    float *slot = g_dev ? ds_dmem_alloc(1, sizeof slot_h, &err) : slot_h; /* where it lives */
+    float *slot = g_dev ? ds_dmem_alloc(pw_dm(), sizeof slot_h, &err) : slot_h; /* where it lives */
     assert_non_null(slot);
-    if (g_dev) ds_dmem_zero(1, slot, sizeof slot_h);
+    if (g_dev) ds_dmem_zero(pw_dm(), slot, sizeof slot_h);
     if (ds_prefix_take_fork(w->px, q, slot) && fork_out)
-        ds_dmem_copy(fork_out, slot, sizeof slot_h);
+        ds_dmem_copy(pw_dm(), fork_out, slot, sizeof slot_h);
     ds_seq_reserve_blocks(q, q->n_tokens / PW_BS + 1);
     while (q->n_blocks * PW_BS < q->n_tokens)
         q->block_table[q->n_blocks++] = ds_page_alloc(w->pages);
@@ -169,7 +177,7 @@ static int pw_run(px_world *w, ds_seq *q, float *fork_out) {
         for (int i = 0; i < q->n_rungs; i++) rung |= q->rungs[i] == end;
         assert_int_equal(ds_prefix_would_hold(w->px, q, end), rung);
         for (int i = 0; i < PW_SLOT; i++) slot_h[i] = (float)(end * 100 + i);
-        if (g_dev) ds_dmem_copy(slot, slot_h, sizeof slot_h);
+        if (g_dev) ds_dmem_copy(pw_dm(), slot, slot_h, sizeof slot_h);
         ds_prefix_on_computed(w->px, q, slot);
         assert_false(ds_prefix_would_hold(w->px, q, end));
     }
@@ -177,14 +185,15 @@ static int pw_run(px_world *w, ds_seq *q, float *fork_out) {
         for (int b = 0; b < q->n_blocks; b++) {
             float rows[PW_BS * PW_ROW];
             for (int i = 0; i < PW_BS * PW_ROW; i++) rows[i] = (float)(b * 100 + i) + 0.5f;
-            ds_dmem_copy(w->layer0 + (size_t)q->block_table[b] * PW_BS * PW_ROW, rows, sizeof rows);
+            ds_dmem_copy(pw_dm(), w->layer0 + (size_t)q->block_table[b] * PW_BS * PW_ROW, rows,
+                         sizeof rows);
         }
         ds_prefix_on_finish(w->px, q);
     }
     ds_prefix_release(w->px, q);
     for (int b = q->n_blocks - 1; b >= 0; b--) ds_page_unref(w->pages, q->block_table[b]);
     q->n_blocks = 0;
-    if (g_dev) ds_dmem_free(1, slot);
+    if (g_dev) ds_dmem_free(pw_dm(), slot);
     return d;
 }
 
@@ -312,42 +321,38 @@ static void test_forced_collisions(void **st) {
 
 /* The same scenarios with the checkpoint and latent pools in memory the host cannot touch (the
  * fake device above): hits, demand rungs, forks and collisions give the same states, every copy
- * goes through the installed operations, and every region is given back. */
-/* Logits buffers: page-locked from the device while one is installed, and each freed by the
- * release it came with even after the device is gone; plain memory without a device. */
+ * goes through the fake device's operations, and every region is given back. */
+/* Logits buffers: page-locked from the device when its memory is asked, and each freed by the
+ * release it came with, whatever handle frees it; plain memory without a device. */
 static void test_pinned_host_memory(void **st) {
     (void)st;
     ds_err err = {{0}};
     int pins = g_pins, unpins = g_unpins;
-    ds_dmem_install(&g_fake_device, NULL);
-    float *a = ds_dmem_host_alloc(1000 * sizeof(float), &err);
-    float *b = ds_dmem_host_alloc(10, &err);
+    float *a = ds_dmem_host_alloc(&g_fake_dm, 1000 * sizeof(float), &err);
+    float *b = ds_dmem_host_alloc(&g_fake_dm, 10, &err);
     assert_non_null(a);
     assert_non_null(b);
     assert_int_equal(g_pins, pins + 2);
     for (int i = 0; i < 1000; i++) a[i] = (float)i; /* host-writable */
     assert_true(a[999] == 999.0f);
-    ds_dmem_host_free(b);
+    ds_dmem_host_free(&g_fake_dm, b);
     assert_int_equal(g_unpins, unpins + 1);
-    ds_dmem_install(NULL, NULL);
-    ds_dmem_host_free(a); /* after the device went: still its own release, not free() */
+    ds_dmem_host_free(NULL, a); /* freed without the device: still its own release, not free() */
     assert_int_equal(g_unpins, unpins + 2);
-    float *c = ds_dmem_host_alloc(100, &err); /* no device: plain memory */
+    float *c = ds_dmem_host_alloc(NULL, 100, &err); /* no device: plain memory */
     assert_non_null(c);
     assert_int_equal(g_pins, pins + 2);
-    ds_dmem_host_free(c);
+    ds_dmem_host_free(NULL, c);
     assert_int_equal(g_unpins, unpins + 2);
 }
 
 static void test_state_on_device(void **st) {
-    ds_dmem_install(&g_fake_device, NULL);
     g_dev = 1;
     g_fd_copies = g_fd_zeros = 0;
     test_hash_chain_and_hit(st);
     test_demand_rung(st);
     test_forced_collisions(st);
     g_dev = 0;
-    ds_dmem_install(NULL, NULL);
     assert_true(g_fd_copies > 20); /* checkpoints filed and forked, slots written and read */
     assert_true(g_fd_zeros > 0);
     for (int i = 0; i < FD_MAX; i++) assert_null(g_fd[i].p);
@@ -359,7 +364,6 @@ static void test_state_on_device(void **st) {
  * come back into its device pool. */
 static void test_offload_on_device(void **st) {
     (void)st;
-    ds_dmem_install(&g_fake_device, NULL);
     g_dev = 1;
     ds_err err = {{0}};
     ds_offload_opts oo = {.ram_bytes = 1u << 20, .model_id = "fake-device", .layer_hi = 1};
@@ -376,14 +380,15 @@ static void test_offload_on_device(void **st) {
     assert_int_equal(ds_prefix_match(b.px, q2), 12);
     for (int blk = 0; blk < 3; blk++) { /* the rows came back into this index's device pages */
         float rows[PW_BS * PW_ROW];
-        ds_dmem_copy(rows, b.layer0 + (size_t)q2->block_table[blk] * PW_BS * PW_ROW, sizeof rows);
+        ds_dmem_copy(pw_dm(), rows, b.layer0 + (size_t)q2->block_table[blk] * PW_BS * PW_ROW,
+                     sizeof rows);
         for (int i = 0; i < PW_BS * PW_ROW; i++)
             assert_true(rows[i] == (float)(blk * 100 + i) + 0.5f);
     }
-    float *slot = ds_dmem_alloc(1, PW_SLOT * sizeof(float), &err), fork[PW_SLOT];
+    float *slot = ds_dmem_alloc(pw_dm(), PW_SLOT * sizeof(float), &err), fork[PW_SLOT];
     assert_non_null(slot);
     assert_int_equal(ds_prefix_take_fork(b.px, q2, slot), 1);
-    ds_dmem_copy(fork, slot, sizeof fork);
+    ds_dmem_copy(pw_dm(), fork, slot, sizeof fork);
     for (int i = 0; i < PW_SLOT; i++) assert_true(fork[i] == (float)(1200 + i));
     ds_prefix_stats s;
     ds_prefix_get_stats(b.px, &s);
@@ -392,14 +397,13 @@ static void test_offload_on_device(void **st) {
     ds_prefix_release(b.px, q2);
     for (int blk = q2->n_blocks - 1; blk >= 0; blk--) ds_page_unref(b.pages, q2->block_table[blk]);
     q2->n_blocks = 0;
-    ds_dmem_free(1, slot);
+    ds_dmem_free(pw_dm(), slot);
     ds_seq_free(q1);
     ds_seq_free(q2);
     pw_free(&b);
     ds_offload_free(g_off);
     g_off = NULL;
     g_dev = 0;
-    ds_dmem_install(NULL, NULL);
     for (int i = 0; i < FD_MAX; i++) assert_null(g_fd[i].p);
 }
 
@@ -416,7 +420,8 @@ static void pw_file_unfinished(px_world *w, const int32_t *t, int n, float val, 
     for (int b = 0; b < q->n_blocks; b++) {
         float rows[PW_BS * PW_ROW];
         for (int i = 0; i < PW_BS * PW_ROW; i++) rows[i] = rowval - (float)(b * 100 + i);
-        ds_dmem_copy(w->layer0 + (size_t)q->block_table[b] * PW_BS * PW_ROW, rows, sizeof rows);
+        ds_dmem_copy(pw_dm(), w->layer0 + (size_t)q->block_table[b] * PW_BS * PW_ROW, rows,
+                     sizeof rows);
     }
     float slot_h[PW_SLOT];
     for (int i = 0; i < PW_SLOT; i++) slot_h[i] = val + (float)i;
@@ -491,7 +496,8 @@ static void test_tier_page_load_owns_buffer(void **st) {
     assert_int_equal(d, 8);
     for (int b = 0; b < d / PW_BS; b++) {
         float rows[PW_BS * PW_ROW];
-        ds_dmem_copy(rows, w.layer0 + (size_t)qa->block_table[b] * PW_BS * PW_ROW, sizeof rows);
+        ds_dmem_copy(pw_dm(), rows, w.layer0 + (size_t)qa->block_table[b] * PW_BS * PW_ROW,
+                     sizeof rows);
         for (int i = 0; i < PW_BS * PW_ROW; i++)
             assert_true(rows[i] == (float)(b * 100 + i) + 0.5f);
     }

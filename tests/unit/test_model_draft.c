@@ -157,7 +157,7 @@ static float *cache_layer(const ds_draft_cache *c, int l) {
     size_t n = (size_t)(c->n_pages + c->n_spare) * c->block_size * c->row;
     float *h = malloc(n * sizeof(float));
     assert_non_null(h);
-    ds_dmem_copy(h, c->layer[l], n * sizeof(float));
+    ds_dmem_copy(c->dm, h, c->layer[l], n * sizeof(float));
     return h;
 }
 

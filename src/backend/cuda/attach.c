@@ -1,5 +1,6 @@
 /* attach.c — the CUDA backend's table (cuda.h) and a model's life on the GPU: the process's
- * device, found or made at attach and installed as base/devmem.h's memory; the checks of what the
+ * device, found or made at attach, whose memory a model gives out as base/devmem.h's handle
+ * (ds_model_dmem); the checks of what the
  * kernels support; the switches (tuning.h); the upload (upload.c); NCCL for a tensor-parallel
  * group; and the device's facts (memory, name, limits, profile). */
 #include "backend/cuda/internal.h"
@@ -11,7 +12,7 @@
 #include <unistd.h>
 
 /* ---- the process's device (internal.h's cuda_device) ----------------------------------------
- * Its memory operations, installed with the device as their context: state copies and fills on
+ * Its memory operations, with the device as their context: state copies and fills on
  * the device's stream; a failure is kept in the device and reported by the next step. */
 static void *dm_alloc(void *ctx, size_t bytes, ds_err *err) {
     cuda_device *dv = ctx;
@@ -35,12 +36,22 @@ static void dm_zero(void *ctx, void *p, size_t bytes) {
     if ((ds_cu_bind(dv->c, &e) || ds_cu_fill_bytes(dv->c, p, 0, bytes, &e)) && !dv->copy_err[0])
         snprintf(dv->copy_err, sizeof dv->copy_err, "%s", e.msg);
 }
-static const ds_dmem_ops g_dmem = {dm_alloc, dm_release,       dm_copy,
+static const ds_dmem_ops dm_ops = {dm_alloc, dm_release,       dm_copy,
                                    dm_zero,  ds_cu_host_alloc, ds_cu_host_free};
 
-/* The device of GPU index: the one installed (shared), or a new one installed now. */
+/* The backend's registry of devices: the one this process drives, or NULL before the first
+ * attach and after the last detach. One process drives one GPU because a job runs one rank per
+ * GPU (--device is the local rank), and because every model of the process (a second engine's,
+ * the DSpark draft's target, a stage's) must share that device's stream: a state copy the engine
+ * makes through one model's handle is then ordered with the steps of all of them. Its reference
+ * count (refs) is the models attached; it lives in the backend, not in base, so that nothing
+ * outside the CUDA backend holds a device. (Unlocked, as the operations base/devmem.h installed
+ * before it were.) */
+static struct { cuda_device *dev; } g_devices;
+
+/* The device of GPU index: the registry's (shared), or a new one registered now. */
 static cuda_device *device_acquire(int index, ds_err *err) {
-    cuda_device *dv = ds_dmem_installed(&g_dmem);
+    cuda_device *dv = g_devices.dev;
     if (dv && dv->index != index) {
         ds_errf(err, "device cuda: this process already uses GPU %d, asked for %d", dv->index,
                 index);
@@ -57,23 +68,24 @@ static cuda_device *device_acquire(int index, ds_err *err) {
             return NULL;
         }
         dv->index = index;
-        ds_dmem_install(&g_dmem, dv);
+        dv->dmem = (ds_dmem){&dm_ops, dv};
+        g_devices.dev = dv;
     }
     dv->refs++;
     return dv;
 }
 
-/* A model lets go of the device; the last one frees it (and uninstalls its memory). */
+/* A model lets go of the device; the last one frees it (and takes it out of the registry). */
 static void device_release(cuda_device *dv) {
     if (--dv->refs == 0) {
-        ds_dmem_install(NULL, NULL);
+        if (g_devices.dev == dv) g_devices.dev = NULL;
         ds_cu_free(dv->c);
         free(dv);
     }
 }
 
 static int cuda_available(void) {
-    if (ds_dmem_installed(&g_dmem)) return 1;
+    if (g_devices.dev) return 1;
     ds_cu *c = NULL;
     ds_err e;
     if (ds_cu_create(0, &c, &e)) return 0;
@@ -231,6 +243,11 @@ static ds_cu *cu_of(const ds_model *m) {
     return cm->c;
 }
 
+static const ds_dmem *cuda_dmem(const ds_model *m) {
+    const ds_cuda_model *cm = m->be_ctx;
+    return cm ? &cm->dev->dmem : NULL;
+}
+
 static size_t cuda_mem_free(const ds_model *m) {
     return ds_cu_mem_free(cu_of(m));
 }
@@ -259,6 +276,7 @@ const ds_backend_ops ds_cuda_backend = {
     .detach = cuda_detach,
     .forward = cuda_forward,
     .mem_free = cuda_mem_free,
+    .dmem = cuda_dmem,
     .device_name = cuda_device_name,
     .limits = cuda_limits,
     .profile_report = cuda_profile_report,

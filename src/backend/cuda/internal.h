@@ -1,5 +1,5 @@
 /* internal.h — the inside of the CUDA backend, shared by its files: the process's GPU and the
- * memory operations installed for it (attach.c), a model's weights on the device (upload.c), its
+ * memory handle it gives out (attach.c), a model's weights on the device (upload.c), its
  * per-step buffers and the step itself (step.c), the layers (layers.c), the draws (draw.c) and
  * the DSpark draft's device path (draft.c). Nothing outside src/backend/cuda includes this. */
 #ifndef DS_BACKEND_CUDA_INTERNAL_H
@@ -8,6 +8,7 @@
 #include "backend/cuda/cuda.h"
 #include "backend/cuda/tuning.h"
 #include "backend/draw_host.h"
+#include "base/devmem.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "model/backend.h"
 #include "model/draft_impl.h"
@@ -20,13 +21,14 @@
 
 /* ---- the device ----------------------------------------------------------------------------
  * One GPU per process (a job runs one rank per GPU); every model attached in the process shares
- * it and its stream, so a state copy made by the engine is ordered with the steps around it. It
- * is the context of the memory operations installed in base/devmem.h, where a later attach finds
- * it. */
+ * it and its stream, so a state copy made by the engine is ordered with the steps around it. A
+ * later attach finds it in attach.c's registry; each model gives out its memory handle
+ * (ds_model_dmem), whose operations take the device as their context. */
 typedef struct cuda_device {
     ds_cu *c;
     int refs;                      /* models attached to it */
     int index;                     /* which GPU */
+    ds_dmem dmem;                  /* base/devmem.h's handle: attach.c's operations, ctx = this */
     char copy_err[sizeof(ds_err)]; /* the first failed state copy, reported by the next step */
 } cuda_device;
 

@@ -561,7 +561,7 @@ int cuda_forward(ds_model *m, const ds_step_plan *plan, ds_kv_pool *pool, ds_seq
         copy_err[0] = 0;
         return DS_ERR;
     }
-    if (m->n_mla && (!pool || !pool->on_device))
+    if (m->n_mla && (!pool || !ds_dmem_on_device(pool->dm)))
         return ds_errf(err, "forward: the model is on the GPU but its latent pool is not");
     for (int q = 0; q < n_seq; q++)
         if (m->n_mla && !seqs_in[q].block_table)
