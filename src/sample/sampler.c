@@ -134,17 +134,6 @@ static double sum_of(const float *w, int n) {
     return r;
 }
 
-/* c ? a : b on the bits. A float select that feeds arithmetic is kept as a branch under the
- * default -ftrapping-math, which would stop the loops below from vectorising. */
-static inline float pick(int c, float a, float b) {
-    uint32_t ua, ub, m = 0u - (uint32_t)c;
-    memcpy(&ua, &a, 4);
-    memcpy(&ub, &b, 4);
-    ua = (ua & m) | (ub & ~m);
-    memcpy(&a, &ua, 4);
-    return a;
-}
-
 /* exp(x) for x <= 0 within a few ulp (kernels/shared/draw_exp.h: the GPU's draw computes the
  * same bits), vectorised in weigh's loop */
 static inline float exp_nonpos(float x) {
@@ -405,7 +394,8 @@ static int gather(const float *w, int V, int b, int32_t *idx, int *n_above) {
 static void keep_through(float *w, const float *x, int V, int32_t last) {
     float xl = x[last];
 #pragma omp simd
-    for (int i = 0; i < V; i++) w[i] = pick((x[i] > xl) | ((x[i] == xl) & (i <= last)), w[i], 0.0f);
+    for (int i = 0; i < V; i++)
+        w[i] = ds_dx_pick((x[i] > xl) | ((x[i] == xl) & (i <= last)), w[i], 0.0f);
 }
 
 /* Draws from softmax(logits / T) restricted by top-k, top-p and min-p. u in [0, 1).
@@ -452,7 +442,7 @@ static int32_t draw(const float *logits, int V, const ds_sample_params *p, doubl
     }
     if (min_w > 0.0f) {
 #pragma omp simd
-        for (int i = 0; i < V; i++) w[i] = pick(w[i] >= min_w, w[i], 0.0f);
+        for (int i = 0; i < V; i++) w[i] = ds_dx_pick(w[i] >= min_w, w[i], 0.0f);
     }
     return pick_mass(w, V, u);
 }
