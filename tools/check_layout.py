@@ -18,7 +18,7 @@ import sys
 LOW = ["base"]
 LAYERS = {
     "base": [],
-    "io": ["base"],
+    "io": ["base", "kernels/shared"],
     "text": ["base", "io"],
     "kernels/shared": ["base"],
     "kernels/cpu": ["base", "io", "kernels/shared"],

@@ -7,6 +7,7 @@
  * keys, because the published configs write `null` for "feature off" (q_lora_rank, num_experts). */
 #include "io/config.h"
 #include "io/jsonutil.h"
+#include "kernels/shared/quant.h"
 
 #include <jansson.h>
 #include <limits.h>
@@ -484,12 +485,88 @@ static int text_context(const scope *root, const scope *t, ds_config *c) {
     return DS_OK;
 }
 
+/* The group size a compressed-tensors weights scheme states, or -1 (absent). */
+static int ct_group(const scope *s, const json_t *obj, const char *key, int *out) {
+    const json_t *g = json_object_get(obj, "group_size");
+    *out = -1;
+    if (!g || json_is_null(g)) return DS_OK;
+    if (!json_is_integer(g))
+        return ds_errf(s->err, "%s: key '%s.group_size': expected an integer, found %s", s->what,
+                       key, ds_json_type_name(g));
+    *out = (int)json_integer_value(g);
+    return DS_OK;
+}
+
+/* quantization_config (root, or text_config's): only compressed-tensors MXFP4 of the routed
+ * experts (what Kimi-K3 publishes) is supported; every other method or format is named and
+ * refused, so a checkpoint is never read as something it is not. */
+static int parse_quant(const scope *root, const scope *t, ds_config *c) {
+    const json_t *q = NULL;
+    const scope *at = root;
+    if (sc_obj(root, "quantization_config", 0, &q)) return DS_ERR;
+    if (!q && t->obj != root->obj) {
+        if (sc_obj(t, "quantization_config", 0, &q)) return DS_ERR;
+        at = t;
+    }
+    if (!q) return DS_OK;
+    scope qs = {at->what, at == t ? "text_config.quantization_config." : "quantization_config.", q,
+                at->err};
+    const char *method, *fmt;
+    if (sc_str(&qs, "quant_method", NULL, 1, &method) || sc_str(&qs, "format", NULL, 0, &fmt))
+        return DS_ERR;
+    if (strcmp(method, "compressed-tensors") != 0)
+        return ds_errf(at->err,
+                       "%s: key 'quantization_config.quant_method': \"%s\" is not supported "
+                       "(deltaserve reads \"compressed-tensors\" MXFP4 experts; for FP8 of a "
+                       "BF16 checkpoint use --quantization ptpc_fp8)",
+                       at->what, method);
+    int group, g;
+    if (ct_group(&qs, q, "quantization_config", &group)) return DS_ERR;
+    const json_t *groups = json_object_get(q, "config_groups");
+    if (groups && !json_is_null(groups)) {
+        if (!json_is_object(groups))
+            return ds_errf(at->err, "%s: key 'quantization_config.config_groups': expected an "
+                           "object, found %s", at->what, ds_json_type_name(groups));
+        const char *gname;
+        json_t *gv;
+        json_object_foreach((json_t *)groups, gname, gv) {
+            if (!json_is_object(gv)) continue;
+            const json_t *gf = json_object_get(gv, "format");
+            if (gf && json_is_string(gf)) {
+                if (fmt && strcmp(fmt, json_string_value(gf)) != 0)
+                    return ds_errf(at->err, "%s: quantization_config: group '%s' has format "
+                                   "\"%s\", the config \"%s\" (one format only)", at->what,
+                                   gname, json_string_value(gf), fmt);
+                fmt = json_string_value(gf);
+            }
+            const json_t *wts = json_object_get(gv, "weights");
+            if (wts && json_is_object(wts)) {
+                if (ct_group(&qs, wts, "quantization_config.config_groups.*.weights", &g))
+                    return DS_ERR;
+                if (g > 0) group = g;
+            }
+        }
+    }
+    if (!fmt || strcmp(fmt, "mxfp4-pack-quantized") != 0)
+        return ds_errf(at->err,
+                       "%s: quantization_config: format \"%s\" is not supported (deltaserve "
+                       "reads \"mxfp4-pack-quantized\" routed experts)",
+                       at->what, fmt ? fmt : "(none)");
+    if (group != -1 && group != DS_MXFP4_GROUP)
+        return ds_errf(at->err,
+                       "%s: quantization_config: group_size %d is not supported (MXFP4 groups "
+                       "are %d values)",
+                       at->what, group, DS_MXFP4_GROUP);
+    c->mxfp4_experts = 1;
+    return DS_OK;
+}
+
 /* Reads the text model's keys from `t` (root or root.text_config); `root` supplies token ids.
  * k3 selects the defaults of K3's own config class where docs/model.md §1 lists two defaults
  * (HF-K3 vs transformers), since that is the class that would have read the file. */
 static int parse_text(const scope *root, const scope *t, int k3, ds_config *c) {
     if (text_sizes(t, k3, c) || text_activation(t, c) || text_mla(t, c) || text_layers(t, c) ||
-        text_moe(t, k3, c) || text_context(root, t, c))
+        text_moe(t, k3, c) || text_context(root, t, c) || parse_quant(root, t, c))
         return DS_ERR;
     return DS_OK;
 }

@@ -9,6 +9,7 @@
 #define DS_MAX_LAYERS 256
 #define DS_MAX_TAPS   16
 
+
 typedef enum { DS_ACT_SILU = 0, DS_ACT_SITU = 1 } ds_act;
 typedef enum { DS_LAYER_KDA = 0, DS_LAYER_MLA = 1 } ds_layer_kind;
 
@@ -47,6 +48,10 @@ typedef struct ds_config {
     int64_t max_position_embeddings;
     int tie_word_embeddings;
     int bos_token_id, eos_token_id, pad_token_id; /* from the root, falling back to text_config */
+    /* quantization_config (docs/quantization.md): 1 when the checkpoint's routed experts are
+     * compressed-tensors MXFP4 (w{1,2,3}.weight_packed + weight_scale, groups of 32); any other
+     * method is refused at parse time. 0: every weight is a float dtype. */
+    int mxfp4_experts;
 } ds_config;
 
 /* Reads DIR/config.json (path given). Errors name the file and key, expected vs found. */

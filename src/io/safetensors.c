@@ -26,11 +26,12 @@
 /* ---------------------------------------------------------------------------------------------
  * dtypes */
 
-static const char *const dtype_names[DS_DT_COUNT] = {"F32", "F16", "BF16", "U8",
-                                                     "I8",  "I32", "I64",  "F64"};
-static const size_t dtype_sizes[DS_DT_COUNT] = {4, 2, 2, 1, 1, 4, 8, 8};
+static const char *const dtype_names[DS_DT_COUNT] = {"F32", "F16", "BF16", "U8",     "I8",
+                                                     "I32", "I64", "F64",  "F8_E4M3"};
+static const size_t dtype_sizes[DS_DT_COUNT] = {4, 2, 2, 1, 1, 4, 8, 8, 1};
 
 const char *ds_dtype_name(ds_dtype dt) {
+    if (dt == DS_DT_MXFP4) return "MXFP4";
     return (unsigned)dt < DS_DT_COUNT ? dtype_names[dt] : "?";
 }
 
@@ -101,7 +102,7 @@ static int parse_entry(const char *path, const char *name, const json_t *e, cons
     if (dtype_from_name(json_string_value(jd), &t->dtype) != DS_OK)
         return ds_errf(err,
                        "%s: tensor '%s': unsupported dtype \"%s\" (expected one of F32, F16, "
-                       "BF16, U8, I8, I32, I64, F64)",
+                       "BF16, U8, I8, I32, I64, F64, F8_E4M3)",
                        path, name, json_string_value(jd));
     if (!json_is_array(js))
         return ds_errf(err, "%s: tensor '%s': 'shape' must be an array, found %s", path, name,

@@ -18,10 +18,15 @@ typedef enum {
     DS_DT_I32,
     DS_DT_I64,
     DS_DT_F64,
-    DS_DT_COUNT
+    DS_DT_F8_E4M3, /* OCP e4m3fn (kernels/shared/quant.h) */
+    DS_DT_COUNT,   /* the dtypes a safetensors file can hold end here */
+    /* A weight format, never a file dtype: MXFP4, two FP4 E2M1 codes a byte with one E8M0 scale
+     * per 32 values (ds_mat.scale). Element size 0: size such matrices with ds_mat_bytes. */
+    DS_DT_MXFP4
 } ds_dtype;
 
-const char *ds_dtype_name(ds_dtype dt); /* "F32", "BF16", ... as safetensors spells them */
+/* "F32", "BF16", ... as safetensors spells them; "MXFP4" */
+const char *ds_dtype_name(ds_dtype dt);
 size_t ds_dtype_size(ds_dtype dt);
 
 #define DS_MAX_DIMS 8

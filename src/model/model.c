@@ -144,7 +144,7 @@ static int rand_mat(ds_model *m, const char *name, int rows, int cols, int r0, i
     size_t n = (size_t)rows * (size_t)cols;
     const uint64_t key = name_hash(name) ^ m->opts.random_seed;
     const float a = sqrtf(3.0f / (float)(full_cols > 0 ? full_cols : 1));
-    *out = (ds_mat){NULL, DS_DT_BF16, rows, cols};
+    *out = (ds_mat){NULL, DS_DT_BF16, rows, cols, NULL};
     m->weight_bytes += n * 2;
     if (m->be->device_memory) { /* filled on the device */
         ds_rand_mat *d = ds_malloc(sizeof *d, err);

@@ -54,7 +54,7 @@ static int bind_mat(ds_draft *d, const char *name, int rows, int cols, ds_mat *o
     int64_t shape[2] = {rows, cols};
     if (ds_st_get(d->st, resolve(d, name, buf, sizeof buf), FLOAT_TYPES, 2, shape, &t, err))
         return DS_ERR;
-    *out = (ds_mat){t->data, t->dtype, rows, cols};
+    *out = (ds_mat){t->data, t->dtype, rows, cols, NULL};
     return DS_OK;
 }
 
@@ -165,7 +165,7 @@ static int split_context(ds_draft *d, ds_err *err) {
         for (int r = 0; r < D; r++)
             memcpy(dst + (size_t)r * Dt * es, src + ((size_t)r * nt * Dt + (size_t)j * Dt) * es,
                    (size_t)Dt * es);
-        d->ctx_blocks[j] = (ds_mat){dst, d->context_proj.dtype, D, Dt};
+        d->ctx_blocks[j] = (ds_mat){dst, d->context_proj.dtype, D, Dt, NULL};
     }
     return DS_OK;
 }

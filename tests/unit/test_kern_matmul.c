@@ -51,7 +51,7 @@ static test_mat make_mat(ds_rng *rng, ds_dtype dt, int rows, int cols) {
             t.val[i] = ds_f16_to_f32(h);
         }
     }
-    t.m = (ds_mat){t.data, dt, rows, cols};
+    t.m = (ds_mat){t.data, dt, rows, cols, NULL};
     return t;
 }
 

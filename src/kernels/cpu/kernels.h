@@ -21,21 +21,41 @@ int ds_isa_supported(ds_isa isa);
 
 /* ---- matrices ---------------------------------------------------------------------------------
  */
-/* A weight matrix W[rows][cols], row-major, in its file dtype. */
+/* A weight matrix W[rows][cols], row-major, in its file dtype or a quantized format
+ * (docs/quantization.md; element formats in kernels/shared/quant.h):
+ *  - DS_DT_F32, DS_DT_F16, DS_DT_BF16: data [rows][cols] elements; scale NULL.
+ *  - DS_DT_F8_E4M3 (ptpc_fp8): data [rows][cols] E4M3 codes, scale f32 [rows]: W[r][c] =
+ *    e4m3(data[r][c]) * scale[r]. A product with it quantizes its activations too, one scale a
+ *    token (w8a8): y[t][r] = s_t * scale[r] * sum_c e4m3(x[t][c] / s_t) * e4m3(data[r][c]).
+ *  - DS_DT_MXFP4: data [rows][cols/2] bytes (element 2i in the low nibble), scale u8 E8M0
+ *    [rows][cols/32]: W[r][c] = fp4(code) * 2^(scale[r][c/32] - 127); activations stay f32
+ *    (w4a16 on the GPU). cols % 32 == 0. */
 typedef struct ds_mat {
     const void *data;
-    ds_dtype dtype; /* DS_DT_F32, DS_DT_F16 or DS_DT_BF16 */
+    ds_dtype dtype;
     int rows, cols;
+    const void *scale;
 } ds_mat;
 
-/* Rows [row0, row0+n) of W as a matrix of its own. */
+/* Rows [row0, row0+n) of W as a matrix of its own (scales follow). */
 ds_mat ds_mat_rows(const ds_mat *w, int row0, int n);
+/* Bytes of data of one row, of the scales of one row (0 without). */
+size_t ds_mat_row_bytes(const ds_mat *w);
+size_t ds_mat_scale_row_bytes(const ds_mat *w);
 
 /* y[t][r] = sum_c x[t][c] * W[r][c]   for t < T, r < W.rows  (y = x W^T; y overwritten).
  * x: [T][ldx] (ldx >= W.cols), y: [T][ldy] (ldy >= W.rows). */
 void ds_matmul(float *y, int ldy, const float *x, int ldx, int T, const ds_mat *w);
 /* y[t][c] = sum_r x[t][r] * W[r][c]   (y = x W; y: [T][ldy], x: [T][ldx], ldx >= W.rows). */
 void ds_matmul_t(float *y, int ldy, const float *x, int ldx, int T, const ds_mat *w);
+/* ptpc_fp8 (docs/quantization.md): each row of W [rows][cols] (F32, F16 or BF16) gets the scale
+ * ds_ptpc_scale(max |W[r][:]|) over its whole row, and columns [c0, c0+nc) of it become E4M3
+ * codes: codes [rows][nc], scales [rows]. The scale comes from the whole row, so a column slice
+ * taken for tensor parallelism has the codes the unsliced matrix has. */
+void ds_ptpc_quantize(uint8_t *codes, float *scales, const ds_mat *w, int c0, int nc);
+/* The activations' half of ptpc: each token's row x[t][0..K) gets s[t] = ds_ptpc_scale(amax)
+ * and xq[t][c] = e4m3(x[t][c] * (1 / s[t])) as its f32 value. x: [T][ldx], xq: [T][K], s: [T]. */
+void ds_ptpc_quantize_act(float *xq, float *s, const float *x, int ldx, int T, int K);
 /* out[t][:] = row ids[t] of E widened to f32: out [T][E.cols]. */
 void ds_embed(float *out, const ds_mat *e, const int32_t *ids, int T);
 

@@ -24,6 +24,8 @@
  * 21 GB/s (a plain read loop: 18.7 GB/s); T = 512 on 4096 x 4096 bf16 90 GFLOP/s of 184 (FMA
  * peak); one core, per CPU-second, on T = 512 shapes: 54-69 GFLOP of ~95. */
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/matmul_quant.h"
+#include "kernels/shared/quant.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -56,9 +58,20 @@ static size_t src_size(int src) {
     return src == SRC_F32 ? 4 : 2;
 }
 
+size_t ds_mat_row_bytes(const ds_mat *w) {
+    if (w->dtype == DS_DT_MXFP4) return (size_t)w->cols / 2;
+    return (size_t)w->cols * ds_dtype_size(w->dtype);
+}
+
+size_t ds_mat_scale_row_bytes(const ds_mat *w) {
+    if (w->dtype == DS_DT_MXFP4) return (size_t)w->cols / DS_MXFP4_GROUP;
+    return w->dtype == DS_DT_F8_E4M3 ? sizeof(float) : 0;
+}
+
 ds_mat ds_mat_rows(const ds_mat *w, int row0, int n) {
     ds_mat m = *w;
-    m.data = (const char *)w->data + (size_t)row0 * (size_t)w->cols * src_size(src_of(w->dtype));
+    m.data = (const char *)w->data + (size_t)row0 * ds_mat_row_bytes(w);
+    if (w->scale) m.scale = (const char *)w->scale + (size_t)row0 * ds_mat_scale_row_bytes(w);
     m.rows = n;
     return m;
 }
@@ -509,6 +522,10 @@ void ds_matmul(float *y, int ldy, const float *x, int ldx, int T, const ds_mat *
     if (T <= 0 || N <= 0) return;
     if (K <= 0) {
         for (int t = 0; t < T; t++) memset(y + (size_t)t * (size_t)ldy, 0, (size_t)N * sizeof *y);
+        return;
+    }
+    if (w->dtype == DS_DT_F8_E4M3 || w->dtype == DS_DT_MXFP4) {
+        ds_matmul_quant(y, ldy, x, ldx, T, w);
         return;
     }
     const simd_ops *ops = ops_for(ds_kernels_isa());
