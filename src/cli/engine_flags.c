@@ -88,7 +88,7 @@ int ds_engine_flags_table(ds_engine_flags *f, ds_arg *out) {
         DS_OPT("quantization-exclude", NULL, DS_ARG_STRING, &eo->quantization_exclude, "A,B,..",
                "ptpc_fp8: weights whose name contains one of these stay unquantized (replaces "
                "the default list: embed_tokens,lm_head,conv1d,block_sparse_moe.gate.weight,"
-               "b_proj,kv_b_proj)"),
+               "self_attn.b_proj,kv_b_proj)"),
         DS_OPT("kv-cache-memory", NULL, DS_ARG_STRING, &f->kv_mem, "BYTES",
                "memory for MLA pages + KDA state slots, e.g. 2G (default: a fraction of free)"),
         DS_OPT("kv-cache-fraction", NULL, DS_ARG_FLOAT, &eo->kv_cache_fraction, "F",

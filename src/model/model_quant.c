@@ -12,11 +12,12 @@
 
 const char *const ds_quant_names[] = {"none", "ptpc_fp8", NULL};
 const char ds_quant_default_exclude[] =
-    "embed_tokens,lm_head,conv1d,block_sparse_moe.gate.weight,b_proj,kv_b_proj";
+    "embed_tokens,lm_head,conv1d,block_sparse_moe.gate.weight,self_attn.b_proj,kv_b_proj";
 
-/* The lookup tables are never quantized, whatever the list says: the embedding is a row lookup,
- * and the lm_head is shared with the DSpark draft, which reads it as the checkpoint has it. */
-static const char *const never[] = {"embed_tokens", "lm_head"};
+/* Never quantized, whatever the list says: the embedding is a row lookup; the lm_head is shared
+ * with the DSpark draft, which reads it as the checkpoint has it; kv_b_proj is also used as
+ * per-head matrices by the absorbed attention (y = x W as well as x W^T). */
+static const char *const never[] = {"embed_tokens", "lm_head", "kv_b_proj"};
 
 int ds_quant_wants(const ds_model *m, const char *name, ds_dtype dt) {
     if (m->opts.quantization != DS_QUANT_PTPC_FP8) return 0;
