@@ -435,11 +435,7 @@ class MLALayer:
             self.Wq = w.mat(p + "q_proj.weight")
         self.Wkva = w.mat(p + "kv_a_proj_with_mqa.weight")
         self.kva_norm = w(p + "kv_a_layernorm.weight")
-        # kv_b_proj is used as per-head matrices (both forms); when an exclusion list leaves it in scope
-        # of ptpc_fp8, the reference multiplies by its dequantized codes with unquantized inputs (the
-        # docs define no per-head activation quantization).
-        Wkvb = w.mat(p + "kv_b_proj.weight")
-        Wkvb = (Wkvb.dequant() if isinstance(Wkvb, QMat) else Wkvb).view(self.Ha, self.dn + self.dv, self.R)
+        Wkvb = w(p + "kv_b_proj.weight").view(self.Ha, self.dn + self.dv, self.R)  # never ptpc (quant.NEVER)
         self.WUK, self.WUV = Wkvb[:, : self.dn], Wkvb[:, self.dn:]  # [Ha, dn, R], [Ha, dv, R]
         self.Wo = w.mat(p + "o_proj.weight")
         self.Wg = w.mat(p + "g_proj.weight") if cfg.mla_use_output_gate else None

@@ -58,7 +58,7 @@ def f32_to_e4m3(x) -> np.ndarray:
     over = (e > 15) | ((e == 15) & (m == 7))
     normal = np.where(over, 0x7E, (np.clip(e, 0, 15) << 3) | m)
     # below 2^-6: the subnormal grid of 2^-9, ties to even (rint); 8 is the smallest normal 0x08
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):
         sub = np.rint(a * F32(512.0))
         sub = np.where(np.isnan(sub), 0, sub).astype(np.int64)
         code = np.where(a < F32(0.015625), sub, normal)
@@ -117,12 +117,15 @@ class QMat:
         return y.reshape(*lead, self.shape[0])
 
 
+# §3: never quantized whatever the list says (the lookup, the lm_head the DSpark draft shares, and
+# kv_b_proj, whose transpose the absorbed attention also multiplies by).
+NEVER = ("embed_tokens", "lm_head", "kv_b_proj")
+
+
 def name_excluded(full_name: str, exclude: list) -> bool:
-    """docs/quantization.md §3: excluded when the tensor name contains one of the fragments; the lookup
-    tables (embed_tokens, lm_head) are never quantized whatever the list says."""
-    if "embed_tokens" in full_name or "lm_head" in full_name:
-        return True
-    return any(f and f in full_name for f in exclude)
+    """docs/quantization.md §3: excluded when the tensor name contains one of the fragments, or one of
+    NEVER."""
+    return any(f in full_name for f in NEVER) or any(f and f in full_name for f in exclude)
 
 
 # The K3 recipe's list (§3 table). `self_attn.b_proj` is KDA's β projection only: a bare "b_proj" would
