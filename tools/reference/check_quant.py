@@ -96,6 +96,18 @@ int main(void) {
     }
     fwrite(c, 1, n + R * K, stdout);
     fwrite(s, 4, R, stdout);
+    /* then: u32 rows, u32 cols, packed [rows][cols/2], scales [rows][cols/32] -> f32 [rows][cols] */
+    unsigned mh[2];
+    if (fread(mh, 4, 2, stdin) != 2) return 1;
+    size_t mr = mh[0], mc = mh[1];
+    unsigned char *pk = malloc(mr * mc / 2), *sc = malloc(mr * mc / 32);
+    if (fread(pk, 1, mr * mc / 2, stdin) != mr * mc / 2 || fread(sc, 1, mr * mc / 32, stdin) != mr * mc / 32)
+        return 1;
+    for (size_t r = 0; r < mr; r++)
+        for (size_t j = 0; j < mc; j++) {
+            float v = ds_mxfp4_at(pk, sc, (int)mc, (int)r, (int)j);
+            fwrite(&v, 4, 1, stdout);
+        }
     return 0;
 }
 """
@@ -127,8 +139,21 @@ def check_against_c():
         m[200] = 0
         m[201] = 0
         m[201, 5] = 1e-30
-        inp = np.array([x.size, R, K], dtype=np.uint32).tobytes() + x.tobytes() + m.tobytes()
+        MR, MC = 64, 128
+        pk = rng.integers(0, 256, (MR, MC // 2), dtype=np.uint8)
+        sc = rng.integers(0, 255, (MR, MC // 32), dtype=np.uint8)
+        sc[0, :] = [0, 1, 254, 127]
+        inp = np.array([x.size, R, K], dtype=np.uint32).tobytes() + x.tobytes() + m.tobytes() + \
+            np.array([MR, MC], dtype=np.uint32).tobytes() + pk.tobytes() + sc.tobytes()
         out = subprocess.run([exe], input=inp, capture_output=True).stdout
+        cmx = np.frombuffer(out[-4 * MR * MC:], dtype=np.float32).reshape(MR, MC).astype(np.float64)
+        out = out[: -4 * MR * MC]
+        mine = Q.dequant_mxfp4(torch.from_numpy(pk), torch.from_numpy(sc)).numpy()
+        fin = np.abs(mine) <= np.finfo(np.float32).max
+        bad = np.argwhere(~fin | (mine != cmx))
+        report("MXFP4 dequant == C ds_mxfp4_at, every element in f32 range (random bytes, E8M0 0 .. 254)",
+               np.array_equal(mine[fin], cmx[fin]), f"{MR} x {MC}; {int((~fin).sum())} out of f32 range "
+               f"(C: inf) {[(float(mine[tuple(i)]), float(cmx[tuple(i)])) for i in bad[:3]]}")
         cx = np.frombuffer(out[: x.size], dtype=np.uint8)
         cm = np.frombuffer(out[x.size: x.size + R * K], dtype=np.uint8).reshape(R, K)
         cs = np.frombuffer(out[x.size + R * K:], dtype=np.float32)

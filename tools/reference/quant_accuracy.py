@@ -11,6 +11,8 @@ before it quantizes them), against the exact one: how far an implementation that
 rounding can land from a ptpc golden once activation codes flip.
 
 usage: quant_accuracy.py --model models/tiny-k3 [--num-tokens 2048] [--seed 7] [--sensitivity 1e-6,1e-7]
+       quant_accuracy.py --model models/gsm-k3 --gsm-tokens 2000   # teacher-forced test problems, as
+                                                                   # eval/quant_kl.py feeds the engine
 """
 import argparse
 import os
@@ -31,6 +33,27 @@ def kl_top1(p_logits, q_logits):
     return kl.mean().item(), kl.max().item(), top1
 
 
+def gsm_sequences(model: str, n_tokens: int) -> list:
+    """Token ids of the held-out test problems ("Question: ..\nAnswer: ..\n\n", as eval/quant_kl.py),
+    one sequence each, until n_tokens positions; tokenized by `deltaserve tokenize` (build/)."""
+    import json
+    import subprocess
+    root = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+    exe = os.environ.get("DS_BIN", os.path.join(root, "build", "deltaserve"))
+    seqs, n = [], 0
+    with open(os.path.join(root, "tools", "data", "gsm_test.jsonl")) as f:
+        for line in f:
+            p = json.loads(line)
+            out = subprocess.run([exe, "tokenize", "-m", model, "-t",
+                                  f"Question: {p['question']}\nAnswer: {p['answer']}\n\n"],
+                                 check=True, capture_output=True, text=True).stdout
+            seqs.append([int(x.split("\t")[0]) for x in out.splitlines() if "\t" in x])
+            n += len(seqs[-1])
+            if n >= n_tokens:
+                break
+    return seqs
+
+
 def rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
@@ -42,22 +65,33 @@ def main():
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--sensitivity", default="", help="comma-separated eps for the golden sensitivity run")
     ap.add_argument("--sensitivity-tokens", type=int, default=150)
+    ap.add_argument("--gsm-tokens", type=int, default=0,
+                    help="instead of random ids: test problems of tools/data/gsm_test.jsonl, this many positions")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     import quant as Q
     from model import ReferenceModel
 
     V = ReferenceModel.from_dir(a.model).cfg.vocab_size
-    ids = np.random.default_rng(a.seed).integers(0, V, size=a.num_tokens)
+    if a.gsm_tokens:
+        seqs = gsm_sequences(a.model, a.gsm_tokens)
+        what = f"{sum(map(len, seqs))} positions of {len(seqs)} GSM test problems"
+    else:
+        seqs = [np.random.default_rng(a.seed).integers(0, V, size=a.num_tokens)]
+        what = f"T={a.num_tokens} random ids, seed {a.seed}"
+    ids = seqs[0]
+
+    def run(ref):
+        return torch.cat([ref.forward(s).logits for s in seqs], 0)
     t0 = time.time()
-    base = ReferenceModel.from_dir(a.model).forward(ids).logits
+    base = run(ReferenceModel.from_dir(a.model))
     lp = torch.log_softmax(base, -1)
     ent = -(lp.exp() * lp).sum(-1).mean().item()
-    print(f"{a.model}: T={a.num_tokens} seed={a.seed}; unquantized mean entropy {ent:.3f} nats "
+    print(f"{a.model}: {what}; unquantized mean entropy {ent:.3f} nats "
           f"(uniform {np.log(V):.3f}) [{time.time() - t0:.0f} s]", flush=True)
     for name, kw in (("ptpc_fp8", dict(quantization="ptpc_fp8")), ("fp8 KV", dict(kv_cache_dtype="fp8")),
                      ("ptpc_fp8 + fp8 KV", dict(quantization="ptpc_fp8", kv_cache_dtype="fp8"))):
-        q = ReferenceModel.from_dir(a.model, **kw).forward(ids).logits
+        q = run(ReferenceModel.from_dir(a.model, **kw))
         kl, klmax, top1 = kl_top1(base, q)
         print(f"  {name:18s} KL mean {kl:.3e} max {klmax:.3e} nats; top-1 agreement {100 * top1:.2f} %; "
               f"logits max rel diff {rel(q, base):.3g}", flush=True)
