@@ -154,7 +154,8 @@ static void test_fp4_e8m0(void **state) {
         }
 }
 
-/* The SIMD activation quantizer (256 x e4m3 value) agrees bit for bit with the definition. */
+/* The SIMD activation quantizer (DS_FP8_XSCALE x e4m3 value) agrees bit for bit with the
+ * definition. */
 static void test_act_quantizer_simd(void **state) {
     (void)state;
     if (!ds_isa_supported(DS_ISA_AVX2)) skip();
@@ -182,7 +183,7 @@ static void test_act_quantizer_simd(void **state) {
         const float inv = inv_i ? 1.0f : 0.37f;
         ds_qops_avx2.act(got, x, N, inv);
         for (int i = 0; i < N; i++) {
-            ref[i] = ds_e4m3_to_f32(ds_f32_to_e4m3(x[i] * inv)) * 256.0f;
+            ref[i] = ds_e4m3_to_f32(ds_f32_to_e4m3(x[i] * inv)) * DS_FP8_XSCALE;
             if (isnan(ref[i])) {
                 assert_true(isnan(got[i]));
                 continue;
@@ -219,14 +220,20 @@ static qmat make_fp8(ds_rng *rng, int R, int C) {
     float *wf = malloc((size_t)R * C * sizeof(float));
     for (int r = 0; r < R; r++) {
         const double mag = ldexp(1.0, (r % 7) - 3); /* rows of different magnitudes */
-        for (int c = 0; c < C; c++) wf[(size_t)r * C + c] = (float)(ds_rng_normal(rng) * mag);
+        for (int c = 0; c < C; c++) /* every 11th tiny: subnormal codes (0x01..0x07) and zeros */
+            wf[(size_t)r * C + c] = (float)(ds_rng_normal(rng) * mag * (c % 11 == 5 ? 1e-4 : 1.0));
     }
     q.codes = malloc((size_t)R * C);
     q.scales = malloc((size_t)R * sizeof(float));
     const ds_mat src = {wf, DS_DT_F32, R, C, NULL};
     ds_ptpc_quantize(q.codes, q.scales, &src, 0, C);
     q.val = malloc((size_t)R * C * sizeof(double));
-    for (size_t i = 0; i < (size_t)R * C; i++) q.val[i] = ds_e4m3_to_f32(q.codes[i]);
+    int subnormal = 0;
+    for (size_t i = 0; i < (size_t)R * C; i++) {
+        q.val[i] = ds_e4m3_to_f32(q.codes[i]);
+        subnormal += (q.codes[i] & 0x78) == 0 && (q.codes[i] & 7) != 0;
+    }
+    assert_true(R * C < 50 || subnormal > 0);
     q.m = (ds_mat){q.codes, DS_DT_F8_E4M3, R, C, q.scales};
     free(wf);
     return q;
@@ -274,7 +281,8 @@ static void reference(double *ref, const qmat *q, const float *x, int ldx, int T
 
 static float *rand_x(ds_rng *rng, size_t n) {
     float *v = malloc((n + 1) * sizeof(float));
-    for (size_t i = 0; i < n; i++) v[i] = (float)(ds_rng_normal(rng) * (1.0 + (double)(i % 5)));
+    for (size_t i = 0; i < n; i++) /* every 13th tiny: subnormal FP8 activations */
+        v[i] = (float)(ds_rng_normal(rng) * (1.0 + (double)(i % 5)) * (i % 13 == 6 ? 1e-3 : 1.0));
     return v;
 }
 

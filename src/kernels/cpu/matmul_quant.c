@@ -15,7 +15,7 @@
  *  - blocked (larger T, prefill): each thread widens a block of rows x KC_BLOCK columns into an f32
  *    panel once and runs matmul.c's f32 tile for every token tile over it.
  * Both give every token the bits of T = 1. For FP8 the activations are quantized once a call
- * (ds_ptpc_quantize_act's definition, times DS_FP8_XSCALE: see matmul_quant_simd.c).
+ * (ds_ptpc_quantize_act's definition, times DS_FP8_XSCALE: see matmul_quant.h).
  *
  * Scratch: the blocked path allocates like matmul.c's (and streams if that fails). The streaming
  * FP8 path keeps its quantized activations ([T][K] floats, T <= 16: K can be 35840, too big for a
@@ -80,10 +80,9 @@ void ds_ptpc_quantize(uint8_t *codes, float *scales, const ds_mat *w, int c0, in
 
 /* ---- portable path (8 lanes, a multiply and an add, as matmul.c's) --------------------------- */
 
-/* A weight code's value / DS_FP8_XSCALE, as the SIMD paths read it (matmul_quant.h). */
+/* A weight code's value times 2^-120, as the SIMD paths read it (matmul_quant.h). */
 static float fp8_w_scalar(uint8_t b) {
-    if ((b & 0x7f) == 0x7f) return (b & 0x80) ? -1.875f : 1.875f;
-    return ds_e4m3_to_f32(b) * (1.0f / (float)DS_FP8_XSCALE);
+    return ds_bits_f32(ds_fp8_w_bits(b));
 }
 
 static float mx_w_scalar(const uint8_t *w, const uint8_t *ws, int c) {
@@ -99,7 +98,7 @@ static float amax_scalar(const float *x, int n) {
 }
 
 static float act1_scalar(float v) {
-    return ds_e4m3_to_f32(ds_f32_to_e4m3(v)) * (float)DS_FP8_XSCALE;
+    return ds_e4m3_to_f32(ds_f32_to_e4m3(v)) * DS_FP8_XSCALE;
 }
 
 static void act_scalar(float *xq, const float *x, int n, float inv) {
@@ -174,7 +173,8 @@ static void panel_mx_scalar(float *panel, size_t ldp, const uint8_t *w, size_t l
 #define QTILES_FOR_MR(GEN, MR_) GEN(MR_, 1) GEN(MR_, 2) GEN(MR_, 3)
 QTILES_FOR_MR(SCALAR_QTILES, 1)
 QTILES_FOR_MR(SCALAR_QTILES, 2)
-QTILES_FOR_MR(SCALAR_QTILES, 3) QTILES_FOR_MR(SCALAR_QTILES, 4)
+QTILES_FOR_MR(SCALAR_QTILES, 3)
+QTILES_FOR_MR(SCALAR_QTILES, 4)
 
 #define QROW(K, MR_)                                                                               \
     { tile_##K##_scalar_##MR_##_1, tile_##K##_scalar_##MR_##_2, tile_##K##_scalar_##MR_##_3 }
@@ -224,12 +224,13 @@ static float *scratch_floats(size_t n) {
 
 /* ---- drivers --------------------------------------------------------------------------------- */
 
-/* y[t][r] = (y[t][r] * st[t]) * scale[r] for t < T, rows [r0, r0 + nr). */
+/* y[t][r] = (sum * st[t]) * scale[r] for t < T, rows [r0, r0 + nr), from y = sum * 2^-8 (the
+ * scaled operands of the FP8 tiles; the multiplication by 2^8 is exact). */
 static void fp8_scale_rows(float *y, int ldy, int T, int r0, int nr, const float *st,
                            const float *scale) {
     for (int t = 0; t < T; t++) {
         float *yt = y + (size_t)t * (size_t)ldy;
-        for (int r = r0; r < r0 + nr; r++) yt[r] = (yt[r] * st[t]) * scale[r];
+        for (int r = r0; r < r0 + nr; r++) yt[r] = ((yt[r] * DS_FP8_SUMSCALE) * st[t]) * scale[r];
     }
 }
 
@@ -310,7 +311,7 @@ static void fp8_on_the_fly(int V, float *y, int ldy, const float *x, int ldx, in
             for (int c = 0; c < K; c++)
                 acc[c % V] += act1_scalar(xt[c] * inv[t]) * fp8_w_scalar(wr[c]);
             y[(size_t)t * (size_t)ldy + r] =
-                (hsum_lanes(acc, V) * st[t]) * ((const float *)w->scale)[r];
+                ((hsum_lanes(acc, V) * DS_FP8_SUMSCALE) * st[t]) * ((const float *)w->scale)[r];
         }
     }
 }

@@ -18,8 +18,12 @@ enum {
     DS_QMR = 4, /* rows per tile (matmul.c's MR) */
     DS_QNT = 3, /* tokens per tile (matmul.c's NT) */
     DS_QLANES_MAX = 16,
-    DS_FP8_XSCALE = 256, /* the FP8 kernels take 256 x the E4M3 value of an activation */
 };
+/* The FP8 kernels multiply scaled values (both scalings exact, see ds_fp8_w_bits): an activation's
+ * E4M3 value times 2^112 by a weight's E4M3 value times 2^-120, so every product, every partial sum
+ * and the sum come out times 2^-8, exactly; the caller multiplies the sum by 2^8 back. */
+#define DS_FP8_XSCALE   0x1p112f
+#define DS_FP8_SUMSCALE 256.0f
 
 /* matmul.c's micro-kernel over f32 weights (its contract is documented there): rows i < mr at
  * w + i*ldw floats, tokens j < nt at x + j*ldx, columns [0, kc); part/first/y as in matmul.c. */
@@ -56,11 +60,13 @@ typedef struct ds_qops {
 
 extern const ds_qops ds_qops_avx2, ds_qops_avx512; /* matmul_quant_simd.c */
 
-/* The value / DS_FP8_XSCALE of an E4M3 weight code as every CPU path reads it: exact for every
- * code but the NaNs 0x7f / 0xff (which come only from a NaN weight and read as +-480). The SIMD
- * paths get it from the code's bits as an F16 (sign | exponent and mantissa shifted by 7). */
-static inline uint16_t ds_fp8_w_f16_bits(uint8_t b) {
-    return (uint16_t)(((uint16_t)(int16_t)(int8_t)b << 7) & 0xBF80u);
+/* A weight code's E4M3 value times 2^-120 as f32 bits, as every CPU path reads it: the code's
+ * sign to bit 31 and its exponent and mantissa to bits 20..26 make an f32 whose exponent field is
+ * the E4M3 one (bias 127 against 7: the factor 2^-120), its subnormals f32 subnormals (exact). It
+ * is exact for every code but the NaNs 0x7f / 0xff, which come only from a NaN weight and read as
+ * +-480. (The f32 subnormals need the default MXCSR: no flush-to-zero / denormals-are-zero.) */
+static inline uint32_t ds_fp8_w_bits(uint8_t b) {
+    return ((uint32_t)(int32_t)(int8_t)b << 20) & 0x87F00000u;
 }
 
 #endif

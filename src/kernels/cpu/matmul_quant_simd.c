@@ -7,10 +7,9 @@
  * same bits whether its weights were converted here or widened into a panel first.
  *
  * Conversions, all exact:
- *  - FP8 E4M3 -> f32 through F16: the code's sign goes to bit 15 and its exponent and mantissa to
- *    bits 7..13, which as an F16 is the E4M3 value / 256 (the bias 15 against 7 is 2^8; E4M3
- *    subnormals land on F16 subnormals), widened by F16C. The activations carry the factor 256
- *    instead (DS_FP8_XSCALE): both products are exact, so the sums are those of the true values.
+ *  - FP8 E4M3 -> f32 by moving bits (ds_fp8_w_bits: sign-extend, shift by 20, mask), which is the
+ *    value times 2^-120, as cheap as BF16's widening; the activations carry 2^112 (DS_FP8_XSCALE),
+ *    so each sum is the true one times 2^-8 exactly (matmul_quant.h).
  *  - MXFP4: AVX-512 looks each nibble up in a 16-entry table already multiplied by the group's
  *    E8M0 scale (vpermps with 16 lanes). AVX2's vpermps has 8 entries: the magnitude (bits 0..2) is
  *    looked up in an 8-entry scaled table and the sign (bit 3) XORed in; each lane's nibble comes
@@ -29,6 +28,13 @@ static const float k_fp4_mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0
 static const float k_fp4_val[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
+/* The E8M0 scales as f32 bits (ds_e8m0_to_f32), so that a group's scale is one broadcast load. */
+#define E8(b)    ((b) ? (uint32_t)(b) << 23 : 0x00400000u)
+#define E8x4(b)  E8(b), E8((b) + 1), E8((b) + 2), E8((b) + 3)
+#define E8x16(b) E8x4(b), E8x4((b) + 4), E8x4((b) + 8), E8x4((b) + 12)
+#define E8x64(b) E8x16(b), E8x16((b) + 16), E8x16((b) + 32), E8x16((b) + 48)
+static const uint32_t k_e8m0_bits[256] = {E8x64(0), E8x64(64), E8x64(128), E8x64(192)};
+
 /* ---- AVX2 + FMA + F16C ----------------------------------------------------------------------- */
 #define AVX2_FN     __attribute__((target("avx2,fma,f16c")))
 #define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
@@ -45,19 +51,11 @@ AVX2_INLINE float avx2_hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* 8 FP8 codes -> their values / 256. */
+/* 8 FP8 codes -> their values times 2^-120 (ds_fp8_w_bits). */
 AVX2_INLINE __m256 avx2_fp8_8(const uint8_t *p) {
-    __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    h = _mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16((short)0xBF80));
-    return _mm256_cvtph_ps(h);
-}
-
-/* 16 FP8 codes -> two vectors of their values / 256. */
-AVX2_INLINE void avx2_fp8_16(const uint8_t *p, __m256 *lo, __m256 *hi) {
-    __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
-    h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xBF80));
-    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    const __m256i d = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_castsi256_ps(
+        _mm256_and_si256(_mm256_slli_epi32(d, 20), _mm256_set1_epi32((int)0x87F00000u)));
 }
 
 /* The first n (< 8) codes, zeros after, reading nothing past code n-1. */
@@ -69,8 +67,8 @@ AVX2_INLINE __m256 avx2_fp8_tail(const uint8_t *p, int n) {
 
 /* The 8-entry table of one MXFP4 group: magnitude m times the scale, bits 28..30 XORed by m. */
 AVX2_INLINE __m256 avx2_mx_table(uint8_t scale) {
-    const __m256 t =
-        _mm256_mul_ps(_mm256_loadu_ps(k_fp4_mag), _mm256_set1_ps(ds_e8m0_to_f32(scale)));
+    const __m256 t = _mm256_mul_ps(_mm256_loadu_ps(k_fp4_mag),
+                                   _mm256_castsi256_ps(_mm256_set1_epi32((int)k_e8m0_bits[scale])));
     const __m256i m28 =
         _mm256_setr_epi32(0, 1 << 28, 2 << 28, 3 << 28, 4 << 28, 5 << 28, 6 << 28, 7 << 28);
     return _mm256_xor_ps(t, _mm256_castsi256_ps(m28));
@@ -107,8 +105,8 @@ AVX2_INLINE void avx2_tile_fp8(const int mr, const int nt, const uint8_t *w, siz
     int c = 0;
     for (; c + 16 <= kc; c += 16)
         for (int i = 0; i < mr; i++) {
-            __m256 w0, w1;
-            avx2_fp8_16(w + (size_t)i * ldw + (size_t)c, &w0, &w1);
+            const __m256 w0 = avx2_fp8_8(w + (size_t)i * ldw + (size_t)c);
+            const __m256 w1 = avx2_fp8_8(w + (size_t)i * ldw + (size_t)c + 8);
             for (int j = 0; j < nt; j++) {
                 const float *xj = x + (size_t)j * ldx + (size_t)c;
                 acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xj), w0, acc[i][j]);
@@ -161,10 +159,8 @@ static AVX2_FN void panel_fp8_avx2(float *panel, size_t ldp, const uint8_t *w, s
         float *dst = panel + (size_t)i * ldp;
         int c = 0;
         for (; c + 16 <= kc; c += 16) {
-            __m256 lo, hi;
-            avx2_fp8_16(row + c, &lo, &hi);
-            _mm256_storeu_ps(dst + c, lo);
-            _mm256_storeu_ps(dst + c + 8, hi);
+            _mm256_storeu_ps(dst + c, avx2_fp8_8(row + c));
+            _mm256_storeu_ps(dst + c + 8, avx2_fp8_8(row + c + 8));
         }
         for (; c < kc; c += 8)
             _mm256_storeu_ps(dst + c,
@@ -197,8 +193,8 @@ static AVX2_FN float amax_avx2(const float *x, int n) {
     return r;
 }
 
-/* 256 * e4m3(v) for 8 values v = x * inv, with ds_f32_to_e4m3's rounding (nearest, ties to even;
- * the 2^-9 grid below 2^-6; saturation at 448; NaN stays NaN). */
+/* DS_FP8_XSCALE * e4m3(v) for 8 values v = x * inv, with ds_f32_to_e4m3's rounding (nearest, ties
+ * to even; the 2^-9 grid below 2^-6; saturation at 448; NaN stays NaN). */
 AVX2_INLINE __m256 avx2_e4m3_round(__m256 v) {
     const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
     const __m256 a = _mm256_andnot_ps(sign, v);
@@ -213,8 +209,7 @@ AVX2_INLINE __m256 avx2_e4m3_round(__m256 v) {
                                 _mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ));
     r = _mm256_min_ps(r, _mm256_set1_ps(DS_FP8_MAX));
     r = _mm256_blendv_ps(r, a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q)); /* NaN */
-    return _mm256_or_ps(_mm256_mul_ps(r, _mm256_set1_ps((float)DS_FP8_XSCALE)),
-                        _mm256_and_ps(v, sign));
+    return _mm256_or_ps(_mm256_mul_ps(r, _mm256_set1_ps(DS_FP8_XSCALE)), _mm256_and_ps(v, sign));
 }
 
 static AVX2_FN void act_avx2(float *xq, const float *x, int n, float inv) {
@@ -260,12 +255,12 @@ AVX512_INLINE float avx512_hsum(__m512 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* The first n (<= 16) FP8 codes -> values / 256, zeros after; masked bytes are not read. */
+/* The first n (<= 16) FP8 codes -> values times 2^-120, zeros after; masked bytes are not read. */
 AVX512_INLINE __m512 avx512_fp8_16(const uint8_t *p, int n) {
     const __mmask16 m = (__mmask16)((1u << n) - 1u);
-    __m256i h = _mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(m, p));
-    h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xBF80));
-    return _mm512_cvtph_ps(h);
+    const __m512i d = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p));
+    return _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_slli_epi32(d, 20), _mm512_set1_epi32((int)0x87F00000u)));
 }
 
 /* One MXFP4 group (16 bytes at p) through the 16-entry scaled table: elements 0..15, 16..31. */
@@ -277,7 +272,8 @@ AVX512_INLINE void avx512_mx_32(const uint8_t *p, __m512 table, __m512 *w0, __m5
 }
 
 AVX512_INLINE __m512 avx512_mx_table(uint8_t scale) {
-    return _mm512_mul_ps(_mm512_loadu_ps(k_fp4_val), _mm512_set1_ps(ds_e8m0_to_f32(scale)));
+    return _mm512_mul_ps(_mm512_loadu_ps(k_fp4_val),
+                         _mm512_castsi512_ps(_mm512_set1_epi32((int)k_e8m0_bits[scale])));
 }
 
 AVX512_INLINE void avx512_tile_fp8(const int mr, const int nt, const uint8_t *w, size_t ldw,
