@@ -180,8 +180,8 @@ QTILES_FOR_MR(SCALAR_QTILES, 4)
     { tile_##K##_scalar_##MR_##_1, tile_##K##_scalar_##MR_##_2, tile_##K##_scalar_##MR_##_3 }
 #define QTABLE(K)                                                                                  \
     { QROW(K, 1), QROW(K, 2), QROW(K, 3), QROW(K, 4) }
-    static const ds_qops qops_scalar = {
-        8, QTABLE(fp8), QTABLE(mx), panel_fp8_scalar, panel_mx_scalar, amax_scalar, act_scalar};
+static const ds_qops qops_scalar = {
+    8, QTABLE(fp8), QTABLE(mx), panel_fp8_scalar, panel_mx_scalar, amax_scalar, act_scalar};
 
 static const ds_qops *qops_for(ds_isa isa) {
     return isa == DS_ISA_AVX512 ? &ds_qops_avx512
