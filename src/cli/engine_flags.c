@@ -61,6 +61,7 @@ int ds_engine_flags_init(ds_engine_flags *f, const char *cmd) {
     f->spec_method = SPEC_METHODS[f->eo.speculative_method];
     f->relay = RELAYS[f->eo.draft_tap_relay];
     f->partition = "";
+    f->quant = ds_quant_names[f->eo.quantization];
     f->tp = f->pp = 1;
     return DS_OK;
 }
@@ -80,6 +81,14 @@ int ds_engine_flags_table(ds_engine_flags *f, ds_arg *out) {
         DS_OPT("enforce-eager", NULL, DS_ARG_BOOL, &eo->enforce_eager, NULL,
                "CUDA: no CUDA graphs (by default each decode / verify shape is captured once and "
                "replayed, also under -pp)"),
+        {"quantization", "q", DS_ARG_STRING, &f->quant, "Q",
+         "weights: none (as the checkpoint has them) or ptpc_fp8 (BF16 Linears to FP8 with a "
+         "scale per output channel and per token, docs/quantization.md)",
+         .choices = ds_quant_names},
+        DS_OPT("quantization-exclude", NULL, DS_ARG_STRING, &eo->quantization_exclude, "A,B,..",
+               "ptpc_fp8: weights whose name contains one of these stay unquantized (replaces "
+               "the default list: embed_tokens,lm_head,conv1d,block_sparse_moe.gate.weight,"
+               "self_attn.b_proj,kv_b_proj)"),
         DS_OPT("kv-cache-memory", NULL, DS_ARG_STRING, &f->kv_mem, "BYTES",
                "memory for MLA pages + KDA state slots, e.g. 2G (default: a fraction of free)"),
         DS_OPT("kv-cache-fraction", NULL, DS_ARG_FLOAT, &eo->kv_cache_fraction, "F",
@@ -129,6 +138,9 @@ int ds_engine_flags_apply(ds_engine_flags *f, const ds_args *a, ds_err *err) {
                        f->tp < 1 ? "--tensor-parallel-size" : "--pipeline-parallel-size",
                        f->tp < 1 ? f->tp : f->pp);
     eo->device = ds_device_from_name(f->device);
+    eo->quantization = index_of(ds_quant_names, f->quant);
+    if (eo->quantization_exclude && eo->quantization != DS_QUANT_PTPC_FP8)
+        return ds_errf(err, "--quantization-exclude needs --quantization ptpc_fp8");
     eo->speculative_method = index_of(SPEC_METHODS, f->spec_method);
     eo->draft_tap_relay = index_of(RELAYS, f->relay);
     if (ds_args_seen(a, "num-speculative-tokens") && eo->speculative_method == DS_SPEC_NONE)
