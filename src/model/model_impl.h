@@ -105,7 +105,6 @@ typedef struct ds_rand_mat {
     uint64_t key;
     int64_t row0, col0, full_cols;
     float scale;
-    int e2; /* DS_DT_MXFP4 matrices: the scales' exponent (ds_rand_mxfp4_scale) */
 } ds_rand_mat;
 #define DS_RAND_MAGIC 0x72616e646d617431ull
 /* w's descriptor when it is such a matrix of m, else NULL. */

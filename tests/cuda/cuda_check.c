@@ -187,7 +187,11 @@ static const struct {
 
 /* Every kernel against the CPU backend on fresh random inputs (g_fail counts what failed). */
 static void run_checks(ds_cu *c) {
-    for (size_t i = 0; i < DS_ARRAY_LEN(cuda_checks); i++) cuda_checks[i].fn(c);
+    /* DS_CUDA_CHECKS="matmul fp8,moe mxfp4": only those (their inputs then differ from a full
+     * run's, the random stream being shared) */
+    const char *only = getenv("DS_CUDA_CHECKS");
+    for (size_t i = 0; i < DS_ARRAY_LEN(cuda_checks); i++)
+        if (wanted(only && *only ? only : NULL, cuda_checks[i].name)) cuda_checks[i].fn(c);
 }
 
 /* The ceilings every timing is reported against: the copy rate and cuBLAS's BF16 GEMM rate. */

@@ -1,4 +1,4 @@
-/* test_cuda_matmul_fp8.c — ptpc FP8 (docs/quantization.md §3): the device quantizers bit for bit
+/* test_cuda_matmul_fp8.c — ptpc FP8 (docs/quantization.md): the device quantizers bit for bit
  * against the CPU's, the FP8 products (streamed, batch-invariant, tensor cores) against a float64
  * sum of the dequantized terms and against the CPU's ds_matmul, and their timings. */
 #include "cuda_check.h"

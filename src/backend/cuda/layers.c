@@ -224,7 +224,7 @@ int cuda_mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float *
 
             PROF(s, "mla absorbed q, o");
             /* o_h = W_UV_h ō_h: kv_b rows [h (dn+dvh) + dn, +dvh), every head in one launch */
-            ds_cu_mat uv = {w->kv_b.data + (size_t)dn * R, dvh, R};
+            ds_cu_mat uv = {w->kv_b.data + (size_t)dn * R, dvh, R, DS_CU_BF16, NULL, NULL, 0};
             TRY(ds_cu_matmul_heads(cu, o + (size_t)r_start * Ha * dvh, Ha * dvh, dvh, obar, Ha * R,
                                    R, Tr, &uv, (size_t)(dn + dvh) * R, Ha, err));
             s->used = m2;

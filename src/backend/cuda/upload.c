@@ -4,6 +4,8 @@
  * transposed per head). Every allocation is the model's, freed at detach. */
 #include "backend/cuda/internal.h"
 
+#include <math.h>
+
 static int keep(ds_cuda_model *cm, void *p, ds_err *err) {
     if (cm->n_allocs == cm->cap_allocs) {
         int cap = cm->cap_allocs ? 2 * cm->cap_allocs : 256;
@@ -84,6 +86,13 @@ static int fill_fp8(ds_cuda_model *cm, uint8_t *codes, float *scales, const ds_m
     return rc;
 }
 
+/* The scales' exponent of a random MXFP4 matrix (rand_hash.h: e2 is the binary exponent of the
+ * scale a BF16 matrix of that shape is drawn with, floor(log2 scale)). The descriptor carries
+ * that BF16 scale; the loader's CPU draw must use the same e2 (ilogbf of it). */
+static int rand_e2(float scale) {
+    return scale > 0.0f ? ilogbf(scale) : 0;
+}
+
 /* An MXFP4 matrix: codes [rows][cols/2] and scales [rows][cols/32], uploaded packed or drawn on
  * the device (rand_hash.h). */
 static int fill_mxfp4(ds_cuda_model *cm, uint8_t *codes, uint8_t *scales, const ds_mat *w,
@@ -92,7 +101,7 @@ static int fill_mxfp4(ds_cuda_model *cm, uint8_t *codes, uint8_t *scales, const 
     if (r)
         return ds_cu_fill_random_mxfp4(cm->c, codes, scales, (size_t)w->rows, (size_t)w->cols,
                                        r->key, (size_t)r->row0, (size_t)r->col0,
-                                       (size_t)r->full_cols, r->e2, err);
+                                       (size_t)r->full_cols, rand_e2(r->scale), err);
     return ds_cu_upload(cm->c, codes, w->data, (size_t)w->rows * (w->cols / 2), err) ||
            ds_cu_upload(cm->c, scales, w->scale, (size_t)w->rows * (w->cols / 32), err);
 }
@@ -111,7 +120,7 @@ int cuda_up_mat(ds_cuda_model *cm, const ds_mat *w, ds_cu_mat *out, ds_err *err)
         return ds_errf(err, "cuda: an MXFP4 matrix outside the routed experts");
     uint16_t *d = dev_alloc(cm, (size_t)w->rows * w->cols * 2, err);
     if (!d || fill_mat(cm, d, w, err)) return DS_ERR;
-    *out = (ds_cu_mat){d, w->rows, w->cols};
+    *out = (ds_cu_mat){d, w->rows, w->cols, DS_CU_BF16, NULL, NULL, 0};
     return DS_OK;
 }
 
@@ -150,7 +159,7 @@ static int up_stack(ds_cuda_model *cm, const ds_mat *const *ws, int n, ds_cu_mat
     }
     uint16_t *d = dev_alloc(cm, (size_t)rows * cols * 2, err);
     if (!d) return DS_ERR;
-    *out = (ds_cu_mat){d, rows, cols};
+    *out = (ds_cu_mat){d, rows, cols, DS_CU_BF16, NULL, NULL, 0};
     for (int i = 0; i < n; i++) {
         if (fill_mat(cm, d, ws[i], err)) return DS_ERR;
         d += (size_t)ws[i]->rows * cols;
@@ -197,7 +206,7 @@ int cuda_up_mla(ds_cuda_model *cm, const ds_model *m, const mla_w *w, cu_mla *d,
         cuda_up_vec(cm, w->q_a_norm, (size_t)c->q_lora_rank, &d->q_a_norm, err) ||
         cuda_up_vec(cm, w->kv_a_norm, (size_t)R, &d->kv_a_norm, err))
         return DS_ERR;
-    if (d->kv_b.dtype != DS_CU_BF16) /* (the loader keeps it BF16: docs/quantization.md §3) */
+    if (d->kv_b.dtype != DS_CU_BF16) /* (the loader keeps it BF16: docs/quantization.md) */
         return ds_errf(err, "cuda: MLA kv_b_proj must stay BF16 (per-head matrices)");
     /* W_UK_h = kv_b rows [h (dn+dvh), h (dn+dvh) + dn), [dn][R]; its transpose [R][dn], made on
      * the device from the uploaded kv_b */
@@ -207,7 +216,7 @@ int cuda_up_mla(ds_cuda_model *cm, const ds_model *m, const mla_w *w, cu_mla *d,
         if (ds_cu_transpose_bf16(cm->c, t + (size_t)h * R * dn,
                                  d->kv_b.data + (size_t)h * (dn + dvh) * R, dn, R, err))
             return DS_ERR;
-    d->ukT = (ds_cu_mat){t, R, dn}; /* head h's at data + h R dn */
+    d->ukT = (ds_cu_mat){t, R, dn, DS_CU_BF16, NULL, NULL, 0}; /* head h's at data + h R dn */
     return DS_OK;
 }
 

@@ -216,7 +216,7 @@ int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx, 
                       const uint16_t *down, int situ, float situ_beta, float situ_lin_beta,
                       int accumulate, ds_err *err);
 
-/* The same with MXFP4 experts (docs/quantization.md §2): gate_up codes [E][2I][D/2] and scales
+/* The same with MXFP4 experts (docs/quantization.md): gate_up codes [E][2I][D/2] and scales
  * [E][2I][D/32], down codes [E][D][I/2] and scales [E][D][I/32] (D and I multiples of 32).
  * Decode and batch invariance: a weight-streaming kernel that dequantizes in registers (each
  * weight exact in f32, f32 activations: the CPU's numbers up to the order of the sums). Batches

@@ -1,4 +1,4 @@
-/* matmul_fp8.cu — products with ptpc FP8 weights (docs/quantization.md §3): the activations'
+/* matmul_fp8.cu — products with ptpc FP8 weights (docs/quantization.md): the activations'
  * per-token quantizer, the weight-streaming FP8 kernel (decode, batch invariance), FP8 tensor
  * cores through cuBLASLt with the scales applied after, and the weights' quantizer (load time).
  *
@@ -262,6 +262,8 @@ static int fp8_gemm(ds_cu *c, float *y, int ldy, const uint8_t *xq, const float 
                     const ds_cu_mat *w, int *done, ds_err *err) {
     *done = 0;
     const int N = w->rows, K = w->cols;
+    /* FP8 tensor cores want 16-byte aligned operands and rows (else: the streaming kernel) */
+    if ((uintptr_t)y % 16 || ldy % 4 || (uintptr_t)xq % 16) return DS_OK;
     if (!c->lt) {
         fp8_lt *l = (fp8_lt *)calloc(1, sizeof *l);
         if (!l || cublasLtCreate(&l->h) != CUBLAS_STATUS_SUCCESS) {
@@ -307,7 +309,7 @@ static int fp8_gemm(ds_cu *c, float *y, int ldy, const uint8_t *xq, const float 
     if (lb) cublasLtMatrixLayoutDestroy(lb);
     if (la) cublasLtMatrixLayoutDestroy(la);
     if (op) cublasLtMatmulDescDestroy(op);
-    if (!ok) return DS_OK; /* no algorithm for this shape: the streaming kernel */
+    if (!ok || st_run == CUBLAS_STATUS_NOT_SUPPORTED) return DS_OK; /* the streaming kernel */
     if (st_run != CUBLAS_STATUS_SUCCESS)
         return ds_errf(err, "cublasLt: matmul fp8 %d x %d x %d: status %d", N, T, K, (int)st_run);
     launch_k(c, fp8_scale_k, dim3((unsigned)((N + 255) / 256), (unsigned)DS_MIN(T, 65535)), 256, 0,

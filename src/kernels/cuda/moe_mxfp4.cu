@@ -1,4 +1,4 @@
-/* moe_mxfp4.cu — routed experts held as MXFP4 (docs/quantization.md §2: Kimi-K3's packed E2M1
+/* moe_mxfp4.cu — routed experts held as MXFP4 (docs/quantization.md: Kimi-K3's packed E2M1
  * codes with an E8M0 scale a group of 32), never widened in memory: the weight-streaming kernel
  * (decode, batch invariance: f32 activations, each weight exact) and the streaming tensor-core
  * kernel for batches (the weights dequantized in registers to BF16 A operands, the activations
