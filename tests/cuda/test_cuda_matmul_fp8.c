@@ -151,9 +151,10 @@ void checks_matmul_fp8(ds_cu *c) {
     static const int Ts[] = {1, 2, 7, 64, 300};
     for (size_t i = 0; i < DS_ARRAY_LEN(Ts); i++) {
         const int T = Ts[i];
-        /* streamed sums: f32 in a fixed order; tensor cores: f32 accumulation, another order */
+        /* streamed sums: f32 in a fixed order; tensor cores (T > 2, 16-byte aligned rows of y:
+         * not N = 333): cuBLASLt's FP8 accumulation, measured at 1.1e-4 */
         check_matmul_fp8(c, T, 333, 2304, 0, 0, 1e-5);
-        check_matmul_fp8(c, T, 96, 1024, 8, 0, 1e-5);
+        check_matmul_fp8(c, T, 96, 1024, 8, 0, T > 2 ? 1e-3 : 1e-5);
         check_matmul_fp8(c, T, 77, 200, 3, 0, 1e-5); /* K % 16 != 0: the one-code kernel */
         check_matmul_fp8(c, T, 333, 2304, 0, 1, 1e-5);
     }

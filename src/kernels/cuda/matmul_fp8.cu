@@ -10,13 +10,16 @@
 #include <cublasLt.h>
 #include <cuda_fp8.h>
 
+/* the streaming kernels' activations are the codes' values times this (see e4m3_raw) */
+#define FP8_X_SCALE 0x1p119f
+
 /* ---- quantizers -------------------------------------------------------------------------------
  * One block a row (grid-stride over rows). The scale and codes are ds_ptpc_quantize's: the
  * largest magnitude is exact whatever the order of the maxima, 1.0f / s is IEEE division (the
  * build has no fast math), and the codes come from quant.h's one definition. */
 
 /* Activations: s[t] and codes xq [T][ldq] (columns [K, ldq) zero), or with xf the codes' f32
- * values xf [T][K] (the streaming kernel's operand) instead. */
+ * values times FP8_X_SCALE, xf [T][K] (the streaming kernels' operand), instead. */
 __global__ void __launch_bounds__(256)
     ptpc_act_k(uint8_t *xq, int ldq, float *xf, float *s, const float *x, int ldx, int T, int K) {
     PDL_ENTRY();
@@ -29,7 +32,8 @@ __global__ void __launch_bounds__(256)
         if (threadIdx.x == 0) s[t] = st;
         if (xf) {
             for (int c = threadIdx.x; c < K; c += blockDim.x)
-                xf[(size_t)t * K + c] = ds_e4m3_to_f32(ds_f32_to_e4m3(xr[c] * inv));
+                xf[(size_t)t * K + c] =
+                    ds_e4m3_to_f32(ds_f32_to_e4m3(xr[c] * inv)) * FP8_X_SCALE; /* exact */
         } else {
             for (int c = threadIdx.x; c < ldq; c += blockDim.x)
                 xq[(size_t)t * ldq + c] = c < K ? ds_f32_to_e4m3(xr[c] * inv) : (uint8_t)0;
@@ -81,20 +85,30 @@ extern "C" int ds_cu_ptpc_quantize_act(ds_cu *c, uint8_t *xq, int ldq, float *s,
  * (E4M3 -> F16 -> F32, both exact), the activations' f32 code values (xf) served by L1. The
  * order of a token's operations does not depend on T, so batch invariance holds. */
 
-/* 16 E4M3 codes dotted with 16 f32 values, in a fixed order */
+/* The streaming kernels widen codes with integer operations rather than the conversion units
+ * (E4M3 -> F16 -> F32 took three conversions a pair and bound the kernel well below the copy
+ * rate): the code's low seven bits placed at bit 20 of an f32 give its magnitude times 2^-120
+ * (subnormal codes as f32 subnormals, exact), the sign goes to bit 31. The activations' values
+ * come scaled by 2^119 (ptpc_act_k's xf: at most 448 * 2^119, finite), so each product is the
+ * exact term times 1/2 and every partial sum is the unscaled one times 1/2 (all in f32's normal
+ * range): the result, doubled, has the bits of the unscaled f32 sums. */
+
+/* code j (0..3) of a word as its value times 2^-120 */
+template <int J> static __device__ __forceinline__ float e4m3_raw(uint32_t w) {
+    const uint32_t mag = J < 3 ? (w << (20 - 8 * J)) : (w >> 4);
+    const uint32_t sgn = J < 3 ? (w << (24 - 8 * J)) : w;
+    return __uint_as_float((mag & 0x07f00000u) | (sgn & 0x80000000u));
+}
+
+/* 16 E4M3 codes dotted with 16 scaled f32 values (x 16-byte aligned), in a fixed order */
 static __device__ __forceinline__ float dot16_e4m3(uint4 u, const float *x) {
     const uint32_t w[4] = {u.x, u.y, u.z, u.w};
     float acc = 0.0f;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const float4 xv = ((const float4 *)x)[i];
-        const __half2_raw lo =
-            __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[i] & 0xffff), __NV_E4M3);
-        const __half2_raw hi =
-            __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[i] >> 16), __NV_E4M3);
-        const float2 a = __half22float2(*(const __half2 *)&lo),
-                     b = __half22float2(*(const __half2 *)&hi);
-        acc += a.x * xv.x + a.y * xv.y + b.x * xv.z + b.y * xv.w;
+        acc += e4m3_raw<0>(w[i]) * xv.x + e4m3_raw<1>(w[i]) * xv.y + e4m3_raw<2>(w[i]) * xv.z +
+               e4m3_raw<3>(w[i]) * xv.w;
     }
     return acc;
 }
@@ -141,7 +155,7 @@ __global__ void __launch_bounds__(256)
         float v = acc[t];
         for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
         if (S == 1) {
-            if (lane == 0) y[(size_t)t * ldy + n] = (v * st[t]) * sr[n];
+            if (lane == 0) y[(size_t)t * ldy + n] = ((v * 2.0f) * st[t]) * sr[n];
         } else if (lane == 0) {
             red[warp][t] = v;
         }
@@ -151,7 +165,7 @@ __global__ void __launch_bounds__(256)
     if (part == 0 && lane < TT && n < N) {
         float v = 0.0f;
         for (int p = 0; p < S; p++) v += red[warp + p][lane];
-        y[(size_t)lane * ldy + n] = (v * st[lane]) * sr[n];
+        y[(size_t)lane * ldy + n] = ((v * 2.0f) * st[lane]) * sr[n];
     }
 }
 
@@ -165,9 +179,9 @@ __global__ void __launch_bounds__(256)
     const uint8_t *wr = W + (size_t)n * K;
     const float *xt = xf + (size_t)t * K;
     float acc = 0.0f;
-    for (int k = lane; k < K; k += 32) acc += ds_e4m3_to_f32(wr[k]) * xt[k];
+    for (int k = lane; k < K; k += 32) acc += e4m3_raw<0>(wr[k]) * xt[k];
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0) y[(size_t)t * ldy + n] = (acc * st[t]) * sr[n];
+    if (lane == 0) y[(size_t)t * ldy + n] = ((acc * 2.0f) * st[t]) * sr[n];
 }
 
 /* y[t][r] = (y[t][r] * s_t) * s_r after the tensor cores' unit-scale product */
