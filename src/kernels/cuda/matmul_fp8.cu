@@ -18,10 +18,11 @@
  * largest magnitude is exact whatever the order of the maxima, 1.0f / s is IEEE division (the
  * build has no fast math), and the codes come from quant.h's one definition. */
 
-/* Activations: s[t] and codes xq [T][ldq] (columns [K, ldq) zero), or with xf the codes' f32
- * values times FP8_X_SCALE, xf [T][K] (the streaming kernels' operand), instead. */
-__global__ void __launch_bounds__(256)
-    ptpc_act_k(uint8_t *xq, int ldq, float *xf, float *s, const float *x, int ldx, int T, int K) {
+/* Activations: s[t] and codes xq [T][ldq] (columns [K, ldq) zero), or with xf the codes' values
+ * times FP8_X_SCALE in BF16 (exact: four significant bits), xf [T][K] (the streaming kernels'
+ * operand: half the bytes of f32, which every warp re-reads), instead. */
+__global__ void __launch_bounds__(256) ptpc_act_k(uint8_t *xq, int ldq, uint16_t *xf, float *s,
+                                                  const float *x, int ldx, int T, int K) {
     PDL_ENTRY();
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
         const float *xr = x + (size_t)t * ldx;
@@ -33,7 +34,9 @@ __global__ void __launch_bounds__(256)
         if (xf) {
             for (int c = threadIdx.x; c < K; c += blockDim.x)
                 xf[(size_t)t * K + c] =
-                    ds_e4m3_to_f32(ds_f32_to_e4m3(xr[c] * inv)) * FP8_X_SCALE; /* exact */
+                    (uint16_t)(ds_f32_bits(ds_e4m3_to_f32(ds_f32_to_e4m3(xr[c] * inv)) *
+                                           FP8_X_SCALE) >>
+                               16); /* exact: the low bits are zero */
         } else {
             for (int c = threadIdx.x; c < ldq; c += blockDim.x)
                 xq[(size_t)t * ldq + c] = c < K ? ds_f32_to_e4m3(xr[c] * inv) : (uint8_t)0;
@@ -73,8 +76,8 @@ extern "C" int ds_cu_ptpc_quantize_bf16(ds_cu *c, uint8_t *codes, float *scales,
 extern "C" int ds_cu_ptpc_quantize_act(ds_cu *c, uint8_t *xq, int ldq, float *s, const float *x,
                                        int ldx, int T, int K, ds_err *err) {
     if (T <= 0) return DS_OK;
-    launch_k(c, ptpc_act_k, (unsigned)DS_MIN(T, 1 << 16), 256, 0, xq, ldq, (float *)NULL, s, x, ldx,
-             T, K);
+    launch_k(c, ptpc_act_k, (unsigned)DS_MIN(T, 1 << 16), 256, 0, xq, ldq, (uint16_t *)NULL, s, x,
+             ldx, T, K);
     CU_TRY(cudaGetLastError(), "ptpc: activations");
     return DS_OK;
 }
@@ -100,22 +103,26 @@ template <int J> static __device__ __forceinline__ float e4m3_raw(uint32_t w) {
     return __uint_as_float((mag & 0x07f00000u) | (sgn & 0x80000000u));
 }
 
-/* 16 E4M3 codes dotted with 16 scaled f32 values (x 16-byte aligned), in a fixed order */
-static __device__ __forceinline__ float dot16_e4m3(uint4 u, const float *x) {
+/* 16 E4M3 codes dotted with 16 scaled BF16 values (x 16-byte aligned), in a fixed order */
+static __device__ __forceinline__ float dot16_e4m3(uint4 u, const uint16_t *x) {
     const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+    const uint4 xa = ((const uint4 *)x)[0], xb = ((const uint4 *)x)[1];
+    const uint32_t xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
     float acc = 0.0f;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        const float4 xv = ((const float4 *)x)[i];
-        acc += e4m3_raw<0>(w[i]) * xv.x + e4m3_raw<1>(w[i]) * xv.y + e4m3_raw<2>(w[i]) * xv.z +
-               e4m3_raw<3>(w[i]) * xv.w;
+        const uint32_t p = xv[2 * i], q = xv[2 * i + 1];
+        acc += e4m3_raw<0>(w[i]) * __uint_as_float(p << 16) +
+               e4m3_raw<1>(w[i]) * __uint_as_float(p & 0xffff0000u) +
+               e4m3_raw<2>(w[i]) * __uint_as_float(q << 16) +
+               e4m3_raw<3>(w[i]) * __uint_as_float(q & 0xffff0000u);
     }
     return acc;
 }
 
 template <int TT>
 __global__ void __launch_bounds__(256)
-    gemv_fp8_k(float *y, int ldy, const float *xf, const float *st, const uint8_t *W,
+    gemv_fp8_k(float *y, int ldy, const uint16_t *xf, const float *st, const uint8_t *W,
                const float *sr, int N, int K, int S) {
     __shared__ float red[8][TT]; /* [warp][token] partial sums (S > 1) */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -171,15 +178,16 @@ __global__ void __launch_bounds__(256)
 
 /* Any K and alignment, one code at a time (a warp a row, a token a block row): the fallback. */
 __global__ void __launch_bounds__(256)
-    gemv_fp8_any_k(float *y, int ldy, const float *xf, const float *st, const uint8_t *W,
+    gemv_fp8_any_k(float *y, int ldy, const uint16_t *xf, const float *st, const uint8_t *W,
                    const float *sr, int N, int K) {
     PDL_ENTRY();
     const int lane = threadIdx.x & 31, n = blockIdx.x * 8 + (threadIdx.x >> 5), t = blockIdx.y;
     if (n >= N) return;
     const uint8_t *wr = W + (size_t)n * K;
-    const float *xt = xf + (size_t)t * K;
+    const uint16_t *xt = xf + (size_t)t * K;
     float acc = 0.0f;
-    for (int k = lane; k < K; k += 32) acc += e4m3_raw<0>(wr[k]) * xt[k];
+    for (int k = lane; k < K; k += 32)
+        acc += e4m3_raw<0>(wr[k]) * __uint_as_float((uint32_t)xt[k] << 16);
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     if (lane == 0) y[(size_t)t * ldy + n] = ((acc * 2.0f) * st[t]) * sr[n];
 }
@@ -202,7 +210,7 @@ static int fp8_splits(const ds_cu *c, int N, int K) {
     return S;
 }
 
-static int fp8_gemv(ds_cu *c, float *y, int ldy, const float *xf, const float *st, int T,
+static int fp8_gemv(ds_cu *c, float *y, int ldy, const uint16_t *xf, const float *st, int T,
                     const ds_cu_mat *w, ds_err *err) {
     const int N = w->rows, K = w->cols;
     const uint8_t *W = (const uint8_t *)w->data;
@@ -223,7 +231,8 @@ static int fp8_gemv(ds_cu *c, float *y, int ldy, const float *xf, const float *s
                  y + (size_t)t0 * ldy, ldy, xf + (size_t)t0 * K, st + t0, W, sr, N, K, S);
     const size_t t0 = (size_t)full * 8;
     float *yr = y + t0 * ldy;
-    const float *xr = xf + t0 * K, *sr_t = st + t0;
+    const uint16_t *xr = xf + t0 * K;
+    const float *sr_t = st + t0;
 #define FP8_REM(TT)                                                                                \
     launch_k(c, gemv_fp8_k<TT>, dim3(blocks, 1), 256, 0, yr, ldy, xr, sr_t, W, sr, N, K, S)
     switch (rem) {
@@ -340,28 +349,28 @@ int matmul_fp8(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, cons
     const int K = w->cols;
     const int tc = !stream && K % 16 == 0 && (uintptr_t)w->data % 16 == 0;
     /* scratch (per stream: the side stream has its own): s [T] f32, then xq [T][K] codes for the
-     * tensor cores or xf [T][K] f32 values for the streaming kernel */
+     * tensor cores or xf [T][K] scaled BF16 values for the streaming kernel */
     const size_t s_bytes = ((size_t)T * 4 + 255) & ~(size_t)255;
-    const size_t need = s_bytes + (size_t)T * K * (tc ? 1 : 4);
+    const size_t need = s_bytes + (size_t)T * K * (tc ? 1 : 2);
     if (grow_scratch(c, (void **)&c->xb, &c->xb_bytes, need, "matmul scratch", err)) return DS_ERR;
     float *st = (float *)c->xb;
     void *xbuf = (char *)c->xb + s_bytes;
     if (tc) {
         launch_k(c, ptpc_act_k, (unsigned)DS_MIN(T, 1 << 16), 256, 0, (uint8_t *)xbuf, K,
-                 (float *)NULL, st, x, ldx, T, K);
+                 (uint16_t *)NULL, st, x, ldx, T, K);
         CU_TRY(cudaGetLastError(), "matmul fp8 (activations)");
         int done;
         if (fp8_gemm(c, y, ldy, (const uint8_t *)xbuf, st, T, w, &done, err)) return DS_ERR;
         if (done) return DS_OK;
         /* no tensor-core algorithm: the codes' values for the streaming kernel instead */
-        if (grow_scratch(c, (void **)&c->xb, &c->xb_bytes, s_bytes + (size_t)T * K * 4,
+        if (grow_scratch(c, (void **)&c->xb, &c->xb_bytes, s_bytes + (size_t)T * K * 2,
                          "matmul scratch", err))
             return DS_ERR;
         st = (float *)c->xb;
         xbuf = (char *)c->xb + s_bytes;
     }
-    launch_k(c, ptpc_act_k, (unsigned)DS_MIN(T, 1 << 16), 256, 0, (uint8_t *)NULL, 0, (float *)xbuf,
-             st, x, ldx, T, K);
+    launch_k(c, ptpc_act_k, (unsigned)DS_MIN(T, 1 << 16), 256, 0, (uint8_t *)NULL, 0,
+             (uint16_t *)xbuf, st, x, ldx, T, K);
     CU_TRY(cudaGetLastError(), "matmul fp8 (activations)");
-    return fp8_gemv(c, y, ldy, (const float *)xbuf, st, T, w, err);
+    return fp8_gemv(c, y, ldy, (const uint16_t *)xbuf, st, T, w, err);
 }
