@@ -171,6 +171,8 @@ static const struct {
     {"argmax", checks_argmax},
     {"nccl", checks_nccl},
     {"draws", checks_draws},
+    {"matmul fp8", checks_matmul_fp8}, /* (last: the inputs of the checks above stay the same) */
+    {"moe mxfp4", checks_moe_mxfp4},
 };
 
 /* Every op's timings, by the section name --bench selects them with, in the order they run. */
@@ -178,13 +180,18 @@ static const struct {
     const char *name;
     void (*fn)(ds_cu *c, const cuda_ceilings *ceil);
 } cuda_benches[] = {
-    {"matmul", bench_matmul}, {"kda", bench_kda},          {"mla", bench_mla_expanded},
-    {"moe", bench_moe},       {"mla", bench_mla_absorbed}, {"draw", bench_draw},
+    {"matmul", bench_matmul},  {"kda", bench_kda},          {"mla", bench_mla_expanded},
+    {"moe", bench_moe},        {"mla", bench_mla_absorbed}, {"draw", bench_draw},
+    {"fp8", bench_matmul_fp8}, {"mxfp4", bench_moe_mxfp4},
 };
 
 /* Every kernel against the CPU backend on fresh random inputs (g_fail counts what failed). */
 static void run_checks(ds_cu *c) {
-    for (size_t i = 0; i < DS_ARRAY_LEN(cuda_checks); i++) cuda_checks[i].fn(c);
+    /* DS_CUDA_CHECKS="matmul fp8,moe mxfp4": only those (their inputs then differ from a full
+     * run's, the random stream being shared) */
+    const char *only = getenv("DS_CUDA_CHECKS");
+    for (size_t i = 0; i < DS_ARRAY_LEN(cuda_checks); i++)
+        if (wanted(only && *only ? only : NULL, cuda_checks[i].name)) cuda_checks[i].fn(c);
 }
 
 /* The ceilings every timing is reported against: the copy rate and cuBLAS's BF16 GEMM rate. */

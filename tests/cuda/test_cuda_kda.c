@@ -270,7 +270,8 @@ static void check_kda_decode_fused(ds_cu *c, int n_seq, int H, int Kf, int Kg, i
     const float qs = 1.0f / sqrtf((float)dk), lb = -5.0f, neps = 1e-5f;
     ds_cu_set_batch_invariant(c, 1); /* matmuls streamed at every batch, as the fused kernel sums */
     ds_cu_conv_batch cb = {3, P, W, dpre, ld, dqkv, no, dcw, dtp[0], NULL, 0, doff, n_seq, n_seq};
-    const ds_cu_mat mf = {dfb, P, Kf}, mg = {dgb, P, Kg};
+    const ds_cu_mat mf = {dfb, P, Kf, DS_CU_BF16, NULL, NULL, 0},
+                    mg = {dgb, P, Kg, DS_CU_BF16, NULL, NULL, 0};
     if (ds_cu_short_conv_silu_batch(c, &cb, &err)) DIE("%s", err.msg);
     ds_cu_l2norm_heads2(c, dqkv, qs, dqkv + no, 1.0f, n_seq, H, dk, 1e-6f);
     if (ds_cu_matmul(c, df, P, dpre + 3 * P, ld, n_seq, &mf, &err) ||

@@ -7,12 +7,12 @@ static void check_matmul(ds_cu *c, int T, int N, int K, int pad, double tol) {
     float *x = rand_f32((size_t)T * ldx, -1, 1);
     uint16_t *w = rand_bf16((size_t)N * K, -0.05f, 0.05f);
     float *ref = calloc((size_t)T * ldy, sizeof *ref), *got = calloc((size_t)T * ldy, sizeof *got);
-    ds_mat hw = {w, DS_DT_BF16, N, K};
+    ds_mat hw = {w, DS_DT_BF16, N, K, NULL};
     ds_matmul(ref, ldy, x, ldx, T, &hw);
     float *dx = dev(c, x, (size_t)T * ldx * 4), *dy = dev(c, NULL, (size_t)T * ldy * 4);
     uint16_t *dw = dev(c, w, (size_t)N * K * 2);
     poison(c, dy, (size_t)T * ldy * 4);
-    ds_cu_mat m = {dw, N, K};
+    ds_cu_mat m = {dw, N, K, DS_CU_BF16, NULL, NULL, 0};
     ds_err err = {{0}};
     if (ds_cu_matmul(c, dy, ldy, dx, ldx, T, &m, &err)) DIE("%s", err.msg);
     fetch(c, got, dy, (size_t)T * ldy * 4);
@@ -30,13 +30,13 @@ static void check_matmul_heads(ds_cu *c, int T, int H, int N, int K, int invaria
     uint16_t *w = rand_bf16((size_t)H * N * K, -0.05f, 0.05f);
     float *ref = calloc((size_t)T * ldy, 4), *got = calloc((size_t)T * ldy, 4);
     for (int h = 0; h < H; h++) {
-        ds_mat hw = {w + (size_t)h * N * K, DS_DT_BF16, N, K};
+        ds_mat hw = {w + (size_t)h * N * K, DS_DT_BF16, N, K, NULL};
         ds_matmul(ref + (size_t)h * N, ldy, x + (size_t)h * K, ldx, T, &hw);
     }
     float *dx = dev(c, x, (size_t)T * ldx * 4), *dy = dev(c, NULL, (size_t)T * ldy * 4);
     uint16_t *dw = dev(c, w, (size_t)H * N * K * 2);
     poison(c, dy, (size_t)T * ldy * 4);
-    ds_cu_mat m = {dw, N, K};
+    ds_cu_mat m = {dw, N, K, DS_CU_BF16, NULL, NULL, 0};
     ds_err err = {{0}};
     ds_cu_set_batch_invariant(c, invariant);
     if (ds_cu_matmul_heads(c, dy, ldy, (size_t)N, dx, ldx, (size_t)K, T, &m, (size_t)N * K, H,
@@ -60,7 +60,7 @@ static void check_matmul_invariance(ds_cu *c, int N, int K) {
     float *all = malloc((size_t)T * N * 4), *one = malloc((size_t)N * 4);
     float *dx = dev(c, x, (size_t)T * K * 4), *dy = dev(c, NULL, (size_t)T * N * 4);
     uint16_t *dw = dev(c, w, (size_t)N * K * 2);
-    ds_cu_mat m = {dw, N, K};
+    ds_cu_mat m = {dw, N, K, DS_CU_BF16, NULL, NULL, 0};
     ds_err err = {{0}};
     ds_cu_set_batch_invariant(c, 1);
     if (ds_cu_matmul(c, dy, N, dx, K, T, &m, &err)) DIE("%s", err.msg);
@@ -138,7 +138,8 @@ void bench_matmul(ds_cu *c, const cuda_ceilings *ceil) {
         int N = shapes[si][0], K = shapes[si][1];
         mm_ctx mc = {0};
         uint16_t *w = rand_bf16((size_t)N * K, -0.05f, 0.05f);
-        for (int i = 0; i < 4; i++) mc.w[i] = (ds_cu_mat){dev(c, w, (size_t)N * K * 2), N, K};
+        for (int i = 0; i < 4; i++)
+            mc.w[i] = (ds_cu_mat){dev(c, w, (size_t)N * K * 2), N, K, DS_CU_BF16, NULL, NULL, 0};
         free(w);
         float *x = rand_f32((size_t)256 * K, -1, 1);
         mc.x = dev(c, x, (size_t)256 * K * 4);

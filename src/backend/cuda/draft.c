@@ -370,7 +370,7 @@ static int prop_layer(ds_draft *d, ds_draft_cache *c, int l, const prop_bufs *pb
                                       (float)d->yarn.softmax_scale, err));
         table += (ps[s0] + 1) / bs + c->n_spare;
     }
-    ds_cu_mat uv = {m->kv_b.data + (size_t)dn * R, dvh, R};
+    ds_cu_mat uv = {m->kv_b.data + (size_t)dn * R, dvh, R, DS_CU_BF16, NULL, NULL, 0};
     TRY(ds_cu_matmul_heads(cu, o, Ha * dvh, dvh, obar, Ha * R, R, NT, &uv, (size_t)(dn + dvh) * R,
                            Ha, err));
     TRY(ds_cu_matmul(cu, a, D, o, Ha * dvh, NT, &m->o, err));

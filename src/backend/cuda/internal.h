@@ -39,6 +39,7 @@ typedef struct cu_kda {
      * with the low-rank gate: nf = 2 dk, else dk) and b — so that a decode step streams them in
      * one launch instead of three (bits unchanged: each output row is its own dot product) */
     ds_cu_mat in;
+    ds_cu_mat in_runs[6]; /* in's runs when its members differ in dtype (ptpc: b_proj BF16) */
     int nf;
     ds_cu_mat f_b, g, g_b, o;
     float *conv;                     /* [3][P][W]: q, k and v short-conv weights */
@@ -55,9 +56,14 @@ typedef struct cu_ffn {
     ds_cu_mat gu, down;       /* dense MLP: [2I][D] gate and up stacked, [D][I] */
     ds_cu_mat sh_gu, sh_down; /* shared experts likewise */
     ds_cu_mat router, lat_down, lat_up;
-    float *router_bias, *lat_norm; /* [E] or NULL, [Hin] or NULL */
+    float *router_bias, *lat_norm;       /* [E] or NULL, [Hin] or NULL */
+    ds_cu_mat gu_runs[2], sh_gu_runs[2]; /* gu's and sh_gu's runs when gate and up differ */
     uint16_t *gate_up; /* [E][2 Ie][Hin] BF16: an expert's gate rows, then its up rows */
     uint16_t *e_down;  /* [E][Hin][Ie] BF16 */
+    /* MXFP4 routed experts (experts_mxfp4; gate_up and e_down NULL), kept packed:
+     * codes [E][2 Ie][Hin/2] and scales [E][2 Ie][Hin/32]; down [E][Hin][Ie/2], [E][Hin][Ie/32] */
+    int experts_mxfp4;
+    uint8_t *gu_codes, *gu_scales, *dn_codes, *dn_scales;
 } cu_ffn;
 
 typedef struct cu_layer {

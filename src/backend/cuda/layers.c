@@ -10,7 +10,9 @@
 /* Does this model's KDA shape fit ds_cu_kda_decode_fused (see kda_fused)? */
 int cuda_kda_fuse_fits(const ds_model *m, const ds_cuda_model *cm, const cu_kda *w) {
     const ds_config *c = &m->cfg;
-    return !c->use_full_rank_gate &&
+    /* (its f_b and g_b are read as BF16 rows: with ptpc they are FP8 and the step unfused) */
+    return !c->use_full_rank_gate && w->f_b.dtype == DS_CU_BF16 && !w->f_b.runs &&
+           w->g_b.dtype == DS_CU_BF16 && !w->g_b.runs &&
            ds_cu_kda_decode_fits(cm->c, c->kda_head_dim, c->short_conv_kernel_size, w->f_b.cols,
                                  w->g_b.cols);
 }
@@ -222,7 +224,7 @@ int cuda_mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float *
 
             PROF(s, "mla absorbed q, o");
             /* o_h = W_UV_h ō_h: kv_b rows [h (dn+dvh) + dn, +dvh), every head in one launch */
-            ds_cu_mat uv = {w->kv_b.data + (size_t)dn * R, dvh, R};
+            ds_cu_mat uv = {w->kv_b.data + (size_t)dn * R, dvh, R, DS_CU_BF16, NULL, NULL, 0};
             TRY(ds_cu_matmul_heads(cu, o + (size_t)r_start * Ha * dvh, Ha * dvh, dvh, obar, Ha * R,
                                    R, Tr, &uv, (size_t)(dn + dvh) * R, Ha, err));
             s->used = m2;
@@ -341,10 +343,16 @@ int cuda_ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, flo
     int situ = c->hidden_act == DS_ACT_SITU, chunk = 65535 / K;
     for (int t0 = 0; t0 < T; t0 += chunk) { /* the expert kernel takes 65535 routed rows */
         int n = DS_MIN(chunk, T - t0);
-        TRY(ds_cu_moe_experts(cu, acc + (size_t)t0 * Hin, ein + (size_t)t0 * Hin,
-                              idx + (size_t)t0 * K, wt + (size_t)t0 * K, n, K, El, e0, Hin, Ie,
-                              w->gate_up, w->e_down, situ, c->situ_beta, c->situ_linear_beta,
-                              shared && !latent, err));
+        if (w->experts_mxfp4)
+            TRY(ds_cu_moe_experts_mxfp4(
+                cu, acc + (size_t)t0 * Hin, ein + (size_t)t0 * Hin, idx + (size_t)t0 * K,
+                wt + (size_t)t0 * K, n, K, El, e0, Hin, Ie, w->gu_codes, w->gu_scales, w->dn_codes,
+                w->dn_scales, situ, c->situ_beta, c->situ_linear_beta, shared && !latent, err));
+        else
+            TRY(ds_cu_moe_experts(cu, acc + (size_t)t0 * Hin, ein + (size_t)t0 * Hin,
+                                  idx + (size_t)t0 * K, wt + (size_t)t0 * K, n, K, El, e0, Hin, Ie,
+                                  w->gate_up, w->e_down, situ, c->situ_beta, c->situ_linear_beta,
+                                  shared && !latent, err));
     }
     TRY(ds_cu_side_join(cu, err)); /* (already, unless no expert kernel ran) */
     PROF(s, "moe combine");

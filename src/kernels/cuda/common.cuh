@@ -85,6 +85,8 @@ struct ds_cu {
     int grouped_per_sm[4];
     size_t grouped_per_sm_smem[4];
     int32_t *row_zero; /* gemv_wide's routing (g_row_zero's address on this device; NULL: unread) */
+    void *lt;          /* FP8 tensor cores' cuBLASLt handle (matmul_fp8.cu), made at first use */
+    int moe_fp4_smem;  /* the MXFP4 experts' streaming kernels' shared memory raised (once) */
 };
 
 /* Programmatic dependent launch (sm_90): every kernel is launched allowed to start while the one
@@ -175,6 +177,11 @@ int carve_scratch(ds_cu *c, void **buf, size_t *cap, const size_t *sizes, void *
 void round_rows(ds_cu *c, __nv_bfloat16 *xb, const float *x, int ldx, int K, int T);
 /* a one-token matmul of many rows through the routed experts' kernel (moe_experts.cu) */
 int gemv_wide(ds_cu *c, float *y, const float *x, const uint16_t *W, int N, int K, ds_err *err);
+/* ds_cu_matmul of an FP8 w (matmul_fp8.cu); stream: through the weight-streaming kernel */
+int matmul_fp8(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, const ds_cu_mat *w,
+               int stream, ds_err *err);
+/* the FP8 products' cuBLASLt handle, released (matmul_fp8.cu) */
+extern "C" void fp8_free(ds_cu *c);
 /* a weight GEMM's own profile interval (profile.cu) */
 const char *prof_gemm_open(ds_cu *c);
 void prof_gemm_close(ds_cu *c, const char *prev, double flops);

@@ -133,6 +133,7 @@ extern "C" void ds_cu_free(ds_cu *c) {
     cudaStreamSynchronize(c->stream);
     cudaFree(c->xb);
     cudaFree(c->part);
+    fp8_free(c);
     cudaFree(c->blas_ws);
     cudaFree(c->moeg);
     cudaFree(c->drawb);

@@ -52,10 +52,23 @@ int ds_cu_upload(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err
 int ds_cu_download(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err);
 int ds_cu_fill_bytes(ds_cu *c, void *dst, int byte, size_t bytes, ds_err *err);
 
-/* A BF16 weight matrix W[rows][cols], row-major, in device memory. */
+/* A weight matrix W[rows][cols], row-major, in device memory (docs/quantization.md):
+ *  - DS_CU_BF16 (0, what a zeroed or positional initialiser gives): data [rows][cols] BF16;
+ *  - DS_CU_FP8 (ptpc_fp8): data [rows][cols] E4M3 codes, scale f32 [rows]; W[r][c] =
+ *    e4m3(code) * scale[r], and a product quantizes its activations per token (w8a8);
+ *  - DS_CU_MXFP4 (routed experts only, ds_cu_moe_experts_mxfp4): data [rows][cols/2] packed E2M1,
+ *    scale [rows][cols/32] E8M0 bytes.
+ * A stack of matrices of different dtypes (ptpc with an excluded member) is runs != NULL: n_runs
+ * matrices of `cols` columns whose rows follow one another; a product writes each run's output
+ * columns of the same y (data is then NULL). */
+enum { DS_CU_BF16 = 0, DS_CU_FP8 = 1, DS_CU_MXFP4 = 2 };
 typedef struct ds_cu_mat {
-    const uint16_t *data;
+    const uint16_t *data; /* BF16 elements, or the codes (bytes) of FP8 / MXFP4 */
     int rows, cols;
+    int dtype;                    /* DS_CU_* */
+    const void *scale;            /* FP8: f32 [rows]; MXFP4: u8 [rows][cols/32]; BF16: NULL */
+    const struct ds_cu_mat *runs; /* a stack of mixed dtypes, or NULL */
+    int n_runs;
 } ds_cu_mat;
 
 /* y[t][r] = sum_c x[t][c] W[r][c] (y = x W^T, as ds_matmul). x: [T][ldx] f32, y: [T][ldy] f32.
@@ -64,11 +77,27 @@ typedef struct ds_cu_mat {
  * accumulation), so the error against the CPU is that of BF16 operands (~1e-3). */
 int ds_cu_matmul(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, const ds_cu_mat *w,
                  ds_err *err);
+/* FP8 (w->dtype DS_CU_FP8): each token's row of x gets s_t = ds_ptpc_scale(amax) and codes
+ * e4m3(x * (1 / s_t)) as ds_ptpc_quantize_act; y[t][r] = (sum_c xq[t][c] code[r][c] * s_t) *
+ * scale[r], the sum in f32 (every term exact), so only the order of the additions separates it
+ * from the CPU. Up to the streaming bound (and always with batch invariance) a weight-streaming
+ * FP8 kernel; above it FP8 tensor cores through cuBLASLt (E4M3 x E4M3 -> f32, no fast
+ * accumulation) and a kernel applying the two scales in that order (K % 16 == 0; else the
+ * streaming kernel at every T). */
 /* H matmuls in one launch (per-head projections): for h < H, y_h = x_h W_h^T with y_h = y + h ys,
  * x_h = x + h xs, W_h = w->data + h ws ([N][K] = w->rows x w->cols each); rows ldy / ldx apart.
  * Same numerics as ds_cu_matmul. */
 int ds_cu_matmul_heads(ds_cu *c, float *y, int ldy, size_t ys, const float *x, int ldx, size_t xs,
                        int T, const ds_cu_mat *w, size_t ws, int H, ds_err *err);
+/* ptpc_fp8 on the device, bit for bit ds_ptpc_quantize: each row of src [rows][full_cols] BF16
+ * gets scales[r] = ds_ptpc_scale(max |row|) over its whole row and codes [rows][nc] = e4m3(src[r]
+ * [c0 + c] * (1 / scales[r])) for c < nc (a column slice holds the unsliced matrix's codes). */
+int ds_cu_ptpc_quantize_bf16(ds_cu *c, uint8_t *codes, float *scales, const uint16_t *src, int rows,
+                             int full_cols, int c0, int nc, ds_err *err);
+/* The activations' half, as ds_ptpc_quantize_act but as codes: xq [T][ldq] E4M3 (columns
+ * [K, ldq) zero), s [T]; x [T][ldx] f32. */
+int ds_cu_ptpc_quantize_act(ds_cu *c, uint8_t *xq, int ldq, float *s, const float *x, int ldx,
+                            int T, int K, ds_err *err);
 /* out[t][:] = row ids[t] of E in f32: out [T][E.cols]; ids in device memory. */
 void ds_cu_embed(ds_cu *c, float *out, const ds_cu_mat *e, const int32_t *ids, int T);
 /* The same for a vocabulary slice: e holds rows [v0, v0 + e->rows); other tokens embed as zeros
@@ -186,6 +215,19 @@ int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx, 
                       int T, int k, int E, int e0, int D, int I, const uint16_t *gate_up,
                       const uint16_t *down, int situ, float situ_beta, float situ_lin_beta,
                       int accumulate, ds_err *err);
+
+/* The same with MXFP4 experts (docs/quantization.md): gate_up codes [E][2I][D/2] and scales
+ * [E][2I][D/32], down codes [E][D][I/2] and scales [E][D][I/32] (D and I multiples of 32).
+ * Decode and batch invariance: a weight-streaming kernel that dequantizes in registers (each
+ * weight exact in f32, f32 activations: the CPU's numbers up to the order of the sums). Batches
+ * of at least the tensor-core bound (ds_cu_set_expert_mma_min; with ds_cu_set_expert_mma and
+ * D, I multiples of 128): BF16 tensor cores fed with the weights dequantized in registers and the
+ * activations in BF16 (w4a16), on the device (capturable). */
+int ds_cu_moe_experts_mxfp4(ds_cu *c, float *out, const float *x, const int32_t *idx,
+                            const float *w, int T, int k, int E, int e0, int D, int I,
+                            const uint8_t *gu_codes, const uint8_t *gu_scales,
+                            const uint8_t *dn_codes, const uint8_t *dn_scales, int situ,
+                            float situ_beta, float situ_lin_beta, int accumulate, ds_err *err);
 
 /* Routed experts of steps with >= 64 routed rows per local expert on average (prefill) through
  * cuBLAS tensor-core GEMMs (pointer-array batches over padded per-expert panels, experts bucketed
@@ -324,6 +366,12 @@ int ds_cu_copy_any(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *e
  * weights have there (model.c hash_uniform, then rounded to BF16 to nearest even). */
 int ds_cu_fill_random_bf16(ds_cu *c, uint16_t *d, size_t rows, size_t cols, uint64_t key,
                            size_t row0, size_t col0, size_t full_cols, float scale, ds_err *err);
+/* A random MXFP4 matrix's slice, the CPU's draw (rand_hash.h): codes [rows][cols/2] and scales
+ * [rows][cols/32] of rows [row0, row0 + rows) and columns [col0, col0 + cols) of a tensor of
+ * full_cols columns (col0, cols and full_cols multiples of 32); e2: the scales' exponent. */
+int ds_cu_fill_random_mxfp4(ds_cu *c, uint8_t *codes, uint8_t *scales, size_t rows, size_t cols,
+                            uint64_t key, size_t row0, size_t col0, size_t full_cols, int e2,
+                            ds_err *err);
 /* dst [cols][rows] = src [rows][cols]^T, BF16 (weights reshaped once at load). */
 int ds_cu_transpose_bf16(ds_cu *c, uint16_t *dst, const uint16_t *src, int rows, int cols,
                          ds_err *err);

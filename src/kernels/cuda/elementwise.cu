@@ -1,6 +1,7 @@
 /* elementwise.cu — the forward's glue kernels: the embedding, SwiGLU, add/mul/sigmoid, row
  * moves and strided copies, random weights (the CPU's hash) and the BF16 transpose. */
 #include "kernels/cuda/common.cuh"
+#include "kernels/shared/quant.h"
 #include "kernels/shared/rand_hash.h"
 
 /* ---- embedding, norms, activations -------------------------------------------------------- */
@@ -142,6 +143,36 @@ extern "C" int ds_cu_fill_random_bf16(ds_cu *c, uint16_t *d, size_t rows, size_t
     launch_k(c, fill_random_bf16_k, 4096, 256, 0, (__nv_bfloat16 *)d, rows, cols,
              (unsigned long long)key, row0, col0, full_cols, scale);
     CU_TRY(cudaGetLastError(), "random weights");
+    return DS_OK;
+}
+
+/* Random MXFP4 weights made in place (ds_cu_fill_random_mxfp4): code byte i and scale byte j of
+ * the slice from their indices in the whole tensor, the CPU's draw (rand_hash.h). */
+__global__ void fill_random_mxfp4_k(uint8_t *codes, uint8_t *scales, size_t rows, size_t cols,
+                                    unsigned long long key, size_t row0, size_t col0,
+                                    size_t full_cols, int e2) {
+    PDL_ENTRY();
+    const size_t nb = cols / 2, ns = cols / DS_MXFP4_GROUP;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < rows * nb;
+         i += (size_t)gridDim.x * blockDim.x)
+        codes[i] = ds_rand_mxfp4_code(key, (row0 + i / nb) * (full_cols / 2) + col0 / 2 + i % nb);
+    for (size_t j = (size_t)blockIdx.x * blockDim.x + threadIdx.x; j < rows * ns;
+         j += (size_t)gridDim.x * blockDim.x)
+        scales[j] = ds_rand_mxfp4_scale(
+            key, (row0 + j / ns) * (full_cols / DS_MXFP4_GROUP) + col0 / DS_MXFP4_GROUP + j % ns,
+            e2);
+}
+
+extern "C" int ds_cu_fill_random_mxfp4(ds_cu *c, uint8_t *codes, uint8_t *scales, size_t rows,
+                                       size_t cols, uint64_t key, size_t row0, size_t col0,
+                                       size_t full_cols, int e2, ds_err *err) {
+    if (!rows || !cols) return DS_OK;
+    if (cols % DS_MXFP4_GROUP || col0 % DS_MXFP4_GROUP || full_cols % DS_MXFP4_GROUP)
+        return ds_errf(err, "cuda: random mxfp4: columns %zu at %zu of %zu (groups of 32)", cols,
+                       col0, full_cols);
+    launch_k(c, fill_random_mxfp4_k, 4096, 256, 0, codes, scales, rows, cols,
+             (unsigned long long)key, row0, col0, full_cols, e2);
+    CU_TRY(cudaGetLastError(), "random mxfp4 weights");
     return DS_OK;
 }
 

@@ -211,10 +211,27 @@ static int gemv_rows_max(const ds_cu *c) {
     return c->gemv_max_t > 0 ? c->gemv_max_t : GEMV_MAX_T;
 }
 
+/* A stack of mixed dtypes: each run writes its own output columns of y. */
+static int matmul_runs(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T,
+                       const ds_cu_mat *w, ds_err *err) {
+    int row = 0;
+    for (int i = 0; i < w->n_runs; i++) {
+        if (ds_cu_matmul(c, y + row, ldy, x, ldx, T, &w->runs[i], err)) return DS_ERR;
+        row += w->runs[i].rows;
+    }
+    return DS_OK;
+}
+
 extern "C" int ds_cu_matmul(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T,
                             const ds_cu_mat *w, ds_err *err) {
     const int N = w->rows, K = w->cols;
     if (T <= 0 || N <= 0) return DS_OK;
+    if (w->runs) return matmul_runs(c, y, ldy, x, ldx, T, w, err);
+    if (w->dtype == DS_CU_FP8)
+        return matmul_fp8(c, y, ldy, x, ldx, T, w, T <= gemv_rows_max(c) || c->batch_invariant,
+                          err);
+    if (w->dtype != DS_CU_BF16)
+        return ds_errf(err, "cuda: matmul: a %d x %d matrix of dtype %d", N, K, w->dtype);
     const int vec =
         K % 8 == 0 && ldx % 4 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)w->data % 16 == 0;
     if (vec && T == 1 && c->gemv_wide && gemv_splits(c, N, K, 1) == 1 && (size_t)K * 4 <= 48 * 1024)
@@ -247,13 +264,26 @@ extern "C" int ds_cu_matmul_heads(ds_cu *c, float *y, int ldy, size_t ys, const 
                                   ds_err *err) {
     const int N = w->rows, K = w->cols;
     if (T <= 0 || N <= 0 || H <= 0) return DS_OK;
+    if (w->dtype != DS_CU_BF16 || w->runs) { /* head by head; FP8 scales: N a head */
+        const size_t esz = w->dtype == DS_CU_FP8 ? 1 : 2;
+        if (w->runs || w->dtype != DS_CU_FP8 || ws % (size_t)K)
+            return ds_errf(err, "cuda: per-head matmul of dtype %d", w->dtype);
+        for (int h = 0; h < H; h++) {
+            ds_cu_mat wh = *w;
+            wh.data = (const uint16_t *)((const uint8_t *)w->data + (size_t)h * ws * esz);
+            wh.scale = (const float *)w->scale + (size_t)h * (ws / (size_t)K);
+            if (ds_cu_matmul(c, y + (size_t)h * ys, ldy, x + (size_t)h * xs, ldx, T, &wh, err))
+                return DS_ERR;
+        }
+        return DS_OK;
+    }
     const int vec = K % 8 == 0 && ldx % 4 == 0 && xs % 4 == 0 && ws % 8 == 0 &&
                     (uintptr_t)x % 16 == 0 && (uintptr_t)w->data % 16 == 0;
     if (vec && (T <= gemv_rows_max(c) || c->batch_invariant))
         return gemv_tiles(c, y, ldy, x, ldx, T, w->data, N, K, H, ys, xs, ws, err);
     if (c->batch_invariant || (size_t)ldx < (size_t)(H - 1) * xs + K) {
         for (int h = 0; h < H; h++) { /* head by head, through the plain matmul */
-            ds_cu_mat wh = {w->data + (size_t)h * ws, N, K};
+            ds_cu_mat wh = {w->data + (size_t)h * ws, N, K, DS_CU_BF16, NULL, NULL, 0};
             if (ds_cu_matmul(c, y + (size_t)h * ys, ldy, x + (size_t)h * xs, ldx, T, &wh, err))
                 return DS_ERR;
         }

@@ -31,4 +31,15 @@ void moe_mma_pass(ds_cu *c, float *y, int ldy, const float *x, int ldx, int x_di
                   const uint16_t *W, int N, int K, const int32_t *start, const int32_t *perm,
                   const int32_t *active, const int32_t *n_active, unsigned ya, moe_act act);
 
+/* Routed rows laid out by expert (moe_experts.cu): start [E+1], perm [rows], active [E],
+ * n_active [1]; n_chunks > 0 (rows >= 1024): in chunks of 256 rows through hist
+ * [n_chunks][E]. Launch errors are the caller's to read. */
+enum { MOE_GCHUNK = 256 };
+void moe_group_rows(ds_cu *c, const int32_t *idx, int rows, int e0, int E, int n_chunks,
+                    int32_t *start, int32_t *perm, int32_t *active, int32_t *n_active,
+                    int32_t *hist);
+/* out[t] (+)= sum_j w[t][j] y[t k + j] over this rank's experts, slots in order. */
+void moe_combine(ds_cu *c, float *out, const float *y, const float *w, const int32_t *idx, int e0,
+                 int E, int T, int k, int D, int accumulate);
+
 #endif

@@ -118,8 +118,6 @@ __global__ void moe_group_k(const int32_t *idx, int rows, int e0, int E, int32_t
  * one block turns them into start / active and each chunk's first slot per expert; one warp per
  * chunk places its rows, 32 at a time in row order (lanes of one expert ranked by lane), so perm
  * is exactly moe_group_k's. */
-enum { MOE_GCHUNK = 256 };
-
 __global__ void moe_hist_k(const int32_t *idx, int rows, int e0, int E, int32_t *hist) {
     PDL_ENTRY();
     extern __shared__ int32_t cnt[]; /* [E] */
@@ -185,6 +183,27 @@ __global__ void moe_place_k(const int32_t *idx, int rows, int e0, int E, const i
         if (e >= 0 && rank == 0) base[e] += __popc(same);
         __syncwarp();
     }
+}
+
+void moe_group_rows(ds_cu *c, const int32_t *idx, int rows, int e0, int E, int n_chunks,
+                    int32_t *start, int32_t *perm, int32_t *active, int32_t *n_active,
+                    int32_t *hist) {
+    if (n_chunks) {
+        launch_k(c, moe_hist_k, n_chunks, 256, (size_t)E * sizeof(int32_t), idx, rows, e0, E, hist);
+        launch_k(c, moe_scan_k, 1, 256, ((size_t)E + 1) * sizeof(int32_t), hist, n_chunks, E, start,
+                 active, n_active);
+        launch_k(c, moe_place_k, n_chunks, 32, (size_t)E * sizeof(int32_t), idx, rows, e0, E, hist,
+                 perm);
+    } else {
+        launch_k(c, moe_group_k, 1, 256, ((size_t)E + 1) * sizeof(int32_t), idx, rows, e0, E, start,
+                 perm, active, n_active);
+    }
+}
+
+void moe_combine(ds_cu *c, float *out, const float *y, const float *w, const int32_t *idx, int e0,
+                 int E, int T, int k, int D, int accumulate) {
+    launch_k(c, moe_combine_k, (unsigned)(((size_t)T * D + 255) / 256), 256, 0, out, y, w, idx, e0,
+             E, T, k, D, accumulate);
 }
 
 /* y[perm row][n] = W_e[n] . x[row's input] for every row of active expert e = active[blockIdx.y]:
@@ -409,18 +428,8 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
          * straight from idx. */
         const int32_t *direct = T == 1 ? idx : NULL;
         ds_cu_prof_mark(c, "moe group");
-        if (direct) {
-        } else if (n_chunks) {
-            launch_k(c, moe_hist_k, n_chunks, 256, (size_t)E * sizeof(int32_t), idx, rows, e0, E,
-                     hist);
-            launch_k(c, moe_scan_k, 1, 256, ((size_t)E + 1) * sizeof(int32_t), hist, n_chunks, E,
-                     start, active, n_active);
-            launch_k(c, moe_place_k, n_chunks, 32, (size_t)E * sizeof(int32_t), idx, rows, e0, E,
-                     hist, perm);
-        } else {
-            launch_k(c, moe_group_k, 1, 256, ((size_t)E + 1) * sizeof(int32_t), idx, rows, e0, E,
-                     start, perm, active, n_active);
-        }
+        if (!direct)
+            moe_group_rows(c, idx, rows, e0, E, n_chunks, start, perm, active, n_active, hist);
         CU_TRY(cudaGetLastError(), "moe group");
         if (!direct && c->expert_gemm && !c->batch_invariant && rows >= EXPERT_GEMM_MIN_PER * E &&
             (uintptr_t)out % 16 == 0 && !capturing(c)) /* (its combine stores 16 bytes) */
@@ -490,8 +499,7 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
     /* out may be the shared experts' output, still being written on the side stream */
     if (ds_cu_side_join(c, err)) return DS_ERR;
     ds_cu_prof_mark(c, "moe combine");
-    launch_k(c, moe_combine_k, (unsigned)(((size_t)T * D + 255) / 256), 256, 0, out, y, w, idx, e0,
-             E, T, k, D, accumulate);
+    moe_combine(c, out, y, w, idx, e0, E, T, k, D, accumulate);
     CU_TRY(cudaGetLastError(), "moe combine");
     return DS_OK;
 }

@@ -1,0 +1,218 @@
+/* test_cuda_matmul_fp8.c — ptpc FP8 (docs/quantization.md): the device quantizers bit for bit
+ * against the CPU's, the FP8 products (streamed, batch-invariant, tensor cores) against a float64
+ * sum of the dequantized terms and against the CPU's ds_matmul, and their timings. */
+#include "cuda_check.h"
+
+#include "kernels/shared/quant.h"
+
+/* The weights' quantizer on the device against ds_ptpc_quantize (a column slice, a zero row, a row
+ * with values that land on ties), codes and scales bit for bit; and the activations' against
+ * ds_ptpc_quantize_act. */
+static void check_ptpc_quantize(ds_cu *c, int rows, int cols, int c0, int nc) {
+    uint16_t *w = rand_bf16((size_t)rows * cols, -0.3f, 0.3f);
+    for (int j = 0; j < cols; j++) w[j] = 0; /* row 0: all zeros, the minimum scale */
+    if (rows > 1) /* row 1: multiples of 1/64 up to 448 / 64, many exact ties after scaling */
+        for (int j = 0; j < cols; j++)
+            w[(size_t)cols + j] = ds_f32_to_bf16((float)(j % 449) / 64.0f);
+    uint8_t *ref = malloc((size_t)rows * nc), *got = malloc((size_t)rows * nc);
+    float *sref = malloc((size_t)rows * 4), *sgot = malloc((size_t)rows * 4);
+    ds_mat hw = {w, DS_DT_BF16, rows, cols, NULL};
+    ds_ptpc_quantize(ref, sref, &hw, c0, nc);
+    uint16_t *dw = dev(c, w, (size_t)rows * cols * 2);
+    uint8_t *dq = dev(c, NULL, (size_t)rows * nc);
+    float *ds = dev(c, NULL, (size_t)rows * 4);
+    ds_err err = {{0}};
+    if (ds_cu_ptpc_quantize_bf16(c, dq, ds, dw, rows, cols, c0, nc, &err) || ds_cu_sync(c, &err))
+        DIE("%s", err.msg);
+    fetch(c, got, dq, (size_t)rows * nc);
+    fetch(c, sgot, ds, (size_t)rows * 4);
+    size_t bad = 0;
+    for (size_t i = 0; i < (size_t)rows * nc; i++) bad += got[i] != ref[i];
+    for (int r = 0; r < rows; r++) bad += memcmp(&sgot[r], &sref[r], 4) != 0;
+    char what[128];
+    snprintf(what, sizeof what, "ptpc quantize %d x %d cols [%d, %d): codes, scales differing",
+             rows, cols, c0, c0 + nc);
+    report(what, (double)bad, 0.0);
+    /* the activations: the same rows as f32 */
+    const int T = rows, K = cols, ldq = (K + 15) / 16 * 16;
+    float *x = malloc((size_t)T * K * 4), *xq = malloc((size_t)T * K * 4),
+          *st = malloc((size_t)T * 4);
+    for (size_t i = 0; i < (size_t)T * K; i++) x[i] = ds_bf16_to_f32(w[i]) * 3.7f;
+    ds_ptpc_quantize_act(xq, st, x, K, T, K);
+    float *dx = dev(c, x, (size_t)T * K * 4), *dst = dev(c, NULL, (size_t)T * 4);
+    uint8_t *dxq = dev(c, NULL, (size_t)T * ldq);
+    uint8_t *gq = malloc((size_t)T * ldq);
+    float *gst = malloc((size_t)T * 4);
+    if (ds_cu_ptpc_quantize_act(c, dxq, ldq, dst, dx, K, T, K, &err) || ds_cu_sync(c, &err))
+        DIE("%s", err.msg);
+    fetch(c, gq, dxq, (size_t)T * ldq);
+    fetch(c, gst, dst, (size_t)T * 4);
+    bad = 0;
+    for (int t = 0; t < T; t++) {
+        bad += memcmp(&gst[t], &st[t], 4) != 0;
+        for (int j = 0; j < ldq; j++) {
+            const float v = j < K ? ds_e4m3_to_f32(gq[(size_t)t * ldq + j]) : 0.0f;
+            const float r = j < K ? xq[(size_t)t * K + j] : 0.0f;
+            bad += memcmp(&v, &r, 4) != 0 || (j >= K && gq[(size_t)t * ldq + j]);
+        }
+    }
+    snprintf(what, sizeof what, "ptpc quantize activations %d x %d: values, scales differing", T,
+             K);
+    report(what, (double)bad, 0.0);
+    ds_cu_dealloc(dw), ds_cu_dealloc(dq), ds_cu_dealloc(ds), ds_cu_dealloc(dx);
+    ds_cu_dealloc(dst), ds_cu_dealloc(dxq);
+    free(w), free(ref), free(got), free(sref), free(sgot), free(x), free(xq), free(st), free(gq);
+    free(gst);
+}
+
+/* y = x W^T with W FP8 against a float64 sum of the dequantized terms (the CPU's activation codes
+ * and scales: exactly the GPU's) and against the CPU's ds_matmul. mode 0: the default choice
+ * (streamed up to 2 rows, tensor cores above); 1: batch invariance (always streamed). */
+static void check_matmul_fp8(ds_cu *c, int T, int N, int K, int pad, int mode, double tol) {
+    const int ldx = K + pad, ldy = N + pad;
+    float *x = rand_f32((size_t)T * ldx, -2, 2);
+    uint16_t *wb = rand_bf16((size_t)N * K, -0.05f, 0.05f);
+    uint8_t *q = malloc((size_t)N * K);
+    float *sr = malloc((size_t)N * 4);
+    ds_mat hb = {wb, DS_DT_BF16, N, K, NULL};
+    ds_ptpc_quantize(q, sr, &hb, 0, K);
+    ds_mat hw = {q, DS_DT_F8_E4M3, N, K, sr};
+    float *cpu = calloc((size_t)T * ldy, 4), *got = calloc((size_t)T * ldy, 4);
+    double *ref = calloc((size_t)T * ldy, sizeof(double));
+    float *xq = malloc((size_t)T * K * 4), *st = malloc((size_t)T * 4);
+    ds_ptpc_quantize_act(xq, st, x, ldx, T, K);
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < N; r++) {
+            double s = 0.0;
+            for (int j = 0; j < K; j++)
+                s += (double)xq[(size_t)t * K + j] * ds_e4m3_to_f32(q[(size_t)r * K + j]);
+            ref[(size_t)t * ldy + r] = s * st[t] * sr[r];
+        }
+    float *reff = calloc((size_t)T * ldy, 4);
+    for (size_t i = 0; i < (size_t)T * ldy; i++) reff[i] = (float)ref[i];
+    ds_matmul(cpu, ldy, x, ldx, T, &hw);
+    float *dx = dev(c, x, (size_t)T * ldx * 4), *dy = dev(c, NULL, (size_t)T * ldy * 4);
+    uint8_t *dq = dev(c, q, (size_t)N * K);
+    float *dsr = dev(c, sr, (size_t)N * 4);
+    poison(c, dy, (size_t)T * ldy * 4);
+    ds_cu_mat m = {(const uint16_t *)dq, N, K, DS_CU_FP8, dsr, NULL, 0};
+    ds_err err = {{0}};
+    ds_cu_set_batch_invariant(c, mode == 1);
+    if (ds_cu_matmul(c, dy, ldy, dx, ldx, T, &m, &err) || ds_cu_sync(c, &err)) DIE("%s", err.msg);
+    ds_cu_set_batch_invariant(c, 0);
+    fetch(c, got, dy, (size_t)T * ldy * 4);
+    char what[128];
+    snprintf(what, sizeof what, "matmul fp8 T=%d N=%d K=%d%s%s: vs float64", T, N, K,
+             pad ? " (strided)" : "", mode == 1 ? " (invariant)" : "");
+    report(what, rel_err(got, reff, (size_t)T, (size_t)N, (size_t)ldy), tol);
+    snprintf(what, sizeof what, "matmul fp8 T=%d N=%d K=%d%s%s: vs the CPU", T, N, K,
+             pad ? " (strided)" : "", mode == 1 ? " (invariant)" : "");
+    report(what, rel_err(got, cpu, (size_t)T, (size_t)N, (size_t)ldy), tol);
+    ds_cu_dealloc(dx), ds_cu_dealloc(dy), ds_cu_dealloc(dq), ds_cu_dealloc(dsr);
+    free(x), free(wb), free(q), free(sr), free(cpu), free(got), free(ref), free(reff), free(xq);
+    free(st);
+}
+
+/* A stack of an FP8 and a BF16 run (ptpc's KDA input stack with b_proj excluded) writes both
+ * column ranges of one output. */
+static void check_matmul_runs(ds_cu *c, int T, int N1, int N2, int K) {
+    float *x = rand_f32((size_t)T * K, -1, 1);
+    uint16_t *wb = rand_bf16((size_t)(N1 + N2) * K, -0.05f, 0.05f);
+    uint8_t *q = malloc((size_t)N1 * K);
+    float *sr = malloc((size_t)N1 * 4);
+    ds_mat h1 = {wb, DS_DT_BF16, N1, K, NULL};
+    ds_ptpc_quantize(q, sr, &h1, 0, K);
+    const int ldy = N1 + N2;
+    float *ref = calloc((size_t)T * ldy, 4), *got = calloc((size_t)T * ldy, 4);
+    ds_mat m1 = {q, DS_DT_F8_E4M3, N1, K, sr}, m2 = {wb + (size_t)N1 * K, DS_DT_BF16, N2, K, NULL};
+    ds_matmul(ref, ldy, x, K, T, &m1);
+    ds_matmul(ref + N1, ldy, x, K, T, &m2);
+    float *dx = dev(c, x, (size_t)T * K * 4), *dy = dev(c, NULL, (size_t)T * ldy * 4);
+    uint8_t *dq = dev(c, q, (size_t)N1 * K);
+    float *dsr = dev(c, sr, (size_t)N1 * 4);
+    uint16_t *dw2 = dev(c, wb + (size_t)N1 * K, (size_t)N2 * K * 2);
+    poison(c, dy, (size_t)T * ldy * 4);
+    ds_cu_mat runs[2] = {{(const uint16_t *)dq, N1, K, DS_CU_FP8, dsr, NULL, 0},
+                         {dw2, N2, K, DS_CU_BF16, NULL, NULL, 0}};
+    ds_cu_mat m = {NULL, N1 + N2, K, DS_CU_BF16, NULL, runs, 2};
+    ds_err err = {{0}};
+    if (ds_cu_matmul(c, dy, ldy, dx, K, T, &m, &err) || ds_cu_sync(c, &err)) DIE("%s", err.msg);
+    fetch(c, got, dy, (size_t)T * ldy * 4);
+    char what[96];
+    snprintf(what, sizeof what, "matmul fp8 | bf16 stack T=%d N=%d+%d K=%d", T, N1, N2, K);
+    report(what, rel_err(got, ref, (size_t)T, (size_t)ldy, (size_t)ldy), T > 2 ? 1e-2 : 1e-5);
+    ds_cu_dealloc(dx), ds_cu_dealloc(dy), ds_cu_dealloc(dq), ds_cu_dealloc(dsr), ds_cu_dealloc(dw2);
+    free(x), free(wb), free(q), free(sr), free(ref), free(got);
+}
+
+void checks_matmul_fp8(ds_cu *c) {
+    check_ptpc_quantize(c, 37, 200, 0, 200);
+    check_ptpc_quantize(c, 64, 2304, 768, 768); /* a TP column slice: the whole row's scale */
+    static const int Ts[] = {1, 2, 7, 64, 300};
+    for (size_t i = 0; i < DS_ARRAY_LEN(Ts); i++) {
+        const int T = Ts[i];
+        /* streamed sums: f32 in a fixed order; tensor cores (T > 2, 16-byte aligned rows of y:
+         * not N = 333): cuBLASLt's FP8 accumulation, measured at 1.1e-4 */
+        check_matmul_fp8(c, T, 333, 2304, 0, 0, 1e-5);
+        check_matmul_fp8(c, T, 96, 1024, 8, 0, T > 2 ? 1e-3 : 1e-5);
+        check_matmul_fp8(c, T, 77, 200, 3, 0, 1e-5); /* K % 16 != 0: the one-code kernel */
+        check_matmul_fp8(c, T, 333, 2304, 0, 1, 1e-5);
+    }
+    check_matmul_runs(c, 1, 96, 32, 512);
+    check_matmul_runs(c, 64, 96, 32, 512);
+}
+
+/* ---- timings ----------------------------------------------------------------------------------
+ */
+
+typedef struct mm8_ctx {
+    float *y, *x;
+    ds_cu_mat w;
+    int T;
+} mm8_ctx;
+static void run_mm8(ds_cu *c, void *p) {
+    mm8_ctx *m = p;
+    ds_err err;
+    if (ds_cu_matmul(c, m->y, m->w.rows, m->x, m->w.cols, m->T, &m->w, &err)) DIE("%s", err.msg);
+}
+
+/* one matmul of N x K at T tokens, BF16 and FP8: ms and weight bytes per second */
+static void bench_pair(ds_cu *c, int N, int K, int T, double copy_gbs) {
+    ds_err err = {{0}};
+    uint16_t *wb = ds_cu_alloc(c, (size_t)N * K * 2, &err);
+    uint8_t *q = ds_cu_alloc(c, (size_t)N * K, &err);
+    float *sr = ds_cu_alloc(c, (size_t)N * 4, &err);
+    float *x = ds_cu_alloc(c, (size_t)T * K * 4, &err),
+          *y = ds_cu_alloc(c, (size_t)T * N * 4, &err);
+    if (!wb || !q || !sr || !x || !y ||
+        ds_cu_fill_random_bf16(c, wb, (size_t)N, (size_t)K, 11, 0, 0, (size_t)K, 0.03f, &err) ||
+        ds_cu_ptpc_quantize_bf16(c, q, sr, wb, N, K, 0, K, &err))
+        DIE("%s", err.msg);
+    float *h = rand_f32((size_t)T * K, -1, 1);
+    if (ds_cu_upload(c, x, h, (size_t)T * K * 4, &err)) DIE("%s", err.msg);
+    free(h);
+    mm8_ctx mb = {y, x, {wb, N, K, DS_CU_BF16, NULL, NULL, 0}, T};
+    mm8_ctx m8 = {y, x, {(const uint16_t *)q, N, K, DS_CU_FP8, sr, NULL, 0}, T};
+    const double msb = median_ms(c, run_mm8, &mb, 3, 20), ms8 = median_ms(c, run_mm8, &m8, 3, 20);
+    const double bb = (double)N * K * 2, b8 = (double)N * K + 4.0 * N;
+    const double fl = 2.0 * N * K * T;
+    printf("bench matmul %5d x %5d T=%-5d bf16 %.4f ms (%.0f GB/s, %.0f%% of copy, %.0f TFLOP/s) | "
+           "fp8 %.4f ms (%.0f GB/s, %.0f%% of copy, %.0f TFLOP/s)\n",
+           N, K, T, msb, bb / (msb * 1e-3) / 1e9, 100.0 * bb / (msb * 1e-3) / 1e9 / copy_gbs,
+           fl / (msb * 1e-3) / 1e12, ms8, b8 / (ms8 * 1e-3) / 1e9,
+           100.0 * b8 / (ms8 * 1e-3) / 1e9 / copy_gbs, fl / (ms8 * 1e-3) / 1e12);
+    ds_cu_dealloc(wb), ds_cu_dealloc(q), ds_cu_dealloc(sr), ds_cu_dealloc(x), ds_cu_dealloc(y);
+}
+
+void bench_matmul_fp8(ds_cu *c, const cuda_ceilings *ceil) {
+    /* decode shapes of the 48B model (KDA's q|k|v|f_a|g_a stack, o_proj, the dense MLP's
+     * gate|up, a shared expert's down) and a large one */
+    static const int shapes[][2] = {
+        {12544, 2304}, {2304, 4096}, {2304, 9216}, {18432, 2304}, {16384, 7168}};
+    for (size_t i = 0; i < DS_ARRAY_LEN(shapes); i++)
+        for (int T = 1; T <= 2; T++) bench_pair(c, shapes[i][0], shapes[i][1], T, ceil->copy_gbs);
+    /* prefill: tensor cores */
+    bench_pair(c, 8192, 8192, 8192, ceil->copy_gbs);
+    bench_pair(c, 18432, 2304, 8192, ceil->copy_gbs);
+    bench_pair(c, 2304, 9216, 8192, ceil->copy_gbs);
+}
