@@ -86,13 +86,6 @@ static int fill_fp8(ds_cuda_model *cm, uint8_t *codes, float *scales, const ds_m
     return rc;
 }
 
-/* The scales' exponent of a random MXFP4 matrix (rand_hash.h: e2 is the binary exponent of the
- * scale a BF16 matrix of that shape is drawn with, floor(log2 scale)). The descriptor carries
- * that BF16 scale; the loader's CPU draw must use the same e2 (ilogbf of it). */
-static int rand_e2(float scale) {
-    return scale > 0.0f ? ilogbf(scale) : 0;
-}
-
 /* An MXFP4 matrix: codes [rows][cols/2] and scales [rows][cols/32], uploaded packed or drawn on
  * the device (rand_hash.h). */
 static int fill_mxfp4(ds_cuda_model *cm, uint8_t *codes, uint8_t *scales, const ds_mat *w,
@@ -101,7 +94,7 @@ static int fill_mxfp4(ds_cuda_model *cm, uint8_t *codes, uint8_t *scales, const 
     if (r)
         return ds_cu_fill_random_mxfp4(cm->c, codes, scales, (size_t)w->rows, (size_t)w->cols,
                                        r->key, (size_t)r->row0, (size_t)r->col0,
-                                       (size_t)r->full_cols, rand_e2(r->scale), err);
+                                       (size_t)r->full_cols, r->e2, err);
     return ds_cu_upload(cm->c, codes, w->data, (size_t)w->rows * (w->cols / 2), err) ||
            ds_cu_upload(cm->c, scales, w->scale, (size_t)w->rows * (w->cols / 32), err);
 }
