@@ -41,6 +41,7 @@ typedef struct ds_engine_opts {
     int device;                 /* DS_DEVICE_CPU (default), DS_DEVICE_CUDA or DS_DEVICE_AUTO */
     int batch_invariant;        /* CUDA: a row's result never depends on its batch (model.h) */
     int enforce_eager;          /* CUDA: no graphs (model.h) */
+    int kv_fp8;                 /* --kv-cache-dtype fp8: FP8 latent rows (ds_model_opts.kv_fp8) */
     size_t kv_cache_memory;     /* bytes for MLA pages + KDA slots; 0: kv_cache_fraction of free */
     double kv_cache_fraction;   /* default 0.3 */
     int block_size;             /* tokens per MLA page (default 16) */

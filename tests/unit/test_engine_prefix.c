@@ -115,7 +115,8 @@ static const ds_dmem *pw_dm(void) {
 typedef struct px_world {
     ds_page_pool *pages;
     ds_kv_pool kv;
-    float *layer0; /* [n_pages][bs][row] */
+    float *layer0;   /* [n_pages][bs][row] */
+    uint8_t *lay[1]; /* the pool's view of layer0: opaque rows of row_bytes */
     ds_prefix *px;
 } px_world;
 
@@ -128,7 +129,9 @@ static void pw_init(px_world *w, int hash_bits, int n_ckpt) {
     w->layer0 = g_dev ? ds_dmem_alloc(pw_dm(), lb, &err) : calloc(1, lb);
     assert_non_null(w->layer0);
     if (g_dev) ds_dmem_zero(pw_dm(), w->layer0, lb);
-    w->kv.layer = &w->layer0;
+    w->lay[0] = (uint8_t *)w->layer0;
+    w->kv.layer = w->lay;
+    w->kv.row_bytes = PW_ROW * sizeof(float);
     w->kv.n_layers = 1;
     w->kv.n_pages = PW_PAGES;
     w->kv.block_size = PW_BS;
