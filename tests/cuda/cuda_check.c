@@ -171,6 +171,7 @@ static const struct {
     {"argmax", checks_argmax},
     {"nccl", checks_nccl},
     {"draws", checks_draws},
+    {"kv fp8", checks_kv_fp8},
 };
 
 /* Every op's timings, by the section name --bench selects them with, in the order they run. */

@@ -76,8 +76,8 @@ static void check_mla_batch(ds_cu *c, const int *lens, const int *pos0, int n_se
     poison(c, dout, (size_t)T * Ha * R * 4);
     ds_err err = {{0}};
     ds_cu_set_mla_all_heads(c, all_heads);
-    if (ds_cu_mla_attend_absorbed_batch(c, dout, dq, dqr, ldqr, T, Ha, R, dr, dpool, dtables, dbt,
-                                        dpos, max_ctx, BS, rowf, scale, &err))
+    if (ds_cu_mla_attend_absorbed_batch(c, dout, dq, dqr, ldqr, T, Ha, R, dr, dpool, 0, dtables,
+                                        dbt, dpos, max_ctx, BS, (size_t)rowf * 4, scale, &err))
         DIE("%s", err.msg);
     ds_cu_set_mla_all_heads(c, 0);
     fetch(c, got, dout, (size_t)T * Ha * R * 4);
@@ -151,8 +151,8 @@ static void run_mla_batch(ds_cu *c, void *p) {
     mla_batch_ctx *x = p;
     ds_err err;
     if (ds_cu_mla_attend_absorbed_batch(c, x->obar, x->qbar, x->qr, 64, x->n_seq, 32, 512, 64,
-                                        x->pool, x->tables, x->tok_bt, x->tok_pos, x->n_ctx, 16,
-                                        576, 0.07f, &err))
+                                        x->pool, 0, x->tables, x->tok_bt, x->tok_pos, x->n_ctx, 16,
+                                        576 * 4, 0.07f, &err))
         DIE("%s", err.msg);
 }
 
