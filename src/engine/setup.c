@@ -147,7 +147,7 @@ static int chunk_of(const ds_engine_opts *o) {
  * It also names what changes the cached numbers besides the weights: the device, the
  * batch-invariant mode, the tensor-parallel width (each rank keeps its own slice and sums in its
  * own order), the prompt cut spacing (docs/prefix-cache.md) and the latent cache dtype
- * (docs/quantization.md §4). */
+ * (docs/quantization.md, "FP8 latent cache"). */
 static int setup_prefix(ds_engine *e, ds_err *err) {
     const ds_engine_opts *o = &e->opts;
     char path[4096];

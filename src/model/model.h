@@ -52,8 +52,9 @@ typedef struct ds_model_opts {
     int kda_chunked_min;    /* segments with at least this many tokens use the chunked form */
     int mla_expanded_min;   /* segments with at least this many tokens use expanded MLA */
     int hf_kl_router_quirk; /* reproduce HF-KL's biased combine weights (parity tests only) */
-    /* --kv-cache-dtype fp8: the latent pool holds FP8 rows (docs/quantization.md §4,
-     * kernels/shared/kv_fp8.h) and every attention reads their dequantized values; 0: f32 rows. */
+    /* --kv-cache-dtype fp8: the latent pool holds FP8 rows (docs/quantization.md, "FP8 latent
+     * cache", kernels/shared/kv_fp8.h) and every attention reads their dequantized values; 0: f32
+     * rows. */
     int kv_fp8;
     int layer_begin, layer_end; /* pipeline stage: layers [begin, end); end 0 = all */
     /* Tensor parallelism (tp_size > 1): this rank holds 1/tp_size of the KDA heads, MLA heads,

@@ -1,8 +1,8 @@
-/* test_cuda_kv_fp8.c — the FP8 latent cache on the GPU (docs/quantization.md §4) against the CPU
- * on the same rows: the GPU's stored bytes are the CPU's (ds_kv_fp8_quant_row) exactly, an
- * expanded segment's gathered values are the CPU's dequantized ones exactly, and the absorbed
- * attention over an FP8 pool (block per head and all heads a block) matches the CPU kernel over
- * the same pool. */
+/* test_cuda_kv_fp8.c — the FP8 latent cache on the GPU (docs/quantization.md, "FP8 latent cache")
+ * against the CPU on the same rows: the GPU's stored bytes are the CPU's (ds_kv_fp8_quant_row)
+ * exactly, an expanded segment's gathered values are the CPU's dequantized ones exactly, and the
+ * absorbed attention over an FP8 pool (block per head and all heads a block) matches the CPU kernel
+ * over the same pool. */
 #include "cuda_check.h"
 
 /* [n][R + dr] latent values whose 128-value tiles span many magnitudes (so each tile's scale

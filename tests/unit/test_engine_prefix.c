@@ -633,10 +633,10 @@ static void test_logprobs_bit_exact(void **st) {
     h_stop(cold);
 }
 
-/* The same invariants with the FP8 latent cache (docs/quantization.md §4): a prefix hit, a fork,
- * speculation and a multi-turn follow-up compute exactly what a cold FP8 engine does, since every
- * attention reads the stored rows, this step's own included. And FP8 is really on: its logprobs
- * are not the f32 engine's. */
+/* The same invariants with the FP8 latent cache (docs/quantization.md, "FP8 latent cache"): a
+ * prefix hit, a fork, speculation and a multi-turn follow-up compute exactly what a cold FP8 engine
+ * does, since every attention reads the stored rows, this step's own included. And FP8 is really
+ * on: its logprobs are not the f32 engine's. */
 static void test_warm_equals_cold_fp8(void **st) {
     h_kv_fp8 = 1;
     test_warm_equals_cold(st);

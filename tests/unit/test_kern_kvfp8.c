@@ -1,8 +1,8 @@
-/* test_kern_kvfp8.c — the FP8 latent cache row (docs/quantization.md §4, kernels/shared/kv_fp8.h)
- * and the CPU's absorbed attention over a pool of such rows: the layout, each tile's scale, the
- * quantization error against float64 (within half an E4M3 step), the exact round trip of values
- * the format holds, and the attention against a float64 reference of the dequantized math (and
- * bit for bit against the f32 kernel over the dequantized rows). */
+/* test_kern_kvfp8.c — the FP8 latent cache row (docs/quantization.md, "FP8 latent cache",
+ * kernels/shared/kv_fp8.h) and the CPU's absorbed attention over a pool of such rows: the layout,
+ * each tile's scale, the quantization error against float64 (within half an E4M3 step), the exact
+ * round trip of values the format holds, and the attention against a float64 reference of the
+ * dequantized math (and bit for bit against the f32 kernel over the dequantized rows). */
 #include "testutil.h"
 
 #include "kernels/cpu/kernels.h"

@@ -132,7 +132,7 @@ void cpu_mla_forward(step *s, const layer_w *lw, const float *xn, float *out) {
     for (int t = 0; t < T; t++)
         ds_rmsnorm(kv + (size_t)t * row, kv + (size_t)t * row, w->kv_a_norm, 1, R, 1e-6f);
     /* the pool's rows, f32 or FP8: every attention below reads them as stored, this step's own
-     * rows included (docs/quantization.md §4) */
+     * rows included (docs/quantization.md, "FP8 latent cache") */
     ds_latent_view view = {
         s->pool->layer[lw->kind_idx], NULL, s->pool->block_size, row, R, s->pool->kv_fp8};
     float scale = 1.0f / sqrtf((float)dq);

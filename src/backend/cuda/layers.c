@@ -171,7 +171,7 @@ int cuda_mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float *
     int dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dvh = c->v_head_dim, dq = dn + dr;
     int row = R + dr, Rq = c->q_lora_rank, bs = s->pool->block_size;
     /* the pool's rows, f32 or FP8: every attention below reads them as stored, this step's own
-     * rows included (docs/quantization.md §4) */
+     * rows included (docs/quantization.md, "FP8 latent cache") */
     uint8_t *pool = s->pool->layer[lw->kind_idx];
     const size_t rb = s->pool->row_bytes;
     const int fp8 = s->pool->kv_fp8;

@@ -16,9 +16,9 @@
  * verify, or inside a short prompt segment. The expanded form (prompt segments) cuts its ranges
  * from the segment's shape; neither depends on the number of threads.
  *
- * FP8 rows (docs/quantization.md §4): the absorbed form dequantizes each tile's rows once per
- * work item into the thread's workspace and runs the same tile code on those floats; the values
- * are kernels/shared/kv_fp8.h's, bit for bit. */
+ * FP8 rows (docs/quantization.md, "FP8 latent cache"): the absorbed form dequantizes each tile's
+ * rows once per work item into the thread's workspace and runs the same tile code on those floats;
+ * the values are kernels/shared/kv_fp8.h's, bit for bit. */
 #include "kernels/cpu/kernels.h"
 
 #include <math.h>

@@ -1,7 +1,7 @@
-/* kv_fp8.cu — the FP8 latent cache's rows (docs/quantization.md §4) on the GPU: storing a step's
- * latent rows into the pool, and reading an expanded segment's context back as f32. The row's
- * form and its rounding are kernels/shared/kv_fp8.h's, the same code the CPU runs, so a row
- * written on either side holds the same bytes. */
+/* kv_fp8.cu — the FP8 latent cache's rows (docs/quantization.md, "FP8 latent cache") on the GPU:
+ * storing a step's latent rows into the pool, and reading an expanded segment's context back as
+ * f32. The row's form and its rounding are kernels/shared/kv_fp8.h's, the same code the CPU runs,
+ * so a row written on either side holds the same bytes. */
 #include "kernels/cuda/common.cuh"
 #include "kernels/shared/kv_fp8.h"
 

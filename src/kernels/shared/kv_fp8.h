@@ -1,6 +1,6 @@
-/* kv_fp8.h — one row of the FP8 MLA latent cache (docs/quantization.md §4), one definition for
- * the CPU kernels, the CUDA kernels and the tests, so that a row written on either side holds the
- * same bytes and reads back as the same floats.
+/* kv_fp8.h — one row of the FP8 MLA latent cache (docs/quantization.md, "FP8 latent cache"), one
+ * definition for the CPU kernels, the CUDA kernels and the tests, so that a row written on either
+ * side holds the same bytes and reads back as the same floats.
  *
  * A latent row [c (R values) | kR (dr values)] is stored as
  *
