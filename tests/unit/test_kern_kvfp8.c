@@ -139,6 +139,30 @@ static void test_store_load(void **st) {
     free(pool), free(pf);
 }
 
+/* The CPU kernels' own dequantization (vectorized) reads every code the quantizer can write as
+ * ds_kv_fp8_value does, at several scales. */
+static void test_every_code(void **st) {
+    (void)st;
+    enum { R = 256, DR = 2 };
+    uint8_t row[272] = {0};
+    int32_t table[1] = {0};
+    ds_latent_view v = {row, table, 1, R + DR, R, 1};
+    const float scales[3] = {1.0f, 0.37f, 1.0f / (448.0f * 512.0f)};
+    for (int k = 0; k < 3; k++) {
+        for (int i = 0; i < R; i++) row[i] = (uint8_t)((i & 0x7f) == 0x7f ? 0x7e | (i & 0x80) : i);
+        memcpy(row + R, &scales[k], 4);
+        memcpy(row + R + 4, &scales[2 - k], 4);
+        float c[R], kr[DR];
+        ds_latent_load(&v, 0, c, kr);
+        for (int i = 0; i < R; i++) {
+            const float want = ds_kv_fp8_value(row, R, i);
+            if (memcmp(&c[i], &want, 4) != 0)
+                fail_msg("code 0x%02x scale %g: %.9g, want %.9g", row[i], (double)scales[k],
+                         (double)c[i], (double)want);
+        }
+    }
+}
+
 /* The absorbed attention over an FP8 pool (pages shuffled inside a larger pool whose other rows
  * read as NaN) against float64 over the dequantized rows, and bit for bit against the f32
  * kernel over a pool of those dequantized rows. */
@@ -209,7 +233,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_layout),           cmocka_unit_test(test_error_bound),
         cmocka_unit_test(test_exact_round_trip), cmocka_unit_test(test_store_load),
-        cmocka_unit_test(test_absorbed),
+        cmocka_unit_test(test_every_code),       cmocka_unit_test(test_absorbed),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -79,19 +79,22 @@ static void *mla_alloc(size_t n) {
     return p;
 }
 
-/* The value of every E4M3 code (ds_e4m3_to_f32), so that a row's dequantization is a lookup and
- * a multiply: the same f32 product as ds_kv_fp8_value. */
-static float g_e4m3[256];
-__attribute__((constructor)) static void mla_e4m3_table(void) {
-    for (int b = 0; b < 256; b++) g_e4m3[b] = ds_e4m3_to_f32((uint8_t)b);
+/* The value of a written E4M3 code (ds_e4m3_to_f32 for every code but the NaNs, which the
+ * quantizer never writes), branch-free so that a row's dequantization vectorizes: a normal code's
+ * exponent is rebiased in the integer domain, a subnormal one is m 2^-9. No f32 subnormal is
+ * formed, so the value does not depend on the FPU's flush modes. */
+static inline __attribute__((always_inline)) float mla_e4m3(uint8_t b) {
+    const uint32_t u = b & 0x7fu, sign = (uint32_t)(b & 0x80u) << 24;
+    const float mag = u < 8 ? (float)u * (1.0f / 512.0f) : ds_bits_f32((u << 20) + (120u << 23));
+    return ds_bits_f32(ds_f32_bits(mag) | sign);
 }
 
-/* c [R], kr [dr] <- the values of a stored FP8 row. */
-static void mla_dequant(float *c, float *kr, const uint8_t *row, int R, int dr) {
+/* c [R], kr [dr] <- the values of a stored FP8 row (ds_kv_fp8_value: the same f32 products). */
+static MLA_HOT void mla_dequant(float *c, float *kr, const uint8_t *row, int R, int dr) {
     for (int j = 0; j * DS_KV_FP8_TILE < R; j++) {
         const int a = j * DS_KV_FP8_TILE, n = DS_MIN(DS_KV_FP8_TILE, R - a);
         const float sc = ds_kv_fp8_scale(row, R, j);
-        for (int i = 0; i < n; i++) c[a + i] = g_e4m3[row[a + i]] * sc;
+        for (int i = 0; i < n; i++) c[a + i] = mla_e4m3(row[a + i]) * sc;
     }
     const uint8_t *rp = row + ds_kv_fp8_rope_at(R);
     for (int i = 0; i < dr; i++) {
