@@ -28,6 +28,12 @@ CONFIGS = {  # name: (label, serve flags)
     "offload": ("+ RAM offload", ["-pp", "2", "-tp", "4", *SPEC, "--kv-offload-ram", "256M",
                                   "--kv-cache-memory", "48M"]),
     "one-spec": ("one process + DSpark k=7", SPEC),
+    # the formats of docs/quantization.md, one process each
+    "ptpc": ("one process, ptpc_fp8 weights", ["--no-enable-prefix-caching", "-q", "ptpc_fp8"]),
+    "kvfp8": ("one process, FP8 latent cache", ["--no-enable-prefix-caching",
+                                                "--kv-cache-dtype", "fp8"]),
+    "ptpc-spec": ("PP 2 x TP 4 + DSpark k=7 + prefix, ptpc_fp8 + FP8 cache",
+                  ["-pp", "2", "-tp", "4", *SPEC, "-q", "ptpc_fp8", "--kv-cache-dtype", "fp8"]),
 }
 
 

@@ -127,7 +127,7 @@ static int write_npy(const char *path, const float *data, int rows, int cols, ds
 
 int ds_cmd_logits(int argc, char **argv) {
     const char *model_dir = NULL, *ids_arg = NULL, *out = NULL, *partition = "";
-    const char *device = default_device();
+    const char *device = default_device(), *quant = "none", *quant_exclude = NULL;
     int tp = 1, pp = 1;
     ds_arg opts[] = {
         {"model", "m", DS_ARG_STRING, &model_dir, "DIR", "checkpoint folder", .required = 1},
@@ -139,6 +139,10 @@ int ds_cmd_logits(int argc, char **argv) {
                "layers per stage (default: even, remainder to the middle stages)"),
         {"device", NULL, DS_ARG_STRING, &device, "D",
          "cpu, cuda (rank r of a host uses GPU r mod count) or auto", .choices = ds_device_names},
+        {"quantization", "q", DS_ARG_STRING, &quant, "Q",
+         "weights: none or ptpc_fp8 (see serve --help)", .choices = ds_quant_names},
+        DS_OPT("quantization-exclude", NULL, DS_ARG_STRING, &quant_exclude, "A,B,..",
+               "ptpc_fp8: name fragments kept unquantized (see serve --help)"),
     };
     ds_args a = {"deltaserve logits",
                  "Teacher-forced logits of every position, written as a float32 .npy array of\n"
@@ -167,6 +171,9 @@ int ds_cmd_logits(int argc, char **argv) {
     ds_model_opts o;
     ds_model_opts_default(&o);
     o.device = ds_device_from_name(device);
+    for (int i = 0; ds_quant_names[i]; i++)
+        if (!strcmp(quant, ds_quant_names[i])) o.quantization = i;
+    o.quantization_exclude = quant_exclude;
     if (ds_rank_open(model_dir, tp, pp, counts, &o, &r, &err)) goto done;
     int V = ds_model_config(r.m)->vocab_size;
     if (r.last) logits = ds_malloc((size_t)n * V * sizeof(float), &err);

@@ -63,6 +63,7 @@ int ds_engine_flags_init(ds_engine_flags *f, const char *cmd) {
     f->relay = RELAYS[f->eo.draft_tap_relay];
     f->kv_dtype = KV_DTYPES[0];
     f->partition = "";
+    f->quant = ds_quant_names[f->eo.quantization];
     f->tp = f->pp = 1;
     return DS_OK;
 }
@@ -82,6 +83,14 @@ int ds_engine_flags_table(ds_engine_flags *f, ds_arg *out) {
         DS_OPT("enforce-eager", NULL, DS_ARG_BOOL, &eo->enforce_eager, NULL,
                "CUDA: no CUDA graphs (by default each decode / verify shape is captured once and "
                "replayed, also under -pp)"),
+        {"quantization", "q", DS_ARG_STRING, &f->quant, "Q",
+         "weights: none (as the checkpoint has them) or ptpc_fp8 (BF16 Linears to FP8 with a "
+         "scale per output channel and per token, docs/quantization.md)",
+         .choices = ds_quant_names},
+        DS_OPT("quantization-exclude", NULL, DS_ARG_STRING, &eo->quantization_exclude, "A,B,..",
+               "ptpc_fp8: weights whose name contains one of these stay unquantized (replaces "
+               "the default list: embed_tokens,lm_head,conv1d,block_sparse_moe.gate.weight,"
+               "self_attn.b_proj,kv_b_proj)"),
         DS_OPT("kv-cache-memory", NULL, DS_ARG_STRING, &f->kv_mem, "BYTES",
                "memory for MLA pages + KDA state slots, e.g. 2G (default: a fraction of free)"),
         {"kv-cache-dtype", NULL, DS_ARG_STRING, &f->kv_dtype, "T",
@@ -135,6 +144,9 @@ int ds_engine_flags_apply(ds_engine_flags *f, const ds_args *a, ds_err *err) {
                        f->tp < 1 ? "--tensor-parallel-size" : "--pipeline-parallel-size",
                        f->tp < 1 ? f->tp : f->pp);
     eo->device = ds_device_from_name(f->device);
+    eo->quantization = index_of(ds_quant_names, f->quant);
+    if (eo->quantization_exclude && eo->quantization != DS_QUANT_PTPC_FP8)
+        return ds_errf(err, "--quantization-exclude needs --quantization ptpc_fp8");
     eo->speculative_method = index_of(SPEC_METHODS, f->spec_method);
     eo->draft_tap_relay = index_of(RELAYS, f->relay);
     eo->kv_fp8 = index_of(KV_DTYPES, f->kv_dtype) == 1;

@@ -266,6 +266,7 @@ static int parse_batches(const char *list, int *out, ds_err *err) {
 /* bench's flags. */
 typedef struct bench_flags {
     const char *model_dir, *json_path, *device, *load_format, *batch_list, *partition;
+    const char *quant, *quant_exclude;
     int prompt_tokens, steps, reps, batch_invariant, decode_ctx;
     int enforce_eager, full_logits, sampled, tp, pp;
 } bench_flags;
@@ -282,7 +283,7 @@ typedef struct bench_costs {
 
 static const char *const FORMATS[] = {"safetensors", "random", NULL};
 
-enum { BENCH_FLAGS = 16 }; /* entries bench_table writes */
+enum { BENCH_FLAGS = 18 }; /* entries bench_table writes */
 
 static int bench_table(bench_flags *f, ds_arg *out) {
     ds_arg table[BENCH_FLAGS] = {
@@ -310,6 +311,10 @@ static int bench_table(bench_flags *f, ds_arg *out) {
          "safetensors, or random: weights drawn for config.json's shape (no files read; made in "
          "GPU memory on cuda)",
          .choices = FORMATS},
+        {"quantization", "q", DS_ARG_STRING, &f->quant, "Q",
+         "weights: none or ptpc_fp8 (see serve --help)", .choices = ds_quant_names},
+        DS_OPT("quantization-exclude", NULL, DS_ARG_STRING, &f->quant_exclude, "A,B,..",
+               "ptpc_fp8: name fragments kept unquantized (see serve --help)"),
         DS_OPT("tensor-parallel-size", "tp", DS_ARG_INT, &f->tp, "T", "tensor-parallel ranks"),
         DS_OPT("pipeline-parallel-size", "pp", DS_ARG_INT, &f->pp, "P", "pipeline stages"),
         DS_OPT("pp-layer-partition", NULL, DS_ARG_STRING, &f->partition, "2,3,3,2",
@@ -488,6 +493,7 @@ int ds_cmd_bench(int argc, char **argv) {
     ds_model_opts_default(&mo); /* the device defaults (DS_DEVICE, DS_BATCH_INVARIANT) */
     bench_flags f = {.device = ds_device_names[mo.device < 0 ? DS_DEVICE_CPU : mo.device],
                      .load_format = "safetensors",
+                     .quant = "none",
                      .batch_list = "1,16",
                      .partition = "",
                      .prompt_tokens = 512,
@@ -528,6 +534,9 @@ int ds_cmd_bench(int argc, char **argv) {
     mo.batch_invariant = f.batch_invariant;
     mo.enforce_eager = f.enforce_eager;
     mo.load_random = !strcmp(f.load_format, "random");
+    for (int i = 0; ds_quant_names[i]; i++)
+        if (!strcmp(f.quant, ds_quant_names[i])) mo.quantization = i;
+    mo.quantization_exclude = f.quant_exclude;
     bench_job job;
     memset(&job, 0, sizeof job);
     bench_costs c = {0};

@@ -21,7 +21,8 @@ static int dir_nonempty(const char *dir) {
 }
 
 int ds_cmd_init_model(int argc, char **argv) {
-    const char *preset = "tiny-k3", *out = NULL;
+    const char *preset = "tiny-k3", *out = NULL, *experts = "bf16";
+    static const char *const expert_formats[] = {"bf16", "mxfp4", NULL};
     int64_t seed = 0;
     int force = 0;
     static char summary[1024];
@@ -39,6 +40,9 @@ int ds_cmd_init_model(int argc, char **argv) {
         {"out", "o", DS_ARG_STRING, &out, "DIR", "output folder (created if missing)",
          .required = 1},
         DS_OPT("seed", NULL, DS_ARG_I64, &seed, "N", "RNG seed"),
+        {"experts", NULL, DS_ARG_STRING, &experts, "F",
+         "routed experts: bf16, or mxfp4 (compressed-tensors, as Kimi-K3 ships them)",
+         .choices = expert_formats},
         DS_OPT("force", "f", DS_ARG_BOOL, &force, NULL, "write into a non-empty folder"),
     };
     ds_args a = {"deltaserve init-model", summary, opts, (int)DS_ARRAY_LEN(opts)};
@@ -52,7 +56,7 @@ int ds_cmd_init_model(int argc, char **argv) {
     }
     ds_err err = {{0}};
     double t0 = ds_now();
-    if (ds_init_model(preset, out, (uint64_t)seed, &err) != DS_OK) {
+    if (ds_init_model_ex(preset, out, (uint64_t)seed, !strcmp(experts, "mxfp4"), &err) != DS_OK) {
         fprintf(stderr, "deltaserve init-model: %s\n", err.msg);
         return 1;
     }

@@ -6,6 +6,7 @@
  * last: its presence means the checkpoint is complete (the Makefile uses it as the target). */
 #include "devtools/init_model.h"
 #include "io/safetensors.h"
+#include "kernels/shared/quant.h"
 #include "text/tokenizer.h"
 
 #include <dirent.h>
@@ -54,6 +55,7 @@ typedef struct preset {
     int64_t max_pos;
     int n_shards; /* 1: model.safetensors; >1: that many shards; 0: about SHARD_BYTES each */
     const draft_preset *draft; /* DSpark draft written to OUT/draft/, or NULL */
+    int mxfp4; /* routed experts as compressed-tensors MXFP4 (set by the caller, not a preset) */
 } preset;
 
 #define SHARD_BYTES ((uint64_t)500 * 1000 * 1000)
@@ -162,6 +164,10 @@ typedef struct tspec {
     size_t nbytes;
     init_rule rule;
     int shard;
+    /* MXFP4 halves of the BF16 matrix [mx_rows][mx_cols] drawn under seed_name: 1 = the packed
+     * codes, 2 = the E8M0 scales (docs/quantization.md §2); 0 = an ordinary tensor */
+    int mx;
+    int64_t mx_rows, mx_cols;
 } tspec;
 
 typedef struct tlist {
@@ -281,6 +287,30 @@ static void add_mlp(tlist *l, const char *pre, int D, int I) {
     tl_add(l, INIT_LINEAR, BF16, SHAPE(D, I), "%sdown_proj.weight", pre);
 }
 
+/* base.weight_packed [rows][cols/2] and base.weight_scale [rows][cols/32] (U8): the MXFP4 form of
+ * the BF16 matrix base.weight that the BF16 checkpoint of the same seed holds. */
+static void add_mxfp4(tlist *l, int rows, int cols, const char *fmt, const char *pre, int e) {
+    char base[320];
+    snprintf(base, sizeof base, fmt, pre, e);
+    for (int half = 1; half <= 2; half++) {
+        int per = half == 1 ? 2 : DS_MXFP4_GROUP;
+        tspec *t = tl_add(l, INIT_LINEAR, DS_DT_U8, SHAPE(rows, cols / per), "%s.%s", base,
+                          half == 1 ? "weight_packed" : "weight_scale");
+        if (!t) return;
+        char *seed_name = malloc(strlen(base) + 8);
+        if (!seed_name) {
+            l->oom = 1;
+            return;
+        }
+        sprintf(seed_name, "%s.weight", base);
+        free(t->seed_name);
+        t->seed_name = seed_name;
+        t->mx = half;
+        t->mx_rows = rows;
+        t->mx_cols = cols;
+    }
+}
+
 /* Router, optional latent projections, routed and shared experts (docs/model.md §5.3, §5.4).
  * pre ends in "block_sparse_moe.". */
 static void add_moe(tlist *l, const preset *p, const char *pre) {
@@ -294,6 +324,12 @@ static void add_moe(tlist *l, const preset *p, const char *pre) {
         tl_add(l, INIT_NORM, BF16, SHAPE(p->latent), "%srouted_expert_norm.weight", pre);
     }
     for (int e = 0; e < E; e++) {
+        if (p->mxfp4) {
+            add_mxfp4(l, I, H_in, "%sexperts.%d.w1", pre, e);
+            add_mxfp4(l, H_in, I, "%sexperts.%d.w2", pre, e);
+            add_mxfp4(l, I, H_in, "%sexperts.%d.w3", pre, e);
+            continue;
+        }
         tl_add(l, INIT_LINEAR, BF16, SHAPE(I, H_in), "%sexperts.%d.w1.weight", pre, e);
         tl_add(l, INIT_LINEAR, BF16, SHAPE(H_in, I), "%sexperts.%d.w2.weight", pre, e);
         tl_add(l, INIT_LINEAR, BF16, SHAPE(I, H_in), "%sexperts.%d.w3.weight", pre, e);
@@ -419,6 +455,53 @@ static double draw(const tspec *t, ds_rng *rng, int64_t i, double lin_std) {
 }
 
 /* out: [t->numel] elements of t->dtype (F32, F16 or BF16), rounded to nearest even. */
+static void fill_tensor(const tspec *t, uint64_t seed, void *out);
+
+/* One group of 32 BF16 values to MXFP4, as tools/reference/make_random_ckpt.py rounds: the scale
+ * 2^e with e = ceil(log2(amax / 6)) (so the largest magnitude needs at most code 6), each value
+ * to the nearest E2M1 magnitude (the smaller one on a tie). codes [32], returns the scale byte. */
+static uint8_t mxfp4_group(const uint16_t *w, uint8_t *codes) {
+    static const double mag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+    double amax = 0;
+    for (int i = 0; i < DS_MXFP4_GROUP; i++) amax = fmax(amax, fabs(ds_bf16_to_f32(w[i])));
+    int e = (int)ceil(log2(fmax(amax, 1e-30) / 6.0));
+    e = e < -127 ? -127 : e > 127 ? 127 : e;
+    for (int i = 0; i < DS_MXFP4_GROUP; i++) {
+        double x = ds_bf16_to_f32(w[i]) / ldexp(1.0, e);
+        int best = 0;
+        for (int k = 1; k < 8; k++)
+            if (fabs(fabs(x) - mag[k]) < fabs(fabs(x) - mag[best])) best = k;
+        codes[i] = (uint8_t)(best | (x < 0 ? 8 : 0));
+    }
+    return (uint8_t)(e + 127);
+}
+
+/* An MXFP4 half (t->mx): draws the BF16 matrix, then keeps its codes or its scales. */
+static int fill_mxfp4(const tspec *t, uint64_t seed, uint8_t *out, ds_err *err) {
+    tspec b = *t; /* the BF16 matrix it comes from */
+    b.dtype = DS_DT_BF16;
+    b.ndim = 2;
+    b.shape[0] = t->mx_rows;
+    b.shape[1] = t->mx_cols;
+    b.numel = b.live = t->mx_rows * t->mx_cols;
+    b.mx = 0;
+    uint16_t *w = ds_malloc((size_t)b.numel * 2, err); /* [mx_rows][mx_cols] */
+    if (!w) return DS_ERR;
+    fill_tensor(&b, seed, w);
+    for (int64_t g = 0; g < b.numel / DS_MXFP4_GROUP; g++) {
+        uint8_t codes[DS_MXFP4_GROUP];
+        uint8_t sc = mxfp4_group(w + g * DS_MXFP4_GROUP, codes);
+        if (t->mx == 2) {
+            out[g] = sc;
+        } else {
+            for (int i = 0; i < DS_MXFP4_GROUP; i += 2)
+                out[g * DS_MXFP4_GROUP / 2 + i / 2] = (uint8_t)(codes[i] | (codes[i + 1] << 4));
+        }
+    }
+    free(w);
+    return DS_OK;
+}
+
 static void fill_tensor(const tspec *t, uint64_t seed, void *out) {
     const uint64_t key = mix64(seed ^ mix64(fnv1a64(t->seed_name)));
     const double lin_std = 1.0 / sqrt((double)t->shape[t->ndim - 1]); /* fan_in = cols */
@@ -546,8 +629,12 @@ static int write_weights(const tlist *l, int n_shards, const char *dir, uint64_t
                 rc = DS_ERR;
                 break;
             }
-            fill_tensor(t, seed, buf);
-            rc = ds_st_writer_add(w, t->name, t->dtype, t->ndim, t->shape, buf, err);
+            if (t->mx)
+                rc = fill_mxfp4(t, seed, buf, err);
+            else
+                fill_tensor(t, seed, buf);
+            if (rc == DS_OK)
+                rc = ds_st_writer_add(w, t->name, t->dtype, t->ndim, t->shape, buf, err);
             free(buf);
         }
         shard_name(file, sizeof file, s, n_shards);
@@ -674,6 +761,26 @@ static json_t *config_json(const preset *p) {
     } else {
         json_object_set_new(root, "architectures", str_array("KimiLinearForCausalLM"));
     }
+    if (p->mxfp4) { /* as compressed-tensors writes it (docs/quantization.md §2) */
+        json_t *q = json_object(), *groups = json_object(), *g0 = json_object();
+        json_t *w = json_object(), *targets = json_array();
+        set_s(q, "quant_method", "compressed-tensors");
+        set_s(q, "format", "mxfp4-pack-quantized");
+        set_s(q, "quantization_status", "compressed");
+        json_array_append_new(targets, json_string("re:.*block_sparse_moe\\.experts\\..*"));
+        json_object_set_new(g0, "targets", targets);
+        set_i(w, "num_bits", 4);
+        set_s(w, "type", "float");
+        set_s(w, "strategy", "group");
+        set_i(w, "group_size", DS_MXFP4_GROUP);
+        set_b(w, "symmetric", 1);
+        json_object_set_new(g0, "weights", w);
+        json_object_set_new(g0, "input_activations", json_null());
+        set_s(g0, "format", "mxfp4-pack-quantized");
+        json_object_set_new(groups, "group_0", g0);
+        json_object_set_new(q, "config_groups", groups);
+        json_object_set_new(root, "quantization_config", q);
+    }
     set_i(root, "bos_token_id", p->n_ranks + SP_BOS);
     set_i(root, "eos_token_id", p->n_ranks + SP_EOS);
     set_i(root, "pad_token_id", p->n_ranks + SP_PAD);
@@ -742,7 +849,24 @@ static int write_model(const preset *p, void (*build)(tlist *, const preset *), 
 }
 
 int ds_init_model(const char *preset_name, const char *out_dir, uint64_t seed, ds_err *err) {
-    const preset *p = find_preset(preset_name);
+    return ds_init_model_ex(preset_name, out_dir, seed, 0, err);
+}
+
+int ds_init_model_ex(const char *preset_name, const char *out_dir, uint64_t seed, int mxfp4,
+                     ds_err *err) {
+    const preset *found = find_preset(preset_name);
+    preset pv; /* the preset with the caller's choices */
+    if (found) {
+        pv = *found;
+        pv.mxfp4 = mxfp4;
+        if (mxfp4 && (!pv.experts || (pv.latent ? pv.latent : pv.hidden) % DS_MXFP4_GROUP ||
+                      pv.moe_inter % DS_MXFP4_GROUP))
+            return ds_errf(err,
+                           "preset '%s': its experts cannot be MXFP4 (no experts, or a "
+                           "width not a multiple of %d)",
+                           preset_name, DS_MXFP4_GROUP);
+    }
+    const preset *p = found ? &pv : NULL;
     if (!p) {
         char list[256] = "";
         for (size_t i = 0; i < DS_ARRAY_LEN(PRESETS); i++)

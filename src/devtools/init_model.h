@@ -24,6 +24,12 @@
  * draft/ folder's config and weights) are removed first; nothing else in out_dir is touched. */
 int ds_init_model(const char *preset, const char *out_dir, uint64_t seed, ds_err *err);
 
+/* The same, with the routed experts written as compressed-tensors MXFP4 when mxfp4 is set
+ * (weight_packed + weight_scale, and a quantization_config saying so): the MXFP4 rounding of the
+ * BF16 experts the same preset and seed write (docs/quantization.md §2). */
+int ds_init_model_ex(const char *preset, const char *out_dir, uint64_t seed, int mxfp4,
+                     ds_err *err);
+
 /* NULL-terminated list of preset names. */
 const char *const *ds_init_model_presets(void);
 

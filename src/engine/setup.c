@@ -154,7 +154,7 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
     snprintf(path, sizeof path, "%s/config.json", e->model_dir);
     size_t len = 0;
     char *cfg = ds_read_file(path, &len, NULL);
-    uint64_t id[8] = {XXH3_64bits_withSeed(cfg ? cfg : "", cfg ? len : 0,
+    uint64_t id[9] = {XXH3_64bits_withSeed(cfg ? cfg : "", cfg ? len : 0,
                                            (uint64_t)ds_model_weight_bytes(e->model))};
     free(cfg);
     int persistent = (o->kv_offload_disk_dir && o->kv_offload_disk_dir[0]) ||
@@ -165,6 +165,9 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
     id[5] = (uint64_t)(e->comm ? e->comm->tp_size : 1);
     id[6] = (uint64_t)e->chunk_tokens;
     id[7] = 1; /* the numeric contract's version */
+    /* the weights' format: the same checkpoint quantized otherwise computes other states */
+    const char *qx = o->quantization_exclude ? o->quantization_exclude : "";
+    id[8] = o->quantization ? XXH3_64bits_withSeed(qx, strlen(qx), (uint64_t)o->quantization) : 0;
     uint64_t seed = XXH3_64bits(id, sizeof id);
     /* the cache dtype: an FP8 page is never read as an f32 one, nor the other way (the f32 seed
      * stays what it was, so earlier f32 entries on disk or in Redis keep their keys) */
@@ -298,6 +301,8 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
     mo.device = opts->device;
     mo.batch_invariant = opts->batch_invariant;
     mo.enforce_eager = opts->enforce_eager;
+    mo.quantization = opts->quantization;
+    mo.quantization_exclude = opts->quantization_exclude;
     mo.kv_fp8 = opts->kv_fp8;
     /* one GPU per rank of a job: rank r of this host uses device r (the backend wraps it modulo
      * the devices present, so a job can also share one GPU) */

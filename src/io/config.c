@@ -525,8 +525,10 @@ static int parse_quant(const scope *root, const scope *t, ds_config *c) {
     const json_t *groups = json_object_get(q, "config_groups");
     if (groups && !json_is_null(groups)) {
         if (!json_is_object(groups))
-            return ds_errf(at->err, "%s: key 'quantization_config.config_groups': expected an "
-                           "object, found %s", at->what, ds_json_type_name(groups));
+            return ds_errf(at->err,
+                           "%s: key 'quantization_config.config_groups': expected an "
+                           "object, found %s",
+                           at->what, ds_json_type_name(groups));
         const char *gname;
         json_t *gv;
         json_object_foreach((json_t *)groups, gname, gv) {
@@ -534,9 +536,10 @@ static int parse_quant(const scope *root, const scope *t, ds_config *c) {
             const json_t *gf = json_object_get(gv, "format");
             if (gf && json_is_string(gf)) {
                 if (fmt && strcmp(fmt, json_string_value(gf)) != 0)
-                    return ds_errf(at->err, "%s: quantization_config: group '%s' has format "
-                                   "\"%s\", the config \"%s\" (one format only)", at->what,
-                                   gname, json_string_value(gf), fmt);
+                    return ds_errf(at->err,
+                                   "%s: quantization_config: group '%s' has format "
+                                   "\"%s\", the config \"%s\" (one format only)",
+                                   at->what, gname, json_string_value(gf), fmt);
                 fmt = json_string_value(gf);
             }
             const json_t *wts = json_object_get(gv, "weights");

@@ -41,6 +41,8 @@ void ds_model_opts_default(ds_model_opts *o) {
     o->kda_chunked_min = 16;
     o->mla_expanded_min = 32;
     o->hf_kl_router_quirk = 0;
+    o->quantization = DS_QUANT_NONE;
+    o->quantization_exclude = NULL;
     o->kv_fp8 = 0;
     o->layer_begin = 0;
     o->layer_end = 0;
@@ -111,7 +113,7 @@ size_t ds_model_weight_bytes(const ds_model *m) {
     return m->weight_bytes;
 }
 
-static int own(ds_model *m, void *p, ds_err *err) {
+int ds_model_own(ds_model *m, void *p, ds_err *err) {
     if (m->n_owned == m->cap_owned) {
         int cap = m->cap_owned ? 2 * m->cap_owned : 256;
         void **n = realloc(m->owned, (size_t)cap * sizeof *n);
@@ -150,16 +152,16 @@ static int rand_mat(ds_model *m, const char *name, int rows, int cols, int r0, i
     m->weight_bytes += n * 2;
     if (m->be->device_memory) { /* filled on the device */
         ds_rand_mat *d = ds_malloc(sizeof *d, err);
-        if (!d || own(m, d, err)) {
+        if (!d || ds_model_own(m, d, err)) {
             free(d);
             return DS_ERR;
         }
-        *d = (ds_rand_mat){DS_RAND_MAGIC, m, key, r0, c0, full_cols, a};
+        *d = (ds_rand_mat){DS_RAND_MAGIC, m, key, r0, c0, full_cols, a, 0};
         out->data = d;
         return DS_OK;
     }
     uint16_t *p = ds_aligned_alloc(n * 2 + 2, err);
-    if (!p || own(m, p, err)) {
+    if (!p || ds_model_own(m, p, err)) {
         free(p);
         return DS_ERR;
     }
@@ -185,7 +187,7 @@ static int ends_with(const char *s, const char *suffix) {
 
 static int rand_vec(ds_model *m, const char *name, size_t n, float **out, ds_err *err) {
     float *v = ds_malloc((n ? n : 1) * sizeof(float), err);
-    if (!v || own(m, v, err)) {
+    if (!v || ds_model_own(m, v, err)) {
         free(v);
         return DS_ERR;
     }
@@ -207,58 +209,84 @@ static int rand_vec(ds_model *m, const char *name, size_t n, float **out, ds_err
     return DS_OK;
 }
 
-/* Binds a matrix [rows][cols] in its file dtype. */
-static int bind_mat(ds_model *m, const char *name, int rows, int cols, ds_mat *out, ds_err *err) {
-    if (m->random) return rand_mat(m, name, rows, cols, 0, 0, cols, out, err);
+/* Binds a matrix [rows][cols] in its file dtype, as the file has it. */
+static int bind_file(ds_model *m, const char *name, int rows, int cols, ds_mat *out, ds_err *err) {
     const ds_tensor *t;
     int64_t shape[2] = {rows, cols};
     if (ds_st_get(m->st, name, FLOAT_TYPES, 2, shape, &t, err)) return DS_ERR;
-    out->data = t->data;
-    out->dtype = t->dtype;
-    out->rows = rows;
-    out->cols = cols;
-    m->weight_bytes += t->nbytes;
+    *out = (ds_mat){t->data, t->dtype, rows, cols, NULL};
     return DS_OK;
 }
 
-/* Binds rows [r0, r0+nr) of the matrix [rows][cols] (column-parallel split): a view into the
- * mapped file, no copy. */
+/* Bytes a bound matrix holds (codes and scales of quantized ones). */
+static size_t held_bytes(const ds_mat *w) {
+    return (size_t)w->rows * (ds_mat_row_bytes(w) + ds_mat_scale_row_bytes(w));
+}
+
+/* Rows [r0, r0+nr) x columns [c0, c0+nc) of the matrix `name` [rows][cols]: a column-parallel
+ * split keeps rows, a row-parallel split columns. Rows of a file tensor are a view into the
+ * mapped file; a column slice is copied in its file dtype (a matrix has no row stride); a weight
+ * ptpc_fp8 quantizes becomes FP8 codes and scales made from its whole rows (docs/quantization.md
+ * §3), so every split holds the codes of the unsplit matrix. */
+static int bind_slice(ds_model *m, const char *name, int rows, int cols, int r0, int nr, int c0,
+                      int nc, ds_mat *out, ds_err *err) {
+    const int q = ds_quant_wants(m, name, DS_DT_BF16);
+    if (m->random) {
+        if (!q) return rand_mat(m, name, nr, nc, r0, c0, cols, out, err);
+        if (m->be->device_memory) { /* drawn and quantized on the device */
+            size_t before = m->weight_bytes;
+            if (rand_mat(m, name, nr, nc, r0, c0, cols, out, err)) return DS_ERR;
+            out->dtype = DS_DT_F8_E4M3;
+            m->weight_bytes = before + (size_t)nr * ((size_t)nc + sizeof(float));
+            return DS_OK;
+        }
+        ds_mat full; /* whole rows, for their scales; freed once quantized */
+        size_t before = m->weight_bytes;
+        if (rand_mat(m, name, nr, cols, r0, 0, cols, &full, err)) return DS_ERR;
+        m->n_owned--; /* rand_mat's buffer is the last the model took */
+        int rc = ds_quant_ptpc(m, &full, c0, nc, out, err);
+        free((void *)full.data);
+        m->weight_bytes = before + (rc ? 0 : held_bytes(out));
+        return rc;
+    }
+    ds_mat full;
+    if (bind_file(m, name, rows, cols, &full, err)) return DS_ERR;
+    ds_mat part = ds_mat_rows(&full, r0, nr);
+    if (ds_quant_wants(m, name, full.dtype)) {
+        if (ds_quant_ptpc(m, &part, c0, nc, out, err)) return DS_ERR;
+    } else if (nc == cols) {
+        *out = part;
+    } else {
+        size_t es = ds_dtype_size(full.dtype), row = (size_t)nc * es;
+        char *p = ds_aligned_alloc((size_t)nr * row, err);
+        if (!p || ds_model_own(m, p, err)) {
+            free(p);
+            return DS_ERR;
+        }
+        for (int r = 0; r < nr; r++)
+            memcpy(p + (size_t)r * row, (const char *)part.data + ((size_t)r * cols + c0) * es,
+                   row);
+        *out = (ds_mat){p, full.dtype, nr, nc, NULL};
+    }
+    m->weight_bytes += held_bytes(out);
+    return DS_OK;
+}
+
+/* The whole matrix [rows][cols]. */
+static int bind_mat(ds_model *m, const char *name, int rows, int cols, ds_mat *out, ds_err *err) {
+    return bind_slice(m, name, rows, cols, 0, rows, 0, cols, out, err);
+}
+
+/* Rows [r0, r0+nr) (column-parallel split). */
 static int bind_mat_rows(ds_model *m, const char *name, int rows, int cols, int r0, int nr,
                          ds_mat *out, ds_err *err) {
-    if (m->random) return rand_mat(m, name, nr, cols, r0, 0, cols, out, err);
-    size_t before = m->weight_bytes;
-    if (bind_mat(m, name, rows, cols, out, err)) return DS_ERR;
-    if (nr == rows) return DS_OK;
-    *out = ds_mat_rows(out, r0, nr);
-    m->weight_bytes = before + (size_t)nr * (size_t)cols * ds_dtype_size(out->dtype);
-    return DS_OK;
+    return bind_slice(m, name, rows, cols, r0, nr, 0, cols, out, err);
 }
 
-/* Binds columns [c0, c0+nc) of the matrix [rows][cols] (row-parallel split). A matrix has no row
- * stride, so the slice is copied, in its file dtype, into memory the model owns. */
+/* Columns [c0, c0+nc) (row-parallel split). */
 static int bind_mat_cols(ds_model *m, const char *name, int rows, int cols, int c0, int nc,
                          ds_mat *out, ds_err *err) {
-    if (m->random) return rand_mat(m, name, rows, nc, 0, c0, cols, out, err);
-    size_t before = m->weight_bytes;
-    ds_mat full;
-    if (bind_mat(m, name, rows, cols, &full, err)) return DS_ERR;
-    if (nc == cols) {
-        *out = full;
-        return DS_OK;
-    }
-    size_t es = ds_dtype_size(full.dtype), row = (size_t)nc * es;
-    char *p = ds_aligned_alloc((size_t)rows * row, err);
-    if (!p || own(m, p, err)) {
-        free(p);
-        return DS_ERR;
-    }
-    for (int r = 0; r < rows; r++)
-        memcpy(p + (size_t)r * row, (const char *)full.data + ((size_t)r * cols + c0) * es, row);
-    *out = full;
-    out->data = p;
-    out->cols = nc;
-    m->weight_bytes = before + (size_t)rows * row;
-    return DS_OK;
+    return bind_slice(m, name, rows, cols, 0, rows, c0, nc, out, err);
 }
 
 /* Keeps elements [off, off+n) of a vector bound by bind_vec, moved to its start (the buffer stays
@@ -278,7 +306,7 @@ static int bind_vec(ds_model *m, const char *name, int ndim, const int64_t *shap
     const ds_tensor *t;
     if (ds_st_get(m->st, name, FLOAT_TYPES, ndim, shape, &t, err)) return DS_ERR;
     float *v = ds_malloc((size_t)t->numel * sizeof(float), err);
-    if (!v || own(m, v, err)) {
+    if (!v || ds_model_own(m, v, err)) {
         free(v);
         return DS_ERR;
     }
@@ -416,6 +444,32 @@ static int bind_mla(ds_model *m, const char *pre, mla_w *w, ds_err *err) {
     return DS_OK;
 }
 
+/* A routed expert's matrix base.{weight | weight_packed + weight_scale}: MXFP4 as published when
+ * the config says so and the checkpoint packs it (compressed-tensors may leave an expert BF16),
+ * else the float weight. */
+static int bind_expert(ds_model *m, const char *base, int rows, int cols, ds_mat *out,
+                       ds_err *err) {
+    char n[512];
+    if (m->random && m->cfg.mxfp4_experts) {
+        NAME(n, "%s.weight_packed", base);
+        return ds_quant_rand_mxfp4(m, name_hash(n) ^ m->opts.random_seed, rows, cols, out, err);
+    }
+    if (!m->random) {
+        if (m->cfg.mxfp4_experts) {
+            if (ds_quant_bind_mxfp4(m, base, rows, cols, out, err)) return DS_ERR;
+            if (out->data) return DS_OK;
+        } else if (NAME(n, "%s.weight_packed", base), ds_st_find(m->st, n)) {
+            return ds_errf(err,
+                           "tensor '%s' is packed, but config.json has no quantization_config "
+                           "saying how (MXFP4 checkpoints state compressed-tensors "
+                           "mxfp4-pack-quantized)",
+                           n);
+        }
+    }
+    NAME(n, "%s.weight", base);
+    return bind_mat(m, n, rows, cols, out, err);
+}
+
 static int bind_ffn(ds_model *m, const char *pre, int layer, ffn_w *w, ds_err *err) {
     const ds_config *c = &m->cfg;
     int D = c->hidden_size;
@@ -423,12 +477,19 @@ static int bind_ffn(ds_model *m, const char *pre, int layer, ffn_w *w, ds_err *e
     w->is_moe = ds_config_layer_is_moe(c, layer);
     if (!w->is_moe) { /* gate/up column-parallel, down row-parallel */
         int I = c->intermediate_size, Il = m->I_dense, i0 = m->tp_rank * Il;
-        if (NAME(n, "%smlp.gate_proj.weight", pre),
+        /* the published checkpoints say mlp.*; transformers' save_pretrained writes the dense
+         * layer under block_sparse_moe.* */
+        const char *mlp = "mlp";
+        if (!m->random && (NAME(n, "%smlp.gate_proj.weight", pre), !ds_st_find(m->st, n)) &&
+            (NAME(n, "%sblock_sparse_moe.gate_proj.weight", pre), ds_st_find(m->st, n)))
+            mlp = "block_sparse_moe";
+        if (NAME(n, "%s%s.gate_proj.weight", pre, mlp),
             bind_mat_rows(m, n, I, D, i0, Il, &w->gate, err))
             return DS_ERR;
-        if (NAME(n, "%smlp.up_proj.weight", pre), bind_mat_rows(m, n, I, D, i0, Il, &w->up, err))
+        if (NAME(n, "%s%s.up_proj.weight", pre, mlp),
+            bind_mat_rows(m, n, I, D, i0, Il, &w->up, err))
             return DS_ERR;
-        if (NAME(n, "%smlp.down_proj.weight", pre),
+        if (NAME(n, "%s%s.down_proj.weight", pre, mlp),
             bind_mat_cols(m, n, D, I, i0, Il, &w->down, err))
             return DS_ERR;
         return DS_OK;
@@ -442,19 +503,19 @@ static int bind_ffn(ds_model *m, const char *pre, int layer, ffn_w *w, ds_err *e
     if (!m->random && ds_st_find(m->st, n) && bind_vec1(m, n, E, &w->router_bias, err))
         return DS_ERR;
     w->w1 = ds_calloc((size_t)E * 3, sizeof(ds_mat), err);
-    if (!w->w1 || own(m, w->w1, err)) return DS_ERR;
+    if (!w->w1 || ds_model_own(m, w->w1, err)) return DS_ERR;
     w->w3 = w->w1 + E;
     w->w2 = w->w1 + 2 * E;
     /* Experts are split whole across TP ranks (block [e0, e1) here); the others stay unbound. */
     for (int e = m->e0; e < m->e1; e++) {
-        if (NAME(n, "%sblock_sparse_moe.experts.%d.w1.weight", pre, e),
-            bind_mat(m, n, Ie, Hin, &w->w1[e], err))
+        if (NAME(n, "%sblock_sparse_moe.experts.%d.w1", pre, e),
+            bind_expert(m, n, Ie, Hin, &w->w1[e], err))
             return DS_ERR;
-        if (NAME(n, "%sblock_sparse_moe.experts.%d.w3.weight", pre, e),
-            bind_mat(m, n, Ie, Hin, &w->w3[e], err))
+        if (NAME(n, "%sblock_sparse_moe.experts.%d.w3", pre, e),
+            bind_expert(m, n, Ie, Hin, &w->w3[e], err))
             return DS_ERR;
-        if (NAME(n, "%sblock_sparse_moe.experts.%d.w2.weight", pre, e),
-            bind_mat(m, n, Hin, Ie, &w->w2[e], err))
+        if (NAME(n, "%sblock_sparse_moe.experts.%d.w2", pre, e),
+            bind_expert(m, n, Hin, Ie, &w->w2[e], err))
             return DS_ERR;
     }
     if (c->num_shared_experts > 0) { /* split like the dense MLP */
@@ -610,6 +671,17 @@ int ds_model_load(const char *dir, const ds_model_opts *opts, ds_model **out, ds
     snprintf(path, sizeof path, "%s/config.json", dir);
     if (ds_config_load(path, &m->cfg, err)) goto fail;
     m->random = m->opts.load_random;
+    if (ds_quant_check_opts(&m->opts, err)) goto fail;
+    if (m->opts.quantization_exclude) { /* the caller's string need not outlive the load */
+        size_t len = strlen(m->opts.quantization_exclude) + 1;
+        char *x = ds_malloc(len, err);
+        if (x) memcpy(x, m->opts.quantization_exclude, len);
+        if (!x || ds_model_own(m, x, err)) {
+            free(x);
+            goto fail;
+        }
+        m->opts.quantization_exclude = x;
+    }
     if (!m->random && ds_st_open_dir(dir, &m->st, err)) goto fail;
     /* the backend first, chosen once: random weights are made where they will live */
     int dev = m->opts.device;
@@ -643,7 +715,8 @@ static double mat_elems(const ds_mat *w) {
     return w->data ? (double)w->rows * (double)w->cols : 0.0;
 }
 static double mat_bytes(const ds_mat *w) {
-    return mat_elems(w) * (double)ds_dtype_size(w->dtype);
+    return w->data ? (double)w->rows * (double)(ds_mat_row_bytes(w) + ds_mat_scale_row_bytes(w))
+                   : 0.0;
 }
 
 /* Weights one token passes through in the layers (k of E experts), as elements and bytes. */

@@ -20,6 +20,13 @@
 #include "io/safetensors.h"
 #include "sample/sampler.h"
 
+/* Weight quantization methods (ds_model_opts.quantization), and their names (NULL-terminated,
+ * indexed by the constant: the --quantization choices). */
+enum { DS_QUANT_NONE = 0, DS_QUANT_PTPC_FP8 = 1 };
+extern const char *const ds_quant_names[];
+/* The default exclusion list of ptpc_fp8, comma-separated (docs/quantization.md §3). */
+extern const char ds_quant_default_exclude[];
+
 /* Where the model runs (issue 9). AUTO: the GPU when this build has the CUDA backend and a device
  * is present, else the CPU. */
 enum { DS_DEVICE_CPU = 0, DS_DEVICE_CUDA = 1, DS_DEVICE_AUTO = 2 };
@@ -52,6 +59,13 @@ typedef struct ds_model_opts {
     int kda_chunked_min;    /* segments with at least this many tokens use the chunked form */
     int mla_expanded_min;   /* segments with at least this many tokens use expanded MLA */
     int hf_kl_router_quirk; /* reproduce HF-KL's biased combine weights (parity tests only) */
+    /* --quantization (docs/quantization.md §3): DS_QUANT_NONE, or DS_QUANT_PTPC_FP8 (every BF16
+     * Linear in scope becomes FP8 E4M3 with a scale per output row at load; activations get a
+     * scale per token). The DSpark draft's own weights stay as they are. */
+    int quantization;
+    /* --quantization-exclude: comma-separated name fragments; a weight whose tensor name contains
+     * one stays unquantized. NULL: the default list (ds_quant_default_exclude). Copied at load. */
+    const char *quantization_exclude;
     /* --kv-cache-dtype fp8: the latent pool holds FP8 rows (docs/quantization.md, "FP8 latent
      * cache", kernels/shared/kv_fp8.h) and every attention reads their dequantized values; 0: f32
      * rows. */

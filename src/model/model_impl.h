@@ -94,6 +94,25 @@ static inline size_t ds_model_rec_floats(const ds_model *m) {
     return (size_t)m->Hk * (size_t)c->kda_head_dim * (size_t)c->kda_head_dim;
 }
 
+/* Keeps p (malloc'd) until the model is freed; frees nothing on failure. */
+int ds_model_own(ds_model *m, void *p, ds_err *err);
+
+/* ---- quantization at load (model_quant.c; docs/quantization.md) -------------------------------
+ */
+/* Does ptpc_fp8 quantize the tensor `name` of file dtype dt under m's options? */
+int ds_quant_wants(const ds_model *m, const char *name, ds_dtype dt);
+/* The options' quantization fields are coherent (else a message naming the flag). */
+int ds_quant_check_opts(const ds_model_opts *o, ds_err *err);
+/* out = columns [c0, c0+nc) of w (every row) in FP8 with scales from w's whole rows; memory owned
+ * by m. */
+int ds_quant_ptpc(ds_model *m, const ds_mat *w, int c0, int nc, ds_mat *out, ds_err *err);
+/* Binds base.weight_packed / base.weight_scale ([rows][cols/2], [rows][cols/32] U8) as an MXFP4
+ * matrix; out->data NULL (and DS_OK) when the checkpoint has no packed tensor of that name. */
+int ds_quant_bind_mxfp4(ds_model *m, const char *base, int rows, int cols, ds_mat *out,
+                        ds_err *err);
+/* A random MXFP4 matrix drawn from key (on the host, or as a descriptor for a device backend). */
+int ds_quant_rand_mxfp4(ds_model *m, uint64_t key, int rows, int cols, ds_mat *out, ds_err *err);
+
 /* A random matrix that only the device holds (--load-format random on a backend with
  * device_memory; model.c): the ds_mat's data points to this instead of elements. Element (i, j)
  * of the rank's [rows][cols] slice is element (row0 + i, col0 + j) of the full [.][full_cols]
@@ -105,6 +124,10 @@ typedef struct ds_rand_mat {
     uint64_t key;
     int64_t row0, col0, full_cols;
     float scale;
+    /* the ds_mat's dtype says what to make: BF16 (the draw itself), F8_E4M3 (the BF16 draw,
+     * then ptpc-quantized with the scales of whole rows of the full tensor), MXFP4 (codes and
+     * scales from ds_rand_mxfp4_code / ds_rand_mxfp4_scale with this e2) */
+    int e2;
 } ds_rand_mat;
 #define DS_RAND_MAGIC 0x72616e646d617431ull
 /* w's descriptor when it is such a matrix of m, else NULL. */

@@ -645,6 +645,26 @@ static void test_draft_bad(void **state) {
     expect_draft_err(r, "num_target_layers", "string");
 }
 
+/* The shipped shapes under configs/ parse as the model notes list them, MXFP4 included. */
+static void test_shipped_configs(void **state) {
+    (void)state;
+    ds_config c;
+    ds_err err = {{0}};
+    char *p = ds_test_src_path("configs/kimi-k3-slice4/config.json");
+    if (ds_config_load(p, &c, &err)) fail_msg("%s", err.msg);
+    free(p);
+    assert_int_equal(c.hidden_size, 7168);
+    assert_int_equal(c.num_experts, 896);
+    assert_int_equal(c.routed_expert_hidden_size, 3584);
+    assert_int_equal(c.mxfp4_experts, 1);
+    assert_int_equal(c.num_kda_layers, 3);
+    p = ds_test_src_path("configs/kimi-linear-48b-a3b/config.json");
+    if (ds_config_load(p, &c, &err)) fail_msg("%s", err.msg);
+    free(p);
+    assert_int_equal(c.hidden_size, 2304);
+    assert_int_equal(c.mxfp4_experts, 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_kimi_linear),
@@ -661,6 +681,7 @@ int main(void) {
         cmocka_unit_test(test_load_file),
         cmocka_unit_test(test_draft),
         cmocka_unit_test(test_draft_bad),
+        cmocka_unit_test(test_shipped_configs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

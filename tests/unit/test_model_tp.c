@@ -18,13 +18,13 @@ enum { BLOCK = 16, PAGES = 16, MAXT = 4 };
 static const int STEPS[] = {40, 1, 1, 9}; /* prefill, two decodes, a short chunk */
 #define N_STEPS ((int)DS_ARRAY_LEN(STEPS))
 
-static char *make_model(const char *preset) {
+static char *make_model(const char *preset, int mxfp4) {
     char *tmp = ds_test_tmpdir();
     char *dir = malloc(strlen(tmp) + 32);
     sprintf(dir, "%s/%s", tmp, preset);
     free(tmp);
     ds_err err = {{0}};
-    if (ds_init_model(preset, dir, 0, &err)) fail_msg("%s", err.msg);
+    if (ds_init_model_ex(preset, dir, 0, mxfp4, &err)) fail_msg("%s", err.msg);
     return dir;
 }
 
@@ -168,8 +168,9 @@ static float *run_tp(const char *dir, int T, const int32_t *ids, int V, size_t *
     return ranks[0].logits;
 }
 
-static void check_preset(const char *preset) {
-    char *dir = make_model(preset);
+/* mxfp4: the routed experts as K3 publishes them (split whole, so as exact as BF16 ones). */
+static void check_preset(const char *preset, int mxfp4) {
+    char *dir = make_model(preset, mxfp4);
     ds_model *m;
     ds_err err = {{0}};
     if (ds_model_load(dir, NULL, &m, &err)) fail_msg("%s", err.msg);
@@ -201,18 +202,23 @@ static void check_preset(const char *preset) {
 
 static void test_tp_k3(void **state) {
     (void)state;
-    check_preset("tiny-k3");
+    check_preset("tiny-k3", 0);
+}
+
+static void test_tp_k3_mxfp4(void **state) {
+    (void)state;
+    check_preset("tiny-k3", 1);
 }
 
 static void test_tp_linear(void **state) {
     (void)state;
-    check_preset("tiny-linear");
+    check_preset("tiny-linear", 0);
 }
 
 /* A split that does not divide is refused at load, naming every quantity that does not. */
 static void test_tp_indivisible(void **state) {
     (void)state;
-    char *dir = make_model("tiny-k3");
+    char *dir = make_model("tiny-k3", 0);
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);
     ds_config c;
@@ -244,6 +250,7 @@ static void test_tp_indivisible(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tp_k3),
+        cmocka_unit_test(test_tp_k3_mxfp4),
         cmocka_unit_test(test_tp_linear),
         cmocka_unit_test(test_tp_indivisible),
     };

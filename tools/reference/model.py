@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from quant import DEFAULT_EXCLUDE, QMat, dequant_mxfp4, fp8_kv_row, name_excluded  # noqa: F401
+
 DT = torch.float64
 
 # --------------------------------------------------------------------------------------------------
@@ -169,20 +171,6 @@ def parse_config(root: dict) -> Config:
 # Weights
 # --------------------------------------------------------------------------------------------------
 
-_FP4_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=DT)
-
-
-def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """compressed-tensors MXFP4 (§5.4): packed U8 [out, in/2], element 2i in the low nibble; E2M1 codes
-    (bit 3 = sign); scale U8 [out, in/32], value 2^(byte-127)."""
-    p = packed.to(torch.int64)
-    codes = torch.stack([p & 0xF, (p >> 4) & 0xF], dim=-1).reshape(p.shape[0], -1)  # [out, in]
-    mag = _FP4_E2M1[codes & 7]
-    val = torch.where((codes & 8) != 0, -mag, mag)
-    s = torch.pow(torch.tensor(2.0, dtype=DT), scale.to(DT) - 127.0)  # [out, in/32]
-    return val * s.repeat_interleave(32, dim=1)[:, : val.shape[1]]
-
-
 class Weights:
     """All tensors of a checkpoint folder (every *.safetensors file), converted to float64 on demand.
     Tracks which names were read so a caller can list unused (= possibly misnamed) tensors."""
@@ -204,6 +192,17 @@ class Weights:
                     raise ValueError(f"tensor {k} appears in two files")
                 self._where[k] = h
         self.used = set()
+        self.quantization = None  # None or "ptpc_fp8" (docs/quantization.md §3): see set_quantization
+        self.exclude = list(DEFAULT_EXCLUDE)
+        self.quantized = []       # full names of the matrices mat() returned as QMat
+
+    def set_quantization(self, quantization: Optional[str], exclude: Optional[list] = None):
+        if quantization not in (None, "none", "ptpc_fp8"):
+            raise ValueError(f"quantization {quantization!r}: expected none or ptpc_fp8")
+        self.quantization = None if quantization in (None, "none") else quantization
+        if exclude is not None and self.quantization is None:
+            raise ValueError("quantization_exclude needs quantization='ptpc_fp8'")
+        self.exclude = list(DEFAULT_EXCLUDE) if exclude is None else [f for f in exclude if f]
 
     def has(self, name: str) -> bool:
         return (self.prefix + name) in self._where
@@ -218,12 +217,24 @@ class Weights:
     def __call__(self, name: str) -> torch.Tensor:
         return self.raw(name).to(DT)
 
-    def linear(self, name: str) -> torch.Tensor:
-        """`name`.weight, or an MXFP4-packed `name`.weight_packed / weight_scale pair."""
+    def mat(self, name: str):
+        """A matrix the model multiplies by: float64, or a QMat when ptpc_fp8 is on and the full tensor
+        name contains no exclusion fragment (only float tensors: packed MXFP4 is never requantized)."""
+        t = self.raw(name)
+        full = self.prefix + name
+        if (self.quantization == "ptpc_fp8" and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+                and not name_excluded(full, self.exclude)):
+            self.quantized.append(full)
+            return QMat(full, t.to(DT))
+        return t.to(DT)
+
+    def linear(self, name: str):
+        """`name`.weight (through mat()), or an MXFP4-packed `name`.weight_packed / weight_scale pair."""
         if self.has(name + ".weight"):
-            return self(name + ".weight")
+            return self.mat(name + ".weight")
         if self.has(name + ".weight_packed"):
-            return dequant_mxfp4(self.raw(name + ".weight_packed"), self.raw(name + ".weight_scale"))
+            return dequant_mxfp4(self.raw(name + ".weight_packed"), self.raw(name + ".weight_scale"),
+                                 self.prefix + name)
         raise KeyError(f"checkpoint has no tensor {self.prefix}{name}.weight (nor .weight_packed)")
 
     def unused(self) -> list:
@@ -255,8 +266,11 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(x)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """W[out, in] · x (§0)."""
+def linear(x: torch.Tensor, w) -> torch.Tensor:
+    """W[out, in] · x (§0).  A ptpc_fp8 QMat quantizes this product's own input rows, one scale a
+    token (docs/quantization.md §3)."""
+    if isinstance(w, QMat):
+        return w.matmul(x)
     return x @ w.T
 
 
@@ -334,25 +348,25 @@ class KDALayer:
         self.cfg, self.kda_mode = cfg, kda_mode
         self.H, self.dk = cfg.kda_num_heads, cfg.kda_head_dim
         self.P = self.H * self.dk
-        self.Wq, self.Wk, self.Wv = w(p + "q_proj.weight"), w(p + "k_proj.weight"), w(p + "v_proj.weight")
+        self.Wq, self.Wk, self.Wv = w.mat(p + "q_proj.weight"), w.mat(p + "k_proj.weight"), w.mat(p + "v_proj.weight")
         # depthwise conv weights [P, 1, W] -> [P, W]
         self.cq = w(p + "q_conv1d.weight").reshape(self.P, -1)
         self.ck = w(p + "k_conv1d.weight").reshape(self.P, -1)
         self.cv = w(p + "v_conv1d.weight").reshape(self.P, -1)
-        self.Wfa, self.Wfb = w(p + "f_a_proj.weight"), w(p + "f_b_proj.weight")
+        self.Wfa, self.Wfb = w.mat(p + "f_a_proj.weight"), w.mat(p + "f_b_proj.weight")
         self.dt_bias = w(p + "dt_bias").reshape(-1)
         # A_log: [1,1,Hk,1] (KL) or [128] with only the first Hk live (K3): flatten, take [0, Hk) (trap 3)
         A = w(p + "A_log").reshape(-1)
         if A.numel() < self.H:
             raise ValueError(f"{p}A_log has {A.numel()} elements < Hk={self.H}")
         self.A_log = A[: self.H]
-        self.Wb = w(p + "b_proj.weight")
+        self.Wb = w.mat(p + "b_proj.weight")
         if cfg.use_full_rank_gate:
-            self.Wg = w(p + "g_proj.weight")
+            self.Wg = w.mat(p + "g_proj.weight")
         else:
-            self.Wga, self.Wgb = w(p + "g_a_proj.weight"), w(p + "g_b_proj.weight")
+            self.Wga, self.Wgb = w.mat(p + "g_a_proj.weight"), w.mat(p + "g_b_proj.weight")
         self.o_norm = w(p + "o_norm.weight")
-        self.Wo = w(p + "o_proj.weight")
+        self.Wo = w.mat(p + "o_proj.weight")
         for name, t in (("q_proj", self.Wq), ("f_b_proj", self.Wfb), ("o_proj", self.Wo)):
             assert t.shape[0 if name != "o_proj" else 1] == self.P, f"{p}{name} shape {tuple(t.shape)}"
 
@@ -409,22 +423,22 @@ class MLACache:
 
 
 class MLALayer:
-    def __init__(self, cfg: Config, w: Weights, i: int):
+    def __init__(self, cfg: Config, w: Weights, i: int, kv_cache_dtype: Optional[str] = None):
         p = f"model.layers.{i}.self_attn."
-        self.cfg = cfg
+        self.cfg, self.kv_fp8 = cfg, kv_cache_dtype == "fp8"
         self.Ha, self.dn, self.dr, self.dv, self.R = (cfg.num_attention_heads, cfg.qk_nope_head_dim,
                                                       cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
         if cfg.q_lora_rank:
-            self.Wqa, self.qa_norm, self.Wqb = (w(p + "q_a_proj.weight"), w(p + "q_a_layernorm.weight"),
-                                                w(p + "q_b_proj.weight"))
+            self.Wqa, self.qa_norm, self.Wqb = (w.mat(p + "q_a_proj.weight"), w(p + "q_a_layernorm.weight"),
+                                                w.mat(p + "q_b_proj.weight"))
         else:
-            self.Wq = w(p + "q_proj.weight")
-        self.Wkva = w(p + "kv_a_proj_with_mqa.weight")
+            self.Wq = w.mat(p + "q_proj.weight")
+        self.Wkva = w.mat(p + "kv_a_proj_with_mqa.weight")
         self.kva_norm = w(p + "kv_a_layernorm.weight")
-        Wkvb = w(p + "kv_b_proj.weight").view(self.Ha, self.dn + self.dv, self.R)
+        Wkvb = w(p + "kv_b_proj.weight").view(self.Ha, self.dn + self.dv, self.R)  # never ptpc (quant.NEVER)
         self.WUK, self.WUV = Wkvb[:, : self.dn], Wkvb[:, self.dn:]  # [Ha, dn, R], [Ha, dv, R]
-        self.Wo = w(p + "o_proj.weight")
-        self.Wg = w(p + "g_proj.weight") if cfg.mla_use_output_gate else None
+        self.Wo = w.mat(p + "o_proj.weight")
+        self.Wg = w.mat(p + "g_proj.weight") if cfg.mla_use_output_gate else None
         self.scale = (self.dn + self.dr) ** -0.5
 
     def new_state(self) -> MLACache:
@@ -441,6 +455,8 @@ class MLALayer:
         kv = linear(x, self.Wkva)
         c_new = rms_norm(kv[:, : self.R], self.kva_norm, MLA_NORM_EPS)
         kR_new = kv[:, self.R:]  # NoPE: never rotated
+        if self.kv_fp8:  # docs/quantization.md §4: every attention reads the stored row, its own included
+            c_new, kR_new = fp8_kv_row(c_new, kR_new)
         c = torch.cat([cache.c, c_new], 0)
         kR = torch.cat([cache.kR, kR_new], 0)
         n_past, n_all = cache.c.shape[0], c.shape[0]
@@ -502,7 +518,7 @@ class MoE:
         p = f"model.layers.{i}.block_sparse_moe."
         self.cfg, self.act, self.quirk = cfg, act, router_quirk_hf_kl
         self.E, self.k = int(cfg.num_experts), cfg.num_experts_per_token
-        self.Wr = w(p + "gate.weight")
+        self.Wr = w.mat(p + "gate.weight")
         self.bias = w(p + "gate.e_score_correction_bias") if w.has(p + "gate.e_score_correction_bias") \
             else torch.zeros(self.E, dtype=DT)
         self.experts = [(w.linear(p + f"experts.{e}.w1"), w.linear(p + f"experts.{e}.w3"),
@@ -510,8 +526,8 @@ class MoE:
         self.shared = MLP(w, p + "shared_experts.", act) if cfg.num_shared_experts > 0 else None
         self.latent = cfg.routed_expert_hidden_size is not None
         if self.latent:
-            self.Wdown = w(p + "routed_expert_down_proj.weight")
-            self.Wup = w(p + "routed_expert_up_proj.weight")
+            self.Wdown = w.mat(p + "routed_expert_down_proj.weight")
+            self.Wup = w.mat(p + "routed_expert_up_proj.weight")
             self.lnorm = w(p + "routed_expert_norm.weight") if cfg.latent_moe_use_norm else None
 
     def route(self, x: torch.Tensor):
@@ -584,8 +600,17 @@ class ForwardOutput:
 
 class ReferenceModel:
     def __init__(self, cfg: Config, w: Weights, kda_mode: str = "naive", mla_form: Optional[str] = None,
-                 router_quirk_hf_kl: bool = False):
+                 router_quirk_hf_kl: bool = False, quantization: Optional[str] = None,
+                 quantization_exclude: Optional[list] = None, kv_cache_dtype: Optional[str] = None):
+        """quantization="ptpc_fp8" quantizes every matrix in scope at load (docs/quantization.md §3;
+        quantization_exclude: name fragments, None = quant.DEFAULT_EXCLUDE); kv_cache_dtype="fp8" stores
+        the MLA latent rows as §4 says."""
         self.cfg, self.w = cfg, w
+        if kv_cache_dtype not in (None, "auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: expected auto or fp8")
+        self.kv_cache_dtype = "fp8" if kv_cache_dtype == "fp8" else None
+        w.set_quantization(quantization, quantization_exclude)
+        self.quantization, self.quantization_exclude = w.quantization, list(w.exclude)
         self.mla_form = mla_form  # None: "expanded" for a fresh sequence, "absorbed" when continuing
         D = cfg.hidden_size
         act = make_act(cfg)
@@ -596,7 +621,7 @@ class ReferenceModel:
             p = f"model.layers.{i}."
             self.in_norm.append(w(p + "input_layernorm.weight"))
             self.post_norm.append(w(p + "post_attention_layernorm.weight"))
-            self.mixers.append(KDALayer(cfg, w, i, kda_mode) if cfg.layer_kinds[i] == "kda" else MLALayer(cfg, w, i))
+            self.mixers.append(KDALayer(cfg, w, i, kda_mode) if cfg.layer_kinds[i] == "kda" else MLALayer(cfg, w, i, self.kv_cache_dtype))
             self.ffns.append(MoE(cfg, w, i, act, router_quirk_hf_kl) if cfg.layer_is_moe(i)
                              else MLP(w, p + "mlp.", act))
             if cfg.attn_res_block_size:

@@ -3,9 +3,13 @@
 float64 reference model.
 
 usage: write_golden.py --model DIR --out FILE [--num-tokens T --seed S | --token-ids 1,2,3]
+                       [--quantization ptpc_fp8 [--quantization-exclude a,b]] [--kv-cache-dtype fp8]
 
 Entries: meta.checkpoint_fnv1a64 (u64 [1]), input_ids (i32 [T]), logits (f32 [T][V]),
 hidden.{i} (f32 [T][D], residual stream / AttnRes block-local P after layer i), final_hidden (f32 [T][D]).
+With --quantization or --kv-cache-dtype also: meta.quantization (u64 [1]: 0 none, 1 ptpc_fp8),
+meta.quantization_exclude (i32 [n]: the UTF-8 bytes of the comma-joined exclusion list in force; only
+with ptpc_fp8) and meta.kv_cache_dtype (u64 [1]: 0 the default f32 rows, 1 fp8).
 Token ids are drawn uniformly from [0, vocab_size) with numpy.random.default_rng(seed).integers.
 """
 import argparse
@@ -76,6 +80,19 @@ def read_golden(path: str) -> dict:
     return out
 
 
+def meta_entries(ref, a) -> list:
+    """The configuration the golden was computed in, for the C test to run the same one (none for the
+    default configuration, so the goldens written before these flags stay as they are)."""
+    if a.quantization == "none" and a.kv_cache_dtype == "auto":
+        return []
+    out = [("meta.quantization", np.array([1 if ref.quantization == "ptpc_fp8" else 0], dtype=np.uint64))]
+    if ref.quantization == "ptpc_fp8":
+        excl = ",".join(ref.quantization_exclude).encode("utf-8")
+        out.append(("meta.quantization_exclude", np.frombuffer(excl, dtype=np.uint8).astype(np.int32)))
+    out.append(("meta.kv_cache_dtype", np.array([1 if ref.kv_cache_dtype == "fp8" else 0], dtype=np.uint64)))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -85,12 +102,22 @@ def main():
     ap.add_argument("--token-ids", default=None, help="comma-separated ids (overrides --num-tokens/--seed)")
     ap.add_argument("--check-incremental", action="store_true",
                     help="also run prefill-then-decode and assert it matches the full forward")
+    ap.add_argument("--quantization", choices=["none", "ptpc_fp8"], default="none",
+                    help="docs/quantization.md §3 (ptpc_fp8: every matrix in scope quantized at load)")
+    ap.add_argument("--quantization-exclude", default=None,
+                    help="comma-separated name fragments replacing the default exclusion list")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                    help="docs/quantization.md §4 (fp8: the MLA latent rows stored as E4M3 + BF16)")
     a = ap.parse_args()
 
     import torch
     from model import ReferenceModel, checkpoint_fnv1a64
 
-    ref = ReferenceModel.from_dir(a.model)
+    if a.quantization_exclude is not None and a.quantization != "ptpc_fp8":
+        sys.exit("--quantization-exclude needs --quantization ptpc_fp8")
+    excl = None if a.quantization_exclude is None else a.quantization_exclude.split(",")
+    ref = ReferenceModel.from_dir(a.model, quantization=a.quantization, quantization_exclude=excl,
+                                  kv_cache_dtype=a.kv_cache_dtype)
     unused = ref.w.unused()
     if unused:
         sys.exit(f"checkpoint has tensors the reference does not use (misnamed?): {unused[:10]}")
@@ -111,11 +138,14 @@ def main():
                 sys.exit("incremental != full")
     entries = [("meta.checkpoint_fnv1a64", np.array([checkpoint_fnv1a64(a.model)], dtype=np.uint64)),
                ("input_ids", ids.astype(np.int32)),
+               *meta_entries(ref, a),
                ("logits", out.logits.numpy().astype(np.float32))]
     for i, h in enumerate(out.hidden):
         entries.append((f"hidden.{i}", h.numpy().astype(np.float32)))
     entries.append(("final_hidden", out.final_hidden.numpy().astype(np.float32)))
     write_golden(a.out, entries)
+    if ref.quantization:
+        print(f"ptpc_fp8: {len(ref.w.quantized)} matrices quantized; exclusion list {ref.quantization_exclude}")
     print(f"wrote {a.out} ({os.path.getsize(a.out)} bytes): T={len(ids)} V={V} L={ref.cfg.num_hidden_layers} "
           f"fnv1a64={entries[0][1][0]:#018x}")
 

@@ -63,7 +63,8 @@ void ds_ptpc_quantize(uint8_t *codes, float *scales, const ds_mat *w, int c0, in
         const float s = ds_ptpc_scale(amax), inv = 1.0f / s;
         scales[r] = s;
         for (int c = 0; c < nc; c++)
-            codes[(size_t)r * (size_t)nc + c] = ds_f32_to_e4m3(elem_f32(w, base + (size_t)(c0 + c)) * inv);
+            codes[(size_t)r * (size_t)nc + c] =
+                ds_f32_to_e4m3(elem_f32(w, base + (size_t)(c0 + c)) * inv);
     }
 }
 
@@ -73,7 +74,8 @@ void ds_matmul_quant(float *y, int ldy, const float *x, int ldx, int T, const ds
     float *panel = malloc((size_t)ROWS_PER_PANEL * (size_t)K * sizeof(float));
     float *xq = fp8 ? malloc((size_t)T * (size_t)K * sizeof(float)) : NULL;
     float *st = fp8 ? malloc((size_t)T * sizeof(float)) : NULL;
-    if (!panel || (fp8 && (!xq || !st))) abort(); /* a few MB at most: as fatal as a stack overflow */
+    if (!panel || (fp8 && (!xq || !st)))
+        abort(); /* a few MB at most: as fatal as a stack overflow */
     if (fp8) ds_ptpc_quantize_act(xq, st, x, ldx, T, K);
     const float *xin = fp8 ? xq : x;
     const int ldin = fp8 ? K : ldx;

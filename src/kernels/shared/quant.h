@@ -17,8 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#define DS_FP8_MAX       448.0f
-#define DS_MXFP4_GROUP   32 /* values that share one E8M0 scale */
+#define DS_FP8_MAX        448.0f
+#define DS_MXFP4_GROUP    32 /* values that share one E8M0 scale */
 #define DS_PTPC_MIN_SCALE (1.0f / (448.0f * 512.0f))
 
 static inline DS_HD float ds_bits_f32(uint32_t u) {
@@ -44,7 +44,7 @@ static inline DS_HD uint32_t ds_f32_bits(float f) {
 static inline DS_HD float ds_e4m3_to_f32(uint8_t b) {
     uint32_t s = (uint32_t)(b >> 7) << 31, e = (b >> 3) & 15u, m = b & 7u;
     if (e == 15 && m == 7) return ds_bits_f32(s | 0x7fc00000u); /* NaN */
-    if (e == 0) { /* subnormal: m * 2^-9 */
+    if (e == 0) {                                               /* subnormal: m * 2^-9 */
         float v = (float)m * (1.0f / 512.0f);
         return ds_bits_f32(s | ds_f32_bits(v));
     }
@@ -57,9 +57,9 @@ static inline DS_HD uint8_t ds_f32_to_e4m3(float x) {
     float a = fabsf(x);
     if (a != a) return 0x7f;
     if (a >= 464.0f) return (uint8_t)(s | 0x7e); /* 448 and everything that rounds past it */
-    if (a < 0.015625f) { /* below 2^-6: subnormal grid of 2^-9, ties to even */
-        float q = a * 512.0f;       /* exact */
-        float r = rintf(q);         /* round half to even in the default mode */
+    if (a < 0.015625f) {                   /* below 2^-6: subnormal grid of 2^-9, ties to even */
+        float q = a * 512.0f;              /* exact */
+        float r = rintf(q);                /* round half to even in the default mode */
         return (uint8_t)(s | (uint32_t)r); /* r == 8 is the smallest normal 0x08 */
     }
     uint32_t au = ds_f32_bits(a);
@@ -90,7 +90,8 @@ static inline DS_HD float ds_mxfp4_at(const uint8_t *codes, const uint8_t *scale
     uint8_t byte = codes[(size_t)r * (size_t)(cols / 2) + (size_t)(c / 2)];
     uint8_t code = (c & 1) ? (uint8_t)(byte >> 4) : (uint8_t)(byte & 15);
     return ds_fp4_to_f32(code) *
-           ds_e8m0_to_f32(scales[(size_t)r * (size_t)(cols / DS_MXFP4_GROUP) + (size_t)(c / DS_MXFP4_GROUP)]);
+           ds_e8m0_to_f32(
+               scales[(size_t)r * (size_t)(cols / DS_MXFP4_GROUP) + (size_t)(c / DS_MXFP4_GROUP)]);
 }
 
 /* The ptpc scale of a row whose largest magnitude is amax. */
