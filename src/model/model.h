@@ -66,9 +66,8 @@ typedef struct ds_model_opts {
     /* --quantization-exclude: comma-separated name fragments; a weight whose tensor name contains
      * one stays unquantized. NULL: the default list (ds_quant_default_exclude). Copied at load. */
     const char *quantization_exclude;
-    /* --kv-cache-dtype fp8: the latent pool holds FP8 rows (docs/quantization.md, "FP8 latent
-     * cache", kernels/shared/kv_fp8.h) and every attention reads their dequantized values; 0: f32
-     * rows. */
+    /* --kv-cache-dtype fp8: the latent pool holds FP8 rows (docs/quantization.md §4,
+     * kernels/shared/kv_fp8.h) and every attention reads their dequantized values; 0: f32 rows. */
     int kv_fp8;
     int layer_begin, layer_end; /* pipeline stage: layers [begin, end); end 0 = all */
     /* Tensor parallelism (tp_size > 1): this rank holds 1/tp_size of the KDA heads, MLA heads,
