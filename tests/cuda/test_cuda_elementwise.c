@@ -7,7 +7,7 @@ static void check_embed(ds_cu *c, int V, int D, int T) {
     int32_t *ids = malloc((size_t)T * sizeof *ids);
     for (int t = 0; t < T; t++) ids[t] = (int32_t)(ds_rng_next(&g_rng) % (uint64_t)V);
     float *ref = malloc((size_t)T * D * 4), *got = malloc((size_t)T * D * 4);
-    ds_mat he = {e, DS_DT_BF16, V, D};
+    ds_mat he = {e, DS_DT_BF16, V, D, NULL};
     ds_embed(ref, &he, ids, T);
     uint16_t *de = dev(c, e, (size_t)V * D * 2);
     int32_t *dids = dev(c, ids, (size_t)T * 4);

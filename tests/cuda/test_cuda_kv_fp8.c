@@ -31,7 +31,7 @@ static void check_store_gather(ds_cu *c, int n, int R, int dr) {
     for (int i = 0; i < n; i++)
         ds_kv_fp8_quant_row(ref + (size_t)dst[i] * rb, x + (size_t)i * row, R, dr);
     uint8_t *dpool = dev(c, ref, (size_t)n_pool * rb); /* rows not written keep the CPU's bytes */
-    for (int i = 0; i < n; i++) cudaMemset(dpool + (size_t)dst[i] * rb, 0xAB, rb);
+    for (int i = 0; i < n; i++) poison(c, dpool + (size_t)dst[i] * rb, rb);
     float *dx = dev(c, x, (size_t)n * row * 4);
     int32_t *ddst = dev(c, dst, (size_t)n * 4);
     ds_err err = {{0}};

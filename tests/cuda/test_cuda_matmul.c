@@ -7,7 +7,7 @@ static void check_matmul(ds_cu *c, int T, int N, int K, int pad, double tol) {
     float *x = rand_f32((size_t)T * ldx, -1, 1);
     uint16_t *w = rand_bf16((size_t)N * K, -0.05f, 0.05f);
     float *ref = calloc((size_t)T * ldy, sizeof *ref), *got = calloc((size_t)T * ldy, sizeof *got);
-    ds_mat hw = {w, DS_DT_BF16, N, K};
+    ds_mat hw = {w, DS_DT_BF16, N, K, NULL};
     ds_matmul(ref, ldy, x, ldx, T, &hw);
     float *dx = dev(c, x, (size_t)T * ldx * 4), *dy = dev(c, NULL, (size_t)T * ldy * 4);
     uint16_t *dw = dev(c, w, (size_t)N * K * 2);
@@ -30,7 +30,7 @@ static void check_matmul_heads(ds_cu *c, int T, int H, int N, int K, int invaria
     uint16_t *w = rand_bf16((size_t)H * N * K, -0.05f, 0.05f);
     float *ref = calloc((size_t)T * ldy, 4), *got = calloc((size_t)T * ldy, 4);
     for (int h = 0; h < H; h++) {
-        ds_mat hw = {w + (size_t)h * N * K, DS_DT_BF16, N, K};
+        ds_mat hw = {w + (size_t)h * N * K, DS_DT_BF16, N, K, NULL};
         ds_matmul(ref + (size_t)h * N, ldy, x + (size_t)h * K, ldx, T, &hw);
     }
     float *dx = dev(c, x, (size_t)T * ldx * 4), *dy = dev(c, NULL, (size_t)T * ldy * 4);

@@ -59,8 +59,8 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
         for (int j = 0; j < k; j++) {
             int e = idx[t * k + j];
             if (e < e0) continue; /* another rank's */
-            ds_mat mgu = {gu + (size_t)e * 2 * I * D, DS_DT_BF16, 2 * I, D};
-            ds_mat mdn = {dn + (size_t)e * D * I, DS_DT_BF16, D, I};
+            ds_mat mgu = {gu + (size_t)e * 2 * I * D, DS_DT_BF16, 2 * I, D, NULL};
+            ds_mat mdn = {dn + (size_t)e * D * I, DS_DT_BF16, D, I, NULL};
             ds_matmul(hgu, 2 * I, x + (size_t)t * D, D, 1, &mgu);
             if (situ)
                 ds_act_situ(a, hgu, hgu + I, (size_t)I, 4.0f, 6.0f);
