@@ -85,7 +85,7 @@ struct ds_offload {
 /* ---- blobs --------------------------------------------------------------------------------- */
 
 static uint8_t *blob_make(const ds_offload *o, char kind, const uint64_t hash[2],
-                          const int32_t *tokens, int n_tokens, const float *data, size_t n_floats,
+                          const int32_t *tokens, int n_tokens, const void *data, size_t n_floats,
                           size_t *size) {
     size_t n = sizeof(blob_hdr) + (size_t)n_tokens * sizeof(int32_t) + n_floats * sizeof(float);
     uint8_t *b = malloc(n);
@@ -104,7 +104,7 @@ static uint8_t *blob_make(const ds_offload *o, char kind, const uint64_t hash[2]
 /* 1 when the blob is intact and is exactly the entry asked for (payload copied to out); 0 when it
  * is damaged (counted bad) or belongs to another prefix (a collision: a plain miss). */
 static int blob_check(ds_offload *o, const uint8_t *b, size_t size, char kind,
-                      const uint64_t hash[2], const int32_t *tokens, int n_tokens, float *out,
+                      const uint64_t hash[2], const int32_t *tokens, int n_tokens, void *out,
                       size_t n_floats) {
     size_t want = sizeof(blob_hdr) + (size_t)n_tokens * sizeof(int32_t) + n_floats * sizeof(float);
     blob_hdr h;
@@ -482,7 +482,7 @@ int ds_offload_enabled(const ds_offload *o) {
 }
 
 void ds_offload_put(ds_offload *o, char kind, const uint64_t hash[2], const int32_t *tokens,
-                    int n_tokens, const float *data, size_t n_floats) {
+                    int n_tokens, const void *data, size_t n_floats) {
     if (!ds_offload_enabled(o)) return;
     size_t size;
     uint8_t *blob = blob_make(o, kind, hash, tokens, n_tokens, data, n_floats, &size);
@@ -496,7 +496,7 @@ void ds_offload_put(ds_offload *o, char kind, const uint64_t hash[2], const int3
 }
 
 int ds_offload_get(ds_offload *o, char kind, const uint64_t hash[2], const int32_t *tokens,
-                   int n_tokens, float *out, size_t n_floats) {
+                   int n_tokens, void *out, size_t n_floats) {
     if (!ds_offload_enabled(o)) return 0;
     if (o->buckets) {
         ram_node **at = ram_find(o, kind, hash);

@@ -41,13 +41,14 @@ void ds_offload_free(ds_offload *o);
 int ds_offload_enabled(const ds_offload *o);
 
 /* kind: 'p' a page, 'c' a KDA checkpoint. hash: the 128-bit prefix hash; tokens[0..n_tokens):
- * the prefix it summarises; data[0..n_floats): the payload. Stores into every tier. */
+ * the prefix it summarises; data: the payload, n_floats 4-byte words of opaque bytes (a page's
+ * latent rows may be f32 or FP8). Stores into every tier. */
 void ds_offload_put(ds_offload *o, char kind, const uint64_t hash[2], const int32_t *tokens,
-                    int n_tokens, const float *data, size_t n_floats);
+                    int n_tokens, const void *data, size_t n_floats);
 /* Looks the entry up in RAM, then disk, then remote (promoting a lower-tier hit to RAM). Returns
  * 1 and fills out[0..n_floats) on a confirmed hit, 0 on a miss (out may then be clobbered). */
 int ds_offload_get(ds_offload *o, char kind, const uint64_t hash[2], const int32_t *tokens,
-                   int n_tokens, float *out, size_t n_floats);
+                   int n_tokens, void *out, size_t n_floats);
 void ds_offload_get_stats(const ds_offload *o, ds_offload_stats *s);
 
 #endif

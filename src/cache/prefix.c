@@ -68,11 +68,11 @@ struct ds_prefix {
     uint8_t *hbuf;    /* [16 + 4*bs] hash input */
     int32_t *ld_kbuf; /* [cap_ld_kbuf] a load's key: the prefix's tokens */
     int cap_ld_kbuf;
-    float *ld_pbuf; /* [page_floats] a page read from the offload tier, until scattered */
-    float *st_pbuf; /* [page_floats] a page gathered for a store */
-    float *ld_sbuf; /* [slot_floats] a checkpoint read from the offload tier, until copied */
-    float *st_sbuf; /* [slot_floats] a checkpoint staged for a store (it may be device memory) */
-    int loading;    /* a load holds ld_* (checked: a store never runs inside a store) */
+    uint8_t *ld_pbuf; /* [page_bytes] a page read from the offload tier, until scattered */
+    uint8_t *st_pbuf; /* [page_bytes] a page gathered for a store */
+    float *ld_sbuf;   /* [slot_floats] a checkpoint read from the offload tier, until copied */
+    float *st_sbuf;   /* [slot_floats] a checkpoint staged for a store (it may be device memory) */
+    int loading;      /* a load holds ld_* (checked: a store never runs inside a store) */
     int storing;
     int32_t *tbuf; /* [cap_tbuf] a store's key: the prefix's tokens */
     int cap_tbuf;
@@ -212,37 +212,42 @@ static int entry_key(ds_prefix *px, int e, const int32_t *tokens, int32_t **buf,
 
 /* ---- pages and the offload tier ------------------------------------------------------------- */
 
-static size_t page_floats(const ds_prefix *px) {
-    return (size_t)px->kv->n_layers * px->bs * px->kv->row +
-           (size_t)px->n_xlayers * px->bs * px->xrow;
+/* Bytes of a page's payload: the latent pool's rows as stored (f32 or FP8: opaque bytes here,
+ * kv->row_bytes a row; a multiple of 4), then the extra f32 rows. */
+static size_t page_bytes(const ds_prefix *px) {
+    return (size_t)px->kv->n_layers * px->bs * px->kv->row_bytes +
+           (size_t)px->n_xlayers * px->bs * px->xrow * sizeof(float);
 }
 
-/* buf [n_layers][bs][row] (then the extra rows) <-> the page's rows in every MLA layer of the
- * latent pool */
-static void page_gather(ds_prefix *px, int page, float *buf) {
-    size_t n = (size_t)px->bs * px->kv->row, xn = (size_t)px->bs * px->xrow;
-    float *x = buf + (size_t)px->kv->n_layers * n;
+/* buf [n_layers][bs][row_bytes] (then the extra rows [n_xlayers][bs][xrow] f32) <-> the page's
+ * rows in every MLA layer of the latent pool */
+static void page_gather(ds_prefix *px, int page, uint8_t *buf) {
+    size_t n = (size_t)px->bs * px->kv->row_bytes, xn = (size_t)px->bs * px->xrow;
+    uint8_t *x = buf + (size_t)px->kv->n_layers * n;
     for (int j = 0; j < px->kv->n_layers; j++)
-        ds_dmem_copy(px->o.dm, buf + j * n, px->kv->layer[j] + (size_t)page * n, n * sizeof(float));
+        ds_dmem_copy(px->o.dm, buf + j * n, px->kv->layer[j] + (size_t)page * n, n);
     for (int j = 0; j < px->n_xlayers; j++)
-        ds_dmem_copy(px->o.dm, x + j * xn, px->xlayer[j] + (size_t)page * xn, xn * sizeof(float));
+        ds_dmem_copy(px->o.dm, x + j * xn * sizeof(float), px->xlayer[j] + (size_t)page * xn,
+                     xn * sizeof(float));
 }
 
-static void page_scatter(ds_prefix *px, int page, const float *buf) {
-    size_t n = (size_t)px->bs * px->kv->row, xn = (size_t)px->bs * px->xrow;
-    const float *x = buf + (size_t)px->kv->n_layers * n;
+static void page_scatter(ds_prefix *px, int page, const uint8_t *buf) {
+    size_t n = (size_t)px->bs * px->kv->row_bytes, xn = (size_t)px->bs * px->xrow;
+    const uint8_t *x = buf + (size_t)px->kv->n_layers * n;
     for (int j = 0; j < px->kv->n_layers; j++)
-        ds_dmem_copy(px->o.dm, px->kv->layer[j] + (size_t)page * n, buf + j * n, n * sizeof(float));
+        ds_dmem_copy(px->o.dm, px->kv->layer[j] + (size_t)page * n, buf + j * n, n);
     for (int j = 0; j < px->n_xlayers; j++)
-        ds_dmem_copy(px->o.dm, px->xlayer[j] + (size_t)page * xn, x + j * xn, xn * sizeof(float));
+        ds_dmem_copy(px->o.dm, px->xlayer[j] + (size_t)page * xn, x + j * xn * sizeof(float),
+                     xn * sizeof(float));
 }
 
 int ds_prefix_add_page_rows(ds_prefix *px, float **layers, int n_layers, int row, ds_err *err) {
-    size_t n = DS_MAX(
-        (size_t)px->kv->n_layers * px->bs * px->kv->row + (size_t)n_layers * px->bs * row, 1);
-    float *ld = realloc(px->ld_pbuf, n * sizeof(float));
+    size_t n = DS_MAX((size_t)px->kv->n_layers * px->bs * px->kv->row_bytes +
+                          (size_t)n_layers * px->bs * row * sizeof(float),
+                      1);
+    uint8_t *ld = realloc(px->ld_pbuf, n);
     if (ld) px->ld_pbuf = ld;
-    float *st = ld ? realloc(px->st_pbuf, n * sizeof(float)) : NULL;
+    uint8_t *st = ld ? realloc(px->st_pbuf, n) : NULL;
     if (st) px->st_pbuf = st;
     if (!ld || !st) return ds_errf(err, "prefix cache: out of memory for page rows");
     px->xlayer = layers;
@@ -264,7 +269,7 @@ static void store_page(ds_prefix *px, int e, const int32_t *tokens) {
     }
     px->storing = 1;
     page_gather(px, en->page, px->st_pbuf);
-    ds_offload_put(px->off, 'p', en->hash, px->tbuf, nk, px->st_pbuf, page_floats(px));
+    ds_offload_put(px->off, 'p', en->hash, px->tbuf, nk, px->st_pbuf, page_bytes(px) / 4);
     px->storing = 0;
     en->page_stored = 1;
 }
@@ -309,7 +314,7 @@ static void attach_page(ds_prefix *px, int e, int page) {
  * tiers hold its own layers and may have evicted differently, and the ranks must take the same
  * decision. */
 static int off_get(ds_prefix *px, char kind, const uint64_t h[2], const int32_t *tokens, int n,
-                   float *out, size_t n_floats) {
+                   void *out, size_t n_floats) {
     int hit = ds_offload_get(px->off, kind, h, tokens, n, out, n_floats);
     return px->agree ? px->agree(px->agree_ctx, hit) : hit;
 }
@@ -342,7 +347,7 @@ static int load_page(ds_prefix *px, const uint64_t h[2], const int32_t *tokens, 
     if (nk < 0) return -1;
     px->loading = 1;
     int page = -1;
-    if (off_get(px, 'p', h, px->ld_kbuf, nk, px->ld_pbuf, page_floats(px))) {
+    if (off_get(px, 'p', h, px->ld_kbuf, nk, px->ld_pbuf, page_bytes(px) / 4)) {
         page = ds_page_alloc(px->pages); /* may evict (and store) an idle page: st_pbuf */
         if (page >= 0) {
             page_scatter(px, page, px->ld_pbuf);
@@ -477,8 +482,8 @@ int ds_prefix_create(const ds_prefix_opts *o, size_t slot_floats, ds_page_pool *
     int n_pages = ds_page_n_total(pages);
     px->page_entry = ds_malloc((size_t)n_pages * sizeof *px->page_entry, err);
     px->hbuf = ds_malloc(16 + (size_t)px->bs * 4, err);
-    px->ld_pbuf = ds_malloc(DS_MAX(page_floats(px), 1) * sizeof(float), err);
-    px->st_pbuf = ds_malloc(DS_MAX(page_floats(px), 1) * sizeof(float), err);
+    px->ld_pbuf = ds_malloc(DS_MAX(page_bytes(px), 1), err);
+    px->st_pbuf = ds_malloc(DS_MAX(page_bytes(px), 1), err);
     px->ld_sbuf = ds_malloc(DS_MAX(slot_floats, 1) * sizeof(float), err);
     px->st_sbuf = ds_malloc(DS_MAX(slot_floats, 1) * sizeof(float), err);
     px->n_buckets = 256;

@@ -38,11 +38,12 @@ typedef struct ds_test_hooks {
 
 typedef struct ds_engine_opts {
     const char *model_dir;
-    int device;                 /* DS_DEVICE_CPU (default), DS_DEVICE_CUDA or DS_DEVICE_AUTO */
-    int batch_invariant;        /* CUDA: a row's result never depends on its batch (model.h) */
-    int enforce_eager;          /* CUDA: no graphs (model.h) */
-    int quantization;           /* DS_QUANT_* (model.h; docs/quantization.md) */
+    int device;          /* DS_DEVICE_CPU (default), DS_DEVICE_CUDA or DS_DEVICE_AUTO */
+    int batch_invariant; /* CUDA: a row's result never depends on its batch (model.h) */
+    int enforce_eager;   /* CUDA: no graphs (model.h) */
+    int quantization;    /* DS_QUANT_* (model.h; docs/quantization.md) */
     const char *quantization_exclude; /* name fragments kept unquantized; NULL: the default */
+    int kv_fp8;                 /* --kv-cache-dtype fp8: FP8 latent rows (ds_model_opts.kv_fp8) */
     size_t kv_cache_memory;     /* bytes for MLA pages + KDA slots; 0: kv_cache_fraction of free */
     double kv_cache_fraction;   /* default 0.3 */
     int block_size;             /* tokens per MLA page (default 16) */

@@ -78,7 +78,7 @@ static int size_pools(ds_engine *e, ds_err *err) {
     }
     size_t slot_bytes = ds_model_slot_floats(e->model) * sizeof(float);
     size_t page_bytes = (size_t)ds_kv_pool_layers(e->model) * e->opts.block_size *
-                        (size_t)ds_model_latent_row(e->model) * sizeof(float);
+                        ds_model_latent_row_bytes(e->model);
     if (slot_bytes == 0) slot_bytes = 1;
     if (page_bytes == 0) page_bytes = 1;
     size_t n_slots = DS_MIN((size_t)e->opts.max_num_seqs, budget / 2 / slot_bytes);
@@ -146,7 +146,8 @@ static int chunk_of(const ds_engine_opts *o) {
  * fine-tune of the same shape is another model); otherwise the config and weight size suffice.
  * It also names what changes the cached numbers besides the weights: the device, the
  * batch-invariant mode, the tensor-parallel width (each rank keeps its own slice and sums in its
- * own order) and the prompt cut spacing (docs/prefix-cache.md). */
+ * own order), the prompt cut spacing (docs/prefix-cache.md) and the latent cache dtype
+ * (docs/quantization.md, "FP8 latent cache"). */
 static int setup_prefix(ds_engine *e, ds_err *err) {
     const ds_engine_opts *o = &e->opts;
     char path[4096];
@@ -168,6 +169,9 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
     const char *qx = o->quantization_exclude ? o->quantization_exclude : "";
     id[8] = o->quantization ? XXH3_64bits_withSeed(qx, strlen(qx), (uint64_t)o->quantization) : 0;
     uint64_t seed = XXH3_64bits(id, sizeof id);
+    /* the cache dtype: an FP8 page is never read as an f32 one, nor the other way (the f32 seed
+     * stays what it was, so earlier f32 entries on disk or in Redis keep their keys) */
+    if (ds_model_kv_fp8(e->model)) seed = XXH3_64bits_withSeed("kv-cache-dtype fp8", 18, seed);
     /* one identity for the whole job (each rank holds a different share of the weights) */
     if (e->dist && ds_comm_bcast(e->comm, &seed, sizeof seed, err)) return DS_ERR;
     char model_id[32];
@@ -299,6 +303,7 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
     mo.enforce_eager = opts->enforce_eager;
     mo.quantization = opts->quantization;
     mo.quantization_exclude = opts->quantization_exclude;
+    mo.kv_fp8 = opts->kv_fp8;
     /* one GPU per rank of a job: rank r of this host uses device r (the backend wraps it modulo
      * the devices present, so a job can also share one GPU) */
     if (opts->comm && opts->comm->size > 1) mo.device_index = ds_comm_local_rank(opts->comm);

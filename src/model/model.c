@@ -5,6 +5,7 @@
  * src/backend/cuda). */
 #include "model/model_impl.h"
 #include "model/backend.h"
+#include "kernels/shared/kv_fp8.h"
 #include "kernels/shared/rand_hash.h"
 
 #include "base/devmem.h"
@@ -42,6 +43,7 @@ void ds_model_opts_default(ds_model_opts *o) {
     o->hf_kl_router_quirk = 0;
     o->quantization = DS_QUANT_NONE;
     o->quantization_exclude = NULL;
+    o->kv_fp8 = 0;
     o->layer_begin = 0;
     o->layer_end = 0;
     o->tp_rank = 0;
@@ -756,10 +758,10 @@ double ds_model_decode_bytes(const ds_model *m) {
 
 double ds_model_decode_state_bytes(const ds_model *m, int context) {
     /* the f32 vectors, one sequence's KDA state (conv tails and recurrent state, read and then
-     * written: counted once), and its MLA latent rows at this context (all f32) */
-    double floats = (double)m->vec_floats + (double)ds_model_slot_floats(m) +
-                    (double)m->n_mla * (double)(context > 0 ? context : 0) * ds_model_latent_row(m);
-    return floats * sizeof(float);
+     * written: counted once), and its MLA latent rows at this context (as stored) */
+    double floats = (double)m->vec_floats + (double)ds_model_slot_floats(m);
+    return floats * sizeof(float) + (double)m->n_mla * (double)(context > 0 ? context : 0) *
+                                        (double)ds_model_latent_row_bytes(m);
 }
 
 double ds_model_token_flops(const ds_model *m, int with_lm_head) {
@@ -779,6 +781,15 @@ int ds_model_latent_row(const ds_model *m) {
     return m->cfg.kv_lora_rank + m->cfg.qk_rope_head_dim;
 }
 
+size_t ds_model_latent_row_bytes(const ds_model *m) {
+    if (m->opts.kv_fp8) return ds_kv_fp8_row_bytes(m->cfg.kv_lora_rank, m->cfg.qk_rope_head_dim);
+    return (size_t)ds_model_latent_row(m) * sizeof(float);
+}
+
+int ds_model_kv_fp8(const ds_model *m) {
+    return m->opts.kv_fp8 != 0;
+}
+
 int ds_kv_pool_layers(const ds_model *m) {
     return m->n_mla;
 }
@@ -790,15 +801,16 @@ int ds_kv_pool_init(ds_kv_pool *p, const ds_model *m, int n_pages, int block_siz
     p->n_pages = n_pages;
     p->block_size = block_size;
     p->row = ds_model_latent_row(m);
-    p->layer = ds_calloc((size_t)(p->n_layers ? p->n_layers : 1), sizeof(float *), err);
+    p->row_bytes = ds_model_latent_row_bytes(m);
+    p->kv_fp8 = ds_model_kv_fp8(m);
+    p->layer = ds_calloc((size_t)(p->n_layers ? p->n_layers : 1), sizeof(uint8_t *), err);
     if (!p->layer) return DS_ERR;
     for (int j = 0; j < p->n_layers; j++) {
         /* calloc: large pools come straight from mmap, so untouched pages cost no memory */
-        size_t bytes = (size_t)n_pages * block_size * (size_t)p->row * sizeof(float);
+        size_t bytes = (size_t)n_pages * block_size * p->row_bytes;
         const int dev = ds_dmem_on_device(p->dm);
-        p->layer[j] =
-            dev ? ds_dmem_alloc(p->dm, bytes, err)
-                : ds_calloc((size_t)n_pages * block_size, (size_t)p->row * sizeof(float), err);
+        p->layer[j] = dev ? ds_dmem_alloc(p->dm, bytes, err)
+                          : ds_calloc((size_t)n_pages * block_size, p->row_bytes, err);
         if (p->layer[j] && dev) ds_dmem_zero(p->dm, p->layer[j], bytes);
         if (!p->layer[j]) {
             ds_kv_pool_free(p);

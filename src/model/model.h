@@ -55,10 +55,10 @@ typedef struct ds_model_opts {
     /* CUDA: run every step eagerly (no CUDA graphs; --enforce-eager). By default a decode or
      * verify step's launches are captured once per shape and replayed. */
     int enforce_eager;
-    int kda_chunk;              /* chunk length of the chunked KDA form (default 64) */
-    int kda_chunked_min;        /* segments with at least this many tokens use the chunked form */
-    int mla_expanded_min;       /* segments with at least this many tokens use expanded MLA */
-    int hf_kl_router_quirk;     /* reproduce HF-KL's biased combine weights (parity tests only) */
+    int kda_chunk;          /* chunk length of the chunked KDA form (default 64) */
+    int kda_chunked_min;    /* segments with at least this many tokens use the chunked form */
+    int mla_expanded_min;   /* segments with at least this many tokens use expanded MLA */
+    int hf_kl_router_quirk; /* reproduce HF-KL's biased combine weights (parity tests only) */
     /* --quantization (docs/quantization.md §3): DS_QUANT_NONE, or DS_QUANT_PTPC_FP8 (every BF16
      * Linear in scope becomes FP8 E4M3 with a scale per output row at load; activations get a
      * scale per token). The DSpark draft's own weights stay as they are. */
@@ -66,6 +66,9 @@ typedef struct ds_model_opts {
     /* --quantization-exclude: comma-separated name fragments; a weight whose tensor name contains
      * one stays unquantized. NULL: the default list (ds_quant_default_exclude). Copied at load. */
     const char *quantization_exclude;
+    /* --kv-cache-dtype fp8: the latent pool holds FP8 rows (docs/quantization.md §4,
+     * kernels/shared/kv_fp8.h) and every attention reads their dequantized values; 0: f32 rows. */
+    int kv_fp8;
     int layer_begin, layer_end; /* pipeline stage: layers [begin, end); end 0 = all */
     /* Tensor parallelism (tp_size > 1): this rank holds 1/tp_size of the KDA heads, MLA heads,
      * dense and shared-expert intermediate rows and routed experts (a contiguous block of each,
@@ -144,12 +147,22 @@ size_t ds_model_slot_floats(const ds_model *m);
 /* Floats per latent row of one MLA layer (kv_lora_rank + qk_rope_head_dim); the same on every
  * TP rank, since the latent is shared by all heads. */
 int ds_model_latent_row(const ds_model *m);
+/* Bytes of one stored latent row: row floats (f32), or ds_kv_fp8_row_bytes with kv_fp8. Every
+ * copier of pages (prefix cache, offload tiers) moves rows as this many opaque bytes. */
+size_t ds_model_latent_row_bytes(const ds_model *m);
+/* Does the model store FP8 latent rows (ds_model_opts.kv_fp8)? */
+int ds_model_kv_fp8(const ds_model *m);
 
-/* Paged MLA latent pool: for each MLA layer j, layer[j] holds [n_pages][block_size][row] floats. */
+/* Paged MLA latent pool: for each MLA layer j, layer[j] holds [n_pages][block_size][row_bytes]
+ * bytes: f32 rows [row], or FP8 rows (kv_fp8, kernels/shared/kv_fp8.h) of R = row - dr latent
+ * values. */
 typedef struct ds_kv_pool {
-    float **layer;     /* [n_mla] pointers (in dm's memory) */
+    uint8_t **layer;   /* [n_mla] pointers (in dm's memory) */
     const ds_dmem *dm; /* the model's memory (ds_model_dmem; NULL: the host's) */
-    int n_layers, n_pages, block_size, row;
+    int n_layers, n_pages, block_size;
+    int row;          /* values a row: kv_lora_rank + qk_rope_head_dim */
+    size_t row_bytes; /* bytes a stored row (ds_model_latent_row_bytes) */
+    int kv_fp8;       /* rows are FP8 */
 } ds_kv_pool;
 
 /* MLA layers of this model's stage: the layers a pool page holds rows for. */

@@ -513,7 +513,7 @@ static int write_context(ds_draft *d, ds_draft_cache *c, int n_items, const ds_d
         ds_matmul(kv, row, ctx, D, N, &lw->kv_a);
         finish_latent(d, lw, kv, cs, N);
         for (int i = 0, off = 0; i < n_items; off += w[i].n, i++) {
-            ds_latent_view view = {c->layer[l], w[i].block_table, c->block_size, row};
+            ds_latent_view view = {c->layer[l], w[i].block_table, c->block_size, row, 0, 0};
             for (int t = 0; t < w[i].n; t++)
                 memcpy(ds_latent_row(&view, w[i].pos0 + t), kv + ((size_t)off + t) * row,
                        (size_t)row * sizeof(float));
@@ -650,7 +650,7 @@ static void spare_table(const ds_draft_cache *c, const int32_t *block_table, int
 /* Copies the context rows of the page holding p+1 into the view's spare page (layer l). */
 static void spare_fill(ds_draft_cache *c, int l, const block_seq *q) {
     int bs = c->block_size;
-    ds_latent_view seq = {c->layer[l], q->block_table, bs, c->row};
+    ds_latent_view seq = {c->layer[l], q->block_table, bs, c->row, 0, 0};
     for (int pos = (q->p + 1) / bs * bs; pos <= q->p; pos++)
         memcpy(ds_latent_row(&q->view, pos), ds_latent_row(&seq, pos),
                (size_t)c->row * sizeof(float));
@@ -734,7 +734,7 @@ int ds_draft_propose_batch(ds_draft *d, ds_draft_cache *c, int n,
         for (int t = 1; t < T; t++) ids[(size_t)b * T + t] = cf->mask_token_id;
         ds_draft_rope_table(d, bb.cs + (size_t)b * T * dr, ps[b] + 1, T);
         spare_table(c, block_tables[b], ps[b], b, tab);
-        seq[b] = (block_seq){{NULL, tab, c->block_size, c->row}, block_tables[b], ps[b]};
+        seq[b] = (block_seq){{NULL, tab, c->block_size, c->row, 0, 0}, block_tables[b], ps[b]};
         tab += (ps[b] + 1) / c->block_size + c->n_spare;
     }
     ds_embed(bb.h, d->embed, ids, (int)NT);

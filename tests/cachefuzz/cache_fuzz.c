@@ -18,6 +18,7 @@
  *
  * Usage: cache_fuzz [--model DIR] [--seeds N] [--seed0 S] [--redis redis://h:p] [-tp T] [-pp P]
  *                   [--device cpu|cuda] [--batch-invariant] [--quantization ptpc_fp8]
+ *                   [--kv-cache-dtype fp8]
  *                   [--save-dir DIR] [--case FILE]
  *                   [--work-dir DIR] [--max-seconds S] [--verbose]
  * Exit status 0 when every seed agreed and the run exercised hits, tier loads and evictions. */
@@ -57,6 +58,7 @@ typedef struct fz_opts {
     int tp, pp;
     int device, batch_invariant;
     int quantization; /* DS_QUANT_*: the invariants hold with quantized weights too */
+    int kv_fp8;       /* and with the FP8 latent cache */
     const char *save_dir, *work_dir;
     int verbose;
     double max_seconds; /* > 0: start no seed after this long (the run reports what it did) */
@@ -350,6 +352,7 @@ static void engine_opts(const fz_opts *fo, const fz_cfg *c, int cached, ds_comm 
     o->device = fo->device;
     o->batch_invariant = fo->batch_invariant;
     o->quantization = fo->quantization;
+    o->kv_fp8 = fo->kv_fp8;
     o->block_size = c->block_size;
     o->max_num_batched_tokens = c->max_batched;
     o->max_model_len = MODEL_LEN;
@@ -576,6 +579,8 @@ static int parse_args(int argc, char **argv, fz_opts *fo, const char **case_file
             fo->device = !strcmp(v, "cuda") ? DS_DEVICE_CUDA : DS_DEVICE_CPU;
         else if (!strcmp(a, "--quantization"))
             fo->quantization = !strcmp(v, "ptpc_fp8") ? DS_QUANT_PTPC_FP8 : DS_QUANT_NONE;
+        else if (!strcmp(a, "--kv-cache-dtype"))
+            fo->kv_fp8 = !strcmp(v, "fp8");
         else if (!strcmp(a, "--save-dir"))
             fo->save_dir = v;
         else if (!strcmp(a, "--max-seconds"))
@@ -695,13 +700,15 @@ int main(int argc, char **argv) {
         }
     }
     ds_model *m;
-    if (ds_model_load(fo.model, NULL, &m, &err)) {
+    ds_model_opts mo;
+    ds_model_opts_default(&mo);
+    mo.kv_fp8 = fo.kv_fp8;
+    if (ds_model_load(fo.model, &mo, &m, &err)) {
         printf("cache_fuzz: %s\n", err.msg);
         return ds_comm_finish(comm, 2);
     }
     size_t slot_bytes = ds_model_slot_floats(m) * sizeof(float);
-    size_t page_bytes_per_token =
-        (size_t)ds_kv_pool_layers(m) * (size_t)ds_model_latent_row(m) * sizeof(float);
+    size_t page_bytes_per_token = (size_t)ds_kv_pool_layers(m) * ds_model_latent_row_bytes(m);
     ds_model_free(m);
     char draft[4200];
     snprintf(draft, sizeof draft, "%s/draft/config.json", fo.model);
@@ -741,11 +748,12 @@ int main(int argc, char **argv) {
                          fo.device == DS_DEVICE_CUDA ? "-cuda" : "");
                 FILE *f = fopen(path, "w");
                 if (f) {
-                    fprintf(f, "--seed0 %llu --seeds 1 -tp %d -pp %d --device %s%s%s%s\n",
+                    fprintf(f, "--seed0 %llu --seeds 1 -tp %d -pp %d --device %s%s%s%s%s\n",
                             (unsigned long long)seed, fo.tp, fo.pp,
                             fo.device == DS_DEVICE_CUDA ? "cuda" : "cpu",
                             fo.batch_invariant ? " --batch-invariant" : "",
                             fo.quantization ? " --quantization ptpc_fp8" : "",
+                            fo.kv_fp8 ? " --kv-cache-dtype fp8" : "",
                             fo.redis && c.remote ? " --redis redis://127.0.0.1:6379" : "");
                     fclose(f);
                     printf("  saved as %s\n", path);

@@ -173,6 +173,7 @@ static const struct {
     {"draws", checks_draws},
     {"matmul fp8", checks_matmul_fp8}, /* (last: the inputs of the checks above stay the same) */
     {"moe mxfp4", checks_moe_mxfp4},
+    {"kv fp8", checks_kv_fp8},
 };
 
 /* Every op's timings, by the section name --bench selects them with, in the order they run. */

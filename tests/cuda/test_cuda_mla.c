@@ -12,7 +12,7 @@ static void check_mla(ds_cu *c, int T, int Ha, int R, int dr, int pos0, int n_ct
     float *qbar = rand_f32((size_t)T * Ha * R, -0.2f, 0.2f),
           *qr = rand_f32((size_t)T * Ha * dr, -1, 1);
     float *ref = malloc((size_t)T * Ha * R * 4), *got = malloc((size_t)T * Ha * R * 4);
-    ds_latent_view kv = {pool, table, BS, rowf};
+    ds_latent_view kv = {pool, table, BS, rowf, R, 0};
     float scale = 1.0f / sqrtf(192.0f);
     ds_mla_attend_absorbed(ref, qbar, qr, T, Ha, R, dr, &kv, pos0, n_ctx, causal, scale);
     float *dpool = dev(c, pool, (size_t)n_pages * BS * rowf * 4);
@@ -58,7 +58,7 @@ static void check_mla_batch(ds_cu *c, const int *lens, const int *pos0, int n_se
     float *ref = malloc((size_t)T * Ha * R * 4), *got = malloc((size_t)T * Ha * R * 4);
     float scale = 1.0f / sqrtf(192.0f);
     for (int z = 0, t0 = 0; z < n_seq; t0 += lens[z], z++) {
-        ds_latent_view kv = {pool, tables + bt_off[z], BS, rowf};
+        ds_latent_view kv = {pool, tables + bt_off[z], BS, rowf, R, 0};
         size_t at = (size_t)t0 * Ha;
         ds_mla_attend_absorbed(ref + at * R, qbar + at * R, qr + at * dr, lens[z], Ha, R, dr, &kv,
                                pos0[z], pos0[z] + lens[z], 1, scale);
@@ -76,8 +76,8 @@ static void check_mla_batch(ds_cu *c, const int *lens, const int *pos0, int n_se
     poison(c, dout, (size_t)T * Ha * R * 4);
     ds_err err = {{0}};
     ds_cu_set_mla_all_heads(c, all_heads);
-    if (ds_cu_mla_attend_absorbed_batch(c, dout, dq, dqr, ldqr, T, Ha, R, dr, dpool, dtables, dbt,
-                                        dpos, max_ctx, BS, rowf, scale, &err))
+    if (ds_cu_mla_attend_absorbed_batch(c, dout, dq, dqr, ldqr, T, Ha, R, dr, dpool, 0, dtables,
+                                        dbt, dpos, max_ctx, BS, (size_t)rowf * 4, scale, &err))
         DIE("%s", err.msg);
     ds_cu_set_mla_all_heads(c, 0);
     fetch(c, got, dout, (size_t)T * Ha * R * 4);
@@ -151,8 +151,8 @@ static void run_mla_batch(ds_cu *c, void *p) {
     mla_batch_ctx *x = p;
     ds_err err;
     if (ds_cu_mla_attend_absorbed_batch(c, x->obar, x->qbar, x->qr, 64, x->n_seq, 32, 512, 64,
-                                        x->pool, x->tables, x->tok_bt, x->tok_pos, x->n_ctx, 16,
-                                        576, 0.07f, &err))
+                                        x->pool, 0, x->tables, x->tok_bt, x->tok_pos, x->n_ctx, 16,
+                                        576 * 4, 0.07f, &err))
         DIE("%s", err.msg);
 }
 

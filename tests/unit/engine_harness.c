@@ -93,6 +93,8 @@ int64_t h_submit_spec(ds_engine *e, ds_request_spec *spec, h_req *c) {
     return id;
 }
 
+int h_kv_fp8;
+
 void h_opts(ds_engine_opts *o, int prefix_on, size_t kv_mem) {
     ds_engine_opts_default(o);
     o->model_dir = h_model_dir();
@@ -103,6 +105,7 @@ void h_opts(ds_engine_opts *o, int prefix_on, size_t kv_mem) {
     o->max_model_len = 512;
     o->enable_prefix_caching = prefix_on;
     o->state_checkpoint_interval_tokens = 48;
+    o->kv_fp8 = h_kv_fp8;
 }
 
 /* A greedy request's spec (eos ignored); logprobs -1: none, >= 0: wanted. */

@@ -407,6 +407,63 @@ static void test_disk_budget_across_restarts(void **st) {
     free(tmp);
 }
 
+/* The FP8 latent cache through the disk tier: a second FP8 engine resumes A from the first one's
+ * files with the cold FP8 engine's tokens. Then the cache dtype keeps the entries apart: an f32
+ * engine on the same folder finds none of them (no load, nothing damaged), and an FP8 engine
+ * none of an f32 one's. */
+static void test_fp8_disk_tier(void **st) {
+    (void)st;
+    int32_t a[NA], ref8[GEN], out[GEN];
+    h_prompt(a, NA, 4242);
+    ds_engine_opts o;
+    h_kv_fp8 = 1;
+    h_opts(&o, 0, KV_MEM);
+    ds_engine *e = h_start(&o);
+    h_run(e, a, NA, GEN, ref8);
+    h_stop(e);
+    char *dir = ds_test_tmpdir();
+    h_opts(&o, 1, KV_MEM);
+    o.kv_offload_disk_dir = dir;
+    e = h_start(&o);
+    h_run(e, a, NA, GEN, out);
+    assert_memory_equal(out, ref8, sizeof out);
+    assert_true(h_stats(e).offload_stores > 0);
+    h_stop(e);
+    e = h_start(&o);
+    ds_engine_stats s0 = h_stats(e);
+    h_run(e, a, NA, GEN, out);
+    ds_engine_stats s1 = h_stats(e);
+    assert_memory_equal(out, ref8, sizeof out);
+    assert_int_equal(s1.prefix_hit_tokens - s0.prefix_hit_tokens, 96);
+    assert_true(s1.offload_loads_disk > 0);
+    assert_int_equal(s1.offload_bad, 0);
+    h_stop(e);
+    /* an f32 engine on the FP8 files: a cold run, no entry of the other dtype read */
+    cold_ref();
+    h_kv_fp8 = 0;
+    h_opts(&o, 1, KV_MEM);
+    o.kv_offload_disk_dir = dir;
+    e = h_start(&o);
+    ds_engine_stats s = run_a(e, 0);
+    assert_int_equal(s.offload_loads_disk, 0);
+    assert_int_equal(s.offload_bad, 0);
+    h_stop(e);
+    /* and an FP8 engine on a folder holding both: its own entries only */
+    h_kv_fp8 = 1;
+    h_opts(&o, 1, KV_MEM);
+    o.kv_offload_disk_dir = dir;
+    e = h_start(&o);
+    s0 = h_stats(e);
+    h_run(e, a, NA, GEN, out);
+    s1 = h_stats(e);
+    assert_memory_equal(out, ref8, sizeof out);
+    assert_int_equal(s1.prefix_hit_tokens - s0.prefix_hit_tokens, 96);
+    assert_int_equal(s1.offload_bad, 0);
+    h_stop(e);
+    h_kv_fp8 = 0;
+    free(dir);
+}
+
 int main(void) {
     signal(SIGPIPE, SIG_IGN); /* a write to a killed Redis must be an error, not a signal */
     const struct CMUnitTest tests[] = {
@@ -417,6 +474,7 @@ int main(void) {
         cmocka_unit_test(test_redis_killed),
         cmocka_unit_test(test_two_models_share_tiers),
         cmocka_unit_test(test_disk_budget_across_restarts),
+        cmocka_unit_test(test_fp8_disk_tier),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

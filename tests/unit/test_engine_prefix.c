@@ -115,7 +115,8 @@ static const ds_dmem *pw_dm(void) {
 typedef struct px_world {
     ds_page_pool *pages;
     ds_kv_pool kv;
-    float *layer0; /* [n_pages][bs][row] */
+    float *layer0;   /* [n_pages][bs][row] */
+    uint8_t *lay[1]; /* the pool's view of layer0: opaque rows of row_bytes */
     ds_prefix *px;
 } px_world;
 
@@ -128,7 +129,9 @@ static void pw_init(px_world *w, int hash_bits, int n_ckpt) {
     w->layer0 = g_dev ? ds_dmem_alloc(pw_dm(), lb, &err) : calloc(1, lb);
     assert_non_null(w->layer0);
     if (g_dev) ds_dmem_zero(pw_dm(), w->layer0, lb);
-    w->kv.layer = &w->layer0;
+    w->lay[0] = (uint8_t *)w->layer0;
+    w->kv.layer = w->lay;
+    w->kv.row_bytes = PW_ROW * sizeof(float);
     w->kv.n_layers = 1;
     w->kv.n_pages = PW_PAGES;
     w->kv.block_size = PW_BS;
@@ -630,6 +633,38 @@ static void test_logprobs_bit_exact(void **st) {
     h_stop(cold);
 }
 
+/* The same invariants with the FP8 latent cache (docs/quantization.md, "FP8 latent cache"): a
+ * prefix hit, a fork, speculation and a multi-turn follow-up compute exactly what a cold FP8 engine
+ * does, since every attention reads the stored rows, this step's own included. And FP8 is really
+ * on: its logprobs are not the f32 engine's. */
+static void test_warm_equals_cold_fp8(void **st) {
+    h_kv_fp8 = 1;
+    test_warm_equals_cold(st);
+    h_kv_fp8 = 0;
+}
+
+static void test_logprobs_bit_exact_fp8(void **st) {
+    enum { N = 150, GEN = 40 };
+    int32_t p[N], t32[GEN], t8[GEN];
+    float l32[GEN], l8[GEN];
+    for (int i = 0; i < N; i++) p[i] = (int32_t)(11 + 13 * (i % 7));
+    ds_engine_opts o;
+    h_opts(&o, 0, KV_MEM);
+    ds_engine *e = h_start(&o);
+    h_run_lp(e, p, N, GEN, t32, l32);
+    h_stop(e);
+    h_kv_fp8 = 1;
+    h_opts(&o, 0, KV_MEM);
+    e = h_start(&o);
+    h_run_lp(e, p, N, GEN, t8, l8);
+    h_stop(e);
+    int differ = 0;
+    for (int i = 0; i < GEN && !differ; i++) differ = t8[i] != t32[i] || l8[i] != l32[i];
+    assert_true(differ);
+    test_logprobs_bit_exact(st);
+    h_kv_fp8 = 0;
+}
+
 /* Drafts for the fork test: the cold continuation ref with the first `good` drafts right and the
  * rest wrong, so a verify accepts exactly `good` of them (the last token of the prompt sits at
  * n_prompt - 1; drafts proposed for length len continue ref at len - n_prompt). */
@@ -699,6 +734,12 @@ static void test_fork_on_verify(void **st) {
         h_assert_idle(e);
         h_stop(e);
     }
+}
+
+static void test_fork_on_verify_fp8(void **st) {
+    h_kv_fp8 = 1;
+    test_fork_on_verify(st);
+    h_kv_fp8 = 0;
 }
 
 /* 32 requests sharing an 80-token system prompt, all submitted at once (8 run at a time): every
@@ -825,6 +866,9 @@ int main(void) {
         cmocka_unit_test(test_logprobs_bit_exact),
         cmocka_unit_test(test_tier_checkpoint_load_owns_buffer),
         cmocka_unit_test(test_tier_page_load_owns_buffer),
+        cmocka_unit_test(test_warm_equals_cold_fp8),
+        cmocka_unit_test(test_logprobs_bit_exact_fp8),
+        cmocka_unit_test(test_fork_on_verify_fp8),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

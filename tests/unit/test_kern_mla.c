@@ -129,7 +129,7 @@ static void run_absorbed(const mla_case *m, int bs, uint64_t seed, float *o, flo
     }
     memcpy(table, perm, sizeof(int32_t) * (size_t)nblk);
     for (size_t i = 0; i < (size_t)pool_blocks * bs * row; i++) pool[i] = NAN;
-    ds_latent_view kv = {pool, table, bs, row};
+    ds_latent_view kv = {pool, table, bs, row, d.R, 0};
     for (int p = 0; p < m->n_ctx; p++) {
         float *dst = ds_latent_row(&kv, p);
         memcpy(dst, m->c + (size_t)p * d.R, sizeof(float) * (size_t)d.R);

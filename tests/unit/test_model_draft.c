@@ -210,7 +210,7 @@ static void test_golden(void **state) {
     float *rows = malloc((size_t)n * row * sizeof(float));
     for (int l = 0; l < dc->num_hidden_layers; l++) {
         float *lay = cache_layer(&c, l);
-        ds_latent_view v = {lay, f.table, 16, row};
+        ds_latent_view v = {lay, f.table, 16, row, 0, 0};
         for (int t = 0; t < n; t++)
             memcpy(rows + (size_t)t * row, ds_latent_row(&v, t), (size_t)row * sizeof(float));
         free(lay);

@@ -96,7 +96,9 @@ static uint64_t checkpoint_hash(const char *dir) {
     return h;
 }
 
-static void check_golden(int which, const char *golden_rel) {
+/* kv_fp8: the golden was written with --kv-cache-dtype fp8 (its meta.kv_cache_dtype says so), and
+ * the model runs with the FP8 latent cache. */
+static void check_golden_opts(int which, const char *golden_rel, int kv_fp8) {
     char *path = ds_test_src_path(golden_rel);
     char errbuf[512];
     ds_golden *g = ds_golden_load(path, errbuf, sizeof errbuf);
@@ -118,7 +120,6 @@ static void check_golden(int which, const char *golden_rel) {
     /* the formats the reference ran (docs/quantization.md), run here the same way */
     ds_model_opts o;
     ds_model_opts_default(&o);
-    int kv_fp8 = 0; /* the FP8 latent cache (wired once the engine has it) */
     char exclude[1024] = "";
     int qnd;
     const uint64_t *qdims;
@@ -136,7 +137,12 @@ static void check_golden(int which, const char *golden_rel) {
         }
     }
 
+    int knd;
+    const uint64_t *kdims, *kvd = ds_golden_get(g, "meta.kv_cache_dtype", 3, &knd, &kdims);
+    assert_int_equal(kvd ? (int)kvd[0] : 0, kv_fp8);
+
     fixture f;
+    o.kv_fp8 = kv_fp8;
     open_model(&f, which, &o);
     const ds_config *c = ds_model_config(f.m);
     int V = c->vocab_size, D = c->hidden_size, L = c->num_hidden_layers;
@@ -204,9 +210,20 @@ static void check_golden(int which, const char *golden_rel) {
     free(path);
 }
 
+static void check_golden(int which, const char *golden_rel) {
+    check_golden_opts(which, golden_rel, 0);
+}
+
 static void test_golden_tiny_k3(void **state) {
     (void)state;
     check_golden(0, "tests/golden/tiny-k3.bin");
+}
+
+/* The FP8 latent cache (docs/quantization.md, "FP8 latent cache"): the reference quantizes each
+ * row as it is written and attends over the dequantized rows, as the engine does. */
+static void test_golden_tiny_k3_kvfp8(void **state) {
+    (void)state;
+    check_golden_opts(0, "tests/golden/tiny-k3-kvfp8.bin", 1);
 }
 
 static void test_golden_tiny_linear(void **state) {
@@ -579,13 +596,13 @@ static void test_decode_bytes(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_golden_tiny_k3),        cmocka_unit_test(test_golden_tiny_linear),
-        cmocka_unit_test(test_golden_tiny_k3_mxfp4),  cmocka_unit_test(test_golden_ptpc),
-        cmocka_unit_test(test_golden_gsm_k3),         cmocka_unit_test(test_prefill_decode_k3),
-        cmocka_unit_test(test_prefill_decode_linear), cmocka_unit_test(test_batch_invariance),
-        cmocka_unit_test(test_spec_rollback),         cmocka_unit_test(test_bad_tokens),
-        cmocka_unit_test(test_random_weights),        cmocka_unit_test(test_greedy_picks),
-        cmocka_unit_test(test_decode_bytes),
+        cmocka_unit_test(test_golden_tiny_k3),       cmocka_unit_test(test_golden_tiny_linear),
+        cmocka_unit_test(test_golden_tiny_k3_mxfp4), cmocka_unit_test(test_golden_tiny_k3_kvfp8),
+        cmocka_unit_test(test_golden_ptpc),          cmocka_unit_test(test_golden_gsm_k3),
+        cmocka_unit_test(test_prefill_decode_k3),    cmocka_unit_test(test_prefill_decode_linear),
+        cmocka_unit_test(test_batch_invariance),     cmocka_unit_test(test_spec_rollback),
+        cmocka_unit_test(test_bad_tokens),           cmocka_unit_test(test_random_weights),
+        cmocka_unit_test(test_greedy_picks),         cmocka_unit_test(test_decode_bytes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

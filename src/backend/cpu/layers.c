@@ -131,14 +131,16 @@ void cpu_mla_forward(step *s, const layer_w *lw, const float *xn, float *out) {
     ds_matmul(kv, row, xn, D, T, &w->kv_a);
     for (int t = 0; t < T; t++)
         ds_rmsnorm(kv + (size_t)t * row, kv + (size_t)t * row, w->kv_a_norm, 1, R, 1e-6f);
-    ds_latent_view view = {s->pool->layer[lw->kind_idx], NULL, s->pool->block_size, row};
+    /* the pool's rows, f32 or FP8: every attention below reads them as stored, this step's own
+     * rows included (docs/quantization.md, "FP8 latent cache") */
+    ds_latent_view view = {
+        s->pool->layer[lw->kind_idx], NULL, s->pool->block_size, row, R, s->pool->kv_fp8};
     float scale = 1.0f / sqrtf((float)dq);
     for (int qi = 0; qi < s->n_seq; qi++) {
         const ds_seq_batch *sb = &s->seqs[qi];
         view.block_table = sb->block_table;
         for (int t = 0; t < sb->n; t++)
-            memcpy(ds_latent_row(&view, sb->pos0 + t), kv + (size_t)(s->off[qi] + t) * row,
-                   (size_t)row * sizeof(float));
+            ds_latent_store(&view, sb->pos0 + t, kv + (size_t)(s->off[qi] + t) * row);
     }
     /* Short segments (decodes, verifies) use the absorbed form. Consecutive ones form a run whose
      * query absorption and value up-projection are one GEMM per head over all its rows; only the
@@ -195,11 +197,8 @@ void cpu_mla_forward(step *s, const layer_w *lw, const float *xn, float *out) {
         float *kn = sc_take(sc, (size_t)ctx * Ha * dn);          /* [ctx][Ha][dn] */
         float *vv = sc_take(sc, (size_t)ctx * Ha * dvh);         /* [ctx][Ha][dvh] */
         if (sc->overflow) return;
-        for (int t = 0; t < ctx; t++) {
-            const float *lr = ds_latent_row(&view, t);
-            memcpy(cl + (size_t)t * R, lr, (size_t)R * sizeof(float));
-            memcpy(kr + (size_t)t * dr, lr + R, (size_t)dr * sizeof(float));
-        }
+        for (int t = 0; t < ctx; t++)
+            ds_latent_load(&view, t, cl + (size_t)t * R, kr + (size_t)t * dr);
         ds_matmul(kvb, Ha * (dn + dvh), cl, R, ctx, &w->kv_b);
         for (int t = 0; t < ctx; t++)
             for (int h = 0; h < Ha; h++) {

@@ -172,7 +172,11 @@ int cuda_mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float *
     int T = s->T, D = c->hidden_size, Ha = s->m->Ha, R = c->kv_lora_rank;
     int dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dvh = c->v_head_dim, dq = dn + dr;
     int row = R + dr, Rq = c->q_lora_rank, bs = s->pool->block_size;
-    float *pool = s->pool->layer[lw->kind_idx];
+    /* the pool's rows, f32 or FP8: every attention below reads them as stored, this step's own
+     * rows included (docs/quantization.md, "FP8 latent cache") */
+    uint8_t *pool = s->pool->layer[lw->kind_idx];
+    const size_t rb = s->pool->row_bytes;
+    const int fp8 = s->pool->kv_fp8;
     size_t mark = s->used;
     float *q = take(s, (size_t)T * Ha * dq);         /* [T][Ha][dn+dr] */
     float *kv = take(s, (size_t)T * row);            /* [T][R+dr] this step's latent rows */
@@ -187,8 +191,11 @@ int cuda_mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float *
     TRY(ds_cu_side_begin(cu, err));
     int rc = ds_cu_matmul(cu, kv, row, xn, D, T, &w->kv_a, err);
     if (!rc) ds_cu_rmsnorm_ld(cu, kv, row, kv, row, w->kv_a_norm, T, R, 1e-6f);
-    if (!rc)
-        rc = ds_cu_move_rows(cu, pool, (size_t)row, s->lat_dst, kv, (size_t)row, NULL, T, row, err);
+    if (!rc && fp8)
+        rc = ds_cu_kv_fp8_store(cu, pool, rb, s->lat_dst, kv, (size_t)row, T, R, dr, err);
+    else if (!rc)
+        rc = ds_cu_move_rows(cu, (float *)pool, (size_t)row, s->lat_dst, kv, (size_t)row, NULL, T,
+                             row, err);
     TRY(ds_cu_side_end(cu, err));
     TRY(rc);
     if (Rq) {
@@ -218,9 +225,9 @@ int cuda_mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float *
              * cap, so that a graph stays valid while the contexts grow under it */
             PROF(s, "mla absorbed attend");
             /* the rope part of each query read in place (stride dq) */
-            TRY(ds_cu_mla_attend_absorbed_batch(cu, obar, qbar, qs + dn, dq, Tr, Ha, R, dr, pool,
-                                                s->bt, s->tok_bt + r_start, s->tok_pos + r_start,
-                                                s->ctx_cap, bs, row, scale, err));
+            TRY(ds_cu_mla_attend_absorbed_batch(
+                cu, obar, qbar, qs + dn, dq, Tr, Ha, R, dr, pool, fp8, s->bt, s->tok_bt + r_start,
+                s->tok_pos + r_start, s->ctx_cap, bs, rb, scale, err));
 
             PROF(s, "mla absorbed q, o");
             /* o_h = W_UV_h ō_h: kv_b rows [h (dn+dvh) + dn, +dvh), every head in one launch */
@@ -246,8 +253,13 @@ int cuda_mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float *
         TAKEN();
         const int32_t *rows = s->ctx_rows + s->ctx_off[qi];
         PROF(s, "mla expanded kv_b");
-        TRY(ds_cu_move_rows(cu, cl, (size_t)R, NULL, pool, (size_t)row, rows, ctx, R, err));
-        TRY(ds_cu_move_rows(cu, kr, (size_t)dr, NULL, pool + R, (size_t)row, rows, ctx, dr, err));
+        if (fp8) {
+            TRY(ds_cu_kv_fp8_gather(cu, cl, kr, pool, rb, rows, ctx, R, dr, err));
+        } else {
+            const float *pf = (const float *)pool;
+            TRY(ds_cu_move_rows(cu, cl, (size_t)R, NULL, pf, (size_t)row, rows, ctx, R, err));
+            TRY(ds_cu_move_rows(cu, kr, (size_t)dr, NULL, pf + R, (size_t)row, rows, ctx, dr, err));
+        }
         TRY(ds_cu_matmul(cu, kvb, Ha * (dn + dvh), cl, R, ctx, &w->kv_b, err));
         TRY(ds_cu_copy_2d(cu, kn, (size_t)dn, kvb, (size_t)(dn + dvh), (size_t)dn, (size_t)ctx * Ha,
                           err));

@@ -9,6 +9,7 @@
 
 #include "base/ds_base.h"
 #include "io/safetensors.h"
+#include "kernels/shared/kv_fp8.h"
 
 /* ---- ISA selection ----------------------------------------------------------------------------
  */
@@ -106,19 +107,38 @@ void ds_kda_chunked(float *o, const float *q, const float *k, const float *v, co
 /* ---- MLA --------------------------------------------------------------------------------------
  */
 /* A paged latent cache: row for position p lives at
- * pool + ((size_t)block_table[p / block_size] * block_size + p % block_size) * row. */
+ * pool + ((size_t)block_table[p / block_size] * block_size + p % block_size) * (bytes a row).
+ * A row holds the values [c (R) | kR (dr)], row = R + dr: as f32 (fp8 = 0: row floats), or in the
+ * FP8 form of kernels/shared/kv_fp8.h (fp8 = 1: ds_kv_fp8_row_bytes(R, dr) bytes). The attention
+ * kernels read an FP8 row's dequantized values. */
 typedef struct ds_latent_view {
-    float *pool;
+    void *pool;
     const int32_t *block_table;
     int block_size;
-    int row; /* floats per row: kv_lora_rank + qk_rope_head_dim */
+    int row; /* values per row: kv_lora_rank + qk_rope_head_dim */
+    int R;   /* kv_lora_rank (needed with fp8 and by ds_latent_store / ds_latent_load) */
+    int fp8;
 } ds_latent_view;
 
-static inline float *ds_latent_row(const ds_latent_view *v, int pos) {
-    return v->pool + ((size_t)v->block_table[pos / v->block_size] * (size_t)v->block_size +
-                      (size_t)(pos % v->block_size)) *
-                         (size_t)v->row;
+/* Bytes of one stored row of v. */
+static inline size_t ds_latent_row_bytes(const ds_latent_view *v) {
+    return v->fp8 ? ds_kv_fp8_row_bytes(v->R, v->row - v->R) : (size_t)v->row * sizeof(float);
 }
+/* Where position pos's row starts. */
+static inline uint8_t *ds_latent_at(const ds_latent_view *v, int pos) {
+    return (uint8_t *)v->pool +
+           ((size_t)v->block_table[pos / v->block_size] * (size_t)v->block_size +
+            (size_t)(pos % v->block_size)) *
+               ds_latent_row_bytes(v);
+}
+/* Position pos's row of an f32 view. */
+static inline float *ds_latent_row(const ds_latent_view *v, int pos) {
+    return (float *)ds_latent_at(v, pos);
+}
+/* Stores x [row] as position pos's row (quantized with fp8). */
+void ds_latent_store(const ds_latent_view *v, int pos, const float *x);
+/* c [R] and kR [dr] <- the values position pos's row reads back as. */
+void ds_latent_load(const ds_latent_view *v, int pos, float *c, float *kr);
 
 /* Absorbed attention over the latent cache (docs/model.md §4.4). Query t sits at position pos0+t
  * and, when causal, attends to rows 0..pos0+t; otherwise to rows 0..n_ctx-1. qbar: [T][Ha][R] (=

@@ -14,7 +14,11 @@
  * and its key ranges and tiles lie at absolute positions that depend on that token's position
  * alone, so a row's result is the same bits whether it runs alone (decode), as one row of a
  * verify, or inside a short prompt segment. The expanded form (prompt segments) cuts its ranges
- * from the segment's shape; neither depends on the number of threads. */
+ * from the segment's shape; neither depends on the number of threads.
+ *
+ * FP8 rows (docs/quantization.md, "FP8 latent cache"): the absorbed form dequantizes each tile's
+ * rows once per work item into the thread's workspace and runs the same tile code on those floats;
+ * the values are kernels/shared/kv_fp8.h's, bit for bit. */
 #include "kernels/cpu/kernels.h"
 
 #include <math.h>
@@ -75,6 +79,49 @@ static void *mla_alloc(size_t n) {
     return p;
 }
 
+/* The value of a written E4M3 code (ds_e4m3_to_f32 for every code but the NaNs, which the
+ * quantizer never writes), branch-free so that a row's dequantization vectorizes: a normal code's
+ * exponent is rebiased in the integer domain, a subnormal one is m 2^-9. No f32 subnormal is
+ * formed, so the value does not depend on the FPU's flush modes. */
+static inline __attribute__((always_inline)) float mla_e4m3(uint8_t b) {
+    const uint32_t u = b & 0x7fu, sign = (uint32_t)(b & 0x80u) << 24;
+    const float mag = u < 8 ? (float)u * (1.0f / 512.0f) : ds_bits_f32((u << 20) + (120u << 23));
+    return ds_bits_f32(ds_f32_bits(mag) | sign);
+}
+
+/* c [R], kr [dr] <- the values of a stored FP8 row (ds_kv_fp8_value: the same f32 products). */
+static MLA_HOT void mla_dequant(float *c, float *kr, const uint8_t *row, int R, int dr) {
+    for (int j = 0; j * DS_KV_FP8_TILE < R; j++) {
+        const int a = j * DS_KV_FP8_TILE, n = DS_MIN(DS_KV_FP8_TILE, R - a);
+        const float sc = ds_kv_fp8_scale(row, R, j);
+        for (int i = 0; i < n; i++) c[a + i] = mla_e4m3(row[a + i]) * sc;
+    }
+    const uint8_t *rp = row + ds_kv_fp8_rope_at(R);
+    for (int i = 0; i < dr; i++) {
+        uint16_t h;
+        memcpy(&h, rp + 2 * (size_t)i, 2);
+        kr[i] = ds_kv_bf16_value(h);
+    }
+}
+
+void ds_latent_store(const ds_latent_view *v, int pos, const float *x) {
+    uint8_t *dst = ds_latent_at(v, pos);
+    if (v->fp8)
+        ds_kv_fp8_quant_row(dst, x, v->R, v->row - v->R);
+    else
+        memcpy(dst, x, (size_t)v->row * sizeof(float));
+}
+
+void ds_latent_load(const ds_latent_view *v, int pos, float *c, float *kr) {
+    const uint8_t *src = ds_latent_at(v, pos);
+    if (v->fp8) {
+        mla_dequant(c, kr, src, v->R, v->row - v->R);
+    } else {
+        memcpy(c, src, (size_t)v->R * sizeof(float));
+        memcpy(kr, src + (size_t)v->R * sizeof(float), (size_t)(v->row - v->R) * sizeof(float));
+    }
+}
+
 /* Rows visible to token t: causal queries see 0..pos0+t (never past the cache's n_ctx rows). */
 static int mla_limit(const mla_problem *pb, int t) {
     return pb->causal ? DS_MIN(pb->pos0 + t + 1, pb->n_ctx) : pb->n_ctx;
@@ -108,12 +155,17 @@ static int mla_group(const mla_problem *pb, int g, int *th, int *head) {
     return n;
 }
 
-/* Pointers to the pieces of key rows [p0, p0+nk). */
+/* Pointers to the pieces of key rows [p0, p0+nk). FP8 rows are dequantized into kd
+ * [MLA_KB][d1 + d2] first. */
 static void mla_gather(const mla_problem *pb, int h, int p0, int nk, const float **k1,
-                       const float **k2, const float **vv) {
+                       const float **k2, const float **vv, float *kd) {
     for (int j = 0; j < nk; j++) {
         int p = p0 + j;
-        if (pb->lat) {
+        if (pb->lat && pb->lat->fp8) {
+            float *row = kd + (size_t)j * (pb->d1 + pb->d2);
+            mla_dequant(row, row + pb->d1, ds_latent_at(pb->lat, p), pb->d1, pb->d2);
+            k1[j] = row, k2[j] = row + pb->d1, vv[j] = row;
+        } else if (pb->lat) {
             const float *row = ds_latent_row(pb->lat, p);
             k1[j] = row, k2[j] = row + pb->d1, vv[j] = row;
         } else {
@@ -247,9 +299,10 @@ static int mla_item_token(const int *first, int T, int it) {
 }
 
 /* One thread's workspace for a work item (a head group over one key range): O [QB][dv],
- * P [QB][KB], m [QB], l [QB], and the group's queries. */
+ * P [QB][KB], m [QB], l [QB], with FP8 rows kd [KB][d1 + d2] (a tile's dequantized rows), and the
+ * group's queries. */
 typedef struct mla_ws {
-    float *O, *P, *m, *l;
+    float *O, *P, *m, *l, *kd;
     int th[MLA_QB], lim[MLA_QB], nq, h;
     const float *q1[MLA_QB], *q2[MLA_QB];
     const float *k1[MLA_KB], *k2[MLA_KB], *vv[MLA_KB];
@@ -260,6 +313,14 @@ static void mla_ws_at(mla_ws *w, float *scratch, int dv) {
     w->P = w->O + (size_t)MLA_QB * dv;
     w->m = w->P + MLA_QB * MLA_KB;
     w->l = w->m + MLA_QB;
+    w->kd = w->l + MLA_QB;
+}
+
+/* Floats of one thread's workspace (mla_ws_at). */
+static size_t mla_ws_floats(const mla_problem *pb) {
+    size_t n = (size_t)MLA_QB * ((size_t)pb->dv + MLA_KB + 2);
+    if (pb->lat && pb->lat->fp8) n += (size_t)MLA_KB * (size_t)(pb->d1 + pb->d2);
+    return n;
 }
 
 /* Loads group g's queries and clears their running max, sum and output; returns the longest
@@ -282,7 +343,7 @@ static int mla_item_begin(const mla_problem *pb, mla_ws *w, int g) {
 static void mla_item_keys(const mla_problem *pb, mla_ws *w, int kb, int ke) {
     for (int p0 = kb; p0 < ke; p0 += MLA_KB) {
         const int nk = DS_MIN(MLA_KB, ke - p0);
-        mla_gather(pb, w->h, p0, nk, w->k1, w->k2, w->vv);
+        mla_gather(pb, w->h, p0, nk, w->k1, w->k2, w->vv, w->kd);
         mla_tile(w->nq, w->q1, w->q2, w->lim, p0, nk, w->k1, w->k2, w->vv, pb->d1, pb->d2, pb->dv,
                  pb->scale, w->m, w->l, w->O, w->P);
     }
@@ -343,7 +404,7 @@ static void mla_run_absorbed(const mla_problem *pb) {
     }
     float *part = n_part ? mla_alloc(sizeof(float) * n_part) : NULL;
     const int nthr = omp_get_max_threads();
-    const size_t thr = (size_t)MLA_QB * ((size_t)dv + MLA_KB + 2);
+    const size_t thr = mla_ws_floats(pb);
     float *scratch = mla_alloc(sizeof(float) * thr * (size_t)nthr);
     const size_t split_stride = (size_t)Ha * (2 + (size_t)dv);
 #pragma omp parallel
@@ -396,7 +457,7 @@ static void mla_run(const mla_problem *pb) {
         part = malloc(sizeof(float) * (size_t)ns * nq_all * (2 + (size_t)dv));
         if (!part) ns = 1;
     }
-    const size_t thr = (size_t)MLA_QB * ((size_t)dv + MLA_KB + 2);
+    const size_t thr = mla_ws_floats(pb);
     float *scratch = mla_alloc(sizeof(float) * thr * (size_t)nthr);
     const size_t split_stride = (size_t)nq_all * (2 + (size_t)dv);
 #pragma omp parallel

@@ -2,6 +2,7 @@
  * split over the context and merged, or all heads of a token in one block. */
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/mla.cuh"
+#include "kernels/shared/kv_fp8.h"
 
 /* ---- MLA, absorbed, over the paged latent cache ---------------------------------------------
  * Split over the context (flash-decoding): block (query row q = t*Ha + h, split s) takes rows
@@ -21,24 +22,52 @@
  * every thread sum 16-byte columns over a share of the rows with many loads in flight, the shares
  * added in a fixed order. */
 enum { MLA_RW = 4, MLA_KV = 5 }; /* rows a warp scores at once; vectors a lane loads per row */
-template <int V> __device__ __forceinline__ float dot_v(const float *a, const float *b) {
-    if constexpr (V == 4) {
-        const float4 x = *(const float4 *)a, y = *(const float4 *)b;
-        return x.x * y.x + x.y * y.y + x.z * y.z + x.w * y.w;
+/* FP8 rows (F8, kernels/shared/kv_fp8.h): x[0..V) <- values i0.. of the row at byte `row`,
+ * dequantized in registers (V = 4: i0 a multiple of 4 and R of 4, so the four lie in one tile,
+ * or all in the rope part). The same f32 values the CPU reads. */
+template <int V>
+__device__ __forceinline__ void kv_fp8_vals(const uint8_t *row, int R, int i0, float *x) {
+    if (V == 4 && i0 < R) {
+        const uchar4 q = *(const uchar4 *)(row + i0);
+        const float sc = *(const float *)(row + R + 4 * (i0 / DS_KV_FP8_TILE));
+        x[0] = ds_e4m3_to_f32(q.x) * sc, x[1] = ds_e4m3_to_f32(q.y) * sc;
+        x[2] = ds_e4m3_to_f32(q.z) * sc, x[3] = ds_e4m3_to_f32(q.w) * sc;
     } else {
-        return *a * *b;
+#pragma unroll
+        for (int e = 0; e < V; e++) x[e] = ds_kv_fp8_value(row, R, i0 + e);
+    }
+}
+/* Values i0.. (V of them) of the pool row starting at `at` (floats for f32, bytes for F8). */
+template <int V, bool F8>
+__device__ __forceinline__ void kv_vals(const void *pool, size_t at, int R, int i0, float *x) {
+    if constexpr (F8) {
+        kv_fp8_vals<V>((const uint8_t *)pool + at, R, i0, x);
+    } else if constexpr (V == 4) {
+        const float4 y = *(const float4 *)((const float *)pool + at + i0);
+        x[0] = y.x, x[1] = y.y, x[2] = y.z, x[3] = y.w;
+    } else {
+        x[0] = ((const float *)pool)[at + i0];
+    }
+}
+template <int V> __device__ __forceinline__ float dot_x(const float *a, const float *y) {
+    if constexpr (V == 4) {
+        const float4 x = *(const float4 *)a;
+        return x.x * y[0] + x.y * y[1] + x.z * y[2] + x.w * y[3];
+    } else {
+        return *a * *y;
     }
 }
 /* the latent rows and both query parts can be read as float4 (16-byte aligned) */
 static int mla_vec4(int R, int dr, int row, int ldqr, const float *qbar, const float *qr,
-                    const float *pool) {
+                    const void *pool) {
     return R % 4 == 0 && dr % 4 == 0 && row % 4 == 0 && ldqr % 4 == 0 &&
            ((uintptr_t)qbar | (uintptr_t)qr | (uintptr_t)pool) % 16 == 0;
 }
-template <bool BATCH, int V>
+/* F8: FP8 rows, `row` their stride in bytes (else floats). */
+template <bool BATCH, int V, bool F8>
 __global__ void __launch_bounds__(256, 4) /* 4 blocks an SM: a batch-1 step's 512 in one wave */
     mla_split_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int ldqr, int Ha,
-                int R, int dr, const float *pool, const int32_t *table, int bs, int row, int pos0,
+                int R, int dr, const void *pool, const int32_t *table, int bs, int row, int pos0,
                 int n_ctx, int causal, float scale, int n_split, const int32_t *tok_bt,
                 const int32_t *tok_pos, int chunk) {
     __shared__ float sc[MLA_CHUNK];  /* chunk <= MLA_CHUNK rows per split */
@@ -81,9 +110,11 @@ __global__ void __launch_bounds__(256, 4) /* 4 blocks an SM: a batch-1 step's 51
                 const int v = v0 + 32 * k + lane;
                 if (v < nv) {
                     const float *qv = v < nvb ? qb + (size_t)v * V : qp + (size_t)(v - nvb) * V;
+                    float y[MLA_RW][V];
 #pragma unroll
-                    for (int r = 0; r < MLA_RW; r++)
-                        d[r] += dot_v<V>(qv, pool + at[r] + (size_t)v * V);
+                    for (int r = 0; r < MLA_RW; r++) kv_vals<V, F8>(pool, at[r], R, v * V, y[r]);
+#pragma unroll
+                    for (int r = 0; r < MLA_RW; r++) d[r] += dot_x<V>(qv, y[r]);
                 }
             }
 #pragma unroll
@@ -108,13 +139,11 @@ __global__ void __launch_bounds__(256, 4) /* 4 blocks an SM: a batch-1 step's 51
             for (int e = 0; e < V; e++) acc[e] = 0.0f;
 #pragma unroll 16
             for (int jj = g; jj < nj; jj += groups) {
-                const float p = sc[jj], *cj = pool + ro[jj] + (size_t)cv * V;
-                if constexpr (V == 4) {
-                    const float4 x = *(const float4 *)cj;
-                    acc[0] += p * x.x, acc[1] += p * x.y, acc[2] += p * x.z, acc[3] += p * x.w;
-                } else {
-                    acc[0] += p * *cj;
-                }
+                const float p = sc[jj];
+                float x[V];
+                kv_vals<V, F8>(pool, ro[jj], R, cv * V, x);
+#pragma unroll
+                for (int e = 0; e < V; e++) acc[e] += p * x[e];
             }
 #pragma unroll
             for (int e = 0; e < V; e++) {
@@ -182,11 +211,12 @@ extern "C" int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qba
                      err))
         return DS_ERR;
     float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
-    launch_k(
-        c, mla_vec4(R, dr, row, dr, qbar, qr, pool) ? mla_split_k<false, 4> : mla_split_k<false, 1>,
-        dim3((unsigned)rows, (unsigned)n_split), 256, 0, part_o, part_ml, qbar, qr, dr, Ha, R, dr,
-        pool, block_table, block_size, row, pos0, n_ctx, causal, scale, n_split,
-        (const int32_t *)NULL, (const int32_t *)NULL, (int)MLA_CHUNK);
+    launch_k(c,
+             mla_vec4(R, dr, row, dr, qbar, qr, pool) ? mla_split_k<false, 4, false>
+                                                      : mla_split_k<false, 1, false>,
+             dim3((unsigned)rows, (unsigned)n_split), 256, 0, part_o, part_ml, qbar, qr, dr, Ha, R,
+             dr, (const void *)pool, block_table, block_size, row, pos0, n_ctx, causal, scale,
+             n_split, (const int32_t *)NULL, (const int32_t *)NULL, (int)MLA_CHUNK);
     CU_TRY(cudaGetLastError(), "mla");
     mla_merge(c, obar, part_o, part_ml, rows, R, n_split);
     CU_TRY(cudaGetLastError(), "mla merge");
@@ -219,11 +249,12 @@ static size_t mla_ah_floats(int Ha, int rq) {
     return (size_t)(Ha + MLA_AH_SUB) * rq + (size_t)MLA_AH_SUB * Ha + 3 * (size_t)Ha;
 }
 
-/* long: the scores, softmax and output passes share the block's staged rows and registers. */
-template <int OT>
+/* long: the scores, softmax and output passes share the block's staged rows and registers.
+ * F8: FP8 rows (`row` their stride in bytes), dequantized as they are staged. */
+template <int OT, bool F8>
 __global__ void __launch_bounds__(MLA_AH_THREADS, 2)
     mla_allheads_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int ldqr,
-                   int Ha, int R, int dr, const float *pool, const int32_t *tables,
+                   int Ha, int R, int dr, const void *pool, const int32_t *tables,
                    const int32_t *tok_bt, const int32_t *tok_pos, int bs, int row, float scale,
                    int n_split, int per) {
     PDL_ENTRY();
@@ -255,8 +286,14 @@ __global__ void __launch_bounds__(MLA_AH_THREADS, 2)
         __syncthreads(); /* the previous tile and its p are used up (and q is staged) */
         for (int i = tid; i < nr * (rq / 4); i += MLA_AH_THREADS) {
             const int j = i / (rq / 4), c = (i % (rq / 4)) * 4, p = a + j;
-            cp_async16(cs + (size_t)j * ld + c,
-                       pool + ((size_t)table[p / bs] * bs + p % bs) * row + c);
+            const size_t at = ((size_t)table[p / bs] * bs + p % bs) * row;
+            if constexpr (F8) {
+                float x[4];
+                kv_fp8_vals<4>((const uint8_t *)pool + at, R, c, x);
+                *(float4 *)(cs + (size_t)j * ld + c) = make_float4(x[0], x[1], x[2], x[3]);
+            } else {
+                cp_async16(cs + (size_t)j * ld + c, (const float *)pool + at + c);
+            }
         }
         cp_async_commit();
         cp_async_wait_all();
@@ -350,11 +387,13 @@ __global__ void __launch_bounds__(MLA_AH_THREADS, 2)
 
 extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const float *qbar,
                                                const float *qr, int ldqr, int T, int Ha, int R,
-                                               int dr, const float *pool, const int32_t *tables,
-                                               const int32_t *tok_bt, const int32_t *tok_pos,
-                                               int max_ctx, int block_size, int row, float scale,
-                                               ds_err *err) {
+                                               int dr, const void *pool, int kv_fp8,
+                                               const int32_t *tables, const int32_t *tok_bt,
+                                               const int32_t *tok_pos, int max_ctx, int block_size,
+                                               size_t row_bytes, float scale, ds_err *err) {
     if (T <= 0 || Ha <= 0) return DS_OK;
+    /* the kernels' row stride: bytes for FP8 rows, floats for f32 ones */
+    const int row = (int)(kv_fp8 ? row_bytes : row_bytes / sizeof(float));
     if (max_ctx <= 0) return ds_errf(err, "cuda: mla: no context rows to attend to");
     const int rows = T * Ha;
     /* all heads per block: splits of `per` rows (a multiple of the 16-row tile, at least 64 so that
@@ -380,11 +419,14 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
                          err))
             return DS_ERR;
         float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
-        auto kernel = ot == 16  ? mla_allheads_k<16>
-                      : ot == 8 ? mla_allheads_k<8>
-                                : mla_allheads_k<4>;
-        /* raised once per size, before any capture can be open */
-        size_t *set = &c->mla_ah_smem[ot == 16 ? 2 : ot == 8 ? 1 : 0];
+        auto kernel = kv_fp8 ? (ot == 16  ? mla_allheads_k<16, true>
+                                : ot == 8 ? mla_allheads_k<8, true>
+                                          : mla_allheads_k<4, true>)
+                             : (ot == 16  ? mla_allheads_k<16, false>
+                                : ot == 8 ? mla_allheads_k<8, false>
+                                          : mla_allheads_k<4, false>);
+        /* raised once per kernel, before any capture can be open */
+        size_t *set = &c->mla_ah_smem[(ot == 16 ? 2 : ot == 8 ? 1 : 0) + (kv_fp8 ? 3 : 0)];
         if (ah_smem > *set) {
             CU_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         (int)ah_smem),
@@ -415,10 +457,12 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
                      err))
         return DS_ERR;
     float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
-    launch_k(
-        c, mla_vec4(R, dr, row, ldqr, qbar, qr, pool) ? mla_split_k<true, 4> : mla_split_k<true, 1>,
-        dim3((unsigned)rows, (unsigned)n_split), 256, 0, part_o, part_ml, qbar, qr, ldqr, Ha, R, dr,
-        pool, tables, block_size, row, 0, 0, 1, scale, n_split, tok_bt, tok_pos, chunk);
+    const int v4 = mla_vec4(R, dr, row, ldqr, qbar, qr, pool);
+    auto split = kv_fp8 ? (v4 ? mla_split_k<true, 4, true> : mla_split_k<true, 1, true>)
+                        : (v4 ? mla_split_k<true, 4, false> : mla_split_k<true, 1, false>);
+    launch_k(c, split, dim3((unsigned)rows, (unsigned)n_split), 256, 0, part_o, part_ml, qbar, qr,
+             ldqr, Ha, R, dr, pool, tables, block_size, row, 0, 0, 1, scale, n_split, tok_bt,
+             tok_pos, chunk);
     CU_TRY(cudaGetLastError(), "mla (batch)");
     mla_merge(c, obar, part_o, part_ml, rows, R, n_split);
     CU_TRY(cudaGetLastError(), "mla merge");
