@@ -17,7 +17,8 @@
  * tokens as a prompt, which the contract does not make bit-exact; the run fails if one happens).
  *
  * Usage: cache_fuzz [--model DIR] [--seeds N] [--seed0 S] [--redis redis://h:p] [-tp T] [-pp P]
- *                   [--device cpu|cuda] [--batch-invariant] [--save-dir DIR] [--case FILE]
+ *                   [--device cpu|cuda] [--batch-invariant] [--quantization ptpc_fp8]
+ *                   [--save-dir DIR] [--case FILE]
  *                   [--work-dir DIR] [--max-seconds S] [--verbose]
  * Exit status 0 when every seed agreed and the run exercised hits, tier loads and evictions. */
 #include "transport/comm.h"
@@ -55,6 +56,7 @@ typedef struct fz_opts {
     const char *redis;
     int tp, pp;
     int device, batch_invariant;
+    int quantization; /* DS_QUANT_*: the invariants hold with quantized weights too */
     const char *save_dir, *work_dir;
     int verbose;
     double max_seconds; /* > 0: start no seed after this long (the run reports what it did) */
@@ -347,6 +349,7 @@ static void engine_opts(const fz_opts *fo, const fz_cfg *c, int cached, ds_comm 
     o->model_dir = fo->model;
     o->device = fo->device;
     o->batch_invariant = fo->batch_invariant;
+    o->quantization = fo->quantization;
     o->block_size = c->block_size;
     o->max_num_batched_tokens = c->max_batched;
     o->max_model_len = MODEL_LEN;
@@ -571,6 +574,8 @@ static int parse_args(int argc, char **argv, fz_opts *fo, const char **case_file
             fo->pp = atoi(v);
         else if (!strcmp(a, "--device"))
             fo->device = !strcmp(v, "cuda") ? DS_DEVICE_CUDA : DS_DEVICE_CPU;
+        else if (!strcmp(a, "--quantization"))
+            fo->quantization = !strcmp(v, "ptpc_fp8") ? DS_QUANT_PTPC_FP8 : DS_QUANT_NONE;
         else if (!strcmp(a, "--save-dir"))
             fo->save_dir = v;
         else if (!strcmp(a, "--max-seconds"))
@@ -736,10 +741,11 @@ int main(int argc, char **argv) {
                          fo.device == DS_DEVICE_CUDA ? "-cuda" : "");
                 FILE *f = fopen(path, "w");
                 if (f) {
-                    fprintf(f, "--seed0 %llu --seeds 1 -tp %d -pp %d --device %s%s%s\n",
+                    fprintf(f, "--seed0 %llu --seeds 1 -tp %d -pp %d --device %s%s%s%s\n",
                             (unsigned long long)seed, fo.tp, fo.pp,
                             fo.device == DS_DEVICE_CUDA ? "cuda" : "cpu",
                             fo.batch_invariant ? " --batch-invariant" : "",
+                            fo.quantization ? " --quantization ptpc_fp8" : "",
                             fo.redis && c.remote ? " --redis redis://127.0.0.1:6379" : "");
                     fclose(f);
                     printf("  saved as %s\n", path);

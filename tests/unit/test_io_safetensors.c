@@ -466,8 +466,8 @@ static void test_bad_files(void **state) {
     expect_bad("{\"w\": {\"dtype\": \"F32\", \"shape\": [1]}}", data, 4, "'w'", "data_offsets");
     expect_bad("{\"w\": {\"dtype\": 5, \"shape\": [1], \"data_offsets\": [0, 4]}}", data, 4, "'w'",
                "'dtype' must be a string");
-    expect_bad("{\"w\": {\"dtype\": \"F8_E4M3\", \"shape\": [1], \"data_offsets\": [0, 1]}}", data,
-               1, "'w'", "F8_E4M3");
+    expect_bad("{\"w\": {\"dtype\": \"F8_E5M2\", \"shape\": [1], \"data_offsets\": [0, 1]}}", data,
+               1, "'w'", "F8_E5M2");
     expect_bad("{\"w\": {\"dtype\": \"F32\", \"shape\": \"1\", \"data_offsets\": [0, 4]}}", data, 4,
                "'w'", "'shape' must be an array");
     expect_bad("{\"w\": {\"dtype\": \"F32\", \"shape\": [1.5], \"data_offsets\": [0, 4]}}", data, 4,

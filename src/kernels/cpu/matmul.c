@@ -386,6 +386,10 @@ static const simd_ops *ops_for(ds_isa isa) {
     return isa == DS_ISA_AVX512 ? &ops_avx512 : isa == DS_ISA_AVX2 ? &ops_avx2 : &ops_scalar;
 }
 
+ds_mm_tile_fn ds_matmul_f32_tile(ds_isa isa, int mr, int nt) {
+    return ops_for(isa)->tiles[SRC_F32][mr - 1][nt - 1];
+}
+
 /* ---- ds_matmul driver ------------------------------------------------------------------------ */
 
 /* Small T: each thread streams the rows of its row blocks, 4 at a time, straight from the weights
