@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from quant import DEFAULT_EXCLUDE, QMat, dequant_mxfp4, fp8_kv_row, name_excluded  # noqa: F401
+from quant import DEFAULT_EXCLUDE, MARGIN, QMat, dequant_mxfp4, fp8_kv_row, name_excluded, note_margin  # noqa: F401
 
 DT = torch.float64
 
@@ -540,10 +540,17 @@ class MoE:
             T = x.shape[0]
             grp = sp.view(T, G, self.E // G)
             gscore = grp.topk(min(2, self.E // G), dim=-1).values.sum(-1)       # [T, G]
+            if MARGIN["on"]:  # a near tie between the last kept and the first dropped group
+                gs = gscore.sort(dim=-1, descending=True).values
+                note_margin((gs[:, cfg.topk_group - 1] - gs[:, cfg.topk_group]).min().item(), "router groups")
             keep = gscore.topk(cfg.topk_group, dim=-1).indices
             gmask = torch.zeros(T, G, dtype=torch.bool).scatter_(1, keep, True)
             emask = gmask.unsqueeze(-1).expand(T, G, self.E // G).reshape(T, self.E)
             sp = sp.masked_fill(~emask, 0.0 if self.quirk else float("-inf"))
+        if MARGIN["on"] and self.k < self.E:  # a near tie between the k-th and the (k+1)-th expert
+            ss = sp.sort(dim=-1, descending=True).values
+            if torch.isfinite(ss[:, self.k]).all():
+                note_margin((ss[:, self.k - 1] - ss[:, self.k]).min().item(), "router experts")
         idx = sp.topk(self.k, dim=-1).indices
         wts = (sp if self.quirk else s).gather(1, idx)  # combine with UNBIASED scores (trap 2)
         if cfg.moe_renormalize and self.k > 1:

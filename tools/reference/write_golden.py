@@ -11,6 +11,10 @@ With --quantization or --kv-cache-dtype also: meta.quantization (u64 [1]: 0 none
 meta.quantization_exclude (i32 [n]: the UTF-8 bytes of the comma-joined exclusion list in force; only
 with ptpc_fp8) and meta.kv_cache_dtype (u64 [1]: 0 the default f32 rows, 1 fp8).
 Token ids are drawn uniformly from [0, vocab_size) with numpy.random.default_rng(seed).integers.
+With --min-margin M they are drawn one at a time from the same generator, and a draw is rejected (the
+next one tried) when the token, after the accepted ones, puts a value within a relative M of a rounding
+boundary: an E4M3 code of a ptpc_fp8 activation or an FP8 latent, a BF16 kR, or a router top-k choice
+(quant.py, "Rounding margins"); the golden then records meta.min_margin (f64 [1]).
 """
 import argparse
 import os
@@ -80,6 +84,32 @@ def read_golden(path: str) -> dict:
     return out
 
 
+def draw_with_margin(ref, V: int, T: int, seed: int, min_margin: float, max_tries: int = 1000):
+    """T token ids from default_rng(seed), one at a time, each kept only when its forward step (after the
+    ids kept so far) stays min_margin away from every rounding boundary (quant.MARGIN)."""
+    import quant
+    rng = np.random.default_rng(seed)
+    ids, state, tried = [], None, 0
+    quant.MARGIN["on"] = True
+    try:
+        for t in range(T):
+            for _ in range(max_tries):
+                tok = int(rng.integers(0, V))
+                tried += 1
+                quant.MARGIN.update(min=float("inf"), where="")
+                out = ref.forward([tok], state=state, n_past=t)
+                if quant.MARGIN["min"] >= min_margin:
+                    break
+            else:
+                sys.exit(f"position {t}: no token in {max_tries} draws keeps a margin of {min_margin:g}")
+            ids.append(tok)
+            state = out.state
+    finally:
+        quant.MARGIN["on"] = False
+    print(f"--min-margin {min_margin:g}: kept {T} of {tried} draws")
+    return np.array(ids, dtype=np.int64)
+
+
 def meta_entries(ref, a) -> list:
     """The configuration the golden was computed in, for the C test to run the same one (none for the
     default configuration, so the goldens written before these flags stay as they are)."""
@@ -106,6 +136,8 @@ def main():
                     help="docs/quantization.md §3 (ptpc_fp8: every matrix in scope quantized at load)")
     ap.add_argument("--quantization-exclude", default=None,
                     help="comma-separated name fragments replacing the default exclusion list")
+    ap.add_argument("--min-margin", type=float, default=0.0,
+                    help="draw only tokens whose rounding decisions are at least this far from a boundary")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                     help="docs/quantization.md §4 (fp8: the MLA latent rows stored as E4M3 + BF16)")
     a = ap.parse_args()
@@ -124,12 +156,19 @@ def main():
     V = ref.cfg.vocab_size
     if a.token_ids:
         ids = np.array([int(x) for x in a.token_ids.split(",") if x.strip()], dtype=np.int64)
+    elif a.min_margin > 0:
+        with torch.no_grad():
+            ids = draw_with_margin(ref, V, a.num_tokens, a.seed, a.min_margin)
     else:
         ids = np.random.default_rng(a.seed).integers(0, V, size=a.num_tokens)
     if ids.size == 0 or ids.min() < 0 or ids.max() >= V:
         sys.exit("token ids must be non-empty and in [0, vocab_size)")
+    import quant
     with torch.no_grad():
+        quant.MARGIN.update(on=True, min=float("inf"), where="")
         out = ref.forward(ids)
+        quant.MARGIN["on"] = False
+        print(f"smallest rounding margin in the full forward: {quant.MARGIN['min']:.3g} ({quant.MARGIN['where']})")
         if a.check_incremental:
             inc = ref.forward_incremental(ids, chunks=[max(1, len(ids) // 2), 1, 3, 1])
             err = ((inc.logits - out.logits).abs().max() / out.logits.abs().max()).item()
@@ -139,6 +178,7 @@ def main():
     entries = [("meta.checkpoint_fnv1a64", np.array([checkpoint_fnv1a64(a.model)], dtype=np.uint64)),
                ("input_ids", ids.astype(np.int32)),
                *meta_entries(ref, a),
+               *([("meta.min_margin", np.array([a.min_margin], dtype=np.float64))] if a.min_margin > 0 else []),
                ("logits", out.logits.numpy().astype(np.float32))]
     for i, h in enumerate(out.hidden):
         entries.append((f"hidden.{i}", h.numpy().astype(np.float32)))
