@@ -128,6 +128,7 @@ static int write_npy(const char *path, const float *data, int rows, int cols, ds
 int ds_cmd_logits(int argc, char **argv) {
     const char *model_dir = NULL, *ids_arg = NULL, *out = NULL, *partition = "";
     const char *device = default_device(), *quant = "none", *quant_exclude = NULL;
+    const char *kv_dtype = "auto";
     int tp = 1, pp = 1;
     ds_arg opts[] = {
         {"model", "m", DS_ARG_STRING, &model_dir, "DIR", "checkpoint folder", .required = 1},
@@ -143,6 +144,9 @@ int ds_cmd_logits(int argc, char **argv) {
          "weights: none or ptpc_fp8 (see serve --help)", .choices = ds_quant_names},
         DS_OPT("quantization-exclude", NULL, DS_ARG_STRING, &quant_exclude, "A,B,..",
                "ptpc_fp8: name fragments kept unquantized (see serve --help)"),
+        {"kv-cache-dtype", NULL, DS_ARG_STRING, &kv_dtype, "T",
+         "MLA latent cache: auto (f32 rows) or fp8 (see serve --help)",
+         .choices = ds_kv_dtype_names},
     };
     ds_args a = {"deltaserve logits",
                  "Teacher-forced logits of every position, written as a float32 .npy array of\n"
@@ -174,6 +178,7 @@ int ds_cmd_logits(int argc, char **argv) {
     for (int i = 0; ds_quant_names[i]; i++)
         if (!strcmp(quant, ds_quant_names[i])) o.quantization = i;
     o.quantization_exclude = quant_exclude;
+    o.kv_fp8 = !strcmp(kv_dtype, "fp8");
     if (ds_rank_open(model_dir, tp, pp, counts, &o, &r, &err)) goto done;
     int V = ds_model_config(r.m)->vocab_size;
     if (r.last) logits = ds_malloc((size_t)n * V * sizeof(float), &err);

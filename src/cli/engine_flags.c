@@ -14,7 +14,6 @@
 
 static const char *const SPEC_METHODS[] = {"none", "dspark", "ngram", NULL};
 static const char *const RELAYS[] = {"partial-sum", "plain", NULL};
-static const char *const KV_DTYPES[] = {"auto", "fp8", NULL}; /* auto: f32 latent rows */
 
 int ds_parse_bytes(const char *s, size_t *out, ds_err *err) {
     char *end;
@@ -61,7 +60,7 @@ int ds_engine_flags_init(ds_engine_flags *f, const char *cmd) {
     f->device = ds_device_names[f->eo.device];
     f->spec_method = SPEC_METHODS[f->eo.speculative_method];
     f->relay = RELAYS[f->eo.draft_tap_relay];
-    f->kv_dtype = KV_DTYPES[0];
+    f->kv_dtype = ds_kv_dtype_names[0];
     f->partition = "";
     f->quant = ds_quant_names[f->eo.quantization];
     f->tp = f->pp = 1;
@@ -96,7 +95,7 @@ int ds_engine_flags_table(ds_engine_flags *f, ds_arg *out) {
         {"kv-cache-dtype", NULL, DS_ARG_STRING, &f->kv_dtype, "T",
          "MLA latent cache: auto (f32 rows) or fp8 (E4M3 with a scale per 128 values, BF16 rope "
          "part: 656 bytes a row at K3's shape, docs/quantization.md)",
-         .choices = KV_DTYPES},
+         .choices = ds_kv_dtype_names},
         DS_OPT("kv-cache-fraction", NULL, DS_ARG_FLOAT, &eo->kv_cache_fraction, "F",
                "fraction of free memory for the caches when --kv-cache-memory is not given"),
         DS_OPT("max-model-len", NULL, DS_ARG_INT, &eo->max_model_len, "N",
@@ -149,7 +148,7 @@ int ds_engine_flags_apply(ds_engine_flags *f, const ds_args *a, ds_err *err) {
         return ds_errf(err, "--quantization-exclude needs --quantization ptpc_fp8");
     eo->speculative_method = index_of(SPEC_METHODS, f->spec_method);
     eo->draft_tap_relay = index_of(RELAYS, f->relay);
-    eo->kv_fp8 = index_of(KV_DTYPES, f->kv_dtype) == 1;
+    eo->kv_fp8 = index_of(ds_kv_dtype_names, f->kv_dtype) == 1;
     if (ds_args_seen(a, "num-speculative-tokens") && eo->speculative_method == DS_SPEC_NONE)
         return ds_errf(err,
                        "--num-speculative-tokens needs --speculative-method (dspark or ngram)");

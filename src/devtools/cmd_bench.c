@@ -266,7 +266,7 @@ static int parse_batches(const char *list, int *out, ds_err *err) {
 /* bench's flags. */
 typedef struct bench_flags {
     const char *model_dir, *json_path, *device, *load_format, *batch_list, *partition;
-    const char *quant, *quant_exclude;
+    const char *quant, *quant_exclude, *kv_dtype;
     int prompt_tokens, steps, reps, batch_invariant, decode_ctx;
     int enforce_eager, full_logits, sampled, tp, pp;
 } bench_flags;
@@ -283,7 +283,7 @@ typedef struct bench_costs {
 
 static const char *const FORMATS[] = {"safetensors", "random", NULL};
 
-enum { BENCH_FLAGS = 18 }; /* entries bench_table writes */
+enum { BENCH_FLAGS = 19 }; /* entries bench_table writes */
 
 static int bench_table(bench_flags *f, ds_arg *out) {
     ds_arg table[BENCH_FLAGS] = {
@@ -315,6 +315,9 @@ static int bench_table(bench_flags *f, ds_arg *out) {
          "weights: none or ptpc_fp8 (see serve --help)", .choices = ds_quant_names},
         DS_OPT("quantization-exclude", NULL, DS_ARG_STRING, &f->quant_exclude, "A,B,..",
                "ptpc_fp8: name fragments kept unquantized (see serve --help)"),
+        {"kv-cache-dtype", NULL, DS_ARG_STRING, &f->kv_dtype, "T",
+         "MLA latent cache: auto (f32 rows) or fp8 (see serve --help)",
+         .choices = ds_kv_dtype_names},
         DS_OPT("tensor-parallel-size", "tp", DS_ARG_INT, &f->tp, "T", "tensor-parallel ranks"),
         DS_OPT("pipeline-parallel-size", "pp", DS_ARG_INT, &f->pp, "P", "pipeline stages"),
         DS_OPT("pp-layer-partition", NULL, DS_ARG_STRING, &f->partition, "2,3,3,2",
@@ -393,9 +396,10 @@ static void bench_print_head(const bench_flags *f, const bench_costs *c, const d
         printf("ranks: %d (tp %d x pp %d), this rank: %s; GB/s and GFLOP/s summed over the ranks, "
                "no fractions of one device's limits\n",
                comm->size, f->tp, f->pp, comm->who);
-    printf("deltaserve bench  model=%s%s  device=%s  weights=%.2f GB (loaded in %.1f s)\n",
+    printf("deltaserve bench  model=%s%s  device=%s  weights=%.2f GB (loaded in %.1f s)  "
+           "quantization=%s  kv-cache-dtype=%s\n",
            f->model_dir, random ? " (random weights)" : "", ds_model_device_name(m),
-           ds_model_weight_bytes(m) / 1e9, c->t_load);
+           ds_model_weight_bytes(m) / 1e9, c->t_load, f->quant, f->kv_dtype);
     if (c->gpu)
         printf("limits: device copy %.0f GB/s, cuBLAS BF16 GEMM %.0f TFLOP/s; %s%s%s\n", c->bw,
                c->peak / 1e3, f->enforce_eager ? "eager" : "CUDA graphs",
@@ -450,14 +454,16 @@ static int bench_write_json(const bench_flags *f, const bench_costs *c, const ds
     if (!o) return ds_errf(err, "%s: cannot write", f->json_path);
     const double peak = c->peak, bw = c->bw;
     fprintf(o,
-            "{\"model\": \"%s\", \"device\": \"%s\", \"random_weights\": %d, \"threads\": %d, "
+            "{\"model\": \"%s\", \"device\": \"%s\", \"quantization\": \"%s\", "
+            "\"kv_cache_dtype\": \"%s\", \"random_weights\": %d, \"threads\": %d, "
             "\"cuda_graphs\": %d, \"batch_invariant\": %d, \"tp\": %d, \"pp\": %d, "
             "\"bw_gbs\": %.3f, \"peak_gflops\": %.3f, \"prompt_tokens\": %d, "
             "\"prompt_tps\": %.3f, \"prompt_gflops\": %.3f, \"prompt_frac_peak\": %.4f, "
             "\"prompt_gemm_tflops\": %.3f, \"prompt_gemm_frac_peak\": %.4f, \"decode\": [",
-            f->model_dir, ds_model_device_name(m), random, c->threads, c->gpu && !f->enforce_eager,
-            f->batch_invariant, f->tp, f->pp, bw, peak, f->prompt_tokens, r->prompt_tps,
-            r->prompt_gflops, c->alone ? r->prompt_gflops / peak : 0, r->prompt_gemm_tflops,
+            f->model_dir, ds_model_device_name(m), f->quant, f->kv_dtype, random, c->threads,
+            c->gpu && !f->enforce_eager, f->batch_invariant, f->tp, f->pp, bw, peak,
+            f->prompt_tokens, r->prompt_tps, r->prompt_gflops,
+            c->alone ? r->prompt_gflops / peak : 0, r->prompt_gemm_tflops,
             c->alone && peak > 0 ? r->prompt_gemm_tflops * 1e3 / peak : 0);
     for (int i = 0; i < r->n_batches; i++)
         fprintf(o,
@@ -494,6 +500,7 @@ int ds_cmd_bench(int argc, char **argv) {
     bench_flags f = {.device = ds_device_names[mo.device < 0 ? DS_DEVICE_CPU : mo.device],
                      .load_format = "safetensors",
                      .quant = "none",
+                     .kv_dtype = "auto",
                      .batch_list = "1,16",
                      .partition = "",
                      .prompt_tokens = 512,
@@ -537,6 +544,7 @@ int ds_cmd_bench(int argc, char **argv) {
     for (int i = 0; ds_quant_names[i]; i++)
         if (!strcmp(f.quant, ds_quant_names[i])) mo.quantization = i;
     mo.quantization_exclude = f.quant_exclude;
+    mo.kv_fp8 = !strcmp(f.kv_dtype, "fp8");
     bench_job job;
     memset(&job, 0, sizeof job);
     bench_costs c = {0};

@@ -24,6 +24,9 @@
  * indexed by the constant: the --quantization choices). */
 enum { DS_QUANT_NONE = 0, DS_QUANT_PTPC_FP8 = 1 };
 extern const char *const ds_quant_names[];
+/* The latent cache dtypes (ds_model_opts.kv_fp8 is index 1), NULL-terminated: the
+ * --kv-cache-dtype choices. "auto" keeps f32 rows. */
+extern const char *const ds_kv_dtype_names[];
 /* The default exclusion list of ptpc_fp8, comma-separated (docs/quantization.md §3). */
 extern const char ds_quant_default_exclude[];
 

@@ -11,6 +11,7 @@
 #include <string.h>
 
 const char *const ds_quant_names[] = {"none", "ptpc_fp8", NULL};
+const char *const ds_kv_dtype_names[] = {"auto", "fp8", NULL};
 const char ds_quant_default_exclude[] =
     "embed_tokens,lm_head,conv1d,block_sparse_moe.gate.weight,self_attn.b_proj,kv_b_proj";
 
