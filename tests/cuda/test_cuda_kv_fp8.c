@@ -26,7 +26,9 @@ static void check_store_gather(ds_cu *c, int n, int R, int dr) {
     const size_t rb = ds_kv_fp8_row_bytes(R, dr);
     float *x = kv_rows(n, R, dr);
     int32_t *dst = malloc((size_t)n * 4);
-    for (int i = 0; i < n; i++) dst[i] = (int32_t)((i * 7 + 3) % n_pool);
+    /* a permutation into the pool, from its end (a stride sharing a factor with n_pool would
+     * send two rows to one place, and which write lands there last would be a race) */
+    for (int i = 0; i < n; i++) dst[i] = (int32_t)(n_pool - 1 - i);
     uint8_t *ref = calloc((size_t)n_pool, rb), *got = malloc((size_t)n_pool * rb);
     for (int i = 0; i < n; i++)
         ds_kv_fp8_quant_row(ref + (size_t)dst[i] * rb, x + (size_t)i * row, R, dr);
