@@ -6,31 +6,28 @@
  * Every term e4m3 * e4m3 is exact in f32, so the results differ from the CPU's only in the order
  * of the sums (and so, rarely, in an activation code a rounding apart).
  *
- * Decode: the weight-streaming kernel (codes widened with integer operations, the activations'
- * code values scaled by 2^119 in BF16: matmul_fp8.cu's scheme). Batches: F16 tensor cores (every
- * E4M3 value is exact in F16, each product exact, f32 accumulation: the w8a8 math), the weights
- * converted in registers. Grouping and combine are moe_experts.cu's. */
+ * Both paths run on F16 tensor cores (every E4M3 value is exact in F16, each product exact, f32
+ * accumulation: the w8a8 math), the weights converted in registers: decode and batch invariance
+ * through the weight-streaming kernel (matmul_fp8.cu's scheme, K split across warps), batches
+ * through the tile kernel (moe_mxfp4.cu's). Grouping and combine are moe_experts.cu's. */
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/moe.cuh"
 #include "kernels/shared/quant.h"
 
 #include <cuda_fp8.h>
 
-/* the streaming kernels' activations are the codes' values times this (see f8_raw) */
-#define F8_X_SCALE 0x1p119f
-
 /* ---- quantizers -------------------------------------------------------------------------------
  * One block a row. Block row i reads source row (perm ? perm[i] : i) / div and writes row
  * (sorted ? i : perm ? perm[i] : i); rows i >= *count (when given) and rows of another rank's
  * expert (direct: row i's expert) are skipped. ACT: the source row is [gate | up] of 2K values
- * and the quantized row is act(gate, up). f16: the codes' values in F16 (tensor cores), else times
- * F8_X_SCALE in BF16 (the streaming kernel); both exact. Scale and codes: ds_ptpc_scale, 1.0f / s
+ * and the quantized row is act(gate, up). The codes' values are written in F16 (exact), the mma
+ * kernels' operands. Scale and codes: ds_ptpc_scale, 1.0f / s
  * (IEEE division: the build has no fast math) and quant.h's rounding, as the CPU. */
 template <bool ACT>
 __global__ void __launch_bounds__(256)
     moe_f8_quant_k(uint16_t *q, float *s, const float *x, int ldx, int K, const int32_t *perm,
                    int div, int sorted, const int32_t *count, const int32_t *direct, int e0, int E,
-                   int f16, moe_act act) {
+                   moe_act act) {
     PDL_ENTRY();
     extern __shared__ float vsh[]; /* [K] the row's values (ACT) */
     const int i = blockIdx.x;
@@ -51,124 +48,10 @@ __global__ void __launch_bounds__(256)
     for (int c = threadIdx.x; c < K; c += blockDim.x) {
         const float v = ACT ? vsh[c] : xr[c];
         const float cv = ds_e4m3_to_f32(ds_f32_to_e4m3(v * inv));
-        qr[c] = f16 ? __half_as_ushort(__float2half_rn(cv))           /* exact */
-                    : (uint16_t)(ds_f32_bits(cv * F8_X_SCALE) >> 16); /* low bits zero */
+        qr[c] = __half_as_ushort(__float2half_rn(cv)); /* exact */
     }
 }
 
-/* ---- the streaming kernel ---------------------------------------------------------------------
- * moe_fp4_k's scheme (block: 8 warps of NPW weight rows of one active expert; up to rp routed rows
- * staged in shared memory) on rows of codes: lane l takes 16-code pieces l, l + 32, ... The
- * codes widen as matmul_fp8.cu's: the low seven bits at bit 20 of an f32 are the magnitude times
- * 2^-120, the sign goes to bit 31; with activations times 2^119 each product is the exact term
- * times 1/2 (in f32's normal range), so the doubled sum has the unscaled sum's bits. A row's sum
- * takes the same operations however many rows share the pass (batch invariance). */
-template <int J> static __device__ __forceinline__ float f8_raw(uint32_t w) {
-    const uint32_t mag = J < 3 ? (w << (20 - 8 * J)) : (w >> 4);
-    const uint32_t sgn = J < 3 ? (w << (24 - 8 * J)) : w;
-    return __uint_as_float((mag & 0x07f00000u) | (sgn & 0x80000000u));
-}
-
-/* 16 codes dotted with 16 scaled BF16 values (x 16-byte aligned, shared memory), in fixed order */
-static __device__ __forceinline__ float dot16_f8(uint4 u, const uint16_t *x) {
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-    const uint4 xa = ((const uint4 *)x)[0], xb = ((const uint4 *)x)[1];
-    const uint32_t xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-    float acc = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const uint32_t p = xv[2 * i], q = xv[2 * i + 1];
-        acc += f8_raw<0>(w[i]) * __uint_as_float(p << 16) +
-               f8_raw<1>(w[i]) * __uint_as_float(p & 0xffff0000u) +
-               f8_raw<2>(w[i]) * __uint_as_float(q << 16) +
-               f8_raw<3>(w[i]) * __uint_as_float(q & 0xffff0000u);
-    }
-    return acc;
-}
-
-/* y[r][n] = ((2 sum) * xs[r / x_div]) * sr[e N + n] for the pass's routed rows r; xq [.][K] the
- * scaled BF16 activations of source row r / x_div */
-template <int RPM, int NPW>
-__global__ void __launch_bounds__(256)
-    moe_f8_k(float *y, int ldy, const uint16_t *xq, const float *xs, int x_div, const uint8_t *Wc,
-             const float *Ws, int N, int K, const int32_t *start, const int32_t *perm,
-             const int32_t *active, const int32_t *n_active, int rp, const int32_t *direct, int e0,
-             int E) {
-    PDL_ENTRY();
-    extern __shared__ uint4 qsh[]; /* [rp][K] the pass's activation rows (BF16) */
-    int e, r0, r1;
-    if (direct) { /* block row y is routed row y (one token) */
-        e = direct[blockIdx.y] - e0;
-        if (e < 0 || e >= E) return;
-        r0 = blockIdx.y, r1 = r0 + 1;
-    } else {
-        if ((int)blockIdx.y >= *n_active) return;
-        e = active[blockIdx.y], r0 = start[e], r1 = start[e + 1];
-    }
-    const int lane = threadIdx.x & 31, nk = K / 16;
-    const int n0 = blockIdx.x * 8 * NPW + (threadIdx.x >> 5) * NPW;
-    const uint4 *wr[NPW];
-#pragma unroll
-    for (int j = 0; j < NPW; j++)
-        wr[j] = (const uint4 *)(Wc + ((size_t)e * N + min(n0 + j, N - 1)) * K);
-    for (int c0 = r0; c0 < r1; c0 += rp) {
-        const int nr = min(rp, r1 - c0);
-        __syncthreads(); /* the previous pass is done with qsh */
-        for (int i = 0; i < nr; i++) {
-            const int r = direct ? c0 + i : perm[c0 + i];
-            const uint4 *src = (const uint4 *)(xq + (size_t)(r / x_div) * K);
-            for (int j = threadIdx.x; j < K / 8; j += blockDim.x)
-                qsh[(size_t)i * (K / 8) + j] = src[j];
-        }
-        __syncthreads();
-        if (n0 >= N) continue;
-        float acc[NPW][RPM];
-#pragma unroll
-        for (int j = 0; j < NPW; j++)
-#pragma unroll
-            for (int i = 0; i < RPM; i++) acc[j][i] = 0.0f;
-#pragma unroll 2
-        for (int k16 = lane; k16 < nk; k16 += 32) {
-            uint4 u[NPW];
-#pragma unroll
-            for (int j = 0; j < NPW; j++) u[j] = __ldg(wr[j] + k16);
-#pragma unroll
-            for (int j = 0; j < NPW; j++)
-#pragma unroll
-                for (int i = 0; i < RPM; i++)
-                    if (i < nr)
-                        acc[j][i] +=
-                            dot16_f8(u[j], (const uint16_t *)qsh + (size_t)i * K + k16 * 16);
-        }
-#pragma unroll
-        for (int i = 0; i < RPM; i++)
-            if (i < nr) {
-                const int r = direct ? c0 + i : perm[c0 + i];
-                const float st = xs[r / x_div];
-#pragma unroll
-                for (int j = 0; j < NPW; j++) {
-                    float v = acc[j][i];
-                    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-                    if (lane == 0 && n0 + j < N)
-                        y[(size_t)r * ldy + n0 + j] =
-                            ((v * 2.0f) * st) * Ws[(size_t)e * N + n0 + j];
-                }
-            }
-    }
-}
-
-typedef void (*moe_f8_ptr)(float *, int, const uint16_t *, const float *, int, const uint8_t *,
-                           const float *, int, int, const int32_t *, const int32_t *,
-                           const int32_t *, const int32_t *, int, const int32_t *, int, int);
-static const moe_f8_ptr moe_f8_fns[3] = {moe_f8_k<1, 4>, moe_f8_k<2, 4>, moe_f8_k<8, 2>};
-enum : size_t { MOE_F8_SMEM = 48 * 1024 }; /* the default limit: no attribute to raise */
-
-/* ---- tensor cores (batches) -------------------------------------------------------------------
- * moe_mxfp4.cu's moe_tc4_k with rows of codes: a 128-wide step of a row is 128 bytes, lane
- * 4 g + l4 loading its 32 (two 16-byte loads) and the same 32 columns of its token's F16 row;
- * eight codes at a time become F16 pairs (cvt: exact) and feed m16n8k16 F16 mma with f32
- * accumulation, A and B in the same permuted column order. UP applies the scales and act and
- * writes f32 act rows (quantized next); DOWN writes (sum * s_row) * s_r. */
 static __device__ __forceinline__ void mma_16816_f16(float (&d)[4], const uint32_t (&a)[4],
                                                      uint32_t b0, uint32_t b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
@@ -183,6 +66,114 @@ static __device__ __forceinline__ uint32_t f8x2_f16(uint32_t w16) {
     return (uint32_t)h.x | ((uint32_t)h.y << 16);
 }
 
+/* ---- the streaming kernel ---------------------------------------------------------------------
+ * matmul_fp8.cu's gemv_fp8_k over an active expert's routed rows (or, one token, routed row
+ * blockIdx.y straight from idx): a warp a 16-row tile of the expert's weights (S warps sharing it
+ * along K, their partial sums added in order p = 0, 1, ..), up to 8 routed rows a pass as the mma's
+ * columns (F16 code values). A column does not depend on the others, and S on the matrix alone,
+ * so a row's result is the same whatever else the step holds (batch invariance). K a multiple of
+ * 16: a last step narrower than 64 is padded with zeros (part 0's). */
+static __device__ __forceinline__ void f8_mma_step(float (&acc)[4], uint4 a0, uint4 a1, uint4 x0,
+                                                   uint4 x1) {
+    const uint32_t A0[4] = {a0.x, a0.y, a0.z, a0.w}, A1[4] = {a1.x, a1.y, a1.z, a1.w};
+    const uint32_t B[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+    for (int q = 0; q < 4; q++) { /* codes [4 q, 4 q + 4) of the lane's 16 */
+        const uint32_t fr[4] = {f8x2_f16(A0[q] & 0xffffu), f8x2_f16(A1[q] & 0xffffu),
+                                f8x2_f16(A0[q] >> 16), f8x2_f16(A1[q] >> 16)};
+        mma_16816_f16(acc, fr, B[2 * q], B[2 * q + 1]);
+    }
+}
+
+/* y[r][n] = (sum * xs[r / x_div]) * Ws[e N + n] for routed rows r; xh [.][K] F16 code values of
+ * source row r / x_div */
+__global__ void __launch_bounds__(256)
+    moe_f8m_k(float *y, int ldy, const uint16_t *xh, const float *xs, int x_div, const uint8_t *Wc,
+              const float *Ws, int N, int K, int S, const int32_t *start, const int32_t *perm,
+              const int32_t *active, const int32_t *n_active, const int32_t *direct, int e0,
+              int E) {
+    PDL_ENTRY();
+    __shared__ float4 red[8][32]; /* [warp][lane] partial sums (S > 1) */
+    int e, r0, r1;
+    if (direct) { /* block row y is routed row y (one token) */
+        e = direct[blockIdx.y] - e0;
+        if (e < 0 || e >= E) return;
+        r0 = blockIdx.y, r1 = r0 + 1;
+    } else {
+        if ((int)blockIdx.y >= *n_active) return;
+        e = active[blockIdx.y], r0 = start[e], r1 = start[e + 1];
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, l4 = lane & 3;
+    const int tile = blockIdx.x * (8 / S) + warp / S, part = warp % S, ns = K / 64;
+    const int n0 = tile * 16 + g, n1 = n0 + 8;
+    const bool tail = part == 0 && 64 * ns + 16 * l4 < K; /* this lane's piece of the last step */
+    const uint4 *w0 = (const uint4 *)(Wc + ((size_t)e * N + min(n0, N - 1)) * K) + l4;
+    const uint4 *w1 = (const uint4 *)(Wc + ((size_t)e * N + min(n1, N - 1)) * K) + l4;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    enum { U = 4 };
+    for (int p0 = r0; p0 < r1; p0 += 8) {
+        const int nt = min(8, r1 - p0);
+        const bool xv = g < nt;
+        const int rg = xv ? (direct ? p0 + g : perm[p0 + g]) : 0;
+        const uint4 *xr = (const uint4 *)(xh + (size_t)(rg / x_div) * K) + 2 * l4;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        int s = part;
+        for (; s + (U - 1) * S < ns; s += U * S) { /* U steps' loads in flight */
+            uint4 a[U][2], xb[U][2];
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                a[u][0] = __ldg(w0 + 4 * (s + u * S)), a[u][1] = __ldg(w1 + 4 * (s + u * S));
+                xb[u][0] = xv ? xr[8 * (s + u * S)] : zero;
+                xb[u][1] = xv ? xr[8 * (s + u * S) + 1] : zero;
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) f8_mma_step(acc, a[u][0], a[u][1], xb[u][0], xb[u][1]);
+        }
+        for (; s < ns; s += S)
+            f8_mma_step(acc, __ldg(w0 + 4 * s), __ldg(w1 + 4 * s), xv ? xr[8 * s] : zero,
+                        xv ? xr[8 * s + 1] : zero);
+        if (part == 0 && K % 64) /* the narrower last step */
+            f8_mma_step(acc, tail ? __ldg(w0 + 4 * ns) : zero, tail ? __ldg(w1 + 4 * ns) : zero,
+                        xv && tail ? xr[8 * ns] : zero, xv && tail ? xr[8 * ns + 1] : zero);
+        if (S > 1) {
+            __syncthreads(); /* the previous pass is done with red */
+            red[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            __syncthreads();
+            if (part) continue;
+            acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
+            for (int p = 0; p < S; p++) {
+                const float4 v = red[warp + p][lane];
+                acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
+            }
+        }
+        /* C: rows g (elements 0, 1) and g + 8 (2, 3), routed rows 2 l4 and 2 l4 + 1 */
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int t = 2 * l4 + j;
+            if (t >= nt) continue;
+            const int r = direct ? p0 + t : perm[p0 + t];
+            const float st = xs[r / x_div];
+            float *yr = y + (size_t)r * ldy;
+            if (n0 < N) yr[n0] = (acc[j] * st) * Ws[(size_t)e * N + n0];
+            if (n1 < N) yr[n1] = (acc[2 + j] * st) * Ws[(size_t)e * N + n1];
+        }
+    }
+}
+
+/* Warps a 16-row tile: a function of the matrix alone (batch invariance). */
+static int f8_splits(int N, int K) {
+    const int tiles = (N + 15) / 16;
+    int S = 1;
+    while (S < 8 && tiles * S < 256 && K / 64 >= 4 * S) S *= 2;
+    return S;
+}
+
+/* ---- tensor cores (batches) -------------------------------------------------------------------
+ * moe_mxfp4.cu's moe_tc4_k with rows of codes: a 128-wide step of a row is 128 bytes, lane
+ * 4 g + l4 loading its 32 (two 16-byte loads) and the same 32 columns of its token's F16 row;
+ * eight codes at a time become F16 pairs (cvt: exact) and feed m16n8k16 F16 mma with f32
+ * accumulation, A and B in the same permuted column order. UP applies the scales and act and
+ * writes f32 act rows (quantized next); DOWN writes (sum * s_row) * s_r. */
 /* eight codes (words lo, hi) as four F16 pairs in column order */
 static __device__ __forceinline__ uint4 f8x8_f16(uint32_t lo, uint32_t hi) {
     return make_uint4(f8x2_f16(lo & 0xffffu), f8x2_f16(lo >> 16), f8x2_f16(hi & 0xffffu),
@@ -319,12 +310,12 @@ static void f8_tc(ds_cu *c, const f8_buf *b, const float *x, int rows, int D, in
     const int per = (rows + (int)g->ya - 1) / (int)g->ya, nt = per <= 4 ? 0 : per <= 12 ? 1 : 2;
     const int32_t *count = g->start + g->E;
     launch_k(c, moe_f8_quant_k<false>, (unsigned)rows, 256, 0, b->xq, b->xs, x, D, D, g->perm, k, 1,
-             count, (const int32_t *)NULL, 0, 0, 1, none);
+             count, (const int32_t *)NULL, 0, 0, none);
     launch_k(c, moe_tc8_up[nt], dim3((unsigned)((I + 127) / 128), g->ya), 256, 0, b->h, I,
              (const uint16_t *)b->xq, (const float *)b->xs, w->gc, w->gs, I, D, g->start, g->perm,
              g->active, g->n_active, act);
     launch_k(c, moe_f8_quant_k<false>, (unsigned)rows, 256, 0, b->aq, b->as, (const float *)b->h, I,
-             I, (const int32_t *)NULL, 1, 1, count, (const int32_t *)NULL, 0, 0, 1, none);
+             I, (const int32_t *)NULL, 1, 1, count, (const int32_t *)NULL, 0, 0, none);
     launch_k(c, moe_tc8_dn[nt], dim3((unsigned)((D + 255) / 256), g->ya), 256, 0, b->y, D,
              (const uint16_t *)b->aq, (const float *)b->as, w->dc, w->ds, D, I, g->start, g->perm,
              g->active, g->n_active, none);
@@ -334,26 +325,19 @@ static void f8_tc(ds_cu *c, const f8_buf *b, const float *x, int rows, int D, in
 static void f8_stream(ds_cu *c, const f8_buf *b, const float *x, int T, int rows, int D, int I,
                       int k, const f8_w *w, const f8_rows *g, moe_act act) {
     const moe_act none = {0, 0, 0.0f, 0.0f};
-    /* accumulators as the BF16 kernel sizes them (the bits do not depend on it) */
-    const int rpm = T == 1 ? 1 : rows <= g->E ? 2 : 8, fi = T == 1 ? 0 : rows <= g->E ? 1 : 2;
-    const int rp_up = DS_MAX(1, DS_MIN(DS_MIN(rpm, T), (int)(MOE_F8_SMEM / ((size_t)D * 2))));
-    const int rp_dn = DS_MAX(1, DS_MIN(DS_MIN(rpm, T), (int)(MOE_F8_SMEM / ((size_t)I * 2))));
-    const int npw = fi == 2 ? 2 : 4; /* moe_f8_fns[fi]'s NPW */
+    const int su = f8_splits(2 * I, D), sd = f8_splits(D, I);
     launch_k(c, moe_f8_quant_k<false>, (unsigned)T, 256, 0, b->xq, b->xs, x, D, D,
-             (const int32_t *)NULL, 1, 0, (const int32_t *)NULL, (const int32_t *)NULL, 0, 0, 0,
-             none);
-    launch_k(c, moe_f8_fns[fi], dim3((unsigned)((2 * I + 8 * npw - 1) / (8 * npw)), g->ya), 256,
-             (size_t)rp_up * D * 2, b->h, 2 * I, (const uint16_t *)b->xq, (const float *)b->xs, k,
-             w->gc, w->gs, 2 * I, D, g->start, g->perm, g->active, g->n_active, rp_up, g->direct,
-             g->e0, g->E);
+             (const int32_t *)NULL, 1, 0, (const int32_t *)NULL, (const int32_t *)NULL, 0, 0, none);
+    launch_k(c, moe_f8m_k, dim3((unsigned)(((2 * I + 15) / 16 + 8 / su - 1) / (8 / su)), g->ya),
+             256, 0, b->h, 2 * I, (const uint16_t *)b->xq, (const float *)b->xs, k, w->gc, w->gs,
+             2 * I, D, su, g->start, g->perm, g->active, g->n_active, g->direct, g->e0, g->E);
     /* act rows quantized: routed rows straight (one token) or this rank's, through perm */
     launch_k(c, moe_f8_quant_k<true>, (unsigned)rows, 256, (size_t)I * sizeof(float), b->aq, b->as,
              (const float *)b->h, 2 * I, I, g->direct ? (const int32_t *)NULL : g->perm, 1, 0,
-             g->direct ? (const int32_t *)NULL : g->start + g->E, g->direct, g->e0, g->E, 0, act);
-    launch_k(c, moe_f8_fns[fi], dim3((unsigned)((D + 8 * npw - 1) / (8 * npw)), g->ya), 256,
-             (size_t)rp_dn * I * 2, b->y, D, (const uint16_t *)b->aq, (const float *)b->as, 1,
-             w->dc, w->ds, D, I, g->start, g->perm, g->active, g->n_active, rp_dn, g->direct, g->e0,
-             g->E);
+             g->direct ? (const int32_t *)NULL : g->start + g->E, g->direct, g->e0, g->E, act);
+    launch_k(c, moe_f8m_k, dim3((unsigned)(((D + 15) / 16 + 8 / sd - 1) / (8 / sd)), g->ya), 256, 0,
+             b->y, D, (const uint16_t *)b->aq, (const float *)b->as, 1, w->dc, w->ds, D, I, sd,
+             g->start, g->perm, g->active, g->n_active, g->direct, g->e0, g->E);
 }
 
 extern "C" int ds_cu_moe_experts_fp8(ds_cu *c, float *out, const float *x, const int32_t *idx,
@@ -365,7 +349,7 @@ extern "C" int ds_cu_moe_experts_fp8(ds_cu *c, float *out, const float *x, const
     if (T <= 0 || k <= 0) return DS_OK;
     const int rows = T * k;
     if (rows > 65535) return ds_errf(err, "cuda: moe fp8: %d routed rows (at most 65535)", rows);
-    if (D % 16 || I % 16 || E <= 0 || (size_t)I * 4 > MOE_F8_SMEM)
+    if (D % 16 || I % 16 || E <= 0 || (size_t)I * 4 > 48 * 1024)
         return ds_errf(err, "cuda: moe fp8: widths %d and %d (multiples of 16 wanted)", D, I);
     if ((uintptr_t)gu_codes % 16 || (uintptr_t)dn_codes % 16)
         return ds_errf(err, "cuda: moe fp8: codes not 16-byte aligned");
