@@ -10,13 +10,17 @@
 #include <cublasLt.h>
 #include <cuda_fp8.h>
 
+/* the streaming kernels' activations are the codes' values times this (see e4m3_raw) */
+#define FP8_X_SCALE 0x1p119f
+
 /* ---- quantizers -------------------------------------------------------------------------------
  * One block a row (grid-stride over rows). The scale and codes are ds_ptpc_quantize's: the
  * largest magnitude is exact whatever the order of the maxima, 1.0f / s is IEEE division (the
  * build has no fast math), and the codes come from quant.h's one definition. */
 
 /* Activations: s[t] and codes xq [T][ldq] (columns [K, ldq) zero), or with xf the codes' values
- * in F16 (exact), xf [T][K] (the streaming kernel's B operands), instead. */
+ * times FP8_X_SCALE in BF16 (exact: four significant bits), xf [T][K] (the streaming kernels'
+ * operand: half the bytes of f32, which every warp re-reads), instead. */
 __global__ void __launch_bounds__(256) ptpc_act_k(uint8_t *xq, int ldq, uint16_t *xf, float *s,
                                                   const float *x, int ldx, int T, int K) {
     PDL_ENTRY();
@@ -29,8 +33,10 @@ __global__ void __launch_bounds__(256) ptpc_act_k(uint8_t *xq, int ldq, uint16_t
         if (threadIdx.x == 0) s[t] = st;
         if (xf) {
             for (int c = threadIdx.x; c < K; c += blockDim.x)
-                xf[(size_t)t * K + c] = __half_as_ushort(
-                    __float2half_rn(ds_e4m3_to_f32(ds_f32_to_e4m3(xr[c] * inv)))); /* exact */
+                xf[(size_t)t * K + c] =
+                    (uint16_t)(ds_f32_bits(ds_e4m3_to_f32(ds_f32_to_e4m3(xr[c] * inv)) *
+                                           FP8_X_SCALE) >>
+                               16); /* exact: the low bits are zero */
         } else {
             for (int c = threadIdx.x; c < ldq; c += blockDim.x)
                 xq[(size_t)t * ldq + c] = c < K ? ds_f32_to_e4m3(xr[c] * inv) : (uint8_t)0;
@@ -77,124 +83,113 @@ extern "C" int ds_cu_ptpc_quantize_act(ds_cu *c, uint8_t *xq, int ldq, float *s,
 }
 
 /* ---- the streaming kernel ---------------------------------------------------------------------
- * Decode is bound by the work of widening codes, not by the bytes (widening in f32 took several
- * integer operations a code), so the weights stream through F16 tensor cores instead: every E4M3
- * value is exact in F16 (one cvt a pair of codes), each product is exact, and the m16n8k16 mma
- * accumulates in f32. A warp takes a tile of 16 rows (S warps sharing a short matrix's tile,
- * their partial sums added in order p = 0, 1, ..) and 8 tokens as the mma's columns: lane
- * 4 g + l4 loads 16 codes of rows g and g + 8 a 64-wide step and token g's same 16 activation
- * values (F16 code values), A and B in one permuted column order. A token's column does not
- * depend on the other columns, so batch invariance holds. */
-static __device__ __forceinline__ void mma_16816_f16(float (&d)[4], const uint32_t (&a)[4],
-                                                     uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+ * gemv_bf16_k's form with FP8 weights: one warp a row (S warps sharing a short matrix's row,
+ * their partial sums added in order p = 0, 1, ..), 16-byte loads of 16 codes each widened exactly
+ * (E4M3 -> F16 -> F32, both exact), the activations' f32 code values (xf) served by L1. The
+ * order of a token's operations does not depend on T, so batch invariance holds. */
+
+/* The streaming kernels widen codes with integer operations rather than the conversion units
+ * (E4M3 -> F16 -> F32 took three conversions a pair and bound the kernel well below the copy
+ * rate): the code's low seven bits placed at bit 20 of an f32 give its magnitude times 2^-120
+ * (subnormal codes as f32 subnormals, exact), the sign goes to bit 31. The activations' values
+ * come scaled by 2^119 (ptpc_act_k's xf: at most 448 * 2^119, finite), so each product is the
+ * exact term times 1/2 and every partial sum is the unscaled one times 1/2 (all in f32's normal
+ * range): the result, doubled, has the bits of the unscaled f32 sums. */
+
+/* code j (0..3) of a word as its value times 2^-120 */
+template <int J> static __device__ __forceinline__ float e4m3_raw(uint32_t w) {
+    const uint32_t mag = J < 3 ? (w << (20 - 8 * J)) : (w >> 4);
+    const uint32_t sgn = J < 3 ? (w << (24 - 8 * J)) : w;
+    return __uint_as_float((mag & 0x07f00000u) | (sgn & 0x80000000u));
 }
 
-/* two E4M3 codes (low byte first) as an F16 pair (exact) */
-static __device__ __forceinline__ uint32_t e4m3x2_f16(uint32_t w16) {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)w16, __NV_E4M3);
-    return (uint32_t)h.x | ((uint32_t)h.y << 16);
-}
-
-/* one 64-wide step: codes a0 (row g) and a1 (row g + 8), 16 each; x: token g's 16 values */
-static __device__ __forceinline__ void fp8_mma_step(float (&acc)[4], uint4 a0, uint4 a1, uint4 x0,
-                                                    uint4 x1) {
-    const uint32_t A0[4] = {a0.x, a0.y, a0.z, a0.w}, A1[4] = {a1.x, a1.y, a1.z, a1.w};
-    const uint32_t B[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+/* 16 E4M3 codes dotted with 16 scaled BF16 values (x 16-byte aligned), in a fixed order */
+static __device__ __forceinline__ float dot16_e4m3(uint4 u, const uint16_t *x) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+    const uint4 xa = ((const uint4 *)x)[0], xb = ((const uint4 *)x)[1];
+    const uint32_t xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    float acc = 0.0f;
 #pragma unroll
-    for (int q = 0; q < 4; q++) { /* codes [4 q, 4 q + 4) of the lane's 16 */
-        const uint32_t fr[4] = {e4m3x2_f16(A0[q] & 0xffffu), e4m3x2_f16(A1[q] & 0xffffu),
-                                e4m3x2_f16(A0[q] >> 16), e4m3x2_f16(A1[q] >> 16)};
-        mma_16816_f16(acc, fr, B[2 * q], B[2 * q + 1]);
+    for (int i = 0; i < 4; i++) {
+        const uint32_t p = xv[2 * i], q = xv[2 * i + 1];
+        acc += e4m3_raw<0>(w[i]) * __uint_as_float(p << 16) +
+               e4m3_raw<1>(w[i]) * __uint_as_float(p & 0xffff0000u) +
+               e4m3_raw<2>(w[i]) * __uint_as_float(q << 16) +
+               e4m3_raw<3>(w[i]) * __uint_as_float(q & 0xffff0000u);
     }
+    return acc;
 }
 
-/* y[t][r] = (sum * st[t]) * sr[r] for tokens [8 blockIdx.y, + 8) below T; xh [T][K] F16 code
- * values; K a multiple of 64, W 16-byte aligned */
+template <int TT>
 __global__ void __launch_bounds__(256)
-    gemv_fp8_k(float *y, int ldy, const uint16_t *xh, const float *st, const uint8_t *W,
-               const float *sr, int N, int K, int S, int T) {
-    __shared__ float4 red[8][32]; /* [warp][lane] partial sums (S > 1) */
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, l4 = lane & 3;
-    const int tile = blockIdx.x * (8 / S) + warp / S, part = warp % S, ns = K / 64;
-    const int t0 = blockIdx.y * 8, nt = min(8, T - t0);
-    const int r0 = tile * 16 + g, r1 = r0 + 8;
-    const uint4 *w0 = (const uint4 *)(W + (size_t)min(r0, N - 1) * K) + l4;
-    const uint4 *w1 = (const uint4 *)(W + (size_t)min(r1, N - 1) * K) + l4;
+    gemv_fp8_k(float *y, int ldy, const uint16_t *xf, const float *st, const uint8_t *W,
+               const float *sr, int N, int K, int S) {
+    __shared__ float red[8][TT]; /* [warp][token] partial sums (S > 1) */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n = blockIdx.x * (8 / S) + warp / S, part = warp % S, nk = K / 16, step = 32 * S;
+    const int k0 = lane + 32 * part;
     /* the weights are no earlier kernel's output: the first pieces load before the wait */
-    enum { PRE = 2, U = 4 };
-    uint4 pa[PRE][2];
+    enum { PRE = 2 };
+    const uint4 *wr = (const uint4 *)(W + (size_t)min(n, N - 1) * K);
+    uint4 pre[PRE];
 #pragma unroll
     for (int i = 0; i < PRE; i++)
-        if (part + S * i < ns)
-            pa[i][0] = __ldg(w0 + 4 * (part + S * i)), pa[i][1] = __ldg(w1 + 4 * (part + S * i));
+        if (k0 + step * i < nk) pre[i] = __ldg(wr + k0 + step * i);
     PDL_ENTRY();
-    if (S == 1 && tile * 16 >= N) return;
-    const bool xv = g < nt;
-    const uint4 *xr = (const uint4 *)(xh + (size_t)(t0 + (xv ? g : 0)) * K) + 2 * l4;
-    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (S == 1 && n >= N) return;
+    xf += (size_t)blockIdx.y * TT * K;
+    st += (size_t)blockIdx.y * TT;
+    y += (size_t)blockIdx.y * TT * ldy;
+    float acc[TT];
+#pragma unroll
+    for (int t = 0; t < TT; t++) acc[t] = 0.0f;
 #pragma unroll
     for (int i = 0; i < PRE; i++) {
-        const int s = part + S * i;
-        if (s < ns)
-            fp8_mma_step(acc, pa[i][0], pa[i][1], xv ? __ldg(xr + 8 * s) : zero,
-                         xv ? __ldg(xr + 8 * s + 1) : zero);
-    }
-    int s = part + S * PRE;
-    for (; s + (U - 1) * S < ns; s += U * S) { /* U steps' loads in flight */
-        uint4 a[U][2], xb[U][2];
+        const int k16 = k0 + step * i;
+        if (k16 < nk)
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            a[u][0] = __ldg(w0 + 4 * (s + u * S)), a[u][1] = __ldg(w1 + 4 * (s + u * S));
-            xb[u][0] = xv ? __ldg(xr + 8 * (s + u * S)) : zero;
-            xb[u][1] = xv ? __ldg(xr + 8 * (s + u * S) + 1) : zero;
+            for (int t = 0; t < TT; t++)
+                acc[t] += dot16_e4m3(pre[i], xf + (size_t)t * K + k16 * 16);
+    }
+#pragma unroll 4
+    for (int k16 = k0 + step * PRE; k16 < nk; k16 += step) {
+        const uint4 u = __ldg(wr + k16);
+#pragma unroll
+        for (int t = 0; t < TT; t++) acc[t] += dot16_e4m3(u, xf + (size_t)t * K + k16 * 16);
+    }
+#pragma unroll
+    for (int t = 0; t < TT; t++) {
+        float v = acc[t];
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (S == 1) {
+            if (lane == 0) y[(size_t)t * ldy + n] = ((v * 2.0f) * st[t]) * sr[n];
+        } else if (lane == 0) {
+            red[warp][t] = v;
         }
-#pragma unroll
-        for (int u = 0; u < U; u++) fp8_mma_step(acc, a[u][0], a[u][1], xb[u][0], xb[u][1]);
     }
-    for (; s < ns; s += S)
-        fp8_mma_step(acc, __ldg(w0 + 4 * s), __ldg(w1 + 4 * s), xv ? __ldg(xr + 8 * s) : zero,
-                     xv ? __ldg(xr + 8 * s + 1) : zero);
-    if (S > 1) {
-        red[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-        __syncthreads();
-        if (part) return;
-        acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
-        for (int p = 0; p < S; p++) {
-            const float4 v = red[warp + p][lane];
-            acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
-        }
-        if (tile * 16 >= N) return;
-    }
-    /* C: rows g (elements 0, 1) and g + 8 (2, 3), tokens 2 l4 and 2 l4 + 1 */
-#pragma unroll
-    for (int j = 0; j < 2; j++) {
-        const int t = 2 * l4 + j;
-        if (t >= nt) continue;
-        float *yt = y + (size_t)(t0 + t) * ldy;
-        if (r0 < N) yt[r0] = (acc[j] * st[t0 + t]) * sr[r0];
-        if (r1 < N) yt[r1] = (acc[2 + j] * st[t0 + t]) * sr[r1];
+    if (S == 1) return;
+    __syncthreads();
+    if (part == 0 && lane < TT && n < N) {
+        float v = 0.0f;
+        for (int p = 0; p < S; p++) v += red[warp + p][lane];
+        y[(size_t)lane * ldy + n] = ((v * 2.0f) * st[lane]) * sr[n];
     }
 }
 
 /* Any K and alignment, one code at a time (a warp a row, a token a block row): the fallback. */
 __global__ void __launch_bounds__(256)
-    gemv_fp8_any_k(float *y, int ldy, const uint16_t *xh, const float *st, const uint8_t *W,
+    gemv_fp8_any_k(float *y, int ldy, const uint16_t *xf, const float *st, const uint8_t *W,
                    const float *sr, int N, int K) {
     PDL_ENTRY();
     const int lane = threadIdx.x & 31, n = blockIdx.x * 8 + (threadIdx.x >> 5), t = blockIdx.y;
     if (n >= N) return;
     const uint8_t *wr = W + (size_t)n * K;
-    const uint16_t *xt = xh + (size_t)t * K;
+    const uint16_t *xt = xf + (size_t)t * K;
     float acc = 0.0f;
     for (int k = lane; k < K; k += 32)
-        acc += ds_e4m3_to_f32(wr[k]) * __half2float(__ushort_as_half(xt[k]));
+        acc += e4m3_raw<0>(wr[k]) * __uint_as_float((uint32_t)xt[k] << 16);
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0) y[(size_t)t * ldy + n] = (acc * st[t]) * sr[n];
+    if (lane == 0) y[(size_t)t * ldy + n] = ((acc * 2.0f) * st[t]) * sr[n];
 }
 
 /* y[t][r] = (y[t][r] * s_t) * s_r after the tensor cores' unit-scale product */
@@ -207,34 +202,65 @@ __global__ void fp8_scale_k(float *y, int ldy, const float *st, const float *sr,
         }
 }
 
-/* Warps a 16-row tile: a function of the matrix alone (enough warps to keep loads in flight). */
+/* Warps a row, as matmul.cu's gemv_splits: a function of the matrix alone. */
 static int fp8_splits(const ds_cu *c, int N, int K) {
-    const long want = 16L * c->n_sm, tiles = (N + 15) / 16;
+    const long want = 32L * c->n_sm;
     int S = 1;
-    while (S < 8 && tiles * S < want && K / 64 >= 4 * S) S *= 2;
+    while (S < 8 && (long)N * S < want && K / 16 >= 32 * 2 * S) S *= 2;
     return S;
 }
 
-static int fp8_gemv(ds_cu *c, float *y, int ldy, const uint16_t *xh, const float *st, int T,
+static int fp8_gemv(ds_cu *c, float *y, int ldy, const uint16_t *xf, const float *st, int T,
                     const ds_cu_mat *w, ds_err *err) {
     const int N = w->rows, K = w->cols;
     const uint8_t *W = (const uint8_t *)w->data;
     const float *sr = (const float *)w->scale;
-    if (K % 64 || (uintptr_t)W % 16) {
+    if (K % 16 || (uintptr_t)W % 16) {
         for (int t0 = 0; t0 < T; t0 += 65535)
             launch_k(c, gemv_fp8_any_k,
                      dim3((unsigned)((N + 7) / 8), (unsigned)DS_MIN(T - t0, 65535)), 256, 0,
-                     y + (size_t)t0 * ldy, ldy, xh + (size_t)t0 * K, st + t0, W, sr, N, K);
+                     y + (size_t)t0 * ldy, ldy, xf + (size_t)t0 * K, st + t0, W, sr, N, K);
         CU_TRY(cudaGetLastError(), "matmul fp8 (gemv, any shape)");
         return DS_OK;
     }
     const int S = fp8_splits(c, N, K);
-    const unsigned blocks = (unsigned)(((N + 15) / 16 + 8 / S - 1) / (8 / S));
-    for (int t0 = 0; t0 < T; t0 += 8 * 65535) {
-        const int n = DS_MIN(T - t0, 8 * 65535);
-        launch_k(c, gemv_fp8_k, dim3(blocks, (unsigned)((n + 7) / 8)), 256, 0, y + (size_t)t0 * ldy,
-                 ldy, xh + (size_t)t0 * K, st + t0, W, sr, N, K, S, n);
+    const unsigned blocks = (unsigned)((N + 8 / S - 1) / (8 / S));
+    const int full = T / 8, rem = T % 8;
+    for (int t0 = 0; t0 < full * 8; t0 += 8 * 65535)
+        launch_k(c, gemv_fp8_k<8>, dim3(blocks, (unsigned)DS_MIN(full - t0 / 8, 65535)), 256, 0,
+                 y + (size_t)t0 * ldy, ldy, xf + (size_t)t0 * K, st + t0, W, sr, N, K, S);
+    const size_t t0 = (size_t)full * 8;
+    float *yr = y + t0 * ldy;
+    const uint16_t *xr = xf + t0 * K;
+    const float *sr_t = st + t0;
+#define FP8_REM(TT)                                                                                \
+    launch_k(c, gemv_fp8_k<TT>, dim3(blocks, 1), 256, 0, yr, ldy, xr, sr_t, W, sr, N, K, S)
+    switch (rem) {
+    case 0:
+        break;
+    case 1:
+        FP8_REM(1);
+        break;
+    case 2:
+        FP8_REM(2);
+        break;
+    case 3:
+        FP8_REM(3);
+        break;
+    case 4:
+        FP8_REM(4);
+        break;
+    case 5:
+        FP8_REM(5);
+        break;
+    case 6:
+        FP8_REM(6);
+        break;
+    default:
+        FP8_REM(7);
+        break;
     }
+#undef FP8_REM
     CU_TRY(cudaGetLastError(), "matmul fp8 (gemv)");
     return DS_OK;
 }
@@ -323,7 +349,7 @@ int matmul_fp8(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, cons
     const int K = w->cols;
     const int tc = !stream && K % 16 == 0 && (uintptr_t)w->data % 16 == 0;
     /* scratch (per stream: the side stream has its own): s [T] f32, then xq [T][K] codes for the
-     * tensor cores or xf [T][K] F16 code values for the streaming kernel */
+     * tensor cores or xf [T][K] scaled BF16 values for the streaming kernel */
     const size_t s_bytes = ((size_t)T * 4 + 255) & ~(size_t)255;
     const size_t need = s_bytes + (size_t)T * K * (tc ? 1 : 2);
     if (grow_scratch(c, (void **)&c->xb, &c->xb_bytes, need, "matmul scratch", err)) return DS_ERR;
