@@ -174,6 +174,7 @@ static const struct {
     {"matmul fp8", checks_matmul_fp8}, /* (last: the inputs of the checks above stay the same) */
     {"moe mxfp4", checks_moe_mxfp4},
     {"kv fp8", checks_kv_fp8},
+    {"moe fp8", checks_moe_fp8},
 };
 
 /* Every op's timings, by the section name --bench selects them with, in the order they run. */
@@ -183,7 +184,7 @@ static const struct {
 } cuda_benches[] = {
     {"matmul", bench_matmul},  {"kda", bench_kda},          {"mla", bench_mla_expanded},
     {"moe", bench_moe},        {"mla", bench_mla_absorbed}, {"draw", bench_draw},
-    {"fp8", bench_matmul_fp8}, {"mxfp4", bench_moe_mxfp4},
+    {"fp8", bench_matmul_fp8}, {"mxfp4", bench_moe_mxfp4},  {"moefp8", bench_moe_fp8},
 };
 
 /* Every kernel against the CPU backend on fresh random inputs (g_fail counts what failed). */

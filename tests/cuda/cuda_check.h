@@ -72,9 +72,10 @@ void checks_draws(ds_cu *c);      /* ... */
 void checks_matmul_fp8(ds_cu *c); /* test_cuda_matmul_fp8.c */
 void checks_moe_mxfp4(ds_cu *c);  /* test_cuda_moe_mxfp4.c */
 void checks_kv_fp8(ds_cu *c);     /* test_cuda_kv_fp8.c */
+void checks_moe_fp8(ds_cu *c);    /* test_cuda_moe_fp8.c */
 void checks_nccl(ds_cu *c);       /* test_cuda_nccl.c */
 
-/* Each op file's timings (--bench sections: matmul, kda, mla, moe, draw, fp8, mxfp4). */
+/* Each op file's timings (--bench sections: matmul, kda, mla, moe, draw, fp8, mxfp4, moefp8). */
 void bench_matmul(ds_cu *c, const cuda_ceilings *ceil);
 void bench_kda(ds_cu *c, const cuda_ceilings *ceil);
 void bench_mla_expanded(ds_cu *c, const cuda_ceilings *ceil);
@@ -83,6 +84,7 @@ void bench_moe(ds_cu *c, const cuda_ceilings *ceil);
 void bench_draw(ds_cu *c, const cuda_ceilings *ceil);
 void bench_matmul_fp8(ds_cu *c, const cuda_ceilings *ceil);
 void bench_moe_mxfp4(ds_cu *c, const cuda_ceilings *ceil);
+void bench_moe_fp8(ds_cu *c, const cuda_ceilings *ceil);
 
 /* --kda-io DIR T H D (test_cuda_kda.c) */
 void kda_io(ds_cu *c, const char *dir, int T, int H, int D);

@@ -63,6 +63,9 @@ typedef struct cu_ffn {
     /* MXFP4 routed experts (experts_mxfp4; gate_up and e_down NULL), kept packed:
      * codes [E][2 Ie][Hin/2] and scales [E][2 Ie][Hin/32]; down [E][Hin][Ie/2], [E][Hin][Ie/32] */
     int experts_mxfp4;
+    /* ptpc FP8 routed experts (experts_fp8; gate_up and e_down NULL): codes [E][2 Ie][Hin] and
+     * f32 row scales [E][2 Ie] (held in gu_scales), down [E][Hin][Ie] and [E][Hin] */
+    int experts_fp8;
     uint8_t *gu_codes, *gu_scales, *dn_codes, *dn_scales;
 } cu_ffn;
 

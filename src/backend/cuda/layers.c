@@ -360,6 +360,12 @@ int cuda_ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, flo
                 cu, acc + (size_t)t0 * Hin, ein + (size_t)t0 * Hin, idx + (size_t)t0 * K,
                 wt + (size_t)t0 * K, n, K, El, e0, Hin, Ie, w->gu_codes, w->gu_scales, w->dn_codes,
                 w->dn_scales, situ, c->situ_beta, c->situ_linear_beta, shared && !latent, err));
+        else if (w->experts_fp8)
+            TRY(ds_cu_moe_experts_fp8(cu, acc + (size_t)t0 * Hin, ein + (size_t)t0 * Hin,
+                                      idx + (size_t)t0 * K, wt + (size_t)t0 * K, n, K, El, e0, Hin,
+                                      Ie, w->gu_codes, (const float *)w->gu_scales, w->dn_codes,
+                                      (const float *)w->dn_scales, situ, c->situ_beta,
+                                      c->situ_linear_beta, shared && !latent, err));
         else
             TRY(ds_cu_moe_experts(cu, acc + (size_t)t0 * Hin, ein + (size_t)t0 * Hin,
                                   idx + (size_t)t0 * K, wt + (size_t)t0 * K, n, K, El, e0, Hin, Ie,

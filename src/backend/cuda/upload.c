@@ -242,6 +242,36 @@ static int up_experts_mxfp4(ds_cuda_model *cm, const ds_model *m, const ffn_w *w
     return DS_OK;
 }
 
+/* ptpc FP8 routed experts (Kimi-Linear's under --quantization ptpc_fp8): codes and row scales,
+ * gate then up rows of each expert, then down. */
+static int up_experts_fp8(ds_cuda_model *cm, const ds_model *m, const ffn_w *w, cu_ffn *d,
+                          ds_err *err) {
+    const ds_config *c = &m->cfg;
+    const int El = m->e1 - m->e0, Ie = c->moe_intermediate_size;
+    const int Hin = c->routed_expert_hidden_size ? c->routed_expert_hidden_size : c->hidden_size;
+    if (Hin % 16 || Ie % 16)
+        return ds_errf(err, "cuda: FP8 experts of widths %d and %d (multiples of 16)", Hin, Ie);
+    const size_t per = (size_t)Ie * Hin; /* values of one expert matrix */
+    d->experts_fp8 = 1;
+    d->gu_codes = dev_alloc(cm, (size_t)El * 2 * per, err);
+    d->gu_scales = dev_alloc(cm, (size_t)El * 2 * Ie * sizeof(float), err);
+    d->dn_codes = dev_alloc(cm, (size_t)El * per, err);
+    d->dn_scales = dev_alloc(cm, (size_t)El * Hin * sizeof(float), err);
+    if (!d->gu_codes || !d->gu_scales || !d->dn_codes || !d->dn_scales) return DS_ERR;
+    float *gs = (float *)d->gu_scales, *dsc = (float *)d->dn_scales;
+    for (int e = m->e0; e < m->e1; e++) {
+        const ds_mat *w1 = &w->w1[e], *w3 = &w->w3[e], *w2 = &w->w2[e];
+        const size_t l = (size_t)(e - m->e0); /* its place among this rank's experts */
+        if (w1->dtype != DS_DT_F8_E4M3 || w3->dtype != DS_DT_F8_E4M3 || w2->dtype != DS_DT_F8_E4M3)
+            return ds_errf(err, "cuda: expert %d mixes FP8 and other dtypes", e);
+        if (fill_fp8(cm, d->gu_codes + l * 2 * per, gs + l * 2 * Ie, w1, err) ||
+            fill_fp8(cm, d->gu_codes + l * 2 * per + per, gs + l * 2 * Ie + Ie, w3, err) ||
+            fill_fp8(cm, d->dn_codes + l * per, dsc + l * Hin, w2, err))
+            return DS_ERR;
+    }
+    return DS_OK;
+}
+
 static int up_ffn(ds_cuda_model *cm, const ds_model *m, const ffn_w *w, cu_ffn *d, ds_err *err) {
     const ds_config *c = &m->cfg;
     const ds_mat *gu[2] = {&w->gate, &w->up}, *sgu[2] = {&w->sh_gate, &w->sh_up};
@@ -261,9 +291,7 @@ static int up_ffn(ds_cuda_model *cm, const ds_model *m, const ffn_w *w, cu_ffn *
         return DS_ERR;
     size_t per = (size_t)Ie * Hin; /* elements of one expert matrix */
     if (El > 0 && w->w1[m->e0].dtype == DS_DT_MXFP4) return up_experts_mxfp4(cm, m, w, d, err);
-    if (El > 0 && w->w1[m->e0].dtype == DS_DT_F8_E4M3)
-        return ds_errf(err, "cuda: FP8 routed experts are not supported on the GPU yet (keep them "
-                            "BF16: --quantization-exclude with the experts' names)");
+    if (El > 0 && w->w1[m->e0].dtype == DS_DT_F8_E4M3) return up_experts_fp8(cm, m, w, d, err);
     d->gate_up = dev_alloc(cm, (size_t)El * 2 * per * 2, err);
     d->e_down = dev_alloc(cm, (size_t)El * per * 2, err);
     if (!d->gate_up || !d->e_down) return DS_ERR;

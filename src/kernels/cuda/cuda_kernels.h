@@ -229,6 +229,20 @@ int ds_cu_moe_experts_mxfp4(ds_cu *c, float *out, const float *x, const int32_t 
                             const uint8_t *dn_codes, const uint8_t *dn_scales, int situ,
                             float situ_beta, float situ_lin_beta, int accumulate, ds_err *err);
 
+/* Routed experts held as ptpc FP8 (docs/quantization.md §3): gate_up codes [E][2I][D] E4M3 with
+ * row scales gu_scales [E][2I] f32 (an expert's gate rows, then its up rows), down codes [E][D][I]
+ * and dn_scales [E][D]; otherwise as ds_cu_moe_experts. As the CPU: each token's input quantized
+ * per token, gate and up (sum * s_t) * s_r, act in f32, its row quantized per (token, expert)
+ * before the down product. One token, or batches below the tensor-core bound (and with batch
+ * invariance): the weight-streaming kernel; batches from the bound (ds_cu_set_expert_mma, D and I
+ * multiples of 128): F16 tensor cores on the E4M3 values (exact), f32 accumulation. D and I
+ * multiples of 16, I at most 12288. */
+int ds_cu_moe_experts_fp8(ds_cu *c, float *out, const float *x, const int32_t *idx, const float *w,
+                          int T, int k, int E, int e0, int D, int I, const uint8_t *gu_codes,
+                          const float *gu_scales, const uint8_t *dn_codes, const float *dn_scales,
+                          int situ, float situ_beta, float situ_lin_beta, int accumulate,
+                          ds_err *err);
+
 /* Routed experts of steps with >= 64 routed rows per local expert on average (prefill) through
  * cuBLAS tensor-core GEMMs (pointer-array batches over padded per-expert panels, experts bucketed
  * by row count), activations rounded to BF16 (not with batch invariance, nor inside a graph

@@ -1,0 +1,206 @@
+/* test_cuda_moe_fp8.c — ptpc FP8 routed experts (docs/quantization.md §3): the experts
+ * (streamed one token and grouped, tensor cores, tensor-parallel halves) against the CPU's expert
+ * math, batch invariance of the streamed form, and their timings at Kimi-Linear's shape. */
+#include "cuda_check.h"
+
+#include "kernels/shared/quant.h"
+
+/* n experts' rows x cols matrices drawn in BF16 and quantized as the loader does: codes
+ * [n rows][cols], scales [n rows] */
+static void rand_fp8(uint8_t **codes, float **scales, size_t nrows, int cols) {
+    uint16_t *wb = rand_bf16(nrows * (size_t)cols, -0.05f, 0.05f);
+    *codes = malloc(nrows * (size_t)cols);
+    *scales = malloc(nrows * 4);
+    ds_mat hb = {wb, DS_DT_BF16, (int)nrows, cols, NULL};
+    ds_ptpc_quantize(*codes, *scales, &hb, 0, cols);
+    free(wb);
+}
+
+/* k distinct experts of E a token */
+static int32_t *rand_idx(int T, int k, int E) {
+    int32_t *idx = malloc((size_t)T * k * 4);
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < k; j++) {
+            int e, dup;
+            do {
+                e = (int)(ds_rng_next(&g_rng) % (uint64_t)E);
+                dup = 0;
+                for (int i = 0; i < j; i++) dup |= idx[t * k + i] == e;
+            } while (dup);
+            idx[t * k + j] = e;
+        }
+    return idx;
+}
+
+typedef struct f8_experts {
+    uint8_t *gc, *dc; /* host: [E][2I][D], [E][D][I] */
+    float *gs, *dsc;  /* [E][2I], [E][D] */
+    uint8_t *dgc, *ddc;
+    float *dgs, *dds; /* device: experts [e0, E) */
+} f8_experts;
+
+static void f8_experts_make(ds_cu *c, f8_experts *x, int E, int e0, int D, int I) {
+    const int El = E - e0;
+    rand_fp8(&x->gc, &x->gs, (size_t)E * 2 * I, D);
+    rand_fp8(&x->dc, &x->dsc, (size_t)E * D, I);
+    x->dgc = dev(c, x->gc + (size_t)e0 * 2 * I * D, (size_t)El * 2 * I * D);
+    x->dgs = dev(c, x->gs + (size_t)e0 * 2 * I, (size_t)El * 2 * I * 4);
+    x->ddc = dev(c, x->dc + (size_t)e0 * D * I, (size_t)El * D * I);
+    x->dds = dev(c, x->dsc + (size_t)e0 * D, (size_t)El * D * 4);
+}
+
+static void f8_experts_free(f8_experts *x) {
+    ds_cu_dealloc(x->dgc), ds_cu_dealloc(x->dgs), ds_cu_dealloc(x->ddc), ds_cu_dealloc(x->dds);
+    free(x->gc), free(x->gs), free(x->dc), free(x->dsc);
+}
+
+/* the device's experts into got [T][D] (mode 1: tensor cores) */
+static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, const int32_t *idx,
+                   const float *w, int T, int k, int E, int e0, int D, int I, int situ, int mode) {
+    float *dx = dev(c, x, (size_t)T * D * 4), *dw = dev(c, w, (size_t)T * k * 4);
+    float *dout = dev(c, x, (size_t)T * D * 4); /* overwritten (accumulate 0) */
+    int32_t *didx = dev(c, idx, (size_t)T * k * 4);
+    ds_err err = {{0}};
+    ds_cu_set_expert_mma(c, mode == 1);
+    ds_cu_set_expert_mma_min(c, mode == 1 ? 16 : 0);
+    if (ds_cu_moe_experts_fp8(c, dout, dx, didx, dw, T, k, E - e0, e0, D, I, fx->dgc, fx->dgs,
+                              fx->ddc, fx->dds, situ, 4.0f, 6.0f, 0, &err) ||
+        ds_cu_sync(c, &err))
+        DIE("%s", err.msg);
+    ds_cu_set_expert_mma(c, 0);
+    ds_cu_set_expert_mma_min(c, 0);
+    fetch(c, got, dout, (size_t)T * D * 4);
+    ds_cu_dealloc(dx), ds_cu_dealloc(dw), ds_cu_dealloc(dout), ds_cu_dealloc(didx);
+}
+
+/* Routed experts against the CPU composed from its own kernels (backend/cpu/layers.c's expert
+ * MLP): per (token, slot) ds_matmul on the expert's FP8 gate|up rows (the token quantized once,
+ * as the CPU's gate and up products each quantize it the same way), the activation, ds_matmul on
+ * its down rows (the act row quantized), the weighted sum in slot order. The sums' order differs,
+ * so an activation code may land a rounding apart: tolerances 1e-3 (a wrong term gives ~1).
+ * mode 0: streamed; 1: tensor cores. half: this rank holds experts [E/2, E) only. */
+static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ, int mode,
+                          int half) {
+    const int e0 = half ? E / 2 : 0;
+    f8_experts fx;
+    f8_experts_make(c, &fx, E, e0, D, I);
+    float *x = rand_f32((size_t)T * D, -1, 1), *w = rand_f32((size_t)T * k, 0, 1);
+    int32_t *idx = rand_idx(T, k, E);
+    float *ref = malloc((size_t)T * D * 4), *got = malloc((size_t)T * D * 4);
+    float *hgu = malloc((size_t)2 * I * 4), *a = malloc((size_t)I * 4), *yr = malloc((size_t)D * 4);
+    for (int t = 0; t < T; t++) {
+        float *o = ref + (size_t)t * D;
+        for (int d = 0; d < D; d++) o[d] = 0.0f;
+        for (int j = 0; j < k; j++) {
+            const int e = idx[t * k + j];
+            if (e < e0) continue; /* another rank's */
+            ds_mat mgu = {fx.gc + (size_t)e * 2 * I * D, DS_DT_F8_E4M3, 2 * I, D,
+                          fx.gs + (size_t)e * 2 * I};
+            ds_mat mdn = {fx.dc + (size_t)e * D * I, DS_DT_F8_E4M3, D, I, fx.dsc + (size_t)e * D};
+            ds_matmul(hgu, 2 * I, x + (size_t)t * D, D, 1, &mgu);
+            if (situ)
+                ds_act_situ(a, hgu, hgu + I, (size_t)I, 4.0f, 6.0f);
+            else
+                ds_act_swiglu(a, hgu, hgu + I, (size_t)I);
+            ds_matmul(yr, D, a, I, 1, &mdn);
+            for (int d = 0; d < D; d++) o[d] += w[t * k + j] * yr[d];
+        }
+    }
+    run_f8(c, &fx, got, x, idx, w, T, k, E, e0, D, I, situ, mode);
+    char what[160];
+    snprintf(what, sizeof what, "moe fp8 T=%d k=%d E=%d D=%d I=%d %s%s%s", T, k, E, D, I,
+             situ ? "situ" : "swiglu", mode ? " (tensor cores)" : "",
+             half ? " (half the experts)" : "");
+    report(what, rel_err(got, ref, 1, (size_t)T * D, (size_t)T * D), 1e-3);
+    if (mode == 0 && T > 1) { /* batch invariance: token 0 alone has the same bits */
+        float *one = malloc((size_t)D * 4);
+        run_f8(c, &fx, one, x, idx, w, 1, k, E, e0, D, I, situ, 0);
+        snprintf(what, sizeof what, "moe fp8 T=%d: token 0 alone, words differing", T);
+        report(what, (double)words_differ(one, got, (size_t)D), 0.0);
+        free(one);
+    }
+    f8_experts_free(&fx);
+    free(x), free(w), free(idx), free(ref), free(got), free(hgu), free(a), free(yr);
+}
+
+void checks_moe_fp8(ds_cu *c) {
+    check_moe_fp8(c, 1, 8, 64, 512, 256, 0, 0, 0);   /* one token: rows straight from idx */
+    check_moe_fp8(c, 5, 4, 16, 256, 96, 1, 0, 0);    /* grouped, few rows an expert */
+    check_moe_fp8(c, 40, 8, 16, 512, 256, 0, 0, 0);  /* grouped, 8 rows a pass */
+    check_moe_fp8(c, 40, 8, 32, 512, 256, 1, 0, 1);  /* other ranks' rows */
+    check_moe_fp8(c, 40, 8, 16, 512, 256, 0, 1, 0);  /* tensor cores */
+    check_moe_fp8(c, 200, 8, 16, 512, 384, 1, 1, 1); /* ... many rows an expert, TP half */
+    check_moe_fp8(c, 1, 8, 32, 2304, 1024, 0, 0, 0); /* Kimi-Linear's widths */
+    check_moe_fp8(c, 1, 8, 32, 2304, 1024, 0, 0, 1); /* ... half the experts, one token */
+    check_moe_fp8(c, 20, 8, 32, 2304, 1024, 0, 1, 0);
+}
+
+/* ---- timings ----------------------------------------------------------------------------------
+ */
+
+typedef struct f8_ctx {
+    float *out, *x, *w, *gs, *ds;
+    int32_t *idx;
+    uint8_t *gc, *dc;
+    int T, k, E, D, I;
+} f8_ctx;
+static void run_f8b(ds_cu *c, void *p) {
+    f8_ctx *m = p;
+    ds_err err;
+    if (ds_cu_moe_experts_fp8(c, m->out, m->x, m->idx, m->w, m->T, m->k, m->E, 0, m->D, m->I, m->gc,
+                              m->gs, m->dc, m->ds, 0, 0.0f, 0.0f, 0, &err))
+        DIE("%s", err.msg);
+}
+
+/* Kimi-Linear-48B's routed experts (256 of 2304 x 1024, 8 a token): batch 1 and 8 streamed,
+ * batches of 64 and 256 on tensor cores; bytes: every expert some token picked, read once. */
+void bench_moe_fp8(ds_cu *c, const cuda_ceilings *ceil) {
+    enum { E = 256, K = 8, D = 2304, I = 1024, TMAX = 256 };
+    const size_t per = (size_t)D * I;
+    ds_err err = {{0}};
+    f8_ctx m = {0};
+    m.gc = ds_cu_alloc(c, (size_t)E * 2 * per, &err);
+    m.gs = ds_cu_alloc(c, (size_t)E * 2 * I * 4, &err);
+    m.dc = ds_cu_alloc(c, (size_t)E * per, &err);
+    m.ds = ds_cu_alloc(c, (size_t)E * D * 4, &err);
+    uint16_t *tmp = ds_cu_alloc(c, (size_t)E * 2 * per * 2, &err); /* BF16 draws */
+    if (!m.gc || !m.gs || !m.dc || !m.ds || !tmp ||
+        ds_cu_fill_random_bf16(c, tmp, (size_t)E * 2 * I, D, 21, 0, 0, D, 0.03f, &err) ||
+        ds_cu_ptpc_quantize_bf16(c, m.gc, m.gs, tmp, E * 2 * I, D, 0, D, &err) ||
+        ds_cu_fill_random_bf16(c, tmp, (size_t)E * D, I, 22, 0, 0, I, 0.03f, &err) ||
+        ds_cu_ptpc_quantize_bf16(c, m.dc, m.ds, tmp, E * D, I, 0, I, &err) || ds_cu_sync(c, &err))
+        DIE("%s", err.msg);
+    ds_cu_dealloc(tmp);
+    float *h = rand_f32((size_t)TMAX * D, -1, 1);
+    m.x = dev(c, h, (size_t)TMAX * D * 4);
+    free(h);
+    h = rand_f32((size_t)TMAX * K, 0, 1);
+    m.w = dev(c, h, (size_t)TMAX * K * 4);
+    free(h);
+    int32_t *ids = malloc((size_t)TMAX * K * 4);
+    uint8_t *used = calloc(E, 1);
+    for (int i = 0; i < TMAX * K; i++)
+        ids[i] = (int32_t)(((size_t)i * 37 + (size_t)(i / K) * 11) % E);
+    m.idx = dev(c, ids, (size_t)TMAX * K * 4);
+    m.out = dev(c, NULL, (size_t)TMAX * D * 4);
+    m.k = K, m.E = E, m.D = D, m.I = I;
+    static const int Ts[] = {1, 8, 64, 256};
+    for (size_t i = 0; i < DS_ARRAY_LEN(Ts); i++) {
+        m.T = Ts[i];
+        memset(used, 0, E);
+        int n_used = 0;
+        for (int r = 0; r < m.T * K; r++) n_used += !used[ids[r]], used[ids[r]] = 1;
+        const int tc = m.T >= 40;
+        ds_cu_set_expert_mma(c, tc);
+        const double ms = median_ms(c, run_f8b, &m, 3, 20);
+        ds_cu_set_expert_mma(c, 0);
+        const double bytes = (double)n_used * (3.0 * per + 4.0 * (2 * I + D));
+        printf("bench moe fp8 T=%d (%d experts of 256, 2304 x 1024, 8 a token%s): %.4f ms, "
+               "%.0f GB/s (%.0f%% of copy)\n",
+               m.T, n_used, tc ? ", tensor cores" : "", ms, bytes / (ms * 1e-3) / 1e9,
+               100.0 * bytes / (ms * 1e-3) / 1e9 / ceil->copy_gbs);
+    }
+    ds_cu_dealloc(m.gc), ds_cu_dealloc(m.gs), ds_cu_dealloc(m.dc), ds_cu_dealloc(m.ds);
+    ds_cu_dealloc(m.x), ds_cu_dealloc(m.w), ds_cu_dealloc(m.idx), ds_cu_dealloc(m.out);
+    free(ids), free(used);
+}
