@@ -9,7 +9,8 @@
 failed=""
 PART=${PART:-all}
 if [ "$PART" != bench ]; then
-  DS_DEVICE=cpu timeout 240 .devbin/test_cuda_kernels > "$OUT/kernels.log" 2>&1 || failed+=" kernels"
+  DS_CUDA_CHECKS=${CHECKS:-"matmul,moe,mla batch,matmul fp8,moe mxfp4,kv fp8,moe fp8"} DS_DEVICE=cpu \
+    timeout 240 .devbin/test_cuda_kernels > "$OUT/kernels.log" 2>&1 || failed+=" kernels"
   grep -E "FAIL|fp8|mxfp4|checks" "$OUT/kernels.log" | grep -v "^ok" | tail -12
   DS_KERNEL_CHECKS=0 timeout 400 tools/device/cuda_model_check.sh test_model_forward \
     test_model_quant test_model_pipeline test_engine_prefix 2>&1 | tail -8 || failed+=" model-check"
@@ -20,7 +21,7 @@ if [ "$PART" != check ]; then
     --batch-sizes 1,64 --json "$OUT/k3slice_mxfp4.json" 2>&1 | tail -6 || failed+=" k3-slice"
   B=".devbin/deltaserve bench --model configs/kimi-linear-48b-a3b --load-format random --device cuda"
   for q in none ${QUANTS:-ptpc_fp8}; do
-    timeout 150 $B -q "$q" --prompt-tokens 8192 --reps 1 --decode-context 512 --decode-steps 8 \
+    timeout 200 $B -q "$q" --prompt-tokens 8192 --reps 2 --decode-context 512 --decode-steps 8 \
       --batch-sizes 1,256 --json "$OUT/b48_$q.json" 2>&1 | tail -5 || failed+=" bench-$q"
   done
   for kv in auto fp8; do
@@ -28,7 +29,7 @@ if [ "$PART" != check ]; then
       --decode-steps 8 --batch-sizes 1,16 --json "$OUT/b48_kv_$kv.json" 2>&1 | tail -4 ||
       failed+=" bench-kv-$kv"
   done
-  timeout 100 .devbin/test_cuda_kernels --bench-only fp8,mxfp4 2>&1 | grep "^bench" > "$OUT/qbench.txt"
+  timeout 100 .devbin/test_cuda_kernels --bench-only fp8,mxfp4,moefp8 2>&1 | grep "^bench" > "$OUT/qbench.txt"
   cat "$OUT/qbench.txt"
 fi
 [ -z "$failed" ] && echo "all parts ran" || { echo "failed:$failed"; exit 1; }
