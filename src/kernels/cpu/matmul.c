@@ -25,6 +25,7 @@
  * peak); one core, per CPU-second, on T = 512 shapes: 54-69 GFLOP of ~95. */
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/matmul_quant.h"
+#include "kernels/cpu/simd_sum.h"
 #include "kernels/shared/quant.h"
 
 #include <immintrin.h>
@@ -161,13 +162,7 @@ static void panel_scalar(float *panel, size_t ldp, const void *w, size_t ldw, in
     }
 
 /* ---- AVX2 + FMA + F16C ----------------------------------------------------------------------- */
-#define AVX2_FN     __attribute__((target("avx2,fma,f16c")))
-#define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
-
-/* Lanes l < n set. */
-AVX2_INLINE __m256i avx2_mask(int n) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
+/* (target attributes, avx2_mask and the summing tree: simd_sum.h) */
 
 AVX2_INLINE __m256 avx2_load_w(int src, const void *p) {
     if (src == SRC_F32) return _mm256_loadu_ps((const float *)p);
@@ -184,14 +179,6 @@ AVX2_INLINE __m256 avx2_load_w_tail(int src, const void *p, int n) {
     uint16_t tmp[8] = {0};
     memcpy(tmp, p, (size_t)n * 2);
     return avx2_load_w(src, tmp);
-}
-
-/* Fixed tree: (l, l+4), then (l, l+2), then (0, 1) — hsum8_scalar mirrors it. */
-AVX2_INLINE float avx2_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 AVX2_INLINE void avx2_tile(const int mr, const int nt, const int src, const void *w, size_t ldw,
@@ -260,15 +247,6 @@ static AVX2_FN void panel_avx2(float *panel, size_t ldp, const void *w, size_t l
     }
 
 /* ---- AVX-512 (F, BW, VL): the AVX2 path with 16 lanes ---------------------------------------- */
-#define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
-#define AVX512_INLINE                                                                              \
-    static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx2,fma,"       \
-                                                       "f16c")))
-
-AVX512_INLINE __mmask16 avx512_mask(int n) {
-    return (__mmask16)((1u << n) - 1u);
-}
-
 AVX512_INLINE __m512 avx512_load_w(int src, const void *p) {
     if (src == SRC_F32) return _mm512_loadu_ps(p);
     const __m256i h = _mm256_loadu_si256((const __m256i *)p);
@@ -283,17 +261,6 @@ AVX512_INLINE __m512 avx512_load_w_tail(int src, const void *p, int n) {
     const __m256i h = _mm256_maskz_loadu_epi16(m, p);
     if (src == SRC_F16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* Fixed tree: (l, l+8), then the AVX2 tree. */
-AVX512_INLINE float avx512_hsum(__m512 v) {
-    const __m256 lo = _mm512_castps512_ps256(v);
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    __m256 h8 = _mm256_add_ps(lo, hi);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 AVX512_INLINE void avx512_tile(const int mr, const int nt, const int src, const void *w, size_t ldw,

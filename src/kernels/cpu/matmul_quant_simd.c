@@ -17,6 +17,7 @@
  *    the sign lands on bit 31 — with bits 28..30 of the table entries pre-XORed by the magnitude,
  *    one XOR places the sign and undoes them. */
 #include "kernels/cpu/matmul_quant.h"
+#include "kernels/cpu/simd_sum.h"
 
 #include "kernels/shared/quant.h"
 
@@ -36,20 +37,7 @@ static const float k_fp4_val[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.
 static const uint32_t k_e8m0_bits[256] = {E8x64(0), E8x64(64), E8x64(128), E8x64(192)};
 
 /* ---- AVX2 + FMA + F16C ----------------------------------------------------------------------- */
-#define AVX2_FN     __attribute__((target("avx2,fma,f16c")))
-#define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
-
-AVX2_INLINE __m256i avx2_mask(int n) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-/* matmul.c's avx2_hsum, the same tree. */
-AVX2_INLINE float avx2_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+/* (target attributes, avx2_mask and matmul.c's summing tree: simd_sum.h) */
 
 /* 8 FP8 codes -> their values times 2^-120 (ds_fp8_w_bits). */
 AVX2_INLINE __m256 avx2_fp8_8(const uint8_t *p) {
@@ -239,25 +227,9 @@ static AVX2_FN void act_avx2(float *xq, const float *x, int n, float inv) {
     }
 
 /* ---- AVX-512 (F, BW, VL) --------------------------------------------------------------------- */
-#define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
-#define AVX512_INLINE                                                                              \
-    static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx2,fma,"       \
-                                                       "f16c")))
-
-/* matmul.c's avx512_hsum, the same tree. */
-AVX512_INLINE float avx512_hsum(__m512 v) {
-    const __m256 lo = _mm512_castps512_ps256(v);
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    __m256 h8 = _mm256_add_ps(lo, hi);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* The first n (<= 16) FP8 codes -> values times 2^-120, zeros after; masked bytes are not read. */
 AVX512_INLINE __m512 avx512_fp8_16(const uint8_t *p, int n) {
-    const __mmask16 m = (__mmask16)((1u << n) - 1u);
+    const __mmask16 m = avx512_mask(n);
     const __m512i d = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p));
     return _mm512_castsi512_ps(
         _mm512_and_si512(_mm512_slli_epi32(d, 20), _mm512_set1_epi32((int)0x87F00000u)));
