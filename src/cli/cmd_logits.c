@@ -175,8 +175,7 @@ int ds_cmd_logits(int argc, char **argv) {
     ds_model_opts o;
     ds_model_opts_default(&o);
     o.device = ds_device_from_name(device);
-    for (int i = 0; ds_quant_names[i]; i++)
-        if (!strcmp(quant, ds_quant_names[i])) o.quantization = i;
+    o.quantization = ds_quant_from_name(quant);
     o.quantization_exclude = quant_exclude;
     o.kv_fp8 = !strcmp(kv_dtype, "fp8");
     if (ds_rank_open(model_dir, tp, pp, counts, &o, &r, &err)) goto done;

@@ -143,12 +143,12 @@ int ds_engine_flags_apply(ds_engine_flags *f, const ds_args *a, ds_err *err) {
                        f->tp < 1 ? "--tensor-parallel-size" : "--pipeline-parallel-size",
                        f->tp < 1 ? f->tp : f->pp);
     eo->device = ds_device_from_name(f->device);
-    eo->quantization = index_of(ds_quant_names, f->quant);
+    eo->quantization = ds_quant_from_name(f->quant);
     if (eo->quantization_exclude && eo->quantization != DS_QUANT_PTPC_FP8)
         return ds_errf(err, "--quantization-exclude needs --quantization ptpc_fp8");
     eo->speculative_method = index_of(SPEC_METHODS, f->spec_method);
     eo->draft_tap_relay = index_of(RELAYS, f->relay);
-    eo->kv_fp8 = index_of(ds_kv_dtype_names, f->kv_dtype) == 1;
+    eo->kv_fp8 = !strcmp(f->kv_dtype, "fp8");
     if (ds_args_seen(a, "num-speculative-tokens") && eo->speculative_method == DS_SPEC_NONE)
         return ds_errf(err,
                        "--num-speculative-tokens needs --speculative-method (dspark or ngram)");

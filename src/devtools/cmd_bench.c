@@ -541,8 +541,7 @@ int ds_cmd_bench(int argc, char **argv) {
     mo.batch_invariant = f.batch_invariant;
     mo.enforce_eager = f.enforce_eager;
     mo.load_random = !strcmp(f.load_format, "random");
-    for (int i = 0; ds_quant_names[i]; i++)
-        if (!strcmp(f.quant, ds_quant_names[i])) mo.quantization = i;
+    mo.quantization = ds_quant_from_name(f.quant);
     mo.quantization_exclude = f.quant_exclude;
     mo.kv_fp8 = !strcmp(f.kv_dtype, "fp8");
     bench_job job;

@@ -24,6 +24,8 @@
  * indexed by the constant: the --quantization choices). */
 enum { DS_QUANT_NONE = 0, DS_QUANT_PTPC_FP8 = 1 };
 extern const char *const ds_quant_names[];
+/* DS_QUANT_* of a name, -1 for none of them. */
+int ds_quant_from_name(const char *name);
 /* The latent cache dtypes (ds_model_opts.kv_fp8 is index 1), NULL-terminated: the
  * --kv-cache-dtype choices. "auto" keeps f32 rows. */
 extern const char *const ds_kv_dtype_names[];

@@ -12,6 +12,12 @@
 
 const char *const ds_quant_names[] = {"none", "ptpc_fp8", NULL};
 const char *const ds_kv_dtype_names[] = {"auto", "fp8", NULL};
+
+int ds_quant_from_name(const char *name) {
+    for (int i = 0; ds_quant_names[i]; i++)
+        if (!strcmp(name, ds_quant_names[i])) return i;
+    return -1;
+}
 const char ds_quant_default_exclude[] =
     "embed_tokens,lm_head,conv1d,block_sparse_moe.gate.weight,self_attn.b_proj,kv_b_proj";
 
