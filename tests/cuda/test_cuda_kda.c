@@ -233,8 +233,10 @@ static void check_short_conv_batch(ds_cu *c, const int *lens, const int *want_ro
 /* The fused KDA decode (ds_cu_kda_decode_fused) against the seven launches it stands in for —
  * convs, head norms, f_b's and g_b's matmuls (streamed, as at one token or in the
  * batch-invariant mode), gate and beta, recurrence, gated output norm — on the same inputs:
- * outputs, states and tails bit for bit (the seven are each checked against the CPU above). */
-static void check_kda_decode_fused(ds_cu *c, int n_seq, int H, int Kf, int Kg, int lb_form) {
+ * outputs, states and tails bit for bit (the seven are each checked against the CPU above).
+ * f8: f_b and g_b ptpc FP8 (quantized from the BF16 ones), both forms reading the codes. */
+static void check_kda_decode_fused(ds_cu *c, int n_seq, int H, int Kf, int Kg, int lb_form,
+                                   int f8) {
     const int dk = 128, W = 4, P = H * dk, nf = Kf + Kg, ld = 3 * P + nf + H;
     const size_t npre = (size_t)n_seq * ld, ns = (size_t)H * dk * dk, tn = (size_t)(W - 1) * P;
     const size_t nt = (size_t)n_seq * 3 * tn, nS = ns * n_seq, no = (size_t)n_seq * P;
@@ -270,8 +272,19 @@ static void check_kda_decode_fused(ds_cu *c, int n_seq, int H, int Kf, int Kg, i
     const float qs = 1.0f / sqrtf((float)dk), lb = -5.0f, neps = 1e-5f;
     ds_cu_set_batch_invariant(c, 1); /* matmuls streamed at every batch, as the fused kernel sums */
     ds_cu_conv_batch cb = {3, P, W, dpre, ld, dqkv, no, dcw, dtp[0], NULL, 0, doff, n_seq, n_seq};
-    const ds_cu_mat mf = {dfb, P, Kf, DS_CU_BF16, NULL, NULL, 0},
-                    mg = {dgb, P, Kg, DS_CU_BF16, NULL, NULL, 0};
+    /* f8: codes [P][Kf] and [P][Kg] bytes, row scales [P] */
+    uint8_t *qf = f8 ? ds_cu_alloc(c, (size_t)P * Kf, &err) : NULL;
+    uint8_t *qg = f8 ? ds_cu_alloc(c, (size_t)P * Kg, &err) : NULL;
+    float *sf = f8 ? ds_cu_alloc(c, (size_t)P * 4, &err) : NULL;
+    float *sg = f8 ? ds_cu_alloc(c, (size_t)P * 4, &err) : NULL;
+    if (f8 &&
+        (!qf || !qg || !sf || !sg || ds_cu_ptpc_quantize_bf16(c, qf, sf, dfb, P, Kf, 0, Kf, &err) ||
+         ds_cu_ptpc_quantize_bf16(c, qg, sg, dgb, P, Kg, 0, Kg, &err)))
+        DIE("%s", err.msg);
+    const ds_cu_mat mf = f8 ? (ds_cu_mat){(const uint16_t *)qf, P, Kf, DS_CU_FP8, sf, NULL, 0}
+                            : (ds_cu_mat){dfb, P, Kf, DS_CU_BF16, NULL, NULL, 0};
+    const ds_cu_mat mg = f8 ? (ds_cu_mat){(const uint16_t *)qg, P, Kg, DS_CU_FP8, sg, NULL, 0}
+                            : (ds_cu_mat){dgb, P, Kg, DS_CU_BF16, NULL, NULL, 0};
     if (ds_cu_short_conv_silu_batch(c, &cb, &err)) DIE("%s", err.msg);
     ds_cu_l2norm_heads2(c, dqkv, qs, dqkv + no, 1.0f, n_seq, H, dk, 1e-6f);
     if (ds_cu_matmul(c, df, P, dpre + 3 * P, ld, n_seq, &mf, &err) ||
@@ -290,8 +303,10 @@ static void check_kda_decode_fused(ds_cu *c, int n_seq, int H, int Kf, int Kg, i
                                  .b_off = 3 * P + nf,
                                  .conv_w = dcw,
                                  .tails = dtp[1],
-                                 .f_b = dfb,
-                                 .g_b = dgb,
+                                 .f_b = mf.data,
+                                 .g_b = mg.data,
+                                 .f_bs = f8 ? sf : NULL,
+                                 .g_bs = f8 ? sg : NULL,
                                  .Kf = Kf,
                                  .Kg = Kg,
                                  .A_log = dA,
@@ -319,8 +334,8 @@ static void check_kda_decode_fused(ds_cu *c, int n_seq, int H, int Kf, int Kg, i
                  bt = words_differ(got_t[1], got_t[0], nt);
     char what[128];
     snprintf(what, sizeof what,
-             "kda decode fused %d seqs H=%d Kf=%d Kg=%d lb=%d (%zu/%zu/%zu differ)", n_seq, H, Kf,
-             Kg, lb_form, by, bS, bt);
+             "kda decode fused%s %d seqs H=%d Kf=%d Kg=%d lb=%d (%zu/%zu/%zu differ)",
+             f8 ? " fp8" : "", n_seq, H, Kf, Kg, lb_form, by, bS, bt);
     report(what, by || bS || bt ? INFINITY : 0.0, 0.0);
     /* both runs written (poisoned outputs would agree too), the states and tails moved */
     size_t nan = 0;
@@ -338,7 +353,8 @@ static void check_kda_decode_fused(ds_cu *c, int n_seq, int H, int Kf, int Kg, i
     ds_cu_dealloc(dpre), ds_cu_dealloc(dcw), ds_cu_dealloc(dfb), ds_cu_dealloc(dgb);
     ds_cu_dealloc(dA), ds_cu_dealloc(dbias), ds_cu_dealloc(dnw), ds_cu_dealloc(dqkv);
     ds_cu_dealloc(df), ds_cu_dealloc(dg), ds_cu_dealloc(dgt), ds_cu_dealloc(dbeta);
-    ds_cu_dealloc(doff);
+    ds_cu_dealloc(doff), ds_cu_dealloc(qf), ds_cu_dealloc(qg), ds_cu_dealloc(sf);
+    ds_cu_dealloc(sg);
     free(pre), free(cw), free(tails), free(S0), free(fb), free(gb), free(A), free(bias), free(nw);
 }
 
@@ -424,9 +440,12 @@ void checks_kda_batch(ds_cu *c) {
     int plens[5] = {2, 130, 1, 900, 3}, prows[5] = {1, 1, 0, 0, 1};
     check_short_conv_batch(c, plens, prows, 5, 512, 4);
     check_short_conv_batch(c, plens, prows, 5, 512, 3); /* a width the fixed form lacks */
-    check_kda_decode_fused(c, 1, 32, 128, 128, 0);      /* the 48B shape at batch 1 */
-    check_kda_decode_fused(c, 5, 4, 128, 128, 1);       /* the gate's lower bound */
-    check_kda_decode_fused(c, 3, 8, 64, 32, 0);         /* narrower f_a and g_a */
+    check_kda_decode_fused(c, 1, 32, 128, 128, 0, 0);   /* the 48B shape at batch 1 */
+    check_kda_decode_fused(c, 5, 4, 128, 128, 1, 0);    /* the gate's lower bound */
+    check_kda_decode_fused(c, 3, 8, 64, 32, 0, 0);      /* narrower f_a and g_a */
+    check_kda_decode_fused(c, 1, 32, 128, 128, 0, 1);   /* ptpc FP8 f_b and g_b */
+    check_kda_decode_fused(c, 5, 4, 128, 128, 1, 1);
+    check_kda_decode_fused(c, 3, 8, 64, 32, 0, 1);
     ds_cu_set_conv_fixed(c, 1); /* the width-4 form: registers, inputs loaded ahead */
     check_short_conv_batch(c, lens, rows, 5, 4096, 4);
     check_short_conv_batch(c, plens, prows, 5, 512, 4);

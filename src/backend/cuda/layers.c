@@ -10,11 +10,12 @@
 /* Does this model's KDA shape fit ds_cu_kda_decode_fused (see kda_fused)? */
 int cuda_kda_fuse_fits(const ds_model *m, const ds_cuda_model *cm, const cu_kda *w) {
     const ds_config *c = &m->cfg;
-    /* (its f_b and g_b are read as BF16 rows: with ptpc they are FP8 and the step unfused) */
-    return !c->use_full_rank_gate && w->f_b.dtype == DS_CU_BF16 && !w->f_b.runs &&
-           w->g_b.dtype == DS_CU_BF16 && !w->g_b.runs &&
+    /* f_b and g_b both BF16 or both ptpc FP8 (read as such), each in one piece */
+    const int f8 = w->f_b.dtype == DS_CU_FP8;
+    return !c->use_full_rank_gate && (f8 || w->f_b.dtype == DS_CU_BF16) && !w->f_b.runs &&
+           w->g_b.dtype == w->f_b.dtype && !w->g_b.runs &&
            ds_cu_kda_decode_fits(cm->c, c->kda_head_dim, c->short_conv_kernel_size, w->f_b.cols,
-                                 w->g_b.cols);
+                                 w->g_b.cols, f8);
 }
 
 /* Does segment z run in chunks? The plan's choice (model.c: long enough, no verify rows), where
@@ -73,31 +74,34 @@ int cuda_kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float *
     int fused = kda_fused(s, w);
     if (fused) {
         PROF(s, "kda recurrence");
-        const ds_cu_kda_decode kd = {.pre = pre,
-                                     .ld = ld,
-                                     .fa_off = 3 * P,
-                                     .ga_off = 3 * P + dk, /* g_a x: fa's second half */
-                                     .b_off = 3 * P + nf,
-                                     .conv_w = w->conv,
-                                     .tails = s->tails + at,
-                                     .f_b = w->f_b.data,
-                                     .g_b = w->g_b.data,
-                                     .Kf = w->f_b.cols,
-                                     .Kg = w->g_b.cols,
-                                     .A_log = w->A_log,
-                                     .dt_bias = w->dt_bias,
-                                     .o_norm = w->o_norm,
-                                     .lower_bound_form = c->has_gate_lower_bound,
-                                     .lb = c->gate_lower_bound,
-                                     .q_scale = 1.0f / sqrtf((float)dk),
-                                     .eps = 1e-6f,
-                                     .norm_eps = c->rms_norm_eps,
-                                     .S = s->S + at,
-                                     .y = q, /* o_proj's input, as the gated norm below writes */
-                                     .n_seq = s->n_seq,
-                                     .H = H,
-                                     .dk = dk,
-                                     .W = W};
+        const ds_cu_kda_decode kd = {
+            .pre = pre,
+            .ld = ld,
+            .fa_off = 3 * P,
+            .ga_off = 3 * P + dk, /* g_a x: fa's second half */
+            .b_off = 3 * P + nf,
+            .conv_w = w->conv,
+            .tails = s->tails + at,
+            .f_b = w->f_b.data,
+            .g_b = w->g_b.data,
+            .f_bs = w->f_b.dtype == DS_CU_FP8 ? (const float *)w->f_b.scale : NULL,
+            .g_bs = w->g_b.dtype == DS_CU_FP8 ? (const float *)w->g_b.scale : NULL,
+            .Kf = w->f_b.cols,
+            .Kg = w->g_b.cols,
+            .A_log = w->A_log,
+            .dt_bias = w->dt_bias,
+            .o_norm = w->o_norm,
+            .lower_bound_form = c->has_gate_lower_bound,
+            .lb = c->gate_lower_bound,
+            .q_scale = 1.0f / sqrtf((float)dk),
+            .eps = 1e-6f,
+            .norm_eps = c->rms_norm_eps,
+            .S = s->S + at,
+            .y = q, /* o_proj's input, as the gated norm below writes */
+            .n_seq = s->n_seq,
+            .H = H,
+            .dk = dk,
+            .W = W};
         TRY(ds_cu_kda_decode_fused(cu, &kd, err));
     } else {
         /* the decay gate and beta (from f_a x and b x), then the output gate, on the side

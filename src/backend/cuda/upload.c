@@ -120,8 +120,9 @@ int cuda_up_mat(ds_cuda_model *cm, const ds_mat *w, ds_cu_mat *out, ds_err *err)
 /* Matrices of equal width stacked into one ([sum of rows][cols]): projections of the same input
  * become one weight-streaming launch (q, k and v; the two low-rank gate inputs; gate and up).
  * BF16 rows (and FP8 codes with their scales) follow one another; a stack whose members differ
- * in dtype (ptpc with an excluded member: KDA's b_proj) is uploaded member by member as runs
- * (runs [n], the caller's storage), each product writing its columns of one output. */
+ * in dtype (ptpc with an excluded member: KDA's b_proj) is uploaded as runs, one stack for each
+ * stretch of members in one format (runs [n], the caller's storage; a launch a run), each product
+ * writing its columns of one output. */
 static int up_stack(ds_cuda_model *cm, const ds_mat *const *ws, int n, ds_cu_mat *out,
                     ds_cu_mat *runs, ds_err *err) {
     int rows = 0, cols = ws[0]->cols, mixed = 0;
@@ -132,10 +133,15 @@ static int up_stack(ds_cuda_model *cm, const ds_mat *const *ws, int n, ds_cu_mat
         rows += ws[i]->rows;
         mixed |= (ws[i]->dtype == DS_DT_F8_E4M3) != (dt == DS_DT_F8_E4M3);
     }
-    if (mixed) {
-        for (int i = 0; i < n; i++)
-            if (cuda_up_mat(cm, ws[i], &runs[i], err)) return DS_ERR;
-        *out = (ds_cu_mat){NULL, rows, cols, DS_CU_BF16, NULL, runs, n};
+    if (mixed) { /* each stretch of members in one format a stack of its own */
+        int nr = 0;
+        for (int i = 0, j; i < n; i = j) {
+            const int f8 = ws[i]->dtype == DS_DT_F8_E4M3;
+            for (j = i + 1; j < n && (ws[j]->dtype == DS_DT_F8_E4M3) == f8; j++) {
+            }
+            if (up_stack(cm, ws + i, j - i, &runs[nr++], NULL, err)) return DS_ERR;
+        }
+        *out = (ds_cu_mat){NULL, rows, cols, DS_CU_BF16, NULL, runs, nr};
         return DS_OK;
     }
     if (dt == DS_DT_F8_E4M3) {

@@ -351,14 +351,17 @@ typedef struct ds_cu_kda_decode {
     const float *pre; /* [n_seq][ld]: raw q, k, v at columns [0, P), [P, 2P), [2P, 3P); f_a x at
                          fa_off, g_a x at ga_off, b x at b_off (P = H dk) */
     int ld, fa_off, ga_off, b_off;
-    const float *conv_w;  /* [3][P][W] */
-    float *const *tails;  /* [n_seq] device: as ds_cu_conv_batch's */
-    const uint16_t *f_b;  /* [P][Kf] BF16: the decay gate's up-projection */
-    const uint16_t *g_b;  /* [P][Kg] BF16: the output gate's */
-    int Kf, Kg;           /* their columns: the first Kf of f_a x, Kg of g_a x */
-    const float *A_log;   /* [H] */
-    const float *dt_bias; /* [P] */
-    const float *o_norm;  /* [dk] */
+    const float *conv_w;      /* [3][P][W] */
+    float *const *tails;      /* [n_seq] device: as ds_cu_conv_batch's */
+    const uint16_t *f_b;      /* [P][Kf] BF16: the decay gate's up-projection (or FP8 codes [P][Kf]
+                                 bytes when f_bs is set) */
+    const uint16_t *g_b;      /* [P][Kg] BF16: the output gate's (likewise) */
+    const float *f_bs, *g_bs; /* [P] their row scales (ptpc FP8, docs/quantization.md §3), or
+                                 NULL: BF16 */
+    int Kf, Kg;               /* their columns: the first Kf of f_a x, Kg of g_a x */
+    const float *A_log;       /* [H] */
+    const float *dt_bias;     /* [P] */
+    const float *o_norm;      /* [dk] */
     int lower_bound_form;
     float lb, q_scale, eps, norm_eps; /* the gate's lower bound; q's scale, the head norms' eps;
                                          the output norm's */
@@ -367,8 +370,8 @@ typedef struct ds_cu_kda_decode {
     int n_seq, H, dk, W;
 } ds_cu_kda_decode;
 /* Can ds_cu_kda_decode_fused take this shape (dk 128, conv width 4, Kf and Kg multiples of 8 up
- * to 128) on this GPU (sm_90: clusters)? */
-int ds_cu_kda_decode_fits(const ds_cu *c, int dk, int W, int Kf, int Kg);
+ * to 128; f8: f_b and g_b ptpc FP8, multiples of 16) on this GPU (sm_90: clusters)? */
+int ds_cu_kda_decode_fits(const ds_cu *c, int dk, int W, int Kf, int Kg, int f8);
 int ds_cu_kda_decode_fused(ds_cu *c, const ds_cu_kda_decode *d, ds_err *err);
 /* ds_cu_mla_attend_absorbed for the tokens of many sequences in one launch (causal): token t sits
  * at position tok_pos[t] of its sequence, whose block table starts at tables + tok_bt[t];

@@ -1,6 +1,7 @@
 /* kda_fused.cu — KDA's decode step in one kernel: convs, head norms, gate matmuls, the gate,
  * the recurrence and the gated output norm, in clusters (sm_90). */
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fp8_stream.cuh"
 #include "kernels/cuda/kda.cuh"
 
 /* ---- KDA decode in one kernel (ds_cu_kda_decode_fused) ------------------------------------------
@@ -22,14 +23,41 @@
 enum { KDF_DK = 128, KDF_CL = 4, KDF_THREADS = 128, KDF_K_MAX = 128 };
 enum { KDF_Q = KDF_DK / KDF_CL }; /* channels (and value columns) a block owns: 32 */
 
-/* the dynamic shared memory: the block's f_b rows then its g_b rows, BF16 */
-static size_t kdf_smem(int Kf, int Kg) {
-    return (size_t)KDF_Q * (Kf + Kg) * sizeof(uint16_t);
+/* the dynamic shared memory: the block's f_b rows then its g_b rows, BF16 (FP8: none, each warp
+ * holds its tile's codes in registers) */
+static size_t kdf_smem(int Kf, int Kg, bool f8) {
+    return f8 ? 0 : (size_t)KDF_Q * (Kf + Kg) * sizeof(uint16_t);
+}
+
+/* With ptpc FP8 f_b and g_b (docs/quantization.md §3), their products as matmul_fp8.cu's
+ * gemv_f8m_k computes them, bit for bit (fp8_stream.cuh; one warp a tile, S = 1, as
+ * ds_cu_kda_decode_fits requires): warp w takes the 16-row tile w & 1 of the block's rows of f_b
+ * (w < 2) or g_b, its codes (a) and row scales (sr) loaded before the wait; the block quantizes
+ * f_a x and g_a x (fas, gas) per token as the dense kernel's prologue does, and the results go to
+ * fo and go [Q]. Every thread of the block calls it. */
+static __device__ __forceinline__ __attribute__((unused)) void
+kdf_gates_f8(const ds_cu_kda_decode &d, uint4 (&a)[F8_U][2], const uint4 *w0, const uint4 *w1,
+             float sr0, float sr1, const float *fas, const float *gas, float *fo, float *go) {
+    __shared__ __align__(16) uint16_t fq[KDF_K_MAX], gq[KDF_K_MAX]; /* F16 code values */
+    const float sf = f8_quant_row(fq, d.Kf, [fas](int c) { return fas[c]; });
+    const float sg = f8_quant_row(gq, d.Kg, [gas](int c) { return gas[c]; });
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, l4 = lane & 3;
+    const bool isf = warp < 2;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    f8_tile(acc, a, w0, w1, g == 0 ? (const uint4 *)(isf ? fq : gq) + 2 * l4 : NULL, 0, 1,
+            isf ? d.Kf : d.Kg, l4);
+    if (l4 == 0) { /* C's column 0: rows g (element 0) and g + 8 (2) */
+        const float st = isf ? sf : sg;
+        float *o = (isf ? fo : go) + 16 * (warp & 1) + g;
+        o[0] = (acc[0] * st) * sr0, o[8] = (acc[2] * st) * sr1;
+    }
+    __syncthreads();
 }
 
 /* long: seven kernels' steps in one, the head's state kept in registers from the first load to
  * the last store, with cluster barriers between the steps. */
-template <int W>
+template <int W, bool F8>
 __global__ void __launch_bounds__(KDF_THREADS) kda_decode_fused_k(ds_cu_kda_decode d) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 /* (launched in clusters of KDF_CL) */
     namespace cg = cooperative_groups;
@@ -42,6 +70,7 @@ __global__ void __launch_bounds__(KDF_THREADS) kda_decode_fused_k(ds_cu_kda_deco
     /* the head's q and k after the conv (then their norms), e^g: every block's whole copy */
     __shared__ __align__(16) float qs[DK], ks[DK], ds[DK], os[DK];
     __shared__ float vs[Q], gts[Q], beta_s; /* this block's v, output gate */
+    __shared__ float fo8[Q], go8[Q];        /* f_b's and g_b's outputs (F8) */
     cg::cluster_group cl = cg::this_cluster();
     const int r = (int)cl.block_rank(), h = blockIdx.x / KDF_CL, z = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -58,7 +87,19 @@ __global__ void __launch_bounds__(KDF_THREADS) kda_decode_fused_k(ds_cu_kda_deco
     float s[DP];
 #pragma unroll
     for (int c = 0; c < DP; c++) s[c] = __ldcg(Sc + c * DK); /* (threads 64.. repeat 0..63's) */
-    {
+    /* F8: this warp's tile of f_b or g_b (kdf_gates_f8) */
+    const int tw = threadIdx.x >> 5, trow = h * DK + q0 + 16 * (tw & 1) + ((threadIdx.x & 31) >> 2);
+    const int tK = tw < 2 ? Kf : Kg;
+    const uint8_t *tcodes = (const uint8_t *)(tw < 2 ? d.f_b : d.g_b);
+    const float *tsc = tw < 2 ? d.f_bs : d.g_bs;
+    const uint4 *tw0 = (const uint4 *)(tcodes + (size_t)trow * tK) + (threadIdx.x & 3),
+                *tw1 = (const uint4 *)(tcodes + (size_t)(trow + 8) * tK) + (threadIdx.x & 3);
+    uint4 ta[F8_U][2];
+    float tsr0 = 0.0f, tsr1 = 0.0f;
+    if constexpr (F8) {
+        f8_load(ta, tw0, tw1, 0, 1, tK / 64);
+        tsr0 = tsc[trow], tsr1 = tsc[trow + 8];
+    } else {
         uint16_t *dst = (uint16_t *)kdf_dyn;
         const uint16_t *fb = d.f_b + (size_t)(h * DK + q0) * Kf;
         const uint16_t *gb = d.g_b + (size_t)(h * DK + q0) * Kg;
@@ -120,30 +161,37 @@ __global__ void __launch_bounds__(KDF_THREADS) kda_decode_fused_k(ds_cu_kda_deco
      * .., then the shuffle tree); the decay gate (kda_gate_k) and its exponential (as kda_run
      * stages it) to every block */
     const float a = expf(a_log);
-    float f[8], gt[8]; /* rows 8 warp + i: the partial sums side by side, then their trees */
-    /* A lane has one piece of a row at most (K <= 32 x 8): its sum is 0 + that piece, or 0.
-     * Lanes past the row compute a piece they then drop (no branch a row). */
-    const bool fl_on = lane < Kf / 8, gl_on = lane < Kg / 8;
-    const int fk = fl_on ? lane : 0, gk = gl_on ? lane : 0;
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const int n = 8 * warp + i; /* of this block's Q rows */
-        const float fv = dot8(((const uint4 *)(fbw + (size_t)n * Kf))[fk], fas + (size_t)fk * 8);
-        const float gv = dot8(((const uint4 *)(gbw + (size_t)n * Kg))[gk], gas + (size_t)gk * 8);
-        f[i] = fl_on ? 0.0f + fv : 0.0f;
-        gt[i] = gl_on ? 0.0f + gv : 0.0f;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
+    float fl = 0.0f, gl = 0.0f; /* lane l < 8 takes row 8 warp + l */
+    if constexpr (F8) {
+        kdf_gates_f8(d, ta, tw0, tw1, tsr0, tsr1, fas, gas, fo8, go8);
+        if (lane < 8) fl = fo8[8 * warp + lane], gl = go8[8 * warp + lane];
+    } else {
+        float f[8], gt[8]; /* rows 8 warp + i: the partial sums side by side, then their trees */
+        /* A lane has one piece of a row at most (K <= 32 x 8): its sum is 0 + that piece, or 0.
+         * Lanes past the row compute a piece they then drop (no branch a row). */
+        const bool fl_on = lane < Kf / 8, gl_on = lane < Kg / 8;
+        const int fk = fl_on ? lane : 0, gk = gl_on ? lane : 0;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            f[i] += __shfl_xor_sync(0xffffffffu, f[i], o);
-            gt[i] += __shfl_xor_sync(0xffffffffu, gt[i], o);
+            const int n = 8 * warp + i; /* of this block's Q rows */
+            const float fv =
+                dot8(((const uint4 *)(fbw + (size_t)n * Kf))[fk], fas + (size_t)fk * 8);
+            const float gv =
+                dot8(((const uint4 *)(gbw + (size_t)n * Kg))[gk], gas + (size_t)gk * 8);
+            f[i] = fl_on ? 0.0f + fv : 0.0f;
+            gt[i] = gl_on ? 0.0f + gv : 0.0f;
         }
-    float fl = 0.0f, gl = 0.0f; /* lane l < 8 takes row 8 warp + l */
 #pragma unroll
-    for (int i = 0; i < 8; i++)
-        if (lane == i) fl = f[i], gl = gt[i];
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                f[i] += __shfl_xor_sync(0xffffffffu, f[i], o);
+                gt[i] += __shfl_xor_sync(0xffffffffu, gt[i], o);
+            }
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            if (lane == i) fl = f[i], gl = gt[i];
+    }
     if (lane < 8) {
         const int n = 8 * warp + lane;
         const float eg = expf(kda_decay(fl + bias, a, d.lower_bound_form, d.lb));
@@ -195,23 +243,30 @@ __global__ void __launch_bounds__(KDF_THREADS) kda_decode_fused_k(ds_cu_kda_deco
 #endif
 }
 
-extern "C" int ds_cu_kda_decode_fits(const ds_cu *c, int dk, int W, int Kf, int Kg) {
-    return c->sm90 && dk == KDF_DK && W == 4 && Kf > 0 && Kf % 8 == 0 && Kf <= KDF_K_MAX &&
-           Kg > 0 && Kg % 8 == 0 && Kg <= KDF_K_MAX;
+extern "C" int ds_cu_kda_decode_fits(const ds_cu *c, int dk, int W, int Kf, int Kg, int f8) {
+    /* FP8: whole 16-byte pieces, and the dense kernel's tiles take one warp each (S = 1) */
+    const int kq = f8 ? 16 : 8;
+    static_assert(KDF_K_MAX / 64 < 2 * F8_U, "f8_splits gives f_b and g_b one warp a tile");
+    return c->sm90 && dk == KDF_DK && W == 4 && Kf > 0 && Kf % kq == 0 && Kf <= KDF_K_MAX &&
+           Kg > 0 && Kg % kq == 0 && Kg <= KDF_K_MAX;
 }
 
 extern "C" int ds_cu_kda_decode_fused(ds_cu *c, const ds_cu_kda_decode *d, ds_err *err) {
-    if (!ds_cu_kda_decode_fits(c, d->dk, d->W, d->Kf, d->Kg))
+    const bool f8 = d->f_bs != NULL;
+    if (!ds_cu_kda_decode_fits(c, d->dk, d->W, d->Kf, d->Kg, f8))
         return ds_errf(err,
                        "cuda: kda decode (fused): head dim %d, conv width %d, f_b and g_b of "
-                       "%d and %d columns (128, 4, multiples of 8 up to 128; sm_90)",
+                       "%d and %d columns (128, 4, multiples of 8 (FP8: 16) up to 128; sm_90)",
                        d->dk, d->W, d->Kf, d->Kg);
     if (d->n_seq <= 0 || d->H <= 0) return DS_OK;
     if (d->n_seq > 65535) return ds_errf(err, "cuda: kda decode (fused): %d sequences", d->n_seq);
     if ((uintptr_t)d->f_b % 16 || (uintptr_t)d->g_b % 16)
         return ds_errf(err, "cuda: kda decode (fused): f_b or g_b not 16-byte aligned");
-    launch_cluster_k(c, kda_decode_fused_k<4>, dim3((unsigned)(d->H * KDF_CL), (unsigned)d->n_seq),
-                     KDF_THREADS, kdf_smem(d->Kf, d->Kg), KDF_CL, *d);
+    if (f8 != (d->g_bs != NULL))
+        return ds_errf(err, "cuda: kda decode (fused): f_b and g_b of different formats");
+    launch_cluster_k(c, f8 ? kda_decode_fused_k<4, true> : kda_decode_fused_k<4, false>,
+                     dim3((unsigned)(d->H * KDF_CL), (unsigned)d->n_seq), KDF_THREADS,
+                     kdf_smem(d->Kf, d->Kg, f8), KDF_CL, *d);
     CU_TRY(cudaGetLastError(), "kda decode (fused)");
     return DS_OK;
 }

@@ -5,42 +5,31 @@
  * Every term e4m3(x) * e4m3(w) is exact in f32, so the sums differ from the CPU's
  * (kernels/cpu/matmul_quant.c) only in their order; both then apply (sum * s_t) * s_r. */
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fp8_stream.cuh"
 #include "kernels/shared/quant.h"
 
 #include <cublasLt.h>
 #include <cuda_fp8.h>
 
-/* the streaming kernels' activations are the codes' values times this (see e4m3_raw) */
-#define FP8_X_SCALE 0x1p119f
-
-/* ---- quantizers -------------------------------------------------------------------------------
- * One block a row (grid-stride over rows). The scale and codes are ds_ptpc_quantize's: the
- * largest magnitude is exact whatever the order of the maxima, 1.0f / s is IEEE division (the
- * build has no fast math), and the codes come from quant.h's one definition. */
-
-/* Activations: s[t] and codes xq [T][ldq] (columns [K, ldq) zero), or with xf the codes' values
- * times FP8_X_SCALE in BF16 (exact: four significant bits), xf [T][K] (the streaming kernels'
- * operand: half the bytes of f32, which every warp re-reads), instead. */
-__global__ void __launch_bounds__(256) ptpc_act_k(uint8_t *xq, int ldq, uint16_t *xf, float *s,
+/* Activations: s[t] and codes xq [T][ldq] (columns [K, ldq) zero) for the tensor cores, or with
+ * xh the codes' values in F16 (exact), xh [T][K] (the streaming kernels' operand), instead. */
+__global__ void __launch_bounds__(256) ptpc_act_k(uint8_t *xq, int ldq, uint16_t *xh, float *s,
                                                   const float *x, int ldx, int T, int K) {
     PDL_ENTRY();
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
         const float *xr = x + (size_t)t * ldx;
+        if (xh) {
+            const float st = f8_quant_row(xh + (size_t)t * K, K, [xr](int c) { return xr[c]; });
+            if (threadIdx.x == 0) s[t] = st;
+            continue;
+        }
         float amax = 0.0f;
         for (int c = threadIdx.x; c < K; c += blockDim.x) amax = fmaxf(amax, fabsf(xr[c]));
         amax = block_max(amax);
         const float st = ds_ptpc_scale(amax), inv = 1.0f / st;
         if (threadIdx.x == 0) s[t] = st;
-        if (xf) {
-            for (int c = threadIdx.x; c < K; c += blockDim.x)
-                xf[(size_t)t * K + c] =
-                    (uint16_t)(ds_f32_bits(ds_e4m3_to_f32(ds_f32_to_e4m3(xr[c] * inv)) *
-                                           FP8_X_SCALE) >>
-                               16); /* exact: the low bits are zero */
-        } else {
-            for (int c = threadIdx.x; c < ldq; c += blockDim.x)
-                xq[(size_t)t * ldq + c] = c < K ? ds_f32_to_e4m3(xr[c] * inv) : (uint8_t)0;
-        }
+        for (int c = threadIdx.x; c < ldq; c += blockDim.x)
+            xq[(size_t)t * ldq + c] = c < K ? ds_f32_to_e4m3(xr[c] * inv) : (uint8_t)0;
     }
 }
 
@@ -83,113 +72,84 @@ extern "C" int ds_cu_ptpc_quantize_act(ds_cu *c, uint8_t *xq, int ldq, float *s,
 }
 
 /* ---- the streaming kernel ---------------------------------------------------------------------
- * gemv_bf16_k's form with FP8 weights: one warp a row (S warps sharing a short matrix's row,
- * their partial sums added in order p = 0, 1, ..), 16-byte loads of 16 codes each widened exactly
- * (E4M3 -> F16 -> F32, both exact), the activations' f32 code values (xf) served by L1. The
- * order of a token's operations does not depend on T, so batch invariance holds. */
-
-/* The streaming kernels widen codes with integer operations rather than the conversion units
- * (E4M3 -> F16 -> F32 took three conversions a pair and bound the kernel well below the copy
- * rate): the code's low seven bits placed at bit 20 of an f32 give its magnitude times 2^-120
- * (subnormal codes as f32 subnormals, exact), the sign goes to bit 31. The activations' values
- * come scaled by 2^119 (ptpc_act_k's xf: at most 448 * 2^119, finite), so each product is the
- * exact term times 1/2 and every partial sum is the unscaled one times 1/2 (all in f32's normal
- * range): the result, doubled, has the bits of the unscaled f32 sums. */
-
-/* code j (0..3) of a word as its value times 2^-120 */
-template <int J> static __device__ __forceinline__ float e4m3_raw(uint32_t w) {
-    const uint32_t mag = J < 3 ? (w << (20 - 8 * J)) : (w >> 4);
-    const uint32_t sgn = J < 3 ? (w << (24 - 8 * J)) : w;
-    return __uint_as_float((mag & 0x07f00000u) | (sgn & 0x80000000u));
-}
-
-/* 16 E4M3 codes dotted with 16 scaled BF16 values (x 16-byte aligned), in a fixed order */
-static __device__ __forceinline__ float dot16_e4m3(uint4 u, const uint16_t *x) {
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-    const uint4 xa = ((const uint4 *)x)[0], xb = ((const uint4 *)x)[1];
-    const uint32_t xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-    float acc = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const uint32_t p = xv[2 * i], q = xv[2 * i + 1];
-        acc += e4m3_raw<0>(w[i]) * __uint_as_float(p << 16) +
-               e4m3_raw<1>(w[i]) * __uint_as_float(p & 0xffff0000u) +
-               e4m3_raw<2>(w[i]) * __uint_as_float(q << 16) +
-               e4m3_raw<3>(w[i]) * __uint_as_float(q & 0xffff0000u);
-    }
-    return acc;
-}
-
-template <int TT>
+ * fp8_stream.cuh's tiles: a warp a 16-row tile (S warps along K, their partial sums added in the
+ * order p = 0, 1, ..), a block row's pass up to 8 tokens as the mma's columns. With xh NULL the
+ * block quantizes its tokens' rows itself into shared memory (f8_quant_row, the same values
+ * ptpc_act_k writes): a decode step's product is then one kernel, whose first weights load before
+ * its wait. A token's sum takes the same steps whatever else the pass holds (batch invariance). */
 __global__ void __launch_bounds__(256)
-    gemv_fp8_k(float *y, int ldy, const uint16_t *xf, const float *st, const uint8_t *W,
-               const float *sr, int N, int K, int S) {
-    __shared__ float red[8][TT]; /* [warp][token] partial sums (S > 1) */
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int n = blockIdx.x * (8 / S) + warp / S, part = warp % S, nk = K / 16, step = 32 * S;
-    const int k0 = lane + 32 * part;
-    /* the weights are no earlier kernel's output: the first pieces load before the wait */
-    enum { PRE = 2 };
-    const uint4 *wr = (const uint4 *)(W + (size_t)min(n, N - 1) * K);
-    uint4 pre[PRE];
-#pragma unroll
-    for (int i = 0; i < PRE; i++)
-        if (k0 + step * i < nk) pre[i] = __ldg(wr + k0 + step * i);
+    gemv_f8m_k(float *y, int ldy, const float *x, int ldx, const uint16_t *xh, const float *xs,
+               const uint8_t *W, const float *sr, int N, int K, int S, int T) {
+    extern __shared__ uint4 f8_xdyn[]; /* [nt][K] F16 code values of the pass's tokens (no xh) */
+    __shared__ float4 red[8][32];      /* [warp][lane] partial sums (S > 1) */
+    __shared__ float st_sh[8];         /* the pass's token scales (no xh) */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, l4 = lane & 3;
+    const int part = warp % S, t0 = blockIdx.y * 8, nt = min(8, T - t0);
+    const int nb = ((N + 15) / 16 + 8 / S - 1) / (8 / S); /* blocks' worth of tiles */
+    uint4 a[F8_U][2];
+    {
+        const int n0 = (blockIdx.x * (8 / S) + warp / S) * 16 + g;
+        f8_load(a, (const uint4 *)(W + (size_t)min(n0, N - 1) * K) + l4,
+                (const uint4 *)(W + (size_t)min(n0 + 8, N - 1) * K) + l4, part, S, K / 64);
+    }
     PDL_ENTRY();
-    if (S == 1 && n >= N) return;
-    xf += (size_t)blockIdx.y * TT * K;
-    st += (size_t)blockIdx.y * TT;
-    y += (size_t)blockIdx.y * TT * ldy;
-    float acc[TT];
-#pragma unroll
-    for (int t = 0; t < TT; t++) acc[t] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < PRE; i++) {
-        const int k16 = k0 + step * i;
-        if (k16 < nk)
-#pragma unroll
-            for (int t = 0; t < TT; t++)
-                acc[t] += dot16_e4m3(pre[i], xf + (size_t)t * K + k16 * 16);
-    }
-#pragma unroll 4
-    for (int k16 = k0 + step * PRE; k16 < nk; k16 += step) {
-        const uint4 u = __ldg(wr + k16);
-#pragma unroll
-        for (int t = 0; t < TT; t++) acc[t] += dot16_e4m3(u, xf + (size_t)t * K + k16 * 16);
-    }
-#pragma unroll
-    for (int t = 0; t < TT; t++) {
-        float v = acc[t];
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (S == 1) {
-            if (lane == 0) y[(size_t)t * ldy + n] = ((v * 2.0f) * st[t]) * sr[n];
-        } else if (lane == 0) {
-            red[warp][t] = v;
+    const uint16_t *xb = xh ? xh + (size_t)t0 * K : (const uint16_t *)f8_xdyn;
+    const float *st = xh ? xs + t0 : st_sh;
+    if (!xh) {
+        for (int t = 0; t < nt; t++) {
+            const float *xr = x + (size_t)(t0 + t) * ldx;
+            const float s =
+                f8_quant_row((uint16_t *)f8_xdyn + (size_t)t * K, K, [xr](int c) { return xr[c]; });
+            if (threadIdx.x == 0) st_sh[t] = s;
         }
+        __syncthreads();
     }
-    if (S == 1) return;
-    __syncthreads();
-    if (part == 0 && lane < TT && n < N) {
-        float v = 0.0f;
-        for (int p = 0; p < S; p++) v += red[warp + p][lane];
-        y[(size_t)lane * ldy + n] = ((v * 2.0f) * st[lane]) * sr[n];
+    const uint4 *xr = g < nt ? (const uint4 *)(xb + (size_t)g * K) + 2 * l4 : NULL;
+    /* (a grid smaller than nb, when the block quantizes: each block's tiles one after another) */
+    for (int b = blockIdx.x; b < nb; b += gridDim.x) {
+        const int n0 = (b * (8 / S) + warp / S) * 16 + g, n1 = n0 + 8;
+        const uint4 *w0 = (const uint4 *)(W + (size_t)min(n0, N - 1) * K) + l4;
+        const uint4 *w1 = (const uint4 *)(W + (size_t)min(n1, N - 1) * K) + l4;
+        if (b != (int)blockIdx.x) f8_load(a, w0, w1, part, S, K / 64);
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        f8_tile(acc, a, w0, w1, xr, part, S, K, l4);
+        if (S > 1) {
+            __syncthreads(); /* the previous tile is done with red */
+            red[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            __syncthreads();
+            if (part) continue;
+            acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
+            for (int p = 0; p < S; p++) {
+                const float4 v = red[warp + p][lane];
+                acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
+            }
+        }
+        /* C: rows g (elements 0, 1) and g + 8 (2, 3), tokens 2 l4 and 2 l4 + 1 */
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int t = 2 * l4 + j;
+            if (t >= nt) continue;
+            float *yr = y + (size_t)(t0 + t) * ldy;
+            if (n0 < N) yr[n0] = (acc[j] * st[t]) * sr[n0];
+            if (n1 < N) yr[n1] = (acc[2 + j] * st[t]) * sr[n1];
+        }
     }
 }
 
 /* Any K and alignment, one code at a time (a warp a row, a token a block row): the fallback. */
 __global__ void __launch_bounds__(256)
-    gemv_fp8_any_k(float *y, int ldy, const uint16_t *xf, const float *st, const uint8_t *W,
+    gemv_fp8_any_k(float *y, int ldy, const uint16_t *xh, const float *st, const uint8_t *W,
                    const float *sr, int N, int K) {
     PDL_ENTRY();
     const int lane = threadIdx.x & 31, n = blockIdx.x * 8 + (threadIdx.x >> 5), t = blockIdx.y;
     if (n >= N) return;
     const uint8_t *wr = W + (size_t)n * K;
-    const uint16_t *xt = xf + (size_t)t * K;
+    const uint16_t *xt = xh + (size_t)t * K;
     float acc = 0.0f;
     for (int k = lane; k < K; k += 32)
-        acc += e4m3_raw<0>(wr[k]) * __uint_as_float((uint32_t)xt[k] << 16);
+        acc += ds_e4m3_to_f32(wr[k]) * __half2float(__ushort_as_half(xt[k]));
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0) y[(size_t)t * ldy + n] = ((acc * 2.0f) * st[t]) * sr[n];
+    if (lane == 0) y[(size_t)t * ldy + n] = (acc * st[t]) * sr[n];
 }
 
 /* y[t][r] = (y[t][r] * s_t) * s_r after the tensor cores' unit-scale product */
@@ -202,16 +162,13 @@ __global__ void fp8_scale_k(float *y, int ldy, const float *st, const float *sr,
         }
 }
 
-/* Warps a row, as matmul.cu's gemv_splits: a function of the matrix alone. */
-static int fp8_splits(const ds_cu *c, int N, int K) {
-    const long want = 32L * c->n_sm;
-    int S = 1;
-    while (S < 8 && (long)N * S < want && K / 16 >= 32 * 2 * S) S *= 2;
-    return S;
-}
+/* Shared memory for a pass that quantizes its own tokens, at most (else ptpc_act_k first). */
+enum : size_t { F8_XSH_MAX = 36 * 1024 };
 
-static int fp8_gemv(ds_cu *c, float *y, int ldy, const uint16_t *xf, const float *st, int T,
-                    const ds_cu_mat *w, ds_err *err) {
+/* y = x W^T through the streaming kernels; xh/st: x already quantized (NULL: T <= 8 tokens whose
+ * rows fit F8_XSH_MAX, quantized by the kernel). */
+static int fp8_gemv(ds_cu *c, float *y, int ldy, const float *x, int ldx, const uint16_t *xh,
+                    const float *st, int T, const ds_cu_mat *w, ds_err *err) {
     const int N = w->rows, K = w->cols;
     const uint8_t *W = (const uint8_t *)w->data;
     const float *sr = (const float *)w->scale;
@@ -219,48 +176,21 @@ static int fp8_gemv(ds_cu *c, float *y, int ldy, const uint16_t *xf, const float
         for (int t0 = 0; t0 < T; t0 += 65535)
             launch_k(c, gemv_fp8_any_k,
                      dim3((unsigned)((N + 7) / 8), (unsigned)DS_MIN(T - t0, 65535)), 256, 0,
-                     y + (size_t)t0 * ldy, ldy, xf + (size_t)t0 * K, st + t0, W, sr, N, K);
+                     y + (size_t)t0 * ldy, ldy, xh + (size_t)t0 * K, st + t0, W, sr, N, K);
         CU_TRY(cudaGetLastError(), "matmul fp8 (gemv, any shape)");
         return DS_OK;
     }
-    const int S = fp8_splits(c, N, K);
-    const unsigned blocks = (unsigned)((N + 8 / S - 1) / (8 / S));
-    const int full = T / 8, rem = T % 8;
-    for (int t0 = 0; t0 < full * 8; t0 += 8 * 65535)
-        launch_k(c, gemv_fp8_k<8>, dim3(blocks, (unsigned)DS_MIN(full - t0 / 8, 65535)), 256, 0,
-                 y + (size_t)t0 * ldy, ldy, xf + (size_t)t0 * K, st + t0, W, sr, N, K, S);
-    const size_t t0 = (size_t)full * 8;
-    float *yr = y + t0 * ldy;
-    const uint16_t *xr = xf + t0 * K;
-    const float *sr_t = st + t0;
-#define FP8_REM(TT)                                                                                \
-    launch_k(c, gemv_fp8_k<TT>, dim3(blocks, 1), 256, 0, yr, ldy, xr, sr_t, W, sr, N, K, S)
-    switch (rem) {
-    case 0:
-        break;
-    case 1:
-        FP8_REM(1);
-        break;
-    case 2:
-        FP8_REM(2);
-        break;
-    case 3:
-        FP8_REM(3);
-        break;
-    case 4:
-        FP8_REM(4);
-        break;
-    case 5:
-        FP8_REM(5);
-        break;
-    case 6:
-        FP8_REM(6);
-        break;
-    default:
-        FP8_REM(7);
-        break;
-    }
-#undef FP8_REM
+    const int S = f8_splits(c->n_sm, N, K);
+    /* blocks' worth of tiles; a block that quantizes its tokens does so once, for as many tiles
+     * as one wave of blocks (two a multiprocessor) leaves it */
+    unsigned bx = (unsigned)(((N + 15) / 16 + 8 / S - 1) / (8 / S));
+    if (!xh) bx = DS_MIN(bx, (unsigned)(2 * c->n_sm));
+    const size_t smem = xh ? 0 : (size_t)T * K * 2;
+    for (int t0 = 0; t0 < T; t0 += 8 * 65535)
+        launch_k(c, gemv_f8m_k, dim3(bx, (unsigned)DS_MIN((T - t0 + 7) / 8, 65535)), 256, smem,
+                 y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx,
+                 xh ? xh + (size_t)t0 * K : (const uint16_t *)NULL, xh ? st + t0 : st, W, sr, N, K,
+                 S, T - t0);
     CU_TRY(cudaGetLastError(), "matmul fp8 (gemv)");
     return DS_OK;
 }
@@ -347,9 +277,13 @@ static int fp8_gemm(ds_cu *c, float *y, int ldy, const uint8_t *xq, const float 
 int matmul_fp8(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, const ds_cu_mat *w,
                int stream, ds_err *err) {
     const int K = w->cols;
-    const int tc = !stream && K % 16 == 0 && (uintptr_t)w->data % 16 == 0;
+    const int mma = K % 16 == 0 && (uintptr_t)w->data % 16 == 0;
+    const int tc = !stream && mma;
+    /* decode: one kernel, quantizing its tokens as it goes */
+    if (!tc && mma && T <= 8 && (size_t)T * K * 2 <= F8_XSH_MAX)
+        return fp8_gemv(c, y, ldy, x, ldx, (const uint16_t *)NULL, (const float *)NULL, T, w, err);
     /* scratch (per stream: the side stream has its own): s [T] f32, then xq [T][K] codes for the
-     * tensor cores or xf [T][K] scaled BF16 values for the streaming kernel */
+     * tensor cores or xh [T][K] F16 code values for the streaming kernels */
     const size_t s_bytes = ((size_t)T * 4 + 255) & ~(size_t)255;
     const size_t need = s_bytes + (size_t)T * K * (tc ? 1 : 2);
     if (grow_scratch(c, (void **)&c->xb, &c->xb_bytes, need, "matmul scratch", err)) return DS_ERR;
@@ -372,5 +306,5 @@ int matmul_fp8(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, cons
     launch_k(c, ptpc_act_k, (unsigned)DS_MIN(T, 1 << 16), 256, 0, (uint8_t *)NULL, 0,
              (uint16_t *)xbuf, st, x, ldx, T, K);
     CU_TRY(cudaGetLastError(), "matmul fp8 (activations)");
-    return fp8_gemv(c, y, ldy, (const uint16_t *)xbuf, st, T, w, err);
+    return fp8_gemv(c, y, ldy, x, ldx, (const uint16_t *)xbuf, st, T, w, err);
 }

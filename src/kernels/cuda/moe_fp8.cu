@@ -11,6 +11,7 @@
  * through the weight-streaming kernel (matmul_fp8.cu's scheme, K split across warps), batches
  * through the tile kernel (moe_mxfp4.cu's). Grouping and combine are moe_experts.cu's. */
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fp8_stream.cuh"
 #include "kernels/cuda/moe.cuh"
 #include "kernels/shared/quant.h"
 
@@ -52,48 +53,23 @@ __global__ void __launch_bounds__(256)
     }
 }
 
-static __device__ __forceinline__ void mma_16816_f16(float (&d)[4], const uint32_t (&a)[4],
-                                                     uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-/* two E4M3 codes (low byte first) as an F16 pair */
-static __device__ __forceinline__ uint32_t f8x2_f16(uint32_t w16) {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)w16, __NV_E4M3);
-    return (uint32_t)h.x | ((uint32_t)h.y << 16);
-}
-
 /* ---- the streaming kernel ---------------------------------------------------------------------
- * matmul_fp8.cu's gemv_fp8_k over an active expert's routed rows (or, one token, routed row
+ * fp8_stream.cuh's tiles over an active expert's routed rows (or, one token, routed row
  * blockIdx.y straight from idx): a warp a 16-row tile of the expert's weights (S warps sharing it
  * along K, their partial sums added in order p = 0, 1, ..), up to 8 routed rows a pass as the mma's
- * columns (F16 code values). A column does not depend on the others, and S on the matrix alone,
- * so a row's result is the same whatever else the step holds (batch invariance). K a multiple of
- * 16: a last step narrower than 64 is padded with zeros (part 0's). */
-static __device__ __forceinline__ void f8_mma_step(float (&acc)[4], uint4 a0, uint4 a1, uint4 x0,
-                                                   uint4 x1) {
-    const uint32_t A0[4] = {a0.x, a0.y, a0.z, a0.w}, A1[4] = {a1.x, a1.y, a1.z, a1.w};
-    const uint32_t B[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-    for (int q = 0; q < 4; q++) { /* codes [4 q, 4 q + 4) of the lane's 16 */
-        const uint32_t fr[4] = {f8x2_f16(A0[q] & 0xffffu), f8x2_f16(A1[q] & 0xffffu),
-                                f8x2_f16(A0[q] >> 16), f8x2_f16(A1[q] >> 16)};
-        mma_16816_f16(acc, fr, B[2 * q], B[2 * q + 1]);
-    }
-}
-
-/* y[r][n] = (sum * xs[r / x_div]) * Ws[e N + n] for routed rows r; xh [.][K] F16 code values of
- * source row r / x_div */
+ * columns. A column does not depend on the others, and S on the matrix alone, so a row's result is
+ * the same whatever else the step holds (batch invariance). With xh NULL (one token) the block
+ * quantizes its routed row's source itself, through act when act.on (x rows [gate | up] of 2K):
+ * the same values moe_f8_quant_k writes, and two kernels fewer in a decode step. */
 __global__ void __launch_bounds__(256)
-    moe_f8m_k(float *y, int ldy, const uint16_t *xh, const float *xs, int x_div, const uint8_t *Wc,
-              const float *Ws, int N, int K, int S, const int32_t *start, const int32_t *perm,
-              const int32_t *active, const int32_t *n_active, const int32_t *direct, int e0,
-              int E) {
+    moe_f8m_k(float *y, int ldy, const float *x, int ldx, moe_act act, const uint16_t *xh,
+              const float *xs, int x_div, const uint8_t *Wc, const float *Ws, int N, int K, int S,
+              const int32_t *start, const int32_t *perm, const int32_t *active,
+              const int32_t *n_active, const int32_t *direct, int e0, int E) {
     PDL_ENTRY();
-    __shared__ float4 red[8][32]; /* [warp][lane] partial sums (S > 1) */
+    extern __shared__ uint4 f8m_xdyn[]; /* [K] the routed row's F16 code values (no xh) */
+    __shared__ float4 red[8][32];       /* [warp][lane] partial sums (S > 1) */
+    __shared__ float st_sh;             /* its scale (no xh) */
     int e, r0, r1;
     if (direct) { /* block row y is routed row y (one token) */
         e = direct[blockIdx.y] - e0;
@@ -104,68 +80,52 @@ __global__ void __launch_bounds__(256)
         e = active[blockIdx.y], r0 = start[e], r1 = start[e + 1];
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, l4 = lane & 3;
-    const int tile = blockIdx.x * (8 / S) + warp / S, part = warp % S, ns = K / 64;
-    const int n0 = tile * 16 + g, n1 = n0 + 8;
-    const bool tail = part == 0 && 64 * ns + 16 * l4 < K; /* this lane's piece of the last step */
-    const uint4 *w0 = (const uint4 *)(Wc + ((size_t)e * N + min(n0, N - 1)) * K) + l4;
-    const uint4 *w1 = (const uint4 *)(Wc + ((size_t)e * N + min(n1, N - 1)) * K) + l4;
-    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    enum { U = 4 };
-    for (int p0 = r0; p0 < r1; p0 += 8) {
-        const int nt = min(8, r1 - p0);
-        const bool xv = g < nt;
-        const int rg = xv ? (direct ? p0 + g : perm[p0 + g]) : 0;
-        const uint4 *xr = (const uint4 *)(xh + (size_t)(rg / x_div) * K) + 2 * l4;
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        int s = part;
-        for (; s + (U - 1) * S < ns; s += U * S) { /* U steps' loads in flight */
-            uint4 a[U][2], xb[U][2];
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                a[u][0] = __ldg(w0 + 4 * (s + u * S)), a[u][1] = __ldg(w1 + 4 * (s + u * S));
-                xb[u][0] = xv ? xr[8 * (s + u * S)] : zero;
-                xb[u][1] = xv ? xr[8 * (s + u * S) + 1] : zero;
+    const int part = warp % S, nb = ((N + 15) / 16 + 8 / S - 1) / (8 / S);
+    if (!xh) { /* direct: the one routed row r0 */
+        const float *xr = x + (size_t)(r0 / x_div) * ldx;
+        const float s = f8_quant_row((uint16_t *)f8m_xdyn, K, [xr, act, K](int c) {
+            return act.on ? act_pair(xr[c], xr[K + c], act.situ, act.beta, act.lin_beta) : xr[c];
+        });
+        if (threadIdx.x == 0) st_sh = s;
+        __syncthreads();
+    }
+    /* (a grid smaller than nb, when the block quantizes: each block's tiles one after another) */
+    for (int b = blockIdx.x; b < nb; b += gridDim.x) {
+        const int n0 = (b * (8 / S) + warp / S) * 16 + g, n1 = n0 + 8;
+        const uint4 *w0 = (const uint4 *)(Wc + ((size_t)e * N + min(n0, N - 1)) * K) + l4;
+        const uint4 *w1 = (const uint4 *)(Wc + ((size_t)e * N + min(n1, N - 1)) * K) + l4;
+        for (int p0 = r0; p0 < r1; p0 += 8) {
+            const int nt = min(8, r1 - p0);
+            const int rg = g < nt ? (direct ? p0 + g : perm[p0 + g]) : 0;
+            const uint16_t *xrow = xh ? xh + (size_t)(rg / x_div) * K : (const uint16_t *)f8m_xdyn;
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            uint4 a[F8_U][2];
+            f8_load(a, w0, w1, part, S, K / 64);
+            f8_tile(acc, a, w0, w1, g < nt ? (const uint4 *)xrow + 2 * l4 : NULL, part, S, K, l4);
+            if (S > 1) {
+                __syncthreads(); /* the previous pass is done with red */
+                red[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                __syncthreads();
+                if (part) continue;
+                acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
+                for (int p = 0; p < S; p++) {
+                    const float4 v = red[warp + p][lane];
+                    acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
+                }
             }
+            /* C: rows g (elements 0, 1) and g + 8 (2, 3), routed rows 2 l4 and 2 l4 + 1 */
 #pragma unroll
-            for (int u = 0; u < U; u++) f8_mma_step(acc, a[u][0], a[u][1], xb[u][0], xb[u][1]);
-        }
-        for (; s < ns; s += S)
-            f8_mma_step(acc, __ldg(w0 + 4 * s), __ldg(w1 + 4 * s), xv ? xr[8 * s] : zero,
-                        xv ? xr[8 * s + 1] : zero);
-        if (part == 0 && K % 64) /* the narrower last step */
-            f8_mma_step(acc, tail ? __ldg(w0 + 4 * ns) : zero, tail ? __ldg(w1 + 4 * ns) : zero,
-                        xv && tail ? xr[8 * ns] : zero, xv && tail ? xr[8 * ns + 1] : zero);
-        if (S > 1) {
-            __syncthreads(); /* the previous pass is done with red */
-            red[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-            __syncthreads();
-            if (part) continue;
-            acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
-            for (int p = 0; p < S; p++) {
-                const float4 v = red[warp + p][lane];
-                acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
+            for (int j = 0; j < 2; j++) {
+                const int t = 2 * l4 + j;
+                if (t >= nt) continue;
+                const int r = direct ? p0 + t : perm[p0 + t];
+                const float st = xh ? xs[r / x_div] : st_sh;
+                float *yr = y + (size_t)r * ldy;
+                if (n0 < N) yr[n0] = (acc[j] * st) * Ws[(size_t)e * N + n0];
+                if (n1 < N) yr[n1] = (acc[2 + j] * st) * Ws[(size_t)e * N + n1];
             }
-        }
-        /* C: rows g (elements 0, 1) and g + 8 (2, 3), routed rows 2 l4 and 2 l4 + 1 */
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            const int t = 2 * l4 + j;
-            if (t >= nt) continue;
-            const int r = direct ? p0 + t : perm[p0 + t];
-            const float st = xs[r / x_div];
-            float *yr = y + (size_t)r * ldy;
-            if (n0 < N) yr[n0] = (acc[j] * st) * Ws[(size_t)e * N + n0];
-            if (n1 < N) yr[n1] = (acc[2 + j] * st) * Ws[(size_t)e * N + n1];
         }
     }
-}
-
-/* Warps a 16-row tile: a function of the matrix alone (batch invariance). */
-static int f8_splits(int N, int K) {
-    const int tiles = (N + 15) / 16;
-    int S = 1;
-    while (S < 8 && tiles * S < 256 && K / 64 >= 4 * S) S *= 2;
-    return S;
 }
 
 /* ---- tensor cores (batches) -------------------------------------------------------------------
@@ -321,23 +281,37 @@ static void f8_tc(ds_cu *c, const f8_buf *b, const float *x, int rows, int D, in
              g->active, g->n_active, none);
 }
 
-/* the two passes through the streaming kernel */
+/* the two passes through the streaming kernel; one token (direct): each block quantizes its own
+ * routed row (x, then act of h) */
 static void f8_stream(ds_cu *c, const f8_buf *b, const float *x, int T, int rows, int D, int I,
                       int k, const f8_w *w, const f8_rows *g, moe_act act) {
     const moe_act none = {0, 0, 0.0f, 0.0f};
-    const int su = f8_splits(2 * I, D), sd = f8_splits(D, I);
+    const int su = f8_splits(c->n_sm, 2 * I, D), sd = f8_splits(c->n_sm, D, I);
+    const unsigned bu = (unsigned)(((2 * I + 15) / 16 + 8 / su - 1) / (8 / su)),
+                   bd = (unsigned)(((D + 15) / 16 + 8 / sd - 1) / (8 / sd));
+    if (g->direct) { /* a block quantizes once for its tiles: one wave of blocks (two an SM) */
+        const unsigned cap = DS_MAX(1u, 2u * (unsigned)c->n_sm / g->ya);
+        launch_k(c, moe_f8m_k, dim3(DS_MIN(bu, cap), g->ya), 256, (size_t)D * 2, b->h, 2 * I, x, D,
+                 none, (const uint16_t *)NULL, (const float *)NULL, k, w->gc, w->gs, 2 * I, D, su,
+                 g->start, g->perm, g->active, g->n_active, g->direct, g->e0, g->E);
+        launch_k(c, moe_f8m_k, dim3(DS_MIN(bd, cap), g->ya), 256, (size_t)I * 2, b->y, D,
+                 (const float *)b->h, 2 * I, act, (const uint16_t *)NULL, (const float *)NULL, 1,
+                 w->dc, w->ds, D, I, sd, g->start, g->perm, g->active, g->n_active, g->direct,
+                 g->e0, g->E);
+        return;
+    }
     launch_k(c, moe_f8_quant_k<false>, (unsigned)T, 256, 0, b->xq, b->xs, x, D, D,
              (const int32_t *)NULL, 1, 0, (const int32_t *)NULL, (const int32_t *)NULL, 0, 0, none);
-    launch_k(c, moe_f8m_k, dim3((unsigned)(((2 * I + 15) / 16 + 8 / su - 1) / (8 / su)), g->ya),
-             256, 0, b->h, 2 * I, (const uint16_t *)b->xq, (const float *)b->xs, k, w->gc, w->gs,
-             2 * I, D, su, g->start, g->perm, g->active, g->n_active, g->direct, g->e0, g->E);
-    /* act rows quantized: routed rows straight (one token) or this rank's, through perm */
+    launch_k(c, moe_f8m_k, dim3(bu, g->ya), 256, 0, b->h, 2 * I, x, D, none,
+             (const uint16_t *)b->xq, (const float *)b->xs, k, w->gc, w->gs, 2 * I, D, su, g->start,
+             g->perm, g->active, g->n_active, g->direct, g->e0, g->E);
+    /* act rows quantized, this rank's, through perm */
     launch_k(c, moe_f8_quant_k<true>, (unsigned)rows, 256, (size_t)I * sizeof(float), b->aq, b->as,
-             (const float *)b->h, 2 * I, I, g->direct ? (const int32_t *)NULL : g->perm, 1, 0,
-             g->direct ? (const int32_t *)NULL : g->start + g->E, g->direct, g->e0, g->E, act);
-    launch_k(c, moe_f8m_k, dim3((unsigned)(((D + 15) / 16 + 8 / sd - 1) / (8 / sd)), g->ya), 256, 0,
-             b->y, D, (const uint16_t *)b->aq, (const float *)b->as, 1, w->dc, w->ds, D, I, sd,
-             g->start, g->perm, g->active, g->n_active, g->direct, g->e0, g->E);
+             (const float *)b->h, 2 * I, I, g->perm, 1, 0, g->start + g->E, (const int32_t *)NULL,
+             g->e0, g->E, act);
+    launch_k(c, moe_f8m_k, dim3(bd, g->ya), 256, 0, b->y, D, (const float *)b->h, 2 * I, none,
+             (const uint16_t *)b->aq, (const float *)b->as, 1, w->dc, w->ds, D, I, sd, g->start,
+             g->perm, g->active, g->n_active, g->direct, g->e0, g->E);
 }
 
 extern "C" int ds_cu_moe_experts_fp8(ds_cu *c, float *out, const float *x, const int32_t *idx,

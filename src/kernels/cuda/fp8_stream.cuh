@@ -1,0 +1,136 @@
+/* fp8_stream.cuh — the FP8 weight-streaming step on F16 tensor cores, one definition for the
+ * dense products (matmul_fp8.cu), the routed experts (moe_fp8.cu) and the fused KDA decode
+ * (kda_fused.cu), so that a row's sum has the same bits whichever of them computes it.
+ *
+ * The w8a8 math of docs/quantization.md §3: every E4M3 value is exact in F16 (weights through
+ * the conversion unit, activations as their codes' values), each product of two is exact in f32
+ * and the mma accumulates in f32. A warp owns a 16-row tile of the weights; a 64-column step of
+ * the tile is lane (g, l4)'s 16 codes [16 l4, 16 l4 + 16) of rows g and g + 8 and the same 16
+ * columns of column (token) g's F16 row, so that the operands of the m16n8k16 mma hold the
+ * columns in one permuted order for A and B alike. D[i][j] depends on row i and column j alone:
+ * a row's sum does not depend on the tile's other rows nor the pass's other columns. */
+#pragma once
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/shared/quant.h"
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+static __device__ __forceinline__ void mma_16816_f16(float (&d)[4], const uint32_t (&a)[4],
+                                                     uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* two E4M3 codes (low byte first) as an F16 pair */
+static __device__ __forceinline__ uint32_t f8x2_f16(uint32_t w16) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)w16, __NV_E4M3);
+    return (uint32_t)h.x | ((uint32_t)h.y << 16);
+}
+
+/* one 64-column step: a0, a1 the lane's 16 codes of rows g and g + 8, x0 x1 its 16 F16 values */
+static __device__ __forceinline__ void f8_mma_step(float (&acc)[4], uint4 a0, uint4 a1, uint4 x0,
+                                                   uint4 x1) {
+    const uint32_t A0[4] = {a0.x, a0.y, a0.z, a0.w}, A1[4] = {a1.x, a1.y, a1.z, a1.w};
+    const uint32_t B[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+    for (int q = 0; q < 4; q++) { /* codes [4 q, 4 q + 4) of the lane's 16 */
+        const uint32_t fr[4] = {f8x2_f16(A0[q] & 0xffffu), f8x2_f16(A1[q] & 0xffffu),
+                                f8x2_f16(A0[q] >> 16), f8x2_f16(A1[q] >> 16)};
+        mma_16816_f16(acc, fr, B[2 * q], B[2 * q + 1]);
+    }
+}
+
+/* Steps in flight a warp: loaded together, then multiplied. */
+enum { F8_U = 4 };
+
+/* The weights of steps s, s + S, .., s + (F8_U - 1) S of a tile (w0, w1: rows g and g + 8 at the
+ * lane's piece l4; zeros past ns). They are no earlier kernel's output: a kernel may load its
+ * first ones before its PDL wait. */
+static __device__ __forceinline__ void f8_load(uint4 (&a)[F8_U][2], const uint4 *w0,
+                                               const uint4 *w1, int s, int S, int ns) {
+#pragma unroll
+    for (int u = 0; u < F8_U; u++) {
+        const int su = s + u * S;
+        if (su < ns) {
+            a[u][0] = __ldg(w0 + 4 * su), a[u][1] = __ldg(w1 + 4 * su);
+        } else {
+            a[u][0] = a[u][1] = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+}
+
+/* acc += the tile's rows (w0, w1, see f8_load) dotted with the lane's column: xr its F16 row at
+ * piece l4 ((const uint4 *)row + 2 l4; NULL: a zero column), over steps part, part + S, .. < ns
+ * in that order (a has the first F8_U of them already); then, by part 0, the narrower last step
+ * of a K that is no multiple of 64 (its missing pieces zero). K a multiple of 16. The steps a
+ * lane multiplies, and their order, depend on (K, S, part) alone. */
+static __device__ __forceinline__ void f8_tile(float (&acc)[4], uint4 (&a)[F8_U][2],
+                                               const uint4 *w0, const uint4 *w1, const uint4 *xr,
+                                               int part, int S, int K, int l4) {
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    const int ns = K / 64;
+    for (int s = part; s < ns; s += F8_U * S) {
+        if (s != part) f8_load(a, w0, w1, s, S, ns);
+        uint4 xb[F8_U][2];
+#pragma unroll
+        for (int u = 0; u < F8_U; u++) {
+            const int su = s + u * S;
+            const bool on = xr && su < ns;
+            xb[u][0] = on ? xr[8 * su] : zero, xb[u][1] = on ? xr[8 * su + 1] : zero;
+        }
+#pragma unroll
+        for (int u = 0; u < F8_U; u++)
+            if (s + u * S < ns) f8_mma_step(acc, a[u][0], a[u][1], xb[u][0], xb[u][1]);
+    }
+    if (part == 0 && K % 64) {
+        const bool tail = 64 * ns + 16 * l4 < K;
+        f8_mma_step(acc, tail ? __ldg(w0 + 4 * ns) : zero, tail ? __ldg(w1 + 4 * ns) : zero,
+                    xr && tail ? xr[8 * ns] : zero, xr && tail ? xr[8 * ns + 1] : zero);
+    }
+}
+
+/* One row of activations quantized per token (docs/quantization.md §3, as ds_ptpc_quantize):
+ * q[K] gets the codes' values in F16 (exact), the scale is returned. Every thread of the block
+ * calls it (block_max's barriers); q may be shared or global memory. v(c) gives value c. Each
+ * thread takes F8_QB values a round, all loaded before any is used: one after another, a row of
+ * the 48B shape's widths was a chain of 9-36 trips to L2 a pass, longer than the product. */
+enum { F8_QB = 8 };
+template <typename V>
+static __device__ __forceinline__ float f8_quant_row(uint16_t *q, int K, V v) {
+    const int nb = blockDim.x;
+    float amax = 0.0f;
+    for (int c0 = threadIdx.x; c0 < K; c0 += F8_QB * nb) {
+        float val[F8_QB];
+#pragma unroll
+        for (int i = 0; i < F8_QB; i++) val[i] = c0 + i * nb < K ? v(c0 + i * nb) : 0.0f;
+#pragma unroll
+        for (int i = 0; i < F8_QB; i++) amax = fmaxf(amax, fabsf(val[i]));
+    }
+    amax = block_max(amax);
+    const float st = ds_ptpc_scale(amax), inv = 1.0f / st; /* (IEEE division: no fast math) */
+    for (int c0 = threadIdx.x; c0 < K; c0 += F8_QB * nb) {
+        float val[F8_QB];
+#pragma unroll
+        for (int i = 0; i < F8_QB; i++) val[i] = c0 + i * nb < K ? v(c0 + i * nb) : 0.0f;
+#pragma unroll
+        for (int i = 0; i < F8_QB; i++)
+            if (c0 + i * nb < K)
+                q[c0 + i * nb] =
+                    __half_as_ushort(__float2half_rn(ds_e4m3_to_f32(ds_f32_to_e4m3(val[i] * inv))));
+    }
+    return st;
+}
+
+/* Warps along K for a tile of a matrix of N rows and K columns: enough warps for the loads in
+ * flight to cover the memory's latency (about 16 a multiprocessor), at least F8_U steps each. A
+ * function of the matrix and the device alone (batch invariance). */
+static inline int f8_splits(int n_sm, int N, int K) {
+    const long tiles = (N + 15) / 16, want = 16L * n_sm;
+    int S = 1;
+    while (S < 8 && tiles * S < want && K / 64 >= F8_U * 2 * S) S *= 2;
+    return S;
+}
