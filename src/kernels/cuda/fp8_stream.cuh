@@ -44,16 +44,18 @@ static __device__ __forceinline__ void f8_mma_step(float (&acc)[4], uint4 a0, ui
     }
 }
 
-/* Steps in flight a warp: loaded together, then multiplied. */
-enum { F8_U = 4 };
+/* Steps in flight a warp: their weights loaded together, then multiplied (the activations, in
+ * shared memory or L2, as each step needs them). */
+enum { F8_U = 8 };
 
-/* The weights of steps s, s + S, .., s + (F8_U - 1) S of a tile (w0, w1: rows g and g + 8 at the
+/* The weights of steps s, s + S, .., s + (U - 1) S of a tile (w0, w1: rows g and g + 8 at the
  * lane's piece l4; zeros past ns). They are no earlier kernel's output: a kernel may load its
  * first ones before its PDL wait. */
-static __device__ __forceinline__ void f8_load(uint4 (&a)[F8_U][2], const uint4 *w0,
-                                               const uint4 *w1, int s, int S, int ns) {
+template <int U = F8_U>
+static __device__ __forceinline__ void f8_load(uint4 (&a)[U][2], const uint4 *w0, const uint4 *w1,
+                                               int s, int S, int ns) {
 #pragma unroll
-    for (int u = 0; u < F8_U; u++) {
+    for (int u = 0; u < U; u++) {
         const int su = s + u * S;
         if (su < ns) {
             a[u][0] = __ldg(w0 + 4 * su), a[u][1] = __ldg(w1 + 4 * su);
@@ -65,26 +67,24 @@ static __device__ __forceinline__ void f8_load(uint4 (&a)[F8_U][2], const uint4 
 
 /* acc += the tile's rows (w0, w1, see f8_load) dotted with the lane's column: xr its F16 row at
  * piece l4 ((const uint4 *)row + 2 l4; NULL: a zero column), over steps part, part + S, .. < ns
- * in that order (a has the first F8_U of them already); then, by part 0, the narrower last step
+ * in that order (a has the first U of them already); then, by part 0, the narrower last step
  * of a K that is no multiple of 64 (its missing pieces zero). K a multiple of 16. The steps a
  * lane multiplies, and their order, depend on (K, S, part) alone. */
-static __device__ __forceinline__ void f8_tile(float (&acc)[4], uint4 (&a)[F8_U][2],
-                                               const uint4 *w0, const uint4 *w1, const uint4 *xr,
-                                               int part, int S, int K, int l4) {
+template <int U = F8_U>
+static __device__ __forceinline__ void f8_tile(float (&acc)[4], uint4 (&a)[U][2], const uint4 *w0,
+                                               const uint4 *w1, const uint4 *xr, int part, int S,
+                                               int K, int l4) {
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     const int ns = K / 64;
-    for (int s = part; s < ns; s += F8_U * S) {
-        if (s != part) f8_load(a, w0, w1, s, S, ns);
-        uint4 xb[F8_U][2];
+    for (int s = part; s < ns; s += U * S) {
+        if (s != part) f8_load<U>(a, w0, w1, s, S, ns);
 #pragma unroll
-        for (int u = 0; u < F8_U; u++) {
+        for (int u = 0; u < U; u++) {
             const int su = s + u * S;
-            const bool on = xr && su < ns;
-            xb[u][0] = on ? xr[8 * su] : zero, xb[u][1] = on ? xr[8 * su + 1] : zero;
+            if (su < ns)
+                f8_mma_step(acc, a[u][0], a[u][1], xr ? xr[8 * su] : zero,
+                            xr ? xr[8 * su + 1] : zero);
         }
-#pragma unroll
-        for (int u = 0; u < F8_U; u++)
-            if (s + u * S < ns) f8_mma_step(acc, a[u][0], a[u][1], xb[u][0], xb[u][1]);
     }
     if (part == 0 && K % 64) {
         const bool tail = 64 * ns + 16 * l4 < K;
@@ -126,11 +126,12 @@ static __device__ __forceinline__ float f8_quant_row(uint16_t *q, int K, V v) {
 }
 
 /* Warps along K for a tile of a matrix of N rows and K columns: enough warps for the loads in
- * flight to cover the memory's latency (about 16 a multiprocessor), at least F8_U steps each. A
- * function of the matrix and the device alone (batch invariance). */
+ * flight to cover the memory's latency (about 16 a multiprocessor), at least F8_SPLIT_MIN steps
+ * each. A function of the matrix and the device alone (batch invariance). */
+enum { F8_SPLIT_MIN = 4 };
 static inline int f8_splits(int n_sm, int N, int K) {
     const long tiles = (N + 15) / 16, want = 16L * n_sm;
     int S = 1;
-    while (S < 8 && tiles * S < want && K / 64 >= F8_U * 2 * S) S *= 2;
+    while (S < 8 && tiles * S < want && K / 64 >= F8_SPLIT_MIN * 2 * S) S *= 2;
     return S;
 }

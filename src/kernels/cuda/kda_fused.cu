@@ -22,6 +22,7 @@
  * same as theirs. */
 enum { KDF_DK = 128, KDF_CL = 4, KDF_THREADS = 128, KDF_K_MAX = 128 };
 enum { KDF_Q = KDF_DK / KDF_CL }; /* channels (and value columns) a block owns: 32 */
+enum { KDF_U = KDF_K_MAX / 64 };  /* f_b's and g_b's 64-column steps (FP8), all loaded at once */
 
 /* the dynamic shared memory: the block's f_b rows then its g_b rows, BF16 (FP8: none, each warp
  * holds its tile's codes in registers) */
@@ -36,7 +37,7 @@ static size_t kdf_smem(int Kf, int Kg, bool f8) {
  * f_a x and g_a x (fas, gas) per token as the dense kernel's prologue does, and the results go to
  * fo and go [Q]. Every thread of the block calls it. */
 static __device__ __forceinline__ __attribute__((unused)) void
-kdf_gates_f8(const ds_cu_kda_decode &d, uint4 (&a)[F8_U][2], const uint4 *w0, const uint4 *w1,
+kdf_gates_f8(const ds_cu_kda_decode &d, uint4 (&a)[KDF_U][2], const uint4 *w0, const uint4 *w1,
              float sr0, float sr1, const float *fas, const float *gas, float *fo, float *go) {
     __shared__ __align__(16) uint16_t fq[KDF_K_MAX], gq[KDF_K_MAX]; /* F16 code values */
     const float sf = f8_quant_row(fq, d.Kf, [fas](int c) { return fas[c]; });
@@ -45,8 +46,8 @@ kdf_gates_f8(const ds_cu_kda_decode &d, uint4 (&a)[F8_U][2], const uint4 *w0, co
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, l4 = lane & 3;
     const bool isf = warp < 2;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    f8_tile(acc, a, w0, w1, g == 0 ? (const uint4 *)(isf ? fq : gq) + 2 * l4 : NULL, 0, 1,
-            isf ? d.Kf : d.Kg, l4);
+    f8_tile<KDF_U>(acc, a, w0, w1, g == 0 ? (const uint4 *)(isf ? fq : gq) + 2 * l4 : NULL, 0, 1,
+                   isf ? d.Kf : d.Kg, l4);
     if (l4 == 0) { /* C's column 0: rows g (element 0) and g + 8 (2) */
         const float st = isf ? sf : sg;
         float *o = (isf ? fo : go) + 16 * (warp & 1) + g;
@@ -94,10 +95,10 @@ __global__ void __launch_bounds__(KDF_THREADS) kda_decode_fused_k(ds_cu_kda_deco
     const float *tsc = tw < 2 ? d.f_bs : d.g_bs;
     const uint4 *tw0 = (const uint4 *)(tcodes + (size_t)trow * tK) + (threadIdx.x & 3),
                 *tw1 = (const uint4 *)(tcodes + (size_t)(trow + 8) * tK) + (threadIdx.x & 3);
-    uint4 ta[F8_U][2];
+    uint4 ta[KDF_U][2];
     float tsr0 = 0.0f, tsr1 = 0.0f;
     if constexpr (F8) {
-        f8_load(ta, tw0, tw1, 0, 1, tK / 64);
+        f8_load<KDF_U>(ta, tw0, tw1, 0, 1, tK / 64);
         tsr0 = tsc[trow], tsr1 = tsc[trow + 8];
     } else {
         uint16_t *dst = (uint16_t *)kdf_dyn;
@@ -246,7 +247,7 @@ __global__ void __launch_bounds__(KDF_THREADS) kda_decode_fused_k(ds_cu_kda_deco
 extern "C" int ds_cu_kda_decode_fits(const ds_cu *c, int dk, int W, int Kf, int Kg, int f8) {
     /* FP8: whole 16-byte pieces, and the dense kernel's tiles take one warp each (S = 1) */
     const int kq = f8 ? 16 : 8;
-    static_assert(KDF_K_MAX / 64 < 2 * F8_U, "f8_splits gives f_b and g_b one warp a tile");
+    static_assert(KDF_K_MAX / 64 < 2 * F8_SPLIT_MIN, "f8_splits gives f_b and g_b one warp a tile");
     return c->sm90 && dk == KDF_DK && W == 4 && Kf > 0 && Kf % kq == 0 && Kf <= KDF_K_MAX &&
            Kg > 0 && Kg % kq == 0 && Kg <= KDF_K_MAX;
 }
