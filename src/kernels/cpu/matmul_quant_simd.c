@@ -8,8 +8,9 @@
  *
  * Conversions, all exact:
  *  - FP8 E4M3 -> f32 by moving bits (ds_fp8_w_bits: sign-extend, shift by 20, mask), which is the
- *    value times 2^-120, as cheap as BF16's widening; the activations carry 2^112 (DS_FP8_XSCALE),
- *    so each sum is the true one times 2^-8 exactly (matmul_quant.h).
+ *    value times 2^-120; the activations carry 2^112 (DS_FP8_XSCALE), so each sum is the true one
+ *    times 2^-8 exactly (matmul_quant.h). The AVX2 tile makes the same bits 16 codes at a time
+ *    without shifts (avx2_fp8_16), in an order within the block that the activations follow.
  *  - MXFP4: AVX-512 looks each nibble up in a 16-entry table already multiplied by the group's
  *    E8M0 scale (vpermps with 16 lanes). AVX2's vpermps has 8 entries: the magnitude (bits 0..2) is
  *    looked up in an 8-entry scaled table and the sign (bit 3) XORed in; each lane's nibble comes
@@ -45,6 +46,31 @@ AVX2_INLINE __m256 avx2_fp8_8(const uint8_t *p) {
     return _mm256_castsi256_ps(
         _mm256_and_si256(_mm256_slli_epi32(d, 20), _mm256_set1_epi32((int)0x87F00000u)));
 }
+
+/* 16 FP8 codes -> their values times 2^-120 (ds_fp8_w_bits), codes 0,2,4,6,1,3,5,7 in w0 and the
+ * same plus 8 in w1 (the order k_fp8_pos, which the streaming activations follow: act_stream_avx2).
+ * The 16 bytes go to both 128-bit lanes; vpmaddubsw multiplies the unsigned constant bytes by the
+ * signed codes and adds pairs, so with (16, 0) the low lane's words are 16 * sext(even code) and
+ * with (0, 16) the high lane's 16 * sext(odd code) (within -2048..2032: no saturation): bits 15..11
+ * the sign, 10..4 exponent and mantissa. The AND leaves the high half of ds_fp8_w_bits and
+ * unpacking under zeros makes the f32. No shift: 4 ops for 16 codes where widening each byte to a
+ * dword first takes 6 (vpmovsxbd, vpslld, vpand on two vectors), and the shifts compete with the
+ * FMAs' port neighbours on AVX2 machines that split 256-bit ops. */
+AVX2_INLINE void avx2_fp8_16(const uint8_t *p, __m256 *w0, __m256 *w1) {
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    const __m256i k = _mm256_setr_epi8(16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 0,
+                                       16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16);
+    const __m256i h =
+        _mm256_and_si256(_mm256_maddubs_epi16(k, v), _mm256_set1_epi16((short)0x87F0));
+    const __m256i z = _mm256_setzero_si256();
+    *w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h));
+    *w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h));
+}
+
+/* Position p of avx2_fp8_16's vectors (and of the FP8 tile's accumulators) holds lane
+ * k_fp8_pos[p]; k_fp8_lane[l] is where lane l sits. */
+#define AVX2_FP8_POS  _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)
+#define AVX2_FP8_LANE _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)
 
 /* The first n (< 8) codes, zeros after, reading nothing past code n-1. */
 AVX2_INLINE __m256 avx2_fp8_tail(const uint8_t *p, int n) {
@@ -85,22 +111,28 @@ AVX2_INLINE __m256 avx2_mx_8(const uint8_t *p, __m256 table) {
 AVX2_INLINE void avx2_tile_fp8(const int mr, const int nt, const uint8_t *w, size_t ldw,
                                const float *x, size_t ldx, int kc, float *part, size_t ldp,
                                int first, float *y, size_t ldy) {
-    __m256 acc[DS_QMR][DS_QNT]; /* [row][token], lane l sums columns c = l (mod 8) */
+    /* [row][token]: lane l sums columns c = l (mod 8); over whole 16-column blocks lane l sits at
+     * position AVX2_FP8_LANE[l] (the order of avx2_fp8_16 and of x there), after them in place */
+    __m256 acc[DS_QMR][DS_QNT];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nt; j++)
-            acc[i][j] = first ? _mm256_setzero_ps()
-                              : _mm256_loadu_ps(part + (size_t)j * ldp + (size_t)i * 8);
+            acc[i][j] =
+                first ? _mm256_setzero_ps()
+                      : _mm256_permutevar8x32_ps(
+                            _mm256_loadu_ps(part + (size_t)j * ldp + (size_t)i * 8), AVX2_FP8_POS);
     int c = 0;
     for (; c + 16 <= kc; c += 16)
         for (int i = 0; i < mr; i++) {
-            const __m256 w0 = avx2_fp8_8(w + (size_t)i * ldw + (size_t)c);
-            const __m256 w1 = avx2_fp8_8(w + (size_t)i * ldw + (size_t)c + 8);
+            __m256 w0, w1;
+            avx2_fp8_16(w + (size_t)i * ldw + (size_t)c, &w0, &w1);
             for (int j = 0; j < nt; j++) {
                 const float *xj = x + (size_t)j * ldx + (size_t)c;
                 acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xj), w0, acc[i][j]);
                 acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xj + 8), w1, acc[i][j]);
             }
         }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nt; j++) acc[i][j] = _mm256_permutevar8x32_ps(acc[i][j], AVX2_FP8_LANE);
     for (; c < kc; c += 8) {
         const int n = DS_MIN(8, kc - c);
         const __m256i m = avx2_mask(n);
@@ -210,6 +242,21 @@ static AVX2_FN void act_avx2(float *xq, const float *x, int n, float inv) {
         _mm256_maskstore_ps(xq + c, m,
                             avx2_e4m3_round(_mm256_mul_ps(_mm256_maskload_ps(x + c, m), vi)));
     }
+}
+
+/* act_avx2 in the order the AVX2 FP8 tile reads (matmul_quant.h, ds_qact_fn): each whole block of
+ * 16 columns as 0,2,4,6,1,3,5,7, 8,10,12,14,9,11,13,15 (AVX2_FP8_POS), the last n % 16 in place.
+ * The tile's K chunks start at multiples of 16, so the blocks are the same in every chunk. */
+static AVX2_FN void act_stream_avx2(float *xq, const float *x, int n, float inv) {
+    const __m256 vi = _mm256_set1_ps(inv);
+    int c = 0;
+    for (; c + 16 <= n; c += 16) {
+        const __m256 a = avx2_e4m3_round(_mm256_mul_ps(_mm256_loadu_ps(x + c), vi));
+        const __m256 b = avx2_e4m3_round(_mm256_mul_ps(_mm256_loadu_ps(x + c + 8), vi));
+        _mm256_storeu_ps(xq + c, _mm256_permutevar8x32_ps(a, AVX2_FP8_POS));
+        _mm256_storeu_ps(xq + c + 8, _mm256_permutevar8x32_ps(b, AVX2_FP8_POS));
+    }
+    if (c < n) act_avx2(xq + c, x + c, n - c, inv);
 }
 
 #define AVX2_QTILES(MR_, NT_)                                                                      \
@@ -342,9 +389,20 @@ ALL_QTILES(AVX512_QTILES)
     { QROW(K, P, 1), QROW(K, P, 2), QROW(K, P, 3), QROW(K, P, 4) }
 
 /* The AVX2 amax and activation rounding serve AVX-512 too: they are exact, so any width gives the
- * same values. */
-const ds_qops ds_qops_avx2 = {
-    8, QTABLE(fp8, avx2), QTABLE(mx, avx2), panel_fp8_avx2, panel_mx_avx2, amax_avx2, act_avx2};
-const ds_qops ds_qops_avx512 = {
-    16,      QTABLE(fp8, avx512), QTABLE(mx, avx512), panel_fp8_avx512, panel_mx_avx512, amax_avx2,
-    act_avx2};
+ * same values. The AVX-512 FP8 tile reads its activations in place. */
+const ds_qops ds_qops_avx2 = {.lanes = 8,
+                              .fp8 = QTABLE(fp8, avx2),
+                              .mx = QTABLE(mx, avx2),
+                              .panel_fp8 = panel_fp8_avx2,
+                              .panel_mx = panel_mx_avx2,
+                              .amax = amax_avx2,
+                              .act = act_avx2,
+                              .act_stream = act_stream_avx2};
+const ds_qops ds_qops_avx512 = {.lanes = 16,
+                                .fp8 = QTABLE(fp8, avx512),
+                                .mx = QTABLE(mx, avx512),
+                                .panel_fp8 = panel_fp8_avx512,
+                                .panel_mx = panel_mx_avx512,
+                                .amax = amax_avx2,
+                                .act = act_avx2,
+                                .act_stream = act_avx2};
