@@ -23,6 +23,7 @@
 #include "kernels/shared/quant.h"
 
 #include <immintrin.h>
+#include <stdint.h>
 #include <string.h>
 
 /* The FP4 E2M1 magnitudes, then the signed values (code order). */
@@ -48,7 +49,7 @@ AVX2_INLINE __m256 avx2_fp8_8(const uint8_t *p) {
 }
 
 /* 16 FP8 codes -> their values times 2^-120 (ds_fp8_w_bits), codes 0,2,4,6,1,3,5,7 in w0 and the
- * same plus 8 in w1 (the order k_fp8_pos, which the streaming activations follow: act_stream_avx2).
+ * same plus 8 in w1 (AVX2_FP8_POS, the order the streaming activations follow: act_stream_avx2).
  * The 16 bytes go to both 128-bit lanes; vpmaddubsw multiplies the unsigned constant bytes by the
  * signed codes and adds pairs, so with (16, 0) the low lane's words are 16 * sext(even code) and
  * with (0, 16) the high lane's 16 * sext(odd code) (within -2048..2032: no saturation): bits 15..11
@@ -86,7 +87,7 @@ AVX2_INLINE void avx2_fp8_16x4(const uint8_t *p, __m128 *e0, __m128 *o0, __m128 
 }
 
 /* Position p of avx2_fp8_16's vectors (and of the FP8 tile's accumulators) holds lane
- * k_fp8_pos[p]; k_fp8_lane[l] is where lane l sits. */
+ * AVX2_FP8_POS[p]; AVX2_FP8_LANE[l] is where lane l sits. */
 #define AVX2_FP8_POS  _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)
 #define AVX2_FP8_LANE _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)
 
@@ -145,7 +146,8 @@ AVX2_INLINE int avx2_fp8_blocks_t1(const int mr, const uint8_t *w, size_t ldw, c
             __m128 e0, o0, e1, o1;
             /* the same columns of the next row group: a row of codes is short (K bytes), so the
              * hardware's stream prefetch spends much of each row warming up */
-            _mm_prefetch((const char *)(w + (size_t)(i + DS_QMR) * ldw + (size_t)c), _MM_HINT_T0);
+            _mm_prefetch((const char *)((uintptr_t)w + (size_t)(i + DS_QMR) * ldw + (size_t)c),
+                         _MM_HINT_T0);
             avx2_fp8_16x4(w + (size_t)i * ldw + (size_t)c, &e0, &o0, &e1, &o1);
             ae[i] = _mm_fmadd_ps(x0, e0, ae[i]);
             ao[i] = _mm_fmadd_ps(x1, o0, ao[i]);
