@@ -128,9 +128,11 @@ AVX2_INLINE __m256 avx2_mx_8(const uint8_t *p, __m256 table) {
         }
 
 /* The whole 16-column blocks of one token's tile (avx2_tile_fp8's loop, the same sums in the same
- * order) through avx2_fp8_16x4, each accumulator as its two 128-bit halves; it prefetches the rows
- * DS_QMR further on (the streaming driver's next tile; a prefetch past the matrix cannot fault).
+ * order) through avx2_fp8_16x4, each accumulator as its two 128-bit halves; for short rows it
+ * prefetches the rows DS_QMR further on (the streaming driver's next tile; a prefetch past the
+ * matrix cannot fault).
  * Returns the columns done. */
+#define AVX2_FP8_PREFETCH_ROW 4096 /* bytes: the longest row whose next group is prefetched */
 AVX2_INLINE int avx2_fp8_blocks_t1(const int mr, const uint8_t *w, size_t ldw, const float *x,
                                    int kc, __m256 acc[DS_QMR][DS_QNT]) {
     __m128 ae[DS_QMR], ao[DS_QMR]; /* lanes 0,2,4,6 and 1,3,5,7 of row i */
@@ -144,10 +146,12 @@ AVX2_INLINE int avx2_fp8_blocks_t1(const int mr, const uint8_t *w, size_t ldw, c
         const __m128 x2 = _mm_loadu_ps(x + c + 8), x3 = _mm_loadu_ps(x + c + 12);
         for (int i = 0; i < mr; i++) {
             __m128 e0, o0, e1, o1;
-            /* the same columns of the next row group: a row of codes is short (K bytes), so the
-             * hardware's stream prefetch spends much of each row warming up */
-            _mm_prefetch((const char *)((uintptr_t)w + (size_t)(i + DS_QMR) * ldw + (size_t)c),
-                         _MM_HINT_T0);
+            /* the same columns of the next row group: a short row of codes (K bytes) leaves the
+             * hardware's stream prefetch warming up for much of it; long rows it serves better
+             * alone (the lines fetched a whole group ahead would be evicted before use) */
+            if (ldw <= AVX2_FP8_PREFETCH_ROW)
+                _mm_prefetch((const char *)((uintptr_t)w + (size_t)(i + DS_QMR) * ldw + (size_t)c),
+                             _MM_HINT_T0);
             avx2_fp8_16x4(w + (size_t)i * ldw + (size_t)c, &e0, &o0, &e1, &o1);
             ae[i] = _mm_fmadd_ps(x0, e0, ae[i]);
             ao[i] = _mm_fmadd_ps(x1, o0, ao[i]);
