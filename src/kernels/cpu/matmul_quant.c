@@ -34,7 +34,8 @@
 enum {
     T_STREAM = 16,   /* up to this many tokens: the streaming path (matmul.c's) */
     NB_STREAM = 16,  /* streaming: rows per unit of work handed to a thread */
-    KC_STREAM = 512, /* streaming, T > DS_QNT: columns per chunk; a multiple of 32 */
+    KC_STREAM = 512, /* streaming, T > DS_QNT: columns per chunk; a multiple of 32 (and of 16,
+                        act_stream's blocks) */
     NB_MAX = 64,     /* blocked: rows per block */
     NB_MIN = 16,     /* blocked: fewer rows per block when that keeps every thread busy */
     KC_BLOCK = 1024, /* blocked: columns per block; a multiple of 32 */
@@ -180,8 +181,14 @@ QTILES_FOR_MR(SCALAR_QTILES, 4)
     { tile_##K##_scalar_##MR_##_1, tile_##K##_scalar_##MR_##_2, tile_##K##_scalar_##MR_##_3 }
 #define QTABLE(K)                                                                                  \
     { QROW(K, 1), QROW(K, 2), QROW(K, 3), QROW(K, 4) }
-static const ds_qops qops_scalar = {
-    8, QTABLE(fp8), QTABLE(mx), panel_fp8_scalar, panel_mx_scalar, amax_scalar, act_scalar};
+static const ds_qops qops_scalar = {.lanes = 8,
+                                    .fp8 = QTABLE(fp8),
+                                    .mx = QTABLE(mx),
+                                    .panel_fp8 = panel_fp8_scalar,
+                                    .panel_mx = panel_mx_scalar,
+                                    .amax = amax_scalar,
+                                    .act = act_scalar,
+                                    .act_stream = act_scalar};
 
 static const ds_qops *qops_for(ds_isa isa) {
     return isa == DS_ISA_AVX512 ? &ds_qops_avx512
@@ -332,7 +339,7 @@ static void stream_entry(const ds_qops *q, float *y, int ldy, const float *x, in
     for (int t = 0; t < T; t++) {
         const float *xt = x + (size_t)t * (size_t)ldx;
         st[t] = ds_ptpc_scale(q->amax(xt, K));
-        q->act(xq + (size_t)t * (size_t)K, xt, K, 1.0f / st[t]);
+        q->act_stream(xq + (size_t)t * (size_t)K, xt, K, 1.0f / st[t]);
     }
     qstream(q, y, ldy, xq, K, T, w, st);
 }

@@ -35,7 +35,8 @@ ds_mm_tile_fn ds_matmul_f32_tile(ds_isa isa, int mr, int nt);
  * the widened rows (lane l of the isa's V sums columns c = l (mod V) in increasing c, the same
  * horizontal tree). w: row i's bytes for column 0 of the range at w + i*ldw; ws: MXFP4 only, row
  * i's E8M0 scale for the range's first group at ws + i*ldws. x: FP8: DS_FP8_XSCALE times the E4M3
- * values of the activations; MXFP4: the f32 activations. kc: FP8 any, MXFP4 a multiple of 32. y
+ * values of the activations as act_stream orders them (the range starts at a multiple of 16);
+ * MXFP4: the f32 activations. kc: FP8 any, MXFP4 a multiple of 32. y
  * receives the bare sums (the FP8 scales are applied by the caller). */
 typedef void (*ds_qtile_fn)(const uint8_t *w, size_t ldw, const uint8_t *ws, size_t ldws,
                             const float *x, size_t ldx, int kc, float *part, size_t ldp, int first,
@@ -46,7 +47,9 @@ typedef void (*ds_qpanel_fn)(float *panel, size_t ldp, const uint8_t *w, size_t 
                              const uint8_t *ws, size_t ldws, int nr, int kc);
 /* max |x[c]| for c < n (NaNs ignored, as fmaxf does). */
 typedef float (*ds_qamax_fn)(const float *x, int n);
-/* xq[c] = DS_FP8_XSCALE * e4m3(x[c] * inv) as a value, for c < n. */
+/* xq[c] = DS_FP8_XSCALE * e4m3(x[c] * inv) as a value, for c < n (act: in place; act_stream: in
+ * the order the isa's FP8 tiles read, a permutation within each whole block of 16 columns, so
+ * that a tile can widen 16 codes into two vectors without moving them across lanes). */
 typedef void (*ds_qact_fn)(float *xq, const float *x, int n, float inv);
 
 typedef struct ds_qops {
@@ -55,7 +58,8 @@ typedef struct ds_qops {
     ds_qtile_fn mx[DS_QMR][DS_QNT];
     ds_qpanel_fn panel_fp8, panel_mx;
     ds_qamax_fn amax;
-    ds_qact_fn act;
+    ds_qact_fn act;        /* for the panels of the blocked path (matmul.c's f32 tiles) */
+    ds_qact_fn act_stream; /* for the fp8 tiles */
 } ds_qops;
 
 extern const ds_qops ds_qops_avx2, ds_qops_avx512; /* matmul_quant_simd.c */

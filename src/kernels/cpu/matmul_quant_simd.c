@@ -8,8 +8,9 @@
  *
  * Conversions, all exact:
  *  - FP8 E4M3 -> f32 by moving bits (ds_fp8_w_bits: sign-extend, shift by 20, mask), which is the
- *    value times 2^-120, as cheap as BF16's widening; the activations carry 2^112 (DS_FP8_XSCALE),
- *    so each sum is the true one times 2^-8 exactly (matmul_quant.h).
+ *    value times 2^-120; the activations carry 2^112 (DS_FP8_XSCALE), so each sum is the true one
+ *    times 2^-8 exactly (matmul_quant.h). The AVX2 tile makes the same bits 16 codes at a time
+ *    without shifts (avx2_fp8_16), in an order within the block that the activations follow.
  *  - MXFP4: AVX-512 looks each nibble up in a 16-entry table already multiplied by the group's
  *    E8M0 scale (vpermps with 16 lanes). AVX2's vpermps has 8 entries: the magnitude (bits 0..2) is
  *    looked up in an 8-entry scaled table and the sign (bit 3) XORed in; each lane's nibble comes
@@ -22,6 +23,7 @@
 #include "kernels/shared/quant.h"
 
 #include <immintrin.h>
+#include <stdint.h>
 #include <string.h>
 
 /* The FP4 E2M1 magnitudes, then the signed values (code order). */
@@ -45,6 +47,49 @@ AVX2_INLINE __m256 avx2_fp8_8(const uint8_t *p) {
     return _mm256_castsi256_ps(
         _mm256_and_si256(_mm256_slli_epi32(d, 20), _mm256_set1_epi32((int)0x87F00000u)));
 }
+
+/* 16 FP8 codes -> their values times 2^-120 (ds_fp8_w_bits), codes 0,2,4,6,1,3,5,7 in w0 and the
+ * same plus 8 in w1 (AVX2_FP8_POS, the order the streaming activations follow: act_stream_avx2).
+ * The 16 bytes go to both 128-bit lanes; vpmaddubsw multiplies the unsigned constant bytes by the
+ * signed codes and adds pairs, so with (16, 0) the low lane's words are 16 * sext(even code) and
+ * with (0, 16) the high lane's 16 * sext(odd code) (within -2048..2032: no saturation): bits 15..11
+ * the sign, 10..4 exponent and mantissa. The AND leaves the high half of ds_fp8_w_bits and
+ * unpacking under zeros makes the f32. No shift: 4 ops for 16 codes where widening each byte to a
+ * dword first takes 6 (vpmovsxbd, vpslld, vpand on two vectors), and the shifts compete with the
+ * FMAs' port neighbours on AVX2 machines that split 256-bit ops. */
+AVX2_INLINE void avx2_fp8_16(const uint8_t *p, __m256 *w0, __m256 *w1) {
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    const __m256i k = _mm256_setr_epi8(16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 0,
+                                       16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16);
+    const __m256i h =
+        _mm256_and_si256(_mm256_maddubs_epi16(k, v), _mm256_set1_epi16((short)0x87F0));
+    const __m256i z = _mm256_setzero_si256();
+    *w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h));
+    *w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h));
+}
+
+/* The same 16 codes as four 128-bit vectors, the low and high halves of avx2_fp8_16's: e0 codes
+ * 0,2,4,6, o0 1,3,5,7, e1 and o1 the same plus 8. The even codes go through vpmaddubsw as there;
+ * an odd code is the high byte of its 16-bit word, so one arithmetic shift right by 4 gives
+ * 16 * sext(code) plus the even code's top nibble in bits 0..3, which the AND clears. Half the
+ * work on the multiplier, half on the shifter: faster than either alone where the FMAs leave
+ * little room (one token). */
+AVX2_INLINE void avx2_fp8_16x4(const uint8_t *p, __m128 *e0, __m128 *o0, __m128 *e1, __m128 *o1) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    const __m128i k = _mm_setr_epi8(16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0);
+    const __m128i m = _mm_set1_epi16((short)0x87F0), z = _mm_setzero_si128();
+    const __m128i e = _mm_and_si128(_mm_maddubs_epi16(k, v), m);
+    const __m128i o = _mm_and_si128(_mm_srai_epi16(v, 4), m);
+    *e0 = _mm_castsi128_ps(_mm_unpacklo_epi16(z, e));
+    *o0 = _mm_castsi128_ps(_mm_unpacklo_epi16(z, o));
+    *e1 = _mm_castsi128_ps(_mm_unpackhi_epi16(z, e));
+    *o1 = _mm_castsi128_ps(_mm_unpackhi_epi16(z, o));
+}
+
+/* Position p of avx2_fp8_16's vectors (and of the FP8 tile's accumulators) holds lane
+ * AVX2_FP8_POS[p]; AVX2_FP8_LANE[l] is where lane l sits. */
+#define AVX2_FP8_POS  _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)
+#define AVX2_FP8_LANE _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)
 
 /* The first n (< 8) codes, zeros after, reading nothing past code n-1. */
 AVX2_INLINE __m256 avx2_fp8_tail(const uint8_t *p, int n) {
@@ -82,25 +127,69 @@ AVX2_INLINE __m256 avx2_mx_8(const uint8_t *p, __m256 table) {
                 STORE(part + (size_t)j * ldp + (size_t)i * V_, acc[i][j]);                         \
         }
 
+/* The whole 16-column blocks of one token's tile (avx2_tile_fp8's loop, the same sums in the same
+ * order) through avx2_fp8_16x4, each accumulator as its two 128-bit halves; for short rows it
+ * prefetches the rows DS_QMR further on (the streaming driver's next tile; a prefetch past the
+ * matrix cannot fault).
+ * Returns the columns done. */
+#define AVX2_FP8_PREFETCH_ROW 4096 /* bytes: the longest row whose next group is prefetched */
+AVX2_INLINE int avx2_fp8_blocks_t1(const int mr, const uint8_t *w, size_t ldw, const float *x,
+                                   int kc, __m256 acc[DS_QMR][DS_QNT]) {
+    __m128 ae[DS_QMR], ao[DS_QMR]; /* lanes 0,2,4,6 and 1,3,5,7 of row i */
+    for (int i = 0; i < mr; i++) {
+        ae[i] = _mm256_castps256_ps128(acc[i][0]);
+        ao[i] = _mm256_extractf128_ps(acc[i][0], 1);
+    }
+    int c = 0;
+    for (; c + 16 <= kc; c += 16) {
+        const __m128 x0 = _mm_loadu_ps(x + c), x1 = _mm_loadu_ps(x + c + 4);
+        const __m128 x2 = _mm_loadu_ps(x + c + 8), x3 = _mm_loadu_ps(x + c + 12);
+        for (int i = 0; i < mr; i++) {
+            __m128 e0, o0, e1, o1;
+            /* the same columns of the next row group: a short row of codes (K bytes) leaves the
+             * hardware's stream prefetch warming up for much of it; long rows it serves better
+             * alone (the lines fetched a whole group ahead would be evicted before use) */
+            if (ldw <= AVX2_FP8_PREFETCH_ROW)
+                _mm_prefetch((const char *)((uintptr_t)w + (size_t)(i + DS_QMR) * ldw + (size_t)c),
+                             _MM_HINT_T0);
+            avx2_fp8_16x4(w + (size_t)i * ldw + (size_t)c, &e0, &o0, &e1, &o1);
+            ae[i] = _mm_fmadd_ps(x0, e0, ae[i]);
+            ao[i] = _mm_fmadd_ps(x1, o0, ao[i]);
+            ae[i] = _mm_fmadd_ps(x2, e1, ae[i]);
+            ao[i] = _mm_fmadd_ps(x3, o1, ao[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) acc[i][0] = _mm256_set_m128(ao[i], ae[i]);
+    return c;
+}
+
 AVX2_INLINE void avx2_tile_fp8(const int mr, const int nt, const uint8_t *w, size_t ldw,
                                const float *x, size_t ldx, int kc, float *part, size_t ldp,
                                int first, float *y, size_t ldy) {
-    __m256 acc[DS_QMR][DS_QNT]; /* [row][token], lane l sums columns c = l (mod 8) */
+    /* [row][token]: lane l sums columns c = l (mod 8); over whole 16-column blocks lane l sits at
+     * position AVX2_FP8_LANE[l] (the order of avx2_fp8_16 and of x there), after them in place */
+    __m256 acc[DS_QMR][DS_QNT];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nt; j++)
-            acc[i][j] = first ? _mm256_setzero_ps()
-                              : _mm256_loadu_ps(part + (size_t)j * ldp + (size_t)i * 8);
+            acc[i][j] =
+                first ? _mm256_setzero_ps()
+                      : _mm256_permutevar8x32_ps(
+                            _mm256_loadu_ps(part + (size_t)j * ldp + (size_t)i * 8), AVX2_FP8_POS);
     int c = 0;
+    if (nt == 1) /* 128-bit halves: (low, high) of acc[i][0] in (ae[i], ao[i]) */
+        c = avx2_fp8_blocks_t1(mr, w, ldw, x, kc, acc);
     for (; c + 16 <= kc; c += 16)
         for (int i = 0; i < mr; i++) {
-            const __m256 w0 = avx2_fp8_8(w + (size_t)i * ldw + (size_t)c);
-            const __m256 w1 = avx2_fp8_8(w + (size_t)i * ldw + (size_t)c + 8);
+            __m256 w0, w1;
+            avx2_fp8_16(w + (size_t)i * ldw + (size_t)c, &w0, &w1);
             for (int j = 0; j < nt; j++) {
                 const float *xj = x + (size_t)j * ldx + (size_t)c;
                 acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xj), w0, acc[i][j]);
                 acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xj + 8), w1, acc[i][j]);
             }
         }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nt; j++) acc[i][j] = _mm256_permutevar8x32_ps(acc[i][j], AVX2_FP8_LANE);
     for (; c < kc; c += 8) {
         const int n = DS_MIN(8, kc - c);
         const __m256i m = avx2_mask(n);
@@ -210,6 +299,21 @@ static AVX2_FN void act_avx2(float *xq, const float *x, int n, float inv) {
         _mm256_maskstore_ps(xq + c, m,
                             avx2_e4m3_round(_mm256_mul_ps(_mm256_maskload_ps(x + c, m), vi)));
     }
+}
+
+/* act_avx2 in the order the AVX2 FP8 tile reads (matmul_quant.h, ds_qact_fn): each whole block of
+ * 16 columns as 0,2,4,6,1,3,5,7, 8,10,12,14,9,11,13,15 (AVX2_FP8_POS), the last n % 16 in place.
+ * The tile's K chunks start at multiples of 16, so the blocks are the same in every chunk. */
+static AVX2_FN void act_stream_avx2(float *xq, const float *x, int n, float inv) {
+    const __m256 vi = _mm256_set1_ps(inv);
+    int c = 0;
+    for (; c + 16 <= n; c += 16) {
+        const __m256 a = avx2_e4m3_round(_mm256_mul_ps(_mm256_loadu_ps(x + c), vi));
+        const __m256 b = avx2_e4m3_round(_mm256_mul_ps(_mm256_loadu_ps(x + c + 8), vi));
+        _mm256_storeu_ps(xq + c, _mm256_permutevar8x32_ps(a, AVX2_FP8_POS));
+        _mm256_storeu_ps(xq + c + 8, _mm256_permutevar8x32_ps(b, AVX2_FP8_POS));
+    }
+    if (c < n) act_avx2(xq + c, x + c, n - c, inv);
 }
 
 #define AVX2_QTILES(MR_, NT_)                                                                      \
@@ -342,9 +446,20 @@ ALL_QTILES(AVX512_QTILES)
     { QROW(K, P, 1), QROW(K, P, 2), QROW(K, P, 3), QROW(K, P, 4) }
 
 /* The AVX2 amax and activation rounding serve AVX-512 too: they are exact, so any width gives the
- * same values. */
-const ds_qops ds_qops_avx2 = {
-    8, QTABLE(fp8, avx2), QTABLE(mx, avx2), panel_fp8_avx2, panel_mx_avx2, amax_avx2, act_avx2};
-const ds_qops ds_qops_avx512 = {
-    16,      QTABLE(fp8, avx512), QTABLE(mx, avx512), panel_fp8_avx512, panel_mx_avx512, amax_avx2,
-    act_avx2};
+ * same values. The AVX-512 FP8 tile reads its activations in place. */
+const ds_qops ds_qops_avx2 = {.lanes = 8,
+                              .fp8 = QTABLE(fp8, avx2),
+                              .mx = QTABLE(mx, avx2),
+                              .panel_fp8 = panel_fp8_avx2,
+                              .panel_mx = panel_mx_avx2,
+                              .amax = amax_avx2,
+                              .act = act_avx2,
+                              .act_stream = act_stream_avx2};
+const ds_qops ds_qops_avx512 = {.lanes = 16,
+                                .fp8 = QTABLE(fp8, avx512),
+                                .mx = QTABLE(mx, avx512),
+                                .panel_fp8 = panel_fp8_avx512,
+                                .panel_mx = panel_mx_avx512,
+                                .amax = amax_avx2,
+                                .act = act_avx2,
+                                .act_stream = act_avx2};
