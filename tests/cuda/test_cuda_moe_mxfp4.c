@@ -114,6 +114,17 @@ static void check_moe_mxfp4(ds_cu *c, int T, int k, int E, int D, int I, int sit
              situ ? "situ" : "swiglu", mode ? " (tensor cores)" : "",
              half ? " (half the experts)" : "");
     report(what, rel_err(got, ref, 1, (size_t)T * D, (size_t)T * D), mode ? 1e-2 : 1e-4);
+    if (mode == 0 && T > 1) { /* batch invariance: token 0 alone has the same bits */
+        float *one = malloc((size_t)D * 4);
+        if (ds_cu_moe_experts_mxfp4(c, dout, dx, didx, dw, 1, k, El, e0, D, I, dgc, dgs, ddc, dds,
+                                    situ, 4.0f, 6.0f, 0, &err) ||
+            ds_cu_sync(c, &err))
+            DIE("%s", err.msg);
+        fetch(c, one, dout, (size_t)D * 4);
+        snprintf(what, sizeof what, "moe mxfp4 T=%d: token 0 alone, words differing", T);
+        report(what, (double)words_differ(one, got, (size_t)D), 0.0);
+        free(one);
+    }
     ds_cu_dealloc(dgc), ds_cu_dealloc(dgs), ds_cu_dealloc(ddc), ds_cu_dealloc(dds);
     ds_cu_dealloc(dx), ds_cu_dealloc(dw), ds_cu_dealloc(dout), ds_cu_dealloc(didx);
     free(gc), free(gs), free(dc), free(dsc), free(x), free(w), free(base), free(idx), free(ref);
