@@ -68,19 +68,28 @@ static __device__ __forceinline__ void fp4_split3(float x, __nv_bfloat16 (&b)[3]
     b[2] = __float2bfloat16_rn(r);
 }
 
-/* A group's operands, [word p 4][h 2][part 3][b0, b1] u32: the mma of word p's half h takes its
- * pairs 2 h (b0) and 2 h + 1 (b1), pair j holding activations 8 p + j (low) and 8 p + j + 4
- * (high), the order fp4x8_bf16s decodes the codes in. */
-static __device__ __forceinline__ int fp4_slot(int c) { /* activation c < 32: its first part */
-    const int p = c >> 3, j = c & 3;
-    return 2 * ((((p * 2 + (j >> 1)) * 3) * 2) + (j & 1)) + ((c >> 2) & 1); /* in BF16 units */
+/* A row's operands: [step K / 128 (rounded up)][word p 4][q 3][l4 4] uint4, where lane l4's
+ * 12 uint4 of word p, [h 2][part 3][b0, b1] u32, feed the mmas of word p of its group 4 s + l4:
+ * half h takes pairs 2 h (b0) and 2 h + 1 (b1), pair j holding activations 8 p + j (low) and
+ * 8 p + j + 4 (high), the order fp4x8_bf16s decodes the codes in. The four lanes of a load read
+ * 64 contiguous bytes. */
+static __host__ __device__ __forceinline__ size_t fp4_row_u32(int K) {
+    return (size_t)((K + 127) / 128) * 4 * FP4_XW;
+}
+
+/* u32 index of word m < 12 (of [h][part][b0, b1]) of activation word p of group grp */
+static __device__ __forceinline__ int fp4_u32(int grp, int p, int m) {
+    return (((grp >> 2) * 12 + p * 3 + (m >> 2)) * 4 + (grp & 3)) * 4 + (m & 3);
 }
 
 static __device__ __forceinline__ void fp4_store_parts(uint32_t *row, int i, float v) {
     __nv_bfloat16 b[3];
     fp4_split3(v, b);
-    __nv_bfloat16 *o = (__nv_bfloat16 *)(row + (size_t)(i >> 5) * FP4_XW) + fp4_slot(i & 31);
-    o[0] = b[0], o[4] = b[1], o[8] = b[2];
+    const int c = i & 31, j = c & 3;
+    __nv_bfloat16 *o = (__nv_bfloat16 *)row + ((c >> 2) & 1);
+#pragma unroll
+    for (int t = 0; t < 3; t++)
+        o[2 * fp4_u32(i >> 5, c >> 3, ((j >> 1) * 3 + t) * 2 + (j & 1))] = b[t];
 }
 
 /* xs[r] = the operands of x row r < rows, one thread a word (8 activations) */
@@ -103,11 +112,11 @@ __global__ void moe_fp4_split_k(uint32_t *xs, const float *x, int K, int rows) {
                 o[((j >> 1) * 3 + t) * 2 + (j & 1)] = (uint32_t)__bfloat16_as_ushort(lo[t]) |
                                                       ((uint32_t)__bfloat16_as_ushort(hi[t]) << 16);
         }
-        uint4 *dst = (uint4 *)(xs + (size_t)r * (K / 32) * FP4_XW + (size_t)(w >> 2) * FP4_XW +
-                               (w & 3) * 12);
-        dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
-        dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
-        dst[2] = make_uint4(o[8], o[9], o[10], o[11]);
+        uint32_t *row = xs + (size_t)r * fp4_row_u32(K);
+#pragma unroll
+        for (int q = 0; q < 3; q++)
+            *(uint4 *)(row + fp4_u32(w >> 2, w & 3, 4 * q)) =
+                make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
     }
 }
 
@@ -142,10 +151,19 @@ template <int N> static __device__ __forceinline__ void fp4_cp_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+/* the scale bytes of groups grp .. grp + 3 of a row (ng a row) as a word, byte i group grp + i */
+static __device__ __forceinline__ uint32_t fp4_sw(const uint8_t *row, int grp, int ng) {
+    if (ng % 4 == 0) return __ldg((const uint32_t *)(row + grp));
+    return (uint32_t)__ldg(row + grp) | (uint32_t)__ldg(row + grp + 1) << 8 |
+           (uint32_t)__ldg(row + grp + 2) << 16 | (uint32_t)__ldg(row + grp + 3) << 24;
+}
+
 /* One step: a lane's 32 codes of rows g (a0) and g + 8 (a1) with their scale bytes against its
- * 12 uint4 of operands xb. */
+ * 12 uint4 of operands at xb (zeros where its column is past the pass's rows: xv false). */
 static __device__ __forceinline__ void fp4_mma_step(float (&acc)[3][4], uint4 a0, uint4 a1,
-                                                    uint32_t sb0, uint32_t sb1, const uint4 *xb) {
+                                                    uint32_t sb0, uint32_t sb1, const uint4 *xb,
+                                                    bool xv) {
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     const __nv_bfloat162 m0 = fp4_mul(sb0), m1 = fp4_mul(sb1);
     const uint32_t A0[4] = {a0.x, a0.y, a0.z, a0.w}, A1[4] = {a1.x, a1.y, a1.z, a1.w};
 #pragma unroll
@@ -153,7 +171,8 @@ static __device__ __forceinline__ void fp4_mma_step(float (&acc)[3][4], uint4 a0
         uint32_t d0[4], d1[4];
         fp4x8_bf16s(A0[p], m0, d0);
         fp4x8_bf16s(A1[p], m1, d1);
-        const uint4 x0 = xb[3 * p], x1 = xb[3 * p + 1], x2 = xb[3 * p + 2];
+        const uint4 x0 = xv ? xb[12 * p] : zero, x1 = xv ? xb[12 * p + 4] : zero,
+                    x2 = xv ? xb[12 * p + 8] : zero;
         const uint32_t B[12] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y,
                                 x1.z, x1.w, x2.x, x2.y, x2.z, x2.w};
 #pragma unroll
@@ -196,54 +215,59 @@ __global__ void __launch_bounds__(256, OCC)
     const size_t rb = ra + (UP ? N : 8);
     const uint4 *w0 = (const uint4 *)(Wc + ra * (K / 2)) + l4 + 4 * part;
     const uint4 *w1 = (const uint4 *)(Wc + rb * (K / 2)) + l4 + 4 * part;
-    const uint8_t *s0 = Ws + ra * ng + l4 + 4 * part, *s1 = Ws + rb * ng + l4 + 4 * part;
+    const uint8_t *s0 = Ws + ra * ng, *s1 = Ws + rb * ng; /* the rows' scales */
     const bool tail = part == 0 && 4 * ns + l4 < ng; /* this lane's group of the last step */
     const int n_i = ns > part ? (ns - part + S - 1) / S : 0; /* this warp's full steps */
     uint4 *ring = fp4_ring + (size_t)warp * (FP4_D * 2 * 32);
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     for (int p0 = r0; p0 < r1; p0 += 8) {
-        const int nt = min(8, r1 - p0), c = g < nt ? g : 0;
-        const int rg = direct ? p0 + c : perm[p0 + c];
-        const uint4 *xr = (const uint4 *)(xs + (size_t)(rg / x_div) * ng * FP4_XW) + 12 * l4;
+        const int nt = min(8, r1 - p0);
+        const bool xv = g < nt;
+        const int rg = xv ? (direct ? p0 + g : perm[p0 + g]) : 0;
+        const uint4 *xr = (const uint4 *)(xs + (size_t)(rg / x_div) * fp4_row_u32(K)) + l4;
         const uint4 *xp = xr + 48 * part;
         float acc[3][4];
 #pragma unroll
         for (int t = 0; t < 3; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
-        uint32_t sb[FP4_D][2]; /* the scale bytes of the steps in flight */
 #pragma unroll
         for (int u = 0; u < FP4_D; u++) { /* steps 0 .. FP4_D - 1 in flight, a group each */
             if (u < n_i) {
                 fp4_cp16(ring + (2 * u) * 32 + lane, w0 + 4 * u * S);
                 fp4_cp16(ring + (2 * u + 1) * 32 + lane, w1 + 4 * u * S);
-                sb[u][0] = __ldg(s0 + 4 * u * S), sb[u][1] = __ldg(s1 + 4 * u * S);
             }
             cp_async_commit();
         }
+        /* scale words: lane l4 holds step i0 + l4's four bytes of rows g and g + 8 */
+        uint32_t c0 = 0u, c1 = 0u;
+        if (l4 < n_i) c0 = fp4_sw(s0, 4 * (part + l4 * S), ng), c1 = fp4_sw(s1, 4 * (part + l4 * S), ng);
         for (int i0 = 0; i0 < n_i; i0 += FP4_D) {
+            uint32_t n0 = 0u, n1 = 0u;
+            if (i0 + FP4_D + l4 < n_i) {
+                const int grp = 4 * (part + (i0 + FP4_D + l4) * S);
+                n0 = fp4_sw(s0, grp, ng), n1 = fp4_sw(s1, grp, ng);
+            }
 #pragma unroll
             for (int u = 0; u < FP4_D; u++) {
                 const int i = i0 + u; /* step part + i S, in slot u */
                 if (i >= n_i) break;
+                const uint32_t b0 = (__shfl_sync(0xffffffffu, c0, (lane & ~3) | u) >> (8 * l4)) & 0xffu;
+                const uint32_t b1 = (__shfl_sync(0xffffffffu, c1, (lane & ~3) | u) >> (8 * l4)) & 0xffu;
                 fp4_cp_wait<FP4_D - 1>();
                 const uint4 a0 = ring[(2 * u) * 32 + lane], a1 = ring[(2 * u + 1) * 32 + lane];
-                fp4_mma_step(acc, a0, a1, sb[u][0], sb[u][1], xp + 48 * S * i);
+                fp4_mma_step(acc, a0, a1, b0, b1, xp + 48 * S * i, xv);
                 if (i + FP4_D < n_i) { /* step i + FP4_D into the slot just read */
                     const int o = 4 * (i + FP4_D) * S;
                     fp4_cp16(ring + (2 * u) * 32 + lane, w0 + o);
                     fp4_cp16(ring + (2 * u + 1) * 32 + lane, w1 + o);
-                    sb[u][0] = __ldg(s0 + o), sb[u][1] = __ldg(s1 + o);
                 }
                 cp_async_commit();
             }
+            c0 = n0, c1 = n1;
         }
-        if (part == 0 && ng % 4) { /* the narrower last step, zeros past the row */
-            const uint4 *xt = xr + 48 * ns;
-            uint4 xb[12];
-#pragma unroll
-            for (int i = 0; i < 12; i++) xb[i] = tail ? xt[i] : zero;
+        if (part == 0 && ng % 4) /* the narrower last step, zeros past the row */
             fp4_mma_step(acc, tail ? __ldg(w0 + 4 * ns) : zero, tail ? __ldg(w1 + 4 * ns) : zero,
-                         tail ? __ldg(s0 + 4 * ns) : 0u, tail ? __ldg(s1 + 4 * ns) : 0u, xb);
-        }
+                         tail ? __ldg(s0 + 4 * ns + l4) : 0u, tail ? __ldg(s1 + 4 * ns + l4) : 0u,
+                         xr + 48 * ns, xv && tail);
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[0][i] += acc[1][i] + acc[2][i];
         if (S > 1) {
@@ -266,7 +290,7 @@ __global__ void __launch_bounds__(256, OCC)
             const int r = direct ? p0 + t : perm[p0 + t];
             if (UP) {
                 const float v = act_pair(acc[0][j], acc[0][2 + j], act.situ, act.beta, act.lin_beta);
-                fp4_store_parts((uint32_t *)out + (size_t)r * (N / 32) * FP4_XW, 8 * tile + g, v);
+                fp4_store_parts((uint32_t *)out + (size_t)r * fp4_row_u32(N), 8 * tile + g, v);
             } else {
                 float *yr = (float *)out + (size_t)r * ldo + 16 * tile + g;
                 yr[0] = acc[0][j], yr[8] = acc[0][2 + j];
@@ -447,7 +471,7 @@ static void fp4_stream(ds_cu *c, float *h, float *y, const float *x, int T, unsi
                        const int32_t *perm, const int32_t *active, const int32_t *n_active,
                        const int32_t *direct, moe_act act) {
     const moe_act none = {0, 0, 0.0f, 0.0f};
-    uint32_t *xs = (uint32_t *)h, *as = xs + (size_t)T * (D / 32) * FP4_XW;
+    uint32_t *xs = (uint32_t *)h, *as = xs + (size_t)T * fp4_row_u32(D);
     int su = fp4_splits(I / 8, D), sd = fp4_splits(D / 16, I);
     const int tu = 8 >> su, td = 8 >> sd; /* tiles a block */
     { const char *ev = getenv("DS_FP4_OCC"); if (ev && atoi(ev) == 3) su += 4, sd += 4; }
@@ -477,7 +501,7 @@ extern "C" int ds_cu_moe_experts_mxfp4(ds_cu *c, float *out, const float *x, con
     /* floats: h (the streaming passes' operands, 1.5 u32 an activation, or the BF16 x
      * [rows][D] and act [rows][I]), y [rows][D]; ints: start [E+1], perm [rows], active [E],
      * n [1], hist [n_chunks][E] */
-    const size_t hs = ((size_t)T * D + (size_t)rows * I) / 2 * 3;
+    const size_t hs = (size_t)T * fp4_row_u32(D) + (size_t)rows * fp4_row_u32(I);
     const size_t hf = (DS_MAX(hs, (size_t)rows * (D + I) / 2 + 1) + 3) / 4 * 4;
     const size_t nf = hf + (size_t)rows * D;
     const size_t ni = (size_t)E + 1 + rows + E + 1 + (size_t)n_chunks * E;
