@@ -86,6 +86,7 @@ struct ds_cu {
     size_t grouped_per_sm_smem[4];
     int32_t *row_zero; /* gemv_wide's routing (g_row_zero's address on this device; NULL: unread) */
     void *lt;          /* FP8 tensor cores' cuBLASLt handle (matmul_fp8.cu), made at first use */
+    int moe_fp4_smem;  /* the MXFP4 experts' streaming kernels' shared memory raised (once) */
 };
 
 /* Programmatic dependent launch (sm_90): every kernel is launched allowed to start while the one

@@ -1,7 +1,7 @@
 /* moe_mxfp4.cu — routed experts held as MXFP4 (docs/quantization.md: Kimi-K3's packed E2M1
  * codes with an E8M0 scale a group of 32), never widened in memory: the weight-streaming kernel
- * (decode, batch invariance: f32 activations, each weight exact) and the streaming tensor-core
- * kernel for batches (the weights dequantized in registers to BF16 A operands, the activations
+ * (decode, batch invariance: f32 activations split exactly into BF16 parts, each product exact,
+ * on tensor cores) and the streaming tensor-core kernel for batches (the weights dequantized in registers to BF16 A operands, the activations
  * BF16: w4a16). Grouping and combine are moe_experts.cu's. */
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/moe.cuh"
@@ -41,8 +41,10 @@ static __device__ __forceinline__ __nv_bfloat162 e8m0_bf2(uint8_t b) {
 /* ---- the streaming kernel ---------------------------------------------------------------------
  * moe_fp8.cu's moe_f8m_k on packed rows: a warp a 16-row tile of an active expert's weights (S
  * warps sharing it along K, their partial sums added in order p = 0, 1, ..), up to 8 routed rows a
- * pass as the mma's columns. A 128-wide step of a row is 64 bytes: lane 4 g + l4 loads group
- * 4 s + l4 of its rows g and g + 8 (16 bytes of codes, a scale byte each). The codes become BF16
+ * pass as the mma's columns (their operand rows staged in shared memory by the block). A 128-wide
+ * step of a row is 64 bytes: lane 4 g + l4 streams group 4 s + l4 of its rows g and g + 8 (16
+ * bytes of codes through its cp.async ring, a scale byte each: words of four shuffled across the
+ * quad). The codes become BF16
  * values times their group's scale (a power of two: exact) and each f32 activation arrives as
  * three BF16 parts that sum to it exactly (fp4_split3), so every product is exact and the sums
  * are f32 (tensor cores, one accumulator a part): the CPU's terms, another order of the sums. A
@@ -96,7 +98,8 @@ static __device__ __forceinline__ void fp4_store_parts(uint32_t *row, int i, flo
 __global__ void moe_fp4_split_k(uint32_t *xs, const float *x, int K, int rows) {
     PDL_ENTRY();
     const int nw = K / 8;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < rows * nw; i += gridDim.x * blockDim.x) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < rows * nw;
+         i += gridDim.x * blockDim.x) {
         const int r = i / nw, w = i % nw;
         const float4 *src = (const float4 *)(x + (size_t)r * K + 8 * w);
         const float4 v0 = src[0], v1 = src[1];
@@ -145,10 +148,20 @@ static __device__ __forceinline__ void fp4x8_bf16s(uint32_t w, __nv_bfloat162 mu
 enum { FP4_D = 4 };
 static __device__ __forceinline__ void fp4_cp16(uint4 *smem, const uint4 *gmem) {
     const unsigned sa = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem));
 }
 template <int N> static __device__ __forceinline__ void fp4_cp_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+/* The ring is touched through volatile asm alone (kept in order among themselves), so the
+ * compiler may still move the operands' loads ahead of a step's wait. */
+static __device__ __forceinline__ uint4 fp4_lds16(const uint4 *smem) {
+    const unsigned sa = (unsigned)__cvta_generic_to_shared(smem);
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(sa));
+    return v;
 }
 
 /* the scale bytes of groups grp .. grp + 3 of a row (ng a row) as a word, byte i group grp + i */
@@ -159,7 +172,7 @@ static __device__ __forceinline__ uint32_t fp4_sw(const uint8_t *row, int grp, i
 }
 
 /* One step: a lane's 32 codes of rows g (a0) and g + 8 (a1) with their scale bytes against its
- * 12 uint4 of operands at xb (zeros where its column is past the pass's rows: xv false). */
+ * 12 uint4 of operands at xb (zeros where xv is false: past the row). */
 static __device__ __forceinline__ void fp4_mma_step(float (&acc)[3][4], uint4 a0, uint4 a1,
                                                     uint32_t sb0, uint32_t sb1, const uint4 *xb,
                                                     bool xv) {
@@ -185,19 +198,20 @@ static __device__ __forceinline__ void fp4_mma_step(float (&acc)[3][4], uint4 a0
     }
 }
 
-/* UP: out = the down pass's operands [routed row][N / 32][FP4_XW] of act(gate, up), N = I (the
- * weights 2 N rows: gate then up); else out = y [routed row][ldo] f32. xs [.][K / 32][FP4_XW]:
- * the operands of source row r / x_div. A column past the pass's routed rows reads column 0's
- * operands (its sums are dropped; no lane waits on a branch). */
-template <bool UP, int S, int OCC>
-__global__ void __launch_bounds__(256, OCC)
+/* UP: out = the down pass's operands [routed row][fp4_row_u32(N)] of act(gate, up), N = I (the
+ * weights 2 N rows: gate then up); else out = y [routed row][ldo] f32. xs [.][fp4_row_u32(K)]:
+ * the operands of source row r / x_div, nb rows of them a pass. A column past the pass's routed rows reads column 0's
+ * operands (its sums are dropped; the loads of a quad of lanes stay one line). */
+template <bool UP, int S>
+__global__ void __launch_bounds__(256, 2)
     moe_fp4m_k(void *out, int ldo, const uint32_t *xs, int x_div, const uint8_t *Wc,
                const uint8_t *Ws, int N, int K, const int32_t *start, const int32_t *perm,
                const int32_t *active, const int32_t *n_active, moe_act act, const int32_t *direct,
-               int e0, int E) {
+               int e0, int E, int nb) {
     PDL_ENTRY();
-    __shared__ float4 red[8][32];                /* [warp][lane] partial sums (S > 1) */
+    __shared__ float4 red[8][32];                  /* [warp][lane] partial sums (S > 1) */
     __shared__ uint4 fp4_ring[8 * FP4_D * 2 * 32]; /* [warp][step slot][row g, g + 8][lane] */
+    extern __shared__ uint4 xsh[]; /* [nb][fp4_row_u32(K) / 4] the pass's operands */
     int e, r0, r1;
     if (direct) { /* block row y is routed row y (one token) */
         e = direct[blockIdx.y] - e0;
@@ -216,19 +230,13 @@ __global__ void __launch_bounds__(256, OCC)
     const uint4 *w0 = (const uint4 *)(Wc + ra * (K / 2)) + l4 + 4 * part;
     const uint4 *w1 = (const uint4 *)(Wc + rb * (K / 2)) + l4 + 4 * part;
     const uint8_t *s0 = Ws + ra * ng, *s1 = Ws + rb * ng; /* the rows' scales */
-    const bool tail = part == 0 && 4 * ns + l4 < ng; /* this lane's group of the last step */
+    const bool tail = part == 0 && 4 * ns + l4 < ng;      /* this lane's group of the last step */
     const int n_i = ns > part ? (ns - part + S - 1) / S : 0; /* this warp's full steps */
     uint4 *ring = fp4_ring + (size_t)warp * (FP4_D * 2 * 32);
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    for (int p0 = r0; p0 < r1; p0 += 8) {
-        const int nt = min(8, r1 - p0);
-        const bool xv = g < nt;
-        const int rg = xv ? (direct ? p0 + g : perm[p0 + g]) : 0;
-        const uint4 *xr = (const uint4 *)(xs + (size_t)(rg / x_div) * fp4_row_u32(K)) + l4;
-        const uint4 *xp = xr + 48 * part;
-        float acc[3][4];
-#pragma unroll
-        for (int t = 0; t < 3; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+    const int rowq = (int)(fp4_row_u32(K) / 4); /* uint4 of operands a row */
+    for (int p0 = r0; p0 < r1; p0 += nb) {
+        const int nt = min(nb, r1 - p0), cg = g < nt ? g : 0;
 #pragma unroll
         for (int u = 0; u < FP4_D; u++) { /* steps 0 .. FP4_D - 1 in flight, a group each */
             if (u < n_i) {
@@ -237,9 +245,23 @@ __global__ void __launch_bounds__(256, OCC)
             }
             cp_async_commit();
         }
+        __syncthreads();               /* the previous pass is done with xsh */
+        for (int j = 0; j < nt; j++) { /* the pass's operand rows, while the codes load */
+            const int r = direct ? p0 + j : perm[p0 + j];
+            const uint4 *src = (const uint4 *)(xs + (size_t)(r / x_div) * fp4_row_u32(K));
+            for (int q = threadIdx.x; q < rowq; q += blockDim.x)
+                xsh[(size_t)j * rowq + q] = __ldg(src + q);
+        }
+        __syncthreads();
+        const uint4 *xr = xsh + (size_t)cg * rowq + l4;
+        const uint4 *xp = xr + 48 * part;
+        float acc[3][4];
+#pragma unroll
+        for (int t = 0; t < 3; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
         /* scale words: lane l4 holds step i0 + l4's four bytes of rows g and g + 8 */
         uint32_t c0 = 0u, c1 = 0u;
-        if (l4 < n_i) c0 = fp4_sw(s0, 4 * (part + l4 * S), ng), c1 = fp4_sw(s1, 4 * (part + l4 * S), ng);
+        if (l4 < n_i)
+            c0 = fp4_sw(s0, 4 * (part + l4 * S), ng), c1 = fp4_sw(s1, 4 * (part + l4 * S), ng);
         for (int i0 = 0; i0 < n_i; i0 += FP4_D) {
             uint32_t n0 = 0u, n1 = 0u;
             if (i0 + FP4_D + l4 < n_i) {
@@ -250,11 +272,14 @@ __global__ void __launch_bounds__(256, OCC)
             for (int u = 0; u < FP4_D; u++) {
                 const int i = i0 + u; /* step part + i S, in slot u */
                 if (i >= n_i) break;
-                const uint32_t b0 = (__shfl_sync(0xffffffffu, c0, (lane & ~3) | u) >> (8 * l4)) & 0xffu;
-                const uint32_t b1 = (__shfl_sync(0xffffffffu, c1, (lane & ~3) | u) >> (8 * l4)) & 0xffu;
+                const uint32_t b0 =
+                    (__shfl_sync(0xffffffffu, c0, (lane & ~3) | u) >> (8 * l4)) & 0xffu;
+                const uint32_t b1 =
+                    (__shfl_sync(0xffffffffu, c1, (lane & ~3) | u) >> (8 * l4)) & 0xffu;
                 fp4_cp_wait<FP4_D - 1>();
-                const uint4 a0 = ring[(2 * u) * 32 + lane], a1 = ring[(2 * u + 1) * 32 + lane];
-                fp4_mma_step(acc, a0, a1, b0, b1, xp + 48 * S * i, xv);
+                const uint4 a0 = fp4_lds16(ring + (2 * u) * 32 + lane),
+                            a1 = fp4_lds16(ring + (2 * u + 1) * 32 + lane);
+                fp4_mma_step(acc, a0, a1, b0, b1, xp + 48 * S * i, true);
                 if (i + FP4_D < n_i) { /* step i + FP4_D into the slot just read */
                     const int o = 4 * (i + FP4_D) * S;
                     fp4_cp16(ring + (2 * u) * 32 + lane, w0 + o);
@@ -267,7 +292,7 @@ __global__ void __launch_bounds__(256, OCC)
         if (part == 0 && ng % 4) /* the narrower last step, zeros past the row */
             fp4_mma_step(acc, tail ? __ldg(w0 + 4 * ns) : zero, tail ? __ldg(w1 + 4 * ns) : zero,
                          tail ? __ldg(s0 + 4 * ns + l4) : 0u, tail ? __ldg(s1 + 4 * ns + l4) : 0u,
-                         xr + 48 * ns, xv && tail);
+                         xr + 48 * ns, tail);
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[0][i] += acc[1][i] + acc[2][i];
         if (S > 1) {
@@ -282,14 +307,15 @@ __global__ void __launch_bounds__(256, OCC)
             }
         }
         if (tile >= tiles) continue;
-        /* C: rows g (elements 0, 1) and g + 8 (2, 3), routed rows 2 l4 and 2 l4 + 1 */
+            /* C: rows g (elements 0, 1) and g + 8 (2, 3), routed rows 2 l4 and 2 l4 + 1 */
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const int t = 2 * l4 + j;
             if (t >= nt) continue;
             const int r = direct ? p0 + t : perm[p0 + t];
             if (UP) {
-                const float v = act_pair(acc[0][j], acc[0][2 + j], act.situ, act.beta, act.lin_beta);
+                const float v =
+                    act_pair(acc[0][j], acc[0][2 + j], act.situ, act.beta, act.lin_beta);
                 fp4_store_parts((uint32_t *)out + (size_t)r * fp4_row_u32(N), 8 * tile + g, v);
             } else {
                 float *yr = (float *)out + (size_t)r * ldo + 16 * tile + g;
@@ -301,13 +327,11 @@ __global__ void __launch_bounds__(256, OCC)
 
 typedef void (*moe_fp4m_ptr)(void *, int, const uint32_t *, int, const uint8_t *, const uint8_t *,
                              int, int, const int32_t *, const int32_t *, const int32_t *,
-                             const int32_t *, moe_act, const int32_t *, int, int);
-static const moe_fp4m_ptr moe_fp4m_up[8] = {moe_fp4m_k<true, 1, 2>, moe_fp4m_k<true, 2, 2>,
-                                            moe_fp4m_k<true, 4, 2>, moe_fp4m_k<true, 8, 2>,moe_fp4m_k<true, 1, 3>, moe_fp4m_k<true, 2, 3>,
-                                            moe_fp4m_k<true, 4, 3>, moe_fp4m_k<true, 8, 3>},
-                          moe_fp4m_dn[8] = {moe_fp4m_k<false, 1, 2>, moe_fp4m_k<false, 2, 2>,
-                                            moe_fp4m_k<false, 4, 2>, moe_fp4m_k<false, 8, 2>,moe_fp4m_k<false, 1, 3>, moe_fp4m_k<false, 2, 3>,
-                                            moe_fp4m_k<false, 4, 3>, moe_fp4m_k<false, 8, 3>};
+                             const int32_t *, moe_act, const int32_t *, int, int, int);
+static const moe_fp4m_ptr moe_fp4m_up[4] = {moe_fp4m_k<true, 1>, moe_fp4m_k<true, 2>,
+                                            moe_fp4m_k<true, 4>, moe_fp4m_k<true, 8>},
+                          moe_fp4m_dn[4] = {moe_fp4m_k<false, 1>, moe_fp4m_k<false, 2>,
+                                            moe_fp4m_k<false, 4>, moe_fp4m_k<false, 8>};
 
 /* log2 of the warps a tile (S): a function of the matrix alone (batch invariance). */
 static int fp4_splits(int tiles, int K) {
@@ -315,7 +339,6 @@ static int fp4_splits(int tiles, int K) {
     while (l < 3 && tiles << l < 256 && K / 128 >= 4 << l) l++;
     return l;
 }
-
 
 /* ---- tensor cores (batches) -------------------------------------------------------------------
  * moe_tc_body's scheme (moe_tensor.cu: each warp two 16-row weight tiles as m16n8k16 A operands
@@ -464,26 +487,54 @@ static void fp4_tc(ds_cu *c, float *h, float *y, const float *x, int rows, unsig
              (const __nv_bfloat16 *)ab, w->dc, w->ds, D, I, start, perm, active, n_active, none);
 }
 
-/* the two passes through the streaming kernel: x's operands xs [T][D / 32][FP4_XW] u32, then
- * act's [rows][I / 32][FP4_XW] (the up pass's output), in h's place */
-static void fp4_stream(ds_cu *c, float *h, float *y, const float *x, int T, unsigned ya, int D,
-                       int I, int E, int e0, int k, const fp4_w *w, const int32_t *start,
-                       const int32_t *perm, const int32_t *active, const int32_t *n_active,
-                       const int32_t *direct, moe_act act) {
+/* Operand rows a block stages, at most (shared memory: two blocks a multiprocessor). */
+enum : size_t { FP4_XSH_MAX = 76 * 1024 };
+
+/* the two passes through the streaming kernel: x's operands xs [T][fp4_row_u32(D)] u32, then
+ * act's [rows][fp4_row_u32(I)] (the up pass's output), in h's place */
+static int fp4_stream(ds_cu *c, float *h, float *y, const float *x, int T, unsigned ya, int D,
+                      int I, int E, int e0, int k, const fp4_w *w, const int32_t *start,
+                      const int32_t *perm, const int32_t *active, const int32_t *n_active,
+                      const int32_t *direct, moe_act act, ds_err *err) {
     const moe_act none = {0, 0, 0.0f, 0.0f};
+    const size_t bu = fp4_row_u32(D) * 4, bd = fp4_row_u32(I) * 4; /* bytes an operand row */
+    if (bu > FP4_XSH_MAX || bd > FP4_XSH_MAX)
+        return ds_errf(err, "cuda: moe mxfp4: widths %d and %d (too wide to stream)", D, I);
+    if (!c->moe_fp4_smem) { /* once, before any capture can be open */
+        for (int i = 0; i < 4; i++) {
+            CU_TRY(cudaFuncSetAttribute((const void *)moe_fp4m_up[i],
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)FP4_XSH_MAX),
+                   "moe mxfp4: shared memory");
+            CU_TRY(cudaFuncSetAttribute((const void *)moe_fp4m_dn[i],
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)FP4_XSH_MAX),
+                   "moe mxfp4: shared memory");
+        }
+        c->moe_fp4_smem = 1;
+    }
+    /* routed rows a pass (the bits do not depend on it) */
+    const int nu = DS_MIN(DS_MIN(8, T), (int)(FP4_XSH_MAX / bu));
+    const int nd = DS_MIN(DS_MIN(8, T), (int)(FP4_XSH_MAX / bd));
     uint32_t *xs = (uint32_t *)h, *as = xs + (size_t)T * fp4_row_u32(D);
     int su = fp4_splits(I / 8, D), sd = fp4_splits(D / 16, I);
+    {
+        const char *ev = getenv("DS_FP4_SPLIT");
+        if (ev) su = ev[0] - '0', sd = ev[2] - '0';
+    }
     const int tu = 8 >> su, td = 8 >> sd; /* tiles a block */
-    { const char *ev = getenv("DS_FP4_OCC"); if (ev && atoi(ev) == 3) su += 4, sd += 4; }
     const int words = T * (D / 8);
-    launch_k(c, moe_fp4_split_k, (unsigned)DS_MIN((words + 255) / 256, 4 * c->n_sm), 256, 0, xs,
-             x, D, T);
-    launch_k(c, moe_fp4m_up[su], dim3((unsigned)((I / 8 + tu - 1) / tu), ya), 256, 0, (void *)as, 0,
-             (const uint32_t *)xs, k, w->gc, w->gs, I, D, start, perm, active, n_active, act,
-             direct, e0, E);
-    launch_k(c, moe_fp4m_dn[sd], dim3((unsigned)((D / 16 + td - 1) / td), ya), 256, 0, (void *)y, D,
-             (const uint32_t *)as, 1, w->dc, w->ds, D, I, start, perm, active, n_active, none,
-             direct, e0, E);
+    launch_k(c, moe_fp4_split_k, (unsigned)DS_MIN((words + 255) / 256, 4 * c->n_sm), 256, 0, xs, x,
+             D, T);
+    launch_k(c, moe_fp4m_up[su], dim3((unsigned)((I / 8 + tu - 1) / tu), ya), 256, nu * bu,
+             (void *)as, 0, (const uint32_t *)xs, k, w->gc, w->gs, I, D, start, perm, active,
+             n_active, act, direct, e0, E, nu);
+    CU_TRY(cudaGetLastError(), "moe mxfp4 up");
+    launch_k(c, moe_fp4m_dn[sd], dim3((unsigned)((D / 16 + td - 1) / td), ya), 256, nd * bd,
+             (void *)y, D, (const uint32_t *)as, 1, w->dc, w->ds, D, I, start, perm, active,
+             n_active, none, direct, e0, E, nd);
+    CU_TRY(cudaGetLastError(), "moe mxfp4 down");
+    return DS_OK;
 }
 
 extern "C" int ds_cu_moe_experts_mxfp4(ds_cu *c, float *out, const float *x, const int32_t *idx,
@@ -525,10 +576,9 @@ extern "C" int ds_cu_moe_experts_mxfp4(ds_cu *c, float *out, const float *x, con
     if (tc) {
         fp4_tc(c, h, y, x, rows, ya, D, I, E, k, &fw, start, perm, active, n_active, act);
         CU_TRY(cudaGetLastError(), "moe mxfp4 (tensor cores)");
-    } else {
-        fp4_stream(c, h, y, x, T, ya, D, I, E, e0, k, &fw, start, perm, active, n_active, direct,
-                   act);
-        CU_TRY(cudaGetLastError(), "moe mxfp4 (streaming)");
+    } else if (fp4_stream(c, h, y, x, T, ya, D, I, E, e0, k, &fw, start, perm, active, n_active,
+                          direct, act, err)) {
+        return DS_ERR;
     }
     if (ds_cu_side_join(c, err)) return DS_ERR; /* out: see ds_cu_moe_experts */
     ds_cu_prof_mark(c, "moe combine");
