@@ -140,6 +140,7 @@ void checks_moe_mxfp4(ds_cu *c) {
     check_moe_mxfp4(c, 40, 8, 32, 512, 256, 1, 0, 1);   /* other ranks' rows */
     check_moe_mxfp4(c, 40, 8, 16, 512, 256, 0, 1, 0);   /* tensor cores */
     check_moe_mxfp4(c, 200, 8, 16, 512, 384, 1, 1, 1);  /* ... many rows an expert, TP half */
+    check_moe_mxfp4(c, 3, 4, 8, 256, 2048, 1, 0, 0);    /* down pass K split over 4 warps */
     check_moe_mxfp4(c, 1, 16, 32, 3584, 3072, 0, 0, 0); /* Kimi-K3's widths */
     check_moe_mxfp4(c, 20, 4, 32, 3584, 3072, 0, 1, 0);
 }

@@ -1,8 +1,9 @@
 /* moe_mxfp4.cu — routed experts held as MXFP4 (docs/quantization.md: Kimi-K3's packed E2M1
  * codes with an E8M0 scale a group of 32), never widened in memory: the weight-streaming kernel
  * (decode, batch invariance: f32 activations split exactly into BF16 parts, each product exact,
- * on tensor cores) and the streaming tensor-core kernel for batches (the weights dequantized in registers to BF16 A operands, the activations
- * BF16: w4a16). Grouping and combine are moe_experts.cu's. */
+ * on tensor cores) and the streaming tensor-core kernel for batches (the weights dequantized in
+ * registers to BF16 A operands, the activations BF16: w4a16). Grouping and combine are
+ * moe_experts.cu's. */
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/moe.cuh"
 #include "kernels/shared/quant.h"
@@ -198,10 +199,23 @@ static __device__ __forceinline__ void fp4_mma_step(float (&acc)[3][4], uint4 a0
     }
 }
 
+/* xsh[j] = operand row (perm ? perm[j] : p0 + j) / x_div of xs, j < nt (rowq uint4 a row), by
+ * the whole block */
+static __device__ __forceinline__ void fp4_stage(uint4 *xsh, const uint32_t *xs, int rowq, int nt,
+                                                 const int32_t *perm, int p0, int x_div) {
+    for (int j = 0; j < nt; j++) {
+        const int r = perm ? perm[j] : p0 + j;
+        const uint4 *src = (const uint4 *)xs + (size_t)(r / x_div) * rowq;
+        for (int q = threadIdx.x; q < rowq; q += blockDim.x)
+            xsh[(size_t)j * rowq + q] = __ldg(src + q);
+    }
+}
+
 /* UP: out = the down pass's operands [routed row][fp4_row_u32(N)] of act(gate, up), N = I (the
  * weights 2 N rows: gate then up); else out = y [routed row][ldo] f32. xs [.][fp4_row_u32(K)]:
- * the operands of source row r / x_div, nb rows of them a pass. A column past the pass's routed rows reads column 0's
- * operands (its sums are dropped; the loads of a quad of lanes stay one line). */
+ * the operands of source row r / x_div, nb rows of them a pass. A column past the pass's routed
+ * rows reads column 0's operands (its sums are dropped; the loads of a quad of lanes stay one
+ * line). */
 template <bool UP, int S>
 __global__ void __launch_bounds__(256, 2)
     moe_fp4m_k(void *out, int ldo, const uint32_t *xs, int x_div, const uint8_t *Wc,
@@ -245,13 +259,8 @@ __global__ void __launch_bounds__(256, 2)
             }
             cp_async_commit();
         }
-        __syncthreads();               /* the previous pass is done with xsh */
-        for (int j = 0; j < nt; j++) { /* the pass's operand rows, while the codes load */
-            const int r = direct ? p0 + j : perm[p0 + j];
-            const uint4 *src = (const uint4 *)(xs + (size_t)(r / x_div) * fp4_row_u32(K));
-            for (int q = threadIdx.x; q < rowq; q += blockDim.x)
-                xsh[(size_t)j * rowq + q] = __ldg(src + q);
-        }
+        __syncthreads(); /* the previous pass is done with xsh */
+        fp4_stage(xsh, xs, rowq, nt, direct ? NULL : perm + p0, p0, x_div);
         __syncthreads();
         const uint4 *xr = xsh + (size_t)cg * rowq + l4;
         const uint4 *xp = xr + 48 * part;
@@ -336,7 +345,7 @@ static const moe_fp4m_ptr moe_fp4m_up[4] = {moe_fp4m_k<true, 1>, moe_fp4m_k<true
 /* log2 of the warps a tile (S): a function of the matrix alone (batch invariance). */
 static int fp4_splits(int tiles, int K) {
     int l = 0;
-    while (l < 3 && tiles << l < 256 && K / 128 >= 4 << l) l++;
+    while (l < 3 && tiles << l < 128 && K / 128 >= 4 << l) l++;
     return l;
 }
 
@@ -517,11 +526,7 @@ static int fp4_stream(ds_cu *c, float *h, float *y, const float *x, int T, unsig
     const int nu = DS_MIN(DS_MIN(8, T), (int)(FP4_XSH_MAX / bu));
     const int nd = DS_MIN(DS_MIN(8, T), (int)(FP4_XSH_MAX / bd));
     uint32_t *xs = (uint32_t *)h, *as = xs + (size_t)T * fp4_row_u32(D);
-    int su = fp4_splits(I / 8, D), sd = fp4_splits(D / 16, I);
-    {
-        const char *ev = getenv("DS_FP4_SPLIT");
-        if (ev) su = ev[0] - '0', sd = ev[2] - '0';
-    }
+    const int su = fp4_splits(I / 8, D), sd = fp4_splits(D / 16, I);
     const int tu = 8 >> su, td = 8 >> sd; /* tiles a block */
     const int words = T * (D / 8);
     launch_k(c, moe_fp4_split_k, (unsigned)DS_MIN((words + 255) / 256, 4 * c->n_sm), 256, 0, xs, x,
