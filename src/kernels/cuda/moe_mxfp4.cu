@@ -1,8 +1,9 @@
 /* moe_mxfp4.cu — routed experts held as MXFP4 (docs/quantization.md: Kimi-K3's packed E2M1
  * codes with an E8M0 scale a group of 32), never widened in memory: the weight-streaming kernel
- * (decode, batch invariance: f32 activations, each weight exact) and the streaming tensor-core
- * kernel for batches (the weights dequantized in registers to BF16 A operands, the activations
- * BF16: w4a16). Grouping and combine are moe_experts.cu's. */
+ * (decode, batch invariance: f32 activations split exactly into BF16 parts, each product exact,
+ * on tensor cores) and the streaming tensor-core kernel for batches (the weights dequantized in
+ * registers to BF16 A operands, the activations BF16: w4a16). Grouping and combine are
+ * moe_experts.cu's. */
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/moe.cuh"
 #include "kernels/shared/quant.h"
@@ -26,106 +27,6 @@ static __device__ __forceinline__ uint4 fp4x8_bf16(uint32_t w) {
     return r;
 }
 
-/* 32 codes (one group, a 16-byte load) dotted with 32 f32 values at scale 1, in a fixed order.
- * The group's scale is a power of two, so multiplying the sum by it gives the sum of the scaled
- * terms exactly (the CPU's terms W x, each rounding the same). */
-static __device__ __forceinline__ float dot32_fp4(uint4 u, const float *x) {
-    return dot8(fp4x8_bf16(u.x), x) + dot8(fp4x8_bf16(u.y), x + 8) + dot8(fp4x8_bf16(u.z), x + 16) +
-           dot8(fp4x8_bf16(u.w), x + 24);
-}
-
-/* ---- the streaming kernel -------------------------------------------------------------------
- * moe_grouped_k's scheme (block: 8 NPW weight rows of one active expert; up to rp of its routed
- * rows staged in shared memory, with act applied as they are staged for the down pass) on packed
- * rows: lane l takes groups l, l + 32, ... (16 bytes of codes and a scale byte each). A row's sum
- * takes the same operations however many rows share the pass (batch invariance). */
-template <int RPM, int NPW>
-__global__ void __launch_bounds__(256)
-    moe_fp4_k(float *y, int ldy, const float *x, int ldx, int x_div, const uint8_t *Wc,
-              const uint8_t *Ws, int N, int K, const int32_t *start, const int32_t *perm,
-              const int32_t *active, const int32_t *n_active, int rp, moe_act act,
-              const int32_t *direct, int e0, int E) {
-    PDL_ENTRY();
-    extern __shared__ float4 xsh[]; /* [rp][K] the pass's x rows */
-    int e, r0, r1;
-    if (direct) { /* block row y is routed row y (one token) */
-        e = direct[blockIdx.y] - e0;
-        if (e < 0 || e >= E) return;
-        r0 = blockIdx.y, r1 = r0 + 1;
-    } else {
-        if ((int)blockIdx.y >= *n_active) return;
-        e = active[blockIdx.y], r0 = start[e], r1 = start[e + 1];
-    }
-    const int lane = threadIdx.x & 31, ng = K / 32;
-    const int n0 = blockIdx.x * 8 * NPW + (threadIdx.x >> 5) * NPW;
-    const uint4 *wr[NPW];
-    const uint8_t *sr[NPW];
-#pragma unroll
-    for (int j = 0; j < NPW; j++) {
-        const size_t row = (size_t)e * N + min(n0 + j, N - 1);
-        wr[j] = (const uint4 *)(Wc + row * (K / 2));
-        sr[j] = Ws + row * ng;
-    }
-    for (int c0 = r0; c0 < r1; c0 += rp) {
-        const int nr = min(rp, r1 - c0);
-        __syncthreads(); /* the previous pass is done with xsh */
-        for (int i = 0; i < nr; i++) {
-            const int r = direct ? c0 + i : perm[c0 + i];
-            const float4 *src = (const float4 *)(x + (size_t)(r / x_div) * ldx);
-            for (int j = threadIdx.x; j < K / 4; j += blockDim.x) {
-                float4 v = src[j];
-                if (act.on) v = act_pair4(v, src[K / 4 + j], act.situ, act.beta, act.lin_beta);
-                xsh[(size_t)i * (K / 4) + j] = v;
-            }
-        }
-        __syncthreads();
-        if (n0 >= N) continue;
-        float acc[NPW][RPM];
-#pragma unroll
-        for (int j = 0; j < NPW; j++)
-#pragma unroll
-            for (int i = 0; i < RPM; i++) acc[j][i] = 0.0f;
-#pragma unroll 2
-        for (int gi = lane; gi < ng; gi += 32) {
-            uint4 u[NPW];
-            float sc[NPW];
-#pragma unroll
-            for (int j = 0; j < NPW; j++)
-                u[j] = __ldg(wr[j] + gi), sc[j] = ds_e8m0_to_f32(sr[j][gi]);
-#pragma unroll
-            for (int j = 0; j < NPW; j++)
-#pragma unroll
-                for (int i = 0; i < RPM; i++)
-                    if (i < nr)
-                        acc[j][i] +=
-                            dot32_fp4(u[j], (const float *)xsh + (size_t)i * K + gi * 32) * sc[j];
-        }
-#pragma unroll
-        for (int i = 0; i < RPM; i++)
-            if (i < nr) {
-                const int r = direct ? c0 + i : perm[c0 + i];
-#pragma unroll
-                for (int j = 0; j < NPW; j++) {
-                    float v = acc[j][i];
-                    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-                    if (lane == 0 && n0 + j < N) y[(size_t)r * ldy + n0 + j] = v;
-                }
-            }
-    }
-}
-
-typedef void (*moe_fp4_ptr)(float *, int, const float *, int, int, const uint8_t *, const uint8_t *,
-                            int, int, const int32_t *, const int32_t *, const int32_t *,
-                            const int32_t *, int, moe_act, const int32_t *, int, int);
-static const moe_fp4_ptr moe_fp4_fns[3] = {moe_fp4_k<1, 4>, moe_fp4_k<2, 4>, moe_fp4_k<8, 4>};
-enum : size_t { MOE_FP4_SMEM = 160 * 1024 };
-
-/* ---- tensor cores (batches) -------------------------------------------------------------------
- * moe_tc_body's scheme (moe_tensor.cu: each warp two 16-row weight tiles as m16n8k16 A operands
- * straight from memory, tokens as BF16 B operands, UP applying act in registers) with packed
- * weights: a 128-wide step of a row is 64 bytes, lane 4 g + l4 loading piece l4 (its group of 32:
- * codes and one scale) and the same 32 columns of its token's BF16 row; the codes become BF16
- * values times the scale (a power of two: exact) and feed the mma in the BF16 kernel's order. */
 static __device__ __forceinline__ uint32_t bf2_mul(uint32_t p, __nv_bfloat162 s) {
     __nv_bfloat162 v = *(__nv_bfloat162 *)&p;
     v = __hmul2(v, s);
@@ -138,6 +39,322 @@ static __device__ __forceinline__ __nv_bfloat162 e8m0_bf2(uint8_t b) {
     return __nv_bfloat162(h, h);
 }
 
+/* ---- the streaming kernel ---------------------------------------------------------------------
+ * moe_fp8.cu's moe_f8m_k on packed rows: a warp a 16-row tile of an active expert's weights (S
+ * warps sharing it along K, their partial sums added in order p = 0, 1, ..), up to 8 routed rows a
+ * pass as the mma's columns (their operand rows staged in shared memory by the block). A 128-wide
+ * step of a row is 64 bytes: lane 4 g + l4 streams group 4 s + l4 of its rows g and g + 8 (16
+ * bytes of codes through its cp.async ring, a scale byte each: words of four shuffled across the
+ * quad). The codes become BF16
+ * values times their group's scale (a power of two: exact) and each f32 activation arrives as
+ * three BF16 parts that sum to it exactly (fp4_split3), so every product is exact and the sums
+ * are f32 (tensor cores, one accumulator a part): the CPU's terms, another order of the sums. A
+ * column does not depend on the others and S on the matrix alone, so a routed row's result is
+ * the same whatever else the step holds (batch invariance).
+ *
+ * The up pass's tile is 8 gate rows (g) and the 8 up rows of the same outputs (g + 8), so a lane
+ * holds both halves of its act values: it applies act and writes the down pass's operands (the
+ * parts of act(gate, up)) itself. The up pass's operands come from moe_fp4_split_k. */
+
+/* The parts carry 2^FP4_XSH and the codes' multipliers 2^-FP4_XSH (products unchanged): the
+ * exact range is then |x| < 2^95 and scales 2^-100 .. 2^33. */
+enum { FP4_XSH = 32, FP4_XW = 48 }; /* XW: u32 of operands a group of 32 activations */
+
+/* x * 2^FP4_XSH as three BF16 parts, largest first, summing to it exactly (each residual is
+ * exact in f32; the third holds at most 8 significant bits). */
+static __device__ __forceinline__ void fp4_split3(float x, __nv_bfloat16 (&b)[3]) {
+    x *= 4294967296.0f; /* 2^FP4_XSH */
+    b[0] = __float2bfloat16_rn(x);
+    float r = x - __bfloat162float(b[0]);
+    b[1] = __float2bfloat16_rn(r);
+    r -= __bfloat162float(b[1]);
+    b[2] = __float2bfloat16_rn(r);
+}
+
+/* A row's operands: [step K / 128 (rounded up)][word p 4][q 3][l4 4] uint4, where lane l4's
+ * 12 uint4 of word p, [h 2][part 3][b0, b1] u32, feed the mmas of word p of its group 4 s + l4:
+ * half h takes pairs 2 h (b0) and 2 h + 1 (b1), pair j holding activations 8 p + j (low) and
+ * 8 p + j + 4 (high), the order fp4x8_bf16s decodes the codes in. The four lanes of a load read
+ * 64 contiguous bytes. */
+static __host__ __device__ __forceinline__ size_t fp4_row_u32(int K) {
+    return (size_t)((K + 127) / 128) * 4 * FP4_XW;
+}
+
+/* u32 index of word m < 12 (of [h][part][b0, b1]) of activation word p of group grp */
+static __device__ __forceinline__ int fp4_u32(int grp, int p, int m) {
+    return (((grp >> 2) * 12 + p * 3 + (m >> 2)) * 4 + (grp & 3)) * 4 + (m & 3);
+}
+
+static __device__ __forceinline__ void fp4_store_parts(uint32_t *row, int i, float v) {
+    __nv_bfloat16 b[3];
+    fp4_split3(v, b);
+    const int c = i & 31, j = c & 3;
+    __nv_bfloat16 *o = (__nv_bfloat16 *)row + ((c >> 2) & 1);
+#pragma unroll
+    for (int t = 0; t < 3; t++)
+        o[2 * fp4_u32(i >> 5, c >> 3, ((j >> 1) * 3 + t) * 2 + (j & 1))] = b[t];
+}
+
+/* xs[r] = the operands of x row r < rows, one thread a word (8 activations) */
+__global__ void moe_fp4_split_k(uint32_t *xs, const float *x, int K, int rows) {
+    PDL_ENTRY();
+    const int nw = K / 8;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < rows * nw;
+         i += gridDim.x * blockDim.x) {
+        const int r = i / nw, w = i % nw;
+        const float4 *src = (const float4 *)(x + (size_t)r * K + 8 * w);
+        const float4 v0 = src[0], v1 = src[1];
+        const float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+        uint32_t o[12]; /* [h][part][b0, b1] */
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            __nv_bfloat16 lo[3], hi[3];
+            fp4_split3(v[j], lo);
+            fp4_split3(v[j + 4], hi);
+#pragma unroll
+            for (int t = 0; t < 3; t++)
+                o[((j >> 1) * 3 + t) * 2 + (j & 1)] = (uint32_t)__bfloat16_as_ushort(lo[t]) |
+                                                      ((uint32_t)__bfloat16_as_ushort(hi[t]) << 16);
+        }
+        uint32_t *row = xs + (size_t)r * fp4_row_u32(K);
+#pragma unroll
+        for (int q = 0; q < 3; q++)
+            *(uint4 *)(row + fp4_u32(w >> 2, w & 3, 4 * q)) =
+                make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
+    }
+}
+
+/* BF16 2^(b - 1 - FP4_XSH): an E8M0 scale times 2^126 (see fp4x8_bf16s) and 2^-FP4_XSH */
+static __device__ __forceinline__ __nv_bfloat162 fp4_mul(uint32_t b) {
+    const uint16_t bits = (uint16_t)(min(b + 94u, 254u) << 7);
+    const __nv_bfloat16 h = __ushort_as_bfloat16(bits);
+    return __nv_bfloat162(h, h);
+}
+
+/* 8 E2M1 codes (a word: code j in nibble j) times mul as four BF16 pairs, pair j holding codes j
+ * and j + 4: a code's sign and magnitude bits placed as BF16 s << 15 | m << 6 read as its value
+ * times 2^-126 (the subnormal code 0.5 too), which mul restores. */
+static __device__ __forceinline__ void fp4x8_bf16s(uint32_t w, __nv_bfloat162 mul,
+                                                   uint32_t (&d)[4]) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const uint32_t q = w << (12 - 4 * j); /* codes j, j + 4 in nibbles 3 and 7 */
+        d[j] = bf2_mul((q & 0x80008000u) | ((q >> 6) & 0x01C001C0u), mul);
+    }
+}
+
+/* Each lane streams its own codes through a ring of FP4_D steps in shared memory (cp.async: the
+ * loads stay in flight while the warp decodes), a group of copies a step; it reads back only what
+ * it copied itself, so no lane waits on another. */
+enum { FP4_D = 4 };
+static __device__ __forceinline__ void fp4_cp16(uint4 *smem, const uint4 *gmem) {
+    const unsigned sa = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem));
+}
+template <int N> static __device__ __forceinline__ void fp4_cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+/* The ring is touched through volatile asm alone (kept in order among themselves), so the
+ * compiler may still move the operands' loads ahead of a step's wait. */
+static __device__ __forceinline__ uint4 fp4_lds16(const uint4 *smem) {
+    const unsigned sa = (unsigned)__cvta_generic_to_shared(smem);
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(sa));
+    return v;
+}
+
+/* the scale bytes of groups grp .. grp + 3 of a row (ng a row) as a word, byte i group grp + i */
+static __device__ __forceinline__ uint32_t fp4_sw(const uint8_t *row, int grp, int ng) {
+    if (ng % 4 == 0) return __ldg((const uint32_t *)(row + grp));
+    return (uint32_t)__ldg(row + grp) | (uint32_t)__ldg(row + grp + 1) << 8 |
+           (uint32_t)__ldg(row + grp + 2) << 16 | (uint32_t)__ldg(row + grp + 3) << 24;
+}
+
+/* One step: a lane's 32 codes of rows g (a0) and g + 8 (a1) with their scale bytes against its
+ * 12 uint4 of operands at xb (zeros where xv is false: past the row). */
+static __device__ __forceinline__ void fp4_mma_step(float (&acc)[3][4], uint4 a0, uint4 a1,
+                                                    uint32_t sb0, uint32_t sb1, const uint4 *xb,
+                                                    bool xv) {
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    const __nv_bfloat162 m0 = fp4_mul(sb0), m1 = fp4_mul(sb1);
+    const uint32_t A0[4] = {a0.x, a0.y, a0.z, a0.w}, A1[4] = {a1.x, a1.y, a1.z, a1.w};
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        uint32_t d0[4], d1[4];
+        fp4x8_bf16s(A0[p], m0, d0);
+        fp4x8_bf16s(A1[p], m1, d1);
+        const uint4 x0 = xv ? xb[12 * p] : zero, x1 = xv ? xb[12 * p + 4] : zero,
+                    x2 = xv ? xb[12 * p + 8] : zero;
+        const uint32_t B[12] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y,
+                                x1.z, x1.w, x2.x, x2.y, x2.z, x2.w};
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const uint32_t fr[4] = {d0[2 * h], d1[2 * h], d0[2 * h + 1], d1[2 * h + 1]};
+#pragma unroll
+            for (int t = 0; t < 3; t++)
+                mma_16816(acc[t], fr, B[(h * 3 + t) * 2], B[(h * 3 + t) * 2 + 1]);
+        }
+    }
+}
+
+/* xsh[j] = operand row (perm ? perm[j] : p0 + j) / x_div of xs, j < nt (rowq uint4 a row), by
+ * the whole block */
+static __device__ __forceinline__ void fp4_stage(uint4 *xsh, const uint32_t *xs, int rowq, int nt,
+                                                 const int32_t *perm, int p0, int x_div) {
+    for (int j = 0; j < nt; j++) {
+        const int r = perm ? perm[j] : p0 + j;
+        const uint4 *src = (const uint4 *)xs + (size_t)(r / x_div) * rowq;
+        for (int q = threadIdx.x; q < rowq; q += blockDim.x)
+            xsh[(size_t)j * rowq + q] = __ldg(src + q);
+    }
+}
+
+/* UP: out = the down pass's operands [routed row][fp4_row_u32(N)] of act(gate, up), N = I (the
+ * weights 2 N rows: gate then up); else out = y [routed row][ldo] f32. xs [.][fp4_row_u32(K)]:
+ * the operands of source row r / x_div, nb rows of them a pass. A column past the pass's routed
+ * rows reads column 0's operands (its sums are dropped; the loads of a quad of lanes stay one
+ * line). */
+template <bool UP, int S>
+__global__ void __launch_bounds__(256, 2)
+    moe_fp4m_k(void *out, int ldo, const uint32_t *xs, int x_div, const uint8_t *Wc,
+               const uint8_t *Ws, int N, int K, const int32_t *start, const int32_t *perm,
+               const int32_t *active, const int32_t *n_active, moe_act act, const int32_t *direct,
+               int e0, int E, int nb) {
+    PDL_ENTRY();
+    __shared__ float4 red[8][32];                  /* [warp][lane] partial sums (S > 1) */
+    __shared__ uint4 fp4_ring[8 * FP4_D * 2 * 32]; /* [warp][step slot][row g, g + 8][lane] */
+    extern __shared__ uint4 xsh[]; /* [nb][fp4_row_u32(K) / 4] the pass's operands */
+    int e, r0, r1;
+    if (direct) { /* block row y is routed row y (one token) */
+        e = direct[blockIdx.y] - e0;
+        if (e < 0 || e >= E) return;
+        r0 = blockIdx.y, r1 = r0 + 1;
+    } else {
+        if ((int)blockIdx.y >= *n_active) return;
+        e = active[blockIdx.y], r0 = start[e], r1 = start[e + 1];
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, l4 = lane & 3;
+    const int tiles = UP ? N / 8 : N / 16, ng = K / 32, ns = K / 128;
+    const int tile = blockIdx.x * (8 / S) + warp / S, part = warp % S, tc = min(tile, tiles - 1);
+    /* this lane's rows: gate and up row of output 8 tile + g, or rows 16 tile + g and + 8 */
+    const size_t ra = (size_t)e * (UP ? 2 * N : N) + (UP ? 8 * tc : 16 * tc) + g;
+    const size_t rb = ra + (UP ? N : 8);
+    const uint4 *w0 = (const uint4 *)(Wc + ra * (K / 2)) + l4 + 4 * part;
+    const uint4 *w1 = (const uint4 *)(Wc + rb * (K / 2)) + l4 + 4 * part;
+    const uint8_t *s0 = Ws + ra * ng, *s1 = Ws + rb * ng; /* the rows' scales */
+    const bool tail = part == 0 && 4 * ns + l4 < ng;      /* this lane's group of the last step */
+    const int n_i = ns > part ? (ns - part + S - 1) / S : 0; /* this warp's full steps */
+    uint4 *ring = fp4_ring + (size_t)warp * (FP4_D * 2 * 32);
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    const int rowq = (int)(fp4_row_u32(K) / 4); /* uint4 of operands a row */
+    for (int p0 = r0; p0 < r1; p0 += nb) {
+        const int nt = min(nb, r1 - p0), cg = g < nt ? g : 0;
+#pragma unroll
+        for (int u = 0; u < FP4_D; u++) { /* steps 0 .. FP4_D - 1 in flight, a group each */
+            if (u < n_i) {
+                fp4_cp16(ring + (2 * u) * 32 + lane, w0 + 4 * u * S);
+                fp4_cp16(ring + (2 * u + 1) * 32 + lane, w1 + 4 * u * S);
+            }
+            cp_async_commit();
+        }
+        __syncthreads(); /* the previous pass is done with xsh */
+        fp4_stage(xsh, xs, rowq, nt, direct ? NULL : perm + p0, p0, x_div);
+        __syncthreads();
+        const uint4 *xr = xsh + (size_t)cg * rowq + l4;
+        const uint4 *xp = xr + 48 * part;
+        float acc[3][4];
+#pragma unroll
+        for (int t = 0; t < 3; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+        /* scale words: lane l4 holds step i0 + l4's four bytes of rows g and g + 8 */
+        uint32_t c0 = 0u, c1 = 0u;
+        if (l4 < n_i)
+            c0 = fp4_sw(s0, 4 * (part + l4 * S), ng), c1 = fp4_sw(s1, 4 * (part + l4 * S), ng);
+        for (int i0 = 0; i0 < n_i; i0 += FP4_D) {
+            uint32_t n0 = 0u, n1 = 0u;
+            if (i0 + FP4_D + l4 < n_i) {
+                const int grp = 4 * (part + (i0 + FP4_D + l4) * S);
+                n0 = fp4_sw(s0, grp, ng), n1 = fp4_sw(s1, grp, ng);
+            }
+#pragma unroll
+            for (int u = 0; u < FP4_D; u++) {
+                const int i = i0 + u; /* step part + i S, in slot u */
+                if (i >= n_i) break;
+                const uint32_t b0 =
+                    (__shfl_sync(0xffffffffu, c0, (lane & ~3) | u) >> (8 * l4)) & 0xffu;
+                const uint32_t b1 =
+                    (__shfl_sync(0xffffffffu, c1, (lane & ~3) | u) >> (8 * l4)) & 0xffu;
+                fp4_cp_wait<FP4_D - 1>();
+                const uint4 a0 = fp4_lds16(ring + (2 * u) * 32 + lane),
+                            a1 = fp4_lds16(ring + (2 * u + 1) * 32 + lane);
+                fp4_mma_step(acc, a0, a1, b0, b1, xp + 48 * S * i, true);
+                if (i + FP4_D < n_i) { /* step i + FP4_D into the slot just read */
+                    const int o = 4 * (i + FP4_D) * S;
+                    fp4_cp16(ring + (2 * u) * 32 + lane, w0 + o);
+                    fp4_cp16(ring + (2 * u + 1) * 32 + lane, w1 + o);
+                }
+                cp_async_commit();
+            }
+            c0 = n0, c1 = n1;
+        }
+        if (part == 0 && ng % 4) /* the narrower last step, zeros past the row */
+            fp4_mma_step(acc, tail ? __ldg(w0 + 4 * ns) : zero, tail ? __ldg(w1 + 4 * ns) : zero,
+                         tail ? __ldg(s0 + 4 * ns + l4) : 0u, tail ? __ldg(s1 + 4 * ns + l4) : 0u,
+                         xr + 48 * ns, tail);
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[0][i] += acc[1][i] + acc[2][i];
+        if (S > 1) {
+            __syncthreads(); /* the previous pass is done with red */
+            red[warp][lane] = make_float4(acc[0][0], acc[0][1], acc[0][2], acc[0][3]);
+            __syncthreads();
+            if (part) continue;
+            acc[0][0] = acc[0][1] = acc[0][2] = acc[0][3] = 0.0f;
+            for (int p = 0; p < S; p++) {
+                const float4 v = red[warp + p][lane];
+                acc[0][0] += v.x, acc[0][1] += v.y, acc[0][2] += v.z, acc[0][3] += v.w;
+            }
+        }
+        if (tile >= tiles) continue;
+            /* C: rows g (elements 0, 1) and g + 8 (2, 3), routed rows 2 l4 and 2 l4 + 1 */
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int t = 2 * l4 + j;
+            if (t >= nt) continue;
+            const int r = direct ? p0 + t : perm[p0 + t];
+            if (UP) {
+                const float v =
+                    act_pair(acc[0][j], acc[0][2 + j], act.situ, act.beta, act.lin_beta);
+                fp4_store_parts((uint32_t *)out + (size_t)r * fp4_row_u32(N), 8 * tile + g, v);
+            } else {
+                float *yr = (float *)out + (size_t)r * ldo + 16 * tile + g;
+                yr[0] = acc[0][j], yr[8] = acc[0][2 + j];
+            }
+        }
+    }
+}
+
+typedef void (*moe_fp4m_ptr)(void *, int, const uint32_t *, int, const uint8_t *, const uint8_t *,
+                             int, int, const int32_t *, const int32_t *, const int32_t *,
+                             const int32_t *, moe_act, const int32_t *, int, int, int);
+static const moe_fp4m_ptr moe_fp4m_up[4] = {moe_fp4m_k<true, 1>, moe_fp4m_k<true, 2>,
+                                            moe_fp4m_k<true, 4>, moe_fp4m_k<true, 8>},
+                          moe_fp4m_dn[4] = {moe_fp4m_k<false, 1>, moe_fp4m_k<false, 2>,
+                                            moe_fp4m_k<false, 4>, moe_fp4m_k<false, 8>};
+
+/* log2 of the warps a tile (S): a function of the matrix alone (batch invariance). */
+static int fp4_splits(int tiles, int K) {
+    int l = 0;
+    while (l < 3 && tiles << l < 128 && K / 128 >= 4 << l) l++;
+    return l;
+}
+
+/* ---- tensor cores (batches) -------------------------------------------------------------------
+ * moe_tc_body's scheme (moe_tensor.cu: each warp two 16-row weight tiles as m16n8k16 A operands
+ * straight from memory, tokens as BF16 B operands, UP applying act in registers) with packed
+ * weights: a 128-wide step of a row is 64 bytes, lane 4 g + l4 loading piece l4 (its group of 32:
+ * codes and one scale) and the same 32 columns of its token's BF16 row; the codes become BF16
+ * values times the scale (a power of two: exact) and feed the mma in the BF16 kernel's order. */
 template <int NT, bool UP>
 __global__ void __launch_bounds__(256)
     moe_tc4_k(void *out, int ldo, const __nv_bfloat16 *xb, const uint8_t *Wc, const uint8_t *Ws,
@@ -279,31 +496,48 @@ static void fp4_tc(ds_cu *c, float *h, float *y, const float *x, int rows, unsig
              (const __nv_bfloat16 *)ab, w->dc, w->ds, D, I, start, perm, active, n_active, none);
 }
 
-/* the two passes through the streaming kernel */
-static int fp4_stream(ds_cu *c, float *h, float *y, const float *x, int T, int rows, unsigned ya,
-                      int D, int I, int E, int e0, int k, const fp4_w *w, const int32_t *start,
+/* Operand rows a block stages, at most (shared memory: two blocks a multiprocessor). */
+enum : size_t { FP4_XSH_MAX = 76 * 1024 };
+
+/* the two passes through the streaming kernel: x's operands xs [T][fp4_row_u32(D)] u32, then
+ * act's [rows][fp4_row_u32(I)] (the up pass's output), in h's place */
+static int fp4_stream(ds_cu *c, float *h, float *y, const float *x, int T, unsigned ya, int D,
+                      int I, int E, int e0, int k, const fp4_w *w, const int32_t *start,
                       const int32_t *perm, const int32_t *active, const int32_t *n_active,
                       const int32_t *direct, moe_act act, ds_err *err) {
     const moe_act none = {0, 0, 0.0f, 0.0f};
+    const size_t bu = fp4_row_u32(D) * 4, bd = fp4_row_u32(I) * 4; /* bytes an operand row */
+    if (bu > FP4_XSH_MAX || bd > FP4_XSH_MAX)
+        return ds_errf(err, "cuda: moe mxfp4: widths %d and %d (too wide to stream)", D, I);
     if (!c->moe_fp4_smem) { /* once, before any capture can be open */
-        for (int i = 0; i < 3; i++)
-            CU_TRY(cudaFuncSetAttribute((const void *)moe_fp4_fns[i],
+        for (int i = 0; i < 4; i++) {
+            CU_TRY(cudaFuncSetAttribute((const void *)moe_fp4m_up[i],
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)MOE_FP4_SMEM),
+                                        (int)FP4_XSH_MAX),
                    "moe mxfp4: shared memory");
+            CU_TRY(cudaFuncSetAttribute((const void *)moe_fp4m_dn[i],
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)FP4_XSH_MAX),
+                   "moe mxfp4: shared memory");
+        }
         c->moe_fp4_smem = 1;
     }
-    /* accumulators as the BF16 kernel sizes them (the bits do not depend on it) */
-    const int rpm = T == 1 ? 1 : rows <= E ? 2 : 8, fi = T == 1 ? 0 : rows <= E ? 1 : 2;
-    const int rp_up = DS_MAX(1, DS_MIN(DS_MIN(rpm, T), (int)(MOE_FP4_SMEM / ((size_t)D * 4))));
-    const int rp_dn = DS_MAX(1, DS_MIN(DS_MIN(rpm, T), (int)(MOE_FP4_SMEM / ((size_t)I * 4))));
-    launch_k(c, moe_fp4_fns[fi], dim3((unsigned)((2 * I + 31) / 32), ya), 256,
-             (size_t)rp_up * D * 4, h, 2 * I, x, D, k, w->gc, w->gs, 2 * I, D, start, perm, active,
-             n_active, rp_up, none, direct, e0, E);
+    /* routed rows a pass (the bits do not depend on it) */
+    const int nu = DS_MIN(DS_MIN(8, T), (int)(FP4_XSH_MAX / bu));
+    const int nd = DS_MIN(DS_MIN(8, T), (int)(FP4_XSH_MAX / bd));
+    uint32_t *xs = (uint32_t *)h, *as = xs + (size_t)T * fp4_row_u32(D);
+    const int su = fp4_splits(I / 8, D), sd = fp4_splits(D / 16, I);
+    const int tu = 8 >> su, td = 8 >> sd; /* tiles a block */
+    const int words = T * (D / 8);
+    launch_k(c, moe_fp4_split_k, (unsigned)DS_MIN((words + 255) / 256, 4 * c->n_sm), 256, 0, xs, x,
+             D, T);
+    launch_k(c, moe_fp4m_up[su], dim3((unsigned)((I / 8 + tu - 1) / tu), ya), 256, nu * bu,
+             (void *)as, 0, (const uint32_t *)xs, k, w->gc, w->gs, I, D, start, perm, active,
+             n_active, act, direct, e0, E, nu);
     CU_TRY(cudaGetLastError(), "moe mxfp4 up");
-    launch_k(c, moe_fp4_fns[fi], dim3((unsigned)((D + 31) / 32), ya), 256, (size_t)rp_dn * I * 4, y,
-             D, h, 2 * I, 1, w->dc, w->ds, D, I, start, perm, active, n_active, rp_dn, act, direct,
-             e0, E);
+    launch_k(c, moe_fp4m_dn[sd], dim3((unsigned)((D / 16 + td - 1) / td), ya), 256, nd * bd,
+             (void *)y, D, (const uint32_t *)as, 1, w->dc, w->ds, D, I, start, perm, active,
+             n_active, none, direct, e0, E, nd);
     CU_TRY(cudaGetLastError(), "moe mxfp4 down");
     return DS_OK;
 }
@@ -320,9 +554,11 @@ extern "C" int ds_cu_moe_experts_mxfp4(ds_cu *c, float *out, const float *x, con
     if (D % 32 || I % 32 || (uintptr_t)x % 16 || E <= 0)
         return ds_errf(err, "cuda: moe mxfp4: widths %d and %d (multiples of 32 wanted)", D, I);
     const int n_chunks = rows >= 1024 ? (rows + MOE_GCHUNK - 1) / MOE_GCHUNK : 0;
-    /* floats: h [rows][2I] (or the BF16 x [rows][D] and act [rows][I]), y [rows][D]; ints:
-     * start [E+1], perm [rows], active [E], n [1], hist [n_chunks][E] */
-    const size_t hf = (size_t)rows * DS_MAX(2 * (size_t)I, ((size_t)D + (size_t)I + 1) / 2);
+    /* floats: h (the streaming passes' operands, 1.5 u32 an activation, or the BF16 x
+     * [rows][D] and act [rows][I]), y [rows][D]; ints: start [E+1], perm [rows], active [E],
+     * n [1], hist [n_chunks][E] */
+    const size_t hs = (size_t)T * fp4_row_u32(D) + (size_t)rows * fp4_row_u32(I);
+    const size_t hf = (DS_MAX(hs, (size_t)rows * (D + I) / 2 + 1) + 3) / 4 * 4;
     const size_t nf = hf + (size_t)rows * D;
     const size_t ni = (size_t)E + 1 + rows + E + 1 + (size_t)n_chunks * E;
     if (grow_scratch(c, (void **)&c->part, &c->part_bytes, (nf + ni) * sizeof(float), "moe scratch",
@@ -345,8 +581,8 @@ extern "C" int ds_cu_moe_experts_mxfp4(ds_cu *c, float *out, const float *x, con
     if (tc) {
         fp4_tc(c, h, y, x, rows, ya, D, I, E, k, &fw, start, perm, active, n_active, act);
         CU_TRY(cudaGetLastError(), "moe mxfp4 (tensor cores)");
-    } else if (fp4_stream(c, h, y, x, T, rows, ya, D, I, E, e0, k, &fw, start, perm, active,
-                          n_active, direct, act, err)) {
+    } else if (fp4_stream(c, h, y, x, T, ya, D, I, E, e0, k, &fw, start, perm, active, n_active,
+                          direct, act, err)) {
         return DS_ERR;
     }
     if (ds_cu_side_join(c, err)) return DS_ERR; /* out: see ds_cu_moe_experts */
