@@ -218,8 +218,9 @@ int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx, 
 
 /* The same with MXFP4 experts (docs/quantization.md): gate_up codes [E][2I][D/2] and scales
  * [E][2I][D/32], down codes [E][D][I/2] and scales [E][D][I/32] (D and I multiples of 32).
- * Decode and batch invariance: a weight-streaming kernel that dequantizes in registers (each
- * weight exact in f32, f32 activations: the CPU's numbers up to the order of the sums). Batches
+ * Decode and batch invariance: a weight-streaming kernel on BF16 tensor cores that dequantizes
+ * in registers (each weight exact; f32 activations as three BF16 parts, exact: the CPU's numbers
+ * up to the order of the sums). Batches
  * of at least the tensor-core bound (ds_cu_set_expert_mma_min; with ds_cu_set_expert_mma and
  * D, I multiples of 128): BF16 tensor cores fed with the weights dequantized in registers and the
  * activations in BF16 (w4a16), on the device (capturable). */
