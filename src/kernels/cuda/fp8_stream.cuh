@@ -93,6 +93,25 @@ static __device__ __forceinline__ void f8_tile(float (&acc)[4], uint4 (&a)[U][2]
     }
 }
 
+/* The S partial sums of a tile added in the order p = 0, 1, .. into part 0's acc. Every warp of
+ * the block calls it (barriers); red is the block's [8 warps][32 lanes]. True for the warp that
+ * keeps the sum (part 0). */
+static __device__ __forceinline__ bool f8_split_sum(float (&acc)[4], float4 (*red)[32], int S,
+                                                    int part) {
+    if (S == 1) return true;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads(); /* the previous tile is done with red */
+    red[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    __syncthreads();
+    if (part) return false;
+    acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
+    for (int p = 0; p < S; p++) {
+        const float4 v = red[warp + p][lane];
+        acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
+    }
+    return true;
+}
+
 /* One row of activations quantized per token (docs/quantization.md §3, as ds_ptpc_quantize):
  * q[K] gets the codes' values in F16 (exact), the scale is returned. Every thread of the block
  * calls it (block_max's barriers); q may be shared or global memory. v(c) gives value c. Each

@@ -102,20 +102,9 @@ __global__ void __launch_bounds__(256)
             uint4 a[F8_U][2];
             f8_load(a, w0, w1, part, S, K / 64);
             f8_tile(acc, a, w0, w1, g < nt ? (const uint4 *)xrow + 2 * l4 : NULL, part, S, K, l4);
-            if (S > 1) {
-                __syncthreads(); /* the previous pass is done with red */
-                red[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-                __syncthreads();
-                if (part) continue;
-                acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
-                for (int p = 0; p < S; p++) {
-                    const float4 v = red[warp + p][lane];
-                    acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
-                }
-            }
-            /* C: rows g (elements 0, 1) and g + 8 (2, 3), routed rows 2 l4 and 2 l4 + 1 */
+            if (!f8_split_sum(acc, red, S, part)) continue;
 #pragma unroll
-            for (int j = 0; j < 2; j++) {
+            for (int j = 0; j < 2; j++) { /* C: rows g (acc 0, 1), g + 8 (2, 3); columns 2 l4 + j */
                 const int t = 2 * l4 + j;
                 if (t >= nt) continue;
                 const int r = direct ? p0 + t : perm[p0 + t];
