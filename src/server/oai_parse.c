@@ -15,7 +15,8 @@ void ds_oai_parse_opts(ds_oai_resp_ctx *c, const ds_oai_request *r, int fmt) {
     c->parse.tools = r->tools_json && !(r->tool_choice && !strcmp(r->tool_choice, "none"));
     /* the K3 generation prompt opens the think element: the text starts in the thought */
     c->parse.reasoning = fmt == DS_CHAT_K3 && r->thinking && r->add_generation_prompt;
-    c->parse.xtml = c->parse.reasoning;
+    /* K3 writes its calls (and wraps its answer) in XTML */
+    c->parse.xtml = fmt == DS_CHAT_K3 && (c->parse.reasoning || c->parse.tools);
     /* skip_special_tokens leaves XTML's markers (special ids) out of the text: the parser gets
      * their names from the token ids instead */
     c->parse_specials = c->parse.xtml && !c->keep_special;

@@ -8,10 +8,23 @@
  * fails at any point can go back out as the exact text the model wrote. */
 #include "text/toolparse.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { TP_REASON, TP_CONTENT, TP_SECTION, TP_ID, TP_ARGS };
+enum {
+    TP_REASON,
+    TP_CONTENT,
+    TP_SECTION, /* K2: between calls */
+    TP_ID,
+    TP_ARGS,
+    TP_XSEC,  /* K3: in <tools>, between calls */
+    TP_XHDR,  /* the attributes of <call ...> */
+    TP_XBODY, /* in a call, between arguments */
+    TP_XAHDR, /* the attributes of <argument ...> or <json ...> */
+    TP_XVAL,  /* an argument's value */
+    TP_XJSON  /* a <json> block's text */
+};
 
 /* What a marker does when it matches. */
 enum {
@@ -22,6 +35,15 @@ enum {
     M_CALL_BEGIN,
     M_ARGS_BEGIN,
     M_CALL_END,
+    M_XSEC_BEGIN, /* K3 */
+    M_XSEC_END,
+    M_XCALL_BEGIN,
+    M_XHDR_END,
+    M_XARG_BEGIN,
+    M_XJSON_BEGIN,
+    M_XARG_END,
+    M_XJSON_END,
+    M_XCALL_END,
     M_BAD /* a marker that does not belong here: the section is malformed */
 };
 
@@ -46,9 +68,41 @@ static const marker k_xtml_drop[] = {{"<|open|>response<|sep|>", M_DROP},
                                      {"<|sep|>", M_DROP},
                                      {"<|end_of_msg|>", M_DROP}};
 
+/* K3's call markers in state p->state, appended to m[*k]. */
+static void markers_xtml(const ds_toolparse *p, marker *m, int *k) {
+    static const marker xsec[] = {{"<|open|>call", M_XCALL_BEGIN},
+                                  {"<|close|>tools<|sep|>", M_XSEC_END},
+                                  {"<|open|>", M_BAD},
+                                  {"<|close|>", M_BAD}};
+    static const marker xhdr[] = {
+        {"<|sep|>", M_XHDR_END}, {"<|open|>", M_BAD}, {"<|close|>", M_BAD}};
+    static const marker xbody[] = {{"<|open|>argument", M_XARG_BEGIN},
+                                   {"<|open|>json", M_XJSON_BEGIN},
+                                   {"<|close|>call<|sep|>", M_XCALL_END},
+                                   {"<|open|>", M_BAD},
+                                   {"<|close|>", M_BAD}};
+    static const marker xval[] = {
+        {"<|close|>argument<|sep|>", M_XARG_END}, {"<|open|>", M_BAD}, {"<|close|>", M_BAD}};
+    static const marker xjson[] = {
+        {"<|close|>json<|sep|>", M_XJSON_END}, {"<|open|>", M_BAD}, {"<|close|>", M_BAD}};
+    const marker *t = NULL;
+    size_t n = 0;
+    if (p->state == TP_CONTENT && p->o.tools) {
+        m[(*k)++] = (marker){"<|open|>tools<|sep|>", M_XSEC_BEGIN};
+        return;
+    }
+    if (p->state == TP_XSEC) t = xsec, n = DS_ARRAY_LEN(xsec);
+    if (p->state == TP_XHDR || p->state == TP_XAHDR) t = xhdr, n = DS_ARRAY_LEN(xhdr);
+    if (p->state == TP_XBODY) t = xbody, n = DS_ARRAY_LEN(xbody);
+    if (p->state == TP_XVAL) t = xval, n = DS_ARRAY_LEN(xval);
+    if (p->state == TP_XJSON) t = xjson, n = DS_ARRAY_LEN(xjson);
+    for (size_t i = 0; i < n; i++) m[(*k)++] = t[i];
+}
+
 /* The markers live in state p->state: m[*n] (at most 16). */
 static void markers_of(const ds_toolparse *p, marker *m, int *n) {
     int k = 0;
+    if (p->o.xtml) markers_xtml(p, m, &k);
     int text_state = p->state == TP_REASON || p->state == TP_CONTENT;
     if (p->state == TP_REASON) {
         m[k++] = (marker){"</think>", M_THINK_END};
@@ -125,13 +179,17 @@ static int place_text(ds_toolparse *p, const char *s, size_t n, ds_tp_out *o) {
     case TP_CONTENT:
         return put_content(o, s, n);
     case TP_SECTION:
+    case TP_XSEC:
+    case TP_XBODY:
         if (put_raw(p, s, n)) return DS_ERR;
         for (size_t i = 0; i < n; i++)
             if (!is_space(s[i])) return malformed(p, o); /* only whitespace between calls */
         return DS_OK;
-    default: /* TP_ID, TP_ARGS */
+    default: /* TP_ID, TP_ARGS, and XTML's tag attributes and values */
         if (put_raw(p, s, n)) return DS_ERR;
         if (p->state == TP_ID && p->raw_len - p->id_start > 512) return malformed(p, o);
+        if ((p->state == TP_XHDR || p->state == TP_XAHDR) && p->raw_len - p->hdr_start > 1024)
+            return malformed(p, o);
         return DS_OK;
     }
 }
@@ -142,6 +200,9 @@ static char *dup_n(const char *s, size_t n) {
     if (d) memcpy(d, s, n), d[n] = 0;
     return d;
 }
+
+static int push_call(ds_toolparse *p, ds_tp_out *o, const char *id, size_t idn, const char *name,
+                     size_t nn, const char *args, size_t an);
 
 /* The call whose id is raw[id_start..id_end) and arguments raw[args_start..raw_len) is complete:
  * out goes a call, or, when the id names no function, the section is malformed. */
@@ -160,6 +221,15 @@ static int commit_call(ds_toolparse *p, size_t id_end, ds_tp_out *o) {
         if (is_space(name[i]) || name[i] == '<' || name[i] == '>') nn = 0;
     if (!nn) /* the end marker was read: it goes back with the rest */
         return put_raw(p, CALL_END, sizeof CALL_END - 1) ? DS_ERR : malformed(p, o);
+    if (push_call(p, o, id, idn, name, nn, p->raw + p->args_start, p->raw_len - p->args_start))
+        return DS_ERR;
+    p->state = TP_SECTION;
+    return DS_OK;
+}
+
+/* Out goes a call; the section's text so far is consumed by it. */
+static int push_call(ds_toolparse *p, ds_tp_out *o, const char *id, size_t idn, const char *name,
+                     size_t nn, const char *args, size_t an) {
     if (o->n_calls == o->calls_cap) {
         int c = o->calls_cap ? 2 * o->calls_cap : 4;
         ds_tp_call *t = realloc(o->calls, (size_t)c * sizeof *t);
@@ -167,10 +237,10 @@ static int commit_call(ds_toolparse *p, size_t id_end, ds_tp_out *o) {
         o->calls = t, o->calls_cap = c;
     }
     ds_tp_call *c = &o->calls[o->n_calls];
-    c->args_len = p->raw_len - p->args_start;
+    c->args_len = an;
     c->id = dup_n(id, idn);
     c->name = dup_n(name, nn);
-    c->args = dup_n(p->raw + p->args_start, c->args_len);
+    c->args = dup_n(args, an);
     if (!c->id || !c->name || !c->args) {
         free(c->id), free(c->name), free(c->args);
         return DS_ERR;
@@ -178,8 +248,145 @@ static int commit_call(ds_toolparse *p, size_t id_end, ds_tp_out *o) {
     o->n_calls++;
     p->n_calls++;
     p->raw_len = 0;
-    p->state = TP_SECTION;
     return DS_OK;
+}
+
+/* The value of attribute key in the tag attributes h[0..n) (` key="value"`, &quot; and &amp;
+ * unescaped), malloc'd, or NULL when absent. */
+static char *attr_value(const char *h, size_t n, const char *key) {
+    size_t kl = strlen(key);
+    for (size_t i = 0; i + kl + 2 <= n; i++) {
+        if ((i && !is_space(h[i - 1])) || memcmp(h + i, key, kl) || h[i + kl] != '=' ||
+            h[i + kl + 1] != '"')
+            continue;
+        const char *v = h + i + kl + 2, *end = memchr(v, '"', n - (size_t)(v - h));
+        if (!end) return NULL;
+        char *out = malloc((size_t)(end - v) + 1);
+        if (!out) return NULL;
+        size_t k = 0;
+        for (const char *c = v; c < end;) {
+            if (end - c >= 6 && !memcmp(c, "&quot;", 6))
+                out[k++] = '"', c += 6;
+            else if (end - c >= 5 && !memcmp(c, "&amp;", 5))
+                out[k++] = '&', c += 5;
+            else
+                out[k++] = *c++;
+        }
+        out[k] = 0;
+        return out;
+    }
+    return NULL;
+}
+
+static int put_args(ds_toolparse *p, const char *s, size_t n) {
+    return grow_append(&p->args, &p->args_len, &p->args_cap, s, n);
+}
+
+/* s[0..n) as a JSON string (quotes, backslashes and control characters escaped). */
+static int put_args_json_string(ds_toolparse *p, const char *s, size_t n) {
+    static const char hex[] = "0123456789abcdef";
+    int rc = put_args(p, "\"", 1);
+    for (size_t i = 0; i < n && !rc; i++) {
+        unsigned char c = (unsigned char)s[i];
+        char e[7] = {'\\', 0};
+        if (c == '"' || c == '\\')
+            e[1] = (char)c, rc = put_args(p, e, 2);
+        else if (c == '\n')
+            rc = put_args(p, "\\n", 2);
+        else if (c == '\t')
+            rc = put_args(p, "\\t", 2);
+        else if (c == '\r')
+            rc = put_args(p, "\\r", 2);
+        else if (c < 0x20) {
+            memcpy(e + 1, "u00", 3), e[4] = hex[c >> 4], e[5] = hex[c & 15];
+            rc = put_args(p, e, 6);
+        } else
+            rc = put_args(p, s + i, 1);
+    }
+    return rc ? rc : put_args(p, "\"", 1);
+}
+
+/* A K3 call marker matched (on_marker's part for XTML). */
+static int on_xtml_marker(ds_toolparse *p, const marker *m, size_t ml, ds_tp_out *o,
+                          int *consumed) {
+    const char *hdr = p->raw + p->hdr_start;
+    size_t hn = p->raw_len - p->hdr_start;
+    int rc = DS_OK;
+    switch (m->act) {
+    case M_XSEC_BEGIN:
+        p->raw_len = 0;
+        p->state = TP_XSEC;
+        return put_raw(p, m->s, ml);
+    case M_XSEC_END:
+        p->raw_len = 0;
+        p->state = TP_CONTENT;
+        return DS_OK;
+    case M_XCALL_BEGIN:
+    case M_XARG_BEGIN:
+    case M_XJSON_BEGIN:
+        if (put_raw(p, m->s, ml)) return DS_ERR;
+        p->hdr_start = p->raw_len;
+        p->xstring = m->act == M_XJSON_BEGIN ? -1 : 0; /* -1: a json block */
+        p->state = m->act == M_XCALL_BEGIN ? TP_XHDR : TP_XAHDR;
+        return DS_OK;
+    case M_XHDR_END:
+        free(p->xkey);
+        p->xkey = NULL;
+        if (p->state == TP_XHDR) { /* <call tool="NAME" index="i"> */
+            free(p->xname);
+            p->xname = attr_value(hdr, hn, "tool");
+            p->args_len = 0;
+            if (!p->xname || !p->xname[0] || put_args(p, "{", 1)) break;
+            p->state = TP_XBODY;
+        } else if (p->xstring < 0) { /* <json type="object"> */
+            p->state = TP_XJSON;
+        } else { /* <argument key="K" type="T"> */
+            char *ty = attr_value(hdr, hn, "type");
+            p->xkey = attr_value(hdr, hn, "key");
+            p->xstring = !ty || !strcmp(ty, "string");
+            free(ty);
+            if (!p->xkey) break;
+            p->state = TP_XVAL;
+        }
+        if (put_raw(p, m->s, ml)) return DS_ERR;
+        p->hdr_start = p->raw_len; /* the value starts here */
+        return DS_OK;
+    case M_XARG_END:
+    case M_XJSON_END: {
+        const char *v = hdr;
+        size_t vn = hn;
+        if (m->act == M_XJSON_END) { /* the block is the arguments */
+            p->args_len = 0;
+            rc = put_args(p, v, vn);
+        } else {
+            if (p->args_len > 1) rc = put_args(p, ", ", 2);
+            rc = rc ? rc : put_args_json_string(p, p->xkey, strlen(p->xkey));
+            rc = rc ? rc : put_args(p, ": ", 2);
+            if (!p->xstring) { /* JSON as written, trimmed; nothing at all is null */
+                while (vn && is_space(*v)) v++, vn--;
+                while (vn && is_space(v[vn - 1])) vn--;
+                rc = rc ? rc : vn ? put_args(p, v, vn) : put_args(p, "null", 4);
+            } else
+                rc = rc ? rc : put_args_json_string(p, v, vn);
+        }
+        if (rc || put_raw(p, m->s, ml)) return DS_ERR;
+        p->xstring = m->act == M_XJSON_END ? -2 : 0; /* -2: the call's arguments are whole */
+        p->state = TP_XBODY;
+        return DS_OK;
+    }
+    case M_XCALL_END: {
+        if (p->xstring != -2 && put_args(p, "}", 1)) return DS_ERR;
+        char id[300];
+        int idn = snprintf(id, sizeof id, "functions.%.256s:%d", p->xname, p->n_calls);
+        if (push_call(p, o, id, (size_t)idn, p->xname, strlen(p->xname), p->args, p->args_len))
+            return DS_ERR;
+        p->state = TP_XSEC;
+        return DS_OK;
+    }
+    }
+    /* a tag without its attributes: the marker goes back with the rest */
+    *consumed = 1;
+    return put_raw(p, m->s, ml) ? DS_ERR : malformed(p, o);
 }
 
 /* Marker m (of length ml) matched: act on it. *consumed = 0 when it is left in buf for the next
@@ -214,9 +421,11 @@ static int on_marker(ds_toolparse *p, const marker *m, size_t ml, ds_tp_out *o, 
         return DS_OK;
     case M_CALL_END:
         return commit_call(p, p->args_start - (sizeof ARGS_BEGIN - 1), o);
-    default: /* M_BAD */
+    case M_BAD:
         *consumed = 0;
         return malformed(p, o);
+    default:
+        return on_xtml_marker(p, m, ml, o, consumed);
     }
 }
 
@@ -283,6 +492,9 @@ int ds_tp_finish(ds_toolparse *p, ds_tp_out *out, ds_err *err) {
 void ds_tp_free(ds_toolparse *p) {
     free(p->buf);
     free(p->raw);
+    free(p->xname);
+    free(p->xkey);
+    free(p->args);
     memset(p, 0, sizeof *p);
 }
 

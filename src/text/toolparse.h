@@ -6,6 +6,12 @@
  *  - tool calls, Kimi K2 / Kimi-Linear: <|tool_calls_section_begin|>, then per call
  *    <|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>ARGUMENTS<|tool_call_end|>
  *    (whitespace between calls allowed), then <|tool_calls_section_end|>;
+ *  - tool calls, K3 XTML (with `xtml`): <|open|>tools<|sep|>, per call
+ *    <|open|>call tool="NAME" index="i"<|sep|>, its arguments as
+ *    <|open|>argument key="K" type="T"<|sep|>VALUE<|close|>argument<|sep|> (a string raw, any
+ *    other type as JSON) or one <|open|>json type="object"<|sep|>JSON<|close|>json<|sep|>, then
+ *    <|close|>call<|sep|>; then <|close|>tools<|sep|>. The arguments come out as one JSON object
+ *    and the id as functions.NAME:N (N counting this output's calls from 0);
  *  - reasoning: the text starts in the thought (the generation prompt opened it) and the thought
  *    ends at </think> (K2-Thinking) or <|close|>think<|sep|> (K3's XTML); a leading <think> is
  *    dropped. With `xtml`, K3's structural markers around the answer (<|open|>response<|sep|>,
@@ -61,6 +67,13 @@ typedef struct ds_toolparse {
     size_t id_start, args_start; /* the open call's id and arguments: offsets in raw */
     int at_start;                /* nothing placed yet (a leading <think> is dropped) */
     int n_calls;                 /* calls parsed so far */
+    /* K3 XTML calls: the open call's name, its arguments as a JSON object so far, and the open
+     * argument's key and type */
+    size_t hdr_start; /* the open tag's attributes: offset in raw */
+    char *xname, *xkey;
+    int xstring; /* the open argument is a string (its value gets quoted) */
+    char *args;  /* [args_len] "{\"k\": v, ..." being built */
+    size_t args_len, args_cap;
 } ds_toolparse;
 
 void ds_tp_init(ds_toolparse *p, const ds_tp_opts *o);

@@ -287,11 +287,63 @@ static void test_reasoning_k3(void **state) {
     assert_false(ds_oai_parsing(&kl));
 }
 
+static void test_k3_tool_calls(void **state) {
+    (void)state;
+    char body[512];
+    snprintf(body, sizeof body, "%s}", k_tools_body);
+    ds_oai_resp_ctx c = ctx_for(body, DS_CHAT_K3);
+    assert_true(c.parse.tools && c.parse.reasoning && c.parse.xtml && c.parse_specials);
+    /* the structure's special tokens come as ids with no text, as skip_special_tokens has it */
+    const char *p[] = {"Need ",
+                       "weather.",
+                       "<|close|>",
+                       "think",
+                       "<|sep|>",
+                       "<|open|>",
+                       "response",
+                       "<|sep|>",
+                       "Checking.",
+                       "<|close|>",
+                       "response",
+                       "<|sep|>",
+                       "<|open|>",
+                       "tools",
+                       "<|sep|>",
+                       "<|open|>",
+                       "call tool=\"get_weather\" index=\"1\"",
+                       "<|sep|>",
+                       "<|open|>",
+                       "argument key=\"city\" type=\"string\"",
+                       "<|sep|>",
+                       "Par",
+                       "is",
+                       "<|close|>",
+                       "argument",
+                       "<|sep|>",
+                       "<|close|>",
+                       "call",
+                       "<|sep|>",
+                       "<|close|>",
+                       "tools",
+                       "<|sep|>",
+                       "<|close|>",
+                       "message",
+                       "<|sep|>",
+                       "<|end_of_msg|>"};
+    check(&c, p, DS_ARRAY_LEN(p),
+          "{\"role\": \"assistant\", \"content\": \"Checking.\", \"reasoning_content\": "
+          "\"Need weather.\", \"tool_calls\": [{\"id\": \"functions.get_weather:0\", \"type\": "
+          "\"function\", \"function\": {\"name\": \"get_weather\", \"arguments\": "
+          "\"{\\\"city\\\": \\\"Paris\\\"}\"}}]}",
+          "tool_calls");
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tool_calls),
         cmocka_unit_test(test_malformed_and_off),
         cmocka_unit_test(test_reasoning_k3),
+        cmocka_unit_test(test_k3_tool_calls),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -101,7 +101,15 @@ static void check(const char *text, ds_tp_opts o, const char *content, const cha
     free(cuts);
 }
 
-static const ds_tp_opts TOOLS = {1, 0, 0}, THINK = {0, 1, 0}, K3 = {0, 1, 1}, ALL = {1, 1, 0};
+static const ds_tp_opts TOOLS = {1, 0, 0}, THINK = {0, 1, 0}, K3 = {0, 1, 1}, ALL = {1, 1, 0},
+                        K3T = {1, 1, 1};
+
+/* K3 XTML pieces, with the special tokens' names as the server feeds them */
+#define XO                 "<|open|>"
+#define XC                 "<|close|>"
+#define XS                 "<|sep|>"
+#define XCALL(name, i)     XO "call tool=\"" name "\" index=\"" i "\"" XS
+#define XARG(key, type, v) XO "argument key=\"" key "\" type=\"" type "\"" XS v XC "argument" XS
 
 static void test_plain_text_unchanged(void **state) {
     (void)state;
@@ -204,6 +212,36 @@ static void test_reasoning_k3(void **state) {
     check("never closed <|close|>thi", K3, "", "never closed thi", "");
 }
 
+static void test_k3_calls(void **state) {
+    (void)state;
+    /* thought, answer, two calls: arguments of every type back as one JSON object */
+    check("why" XC "think" XS XO "response" XS "Sure." XC "response" XS XO "tools" XS
+          "\n" XCALL("get_weather", "1") XARG("city", "string", "Pa\"ris\n\\")
+              XARG("days", "number", " 3 ") XARG("opts", "object", "{\"a\": [1, {\"b\": \"}\"}]}")
+                  XARG("ok", "boolean", "true") XC "call" XS XCALL("a&amp;b", "2") XC
+          "call" XS XC "tools" XS XC "message" XS "<|end_of_msg|>",
+          K3T, "Sure.", "why",
+          "functions.get_weather:0|get_weather|{\"city\": \"Pa\\\"ris\\n\\\\\", \"days\": 3, "
+          "\"opts\": {\"a\": [1, {\"b\": \"}\"}]}, \"ok\": true}\n"
+          "functions.a&b:1|a&b|{}\n");
+    /* arguments that did not parse as a raw json block */
+    check(XC "think" XS XO "tools" XS XCALL("f", "1") XO "json type=\"object\"" XS "{not json" XC
+                                                         "json" XS XC "call" XS XC "tools" XS,
+          K3T, "", "", "functions.f:0|f|{not json\n");
+    /* malformed: text inside tools, a call without a tool name, a call that never closes */
+    /* (the text after the failure is read as content again: its lone markers go) */
+    check(XC "think" XS XO "tools" XS "oops" XC "tools" XS, K3T, XO "tools" XS "oopstools", "", "");
+    check(XC "think" XS XO "tools" XS XO "call index=\"1\"" XS XC "call" XS, K3T,
+          XO "tools" XS XO "call index=\"1\"" XS "call", "", "");
+    check(XC "think" XS XO "tools" XS XCALL("f", "1") XO "argument key=\"x\" type=\"string\"" XS
+                                                         "abc",
+          K3T, XO "tools" XS XCALL("f", "1") XO "argument key=\"x\" type=\"string\"" XS "abc", "",
+          "");
+    /* without tools the tools element is text, its markers dropped */
+    check(XC "think" XS XO "tools" XS XCALL("f", "1") XC "call" XS, K3,
+          "toolscall tool=\"f\" index=\"1\"call", "", "");
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_plain_text_unchanged),
@@ -215,6 +253,7 @@ int main(void) {
         cmocka_unit_test(test_unterminated),
         cmocka_unit_test(test_reasoning),
         cmocka_unit_test(test_reasoning_k3),
+        cmocka_unit_test(test_k3_calls),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
