@@ -588,8 +588,8 @@ static enum MHD_Result handle_models(ds_server *s, struct MHD_Connection *c) {
         json_pack("{s:s, s:s, s:I, s:s, s:s, s:n, s:i}", "id", s->model_name, "object", "model",
                   "created", (json_int_t)time(NULL), "owned_by", "deltaserve", "root",
                   ds_engine_model_dir(e), "parent", "max_model_len", ds_engine_max_model_len(e));
-    /* what the chat endpoint does with this model's output (oai_parse.c): K2-style tool-call
-     * sections become tool_calls in either format; only K3 thinks */
+    /* what the chat endpoint does with this model's output (oai_parse.c): tool calls in either
+     * format (K2 sections, K3 XTML); only K3 thinks; no constrained decoding yet */
     int k3 = ds_engine_chat_format(e) == DS_CHAT_K3;
     json_object_set_new(m, "capabilities",
                         json_pack("{s:s, s:b, s:b, s:b}", "chat_format", k3 ? "k3" : "kimi_linear",
