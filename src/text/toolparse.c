@@ -52,6 +52,10 @@ typedef struct {
     int act;
 } marker;
 
+/* The longest call id and tag attributes taken: past them the section is malformed. */
+#define MAX_ID  512
+#define MAX_HDR 1024
+
 #define SEC_BEGIN  "<|tool_calls_section_begin|>"
 #define SEC_END    "<|tool_calls_section_end|>"
 #define CALL_BEGIN "<|tool_call_begin|>"
@@ -187,10 +191,33 @@ static int place_text(ds_toolparse *p, const char *s, size_t n, ds_tp_out *o) {
         return DS_OK;
     default: /* TP_ID, TP_ARGS, and XTML's tag attributes and values */
         if (put_raw(p, s, n)) return DS_ERR;
-        if (p->state == TP_ID && p->raw_len - p->id_start > 512) return malformed(p, o);
-        if ((p->state == TP_XHDR || p->state == TP_XAHDR) && p->raw_len - p->hdr_start > 1024)
+        if (p->state == TP_ID && p->raw_len - p->id_start > MAX_ID) return malformed(p, o);
+        if ((p->state == TP_XHDR || p->state == TP_XAHDR) && p->raw_len - p->hdr_start > MAX_HDR)
             return malformed(p, o);
         return DS_OK;
+    }
+}
+
+/* How much of the text s[0..n) the state can take before it fails: the byte that breaks a section
+ * is the last one it takes, and the rest is read again in the content state, so a failure falls on
+ * the same byte however the text was cut. */
+static size_t place_limit(const ds_toolparse *p, const char *s, size_t n) {
+    size_t w = 0, used;
+    switch (p->state) {
+    case TP_SECTION:
+    case TP_XSEC:
+    case TP_XBODY: /* whitespace only */
+        while (w < n && is_space(s[w])) w++;
+        return w < n ? w + 1 : n;
+    case TP_ID:
+        used = p->raw_len - p->id_start;
+        return used <= MAX_ID ? MAX_ID - used + 1 : 1;
+    case TP_XHDR:
+    case TP_XAHDR:
+        used = p->raw_len - p->hdr_start;
+        return used <= MAX_HDR ? MAX_HDR - used + 1 : 1;
+    default:
+        return n;
     }
 }
 
@@ -247,7 +274,17 @@ static int push_call(ds_toolparse *p, ds_tp_out *o, const char *id, size_t idn, 
     }
     o->n_calls++;
     p->n_calls++;
+    p->sec_calls++;
     p->raw_len = 0;
+    return DS_OK;
+}
+
+/* A section closed: after calls, whitespace after the last one goes with the markers; a section
+ * without a call is text, as the model wrote it. */
+static int section_end(ds_toolparse *p, const marker *m, size_t ml, ds_tp_out *o) {
+    if (!p->sec_calls) return put_raw(p, m->s, ml) ? DS_ERR : malformed(p, o);
+    p->raw_len = 0;
+    p->state = TP_CONTENT;
     return DS_OK;
 }
 
@@ -315,12 +352,11 @@ static int on_xtml_marker(ds_toolparse *p, const marker *m, size_t ml, ds_tp_out
     switch (m->act) {
     case M_XSEC_BEGIN:
         p->raw_len = 0;
+        p->sec_calls = 0;
         p->state = TP_XSEC;
         return put_raw(p, m->s, ml);
     case M_XSEC_END:
-        p->raw_len = 0;
-        p->state = TP_CONTENT;
-        return DS_OK;
+        return section_end(p, m, ml, o);
     case M_XCALL_BEGIN:
     case M_XARG_BEGIN:
     case M_XJSON_BEGIN:
@@ -402,13 +438,11 @@ static int on_marker(ds_toolparse *p, const marker *m, size_t ml, ds_tp_out *o, 
         return DS_OK;
     case M_SECTION_BEGIN:
         p->raw_len = 0;
+        p->sec_calls = 0;
         p->state = TP_SECTION;
         return put_raw(p, m->s, ml);
     case M_SECTION_END:
-        /* whitespace after the last call is the section's: it goes with the markers */
-        p->raw_len = 0;
-        p->state = TP_CONTENT;
-        return DS_OK;
+        return section_end(p, m, ml, o);
     case M_CALL_BEGIN:
         if (put_raw(p, m->s, ml)) return DS_ERR;
         p->id_start = p->raw_len;
@@ -453,8 +487,9 @@ static int drain(ds_toolparse *p, ds_tp_out *o, int final) {
             if (best || partial) at = k;
         }
         int st = p->state, as = p->at_start;
-        if (place_text(p, p->buf + i, at - i, o)) return DS_ERR;
-        i = at;
+        size_t take = DS_MIN(at - i, place_limit(p, p->buf + i, at - i));
+        if (place_text(p, p->buf + i, take, o)) return DS_ERR;
+        i += take;
         if (p->state != st || p->at_start != as) continue; /* other markers apply now */
         if (partial || !best) break; /* hold the possible marker; or all placed */
         int consumed;

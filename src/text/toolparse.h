@@ -67,6 +67,7 @@ typedef struct ds_toolparse {
     size_t id_start, args_start; /* the open call's id and arguments: offsets in raw */
     int at_start;                /* nothing placed yet (a leading <think> is dropped) */
     int n_calls;                 /* calls parsed so far */
+    int sec_calls;               /* calls parsed in the open section */
     /* K3 XTML calls: the open call's name, its arguments as a JSON object so far, and the open
      * argument's key and type */
     size_t hdr_start; /* the open tag's attributes: offset in raw */

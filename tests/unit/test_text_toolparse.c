@@ -166,6 +166,16 @@ static void test_malformed_is_text(void **state) {
     /* a call that begins inside another's arguments */
     check(SB CB "functions.f:0" AB "{\"a\":" CB "functions.g:1" AB "{}" CE SE, TOOLS,
           SB CB "functions.f:0" AB "{\"a\":" CB "functions.g:1" AB "{}" CE SE, "", "");
+    /* a section with no call */
+    check("a" SB "\n" SE "b", TOOLS, "a" SB "\n" SE "b", "", "");
+    /* an id past 512 bytes */
+    char big[700], want[700];
+    memset(big, 0, sizeof big);
+    strcpy(big, SB CB);
+    memset(big + strlen(big), 'n', 520);
+    strcat(big, AB "{}" CE SE);
+    strcpy(want, big);
+    check(big, TOOLS, want, "", "");
     /* an end before the arguments */
     check(SB CB "functions.f:0" CE "t", TOOLS, SB CB "functions.f:0" CE "t", "", "");
 }
@@ -242,6 +252,71 @@ static void test_k3_calls(void **state) {
           "toolscall tool=\"f\" index=\"1\"call", "", "");
 }
 
+/* Random texts built from markers, pieces of markers and text (fixed seeds): in every mode any
+ * cutting gives the whole-text result, and with tools only, when no call parsed, the content is
+ * the input byte for byte (nothing dropped, nothing added). */
+static void test_random_texts(void **state) {
+    (void)state;
+    static const char *const parts[] = {SB,
+                                        SE,
+                                        CB,
+                                        AB,
+                                        CE,
+                                        "functions.f:0",
+                                        "functions.g:12",
+                                        "{\"a\": \"<|\"}",
+                                        " ",
+                                        "\n",
+                                        "x",
+                                        "<|",
+                                        "|>",
+                                        "<|tool_call",
+                                        "</think>",
+                                        "<think>",
+                                        "<|open|>",
+                                        "<|close|>",
+                                        "<|sep|>",
+                                        "think",
+                                        "tools",
+                                        "call tool=\"h\"",
+                                        "argument key=\"k\" type=\"number\"",
+                                        "1",
+                                        "json",
+                                        "response",
+                                        "message",
+                                        "<|end_of_msg|>",
+                                        "é",
+                                        "\"",
+                                        "&quot;"};
+    const ds_tp_opts modes[] = {TOOLS, THINK, K3, ALL, K3T};
+    char text[1200];
+    for (unsigned seed = 1; seed <= 300; seed++) {
+        srand(seed * 7919u);
+        text[0] = 0;
+        int n = 1 + rand() % 40;
+        for (int i = 0; i < n; i++) {
+            const char *p = parts[(size_t)rand() % DS_ARRAY_LEN(parts)];
+            if (strlen(text) + strlen(p) < sizeof text) strcat(text, p);
+        }
+        for (size_t m = 0; m < DS_ARRAY_LEN(modes); m++) {
+            result whole, r;
+            parse_whole(text, modes[m], &whole);
+            if (m == 0 && whole.n_calls == 0) assert_string_equal(whole.content, text);
+            size_t len = strlen(text), cuts[64];
+            for (int rep = 0; rep < 4; rep++) {
+                int nc = 0;
+                for (size_t at = 0; nc < 64;) {
+                    at += 1 + (size_t)rand() % 12;
+                    if (at >= len) break;
+                    cuts[nc++] = at;
+                }
+                parse_cut(text, modes[m], cuts, nc, &r);
+                assert_same(&r, &whole, text);
+            }
+        }
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_plain_text_unchanged),
@@ -254,6 +329,7 @@ int main(void) {
         cmocka_unit_test(test_reasoning),
         cmocka_unit_test(test_reasoning_k3),
         cmocka_unit_test(test_k3_calls),
+        cmocka_unit_test(test_random_texts),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
