@@ -346,8 +346,8 @@ static int put_args_json_string(ds_toolparse *p, const char *s, size_t n) {
 /* A K3 call marker matched (on_marker's part for XTML). */
 static int on_xtml_marker(ds_toolparse *p, const marker *m, size_t ml, ds_tp_out *o,
                           int *consumed) {
-    const char *hdr = p->raw + p->hdr_start;
-    size_t hn = p->raw_len - p->hdr_start;
+    const char *hdr = p->raw ? p->raw + p->hdr_start : ""; /* raw is NULL before any text */
+    size_t hn = p->raw ? p->raw_len - p->hdr_start : 0;
     int rc = DS_OK;
     switch (m->act) {
     case M_XSEC_BEGIN:
@@ -466,6 +466,7 @@ static int on_marker(ds_toolparse *p, const marker *m, size_t ml, ds_tp_out *o, 
 /* Places as much of buf as can be placed now; at the end (final) a marker's start is no longer
  * held, since nothing can complete it. */
 static int drain(ds_toolparse *p, ds_tp_out *o, int final) {
+    if (!p->buf) return DS_OK; /* nothing was ever fed */
     marker m[16];
     size_t i = 0; /* buf[0..i) is already placed */
     for (;;) {
