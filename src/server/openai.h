@@ -149,7 +149,9 @@ json_t *ds_oai_response(const ds_oai_resp_ctx *c, const ds_oai_choice *choices, 
                         int n_prompt);
 
 /* The stream chunk for one event of choice ch (which tracks text offsets and the finish), or NULL
- * when the event carries nothing to send (no text, no logprobs, no finish). */
+ * when the event carries nothing to send (no text, no logprobs, no finish). A parsed chat choice
+ * (ds_oai_parsing) may give a JSON array of chunks instead (a tool call's two fragments), which
+ * ds_oai_sse sends as one event each. */
 json_t *ds_oai_chunk(const ds_oai_resp_ctx *c, ds_oai_choice *ch, const ds_oai_event *ev);
 /* Chat only: the first chunk of a choice, delta {"role": "assistant", "content": ""}. */
 json_t *ds_oai_chunk_role(const ds_oai_resp_ctx *c, int index);
