@@ -516,6 +516,7 @@ static enum MHD_Result handle_generate(ds_server *s, struct MHD_Connection *c, c
                                .tok = tok,
                                .keep_special = !r->oai.params.skip_special_tokens,
                                .token_ids = r->oai.return_token_ids};
+    ds_oai_parse_opts(&r->ctx, &r->oai, ds_engine_chat_format(e));
     const union MHD_ConnectionInfo *ci =
         MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
     r->fd = ci ? ci->connect_fd : -1;
@@ -587,6 +588,12 @@ static enum MHD_Result handle_models(ds_server *s, struct MHD_Connection *c) {
         json_pack("{s:s, s:s, s:I, s:s, s:s, s:n, s:i}", "id", s->model_name, "object", "model",
                   "created", (json_int_t)time(NULL), "owned_by", "deltaserve", "root",
                   ds_engine_model_dir(e), "parent", "max_model_len", ds_engine_max_model_len(e));
+    /* what the chat endpoint does with this model's output (oai_parse.c): tool calls in either
+     * format (K2 sections, K3 XTML); only K3 thinks; no constrained decoding yet */
+    int k3 = ds_engine_chat_format(e) == DS_CHAT_K3;
+    json_object_set_new(m, "capabilities",
+                        json_pack("{s:s, s:b, s:b, s:b}", "chat_format", k3 ? "k3" : "kimi_linear",
+                                  "tool_calls", 1, "reasoning", k3, "structured_outputs", 0));
     return send_json(c, 200, json_pack("{s:s, s:[o]}", "object", "list", "data", m));
 }
 

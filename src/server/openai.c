@@ -248,7 +248,8 @@ static int parse_stop(json_t *root, int vocab_size, ds_request_params *pp, ds_oa
             json_t *x = json_is_string(s) ? s : json_array_get(s, i);
             if (!json_is_string(x))
                 return ds_oai_errorf(e, 400, "stop", "invalid_type",
-                                     "stop[%zu]: expected a string, got %s", i, ds_json_type_name(x));
+                                     "stop[%zu]: expected a string, got %s", i,
+                                     ds_json_type_name(x));
             if (json_string_length(x) == 0) continue; /* matches everywhere: meaningless */
             if (strlen(json_string_value(x)) != json_string_length(x))
                 return ds_oai_errorf(e, 400, "stop", "invalid_value",
@@ -446,7 +447,8 @@ int ds_oai_parse_request(ds_oai_kind kind, const char *body, size_t len, const c
     int rc = DS_OK;
     if (!json_is_object(root))
         rc = ds_oai_errorf(e, 400, NULL, "invalid_json",
-                           "the request body must be a JSON object, got %s", ds_json_type_name(root));
+                           "the request body must be a JSON object, got %s",
+                           ds_json_type_name(root));
     else
         rc = parse_fields(root, served_name, vocab_size, out, e);
     json_decref(root);
@@ -598,6 +600,7 @@ int ds_oai_choice_add(const ds_oai_resp_ctx *c, ds_oai_choice *ch, const ds_oai_
         if (lp_append(c, ch->logprobs, ev, &ch->n_chars))
             return ds_errf(err, "out of memory for logprobs");
     }
+    if (ds_oai_parsing(c) && ds_oai_parse_event(c, ch, ev, err)) return DS_ERR;
     ch->n_generated = DS_MAX(ch->n_generated, ev->n_generated);
     if (ev->finish != DS_FINISH_NONE) ch->finish = ev->finish;
     return DS_OK;
@@ -608,6 +611,10 @@ void ds_oai_choice_free(ds_oai_choice *ch) {
     free(ch->text);
     json_decref(ch->logprobs);
     json_decref(ch->token_ids);
+    if (ch->tp) ds_tp_free(ch->tp);
+    if (ch->tpo) ds_tp_out_free(ch->tpo);
+    free(ch->tp);
+    free(ch->tpo);
     memset(ch, 0, sizeof *ch);
 }
 
@@ -632,7 +639,10 @@ json_t *ds_oai_response(const ds_oai_resp_ctx *c, const ds_oai_choice *choices, 
         const ds_oai_choice *ch = &choices[i];
         json_t *text = ds_oai_json_string_lossy(ch->text ? ch->text : "", ch->len);
         json_t *o = json_pack("{s:i}", "index", i);
-        if (chat)
+        if (chat && ds_oai_parsing(c)) {
+            json_decref(text);
+            json_object_set_new(o, "message", ds_oai_parsed_message(c, ch));
+        } else if (chat)
             json_object_set_new(o, "message",
                                 json_pack("{s:s, s:o}", "role", "assistant", "content", text));
         else
@@ -641,7 +651,9 @@ json_t *ds_oai_response(const ds_oai_resp_ctx *c, const ds_oai_choice *choices, 
                      : c->logprobs >= 0 ? lp_new(c->kind) /* asked for, but no token came */
                                         : json_null();
         json_object_set_new(o, "logprobs", lp);
-        json_object_set_new(o, "finish_reason", finish_json(ch->finish));
+        json_object_set_new(o, "finish_reason",
+                            chat && ds_oai_parsing(c) ? ds_oai_parsed_finish(ch, ch->finish)
+                                                      : finish_json(ch->finish));
         if (c->token_ids)
             json_object_set_new(o, "token_ids",
                                 ch->token_ids ? json_incref(ch->token_ids) : json_array());
@@ -651,6 +663,51 @@ json_t *ds_oai_response(const ds_oai_resp_ctx *c, const ds_oai_choice *choices, 
     json_object_set_new(r, "choices", arr);
     json_object_set_new(r, "usage", usage_json(n_prompt, n_completion));
     return r;
+}
+
+/* A parsed chat choice's chunks for one event (steals lp): one per delta of the parser's output
+ * (ds_oai_parsed_deltas), the first with the logprobs and token ids, the last with the finish;
+ * one chunk with an empty delta when only those are to be sent; NULL when nothing is. */
+static json_t *parsed_chunks(const ds_oai_resp_ctx *c, ds_oai_choice *ch, const ds_oai_event *ev,
+                             json_t *lp) {
+    ds_err err;
+    if (ch->tpo) ds_tp_out_clear(ch->tpo);
+    json_t *deltas = NULL;
+    if (ds_oai_parse_event(c, ch, ev, &err) || !(deltas = ds_oai_parsed_deltas(c, ch))) {
+        json_decref(lp);
+        return NULL;
+    }
+    int with_ids = c->token_ids && ev->token >= 0;
+    if (!json_array_size(deltas)) {
+        if (!lp && ev->finish == DS_FINISH_NONE && !with_ids) {
+            json_decref(deltas);
+            return NULL;
+        }
+        json_array_append_new(deltas, json_object());
+    }
+    json_t *out = json_array();
+    size_t n = json_array_size(deltas);
+    for (size_t k = 0; k < n; k++) {
+        json_t *r = envelope(c, "chat.completion.chunk");
+        json_t *o = json_pack("{s:i, s:O}", "index", ev->index, "delta", json_array_get(deltas, k));
+        json_object_set_new(o, "logprobs", k == 0 && lp ? json_incref(lp) : json_null());
+        json_object_set_new(o, "finish_reason",
+                            ds_oai_parsed_finish(ch, k + 1 == n ? ev->finish : DS_FINISH_NONE));
+        if (c->token_ids)
+            json_object_set_new(o, "token_ids",
+                                k == 0 && ev->token >= 0 ? json_pack("[i]", (int)ev->token)
+                                                         : json_array());
+        json_object_set_new(r, "choices", json_pack("[o]", o));
+        json_array_append_new(out, r);
+    }
+    json_decref(deltas);
+    json_decref(lp);
+    if (n == 1) { /* the common case: a plain chunk */
+        json_t *one = json_incref(json_array_get(out, 0));
+        json_decref(out);
+        return one;
+    }
+    return out;
 }
 
 json_t *ds_oai_chunk(const ds_oai_resp_ctx *c, ds_oai_choice *ch, const ds_oai_event *ev) {
@@ -664,6 +721,7 @@ json_t *ds_oai_chunk(const ds_oai_resp_ctx *c, ds_oai_choice *ch, const ds_oai_e
     }
     ch->n_generated = DS_MAX(ch->n_generated, ev->n_generated);
     if (ev->finish != DS_FINISH_NONE) ch->finish = ev->finish;
+    if (ds_oai_parsing(c)) return parsed_chunks(c, ch, ev, lp);
     if (!ev->text_len && !lp && ev->finish == DS_FINISH_NONE && !(c->token_ids && ev->token >= 0))
         return NULL;
 
@@ -712,6 +770,28 @@ char *ds_oai_dumps(json_t *j) {
 }
 
 char *ds_oai_sse(json_t *j, size_t *len) {
+    if (json_is_array(j)) { /* several chunks: one event each */
+        char *all = NULL;
+        size_t n_all = 0;
+        for (size_t i = 0; i < json_array_size(j); i++) {
+            size_t n;
+            char *one = ds_oai_sse(json_incref(json_array_get(j, i)), &n);
+            char *t = one ? realloc(all, n_all + n + 1) : NULL;
+            if (!t) {
+                free(one);
+                free(all);
+                json_decref(j);
+                return NULL;
+            }
+            all = t;
+            memcpy(all + n_all, one, n + 1);
+            n_all += n;
+            free(one);
+        }
+        json_decref(j);
+        *len = n_all;
+        return all ? all : strdup("");
+    }
     char *s = ds_oai_dumps(j);
     if (!s) return NULL;
     size_t n = strlen(s);

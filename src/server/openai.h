@@ -18,6 +18,7 @@
 #include "base/ds_base.h"
 #include "engine/engine.h"
 #include "text/tokenizer.h"
+#include "text/toolparse.h"
 
 #define DS_OAI_MAX_N 16 /* choices per request */
 
@@ -99,7 +100,15 @@ typedef struct ds_oai_resp_ctx {
     const ds_tokenizer *tok; /* token strings for logprobs; may be NULL when logprobs < 0 */
     int keep_special;        /* skip_special_tokens was false: specials' names are in the text */
     int token_ids;           /* return_token_ids: each choice (or chunk) lists its token ids */
+    /* chat: what to split out of the generated text (oai_parse.c); all 0: the text as it is */
+    ds_tp_opts parse;
+    int parse_specials; /* feed the names of skipped special tokens to the parser (K3's XTML) */
 } ds_oai_resp_ctx;
+
+/* The parse options of a chat request: tool calls when tools are given and tool_choice is not
+ * "none"; reasoning (and K3's XTML markers) with thinking on in the K3 format. fmt:
+ * ds_chat_format. Sets c->parse and c->parse_specials. */
+void ds_oai_parse_opts(ds_oai_resp_ctx *c, const ds_oai_request *r, int fmt);
 
 /* One engine event, copied off the engine thread (the engine's pointers die with the callback). */
 typedef struct ds_oai_event {
@@ -124,6 +133,9 @@ typedef struct ds_oai_choice {
     long long n_chars; /* characters of token text so far: the next token's text_offset */
     ds_finish finish;
     int n_generated;
+    ds_toolparse *tp; /* chat with c->parse: the choice's parser (made at its first event) */
+    ds_tp_out *tpo;   /* non-streaming: all the parser produced; streaming: scratch per chunk */
+    int n_calls;      /* tool calls out so far (a stream's next call index) */
 } ds_oai_choice;
 
 /* Adds an event to a choice of a non-streaming response (text, logprobs, finish). */
@@ -137,14 +149,33 @@ json_t *ds_oai_response(const ds_oai_resp_ctx *c, const ds_oai_choice *choices, 
                         int n_prompt);
 
 /* The stream chunk for one event of choice ch (which tracks text offsets and the finish), or NULL
- * when the event carries nothing to send (no text, no logprobs, no finish). */
+ * when the event carries nothing to send (no text, no logprobs, no finish). A parsed chat choice
+ * (ds_oai_parsing) may give a JSON array of chunks instead (a tool call's two fragments), which
+ * ds_oai_sse sends as one event each. */
 json_t *ds_oai_chunk(const ds_oai_resp_ctx *c, ds_oai_choice *ch, const ds_oai_event *ev);
 /* Chat only: the first chunk of a choice, delta {"role": "assistant", "content": ""}. */
 json_t *ds_oai_chunk_role(const ds_oai_resp_ctx *c, int index);
 /* The last chunk with stream_options.include_usage: empty choices and the usage. */
 json_t *ds_oai_chunk_usage(const ds_oai_resp_ctx *c, int n_prompt, int n_completion);
 
-/* "data: <compact json>\n\n"; steals j. malloc'd, *len set. NULL only when out of memory. */
+/* Parsing (oai_parse.c). Whether the context splits the text at all. */
+int ds_oai_parsing(const ds_oai_resp_ctx *c);
+/* Feeds an event's text (and a skipped special's name, with c->parse_specials) to the choice's
+ * parser, appending to ch->tpo; at the event's finish the parser is flushed. */
+int ds_oai_parse_event(const ds_oai_resp_ctx *c, ds_oai_choice *ch, const ds_oai_event *ev,
+                       ds_err *err);
+/* The chat message of a parsed choice: content (null when empty), reasoning_content (with
+ * reasoning on), tool_calls (when any). */
+json_t *ds_oai_parsed_message(const ds_oai_resp_ctx *c, const ds_oai_choice *ch);
+/* The deltas of what the parser produced for one chunk (ch->tpo), in order: [reasoning/content
+ * delta], then per call {index, id, type, function{name, arguments: ""}} and {index,
+ * function{arguments}} as OpenAI streams them. An array of delta objects (maybe empty). */
+json_t *ds_oai_parsed_deltas(const ds_oai_resp_ctx *c, ds_oai_choice *ch);
+/* finish_reason of a parsed choice: "tool_calls" when a call came out and it stopped. */
+json_t *ds_oai_parsed_finish(const ds_oai_choice *ch, ds_finish f);
+
+/* "data: <compact json>\n\n"; steals j; an array of chunks becomes one event each, in order.
+ * malloc'd, *len set. NULL only when out of memory. */
 char *ds_oai_sse(json_t *j, size_t *len);
 /* Compact JSON text of j (floats with 9 significant digits: enough for any f32); steals j. */
 char *ds_oai_dumps(json_t *j);

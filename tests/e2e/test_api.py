@@ -79,8 +79,13 @@ def test_chat_stream_and_plain(client):
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" for c in chunks)
+    # K3 thinks by default: the thought and the answer reassemble separately
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == msg.content
+    thought = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or ""
+                      for c in chunks if c.choices)
+    assert text == (msg.content or "")
+    assert thought == (msg.reasoning_content or "")
+    assert text or thought
     assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
     assert chunks[-1].usage.completion_tokens == 10
 

@@ -220,7 +220,23 @@ def seeds_openai():
     put(t, "not_object", b"\x00[1,2]")
 
 
+# ---- generated text: reasoning / content / tool calls --------------------------------------------
+def seeds_toolparse():
+    t = "fuzz_text_toolparse"  # byte 0: bit 0 tools, bit 1 reasoning, bit 2 xtml; byte 1: cut seed
+    k2 = ("Let me look.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+          "<|tool_call_argument_begin|>{\"city\": \"Paris\"}<|tool_call_end|>"
+          "<|tool_calls_section_end|>")
+    k3 = ("why<|close|>think<|sep|><|open|>response<|sep|>Sure.<|close|>response<|sep|>"
+          "<|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|>"
+          "<|open|>argument key=\"x\" type=\"number\"<|sep|>3<|close|>argument<|sep|>"
+          "<|close|>call<|sep|><|close|>tools<|sep|>")
+    put(t, "seed-k2-call", b"\x01\x07" + k2.encode())
+    put(t, "seed-k3-call", b"\x07\x03" + k3.encode())
+    put(t, "seed-think", b"\x02\x05thought</think>answer")
+
+
 if __name__ == "__main__":
+    seeds_toolparse()
     seeds_openai()
     seeds_safetensors()
     seeds_config()
