@@ -35,6 +35,7 @@
 #include <unistd.h>
 
 #include "text/chat.h"
+#include "server/framing.h"
 #include "server/metrics.h"
 #include "server/openai.h"
 
@@ -702,9 +703,7 @@ static int authorized(ds_server *s, struct MHD_Connection *c) {
 
 static enum MHD_Result dispatch(ds_server *s, struct MHD_Connection *c, conn_ctx *cc,
                                 const char *url, const char *method) {
-    if (s->api_key && strncmp(url, "/v1/", 4) == 0 && !authorized(s, c))
-        return send_errorf(c, 401, NULL, "invalid_api_key",
-                           "Incorrect or missing API key: send it as 'Authorization: Bearer KEY'");
+    /* the API key was checked on the headers (on_request) */
     const struct route *r = NULL;
     for (size_t i = 0; i < DS_ARRAY_LEN(ROUTES); i++)
         if (strcmp(url, ROUTES[i].path) == 0) r = &ROUTES[i];
@@ -751,6 +750,15 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         cc = calloc(1, sizeof *cc);
         if (!cc) return MHD_NO;
         *con_cls = cc;
+        ds_oai_error fe;
+        if (ds_http_check_framing(c, &fe)) /* answered at once, and the connection closed */
+            return send_error_h(c, &fe, MHD_HTTP_HEADER_CONNECTION, "close");
+        /* the key before the body: a client without it gets 401 before we read (or buffer) its
+         * body; MHD closes the connection when a body is left unread */
+        if (s->api_key && strncmp(url, "/v1/", 4) == 0 && !authorized(s, c))
+            return send_errorf(c, 401, NULL, "invalid_api_key",
+                               "Incorrect or missing API key: send it as 'Authorization: Bearer "
+                               "KEY'");
         const char *cl =
             MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl && strtoull(cl, NULL, 10) > HARD_BODY_FACTOR * (unsigned long long)s->max_body)
