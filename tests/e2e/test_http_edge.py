@@ -1,0 +1,184 @@
+"""HTTP edge cases on raw sockets: message framing by RFC 9112, NULs in identifiers, the API key
+checked before the body, and the metric names vLLM's dashboards query (issue 35)."""
+
+import json
+import socket
+import time
+
+import pytest
+
+from conftest import MODEL_NAME, _server_fixture
+
+TOKENIZE = json.dumps({"prompt": "hi"}).encode()
+
+
+def exchange(port, data, timeout=5.0):
+    """Sends data, reads until the server closes or goes quiet for `timeout` s.
+    (bytes received, closed: whether the server closed the connection)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    try:
+        s.sendall(data)
+        out = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                return out, False
+            except ConnectionResetError:
+                return out, True
+            if not chunk:
+                return out, True
+            out += chunk
+    finally:
+        s.close()
+
+
+def responses(raw):
+    """[(status, headers dict (lower-case), body bytes)] of the HTTP/1.1 responses in raw
+    (Content-Length framed, as the server sends every non-streamed response)."""
+    out = []
+    while raw:
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        h = {k.strip().lower(): v.strip() for k, v in (x.split(":", 1) for x in lines[1:])}
+        n = int(h.get("content-length", len(rest)))
+        out.append((status, h, rest[:n]))
+        raw = rest[n:]
+    return out
+
+
+def post_head(path, *headers):
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + "".join(h + "\r\n" for h in headers) + "\r\n").encode()
+
+
+def lone_error(raw, status):
+    """The one response in raw must be `status` with an OpenAI error body; returns the error."""
+    rs = responses(raw)
+    assert len(rs) == 1, rs
+    got, h, body = rs[0]
+    assert got == status, (got, body)
+    assert h["content-type"] == "application/json"
+    return json.loads(body)["error"]
+
+
+def test_content_length_twice_different_is_400_and_closed(server):
+    # the first value frames a valid /tokenize; the rest would be read as a second request
+    smuggled = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    data = (post_head("/tokenize", f"Content-Length: {len(TOKENIZE)}",
+                      f"Content-Length: {len(TOKENIZE) + len(smuggled)}") + TOKENIZE + smuggled)
+    raw, closed = exchange(server.port, data)
+    e = lone_error(raw, 400)
+    assert "Content-Length" in e["message"]
+    assert e["type"] == "invalid_request_error"
+    assert closed
+
+
+def test_content_length_twice_same_is_one(server):
+    data = post_head("/tokenize", f"Content-Length: {len(TOKENIZE)}",
+                     f"Content-Length: {len(TOKENIZE)}", "Connection: close") + TOKENIZE
+    raw, _ = exchange(server.port, data)
+    rs = responses(raw)
+    assert [r[0] for r in rs] == [200]
+    assert json.loads(rs[0][2])["count"] >= 1
+
+
+@pytest.mark.parametrize("te,status", [
+    ("gzip", 501), ("identity", 501), ("gzip, chunked", 501), ("x-custom", 501),
+    ("chunked, gzip", 400), ("chunked, chunked", 400), ("chunked,", 400)])
+def test_transfer_encoding_other_than_chunked_answered_at_once(server, te, status):
+    t0 = time.time()
+    raw, closed = exchange(server.port, post_head("/tokenize", f"Transfer-Encoding: {te}")
+                           + b"5\r\nhello\r\n0\r\n\r\n")
+    assert time.time() - t0 < 4.5, "no answer: the server waited for more body"
+    e = lone_error(raw, status)
+    assert "Transfer-Encoding" in e["message"]
+    assert closed
+
+
+def test_transfer_encoding_with_content_length_is_400(server):
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(TOKENIZE), TOKENIZE)
+    raw, closed = exchange(server.port, post_head(
+        "/tokenize", "Transfer-Encoding: chunked", f"Content-Length: {len(chunked)}") + chunked)
+    e = lone_error(raw, 400)
+    assert "Content-Length" in e["message"]
+    assert closed
+
+
+def test_plain_chunked_still_works(server):
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(TOKENIZE), TOKENIZE)
+    raw, _ = exchange(server.port, post_head(
+        "/tokenize", "Transfer-Encoding: Chunked", "Connection: close") + chunked)
+    assert [r[0] for r in responses(raw)] == [200]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"model": MODEL_NAME + "\u0000junk", "prompt": "x", "max_tokens": 1},
+     "model"),
+    ("/v1/chat/completions", {"model": MODEL_NAME + "\u0000", "max_tokens": 1,
+                              "messages": [{"role": "user", "content": "x"}]}, "model"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "max_tokens": 1, "tool_choice": "auto\u0000x",
+                              "messages": [{"role": "user", "content": "x"}]}, "tool_choice"),
+    ("/tokenize", {"model": MODEL_NAME + "\u0000", "prompt": "x"}, "model"),
+    ("/detokenize", {"model": MODEL_NAME + "\u0000", "tokens": [1]}, "model"),
+])
+def test_nul_in_identifier_is_400(server, path, body, param):
+    status, r = server.post_json(path, body)
+    assert status == 400, r
+    assert r["error"]["param"] == param
+    assert "NUL" in r["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    yield from _server_fixture("--api-key", "sekrit-42")
+
+
+def test_api_key_checked_before_the_body(keyed_server):
+    # a 10 MB body is announced but never sent: the 401 must come from the headers alone
+    for auth in [None, "Authorization: Bearer wrong"]:
+        head = post_head("/v1/completions", "Content-Length: 10000000", *([auth] if auth else []))
+        t0 = time.time()
+        raw, closed = exchange(keyed_server.port, head)
+        assert time.time() - t0 < 4.5, "no answer: the server waited for the body"
+        assert lone_error(raw, 401)["code"] == "invalid_api_key"
+        assert closed
+    # the right key still reads the body
+    body = json.dumps({"model": MODEL_NAME, "prompt": "x", "max_tokens": 1}).encode()
+    raw, _ = exchange(keyed_server.port, post_head(
+        "/v1/completions", "Authorization: Bearer sekrit-42", f"Content-Length: {len(body)}",
+        "Connection: close") + body)
+    assert [r[0] for r in responses(raw)] == [200]
+
+
+def test_vllm_metric_names(server):
+    status, r = server.post_json("/v1/completions", {
+        "model": MODEL_NAME, "prompt": "1 + 1 =", "max_tokens": 3, "ignore_eos": True})
+    assert status == 200, r
+    _, _, text = server.request("GET", "/metrics")
+    text = text.decode()
+    for name, kind in [("num_requests_running", "gauge"), ("num_requests_waiting", "gauge"),
+                       ("kv_cache_usage_perc", "gauge"), ("gpu_cache_usage_perc", "gauge"),
+                       ("prompt_tokens_total", "counter"), ("generation_tokens_total", "counter"),
+                       ("request_success_total", "counter"),
+                       ("time_to_first_token_seconds", "histogram"),
+                       ("time_per_output_token_seconds", "histogram"),
+                       ("inter_token_latency_seconds", "histogram"),
+                       ("e2e_request_latency_seconds", "histogram")]:
+        assert f"# TYPE vllm:{name} {kind}\n" in text, name
+    m = server.metrics()
+    assert m["vllm:prompt_tokens_total"] >= r["usage"]["prompt_tokens"]
+    assert m["vllm:generation_tokens_total"] >= 3
+    assert m["vllm:time_to_first_token_seconds_count"] >= 1
+    assert m["vllm:e2e_request_latency_seconds_count"] >= 1
+    assert m["vllm:e2e_request_latency_seconds_sum"] > 0
+    assert m['vllm:time_to_first_token_seconds_bucket{le="+Inf"}'] == \
+        m["vllm:time_to_first_token_seconds_count"]
+    assert m['vllm:request_success_total{finished_reason="length"}'] >= 1
+    assert 0 <= m["vllm:gpu_cache_usage_perc"] <= 1
+    assert m["vllm:gpu_cache_usage_perc"] == m["vllm:kv_cache_usage_perc"]
+    assert m["vllm:num_requests_running"] >= 0 and m["vllm:num_requests_waiting"] >= 0
+    # the deltaserve: names stay as aliases of the same numbers
+    for k in ["prompt_tokens_total", "e2e_request_latency_seconds_count"]:
+        assert m["deltaserve:" + k] == m["vllm:" + k]
