@@ -30,6 +30,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -42,8 +43,9 @@
 enum {
     POLL_MS = 100,            /* how often a waiting thread looks for a client hang-up */
     STREAM_BLOCK = 16 * 1024, /* MHD's buffer for a streamed response */
-    CONN_TIMEOUT_S = 300,     /* idle keep-alive connections are closed after this */
     HARD_BODY_FACTOR = 4,     /* bodies above factor * max_body are refused without reading */
+    CONN_RESERVE = 64,        /* connections past max_connections that MHD still accepts, so
+                                 they get a 503 rather than a reset */
 };
 
 struct ds_server {
@@ -56,6 +58,10 @@ struct ds_server {
     char *model_name; /* served name */
     size_t max_body;
     double retry_after;
+    int max_conns;          /* beyond it requests get 503 (MHD resets past + CONN_RESERVE) */
+    atomic_int n_conns;     /* open connections */
+    size_t max_inflight;    /* body bytes buffered over all requests at most */
+    atomic_size_t inflight; /* body bytes reserved by requests being read or served */
     ds_metrics *metrics;
     pthread_mutex_t active_mu; /* guards n_active */
     pthread_cond_t active_cv;  /* signalled when n_active drops */
@@ -255,6 +261,9 @@ static enum MHD_Result send_error_h(struct MHD_Connection *c, const ds_oai_error
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
     if (extra_header) MHD_add_response_header(resp, extra_header, extra_value);
     if (e->status == 401) MHD_add_response_header(resp, "WWW-Authenticate", "Bearer");
+    /* a refusal for want of room frees its connection too */
+    if (e->status == 503 && strcmp(e->code, "queue_full"))
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     enum MHD_Result ret = MHD_queue_response(c, (unsigned)e->status, resp);
     MHD_destroy_response(resp);
     return ret;
@@ -377,8 +386,10 @@ static void stream_free(void *cls) {
 typedef struct conn_ctx {
     char *body; /* [len] request body, NUL-terminated when complete */
     size_t len, cap;
-    size_t seen;  /* bytes received, also beyond the limit (they are discarded) */
-    gen_req *gen; /* the generation this request started, or NULL */
+    size_t seen;     /* bytes received, also beyond the limit (they are discarded) */
+    size_t reserved; /* bytes of s->inflight this request holds (its body's room) */
+    int no_room;     /* a chunked body outgrew s->max_inflight: discarded, answered 503 */
+    gen_req *gen;    /* the generation this request started, or NULL */
 } conn_ctx;
 
 static ds_engine *ready_engine(ds_server *s) {
@@ -669,6 +680,40 @@ typedef enum {
     EP_DETOK
 } ep;
 
+/* ---------------------------------------------------------------------------------------------
+ * limits: connections and buffered body bytes */
+
+/* Grows cc's share of the buffered-body budget to `want` bytes; 0 (nothing taken) when the
+ * budget has no room. */
+static int reserve_body(ds_server *s, conn_ctx *cc, size_t want) {
+    if (want <= cc->reserved) return 1;
+    size_t more = want - cc->reserved;
+    if (atomic_fetch_add(&s->inflight, more) + more > s->max_inflight) {
+        atomic_fetch_sub(&s->inflight, more);
+        return 0;
+    }
+    cc->reserved = want;
+    return 1;
+}
+
+/* 503 with Retry-After and the connection closed: the server is out of `what`. */
+static enum MHD_Result send_busy(ds_server *s, struct MHD_Connection *c, const char *what) {
+    char ra[32];
+    snprintf(ra, sizeof ra, "%d", (int)(s->retry_after + 0.999));
+    ds_oai_error e;
+    ds_oai_errorf(&e, 503, NULL, "server_busy", "the server is at its limit of %s; retry later",
+                  what);
+    return send_error_h(c, &e, MHD_HTTP_HEADER_RETRY_AFTER, ra);
+}
+
+/* MHD's connection callback: counts open connections (half-sent requests included). */
+static void on_connection(void *cls, struct MHD_Connection *c, void **socket_context,
+                          enum MHD_ConnectionNotificationCode toe) {
+    (void)c, (void)socket_context;
+    ds_server *s = cls;
+    atomic_fetch_add(&s->n_conns, toe == MHD_CONNECTION_NOTIFY_STARTED ? 1 : -1);
+}
+
 static const struct route {
     const char *path;
     const char *method; /* the only one allowed (HEAD also for GET) */
@@ -715,6 +760,7 @@ static enum MHD_Result dispatch(ds_server *s, struct MHD_Connection *c, conn_ctx
                       "%.16s %.200s: method not allowed (use %s)", method, url, r->method);
         return send_error_h(c, &e, MHD_HTTP_HEADER_ALLOW, get ? "GET, HEAD" : r->method);
     }
+    if (cc->no_room) return send_busy(s, c, "request bodies being read");
     if (cc->seen > s->max_body)
         return send_errorf(c, 413, NULL, "request_too_large",
                            "the request body is %zu bytes; the limit is %zu", cc->seen,
@@ -759,12 +805,17 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
             return send_errorf(c, 401, NULL, "invalid_api_key",
                                "Incorrect or missing API key: send it as 'Authorization: Bearer "
                                "KEY'");
+        if (atomic_load(&s->n_conns) > s->max_conns) return send_busy(s, c, "connections");
         const char *cl =
             MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-        if (cl && strtoull(cl, NULL, 10) > HARD_BODY_FACTOR * (unsigned long long)s->max_body)
+        unsigned long long n = cl ? strtoull(cl, NULL, 10) : 0;
+        if (n > HARD_BODY_FACTOR * (unsigned long long)s->max_body)
             /* refuse at once rather than read a huge body; MHD then closes the connection */
             return send_errorf(c, 413, NULL, "request_too_large",
                                "the request body is %s bytes; the limit is %zu", cl, s->max_body);
+        /* the body's room is taken before any byte is read: a full server says so at once */
+        if (n && !reserve_body(s, cc, DS_MIN((size_t)n, s->max_body)))
+            return send_busy(s, c, "request bodies being read");
         return MHD_YES;
     }
     if (*upload_size) {
@@ -772,7 +823,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         cc->seen += n;
         *upload_size = 0;
         if (cc->seen > HARD_BODY_FACTOR * s->max_body) return MHD_NO; /* chunked and huge: drop */
-        if (cc->seen > s->max_body) return MHD_YES; /* discard; answered 413 at the end */
+        if (cc->seen > s->max_body || cc->no_room) return MHD_YES;    /* discard; answered later */
+        if (cc->len + n > cc->reserved && !reserve_body(s, cc, cc->len + n)) {
+            cc->no_room = 1;
+            return MHD_YES;
+        }
         if (cc->len + n + 1 > cc->cap) {
             size_t cap = DS_MAX(2 * cc->cap, cc->len + n + 1);
             cap = DS_MIN(cap, s->max_body + 1);
@@ -792,9 +847,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
                          enum MHD_RequestTerminationCode toe) {
     conn_ctx *cc = *con_cls;
+    ds_server *s = cls;
     if (!cc) return;
     if (cc->gen) {
-        ds_server *s = cls;
         if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK) gen_abandon(cc->gen);
         gen_unref(cc->gen);
         pthread_mutex_lock(&s->active_mu);
@@ -802,6 +857,7 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
         pthread_cond_broadcast(&s->active_cv);
         pthread_mutex_unlock(&s->active_mu);
     }
+    atomic_fetch_sub(&s->inflight, cc->reserved);
     free(cc->body);
     free(cc);
     *con_cls = NULL;
@@ -810,12 +866,26 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
 /* ---------------------------------------------------------------------------------------------
  * life cycle */
 
+/* Each connection is a socket: lifts the soft open-file limit toward `want` (up to the hard
+ * one), so the connection limit, not the default 1024 files, is what binds. */
+static void raise_fd_limit(int want) {
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) || rl.rlim_cur >= (rlim_t)want) return;
+    rl.rlim_cur =
+        rl.rlim_max == RLIM_INFINITY || rl.rlim_max > (rlim_t)want ? (rlim_t)want : rl.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &rl);
+}
+
 void ds_server_opts_default(ds_server_opts *o) {
     memset(o, 0, sizeof *o);
     o->host = "127.0.0.1";
     o->port = 8000;
     o->max_body_bytes = 16u << 20;
     o->retry_after_s = 1;
+    o->max_connections = 2048;
+    o->max_connections_per_ip = 256;
+    o->idle_timeout_s = 60;
+    o->max_inflight_body_bytes = 256u << 20;
 }
 
 int ds_server_create(const ds_server_opts *o, ds_server **out, ds_err *err) {
@@ -831,6 +901,10 @@ int ds_server_create(const ds_server_opts *o, ds_server **out, ds_err *err) {
     pthread_condattr_destroy(&ca);
     s->max_body = o->max_body_bytes ? o->max_body_bytes : 16u << 20;
     s->retry_after = o->retry_after_s > 0 ? o->retry_after_s : 1;
+    s->max_conns = o->max_connections > 0 ? o->max_connections : 2048;
+    s->max_inflight = o->max_inflight_body_bytes ? o->max_inflight_body_bytes : 256u << 20;
+    s->max_inflight = DS_MAX(s->max_inflight, s->max_body); /* one maximal body always fits */
+    raise_fd_limit(s->max_conns + CONN_RESERVE + 256);
     s->api_key = o->api_key && o->api_key[0] ? strdup(o->api_key) : NULL;
     s->model_name = strdup(o->served_model_name ? o->served_model_name : "model");
     s->id_salt = (uint64_t)time(NULL) * 0x9e3779b97f4a7c15ull ^ (uint64_t)getpid() << 20;
@@ -858,8 +932,12 @@ int ds_server_create(const ds_server_opts *o, ds_server **out, ds_err *err) {
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
     s->mhd = MHD_start_daemon(
         flags, (uint16_t)o->port, NULL, NULL, on_request, s, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-        MHD_OPTION_NOTIFY_COMPLETED, on_completed, s, MHD_OPTION_CONNECTION_TIMEOUT,
-        (unsigned)CONN_TIMEOUT_S, MHD_OPTION_LISTEN_BACKLOG_SIZE, (unsigned)1024, MHD_OPTION_END);
+        MHD_OPTION_NOTIFY_COMPLETED, on_completed, s, MHD_OPTION_NOTIFY_CONNECTION, on_connection,
+        s, MHD_OPTION_CONNECTION_TIMEOUT,
+        (unsigned)(o->idle_timeout_s > 0 ? (o->idle_timeout_s + 0.999) : 60),
+        MHD_OPTION_CONNECTION_LIMIT, (unsigned)(s->max_conns + CONN_RESERVE),
+        MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)DS_MAX(o->max_connections_per_ip, 0),
+        MHD_OPTION_LISTEN_BACKLOG_SIZE, (unsigned)1024, MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!s->mhd) {
         int e = errno;

@@ -182,3 +182,129 @@ def test_vllm_metric_names(server):
     # the deltaserve: names stay as aliases of the same numbers
     for k in ["prompt_tokens_total", "e2e_request_latency_seconds_count"]:
         assert m["deltaserve:" + k] == m["vllm:" + k]
+
+
+# ---------------------------------------------------------------------------------------------
+# limits: connections per address and in all, buffered body bytes
+
+def connect_from(src, port, timeout=5.0):
+    """A socket to the server from the loopback address src (127.0.0.0/8 is all loopback)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.bind((src, 0))
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def get_from(src, port, path="/health", timeout=5.0):
+    """(status, headers, body) of GET path sent from src, or (None, {}, b"") if refused."""
+    try:
+        s = connect_from(src, port, timeout)
+    except OSError:
+        return None, {}, b""
+    try:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    except OSError:
+        pass
+    finally:
+        s.close()
+    rs = responses(raw)
+    return rs[0] if rs else (None, {}, b"")
+
+
+def half_sent(src, port, n):
+    """n connections from src, each stopped in the middle of its headers."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < n + 256:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, n + 256), hard))
+    socks = []
+    for _ in range(n):
+        try:
+            s = connect_from(src, port, timeout=2.0)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Len")
+            socks.append(s)
+        except OSError:
+            pass  # refused at the limit: what the test wants
+    return socks
+
+
+@pytest.fixture(scope="module")
+def default_server():
+    """A server with the default HTTP limits (the session server's are the same, but this test
+    floods it)."""
+    yield from _server_fixture()
+
+
+def test_idle_half_sent_connections_do_not_lock_out_others(default_server):
+    port = default_server.port
+    socks = half_sent("127.0.0.1", port, 2000)
+    try:
+        t0 = time.time()
+        status, _, _ = get_from("127.0.0.2", port)
+        assert status == 200, "another address was locked out by one address's idle connections"
+        assert time.time() - t0 < 4
+        body = json.dumps({"model": MODEL_NAME, "prompt": "1 +", "max_tokens": 2}).encode()
+        s = connect_from("127.0.0.3", port)
+        s.sendall(post_head("/v1/completions", f"Content-Length: {len(body)}",
+                            "Connection: close") + body)
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+        s.close()
+        assert [r[0] for r in responses(raw)] == [200]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_connection_limit_answers_503_with_retry_after():
+    srv_gen = _server_fixture("--max-connections", "8")
+    srv = next(srv_gen)
+    try:
+        socks = half_sent("127.0.0.5", srv.port, 12)
+        assert len(socks) == 12  # past the limit MHD still accepts (a reserve), to answer 503
+        status, h, body = get_from("127.0.0.6", srv.port)
+        assert status == 503, body
+        assert int(h["retry-after"]) >= 1
+        assert json.loads(body)["error"]["code"] == "server_busy"
+        for s in socks:
+            s.close()
+        deadline = time.time() + 10
+        while get_from("127.0.0.6", srv.port)[0] != 200:
+            assert time.time() < deadline, "the limit was not freed when connections closed"
+            time.sleep(0.1)
+    finally:
+        for _ in srv_gen:
+            pass
+
+
+def test_inflight_body_bytes_bound():
+    srv_gen = _server_fixture("--max-inflight-body-bytes", "16M")
+    srv = next(srv_gen)
+    try:
+        # announces a 16 MiB body (the whole budget) and sends none of it
+        hog = connect_from("127.0.0.7", srv.port)
+        hog.sendall(post_head("/tokenize", f"Content-Length: {16 << 20}"))
+        time.sleep(0.3)
+        t0 = time.time()
+        raw, closed = exchange(srv.port, post_head("/tokenize", f"Content-Length: {len(TOKENIZE)}")
+                               + TOKENIZE)
+        assert time.time() - t0 < 4
+        e = lone_error(raw, 503)
+        assert e["code"] == "server_busy" and "bodies" in e["message"]
+        hog.close()
+        deadline = time.time() + 10
+        while True:
+            raw, _ = exchange(srv.port, post_head(
+                "/tokenize", f"Content-Length: {len(TOKENIZE)}", "Connection: close") + TOKENIZE)
+            if responses(raw) and responses(raw)[0][0] == 200:
+                break
+            assert time.time() < deadline, "the body budget was not given back"
+            time.sleep(0.1)
+    finally:
+        for _ in srv_gen:
+            pass
