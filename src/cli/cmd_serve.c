@@ -128,7 +128,7 @@ static int serve_table(serve_flags *s, ds_arg *out) {
                "close a connection that sends nothing this long (half-sent requests, keep-alive)"),
         DS_OPT("max-inflight-body-bytes", NULL, DS_ARG_STRING, &s->inflight, "BYTES",
                "request bodies buffered at once, over all requests; past it 503 + Retry-After "
-               "(default: 256M)"),
+               "(default: 64M)"),
         DS_OPT("shutdown-timeout", NULL, DS_ARG_FLOAT, &s->grace, "SEC",
                "on SIGINT/SIGTERM, let running requests finish this long, then abort them"),
     };

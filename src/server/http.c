@@ -885,7 +885,7 @@ void ds_server_opts_default(ds_server_opts *o) {
     o->max_connections = 2048;
     o->max_connections_per_ip = 256;
     o->idle_timeout_s = 60;
-    o->max_inflight_body_bytes = 256u << 20;
+    o->max_inflight_body_bytes = 64u << 20;
 }
 
 int ds_server_create(const ds_server_opts *o, ds_server **out, ds_err *err) {
@@ -902,7 +902,7 @@ int ds_server_create(const ds_server_opts *o, ds_server **out, ds_err *err) {
     s->max_body = o->max_body_bytes ? o->max_body_bytes : 16u << 20;
     s->retry_after = o->retry_after_s > 0 ? o->retry_after_s : 1;
     s->max_conns = o->max_connections > 0 ? o->max_connections : 2048;
-    s->max_inflight = o->max_inflight_body_bytes ? o->max_inflight_body_bytes : 256u << 20;
+    s->max_inflight = o->max_inflight_body_bytes ? o->max_inflight_body_bytes : 64u << 20;
     s->max_inflight = DS_MAX(s->max_inflight, s->max_body); /* one maximal body always fits */
     raise_fd_limit(s->max_conns + CONN_RESERVE + 256);
     s->api_key = o->api_key && o->api_key[0] ? strdup(o->api_key) : NULL;

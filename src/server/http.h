@@ -41,7 +41,7 @@ typedef struct ds_server_opts {
     double idle_timeout_s;          /* a connection that sends nothing this long (a half-sent
                                        request, an idle keep-alive) is closed (default 60) */
     size_t max_inflight_body_bytes; /* request bodies buffered at once over all requests; past
-                                      it 503 + Retry-After (default 256 MiB) */
+                                      it 503 + Retry-After (default 64 MiB) */
 } ds_server_opts;
 
 void ds_server_opts_default(ds_server_opts *o);
