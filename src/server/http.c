@@ -30,13 +30,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "text/chat.h"
-#include "server/framing.h"
+#include "server/edges.h"
 #include "server/metrics.h"
 #include "server/openai.h"
 
@@ -62,6 +61,7 @@ struct ds_server {
     atomic_int n_conns;     /* open connections */
     size_t max_inflight;    /* body bytes buffered over all requests at most */
     atomic_size_t inflight; /* body bytes reserved by requests being read or served */
+    double keepalive_s;     /* a waiting stream writes an SSE comment this often */
     ds_metrics *metrics;
     pthread_mutex_t active_mu; /* guards n_active */
     pthread_cond_t active_cv;  /* signalled when n_active drops */
@@ -205,12 +205,14 @@ static int client_hung_up(int fd) {
     return (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
 }
 
-/* Waits (mu held) until an event is queued or every final event arrived. Returns DS_ERR when the
- * client hung up (mu still held). The socket is looked at every POLL_MS whether or not events
- * flow: a plain request is busy with events all the time and would otherwise never notice. */
-static int gen_wait(gen_req *r) {
+/* Waits (mu held) until an event is queued or every final event arrived, or (wake_by > 0) until
+ * then: returns 1 at wake_by with nothing queued. Returns DS_ERR when the client hung up (mu still
+ * held). The socket is looked at every POLL_MS whether or not events flow: a plain request is
+ * busy with events all the time and would otherwise never notice. */
+static int gen_wait(gen_req *r, double wake_by) {
     for (;;) {
         double now = ds_now();
+        if (wake_by > 0 && now >= wake_by && !r->head && r->n_final < r->n_choices) return 1;
         /* only while the engine still works for it: a finished answer is simply written */
         if (r->n_final < r->n_choices && now - r->t_hup_check >= POLL_MS * 1e-3) {
             r->t_hup_check = now;
@@ -327,7 +329,14 @@ static int stream_fill(gen_req *r) {
         return DS_OK;
     }
     pthread_mutex_lock(&r->mu);
-    if (gen_wait(r)) {
+    /* a stream that waits (queued, a long prefill) writes an SSE comment now and then, so the
+     * idle timeout (and a proxy's) does not cut it */
+    int w = gen_wait(r, ds_now() + r->srv->keepalive_s);
+    if (w == 1) {
+        pthread_mutex_unlock(&r->mu);
+        return out_append(r, ": keep-alive\n\n", 14);
+    }
+    if (w) {
         pthread_mutex_unlock(&r->mu);
         gen_abandon(r);
         return DS_ERR;
@@ -453,7 +462,7 @@ static enum MHD_Result finish_plain(struct MHD_Connection *c, gen_req *r) {
     int oom = 0, done = 0;
     while (!done) {
         pthread_mutex_lock(&r->mu);
-        if (gen_wait(r)) {
+        if (gen_wait(r, 0)) {
             pthread_mutex_unlock(&r->mu);
             gen_abandon(r);
             return MHD_NO; /* nobody to answer: close the connection */
@@ -866,16 +875,6 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
 /* ---------------------------------------------------------------------------------------------
  * life cycle */
 
-/* Each connection is a socket: lifts the soft open-file limit toward `want` (up to the hard
- * one), so the connection limit, not the default 1024 files, is what binds. */
-static void raise_fd_limit(int want) {
-    struct rlimit rl;
-    if (getrlimit(RLIMIT_NOFILE, &rl) || rl.rlim_cur >= (rlim_t)want) return;
-    rl.rlim_cur =
-        rl.rlim_max == RLIM_INFINITY || rl.rlim_max > (rlim_t)want ? (rlim_t)want : rl.rlim_max;
-    setrlimit(RLIMIT_NOFILE, &rl);
-}
-
 void ds_server_opts_default(ds_server_opts *o) {
     memset(o, 0, sizeof *o);
     o->host = "127.0.0.1";
@@ -902,9 +901,11 @@ int ds_server_create(const ds_server_opts *o, ds_server **out, ds_err *err) {
     s->max_body = o->max_body_bytes ? o->max_body_bytes : 16u << 20;
     s->retry_after = o->retry_after_s > 0 ? o->retry_after_s : 1;
     s->max_conns = o->max_connections > 0 ? o->max_connections : 2048;
+    double idle = o->idle_timeout_s > 0 ? o->idle_timeout_s : 60;
+    s->keepalive_s = DS_MIN(idle / 3, 15.0);
     s->max_inflight = o->max_inflight_body_bytes ? o->max_inflight_body_bytes : 64u << 20;
     s->max_inflight = DS_MAX(s->max_inflight, s->max_body); /* one maximal body always fits */
-    raise_fd_limit(s->max_conns + CONN_RESERVE + 256);
+    ds_http_raise_fd_limit(s->max_conns + CONN_RESERVE + 256);
     s->api_key = o->api_key && o->api_key[0] ? strdup(o->api_key) : NULL;
     s->model_name = strdup(o->served_model_name ? o->served_model_name : "model");
     s->id_salt = (uint64_t)time(NULL) * 0x9e3779b97f4a7c15ull ^ (uint64_t)getpid() << 20;
@@ -933,11 +934,10 @@ int ds_server_create(const ds_server_opts *o, ds_server **out, ds_err *err) {
     s->mhd = MHD_start_daemon(
         flags, (uint16_t)o->port, NULL, NULL, on_request, s, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
         MHD_OPTION_NOTIFY_COMPLETED, on_completed, s, MHD_OPTION_NOTIFY_CONNECTION, on_connection,
-        s, MHD_OPTION_CONNECTION_TIMEOUT,
-        (unsigned)(o->idle_timeout_s > 0 ? (o->idle_timeout_s + 0.999) : 60),
-        MHD_OPTION_CONNECTION_LIMIT, (unsigned)(s->max_conns + CONN_RESERVE),
-        MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)DS_MAX(o->max_connections_per_ip, 0),
-        MHD_OPTION_LISTEN_BACKLOG_SIZE, (unsigned)1024, MHD_OPTION_END);
+        s, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)(idle + 0.999), MHD_OPTION_CONNECTION_LIMIT,
+        (unsigned)(s->max_conns + CONN_RESERVE), MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+        (unsigned)DS_MAX(o->max_connections_per_ip, 0), MHD_OPTION_LISTEN_BACKLOG_SIZE,
+        (unsigned)1024, MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!s->mhd) {
         int e = errno;

@@ -11,7 +11,7 @@
  * ds_engine_free.
  *
  * Edges (docs/usage.md, "The HTTP server's edges"): framing is checked on the headers
- * (framing.h), so is the API key; connections in all and per address, idle time and the body
+ * (edges.h), so is the API key; connections in all and per address, idle time and the body
  * bytes held at once are bounded (the options below), 503 + Retry-After when full.
  *
  * A request's state is shared by its connection thread and the engine thread and freed by

@@ -360,3 +360,32 @@ def test_parallel_maximal_bodies_bounded_memory():
     finally:
         for _ in srv_gen:
             pass
+
+
+def test_stream_waiting_longer_than_idle_timeout_is_kept_alive():
+    """A stream queued behind a long request outlives a 1 s idle timeout: it writes SSE comments
+    while it waits (which OpenAI's client ignores), and its tokens then arrive whole."""
+    import threading
+    srv_gen = _server_fixture("--max-num-seqs", "1", "--http-idle-timeout", "1")
+    srv = next(srv_gen)
+    try:
+        long_req = threading.Thread(target=srv.post_json, args=("/v1/completions", {
+            "model": MODEL_NAME, "prompt": "1 +", "max_tokens": 1000, "ignore_eos": True}))
+        long_req.start()
+        deadline = time.time() + 10
+        while srv.metrics()["vllm:num_requests_running"] < 1:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        t0 = time.time()
+        stream = srv.client().completions.create(model=MODEL_NAME, prompt="2 +", max_tokens=5,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        chunks = [c for c in stream]
+        waited = time.time() - t0
+        long_req.join()
+        assert sum(1 for c in chunks if c.choices and c.choices[0].text) == 5
+        assert chunks[-1].choices[0].finish_reason == "length"
+        if waited < 1.5:
+            pytest.skip(f"the long request ended too soon ({waited:.1f} s) to test the timeout")
+    finally:
+        for _ in srv_gen:
+            pass

@@ -1,9 +1,10 @@
-/* framing.c — Content-Length and Transfer-Encoding checks (see framing.h). */
-#include "server/framing.h"
+/* edges.c — Content-Length and Transfer-Encoding checks, the open-file limit (see edges.h). */
+#include "server/edges.h"
 
 #include <stdio.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/resource.h>
 
 typedef struct framing {
     int n_cl;         /* Content-Length headers */
@@ -72,4 +73,12 @@ int ds_http_check_framing(struct MHD_Connection *c, ds_oai_error *e) {
         return DS_ERR;
     }
     return DS_OK;
+}
+
+void ds_http_raise_fd_limit(int want) {
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) || rl.rlim_cur >= (rlim_t)want) return;
+    rl.rlim_cur =
+        rl.rlim_max == RLIM_INFINITY || rl.rlim_max > (rlim_t)want ? (rlim_t)want : rl.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &rl); /* best effort: the old limit still works, only lower */
 }
