@@ -79,9 +79,13 @@ _SPEC = {"verifies": ("spec_decode_num_verifies_total", "spec_decode_num_drafts_
 
 
 def parse_metrics(text):
-    """Prometheus text -> {name without prefix: value summed over label sets}."""
+    """Prometheus text -> {name without prefix: value summed over label sets}. deltaserve exports
+    every series twice (vllm: and deltaserve:): one prefix is read, vllm: when it is there."""
     out = {}
+    prefix = "vllm:" if "\nvllm:" in "\n" + text else None
     for line in text.splitlines():
+        if prefix and not line.startswith(prefix):
+            continue
         if not line or line.startswith("#"):
             continue
         try:

@@ -76,13 +76,14 @@ static void print_ready(const char *host, int port, const char *name, int max_mo
 typedef struct serve_flags {
     ds_engine_flags f;
     const char *host, *api_key, *served;
-    const char *ckpt_mem, *off_ram, *off_disk_bytes;
-    int port;
+    const char *ckpt_mem, *off_ram, *off_disk_bytes, *inflight;
+    int port, max_conns, max_conns_ip;
+    double idle_timeout;
     int64_t seed;
     double grace;
 } serve_flags;
 
-enum { SERVE_OWN_FLAGS = 17 }; /* entries serve_table adds to the engine's */
+enum { SERVE_OWN_FLAGS = 21 }; /* entries serve_table adds to the engine's */
 
 /* Writes serve's flags into out[DS_ENGINE_FLAGS_MAX + SERVE_OWN_FLAGS]; returns how many. */
 static int serve_table(serve_flags *s, ds_arg *out) {
@@ -119,6 +120,15 @@ static int serve_table(serve_flags *s, ds_arg *out) {
                "disk tier size limit (default: unlimited)"),
         DS_OPT("kv-offload-remote", NULL, DS_ARG_STRING, &eo->kv_offload_remote, "URL",
                "remote offload tier, redis://host:port (default: off)"),
+        DS_OPT("max-connections", NULL, DS_ARG_INT, &s->max_conns, "N",
+               "open connections at most; past it requests get 503 + Retry-After"),
+        DS_OPT("max-connections-per-ip", NULL, DS_ARG_INT, &s->max_conns_ip, "N",
+               "open connections per client address (0: no limit); more are closed at once"),
+        DS_OPT("http-idle-timeout", NULL, DS_ARG_FLOAT, &s->idle_timeout, "SEC",
+               "close a connection that sends nothing this long (half-sent requests, keep-alive)"),
+        DS_OPT("max-inflight-body-bytes", NULL, DS_ARG_STRING, &s->inflight, "BYTES",
+               "request bodies buffered at once, over all requests; past it 503 + Retry-After "
+               "(default: 64M)"),
         DS_OPT("shutdown-timeout", NULL, DS_ARG_FLOAT, &s->grace, "SEC",
                "on SIGINT/SIGTERM, let running requests finish this long, then abort them"),
     };
@@ -137,12 +147,16 @@ static int serve_apply(serve_flags *s, ds_err *err) {
                 {"--max-num-batched-tokens", eo->max_num_batched_tokens, 1},
                 {"--block-size", eo->block_size, 1},
                 {"--max-queue", eo->max_queue, 1},
+                {"--max-connections", s->max_conns, 1},
+                {"--max-connections-per-ip", s->max_conns_ip, 0},
                 {"--state-checkpoint-interval-tokens", eo->state_checkpoint_interval_tokens, 1}};
     for (size_t i = 0; i < DS_ARRAY_LEN(ints); i++)
         if (ints[i].value < ints[i].min)
             return ds_errf(err, "%s: expected at least %d, got %d", ints[i].flag, ints[i].min,
                            ints[i].value);
     if (s->port > 65535) return ds_errf(err, "--port: expected at most 65535, got %d", s->port);
+    if (s->idle_timeout <= 0)
+        return ds_errf(err, "--http-idle-timeout: expected > 0, got %g", s->idle_timeout);
     if (s->grace < 0) return ds_errf(err, "--shutdown-timeout: expected >= 0, got %g", s->grace);
     const struct {
         const char *flag, *value;
@@ -205,6 +219,14 @@ static int serve_head(serve_flags *s) {
     so.port = s->port;
     so.api_key = s->api_key;
     so.served_model_name = name;
+    so.max_connections = s->max_conns;
+    so.max_connections_per_ip = s->max_conns_ip;
+    so.idle_timeout_s = s->idle_timeout;
+    if (s->inflight && ds_parse_bytes(s->inflight, &so.max_inflight_body_bytes, &err)) {
+        fprintf(stderr, "serve: --max-inflight-body-bytes: %s\n", err.msg);
+        free(name);
+        return 2;
+    }
     ds_server *srv = NULL;
     ds_engine *e = NULL;
     int status = 1;
@@ -241,6 +263,11 @@ int ds_cmd_serve(int argc, char **argv) {
     s.host = "127.0.0.1";
     s.port = 8000;
     s.grace = 5.0;
+    ds_server_opts dso; /* the HTTP limits' defaults */
+    ds_server_opts_default(&dso);
+    s.max_conns = dso.max_connections;
+    s.max_conns_ip = dso.max_connections_per_ip;
+    s.idle_timeout = dso.idle_timeout_s;
     s.seed = (int64_t)s.f.eo.seed;
     ds_arg opts[DS_ENGINE_FLAGS_MAX + SERVE_OWN_FLAGS];
     ds_args a = {"deltaserve serve",

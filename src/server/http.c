@@ -35,14 +35,16 @@
 #include <unistd.h>
 
 #include "text/chat.h"
+#include "server/edges.h"
 #include "server/metrics.h"
 #include "server/openai.h"
 
 enum {
     POLL_MS = 100,            /* how often a waiting thread looks for a client hang-up */
     STREAM_BLOCK = 16 * 1024, /* MHD's buffer for a streamed response */
-    CONN_TIMEOUT_S = 300,     /* idle keep-alive connections are closed after this */
     HARD_BODY_FACTOR = 4,     /* bodies above factor * max_body are refused without reading */
+    CONN_RESERVE = 64,        /* connections past max_connections that MHD still accepts, so
+                                 they get a 503 rather than a reset */
 };
 
 struct ds_server {
@@ -55,6 +57,11 @@ struct ds_server {
     char *model_name; /* served name */
     size_t max_body;
     double retry_after;
+    int max_conns;          /* beyond it requests get 503 (MHD resets past + CONN_RESERVE) */
+    atomic_int n_conns;     /* open connections */
+    size_t max_inflight;    /* body bytes buffered over all requests at most */
+    atomic_size_t inflight; /* body bytes reserved by requests being read or served */
+    double keepalive_s;     /* a waiting stream writes an SSE comment this often */
     ds_metrics *metrics;
     pthread_mutex_t active_mu; /* guards n_active */
     pthread_cond_t active_cv;  /* signalled when n_active drops */
@@ -198,12 +205,14 @@ static int client_hung_up(int fd) {
     return (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
 }
 
-/* Waits (mu held) until an event is queued or every final event arrived. Returns DS_ERR when the
- * client hung up (mu still held). The socket is looked at every POLL_MS whether or not events
- * flow: a plain request is busy with events all the time and would otherwise never notice. */
-static int gen_wait(gen_req *r) {
+/* Waits (mu held) until an event is queued or every final event arrived, or (wake_by > 0) until
+ * then: returns 1 at wake_by with nothing queued. Returns DS_ERR when the client hung up (mu still
+ * held). The socket is looked at every POLL_MS whether or not events flow: a plain request is
+ * busy with events all the time and would otherwise never notice. */
+static int gen_wait(gen_req *r, double wake_by) {
     for (;;) {
         double now = ds_now();
+        if (wake_by > 0 && now >= wake_by && !r->head && r->n_final < r->n_choices) return 1;
         /* only while the engine still works for it: a finished answer is simply written */
         if (r->n_final < r->n_choices && now - r->t_hup_check >= POLL_MS * 1e-3) {
             r->t_hup_check = now;
@@ -254,6 +263,9 @@ static enum MHD_Result send_error_h(struct MHD_Connection *c, const ds_oai_error
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
     if (extra_header) MHD_add_response_header(resp, extra_header, extra_value);
     if (e->status == 401) MHD_add_response_header(resp, "WWW-Authenticate", "Bearer");
+    /* a refusal for want of room frees its connection too */
+    if (e->status == 503 && strcmp(e->code, "queue_full"))
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     enum MHD_Result ret = MHD_queue_response(c, (unsigned)e->status, resp);
     MHD_destroy_response(resp);
     return ret;
@@ -317,7 +329,14 @@ static int stream_fill(gen_req *r) {
         return DS_OK;
     }
     pthread_mutex_lock(&r->mu);
-    if (gen_wait(r)) {
+    /* a stream that waits (queued, a long prefill) writes an SSE comment now and then, so the
+     * idle timeout (and a proxy's) does not cut it */
+    int w = gen_wait(r, ds_now() + r->srv->keepalive_s);
+    if (w == 1) {
+        pthread_mutex_unlock(&r->mu);
+        return out_append(r, ": keep-alive\n\n", 14);
+    }
+    if (w) {
         pthread_mutex_unlock(&r->mu);
         gen_abandon(r);
         return DS_ERR;
@@ -376,8 +395,10 @@ static void stream_free(void *cls) {
 typedef struct conn_ctx {
     char *body; /* [len] request body, NUL-terminated when complete */
     size_t len, cap;
-    size_t seen;  /* bytes received, also beyond the limit (they are discarded) */
-    gen_req *gen; /* the generation this request started, or NULL */
+    size_t seen;     /* bytes received, also beyond the limit (they are discarded) */
+    size_t reserved; /* bytes of s->inflight this request holds (its body's room) */
+    int no_room;     /* a chunked body outgrew s->max_inflight: discarded, answered 503 */
+    gen_req *gen;    /* the generation this request started, or NULL */
 } conn_ctx;
 
 static ds_engine *ready_engine(ds_server *s) {
@@ -441,7 +462,7 @@ static enum MHD_Result finish_plain(struct MHD_Connection *c, gen_req *r) {
     int oom = 0, done = 0;
     while (!done) {
         pthread_mutex_lock(&r->mu);
-        if (gen_wait(r)) {
+        if (gen_wait(r, 0)) {
             pthread_mutex_unlock(&r->mu);
             gen_abandon(r);
             return MHD_NO; /* nobody to answer: close the connection */
@@ -675,6 +696,40 @@ typedef enum {
     EP_DETOK
 } ep;
 
+/* ---------------------------------------------------------------------------------------------
+ * limits: connections and buffered body bytes */
+
+/* Grows cc's share of the buffered-body budget to `want` bytes; 0 (nothing taken) when the
+ * budget has no room. */
+static int reserve_body(ds_server *s, conn_ctx *cc, size_t want) {
+    if (want <= cc->reserved) return 1;
+    size_t more = want - cc->reserved;
+    if (atomic_fetch_add(&s->inflight, more) + more > s->max_inflight) {
+        atomic_fetch_sub(&s->inflight, more);
+        return 0;
+    }
+    cc->reserved = want;
+    return 1;
+}
+
+/* 503 with Retry-After and the connection closed: the server is out of `what`. */
+static enum MHD_Result send_busy(ds_server *s, struct MHD_Connection *c, const char *what) {
+    char ra[32];
+    snprintf(ra, sizeof ra, "%d", (int)(s->retry_after + 0.999));
+    ds_oai_error e;
+    ds_oai_errorf(&e, 503, NULL, "server_busy", "the server is at its limit of %s; retry later",
+                  what);
+    return send_error_h(c, &e, MHD_HTTP_HEADER_RETRY_AFTER, ra);
+}
+
+/* MHD's connection callback: counts open connections (half-sent requests included). */
+static void on_connection(void *cls, struct MHD_Connection *c, void **socket_context,
+                          enum MHD_ConnectionNotificationCode toe) {
+    (void)c, (void)socket_context;
+    ds_server *s = cls;
+    atomic_fetch_add(&s->n_conns, toe == MHD_CONNECTION_NOTIFY_STARTED ? 1 : -1);
+}
+
 static const struct route {
     const char *path;
     const char *method; /* the only one allowed (HEAD also for GET) */
@@ -709,9 +764,7 @@ static int authorized(ds_server *s, struct MHD_Connection *c) {
 
 static enum MHD_Result dispatch(ds_server *s, struct MHD_Connection *c, conn_ctx *cc,
                                 const char *url, const char *method) {
-    if (s->api_key && strncmp(url, "/v1/", 4) == 0 && !authorized(s, c))
-        return send_errorf(c, 401, NULL, "invalid_api_key",
-                           "Incorrect or missing API key: send it as 'Authorization: Bearer KEY'");
+    /* the API key was checked on the headers (on_request) */
     const struct route *r = NULL;
     for (size_t i = 0; i < DS_ARRAY_LEN(ROUTES); i++)
         if (strcmp(url, ROUTES[i].path) == 0) r = &ROUTES[i];
@@ -723,6 +776,7 @@ static enum MHD_Result dispatch(ds_server *s, struct MHD_Connection *c, conn_ctx
                       "%.16s %.200s: method not allowed (use %s)", method, url, r->method);
         return send_error_h(c, &e, MHD_HTTP_HEADER_ALLOW, get ? "GET, HEAD" : r->method);
     }
+    if (cc->no_room) return send_busy(s, c, "request bodies being read");
     if (cc->seen > s->max_body)
         return send_errorf(c, 413, NULL, "request_too_large",
                            "the request body is %zu bytes; the limit is %zu", cc->seen,
@@ -758,12 +812,26 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         cc = calloc(1, sizeof *cc);
         if (!cc) return MHD_NO;
         *con_cls = cc;
+        ds_oai_error fe;
+        if (ds_http_check_framing(c, &fe)) /* answered at once, and the connection closed */
+            return send_error_h(c, &fe, MHD_HTTP_HEADER_CONNECTION, "close");
+        /* the key before the body: a client without it gets 401 before we read (or buffer) its
+         * body; MHD closes the connection when a body is left unread */
+        if (s->api_key && strncmp(url, "/v1/", 4) == 0 && !authorized(s, c))
+            return send_errorf(c, 401, NULL, "invalid_api_key",
+                               "Incorrect or missing API key: send it as 'Authorization: Bearer "
+                               "KEY'");
+        if (atomic_load(&s->n_conns) > s->max_conns) return send_busy(s, c, "connections");
         const char *cl =
             MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-        if (cl && strtoull(cl, NULL, 10) > HARD_BODY_FACTOR * (unsigned long long)s->max_body)
+        unsigned long long n = cl ? strtoull(cl, NULL, 10) : 0;
+        if (n > HARD_BODY_FACTOR * (unsigned long long)s->max_body)
             /* refuse at once rather than read a huge body; MHD then closes the connection */
             return send_errorf(c, 413, NULL, "request_too_large",
                                "the request body is %s bytes; the limit is %zu", cl, s->max_body);
+        /* the body's room is taken before any byte is read: a full server says so at once */
+        if (n && !reserve_body(s, cc, DS_MIN((size_t)n, s->max_body)))
+            return send_busy(s, c, "request bodies being read");
         return MHD_YES;
     }
     if (*upload_size) {
@@ -771,7 +839,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         cc->seen += n;
         *upload_size = 0;
         if (cc->seen > HARD_BODY_FACTOR * s->max_body) return MHD_NO; /* chunked and huge: drop */
-        if (cc->seen > s->max_body) return MHD_YES; /* discard; answered 413 at the end */
+        if (cc->seen > s->max_body || cc->no_room) return MHD_YES;    /* discard; answered later */
+        if (cc->len + n > cc->reserved && !reserve_body(s, cc, cc->len + n)) {
+            cc->no_room = 1;
+            return MHD_YES;
+        }
         if (cc->len + n + 1 > cc->cap) {
             size_t cap = DS_MAX(2 * cc->cap, cc->len + n + 1);
             cap = DS_MIN(cap, s->max_body + 1);
@@ -791,9 +863,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
                          enum MHD_RequestTerminationCode toe) {
     conn_ctx *cc = *con_cls;
+    ds_server *s = cls;
     if (!cc) return;
     if (cc->gen) {
-        ds_server *s = cls;
         if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK) gen_abandon(cc->gen);
         gen_unref(cc->gen);
         pthread_mutex_lock(&s->active_mu);
@@ -801,6 +873,7 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
         pthread_cond_broadcast(&s->active_cv);
         pthread_mutex_unlock(&s->active_mu);
     }
+    atomic_fetch_sub(&s->inflight, cc->reserved);
     free(cc->body);
     free(cc);
     *con_cls = NULL;
@@ -815,6 +888,10 @@ void ds_server_opts_default(ds_server_opts *o) {
     o->port = 8000;
     o->max_body_bytes = 16u << 20;
     o->retry_after_s = 1;
+    o->max_connections = 2048;
+    o->max_connections_per_ip = 256;
+    o->idle_timeout_s = 60;
+    o->max_inflight_body_bytes = 64u << 20;
 }
 
 int ds_server_create(const ds_server_opts *o, ds_server **out, ds_err *err) {
@@ -830,6 +907,12 @@ int ds_server_create(const ds_server_opts *o, ds_server **out, ds_err *err) {
     pthread_condattr_destroy(&ca);
     s->max_body = o->max_body_bytes ? o->max_body_bytes : 16u << 20;
     s->retry_after = o->retry_after_s > 0 ? o->retry_after_s : 1;
+    s->max_conns = o->max_connections > 0 ? o->max_connections : 2048;
+    double idle = o->idle_timeout_s > 0 ? o->idle_timeout_s : 60;
+    s->keepalive_s = DS_MIN(idle / 3, 15.0);
+    s->max_inflight = o->max_inflight_body_bytes ? o->max_inflight_body_bytes : 64u << 20;
+    s->max_inflight = DS_MAX(s->max_inflight, s->max_body); /* one maximal body always fits */
+    ds_http_raise_fd_limit(s->max_conns + CONN_RESERVE + 256);
     s->api_key = o->api_key && o->api_key[0] ? strdup(o->api_key) : NULL;
     s->model_name = strdup(o->served_model_name ? o->served_model_name : "model");
     s->id_salt = (uint64_t)time(NULL) * 0x9e3779b97f4a7c15ull ^ (uint64_t)getpid() << 20;
@@ -857,8 +940,11 @@ int ds_server_create(const ds_server_opts *o, ds_server **out, ds_err *err) {
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
     s->mhd = MHD_start_daemon(
         flags, (uint16_t)o->port, NULL, NULL, on_request, s, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-        MHD_OPTION_NOTIFY_COMPLETED, on_completed, s, MHD_OPTION_CONNECTION_TIMEOUT,
-        (unsigned)CONN_TIMEOUT_S, MHD_OPTION_LISTEN_BACKLOG_SIZE, (unsigned)1024, MHD_OPTION_END);
+        MHD_OPTION_NOTIFY_COMPLETED, on_completed, s, MHD_OPTION_NOTIFY_CONNECTION, on_connection,
+        s, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)(idle + 0.999), MHD_OPTION_CONNECTION_LIMIT,
+        (unsigned)(s->max_conns + CONN_RESERVE), MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+        (unsigned)DS_MAX(o->max_connections_per_ip, 0), MHD_OPTION_LISTEN_BACKLOG_SIZE,
+        (unsigned)1024, MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!s->mhd) {
         int e = errno;

@@ -10,6 +10,10 @@
  * chunks reach the clients), then ds_server_free (closes connections, joins their threads), then
  * ds_engine_free.
  *
+ * Edges (docs/usage.md, "The HTTP server's edges"): framing is checked on the headers
+ * (edges.h), so is the API key; connections in all and per address, idle time and the body
+ * bytes held at once are bounded (the options below), 503 + Retry-After when full.
+ *
  * A request's state is shared by its connection thread and the engine thread and freed by
  * whichever lets go last (a reference count), so a client that disconnects mid-stream aborts its
  * request without either side touching freed memory. */
@@ -24,12 +28,20 @@
 typedef struct ds_server ds_server;
 
 typedef struct ds_server_opts {
-    const char *host;              /* address to bind (default "127.0.0.1"); "::" etc. work */
-    int port;                      /* 0: any free port (see ds_server_port) */
-    const char *api_key;           /* non-NULL: /v1/... require "Authorization: Bearer KEY" */
-    const char *served_model_name; /* the name clients must send as "model" */
-    size_t max_body_bytes;         /* larger bodies get 413 (default 16 MiB) */
-    double retry_after_s;          /* Retry-After of a 503 when the queue is full (default 1) */
+    const char *host;               /* address to bind (default "127.0.0.1"); "::" etc. work */
+    int port;                       /* 0: any free port (see ds_server_port) */
+    const char *api_key;            /* non-NULL: /v1/... require "Authorization: Bearer KEY" */
+    const char *served_model_name;  /* the name clients must send as "model" */
+    size_t max_body_bytes;          /* larger bodies get 413 (default 16 MiB) */
+    double retry_after_s;           /* Retry-After of a 503 when the queue is full (default 1) */
+    int max_connections;            /* open connections; past it requests get 503 + Retry-After
+                                       and, 64 further on, connections are reset (default 2048) */
+    int max_connections_per_ip;     /* per client address; further ones are closed at once
+                                       (default 256; 0: no limit) */
+    double idle_timeout_s;          /* a connection that sends nothing this long (a half-sent
+                                       request, an idle keep-alive) is closed (default 60) */
+    size_t max_inflight_body_bytes; /* request bodies buffered at once over all requests; past
+                                      it 503 + Retry-After (default 64 MiB) */
 } ds_server_opts;
 
 void ds_server_opts_default(ds_server_opts *o);

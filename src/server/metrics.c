@@ -80,6 +80,7 @@ typedef struct textbuf {
     char *s;
     size_t len, cap;
     int oom;
+    const char *pfx; /* the metric names' prefix: "vllm:" or "deltaserve:" */
 } textbuf;
 
 __attribute__((format(printf, 2, 3))) static void tb_printf(textbuf *t, const char *fmt, ...) {
@@ -108,17 +109,17 @@ __attribute__((format(printf, 2, 3))) static void tb_printf(textbuf *t, const ch
 }
 
 static void metric_head(textbuf *t, const char *name, const char *type, const char *help) {
-    tb_printf(t, "# HELP deltaserve:%s %s\n# TYPE deltaserve:%s %s\n", name, help, name, type);
+    tb_printf(t, "# HELP %s%s %s\n# TYPE %s%s %s\n", t->pfx, name, help, t->pfx, name, type);
 }
 
 static void gauge(textbuf *t, const char *name, const char *help, const char *labels, double v) {
     metric_head(t, name, "gauge", help);
-    tb_printf(t, "deltaserve:%s{%s} %.17g\n", name, labels, v);
+    tb_printf(t, "%s%s{%s} %.17g\n", t->pfx, name, labels, v);
 }
 
 static void counter(textbuf *t, const char *name, const char *help, const char *labels, double v) {
     metric_head(t, name, "counter", help);
-    tb_printf(t, "deltaserve:%s{%s} %.17g\n", name, labels, v);
+    tb_printf(t, "%s%s{%s} %.17g\n", t->pfx, name, labels, v);
 }
 
 /* The labels every sample carries: model_name="NAME", the value escaped as the exposition format
@@ -222,8 +223,7 @@ static void render_counters(textbuf *t, const ds_engine_stats *st, const char *l
     metric_head(t, "spec_decode_num_accepted_tokens_per_pos", "counter",
                 "Draft tokens accepted, by position in the draft block.");
     for (int i = 0; i < DS_MAX_SPEC; i++)
-        tb_printf(t,
-                  "deltaserve:spec_decode_num_accepted_tokens_per_pos{%s,position=\"%d\"} %llu\n",
+        tb_printf(t, "%sspec_decode_num_accepted_tokens_per_pos{%s,position=\"%d\"} %llu\n", t->pfx,
                   labels, i, (unsigned long long)st->spec_accepted_at[i]);
 
     gauge(t, "spec_decode_draft_digest",
@@ -233,31 +233,42 @@ static void render_counters(textbuf *t, const ds_engine_stats *st, const char *l
 
     metric_head(t, "request_success_total", "counter", "Finished requests by finish reason.");
     for (ds_finish f = DS_FINISH_STOP; f <= DS_FINISH_ERROR; f++)
-        tb_printf(t, "deltaserve:request_success_total{%s,finished_reason=\"%s\"} %llu\n", labels,
+        tb_printf(t, "%srequest_success_total{%s,finished_reason=\"%s\"} %llu\n", t->pfx, labels,
                   ds_finish_name(f), (unsigned long long)st->finished[f]);
 }
 
-/* The latency histograms (a snapshot taken under the lock), cumulative as Prometheus wants. */
-static void render_histograms(textbuf *t, ds_metrics *m, const char *labels) {
-    hist snap[DS_HIST_COUNT];
-    pthread_mutex_lock(&m->mu);
-    memcpy(snap, m->h, sizeof snap);
-    pthread_mutex_unlock(&m->mu);
-    for (int i = 0; i < DS_HIST_COUNT; i++) {
-        const hist_def *d = &HISTS[i];
-        metric_head(t, d->name, "histogram", d->help);
-        uint64_t cum = 0;
-        for (int b = 0; b < d->n_bounds; b++) {
-            cum += snap[i].counts[b];
-            tb_printf(t, "deltaserve:%s_bucket{%s,le=\"%g\"} %llu\n", d->name, labels, d->bounds[b],
-                      (unsigned long long)cum);
-        }
-        tb_printf(t, "deltaserve:%s_bucket{%s,le=\"+Inf\"} %llu\n", d->name, labels,
-                  (unsigned long long)snap[i].count);
-        tb_printf(t, "deltaserve:%s_sum{%s} %.17g\n", d->name, labels, snap[i].sum);
-        tb_printf(t, "deltaserve:%s_count{%s} %llu\n", d->name, labels,
-                  (unsigned long long)snap[i].count);
+/* One histogram h, cumulative as Prometheus wants, under the name `name`. */
+static void render_hist(textbuf *t, const char *name, const hist_def *d, const hist *h,
+                        const char *labels) {
+    metric_head(t, name, "histogram", d->help);
+    uint64_t cum = 0;
+    for (int b = 0; b < d->n_bounds; b++) {
+        cum += h->counts[b];
+        tb_printf(t, "%s%s_bucket{%s,le=\"%g\"} %llu\n", t->pfx, name, labels, d->bounds[b],
+                  (unsigned long long)cum);
     }
+    tb_printf(t, "%s%s_bucket{%s,le=\"+Inf\"} %llu\n", t->pfx, name, labels,
+              (unsigned long long)h->count);
+    tb_printf(t, "%s%s_sum{%s} %.17g\n", t->pfx, name, labels, h->sum);
+    tb_printf(t, "%s%s_count{%s} %llu\n", t->pfx, name, labels, (unsigned long long)h->count);
+}
+
+/* The latency histograms, from one snapshot taken under the lock. */
+static void render_histograms(textbuf *t, const hist *snap, const char *labels) {
+    for (int i = 0; i < DS_HIST_COUNT; i++)
+        render_hist(t, HISTS[i].name, &HISTS[i], &snap[i], labels);
+}
+
+/* The names older vLLM versions (and the Grafana dashboard in vLLM's examples) query, for
+ * numbers that are exported above under their current names. */
+static void render_vllm_legacy(textbuf *t, const ds_engine_stats *st, const hist *snap,
+                               const char *labels) {
+    gauge(t, "gpu_cache_usage_perc", "KV cache usage (1 = full); the same as kv_cache_usage_perc.",
+          labels, st->pages_total ? (double)st->pages_used / st->pages_total : 0.0);
+    gauge(t, "num_requests_swapped", "Requests swapped out (never: preempted ones recompute).",
+          labels, 0.0);
+    render_hist(t, "time_per_output_token_seconds", &HISTS[DS_HIST_ITL], &snap[DS_HIST_ITL],
+                labels);
 }
 
 char *ds_metrics_render(ds_metrics *m, const ds_engine_stats *st, const char *model_name,
@@ -271,9 +282,20 @@ char *ds_metrics_render(ds_metrics *m, const ds_engine_stats *st, const char *mo
     }
     char labels[600];
     format_labels(labels, sizeof labels, model_name);
-    render_engine(&t, st, labels);
-    render_counters(&t, st, labels);
-    render_histograms(&t, m, labels);
+    hist snap[DS_HIST_COUNT];
+    pthread_mutex_lock(&m->mu);
+    memcpy(snap, m->h, sizeof snap);
+    pthread_mutex_unlock(&m->mu);
+    /* vLLM's names, so its dashboards and alerts work unchanged; then the same numbers as
+     * deltaserve:, the names of earlier releases */
+    static const char *const PREFIXES[] = {"vllm:", "deltaserve:"};
+    for (size_t i = 0; i < DS_ARRAY_LEN(PREFIXES); i++) {
+        t.pfx = PREFIXES[i];
+        render_engine(&t, st, labels);
+        render_counters(&t, st, labels);
+        render_histograms(&t, snap, labels);
+        if (i == 0) render_vllm_legacy(&t, st, snap, labels);
+    }
     if (t.oom) {
         free(t.s);
         ds_errf(err, "out of memory rendering metrics");

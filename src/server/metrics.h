@@ -1,4 +1,6 @@
-/* metrics.h — the server's Prometheus metrics, under vLLM's names with the prefix `deltaserve:`.
+/* metrics.h — the server's Prometheus metrics, under vLLM's names: each series as `vllm:<name>`
+ * (what vLLM's Grafana dashboard queries, with its older aliases gpu_cache_usage_perc and
+ * time_per_output_token_seconds) and again as `deltaserve:<name>`, the names of earlier releases.
  *
  * Gauges and token/preemption/finish counters are read from the engine (ds_engine_get_stats) when
  * /metrics is scraped. Latency histograms are measured here, in the server, from the times the

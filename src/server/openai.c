@@ -175,6 +175,10 @@ static int get_str(json_t *o, const char *key, char **out, ds_oai_error *e) {
     json_t *v = field(o, key);
     if (!v) return DS_OK;
     if (!json_is_string(v)) return type_error(e, key, "a string", v);
+    /* JSON_ALLOW_NUL lets "\u0000" through: an identifier cut at a NUL would match a prefix */
+    if (strlen(json_string_value(v)) != json_string_length(v))
+        return ds_oai_errorf(e, 400, key, "invalid_value", "%s: must not contain NUL (\\u0000)",
+                             key);
     *out = strndup(json_string_value(v), json_string_length(v));
     if (!*out) return ds_oai_errorf(e, 500, NULL, NULL, "out of memory");
     return DS_OK;
@@ -301,6 +305,9 @@ static int parse_chat(json_t *root, ds_oai_request *r, ds_oai_error *e) {
     if (tc) {
         if (json_is_string(tc)) {
             const char *v = json_string_value(tc);
+            if (strlen(v) != json_string_length(tc))
+                return ds_oai_errorf(e, 400, "tool_choice", "invalid_value",
+                                     "tool_choice: must not contain NUL (\\u0000)");
             if (strcmp(v, "auto") && strcmp(v, "none") && strcmp(v, "required"))
                 return ds_oai_errorf(e, 400, "tool_choice", "invalid_value",
                                      "tool_choice: expected \"auto\", \"none\", \"required\" or a "
@@ -866,6 +873,11 @@ int ds_oai_parse_detokenize(const char *body, size_t len, const char *served_nam
     json_t *j = body_json(body, len, e);
     if (!j) return DS_ERR;
     json_t *model = json_object_get(j, "model");
+    if (json_is_string(model) && strlen(json_string_value(model)) != json_string_length(model)) {
+        json_decref(j);
+        return ds_oai_errorf(e, 400, "model", "invalid_value",
+                             "model: must not contain NUL (\\u0000)");
+    }
     if (served_name && json_is_string(model) && strcmp(json_string_value(model), served_name)) {
         ds_oai_errorf(e, 404, "model", "model_not_found", "The model `%.200s` does not exist.",
                       json_string_value(model));

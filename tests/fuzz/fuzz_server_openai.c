@@ -70,10 +70,10 @@ static void check_params(const ds_oai_request *q) {
     if (p->n_stop_token_ids < 0 || p->n_stop_token_ids > DS_MAX_STOP)
         fz_fail("n_stop_token_ids = %d", p->n_stop_token_ids);
     if (p->logprobs < -1 || p->logprobs > DS_MAX_LOGPROBS) fz_fail("logprobs = %d", p->logprobs);
-    if (!(p->sample.temperature >= 0) || !(p->sample.top_p >= 0 && p->sample.top_p <= 1) || p->sample.top_k < -1 ||
-        !(p->sample.min_p >= 0 && p->sample.min_p <= 1))
-        fz_fail("sampling out of range: t %g p %g k %d min_p %g", p->sample.temperature, p->sample.top_p,
-                p->sample.top_k, p->sample.min_p);
+    if (!(p->sample.temperature >= 0) || !(p->sample.top_p >= 0 && p->sample.top_p <= 1) ||
+        p->sample.top_k < -1 || !(p->sample.min_p >= 0 && p->sample.min_p <= 1))
+        fz_fail("sampling out of range: t %g p %g k %d min_p %g", p->sample.temperature,
+                p->sample.top_p, p->sample.top_k, p->sample.min_p);
     if (q->kind == DS_OAI_COMPLETIONS && !q->prompt == !q->prompt_ids)
         fz_fail("completions need exactly one of prompt / prompt_ids");
     if (q->kind == DS_OAI_CHAT && !q->messages_json) fz_fail("chat without messages");
@@ -160,6 +160,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     memset(&e, 0, sizeof e);
     int rc = ds_oai_parse_request(kind, body, size - 1, "tiny", ds_tok_vocab_size(tok), &q, &e);
     fz_note("parse", rc, e.message);
+    if (rc == DS_OK) { /* an accepted "model" is the served name whole, not a prefix cut at NUL */
+        json_t *bj = json_loadb(body, size - 1, JSON_ALLOW_NUL, NULL);
+        json_t *m = json_object_get(bj, "model");
+        if (json_is_string(m) && json_string_length(m) != strlen("tiny"))
+            fz_fail("accepted model of %zu bytes", json_string_length(m));
+        json_decref(bj);
+    }
     /* the same bytes as /tokenize and /detokenize bodies */
     {
         ds_oai_request tq;

@@ -213,6 +213,8 @@ def seeds_openai():
              {"type": "function", "function": {"name": "get_weather"}}}),
         (1, {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}),
         (1, {"messages": []}),
+        (0, {"model": "tiny\u0000x", "prompt": "x"}),  # issue 35: cut at the NUL, accepted
+        (1, {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto\u0000"}),
     ]
     for i, (flags, b) in enumerate(bodies):
         put(t, "body%02d" % i, bytes([flags | 0x0C]) + json.dumps(b).encode())

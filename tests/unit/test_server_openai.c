@@ -203,6 +203,11 @@ static void test_errors(void **state) {
               "`gpt-4` does not exist");
     parse_err(C, "{\"prompt\": \"x\", \"model\": 5}", 400, "model",
               "model: expected a string, got integer");
+    /* a NUL would cut the name to the served one: refused, naming the field */
+    parse_err(C, "{\"prompt\": \"x\", \"model\": \"tiny\\u0000x\"}", 400, "model",
+              "model: must not contain NUL");
+    parse_err(H, "{\"messages\": [{}], \"reasoning_effort\": \"high\\u0000\"}", 400,
+              "reasoning_effort", "must not contain NUL");
     parse_err(C, "{\"prompt\": \"x\", \"temperature\": \"hot\"}", 400, "temperature",
               "temperature: expected a number, got string");
     parse_err(C, "{\"prompt\": \"x\", \"temperature\": 2.5}", 400, "temperature",
@@ -637,6 +642,16 @@ static void test_metrics_text(void **state) {
     HAS("deltaserve:inter_token_latency_seconds_bucket{model_name=\"ti\\\"ny\",le=\"0.01\"} 0\n");
     HAS("deltaserve:inter_token_latency_seconds_bucket{model_name=\"ti\\\"ny\",le=\"0.025\"} 1\n");
     HAS("deltaserve:e2e_request_latency_seconds_count{model_name=\"ti\\\"ny\"} 0\n");
+    /* vLLM's names for the same numbers (its dashboards query these), and its older aliases */
+    HAS("# TYPE vllm:num_requests_running gauge\n");
+    HAS("vllm:num_requests_running{model_name=\"ti\\\"ny\"} 3\n");
+    HAS("vllm:prompt_tokens_total{model_name=\"ti\\\"ny\"} 1234\n");
+    HAS("vllm:generation_tokens_total{model_name=\"ti\\\"ny\"} 99\n");
+    HAS("vllm:kv_cache_usage_perc{model_name=\"ti\\\"ny\"} 0.25\n");
+    HAS("vllm:gpu_cache_usage_perc{model_name=\"ti\\\"ny\"} 0.25\n");
+    HAS("vllm:time_to_first_token_seconds_count{model_name=\"ti\\\"ny\"} 3\n");
+    HAS("vllm:time_per_output_token_seconds_count{model_name=\"ti\\\"ny\"} 1\n");
+    HAS("vllm:request_success_total{model_name=\"ti\\\"ny\",finished_reason=\"stop\"} 7\n");
 #undef HAS
     free(t);
     ds_metrics_free(m);
