@@ -378,12 +378,20 @@ def test_stream_waiting_longer_than_idle_timeout_is_kept_alive():
             time.sleep(0.02)
         t0 = time.time()
         stream = srv.client().completions.create(model=MODEL_NAME, prompt="2 +", max_tokens=5,
-                                                 stream=True, extra_body={"ignore_eos": True})
+                                                 temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True},
+                                                 stream_options={"include_usage": True})
         chunks = [c for c in stream]
         waited = time.time() - t0
         long_req.join()
-        assert sum(1 for c in chunks if c.choices and c.choices[0].text) == 5
-        assert chunks[-1].choices[0].finish_reason == "length"
+        # every token arrived (a token's text may be empty: count them by the usage), and the
+        # text is the same request's answer without streaming
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finish[-1] == "length"
+        whole = srv.client().completions.create(model=MODEL_NAME, prompt="2 +", max_tokens=5,
+                                                temperature=0, extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
         if waited < 1.5:
             pytest.skip(f"the long request ended too soon ({waited:.1f} s) to test the timeout")
     finally:
