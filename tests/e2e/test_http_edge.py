@@ -370,7 +370,7 @@ def test_stream_waiting_longer_than_idle_timeout_is_kept_alive():
     srv = next(srv_gen)
     try:
         long_req = threading.Thread(target=srv.post_json, args=("/v1/completions", {
-            "model": MODEL_NAME, "prompt": "1 +", "max_tokens": 1000, "ignore_eos": True}))
+            "model": MODEL_NAME, "prompt": "1 +", "max_tokens": 3000, "ignore_eos": True}))
         long_req.start()
         deadline = time.time() + 10
         while srv.metrics()["vllm:num_requests_running"] < 1:
