@@ -83,14 +83,16 @@ static void check_params(const ds_oai_request *q) {
  * stream chunks, checking that each is valid JSON. */
 static void build_responses(ds_oai_request *q, const ds_tokenizer *tok, const int32_t *ids,
                             int n_ids, int n_ev) {
-    ds_oai_resp_ctx c = {q->kind,
-                         "id-1",
-                         "tiny",
-                         1700000000,
-                         q->params.logprobs,
-                         tok,
-                         !q->params.skip_special_tokens,
-                         q->return_token_ids};
+    ds_oai_resp_ctx c = {.kind = q->kind,
+                         .id = "id-1",
+                         .model = "tiny",
+                         .created = 1700000000,
+                         .logprobs = q->params.logprobs,
+                         .tok = tok,
+                         .keep_special = !q->params.skip_special_tokens,
+                         .token_ids = q->return_token_ids};
+    /* the chat output parse as the server sets it (tools, thinking: K3's format) */
+    if (q->kind == DS_OAI_CHAT) ds_oai_parse_opts(&c, q, DS_CHAT_K3);
     int n = q->params.n;
     ds_oai_choice ch[DS_OAI_MAX_N];
     memset(ch, 0, sizeof ch);
