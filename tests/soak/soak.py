@@ -43,7 +43,7 @@ MODEL = os.path.basename(os.path.normpath(DS_MODEL))
 
 WORDS = ("the quick brown fox jumps over lazy dog 你好 世界 hello world code def return "
          "data model token cache page stream 12345 ! ? , . \n").split(" ")
-OK_FINISH = ("stop", "length")
+OK_FINISH = ("stop", "length", "tool_calls")
 
 
 class Failures:
@@ -285,8 +285,10 @@ def check_plain(f, what, body, r, chat):
     for c in r.choices:
         if c.finish_reason not in OK_FINISH:
             return f.fail(f"{what}: finish_reason {c.finish_reason!r}")
+        # a chat message's content is null when it is empty (all reasoning, or only tool calls),
+        # as OpenAI's; a completion's text is always a string
         text = c.message.content if chat else c.text
-        if not isinstance(text, str):
+        if not isinstance(text, str) and not (chat and text is None):
             return f.fail(f"{what}: choice text is {type(text).__name__}")
     u = r.usage
     if u is None or u.completion_tokens > n * body["max_tokens"] or u.prompt_tokens < 1 or \
