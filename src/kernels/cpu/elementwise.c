@@ -7,6 +7,7 @@
  * OpenMP threads; short ones (a decode step) stay on the calling thread, where a parallel region
  * would cost more than the work. */
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/simd_sum.h" /* target macros, masks, the summing tree */
 
 #include <immintrin.h>
 #include <math.h>
@@ -35,13 +36,6 @@
 #define TANH_C7    (-17.0f / 315.0f)
 #define TANH_C9    (62.0f / 2835.0f)
 #define TANH_C11   (-1382.0f / 155925.0f)
-
-#define AVX2_FN     __attribute__((target("avx2,fma,f16c")))
-#define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
-#define AVX512_FN   __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
-#define AVX512_INLINE                                                                              \
-    static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx2,fma,"       \
-                                                       "f16c")))
 
 AVX2_INLINE __m256 avx2_exp(__m256 x) {
     x = _mm256_min_ps(_mm256_set1_ps(EXP_HI), x); /* min/max return the 2nd operand on NaN */
@@ -137,14 +131,6 @@ static float sigmoid_scalar(float x) {
     return 1.0f / (1.0f + expf(-x));
 }
 
-/* Lanes l < n set. */
-AVX2_INLINE __m256i avx2_mask(size_t n) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-AVX512_INLINE __mmask16 avx512_mask(size_t n) {
-    return (__mmask16)((1u << n) - 1u);
-}
-
 /* ---- sums of squares ------------------------------------------------------------------------- */
 /* Four accumulators hide the add latency; they are combined in a fixed order. */
 
@@ -152,13 +138,6 @@ static float sumsq_scalar(const float *x, int n) {
     float s = 0.0f;
     for (int i = 0; i < n; i++) s += x[i] * x[i];
     return s;
-}
-
-AVX2_INLINE float avx2_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 AVX2_INLINE float avx2_sumsq(const float *x, int n) {
@@ -177,7 +156,7 @@ AVX2_INLINE float avx2_sumsq(const float *x, int n) {
         a0 = _mm256_fmadd_ps(v, v, a0);
     }
     if (i < n) {
-        const __m256 v = _mm256_maskload_ps(x + i, avx2_mask((size_t)(n - i)));
+        const __m256 v = _mm256_maskload_ps(x + i, avx2_mask(n - i));
         a1 = _mm256_fmadd_ps(v, v, a1);
     }
     return avx2_hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
@@ -199,7 +178,7 @@ AVX512_INLINE float avx512_sumsq(const float *x, int n) {
         a0 = _mm512_fmadd_ps(v, v, a0);
     }
     if (i < n) {
-        const __m512 v = _mm512_maskz_loadu_ps(avx512_mask((size_t)(n - i)), x + i);
+        const __m512 v = _mm512_maskz_loadu_ps(avx512_mask(n - i), x + i);
         a1 = _mm512_fmadd_ps(v, v, a1);
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
@@ -236,7 +215,7 @@ static AVX2_FN void scale_row_avx2(float *y, const float *x, float s, const floa
     for (; i + 8 <= (size_t)n; i += 8)
         _mm256_storeu_ps(y + i, avx2_scale8(_mm256_loadu_ps(x + i), sv, w, g, i, all, 1));
     if (i < (size_t)n) {
-        const __m256i m = avx2_mask((size_t)n - i);
+        const __m256i m = avx2_mask((int)((size_t)n - i));
         _mm256_maskstore_ps(y + i, m, avx2_scale8(_mm256_maskload_ps(x + i, m), sv, w, g, i, m, 0));
     }
 }
@@ -245,7 +224,7 @@ static AVX512_FN void scale_row_avx512(float *y, const float *x, float s, const 
                                        const float *g, int n) {
     const __m512 sv = _mm512_set1_ps(s);
     for (int i = 0; i < n; i += 16) {
-        const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : avx512_mask((size_t)(n - i));
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : avx512_mask(n - i);
         __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), sv);
         if (w) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + i));
         if (g) v = _mm512_mul_ps(v, avx512_sigmoid(_mm512_maskz_loadu_ps(m, g + i)));
@@ -375,7 +354,7 @@ static AVX2_FN void act_avx2(const act_args *p, size_t i0, size_t i1) {
         _mm256_storeu_ps(p->out + i, avx2_act(p, _mm256_loadu_ps(p->a + i), b));
     }
     if (i < i1) {
-        const __m256i m = avx2_mask(i1 - i);
+        const __m256i m = avx2_mask((int)(i1 - i));
         const __m256 b = two ? _mm256_maskload_ps(p->b + i, m) : _mm256_setzero_ps();
         _mm256_maskstore_ps(p->out + i, m, avx2_act(p, _mm256_maskload_ps(p->a + i, m), b));
     }
@@ -395,7 +374,7 @@ AVX512_INLINE __m512 avx512_act(const act_args *p, __m512 a, __m512 b) {
 static AVX512_FN void act_avx512(const act_args *p, size_t i0, size_t i1) {
     const int two = p->op != ACT_SIGMOID;
     for (size_t i = i0; i < i1; i += 16) {
-        const __mmask16 m = i1 - i >= 16 ? (__mmask16)0xffff : avx512_mask(i1 - i);
+        const __mmask16 m = i1 - i >= 16 ? (__mmask16)0xffff : avx512_mask((int)(i1 - i));
         const __m512 b = two ? _mm512_maskz_loadu_ps(m, p->b + i) : _mm512_setzero_ps();
         _mm512_mask_storeu_ps(p->out + i, m, avx512_act(p, _mm512_maskz_loadu_ps(m, p->a + i), b));
     }
