@@ -245,8 +245,9 @@ static int commit_call(ds_toolparse *p, size_t id_end, ds_tp_out *o) {
     while (colon > 0 && name[colon - 1] >= '0' && name[colon - 1] <= '9') colon--;
     if (colon > 0 && colon < nn && name[colon - 1] == ':') nn = colon - 1; /* ":IDX" */
     for (size_t i = 0; i < nn; i++)
-        if (is_space(name[i]) || name[i] == '<' || name[i] == '>') nn = 0;
-    if (!nn) /* the end marker was read: it goes back with the rest */
+        if (is_space(name[i]) || (unsigned char)name[i] < 0x20 || name[i] == '<' || name[i] == '>')
+            nn = 0; /* (a control byte, NUL among them, ends no name a C string can hold) */
+    if (!nn)        /* the end marker was read: it goes back with the rest */
         return put_raw(p, CALL_END, sizeof CALL_END - 1) ? DS_ERR : malformed(p, o);
     if (push_call(p, o, id, idn, name, nn, p->raw + p->args_start, p->raw_len - p->args_start))
         return DS_ERR;
