@@ -8,7 +8,7 @@ RUN_MODEL ?= models/gsm-k3
 PROMPT ?= The quick brown fox
 DEB_PKGS := build-essential cmake pkg-config libjansson-dev libpcre2-dev libxxhash-dev \
             libcmocka-dev libmicrohttpd-dev libopenmpi-dev openmpi-bin libhiredis-dev redis-server \
-            libcurl4-openssl-dev clang libclang-rt-14-dev libomp-dev
+            libcurl4-openssl-dev clang libclang-rt-14-dev libomp-dev libucx-dev
 PIP_PKGS := pytest openai numpy
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
