@@ -752,6 +752,34 @@ void ds_prefix_on_finish(ds_prefix *px, ds_seq *q) {
     }
 }
 
+int ds_prefix_export(ds_prefix *px, const ds_seq *q, ds_prefix_sink sink, void *ctx) {
+    if (px->loading || px->storing) { /* the staging buffers are busy: impossible at a finish */
+        px->st.reentries++;
+        return -1;
+    }
+    int n = 0;
+    size_t slot_bytes = px->slot_floats * sizeof(float);
+    for (int b = 0; b < q->n_filed; b++) {
+        const entry *en = &px->ents[q->entry[b]];
+        int nk = en->depth * px->bs;
+        if (en->page >= 0) {
+            page_gather(px, en->page, px->st_pbuf);
+            if (sink(ctx, 'p', en->hash, nk, px->st_pbuf, page_bytes(px))) return -1;
+            n++;
+        }
+        if (en->ckpt >= 0) {
+            ds_dmem_copy(px->o.dm, px->st_sbuf, ds_slot_data(px->ck, en->ckpt), slot_bytes);
+            if (sink(ctx, 'c', en->hash, nk, px->st_sbuf, slot_bytes)) return -1;
+            n++;
+        }
+    }
+    return n;
+}
+
+size_t ds_prefix_page_bytes(const ds_prefix *px) {
+    return page_bytes(px);
+}
+
 void ds_prefix_get_stats(const ds_prefix *px, ds_prefix_stats *s) {
     *s = px->st;
     s->ckpt_total = px->ck ? ds_slot_n_total(px->ck) : 0;

@@ -93,6 +93,16 @@ void ds_prefix_on_computed(ds_prefix *px, ds_seq *q, const float *slot);
 int ds_prefix_would_hold(const ds_prefix *px, const ds_seq *q, int pos0);
 /* q finished: hands its filed pages and checkpoints to the offload tier (if any). */
 void ds_prefix_on_finish(ds_prefix *px, ds_seq *q);
+/* Hands q's filed blocks to another server (prefill/decode disaggregation, docs/pd.md): for each
+ * filed page and each checkpoint still held, in chain order, sink gets its kind ('p' / 'c', as in
+ * the offload tier), prefix hash, the depth in tokens (its key is q->tokens[0, n_tokens)) and the
+ * payload exactly as the offload tier would store it. The payload pointer is valid during the
+ * call only. Returns the number of blocks, or -1 when sink failed. */
+typedef int (*ds_prefix_sink)(void *ctx, char kind, const uint64_t hash[2], int n_tokens,
+                              const void *data, size_t n_bytes);
+int ds_prefix_export(ds_prefix *px, const ds_seq *q, ds_prefix_sink sink, void *ctx);
+/* Bytes of a page's payload in the offload tier and in a transfer. */
+size_t ds_prefix_page_bytes(const ds_prefix *px);
 void ds_prefix_get_stats(const ds_prefix *px, ds_prefix_stats *s);
 /* Tokens between interval rungs: the interval snapped to a multiple of lcm(chunk, block). */
 int ds_prefix_rung_interval(const ds_prefix *px);

@@ -175,7 +175,7 @@ static int gen_head(gen_flags *g) {
         ds_errf(&err, "--prompt: the prompt is empty");
         goto out;
     }
-    ds_request_spec spec = {ids, n, g->rp, gen_on_event, &r};
+    ds_request_spec spec = {ids, n, g->rp, gen_on_event, &r, 0, NULL};
     r.t_submit = ds_now();
     if (ds_engine_submit(e, &spec, NULL, &err) < 0) goto out;
     pthread_mutex_lock(&r.mu);

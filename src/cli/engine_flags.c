@@ -2,6 +2,7 @@
 #include "cli/engine_flags.h"
 
 #include <errno.h>
+#include <jansson.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -116,6 +117,9 @@ int ds_engine_flags_table(ds_engine_flags *f, ds_arg *out) {
         DS_OPT("pipeline-parallel-size", "pp", DS_ARG_INT, &f->pp, "P", "pipeline stages"),
         DS_OPT("pp-layer-partition", NULL, DS_ARG_STRING, &f->partition, "N,N,...",
                "layers per stage (default: even, remainder to the middle stages)"),
+        DS_OPT("kv-transfer-config", NULL, DS_ARG_STRING, &f->kv_transfer, "JSON",
+               "prefill/decode disaggregation, vLLM's form: {\"kv_role\": \"kv_producer\" | "
+               "\"kv_consumer\" | \"kv_both\", \"kv_ip\", \"kv_port\"} (docs/pd.md)"),
     };
     _Static_assert(DS_ARRAY_LEN(table) + DS_TEST_FLAGS_MAX == DS_ENGINE_FLAGS_MAX,
                    "DS_ENGINE_FLAGS_MAX counts the table");
@@ -155,7 +159,89 @@ int ds_engine_flags_apply(ds_engine_flags *f, const ds_args *a, ds_err *err) {
     if (eo->num_speculative_tokens < 1 || eo->num_speculative_tokens > DS_MAX_SPEC)
         return ds_errf(err, "--num-speculative-tokens: expected 1..%d, got %d", DS_MAX_SPEC,
                        eo->num_speculative_tokens);
+    if (f->kv_transfer && ds_parse_kv_transfer_config(f->kv_transfer, eo, &f->kv_ip, err))
+        return ds_err_prefix(err, "--kv-transfer-config");
     return ds_test_flags_apply(&f->test, eo, err);
+}
+
+static const char *const KV_ROLES[] = {"", "kv_producer", "kv_consumer", "kv_both", NULL};
+/* vLLM KVTransferConfig fields accepted without a use here */
+static const char *const KV_IGNORED[] = {"kv_buffer_size",
+                                         "kv_buffer_device",
+                                         "kv_rank",
+                                         "kv_parallel_size",
+                                         "engine_id",
+                                         "kv_load_failure_policy",
+                                         "kv_connector_module_path",
+                                         NULL};
+
+static int kv_seconds(json_t *extra, const char *key, int *ms, ds_err *err) {
+    json_t *v = json_object_get(extra, key);
+    if (!v) return DS_OK;
+    if (!json_is_number(v) || json_number_value(v) <= 0 || json_number_value(v) > 86400)
+        return ds_errf(err, "kv_connector_extra_config.%s: expected seconds in (0, 86400]", key);
+    *ms = (int)(json_number_value(v) * 1000);
+    return DS_OK;
+}
+
+static int kv_known(const char *key) {
+    static const char *const USED[] = {
+        "kv_role", "kv_connector", "kv_ip", "kv_port", "kv_connector_extra_config", NULL};
+    for (int i = 0; USED[i]; i++)
+        if (!strcmp(USED[i], key)) return 1;
+    for (int i = 0; KV_IGNORED[i]; i++)
+        if (!strcmp(KV_IGNORED[i], key)) return 1;
+    return 0;
+}
+
+static int kv_fields(json_t *root, ds_engine_opts *eo, char **ip, ds_err *err) {
+    const char *key;
+    json_t *v;
+    json_object_foreach(root, key, v) if (!kv_known(key)) return ds_errf(
+        err,
+        "unknown field '%s' (expected kv_role, kv_connector, kv_ip, kv_port, "
+        "kv_connector_extra_config)",
+        key);
+    json_t *role = json_object_get(root, "kv_role");
+    if (!json_is_string(role))
+        return ds_errf(err,
+                       "kv_role: expected \"kv_producer\", \"kv_consumer\" or "
+                       "\"kv_both\"%s",
+                       role ? "" : " (missing)");
+    eo->kv_role = 0;
+    for (int i = 1; KV_ROLES[i]; i++)
+        if (!strcmp(KV_ROLES[i], json_string_value(role))) eo->kv_role = i;
+    if (!eo->kv_role)
+        return ds_errf(err, "kv_role: expected kv_producer, kv_consumer or kv_both, got '%s'",
+                       json_string_value(role));
+    v = json_object_get(root, "kv_connector");
+    if (v && !json_is_string(v)) return ds_errf(err, "kv_connector: expected a string");
+    v = json_object_get(root, "kv_ip");
+    if (v && !json_is_string(v)) return ds_errf(err, "kv_ip: expected a string");
+    if (v && !(*ip = strdup(json_string_value(v)))) return ds_errf(err, "out of memory");
+    eo->kv_ip = *ip;
+    v = json_object_get(root, "kv_port");
+    if (v && (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > 65535))
+        return ds_errf(err, "kv_port: expected an integer in 0..65535");
+    if (v) eo->kv_port = (int)json_integer_value(v);
+    json_t *extra = json_object_get(root, "kv_connector_extra_config");
+    if (extra && !json_is_object(extra))
+        return ds_errf(err, "kv_connector_extra_config: expected an object");
+    if (extra && (kv_seconds(extra, "hold_timeout_s", &eo->kv_hold_timeout_ms, err) ||
+                  kv_seconds(extra, "pull_timeout_s", &eo->kv_pull_timeout_ms, err)))
+        return DS_ERR;
+    return DS_OK;
+}
+
+int ds_parse_kv_transfer_config(const char *json, ds_engine_opts *eo, char **ip, ds_err *err) {
+    json_error_t je;
+    json_t *root = json_loads(json, 0, &je);
+    if (!root) return ds_errf(err, "not valid JSON: %s (at column %d)", je.text, je.column);
+    int rc = json_is_object(root) ? kv_fields(root, eo, ip, err)
+                                  : ds_errf(err, "expected a JSON object such as "
+                                                 "{\"kv_role\": \"kv_producer\"}");
+    json_decref(root);
+    return rc;
 }
 
 int ds_engine_flags_job(ds_engine_flags *f, int supervised, int argc, char **argv) {
@@ -212,4 +298,6 @@ int ds_engine_flags_run_rank(ds_engine_flags *f) {
 
 void ds_engine_flags_free(ds_engine_flags *f) {
     ds_test_flags_free(&f->test);
+    free(f->kv_ip);
+    f->kv_ip = NULL;
 }

@@ -17,12 +17,14 @@
 #include "engine/engine.h"
 #include "model/model.h"
 
-enum { DS_ENGINE_FLAGS_MAX = 17 + DS_TEST_FLAGS_MAX }; /* entries ds_engine_flags_table writes */
+enum { DS_ENGINE_FLAGS_MAX = 18 + DS_TEST_FLAGS_MAX }; /* entries ds_engine_flags_table writes */
 
 typedef struct ds_engine_flags {
     ds_engine_opts eo; /* the defaults; ds_engine_flags_apply writes the flags into it */
     const char *cmd;   /* "serve": prefixes messages */
     const char *device, *kv_mem, *kv_dtype, *spec_method, *relay, *partition, *quant;
+    const char *kv_transfer; /* --kv-transfer-config JSON (docs/pd.md) */
+    char *kv_ip;             /* its kv_ip, owned (eo.kv_ip points here) */
     int tp, pp;
     int counts[DS_MAX_LAYERS]; /* [pp] layers per stage, from ds_engine_flags_job */
     ds_test_flags test;
@@ -50,6 +52,12 @@ int ds_engine_flags_job(ds_engine_flags *f, int supervised, int argc, char **arg
 int ds_engine_flags_run_rank(ds_engine_flags *f);
 
 void ds_engine_flags_free(ds_engine_flags *f); /* the test hooks' state; after the engine */
+
+/* --kv-transfer-config: vLLM's KVTransferConfig JSON, {"kv_role": "kv_producer" | "kv_consumer" |
+ * "kv_both", "kv_connector"?, "kv_ip"?, "kv_port"?, "kv_connector_extra_config"?:
+ * {"hold_timeout_s", "pull_timeout_s"}} (vLLM's other fields are accepted and unused) into eo; *ip
+ * gets kv_ip (malloc'd). Errors name the field. */
+int ds_parse_kv_transfer_config(const char *json, ds_engine_opts *eo, char **ip, ds_err *err);
 
 /* "2G", "512M", "1.5GiB", "1073741824" -> bytes. Suffixes K, M, G, T are powers of 1024, with an
  * optional "i" and "B"/"b". */

@@ -9,13 +9,14 @@
 #include "cli/args.h"
 #include "engine/engine.h"
 
-enum { DS_TEST_FLAGS_MAX = 2 }; /* entries ds_test_flags_table writes at most */
+enum { DS_TEST_FLAGS_MAX = 3 }; /* entries ds_test_flags_table writes at most */
 
 typedef struct ds_test_oracle ds_test_oracle;
 
 typedef struct ds_test_flags {
     const char *oracle_path; /* --speculative-test-oracle */
     int prefix_hash_bits;    /* --prefix-hash-bits */
+    int kv_corrupt;          /* --test-kv-corrupt */
     ds_test_oracle *oracle;  /* loaded by ds_test_flags_apply; outlives the engine */
 } ds_test_flags;
 

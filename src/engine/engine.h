@@ -34,7 +34,13 @@ typedef struct ds_test_hooks {
     void (*step)(void *ctx, uint64_t steps);
     void *step_ctx;
     int prefix_hash_bits; /* > 0: the prefix cache keeps this many hash bits, forcing collisions */
+    /* P/D consumer: flip one payload byte of every pulled transfer before it is verified (a block
+     * corrupted in flight; docs/pd.md) */
+    int kv_corrupt;
 } ds_test_hooks;
+
+/* Prefill/decode disaggregation roles (docs/pd.md), vLLM's kv_role. */
+enum { DS_KV_NONE = 0, DS_KV_PRODUCER = 1, DS_KV_CONSUMER = 2, DS_KV_BOTH = 3 };
 
 typedef struct ds_engine_opts {
     const char *model_dir;
@@ -84,7 +90,13 @@ typedef struct ds_engine_opts {
     /* With P > 1 stages, P steps are in flight (one per group of sequences) so that every stage
      * computes at once; pp_lock_step runs one step at a time instead (slower; for comparison). */
     int pp_lock_step;
-    ds_test_hooks test; /* tests only; all zero in production */
+    /* prefill/decode disaggregation (docs/pd.md; --kv-transfer-config) */
+    int kv_role;            /* DS_KV_*; a producer never proposes drafts */
+    const char *kv_ip;      /* producer: the transfer listener's address, also advertised */
+    int kv_port;            /* producer: its port (0: a free one) */
+    int kv_hold_timeout_ms; /* producer: an unpulled transfer is freed after this (120000) */
+    int kv_pull_timeout_ms; /* consumer: a pull that takes longer fails (30000) */
+    ds_test_hooks test;     /* tests only; all zero in production */
 } ds_engine_opts;
 
 enum { DS_RELAY_PARTIAL_SUM = 0, DS_RELAY_PLAIN = 1 };
@@ -138,12 +150,20 @@ typedef struct ds_token_event {
 
 typedef void (*ds_event_fn)(void *user, const ds_token_event *ev);
 
+typedef struct ds_kv_pull ds_kv_pull;
+
 typedef struct ds_request_spec {
     const int32_t *prompt; /* [n_prompt], copied by submit */
     int n_prompt;
     ds_request_params params;
     ds_event_fn on_event;
     void *user;
+    /* P/D (docs/pd.md). Producer: when the request ends (stop or length), its prompt's filed
+     * blocks are held under this transfer id for a consumer to pull (0: not). Consumer: blocks
+     * pulled and verified by ds_engine_kv_pull, put into the offload tier before the request is
+     * admitted, so its prefix-cache lookup finds them; submit takes ownership (also on failure). */
+    uint64_t kv_export_id;
+    ds_kv_pull *kv_import;
 } ds_request_spec;
 
 int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err);
@@ -161,6 +181,19 @@ void ds_engine_stop(ds_engine *e, double grace_s);
 /* A rank other than the head: waits until the head's stop reaches the step loop and it ends. */
 void ds_engine_join(ds_engine *e);
 void ds_engine_free(ds_engine *e);
+
+/* P/D (engine/pd.c, docs/pd.md). The role, and where a producer's transfers are pulled from. */
+int ds_engine_kv_role(const ds_engine *e);
+const char *ds_engine_kv_host(const ds_engine *e);
+int ds_engine_kv_port(const ds_engine *e);
+/* Consumer, on the caller's thread: pulls transfer id from host:port and verifies every block
+ * against this engine (model identity, layer range, TP rank, page and slot sizes, the prompt's
+ * tokens, each block's checksum). DS_OK with *out for ds_request_spec.kv_import; DS_ERR with the
+ * reason when anything is missing, late, truncated or mismatched, counted as a pull failure: the
+ * caller then submits without it and the prompt is recomputed. */
+int ds_engine_kv_pull(ds_engine *e, const char *host, int port, uint64_t id, const int32_t *prompt,
+                      int n_prompt, ds_kv_pull **out, ds_err *err);
+void ds_kv_pull_free(ds_kv_pull *p);
 
 const ds_tokenizer *ds_engine_tokenizer(const ds_engine *e);
 int ds_engine_max_model_len(const ds_engine *e);
@@ -189,8 +222,13 @@ typedef struct ds_engine_stats {
     uint64_t spec_accepted_at[DS_MAX_SPEC]; /* drafts accepted at position i (0-based) */
     uint64_t spec_fork_verifies; /* verifies that were also a sequence's first step after a
                                     prefix hit (the checkpoint forked before the kernels ran) */
-    uint32_t spec_draft_digest;  /* checksum over every draft proposed, in order: two runs that
-                                    drafted the same tokens agree (a test of the tap relays) */
+    /* P/D (docs/pd.md): producer transfers filed, held now, freed unpulled; consumer pulls that
+     * were installed, that failed (the prompt recomputed), and the blocks and bytes installed */
+    uint64_t kv_exports, kv_export_blocks, kv_expired;
+    int kv_held;
+    uint64_t kv_pulls, kv_pull_failures, kv_pull_blocks, kv_pull_bytes;
+    uint32_t spec_draft_digest; /* checksum over every draft proposed, in order: two runs that
+                                   drafted the same tokens agree (a test of the tap relays) */
 } ds_engine_stats;
 void ds_engine_get_stats(ds_engine *e, ds_engine_stats *s);
 

@@ -27,6 +27,7 @@
 #include "parallel/pipeline.h"
 #include "sample/sampler.h"
 #include "transport/comm.h"
+#include "transport/xfer.h"
 
 #include <pthread.h>
 #include <stddef.h>
@@ -59,7 +60,8 @@ struct request {
     int aborted;
     int owns_stop;      /* a mirrored request (not the head): spec.params.stop strings are ours */
     uint64_t seed_base; /* choice i draws from seed_base + i */
-    request *next;      /* inbox / live list */
+    ds_kv_pull *kv_import; /* P/D consumer: blocks to install before admission (owned) */
+    request *next;         /* inbox / live list */
 };
 
 /* One step between its launch (schedule, forward, the sampling rank's choices) and its completion
@@ -164,6 +166,10 @@ struct ds_engine {
     int sampler_rank; /* world rank of the sampling rank */
     int last_stage;   /* this rank computes logits */
     ds_pp_bufs ppb;   /* stage-boundary buffers */
+
+    /* P/D (pd.c) */
+    ds_xfer_server *xfer; /* producer: the store consumers pull from */
+    uint64_t kv_seed;     /* the prefix cache's model identity, carried in every transfer */
 };
 
 /* ---- request.c: requests, choices, events ---------------------------------------------------- */
@@ -215,6 +221,16 @@ void eng_count_verify(ds_engine *e, int n_drafts, int a);
 /* The sampling rank after a step's tokens: the draft's context rows and the next drafts of every
  * sampled item (n_taps: the taps this step captured). */
 void eng_propose(ds_engine *e, inflight *f, int n_taps);
+
+/* ---- pd.c: prefill/decode disaggregation (docs/pd.md) -----------------------------------------
+ */
+
+int eng_pd_setup(ds_engine *e, ds_err *err);
+void eng_pd_free(ds_engine *e);
+/* Producer: files the finished choice's prompt blocks under its request's transfer id. */
+void eng_pd_export(ds_engine *e, choice *ch);
+/* Consumer: puts a request's pulled blocks into the offload tier (before its admission). */
+void eng_pd_install(ds_engine *e, request *r);
 
 /* ---- ranks.c: the rank protocol of a TP x PP job ----------------------------------------------
  */

@@ -56,6 +56,7 @@ void eng_request_free(request *r) {
     }
     free(r->choices);
     free(r->prompt);
+    ds_kv_pull_free(r->kv_import);
     if (r->owns_stop)
         for (int i = 0; i < r->spec.params.n_stop; i++) free(r->spec.params.stop[i]);
     free(r);
@@ -70,6 +71,10 @@ void eng_finish_choice(ds_engine *e, choice *ch, ds_finish why) {
         /* a finished prefix is worth keeping beyond the device pools */
         if (ch->in_sched && e->prefix && why != DS_FINISH_ABORT)
             ds_prefix_on_finish(e->prefix, ch->seq);
+        /* a P/D producer's prefill: its blocks, held for the consumer, before the final event
+         * (so the transfer exists once the client hears the request ended) */
+        if (ch->in_sched && (why == DS_FINISH_STOP || why == DS_FINISH_LENGTH))
+            eng_pd_export(e, ch);
         if (ch->in_sched)
             ds_sched_remove(e->sched, ch->seq,
                             why == DS_FINISH_ABORT ? DS_SEQ_ABORTED : DS_SEQ_FINISHED);
@@ -116,11 +121,14 @@ request *eng_request_new(ds_engine *e, const ds_request_spec *spec, int64_t id, 
     request *r = ds_calloc(1, sizeof *r, err);
     if (!r) return NULL;
     r->spec = *spec;
+    r->kv_import = spec->kv_import; /* owned from here (eng_request_free frees it) */
+    r->spec.kv_import = NULL;
     r->id = id;
     r->seed_base = seed_base;
     r->prompt = ds_malloc((size_t)spec->n_prompt * sizeof(int32_t), err);
     r->choices = ds_calloc((size_t)p->n, sizeof(choice), err);
     if (!r->prompt || !r->choices) {
+        r->kv_import = NULL; /* not taken: the caller frees it */
         eng_request_free(r);
         return NULL;
     }
@@ -136,6 +144,7 @@ request *eng_request_new(ds_engine *e, const ds_request_spec *spec, int64_t id, 
         ch->seq = ds_seq_new(id, r->prompt, spec->n_prompt, max_len, err);
         if (!ch->seq || ds_token_counts_init(&ch->counts, err) ||
             ds_textout_init(&ch->text, p->stop, p->n_stop, err)) {
+            r->kv_import = NULL;
             eng_request_free(r);
             return NULL;
         }
@@ -144,7 +153,8 @@ request *eng_request_new(ds_engine *e, const ds_request_spec *spec, int64_t id, 
     return r;
 }
 
-int64_t ds_engine_submit(ds_engine *e, const ds_request_spec *spec, int *why, ds_err *err) {
+static int64_t submit(ds_engine *e, const ds_request_spec *spec, int *why, int *taken,
+                      ds_err *err) {
     int dummy;
     if (!why) why = &dummy;
     *why = DS_SUBMIT_INVALID;
@@ -170,6 +180,7 @@ int64_t ds_engine_submit(ds_engine *e, const ds_request_spec *spec, int *why, ds
         p->has_seed ? p->seed : e->opts.seed ^ (uint64_t)id * 0x9e3779b97f4a7c15ull;
     pthread_mutex_unlock(&e->mu);
     request *r = eng_request_new(e, spec, id, seed_base, err);
+    *taken = r != NULL;
     if (!r) return -1;
     pthread_mutex_lock(&e->mu);
     if (e->stopping || e->n_queued >= e->opts.max_queue) {
@@ -191,6 +202,14 @@ int64_t ds_engine_submit(ds_engine *e, const ds_request_spec *spec, int *why, ds
     pthread_cond_signal(&e->wake);
     pthread_mutex_unlock(&e->mu);
     *why = 0;
+    return id;
+}
+
+/* The engine owns spec->kv_import from here, whatever happens to the request. */
+int64_t ds_engine_submit(ds_engine *e, const ds_request_spec *spec, int *why, ds_err *err) {
+    int taken = 0;
+    int64_t id = submit(e, spec, why, &taken, err);
+    if (!taken) ds_kv_pull_free(spec->kv_import);
     return id;
 }
 
@@ -288,6 +307,7 @@ int eng_take_inbox(ds_engine *e) {
         in = in->next;
         r->next = e->live;
         e->live = r;
+        eng_pd_install(e, r); /* pulled blocks into the tier, for its prefix lookup */
         int n = r->spec.params.n;
         for (int i = 0; i < n; i++) {
             ds_err err;

@@ -29,6 +29,8 @@ void ds_engine_opts_default(ds_engine_opts *o) {
     o->state_checkpoint_interval_tokens = 256;
     o->state_checkpoint_memory = (size_t)64 << 20;
     o->kv_offload_remote_timeout_ms = 100;
+    o->kv_hold_timeout_ms = 120000;
+    o->kv_pull_timeout_ms = 30000;
 }
 
 void ds_request_params_default(ds_request_params *p) {
@@ -174,6 +176,7 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
     if (ds_model_kv_fp8(e->model)) seed = XXH3_64bits_withSeed("kv-cache-dtype fp8", 18, seed);
     /* one identity for the whole job (each rank holds a different share of the weights) */
     if (e->dist && ds_comm_bcast(e->comm, &seed, sizeof seed, err)) return DS_ERR;
+    e->kv_seed = seed;
     char model_id[32];
     snprintf(model_id, sizeof model_id, "%016llx", (unsigned long long)seed);
     if (o->kv_offload_ram_bytes || (o->kv_offload_disk_dir && o->kv_offload_disk_dir[0]) ||
@@ -334,12 +337,15 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
     ds_sched_opts so = {opts->block_size, opts->max_num_seqs, opts->max_num_batched_tokens,
                         e->chunk_tokens};
     if (ds_sched_create(&so, e->pages, e->slots, &e->sched, err)) goto fail;
+    /* a P/D consumer receives its pulled blocks into the RAM tier (docs/pd.md) */
+    if ((opts->kv_role & DS_KV_CONSUMER) && !e->opts.kv_offload_ram_bytes)
+        e->opts.kv_offload_ram_bytes = (size_t)512 << 20;
     if (opts->enable_prefix_caching && setup_prefix(e, err)) goto fail;
     if (opts->speculative_method != DS_SPEC_NONE && setup_spec(e, err)) goto fail;
     /* only a prefix hit resumes a sequence one token short of its end */
     if (e->num_speculative_tokens && e->prefix)
         ds_sched_set_admit_drafts(e->sched, eng_admit_drafts, e);
-    if (alloc_step_buffers(e, err)) goto fail;
+    if (eng_pd_setup(e, err) || alloc_step_buffers(e, err)) goto fail;
     *out = e;
     return DS_OK;
 fail:
@@ -429,6 +435,7 @@ void ds_engine_free(ds_engine *e) {
     }
     while (e->live) eng_abort_request(e, e->live);
     if (e->sched) ds_sched_free(e->sched);
+    eng_pd_free(e);
     ds_prefix_free(e->prefix);
     ds_offload_free(e->offload);
     ds_slot_pool_free(e->slots);

@@ -203,7 +203,9 @@ static void propose_item(ds_engine *e, inflight *f, int i, int n_taps, int summe
             cw->taps = e->taps + tap_off;
         }
     }
-    if (!it->sample || !e->num_speculative_tokens) return;
+    /* a P/D producer keeps the draft's context rows (its pages must match the consumer's) but
+     * never proposes: it only prefills (docs/pd.md) */
+    if (!it->sample || !e->num_speculative_tokens || e->opts.kv_role == DS_KV_PRODUCER) return;
     int32_t next = f->vt[i][f->va[i] < 0 ? 0 : f->va[i]];
     if (e->draft && !e->opts.test.spec_drafts) { /* proposed by eng_propose, all together */
         e->prop_item[*n_prop] = i;

@@ -42,7 +42,11 @@ void eng_update_queue_stats(ds_engine *e) {
 }
 
 void ds_engine_get_stats(ds_engine *e, ds_engine_stats *s) {
+    ds_xfer_stats xs = {0};
+    if (e->xfer) ds_xfer_server_stats(e->xfer, &xs);
     pthread_mutex_lock(&e->mu);
     *s = e->stats;
     pthread_mutex_unlock(&e->mu);
+    s->kv_held = xs.held;
+    s->kv_expired = xs.expired;
 }

@@ -36,6 +36,7 @@
 
 #include "text/chat.h"
 #include "server/edges.h"
+#include "server/kvparams.h"
 #include "server/metrics.h"
 #include "server/openai.h"
 
@@ -489,7 +490,8 @@ static enum MHD_Result finish_plain(struct MHD_Connection *c, gen_req *r) {
             return send_errorf(c, 503, NULL, "aborted",
                                "the request was aborted (the server is shutting down)");
     }
-    return send_json(c, 200, ds_oai_response(&r->ctx, r->choices, r->n_choices, r->n_prompt));
+    json_t *j = ds_oai_response(&r->ctx, r->choices, r->n_choices, r->n_prompt);
+    return send_json(c, 200, ds_kv_annotate(r->e, &r->oai, j));
 }
 
 static enum MHD_Result handle_generate(ds_server *s, struct MHD_Connection *c, conn_ctx *cc,
@@ -552,8 +554,8 @@ static enum MHD_Result handle_generate(ds_server *s, struct MHD_Connection *c, c
     pthread_mutex_lock(&s->active_mu);
     s->n_active++;
     pthread_mutex_unlock(&s->active_mu);
-
-    ds_request_spec spec = {ids, n_prompt, r->oai.params, on_event, r};
+    ds_request_spec spec = {ids, n_prompt, r->oai.params, on_event, r, 0, NULL};
+    ds_kv_prepare(e, &r->oai, &spec); /* P/D: a transfer id, or the producer's blocks pulled */
     int why = 0;
     ds_err err = {{0}};
     /* events may start (even finish) on the engine thread before submit returns */

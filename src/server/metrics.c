@@ -155,6 +155,8 @@ static void render_engine(textbuf *t, const ds_engine_stats *st, const char *lab
     counter(t, "num_preemptions_total", "Sequences preempted (to be recomputed).", labels,
             (double)st->preemptions_total);
     counter(t, "engine_steps_total", "Engine steps run.", labels, (double)st->steps_total);
+    gauge(t, "kv_transfer_held", "P/D producer: transfers held for a consumer to pull.", labels,
+          st->kv_held);
     counter(t, "engine_step_seconds_total", "Seconds spent in forward passes and sampling.", labels,
             st->step_seconds_total);
 }
@@ -201,6 +203,23 @@ static void render_counters(textbuf *t, const ds_engine_stats *st, const char *l
          offsetof(ds_engine_stats, offload_bad)},
         {"kv_offload_remote_errors_total", "Errors talking to the remote tier.",
          offsetof(ds_engine_stats, offload_remote_errors)},
+        {"kv_transfer_exports_total",
+         "P/D producer: prefilled prompts whose blocks were held for a consumer (docs/pd.md).",
+         offsetof(ds_engine_stats, kv_exports)},
+        {"kv_transfer_export_blocks_total", "P/D producer: blocks (pages, checkpoints) held.",
+         offsetof(ds_engine_stats, kv_export_blocks)},
+        {"kv_transfer_expired_total", "P/D producer: transfers freed unpulled after the timeout.",
+         offsetof(ds_engine_stats, kv_expired)},
+        {"kv_transfer_pulls_total", "P/D consumer: transfers pulled, verified and installed.",
+         offsetof(ds_engine_stats, kv_pulls)},
+        {"kv_transfer_pull_failures_total",
+         "P/D consumer: transfers missing, late, truncated or mismatched; the prompt was "
+         "recomputed instead.",
+         offsetof(ds_engine_stats, kv_pull_failures)},
+        {"kv_transfer_pull_blocks_total", "P/D consumer: blocks installed from transfers.",
+         offsetof(ds_engine_stats, kv_pull_blocks)},
+        {"kv_transfer_pull_bytes_total", "P/D consumer: bytes of the transfers installed.",
+         offsetof(ds_engine_stats, kv_pull_bytes)},
         {"spec_decode_num_verifies_total", "Speculative verify steps (one forward each).",
          offsetof(ds_engine_stats, spec_verifies)},
         {"spec_decode_num_draft_tokens_total", "Draft tokens proposed and verified.",

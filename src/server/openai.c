@@ -343,6 +343,42 @@ static int parse_chat(json_t *root, ds_oai_request *r, ds_oai_error *e) {
 }
 
 /* Everything but JSON syntax. Fills r; on error the caller frees r. */
+/* vLLM's kv_transfer_params (null or absent: none). The producer's own answer is passed back by
+ * the router as it came, so its fields are checked as this server wrote them. */
+static int parse_kv_params(json_t *root, ds_oai_request *r, ds_oai_error *e) {
+    json_t *kv = field(root, "kv_transfer_params");
+    if (!kv || json_is_null(kv)) return DS_OK;
+    if (!json_is_object(kv)) return type_error(e, "kv_transfer_params", "an object", kv);
+    json_t *d = json_object_get(kv, "do_remote_decode"),
+           *p = json_object_get(kv, "do_remote_prefill");
+    if (d && !json_is_boolean(d))
+        return type_error(e, "kv_transfer_params.do_remote_decode", "a boolean", d);
+    if (p && !json_is_boolean(p))
+        return type_error(e, "kv_transfer_params.do_remote_prefill", "a boolean", p);
+    r->kv_do_remote_decode = json_is_true(d);
+    r->kv_do_remote_prefill = json_is_true(p);
+    if (!r->kv_do_remote_prefill) return DS_OK;
+    json_t *h = json_object_get(kv, "remote_host"), *pt = json_object_get(kv, "remote_port"),
+           *id = json_object_get(kv, "remote_request_id");
+    if (!json_is_string(h))
+        return type_error(e, "kv_transfer_params.remote_host", "a string", h ? h : json_null());
+    if (!json_is_integer(pt) || json_integer_value(pt) < 1 || json_integer_value(pt) > 65535)
+        return ds_oai_errorf(e, 400, "kv_transfer_params.remote_port", "invalid_value",
+                             "kv_transfer_params.remote_port: expected a port in 1..65535");
+    char *end = NULL;
+    const char *ids = json_is_string(id) ? json_string_value(id) : "";
+    unsigned long long v = strtoull(ids, &end, 16);
+    if (strlen(ids) != 16 || *end || v == 0)
+        return ds_oai_errorf(e, 400, "kv_transfer_params.remote_request_id", "invalid_value",
+                             "kv_transfer_params.remote_request_id: expected the producer's 16 "
+                             "hex digits");
+    if (!(r->kv_remote_host = strdup(json_string_value(h))))
+        return ds_oai_errorf(e, 500, NULL, NULL, "out of memory");
+    r->kv_remote_port = (int)json_integer_value(pt);
+    r->kv_remote_id = v;
+    return DS_OK;
+}
+
 static int parse_fields(json_t *root, const char *served_name, int vocab_size, ds_oai_request *r,
                         ds_oai_error *e) {
     ds_request_params *pp = &r->params;
@@ -434,7 +470,7 @@ static int parse_fields(json_t *root, const char *served_name, int vocab_size, d
             return type_error(e, "stream_options.include_usage", "a boolean", iu);
         r->include_usage = json_is_true(iu);
     }
-    return DS_OK;
+    return parse_kv_params(root, r, e);
 }
 
 int ds_oai_parse_request(ds_oai_kind kind, const char *body, size_t len, const char *served_name,
@@ -476,6 +512,8 @@ void ds_oai_request_free(ds_oai_request *r) {
     free(r->tool_choice);
     free(r->response_format_json);
     free(r->thinking_effort);
+    free(r->kv_remote_host);
+    r->kv_remote_host = NULL;
     for (int i = 0; i < r->params.n_stop; i++) free(r->params.stop[i]);
     r->params.n_stop = 0;
 }

@@ -62,6 +62,14 @@ typedef struct ds_oai_request {
     int max_tokens_set;       /* 0: ds_oai_fit_context picks the default */
     int stream, include_usage;
     int return_token_ids; /* vLLM's extension: choices carry "token_ids" (generated ids) */
+    /* vLLM's kv_transfer_params (P/D, docs/pd.md): do_remote_decode asks a producer to hold the
+     * prompt's blocks; do_remote_prefill tells a consumer to pull them from remote_host:
+     * remote_port, transfer remote_request_id (16 hex digits) */
+    int kv_do_remote_decode, kv_do_remote_prefill;
+    char *kv_remote_host;
+    int kv_remote_port;
+    uint64_t kv_remote_id;
+    uint64_t kv_export_id; /* producer: the transfer id given to this request (0: none) */
 } ds_oai_request;
 
 /* Parses and validates a request body of len bytes. served_name: the model name this server

@@ -265,7 +265,7 @@ static void build_prompt(fz_work *w, fz_req *q) {
 static void submit(fz_work *w, fz_req *q, uint64_t step) {
     for (int c = 0; c < MAX_N; c++) memset(&q->out[c], 0, sizeof q->out[c]);
     q->n_done = q->done = q->aborted_sent = 0;
-    ds_request_spec spec = {q->prompt, q->n_prompt, q->p, on_event, q};
+    ds_request_spec spec = {q->prompt, q->n_prompt, q->p, on_event, q, 0, NULL};
     int why;
     ds_err err = {{0}};
     q->id = ds_engine_submit(w->e, &spec, &why, &err);
