@@ -1,0 +1,280 @@
+"""Prefill/decode disaggregation (docs/pd.md): a producer and a consumer of the model on this
+machine, driven first the way vllm-router drives vLLM's NIXL connector (this test plays the
+router), then through vllm-router itself. Greedy text and logprobs through the pair must equal one
+plain server's, for prompts from 1 token to nearly the context limit, with prefix caching on both
+and DSpark on the consumer; a block corrupted in flight, a transfer that expired and a producer
+that is not there must each end in a recompute with the same output, counted in /metrics.
+
+These servers have their own configuration (a kv_role refuses -tp/-pp in this first slice), so
+the module runs once, in make test's plain pass, not again under DS_SERVE_ARGS."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from conftest import DS_BIN, DS_MODEL, MODEL_NAME, Server
+
+pytestmark = pytest.mark.skipif(
+    bool(os.environ.get("DS_SERVE_ARGS")),
+    reason="the P/D pair has its own configuration; it runs in the plain pass only")
+
+SPEC = ("--speculative-method", "dspark", "--num-speculative-tokens", "4")
+HOLD_S = 4  # the producer frees an unpulled transfer after this
+
+
+def kv_config(role, **extra):
+    return ("--kv-transfer-config", json.dumps({"kv_role": role, **extra}))
+
+
+@pytest.fixture(scope="module")
+def ref():
+    srv = Server("--seed", "1", env_args=False)
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def prod():
+    # the producer loads the draft too (its pages carry the draft's rows, as the consumer's do)
+    # but never proposes
+    srv = Server("--seed", "1", *SPEC, *kv_config(
+        "kv_producer", kv_connector="DeltaServeConnector",
+        kv_connector_extra_config={"hold_timeout_s": HOLD_S}), env_args=False)
+    yield srv
+    assert srv.metrics()["vllm:kv_transfer_held"] == 0  # nothing left pinned
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def cons():
+    srv = Server("--seed", "1", *SPEC, *kv_config("kv_consumer"), env_args=False)
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def text_ids(ref):
+    """A long run of real token ids (the model's own text) to cut prompts from."""
+    status, r = ref.post_json("/tokenize", {"prompt": " ".join(
+        f"Q{i}: Tom has {i % 17 + 2} apples and buys {i % 5 + 3} more; how many now?"
+        for i in range(600))})
+    assert status == 200
+    return r["tokens"], r["max_model_len"]
+
+
+def m(srv, name):
+    return srv.metrics().get("vllm:" + name, 0.0)
+
+
+# what vllm-router sends to the prefill server in its NIXL mode
+PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def prefill(prod, path, body):
+    status, p = prod.post_json(path, dict(body, max_tokens=1, stream=False,
+                                          kv_transfer_params=PREFILL_KV))
+    assert status == 200, p
+    kv = p["kv_transfer_params"]
+    assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False
+    assert kv["remote_port"] > 0 and len(kv["remote_request_id"]) == 16
+    return kv
+
+
+def same(a, b):
+    """Greedy text, chosen tokens' logprobs and the top alternatives, exactly."""
+    ca, cb = a["choices"][0], b["choices"][0]
+    assert ca["text"] == cb["text"]
+    assert ca["logprobs"]["tokens"] == cb["logprobs"]["tokens"]
+    assert ca["logprobs"]["token_logprobs"] == cb["logprobs"]["token_logprobs"]
+    assert ca["logprobs"]["top_logprobs"] == cb["logprobs"]["top_logprobs"]
+    assert ca["finish_reason"] == cb["finish_reason"]
+
+
+def completion(ids, max_tokens=12):
+    return {"model": MODEL_NAME, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+            "logprobs": 2, "ignore_eos": True}
+
+
+def test_pair_equals_one_server(ref, prod, cons, text_ids):
+    ids, max_len = text_ids
+    rung = 256  # the default --state-checkpoint-interval-tokens: where a resume can start
+    lengths = [1, 15, 16, 17, 255, 256, 257, 600, 1500, min(4000, max_len - 16)]
+    assert len(ids) >= lengths[-1] + 60
+    for i, n in enumerate(lengths):
+        body = completion(ids[7 * i: 7 * i + n])  # a new first token each: no shared prefixes
+        want = ref.post_json("/v1/completions", body)[1]
+        pulls, fails, hits = m(cons, "kv_transfer_pulls_total"), \
+            m(cons, "kv_transfer_pull_failures_total"), m(cons, "prefix_cache_hits_total")
+        kv = prefill(prod, "/v1/completions", body)
+        status, got = cons.post_json("/v1/completions", dict(body, kv_transfer_params=kv))
+        assert status == 200, got
+        same(got, want)
+        assert m(cons, "kv_transfer_pulls_total") == pulls + 1, n
+        assert m(cons, "kv_transfer_pull_failures_total") == fails
+        # the consumer resumed from the deepest rung before the last token: the pulled blocks
+        assert m(cons, "prefix_cache_hits_total") - hits == (n - 1) // rung * rung, n
+    assert m(prod, "kv_transfer_exports_total") >= len(lengths)
+    assert m(prod, "kv_transfer_held") == 0  # every transfer pulled and freed
+    # the producer never speculated; the consumer did
+    assert m(prod, "spec_decode_num_verifies_total") == 0
+    assert m(cons, "spec_decode_num_verifies_total") > 0
+
+
+def test_chat_and_stream_through_pair(ref, prod, cons):
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tom has 3 apples "
+            "and buys 5 more. How many apples does he have? " * 12}],
+            "max_tokens": 16, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+            "chat_template_kwargs": {"thinking": False}}
+    want = ref.post_json("/v1/chat/completions", body)[1]
+    kv = prefill(prod, "/v1/chat/completions", body)
+    got = cons.post_json("/v1/chat/completions", dict(body, kv_transfer_params=kv))[1]
+    assert got["choices"][0]["message"] == want["choices"][0]["message"]
+    assert got["choices"][0]["logprobs"] == want["choices"][0]["logprobs"]
+    # streamed from the consumer: the same text
+    kv = prefill(prod, "/v1/chat/completions", body)
+    args = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs",
+                                                         "chat_template_kwargs")}
+    stream = cons.client().chat.completions.create(
+        **args, stream=True, extra_body={"kv_transfer_params": kv,
+                                         "chat_template_kwargs": {"thinking": False}})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text and text == want["choices"][0]["message"]["content"]
+
+
+def test_corrupt_block_recomputes(ref, prod, text_ids):
+    ids = text_ids[0]
+    bad = Server("--seed", "1", *SPEC, *kv_config("kv_consumer"), "--test-kv-corrupt",
+                 env_args=False)
+    try:
+        body = completion(ids[3: 3 + 700])
+        want = ref.post_json("/v1/completions", body)[1]
+        kv = prefill(prod, "/v1/completions", body)
+        status, got = bad.post_json("/v1/completions", dict(body, kv_transfer_params=kv))
+        assert status == 200, got
+        same(got, want)
+        assert m(bad, "kv_transfer_pull_failures_total") == 1
+        assert m(bad, "kv_transfer_pulls_total") == 0
+        assert m(bad, "prefix_cache_hits_total") == 0  # nothing decoded from the bad transfer
+        assert any("block checksum mismatch" in line for line in bad.log)
+    finally:
+        assert bad.stop() == 0
+
+
+def test_expired_and_missing_transfers_recompute(ref, prod, cons, text_ids):
+    ids = text_ids[0]
+    body = completion(ids[11: 11 + 300])
+    want = ref.post_json("/v1/completions", body)[1]
+    expired = m(prod, "kv_transfer_expired_total")
+    kv = prefill(prod, "/v1/completions", body)
+    deadline = time.time() + HOLD_S + 3
+    while m(prod, "kv_transfer_expired_total") == expired and time.time() < deadline:
+        time.sleep(0.2)
+    assert m(prod, "kv_transfer_expired_total") == expired + 1
+    assert m(prod, "kv_transfer_held") == 0
+    fails = m(cons, "kv_transfer_pull_failures_total")
+    got = cons.post_json("/v1/completions", dict(body, kv_transfer_params=kv))[1]
+    same(got, want)
+    # a producer that is not there at all (a port nothing listens on)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    t0 = time.time()
+    got = cons.post_json("/v1/completions", dict(body, kv_transfer_params=dict(
+        kv, remote_port=dead_port)))[1]
+    assert time.time() - t0 < 30
+    same(got, want)
+    assert m(cons, "kv_transfer_pull_failures_total") == fails + 2
+
+
+def test_bad_kv_params_are_400(cons):
+    body = completion([5, 6, 7])
+    for kv, param in [("yes", "kv_transfer_params"),
+                      ({"do_remote_prefill": "true"}, "kv_transfer_params.do_remote_prefill"),
+                      ({"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 0,
+                        "remote_request_id": "00000000000000aa"},
+                       "kv_transfer_params.remote_port"),
+                      ({"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 9,
+                        "remote_request_id": "xyz"}, "kv_transfer_params.remote_request_id")]:
+        status, r = cons.post_json("/v1/completions", dict(body, kv_transfer_params=kv))
+        assert status == 400, (kv, r)
+        assert r["error"]["param"] == param
+
+
+@pytest.mark.parametrize("cfg, says", [
+    ("{kv_role", "not valid JSON"),
+    ('["kv_producer"]', "expected a JSON object"),
+    ('{"kv_role": "kv_decoder"}', "kv_role: expected kv_producer, kv_consumer or kv_both"),
+    ('{"kv_connector": "X"}', "kv_role"),
+    ('{"kv_role": "kv_both", "kv_port": 70000}', "kv_port"),
+    ('{"kv_role": "kv_both", "kv_rol": 1}', "unknown field 'kv_rol'"),
+])
+def test_bad_kv_transfer_config(cfg, says):
+    p = subprocess.run([DS_BIN, "serve", "--model", DS_MODEL, "--port", "0",
+                        "--kv-transfer-config", cfg], capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0
+    assert "--kv-transfer-config" in p.stderr and says in p.stderr, p.stderr
+
+
+def test_through_vllm_router(ref, prod, cons, text_ids):
+    """vllm-router (PyPI) in P/D mode in front of the pair: it sends max_tokens 1 with
+    do_remote_decode to the producer, then the consumer the producer's kv_transfer_params."""
+    exe = shutil.which("vllm-router")
+    if exe is None:
+        pytest.fail("vllm-router is not installed (make deps installs it from PyPI)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    router = subprocess.Popen(
+        [exe, "--vllm-pd-disaggregation", "--prefill", f"http://127.0.0.1:{prod.port}",
+         "--decode", f"http://127.0.0.1:{cons.port}", "--host", "127.0.0.1", "--port",
+         str(port), "--policy", "round_robin"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import openai
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        deadline = time.time() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert router.poll() is None and time.time() < deadline, "router did not start"
+                time.sleep(0.2)
+        ids = text_ids[0]
+        pulls = m(cons, "kv_transfer_pulls_total")
+        fails = m(cons, "kv_transfer_pull_failures_total")
+        for n in (40, 900):
+            body = completion(ids[5: 5 + n])
+            want = ref.post_json("/v1/completions", body)[1]
+            r = c.completions.create(**{k: v for k, v in body.items()
+                                        if k not in ("ignore_eos",)},
+                                     extra_body={"ignore_eos": True})
+            got = r.model_dump()
+            assert got["choices"][0]["text"] == want["choices"][0]["text"]
+            assert got["choices"][0]["logprobs"]["token_logprobs"] == \
+                want["choices"][0]["logprobs"]["token_logprobs"]
+        msgs = [{"role": "user", "content": "How many apples are 3 and 5 apples? " * 20}]
+        nothink = {"chat_template_kwargs": {"thinking": False}}
+        want = ref.post_json("/v1/chat/completions", {"model": MODEL_NAME, "messages": msgs,
+                                                      "max_tokens": 16, "temperature": 0,
+                                                      **nothink})[1]
+        stream = c.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=16,
+                                           temperature=0, stream=True, extra_body=nothink)
+        text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+        assert text and text == want["choices"][0]["message"]["content"]
+        assert m(cons, "kv_transfer_pulls_total") == pulls + 3  # every request went through P/D
+        assert m(cons, "kv_transfer_pull_failures_total") == fails
+    finally:
+        router.send_signal(signal.SIGTERM)
+        try:
+            router.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            router.kill()
+            router.wait()
