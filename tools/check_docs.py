@@ -42,6 +42,7 @@ QUOTED_REF = re.compile(r"docs/([\w.-]+\.md)`?,\s*\"([^\"]+)\"")
 FOREIGN_FLAGS = {
     "hostfile",                 # mpirun across hosts (docs/parallelism.md)
     "tasks", "include_path",    # lm_eval, the eval through lm-eval-harness (eval/README.md)
+    "vllm-pd-disaggregation", "prefill", "decode",  # vllm-router in P/D mode (docs/pd.md)
 }
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 LINK = re.compile(r"\]\(([^)\s]+)\)")

@@ -88,8 +88,9 @@ int ds_test_flags_table(ds_test_flags *t, ds_arg *out) {
                     "token ids), right for 0..k positions in turn, instead of the method's drafts"),
         DS_TEST_OPT("prefix-hash-bits", DS_ARG_INT, &t->prefix_hash_bits, "N",
                     "testing: the prefix cache keeps N hash bits, forcing collisions (0: all)"),
-        DS_TEST_OPT("test-kv-corrupt", DS_ARG_BOOL, &t->kv_corrupt, NULL,
-                    "testing: a P/D consumer flips a byte of every transfer it pulls"),
+        DS_TEST_OPT("test-kv-corrupt", DS_ARG_INT, &t->kv_corrupt, "M",
+                    "testing: a P/D consumer damages every transfer it pulls: 1 flips a byte, 2 "
+                    "cuts it short"),
     };
     memcpy(out, table, sizeof table);
     return DS_TEST_FLAGS_MAX;
@@ -99,6 +100,8 @@ int ds_test_flags_apply(ds_test_flags *t, ds_engine_opts *eo, ds_err *err) {
     if (t->prefix_hash_bits < 0 || t->prefix_hash_bits > 64)
         return ds_errf(err, "--prefix-hash-bits: expected 0..64, got %d", t->prefix_hash_bits);
     eo->test.prefix_hash_bits = t->prefix_hash_bits;
+    if (t->kv_corrupt < 0 || t->kv_corrupt > 2)
+        return ds_errf(err, "--test-kv-corrupt: expected 0..2, got %d", t->kv_corrupt);
     eo->test.kv_corrupt = t->kv_corrupt;
     if (!t->oracle_path) return DS_OK;
     t->oracle = ds_calloc(1, sizeof *t->oracle, err);

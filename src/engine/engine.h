@@ -34,8 +34,8 @@ typedef struct ds_test_hooks {
     void (*step)(void *ctx, uint64_t steps);
     void *step_ctx;
     int prefix_hash_bits; /* > 0: the prefix cache keeps this many hash bits, forcing collisions */
-    /* P/D consumer: flip one payload byte of every pulled transfer before it is verified (a block
-     * corrupted in flight; docs/pd.md) */
+    /* P/D consumer, before a pulled transfer is verified (docs/pd.md): 1 flips a byte of its last
+     * block (corrupted in flight), 2 cuts it 1 KiB short (truncated) */
     int kv_corrupt;
 } ds_test_hooks;
 

@@ -285,7 +285,9 @@ int ds_engine_kv_pull(ds_engine *e, const char *host, int port, uint64_t id, con
         return DS_ERR;
     }
     p->buf = buf;
-    if (e->opts.test.kv_corrupt && p->len) p->buf[p->len - 1] ^= 0x40; /* the last payload */
+    /* tests: a byte of the last payload flipped (1), or the transfer cut 1 KiB short (2) */
+    if (e->opts.test.kv_corrupt == 1 && p->len) p->buf[p->len - 1] ^= 0x40;
+    if (e->opts.test.kv_corrupt == 2) p->len -= DS_MIN(p->len, 1024);
     const char *why = verify(e, p, prompt, n_prompt);
     if (why[0]) {
         ds_kv_pull_free(p);

@@ -554,8 +554,7 @@ static enum MHD_Result handle_generate(ds_server *s, struct MHD_Connection *c, c
     pthread_mutex_lock(&s->active_mu);
     s->n_active++;
     pthread_mutex_unlock(&s->active_mu);
-    ds_request_spec spec = {ids, n_prompt, r->oai.params, on_event, r, 0, NULL};
-    ds_kv_prepare(e, &r->oai, &spec); /* P/D: a transfer id, or the producer's blocks pulled */
+    ds_request_spec spec = ds_kv_spec(e, &r->oai, ids, n_prompt, on_event, r);
     int why = 0;
     ds_err err = {{0}};
     /* events may start (even finish) on the engine thread before submit returns */

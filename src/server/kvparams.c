@@ -4,7 +4,7 @@
 #include <stdio.h>
 #include <sys/random.h>
 
-void ds_kv_prepare(ds_engine *e, ds_oai_request *q, ds_request_spec *spec) {
+static void prepare(ds_engine *e, ds_oai_request *q, ds_request_spec *spec) {
     int role = ds_engine_kv_role(e);
     if (q->kv_do_remote_decode && (role & DS_KV_PRODUCER)) {
         uint64_t id = 0;
@@ -19,6 +19,13 @@ void ds_kv_prepare(ds_engine *e, ds_oai_request *q, ds_request_spec *spec) {
                           spec->n_prompt, &p, &err))
         fprintf(stderr, "[deltaserve] %s; recomputing the prompt\n", err.msg);
     spec->kv_import = p;
+}
+
+ds_request_spec ds_kv_spec(ds_engine *e, ds_oai_request *q, const int32_t *ids, int n,
+                           ds_event_fn fn, void *user) {
+    ds_request_spec spec = {ids, n, q->params, fn, user, 0, NULL};
+    prepare(e, q, &spec);
+    return spec;
 }
 
 json_t *ds_kv_annotate(ds_engine *e, const ds_oai_request *q, json_t *r) {

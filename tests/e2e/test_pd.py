@@ -61,11 +61,17 @@ def cons():
 @pytest.fixture(scope="module")
 def text_ids(ref):
     """A long run of real token ids (the model's own text) to cut prompts from."""
-    status, r = ref.post_json("/tokenize", {"prompt": " ".join(
+    status, r = post(ref, "/tokenize", {"prompt": " ".join(
         f"Q{i}: Tom has {i % 17 + 2} apples and buys {i % 5 + 3} more; how many now?"
         for i in range(600))})
     assert status == 200
     return r["tokens"], r["max_model_len"]
+
+
+def post(srv, path, body):
+    """(status, JSON): a long prompt's prefill on a shared CPU can outlast post_json's minute."""
+    status, _, data = srv.request("POST", path, body, timeout=600)
+    return status, json.loads(data) if data else None
 
 
 def m(srv, name):
@@ -78,7 +84,7 @@ PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engi
 
 
 def prefill(prod, path, body):
-    status, p = prod.post_json(path, dict(body, max_tokens=1, stream=False,
+    status, p = post(prod, path, dict(body, max_tokens=1, stream=False,
                                           kv_transfer_params=PREFILL_KV))
     assert status == 200, p
     kv = p["kv_transfer_params"]
@@ -109,11 +115,11 @@ def test_pair_equals_one_server(ref, prod, cons, text_ids):
     assert len(ids) >= lengths[-1] + 60
     for i, n in enumerate(lengths):
         body = completion(ids[7 * i: 7 * i + n])  # a new first token each: no shared prefixes
-        want = ref.post_json("/v1/completions", body)[1]
+        want = post(ref, "/v1/completions", body)[1]
         pulls, fails, hits = m(cons, "kv_transfer_pulls_total"), \
             m(cons, "kv_transfer_pull_failures_total"), m(cons, "prefix_cache_hits_total")
         kv = prefill(prod, "/v1/completions", body)
-        status, got = cons.post_json("/v1/completions", dict(body, kv_transfer_params=kv))
+        status, got = post(cons, "/v1/completions", dict(body, kv_transfer_params=kv))
         assert status == 200, got
         same(got, want)
         assert m(cons, "kv_transfer_pulls_total") == pulls + 1, n
@@ -132,9 +138,9 @@ def test_chat_and_stream_through_pair(ref, prod, cons):
             "and buys 5 more. How many apples does he have? " * 12}],
             "max_tokens": 16, "temperature": 0, "logprobs": True, "top_logprobs": 2,
             "chat_template_kwargs": {"thinking": False}}
-    want = ref.post_json("/v1/chat/completions", body)[1]
+    want = post(ref, "/v1/chat/completions", body)[1]
     kv = prefill(prod, "/v1/chat/completions", body)
-    got = cons.post_json("/v1/chat/completions", dict(body, kv_transfer_params=kv))[1]
+    got = post(cons, "/v1/chat/completions", dict(body, kv_transfer_params=kv))[1]
     assert got["choices"][0]["message"] == want["choices"][0]["message"]
     assert got["choices"][0]["logprobs"] == want["choices"][0]["logprobs"]
     # streamed from the consumer: the same text
@@ -148,29 +154,44 @@ def test_chat_and_stream_through_pair(ref, prod, cons):
     assert text and text == want["choices"][0]["message"]["content"]
 
 
-def test_corrupt_block_recomputes(ref, prod, text_ids):
+@pytest.mark.parametrize("mode, reason", [("1", "block checksum mismatch"),
+                                          ("2", "truncated block")])
+def test_damaged_transfer_recomputes(ref, prod, text_ids, mode, reason):
+    """A block corrupted in flight (a flipped byte) or a transfer cut short: refused whole."""
     ids = text_ids[0]
-    bad = Server("--seed", "1", *SPEC, *kv_config("kv_consumer"), "--test-kv-corrupt",
+    bad = Server("--seed", "1", *SPEC, *kv_config("kv_consumer"), "--test-kv-corrupt", mode,
                  env_args=False)
     try:
         body = completion(ids[3: 3 + 700])
-        want = ref.post_json("/v1/completions", body)[1]
+        want = post(ref, "/v1/completions", body)[1]
         kv = prefill(prod, "/v1/completions", body)
-        status, got = bad.post_json("/v1/completions", dict(body, kv_transfer_params=kv))
+        status, got = post(bad, "/v1/completions", dict(body, kv_transfer_params=kv))
         assert status == 200, got
         same(got, want)
         assert m(bad, "kv_transfer_pull_failures_total") == 1
         assert m(bad, "kv_transfer_pulls_total") == 0
         assert m(bad, "prefix_cache_hits_total") == 0  # nothing decoded from the bad transfer
-        assert any("block checksum mismatch" in line for line in bad.log)
+        assert any(reason in line for line in bad.log), "".join(bad.log[-5:])
     finally:
         assert bad.stop() == 0
+
+
+def test_transfer_of_another_prompt_recomputes(ref, prod, cons, text_ids):
+    """The router pairs a transfer with the wrong request: the consumer's own tokens decide."""
+    ids = text_ids[0]
+    a, b = completion(ids[20: 20 + 400]), completion(ids[21: 21 + 400])
+    want = post(ref, "/v1/completions", b)[1]
+    fails, hits = m(cons, "kv_transfer_pull_failures_total"), m(cons, "prefix_cache_hits_total")
+    kv = prefill(prod, "/v1/completions", a)
+    same(post(cons, "/v1/completions", dict(b, kv_transfer_params=kv))[1], want)
+    assert m(cons, "kv_transfer_pull_failures_total") == fails + 1
+    assert m(cons, "prefix_cache_hits_total") == hits
 
 
 def test_expired_and_missing_transfers_recompute(ref, prod, cons, text_ids):
     ids = text_ids[0]
     body = completion(ids[11: 11 + 300])
-    want = ref.post_json("/v1/completions", body)[1]
+    want = post(ref, "/v1/completions", body)[1]
     expired = m(prod, "kv_transfer_expired_total")
     kv = prefill(prod, "/v1/completions", body)
     deadline = time.time() + HOLD_S + 3
@@ -179,14 +200,14 @@ def test_expired_and_missing_transfers_recompute(ref, prod, cons, text_ids):
     assert m(prod, "kv_transfer_expired_total") == expired + 1
     assert m(prod, "kv_transfer_held") == 0
     fails = m(cons, "kv_transfer_pull_failures_total")
-    got = cons.post_json("/v1/completions", dict(body, kv_transfer_params=kv))[1]
+    got = post(cons, "/v1/completions", dict(body, kv_transfer_params=kv))[1]
     same(got, want)
     # a producer that is not there at all (a port nothing listens on)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]
     t0 = time.time()
-    got = cons.post_json("/v1/completions", dict(body, kv_transfer_params=dict(
+    got = post(cons, "/v1/completions", dict(body, kv_transfer_params=dict(
         kv, remote_port=dead_port)))[1]
     assert time.time() - t0 < 30
     same(got, want)
@@ -202,7 +223,7 @@ def test_bad_kv_params_are_400(cons):
                        "kv_transfer_params.remote_port"),
                       ({"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 9,
                         "remote_request_id": "xyz"}, "kv_transfer_params.remote_request_id")]:
-        status, r = cons.post_json("/v1/completions", dict(body, kv_transfer_params=kv))
+        status, r = post(cons, "/v1/completions", dict(body, kv_transfer_params=kv))
         assert status == 400, (kv, r)
         assert r["error"]["param"] == param
 
@@ -252,7 +273,7 @@ def test_through_vllm_router(ref, prod, cons, text_ids):
         fails = m(cons, "kv_transfer_pull_failures_total")
         for n in (40, 900):
             body = completion(ids[5: 5 + n])
-            want = ref.post_json("/v1/completions", body)[1]
+            want = post(ref, "/v1/completions", body)[1]
             r = c.completions.create(**{k: v for k, v in body.items()
                                         if k not in ("ignore_eos",)},
                                      extra_body={"ignore_eos": True})
@@ -262,7 +283,7 @@ def test_through_vllm_router(ref, prod, cons, text_ids):
                 want["choices"][0]["logprobs"]["token_logprobs"]
         msgs = [{"role": "user", "content": "How many apples are 3 and 5 apples? " * 20}]
         nothink = {"chat_template_kwargs": {"thinking": False}}
-        want = ref.post_json("/v1/chat/completions", {"model": MODEL_NAME, "messages": msgs,
+        want = post(ref, "/v1/chat/completions", {"model": MODEL_NAME, "messages": msgs,
                                                       "max_tokens": 16, "temperature": 0,
                                                       **nothink})[1]
         stream = c.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=16,
