@@ -108,7 +108,7 @@ int eng_pd_setup(ds_engine *e, ds_err *err) {
         return ds_errf(err, "kv transfer: unknown role %d", o->kv_role);
     if (e->dist)
         return ds_errf(err, "kv transfer: -tp/-pp with a kv_role is not supported yet (each rank "
-                            "would move its own slice; docs/pd.md, \"What is left\")");
+                            "would move its own slice; docs/pd.md)");
     if (!e->prefix)
         return ds_errf(err,
                        "kv transfer: a kv_role needs prefix caching (the blocks are the prefix "

@@ -214,6 +214,22 @@ def test_expired_and_missing_transfers_recompute(ref, prod, cons, text_ids):
     assert m(cons, "kv_transfer_pull_failures_total") == fails + 2
 
 
+def test_kv_both_pairs_with_itself(ref, text_ids):
+    """kv_both: one server prefills (and holds) and decodes (and pulls), per request."""
+    both = Server("--seed", "1", *kv_config("kv_both"), env_args=False)
+    try:
+        body = completion(text_ids[0][30: 30 + 520])
+        want = post(ref, "/v1/completions", body)[1]
+        kv = prefill(both, "/v1/completions", body)
+        status, got = post(both, "/v1/completions", dict(body, kv_transfer_params=kv))
+        assert status == 200, got
+        same(got, want)
+        assert m(both, "kv_transfer_pulls_total") == 1
+        assert m(both, "kv_transfer_held") == 0
+    finally:
+        assert both.stop() == 0
+
+
 def test_bad_kv_params_are_400(cons):
     body = completion([5, 6, 7])
     for kv, param in [("yes", "kv_transfer_params"),
