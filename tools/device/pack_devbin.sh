@@ -2,8 +2,9 @@
 # Here, before a device call: builds build-cuda (the whole engine with the CUDA backend) and packs
 # what the GPU machine runs into .devbin/bin.tar.xz (carry it: `carry [".devbin"]`; the device
 # scripts unpack it through tools/device/env.sh): the binaries, and the
-# shared libraries its image lacks (libmicrohttpd, libhiredis, libcmocka; it has the rest, and a
-# newer glibc than Debian 12's, so binaries built here run there).
+# shared libraries its image lacks (libmicrohttpd, libhiredis, libcmocka, and UCX's for the P/D
+# transfer, docs/pd.md; it has the rest, and a newer glibc than Debian 12's, so binaries built here
+# run there).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
@@ -24,7 +25,8 @@ if [ "${DS_DEVBIN_CLOCKS:-0}" = 1 ]; then
   NVCC_EXTRA=-DDS_KDA_PREP_CLOCKS tools/cuda_build.sh build-cuda-clk >/dev/null
   cp build-cuda-clk/test_cuda_kernels .devbin/test_cuda_kernels_clk
 fi
-for l in libmicrohttpd.so.12 libhiredis.so.0.14 libcmocka.so.0; do
+for l in libmicrohttpd.so.12 libhiredis.so.0.14 libcmocka.so.0 libucp.so.0 libuct.so.0 libucs.so.0 \
+         libucm.so.0 libnuma.so.1; do
   cp -L "/lib/x86_64-linux-gnu/$l" .devbin/lib/
 done
 strip .devbin/* 2>/dev/null || true
