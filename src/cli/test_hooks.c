@@ -91,6 +91,8 @@ int ds_test_flags_table(ds_test_flags *t, ds_arg *out) {
         DS_TEST_OPT("test-kv-corrupt", DS_ARG_INT, &t->kv_corrupt, "M",
                     "testing: a P/D consumer damages every transfer it pulls: 1 flips a byte, 2 "
                     "cuts it short"),
+        DS_TEST_OPT("test-kv-stall-ms", DS_ARG_INT, &t->kv_stall_ms, "MS",
+                    "testing: a P/D producer pauses MS between a pull's header and its bytes"),
     };
     memcpy(out, table, sizeof table);
     return DS_TEST_FLAGS_MAX;
@@ -103,6 +105,8 @@ int ds_test_flags_apply(ds_test_flags *t, ds_engine_opts *eo, ds_err *err) {
     if (t->kv_corrupt < 0 || t->kv_corrupt > 2)
         return ds_errf(err, "--test-kv-corrupt: expected 0..2, got %d", t->kv_corrupt);
     eo->test.kv_corrupt = t->kv_corrupt;
+    if (t->kv_stall_ms < 0) return ds_errf(err, "--test-kv-stall-ms: expected MS >= 0");
+    eo->test.kv_stall_ms = t->kv_stall_ms;
     if (!t->oracle_path) return DS_OK;
     t->oracle = ds_calloc(1, sizeof *t->oracle, err);
     if (!t->oracle) return DS_ERR;

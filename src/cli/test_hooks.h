@@ -9,7 +9,7 @@
 #include "cli/args.h"
 #include "engine/engine.h"
 
-enum { DS_TEST_FLAGS_MAX = 3 }; /* entries ds_test_flags_table writes at most */
+enum { DS_TEST_FLAGS_MAX = 4 }; /* entries ds_test_flags_table writes at most */
 
 typedef struct ds_test_oracle ds_test_oracle;
 
@@ -17,6 +17,7 @@ typedef struct ds_test_flags {
     const char *oracle_path; /* --speculative-test-oracle */
     int prefix_hash_bits;    /* --prefix-hash-bits */
     int kv_corrupt;          /* --test-kv-corrupt */
+    int kv_stall_ms;         /* --test-kv-stall-ms */
     ds_test_oracle *oracle;  /* loaded by ds_test_flags_apply; outlives the engine */
 } ds_test_flags;
 

@@ -37,6 +37,7 @@ typedef struct ds_test_hooks {
     /* P/D consumer, before a pulled transfer is verified (docs/pd.md): 1 flips a byte of its last
      * block (corrupted in flight), 2 cuts it 1 KiB short (truncated) */
     int kv_corrupt;
+    int kv_stall_ms; /* P/D producer: pause between a pull's header and its bytes */
 } ds_test_hooks;
 
 /* Prefill/decode disaggregation roles (docs/pd.md), vLLM's kv_role. */

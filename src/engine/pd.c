@@ -118,6 +118,7 @@ int eng_pd_setup(ds_engine *e, ds_err *err) {
     if (o->kv_role & DS_KV_PRODUCER) {
         const char *ip = o->kv_ip && o->kv_ip[0] ? o->kv_ip : "127.0.0.1";
         if (ds_xfer_server_create(ip, o->kv_port, 2000, &e->xfer, err)) return DS_ERR;
+        ds_xfer_server_test_stall(e->xfer, o->test.kv_stall_ms);
         fprintf(stderr, "[deltaserve] kv transfer: producer, pulls on %s:%d (UCX)\n", ip,
                 ds_xfer_server_port(e->xfer));
     }

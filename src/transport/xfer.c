@@ -48,6 +48,7 @@ struct ds_xfer_server {
     ucp_worker_h worker;
     ucp_listener_h listener;
     int port, wait_ms, efd;
+    int stall_ms; /* tests: a pause between a pull's header and its bytes */
     pthread_t thread;
     int started;
     volatile int stop;
@@ -235,6 +236,10 @@ static void serve_conn(ds_xfer_server *s, ucp_conn_request_h creq) {
     xhdr h = {XFER_MAGIC, b ? ST_FOUND : ST_NOT_FOUND, b ? b->len : 0};
     deadline = ds_now() + 60.0;
     int rc = send_all(s->worker, e, &h, sizeof h, &es, deadline);
+    for (double until = ds_now() + s->stall_ms / 1e3; !rc && ds_now() < until;) {
+        ucp_worker_progress(s->worker);
+        sleep_us(1000);
+    }
     if (!rc && b && b->len) rc = send_all(s->worker, e, b->buf, b->len, &es, deadline);
     /* the peer closes once it has everything; wait for that so the flush cannot cut it short */
     if (!rc) {
@@ -339,6 +344,10 @@ void ds_xfer_server_stats(ds_xfer_server *s, ds_xfer_stats *st) {
     pthread_mutex_lock(&s->mu);
     *st = s->st;
     pthread_mutex_unlock(&s->mu);
+}
+
+void ds_xfer_server_test_stall(ds_xfer_server *s, int ms) {
+    s->stall_ms = ms;
 }
 
 void ds_xfer_server_free(ds_xfer_server *s) {

@@ -40,6 +40,8 @@ int ds_xfer_server_port(const ds_xfer_server *s);
 int ds_xfer_server_put(ds_xfer_server *s, uint64_t id, void *buf, size_t len, int ttl_ms,
                        ds_err *err);
 void ds_xfer_server_stats(ds_xfer_server *s, ds_xfer_stats *st);
+/* Tests: wait ms between a pull's header and its bytes (a producer that dies mid-transfer). */
+void ds_xfer_server_test_stall(ds_xfer_server *s, int ms);
 /* Stops the thread and frees every blob still held. */
 void ds_xfer_server_free(ds_xfer_server *s);
 

@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -212,6 +213,34 @@ def test_expired_and_missing_transfers_recompute(ref, prod, cons, text_ids):
     assert time.time() - t0 < 30
     same(got, want)
     assert m(cons, "kv_transfer_pull_failures_total") == fails + 2
+
+
+def test_producer_killed_mid_transfer(ref, cons, text_ids):
+    """The producer dies after a pull's header, before its bytes: the consumer's pull breaks off
+    and the prompt is recomputed (the same output, counted), well within the pull timeout."""
+    ids = text_ids[0]
+    dying = Server("--seed", "1", *SPEC, *kv_config("kv_producer"), "--test-kv-stall-ms", "4000",
+                   env_args=False)
+    try:
+        body = completion(ids[40: 40 + 600])
+        want = post(ref, "/v1/completions", body)[1]
+        kv = prefill(dying, "/v1/completions", body)
+        fails = m(cons, "kv_transfer_pull_failures_total")
+        out = {}
+        t = threading.Thread(target=lambda: out.update(
+            r=post(cons, "/v1/completions", dict(body, kv_transfer_params=kv))))
+        t0 = time.time()
+        t.start()
+        time.sleep(1.5)  # the pull is now inside the producer's stall
+        dying.proc.kill()
+        t.join(120)
+        status, got = out["r"]
+        assert status == 200, got
+        same(got, want)
+        assert m(cons, "kv_transfer_pull_failures_total") == fails + 1
+        assert time.time() - t0 < 25  # not the 30 s pull timeout: the broken connection ends it
+    finally:
+        dying.stop()
 
 
 def test_kv_both_pairs_with_itself(ref, text_ids):
