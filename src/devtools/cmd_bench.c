@@ -459,12 +459,13 @@ static int bench_write_json(const bench_flags *f, const bench_costs *c, const ds
             "\"cuda_graphs\": %d, \"batch_invariant\": %d, \"tp\": %d, \"pp\": %d, "
             "\"bw_gbs\": %.3f, \"peak_gflops\": %.3f, \"prompt_tokens\": %d, "
             "\"prompt_tps\": %.3f, \"prompt_gflops\": %.3f, \"prompt_frac_peak\": %.4f, "
-            "\"prompt_gemm_tflops\": %.3f, \"prompt_gemm_frac_peak\": %.4f, \"decode\": [",
+            "\"prompt_gemm_tflops\": %.3f, \"prompt_gemm_frac_peak\": %.4f, "
+            "\"decode_context\": %d, \"decode_steps\": %d, \"decode\": [",
             f->model_dir, ds_model_device_name(m), f->quant, f->kv_dtype, random, c->threads,
             c->gpu && !f->enforce_eager, f->batch_invariant, f->tp, f->pp, bw, peak,
             f->prompt_tokens, r->prompt_tps, r->prompt_gflops,
             c->alone ? r->prompt_gflops / peak : 0, r->prompt_gemm_tflops,
-            c->alone && peak > 0 ? r->prompt_gemm_tflops * 1e3 / peak : 0);
+            c->alone && peak > 0 ? r->prompt_gemm_tflops * 1e3 / peak : 0, f->decode_ctx, f->steps);
     for (int i = 0; i < r->n_batches; i++)
         fprintf(o,
                 "%s{\"batch\": %d, \"tps\": %.3f, \"ms_per_step\": %.4f, \"gbs\": %.3f, "

@@ -31,6 +31,31 @@ def test_bench_serve(server, tmp_path):
     assert d["output_throughput"] > 0
 
 
+def test_bench_serve_mixed_lengths(server, tmp_path):
+    """--random-range-ratio: lengths drawn in [L (1 - R), L (1 + R)], not all equal, the same mix
+    for the same seed; an out-of-range ratio is refused naming the flag."""
+    def run(seed, ratio="0.5"):
+        out = tmp_path / f"mixed{seed}.json"
+        r = subprocess.run([DS_BIN, "bench", "serve", "--url", f"http://127.0.0.1:{server.port}",
+                            "--num-prompts", "10", "--concurrency", "5", "--input-len", "20",
+                            "--output-len", "8", "--random-range-ratio", ratio, "--seed",
+                            str(seed), "--out", str(out)], capture_output=True, text=True,
+                           timeout=120)
+        return r, (json.loads(out.read_text()) if out.exists() else None)
+    r, d = run(7)
+    assert r.returncode == 0, r.stderr
+    assert d["failed"] == 0
+    assert all(10 <= n <= 30 for n in d["input_lens"]), d["input_lens"]
+    assert all(4 <= n <= 12 for n in d["output_lens"]), d["output_lens"]
+    assert len(set(d["input_lens"])) > 2 and len(set(d["output_lens"])) > 2
+    assert d["total_output_tokens"] == sum(d["output_lens"])
+    r2, d2 = run(7)
+    assert sorted(d2["input_lens"]) == sorted(d["input_lens"])  # clients finish in any order
+    assert sorted(d2["output_lens"]) == sorted(d["output_lens"])
+    bad, _ = run(1, ratio="1.5")
+    assert bad.returncode == 2 and "--random-range-ratio" in bad.stderr
+
+
 @pytest.mark.parametrize("full_logits", [False, True])
 def test_model_bench(tmp_path, full_logits):
     """`deltaserve bench` on the test model: its decode steps end with greedy tokens picked beside
@@ -44,6 +69,7 @@ def test_model_bench(tmp_path, full_logits):
     assert r.returncode == 0, r.stderr
     d = json.loads(out.read_text())
     assert [x["batch"] for x in d["decode"]] == [1, 3]
+    assert d["decode_context"] == 4 and d["decode_steps"] == 2
     assert all(x["tps"] > 0 and x["ms_per_step"] > 0 for x in d["decode"])
     sampling = [l for l in r.stdout.splitlines() if l.startswith("host sampling batch")]
     if full_logits:  # one line a batch size, with its two positive timings
