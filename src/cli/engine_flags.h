@@ -17,12 +17,12 @@
 #include "engine/engine.h"
 #include "model/model.h"
 
-enum { DS_ENGINE_FLAGS_MAX = 17 + DS_TEST_FLAGS_MAX }; /* entries ds_engine_flags_table writes */
+enum { DS_ENGINE_FLAGS_MAX = 18 + DS_TEST_FLAGS_MAX }; /* entries ds_engine_flags_table writes */
 
 typedef struct ds_engine_flags {
     ds_engine_opts eo; /* the defaults; ds_engine_flags_apply writes the flags into it */
     const char *cmd;   /* "serve": prefixes messages */
-    const char *device, *kv_mem, *kv_dtype, *spec_method, *relay, *partition, *quant;
+    const char *device, *kv_mem, *kv_dtype, *spec_method, *relay, *partition, *quant, *load_format;
     int tp, pp;
     int counts[DS_MAX_LAYERS]; /* [pp] layers per stage, from ds_engine_flags_job */
     ds_test_flags test;

@@ -2,12 +2,16 @@
 `deltaserve bench` on the test model."""
 
 import json
+import os
 import re
 import subprocess
+import sys
 
 import pytest
 
 from conftest import DS_BIN
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_bench_serve(server, tmp_path):
@@ -70,6 +74,14 @@ def test_model_bench(tmp_path, full_logits):
     d = json.loads(out.read_text())
     assert [x["batch"] for x in d["decode"]] == [1, 3]
     assert d["decode_context"] == 4 and d["decode_steps"] == 2
+    # tools/bench_latest.py reads this very output: batch 1's fraction of the read rate
+    latest = tmp_path / "latest.json"
+    b = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_latest.py"), "--latest",
+                        str(latest), "--prefix", "cpu", f"bench:{out}"], capture_output=True,
+                       text=True, timeout=60)
+    assert b.returncode == 0, b.stderr
+    got = json.loads(latest.read_text())["cpu.decode_b1_read_fraction"]
+    assert got["value"] == round(d["decode"][0]["frac_bw"], 4) and got["value"] > 0
     assert all(x["tps"] > 0 and x["ms_per_step"] > 0 for x in d["decode"])
     sampling = [l for l in r.stdout.splitlines() if l.startswith("host sampling batch")]
     if full_logits:  # one line a batch size, with its two positive timings
@@ -79,3 +91,25 @@ def test_model_bench(tmp_path, full_logits):
             assert m and float(m[1]) > 0 and float(m[2]) > 0 and int(m[3]) >= 1, l
     else:
         assert not sampling, r.stdout
+
+
+def test_model_bench_chunked(tmp_path):
+    """--prefill-chunk: the prompt and every decode context run in forwards of at most N tokens
+    (as long contexts must); the greedy tokens of the decode steps that follow are those of the
+    whole-prompt forward, and a negative size is refused naming the flag."""
+    from conftest import DS_MODEL
+
+    def run(chunk):
+        out = tmp_path / f"chunk{chunk}.json"
+        r = subprocess.run([DS_BIN, "bench", "--model", DS_MODEL, "--prompt-tokens", "40",
+                            "--reps", "1", "--decode-steps", "4", "--decode-context", "40",
+                            "--batch-sizes", "1,3", "--prefill-chunk", str(chunk), "--json",
+                            str(out)], capture_output=True, text=True, timeout=300)
+        return r, (json.loads(out.read_text()) if r.returncode == 0 else None)
+    _, whole = run(0)
+    r, chunked = run(7)
+    assert r.returncode == 0, r.stderr
+    assert chunked["prefill_chunk"] == 7 and chunked["prompt_tps"] > 0
+    assert [x["ids_hash"] for x in chunked["decode"]] == [x["ids_hash"] for x in whole["decode"]]
+    bad, _ = run(-1)
+    assert bad.returncode != 0 and "--prefill-chunk" in bad.stderr
