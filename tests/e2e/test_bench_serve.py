@@ -60,6 +60,7 @@ def test_bench_serve_mixed_lengths(server, tmp_path):
     assert bad.returncode == 2 and "--random-range-ratio" in bad.stderr
 
 
+@pytest.mark.once  # no server: DS_SERVE_ARGS changes nothing
 @pytest.mark.parametrize("full_logits", [False, True])
 def test_model_bench(tmp_path, full_logits):
     """`deltaserve bench` on the test model: its decode steps end with greedy tokens picked beside
@@ -93,6 +94,7 @@ def test_model_bench(tmp_path, full_logits):
         assert not sampling, r.stdout
 
 
+@pytest.mark.once
 def test_model_bench_chunked(tmp_path):
     """--prefill-chunk: the prompt and every decode context run in forwards of at most N tokens
     (as long contexts must); the greedy tokens of the decode steps that follow are those of the

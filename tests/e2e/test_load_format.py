@@ -4,7 +4,11 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from conftest import DS_BIN, DS_MODEL, Server
+
+pytestmark = pytest.mark.once  # its own servers: DS_SERVE_ARGS changes nothing
 
 
 def shape_of(tmp_path):
