@@ -399,8 +399,6 @@ def test_stream_waiting_longer_than_idle_timeout_is_kept_alive():
             pass
 
 
-@pytest.mark.xfail(strict=True, reason="libmicrohttpd 0.9.75 answers the protocol errors it finds "
-                   "itself with fixed HTML pages and has no hook to replace them (issue 35)")
 @pytest.mark.parametrize("raw", [
     b"GET /health HTTP/1.1\r\nHost: x\r\nNoColonHere\r\n\r\n",          # a malformed header
     b"GET /health HTTP/2.7\r\nHost: x\r\n\r\n",                          # an unknown version

@@ -1,0 +1,121 @@
+/* reqhead.c — the request head's grammar (RFC 9112 §2-§5), see reqhead.h. */
+#include "server/reqhead.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <strings.h>
+
+/* tchar of RFC 9110 §5.6.2: the bytes of a method or a field name */
+static int is_tchar(unsigned char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+           (c && strchr("!#$%&'*+-.^_`|~", c));
+}
+
+/* A printable excerpt of a line for an error message: out[64], control bytes as '?'. */
+static const char *excerpt(const char *s, size_t n, char out[64]) {
+    size_t k = n < 40 ? n : 40;
+    for (size_t i = 0; i < k; i++) {
+        unsigned char c = (unsigned char)s[i];
+        out[i] = c < 0x20 || c == 0x7f || c == '"' || c == '\\' ? '?' : (char)c;
+    }
+    snprintf(out + k, 64 - k, "%s", n > k ? "..." : "");
+    return out;
+}
+
+static ds_head_status bad(ds_oai_error *e, int status, const char *code, const char *what,
+                          const char *line, size_t n) {
+    char ex[64];
+    ds_oai_errorf(e, status, NULL, code, "%s: \"%s\"", what, excerpt(line, n, ex));
+    /* the client's to fix, though 505 is a 5xx */
+    snprintf(e->type, sizeof e->type, "invalid_request_error");
+    return DS_HEAD_BAD;
+}
+
+/* The request line: method SP target SP HTTP/d.d. *http11: 1 for HTTP/1.1. */
+static ds_head_status request_line(const char *s, size_t n, int *http11, ds_oai_error *e) {
+    const char *what = "malformed request line (expected METHOD /path HTTP/1.1)";
+    size_t i = 0;
+    while (i < n && is_tchar((unsigned char)s[i])) i++;
+    if (i == 0 || i == n || s[i] != ' ') return bad(e, 400, "malformed_request", what, s, n);
+    size_t t = ++i;
+    while (i < n && (unsigned char)s[i] > 0x20 && (unsigned char)s[i] != 0x7f) i++;
+    if (i == t || i == n || s[i] != ' ') return bad(e, 400, "malformed_request", what, s, n);
+    const char *v = s + i + 1;
+    size_t vn = n - i - 1;
+    if (vn != 8 || memcmp(v, "HTTP/", 5) || v[5] < '0' || v[5] > '9' || v[6] != '.' || v[7] < '0' ||
+        v[7] > '9')
+        return bad(e, 400, "malformed_request", what, s, n);
+    if (v[5] != '1' || (v[7] != '0' && v[7] != '1'))
+        return bad(e, 505, "http_version_not_supported",
+                   "HTTP version not supported (use HTTP/1.1 or HTTP/1.0)", v, vn);
+    *http11 = v[7] == '1';
+    return DS_HEAD_OK;
+}
+
+/* A header field line: name ":" value, the value without control bytes but HTAB.
+ * *is_host: 1 for a Host field. */
+static ds_head_status field_line(const char *s, size_t n, int *is_host, ds_oai_error *e) {
+    if (s[0] == ' ' || s[0] == '\t') /* obs-fold: RFC 9112 §5.2 lets a server refuse it */
+        return bad(e, 400, "malformed_request",
+                   "folded header line (continue no field on a "
+                   "second line)",
+                   s, n);
+    size_t i = 0;
+    while (i < n && is_tchar((unsigned char)s[i])) i++;
+    if (i == 0 || i == n || s[i] != ':')
+        return bad(e, 400, "malformed_request",
+                   i < n && (s[i] == ' ' || s[i] == '\t')
+                       ? "malformed header line (no space is allowed before the colon)"
+                       : "malformed header line (expected Name: value)",
+                   s, n);
+    *is_host = i == 4 && strncasecmp(s, "host", 4) == 0;
+    for (size_t j = i + 1; j < n; j++) {
+        unsigned char c = (unsigned char)s[j];
+        if ((c < 0x20 && c != '\t') || c == 0x7f)
+            return bad(e, 400, "malformed_request",
+                       "control byte in a header value (NUL, CR and the like are not allowed)", s,
+                       n);
+    }
+    return DS_HEAD_OK;
+}
+
+static ds_head_status too_large(ds_oai_error *e, int in_request_line, size_t max_bytes) {
+    if (in_request_line)
+        ds_oai_errorf(e, 414, NULL, "uri_too_long",
+                      "the request line is longer than %zu bytes: shorten the URL", max_bytes);
+    else
+        ds_oai_errorf(e, 431, NULL, "request_header_fields_too_large",
+                      "the request head is larger than %zu bytes (or has more than %d fields)",
+                      max_bytes, DS_HEAD_MAX_FIELDS);
+    return DS_HEAD_BAD;
+}
+
+ds_head_status ds_http_check_head(const char *b, size_t n, size_t max_bytes, size_t *head_len,
+                                  ds_oai_error *e) {
+    size_t p = 0;
+    int line_no = 0, http11 = 0, n_host = 0;
+    for (;;) {
+        const char *nl = memchr(b + p, '\n', n - p);
+        if (!nl) return n > max_bytes ? too_large(e, line_no == 0, max_bytes) : DS_HEAD_MORE;
+        size_t end = (size_t)(nl - b) + 1, len = end - 1 - p;
+        if (end > max_bytes) return too_large(e, line_no == 0, max_bytes);
+        if (len && b[p + len - 1] == '\r') len--; /* CRLF, or a bare LF (§2.2 allows it) */
+        const char *s = b + p;
+        p = end;
+        if (len == 0) {
+            if (line_no == 0) continue; /* empty lines before the request line are ignored */
+            if (http11 && n_host != 1)
+                return ds_oai_errorf(e, 400, NULL, "malformed_request",
+                                     n_host ? "more than one Host header"
+                                            : "an HTTP/1.1 request needs a Host header");
+            *head_len = end;
+            return DS_HEAD_OK;
+        }
+        int is_host = 0;
+        ds_head_status st =
+            line_no == 0 ? request_line(s, len, &http11, e) : field_line(s, len, &is_host, e);
+        if (st != DS_HEAD_OK) return st;
+        n_host += is_host;
+        if (line_no++ > DS_HEAD_MAX_FIELDS) return too_large(e, 0, max_bytes);
+    }
+}
