@@ -128,11 +128,9 @@ static int serve_table(serve_flags *s, ds_arg *out) {
         DS_OPT("http-idle-timeout", NULL, DS_ARG_FLOAT, &s->idle_timeout, "SEC",
                "close a connection that sends nothing this long (half-sent requests, keep-alive)"),
         DS_OPT("http-header-timeout", NULL, DS_ARG_FLOAT, &s->header_timeout, "SEC",
-               "a request head must arrive whole this long after connecting; past it 408 "
-               "(default: 10)"),
+               "a request head must arrive whole this long after connecting; past it 408"),
         DS_OPT("http-body-timeout", NULL, DS_ARG_FLOAT, &s->body_timeout, "SEC",
-               "a request body must arrive whole this long after its head; past it 408 "
-               "(default: 60)"),
+               "a request body must arrive whole this long after its head; past it 408"),
         DS_OPT("max-inflight-body-bytes", NULL, DS_ARG_STRING, &s->inflight, "BYTES",
                "request bodies buffered at once, over all requests; past it 503 + Retry-After "
                "(default: 64M)"),

@@ -399,12 +399,127 @@ def test_stream_waiting_longer_than_idle_timeout_is_kept_alive():
             pass
 
 
-@pytest.mark.parametrize("raw", [
-    b"GET /health HTTP/1.1\r\nHost: x\r\nNoColonHere\r\n\r\n",          # a malformed header
-    b"GET /health HTTP/2.7\r\nHost: x\r\n\r\n",                          # an unknown version
-    b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 100000 + b"\r\n\r\n"])  # too large
-def test_protocol_errors_of_libmicrohttpd_in_json(server, raw):
-    got, _ = exchange(server.port, raw)
-    status, h, body = responses(got)[0]
-    assert status >= 400
-    assert h.get("content-type") == "application/json", body[:80]
+# ---------------------------------------------------------------------------------------------
+# malformed heads: the server's gate answers them in JSON, not libmicrohttpd's HTML pages
+
+H = b"GET /health HTTP/1.1\r\nHost: x\r\n"
+
+
+@pytest.mark.parametrize("raw,status,says", [
+    (H + b"NoColonHere\r\n\r\n", 400, "Name: value"),                        # a malformed field
+    (b"GET /health HTTP/2.7\r\nHost: x\r\n\r\n", 505, "HTTP/2.7"),          # an unknown version
+    (H + b"X-A: " + b"a" * 100000 + b"\r\n\r\n", 431, "16384 bytes"),     # a head too large
+    (b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414, "URL"),  # a URL too long
+    (H + b"".join(b"X-%d: y\r\n" % i for i in range(150)) + b"\r\n", 431, "fields"),
+    (b"GET /health HTTP/1.1\r\n\r\n", 400, "Host"),                          # no Host in 1.1
+    (H + b"Host: y\r\n\r\n", 400, "Host"),                                  # two Hosts
+    (H + b"X-A : b\r\n\r\n", 400, "before the colon"),                       # space before ':'
+    (H + b"X-A: b\r\n  folded\r\n\r\n", 400, "folded"),                      # obs-fold
+    (H + b"X-A: b\x00c\r\n\r\n", 400, "control byte"),                       # a NUL in a value
+    (b"GET /health\r\n\r\n", 400, "request line"),                           # HTTP/0.9
+    (b"GET  /health HTTP/1.1\r\nHost: x\r\n\r\n", 400, "request line"),     # two spaces
+])
+def test_protocol_errors_in_json(server, raw, status, says):
+    got, closed = exchange(server.port, raw)
+    e = lone_error(got, status)
+    assert e["type"] == "invalid_request_error"
+    assert says in e["message"], e
+    assert closed
+
+
+def test_malformed_head_answered_before_it_ends(server):
+    # a bad request line is refused at once, without waiting for the rest of the head
+    t0 = time.time()
+    got, closed = exchange(server.port, b"GET /health HTTP/9.9\r\nHost: x\r\n", timeout=8)
+    assert lone_error(got, 505)["code"] == "http_version_not_supported"
+    assert closed and time.time() - t0 < 4
+
+
+def test_http10_without_host_and_pipelining_still_work(server):
+    got, _ = exchange(server.port, b"GET /health HTTP/1.0\r\n\r\n")
+    assert [r[0] for r in responses(got)] == [200]
+    # two requests in one write (pipelined) and a POST with its body: three answers, in order
+    tok = post_head("/tokenize", f"Content-Length: {len(TOKENIZE)}") + TOKENIZE
+    last = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    got, _ = exchange(server.port, H + b"\r\n" + tok + last)
+    rs = responses(got)
+    assert [r[0] for r in rs] == [200, 200, 200]
+    assert json.loads(rs[1][2])["count"] >= 1 and json.loads(rs[2][2])["data"]
+
+
+# ---------------------------------------------------------------------------------------------
+# deadlines: a client trickling a byte at a time is cut off (slowloris)
+
+@pytest.fixture(scope="module")
+def short_deadlines():
+    yield from _server_fixture("--http-header-timeout", "1", "--http-body-timeout", "1.5",
+                               "--http-idle-timeout", "2")
+
+
+def trickle(port, first, drip, every=0.3, limit=12.0, sock=None):
+    """Sends `first`, then one byte of `drip` every `every` s (its idle timeout never fires) until
+    the server answers or closes. (bytes received, seconds after the drip began)."""
+    s = sock or socket.create_connection(("127.0.0.1", port), timeout=limit)
+    s.sendall(first)
+    t0, out, i = time.time(), b"", 0
+    try:
+        while time.time() - t0 < limit:
+            s.settimeout(every)
+            try:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                out += chunk
+                continue
+            except socket.timeout:
+                pass
+            try:
+                s.sendall(drip[i % len(drip):i % len(drip) + 1])
+            except OSError:
+                break
+            i += 1
+    except ConnectionResetError:
+        pass
+    finally:
+        s.close()
+    return out, time.time() - t0
+
+
+def test_head_trickled_gets_408(short_deadlines):
+    got, took = trickle(short_deadlines.port, b"G", b"ET /health HTTP/1.1\r\nX-" + b"a" * 200)
+    e = lone_error(got, 408)
+    assert e["code"] == "request_timeout" and "head" in e["message"]
+    assert took < 3.5, took  # the head deadline (1 s), not the idle timeout (never hit)
+    assert get_from("127.0.0.1", short_deadlines.port)[0] == 200  # the server is fine
+
+
+def test_body_trickled_gets_408(short_deadlines):
+    head = post_head("/tokenize", "Content-Length: 1000")
+    got, took = trickle(short_deadlines.port, head, b"x")
+    assert took < 4.5, took  # the body deadline (1.5 s)
+    if got:  # best effort: the 408 is written on libmicrohttpd's socket as it is cut off
+        assert lone_error(got, 408)["code"] == "request_timeout"
+
+
+def test_keepalive_next_head_trickled_is_cut_off(short_deadlines):
+    port = short_deadlines.port
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(H + b"\r\n")
+    first = s.recv(65536)
+    assert first.startswith(b"HTTP/1.1 200")
+    got, took = trickle(port, b"G", b"ET /health HTTP/1.1\r\nX-" + b"a" * 200, sock=s)
+    assert took < 5.5, took  # idle (2 s) + head (1 s) at most
+    if got:
+        assert lone_error(got, 408)["code"] == "request_timeout"
+
+
+def test_slow_but_steady_keepalive_still_served(short_deadlines):
+    # a kept-alive connection idle for less than its idle timeout, whose next head then comes
+    # whole, is served as before
+    port = short_deadlines.port
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    for _ in range(3):
+        s.sendall(H + b"\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(1.2)
+    s.close()
