@@ -13,6 +13,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <netdb.h>
+#include <linux/tcp.h> /* struct tcp_info with tcpi_bytes_received (glibc's lacks it) */
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
@@ -20,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -44,12 +46,18 @@ typedef struct conn {
     int bound; /* S_MHD: libmicrohttpd reported it started (its socket context is this slot) */
     struct sockaddr_storage addr;
     socklen_t addrlen;
-    double deadline;         /* S_HEAD: the head's; S_LINGER: when to close */
-    double next_look;        /* S_HEAD: not polled before (a stall, see STALL_MS) */
-    size_t peeked;           /* S_HEAD: bytes seen at the last look */
-    size_t drained;          /* S_LINGER: bytes read and dropped */
-    _Atomic(double) t_phase; /* S_MHD: when phase began */
-    atomic_int phase;        /* S_MHD: ds_conn_phase */
+    double deadline;  /* S_HEAD: the head's; S_LINGER: when to close */
+    double next_look; /* S_HEAD: not polled before (a stall, see STALL_MS) */
+    size_t peeked;    /* S_HEAD: bytes seen at the last look */
+    size_t drained;   /* S_LINGER: bytes read and dropped */
+    ds_gate *g;
+    /* S_MHD, the connection thread's: the wire bytes of its requests so far, for knowing whether
+     * libmicrohttpd holds bytes of the next one (then its head cannot be peeked) */
+    int track;                 /* 0: not known (chunked, pipelined, closing): no more peeking */
+    size_t head_len;           /* the current request's head, as peeked */
+    unsigned long long expect; /* bytes of the requests before it */
+    _Atomic(double) t_phase;   /* S_MHD: when phase began */
+    atomic_int phase;          /* S_MHD: ds_conn_phase */
 } conn;
 
 struct ds_gate {
@@ -159,7 +167,8 @@ static void accept_all(ds_gate *g, double now, double *pause_until) {
                         .fd = fd,
                         .addr = addr,
                         .addrlen = len,
-                        .deadline = now + g->o.header_timeout_s};
+                        .deadline = now + g->o.header_timeout_s,
+                        .g = g};
             atomic_fetch_add(&g->n_used, 1);
         }
         pthread_mutex_unlock(&g->mu);
@@ -168,11 +177,14 @@ static void accept_all(ds_gate *g, double now, double *pause_until) {
 }
 
 /* Hands a connection with a whole, good head to libmicrohttpd. */
-static void hand_over(ds_gate *g, conn *c, double now) {
+static void hand_over(ds_gate *g, conn *c, size_t head_len, double now) {
     set_rcvlowat(c->fd, 1);
     pthread_mutex_lock(&g->mu);
     c->state = S_MHD;
     c->bound = 0;
+    c->track = 1;
+    c->head_len = head_len;
+    c->expect = 0;
     atomic_store(&c->t_phase, now);
     atomic_store(&c->phase, DS_CONN_WAIT);
     pthread_mutex_unlock(&g->mu);
@@ -198,7 +210,7 @@ static void look_at_head(ds_gate *g, conn *c, short revents, double now) {
     size_t head_len = 0;
     ds_oai_error e;
     ds_head_status st = ds_http_check_head(g->buf, (size_t)n, DS_HEAD_MAX_BYTES, &head_len, &e);
-    if (st == DS_HEAD_OK) return hand_over(g, c, now);
+    if (st == DS_HEAD_OK) return hand_over(g, c, head_len, now);
     if (st == DS_HEAD_BAD) return refuse(c, &e, now);
     if (revents & (POLLRDHUP | POLLHUP | POLLERR)) { /* half a head, and no more will come */
         ds_oai_errorf(&e, 400, NULL, "malformed_request",
@@ -336,13 +348,117 @@ void ds_gate_notify(void *cls, struct MHD_Connection *mc, void **socket_context,
     pthread_mutex_unlock(&g->mu);
 }
 
-void ds_gate_phase(struct MHD_Connection *mc, ds_conn_phase p) {
+static conn *conn_of(struct MHD_Connection *mc) {
     const union MHD_ConnectionInfo *ci =
         MHD_get_connection_info(mc, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
-    conn *c = ci ? ci->socket_context : NULL;
+    return ci ? ci->socket_context : NULL;
+}
+
+void ds_gate_phase(struct MHD_Connection *mc, ds_conn_phase p) {
+    conn *c = conn_of(mc);
     if (!c) return;
     atomic_store(&c->t_phase, ds_now()); /* before the phase: the reaper reads them the other way */
     atomic_store(&c->phase, (int)p);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * a kept-alive connection's next head, peeked in its own thread */
+
+void ds_gate_untracked(struct MHD_Connection *mc) {
+    conn *c = conn_of(mc);
+    if (c) c->track = 0;
+}
+
+/* Bytes libmicrohttpd has read from the socket (received, less those still queued), or -1. The
+ * queue is read before and after: bytes arriving between the calls would skew the difference. */
+static long long consumed(int fd) {
+    struct tcp_info ti;
+    socklen_t len = sizeof ti;
+    int q0 = 0, q1 = 0;
+    if (ioctl(fd, FIONREAD, &q0) || getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) ||
+        len < sizeof ti || ioctl(fd, FIONREAD, &q1) || q0 != q1)
+        return -1;
+    return (long long)ti.tcpi_bytes_received - q0;
+}
+
+/* Waits for fd to be readable (or hung up) until `until` or the gate stops: 1 readable, 0 not. */
+static int wait_readable(ds_gate *g, int fd, double until) {
+    for (;;) {
+        double now = ds_now();
+        if (now >= until || atomic_load(&g->stop)) return 0;
+        struct pollfd p = {.fd = fd, .events = POLLIN | POLLRDHUP};
+        int ms = DS_MIN((int)((until - now) * 1e3) + 1, 100); /* the stop flag, now and then */
+        if (poll(&p, 1, ms) > 0) return 1;
+    }
+}
+
+/* Refuses a head in the connection's thread: the answer, then the client's bytes drained (so
+ * the close does not reset the connection before the answer is read), then libmicrohttpd sees
+ * the end of input and closes it. */
+static void refuse_here(ds_gate *g, conn *c, const ds_oai_error *e, char *buf) {
+    write_error(c->fd, e);
+    shutdown(c->fd, SHUT_WR);
+    set_rcvlowat(c->fd, 1);
+    double until = ds_now() + LINGER_MS * 1e-3;
+    for (size_t drained = 0; drained < LINGER_MAX && wait_readable(g, c->fd, until);) {
+        ssize_t n = recv(c->fd, buf, DS_HEAD_MAX_BYTES, MSG_DONTWAIT);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) break;
+        if (n > 0) drained += (size_t)n;
+    }
+    shutdown(c->fd, SHUT_RD);
+}
+
+/* Peeks the next head as the gate peeks a first one: the idle timeout for its first byte, then
+ * the head deadline for the rest. Returns with the head whole and good (libmicrohttpd reads it),
+ * or refused, or on a timeout of silence (libmicrohttpd's own then closes the connection). */
+static void vet_next_head(ds_gate *g, conn *c) {
+    char buf[DS_HEAD_MAX_BYTES + 1]; /* [DS_HEAD_MAX_BYTES + 1] the peeked head */
+    double until = ds_now() + g->o.idle_timeout_s, first = 0;
+    size_t seen = 0;
+    ds_oai_error e;
+    for (;;) {
+        if (!wait_readable(g, c->fd, until)) {
+            if (!first || atomic_load(&g->stop)) break;
+            ds_oai_errorf(&e, 408, NULL, "request_timeout",
+                          "the request head did not arrive whole within %g s of its first byte",
+                          g->o.header_timeout_s);
+            refuse_here(g, c, &e, buf);
+            break;
+        }
+        ssize_t n = recv(c->fd, buf, sizeof buf, MSG_PEEK | MSG_DONTWAIT);
+        if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+        if (n <= 0) break; /* closed: libmicrohttpd sees it too */
+        if (!first) first = ds_now(), until = first + g->o.header_timeout_s;
+        size_t head_len = 0;
+        ds_head_status st = ds_http_check_head(buf, (size_t)n, DS_HEAD_MAX_BYTES, &head_len, &e);
+        if (st == DS_HEAD_OK) {
+            c->head_len = head_len;
+            break;
+        }
+        if (st == DS_HEAD_BAD) {
+            refuse_here(g, c, &e, buf);
+            break;
+        }
+        if ((size_t)n == seen) usleep(STALL_MS * 1000); /* SO_RCVLOWAT not honoured */
+        seen = (size_t)n;
+        set_rcvlowat(c->fd, (int)n + 1);
+    }
+    set_rcvlowat(c->fd, 1);
+}
+
+void ds_gate_request_done(struct MHD_Connection *mc, int kept, unsigned long long body_bytes) {
+    conn *c = conn_of(mc);
+    if (!c || !c->track) return;
+    c->expect += c->head_len + body_bytes;
+    /* libmicrohttpd read exactly the requests so far: the next head is all still in the socket */
+    if (!kept || consumed(c->fd) != (long long)c->expect) {
+        c->track = 0;
+        return;
+    }
+    atomic_store(&c->phase, DS_CONN_SERVING); /* deadlines are this thread's own for now */
+    vet_next_head(c->g, c);
+    atomic_store(&c->t_phase, ds_now());
+    atomic_store(&c->phase, DS_CONN_WAIT);
 }
 
 /* ---------------------------------------------------------------------------------------------

@@ -64,5 +64,15 @@ void ds_gate_notify(void *cls, struct MHD_Connection *c, void **socket_context,
                     enum MHD_ConnectionNotificationCode toe);
 /* The connection's request moved to phase p (now). */
 void ds_gate_phase(struct MHD_Connection *c, ds_conn_phase p);
+/* The connection's request ended (libmicrohttpd's completed callback); kept: it completed and
+ * the connection stays open (HTTP/1.1, no "close" on either side); body_bytes: its body's bytes
+ * as sent (Content-Length framing). When libmicrohttpd has read exactly the requests so far,
+ * the next head is still whole in the socket: it is peeked and checked here (in the
+ * connection's thread, which would wait for it anyway) like a first one, refused in JSON, cut
+ * off with 408 past the head deadline. Otherwise (pipelined bytes already read, chunked bodies)
+ * libmicrohttpd reads the connection's later heads unchecked. */
+void ds_gate_request_done(struct MHD_Connection *c, int kept, unsigned long long body_bytes);
+/* This connection's later heads cannot be peeked (a chunked body, a closing response). */
+void ds_gate_untracked(struct MHD_Connection *c);
 
 #endif

@@ -264,6 +264,9 @@ static enum MHD_Result send_error_h(struct MHD_Connection *c, const ds_oai_error
     /* a refusal for want of room frees its connection too */
     if (e->status == 503 && strcmp(e->code, "queue_full"))
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
+    if ((e->status == 503 && strcmp(e->code, "queue_full")) ||
+        (extra_header && strcmp(extra_header, MHD_HTTP_HEADER_CONNECTION) == 0))
+        ds_gate_untracked(c); /* closing: no next head to look at */
     enum MHD_Result ret = MHD_queue_response(c, (unsigned)e->status, resp);
     MHD_destroy_response(resp);
     return ret;
@@ -397,6 +400,7 @@ typedef struct conn_ctx {
     size_t reserved; /* bytes of s->inflight this request holds (its body's room) */
     int no_room;     /* a chunked body outgrew s->max_inflight: discarded, answered 503 */
     gen_req *gen;    /* the generation this request started, or NULL */
+    unsigned long long declared; /* its Content-Length (0: none) */
 } conn_ctx;
 
 static ds_engine *ready_engine(ds_server *s) {
@@ -734,24 +738,6 @@ static const struct route {
     {"/detokenize", "POST", EP_DETOK},
 };
 
-/* Constant-time comparison, so the key cannot be guessed byte by byte from response times. */
-static int key_equal(const char *a, size_t alen, const char *b) {
-    size_t blen = strlen(b);
-    unsigned char d = alen != blen;
-    for (size_t i = 0; i < alen; i++) d |= (unsigned char)(a[i] ^ b[i % (blen ? blen : 1)]);
-    return d == 0;
-}
-
-static int authorized(ds_server *s, struct MHD_Connection *c) {
-    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
-    if (!h || strncasecmp(h, "Bearer ", 7)) return 0;
-    h += 7;
-    while (*h == ' ') h++;
-    size_t n = strlen(h);
-    while (n && h[n - 1] == ' ') n--;
-    return key_equal(h, n, s->api_key);
-}
-
 static enum MHD_Result dispatch(ds_server *s, struct MHD_Connection *c, conn_ctx *cc,
                                 const char *url, const char *method) {
     /* the API key was checked on the headers (on_request) */
@@ -802,19 +788,26 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         cc = calloc(1, sizeof *cc);
         if (!cc) return MHD_NO;
         *con_cls = cc;
+        const char *cl =
+            MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+        unsigned long long n = cc->declared = cl ? strtoull(cl, NULL, 10) : 0;
+        const char *conn_h =
+            MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONNECTION);
+        /* the next head is looked at before MHD reads it only when the connection is kept
+         * alive and this body's length on the wire is known */
+        if (strcmp(version, MHD_HTTP_VERSION_1_1) || (conn_h && strcasestr(conn_h, "close")) ||
+            MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_TRANSFER_ENCODING))
+            ds_gate_untracked(c);
         ds_oai_error fe;
         if (ds_http_check_framing(c, &fe)) /* answered at once, and the connection closed */
             return send_error_h(c, &fe, MHD_HTTP_HEADER_CONNECTION, "close");
         /* the key before the body: a client without it gets 401 before we read (or buffer) its
          * body; MHD closes the connection when a body is left unread */
-        if (s->api_key && strncmp(url, "/v1/", 4) == 0 && !authorized(s, c))
+        if (s->api_key && strncmp(url, "/v1/", 4) == 0 && !ds_http_authorized(c, s->api_key))
             return send_errorf(c, 401, NULL, "invalid_api_key",
                                "Incorrect or missing API key: send it as 'Authorization: Bearer "
                                "KEY'");
         if (ds_gate_open(s->gate) > s->max_conns) return send_busy(s, c, "connections");
-        const char *cl =
-            MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-        unsigned long long n = cl ? strtoull(cl, NULL, 10) : 0;
         if (n > HARD_BODY_FACTOR * (unsigned long long)s->max_body)
             /* refuse at once rather than read a huge body; MHD then closes the connection */
             return send_errorf(c, 413, NULL, "request_too_large",
@@ -858,6 +851,9 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
     ds_server *s = cls;
     ds_gate_phase(c, DS_CONN_WAIT); /* kept alive: the next head's deadline runs from here */
     if (!cc) return;
+    /* a body left unread (answered from the headers) closes the connection */
+    int kept = toe == MHD_REQUEST_TERMINATED_COMPLETED_OK && cc->seen == cc->declared;
+    unsigned long long body_bytes = cc->declared;
     if (cc->gen) {
         if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK) gen_abandon(cc->gen);
         gen_unref(cc->gen);
@@ -870,6 +866,8 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
     free(cc->body);
     free(cc);
     *con_cls = NULL;
+    /* last: this may wait for the connection's next head (the thread would wait anyway) */
+    ds_gate_request_done(c, kept, body_bytes);
 }
 
 /* ---------------------------------------------------------------------------------------------
