@@ -11,12 +11,12 @@ static int is_tchar(unsigned char c) {
            (c && strchr("!#$%&'*+-.^_`|~", c));
 }
 
-/* A printable excerpt of a line for an error message: out[64], control bytes as '?'. */
+/* A printable excerpt of a line for an error message: out[64], ASCII, other bytes as '?'. */
 static const char *excerpt(const char *s, size_t n, char out[64]) {
     size_t k = n < 40 ? n : 40;
     for (size_t i = 0; i < k; i++) {
         unsigned char c = (unsigned char)s[i];
-        out[i] = c < 0x20 || c == 0x7f || c == '"' || c == '\\' ? '?' : (char)c;
+        out[i] = c < 0x20 || c >= 0x7f || c == '"' || c == '\\' ? '?' : (char)c;
     }
     snprintf(out + k, 64 - k, "%s", n > k ? "..." : "");
     return out;
@@ -38,7 +38,7 @@ static ds_head_status request_line(const char *s, size_t n, int *http11, ds_oai_
     while (i < n && is_tchar((unsigned char)s[i])) i++;
     if (i == 0 || i == n || s[i] != ' ') return bad(e, 400, "malformed_request", what, s, n);
     size_t t = ++i;
-    while (i < n && (unsigned char)s[i] > 0x20 && (unsigned char)s[i] != 0x7f) i++;
+    while (i < n && (unsigned char)s[i] > 0x20 && (unsigned char)s[i] < 0x7f) i++; /* ASCII */
     if (i == t || i == n || s[i] != ' ') return bad(e, 400, "malformed_request", what, s, n);
     const char *v = s + i + 1;
     size_t vn = n - i - 1;

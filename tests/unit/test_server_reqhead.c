@@ -1,0 +1,119 @@
+/* test_server_reqhead.c — the request-head checker the server's gate runs before libmicrohttpd
+ * (reqhead.c): whole good heads with their exact length, heads not whole yet, and each kind of
+ * refusal with its status, code and a message naming the fault. */
+#include <string.h>
+
+#include "server/reqhead.h"
+#include "testutil.h"
+
+/* Checks s (a C string) and returns the status; *e and *len as the checker left them. */
+static ds_head_status check(const char *s, size_t max, size_t *len, ds_oai_error *e) {
+    *len = 0;
+    memset(e, 0, sizeof *e);
+    return ds_http_check_head(s, strlen(s), max, len, e);
+}
+
+static void test_good_heads(void **state) {
+    (void)state;
+    size_t len;
+    ds_oai_error e;
+    const char *a = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
+    assert_int_equal(check(a, 16384, &len, &e), DS_HEAD_OK);
+    assert_int_equal(len, strlen(a));
+    /* the body and a pipelined request after the head are not part of it */
+    const char *b = "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}GET / HTT";
+    assert_int_equal(check(b, 16384, &len, &e), DS_HEAD_OK);
+    assert_int_equal(len, strlen(b) - strlen("{}GET / HTT"));
+    /* bare LF line ends, empty lines before the request line, HTTP/1.0 without Host,
+     * obs-text and tabs in a value, an empty value */
+    const char *c = "\r\n\nGET /x?a=%20 HTTP/1.0\nX-A:\t\xc3\xa9 b\t\nX-B:\n\n";
+    assert_int_equal(check(c, 16384, &len, &e), DS_HEAD_OK);
+    assert_int_equal(len, strlen(c));
+}
+
+static void test_not_whole_yet(void **state) {
+    (void)state;
+    size_t len;
+    ds_oai_error e;
+    assert_int_equal(check("", 16384, &len, &e), DS_HEAD_MORE);
+    assert_int_equal(check("GET /health HT", 16384, &len, &e), DS_HEAD_MORE);
+    assert_int_equal(check("GET /health HTTP/1.1\r\nHost: x\r\n", 16384, &len, &e), DS_HEAD_MORE);
+    assert_int_equal(check("GET /health HTTP/1.1\r\nHost: x\r\n\r", 16384, &len, &e), DS_HEAD_MORE);
+}
+
+static void expect_bad(const char *s, size_t max, int status, const char *code, const char *says) {
+    size_t len;
+    ds_oai_error e;
+    assert_int_equal(check(s, max, &len, &e), DS_HEAD_BAD);
+    assert_int_equal(e.status, status);
+    assert_string_equal(e.code, code);
+    assert_string_equal(e.type, "invalid_request_error"); /* 505 too: the client's to fix */
+    if (!strstr(e.message, says)) fail_msg("'%s' not in '%s'", says, e.message);
+}
+
+static void test_refusals(void **state) {
+    (void)state;
+    const char *mr = "malformed_request";
+    expect_bad("GET /health HTTP/1.1\r\nHost: x\r\nNoColon\r\n\r\n", 16384, 400, mr, "Name: value");
+    expect_bad("GET /health HTTP/1.1\r\nX-A : b\r\n", 16384, 400, mr, "before the colon");
+    expect_bad("GET /health HTTP/1.1\r\nX-A: b\r\n c\r\n", 16384, 400, mr, "folded");
+    /* a NUL inside a value: the length is given, the string is not C's */
+    size_t len;
+    ds_oai_error e;
+    const char nul[] = "GET / HTTP/1.1\r\nX-A: b\0c\r\n\r\n";
+    assert_int_equal(ds_http_check_head(nul, sizeof nul - 1, 16384, &len, &e), DS_HEAD_BAD);
+    assert_int_equal(e.status, 400);
+    assert_non_null(strstr(e.message, "control byte"));
+    expect_bad("GET / HTTP/1.1\r\nX-A: b\rc\r\n\r\n", 16384, 400, mr, "control byte");
+    expect_bad("GET /health\r\n", 16384, 400, mr, "request line");
+    expect_bad("GET  / HTTP/1.1\r\n", 16384, 400, mr, "request line");
+    expect_bad("G(T / HTTP/1.1\r\n", 16384, 400, mr, "request line");
+    expect_bad("GET / HTTP/1.1 \r\n", 16384, 400, mr, "request line");
+    expect_bad("GET / http/1.1\r\n", 16384, 400, mr, "request line");
+    expect_bad("GET /\xc3\xa9 HTTP/1.1\r\n", 16384, 400, mr, "GET /?? HTTP"); /* not ASCII */
+    expect_bad("GET / HTTP/2.0\r\n", 16384, 505, "http_version_not_supported", "HTTP/2.0");
+    expect_bad("GET / HTTP/1.2\r\n", 16384, 505, "http_version_not_supported", "HTTP/1.2");
+    /* judged as soon as the line is whole: no need for the rest of the head */
+    expect_bad("GET / HTTP/0.9\r\nHost: x\r\n", 16384, 505, "http_version_not_supported", "0.9");
+    expect_bad("GET / HTTP/1.1\r\n\r\n", 16384, 400, mr, "needs a Host");
+    expect_bad("GET / HTTP/1.1\r\nHost: a\r\nhost: b\r\n\r\n", 16384, 400, mr, "more than one");
+}
+
+static void test_sizes(void **state) {
+    (void)state;
+    char big[400];
+    /* a request line longer than the limit: 414, whole or not */
+    snprintf(big, sizeof big, "GET /%0200d HTTP/1.1\r\nHost: x\r\n\r\n", 0);
+    expect_bad(big, 100, 414, "uri_too_long", "request line");
+    snprintf(big, sizeof big, "GET /%0200d", 0);
+    expect_bad(big, 100, 414, "uri_too_long", "100 bytes");
+    /* a longer head: 431, whole or not; at the limit exactly it passes */
+    snprintf(big, sizeof big, "GET / HTTP/1.1\r\nHost: x\r\nX-A: %0200d\r\n\r\n", 0);
+    expect_bad(big, 100, 431, "request_header_fields_too_large", "100 bytes");
+    big[60] = 0;
+    expect_bad(big, 50, 431, "request_header_fields_too_large", "50 bytes");
+    size_t len;
+    ds_oai_error e;
+    snprintf(big, sizeof big, "GET / HTTP/1.1\r\nHost: x\r\nX-A: %0200d\r\n\r\n", 0);
+    assert_int_equal(check(big, strlen(big), &len, &e), DS_HEAD_OK);
+    assert_int_equal(check(big, strlen(big) - 1, &len, &e), DS_HEAD_BAD);
+    /* too many fields: 100 pass, 101 do not */
+    static char many[4096];
+    size_t n = (size_t)snprintf(many, sizeof many, "GET / HTTP/1.1\r\nHost: x\r\n");
+    for (int i = 1; i < DS_HEAD_MAX_FIELDS; i++)
+        n += (size_t)snprintf(many + n, sizeof many - n, "X-%d: y\r\n", i);
+    snprintf(many + n, sizeof many - n, "\r\n");
+    assert_int_equal(check(many, 16384, &len, &e), DS_HEAD_OK);
+    snprintf(many + n, sizeof many - n, "X-Z: y\r\n\r\n");
+    expect_bad(many, 16384, 431, "request_header_fields_too_large", "fields");
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_good_heads),
+        cmocka_unit_test(test_not_whole_yet),
+        cmocka_unit_test(test_refusals),
+        cmocka_unit_test(test_sizes),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
