@@ -36,6 +36,8 @@ enum {
     BACKLOG = 1024,        /* the listen socket's queue */
     STALL_MS = 50,         /* a head that woke poll without new bytes waits this long */
     ACCEPT_PAUSE_MS = 100, /* out of file descriptors: accept again after this long */
+    CHUNKED_PEEK = 32 * 1024, /* a chunked body is checked as far as this much of it */
+    PEEK_MAX = DS_HEAD_MAX_BYTES + CHUNKED_PEEK, /* bytes peeked at most */
 };
 
 typedef enum { S_FREE = 0, S_HEAD, S_LINGER, S_MHD } slot_state;
@@ -50,6 +52,7 @@ typedef struct conn {
     double next_look; /* S_HEAD: not polled before (a stall, see STALL_MS) */
     size_t peeked;    /* S_HEAD: bytes seen at the last look */
     size_t drained;   /* S_LINGER: bytes read and dropped */
+    int body_wait;    /* S_HEAD: the head is whole, its chunked body awaited (body deadline) */
     ds_gate *g;
     /* S_MHD, the connection thread's: the wire bytes of its requests so far, for knowing whether
      * libmicrohttpd holds bytes of the next one (then its head cannot be peeked) */
@@ -73,7 +76,7 @@ struct ds_gate {
     conn *slots; /* [n_slots] the connection table */
     int n_slots;
     atomic_int n_used;
-    char *buf;          /* [DS_HEAD_MAX_BYTES + 1] the gate thread's peek buffer */
+    char *buf;          /* [PEEK_MAX] the gate thread's peek buffer */
     struct pollfd *pfd; /* [n_slots + 2] */
     int *pidx;          /* [n_slots + 2] slot of each pfd entry (-1: not a slot) */
 };
@@ -196,9 +199,46 @@ static void hand_over(ds_gate *g, conn *c, size_t head_len, double now) {
     pthread_mutex_unlock(&g->mu);
 }
 
+typedef enum { V_WAIT = 0, V_PASS, V_REFUSE } verdict;
+
+/* Judges the n bytes peeked from a connection: V_PASS when its head is whole and good and, for
+ * a chunked body (unless it waits for "100 Continue"), that body is whole and good too or fills
+ * the peek window (libmicrohttpd reads the rest unchecked); V_REFUSE, *e says why; V_WAIT for
+ * more. *head_len: the head's size once whole, else 0. */
+static verdict judge(const char *b, size_t n, size_t *head_len, ds_oai_error *e) {
+    ds_head_status st = ds_http_check_head(b, n, DS_HEAD_MAX_BYTES, head_len, e);
+    if (st != DS_HEAD_OK) {
+        *head_len = 0;
+        return st == DS_HEAD_BAD ? V_REFUSE : V_WAIT;
+    }
+    unsigned f = ds_http_head_flags(b, *head_len);
+    if (!(f & DS_HEAD_CHUNKED) || (f & DS_HEAD_EXPECT100)) return V_PASS;
+    size_t body_len;
+    st = ds_http_check_chunked(b + *head_len, n - *head_len, &body_len, e);
+    if (st == DS_HEAD_BAD) return V_REFUSE;
+    return st == DS_HEAD_OK || n >= PEEK_MAX ? V_PASS : V_WAIT;
+}
+
+/* The 408 of a request not whole by its deadline (body: its head was, its body was not). */
+static void timed_out(ds_oai_error *e, const ds_gate *g, int body) {
+    if (body)
+        ds_oai_errorf(e, 408, NULL, "request_timeout",
+                      "the request body did not arrive whole within %g s of its head",
+                      g->o.body_timeout_s);
+    else
+        ds_oai_errorf(e, 408, NULL, "request_timeout",
+                      "the request head did not arrive whole within %g s", g->o.header_timeout_s);
+}
+
+static void half_closed(ds_oai_error *e, int body) {
+    ds_oai_errorf(e, 400, NULL, "malformed_request",
+                  "the connection was closed in the middle of the request %s",
+                  body ? "body" : "head");
+}
+
 /* More bytes (or a hang-up) on a connection whose head is pending. */
 static void look_at_head(ds_gate *g, conn *c, short revents, double now) {
-    ssize_t n = recv(c->fd, g->buf, DS_HEAD_MAX_BYTES + 1, MSG_PEEK | MSG_DONTWAIT);
+    ssize_t n = recv(c->fd, g->buf, PEEK_MAX, MSG_PEEK | MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
     if (n <= 0) { /* closed (or failed) before its head was whole: nothing to answer */
         close(c->fd);
@@ -209,12 +249,13 @@ static void look_at_head(ds_gate *g, conn *c, short revents, double now) {
     }
     size_t head_len = 0;
     ds_oai_error e;
-    ds_head_status st = ds_http_check_head(g->buf, (size_t)n, DS_HEAD_MAX_BYTES, &head_len, &e);
-    if (st == DS_HEAD_OK) return hand_over(g, c, head_len, now);
-    if (st == DS_HEAD_BAD) return refuse(c, &e, now);
-    if (revents & (POLLRDHUP | POLLHUP | POLLERR)) { /* half a head, and no more will come */
-        ds_oai_errorf(&e, 400, NULL, "malformed_request",
-                      "the connection was closed in the middle of the request head");
+    verdict v = judge(g->buf, (size_t)n, &head_len, &e);
+    if (v == V_PASS) return hand_over(g, c, head_len, now);
+    if (v == V_REFUSE) return refuse(c, &e, now);
+    if (head_len && !c->body_wait) /* from now on the body's deadline */
+        c->body_wait = 1, c->deadline = now + g->o.body_timeout_s;
+    if (revents & (POLLRDHUP | POLLHUP | POLLERR)) { /* half a request, and no more will come */
+        half_closed(&e, c->body_wait);
         return refuse(c, &e, now);
     }
     /* woken without new bytes (SO_RCVLOWAT not honoured): look again a little later */
@@ -251,9 +292,7 @@ static void deadlines(ds_gate *g, double now) {
     for (int i = 0; i < g->n_slots; i++) {
         conn *c = &g->slots[i];
         if (c->state == S_HEAD && now >= c->deadline) {
-            ds_oai_errorf(&e, 408, NULL, "request_timeout",
-                          "the request head did not arrive whole within %g s of connecting",
-                          g->o.header_timeout_s);
+            timed_out(&e, g, c->body_wait);
             refuse(c, &e, now);
         } else if (c->state == S_LINGER && now >= c->deadline) {
             close(c->fd);
@@ -261,11 +300,7 @@ static void deadlines(ds_gate *g, double now) {
         } else if (c->state == S_MHD && c->bound) {
             double d = mhd_deadline(g, c);
             if (d <= 0 || now < d) continue;
-            int body = atomic_load(&c->phase) == DS_CONN_BODY;
-            ds_oai_errorf(&e, 408, NULL, "request_timeout",
-                          body ? "the request body did not arrive whole within %g s of its head"
-                               : "the next request's head did not arrive whole within %g s",
-                          body ? g->o.body_timeout_s : g->o.header_timeout_s);
+            timed_out(&e, g, atomic_load(&c->phase) == DS_CONN_BODY);
             write_error(c->fd, &e);
             shutdown(c->fd, SHUT_RDWR);
             atomic_store(&c->phase, DS_CONN_SERVING); /* once */
@@ -381,14 +416,15 @@ static long long consumed(int fd) {
     return (long long)ti.tcpi_bytes_received - q0;
 }
 
-/* Waits for fd to be readable (or hung up) until `until` or the gate stops: 1 readable, 0 not. */
-static int wait_readable(ds_gate *g, int fd, double until) {
+/* Waits for fd to be readable (or hung up) until `until` or the gate stops: its poll events, 0
+ * when it was not. */
+static short wait_readable(ds_gate *g, int fd, double until) {
     for (;;) {
         double now = ds_now();
         if (now >= until || atomic_load(&g->stop)) return 0;
         struct pollfd p = {.fd = fd, .events = POLLIN | POLLRDHUP};
         int ms = DS_MIN((int)((until - now) * 1e3) + 1, 100); /* the stop flag, now and then */
-        if (poll(&p, 1, ms) > 0) return 1;
+        if (poll(&p, 1, ms) > 0) return p.revents ? p.revents : POLLIN;
     }
 }
 
@@ -412,16 +448,16 @@ static void refuse_here(ds_gate *g, conn *c, const ds_oai_error *e, char *buf) {
  * the head deadline for the rest. Returns with the head whole and good (libmicrohttpd reads it),
  * or refused, or on a timeout of silence (libmicrohttpd's own then closes the connection). */
 static void vet_next_head(ds_gate *g, conn *c) {
-    char buf[DS_HEAD_MAX_BYTES + 1]; /* [DS_HEAD_MAX_BYTES + 1] the peeked head */
+    char buf[PEEK_MAX]; /* [PEEK_MAX] the peeked request */
     double until = ds_now() + g->o.idle_timeout_s, first = 0;
     size_t seen = 0;
+    int body_wait = 0;
     ds_oai_error e;
     for (;;) {
-        if (!wait_readable(g, c->fd, until)) {
+        short re = wait_readable(g, c->fd, until);
+        if (!re) {
             if (!first || atomic_load(&g->stop)) break;
-            ds_oai_errorf(&e, 408, NULL, "request_timeout",
-                          "the request head did not arrive whole within %g s of its first byte",
-                          g->o.header_timeout_s);
+            timed_out(&e, g, body_wait);
             refuse_here(g, c, &e, buf);
             break;
         }
@@ -430,15 +466,17 @@ static void vet_next_head(ds_gate *g, conn *c) {
         if (n <= 0) break; /* closed: libmicrohttpd sees it too */
         if (!first) first = ds_now(), until = first + g->o.header_timeout_s;
         size_t head_len = 0;
-        ds_head_status st = ds_http_check_head(buf, (size_t)n, DS_HEAD_MAX_BYTES, &head_len, &e);
-        if (st == DS_HEAD_OK) {
+        verdict v = judge(buf, (size_t)n, &head_len, &e);
+        if (v == V_PASS) {
             c->head_len = head_len;
             break;
         }
-        if (st == DS_HEAD_BAD) {
+        if (v == V_REFUSE || (re & (POLLRDHUP | POLLHUP | POLLERR))) {
+            if (v != V_REFUSE) half_closed(&e, head_len > 0);
             refuse_here(g, c, &e, buf);
             break;
         }
+        if (head_len && !body_wait) body_wait = 1, until = ds_now() + g->o.body_timeout_s;
         if ((size_t)n == seen) usleep(STALL_MS * 1000); /* SO_RCVLOWAT not honoured */
         seen = (size_t)n;
         set_rcvlowat(c->fd, (int)n + 1);
@@ -505,7 +543,7 @@ int ds_gate_create(const ds_gate_opts *o, ds_gate **out, ds_err *err) {
     g->n_slots = DS_MAX(o->max_connections, 1);
     pthread_mutex_init(&g->mu, NULL);
     g->slots = calloc((size_t)g->n_slots, sizeof *g->slots);
-    g->buf = malloc(DS_HEAD_MAX_BYTES + 1);
+    g->buf = malloc(PEEK_MAX);
     g->pfd = calloc((size_t)g->n_slots + 2, sizeof *g->pfd);
     g->pidx = calloc((size_t)g->n_slots + 2, sizeof *g->pidx);
     if (!g->slots || !g->buf || !g->pfd || !g->pidx || pipe2(g->wake, O_CLOEXEC | O_NONBLOCK)) {

@@ -1,6 +1,7 @@
 /* reqhead.c — the request head's grammar (RFC 9112 §2-§5), see reqhead.h. */
 #include "server/reqhead.h"
 
+#include <ctype.h>
 #include <stdio.h>
 #include <string.h>
 #include <strings.h>
@@ -117,5 +118,99 @@ ds_head_status ds_http_check_head(const char *b, size_t n, size_t max_bytes, siz
         if (st != DS_HEAD_OK) return st;
         n_host += is_host;
         if (line_no++ > DS_HEAD_MAX_FIELDS) return too_large(e, 0, max_bytes);
+    }
+}
+
+/* The next line of b[p..n): its start *s and length *len without the line end (CRLF or LF);
+ * returns the offset after it, or 0 when it is not whole yet. */
+static size_t next_line(const char *b, size_t n, size_t p, const char **s, size_t *len) {
+    const char *nl = memchr(b + p, '\n', n - p);
+    if (!nl) return 0;
+    *s = b + p;
+    *len = (size_t)(nl - b) - p;
+    if (*len && (*s)[*len - 1] == '\r') (*len)--;
+    return (size_t)(nl - b) + 1;
+}
+
+/* 1 if the field line s[0..n) is named `name` (case-insensitive); *v its value, trimmed. */
+static int field_is(const char *s, size_t n, const char *name, const char **v, size_t *vn) {
+    size_t k = strlen(name);
+    if (n <= k || s[k] != ':' || strncasecmp(s, name, k)) return 0;
+    size_t i = k + 1;
+    while (i < n && (s[i] == ' ' || s[i] == '\t')) i++;
+    while (n > i && (s[n - 1] == ' ' || s[n - 1] == '\t')) n--;
+    *v = s + i, *vn = n - i;
+    return 1;
+}
+
+unsigned ds_http_head_flags(const char *b, size_t len) {
+    unsigned f = 0;
+    const char *s, *v;
+    size_t n, vn;
+    for (size_t p = 0, q; (q = next_line(b, len, p, &s, &n)); p = q) {
+        if (field_is(s, n, "transfer-encoding", &v, &vn) && vn >= 7 &&
+            strncasecmp(v + vn - 7, "chunked", 7) == 0 &&
+            (vn == 7 || v[vn - 8] == ',' || v[vn - 8] == ' ' || v[vn - 8] == '\t'))
+            f |= DS_HEAD_CHUNKED;
+        if (field_is(s, n, "expect", &v, &vn) && vn == 12 && !strncasecmp(v, "100-continue", 12))
+            f |= DS_HEAD_EXPECT100;
+    }
+    return f;
+}
+
+static ds_head_status bad_chunk(ds_oai_error *e, const char *what) {
+    ds_oai_errorf(e, 400, NULL, "malformed_request", "malformed chunked body: %s", what);
+    return DS_HEAD_BAD;
+}
+
+/* A chunk-size line: 1-15 hex digits, then optional whitespace and a ";" extension without
+ * control bytes. */
+static ds_head_status chunk_size(const char *s, size_t n, unsigned long long *size,
+                                 ds_oai_error *e) {
+    size_t i = 0;
+    *size = 0;
+    for (; i < n && isxdigit((unsigned char)s[i]); i++) {
+        if (i == 15) return bad_chunk(e, "a chunk size over 15 hexadecimal digits");
+        int c = (unsigned char)s[i];
+        *size = *size * 16 + (unsigned)(c <= '9' ? c - '0' : (c | 0x20) - 'a' + 10);
+    }
+    if (i == 0) return bad_chunk(e, "a chunk size that is not a hexadecimal number");
+    while (i < n && (s[i] == ' ' || s[i] == '\t')) i++;
+    if (i < n && s[i] != ';') return bad_chunk(e, "text after a chunk size that is no extension");
+    for (; i < n; i++)
+        if (((unsigned char)s[i] < 0x20 && s[i] != '\t') || s[i] == 0x7f)
+            return bad_chunk(e, "a control byte in a chunk extension");
+    return DS_HEAD_OK;
+}
+
+ds_head_status ds_http_check_chunked(const char *b, size_t n, size_t *body_len, ds_oai_error *e) {
+    size_t p = 0, q, len;
+    const char *s;
+    for (;;) {
+        if (!(q = next_line(b, n, p, &s, &len)))
+            return n - p > 1024 ? bad_chunk(e, "a chunk size line over 1024 bytes") : DS_HEAD_MORE;
+        unsigned long long size;
+        if (chunk_size(s, len, &size, e) != DS_HEAD_OK) return DS_HEAD_BAD;
+        p = q;
+        if (size == 0) break;
+        if (n - p < size + 1) return DS_HEAD_MORE; /* its data and at least a LF */
+        p += (size_t)size;
+        if (b[p] == '\r' && p + 1 == n) return DS_HEAD_MORE;
+        if (b[p] != '\n' && (b[p] != '\r' || b[p + 1] != '\n'))
+            return bad_chunk(e, "chunk data longer than its size (no line end after it)");
+        p += b[p] == '\r' ? 2 : 1;
+    }
+    for (int n_fields = 0;; n_fields++) { /* the trailer section, then an empty line */
+        if (!(q = next_line(b, n, p, &s, &len)))
+            return n - p > DS_HEAD_MAX_BYTES ? bad_chunk(e, "a trailer section too large")
+                                             : DS_HEAD_MORE;
+        p = q;
+        if (len == 0) {
+            *body_len = p;
+            return DS_HEAD_OK;
+        }
+        int is_host;
+        if (n_fields >= DS_HEAD_MAX_FIELDS || field_line(s, len, &is_host, e) != DS_HEAD_OK)
+            return bad_chunk(e, "a malformed trailer field");
     }
 }

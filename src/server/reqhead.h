@@ -30,4 +30,18 @@ typedef enum { DS_HEAD_BAD = -1, DS_HEAD_MORE = 0, DS_HEAD_OK = 1 } ds_head_stat
 ds_head_status ds_http_check_head(const char *b, size_t n, size_t max_bytes, size_t *head_len,
                                   ds_oai_error *e);
 
+/* What a whole, checked head (b[0..len)) asks of its body: bit flags. */
+enum {
+    DS_HEAD_CHUNKED = 1,   /* Transfer-Encoding ending in "chunked" */
+    DS_HEAD_EXPECT100 = 2, /* Expect: 100-continue (the body waits for the server's go-ahead) */
+};
+unsigned ds_http_head_flags(const char *b, size_t len);
+
+/* Looks at the bytes of a chunked body (RFC 9112 §7.1) that arrived so far, b[0..n).
+ * DS_HEAD_OK: the body is whole (last chunk and trailer section) and well-formed, *body_len its
+ * size on the wire; DS_HEAD_MORE: good so far; DS_HEAD_BAD (400, *e says what): a chunk size
+ * that is not hexadecimal or too large, chunk data not followed by its line end, a control byte
+ * in an extension, a malformed trailer field. */
+ds_head_status ds_http_check_chunked(const char *b, size_t n, size_t *body_len, ds_oai_error *e);
+
 #endif

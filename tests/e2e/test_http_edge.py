@@ -133,6 +133,42 @@ def test_plain_chunked_still_works(server):
     assert [r[0] for r in responses(raw)] == [200]
 
 
+def test_chunked_sent_slowly_and_with_expect_100_still_works(server):
+    # the head first, the body 0.3 s later in two writes (the gate waits for it); and a client
+    # that waits for "100 Continue" before its body (the gate must not wait for it)
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(TOKENIZE), TOKENIZE)
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    s.sendall(post_head("/tokenize", "Transfer-Encoding: chunked", "Connection: close"))
+    time.sleep(0.3)
+    s.sendall(chunked[:5])
+    time.sleep(0.3)
+    raw, _ = exchange_on(s, chunked[5:])
+    assert [r[0] for r in responses(raw)] == [200]
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    s.sendall(post_head("/tokenize", "Transfer-Encoding: chunked", "Expect: 100-continue",
+                        "Connection: close"))
+    assert s.recv(65536).startswith(b"HTTP/1.1 100")
+    raw, _ = exchange_on(s, chunked)
+    assert [r[0] for r in responses(raw)] == [200]
+
+
+@pytest.mark.parametrize("body,says", [
+    (b"zz\r\nabc\r\n0\r\n\r\n", "hexadecimal"),
+    (b"3\r\nabcdef\r\n0\r\n\r\n", "longer than its size"),
+    (b"3\r\nabc\r\n0\r\nNoColon\r\n\r\n", "trailer")])
+@pytest.mark.parametrize("after_one", [False, True])
+def test_bad_chunked_framing_in_json(server, body, says, after_one):
+    # first on a connection, and on a kept-alive one after a request answered
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    if after_one:
+        s.sendall(H + b"\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+    got, closed = exchange_on(s, post_head("/tokenize", "Transfer-Encoding: chunked") + body)
+    e = lone_error(got, 400)
+    assert "chunked" in e["message"] and says in e["message"], e
+    assert closed
+
+
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", {"model": MODEL_NAME + "\u0000junk", "prompt": "x", "max_tokens": 1},
      "model"),
@@ -516,6 +552,14 @@ def test_body_trickled_gets_408(short_deadlines):
     assert took < 4.5, took  # the body deadline (1.5 s)
     if got:  # best effort: the 408 is written on libmicrohttpd's socket as it is cut off
         assert lone_error(got, 408)["code"] == "request_timeout"
+
+
+def test_chunked_body_trickled_gets_408(short_deadlines):
+    head = post_head("/tokenize", "Transfer-Encoding: chunked")
+    got, took = trickle(short_deadlines.port, head, b"1\r\nx\r\n")
+    e = lone_error(got, 408)
+    assert e["code"] == "request_timeout" and "body" in e["message"]
+    assert took < 3.5, took  # the body deadline (1.5 s)
 
 
 def test_keepalive_next_head_trickled_is_cut_off(short_deadlines):

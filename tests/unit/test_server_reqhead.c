@@ -108,12 +108,68 @@ static void test_sizes(void **state) {
     expect_bad(many, 16384, 431, "request_header_fields_too_large", "fields");
 }
 
+static ds_head_status chunked(const char *s, size_t *len, ds_oai_error *e) {
+    *len = 0;
+    memset(e, 0, sizeof *e);
+    return ds_http_check_chunked(s, strlen(s), len, e);
+}
+
+static void test_chunked(void **state) {
+    (void)state;
+    size_t len;
+    ds_oai_error e;
+    /* whole: hex sizes either case, an extension, bare LF, a trailer; what follows is not its */
+    const char *a = "5\r\nhello\r\nA;x=\"y\"\r\n0123456789\r\n0\r\n\r\nGET / HTTP/1.1";
+    assert_int_equal(chunked(a, &len, &e), DS_HEAD_OK);
+    assert_int_equal(len, strlen(a) - strlen("GET / HTTP/1.1"));
+    const char *b = "3\nabc\n00\nX-T: 1\n\n";
+    assert_int_equal(chunked(b, &len, &e), DS_HEAD_OK);
+    assert_int_equal(len, strlen(b));
+    /* not whole yet: at every cut of a good body */
+    for (size_t cut = 0; cut < strlen(a) - strlen("GET / HTTP/1.1"); cut++) {
+        char part[64];
+        snprintf(part, sizeof part, "%.*s", (int)cut, a);
+        assert_int_equal(chunked(part, &len, &e), DS_HEAD_MORE);
+    }
+    /* malformed */
+    const char *bad[][2] = {
+        {"zz\r\nabc\r\n0\r\n\r\n", "not a hexadecimal number"},
+        {"\r\n", "not a hexadecimal number"},
+        {"3\r\nabcd\r\n0\r\n\r\n", "longer than its size"},
+        {"3 x\r\nabc\r\n", "no extension"},
+        {"3;a\x01\r\nabc\r\n", "control byte"},
+        {"1000000000000000\r\n", "15 hexadecimal digits"},
+        {"0\r\nNoColon\r\n\r\n", "trailer"},
+    };
+    for (size_t i = 0; i < DS_ARRAY_LEN(bad); i++) {
+        assert_int_equal(chunked(bad[i][0], &len, &e), DS_HEAD_BAD);
+        assert_int_equal(e.status, 400);
+        if (!strstr(e.message, bad[i][1])) fail_msg("'%s' not in '%s'", bad[i][1], e.message);
+    }
+    /* a size line that never ends */
+    static char longline[1100];
+    memset(longline, '0', sizeof longline - 1);
+    longline[3] = ';';
+    assert_int_equal(chunked(longline, &len, &e), DS_HEAD_BAD);
+}
+
+static void test_head_flags(void **state) {
+    (void)state;
+    const char *a = "POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, Chunked \r\n\r\n";
+    assert_int_equal(ds_http_head_flags(a, strlen(a)), DS_HEAD_CHUNKED);
+    const char *b = "POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nexpect: 100-Continue\r\n\r\n";
+    assert_int_equal(ds_http_head_flags(b, strlen(b)), DS_HEAD_CHUNKED | DS_HEAD_EXPECT100);
+    /* "chunked" not the last coding, or only a suffix of one, or in another field: no flag */
+    const char *c = "POST / HTTP/1.1\r\nTransfer-Encoding: chunked, gzip\r\nX-TE: chunked\r\n"
+                    "Transfer-Encoding: xchunked\r\nContent-Length: 3\r\n\r\n";
+    assert_int_equal(ds_http_head_flags(c, strlen(c)), 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_good_heads),
-        cmocka_unit_test(test_not_whole_yet),
-        cmocka_unit_test(test_refusals),
-        cmocka_unit_test(test_sizes),
+        cmocka_unit_test(test_good_heads), cmocka_unit_test(test_not_whole_yet),
+        cmocka_unit_test(test_refusals),   cmocka_unit_test(test_sizes),
+        cmocka_unit_test(test_chunked),    cmocka_unit_test(test_head_flags),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
