@@ -3,15 +3,32 @@
  *
  * Input: the bytes a client sent. The limit is a small one (256) half the time (first byte odd),
  * so the size refusals are reached, else the server's.
+ * After an accepted head, the rest is also checked as a chunked body (with the head's flags).
  * Invariants: a refusal is 400, 414, 431 or 505 with a message and OpenAI-shaped error JSON; an
- * accepted head ends with its empty line within the bytes and the limit, is accepted alone with
- * the same length, and one byte less of it is "not whole yet", never a verdict. */
+ * accepted head (or chunked body) ends with its empty line within the bytes and the limit, is
+ * accepted alone with the same length, and one byte less of it is "not whole yet", never a
+ * verdict. */
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "fuzzutil.h"
 #include "server/reqhead.h"
+
+/* An accepted head or body b[0..len) of n bytes: whole alone, and "not whole" one byte short. */
+static void check_whole(const char *b, size_t n, size_t len, size_t max, int body) {
+    size_t len2 = 0;
+    ds_oai_error e;
+    if (len < (body ? 3 : 2) || len > n || len > max || b[len - 1] != '\n')
+        fz_fail("accepted %s of %zu bytes out of %zu (limit %zu)", body ? "body" : "head", len, n,
+                max);
+    ds_head_status st = body ? ds_http_check_chunked(b, len, &len2, &e)
+                             : ds_http_check_head(b, len, max, &len2, &e);
+    if (st != DS_HEAD_OK || len2 != len) fz_fail("accepted alone differently (%zu)", len);
+    st = body ? ds_http_check_chunked(b, len - 1, &len2, &e)
+              : ds_http_check_head(b, len - 1, max, &len2, &e);
+    if (st != DS_HEAD_MORE) fz_fail("one byte short got a verdict: %s", e.message);
+}
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -33,13 +50,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         json_decref(j);
         free(js);
     } else if (st == DS_HEAD_OK) {
-        if (len < 2 || len > size || len > max || b[len - 1] != '\n')
-            fz_fail("accepted head of %zu bytes out of %zu (limit %zu)", len, size, max);
-        size_t len2 = 0;
-        if (ds_http_check_head(b, len, max, &len2, &e) != DS_HEAD_OK || len2 != len)
-            fz_fail("the head alone is not accepted with its length %zu", len);
-        if (ds_http_check_head(b, len - 1, max, &len2, &e) != DS_HEAD_MORE)
-            fz_fail("a head one byte short got a verdict: %s", e.message);
+        check_whole(b, size, len, max, 0);
+        unsigned f = ds_http_head_flags(b, len);
+        if (f & ~(unsigned)(DS_HEAD_CHUNKED | DS_HEAD_EXPECT100)) fz_fail("flags %x", f);
+        size_t blen = 0;
+        ds_head_status bs = ds_http_check_chunked(b + len, size - len, &blen, &e);
+        if (bs == DS_HEAD_OK) check_whole(b + len, size - len, blen, (size_t)-1, 1);
+        if (bs == DS_HEAD_BAD && (e.status != 400 || !strstr(e.message, "chunked")))
+            fz_fail("a chunked body refused with %d: %s", e.status, e.message);
     } else if (st != DS_HEAD_MORE) {
         fz_fail("status %d", (int)st);
     } else if (size > max) {

@@ -254,6 +254,11 @@ def seeds_reqhead():
         "two_hosts": b"GET / HTTP/1.1\r\nHost: a\r\nHOST: b\r\n\r\n",
         "half": b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Len",
         "long": b"\x01GET /" + b"a" * 300 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+        "chunked": b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                   b"Expect: 100-continue\r\n\r\n5;e=1\r\nhello\r\nA\r\n0123456789\r\n0\r\n"
+                   b"X-T: 1\r\n\r\n",
+        "chunked_bad": b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                       b"3\r\nabcdef\r\n0\r\n\r\n",
     }
     for name, data in heads.items():
         put(t, "seed-" + name, data)
