@@ -6,14 +6,17 @@
  * is one of silence, which a client sending a byte every few seconds never hits). So the server
  * accepts connections itself: one thread polls the listen socket and every connection whose
  * first head is not whole yet, looks at the bytes with MSG_PEEK (nothing is consumed), checks the
- * head (reqhead.h) and then either hands the connection, bytes untouched, to libmicrohttpd with
- * MHD_add_connection, or answers the refusal in OpenAI error JSON itself (400, 414, 431, 505;
- * 408 when the head is not whole by its deadline) and closes the connection.
+ * head (reqhead.h; a chunked body too, as far as its first 32 KiB) and then either hands the
+ * connection, bytes untouched, to libmicrohttpd with MHD_add_connection, or answers the refusal
+ * in OpenAI error JSON itself (400, 414, 431, 505; 408 when the head is not whole by its
+ * deadline) and closes the connection. A kept-alive connection's next head is checked the same
+ * way in the connection's own thread (ds_gate_request_done) when it is still in the socket.
  *
  * The same thread enforces the deadlines on connections libmicrohttpd holds, which it tracks
  * through the phases the server reports (ds_gate_phase): a body must arrive within its deadline
- * of its head, and a kept-alive connection's next head within the idle timeout plus the head
- * deadline of its last response; past them it is sent 408 and shut down.
+ * of its head, and a kept-alive connection's next head (where it could not be peeked) within the
+ * idle timeout plus the head deadline of its last response; past them it is sent 408 and shut
+ * down.
  *
  * The table also bounds connections: in all (pending heads and libmicrohttpd's together) and per
  * client address; past either a new connection is closed at once. */
