@@ -57,8 +57,10 @@ typedef struct conn {
     /* S_MHD, the connection thread's: the wire bytes of its requests so far, for knowing whether
      * libmicrohttpd holds bytes of the next one (then its head cannot be peeked) */
     int track;                 /* 0: not known (chunked, pipelined, closing): no more peeking */
-    size_t head_len;           /* the current request's head, as peeked */
+    size_t head_len;           /* the current request's head (with a chunked body), as peeked */
     unsigned long long expect; /* bytes of the requests before it */
+    ds_oai_error next_bad;     /* status 0, or: the request pipelined after this one, seen
+                                  malformed when this one was peeked */
     _Atomic(double) t_phase;   /* S_MHD: when phase began */
     atomic_int phase;          /* S_MHD: ds_conn_phase */
 } conn;
@@ -180,14 +182,15 @@ static void accept_all(ds_gate *g, double now, double *pause_until) {
 }
 
 /* Hands a connection with a whole, good head to libmicrohttpd. */
-static void hand_over(ds_gate *g, conn *c, size_t head_len, double now) {
+static void hand_over(ds_gate *g, conn *c, size_t wire, const ds_oai_error *next, double now) {
     set_rcvlowat(c->fd, 1);
     pthread_mutex_lock(&g->mu);
     c->state = S_MHD;
     c->bound = 0;
-    c->track = 1;
-    c->head_len = head_len;
+    c->track = wire > 0;
+    c->head_len = wire;
     c->expect = 0;
+    c->next_bad = *next;
     atomic_store(&c->t_phase, now);
     atomic_store(&c->phase, DS_CONN_WAIT);
     pthread_mutex_unlock(&g->mu);
@@ -204,19 +207,36 @@ typedef enum { V_WAIT = 0, V_PASS, V_REFUSE } verdict;
 /* Judges the n bytes peeked from a connection: V_PASS when its head is whole and good and, for
  * a chunked body (unless it waits for "100 Continue"), that body is whole and good too or fills
  * the peek window (libmicrohttpd reads the rest unchecked); V_REFUSE, *e says why; V_WAIT for
- * more. *head_len: the head's size once whole, else 0. */
-static verdict judge(const char *b, size_t n, size_t *head_len, ds_oai_error *e) {
+ * more. *head_len: the head's size once whole, else 0. On V_PASS: *wire, the bytes of the head
+ * and a chunked body (a head alone for other framings; 0 when a chunked body is not whole in b),
+ * and *next (status 0 if not), the refusal of a malformed request pipelined behind it in b. */
+static verdict judge(const char *b, size_t n, size_t *head_len, size_t *wire, ds_oai_error *e,
+                     ds_oai_error *next) {
+    next->status = 0;
+    *wire = 0;
     ds_head_status st = ds_http_check_head(b, n, DS_HEAD_MAX_BYTES, head_len, e);
     if (st != DS_HEAD_OK) {
         *head_len = 0;
         return st == DS_HEAD_BAD ? V_REFUSE : V_WAIT;
     }
     unsigned f = ds_http_head_flags(b, *head_len);
-    if (!(f & DS_HEAD_CHUNKED) || (f & DS_HEAD_EXPECT100)) return V_PASS;
-    size_t body_len;
-    st = ds_http_check_chunked(b + *head_len, n - *head_len, &body_len, e);
-    if (st == DS_HEAD_BAD) return V_REFUSE;
-    return st == DS_HEAD_OK || n >= PEEK_MAX ? V_PASS : V_WAIT;
+    unsigned long long end = 0, cl; /* where the request ends, when known and within b */
+    size_t body_len = 0, next_len;
+    if (f & DS_HEAD_CHUNKED) {
+        if (f & DS_HEAD_EXPECT100) return V_PASS;
+        st = ds_http_check_chunked(b + *head_len, n - *head_len, &body_len, e);
+        if (st == DS_HEAD_BAD) return V_REFUSE;
+        if (st != DS_HEAD_OK) return n >= PEEK_MAX ? V_PASS : V_WAIT;
+        end = *wire = *head_len + body_len;
+    } else {
+        *wire = *head_len;
+        if (ds_http_head_content_length(b, *head_len, &cl)) end = *head_len + cl;
+    }
+    if (end && end < n &&
+        ds_http_check_head(b + end, n - (size_t)end, DS_HEAD_MAX_BYTES, &next_len, next) !=
+            DS_HEAD_BAD)
+        next->status = 0;
+    return V_PASS;
 }
 
 /* The 408 of a request not whole by its deadline (body: its head was, its body was not). */
@@ -247,10 +267,10 @@ static void look_at_head(ds_gate *g, conn *c, short revents, double now) {
         pthread_mutex_unlock(&g->mu);
         return;
     }
-    size_t head_len = 0;
-    ds_oai_error e;
-    verdict v = judge(g->buf, (size_t)n, &head_len, &e);
-    if (v == V_PASS) return hand_over(g, c, head_len, now);
+    size_t head_len = 0, wire;
+    ds_oai_error e, next;
+    verdict v = judge(g->buf, (size_t)n, &head_len, &wire, &e, &next);
+    if (v == V_PASS) return hand_over(g, c, wire, &next, now);
     if (v == V_REFUSE) return refuse(c, &e, now);
     if (head_len && !c->body_wait) /* from now on the body's deadline */
         c->body_wait = 1, c->deadline = now + g->o.body_timeout_s;
@@ -452,7 +472,7 @@ static void vet_next_head(ds_gate *g, conn *c) {
     double until = ds_now() + g->o.idle_timeout_s, first = 0;
     size_t seen = 0;
     int body_wait = 0;
-    ds_oai_error e;
+    ds_oai_error e, next;
     for (;;) {
         short re = wait_readable(g, c->fd, until);
         if (!re) {
@@ -465,10 +485,12 @@ static void vet_next_head(ds_gate *g, conn *c) {
         if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
         if (n <= 0) break; /* closed: libmicrohttpd sees it too */
         if (!first) first = ds_now(), until = first + g->o.header_timeout_s;
-        size_t head_len = 0;
-        verdict v = judge(buf, (size_t)n, &head_len, &e);
+        size_t head_len = 0, wire;
+        verdict v = judge(buf, (size_t)n, &head_len, &wire, &e, &next);
         if (v == V_PASS) {
-            c->head_len = head_len;
+            c->head_len = wire;
+            c->track = wire > 0;
+            c->next_bad = next;
             break;
         }
         if (v == V_REFUSE || (re & (POLLRDHUP | POLLHUP | POLLERR))) {
@@ -488,8 +510,19 @@ void ds_gate_request_done(struct MHD_Connection *mc, int kept, unsigned long lon
     conn *c = conn_of(mc);
     if (!c || !c->track) return;
     c->expect += c->head_len + body_bytes;
+    long long got = consumed(c->fd);
+    if (kept && c->next_bad.status && got > (long long)c->expect) {
+        /* libmicrohttpd holds the pipelined next request, seen malformed when this one was
+         * peeked: refused now, after this response, before libmicrohttpd answers it in HTML
+         * (its answer then finds the socket shut) */
+        write_error(c->fd, &c->next_bad);
+        shutdown(c->fd, SHUT_RDWR);
+        c->track = 0;
+        return;
+    }
+    c->next_bad.status = 0;
     /* libmicrohttpd read exactly the requests so far: the next head is all still in the socket */
-    if (!kept || consumed(c->fd) != (long long)c->expect) {
+    if (!kept || got != (long long)c->expect) {
         c->track = 0;
         return;
     }

@@ -401,6 +401,7 @@ typedef struct conn_ctx {
     int no_room;     /* a chunked body outgrew s->max_inflight: discarded, answered 503 */
     gen_req *gen;    /* the generation this request started, or NULL */
     unsigned long long declared; /* its Content-Length (0: none) */
+    int whole;                   /* the request was read whole (and dispatched) */
 } conn_ctx;
 
 static ds_engine *ready_engine(ds_server *s) {
@@ -794,9 +795,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         const char *conn_h =
             MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONNECTION);
         /* the next head is looked at before MHD reads it only when the connection is kept
-         * alive and this body's length on the wire is known */
-        if (strcmp(version, MHD_HTTP_VERSION_1_1) || (conn_h && strcasestr(conn_h, "close")) ||
-            MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_TRANSFER_ENCODING))
+         * alive (the gate knows whether this request's length on the wire is known) */
+        if (strcmp(version, MHD_HTTP_VERSION_1_1) || (conn_h && strcasestr(conn_h, "close")))
             ds_gate_untracked(c);
         ds_oai_error fe;
         if (ds_http_check_framing(c, &fe)) /* answered at once, and the connection closed */
@@ -841,6 +841,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         return MHD_YES;
     }
     ds_gate_phase(c, DS_CONN_SERVING);
+    cc->whole = 1;
     return dispatch(s, c, cc, url, method);
 }
 
@@ -852,8 +853,8 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
     ds_gate_phase(c, DS_CONN_WAIT); /* kept alive: the next head's deadline runs from here */
     if (!cc) return;
     /* a body left unread (answered from the headers) closes the connection */
-    int kept = toe == MHD_REQUEST_TERMINATED_COMPLETED_OK && cc->seen == cc->declared;
-    unsigned long long body_bytes = cc->declared;
+    int kept = toe == MHD_REQUEST_TERMINATED_COMPLETED_OK && cc->whole;
+    unsigned long long body_bytes = cc->declared; /* chunked: 0, the gate counts it */
     if (cc->gen) {
         if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK) gen_abandon(cc->gen);
         gen_unref(cc->gen);

@@ -158,6 +158,25 @@ unsigned ds_http_head_flags(const char *b, size_t len) {
     return f;
 }
 
+int ds_http_head_content_length(const char *b, size_t len, unsigned long long *cl) {
+    const char *s, *v;
+    size_t n, vn;
+    int seen = 0;
+    *cl = 0;
+    for (size_t p = 0, q; (q = next_line(b, len, p, &s, &n)); p = q) {
+        if (!field_is(s, n, "content-length", &v, &vn)) continue;
+        unsigned long long x = 0;
+        if (vn == 0 || vn > 18) return 0;
+        for (size_t i = 0; i < vn; i++) {
+            if (v[i] < '0' || v[i] > '9') return 0;
+            x = x * 10 + (unsigned)(v[i] - '0');
+        }
+        if (seen++ && x != *cl) return 0;
+        *cl = x;
+    }
+    return 1;
+}
+
 static ds_head_status bad_chunk(ds_oai_error *e, const char *what) {
     ds_oai_errorf(e, 400, NULL, "malformed_request", "malformed chunked body: %s", what);
     return DS_HEAD_BAD;

@@ -36,6 +36,9 @@ enum {
     DS_HEAD_EXPECT100 = 2, /* Expect: 100-continue (the body waits for the server's go-ahead) */
 };
 unsigned ds_http_head_flags(const char *b, size_t len);
+/* The body's length by the head's Content-Length (0 without one): 1, or 0 when it is not known
+ * (values that differ or are not a decimal number; the server refuses those on the headers). */
+int ds_http_head_content_length(const char *b, size_t len, unsigned long long *cl);
 
 /* Looks at the bytes of a chunked body (RFC 9112 §7.1) that arrived so far, b[0..n).
  * DS_HEAD_OK: the body is whole (last chunk and trailer section) and well-formed, *body_len its

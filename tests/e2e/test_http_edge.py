@@ -574,9 +574,14 @@ def test_keepalive_next_head_trickled_is_cut_off(short_deadlines):
     assert e["code"] == "request_timeout" and "head" in e["message"]
 
 
+CHUNKED_TOKENIZE = post_head("/tokenize", "Transfer-Encoding: chunked") + (
+    b"%x\r\n%s\r\n0\r\n\r\n" % (len(TOKENIZE), TOKENIZE))
+
+
 @pytest.mark.parametrize("first", [
     H + b"\r\n",
-    post_head("/tokenize", f"Content-Length: {len(TOKENIZE)}") + TOKENIZE])
+    post_head("/tokenize", f"Content-Length: {len(TOKENIZE)}") + TOKENIZE,
+    CHUNKED_TOKENIZE])
 @pytest.mark.parametrize("bad,status", [
     (b"GET /health HTTP/1.1\r\nHost: x\r\nNoColonHere\r\n\r\n", 400),
     (b"GET /health HTTP/3.0\r\nHost: x\r\n\r\n", 505),
@@ -594,6 +599,21 @@ def test_keepalive_next_head_malformed_in_json(server, first, bad, status):
     got, closed = exchange_on(s, bad)
     e = lone_error(got, status)
     assert e["type"] == "invalid_request_error"
+    assert closed
+
+
+@pytest.mark.parametrize("first", [
+    H + b"\r\n",
+    post_head("/tokenize", f"Content-Length: {len(TOKENIZE)}") + TOKENIZE,
+    CHUNKED_TOKENIZE])
+def test_pipelined_malformed_head_in_json(server, first):
+    # a good request and a malformed one in one write: the first is answered, then the second is
+    # refused in JSON (it was seen when the first was peeked)
+    got, closed = exchange(server.port, first + H + b"NoColonHere\r\n\r\n")
+    rs = responses(got)
+    assert [r[0] for r in rs] == [200, 400], got[-300:]
+    assert rs[1][1]["content-type"] == "application/json"
+    assert "Name: value" in json.loads(rs[1][2])["error"]["message"]
     assert closed
 
 

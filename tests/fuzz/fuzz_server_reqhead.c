@@ -53,6 +53,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         check_whole(b, size, len, max, 0);
         unsigned f = ds_http_head_flags(b, len);
         if (f & ~(unsigned)(DS_HEAD_CHUNKED | DS_HEAD_EXPECT100)) fz_fail("flags %x", f);
+        unsigned long long cl;
+        if (ds_http_head_content_length(b, len, &cl) && cl > 999999999999999999ull)
+            fz_fail("Content-Length %llu over 18 digits", cl);
         size_t blen = 0;
         ds_head_status bs = ds_http_check_chunked(b + len, size - len, &blen, &e);
         if (bs == DS_HEAD_OK) check_whole(b + len, size - len, blen, (size_t)-1, 1);

@@ -165,11 +165,33 @@ static void test_head_flags(void **state) {
     assert_int_equal(ds_http_head_flags(c, strlen(c)), 0);
 }
 
+static void test_content_length(void **state) {
+    (void)state;
+    unsigned long long cl = 99;
+    const char *a = "POST / HTTP/1.1\r\nHost: x\r\ncontent-length:  42 \r\n\r\n";
+    assert_int_equal(ds_http_head_content_length(a, strlen(a), &cl), 1);
+    assert_int_equal(cl, 42);
+    const char *none = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+    assert_int_equal(ds_http_head_content_length(none, strlen(none), &cl), 1);
+    assert_int_equal(cl, 0);
+    const char *same = "POST / HTTP/1.1\r\nContent-Length: 7\r\nContent-Length: 7\r\n\r\n";
+    assert_int_equal(ds_http_head_content_length(same, strlen(same), &cl), 1);
+    assert_int_equal(cl, 7);
+    /* not known: values that differ, a sign, not digits, too many digits */
+    const char *bad[] = {"POST / HTTP/1.1\r\nContent-Length: 7\r\nContent-Length: 8\r\n\r\n",
+                         "POST / HTTP/1.1\r\nContent-Length: +7\r\n\r\n",
+                         "POST / HTTP/1.1\r\nContent-Length: 7x\r\n\r\n",
+                         "POST / HTTP/1.1\r\nContent-Length: 1234567890123456789\r\n\r\n"};
+    for (size_t i = 0; i < DS_ARRAY_LEN(bad); i++)
+        assert_int_equal(ds_http_head_content_length(bad[i], strlen(bad[i]), &cl), 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_good_heads), cmocka_unit_test(test_not_whole_yet),
-        cmocka_unit_test(test_refusals),   cmocka_unit_test(test_sizes),
-        cmocka_unit_test(test_chunked),    cmocka_unit_test(test_head_flags),
+        cmocka_unit_test(test_good_heads),     cmocka_unit_test(test_not_whole_yet),
+        cmocka_unit_test(test_refusals),       cmocka_unit_test(test_sizes),
+        cmocka_unit_test(test_chunked),        cmocka_unit_test(test_head_flags),
+        cmocka_unit_test(test_content_length),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
