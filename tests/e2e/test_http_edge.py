@@ -338,6 +338,43 @@ def test_connection_limit_answers_503_with_retry_after():
             pass
 
 
+def test_every_way_a_connection_ends_frees_its_slot():
+    """300 connections ended every way (answered and closed, refused by the gate, hung up
+    mid-head or mid-body, kept alive then refused, pipelined) through a table of 8 + 64 slots:
+    a slot kept by any of them would leave the server refusing connections."""
+    srv_gen = _server_fixture("--max-connections", "8")
+    srv = next(srv_gen)
+    try:
+        port = srv.port
+        ends = [
+            lambda: exchange(port, H + b"Connection: close\r\n\r\n", timeout=2),
+            lambda: exchange(port, H + b"NoColon\r\n\r\n", timeout=2),
+            lambda: exchange(port, H + b"\r\n" + H + b"NoColon\r\n\r\n", timeout=2),
+            lambda: exchange(port, CHUNKED_TOKENIZE + b"GET / HTTP/9.9\r\n\r\n", timeout=2),
+            lambda: exchange(port, post_head("/tokenize", "Content-Length: 100") + b"{", 0.2),
+        ]
+        for i in range(300):
+            if i % 6 == 5:  # hung up mid-head
+                s = socket.create_connection(("127.0.0.1", port))
+                s.sendall(b"GET /hea")
+                s.close()
+                continue
+            ends[i % 6]()
+        deadline = time.time() + 10
+        while get_from("127.0.0.9", port)[0] != 200:
+            assert time.time() < deadline, "connection slots were not given back"
+            time.sleep(0.1)
+        # and all 8 + 64 are there: 12 half-sent connections still leave /health a 503, not a reset
+        socks = half_sent("127.0.0.10", port, 12)
+        assert len(socks) == 12
+        assert get_from("127.0.0.11", port)[0] == 503
+        for s in socks:
+            s.close()
+    finally:
+        for _ in srv_gen:
+            pass
+
+
 def test_inflight_body_bytes_bound():
     srv_gen = _server_fixture("--max-inflight-body-bytes", "16M")
     srv = next(srv_gen)
