@@ -79,11 +79,12 @@ typedef struct serve_flags {
     const char *ckpt_mem, *off_ram, *off_disk_bytes, *inflight;
     int port, max_conns, max_conns_ip;
     double idle_timeout;
+    double header_timeout, body_timeout;
     int64_t seed;
     double grace;
 } serve_flags;
 
-enum { SERVE_OWN_FLAGS = 21 }; /* entries serve_table adds to the engine's */
+enum { SERVE_OWN_FLAGS = 23 }; /* entries serve_table adds to the engine's */
 
 /* Writes serve's flags into out[DS_ENGINE_FLAGS_MAX + SERVE_OWN_FLAGS]; returns how many. */
 static int serve_table(serve_flags *s, ds_arg *out) {
@@ -126,6 +127,10 @@ static int serve_table(serve_flags *s, ds_arg *out) {
                "open connections per client address (0: no limit); more are closed at once"),
         DS_OPT("http-idle-timeout", NULL, DS_ARG_FLOAT, &s->idle_timeout, "SEC",
                "close a connection that sends nothing this long (half-sent requests, keep-alive)"),
+        DS_OPT("http-header-timeout", NULL, DS_ARG_FLOAT, &s->header_timeout, "SEC",
+               "a request head must arrive whole this long after connecting; past it 408"),
+        DS_OPT("http-body-timeout", NULL, DS_ARG_FLOAT, &s->body_timeout, "SEC",
+               "a request body must arrive whole this long after its head; past it 408"),
         DS_OPT("max-inflight-body-bytes", NULL, DS_ARG_STRING, &s->inflight, "BYTES",
                "request bodies buffered at once, over all requests; past it 503 + Retry-After "
                "(default: 64M)"),
@@ -157,6 +162,10 @@ static int serve_apply(serve_flags *s, ds_err *err) {
     if (s->port > 65535) return ds_errf(err, "--port: expected at most 65535, got %d", s->port);
     if (s->idle_timeout <= 0)
         return ds_errf(err, "--http-idle-timeout: expected > 0, got %g", s->idle_timeout);
+    if (s->header_timeout <= 0)
+        return ds_errf(err, "--http-header-timeout: expected > 0, got %g", s->header_timeout);
+    if (s->body_timeout <= 0)
+        return ds_errf(err, "--http-body-timeout: expected > 0, got %g", s->body_timeout);
     if (s->grace < 0) return ds_errf(err, "--shutdown-timeout: expected >= 0, got %g", s->grace);
     const struct {
         const char *flag, *value;
@@ -222,6 +231,8 @@ static int serve_head(serve_flags *s) {
     so.max_connections = s->max_conns;
     so.max_connections_per_ip = s->max_conns_ip;
     so.idle_timeout_s = s->idle_timeout;
+    so.header_timeout_s = s->header_timeout;
+    so.body_timeout_s = s->body_timeout;
     if (s->inflight && ds_parse_bytes(s->inflight, &so.max_inflight_body_bytes, &err)) {
         fprintf(stderr, "serve: --max-inflight-body-bytes: %s\n", err.msg);
         free(name);
@@ -268,6 +279,8 @@ int ds_cmd_serve(int argc, char **argv) {
     s.max_conns = dso.max_connections;
     s.max_conns_ip = dso.max_connections_per_ip;
     s.idle_timeout = dso.idle_timeout_s;
+    s.header_timeout = dso.header_timeout_s;
+    s.body_timeout = dso.body_timeout_s;
     s.seed = (int64_t)s.f.eo.seed;
     ds_arg opts[DS_ENGINE_FLAGS_MAX + SERVE_OWN_FLAGS];
     ds_args a = {"deltaserve serve",

@@ -14,6 +14,7 @@
 #include "transport/launch.h"
 
 static const char *const SPEC_METHODS[] = {"none", "dspark", "ngram", NULL};
+static const char *const LOAD_FORMATS[] = {"safetensors", "dummy", "random", NULL};
 static const char *const RELAYS[] = {"partial-sum", "plain", NULL};
 
 int ds_parse_bytes(const char *s, size_t *out, ds_err *err) {
@@ -64,6 +65,7 @@ int ds_engine_flags_init(ds_engine_flags *f, const char *cmd) {
     f->kv_dtype = ds_kv_dtype_names[0];
     f->partition = "";
     f->quant = ds_quant_names[f->eo.quantization];
+    f->load_format = LOAD_FORMATS[0];
     f->tp = f->pp = 1;
     return DS_OK;
 }
@@ -72,6 +74,11 @@ int ds_engine_flags_table(ds_engine_flags *f, ds_arg *out) {
     ds_engine_opts *eo = &f->eo;
     ds_arg table[] = {
         {"model", "m", DS_ARG_STRING, &eo->model_dir, "DIR", "checkpoint folder", .required = 1},
+        {"load-format", NULL, DS_ARG_STRING, &f->load_format, "F",
+         "safetensors (the checkpoint's weights), or dummy / random: weights drawn for "
+         "config.json's shape, no weight files read (benchmarks; `init-model --shape-of` writes "
+         "such a folder)",
+         .choices = LOAD_FORMATS},
         {"device", NULL, DS_ARG_STRING, &f->device, "D",
          "cpu, cuda (weights and caches in GPU memory; under MPI the rank with local rank r uses "
          "GPU r mod count) or "
@@ -153,6 +160,7 @@ int ds_engine_flags_apply(ds_engine_flags *f, const ds_args *a, ds_err *err) {
     eo->speculative_method = index_of(SPEC_METHODS, f->spec_method);
     eo->draft_tap_relay = index_of(RELAYS, f->relay);
     eo->kv_fp8 = !strcmp(f->kv_dtype, "fp8");
+    eo->load_random = strcmp(f->load_format, "safetensors") != 0;
     if (ds_args_seen(a, "num-speculative-tokens") && eo->speculative_method == DS_SPEC_NONE)
         return ds_errf(err,
                        "--num-speculative-tokens needs --speculative-method (dspark or ngram)");

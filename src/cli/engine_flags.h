@@ -17,12 +17,12 @@
 #include "engine/engine.h"
 #include "model/model.h"
 
-enum { DS_ENGINE_FLAGS_MAX = 18 + DS_TEST_FLAGS_MAX }; /* entries ds_engine_flags_table writes */
+enum { DS_ENGINE_FLAGS_MAX = 19 + DS_TEST_FLAGS_MAX }; /* entries ds_engine_flags_table writes */
 
 typedef struct ds_engine_flags {
     ds_engine_opts eo; /* the defaults; ds_engine_flags_apply writes the flags into it */
     const char *cmd;   /* "serve": prefixes messages */
-    const char *device, *kv_mem, *kv_dtype, *spec_method, *relay, *partition, *quant;
+    const char *device, *kv_mem, *kv_dtype, *spec_method, *relay, *partition, *quant, *load_format;
     const char *kv_transfer; /* --kv-transfer-config JSON (docs/pd.md) */
     char *kv_ip;             /* its kv_ip, owned (eo.kv_ip points here) */
     int tp, pp;

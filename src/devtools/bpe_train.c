@@ -383,8 +383,9 @@ static int write_config(const char *dir, int n_ranks, ds_chat_format family, ds_
 }
 
 int ds_tok_write_files(const char *dir, int n_ranks, ds_chat_format family, ds_err *err) {
-    if (n_ranks < 256 || n_ranks > 65536)
-        return ds_errf(err, "bpe_train: n_ranks %d outside 256..65536", n_ranks);
+    if (n_ranks < 256 || n_ranks > DS_TOK_MAX_WRITE_RANKS)
+        return ds_errf(err, "bpe_train: n_ranks %d outside 256..%d", n_ranks,
+                       DS_TOK_MAX_WRITE_RANKS);
     if (family != DS_CHAT_KIMI_LINEAR && family != DS_CHAT_K3)
         return ds_errf(err, "bpe_train: unknown chat format %d", (int)family);
     vocab v = {0};
@@ -402,7 +403,9 @@ int ds_tok_write_files(const char *dir, int n_ranks, ds_chat_format family, ds_e
     }
     if (train(&v, n_ranks, err) < 0) goto out;
     /* Fill-up: two-byte tokens, printable ASCII first. A two-byte token is one merge of two single
-     * bytes, so tiktoken always derives it. 256 + 65536 two-byte strings cover any n_ranks. */
+     * bytes, so tiktoken always derives it. Then (vocabularies of real models' size, e.g.
+     * 163,584 ranks) three-byte tokens the same way: once every two-byte token ranks before
+     * them, either first merge of x y z leaves a pair whose bytes are the token. */
     for (int pass = 0; pass < 2 && v.n < n_ranks; pass++)
         for (int x = 0; x < 256 && v.n < n_ranks; x++)
             for (int y = 0; y < 256 && v.n < n_ranks; y++) {
@@ -411,6 +414,15 @@ int ds_tok_write_files(const char *dir, int n_ranks, ds_chat_format family, ds_e
                 unsigned char pr[2] = {(unsigned char)x, (unsigned char)y};
                 if (vocab_find(&v, pr, 2) < 0 && vocab_add(&v, pr, 2, err) < 0) goto out;
             }
+    for (int pass = 0; pass < 2 && v.n < n_ranks; pass++)
+        for (int t = 0; t < 1 << 24 && v.n < n_ranks; t++) {
+            unsigned char tr[3] = {(unsigned char)(t >> 16), (unsigned char)(t >> 8),
+                                   (unsigned char)t};
+            int printable = 1;
+            for (int k = 0; k < 3; k++) printable &= tr[k] >= 0x20 && tr[k] < 0x7f;
+            if (printable != (pass == 0)) continue;
+            if (vocab_find(&v, tr, 3) < 0 && vocab_add(&v, tr, 3, err) < 0) goto out;
+        }
     if (write_model(dir, &v, err) < 0) goto out;
     rc = write_config(dir, n_ranks, family, err);
 out:

@@ -72,6 +72,7 @@ typedef struct bench_job {
     ds_rank r;
     ds_pp_bufs io;
     int root;
+    int chunk; /* prompts run in forwards of at most this many tokens (chunked prefill); 0: one */
 } bench_job;
 
 /* One forward step of the whole job over sb[n]; picks[n_picks] (the last stage's greedy tokens,
@@ -122,6 +123,26 @@ static float *alloc_slots(ds_model *m, size_t n, ds_err *err) {
  * greedy requests, or (full_logits) with every row of logits on the host, as a request that
  * samples or wants logprobs needs them, or (sampled) with every row's token drawn where the
  * logits are (temperature 1, top-p 0.95), as the server does for a sampled request. */
+/* One sequence's T prompt tokens ids[T] through the job from position 0, in forwards of at most
+ * j->chunk tokens (all at once when 0), the last chunk's last row of logits into logits[V] (the
+ * last stage's; NULL: none) — a request's time to first token under chunked prefill. */
+static int run_chunks(bench_job *j, ds_kv_pool *pool, const int32_t *ids, int T, float *slot,
+                      const int32_t *table, float *logits, ds_err *err) {
+    for (int p0 = 0, n; p0 < T; p0 += n) {
+        n = j->chunk > 0 ? DS_MIN(j->chunk, T - p0) : T;
+        const int want = p0 + n == T && j->r.last && logits;
+        ds_seq_batch sb = {.tokens = ids + p0,
+                           .n = n,
+                           .pos0 = p0,
+                           .slot = slot,
+                           .block_table = table,
+                           .logits = want ? logits : NULL,
+                           .n_logits = want};
+        if (job_step(j, pool, &sb, 1, NULL, 0, err)) return DS_ERR;
+    }
+    return DS_OK;
+}
+
 static int run_decode(bench_job *j, int B, int prompt, int steps, int full_logits, int sampled,
                       double *sec_per_step, bench_result *res, int slot, ds_err *err) {
     ds_model *m = j->r.m;
@@ -151,10 +172,17 @@ static int run_decode(bench_job *j, int B, int prompt, int steps, int full_logit
                                .slot = slots + (size_t)b * slot_n,
                                .block_table = table + (size_t)b * pages_per};
     }
-    /* the context, a few sequences per forward (as the scheduler's token budget would) */
+    /* the context, a few sequences per forward (as the scheduler's token budget would), or each
+     * in chunks when it is longer than --prefill-chunk */
     for (int b0 = 0, nb; b0 < B; b0 += nb) {
         nb = DS_MAX(1, DS_MIN(B - b0, 8192 / prompt));
-        if (job_step(j, &pool, sb + b0, nb, NULL, 0, err)) goto out;
+        if (j->chunk > 0 && prompt > j->chunk) {
+            nb = 1;
+            if (run_chunks(j, &pool, sb[b0].tokens, prompt, sb[b0].slot, sb[b0].block_table, NULL,
+                           err))
+                goto out;
+        } else if (job_step(j, &pool, sb + b0, nb, NULL, 0, err))
+            goto out;
     }
     ds_model_profile_report(m, NULL, NULL); /* the profile is of the decode steps only */
     double best = 1e30;
@@ -222,12 +250,9 @@ static int run_prompt(bench_job *j, int T, int reps, double *sec, ds_err *err) {
     double best = 1e30;
     for (int r = 0; r < reps; r++) {
         ds_dmem_zero(ds_model_dmem(m), slot, ds_model_slot_floats(m) * sizeof(float));
-        ds_seq_batch sb = {ids,       T,    0,    slot, table, j->r.last ? logits : NULL,
-                           j->r.last, NULL, NULL, NULL, 0,     NULL,
-                           NULL,      NULL, NULL};
         if (j->r.comm->size > 1 && ds_comm_barrier(j->r.comm, err)) goto out; /* start together */
         double t0 = ds_now();
-        if (job_step(j, &pool, &sb, 1, NULL, 0, err)) goto out;
+        if (run_chunks(j, &pool, ids, T, slot, table, logits, err)) goto out;
         double dt = ds_now() - t0;
         if (dt < best) best = dt;
         if (r == 0 && reps > 1) ds_model_profile_report(m, NULL, NULL); /* warm reps only */
@@ -268,7 +293,7 @@ typedef struct bench_flags {
     const char *model_dir, *json_path, *device, *load_format, *batch_list, *partition;
     const char *quant, *quant_exclude, *kv_dtype;
     int prompt_tokens, steps, reps, batch_invariant, decode_ctx;
-    int enforce_eager, full_logits, sampled, tp, pp;
+    int enforce_eager, full_logits, sampled, tp, pp, chunk;
 } bench_flags;
 
 /* What one run measured besides the results: the machine's limits and a token's costs, summed
@@ -283,7 +308,7 @@ typedef struct bench_costs {
 
 static const char *const FORMATS[] = {"safetensors", "random", NULL};
 
-enum { BENCH_FLAGS = 19 }; /* entries bench_table writes */
+enum { BENCH_FLAGS = 20 }; /* entries bench_table writes */
 
 static int bench_table(bench_flags *f, ds_arg *out) {
     ds_arg table[BENCH_FLAGS] = {
@@ -295,6 +320,9 @@ static int bench_table(bench_flags *f, ds_arg *out) {
         DS_OPT("batch-sizes", NULL, DS_ARG_STRING, &f->batch_list, "B,B,..",
                "decode batch sizes measured"),
         DS_OPT("reps", NULL, DS_ARG_INT, &f->reps, "N", "prompt repetitions (best is kept)"),
+        DS_OPT("prefill-chunk", NULL, DS_ARG_INT, &f->chunk, "N",
+               "run prompts and contexts in forwards of at most N tokens (chunked prefill, as "
+               "long contexts need; default 0: the whole prompt in one)"),
         {"device", NULL, DS_ARG_STRING, &f->device, "D", "cpu, cuda or auto",
          .choices = ds_device_names},
         DS_OPT("batch-invariant", NULL, DS_ARG_BOOL, &f->batch_invariant, NULL,
@@ -459,12 +487,15 @@ static int bench_write_json(const bench_flags *f, const bench_costs *c, const ds
             "\"cuda_graphs\": %d, \"batch_invariant\": %d, \"tp\": %d, \"pp\": %d, "
             "\"bw_gbs\": %.3f, \"peak_gflops\": %.3f, \"prompt_tokens\": %d, "
             "\"prompt_tps\": %.3f, \"prompt_gflops\": %.3f, \"prompt_frac_peak\": %.4f, "
-            "\"prompt_gemm_tflops\": %.3f, \"prompt_gemm_frac_peak\": %.4f, \"decode\": [",
+            "\"prompt_gemm_tflops\": %.3f, \"prompt_gemm_frac_peak\": %.4f, "
+            "\"decode_context\": %d, \"decode_steps\": %d, \"prefill_chunk\": %d, "
+            "\"decode\": [",
             f->model_dir, ds_model_device_name(m), f->quant, f->kv_dtype, random, c->threads,
             c->gpu && !f->enforce_eager, f->batch_invariant, f->tp, f->pp, bw, peak,
             f->prompt_tokens, r->prompt_tps, r->prompt_gflops,
             c->alone ? r->prompt_gflops / peak : 0, r->prompt_gemm_tflops,
-            c->alone && peak > 0 ? r->prompt_gemm_tflops * 1e3 / peak : 0);
+            c->alone && peak > 0 ? r->prompt_gemm_tflops * 1e3 / peak : 0, f->decode_ctx, f->steps,
+            f->chunk);
     for (int i = 0; i < r->n_batches; i++)
         fprintf(o,
                 "%s{\"batch\": %d, \"tps\": %.3f, \"ms_per_step\": %.4f, \"gbs\": %.3f, "
@@ -485,7 +516,8 @@ static int bench_check(const bench_flags *f, bench_result *r, ds_err *err) {
     } ints[] = {{"--prompt-tokens", f->prompt_tokens, 1},
                 {"--decode-steps", f->steps, 2},
                 {"--reps", f->reps, 1},
-                {"--decode-context", f->decode_ctx, 1}};
+                {"--decode-context", f->decode_ctx, 1},
+                {"--prefill-chunk", f->chunk, 0}};
     for (size_t i = 0; i < DS_ARRAY_LEN(ints); i++)
         if (ints[i].value < ints[i].min)
             return ds_errf(err, "%s: expected at least %d, got %d", ints[i].flag, ints[i].min,
@@ -551,6 +583,7 @@ int ds_cmd_bench(int argc, char **argv) {
     if (ds_rank_open(f.model_dir, f.tp, f.pp, counts, &mo, &job.r, &err)) goto fail;
     c.t_load = ds_now() - c.t_load;
     job.root = (f.pp - 1) * f.tp;
+    job.chunk = f.chunk;
     if (bench_measure_costs(&job, &f, &c, &err)) goto fail;
     r.sample_threads = DS_MIN(c.threads, 16); /* the engine's sampling threads */
     if (bench_cases(&job, &f, &c, &r, &err)) goto fail;

@@ -506,6 +506,24 @@ static void bench_arrivals(bench *b, double rate, uint64_t seed) {
     }
 }
 
+/* Random requests' lengths: --input-len / --output-len, or with --random-range-ratio R each drawn
+ * uniformly from [L (1 - R), L (1 + R)] (vLLM's meaning), at least 1, from the seed's own stream
+ * so that a rerun sends the same mix. */
+static void bench_lengths(bench *b, int input_len, int output_len, double ratio, uint64_t seed) {
+    ds_rng rng;
+    ds_rng_seed(&rng, seed ^ 0x5a5a5a5aull);
+    const int lens[2] = {input_len, output_len};
+    for (int i = 0; i < b->n; i++) {
+        int drawn[2];
+        for (int k = 0; k < 2; k++) {
+            const double lo = lens[k] * (1.0 - ratio), hi = lens[k] * (1.0 + ratio);
+            const int v = (int)floor(lo + (hi - lo + 1.0) * ds_rng_uniform(&rng));
+            drawn[k] = ratio > 0 ? DS_MAX(1, DS_MIN(v, (int)floor(hi))) : lens[k];
+        }
+        b->reqs[i].input_len = drawn[0], b->reqs[i].max_tokens = drawn[1];
+    }
+}
+
 /* The server's base URL: trailing slashes and a "/v1" taken off, into base[cap]. */
 static void base_url(const char *url, char *base, size_t cap) {
     snprintf(base, cap, "%s", url);
@@ -518,7 +536,8 @@ int ds_cmd_bench_serve(int argc, char **argv) {
     const char *url = "http://127.0.0.1:8000", *dataset = NULL, *out_path = NULL, *model = NULL;
     const char *api_key = NULL;
     int num_prompts = 100, concurrency = 16, input_len = 256, output_len = 64;
-    double rate = 0; /* 0: all at once */
+    double rate = 0;  /* 0: all at once */
+    double ratio = 0; /* 0: every random request of exactly --input-len / --output-len */
     int64_t seed = 0;
     ds_arg opts[] = {
         DS_OPT("url", NULL, DS_ARG_STRING, &url, "URL", "server base URL (without /v1)"),
@@ -528,6 +547,8 @@ int ds_cmd_bench_serve(int argc, char **argv) {
                "Poisson arrivals at R requests/s (0: all at once)"),
         DS_OPT("input-len", NULL, DS_ARG_INT, &input_len, "L", "random prompt length in tokens"),
         DS_OPT("output-len", NULL, DS_ARG_INT, &output_len, "O", "tokens to generate per request"),
+        DS_OPT("random-range-ratio", NULL, DS_ARG_FLOAT, &ratio, "R",
+               "random lengths uniform in [L (1 - R), L (1 + R)], 0 <= R < 1 (default 0)"),
         DS_OPT("dataset", NULL, DS_ARG_STRING, &dataset, "FILE.jsonl",
                "prompts instead of random ids: one {\"prompt\", \"max_tokens\"} per line"),
         DS_OPT("model", NULL, DS_ARG_STRING, &model, "NAME", "model name (default: /v1/models)"),
@@ -560,6 +581,10 @@ int ds_cmd_bench_serve(int argc, char **argv) {
         fprintf(stderr, "bench serve: --request-rate: expected >= 0, got %g\n", rate);
         return 2;
     }
+    if (!(ratio >= 0 && ratio < 1)) {
+        fprintf(stderr, "bench serve: --random-range-ratio: expected 0 <= R < 1, got %g\n", ratio);
+        return 2;
+    }
     ds_err err = {{0}};
     curl_global_init(CURL_GLOBAL_DEFAULT);
     char base[1024];
@@ -588,8 +613,7 @@ int ds_cmd_bench_serve(int argc, char **argv) {
             goto out;
         }
     } else {
-        for (int i = 0; i < num_prompts; i++)
-            b.reqs[i].input_len = input_len, b.reqs[i].max_tokens = output_len;
+        bench_lengths(&b, input_len, output_len, ratio, (uint64_t)seed);
     }
     bench_arrivals(&b, rate, (uint64_t)seed);
 

@@ -21,7 +21,7 @@ static int dir_nonempty(const char *dir) {
 }
 
 int ds_cmd_init_model(int argc, char **argv) {
-    const char *preset = "tiny-k3", *out = NULL, *experts = "bf16";
+    const char *preset = "tiny-k3", *out = NULL, *experts = "bf16", *shape = NULL;
     static const char *const expert_formats[] = {"bf16", "mxfp4", NULL};
     int64_t seed = 0;
     int force = 0;
@@ -44,6 +44,9 @@ int ds_cmd_init_model(int argc, char **argv) {
          "routed experts: bf16, or mxfp4 (compressed-tensors, as Kimi-K3 ships them)",
          .choices = expert_formats},
         DS_OPT("force", "f", DS_ARG_BOOL, &force, NULL, "write into a non-empty folder"),
+        DS_OPT("shape-of", NULL, DS_ARG_STRING, &shape, "DIR",
+               "instead of a preset: DIR's config.json and a tokenizer of its vocabulary, no "
+               "weights (serve it with --load-format dummy)"),
     };
     ds_args a = {"deltaserve init-model", summary, opts, (int)DS_ARRAY_LEN(opts)};
     int rc;
@@ -56,11 +59,16 @@ int ds_cmd_init_model(int argc, char **argv) {
     }
     ds_err err = {{0}};
     double t0 = ds_now();
-    if (ds_init_model_ex(preset, out, (uint64_t)seed, !strcmp(experts, "mxfp4"), &err) != DS_OK) {
+    if (shape ? ds_init_shape(shape, out, &err)
+              : ds_init_model_ex(preset, out, (uint64_t)seed, !strcmp(experts, "mxfp4"), &err)) {
         fprintf(stderr, "deltaserve init-model: %s\n", err.msg);
         return 1;
     }
-    printf("wrote %s (preset %s, seed %lld) in %.1f s\n", out, preset, (long long)seed,
-           ds_now() - t0);
+    if (shape)
+        printf("wrote %s (the shape of %s: config and tokenizer, no weights) in %.1f s\n", out,
+               shape, ds_now() - t0);
+    else
+        printf("wrote %s (preset %s, seed %lld) in %.1f s\n", out, preset, (long long)seed,
+               ds_now() - t0);
     return 0;
 }

@@ -5,6 +5,7 @@
  * shard plus one tensor, so bench-large (~2 GB) never sits in memory twice. config.json is written
  * last: its presence means the checkpoint is complete (the Makefile uses it as the target). */
 #include "devtools/init_model.h"
+#include "io/config.h"
 #include "io/safetensors.h"
 #include "kernels/shared/quant.h"
 #include "text/tokenizer.h"
@@ -896,4 +897,36 @@ int ds_init_model_ex(const char *preset_name, const char *out_dir, uint64_t seed
     }
     if (path_join(path, sizeof path, out_dir, "config.json", err)) return DS_ERR;
     return write_json(config_json(p), path, err);
+}
+
+int ds_init_shape(const char *config_dir, const char *out_dir, ds_err *err) {
+    char path[4096];
+    ds_config c;
+    if (path_join(path, sizeof path, config_dir, "config.json", err) ||
+        ds_config_load(path, &c, err))
+        return DS_ERR;
+    /* the special ids sit at n_ranks + (official id - 163584), bos first (§9.3) */
+    const int n_ranks = c.bos_token_id - SP_BOS;
+    if (n_ranks < 256 || c.eos_token_id != n_ranks + SP_EOS || c.vocab_size < n_ranks + 256)
+        return ds_errf(err,
+                       "%s: bos_token_id %d, eos_token_id %d and vocab_size %d are not the layout "
+                       "of Kimi's tokenizer (bos = ordinary tokens, eos = bos + %d, vocabulary at "
+                       "least bos + 256)",
+                       path, c.bos_token_id, c.eos_token_id, c.vocab_size, SP_EOS);
+    size_t len = 0;
+    char *text = ds_read_file(path, &len, err);
+    if (!text) return DS_ERR;
+    int rc = mkdir_p(out_dir, err) || remove_stale(out_dir, 1, err) ||
+                     ds_tok_write_files(
+                         out_dir, n_ranks,
+                         strcmp(c.model_type, "kimi_k3") ? DS_CHAT_KIMI_LINEAR : DS_CHAT_K3, err) ||
+                     path_join(path, sizeof path, out_dir, "config.json", err)
+                 ? DS_ERR
+                 : DS_OK;
+    FILE *f = rc == DS_OK ? fopen(path, "wb") : NULL;
+    if (rc == DS_OK && (!f || fwrite(text, 1, len, f) != len))
+        rc = ds_errf(err, "%s: cannot write: %s", path, strerror(errno));
+    if (f && fclose(f) && rc == DS_OK) rc = ds_errf(err, "%s: cannot write", path);
+    free(text);
+    return rc;
 }

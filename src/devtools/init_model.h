@@ -30,6 +30,12 @@ int ds_init_model(const char *preset, const char *out_dir, uint64_t seed, ds_err
 int ds_init_model_ex(const char *preset, const char *out_dir, uint64_t seed, int mxfp4,
                      ds_err *err);
 
+/* The shape of a real model without its weights: out_dir gets config_dir's config.json and a
+ * tokenizer of its vocabulary (ds_tok_write_files, as many ordinary tokens as bos_token_id says),
+ * so that `serve --load-format dummy` can run the shape behind the HTTP API (benchmarks at
+ * Kimi-Linear-48B's shape on one GPU). */
+int ds_init_shape(const char *config_dir, const char *out_dir, ds_err *err);
+
 /* NULL-terminated list of preset names. */
 const char *const *ds_init_model_presets(void);
 

@@ -307,6 +307,7 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
     mo.quantization = opts->quantization;
     mo.quantization_exclude = opts->quantization_exclude;
     mo.kv_fp8 = opts->kv_fp8;
+    mo.load_random = opts->load_random;
     /* one GPU per rank of a job: rank r of this host uses device r (the backend wraps it modulo
      * the devices present, so a job can also share one GPU) */
     if (opts->comm && opts->comm->size > 1) mo.device_index = ds_comm_local_rank(opts->comm);

@@ -1,4 +1,5 @@
-/* edges.c — Content-Length and Transfer-Encoding checks, the open-file limit (see edges.h). */
+/* edges.c — Content-Length and Transfer-Encoding checks, the open-file limit, the API key
+ * (see edges.h). */
 #include "server/edges.h"
 
 #include <stdio.h>
@@ -81,4 +82,22 @@ void ds_http_raise_fd_limit(int want) {
     rl.rlim_cur =
         rl.rlim_max == RLIM_INFINITY || rl.rlim_max > (rlim_t)want ? (rlim_t)want : rl.rlim_max;
     setrlimit(RLIMIT_NOFILE, &rl); /* best effort: the old limit still works, only lower */
+}
+
+/* Constant-time comparison, so the key cannot be guessed byte by byte from response times. */
+static int key_equal(const char *a, size_t alen, const char *b) {
+    size_t blen = strlen(b);
+    unsigned char d = alen != blen;
+    for (size_t i = 0; i < alen; i++) d |= (unsigned char)(a[i] ^ b[i % (blen ? blen : 1)]);
+    return d == 0;
+}
+
+int ds_http_authorized(struct MHD_Connection *c, const char *key) {
+    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (!h || strncasecmp(h, "Bearer ", 7)) return 0;
+    h += 7;
+    while (*h == ' ') h++;
+    size_t n = strlen(h);
+    while (n && h[n - 1] == ' ') n--;
+    return key_equal(h, n, key);
 }

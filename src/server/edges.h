@@ -1,5 +1,6 @@
 /* edges.h — the HTTP server's checks at its edges: a request's message framing (RFC 9112 §6),
- * made on its headers before any body byte is read, and the process's open-file limit.
+ * made on its headers before any body byte is read, the API key, and the process's open-file
+ * limit.
  *
  * libmicrohttpd 0.9.75 takes the first of several Content-Length headers (the rest of the body
  * would then be read as the next request: request smuggling behind a proxy that picks another)
@@ -21,5 +22,9 @@ int ds_http_check_framing(struct MHD_Connection *c, ds_oai_error *e);
 /* Each connection is a socket: lifts the soft open-file limit toward `want` (up to the hard
  * one), so the server's connection limit, not the default 1024 files, is what binds. */
 void ds_http_raise_fd_limit(int want);
+
+/* 1 when the request carries "Authorization: Bearer KEY" with this key (compared in constant
+ * time, so response times do not tell how much of a guess was right). */
+int ds_http_authorized(struct MHD_Connection *c, const char *key);
 
 #endif

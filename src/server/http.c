@@ -19,11 +19,9 @@
  * stream notices one while the request is still queued and nothing is written. */
 #include "server/http.h"
 
-#include <arpa/inet.h>
 #include <errno.h>
 #include <jansson.h>
 #include <microhttpd.h>
-#include <netdb.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -36,6 +34,7 @@
 
 #include "text/chat.h"
 #include "server/edges.h"
+#include "server/gate.h"
 #include "server/kvparams.h"
 #include "server/metrics.h"
 #include "server/openai.h"
@@ -46,20 +45,19 @@ enum {
     HARD_BODY_FACTOR = 4,     /* bodies above factor * max_body are refused without reading */
     CONN_RESERVE = 64,        /* connections past max_connections that MHD still accepts, so
                                  they get a 503 rather than a reset */
+    MHD_MEMORY = 64 * 1024,   /* MHD's memory per connection (head, fields, response head) */
 };
 
 struct ds_server {
     struct MHD_Daemon *mhd;
     _Atomic(ds_engine *) engine; /* NULL while the model loads */
     atomic_int quiesced;
-    MHD_socket listen_fd; /* handed back by MHD_quiesce_daemon; closed after MHD stops */
-    int port;
+    ds_gate *gate;    /* the listen socket, the connection table, deadlines (gate.h) */
     char *api_key;    /* or NULL */
     char *model_name; /* served name */
     size_t max_body;
     double retry_after;
     int max_conns;          /* beyond it requests get 503 (MHD resets past + CONN_RESERVE) */
-    atomic_int n_conns;     /* open connections */
     size_t max_inflight;    /* body bytes buffered over all requests at most */
     atomic_size_t inflight; /* body bytes reserved by requests being read or served */
     double keepalive_s;     /* a waiting stream writes an SSE comment this often */
@@ -267,6 +265,9 @@ static enum MHD_Result send_error_h(struct MHD_Connection *c, const ds_oai_error
     /* a refusal for want of room frees its connection too */
     if (e->status == 503 && strcmp(e->code, "queue_full"))
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
+    if ((e->status == 503 && strcmp(e->code, "queue_full")) ||
+        (extra_header && strcmp(extra_header, MHD_HTTP_HEADER_CONNECTION) == 0))
+        ds_gate_untracked(c); /* closing: no next head to look at */
     enum MHD_Result ret = MHD_queue_response(c, (unsigned)e->status, resp);
     MHD_destroy_response(resp);
     return ret;
@@ -400,6 +401,8 @@ typedef struct conn_ctx {
     size_t reserved; /* bytes of s->inflight this request holds (its body's room) */
     int no_room;     /* a chunked body outgrew s->max_inflight: discarded, answered 503 */
     gen_req *gen;    /* the generation this request started, or NULL */
+    unsigned long long declared; /* its Content-Length (0: none) */
+    int whole;                   /* the request was read whole (and dispatched) */
 } conn_ctx;
 
 static ds_engine *ready_engine(ds_server *s) {
@@ -723,14 +726,6 @@ static enum MHD_Result send_busy(ds_server *s, struct MHD_Connection *c, const c
     return send_error_h(c, &e, MHD_HTTP_HEADER_RETRY_AFTER, ra);
 }
 
-/* MHD's connection callback: counts open connections (half-sent requests included). */
-static void on_connection(void *cls, struct MHD_Connection *c, void **socket_context,
-                          enum MHD_ConnectionNotificationCode toe) {
-    (void)c, (void)socket_context;
-    ds_server *s = cls;
-    atomic_fetch_add(&s->n_conns, toe == MHD_CONNECTION_NOTIFY_STARTED ? 1 : -1);
-}
-
 static const struct route {
     const char *path;
     const char *method; /* the only one allowed (HEAD also for GET) */
@@ -744,24 +739,6 @@ static const struct route {
     {"/tokenize", "POST", EP_TOKENIZE},
     {"/detokenize", "POST", EP_DETOK},
 };
-
-/* Constant-time comparison, so the key cannot be guessed byte by byte from response times. */
-static int key_equal(const char *a, size_t alen, const char *b) {
-    size_t blen = strlen(b);
-    unsigned char d = alen != blen;
-    for (size_t i = 0; i < alen; i++) d |= (unsigned char)(a[i] ^ b[i % (blen ? blen : 1)]);
-    return d == 0;
-}
-
-static int authorized(ds_server *s, struct MHD_Connection *c) {
-    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
-    if (!h || strncasecmp(h, "Bearer ", 7)) return 0;
-    h += 7;
-    while (*h == ' ') h++;
-    size_t n = strlen(h);
-    while (n && h[n - 1] == ' ') n--;
-    return key_equal(h, n, s->api_key);
-}
 
 static enum MHD_Result dispatch(ds_server *s, struct MHD_Connection *c, conn_ctx *cc,
                                 const char *url, const char *method) {
@@ -813,19 +790,25 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         cc = calloc(1, sizeof *cc);
         if (!cc) return MHD_NO;
         *con_cls = cc;
+        const char *cl =
+            MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+        unsigned long long n = cc->declared = cl ? strtoull(cl, NULL, 10) : 0;
+        const char *conn_h =
+            MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONNECTION);
+        /* the next head is looked at before MHD reads it only when the connection is kept
+         * alive (the gate knows whether this request's length on the wire is known) */
+        if (strcmp(version, MHD_HTTP_VERSION_1_1) || (conn_h && strcasestr(conn_h, "close")))
+            ds_gate_untracked(c);
         ds_oai_error fe;
         if (ds_http_check_framing(c, &fe)) /* answered at once, and the connection closed */
             return send_error_h(c, &fe, MHD_HTTP_HEADER_CONNECTION, "close");
         /* the key before the body: a client without it gets 401 before we read (or buffer) its
          * body; MHD closes the connection when a body is left unread */
-        if (s->api_key && strncmp(url, "/v1/", 4) == 0 && !authorized(s, c))
+        if (s->api_key && strncmp(url, "/v1/", 4) == 0 && !ds_http_authorized(c, s->api_key))
             return send_errorf(c, 401, NULL, "invalid_api_key",
                                "Incorrect or missing API key: send it as 'Authorization: Bearer "
                                "KEY'");
-        if (atomic_load(&s->n_conns) > s->max_conns) return send_busy(s, c, "connections");
-        const char *cl =
-            MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-        unsigned long long n = cl ? strtoull(cl, NULL, 10) : 0;
+        if (ds_gate_open(s->gate) > s->max_conns) return send_busy(s, c, "connections");
         if (n > HARD_BODY_FACTOR * (unsigned long long)s->max_body)
             /* refuse at once rather than read a huge body; MHD then closes the connection */
             return send_errorf(c, 413, NULL, "request_too_large",
@@ -833,6 +816,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         /* the body's room is taken before any byte is read: a full server says so at once */
         if (n && !reserve_body(s, cc, DS_MIN((size_t)n, s->max_body)))
             return send_busy(s, c, "request bodies being read");
+        ds_gate_phase(c, DS_CONN_BODY); /* its deadline runs from here */
         return MHD_YES;
     }
     if (*upload_size) {
@@ -857,6 +841,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         cc->body[cc->len] = 0;
         return MHD_YES;
     }
+    ds_gate_phase(c, DS_CONN_SERVING);
+    cc->whole = 1;
     return dispatch(s, c, cc, url, method);
 }
 
@@ -865,7 +851,11 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
                          enum MHD_RequestTerminationCode toe) {
     conn_ctx *cc = *con_cls;
     ds_server *s = cls;
+    ds_gate_phase(c, DS_CONN_WAIT); /* kept alive: the next head's deadline runs from here */
     if (!cc) return;
+    /* a body left unread (answered from the headers) closes the connection */
+    int kept = toe == MHD_REQUEST_TERMINATED_COMPLETED_OK && cc->whole;
+    unsigned long long body_bytes = cc->declared; /* chunked: 0, the gate counts it */
     if (cc->gen) {
         if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK) gen_abandon(cc->gen);
         gen_unref(cc->gen);
@@ -878,6 +868,8 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
     free(cc->body);
     free(cc);
     *con_cls = NULL;
+    /* last: this may wait for the connection's next head (the thread would wait anyway) */
+    ds_gate_request_done(c, kept, body_bytes);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -893,13 +885,14 @@ void ds_server_opts_default(ds_server_opts *o) {
     o->max_connections_per_ip = 256;
     o->idle_timeout_s = 60;
     o->max_inflight_body_bytes = 64u << 20;
+    o->header_timeout_s = 10;
+    o->body_timeout_s = 60;
 }
 
 int ds_server_create(const ds_server_opts *o, ds_server **out, ds_err *err) {
     *out = NULL;
     ds_server *s = ds_calloc(1, sizeof *s, err);
     if (!s) return DS_ERR;
-    s->listen_fd = MHD_INVALID_SOCKET;
     pthread_mutex_init(&s->active_mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -923,44 +916,40 @@ int ds_server_create(const ds_server_opts *o, ds_server **out, ds_err *err) {
         return ds_errf(err, "server: out of memory");
     }
 
-    const char *host = o->host && o->host[0] ? o->host : "127.0.0.1";
-    char port_s[16];
-    snprintf(port_s, sizeof port_s, "%d", o->port);
-    struct addrinfo hints = {.ai_family = AF_UNSPEC,
-                             .ai_socktype = SOCK_STREAM,
-                             .ai_flags = AI_NUMERICSERV | AI_PASSIVE},
-                    *ai = NULL;
-    int g = getaddrinfo(host, port_s, &hints, &ai);
-    if (g) {
+    /* the gate listens and accepts; MHD gets each connection once its first head is whole and
+     * well-formed (gate.h says why) */
+    ds_gate_opts go = {.host = o->host && o->host[0] ? o->host : "127.0.0.1",
+                       .port = o->port,
+                       .max_connections = s->max_conns + CONN_RESERVE,
+                       .max_per_ip = DS_MAX(o->max_connections_per_ip, 0),
+                       .header_timeout_s = o->header_timeout_s > 0 ? o->header_timeout_s : 10,
+                       .body_timeout_s = o->body_timeout_s > 0 ? o->body_timeout_s : 60,
+                       .idle_timeout_s = idle};
+    if (ds_gate_create(&go, &s->gate, err)) {
         ds_server_free(s);
-        return ds_errf(err, "--host %s: %s", host, gai_strerror(g));
+        return DS_ERR;
     }
     unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD |
-                     MHD_USE_ERROR_LOG | MHD_USE_ITC;
+                     MHD_USE_ERROR_LOG | MHD_USE_ITC | MHD_USE_NO_LISTEN_SOCKET;
     if (MHD_is_feature_supported(MHD_FEATURE_POLL)) flags |= MHD_USE_POLL;
-    if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
     s->mhd = MHD_start_daemon(
-        flags, (uint16_t)o->port, NULL, NULL, on_request, s, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-        MHD_OPTION_NOTIFY_COMPLETED, on_completed, s, MHD_OPTION_NOTIFY_CONNECTION, on_connection,
-        s, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)(idle + 0.999), MHD_OPTION_CONNECTION_LIMIT,
-        (unsigned)(s->max_conns + CONN_RESERVE), MHD_OPTION_PER_IP_CONNECTION_LIMIT,
-        (unsigned)DS_MAX(o->max_connections_per_ip, 0), MHD_OPTION_LISTEN_BACKLOG_SIZE,
-        (unsigned)1024, MHD_OPTION_END);
-    freeaddrinfo(ai);
-    if (!s->mhd) {
-        int e = errno;
+        flags, 0, NULL, NULL, on_request, s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
+        MHD_OPTION_NOTIFY_CONNECTION, ds_gate_notify, s->gate, MHD_OPTION_CONNECTION_TIMEOUT,
+        (unsigned)(idle + 0.999), MHD_OPTION_CONNECTION_LIMIT,
+        (unsigned)(s->max_conns + CONN_RESERVE),
+        /* room for the largest head the gate lets through, its fields and a response head */
+        MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)MHD_MEMORY, MHD_OPTION_END);
+    if (!s->mhd) ds_errf(err, "server: libmicrohttpd failed to start");
+    if (!s->mhd || ds_gate_start(s->gate, s->mhd, err)) {
         ds_server_free(s);
-        return ds_errf(err, "could not listen on %s:%d (%s; is the port in use?)", host, o->port,
-                       e ? strerror(e) : "libmicrohttpd failed to start");
+        return DS_ERR;
     }
-    const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->mhd, MHD_DAEMON_INFO_BIND_PORT);
-    s->port = di && di->port ? di->port : o->port;
     *out = s;
     return DS_OK;
 }
 
 int ds_server_port(const ds_server *s) {
-    return s->port;
+    return ds_gate_port(s->gate);
 }
 
 void ds_server_attach(ds_server *s, ds_engine *e) {
@@ -968,8 +957,8 @@ void ds_server_attach(ds_server *s, ds_engine *e) {
 }
 
 void ds_server_quiesce(ds_server *s) {
-    if (atomic_exchange(&s->quiesced, 1) || !s->mhd) return;
-    s->listen_fd = MHD_quiesce_daemon(s->mhd);
+    if (atomic_exchange(&s->quiesced, 1) || !s->gate) return;
+    ds_gate_quiesce(s->gate);
 }
 
 int ds_server_drain(ds_server *s, double timeout_s) {
@@ -988,8 +977,9 @@ int ds_server_drain(ds_server *s, double timeout_s) {
 
 void ds_server_free(ds_server *s) {
     if (!s) return;
+    ds_gate_stop(s->gate); /* no more connections handed to MHD */
     if (s->mhd) MHD_stop_daemon(s->mhd);
-    if (s->listen_fd != MHD_INVALID_SOCKET) close(s->listen_fd); /* ours after quiesce */
+    ds_gate_destroy(s->gate); /* after MHD: its closing connections still report to the table */
     ds_metrics_free(s->metrics);
     pthread_cond_destroy(&s->active_cv);
     pthread_mutex_destroy(&s->active_mu);

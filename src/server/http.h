@@ -10,9 +10,11 @@
  * chunks reach the clients), then ds_server_free (closes connections, joins their threads), then
  * ds_engine_free.
  *
- * Edges (docs/usage.md, "The HTTP server's edges"): framing is checked on the headers
- * (edges.h), so is the API key; connections in all and per address, idle time and the body
- * bytes held at once are bounded (the options below), 503 + Retry-After when full.
+ * Edges (docs/usage.md, "The HTTP server's edges"): the server accepts connections itself and
+ * checks each first request head before libmicrohttpd sees it, answering malformed ones in JSON
+ * (gate.h, reqhead.h); framing is checked on the headers (edges.h), so is the API key; connections
+ * in all and per address, idle time and the body bytes held at once are bounded (the options
+ * below), 503 + Retry-After when full.
  *
  * A request's state is shared by its connection thread and the engine thread and freed by
  * whichever lets go last (a reference count), so a client that disconnects mid-stream aborts its
@@ -42,6 +44,11 @@ typedef struct ds_server_opts {
                                        request, an idle keep-alive) is closed (default 60) */
     size_t max_inflight_body_bytes; /* request bodies buffered at once over all requests; past
                                       it 503 + Retry-After (default 64 MiB) */
+    double header_timeout_s;        /* a request head must arrive whole this long after the
+                                       connection (or, kept alive, after idle timeout + this
+                                       after the last response); past it 408 (default 10) */
+    double body_timeout_s;          /* a body must arrive whole this long after its head; past
+                                       it 408 (default 60) */
 } ds_server_opts;
 
 void ds_server_opts_default(ds_server_opts *o);

@@ -74,7 +74,9 @@ int ds_tok_split(const ds_tok_splitter *s, const char *text, size_t len, size_t 
  * learned by pair frequency over the pre-split pieces of a built-in English + CJK corpus;
  * deterministic) and writes DIR/tiktoken.model and DIR/tokenizer_config.json with the special
  * tokens of `family` (§9.3) at n_ranks + (official id - 163584), bos_token, eos_token and
- * chat_format. Every multi-byte token encodes to itself. n_ranks must be 256..65536. */
+ * chat_format. Every multi-byte token encodes to itself. n_ranks must be
+ * 256..DS_TOK_MAX_WRITE_RANKS (past the merges and two-byte tokens, three-byte ones fill it). */
+enum { DS_TOK_MAX_WRITE_RANKS = 1 << 22 };
 int ds_tok_write_files(const char *dir, int n_ranks, ds_chat_format family, ds_err *err);
 
 #endif

@@ -20,6 +20,23 @@ import time
 
 import pytest
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "once: the test starts its own servers or none, whatever DS_SERVE_ARGS says, "
+        "so it runs in the plain pass of `make test` only, not again in each configuration pass")
+
+
+def pytest_collection_modifyitems(config, items):
+    """In a configuration pass (DS_SERVE_ARGS set) the `once` tests would repeat the plain pass
+    exactly: they are deselected there (and reported as deselected, not passed)."""
+    if not os.environ.get("DS_SERVE_ARGS"):
+        return
+    keep = [i for i in items if not i.get_closest_marker("once")]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("once")])
+        items[:] = keep
+
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 DS_BIN = os.environ.get("DS_BIN", os.path.join(REPO, "build", "deltaserve"))
 DS_MODEL = os.environ.get("DS_MODEL", os.path.join(REPO, "models", "tiny-k3"))

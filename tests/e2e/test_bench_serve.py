@@ -2,12 +2,16 @@
 `deltaserve bench` on the test model."""
 
 import json
+import os
 import re
 import subprocess
+import sys
 
 import pytest
 
 from conftest import DS_BIN
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_bench_serve(server, tmp_path):
@@ -31,6 +35,32 @@ def test_bench_serve(server, tmp_path):
     assert d["output_throughput"] > 0
 
 
+def test_bench_serve_mixed_lengths(server, tmp_path):
+    """--random-range-ratio: lengths drawn in [L (1 - R), L (1 + R)], not all equal, the same mix
+    for the same seed; an out-of-range ratio is refused naming the flag."""
+    def run(seed, ratio="0.5"):
+        out = tmp_path / f"mixed{seed}.json"
+        r = subprocess.run([DS_BIN, "bench", "serve", "--url", f"http://127.0.0.1:{server.port}",
+                            "--num-prompts", "10", "--concurrency", "5", "--input-len", "20",
+                            "--output-len", "8", "--random-range-ratio", ratio, "--seed",
+                            str(seed), "--out", str(out)], capture_output=True, text=True,
+                           timeout=120)
+        return r, (json.loads(out.read_text()) if out.exists() else None)
+    r, d = run(7)
+    assert r.returncode == 0, r.stderr
+    assert d["failed"] == 0
+    assert all(10 <= n <= 30 for n in d["input_lens"]), d["input_lens"]
+    assert all(4 <= n <= 12 for n in d["output_lens"]), d["output_lens"]
+    assert len(set(d["input_lens"])) > 2 and len(set(d["output_lens"])) > 2
+    assert d["total_output_tokens"] == sum(d["output_lens"])
+    r2, d2 = run(7)
+    assert sorted(d2["input_lens"]) == sorted(d["input_lens"])  # clients finish in any order
+    assert sorted(d2["output_lens"]) == sorted(d["output_lens"])
+    bad, _ = run(1, ratio="1.5")
+    assert bad.returncode == 2 and "--random-range-ratio" in bad.stderr
+
+
+@pytest.mark.once  # no server: DS_SERVE_ARGS changes nothing
 @pytest.mark.parametrize("full_logits", [False, True])
 def test_model_bench(tmp_path, full_logits):
     """`deltaserve bench` on the test model: its decode steps end with greedy tokens picked beside
@@ -44,6 +74,15 @@ def test_model_bench(tmp_path, full_logits):
     assert r.returncode == 0, r.stderr
     d = json.loads(out.read_text())
     assert [x["batch"] for x in d["decode"]] == [1, 3]
+    assert d["decode_context"] == 4 and d["decode_steps"] == 2
+    # tools/bench_latest.py reads this very output: batch 1's fraction of the read rate
+    latest = tmp_path / "latest.json"
+    b = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_latest.py"), "--latest",
+                        str(latest), "--prefix", "cpu", f"bench:{out}"], capture_output=True,
+                       text=True, timeout=60)
+    assert b.returncode == 0, b.stderr
+    got = json.loads(latest.read_text())["cpu.decode_b1_read_fraction"]
+    assert got["value"] == round(d["decode"][0]["frac_bw"], 4) and got["value"] > 0
     assert all(x["tps"] > 0 and x["ms_per_step"] > 0 for x in d["decode"])
     sampling = [l for l in r.stdout.splitlines() if l.startswith("host sampling batch")]
     if full_logits:  # one line a batch size, with its two positive timings
@@ -53,3 +92,26 @@ def test_model_bench(tmp_path, full_logits):
             assert m and float(m[1]) > 0 and float(m[2]) > 0 and int(m[3]) >= 1, l
     else:
         assert not sampling, r.stdout
+
+
+@pytest.mark.once
+def test_model_bench_chunked(tmp_path):
+    """--prefill-chunk: the prompt and every decode context run in forwards of at most N tokens
+    (as long contexts must); the greedy tokens of the decode steps that follow are those of the
+    whole-prompt forward, and a negative size is refused naming the flag."""
+    from conftest import DS_MODEL
+
+    def run(chunk):
+        out = tmp_path / f"chunk{chunk}.json"
+        r = subprocess.run([DS_BIN, "bench", "--model", DS_MODEL, "--prompt-tokens", "40",
+                            "--reps", "1", "--decode-steps", "4", "--decode-context", "40",
+                            "--batch-sizes", "1,3", "--prefill-chunk", str(chunk), "--json",
+                            str(out)], capture_output=True, text=True, timeout=300)
+        return r, (json.loads(out.read_text()) if r.returncode == 0 else None)
+    _, whole = run(0)
+    r, chunked = run(7)
+    assert r.returncode == 0, r.stderr
+    assert chunked["prefill_chunk"] == 7 and chunked["prompt_tps"] > 0
+    assert [x["ids_hash"] for x in chunked["decode"]] == [x["ids_hash"] for x in whole["decode"]]
+    bad, _ = run(-1)
+    assert bad.returncode != 0 and "--prefill-chunk" in bad.stderr

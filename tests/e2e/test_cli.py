@@ -5,9 +5,13 @@ flag errors name the flag; test-only flags work but --help does not list them.""
 
 import subprocess
 
+import pytest
+
 import numpy as np
 
 from conftest import DS_BIN, DS_MODEL
+
+pytestmark = pytest.mark.once  # its own servers: DS_SERVE_ARGS changes nothing
 
 
 def run(*args):

@@ -8,6 +8,8 @@ import pytest
 
 from conftest import MODEL_NAME, Server
 
+pytestmark = pytest.mark.once  # its own servers: DS_SERVE_ARGS changes nothing
+
 COMMON = " ".join(f"shared{i}" for i in range(90))  # a prefix every prompt starts with
 
 

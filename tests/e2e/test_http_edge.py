@@ -36,6 +36,23 @@ def exchange(port, data, timeout=5.0):
         s.close()
 
 
+def exchange_on(s, data, timeout=5.0):
+    """exchange() on an open socket s (closed after)."""
+    s.settimeout(timeout)
+    out = b""
+    try:
+        s.sendall(data)
+        while chunk := s.recv(65536):
+            out += chunk
+        return out, True
+    except socket.timeout:
+        return out, False
+    except (ConnectionResetError, BrokenPipeError):
+        return out, True
+    finally:
+        s.close()
+
+
 def responses(raw):
     """[(status, headers dict (lower-case), body bytes)] of the HTTP/1.1 responses in raw
     (Content-Length framed, as the server sends every non-streamed response)."""
@@ -114,6 +131,42 @@ def test_plain_chunked_still_works(server):
     raw, _ = exchange(server.port, post_head(
         "/tokenize", "Transfer-Encoding: Chunked", "Connection: close") + chunked)
     assert [r[0] for r in responses(raw)] == [200]
+
+
+def test_chunked_sent_slowly_and_with_expect_100_still_works(server):
+    # the head first, the body 0.3 s later in two writes (the gate waits for it); and a client
+    # that waits for "100 Continue" before its body (the gate must not wait for it)
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(TOKENIZE), TOKENIZE)
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    s.sendall(post_head("/tokenize", "Transfer-Encoding: chunked", "Connection: close"))
+    time.sleep(0.3)
+    s.sendall(chunked[:5])
+    time.sleep(0.3)
+    raw, _ = exchange_on(s, chunked[5:])
+    assert [r[0] for r in responses(raw)] == [200]
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    s.sendall(post_head("/tokenize", "Transfer-Encoding: chunked", "Expect: 100-continue",
+                        "Connection: close"))
+    assert s.recv(65536).startswith(b"HTTP/1.1 100")
+    raw, _ = exchange_on(s, chunked)
+    assert [r[0] for r in responses(raw)] == [200]
+
+
+@pytest.mark.parametrize("body,says", [
+    (b"zz\r\nabc\r\n0\r\n\r\n", "hexadecimal"),
+    (b"3\r\nabcdef\r\n0\r\n\r\n", "longer than its size"),
+    (b"3\r\nabc\r\n0\r\nNoColon\r\n\r\n", "trailer")])
+@pytest.mark.parametrize("after_one", [False, True])
+def test_bad_chunked_framing_in_json(server, body, says, after_one):
+    # first on a connection, and on a kept-alive one after a request answered
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    if after_one:
+        s.sendall(H + b"\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+    got, closed = exchange_on(s, post_head("/tokenize", "Transfer-Encoding: chunked") + body)
+    e = lone_error(got, 400)
+    assert "chunked" in e["message"] and says in e["message"], e
+    assert closed
 
 
 @pytest.mark.parametrize("path,body,param", [
@@ -285,6 +338,43 @@ def test_connection_limit_answers_503_with_retry_after():
             pass
 
 
+def test_every_way_a_connection_ends_frees_its_slot():
+    """300 connections ended every way (answered and closed, refused by the gate, hung up
+    mid-head or mid-body, kept alive then refused, pipelined) through a table of 8 + 64 slots:
+    a slot kept by any of them would leave the server refusing connections."""
+    srv_gen = _server_fixture("--max-connections", "8")
+    srv = next(srv_gen)
+    try:
+        port = srv.port
+        ends = [
+            lambda: exchange(port, H + b"Connection: close\r\n\r\n", timeout=2),
+            lambda: exchange(port, H + b"NoColon\r\n\r\n", timeout=2),
+            lambda: exchange(port, H + b"\r\n" + H + b"NoColon\r\n\r\n", timeout=2),
+            lambda: exchange(port, CHUNKED_TOKENIZE + b"GET / HTTP/9.9\r\n\r\n", timeout=2),
+            lambda: exchange(port, post_head("/tokenize", "Content-Length: 100") + b"{", 0.2),
+        ]
+        for i in range(300):
+            if i % 6 == 5:  # hung up mid-head
+                s = socket.create_connection(("127.0.0.1", port))
+                s.sendall(b"GET /hea")
+                s.close()
+                continue
+            ends[i % 6]()
+        deadline = time.time() + 10
+        while get_from("127.0.0.9", port)[0] != 200:
+            assert time.time() < deadline, "connection slots were not given back"
+            time.sleep(0.1)
+        # and all 8 + 64 are there: 12 half-sent connections still leave /health a 503, not a reset
+        socks = half_sent("127.0.0.10", port, 12)
+        assert len(socks) == 12
+        assert get_from("127.0.0.11", port)[0] == 503
+        for s in socks:
+            s.close()
+    finally:
+        for _ in srv_gen:
+            pass
+
+
 def test_inflight_body_bytes_bound():
     srv_gen = _server_fixture("--max-inflight-body-bytes", "16M")
     srv = next(srv_gen)
@@ -399,14 +489,178 @@ def test_stream_waiting_longer_than_idle_timeout_is_kept_alive():
             pass
 
 
-@pytest.mark.xfail(strict=True, reason="libmicrohttpd 0.9.75 answers the protocol errors it finds "
-                   "itself with fixed HTML pages and has no hook to replace them (issue 35)")
-@pytest.mark.parametrize("raw", [
-    b"GET /health HTTP/1.1\r\nHost: x\r\nNoColonHere\r\n\r\n",          # a malformed header
-    b"GET /health HTTP/2.7\r\nHost: x\r\n\r\n",                          # an unknown version
-    b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 100000 + b"\r\n\r\n"])  # too large
-def test_protocol_errors_of_libmicrohttpd_in_json(server, raw):
-    got, _ = exchange(server.port, raw)
-    status, h, body = responses(got)[0]
-    assert status >= 400
-    assert h.get("content-type") == "application/json", body[:80]
+# ---------------------------------------------------------------------------------------------
+# malformed heads: the server's gate answers them in JSON, not libmicrohttpd's HTML pages
+
+H = b"GET /health HTTP/1.1\r\nHost: x\r\n"
+
+
+@pytest.mark.parametrize("raw,status,says", [
+    (H + b"NoColonHere\r\n\r\n", 400, "Name: value"),                        # a malformed field
+    (b"GET /health HTTP/2.7\r\nHost: x\r\n\r\n", 505, "HTTP/2.7"),          # an unknown version
+    (H + b"X-A: " + b"a" * 100000 + b"\r\n\r\n", 431, "16384 bytes"),     # a head too large
+    (b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414, "URL"),  # a URL too long
+    (H + b"".join(b"X-%d: y\r\n" % i for i in range(150)) + b"\r\n", 431, "fields"),
+    (b"GET /health HTTP/1.1\r\n\r\n", 400, "Host"),                          # no Host in 1.1
+    (H + b"Host: y\r\n\r\n", 400, "Host"),                                  # two Hosts
+    (H + b"X-A : b\r\n\r\n", 400, "before the colon"),                       # space before ':'
+    (H + b"X-A: b\r\n  folded\r\n\r\n", 400, "folded"),                      # obs-fold
+    (H + b"X-A: b\x00c\r\n\r\n", 400, "control byte"),                       # a NUL in a value
+    (b"GET /health\r\n\r\n", 400, "request line"),                           # HTTP/0.9
+    (b"GET  /health HTTP/1.1\r\nHost: x\r\n\r\n", 400, "request line"),     # two spaces
+])
+def test_protocol_errors_in_json(server, raw, status, says):
+    got, closed = exchange(server.port, raw)
+    e = lone_error(got, status)
+    assert e["type"] == "invalid_request_error"
+    assert says in e["message"], e
+    assert closed
+
+
+def test_malformed_head_answered_before_it_ends(server):
+    # a bad request line is refused at once, without waiting for the rest of the head
+    t0 = time.time()
+    got, closed = exchange(server.port, b"GET /health HTTP/9.9\r\nHost: x\r\n", timeout=8)
+    assert lone_error(got, 505)["code"] == "http_version_not_supported"
+    assert closed and time.time() - t0 < 4
+
+
+def test_http10_without_host_and_pipelining_still_work(server):
+    got, _ = exchange(server.port, b"GET /health HTTP/1.0\r\n\r\n")
+    assert [r[0] for r in responses(got)] == [200]
+    # two requests in one write (pipelined) and a POST with its body: three answers, in order
+    tok = post_head("/tokenize", f"Content-Length: {len(TOKENIZE)}") + TOKENIZE
+    last = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    got, _ = exchange(server.port, H + b"\r\n" + tok + last)
+    rs = responses(got)
+    assert [r[0] for r in rs] == [200, 200, 200]
+    assert json.loads(rs[1][2])["count"] >= 1 and json.loads(rs[2][2])["data"]
+
+
+# ---------------------------------------------------------------------------------------------
+# deadlines: a client trickling a byte at a time is cut off (slowloris)
+
+@pytest.fixture(scope="module")
+def short_deadlines():
+    yield from _server_fixture("--http-header-timeout", "1", "--http-body-timeout", "1.5",
+                               "--http-idle-timeout", "2")
+
+
+def trickle(port, first, drip, every=0.3, limit=12.0, sock=None):
+    """Sends `first`, then one byte of `drip` every `every` s (its idle timeout never fires) until
+    the server answers or closes. (bytes received, seconds after the drip began)."""
+    s = sock or socket.create_connection(("127.0.0.1", port), timeout=limit)
+    s.sendall(first)
+    t0, out, i = time.time(), b"", 0
+    try:
+        while time.time() - t0 < limit:
+            s.settimeout(every)
+            try:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                out += chunk
+                continue
+            except socket.timeout:
+                pass
+            try:
+                s.sendall(drip[i % len(drip):i % len(drip) + 1])
+            except OSError:
+                break
+            i += 1
+    except ConnectionResetError:
+        pass
+    finally:
+        s.close()
+    return out, time.time() - t0
+
+
+def test_head_trickled_gets_408(short_deadlines):
+    got, took = trickle(short_deadlines.port, b"G", b"ET /health HTTP/1.1\r\nX-" + b"a" * 200)
+    e = lone_error(got, 408)
+    assert e["code"] == "request_timeout" and "head" in e["message"]
+    assert took < 3.5, took  # the head deadline (1 s), not the idle timeout (never hit)
+    assert get_from("127.0.0.1", short_deadlines.port)[0] == 200  # the server is fine
+
+
+def test_body_trickled_gets_408(short_deadlines):
+    head = post_head("/tokenize", "Content-Length: 1000")
+    got, took = trickle(short_deadlines.port, head, b"x")
+    assert took < 4.5, took  # the body deadline (1.5 s)
+    if got:  # best effort: the 408 is written on libmicrohttpd's socket as it is cut off
+        assert lone_error(got, 408)["code"] == "request_timeout"
+
+
+def test_chunked_body_trickled_gets_408(short_deadlines):
+    head = post_head("/tokenize", "Transfer-Encoding: chunked")
+    got, took = trickle(short_deadlines.port, head, b"1\r\nx\r\n")
+    e = lone_error(got, 408)
+    assert e["code"] == "request_timeout" and "body" in e["message"]
+    assert took < 3.5, took  # the body deadline (1.5 s)
+
+
+def test_keepalive_next_head_trickled_is_cut_off(short_deadlines):
+    port = short_deadlines.port
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(H + b"\r\n")
+    first = s.recv(65536)
+    assert first.startswith(b"HTTP/1.1 200")
+    got, took = trickle(port, b"G", b"ET /health HTTP/1.1\r\nX-" + b"a" * 200, sock=s)
+    assert took < 3, took  # the head deadline (1 s) from the next head's first byte
+    e = lone_error(got, 408)
+    assert e["code"] == "request_timeout" and "head" in e["message"]
+
+
+CHUNKED_TOKENIZE = post_head("/tokenize", "Transfer-Encoding: chunked") + (
+    b"%x\r\n%s\r\n0\r\n\r\n" % (len(TOKENIZE), TOKENIZE))
+
+
+@pytest.mark.parametrize("first", [
+    H + b"\r\n",
+    post_head("/tokenize", f"Content-Length: {len(TOKENIZE)}") + TOKENIZE,
+    CHUNKED_TOKENIZE])
+@pytest.mark.parametrize("bad,status", [
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nNoColonHere\r\n\r\n", 400),
+    (b"GET /health HTTP/3.0\r\nHost: x\r\n\r\n", 505),
+    (H + b"X-A: " + b"a" * 30000 + b"\r\n\r\n", 431)])
+def test_keepalive_next_head_malformed_in_json(server, first, bad, status):
+    # after a request answered on a kept-alive connection, a malformed next head is answered in
+    # JSON too (libmicrohttpd would read it and answer in HTML)
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    s.sendall(first)
+    raw = b""
+    while not responses(raw) or len(responses(raw)[0][2]) < int(
+            responses(raw)[0][1].get("content-length", 0)):
+        raw += s.recv(65536)
+    assert responses(raw)[0][0] == 200
+    got, closed = exchange_on(s, bad)
+    e = lone_error(got, status)
+    assert e["type"] == "invalid_request_error"
+    assert closed
+
+
+@pytest.mark.parametrize("first", [
+    H + b"\r\n",
+    post_head("/tokenize", f"Content-Length: {len(TOKENIZE)}") + TOKENIZE,
+    CHUNKED_TOKENIZE])
+def test_pipelined_malformed_head_in_json(server, first):
+    # a good request and a malformed one in one write: the first is answered, then the second is
+    # refused in JSON (it was seen when the first was peeked)
+    got, closed = exchange(server.port, first + H + b"NoColonHere\r\n\r\n")
+    rs = responses(got)
+    assert [r[0] for r in rs] == [200, 400], got[-300:]
+    assert rs[1][1]["content-type"] == "application/json"
+    assert "Name: value" in json.loads(rs[1][2])["error"]["message"]
+    assert closed
+
+
+def test_slow_but_steady_keepalive_still_served(short_deadlines):
+    # a kept-alive connection idle for less than its idle timeout, whose next head then comes
+    # whole, is served as before
+    port = short_deadlines.port
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    for _ in range(3):
+        s.sendall(H + b"\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(1.2)
+    s.close()

@@ -6,7 +6,7 @@ and DSpark on the consumer; a block corrupted in flight, a transfer that expired
 that is not there must each end in a recompute with the same output, counted in /metrics.
 
 These servers have their own configuration (a kv_role refuses -tp/-pp in this first slice), so
-the module runs once, in make test's plain pass, not again under DS_SERVE_ARGS."""
+the module is marked `once`: it runs in make test's plain pass, not again under DS_SERVE_ARGS."""
 
 import json
 import os
@@ -21,9 +21,7 @@ import pytest
 
 from conftest import DS_BIN, DS_MODEL, MODEL_NAME, Server
 
-pytestmark = pytest.mark.skipif(
-    bool(os.environ.get("DS_SERVE_ARGS")),
-    reason="the P/D pair has its own configuration; it runs in the plain pass only")
+pytestmark = pytest.mark.once  # its servers have their own configuration (conftest.py)
 
 SPEC = ("--speculative-method", "dspark", "--num-speculative-tokens", "4")
 HOLD_S = 4  # the producer frees an unpulled transfer after this

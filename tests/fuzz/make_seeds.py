@@ -237,7 +237,35 @@ def seeds_toolparse():
     put(t, "seed-think", b"\x02\x05thought</think>answer")
 
 
+
+# ---- request heads (the server's gate) ---------------------------------------------------------
+def seeds_reqhead():
+    t = "fuzz_server_reqhead"  # byte 0 odd: a 256-byte limit; the bytes are the whole input
+    heads = {
+        "get": b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",
+        "post_body": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                     b"Authorization: Bearer k\r\n\r\n{}",
+        "pipelined": b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        "http10_lf": b"\nGET /v1/models HTTP/1.0\nX-A:\t\xc3\xa9\n\n",
+        "no_colon": b"GET /health HTTP/1.1\r\nHost: x\r\nNoColonHere\r\n\r\n",
+        "version": b"GET /health HTTP/2.7\r\nHost: x\r\n\r\n",
+        "fold": b"GET / HTTP/1.1\r\nHost: x\r\nX-A: b\r\n  c\r\n\r\n",
+        "nul": b"GET / HTTP/1.1\r\nHost: x\r\nX-A: b\x00c\r\n\r\n",
+        "two_hosts": b"GET / HTTP/1.1\r\nHost: a\r\nHOST: b\r\n\r\n",
+        "half": b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Len",
+        "long": b"\x01GET /" + b"a" * 300 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+        "chunked": b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                   b"Expect: 100-continue\r\n\r\n5;e=1\r\nhello\r\nA\r\n0123456789\r\n0\r\n"
+                   b"X-T: 1\r\n\r\n",
+        "chunked_bad": b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                       b"3\r\nabcdef\r\n0\r\n\r\n",
+    }
+    for name, data in heads.items():
+        put(t, "seed-" + name, data)
+
+
 if __name__ == "__main__":
+    seeds_reqhead()
     seeds_toolparse()
     seeds_openai()
     seeds_safetensors()

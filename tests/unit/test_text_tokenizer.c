@@ -480,7 +480,7 @@ static void check_trainer(int n_ranks, ds_chat_format fam, const char *golden) {
     assert_int_equal(ds_tok_write_files(dir, n_ranks, fam, &err), DS_OK);
     char a[512];
     const char *files[2] = {"tiktoken.model", "tokenizer_config.json"};
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; golden && k < 2; k++) {
         snprintf(a, sizeof a, "%s/%s", dir, files[k]);
         char rel[256];
         snprintf(rel, sizeof rel, GOLDEN "%s/%s", golden, files[k]);
@@ -552,6 +552,34 @@ static void test_trainer_2048_k3(void **state) {
     check_trainer(2048, DS_CHAT_K3, "vocab2048_k3");
 }
 
+/* A real model's vocabulary size (Kimi's 163,584 ranks): past the two-byte tokens three-byte ones
+ * fill it, each still derivable by merges (check_trainer), and text round-trips. */
+static void test_trainer_kimi_size(void **state) {
+    (void)state;
+    check_trainer(163584, DS_CHAT_KIMI_LINEAR, NULL);
+    char *dir = ds_test_tmpdir();
+    ds_err err = {{0}};
+    assert_int_equal(ds_tok_write_files(dir, 163584, DS_CHAT_KIMI_LINEAR, &err), DS_OK);
+    ds_tokenizer *t = NULL;
+    assert_int_equal(ds_tok_load(dir, &t, &err), DS_OK);
+    size_t n;
+    const char *p = ds_tok_token_bytes(t, 163583, &n);
+    assert_int_equal(n, 3); /* the last rank is a three-byte token */
+    (void)p;
+    const char text[] = "Mia has 23 apples; \xe4\xbd\xa0\xe5\xa5\xbd \x01\x7f end";
+    int nid;
+    int32_t *ids = encode_ok(t, text, sizeof text - 1, 0, &nid);
+    char *back = NULL;
+    size_t len = 0;
+    assert_int_equal(ds_tok_decode(t, ids, nid, 0, &back, &len, &err), DS_OK);
+    assert_int_equal(len, sizeof text - 1);
+    assert_memory_equal(back, text, len);
+    free(back);
+    free(ids);
+    ds_tok_free(t);
+    free(dir);
+}
+
 static void test_trainer_bad_args(void **state) {
     (void)state;
     ds_err err = {{0}};
@@ -559,6 +587,9 @@ static void test_trainer_bad_args(void **state) {
     assert_non_null(strstr(err.msg, "/nonexistent-dir-xyz/tiktoken.model"));
     assert_int_equal(ds_tok_write_files("/tmp", 100, DS_CHAT_K3, &err), DS_ERR);
     assert_non_null(strstr(err.msg, "100"));
+    assert_int_equal(ds_tok_write_files("/tmp", DS_TOK_MAX_WRITE_RANKS + 1, DS_CHAT_K3, &err),
+                     DS_ERR);
+    assert_non_null(strstr(err.msg, "outside 256.."));
 }
 
 /* Throughput on ~2 MB of mixed text (printed, not asserted: machines differ). */
@@ -604,6 +635,7 @@ int main(void) {
         cmocka_unit_test(test_encode_rejects_invalid_utf8),
         cmocka_unit_test(test_trainer_768_kimi_linear),
         cmocka_unit_test(test_trainer_2048_k3),
+        cmocka_unit_test(test_trainer_kimi_size),
         cmocka_unit_test(test_trainer_bad_args),
         cmocka_unit_test(test_encode_speed),
     };

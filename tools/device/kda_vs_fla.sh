@@ -9,5 +9,8 @@ io=/tmp/kda_io
 mkdir -p "$io"
 tools/device/fla_kda_bench.sh gen "$io" || exit 1
 .devbin/test_cuda_kernels --kda-io "$io" 8192 32 128 || exit 1
-.devbin/test_cuda_kernels --bench-only kda 2>&1 | grep -E "bench kda (chunked|recurrent) prefill"
-tools/device/fla_kda_bench.sh score "$io" 2>&1 | grep -E "fla chunk_kda|deltaserve chunked|Error|error"
+.devbin/test_cuda_kernels --bench-only kda 2>&1 | grep -E "bench kda (chunked|recurrent) prefill" |
+  tee "$OUT/kda_vs_fla.log"
+tools/device/fla_kda_bench.sh score "$io" 2>&1 | grep -E "fla chunk_kda|deltaserve chunked|Error|error" |
+  tee -a "$OUT/kda_vs_fla.log"
+latest "kda:$OUT/kda_vs_fla.log"

@@ -30,6 +30,10 @@ for l in libmicrohttpd.so.12 libhiredis.so.0.14 libcmocka.so.0 libucp.so.0 libuc
   cp -L "/lib/x86_64-linux-gnu/$l" .devbin/lib/
 done
 strip .devbin/* 2>/dev/null || true
+# the commit the binaries are built from, for tools/bench_latest.py's stamps ("+" when the tree
+# had uncommitted changes)
+echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src tests CMakeLists.txt || echo +)" \
+  > .devbin/COMMIT
 # packed (the working tree and what is carried travel within 64 MiB): the device scripts unpack it
 (cd .devbin && tar cJf bin.tar.xz --remove-files -- *[!z])
 du -sh .devbin

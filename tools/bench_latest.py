@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""bench/latest.json: the current headline figures in one machine-readable file (issue 33).
+
+Each key names a figure (`h200.decode_b1_copy_fraction`, `cpu.decode_b1_read_fraction`, ...) and
+holds {"value", "commit", "date", "machine", "source"}: the benchmark scripts call this after a
+run, so the file always says which commit and day a figure comes from, and a key nobody has
+measured yet is absent rather than stale or invented. bench/RESULTS.md keeps the history and the
+reading of the figures; this file is for dashboards and regressions checks.
+
+    bench_latest.py [--latest F] [--prefix h200] [--commit C] [--machine TEXT] SOURCE...
+
+SOURCE is one of
+    bench:FILE        a `deltaserve bench --json` result
+    serve:LABEL:FILE  a `deltaserve bench serve --out` result, a row of the serving table
+    kda:FILE          the log of tools/device/kda_vs_fla.sh (ours against FLA's chunk_kda)
+
+Keys from a `bench` result (only those its settings measure):
+    decode_b1_copy_fraction            batch 1, graphs, context <= 4096, the model's own weights
+    decode_b1_<quant>_copy_fraction    the same with --quantization <quant>
+    decode_128k_context_copy_fraction  batch 1 at a context >= 131072 (1m: >= 1,000,000)
+    prefill_<N>_gemm_fraction          prompt of N tokens: GEMM FLOPs over time against the
+                                       measured GEMM rate (N = 8192 is the issue's figure)
+    prefill_<N>_peak_fraction          CPU: the prompt's FLOPs over time against the FMA peak
+    ... and <key>_ms beside each decode fraction, ttft_<N>k_s for prompts of >= 128K tokens
+"""
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+
+
+class BenchError(Exception):
+    """A source that cannot be read or does not hold what its kind promises."""
+
+
+def load_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise BenchError(f"{path}: {e}") from e
+
+
+def need(d, keys, path):
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise BenchError(f"{path}: not a bench result (missing {', '.join(missing)})")
+
+
+def from_bench(path):
+    """Keys a `deltaserve bench --json` result measures: {key: (value, detail)}."""
+    d = load_json(path)
+    need(d, ["model", "quantization", "prompt_tokens", "decode", "decode_context", "cuda_graphs"],
+         path)
+    out = {}
+    q = d["quantization"]
+    qtag = "" if q in ("none", "") else f"{q}_"
+    kv = d.get("kv_cache_dtype", "auto")
+    kvtag = "" if kv in ("auto", "") else f"_kv{kv}"
+    model = os.path.basename(d["model"].rstrip("/"))
+    n = d["prompt_tokens"]
+    if d.get("prompt_gemm_frac_peak", 0) > 0 and not qtag:
+        out[f"prefill_{n}_gemm_fraction"] = (d["prompt_gemm_frac_peak"],
+                                             f"{model}: prompt {n}, {d['prompt_tps']:.0f} tok/s")
+    if d["device"].startswith("cpu") and d.get("prompt_frac_peak", 0) > 0 and not qtag:
+        out[f"prefill_{n}_peak_fraction"] = (d["prompt_frac_peak"],
+                                             f"{model}: prompt {n}, {d['prompt_tps']:.1f} tok/s")
+    if n >= 131072 and d.get("prompt_tps", 0) > 0:
+        out[f"ttft_{n // 1024}k_s{kvtag}"] = (n / d["prompt_tps"], f"{model}: prompt {n}")
+    ctx = d["decode_context"]
+    if ctx >= 1000000:
+        ctag = "1m_context_"
+    elif ctx >= 131072:
+        ctag = "128k_context_"
+    elif ctx <= 4096:
+        ctag = "b1_"
+    else:
+        ctag = None
+    for row in d["decode"]:
+        if row["batch"] != 1 or ctag is None or row.get("frac_bw", 0) <= 0:
+            continue
+        if d["device"].startswith("cpu"):
+            key = f"decode_{ctag}{qtag}read_fraction{kvtag}"
+        elif d["cuda_graphs"]:
+            key = f"decode_{ctag}{qtag}copy_fraction{kvtag}"
+        else:
+            continue  # eager GPU steps are a diagnosis, not the headline
+        detail = f"{model}: context {ctx}, {row['ms_per_step']:.3f} ms, {row['gbs']:.0f} GB/s"
+        out[key] = (row["frac_bw"], detail)
+        out[key.replace("_fraction", "_ms")] = (row["ms_per_step"], detail)
+    return out
+
+
+def from_serve(label, path):
+    """A row of the serving table: throughput and latency percentiles of one bench serve run."""
+    d = load_json(path)
+    need(d, ["completed", "failed", "output_throughput", "median_ttft_ms", "p99_ttft_ms"], path)
+    if d["failed"]:
+        raise BenchError(f"{path}: {d['failed']} requests failed; not a figure to publish")
+    row = {k: d[k] for k in ("output_throughput", "median_ttft_ms", "p99_ttft_ms",
+                             "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms")
+           if k in d}
+    return {f"serve.{label}": (row, f"{d['completed']} requests")}
+
+
+KDA_OURS = re.compile(r"bench kda chunked prefill T=(\d+) H=(\d+) dk=dv=(\d+)[^:]*: ([\d.]+) ms")
+KDA_FLA = re.compile(r"fla chunk_kda T=(\d+) H=(\d+) dk=dv=(\d+) (\w+): ([\d.]+) ms")
+
+
+def from_kda(path):
+    """FLA's chunk_kda time over ours on the same shape (> 1: ours is faster)."""
+    try:
+        text = open(path).read()
+    except OSError as e:
+        raise BenchError(f"{path}: {e}") from e
+    ours = {m[:3]: float(m[3]) for m in KDA_OURS.findall(text)}
+    out = {}
+    for T, H, D, dtype, ms in KDA_FLA.findall(text):
+        if (T, H, D) in ours and dtype in ("bfloat16", "float32"):
+            tag = "bf16" if dtype == "bfloat16" else "f32"
+            out[f"kda_chunk_vs_fla_{tag}"] = (float(ms) / ours[(T, H, D)],
+                                              f"T={T} H={H} D={D}: fla {ms} ms, "
+                                              f"ours {ours[(T, H, D)]} ms")
+    if not out:
+        raise BenchError(f"{path}: no pair of our and FLA's chunked KDA times on one shape")
+    return out
+
+
+def commit_of(root):
+    for p in (os.path.join(root, ".devbin", "COMMIT"),):
+        if os.path.exists(p):
+            return open(p).read().strip()
+    try:
+        return subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--latest", default=os.path.join(root, "bench", "latest.json"))
+    ap.add_argument("--prefix", default="h200", help="machine key prefix (h200, cpu, ...)")
+    ap.add_argument("--commit", default=None, help="default: .devbin/COMMIT, else git HEAD")
+    ap.add_argument("--machine", default=None, help="words for the machine (default: prefix)")
+    ap.add_argument("--date", default=None, help="default: today (UTC)")
+    ap.add_argument("sources", nargs="+")
+    a = ap.parse_args(argv)
+    found = {}
+    try:
+        for s in a.sources:
+            kind, _, rest = s.partition(":")
+            if kind == "bench":
+                found.update(from_bench(rest))
+            elif kind == "serve":
+                label, _, path = rest.partition(":")
+                if not label or not path:
+                    raise BenchError(f"{s}: expected serve:LABEL:FILE")
+                found.update(from_serve(label, path))
+            elif kind == "kda":
+                found.update(from_kda(rest))
+            else:
+                raise BenchError(f"{s}: unknown source kind '{kind}' (bench, serve, kda)")
+        latest = load_json(a.latest) if os.path.exists(a.latest) else {}
+    except BenchError as e:
+        print(f"bench_latest: {e}", file=sys.stderr)
+        return 1
+    if not found:
+        print("bench_latest: the sources measure none of the headline figures", file=sys.stderr)
+        return 1
+    stamp = {"commit": a.commit or commit_of(root), "machine": a.machine or a.prefix,
+             "date": a.date or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")}
+    for key, (value, detail) in found.items():
+        v = round(value, 4) if isinstance(value, float) else value
+        latest[f"{a.prefix}.{key}"] = {"value": v, **stamp, "source": detail}
+        print(f"{a.prefix}.{key} = {v}  ({detail})")
+    tmp = a.latest + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(dict(sorted(latest.items())), f, indent=1)
+        f.write("\n")
+    os.replace(tmp, a.latest)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

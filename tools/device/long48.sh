@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# On the GPU machine, with .devbin carried: issue 33's long contexts at the shape of
+# Kimi-Linear-48B-A3B (random weights). For each length in LENS (default 131072 and 1048576):
+# the time to first token of one prompt of that many tokens in chunks of CHUNK (chunked prefill,
+# as a server runs it), its split by op (DS_CUDA_PROFILE=1, eager: the KDA, MLA and other rows),
+# then decode at batch 1 with that context, graphs on, as a fraction of the copy rate counting
+# what a step reads (the weights and the context's latents). KV in KV_DTYPES (auto fp8).
+# JSON and profiles under $OUT; headline figures into $OUT/latest.json.
+. "$(dirname "$0")/env.sh"
+B=".devbin/deltaserve bench --model configs/kimi-linear-48b-a3b --load-format random --device cuda"
+CHUNK=${CHUNK:-8192}
+failed=""
+for n in ${LENS:-131072 1048576}; do
+  for kv in ${KV_DTYPES:-auto fp8}; do
+    tag="long$((n / 1024))k_$kv"
+    # decode first (graphs, one rep: the context fill is itself a prefill of n tokens)
+    timeout ${STEP_TIMEOUT:-280} $B --kv-cache-dtype $kv --prefill-chunk $CHUNK --prompt-tokens $CHUNK \
+      --reps 1 --decode-context $n --decode-steps 4 --batch-sizes 1 --json "$OUT/$tag.json" 2>&1 |
+      tail -3 || failed+=" $tag"
+    [ -f "$OUT/$tag.json" ] && latest "bench:$OUT/$tag.json"
+    # time to first token with its per-op split
+    DS_CUDA_PROFILE=${PROFILE:-1} timeout ${STEP_TIMEOUT:-280} $B --enforce-eager --kv-cache-dtype $kv \
+      --prefill-chunk $CHUNK --prompt-tokens $n --reps 1 --decode-context 16 --decode-steps 2 \
+      --batch-sizes 1 --json "$OUT/${tag}_ttft.json" 2> "$OUT/${tag}_profile.txt" | tail -3 ||
+      failed+=" ${tag}_ttft"
+    [ -f "$OUT/${tag}_ttft.json" ] && latest "bench:$OUT/${tag}_ttft.json"
+  done
+done
+[ -z "$failed" ] && echo "all lengths ran" || { echo "failed:$failed"; exit 1; }
