@@ -9,7 +9,6 @@ These servers have their own configuration (a kv_role refuses -tp/-pp in this fi
 the module is marked `once`: it runs in make test's plain pass, not again under DS_SERVE_ARGS."""
 
 import json
-import os
 import shutil
 import signal
 import socket
