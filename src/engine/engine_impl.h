@@ -26,6 +26,7 @@
 #include "model/model.h"
 #include "parallel/pipeline.h"
 #include "sample/sampler.h"
+#include "text/grammar.h"
 #include "transport/comm.h"
 
 #include <pthread.h>
@@ -48,6 +49,11 @@ typedef struct choice {
     int32_t drafts[DS_MAX_SPEC]; /* [n_drafts] proposed continuation after the last token */
     int n_drafts;
     int busy; /* its sequence has a step in flight (launched, outcome not yet applied) */
+    /* constrained decoding (request grammar): the output's place in the grammar and its mask
+     * [ds_grammars_mask_words]; made on the sampling rank at the choice's first sample */
+    ds_matcher *gm;
+    uint32_t *gmask;
+    int gm_broken; /* the grammar could not be followed (said on stderr): eos is forced */
 } choice;
 
 struct request {
@@ -155,6 +161,13 @@ struct ds_engine {
     size_t taps_cap; /* floats */
 
     ds_engine_stats stats; /* guarded by mu */
+
+    /* constrained decoding: llguidance over the model's vocabulary, made on first use (g_tried)
+     * under gmu; g_why says why it could not be (the library is absent) */
+    pthread_mutex_t gmu;
+    ds_grammars *grammars;
+    int g_tried;
+    char g_why[1024];
 
     /* tensor / pipeline parallelism (opts.comm); dist = 0 for one process */
     ds_comm *comm;

@@ -4,14 +4,17 @@
  * sequence, the text, the event, the finish). */
 #include "engine/engine_impl.h"
 
+#include <math.h>
 #include <omp.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* The tokens that end a choice: eos (unless ignored) and the request's stop ids. */
+/* The tokens that end a choice: eos (unless ignored: a grammar's end is eos, always a stop) and
+ * the request's stop ids. */
 static int stop_ids_of(const ds_engine *e, const ds_request_params *p, int32_t *ids) {
     int n = 0;
-    if (!p->ignore_eos) ids[n++] = ds_model_config(e->model)->eos_token_id;
+    if (!p->ignore_eos || p->grammar) ids[n++] = ds_model_config(e->model)->eos_token_id;
     for (int i = 0; i < p->n_stop_token_ids; i++) ids[n++] = p->stop_token_ids[i];
     return n;
 }
@@ -24,6 +27,7 @@ int eng_picks_greedy(const ds_engine *e, const choice *ch) {
     const ds_request_params *p = &ch->req->spec.params;
     int32_t stop_ids[DS_MAX_STOP + 1];
     const ds_sample_params sp = p->sample;
+    if (p->grammar) return 0; /* its mask is applied here, on the row */
     return ds_sample_is_argmax(&sp, ch->n_generated >= p->min_tokens, stop_ids_of(e, p, stop_ids),
                                p->logprobs);
 }
@@ -32,7 +36,57 @@ int eng_picks_greedy(const ds_engine *e, const choice *ch) {
  * (ds_seq_batch.draws), so that the rows need not come back? Every sampled row can, except where
  * logprobs are wanted (they read the whole row). */
 int eng_model_draws(const choice *ch) {
-    return ch->req->spec.params.logprobs < 0;
+    return ch->req->spec.params.logprobs < 0 && !ch->req->spec.params.grammar;
+}
+
+/* llguidance over the model's vocabulary, made on first use (a server that never sees a
+ * constrained request never loads it). NULL with err when it cannot be. */
+static ds_grammars *grammars(ds_engine *e, ds_err *err) {
+    pthread_mutex_lock(&e->gmu);
+    if (!e->g_tried) {
+        e->g_tried = 1;
+        ds_err ge = {{0}};
+        /* 64 compiled grammars: a schema costs ~1-100 ms to compile, and clients repeat theirs */
+        if (ds_grammars_new(e->tok, ds_model_config(e->model)->eos_token_id, 64, &e->grammars, &ge))
+            snprintf(e->g_why, sizeof e->g_why, "%s", ge.msg);
+    }
+    ds_grammars *g = e->grammars;
+    if (!g) ds_errf(err, "%s", e->g_why);
+    pthread_mutex_unlock(&e->gmu);
+    return g;
+}
+
+int ds_engine_grammar_ready(ds_engine *e, ds_err *err) {
+    return grammars(e, err) != NULL;
+}
+
+int ds_engine_grammar_check(ds_engine *e, const char *lark, ds_err *err) {
+    ds_grammars *g = grammars(e, err);
+    return g ? ds_grammar_check(g, lark, err) : DS_ERR;
+}
+
+/* A constrained choice's row before it is sampled: tokens its grammar forbids get -inf. The
+ * matcher is made at the choice's first sample (on the sampling rank only: the other ranks of a
+ * job take the tokens it chose). A grammar that cannot be followed (it compiled when the request
+ * came, so only a failure of the library) forces eos, said once on stderr. */
+static void grammar_mask(ds_engine *e, choice *ch, float *row) {
+    ds_err err = {{0}};
+    ds_grammars *g = NULL;
+    if (!ch->gm && !ch->gm_broken) {
+        g = grammars(e, &err);
+        if (!g || ds_matcher_new(g, ch->req->spec.params.grammar, &ch->gm, &err) ||
+            !(ch->gmask = malloc((size_t)ds_grammars_mask_words(g) * 4)))
+            ch->gm_broken = 1;
+    }
+    if (ch->gm && !ch->gm_broken && ds_matcher_mask(ch->gm, ch->gmask, &err)) ch->gm_broken = 1;
+    if (ch->gm_broken) {
+        if (err.msg[0]) fprintf(stderr, "deltaserve: constrained output ended: %s\n", err.msg);
+        int32_t eos = ds_model_config(e->model)->eos_token_id;
+        for (int i = 0; i < e->V; i++)
+            if (i != eos) row[i] = -INFINITY;
+        return;
+    }
+    ds_sample_mask_bits(row, e->V, ch->gmask, ds_tok_vocab_size(e->tok));
 }
 
 /* Penalised counts a step's draws of one choice need: each row's table and the drafts before it. */
@@ -83,12 +137,19 @@ int32_t eng_choose(ds_engine *e, choice *ch, float *row, const int32_t *pick, in
     int32_t stop_ids[DS_MAX_STOP + 1];
     int n_stop = stop_ids_of(e, p, stop_ids);
     const ds_sample_params sp = p->sample;
-    int allow_stop = ch->n_generated + ahead >= p->min_tokens;
+    /* a grammar decides when the output may end (min_tokens would mask its forced eos) */
+    int allow_stop = ch->n_generated + ahead >= p->min_tokens || p->grammar;
+    if (p->grammar && row) grammar_mask(e, ch, row);
     int32_t tok =
         row ? ds_sample_token(row, e->V, &sp, &ch->counts, allow_stop, stop_ids, n_stop, &ch->rng,
                               sc, p->logprobs >= 0 ? lp : NULL, p->logprobs > 0 ? p->logprobs : 0)
             : *pick;
     if (!row && drawn && ds_sample_draws_uniform(&sp)) (void)ds_rng_uniform(&ch->rng);
+    ds_err err = {{0}};
+    if (ch->gm && !ch->gm_broken && ds_matcher_consume(ch->gm, tok, &err)) {
+        fprintf(stderr, "deltaserve: constrained output ended: %s\n", err.msg);
+        ch->gm_broken = 1;
+    }
     ds_token_counts_add(&ch->counts, tok);
     return tok;
 }
@@ -100,7 +161,7 @@ int eng_deliver(ds_engine *e, choice *ch, int32_t tok, const ds_logprobs_out *lp
     const ds_request_params *p = &ch->req->spec.params;
     int32_t stop_ids[DS_MAX_STOP + 1];
     int n_stop = stop_ids_of(e, p, stop_ids);
-    int allow_stop = ch->n_generated >= p->min_tokens;
+    int allow_stop = ch->n_generated >= p->min_tokens || p->grammar;
     ch->n_generated++;
     ds_err err;
     ds_seq *s = ch->seq;

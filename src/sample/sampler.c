@@ -516,3 +516,14 @@ int ds_sample_is_argmax(const ds_sample_params *p, int allow_stop, int n_stop_id
     return !(p->temperature >= GREEDY_TEMPERATURE) && p->presence_penalty == 0 &&
            p->frequency_penalty == 0 && (allow_stop || n_stop_ids == 0) && logprobs < 0;
 }
+
+void ds_sample_mask_bits(float *logits, int V, const uint32_t *allow, int n_bits) {
+    int n = DS_MIN(V, n_bits);
+    for (int w = 0; w * 32 < n; w++) {
+        uint32_t m = allow[w];
+        if (m == 0xFFFFFFFFu && w * 32 + 32 <= n) continue;
+        for (int b = 0, i = w * 32; b < 32 && i < n; b++, i++)
+            if (!(m >> b & 1u)) logits[i] = -INFINITY;
+    }
+    for (int i = n; i < V; i++) logits[i] = -INFINITY;
+}

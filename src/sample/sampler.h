@@ -114,6 +114,11 @@ int32_t ds_sample_row(float *logits, int V, const ds_row_draw *d, ds_sample_scra
  * GPU can repeat exactly (no library exp); 0 below exp(-87), for -inf and for NaN. */
 void ds_sample_weights(float *w, const float *x, int n, float mx, float inv_t);
 
+/* Constrained decoding's mask: logits[i] = -inf for every i < V whose bit (bit i % 32 of
+ * allow[i / 32]) is clear or lies beyond n_bits (ids the grammar's vocabulary does not have).
+ * allow: [ceil(n_bits / 32)]. Word by word: an all-allowed word costs one compare. */
+void ds_sample_mask_bits(float *logits, int V, const uint32_t *allow, int n_bits);
+
 /* Would ds_sample_token return ds_argmax of the logits as they come in, whatever the counts and
  * the RNG hold? Yes for a greedy request with no penalty, nothing masked (allow_stop, or no stop
  * ids) and no logprobs wanted (logprobs < 0): the caller may then take a greedy token found

@@ -167,6 +167,7 @@ typedef struct centry {
 struct ds_grammars {
     llg_tok *tok;
     int vocab, words;
+    int32_t eos;
     pthread_mutex_t mu; /* guards the cache and the stats */
     centry *ents;       /* [cap] */
     int cap;
@@ -177,6 +178,7 @@ struct ds_grammars {
 struct ds_matcher {
     llg_mat *m;
     size_t mask_bytes;
+    int32_t eos;
 };
 
 static uint64_t fnv1a(const char *s) {
@@ -247,6 +249,7 @@ int ds_grammars_new(const ds_tokenizer *t, int32_t eos, int cache_cap, ds_gramma
     }
     g->vocab = ds_tok_vocab_size(t);
     g->words = (g->vocab + 31) / 32;
+    g->eos = eos;
     pthread_mutex_init(&g->mu, NULL);
     *out = g;
     return DS_OK;
@@ -356,6 +359,7 @@ int ds_matcher_new(ds_grammars *g, const char *lark, ds_matcher **out, ds_err *e
         return DS_ERR;
     }
     dm->mask_bytes = api.mask_bytes(dm->m);
+    dm->eos = g->eos;
     if (dm->mask_bytes != (size_t)g->words * 4) {
         size_t got = dm->mask_bytes;
         ds_matcher_free(dm);
@@ -383,6 +387,8 @@ int ds_matcher_mask(ds_matcher *m, uint32_t *mask, ds_err *err) {
 }
 
 int ds_matcher_consume(ds_matcher *m, int32_t tok, ds_err *err) {
+    /* the eos a complete grammar forces: llguidance has already stopped and takes nothing more */
+    if (tok == m->eos && api.is_stopped(m->m)) return DS_OK;
     if (tok < 0 || api.consume(m->m, (uint32_t)tok)) return matcher_err(m, "token", err);
     return DS_OK;
 }

@@ -48,7 +48,7 @@ void ds_matcher_free(ds_matcher *m); /* NULL is fine */
 /* The tokens allowed next: mask[words] (ds_grammars_mask_words), bit i%32 of word i/32 set for
  * an allowed id. Only eos once the grammar is complete and nothing can follow. */
 int ds_matcher_mask(ds_matcher *m, uint32_t *mask, ds_err *err);
-/* Moves past the chosen token (one the mask allowed). */
+/* Moves past the chosen token (one the mask allowed; eos once the grammar is done is a no-op). */
 int ds_matcher_consume(ds_matcher *m, int32_t tok, ds_err *err);
 /* Undoes the last n consumed tokens. */
 int ds_matcher_rollback(ds_matcher *m, int n, ds_err *err);

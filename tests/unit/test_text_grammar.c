@@ -95,6 +95,8 @@ static void test_mask_exact(void **state) {
     assert_int_equal(allowed(m, F->g, got, 8), 1);
     assert_int_equal(got[0], F->eos);
     assert_true(ds_matcher_done(m));
+    assert_int_equal(ds_matcher_consume(m, F->eos, &err), DS_OK); /* the forced eos is taken */
+    assert_true(ds_matcher_done(m));
     /* back one token: b and c again; a token outside the mask is refused */
     assert_int_equal(ds_matcher_rollback(m, 1, &err), DS_OK);
     assert_int_equal(allowed(m, F->g, got, 8), 2);
