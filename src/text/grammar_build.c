@@ -189,7 +189,10 @@ static int call_rule(sbuf *b, const ds_grammar_ctx *c, int i, const char *name, 
         if (sb_special(b, c, "<|tool_call_end|>", err)) return DS_ERR;
     }
     sb_printf(b, "\nargs_%d: ", i);
-    json_t *obj = params ? NULL : json_pack("{s:s}", "type", "object");
+    /* no parameters: the function takes none, so its arguments are {} */
+    json_t *obj = params ? NULL
+                         : json_pack("{s:s, s:{}, s:b}", "type", "object", "properties",
+                                     "additionalProperties", 0);
     int rc = schema_text(b, params ? params : obj, where, err);
     json_decref(obj);
     sb_puts(b, "\n");
