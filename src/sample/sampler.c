@@ -522,6 +522,10 @@ void ds_sample_mask_bits(float *logits, int V, const uint32_t *allow, int n_bits
     for (int w = 0; w * 32 < n; w++) {
         uint32_t m = allow[w];
         if (m == 0xFFFFFFFFu && w * 32 + 32 <= n) continue;
+        if (m == 0 && w * 32 + 32 <= n) { /* outside a string most words forbid every id */
+            for (int i = w * 32; i < w * 32 + 32; i++) logits[i] = -INFINITY;
+            continue;
+        }
         for (int b = 0, i = w * 32; b < 32 && i < n; b++, i++)
             if (!(m >> b & 1u)) logits[i] = -INFINITY;
     }
