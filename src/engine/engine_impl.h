@@ -132,6 +132,8 @@ struct ds_engine {
     ds_token_count *dcounts;
     size_t cap_dcounts;
     int32_t *dstops;
+    uint32_t *dallow; /* [max_num_seqs][R][ceil(vocab / 32)] constrained rows' masks, made at
+                         the first step that draws one (eng_allow_rows) */
     ds_sample_scratch **scratch; /* [n_scratch]: one per sampling thread */
     int n_scratch;
 
@@ -207,8 +209,12 @@ size_t eng_draw_counts_need(const choice *ch, int n_rows);
  * logits are, or (neither) its rows come back to be sampled here. */
 int eng_picks_greedy(const ds_engine *e, const choice *ch);
 int eng_model_draws(const choice *ch);
-void eng_set_draws(const ds_engine *e, const choice *ch, const int32_t *drafts, int n_rows,
-                   ds_row_draw *d, ds_token_count *counts, int32_t *stops);
+/* allow: eng_allow_rows(e, i) for a constrained choice (its rows' masks), else NULL. */
+void eng_set_draws(ds_engine *e, choice *ch, const int32_t *drafts, int n_rows, ds_row_draw *d,
+                   ds_token_count *counts, int32_t *stops, uint32_t *allow);
+/* Item i's room for its rows' allowed-ids bitmasks, [R][ceil(vocab / 32)] (made at the first
+ * call), or NULL when there is no memory (the rows then come back to be sampled here). */
+uint32_t *eng_allow_rows(ds_engine *e, int i);
 int32_t eng_choose(ds_engine *e, choice *ch, float *row, const int32_t *pick, int drawn,
                    ds_sample_scratch *sc, int ahead, ds_logprobs_out *lp);
 int eng_deliver(ds_engine *e, choice *ch, int32_t tok, const ds_logprobs_out *lp, int in_seq);

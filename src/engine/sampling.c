@@ -36,7 +36,7 @@ int eng_picks_greedy(const ds_engine *e, const choice *ch) {
  * (ds_seq_batch.draws), so that the rows need not come back? Every sampled row can, except where
  * logprobs are wanted (they read the whole row). */
 int eng_model_draws(const choice *ch) {
-    return ch->req->spec.params.logprobs < 0 && !ch->req->spec.params.grammar;
+    return ch->req->spec.params.logprobs < 0;
 }
 
 /* llguidance over the model's vocabulary, made on first use (a server that never sees a
@@ -69,16 +69,20 @@ int ds_engine_grammar_check(ds_engine *e, const char *lark, ds_err *err) {
  * matcher is made at the choice's first sample (on the sampling rank only: the other ranks of a
  * job take the tokens it chose). A grammar that cannot be followed (it compiled when the request
  * came, so only a failure of the library) forces eos, said once on stderr. */
-static void grammar_mask(ds_engine *e, choice *ch, float *row) {
-    ds_err err = {{0}};
-    ds_grammars *g = NULL;
+/* The choice's matcher, made at its first sample; 0 when the grammar cannot be followed. */
+static int grammar_matcher(ds_engine *e, choice *ch, ds_err *err) {
     if (!ch->gm && !ch->gm_broken) {
-        g = grammars(e, &err);
-        if (!g || ds_matcher_new(g, ch->req->spec.params.grammar, &ch->gm, &err) ||
+        ds_grammars *g = grammars(e, err);
+        if (!g || ds_matcher_new(g, ch->req->spec.params.grammar, &ch->gm, err) ||
             !(ch->gmask = malloc((size_t)ds_grammars_mask_words(g) * 4)))
             ch->gm_broken = 1;
     }
-    if (ch->gm && !ch->gm_broken && ds_matcher_mask(ch->gm, ch->gmask, &err)) ch->gm_broken = 1;
+    return !ch->gm_broken;
+}
+
+static void grammar_mask(ds_engine *e, choice *ch, float *row) {
+    ds_err err = {{0}};
+    if (grammar_matcher(e, ch, &err) && ds_matcher_mask(ch->gm, ch->gmask, &err)) ch->gm_broken = 1;
     if (ch->gm_broken) {
         if (err.msg[0]) fprintf(stderr, "deltaserve: constrained output ended: %s\n", err.msg);
         int32_t eos = ds_model_config(e->model)->eos_token_id;
@@ -101,16 +105,66 @@ size_t eng_draw_counts_need(const choice *ch, int n_rows) {
  * generated before it (the choice's, then the drafts at rows 0..j-1, which are its tokens if row j
  * is reached at all), and the stop ids masked while min_tokens is not reached. counts: room for
  * eng_draw_counts_need entries; stops: room for DS_MAX_STOP + 1. */
-void eng_set_draws(const ds_engine *e, const choice *ch, const int32_t *drafts, int n_rows,
-                   ds_row_draw *d, ds_token_count *counts, int32_t *stops) {
+/* The allowed-ids bitmask of each of a constrained choice's n_rows rows, into allow[n_rows][W]:
+ * row j's as the matcher stands after drafts 0..j-1 (taken in, then rolled back). A row behind a
+ * draft the grammar forbids (or behind eos) is never reached, since that draft cannot be the
+ * token sampled before it: it gets its predecessor's mask. Returns the bits per mask (the
+ * grammar's vocabulary), or 0 when the grammar cannot be followed (then only eos is allowed, as
+ * grammar_mask does). */
+static int grammar_row_masks(ds_engine *e, choice *ch, const int32_t *drafts, int n_rows,
+                             uint32_t *allow) {
+    ds_err err = {{0}};
+    const int32_t eos = ds_model_config(e->model)->eos_token_id;
+    const int nb = ds_tok_vocab_size(e->tok), W = (nb + 31) / 32;
+    int taken = 0, j = 0;
+    if (grammar_matcher(e, ch, &err)) {
+        for (; j < n_rows; j++) {
+            uint32_t *a = allow + (size_t)j * W;
+            if (ds_matcher_mask(ch->gm, a, &err)) break;
+            if (j + 1 == n_rows) continue;
+            int32_t t = drafts[j];
+            if (t == eos || t < 0 || t >= nb || !(a[t / 32] >> (t % 32) & 1u)) {
+                for (int k = j + 1; k < n_rows; k++)
+                    memcpy(allow + (size_t)k * W, a, (size_t)W * 4);
+                j = n_rows;
+                break;
+            }
+            if (ds_matcher_consume(ch->gm, t, &err)) break;
+            taken++;
+        }
+        if (taken && ds_matcher_rollback(ch->gm, taken, &err)) j = -1;
+        if (j == n_rows) return nb;
+    }
+    fprintf(stderr, "deltaserve: constrained output ended: %s\n", err.msg);
+    ch->gm_broken = 1;
+    memset(allow, 0, (size_t)n_rows * W * 4);
+    for (int k = 0; k < n_rows; k++) allow[(size_t)k * W + eos / 32] |= 1u << (eos % 32);
+    return nb;
+}
+
+uint32_t *eng_allow_rows(ds_engine *e, int i) {
+    const size_t W = ((size_t)ds_tok_vocab_size(e->tok) + 31) / 32;
+    const size_t R = (size_t)e->num_speculative_tokens + 1;
+    if (!e->dallow) e->dallow = malloc((size_t)e->opts.max_num_seqs * R * W * 4);
+    return e->dallow ? e->dallow + (size_t)i * R * W : NULL;
+}
+
+void eng_set_draws(ds_engine *e, choice *ch, const int32_t *drafts, int n_rows, ds_row_draw *d,
+                   ds_token_count *counts, int32_t *stops, uint32_t *allow) {
     const ds_request_params *p = &ch->req->spec.params;
     const ds_sample_params sp = p->sample;
     int n_stop = stop_ids_of(e, p, stops), penalise = eng_draw_counts_need(ch, 1) > 0;
+    int n_allow = p->grammar ? grammar_row_masks(e, ch, drafts, n_rows, allow) : 0;
     ds_rng rng = ch->rng;
     for (int j = 0; j < n_rows; j++) {
         int allow_stop = ch->n_generated + j >= p->min_tokens, n = 0;
-        d[j] = (ds_row_draw){sp, 0, NULL, 0, stops, allow_stop ? 0 : n_stop};
+        d[j] = (ds_row_draw){sp, 0, NULL, 0, stops, allow_stop ? 0 : n_stop, NULL, 0};
         if (ds_sample_draws_uniform(&sp)) d[j].u = ds_rng_uniform(&rng);
+        if (n_allow) {
+            d[j].allow = allow + (size_t)j * ((n_allow + 31) / 32);
+            d[j].n_allow = n_allow;
+            d[j].n_mask = 0; /* the grammar decides when it may end (eng_choose) */
+        }
         if (!penalise) continue;
         for (int i = 0; i < ch->counts.cap; i++)
             if (ch->counts.slots[i].id >= 0) counts[n++] = ch->counts.slots[i];

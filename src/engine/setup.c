@@ -461,6 +461,7 @@ void ds_engine_free(ds_engine *e) {
     free(e->draws);
     free(e->dcounts);
     free(e->dstops);
+    free(e->dallow);
     free(e->aborts);
     ds_pp_bufs_free(&e->ppb);
     ds_draft_free(e->draft_ctx);

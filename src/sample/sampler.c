@@ -477,6 +477,7 @@ ds_draw_numbers ds_sample_numbers(const ds_sample_params *p, int V) {
 
 int32_t ds_sample_row(float *logits, int V, const ds_row_draw *d, ds_sample_scratch *scratch) {
     edit_logits(logits, V, &d->p, d->counts, d->n_counts, d->mask, d->n_mask);
+    if (d->n_allow > 0) ds_sample_mask_bits(logits, V, d->allow, d->n_allow);
     if (!ds_sample_draws_uniform(&d->p)) return ds_argmax(logits, V);
     return draw(logits, V, &d->p, d->u, scratch);
 }
@@ -503,7 +504,9 @@ int32_t ds_sample_token(float *logits, int V, const ds_sample_params *p,
                      counts ? counts->slots : NULL,
                      penalise ? counts->cap : 0,
                      stop_ids,
-                     mask ? n_stop_ids : 0};
+                     mask ? n_stop_ids : 0,
+                     NULL,
+                     0};
     if (ds_sample_draws_uniform(p)) d.u = ds_rng_uniform(rng);
     int32_t tok = ds_sample_row(logits, V, &d, scratch);
     if (lp) lp->logprob = (float)((double)raw[tok] - lse);

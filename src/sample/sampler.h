@@ -88,6 +88,10 @@ typedef struct ds_row_draw {
     int n_counts;
     const int32_t *mask; /* [n_mask] ids set to -inf (stop ids before min_tokens) */
     int n_mask;
+    /* constrained decoding: ids allowed, bit i % 32 of allow[i / 32] for i < n_allow; every other
+     * id gets -inf (ds_sample_mask_bits). allow: [ceil(n_allow / 32)]; n_allow 0: no mask */
+    const uint32_t *allow;
+    int n_allow;
 } ds_row_draw;
 
 /* Does sampling with these parameters draw a uniform (temperature >= 1e-5), or take the argmax? */
