@@ -188,7 +188,7 @@ void bench_draw(ds_cu *c, const cuda_ceilings *ceil) {
         double t0 = ds_now();
         for (int r = 0; r < 8; r++) {
             memcpy(work, h + (size_t)r * V, (size_t)V * 4);
-            ds_row_draw rd = {dc.p, dc.d[r].u, NULL, 0, NULL, 0};
+            ds_row_draw rd = {dc.p, dc.d[r].u, NULL, 0, NULL, 0, NULL, 0};
             (void)ds_sample_row(work, V, &rd, sc);
         }
         double host_ms = (ds_now() - t0) * 1e3 / 8;
