@@ -212,6 +212,9 @@ int eng_model_draws(const choice *ch);
 /* allow: eng_allow_rows(e, i) for a constrained choice (its rows' masks), else NULL. */
 void eng_set_draws(ds_engine *e, choice *ch, const int32_t *drafts, int n_rows, ds_row_draw *d,
                    ds_token_count *counts, int32_t *stops, uint32_t *allow);
+/* The allowed-ids bitmasks of every constrained item of f that the model draws (its rows' draws
+ * point at them: eng_set_draws), computed side by side once the batch is built. */
+void eng_grammar_masks(ds_engine *e, inflight *f);
 /* Item i's room for its rows' allowed-ids bitmasks, [R][ceil(vocab / 32)] (made at the first
  * call), or NULL when there is no memory (the rows then come back to be sampled here). */
 uint32_t *eng_allow_rows(ds_engine *e, int i);

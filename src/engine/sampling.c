@@ -100,19 +100,13 @@ size_t eng_draw_counts_need(const choice *ch, int n_rows) {
     return (size_t)n_rows * ((size_t)ch->counts.n + (size_t)n_rows);
 }
 
-/* Row j of a choice's step, as ds_row_draw: the uniform plain decoding would draw for its token
- * (the RNG is only peeked: eng_choose moves it as each row is taken), the counts of the tokens
- * generated before it (the choice's, then the drafts at rows 0..j-1, which are its tokens if row j
- * is reached at all), and the stop ids masked while min_tokens is not reached. counts: room for
- * eng_draw_counts_need entries; stops: room for DS_MAX_STOP + 1. */
 /* The allowed-ids bitmask of each of a constrained choice's n_rows rows, into allow[n_rows][W]:
  * row j's as the matcher stands after drafts 0..j-1 (taken in, then rolled back). A row behind a
  * draft the grammar forbids (or behind eos) is never reached, since that draft cannot be the
- * token sampled before it: it gets its predecessor's mask. Returns the bits per mask (the
- * grammar's vocabulary), or 0 when the grammar cannot be followed (then only eos is allowed, as
- * grammar_mask does). */
-static int grammar_row_masks(ds_engine *e, choice *ch, const int32_t *drafts, int n_rows,
-                             uint32_t *allow) {
+ * token sampled before it: it gets its predecessor's mask. When the grammar cannot be followed
+ * only eos is allowed, as grammar_mask does. */
+static void grammar_row_masks(ds_engine *e, choice *ch, const int32_t *drafts, int n_rows,
+                              uint32_t *allow) {
     ds_err err = {{0}};
     const int32_t eos = ds_model_config(e->model)->eos_token_id;
     const int nb = ds_tok_vocab_size(e->tok), W = (nb + 31) / 32;
@@ -133,13 +127,12 @@ static int grammar_row_masks(ds_engine *e, choice *ch, const int32_t *drafts, in
             taken++;
         }
         if (taken && ds_matcher_rollback(ch->gm, taken, &err)) j = -1;
-        if (j == n_rows) return nb;
+        if (j == n_rows) return;
     }
     fprintf(stderr, "deltaserve: constrained output ended: %s\n", err.msg);
     ch->gm_broken = 1;
     memset(allow, 0, (size_t)n_rows * W * 4);
     for (int k = 0; k < n_rows; k++) allow[(size_t)k * W + eos / 32] |= 1u << (eos % 32);
-    return nb;
 }
 
 uint32_t *eng_allow_rows(ds_engine *e, int i) {
@@ -149,12 +142,39 @@ uint32_t *eng_allow_rows(ds_engine *e, int i) {
     return e->dallow ? e->dallow + (size_t)i * R * W : NULL;
 }
 
+/* llguidance's mask costs ~0.1-1 ms a row at real vocabularies, on the launch's path: the items
+ * are independent (one matcher each; the grammar cache is thread-safe), so side by side. Their
+ * mask memory was made by eng_allow_rows as the batch was built. */
+void eng_grammar_masks(ds_engine *e, inflight *f) {
+    int n = 0;
+    for (int i = 0; i < f->n_items; i++) {
+        const choice *ch = f->items[i].seq->owner;
+        n += e->batch[i].draws && ch->req->spec.params.grammar;
+    }
+    if (!n) return;
+#pragma omp parallel for schedule(dynamic) num_threads(e->n_scratch) if (n > 1)
+    for (int i = 0; i < f->n_items; i++) {
+        const ds_sched_item *it = &f->items[i];
+        choice *ch = it->seq->owner;
+        if (!e->batch[i].draws || !ch->req->spec.params.grammar) continue;
+        int rows = it->seq->n_spec ? it->seq->n_spec + 1 : 1;
+        grammar_row_masks(e, ch, it->seq->tokens + it->pos0 + 1, rows, eng_allow_rows(e, i));
+    }
+}
+
+/* Row j of a choice's step, as ds_row_draw: the uniform plain decoding would draw for its token
+ * (the RNG is only peeked: eng_choose moves it as each row is taken), the counts of the tokens
+ * generated before it (the choice's, then the drafts at rows 0..j-1, which are its tokens if row j
+ * is reached at all), the stop ids masked while min_tokens is not reached, and for a constrained
+ * choice where its row's mask will be (eng_grammar_masks fills them). counts: room for
+ * eng_draw_counts_need entries; stops: room for DS_MAX_STOP + 1. */
 void eng_set_draws(ds_engine *e, choice *ch, const int32_t *drafts, int n_rows, ds_row_draw *d,
                    ds_token_count *counts, int32_t *stops, uint32_t *allow) {
     const ds_request_params *p = &ch->req->spec.params;
     const ds_sample_params sp = p->sample;
     int n_stop = stop_ids_of(e, p, stops), penalise = eng_draw_counts_need(ch, 1) > 0;
-    int n_allow = p->grammar ? grammar_row_masks(e, ch, drafts, n_rows, allow) : 0;
+    /* the masks themselves are computed by eng_grammar_masks, for all items side by side */
+    int n_allow = p->grammar ? ds_tok_vocab_size(e->tok) : 0;
     ds_rng rng = ch->rng;
     for (int j = 0; j < n_rows; j++) {
         int allow_stop = ch->n_generated + j >= p->min_tokens, n = 0;

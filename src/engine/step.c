@@ -128,6 +128,7 @@ static void build_batch(ds_engine *e, inflight *f, int n_taps, int draws_ok) {
     f->n_prompt_tokens = 0;
     size_t tap_off = 0, dc_off = 0;
     for (int i = 0; i < f->n_items; i++) batch_item(e, f, i, n_taps, draws_ok, &tap_off, &dc_off);
+    eng_grammar_masks(e, f);
     f->active = 1;
 }
 
