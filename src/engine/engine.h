@@ -122,6 +122,10 @@ typedef struct ds_request_params {
     int logprobs;            /* -1: none; k >= 0: the sampled token's logprob and top-k others */
     int n;                   /* choices (default 1) */
     int skip_special_tokens; /* default 1 */
+    /* constrained decoding (text/grammar.h): the llguidance Lark grammar every choice's output
+     * follows, owned by the caller until the request finishes like the stop strings; NULL: none.
+     * Its end forces eos (a stop even with ignore_eos), and min_tokens does not apply. */
+    char *grammar;
 } ds_request_params;
 
 void ds_request_params_default(ds_request_params *p);
@@ -198,6 +202,12 @@ int ds_engine_kv_pull(ds_engine *e, const char *host, int port, uint64_t id, con
 void ds_kv_pull_free(ds_kv_pull *p);
 
 const ds_tokenizer *ds_engine_tokenizer(const ds_engine *e);
+/* Checks that a request's grammar compiles (loading llguidance on first use and caching the
+ * compiled grammar), so that a bad one is refused before it is submitted. Thread-safe. An error
+ * says why: the grammar's fault, or the library's absence (ds_engine_grammar_ready). */
+int ds_engine_grammar_check(ds_engine *e, const char *lark, ds_err *err);
+/* 1 when constrained decoding is available (the library loaded), else 0 and err says why. */
+int ds_engine_grammar_ready(ds_engine *e, ds_err *err);
 int ds_engine_max_model_len(const ds_engine *e);
 const char *ds_engine_model_dir(const ds_engine *e);
 int ds_engine_chat_format(const ds_engine *e); /* ds_chat_format */

@@ -26,6 +26,7 @@
 #include "model/model.h"
 #include "parallel/pipeline.h"
 #include "sample/sampler.h"
+#include "text/grammar.h"
 #include "transport/comm.h"
 #include "transport/xfer.h"
 
@@ -49,6 +50,11 @@ typedef struct choice {
     int32_t drafts[DS_MAX_SPEC]; /* [n_drafts] proposed continuation after the last token */
     int n_drafts;
     int busy; /* its sequence has a step in flight (launched, outcome not yet applied) */
+    /* constrained decoding (request grammar): the output's place in the grammar and its mask
+     * [ds_grammars_mask_words]; made on the sampling rank at the choice's first sample */
+    ds_matcher *gm;
+    uint32_t *gmask;
+    int gm_broken; /* the grammar could not be followed (said on stderr): eos is forced */
 } choice;
 
 struct request {
@@ -128,6 +134,8 @@ struct ds_engine {
     ds_token_count *dcounts;
     size_t cap_dcounts;
     int32_t *dstops;
+    uint32_t *dallow; /* [max_num_seqs][R][ceil(vocab / 32)] constrained rows' masks, made at
+                         the first step that draws one (eng_allow_rows) */
     ds_sample_scratch **scratch; /* [n_scratch]: one per sampling thread */
     int n_scratch;
 
@@ -157,6 +165,13 @@ struct ds_engine {
     size_t taps_cap; /* floats */
 
     ds_engine_stats stats; /* guarded by mu */
+
+    /* constrained decoding: llguidance over the model's vocabulary, made on first use (g_tried)
+     * under gmu; g_why says why it could not be (the library is absent) */
+    pthread_mutex_t gmu;
+    ds_grammars *grammars;
+    int g_tried;
+    char g_why[1024];
 
     /* tensor / pipeline parallelism (opts.comm); dist = 0 for one process */
     ds_comm *comm;
@@ -200,8 +215,15 @@ size_t eng_draw_counts_need(const choice *ch, int n_rows);
  * logits are, or (neither) its rows come back to be sampled here. */
 int eng_picks_greedy(const ds_engine *e, const choice *ch);
 int eng_model_draws(const choice *ch);
-void eng_set_draws(const ds_engine *e, const choice *ch, const int32_t *drafts, int n_rows,
-                   ds_row_draw *d, ds_token_count *counts, int32_t *stops);
+/* allow: eng_allow_rows(e, i) for a constrained choice (its rows' masks), else NULL. */
+void eng_set_draws(ds_engine *e, choice *ch, const int32_t *drafts, int n_rows, ds_row_draw *d,
+                   ds_token_count *counts, int32_t *stops, uint32_t *allow);
+/* The allowed-ids bitmasks of every constrained item of f that the model draws (its rows' draws
+ * point at them: eng_set_draws), computed side by side once the batch is built. */
+void eng_grammar_masks(ds_engine *e, inflight *f);
+/* Item i's room for its rows' allowed-ids bitmasks, [R][ceil(vocab / 32)] (made at the first
+ * call), or NULL when there is no memory (the rows then come back to be sampled here). */
+uint32_t *eng_allow_rows(ds_engine *e, int i);
 int32_t eng_choose(ds_engine *e, choice *ch, float *row, const int32_t *pick, int drawn,
                    ds_sample_scratch *sc, int ahead, ds_logprobs_out *lp);
 int eng_deliver(ds_engine *e, choice *ch, int32_t tok, const ds_logprobs_out *lp, int in_seq);

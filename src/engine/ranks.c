@@ -77,6 +77,7 @@ static void plan_send(ds_engine *e, request *in, const int64_t *ab, int n_ab, in
     for (request *r = in; r; r = r->next) {
         ds_request_params p = r->spec.params;
         for (int i = 0; i < DS_MAX_STOP; i++) p.stop[i] = NULL;
+        p.grammar = NULL; /* sent as text after the stop strings */
         put(&w, &r->id, sizeof r->id);
         put(&w, &r->seed_base, sizeof r->seed_base);
         put(&w, &r->spec.n_prompt, sizeof r->spec.n_prompt);
@@ -86,6 +87,11 @@ static void plan_send(ds_engine *e, request *in, const int64_t *ab, int n_ab, in
             put(&w, &len, sizeof len);
             put(&w, r->spec.params.stop[i], len);
         }
+        /* the grammar: its length + 1 then its text, or 0 for none */
+        const char *gr = r->spec.params.grammar;
+        uint32_t glen = gr ? (uint32_t)strlen(gr) + 1 : 0;
+        put(&w, &glen, sizeof glen);
+        if (glen) put(&w, gr, glen - 1);
         put(&w, r->prompt, (size_t)r->spec.n_prompt * sizeof(int32_t));
     }
     put(&w, ab, (size_t)n_ab * sizeof *ab);
@@ -123,6 +129,15 @@ static request *plan_read_request(ds_engine *e, rbuf *rb) {
         spec.params.stop[i] = strndup(rb->p + rb->off, len);
         rb->off += len;
         if (!spec.params.stop[i]) eng_dist_fatal(e, "step plan", "out of memory");
+    }
+    uint32_t glen = 0;
+    spec.params.grammar = NULL;
+    if (!rb->bad) get(rb, &glen, sizeof glen);
+    if (glen && glen - 1 > rb->n - rb->off) rb->bad = 1;
+    if (glen && !rb->bad) {
+        spec.params.grammar = strndup(rb->p + rb->off, glen - 1);
+        rb->off += glen - 1;
+        if (!spec.params.grammar) eng_dist_fatal(e, "step plan", "out of memory");
     }
     if (spec.n_prompt < 1 || (size_t)spec.n_prompt * sizeof(int32_t) > rb->n - rb->off) rb->bad = 1;
     if (rb->bad) return NULL;

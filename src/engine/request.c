@@ -53,12 +53,16 @@ void eng_request_free(request *r) {
         if (ch->seq) ds_seq_free(ch->seq);
         ds_token_counts_free(&ch->counts);
         ds_textout_free(&ch->text);
+        ds_matcher_free(ch->gm);
+        free(ch->gmask);
     }
     free(r->choices);
     free(r->prompt);
     ds_kv_pull_free(r->kv_import);
-    if (r->owns_stop)
+    if (r->owns_stop) {
         for (int i = 0; i < r->spec.params.n_stop; i++) free(r->spec.params.stop[i]);
+        free(r->spec.params.grammar);
+    }
     free(r);
 }
 

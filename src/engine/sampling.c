@@ -4,14 +4,17 @@
  * sequence, the text, the event, the finish). */
 #include "engine/engine_impl.h"
 
+#include <math.h>
 #include <omp.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* The tokens that end a choice: eos (unless ignored) and the request's stop ids. */
+/* The tokens that end a choice: eos (unless ignored: a grammar's end is eos, always a stop) and
+ * the request's stop ids. */
 static int stop_ids_of(const ds_engine *e, const ds_request_params *p, int32_t *ids) {
     int n = 0;
-    if (!p->ignore_eos) ids[n++] = ds_model_config(e->model)->eos_token_id;
+    if (!p->ignore_eos || p->grammar) ids[n++] = ds_model_config(e->model)->eos_token_id;
     for (int i = 0; i < p->n_stop_token_ids; i++) ids[n++] = p->stop_token_ids[i];
     return n;
 }
@@ -24,6 +27,7 @@ int eng_picks_greedy(const ds_engine *e, const choice *ch) {
     const ds_request_params *p = &ch->req->spec.params;
     int32_t stop_ids[DS_MAX_STOP + 1];
     const ds_sample_params sp = p->sample;
+    if (p->grammar) return 0; /* its mask is applied here, on the row */
     return ds_sample_is_argmax(&sp, ch->n_generated >= p->min_tokens, stop_ids_of(e, p, stop_ids),
                                p->logprobs);
 }
@@ -35,6 +39,60 @@ int eng_model_draws(const choice *ch) {
     return ch->req->spec.params.logprobs < 0;
 }
 
+/* llguidance over the model's vocabulary, made on first use (a server that never sees a
+ * constrained request never loads it). NULL with err when it cannot be. */
+static ds_grammars *grammars(ds_engine *e, ds_err *err) {
+    pthread_mutex_lock(&e->gmu);
+    if (!e->g_tried) {
+        e->g_tried = 1;
+        ds_err ge = {{0}};
+        /* 64 compiled grammars: a schema costs ~1-100 ms to compile, and clients repeat theirs */
+        if (ds_grammars_new(e->tok, ds_model_config(e->model)->eos_token_id, 64, &e->grammars, &ge))
+            snprintf(e->g_why, sizeof e->g_why, "%s", ge.msg);
+    }
+    ds_grammars *g = e->grammars;
+    if (!g) ds_errf(err, "%s", e->g_why);
+    pthread_mutex_unlock(&e->gmu);
+    return g;
+}
+
+int ds_engine_grammar_ready(ds_engine *e, ds_err *err) {
+    return grammars(e, err) != NULL;
+}
+
+int ds_engine_grammar_check(ds_engine *e, const char *lark, ds_err *err) {
+    ds_grammars *g = grammars(e, err);
+    return g ? ds_grammar_check(g, lark, err) : DS_ERR;
+}
+
+/* A constrained choice's row before it is sampled: tokens its grammar forbids get -inf. The
+ * matcher is made at the choice's first sample (on the sampling rank only: the other ranks of a
+ * job take the tokens it chose). A grammar that cannot be followed (it compiled when the request
+ * came, so only a failure of the library) forces eos, said once on stderr. */
+/* The choice's matcher, made at its first sample; 0 when the grammar cannot be followed. */
+static int grammar_matcher(ds_engine *e, choice *ch, ds_err *err) {
+    if (!ch->gm && !ch->gm_broken) {
+        ds_grammars *g = grammars(e, err);
+        if (!g || ds_matcher_new(g, ch->req->spec.params.grammar, &ch->gm, err) ||
+            !(ch->gmask = malloc((size_t)ds_grammars_mask_words(g) * 4)))
+            ch->gm_broken = 1;
+    }
+    return !ch->gm_broken;
+}
+
+static void grammar_mask(ds_engine *e, choice *ch, float *row) {
+    ds_err err = {{0}};
+    if (grammar_matcher(e, ch, &err) && ds_matcher_mask(ch->gm, ch->gmask, &err)) ch->gm_broken = 1;
+    if (ch->gm_broken) {
+        if (err.msg[0]) fprintf(stderr, "deltaserve: constrained output ended: %s\n", err.msg);
+        int32_t eos = ds_model_config(e->model)->eos_token_id;
+        for (int i = 0; i < e->V; i++)
+            if (i != eos) row[i] = -INFINITY;
+        return;
+    }
+    ds_sample_mask_bits(row, e->V, ch->gmask, ds_tok_vocab_size(e->tok));
+}
+
 /* Penalised counts a step's draws of one choice need: each row's table and the drafts before it. */
 size_t eng_draw_counts_need(const choice *ch, int n_rows) {
     const ds_request_params *p = &ch->req->spec.params;
@@ -42,21 +100,91 @@ size_t eng_draw_counts_need(const choice *ch, int n_rows) {
     return (size_t)n_rows * ((size_t)ch->counts.n + (size_t)n_rows);
 }
 
+/* The allowed-ids bitmask of each of a constrained choice's n_rows rows, into allow[n_rows][W]:
+ * row j's as the matcher stands after drafts 0..j-1 (taken in, then rolled back). A row behind a
+ * draft the grammar forbids (or behind eos) is never reached, since that draft cannot be the
+ * token sampled before it: it gets its predecessor's mask. When the grammar cannot be followed
+ * only eos is allowed, as grammar_mask does. */
+static void grammar_row_masks(ds_engine *e, choice *ch, const int32_t *drafts, int n_rows,
+                              uint32_t *allow) {
+    ds_err err = {{0}};
+    const int32_t eos = ds_model_config(e->model)->eos_token_id;
+    const int nb = ds_tok_vocab_size(e->tok), W = (nb + 31) / 32;
+    int taken = 0, j = 0;
+    if (grammar_matcher(e, ch, &err)) {
+        for (; j < n_rows; j++) {
+            uint32_t *a = allow + (size_t)j * W;
+            if (ds_matcher_mask(ch->gm, a, &err)) break;
+            if (j + 1 == n_rows) continue;
+            int32_t t = drafts[j];
+            if (t == eos || t < 0 || t >= nb || !(a[t / 32] >> (t % 32) & 1u)) {
+                for (int k = j + 1; k < n_rows; k++)
+                    memcpy(allow + (size_t)k * W, a, (size_t)W * 4);
+                j = n_rows;
+                break;
+            }
+            if (ds_matcher_consume(ch->gm, t, &err)) break;
+            taken++;
+        }
+        if (taken && ds_matcher_rollback(ch->gm, taken, &err)) j = -1;
+        if (j == n_rows) return;
+    }
+    fprintf(stderr, "deltaserve: constrained output ended: %s\n", err.msg);
+    ch->gm_broken = 1;
+    memset(allow, 0, (size_t)n_rows * W * 4);
+    for (int k = 0; k < n_rows; k++) allow[(size_t)k * W + eos / 32] |= 1u << (eos % 32);
+}
+
+uint32_t *eng_allow_rows(ds_engine *e, int i) {
+    const size_t W = ((size_t)ds_tok_vocab_size(e->tok) + 31) / 32;
+    const size_t R = (size_t)e->num_speculative_tokens + 1;
+    if (!e->dallow) e->dallow = malloc((size_t)e->opts.max_num_seqs * R * W * 4);
+    return e->dallow ? e->dallow + (size_t)i * R * W : NULL;
+}
+
+/* llguidance's mask costs ~0.1-1 ms a row at real vocabularies, on the launch's path: the items
+ * are independent (one matcher each; the grammar cache is thread-safe), so side by side. Their
+ * mask memory was made by eng_allow_rows as the batch was built. */
+void eng_grammar_masks(ds_engine *e, inflight *f) {
+    int n = 0;
+    for (int i = 0; i < f->n_items; i++) {
+        const choice *ch = f->items[i].seq->owner;
+        n += e->batch[i].draws && ch->req->spec.params.grammar;
+    }
+    if (!n) return;
+#pragma omp parallel for schedule(dynamic) num_threads(e->n_scratch) if (n > 1)
+    for (int i = 0; i < f->n_items; i++) {
+        const ds_sched_item *it = &f->items[i];
+        choice *ch = it->seq->owner;
+        if (!e->batch[i].draws || !ch->req->spec.params.grammar) continue;
+        int rows = it->seq->n_spec ? it->seq->n_spec + 1 : 1;
+        grammar_row_masks(e, ch, it->seq->tokens + it->pos0 + 1, rows, eng_allow_rows(e, i));
+    }
+}
+
 /* Row j of a choice's step, as ds_row_draw: the uniform plain decoding would draw for its token
  * (the RNG is only peeked: eng_choose moves it as each row is taken), the counts of the tokens
  * generated before it (the choice's, then the drafts at rows 0..j-1, which are its tokens if row j
- * is reached at all), and the stop ids masked while min_tokens is not reached. counts: room for
+ * is reached at all), the stop ids masked while min_tokens is not reached, and for a constrained
+ * choice where its row's mask will be (eng_grammar_masks fills them). counts: room for
  * eng_draw_counts_need entries; stops: room for DS_MAX_STOP + 1. */
-void eng_set_draws(const ds_engine *e, const choice *ch, const int32_t *drafts, int n_rows,
-                   ds_row_draw *d, ds_token_count *counts, int32_t *stops) {
+void eng_set_draws(ds_engine *e, choice *ch, const int32_t *drafts, int n_rows, ds_row_draw *d,
+                   ds_token_count *counts, int32_t *stops, uint32_t *allow) {
     const ds_request_params *p = &ch->req->spec.params;
     const ds_sample_params sp = p->sample;
     int n_stop = stop_ids_of(e, p, stops), penalise = eng_draw_counts_need(ch, 1) > 0;
+    /* the masks themselves are computed by eng_grammar_masks, for all items side by side */
+    int n_allow = p->grammar ? ds_tok_vocab_size(e->tok) : 0;
     ds_rng rng = ch->rng;
     for (int j = 0; j < n_rows; j++) {
         int allow_stop = ch->n_generated + j >= p->min_tokens, n = 0;
-        d[j] = (ds_row_draw){sp, 0, NULL, 0, stops, allow_stop ? 0 : n_stop};
+        d[j] = (ds_row_draw){sp, 0, NULL, 0, stops, allow_stop ? 0 : n_stop, NULL, 0};
         if (ds_sample_draws_uniform(&sp)) d[j].u = ds_rng_uniform(&rng);
+        if (n_allow) {
+            d[j].allow = allow + (size_t)j * ((n_allow + 31) / 32);
+            d[j].n_allow = n_allow;
+            d[j].n_mask = 0; /* the grammar decides when it may end (eng_choose) */
+        }
         if (!penalise) continue;
         for (int i = 0; i < ch->counts.cap; i++)
             if (ch->counts.slots[i].id >= 0) counts[n++] = ch->counts.slots[i];
@@ -83,12 +211,19 @@ int32_t eng_choose(ds_engine *e, choice *ch, float *row, const int32_t *pick, in
     int32_t stop_ids[DS_MAX_STOP + 1];
     int n_stop = stop_ids_of(e, p, stop_ids);
     const ds_sample_params sp = p->sample;
-    int allow_stop = ch->n_generated + ahead >= p->min_tokens;
+    /* a grammar decides when the output may end (min_tokens would mask its forced eos) */
+    int allow_stop = ch->n_generated + ahead >= p->min_tokens || p->grammar;
+    if (p->grammar && row) grammar_mask(e, ch, row);
     int32_t tok =
         row ? ds_sample_token(row, e->V, &sp, &ch->counts, allow_stop, stop_ids, n_stop, &ch->rng,
                               sc, p->logprobs >= 0 ? lp : NULL, p->logprobs > 0 ? p->logprobs : 0)
             : *pick;
     if (!row && drawn && ds_sample_draws_uniform(&sp)) (void)ds_rng_uniform(&ch->rng);
+    ds_err err = {{0}};
+    if (ch->gm && !ch->gm_broken && ds_matcher_consume(ch->gm, tok, &err)) {
+        fprintf(stderr, "deltaserve: constrained output ended: %s\n", err.msg);
+        ch->gm_broken = 1;
+    }
     ds_token_counts_add(&ch->counts, tok);
     return tok;
 }
@@ -100,7 +235,7 @@ int eng_deliver(ds_engine *e, choice *ch, int32_t tok, const ds_logprobs_out *lp
     const ds_request_params *p = &ch->req->spec.params;
     int32_t stop_ids[DS_MAX_STOP + 1];
     int n_stop = stop_ids_of(e, p, stop_ids);
-    int allow_stop = ch->n_generated >= p->min_tokens;
+    int allow_stop = ch->n_generated >= p->min_tokens || p->grammar;
     ch->n_generated++;
     ds_err err;
     ds_seq *s = ch->seq;

@@ -290,6 +290,7 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
     if (!e) return DS_ERR;
     e->opts = *opts;
     pthread_mutex_init(&e->mu, NULL);
+    pthread_mutex_init(&e->gmu, NULL);
     pthread_cond_init(&e->wake, NULL);
     e->next_id = 1;
     e->model_dir = strdup(opts->model_dir ? opts->model_dir : "");
@@ -468,6 +469,7 @@ void ds_engine_free(ds_engine *e) {
     free(e->draws);
     free(e->dcounts);
     free(e->dstops);
+    free(e->dallow);
     free(e->aborts);
     ds_pp_bufs_free(&e->ppb);
     ds_draft_free(e->draft_ctx);
@@ -483,6 +485,8 @@ void ds_engine_free(ds_engine *e) {
     ds_model_free(e->model);
     free(e->model_dir);
     pthread_mutex_destroy(&e->mu);
+    ds_grammars_free(e->grammars); /* after the requests: no matcher is left */
+    pthread_mutex_destroy(&e->gmu);
     pthread_cond_destroy(&e->wake);
     free(e);
 }

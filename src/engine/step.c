@@ -84,9 +84,12 @@ static void batch_item(ds_engine *e, inflight *f, int i, int n_taps, int draws_o
      * one (on the sampling rank) gets them drawn there */
     int greedy = want_logits && eng_picks_greedy(e, ch);
     int drawn = want_logits && !greedy && e->sampler && draws_ok && eng_model_draws(ch);
+    /* a constrained choice's rows carry its grammar's masks (V/32 words each) */
+    uint32_t *allow = drawn && ch->req->spec.params.grammar ? eng_allow_rows(e, i) : NULL;
+    if (drawn && ch->req->spec.params.grammar && !allow) drawn = 0;
     if (drawn) {
         eng_set_draws(e, ch, s->tokens + it->pos0 + 1, verify_rows, e->draws + (size_t)i * rows,
-                      e->dcounts + *dc_off, e->dstops + (size_t)i * (DS_MAX_STOP + 1));
+                      e->dcounts + *dc_off, e->dstops + (size_t)i * (DS_MAX_STOP + 1), allow);
         *dc_off += eng_draw_counts_need(ch, verify_rows);
     }
     e->batch[i] = (ds_seq_batch){
@@ -125,6 +128,7 @@ static void build_batch(ds_engine *e, inflight *f, int n_taps, int draws_ok) {
     f->n_prompt_tokens = 0;
     size_t tap_off = 0, dc_off = 0;
     for (int i = 0; i < f->n_items; i++) batch_item(e, f, i, n_taps, draws_ok, &tap_off, &dc_off);
+    eng_grammar_masks(e, f);
     f->active = 1;
 }
 

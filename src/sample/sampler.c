@@ -477,6 +477,7 @@ ds_draw_numbers ds_sample_numbers(const ds_sample_params *p, int V) {
 
 int32_t ds_sample_row(float *logits, int V, const ds_row_draw *d, ds_sample_scratch *scratch) {
     edit_logits(logits, V, &d->p, d->counts, d->n_counts, d->mask, d->n_mask);
+    if (d->n_allow > 0) ds_sample_mask_bits(logits, V, d->allow, d->n_allow);
     if (!ds_sample_draws_uniform(&d->p)) return ds_argmax(logits, V);
     return draw(logits, V, &d->p, d->u, scratch);
 }
@@ -503,7 +504,9 @@ int32_t ds_sample_token(float *logits, int V, const ds_sample_params *p,
                      counts ? counts->slots : NULL,
                      penalise ? counts->cap : 0,
                      stop_ids,
-                     mask ? n_stop_ids : 0};
+                     mask ? n_stop_ids : 0,
+                     NULL,
+                     0};
     if (ds_sample_draws_uniform(p)) d.u = ds_rng_uniform(rng);
     int32_t tok = ds_sample_row(logits, V, &d, scratch);
     if (lp) lp->logprob = (float)((double)raw[tok] - lse);
@@ -515,4 +518,19 @@ int ds_sample_is_argmax(const ds_sample_params *p, int allow_stop, int n_stop_id
      * reads them for logprobs, and takes the greedy branch */
     return !(p->temperature >= GREEDY_TEMPERATURE) && p->presence_penalty == 0 &&
            p->frequency_penalty == 0 && (allow_stop || n_stop_ids == 0) && logprobs < 0;
+}
+
+void ds_sample_mask_bits(float *logits, int V, const uint32_t *allow, int n_bits) {
+    int n = DS_MIN(V, n_bits);
+    for (int w = 0; w * 32 < n; w++) {
+        uint32_t m = allow[w];
+        if (m == 0xFFFFFFFFu && w * 32 + 32 <= n) continue;
+        if (m == 0 && w * 32 + 32 <= n) { /* outside a string most words forbid every id */
+            for (int i = w * 32; i < w * 32 + 32; i++) logits[i] = -INFINITY;
+            continue;
+        }
+        for (int b = 0, i = w * 32; b < 32 && i < n; b++, i++)
+            if (!(m >> b & 1u)) logits[i] = -INFINITY;
+    }
+    for (int i = n; i < V; i++) logits[i] = -INFINITY;
 }

@@ -88,6 +88,10 @@ typedef struct ds_row_draw {
     int n_counts;
     const int32_t *mask; /* [n_mask] ids set to -inf (stop ids before min_tokens) */
     int n_mask;
+    /* constrained decoding: ids allowed, bit i % 32 of allow[i / 32] for i < n_allow; every other
+     * id gets -inf (ds_sample_mask_bits). allow: [ceil(n_allow / 32)]; n_allow 0: no mask */
+    const uint32_t *allow;
+    int n_allow;
 } ds_row_draw;
 
 /* Does sampling with these parameters draw a uniform (temperature >= 1e-5), or take the argmax? */
@@ -113,6 +117,11 @@ int32_t ds_sample_row(float *logits, int V, const ds_row_draw *d, ds_sample_scra
 /* The draw's weights: w[i] = exp((x[i] - mx) * inv_t) within a few ulp, by float operations a
  * GPU can repeat exactly (no library exp); 0 below exp(-87), for -inf and for NaN. */
 void ds_sample_weights(float *w, const float *x, int n, float mx, float inv_t);
+
+/* Constrained decoding's mask: logits[i] = -inf for every i < V whose bit (bit i % 32 of
+ * allow[i / 32]) is clear or lies beyond n_bits (ids the grammar's vocabulary does not have).
+ * allow: [ceil(n_bits / 32)]. Word by word: an all-allowed word costs one compare. */
+void ds_sample_mask_bits(float *logits, int V, const uint32_t *allow, int n_bits);
 
 /* Would ds_sample_token return ds_argmax of the logits as they come in, whatever the counts and
  * the RNG hold? Yes for a greedy request with no penalty, nothing masked (allow_stop, or no stop

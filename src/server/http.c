@@ -513,7 +513,7 @@ static enum MHD_Result handle_generate(ds_server *s, struct MHD_Connection *c, c
     }
     int32_t *ids = NULL; /* [n_prompt] */
     int n_prompt = 0;
-    if (build_prompt(e, &r->oai, &ids, &n_prompt, &oe) ||
+    if (build_prompt(e, &r->oai, &ids, &n_prompt, &oe) || ds_oai_build_grammar(e, &r->oai, &oe) ||
         ds_oai_fit_context(&r->oai, n_prompt, ds_engine_max_model_len(e), &oe)) {
         free(ids);
         ds_oai_request_free(&r->oai);
@@ -614,11 +614,11 @@ static enum MHD_Result handle_models(ds_server *s, struct MHD_Connection *c) {
                   "created", (json_int_t)time(NULL), "owned_by", "deltaserve", "root",
                   ds_engine_model_dir(e), "parent", "max_model_len", ds_engine_max_model_len(e));
     /* what the chat endpoint does with this model's output (oai_parse.c): tool calls in either
-     * format (K2 sections, K3 XTML); only K3 thinks; no constrained decoding yet */
-    int k3 = ds_engine_chat_format(e) == DS_CHAT_K3;
+     * format (K2 sections, K3 XTML); only K3 thinks; constrained decoding when llguidance loads */
+    int k3 = ds_engine_chat_format(e) == DS_CHAT_K3, so = ds_engine_grammar_ready(e, NULL);
     json_object_set_new(m, "capabilities",
                         json_pack("{s:s, s:b, s:b, s:b}", "chat_format", k3 ? "k3" : "kimi_linear",
-                                  "tool_calls", 1, "reasoning", k3, "structured_outputs", 0));
+                                  "tool_calls", 1, "reasoning", k3, "structured_outputs", so));
     return send_json(c, 200, json_pack("{s:s, s:[o]}", "object", "list", "data", m));
 }
 

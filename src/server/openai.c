@@ -314,8 +314,10 @@ static int parse_chat(json_t *root, ds_oai_request *r, ds_oai_error *e) {
                                      "function object, got \"%s\"",
                                      v);
             if (strcmp(v, "auto")) r->tool_choice = strdup(v);
+            if (!strcmp(v, "required")) r->tool_choice_json = json_dumps(tc, JSON_ENCODE_ANY);
         } else if (json_is_object(tc)) {
             r->tool_choice = strdup("required"); /* a named function: a call is required */
+            r->tool_choice_json = json_dumps(tc, JSON_COMPACT);
         } else {
             return type_error(e, "tool_choice", "a string or an object", tc);
         }
@@ -510,7 +512,10 @@ void ds_oai_request_free(ds_oai_request *r) {
     free(r->messages_json);
     free(r->tools_json);
     free(r->tool_choice);
+    free(r->tool_choice_json);
     free(r->response_format_json);
+    free(r->params.grammar);
+    r->params.grammar = NULL;
     free(r->thinking_effort);
     free(r->kv_remote_host);
     r->kv_remote_host = NULL;

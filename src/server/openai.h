@@ -53,12 +53,13 @@ typedef struct ds_oai_request {
     char *messages_json;        /* the "messages" array, re-serialised */
     char *tools_json;           /* the "tools" array, or NULL */
     char *tool_choice;          /* "auto" | "none" | "required", or NULL */
+    char *tool_choice_json;     /* "required" or a named function as sent (JSON), or NULL */
     char *response_format_json; /* the "response_format" object, or NULL */
     char *thinking_effort;      /* "reasoning_effort", or NULL */
     int add_generation_prompt;  /* default 1 */
     int thinking;               /* chat_template_kwargs.thinking (default 1) */
     /* both */
-    ds_request_params params; /* params.stop[] point into this struct's own copies */
+    ds_request_params params; /* params.stop[] and params.grammar are this struct's own */
     int max_tokens_set;       /* 0: ds_oai_fit_context picks the default */
     int stream, include_usage;
     int return_token_ids; /* vLLM's extension: choices carry "token_ids" (generated ids) */
@@ -95,6 +96,12 @@ int ds_oai_parse_detokenize(const char *body, size_t len, const char *served_nam
  * completions get OpenAI's 16 and chat gets the rest of the context, either capped by what is left.
  * An empty prompt is a 400. min_tokens is clamped to max_tokens. */
 int ds_oai_fit_context(ds_oai_request *r, int n_prompt, int max_model_len, ds_oai_error *e);
+
+/* Structured outputs (structured.c): the grammar of a chat request's response_format, or of its
+ * tool_choice "required" / named function (which wins when both are given), compiled once here so
+ * that a bad schema is a 400 naming the field, into r->params.grammar. A request that needs one
+ * while the grammar library is unavailable is a 400 saying so. Nothing to do: DS_OK, NULL. */
+int ds_oai_build_grammar(ds_engine *e, ds_oai_request *r, ds_oai_error *oe);
 
 /* ---- responses ---- */
 

@@ -43,9 +43,11 @@ static void check_argmax(ds_cu *c, int rows, int V, int parts) {
 
 /* ---- draws: ds_cu_draw_rows against ds_sample_row, token for token ---- */
 
-/* The parameters of draw i (a cycle of top-k, top-p, min-p, penalties, masks, greedy) and its
- * counts and mask (static storage of the caller). */
-static ds_row_draw draw_case(int i, int V, double u, ds_token_count *counts, int32_t *mask) {
+/* The parameters of draw i (a cycle of top-k, top-p, min-p, penalties, masks, greedy, grammar
+ * bitmasks) and its counts, mask and allowed ids (storage of the caller; allow: [(V + 31) / 32]).
+ */
+static ds_row_draw draw_case(int i, int V, double u, ds_token_count *counts, int32_t *mask,
+                             uint32_t *allow) {
     ds_sample_params p;
     ds_sample_params_default(&p);
     const float temps[] = {1.0f, 0.8f, 1.3f, 0.05f, 2.0f, 0.0f};
@@ -55,7 +57,7 @@ static ds_row_draw draw_case(int i, int V, double u, ds_token_count *counts, int
     p.top_p = top_ps[(i / 2) % 6];
     p.top_k = top_ks[(i / 3) % 7];
     p.min_p = i % 5 == 3 ? 0.05f : 0.0f;
-    ds_row_draw d = {p, u, NULL, 0, NULL, 0};
+    ds_row_draw d = {p, u, NULL, 0, NULL, 0, NULL, 0};
     if (i % 4 == 1) { /* penalties over a few generated ids */
         d.p.presence_penalty = 0.5f;
         d.p.frequency_penalty = 0.25f;
@@ -68,6 +70,15 @@ static ds_row_draw draw_case(int i, int V, double u, ds_token_count *counts, int
         mask[0] = (i * 31) % V, mask[1] = mask[0], mask[2] = V + 3, mask[3] = (i * 17 + 1) % V;
         d.mask = mask;
         d.n_mask = 4;
+    }
+    if (i % 5 == 4) { /* constrained decoding: a bitmask of allowed ids (one id, or a scatter),
+                         the last few ids beyond n_allow, so forbidden whatever their bits */
+        int one = i % 10 == 4;
+        for (int w = 0; w < (V + 31) / 32; w++)
+            allow[w] = one ? 0u : 0x11011001u * (uint32_t)(w * 2654435761u | 1u);
+        if (one) allow[((i * 37) % V) / 32] |= 1u << ((i * 37) % V % 32);
+        d.allow = allow;
+        d.n_allow = one ? V : V - 5;
     }
     return d;
 }
@@ -82,7 +93,9 @@ static void check_draws(ds_cu *c, int rows, int V) {
     int32_t(*mask)[4] = calloc((size_t)rows, sizeof *mask);
     ds_row_draw *d = malloc((size_t)rows * sizeof *d);
     ds_cu_draw *cd = malloc((size_t)rows * sizeof *cd);
-    int32_t *ed = malloc((size_t)rows * 18 * 4), *got = malloc((size_t)rows * 4);
+    const int W = (V + 31) / 32;
+    uint32_t *allow = calloc((size_t)rows * W, 4); /* [rows][W] */
+    int32_t *ed = malloc((size_t)rows * (18 + W) * 4), *got = malloc((size_t)rows * 4);
     int32_t *ref = malloc((size_t)rows * 4);
     const double ends[] = {0.0, 1.0 - 0x1p-53};
     size_t ne = 0;
@@ -90,7 +103,7 @@ static void check_draws(ds_cu *c, int rows, int V) {
     ds_sample_scratch *sc = ds_sample_scratch_new(V, &err);
     for (int r = 0; r < rows; r++) {
         double u = r % 7 < 2 ? ends[r % 7] : ds_rng_uniform(&rng);
-        d[r] = draw_case(r, V, u, counts[r], mask[r]);
+        d[r] = draw_case(r, V, u, counts[r], mask[r], allow + (size_t)r * W);
         memcpy(work, x + (size_t)r * V, (size_t)V * 4);
         ref[r] = ds_sample_row(work, V, &d[r], sc);
         ne += ds_cuda_pack_draw(&d[r], V, r, ne, ed, &cd[r]); /* as the model packs them */
@@ -112,7 +125,7 @@ static void check_draws(ds_cu *c, int rows, int V) {
     ds_cu_dealloc(dx);
     ds_sample_scratch_free(sc);
     free(x), free(work), free(counts), free(mask), free(d), free(cd), free(ed), free(got);
-    free(ref);
+    free(ref), free(allow);
 }
 
 typedef struct draw_ctx {
@@ -167,7 +180,7 @@ void bench_draw(ds_cu *c, const cuda_ceilings *ceil) {
             ds_sample_params_default(&dc.p);
             dc.p.top_p = top ? 0.95f : 1.0f;
             dc.d[r] =
-                (ds_cu_draw){ds_rng_uniform(&rng), 1.0f, dc.p.top_p, 0, 0, 0, 0, 0, r, 0, 0, 0};
+                (ds_cu_draw){ds_rng_uniform(&rng), 1.0f, dc.p.top_p, 0, 0, 0, 0, 0, r, 0, 0, 0, 0};
         }
         ds_err e2 = {{0}};
         ds_sample_scratch *sc = ds_sample_scratch_new(V, &e2);
@@ -175,7 +188,7 @@ void bench_draw(ds_cu *c, const cuda_ceilings *ceil) {
         double t0 = ds_now();
         for (int r = 0; r < 8; r++) {
             memcpy(work, h + (size_t)r * V, (size_t)V * 4);
-            ds_row_draw rd = {dc.p, dc.d[r].u, NULL, 0, NULL, 0};
+            ds_row_draw rd = {dc.p, dc.d[r].u, NULL, 0, NULL, 0, NULL, 0};
             (void)ds_sample_row(work, V, &rd, sc);
         }
         double host_ms = (ds_now() - t0) * 1e3 / 8;

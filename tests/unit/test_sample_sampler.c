@@ -412,7 +412,7 @@ static void test_row_draw_exact(void **state) {
         for (size_t c = 0; c < DS_ARRAY_LEN(cases); c++)
             for (int k = 0; k < 12; k++) {
                 double u = k < 4 ? us[k] : ds_rng_uniform(&rng);
-                ds_row_draw d = {cases[c], u, NULL, 0, NULL, 0};
+                ds_row_draw d = {cases[c], u, NULL, 0, NULL, 0, NULL, 0};
                 memcpy(work, x, V * sizeof(float));
                 int32_t got = ds_sample_row(work, V, &d, s),
                         want = reference_draw(x, V, &cases[c], u);
@@ -460,7 +460,7 @@ static void test_row_draw_edits(void **state) {
             memcpy(a, x, sizeof x);
             memcpy(b, x, sizeof x);
             int32_t want = ds_sample_token(a, V, &p, &c, allow, stops, 4, &r2, s, NULL, 0);
-            ds_row_draw d = {p, u, flat, n, stops, allow ? 0 : 4};
+            ds_row_draw d = {p, u, flat, n, stops, allow ? 0 : 4, NULL, 0};
             int32_t got = ds_sample_row(b, V, &d, s);
             assert_int_equal(got, want);
             assert_memory_equal(a, b, sizeof a);
@@ -719,6 +719,45 @@ static void test_seeds(void **state) {
     ds_sample_scratch_free(s);
 }
 
+/* Constrained decoding's bitmask: only allowed ids are ever drawn (ids at or past n_allow never,
+ * whatever their bits), greedy takes the best allowed one, and whole words (all allowed, all
+ * forbidden) are treated as the bits say. */
+static void test_allow_bitmask(void **state) {
+    (void)state;
+    enum { V = 200 };
+    float x[V], row[V];
+    uint32_t allow[(V + 31) / 32] = {0};
+    const int ok[] = {3, 40, 64, 65, 95, 150, 190}; /* 190: past n_allow, so never */
+    for (int i = 0; i < V; i++) x[i] = (float)((i * 37) % 11) * 0.3f;
+    for (size_t k = 0; k < sizeof ok / sizeof ok[0]; k++) allow[ok[k] / 32] |= 1u << (ok[k] % 32);
+    allow[1] = 0xFFFFFFFFu; /* 32..63 all allowed */
+    x[100] = 50.0f;         /* the best logit, forbidden */
+    ds_err err;
+    ds_sample_scratch *sc = ds_sample_scratch_new(V, &err);
+    ds_rng rng;
+    ds_rng_seed(&rng, 5);
+    int seen_word = 0;
+    for (int t = 0; t < 400; t++) {
+        ds_sample_params p;
+        ds_sample_params_default(&p);
+        p.temperature = t == 0 ? 0.0f : 2.0f;
+        ds_row_draw d = {p, ds_rng_uniform(&rng), NULL, 0, NULL, 0, allow, 180};
+        memcpy(row, x, sizeof row);
+        int32_t tok = ds_sample_row(row, V, &d, sc);
+        assert_true(tok >= 0 && tok < 180);
+        assert_true(allow[tok / 32] >> (tok % 32) & 1u);
+        seen_word |= tok >= 32 && tok < 64 && tok != 40;
+        if (t == 0) { /* greedy: the largest allowed logit, lowest id among equals */
+            int best = -1;
+            for (int i = 0; i < 180; i++)
+                if ((allow[i / 32] >> (i % 32) & 1u) && (best < 0 || x[i] > x[best])) best = i;
+            assert_int_equal(tok, best);
+        }
+    }
+    assert_true(seen_word);
+    ds_sample_scratch_free(sc);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_greedy_ties),
@@ -737,6 +776,7 @@ int main(void) {
         cmocka_unit_test(test_is_argmax),
         cmocka_unit_test(test_logprobs),
         cmocka_unit_test(test_seeds),
+        cmocka_unit_test(test_allow_bitmask),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

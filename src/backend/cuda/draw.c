@@ -45,6 +45,7 @@ size_t ds_cuda_pack_draw(const ds_row_draw *d, int V, int row, size_t at, int32_
         .edits = (int)at,
         .n_counts = d->n_counts,
         .n_mask = d->n_mask,
+        .n_allow = d->n_allow > 0 ? d->n_allow : 0,
     };
     size_t e = at;
     for (int i = 0; i < d->n_counts; i++) {
@@ -52,6 +53,7 @@ size_t ds_cuda_pack_draw(const ds_row_draw *d, int V, int row, size_t at, int32_
         edits[e++] = d->counts[i].count;
     }
     for (int i = 0; i < d->n_mask; i++) edits[e++] = d->mask[i];
+    for (int i = 0; i < (out->n_allow + 31) / 32; i++) edits[e++] = (int32_t)d->allow[i];
     return e - at;
 }
 
@@ -74,7 +76,9 @@ int cuda_draw_on_device(cstep *s, ds_err *err) {
     if (!n) return DS_OK;
     size_t n_edits = 0;
     for (int r = 0; r < s->n_lg; r++)
-        if (cm->draw_d[r]) n_edits += 2 * (size_t)cm->draw_d[r]->n_counts + cm->draw_d[r]->n_mask;
+        if (cm->draw_d[r])
+            n_edits += 2 * (size_t)cm->draw_d[r]->n_counts + cm->draw_d[r]->n_mask +
+                       (size_t)(DS_MAX(cm->draw_d[r]->n_allow, 0) + 31) / 32;
     if (cuda_grow_host((void **)&cm->draw_cu, &cm->draw_cu_cap, (size_t)n, sizeof(ds_cu_draw),
                        err) ||
         cuda_grow_host((void **)&cm->draw_ed, &cm->draw_ed_cap, DS_MAX(n_edits, 1), sizeof(int32_t),

@@ -437,8 +437,10 @@ typedef struct ds_cu_draw {
     int greedy; /* the argmax of the edited row, no draw */
     int top_k;  /* 0: off (< V) */
     int row;    /* the row of x */
-    int edits;  /* offset in edits: n_counts (id, count) pairs, then n_mask ids */
+    int edits;  /* offset in edits: n_counts (id, count) pairs, n_mask ids, then the
+                   ceil(n_allow / 32) words of a constrained row's allowed-ids bitmask */
     int n_counts, n_mask;
+    int n_allow; /* 0: no bitmask; else ids >= n_allow and ids whose bit is clear get -inf */
 } ds_cu_draw;
 
 /* tokens[n] (host) = ds_sample_row of rows d[i].row of x [.][ld] (device; edited in place) — the

@@ -279,6 +279,11 @@ __global__ void __launch_bounds__(DRAW_THREADS, 1)
     __syncthreads();
     for (int j = threadIdx.x; j < d.n_mask; j += DRAW_THREADS)
         if (mask[j] >= 0 && mask[j] < V) xr[mask[j]] = -INFINITY;
+    if (d.n_allow > 0) { /* constrained decoding: V/32 words came up, not the row down */
+        const unsigned *allow = (const unsigned *)(mask + d.n_mask);
+        for (int j = threadIdx.x; j < V; j += DRAW_THREADS)
+            if (j >= d.n_allow || !((allow[j >> 5] >> (j & 31)) & 1u)) xr[j] = -INFINITY;
+    }
     __syncthreads();
     /* the maximum and the argmax (ds_argmax: the lowest id among the largest, NaN ignored) */
     float mx = -INFINITY;

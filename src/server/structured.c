@@ -1,0 +1,54 @@
+/* structured.c — a chat request's constrained decoding (openai.h: ds_oai_build_grammar): the
+ * grammar text from text/grammar.h's builders, checked against the engine's llguidance (which
+ * also caches the compiled grammar for the engine's first sample), errors as OpenAI 400s. */
+#include "server/openai.h"
+
+#include "text/chat.h"
+#include "text/grammar.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* The request field an error is about: tool_choice's grammar, else response_format's. */
+static int grammar_error(ds_oai_error *oe, const char *param, const ds_err *err) {
+    return ds_oai_errorf(oe, 400, param, "invalid_value", "%s", err->msg);
+}
+
+int ds_oai_build_grammar(ds_engine *e, ds_oai_request *r, ds_oai_error *oe) {
+    free(r->params.grammar);
+    r->params.grammar = NULL;
+    if (r->kind != DS_OAI_CHAT) return DS_OK;
+    int fmt = ds_engine_chat_format(e);
+    ds_grammar_ctx c = {ds_engine_tokenizer(e), fmt,
+                        fmt == DS_CHAT_K3 && r->thinking && r->add_generation_prompt};
+    ds_err err = {{0}};
+    const char *param = NULL;
+    char *lark = NULL;
+    if (r->tool_choice_json && r->tools_json) { /* enforced calls win over response_format */
+        param = "tool_choice";
+        if (ds_grammar_from_tools(&c, r->tools_json, r->tool_choice_json, &lark, &err))
+            return grammar_error(oe, param, &err);
+    } else if (r->tool_choice_json) {
+        return ds_oai_errorf(oe, 400, "tool_choice", "invalid_value",
+                             "tool_choice: a required or named tool call needs \"tools\"");
+    } else if (r->response_format_json) {
+        param = "response_format";
+        if (ds_grammar_from_response_format(&c, r->response_format_json, &lark, &err))
+            return grammar_error(oe, param, &err);
+    }
+    if (!lark) return DS_OK;
+    if (!ds_engine_grammar_ready(e, &err)) {
+        free(lark);
+        return ds_oai_errorf(oe, 400, param, "unsupported_value",
+                             "%s: constrained decoding is not available on this server: %s", param,
+                             err.msg);
+    }
+    if (ds_engine_grammar_check(e, lark, &err)) {
+        free(lark);
+        ds_oai_errorf(oe, 400, param, "invalid_value", "%s: the schema cannot be compiled: %s",
+                      param, err.msg);
+        return DS_ERR;
+    }
+    r->params.grammar = lark;
+    return DS_OK;
+}

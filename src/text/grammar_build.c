@@ -1,0 +1,278 @@
+/* grammar_build.c — the Lark grammars of grammar.h's OpenAI features: response_format (a JSON
+ * schema as `%json{...}`) and enforced tool calls (the chat format's call syntax around each
+ * tool's `parameters` schema). The text of a grammar is also its cache key, so the same request
+ * gives the same text byte for byte (schemas are dumped compactly, in their given key order:
+ * llguidance writes object properties in schema order). */
+#include "text/grammar.h"
+
+#include <jansson.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* A growing string; oom latches. */
+typedef struct sbuf {
+    char *p; /* [cap] NUL-terminated */
+    size_t n, cap;
+    int oom;
+} sbuf;
+
+static void sb_put(sbuf *b, const char *s, size_t n) {
+    if (b->oom) return;
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = (b->n + n + 1) * 2;
+        char *p = realloc(b->p, cap);
+        if (!p) {
+            b->oom = 1;
+            return;
+        }
+        b->p = p, b->cap = cap;
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = 0;
+}
+
+static void sb_puts(sbuf *b, const char *s) {
+    sb_put(b, s, strlen(s));
+}
+
+static void sb_printf(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sb_printf(sbuf *b, const char *fmt, ...) {
+    char tmp[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_end(ap);
+    if (n < 0 || (size_t)n >= sizeof tmp) {
+        b->oom = 1;
+        return;
+    }
+    sb_put(b, tmp, (size_t)n);
+}
+
+/* A Lark string literal of s[n] (JSON's escapes, which Lark reads the same way). */
+static void sb_lit(sbuf *b, const char *s, size_t n) {
+    json_t *j = json_stringn(s, n);
+    char *d = j ? json_dumps(j, JSON_ENCODE_ANY) : NULL;
+    if (!d)
+        b->oom = 1;
+    else
+        sb_puts(b, d);
+    free(d);
+    json_decref(j);
+}
+
+/* A special token by id, as the grammar names it (<[id]>): its text can never match it. */
+static int sb_special(sbuf *b, const ds_grammar_ctx *c, const char *name, ds_err *err) {
+    int32_t id = ds_tok_special_id(c->tok, name);
+    if (id < 0) return ds_errf(err, "the model's tokenizer has no %s token", name);
+    sb_printf(b, " <[%d]>", (int)id);
+    return DS_OK;
+}
+
+/* K3 XTML: <|open|>TAG<|sep|> or <|close|>TAG<|sep|>, TAG given as raw text. */
+static int k3_mark(sbuf *b, const ds_grammar_ctx *c, int open, const char *tag, ds_err *err) {
+    if (sb_special(b, c, open ? "<|open|>" : "<|close|>", err)) return DS_ERR;
+    sb_puts(b, " ");
+    sb_lit(b, tag, strlen(tag));
+    return sb_special(b, c, "<|sep|>", err);
+}
+
+/* The schema as the grammar embeds it: compact JSON, with llguidance's whitespace fixed to
+ * json.dumps' separators unless the schema sets x-guidance itself (free whitespace lets a weak
+ * model write blanks until max_tokens). */
+static int schema_text(sbuf *b, json_t *schema, const char *where, ds_err *err) {
+    if (json_is_true(schema))
+        schema = NULL; /* true: any JSON value */
+    else if (!json_is_object(schema))
+        return ds_errf(err, "%s: expected a JSON schema object", where);
+    json_t *s = schema ? json_copy(schema) : json_object();
+    if (!s) return ds_errf(err, "out of memory");
+    if (!json_object_get(s, "x-guidance"))
+        json_object_set_new(s, "x-guidance",
+                            json_pack("{s:b, s:s, s:s}", "whitespace_flexible", 0, "item_separator",
+                                      ", ", "key_separator", ": "));
+    char *d = json_dumps(s, JSON_COMPACT);
+    json_decref(s);
+    if (!d) return ds_errf(err, "out of memory");
+    sb_puts(b, "%json ");
+    sb_puts(b, d);
+    free(d);
+    return DS_OK;
+}
+
+static int finish(sbuf *b, char **lark, ds_err *err) {
+    if (b->oom) {
+        free(b->p);
+        return ds_errf(err, "out of memory");
+    }
+    *lark = b->p;
+    return DS_OK;
+}
+
+int ds_grammar_from_response_format(const ds_grammar_ctx *c, const char *rf_json, char **lark,
+                                    ds_err *err) {
+    *lark = NULL;
+    json_error_t je;
+    json_t *rf = json_loads(rf_json, 0, &je);
+    if (!json_is_object(rf)) {
+        json_decref(rf);
+        return ds_errf(err, "response_format: expected an object");
+    }
+    json_t *ty = json_object_get(rf, "type");
+    const char *t = json_string_value(ty);
+    int rc = DS_OK;
+    json_t *schema = NULL;
+    if (!t || (strcmp(t, "text") && strcmp(t, "json_object") && strcmp(t, "json_schema")))
+        rc = ds_errf(err, "response_format.type: expected \"text\", \"json_object\" or "
+                          "\"json_schema\"");
+    else if (!strcmp(t, "json_schema")) {
+        json_t *js = json_object_get(rf, "json_schema");
+        if (!json_is_object(js))
+            rc = ds_errf(err, "response_format.json_schema: %s",
+                         js ? "expected an object" : "this field is required");
+        else if (!(schema = json_object_get(js, "schema")))
+            rc = ds_errf(err, "response_format.json_schema.schema: this field is required");
+    }
+    if (rc || !strcmp(t, "text")) {
+        json_decref(rf);
+        return rc;
+    }
+    sbuf b = {0};
+    sb_puts(&b, "start:");
+    if (c->fmt == DS_CHAT_K3 && c->thinking &&
+        (k3_mark(&b, c, 0, "think", err) || k3_mark(&b, c, 1, "response", err)))
+        rc = DS_ERR;
+    sb_puts(&b, " body\nbody: ");
+    json_t *obj = schema ? NULL : json_pack("{s:s}", "type", "object");
+    if (!rc) rc = schema_text(&b, schema ? schema : obj, "response_format.json_schema.schema", err);
+    json_decref(obj);
+    json_decref(rf);
+    if (rc) {
+        free(b.p);
+        return rc;
+    }
+    return finish(&b, lark, err);
+}
+
+/* Rule call_i: one call of tool `name` with arguments args_i, in the chat format's syntax. */
+static int call_rule(sbuf *b, const ds_grammar_ctx *c, int i, const char *name, json_t *params,
+                     ds_err *err) {
+    char where[160];
+    snprintf(where, sizeof where, "tools[%d].function.parameters", i);
+    sb_printf(b, "call_%d:", i);
+    if (c->fmt == DS_CHAT_K3) {
+        sbuf hdr = {0}; /* call tool="NAME" index="1", the name escaped as XTML attributes are */
+        sb_puts(&hdr, "call tool=\"");
+        for (const char *s = name; *s; s++)
+            sb_puts(&hdr, *s == '&' ? "&amp;" : *s == '"' ? "&quot;" : (char[2]){*s, 0});
+        sb_puts(&hdr, "\" index=\"1\"");
+        int rc = hdr.oom ? ds_errf(err, "out of memory") : k3_mark(b, c, 1, hdr.p, err);
+        free(hdr.p);
+        if (rc || k3_mark(b, c, 1, "json type=\"object\"", err)) return DS_ERR;
+        sb_printf(b, " args_%d", i);
+        if (k3_mark(b, c, 0, "json", err) || k3_mark(b, c, 0, "call", err)) return DS_ERR;
+    } else {
+        if (sb_special(b, c, "<|tool_call_begin|>", err)) return DS_ERR;
+        sbuf id = {0};
+        sb_printf(&id, "functions.");
+        sb_puts(&id, name);
+        sb_puts(&id, ":0");
+        if (id.oom) return ds_errf(err, "out of memory");
+        sb_puts(b, " ");
+        sb_lit(b, id.p, id.n);
+        free(id.p);
+        if (sb_special(b, c, "<|tool_call_argument_begin|>", err)) return DS_ERR;
+        sb_printf(b, " args_%d", i);
+        if (sb_special(b, c, "<|tool_call_end|>", err)) return DS_ERR;
+    }
+    sb_printf(b, "\nargs_%d: ", i);
+    /* no parameters: the function takes none, so its arguments are {} */
+    json_t *obj = params ? NULL
+                         : json_pack("{s:s, s:{}, s:b}", "type", "object", "properties",
+                                     "additionalProperties", 0);
+    int rc = schema_text(b, params ? params : obj, where, err);
+    json_decref(obj);
+    sb_puts(b, "\n");
+    return rc;
+}
+
+/* The named function of tool_choice ({"type":"function","function":{"name":N}}), or NULL for
+ * "required". */
+static int chosen_name(const char *tc_json, const char **name, json_t **tc, ds_err *err) {
+    *name = NULL;
+    *tc = NULL;
+    if (!tc_json) return DS_OK;
+    json_error_t je;
+    *tc = json_loads(tc_json, JSON_DECODE_ANY, &je);
+    if (json_is_string(*tc) && !strcmp(json_string_value(*tc), "required")) return DS_OK;
+    json_t *fn = json_object_get(*tc, "function");
+    *name = json_string_value(json_object_get(fn, "name"));
+    if (!*name) return ds_errf(err, "tool_choice.function.name: expected the name of a tool");
+    return DS_OK;
+}
+
+/* Every call rule (of the chosen tool, or of all) into b; *n_calls of them. */
+static int call_rules(sbuf *b, const ds_grammar_ctx *c, json_t *tools, const char *only,
+                      int *n_calls, ds_err *err) {
+    *n_calls = 0;
+    for (size_t i = 0; i < json_array_size(tools); i++) {
+        json_t *fn = json_object_get(json_array_get(tools, i), "function");
+        const char *name = json_string_value(json_object_get(fn, "name"));
+        if (!name) return ds_errf(err, "tools[%zu].function.name: expected a string", i);
+        if (only && strcmp(only, name)) continue;
+        if (call_rule(b, c, (int)i, name, json_object_get(fn, "parameters"), err)) return DS_ERR;
+        (*n_calls)++;
+    }
+    if (!*n_calls)
+        return only ? ds_errf(err, "tool_choice.function.name: no tool is named \"%s\"", only)
+                    : ds_errf(err, "tool_choice: \"required\" needs at least one tool");
+    return DS_OK;
+}
+
+int ds_grammar_from_tools(const ds_grammar_ctx *c, const char *tools_json,
+                          const char *tool_choice_json, char **lark, ds_err *err) {
+    *lark = NULL;
+    json_error_t je;
+    json_t *tools = tools_json ? json_loads(tools_json, 0, &je) : json_array();
+    const char *only;
+    json_t *tc;
+    int rc = chosen_name(tool_choice_json, &only, &tc, err);
+    if (!rc && !json_is_array(tools)) rc = ds_errf(err, "tools: expected a list of tools");
+    sbuf rules = {0}, b = {0};
+    int n = 0;
+    if (!rc) rc = call_rules(&rules, c, tools, only, &n, err);
+    if (!rc) {
+        sb_puts(&b, "start:");
+        if (c->fmt == DS_CHAT_K3) {
+            /* the generation prompt opened the thought or the response: closed at once */
+            rc = k3_mark(&b, c, 0, c->thinking ? "think" : "response", err);
+            rc = rc ? rc : k3_mark(&b, c, 1, "tools", err);
+        } else {
+            rc = sb_special(&b, c, "<|tool_calls_section_begin|>", err);
+        }
+        sb_puts(&b, " (");
+        for (size_t i = 0, k = 0; !rc && i < json_array_size(tools); i++) {
+            const char *name = json_string_value(
+                json_object_get(json_object_get(json_array_get(tools, i), "function"), "name"));
+            if (only && strcmp(only, name)) continue;
+            sb_printf(&b, "%scall_%zu", k++ ? " | " : "", i);
+        }
+        sb_puts(&b, ")");
+        if (!rc)
+            rc = c->fmt == DS_CHAT_K3 ? k3_mark(&b, c, 0, "tools", err)
+                                      : sb_special(&b, c, "<|tool_calls_section_end|>", err);
+        sb_puts(&b, "\n");
+        if (rules.p) sb_puts(&b, rules.p);
+    }
+    free(rules.p);
+    json_decref(tools);
+    json_decref(tc);
+    if (rc || rules.oom) {
+        free(b.p);
+        return rc ? rc : ds_errf(err, "out of memory");
+    }
+    return finish(&b, lark, err);
+}

@@ -1,0 +1,276 @@
+/* test_text_grammar.c — the llguidance wrapper on a byte-level vocabulary (256 single-byte
+ * tokens, then the 256 specials): masks allow exactly the tokens the grammar allows, the cache
+ * hits / evicts as its LRU says, the OpenAI grammars compile and accept exactly the text the chat
+ * formats' output parser reads. Skipped when llguidance cannot be loaded (it is installed by
+ * `make deps`; the server then answers constrained requests with an error). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "testutil.h"
+#include "text/grammar.h"
+#include "text/toolparse.h"
+
+typedef struct fixture {
+    ds_tokenizer *tok;
+    ds_grammars *g;
+    int32_t eos;
+} fixture;
+
+static fixture fx[2]; /* [0]: K3 specials, [1]: Kimi-Linear (K2) specials */
+
+static int setup(void **state) {
+    (void)state;
+    for (int f = 0; f < 2; f++) {
+        ds_err err = {{0}};
+        char *dir = ds_test_tmpdir();
+        if (ds_tok_write_files(dir, 256, f ? DS_CHAT_KIMI_LINEAR : DS_CHAT_K3, &err) ||
+            ds_tok_load(dir, &fx[f].tok, &err)) {
+            fprintf(stderr, "tokenizer: %s\n", err.msg);
+            free(dir);
+            return -1;
+        }
+        free(dir);
+        fx[f].eos = ds_tok_eos_id(fx[f].tok);
+        if (ds_grammars_new(fx[f].tok, fx[f].eos, 2, &fx[f].g, &err)) {
+            fprintf(stderr, "llguidance unavailable, grammar tests skipped: %s\n", err.msg);
+            fx[f].g = NULL;
+        }
+    }
+    return 0;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    for (int f = 0; f < 2; f++) {
+        ds_grammars_free(fx[f].g);
+        ds_tok_free(fx[f].tok);
+    }
+    return 0;
+}
+
+static int32_t id_of(const ds_tokenizer *t, const char *s) {
+    ds_err err;
+    int32_t *ids = NULL;
+    int n = 0;
+    assert_int_equal(ds_tok_encode(t, s, strlen(s), 1, &ids, &n, &err), DS_OK);
+    assert_int_equal(n, 1);
+    int32_t id = ids[0];
+    free(ids);
+    return id;
+}
+
+/* The ids the mask allows, ascending, into out[cap]; their count. */
+static int allowed(ds_matcher *m, const ds_grammars *g, int32_t *out, int cap) {
+    ds_err err;
+    int W = ds_grammars_mask_words(g), n = 0;
+    uint32_t *mask = calloc((size_t)W, 4);
+    assert_int_equal(ds_matcher_mask(m, mask, &err), DS_OK);
+    for (int i = 0; i < W * 32; i++)
+        if (mask[i / 32] >> (i % 32) & 1) {
+            if (n < cap) out[n] = i;
+            n++;
+        }
+    free(mask);
+    return n;
+}
+
+static void test_mask_exact(void **state) {
+    (void)state;
+    fixture *F = &fx[0];
+    if (!F->g) skip();
+    ds_err err;
+    ds_matcher *m;
+    assert_int_equal(ds_matcher_new(F->g, "start: \"ab\" | \"ac\"", &m, &err), DS_OK);
+    int32_t a = id_of(F->tok, "a"), b = id_of(F->tok, "b"), c = id_of(F->tok, "c"), got[8];
+    assert_int_equal(allowed(m, F->g, got, 8), 1);
+    assert_int_equal(got[0], a);
+    assert_false(ds_matcher_done(m));
+    assert_int_equal(ds_matcher_consume(m, a, &err), DS_OK);
+    assert_int_equal(allowed(m, F->g, got, 8), 2);
+    assert_int_equal(got[0], DS_MIN(b, c));
+    assert_int_equal(got[1], DS_MAX(b, c));
+    assert_int_equal(ds_matcher_consume(m, c, &err), DS_OK);
+    /* complete: only eos, and the matcher says so */
+    assert_int_equal(allowed(m, F->g, got, 8), 1);
+    assert_int_equal(got[0], F->eos);
+    assert_true(ds_matcher_done(m));
+    assert_int_equal(ds_matcher_consume(m, F->eos, &err), DS_OK); /* the forced eos is taken */
+    assert_true(ds_matcher_done(m));
+    /* back one token: b and c again; a token outside the mask is refused */
+    assert_int_equal(ds_matcher_rollback(m, 1, &err), DS_OK);
+    assert_int_equal(allowed(m, F->g, got, 8), 2);
+    int32_t seq[3] = {b, F->eos, a};
+    assert_int_equal(ds_matcher_validate(m, seq, 3, &err), 2);
+    assert_int_equal(ds_matcher_consume(m, a, &err), DS_ERR);
+    ds_matcher_free(m);
+}
+
+static void test_json_enum_mask(void **state) {
+    (void)state;
+    fixture *F = &fx[0];
+    if (!F->g) skip();
+    ds_err err;
+    ds_grammar_ctx c = {F->tok, DS_CHAT_K3, 0};
+    char *lark = NULL;
+    assert_int_equal(ds_grammar_from_response_format(
+                         &c,
+                         "{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"x\",\"schema\":"
+                         "{\"enum\":[\"up\",\"down\"]}}}",
+                         &lark, &err),
+                     DS_OK);
+    ds_matcher *m;
+    assert_int_equal(ds_matcher_new(F->g, lark, &m, &err), DS_OK);
+    int32_t got[8];
+    assert_int_equal(allowed(m, F->g, got, 8), 1);
+    assert_int_equal(got[0], id_of(F->tok, "\""));
+    assert_int_equal(ds_matcher_consume(m, got[0], &err), DS_OK);
+    assert_int_equal(allowed(m, F->g, got, 8), 2); /* u or d */
+    assert_int_equal(got[0], DS_MIN(id_of(F->tok, "u"), id_of(F->tok, "d")));
+    ds_matcher_free(m);
+    free(lark);
+}
+
+static void test_cache_lru(void **state) {
+    (void)state;
+    fixture *F = &fx[1]; /* its own cache (capacity 2), untouched by the other tests */
+    if (!F->g) skip();
+    ds_err err;
+    ds_grammar_stats s0, s;
+    ds_grammars_stats(F->g, &s0);
+    ds_matcher *m1, *m2;
+    assert_int_equal(ds_matcher_new(F->g, "start: \"x\"", &m1, &err), DS_OK);
+    assert_int_equal(ds_matcher_new(F->g, "start: \"x\"", &m2, &err), DS_OK);
+    ds_grammars_stats(F->g, &s);
+    assert_int_equal(s.misses - s0.misses, 1);
+    assert_int_equal(s.hits - s0.hits, 1);
+    /* two clones are independent */
+    assert_int_equal(ds_matcher_consume(m1, id_of(F->tok, "x"), &err), DS_OK);
+    assert_true(ds_matcher_done(m1));
+    assert_false(ds_matcher_done(m2));
+    ds_matcher_free(m1);
+    ds_matcher_free(m2);
+    assert_int_equal(ds_grammar_check(F->g, "start: \"y\"", &err), DS_OK);
+    assert_int_equal(ds_grammar_check(F->g, "start: \"x\"", &err), DS_OK); /* x most recent */
+    assert_int_equal(ds_grammar_check(F->g, "start: \"z\"", &err), DS_OK); /* evicts y */
+    assert_int_equal(ds_grammar_check(F->g, "start: \"x\"", &err), DS_OK); /* still there */
+    ds_grammars_stats(F->g, &s);
+    assert_int_equal(s.entries, 2);
+    assert_int_equal(s.evictions - s0.evictions, 1);
+    assert_int_equal(s.misses - s0.misses, 3);
+    assert_int_equal(s.hits - s0.hits, 3);
+    /* a bad grammar is an error with llguidance's reason, and is not cached */
+    err.msg[0] = 0;
+    assert_int_equal(ds_grammar_check(F->g, "start: nowhere", &err), DS_ERR);
+    assert_true(strlen(err.msg) > 0);
+    ds_grammars_stats(F->g, &s);
+    assert_int_equal(s.entries, 2);
+}
+
+/* Encodes text (specials by name), checks the grammar accepts every token and then ends. */
+static void accepts_all(fixture *F, const char *lark, const char *text) {
+    ds_err err;
+    int32_t *ids = NULL;
+    int n = 0;
+    assert_int_equal(ds_tok_encode(F->tok, text, strlen(text), 1, &ids, &n, &err), DS_OK);
+    ds_matcher *m;
+    if (ds_matcher_new(F->g, lark, &m, &err)) fail_msg("%s\n%s", err.msg, lark);
+    int k = ds_matcher_validate(m, ids, n, &err);
+    if (k != n) fail_msg("accepted %d of %d tokens of %s\n%s", k, n, text, lark);
+    for (int i = 0; i < n; i++) assert_int_equal(ds_matcher_consume(m, ids[i], &err), DS_OK);
+    assert_true(ds_matcher_done(m));
+    ds_matcher_free(m);
+    free(ids);
+}
+
+static const char k_tools[] =
+    "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":"
+    "\"object\",\"properties\":{\"city\":{\"type\":\"string\",\"maxLength\":5}},\"required\":"
+    "[\"city\"],\"additionalProperties\":false}}},{\"type\":\"function\",\"function\":{\"name\":"
+    "\"add\",\"parameters\":{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}},"
+    "\"required\":[\"a\"],\"additionalProperties\":false}}}]";
+
+static void test_tool_grammars(void **state) {
+    (void)state;
+    if (!fx[0].g || !fx[1].g) skip();
+    ds_err err;
+    char *lark = NULL;
+    /* K3, thinking: the thought closes, then one XTML call with a json block */
+    ds_grammar_ctx c3 = {fx[0].tok, DS_CHAT_K3, 1};
+    assert_int_equal(ds_grammar_from_tools(&c3, k_tools, "\"required\"", &lark, &err), DS_OK);
+    accepts_all(&fx[0], lark,
+                "<|close|>think<|sep|><|open|>tools<|sep|><|open|>call tool=\"add\" "
+                "index=\"1\"<|sep|><|open|>json type=\"object\"<|sep|>{\"a\": 12}<|close|>json"
+                "<|sep|><|close|>call<|sep|><|close|>tools<|sep|>");
+    free(lark);
+    /* named: only that tool's call rule */
+    assert_int_equal(
+        ds_grammar_from_tools(&c3, k_tools,
+                              "{\"type\":\"function\",\"function\":{\"name\":\"get_weather\"}}",
+                              &lark, &err),
+        DS_OK);
+    assert_non_null(strstr(lark, "call_0"));
+    assert_null(strstr(lark, "call_1")); /* add is tools[1] */
+    free(lark);
+    /* K2 sections */
+    ds_grammar_ctx c2 = {fx[1].tok, DS_CHAT_KIMI_LINEAR, 0};
+    assert_int_equal(ds_grammar_from_tools(&c2, k_tools, NULL, &lark, &err), DS_OK);
+    accepts_all(&fx[1], lark,
+                "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                "<|tool_call_argument_begin|>{\"city\": \"Pa\\\"ri\"}<|tool_call_end|>"
+                "<|tool_calls_section_end|>");
+    free(lark);
+    /* errors name the field */
+    assert_int_equal(
+        ds_grammar_from_tools(
+            &c3, k_tools, "{\"type\":\"function\",\"function\":{\"name\":\"nope\"}}", &lark, &err),
+        DS_ERR);
+    assert_non_null(strstr(err.msg, "tool_choice.function.name"));
+    assert_int_equal(
+        ds_grammar_from_response_format(
+            &c3, "{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"x\"}}", &lark, &err),
+        DS_ERR);
+    assert_non_null(strstr(err.msg, "response_format.json_schema.schema"));
+    assert_int_equal(ds_grammar_from_response_format(&c3, "{\"type\":\"yaml\"}", &lark, &err),
+                     DS_ERR);
+    assert_non_null(strstr(err.msg, "response_format.type"));
+    assert_int_equal(ds_grammar_from_response_format(&c3, "{\"type\":\"text\"}", &lark, &err),
+                     DS_OK);
+    assert_null(lark);
+}
+
+static void test_response_format_accepts(void **state) {
+    (void)state;
+    if (!fx[0].g) skip();
+    ds_err err;
+    char *lark = NULL;
+    ds_grammar_ctx c = {fx[0].tok, DS_CHAT_K3, 1};
+    assert_int_equal(ds_grammar_from_response_format(&c, "{\"type\":\"json_object\"}", &lark, &err),
+                     DS_OK);
+    accepts_all(&fx[0], lark,
+                "<|close|>think<|sep|><|open|>response<|sep|>{\"k\": [1, 2.5, \"\\n\"], \"z\": "
+                "null}");
+    /* not an object: refused at the first byte */
+    ds_matcher *m;
+    assert_int_equal(ds_matcher_new(fx[0].g, lark, &m, &err), DS_OK);
+    int32_t *ids = NULL;
+    int n = 0;
+    assert_int_equal(ds_tok_encode(fx[0].tok, "<|close|>think<|sep|><|open|>response<|sep|>[1]", 47,
+                                   1, &ids, &n, &err),
+                     DS_OK);
+    assert_int_equal(ds_matcher_validate(m, ids, n, &err), n - 3);
+    free(ids);
+    ds_matcher_free(m);
+    free(lark);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_mask_exact),
+        cmocka_unit_test(test_json_enum_mask),
+        cmocka_unit_test(test_cache_lru),
+        cmocka_unit_test(test_tool_grammars),
+        cmocka_unit_test(test_response_format_accepts),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
