@@ -9,7 +9,7 @@ whose facts and questions each have many phrasings, with names and pronouns mixe
 facts shuffled, distractor sentences, 1 to 8 steps, units, percentages, rates, averages, working
 backwards, "how many more / fewer", remainders, negative, decimal and four-to-six-digit results.
 
-The held-out evaluation (eval/gsm_tiers.py) is written separately and is never imported here.
+The held-out evaluation set lives under eval/, is written separately and is never imported here.
 
 Text format (the same as gsm.py, so gsm_eval.py and few-shot prompts read both):
     "Question: " + q + "\\nAnswer: " + working + "\\n#### " + answer
@@ -37,7 +37,7 @@ import sys
 from fractions import Fraction
 
 FEWSHOT_SEED = 37_0404
-HELDOUT_SEED = 37_1319  # the "in-distribution" tier of eval/gsm_tiers.py draws from this seed
+HELDOUT_SEED = 37_1319  # the in-distribution tier of the held-out eval draws from this seed
 
 # ------------------------------------------------------------------------------------------------
 # Word pools.  Names carry their pronouns.
