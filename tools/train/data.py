@@ -113,7 +113,7 @@ def eval_prompts(gsm, tok, n, seed=EVAL_SEED, shots=4, split="train"):
     return [(tok.encode(t), str(p["answer"])) for t, p in zip(texts, probs)]
 
 
-_ANS = re.compile(r"####\s*(-?[\d,]+)")
+_ANS = re.compile(r"####\s*(-?[\d,]+(?:\.\d+)?)")
 
 
 def extract_answer(text: str):
