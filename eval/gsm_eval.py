@@ -195,7 +195,7 @@ def run_eval(base_url, problems, num_concurrent=32, shots=4, limit=None, max_tok
     after = fetch_metrics(base_url)
 
     n = len(problems)
-    strict = flexible = errors = gen_tokens = 0
+    strict = flexible = errors = gen_tokens = prompt_tokens = 0
     finish = {}
     records = []
     for p, r in zip(problems, results):
@@ -212,6 +212,7 @@ def run_eval(base_url, problems, num_concurrent=32, shots=4, limit=None, max_tok
             strict += rec["strict_correct"]
             flexible += rec["flexible_correct"]
             gen_tokens += r["completion_tokens"] or 0
+            prompt_tokens += r["prompt_tokens"] or 0
             finish[r["finish_reason"]] = finish.get(r["finish_reason"], 0) + 1
         records.append(rec)
     # errors count as wrong: the accuracy is over every problem asked
@@ -225,6 +226,7 @@ def run_eval(base_url, problems, num_concurrent=32, shots=4, limit=None, max_tok
             "error_examples": [r["error"] for r in records if "error" in r][:5],
             "finish_reasons": finish, "wall_s": wall, "completion_tokens": gen_tokens,
             "completion_tokens_per_s": gen_tokens / wall if wall > 0 else 0.0,
+            "mean_prompt_tokens": prompt_tokens / max(1, n - errors),
             "spec_decode": spec_summary(before, after), "records": records}
 
 
@@ -239,7 +241,8 @@ def print_report(r, out=sys.stdout):
       f"({r['flexible_correct']}/{r['n']})")
     w(f"errors {r['errors']}" + (f" (e.g. {r['error_examples'][0]})" if r["errors"] else "")
       + f"; finish reasons {r['finish_reasons']}")
-    w(f"wall {r['wall_s']:.1f} s, {r['completion_tokens']} completion tokens "
+    w(f"mean prompt {r.get('mean_prompt_tokens', 0):.0f} tokens; wall {r['wall_s']:.1f} s, "
+      f"{r['completion_tokens']} completion tokens "
       f"({r['completion_tokens_per_s']:.1f} tok/s)")
     s = r["spec_decode"]
     if s is None:
@@ -275,13 +278,14 @@ def run_tiers(base_url, tiers, **kw):
 
 def print_tier_table(res, out=sys.stdout):
     w = lambda s: print(s, file=out)  # noqa: E731
-    w("| tier | n | flexible | strict | acceptance | tokens / forward |")
-    w("|---|---|---|---|---|---|")
+    w("| tier | n | prompt tokens | flexible | strict | acceptance | tokens / forward |")
+    w("|---|---|---|---|---|---|---|")
     for t, r in res.items():
         s = r["spec_decode"] or {}
         acc = f"{s['acceptance_rate']:.3f}" if s.get("verifies") else "-"
         tpf = f"{s['tokens_per_forward']:.2f}" if s.get("verifies") else "-"
-        w(f"| {t} | {r['n']} | {r['flexible_extract']:.4f} ± {r['flexible_extract_stderr']:.4f} "
+        w(f"| {t} | {r['n']} | {r.get('mean_prompt_tokens', 0):.0f} "
+          f"| {r['flexible_extract']:.4f} ± {r['flexible_extract_stderr']:.4f} "
           f"| {r['strict_match']:.4f} ± {r['strict_match_stderr']:.4f} | {acc} | {tpf} |")
 
 
@@ -301,16 +305,24 @@ def main(argv=None):
     ap.add_argument("--tiers", default=None, metavar="all|T1,T2",
                     help="score the held-out tiers of eval/data/tiers (" + ", ".join(TIERS)
                     + ") each separately instead of --dataset")
+    ap.add_argument("--shots-sweep", default=None, metavar="K1,K2,...",
+                    help="run each set once per shot count (prompt-length buckets for the draft's "
+                         "acceptance; eval/data/shots40.jsonl as --fewshot gives up to ~2,000 tokens)")
     ap.add_argument("--chat", action="store_true",
                     help="ask each question as one /v1/chat/completions user message (no shots)")
     a = ap.parse_args(argv)
-    if a.tiers:
-        res = run_tiers(a.url, load_tiers(a.tiers), num_concurrent=a.num_concurrent, shots=a.shots,
-                        limit=a.limit, max_tokens=a.max_tokens, model=a.model, api_key=a.api_key,
-                        fewshot=load_jsonl(a.fewshot), timeout=a.timeout, chat=a.chat)
-        for t, r in res.items():
-            print(f"--- tier {t}")
-            print_report(r)
+    if a.tiers or a.shots_sweep:
+        sets = load_tiers(a.tiers) if a.tiers else [(os.path.basename(a.dataset), load_jsonl(a.dataset))]
+        sweep = [int(x) for x in a.shots_sweep.split(",")] if a.shots_sweep else [a.shots]
+        res = {}
+        for name, probs in sets:
+            for k in sweep:
+                key = name if len(sweep) == 1 else f"{name} @{k} shots"
+                res[key] = run_eval(a.url, probs, a.num_concurrent, k, a.limit, a.max_tokens,
+                                    model=a.model, api_key=a.api_key, fewshot=load_jsonl(a.fewshot),
+                                    timeout=a.timeout, chat=a.chat)
+                print(f"--- {key}")
+                print_report(res[key])
         print_tier_table(res)
         if a.json:
             with open(a.json, "w") as f:
