@@ -49,7 +49,8 @@ DRAFT = dict(layers=3, heads=8, intermediate=768, q_lora=128, kv_lora=128, nope=
 # Issue 37's bundled model ("m20"): wider (hidden 384, dense MLP 1152), 8 routed experts so the
 # BF16 files stay about the size of v1's (the repository travels to the device machine within
 # 64 MiB); served and trained up to 2048 tokens (max_position_embeddings = the server's default
-# max_model_len), the draft trained on the same 2048-token rows.  Vocab ~2.4k: ~18.7M + ~3.6M.
+# max_model_len), the draft trained on the same 2048-token rows.  Vocab 2496: 18.7M target (37.6 MB
+# BF16) + 4.0M draft (8.0 MB); the v1 pair is 16.6M + 3.7M (40.3 MB).
 TARGET_M20 = dict(TARGET, hidden=384, intermediate=1152, kda_heads=6, experts=8, moe_inter=128, latent=128,
                   max_pos=2048)
 DRAFT_M20 = dict(DRAFT, layers=2, intermediate=640)
