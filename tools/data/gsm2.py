@@ -265,8 +265,7 @@ def f_inventory(g):
                                  f"{cap(g.ref(p))} picks up {d} {pl} at the market."]))
             else:
                 f = g.person()
-                q.append(g.pick([f"{f.name} gives {g.ref(p)} {d} {pl}." if False else
-                                 f"{f.name} gives {p.obj} {d} {pl}.",
+                q.append(g.pick([f"{f.name} gives {p.obj} {d} {pl}.",
                                  f"{cap(g.ref(p))} gets {d} {pl} from {f.name}.",
                                  f"{cap(g.ref(p))} receives {d} more {pl} as a gift."]))
             cur = g.op(g.pick([f"{who} now has", "Then there are", "That makes"]), cur, "+", d, pl)
@@ -303,8 +302,6 @@ def f_inventory(g):
             if cur % k:
                 raise Reject("share")
             q.append(g.pick([f"{cap(g.ref(p))} splits the {pl} equally into {k} piles and keeps one pile.",
-                             f"{cap(g.ref(p))} shares the {pl} equally among {k} people, {p.obj}self included, "
-                             f"and keeps {p.pos} share." if False else
                              f"{cap(g.ref(p))} gives away all but one of {k} equal parts of the {pl}."]))
             cur = g.op("One part is", cur, "/", k, pl)
     q.append(g.pick([f"How many {pl} does {p.name} have now?",
@@ -618,9 +615,8 @@ def f_negative(g):
         ans = g.op("The temperature is", t0, "-", drop, "degrees")
         if g.chance(0.5):
             rise = g.r(2, 20)
-            q = q[:-1] + f", and then it rises {rise} degrees by noon. What is the temperature at noon?" \
-                if False else q.replace("What is", f"Then it rises {rise} degrees. What is").replace(
-                    "What was", f"Then it rose {rise} degrees. What was")
+            q = q.replace("What is", f"Then it rises {rise} degrees. What is").replace(
+                "What was", f"Then it rose {rise} degrees. What was")
             ans = g.op("After the rise it is", ans, "+", rise, "degrees")
     elif mode == "balance":
         b0, spend = g.r(10, 200), g.r(50, 400)
