@@ -20,10 +20,15 @@
 # state (~230 MB) cannot travel: the device tool carries at most 64 MiB including the repository
 # (~55 MiB already).  Plan a whole run in one session: with the defaults (2 target parts of 6.5
 # min, one draft part of 6 min) that is 3 calls of about 8.5 minutes, ~27 minutes with the start.
+# The target trains on 1024-token rows by default: the trainer's chunked KDA runs T/64 chunks one
+# after another, so 2048-token rows should cost ~2x the time per token (estimated); the
+# draft, whose acceptance is what collapsed past its training length, trains on 2048 (m20's
+# max_model_len).  TARGET_SEQ=2048 TARGET_BATCH=24 trains the target on the full length.
 # Environment: TARGET_MIN (13), DRAFT_MIN (6), PART_MIN (6.5), JOB (/tmp/job37), SEED (0),
-# TARGET_BATCH (24), DRAFT_BATCH (12), WORKERS (10), TRAIN_ARGS (appended to both trainer calls;
+# TARGET_BATCH (48), TARGET_SEQ (1024), DRAFT_BATCH (12), WORKERS (10), TRAIN_ARGS (appended to both trainer calls;
 # a CPU dry run of the whole sequence: TARGET_MIN=0.4 DRAFT_MIN=0.2 PART_MIN=0.2 WORKERS=1
-# TARGET_BATCH=4 DRAFT_BATCH=2 TRAIN_ARGS="--smoke --eval-n 2 --max-new 16" TARGET_ARGS="--final-eval-n 2"),
+# TARGET_BATCH=4 TARGET_SEQ=128 DRAFT_BATCH=2 TRAIN_ARGS="--smoke --eval-n 2 --max-new 16"
+# TARGET_ARGS="--final-eval-n 2"),
 # TARGET_ARGS (target only).
 set -u
 JOB=${JOB:-/tmp/job37}
@@ -63,7 +68,7 @@ part_target() {
     echo "== target part: $d of $TARGET_MIN min done before this call"
     python3 tools/train/train.py target --size m20 --gsm $GSM --tokenizer $TOK --out "$JOB/gsm37" \
         --ckpt "$JOB/target.pt" "${resume[@]}" --minutes "$TARGET_MIN" --session-min "$PART_MIN" \
-        --max-wall-min 8.6 --batch "${TARGET_BATCH:-24}" --workers "$WORKERS" --seed "$SEED" \
+        --max-wall-min 8.6 --batch "${TARGET_BATCH:-48}" --seq-len "${TARGET_SEQ:-1024}" --workers "$WORKERS" --seed "$SEED" \
         --eval-every 500 --eval-n 32 --max-new 160 --final-eval-n 64 --save-every-min 2 ${TRAIN_ARGS:-} ${TARGET_ARGS:-} \
         2>&1 | tee -a "$JOB/target.log" | grep -v '^\s*$'
     return "${PIPESTATUS[0]}"
