@@ -136,7 +136,7 @@ def _stderr(p, n):
 
 
 async def _run(base_url, problems, num_concurrent, shot_list, max_tokens, model, api_key,
-               timeout):
+               timeout, chat=False):
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=1)
@@ -150,13 +150,19 @@ async def _run(base_url, problems, num_concurrent, shot_list, max_tokens, model,
             prompt = gsm.few_shot_prompt(p["question"], shot_list)
             async with sem:
                 try:
-                    r = await client.completions.create(model=model, prompt=prompt, temperature=0,
-                                                        max_tokens=max_tokens, stop=["\n\n"])
+                    if chat:
+                        r = await client.chat.completions.create(
+                            model=model, temperature=0, max_tokens=max_tokens,
+                            messages=[{"role": "user", "content": p["question"]}])
+                    else:
+                        r = await client.completions.create(model=model, prompt=prompt, temperature=0,
+                                                            max_tokens=max_tokens, stop=["\n\n"])
                 except Exception as e:  # counted and reported, never fatal
                     return {"index": i, "error": f"{type(e).__name__}: {e}"}
             ch = r.choices[0]
             usage = r.usage
-            return {"index": i, "completion": ch.text, "finish_reason": ch.finish_reason,
+            text = (ch.message.content or "") if chat else ch.text
+            return {"index": i, "completion": text, "finish_reason": ch.finish_reason,
                     "completion_tokens": usage.completion_tokens if usage else None,
                     "prompt_tokens": usage.prompt_tokens if usage else None}
 
@@ -167,7 +173,7 @@ async def _run(base_url, problems, num_concurrent, shot_list, max_tokens, model,
 
 
 def run_eval(base_url, problems, num_concurrent=32, shots=4, limit=None, max_tokens=256,
-             model=None, api_key=None, fewshot=None, timeout=600.0):
+             model=None, api_key=None, fewshot=None, timeout=600.0, chat=False):
     """Evaluates problems (dicts with question, answer) against the server at base_url (".../v1").
 
     shots: how many of the few-shot examples (fewshot, default tools/data/gsm_fewshot.jsonl) go
@@ -184,12 +190,12 @@ def run_eval(base_url, problems, num_concurrent=32, shots=4, limit=None, max_tok
     before = fetch_metrics(base_url)
     t0 = time.monotonic()
     model, results = asyncio.run(_run(base_url, problems, num_concurrent, shot_list, max_tokens,
-                                      model, api_key, timeout))
+                                      model, api_key, timeout, chat))
     wall = time.monotonic() - t0
     after = fetch_metrics(base_url)
 
     n = len(problems)
-    strict = flexible = errors = gen_tokens = 0
+    strict = flexible = errors = gen_tokens = prompt_tokens = 0
     finish = {}
     records = []
     for p, r in zip(problems, results):
@@ -206,11 +212,13 @@ def run_eval(base_url, problems, num_concurrent=32, shots=4, limit=None, max_tok
             strict += rec["strict_correct"]
             flexible += rec["flexible_correct"]
             gen_tokens += r["completion_tokens"] or 0
+            prompt_tokens += r["prompt_tokens"] or 0
             finish[r["finish_reason"]] = finish.get(r["finish_reason"], 0) + 1
         records.append(rec)
     # errors count as wrong: the accuracy is over every problem asked
     ps, pf = (strict / n, flexible / n) if n else (0.0, 0.0)
-    return {"model": model, "base_url": base_url, "n": n, "shots": shots,
+    return {"model": model, "base_url": base_url, "n": n, "shots": 0 if chat else shots,
+            "mode": "chat" if chat else "completion",
             "max_tokens": max_tokens, "num_concurrent": num_concurrent,
             "strict_match": ps, "strict_match_stderr": _stderr(ps, n),
             "flexible_extract": pf, "flexible_extract_stderr": _stderr(pf, n),
@@ -218,20 +226,23 @@ def run_eval(base_url, problems, num_concurrent=32, shots=4, limit=None, max_tok
             "error_examples": [r["error"] for r in records if "error" in r][:5],
             "finish_reasons": finish, "wall_s": wall, "completion_tokens": gen_tokens,
             "completion_tokens_per_s": gen_tokens / wall if wall > 0 else 0.0,
+            "mean_prompt_tokens": prompt_tokens / max(1, n - errors),
             "spec_decode": spec_summary(before, after), "records": records}
 
 
 def print_report(r, out=sys.stdout):
     w = lambda s: print(s, file=out)  # noqa: E731
-    w(f"model {r['model']} at {r['base_url']}: {r['n']} problems, {r['shots']}-shot, "
-      f"max_tokens {r['max_tokens']}, concurrency {r['num_concurrent']}")
+    w(f"model {r['model']} at {r['base_url']}: {r['n']} problems, "
+      + ("chat, " if r.get("mode") == "chat" else f"{r['shots']}-shot, ")
+      + f"max_tokens {r['max_tokens']}, concurrency {r['num_concurrent']}")
     w(f"strict-match     {r['strict_match']:.4f} ± {r['strict_match_stderr']:.4f} "
       f"({r['strict_correct']}/{r['n']})")
     w(f"flexible-extract {r['flexible_extract']:.4f} ± {r['flexible_extract_stderr']:.4f} "
       f"({r['flexible_correct']}/{r['n']})")
     w(f"errors {r['errors']}" + (f" (e.g. {r['error_examples'][0]})" if r["errors"] else "")
       + f"; finish reasons {r['finish_reasons']}")
-    w(f"wall {r['wall_s']:.1f} s, {r['completion_tokens']} completion tokens "
+    w(f"mean prompt {r.get('mean_prompt_tokens', 0):.0f} tokens; wall {r['wall_s']:.1f} s, "
+      f"{r['completion_tokens']} completion tokens "
       f"({r['completion_tokens_per_s']:.1f} tok/s)")
     s = r["spec_decode"]
     if s is None:
@@ -242,6 +253,40 @@ def print_report(r, out=sys.stdout):
           f"tokens per forward {s.get('tokens_per_forward', 0):.3f} over {s['verifies']} verifies")
     else:
         w("speculative decoding: off (no verify steps during the run)")
+
+
+TIER_DIR = os.path.join(ROOT, "eval", "data", "tiers")
+TIERS = ["indist", "paraphrase", "newstruct", "bignum"]
+
+
+def load_tiers(spec):
+    """--tiers value ("all" or a comma list) -> [(name, problems)] from eval/data/tiers/."""
+    names = TIERS if spec == "all" else [t for t in spec.split(",") if t]
+    out = []
+    for t in names:
+        path = os.path.join(TIER_DIR, f"{t}.jsonl")
+        if not os.path.exists(path):
+            raise SystemExit(f"--tiers: no tier {t!r} ({path} missing; tiers are {', '.join(TIERS)})")
+        out.append((t, load_jsonl(path)))
+    return out
+
+
+def run_tiers(base_url, tiers, **kw):
+    """run_eval on each tier separately: {tier: result}."""
+    return {t: run_eval(base_url, probs, **kw) for t, probs in tiers}
+
+
+def print_tier_table(res, out=sys.stdout):
+    w = lambda s: print(s, file=out)  # noqa: E731
+    w("| tier | n | prompt tokens | flexible | strict | acceptance | tokens / forward |")
+    w("|---|---|---|---|---|---|---|")
+    for t, r in res.items():
+        s = r["spec_decode"] or {}
+        acc = f"{s['acceptance_rate']:.3f}" if s.get("verifies") else "-"
+        tpf = f"{s['tokens_per_forward']:.2f}" if s.get("verifies") else "-"
+        w(f"| {t} | {r['n']} | {r.get('mean_prompt_tokens', 0):.0f} "
+          f"| {r['flexible_extract']:.4f} ± {r['flexible_extract_stderr']:.4f} "
+          f"| {r['strict_match']:.4f} ± {r['strict_match_stderr']:.4f} | {acc} | {tpf} |")
 
 
 def main(argv=None):
@@ -257,10 +302,35 @@ def main(argv=None):
     ap.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY or EMPTY")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     ap.add_argument("--json", default=None, help="write the summary and every record here")
+    ap.add_argument("--tiers", default=None, metavar="all|T1,T2",
+                    help="score the held-out tiers of eval/data/tiers (" + ", ".join(TIERS)
+                    + ") each separately instead of --dataset")
+    ap.add_argument("--shots-sweep", default=None, metavar="K1,K2,...",
+                    help="run each set once per shot count (prompt-length buckets for the draft's "
+                         "acceptance; eval/data/shots40.jsonl as --fewshot gives up to ~2,000 tokens)")
+    ap.add_argument("--chat", action="store_true",
+                    help="ask each question as one /v1/chat/completions user message (no shots)")
     a = ap.parse_args(argv)
+    if a.tiers or a.shots_sweep:
+        sets = load_tiers(a.tiers) if a.tiers else [(os.path.basename(a.dataset), load_jsonl(a.dataset))]
+        sweep = [int(x) for x in a.shots_sweep.split(",")] if a.shots_sweep else [a.shots]
+        res = {}
+        for name, probs in sets:
+            for k in sweep:
+                key = name if len(sweep) == 1 else f"{name} @{k} shots"
+                res[key] = run_eval(a.url, probs, a.num_concurrent, k, a.limit, a.max_tokens,
+                                    model=a.model, api_key=a.api_key, fewshot=load_jsonl(a.fewshot),
+                                    timeout=a.timeout, chat=a.chat)
+                print(f"--- {key}")
+                print_report(res[key])
+        print_tier_table(res)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
     r = run_eval(a.url, load_jsonl(a.dataset), a.num_concurrent, a.shots, a.limit, a.max_tokens,
                  model=a.model, api_key=a.api_key, fewshot=load_jsonl(a.fewshot),
-                 timeout=a.timeout)
+                 timeout=a.timeout, chat=a.chat)
     print_report(r)
     if a.json:
         with open(a.json, "w") as f:

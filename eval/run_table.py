@@ -3,6 +3,10 @@
 configuration, one server at a time, every configuration on the same problems.
 
     python3 eval/run_table.py [--limit N] [--configs one,pp2tp4,...] [--out bench/eval_table.json]
+        [--tiers all|indist,paraphrase,newstruct,bignum] [--bin BUILD/deltaserve] [--model DIR]
+
+--tiers scores each held-out tier of eval/data/tiers (issue 37) separately under every
+configuration, one row per configuration and tier.
 
 Prints a markdown table (accuracy both ways with its standard error, acceptance and tokens per
 forward where speculation is on, wall time) and writes every result as JSON."""
@@ -37,9 +41,9 @@ CONFIGS = {  # name: (label, serve flags)
 }
 
 
-def serve(args, port):
-    cmd = [os.path.join(REPO, "build", "deltaserve"), "serve", "--model",
-           os.path.join(REPO, "models", "gsm-k3"), "--port", str(port), "--kv-cache-memory",
+def serve(args, port, binary=None, model=None):
+    cmd = [binary or os.path.join(REPO, "build", "deltaserve"), "serve", "--model",
+           model or os.path.join(REPO, "models", "gsm-k3"), "--port", str(port), "--kv-cache-memory",
            "512M", *args]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(600):
@@ -58,32 +62,40 @@ def main():
     ap.add_argument("--configs", default="one,pp2tp4,spec,prefix,offload")
     ap.add_argument("--port", type=int, default=8150)
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "eval_table.json"))
+    ap.add_argument("--tiers", default=None, metavar="all|T1,T2",
+                    help="score the held-out tiers of eval/data/tiers separately (one row per "
+                         "configuration and tier) instead of tools/data/gsm_test.jsonl")
+    ap.add_argument("--bin", default=None, help="deltaserve executable (default build/deltaserve)")
+    ap.add_argument("--model", default=None, help="model folder (default models/gsm-k3)")
+    ap.add_argument("--fewshot", default=gsm_eval.DEFAULT_FEWSHOT)
     a = ap.parse_args()
-    probs = gsm_eval.load_jsonl(gsm_eval.DEFAULT_DATASET)
-    shots = gsm_eval.load_jsonl(gsm_eval.DEFAULT_FEWSHOT)
+    sets = (gsm_eval.load_tiers(a.tiers) if a.tiers
+            else [("gsm_test", gsm_eval.load_jsonl(gsm_eval.DEFAULT_DATASET))])
+    shots = gsm_eval.load_jsonl(a.fewshot)
     rows = []
     for name in a.configs.split(","):
         label, args = CONFIGS[name]
-        p = serve(args, a.port)
+        p = serve(args, a.port, a.bin, a.model)
         try:
-            r = gsm_eval.run_eval(f"http://127.0.0.1:{a.port}/v1", probs, 32, 4, a.limit, 256,
-                                  fewshot=shots)
+            for tier, probs in sets:
+                r = gsm_eval.run_eval(f"http://127.0.0.1:{a.port}/v1", probs, 32, 4, a.limit, 256,
+                                      fewshot=shots)
+                r.pop("records")
+                r["config"], r["flags"], r["tier"] = label, " ".join(args), tier
+                rows.append(r)
+                print(f"{label} [{tier}]: flexible {r['flexible_extract']:.4f} strict "
+                      f"{r['strict_match']:.4f} ({r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+                json.dump(rows, open(a.out, "w"), indent=1)
         finally:
             p.terminate()
             p.wait(timeout=60)
-        r.pop("records")
-        r["config"], r["flags"] = label, " ".join(args)
-        rows.append(r)
-        print(f"{label}: flexible {r['flexible_extract']:.4f} strict {r['strict_match']:.4f} "
-              f"({r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
-        json.dump(rows, open(a.out, "w"), indent=1)
-    print("| configuration | flexible | strict | acceptance | tokens / forward | wall s |")
-    print("|---|---|---|---|---|---|")
+    print("| configuration | tier | flexible | strict | acceptance | tokens / forward | wall s |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         s = r["spec_decode"] or {}
         acc = f"{s['acceptance_rate']:.3f}" if s.get("verifies") else "-"
         tpf = f"{s['tokens_per_forward']:.2f}" if s.get("verifies") else "-"
-        print(f"| {r['config']} | {r['flexible_extract']:.4f} ± {r['flexible_extract_stderr']:.4f} "
+        print(f"| {r['config']} | {r['tier']} | {r['flexible_extract']:.4f} ± {r['flexible_extract_stderr']:.4f} "
               f"| {r['strict_match']:.4f} ± {r['strict_match_stderr']:.4f} | {acc} | {tpf} "
               f"| {r['wall_s']:.0f} |")
 

@@ -157,3 +157,23 @@ def test_run_eval_plumbing():
     assert abs(r["strict_match_stderr"] - (0.4 * 0.6 / 20) ** 0.5) < 1e-12
     s = r["spec_decode"]
     assert s["acceptance_rate"] == 0.5 and abs(s["tokens_per_forward"] - 2.5) < 1e-12
+
+
+def test_tiers_load_and_table():
+    """The held-out tiers of issue 37: four files of >= 500 problems with numeric answers, an
+    unknown tier is a clear error, and the table prints one row per tier with its stderr."""
+    import io
+
+    tiers = gsm_eval.load_tiers("all")
+    assert [t for t, _ in tiers] == gsm_eval.TIERS
+    for t, probs in tiers:
+        assert len(probs) >= 500 and all(p["tier"] == t for p in probs)
+        float(probs[0]["answer"])
+    assert [t for t, _ in gsm_eval.load_tiers("bignum,indist")] == ["bignum", "indist"]
+    with pytest.raises(SystemExit, match="no tier 'nope'"):
+        gsm_eval.load_tiers("nope")
+    r = {"n": 400, "flexible_extract": 0.25, "flexible_extract_stderr": gsm_eval._stderr(0.25, 400),
+         "strict_match": 0.5, "strict_match_stderr": 0.025, "spec_decode": None, "mean_prompt_tokens": 300}
+    buf = io.StringIO()
+    gsm_eval.print_tier_table({"paraphrase": r}, out=buf)
+    assert "| paraphrase | 400 | 300 | 0.2500 ± 0.0217 | 0.5000 ± 0.0250 | - | - |" in buf.getvalue()

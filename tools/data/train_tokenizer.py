@@ -61,12 +61,39 @@ CONFIG_IDS = {"bos_token_id": 0, "eos_token_id": 2, "media_placeholder_token_id"
 _DIGITS = frozenset(b"0123456789")
 
 
-def corpus_text(n_examples, seed):
+def load_generator(path):
+    """The data generator module: gsm.py by default, or another file (e.g. gsm2.py)."""
+    if not path:
+        return gsm
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gsm_gen", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def corpus_text(n_examples, seed, gen=gsm):
     """Generator text in the layout the model sees: examples joined by blank lines, plus the
-    few-shot prompt of one test-style question so prompt-only strings are covered too."""
-    probs = gsm.make_problems("train", n_examples, seed)
-    text = "\n\n".join(gsm.format_example(p) for p in probs)
-    return text + "\n\n" + gsm.few_shot_prompt(probs[0]["question"], gsm.fewshot_examples())
+    few-shot prompt of one test-style question so prompt-only strings are covered too.  A generator
+    with chat items (gsm2.py) adds the text segments of its conversations (tag names, attributes,
+    contents; the markers are special ids, never text)."""
+    if hasattr(gen, "make_stream_items"):
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "train"))
+        import chat_k3
+
+        parts = []
+        for it in gen.make_stream_items(n_examples, seed):
+            if it[0] == "text":
+                parts.append(it[1])
+            else:
+                for th, gp in ((it[2], False), (it[2], True)):
+                    parts.append("\n".join(t for k, t in chat_k3.render_segments(it[1], th, gp) if k == "t"))
+        probs = gen.make_problems("train", 1, seed)
+        return "\n\n".join(parts) + "\n\n" + gen.few_shot_prompt(probs[0]["question"], gen.fewshot_examples())
+    probs = gen.make_problems("train", n_examples, seed)
+    text = "\n\n".join(gen.format_example(p) for p in probs)
+    return text + "\n\n" + gen.few_shot_prompt(probs[0]["question"], gen.fewshot_examples())
 
 
 def tiktoken_derives(tokens, rank_of, cand):
@@ -167,11 +194,12 @@ def main(argv=None):
     ap.add_argument("--max-ranks", type=int, default=3840, help="cap on ordinary tokens")
     ap.add_argument("--multiple", type=int, default=64,
                     help="cut the learned count down to a multiple of this (1 = keep all)")
+    ap.add_argument("--gsm", default=None, help="generator module (default tools/data/gsm.py)")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
     if not 256 < a.max_ranks <= 65536:
         ap.error("--max-ranks must be in 257..65536")
-    tokens = train(corpus_text(a.n_examples, a.seed), a.max_ranks, a.verbose)
+    tokens = train(corpus_text(a.n_examples, a.seed, load_generator(a.gsm)), a.max_ranks, a.verbose)
     learned = len(tokens)
     keep = max(256, learned - learned % max(1, a.multiple))
     tokens = tokens[:keep]  # dropping the last-ranked tokens never breaks an earlier derivation

@@ -107,10 +107,11 @@ def main():
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--shots", type=int, default=2)
+    ap.add_argument("--gsm", default=None, help="data generator of the test prompt (default tools/data/gsm.py)")
     a = ap.parse_args()
     torch.set_num_threads(2)
     tok = Tokenizer(a.model)
-    gsm = data.load_gsm()
+    gsm = data.load_gsm(a.gsm)
     ids, _ = data.eval_prompts(gsm, tok, 1, seed=data.EVAL_SEED + 11, shots=a.shots, split="test")[0]
     prompt = tok.decode(ids)
 

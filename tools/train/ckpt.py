@@ -16,7 +16,7 @@ HEADER_SLACK = 400_000           # room for the JSON header of a shard
 def target_config(tok, *, hidden=256, layers=12, intermediate=768, kda_heads=4, kda_head_dim=64,
                   mla_heads=4, q_lora=128, kv_lora=128, nope=32, rope=16, v_head=32, experts=16, topk=2,
                   moe_inter=128, shared=1, latent=128, expert_groups=4, topk_group=2, attn_res_block=4,
-                  mla_every=4) -> dict:
+                  mla_every=4, max_pos=4096) -> dict:
     """kimi_k3 root config.  Layer pattern as K3: layer 1 dense MLP, KDA : MLA = 3 : 1 (every
     `mla_every`-th layer is MLA, 1-based) and the last layer MLA."""
     mla = [i for i in range(1, layers + 1) if i % mla_every == 0 or i == layers]
@@ -29,7 +29,7 @@ def target_config(tok, *, hidden=256, layers=12, intermediate=768, kda_heads=4, 
         "linear_attn_config": {"full_attn_layers": mla, "gate_lower_bound": -5.0, "head_dim": kda_head_dim,
                                "kda_layers": kda, "num_heads": kda_heads, "short_conv_kernel_size": 4,
                                "use_full_rank_gate": True},
-        "max_position_embeddings": 4096, "mla_use_nope": True, "mla_use_output_gate": True,
+        "max_position_embeddings": max_pos, "mla_use_nope": True, "mla_use_output_gate": True,
         "model_type": "kimi_linear", "moe_intermediate_size": moe_inter, "moe_layer_freq": 1,
         "moe_renormalize": True, "moe_router_activation_func": "sigmoid", "num_attention_heads": mla_heads,
         "num_expert_group": expert_groups, "num_experts": experts, "num_experts_per_token": topk,

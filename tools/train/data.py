@@ -1,5 +1,6 @@
 """Training data for tools/train: synthetic GSM8K-style problems from tools/data/gsm.py
-(`make_problems(split, n, seed)`, `format_example(p)`, examples joined by "\\n\\n"), tokenized with the
+(`make_problems(split, n, seed)`, `format_example(p)`, examples joined by "\\n\\n"; or tools/data/gsm2.py's
+`make_stream_items`, plain examples and K3 chat conversations), tokenized with the
 Kimi tiktoken folder and packed into fixed-length sequences that start at an example boundary.
 Generation and tokenization run in DataLoader worker processes."""
 from __future__ import annotations
@@ -50,8 +51,7 @@ class PackedStream(IterableDataset):
             # distinct seed per (run seed, worker, call); EVAL_SEED is far outside this range
             s = (self.seed * 1_000_003 + wid + nw * k) % 900_000_000
             k += 1
-            texts = [gsm.format_example(p) + SEP for p in gsm.make_problems("train", self.chunk, s)]
-            for ids in tok.encode_batch(texts):
+            for ids in example_ids(gsm, tok, self.chunk, s):
                 cur.extend(ids)
                 if len(cur) >= n:
                     rows.append(cur[:n])
@@ -59,6 +59,28 @@ class PackedStream(IterableDataset):
                     if len(rows) == self.batch:
                         yield torch.tensor(rows, dtype=torch.long)
                         rows = []
+
+
+def example_ids(gsm, tok, n, seed):
+    """Token ids of n training examples of generator `gsm`, each a list.  A generator with
+    make_stream_items (tools/data/gsm2.py) gives plain examples (followed by SEP) and chat
+    conversations, rendered exactly as the server renders a chat (chat_k3.py) and ending in
+    <|end_of_msg|>; otherwise every example is format_example(p) + SEP."""
+    if not hasattr(gsm, "make_stream_items"):
+        texts = [gsm.format_example(p) + SEP for p in gsm.make_problems("train", n, seed)]
+        return tok.encode_batch(texts)
+    import chat_k3
+
+    items = gsm.make_stream_items(n, seed)
+    texts = tok.encode_batch([it[1] + SEP for it in items if it[0] == "text"])
+    out, k = [], 0
+    for it in items:
+        if it[0] == "text":
+            out.append(texts[k])
+            k += 1
+        else:
+            out.append(chat_k3.render_ids(tok, it[1], thinking=it[2], add_generation_prompt=False))
+    return out
 
 
 def _worker_init(_):
@@ -91,7 +113,7 @@ def eval_prompts(gsm, tok, n, seed=EVAL_SEED, shots=4, split="train"):
     return [(tok.encode(t), str(p["answer"])) for t, p in zip(texts, probs)]
 
 
-_ANS = re.compile(r"####\s*(-?[\d,]+)")
+_ANS = re.compile(r"####\s*(-?[\d,]+(?:\.\d+)?)")
 
 
 def extract_answer(text: str):

@@ -46,6 +46,15 @@ TARGET_SMOKE = dict(hidden=64, layers=5, intermediate=128, kda_heads=2, kda_head
                     latent=32, expert_groups=4, topk_group=2, attn_res_block=2)
 DRAFT = dict(layers=3, heads=8, intermediate=768, q_lora=128, kv_lora=128, nope=32, rope=16, v_head=32,
              markov_rank=64)
+# Issue 37's bundled model ("m20"): wider (hidden 384, dense MLP 1152), 8 routed experts so the
+# BF16 files stay about the size of v1's (the repository travels to the device machine within
+# 64 MiB); served and trained up to 2048 tokens (max_position_embeddings = the server's default
+# max_model_len), the draft trained on the same 2048-token rows.  Vocab 2496: 18.7M target (37.6 MB
+# BF16) + 4.0M draft (8.0 MB); the v1 pair is 16.6M + 3.7M (40.3 MB).
+TARGET_M20 = dict(TARGET, hidden=384, intermediate=1152, kda_heads=6, experts=8, moe_inter=128, latent=128,
+                  max_pos=2048)
+DRAFT_M20 = dict(DRAFT, layers=2, intermediate=640)
+SIZES = {"v1": (TARGET, DRAFT, 512), "m20": (TARGET_M20, DRAFT_M20, 2048)}
 DRAFT_SMOKE = dict(layers=1, heads=2, intermediate=128, q_lora=32, kv_lora=32, nope=16, rope=8, v_head=16,
                    markov_rank=16)
 
@@ -111,6 +120,29 @@ def make_optimizer(model, lr, wd, dev):
     groups = [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
     kw = {"fused": True} if dev.type == "cuda" else {}
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, **kw)
+
+
+def time_budget(a, ck, state):
+    """(total training seconds the cosine runs over, training seconds at which this process stops).
+
+    --minutes is the total over every part of a resumed run.  A run in one part (no --resume, no
+    --session-min) that has a --max-wall-min anneals inside what the deadline leaves, as before;
+    a run in parts (--session-min, or resumed from --resume) keeps the cosine over the whole
+    --minutes and stops this part after --session-min minutes of training (or at the deadline),
+    saving the resumable checkpoint so that the next part carries on where it stopped."""
+    budget = a.minutes * 60.0
+    parts = ck is not None or a.session_min is not None
+    if a.max_wall_min is not None and not parts:  # anneal within the deadline (~10% kept for evals)
+        budget = min(budget, 0.9 * (a.max_wall_min * 60 - (time.time() - T_START)))
+    if ck is not None and abs(ck["state"].get("budget_s", budget) - budget) > 1:
+        print(f"note: total budget {budget / 60:.2f} min differs from the checkpoint's "
+              f"{ck['state']['budget_s'] / 60:.2f} min: the cosine follows the new one", flush=True)
+    state["budget_s"] = budget
+    session_end = state["train_s"] + a.session_min * 60 if a.session_min is not None else float("inf")
+    if state["train_s"] >= budget:
+        print(f"the checkpoint has trained {state['train_s'] / 60:.2f} of {budget / 60:.2f} min: nothing left",
+              flush=True)
+    return budget, session_end
 
 
 class Schedule:
@@ -254,7 +286,7 @@ def cmd_target(a):
     tok = Tokenizer(a.tokenizer)
     gsm = data.load_gsm(a.gsm)
     ck = torch.load(a.resume, map_location="cpu", weights_only=False) if a.resume else None
-    root = ck["config"] if ck else ckpt.target_config(tok, **(TARGET_SMOKE if smoke else TARGET))
+    root = ck["config"] if ck else ckpt.target_config(tok, **(TARGET_SMOKE if smoke else SIZES[a.size][0]))
     if root["text_config"]["vocab_size"] != tok.vocab_size:
         raise SystemExit(f"tokenizer vocab {tok.vocab_size} != config vocab {root['text_config']['vocab_size']}")
     model = K3ForTraining(root)
@@ -269,14 +301,12 @@ def cmd_target(a):
     n_embed = 2 * V * root["text_config"]["hidden_size"]
     print(f"target: {n_params / 1e6:.2f}M params ({(n_params - n_embed) / 1e6:.2f}M without embed/lm_head), "
           f"BF16 checkpoint {bf16_bytes(model) / 1e6:.2f} MB, vocab {V}, device {dev}", flush=True)
-    seq, B = a.seq_len or (128 if smoke else 512), a.batch or (8 if smoke else 64)
+    seq, B = a.seq_len or (128 if smoke else SIZES[a.size][2]), a.batch or (8 if smoke else 64)
     lr_peak = a.lr or (3e-3 if smoke else 2e-3)
     opt = make_optimizer(model, lr_peak, 0.1, dev)
     if ck:
         opt.load_state_dict(ck["opt"])
-    budget = a.minutes * 60.0
-    if a.max_wall_min is not None:  # anneal within what the deadline leaves (~10% kept for evals)
-        budget = min(budget, 0.9 * (a.max_wall_min * 60 - (time.time() - T_START)))
+    budget, session_end = time_budget(a, ck, state)
     sched = Schedule(lr_peak, a.warmup or (20 if smoke else 200), budget)
     loader = data.make_loader(a.tokenizer, seq, B, a.seed + 7919 * state["step"], a.workers, dev.type == "cuda", a.gsm)
     fwd = torch.compile(model) if a.compile else model
@@ -307,7 +337,7 @@ def cmd_target(a):
 
     try:
         t_prev = time.perf_counter()
-        while state["train_s"] < budget and not past_deadline(a):
+        while state["train_s"] < min(budget, session_end) and not past_deadline(a):
             batch = next(loader).to(dev, non_blocking=True)
             x, y = batch[:, :-1], batch[:, 1:]
             lr = sched(state["step"], state["train_s"]) * state["lr_scale"]
@@ -334,7 +364,7 @@ def cmd_target(a):
             now = time.perf_counter()
             state["train_s"] += now - t_prev
             t_prev = now
-            if state["step"] % log_every == 0 or state["train_s"] >= budget:
+            if state["step"] % log_every == 0 or state["train_s"] >= min(budget, session_end):
                 sync(dev)
                 now = time.perf_counter()
                 state["train_s"] += now - t_prev
@@ -554,7 +584,7 @@ def cmd_draft(a):
     if target.cfg.vocab_size != tok.vocab_size:
         raise SystemExit(f"tokenizer vocab {tok.vocab_size} != target vocab {target.cfg.vocab_size}")
     ck = torch.load(a.resume, map_location="cpu", weights_only=False) if a.resume else None
-    droot = ck["config"] if ck else ckpt.draft_config(target.root_config, tok, **(DRAFT_SMOKE if smoke else DRAFT))
+    droot = ck["config"] if ck else ckpt.draft_config(target.root_config, tok, **(DRAFT_SMOKE if smoke else SIZES[a.size][1]))
     draft = DSparkDraft(droot)
     init_draft(draft, target, seed=a.seed)
     state = {"step": 0, "tokens": 0, "train_s": 0.0, "lr_scale": 1.0}
@@ -573,15 +603,13 @@ def cmd_draft(a):
           f"taps {taps_ids}, K={K}, mask id {droot['mask_token_id']}, device {dev}", flush=True)
     if dbytes > ckpt.MAX_FILE_BYTES - ckpt.HEADER_SLACK:
         raise SystemExit("draft does not fit in one 12 MB model.safetensors; shrink it")
-    seq, B = a.seq_len or (128 if smoke else 512), a.batch or (4 if smoke else 32)
+    seq, B = a.seq_len or (128 if smoke else SIZES[a.size][2]), a.batch or (4 if smoke else 32)
     A = a.anchors or (16 if smoke else 64)
     lr_peak = a.lr or (3e-3 if smoke else 2e-3)
     opt = make_optimizer(draft, lr_peak, 0.05, dev)
     if ck:
         opt.load_state_dict(ck["opt"])
-    budget = a.minutes * 60.0
-    if a.max_wall_min is not None:  # anneal within what the deadline leaves (~10% kept for evals)
-        budget = min(budget, 0.9 * (a.max_wall_min * 60 - (time.time() - T_START)))
+    budget, session_end = time_budget(a, ck, state)
     sched = Schedule(lr_peak, a.warmup or (10 if smoke else 100), budget)
     loader = data.make_loader(a.tokenizer, seq, B, a.seed + 104729 + 7919 * state["step"], a.workers,
                               dev.type == "cuda", a.gsm)
@@ -608,7 +636,7 @@ def cmd_draft(a):
     print(f"training {a.minutes:.2f} min: batch {B} x {seq}, {A} anchors x K={K} per row, lr {lr_peak}", flush=True)
     try:
         t_prev = time.perf_counter()
-        while state["train_s"] < budget and not past_deadline(a):
+        while state["train_s"] < min(budget, session_end) and not past_deadline(a):
             ids = next(loader).to(dev, non_blocking=True)[:, :seq]
             lr = sched(state["step"], state["train_s"]) * state["lr_scale"]
             for g in opt.param_groups:
@@ -627,7 +655,7 @@ def cmd_draft(a):
             now = time.perf_counter()
             state["train_s"] += now - t_prev
             t_prev = now
-            if state["step"] % log_every == 0 or state["train_s"] >= budget:
+            if state["step"] % log_every == 0 or state["train_s"] >= min(budget, session_end):
                 dt = state["train_s"] - t_log
                 lval = loss_acc / max(n_acc, 1)
                 est = sum(s["est_accept"] for s in stats_acc) / len(stats_acc)
@@ -699,6 +727,9 @@ def main(argv=None):
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--ckpt", default=None, help="also keep a resumable fp32 checkpoint (weights + optimizer) here")
         p.add_argument("--resume", default=None, help="resume from a --ckpt file (--minutes = total budget)")
+        p.add_argument("--session-min", type=float, default=None,
+                       help="train at most this many minutes in this process (one part of a run in "
+                            "parts; the cosine still spans --minutes); the resumable --ckpt is saved at the end")
         p.add_argument("--smoke", action="store_true", help="tiny config for a ~1 minute CPU check")
         p.add_argument("--device", default=None)
         p.add_argument("--threads", type=int, default=2, help="torch CPU threads (CPU runs)")
@@ -717,6 +748,8 @@ def main(argv=None):
                        help="stop training this many minutes after start whatever --minutes says "
                             "(the final export/eval run after it; keep ~1 min below an outer limit)")
         p.add_argument("--gsm", default=None, help="data generator module (default tools/data/gsm.py)")
+        p.add_argument("--size", choices=sorted(SIZES), default="v1",
+                       help="model size: v1 (the first gsm-k3, 512-token rows) or m20 (issue 37, 2048-token rows)")
 
     t = sub.add_parser("target", help="train the K3 target")
     common(t)
