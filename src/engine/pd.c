@@ -43,6 +43,10 @@ typedef struct pd_block {
     uint64_t checksum; /* over this header (field zero) and the payload */
 } pd_block;
 
+/* The checksums hash these structs whole: no byte of them may be implicit padding. */
+_Static_assert(sizeof(pd_header) == 72, "pd_header has no implicit padding");
+_Static_assert(sizeof(pd_block) == 56, "pd_block has no implicit padding");
+
 /* A verified transfer: the buffer as pulled, with the blocks at their offsets. */
 struct ds_kv_pull {
     uint8_t *buf; /* [len] */
@@ -75,28 +79,27 @@ static pd_header own_header(const ds_engine *e) {
     return h;
 }
 
-static uint64_t header_sum(pd_header h, const int32_t *prompt) {
-    h.checksum = 0;
+/* XXH3 over a header (its checksum field zeroed by the caller's copy) and the bytes it covers;
+ * 0 only when the hasher's state cannot be made (a checksum then never matches). */
+static uint64_t sum_over(const void *head, size_t n_head, const void *data, size_t n_data) {
     XXH3_state_t *st = XXH3_createState();
     if (!st) return 0;
     XXH3_64bits_reset(st);
-    XXH3_64bits_update(st, &h, sizeof h);
-    XXH3_64bits_update(st, prompt, (size_t)h.n_prompt * sizeof(int32_t));
+    XXH3_64bits_update(st, head, n_head);
+    XXH3_64bits_update(st, data, n_data);
     uint64_t v = XXH3_64bits_digest(st);
     XXH3_freeState(st);
     return v;
 }
 
+static uint64_t header_sum(pd_header h, const int32_t *prompt) {
+    h.checksum = 0;
+    return sum_over(&h, sizeof h, prompt, (size_t)h.n_prompt * sizeof(int32_t));
+}
+
 static uint64_t block_sum(pd_block b, const void *payload) {
     b.checksum = 0;
-    XXH3_state_t *st = XXH3_createState();
-    if (!st) return 0;
-    XXH3_64bits_reset(st);
-    XXH3_64bits_update(st, &b, sizeof b);
-    XXH3_64bits_update(st, payload, b.n_bytes);
-    uint64_t v = XXH3_64bits_digest(st);
-    XXH3_freeState(st);
-    return v;
+    return sum_over(&b, sizeof b, payload, b.n_bytes);
 }
 
 /* ---- the producer ----------------------------------------------------------------------------*/
