@@ -415,6 +415,11 @@ def test_consumer_restarted(ref, text_ids):
             time.sleep(0.2)
         assert m(prod, "kv_transfer_held") == 1  # c freed by the failed send; b still held
         assert m(prod, "kv_transfer_expired_total") == 0
+        deadline = time.time() + 10  # counted when the send to the dead peer gave up
+        while m(prod, "kv_transfer_send_errors_total") < 1 and time.time() < deadline:
+            time.sleep(0.2)
+        assert m(prod, "kv_transfer_send_errors_total") == 1
+        assert m(prod, "kv_transfer_served_total") == 1  # a's
         cons = Server("--seed", "1", *kv_config("kv_consumer"), env_args=False)
         status, got = post(cons, "/v1/completions", dict(c, kv_transfer_params=kv_c))
         assert status == 200, got
