@@ -234,9 +234,10 @@ typedef struct ds_engine_stats {
     uint64_t spec_accepted_at[DS_MAX_SPEC]; /* drafts accepted at position i (0-based) */
     uint64_t spec_fork_verifies; /* verifies that were also a sequence's first step after a
                                     prefix hit (the checkpoint forked before the kernels ran) */
-    /* P/D (docs/pd.md): producer transfers filed, held now, freed unpulled; consumer pulls that
-     * were installed, that failed (the prompt recomputed), and the blocks and bytes installed */
-    uint64_t kv_exports, kv_export_blocks, kv_expired;
+    /* P/D (docs/pd.md): producer transfers filed, held now, freed unpulled, sent whole, whose
+     * send broke off (the consumer died or stalled: freed, not held); consumer pulls that were
+     * installed, that failed (the prompt recomputed), and the blocks and bytes installed */
+    uint64_t kv_exports, kv_export_blocks, kv_expired, kv_served, kv_send_errors;
     int kv_held;
     uint64_t kv_pulls, kv_pull_failures, kv_pull_blocks, kv_pull_bytes;
     uint32_t spec_draft_digest; /* checksum over every draft proposed, in order: two runs that

@@ -49,4 +49,6 @@ void ds_engine_get_stats(ds_engine *e, ds_engine_stats *s) {
     pthread_mutex_unlock(&e->mu);
     s->kv_held = xs.held;
     s->kv_expired = xs.expired;
+    s->kv_served = xs.served;
+    s->kv_send_errors = xs.errors;
 }

@@ -353,8 +353,15 @@ static int stream_fill(gen_req *r) {
     for (qev *q = list, *nx; q; q = nx) {
         nx = q->next;
         int i = q->ev.index;
-        if (rc == DS_OK && i >= 0 && i < r->n_choices)
-            rc = out_sse(r, ds_oai_chunk(c, &r->choices[i], &q->ev));
+        if (rc == DS_OK && i >= 0 && i < r->n_choices) {
+            json_t *j = ds_oai_chunk(c, &r->choices[i], &q->ev);
+            /* a producer's streamed answer carries kv_transfer_params in the chunk that ends a
+             * choice (vLLM's place for them); the transfer is filed before that final event */
+            if (j && q->ev.finish != DS_FINISH_NONE)
+                ds_kv_annotate(r->e, &r->oai,
+                               json_is_array(j) ? json_array_get(j, json_array_size(j) - 1) : j);
+            rc = out_sse(r, j);
+        }
         free(q);
     }
     if (rc || oom) return DS_ERR;

@@ -16,8 +16,9 @@
  * the request runs without them (its prompt is recomputed). */
 ds_request_spec ds_kv_spec(ds_engine *e, ds_oai_request *q, const int32_t *ids, int n,
                            ds_event_fn fn, void *user);
-/* The non-streaming response r with kv_transfer_params added when the request was a producer's
- * prefill (where the consumer pulls from), as vLLM's NIXL connector names them. Returns r. */
+/* The response r (a non-streaming answer, or a streamed chunk that ends a choice) with
+ * kv_transfer_params added when the request was a producer's prefill (where the consumer pulls
+ * from), as vLLM's NIXL connector names them. Returns r. */
 json_t *ds_kv_annotate(ds_engine *e, const ds_oai_request *q, json_t *r);
 
 #endif

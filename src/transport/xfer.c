@@ -66,7 +66,12 @@ static void sleep_us(long us) {
 }
 
 typedef struct ep_state {
-    volatile int failed; /* the endpoint's error handler ran (peer gone) */
+    volatile int failed; /* the endpoint's error handler ran (peer gone), or an operation failed */
+    /* operations that a cancel did not end (UCX cannot cancel a stream send): the forced close
+     * ends them; until then their buffers must live, so hold is freed only after that */
+    ucs_status_ptr_t parked[4];
+    int n_parked;
+    void *hold; /* a buffer a parked operation may still touch (freed by close_ep) */
 } ep_state;
 
 static void on_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
@@ -76,32 +81,46 @@ static void on_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
 }
 
 /* Waits for a non-blocking operation's request (NULL: it completed at once). Returns DS_OK, or
- * DS_ERR when it failed, the endpoint failed, or the deadline passed (the operation is then
- * cancelled). */
-static int wait_op(ucp_worker_h w, ucs_status_ptr_t r, const ep_state *es, double deadline) {
+ * DS_ERR when it failed, the endpoint failed, or the deadline passed. The operation is then
+ * cancelled; one that does not end within half a second (a stream send to a dead peer) is parked
+ * in es for close_ep's forced close, never waited on forever: that spin wedged the producer's
+ * serving thread when a consumer died during a pull. */
+static int wait_op(ucp_worker_h w, ucs_status_ptr_t r, ep_state *es, double deadline) {
     if (r == NULL) return DS_OK;
-    if (UCS_PTR_IS_ERR(r)) return DS_ERR;
+    if (UCS_PTR_IS_ERR(r)) {
+        es->failed = 1;
+        return DS_ERR;
+    }
     ucs_status_t st;
     while ((st = ucp_request_check_status(r)) == UCS_INPROGRESS) {
-        if ((es && es->failed) || ds_now() > deadline) {
+        if (es->failed || ds_now() > deadline) {
+            es->failed = 1;
             ucp_request_cancel(w, r);
-            while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(w);
-            ucp_request_free(r);
+            double until = ds_now() + 0.5;
+            while (ucp_request_check_status(r) == UCS_INPROGRESS && ds_now() < until)
+                if (!ucp_worker_progress(w)) sleep_us(20);
+            if (ucp_request_check_status(r) != UCS_INPROGRESS)
+                ucp_request_free(r);
+            else if (es->n_parked < (int)(sizeof es->parked / sizeof es->parked[0]))
+                es->parked[es->n_parked++] = r;
+            else
+                ucp_request_free(r); /* UCX frees it when it completes */
             return DS_ERR;
         }
         if (!ucp_worker_progress(w)) sleep_us(20);
     }
     ucp_request_free(r);
+    if (st != UCS_OK) es->failed = 1;
     return st == UCS_OK ? DS_OK : DS_ERR;
 }
 
-static int send_all(ucp_worker_h w, ucp_ep_h ep, const void *buf, size_t len, const ep_state *es,
+static int send_all(ucp_worker_h w, ucp_ep_h ep, const void *buf, size_t len, ep_state *es,
                     double deadline) {
     ucp_request_param_t p = {.op_attr_mask = 0};
     return wait_op(w, ucp_stream_send_nbx(ep, buf, len, &p), es, deadline);
 }
 
-static int recv_all(ucp_worker_h w, ucp_ep_h ep, void *buf, size_t len, const ep_state *es,
+static int recv_all(ucp_worker_h w, ucp_ep_h ep, void *buf, size_t len, ep_state *es,
                     double deadline) {
     size_t got = 0;
     ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
@@ -109,17 +128,28 @@ static int recv_all(ucp_worker_h w, ucp_ep_h ep, void *buf, size_t len, const ep
     return wait_op(w, ucp_stream_recv_nbx(ep, buf, len, &got, &p), es, deadline);
 }
 
-/* Closes ep, flushing what was sent (force when the peer is already gone). */
-static void close_ep(ucp_worker_h w, ucp_ep_h ep, const ep_state *es) {
+/* Closes ep, flushing what was sent (force when the peer is already gone or an operation failed:
+ * the forced close completes parked operations), then frees es->hold once nothing can touch it. */
+static void close_ep(ucp_worker_h w, ucp_ep_h ep, ep_state *es) {
     ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
                              .flags = es->failed ? UCP_EP_CLOSE_FLAG_FORCE : 0};
     ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+    double deadline = ds_now() + 2.0;
     if (r && !UCS_PTR_IS_ERR(r)) {
-        double deadline = ds_now() + 2.0;
         while (ucp_request_check_status(r) == UCS_INPROGRESS && ds_now() < deadline)
             if (!ucp_worker_progress(w)) sleep_us(20);
         ucp_request_free(r);
     }
+    int live = 0;
+    for (int i = 0; i < es->n_parked; i++) {
+        while (ucp_request_check_status(es->parked[i]) == UCS_INPROGRESS && ds_now() < deadline)
+            if (!ucp_worker_progress(w)) sleep_us(20);
+        live += ucp_request_check_status(es->parked[i]) == UCS_INPROGRESS;
+        ucp_request_free(es->parked[i]); /* UCX frees a live one when it completes */
+    }
+    es->n_parked = 0;
+    if (!live) free(es->hold); /* else leaked: better than a write into freed memory */
+    es->hold = NULL;
 }
 
 static int make_context(int wakeup, ucp_context_h *ctx, ds_err *err) {
@@ -248,7 +278,7 @@ static void serve_conn(ds_xfer_server *s, ucp_conn_request_h creq) {
     }
     count(s, rc ? &s->st.errors : b ? &s->st.served : &s->st.not_found);
     if (b) {
-        free(b->buf);
+        es.hold = b->buf; /* a parked send may still read it until the forced close */
         free(b);
     }
     close_ep(s->worker, e, &es);
@@ -401,7 +431,7 @@ static int pull_on(ucp_worker_h w, ucp_ep_h e, ep_state *es, uint64_t id, double
     if (!b)
         return ds_errf(err, "kv transfer: out of memory for %llu bytes", (unsigned long long)h.len);
     if (h.len && recv_all(w, e, b, h.len, es, deadline)) {
-        free(b);
+        es->hold = b; /* a parked receive may still write it until close_ep */
         return ds_errf(err, "kv transfer: %s: %s after the header", peer,
                        ds_now() > deadline ? "timed out" : "connection broke");
     }

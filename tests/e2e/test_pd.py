@@ -341,3 +341,99 @@ def test_through_vllm_router(ref, prod, cons, text_ids):
         except subprocess.TimeoutExpired:
             router.kill()
             router.wait()
+
+
+def test_streamed_producer_answer_carries_kv_params(ref, prod, cons, text_ids):
+    """A producer asked with stream true answers kv_transfer_params in the chunk that ends the
+    choice (vLLM's place), in no other chunk; the consumer pulls from them as from a JSON answer."""
+    ids = text_ids[0]
+    body = completion(ids[50: 50 + 500])
+    want = post(ref, "/v1/completions", body)[1]
+    status, _, data = prod.request("POST", "/v1/completions", dict(
+        body, max_tokens=1, stream=True, stream_options={"include_usage": True},
+        kv_transfer_params=PREFILL_KV), timeout=600)
+    assert status == 200, data
+    chunks = [json.loads(line[6:]) for line in data.decode().splitlines()
+              if line.startswith("data: {")]
+    with_kv = [c for c in chunks if "kv_transfer_params" in c]
+    assert len(with_kv) == 1, chunks
+    assert with_kv[0]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1].get("usage") and "kv_transfer_params" not in chunks[-1]
+    kv = with_kv[0]["kv_transfer_params"]
+    assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False
+    assert kv["remote_port"] > 0 and len(kv["remote_request_id"]) == 16
+    pulls = m(cons, "kv_transfer_pulls_total")
+    status, got = post(cons, "/v1/completions", dict(body, kv_transfer_params=kv))
+    assert status == 200, got
+    same(got, want)
+    assert m(cons, "kv_transfer_pulls_total") == pulls + 1
+    # a streamed answer without do_remote_decode carries none
+    status, _, data = prod.request("POST", "/v1/completions", dict(body, max_tokens=1,
+                                                                   stream=True), timeout=600)
+    assert status == 200 and b"kv_transfer_params" not in data
+
+
+def test_consumer_restarted(ref, text_ids):
+    """The consumer dies and comes back: (1) killed after the producer's prefill, before the pull,
+    the restarted consumer pulls the still-held transfer and answers the same; (2) killed during
+    the pull (the producer stalls between header and bytes), the producer's send fails and frees
+    the transfer at once, and the request resent to the restarted consumer is recomputed (the same
+    answer, one pull failure); (3) a transfer nobody asks for again expires. The producer ends
+    holding nothing, and only (3) counts as expired."""
+    ids = text_ids[0]
+    prod = Server("--seed", "1", *kv_config("kv_producer", kv_connector_extra_config={
+        "hold_timeout_s": 45}), "--test-kv-stall-ms", "3000", env_args=False)
+    cons = None
+    try:
+        a, b, c = (completion(ids[60 + k: 60 + k + 600]) for k in range(3))
+        want_a, want_c = (post(ref, "/v1/completions", x)[1] for x in (a, c))
+        cons = Server("--seed", "1", *kv_config("kv_consumer"), env_args=False)
+        kv_a, kv_b = prefill(prod, "/v1/completions", a), prefill(prod, "/v1/completions", b)
+        assert m(prod, "kv_transfer_held") == 2
+        cons.proc.kill()  # (1): between the prefill and the pull
+        cons.stop()
+        cons = Server("--seed", "1", *kv_config("kv_consumer"), env_args=False)
+        status, got = post(cons, "/v1/completions", dict(a, kv_transfer_params=kv_a))
+        assert status == 200, got
+        same(got, want_a)
+        assert m(cons, "kv_transfer_pulls_total") == 1
+        assert m(cons, "prefix_cache_hits_total") == 512  # resumed from the pulled blocks
+        assert m(prod, "kv_transfer_held") == 1  # b's
+
+        kv_c = prefill(prod, "/v1/completions", c)  # (2): killed during c's pull
+        out = {}
+        t = threading.Thread(target=lambda: out.update(
+            r=post(cons, "/v1/completions", dict(c, kv_transfer_params=kv_c))))
+        t.start()
+        time.sleep(1.5)  # the pull is inside the producer's stall
+        cons.proc.kill()
+        t.join(60)
+        assert out["r"][0] is None  # the client saw the connection drop, no answer
+        cons.stop()
+        deadline = time.time() + 10  # the stall ends, the send to the dead peer fails
+        while m(prod, "kv_transfer_held") != 1 and time.time() < deadline:
+            time.sleep(0.2)
+        assert m(prod, "kv_transfer_held") == 1  # c freed by the failed send; b still held
+        assert m(prod, "kv_transfer_expired_total") == 0
+        deadline = time.time() + 10  # counted when the send to the dead peer gave up
+        while m(prod, "kv_transfer_send_errors_total") < 1 and time.time() < deadline:
+            time.sleep(0.2)
+        assert m(prod, "kv_transfer_send_errors_total") == 1
+        assert m(prod, "kv_transfer_served_total") == 1  # a's
+        cons = Server("--seed", "1", *kv_config("kv_consumer"), env_args=False)
+        status, got = post(cons, "/v1/completions", dict(c, kv_transfer_params=kv_c))
+        assert status == 200, got
+        same(got, want_c)  # c's transfer is gone: recomputed
+        assert m(cons, "kv_transfer_pull_failures_total") == 1
+        assert m(cons, "kv_transfer_pulls_total") == 0
+        assert prod.request("GET", "/health")[0] == 200  # the producer outlived both deaths
+
+        deadline = time.time() + 60  # (3): b is never pulled
+        while m(prod, "kv_transfer_held") and time.time() < deadline:
+            time.sleep(0.5)
+        assert m(prod, "kv_transfer_held") == 0
+        assert m(prod, "kv_transfer_expired_total") == 1
+    finally:
+        if cons:
+            cons.stop()
+        assert prod.stop() == 0
