@@ -281,12 +281,17 @@ def print_tier_table(res, out=sys.stdout):
     w("| tier | n | prompt tokens | flexible | strict | acceptance | tokens / forward |")
     w("|---|---|---|---|---|---|---|")
     for t, r in res.items():
-        s = r["spec_decode"] or {}
-        acc = f"{s['acceptance_rate']:.3f}" if s.get("verifies") else "-"
-        tpf = f"{s['tokens_per_forward']:.2f}" if s.get("verifies") else "-"
-        w(f"| {t} | {r['n']} | {r.get('mean_prompt_tokens', 0):.0f} "
-          f"| {r['flexible_extract']:.4f} ± {r['flexible_extract_stderr']:.4f} "
-          f"| {r['strict_match']:.4f} ± {r['strict_match_stderr']:.4f} | {acc} | {tpf} |")
+        w(f"| {t} | {r['n']} | {r.get('mean_prompt_tokens', 0):.0f} | {score_cells(r)} |")
+
+
+def score_cells(r):
+    """A result's table cells: flexible and strict accuracy with their standard errors, then the
+    draft's acceptance and tokens per forward ("-" without speculation)."""
+    s = r["spec_decode"] or {}
+    acc = f"{s['acceptance_rate']:.3f}" if s.get("verifies") else "-"
+    tpf = f"{s['tokens_per_forward']:.2f}" if s.get("verifies") else "-"
+    return (f"{r['flexible_extract']:.4f} ± {r['flexible_extract_stderr']:.4f} "
+            f"| {r['strict_match']:.4f} ± {r['strict_match_stderr']:.4f} | {acc} | {tpf}")
 
 
 def main(argv=None):

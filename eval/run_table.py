@@ -92,12 +92,7 @@ def main():
     print("| configuration | tier | flexible | strict | acceptance | tokens / forward | wall s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        s = r["spec_decode"] or {}
-        acc = f"{s['acceptance_rate']:.3f}" if s.get("verifies") else "-"
-        tpf = f"{s['tokens_per_forward']:.2f}" if s.get("verifies") else "-"
-        print(f"| {r['config']} | {r['tier']} | {r['flexible_extract']:.4f} ± {r['flexible_extract_stderr']:.4f} "
-              f"| {r['strict_match']:.4f} ± {r['strict_match_stderr']:.4f} | {acc} | {tpf} "
-              f"| {r['wall_s']:.0f} |")
+        print(f"| {r['config']} | {r['tier']} | {gsm_eval.score_cells(r)} | {r['wall_s']:.0f} |")
 
 
 if __name__ == "__main__":
