@@ -575,20 +575,30 @@ static int remove_stale(const char *dir, int with_config, ds_err *err) {
 }
 
 /* Writes j (pretty, sorted keys, trailing newline as transformers does) and releases it. */
+/* data[len] as the whole of the file at path. */
+static int write_bytes(const char *path, const char *data, size_t len, ds_err *err) {
+    FILE *f = fopen(path, "wb");
+    if (!f) return ds_errf(err, "%s: cannot create: %s", path, strerror(errno));
+    int bad = fwrite(data, 1, len, f) != len;
+    bad |= fclose(f) != 0;
+    return bad ? ds_errf(err, "%s: write failed", path) : DS_OK;
+}
+
 static int write_json(json_t *j, const char *path, ds_err *err) {
     if (!j) return ds_errf(err, "%s: out of memory building JSON", path);
     char *s = json_dumps(j, JSON_INDENT(2) | JSON_SORT_KEYS | JSON_REAL_PRECISION(10));
     json_decref(j);
-    if (!s) return ds_errf(err, "%s: out of memory serialising JSON", path);
-    FILE *f = fopen(path, "wb");
-    if (!f) {
+    size_t n = s ? strlen(s) : 0;
+    char *t = s ? realloc(s, n + 2) : NULL; /* the text and a final newline */
+    if (!t) {
         free(s);
-        return ds_errf(err, "%s: cannot create: %s", path, strerror(errno));
+        return ds_errf(err, "%s: out of memory serialising JSON", path);
     }
-    int bad = fputs(s, f) < 0 || fputc('\n', f) == EOF;
-    bad |= fclose(f) != 0;
-    free(s);
-    return bad ? ds_errf(err, "%s: write failed", path) : DS_OK;
+    t[n] = '\n';
+    t[n + 1] = 0;
+    int rc = write_bytes(path, t, n + 1, err);
+    free(t);
+    return rc;
 }
 
 /* Splits the list into shards of about equal bytes (n_req > 0: that many; 0: SHARD_BYTES each)
@@ -916,17 +926,13 @@ int ds_init_shape(const char *config_dir, const char *out_dir, ds_err *err) {
     size_t len = 0;
     char *text = ds_read_file(path, &len, err);
     if (!text) return DS_ERR;
+    const ds_chat_format fmt = strcmp(c.model_type, "kimi_k3") ? DS_CHAT_KIMI_LINEAR : DS_CHAT_K3;
     int rc = mkdir_p(out_dir, err) || remove_stale(out_dir, 1, err) ||
-                     ds_tok_write_files(
-                         out_dir, n_ranks,
-                         strcmp(c.model_type, "kimi_k3") ? DS_CHAT_KIMI_LINEAR : DS_CHAT_K3, err) ||
-                     path_join(path, sizeof path, out_dir, "config.json", err)
+                     ds_tok_write_files(out_dir, n_ranks, fmt, err) ||
+                     path_join(path, sizeof path, out_dir, "config.json", err) ||
+                     write_bytes(path, text, len, err)
                  ? DS_ERR
                  : DS_OK;
-    FILE *f = rc == DS_OK ? fopen(path, "wb") : NULL;
-    if (rc == DS_OK && (!f || fwrite(text, 1, len, f) != len))
-        rc = ds_errf(err, "%s: cannot write: %s", path, strerror(errno));
-    if (f && fclose(f) && rc == DS_OK) rc = ds_errf(err, "%s: cannot write", path);
     free(text);
     return rc;
 }
