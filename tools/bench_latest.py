@@ -130,9 +130,10 @@ def from_kda(path):
 
 
 def commit_of(root):
-    for p in (os.path.join(root, ".devbin", "COMMIT"),):
-        if os.path.exists(p):
-            return open(p).read().strip()
+    """The packed binaries' commit on the GPU machine (pack_devbin.sh), else the checkout's."""
+    packed = os.path.join(root, ".devbin", "COMMIT")
+    if os.path.exists(packed):
+        return open(packed).read().strip()
     try:
         return subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, check=True).stdout.strip()
