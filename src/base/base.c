@@ -6,6 +6,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 int ds_errf(ds_err *err, const char *fmt, ...) {
@@ -180,4 +181,37 @@ double ds_rng_normal(ds_rng *r) {
     double u1 = ds_rng_uniform(r), u2 = ds_rng_uniform(r);
     if (u1 < 1e-300) u1 = 1e-300;
     return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+void ds_sbuf_put(ds_sbuf *b, const char *s, size_t n) {
+    if (b->oom) return;
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = (b->len + n + 1) * 2;
+        char *p = realloc(b->p, cap);
+        if (!p) {
+            b->oom = 1;
+            return;
+        }
+        b->p = p, b->cap = cap;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = 0;
+}
+
+void ds_sbuf_puts(ds_sbuf *b, const char *s) {
+    ds_sbuf_put(b, s, strlen(s));
+}
+
+void ds_sbuf_printf(ds_sbuf *b, const char *fmt, ...) {
+    char tmp[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_end(ap);
+    if (n < 0 || (size_t)n >= sizeof tmp) { /* the callers format short pieces */
+        b->oom = 1;
+        return;
+    }
+    ds_sbuf_put(b, tmp, (size_t)n);
 }

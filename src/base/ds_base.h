@@ -31,6 +31,17 @@ void *ds_aligned_alloc(size_t n, ds_err *err);
 /* Reads a whole file into a NUL-terminated heap buffer. */
 char *ds_read_file(const char *path, size_t *len_out, ds_err *err);
 
+/* A growing NUL-terminated string for building text (JSON headers, grammars). Zero-initialise;
+ * a failed allocation latches oom and later appends do nothing; the caller frees p. */
+typedef struct ds_sbuf {
+    char *p; /* [cap] NUL-terminated, [len] used */
+    size_t len, cap;
+    int oom;
+} ds_sbuf;
+void ds_sbuf_put(ds_sbuf *b, const char *s, size_t n);
+void ds_sbuf_puts(ds_sbuf *b, const char *s);
+void ds_sbuf_printf(ds_sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
 /* Monotonic wall time in seconds. */
 double ds_now(void);
 

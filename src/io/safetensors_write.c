@@ -138,55 +138,21 @@ int ds_st_writer_set_metadata(ds_st_writer *w, const char *key, const char *valu
     return DS_OK;
 }
 
-/* A growable byte buffer for the header text. */
-typedef struct sbuf {
-    char *p;
-    size_t len, cap;
-    int oom;
-} sbuf;
-
-static void sb_put(sbuf *b, const char *s, size_t n) {
-    if (b->oom) return;
-    if (b->len + n + 1 > b->cap) {
-        size_t ncap = (b->len + n + 1) * 2;
-        char *np = realloc(b->p, ncap);
-        if (!np) {
-            b->oom = 1;
-            return;
-        }
-        b->p = np;
-        b->cap = ncap;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = 0;
-}
-
-static void sb_str(sbuf *b, const char *s) {
-    sb_put(b, s, strlen(s));
-}
-
-static void sb_fmt(sbuf *b, const char *fmt, long long v) {
-    char tmp[32];
-    int n = snprintf(tmp, sizeof tmp, fmt, v);
-    sb_put(b, tmp, (size_t)n);
-}
-
 /* A JSON string literal; bytes >= 0x80 pass through (the name is expected to be UTF-8). */
-static void sb_json_str(sbuf *b, const char *s) {
-    sb_put(b, "\"", 1);
+static void sb_json_str(ds_sbuf *b, const char *s) {
+    ds_sbuf_put(b, "\"", 1);
     for (; *s; s++) {
         unsigned char c = (unsigned char)*s;
         if (c == '"' || c == '\\') {
             char esc[2] = {'\\', (char)c};
-            sb_put(b, esc, 2);
+            ds_sbuf_put(b, esc, 2);
         } else if (c < 0x20) {
-            sb_fmt(b, "\\u%04llx", c);
+            ds_sbuf_printf(b, "\\u%04x", c);
         } else {
-            sb_put(b, (const char *)&c, 1);
+            ds_sbuf_put(b, (const char *)&c, 1);
         }
     }
-    sb_put(b, "\"", 1);
+    ds_sbuf_put(b, "\"", 1);
 }
 
 /* Data order: larger elements first (stable), so that with the header padded to 8 bytes every
@@ -231,34 +197,35 @@ int ds_st_writer_write(ds_st_writer *w, const char *path, ds_err *err) {
         off += w->t[order[i]].nbytes;
     }
 
-    sbuf h = {0};
-    sb_str(&h, "{");
+    ds_sbuf h = {0};
+    ds_sbuf_puts(&h, "{");
     int first = 1;
     if (w->nmeta) {
-        sb_str(&h, "\"__metadata__\":{");
+        ds_sbuf_puts(&h, "\"__metadata__\":{");
         for (int i = 0; i < w->nmeta; i++) {
-            if (i) sb_str(&h, ",");
+            if (i) ds_sbuf_puts(&h, ",");
             sb_json_str(&h, w->meta[2 * i]);
-            sb_str(&h, ":");
+            ds_sbuf_puts(&h, ":");
             sb_json_str(&h, w->meta[2 * i + 1]);
         }
-        sb_str(&h, "}");
+        ds_sbuf_puts(&h, "}");
         first = 0;
     }
     for (int i = 0; i < w->n; i++) {
         const wr_tensor *t = &w->t[i];
-        if (!first) sb_str(&h, ",");
+        if (!first) ds_sbuf_puts(&h, ",");
         first = 0;
         sb_json_str(&h, t->name);
-        sb_str(&h, ":{\"dtype\":\"");
-        sb_str(&h, ds_dtype_name(t->dtype));
-        sb_str(&h, "\",\"shape\":[");
-        for (int d = 0; d < t->ndim; d++) sb_fmt(&h, d ? ",%lld" : "%lld", (long long)t->shape[d]);
-        sb_fmt(&h, "],\"data_offsets\":[%lld", (long long)begin[i]);
-        sb_fmt(&h, ",%lld]}", (long long)(begin[i] + t->nbytes));
+        ds_sbuf_puts(&h, ":{\"dtype\":\"");
+        ds_sbuf_puts(&h, ds_dtype_name(t->dtype));
+        ds_sbuf_puts(&h, "\",\"shape\":[");
+        for (int d = 0; d < t->ndim; d++)
+            ds_sbuf_printf(&h, d ? ",%lld" : "%lld", (long long)t->shape[d]);
+        ds_sbuf_printf(&h, "],\"data_offsets\":[%lld", (long long)begin[i]);
+        ds_sbuf_printf(&h, ",%lld]}", (long long)(begin[i] + t->nbytes));
     }
-    sb_str(&h, "}");
-    while (h.len % 8) sb_str(&h, " "); /* data section starts 8-aligned */
+    ds_sbuf_puts(&h, "}");
+    while (h.len % 8) ds_sbuf_puts(&h, " "); /* data section starts 8-aligned */
     free(begin);
     if (h.oom) {
         free(order);

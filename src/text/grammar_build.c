@@ -11,71 +11,30 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* A growing string; oom latches. */
-typedef struct sbuf {
-    char *p; /* [cap] NUL-terminated */
-    size_t n, cap;
-    int oom;
-} sbuf;
-
-static void sb_put(sbuf *b, const char *s, size_t n) {
-    if (b->oom) return;
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = (b->n + n + 1) * 2;
-        char *p = realloc(b->p, cap);
-        if (!p) {
-            b->oom = 1;
-            return;
-        }
-        b->p = p, b->cap = cap;
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-}
-
-static void sb_puts(sbuf *b, const char *s) {
-    sb_put(b, s, strlen(s));
-}
-
-static void sb_printf(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void sb_printf(sbuf *b, const char *fmt, ...) {
-    char tmp[512];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
-    va_end(ap);
-    if (n < 0 || (size_t)n >= sizeof tmp) {
-        b->oom = 1;
-        return;
-    }
-    sb_put(b, tmp, (size_t)n);
-}
-
 /* A Lark string literal of s[n] (JSON's escapes, which Lark reads the same way). */
-static void sb_lit(sbuf *b, const char *s, size_t n) {
+static void sb_lit(ds_sbuf *b, const char *s, size_t n) {
     json_t *j = json_stringn(s, n);
     char *d = j ? json_dumps(j, JSON_ENCODE_ANY) : NULL;
     if (!d)
         b->oom = 1;
     else
-        sb_puts(b, d);
+        ds_sbuf_puts(b, d);
     free(d);
     json_decref(j);
 }
 
 /* A special token by id, as the grammar names it (<[id]>): its text can never match it. */
-static int sb_special(sbuf *b, const ds_grammar_ctx *c, const char *name, ds_err *err) {
+static int sb_special(ds_sbuf *b, const ds_grammar_ctx *c, const char *name, ds_err *err) {
     int32_t id = ds_tok_special_id(c->tok, name);
     if (id < 0) return ds_errf(err, "the model's tokenizer has no %s token", name);
-    sb_printf(b, " <[%d]>", (int)id);
+    ds_sbuf_printf(b, " <[%d]>", (int)id);
     return DS_OK;
 }
 
 /* K3 XTML: <|open|>TAG<|sep|> or <|close|>TAG<|sep|>, TAG given as raw text. */
-static int k3_mark(sbuf *b, const ds_grammar_ctx *c, int open, const char *tag, ds_err *err) {
+static int k3_mark(ds_sbuf *b, const ds_grammar_ctx *c, int open, const char *tag, ds_err *err) {
     if (sb_special(b, c, open ? "<|open|>" : "<|close|>", err)) return DS_ERR;
-    sb_puts(b, " ");
+    ds_sbuf_puts(b, " ");
     sb_lit(b, tag, strlen(tag));
     return sb_special(b, c, "<|sep|>", err);
 }
@@ -83,7 +42,7 @@ static int k3_mark(sbuf *b, const ds_grammar_ctx *c, int open, const char *tag, 
 /* The schema as the grammar embeds it: compact JSON, with llguidance's whitespace fixed to
  * json.dumps' separators unless the schema sets x-guidance itself (free whitespace lets a weak
  * model write blanks until max_tokens). */
-static int schema_text(sbuf *b, json_t *schema, const char *where, ds_err *err) {
+static int schema_text(ds_sbuf *b, json_t *schema, const char *where, ds_err *err) {
     if (json_is_true(schema))
         schema = NULL; /* true: any JSON value */
     else if (!json_is_object(schema))
@@ -97,13 +56,13 @@ static int schema_text(sbuf *b, json_t *schema, const char *where, ds_err *err) 
     char *d = json_dumps(s, JSON_COMPACT);
     json_decref(s);
     if (!d) return ds_errf(err, "out of memory");
-    sb_puts(b, "%json ");
-    sb_puts(b, d);
+    ds_sbuf_puts(b, "%json ");
+    ds_sbuf_puts(b, d);
     free(d);
     return DS_OK;
 }
 
-static int finish(sbuf *b, char **lark, ds_err *err) {
+static int finish(ds_sbuf *b, char **lark, ds_err *err) {
     if (b->oom) {
         free(b->p);
         return ds_errf(err, "out of memory");
@@ -140,12 +99,12 @@ int ds_grammar_from_response_format(const ds_grammar_ctx *c, const char *rf_json
         json_decref(rf);
         return rc;
     }
-    sbuf b = {0};
-    sb_puts(&b, "start:");
+    ds_sbuf b = {0};
+    ds_sbuf_puts(&b, "start:");
     if (c->fmt == DS_CHAT_K3 && c->thinking &&
         (k3_mark(&b, c, 0, "think", err) || k3_mark(&b, c, 1, "response", err)))
         rc = DS_ERR;
-    sb_puts(&b, " body\nbody: ");
+    ds_sbuf_puts(&b, " body\nbody: ");
     json_t *obj = schema ? NULL : json_pack("{s:s}", "type", "object");
     if (!rc) rc = schema_text(&b, schema ? schema : obj, "response_format.json_schema.schema", err);
     json_decref(obj);
@@ -158,44 +117,44 @@ int ds_grammar_from_response_format(const ds_grammar_ctx *c, const char *rf_json
 }
 
 /* Rule call_i: one call of tool `name` with arguments args_i, in the chat format's syntax. */
-static int call_rule(sbuf *b, const ds_grammar_ctx *c, int i, const char *name, json_t *params,
+static int call_rule(ds_sbuf *b, const ds_grammar_ctx *c, int i, const char *name, json_t *params,
                      ds_err *err) {
     char where[160];
     snprintf(where, sizeof where, "tools[%d].function.parameters", i);
-    sb_printf(b, "call_%d:", i);
+    ds_sbuf_printf(b, "call_%d:", i);
     if (c->fmt == DS_CHAT_K3) {
-        sbuf hdr = {0}; /* call tool="NAME" index="1", the name escaped as XTML attributes are */
-        sb_puts(&hdr, "call tool=\"");
+        ds_sbuf hdr = {0}; /* call tool="NAME" index="1", the name escaped as XTML attributes are */
+        ds_sbuf_puts(&hdr, "call tool=\"");
         for (const char *s = name; *s; s++)
-            sb_puts(&hdr, *s == '&' ? "&amp;" : *s == '"' ? "&quot;" : (char[2]){*s, 0});
-        sb_puts(&hdr, "\" index=\"1\"");
+            ds_sbuf_puts(&hdr, *s == '&' ? "&amp;" : *s == '"' ? "&quot;" : (char[2]){*s, 0});
+        ds_sbuf_puts(&hdr, "\" index=\"1\"");
         int rc = hdr.oom ? ds_errf(err, "out of memory") : k3_mark(b, c, 1, hdr.p, err);
         free(hdr.p);
         if (rc || k3_mark(b, c, 1, "json type=\"object\"", err)) return DS_ERR;
-        sb_printf(b, " args_%d", i);
+        ds_sbuf_printf(b, " args_%d", i);
         if (k3_mark(b, c, 0, "json", err) || k3_mark(b, c, 0, "call", err)) return DS_ERR;
     } else {
         if (sb_special(b, c, "<|tool_call_begin|>", err)) return DS_ERR;
-        sbuf id = {0};
-        sb_printf(&id, "functions.");
-        sb_puts(&id, name);
-        sb_puts(&id, ":0");
+        ds_sbuf id = {0};
+        ds_sbuf_printf(&id, "functions.");
+        ds_sbuf_puts(&id, name);
+        ds_sbuf_puts(&id, ":0");
         if (id.oom) return ds_errf(err, "out of memory");
-        sb_puts(b, " ");
-        sb_lit(b, id.p, id.n);
+        ds_sbuf_puts(b, " ");
+        sb_lit(b, id.p, id.len);
         free(id.p);
         if (sb_special(b, c, "<|tool_call_argument_begin|>", err)) return DS_ERR;
-        sb_printf(b, " args_%d", i);
+        ds_sbuf_printf(b, " args_%d", i);
         if (sb_special(b, c, "<|tool_call_end|>", err)) return DS_ERR;
     }
-    sb_printf(b, "\nargs_%d: ", i);
+    ds_sbuf_printf(b, "\nargs_%d: ", i);
     /* no parameters: the function takes none, so its arguments are {} */
     json_t *obj = params ? NULL
                          : json_pack("{s:s, s:{}, s:b}", "type", "object", "properties",
                                      "additionalProperties", 0);
     int rc = schema_text(b, params ? params : obj, where, err);
     json_decref(obj);
-    sb_puts(b, "\n");
+    ds_sbuf_puts(b, "\n");
     return rc;
 }
 
@@ -215,7 +174,7 @@ static int chosen_name(const char *tc_json, const char **name, json_t **tc, ds_e
 }
 
 /* Every call rule (of the chosen tool, or of all) into b; *n_calls of them. */
-static int call_rules(sbuf *b, const ds_grammar_ctx *c, json_t *tools, const char *only,
+static int call_rules(ds_sbuf *b, const ds_grammar_ctx *c, json_t *tools, const char *only,
                       int *n_calls, ds_err *err) {
     *n_calls = 0;
     for (size_t i = 0; i < json_array_size(tools); i++) {
@@ -241,11 +200,11 @@ int ds_grammar_from_tools(const ds_grammar_ctx *c, const char *tools_json,
     json_t *tc;
     int rc = chosen_name(tool_choice_json, &only, &tc, err);
     if (!rc && !json_is_array(tools)) rc = ds_errf(err, "tools: expected a list of tools");
-    sbuf rules = {0}, b = {0};
+    ds_sbuf rules = {0}, b = {0};
     int n = 0;
     if (!rc) rc = call_rules(&rules, c, tools, only, &n, err);
     if (!rc) {
-        sb_puts(&b, "start:");
+        ds_sbuf_puts(&b, "start:");
         if (c->fmt == DS_CHAT_K3) {
             /* the generation prompt opened the thought or the response: closed at once */
             rc = k3_mark(&b, c, 0, c->thinking ? "think" : "response", err);
@@ -253,19 +212,19 @@ int ds_grammar_from_tools(const ds_grammar_ctx *c, const char *tools_json,
         } else {
             rc = sb_special(&b, c, "<|tool_calls_section_begin|>", err);
         }
-        sb_puts(&b, " (");
+        ds_sbuf_puts(&b, " (");
         for (size_t i = 0, k = 0; !rc && i < json_array_size(tools); i++) {
             const char *name = json_string_value(
                 json_object_get(json_object_get(json_array_get(tools, i), "function"), "name"));
             if (only && strcmp(only, name)) continue;
-            sb_printf(&b, "%scall_%zu", k++ ? " | " : "", i);
+            ds_sbuf_printf(&b, "%scall_%zu", k++ ? " | " : "", i);
         }
-        sb_puts(&b, ")");
+        ds_sbuf_puts(&b, ")");
         if (!rc)
             rc = c->fmt == DS_CHAT_K3 ? k3_mark(&b, c, 0, "tools", err)
                                       : sb_special(&b, c, "<|tool_calls_section_end|>", err);
-        sb_puts(&b, "\n");
-        if (rules.p) sb_puts(&b, rules.p);
+        ds_sbuf_puts(&b, "\n");
+        if (rules.p) ds_sbuf_puts(&b, rules.p);
     }
     free(rules.p);
     json_decref(tools);
