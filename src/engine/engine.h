@@ -192,6 +192,7 @@ void ds_engine_free(ds_engine *e);
 int ds_engine_kv_role(const ds_engine *e);
 const char *ds_engine_kv_host(const ds_engine *e);
 int ds_engine_kv_port(const ds_engine *e);
+int ds_engine_kv_tp_size(const ds_engine *e);
 /* Consumer, on the caller's thread: pulls transfer id from host:port and verifies every block
  * against this engine (model identity, layer range, TP rank, page and slot sizes, the prompt's
  * tokens, each block's checksum). DS_OK with *out for ds_request_spec.kv_import; DS_ERR with the

@@ -184,7 +184,9 @@ struct ds_engine {
 
     /* P/D (pd.c) */
     ds_xfer_server *xfer; /* producer: the store consumers pull from */
-    uint64_t kv_seed;     /* the prefix cache's model identity, carried in every transfer */
+    uint64_t kv_seed;     /* the prefix cache's model identity (TP width included) */
+    uint64_t kv_xseed;    /* the same without the TP width: what a transfer's two ends must share */
+    int32_t *pd_ports;    /* producer: [comm size] each rank's transfer port (rank order) */
 };
 
 /* ---- request.c: requests, choices, events ---------------------------------------------------- */
@@ -253,6 +255,13 @@ void eng_pd_free(ds_engine *e);
 void eng_pd_export(ds_engine *e, choice *ch);
 /* Consumer: puts a request's pulled blocks into the offload tier (before its admission). */
 void eng_pd_install(ds_engine *e, request *r);
+/* A pulled transfer through the step plan (ranks.c): its parts' bytes as pulled, and the same
+ * transfer made again from them on another rank (re-verified; NULL when refused or out of memory,
+ * the reason printed: that rank then misses, and with it the job). */
+int eng_pd_n_parts(const ds_kv_pull *p);
+const void *eng_pd_part(const ds_kv_pull *p, int i, size_t *len);
+ds_kv_pull *eng_pd_from_parts(ds_engine *e, const void *const *bufs, const size_t *lens, int n,
+                              const int32_t *prompt, int n_prompt);
 
 /* ---- ranks.c: the rank protocol of a TP x PP job ----------------------------------------------
  */

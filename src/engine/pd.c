@@ -5,14 +5,30 @@
  * hash chain), so the path a pulled block takes into a sequence is the tier load that the prefix
  * cache's tests already hold to bit-exactness; nothing here decides what a sequence resumes from.
  *
- * A transfer (one buffer, moved by transport/xfer):
+ * Under -tp/-pp every rank of the producer files its own slice (its layers, its TP share of the
+ * KDA heads) as one *part* in a transfer store of its own; the head's part names every part's
+ * port. The consumer's head pulls all the parts, verifies them, and hands them to every rank of
+ * its own job with the step plan; each rank then cuts its own slice out of them (its layers, its
+ * heads: layouts may differ on the two sides) and files it in its own offload tier under its own
+ * hashes. A rank that cannot build a block misses it, and since a job's offload hit needs every
+ * rank's hit, the whole job then recomputes from there.
+ *
+ * A part (one buffer, moved by transport/xfer):
  *   header  {magic "DSPD", version, model identity, layer range, TP rank and width, block size,
- *            cut spacing, page and slot bytes, prompt length, block count, checksum}
+ *            cut spacing, page, draft-row and slot bytes, prompt length, block count, part index
+ *            and count, checksum}
  *   prompt  [n_prompt] int32 token ids (a block's key is a prefix of them)
+ *   ports   [n_parts] int32: where each part of the producer's job is pulled (part = world rank)
  *   blocks  each {kind 'p'|'c', depth in tokens, prefix hash, layer range, TP rank, payload bytes,
  *            checksum} then the payload
  * Every checksum is XXH3-64 over the header or block header (checksum field zero) and what
- * follows it. A consumer takes all of a transfer or none of it. */
+ * follows it. A consumer takes all of a transfer (every part) or none of it.
+ *
+ * Payloads are the offload tier's: a page is [n_mla][bs][row_bytes] for the part's MLA layers,
+ * then (on the producer's sampling rank with DSpark) the draft's rows [x_bytes]; a checkpoint is
+ * conv tails [n_kda][3][W-1][Hk*dk] then recurrent states [n_kda][Hk][dk][dk] for the part's KDA
+ * layers and its heads [tp_rank*Hk, (tp_rank+1)*Hk), Hk = H / tp_size. Latent rows are the same
+ * on every TP rank (the latent is shared by all heads), so any part holding a layer serves it. */
 #include "engine/engine_impl.h"
 
 #include <stdio.h>
@@ -20,17 +36,21 @@
 #include <string.h>
 #include <xxhash.h>
 
-#define PD_MAGIC   0x44504453u /* "DSPD" */
-#define PD_VERSION 1u
+#define PD_MAGIC     0x44504453u /* "DSPD" */
+#define PD_VERSION   2u
+#define PD_MAX_PARTS 4096
+#define PD_MAX_TP    63 /* a layer's TP ranks are a bitmask */
 
 typedef struct pd_header {
     uint32_t magic, version;
-    uint64_t model;
+    uint64_t model; /* e->kv_xseed: the model's numbers, whatever the TP width */
     int32_t layer_lo, layer_hi, tp_rank, tp_size;
     int32_t block_size, chunk_tokens;
     uint64_t page_bytes, slot_bytes;
+    uint64_t x_bytes; /* the last x_bytes of a page are the DSpark draft's rows (0: none) */
     int32_t n_prompt, n_blocks;
-    uint64_t checksum; /* over this header (field zero) and the prompt */
+    int32_t part, n_parts; /* this part's world rank in the producer's job; the job's ranks */
+    uint64_t checksum;     /* over this header (field zero), the prompt and the ports */
 } pd_header;
 
 typedef struct pd_block {
@@ -44,30 +64,66 @@ typedef struct pd_block {
 } pd_block;
 
 /* The checksums hash these structs whole: no byte of them may be implicit padding. */
-_Static_assert(sizeof(pd_header) == 72, "pd_header has no implicit padding");
+_Static_assert(sizeof(pd_header) == 88, "pd_header has no implicit padding");
 _Static_assert(sizeof(pd_block) == 56, "pd_block has no implicit padding");
 
-/* A verified transfer: the buffer as pulled, with the blocks at their offsets. */
-struct ds_kv_pull {
+/* One producer rank's part, verified: the buffer as pulled, with its blocks indexed by depth. */
+typedef struct pd_part {
     uint8_t *buf; /* [len] */
     size_t len;
-    const int32_t *prompt; /* into buf [n_prompt] */
-    int n_prompt;
-    size_t *off; /* [n_blocks] offsets of each pd_block in buf */
-    int n_blocks;
+    pd_header h;
+    const int32_t *prompt; /* into buf [h.n_prompt] */
+    const int32_t *ports;  /* into buf [h.n_parts] */
+    int *at;               /* [2][n_depths + 1]: block index of the page ([0]) / checkpoint ([1])
+                              covering prompt[0, d * block_size), -1 for none */
+    size_t *off;           /* [h.n_blocks] offsets of each pd_block in buf */
+} pd_part;
+
+/* A verified transfer: every part of the producer's job. */
+struct ds_kv_pull {
+    pd_part *parts; /* [n_parts] in part (producer world rank) order */
+    int n_parts;
+    int n_depths; /* n_prompt / block_size */
+    int n_blocks; /* over all parts */
+    size_t len;   /* bytes over all parts */
 };
+
+static void part_free(pd_part *q) {
+    free(q->buf);
+    free(q->at);
+    free(q->off);
+    memset(q, 0, sizeof *q);
+}
 
 void ds_kv_pull_free(ds_kv_pull *p) {
     if (!p) return;
-    free(p->buf);
-    free(p->off);
+    for (int i = 0; i < p->n_parts; i++) part_free(&p->parts[i]);
+    free(p->parts);
     free(p);
 }
 
-/* This engine's side of what both ends must agree on. */
+/* Layers of `kind` among [a, b). */
+static int n_kind(const ds_config *c, int a, int b, int kind) {
+    int n = 0;
+    for (int l = a; l < b; l++) n += c->layer_kind[l] == kind;
+    return n;
+}
+
+/* Bytes of the MLA rows of a page and of a checkpoint, for layers [lo, hi) at TP width T. */
+static void part_sizes(const ds_engine *e, int lo, int hi, int T, size_t *mla, size_t *slot) {
+    const ds_config *c = ds_model_config(e->model);
+    size_t Hk = (size_t)c->kda_num_heads / (size_t)T, dk = (size_t)c->kda_head_dim;
+    size_t W1 = (size_t)c->short_conv_kernel_size - 1;
+    *mla = (size_t)n_kind(c, lo, hi, DS_LAYER_MLA) * (size_t)e->opts.block_size *
+           ds_model_latent_row_bytes(e->model);
+    *slot =
+        (size_t)n_kind(c, lo, hi, DS_LAYER_KDA) * (3 * W1 * Hk * dk + Hk * dk * dk) * sizeof(float);
+}
+
+/* This rank's side of what both ends must agree on. */
 static pd_header own_header(const ds_engine *e) {
     pd_header h = {.magic = PD_MAGIC, .version = PD_VERSION};
-    h.model = e->kv_seed;
+    h.model = e->kv_xseed;
     h.layer_lo = ds_model_first_layer(e->model);
     h.layer_hi = ds_model_end_layer(e->model);
     h.tp_rank = e->comm ? e->comm->tp_rank : 0;
@@ -76,6 +132,11 @@ static pd_header own_header(const ds_engine *e) {
     h.chunk_tokens = e->chunk_tokens;
     h.page_bytes = e->prefix ? ds_prefix_page_bytes(e->prefix) : 0;
     h.slot_bytes = ds_model_slot_floats(e->model) * sizeof(float);
+    size_t mla, slot;
+    part_sizes(e, h.layer_lo, h.layer_hi, h.tp_size, &mla, &slot);
+    h.x_bytes = h.page_bytes > mla ? h.page_bytes - mla : 0;
+    h.part = e->comm ? e->comm->rank : 0;
+    h.n_parts = e->comm ? e->comm->size : 1;
     return h;
 }
 
@@ -92,9 +153,11 @@ static uint64_t sum_over(const void *head, size_t n_head, const void *data, size
     return v;
 }
 
-static uint64_t header_sum(pd_header h, const int32_t *prompt) {
+/* after: the prompt and the ports, which follow the header */
+static uint64_t header_sum(pd_header h, const void *after) {
     h.checksum = 0;
-    return sum_over(&h, sizeof h, prompt, (size_t)h.n_prompt * sizeof(int32_t));
+    return sum_over(&h, sizeof h, after,
+                    ((size_t)h.n_prompt + (size_t)h.n_parts) * sizeof(int32_t));
 }
 
 static uint64_t block_sum(pd_block b, const void *payload) {
@@ -104,34 +167,58 @@ static uint64_t block_sum(pd_block b, const void *payload) {
 
 /* ---- the producer ----------------------------------------------------------------------------*/
 
+/* Every rank's transfer port, on every rank (rank r's is the smallest of r's port and everyone
+ * else's UINT64_MAX): the head's part names them all. */
+static int gather_ports(ds_engine *e, ds_err *err) {
+    int n = e->comm ? e->comm->size : 1;
+    e->pd_ports = ds_calloc((size_t)n, sizeof(int32_t), err);
+    if (!e->pd_ports) return DS_ERR;
+    for (int r = 0; r < n; r++) {
+        uint64_t v =
+            (!e->comm || e->comm->rank == r) ? (uint64_t)ds_xfer_server_port(e->xfer) : UINT64_MAX;
+        if (e->dist && ds_comm_min_u64(e->comm, &v, err)) return DS_ERR;
+        e->pd_ports[r] = (int32_t)v;
+    }
+    return DS_OK;
+}
+
 int eng_pd_setup(ds_engine *e, ds_err *err) {
     const ds_engine_opts *o = &e->opts;
     if (o->kv_role == DS_KV_NONE) return DS_OK;
     if (o->kv_role < DS_KV_NONE || o->kv_role > DS_KV_BOTH)
         return ds_errf(err, "kv transfer: unknown role %d", o->kv_role);
-    if (e->dist)
-        return ds_errf(err, "kv transfer: -tp/-pp with a kv_role is not supported yet (each rank "
-                            "would move its own slice; docs/pd.md)");
     if (!e->prefix)
         return ds_errf(err,
                        "kv transfer: a kv_role needs prefix caching (the blocks are the prefix "
                        "cache's; drop --no-enable-prefix-caching)");
     if ((o->kv_role & DS_KV_CONSUMER) && !e->offload)
         return ds_errf(err, "kv transfer: a consumer needs an offload tier to receive blocks into");
+    const ds_config *c = ds_model_config(e->model);
+    if (e->comm && e->comm->tp_size > PD_MAX_TP)
+        return ds_errf(err, "kv transfer: at most %d TP ranks", PD_MAX_TP);
+    if (c->num_hidden_layers > DS_MAX_LAYERS)
+        return ds_errf(err, "kv transfer: more than %d layers", DS_MAX_LAYERS);
     if (o->kv_role & DS_KV_PRODUCER) {
+        /* every rank serves its own part; the head on kv_port, the others on free ports */
         const char *ip = o->kv_ip && o->kv_ip[0] ? o->kv_ip : "127.0.0.1";
-        if (ds_xfer_server_create(ip, o->kv_port, 2000, &e->xfer, err)) return DS_ERR;
+        if (ds_xfer_server_create(ip, e->head ? o->kv_port : 0, 2000, &e->xfer, err)) return DS_ERR;
         ds_xfer_server_test_stall(e->xfer, o->test.kv_stall_ms);
-        fprintf(stderr, "[deltaserve] kv transfer: producer, pulls on %s:%d (UCX)\n", ip,
-                ds_xfer_server_port(e->xfer));
+        if (gather_ports(e, err)) return DS_ERR;
+        if (e->head)
+            fprintf(stderr, "[deltaserve] kv transfer: producer, pulls on %s:%d (UCX)%s\n", ip,
+                    ds_xfer_server_port(e->xfer),
+                    e->dist ? ", every rank serving its own slice" : "");
     }
-    if (o->kv_role & DS_KV_CONSUMER) fprintf(stderr, "[deltaserve] kv transfer: consumer\n");
+    if ((o->kv_role & DS_KV_CONSUMER) && e->head)
+        fprintf(stderr, "[deltaserve] kv transfer: consumer\n");
     return DS_OK;
 }
 
 void eng_pd_free(ds_engine *e) {
     ds_xfer_server_free(e->xfer);
     e->xfer = NULL;
+    free(e->pd_ports);
+    e->pd_ports = NULL;
 }
 
 int ds_engine_kv_role(const ds_engine *e) {
@@ -144,6 +231,10 @@ const char *ds_engine_kv_host(const ds_engine *e) {
 
 int ds_engine_kv_port(const ds_engine *e) {
     return e->xfer ? ds_xfer_server_port(e->xfer) : 0;
+}
+
+int ds_engine_kv_tp_size(const ds_engine *e) {
+    return e->comm ? e->comm->tp_size : 1;
 }
 
 /* A growing transfer buffer. */
@@ -181,13 +272,16 @@ static int out_block(void *ctx, char kind, const uint64_t hash[2], int n_tokens,
     return DS_OK;
 }
 
+/* Every rank of a producer's job runs this at the same finish (the plan carries the transfer id)
+ * and files its own part under the id in its own store. */
 void eng_pd_export(ds_engine *e, choice *ch) {
     request *r = ch->req;
     if (!e->xfer || !e->prefix || !r->spec.kv_export_id || ch->index != 0 || !ch->seq) return;
     pd_header h = own_header(e);
     h.n_prompt = r->spec.n_prompt;
     outbuf o = {.h = &h};
-    size_t head = sizeof h + (size_t)h.n_prompt * sizeof(int32_t);
+    size_t n_prompt = (size_t)h.n_prompt * sizeof(int32_t);
+    size_t head = sizeof h + n_prompt + (size_t)h.n_parts * sizeof(int32_t);
     if (out_reserve(&o, head)) return;
     o.len = head;
     int n = ds_prefix_export(e->prefix, ch->seq, out_block, &o);
@@ -198,9 +292,10 @@ void eng_pd_export(ds_engine *e, choice *ch) {
         return;
     }
     h.n_blocks = o.n_blocks;
-    h.checksum = header_sum(h, r->spec.prompt);
+    memcpy(o.b + sizeof h, r->spec.prompt, n_prompt);
+    memcpy(o.b + sizeof h + n_prompt, e->pd_ports, (size_t)h.n_parts * sizeof(int32_t));
+    h.checksum = header_sum(h, o.b + sizeof h);
     memcpy(o.b, &h, sizeof h);
-    memcpy(o.b + sizeof h, r->spec.prompt, (size_t)h.n_prompt * sizeof(int32_t));
     ds_err err;
     int ttl = e->opts.kv_hold_timeout_ms > 0 ? e->opts.kv_hold_timeout_ms : 120000;
     if (ds_xfer_server_put(e->xfer, r->spec.kv_export_id, o.b, o.len, ttl, &err)) {
@@ -213,53 +308,106 @@ void eng_pd_export(ds_engine *e, choice *ch) {
     pthread_mutex_unlock(&e->mu);
 }
 
-/* ---- the consumer ----------------------------------------------------------------------------*/
+/* ---- the consumer: verifying -----------------------------------------------------------------*/
 
-/* Why buf[len] cannot be installed here ("" when it can); p->off filled on success. */
-static const char *verify(const ds_engine *e, ds_kv_pull *p, const int32_t *prompt, int n_prompt) {
+/* Why q (its buf and len set) cannot be a part of a transfer of prompt[n_prompt] to this engine
+ * ("" when it can); q's header, pointers and block index are filled on success. */
+static const char *verify_header(const ds_engine *e, pd_part *q, const int32_t *prompt,
+                                 int n_prompt) {
     pd_header want = own_header(e), h;
-    if (p->len < sizeof h) return "truncated header";
-    memcpy(&h, p->buf, sizeof h);
+    const ds_config *c = ds_model_config(e->model);
+    if (q->len < sizeof h) return "truncated header";
+    memcpy(&h, q->buf, sizeof h);
     if (h.magic != PD_MAGIC || h.version != PD_VERSION) return "not a deltaserve transfer";
-    if (h.n_prompt < 0 || h.n_blocks < 0 ||
-        p->len < sizeof h + (size_t)h.n_prompt * sizeof(int32_t))
+    if (h.n_prompt < 0 || h.n_blocks < 0 || h.n_parts < 1 || h.n_parts > PD_MAX_PARTS ||
+        q->len - sizeof h < ((size_t)h.n_prompt + (size_t)h.n_parts) * sizeof(int32_t))
         return "truncated prompt";
-    p->prompt = (const int32_t *)(p->buf + sizeof h);
-    if (header_sum(h, p->prompt) != h.checksum) return "header checksum mismatch";
+    q->prompt = (const int32_t *)(q->buf + sizeof h);
+    q->ports = q->prompt + h.n_prompt;
+    if (header_sum(h, q->buf + sizeof h) != h.checksum) return "header checksum mismatch";
     if (h.model != want.model) return "another model (or cut spacing, dtype, device)";
-    if (h.layer_lo != want.layer_lo || h.layer_hi != want.layer_hi || h.tp_rank != want.tp_rank ||
-        h.tp_size != want.tp_size)
+    if (h.tp_size < 1 || h.tp_size > PD_MAX_TP || h.tp_rank < 0 || h.tp_rank >= h.tp_size ||
+        c->kda_num_heads % h.tp_size || h.layer_lo < 0 || h.layer_lo >= h.layer_hi ||
+        h.layer_hi > c->num_hidden_layers || h.part < 0 || h.part >= h.n_parts)
         return "another layer range or TP layout";
     if (h.block_size != want.block_size || h.chunk_tokens != want.chunk_tokens)
         return "another block size or cut spacing";
-    if (h.page_bytes != want.page_bytes || h.slot_bytes != want.slot_bytes)
+    size_t mla, slot;
+    part_sizes(e, h.layer_lo, h.layer_hi, h.tp_size, &mla, &slot);
+    if (h.page_bytes != mla + h.x_bytes || h.slot_bytes != slot)
         return "another page or slot layout (start both with the same --speculative-method)";
-    if (h.n_prompt != n_prompt || memcmp(p->prompt, prompt, (size_t)n_prompt * sizeof(int32_t)))
+    if (h.n_prompt != n_prompt || memcmp(q->prompt, prompt, (size_t)n_prompt * sizeof(int32_t)))
         return "another prompt";
-    p->n_prompt = n_prompt;
-    p->off = malloc((size_t)DS_MAX(h.n_blocks, 1) * sizeof *p->off);
-    if (!p->off) return "out of memory";
-    size_t at = sizeof h + (size_t)h.n_prompt * sizeof(int32_t);
-    for (int i = 0; i < h.n_blocks; i++) {
-        pd_block b;
-        if (p->len - at < sizeof b) return "truncated block header";
-        memcpy(&b, p->buf + at, sizeof b);
-        if (b.n_bytes > p->len - at - sizeof b) return "truncated block";
-        if (block_sum(b, p->buf + at + sizeof b) != b.checksum) return "block checksum mismatch";
-        if ((b.kind != 'p' && b.kind != 'c') ||
-            b.n_bytes != (b.kind == 'p' ? h.page_bytes : h.slot_bytes))
-            return "bad block kind or size";
-        if (b.n_tokens <= 0 || b.n_tokens > n_prompt || b.n_tokens % h.block_size)
-            return "bad block depth";
-        if (b.layer_lo != want.layer_lo || b.layer_hi != want.layer_hi || b.tp_rank != want.tp_rank)
-            return "block of another layer range or rank";
-        p->off[i] = at;
-        at += sizeof b + b.n_bytes;
-    }
-    if (at != p->len) return "trailing bytes";
-    p->n_blocks = h.n_blocks;
+    q->h = h;
     return "";
 }
+
+static const char *verify_part(const ds_engine *e, pd_part *q, const int32_t *prompt,
+                               int n_prompt) {
+    const char *why = verify_header(e, q, prompt, n_prompt);
+    if (why[0]) return why;
+    const pd_header *h = &q->h;
+    int nd = n_prompt / h->block_size;
+    q->off = malloc((size_t)DS_MAX(h->n_blocks, 1) * sizeof *q->off);
+    q->at = malloc(2 * ((size_t)nd + 1) * sizeof *q->at);
+    if (!q->off || !q->at) return "out of memory";
+    for (int i = 0; i < 2 * (nd + 1); i++) q->at[i] = -1;
+    size_t at = sizeof *h + ((size_t)h->n_prompt + (size_t)h->n_parts) * sizeof(int32_t);
+    for (int i = 0; i < h->n_blocks; i++) {
+        pd_block b;
+        if (q->len - at < sizeof b) return "truncated block header";
+        memcpy(&b, q->buf + at, sizeof b);
+        if (b.n_bytes > q->len - at - sizeof b) return "truncated block";
+        if (block_sum(b, q->buf + at + sizeof b) != b.checksum) return "block checksum mismatch";
+        if ((b.kind != 'p' && b.kind != 'c') ||
+            b.n_bytes != (b.kind == 'p' ? h->page_bytes : h->slot_bytes))
+            return "bad block kind or size";
+        if (b.n_tokens <= 0 || b.n_tokens > n_prompt || b.n_tokens % h->block_size)
+            return "bad block depth";
+        int *slot = &q->at[(b.kind == 'c') * (nd + 1) + b.n_tokens / h->block_size];
+        if (*slot >= 0) return "bad block depth";
+        *slot = i;
+        if (b.layer_lo != h->layer_lo || b.layer_hi != h->layer_hi || b.tp_rank != h->tp_rank)
+            return "block of another layer range or rank";
+        q->off[i] = at;
+        at += sizeof b + b.n_bytes;
+    }
+    if (at != q->len) return "trailing bytes";
+    return "";
+}
+
+/* Why the verified parts p->parts cannot make a whole transfer ("" when they can): one part per
+ * rank of the producer's job, one TP width, every layer covered once by each TP rank, and the
+ * DSpark draft's rows present exactly when this job drafts. */
+static const char *verify_whole(const ds_engine *e, const ds_kv_pull *p) {
+    const ds_config *c = ds_model_config(e->model);
+    const pd_header *h0 = &p->parts[0].h;
+    int T = h0->tp_size, x = 0;
+    uint64_t x_bytes = 0;
+    for (int i = 0; i < p->n_parts; i++) {
+        const pd_header *h = &p->parts[i].h;
+        if (h->part != i || h->n_parts != p->n_parts || h->tp_size != T)
+            return "parts of another layout (the producer's ranks disagree)";
+        if (h->x_bytes) x++, x_bytes = h->x_bytes;
+    }
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        uint64_t seen = 0;
+        for (int i = 0; i < p->n_parts; i++) {
+            const pd_header *h = &p->parts[i].h;
+            if (l < h->layer_lo || l >= h->layer_hi) continue;
+            if (seen >> h->tp_rank & 1) return "parts that overlap";
+            seen |= 1ull << h->tp_rank;
+        }
+        if (seen != (1ull << T) - 1) return "parts that miss a layer or a TP rank";
+    }
+    int drafts = e->opts.speculative_method == DS_SPEC_DSPARK && !e->opts.test.spec_drafts;
+    pd_header mine = own_header(e);
+    if (x > 1 || drafts != (x == 1) || (e->draft && mine.x_bytes != x_bytes))
+        return "another page or slot layout (start both with the same --speculative-method)";
+    return "";
+}
+
+/* ---- the consumer: pulling -------------------------------------------------------------------*/
 
 static void count_pull(ds_engine *e, int ok, const ds_kv_pull *p) {
     pthread_mutex_lock(&e->mu);
@@ -272,6 +420,25 @@ static void count_pull(ds_engine *e, int ok, const ds_kv_pull *p) {
     pthread_mutex_unlock(&e->mu);
 }
 
+/* Pulls part i of transfer id (part 0 from port, the others from the ports part 0 names) and
+ * verifies it; "" on success, else why not (err filled when the pull itself failed). */
+static const char *pull_part(ds_engine *e, ds_kv_pull *p, int i, const char *host, int port,
+                             uint64_t id, const int32_t *prompt, int n_prompt, ds_err *err) {
+    pd_part *q = &p->parts[i];
+    int timeout = e->opts.kv_pull_timeout_ms > 0 ? e->opts.kv_pull_timeout_ms : 30000;
+    void *buf;
+    if (ds_xfer_pull(host, port, id, timeout, &buf, &q->len, err)) return err->msg;
+    q->buf = buf;
+    /* tests: a byte of the last payload flipped (1), or the transfer cut 1 KiB short (2) */
+    if (i == 0 && e->opts.test.kv_corrupt == 1 && q->len) q->buf[q->len - 1] ^= 0x40;
+    if (i == 0 && e->opts.test.kv_corrupt == 2) q->len -= DS_MIN(q->len, 1024);
+    const char *why = verify_part(e, q, prompt, n_prompt);
+    if (why[0]) return why;
+    p->n_blocks += q->h.n_blocks;
+    p->len += q->len;
+    return "";
+}
+
 int ds_engine_kv_pull(ds_engine *e, const char *host, int port, uint64_t id, const int32_t *prompt,
                       int n_prompt, ds_kv_pull **out, ds_err *err) {
     *out = NULL;
@@ -280,40 +447,200 @@ int ds_engine_kv_pull(ds_engine *e, const char *host, int port, uint64_t id, con
         return ds_errf(err, "kv transfer: this server is not a consumer (--kv-transfer-config)");
     }
     ds_kv_pull *p = calloc(1, sizeof *p);
-    if (!p) return ds_errf(err, "kv transfer: out of memory");
-    int timeout = e->opts.kv_pull_timeout_ms > 0 ? e->opts.kv_pull_timeout_ms : 30000;
-    void *buf;
-    if (ds_xfer_pull(host, port, id, timeout, &buf, &p->len, err)) {
+    pd_part *first = calloc(1, sizeof *first);
+    if (!p || !first) {
         free(p);
+        free(first);
         count_pull(e, 0, NULL);
-        return DS_ERR;
+        return ds_errf(err, "kv transfer: out of memory");
     }
-    p->buf = buf;
-    /* tests: a byte of the last payload flipped (1), or the transfer cut 1 KiB short (2) */
-    if (e->opts.test.kv_corrupt == 1 && p->len) p->buf[p->len - 1] ^= 0x40;
-    if (e->opts.test.kv_corrupt == 2) p->len -= DS_MIN(p->len, 1024);
-    const char *why = verify(e, p, prompt, n_prompt);
+    p->parts = first;
+    p->n_parts = 1;
+    p->n_depths = n_prompt / e->opts.block_size;
+    ds_err perr = {{0}};
+    const char *why = pull_part(e, p, 0, host, port, id, prompt, n_prompt, &perr);
+    int pulled = why != perr.msg; /* a pull that failed says so itself (it names the peer) */
+    if (!why[0] && p->parts[0].h.n_parts > 1) { /* the producer's other ranks' parts */
+        int n = p->parts[0].h.n_parts;
+        pd_part *all = realloc(p->parts, (size_t)n * sizeof *all);
+        if (!all)
+            why = "out of memory";
+        else {
+            p->parts = all;
+            memset(all + 1, 0, (size_t)(n - 1) * sizeof *all);
+            p->n_parts = n;
+            for (int i = 1; i < n && !why[0]; i++) {
+                why = pull_part(e, p, i, host, p->parts[0].ports[i], id, prompt, n_prompt, &perr);
+                pulled = why != perr.msg;
+            }
+        }
+    }
+    if (!why[0]) why = verify_whole(e, p);
     if (why[0]) {
+        if (pulled)
+            ds_errf(err, "kv transfer %016llx from %s:%d rejected: %s", (unsigned long long)id,
+                    host, port, why);
+        else
+            ds_errf(err, "%s", perr.msg);
         ds_kv_pull_free(p);
         count_pull(e, 0, NULL);
-        return ds_errf(err, "kv transfer %016llx from %s:%d rejected: %s", (unsigned long long)id,
-                       host, port, why);
+        return DS_ERR;
     }
     count_pull(e, 1, p);
     *out = p;
     return DS_OK;
 }
 
+/* ---- the step plan: a transfer to every rank of the consumer's job --------------------------*/
+
+int eng_pd_n_parts(const ds_kv_pull *p) {
+    return p ? p->n_parts : 0;
+}
+
+const void *eng_pd_part(const ds_kv_pull *p, int i, size_t *len) {
+    *len = p->parts[i].len;
+    return p->parts[i].buf;
+}
+
+ds_kv_pull *eng_pd_from_parts(ds_engine *e, const void *const *bufs, const size_t *lens, int n,
+                              const int32_t *prompt, int n_prompt) {
+    ds_kv_pull *p = calloc(1, sizeof *p);
+    if (!p || !(p->parts = calloc((size_t)DS_MAX(n, 1), sizeof *p->parts))) {
+        free(p);
+        return NULL;
+    }
+    p->n_depths = n_prompt / e->opts.block_size;
+    const char *why = "";
+    for (int i = 0; i < n && !why[0]; i++) {
+        pd_part *q = &p->parts[i];
+        p->n_parts = i + 1;
+        if (!(q->buf = malloc(DS_MAX(lens[i], 1)))) {
+            why = "out of memory";
+            break;
+        }
+        memcpy(q->buf, bufs[i], lens[i]);
+        q->len = lens[i];
+        why = verify_part(e, q, prompt, n_prompt);
+    }
+    if (!why[0]) why = verify_whole(e, p);
+    if (why[0]) { /* the head verified the same bytes: this rank then simply misses */
+        fprintf(stderr, "[deltaserve] %s: kv transfer from the head refused: %s\n",
+                e->comm ? e->comm->who : "", why);
+        ds_kv_pull_free(p);
+        return NULL;
+    }
+    return p;
+}
+
+/* ---- the consumer: this rank's slice into its offload tier ------------------------------------*/
+
+/* The block of `kind` (0 page, 1 checkpoint) at depth d of part q: its payload, or NULL. */
+static const uint8_t *payload(const ds_kv_pull *p, const pd_part *q, int kind, int d) {
+    int i = q->at[kind * (p->n_depths + 1) + d];
+    return i < 0 ? NULL : q->buf + q->off[i] + sizeof(pd_block);
+}
+
+/* This rank's page at depth d into out[own page bytes]: the MLA rows of each of its layers from
+ * any part holding that layer, then the draft's rows from the part that has them. 0 when a piece
+ * is missing. */
+static int build_page(const ds_engine *e, const ds_kv_pull *p, int d, const pd_header *me,
+                      uint8_t *out) {
+    const ds_config *c = ds_model_config(e->model);
+    size_t rows = (size_t)e->opts.block_size * ds_model_latent_row_bytes(e->model), at = 0;
+    for (int l = me->layer_lo; l < me->layer_hi; l++) {
+        if (c->layer_kind[l] != DS_LAYER_MLA) continue;
+        const uint8_t *src = NULL;
+        for (int i = 0; i < p->n_parts && !src; i++) {
+            const pd_part *q = &p->parts[i];
+            if (l >= q->h.layer_lo && l < q->h.layer_hi && (src = payload(p, q, 0, d)))
+                src += (size_t)n_kind(c, q->h.layer_lo, l, DS_LAYER_MLA) * rows;
+        }
+        if (!src) return 0;
+        memcpy(out + at, src, rows);
+        at += rows;
+    }
+    if (!me->x_bytes) return 1;
+    for (int i = 0; i < p->n_parts; i++) {
+        const pd_part *q = &p->parts[i];
+        const uint8_t *src = q->h.x_bytes == me->x_bytes ? payload(p, q, 0, d) : NULL;
+        if (src) {
+            memcpy(out + at, src + q->h.page_bytes - q->h.x_bytes, me->x_bytes);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* This rank's checkpoint at depth d into out[own slot floats]: for each of its KDA layers and
+ * each of its heads, the head's conv-tail channels and recurrent state from the part of the TP
+ * rank that holds that head there. 0 when a piece is missing. */
+static int build_ckpt(const ds_engine *e, const ds_kv_pull *p, int d, const pd_header *me,
+                      float *out) {
+    const ds_config *c = ds_model_config(e->model);
+    const size_t H = (size_t)c->kda_num_heads, dk = (size_t)c->kda_head_dim;
+    const size_t W1 = (size_t)c->short_conv_kernel_size - 1, Hc = H / (size_t)me->tp_size;
+    const size_t c0 = (size_t)me->tp_rank * Hc,
+                 nkc = (size_t)n_kind(c, me->layer_lo, me->layer_hi, DS_LAYER_KDA);
+    float *conv_c = out, *rec_c = out + nkc * 3 * W1 * Hc * dk;
+    for (int l = me->layer_lo; l < me->layer_hi; l++) {
+        if (c->layer_kind[l] != DS_LAYER_KDA) continue;
+        size_t kc = (size_t)n_kind(c, me->layer_lo, l, DS_LAYER_KDA);
+        for (size_t h = c0; h < c0 + Hc; h++) {
+            const pd_part *q = NULL;
+            const float *src = NULL;
+            for (int i = 0; i < p->n_parts && !src; i++) {
+                q = &p->parts[i];
+                size_t Hq = H / (size_t)q->h.tp_size;
+                if (l >= q->h.layer_lo && l < q->h.layer_hi && h / Hq == (size_t)q->h.tp_rank)
+                    src = (const float *)payload(p, q, 1, d);
+            }
+            if (!src) return 0;
+            size_t Hq = H / (size_t)q->h.tp_size, p0 = (size_t)q->h.tp_rank * Hq;
+            size_t kp = (size_t)n_kind(c, q->h.layer_lo, l, DS_LAYER_KDA);
+            size_t nkp = (size_t)n_kind(c, q->h.layer_lo, q->h.layer_hi, DS_LAYER_KDA);
+            /* conv tails [n_kda][3][W-1][Hk*dk]: dk channels per head in each of 3(W-1) rows */
+            for (size_t j = 0; j < 3 * W1; j++)
+                memcpy(conv_c + (kc * 3 * W1 + j) * Hc * dk + (h - c0) * dk,
+                       src + (kp * 3 * W1 + j) * Hq * dk + (h - p0) * dk, dk * sizeof(float));
+            /* recurrent states [n_kda][Hk][dk][dk] after all the conv tails */
+            const float *rec_p = src + nkp * 3 * W1 * Hq * dk;
+            memcpy(rec_c + (kc * Hc + (h - c0)) * dk * dk, rec_p + (kp * Hq + (h - p0)) * dk * dk,
+                   dk * dk * sizeof(float));
+        }
+    }
+    return 1;
+}
+
+/* Every rank, at the request's admission: its slice of every pulled block into its offload tier,
+ * under its own hash chain (the hash seed names the TP width, so it may differ from the
+ * producer's) and the prompt as the key. */
 void eng_pd_install(ds_engine *e, request *r) {
     ds_kv_pull *p = r->kv_import;
     r->kv_import = NULL;
     if (!p) return;
-    if (e->offload)
-        for (int i = 0; i < p->n_blocks; i++) {
-            pd_block b;
-            memcpy(&b, p->buf + p->off[i], sizeof b);
-            ds_offload_put(e->offload, (char)b.kind, b.hash, p->prompt, b.n_tokens,
-                           p->buf + p->off[i] + sizeof b, b.n_bytes / 4);
+    pd_header me = own_header(e);
+    size_t slot_floats = ds_model_slot_floats(e->model);
+    uint8_t *page = malloc(DS_MAX(me.page_bytes, 1));
+    float *slot = malloc(DS_MAX(slot_floats, 1) * sizeof(float));
+    const int32_t *prompt = p->parts[0].prompt;
+    uint64_t h[2] = {0, 0};
+    int bs = e->opts.block_size, missed = 0;
+    for (int d = 1; e->offload && e->prefix && page && slot && d <= p->n_depths; d++) {
+        ds_prefix_hash_block(e->prefix, d > 1 ? h : NULL, prompt + (size_t)(d - 1) * bs, h);
+        int has_p = 0, has_c = 0;
+        for (int i = 0; i < p->n_parts; i++) {
+            has_p |= payload(p, &p->parts[i], 0, d) != NULL;
+            has_c |= payload(p, &p->parts[i], 1, d) != NULL;
         }
+        if (has_p && !(missed |= !build_page(e, p, d, &me, page)))
+            ds_offload_put(e->offload, 'p', h, prompt, d * bs, page, me.page_bytes / 4);
+        if (has_c && !(missed |= !build_ckpt(e, p, d, &me, slot)))
+            ds_offload_put(e->offload, 'c', h, prompt, d * bs, slot, slot_floats);
+    }
+    if (missed) /* the job's agreement on offload hits turns this into a miss on every rank */
+        fprintf(stderr, "[deltaserve] %s: kv transfer: a block lacks this rank's slice\n",
+                e->comm ? e->comm->who : "");
+    free(page);
+    free(slot);
     ds_kv_pull_free(p);
 }

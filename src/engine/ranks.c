@@ -64,6 +64,45 @@ typedef struct plan_hdr {
     int32_t heartbeat; /* an idle head's plan: every rank answers, so a hung one is found */
 } plan_hdr;
 
+/* P/D (docs/pd.md): a producer's transfer id (every rank files its own part under it), then a
+ * consumer's pulled parts {u32 count, per part u64 length and its bytes} (every rank cuts its own
+ * slice out of them). */
+static void plan_put_kv(wbuf *w, const request *r) {
+    put(w, &r->spec.kv_export_id, sizeof r->spec.kv_export_id);
+    uint32_t n = (uint32_t)eng_pd_n_parts(r->kv_import);
+    put(w, &n, sizeof n);
+    for (uint32_t i = 0; i < n; i++) {
+        size_t len;
+        const void *b = eng_pd_part(r->kv_import, (int)i, &len);
+        uint64_t len64 = len;
+        put(w, &len64, sizeof len64);
+        put(w, b, len);
+    }
+}
+
+static void plan_read_kv(ds_engine *e, rbuf *rb, request *r) {
+    get(rb, &r->spec.kv_export_id, sizeof r->spec.kv_export_id);
+    uint32_t n = 0;
+    get(rb, &n, sizeof n);
+    if (rb->bad || !n) return;
+    if (n > 4096) {
+        rb->bad = 1;
+        return;
+    }
+    const void *bufs[4096];
+    size_t lens[4096];
+    for (uint32_t i = 0; i < n && !rb->bad; i++) {
+        uint64_t len = 0;
+        get(rb, &len, sizeof len);
+        if (len > rb->n - rb->off) rb->bad = 1;
+        if (rb->bad) return;
+        bufs[i] = rb->p + rb->off;
+        lens[i] = (size_t)len;
+        rb->off += (size_t)len;
+    }
+    r->kv_import = eng_pd_from_parts(e, bufs, lens, (int)n, r->prompt, r->spec.n_prompt);
+}
+
 /* Head: the plan to every other rank — the requests of `in` (its own objects), the aborts ab[n_ab]
  * and the stop flags. A message to each rank rather than a broadcast: with pipelined stages the
  * ranks read a step's plan at different times, and the head must not wait for the last of them. */
@@ -93,6 +132,7 @@ static void plan_send(ds_engine *e, request *in, const int64_t *ab, int n_ab, in
         put(&w, &glen, sizeof glen);
         if (glen) put(&w, gr, glen - 1);
         put(&w, r->prompt, (size_t)r->spec.n_prompt * sizeof(int32_t));
+        plan_put_kv(&w, r);
     }
     put(&w, ab, (size_t)n_ab * sizeof *ab);
     if (w.oom) eng_dist_fatal(e, "step plan", "out of memory");
@@ -147,6 +187,7 @@ static request *plan_read_request(ds_engine *e, rbuf *rb) {
     request *r = eng_request_new(e, &spec, id, seed_base, &err);
     if (!r) eng_dist_fatal(e, "step plan", err.msg);
     r->owns_stop = 1;
+    plan_read_kv(e, rb, r);
     return r;
 }
 

@@ -7,10 +7,12 @@
 #include "cache/identity.h"
 #include "text/chat.h"
 
+#include <dirent.h>
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <xxhash.h>
 
 void ds_engine_opts_default(ds_engine_opts *o) {
@@ -142,6 +144,23 @@ static int chunk_of(const ds_engine_opts *o) {
     return DS_MAX(o->block_size, iv / o->block_size * o->block_size);
 }
 
+/* Bytes of dir's *.safetensors files together (0 when none can be read). */
+static uint64_t files_bytes(const char *dir) {
+    uint64_t n = 0;
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    for (struct dirent *de; (de = readdir(d));) {
+        size_t len = strlen(de->d_name);
+        char path[4096];
+        struct stat sb;
+        if (len < 12 || strcmp(de->d_name + len - 12, ".safetensors")) continue;
+        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+        if (!stat(path, &sb)) n += (uint64_t)sb.st_size;
+    }
+    closedir(d);
+    return n;
+}
+
 /* Prefix caching and the offload tier. Every hash is seeded with the model's identity, and
  * offload keys carry it too, so two models never share entries. With a tier that outlives the
  * process (disk, Redis) the identity is a digest of the weights' bytes (cache/identity.h: a
@@ -158,6 +177,8 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
     char *cfg = ds_read_file(path, &len, NULL);
     uint64_t id[9] = {XXH3_64bits_withSeed(cfg ? cfg : "", cfg ? len : 0,
                                            (uint64_t)ds_model_weight_bytes(e->model))};
+    /* P/D's identity names the weights by their files' size: a rank's weight bytes are its share */
+    uint64_t xid0 = XXH3_64bits_withSeed(cfg ? cfg : "", cfg ? len : 0, files_bytes(e->model_dir));
     free(cfg);
     int persistent = (o->kv_offload_disk_dir && o->kv_offload_disk_dir[0]) ||
                      (o->kv_offload_remote && o->kv_offload_remote[0]);
@@ -171,12 +192,22 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
     const char *qx = o->quantization_exclude ? o->quantization_exclude : "";
     id[8] = o->quantization ? XXH3_64bits_withSeed(qx, strlen(qx), (uint64_t)o->quantization) : 0;
     uint64_t seed = XXH3_64bits(id, sizeof id);
+    /* P/D: the identity of the numbers whatever the TP width and share (docs/pd.md) */
+    id[0] = xid0;
+    id[5] = 1;
+    uint64_t xseed = XXH3_64bits(id, sizeof id);
     /* the cache dtype: an FP8 page is never read as an f32 one, nor the other way (the f32 seed
      * stays what it was, so earlier f32 entries on disk or in Redis keep their keys) */
-    if (ds_model_kv_fp8(e->model)) seed = XXH3_64bits_withSeed("kv-cache-dtype fp8", 18, seed);
+    if (ds_model_kv_fp8(e->model)) {
+        seed = XXH3_64bits_withSeed("kv-cache-dtype fp8", 18, seed);
+        xseed = XXH3_64bits_withSeed("kv-cache-dtype fp8", 18, xseed);
+    }
     /* one identity for the whole job (each rank holds a different share of the weights) */
-    if (e->dist && ds_comm_bcast(e->comm, &seed, sizeof seed, err)) return DS_ERR;
+    if (e->dist && (ds_comm_bcast(e->comm, &seed, sizeof seed, err) ||
+                    ds_comm_bcast(e->comm, &xseed, sizeof xseed, err)))
+        return DS_ERR;
     e->kv_seed = seed;
+    e->kv_xseed = xseed;
     char model_id[32];
     snprintf(model_id, sizeof model_id, "%016llx", (unsigned long long)seed);
     if (o->kv_offload_ram_bytes || (o->kv_offload_disk_dir && o->kv_offload_disk_dir[0]) ||

@@ -32,10 +32,11 @@ json_t *ds_kv_annotate(ds_engine *e, const ds_oai_request *q, json_t *r) {
     if (!r || !q->kv_export_id) return r;
     char id[24];
     snprintf(id, sizeof id, "%016llx", (unsigned long long)q->kv_export_id);
-    json_t *kv = json_pack("{s:b, s:b, s:s, s:i, s:s, s:s, s:[], s:i}", "do_remote_prefill", 1,
-                           "do_remote_decode", 0, "remote_host", ds_engine_kv_host(e),
-                           "remote_port", ds_engine_kv_port(e), "remote_request_id", id,
-                           "remote_engine_id", "deltaserve", "remote_block_ids", "tp_size", 1);
+    json_t *kv =
+        json_pack("{s:b, s:b, s:s, s:i, s:s, s:s, s:[], s:i}", "do_remote_prefill", 1,
+                  "do_remote_decode", 0, "remote_host", ds_engine_kv_host(e), "remote_port",
+                  ds_engine_kv_port(e), "remote_request_id", id, "remote_engine_id", "deltaserve",
+                  "remote_block_ids", "tp_size", ds_engine_kv_tp_size(e));
     if (kv) json_object_set_new(r, "kv_transfer_params", kv);
     return r;
 }

@@ -120,7 +120,7 @@ def test_pair_equals_one_server(ref, prod, cons, text_ids):
         status, got = post(cons, "/v1/completions", dict(body, kv_transfer_params=kv))
         assert status == 200, got
         same(got, want)
-        assert m(cons, "kv_transfer_pulls_total") == pulls + 1, n
+        assert m(cons, "kv_transfer_pulls_total") == pulls + 1, "".join(cons.log[-8:])
         assert m(cons, "kv_transfer_pull_failures_total") == fails
         # the consumer resumed from the deepest rung before the last token: the pulled blocks
         assert m(cons, "prefix_cache_hits_total") - hits == (n - 1) // rung * rung, n
@@ -437,3 +437,90 @@ def test_consumer_restarted(ref, text_ids):
         if cons:
             cons.stop()
         assert prod.stop() == 0
+
+
+# ---- different TP / PP layouts on the two sides ----------------------------------------------------
+# Each rank of a producer's job files its own slice (its layers, its TP share of the KDA heads);
+# the consumer's head pulls every slice and each of its ranks cuts out its own (docs/pd.md,
+# "TP and PP layouts"). Across TP widths the numbers are TP's (sums taken in another order, about
+# 1e-5 on a logit: docs/parallelism.md), so logprobs are compared to a tolerance there; a PP
+# split at TP 1 is bit-exact, so through it they are compared exactly.
+
+def close(a, b, tol=2e-3):
+    """Greedy text and tokens exactly; logprobs (chosen and top alternatives) to tol."""
+    ca, cb = a["choices"][0], b["choices"][0]
+    assert ca["text"] == cb["text"]
+    assert ca["logprobs"]["tokens"] == cb["logprobs"]["tokens"]
+    for x, y in zip(ca["logprobs"]["token_logprobs"], cb["logprobs"]["token_logprobs"]):
+        assert abs(x - y) <= tol, (x, y)
+    for x, y in zip(ca["logprobs"]["top_logprobs"], cb["logprobs"]["top_logprobs"]):
+        assert x.keys() == y.keys()
+        assert all(abs(x[k] - y[k]) <= tol for k in x), (x, y)
+    assert ca["finish_reason"] == cb["finish_reason"]
+
+
+def through_pair(ref, prod, cons, ids, starts, lengths, check, max_tokens=6):
+    """Each prompt (a first token no other test uses, so nothing of it is cached yet) prefilled
+    by prod, decoded by cons from the pulled slices: one server's output, one pull, no failure,
+    and the consumer resumed from the deepest 256-token rung before the last token."""
+    rung = 256
+    for s, n in zip(starts, lengths):
+        body = completion(ids[s: s + n], max_tokens)
+        want = post(ref, "/v1/completions", body)[1]
+        pulls, fails, hits, loads = (m(cons, "kv_transfer_pulls_total"),
+                                     m(cons, "kv_transfer_pull_failures_total"),
+                                     m(cons, "prefix_cache_hits_total"),
+                                     cons.metrics().get("deltaserve:kv_offload_loads_ram_total", 0))
+        kv = prefill(prod, "/v1/completions", body)
+        status, got = post(cons, "/v1/completions", dict(body, kv_transfer_params=kv))
+        assert status == 200, got
+        check(got, want)
+        assert m(cons, "kv_transfer_pulls_total") == pulls + 1, "".join(cons.log[-8:])
+        assert m(cons, "kv_transfer_pull_failures_total") == fails, "".join(cons.log[-5:])
+        assert m(cons, "prefix_cache_hits_total") - hits == (n - 1) // rung * rung, n
+        if n > rung:  # the hit came back through the RAM tier the pulled slices went into
+            assert cons.metrics()["deltaserve:kv_offload_loads_ram_total"] > loads
+    assert m(prod, "kv_transfer_held") == 0  # every transfer pulled and freed
+    assert m(cons, "kv_transfer_held") == 0
+
+
+def test_tp1_producer_to_tp2_consumer(ref, prod, text_ids):
+    """TP 1 -> TP 2: each consumer rank takes its half of every KDA layer's heads (conv tails and
+    recurrent states) and the whole latent rows; DSpark on the consumer."""
+    ids = text_ids[0]
+    cons2 = Server("-tp", "2", "--seed", "1", *SPEC, *kv_config("kv_consumer"), env_args=False)
+    try:
+        served = m(prod, "kv_transfer_served_total")
+        through_pair(ref, prod, cons2, ids, [150, 151, 152], [40, 300, 1300], close)
+        assert m(prod, "kv_transfer_served_total") == served + 3
+        assert m(cons2, "spec_decode_num_verifies_total") > 0
+    finally:
+        log = "".join(cons2.log[-20:])
+        assert cons2.stop() == 0, log
+
+
+def test_pp2_producer_to_tp1_consumer(ref, cons, text_ids):
+    """PP 2 -> TP 1: the consumer pulls both stages' slices (the head's names the other's port)
+    and joins their layers; the draft's rows come from the last stage. Bit-exact (PP at TP 1)."""
+    ids = text_ids[0]
+    prod2 = Server("-pp", "2", "--seed", "1", *SPEC, *kv_config("kv_producer"), env_args=False)
+    try:
+        through_pair(ref, prod2, cons, ids, [160, 161, 162], [40, 300, 1300], same)
+        assert m(prod2, "kv_transfer_served_total") == 3  # the head's parts (stage 1 has its own)
+        assert m(prod2, "spec_decode_num_verifies_total") == 0
+    finally:
+        log = "".join(prod2.log[-20:])
+        assert prod2.stop() == 0, log
+
+
+def test_tp1_producer_to_pp2_tp2_consumer(ref, prod, text_ids):
+    """TP 1 -> PP 2 x TP 2 (four ranks): each consumer rank cuts its stage's layers and its half
+    of the heads out of the one part the producer has."""
+    ids = text_ids[0]
+    cons4 = Server("-tp", "2", "-pp", "2", "--seed", "1", *SPEC, *kv_config("kv_consumer"),
+                   env_args=False)
+    try:
+        through_pair(ref, prod, cons4, ids, [170, 171], [300, 700], close, max_tokens=4)
+    finally:
+        log = "".join(cons4.log[-20:])
+        assert cons4.stop() == 0, log
