@@ -429,9 +429,16 @@ static const char *pull_part(ds_engine *e, ds_kv_pull *p, int i, const char *hos
     void *buf;
     if (ds_xfer_pull(host, port, id, timeout, &buf, &q->len, err)) return err->msg;
     q->buf = buf;
-    /* tests: a byte of the last payload flipped (1), or the transfer cut 1 KiB short (2) */
-    if (i == 0 && e->opts.test.kv_corrupt == 1 && q->len) q->buf[q->len - 1] ^= 0x40;
-    if (i == 0 && e->opts.test.kv_corrupt == 2) q->len -= DS_MIN(q->len, 1024);
+    /* tests: in the last part (of a producer's job: its last rank's), a byte of the last payload
+     * flipped (1), or the part cut 1 KiB short (2) */
+    int n_parts = p->n_parts;
+    if (i == 0 && q->len >= sizeof(pd_header)) {
+        pd_header h;
+        memcpy(&h, q->buf, sizeof h);
+        n_parts = h.n_parts;
+    }
+    if (i == n_parts - 1 && e->opts.test.kv_corrupt == 1 && q->len) q->buf[q->len - 1] ^= 0x40;
+    if (i == n_parts - 1 && e->opts.test.kv_corrupt == 2) q->len -= DS_MIN(q->len, 1024);
     const char *why = verify_part(e, q, prompt, n_prompt);
     if (why[0]) return why;
     p->n_blocks += q->h.n_blocks;

@@ -5,8 +5,11 @@ plain server's, for prompts from 1 token to nearly the context limit, with prefi
 and DSpark on the consumer; a block corrupted in flight, a transfer that expired and a producer
 that is not there must each end in a recompute with the same output, counted in /metrics.
 
-These servers have their own configuration (a kv_role refuses -tp/-pp in this first slice), so
-the module is marked `once`: it runs in make test's plain pass, not again under DS_SERVE_ARGS."""
+The last tests pair servers of different layouts (TP 1 -> TP 2, PP 2 -> TP 1, TP 1 -> PP 2 x
+TP 2): each producer rank files its own slice and each consumer rank cuts its own out.
+
+These servers have their own configuration, so the module is marked `once`: it runs in make
+test's plain pass, not again under DS_SERVE_ARGS."""
 
 import json
 import shutil
@@ -446,7 +449,7 @@ def test_consumer_restarted(ref, text_ids):
 # 1e-5 on a logit: docs/parallelism.md), so logprobs are compared to a tolerance there; a PP
 # split at TP 1 is bit-exact, so through it they are compared exactly.
 
-def close(a, b, tol=2e-3):
+def close(a, b, tol=1e-4):
     """Greedy text and tokens exactly; logprobs (chosen and top alternatives) to tol."""
     ca, cb = a["choices"][0], b["choices"][0]
     assert ca["text"] == cb["text"]
@@ -508,6 +511,33 @@ def test_pp2_producer_to_tp1_consumer(ref, cons, text_ids):
         through_pair(ref, prod2, cons, ids, [160, 161, 162], [40, 300, 1300], same)
         assert m(prod2, "kv_transfer_served_total") == 3  # the head's parts (stage 1 has its own)
         assert m(prod2, "spec_decode_num_verifies_total") == 0
+        # stage 1's part damaged in flight (a flipped byte in its last payload): the whole
+        # transfer is refused, counted, and the prompt recomputed with the same output
+        bad = Server("--seed", "1", *SPEC, *kv_config("kv_consumer"), "--test-kv-corrupt", "1",
+                     env_args=False)
+        try:
+            body = completion(ids[163: 163 + 500], 6)
+            want = post(ref, "/v1/completions", body)[1]
+            kv = prefill(prod2, "/v1/completions", body)
+            same(post(bad, "/v1/completions", dict(body, kv_transfer_params=kv))[1], want)
+            assert m(bad, "kv_transfer_pull_failures_total") == 1
+            assert m(bad, "kv_transfer_pulls_total") == 0
+            assert m(bad, "prefix_cache_hits_total") == 0  # nothing decoded from it
+            assert any("block checksum mismatch" in line for line in bad.log)
+        finally:
+            assert bad.stop() == 0
+        assert m(prod2, "kv_transfer_held") == 0
+    finally:
+        log = "".join(prod2.log[-20:])
+        assert prod2.stop() == 0, log
+
+
+def test_tp2_producer_to_tp1_consumer(ref, cons, text_ids):
+    """TP 2 -> TP 1: the consumer joins the two halves of every KDA layer's heads."""
+    ids = text_ids[0]
+    prod2 = Server("-tp", "2", "--seed", "1", *SPEC, *kv_config("kv_producer"), env_args=False)
+    try:
+        through_pair(ref, prod2, cons, ids, [165, 166], [300, 900], close)
     finally:
         log = "".join(prod2.log[-20:])
         assert prod2.stop() == 0, log
