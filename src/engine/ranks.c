@@ -89,18 +89,22 @@ static void plan_read_kv(ds_engine *e, rbuf *rb, request *r) {
         rb->bad = 1;
         return;
     }
-    const void *bufs[4096];
-    size_t lens[4096];
+    const void **bufs = malloc(n * sizeof *bufs); /* [n] into the message */
+    size_t *lens = malloc(n * sizeof *lens);      /* [n] */
+    if (!bufs || !lens) eng_dist_fatal(e, "step plan", "out of memory");
     for (uint32_t i = 0; i < n && !rb->bad; i++) {
         uint64_t len = 0;
         get(rb, &len, sizeof len);
         if (len > rb->n - rb->off) rb->bad = 1;
-        if (rb->bad) return;
+        if (rb->bad) break;
         bufs[i] = rb->p + rb->off;
         lens[i] = (size_t)len;
         rb->off += (size_t)len;
     }
-    r->kv_import = eng_pd_from_parts(e, bufs, lens, (int)n, r->prompt, r->spec.n_prompt);
+    if (!rb->bad)
+        r->kv_import = eng_pd_from_parts(e, bufs, lens, (int)n, r->prompt, r->spec.n_prompt);
+    free(bufs);
+    free(lens);
 }
 
 /* Head: the plan to every other rank — the requests of `in` (its own objects), the aborts ab[n_ab]
