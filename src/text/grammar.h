@@ -76,7 +76,14 @@ typedef struct ds_grammar_ctx {
     const ds_tokenizer *tok;
     int fmt;
     int thinking;
+    int parallel;  /* parallel_tool_calls: "required" may make several calls (else exactly one) */
+    int call_base; /* K2 sections: calls in the conversation before this message (the first
+                      call's id is functions.NAME:call_base) */
 } ds_grammar_ctx;
+
+/* The most calls one message may make under tool_choice "required" with parallel_tool_calls:
+ * the grammar numbers its calls, so they are spelled out up to a bound. */
+#define DS_GRAMMAR_MAX_CALLS 16
 
 /* response_format (the request's JSON object): "text" gives *lark = NULL; "json_object" any
  * JSON object; "json_schema" its json_schema.schema. A malformed object or schema is an error
@@ -84,9 +91,11 @@ typedef struct ds_grammar_ctx {
 int ds_grammar_from_response_format(const ds_grammar_ctx *c, const char *rf_json, char **lark,
                                     ds_err *err);
 /* tool_choice "required" (tool_choice_json NULL or "\"required\"") or a named function
- * ({"type":"function","function":{"name":...}}): one call of one of the tools (of that one),
- * written in the chat format's tool-call syntax (K3 XTML, K2 sections) with its arguments as JSON
- * following the function's `parameters` schema. tools_json: the request's tools array. */
+ * ({"type":"function","function":{"name":...}}), written in the chat format's tool-call syntax
+ * (K3 XTML, K2 sections), each call's arguments as JSON following its function's `parameters`
+ * schema. "required": 1 to DS_GRAMMAR_MAX_CALLS calls, each of any of the tools, in one section
+ * (exactly one when c->parallel is 0); named: exactly one call of that function (as vLLM).
+ * tools_json: the request's tools array. */
 int ds_grammar_from_tools(const ds_grammar_ctx *c, const char *tools_json,
                           const char *tool_choice_json, char **lark, ds_err *err);
 
