@@ -70,3 +70,16 @@ int ds_oai_build_grammar(ds_engine *e, ds_oai_request *r, ds_oai_error *oe) {
     r->params.grammar = lark;
     return DS_OK;
 }
+
+json_t *ds_oai_capabilities(ds_engine *e) {
+    /* what the chat endpoint does with this model's output (oai_parse.c): tool calls in either
+     * format (K2 sections, K3 XTML), several per message (parallel_tool_calls false keeps one);
+     * only K3 thinks; constrained decoding when llguidance loads, and with it the enforced
+     * tool_choice values */
+    int k3 = ds_engine_chat_format(e) == DS_CHAT_K3, so = ds_engine_grammar_ready(e, NULL);
+    json_t *choices = so ? json_pack("[s, s, s, s]", "auto", "none", "required", "function")
+                         : json_pack("[s, s]", "auto", "none");
+    return json_pack("{s:s, s:b, s:b, s:o, s:b, s:b}", "chat_format", k3 ? "k3" : "kimi_linear",
+                     "tool_calls", 1, "parallel_tool_calls", 1, "tool_choice", choices, "reasoning",
+                     k3, "structured_outputs", so);
+}

@@ -57,9 +57,20 @@ int ds_matcher_validate(ds_matcher *m, const int32_t *toks, int n, ds_err *err);
 /* 1 once the grammar has ended (only eos may follow, or eos was consumed). */
 int ds_matcher_done(const ds_matcher *m);
 
+/* Upper bounds (seconds) of the compile-time histogram's buckets, ascending; +Inf implied. */
+#define DS_GRAMMAR_COMPILE_BUCKETS 12
+extern const double ds_grammar_compile_bounds[DS_GRAMMAR_COMPILE_BUCKETS];
+
+/* The cache's counters since ds_grammars_new. Every miss is one compile by llguidance, which
+ * either succeeds (compiles) or refuses the grammar (compile_failures: not cached, so the same
+ * bad grammar compiles again next time). */
 typedef struct ds_grammar_stats {
     uint64_t hits, misses, evictions;
     int entries;
+    uint64_t compiles, compile_failures;
+    double compile_seconds; /* summed over every compile, failed ones included */
+    uint64_t compile_buckets[DS_GRAMMAR_COMPILE_BUCKETS + 1]; /* [i]: compiles that took
+        (bounds[i-1], bounds[i]] seconds; the last one longer than every bound */
 } ds_grammar_stats;
 void ds_grammars_stats(ds_grammars *g, ds_grammar_stats *s);
 

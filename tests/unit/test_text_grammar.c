@@ -165,6 +165,15 @@ static void test_cache_lru(void **state) {
     assert_true(strlen(err.msg) > 0);
     ds_grammars_stats(F->g, &s);
     assert_int_equal(s.entries, 2);
+    /* every miss compiled: three grammars, one refusal, each timed in one bucket */
+    assert_int_equal(s.compiles - s0.compiles, 3);
+    assert_int_equal(s.compile_failures - s0.compile_failures, 1);
+    assert_int_equal(s.misses - s0.misses, 4);
+    uint64_t timed = 0, timed0 = 0;
+    for (int b = 0; b <= DS_GRAMMAR_COMPILE_BUCKETS; b++)
+        timed += s.compile_buckets[b], timed0 += s0.compile_buckets[b];
+    assert_int_equal(timed - timed0, 4);
+    assert_true(s.compile_seconds > s0.compile_seconds);
 }
 
 /* Encodes text (specials by name), checks the grammar accepts every token and then ends. */
