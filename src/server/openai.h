@@ -58,7 +58,8 @@ typedef struct ds_oai_request {
     char *thinking_effort;      /* "reasoning_effort", or NULL */
     int add_generation_prompt;  /* default 1 */
     int thinking;               /* chat_template_kwargs.thinking (default 1) */
-    int parallel_tool_calls;    /* default 1; 0: an enforced tool_choice makes exactly one call */
+    int parallel_tool_calls;    /* default 1; 0: one call per message (the grammar of an
+                                   enforced tool_choice makes one; auto keeps the first) */
     /* both */
     ds_request_params params; /* params.stop[] and params.grammar are this struct's own */
     int max_tokens_set;       /* 0: ds_oai_fit_context picks the default */
