@@ -57,7 +57,7 @@ int main(int argc, char **argv) {
     }
     double t_llg = now() - t0;
     int V = ds_tok_vocab_size(t), W = ds_grammars_mask_words(g);
-    ds_grammar_ctx c = {t, DS_CHAT_K3, 0};
+    ds_grammar_ctx c = {t, DS_CHAT_K3, 0, 0, 0};
     char *lark = NULL;
     if (ds_grammar_from_response_format(&c, k_rf, &lark, &err)) return fprintf(stderr, "%s\n", err.msg), 1;
     t0 = now();

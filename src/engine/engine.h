@@ -12,6 +12,7 @@
 
 #include "base/ds_base.h"
 #include "sample/sampler.h"
+#include "text/grammar.h"
 #include "text/tokenizer.h"
 
 typedef struct ds_engine ds_engine;
@@ -243,6 +244,9 @@ typedef struct ds_engine_stats {
     uint64_t kv_pulls, kv_pull_failures, kv_pull_blocks, kv_pull_bytes;
     uint32_t spec_draft_digest; /* checksum over every draft proposed, in order: two runs that
                                    drafted the same tokens agree (a test of the tap relays) */
+    /* constrained decoding: this process's grammar cache (the HTTP threads' checks and, where
+     * this rank samples, the engine's matchers); zero until the first constrained request */
+    ds_grammar_stats grammar;
 } ds_engine_stats;
 void ds_engine_get_stats(ds_engine *e, ds_engine_stats *s);
 

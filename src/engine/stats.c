@@ -51,4 +51,9 @@ void ds_engine_get_stats(ds_engine *e, ds_engine_stats *s) {
     s->kv_expired = xs.expired;
     s->kv_served = xs.served;
     s->kv_send_errors = xs.errors;
+    pthread_mutex_lock(&e->gmu); /* the grammars are made once, under gmu, and kept */
+    ds_grammars *g = e->grammars;
+    pthread_mutex_unlock(&e->gmu);
+    memset(&s->grammar, 0, sizeof s->grammar);
+    if (g) ds_grammars_stats(g, &s->grammar);
 }

@@ -620,12 +620,7 @@ static enum MHD_Result handle_models(ds_server *s, struct MHD_Connection *c) {
         json_pack("{s:s, s:s, s:I, s:s, s:s, s:n, s:i}", "id", s->model_name, "object", "model",
                   "created", (json_int_t)time(NULL), "owned_by", "deltaserve", "root",
                   ds_engine_model_dir(e), "parent", "max_model_len", ds_engine_max_model_len(e));
-    /* what the chat endpoint does with this model's output (oai_parse.c): tool calls in either
-     * format (K2 sections, K3 XTML); only K3 thinks; constrained decoding when llguidance loads */
-    int k3 = ds_engine_chat_format(e) == DS_CHAT_K3, so = ds_engine_grammar_ready(e, NULL);
-    json_object_set_new(m, "capabilities",
-                        json_pack("{s:s, s:b, s:b, s:b}", "chat_format", k3 ? "k3" : "kimi_linear",
-                                  "tool_calls", 1, "reasoning", k3, "structured_outputs", so));
+    json_object_set_new(m, "capabilities", ds_oai_capabilities(e));
     return send_json(c, 200, json_pack("{s:s, s:[o]}", "object", "list", "data", m));
 }
 

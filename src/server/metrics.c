@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define MAX_BUCKETS 32
 
@@ -277,6 +278,30 @@ static void render_hist(textbuf *t, const char *name, const hist_def *d, const h
     tb_printf(t, "%s%s_count{%s} %llu\n", t->pfx, name, labels, (unsigned long long)h->count);
 }
 
+/* Constrained decoding's grammar cache (text/grammar.h): compiles, hits, refusals, and how long
+ * llguidance took to compile. */
+static void render_grammar(textbuf *t, const ds_grammar_stats *g, const char *labels) {
+    counter(t, "grammar_compiles_total",
+            "Grammars (JSON schemas, enforced tool calls) compiled by llguidance: cache misses.",
+            labels, (double)g->compiles);
+    counter(t, "grammar_compile_failures_total",
+            "Grammars llguidance refused to compile (the request got a 400 naming the reason).",
+            labels, (double)g->compile_failures);
+    counter(t, "grammar_cache_hits_total",
+            "Lookups (a request's check, a choice's matcher) that found the grammar compiled.",
+            labels, (double)g->hits);
+    counter(t, "grammar_cache_evictions_total", "Compiled grammars evicted (least recently used).",
+            labels, (double)g->evictions);
+    gauge(t, "grammar_cache_entries", "Compiled grammars in the cache.", labels, g->entries);
+    static const hist_def def = {"grammar_compile_seconds",
+                                 "Time llguidance took to compile a grammar (failures included).",
+                                 ds_grammar_compile_bounds, DS_GRAMMAR_COMPILE_BUCKETS};
+    _Static_assert(DS_GRAMMAR_COMPILE_BUCKETS <= MAX_BUCKETS, "the histogram holds the buckets");
+    hist h = {{0}, g->compile_seconds, g->compiles + g->compile_failures};
+    memcpy(h.counts, g->compile_buckets, sizeof g->compile_buckets);
+    render_hist(t, def.name, &def, &h, labels);
+}
+
 /* The latency histograms, from one snapshot taken under the lock. */
 static void render_histograms(textbuf *t, const hist *snap, const char *labels) {
     for (int i = 0; i < DS_HIST_COUNT; i++)
@@ -318,6 +343,7 @@ char *ds_metrics_render(ds_metrics *m, const ds_engine_stats *st, const char *mo
         render_engine(&t, st, labels);
         render_counters(&t, st, labels);
         render_histograms(&t, snap, labels);
+        render_grammar(&t, &st->grammar, labels);
         if (i == 0) render_vllm_legacy(&t, st, snap, labels);
     }
     if (t.oom) {

@@ -5,8 +5,10 @@
  * Gauges and token/preemption/finish counters are read from the engine (ds_engine_get_stats) when
  * /metrics is scraped. Latency histograms are measured here, in the server, from the times the
  * engine's events reach it: time to first token, inter-token latency and end-to-end latency, each
- * from the moment the request's body was received. Observations come from the engine thread (the
- * event callback), so an observation is a few additions under a mutex. */
+ * from the moment the request's body was received. The grammar cache's counters and compile-time
+ * histogram (grammar_*) come from the engine's llguidance wrapper (text/grammar.h). Observations
+ * come from the engine thread (the event callback), so an observation is a few additions under a
+ * mutex. */
 #ifndef DS_METRICS_H
 #define DS_METRICS_H
 

@@ -11,7 +11,9 @@
 void ds_oai_parse_opts(ds_oai_resp_ctx *c, const ds_oai_request *r, int fmt) {
     memset(&c->parse, 0, sizeof c->parse);
     c->parse_specials = 0;
+    c->one_call = 0;
     if (r->kind != DS_OAI_CHAT) return;
+    c->one_call = !r->parallel_tool_calls;
     c->parse.tools = r->tools_json && !(r->tool_choice && !strcmp(r->tool_choice, "none"));
     /* the K3 generation prompt opens the think element: the text starts in the thought */
     c->parse.reasoning = fmt == DS_CHAT_K3 && r->thinking && r->add_generation_prompt;
@@ -71,14 +73,14 @@ json_t *ds_oai_parsed_message(const ds_oai_resp_ctx *c, const ds_oai_choice *ch)
         json_object_set_new(m, "reasoning_content", str_or_null(o->reasoning, o->reasoning_len));
     if (o->n_calls) {
         json_t *calls = json_array();
-        for (int i = 0; i < o->n_calls; i++) json_array_append_new(calls, call_json(&o->calls[i]));
+        int n = c->one_call ? 1 : o->n_calls;
+        for (int i = 0; i < n; i++) json_array_append_new(calls, call_json(&o->calls[i]));
         json_object_set_new(m, "tool_calls", calls);
     }
     return m;
 }
 
 json_t *ds_oai_parsed_deltas(const ds_oai_resp_ctx *c, ds_oai_choice *ch) {
-    (void)c;
     json_t *arr = json_array();
     const ds_tp_out *o = ch->tpo;
     if (!arr || !o) return arr;
@@ -91,7 +93,7 @@ json_t *ds_oai_parsed_deltas(const ds_oai_resp_ctx *c, ds_oai_choice *ch) {
             json_object_set_new(d, "content", ds_oai_json_string_lossy(o->content, o->content_len));
         json_array_append_new(arr, d);
     }
-    for (int i = 0; i < o->n_calls; i++) {
+    for (int i = 0; i < o->n_calls && !(c->one_call && ch->n_calls); i++) {
         const ds_tp_call *k = &o->calls[i];
         int idx = ch->n_calls++;
         json_array_append_new(

@@ -322,6 +322,7 @@ static int parse_chat(json_t *root, ds_oai_request *r, ds_oai_error *e) {
             return type_error(e, "tool_choice", "a string or an object", tc);
         }
     }
+    if (get_bool(root, "parallel_tool_calls", &r->parallel_tool_calls, e)) return DS_ERR;
     json_t *rf = field(root, "response_format");
     if (rf) {
         if (!json_is_object(rf)) return type_error(e, "response_format", "an object", rf);
@@ -481,6 +482,7 @@ int ds_oai_parse_request(ds_oai_kind kind, const char *body, size_t len, const c
     out->kind = kind;
     out->add_generation_prompt = 1;
     out->thinking = 1;
+    out->parallel_tool_calls = 1;
     ds_request_params_default(&out->params);
     json_error_t je;
     /* NUL is legal in JSON strings (a prompt may hold one); fields that cannot carry it say so */

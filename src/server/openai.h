@@ -58,6 +58,8 @@ typedef struct ds_oai_request {
     char *thinking_effort;      /* "reasoning_effort", or NULL */
     int add_generation_prompt;  /* default 1 */
     int thinking;               /* chat_template_kwargs.thinking (default 1) */
+    int parallel_tool_calls;    /* default 1; 0: one call per message (the grammar of an
+                                   enforced tool_choice makes one; auto keeps the first) */
     /* both */
     ds_request_params params; /* params.stop[] and params.grammar are this struct's own */
     int max_tokens_set;       /* 0: ds_oai_fit_context picks the default */
@@ -97,6 +99,11 @@ int ds_oai_parse_detokenize(const char *body, size_t len, const char *served_nam
  * An empty prompt is a 400. min_tokens is clamped to max_tokens. */
 int ds_oai_fit_context(ds_oai_request *r, int n_prompt, int max_model_len, ds_oai_error *e);
 
+/* /v1/models' "capabilities" of the served model: chat_format, tool_calls, parallel_tool_calls,
+ * tool_choice (the values served: required / function only with constrained decoding), reasoning,
+ * structured_outputs (llguidance loaded). */
+json_t *ds_oai_capabilities(ds_engine *e);
+
 /* Structured outputs (structured.c): the grammar of a chat request's response_format, or of its
  * tool_choice "required" / named function (which wins when both are given), compiled once here so
  * that a bad schema is a 400 naming the field, into r->params.grammar. A request that needs one
@@ -118,11 +125,13 @@ typedef struct ds_oai_resp_ctx {
     /* chat: what to split out of the generated text (oai_parse.c); all 0: the text as it is */
     ds_tp_opts parse;
     int parse_specials; /* feed the names of skipped special tokens to the parser (K3's XTML) */
+    int one_call;       /* parallel_tool_calls false: a message's calls after its first are dropped
+                           (tool_choice auto, as vLLM; an enforced choice makes only one anyway) */
 } ds_oai_resp_ctx;
 
 /* The parse options of a chat request: tool calls when tools are given and tool_choice is not
  * "none"; reasoning (and K3's XTML markers) with thinking on in the K3 format. fmt:
- * ds_chat_format. Sets c->parse and c->parse_specials. */
+ * ds_chat_format. Sets c->parse, c->parse_specials and c->one_call. */
 void ds_oai_parse_opts(ds_oai_resp_ctx *c, const ds_oai_request *r, int fmt);
 
 /* One engine event, copied off the engine thread (the engine's pointers die with the callback). */

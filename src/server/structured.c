@@ -14,18 +14,36 @@ static int grammar_error(ds_oai_error *oe, const char *param, const ds_err *err)
     return ds_oai_errorf(oe, 400, param, "invalid_value", "%s", err->msg);
 }
 
+/* Tool calls in the conversation's assistant messages: K2's call ids count calls over the whole
+ * conversation, so the first one this message makes is functions.NAME:<this many>. */
+static int calls_before(const char *messages_json) {
+    json_error_t je;
+    json_t *msgs = messages_json ? json_loads(messages_json, 0, &je) : NULL;
+    size_t n = 0;
+    for (size_t i = 0; i < json_array_size(msgs); i++) {
+        json_t *m = json_array_get(msgs, i);
+        const char *role = json_string_value(json_object_get(m, "role"));
+        if (role && !strcmp(role, "assistant"))
+            n += json_array_size(json_object_get(m, "tool_calls"));
+    }
+    json_decref(msgs);
+    return (int)DS_MIN(n, (size_t)1000000);
+}
+
 int ds_oai_build_grammar(ds_engine *e, ds_oai_request *r, ds_oai_error *oe) {
     free(r->params.grammar);
     r->params.grammar = NULL;
     if (r->kind != DS_OAI_CHAT) return DS_OK;
     int fmt = ds_engine_chat_format(e);
     ds_grammar_ctx c = {ds_engine_tokenizer(e), fmt,
-                        fmt == DS_CHAT_K3 && r->thinking && r->add_generation_prompt};
+                        fmt == DS_CHAT_K3 && r->thinking && r->add_generation_prompt,
+                        r->parallel_tool_calls, 0};
     ds_err err = {{0}};
     const char *param = NULL;
     char *lark = NULL;
     if (r->tool_choice_json && r->tools_json) { /* enforced calls win over response_format */
         param = "tool_choice";
+        if (fmt != DS_CHAT_K3) c.call_base = calls_before(r->messages_json);
         if (ds_grammar_from_tools(&c, r->tools_json, r->tool_choice_json, &lark, &err))
             return grammar_error(oe, param, &err);
     } else if (r->tool_choice_json) {
@@ -51,4 +69,17 @@ int ds_oai_build_grammar(ds_engine *e, ds_oai_request *r, ds_oai_error *oe) {
     }
     r->params.grammar = lark;
     return DS_OK;
+}
+
+json_t *ds_oai_capabilities(ds_engine *e) {
+    /* what the chat endpoint does with this model's output (oai_parse.c): tool calls in either
+     * format (K2 sections, K3 XTML), several per message (parallel_tool_calls false keeps one);
+     * only K3 thinks; constrained decoding when llguidance loads, and with it the enforced
+     * tool_choice values */
+    int k3 = ds_engine_chat_format(e) == DS_CHAT_K3, so = ds_engine_grammar_ready(e, NULL);
+    json_t *choices = so ? json_pack("[s, s, s, s]", "auto", "none", "required", "function")
+                         : json_pack("[s, s]", "auto", "none");
+    return json_pack("{s:s, s:b, s:b, s:o, s:b, s:b}", "chat_format", k3 ? "k3" : "kimi_linear",
+                     "tool_calls", 1, "parallel_tool_calls", 1, "tool_choice", choices, "reasoning",
+                     k3, "structured_outputs", so);
 }

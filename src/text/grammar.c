@@ -271,6 +271,22 @@ int ds_grammars_mask_words(const ds_grammars *g) {
     return g->words;
 }
 
+/* From a millisecond (a small schema) to seconds (large nested schemas with many tools). */
+const double ds_grammar_compile_bounds[DS_GRAMMAR_COMPILE_BUCKETS] = {
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0};
+
+/* Counts one compile that took `seconds` (ok: it succeeded). Under g->mu. */
+static void count_compile(ds_grammars *g, double seconds, int ok) {
+    int b = 0;
+    while (b < DS_GRAMMAR_COMPILE_BUCKETS && seconds > ds_grammar_compile_bounds[b]) b++;
+    g->st.compile_buckets[b]++;
+    g->st.compile_seconds += seconds;
+    if (ok)
+        g->st.compiles++;
+    else
+        g->st.compile_failures++;
+}
+
 /* A fresh compile of the Lark text (the cache's miss path; outside the lock: it can take ms). */
 static llg_mat *compile(ds_grammars *g, const char *lark, ds_err *err) {
     llg_cinit ci;
@@ -310,7 +326,12 @@ static int get(ds_grammars *g, const char *lark, int want, llg_mat **out, ds_err
     }
     g->st.misses++;
     pthread_mutex_unlock(&g->mu);
+    double t0 = ds_now();
     llg_mat *m = compile(g, lark, err);
+    double took = ds_now() - t0;
+    pthread_mutex_lock(&g->mu);
+    count_compile(g, took, m != NULL);
+    pthread_mutex_unlock(&g->mu);
     char *key = m ? strdup(lark) : NULL;
     if (!m || !key) {
         if (m) api.free_matcher(m);

@@ -57,9 +57,20 @@ int ds_matcher_validate(ds_matcher *m, const int32_t *toks, int n, ds_err *err);
 /* 1 once the grammar has ended (only eos may follow, or eos was consumed). */
 int ds_matcher_done(const ds_matcher *m);
 
+/* Upper bounds (seconds) of the compile-time histogram's buckets, ascending; +Inf implied. */
+#define DS_GRAMMAR_COMPILE_BUCKETS 12
+extern const double ds_grammar_compile_bounds[DS_GRAMMAR_COMPILE_BUCKETS];
+
+/* The cache's counters since ds_grammars_new. Every miss is one compile by llguidance, which
+ * either succeeds (compiles) or refuses the grammar (compile_failures: not cached, so the same
+ * bad grammar compiles again next time). */
 typedef struct ds_grammar_stats {
     uint64_t hits, misses, evictions;
     int entries;
+    uint64_t compiles, compile_failures;
+    double compile_seconds; /* summed over every compile, failed ones included */
+    uint64_t compile_buckets[DS_GRAMMAR_COMPILE_BUCKETS + 1]; /* [i]: compiles that took
+        (bounds[i-1], bounds[i]] seconds; the last one longer than every bound */
 } ds_grammar_stats;
 void ds_grammars_stats(ds_grammars *g, ds_grammar_stats *s);
 
@@ -76,7 +87,14 @@ typedef struct ds_grammar_ctx {
     const ds_tokenizer *tok;
     int fmt;
     int thinking;
+    int parallel;  /* parallel_tool_calls: "required" may make several calls (else exactly one) */
+    int call_base; /* K2 sections: calls in the conversation before this message (the first
+                      call's id is functions.NAME:call_base) */
 } ds_grammar_ctx;
+
+/* The most calls one message may make under tool_choice "required" with parallel_tool_calls:
+ * the grammar numbers its calls, so they are spelled out up to a bound. */
+#define DS_GRAMMAR_MAX_CALLS 16
 
 /* response_format (the request's JSON object): "text" gives *lark = NULL; "json_object" any
  * JSON object; "json_schema" its json_schema.schema. A malformed object or schema is an error
@@ -84,9 +102,11 @@ typedef struct ds_grammar_ctx {
 int ds_grammar_from_response_format(const ds_grammar_ctx *c, const char *rf_json, char **lark,
                                     ds_err *err);
 /* tool_choice "required" (tool_choice_json NULL or "\"required\"") or a named function
- * ({"type":"function","function":{"name":...}}): one call of one of the tools (of that one),
- * written in the chat format's tool-call syntax (K3 XTML, K2 sections) with its arguments as JSON
- * following the function's `parameters` schema. tools_json: the request's tools array. */
+ * ({"type":"function","function":{"name":...}}), written in the chat format's tool-call syntax
+ * (K3 XTML, K2 sections), each call's arguments as JSON following its function's `parameters`
+ * schema. "required": 1 to DS_GRAMMAR_MAX_CALLS calls, each of any of the tools, in one section
+ * (exactly one when c->parallel is 0); named: exactly one call of that function (as vLLM).
+ * tools_json: the request's tools array. */
 int ds_grammar_from_tools(const ds_grammar_ctx *c, const char *tools_json,
                           const char *tool_choice_json, char **lark, ds_err *err);
 

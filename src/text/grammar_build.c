@@ -116,18 +116,34 @@ int ds_grammar_from_response_format(const ds_grammar_ctx *c, const char *rf_json
     return finish(&b, lark, err);
 }
 
-/* Rule call_i: one call of tool `name` with arguments args_i, in the chat format's syntax. */
-static int call_rule(ds_sbuf *b, const ds_grammar_ctx *c, int i, const char *name, json_t *params,
-                     ds_err *err) {
+/* Rule args_i: the arguments of tools[i], its `parameters` schema as JSON. */
+static int args_rule(ds_sbuf *b, int i, json_t *params, ds_err *err) {
     char where[160];
     snprintf(where, sizeof where, "tools[%d].function.parameters", i);
-    ds_sbuf_printf(b, "call_%d:", i);
+    ds_sbuf_printf(b, "args_%d: ", i);
+    /* no parameters: the function takes none, so its arguments are {} */
+    json_t *obj = params ? NULL
+                         : json_pack("{s:s, s:{}, s:b}", "type", "object", "properties",
+                                     "additionalProperties", 0);
+    int rc = schema_text(b, params ? params : obj, where, err);
+    json_decref(obj);
+    ds_sbuf_puts(b, "\n");
+    return rc;
+}
+
+/* Rule call_i_k: the message's k-th call (from 0) being one of tool `name` (tools[i]), in the
+ * chat format's syntax, its arguments args_i. The position is in the call: K3 numbers a
+ * message's calls index="1", "2", ...; K2's id functions.NAME:n counts calls over the whole
+ * conversation (c->call_base of them came before this message). */
+static int call_rule(ds_sbuf *b, const ds_grammar_ctx *c, int i, int k, const char *name,
+                     ds_err *err) {
+    ds_sbuf_printf(b, "call_%d_%d:", i, k);
     if (c->fmt == DS_CHAT_K3) {
-        ds_sbuf hdr = {0}; /* call tool="NAME" index="1", the name escaped as XTML attributes are */
+        ds_sbuf hdr = {0}; /* call tool="NAME" index="k+1", the name escaped as XTML attributes */
         ds_sbuf_puts(&hdr, "call tool=\"");
         for (const char *s = name; *s; s++)
             ds_sbuf_puts(&hdr, *s == '&' ? "&amp;" : *s == '"' ? "&quot;" : (char[2]){*s, 0});
-        ds_sbuf_puts(&hdr, "\" index=\"1\"");
+        ds_sbuf_printf(&hdr, "\" index=\"%d\"", k + 1);
         int rc = hdr.oom ? ds_errf(err, "out of memory") : k3_mark(b, c, 1, hdr.p, err);
         free(hdr.p);
         if (rc || k3_mark(b, c, 1, "json type=\"object\"", err)) return DS_ERR;
@@ -138,7 +154,7 @@ static int call_rule(ds_sbuf *b, const ds_grammar_ctx *c, int i, const char *nam
         ds_sbuf id = {0};
         ds_sbuf_printf(&id, "functions.");
         ds_sbuf_puts(&id, name);
-        ds_sbuf_puts(&id, ":0");
+        ds_sbuf_printf(&id, ":%d", c->call_base + k);
         if (id.oom) return ds_errf(err, "out of memory");
         ds_sbuf_puts(b, " ");
         sb_lit(b, id.p, id.len);
@@ -147,15 +163,8 @@ static int call_rule(ds_sbuf *b, const ds_grammar_ctx *c, int i, const char *nam
         ds_sbuf_printf(b, " args_%d", i);
         if (sb_special(b, c, "<|tool_call_end|>", err)) return DS_ERR;
     }
-    ds_sbuf_printf(b, "\nargs_%d: ", i);
-    /* no parameters: the function takes none, so its arguments are {} */
-    json_t *obj = params ? NULL
-                         : json_pack("{s:s, s:{}, s:b}", "type", "object", "properties",
-                                     "additionalProperties", 0);
-    int rc = schema_text(b, params ? params : obj, where, err);
-    json_decref(obj);
     ds_sbuf_puts(b, "\n");
-    return rc;
+    return DS_OK;
 }
 
 /* The named function of tool_choice ({"type":"function","function":{"name":N}}), or NULL for
@@ -173,21 +182,42 @@ static int chosen_name(const char *tc_json, const char **name, json_t **tc, ds_e
     return DS_OK;
 }
 
-/* Every call rule (of the chosen tool, or of all) into b; *n_calls of them. */
+/* The name of tools[i], or NULL when it has none. */
+static const char *tool_name(json_t *tools, size_t i) {
+    json_t *fn = json_object_get(json_array_get(tools, i), "function");
+    return json_string_value(json_object_get(fn, "name"));
+}
+
+/* The rules of the calls into b: args_i of every tool allowed (the chosen one, or all), a
+ * call_i_k for each of them at each position k < max_calls, and calls_k: a call at position k,
+ * then optionally calls_{k+1} (so calls_0 is one to max_calls calls, in order). */
 static int call_rules(ds_sbuf *b, const ds_grammar_ctx *c, json_t *tools, const char *only,
-                      int *n_calls, ds_err *err) {
-    *n_calls = 0;
+                      int max_calls, ds_err *err) {
+    int n = 0;
     for (size_t i = 0; i < json_array_size(tools); i++) {
-        json_t *fn = json_object_get(json_array_get(tools, i), "function");
-        const char *name = json_string_value(json_object_get(fn, "name"));
+        const char *name = tool_name(tools, i);
         if (!name) return ds_errf(err, "tools[%zu].function.name: expected a string", i);
         if (only && strcmp(only, name)) continue;
-        if (call_rule(b, c, (int)i, name, json_object_get(fn, "parameters"), err)) return DS_ERR;
-        (*n_calls)++;
+        json_t *params =
+            json_object_get(json_object_get(json_array_get(tools, i), "function"), "parameters");
+        if (args_rule(b, (int)i, params, err)) return DS_ERR;
+        for (int k = 0; k < max_calls; k++)
+            if (call_rule(b, c, (int)i, k, name, err)) return DS_ERR;
+        n++;
     }
-    if (!*n_calls)
+    if (!n)
         return only ? ds_errf(err, "tool_choice.function.name: no tool is named \"%s\"", only)
                     : ds_errf(err, "tool_choice: \"required\" needs at least one tool");
+    for (int k = 0; k < max_calls; k++) {
+        ds_sbuf_printf(b, "calls_%d: (", k);
+        for (size_t i = 0, alt = 0; i < json_array_size(tools); i++) {
+            if (only && strcmp(only, tool_name(tools, i))) continue;
+            ds_sbuf_printf(b, "%scall_%zu_%d", alt++ ? " | " : "", i, k);
+        }
+        ds_sbuf_puts(b, ")");
+        if (k + 1 < max_calls) ds_sbuf_printf(b, " calls_%d?", k + 1);
+        ds_sbuf_puts(b, "\n");
+    }
     return DS_OK;
 }
 
@@ -200,9 +230,11 @@ int ds_grammar_from_tools(const ds_grammar_ctx *c, const char *tools_json,
     json_t *tc;
     int rc = chosen_name(tool_choice_json, &only, &tc, err);
     if (!rc && !json_is_array(tools)) rc = ds_errf(err, "tools: expected a list of tools");
+    /* a named function is called once (as vLLM does); "required" may call several tools in one
+     * message unless parallel_tool_calls is false */
+    int max_calls = only || !c->parallel ? 1 : DS_GRAMMAR_MAX_CALLS;
     ds_sbuf rules = {0}, b = {0};
-    int n = 0;
-    if (!rc) rc = call_rules(&rules, c, tools, only, &n, err);
+    if (!rc) rc = call_rules(&rules, c, tools, only, max_calls, err);
     if (!rc) {
         ds_sbuf_puts(&b, "start:");
         if (c->fmt == DS_CHAT_K3) {
@@ -212,14 +244,7 @@ int ds_grammar_from_tools(const ds_grammar_ctx *c, const char *tools_json,
         } else {
             rc = sb_special(&b, c, "<|tool_calls_section_begin|>", err);
         }
-        ds_sbuf_puts(&b, " (");
-        for (size_t i = 0, k = 0; !rc && i < json_array_size(tools); i++) {
-            const char *name = json_string_value(
-                json_object_get(json_object_get(json_array_get(tools, i), "function"), "name"));
-            if (only && strcmp(only, name)) continue;
-            ds_sbuf_printf(&b, "%scall_%zu", k++ ? " | " : "", i);
-        }
-        ds_sbuf_puts(&b, ")");
+        ds_sbuf_puts(&b, " calls_0");
         if (!rc)
             rc = c->fmt == DS_CHAT_K3 ? k3_mark(&b, c, 0, "tools", err)
                                       : sb_special(&b, c, "<|tool_calls_section_end|>", err);

@@ -13,11 +13,13 @@ Without llguidance the server must refuse such requests clearly and serve the re
 import importlib.util
 import json
 import os
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from conftest import MODEL_NAME, Server
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 HAVE_LLG = importlib.util.find_spec("llguidance") is not None
 
@@ -122,41 +124,98 @@ def test_json_schema_200_validate(client):
     assert len({ch.message.content for _, ch in outs}) > N_SCHEMA // 2
 
 
-def _tool_request(client, i, choice):
-    r = client.chat.completions.create(
-        model=MODEL_NAME, messages=MSGS, temperature=1.0, max_tokens=200, seed=5000 + i,
-        tools=TOOLS, tool_choice=choice,
-        extra_body={"chat_template_kwargs": {"thinking": i % 2 == 0}})
-    return r.choices[0]
+TOOL_MAX_TOKENS = 400  # the prompt (3 tools) is ~590 tokens of the shared server's 1024
 
 
-def _check_tool_calls(client, n, named):
+def _tool_request(client, i, choice, parallel=None, stream=False):
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    return client.chat.completions.create(
+        model=MODEL_NAME, messages=MSGS, temperature=1.0, max_tokens=TOOL_MAX_TOKENS,
+        seed=5000 + i, tools=TOOLS, tool_choice=choice, stream=stream,
+        extra_body={"chat_template_kwargs": {"thinking": i % 2 == 0}}, **extra)
+
+
+def _check_tool_calls(client, n, named, parallel=None):
+    """n enforced-call requests; every call parses and its arguments validate. Named, or with
+    parallel_tool_calls false: exactly one call, finish "tool_calls". "required" with parallel
+    calls (the default): one or more, and the only other finish is running out of max_tokens
+    in the middle of several calls (each call is ~70 tokens on this model). Returns the names
+    called and the number of calls of each response, by request index."""
     choices = ["required"] if not named else [
         {"type": "function", "function": {"name": t["function"]["name"]}} for t in TOOLS]
     with ThreadPoolExecutor(16) as ex:
         outs = list(ex.map(lambda i: (choices[i % len(choices)],
-                                      _tool_request(client, i, choices[i % len(choices)])),
+                                      _tool_request(client, i, choices[i % len(choices)],
+                                                    parallel)),
                            range(n)))
-    names = set()
-    for choice, ch in outs:
-        assert ch.finish_reason == "tool_calls", ch.message
-        calls = ch.message.tool_calls
-        assert calls and len(calls) == 1, ch.message
-        name = calls[0].function.name
-        names.add(name)
-        if choice != "required":
-            assert name == choice["function"]["name"]
-        args = json.loads(calls[0].function.arguments)
-        jsonschema.validate(args, PARAMS[name])
-        assert name != "no_args" or args == {}  # no parameters: no arguments
-    return names
+    names, counts = set(), []
+    for choice, r in outs:
+        ch = r.choices[0]
+        calls = ch.message.tool_calls or []
+        if named or parallel is False:
+            assert len(calls) == 1 and ch.finish_reason == "tool_calls", ch.message
+        elif ch.finish_reason == "length":
+            assert r.usage.completion_tokens == TOOL_MAX_TOKENS and len(calls) >= 2, ch.message
+        else:
+            assert ch.finish_reason == "tool_calls" and calls, ch.message
+        assert len({c.id for c in calls}) == len(calls), calls  # ids tell the calls apart
+        for call in calls:
+            name = call.function.name
+            names.add(name)
+            if choice != "required":
+                assert name == choice["function"]["name"]
+            args = json.loads(call.function.arguments)
+            jsonschema.validate(args, PARAMS[name])
+            assert name != "no_args" or args == {}  # no parameters: no arguments
+        counts.append(len(calls))
+    return names, counts
 
 
 @needs_llg
 def test_tool_choice_required_and_named(client):
-    # required: any tool (more than one gets picked over 30 samples)
-    assert len(_check_tool_calls(client, N_TOOLS, named=False)) >= 2
-    assert _check_tool_calls(client, N_TOOLS, named=True) == set(PARAMS)
+    # required: any tool (more than one gets picked over the samples), and several calls in one
+    # message (parallel_tool_calls defaults to true): the model draws another call or the end
+    # of the tools section after each call, so some of the samples make two or more
+    names, counts = _check_tool_calls(client, N_TOOLS, named=False)
+    assert len(names) >= 2
+    assert max(counts) >= 2, counts
+    # named: exactly one call of that function, parallel_tool_calls or not (as vLLM)
+    assert _check_tool_calls(client, N_TOOLS, named=True)[0] == set(PARAMS)
+
+
+@needs_llg
+def test_parallel_tool_calls_false_makes_one_call(client):
+    # the same seeds as above, where several made two or more calls: now every one makes one
+    names, counts = _check_tool_calls(client, N_TOOLS, named=False, parallel=False)
+    assert counts == [1] * N_TOOLS and len(names) >= 2
+    _check_tool_calls(client, len(TOOLS), named=True, parallel=False)
+
+
+@needs_llg
+def test_parallel_calls_stream_like_whole(client):
+    """A response with several calls, streamed: the client's own accumulator rebuilds exactly the
+    non-streamed calls (index 0, 1, ... each with its id and name first)."""
+    for i in range(N_TOOLS):
+        whole = _tool_request(client, i, "required").choices[0]
+        if whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) >= 2:
+            break
+    else:
+        pytest.fail("no sample made two calls")
+    state = ChatCompletionStreamState()
+    for chunk in _tool_request(client, i, "required", stream=True):
+        state.handle_chunk(chunk)
+    streamed = state.current_completion_snapshot.choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    assert [(c.id, c.function.name, c.function.arguments) for c in streamed.message.tool_calls] \
+        == [(c.id, c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+@needs_llg
+def test_parallel_tool_calls_must_be_a_boolean(server):
+    status, body = server.post_json("/v1/chat/completions", {
+        "model": MODEL_NAME, "messages": MSGS, "max_tokens": 4, "tools": TOOLS,
+        "tool_choice": "required", "parallel_tool_calls": "no"})
+    assert status == 400 and body["error"]["param"] == "parallel_tool_calls", body
 
 
 @needs_llg
@@ -212,6 +271,43 @@ def test_bad_requests_name_the_field(server):
 
 
 @needs_llg
+def test_grammar_cache_metrics(server):
+    """/metrics counts the grammar cache: a schema never seen is compiled once, the same schema
+    again is a hit; a schema llguidance refuses is a 400 and a compile failure."""
+    tag = uuid.uuid4().hex  # a schema no earlier test sent
+    schema = {"type": "object", "properties": {tag: {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}},
+              "required": [tag], "additionalProperties": False}
+    body = {"model": MODEL_NAME, "messages": MSGS, "max_tokens": 8,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "m", "schema": schema}}}
+    m0 = server.metrics()
+    for _ in range(2):
+        status, out = server.post_json("/v1/chat/completions", body)
+        assert status == 200, out
+    m1 = server.metrics()
+
+    def delta(name, m_after=None):
+        return (m_after or m1).get("deltaserve:" + name, 0) - m0.get("deltaserve:" + name, 0)
+    assert delta("grammar_compiles_total") == 1
+    # the second request's check, and the engine's matchers where this process samples
+    assert delta("grammar_cache_hits_total") >= 1
+    assert delta("grammar_compile_failures_total") == 0
+    assert delta("grammar_compile_seconds_count") == 1
+    assert 0 < delta("grammar_compile_seconds_sum") < 60
+    assert m1["deltaserve:grammar_cache_entries"] >= 1
+    assert m1["vllm:grammar_compiles_total"] == m1["deltaserve:grammar_compiles_total"]
+    bad = {**body, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {tag: {"$ref": "#/nope"}}}}}}
+    status, out = server.post_json("/v1/chat/completions", bad)
+    assert status == 400 and "cannot be compiled" in out["error"]["message"], out
+    m2 = server.metrics()
+    assert delta("grammar_compile_failures_total", m2) == 1
+    assert delta("grammar_compiles_total", m2) == 1
+    assert delta("grammar_compile_seconds_count", m2) == 2
+
+
+@needs_llg
 @own_server
 def test_ngram_speculation_keeps_the_grammar():
     """n-gram drafts copy earlier text (JSON repeats itself), so drafts the grammar forbids reach
@@ -244,6 +340,11 @@ def test_without_the_library_requests_are_refused_clearly(monkeypatch):
             "model": MODEL_NAME, "messages": MSGS, "max_tokens": 4})
         assert status == 200 and body["choices"][0]["finish_reason"] in ("stop", "length")
         status, _, raw = srv.request("GET", "/v1/models")
-        assert json.loads(raw)["data"][0]["capabilities"]["structured_outputs"] is False
+        caps = json.loads(raw)["data"][0]["capabilities"]
+        assert caps["structured_outputs"] is False and caps["tool_choice"] == ["auto", "none"]
+        status, body = srv.post_json("/v1/chat/completions", {
+            "model": MODEL_NAME, "messages": MSGS, "max_tokens": 4, "tools": TOOLS,
+            "tool_choice": "required"})
+        assert status == 400 and body["error"]["param"] == "tool_choice", body
     finally:
         assert srv.stop() == 0

@@ -28,9 +28,12 @@ def test_models_capabilities(client, server):
     m = json.loads(body)["data"][0]
     assert m["object"] == "model" and m["id"] == MODEL_NAME  # OpenAI's fields stay
     caps = m["capabilities"]
-    # structured outputs need llguidance (test_structured.py covers both cases)
-    assert caps == {"chat_format": "k3", "tool_calls": True, "reasoning": True,
-                    "structured_outputs": importlib.util.find_spec("llguidance") is not None}
+    # structured outputs, and with them the enforced tool_choice values, need llguidance
+    # (test_structured.py covers both cases)
+    llg = importlib.util.find_spec("llguidance") is not None
+    assert caps == {"chat_format": "k3", "tool_calls": True, "parallel_tool_calls": True,
+                    "tool_choice": ["auto", "none"] + (["required", "function"] if llg else []),
+                    "reasoning": True, "structured_outputs": llg}
 
 
 def _whole_and_streamed(client, **kw):

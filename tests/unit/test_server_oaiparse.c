@@ -230,6 +230,25 @@ static void test_tool_calls(void **state) {
           "tool_calls");
 }
 
+/* parallel_tool_calls false: only the message's first call goes out (tool_choice auto), whole
+ * and streamed; the finish stays "tool_calls". */
+static void test_one_call(void **state) {
+    (void)state;
+    char body[512];
+    snprintf(body, sizeof body, "%s, \"parallel_tool_calls\": false}", k_tools_body);
+    ds_oai_resp_ctx c = ctx_for(body, DS_CHAT_KIMI_LINEAR);
+    assert_true(c.one_call);
+    const char *p[] = {SB CB "functions.f:0" AB "{\"x\": 1}" CE, CB "functions.g:1" AB "{}" CE,
+                       CB "functions.h:2" AB "{}" CE SE};
+    check(&c, p, DS_ARRAY_LEN(p),
+          "{\"role\": \"assistant\", \"content\": null, \"tool_calls\": [{\"id\": "
+          "\"functions.f:0\", \"type\": \"function\", \"function\": {\"name\": \"f\", "
+          "\"arguments\": \"{\\\"x\\\": 1}\"}}]}",
+          "tool_calls");
+    snprintf(body, sizeof body, "%s, \"parallel_tool_calls\": true}", k_tools_body);
+    assert_false(ctx_for(body, DS_CHAT_KIMI_LINEAR).one_call);
+}
+
 static void test_malformed_and_off(void **state) {
     (void)state;
     char body[512];
@@ -340,9 +359,8 @@ static void test_k3_tool_calls(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_tool_calls),
-        cmocka_unit_test(test_malformed_and_off),
-        cmocka_unit_test(test_reasoning_k3),
+        cmocka_unit_test(test_tool_calls),        cmocka_unit_test(test_one_call),
+        cmocka_unit_test(test_malformed_and_off), cmocka_unit_test(test_reasoning_k3),
         cmocka_unit_test(test_k3_tool_calls),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

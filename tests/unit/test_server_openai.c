@@ -408,7 +408,7 @@ static void test_completion_response(void **state) {
     int32_t a = id_of("a"), b = id_of("b");
     int32_t hi = id_of_bytes("\xc3", 1), lo = id_of_bytes("\xa9", 1);
     ds_oai_resp_ctx c = {DS_OAI_COMPLETIONS, "cmpl-1", "tiny", 1700000000, 2, tok, 0, 0,
-                         {0, 0, 0},          0};
+                         {0, 0, 0},          0,        0};
     ds_oai_choice ch[2];
     memset(ch, 0, sizeof ch);
     ds_err err;
@@ -481,7 +481,7 @@ static void test_completion_response(void **state) {
 static void test_chat_response_and_chunks(void **state) {
     (void)state;
     int32_t a = id_of("a"), b = id_of("b");
-    ds_oai_resp_ctx c = {DS_OAI_CHAT, "chatcmpl-9", "tiny", 5, 1, tok, 0, 0, {0, 0, 0}, 0};
+    ds_oai_resp_ctx c = {DS_OAI_CHAT, "chatcmpl-9", "tiny", 5, 1, tok, 0, 0, {0, 0, 0}, 0, 0};
     ds_oai_choice ch;
     memset(&ch, 0, sizeof ch);
     ds_err err;
@@ -564,7 +564,7 @@ static void test_chat_response_and_chunks(void **state) {
 static void test_completion_chunk_logprobs(void **state) {
     (void)state;
     int32_t a = id_of("a");
-    ds_oai_resp_ctx c = {DS_OAI_COMPLETIONS, "cmpl-2", "tiny", 5, 0, tok, 0, 0, {0, 0, 0}, 0};
+    ds_oai_resp_ctx c = {DS_OAI_COMPLETIONS, "cmpl-2", "tiny", 5, 0, tok, 0, 0, {0, 0, 0}, 0, 0};
     ds_oai_choice ch;
     memset(&ch, 0, sizeof ch);
     /* a held-back token still sends its logprobs (with empty text) */

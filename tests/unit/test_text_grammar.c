@@ -111,7 +111,7 @@ static void test_json_enum_mask(void **state) {
     fixture *F = &fx[0];
     if (!F->g) skip();
     ds_err err;
-    ds_grammar_ctx c = {F->tok, DS_CHAT_K3, 0};
+    ds_grammar_ctx c = {F->tok, DS_CHAT_K3, 0, 0, 0};
     char *lark = NULL;
     assert_int_equal(ds_grammar_from_response_format(
                          &c,
@@ -165,6 +165,15 @@ static void test_cache_lru(void **state) {
     assert_true(strlen(err.msg) > 0);
     ds_grammars_stats(F->g, &s);
     assert_int_equal(s.entries, 2);
+    /* every miss compiled: three grammars, one refusal, each timed in one bucket */
+    assert_int_equal(s.compiles - s0.compiles, 3);
+    assert_int_equal(s.compile_failures - s0.compile_failures, 1);
+    assert_int_equal(s.misses - s0.misses, 4);
+    uint64_t timed = 0, timed0 = 0;
+    for (int b = 0; b <= DS_GRAMMAR_COMPILE_BUCKETS; b++)
+        timed += s.compile_buckets[b], timed0 += s0.compile_buckets[b];
+    assert_int_equal(timed - timed0, 4);
+    assert_true(s.compile_seconds > s0.compile_seconds);
 }
 
 /* Encodes text (specials by name), checks the grammar accepts every token and then ends. */
@@ -196,7 +205,7 @@ static void test_tool_grammars(void **state) {
     ds_err err;
     char *lark = NULL;
     /* K3, thinking: the thought closes, then one XTML call with a json block */
-    ds_grammar_ctx c3 = {fx[0].tok, DS_CHAT_K3, 1};
+    ds_grammar_ctx c3 = {fx[0].tok, DS_CHAT_K3, 1, 0, 0};
     assert_int_equal(ds_grammar_from_tools(&c3, k_tools, "\"required\"", &lark, &err), DS_OK);
     accepts_all(&fx[0], lark,
                 "<|close|>think<|sep|><|open|>tools<|sep|><|open|>call tool=\"add\" "
@@ -209,11 +218,12 @@ static void test_tool_grammars(void **state) {
                               "{\"type\":\"function\",\"function\":{\"name\":\"get_weather\"}}",
                               &lark, &err),
         DS_OK);
-    assert_non_null(strstr(lark, "call_0"));
-    assert_null(strstr(lark, "call_1")); /* add is tools[1] */
+    assert_non_null(strstr(lark, "call_0_0"));
+    assert_null(strstr(lark, "call_1_"));  /* add is tools[1] */
+    assert_null(strstr(lark, "call_0_1")); /* one call, also with parallel_tool_calls */
     free(lark);
     /* K2 sections */
-    ds_grammar_ctx c2 = {fx[1].tok, DS_CHAT_KIMI_LINEAR, 0};
+    ds_grammar_ctx c2 = {fx[1].tok, DS_CHAT_KIMI_LINEAR, 0, 0, 0};
     assert_int_equal(ds_grammar_from_tools(&c2, k_tools, NULL, &lark, &err), DS_OK);
     accepts_all(&fx[1], lark,
                 "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
@@ -239,12 +249,124 @@ static void test_tool_grammars(void **state) {
     assert_null(lark);
 }
 
+/* How many tokens of text (specials by name) the grammar accepts from its start. */
+static int accepted_prefix(fixture *F, const char *lark, const char *text, int *n_tokens) {
+    ds_err err;
+    int32_t *ids = NULL;
+    assert_int_equal(ds_tok_encode(F->tok, text, strlen(text), 1, &ids, n_tokens, &err), DS_OK);
+    ds_matcher *m;
+    if (ds_matcher_new(F->g, lark, &m, &err)) fail_msg("%s\n%s", err.msg, lark);
+    int k = ds_matcher_validate(m, ids, *n_tokens, &err);
+    ds_matcher_free(m);
+    free(ids);
+    return k;
+}
+
+/* The output parser's calls of text (K3: XTML; else K2 sections), as "id name args;" each. */
+static void parsed_calls(const char *text, int xtml, char *out, size_t cap) {
+    ds_tp_opts o = {1, 0, xtml};
+    ds_toolparse p;
+    ds_tp_out r = {0};
+    ds_err err;
+    ds_tp_init(&p, &o);
+    assert_int_equal(ds_tp_feed(&p, text, strlen(text), &r, &err), DS_OK);
+    assert_int_equal(ds_tp_finish(&p, &r, &err), DS_OK);
+    out[0] = 0;
+    for (int i = 0; i < r.n_calls; i++)
+        snprintf(out + strlen(out), cap - strlen(out), "%s %s %s;", r.calls[i].id, r.calls[i].name,
+                 r.calls[i].args);
+    assert_int_equal(r.content_len, 0); /* nothing left over as text */
+    ds_tp_out_free(&r);
+    ds_tp_free(&p);
+}
+
+/* tool_choice required with parallel_tool_calls: several calls (any tools, numbered in order) in
+ * one section, each one's arguments by its own schema, up to DS_GRAMMAR_MAX_CALLS; without it, or
+ * for a named function, exactly one. */
+static void test_parallel_tool_calls(void **state) {
+    (void)state;
+    if (!fx[0].g || !fx[1].g) skip();
+    ds_err err;
+    char *one = NULL, *many = NULL, got[512];
+    int n;
+    /* K3, thinking off: two calls of different tools */
+    static const char two3[] =
+        "<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool=\"get_weather\" "
+        "index=\"1\"<|sep|><|open|>json type=\"object\"<|sep|>{\"city\": \"Oslo\"}<|close|>"
+        "json<|sep|><|close|>call<|sep|><|open|>call tool=\"add\" index=\"2\"<|sep|><|open|>json "
+        "type=\"object\"<|sep|>{\"a\": -3}<|close|>json<|sep|><|close|>call<|sep|><|close|>tools"
+        "<|sep|>";
+    ds_grammar_ctx p3 = {fx[0].tok, DS_CHAT_K3, 0, 1, 0}, s3 = {fx[0].tok, DS_CHAT_K3, 0, 0, 0};
+    assert_int_equal(ds_grammar_from_tools(&p3, k_tools, "\"required\"", &many, &err), DS_OK);
+    assert_int_equal(ds_grammar_from_tools(&s3, k_tools, "\"required\"", &one, &err), DS_OK);
+    accepts_all(&fx[0], many, two3);
+    parsed_calls(two3, 1, got, sizeof got);
+    assert_string_equal(got, "functions.get_weather:0 get_weather {\"city\": \"Oslo\"};"
+                             "functions.add:1 add {\"a\": -3};");
+    /* parallel_tool_calls false: the tools section must close after the first call; the
+     * parallel grammar refuses the second call's arguments by add's schema, not get_weather's */
+    int first = (int)(strstr(two3, "<|open|>call tool=\"add\"") - two3);
+    char *head = strndup(two3, (size_t)first);
+    int n_head;
+    int k_head = accepted_prefix(&fx[0], one, head, &n_head);
+    assert_int_equal(k_head, n_head);
+    assert_int_equal(accepted_prefix(&fx[0], one, two3, &n), n_head);
+    free(head);
+    char *swapped = strdup(two3);
+    memcpy(strstr(swapped, "{\"a\""), "{\"b\"", 4); /* add has no b */
+    assert_true(accepted_prefix(&fx[0], many, swapped, &n) < n);
+    free(swapped);
+    free(one), free(many);
+    /* a named function: one call, whatever parallel_tool_calls says */
+    assert_int_equal(
+        ds_grammar_from_tools(
+            &p3, k_tools, "{\"type\":\"function\",\"function\":{\"name\":\"add\"}}", &one, &err),
+        DS_OK);
+    static const char add_add[] =
+        "<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool=\"add\" index=\"1\"<|sep|>"
+        "<|open|>json type=\"object\"<|sep|>{\"a\": 1}<|close|>json<|sep|><|close|>call<|sep|>"
+        "<|open|>call tool=\"add\" index=\"2\"<|sep|><|open|>json type=\"object\"<|sep|>"
+        "{\"a\": 2}<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>";
+    assert_true(accepted_prefix(&fx[0], one, add_add, &n) < n);
+    free(one);
+    /* K2 sections: ids count the conversation's calls (3 came before), up to the cap */
+    ds_grammar_ctx p2 = {fx[1].tok, DS_CHAT_KIMI_LINEAR, 0, 1, 3};
+    assert_int_equal(ds_grammar_from_tools(&p2, k_tools, "\"required\"", &many, &err), DS_OK);
+    char text[8192] = "<|tool_calls_section_begin|>";
+    for (int k = 0; k < DS_GRAMMAR_MAX_CALLS; k++)
+        snprintf(text + strlen(text), sizeof text - strlen(text),
+                 "<|tool_call_begin|>functions.add:%d<|tool_call_argument_begin|>{\"a\": %d}"
+                 "<|tool_call_end|>",
+                 3 + k, k);
+    size_t body = strlen(text);
+    strcat(text, "<|tool_calls_section_end|>");
+    accepts_all(&fx[1], many, text);
+    parsed_calls(text, 0, got, sizeof got);
+    assert_non_null(strstr(got, "functions.add:3 add {\"a\": 0};functions.add:4 add {\"a\": 1};"));
+    /* one more call is refused at its first token; a repeated number too */
+    int n_body;
+    text[body] = 0;
+    int k_body = accepted_prefix(&fx[1], many, text, &n_body);
+    assert_int_equal(k_body, n_body);
+    snprintf(text + body, sizeof text - body,
+             "<|tool_call_begin|>functions.add:%d<|tool_call_argument_begin|>{\"a\": 0}"
+             "<|tool_call_end|><|tool_calls_section_end|>",
+             3 + DS_GRAMMAR_MAX_CALLS);
+    assert_int_equal(accepted_prefix(&fx[1], many, text, &n), n_body);
+    static const char wrong_id[] =
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.add:3<|tool_call_argument_begin|>"
+        "{\"a\": 0}<|tool_call_end|><|tool_call_begin|>functions.add:3<|tool_call_argument_begin|>"
+        "{\"a\": 0}<|tool_call_end|><|tool_calls_section_end|>";
+    assert_true(accepted_prefix(&fx[1], many, wrong_id, &n) < n);
+    free(many);
+}
+
 static void test_response_format_accepts(void **state) {
     (void)state;
     if (!fx[0].g) skip();
     ds_err err;
     char *lark = NULL;
-    ds_grammar_ctx c = {fx[0].tok, DS_CHAT_K3, 1};
+    ds_grammar_ctx c = {fx[0].tok, DS_CHAT_K3, 1, 0, 0};
     assert_int_equal(ds_grammar_from_response_format(&c, "{\"type\":\"json_object\"}", &lark, &err),
                      DS_OK);
     accepts_all(&fx[0], lark,
@@ -266,11 +388,9 @@ static void test_response_format_accepts(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_mask_exact),
-        cmocka_unit_test(test_json_enum_mask),
-        cmocka_unit_test(test_cache_lru),
-        cmocka_unit_test(test_tool_grammars),
-        cmocka_unit_test(test_response_format_accepts),
+        cmocka_unit_test(test_mask_exact),          cmocka_unit_test(test_json_enum_mask),
+        cmocka_unit_test(test_cache_lru),           cmocka_unit_test(test_tool_grammars),
+        cmocka_unit_test(test_parallel_tool_calls), cmocka_unit_test(test_response_format_accepts),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
