@@ -955,7 +955,7 @@ def reword_question(g, text):
         if not mm:
             return text
         new = g.pick([f"{lead} {mm.group(2)} {mm.group(3)}.", f"Tell me {mm.group(2)} {mm.group(3)}.",
-                      f"What do you get for {mm.group(2)} {mm.group(3)}?", f"{lead} {mm.group(2)} {mm.group(3)}."])
+                      f"{lead} {mm.group(2)} {mm.group(3)}."])
     sp = "" if not head or head.endswith(" ") else " "
     return head + sp + cap(new)
 
