@@ -860,50 +860,9 @@ def f_time(g):
     return q, ans
 
 
-def f_unit_price(g):
-    """Unit rates: k things cost $c, so m things cost ...; or how many fit a budget; or a better buy."""
-    p = g.person()
-    s, pl = g.pick(GOODS)
-    k = g.ri(2, 12)
-    unit = Fraction(g.r(1, 30)) if g.chance(0.75) else Fraction(g.ri(2, 40) * 4 + g.pick([1, 2, 3]), 4)
-    c = unit * k
-    mode = g.pick(["more", "budget", "compare"])
-    fact = g.pick([f"{k} {pl} cost {money(c)}.", f"A pack of {k} {pl} sells for {money(c)}.",
-                   f"{p.name} pays {money(c)} for {k} {pl}.", f"At the shop, {k} {pl} are priced at {money(c)} in total.",
-                   f"It costs {money(c)} to buy {k} {pl}."])
-    if mode == "more":
-        m = g.ri(2, 25)
-        qq = g.pick([f"At the same price each, how much do {m} {pl} cost?",
-                     f"How much would {p.name} pay for {m} {pl} at that rate?",
-                     f"What is the cost of {m} {pl}?", f"Find the price of {m} {pl} at the same rate."])
-        one = g.op(f"One {s} costs", c, "/", k, money_=True)
-        ans = g.op(f"{m} {pl} cost", m, "*", one, money_=True)
-    elif mode == "budget":
-        b = unit * g.ri(2, 40)
-        qq = g.pick([f"How many {pl} can {p.name} buy with {money(b)}?",
-                     f"{p.name} has {money(b)} to spend. How many {pl} can {p.sub} get?",
-                     f"With {money(b)}, how many {pl} can be bought?"])
-        one = g.op(f"One {s} costs", c, "/", k, money_=True)
-        ans = g.op("The number that fits the budget is", b, "/", one)
-    else:
-        k2 = g.ri(2, 12)
-        unit2 = unit + g.pick([-1, 1, 2, -2]) * Fraction(g.pick([1, 2, 4]), 4)
-        if unit2 <= 0 or k2 == k:
-            raise Reject("compare")
-        c2 = unit2 * k2
-        fact = fact + " " + g.pick([f"Another store sells {k2} {pl} for {money(c2)}.",
-                                    f"Online, {k2} {pl} cost {money(c2)}."])
-        qq = g.pick([f"How much cheaper is one {s} at the cheaper place, in dollars?",
-                     f"By how many dollars does the price of one {s} differ between the two?"])
-        one = g.op(f"At the first, one {s} costs", c, "/", k, money_=True)
-        two = g.op(f"At the second, one {s} costs", c2, "/", k2, money_=True)
-        ans = g.op("The difference is", max(one, two), "-", min(one, two), money_=True)
-    return _join(g, [fact], qq), ans
-
-
 FAMILIES = [(f_inventory, 5), (f_shopping, 3), (f_percent, 2), (f_rate, 3), (f_average, 2),
             (f_backwards, 2), (f_compare, 3), (f_share, 2), (f_negative, 1), (f_group_total, 2),
-            (f_geometry, 2), (f_time, 2), (f_unit_price, 2)]
+            (f_geometry, 2), (f_time, 2)]
 
 
 # ------------------------------------------------------------------------------------------------
