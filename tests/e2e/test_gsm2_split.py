@@ -78,3 +78,20 @@ def test_indist_tier_is_the_heldout_draw():
     moves the draw fails here until the tier is re-written (`eval/gsm_tiers.py --write`)."""
     got = [p["question"] for p in gsm_tiers.load_tier("indist")]
     assert got == [p["question"] for p in gsm2.make_problems("heldout", len(got), 0)]
+
+
+def test_no_tier_question_in_the_mixed_generators():
+    """The training mix also draws tools/data/gsm.py (issue 37's second run): its train split
+    holds no tier question either, and the mix parser names both generators with their weights."""
+    sys.path.insert(0, os.path.join(REPO, "tools", "train"))
+    import data  # noqa: E402
+
+    mix = data.parse_mix(f"{REPO}/tools/data/gsm2.py:0.75,{REPO}/tools/data/gsm.py:0.25")
+    assert [os.path.basename(p) for p, _ in mix] == ["gsm2.py", "gsm.py"]
+    assert [w for _, w in mix] == [0.75, 0.25]
+    gsm = data._load_one(mix[1][0])
+    seen = {gsm2.normalize(p["question"]) for p in gsm.make_problems("train", 6000, 123)}
+    assert len(seen) > 3000
+    for t in gsm_tiers.TIERS:
+        hits = [p["question"] for p in gsm_tiers.load_tier(t) if gsm2.normalize(p["question"]) in seen]
+        assert not hits, f"{t}: {len(hits)} tier questions in gsm.py's train split, e.g. {hits[0]!r}"

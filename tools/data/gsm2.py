@@ -146,6 +146,11 @@ def _div_expr(a, b):
     if (isinstance(a, int) and isinstance(b, int) and b > 1 and q.denominator == 1 and q >= 20
             and a > 0):
         qi = int(q)
+        if qi >= 1000:  # long quotients: one part per nonzero digit, each a digit times b
+            parts = [int(d) * 10 ** (len(str(qi)) - 1 - i) for i, d in enumerate(str(qi)) if d != "0"]
+            if len(parts) > 1:
+                return (f"{a} / {b} = ({' + '.join(str(b * v) for v in parts)}) / {b} = "
+                        f"{' + '.join(map(str, parts))} = {qi}")
         k = len(str(qi)) - 1
         hi = (qi // 10 ** k) * 10 ** k
         lo = qi - hi
@@ -238,80 +243,148 @@ def _join(g, facts, question, shuffle=True, distract=0.3):
 # Families.  Each takes a Gen and returns the question; the working is in g.steps and the answer
 # is returned as the second value.
 
+# Phrasing pools shared by the families (issue 37's second data pass: the m20 model learned the
+# first pass's phrasings and failed the same facts in other words, so every fact and question
+# below has many wordings, written from everyday English).
+HAS = ["has", "owns", "keeps", "possesses", "holds", "has got"]
+
+
+def ask_count(g, p, pl, when=None):
+    """A question asking how many `pl` person p has after the story (many wordings)."""
+    w = when or g.pick(["now", "in the end", "at the end", "after all this", "now", "at the end of the day"])
+    n, s = p.name, p.sub
+    who = n if g.chance(0.75) else s
+    has = "has"
+    return g.pick([
+        f"How many {pl} does {who} have {w}?",
+        f"How many {pl} does {who} have {w}?",
+        f"How many {pl} does {who} end up with?",
+        f"How many {pl} are left with {n}?",
+        f"What is the number of {pl} {n} {has} {w}?",
+        f"Find how many {pl} {n} {has} {w}.",
+        f"Find the number of {pl} that {who} {has} {w}.",
+        f"Determine how many {pl} {who} {has} {w}.",
+        f"What total number of {pl} does {who} have {w}?",
+        f"What is the total number of {pl} {n} {has} {w}?",
+        f"Work out how many {pl} {n} {has} {w}.",
+        f"Calculate how many {pl} {who} {has} {w}.",
+        f"How many {pl} does {n} own {w}?",
+        f"{n} now has how many {pl}?",
+        f"After all of that, how many {pl} does {who} have?",
+        f"How many {pl} are in {n}'s collection {w}?",
+        f"Count {n}'s {pl} {w}. How many are there?",
+        f"How many {pl} does {who} keep in the end?",
+        f"What number of {pl} does {n} end up with?",
+        f"By the end, how many {pl} does {n} have?",
+    ])
+
+
 def f_inventory(g):
     """A person's count changes through 1-8 events (buy packs, give, get, lose, double, share)."""
     p = g.person()
     s, pl = g.pick(ITEMS)
     x = g.r(3, 80)
-    q = [g.pick([f"{p.name} has {x} {pl}.", f"{p.name} owns {x} {pl}.",
+    cs0 = g.pick(CONTAINERS)[0]
+    q = [g.pick([f"{p.name} has {x} {pl}.", f"{p.name} owns {x} {pl}.", f"{p.name} {g.pick(HAS)} {x} {pl}.",
                  f"{p.name} starts with {x} {pl}.", f"At first, {p.name} has {x} {pl}.",
-                 f"There are {x} {pl} in {p.name}'s collection.",
-                 f"{p.name} had {x} {pl} in the morning."])]
+                 f"There are {x} {pl} in {p.name}'s collection.", f"{p.name} begins with {x} {pl}.",
+                 f"{p.name} had {x} {pl} in the morning.", f"{p.name} has a collection of {x} {pl}.",
+                 f"{p.name}'s {cs0} contains {x} {pl}.", f"In {p.pos} room, {p.name} keeps {x} {pl}.",
+                 f"{p.name} has saved up {x} {pl}.", f"To start, {p.name} has {x} {pl}.",
+                 f"{p.name} counts {x} {pl} in {p.pos} {cs0}."])]
     n_events = g.pick([1, 1, 2, 2, 3, 3, 4, 5, 6, 7])
     cur = Fraction(x)
     who = p.name
     for _ in range(n_events):
-        kind = g.pick(["buy", "give", "get", "lose", "packs", "double", "share", "eat"])
+        kind = g.pick(["buy", "give", "get", "lose", "packs", "double", "share", "eat", "sell"])
         f = None
-        if kind in ("give", "lose", "eat"):
+        if kind in ("give", "lose", "eat", "sell"):
             d = g.r(1, 40)
             if d > cur:
                 kind = "get"
         if kind == "buy" or kind == "get":
             d = g.r(1, 50)
+            P, r = cap(g.ref(p)), g.ref(p)
             if kind == "buy":
-                q.append(g.pick([f"{cap(g.ref(p))} buys {d} more {pl}.",
-                                 f"Then {g.ref(p)} buys another {d} {pl}.",
-                                 f"{cap(g.ref(p))} picks up {d} {pl} at the market."]))
+                q.append(g.pick([f"{P} buys {d} more {pl}.", f"Then {r} buys another {d} {pl}.",
+                                 f"{P} picks up {d} {pl} at the market.", f"{P} purchases {d} more {pl}.",
+                                 f"Next, {r} orders {d} {pl} online.", f"{P} adds {d} new {pl} to the pile.",
+                                 f"{P} gets {d} more {pl} at the store.", f"After that, {r} buys {d} {pl}."]))
             else:
                 f = g.person()
-                q.append(g.pick([f"{f.name} gives {p.obj} {d} {pl}.",
-                                 f"{cap(g.ref(p))} gets {d} {pl} from {f.name}.",
-                                 f"{cap(g.ref(p))} receives {d} more {pl} as a gift."]))
-            cur = g.op(g.pick([f"{who} now has", "Then there are", "That makes"]), cur, "+", d, pl)
+                q.append(g.pick([f"{f.name} gives {p.obj} {d} {pl}.", f"{P} gets {d} {pl} from {f.name}.",
+                                 f"{P} receives {d} more {pl} as a gift.", f"{f.name} hands {p.obj} {d} {pl}.",
+                                 f"{f.name} donates {d} {pl} to {p.name}.", f"{P} is given {d} {pl} by {f.name}.",
+                                 f"{f.name} sends {p.obj} {d} {pl}.", f"{P} collects {d} more {pl}.",
+                                 f"{P} wins {d} {pl} in a game.", f"{P} finds {d} {pl} in the garage.",
+                                 f"{f.name} passes {d} {pl} to {p.obj}."]))
+            cur = g.op(g.pick([f"{who} now has", "Then there are", "That makes", f"{cap(p.sub)} has"]), cur, "+", d,
+                       pl)
         elif kind == "give":
             f = g.person()
-            q.append(g.pick([f"{cap(g.ref(p))} gives {d} {pl} to {f.name}.",
-                             f"{cap(g.ref(p))} gives {f.name} {d} of them.",
-                             f"{f.name} takes {d} {pl} from {p.obj}."]))
-            cur = g.op(g.pick([f"After giving some away, {p.sub} has", "Then there are", "That leaves"]),
-                       cur, "-", d, pl)
-        elif kind == "lose" or kind == "eat":
-            verb = "eats" if kind == "eat" and s in ("apple", "orange", "pear", "cookie", "cupcake",
-                                                      "plum", "peach", "candy") else "loses"
-            q.append(g.pick([f"{cap(g.ref(p))} {verb} {d} {pl}.",
-                             f"Later, {g.ref(p)} {verb} {d} of the {pl}."]))
-            cur = g.op(g.pick(["That leaves", f"{cap(p.sub)} then has", "Now there are"]), cur, "-", d, pl)
+            P = cap(g.ref(p))
+            q.append(g.pick([f"{P} gives {d} {pl} to {f.name}.", f"{P} gives {f.name} {d} of them.",
+                             f"{f.name} takes {d} {pl} from {p.obj}.", f"{P} hands {d} {pl} to {f.name}.",
+                             f"{P} donates {d} {pl} to a school.", f"{P} trades away {d} {pl}.",
+                             f"{P} gives away {d} {pl}.", f"{P} passes {d} of the {pl} to {f.name}.",
+                             f"{P} sends {d} {pl} to {f.name}.", f"{f.name} receives {d} {pl} from {p.obj}."]))
+            cur = g.op(g.pick([f"After giving some away, {p.sub} has", "Then there are", "That leaves",
+                               f"{who} is left with"]), cur, "-", d, pl)
+        elif kind in ("lose", "eat", "sell"):
+            edible = s in ("apple", "orange", "pear", "cookie", "cupcake", "plum", "peach", "candy")
+            P, r = cap(g.ref(p)), g.ref(p)
+            if kind == "sell":
+                opts = [f"{P} sells {d} {pl}.", f"{P} sells {d} of the {pl} at a yard sale."]
+            elif kind == "eat" and edible:
+                opts = [f"{P} eats {d} {pl}.", f"Later, {r} eats {d} of the {pl}.", f"{P} eats {d} of them."]
+            else:
+                opts = [f"{P} loses {d} {pl}.", f"Later, {r} loses {d} of the {pl}.", f"{P} drops {d} {pl}.",
+                        f"{d} of the {pl} go missing.", f"{P} misplaces {d} {pl}.",
+                        f"Sadly, {d} {pl} get lost."]
+            q.append(g.pick(opts))
+            cur = g.op(g.pick(["That leaves", f"{cap(p.sub)} then has", "Now there are", "What remains is"]), cur, "-",
+                       d, pl)
         elif kind == "packs":
             cs, cp = g.pick(CONTAINERS)
             k, m = g.ri(2, 12), g.r(2, 30)
-            q.append(g.pick([f"{cap(g.ref(p))} buys {k} {cp} with {m} {pl} in each {cs}.",
-                             f"{cap(g.ref(p))} buys {k} {cp} of {pl}, and each {cs} holds {m} {pl}.",
-                             f"Then {g.ref(p)} gets {k} {cp} of {m} {pl} each."]))
+            P, r = cap(g.ref(p)), g.ref(p)
+            q.append(g.pick([f"{P} buys {k} {cp} with {m} {pl} in each {cs}.",
+                             f"{P} buys {k} {cp} of {pl}, and each {cs} holds {m} {pl}.",
+                             f"Then {r} gets {k} {cp} of {m} {pl} each.",
+                             f"{P} buys {k} {cp} of {pl}. Each {cs} has {m} {pl}.",
+                             f"{P} purchases {k} {cp}; every {cs} contains {m} {pl}.",
+                             f"{P} gets {k} {cp}, each holding {m} {pl}.",
+                             f"{P} opens {k} new {cp} of {m} {pl} each.",
+                             f"A {cs} holds {m} {pl}, and {r} buys {k} {cp}."]))
             n = g.op(f"The {cp} hold", k, "*", m, pl)
             cur = g.op(g.pick([f"{who} now has", "Together that is", "That makes"]), cur, "+", n, pl)
         elif kind == "double":
             if cur > 2000:
                 raise Reject("big")
-            q.append(g.pick([f"{cap(g.ref(p))} doubles the number of {pl}.",
-                             f"The number of {pl} {p.sub} has then doubles.",
-                             f"{cap(g.ref(p))} ends up with twice as many {pl} as before."]))
+            P = cap(g.ref(p))
+            q.append(g.pick([f"{P} doubles the number of {pl}.", f"The number of {pl} {p.sub} has then doubles.",
+                             f"{P} ends up with twice as many {pl} as before.",
+                             f"Then the number of {pl} grows to twice as many."]))
             cur = g.op("Doubling gives", cur, "*", 2, pl)
         elif kind == "share":
             k = g.pick([2, 3, 4, 5])
             if cur % k:
                 raise Reject("share")
-            q.append(g.pick([f"{cap(g.ref(p))} splits the {pl} equally into {k} piles and keeps one pile.",
-                             f"{cap(g.ref(p))} gives away all but one of {k} equal parts of the {pl}."]))
+            P = cap(g.ref(p))
+            q.append(g.pick([f"{P} splits the {pl} equally into {k} piles and keeps one pile.",
+                             f"{P} gives away all but one of {k} equal parts of the {pl}.",
+                             f"{P} divides the {pl} into {k} equal groups and keeps only one group."]))
             cur = g.op("One part is", cur, "/", k, pl)
-    q.append(g.pick([f"How many {pl} does {p.name} have now?",
-                     f"How many {pl} does {p.name} have in the end?",
-                     f"How many {pl} does {p.sub} end up with?",
-                     f"How many {pl} are left with {p.name}?",
-                     f"What is the number of {pl} {p.name} has at the end?",
-                     f"Find how many {pl} {p.name} has now."]))
-    facts = q[:-1]
-    return " ".join(facts + ([g.distractor()] if g.chance(0.25) else []) + [q[-1]]), cur
+    question = ask_count(g, p, pl)
+    facts = q
+    if g.chance(0.25):
+        facts = facts + [g.distractor()]
+    if g.chance(0.12):  # the question first, then the story
+        lead = g.pick([f"How many {pl} does {p.name} have after the following?",
+                       f"Find the number of {pl} {p.name} ends up with.",
+                       f"Work out how many {pl} {p.name} has at the end of this story."])
+        return " ".join([lead] + facts), cur
+    return " ".join(facts + [question]), cur
 
 
 def f_shopping(g):
@@ -326,7 +399,12 @@ def f_shopping(g):
         facts.append(g.pick([f"{p.name} buys {k} {pl} for {money(c)} each.",
                              f"{cap(pl)} cost {money(c)} each, and {p.name} buys {k}.",
                              f"{p.name} gets {k} {pl} at {money(c)} apiece.",
-                             f"Each {s} costs {money(c)}; {p.name} takes {k} of them."]))
+                             f"Each {s} costs {money(c)}; {p.name} takes {k} of them.",
+                             f"{p.name} pays {money(c)} for each of {k} {pl}.",
+                             f"{p.name} orders {k} {pl} that sell for {money(c)} apiece.",
+                             f"The price of one {s} is {money(c)}, and {p.name} buys {k}.",
+                             f"{p.name} picks out {k} {pl} priced at {money(c)} each.",
+                             f"{p.name} spends {money(c)} on each of the {k} {pl} {p.sub} buys."]))
         totals.append(g.op(f"The {pl} cost", k, "*", c, money_=True))
     total = totals[0]
     for t in totals[1:]:
@@ -338,12 +416,18 @@ def f_shopping(g):
             raise Reject("bill")
         qq = g.pick([f"{cap(p.sub)} pays with a ${bill} bill. How much change does {p.sub} get?",
                      f"If {p.sub} hands over ${bill}, how much change should {p.sub} receive?",
-                     f"{cap(p.sub)} pays with ${bill}. How many dollars of change come back?"])
+                     f"{cap(p.sub)} pays with ${bill}. How many dollars of change come back?",
+                     f"{p.name} gives the cashier ${bill}. How much change is due?",
+                     f"Paying with a ${bill} bill, what change does {p.name} get back?",
+                     f"{cap(p.sub)} hands the clerk ${bill}. Find the change."])
         ans = g.op("The change is", bill, "-", total, money_=True)
     elif mode == "discount":
         pct = g.pick([10, 20, 25, 50, 5, 15, 30])
         qq = g.pick([f"The store gives {p.obj} a {pct}% discount on the whole bill. How much does {p.sub} pay?",
-                     f"With a {pct}% discount, what does {p.name} pay in total?"])
+                     f"With a {pct}% discount, what does {p.name} pay in total?",
+                     f"Everything is {pct}% off today. How much does {p.name} pay?",
+                     f"{p.name} uses a coupon for {pct}% off the total. What is the final price?",
+                     f"There is a {pct}% sale on the whole order. Find the amount {p.name} pays."])
         off = g.op(f"The discount is {pct}% of {money(total)}:", total, "*", Fraction(pct, 100), money_=True)
         ans = g.op("So the bill is", total, "-", off, money_=True)
     elif mode == "left":
@@ -351,11 +435,17 @@ def f_shopping(g):
         if w < total:
             raise Reject("wallet")
         facts.insert(0, f"{p.name} has {money(w)}.")
-        qq = g.pick([f"How much money does {p.name} have left?", f"How many dollars are left after shopping?"])
+        facts[0] = g.pick([f"{p.name} has {money(w)}.", f"{p.name} has {money(w)} in {p.pos} wallet.",
+                           f"{p.name} brings {money(w)} to the store.", f"{p.name} starts with {money(w)} to spend."])
+        qq = g.pick([f"How much money does {p.name} have left?", f"How many dollars are left after shopping?",
+                     f"How much money remains?", f"What amount of money is left?",
+                     f"How many dollars does {p.name} still have?", f"Find how much money {p.name} has left."])
         ans = g.op("Left over:", w, "-", total, money_=True)
     else:
         qq = g.pick([f"How much does {p.name} spend in total?", f"How many dollars does {p.sub} pay altogether?",
-                     f"What is the total cost?"])
+                     f"What is the total cost?", f"What is the total bill?", f"How much money does {p.name} spend?",
+                     f"Find the total amount {p.name} pays.", f"What total does {p.name} pay at the register?",
+                     f"How much does everything cost together?", f"Determine the cost of the whole order."])
         ans = total
     if g.chance(0.5):
         g.rng.shuffle(facts)
@@ -371,7 +461,12 @@ def f_percent(g):
         q = g.pick([f"{p.name} has {n} {pl}. {pct}% of them are red. How many red {pl} does {p.sub} have?",
                     f"Of the {n} {pl} in a box, {pct}% are broken. How many are broken?",
                     f"What is {pct}% of {n}?",
-                    f"A class has {n} students and {pct}% of them walk to school. How many students walk?"])
+                    f"A class has {n} students and {pct}% of them walk to school. How many students walk?",
+                    f"Find {pct} percent of {n}.", f"Calculate {pct}% of {n}.",
+                    f"A farm has {n} animals, and {pct}% of them are sheep. How many sheep are there?",
+                    f"{p.name} reads a book with {n} pages. So far {p.sub} has read {pct}% of it. How many pages "
+                    f"has {p.sub} read?",
+                    f"In a town of {n} people, {pct} percent ride bikes. How many people ride bikes?"])
         ans = g.op(f"{pct}% of {n} is", n, "*", Fraction(pct, 100))
     elif mode in ("increase", "decrease"):
         pct, price = g.pick([10, 20, 25, 50, 5, 40]), g.r(2, 100) * 4
@@ -379,20 +474,27 @@ def f_percent(g):
         q = g.pick([f"A {g.pick(['jacket', 'bike', 'game', 'phone', 'desk'])} costs ${price}. The price goes "
                     f"{'up' if up else 'down'} by {pct}%. What is the new price?",
                     f"{p.name} earns ${price} a week and gets a {pct}% {'raise' if up else 'pay cut'}. "
-                    f"How much does {p.sub} earn a week now?"])
+                    f"How much does {p.sub} earn a week now?",
+                    f"The rent of ${price} a month is {'raised' if up else 'lowered'} by {pct}%. What is the rent now?",
+                    f"A ${price} ticket becomes {pct}% {'more' if up else 'less'} expensive. What does it cost now?"])
         ch = g.op(f"{pct}% of {money(price)} is", price, "*", Fraction(pct, 100), money_=True)
         ans = g.op("The new amount is", price, "+" if up else "-", ch, money_=True)
     elif mode == "remaining":
         pct, n = g.pick([10, 20, 25, 40, 50, 75]), g.r(2, 100) * 4
         q = g.pick([f"{p.name} has ${n} and spends {pct}% of it. How much money is left?",
-                     f"A tank holds {n} liters. {pct}% of the water is used. How many liters remain?"])
+                     f"A tank holds {n} liters. {pct}% of the water is used. How many liters remain?",
+                     f"{p.name} saved ${n}. {cap(p.sub)} spends {pct} percent of the savings on a gift. How many "
+                     f"dollars are left?",
+                     f"A road is {n} km long and {pct}% of it is paved. How many km are not paved yet?"])
         used = g.op(f"{pct}% of {n} is", n, "*", Fraction(pct, 100))
         ans = g.op("What remains is", n, "-", used)
     else:
         tot = g.pick([20, 25, 40, 50, 200, 10, 4, 5])
         part = g.ri(1, tot)
         q = g.pick([f"{p.name} answered {part} of {tot} questions correctly. What percent did {p.sub} get right?",
-                    f"{part} out of {tot} seeds sprouted. What percentage sprouted?"])
+                    f"{part} out of {tot} seeds sprouted. What percentage sprouted?",
+                    f"Of {tot} shots, {p.name} makes {part}. What percent of the shots go in?",
+                    f"{part} of the {tot} students in a club are girls. What percentage of the club is girls?"])
         fr = g.op("The fraction is", part, "/", tot)
         ans = g.op("As a percent that is", fr, "*", 100)
     return q, ans
@@ -405,18 +507,28 @@ def f_rate(g):
         v, t = g.r(3, 80), g.ri(2, 12)
         if g.chance(0.5):
             q = g.pick([f"{p.name} drives at {v} miles per hour for {t} hours. How far does {p.sub} go?",
-                        f"A train travels {v} km each hour. How many km does it cover in {t} hours?"])
+                        f"A train travels {v} km each hour. How many km does it cover in {t} hours?",
+                        f"{p.name} walks at a steady {v} meters per minute. How many meters does {p.sub} walk in "
+                        f"{t} minutes?",
+                        f"Going {v} miles an hour, how far does a bus travel in {t} hours?",
+                        f"A car keeps a speed of {v} km per hour for {t} hours. Find the distance it covers."])
             ans = g.op("Distance is speed times time:", v, "*", t)
         else:
             d = v * t
             q = g.pick([f"{p.name} cycles {d} km in {t} hours. What is {p.pos} average speed in km per hour?",
-                        f"A boat goes {d} miles in {t} hours at a steady speed. How fast is it, in miles per hour?"])
+                        f"A boat goes {d} miles in {t} hours at a steady speed. How fast is it, in miles per hour?",
+                        f"A runner covers {d} meters in {t} minutes. How many meters per minute is that?",
+                        f"It takes {p.name} {t} hours to drive {d} miles. What is {p.pos} speed in miles per hour?"])
             ans = g.op("Speed is distance over time:", d, "/", t)
     elif mode == "wage":
         w, h, days = g.r(8, 40), g.ri(2, 10), g.ri(2, 7)
         q = g.pick([f"{p.name} earns ${w} an hour. {cap(p.sub)} works {h} hours a day for {days} days. "
                     f"How much does {p.sub} earn?",
-                    f"For {days} days, {p.name} works {h} hours each day at ${w} per hour. What is {p.pos} pay?"])
+                    f"For {days} days, {p.name} works {h} hours each day at ${w} per hour. What is {p.pos} pay?",
+                    f"{p.name} is paid ${w} per hour and works {h} hours on each of {days} days. How many dollars "
+                    f"does {p.sub} make?",
+                    f"At a rate of ${w} an hour, {p.name} works {h}-hour shifts on {days} days. Find {p.pos} total "
+                    f"earnings."])
         hrs = g.op(f"{cap(p.sub)} works", h, "*", days, "hours")
         ans = g.op("The pay is", hrs, "*", w, money_=False)
     elif mode == "work":
@@ -424,7 +536,10 @@ def f_rate(g):
         s, pl = g.pick(ITEMS)
         n_workers = g.ri(2, 6)
         q = g.pick([f"One machine makes {r1} {pl} per hour. How many {pl} do {n_workers} machines make in {t} hours?",
-                    f"Each of {n_workers} workers packs {r1} {pl} an hour. How many {pl} are packed in {t} hours?"])
+                    f"Each of {n_workers} workers packs {r1} {pl} an hour. How many {pl} are packed in {t} hours?",
+                    f"{n_workers} robots each make {r1} {pl} every hour. How many {pl} do they make in {t} hours?",
+                    f"A team of {n_workers} people paint {r1} {pl} per hour each. Find how many {pl} they paint in "
+                    f"{t} hours."])
         per = g.op("Together they make", r1, "*", n_workers, f"{pl} per hour")
         ans = g.op(f"In {t} hours that is", per, "*", t, pl)
     elif mode == "convert":
@@ -462,7 +577,12 @@ def f_average(g):
         q = g.pick([f"{p.name}'s {things[0]} are {', '.join(map(str, vals[:-1]))} and {vals[-1]}. What is the average?",
                     f"The numbers {', '.join(map(str, vals))} are written on a board. What is their mean?",
                     f"Over {k} days {p.name} reads {', '.join(map(str, vals[:-1]))} and {vals[-1]} pages. "
-                    f"How many pages does {p.sub} read per day on average?"])
+                    f"How many pages does {p.sub} read per day on average?",
+                    f"Find the mean of {', '.join(map(str, vals[:-1]))} and {vals[-1]}.",
+                    f"{p.name} records {', '.join(map(str, vals))} as {p.pos} {things[0]}. What is the mean value?",
+                    f"What is the average of the numbers {', '.join(map(str, vals))}?",
+                    f"On {k} trips, {p.name} drives {', '.join(map(str, vals[:-1]))} and {vals[-1]} miles. What is "
+                    f"the average distance per trip?"])
         tot = Fraction(vals[0])
         for v in vals[1:]:
             tot = g.op("Adding up:", tot, "+", v)
@@ -472,7 +592,9 @@ def f_average(g):
         q = g.pick([f"{p.name} scored {', '.join(map(str, vals))} on {k} tests. What must {p.sub} score on the next "
                     f"test to average {target} over all {k + 1} tests?",
                     f"After {k} games with {', '.join(map(str, vals))} points, how many points does {p.name} need in "
-                    f"game {k + 1} for an average of {target}?"])
+                    f"game {k + 1} for an average of {target}?",
+                    f"{p.name}'s first {k} quiz scores are {', '.join(map(str, vals))}. Which score on quiz {k + 1} "
+                    f"makes {p.pos} average exactly {target}?"])
         need = g.op(f"An average of {target} over {k + 1} tests needs", target, "*", k + 1, "points")
         tot = Fraction(vals[0])
         for v in vals[1:]:
@@ -527,18 +649,23 @@ def f_compare(g):
     mode = g.pick(["more", "fewer", "times", "diff", "total"])
     if mode == "more":
         d = g.r(2, 60)
-        facts = [f"{a.name} has {x} {pl}.", g.pick([f"{b.name} has {d} more {pl} than {a.name}.",
-                                                   f"{b.name} has {d} {pl} more than {a.name} does."])]
+        facts = [f"{a.name} {g.pick(HAS)} {x} {pl}.", g.pick([f"{b.name} has {d} more {pl} than {a.name}.",
+                                                   f"{b.name} has {d} {pl} more than {a.name} does.",
+                                                   f"{b.name} owns {d} more {pl} than {a.name} owns.",
+                                                   f"{a.name} has {d} fewer {pl} than {b.name}."])]
         y = g.op(f"{b.name} has", x, "+", d, pl)
     elif mode == "fewer":
         d = g.r(1, x - 1) if x > 2 else 1
-        facts = [f"{a.name} has {x} {pl}.", g.pick([f"{b.name} has {d} fewer {pl} than {a.name}.",
-                                                   f"{b.name} has {d} less than {a.name}."])]
+        facts = [f"{a.name} {g.pick(HAS)} {x} {pl}.", g.pick([f"{b.name} has {d} fewer {pl} than {a.name}.",
+                                                   f"{b.name} has {d} less than {a.name}.",
+                                                   f"{a.name} has {d} more {pl} than {b.name}.",
+                                                   f"{b.name} keeps {d} fewer {pl} than {a.name} does."])]
         y = g.op(f"{b.name} has", x, "-", d, pl)
     elif mode == "times":
         k = g.ri(2, 6)
-        facts = [f"{a.name} has {x} {pl}.", g.pick([f"{b.name} has {k} times as many {pl} as {a.name}.",
-                                                   f"{b.name} owns {k} times the number {a.name} owns."])]
+        facts = [f"{a.name} {g.pick(HAS)} {x} {pl}.", g.pick([f"{b.name} has {k} times as many {pl} as {a.name}.",
+                                                   f"{b.name} owns {k} times the number {a.name} owns.",
+                                                   f"{b.name} has {k} times the amount of {pl} {a.name} has."])]
         y = g.op(f"{b.name} has", x, "*", k, pl)
     else:
         y = g.r(5, 150)
@@ -548,10 +675,14 @@ def f_compare(g):
         facts.reverse() if mode in ("diff", "total") else None
     qmode = g.pick(["how_many_b", "total", "diff"]) if mode not in ("diff", "total") else mode
     if qmode == "how_many_b":
-        qq = g.pick([f"How many {pl} does {b.name} have?", f"How many {pl} does {b.name} own?"])
+        qq = g.pick([f"How many {pl} does {b.name} have?", f"How many {pl} does {b.name} own?",
+                     f"Find the number of {pl} {b.name} has.", f"What is {b.name}'s number of {pl}?"])
         ans = y
     elif qmode == "total":
-        qq = g.pick([f"How many {pl} do they have together?", f"How many {pl} do {a.name} and {b.name} have in all?"])
+        qq = g.pick([f"How many {pl} do they have together?", f"How many {pl} do {a.name} and {b.name} have in all?",
+                     f"What is the total number of {pl} the two of them have?",
+                     f"What total number of {pl} do {a.name} and {b.name} have?",
+                     f"Find how many {pl} the two have combined.", f"How many {pl} are there in all?"])
         ans = g.op("Together they have", x, "+", y, pl)
     else:
         if y >= x:
@@ -660,7 +791,10 @@ def f_group_total(g):
             vals.append(g.op(f"{ps[i].name} has", v, "*", 2, pl))
     names = ", ".join(p.name for p in ps[:-1]) + " and " + ps[-1].name
     qq = g.pick([f"How many {pl} do {names} have in total?", f"How many {pl} do they have altogether?",
-                 f"Altogether, how many {pl} do the {len(ps)} friends have?"])
+                 f"Altogether, how many {pl} do the {len(ps)} friends have?",
+                 f"What is the total number of {pl} the {len(ps)} of them have?",
+                 f"Determine how many {pl} the group has in all.", f"How many {pl} are there in all?",
+                 f"Find the combined number of {pl}."])
     tot = vals[0]
     for v in vals[1:]:
         tot = g.op("Adding up gives", tot, "+", v, pl)
@@ -732,9 +866,101 @@ FAMILIES = [(f_inventory, 5), (f_shopping, 3), (f_percent, 2), (f_rate, 3), (f_a
 
 
 # ------------------------------------------------------------------------------------------------
+# Question rewording: the final question of any family said another way ("How many pens does Leo
+# need?" -> "Determine how many pens Leo needs.", "What is the new price?" -> "Find the new
+# price."), so no family's question is tied to one wording.
+
+_IRREG = {"have": "has", "do": "does", "go": "goes"}
+_SUBJ1 = r"(?:he|she|it|[A-Z][a-z]+|the [a-z]+)"        # singular subjects taken by "does"
+_SUBJN = r"(?:they|[A-Z][a-z]+ and [A-Z][a-z]+|the \d+ [a-z]+)"  # plural subjects taken by "do"
+
+
+def third_person(verb):
+    if verb in _IRREG:
+        return _IRREG[verb]
+    if re.search(r"(?:s|sh|ch|x|z)$", verb):
+        return verb + "es"
+    if re.search(r"[^aeiou]y$", verb):
+        return verb[:-1] + "ies"
+    return verb + "s"
+
+
+def reword_question(g, text):
+    """text with its final question reworded (or unchanged when no rule fits it)."""
+    m = re.match(r"^(.*?)([^.?!]*\?)$", text)
+    if not m or "(" in m.group(2):
+        return text
+    head, qn = m.group(1), m.group(2).strip()
+    lead = g.pick(["Determine", "Find", "Work out", "Calculate", "Figure out", "Find out"])
+    mm = re.match(rf"^How (many|much)( [a-z ]+?)? (does|do) ({_SUBJN}|{_SUBJ1}) ([a-z]+)(.*)\?$", qn)
+    if mm:
+        many, noun, aux, subj, verb, rest = mm.groups()
+        noun = noun or ""
+        if aux == "does" and not re.fullmatch(_SUBJ1, subj):
+            return text
+        if aux == "do" and not re.fullmatch(_SUBJN, subj):
+            return text
+        v = third_person(verb) if aux == "does" else verb
+        opts = [f"{lead} how {many}{noun} {subj} {v}{rest}.", f"Tell me how {many}{noun} {subj} {v}{rest}."]
+        if many == "many" and noun and not re.match(r" (?:more|fewer|less) ", noun):
+            opts += [f"What is the number of{noun} {subj} {v}{rest}?",
+                     f"{lead} the number of{noun} that {subj} {v}{rest}."]
+        if many == "much":
+            opts += [f"What amount does {subj} {verb}{rest}?" if aux == "does" else
+                     f"What amount do {subj} {verb}{rest}?"]
+        new = g.pick(opts)
+    else:
+        mm = re.match(r"^What (is|was|are) (the|its|their|his|her) (.+)\?$", qn)
+        if not mm:
+            return text
+        new = g.pick([f"{lead} {mm.group(2)} {mm.group(3)}.", f"Tell me {mm.group(2)} {mm.group(3)}.",
+                      f"{lead} {mm.group(2)} {mm.group(3)}."])
+    sp = "" if not head or head.endswith(" ") else " "
+    return head + sp + cap(new)
+
+
+# ------------------------------------------------------------------------------------------------
 # Arithmetic practice rows: "Question: What is 347 * 28?" with the same worked steps.
 
+_WORD_OPS = {
+    "+": ["What is the sum of {a} and {b}?", "Add {a} and {b}.", "What is {a} plus {b}?",
+          "What do you get when you add {b} to {a}?", "Find the total of {a} and {b}."],
+    "-": ["What is {a} minus {b}?", "Subtract {b} from {a}.", "What is the difference of {a} and {b}?",
+          "Take {b} away from {a}. What is left?", "How much is {a} less {b}?"],
+    "*": ["What is {a} times {b}?", "What is the product of {a} and {b}?", "Multiply {a} by {b}.",
+          "What do you get when you multiply {a} by {b}?", "Find {a} multiplied by {b}."],
+    "/": ["What is {a} divided by {b}?", "Divide {a} by {b}.", "What is the quotient of {a} and {b}?",
+          "How many times does {b} go into {a}?", "Split {a} into {b} equal parts. How big is each part?"],
+}
+
+
+def big_arithmetic(g):
+    """Numbers far outside the word problems' ranges: 4-7 digit sums and differences, 3-4 by 2-3
+    digit products, 5-7 digit quotients by a 1-2 digit divisor; every result below 10**7."""
+    op = g.pick(["+", "-", "*", "/"])
+    if op in "+-":
+        a, b = g.ri(1000, 9_999_999), g.ri(100, 9_999_999)
+        if op == "+" and a + b >= 10 ** 7:
+            raise Reject("big")
+    elif op == "*":
+        a, b = g.ri(100, 9999), g.ri(10, 999)
+        if a * b >= 10 ** 7:
+            raise Reject("big")
+    else:
+        b = g.ri(2, 99)
+        qv = g.ri(1000, 9_999_999 // b)
+        a = b * qv
+    word = g.chance(0.5)
+    q = g.pick(_WORD_OPS[op]).format(a=a, b=b) if word else g.pick(
+        ["What is {e}?", "Compute {e}.", "Calculate {e}.", "{e} = ?", "Work out {e}."]).format(e=f"{a} {op} {b}")
+    ans = g.op("", a, op, b)
+    g.steps = [re.sub(r"^ ", "", x) for x in g.steps]
+    return q, ans
+
+
 def arithmetic(g):
+    if g.chance(0.35):
+        return big_arithmetic(g)
     op = g.pick(["+", "-", "*", "/", "/r", "chain"])
     digits = g.pick([1, 2, 2, 3, 3, 4])
     a = g.ri(1, 10 ** digits - 1)
@@ -747,6 +973,8 @@ def arithmetic(g):
         if op == "*" and abs(a) * b > 10 ** 7:
             raise Reject("big")
         q = phr.format(e=f"{a} {op} {b}")
+        if a > 0 and g.chance(0.3):
+            q = g.pick(_WORD_OPS[op]).format(a=a, b=b)
         ans = g.op("", a, op, b)
     elif op == "/":
         if g.chance(0.6):
@@ -754,6 +982,8 @@ def arithmetic(g):
             if a == 0:
                 raise Reject("zero")
         q = phr.format(e=f"{a} / {b}")
+        if a > 0 and g.chance(0.3):
+            q = g.pick(_WORD_OPS["/"][:3]).format(a=a, b=b)
         fr = Fraction(a, b)
         if (fr * 100).denominator != 1:
             q = g.pick([f"What is {a} divided by {b}, rounded down to a whole number?",
@@ -812,6 +1042,8 @@ def one_problem(rng, arithmetic_share=0.15):
                 fam = rng.choices(fams, weights)[0]
                 name = fam.__name__
                 q, ans = fam(g)
+                if rng.random() < 0.3:
+                    q = reword_question(g, q)
             _check_value(ans)
             if not g.steps:
                 g.say(f"The answer is {fmt(ans)}.")
@@ -1000,6 +1232,23 @@ def check_problem(p):
     return True
 
 
+def self_test_reword():
+    """reword_question keeps the meaning: the verb agrees with the subject, the numbers stay."""
+    rng = random.Random(5)
+    cases = [("Leo has 5 pens. How many pens does Leo need?", r"Leo has 5 pens\. .*\bLeo needs\b"),
+             ("How much does Mia spend in total?", r"(?:\bMia spends in total\.|^What amount does Mia spend in total\?)"),
+             ("How many apples do Mia and Leo have in all?", r"\bMia and Leo have in all\b"),
+             ("How many boxes does he need to pack 12 cups?", r"\bhe needs to pack 12 cups\b"),
+             ("A bike costs $30. What is the new price?", r"A bike costs \$30\. .*\bthe new price\b"),
+             ("Which floor is it on now? (Floors below ground are negative.)", r"^Which floor is it on now\?")]
+    for q, pat in cases:
+        for _ in range(8):
+            got = reword_question(Gen(rng), q)
+            assert re.search(pat, got), f"reword_question({q!r}) gave {got!r}"
+    assert [third_person(v) for v in ("have", "need", "watch", "carry", "pay", "go")] == [
+        "has", "needs", "watches", "carries", "pays", "goes"]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=5)
@@ -1014,6 +1263,11 @@ def main(argv=None):
         for p in probs:
             check_problem(p)
             fam[p["family"]] = fam.get(p["family"], 0) + 1
+        want = {f.__name__ for f, _ in FAMILIES} | {"arithmetic"}
+        assert a.self_check < 2000 or set(fam) == want, f"families never drawn: {want - set(fam)}"
+        big = [p for p in probs if p["family"] == "arithmetic" and abs(Fraction(p["answer"])) >= 10 ** 6]
+        assert a.self_check < 2000 or big, "no arithmetic row with a 7-digit result"
+        self_test_reword()
         steps = [len(p["solution"].split("\n")) for p in probs]
         print(f"ok: {len(probs)} problems checked; families {fam}; lines min/mean/max "
               f"{min(steps)}/{sum(steps) / len(steps):.2f}/{max(steps)}; distinct questions "

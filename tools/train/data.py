@@ -18,8 +18,37 @@ SEP = "\n\n"
 EVAL_SEED = 987_654_321  # held-out train-split problems for the quick accuracy estimate
 
 
+def parse_mix(spec: str = None):
+    """A data spec -> [(generator path, weight)], weights summing to 1.  The spec is one path
+    (tools/data/gsm2.py) or a mix "PATH:W,PATH:W,..." (a missing weight counts as 1); the first
+    generator is the main one (its few-shot format and held-out draw are what eval_prompts uses)."""
+    spec = spec or DEFAULT_GSM
+    out = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        path, w = part, 1.0
+        if ":" in part:
+            path, ws = part.rsplit(":", 1)
+            try:
+                w = float(ws)
+            except ValueError:
+                raise ValueError(f"data mix {spec!r}: weight {ws!r} of {path!r} is not a number") from None
+        if w <= 0:
+            raise ValueError(f"data mix {spec!r}: weight of {path!r} must be > 0")
+        if not os.path.isfile(path):
+            raise ValueError(f"data mix {spec!r}: no generator file {path!r}")
+        out.append((path, w))
+    if not out:
+        raise ValueError(f"data mix {spec!r} names no generator")
+    tot = sum(w for _, w in out)
+    return [(p, w / tot) for p, w in out]
+
+
 def load_gsm(path: str = None):
-    path = path or DEFAULT_GSM
+    """The main generator module of a data spec (a path or a parse_mix mix: its first entry)."""
+    path = parse_mix(path)[0][0]
     spec = importlib.util.spec_from_file_location("gsm_data", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -44,14 +73,14 @@ class PackedStream(IterableDataset):
         wi = get_worker_info()
         wid, nw = (wi.id, wi.num_workers) if wi else (0, 1)
         tok = Tokenizer(self.tok_dir)
-        gsm = load_gsm(self.gsm_path)
+        mix = [(_load_one(p), w) for p, w in parse_mix(self.gsm_path)]
         n = self.seq_len + 1
         rows, cur, k = [], [], 0
         while True:
             # distinct seed per (run seed, worker, call); EVAL_SEED is far outside this range
             s = (self.seed * 1_000_003 + wid + nw * k) % 900_000_000
             k += 1
-            for ids in example_ids(gsm, tok, self.chunk, s):
+            for ids in mixed_ids(mix, tok, self.chunk, s):
                 cur.extend(ids)
                 if len(cur) >= n:
                     rows.append(cur[:n])
@@ -59,6 +88,29 @@ class PackedStream(IterableDataset):
                     if len(rows) == self.batch:
                         yield torch.tensor(rows, dtype=torch.long)
                         rows = []
+
+
+def _load_one(path):
+    spec = importlib.util.spec_from_file_location("gsm_data_" + re.sub(r"\W", "_", os.path.abspath(path)), path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def mixed_ids(mix, tok, n, seed):
+    """About n examples from the generators of `mix` [(module, weight)], each generator's share
+    its weight (rounded, at least one example when its weight is > 0), interleaved in a random order
+    fixed by the seed so that a row of the packed stream holds examples of several generators."""
+    import random
+
+    if len(mix) == 1:
+        return example_ids(mix[0][0], tok, n, seed)
+    out = []
+    for i, (gsm, w) in enumerate(mix):
+        # each generator gets its own seed range, so two generators never share a draw
+        out.extend(example_ids(gsm, tok, max(1, round(n * w)), seed + 1_000_000_000 * i))
+    random.Random(f"mix:{seed}").shuffle(out)
+    return out
 
 
 def example_ids(gsm, tok, n, seed):

@@ -1,5 +1,6 @@
 #!/bin/bash
-# Issue 37's training run (the m20 target on tools/data/gsm2.py and its DSpark draft) on the GPU
+# Issue 37's training run (the m21 target on a mix of tools/data/gsm2.py and tools/data/gsm.py, and
+# its DSpark draft) on the GPU
 # machine, in parts that each fit one device command (< 9 minutes), from the repository root.
 #
 #   tools/train/gpu_job37.sh [auto]   does the next part: a target part until the target has its
@@ -24,7 +25,10 @@
 # after another, so 2048-token rows should cost ~2x the time per token (estimated); the
 # draft, whose acceptance is what collapsed past its training length, trains on 2048 (m20's
 # max_model_len).  TARGET_SEQ=2048 TARGET_BATCH=24 trains the target on the full length.
-# Environment: TARGET_MIN (13), DRAFT_MIN (6), PART_MIN (6.5), JOB (/tmp/job37), SEED (0),
+# Environment: SIZE (m21: m20's shape with 12 KDA heads of dim 32, so PP 2 x TP 4 can split it;
+# m20 is the first issue-37 model), GSM (the data mix, default
+# tools/data/gsm2.py:0.75,tools/data/gsm.py:0.25: each example from a generator with its weight; a
+# single path trains on one generator), TARGET_MIN (13), DRAFT_MIN (6), PART_MIN (6.5), JOB (/tmp/job37), SEED (0),
 # TARGET_BATCH (48), TARGET_SEQ (1024), DRAFT_BATCH (12), WORKERS (10), TRAIN_ARGS (appended to both trainer calls;
 # a CPU dry run of the whole sequence: TARGET_MIN=0.4 DRAFT_MIN=0.2 PART_MIN=0.2 WORKERS=1
 # TARGET_BATCH=4 TARGET_SEQ=128 DRAFT_BATCH=2 TRAIN_ARGS="--smoke --eval-n 2 --max-new 16"
@@ -33,7 +37,8 @@
 set -u
 JOB=${JOB:-/tmp/job37}
 TOK=tools/data/tok37
-GSM=tools/data/gsm2.py
+GSM=${GSM:-tools/data/gsm2.py:0.75,tools/data/gsm.py:0.25}
+SIZE=${SIZE:-m21}
 TARGET_MIN=${TARGET_MIN:-13}
 DRAFT_MIN=${DRAFT_MIN:-6}
 PART_MIN=${PART_MIN:-6.5}
@@ -65,8 +70,8 @@ part_target() {
     local resume=() d
     d=$(done_min "$JOB/target.pt")
     [ -f "$JOB/target.pt" ] && resume=(--resume "$JOB/target.pt")
-    echo "== target part: $d of $TARGET_MIN min done before this call"
-    python3 tools/train/train.py target --size m20 --gsm $GSM --tokenizer $TOK --out "$JOB/gsm37" \
+    echo "== target part: $d of $TARGET_MIN min done before this call (size $SIZE, data $GSM)"
+    python3 tools/train/train.py target --size "$SIZE" --gsm "$GSM" --tokenizer $TOK --out "$JOB/gsm37" \
         --ckpt "$JOB/target.pt" "${resume[@]}" --minutes "$TARGET_MIN" --session-min "$PART_MIN" \
         --max-wall-min 8.6 --batch "${TARGET_BATCH:-48}" --seq-len "${TARGET_SEQ:-1024}" --workers "$WORKERS" --seed "$SEED" \
         --eval-every 500 --eval-n 32 --max-new 160 --final-eval-n 64 --save-every-min 2 ${TRAIN_ARGS:-} ${TARGET_ARGS:-} \
@@ -79,7 +84,7 @@ part_draft() {
     d=$(done_min "$JOB/draft.pt")
     [ -f "$JOB/draft.pt" ] && resume=(--resume "$JOB/draft.pt")
     echo "== draft part: $d of $DRAFT_MIN min done before this call"
-    python3 tools/train/train.py draft --size m20 --gsm $GSM --target "$JOB/gsm37" --tokenizer $TOK \
+    python3 tools/train/train.py draft --size "$SIZE" --gsm "$GSM" --target "$JOB/gsm37" --tokenizer $TOK \
         --out "$JOB/gsm37/draft" --ckpt "$JOB/draft.pt" "${resume[@]}" --minutes "$DRAFT_MIN" \
         --session-min "$PART_MIN" --max-wall-min 8.6 --batch "${DRAFT_BATCH:-12}" --workers "$WORKERS" \
         --seed "$SEED" --eval-every 300 --eval-n 48 --max-new 160 --save-every-min 2 ${TRAIN_ARGS:-} \

@@ -54,7 +54,10 @@ DRAFT = dict(layers=3, heads=8, intermediate=768, q_lora=128, kv_lora=128, nope=
 TARGET_M20 = dict(TARGET, hidden=384, intermediate=1152, kda_heads=6, experts=8, moe_inter=128, latent=128,
                   max_pos=2048)
 DRAFT_M20 = dict(DRAFT, layers=2, intermediate=640)
-SIZES = {"v1": (TARGET, DRAFT, 512), "m20": (TARGET_M20, DRAFT_M20, 2048)}
+# "m21": m20 with 12 KDA heads of dim 32 (same 384 width, same parameter count and file size) so
+# that TP 1, 2 and 4 all divide the KDA heads (m20's 6 heads cannot be split 4 ways for PP 2 x TP 4).
+TARGET_M21 = dict(TARGET_M20, kda_heads=12, kda_head_dim=32)
+SIZES = {"v1": (TARGET, DRAFT, 512), "m20": (TARGET_M20, DRAFT_M20, 2048), "m21": (TARGET_M21, DRAFT_M20, 2048)}
 DRAFT_SMOKE = dict(layers=1, heads=2, intermediate=128, q_lora=32, kv_lora=32, nope=16, rope=8, v_head=16,
                    markov_rank=16)
 
@@ -747,9 +750,13 @@ def main(argv=None):
         p.add_argument("--max-wall-min", type=float, default=None,
                        help="stop training this many minutes after start whatever --minutes says "
                             "(the final export/eval run after it; keep ~1 min below an outer limit)")
-        p.add_argument("--gsm", default=None, help="data generator module (default tools/data/gsm.py)")
+        p.add_argument("--gsm", default=None,
+                       help="data generator module (default tools/data/gsm.py) or a mix PATH:W,PATH:W,... "
+                            "(each example drawn from a generator with its weight; the first one's few-shot "
+                            "format and held-out draw are used by the evals)")
         p.add_argument("--size", choices=sorted(SIZES), default="v1",
-                       help="model size: v1 (the first gsm-k3, 512-token rows) or m20 (issue 37, 2048-token rows)")
+                       help="model size: v1 (the first gsm-k3, 512-token rows), m20 (issue 37, 2048-token rows) or "
+                            "m21 (m20 with 12 KDA heads of dim 32, splittable by TP 1/2/4)")
 
     t = sub.add_parser("target", help="train the K3 target")
     common(t)
