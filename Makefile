@@ -76,7 +76,7 @@ fuzz-build: deps
 fuzz: fuzz-build
 	tests/fuzz/run_fuzzers.sh $(FUZZ_BUILD) $(FUZZ_SECONDS)
 fuzz-short: fuzz-build
-	tests/fuzz/run_fuzzers.sh $(FUZZ_BUILD) 20
+	tests/fuzz/run_fuzzers.sh $(FUZZ_BUILD) 10
 
 # Soak: a real server under a mix of valid, malformed and abandoned requests (tests/soak/soak.py).
 SOAK_SECONDS ?= 600
@@ -85,7 +85,7 @@ soak: build $(MODEL)/config.json
 	  python3 tests/soak/soak.py --seconds $(SOAK_SECONDS)
 soak-short: build $(MODEL)/config.json
 	DS_BIN=$(CURDIR)/$(BUILD)/deltaserve DS_MODEL=$(CURDIR)/$(MODEL) \
-	  python3 tests/soak/soak.py --seconds 60
+	  python3 tests/soak/soak.py --seconds 40
 
 bench: build
 	@[ -f models/bench-large/config.json ] || ./$(BUILD)/deltaserve init-model --preset bench-large --out models/bench-large

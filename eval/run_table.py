@@ -68,19 +68,28 @@ def main():
     ap.add_argument("--bin", default=None, help="deltaserve executable (default build/deltaserve)")
     ap.add_argument("--model", default=None, help="model folder (default models/gsm-k3)")
     ap.add_argument("--fewshot", default=gsm_eval.DEFAULT_FEWSHOT)
+    ap.add_argument("--tp", type=int, default=4,
+                    help="TP width of the -tp configurations (a model whose heads 4 does not "
+                         "divide needs 2)")
     a = ap.parse_args()
     sets = (gsm_eval.load_tiers(a.tiers) if a.tiers
             else [("gsm_test", gsm_eval.load_jsonl(gsm_eval.DEFAULT_DATASET))])
     shots = gsm_eval.load_jsonl(a.fewshot)
     rows = []
+    first = {}  # tier -> the first configuration's completions, which every later one must equal
     for name in a.configs.split(","):
         label, args = CONFIGS[name]
+        if a.tp != 4:
+            args = [str(a.tp) if i and args[i - 1] == "-tp" else x for i, x in enumerate(args)]
+            label = label.replace("TP 4", f"TP {a.tp}")
         p = serve(args, a.port, a.bin, a.model)
         try:
             for tier, probs in sets:
                 r = gsm_eval.run_eval(f"http://127.0.0.1:{a.port}/v1", probs, 32, 4, a.limit, 256,
                                       fewshot=shots)
-                r.pop("records")
+                outs = [x.get("completion") for x in r.pop("records")]
+                ref = first.setdefault(tier, outs)
+                r["same_as_first"] = sum(o is not None and o == w for o, w in zip(outs, ref))
                 r["config"], r["flags"], r["tier"] = label, " ".join(args), tier
                 rows.append(r)
                 print(f"{label} [{tier}]: flexible {r['flexible_extract']:.4f} strict "
@@ -89,10 +98,12 @@ def main():
         finally:
             p.terminate()
             p.wait(timeout=60)
-    print("| configuration | tier | flexible | strict | acceptance | tokens / forward | wall s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| configuration | tier | flexible | strict | acceptance | tokens / forward "
+          "| completions equal to the first row's | wall s |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['config']} | {r['tier']} | {gsm_eval.score_cells(r)} | {r['wall_s']:.0f} |")
+        print(f"| {r['config']} | {r['tier']} | {gsm_eval.score_cells(r)} "
+              f"| {r['same_as_first']}/{r['n']} | {r['wall_s']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ sys.path.insert(0, os.path.join(REPO, "tools", "data"))
 sys.path.insert(0, os.path.join(REPO, "eval"))
 import gsm2  # noqa: E402
 import gsm_tiers  # noqa: E402
+import pytest  # noqa: E402
+
+pytestmark = pytest.mark.once  # no server: DS_SERVE_ARGS changes nothing
 
 
 def test_training_code_never_reads_the_tiers():

@@ -133,6 +133,7 @@ def test_plain_chunked_still_works(server):
     assert [r[0] for r in responses(raw)] == [200]
 
 
+@pytest.mark.once  # the HTTP gate's deadlines and limits: the engine's configuration changes nothing
 def test_chunked_sent_slowly_and_with_expect_100_still_works(server):
     # the head first, the body 0.3 s later in two writes (the gate waits for it); and a client
     # that waits for "100 Continue" before its body (the gate must not wait for it)
@@ -295,6 +296,7 @@ def default_server():
     yield from _server_fixture()
 
 
+@pytest.mark.once  # the HTTP gate's deadlines and limits: the engine's configuration changes nothing
 def test_idle_half_sent_connections_do_not_lock_out_others(default_server):
     port = default_server.port
     socks = half_sent("127.0.0.1", port, 2000)
@@ -317,6 +319,7 @@ def test_idle_half_sent_connections_do_not_lock_out_others(default_server):
             s.close()
 
 
+@pytest.mark.once  # the HTTP gate's deadlines and limits: the engine's configuration changes nothing
 def test_connection_limit_answers_503_with_retry_after():
     srv_gen = _server_fixture("--max-connections", "8")
     srv = next(srv_gen)
@@ -338,6 +341,7 @@ def test_connection_limit_answers_503_with_retry_after():
             pass
 
 
+@pytest.mark.once  # the HTTP gate's deadlines and limits: the engine's configuration changes nothing
 def test_every_way_a_connection_ends_frees_its_slot():
     """300 connections ended every way (answered and closed, refused by the gate, hung up
     mid-head or mid-body, kept alive then refused, pipelined) through a table of 8 + 64 slots:
@@ -375,6 +379,7 @@ def test_every_way_a_connection_ends_frees_its_slot():
             pass
 
 
+@pytest.mark.once  # the HTTP gate's deadlines and limits: the engine's configuration changes nothing
 def test_inflight_body_bytes_bound():
     srv_gen = _server_fixture("--max-inflight-body-bytes", "16M")
     srv = next(srv_gen)
@@ -403,6 +408,7 @@ def test_inflight_body_bytes_bound():
             pass
 
 
+@pytest.mark.once  # the HTTP gate's deadlines and limits: the engine's configuration changes nothing
 def test_parallel_maximal_bodies_bounded_memory():
     """64 clients each send a 15 MiB body at once: every one is answered (400: the prompt is too
     long; or 503 + Retry-After: the body budget is full), none reset, and the server's memory
@@ -575,6 +581,7 @@ def trickle(port, first, drip, every=0.3, limit=12.0, sock=None):
     return out, time.time() - t0
 
 
+@pytest.mark.once  # the HTTP gate's deadlines and limits: the engine's configuration changes nothing
 def test_head_trickled_gets_408(short_deadlines):
     got, took = trickle(short_deadlines.port, b"G", b"ET /health HTTP/1.1\r\nX-" + b"a" * 200)
     e = lone_error(got, 408)
@@ -583,6 +590,7 @@ def test_head_trickled_gets_408(short_deadlines):
     assert get_from("127.0.0.1", short_deadlines.port)[0] == 200  # the server is fine
 
 
+@pytest.mark.once  # the HTTP gate's deadlines and limits: the engine's configuration changes nothing
 def test_body_trickled_gets_408(short_deadlines):
     head = post_head("/tokenize", "Content-Length: 1000")
     got, took = trickle(short_deadlines.port, head, b"x")
@@ -591,6 +599,7 @@ def test_body_trickled_gets_408(short_deadlines):
         assert lone_error(got, 408)["code"] == "request_timeout"
 
 
+@pytest.mark.once  # the HTTP gate's deadlines and limits: the engine's configuration changes nothing
 def test_chunked_body_trickled_gets_408(short_deadlines):
     head = post_head("/tokenize", "Transfer-Encoding: chunked")
     got, took = trickle(short_deadlines.port, head, b"1\r\nx\r\n")
@@ -599,6 +608,7 @@ def test_chunked_body_trickled_gets_408(short_deadlines):
     assert took < 3.5, took  # the body deadline (1.5 s)
 
 
+@pytest.mark.once  # the HTTP gate's deadlines and limits: the engine's configuration changes nothing
 def test_keepalive_next_head_trickled_is_cut_off(short_deadlines):
     port = short_deadlines.port
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
@@ -654,6 +664,7 @@ def test_pipelined_malformed_head_in_json(server, first):
     assert closed
 
 
+@pytest.mark.once  # the HTTP gate's deadlines and limits: the engine's configuration changes nothing
 def test_slow_but_steady_keepalive_still_served(short_deadlines):
     # a kept-alive connection idle for less than its idle timeout, whose next head then comes
     # whole, is served as before
