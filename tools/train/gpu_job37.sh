@@ -19,16 +19,18 @@
 # The checkpoint lives on the device machine ($JOB, default /tmp/job37): it survives between calls
 # while the machine is warm (one session), not a fresh machine.  The fp32 checkpoint with AdamW
 # state (~230 MB) cannot travel: the device tool carries at most 64 MiB including the repository
-# (~55 MiB already).  Plan a whole run in one session: with the defaults (2 target parts of 6.5
-# min, one draft part of 6 min) that is 3 calls of about 8.5 minutes, ~27 minutes with the start.
+# (~58 MiB already).  Plan a whole run in one session: with the defaults (2 target parts of 6.25
+# min, one draft part of 4.5 min) that is calls of 8.1, 8.2 and 6.7 minutes, 26.4 minutes of device
+# time with a 3-minute start (session 24).
 # The target trains on 1024-token rows by default: the trainer's chunked KDA runs T/64 chunks one
 # after another, so 2048-token rows should cost ~2x the time per token (estimated); the
 # draft, whose acceptance is what collapsed past its training length, trains on 2048 (m20's
 # max_model_len).  TARGET_SEQ=2048 TARGET_BATCH=24 trains the target on the full length.
-# Environment: SIZE (m21: m20's shape with 12 KDA heads of dim 32, so PP 2 x TP 4 can split it;
+# (Defaults as session 24 ran them: its machine took ~3 minutes to start, which left no room for
+# 13 + 6.) Environment: SIZE (m21: m20's shape with 12 KDA heads of dim 32, so PP 2 x TP 4 can split it;
 # m20 is the first issue-37 model), GSM (the data mix, default
 # tools/data/gsm2.py:0.75,tools/data/gsm.py:0.25: each example from a generator with its weight; a
-# single path trains on one generator), TARGET_MIN (13), DRAFT_MIN (6), PART_MIN (6.5), JOB (/tmp/job37), SEED (0),
+# single path trains on one generator), TARGET_MIN (12.5), DRAFT_MIN (4.5), PART_MIN (6.25), JOB (/tmp/job37), SEED (0),
 # TARGET_BATCH (48), TARGET_SEQ (1024), DRAFT_BATCH (12), WORKERS (10), TRAIN_ARGS (appended to both trainer calls;
 # a CPU dry run of the whole sequence: TARGET_MIN=0.4 DRAFT_MIN=0.2 PART_MIN=0.2 WORKERS=1
 # TARGET_BATCH=4 TARGET_SEQ=128 DRAFT_BATCH=2 TRAIN_ARGS="--smoke --eval-n 2 --max-new 16"
@@ -39,9 +41,9 @@ JOB=${JOB:-/tmp/job37}
 TOK=tools/data/tok37
 GSM=${GSM:-tools/data/gsm2.py:0.75,tools/data/gsm.py:0.25}
 SIZE=${SIZE:-m21}
-TARGET_MIN=${TARGET_MIN:-13}
-DRAFT_MIN=${DRAFT_MIN:-6}
-PART_MIN=${PART_MIN:-6.5}
+TARGET_MIN=${TARGET_MIN:-12.5}
+DRAFT_MIN=${DRAFT_MIN:-4.5}
+PART_MIN=${PART_MIN:-6.25}
 SEED=${SEED:-0}
 WORKERS=${WORKERS:-10}
 OUT=${OUT:-$JOB/out}
