@@ -92,3 +92,18 @@ int ds_checkpoint_digest(const char *dir, uint64_t out[2], ds_err *err) {
     free(names);
     return rc;
 }
+
+uint64_t ds_checkpoint_file_bytes(const char *dir) {
+    uint64_t n = 0;
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    for (struct dirent *de; (de = readdir(d));) {
+        char path[4096];
+        struct stat sb;
+        if (!ends_with(de->d_name, ".safetensors")) continue;
+        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+        if (!stat(path, &sb)) n += (uint64_t)sb.st_size;
+    }
+    closedir(d);
+    return n;
+}

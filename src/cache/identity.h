@@ -13,4 +13,8 @@
  * into the page cache). out: [2]. */
 int ds_checkpoint_digest(const char *dir, uint64_t out[2], ds_err *err);
 
+/* Bytes of dir's *.safetensors files together (0 when none can be read): the whole checkpoint's
+ * size, the same on every rank of a job whatever share of it each rank loads. */
+uint64_t ds_checkpoint_file_bytes(const char *dir);
+
 #endif

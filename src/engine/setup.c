@@ -7,12 +7,10 @@
 #include "cache/identity.h"
 #include "text/chat.h"
 
-#include <dirent.h>
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <xxhash.h>
 
 void ds_engine_opts_default(ds_engine_opts *o) {
@@ -144,23 +142,6 @@ static int chunk_of(const ds_engine_opts *o) {
     return DS_MAX(o->block_size, iv / o->block_size * o->block_size);
 }
 
-/* Bytes of dir's *.safetensors files together (0 when none can be read). */
-static uint64_t files_bytes(const char *dir) {
-    uint64_t n = 0;
-    DIR *d = opendir(dir);
-    if (!d) return 0;
-    for (struct dirent *de; (de = readdir(d));) {
-        size_t len = strlen(de->d_name);
-        char path[4096];
-        struct stat sb;
-        if (len < 12 || strcmp(de->d_name + len - 12, ".safetensors")) continue;
-        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
-        if (!stat(path, &sb)) n += (uint64_t)sb.st_size;
-    }
-    closedir(d);
-    return n;
-}
-
 /* Prefix caching and the offload tier. Every hash is seeded with the model's identity, and
  * offload keys carry it too, so two models never share entries. With a tier that outlives the
  * process (disk, Redis) the identity is a digest of the weights' bytes (cache/identity.h: a
@@ -178,7 +159,8 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
     uint64_t id[9] = {XXH3_64bits_withSeed(cfg ? cfg : "", cfg ? len : 0,
                                            (uint64_t)ds_model_weight_bytes(e->model))};
     /* P/D's identity names the weights by their files' size: a rank's weight bytes are its share */
-    uint64_t xid0 = XXH3_64bits_withSeed(cfg ? cfg : "", cfg ? len : 0, files_bytes(e->model_dir));
+    uint64_t xid0 =
+        XXH3_64bits_withSeed(cfg ? cfg : "", cfg ? len : 0, ds_checkpoint_file_bytes(e->model_dir));
     free(cfg);
     int persistent = (o->kv_offload_disk_dir && o->kv_offload_disk_dir[0]) ||
                      (o->kv_offload_remote && o->kv_offload_remote[0]);

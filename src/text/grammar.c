@@ -324,20 +324,18 @@ static int get(ds_grammars *g, const char *lark, int want, llg_mat **out, ds_err
         pthread_mutex_unlock(&g->mu);
         return want && !*out ? ds_errf(err, "grammar: out of memory") : DS_OK;
     }
-    g->st.misses++;
     pthread_mutex_unlock(&g->mu);
     double t0 = ds_now();
     llg_mat *m = compile(g, lark, err);
     double took = ds_now() - t0;
+    char *key = m ? strdup(lark) : NULL;
     pthread_mutex_lock(&g->mu);
     count_compile(g, took, m != NULL);
-    pthread_mutex_unlock(&g->mu);
-    char *key = m ? strdup(lark) : NULL;
     if (!m || !key) {
+        pthread_mutex_unlock(&g->mu);
         if (m) api.free_matcher(m);
         return m ? ds_errf(err, "grammar: out of memory") : DS_ERR;
     }
-    pthread_mutex_lock(&g->mu);
     i = find(g, lark, h); /* another thread may have compiled it meanwhile */
     if (i >= 0) {
         free(key);
@@ -434,4 +432,5 @@ void ds_grammars_stats(ds_grammars *g, ds_grammar_stats *s) {
     pthread_mutex_lock(&g->mu);
     *s = g->st;
     pthread_mutex_unlock(&g->mu);
+    s->misses = s->compiles + s->compile_failures; /* every miss is one compile */
 }

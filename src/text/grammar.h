@@ -65,7 +65,7 @@ extern const double ds_grammar_compile_bounds[DS_GRAMMAR_COMPILE_BUCKETS];
  * either succeeds (compiles) or refuses the grammar (compile_failures: not cached, so the same
  * bad grammar compiles again next time). */
 typedef struct ds_grammar_stats {
-    uint64_t hits, misses, evictions;
+    uint64_t hits, misses, evictions; /* misses = compiles + compile_failures */
     int entries;
     uint64_t compiles, compile_failures;
     double compile_seconds; /* summed over every compile, failed ones included */
