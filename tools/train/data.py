@@ -48,14 +48,7 @@ def parse_mix(spec: str = None):
 
 def load_gsm(path: str = None):
     """The main generator module of a data spec (a path or a parse_mix mix: its first entry)."""
-    path = parse_mix(path)[0][0]
-    spec = importlib.util.spec_from_file_location("gsm_data", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    for fn in ("make_problems", "format_example"):
-        if not hasattr(mod, fn):
-            raise AttributeError(f"{path} has no {fn}()")
-    return mod
+    return _load_one(parse_mix(path)[0][0])
 
 
 class PackedStream(IterableDataset):
@@ -91,9 +84,14 @@ class PackedStream(IterableDataset):
 
 
 def _load_one(path):
+    """One generator module from its file (a module name of its own per path, so that a mix's
+    generators stay apart), checked for what the training stream calls."""
     spec = importlib.util.spec_from_file_location("gsm_data_" + re.sub(r"\W", "_", os.path.abspath(path)), path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    for fn in ("make_problems", "format_example"):
+        if not hasattr(mod, fn):
+            raise AttributeError(f"{path} has no {fn}()")
     return mod
 
 
