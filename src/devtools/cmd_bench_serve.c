@@ -40,7 +40,9 @@ typedef struct bench_req {
 
 typedef struct bench {
     const char *url, *model, *api_key;
-    bench_req *reqs; /* [n] */
+    const char *response_format; /* JSON object sent with every request (NULL: none); text, parsed
+                                  * per request, so that no jansson value is shared by threads */
+    bench_req *reqs;             /* [n] */
     int n;
     atomic_int next, done, failed;
     double t0;
@@ -160,6 +162,10 @@ static char *request_body(const bench *b, int i) {
         json_pack("{s:s, s:o, s:i, s:b, s:{s:b}, s:b, s:f, s:b}", "model", b->model, "prompt",
                   prompt, "max_tokens", r->max_tokens, "stream", 1, "stream_options",
                   "include_usage", 1, "ignore_eos", 1, "temperature", 0.0, "return_token_ids", 1);
+    /* a constrained request still stops at its grammar's end (ignore_eos cannot outlast it), so
+     * its output may be shorter than max_tokens: TPOT, not the count, is what compares */
+    if (j && b->response_format)
+        json_object_set_new(j, "response_format", json_loads(b->response_format, 0, NULL));
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
     return s;
@@ -464,6 +470,8 @@ static int bench_write_json(const char *out_path, const bench *b, const bench_su
                           "output_throughput", s->out_tok / duration, "total_token_throughput",
                           (s->in_tok + s->out_tok) / duration);
     json_object_set_new(j, "max_concurrency", json_integer(concurrency));
+    if (b->response_format)
+        json_object_set_new(j, "response_format", json_loads(b->response_format, 0, NULL));
     for (int m = 0; m < 4; m++) {
         char k[48];
         snprintf(k, sizeof k, "mean_%s_ms", STAT_NAMES[m]);
@@ -534,7 +542,9 @@ static void base_url(const char *url, char *base, size_t cap) {
 
 int ds_cmd_bench_serve(int argc, char **argv) {
     const char *url = "http://127.0.0.1:8000", *dataset = NULL, *out_path = NULL, *model = NULL;
-    const char *api_key = NULL;
+    const char *api_key = NULL, *rf_text = NULL;
+    json_t *rf = NULL;
+    char *rf_dump = NULL;
     int num_prompts = 100, concurrency = 16, input_len = 256, output_len = 64;
     double rate = 0;  /* 0: all at once */
     double ratio = 0; /* 0: every random request of exactly --input-len / --output-len */
@@ -554,6 +564,9 @@ int ds_cmd_bench_serve(int argc, char **argv) {
         DS_OPT("model", NULL, DS_ARG_STRING, &model, "NAME", "model name (default: /v1/models)"),
         DS_OPT("api-key", NULL, DS_ARG_STRING, &api_key, "KEY", "bearer key for the server"),
         DS_OPT("seed", NULL, DS_ARG_I64, &seed, "S", "seed of random prompts and arrivals"),
+        DS_OPT("response-format", NULL, DS_ARG_STRING, &rf_text, "JSON|@FILE",
+               "an OpenAI response_format object sent with every request (constrained decoding's "
+               "cost: compare TPOT with a run without it)"),
         DS_OPT("out", "o", DS_ARG_STRING, &out_path, "FILE.json", "write the results as JSON"),
     };
     ds_args a = {"deltaserve bench serve",
@@ -585,6 +598,17 @@ int ds_cmd_bench_serve(int argc, char **argv) {
         fprintf(stderr, "bench serve: --random-range-ratio: expected 0 <= R < 1, got %g\n", ratio);
         return 2;
     }
+    if (rf_text) {
+        json_error_t je;
+        rf = rf_text[0] == '@' ? json_load_file(rf_text + 1, 0, &je) : json_loads(rf_text, 0, &je);
+        if (!rf || !json_is_object(rf)) {
+            fprintf(stderr, "bench serve: --response-format: %s\n",
+                    rf ? "expected a JSON object" : je.text);
+            json_decref(rf);
+            return 2;
+        }
+        rf_dump = json_dumps(rf, JSON_COMPACT);
+    }
     ds_err err = {{0}};
     curl_global_init(CURL_GLOBAL_DEFAULT);
     char base[1024];
@@ -594,6 +618,7 @@ int ds_cmd_bench_serve(int argc, char **argv) {
     memset(&b, 0, sizeof b);
     b.url = base;
     b.api_key = api_key;
+    b.response_format = rf_dump;
     b.n = num_prompts;
     b.seed = (uint64_t)seed;
     b.bar_width = 30;
@@ -637,6 +662,8 @@ out:
     free(b.reqs);
     free(th);
     free(model_name);
+    json_decref(rf);
+    free(rf_dump);
     pthread_mutex_destroy(&b.print_mu);
     curl_global_cleanup();
     return status;

@@ -280,7 +280,7 @@ static int parse_stop(json_t *root, int vocab_size, ds_request_params *pp, ds_oa
     return DS_OK;
 }
 
-/* Chat-only fields: messages, tools, tool_choice, response_format, thinking switches. */
+/* Chat-only fields: messages, tools, tool_choice, thinking switches. */
 static int parse_chat(json_t *root, ds_oai_request *r, ds_oai_error *e) {
     json_t *m = field(root, "messages");
     if (!m)
@@ -323,13 +323,6 @@ static int parse_chat(json_t *root, ds_oai_request *r, ds_oai_error *e) {
         }
     }
     if (get_bool(root, "parallel_tool_calls", &r->parallel_tool_calls, e)) return DS_ERR;
-    json_t *rf = field(root, "response_format");
-    if (rf) {
-        if (!json_is_object(rf)) return type_error(e, "response_format", "an object", rf);
-        json_t *ty = json_object_get(rf, "type");
-        if (!json_is_string(ty) || strcmp(json_string_value(ty), "text"))
-            r->response_format_json = json_dumps(rf, JSON_COMPACT);
-    }
     if (get_str(root, "reasoning_effort", &r->thinking_effort, e)) return DS_ERR;
     if (get_bool(root, "add_generation_prompt", &r->add_generation_prompt, e)) return DS_ERR;
     json_t *kw = field(root, "chat_template_kwargs");
@@ -395,6 +388,15 @@ static int parse_fields(json_t *root, const char *served_name, int vocab_size, d
                              "The model `%.200s` does not exist. This server serves `%.200s`.",
                              r->model, served_name);
     if (chat ? parse_chat(root, r, e) : parse_prompt(root, vocab_size, r, e)) return DS_ERR;
+    /* both endpoints, as vLLM's: a completion's text can follow a schema as well */
+    json_t *rf = field(root, "response_format");
+    if (rf) {
+        if (!json_is_object(rf)) return type_error(e, "response_format", "an object", rf);
+        json_t *ty = json_object_get(rf, "type");
+        if (!json_is_string(ty) || strcmp(json_string_value(ty), "text"))
+            if (!(r->response_format_json = json_dumps(rf, JSON_COMPACT)))
+                return ds_oai_errorf(e, 500, NULL, NULL, "out of memory");
+    }
 
     /* Unsupported features are refused rather than silently ignored. */
     int echo = 0;

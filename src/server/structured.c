@@ -1,4 +1,4 @@
-/* structured.c — a chat request's constrained decoding (openai.h: ds_oai_build_grammar): the
+/* structured.c — a request's constrained decoding (openai.h: ds_oai_build_grammar): the
  * grammar text from text/grammar.h's builders, checked against the engine's llguidance (which
  * also caches the compiled grammar for the engine's first sample), errors as OpenAI 400s. */
 #include "server/openai.h"
@@ -33,10 +33,11 @@ static int calls_before(const char *messages_json) {
 int ds_oai_build_grammar(ds_engine *e, ds_oai_request *r, ds_oai_error *oe) {
     free(r->params.grammar);
     r->params.grammar = NULL;
-    if (r->kind != DS_OAI_CHAT) return DS_OK;
+    /* a completion has no chat turn: no thinking before the answer, no tools */
+    const int chat = r->kind == DS_OAI_CHAT;
     int fmt = ds_engine_chat_format(e);
     ds_grammar_ctx c = {ds_engine_tokenizer(e), fmt,
-                        fmt == DS_CHAT_K3 && r->thinking && r->add_generation_prompt,
+                        chat && fmt == DS_CHAT_K3 && r->thinking && r->add_generation_prompt,
                         r->parallel_tool_calls, 0};
     ds_err err = {{0}};
     const char *param = NULL;

@@ -164,12 +164,22 @@ typedef struct centry {
     uint64_t used; /* LRU clock */
 } centry;
 
+/* A compile under way (on its compiling thread's stack), so that a second request for the same
+ * grammar waits for it rather than compiling it again (single flight). */
+typedef struct compiling {
+    const char *key;
+    uint64_t hash;
+    struct compiling *next;
+} compiling;
+
 struct ds_grammars {
     llg_tok *tok;
     int vocab, words;
     int32_t eos;
-    pthread_mutex_t mu; /* guards the cache and the stats */
-    centry *ents;       /* [cap] */
+    pthread_mutex_t mu;   /* guards the cache, the compiles under way and the stats */
+    pthread_cond_t done;  /* a compile under way finished */
+    compiling *under_way; /* list */
+    centry *ents;         /* [cap] */
     int cap;
     uint64_t clock;
     ds_grammar_stats st;
@@ -251,6 +261,7 @@ int ds_grammars_new(const ds_tokenizer *t, int32_t eos, int cache_cap, ds_gramma
     g->words = (g->vocab + 31) / 32;
     g->eos = eos;
     pthread_mutex_init(&g->mu, NULL);
+    pthread_cond_init(&g->done, NULL);
     *out = g;
     return DS_OK;
 }
@@ -264,6 +275,7 @@ void ds_grammars_free(ds_grammars *g) {
     free(g->ents);
     api.free_tokenizer(g->tok);
     pthread_mutex_destroy(&g->mu);
+    pthread_cond_destroy(&g->done);
     free(g);
 }
 
@@ -316,48 +328,60 @@ static int find(ds_grammars *g, const char *lark, uint64_t h) {
 static int get(ds_grammars *g, const char *lark, int want, llg_mat **out, ds_err *err) {
     uint64_t h = fnv1a(lark);
     pthread_mutex_lock(&g->mu);
-    int i = find(g, lark, h);
-    if (i >= 0) {
-        g->st.hits++;
-        g->ents[i].used = ++g->clock;
-        *out = want ? api.clone_matcher(g->ents[i].tmpl) : NULL;
-        pthread_mutex_unlock(&g->mu);
-        return want && !*out ? ds_errf(err, "grammar: out of memory") : DS_OK;
+    for (;;) {
+        int i = find(g, lark, h);
+        if (i >= 0) {
+            g->st.hits++;
+            g->ents[i].used = ++g->clock;
+            *out = want ? api.clone_matcher(g->ents[i].tmpl) : NULL;
+            pthread_mutex_unlock(&g->mu);
+            return want && !*out ? ds_errf(err, "grammar: out of memory") : DS_OK;
+        }
+        const compiling *c = g->under_way;
+        while (c && !(c->hash == h && !strcmp(c->key, lark))) c = c->next;
+        if (!c) break;
+        /* the same grammar is being compiled: its result is a hit (a failed one: compiled
+         * again here, for this request's own error message) */
+        pthread_cond_wait(&g->done, &g->mu);
     }
+    compiling me = {lark, h, g->under_way};
+    g->under_way = &me;
     pthread_mutex_unlock(&g->mu);
     double t0 = ds_now();
     llg_mat *m = compile(g, lark, err);
     double took = ds_now() - t0;
     char *key = m ? strdup(lark) : NULL;
     pthread_mutex_lock(&g->mu);
+    for (compiling **p = &g->under_way; *p; p = &(*p)->next)
+        if (*p == &me) {
+            *p = me.next;
+            break;
+        }
+    pthread_cond_broadcast(&g->done);
     count_compile(g, took, m != NULL);
     if (!m || !key) {
         pthread_mutex_unlock(&g->mu);
         if (m) api.free_matcher(m);
         return m ? ds_errf(err, "grammar: out of memory") : DS_ERR;
     }
-    i = find(g, lark, h); /* another thread may have compiled it meanwhile */
-    if (i >= 0) {
-        free(key);
-        api.free_matcher(m);
-    } else {
-        i = 0; /* a free slot, else the least recently used */
-        for (int j = 0; j < g->cap; j++) {
-            if (!g->ents[j].key) {
-                i = j;
-                break;
-            }
-            if (g->ents[j].used < g->ents[i].used) i = j;
+    /* not cached (a compile of the same text waits for this one): a free slot, else the least
+     * recently used */
+    int i = 0;
+    for (int j = 0; j < g->cap; j++) {
+        if (!g->ents[j].key) {
+            i = j;
+            break;
         }
-        if (g->ents[i].key) {
-            g->st.evictions++;
-            free(g->ents[i].key);
-            api.free_matcher(g->ents[i].tmpl);
-        } else {
-            g->st.entries++;
-        }
-        g->ents[i] = (centry){key, h, m, 0};
+        if (g->ents[j].used < g->ents[i].used) i = j;
     }
+    if (g->ents[i].key) {
+        g->st.evictions++;
+        free(g->ents[i].key);
+        api.free_matcher(g->ents[i].tmpl);
+    } else {
+        g->st.entries++;
+    }
+    g->ents[i] = (centry){key, h, m, 0};
     g->ents[i].used = ++g->clock;
     *out = want ? api.clone_matcher(g->ents[i].tmpl) : NULL;
     pthread_mutex_unlock(&g->mu);

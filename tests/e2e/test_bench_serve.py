@@ -60,6 +60,40 @@ def test_bench_serve_mixed_lengths(server, tmp_path):
     assert bad.returncode == 2 and "--random-range-ratio" in bad.stderr
 
 
+def test_bench_serve_response_format(server, tmp_path):
+    """--response-format: every request carries it (the server compiles the schema once and finds
+    it in its cache for the rest), outputs stop at the grammar's end at the latest, and a value
+    that is no JSON object is refused naming the flag."""
+    import importlib.util
+    if not importlib.util.find_spec("llguidance"):
+        pytest.fail("llguidance is not installed (make deps installs it)")
+    tag = "k" + os.urandom(6).hex()  # a schema no other test sent: a compile of its own
+    rf = {"type": "json_schema", "json_schema": {"name": "b", "schema": {
+        "type": "object", "properties": {tag: {"type": "string", "maxLength": 40}},
+        "required": [tag], "additionalProperties": False}}}
+    m0 = server.metrics()
+    out = tmp_path / "rf.json"
+    r = subprocess.run([DS_BIN, "bench", "serve", "--url", f"http://127.0.0.1:{server.port}",
+                        "--num-prompts", "6", "--concurrency", "3", "--input-len", "12",
+                        "--output-len", "30", "--response-format", json.dumps(rf), "--out",
+                        str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    m1 = server.metrics()
+    d = json.loads(out.read_text())
+    assert d["completed"] == 6 and d["failed"] == 0 and d["response_format"] == rf
+    assert all(1 <= n <= 30 for n in d["output_lens"]), d["output_lens"]
+
+    def delta(name):
+        return m1.get("deltaserve:" + name, 0) - m0.get("deltaserve:" + name, 0)
+    assert delta("grammar_compiles_total") == 1
+    assert delta("grammar_cache_hits_total") >= 5  # the other five requests' checks at least
+    for bad in ("[1, 2]", "{not json", "@/nonexistent/rf.json"):
+        b = subprocess.run([DS_BIN, "bench", "serve", "--url", f"http://127.0.0.1:{server.port}",
+                            "--num-prompts", "1", "--response-format", bad],
+                           capture_output=True, text=True, timeout=60)
+        assert b.returncode == 2 and "--response-format" in b.stderr, (bad, b.stderr)
+
+
 @pytest.mark.once  # no server: DS_SERVE_ARGS changes nothing
 @pytest.mark.parametrize("full_logits", [False, True])
 def test_model_bench(tmp_path, full_logits):

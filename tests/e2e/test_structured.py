@@ -232,6 +232,29 @@ def test_json_object_is_an_object(client):
 
 
 @needs_llg
+def test_completions_follow_a_schema(client):
+    """/v1/completions takes response_format as vLLM's does: the text itself follows the schema
+    (no chat turn, no thinking before it), sampled, streamed or not."""
+    outs = []
+    for i in range(8):
+        schema = SCHEMAS[i % len(SCHEMAS)]
+        r = client.completions.create(
+            model=MODEL_NAME, prompt="A JSON value:", temperature=1.0, max_tokens=300, seed=i,
+            extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                "name": f"c{i}", "schema": schema}}})
+        ch = r.choices[0]
+        assert ch.finish_reason == "stop", (i, ch.text)
+        jsonschema.validate(json.loads(ch.text), schema)
+        outs.append(ch.text)
+    assert len(set(outs)) > 4
+    kw = dict(model=MODEL_NAME, prompt="A JSON value:", temperature=1.0, max_tokens=300, seed=3,
+              extra_body={"response_format": {"type": "json_object"}})
+    whole = client.completions.create(**kw).choices[0].text
+    parts = [c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert "".join(parts) == whole and whole.startswith("{")
+
+
+@needs_llg
 def test_streamed_equals_whole(client):
     kw = dict(model=MODEL_NAME, messages=MSGS, temperature=1.0, max_tokens=200, seed=7,
               response_format={"type": "json_schema",

@@ -3,6 +3,7 @@
  * hits / evicts as its LRU says, the OpenAI grammars compile and accept exactly the text the chat
  * formats' output parser reads. Skipped when llguidance cannot be loaded (it is installed by
  * `make deps`; the server then answers constrained requests with an error). */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -174,6 +175,45 @@ static void test_cache_lru(void **state) {
         timed += s.compile_buckets[b], timed0 += s0.compile_buckets[b];
     assert_int_equal(timed - timed0, 4);
     assert_true(s.compile_seconds > s0.compile_seconds);
+}
+
+/* Single flight: threads that ask for one grammar at the same moment get it from one compile (the
+ * others wait for it and count hits), each with a matcher of its own. */
+enum { SF_THREADS = 8 };
+static pthread_barrier_t sf_bar;
+static const char k_sf_lark[] = "start: /[a-m]{3,40}/ \"!\" /[n-z]{2,30}/";
+static void *sf_thread(void *arg) {
+    ds_matcher **m = arg;
+    ds_err err;
+    pthread_barrier_wait(&sf_bar);
+    if (ds_matcher_new(fx[0].g, k_sf_lark, m, &err)) *m = NULL;
+    return NULL;
+}
+
+static void test_cache_single_flight(void **state) {
+    (void)state;
+    fixture *F = &fx[0];
+    if (!F->g) skip();
+    ds_grammar_stats s0, s;
+    ds_grammars_stats(F->g, &s0);
+    pthread_t th[SF_THREADS];
+    ds_matcher *m[SF_THREADS];
+    pthread_barrier_init(&sf_bar, NULL, SF_THREADS);
+    for (int i = 0; i < SF_THREADS; i++) pthread_create(&th[i], NULL, sf_thread, &m[i]);
+    for (int i = 0; i < SF_THREADS; i++) pthread_join(th[i], NULL);
+    pthread_barrier_destroy(&sf_bar);
+    ds_grammars_stats(F->g, &s);
+    assert_int_equal(s.compiles - s0.compiles, 1);
+    assert_int_equal(s.hits - s0.hits, SF_THREADS - 1);
+    ds_err err;
+    for (int i = 0; i < SF_THREADS; i++) {
+        assert_non_null(m[i]);
+        /* each matcher its own: the i-th walks its own text */
+        for (int k = 0; k < 3 + i; k++)
+            assert_int_equal(ds_matcher_consume(m[i], id_of(F->tok, "b"), &err), DS_OK);
+        assert_false(ds_matcher_done(m[i]));
+        ds_matcher_free(m[i]);
+    }
 }
 
 /* Encodes text (specials by name), checks the grammar accepts every token and then ends. */
@@ -388,9 +428,13 @@ static void test_response_format_accepts(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_mask_exact),          cmocka_unit_test(test_json_enum_mask),
-        cmocka_unit_test(test_cache_lru),           cmocka_unit_test(test_tool_grammars),
-        cmocka_unit_test(test_parallel_tool_calls), cmocka_unit_test(test_response_format_accepts),
+        cmocka_unit_test(test_mask_exact),
+        cmocka_unit_test(test_json_enum_mask),
+        cmocka_unit_test(test_cache_lru),
+        cmocka_unit_test(test_cache_single_flight),
+        cmocka_unit_test(test_tool_grammars),
+        cmocka_unit_test(test_parallel_tool_calls),
+        cmocka_unit_test(test_response_format_accepts),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -4,19 +4,21 @@
 # what the kernels themselves take), summed per kernel name, with the DRAM bytes they read.
 # Needs a machine whose runtime lets ncu read the counters (KINDS.md). Output: $OUT/ncu.txt.
 #   KERNELS=regex of kernel names  COUNT=launches profiled (default 1300: two steps)
+#   tools/device/ncu48.sh [bench options, e.g. -q ptpc_fp8]    NAME=file stem (default ncu)
 . "$(dirname "$0")/env.sh"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 [ -n "$NCU" ] || { echo "ncu not found"; exit 1; }
 # prompts of one token, so that every step profiled is a batch-1 step; the weight fills (random
 # weights) are left out by name, so COUNT launches are about one step per 650
-K=${KERNELS:-gemv|moe_|mla_|kda_|norm|conv|embed|argmax|sigmoid|add_k|mul_k|move_rows|copy}
+K=${KERNELS:-gemv|moe_|mla_|kda_|norm|conv|embed|argmax|sigmoid|add_k|mul_k|move_rows|copy|ptpc|f8|fp8}
+N=${NAME:-ncu}
 timeout 400 "$NCU" --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum \
   --kernel-name-base function -k "regex:$K" --launch-count "${COUNT:-1300}" \
   --csv --page raw .devbin/deltaserve bench --model configs/kimi-linear-48b-a3b --load-format random \
   --device cuda --enforce-eager --prompt-tokens 1 --reps 1 --decode-context 1 --decode-steps 2 \
-  --batch-sizes 1 > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
+  --batch-sizes 1 "$@" > "$OUT/$N.csv" 2> "$OUT/$N.err"
 echo "ncu rc $?"
-python3 - "$OUT/ncu.csv" <<'PY' | tee "$OUT/ncu.txt"
+python3 - "$OUT/$N.csv" <<'PY' | tee "$OUT/$N.txt"
 import csv, sys, collections
 rows = [r for r in csv.reader(open(sys.argv[1])) if r]
 hdr = next(i for i, r in enumerate(rows) if "Kernel Name" in r)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# On the GPU machine, with .devbin carried and llguidance importable by python3 (its wheel
+# installed with `pip --target`, PYTHONPATH set): what constrained decoding costs a decode step at
+# batch 32 (issue 34), at the shape of Kimi-Linear-48B-A3B (random weights, its 163,840-id
+# tokenizer). One `serve`, then `bench serve` at concurrency CONC twice in turn, plain and with
+# every request carrying a json_schema response_format; TPOT and ITL are what compare (a
+# constrained output may end early at its grammar's end, so output counts differ). Rows of the
+# two runs: $OUT/grammar48_{plain,schema}*.json, the ratio printed last.
+. "$(dirname "$0")/env.sh"
+PORT=${PORT:-8125}
+CONC=${CONC:-32}
+M=/tmp/shape48
+.devbin/deltaserve init-model --shape-of configs/kimi-linear-48b-a3b --out $M --force || exit 1
+.devbin/deltaserve serve --model $M --load-format dummy --device cuda --port $PORT \
+  --max-num-seqs 64 "$@" > "$OUT/grammar48.log" 2>&1 &
+for i in $(seq 1 600); do
+  curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
+  sleep 0.5
+done
+# strings and arrays of them without an upper count: the grammar stays open for the whole output
+# unless the model closes it
+RF='{"type":"json_schema","json_schema":{"name":"notes","schema":{"type":"object","properties":{"title":{"type":"string","maxLength":80},"notes":{"type":"array","items":{"type":"object","properties":{"id":{"type":"integer"},"text":{"type":"string"},"tags":{"type":"array","items":{"enum":["alpha","beta","gamma"]}}},"required":["id","text"]}}},"required":["title","notes"],"additionalProperties":false}}}'
+b() { # name extra-args...
+  local name=$1; shift
+  timeout ${STEP_TIMEOUT:-150} .devbin/deltaserve bench serve --url "http://127.0.0.1:$PORT" \
+    --num-prompts $((4 * CONC)) --concurrency $CONC --input-len ${IN_LEN:-128} \
+    --output-len ${OUT_LEN:-256} --seed 1 --out "$OUT/grammar48_$name.json" "$@" | tail -14
+}
+for rep in 1 2; do
+  b plain$rep
+  b schema$rep --response-format "$RF"
+done
+curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "grammar_(compiles|cache_hits)_total" | head -4
+srv=$(pgrep -of "deltaserve serve .*--port $PORT")
+[ -n "$srv" ] && kill -INT "$srv"
+for i in $(seq 1 20); do pgrep -f "deltaserve serve .*--port $PORT" > /dev/null || break; sleep 0.5; done
+pkill -KILL -f "deltaserve serve .*--port $PORT" 2>/dev/null
+python3 - "$OUT" <<'PY'
+import json, sys
+d = {n: json.load(open(f"{sys.argv[1]}/grammar48_{n}.json"))
+     for n in ("plain1", "schema1", "plain2", "schema2")}
+for n, r in d.items():
+    print(f"{n}: completed {r['completed']} failed {r['failed']} mean TPOT {r['mean_tpot_ms']:.3f} "
+          f"ms, median ITL {r['median_itl_ms']:.3f} ms, p99 ITL {r['p99_itl_ms']:.3f} ms, "
+          f"output tokens {r['total_output_tokens']}")
+for k in ("mean_tpot_ms", "median_itl_ms"):
+    p = min(d["plain1"][k], d["plain2"][k]); s = min(d["schema1"][k], d["schema2"][k])
+    print(f"{k}: schema / plain = {s / p:.4f} (best of two each: {s:.3f} vs {p:.3f})")
+PY
