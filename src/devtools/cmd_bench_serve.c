@@ -540,10 +540,23 @@ static void base_url(const char *url, char *base, size_t cap) {
     if (bl >= 3 && strcmp(base + bl - 3, "/v1") == 0) base[bl -= 3] = 0;
 }
 
+/* --response-format's value (JSON text, or @FILE) as compact JSON text; NULL after saying why. */
+static char *response_format(const char *arg) {
+    json_error_t je;
+    json_t *rf = arg[0] == '@' ? json_load_file(arg + 1, 0, &je) : json_loads(arg, 0, &je);
+    char *out = rf && json_is_object(rf) ? json_dumps(rf, JSON_COMPACT) : NULL;
+    if (!out)
+        fprintf(stderr, "bench serve: --response-format: %s\n",
+                !rf                  ? je.text
+                : json_is_object(rf) ? "out of memory"
+                                     : "expected a JSON object");
+    json_decref(rf);
+    return out;
+}
+
 int ds_cmd_bench_serve(int argc, char **argv) {
     const char *url = "http://127.0.0.1:8000", *dataset = NULL, *out_path = NULL, *model = NULL;
     const char *api_key = NULL, *rf_text = NULL;
-    json_t *rf = NULL;
     char *rf_dump = NULL;
     int num_prompts = 100, concurrency = 16, input_len = 256, output_len = 64;
     double rate = 0;  /* 0: all at once */
@@ -598,17 +611,7 @@ int ds_cmd_bench_serve(int argc, char **argv) {
         fprintf(stderr, "bench serve: --random-range-ratio: expected 0 <= R < 1, got %g\n", ratio);
         return 2;
     }
-    if (rf_text) {
-        json_error_t je;
-        rf = rf_text[0] == '@' ? json_load_file(rf_text + 1, 0, &je) : json_loads(rf_text, 0, &je);
-        if (!rf || !json_is_object(rf)) {
-            fprintf(stderr, "bench serve: --response-format: %s\n",
-                    rf ? "expected a JSON object" : je.text);
-            json_decref(rf);
-            return 2;
-        }
-        rf_dump = json_dumps(rf, JSON_COMPACT);
-    }
+    if (rf_text && !(rf_dump = response_format(rf_text))) return 2;
     ds_err err = {{0}};
     curl_global_init(CURL_GLOBAL_DEFAULT);
     char base[1024];
@@ -662,7 +665,6 @@ out:
     free(b.reqs);
     free(th);
     free(model_name);
-    json_decref(rf);
     free(rf_dump);
     pthread_mutex_destroy(&b.print_mu);
     curl_global_cleanup();
