@@ -104,10 +104,22 @@ static int size_pools(ds_engine *e, ds_err *err) {
                        budget, n_pages, min_pages);
     if (n_pages > (size_t)1 << 30) n_pages = (size_t)1 << 30;
     int cap = (int)DS_MIN(n_pages * (size_t)e->opts.block_size, (size_t)INT32_MAX / 2);
-    e->max_model_len = e->opts.max_model_len ? e->opts.max_model_len : cap;
+    /* asked for (as vLLM: more than the model's positions or than the cache holds is an error,
+     * not a silent cut), else the most both allow */
+    const int asked = e->opts.max_model_len;
+    if (asked && c->max_position_embeddings > 0 && asked > c->max_position_embeddings)
+        return ds_errf(err,
+                       "--max-model-len %d is more than the model's max_position_embeddings %lld "
+                       "(config.json)",
+                       asked, (long long)c->max_position_embeddings);
+    if (asked > cap)
+        return ds_errf(err,
+                       "--max-model-len %d is more than the %d tokens the kv cache holds (raise "
+                       "--kv-cache-memory or lower --max-model-len)",
+                       asked, cap);
+    e->max_model_len = asked ? asked : cap;
     if (c->max_position_embeddings > 0 && e->max_model_len > c->max_position_embeddings)
         e->max_model_len = (int)c->max_position_embeddings;
-    if (e->max_model_len > cap) e->max_model_len = cap;
     if (ds_kv_pool_init(&e->kv, e->model, (int)n_pages, e->opts.block_size, err) ||
         ds_page_pool_create((int)n_pages, &e->pages, err) ||
         ds_slot_pool_create_on(e->dm, (int)n_slots, ds_model_slot_floats(e->model), &e->slots, err))

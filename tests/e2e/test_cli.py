@@ -70,6 +70,23 @@ def test_flag_errors_name_the_flag():
             assert name in r.stderr, (cmd, args, r.stderr)
 
 
+def test_max_model_len_beyond_the_model_or_cache_is_an_error():
+    """--max-model-len above the model's positions or above what the kv cache holds stops with a
+    message naming the flag and the limit (as vLLM does), not a silent cut to the limit."""
+    for args, words in [(["--max-model-len", "99999"], [b"--max-model-len 99999",
+                                                        b"max_position_embeddings 4096"]),
+                        (["--max-model-len", "4000", "--kv-cache-memory", "2M"],
+                         [b"--max-model-len 4000", b"tokens the kv cache holds"])]:
+        r = subprocess.run([DS_BIN, "generate", "--model", DS_MODEL, "--prompt", "x", "-n", "2",
+                            *args], capture_output=True, timeout=60)
+        assert r.returncode != 0 and b"Traceback" not in r.stderr, (args, r.stderr)
+        for w in words:
+            assert w in r.stderr, (args, r.stderr)
+    r = subprocess.run([DS_BIN, "generate", "--model", DS_MODEL, "--prompt", "x", "-n", "2",
+                        "--max-model-len", "4096"], capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr  # the model's own limit is allowed
+
+
 def test_test_hooks_hidden_from_help():
     for cmd in ["serve", "generate"]:
         out = run(cmd, "--help")
