@@ -102,7 +102,7 @@ void h_opts(ds_engine_opts *o, int prefix_on, size_t kv_mem) {
     o->max_num_seqs = 8;
     o->max_num_batched_tokens = 64;
     o->kv_cache_memory = kv_mem;
-    o->max_model_len = 512;
+    o->max_model_len = 0; /* the most the model and the cache allow */
     o->enable_prefix_caching = prefix_on;
     o->state_checkpoint_interval_tokens = 48;
     o->kv_fp8 = h_kv_fp8;
