@@ -238,10 +238,14 @@ typedef struct ds_engine_stats {
                                     prefix hit (the checkpoint forked before the kernels ran) */
     /* P/D (docs/pd.md): producer transfers filed, held now, freed unpulled, sent whole, whose
      * send broke off (the consumer died or stalled: freed, not held); consumer pulls that were
-     * installed, that failed (the prompt recomputed), and the blocks and bytes installed */
+     * installed, that failed (the prompt recomputed), and the blocks and bytes installed, and
+     * the seconds the installed ones' bytes took on the wire (their pulls' calls alone, not the
+     * checks: bytes / seconds is the transfer's rate) */
     uint64_t kv_exports, kv_export_blocks, kv_expired, kv_served, kv_send_errors;
     int kv_held;
     uint64_t kv_pulls, kv_pull_failures, kv_pull_blocks, kv_pull_bytes;
+    double kv_pull_seconds;
+    uint64_t kv_released; /* parts of refused transfers that the producer freed when asked */
     uint32_t spec_draft_digest; /* checksum over every draft proposed, in order: two runs that
                                    drafted the same tokens agree (a test of the tap relays) */
     /* constrained decoding: this process's grammar cache (the HTTP threads' checks and, where

@@ -74,6 +74,8 @@ typedef struct pd_part {
     pd_header h;
     const int32_t *prompt; /* into buf [h.n_prompt] */
     const int32_t *ports;  /* into buf [h.n_parts] */
+    int n_ports;           /* h.n_parts once the header's checksum held (the ports are then
+                              the producer's), else 0 */
     int *at;               /* [2][n_depths + 1]: block index of the page ([0]) / checkpoint ([1])
                               covering prompt[0, d * block_size), -1 for none */
     size_t *off;           /* [h.n_blocks] offsets of each pd_block in buf */
@@ -84,8 +86,9 @@ struct ds_kv_pull {
     pd_part *parts; /* [n_parts] in part (producer world rank) order */
     int n_parts;
     int n_depths; /* n_prompt / block_size */
-    int n_blocks; /* over all parts */
-    size_t len;   /* bytes over all parts */
+    int n_blocks;        /* over all parts */
+    size_t len;          /* bytes over all parts */
+    double wire_seconds; /* the parts' pulls (ds_xfer_pull calls), summed */
 };
 
 static void part_free(pd_part *q) {
@@ -325,6 +328,7 @@ static const char *verify_header(const ds_engine *e, pd_part *q, const int32_t *
     q->prompt = (const int32_t *)(q->buf + sizeof h);
     q->ports = q->prompt + h.n_prompt;
     if (header_sum(h, q->buf + sizeof h) != h.checksum) return "header checksum mismatch";
+    q->n_ports = h.n_parts;
     if (h.model != want.model) return "another model (or cut spacing, dtype, device)";
     if (h.tp_size < 1 || h.tp_size > PD_MAX_TP || h.tp_rank < 0 || h.tp_rank >= h.tp_size ||
         c->kda_num_heads % h.tp_size || h.layer_lo < 0 || h.layer_lo >= h.layer_hi ||
@@ -409,12 +413,34 @@ static const char *verify_whole(const ds_engine *e, const ds_kv_pull *p) {
 
 /* ---- the consumer: pulling -------------------------------------------------------------------*/
 
+/* A transfer refused early: asks the producer's ranks whose parts were not pulled (those after
+ * part `from`) to free them now, not when hold_timeout_s runs out — when part 0's ports are
+ * known to be the producer's. Returns how many were freed. */
+static int release_rest(ds_engine *e, const ds_kv_pull *p, const char *host, uint64_t id,
+                        int from) {
+    const pd_part *q = &p->parts[0];
+    int freed = 0;
+    for (int i = from + 1; i < q->n_ports; i++) {
+        ds_err rerr = {{0}};
+        if (ds_xfer_release(host, q->ports[i], id, 2000, &rerr) == DS_OK)
+            freed++;
+        else
+            fprintf(stderr, "[deltaserve] kv transfer %016llx: release of part %d: %s\n",
+                    (unsigned long long)id, i, rerr.msg);
+    }
+    pthread_mutex_lock(&e->mu);
+    e->stats.kv_released += (uint64_t)freed;
+    pthread_mutex_unlock(&e->mu);
+    return freed;
+}
+
 static void count_pull(ds_engine *e, int ok, const ds_kv_pull *p) {
     pthread_mutex_lock(&e->mu);
     if (ok) {
         e->stats.kv_pulls++;
         e->stats.kv_pull_blocks += (uint64_t)p->n_blocks;
         e->stats.kv_pull_bytes += p->len;
+        e->stats.kv_pull_seconds += p->wire_seconds;
     } else
         e->stats.kv_pull_failures++;
     pthread_mutex_unlock(&e->mu);
@@ -427,7 +453,9 @@ static const char *pull_part(ds_engine *e, ds_kv_pull *p, int i, const char *hos
     pd_part *q = &p->parts[i];
     int timeout = e->opts.kv_pull_timeout_ms > 0 ? e->opts.kv_pull_timeout_ms : 30000;
     void *buf;
+    const double t0 = ds_now();
     if (ds_xfer_pull(host, port, id, timeout, &buf, &q->len, err)) return err->msg;
+    p->wire_seconds += ds_now() - t0;
     q->buf = buf;
     /* tests: in the last part (of a producer's job: its last rank's), a byte of the last payload
      * flipped (1), or the part cut 1 KiB short (2) */
@@ -467,6 +495,7 @@ int ds_engine_kv_pull(ds_engine *e, const char *host, int port, uint64_t id, con
     ds_err perr = {{0}};
     const char *why = pull_part(e, p, 0, host, port, id, prompt, n_prompt, &perr);
     int pulled = why != perr.msg; /* a pull that failed says so itself (it names the peer) */
+    int last = 0;                 /* the last part pulled (or tried) */
     if (!why[0] && p->parts[0].h.n_parts > 1) { /* the producer's other ranks' parts */
         int n = p->parts[0].h.n_parts;
         pd_part *all = realloc(p->parts, (size_t)n * sizeof *all);
@@ -479,11 +508,13 @@ int ds_engine_kv_pull(ds_engine *e, const char *host, int port, uint64_t id, con
             for (int i = 1; i < n && !why[0]; i++) {
                 why = pull_part(e, p, i, host, p->parts[0].ports[i], id, prompt, n_prompt, &perr);
                 pulled = why != perr.msg;
+                last = i;
             }
         }
     }
     if (!why[0]) why = verify_whole(e, p);
     if (why[0]) {
+        if (last + 1 < p->parts[0].n_ports) release_rest(e, p, host, id, last);
         if (pulled)
             ds_errf(err, "kv transfer %016llx from %s:%d rejected: %s", (unsigned long long)id,
                     host, port, why);

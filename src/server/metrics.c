@@ -160,6 +160,10 @@ static void render_engine(textbuf *t, const ds_engine_stats *st, const char *lab
           st->kv_held);
     counter(t, "engine_step_seconds_total", "Seconds spent in forward passes and sampling.", labels,
             st->step_seconds_total);
+    counter(t, "kv_transfer_pull_seconds_total",
+            "P/D consumer: seconds the installed transfers took on the wire (their pulls alone; "
+            "pull_bytes_total / this is the transfer rate).",
+            labels, st->kv_pull_seconds);
 }
 
 /* The counters of the prefix cache, the offload tiers and speculative decoding (uint64_t fields
@@ -226,6 +230,10 @@ static void render_counters(textbuf *t, const ds_engine_stats *st, const char *l
          offsetof(ds_engine_stats, kv_pull_blocks)},
         {"kv_transfer_pull_bytes_total", "P/D consumer: bytes of the transfers installed.",
          offsetof(ds_engine_stats, kv_pull_bytes)},
+        {"kv_transfer_releases_total",
+         "P/D consumer: parts of transfers it refused early that it asked the producer's ranks "
+         "to free (instead of holding them until their timeout), and they did.",
+         offsetof(ds_engine_stats, kv_released)},
         {"spec_decode_num_verifies_total", "Speculative verify steps (one forward each).",
          offsetof(ds_engine_stats, spec_verifies)},
         {"spec_decode_num_draft_tokens_total", "Draft tokens proposed and verified.",

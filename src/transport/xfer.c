@@ -18,12 +18,14 @@
 #include <ucp/api/ucp.h>
 
 #define XFER_MAGIC   0x31585344u /* "DSX1" little-endian */
-#define XFER_VERSION 1u
+#define XFER_VERSION 2u
 enum { ST_FOUND = 0, ST_NOT_FOUND = 1 };
+enum { OP_PULL = 0, OP_RELEASE = 1 }; /* release: free the blob, send nothing back but the header */
 
 typedef struct xreq {
     uint32_t magic, version;
     uint64_t id;
+    uint32_t op, pad;
 } xreq;
 typedef struct xhdr {
     uint32_t magic, status;
@@ -263,6 +265,20 @@ static void serve_conn(ds_xfer_server *s, ucp_conn_request_h creq) {
         sleep_us(1000);
         b = take_blob(s, rq.id);
     }
+    if (b && rq.op == OP_RELEASE) { /* the consumer gave it up: freed now, not at its timeout */
+        free(b->buf);
+        free(b);
+        b = NULL;
+        count(s, &s->st.released);
+        xhdr h = {XFER_MAGIC, ST_FOUND, 0};
+        int rc = send_all(s->worker, e, &h, sizeof h, &es, ds_now() + 10.0);
+        if (!rc) {
+            char c;
+            recv_all(s->worker, e, &c, 1, &es, ds_now() + 5.0);
+        }
+        close_ep(s->worker, e, &es);
+        return;
+    }
     xhdr h = {XFER_MAGIC, b ? ST_FOUND : ST_NOT_FOUND, b ? b->len : 0};
     deadline = ds_now() + 60.0;
     int rc = send_all(s->worker, e, &h, sizeof h, &es, deadline);
@@ -413,10 +429,11 @@ static void init_client_ctx(void) {
     if (make_context(0, &g_ctx, &g_ctx_err)) g_ctx = NULL;
 }
 
-/* The pull's body once connected: request, header, payload. */
-static int pull_on(ucp_worker_h w, ucp_ep_h e, ep_state *es, uint64_t id, double deadline,
-                   const char *peer, void **buf, size_t *len, ds_err *err) {
-    xreq rq = {XFER_MAGIC, XFER_VERSION, id};
+/* The call's body once connected: request, header, payload (a release: the header alone; buf
+ * NULL). */
+static int pull_on(ucp_worker_h w, ucp_ep_h e, ep_state *es, uint64_t id, uint32_t op,
+                   double deadline, const char *peer, void **buf, size_t *len, ds_err *err) {
+    xreq rq = {XFER_MAGIC, XFER_VERSION, id, op, 0};
     xhdr h;
     if (send_all(w, e, &rq, sizeof rq, es, deadline) || recv_all(w, e, &h, sizeof h, es, deadline))
         return ds_errf(err, "kv transfer: %s: %s", peer,
@@ -427,6 +444,7 @@ static int pull_on(ucp_worker_h w, ucp_ep_h e, ep_state *es, uint64_t id, double
                        "kv transfer: %s: transfer %016llx not held (pulled, expired or never "
                        "filed)",
                        peer, (unsigned long long)id);
+    if (!buf) return DS_OK; /* released */
     void *b = malloc(h.len ? h.len : 1);
     if (!b)
         return ds_errf(err, "kv transfer: out of memory for %llu bytes", (unsigned long long)h.len);
@@ -440,10 +458,9 @@ static int pull_on(ucp_worker_h w, ucp_ep_h e, ep_state *es, uint64_t id, double
     return DS_OK;
 }
 
-int ds_xfer_pull(const char *host, int port, uint64_t id, int timeout_ms, void **buf, size_t *len,
-                 ds_err *err) {
-    *buf = NULL;
-    *len = 0;
+/* Connects to host:port and runs one request (pull: buf, len; release: NULL). */
+static int call(const char *host, int port, uint64_t id, uint32_t op, int timeout_ms, void **buf,
+                size_t *len, ds_err *err) {
     char peer[160];
     snprintf(peer, sizeof peer, "%s:%d", host ? host : "?", port);
     pthread_once(&g_once, init_client_ctx);
@@ -465,9 +482,20 @@ int ds_xfer_pull(const char *host, int port, uint64_t id, int timeout_ms, void *
     if (ucp_ep_create(w, &ep, &e) != UCS_OK) {
         rc = ds_errf(err, "kv transfer: cannot connect to %s", peer);
     } else {
-        rc = pull_on(w, e, &es, id, ds_now() + timeout_ms / 1e3, peer, buf, len, err);
+        rc = pull_on(w, e, &es, id, op, ds_now() + timeout_ms / 1e3, peer, buf, len, err);
         close_ep(w, e, &es);
     }
     ucp_worker_destroy(w);
     return rc;
+}
+
+int ds_xfer_pull(const char *host, int port, uint64_t id, int timeout_ms, void **buf, size_t *len,
+                 ds_err *err) {
+    *buf = NULL;
+    *len = 0;
+    return call(host, port, id, OP_PULL, timeout_ms, buf, len, err);
+}
+
+int ds_xfer_release(const char *host, int port, uint64_t id, int timeout_ms, ds_err *err) {
+    return call(host, port, id, OP_RELEASE, timeout_ms, NULL, NULL, err);
 }

@@ -7,10 +7,12 @@
  * an id and receives its bytes. What the bytes mean (the blocks, their hashes and checksums) is
  * the engine's business (engine/pd.c); this layer only moves them and says when it could not.
  *
- * Wire (UCX stream): the client sends {u32 magic "DSX1", u32 version, u64 id}; the server
- * answers {u32 magic, u32 status, u64 length} and then length bytes. status 0: found; 1: no such
- * id (never filed, already pulled, or expired). An id that is not there yet is waited for up to
- * wait_ms, so a pull that races the producer's filing still finds it. */
+ * Wire (UCX stream): the client sends {u32 magic "DSX1", u32 version 2, u64 id, u32 op, u32 0};
+ * op 0 pulls: the server answers {u32 magic, u32 status, u64 length} and then length bytes;
+ * op 1 releases: the server frees the blob and answers the header alone (length 0). status 0:
+ * found; 1: no such id (never filed, already pulled, released, or expired). An id that is not
+ * there yet is waited for up to wait_ms, so a call that races the producer's filing still finds
+ * it. */
 #ifndef DS_XFER_H
 #define DS_XFER_H
 
@@ -28,6 +30,7 @@ typedef struct ds_xfer_stats {
     uint64_t expired;   /* blobs freed unpulled when their time ran out */
     uint64_t not_found; /* pulls of an id that was not there */
     uint64_t errors;    /* pulls that broke off (peer gone, timeout) */
+    uint64_t released;  /* blobs a consumer gave up (released) and so freed before their time */
 } ds_xfer_stats;
 
 /* Listens on host:port (port 0: the kernel picks one; ds_xfer_server_port says which) and starts
@@ -50,5 +53,9 @@ void ds_xfer_server_free(ds_xfer_server *s);
  * any number of threads at once (each call has its own UCX worker). */
 int ds_xfer_pull(const char *host, int port, uint64_t id, int timeout_ms, void **buf, size_t *len,
                  ds_err *err);
+/* Asks host:port to free id unpulled (a consumer that refused a transfer early, so that the
+ * producer's other parts do not wait out their time to live). DS_OK when it was held and is now
+ * freed; an error (naming the peer) when it was not held or the peer could not be reached. */
+int ds_xfer_release(const char *host, int port, uint64_t id, int timeout_ms, ds_err *err);
 
 #endif

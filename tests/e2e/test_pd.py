@@ -119,12 +119,17 @@ def test_pair_equals_one_server(ref, prod, cons, text_ids):
         want = post(ref, "/v1/completions", body)[1]
         pulls, fails, hits = m(cons, "kv_transfer_pulls_total"), \
             m(cons, "kv_transfer_pull_failures_total"), m(cons, "prefix_cache_hits_total")
+        wire_bytes, wire_s = m(cons, "kv_transfer_pull_bytes_total"), \
+            m(cons, "kv_transfer_pull_seconds_total")
         kv = prefill(prod, "/v1/completions", body)
         status, got = post(cons, "/v1/completions", dict(body, kv_transfer_params=kv))
         assert status == 200, got
         same(got, want)
         assert m(cons, "kv_transfer_pulls_total") == pulls + 1, "".join(cons.log[-8:])
         assert m(cons, "kv_transfer_pull_failures_total") == fails
+        # the pull's bytes and its time on the wire are counted (their ratio is its rate)
+        assert m(cons, "kv_transfer_pull_bytes_total") > wire_bytes
+        assert 0 < m(cons, "kv_transfer_pull_seconds_total") - wire_s < 30
         # the consumer resumed from the deepest rung before the last token: the pulled blocks
         assert m(cons, "prefix_cache_hits_total") - hits == (n - 1) // rung * rung, n
     assert m(prod, "kv_transfer_exports_total") >= len(lengths)
@@ -526,6 +531,17 @@ def test_pp2_producer_to_tp1_consumer(ref, cons, text_ids):
             assert any("block checksum mismatch" in line for line in bad.log)
         finally:
             assert bad.stop() == 0
+        # refused at the head's part (paired with another prompt): stage 1's part, never
+        # pulled, is released at once (its store confirms it held and freed it), not left to
+        # wait out hold_timeout_s
+        a, b = completion(ids[164: 164 + 300], 4), completion(ids[165: 165 + 300], 4)
+        want = post(ref, "/v1/completions", b)[1]
+        fails, rel = m(cons, "kv_transfer_pull_failures_total"), \
+            m(cons, "kv_transfer_releases_total")
+        kv = prefill(prod2, "/v1/completions", a)
+        same(post(cons, "/v1/completions", dict(b, kv_transfer_params=kv))[1], want)
+        assert m(cons, "kv_transfer_pull_failures_total") == fails + 1
+        assert m(cons, "kv_transfer_releases_total") == rel + 1, "".join(cons.log[-8:])
         assert m(prod2, "kv_transfer_held") == 0
     finally:
         log = "".join(prod2.log[-20:])

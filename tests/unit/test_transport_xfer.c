@@ -1,7 +1,7 @@
 /* The P/D blob transfer over UCX (transport/xfer.h), a server and pulls in one process on the
  * loopback: the bytes arrive whole, a blob is pulled at most once, an unknown id and a dead port
- * fail with a message, a blob nobody pulls is freed when its time runs out, and a pull that races
- * the filing waits for it. */
+ * fail with a message, a blob nobody pulls is freed when its time runs out or when a consumer
+ * releases it, and a pull that races the filing waits for it. */
 #include "transport/xfer.h"
 #include "testutil.h"
 
@@ -72,6 +72,43 @@ static void test_expiry(void **st) {
     ds_xfer_server_free(s);
 }
 
+/* A release frees a held blob at once (counted), after which it cannot be pulled; releasing an
+ * id that is not held is an error naming it, and frees nothing else. */
+static void test_release(void **st) {
+    (void)st;
+    ds_err err = {{0}};
+    ds_xfer_server *s;
+    assert_int_equal(ds_xfer_server_create("127.0.0.1", 0, 0, &s, &err), DS_OK);
+    int port = ds_xfer_server_port(s);
+    assert_int_equal(ds_xfer_server_put(s, 11, pattern(5000, 2), 5000, 60000, &err), DS_OK);
+    assert_int_equal(ds_xfer_server_put(s, 12, pattern(300, 4), 300, 60000, &err), DS_OK);
+    assert_int_equal(ds_xfer_release("127.0.0.1", port, 11, 5000, &err), DS_OK);
+    ds_xfer_stats xs;
+    ds_xfer_server_stats(s, &xs);
+    assert_int_equal(xs.released, 1);
+    assert_int_equal(xs.held, 1);
+    assert_int_equal(xs.held_bytes, 300);
+    assert_int_equal(xs.served, 0);
+    void *got;
+    size_t len;
+    assert_int_equal(ds_xfer_pull("127.0.0.1", port, 11, 5000, &got, &len, &err), DS_ERR);
+    assert_non_null(strstr(err.msg, "not held"));
+    err.msg[0] = 0;
+    assert_int_equal(ds_xfer_release("127.0.0.1", port, 99, 5000, &err), DS_ERR);
+    assert_non_null(strstr(err.msg, "0000000000000063"));
+    /* the other blob is untouched and still pulls whole */
+    assert_int_equal(ds_xfer_pull("127.0.0.1", port, 12, 5000, &got, &len, &err), DS_OK);
+    void *want = pattern(300, 4);
+    assert_int_equal(len, 300);
+    assert_memory_equal(got, want, 300);
+    free(got);
+    free(want);
+    ds_xfer_server_stats(s, &xs);
+    assert_int_equal(xs.held, 0);
+    assert_int_equal(xs.released, 1);
+    ds_xfer_server_free(s);
+}
+
 typedef struct late_put {
     ds_xfer_server *s;
 } late_put;
@@ -125,6 +162,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_pull_once),
         cmocka_unit_test(test_expiry),
+        cmocka_unit_test(test_release),
         cmocka_unit_test(test_pull_waits_for_filing),
         cmocka_unit_test(test_no_server),
     };
