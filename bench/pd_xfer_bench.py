@@ -8,7 +8,9 @@ kv_transfer_params). The consumer's /metrics say how many bytes the pull moved a
 took on the wire (kv_transfer_pull_bytes_total / kv_transfer_pull_seconds_total: the pull calls
 alone, not the checks or the install). Beside it, in the same run, `ucx_perftest -t stream_bw`
 between two processes of this machine with messages of the transfer's size: the transport's own
-rate. Each side REPS times (a fresh prompt each: nothing cached), alternating.
+rate, with every transport UCX has (shared memory here) and with TCP alone (what UCX gives a
+stream endpoint made from a socket address, as the pull's is). Each REPS times (a fresh prompt
+each: nothing cached), alternating.
 
 The model's context is raised for the run (a folder of links to --model's files whose config.json
 says max_position_embeddings TOKENS + 256): gsm-k3's MLA layers take no positions (NoPE), so the
@@ -45,15 +47,17 @@ def long_model(src, tokens, dst):
     json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=1)
 
 
-def perftest(size, iters, port):
-    """ucx_perftest stream_bw between two processes here: MB/s (10^6 bytes) of the final line."""
+def perftest(size, iters, port, tls):
+    """ucx_perftest stream_bw between two processes here, with UCX_TLS=tls: MB/s (10^6 bytes) of
+    the final line."""
+    env = dict(os.environ, UCX_TLS=tls)
     srv = subprocess.Popen(["ucx_perftest", "-p", str(port)], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+                           stderr=subprocess.DEVNULL, env=env)
     try:
         time.sleep(0.5)
         out = subprocess.run(["ucx_perftest", "127.0.0.1", "-p", str(port), "-t", "stream_bw",
                               "-s", str(size), "-n", str(iters)], capture_output=True, text=True,
-                             timeout=600).stdout
+                             timeout=600, env=env).stdout
         final = [l for l in out.splitlines() if l.startswith("Final:")]
         if not final:
             raise RuntimeError("ucx_perftest printed no Final line:\n" + out)
@@ -80,7 +84,7 @@ def main():
     prod = Srv(a.bin, tmp, extra + kv("kv_producer"))
     cons = Srv(a.bin, tmp, extra + kv("kv_consumer"))
     rec = {"args": vars(a), "cpus": os.cpu_count(), "load_average_before": os.getloadavg(),
-           "pulls": [], "perftest_MBps": []}
+           "pulls": [], "perftest_MBps": [], "perftest_tcp_MBps": []}
     try:
         model = json.loads(prod.get("/v1/models")[1])["data"][0]["id"]
         text = " ".join(f"Line {i}: a farmer sells {i % 23 + 2} crates of {i % 7 + 3} melons."
@@ -111,22 +115,28 @@ def main():
             print(f"pull {r}: {nbytes / 1e6:.1f} MB in {secs:.3f} s = "
                   f"{nbytes / secs / 1e6:.0f} MB/s (prefill {t_prefill:.1f} s, consumer request "
                   f"{t_consumer:.2f} s)", flush=True)
-            mbps = perftest(int(nbytes), 4, 13000 + 17 * r + os.getpid() % 1000)
-            rec["perftest_MBps"].append(mbps)
-            print(f"ucx_perftest stream_bw, {nbytes / 1e6:.1f} MB messages: {mbps:.0f} MB/s",
-                  flush=True)
+            # UCX's best here (shared memory between two processes), and TCP alone: the lane UCX
+            # gives a stream endpoint made from a socket address (client-server mode), as the
+            # pull's is (docs/pd.md)
+            for key, tls in (("perftest_MBps", "all"), ("perftest_tcp_MBps", "tcp")):
+                mbps = perftest(int(nbytes), 4, 13000 + 17 * r + os.getpid() % 1000, tls)
+                rec[key].append(mbps)
+                print(f"ucx_perftest stream_bw UCX_TLS={tls}, {nbytes / 1e6:.1f} MB messages: "
+                      f"{mbps:.0f} MB/s", flush=True)
         rec["producer_held"] = prod.metric("kv_transfer_held")
         rec["load_average_after"] = os.getloadavg()
         pull = statistics.median(p["MBps"] for p in rec["pulls"])
         perf = statistics.median(rec["perftest_MBps"])
+        tcp = statistics.median(rec["perftest_tcp_MBps"])
         rec["pull_over_perftest"] = pull / perf
+        rec["pull_over_perftest_tcp"] = pull / tcp
         print(json.dumps(rec, indent=1))
         p = rec["pulls"][0]
-        print("| prompt tokens | transfer MB | pull MB/s (median) | ucx_perftest MB/s (median) | "
-              "pull / perftest |")
+        print("| prompt tokens | transfer MB | pull MB/s | ucx_perftest MB/s, all / tcp | "
+              "pull / perftest, all / tcp |")
         print("|---|---|---|---|---|")
-        print(f"| {a.tokens} | {p['bytes'] / 1e6:.1f} | {pull:.0f} | {perf:.0f} | "
-              f"{pull / perf:.2f} |")
+        print(f"| {a.tokens} | {p['bytes'] / 1e6:.1f} | {pull:.0f} | {perf:.0f} / {tcp:.0f} | "
+              f"{pull / perf:.2f} / {pull / tcp:.2f} |")
     finally:
         for s in (prod, cons):
             s.stop()
