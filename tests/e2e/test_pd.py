@@ -534,7 +534,7 @@ def test_pp2_producer_to_tp1_consumer(ref, cons, text_ids):
         # refused at the head's part (paired with another prompt): stage 1's part, never
         # pulled, is released at once (its store confirms it held and freed it), not left to
         # wait out hold_timeout_s
-        a, b = completion(ids[164: 164 + 300], 4), completion(ids[165: 165 + 300], 4)
+        a, b = completion(ids[180: 180 + 300], 4), completion(ids[181: 181 + 300], 4)
         want = post(ref, "/v1/completions", b)[1]
         fails, rel = m(cons, "kv_transfer_pull_failures_total"), \
             m(cons, "kv_transfer_releases_total")
