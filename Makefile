@@ -76,7 +76,7 @@ fuzz-build: deps
 fuzz: fuzz-build
 	tests/fuzz/run_fuzzers.sh $(FUZZ_BUILD) $(FUZZ_SECONDS)
 fuzz-short: fuzz-build
-	tests/fuzz/run_fuzzers.sh $(FUZZ_BUILD) 10
+	tests/fuzz/run_fuzzers.sh $(FUZZ_BUILD) 6
 
 # Soak: a real server under a mix of valid, malformed and abandoned requests (tests/soak/soak.py).
 SOAK_SECONDS ?= 600
