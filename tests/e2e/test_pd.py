@@ -248,11 +248,14 @@ def test_producer_killed_mid_transfer(ref, cons, text_ids):
         dying.stop()
 
 
-def test_kv_both_pairs_with_itself(ref, text_ids):
-    """kv_both: one server prefills (and holds) and decodes (and pulls), per request."""
-    both = Server("--seed", "1", *kv_config("kv_both"), env_args=False)
+@pytest.mark.parametrize("layout", [(), ("-pp", "2")], ids=["one", "pp2"])
+def test_kv_both_pairs_with_itself(ref, text_ids, layout):
+    """kv_both: one server prefills (and holds) and decodes (and pulls), per request; also a
+    pipelined job, whose head pulls every stage's part from its own job's ports."""
+    both = Server("--seed", "1", *layout, *kv_config("kv_both"), env_args=False)
     try:
-        body = completion(text_ids[0][30: 30 + 520])
+        start = 30 if not layout else 190  # a first token no other test's prompt has
+        body = completion(text_ids[0][start: start + 520])
         want = post(ref, "/v1/completions", body)[1]
         kv = prefill(both, "/v1/completions", body)
         status, got = post(both, "/v1/completions", dict(body, kv_transfer_params=kv))
