@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# On the GPU machine, with .devbin carried (tools/device/pack_devbin.sh) and the wheels of
+# llguidance, openai, jsonschema, pytest and their needs in .whl (cp3XX-specific ones under
+# .whl/bin/cp3XX/): what sessions 24-25 could not run for want of a GPU, in one call (~8 min).
+#   1. every kernel check (the FP8 split sum of 7148166, the grammar draw kernel);
+#   2. tests/e2e/test_structured.py and test_tools.py against `serve --device cuda`, plain and
+#      with DSpark (issue 34's GPU end-to-end);
+#   3. constrained decoding's cost at the 48B shape, concurrency 32 (tools/device/grammar48.sh);
+#   4. decode at batch 1 and 32, BF16 then ptpc_fp8, graphs (issue 32's ratio in one call);
+#   5. Nsight Compute per kernel of a batch-1 step, BF16 and ptpc_fp8 (where the FP8 step's time
+#      goes: tools/device/ncu48.sh).
+# The working tree travels whole (64 MiB at most): with the wheels (~16 MiB) the bundled model
+# (46 MB) does not fit beside them; leave it out of the call's tree for that call (docs/cuda.md).
+set -u
+OUT=${OUT:-/tmp/ds-out}
+T0=$(date +%s)
+el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
+PV=$(python3 -c 'import sys;print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+el "python $PV"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl .whl/bin/$PV/*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site
+python3 -c "import llguidance, openai, jsonschema, pytest; print('python packages ok')"
+. "$(dirname "$0")/env.sh"
+el "1. kernel checks"
+.devbin/test_cuda_kernels > "$OUT/check.log" 2>&1
+echo "checks rc $?"
+grep -iE "fail|grammar|draw|fp8|mxfp4" "$OUT/check.log" | head -30
+el "2. structured outputs and tool calls on cuda"
+.devbin/deltaserve init-model --preset tiny-k3 --out models/tiny-k3 > /dev/null || echo "init failed"
+for args in "--device cuda" "--device cuda --speculative-method dspark --num-speculative-tokens 4"; do
+  DS_SERVE_ARGS="$args" DS_BIN=$PWD/.devbin/deltaserve DS_MODEL=$PWD/models/tiny-k3 timeout 240 \
+    python3 -m pytest -q -p no:cacheprovider tests/e2e/test_structured.py tests/e2e/test_tools.py \
+    2>&1 | tail -4
+done
+el "3. grammar48"
+CONC=32 STEP_TIMEOUT=120 bash "$(dirname "$0")/grammar48.sh" 2>&1 | tail -12
+el "4. decode b1 / b32, BF16 then ptpc_fp8"
+B=".devbin/deltaserve bench --model configs/kimi-linear-48b-a3b --load-format random --device cuda"
+B="$B --prompt-tokens 512 --reps 1 --decode-context 512 --decode-steps 8 --batch-sizes 1,32"
+$B --json "$OUT/b_bf16.json" 2>&1 | grep -E "decode|copy" | head -4
+$B -q ptpc_fp8 --json "$OUT/b_fp8.json" 2>&1 | grep -E "decode|copy" | head -4
+el "5. ncu BF16, ptpc_fp8"
+NAME=ncu_bf16 COUNT=700 bash "$(dirname "$0")/ncu48.sh" 2>&1 | head -24
+NAME=ncu_fp8 COUNT=700 bash "$(dirname "$0")/ncu48.sh" -q ptpc_fp8 2>&1 | head -24
+el end
