@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The device tool sends the working tree (at most 64 MiB); the bundled model is 46 MB of it. For a
+# call that carries more than ~6 MB beside .devbin (Python wheels: tools/device/fetch_wheels.sh),
+# `light_tree.sh out` takes models/gsm-k3 out of what travels (out of the index, its .gitignore
+# exception dropped; the files stay on disk) and `light_tree.sh back` puts both back. Nothing may
+# be committed in between: `out` refuses when anything is staged, `back` is safe to run twice.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+case "${1:-}" in
+  out)
+    git diff --cached --quiet || { echo "light_tree: staged changes; commit them first" >&2; exit 1; }
+    git rm -r -q --cached models/gsm-k3
+    sed -i '/^!\/models\/gsm-k3\/$/d' .gitignore
+    echo "models/gsm-k3 left out of the tree that travels; run 'light_tree.sh back' after the call" ;;
+  back)
+    git checkout -q .gitignore
+    git reset -q HEAD -- models/gsm-k3
+    git diff --cached --quiet && echo "models/gsm-k3 tracked again" ;;
+  *) echo "usage: light_tree.sh out|back" >&2; exit 2 ;;
+esac
