@@ -2,10 +2,12 @@
  *
  * UCX's client-server mode: the server's worker owns a listener on a socket address; a new
  * connection arrives as a connection request, which the serving thread turns into an endpoint and
- * answers with the stream API (ucp_stream_send_nbx / ucp_stream_recv_nbx). UCX picks the
- * transport itself (shared memory between processes of one host, TCP otherwise here; RDMA where
- * the hardware has it). The serving thread sleeps on the worker's event fd between requests, so
- * an idle producer costs nothing; it serves one pull at a time (a pull is one contiguous send). */
+ * answers with the stream API (ucp_stream_send_nbx / ucp_stream_recv_nbx). The bytes themselves go
+ * from a second ("bulk") worker of the server to the client's bulk worker by address, with the tag
+ * API (send_bulk / recv_bulk): there UCX picks every transport the two share (shared memory and
+ * CMA between processes of one host, RDMA where the hardware has it) and, for large messages, its
+ * rendezvous protocol. The serving thread sleeps on the connection worker's event fd between
+ * requests, so an idle producer costs nothing; it serves one pull at a time. */
 #include "transport/xfer.h"
 
 #include <arpa/inet.h>
