@@ -79,6 +79,9 @@ typedef struct ep_state {
     ucs_status_ptr_t parked[4];
     int n_parked;
     void *hold; /* a buffer a parked operation may still touch (freed by close_ep) */
+    /* a pull's bulk receive: what arrived (on_recv may fill it after the receive was given up,
+     * until the bulk worker is destroyed, so it lives here, in the call's frame) */
+    ucp_tag_recv_info_t got;
 } ep_state;
 
 static void on_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
@@ -513,14 +516,26 @@ static void init_client_ctx(void) {
         g_ctx = g_bulk_ctx = NULL;
 }
 
+static void on_recv(void *req, ucs_status_t st, const ucp_tag_recv_info_t *ti, void *info) {
+    (void)req;
+    if (st == UCS_OK) *(ucp_tag_recv_info_t *)info = *ti;
+}
+
 /* The bytes of a pull (send_bulk's), received by tag on the bulk worker bw; ces is the
  * connection's state (on cw), whose failure (the producer gone) ends the wait. */
 static int recv_bulk(ucp_worker_h bw, ucp_worker_h cw, void *buf, size_t len, uint64_t tag,
                      ep_state *ces, double deadline) {
     ep_state bes = {0};
-    ucp_request_param_t p = {.op_attr_mask = 0};
+    ucp_tag_recv_info_t *info = &ces->got; /* filled at once, or by on_recv when it ends later */
+    ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_RECV_INFO |
+                                             UCP_OP_ATTR_FIELD_CALLBACK |
+                                             UCP_OP_ATTR_FIELD_USER_DATA,
+                             .cb.recv = on_recv,
+                             .user_data = info,
+                             .recv_info.tag_info = info};
     int rc =
         wait_bulk(bw, cw, ucp_tag_recv_nbx(bw, buf, len, tag, UINT64_MAX, &p), ces, &bes, deadline);
+    if (!rc && info->length != len) rc = DS_ERR; /* fewer bytes than the header said */
     /* a receive that did not end is released to UCX, and ends when call destroys the bulk
      * worker, before buf is freed */
     for (int i = 0; i < bes.n_parked; i++) ucp_request_free(bes.parked[i]);
