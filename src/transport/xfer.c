@@ -2,12 +2,10 @@
  *
  * UCX's client-server mode: the server's worker owns a listener on a socket address; a new
  * connection arrives as a connection request, which the serving thread turns into an endpoint and
- * answers with the stream API (ucp_stream_send_nbx / ucp_stream_recv_nbx). The bytes themselves go
- * from a second ("bulk") worker of the server to the client's bulk worker by address, with the tag
- * API (send_bulk / recv_bulk): there UCX picks every transport the two share (shared memory and
- * CMA between processes of one host, RDMA where the hardware has it) and, for large messages, its
- * rendezvous protocol. The serving thread sleeps on the connection worker's event fd between
- * requests, so an idle producer costs nothing; it serves one pull at a time. */
+ * answers with the stream API (ucp_stream_send_nbx / ucp_stream_recv_nbx). UCX picks the
+ * transport itself (shared memory between processes of one host, TCP otherwise here; RDMA where
+ * the hardware has it). The serving thread sleeps on the worker's event fd between requests, so
+ * an idle producer costs nothing; it serves one pull at a time (a pull is one contiguous send). */
 #include "transport/xfer.h"
 
 #include <arpa/inet.h>
@@ -20,17 +18,15 @@
 #include <ucp/api/ucp.h>
 
 #define XFER_MAGIC   0x31585344u /* "DSX1" little-endian */
-#define XFER_VERSION 3u
+#define XFER_VERSION 2u
 enum { ST_FOUND = 0, ST_NOT_FOUND = 1 };
 enum { OP_PULL = 0, OP_RELEASE = 1 }; /* release: free the blob, send nothing back but the header */
 
 typedef struct xreq {
     uint32_t magic, version;
     uint64_t id;
-    uint32_t op;
-    uint32_t addr_len; /* a pull: the client worker's address follows, this many bytes */
+    uint32_t op, pad;
 } xreq;
-enum { XFER_ADDR_MAX = 1 << 16 }; /* a worker address is a few hundred bytes */
 typedef struct xhdr {
     uint32_t magic, status;
     uint64_t len;
@@ -50,9 +46,8 @@ typedef struct pending_conn {
 } pending_conn;
 
 struct ds_xfer_server {
-    ucp_context_h ctx, bulk_ctx;
-    ucp_worker_h worker;      /* the listener and the connections */
-    ucp_worker_h bulk_worker; /* the pulls' bytes (send_bulk) */
+    ucp_context_h ctx;
+    ucp_worker_h worker;
     ucp_listener_h listener;
     int port, wait_ms, efd;
     int stall_ms; /* tests: a pause between a pull's header and its bytes */
@@ -79,9 +74,6 @@ typedef struct ep_state {
     ucs_status_ptr_t parked[4];
     int n_parked;
     void *hold; /* a buffer a parked operation may still touch (freed by close_ep) */
-    /* a pull's bulk receive: what arrived (on_recv may fill it after the receive was given up,
-     * until the bulk worker is destroyed, so it lives here, in the call's frame) */
-    ucp_tag_recv_info_t got;
 } ep_state;
 
 static void on_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
@@ -162,18 +154,11 @@ static void close_ep(ucp_worker_h w, ucp_ep_h ep, ep_state *es) {
     es->hold = NULL;
 }
 
-/* Two kinds of context: the connections' (stream; the server's also wakes on its event fd) and
- * the bulk bytes' (tag only: a context that asks for wakeups, or an endpoint that asks to hear of
- * a dead peer, gets no shared-memory or CMA transport in UCX 1.13, only TCP). */
-enum {
-    CTX_CONN = UCP_FEATURE_STREAM,
-    CTX_CONN_WAKE = UCP_FEATURE_STREAM | UCP_FEATURE_WAKEUP,
-    CTX_BULK = UCP_FEATURE_TAG
-};
-static int make_context(uint64_t features, ucp_context_h *ctx, ds_err *err) {
+static int make_context(int wakeup, ucp_context_h *ctx, ds_err *err) {
     ucp_config_t *cfg;
     if (ucp_config_read(NULL, NULL, &cfg) != UCS_OK) return ds_errf(err, "UCX: cannot read config");
-    ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES, .features = features};
+    ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES,
+                      .features = UCP_FEATURE_STREAM | (wakeup ? UCP_FEATURE_WAKEUP : 0)};
     ucs_status_t st = ucp_init(&p, cfg, ctx);
     ucp_config_release(cfg);
     if (st != UCS_OK) return ds_errf(err, "UCX: ucp_init failed: %s", ucs_status_string(st));
@@ -252,61 +237,6 @@ static void count(ds_xfer_server *s, uint64_t *field) {
     pthread_mutex_unlock(&s->mu);
 }
 
-/* Waits for a bulk operation r on worker bw, progressing the connection's worker cw too (its
- * endpoint, made in peer-failure mode, is how a dead peer shows: ces->failed); on failure or past
- * the deadline the operation is cancelled, and one that does not end within half a second is
- * parked in bes for close_ep's forced close (as wait_op does). */
-static int wait_bulk(ucp_worker_h bw, ucp_worker_h cw, ucs_status_ptr_t r, ep_state *ces,
-                     ep_state *bes, double deadline) {
-    if (r == NULL) return DS_OK;
-    if (UCS_PTR_IS_ERR(r)) return DS_ERR;
-    ucs_status_t st;
-    while ((st = ucp_request_check_status(r)) == UCS_INPROGRESS) {
-        if (ces->failed || bes->failed || ds_now() > deadline) {
-            bes->failed = 1;
-            ucp_request_cancel(bw, r);
-            for (double until = ds_now() + 0.5;
-                 ucp_request_check_status(r) == UCS_INPROGRESS && ds_now() < until;)
-                if (!ucp_worker_progress(bw)) sleep_us(20);
-            if (ucp_request_check_status(r) != UCS_INPROGRESS)
-                ucp_request_free(r);
-            else if (bes->n_parked < (int)(sizeof bes->parked / sizeof bes->parked[0]))
-                bes->parked[bes->n_parked++] = r;
-            else
-                ucp_request_free(r);
-            return DS_ERR;
-        }
-        int moved = (int)ucp_worker_progress(bw);
-        moved |= (int)ucp_worker_progress(cw);
-        if (!moved) sleep_us(20);
-    }
-    ucp_request_free(r);
-    return st == UCS_OK ? DS_OK : DS_ERR;
-}
-
-/* The bytes of a pull, tagged with the transfer id, from the bulk worker to the client's bulk
- * worker (its address came with the request): UCX then uses every transport the two share
- * (shared memory and CMA on one host, RDMA where there is some), where the socket-address
- * connection gets TCP lanes only; large messages go by its rendezvous protocol (the receiver
- * reads them, zero-copy where the transport can). A failure marks es, the connection's state. */
-static int send_bulk(ds_xfer_server *s, const void *addr, const void *buf, size_t len, uint64_t tag,
-                     ep_state *es, double deadline) {
-    ep_state bes = {0};
-    ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS,
-                          .address = (const ucp_address_t *)addr};
-    ucp_ep_h e2;
-    if (ucp_ep_create(s->bulk_worker, &ep, &e2) != UCS_OK) {
-        es->failed = 1;
-        return DS_ERR;
-    }
-    ucp_request_param_t p = {.op_attr_mask = 0};
-    int rc = wait_bulk(s->bulk_worker, s->worker, ucp_tag_send_nbx(e2, buf, len, tag, &p), es, &bes,
-                       deadline);
-    if (rc) es->failed = 1;
-    close_ep(s->bulk_worker, e2, &bes); /* forced after a failure: parked sends end here */
-    return rc;
-}
-
 /* Answers one connection: reads the id, sends the blob (or not-found), closes. */
 static void serve_conn(ds_xfer_server *s, ucp_conn_request_h creq) {
     ep_state es = {0};
@@ -329,16 +259,6 @@ static void serve_conn(ds_xfer_server *s, ucp_conn_request_h creq) {
         close_ep(s->worker, e, &es);
         return;
     }
-    /* a pull names where its bytes go: the client worker's address */
-    void *addr = NULL;
-    if (rq.op == OP_PULL &&
-        (rq.addr_len == 0 || rq.addr_len > XFER_ADDR_MAX || !(addr = malloc(rq.addr_len)) ||
-         recv_all(s->worker, e, addr, rq.addr_len, &es, deadline))) {
-        free(addr);
-        count(s, &s->st.errors);
-        close_ep(s->worker, e, &es);
-        return;
-    }
     blob *b = take_blob(s, rq.id);
     for (double until = ds_now() + s->wait_ms / 1e3; !b && ds_now() < until && !es.failed;) {
         ucp_worker_progress(s->worker);
@@ -350,7 +270,6 @@ static void serve_conn(ds_xfer_server *s, ucp_conn_request_h creq) {
         free(b);
         b = NULL;
         count(s, &s->st.released);
-        free(addr);
         xhdr h = {XFER_MAGIC, ST_FOUND, 0};
         int rc = send_all(s->worker, e, &h, sizeof h, &es, ds_now() + 10.0);
         if (!rc) {
@@ -367,14 +286,13 @@ static void serve_conn(ds_xfer_server *s, ucp_conn_request_h creq) {
         ucp_worker_progress(s->worker);
         sleep_us(1000);
     }
-    if (!rc && b && b->len) rc = send_bulk(s, addr, b->buf, b->len, rq.id, &es, deadline);
+    if (!rc && b && b->len) rc = send_all(s->worker, e, b->buf, b->len, &es, deadline);
     /* the peer closes once it has everything; wait for that so the flush cannot cut it short */
     if (!rc) {
         char c;
         recv_all(s->worker, e, &c, 1, &es, ds_now() + 5.0);
     }
     count(s, rc ? &s->st.errors : b ? &s->st.served : &s->st.not_found);
-    free(addr);
     if (b) {
         es.hold = b->buf; /* a parked send may still read it until the forced close */
         free(b);
@@ -411,9 +329,8 @@ int ds_xfer_server_create(const char *host, int port, int wait_ms, ds_xfer_serve
     s->wait_ms = wait_ms;
     pthread_mutex_init(&s->mu, NULL);
     struct sockaddr_in sa;
-    if (resolve(host, port, &sa, err) || make_context(CTX_CONN_WAKE, &s->ctx, err) ||
-        make_worker(s->ctx, &s->worker, err) || make_context(CTX_BULK, &s->bulk_ctx, err) ||
-        make_worker(s->bulk_ctx, &s->bulk_worker, err))
+    if (resolve(host, port, &sa, err) || make_context(1, &s->ctx, err) ||
+        make_worker(s->ctx, &s->worker, err))
         goto fail;
     ucp_listener_params_t lp = {
         .field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
@@ -494,8 +411,6 @@ void ds_xfer_server_free(ds_xfer_server *s) {
     if (s->listener) ucp_listener_destroy(s->listener);
     if (s->worker) ucp_worker_destroy(s->worker);
     if (s->ctx) ucp_cleanup(s->ctx);
-    if (s->bulk_worker) ucp_worker_destroy(s->bulk_worker);
-    if (s->bulk_ctx) ucp_cleanup(s->bulk_ctx);
     for (blob *b = s->blobs, *n; b; b = n) {
         n = b->next;
         free(b->buf);
@@ -508,56 +423,19 @@ void ds_xfer_server_free(ds_xfer_server *s) {
 /* ---- the pull --------------------------------------------------------------------------------*/
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
-static ucp_context_h g_ctx, g_bulk_ctx;
+static ucp_context_h g_ctx;
 static ds_err g_ctx_err;
 static void init_client_ctx(void) {
-    if (make_context(CTX_CONN, &g_ctx, &g_ctx_err) ||
-        make_context(CTX_BULK, &g_bulk_ctx, &g_ctx_err))
-        g_ctx = g_bulk_ctx = NULL;
+    if (make_context(0, &g_ctx, &g_ctx_err)) g_ctx = NULL;
 }
 
-static void on_recv(void *req, ucs_status_t st, const ucp_tag_recv_info_t *ti, void *info) {
-    (void)req;
-    if (st == UCS_OK) *(ucp_tag_recv_info_t *)info = *ti;
-}
-
-/* The bytes of a pull (send_bulk's), received by tag on the bulk worker bw; ces is the
- * connection's state (on cw), whose failure (the producer gone) ends the wait. */
-static int recv_bulk(ucp_worker_h bw, ucp_worker_h cw, void *buf, size_t len, uint64_t tag,
-                     ep_state *ces, double deadline) {
-    ep_state bes = {0};
-    ucp_tag_recv_info_t *info = &ces->got; /* filled at once, or by on_recv when it ends later */
-    ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_RECV_INFO |
-                                             UCP_OP_ATTR_FIELD_CALLBACK |
-                                             UCP_OP_ATTR_FIELD_USER_DATA,
-                             .cb.recv = on_recv,
-                             .user_data = info,
-                             .recv_info.tag_info = info};
-    int rc =
-        wait_bulk(bw, cw, ucp_tag_recv_nbx(bw, buf, len, tag, UINT64_MAX, &p), ces, &bes, deadline);
-    if (!rc && info->length != len) rc = DS_ERR; /* fewer bytes than the header said */
-    /* a receive that did not end is released to UCX, and ends when call destroys the bulk
-     * worker, before buf is freed */
-    for (int i = 0; i < bes.n_parked; i++) ucp_request_free(bes.parked[i]);
-    if (rc) ces->failed = 1;
-    return rc;
-}
-
-/* The call's body once connected: request (a pull: and this worker's address), header, payload
- * (a release: the header alone; buf NULL). */
-static int pull_on(ucp_worker_h w, ucp_worker_h bw, ucp_ep_h e, ep_state *es, uint64_t id,
-                   uint32_t op, double deadline, const char *peer, void **buf, size_t *len,
-                   ds_err *err) {
-    ucp_address_t *addr = NULL;
-    size_t addr_len = 0;
-    if (op == OP_PULL && ucp_worker_get_address(bw, &addr, &addr_len) != UCS_OK)
-        return ds_errf(err, "kv transfer: UCX worker has no address");
-    xreq rq = {XFER_MAGIC, XFER_VERSION, id, op, (uint32_t)addr_len};
+/* The call's body once connected: request, header, payload (a release: the header alone; buf
+ * NULL). */
+static int pull_on(ucp_worker_h w, ucp_ep_h e, ep_state *es, uint64_t id, uint32_t op,
+                   double deadline, const char *peer, void **buf, size_t *len, ds_err *err) {
+    xreq rq = {XFER_MAGIC, XFER_VERSION, id, op, 0};
     xhdr h;
-    int sent = !send_all(w, e, &rq, sizeof rq, es, deadline) &&
-               (!addr || !send_all(w, e, addr, addr_len, es, deadline));
-    if (addr) ucp_worker_release_address(bw, addr);
-    if (!sent || recv_all(w, e, &h, sizeof h, es, deadline))
+    if (send_all(w, e, &rq, sizeof rq, es, deadline) || recv_all(w, e, &h, sizeof h, es, deadline))
         return ds_errf(err, "kv transfer: %s: %s", peer,
                        ds_now() > deadline ? "timed out" : "connection failed");
     if (h.magic != XFER_MAGIC) return ds_errf(err, "kv transfer: %s: not a deltaserve peer", peer);
@@ -570,8 +448,8 @@ static int pull_on(ucp_worker_h w, ucp_worker_h bw, ucp_ep_h e, ep_state *es, ui
     void *b = malloc(h.len ? h.len : 1);
     if (!b)
         return ds_errf(err, "kv transfer: out of memory for %llu bytes", (unsigned long long)h.len);
-    if (h.len && recv_bulk(bw, w, b, h.len, id, es, deadline)) {
-        es->hold = b; /* freed by close_ep, after call has destroyed the bulk worker */
+    if (h.len && recv_all(w, e, b, h.len, es, deadline)) {
+        es->hold = b; /* a parked receive may still write it until close_ep */
         return ds_errf(err, "kv transfer: %s: %s after the header", peer,
                        ds_now() > deadline ? "timed out" : "connection broke");
     }
@@ -586,15 +464,11 @@ static int call(const char *host, int port, uint64_t id, uint32_t op, int timeou
     char peer[160];
     snprintf(peer, sizeof peer, "%s:%d", host ? host : "?", port);
     pthread_once(&g_once, init_client_ctx);
-    if (!g_ctx || !g_bulk_ctx) return ds_errf(err, "%s", g_ctx_err.msg);
+    if (!g_ctx) return ds_errf(err, "%s", g_ctx_err.msg);
     struct sockaddr_in sa;
     if (resolve(host, port, &sa, err)) return DS_ERR;
-    ucp_worker_h w, bw; /* the connection's, the bytes' (send_bulk) */
+    ucp_worker_h w;
     if (make_worker(g_ctx, &w, err)) return DS_ERR;
-    if (make_worker(g_bulk_ctx, &bw, err)) {
-        ucp_worker_destroy(w);
-        return DS_ERR;
-    }
     ep_state es = {0};
     ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
                                         UCP_EP_PARAM_FIELD_ERR_HANDLER |
@@ -608,14 +482,9 @@ static int call(const char *host, int port, uint64_t id, uint32_t op, int timeou
     if (ucp_ep_create(w, &ep, &e) != UCS_OK) {
         rc = ds_errf(err, "kv transfer: cannot connect to %s", peer);
     } else {
-        rc = pull_on(w, bw, e, &es, id, op, ds_now() + timeout_ms / 1e3, peer, buf, len, err);
-        /* the bulk worker first: a receive that did not end can then write nothing more into
-         * es.hold, which close_ep frees */
-        ucp_worker_destroy(bw);
-        bw = NULL;
+        rc = pull_on(w, e, &es, id, op, ds_now() + timeout_ms / 1e3, peer, buf, len, err);
         close_ep(w, e, &es);
     }
-    if (bw) ucp_worker_destroy(bw);
     ucp_worker_destroy(w);
     return rc;
 }

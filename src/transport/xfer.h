@@ -7,17 +7,12 @@
  * an id and receives its bytes. What the bytes mean (the blocks, their hashes and checksums) is
  * the engine's business (engine/pd.c); this layer only moves them and says when it could not.
  *
- * Wire: a connection made from the server's socket address (UCX's client-server mode) carries
- * the control messages on UCX streams. The client sends {u32 magic "DSX1", u32 version 3, u64
- * id, u32 op, u32 addr_len} and, for a pull, addr_len bytes: the address of a worker of its own
- * for the bytes. op 0 pulls: the server answers {u32 magic, u32 status, u64 length} and sends
- * the length bytes as one tagged message (tag = id) from a worker of its own to that address;
+ * Wire (UCX stream): the client sends {u32 magic "DSX1", u32 version 2, u64 id, u32 op, u32 0};
+ * op 0 pulls: the server answers {u32 magic, u32 status, u64 length} and then length bytes;
  * op 1 releases: the server frees the blob and answers the header alone (length 0). status 0:
  * found; 1: no such id (never filed, already pulled, released, or expired). An id that is not
  * there yet is waited for up to wait_ms, so a call that races the producer's filing still finds
- * it. The bytes go between workers by address, not over the socket-address connection, because
- * UCX gives such a connection's endpoints TCP lanes only: by address it uses shared memory and
- * CMA between processes of one host and RDMA where there is some (docs/pd.md). */
+ * it. */
 #ifndef DS_XFER_H
 #define DS_XFER_H
 
