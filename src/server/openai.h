@@ -105,9 +105,10 @@ int ds_oai_fit_context(ds_oai_request *r, int n_prompt, int max_model_len, ds_oa
 json_t *ds_oai_capabilities(ds_engine *e);
 
 /* Structured outputs (structured.c): the grammar of a request's response_format (chat or
- * completion), or of a chat request's tool_choice "required" / named function (which wins when both are given), compiled once here so
- * that a bad schema is a 400 naming the field, into r->params.grammar. A request that needs one
- * while the grammar library is unavailable is a 400 saying so. Nothing to do: DS_OK, NULL. */
+ * completion), or of a chat request's tool_choice "required" / named function (which wins when
+ * both are given), compiled once here so that a bad schema is a 400 naming the field, into
+ * r->params.grammar. A request that needs one while the grammar library is unavailable is a 400
+ * saying so. Nothing to do: DS_OK, NULL. */
 int ds_oai_build_grammar(ds_engine *e, ds_oai_request *r, ds_oai_error *oe);
 
 /* ---- responses ---- */
