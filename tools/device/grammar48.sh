@@ -9,14 +9,7 @@
 . "$(dirname "$0")/env.sh"
 PORT=${PORT:-8125}
 CONC=${CONC:-32}
-M=/tmp/shape48
-.devbin/deltaserve init-model --shape-of configs/kimi-linear-48b-a3b --out $M --force || exit 1
-.devbin/deltaserve serve --model $M --load-format dummy --device cuda --port $PORT \
-  --max-num-seqs 64 "$@" > "$OUT/grammar48.log" 2>&1 &
-for i in $(seq 1 600); do
-  curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
-  sleep 0.5
-done
+serve48_start $PORT "$OUT/grammar48.log" 64 "$@" || { echo "the server never came up"; exit 1; }
 # strings and arrays of them without an upper count: the grammar stays open for the whole output
 # unless the model closes it
 RF='{"type":"json_schema","json_schema":{"name":"notes","schema":{"type":"object","properties":{"title":{"type":"string","maxLength":80},"notes":{"type":"array","items":{"type":"object","properties":{"id":{"type":"integer"},"text":{"type":"string"},"tags":{"type":"array","items":{"enum":["alpha","beta","gamma"]}}},"required":["id","text"]}}},"required":["title","notes"],"additionalProperties":false}}}'
@@ -31,10 +24,7 @@ for rep in 1 2; do
   b schema$rep --response-format "$RF"
 done
 curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "grammar_(compiles|cache_hits)_total" | head -4
-srv=$(pgrep -of "deltaserve serve .*--port $PORT")
-[ -n "$srv" ] && kill -INT "$srv"
-for i in $(seq 1 20); do pgrep -f "deltaserve serve .*--port $PORT" > /dev/null || break; sleep 0.5; done
-pkill -KILL -f "deltaserve serve .*--port $PORT" 2>/dev/null
+serve48_stop $PORT
 python3 - "$OUT" <<'PY'
 import json, sys
 d = {n: json.load(open(f"{sys.argv[1]}/grammar48_{n}.json"))

@@ -5,14 +5,7 @@
 # output tokens/s, TTFT, TPOT and ITL p50 / p99. JSON under $OUT, rows into $OUT/latest.json.
 . "$(dirname "$0")/env.sh"
 PORT=${PORT:-8123}
-M=/tmp/shape48 # the shape's config and a tokenizer of its 163,840 ids, no weights
-.devbin/deltaserve init-model --shape-of configs/kimi-linear-48b-a3b --out $M --force || exit 1
-.devbin/deltaserve serve --model $M --load-format dummy --device cuda --port $PORT \
-  --max-num-seqs 256 "$@" > "$OUT/serve48.log" 2>&1 &
-for i in $(seq 1 600); do
-  curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
-  sleep 0.5
-done
+serve48_start $PORT "$OUT/serve48.log" 256 "$@" || { echo "the server never came up"; exit 1; }
 failed=""
 for c in ${CONCS:-1 16 64 256}; do
   n=$((c < 16 ? 16 : 2 * c))
@@ -21,8 +14,5 @@ for c in ${CONCS:-1 16 64 256}; do
     --random-range-ratio 0.5 --seed 1 --out "$OUT/serve48_c$c.json" | tail -14 || failed+=" c$c"
   [ -f "$OUT/serve48_c$c.json" ] && latest "serve:c$c:$OUT/serve48_c$c.json"
 done
-srv=$(pgrep -of "deltaserve serve .*--port $PORT")
-[ -n "$srv" ] && kill -INT "$srv"
-for i in $(seq 1 20); do pgrep -f "deltaserve serve .*--port $PORT" > /dev/null || break; sleep 0.5; done
-pkill -KILL -f "deltaserve serve .*--port $PORT" 2>/dev/null
+serve48_stop $PORT
 [ -z "$failed" ] && echo "all concurrencies ran" || { echo "failed:$failed"; exit 1; }
