@@ -85,7 +85,7 @@ typedef struct pd_part {
 struct ds_kv_pull {
     pd_part *parts; /* [n_parts] in part (producer world rank) order */
     int n_parts;
-    int n_depths; /* n_prompt / block_size */
+    int n_depths;        /* n_prompt / block_size */
     int n_blocks;        /* over all parts */
     size_t len;          /* bytes over all parts */
     double wire_seconds; /* the parts' pulls (ds_xfer_pull calls), summed */
@@ -415,9 +415,9 @@ static const char *verify_whole(const ds_engine *e, const ds_kv_pull *p) {
 
 /* A transfer refused early: asks the producer's ranks whose parts were not pulled (those after
  * part `from`) to free them now, not when hold_timeout_s runs out — when part 0's ports are
- * known to be the producer's. Returns how many were freed. */
-static int release_rest(ds_engine *e, const ds_kv_pull *p, const char *host, uint64_t id,
-                        int from) {
+ * known to be the producer's — and counts those that did. */
+static void release_rest(ds_engine *e, const ds_kv_pull *p, const char *host, uint64_t id,
+                         int from) {
     const pd_part *q = &p->parts[0];
     int freed = 0;
     for (int i = from + 1; i < q->n_ports; i++) {
@@ -431,7 +431,6 @@ static int release_rest(ds_engine *e, const ds_kv_pull *p, const char *host, uin
     pthread_mutex_lock(&e->mu);
     e->stats.kv_released += (uint64_t)freed;
     pthread_mutex_unlock(&e->mu);
-    return freed;
 }
 
 static void count_pull(ds_engine *e, int ok, const ds_kv_pull *p) {

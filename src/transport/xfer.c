@@ -265,24 +265,19 @@ static void serve_conn(ds_xfer_server *s, ucp_conn_request_h creq) {
         sleep_us(1000);
         b = take_blob(s, rq.id);
     }
-    if (b && rq.op == OP_RELEASE) { /* the consumer gave it up: freed now, not at its timeout */
+    /* a release: the consumer gave it up, so it is freed now (not at its timeout), counted at
+     * once, and answered with the header alone */
+    const int released = b && rq.op == OP_RELEASE;
+    if (released) {
         free(b->buf);
         free(b);
         b = NULL;
         count(s, &s->st.released);
-        xhdr h = {XFER_MAGIC, ST_FOUND, 0};
-        int rc = send_all(s->worker, e, &h, sizeof h, &es, ds_now() + 10.0);
-        if (!rc) {
-            char c;
-            recv_all(s->worker, e, &c, 1, &es, ds_now() + 5.0);
-        }
-        close_ep(s->worker, e, &es);
-        return;
     }
-    xhdr h = {XFER_MAGIC, b ? ST_FOUND : ST_NOT_FOUND, b ? b->len : 0};
+    xhdr h = {XFER_MAGIC, b || released ? ST_FOUND : ST_NOT_FOUND, b ? b->len : 0};
     deadline = ds_now() + 60.0;
     int rc = send_all(s->worker, e, &h, sizeof h, &es, deadline);
-    for (double until = ds_now() + s->stall_ms / 1e3; !rc && ds_now() < until;) {
+    for (double until = ds_now() + s->stall_ms / 1e3; !rc && !released && ds_now() < until;) {
         ucp_worker_progress(s->worker);
         sleep_us(1000);
     }
@@ -292,7 +287,7 @@ static void serve_conn(ds_xfer_server *s, ucp_conn_request_h creq) {
         char c;
         recv_all(s->worker, e, &c, 1, &es, ds_now() + 5.0);
     }
-    count(s, rc ? &s->st.errors : b ? &s->st.served : &s->st.not_found);
+    if (!released) count(s, rc ? &s->st.errors : b ? &s->st.served : &s->st.not_found);
     if (b) {
         es.hold = b->buf; /* a parked send may still read it until the forced close */
         free(b);
