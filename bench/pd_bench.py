@@ -81,6 +81,13 @@ class Srv:
         assert r.status == 200, data
         return data
 
+    def tokenize(self, text):
+        """The server's token ids of text (its /tokenize)."""
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        c.request("POST", "/tokenize", json.dumps({"prompt": text}),
+                  {"Content-Type": "application/json"})
+        return json.loads(c.getresponse().read())["tokens"]
+
     def stream(self, body):
         """Arrival times (time.perf_counter) of each streamed chunk that carries text."""
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
@@ -217,11 +224,9 @@ def main():
     cons = Srv(a.bin, a.model, extra + kv("kv_consumer"), pin(1), one)
     try:
         model = json.loads(plain.get("/v1/models")[1])["data"][0]["id"]
-        c = http.client.HTTPConnection("127.0.0.1", plain.port, timeout=60)
-        c.request("POST", "/tokenize", json.dumps({"prompt": " ".join(
+        ids = plain.tokenize(" ".join(
             f"Q{i}: Tom has {i % 17 + 2} apples and buys {i % 5 + 3} more; how many now?"
-            for i in range(800))}), {"Content-Type": "application/json"})
-        ids = json.loads(c.getresponse().read())["tokens"]
+            for i in range(800)))
         assert len(ids) > max(a.lengths) + 100 and len(ids) > 2400, len(ids)
         for s in (plain, cons):  # warm-up: first-touch of weights and pools
             run_one(s, None, body(model, ids[3000:3040], 4))

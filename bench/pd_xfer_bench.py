@@ -21,7 +21,6 @@ point here.
 Prints a JSON record and a Markdown row.
 """
 import argparse
-import http.client
 import json
 import os
 import shlex
@@ -89,10 +88,7 @@ def main():
         model = json.loads(prod.get("/v1/models")[1])["data"][0]["id"]
         text = " ".join(f"Line {i}: a farmer sells {i % 23 + 2} crates of {i % 7 + 3} melons."
                         for i in range(4 * a.tokens // 15))
-        c = http.client.HTTPConnection("127.0.0.1", prod.port, timeout=120)
-        c.request("POST", "/tokenize", json.dumps({"prompt": text}),
-                  {"Content-Type": "application/json"})
-        ids = json.loads(c.getresponse().read())["tokens"]
+        ids = prod.tokenize(text)
         assert len(ids) >= a.tokens + a.reps, (len(ids), a.tokens)
         for r in range(a.reps):
             prompt = ids[r: r + a.tokens]  # a new first token: no shared prefix with the last
