@@ -23,5 +23,4 @@ for v in 3.11 3.12 3.13; do
   mkdir -p "$d"
   for pk in jiter rpds-py pydantic-core; do get --python-version "$v" -d "$d" "$pk"; done
 done
-rm -f .whl/jiter-* .whl/rpds_py-* .whl/pydantic_core-*
 du -sh .whl
