@@ -392,8 +392,9 @@ def test_consumer_restarted(ref, text_ids):
     answer, one pull failure); (3) a transfer nobody asks for again expires. The producer ends
     holding nothing, and only (3) counts as expired."""
     ids = text_ids[0]
+    # b must stay held through (1) and (2) (about 9 s on the 2-core VM) and expire in (3)
     prod = Server("--seed", "1", *kv_config("kv_producer", kv_connector_extra_config={
-        "hold_timeout_s": 45}), "--test-kv-stall-ms", "3000", env_args=False)
+        "hold_timeout_s": 24}), "--test-kv-stall-ms", "3000", env_args=False)
     cons = None
     try:
         a, b, c = (completion(ids[60 + k: 60 + k + 600]) for k in range(3))

@@ -277,6 +277,7 @@ static int reference_kept(const float *l, int V, float t, int top_k, double top_
 
 static void check_membership(const float *l, float t, int top_k, double top_p, int n, uint64_t seed,
                              int min_kept, int max_kept) {
+    n = DS_TEST_REPS(n);
     char *in = malloc(BIG_V);
     int m = reference_kept(l, BIG_V, t, top_k, top_p, in);
     if (m < min_kept || m > max_kept)

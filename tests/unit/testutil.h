@@ -20,4 +20,14 @@ int ds_test_copy_config(const char *from_dir, const char *to_dir);
 /* $DS_SOURCE_DIR/rel (or ./rel); caller frees. */
 char *ds_test_src_path(const char *rel);
 
+/* n repetitions in the plain build, a quarter of them under the sanitizers (several times slower):
+ * that run is there for memory errors and undefined behaviour on every path, while the
+ * statistical power of a repetition-heavy test comes from the plain build's run. */
+#ifdef __SANITIZE_ADDRESS__
+#define DS_TEST_SANITIZED 1
+#else
+#define DS_TEST_SANITIZED 0
+#endif
+#define DS_TEST_REPS(n) (DS_TEST_SANITIZED ? ((n) + 3) / 4 : (n))
+
 #endif
