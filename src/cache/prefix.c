@@ -776,6 +776,15 @@ int ds_prefix_export(ds_prefix *px, const ds_seq *q, ds_prefix_sink sink, void *
     return n;
 }
 
+void ds_prefix_export_counts(const ds_prefix *px, const ds_seq *q, int *n_pages, int *n_ckpts) {
+    *n_pages = *n_ckpts = 0;
+    for (int b = 0; b < q->n_filed; b++) {
+        const entry *en = &px->ents[q->entry[b]];
+        *n_pages += en->page >= 0;
+        *n_ckpts += en->ckpt >= 0;
+    }
+}
+
 size_t ds_prefix_page_bytes(const ds_prefix *px) {
     return page_bytes(px);
 }

@@ -101,6 +101,9 @@ void ds_prefix_on_finish(ds_prefix *px, ds_seq *q);
 typedef int (*ds_prefix_sink)(void *ctx, char kind, const uint64_t hash[2], int n_tokens,
                               const void *data, size_t n_bytes);
 int ds_prefix_export(ds_prefix *px, const ds_seq *q, ds_prefix_sink sink, void *ctx);
+/* What ds_prefix_export(px, q, ...) would hand out: *n_pages pages, *n_ckpts checkpoints (so a
+ * caller sizes its buffer once instead of growing it). */
+void ds_prefix_export_counts(const ds_prefix *px, const ds_seq *q, int *n_pages, int *n_ckpts);
 /* Bytes of a page's payload in the offload tier and in a transfer. */
 size_t ds_prefix_page_bytes(const ds_prefix *px);
 void ds_prefix_get_stats(const ds_prefix *px, ds_prefix_stats *s);

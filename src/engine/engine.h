@@ -246,6 +246,9 @@ typedef struct ds_engine_stats {
     uint64_t kv_pulls, kv_pull_failures, kv_pull_blocks, kv_pull_bytes;
     double kv_pull_seconds;
     uint64_t kv_released; /* parts of refused transfers that the producer freed when asked */
+    /* consumer: connections to producers opened, and requests sent over one kept from an
+     * earlier request (transport/xfer.h) */
+    uint64_t kv_connects, kv_conn_reuses;
     uint32_t spec_draft_digest; /* checksum over every draft proposed, in order: two runs that
                                    drafted the same tokens agree (a test of the tap relays) */
     /* constrained decoding: this process's grammar cache (the HTTP threads' checks and, where

@@ -184,6 +184,7 @@ struct ds_engine {
 
     /* P/D (pd.c) */
     ds_xfer_server *xfer; /* producer: the store consumers pull from */
+    ds_xfer_client *xclient; /* consumer's head: its connections to producers, its buffers */
     uint64_t kv_seed;     /* the prefix cache's model identity (TP width included) */
     uint64_t kv_xseed;    /* the same without the TP width: what a transfer's two ends must share */
     int32_t *pd_ports;    /* producer: [comm size] each rank's transfer port (rank order) */

@@ -69,7 +69,8 @@ _Static_assert(sizeof(pd_block) == 56, "pd_block has no implicit padding");
 
 /* One producer rank's part, verified: the buffer as pulled, with its blocks indexed by depth. */
 typedef struct pd_part {
-    uint8_t *buf; /* [len] */
+    uint8_t *buf; /* [len]; the transfer client's when pulled (ds_xfer_buf_free), else malloc'd */
+    int pulled;
     size_t len;
     pd_header h;
     const int32_t *prompt; /* into buf [h.n_prompt] */
@@ -92,7 +93,10 @@ struct ds_kv_pull {
 };
 
 static void part_free(pd_part *q) {
-    free(q->buf);
+    if (q->pulled)
+        ds_xfer_buf_free(q->buf);
+    else
+        free(q->buf);
     free(q->at);
     free(q->off);
     memset(q, 0, sizeof *q);
@@ -212,14 +216,18 @@ int eng_pd_setup(ds_engine *e, ds_err *err) {
                     ds_xfer_server_port(e->xfer),
                     e->dist ? ", every rank serving its own slice" : "");
     }
-    if ((o->kv_role & DS_KV_CONSUMER) && e->head)
+    if ((o->kv_role & DS_KV_CONSUMER) && e->head) { /* the head pulls every part */
+        if (ds_xfer_client_create(&e->xclient, err)) return DS_ERR;
         fprintf(stderr, "[deltaserve] kv transfer: consumer\n");
+    }
     return DS_OK;
 }
 
 void eng_pd_free(ds_engine *e) {
     ds_xfer_server_free(e->xfer);
     e->xfer = NULL;
+    ds_xfer_client_free(e->xclient); /* a pull still held by a request keeps its buffer */
+    e->xclient = NULL;
     free(e->pd_ports);
     e->pd_ports = NULL;
 }
@@ -285,7 +293,16 @@ void eng_pd_export(ds_engine *e, choice *ch) {
     outbuf o = {.h = &h};
     size_t n_prompt = (size_t)h.n_prompt * sizeof(int32_t);
     size_t head = sizeof h + n_prompt + (size_t)h.n_parts * sizeof(int32_t);
-    if (out_reserve(&o, head)) return;
+    /* sized once: growing a 100 MB part by doubling copies it and holds up to twice its bytes */
+    int n_pages, n_ckpts;
+    ds_prefix_export_counts(e->prefix, ch->seq, &n_pages, &n_ckpts);
+    size_t whole = head + (size_t)n_pages * (sizeof(pd_block) + h.page_bytes) +
+                   (size_t)n_ckpts * (sizeof(pd_block) + h.slot_bytes);
+    if (out_reserve(&o, whole)) {
+        fprintf(stderr, "[deltaserve] kv transfer: no memory for %zu bytes of %016llx\n", whole,
+                (unsigned long long)r->spec.kv_export_id);
+        return;
+    }
     o.len = head;
     int n = ds_prefix_export(e->prefix, ch->seq, out_block, &o);
     if (n < 0 || o.failed) {
@@ -422,7 +439,7 @@ static void release_rest(ds_engine *e, const ds_kv_pull *p, const char *host, ui
     int freed = 0;
     for (int i = from + 1; i < q->n_ports; i++) {
         ds_err rerr = {{0}};
-        if (ds_xfer_release(host, q->ports[i], id, 2000, &rerr) == DS_OK)
+        if (ds_xfer_release(e->xclient, host, q->ports[i], id, 2000, &rerr) == DS_OK)
             freed++;
         else
             fprintf(stderr, "[deltaserve] kv transfer %016llx: release of part %d: %s\n",
@@ -453,9 +470,10 @@ static const char *pull_part(ds_engine *e, ds_kv_pull *p, int i, const char *hos
     int timeout = e->opts.kv_pull_timeout_ms > 0 ? e->opts.kv_pull_timeout_ms : 30000;
     void *buf;
     const double t0 = ds_now();
-    if (ds_xfer_pull(host, port, id, timeout, &buf, &q->len, err)) return err->msg;
+    if (ds_xfer_pull(e->xclient, host, port, id, timeout, &buf, &q->len, err)) return err->msg;
     p->wire_seconds += ds_now() - t0;
     q->buf = buf;
+    q->pulled = 1;
     /* tests: in the last part (of a producer's job: its last rank's), a byte of the last payload
      * flipped (1), or the part cut 1 KiB short (2) */
     int n_parts = p->n_parts;
@@ -479,6 +497,10 @@ int ds_engine_kv_pull(ds_engine *e, const char *host, int port, uint64_t id, con
     if (!(e->opts.kv_role & DS_KV_CONSUMER)) {
         count_pull(e, 0, NULL);
         return ds_errf(err, "kv transfer: this server is not a consumer (--kv-transfer-config)");
+    }
+    if (!e->xclient) {
+        count_pull(e, 0, NULL);
+        return ds_errf(err, "kv transfer: only the job's head pulls transfers");
     }
     ds_kv_pull *p = calloc(1, sizeof *p);
     pd_part *first = calloc(1, sizeof *first);

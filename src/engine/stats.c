@@ -44,6 +44,8 @@ void eng_update_queue_stats(ds_engine *e) {
 void ds_engine_get_stats(ds_engine *e, ds_engine_stats *s) {
     ds_xfer_stats xs = {0};
     if (e->xfer) ds_xfer_server_stats(e->xfer, &xs);
+    ds_xfer_client_stats xc = {0};
+    if (e->xclient) ds_xfer_client_get_stats(e->xclient, &xc);
     pthread_mutex_lock(&e->mu);
     *s = e->stats;
     pthread_mutex_unlock(&e->mu);
@@ -51,6 +53,8 @@ void ds_engine_get_stats(ds_engine *e, ds_engine_stats *s) {
     s->kv_expired = xs.expired;
     s->kv_served = xs.served;
     s->kv_send_errors = xs.errors;
+    s->kv_connects = xc.connects;
+    s->kv_conn_reuses = xc.reuses;
     pthread_mutex_lock(&e->gmu); /* the grammars are made once, under gmu, and kept */
     ds_grammars *g = e->grammars;
     pthread_mutex_unlock(&e->gmu);

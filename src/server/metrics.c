@@ -234,6 +234,13 @@ static void render_counters(textbuf *t, const ds_engine_stats *st, const char *l
          "P/D consumer: parts of transfers it refused early that it asked the producer's ranks "
          "to free (instead of holding them until their timeout), and they did.",
          offsetof(ds_engine_stats, kv_released)},
+        {"kv_transfer_connections_total",
+         "P/D consumer: connections opened to producers (each is kept for the same producer's "
+         "next pulls).",
+         offsetof(ds_engine_stats, kv_connects)},
+        {"kv_transfer_connection_reuses_total",
+         "P/D consumer: pulls and releases sent over a connection kept from an earlier one.",
+         offsetof(ds_engine_stats, kv_conn_reuses)},
         {"spec_decode_num_verifies_total", "Speculative verify steps (one forward each).",
          offsetof(ds_engine_stats, spec_verifies)},
         {"spec_decode_num_draft_tokens_total", "Draft tokens proposed and verified.",

@@ -1,11 +1,18 @@
-/* xfer.c — the blob store and its UCX server, and the pull (xfer.h).
+/* xfer.c — the blob store and its UCX server, and the client that pulls (xfer.h).
  *
  * UCX's client-server mode: the server's worker owns a listener on a socket address; a new
- * connection arrives as a connection request, which the serving thread turns into an endpoint and
- * answers with the stream API (ucp_stream_send_nbx / ucp_stream_recv_nbx). UCX picks the
- * transport itself (shared memory between processes of one host, TCP otherwise here; RDMA where
- * the hardware has it). The serving thread sleeps on the worker's event fd between requests, so
- * an idle producer costs nothing; it serves one pull at a time (a pull is one contiguous send). */
+ * connection arrives as a connection request, which the serving thread turns into an endpoint
+ * that stays open for the connection's next requests (a receive for the next request is posted
+ * on each); requests are answered with the stream API (ucp_stream_send_nbx /
+ * ucp_stream_recv_nbx). UCX picks the transport itself (TCP here for endpoints made from a
+ * socket address; RDMA where the hardware has it). The serving thread sleeps on the worker's
+ * event fd between requests, so an idle producer costs nothing; it serves one pull at a time (a
+ * pull is one contiguous send).
+ *
+ * The client keeps each connection it opened (a UCX worker and endpoint of its own) in an idle
+ * list once its request has been answered, for the next request to the same peer, and keeps the
+ * buffers it received into (mapped once, handed out again best-fit), so a pull neither connects
+ * nor first-touches fresh memory when an earlier one already did. */
 #include "transport/xfer.h"
 
 #include <arpa/inet.h>
@@ -14,12 +21,13 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <ucp/api/ucp.h>
 
 #define XFER_MAGIC   0x31585344u /* "DSX1" little-endian */
-#define XFER_VERSION 2u
-enum { ST_FOUND = 0, ST_NOT_FOUND = 1 };
+#define XFER_VERSION 3u
+enum { ST_FOUND = 0, ST_NOT_FOUND = 1, ST_VERSION = 2 };
 enum { OP_PULL = 0, OP_RELEASE = 1 }; /* release: free the blob, send nothing back but the header */
 
 typedef struct xreq {
@@ -57,7 +65,8 @@ struct ds_xfer_server {
     pthread_mutex_t mu; /* guards blobs and st */
     blob *blobs;
     ds_xfer_stats st;
-    pending_conn *conns; /* serving thread only (the listener callback runs inside progress) */
+    pending_conn *pending; /* serving thread only (the listener callback runs inside progress) */
+    struct sconn *live;    /* serving thread only: open connections */
 };
 
 /* ---- shared helpers ---------------------------------------------------------------------------*/
@@ -73,7 +82,8 @@ typedef struct ep_state {
      * ends them; until then their buffers must live, so hold is freed only after that */
     ucs_status_ptr_t parked[4];
     int n_parked;
-    void *hold; /* a buffer a parked operation may still touch (freed by close_ep) */
+    void *hold;                /* a buffer a parked operation may still touch (close_ep frees) */
+    void (*hold_free)(void *); /* how: free (the server's blobs), ds_xfer_buf_free (a pull's) */
 } ep_state;
 
 static void on_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
@@ -150,11 +160,24 @@ static void close_ep(ucp_worker_h w, ucp_ep_h ep, ep_state *es) {
         ucp_request_free(es->parked[i]); /* UCX frees a live one when it completes */
     }
     es->n_parked = 0;
-    if (!live) free(es->hold); /* else leaked: better than a write into freed memory */
+    if (!live && es->hold)
+        es->hold_free(es->hold); /* else leaked: better than a write into
+                                    freed memory */
     es->hold = NULL;
 }
 
+/* A producer restarted on its port must bind at once, as an HTTP server does: the connections
+ * of the one before (closed by it first, since consumers keep theirs open) linger in TIME_WAIT on
+ * that port for a minute. UCX reads this switch of its TCP connection manager from the
+ * environment only (ucp_config_modify does not reach it), so it is set there, once, before the
+ * process's first UCX context, unless the user set it. */
+static pthread_once_t g_reuse_once = PTHREAD_ONCE_INIT;
+static void set_reuseaddr(void) {
+    setenv("UCX_TCP_CM_REUSEADDR", "y", 0);
+}
+
 static int make_context(int wakeup, ucp_context_h *ctx, ds_err *err) {
+    pthread_once(&g_reuse_once, set_reuseaddr);
     ucp_config_t *cfg;
     if (ucp_config_read(NULL, NULL, &cfg) != UCS_OK) return ds_errf(err, "UCX: cannot read config");
     ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES,
@@ -165,9 +188,11 @@ static int make_context(int wakeup, ucp_context_h *ctx, ds_err *err) {
     return DS_OK;
 }
 
-static int make_worker(ucp_context_h ctx, ucp_worker_h *w, ds_err *err) {
+/* mode: SINGLE for the serving thread's worker; SERIALIZED for a client connection's, which one
+ * thread at a time uses, not always the same one. */
+static int make_worker(ucp_context_h ctx, ucs_thread_mode_t mode, ucp_worker_h *w, ds_err *err) {
     ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
-                              .thread_mode = UCS_THREAD_MODE_SINGLE};
+                              .thread_mode = mode};
     ucs_status_t st = ucp_worker_create(ctx, &wp, w);
     if (st != UCS_OK) return ds_errf(err, "UCX: worker: %s", ucs_status_string(st));
     return DS_OK;
@@ -201,8 +226,8 @@ static void on_conn(ucp_conn_request_h req, void *arg) {
         return;
     }
     c->req = req;
-    c->next = s->conns;
-    s->conns = c;
+    c->next = s->pending;
+    s->pending = c;
 }
 
 /* Takes the blob filed under id out of the store (NULL when absent), freeing expired ones. */
@@ -237,30 +262,60 @@ static void count(ds_xfer_server *s, uint64_t *field) {
     pthread_mutex_unlock(&s->mu);
 }
 
-/* Answers one connection: reads the id, sends the blob (or not-found), closes. */
-static void serve_conn(ds_xfer_server *s, ucp_conn_request_h creq) {
-    ep_state es = {0};
-    ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST |
-                                        UCP_EP_PARAM_FIELD_ERR_HANDLER |
-                                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
-                          .conn_request = creq,
-                          .err_mode = UCP_ERR_HANDLING_MODE_PEER,
-                          .err_handler = {.cb = on_ep_error, .arg = &es}};
-    ucp_ep_h e;
-    if (ucp_ep_create(s->worker, &ep, &e) != UCS_OK) {
+/* A consumer's open connection on the serving thread: its endpoint and the receive posted for
+ * its next request. */
+typedef struct sconn {
+    ucp_ep_h ep;
+    ep_state es;         /* the endpoint's error handler writes here: the struct stays put */
+    xreq rq;             /* the next request, received into here */
+    size_t got;          /* bytes of it (UCX's out-parameter) */
+    ucs_status_ptr_t rr; /* the posted receive (NULL: none in flight) */
+    int have;            /* rq holds a whole request, not answered yet */
+    struct sconn *next;
+} sconn;
+
+/* Posts the receive of c's next request (c->have when it was there already). */
+static void post_request_recv(sconn *c) {
+    ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                             .flags = UCP_STREAM_RECV_FLAG_WAITALL};
+    ucs_status_ptr_t r = ucp_stream_recv_nbx(c->ep, &c->rq, sizeof c->rq, &c->got, &p);
+    if (r == NULL)
+        c->have = 1;
+    else if (UCS_PTR_IS_ERR(r))
+        c->es.failed = 1;
+    else
+        c->rr = r;
+}
+
+/* Has c's posted receive ended? Sets c->have (a request arrived) or c->es.failed. */
+static void check_request_recv(sconn *c) {
+    if (!c->rr) return;
+    ucs_status_t st = ucp_request_check_status(c->rr);
+    if (st == UCS_INPROGRESS) return;
+    ucp_request_free(c->rr);
+    c->rr = NULL;
+    if (st == UCS_OK)
+        c->have = 1;
+    else
+        c->es.failed = 1;
+}
+
+/* Answers c's request (c->rq): the blob (or not-found), or a release. A failure marks c->es. */
+static void serve_request(ds_xfer_server *s, sconn *c) {
+    xreq rq = c->rq;
+    c->have = 0;
+    double deadline = ds_now() + 60.0;
+    if (rq.magic != XFER_MAGIC || rq.version != XFER_VERSION) {
         count(s, &s->st.errors);
-        return;
-    }
-    xreq rq;
-    double deadline = ds_now() + 10.0;
-    if (recv_all(s->worker, e, &rq, sizeof rq, &es, deadline) || rq.magic != XFER_MAGIC ||
-        rq.version != XFER_VERSION) {
-        count(s, &s->st.errors);
-        close_ep(s->worker, e, &es);
+        if (rq.magic == XFER_MAGIC) { /* a peer of another version: say so before closing */
+            xhdr h = {XFER_MAGIC, ST_VERSION, 0};
+            send_all(s->worker, c->ep, &h, sizeof h, &c->es, deadline);
+        }
+        c->es.failed = 1; /* the stream's framing cannot be trusted from here */
         return;
     }
     blob *b = take_blob(s, rq.id);
-    for (double until = ds_now() + s->wait_ms / 1e3; !b && ds_now() < until && !es.failed;) {
+    for (double until = ds_now() + s->wait_ms / 1e3; !b && ds_now() < until && !c->es.failed;) {
         ucp_worker_progress(s->worker);
         sleep_us(1000);
         b = take_blob(s, rq.id);
@@ -275,24 +330,89 @@ static void serve_conn(ds_xfer_server *s, ucp_conn_request_h creq) {
         count(s, &s->st.released);
     }
     xhdr h = {XFER_MAGIC, b || released ? ST_FOUND : ST_NOT_FOUND, b ? b->len : 0};
-    deadline = ds_now() + 60.0;
-    int rc = send_all(s->worker, e, &h, sizeof h, &es, deadline);
+    int rc = send_all(s->worker, c->ep, &h, sizeof h, &c->es, deadline);
     for (double until = ds_now() + s->stall_ms / 1e3; !rc && !released && ds_now() < until;) {
         ucp_worker_progress(s->worker);
         sleep_us(1000);
     }
-    if (!rc && b && b->len) rc = send_all(s->worker, e, b->buf, b->len, &es, deadline);
-    /* the peer closes once it has everything; wait for that so the flush cannot cut it short */
-    if (!rc) {
-        char c;
-        recv_all(s->worker, e, &c, 1, &es, ds_now() + 5.0);
-    }
+    /* a send's completion means UCX is done with the buffer (the connection stays open, so what
+     * is in flight still arrives): the blob can go as soon as its send has completed */
+    if (!rc && b && b->len) rc = send_all(s->worker, c->ep, b->buf, b->len, &c->es, deadline);
     if (!released) count(s, rc ? &s->st.errors : b ? &s->st.served : &s->st.not_found);
     if (b) {
-        es.hold = b->buf; /* a parked send may still read it until the forced close */
+        if (rc) { /* a parked send may still read it until the forced close */
+            c->es.hold = b->buf;
+            c->es.hold_free = free;
+        } else
+            free(b->buf);
         free(b);
     }
-    close_ep(s->worker, e, &es);
+}
+
+static void conn_close(ds_xfer_server *s, sconn *c) {
+    if (c->rr) { /* the receive of a next request that will not come */
+        ucp_request_cancel(s->worker, c->rr);
+        c->es.failed = 1;
+        if (c->es.n_parked < (int)(sizeof c->es.parked / sizeof c->es.parked[0]))
+            c->es.parked[c->es.n_parked++] = c->rr;
+        else
+            ucp_request_free(c->rr);
+        c->rr = NULL;
+    }
+    close_ep(s->worker, c->ep, &c->es);
+    free(c);
+    pthread_mutex_lock(&s->mu);
+    s->st.conns--;
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* A new consumer connection: an endpoint, and the receive of its first request. */
+static void conn_accept(ds_xfer_server *s, ucp_conn_request_h creq) {
+    sconn *c = calloc(1, sizeof *c);
+    if (!c) {
+        ucp_listener_reject(s->listener, creq);
+        count(s, &s->st.errors);
+        return;
+    }
+    ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST |
+                                        UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+                          .conn_request = creq,
+                          .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+                          .err_handler = {.cb = on_ep_error, .arg = &c->es}};
+    if (ucp_ep_create(s->worker, &ep, &c->ep) != UCS_OK) {
+        free(c);
+        count(s, &s->st.errors);
+        return;
+    }
+    pthread_mutex_lock(&s->mu);
+    s->st.conns++;
+    pthread_mutex_unlock(&s->mu);
+    post_request_recv(c);
+    c->next = s->live;
+    s->live = c;
+}
+
+/* One pass over the open connections: answers every request that has arrived, closes those
+ * whose peer has gone. Returns whether anything was answered (the loop then looks again before
+ * it sleeps). */
+static int serve_conns(ds_xfer_server *s) {
+    int busy = 0;
+    for (sconn **p = &s->live; *p;) {
+        sconn *c = *p;
+        check_request_recv(c);
+        if (c->have && !c->es.failed) {
+            serve_request(s, c);
+            if (!c->es.failed) post_request_recv(c);
+            busy = 1;
+        }
+        if (c->es.failed) { /* the peer closed or died, or the stream broke */
+            *p = c->next;
+            conn_close(s, c);
+        } else
+            p = &c->next;
+    }
+    return busy;
 }
 
 static void *serve_loop(void *arg) {
@@ -300,16 +420,17 @@ static void *serve_loop(void *arg) {
     while (!s->stop) {
         while (ucp_worker_progress(s->worker)) {
         }
-        while (s->conns) {
-            pending_conn *c = s->conns;
-            s->conns = c->next;
-            serve_conn(s, c->req);
+        while (s->pending) {
+            pending_conn *c = s->pending;
+            s->pending = c->next;
+            conn_accept(s, c->req);
             free(c);
         }
+        if (serve_conns(s)) continue;
         ucs_status_t st = ucp_worker_arm(s->worker);
         if (st == UCS_ERR_BUSY) continue;
         struct pollfd pf = {.fd = s->efd, .events = POLLIN};
-        poll(&pf, 1, 100); /* wakes for new connections; 100 ms bounds the stop and expiry */
+        poll(&pf, 1, 100); /* wakes for connections and requests; 100 ms bounds stop and expiry */
         blob *none = take_blob(s, 0); /* sweeps expired blobs (id 0 is never filed) */
         (void)none;
     }
@@ -325,7 +446,7 @@ int ds_xfer_server_create(const char *host, int port, int wait_ms, ds_xfer_serve
     pthread_mutex_init(&s->mu, NULL);
     struct sockaddr_in sa;
     if (resolve(host, port, &sa, err) || make_context(1, &s->ctx, err) ||
-        make_worker(s->ctx, &s->worker, err))
+        make_worker(s->ctx, UCS_THREAD_MODE_SINGLE, &s->worker, err))
         goto fail;
     ucp_listener_params_t lp = {
         .field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
@@ -397,11 +518,17 @@ void ds_xfer_server_free(ds_xfer_server *s) {
         s->stop = 1;
         pthread_join(s->thread, NULL);
     }
-    while (s->conns) {
-        pending_conn *c = s->conns;
-        s->conns = c->next;
+    while (s->pending) {
+        pending_conn *c = s->pending;
+        s->pending = c->next;
         ucp_listener_reject(s->listener, c->req);
         free(c);
+    }
+    while (s->live) {
+        sconn *c = s->live;
+        s->live = c->next;
+        c->es.failed = 1; /* force: the consumer may be mid-request */
+        conn_close(s, c);
     }
     if (s->listener) ucp_listener_destroy(s->listener);
     if (s->worker) ucp_worker_destroy(s->worker);
@@ -415,36 +542,274 @@ void ds_xfer_server_free(ds_xfer_server *s) {
     free(s);
 }
 
-/* ---- the pull --------------------------------------------------------------------------------*/
+/* ---- the client ------------------------------------------------------------------------------*/
 
-static pthread_once_t g_once = PTHREAD_ONCE_INIT;
-static ucp_context_h g_ctx;
-static ds_err g_ctx_err;
-static void init_client_ctx(void) {
-    if (make_context(0, &g_ctx, &g_ctx_err)) g_ctx = NULL;
+enum {
+    IDLE_CONNS_MAX = 32,  /* connections kept open over all peers */
+    BUF_ALIGN = 2u << 20, /* buffers are mapped in 2 MiB steps (fewer sizes to fit) */
+};
+/* Buffer bytes kept for the next pulls: a 32K-token transfer of the bundled model is 124 MB. */
+#define IDLE_BYTES_MAX ((size_t)256 << 20)
+
+/* A receive buffer: one mapping, this header first, the bytes after it. */
+typedef struct rbuf {
+    uint64_t magic;   /* RBUF_MAGIC while the client's */
+    size_t map_bytes; /* the mapping, header included */
+    ds_xfer_client *owner;
+    struct rbuf *next; /* in the idle list */
+    uint8_t pad[32];   /* the bytes start 64 bytes in */
+} rbuf;
+_Static_assert(sizeof(rbuf) == 64, "the bytes after an rbuf are 64-byte aligned");
+#define RBUF_MAGIC 0x4655425258534400ull /* "\0DSXRBUF" */
+
+/* A connection to one producer (a worker of its own, so pulls on several threads run at once). */
+typedef struct cconn {
+    struct sockaddr_in sa;
+    ucp_worker_h w;
+    ucp_ep_h ep;
+    ep_state es; /* the endpoint's error handler writes here: the struct stays put */
+    struct cconn *next;
+} cconn;
+
+struct ds_xfer_client {
+    ucp_context_h ctx;
+    pthread_mutex_t mu; /* guards everything below */
+    cconn *idle;        /* connections kept for their peer's next request, newest first */
+    int n_idle;
+    rbuf *bufs; /* buffers kept for the next pulls */
+    size_t idle_bytes;
+    int out;    /* buffers handed out and not yet given back */
+    int closed; /* ds_xfer_client_free ran: the last buffer back frees the struct */
+    ds_xfer_client_stats st;
+};
+
+int ds_xfer_client_create(ds_xfer_client **out, ds_err *err) {
+    *out = NULL;
+    ds_xfer_client *c = calloc(1, sizeof *c);
+    if (!c) return ds_errf(err, "kv transfer: out of memory");
+    if (make_context(0, &c->ctx, err)) {
+        free(c);
+        return DS_ERR;
+    }
+    pthread_mutex_init(&c->mu, NULL);
+    *out = c;
+    return DS_OK;
 }
 
-/* The call's body once connected: request, header, payload (a release: the header alone; buf
- * NULL). */
-static int pull_on(ucp_worker_h w, ucp_ep_h e, ep_state *es, uint64_t id, uint32_t op,
-                   double deadline, const char *peer, void **buf, size_t *len, ds_err *err) {
+static void conn_drop(cconn *k) {
+    close_ep(k->w, k->ep, &k->es);
+    ucp_worker_destroy(k->w);
+    free(k);
+}
+
+/* c->mu held, c->closed: nothing is out any more, so the struct goes. */
+static void client_destroy(ds_xfer_client *c) {
+    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_destroy(&c->mu);
+    ucp_cleanup(c->ctx);
+    free(c);
+}
+
+void ds_xfer_client_free(ds_xfer_client *c) {
+    if (!c) return;
+    pthread_mutex_lock(&c->mu);
+    cconn *conns = c->idle;
+    rbuf *bufs = c->bufs;
+    c->idle = NULL;
+    c->bufs = NULL;
+    c->n_idle = 0;
+    c->idle_bytes = 0;
+    c->closed = 1;
+    pthread_mutex_unlock(&c->mu);
+    for (cconn *k = conns, *n; k; k = n) {
+        n = k->next;
+        conn_drop(k);
+    }
+    for (rbuf *b = bufs, *n; b; b = n) {
+        n = b->next;
+        munmap(b, b->map_bytes);
+    }
+    pthread_mutex_lock(&c->mu);
+    if (!c->out)
+        client_destroy(c);
+    else
+        pthread_mutex_unlock(&c->mu); /* the last ds_xfer_buf_free destroys it */
+}
+
+void ds_xfer_client_get_stats(ds_xfer_client *c, ds_xfer_client_stats *st) {
+    pthread_mutex_lock(&c->mu);
+    *st = c->st;
+    st->idle_conns = c->n_idle;
+    st->idle_bytes = c->idle_bytes;
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* A buffer of at least len bytes: the smallest kept one that fits, else a new mapping. */
+static void *buf_take(ds_xfer_client *c, size_t len) {
+    pthread_mutex_lock(&c->mu);
+    rbuf **best = NULL;
+    for (rbuf **p = &c->bufs; *p; p = &(*p)->next)
+        if ((*p)->map_bytes - sizeof(rbuf) >= len &&
+            (!best || (*p)->map_bytes < (*best)->map_bytes))
+            best = p;
+    rbuf *b = NULL;
+    if (best) {
+        b = *best;
+        *best = b->next;
+        c->idle_bytes -= b->map_bytes;
+        c->st.buf_reuses++;
+    }
+    c->out += b != NULL;
+    pthread_mutex_unlock(&c->mu);
+    if (!b) {
+        size_t bytes = (sizeof(rbuf) + len + BUF_ALIGN - 1) / BUF_ALIGN * BUF_ALIGN;
+        void *m = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED) return NULL;
+        b = m;
+        b->map_bytes = bytes;
+        b->owner = c;
+        pthread_mutex_lock(&c->mu);
+        c->out++;
+        pthread_mutex_unlock(&c->mu);
+    }
+    b->magic = RBUF_MAGIC;
+    b->next = NULL;
+    return b + 1;
+}
+
+void ds_xfer_buf_free(void *p) {
+    if (!p) return;
+    rbuf *b = (rbuf *)p - 1;
+    ds_xfer_client *c = b->owner;
+    pthread_mutex_lock(&c->mu);
+    c->out--;
+    if (!c->closed && b->map_bytes <= IDLE_BYTES_MAX) {
+        /* kept, newest first; the oldest go while the kept bytes are over the bound */
+        b->next = c->bufs;
+        c->bufs = b;
+        c->idle_bytes += b->map_bytes;
+        b = NULL;
+        while (c->idle_bytes > IDLE_BYTES_MAX) {
+            rbuf **p2 = &c->bufs;
+            while ((*p2)->next) p2 = &(*p2)->next;
+            rbuf *old = *p2;
+            *p2 = NULL;
+            c->idle_bytes -= old->map_bytes;
+            munmap(old, old->map_bytes);
+        }
+    }
+    if (b) munmap(b, b->map_bytes);
+    if (c->closed && !c->out)
+        client_destroy(c);
+    else
+        pthread_mutex_unlock(&c->mu);
+}
+
+static void buf_hold_free(void *p) {
+    ds_xfer_buf_free(p);
+}
+
+/* A kept connection to sa (NULL when none). */
+static cconn *conn_take(ds_xfer_client *c, const struct sockaddr_in *sa) {
+    pthread_mutex_lock(&c->mu);
+    cconn *k = NULL;
+    for (cconn **p = &c->idle; *p; p = &(*p)->next)
+        if ((*p)->sa.sin_addr.s_addr == sa->sin_addr.s_addr && (*p)->sa.sin_port == sa->sin_port) {
+            k = *p;
+            *p = k->next;
+            c->n_idle--;
+            break;
+        }
+    pthread_mutex_unlock(&c->mu);
+    if (k) { /* a peer that went away since shows here (its error handler runs in progress) */
+        while (ucp_worker_progress(k->w)) {
+        }
+        if (k->es.failed) {
+            conn_drop(k);
+            k = NULL;
+        }
+    }
+    return k;
+}
+
+/* Keeps k, whose request was answered whole, for its peer's next one. */
+static void conn_keep(ds_xfer_client *c, cconn *k) {
+    cconn *drop = NULL;
+    pthread_mutex_lock(&c->mu);
+    k->next = c->idle;
+    c->idle = k;
+    if (++c->n_idle > IDLE_CONNS_MAX) { /* the oldest goes */
+        cconn **p = &c->idle;
+        while ((*p)->next) p = &(*p)->next;
+        drop = *p;
+        *p = NULL;
+        c->n_idle--;
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (drop) conn_drop(drop);
+}
+
+static int conn_open(ds_xfer_client *c, const struct sockaddr_in *sa, const char *peer, cconn **out,
+                     ds_err *err) {
+    cconn *k = calloc(1, sizeof *k);
+    if (!k) return ds_errf(err, "kv transfer: out of memory");
+    k->sa = *sa;
+    if (make_worker(c->ctx, UCS_THREAD_MODE_SERIALIZED, &k->w, err)) {
+        free(k);
+        return DS_ERR;
+    }
+    ucp_ep_params_t ep = {
+        .field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+        .flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
+        .sockaddr = {.addr = (const struct sockaddr *)&k->sa, .addrlen = sizeof k->sa},
+        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+        .err_handler = {.cb = on_ep_error, .arg = &k->es}};
+    if (ucp_ep_create(k->w, &ep, &k->ep) != UCS_OK) {
+        ucp_worker_destroy(k->w);
+        free(k);
+        return ds_errf(err, "kv transfer: cannot connect to %s", peer);
+    }
+    pthread_mutex_lock(&c->mu);
+    c->st.connects++;
+    pthread_mutex_unlock(&c->mu);
+    *out = k;
+    return DS_OK;
+}
+
+/* One request on connection k: request, header, payload (a release: the header alone; buf
+ * NULL). *answered: the header arrived (a failure before it, on a kept connection, is retried
+ * on a new one). */
+static int request_on(ds_xfer_client *c, cconn *k, uint64_t id, uint32_t op, double deadline,
+                      const char *peer, void **buf, size_t *len, int *answered, ds_err *err) {
     xreq rq = {XFER_MAGIC, XFER_VERSION, id, op, 0};
     xhdr h;
-    if (send_all(w, e, &rq, sizeof rq, es, deadline) || recv_all(w, e, &h, sizeof h, es, deadline))
+    ucp_worker_h w = k->w;
+    ep_state *es = &k->es;
+    *answered = 0;
+    if (send_all(w, k->ep, &rq, sizeof rq, es, deadline) ||
+        recv_all(w, k->ep, &h, sizeof h, es, deadline))
         return ds_errf(err, "kv transfer: %s: %s", peer,
                        ds_now() > deadline ? "timed out" : "connection failed");
+    *answered = 1;
     if (h.magic != XFER_MAGIC) return ds_errf(err, "kv transfer: %s: not a deltaserve peer", peer);
+    if (h.status == ST_VERSION)
+        return ds_errf(err,
+                       "kv transfer: %s speaks another version of the transfer protocol "
+                       "(this server's is %u)",
+                       peer, XFER_VERSION);
     if (h.status != ST_FOUND)
         return ds_errf(err,
                        "kv transfer: %s: transfer %016llx not held (pulled, expired or never "
                        "filed)",
                        peer, (unsigned long long)id);
     if (!buf) return DS_OK; /* released */
-    void *b = malloc(h.len ? h.len : 1);
+    void *b = buf_take(c, h.len);
     if (!b)
         return ds_errf(err, "kv transfer: out of memory for %llu bytes", (unsigned long long)h.len);
-    if (h.len && recv_all(w, e, b, h.len, es, deadline)) {
+    if (h.len && recv_all(w, k->ep, b, h.len, es, deadline)) {
         es->hold = b; /* a parked receive may still write it until close_ep */
+        es->hold_free = buf_hold_free;
         return ds_errf(err, "kv transfer: %s: %s after the header", peer,
                        ds_now() > deadline ? "timed out" : "connection broke");
     }
@@ -453,44 +818,48 @@ static int pull_on(ucp_worker_h w, ucp_ep_h e, ep_state *es, uint64_t id, uint32
     return DS_OK;
 }
 
-/* Connects to host:port and runs one request (pull: buf, len; release: NULL). */
-static int call(const char *host, int port, uint64_t id, uint32_t op, int timeout_ms, void **buf,
-                size_t *len, ds_err *err) {
+/* Runs one request to host:port on a kept connection (or a new one) and keeps the connection
+ * when the request was answered whole. */
+static int request(ds_xfer_client *c, const char *host, int port, uint64_t id, uint32_t op,
+                   int timeout_ms, void **buf, size_t *len, ds_err *err) {
     char peer[160];
     snprintf(peer, sizeof peer, "%s:%d", host ? host : "?", port);
-    pthread_once(&g_once, init_client_ctx);
-    if (!g_ctx) return ds_errf(err, "%s", g_ctx_err.msg);
     struct sockaddr_in sa;
     if (resolve(host, port, &sa, err)) return DS_ERR;
-    ucp_worker_h w;
-    if (make_worker(g_ctx, &w, err)) return DS_ERR;
-    ep_state es = {0};
-    ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                                        UCP_EP_PARAM_FIELD_ERR_HANDLER |
-                                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
-                          .flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
-                          .sockaddr = {.addr = (const struct sockaddr *)&sa, .addrlen = sizeof sa},
-                          .err_mode = UCP_ERR_HANDLING_MODE_PEER,
-                          .err_handler = {.cb = on_ep_error, .arg = &es}};
-    ucp_ep_h e;
-    int rc;
-    if (ucp_ep_create(w, &ep, &e) != UCS_OK) {
-        rc = ds_errf(err, "kv transfer: cannot connect to %s", peer);
-    } else {
-        rc = pull_on(w, e, &es, id, op, ds_now() + timeout_ms / 1e3, peer, buf, len, err);
-        close_ep(w, e, &es);
+    const double deadline = ds_now() + timeout_ms / 1e3;
+    for (int attempt = 0;; attempt++) {
+        cconn *k = attempt ? NULL : conn_take(c, &sa);
+        const int kept = k != NULL;
+        if (!k && conn_open(c, &sa, peer, &k, err)) return DS_ERR;
+        if (kept) {
+            pthread_mutex_lock(&c->mu);
+            c->st.reuses++;
+            pthread_mutex_unlock(&c->mu);
+        }
+        int answered;
+        int rc = request_on(c, k, id, op, deadline, peer, buf, len, &answered, err);
+        if (rc == DS_OK) {
+            conn_keep(c, k);
+            return DS_OK;
+        }
+        conn_drop(k); /* never reused after a failure: the stream's framing is lost */
+        /* a kept connection whose peer went away (a producer restarted on the same port) fails
+         * before any answer: once more on a new connection, within the same deadline */
+        if (!kept || answered || ds_now() > deadline) return DS_ERR;
+        pthread_mutex_lock(&c->mu);
+        c->st.retries++;
+        pthread_mutex_unlock(&c->mu);
     }
-    ucp_worker_destroy(w);
-    return rc;
 }
 
-int ds_xfer_pull(const char *host, int port, uint64_t id, int timeout_ms, void **buf, size_t *len,
-                 ds_err *err) {
+int ds_xfer_pull(ds_xfer_client *c, const char *host, int port, uint64_t id, int timeout_ms,
+                 void **buf, size_t *len, ds_err *err) {
     *buf = NULL;
     *len = 0;
-    return call(host, port, id, OP_PULL, timeout_ms, buf, len, err);
+    return request(c, host, port, id, OP_PULL, timeout_ms, buf, len, err);
 }
 
-int ds_xfer_release(const char *host, int port, uint64_t id, int timeout_ms, ds_err *err) {
-    return call(host, port, id, OP_RELEASE, timeout_ms, NULL, NULL, err);
+int ds_xfer_release(ds_xfer_client *c, const char *host, int port, uint64_t id, int timeout_ms,
+                    ds_err *err) {
+    return request(c, host, port, id, OP_RELEASE, timeout_ms, NULL, NULL, err);
 }

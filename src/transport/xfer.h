@@ -3,16 +3,20 @@
  * The producer side is a store of opaque byte blobs, each filed under a 64-bit transfer id and
  * held until one consumer has pulled it or its time to live runs out, whichever comes first; a
  * thread of its own answers pulls through a UCX listener (TCP or shared memory here; RDMA on a
- * cluster, with the same calls). The consumer side is one blocking call that connects, asks for
- * an id and receives its bytes. What the bytes mean (the blocks, their hashes and checksums) is
- * the engine's business (engine/pd.c); this layer only moves them and says when it could not.
+ * cluster, with the same calls). The consumer side is a client: a blocking call that asks a
+ * producer for an id and receives its bytes, over a connection the client keeps open for the
+ * next call to the same producer, into a buffer it keeps warm for the next pull (opening a
+ * connection and first-touching a fresh buffer were most of a pull's time: docs/pd.md). What
+ * the bytes mean (the blocks, their hashes and checksums) is the engine's business
+ * (engine/pd.c); this layer only moves them and says when it could not.
  *
- * Wire (UCX stream): the client sends {u32 magic "DSX1", u32 version 2, u64 id, u32 op, u32 0};
- * op 0 pulls: the server answers {u32 magic, u32 status, u64 length} and then length bytes;
- * op 1 releases: the server frees the blob and answers the header alone (length 0). status 0:
- * found; 1: no such id (never filed, already pulled, released, or expired). An id that is not
- * there yet is waited for up to wait_ms, so a call that races the producer's filing still finds
- * it. */
+ * Wire (UCX stream; a connection carries any number of requests, one at a time): the client
+ * sends {u32 magic "DSX1", u32 version 3, u64 id, u32 op, u32 0}; op 0 pulls: the server answers
+ * {u32 magic, u32 status, u64 length} and then length bytes; op 1 releases: the server frees the
+ * blob and answers the header alone (length 0). status 0: found; 1: no such id (never filed,
+ * already pulled, released, or expired); 2: the request's version is not the server's (the
+ * server then closes the connection). An id that is not there yet is waited for up to wait_ms,
+ * so a call that races the producer's filing still finds it. */
 #ifndef DS_XFER_H
 #define DS_XFER_H
 
@@ -29,8 +33,9 @@ typedef struct ds_xfer_stats {
     uint64_t served;    /* blobs pulled (and freed) */
     uint64_t expired;   /* blobs freed unpulled when their time ran out */
     uint64_t not_found; /* pulls of an id that was not there */
-    uint64_t errors;    /* pulls that broke off (peer gone, timeout) */
+    uint64_t errors;    /* pulls that broke off (peer gone, timeout), bad requests */
     uint64_t released;  /* blobs a consumer gave up (released) and so freed before their time */
+    int conns;          /* consumers' connections open now */
 } ds_xfer_stats;
 
 /* Listens on host:port (port 0: the kernel picks one; ds_xfer_server_port says which) and starts
@@ -48,14 +53,37 @@ void ds_xfer_server_test_stall(ds_xfer_server *s, int ms);
 /* Stops the thread and frees every blob still held. */
 void ds_xfer_server_free(ds_xfer_server *s);
 
-/* Pulls id from host:port: *buf (malloc'd, the caller frees) [*len]. Fails with a message naming
- * the peer on a refused or broken connection, an unknown id, or when timeout_ms passes. Safe from
- * any number of threads at once (each call has its own UCX worker). */
-int ds_xfer_pull(const char *host, int port, uint64_t id, int timeout_ms, void **buf, size_t *len,
-                 ds_err *err);
+/* ---- the consumer's side ---- */
+typedef struct ds_xfer_client ds_xfer_client;
+
+typedef struct ds_xfer_client_stats {
+    uint64_t connects;   /* connections opened */
+    uint64_t reuses;     /* requests sent over a connection kept from an earlier request */
+    uint64_t retries;    /* requests resent on a new connection when a kept one had died */
+    uint64_t buf_reuses; /* pulls received into a kept buffer (no fresh memory touched) */
+    int idle_conns;      /* connections kept open now */
+    size_t idle_bytes;   /* buffer bytes kept for the next pulls now */
+} ds_xfer_client_stats;
+
+int ds_xfer_client_create(ds_xfer_client **out, ds_err *err);
+/* Closes the kept connections. Buffers still out stay valid until ds_xfer_buf_free. */
+void ds_xfer_client_free(ds_xfer_client *c);
+void ds_xfer_client_get_stats(ds_xfer_client *c, ds_xfer_client_stats *st);
+
+/* Pulls id from host:port: *buf [*len] is the client's (give it back with ds_xfer_buf_free).
+ * Fails with a message naming the peer on a refused or broken connection, an unknown id, or
+ * when timeout_ms passes. Safe from any number of threads at once (each call holds a connection
+ * of its own, with its own UCX worker, while it runs). A kept connection found dead (the
+ * producer restarted) costs one retry on a new one, never a failed pull. */
+int ds_xfer_pull(ds_xfer_client *c, const char *host, int port, uint64_t id, int timeout_ms,
+                 void **buf, size_t *len, ds_err *err);
+/* Gives a pulled buffer back to its client, which keeps it (up to a bound) for the next pulls.
+ * NULL: nothing. */
+void ds_xfer_buf_free(void *buf);
 /* Asks host:port to free id unpulled (a consumer that refused a transfer early, so that the
  * producer's other parts do not wait out their time to live). DS_OK when it was held and is now
  * freed; an error (naming the peer) when it was not held or the peer could not be reached. */
-int ds_xfer_release(const char *host, int port, uint64_t id, int timeout_ms, ds_err *err);
+int ds_xfer_release(ds_xfer_client *c, const char *host, int port, uint64_t id, int timeout_ms,
+                    ds_err *err);
 
 #endif

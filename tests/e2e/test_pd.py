@@ -134,6 +134,9 @@ def test_pair_equals_one_server(ref, prod, cons, text_ids):
         assert m(cons, "prefix_cache_hits_total") - hits == (n - 1) // rung * rung, n
     assert m(prod, "kv_transfer_exports_total") >= len(lengths)
     assert m(prod, "kv_transfer_held") == 0  # every transfer pulled and freed
+    # one connection to the producer, opened by the first pull and kept for the others
+    assert m(cons, "kv_transfer_connections_total") == 1
+    assert m(cons, "kv_transfer_connection_reuses_total") == len(lengths) - 1
     # the producer never speculated; the consumer did
     assert m(prod, "spec_decode_num_verifies_total") == 0
     assert m(cons, "spec_decode_num_verifies_total") > 0
