@@ -4,10 +4,13 @@
  * connection arrives as a connection request, which the serving thread turns into an endpoint
  * that stays open for the connection's next requests (a receive for the next request is posted
  * on each); requests are answered with the stream API (ucp_stream_send_nbx /
- * ucp_stream_recv_nbx). UCX picks the transport itself (TCP here for endpoints made from a
- * socket address; RDMA where the hardware has it). The serving thread sleeps on the worker's
- * event fd between requests, so an idle producer costs nothing; it serves one pull at a time (a
- * pull is one contiguous send).
+ * ucp_stream_recv_nbx). Such an endpoint gets TCP lanes only on one host, so each connection
+ * also has a data path: the client's hello names a worker of its own, the server makes an
+ * endpoint to it from a second worker (a context without wakeups, error mode none: UCX then
+ * picks shared memory and CMA here, RDMA on a cluster), and a pull's bytes go there as one tagged
+ * message while the stream endpoint watches for a dead peer. The serving thread sleeps on the
+ * stream worker's event fd between requests, so an idle producer costs nothing; it serves one
+ * pull at a time (a pull is one contiguous send).
  *
  * The client keeps each connection it opened (a UCX worker and endpoint of its own) in an idle
  * list once its request has been answered, for the next request to the same peer, and keeps the
@@ -27,8 +30,13 @@
 
 #define XFER_MAGIC   0x31585344u /* "DSX1" little-endian */
 #define XFER_VERSION 3u
-enum { ST_FOUND = 0, ST_NOT_FOUND = 1, ST_VERSION = 2 };
-enum { OP_PULL = 0, OP_RELEASE = 1 }; /* release: free the blob, send nothing back but the header */
+/* ST_FOUND_TAGGED: found, and the bytes come on the connection's data path (tagged with the id)
+ * rather than the stream */
+enum { ST_FOUND = 0, ST_NOT_FOUND = 1, ST_VERSION = 2, ST_FOUND_TAGGED = 3 };
+/* release: free the blob, send nothing back but the header; hello: the request's pad is the
+ * length of the client's data worker's address, which follows it */
+enum { OP_PULL = 0, OP_RELEASE = 1, OP_HELLO = 2 };
+#define HELLO_MAX_ADDR 65536
 
 typedef struct xreq {
     uint32_t magic, version;
@@ -56,6 +64,11 @@ typedef struct pending_conn {
 struct ds_xfer_server {
     ucp_context_h ctx;
     ucp_worker_h worker;
+    /* the data path: a context without wakeups and a worker whose endpoints (made from the
+     * consumers' worker addresses, error mode none) may use shared memory and CMA, which UCX
+     * gives neither a waking context nor a peer-watching endpoint */
+    ucp_context_h dctx;
+    ucp_worker_h dworker;
     ucp_listener_h listener;
     int port, wait_ms, efd;
     int stall_ms; /* tests: a pause between a pull's header and its bytes */
@@ -92,12 +105,15 @@ static void on_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
     ((ep_state *)arg)->failed = 1;
 }
 
-/* Waits for a non-blocking operation's request (NULL: it completed at once). Returns DS_OK, or
- * DS_ERR when it failed, the endpoint failed, or the deadline passed. The operation is then
- * cancelled; one that does not end within half a second (a stream send to a dead peer) is parked
- * in es for close_ep's forced close, never waited on forever: that spin wedged the producer's
- * serving thread when a consumer died during a pull. */
-static int wait_op(ucp_worker_h w, ucs_status_ptr_t r, ep_state *es, double deadline) {
+/* Waits for a non-blocking operation's request (NULL: it completed at once) on worker w.
+ * Returns DS_OK, or DS_ERR when it failed, the endpoint failed, or the deadline passed. The
+ * operation is then cancelled; one that does not end within half a second (a stream send to a
+ * dead peer) is parked in es for close_ep's forced close, never waited on forever: that spin
+ * wedged the producer's serving thread when a consumer died during a pull. w2 (may be NULL) is
+ * progressed alongside and watch's failure (may be NULL) ends the wait too: a data-path
+ * operation watches its connection, whose endpoint is the one that hears of a dead peer. */
+static int wait_op_on(ucp_worker_h w, ucp_worker_h w2, const ep_state *watch, ucs_status_ptr_t r,
+                      ep_state *es, double deadline) {
     if (r == NULL) return DS_OK;
     if (UCS_PTR_IS_ERR(r)) {
         es->failed = 1;
@@ -105,7 +121,7 @@ static int wait_op(ucp_worker_h w, ucs_status_ptr_t r, ep_state *es, double dead
     }
     ucs_status_t st;
     while ((st = ucp_request_check_status(r)) == UCS_INPROGRESS) {
-        if (es->failed || ds_now() > deadline) {
+        if (es->failed || (watch && watch->failed) || ds_now() > deadline) {
             es->failed = 1;
             ucp_request_cancel(w, r);
             double until = ds_now() + 0.5;
@@ -119,11 +135,17 @@ static int wait_op(ucp_worker_h w, ucs_status_ptr_t r, ep_state *es, double dead
                 ucp_request_free(r); /* UCX frees it when it completes */
             return DS_ERR;
         }
-        if (!ucp_worker_progress(w)) sleep_us(20);
+        unsigned n = ucp_worker_progress(w);
+        if (w2) n += ucp_worker_progress(w2);
+        if (!n) sleep_us(20);
     }
     ucp_request_free(r);
     if (st != UCS_OK) es->failed = 1;
     return st == UCS_OK ? DS_OK : DS_ERR;
+}
+
+static int wait_op(ucp_worker_h w, ucs_status_ptr_t r, ep_state *es, double deadline) {
+    return wait_op_on(w, NULL, NULL, r, es, deadline);
 }
 
 static int send_all(ucp_worker_h w, ucp_ep_h ep, const void *buf, size_t len, ep_state *es,
@@ -140,18 +162,9 @@ static int recv_all(ucp_worker_h w, ucp_ep_h ep, void *buf, size_t len, ep_state
     return wait_op(w, ucp_stream_recv_nbx(ep, buf, len, &got, &p), es, deadline);
 }
 
-/* Closes ep, flushing what was sent (force when the peer is already gone or an operation failed:
- * the forced close completes parked operations), then frees es->hold once nothing can touch it. */
-static void close_ep(ucp_worker_h w, ucp_ep_h ep, ep_state *es) {
-    ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
-                             .flags = es->failed ? UCP_EP_CLOSE_FLAG_FORCE : 0};
-    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
-    double deadline = ds_now() + 2.0;
-    if (r && !UCS_PTR_IS_ERR(r)) {
-        while (ucp_request_check_status(r) == UCS_INPROGRESS && ds_now() < deadline)
-            if (!ucp_worker_progress(w)) sleep_us(20);
-        ucp_request_free(r);
-    }
+/* Waits (until deadline) for es's parked operations on w, frees them, then frees es->hold once
+ * nothing can touch it. */
+static void settle(ucp_worker_h w, ep_state *es, double deadline) {
     int live = 0;
     for (int i = 0; i < es->n_parked; i++) {
         while (ucp_request_check_status(es->parked[i]) == UCS_INPROGRESS && ds_now() < deadline)
@@ -166,6 +179,21 @@ static void close_ep(ucp_worker_h w, ucp_ep_h ep, ep_state *es) {
     es->hold = NULL;
 }
 
+/* Closes ep, flushing what was sent (force when the peer is already gone or an operation failed:
+ * the forced close completes parked operations), then settles es. */
+static void close_ep(ucp_worker_h w, ucp_ep_h ep, ep_state *es) {
+    ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                             .flags = es->failed ? UCP_EP_CLOSE_FLAG_FORCE : 0};
+    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+    double deadline = ds_now() + 2.0;
+    if (r && !UCS_PTR_IS_ERR(r)) {
+        while (ucp_request_check_status(r) == UCS_INPROGRESS && ds_now() < deadline)
+            if (!ucp_worker_progress(w)) sleep_us(20);
+        ucp_request_free(r);
+    }
+    settle(w, es, deadline);
+}
+
 /* A producer restarted on its port must bind at once, as an HTTP server does: the connections
  * of the one before (closed by it first, since consumers keep theirs open) linger in TIME_WAIT on
  * that port for a minute. UCX reads this switch of its TCP connection manager from the
@@ -176,12 +204,13 @@ static void set_reuseaddr(void) {
     setenv("UCX_TCP_CM_REUSEADDR", "y", 0);
 }
 
-static int make_context(int wakeup, ucp_context_h *ctx, ds_err *err) {
+/* features: UCP_FEATURE_STREAM (connections, with wakeups on the server's) or UCP_FEATURE_TAG
+ * (the data path). */
+static int make_context(uint64_t features, ucp_context_h *ctx, ds_err *err) {
     pthread_once(&g_reuse_once, set_reuseaddr);
     ucp_config_t *cfg;
     if (ucp_config_read(NULL, NULL, &cfg) != UCS_OK) return ds_errf(err, "UCX: cannot read config");
-    ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES,
-                      .features = UCP_FEATURE_STREAM | (wakeup ? UCP_FEATURE_WAKEUP : 0)};
+    ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES, .features = features};
     ucs_status_t st = ucp_init(&p, cfg, ctx);
     ucp_config_release(cfg);
     if (st != UCS_OK) return ds_errf(err, "UCX: ucp_init failed: %s", ucs_status_string(st));
@@ -266,7 +295,9 @@ static void count(ds_xfer_server *s, uint64_t *field) {
  * its next request. */
 typedef struct sconn {
     ucp_ep_h ep;
-    ep_state es;         /* the endpoint's error handler writes here: the struct stays put */
+    ep_state es;  /* the endpoint's error handler writes here: the struct stays put */
+    ucp_ep_h dep; /* the data path to the client's data worker (NULL: bytes on the stream) */
+    ep_state des;
     xreq rq;             /* the next request, received into here */
     size_t got;          /* bytes of it (UCX's out-parameter) */
     ucs_status_ptr_t rr; /* the posted receive (NULL: none in flight) */
@@ -300,6 +331,31 @@ static void check_request_recv(sconn *c) {
         c->es.failed = 1;
 }
 
+/* A client's hello: its data worker's address (n bytes) follows. The connection's data path is
+ * an endpoint to it from the server's data worker; the answer says it is there (ST_FOUND), or
+ * ST_NOT_FOUND when it could not be made (the bytes then come on the stream). */
+static void serve_hello(ds_xfer_server *s, sconn *c, uint32_t n, double deadline) {
+    void *addr = n && n <= HELLO_MAX_ADDR ? malloc(n) : NULL;
+    if (!addr || recv_all(s->worker, c->ep, addr, n, &c->es, deadline)) {
+        free(addr);
+        count(s, &s->st.errors);
+        c->es.failed = 1; /* a hello without its address: the framing is lost */
+        return;
+    }
+    int ok = 0;
+    if (!c->dep) {
+        ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
+                                            UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+                              .address = addr,
+                              .err_mode = UCP_ERR_HANDLING_MODE_NONE};
+        ok = ucp_ep_create(s->dworker, &ep, &c->dep) == UCS_OK;
+        if (!ok) c->dep = NULL;
+    }
+    free(addr);
+    xhdr h = {XFER_MAGIC, ok ? ST_FOUND : ST_NOT_FOUND, 0};
+    send_all(s->worker, c->ep, &h, sizeof h, &c->es, deadline);
+}
+
 /* Answers c's request (c->rq): the blob (or not-found), or a release. A failure marks c->es. */
 static void serve_request(ds_xfer_server *s, sconn *c) {
     xreq rq = c->rq;
@@ -312,6 +368,10 @@ static void serve_request(ds_xfer_server *s, sconn *c) {
             send_all(s->worker, c->ep, &h, sizeof h, &c->es, deadline);
         }
         c->es.failed = 1; /* the stream's framing cannot be trusted from here */
+        return;
+    }
+    if (rq.op == OP_HELLO) {
+        serve_hello(s, c, rq.pad, deadline);
         return;
     }
     blob *b = take_blob(s, rq.id);
@@ -329,7 +389,9 @@ static void serve_request(ds_xfer_server *s, sconn *c) {
         b = NULL;
         count(s, &s->st.released);
     }
-    xhdr h = {XFER_MAGIC, b || released ? ST_FOUND : ST_NOT_FOUND, b ? b->len : 0};
+    const int tagged = b && b->len && c->dep;
+    xhdr h = {XFER_MAGIC, b || released ? (tagged ? ST_FOUND_TAGGED : ST_FOUND) : ST_NOT_FOUND,
+              b ? b->len : 0};
     int rc = send_all(s->worker, c->ep, &h, sizeof h, &c->es, deadline);
     for (double until = ds_now() + s->stall_ms / 1e3; !rc && !released && ds_now() < until;) {
         ucp_worker_progress(s->worker);
@@ -337,12 +399,19 @@ static void serve_request(ds_xfer_server *s, sconn *c) {
     }
     /* a send's completion means UCX is done with the buffer (the connection stays open, so what
      * is in flight still arrives): the blob can go as soon as its send has completed */
-    if (!rc && b && b->len) rc = send_all(s->worker, c->ep, b->buf, b->len, &c->es, deadline);
+    if (!rc && tagged) {
+        ucp_request_param_t p = {.op_attr_mask = 0};
+        rc = wait_op_on(s->dworker, s->worker, &c->es,
+                        ucp_tag_send_nbx(c->dep, b->buf, b->len, rq.id, &p), &c->des, deadline);
+        if (rc) c->es.failed = 1; /* the connection goes with its data path */
+    } else if (!rc && b && b->len)
+        rc = send_all(s->worker, c->ep, b->buf, b->len, &c->es, deadline);
     if (!released) count(s, rc ? &s->st.errors : b ? &s->st.served : &s->st.not_found);
     if (b) {
         if (rc) { /* a parked send may still read it until the forced close */
-            c->es.hold = b->buf;
-            c->es.hold_free = free;
+            ep_state *es = tagged ? &c->des : &c->es;
+            es->hold = b->buf;
+            es->hold_free = free;
         } else
             free(b->buf);
         free(b);
@@ -358,6 +427,10 @@ static void conn_close(ds_xfer_server *s, sconn *c) {
         else
             ucp_request_free(c->rr);
         c->rr = NULL;
+    }
+    if (c->dep) { /* force: its peer may be gone, and error mode none would not say so */
+        c->des.failed = 1;
+        close_ep(s->dworker, c->dep, &c->des);
     }
     close_ep(s->worker, c->ep, &c->es);
     free(c);
@@ -445,8 +518,11 @@ int ds_xfer_server_create(const char *host, int port, int wait_ms, ds_xfer_serve
     s->wait_ms = wait_ms;
     pthread_mutex_init(&s->mu, NULL);
     struct sockaddr_in sa;
-    if (resolve(host, port, &sa, err) || make_context(1, &s->ctx, err) ||
-        make_worker(s->ctx, UCS_THREAD_MODE_SINGLE, &s->worker, err))
+    if (resolve(host, port, &sa, err) ||
+        make_context(UCP_FEATURE_STREAM | UCP_FEATURE_WAKEUP, &s->ctx, err) ||
+        make_worker(s->ctx, UCS_THREAD_MODE_SINGLE, &s->worker, err) ||
+        make_context(UCP_FEATURE_TAG, &s->dctx, err) ||
+        make_worker(s->dctx, UCS_THREAD_MODE_SINGLE, &s->dworker, err))
         goto fail;
     ucp_listener_params_t lp = {
         .field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
@@ -533,6 +609,8 @@ void ds_xfer_server_free(ds_xfer_server *s) {
     if (s->listener) ucp_listener_destroy(s->listener);
     if (s->worker) ucp_worker_destroy(s->worker);
     if (s->ctx) ucp_cleanup(s->ctx);
+    if (s->dworker) ucp_worker_destroy(s->dworker);
+    if (s->dctx) ucp_cleanup(s->dctx);
     for (blob *b = s->blobs, *n; b; b = n) {
         n = b->next;
         free(b->buf);
@@ -567,12 +645,16 @@ typedef struct cconn {
     struct sockaddr_in sa;
     ucp_worker_h w;
     ucp_ep_h ep;
-    ep_state es; /* the endpoint's error handler writes here: the struct stays put */
+    ep_state es;     /* the endpoint's error handler writes here: the struct stays put */
+    ucp_worker_h dw; /* the data path's worker: the producer sends a pull's bytes to it */
+    ep_state des;    /* its operations (a parked receive, its buffer) */
+    int tagged;      /* the producer made its end of the data path (the hello's answer) */
     struct cconn *next;
 } cconn;
 
 struct ds_xfer_client {
     ucp_context_h ctx;
+    ucp_context_h dctx; /* the data path's (tag matching, no wakeups: shared memory and CMA) */
     pthread_mutex_t mu; /* guards everything below */
     cconn *idle;        /* connections kept for their peer's next request, newest first */
     int n_idle;
@@ -587,7 +669,12 @@ int ds_xfer_client_create(ds_xfer_client **out, ds_err *err) {
     *out = NULL;
     ds_xfer_client *c = calloc(1, sizeof *c);
     if (!c) return ds_errf(err, "kv transfer: out of memory");
-    if (make_context(0, &c->ctx, err)) {
+    if (make_context(UCP_FEATURE_STREAM, &c->ctx, err)) {
+        free(c);
+        return DS_ERR;
+    }
+    if (make_context(UCP_FEATURE_TAG, &c->dctx, err)) {
+        ucp_cleanup(c->ctx);
         free(c);
         return DS_ERR;
     }
@@ -597,8 +684,10 @@ int ds_xfer_client_create(ds_xfer_client **out, ds_err *err) {
 }
 
 static void conn_drop(cconn *k) {
-    close_ep(k->w, k->ep, &k->es);
+    if (k->ep) close_ep(k->w, k->ep, &k->es);
+    settle(k->dw, &k->des, ds_now() + 2.0); /* a cancelled receive into a pull's buffer */
     ucp_worker_destroy(k->w);
+    ucp_worker_destroy(k->dw);
     free(k);
 }
 
@@ -607,6 +696,7 @@ static void client_destroy(ds_xfer_client *c) {
     pthread_mutex_unlock(&c->mu);
     pthread_mutex_destroy(&c->mu);
     ucp_cleanup(c->ctx);
+    ucp_cleanup(c->dctx);
     free(c);
 }
 
@@ -749,12 +839,45 @@ static void conn_keep(ds_xfer_client *c, cconn *k) {
     if (drop) conn_drop(drop);
 }
 
-static int conn_open(ds_xfer_client *c, const struct sockaddr_in *sa, const char *peer, cconn **out,
-                     ds_err *err) {
+/* Tells the producer at the other end of k the address of k's data worker, so that it sends
+ * pulls' bytes there (shared memory or CMA between processes of one host, where a connection made
+ * from a socket address gets TCP only). A producer that could not reach it says so, and its
+ * bytes then come on the stream. */
+static int hello(cconn *k, double deadline, const char *peer, ds_err *err) {
+    ucp_address_t *addr;
+    size_t n;
+    if (ucp_worker_get_address(k->dw, &addr, &n) != UCS_OK || n > HELLO_MAX_ADDR)
+        return ds_errf(err, "kv transfer: UCX: no address for the data worker");
+    xreq rq = {XFER_MAGIC, XFER_VERSION, 0, OP_HELLO, (uint32_t)n};
+    xhdr h;
+    int rc = send_all(k->w, k->ep, &rq, sizeof rq, &k->es, deadline) ||
+             send_all(k->w, k->ep, addr, n, &k->es, deadline) ||
+             recv_all(k->w, k->ep, &h, sizeof h, &k->es, deadline);
+    ucp_worker_release_address(k->dw, addr);
+    if (rc)
+        return ds_errf(err, "kv transfer: %s: %s", peer,
+                       ds_now() > deadline ? "timed out" : "connection failed");
+    if (h.magic != XFER_MAGIC) return ds_errf(err, "kv transfer: %s: not a deltaserve peer", peer);
+    if (h.status == ST_VERSION)
+        return ds_errf(err,
+                       "kv transfer: %s speaks another version of the transfer protocol (this "
+                       "server's is %u)",
+                       peer, XFER_VERSION);
+    k->tagged = h.status == ST_FOUND;
+    return DS_OK;
+}
+
+static int conn_open(ds_xfer_client *c, const struct sockaddr_in *sa, const char *peer,
+                     double deadline, cconn **out, ds_err *err) {
     cconn *k = calloc(1, sizeof *k);
     if (!k) return ds_errf(err, "kv transfer: out of memory");
     k->sa = *sa;
     if (make_worker(c->ctx, UCS_THREAD_MODE_SERIALIZED, &k->w, err)) {
+        free(k);
+        return DS_ERR;
+    }
+    if (make_worker(c->dctx, UCS_THREAD_MODE_SERIALIZED, &k->dw, err)) {
+        ucp_worker_destroy(k->w);
         free(k);
         return DS_ERR;
     }
@@ -766,13 +889,17 @@ static int conn_open(ds_xfer_client *c, const struct sockaddr_in *sa, const char
         .err_mode = UCP_ERR_HANDLING_MODE_PEER,
         .err_handler = {.cb = on_ep_error, .arg = &k->es}};
     if (ucp_ep_create(k->w, &ep, &k->ep) != UCS_OK) {
-        ucp_worker_destroy(k->w);
-        free(k);
+        k->ep = NULL;
+        conn_drop(k);
         return ds_errf(err, "kv transfer: cannot connect to %s", peer);
     }
     pthread_mutex_lock(&c->mu);
     c->st.connects++;
     pthread_mutex_unlock(&c->mu);
+    if (hello(k, deadline, peer, err)) {
+        conn_drop(k);
+        return DS_ERR;
+    }
     *out = k;
     return DS_OK;
 }
@@ -798,7 +925,8 @@ static int request_on(ds_xfer_client *c, cconn *k, uint64_t id, uint32_t op, dou
                        "kv transfer: %s speaks another version of the transfer protocol "
                        "(this server's is %u)",
                        peer, XFER_VERSION);
-    if (h.status != ST_FOUND)
+    const int tagged = h.status == ST_FOUND_TAGGED;
+    if (h.status != ST_FOUND && !(tagged && k->tagged && buf))
         return ds_errf(err,
                        "kv transfer: %s: transfer %016llx not held (pulled, expired or never "
                        "filed)",
@@ -807,8 +935,19 @@ static int request_on(ds_xfer_client *c, cconn *k, uint64_t id, uint32_t op, dou
     void *b = buf_take(c, h.len);
     if (!b)
         return ds_errf(err, "kv transfer: out of memory for %llu bytes", (unsigned long long)h.len);
-    if (h.len && recv_all(w, k->ep, b, h.len, es, deadline)) {
-        es->hold = b; /* a parked receive may still write it until close_ep */
+    int rc = DS_OK;
+    if (tagged) { /* on the data path, tagged with the id */
+        pthread_mutex_lock(&c->mu);
+        c->st.data_path++;
+        pthread_mutex_unlock(&c->mu);
+        ucp_request_param_t p = {.op_attr_mask = 0};
+        es = &k->des;
+        rc = wait_op_on(k->dw, w, &k->es, ucp_tag_recv_nbx(k->dw, b, h.len, id, UINT64_MAX, &p), es,
+                        deadline);
+    } else if (h.len)
+        rc = recv_all(w, k->ep, b, h.len, es, deadline);
+    if (rc) {
+        es->hold = b; /* a parked receive may still write it until it is settled */
         es->hold_free = buf_hold_free;
         return ds_errf(err, "kv transfer: %s: %s after the header", peer,
                        ds_now() > deadline ? "timed out" : "connection broke");
@@ -830,7 +969,7 @@ static int request(ds_xfer_client *c, const char *host, int port, uint64_t id, u
     for (int attempt = 0;; attempt++) {
         cconn *k = attempt ? NULL : conn_take(c, &sa);
         const int kept = k != NULL;
-        if (!k && conn_open(c, &sa, peer, &k, err)) return DS_ERR;
+        if (!k && conn_open(c, &sa, peer, deadline, &k, err)) return DS_ERR;
         if (kept) {
             pthread_mutex_lock(&c->mu);
             c->st.reuses++;

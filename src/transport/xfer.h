@@ -11,12 +11,19 @@
  * (engine/pd.c); this layer only moves them and says when it could not.
  *
  * Wire (UCX stream; a connection carries any number of requests, one at a time): the client
- * sends {u32 magic "DSX1", u32 version 3, u64 id, u32 op, u32 0}; op 0 pulls: the server answers
- * {u32 magic, u32 status, u64 length} and then length bytes; op 1 releases: the server frees the
- * blob and answers the header alone (length 0). status 0: found; 1: no such id (never filed,
- * already pulled, released, or expired); 2: the request's version is not the server's (the
- * server then closes the connection). An id that is not there yet is waited for up to wait_ms,
- * so a call that races the producer's filing still finds it. */
+ * sends {u32 magic "DSX1", u32 version 3, u64 id, u32 op, u32 n}; op 2 (hello, the connection's
+ * first request) is followed by n bytes, the UCX address of the client's data worker, and
+ * answered with the header alone, status 0 when the server made an endpoint to it (the
+ * connection's data path), else 1; op 0 pulls: the server answers {u32 magic, u32 status, u64
+ * length} and then length bytes, on the stream (status 0) or as one tagged message (tag = id) on
+ * the data path (status 3); op 1 releases: the server frees the blob and answers the header alone
+ * (length 0). status 1: no such id (never filed, already pulled, released, or expired); 2: the
+ * request's version is not the server's (the server then closes the connection). An id that is
+ * not there yet is waited for up to wait_ms, so a call that races the producer's filing still
+ * finds it. The data path exists because UCX gives an endpoint made from a socket address, or
+ * one that watches for a dead peer, TCP lanes only on one host: the data path's endpoints are
+ * made from worker addresses in error mode none (shared memory and CMA between processes here;
+ * RDMA on a cluster), and the connection's stream endpoint watches for the dead peer for both. */
 #ifndef DS_XFER_H
 #define DS_XFER_H
 
@@ -61,6 +68,7 @@ typedef struct ds_xfer_client_stats {
     uint64_t reuses;     /* requests sent over a connection kept from an earlier request */
     uint64_t retries;    /* requests resent on a new connection when a kept one had died */
     uint64_t buf_reuses; /* pulls received into a kept buffer (no fresh memory touched) */
+    uint64_t data_path;  /* pulls whose bytes came on the connection's data path (below) */
     int idle_conns;      /* connections kept open now */
     size_t idle_bytes;   /* buffer bytes kept for the next pulls now */
 } ds_xfer_client_stats;

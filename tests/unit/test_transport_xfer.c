@@ -2,7 +2,8 @@
  * loopback: the bytes arrive whole, a blob is pulled at most once, an unknown id and a dead port
  * fail with a message, a blob nobody pulls is freed when its time runs out or when a consumer
  * releases it, and a pull that races the filing waits for it. The client keeps its connection
- * and its buffers for the next pulls (counted, and the bytes still right), pulls from many
+ * and its buffers for the next pulls (counted, and the bytes still right; the bytes come on the
+ * connection's data path), pulls from many
  * threads at once, survives a producer restarted on the same port behind a kept connection, and
  * outlives none of its buffers' users (one given back after the client's free). */
 #include "transport/xfer.h"
@@ -218,6 +219,7 @@ static void test_connection_and_buffers_kept(void **st) {
     assert_int_equal(cs.reuses, 2);
     assert_int_equal(cs.buf_reuses, 1);
     assert_int_equal(cs.idle_conns, 1);
+    assert_int_equal(cs.data_path, 3); /* the bytes came on the data path, not the stream */
     assert_int_equal(ds_xfer_release(g_c, "127.0.0.1", port, 29, 5000, &err), DS_OK);
     ds_xfer_client_get_stats(g_c, &cs);
     assert_int_equal(cs.connects, 1);
