@@ -232,6 +232,27 @@ static void conn_keep(ds_xfer_client *c, cconn *k) {
     if (drop) conn_drop(drop);
 }
 
+/* Sends rq (then more[n_more], when given) on k's stream and receives the answer's header into
+ * *h, checking that it is one of ours and of our version. *answered: the header arrived (a
+ * failure before it, on a kept connection, is retried on a new one). */
+static int exchange(cconn *k, const xreq *rq, const void *more, size_t n_more, double deadline,
+                    const char *peer, xhdr *h, int *answered, ds_err *err) {
+    *answered = 0;
+    if (xfer_send_all(k->w, k->ep, rq, sizeof *rq, &k->es, deadline) ||
+        (more && xfer_send_all(k->w, k->ep, more, n_more, &k->es, deadline)) ||
+        xfer_recv_all(k->w, k->ep, h, sizeof *h, &k->es, deadline))
+        return ds_errf(err, "kv transfer: %s: %s", peer,
+                       ds_now() > deadline ? "timed out" : "connection failed");
+    *answered = 1;
+    if (h->magic != XFER_MAGIC) return ds_errf(err, "kv transfer: %s: not a deltaserve peer", peer);
+    if (h->status == ST_VERSION)
+        return ds_errf(err,
+                       "kv transfer: %s speaks another version of the transfer protocol (this "
+                       "server's is %u)",
+                       peer, XFER_VERSION);
+    return DS_OK;
+}
+
 /* Tells the producer at the other end of k the address of k's data worker, so that it sends
  * pulls' bytes there (shared memory or CMA between processes of one host, where a connection made
  * from a socket address gets TCP only). A producer that could not reach it says so, and its
@@ -243,19 +264,10 @@ static int hello(cconn *k, double deadline, const char *peer, ds_err *err) {
         return ds_errf(err, "kv transfer: UCX: no address for the data worker");
     xreq rq = {XFER_MAGIC, XFER_VERSION, 0, OP_HELLO, (uint32_t)n};
     xhdr h;
-    int rc = xfer_send_all(k->w, k->ep, &rq, sizeof rq, &k->es, deadline) ||
-             xfer_send_all(k->w, k->ep, addr, n, &k->es, deadline) ||
-             xfer_recv_all(k->w, k->ep, &h, sizeof h, &k->es, deadline);
+    int answered;
+    int rc = exchange(k, &rq, addr, n, deadline, peer, &h, &answered, err);
     ucp_worker_release_address(k->dw, addr);
-    if (rc)
-        return ds_errf(err, "kv transfer: %s: %s", peer,
-                       ds_now() > deadline ? "timed out" : "connection failed");
-    if (h.magic != XFER_MAGIC) return ds_errf(err, "kv transfer: %s: not a deltaserve peer", peer);
-    if (h.status == ST_VERSION)
-        return ds_errf(err,
-                       "kv transfer: %s speaks another version of the transfer protocol (this "
-                       "server's is %u)",
-                       peer, XFER_VERSION);
+    if (rc) return DS_ERR;
     k->tagged = h.status == ST_FOUND;
     return DS_OK;
 }
@@ -306,18 +318,7 @@ static int request_on(ds_xfer_client *c, cconn *k, uint64_t id, uint32_t op, dou
     xhdr h;
     ucp_worker_h w = k->w;
     ep_state *es = &k->es;
-    *answered = 0;
-    if (xfer_send_all(w, k->ep, &rq, sizeof rq, es, deadline) ||
-        xfer_recv_all(w, k->ep, &h, sizeof h, es, deadline))
-        return ds_errf(err, "kv transfer: %s: %s", peer,
-                       ds_now() > deadline ? "timed out" : "connection failed");
-    *answered = 1;
-    if (h.magic != XFER_MAGIC) return ds_errf(err, "kv transfer: %s: not a deltaserve peer", peer);
-    if (h.status == ST_VERSION)
-        return ds_errf(err,
-                       "kv transfer: %s speaks another version of the transfer protocol "
-                       "(this server's is %u)",
-                       peer, XFER_VERSION);
+    if (exchange(k, &rq, NULL, 0, deadline, peer, &h, answered, err)) return DS_ERR;
     const int tagged = h.status == ST_FOUND_TAGGED;
     if (h.status != ST_FOUND && !(tagged && k->tagged && buf))
         return ds_errf(err,
