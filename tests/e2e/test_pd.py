@@ -142,6 +142,43 @@ def test_pair_equals_one_server(ref, prod, cons, text_ids):
     assert m(cons, "spec_decode_num_verifies_total") > 0
 
 
+def test_concurrent_pulls_equal_one_server(ref, prod, cons, text_ids):
+    """Six consumer requests at once, each pulling its own transfer from one producer: the
+    client's kept connections are shared out among the HTTP threads (a pull holds one alone, the
+    others open more), and every answer is one server's exactly (invariant 7: greedy output does
+    not depend on the batch), each resumed from its own blocks."""
+    ids, _ = text_ids
+    lengths = [300, 420, 520, 640, 780, 900]
+    bodies = [completion(ids[11 * i + 3: 11 * i + 3 + n]) for i, n in enumerate(lengths)]
+    want = [post(ref, "/v1/completions", b)[1] for b in bodies]
+    kvs = [prefill(prod, "/v1/completions", b) for b in bodies]
+    assert m(prod, "kv_transfer_held") == len(bodies)
+    pulls, fails, hits = m(cons, "kv_transfer_pulls_total"), \
+        m(cons, "kv_transfer_pull_failures_total"), m(cons, "prefix_cache_hits_total")
+    conns = m(cons, "kv_transfer_connections_total")
+    got = [None] * len(bodies)
+    start = threading.Barrier(len(bodies))
+
+    def run(i):
+        start.wait()
+        got[i] = post(cons, "/v1/completions", dict(bodies[i], kv_transfer_params=kvs[i]))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    for i, (status, r) in enumerate(got):
+        assert status == 200, (i, r)
+        same(r, want[i])
+    assert m(cons, "kv_transfer_pulls_total") == pulls + len(bodies)
+    assert m(cons, "kv_transfer_pull_failures_total") == fails
+    # each resumed from its own deepest rung (256 tokens apart)
+    assert m(cons, "prefix_cache_hits_total") - hits == sum((n - 1) // 256 * 256 for n in lengths)
+    assert m(cons, "kv_transfer_connections_total") - conns <= len(bodies)
+    assert m(prod, "kv_transfer_held") == 0
+
+
 def test_chat_and_stream_through_pair(ref, prod, cons):
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tom has 3 apples "
             "and buys 5 more. How many apples does he have? " * 12}],
