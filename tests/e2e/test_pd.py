@@ -33,6 +33,21 @@ def kv_config(role, **extra):
     return ("--kv-transfer-config", json.dumps({"kv_role": role, **extra}))
 
 
+def pool_use(srv, timeout=20):
+    """(running, waiting, page use, KDA slot use) once all are zero, or when timeout passes:
+    cached blocks are evictable and do not count, so (0, 0, 0, 0) says the faults the tests
+    inject leaked no pool."""
+    deadline = time.time() + timeout
+    while True:
+        x = srv.metrics()
+        busy = tuple(x["deltaserve:" + k] for k in (
+            "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+            "state_slot_usage_perc"))
+        if busy == (0, 0, 0, 0) or time.time() > deadline:
+            return busy
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def ref():
     srv = Server("--seed", "1", env_args=False)
@@ -49,6 +64,7 @@ def prod():
         kv_connector_extra_config={"hold_timeout_s": HOLD_S}), env_args=False)
     yield srv
     assert srv.metrics()["vllm:kv_transfer_held"] == 0  # nothing left pinned
+    assert pool_use(srv) == (0, 0, 0, 0)
     assert srv.stop() == 0
 
 
@@ -56,6 +72,7 @@ def prod():
 def cons():
     srv = Server("--seed", "1", *SPEC, *kv_config("kv_consumer"), env_args=False)
     yield srv
+    assert pool_use(srv) == (0, 0, 0, 0)  # after every fault of the module's tests
     assert srv.stop() == 0
 
 
@@ -485,6 +502,7 @@ def test_consumer_restarted(ref, text_ids):
             time.sleep(0.5)
         assert m(prod, "kv_transfer_held") == 0
         assert m(prod, "kv_transfer_expired_total") == 1
+        assert pool_use(prod) == (0, 0, 0, 0) and pool_use(cons) == (0, 0, 0, 0)
     finally:
         if cons:
             cons.stop()
