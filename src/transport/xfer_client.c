@@ -24,7 +24,7 @@ enum {
 
 /* A receive buffer: one mapping, this header first, the bytes after it. */
 typedef struct rbuf {
-    uint64_t magic;   /* RBUF_MAGIC while the client's */
+    uint64_t magic;   /* RBUF_MAGIC while handed out (0 while kept idle) */
     size_t map_bytes; /* the mapping, header included */
     ds_xfer_client *owner;
     struct rbuf *next; /* in the idle list */
@@ -163,6 +163,12 @@ static void *buf_take(ds_xfer_client *c, size_t len) {
 void ds_xfer_buf_free(void *p) {
     if (!p) return;
     rbuf *b = (rbuf *)p - 1;
+    if (b->magic != RBUF_MAGIC) { /* given back twice, or never a pull's: leak, never corrupt */
+        fprintf(stderr, "[deltaserve] kv transfer: %p is not a pulled buffer (given back twice?)\n",
+                p);
+        return;
+    }
+    b->magic = 0; /* until buf_take hands it out again */
     ds_xfer_client *c = b->owner;
     pthread_mutex_lock(&c->mu);
     c->out--;

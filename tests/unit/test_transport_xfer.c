@@ -342,6 +342,37 @@ static void test_producer_restarted_behind_kept_connection(void **st) {
     ds_xfer_server_free(s);
 }
 
+/* A buffer given back twice (a caller's bug) is kept once: the second is refused with a message,
+ * not a second entry in the idle list that two later pulls would both receive into. */
+static void test_buffer_given_back_twice(void **st) {
+    (void)st;
+    ds_err err = {{0}};
+    ds_xfer_server *s;
+    assert_int_equal(ds_xfer_server_create("127.0.0.1", 0, 0, &s, &err), DS_OK);
+    int port = ds_xfer_server_port(s);
+    for (uint64_t id = 1; id <= 3; id++)
+        assert_int_equal(ds_xfer_server_put(s, id, pattern(1000, (uint32_t)id), 1000, 60000, &err),
+                         DS_OK);
+    void *got;
+    size_t len;
+    assert_int_equal(ds_xfer_pull(g_c, "127.0.0.1", port, 1, 5000, &got, &len, &err), DS_OK);
+    ds_xfer_buf_free(got);
+    ds_xfer_buf_free(got); /* refused */
+    ds_xfer_client_stats cs;
+    ds_xfer_client_get_stats(g_c, &cs);
+    assert_int_equal(cs.idle_bytes, (size_t)2 << 20); /* one 2 MiB mapping, kept once */
+    void *a, *b;
+    assert_int_equal(ds_xfer_pull(g_c, "127.0.0.1", port, 2, 5000, &a, &len, &err), DS_OK);
+    assert_int_equal(ds_xfer_pull(g_c, "127.0.0.1", port, 3, 5000, &b, &len, &err), DS_OK);
+    assert_true(a != b);
+    void *want = pattern(1000, 2);
+    assert_memory_equal(a, want, 1000);
+    free(want);
+    ds_xfer_buf_free(a);
+    ds_xfer_buf_free(b);
+    ds_xfer_server_free(s);
+}
+
 /* A buffer given back after its client was freed (a pulled transfer still waiting for its
  * request's admission when the engine stops) is unmapped then, and the client with it: ASan and
  * LeakSanitizer see a use after free or a leak if not. */
@@ -376,6 +407,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_threads_pull_at_once, client_up, client_down),
         cmocka_unit_test_setup_teardown(test_producer_restarted_behind_kept_connection, client_up,
                                         client_down),
+        cmocka_unit_test_setup_teardown(test_buffer_given_back_twice, client_up, client_down),
         cmocka_unit_test(test_buffer_outlives_client),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
