@@ -229,12 +229,7 @@ static void serve_request(ds_xfer_server *s, sconn *c) {
 
 static void conn_close(ds_xfer_server *s, sconn *c) {
     if (c->rr) { /* the receive of a next request that will not come */
-        ucp_request_cancel(s->worker, c->rr);
-        c->es.failed = 1;
-        if (c->es.n_parked < (int)(sizeof c->es.parked / sizeof c->es.parked[0]))
-            c->es.parked[c->es.n_parked++] = c->rr;
-        else
-            ucp_request_free(c->rr);
+        xfer_abandon(s->worker, c->rr, &c->es);
         c->rr = NULL;
     }
     if (c->dep) { /* force: its peer may be gone, and error mode none would not say so */

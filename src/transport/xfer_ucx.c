@@ -21,6 +21,20 @@ void xfer_on_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
     ((ep_state *)arg)->failed = 1;
 }
 
+void xfer_abandon(ucp_worker_h w, ucs_status_ptr_t r, ep_state *es) {
+    es->failed = 1;
+    ucp_request_cancel(w, r);
+    double until = ds_now() + 0.5;
+    while (ucp_request_check_status(r) == UCS_INPROGRESS && ds_now() < until)
+        if (!ucp_worker_progress(w)) xfer_sleep_us(20);
+    if (ucp_request_check_status(r) != UCS_INPROGRESS)
+        ucp_request_free(r);
+    else if (es->n_parked < (int)(sizeof es->parked / sizeof es->parked[0]))
+        es->parked[es->n_parked++] = r;
+    else
+        ucp_request_free(r); /* UCX frees it when it completes */
+}
+
 int xfer_wait_op_on(ucp_worker_h w, ucp_worker_h w2, const ep_state *watch, ucs_status_ptr_t r,
                     ep_state *es, double deadline) {
     if (r == NULL) return DS_OK;
@@ -31,17 +45,7 @@ int xfer_wait_op_on(ucp_worker_h w, ucp_worker_h w2, const ep_state *watch, ucs_
     ucs_status_t st;
     while ((st = ucp_request_check_status(r)) == UCS_INPROGRESS) {
         if (es->failed || (watch && watch->failed) || ds_now() > deadline) {
-            es->failed = 1;
-            ucp_request_cancel(w, r);
-            double until = ds_now() + 0.5;
-            while (ucp_request_check_status(r) == UCS_INPROGRESS && ds_now() < until)
-                if (!ucp_worker_progress(w)) xfer_sleep_us(20);
-            if (ucp_request_check_status(r) != UCS_INPROGRESS)
-                ucp_request_free(r);
-            else if (es->n_parked < (int)(sizeof es->parked / sizeof es->parked[0]))
-                es->parked[es->n_parked++] = r;
-            else
-                ucp_request_free(r); /* UCX frees it when it completes */
+            xfer_abandon(w, r, es);
             return DS_ERR;
         }
         unsigned n = ucp_worker_progress(w);

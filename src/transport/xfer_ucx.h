@@ -47,6 +47,11 @@ void xfer_sleep_us(long us);
 /* An endpoint's error handler (arg: its ep_state): marks the peer gone. */
 void xfer_on_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status);
 
+/* Gives up the operation r on worker w (es marked failed): cancelled, given half a second to
+ * end, and parked in es for close_ep's forced close when it does not (UCX cannot cancel a stream
+ * send), so that a buffer it may still touch outlives it. */
+void xfer_abandon(ucp_worker_h w, ucs_status_ptr_t r, ep_state *es);
+
 /* Waits for a non-blocking operation's request (NULL: it completed at once) on worker w.
  * Returns DS_OK, or DS_ERR when it failed, the endpoint failed, or the deadline passed. The
  * operation is then cancelled; one that does not end within half a second (a stream send to a
