@@ -140,8 +140,9 @@ static void check_request_recv(sconn *c) {
 }
 
 /* A client's hello: its data worker's address (n bytes) follows. The connection's data path is
- * an endpoint to it from the server's data worker; the answer says it is there (ST_FOUND), or
- * ST_NOT_FOUND when it could not be made (the bytes then come on the stream). */
+ * an endpoint to it from the server's data worker; the answer says whether the connection has
+ * one (ST_FOUND) or not (ST_NOT_FOUND: it could not be made, and the bytes come on the stream),
+ * which is what decides how this connection's pulls are answered. */
 static void serve_hello(ds_xfer_server *s, sconn *c, uint32_t n, double deadline) {
     void *addr = n && n <= HELLO_MAX_ADDR ? malloc(n) : NULL;
     if (!addr || xfer_recv_all(s->worker, c->ep, addr, n, &c->es, deadline)) {
@@ -150,17 +151,15 @@ static void serve_hello(ds_xfer_server *s, sconn *c, uint32_t n, double deadline
         c->es.failed = 1; /* a hello without its address: the framing is lost */
         return;
     }
-    int ok = 0;
     if (!c->dep) {
         ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
                                             UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
                               .address = addr,
                               .err_mode = UCP_ERR_HANDLING_MODE_NONE};
-        ok = ucp_ep_create(s->dworker, &ep, &c->dep) == UCS_OK;
-        if (!ok) c->dep = NULL;
+        if (ucp_ep_create(s->dworker, &ep, &c->dep) != UCS_OK) c->dep = NULL;
     }
     free(addr);
-    xhdr h = {XFER_MAGIC, ok ? ST_FOUND : ST_NOT_FOUND, 0};
+    xhdr h = {XFER_MAGIC, c->dep ? ST_FOUND : ST_NOT_FOUND, 0};
     xfer_send_all(s->worker, c->ep, &h, sizeof h, &c->es, deadline);
 }
 

@@ -76,6 +76,12 @@ int ds_xfer_client_create(ds_xfer_client **out, ds_err *err) {
     return DS_OK;
 }
 
+static void count(ds_xfer_client *c, uint64_t *field) {
+    pthread_mutex_lock(&c->mu);
+    (*field)++;
+    pthread_mutex_unlock(&c->mu);
+}
+
 static void conn_drop(cconn *k) {
     if (k->ep) xfer_close_ep(k->w, k->ep, &k->es);
     xfer_settle(k->dw, &k->des, ds_now() + 2.0); /* a cancelled receive into a pull's buffer */
@@ -304,9 +310,7 @@ static int conn_open(ds_xfer_client *c, const struct sockaddr_in *sa, const char
         conn_drop(k);
         return ds_errf(err, "kv transfer: cannot connect to %s", peer);
     }
-    pthread_mutex_lock(&c->mu);
-    c->st.connects++;
-    pthread_mutex_unlock(&c->mu);
+    count(c, &c->st.connects);
     if (hello(k, deadline, peer, err)) {
         conn_drop(k);
         return DS_ERR;
@@ -337,9 +341,7 @@ static int request_on(ds_xfer_client *c, cconn *k, uint64_t id, uint32_t op, dou
         return ds_errf(err, "kv transfer: out of memory for %llu bytes", (unsigned long long)h.len);
     int rc = DS_OK;
     if (tagged) { /* on the data path, tagged with the id */
-        pthread_mutex_lock(&c->mu);
-        c->st.data_path++;
-        pthread_mutex_unlock(&c->mu);
+        count(c, &c->st.data_path);
         ucp_request_param_t p = {.op_attr_mask = 0};
         es = &k->des;
         rc = xfer_wait_op_on(k->dw, w, &k->es,
@@ -370,11 +372,7 @@ static int request(ds_xfer_client *c, const char *host, int port, uint64_t id, u
         cconn *k = attempt ? NULL : conn_take(c, &sa);
         const int kept = k != NULL;
         if (!k && conn_open(c, &sa, peer, deadline, &k, err)) return DS_ERR;
-        if (kept) {
-            pthread_mutex_lock(&c->mu);
-            c->st.reuses++;
-            pthread_mutex_unlock(&c->mu);
-        }
+        if (kept) count(c, &c->st.reuses);
         int answered;
         int rc = request_on(c, k, id, op, deadline, peer, buf, len, &answered, err);
         if (rc == DS_OK) {
@@ -385,9 +383,7 @@ static int request(ds_xfer_client *c, const char *host, int port, uint64_t id, u
         /* a kept connection whose peer went away (a producer restarted on the same port) fails
          * before any answer: once more on a new connection, within the same deadline */
         if (!kept || answered || ds_now() > deadline) return DS_ERR;
-        pthread_mutex_lock(&c->mu);
-        c->st.retries++;
-        pthread_mutex_unlock(&c->mu);
+        count(c, &c->st.retries);
     }
 }
 
