@@ -35,6 +35,19 @@ static void *pattern(size_t n, uint32_t seed) {
     return b;
 }
 
+/* Pulls id (n bytes of pattern(n, seed)) from port through g_c and checks every byte. */
+static void pull_and_check(int port, uint64_t id, size_t n, uint32_t seed) {
+    void *got;
+    size_t len;
+    ds_err err = {{0}};
+    assert_int_equal(ds_xfer_pull(g_c, "127.0.0.1", port, id, 5000, &got, &len, &err), DS_OK);
+    void *want = pattern(n, seed);
+    assert_int_equal(len, n);
+    assert_memory_equal(got, want, n);
+    free(want);
+    ds_xfer_buf_free(got);
+}
+
 static void test_pull_once(void **st) {
     (void)st;
     ds_err err = {{0}};
@@ -43,7 +56,6 @@ static void test_pull_once(void **st) {
     int port = ds_xfer_server_port(s);
     assert_true(port > 0);
     size_t n = (size_t)3 << 20; /* 3 MiB: many UCX fragments */
-    void *want = pattern(n, 7);
     assert_int_equal(ds_xfer_server_put(s, 42, pattern(n, 7), n, 60000, &err), DS_OK);
     assert_int_equal(ds_xfer_server_put(s, 43, pattern(10, 9), 10, 60000, &err), DS_OK);
     ds_xfer_stats xs;
@@ -53,10 +65,7 @@ static void test_pull_once(void **st) {
 
     void *got;
     size_t len;
-    assert_int_equal(ds_xfer_pull(g_c, "127.0.0.1", port, 42, 10000, &got, &len, &err), DS_OK);
-    assert_int_equal(len, n);
-    assert_memory_equal(got, want, n);
-    ds_xfer_buf_free(got);
+    pull_and_check(port, 42, n, 7);
     /* pulled once: a second pull finds nothing and says so */
     assert_int_equal(ds_xfer_pull(g_c, "127.0.0.1", port, 42, 10000, &got, &len, &err), DS_ERR);
     assert_non_null(strstr(err.msg, "not held"));
@@ -71,7 +80,6 @@ static void test_pull_once(void **st) {
     assert_int_equal(xs.held, 1);
     assert_int_equal(xs.served, 1);
     assert_int_equal(xs.not_found, 1);
-    free(want);
     ds_xfer_server_free(s); /* frees blob 43, never pulled (ASan's leak check sees it) */
 }
 
@@ -122,12 +130,7 @@ static void test_release(void **st) {
     assert_int_equal(ds_xfer_release(g_c, "127.0.0.1", port, 99, 5000, &err), DS_ERR);
     assert_non_null(strstr(err.msg, "0000000000000063"));
     /* the other blob is untouched and still pulls whole */
-    assert_int_equal(ds_xfer_pull(g_c, "127.0.0.1", port, 12, 5000, &got, &len, &err), DS_OK);
-    void *want = pattern(300, 4);
-    assert_int_equal(len, 300);
-    assert_memory_equal(got, want, 300);
-    ds_xfer_buf_free(got);
-    free(want);
+    pull_and_check(port, 12, 300, 4);
     ds_xfer_server_stats(s, &xs);
     assert_int_equal(xs.held, 0);
     assert_int_equal(xs.released, 1);
@@ -154,16 +157,8 @@ static void test_pull_waits_for_filing(void **st) {
     late_put lp = {s};
     pthread_t t;
     pthread_create(&t, NULL, put_later, &lp);
-    void *got;
-    size_t len;
-    assert_int_equal(
-        ds_xfer_pull(g_c, "127.0.0.1", ds_xfer_server_port(s), 77, 10000, &got, &len, &err), DS_OK);
+    pull_and_check(ds_xfer_server_port(s), 77, 1000, 3); /* before the filing: it waits */
     pthread_join(t, NULL);
-    void *want = pattern(1000, 3);
-    assert_int_equal(len, 1000);
-    assert_memory_equal(got, want, 1000);
-    ds_xfer_buf_free(got);
-    free(want);
     ds_xfer_server_free(s);
 }
 
@@ -301,19 +296,6 @@ static void test_threads_pull_at_once(void **st) {
     ds_xfer_server_stats(s, &xs);
     assert_int_equal(xs.held, 0);
     ds_xfer_server_free(s);
-}
-
-/* Pulls id (n bytes of pattern(n, seed)) from port through g_c and checks every byte. */
-static void pull_and_check(int port, uint64_t id, size_t n, uint32_t seed) {
-    void *got;
-    size_t len;
-    ds_err err = {{0}};
-    assert_int_equal(ds_xfer_pull(g_c, "127.0.0.1", port, id, 5000, &got, &len, &err), DS_OK);
-    void *want = pattern(n, seed);
-    assert_int_equal(len, n);
-    assert_memory_equal(got, want, n);
-    free(want);
-    ds_xfer_buf_free(got);
 }
 
 /* The producer stops and another starts on the same port: the client's kept connection is dead,
