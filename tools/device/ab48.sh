@@ -7,7 +7,7 @@
 . "$(dirname "$0")/env.sh"
 [ $# -gt 0 ] || set -- ""
 for setting in "$@" "$1"; do
-  env $setting .devbin/deltaserve bench --model configs/kimi-linear-48b-a3b --load-format random \
+  env $setting .devbin/deltaserve bench --model $SHAPE48 --load-format random \
     --device cuda --prompt-tokens "${PROMPT:-16}" --reps "${REPS:-1}" --decode-context 512 --decode-steps 8 \
     --batch-sizes "${BATCHES:-1,8}" 2>/dev/null | grep -E "^decode batch${PROMPT:+|^prompt}" |
     sed "s|^|${setting:-(defaults)}: |"

@@ -4,7 +4,7 @@
 # JSON results under $OUT, the headline figures in $OUT/latest.json (copy it to
 # bench/latest.json).  tools/device/bench48.sh [extra bench flags]
 . "$(dirname "$0")/env.sh"
-B=".devbin/deltaserve bench --model configs/kimi-linear-48b-a3b --load-format random --device cuda"
+B=".devbin/deltaserve bench --model $SHAPE48 --load-format random --device cuda"
 $B --prompt-tokens ${PROMPT:-8192} --reps ${REPS:-2} --decode-context ${CTX:-512} --decode-steps 8 \
    --batch-sizes ${BATCHES:-1,8,64,256} --json "$OUT/bench48_graphs.json" "$@" 2>&1 | tail -9
 [ "${EAGER:-1}" = 1 ] && $B --enforce-eager --prompt-tokens 512 --reps 1 --decode-context ${CTX:-512} \

@@ -12,6 +12,28 @@ export LD_LIBRARY_PATH=$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 [ -f "$OUT/latest.json" ] || cp bench/latest.json "$OUT/latest.json" 2>/dev/null || true
 latest() { python3 tools/bench_latest.py --latest "$OUT/latest.json" --machine "$(nvidia-smi \
   --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)" "$@" || true; }
+# The 48B shape: configs/kimi-linear-48b-a3b where its BF16 weights fit (H200, 139 GiB), else the
+# same model cut to its first SHAPE48_LAYERS layers (default 16: 4 MLA of 16 as 7 of 27), so
+# an H100 (78 GiB) can run the same scripts; every figure then says which it was (SHAPE48_NOTE).
+SHAPE48=configs/kimi-linear-48b-a3b
+SHAPE48_NOTE="48B shape, 27 layers"
+if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)" \
+     -lt 120000 ] 2>/dev/null; then
+  SHAPE48=/tmp/k48-cut
+  mkdir -p "$SHAPE48"
+  python3 - "${SHAPE48_LAYERS:-16}" <<'PY'
+import json, sys
+n = int(sys.argv[1])
+c = json.load(open("configs/kimi-linear-48b-a3b/config.json"))
+la = c["linear_attn_config"]
+c["num_hidden_layers"] = n
+la["kda_layers"] = [i for i in la["kda_layers"] if i <= n]
+la["full_attn_layers"] = [i for i in la["full_attn_layers"] if i <= n]
+json.dump(c, open("/tmp/k48-cut/config.json", "w"), indent=1)
+PY
+  SHAPE48_NOTE="48B shape cut to its first ${SHAPE48_LAYERS:-16} layers (card under 120 GB)"
+fi
+echo "env.sh: $SHAPE48_NOTE"
 # The 48B shape served with drawn weights (serve48.sh, grammar48.sh): its config and a tokenizer of
 # its 163,840 ids in /tmp/shape48, no weights read. serve48_start PORT LOG MAX_NUM_SEQS [serve
 # flags] starts it and waits for /health (up to 5 minutes; 1 when it never answered);
@@ -19,7 +41,7 @@ latest() { python3 tools/bench_latest.py --latest "$OUT/latest.json" --machine "
 serve48_start() {
   local port=$1 log=$2 seqs=$3
   shift 3
-  .devbin/deltaserve init-model --shape-of configs/kimi-linear-48b-a3b --out /tmp/shape48 \
+  .devbin/deltaserve init-model --shape-of "$SHAPE48" --out /tmp/shape48 \
     --force || return 1
   .devbin/deltaserve serve --model /tmp/shape48 --load-format dummy --device cuda --port "$port" \
     --max-num-seqs "$seqs" "$@" > "$log" 2>&1 &

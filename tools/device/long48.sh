@@ -7,7 +7,7 @@
 # what a step reads (the weights and the context's latents). KV in KV_DTYPES (auto fp8).
 # JSON and profiles under $OUT; headline figures into $OUT/latest.json.
 . "$(dirname "$0")/env.sh"
-B=".devbin/deltaserve bench --model configs/kimi-linear-48b-a3b --load-format random --device cuda"
+B=".devbin/deltaserve bench --model $SHAPE48 --load-format random --device cuda"
 CHUNK=${CHUNK:-8192}
 failed=""
 for n in ${LENS:-131072 1048576}; do

@@ -14,7 +14,7 @@ K=${KERNELS:-gemv|moe_|mla_|kda_|norm|conv|embed|argmax|sigmoid|add_k|mul_k|move
 N=${NAME:-ncu}
 timeout 400 "$NCU" --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum \
   --kernel-name-base function -k "regex:$K" --launch-count "${COUNT:-1300}" \
-  --csv --page raw .devbin/deltaserve bench --model configs/kimi-linear-48b-a3b --load-format random \
+  --csv --page raw .devbin/deltaserve bench --model $SHAPE48 --load-format random \
   --device cuda --enforce-eager --prompt-tokens 1 --reps 1 --decode-context 1 --decode-steps 2 \
   --batch-sizes 1 "$@" > "$OUT/$N.csv" 2> "$OUT/$N.err"
 echo "ncu rc $?"

@@ -37,7 +37,7 @@ done
 el "3. grammar48"
 CONC=32 STEP_TIMEOUT=120 bash "$(dirname "$0")/grammar48.sh" 2>&1 | tail -12
 el "4. decode b1 / b32, BF16 then ptpc_fp8"
-B=".devbin/deltaserve bench --model configs/kimi-linear-48b-a3b --load-format random --device cuda"
+B=".devbin/deltaserve bench --model $SHAPE48 --load-format random --device cuda"
 B="$B --prompt-tokens 512 --reps 1 --decode-context 512 --decode-steps 8 --batch-sizes 1,32"
 $B --json "$OUT/b_bf16.json" 2>&1 | grep -E "decode|copy" | head -4
 $B -q ptpc_fp8 --json "$OUT/b_fp8.json" 2>&1 | grep -E "decode|copy" | head -4

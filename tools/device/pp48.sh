@@ -6,7 +6,7 @@
 #   tools/device/pp48.sh [extra bench flags]
 . "$(dirname "$0")/env.sh"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
-B=".devbin/deltaserve bench --model configs/kimi-linear-48b-a3b --load-format random --device cuda"
+B=".devbin/deltaserve bench --model $SHAPE48 --load-format random --device cuda"
 fail=0
 for run in "one:" "pp2:-pp 2" "pp2_eager:-pp 2 --enforce-eager" "one_eager:--enforce-eager"; do
   name=${run%%:*} flags=${run#*:}

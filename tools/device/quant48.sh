@@ -19,7 +19,7 @@ if [ "$PART" != check ]; then
   K=".devbin/deltaserve bench --model configs/kimi-k3-slice4 --load-format random --device cuda"
   timeout 200 $K --prompt-tokens ${K3_PROMPT:-4096} --reps 1 --decode-context 512 --decode-steps 8 \
     --batch-sizes 1,64 --json "$OUT/k3slice_mxfp4.json" 2>&1 | tail -6 || failed+=" k3-slice"
-  B=".devbin/deltaserve bench --model configs/kimi-linear-48b-a3b --load-format random --device cuda"
+  B=".devbin/deltaserve bench --model $SHAPE48 --load-format random --device cuda"
   for q in none ${QUANTS:-ptpc_fp8}; do
     timeout 200 $B -q "$q" --prompt-tokens 8192 --reps 2 --decode-context 512 --decode-steps 8 \
       --batch-sizes 1,256 --json "$OUT/b48_$q.json" 2>&1 | tail -5 || failed+=" bench-$q"

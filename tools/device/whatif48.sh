@@ -10,7 +10,7 @@
 . "$(dirname "$0")/env.sh"
 B=${1:-1}
 step() {
-  DS_CUDA_SKIP="$1" .devbin/deltaserve bench --model configs/kimi-linear-48b-a3b --load-format random \
+  DS_CUDA_SKIP="$1" .devbin/deltaserve bench --model $SHAPE48 --load-format random \
     --device cuda --prompt-tokens 16 --reps 1 --decode-context 512 --decode-steps 8 --batch-sizes "$B" \
     2>/dev/null | awk -v b="$B" '$1 == "decode" && $3 == b { print $5 }'
 }
