@@ -24,6 +24,7 @@ typedef struct blob {
     void *buf; /* [len] bytes, owned */
     size_t len;
     double expires; /* ds_now() seconds */
+    uint32_t left;  /* pulls still to be answered before it goes (0: not counted yet) */
     struct blob *next;
 } blob;
 
@@ -67,15 +68,28 @@ static void on_conn(ucp_conn_request_h req, void *arg) {
     s->pending = c;
 }
 
-/* Takes the blob filed under id out of the store (NULL when absent), freeing expired ones. */
-static blob *take_blob(ds_xfer_server *s, uint64_t id) {
+/* The blob filed under id (NULL when absent), freeing expired ones. A pull's `pulls` (xfer.h)
+ * says whether this answer is its last: then (and for a release) it is taken out of the store
+ * (*gone set), else it stays there for the pulls still to come. Only the serving thread frees
+ * blobs, so one left in the store stays valid while this thread sends it. */
+static blob *take_blob(ds_xfer_server *s, uint64_t id, int release, uint32_t pulls, int *gone) {
     blob *found = NULL;
     double now = ds_now();
+    *gone = 0;
     pthread_mutex_lock(&s->mu);
     for (blob **p = &s->blobs; *p;) {
         blob *b = *p;
         if (!found && b->id == id) {
             found = b;
+            if (!release && pulls != 1) {
+                if (!b->left) b->left = pulls; /* the first counted pull says how many */
+                if (pulls == 0 || b->left > 1) {
+                    if (pulls) b->left--;
+                    p = &b->next;
+                    continue;
+                }
+            }
+            *gone = 1;
             *p = b->next;
             s->st.held--;
             s->st.held_bytes -= b->len;
@@ -91,6 +105,19 @@ static blob *take_blob(ds_xfer_server *s, uint64_t id) {
     }
     pthread_mutex_unlock(&s->mu);
     return found;
+}
+
+/* Takes b (a blob take_blob left in the store) out of it. */
+static void unlink_blob(ds_xfer_server *s, blob *b) {
+    pthread_mutex_lock(&s->mu);
+    for (blob **p = &s->blobs; *p; p = &(*p)->next)
+        if (*p == b) {
+            *p = b->next;
+            s->st.held--;
+            s->st.held_bytes -= b->len;
+            break;
+        }
+    pthread_mutex_unlock(&s->mu);
 }
 
 static void count(ds_xfer_server *s, uint64_t *field) {
@@ -181,15 +208,17 @@ static void serve_request(ds_xfer_server *s, sconn *c) {
         serve_hello(s, c, rq.pad, deadline);
         return;
     }
-    blob *b = take_blob(s, rq.id);
+    const int release = rq.op == OP_RELEASE;
+    int gone;
+    blob *b = take_blob(s, rq.id, release, rq.pad, &gone);
     for (double until = ds_now() + s->wait_ms / 1e3; !b && ds_now() < until && !c->es.failed;) {
         ucp_worker_progress(s->worker);
         xfer_sleep_us(1000);
-        b = take_blob(s, rq.id);
+        b = take_blob(s, rq.id, release, rq.pad, &gone);
     }
     /* a release: the consumer gave it up, so it is freed now (not at its timeout), counted at
      * once, and answered with the header alone */
-    const int released = b && rq.op == OP_RELEASE;
+    const int released = b && release;
     if (released) {
         free(b->buf);
         free(b);
@@ -215,7 +244,11 @@ static void serve_request(ds_xfer_server *s, sconn *c) {
     } else if (!rc && b && b->len)
         rc = xfer_send_all(s->worker, c->ep, b->buf, b->len, &c->es, deadline);
     if (!released) count(s, rc ? &s->st.errors : b ? &s->st.served : &s->st.not_found);
-    if (b) {
+    if (b && rc && !gone) { /* a failed send takes a shared blob with it (its job recomputes) */
+        unlink_blob(s, b);
+        gone = 1;
+    }
+    if (b && gone) {
         if (rc) { /* a parked send may still read it until the forced close */
             ep_state *es = tagged ? &c->des : &c->es;
             es->hold = b->buf;
@@ -307,7 +340,8 @@ static void *serve_loop(void *arg) {
         if (st == UCS_ERR_BUSY) continue;
         struct pollfd pf = {.fd = s->efd, .events = POLLIN};
         poll(&pf, 1, 100); /* wakes for connections and requests; 100 ms bounds stop and expiry */
-        blob *none = take_blob(s, 0); /* sweeps expired blobs (id 0 is never filed) */
+        int gone;
+        blob *none = take_blob(s, 0, 0, 1, &gone); /* sweeps expired blobs (id 0: never filed) */
         (void)none;
     }
     return NULL;
@@ -371,7 +405,7 @@ int ds_xfer_server_put(ds_xfer_server *s, uint64_t id, void *buf, size_t len, in
         free(buf);
         return ds_errf(err, id ? "kv transfer: out of memory" : "kv transfer: id 0 is reserved");
     }
-    *b = (blob){id, buf, len, ds_now() + ttl_ms / 1e3, NULL};
+    *b = (blob){id, buf, len, ds_now() + ttl_ms / 1e3, 0, NULL};
     pthread_mutex_lock(&s->mu);
     b->next = s->blobs;
     s->blobs = b;

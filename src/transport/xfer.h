@@ -1,7 +1,8 @@
 /* xfer.h — moving a prefilled prompt's state between two servers over UCX (docs/pd.md).
  *
  * The producer side is a store of opaque byte blobs, each filed under a 64-bit transfer id and
- * held until one consumer has pulled it or its time to live runs out, whichever comes first; a
+ * held until its consumer has pulled it (one pull, or as many as the ranks of a consumer's job
+ * that need it say) or its time to live runs out, whichever comes first; a
  * thread of its own answers pulls through a UCX listener (TCP or shared memory here; RDMA on a
  * cluster, with the same calls). The consumer side is a client: a blocking call that asks a
  * producer for an id and receives its bytes, over a connection the client keeps open for the
@@ -11,10 +12,12 @@
  * (engine/pd.c); this layer only moves them and says when it could not.
  *
  * Wire (UCX stream; a connection carries any number of requests, one at a time): the client
- * sends {u32 magic "DSX1", u32 version 3, u64 id, u32 op, u32 n}; op 2 (hello, the connection's
+ * sends {u32 magic "DSX1", u32 version 4, u64 id, u32 op, u32 n}; op 2 (hello, the connection's
  * first request) is followed by n bytes, the UCX address of the client's data worker, and
  * answered with the header alone, status 0 when the server made an endpoint to it (the
- * connection's data path), else 1; op 0 pulls: the server answers {u32 magic, u32 status, u64
+ * connection's data path), else 1; op 0 pulls (n: how many pulls share the blob: 0 keeps it
+ * held, 1 frees it once answered, k frees it once k pulls have been answered, the first pull's
+ * k counting): the server answers {u32 magic, u32 status, u64
  * length} and then length bytes, on the stream (status 0) or as one tagged message (tag = id) on
  * the data path (status 3); op 1 releases: the server frees the blob and answers the header alone
  * (length 0). status 1: no such id (never filed, already pulled, released, or expired); 2: the
@@ -37,7 +40,7 @@ typedef struct ds_xfer_server ds_xfer_server;
 typedef struct ds_xfer_stats {
     int held;           /* blobs waiting to be pulled */
     size_t held_bytes;  /* their bytes */
-    uint64_t served;    /* blobs pulled (and freed) */
+    uint64_t served;    /* pulls answered with a blob's bytes */
     uint64_t expired;   /* blobs freed unpulled when their time ran out */
     uint64_t not_found; /* pulls of an id that was not there */
     uint64_t errors;    /* pulls that broke off (peer gone, timeout), bad requests */
@@ -85,6 +88,12 @@ void ds_xfer_client_get_stats(ds_xfer_client *c, ds_xfer_client_stats *st);
  * producer restarted) costs one retry on a new one, never a failed pull. */
 int ds_xfer_pull(ds_xfer_client *c, const char *host, int port, uint64_t id, int timeout_ms,
                  void **buf, size_t *len, ds_err *err);
+/* The same for a blob that `pulls` consumers (the ranks of one job that need the same part)
+ * each pull once: the producer frees it once that many pulls have been answered (the first
+ * pull's count is the one kept); 0 leaves it held (a look at it: a release or its time to live
+ * frees it). ds_xfer_pull is pulls = 1. */
+int ds_xfer_pull_shared(ds_xfer_client *c, const char *host, int port, uint64_t id, int pulls,
+                        int timeout_ms, void **buf, size_t *len, ds_err *err);
 /* Gives a pulled buffer back to its client, which keeps it (up to a bound) for the next pulls.
  * NULL: nothing. */
 void ds_xfer_buf_free(void *buf);

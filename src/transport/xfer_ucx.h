@@ -12,12 +12,13 @@
 #include "base/ds_base.h"
 
 #define XFER_MAGIC   0x31585344u /* "DSX1" little-endian */
-#define XFER_VERSION 3u
+#define XFER_VERSION 4u
 /* ST_FOUND_TAGGED: found, and the bytes come on the connection's data path (tagged with the id)
  * rather than the stream */
 enum { ST_FOUND = 0, ST_NOT_FOUND = 1, ST_VERSION = 2, ST_FOUND_TAGGED = 3 };
 /* release: free the blob, send nothing back but the header; hello: the request's pad is the
- * length of the client's data worker's address, which follows it */
+ * length of the client's data worker's address, which follows it; pull: pad is how many pulls
+ * share the blob (0: keep it, 1: this one alone, n: freed once n pulls have been answered) */
 enum { OP_PULL = 0, OP_RELEASE = 1, OP_HELLO = 2 };
 #define HELLO_MAX_ADDR 65536
 

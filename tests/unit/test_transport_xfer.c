@@ -35,17 +35,23 @@ static void *pattern(size_t n, uint32_t seed) {
     return b;
 }
 
-/* Pulls id (n bytes of pattern(n, seed)) from port through g_c and checks every byte. */
-static void pull_and_check(int port, uint64_t id, size_t n, uint32_t seed) {
+/* Pulls id (n bytes of pattern(n, seed)), one of `pulls` that share it, from port through g_c
+ * and checks every byte. */
+static void pull_shared_and_check(int port, uint64_t id, int pulls, size_t n, uint32_t seed) {
     void *got;
     size_t len;
     ds_err err = {{0}};
-    assert_int_equal(ds_xfer_pull(g_c, "127.0.0.1", port, id, 5000, &got, &len, &err), DS_OK);
+    assert_int_equal(ds_xfer_pull_shared(g_c, "127.0.0.1", port, id, pulls, 5000, &got, &len, &err),
+                     DS_OK);
     void *want = pattern(n, seed);
     assert_int_equal(len, n);
     assert_memory_equal(got, want, n);
     free(want);
     ds_xfer_buf_free(got);
+}
+
+static void pull_and_check(int port, uint64_t id, size_t n, uint32_t seed) {
+    pull_shared_and_check(port, id, 1, n, seed);
 }
 
 static void test_pull_once(void **st) {
@@ -102,6 +108,47 @@ static void test_expiry(void **st) {
     size_t len;
     assert_int_equal(
         ds_xfer_pull(g_c, "127.0.0.1", ds_xfer_server_port(s), 5, 5000, &got, &len, &err), DS_ERR);
+    ds_xfer_server_free(s);
+}
+
+/* A part that several ranks of a consumer's job need: held until as many pulls as the first one
+ * said have been answered, each whole; a look (0 pulls) leaves it held and uncounted; a release
+ * frees a shared blob whatever its count. */
+static void test_shared_pulls(void **st) {
+    (void)st;
+    ds_err err = {{0}};
+    ds_xfer_server *s;
+    assert_int_equal(ds_xfer_server_create("127.0.0.1", 0, 0, &s, &err), DS_OK);
+    int port = ds_xfer_server_port(s);
+    size_t n = (size_t)1 << 20;
+    assert_int_equal(ds_xfer_server_put(s, 21, pattern(n, 3), n, 60000, &err), DS_OK);
+    assert_int_equal(ds_xfer_server_put(s, 22, pattern(700, 5), 700, 60000, &err), DS_OK);
+    ds_xfer_stats xs;
+    pull_shared_and_check(port, 21, 0, n, 3); /* a look: counts nothing */
+    for (int i = 0; i < 3; i++) {
+        ds_xfer_server_stats(s, &xs);
+        assert_int_equal(xs.held, 2); /* still there for the pulls to come */
+        pull_shared_and_check(port, 21, 3, n, 3);
+    }
+    ds_xfer_server_stats(s, &xs);
+    assert_int_equal(xs.held, 1);
+    assert_int_equal(xs.held_bytes, 700);
+    assert_int_equal(xs.served, 4);
+    void *got;
+    size_t len;
+    assert_int_equal(ds_xfer_pull_shared(g_c, "127.0.0.1", port, 21, 3, 5000, &got, &len, &err),
+                     DS_ERR);
+    assert_non_null(strstr(err.msg, "not held"));
+    /* one of two pulls answered, then a release (the job refused it): freed now */
+    pull_shared_and_check(port, 22, 2, 700, 5);
+    assert_int_equal(ds_xfer_release(g_c, "127.0.0.1", port, 22, 5000, &err), DS_OK);
+    ds_xfer_server_stats(s, &xs);
+    assert_int_equal(xs.held, 0);
+    assert_int_equal(xs.released, 1);
+    assert_int_equal(ds_xfer_pull_shared(g_c, "127.0.0.1", port, 22, 2, 5000, &got, &len, &err),
+                     DS_ERR);
+    assert_int_equal(ds_xfer_pull_shared(g_c, "127.0.0.1", port, 22, -1, 5000, &got, &len, &err),
+                     DS_ERR);
     ds_xfer_server_free(s);
 }
 
@@ -383,6 +430,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_pull_once, client_up, client_down),
         cmocka_unit_test_setup_teardown(test_expiry, client_up, client_down),
         cmocka_unit_test_setup_teardown(test_release, client_up, client_down),
+        cmocka_unit_test_setup_teardown(test_shared_pulls, client_up, client_down),
         cmocka_unit_test_setup_teardown(test_pull_waits_for_filing, client_up, client_down),
         cmocka_unit_test_setup_teardown(test_no_server, client_up, client_down),
         cmocka_unit_test_setup_teardown(test_connection_and_buffers_kept, client_up, client_down),
