@@ -34,6 +34,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+struct pd_rank; /* pd.c */
 typedef struct request request;
 
 /* One of a request's n choices: a sequence of its own. */
@@ -183,11 +184,11 @@ struct ds_engine {
     ds_pp_bufs ppb;   /* stage-boundary buffers */
 
     /* P/D (pd.c) */
-    ds_xfer_server *xfer; /* producer: the store consumers pull from */
-    ds_xfer_client *xclient; /* consumer's head: its connections to producers, its buffers */
-    uint64_t kv_seed;     /* the prefix cache's model identity (TP width included) */
-    uint64_t kv_xseed;    /* the same without the TP width: what a transfer's two ends must share */
-    int32_t *pd_ports;    /* producer: [comm size] each rank's transfer port (rank order) */
+    ds_xfer_server *xfer;    /* producer: the store consumers pull from */
+    ds_xfer_client *xclient; /* consumer: this rank's connections to producers, its buffers */
+    uint64_t kv_seed;        /* the prefix cache's model identity (TP width included) */
+    uint64_t kv_xseed; /* the same without the TP width: what a transfer's two ends must share */
+    struct pd_rank *pd_ranks; /* [comm size] every rank of this job as a transfer names it */
 };
 
 /* ---- request.c: requests, choices, events ---------------------------------------------------- */
@@ -256,13 +257,14 @@ void eng_pd_free(ds_engine *e);
 void eng_pd_export(ds_engine *e, choice *ch);
 /* Consumer: puts a request's pulled blocks into the offload tier (before its admission). */
 void eng_pd_install(ds_engine *e, request *r);
-/* A pulled transfer through the step plan (ranks.c): its parts' bytes as pulled, and the same
- * transfer made again from them on another rank (re-verified; NULL when refused or out of memory,
- * the reason printed: that rank then misses, and with it the job). */
-int eng_pd_n_parts(const ds_kv_pull *p);
-const void *eng_pd_part(const ds_kv_pull *p, int i, size_t *len);
-ds_kv_pull *eng_pd_from_parts(ds_engine *e, const void *const *bufs, const size_t *lens, int n,
-                              const int32_t *prompt, int n_prompt);
+/* A pulled transfer through the step plan (ranks.c): the head's pull says where the producer is
+ * and hands on part 0's front (header, prompt, rank table; 0 when p is NULL); another rank
+ * verifies the front and pulls the parts it needs itself (NULL when refused or a pull failed, the
+ * reason printed: that rank then misses, and with it the job). */
+int eng_pd_plan_info(const ds_kv_pull *p, const char **host, uint64_t *id, const void **front,
+                     size_t *front_len);
+ds_kv_pull *eng_pd_pull_rank(ds_engine *e, const char *host, uint64_t id, const void *front,
+                             size_t front_len, const int32_t *prompt, int n_prompt);
 
 /* ---- ranks.c: the rank protocol of a TP x PP job ----------------------------------------------
  */

@@ -6,19 +6,27 @@
  * cache's tests already hold to bit-exactness; nothing here decides what a sequence resumes from.
  *
  * Under -tp/-pp every rank of the producer files its own slice (its layers, its TP share of the
- * KDA heads) as one *part* in a transfer store of its own; the head's part names every part's
- * port. The consumer's head pulls all the parts, verifies them, and hands them to every rank of
- * its own job with the step plan; each rank then cuts its own slice out of them (its layers, its
- * heads: layouts may differ on the two sides) and files it in its own offload tier under its own
- * hashes. A rank that cannot build a block misses it, and since a job's offload hit needs every
- * rank's hit, the whole job then recomputes from there.
+ * KDA heads) as one *part* in a transfer store of its own; every part carries the producer's rank
+ * table (each part's port, layers, TP rank). The consumer's head pulls part 0 (its table says
+ * where the rest are), verifies the layout, and pulls the other parts it needs itself; the step
+ * plan then hands the other ranks of its job the table (part 0's front, not its blocks), and each
+ * pulls the parts *it* needs straight from the producer's ranks: those holding heads of its KDA
+ * layers, the first part holding each of its MLA layers (the latent rows are the same on every TP
+ * rank), and the draft's rows when its pages carry them. Every rank knows both tables, so it
+ * tells the producer how many of the consumer's ranks pull each part (xfer.h: the part is freed
+ * after that many), and the head releases the parts no rank needs. Each rank then cuts its own
+ * slice out of its parts (its layers, its heads: layouts may differ on the two sides) and files
+ * it in its own offload tier under its own hashes. A rank that cannot pull or build a block
+ * misses it, and since a job's offload hit needs every rank's hit, the whole job then recomputes
+ * from there.
  *
  * A part (one buffer, moved by transport/xfer):
  *   header  {magic "DSPD", version, model identity, layer range, TP rank and width, block size,
  *            cut spacing, page, draft-row and slot bytes, prompt length, block count, part index
  *            and count, checksum}
  *   prompt  [n_prompt] int32 token ids (a block's key is a prefix of them)
- *   ports   [n_parts] int32: where each part of the producer's job is pulled (part = world rank)
+ *   ranks   [n_parts] pd_rank: each part of the producer's job (part = world rank): its port,
+ *           layer range, TP rank, and whether its pages carry the draft's rows
  *   blocks  each {kind 'p'|'c', depth in tokens, prefix hash, layer range, TP rank, payload bytes,
  *            checksum} then the payload
  * Every checksum is XXH3-64 over the header or block header (checksum field zero) and what
@@ -37,7 +45,7 @@
 #include <xxhash.h>
 
 #define PD_MAGIC     0x44504453u /* "DSPD" */
-#define PD_VERSION   2u
+#define PD_VERSION   3u
 #define PD_MAX_PARTS 4096
 #define PD_MAX_TP    63 /* a layer's TP ranks are a bitmask */
 
@@ -50,8 +58,17 @@ typedef struct pd_header {
     uint64_t x_bytes; /* the last x_bytes of a page are the DSpark draft's rows (0: none) */
     int32_t n_prompt, n_blocks;
     int32_t part, n_parts; /* this part's world rank in the producer's job; the job's ranks */
-    uint64_t checksum;     /* over this header (field zero), the prompt and the ports */
+    uint64_t checksum;     /* over this header (field zero), the prompt and the rank table */
 } pd_header;
+
+/* One rank of a job as a transfer names it (the producer's table travels in every part; a
+ * consumer keeps its own job's, e->pd_ranks). */
+typedef struct pd_rank {
+    int32_t port;               /* its transfer store's port (0: a consumer's rank) */
+    int32_t layer_lo, layer_hi; /* its layers */
+    int32_t tp_rank;
+    int32_t x; /* 1: its pages end with the DSpark draft's rows */
+} pd_rank;
 
 typedef struct pd_block {
     uint8_t kind; /* 'p' a page, 'c' a checkpoint */
@@ -66,6 +83,7 @@ typedef struct pd_block {
 /* The checksums hash these structs whole: no byte of them may be implicit padding. */
 _Static_assert(sizeof(pd_header) == 88, "pd_header has no implicit padding");
 _Static_assert(sizeof(pd_block) == 56, "pd_block has no implicit padding");
+_Static_assert(sizeof(pd_rank) == 20, "pd_rank has no implicit padding");
 
 /* One producer rank's part, verified: the buffer as pulled, with its blocks indexed by depth. */
 typedef struct pd_part {
@@ -74,26 +92,35 @@ typedef struct pd_part {
     size_t len;
     pd_header h;
     const int32_t *prompt; /* into buf [h.n_prompt] */
-    const int32_t *ports;  /* into buf [h.n_parts] */
-    int n_ports;           /* h.n_parts once the header's checksum held (the ports are then
-                              the producer's), else 0 */
+    const pd_rank *ranks;  /* into buf [h.n_parts] */
     int *at;               /* [2][n_depths + 1]: block index of the page ([0]) / checkpoint ([1])
                               covering prompt[0, d * block_size), -1 for none */
     size_t *off;           /* [h.n_blocks] offsets of each pd_block in buf */
 } pd_part;
 
-/* A verified transfer: every part of the producer's job. */
+/* A verified transfer on one rank: the producer's rank table and the parts this rank needs. */
 struct ds_kv_pull {
-    pd_part *parts; /* [n_parts] in part (producer world rank) order */
+    pd_part *parts; /* [n_parts] in part (producer world rank) order; one this rank does not
+                       need is absent (buf NULL) */
     int n_parts;
     int n_depths;        /* n_prompt / block_size */
-    int n_blocks;        /* over all parts */
-    size_t len;          /* bytes over all parts */
+    int n_blocks;        /* over the parts present */
+    size_t len;          /* bytes over the parts present */
     double wire_seconds; /* the parts' pulls (ds_xfer_pull calls), summed */
+    char host[256];      /* the producer's, as the request named it */
+    uint64_t id;
+    uint8_t *front; /* [front_len] part 0's header, prompt and rank table (what the step
+                       plan sends the other ranks of a consumer's job) */
+    size_t front_len;
+    pd_header h0;          /* part 0's header */
+    const int32_t *prompt; /* into front [h0.n_prompt] */
+    const pd_rank *ranks;  /* into front [n_parts] */
 };
 
 static void part_free(pd_part *q) {
-    if (q->pulled)
+    if (!q->buf)
+        ;
+    else if (q->pulled)
         ds_xfer_buf_free(q->buf);
     else
         free(q->buf);
@@ -106,6 +133,7 @@ void ds_kv_pull_free(ds_kv_pull *p) {
     if (!p) return;
     for (int i = 0; i < p->n_parts; i++) part_free(&p->parts[i]);
     free(p->parts);
+    free(p->front);
     free(p);
 }
 
@@ -160,11 +188,11 @@ static uint64_t sum_over(const void *head, size_t n_head, const void *data, size
     return v;
 }
 
-/* after: the prompt and the ports, which follow the header */
+/* after: the prompt and the rank table, which follow the header */
 static uint64_t header_sum(pd_header h, const void *after) {
     h.checksum = 0;
     return sum_over(&h, sizeof h, after,
-                    ((size_t)h.n_prompt + (size_t)h.n_parts) * sizeof(int32_t));
+                    (size_t)h.n_prompt * sizeof(int32_t) + (size_t)h.n_parts * sizeof(pd_rank));
 }
 
 static uint64_t block_sum(pd_block b, const void *payload) {
@@ -174,17 +202,24 @@ static uint64_t block_sum(pd_block b, const void *payload) {
 
 /* ---- the producer ----------------------------------------------------------------------------*/
 
-/* Every rank's transfer port, on every rank (rank r's is the smallest of r's port and everyone
- * else's UINT64_MAX): the head's part names them all. */
-static int gather_ports(ds_engine *e, ds_err *err) {
+/* Every rank's table entry (pd_rank), on every rank (each field of rank r's is the smallest of
+ * r's value and everyone else's UINT64_MAX): a producer's parts carry the table, a consumer's
+ * ranks count from it who pulls what. */
+static int gather_ranks(ds_engine *e, ds_err *err) {
     int n = e->comm ? e->comm->size : 1;
-    e->pd_ports = ds_calloc((size_t)n, sizeof(int32_t), err);
-    if (!e->pd_ports) return DS_ERR;
+    e->pd_ranks = ds_calloc((size_t)n, sizeof(pd_rank), err);
+    if (!e->pd_ranks) return DS_ERR;
+    pd_header me = own_header(e);
+    const int32_t mine[5] = {e->xfer ? ds_xfer_server_port(e->xfer) : 0, me.layer_lo, me.layer_hi,
+                             me.tp_rank, me.x_bytes > 0};
     for (int r = 0; r < n; r++) {
-        uint64_t v =
-            (!e->comm || e->comm->rank == r) ? (uint64_t)ds_xfer_server_port(e->xfer) : UINT64_MAX;
-        if (e->dist && ds_comm_min_u64(e->comm, &v, err)) return DS_ERR;
-        e->pd_ports[r] = (int32_t)v;
+        int32_t f[5];
+        for (int k = 0; k < 5; k++) {
+            uint64_t v = (!e->comm || e->comm->rank == r) ? (uint64_t)mine[k] : UINT64_MAX;
+            if (e->dist && ds_comm_min_u64(e->comm, &v, err)) return DS_ERR;
+            f[k] = (int32_t)v;
+        }
+        e->pd_ranks[r] = (pd_rank){f[0], f[1], f[2], f[3], f[4]};
     }
     return DS_OK;
 }
@@ -210,17 +245,18 @@ int eng_pd_setup(ds_engine *e, ds_err *err) {
         const char *ip = o->kv_ip && o->kv_ip[0] ? o->kv_ip : "127.0.0.1";
         if (ds_xfer_server_create(ip, e->head ? o->kv_port : 0, 2000, &e->xfer, err)) return DS_ERR;
         ds_xfer_server_test_stall(e->xfer, o->test.kv_stall_ms);
-        if (gather_ports(e, err)) return DS_ERR;
         if (e->head)
             fprintf(stderr, "[deltaserve] kv transfer: producer, pulls on %s:%d (UCX)%s\n", ip,
                     ds_xfer_server_port(e->xfer),
                     e->dist ? ", every rank serving its own slice" : "");
     }
-    if ((o->kv_role & DS_KV_CONSUMER) && e->head) { /* the head pulls every part */
+    if (o->kv_role & DS_KV_CONSUMER) { /* every rank pulls the parts it needs */
         if (ds_xfer_client_create(&e->xclient, err)) return DS_ERR;
-        fprintf(stderr, "[deltaserve] kv transfer: consumer\n");
+        if (e->head)
+            fprintf(stderr, "[deltaserve] kv transfer: consumer%s\n",
+                    e->dist ? ", every rank pulling its own slice" : "");
     }
-    return DS_OK;
+    return gather_ranks(e, err);
 }
 
 void eng_pd_free(ds_engine *e) {
@@ -228,8 +264,8 @@ void eng_pd_free(ds_engine *e) {
     e->xfer = NULL;
     ds_xfer_client_free(e->xclient); /* a pull still held by a request keeps its buffer */
     e->xclient = NULL;
-    free(e->pd_ports);
-    e->pd_ports = NULL;
+    free(e->pd_ranks);
+    e->pd_ranks = NULL;
 }
 
 int ds_engine_kv_role(const ds_engine *e) {
@@ -292,7 +328,7 @@ void eng_pd_export(ds_engine *e, choice *ch) {
     h.n_prompt = r->spec.n_prompt;
     outbuf o = {.h = &h};
     size_t n_prompt = (size_t)h.n_prompt * sizeof(int32_t);
-    size_t head = sizeof h + n_prompt + (size_t)h.n_parts * sizeof(int32_t);
+    size_t head = sizeof h + n_prompt + (size_t)h.n_parts * sizeof(pd_rank);
     /* sized once: growing a 100 MB part by doubling copies it and holds up to twice its bytes */
     int n_pages, n_ckpts;
     ds_prefix_export_counts(e->prefix, ch->seq, &n_pages, &n_ckpts);
@@ -313,7 +349,7 @@ void eng_pd_export(ds_engine *e, choice *ch) {
     }
     h.n_blocks = o.n_blocks;
     memcpy(o.b + sizeof h, r->spec.prompt, n_prompt);
-    memcpy(o.b + sizeof h + n_prompt, e->pd_ports, (size_t)h.n_parts * sizeof(int32_t));
+    memcpy(o.b + sizeof h + n_prompt, e->pd_ranks, (size_t)h.n_parts * sizeof(pd_rank));
     h.checksum = header_sum(h, o.b + sizeof h);
     memcpy(o.b, &h, sizeof h);
     ds_err err;
@@ -330,8 +366,14 @@ void eng_pd_export(ds_engine *e, choice *ch) {
 
 /* ---- the consumer: verifying -----------------------------------------------------------------*/
 
-/* Why q (its buf and len set) cannot be a part of a transfer of prompt[n_prompt] to this engine
- * ("" when it can); q's header, pointers and block index are filled on success. */
+/* Bytes of a part's front: its header, prompt and rank table. */
+static size_t front_bytes(const pd_header *h) {
+    return sizeof *h + (size_t)h->n_prompt * sizeof(int32_t) + (size_t)h->n_parts * sizeof(pd_rank);
+}
+
+/* Why q (its buf and len set; a front alone will do) cannot be a part of a transfer of
+ * prompt[n_prompt] to this engine ("" when it can). q's prompt and ranks are set once the
+ * header's checksum held (the table is then the producer's), its header on success. */
 static const char *verify_header(const ds_engine *e, pd_part *q, const int32_t *prompt,
                                  int n_prompt) {
     pd_header want = own_header(e), h;
@@ -340,12 +382,11 @@ static const char *verify_header(const ds_engine *e, pd_part *q, const int32_t *
     memcpy(&h, q->buf, sizeof h);
     if (h.magic != PD_MAGIC || h.version != PD_VERSION) return "not a deltaserve transfer";
     if (h.n_prompt < 0 || h.n_blocks < 0 || h.n_parts < 1 || h.n_parts > PD_MAX_PARTS ||
-        q->len - sizeof h < ((size_t)h.n_prompt + (size_t)h.n_parts) * sizeof(int32_t))
+        q->len < front_bytes(&h))
         return "truncated prompt";
-    q->prompt = (const int32_t *)(q->buf + sizeof h);
-    q->ports = q->prompt + h.n_prompt;
     if (header_sum(h, q->buf + sizeof h) != h.checksum) return "header checksum mismatch";
-    q->n_ports = h.n_parts;
+    q->prompt = (const int32_t *)(q->buf + sizeof h);
+    q->ranks = (const pd_rank *)(q->prompt + h.n_prompt);
     if (h.model != want.model) return "another model (or cut spacing, dtype, device)";
     if (h.tp_size < 1 || h.tp_size > PD_MAX_TP || h.tp_rank < 0 || h.tp_rank >= h.tp_size ||
         c->kda_num_heads % h.tp_size || h.layer_lo < 0 || h.layer_lo >= h.layer_hi ||
@@ -373,7 +414,7 @@ static const char *verify_part(const ds_engine *e, pd_part *q, const int32_t *pr
     q->at = malloc(2 * ((size_t)nd + 1) * sizeof *q->at);
     if (!q->off || !q->at) return "out of memory";
     for (int i = 0; i < 2 * (nd + 1); i++) q->at[i] = -1;
-    size_t at = sizeof *h + ((size_t)h->n_prompt + (size_t)h->n_parts) * sizeof(int32_t);
+    size_t at = front_bytes(h);
     for (int i = 0; i < h->n_blocks; i++) {
         pd_block b;
         if (q->len - at < sizeof b) return "truncated block header";
@@ -397,53 +438,130 @@ static const char *verify_part(const ds_engine *e, pd_part *q, const int32_t *pr
     return "";
 }
 
-/* Why the verified parts p->parts cannot make a whole transfer ("" when they can): one part per
- * rank of the producer's job, one TP width, every layer covered once by each TP rank, and the
- * DSpark draft's rows present exactly when this job drafts. */
-static const char *verify_whole(const ds_engine *e, const ds_kv_pull *p) {
-    const ds_config *c = ds_model_config(e->model);
-    const pd_header *h0 = &p->parts[0].h;
-    int T = h0->tp_size, x = 0;
-    uint64_t x_bytes = 0;
-    for (int i = 0; i < p->n_parts; i++) {
-        const pd_header *h = &p->parts[i].h;
-        if (h->part != i || h->n_parts != p->n_parts || h->tp_size != T)
-            return "parts of another layout (the producer's ranks disagree)";
-        if (h->x_bytes) x++, x_bytes = h->x_bytes;
+/* Takes part 0's front (its header h verified) as the transfer's rank table: a copy of its
+ * bytes, and room for every part. */
+static const char *adopt_front(ds_kv_pull *p, const pd_header *h, const uint8_t *src) {
+    const pd_header h0 = *h; /* (h may be in p->parts, which moves) */
+    const size_t n = front_bytes(&h0);
+    if (!(p->front = malloc(n))) return "out of memory";
+    memcpy(p->front, src, n);
+    p->front_len = n;
+    p->h0 = h0;
+    p->prompt = (const int32_t *)(p->front + sizeof h0);
+    p->ranks = (const pd_rank *)(p->prompt + h0.n_prompt);
+    if (p->n_parts < h0.n_parts) {
+        pd_part *all = realloc(p->parts, (size_t)h0.n_parts * sizeof *all);
+        if (!all) return "out of memory";
+        memset(all + p->n_parts, 0, (size_t)(h0.n_parts - p->n_parts) * sizeof *all);
+        p->parts = all;
     }
+    p->n_parts = h0.n_parts;
+    return "";
+}
+
+/* Why the producer's rank table (part 0's) cannot make a whole transfer to this engine ("" when
+ * it can): one TP width, part 0 as its own header says, every layer covered once by each TP
+ * rank, and the DSpark draft's rows in one part exactly when this job drafts. */
+static const char *verify_layout(const ds_engine *e, const ds_kv_pull *p) {
+    const ds_config *c = ds_model_config(e->model);
+    const pd_header *h0 = &p->h0;
+    const int T = h0->tp_size;
+    int x = 0;
+    for (int i = 0; i < p->n_parts; i++) {
+        const pd_rank *r = &p->ranks[i];
+        if (r->tp_rank < 0 || r->tp_rank >= T || r->layer_lo < 0 || r->layer_lo >= r->layer_hi ||
+            r->layer_hi > c->num_hidden_layers || r->port <= 0 || r->port > 65535)
+            return "another layer range or TP layout";
+        x += r->x != 0;
+    }
+    const pd_rank *r0 = &p->ranks[0];
+    if (h0->part != 0 || r0->layer_lo != h0->layer_lo || r0->layer_hi != h0->layer_hi ||
+        r0->tp_rank != h0->tp_rank || (r0->x != 0) != (h0->x_bytes != 0))
+        return "parts of another layout (the producer's ranks disagree)";
     for (int l = 0; l < c->num_hidden_layers; l++) {
         uint64_t seen = 0;
         for (int i = 0; i < p->n_parts; i++) {
-            const pd_header *h = &p->parts[i].h;
-            if (l < h->layer_lo || l >= h->layer_hi) continue;
-            if (seen >> h->tp_rank & 1) return "parts that overlap";
-            seen |= 1ull << h->tp_rank;
+            const pd_rank *r = &p->ranks[i];
+            if (l < r->layer_lo || l >= r->layer_hi) continue;
+            if (seen >> r->tp_rank & 1) return "parts that overlap";
+            seen |= 1ull << r->tp_rank;
         }
         if (seen != (1ull << T) - 1) return "parts that miss a layer or a TP rank";
     }
     int drafts = e->opts.speculative_method == DS_SPEC_DSPARK && !e->opts.test.spec_drafts;
-    pd_header mine = own_header(e);
-    if (x > 1 || drafts != (x == 1) || (e->draft && mine.x_bytes != x_bytes))
+    if (x > 1 || drafts != (x == 1))
         return "another page or slot layout (start both with the same --speculative-method)";
     return "";
 }
 
+/* Why part i (verified on its own) does not fit the table ("" when it does). */
+static const char *verify_member(const ds_engine *e, const ds_kv_pull *p, const pd_part *q, int i) {
+    const pd_header *h = &q->h;
+    const pd_rank *r = &p->ranks[i];
+    if (h->part != i || h->n_parts != p->n_parts || h->tp_size != p->h0.tp_size ||
+        h->layer_lo != r->layer_lo || h->layer_hi != r->layer_hi || h->tp_rank != r->tp_rank ||
+        (h->x_bytes != 0) != (r->x != 0))
+        return "parts of another layout (the producer's ranks disagree)";
+    pd_header mine = own_header(e);
+    if (h->x_bytes && mine.x_bytes && h->x_bytes != mine.x_bytes)
+        return "another page or slot layout (start both with the same --speculative-method)";
+    return "";
+}
+
+/* ---- the consumer: who pulls what ------------------------------------------------------------*/
+
+/* The first part holding layer l (its latent rows are the same on every TP rank: the one part
+ * every consumer rank takes them from), -1 for none. */
+static int first_holder(const ds_kv_pull *p, int l) {
+    for (int i = 0; i < p->n_parts; i++)
+        if (l >= p->ranks[i].layer_lo && l < p->ranks[i].layer_hi) return i;
+    return -1;
+}
+
+/* Does rank c of this consumer's job need part i: for the KDA heads it holds of c's layers, as
+ * the first holder of one of c's MLA layers, or for the draft's rows when c's pages carry them? */
+static int needs(const ds_engine *e, const ds_kv_pull *p, const pd_rank *c, int i) {
+    const ds_config *cfg = ds_model_config(e->model);
+    const pd_rank *q = &p->ranks[i];
+    if (c->x && q->x) return 1;
+    const int H = cfg->kda_num_heads, Hc = H / ds_engine_kv_tp_size(e), Hq = H / p->h0.tp_size;
+    for (int l = DS_MAX(c->layer_lo, q->layer_lo); l < DS_MIN(c->layer_hi, q->layer_hi); l++) {
+        if (cfg->layer_kind[l] == DS_LAYER_KDA) {
+            if (c->tp_rank * Hc < (q->tp_rank + 1) * Hq && q->tp_rank * Hq < (c->tp_rank + 1) * Hc)
+                return 1;
+        } else if (cfg->layer_kind[l] == DS_LAYER_MLA && first_holder(p, l) == i)
+            return 1;
+    }
+    return 0;
+}
+
+/* What a rank's pull of part i tells the producer (xfer.h): how many of the job's ranks pull it
+ * — for part 0 in a job of several ranks, not counting the head, whose first look at it (to
+ * learn the table) was uncounted. */
+static int pulls_of(const ds_engine *e, const ds_kv_pull *p, int i) {
+    const int n = e->comm ? e->comm->size : 1;
+    int k = 0;
+    for (int r = 0; r < n; r++) k += needs(e, p, &e->pd_ranks[r], i);
+    if (i == 0 && n > 1) k -= needs(e, p, &e->pd_ranks[0], 0);
+    return k;
+}
+
 /* ---- the consumer: pulling -------------------------------------------------------------------*/
 
-/* A transfer refused early: asks the producer's ranks whose parts were not pulled (those after
- * part `from`) to free them now, not when hold_timeout_s runs out — when part 0's ports are
- * known to be the producer's — and counts those that did. */
-static void release_rest(ds_engine *e, const ds_kv_pull *p, const char *host, uint64_t id,
-                         int from) {
-    const pd_part *q = &p->parts[0];
+/* The head gives a transfer up, or finds parts no rank needs: asks the producer's ranks to free
+ * the parts with release[i] set now, not when hold_timeout_s runs out, and counts those that
+ * were freed. */
+static void release_parts(ds_engine *e, const ds_kv_pull *p, const pd_rank *table, int n,
+                          const uint8_t *release) {
     int freed = 0;
-    for (int i = from + 1; i < q->n_ports; i++) {
+    for (int i = 0; i < n; i++) {
+        if (!release[i]) continue;
         ds_err rerr = {{0}};
-        if (ds_xfer_release(e->xclient, host, q->ports[i], id, 2000, &rerr) == DS_OK)
+        if (ds_xfer_release(e->xclient, p->host, table[i].port, p->id, 2000, &rerr) == DS_OK)
             freed++;
         else
             fprintf(stderr, "[deltaserve] kv transfer %016llx: release of part %d: %s\n",
-                    (unsigned long long)id, i, rerr.msg);
+                    (unsigned long long)p->id, i, rerr.msg);
     }
     pthread_mutex_lock(&e->mu);
     e->stats.kv_released += (uint64_t)freed;
@@ -462,15 +580,17 @@ static void count_pull(ds_engine *e, int ok, const ds_kv_pull *p) {
     pthread_mutex_unlock(&e->mu);
 }
 
-/* Pulls part i of transfer id (part 0 from port, the others from the ports part 0 names) and
- * verifies it; "" on success, else why not (err filled when the pull itself failed). */
-static const char *pull_part(ds_engine *e, ds_kv_pull *p, int i, const char *host, int port,
-                             uint64_t id, const int32_t *prompt, int n_prompt, ds_err *err) {
+/* Pulls part i of the transfer from port, as one of `pulls` (xfer.h), and verifies it (against
+ * the table once it is known); "" on success, else why not (err filled when the pull itself
+ * failed). */
+static const char *pull_part(ds_engine *e, ds_kv_pull *p, int i, int port, int pulls,
+                             const int32_t *prompt, int n_prompt, ds_err *err) {
     pd_part *q = &p->parts[i];
     int timeout = e->opts.kv_pull_timeout_ms > 0 ? e->opts.kv_pull_timeout_ms : 30000;
     void *buf;
     const double t0 = ds_now();
-    if (ds_xfer_pull(e->xclient, host, port, id, timeout, &buf, &q->len, err)) return err->msg;
+    if (ds_xfer_pull_shared(e->xclient, p->host, port, p->id, pulls, timeout, &buf, &q->len, err))
+        return err->msg;
     p->wire_seconds += ds_now() - t0;
     q->buf = buf;
     q->pulled = 1;
@@ -485,10 +605,38 @@ static const char *pull_part(ds_engine *e, ds_kv_pull *p, int i, const char *hos
     if (i == n_parts - 1 && e->opts.test.kv_corrupt == 1 && q->len) q->buf[q->len - 1] ^= 0x40;
     if (i == n_parts - 1 && e->opts.test.kv_corrupt == 2) q->len -= DS_MIN(q->len, 1024);
     const char *why = verify_part(e, q, prompt, n_prompt);
+    if (!why[0] && p->ranks) why = verify_member(e, p, q, i);
     if (why[0]) return why;
     p->n_blocks += q->h.n_blocks;
     p->len += q->len;
     return "";
+}
+
+/* This rank's parts of p (its table known) that it does not have yet. */
+static const char *pull_own(ds_engine *e, ds_kv_pull *p, const int32_t *prompt, int n_prompt,
+                            uint8_t *tried, ds_err *perr) {
+    const pd_rank *me = &e->pd_ranks[e->comm ? e->comm->rank : 0];
+    for (int i = 0; i < p->n_parts; i++) {
+        if (p->parts[i].buf || !needs(e, p, me, i)) continue;
+        if (tried) tried[i] = 1;
+        const char *why =
+            pull_part(e, p, i, p->ranks[i].port, pulls_of(e, p, i), prompt, n_prompt, perr);
+        if (why[0]) return why;
+    }
+    return "";
+}
+
+static ds_kv_pull *new_pull(ds_engine *e, const char *host, uint64_t id, int n_prompt) {
+    ds_kv_pull *p = calloc(1, sizeof *p);
+    if (!p || !(p->parts = calloc(1, sizeof *p->parts))) {
+        free(p);
+        return NULL;
+    }
+    p->n_parts = 1;
+    p->n_depths = n_prompt / e->opts.block_size;
+    snprintf(p->host, sizeof p->host, "%s", host ? host : "");
+    p->id = id;
+    return p;
 }
 
 int ds_engine_kv_pull(ds_engine *e, const char *host, int port, uint64_t id, const int32_t *prompt,
@@ -498,53 +646,60 @@ int ds_engine_kv_pull(ds_engine *e, const char *host, int port, uint64_t id, con
         count_pull(e, 0, NULL);
         return ds_errf(err, "kv transfer: this server is not a consumer (--kv-transfer-config)");
     }
-    if (!e->xclient) {
+    if (!e->head || !e->xclient) {
         count_pull(e, 0, NULL);
-        return ds_errf(err, "kv transfer: only the job's head pulls transfers");
+        return ds_errf(err, "kv transfer: only the job's head takes a transfer's parameters");
     }
-    ds_kv_pull *p = calloc(1, sizeof *p);
-    pd_part *first = calloc(1, sizeof *first);
-    if (!p || !first) {
-        free(p);
-        free(first);
+    ds_kv_pull *p = new_pull(e, host, id, n_prompt);
+    if (!p) {
         count_pull(e, 0, NULL);
         return ds_errf(err, "kv transfer: out of memory");
     }
-    p->parts = first;
-    p->n_parts = 1;
-    p->n_depths = n_prompt / e->opts.block_size;
+    /* part 0 first: its table says where the others are and who needs what. A job of one rank
+     * takes it; in a larger one the head only looks (other ranks may need it too). */
+    const int single = !e->comm || e->comm->size == 1;
     ds_err perr = {{0}};
-    const char *why = pull_part(e, p, 0, host, port, id, prompt, n_prompt, &perr);
+    const char *why = pull_part(e, p, 0, port, single ? 1 : 0, prompt, n_prompt, &perr);
     int pulled = why != perr.msg; /* a pull that failed says so itself (it names the peer) */
-    int last = 0;                 /* the last part pulled (or tried) */
-    if (!why[0] && p->parts[0].h.n_parts > 1) { /* the producer's other ranks' parts */
-        int n = p->parts[0].h.n_parts;
-        pd_part *all = realloc(p->parts, (size_t)n * sizeof *all);
-        if (!all)
-            why = "out of memory";
-        else {
-            p->parts = all;
-            memset(all + 1, 0, (size_t)(n - 1) * sizeof *all);
-            p->n_parts = n;
-            for (int i = 1; i < n && !why[0]; i++) {
-                why = pull_part(e, p, i, host, p->parts[0].ports[i], id, prompt, n_prompt, &perr);
-                pulled = why != perr.msg;
-                last = i;
-            }
-        }
+    /* the producer's table, once part 0's header checksum held (even if the part is refused) */
+    const pd_rank *table = p->parts[0].ranks;
+    int n = 0;
+    if (table) {
+        pd_header h;
+        memcpy(&h, p->parts[0].buf, sizeof h);
+        n = h.n_parts;
     }
-    if (!why[0]) why = verify_whole(e, p);
+    uint8_t *flag = calloc((size_t)n + 1, 1); /* [n]: pulled by the head / to be released */
+    if (!flag) why = "out of memory";
+    if (!why[0]) why = adopt_front(p, &p->parts[0].h, p->parts[0].buf);
+    if (!why[0]) why = verify_layout(e, p);
+    if (!why[0]) why = verify_member(e, p, &p->parts[0], 0);
+    if (!why[0]) {
+        why = pull_own(e, p, prompt, n_prompt, flag, &perr);
+        pulled = why != perr.msg;
+    }
     if (why[0]) {
-        if (last + 1 < p->parts[0].n_ports) release_rest(e, p, host, id, last);
+        if (flag) { /* every part the producer may still hold, now: not part 0 or a part the
+                       head took alone (pulled as the only pull of it) */
+            for (int i = 0; i < n; i++)
+                flag[i] = !(i == 0 && single) && !(flag[i] && p->ranks && pulls_of(e, p, i) == 1);
+            release_parts(e, p, table, n, flag);
+        }
         if (pulled)
             ds_errf(err, "kv transfer %016llx from %s:%d rejected: %s", (unsigned long long)id,
                     host, port, why);
         else
             ds_errf(err, "%s", perr.msg);
+        free(flag);
         ds_kv_pull_free(p);
         count_pull(e, 0, NULL);
         return DS_ERR;
     }
+    /* parts that no rank of this job needs (part 0: none but the head, which has it) */
+    int idle = 0;
+    for (int i = 0; i < n; i++) idle |= flag[i] = (i > 0 || !single) && pulls_of(e, p, i) == 0;
+    if (idle) release_parts(e, p, table, n, flag);
+    free(flag);
     count_pull(e, 1, p);
     *out = p;
     return DS_OK;
@@ -552,39 +707,37 @@ int ds_engine_kv_pull(ds_engine *e, const char *host, int port, uint64_t id, con
 
 /* ---- the step plan: a transfer to every rank of the consumer's job --------------------------*/
 
-int eng_pd_n_parts(const ds_kv_pull *p) {
-    return p ? p->n_parts : 0;
+int eng_pd_plan_info(const ds_kv_pull *p, const char **host, uint64_t *id, const void **front,
+                     size_t *front_len) {
+    if (!p) return 0;
+    *host = p->host;
+    *id = p->id;
+    *front = p->front;
+    *front_len = p->front_len;
+    return 1;
 }
 
-const void *eng_pd_part(const ds_kv_pull *p, int i, size_t *len) {
-    *len = p->parts[i].len;
-    return p->parts[i].buf;
-}
-
-ds_kv_pull *eng_pd_from_parts(ds_engine *e, const void *const *bufs, const size_t *lens, int n,
-                              const int32_t *prompt, int n_prompt) {
-    ds_kv_pull *p = calloc(1, sizeof *p);
-    if (!p || !(p->parts = calloc((size_t)DS_MAX(n, 1), sizeof *p->parts))) {
-        free(p);
-        return NULL;
+ds_kv_pull *eng_pd_pull_rank(ds_engine *e, const char *host, uint64_t id, const void *front,
+                             size_t front_len, const int32_t *prompt, int n_prompt) {
+    ds_kv_pull *p = new_pull(e, host, id, n_prompt);
+    const char *why = p ? "" : "out of memory";
+    ds_err perr = {{0}};
+    uint8_t *copy = p ? malloc(DS_MAX(front_len, 1)) : NULL; /* aligned, unlike the plan's */
+    if (!copy) why = "out of memory";
+    if (!why[0]) {
+        memcpy(copy, front, front_len);
+        pd_part f = {.buf = copy, .len = front_len};
+        why = verify_header(e, &f, prompt, n_prompt);
+        if (!why[0] && front_len != front_bytes(&f.h)) why = "a front of another length";
+        if (!why[0]) why = adopt_front(p, &f.h, copy);
     }
-    p->n_depths = n_prompt / e->opts.block_size;
-    const char *why = "";
-    for (int i = 0; i < n && !why[0]; i++) {
-        pd_part *q = &p->parts[i];
-        p->n_parts = i + 1;
-        if (!(q->buf = malloc(DS_MAX(lens[i], 1)))) {
-            why = "out of memory";
-            break;
-        }
-        memcpy(q->buf, bufs[i], lens[i]);
-        q->len = lens[i];
-        why = verify_part(e, q, prompt, n_prompt);
-    }
-    if (!why[0]) why = verify_whole(e, p);
-    if (why[0]) { /* the head verified the same bytes: this rank then simply misses */
-        fprintf(stderr, "[deltaserve] %s: kv transfer from the head refused: %s\n",
-                e->comm ? e->comm->who : "", why);
+    free(copy);
+    if (!why[0]) why = verify_layout(e, p);
+    if (!why[0] && !e->xclient) why = "this rank has no transfer client";
+    if (!why[0]) why = pull_own(e, p, prompt, n_prompt, NULL, &perr);
+    if (why[0]) { /* this rank then misses, and the job recomputes */
+        fprintf(stderr, "[deltaserve] %s: kv transfer %016llx: %s\n", e->comm ? e->comm->who : "",
+                (unsigned long long)id, why);
         ds_kv_pull_free(p);
         return NULL;
     }
@@ -593,28 +746,27 @@ ds_kv_pull *eng_pd_from_parts(ds_engine *e, const void *const *bufs, const size_
 
 /* ---- the consumer: this rank's slice into its offload tier ------------------------------------*/
 
-/* The block of `kind` (0 page, 1 checkpoint) at depth d of part q: its payload, or NULL. */
+/* The block of `kind` (0 page, 1 checkpoint) at depth d of part q: its payload, or NULL (also
+ * for a part this rank did not pull). */
 static const uint8_t *payload(const ds_kv_pull *p, const pd_part *q, int kind, int d) {
+    if (!q->at) return NULL;
     int i = q->at[kind * (p->n_depths + 1) + d];
     return i < 0 ? NULL : q->buf + q->off[i] + sizeof(pd_block);
 }
 
 /* This rank's page at depth d into out[own page bytes]: the MLA rows of each of its layers from
- * any part holding that layer, then the draft's rows from the part that has them. 0 when a piece
- * is missing. */
+ * the first part holding that layer (the one this rank pulled for it), then the draft's rows from
+ * the part that has them. 0 when a piece is missing. */
 static int build_page(const ds_engine *e, const ds_kv_pull *p, int d, const pd_header *me,
                       uint8_t *out) {
     const ds_config *c = ds_model_config(e->model);
     size_t rows = (size_t)e->opts.block_size * ds_model_latent_row_bytes(e->model), at = 0;
     for (int l = me->layer_lo; l < me->layer_hi; l++) {
         if (c->layer_kind[l] != DS_LAYER_MLA) continue;
-        const uint8_t *src = NULL;
-        for (int i = 0; i < p->n_parts && !src; i++) {
-            const pd_part *q = &p->parts[i];
-            if (l >= q->h.layer_lo && l < q->h.layer_hi && (src = payload(p, q, 0, d)))
-                src += (size_t)n_kind(c, q->h.layer_lo, l, DS_LAYER_MLA) * rows;
-        }
+        const int i = first_holder(p, l);
+        const uint8_t *src = i < 0 ? NULL : payload(p, &p->parts[i], 0, d);
         if (!src) return 0;
+        src += (size_t)n_kind(c, p->ranks[i].layer_lo, l, DS_LAYER_MLA) * rows;
         memcpy(out + at, src, rows);
         at += rows;
     }
@@ -681,7 +833,7 @@ void eng_pd_install(ds_engine *e, request *r) {
     size_t slot_floats = ds_model_slot_floats(e->model);
     uint8_t *page = malloc(DS_MAX(me.page_bytes, 1));
     float *slot = malloc(DS_MAX(slot_floats, 1) * sizeof(float));
-    const int32_t *prompt = p->parts[0].prompt;
+    const int32_t *prompt = p->prompt;
     uint64_t h[2] = {0, 0};
     int bs = e->opts.block_size, missed = 0;
     for (int d = 1; e->offload && e->prefix && page && slot && d <= p->n_depths; d++) {

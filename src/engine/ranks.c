@@ -65,46 +65,45 @@ typedef struct plan_hdr {
 } plan_hdr;
 
 /* P/D (docs/pd.md): a producer's transfer id (every rank files its own part under it), then a
- * consumer's pulled parts {u32 count, per part u64 length and its bytes} (every rank cuts its own
- * slice out of them). */
+ * consumer's transfer {u32 present; then u32 host length, host, u64 id, u64 front length, part
+ * 0's front} (every rank pulls the parts it needs itself). */
 static void plan_put_kv(wbuf *w, const request *r) {
     put(w, &r->spec.kv_export_id, sizeof r->spec.kv_export_id);
-    uint32_t n = (uint32_t)eng_pd_n_parts(r->kv_import);
-    put(w, &n, sizeof n);
-    for (uint32_t i = 0; i < n; i++) {
-        size_t len;
-        const void *b = eng_pd_part(r->kv_import, (int)i, &len);
-        uint64_t len64 = len;
-        put(w, &len64, sizeof len64);
-        put(w, b, len);
-    }
+    const char *host;
+    uint64_t id;
+    const void *front;
+    size_t front_len;
+    uint32_t has = (uint32_t)eng_pd_plan_info(r->kv_import, &host, &id, &front, &front_len);
+    put(w, &has, sizeof has);
+    if (!has) return;
+    uint32_t hl = (uint32_t)strlen(host);
+    uint64_t fl = front_len;
+    put(w, &hl, sizeof hl);
+    put(w, host, hl);
+    put(w, &id, sizeof id);
+    put(w, &fl, sizeof fl);
+    put(w, front, front_len);
 }
 
 static void plan_read_kv(ds_engine *e, rbuf *rb, request *r) {
     get(rb, &r->spec.kv_export_id, sizeof r->spec.kv_export_id);
-    uint32_t n = 0;
-    get(rb, &n, sizeof n);
-    if (rb->bad || !n) return;
-    if (n > 4096) {
-        rb->bad = 1;
-        return;
-    }
-    const void **bufs = malloc(n * sizeof *bufs); /* [n] into the message */
-    size_t *lens = malloc(n * sizeof *lens);      /* [n] */
-    if (!bufs || !lens) eng_dist_fatal(e, "step plan", "out of memory");
-    for (uint32_t i = 0; i < n && !rb->bad; i++) {
-        uint64_t len = 0;
-        get(rb, &len, sizeof len);
-        if (len > rb->n - rb->off) rb->bad = 1;
-        if (rb->bad) break;
-        bufs[i] = rb->p + rb->off;
-        lens[i] = (size_t)len;
-        rb->off += (size_t)len;
-    }
-    if (!rb->bad)
-        r->kv_import = eng_pd_from_parts(e, bufs, lens, (int)n, r->prompt, r->spec.n_prompt);
-    free(bufs);
-    free(lens);
+    uint32_t has = 0, hl = 0;
+    get(rb, &has, sizeof has);
+    if (rb->bad || !has) return;
+    char host[256];
+    get(rb, &hl, sizeof hl);
+    if (hl >= sizeof host) rb->bad = 1;
+    if (rb->bad) return;
+    get(rb, host, hl);
+    host[hl] = 0;
+    uint64_t id = 0, fl = 0;
+    get(rb, &id, sizeof id);
+    get(rb, &fl, sizeof fl);
+    if (fl > rb->n - rb->off) rb->bad = 1;
+    if (rb->bad) return;
+    const void *front = rb->p + rb->off;
+    rb->off += (size_t)fl;
+    r->kv_import = eng_pd_pull_rank(e, host, id, front, (size_t)fl, r->prompt, r->spec.n_prompt);
 }
 
 /* Head: the plan to every other rank — the requests of `in` (its own objects), the aborts ab[n_ab]

@@ -228,11 +228,14 @@ static void render_counters(textbuf *t, const ds_engine_stats *st, const char *l
          offsetof(ds_engine_stats, kv_pull_failures)},
         {"kv_transfer_pull_blocks_total", "P/D consumer: blocks installed from transfers.",
          offsetof(ds_engine_stats, kv_pull_blocks)},
-        {"kv_transfer_pull_bytes_total", "P/D consumer: bytes of the transfers installed.",
+        {"kv_transfer_pull_bytes_total",
+         "P/D consumer: bytes of the transfers installed (its head's parts: every rank of a job "
+         "pulls the parts it needs itself).",
          offsetof(ds_engine_stats, kv_pull_bytes)},
         {"kv_transfer_releases_total",
-         "P/D consumer: parts of transfers it refused early that it asked the producer's ranks "
-         "to free (instead of holding them until their timeout), and they did.",
+         "P/D consumer: parts of transfers it refused early, or that no rank of its job "
+         "needed, that it asked the producer's ranks to free (instead of holding them until "
+         "their timeout), and they did.",
          offsetof(ds_engine_stats, kv_released)},
         {"kv_transfer_connections_total",
          "P/D consumer: connections opened to producers (each is kept for the same producer's "

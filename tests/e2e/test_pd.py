@@ -511,8 +511,8 @@ def test_consumer_restarted(ref, text_ids):
 
 # ---- different TP / PP layouts on the two sides ----------------------------------------------------
 # Each rank of a producer's job files its own slice (its layers, its TP share of the KDA heads);
-# the consumer's head pulls every slice and each of its ranks cuts out its own (docs/pd.md,
-# "TP and PP layouts"). Across TP widths the numbers are TP's (sums taken in another order, about
+# each rank of the consumer's job pulls the slices it needs straight from the producer's ranks and
+# cuts out its own (docs/pd.md, "TP and PP layouts"). Across TP widths the numbers are TP's (sums taken in another order, about
 # 1e-5 on a logit: docs/parallelism.md), so logprobs are compared to a tolerance there; a PP
 # split at TP 1 is bit-exact, so through it they are compared exactly.
 
@@ -562,7 +562,9 @@ def test_tp1_producer_to_tp2_consumer(ref, prod, text_ids):
     try:
         served = m(prod, "kv_transfer_served_total")
         through_pair(ref, prod, cons2, ids, [150, 151, 152], [40, 300, 1300], close)
-        assert m(prod, "kv_transfer_served_total") == served + 3
+        # each consumer rank pulled the producer's one part itself (the head's first look at it
+        # and rank 1's pull), and the part was freed after the second
+        assert m(prod, "kv_transfer_served_total") == served + 6
         assert m(cons2, "spec_decode_num_verifies_total") > 0
     finally:
         log = "".join(cons2.log[-20:])
@@ -628,7 +630,38 @@ def test_tp1_producer_to_pp2_tp2_consumer(ref, prod, text_ids):
     cons4 = Server("-tp", "2", "-pp", "2", "--seed", "1", *SPEC, *kv_config("kv_consumer"),
                    env_args=False)
     try:
+        served = m(prod, "kv_transfer_served_total")
         through_pair(ref, prod, cons4, ids, [170, 171], [300, 700], close, max_tokens=4)
+        assert m(prod, "kv_transfer_served_total") == served + 8  # four ranks' pulls a prompt
     finally:
         log = "".join(cons4.log[-20:])
         assert cons4.stop() == 0, log
+
+
+def test_pp2_producer_to_pp2_consumer(ref, cons, text_ids):
+    """PP 2 -> PP 2: each consumer stage pulls its own stage's part straight from the producer's
+    rank that has it; the head never receives stage 1's (it pulls fewer bytes than a one-process
+    consumer does for the same prompt) and releases part 0 once it has it, since no other rank
+    needs it. Bit-exact (PP at TP 1 on both sides)."""
+    ids = text_ids[0]
+    prod2 = Server("-pp", "2", "--seed", "1", *SPEC, *kv_config("kv_producer"), env_args=False)
+    cons2 = Server("-pp", "2", "--seed", "1", *SPEC, *kv_config("kv_consumer"), env_args=False)
+    try:
+        rel = m(cons2, "kv_transfer_releases_total")
+        through_pair(ref, prod2, cons2, ids, [175, 176], [300, 900], same)
+        assert m(cons2, "kv_transfer_releases_total") == rel + 2  # part 0 after each look
+        # one prompt through both consumers: the head of the split one received less
+        body = completion(ids[177: 177 + 900], 4)
+        want = post(ref, "/v1/completions", body)[1]
+        got = {}
+        for c in (cons, cons2):
+            b0 = m(c, "kv_transfer_pull_bytes_total")
+            kv = prefill(prod2, "/v1/completions", body)
+            same(post(c, "/v1/completions", dict(body, kv_transfer_params=kv))[1], want)
+            got[c] = m(c, "kv_transfer_pull_bytes_total") - b0
+        assert 0 < got[cons2] < 0.8 * got[cons], got
+        assert m(prod2, "kv_transfer_held") == 0
+    finally:
+        log = "".join(cons2.log[-20:]) + "".join(prod2.log[-20:])
+        assert cons2.stop() == 0, log
+        assert prod2.stop() == 0, log
