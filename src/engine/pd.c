@@ -799,10 +799,12 @@ static int build_ckpt(const ds_engine *e, const ds_kv_pull *p, int d, const pd_h
         for (size_t h = c0; h < c0 + Hc; h++) {
             const pd_part *q = NULL;
             const float *src = NULL;
+            /* the part by the table (one this rank did not pull is absent: no payload) */
             for (int i = 0; i < p->n_parts && !src; i++) {
+                const pd_rank *r = &p->ranks[i];
                 q = &p->parts[i];
-                size_t Hq = H / (size_t)q->h.tp_size;
-                if (l >= q->h.layer_lo && l < q->h.layer_hi && h / Hq == (size_t)q->h.tp_rank)
+                if (l >= r->layer_lo && l < r->layer_hi &&
+                    h / (H / (size_t)p->h0.tp_size) == (size_t)r->tp_rank)
                     src = (const float *)payload(p, q, 1, d);
             }
             if (!src) return 0;

@@ -321,7 +321,8 @@ def test_kv_both_pairs_with_itself(ref, text_ids, layout):
         assert m(both, "kv_transfer_pulls_total") == 1
         assert m(both, "kv_transfer_held") == 0
     finally:
-        assert both.stop() == 0
+        rc = both.stop()
+        assert rc == 0, "".join(both.log[-40:])
 
 
 def test_bad_kv_params_are_400(cons):
@@ -506,7 +507,8 @@ def test_consumer_restarted(ref, text_ids):
     finally:
         if cons:
             cons.stop()
-        assert prod.stop() == 0
+        rc = prod.stop()
+        assert rc == 0, "".join(prod.log[-60:])
 
 
 # ---- different TP / PP layouts on the two sides ----------------------------------------------------
