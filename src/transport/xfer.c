@@ -51,6 +51,7 @@ struct ds_xfer_server {
     blob *blobs;
     ds_xfer_stats st;
     pending_conn *pending; /* serving thread only (the listener callback runs inside progress) */
+    xfer_grave *graves;    /* serving thread only: sends to dead consumers that still run */
     struct sconn *live;    /* serving thread only: open connections */
 };
 
@@ -266,9 +267,9 @@ static void conn_close(ds_xfer_server *s, sconn *c) {
     }
     if (c->dep) { /* force: its peer may be gone, and error mode none would not say so */
         c->des.failed = 1;
-        xfer_close_ep(s->dworker, c->dep, &c->des);
+        xfer_close_ep(s->dworker, c->dep, &c->des, &s->graves);
     }
-    xfer_close_ep(s->worker, c->ep, &c->es);
+    xfer_close_ep(s->worker, c->ep, &c->es, &s->graves);
     free(c);
     pthread_mutex_lock(&s->mu);
     s->st.conns--;
@@ -343,6 +344,10 @@ static void *serve_loop(void *arg) {
         int gone;
         blob *none = take_blob(s, 0, 0, 1, &gone); /* sweeps expired blobs (id 0: never filed) */
         (void)none;
+        if (s->graves) {
+            ucp_worker_progress(s->dworker);
+            xfer_graves_reap(&s->graves);
+        }
     }
     return NULL;
 }
@@ -448,6 +453,7 @@ void ds_xfer_server_free(ds_xfer_server *s) {
     if (s->ctx) ucp_cleanup(s->ctx);
     if (s->dworker) ucp_worker_destroy(s->dworker);
     if (s->dctx) ucp_cleanup(s->dctx);
+    xfer_graves_bury(&s->graves); /* both workers are gone: nothing touches them now */
     for (blob *b = s->blobs, *n; b; b = n) {
         n = b->next;
         free(b->buf);

@@ -83,10 +83,13 @@ static void count(ds_xfer_client *c, uint64_t *field) {
 }
 
 static void conn_drop(cconn *k) {
-    if (k->ep) xfer_close_ep(k->w, k->ep, &k->es);
-    xfer_settle(k->dw, &k->des, ds_now() + 2.0); /* a cancelled receive into a pull's buffer */
+    xfer_grave *graves = NULL; /* the connection's own workers go next: then nothing runs */
+    if (k->ep) xfer_close_ep(k->w, k->ep, &k->es, &graves);
+    xfer_settle(k->dw, &k->des, ds_now() + 2.0, &graves); /* a cancelled receive into a pull's
+                                                             buffer */
     ucp_worker_destroy(k->w);
     ucp_worker_destroy(k->dw);
+    xfer_graves_bury(&graves);
     free(k);
 }
 

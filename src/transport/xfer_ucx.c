@@ -75,22 +75,59 @@ int xfer_recv_all(ucp_worker_h w, ucp_ep_h ep, void *buf, size_t len, ep_state *
     return xfer_wait_op(w, ucp_stream_recv_nbx(ep, buf, len, &got, &p), es, deadline);
 }
 
-void xfer_settle(ucp_worker_h w, ep_state *es, double deadline) {
-    int live = 0;
+void xfer_settle(ucp_worker_h w, ep_state *es, double deadline, xfer_grave **graves) {
+    xfer_grave g = {.n = 0};
     for (int i = 0; i < es->n_parked; i++) {
         while (ucp_request_check_status(es->parked[i]) == UCS_INPROGRESS && ds_now() < deadline)
             if (!ucp_worker_progress(w)) xfer_sleep_us(20);
-        live += ucp_request_check_status(es->parked[i]) == UCS_INPROGRESS;
-        ucp_request_free(es->parked[i]); /* UCX frees a live one when it completes */
+        if (ucp_request_check_status(es->parked[i]) == UCS_INPROGRESS && es->hold)
+            g.reqs[g.n++] = es->parked[i]; /* watched until it ends: its buffer waits */
+        else
+            ucp_request_free(es->parked[i]);
     }
     es->n_parked = 0;
-    if (!live && es->hold)
-        es->hold_free(es->hold); /* else leaked: better than a write into
-                                    freed memory */
+    xfer_grave *node = g.n ? malloc(sizeof *node) : NULL;
+    if (node) {
+        *node = g;
+        node->hold = es->hold;
+        node->hold_free = es->hold_free;
+        node->next = *graves;
+        *graves = node;
+    } else if (g.n) { /* no memory to watch them: their buffer stays (a leak, not a write into
+                         freed memory); UCX frees the requests when they end */
+        for (int i = 0; i < g.n; i++) ucp_request_free(g.reqs[i]);
+    } else if (es->hold)
+        es->hold_free(es->hold);
     es->hold = NULL;
 }
 
-void xfer_close_ep(ucp_worker_h w, ucp_ep_h ep, ep_state *es) {
+void xfer_graves_reap(xfer_grave **graves) {
+    for (xfer_grave **p = graves; *p;) {
+        xfer_grave *g = *p;
+        int live = 0;
+        for (int i = 0; i < g->n; i++)
+            live += ucp_request_check_status(g->reqs[i]) == UCS_INPROGRESS;
+        if (live) {
+            p = &g->next;
+            continue;
+        }
+        for (int i = 0; i < g->n; i++) ucp_request_free(g->reqs[i]);
+        g->hold_free(g->hold);
+        *p = g->next;
+        free(g);
+    }
+}
+
+void xfer_graves_bury(xfer_grave **graves) {
+    while (*graves) {
+        xfer_grave *g = *graves;
+        *graves = g->next;
+        g->hold_free(g->hold); /* (the requests went with their worker) */
+        free(g);
+    }
+}
+
+void xfer_close_ep(ucp_worker_h w, ucp_ep_h ep, ep_state *es, xfer_grave **graves) {
     ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
                              .flags = es->failed ? UCP_EP_CLOSE_FLAG_FORCE : 0};
     ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
@@ -100,7 +137,7 @@ void xfer_close_ep(ucp_worker_h w, ucp_ep_h ep, ep_state *es) {
             if (!ucp_worker_progress(w)) xfer_sleep_us(20);
         ucp_request_free(r);
     }
-    xfer_settle(w, es, deadline);
+    xfer_settle(w, es, deadline, graves);
 }
 
 /* A producer restarted on its port must bind at once, as an HTTP server does: the connections

@@ -73,13 +73,31 @@ int xfer_send_all(ucp_worker_h w, ucp_ep_h ep, const void *buf, size_t len, ep_s
 int xfer_recv_all(ucp_worker_h w, ucp_ep_h ep, void *buf, size_t len, ep_state *es,
                   double deadline);
 
+/* Buffers that operations still running after their endpoint's close may touch (a rendezvous
+ * send to a peer that died can outlive even a forced close), each freed once its operations have
+ * ended (xfer_graves_reap) or their worker is destroyed (xfer_graves_bury): not leaked, and never
+ * freed under a running operation. */
+typedef struct xfer_grave {
+    ucs_status_ptr_t reqs[4]; /* the operations still running (their requests not freed yet) */
+    int n;
+    void *hold;
+    void (*hold_free)(void *);
+    struct xfer_grave *next;
+} xfer_grave;
+
 /* Waits (until deadline) for es's parked operations on w, frees them, then frees es->hold once
- * nothing can touch it. */
-void xfer_settle(ucp_worker_h w, ep_state *es, double deadline);
+ * nothing can touch it; what is still running then goes on *graves with its buffer. */
+void xfer_settle(ucp_worker_h w, ep_state *es, double deadline, xfer_grave **graves);
 
 /* Closes ep, flushing what was sent (force when the peer is already gone or an operation failed:
  * the forced close completes parked operations), then settles es. */
-void xfer_close_ep(ucp_worker_h w, ucp_ep_h ep, ep_state *es);
+void xfer_close_ep(ucp_worker_h w, ucp_ep_h ep, ep_state *es, xfer_grave **graves);
+
+/* Frees the buffers of *graves whose operations have ended (their worker progressed by the
+ * caller). */
+void xfer_graves_reap(xfer_grave **graves);
+/* After the graves' worker was destroyed (nothing of it runs any more): frees every buffer. */
+void xfer_graves_bury(xfer_grave **graves);
 
 /* features: UCP_FEATURE_STREAM (connections, with wakeups on the server's) or UCP_FEATURE_TAG
  * (the data path). */

@@ -345,6 +345,44 @@ static void test_threads_pull_at_once(void **st) {
     ds_xfer_server_free(s);
 }
 
+/* A consumer that gives up in the middle of a pull (its deadline passes between the header and
+ * the bytes; its connection is dropped): the producer's send to it fails or goes nowhere, the
+ * blob is not served twice, the producer serves the next consumer, and nothing of the abandoned
+ * send outlives the server (ASan's LeakSanitizer watches the buffer a parked send held). */
+static void test_consumer_gives_up_mid_pull(void **st) {
+    (void)st;
+    ds_err err = {{0}};
+    ds_xfer_server *s;
+    assert_int_equal(ds_xfer_server_create("127.0.0.1", 0, 0, &s, &err), DS_OK);
+    int port = ds_xfer_server_port(s);
+    size_t n = (size_t)8 << 20;
+    assert_int_equal(ds_xfer_server_put(s, 31, pattern(n, 6), n, 60000, &err), DS_OK);
+    assert_int_equal(ds_xfer_server_put(s, 32, pattern(4000, 8), 4000, 60000, &err), DS_OK);
+    ds_xfer_server_test_stall(s, 1500);
+    void *got = NULL;
+    size_t len = 0;
+    assert_int_equal(ds_xfer_pull(g_c, "127.0.0.1", port, 31, 400, &got, &len, &err), DS_ERR);
+    assert_non_null(strstr(err.msg, "timed out"));
+    assert_null(got);
+    ds_xfer_server_test_stall(s, 0);
+    ds_xfer_stats xs;
+    for (int i = 0; i < 1000 && (ds_xfer_server_stats(s, &xs), xs.served + xs.errors < 1); i++)
+        usleep(10000); /* the stalled send ends: delivered into nothing, or failed */
+    assert_int_equal(xs.served + xs.errors, 1);
+    assert_int_equal(xs.held, 1); /* 31 went with its pull, whatever became of the send */
+    ds_xfer_client *c2;
+    assert_int_equal(ds_xfer_client_create(&c2, &err), DS_OK);
+    assert_int_equal(ds_xfer_pull(c2, "127.0.0.1", port, 32, 5000, &got, &len, &err), DS_OK);
+    void *want = pattern(4000, 8);
+    assert_int_equal(len, 4000);
+    assert_memory_equal(got, want, 4000);
+    free(want);
+    ds_xfer_buf_free(got);
+    assert_int_equal(ds_xfer_pull(c2, "127.0.0.1", port, 31, 2000, &got, &len, &err), DS_ERR);
+    ds_xfer_client_free(c2);
+    ds_xfer_server_free(s);
+}
+
 /* The producer stops and another starts on the same port: the client's kept connection is dead,
  * and the next pull still succeeds (one retry on a new connection), not a failure. */
 static void test_producer_restarted_behind_kept_connection(void **st) {
@@ -437,6 +475,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_threads_pull_at_once, client_up, client_down),
         cmocka_unit_test_setup_teardown(test_producer_restarted_behind_kept_connection, client_up,
                                         client_down),
+        cmocka_unit_test_setup_teardown(test_consumer_gives_up_mid_pull, client_up, client_down),
         cmocka_unit_test_setup_teardown(test_buffer_given_back_twice, client_up, client_down),
         cmocka_unit_test(test_buffer_outlives_client),
     };
