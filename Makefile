@@ -13,7 +13,7 @@ DEB_PKGS := build-essential cmake pkg-config libjansson-dev libpcre2-dev libxxha
 # (docs/structured-outputs.md); jsonschema: the tests validate outputs with it; vllm-router: the
 # P/D router the disaggregation tests drive (docs/pd.md); openai-agents: an agent loop through a
 # real client library (tests/e2e/test_agents.py)
-PIP_PKGS := pytest openai numpy llguidance jsonschema vllm-router openai-agents
+PIP_PKGS := pytest openai numpy llguidance jsonschema vllm-router openai-agents tiktoken
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all deps build run test clean format bench test-asan fuzz fuzz-build fuzz-short soak soak-short cuda cache-fuzz
@@ -29,7 +29,7 @@ deps:
 	  echo "installing Debian packages:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
 	fi
-	@python3 -c "import pytest, openai, numpy, llguidance, jsonschema, vllm_router, agents" 2>/dev/null || python3 -m pip install -q $(PIP_PKGS)
+	@python3 -c "import pytest, openai, numpy, llguidance, jsonschema, vllm_router, agents, tiktoken" 2>/dev/null || python3 -m pip install -q $(PIP_PKGS)
 
 build: deps
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release >/dev/null

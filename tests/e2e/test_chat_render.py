@@ -11,7 +11,7 @@ import pytest
 
 from conftest import DS_MODEL
 
-pytest.importorskip("tiktoken")
+import tiktoken  # noqa: F401,E402  (make deps installs it: the comparison needs the tokenizer)
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(REPO, "tools", "train"))
 sys.path.insert(0, os.path.join(REPO, "tools", "data"))
