@@ -465,11 +465,18 @@ def test_stream_waiting_longer_than_idle_timeout_is_kept_alive():
     srv_gen = _server_fixture("--max-num-seqs", "1", "--http-idle-timeout", "1")
     srv = next(srv_gen)
     try:
-        long_req = threading.Thread(target=srv.post_json, args=("/v1/completions", {
-            "model": MODEL_NAME, "prompt": "1 +", "max_tokens": 3000, "ignore_eos": True}))
-        long_req.start()
+        # two long requests ahead of it, one running and one waiting (a tiny model decodes a
+        # few thousand tokens a second: one alone often ended before the idle timeout)
+        longs = [threading.Thread(target=srv.post_json, args=("/v1/completions", {
+            "model": MODEL_NAME, "prompt": f"{i} +", "max_tokens": 4000, "ignore_eos": True}))
+            for i in (1, 3)]
+        longs[0].start()
         deadline = time.time() + 10
         while srv.metrics()["vllm:num_requests_running"] < 1:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        longs[1].start()
+        while srv.metrics()["vllm:num_requests_waiting"] < 1:
             assert time.time() < deadline
             time.sleep(0.02)
         t0 = time.time()
@@ -479,7 +486,8 @@ def test_stream_waiting_longer_than_idle_timeout_is_kept_alive():
                                                  stream_options={"include_usage": True})
         chunks = [c for c in stream]
         waited = time.time() - t0
-        long_req.join()
+        for t in longs:
+            t.join()
         # every token arrived (a token's text may be empty: count them by the usage), and the
         # text is the same request's answer without streaming
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
@@ -488,8 +496,7 @@ def test_stream_waiting_longer_than_idle_timeout_is_kept_alive():
         whole = srv.client().completions.create(model=MODEL_NAME, prompt="2 +", max_tokens=5,
                                                 temperature=0, extra_body={"ignore_eos": True})
         assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
-        if waited < 1.5:
-            pytest.skip(f"the long request ended too soon ({waited:.1f} s) to test the timeout")
+        assert waited > 1.5, f"the long requests ended too soon ({waited:.1f} s) to test the timeout"
     finally:
         for _ in srv_gen:
             pass
