@@ -42,10 +42,12 @@ int ds_oai_parse_event(const ds_oai_resp_ctx *c, ds_oai_choice *ch, const ds_oai
     }
     if (ev->text_len && ds_tp_feed(ch->tp, ev->text, ev->text_len, ch->tpo, err)) return DS_ERR;
     if (c->parse_specials && ev->token >= 0 && c->tok && ds_tok_is_special(c->tok, ev->token)) {
-        /* a skipped special token: its text is its name */
+        /* a skipped special token the parser reads: its text is its name (another one, a
+         * reserved id say, stays skipped: it is no text of the answer or the thought) */
         size_t n;
         const char *name = ds_tok_token_bytes(c->tok, ev->token, &n);
-        if (name && ds_tp_feed(ch->tp, name, n, ch->tpo, err)) return DS_ERR;
+        if (name && ds_tp_is_marker(name, n) && ds_tp_feed(ch->tp, name, n, ch->tpo, err))
+            return DS_ERR;
     }
     if (ev->finish != DS_FINISH_NONE && ds_tp_finish(ch->tp, ch->tpo, err)) return DS_ERR;
     return DS_OK;

@@ -64,6 +64,15 @@ typedef struct {
 
 /* XTML's structure around the thought and the answer; a lone marker last, so that the longer
  * sequences win when they match (longest match at a position). */
+int ds_tp_is_marker(const char *name, size_t n) {
+    static const char *const k[] = {"<|open|>",       "<|close|>", "<|sep|>",
+                                    "<|end_of_msg|>", SEC_BEGIN,   SEC_END,
+                                    CALL_BEGIN,       ARGS_BEGIN,  CALL_END};
+    for (size_t i = 0; i < sizeof k / sizeof *k; i++)
+        if (strlen(k[i]) == n && !memcmp(k[i], name, n)) return 1;
+    return 0;
+}
+
 static const marker k_xtml_drop[] = {{"<|open|>response<|sep|>", M_DROP},
                                      {"<|close|>response<|sep|>", M_DROP},
                                      {"<|close|>message<|sep|>", M_DROP},

@@ -291,6 +291,15 @@ static void test_reasoning_k3(void **state) {
           "{\"role\": \"assistant\", \"content\": \"Four.\", \"reasoning_content\": \"Two and "
           "two.\"}",
           "stop");
+    /* specials the parser does not read (a media marker; a random model's reserved ids, seen on
+     * the GPU) stay out of the thought and the answer, as skip_special_tokens asks */
+    const char *r[] = {"Two ",    "<|media_pad|>", "and two.",  "<|close|>", "think",
+                       "<|sep|>", "<|open|>",      "response",  "<|sep|>",   "[EOT]",
+                       "Four.",   "<|media_end|>", "<|close|>", "response",  "<|sep|>"};
+    check(&c, r, DS_ARRAY_LEN(r),
+          "{\"role\": \"assistant\", \"content\": \"Four.\", \"reasoning_content\": \"Two and "
+          "two.\"}",
+          "stop");
     /* the thought never ends (a length finish in real use): all of it is reasoning */
     const char *q[] = {"Hmm, ", "<|close|>", "thi"};
     check(&c, q, DS_ARRAY_LEN(q),
