@@ -13,8 +13,8 @@ get() { python3 -m pip download -q --no-deps --only-binary=:all: --implementatio
 mkdir -p .whl
 # the versions this machine's make deps installed, where it has them
 for pk in "llguidance==$(ver llguidance)" "openai==$(ver openai)" jsonschema \
-          jsonschema-specifications referencing distro pytest pluggy iniconfig packaging httpx \
-          httpcore h11 anyio sniffio pydantic typing_extensions typing_inspection annotated_types \
+          jsonschema-specifications referencing distro pytest pluggy iniconfig packaging httpx httpx2 \
+          httpcore httpcore2 truststore h11 anyio sniffio pydantic typing_extensions typing_inspection annotated_types \
           tqdm idna certifi attrs; do
   get --python-version 3.12 -d .whl "$pk"
 done
