@@ -39,6 +39,9 @@ typedef struct ds_test_hooks {
      * block (corrupted in flight), 2 cuts it 1 KiB short (truncated) */
     int kv_corrupt;
     int kv_stall_ms; /* P/D producer: pause between a pull's header and its bytes */
+    /* 1: the grammar masks are made beside the forward on the CPU too (what a GPU does: a
+     * thread of their own, the backend waiting for them before its draws) */
+    int async_masks;
 } ds_test_hooks;
 
 /* Prefill/decode disaggregation roles (docs/pd.md), vLLM's kv_role. */

@@ -139,6 +139,15 @@ struct ds_engine {
                          the first step that draws one (eng_allow_rows) */
     ds_sample_scratch **scratch; /* [n_scratch]: one per sampling thread */
     int n_scratch;
+    /* The constrained rows' masks beside the forward (sampling.c): on a GPU the host is free
+     * while a step runs, so a thread of its own fills them then, and the backend waits for them
+     * before the draws read them (ds_model_set_draw_wait). */
+    int mask_async;
+    pthread_t mask_thread;
+    pthread_mutex_t mask_mu;
+    pthread_cond_t mask_cv;    /* a job posted, or done */
+    struct inflight *mask_job; /* the step whose masks are being made (NULL: none) */
+    int mask_stop;
 
     /* speculative decoding: drafts proposed per verify (0: off; opts.num_speculative_tokens
      * when a method is on) */
@@ -225,6 +234,12 @@ void eng_set_draws(ds_engine *e, choice *ch, const int32_t *drafts, int n_rows, 
 /* The allowed-ids bitmasks of every constrained item of f that the model draws (its rows' draws
  * point at them: eng_set_draws), computed side by side once the batch is built. */
 void eng_grammar_masks(ds_engine *e, inflight *f);
+/* The masks of f's constrained rows: made now, or (mask_async) handed to the mask thread, in
+ * which case eng_masks_wait returns once they are made. */
+void eng_masks_post(ds_engine *e, inflight *f);
+void eng_masks_wait(ds_engine *e);
+int eng_masks_start(ds_engine *e, ds_err *err); /* the mask thread, where mask_async */
+void eng_masks_stop(ds_engine *e);
 /* Item i's room for its rows' allowed-ids bitmasks, [R][ceil(vocab / 32)] (made at the first
  * call), or NULL when there is no memory (the rows then come back to be sampled here). */
 uint32_t *eng_allow_rows(ds_engine *e, int i);

@@ -421,7 +421,11 @@ static int alloc_step_buffers(ds_engine *e, ds_err *err) {
         return DS_ERR;
     for (int t = 0; t < e->n_scratch; t++)
         if (!(e->scratch[t] = ds_sample_scratch_new(e->V, err))) return DS_ERR;
-    return DS_OK;
+    /* one process on a GPU: the host is free while a step runs (a job's ranks keep the masks
+     * on the step's path: its sampling rank's forward is a pipeline stage's) */
+    e->mask_async =
+        e->sampler && !e->dist && (ds_model_on_device(e->model) || e->opts.test.async_masks);
+    return eng_masks_start(e, err);
 }
 
 int ds_engine_start(ds_engine *e, ds_err *err) {
@@ -461,6 +465,7 @@ void ds_engine_free(ds_engine *e) {
         e->live = r;
     }
     while (e->live) eng_abort_request(e, e->live);
+    eng_masks_stop(e);
     if (e->sched) ds_sched_free(e->sched);
     eng_pd_free(e);
     ds_prefix_free(e->prefix);

@@ -128,7 +128,7 @@ static void build_batch(ds_engine *e, inflight *f, int n_taps, int draws_ok) {
     f->n_prompt_tokens = 0;
     size_t tap_off = 0, dc_off = 0;
     for (int i = 0; i < f->n_items; i++) batch_item(e, f, i, n_taps, draws_ok, &tap_off, &dc_off);
-    eng_grammar_masks(e, f);
+    eng_masks_post(e, f); /* made now, or beside the forward (mask_async) */
     f->active = 1;
 }
 
@@ -140,6 +140,7 @@ static int run_forward(ds_engine *e, inflight *f) {
     int n_items = f->n_items;
     int frc = e->dist ? ds_pp_step(e->comm, e->model, &e->kv, e->batch, n_items, &e->ppb, &err)
                       : ds_model_forward(e->model, &e->kv, e->batch, n_items, &err);
+    eng_masks_wait(e); /* (a forward that drew nothing, or failed, did not wait for them) */
     if (!frc) return DS_OK;
     if (e->dist) eng_dist_fatal(e, "forward", err.msg);
     fprintf(stderr, "[deltaserve] forward failed: %s\n", err.msg);

@@ -109,6 +109,13 @@ double ds_model_profile_gemm_tflops(const ds_model *m, double *ms_per_step) {
 int ds_model_device_limits(const ds_model *m, double *copy_gbs, double *gemm_tflops, ds_err *err) {
     return m->be->limits(m, copy_gbs, gemm_tflops, err);
 }
+void ds_model_set_draw_wait(ds_model *m, void (*fn)(void *ctx), void *ctx) {
+    m->draw_wait = fn;
+    m->draw_wait_ctx = ctx;
+}
+void ds_model_draw_wait(const ds_model *m) {
+    if (m->draw_wait) m->draw_wait(m->draw_wait_ctx);
+}
 size_t ds_model_weight_bytes(const ds_model *m) {
     return m->weight_bytes;
 }

@@ -133,6 +133,12 @@ size_t ds_model_device_mem_free(const ds_model *m);
 /* On a GPU: its copy bandwidth (GB/s, read + written) and BF16 GEMM rate (TFLOP/s), measured now.
  */
 int ds_model_device_limits(const ds_model *m, double *copy_gbs, double *gemm_tflops, ds_err *err);
+/* fn(ctx) is called by the backend in every forward that draws rows, after the forward's work
+ * is enqueued and before the draws' masks (ds_row_draw.allow) are read: a caller may still be
+ * filling them beside the device's work until fn returns (NULL: no call). */
+void ds_model_set_draw_wait(ds_model *m, void (*fn)(void *ctx), void *ctx);
+/* The backends: calls the draw wait, if any. */
+void ds_model_draw_wait(const ds_model *m);
 /* With DS_CUDA_PROFILE=1 on the GPU: prints the device time of each op of the eager steps since
  * the last report to f (NULL: prints nothing), and starts over (nothing on the CPU or without the
  * variable). */

@@ -80,6 +80,8 @@ struct ds_model {
      * (its copy of the weights, scratch and step buffers), or NULL before attach */
     const struct ds_backend_ops *be;
     void *be_ctx;
+    void (*draw_wait)(void *ctx); /* ds_model_set_draw_wait */
+    void *draw_wait_ctx;
     int random; /* --load-format random: weights drawn, not read */
 };
 

@@ -14,6 +14,8 @@
 
 static const char k_grammar[] = "start: /[a-c]{3,9}/ \" \" /[0-9]{1,4}/";
 
+static int g_async; /* the masks beside the forward (what a GPU does), on the CPU */
+
 static ds_engine *start(int method, int k, void *hook, void *ctx) {
     ds_engine_opts o;
     ds_engine_opts_default(&o);
@@ -26,6 +28,7 @@ static ds_engine *start(int method, int k, void *hook, void *ctx) {
     if (k) o.num_speculative_tokens = k;
     o.test.spec_drafts = hook;
     o.test.spec_ctx = ctx;
+    o.test.async_masks = g_async;
     return h_start(&o);
 }
 
@@ -149,10 +152,58 @@ static void test_speculation_checks_drafts(void **state) {
     }
 }
 
+/* The masks made by a thread of their own while the forward runs, the backend waiting for them
+ * before its draws (a GPU's path, ds_model_set_draw_wait): the same tokens as made before the
+ * forward, for sampled choices, several at once, and under speculation. */
+static void test_masks_beside_the_forward(void **state) {
+    (void)state;
+    enum { R = 5, K = 3 };
+    int32_t prompt[20];
+    h_prompt(prompt, 20, 5);
+    h_req *cs[2];
+    for (int a = 0; a < 2; a++) {
+        g_async = a;
+        ds_engine *e = start(DS_SPEC_NONE, 0, NULL, NULL);
+        if (!ready(e)) {
+            h_stop(e);
+            g_async = 0;
+            skip();
+        }
+        cs[a] = calloc(R, sizeof *cs[a]);
+        for (int r = 0; r < R; r++)
+            submit(e, prompt, 20, r ? 0.9f : 0.0f, r ? 2 : 1, 40 + r, &cs[a][r]);
+        for (int r = 0; r < R; r++) h_wait(&cs[a][r]);
+        h_assert_idle(e);
+        h_stop(e);
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < cs[0][r].n_choices; i++) {
+            assert_follows(&cs[1][r], i);
+            assert_int_equal(cs[1][r].n[i], cs[0][r].n[i]);
+            assert_memory_equal(cs[1][r].tokens[i], cs[0][r].tokens[i],
+                                (size_t)cs[0][r].n[i] * sizeof(int32_t));
+        }
+    /* speculation: each row's mask as the matcher stands after the drafts before it */
+    oracle o = {cs[0][1].tokens[0], cs[0][1].n[0], 20, -1};
+    g_async = 1;
+    ds_engine *e = start(DS_SPEC_NGRAM, K, oracle_drafts, &o);
+    h_req c;
+    submit(e, prompt, 20, 0.9f, 1, 41, &c);
+    h_wait(&c);
+    assert_int_equal(c.n[0], cs[0][1].n[0]);
+    assert_memory_equal(c.tokens[0], cs[0][1].tokens[0], (size_t)c.n[0] * sizeof(int32_t));
+    assert_true(h_stats(e).spec_accepted_tokens > 0);
+    h_stop(e);
+    g_async = 0;
+    free(cs[0]);
+    free(cs[1]);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sampled_outputs_follow),
         cmocka_unit_test(test_speculation_checks_drafts),
+        cmocka_unit_test(test_masks_beside_the_forward),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

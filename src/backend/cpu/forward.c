@@ -46,6 +46,9 @@ static void logits_flush(step *s, int n, float *mine, float *all, float **dst, i
                          const ds_row_draw **dr) {
     const ds_model *m = s->m;
     int V = m->cfg.vocab_size, Tp = m->tp_size, vp = m->vp, nd = 0;
+    for (int j = 0; j < n; j++) nd += dr[j] != NULL;
+    if (nd) ds_model_draw_wait(m); /* the draws' masks are complete from here */
+    nd = 0;
     if (Tp == 1) {
         for (int j = 0; j < n; j++) {
             if (dst[j]) memcpy(dst[j], mine + (size_t)j * vp, (size_t)V * sizeof(float));

@@ -12,6 +12,8 @@ static int draw_rows(cstep *s, int *n, ds_err *err) {
         if (s->seqs[q].draws && s->seqs[q].argmax) cnt += ds_seq_logit_rows(&s->seqs[q]);
     *n = cnt;
     if (!cnt) return DS_OK;
+    /* the forward is enqueued: the masks may have been filled beside it until now */
+    ds_model_draw_wait(s->m);
     if (cuda_grow_host((void **)&cm->draw_d, &cm->draw_d_cap, (size_t)s->n_lg,
                        sizeof(const ds_row_draw *), err) ||
         cuda_grow_host((void **)&cm->draw_out, &cm->draw_out_cap, (size_t)s->n_lg,
