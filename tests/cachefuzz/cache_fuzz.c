@@ -375,6 +375,9 @@ static void engine_opts(const fz_opts *fo, const fz_cfg *c, int cached, ds_comm 
      * longest fit (so a running set always does); the few pages beyond hold the idle cached
      * prefixes the cache must evict to admit anything */
     size_t pages = (size_t)need_pages + (size_t)c->extra_pages;
+    /* and at least one sequence of MODEL_LEN (a server refuses a max_model_len its cache cannot
+     * hold: a short workload of few sequences would otherwise draw a config that never starts) */
+    pages = DS_MAX(pages, (size_t)((MODEL_LEN + c->block_size - 1) / c->block_size));
     o->kv_cache_memory = (size_t)c->max_seqs * slot_bytes + pages * page_bytes;
     o->enable_prefix_caching = 1;
     o->state_checkpoint_memory = (size_t)c->ckpt_slots * slot_bytes;
