@@ -10,7 +10,7 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
 [ -n "$NCU" ] || { echo "ncu not found"; exit 1; }
 # prompts of one token, so that every step profiled is a batch-1 step; the weight fills (random
 # weights) are left out by name, so COUNT launches are about one step per 650
-K=${KERNELS:-gemv|moe_|mla_|kda_|norm|conv|embed|argmax|sigmoid|add_k|mul_k|move_rows|copy|ptpc|f8|fp8}
+K=${KERNELS:-gemv|moe_|mla_|kda_|norm|conv|embed|argmax|sigmoid|add_k|mul_k|move_rows|copy|ptpc_act|f8m|fp8_scale|fp8_any}
 N=${NAME:-ncu}
 timeout 400 "$NCU" --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum \
   --kernel-name-base function -k "regex:$K" --launch-count "${COUNT:-1300}" \

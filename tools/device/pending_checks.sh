@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # On the GPU machine, with .devbin carried (tools/device/pack_devbin.sh) and the wheels of
 # llguidance, openai, jsonschema, pytest and their needs in .whl (cp3XX-specific ones under
-# .whl/bin/cp3XX/): what sessions 24-25 could not run for want of a GPU, in one call (~8 min).
+# .whl/bin/cp3XX/): the GPU checks still to run (session 27 ran 1-5 once: bench/RESULTS.md), in one call (~9 min).
 #   1. every kernel check (the FP8 split sum of 7148166, the grammar draw kernel);
 #   2. tests/e2e/test_structured.py and test_tools.py against `serve --device cuda`, plain and
 #      with DSpark (issue 34's GPU end-to-end);
 #   3. constrained decoding's cost at the 48B shape, concurrency 32 (tools/device/grammar48.sh);
-#   4. decode at batch 1 and 32, BF16 then ptpc_fp8, graphs (issue 32's ratio in one call);
-#   5. Nsight Compute per kernel of a batch-1 step, BF16 and ptpc_fp8 (where the FP8 step's time
-#      goes: tools/device/ncu48.sh).
+#   4. decode at batch 1 and 32, BF16 then ptpc_fp8 (and ptpc_fp8 with DS_CUDA_F8_PREQUANT=1),
+#      graphs (issue 32's ratio in one call);
+#   5. Nsight Compute per kernel of a batch-1 step, BF16, ptpc_fp8 and ptpc_fp8 with the codes made
+#      first (where the FP8 step's time goes, and what each product's own quantization costs:
+#      tools/device/ncu48.sh; bench/RESULTS.md session 27).
 # The working tree travels whole (64 MiB at most): with the wheels (~16 MiB) the bundled model
 # (46 MB) does not fit beside them; leave it out of the call's tree for that call (docs/cuda.md).
 # STEPS: which of them (default "1 2 3 4 5"), for a call with less device time left.
@@ -34,7 +36,7 @@ grep -iE "fail|grammar|draw|fp8|mxfp4" "$OUT/check.log" | head -30
 fi
 if want 2; then
 el "2. structured outputs and tool calls on cuda"
-.devbin/deltaserve init-model --preset tiny-k3 --out models/tiny-k3 > /dev/null || echo "init failed"
+.devbin/deltaserve init-model --preset tiny-k3 --out models/tiny-k3 --force > /dev/null || echo "init failed"
 for args in "--device cuda" "--device cuda --speculative-method dspark --num-speculative-tokens 4"; do
   DS_SERVE_ARGS="$args" DS_BIN=$PWD/.devbin/deltaserve DS_MODEL=$PWD/models/tiny-k3 timeout 240 \
     python3 -m pytest -q -p no:cacheprovider tests/e2e/test_structured.py tests/e2e/test_tools.py \
@@ -51,7 +53,9 @@ B=".devbin/deltaserve bench --model $SHAPE48 --load-format random --device cuda"
 B="$B --prompt-tokens 512 --reps 1 --decode-context 512 --decode-steps 8 --batch-sizes 1,32"
 $B --json "$OUT/b_bf16.json" 2>&1 | grep -E "decode|copy" | head -4
 $B -q ptpc_fp8 --json "$OUT/b_fp8.json" 2>&1 | grep -E "decode|copy" | head -4
-el "5. ncu BF16, ptpc_fp8"
+DS_CUDA_F8_PREQUANT=1 $B -q ptpc_fp8 --json "$OUT/b_fp8_pre.json" 2>&1 | grep -E "decode b" | head -2
+el "5. ncu BF16, ptpc_fp8, ptpc_fp8 with the codes made first (DS_CUDA_F8_PREQUANT)"
 NAME=ncu_bf16 COUNT=700 bash "$(dirname "$0")/ncu48.sh" 2>&1 | head -24
 NAME=ncu_fp8 COUNT=700 bash "$(dirname "$0")/ncu48.sh" -q ptpc_fp8 2>&1 | head -24
+DS_CUDA_F8_PREQUANT=1 NAME=ncu_fp8p COUNT=700 bash "$(dirname "$0")/ncu48.sh" -q ptpc_fp8 2>&1 | head -24
 el end

@@ -17,6 +17,9 @@
  *                                          (0: the kernels' default, 40)
  *   DS_CUDA_GEMV_MAX_T     N      0        matmuls of up to this many rows stream the weights
  *                                          instead of cuBLAS (0: the kernels' default, 2)
+ *   DS_CUDA_F8_PREQUANT    F      0        ptpc FP8 products of <= 8 tokens read codes the
+ *                                          activations' quantizer wrote first, instead of each
+ *                                          block quantizing its tokens (what that costs)
  *   DS_CUDA_MLA_GEMM       F      1        expanded MLA of >= 128 query rows through cuBLAS
  *   DS_CUDA_MLA_FLASH      F      1        ... and for Kimi's head shape as one flash kernel
  *   DS_CUDA_EARLY_EXPERTS  F      1        the experts' down pass reads its routing and first
@@ -57,6 +60,7 @@ enum { DS_CUDA_KDA_FUSE_MAX = 2 }; /* DS_CUDA_KDA_FUSED's default (layers.c kda_
 typedef struct ds_cuda_tuning {
     int expert_gemm, expert_mma, expert_tc;
     int expert_mma_min, gemv_max_t; /* 0: the kernels' defaults */
+    int f8_prequant;
     int mla_gemm, mla_flash;
     int early_experts, wide_early, gemv_wide, conv_fixed;
     int kda_fused;             /* sequences up to which a decode step's KDA middle is one kernel */

@@ -37,6 +37,8 @@ struct ds_cu {
     int expert_tc;       /* ...through the streaming tensor-core kernel (ds_cu_set_expert_tc) */
     int mma_min_tokens;  /* ...from this many tokens a step (ds_cu_set_expert_mma_min; 0: 40) */
     int gemv_max_t;      /* matmuls of up to this many rows stream (ds_cu_set_gemv_max_t; 0: 2) */
+    int f8_prequant;     /* FP8 decode products read codes made by the activations' quantizer,
+                            not quantize their tokens themselves (ds_cu_set_f8_prequant) */
     int mla_gemm;        /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
     int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
     int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */

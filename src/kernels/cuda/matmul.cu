@@ -202,6 +202,10 @@ extern "C" void ds_cu_set_batch_invariant(ds_cu *c, int on) {
  * 4.007 / 4.111 ms, 4 6.632 / 5.668, 8 10.97 / 8.45, 16 20.58 / 14.16. */
 enum { GEMV_MAX_T = 2 };
 
+extern "C" void ds_cu_set_f8_prequant(ds_cu *c, int on) {
+    c->f8_prequant = on;
+}
+
 extern "C" void ds_cu_set_gemv_max_t(ds_cu *c, int rows) {
     c->gemv_max_t = rows;
 }

@@ -268,8 +268,8 @@ int matmul_fp8(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, cons
     const int K = w->cols;
     const int mma = K % 16 == 0 && (uintptr_t)w->data % 16 == 0;
     const int tc = !stream && mma;
-    /* decode: one kernel, quantizing its tokens as it goes */
-    if (!tc && mma && T <= 8 && (size_t)T * K * 2 <= F8_XSH_MAX)
+    /* decode: one kernel, quantizing its tokens as it goes (unless f8_prequant) */
+    if (!tc && mma && T <= 8 && (size_t)T * K * 2 <= F8_XSH_MAX && !c->f8_prequant)
         return fp8_gemv(c, y, ldy, x, ldx, (const uint16_t *)NULL, (const float *)NULL, T, w, err);
     /* scratch (per stream: the side stream has its own): s [T] f32, then xq [T][K] codes for the
      * tensor cores or xh [T][K] F16 code values for the streaming kernels */
