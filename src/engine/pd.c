@@ -44,10 +44,11 @@
 #include <string.h>
 #include <xxhash.h>
 
-#define PD_MAGIC     0x44504453u /* "DSPD" */
-#define PD_VERSION   3u
-#define PD_MAX_PARTS 4096
-#define PD_MAX_TP    63 /* a layer's TP ranks are a bitmask */
+#define PD_MAGIC        0x44504453u /* "DSPD" */
+#define PD_VERSION      3u
+#define PD_MAX_PARTS    4096
+#define PD_MAX_TP       63   /* a layer's TP ranks are a bitmask */
+#define PD_RANK_PULL_MS 5000 /* a non-head rank's pull, at most (pull_part) */
 
 typedef struct pd_header {
     uint32_t magic, version;
@@ -587,6 +588,10 @@ static const char *pull_part(ds_engine *e, ds_kv_pull *p, int i, int port, int p
                              const int32_t *prompt, int n_prompt, ds_err *err) {
     pd_part *q = &p->parts[i];
     int timeout = e->opts.kv_pull_timeout_ms > 0 ? e->opts.kv_pull_timeout_ms : 30000;
+    /* a rank other than the head pulls inside the step loop, where its whole job waits for it:
+     * the producer answered the head a moment ago, so a part that does not come within seconds
+     * is given up (the job recomputes) rather than holding every running request */
+    if (!e->head) timeout = DS_MIN(timeout, PD_RANK_PULL_MS);
     void *buf;
     const double t0 = ds_now();
     if (ds_xfer_pull_shared(e->xclient, p->host, port, p->id, pulls, timeout, &buf, &q->len, err))

@@ -667,3 +667,33 @@ def test_pp2_producer_to_pp2_consumer(ref, cons, text_ids):
         log = "".join(cons2.log[-20:]) + "".join(prod2.log[-20:])
         assert cons2.stop() == 0, log
         assert prod2.stop() == 0, log
+
+
+def test_hung_producer_bounds_a_ranks_pull(ref, text_ids):
+    """A producer that holds every pull 6 s between its header and its bytes: the TP 2 consumer's
+    head waits it out (its pull runs on the request's own thread, within pull_timeout_s), but rank
+    1 pulls inside the step loop, where its whole job waits for it, and gives up after 5 s; that
+    rank then misses, the job recomputes the prompt, and the answer is one server's."""
+    ids = text_ids[0]
+    slow = Server("--seed", "1", *SPEC, *kv_config("kv_producer"), "--test-kv-stall-ms", "6000",
+                  env_args=False)
+    cons2 = Server("-tp", "2", "--seed", "1", *SPEC, *kv_config("kv_consumer"), env_args=False)
+    try:
+        body = completion(ids[187: 187 + 300], 4)
+        want = post(ref, "/v1/completions", body)[1]
+        kv = prefill(slow, "/v1/completions", body)
+        hits = m(cons2, "prefix_cache_hits_total")
+        t0 = time.time()
+        status, got = post(cons2, "/v1/completions", dict(body, kv_transfer_params=kv))
+        took = time.time() - t0
+        assert status == 200, got
+        close(got, want)
+        assert 10.5 < took < 25, took  # the head's 6 s and rank 1's 5 s, not its 30 s
+        assert m(cons2, "kv_transfer_pulls_total") == 1  # the head's part came
+        assert m(cons2, "prefix_cache_hits_total") == hits  # nothing resumed: recomputed
+        assert any("timed out" in line for line in cons2.log), "".join(cons2.log[-10:])
+        assert pool_use(cons2) == (0, 0, 0, 0)
+    finally:
+        log = "".join(cons2.log[-20:]) + "".join(slow.log[-20:])
+        assert cons2.stop() == 0, log
+        assert slow.stop() == 0, log
