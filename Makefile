@@ -46,7 +46,7 @@ run: build
 test: build $(MODEL)/config.json
 	cd $(BUILD) && ctest --output-on-failure -j 2
 	DS_BIN=$(CURDIR)/$(BUILD)/deltaserve DS_MODEL=$(CURDIR)/$(MODEL) python3 -m pytest -q tests/e2e
-	DS_SERVE_ARGS="--speculative-method dspark --num-speculative-tokens 4" \
+	DS_SERVE_ARGS="--speculative-method dspark --num-speculative-tokens 4 --test-async-masks 1" \
 	  DS_BIN=$(CURDIR)/$(BUILD)/deltaserve DS_MODEL=$(CURDIR)/$(MODEL) python3 -m pytest -q tests/e2e
 	DS_SERVE_ARGS="-tp 2 -pp 2" \
 	  DS_BIN=$(CURDIR)/$(BUILD)/deltaserve DS_MODEL=$(CURDIR)/$(MODEL) python3 -m pytest -q tests/e2e

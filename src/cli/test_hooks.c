@@ -93,6 +93,8 @@ int ds_test_flags_table(ds_test_flags *t, ds_arg *out) {
                     "cuts it short"),
         DS_TEST_OPT("test-kv-stall-ms", DS_ARG_INT, &t->kv_stall_ms, "MS",
                     "testing: a P/D producer pauses MS between a pull's header and its bytes"),
+        DS_TEST_OPT("test-async-masks", DS_ARG_INT, &t->async_masks, "0|1",
+                    "testing: constrained decoding's masks made beside the forward, as on a GPU"),
     };
     memcpy(out, table, sizeof table);
     return DS_TEST_FLAGS_MAX;
@@ -107,6 +109,9 @@ int ds_test_flags_apply(ds_test_flags *t, ds_engine_opts *eo, ds_err *err) {
     eo->test.kv_corrupt = t->kv_corrupt;
     if (t->kv_stall_ms < 0) return ds_errf(err, "--test-kv-stall-ms: expected MS >= 0");
     eo->test.kv_stall_ms = t->kv_stall_ms;
+    if (t->async_masks < 0 || t->async_masks > 1)
+        return ds_errf(err, "--test-async-masks: expected 0 or 1, got %d", t->async_masks);
+    eo->test.async_masks = t->async_masks;
     if (!t->oracle_path) return DS_OK;
     t->oracle = ds_calloc(1, sizeof *t->oracle, err);
     if (!t->oracle) return DS_ERR;

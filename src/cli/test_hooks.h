@@ -2,14 +2,16 @@
  * ds_test_hooks) and the state behind them. They are hidden from --help (DS_TEST_OPT) and are
  * all off unless given.
  *   --speculative-test-oracle FILE  drafts from known greedy outputs (tests/e2e/test_dist.py)
- *   --prefix-hash-bits N            the prefix cache keeps N hash bits, forcing collisions */
+ *   --prefix-hash-bits N            the prefix cache keeps N hash bits, forcing collisions
+ *   --test-kv-corrupt M, --test-kv-stall-ms MS   P/D faults (tests/e2e/test_pd.py)
+ *   --test-async-masks 1            grammar masks beside the forward, as on a GPU */
 #ifndef DS_CLI_TEST_HOOKS_H
 #define DS_CLI_TEST_HOOKS_H
 
 #include "cli/args.h"
 #include "engine/engine.h"
 
-enum { DS_TEST_FLAGS_MAX = 4 }; /* entries ds_test_flags_table writes at most */
+enum { DS_TEST_FLAGS_MAX = 5 }; /* entries ds_test_flags_table writes at most */
 
 typedef struct ds_test_oracle ds_test_oracle;
 
@@ -18,6 +20,7 @@ typedef struct ds_test_flags {
     int prefix_hash_bits;    /* --prefix-hash-bits */
     int kv_corrupt;          /* --test-kv-corrupt */
     int kv_stall_ms;         /* --test-kv-stall-ms */
+    int async_masks;         /* --test-async-masks */
     ds_test_oracle *oracle;  /* loaded by ds_test_flags_apply; outlives the engine */
 } ds_test_flags;
 
