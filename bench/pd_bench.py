@@ -19,6 +19,7 @@ and do_remote_decode; the consumer the original request with the producer's kv_t
          the streams' decode in the consumer's). Both processes share the machine's cores.
 
     python3 bench/pd_bench.py --bin build/deltaserve --model models/gsm-k3 [--lengths 500,2000,4000]
+        [--producer-extra "-pp 2"] [--consumer-extra "-tp 2"]  (each side's own layout)
 Prints a JSON record and Markdown tables.
 """
 import argparse
@@ -213,6 +214,8 @@ def main():
                     help="pin the producer to core 0 and the consumer to core 1, one OpenMP thread "
                     "each (the plain server keeps both cores): prefill cannot take decode's core")
     ap.add_argument("--skip", default="", help="ttft or mixed: leave that part out")
+    ap.add_argument("--producer-extra", default="", help="the producer's own flags (e.g. -pp 2)")
+    ap.add_argument("--consumer-extra", default="", help="the consumer's own flags (e.g. -tp 2)")
     a = ap.parse_args()
     a.lengths = [int(x) for x in a.lengths.split(",")]
     extra = shlex.split(a.extra)
@@ -220,8 +223,10 @@ def main():
     plain = Srv(a.bin, a.model, extra)
     pin = (lambda c: ("taskset", "-c", str(c))) if a.split_cores else (lambda c: ())
     one = 1 if a.split_cores else None
-    prod = Srv(a.bin, a.model, extra + kv("kv_producer"), pin(0), one)
-    cons = Srv(a.bin, a.model, extra + kv("kv_consumer"), pin(1), one)
+    prod = Srv(a.bin, a.model, extra + shlex.split(a.producer_extra) + kv("kv_producer"), pin(0),
+               one)
+    cons = Srv(a.bin, a.model, extra + shlex.split(a.consumer_extra) + kv("kv_consumer"), pin(1),
+               one)
     try:
         model = json.loads(plain.get("/v1/models")[1])["data"][0]["id"]
         ids = plain.tokenize(" ".join(
