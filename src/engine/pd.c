@@ -26,7 +26,7 @@
  *            and count, checksum}
  *   prompt  [n_prompt] int32 token ids (a block's key is a prefix of them)
  *   ranks   [n_parts] pd_rank: each part of the producer's job (part = world rank): its port,
- *           layer range, TP rank, and whether its pages carry the draft's rows
+ *           layer range, TP rank, and the bytes of the draft's rows its pages end with (0: none)
  *   blocks  each {kind 'p'|'c', depth in tokens, prefix hash, layer range, TP rank, payload bytes,
  *            checksum} then the payload
  * Every checksum is XXH3-64 over the header or block header (checksum field zero) and what
@@ -68,7 +68,7 @@ typedef struct pd_rank {
     int32_t port;               /* its transfer store's port (0: a consumer's rank) */
     int32_t layer_lo, layer_hi; /* its layers */
     int32_t tp_rank;
-    int32_t x; /* 1: its pages end with the DSpark draft's rows */
+    int32_t x; /* bytes of the DSpark draft's rows at the end of its pages (0: none) */
 } pd_rank;
 
 typedef struct pd_block {
@@ -212,7 +212,7 @@ static int gather_ranks(ds_engine *e, ds_err *err) {
     if (!e->pd_ranks) return DS_ERR;
     pd_header me = own_header(e);
     const int32_t mine[5] = {e->xfer ? ds_xfer_server_port(e->xfer) : 0, me.layer_lo, me.layer_hi,
-                             me.tp_rank, me.x_bytes > 0};
+                             me.tp_rank, (int32_t)DS_MIN(me.x_bytes, (uint64_t)INT32_MAX)};
     for (int r = 0; r < n; r++) {
         int32_t f[5];
         for (int k = 0; k < 5; k++) {
@@ -477,7 +477,7 @@ static const char *verify_layout(const ds_engine *e, const ds_kv_pull *p) {
     }
     const pd_rank *r0 = &p->ranks[0];
     if (h0->part != 0 || r0->layer_lo != h0->layer_lo || r0->layer_hi != h0->layer_hi ||
-        r0->tp_rank != h0->tp_rank || (r0->x != 0) != (h0->x_bytes != 0))
+        r0->tp_rank != h0->tp_rank || (uint64_t)r0->x != h0->x_bytes)
         return "parts of another layout (the producer's ranks disagree)";
     for (int l = 0; l < c->num_hidden_layers; l++) {
         uint64_t seen = 0;
@@ -501,7 +501,7 @@ static const char *verify_member(const ds_engine *e, const ds_kv_pull *p, const 
     const pd_rank *r = &p->ranks[i];
     if (h->part != i || h->n_parts != p->n_parts || h->tp_size != p->h0.tp_size ||
         h->layer_lo != r->layer_lo || h->layer_hi != r->layer_hi || h->tp_rank != r->tp_rank ||
-        (h->x_bytes != 0) != (r->x != 0))
+        (uint64_t)r->x != h->x_bytes)
         return "parts of another layout (the producer's ranks disagree)";
     pd_header mine = own_header(e);
     if (h->x_bytes && mine.x_bytes && h->x_bytes != mine.x_bytes)
@@ -581,6 +581,23 @@ static void count_pull(ds_engine *e, int ok, const ds_kv_pull *p) {
     pthread_mutex_unlock(&e->mu);
 }
 
+/* The most bytes a part of a transfer of this prompt can have: its front (PD_MAX_PARTS table
+ * entries), then at each of the prompt's block depths a page and a checkpoint of the whole model
+ * at TP 1 (no part holds more), with their headers and the draft's rows. A part announced larger
+ * is refused before any memory is taken for it (a client names the producer). */
+static size_t part_bound(const ds_engine *e, const ds_kv_pull *p) {
+    const ds_config *c = ds_model_config(e->model);
+    size_t mla, slot;
+    part_sizes(e, 0, c->num_hidden_layers, 1, &mla, &slot);
+    size_t x = 0; /* the draft's rows: the size the job's sampling rank has (verified equal) */
+    for (int r = 0; r < (e->comm ? e->comm->size : 1); r++)
+        x = DS_MAX(x, (size_t)DS_MAX(e->pd_ranks[r].x, 0));
+    const size_t bs = (size_t)e->opts.block_size, nd = (size_t)p->n_depths + 1;
+    const size_t front =
+        sizeof(pd_header) + nd * bs * sizeof(int32_t) + PD_MAX_PARTS * sizeof(pd_rank);
+    return front + nd * (2 * sizeof(pd_block) + mla + x + slot);
+}
+
 /* Pulls part i of the transfer from port, as one of `pulls` (xfer.h), and verifies it (against
  * the table once it is known); "" on success, else why not (err filled when the pull itself
  * failed). */
@@ -594,7 +611,8 @@ static const char *pull_part(ds_engine *e, ds_kv_pull *p, int i, int port, int p
     if (!e->head) timeout = DS_MIN(timeout, PD_RANK_PULL_MS);
     void *buf;
     const double t0 = ds_now();
-    if (ds_xfer_pull_shared(e->xclient, p->host, port, p->id, pulls, timeout, &buf, &q->len, err))
+    if (ds_xfer_pull_shared(e->xclient, p->host, port, p->id, pulls, part_bound(e, p), timeout,
+                            &buf, &q->len, err))
         return err->msg;
     p->wire_seconds += ds_now() - t0;
     q->buf = buf;

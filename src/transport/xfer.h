@@ -91,9 +91,11 @@ int ds_xfer_pull(ds_xfer_client *c, const char *host, int port, uint64_t id, int
 /* The same for a blob that `pulls` consumers (the ranks of one job that need the same part)
  * each pull once: the producer frees it once that many pulls have been answered (the first
  * pull's count is the one kept); 0 leaves it held (a look at it: a release or its time to live
- * frees it). ds_xfer_pull is pulls = 1. */
+ * frees it). A blob of more than max_len bytes (0: any) is refused before any memory is taken
+ * for it: what a consumer pulls is named by its clients, so its size must be bounded.
+ * ds_xfer_pull is pulls = 1, max_len 0. */
 int ds_xfer_pull_shared(ds_xfer_client *c, const char *host, int port, uint64_t id, int pulls,
-                        int timeout_ms, void **buf, size_t *len, ds_err *err);
+                        size_t max_len, int timeout_ms, void **buf, size_t *len, ds_err *err);
 /* Gives a pulled buffer back to its client, which keeps it (up to a bound) for the next pulls.
  * NULL: nothing. */
 void ds_xfer_buf_free(void *buf);

@@ -326,8 +326,8 @@ static int conn_open(ds_xfer_client *c, const struct sockaddr_in *sa, const char
  * NULL). *answered: the header arrived (a failure before it, on a kept connection, is retried
  * on a new one). */
 static int request_on(ds_xfer_client *c, cconn *k, uint64_t id, uint32_t op, uint32_t pulls,
-                      double deadline, const char *peer, void **buf, size_t *len, int *answered,
-                      ds_err *err) {
+                      size_t max_len, double deadline, const char *peer, void **buf, size_t *len,
+                      int *answered, ds_err *err) {
     xreq rq = {XFER_MAGIC, XFER_VERSION, id, op, pulls};
     xhdr h;
     ucp_worker_h w = k->w;
@@ -339,7 +339,12 @@ static int request_on(ds_xfer_client *c, cconn *k, uint64_t id, uint32_t op, uin
                        "kv transfer: %s: transfer %016llx not held (pulled, expired or never "
                        "filed)",
                        peer, (unsigned long long)id);
-    if (!buf) return DS_OK; /* released */
+    if (!buf) return DS_OK;         /* released */
+    if (max_len && h.len > max_len) /* (the connection goes: its bytes are not taken) */
+        return ds_errf(err,
+                       "kv transfer: %s: transfer %016llx is %llu bytes, more than the %zu this "
+                       "pull allows",
+                       peer, (unsigned long long)id, (unsigned long long)h.len, max_len);
     void *b = buf_take(c, h.len);
     if (!b)
         return ds_errf(err, "kv transfer: out of memory for %llu bytes", (unsigned long long)h.len);
@@ -366,7 +371,8 @@ static int request_on(ds_xfer_client *c, cconn *k, uint64_t id, uint32_t op, uin
 /* Runs one request to host:port on a kept connection (or a new one) and keeps the connection
  * when the request was answered whole. */
 static int request(ds_xfer_client *c, const char *host, int port, uint64_t id, uint32_t op,
-                   uint32_t pulls, int timeout_ms, void **buf, size_t *len, ds_err *err) {
+                   uint32_t pulls, size_t max_len, int timeout_ms, void **buf, size_t *len,
+                   ds_err *err) {
     char peer[160];
     snprintf(peer, sizeof peer, "%s:%d", host ? host : "?", port);
     struct sockaddr_in sa;
@@ -378,7 +384,7 @@ static int request(ds_xfer_client *c, const char *host, int port, uint64_t id, u
         if (!k && conn_open(c, &sa, peer, deadline, &k, err)) return DS_ERR;
         if (kept) count(c, &c->st.reuses);
         int answered;
-        int rc = request_on(c, k, id, op, pulls, deadline, peer, buf, len, &answered, err);
+        int rc = request_on(c, k, id, op, pulls, max_len, deadline, peer, buf, len, &answered, err);
         if (rc == DS_OK) {
             conn_keep(c, k);
             return DS_OK;
@@ -392,19 +398,19 @@ static int request(ds_xfer_client *c, const char *host, int port, uint64_t id, u
 }
 
 int ds_xfer_pull_shared(ds_xfer_client *c, const char *host, int port, uint64_t id, int pulls,
-                        int timeout_ms, void **buf, size_t *len, ds_err *err) {
+                        size_t max_len, int timeout_ms, void **buf, size_t *len, ds_err *err) {
     *buf = NULL;
     *len = 0;
     if (pulls < 0) return ds_errf(err, "kv transfer: %d pulls of a transfer", pulls);
-    return request(c, host, port, id, OP_PULL, (uint32_t)pulls, timeout_ms, buf, len, err);
+    return request(c, host, port, id, OP_PULL, (uint32_t)pulls, max_len, timeout_ms, buf, len, err);
 }
 
 int ds_xfer_pull(ds_xfer_client *c, const char *host, int port, uint64_t id, int timeout_ms,
                  void **buf, size_t *len, ds_err *err) {
-    return ds_xfer_pull_shared(c, host, port, id, 1, timeout_ms, buf, len, err);
+    return ds_xfer_pull_shared(c, host, port, id, 1, 0, timeout_ms, buf, len, err);
 }
 
 int ds_xfer_release(ds_xfer_client *c, const char *host, int port, uint64_t id, int timeout_ms,
                     ds_err *err) {
-    return request(c, host, port, id, OP_RELEASE, 0, timeout_ms, NULL, NULL, err);
+    return request(c, host, port, id, OP_RELEASE, 0, 0, timeout_ms, NULL, NULL, err);
 }

@@ -41,8 +41,8 @@ static void pull_shared_and_check(int port, uint64_t id, int pulls, size_t n, ui
     void *got;
     size_t len;
     ds_err err = {{0}};
-    assert_int_equal(ds_xfer_pull_shared(g_c, "127.0.0.1", port, id, pulls, 5000, &got, &len, &err),
-                     DS_OK);
+    assert_int_equal(
+        ds_xfer_pull_shared(g_c, "127.0.0.1", port, id, pulls, n, 5000, &got, &len, &err), DS_OK);
     void *want = pattern(n, seed);
     assert_int_equal(len, n);
     assert_memory_equal(got, want, n);
@@ -136,7 +136,7 @@ static void test_shared_pulls(void **st) {
     assert_int_equal(xs.served, 4);
     void *got;
     size_t len;
-    assert_int_equal(ds_xfer_pull_shared(g_c, "127.0.0.1", port, 21, 3, 5000, &got, &len, &err),
+    assert_int_equal(ds_xfer_pull_shared(g_c, "127.0.0.1", port, 21, 3, 0, 5000, &got, &len, &err),
                      DS_ERR);
     assert_non_null(strstr(err.msg, "not held"));
     /* one of two pulls answered, then a release (the job refused it): freed now */
@@ -145,10 +145,19 @@ static void test_shared_pulls(void **st) {
     ds_xfer_server_stats(s, &xs);
     assert_int_equal(xs.held, 0);
     assert_int_equal(xs.released, 1);
-    assert_int_equal(ds_xfer_pull_shared(g_c, "127.0.0.1", port, 22, 2, 5000, &got, &len, &err),
+    assert_int_equal(ds_xfer_pull_shared(g_c, "127.0.0.1", port, 22, 2, 0, 5000, &got, &len, &err),
                      DS_ERR);
-    assert_int_equal(ds_xfer_pull_shared(g_c, "127.0.0.1", port, 22, -1, 5000, &got, &len, &err),
+    assert_int_equal(ds_xfer_pull_shared(g_c, "127.0.0.1", port, 22, -1, 0, 5000, &got, &len, &err),
                      DS_ERR);
+    /* a blob larger than the pull allows is refused before any memory is taken for it, and the
+     * producer serves the next pull */
+    assert_int_equal(ds_xfer_server_put(s, 23, pattern(5000, 1), 5000, 60000, &err), DS_OK);
+    assert_int_equal(ds_xfer_server_put(s, 24, pattern(300, 2), 300, 60000, &err), DS_OK);
+    err.msg[0] = 0;
+    assert_int_equal(
+        ds_xfer_pull_shared(g_c, "127.0.0.1", port, 23, 1, 4999, 5000, &got, &len, &err), DS_ERR);
+    assert_non_null(strstr(err.msg, "5000 bytes, more than the 4999"));
+    pull_and_check(port, 24, 300, 2);
     ds_xfer_server_free(s);
 }
 
