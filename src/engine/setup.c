@@ -423,8 +423,9 @@ static int alloc_step_buffers(ds_engine *e, ds_err *err) {
         if (!(e->scratch[t] = ds_sample_scratch_new(e->V, err))) return DS_ERR;
     /* one process on a GPU: the host is free while a step runs (a job's ranks keep the masks
      * on the step's path: its sampling rank's forward is a pipeline stage's) */
-    e->mask_async =
-        e->sampler && !e->dist && (ds_model_on_device(e->model) || e->opts.test.async_masks);
+    const char *beside = getenv("DS_MASKS_BESIDE"); /* 0: before the forward (comparisons) */
+    e->mask_async = e->sampler && !e->dist && !(beside && *beside && atoi(beside) <= 0) &&
+                    (ds_model_on_device(e->model) || e->opts.test.async_masks);
     return eng_masks_start(e, err);
 }
 

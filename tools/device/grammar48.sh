@@ -5,7 +5,8 @@
 # tokenizer). One `serve`, then `bench serve` at concurrency CONC twice in turn, plain and with
 # every request carrying a json_schema response_format; TPOT and ITL are what compare (a
 # constrained output may end early at its grammar's end, so output counts differ). Rows of the
-# two runs: $OUT/grammar48_{plain,schema}*.json, the ratio printed last.
+# two runs: $OUT/grammar48${TAG}_{plain,schema}*.json (TAG: a suffix of one's own for a second
+# setting in the same call, e.g. DS_MASKS_BESIDE=0 TAG=_before), the ratio printed last.
 . "$(dirname "$0")/env.sh"
 PORT=${PORT:-8125}
 CONC=${CONC:-32}
@@ -17,7 +18,7 @@ b() { # name extra-args...
   local name=$1; shift
   timeout ${STEP_TIMEOUT:-150} .devbin/deltaserve bench serve --url "http://127.0.0.1:$PORT" \
     --num-prompts $((4 * CONC)) --concurrency $CONC --input-len ${IN_LEN:-128} \
-    --output-len ${OUT_LEN:-256} --seed 1 --out "$OUT/grammar48_$name.json" "$@" | tail -14
+    --output-len ${OUT_LEN:-256} --seed 1 --out "$OUT/grammar48${TAG:-}_$name.json" "$@" | tail -14
 }
 for rep in 1 2; do
   b plain$rep
@@ -25,9 +26,9 @@ for rep in 1 2; do
 done
 curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "grammar_(compiles|cache_hits)_total" | head -4
 serve48_stop $PORT
-python3 - "$OUT" <<'PY'
+python3 - "$OUT" "${TAG:-}" <<'PY'
 import json, sys
-d = {n: json.load(open(f"{sys.argv[1]}/grammar48_{n}.json"))
+d = {n: json.load(open(f"{sys.argv[1]}/grammar48{sys.argv[2]}_{n}.json"))
      for n in ("plain1", "schema1", "plain2", "schema2")}
 for n, r in d.items():
     print(f"{n}: completed {r['completed']} failed {r['failed']} mean TPOT {r['mean_tpot_ms']:.3f} "

@@ -5,7 +5,8 @@
 #   1. every kernel check (the FP8 split sum of 7148166, the grammar draw kernel);
 #   2. tests/e2e/test_structured.py and test_tools.py against `serve --device cuda`, plain and
 #      with DSpark (issue 34's GPU end-to-end);
-#   3. constrained decoding's cost at the 48B shape, concurrency 32 (tools/device/grammar48.sh);
+#   3. constrained decoding's cost at the 48B shape, concurrency 32 (tools/device/grammar48.sh),
+#      the masks made before the forward and beside it (issue 34's < 5%);
 #   4. decode at batch 1 and 32, BF16 then ptpc_fp8 (and ptpc_fp8 with DS_CUDA_F8_PREQUANT=1),
 #      graphs (issue 32's ratio in one call);
 #   5. Nsight Compute per kernel of a batch-1 step, BF16, ptpc_fp8 and ptpc_fp8 with the codes made
@@ -44,8 +45,9 @@ for args in "--device cuda" "--device cuda --speculative-method dspark --num-spe
 done
 fi
 if want 3; then
-el "3. grammar48"
-CONC=32 STEP_TIMEOUT=120 bash "$(dirname "$0")/grammar48.sh" 2>&1 | tail -12
+el "3. grammar48: the masks before the forward (DS_MASKS_BESIDE=0), then beside it (the default)"
+DS_MASKS_BESIDE=0 TAG=_before CONC=32 STEP_TIMEOUT=120 bash "$(dirname "$0")/grammar48.sh" 2>&1 | tail -3
+TAG=_beside CONC=32 STEP_TIMEOUT=120 bash "$(dirname "$0")/grammar48.sh" 2>&1 | tail -8
 fi
 want 4 || want 5 || { el end; exit 0; }
 el "4. decode b1 / b32, BF16 then ptpc_fp8"
