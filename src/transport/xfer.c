@@ -69,6 +69,14 @@ static void on_conn(ucp_conn_request_h req, void *arg) {
     s->pending = c;
 }
 
+/* Takes the blob at *p out of the store (s->mu held). */
+static void store_remove(ds_xfer_server *s, blob **p) {
+    blob *b = *p;
+    *p = b->next;
+    s->st.held--;
+    s->st.held_bytes -= b->len;
+}
+
 /* The blob filed under id (NULL when absent), freeing expired ones. A pull's `pulls` (xfer.h)
  * says whether this answer is its last: then (and for a release) it is taken out of the store
  * (*gone set), else it stays there for the pulls still to come. Only the serving thread frees
@@ -91,13 +99,9 @@ static blob *take_blob(ds_xfer_server *s, uint64_t id, int release, uint32_t pul
                 }
             }
             *gone = 1;
-            *p = b->next;
-            s->st.held--;
-            s->st.held_bytes -= b->len;
+            store_remove(s, p);
         } else if (b->expires < now) {
-            *p = b->next;
-            s->st.held--;
-            s->st.held_bytes -= b->len;
+            store_remove(s, p);
             s->st.expired++;
             free(b->buf);
             free(b);
@@ -113,9 +117,7 @@ static void unlink_blob(ds_xfer_server *s, blob *b) {
     pthread_mutex_lock(&s->mu);
     for (blob **p = &s->blobs; *p; p = &(*p)->next)
         if (*p == b) {
-            *p = b->next;
-            s->st.held--;
-            s->st.held_bytes -= b->len;
+            store_remove(s, p);
             break;
         }
     pthread_mutex_unlock(&s->mu);
