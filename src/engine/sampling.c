@@ -142,10 +142,18 @@ uint32_t *eng_allow_rows(ds_engine *e, int i) {
     return e->dallow ? e->dallow + (size_t)i * R * W : NULL;
 }
 
+/* Constrained items of f whose rows the model draws (their masks to make). */
+static int n_mask_items(const ds_engine *e, const inflight *f) {
+    int n = 0;
+    for (int i = 0; i < f->n_items; i++) {
+        const choice *ch = f->items[i].seq->owner;
+        n += e->batch[i].draws && ch->req->spec.params.grammar;
+    }
+    return n;
+}
+
 /* The items are independent (one matcher each; the grammar cache is thread-safe), so their masks
  * are made side by side. Their mask memory was made by eng_allow_rows as the batch was built. */
-static int n_mask_items(const ds_engine *e, const inflight *f);
-
 void eng_grammar_masks(ds_engine *e, inflight *f) {
     int n = n_mask_items(e, f);
     if (!n) return;
@@ -165,15 +173,6 @@ void eng_grammar_masks(ds_engine *e, inflight *f) {
  * the step is launched first and this thread makes them while it runs; the backend waits for
  * them (ds_model_set_draw_wait) just before the draws read them, and the engine thread waits
  * again after the forward, so nothing else touches the matchers meanwhile. */
-
-static int n_mask_items(const ds_engine *e, const inflight *f) {
-    int n = 0;
-    for (int i = 0; i < f->n_items; i++) {
-        const choice *ch = f->items[i].seq->owner;
-        n += e->batch[i].draws && ch->req->spec.params.grammar;
-    }
-    return n;
-}
 
 static void *mask_main(void *arg) {
     ds_engine *e = arg;
