@@ -48,12 +48,10 @@ static void logits_flush(step *s, int n, float *mine, float *all, float **dst, i
     int V = m->cfg.vocab_size, Tp = m->tp_size, vp = m->vp, nd = 0;
     for (int j = 0; j < n; j++) nd += dr[j] != NULL;
     if (nd) ds_model_draw_wait(m); /* the draws' masks are complete from here */
-    nd = 0;
     if (Tp == 1) {
         for (int j = 0; j < n; j++) {
             if (dst[j]) memcpy(dst[j], mine + (size_t)j * vp, (size_t)V * sizeof(float));
             if (am[j] && !dr[j]) *am[j] = ds_argmax(mine + (size_t)j * vp, V);
-            nd += dr[j] != NULL;
         }
         if (nd) ds_host_draws_run(&s->ctx->draws, V, mine, 0, vp, n, dr, am);
         return;
@@ -62,7 +60,6 @@ static void logits_flush(step *s, int n, float *mine, float *all, float **dst, i
         s->tp_failed = 1;
     for (int j = 0; j < n; j++) {
         if (am[j] && !dr[j]) *am[j] = ds_argmax_blocks(all + (size_t)j * vp, (size_t)n * vp, vp, V);
-        nd += dr[j] != NULL;
         for (int t = 0; dst[j] && t < Tp; t++) {
             int v0 = DS_MIN(V, t * vp), nv = DS_MIN(V, v0 + vp) - v0;
             memcpy(dst[j] + v0, all + ((size_t)t * n + j) * vp, (size_t)nv * sizeof(float));
