@@ -532,6 +532,33 @@ static void bench_lengths(bench *b, int input_len, int output_len, double ratio,
     }
 }
 
+/* --output-lens-from: each request's max_tokens from the "output_lens" of an earlier run's --out
+ * JSON (same --num-prompts, same order), so a run without a response_format generates exactly as
+ * many tokens per request as a constrained run did (a grammar may end an output early; with
+ * shorter outputs the same admissions cost more per token, which a fair comparison must not
+ * count as the mask's cost). */
+static int lens_from(const char *path, bench *b, ds_err *err) {
+    json_error_t je;
+    json_t *j = json_load_file(path, 0, &je);
+    if (!j) return ds_errf(err, "--output-lens-from %s: %s", path, je.text);
+    json_t *ol = json_object_get(j, "output_lens");
+    int rc = DS_OK;
+    if (!json_is_array(ol) || (int)json_array_size(ol) != b->n)
+        rc =
+            ds_errf(err, "--output-lens-from %s: expected \"output_lens\", an array of %d integers",
+                    path, b->n);
+    for (int i = 0; rc == DS_OK && i < b->n; i++) {
+        json_t *v = json_array_get(ol, (size_t)i);
+        if (!json_is_integer(v) || json_integer_value(v) < 1 || json_integer_value(v) > 1 << 24)
+            rc = ds_errf(err, "--output-lens-from %s: output_lens[%d]: expected an integer >= 1",
+                         path, i);
+        else
+            b->reqs[i].max_tokens = (int)json_integer_value(v);
+    }
+    json_decref(j);
+    return rc;
+}
+
 /* The server's base URL: trailing slashes and a "/v1" taken off, into base[cap]. */
 static void base_url(const char *url, char *base, size_t cap) {
     snprintf(base, cap, "%s", url);
@@ -556,7 +583,7 @@ static char *response_format(const char *arg) {
 
 int ds_cmd_bench_serve(int argc, char **argv) {
     const char *url = "http://127.0.0.1:8000", *dataset = NULL, *out_path = NULL, *model = NULL;
-    const char *api_key = NULL, *rf_text = NULL;
+    const char *api_key = NULL, *rf_text = NULL, *lens_path = NULL;
     char *rf_dump = NULL;
     int num_prompts = 100, concurrency = 16, input_len = 256, output_len = 64;
     double rate = 0;  /* 0: all at once */
@@ -580,6 +607,9 @@ int ds_cmd_bench_serve(int argc, char **argv) {
         DS_OPT("response-format", NULL, DS_ARG_STRING, &rf_text, "JSON|@FILE",
                "an OpenAI response_format object sent with every request (constrained decoding's "
                "cost: compare TPOT with a run without it)"),
+        DS_OPT("output-lens-from", NULL, DS_ARG_STRING, &lens_path, "FILE.json",
+               "each request's output length from an earlier run's --out (e.g. a constrained "
+               "run's, for a plain run of the same lengths)"),
         DS_OPT("out", "o", DS_ARG_STRING, &out_path, "FILE.json", "write the results as JSON"),
     };
     ds_args a = {"deltaserve bench serve",
@@ -642,6 +672,11 @@ int ds_cmd_bench_serve(int argc, char **argv) {
         }
     } else {
         bench_lengths(&b, input_len, output_len, ratio, (uint64_t)seed);
+    }
+    if (lens_path && lens_from(lens_path, &b, &err)) {
+        fprintf(stderr, "bench serve: %s\n", err.msg);
+        status = 2;
+        goto out;
     }
     bench_arrivals(&b, rate, (uint64_t)seed);
 

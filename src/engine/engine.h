@@ -257,6 +257,10 @@ typedef struct ds_engine_stats {
     /* constrained decoding: this process's grammar cache (the HTTP threads' checks and, where
      * this rank samples, the engine's matchers); zero until the first constrained request */
     ds_grammar_stats grammar;
+    /* and its time on the engine's side (what a step pays for its masks): making them, the part
+     * of that the step waited for (all of it when made before the forward; none when the forward
+     * hid it), and the matchers taking the chosen tokens (after the forward, always waited for) */
+    double grammar_mask_seconds, grammar_wait_seconds, grammar_accept_seconds;
 } ds_engine_stats;
 void ds_engine_get_stats(ds_engine *e, ds_engine_stats *s);
 

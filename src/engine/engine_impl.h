@@ -148,6 +148,10 @@ struct ds_engine {
     pthread_cond_t mask_cv;    /* a job posted, or done */
     struct inflight *mask_job; /* the step whose masks are being made (NULL: none) */
     int mask_stop;
+    /* seconds of constrained decoding not yet in stats (added as each step completes): making
+     * masks (either thread; the mask thread's are read only after eng_masks_wait), the step
+     * waiting for them, and the matchers taking chosen tokens */
+    double g_mask_s, g_wait_s, g_accept_s;
 
     /* speculative decoding: drafts proposed per verify (0: off; opts.num_speculative_tokens
      * when a method is on) */

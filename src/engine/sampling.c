@@ -157,6 +157,7 @@ static int n_mask_items(const ds_engine *e, const inflight *f) {
 void eng_grammar_masks(ds_engine *e, inflight *f) {
     int n = n_mask_items(e, f);
     if (!n) return;
+    const double t0 = ds_now();
 #pragma omp parallel for schedule(dynamic) num_threads(e->n_scratch) if (n > 1)
     for (int i = 0; i < f->n_items; i++) {
         const ds_sched_item *it = &f->items[i];
@@ -165,6 +166,7 @@ void eng_grammar_masks(ds_engine *e, inflight *f) {
         int rows = it->seq->n_spec ? it->seq->n_spec + 1 : 1;
         grammar_row_masks(e, ch, it->seq->tokens + it->pos0 + 1, rows, eng_allow_rows(e, i));
     }
+    e->g_mask_s += ds_now() - t0;
 }
 
 /* ---- the masks beside the forward ------------------------------------------------------------
@@ -224,7 +226,9 @@ void eng_masks_stop(ds_engine *e) {
 
 void eng_masks_post(ds_engine *e, inflight *f) {
     if (!e->mask_async) {
+        const double m0 = e->g_mask_s;
         eng_grammar_masks(e, f);
+        e->g_wait_s += e->g_mask_s - m0; /* the step waits for all of it */
         return;
     }
     if (!n_mask_items(e, f)) return;
@@ -237,7 +241,11 @@ void eng_masks_post(ds_engine *e, inflight *f) {
 void eng_masks_wait(ds_engine *e) {
     if (!e->mask_async) return;
     pthread_mutex_lock(&e->mask_mu);
-    while (e->mask_job) pthread_cond_wait(&e->mask_cv, &e->mask_mu);
+    if (e->mask_job) {
+        const double t0 = ds_now();
+        while (e->mask_job) pthread_cond_wait(&e->mask_cv, &e->mask_mu);
+        e->g_wait_s += ds_now() - t0;
+    }
     pthread_mutex_unlock(&e->mask_mu);
 }
 
@@ -299,9 +307,13 @@ int32_t eng_choose(ds_engine *e, choice *ch, float *row, const int32_t *pick, in
             : *pick;
     if (!row && drawn && ds_sample_draws_uniform(&sp)) (void)ds_rng_uniform(&ch->rng);
     ds_err err = {{0}};
-    if (ch->gm && !ch->gm_broken && ds_matcher_consume(ch->gm, tok, &err)) {
-        fprintf(stderr, "deltaserve: constrained output ended: %s\n", err.msg);
-        ch->gm_broken = 1;
+    if (ch->gm && !ch->gm_broken) {
+        const double t0 = ds_now();
+        if (ds_matcher_consume(ch->gm, tok, &err)) {
+            fprintf(stderr, "deltaserve: constrained output ended: %s\n", err.msg);
+            ch->gm_broken = 1;
+        }
+        e->g_accept_s += ds_now() - t0;
     }
     ds_token_counts_add(&ch->counts, tok);
     return tok;

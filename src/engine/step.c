@@ -225,6 +225,10 @@ static void complete(ds_engine *e, inflight *f) {
     e->stats.prompt_tokens_total += (uint64_t)f->n_prompt_tokens;
     e->stats.steps_total++;
     e->stats.step_seconds_total += ds_now() - f->t0;
+    e->stats.grammar_mask_seconds += e->g_mask_s;
+    e->stats.grammar_wait_seconds += e->g_wait_s;
+    e->stats.grammar_accept_seconds += e->g_accept_s;
+    e->g_mask_s = e->g_wait_s = e->g_accept_s = 0;
     pthread_mutex_unlock(&e->mu);
 }
 

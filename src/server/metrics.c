@@ -298,7 +298,8 @@ static void render_hist(textbuf *t, const char *name, const hist_def *d, const h
 
 /* Constrained decoding's grammar cache (text/grammar.h): compiles, hits, refusals, and how long
  * llguidance took to compile. */
-static void render_grammar(textbuf *t, const ds_grammar_stats *g, const char *labels) {
+static void render_grammar(textbuf *t, const ds_engine_stats *st, const char *labels) {
+    const ds_grammar_stats *g = &st->grammar;
     counter(t, "grammar_compiles_total",
             "Grammars (JSON schemas, enforced tool calls) compiled by llguidance: cache misses.",
             labels, (double)g->compiles);
@@ -318,6 +319,16 @@ static void render_grammar(textbuf *t, const ds_grammar_stats *g, const char *la
     hist h = {{0}, g->compile_seconds, g->compiles + g->compile_failures};
     memcpy(h.counts, g->compile_buckets, sizeof g->compile_buckets);
     render_hist(t, def.name, &def, &h, labels);
+    counter(t, "grammar_mask_seconds_total",
+            "Seconds spent making the token masks of constrained rows (beside the forward where "
+            "the model is on a GPU).",
+            labels, st->grammar_mask_seconds);
+    counter(t, "grammar_mask_wait_seconds_total",
+            "Seconds steps waited for their masks (the part of the masks' time a step paid).",
+            labels, st->grammar_wait_seconds);
+    counter(t, "grammar_accept_seconds_total",
+            "Seconds the grammars took to accept the chosen tokens (after each step).", labels,
+            st->grammar_accept_seconds);
 }
 
 /* The latency histograms, from one snapshot taken under the lock. */
@@ -361,7 +372,7 @@ char *ds_metrics_render(ds_metrics *m, const ds_engine_stats *st, const char *mo
         render_engine(&t, st, labels);
         render_counters(&t, st, labels);
         render_histograms(&t, snap, labels);
-        render_grammar(&t, &st->grammar, labels);
+        render_grammar(&t, st, labels);
         if (i == 0) render_vllm_legacy(&t, st, snap, labels);
     }
     if (t.oom) {

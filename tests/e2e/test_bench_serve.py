@@ -87,6 +87,32 @@ def test_bench_serve_response_format(server, tmp_path):
         return m1.get("deltaserve:" + name, 0) - m0.get("deltaserve:" + name, 0)
     assert delta("grammar_compiles_total") == 1
     assert delta("grammar_cache_hits_total") >= 5  # the other five requests' checks at least
+    # the masks' time and the matchers' (each constrained row made one mask, took one token)
+    assert delta("grammar_mask_seconds_total") > 0 and delta("grammar_accept_seconds_total") > 0
+    if "--test-async-masks 1" not in os.environ.get("DS_SERVE_ARGS", ""):
+        # made before the forward: each step waited for all of its masks' time
+        assert delta("grammar_mask_wait_seconds_total") == pytest.approx(
+            delta("grammar_mask_seconds_total"), rel=1e-6)
+    # --output-lens-from: a plain run of exactly the constrained run's lengths (its own
+    # --output-len, 50, is what each request would get if the flag did nothing)
+    out2 = tmp_path / "plain.json"
+    r = subprocess.run([DS_BIN, "bench", "serve", "--url", f"http://127.0.0.1:{server.port}",
+                        "--num-prompts", "6", "--concurrency", "3", "--input-len", "12",
+                        "--output-len", "50", "--output-lens-from", str(out), "--out", str(out2)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out2.read_text())["output_lens"] == d["output_lens"]
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps({"output_lens": [3, 4]}))
+    zero = tmp_path / "zero.json"
+    zero.write_text(json.dumps({"output_lens": [3, 0, 1, 1, 1, 1]}))
+    for bad, what in ((short, "an array of 6"), (zero, "output_lens[1]"),
+                      (tmp_path / "none.json", "none.json")):
+        b = subprocess.run([DS_BIN, "bench", "serve", "--url", f"http://127.0.0.1:{server.port}",
+                            "--num-prompts", "6", "--output-lens-from", str(bad)],
+                           capture_output=True, text=True, timeout=60)
+        assert b.returncode == 2 and "--output-lens-from" in b.stderr and what in b.stderr, \
+            (bad, b.stderr)
     for bad in ("[1, 2]", "{not json", "@/nonexistent/rf.json"):
         b = subprocess.run([DS_BIN, "bench", "serve", "--url", f"http://127.0.0.1:{server.port}",
                             "--num-prompts", "1", "--response-format", bad],

@@ -3,8 +3,9 @@
 # installed with `pip --target`, PYTHONPATH set): what constrained decoding costs a decode step at
 # batch 32 (issue 34), at the shape of Kimi-Linear-48B-A3B (random weights, its 163,840-id
 # tokenizer). One `serve`, then `bench serve` at concurrency CONC twice in turn, plain and with
-# every request carrying a json_schema response_format; TPOT and ITL are what compare (a
-# constrained output may end early at its grammar's end, so output counts differ). Rows of the
+# every request carrying a json_schema response_format; TPOT and ITL are what compare. A
+# constrained output may end early at its grammar's end; the plain run after it asks for the same
+# lengths (--output-lens-from), since shorter outputs alone make each token carry more admissions. Rows of the
 # two runs: $OUT/grammar48${TAG}_{plain,schema}*.json (TAG: a suffix of one's own for a second
 # setting in the same call, e.g. DS_MASKS_BESIDE=0 TAG=_before), the ratio printed last.
 . "$(dirname "$0")/env.sh"
@@ -20,11 +21,13 @@ b() { # name extra-args...
     --num-prompts $((4 * CONC)) --concurrency $CONC --input-len ${IN_LEN:-128} \
     --output-len ${OUT_LEN:-256} --seed 1 --out "$OUT/grammar48${TAG:-}_$name.json" "$@" | tail -14
 }
+# each plain run asks for exactly the output lengths its constrained run produced (ignore_eos), so
+# both runs admit the same requests at the same token counts and only the masks differ
 for rep in 1 2; do
-  b plain$rep
   b schema$rep --response-format "$RF"
+  b plain$rep --output-lens-from "$OUT/grammar48${TAG:-}_schema$rep.json"
 done
-curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "grammar_(compiles|cache_hits)_total" | head -4
+curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^[a-z:]*(grammar_(compiles|cache_hits|mask|accept)|engine_step)[a-z_]*(total)?\{" | head -8
 serve48_stop $PORT
 python3 - "$OUT" "${TAG:-}" <<'PY'
 import json, sys

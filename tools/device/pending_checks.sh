@@ -47,7 +47,7 @@ fi
 if want 3; then
 el "3. grammar48: the masks before the forward (DS_MASKS_BESIDE=0), then beside it (the default)"
 DS_MASKS_BESIDE=0 TAG=_before CONC=32 STEP_TIMEOUT=120 bash "$(dirname "$0")/grammar48.sh" 2>&1 | tail -3
-TAG=_beside CONC=32 STEP_TIMEOUT=120 bash "$(dirname "$0")/grammar48.sh" 2>&1 | tail -8
+TAG=_beside CONC=32 STEP_TIMEOUT=120 bash "$(dirname "$0")/grammar48.sh" 2>&1 | tail -14
 fi
 want 4 || want 5 || { el end; exit 0; }
 el "4. decode b1 / b32, BF16 then ptpc_fp8"
