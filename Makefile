@@ -8,7 +8,9 @@ RUN_MODEL ?= models/gsm-k3
 PROMPT ?= The quick brown fox
 DEB_PKGS := build-essential cmake pkg-config libjansson-dev libpcre2-dev libxxhash-dev \
             libcmocka-dev libmicrohttpd-dev libopenmpi-dev openmpi-bin libhiredis-dev redis-server \
-            libcurl4-openssl-dev clang libclang-rt-14-dev libomp-dev libucx-dev libpython3.11
+            libcurl4-openssl-dev clang libclang-rt-14-dev libomp-dev libucx-dev libpython3.11 \
+            ucx-utils
+# ucx-utils: ucx_perftest, the transport's own rate beside the P/D transfer (bench/pd_xfer_bench.py)
 # llguidance: the grammar engine of structured outputs, loaded by the server from its wheel
 # (docs/structured-outputs.md); jsonschema: the tests validate outputs with it; vllm-router: the
 # P/D router the disaggregation tests drive (docs/pd.md); openai-agents: an agent loop through a

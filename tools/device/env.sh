@@ -7,6 +7,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT=${OUT:-/tmp/ds-out}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export PATH=$PWD/.devbin:$PATH # (ucx_perftest)
+[ -d .devbin/lib/ucx ] && export UCX_MODULE_DIR=$PWD/.devbin/lib/ucx
 # headline figures (tools/bench_latest.py): start from the repository's bench/latest.json, so the
 # file that comes back under $OUT is the whole table with this run's keys replaced
 [ -f "$OUT/latest.json" ] || cp bench/latest.json "$OUT/latest.json" 2>/dev/null || true

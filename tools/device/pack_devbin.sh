@@ -29,6 +29,13 @@ for l in libmicrohttpd.so.12 libhiredis.so.0.14 libcmocka.so.0 libucp.so.0 libuc
          libucm.so.0 libnuma.so.1; do
   cp -L "/lib/x86_64-linux-gnu/$l" .devbin/lib/
 done
+# UCX's CMA module (shared-memory transfers between two processes; loaded from UCX_MODULE_DIR, which
+# env.sh points here) and ucx_perftest, for the P/D transfer's figures (tools/device/pd_gpu.sh)
+if [ -f /usr/lib/x86_64-linux-gnu/ucx/libuct_cma.so.0 ]; then
+  mkdir -p .devbin/lib/ucx
+  cp -L /usr/lib/x86_64-linux-gnu/ucx/libuct_cma.so.0 .devbin/lib/ucx/libuct_cma.so
+fi
+[ -x /usr/bin/ucx_perftest ] && cp /usr/bin/ucx_perftest .devbin/
 strip .devbin/* 2>/dev/null || true
 # the commit the binaries are built from, for tools/bench_latest.py's stamps ("+" when the tree
 # had uncommitted changes)
