@@ -5,7 +5,8 @@
 #   1. a 32K-token prompt's state pulled from a producer to a consumer (bench/pd_xfer_bench.py):
 #      GPU pools -> the producer's host buffer -> the wire -> the consumer's RAM tier -> its GPU
 #      pools, the pull's rate against ucx_perftest's on the same machine;
-#   2. the time to first token through the pair against one server (bench/pd_bench.py, TTFT part).
+#   2. the time to first token through the pair against one server (bench/pd_bench.py, TTFT part;
+#      prompts of 500 and 2000 tokens: gsm-k3 serves 2048).
 # Both servers share the one GPU (each its own --kv-cache-memory).
 . "$(dirname "$0")/env.sh"
 T0=$(date +%s)
@@ -21,7 +22,7 @@ timeout 300 python3 bench/pd_xfer_bench.py --bin .devbin/deltaserve --model "$MO
 echo "rc $?"; grep -E "^pull|^ucx_perftest|^\|" "$OUT/pd_xfer_gpu.txt" | tail -10
 el "2. TTFT through the pair against one server, on the GPU"
 timeout 240 python3 bench/pd_bench.py --bin .devbin/deltaserve --model "$MODEL" --skip mixed \
-  --lengths ${LENGTHS:-500,2000,4000} --reps 2 --extra "--device cuda --kv-cache-memory 2G" \
+  --lengths ${LENGTHS:-500,2000} --reps 2 --extra "--device cuda --kv-cache-memory 2G" \
   > "$OUT/pd_ttft_gpu.txt" 2>&1
 echo "rc $?"; tail -12 "$OUT/pd_ttft_gpu.txt"
 el end
