@@ -15,6 +15,7 @@ NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 cmake -S . -B "$OUT" -DDS_CUDA=ON -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$NVCC" \
   -DCMAKE_CUDA_FLAGS="${NVCC_EXTRA:-} -Xptxas -v" >/dev/null
 # (ptxas -v reports on stderr, one block per kernel; a failed build prints it all)
-cmake --build "$OUT" -j "$(nproc)" --target test_cuda_kernels >/dev/null 2> "$OUT/ptxas.txt" ||
+# TARGETS: what to build (default test_cuda_kernels; pack_devbin.sh's experiment builds add deltaserve)
+cmake --build "$OUT" -j "$(nproc)" --target ${TARGETS:-test_cuda_kernels} >/dev/null 2> "$OUT/ptxas.txt" ||
   { cat "$OUT/ptxas.txt" >&2; exit 1; }
 echo "cuda_build: $OUT/test_cuda_kernels (registers and spills per kernel: $OUT/ptxas.txt)"

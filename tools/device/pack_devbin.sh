@@ -25,6 +25,14 @@ if [ "${DS_DEVBIN_CLOCKS:-0}" = 1 ]; then
   NVCC_EXTRA=-DDS_KDA_PREP_CLOCKS tools/cuda_build.sh build-cuda-clk >/dev/null
   cp build-cuda-clk/test_cuda_kernels .devbin/test_cuda_kernels_clk
 fi
+# DS_DEVBIN_F8BITS=1: also test_cuda_kernels_f8bits and deltaserve_f8bits, built with
+# -DDS_CUDA_F8_BITS (FP8 codes to F16 by bits instead of the conversion unit: fp8_stream.cuh)
+if [ "${DS_DEVBIN_F8BITS:-0}" = 1 ]; then
+  TARGETS="test_cuda_kernels deltaserve" NVCC_EXTRA=-DDS_CUDA_F8_BITS \
+    tools/cuda_build.sh build-cuda-f8bits >/dev/null
+  cp build-cuda-f8bits/test_cuda_kernels .devbin/test_cuda_kernels_f8bits
+  cp build-cuda-f8bits/deltaserve .devbin/deltaserve_f8bits
+fi
 for l in libmicrohttpd.so.12 libhiredis.so.0.14 libcmocka.so.0 libucp.so.0 libuct.so.0 libucs.so.0 \
          libucm.so.0 libnuma.so.1; do
   cp -L "/lib/x86_64-linux-gnu/$l" .devbin/lib/
