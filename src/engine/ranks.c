@@ -237,11 +237,19 @@ void eng_plan_exchange(ds_engine *e, request **in, int64_t *ab, int *n_ab, int *
 
 /* The outcome of step f, from the sampling rank to each other rank (per sampled item: accepted
  * count, tokens, logprobs, then the next drafts), as a message of its own: with pipelined stages
- * the ranks take it at different times, so no collective may carry it. */
+ * the ranks take it at different times, so no collective may carry it. It ends with the seconds
+ * of constrained decoding the sampling rank spent since its last outcome (masks made, waited
+ * for, tokens accepted), for the head's /metrics: a sampling rank that is not the head hands
+ * them over (and counts them no more itself). */
 void eng_outcome_send(ds_engine *e, inflight *f) {
     ds_err err = {{0}};
     int rows = e->num_speculative_tokens + 1;
     wbuf w = {0};
+    double g[3] = {0, 0, 0};
+    if (!e->head) {
+        g[0] = e->g_mask_s, g[1] = e->g_wait_s, g[2] = e->g_accept_s;
+        e->g_mask_s = e->g_wait_s = e->g_accept_s = 0;
+    }
     for (int i = 0; i < f->n_items; i++) {
         if (!f->items[i].sample) continue;
         int cnt = f->va[i] < 0 ? 1 : f->va[i] + 1;
@@ -251,6 +259,7 @@ void eng_outcome_send(ds_engine *e, inflight *f) {
         put(&w, &f->n_dr[i], sizeof f->n_dr[i]);
         put(&w, f->dr[i], (size_t)f->n_dr[i] * sizeof(int32_t));
     }
+    put(&w, g, sizeof g);
     if (w.oom) eng_dist_fatal(e, "step outcome", "out of memory");
     for (int r = 0; r < e->comm->size; r++)
         if (r != e->comm->rank && ds_comm_post(e->comm, r, TAG_OUTCOME, w.p, w.n, &err))
@@ -278,7 +287,11 @@ void eng_outcome_take(ds_engine *e, inflight *f) {
         if (f->n_dr[i] < 0 || f->n_dr[i] > e->num_speculative_tokens) rb.bad = 1;
         if (!rb.bad) get(&rb, f->dr[i], (size_t)f->n_dr[i] * sizeof(int32_t));
     }
-    if (rb.bad || rb.off != rb.n) eng_dist_fatal(e, "step outcome", "malformed message");
+    double g[3] = {0, 0, 0};
+    get(&rb, g, sizeof g);
+    if (rb.bad || rb.off != rb.n || !(g[0] >= 0 && g[1] >= 0 && g[2] >= 0))
+        eng_dist_fatal(e, "step outcome", "malformed message");
+    e->g_mask_s += g[0], e->g_wait_s += g[1], e->g_accept_s += g[2];
     free(blob);
 }
 
