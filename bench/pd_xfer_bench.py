@@ -93,9 +93,15 @@ def main():
         for r in range(a.reps):
             prompt = ids[r: r + a.tokens]  # a new first token: no shared prefix with the last
             body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+            eb0 = prod.metric("kv_transfer_export_bytes_total")
+            es0 = prod.metric("kv_transfer_export_seconds_total")
             t0 = time.time()
             kvp = prod.post(dict(body, kv_transfer_params=PREFILL_KV))["kv_transfer_params"]
             t_prefill = time.time() - t0
+            # the producer's export: its blocks gathered from the pools (device to host when they
+            # are on a GPU) into the part, and checksummed
+            ebytes = prod.metric("kv_transfer_export_bytes_total") - eb0
+            esecs = prod.metric("kv_transfer_export_seconds_total") - es0
             b0 = cons.metric("kv_transfer_pull_bytes_total")
             s0 = cons.metric("kv_transfer_pull_seconds_total")
             p0 = cons.metric("kv_transfer_pulls_total")
@@ -106,11 +112,13 @@ def main():
             nbytes = cons.metric("kv_transfer_pull_bytes_total") - b0
             secs = cons.metric("kv_transfer_pull_seconds_total") - s0
             rec["pulls"].append({"bytes": nbytes, "wire_s": secs, "MBps": nbytes / secs / 1e6,
+                                 "export_bytes": ebytes, "export_s": esecs,
+                                 "export_MBps": ebytes / esecs / 1e6 if esecs > 0 else None,
                                  "producer_prefill_s": t_prefill,
                                  "consumer_request_s": t_consumer})
             print(f"pull {r}: {nbytes / 1e6:.1f} MB in {secs:.3f} s = "
                   f"{nbytes / secs / 1e6:.0f} MB/s (prefill {t_prefill:.1f} s, consumer request "
-                  f"{t_consumer:.2f} s)", flush=True)
+                  f"{t_consumer:.2f} s); export {ebytes / 1e6:.1f} MB in {esecs:.3f} s", flush=True)
             # UCX's best here (shared memory between two processes), and TCP alone: the lane UCX
             # gives a stream endpoint made from a socket address (client-server mode), as the
             # pull's is (docs/pd.md)

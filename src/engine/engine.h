@@ -245,6 +245,11 @@ typedef struct ds_engine_stats {
      * the seconds the installed ones' bytes took on the wire (their pulls' calls alone, not the
      * checks: bytes / seconds is the transfer's rate) */
     uint64_t kv_exports, kv_export_blocks, kv_expired, kv_served, kv_send_errors;
+    /* producer: the bytes of the parts filed and the seconds their export took (gathering the
+     * blocks from the pools, on a GPU device to host, and checksumming them; on the engine
+     * thread, so decode waits for it) */
+    uint64_t kv_export_bytes;
+    double kv_export_seconds;
     int kv_held;
     uint64_t kv_pulls, kv_pull_failures, kv_pull_blocks, kv_pull_bytes;
     double kv_pull_seconds;

@@ -325,6 +325,7 @@ static int out_block(void *ctx, char kind, const uint64_t hash[2], int n_tokens,
 void eng_pd_export(ds_engine *e, choice *ch) {
     request *r = ch->req;
     if (!e->xfer || !e->prefix || !r->spec.kv_export_id || ch->index != 0 || !ch->seq) return;
+    const double t0 = ds_now();
     pd_header h = own_header(e);
     h.n_prompt = r->spec.n_prompt;
     outbuf o = {.h = &h};
@@ -355,6 +356,7 @@ void eng_pd_export(ds_engine *e, choice *ch) {
     memcpy(o.b, &h, sizeof h);
     ds_err err;
     int ttl = e->opts.kv_hold_timeout_ms > 0 ? e->opts.kv_hold_timeout_ms : 120000;
+    const size_t len = o.len; /* (the store owns o.b from here) */
     if (ds_xfer_server_put(e->xfer, r->spec.kv_export_id, o.b, o.len, ttl, &err)) {
         fprintf(stderr, "[deltaserve] %s\n", err.msg);
         return;
@@ -362,6 +364,8 @@ void eng_pd_export(ds_engine *e, choice *ch) {
     pthread_mutex_lock(&e->mu);
     e->stats.kv_exports++;
     e->stats.kv_export_blocks += (uint64_t)o.n_blocks;
+    e->stats.kv_export_bytes += len;
+    e->stats.kv_export_seconds += ds_now() - t0;
     pthread_mutex_unlock(&e->mu);
 }
 

@@ -160,6 +160,10 @@ static void render_engine(textbuf *t, const ds_engine_stats *st, const char *lab
           st->kv_held);
     counter(t, "engine_step_seconds_total", "Seconds spent in forward passes and sampling.", labels,
             st->step_seconds_total);
+    counter(t, "kv_transfer_export_seconds_total",
+            "P/D producer: seconds spent gathering transfers' blocks from the pools (device to "
+            "host on a GPU) and checksumming them; export_bytes_total / this is its rate.",
+            labels, st->kv_export_seconds);
     counter(t, "kv_transfer_pull_seconds_total",
             "P/D consumer: seconds the installed transfers took on the wire (their pulls alone; "
             "pull_bytes_total / this is the transfer rate).",
@@ -213,6 +217,9 @@ static void render_counters(textbuf *t, const ds_engine_stats *st, const char *l
          offsetof(ds_engine_stats, kv_exports)},
         {"kv_transfer_export_blocks_total", "P/D producer: blocks (pages, checkpoints) held.",
          offsetof(ds_engine_stats, kv_export_blocks)},
+        {"kv_transfer_export_bytes_total",
+         "P/D producer: bytes of the transfers held (this rank's part of each).",
+         offsetof(ds_engine_stats, kv_export_bytes)},
         {"kv_transfer_expired_total", "P/D producer: transfers freed unpulled after the timeout.",
          offsetof(ds_engine_stats, kv_expired)},
         {"kv_transfer_served_total", "P/D producer: transfers sent whole to a consumer.",

@@ -138,6 +138,8 @@ def test_pair_equals_one_server(ref, prod, cons, text_ids):
             m(cons, "kv_transfer_pull_failures_total"), m(cons, "prefix_cache_hits_total")
         wire_bytes, wire_s = m(cons, "kv_transfer_pull_bytes_total"), \
             m(cons, "kv_transfer_pull_seconds_total")
+        exp_bytes, exp_s = m(prod, "kv_transfer_export_bytes_total"), \
+            m(prod, "kv_transfer_export_seconds_total")
         kv = prefill(prod, "/v1/completions", body)
         status, got = post(cons, "/v1/completions", dict(body, kv_transfer_params=kv))
         assert status == 200, got
@@ -147,6 +149,11 @@ def test_pair_equals_one_server(ref, prod, cons, text_ids):
         # the pull's bytes and its time on the wire are counted (their ratio is its rate)
         assert m(cons, "kv_transfer_pull_bytes_total") > wire_bytes
         assert 0 < m(cons, "kv_transfer_pull_seconds_total") - wire_s < 30
+        # one part each side: the bytes the producer filed are the bytes the consumer pulled,
+        # and the export's time (the gather from the pools) is counted
+        assert m(prod, "kv_transfer_export_bytes_total") - exp_bytes == \
+            m(cons, "kv_transfer_pull_bytes_total") - wire_bytes
+        assert 0 < m(prod, "kv_transfer_export_seconds_total") - exp_s < 30
         # the consumer resumed from the deepest rung before the last token: the pulled blocks
         assert m(cons, "prefix_cache_hits_total") - hits == (n - 1) // rung * rung, n
     assert m(prod, "kv_transfer_exports_total") >= len(lengths)
