@@ -186,8 +186,12 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
     const char *qx = o->quantization_exclude ? o->quantization_exclude : "";
     id[8] = o->quantization ? XXH3_64bits_withSeed(qx, strlen(qx), (uint64_t)o->quantization) : 0;
     uint64_t seed = XXH3_64bits(id, sizeof id);
-    /* P/D: the identity of the numbers whatever the TP width and share (docs/pd.md) */
+    /* P/D: the identity of the numbers whatever the TP width and share (docs/pd.md), and
+     * whatever tiers either side keeps: the weights' digest is taken only where a tier persists
+     * (id[1], id[2]), so it is no part of it (the files' sizes name the weights; a consumer with
+     * a disk tier refused every transfer of a producer without one, cache_fuzz --pd found) */
     id[0] = xid0;
+    id[1] = id[2] = 0;
     id[5] = 1;
     uint64_t xseed = XXH3_64bits(id, sizeof id);
     /* the cache dtype: an FP8 page is never read as an f32 one, nor the other way (the f32 seed

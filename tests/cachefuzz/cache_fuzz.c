@@ -16,7 +16,16 @@
  * Pools are sized so that nothing is preempted (a preempted sequence recomputes its generated
  * tokens as a prompt, which the contract does not make bit-exact; the run fails if one happens).
  *
+ * With --pd PCT (one process), that share of the seeds also runs P/D disaggregation (docs/pd.md):
+ * a producer engine (its own block size and rung spacing one time in five, so that some
+ * transfers must be refused) prefills some of the workload's prompts as vllm-router's first
+ * request does (one token, a transfer filed), and the cached engine, a consumer, pulls them
+ * before it starts and receives them into its offload tier as its requests are admitted, among
+ * the rest of the workload: every choice must still equal the cold run's, and the producer must
+ * hold no transfer at the end.
+ *
  * Usage: cache_fuzz [--model DIR] [--seeds N] [--seed0 S] [--redis redis://h:p] [-tp T] [-pp P]
+ *                   [--pd PCT]
  *                   [--device cpu|cuda] [--batch-invariant] [--quantization ptpc_fp8]
  *                   [--kv-cache-dtype fp8]
  *                   [--save-dir DIR] [--case FILE]
@@ -62,6 +71,7 @@ typedef struct fz_opts {
     const char *save_dir, *work_dir;
     int verbose;
     double max_seconds; /* > 0: start no seed after this long (the run reports what it did) */
+    int pd;             /* percent of seeds that also run P/D (one process only) */
     int counts[DS_MAX_LAYERS];
 } fz_opts;
 
@@ -75,6 +85,8 @@ typedef struct fz_cfg {
     size_t disk_pages;     /* disk tier budget in pages (0: unlimited) */
     int hash_bits;
     int spec, k;
+    /* P/D: on for this seed; the producer's block size and rung spacing */
+    int pd, pd_block, pd_interval;
 } fz_cfg;
 
 typedef struct fz_out {
@@ -92,10 +104,12 @@ typedef struct fz_req {
     int n_prompt;
     int base; /* multi-turn: the request whose prompt and answer open this one; -1 none */
     int32_t extra[32];
-    int n_extra;  /* multi-turn: tokens after the earlier answer */
-    int at;       /* steps after the previous arrival (0: the same step) */
-    int max_len;  /* the most tokens one of its sequences can hold (prompt bound + max_tokens) */
-    int abort_in; /* steps after submission to abort it; -1 never */
+    int n_extra;     /* multi-turn: tokens after the earlier answer */
+    int at;          /* steps after the previous arrival (0: the same step) */
+    int max_len;     /* the most tokens one of its sequences can hold (prompt bound + max_tokens) */
+    int abort_in;    /* steps after submission to abort it; -1 never */
+    int pd;          /* P/D: its prompt prefilled by the producer, pulled by the consumer */
+    ds_kv_pull *imp; /* the pull, until submit takes it */
     ds_request_params p;
     /* run state */
     int64_t id;
@@ -107,6 +121,9 @@ typedef struct fz_req {
 
 typedef struct fz_work {
     fz_cfg cfg;
+    uint64_t seed;
+    int pd_refused;    /* P/D pulls the consumer refused */
+    char pd_why[1024]; /* the first one's reason (a ds_err message) */
     fz_req r[MAX_REQS];
     int n;
     /* driving */
@@ -156,6 +173,22 @@ static void draw_cfg(uint64_t *s, const fz_opts *fo, int have_draft, fz_cfg *c) 
     int sp = rint_(s, 0, 9);
     c->spec = sp < 6 ? DS_SPEC_NONE : sp < 8 || !have_draft ? DS_SPEC_NGRAM : DS_SPEC_DSPARK;
     c->k = rint_(s, 2, 4);
+}
+
+/* P/D's draws, from a stream of their own (a seed's configuration and workload stay what they
+ * were before P/D existed: saved cases replay as they did). */
+static void draw_pd(uint64_t seed, const fz_opts *fo, fz_work *w) {
+    uint64_t s = seed * 0xd1b54a32d192ed03ull + 7;
+    fz_cfg *c = &w->cfg;
+    c->pd = fo->pd > 0 && fo->tp * fo->pp == 1 && chance(&s, fo->pd);
+    c->pd_block = c->block_size, c->pd_interval = c->interval;
+    if (c->pd && chance(&s, 20)) { /* a producer laid out otherwise: its transfers are refused */
+        if (chance(&s, 50))
+            c->pd_block = c->block_size == 8 ? 16 : 8;
+        else
+            c->pd_interval = c->interval == 64 ? 32 : 64;
+    }
+    for (int i = 0; i < w->n; i++) w->r[i].pd = c->pd && w->r[i].base < 0 && chance(&s, 60);
 }
 
 /* A prefix length near a boundary the cache cares about. */
@@ -265,7 +298,8 @@ static void build_prompt(fz_work *w, fz_req *q) {
 static void submit(fz_work *w, fz_req *q, uint64_t step) {
     for (int c = 0; c < MAX_N; c++) memset(&q->out[c], 0, sizeof q->out[c]);
     q->n_done = q->done = q->aborted_sent = 0;
-    ds_request_spec spec = {q->prompt, q->n_prompt, q->p, on_event, q, 0, NULL};
+    ds_request_spec spec = {q->prompt, q->n_prompt, q->p, on_event, q, 0, q->imp};
+    q->imp = NULL; /* submit takes it, also on failure */
     int why;
     ds_err err = {{0}};
     q->id = ds_engine_submit(w->e, &spec, &why, &err);
@@ -326,6 +360,7 @@ typedef struct fz_counts {
     uint64_t requests, compared, aborted, hit_tokens, query_tokens, forks, ckpt_evicted,
         pages_evicted, loads_ram, loads_disk, loads_remote, stores, collisions, preemptions,
         verifies, tokens;
+    uint64_t pd_seeds, pd_pulls, pd_refused; /* P/D: seeds, transfers installed, refused */
 } fz_counts;
 
 /* Pages the max_seqs largest sequences of the workload need at their longest. */
@@ -390,9 +425,80 @@ static void engine_opts(const fz_opts *fo, const fz_cfg *c, int cached, ds_comm 
     if (c->remote) o->kv_offload_remote = fo->redis;
 }
 
-/* Runs the workload on one engine (every rank calls this; the head drives). */
+static int g_verbose; /* --verbose */
+
+/* The transfer id of request i's prompt (unique in the run: the seed is in it). */
+static uint64_t pd_id(const fz_work *w, int i) {
+    return (w->seed << 6 | (uint64_t)i) | 1ull << 63;
+}
+
+typedef struct fz_prod { /* the producer's requests in flight */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int left;
+} fz_prod;
+
+static void prod_event(void *user, const ds_token_event *ev) {
+    fz_prod *p = user;
+    if (ev->finish == DS_FINISH_NONE) return;
+    pthread_mutex_lock(&p->mu);
+    p->left--;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* The P/D producer of a seed: an engine with the seed's configuration but its own block size and
+ * rung spacing, no offload tier and ample pools, that prefills every P/D prompt of the workload
+ * as vllm-router's first request (one greedy token, a transfer filed for the consumer), all at
+ * once. Returns it running, holding the transfers (*port: where to pull them). */
+static int run_producer(const fz_opts *fo, fz_work *w, size_t slot_bytes, size_t token_bytes,
+                        ds_engine **out, int *port, ds_err *err) {
+    fz_cfg pc = w->cfg;
+    pc.block_size = pc.pd_block, pc.interval = pc.pd_interval;
+    pc.ram = pc.disk = pc.remote = 0, pc.hash_bits = 0;
+    ds_engine_opts o;
+    const size_t page = token_bytes * (size_t)pc.block_size;
+    engine_opts(fo, &pc, 1, NULL, NULL, slot_bytes, page,
+                pc.max_seqs * (MODEL_LEN / pc.block_size + 2), &o);
+    o.kv_role = DS_KV_PRODUCER;
+    o.kv_port = 0;
+    ds_engine *e;
+    if (ds_engine_create(&o, &e, err)) return DS_ERR;
+    if (ds_engine_start(e, err)) {
+        ds_engine_free(e);
+        return DS_ERR;
+    }
+    fz_prod p = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0};
+    for (int i = 0; i < w->n; i++) {
+        fz_req *q = &w->r[i];
+        if (!q->pd) continue;
+        ds_request_params rp;
+        ds_request_params_default(&rp);
+        rp.max_tokens = 1, rp.ignore_eos = 1, rp.sample.temperature = 0.0f;
+        ds_request_spec spec = {q->prompt, q->n_prompt, rp, prod_event, &p, pd_id(w, i), NULL};
+        int why;
+        pthread_mutex_lock(&p.mu);
+        p.left++;
+        pthread_mutex_unlock(&p.mu);
+        if (ds_engine_submit(e, &spec, &why, err) < 0) {
+            ds_engine_stop(e, 5.0);
+            ds_engine_free(e);
+            return DS_ERR;
+        }
+    }
+    pthread_mutex_lock(&p.mu);
+    while (p.left > 0) pthread_cond_wait(&p.cv, &p.mu);
+    pthread_mutex_unlock(&p.mu);
+    *port = ds_engine_kv_port(e);
+    *out = e;
+    return DS_OK;
+}
+
+/* Runs the workload on one engine (every rank calls this; the head drives). pd_port > 0: the
+ * engine is a P/D consumer and pulls the transfers of the workload's P/D requests from the
+ * producer there before it starts (each submitted with its pull; a refused one without). */
 static int run_engine(const ds_engine_opts *o, fz_work *w, int head, int alone, fz_counts *ct,
-                      ds_err *err) {
+                      int pd_port, ds_err *err) {
     ds_engine_opts oo = *o;
     w->next = 0;
     w->outstanding = 0;
@@ -404,6 +510,16 @@ static int run_engine(const ds_engine_opts *o, fz_work *w, int head, int alone, 
         oo.test.step_ctx = w;
     }
     if (ds_engine_create(&oo, &w->e, err)) return DS_ERR;
+    for (int i = 0; pd_port > 0 && i < w->n; i++) {
+        fz_req *q = &w->r[i];
+        ds_err perr = {{0}};
+        /* (a refusal is counted by the engine; the request then recomputes) */
+        if (q->pd && ds_engine_kv_pull(w->e, "127.0.0.1", pd_port, pd_id(w, i), q->prompt,
+                                       q->n_prompt, &q->imp, &perr)) {
+            if (!w->pd_refused++) snprintf(w->pd_why, sizeof w->pd_why, "%s", perr.msg);
+            if (g_verbose) printf("  request %d: P/D pull refused: %s\n", i, perr.msg);
+        }
+    }
     if (ds_engine_start(w->e, err)) {
         ds_engine_free(w->e);
         return DS_ERR;
@@ -428,6 +544,8 @@ static int run_engine(const ds_engine_opts *o, fz_work *w, int head, int alone, 
             ct->collisions += s.prefix_collisions;
             ct->preemptions += s.preemptions_total;
             ct->verifies += s.spec_verifies;
+            ct->pd_pulls += s.kv_pulls;
+            ct->pd_refused += s.kv_pull_failures;
         }
         ds_engine_stop(w->e, 5.0);
     } else {
@@ -473,6 +591,10 @@ static int same_out(const fz_out *a, const fz_out *ref, int aborted, int lp, cha
 }
 
 static void describe_cfg(const fz_cfg *c, char *b, size_t cap) {
+    int n = snprintf(b, cap, "P/D consumer of a producer with block %d, rungs every %d; ",
+                     c->pd_block, c->pd_interval);
+    if (!c->pd) n = 0;
+    b += n, cap -= (size_t)n;
     snprintf(b, cap,
              "block %d, step budget %d, seqs %d, rungs every %d, %d checkpoint slots, +%d pages, "
              "tiers%s%s%s%s (ram %zu pages, disk %zu pages), hash bits %d, spec %s k %d",
@@ -504,11 +626,33 @@ static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_dr
     uint64_t s = seed * 0x9e3779b97f4a7c15ull + 1;
     draw_cfg(&s, fo, have_draft, &w.cfg);
     draw_work(&s, &w);
+    w.seed = seed;
+    w.pd_refused = 0;
+    draw_pd(seed, fo, &w);
     char disk[4096];
     snprintf(disk, sizeof disk, "%s/seed-%llu", fo->work_dir, (unsigned long long)seed);
     ds_engine_opts o;
     engine_opts(fo, &w.cfg, 1, comm, disk, slot_bytes, page_bytes, pages_needed(&w), &o);
-    if (run_engine(&o, &w, head, 0, ct, err)) return -1;
+    ds_engine *prod = NULL;
+    int port = 0;
+    if (w.cfg.pd) { /* (one process: head) */
+        if (run_producer(fo, &w, slot_bytes, page_bytes / (size_t)w.cfg.block_size, &prod, &port,
+                         err))
+            return -1;
+        o.kv_role = DS_KV_CONSUMER;
+        ct->pd_seeds++;
+        if (g_verbose)
+            printf("  P/D: producer block %d rungs every %d, consumer block %d rungs every %d\n",
+                   w.cfg.pd_block, w.cfg.pd_interval, w.cfg.block_size, w.cfg.interval);
+    }
+    int rc = run_engine(&o, &w, head, 0, ct, port, err);
+    ds_engine_stats ps = {0};
+    if (prod) { /* every transfer was pulled (or refused after its pull): none may be held */
+        ds_engine_get_stats(prod, &ps);
+        ds_engine_stop(prod, 5.0);
+        ds_engine_free(prod);
+    }
+    if (rc) return -1;
     /* the cold reference, every request alone (aborted ones too: what they emitted must be a
      * prefix of what they would have) */
     static fz_work ref;
@@ -521,10 +665,23 @@ static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_dr
         ref.r[i].aborted_sent = 0;
     }
     engine_opts(fo, &w.cfg, 0, comm, disk, slot_bytes, page_bytes, 0, &o);
-    if (run_engine(&o, &ref, head, 1, NULL, err)) return -1;
+    if (run_engine(&o, &ref, head, 1, NULL, 0, err)) return -1;
     if (head) rm_tree(disk);
     if (!head) return 1;
     int ok = 1;
+    /* producer and consumer laid out alike: nothing may refuse a transfer (a refusal recomputes,
+     * so the outputs cannot tell) */
+    if (w.cfg.pd && w.pd_refused && w.cfg.pd_block == w.cfg.block_size &&
+        w.cfg.pd_interval == w.cfg.interval) {
+        printf("MISMATCH seed %llu: %d P/D transfers refused between servers laid out alike: %s\n",
+               (unsigned long long)seed, w.pd_refused, w.pd_why);
+        ok = 0;
+    }
+    if (ps.kv_held) {
+        printf("MISMATCH seed %llu: the P/D producer still holds %d transfers after the pulls\n",
+               (unsigned long long)seed, ps.kv_held);
+        ok = 0;
+    }
     for (int i = 0; i < w.n; i++) {
         fz_req *q = &w.r[i];
         ct->requests++;
@@ -588,6 +745,8 @@ static int parse_args(int argc, char **argv, fz_opts *fo, const char **case_file
             fo->save_dir = v;
         else if (!strcmp(a, "--max-seconds"))
             fo->max_seconds = atof(v);
+        else if (!strcmp(a, "--pd"))
+            fo->pd = atoi(v);
         else if (!strcmp(a, "--work-dir"))
             fo->work_dir = v;
         else if (!strcmp(a, "--case"))
@@ -634,6 +793,7 @@ int main(int argc, char **argv) {
     const char *case_file = NULL;
     if (parse_args(argc, argv, &fo, &case_file)) return 2;
     if (case_file && read_case(case_file, &fo)) return 2;
+    g_verbose = fo.verbose;
     ds_err err = {{0}};
     char tmp_model[4200], tmp_work[4000];
     if (!fo.work_dir) {
@@ -751,8 +911,8 @@ int main(int argc, char **argv) {
                          fo.device == DS_DEVICE_CUDA ? "-cuda" : "");
                 FILE *f = fopen(path, "w");
                 if (f) {
-                    fprintf(f, "--seed0 %llu --seeds 1 -tp %d -pp %d --device %s%s%s%s%s\n",
-                            (unsigned long long)seed, fo.tp, fo.pp,
+                    fprintf(f, "--seed0 %llu --seeds 1 -tp %d -pp %d --pd %d --device %s%s%s%s%s\n",
+                            (unsigned long long)seed, fo.tp, fo.pp, fo.pd,
                             fo.device == DS_DEVICE_CUDA ? "cuda" : "cpu",
                             fo.batch_invariant ? " --batch-invariant" : "",
                             fo.quantization ? " --quantization ptpc_fp8" : "",
@@ -782,8 +942,17 @@ int main(int argc, char **argv) {
                (unsigned long long)ct.loads_disk, (unsigned long long)ct.loads_remote,
                (unsigned long long)ct.stores, (unsigned long long)ct.collisions,
                (unsigned long long)ct.verifies, (unsigned long long)ct.preemptions);
+        if (fo.pd)
+            printf("cache_fuzz: P/D in %llu seeds: %llu transfers pulled and installed, %llu "
+                   "refused (recomputed)\n",
+                   (unsigned long long)ct.pd_seeds, (unsigned long long)ct.pd_pulls,
+                   (unsigned long long)ct.pd_refused);
         if (ct.preemptions) {
             printf("cache_fuzz: a sequence was preempted: the pools are sized so that none is\n");
+            status = 1;
+        }
+        if (ran >= 8 && fo.pd >= 25 && !ct.pd_pulls) {
+            printf("cache_fuzz: the run installed no P/D transfer\n");
             status = 1;
         }
         /* a run long enough to mean something must have exercised the cache */
