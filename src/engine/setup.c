@@ -156,8 +156,9 @@ static int chunk_of(const ds_engine_opts *o) {
 
 /* Prefix caching and the offload tier. Every hash is seeded with the model's identity, and
  * offload keys carry it too, so two models never share entries. With a tier that outlives the
- * process (disk, Redis) the identity is a digest of the weights' bytes (cache/identity.h: a
- * fine-tune of the same shape is another model); otherwise the config and weight size suffice.
+ * process (disk, Redis), and in P/D (blocks from another server), the identity is a digest of
+ * the weights' bytes (cache/identity.h: a fine-tune of the same shape is another model);
+ * otherwise the config and weight size suffice.
  * It also names what changes the cached numbers besides the weights: the device, the
  * batch-invariant mode, the tensor-parallel width (each rank keeps its own slice and sums in its
  * own order), the prompt cut spacing (docs/prefix-cache.md) and the latent cache dtype
@@ -170,13 +171,20 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
     char *cfg = ds_read_file(path, &len, NULL);
     uint64_t id[9] = {XXH3_64bits_withSeed(cfg ? cfg : "", cfg ? len : 0,
                                            (uint64_t)ds_model_weight_bytes(e->model))};
-    /* P/D's identity names the weights by their files' size: a rank's weight bytes are its share */
+    /* P/D's identity names the weights by their files' size (a rank's weight bytes are its
+     * share) and, below, by their digest */
     uint64_t xid0 =
         XXH3_64bits_withSeed(cfg ? cfg : "", cfg ? len : 0, ds_checkpoint_file_bytes(e->model_dir));
     free(cfg);
     int persistent = (o->kv_offload_disk_dir && o->kv_offload_disk_dir[0]) ||
                      (o->kv_offload_remote && o->kv_offload_remote[0]);
-    if (persistent && e->head && ds_checkpoint_digest(e->model_dir, id + 1, err)) return DS_ERR;
+    /* the weights by their contents (identity.h) where keys outlive the process, and in P/D,
+     * where another server's blocks arrive: both sides of a transfer compute it, whatever tiers
+     * either keeps (a consumer with a disk tier once refused every transfer of a producer
+     * without one, and two checkpoints of one size would have passed for the same model) */
+    if ((persistent || o->kv_role != DS_KV_NONE) && e->head &&
+        ds_checkpoint_digest(e->model_dir, id + 1, err))
+        return DS_ERR;
     id[3] = (uint64_t)ds_dmem_on_device(e->dm); /* the bit: the same id as before on either */
     id[4] = (uint64_t)o->batch_invariant;
     id[5] = (uint64_t)(e->comm ? e->comm->tp_size : 1);
@@ -186,12 +194,8 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
     const char *qx = o->quantization_exclude ? o->quantization_exclude : "";
     id[8] = o->quantization ? XXH3_64bits_withSeed(qx, strlen(qx), (uint64_t)o->quantization) : 0;
     uint64_t seed = XXH3_64bits(id, sizeof id);
-    /* P/D: the identity of the numbers whatever the TP width and share (docs/pd.md), and
-     * whatever tiers either side keeps: the weights' digest is taken only where a tier persists
-     * (id[1], id[2]), so it is no part of it (the files' sizes name the weights; a consumer with
-     * a disk tier refused every transfer of a producer without one, cache_fuzz --pd found) */
+    /* P/D: the identity of the numbers whatever the TP width and share (docs/pd.md) */
     id[0] = xid0;
-    id[1] = id[2] = 0;
     id[5] = 1;
     uint64_t xseed = XXH3_64bits(id, sizeof id);
     /* the cache dtype: an FP8 page is never read as an f32 one, nor the other way (the f32 seed

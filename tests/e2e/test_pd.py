@@ -12,6 +12,7 @@ These servers have their own configuration, so the module is marked `once`: it r
 test's plain pass, not again under DS_SERVE_ARGS."""
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -256,6 +257,36 @@ def test_transfer_of_another_prompt_recomputes(ref, prod, cons, text_ids):
     same(post(cons, "/v1/completions", dict(b, kv_transfer_params=kv))[1], want)
     assert m(cons, "kv_transfer_pull_failures_total") == fails + 1
     assert m(cons, "prefix_cache_hits_total") == hits
+
+
+def test_transfer_from_another_checkpoint_recomputes(ref, cons, text_ids, tmp_path):
+    """A producer serving other weights of the same config and the same size (one byte of one
+    tensor changed: a fine-tune of the same shape): its transfers name another model, so the
+    consumer recomputes. (The weights' digest is in both sides' identity whatever tiers either
+    keeps; by config and size alone the two would have passed for one model.)"""
+    other = tmp_path / os.path.basename(DS_MODEL)  # (the served name: the folder's)
+    other.mkdir()
+    for name in os.listdir(DS_MODEL):
+        if not name.endswith(".safetensors"):
+            os.symlink(os.path.join(DS_MODEL, name), other / name)
+            continue
+        data = bytearray(open(os.path.join(DS_MODEL, name), "rb").read())
+        data[-1] ^= 1  # the last byte of the last tensor's data (the header is untouched)
+        (other / name).write_bytes(bytes(data))
+    alt = Server("--seed", "1", *SPEC, *kv_config("kv_producer"), env_args=False,
+                 model=str(other))
+    try:
+        body = completion(text_ids[0][30: 30 + 300])
+        want = post(ref, "/v1/completions", body)[1]
+        fails, hits = m(cons, "kv_transfer_pull_failures_total"), \
+            m(cons, "prefix_cache_hits_total")
+        kv = prefill(alt, "/v1/completions", body)
+        same(post(cons, "/v1/completions", dict(body, kv_transfer_params=kv))[1], want)
+        assert m(cons, "kv_transfer_pull_failures_total") == fails + 1
+        assert m(cons, "prefix_cache_hits_total") == hits  # nothing resumed from its blocks
+        assert any("another model" in line for line in cons.log[-20:]), "".join(cons.log[-5:])
+    finally:
+        assert alt.stop() == 0
 
 
 def test_expired_and_missing_transfers_recompute(ref, prod, cons, text_ids):
