@@ -24,8 +24,13 @@
  * the rest of the workload: every choice must still equal the cold run's, and the producer must
  * hold no transfer at the end.
  *
+ * With --grammar PCT that share of the requests is constrained by one of a few Lark grammars
+ * (constrained decoding, docs/structured-outputs.md), and half the seeds that have any make the
+ * cached engine's masks on its mask thread beside the forward (what it does on a GPU); the cold
+ * run makes them before the forward.
+ *
  * Usage: cache_fuzz [--model DIR] [--seeds N] [--seed0 S] [--redis redis://h:p] [-tp T] [-pp P]
- *                   [--pd PCT]
+ *                   [--pd PCT] [--grammar PCT]
  *                   [--device cpu|cuda] [--batch-invariant] [--quantization ptpc_fp8]
  *                   [--kv-cache-dtype fp8]
  *                   [--save-dir DIR] [--case FILE]
@@ -72,6 +77,7 @@ typedef struct fz_opts {
     int verbose;
     double max_seconds; /* > 0: start no seed after this long (the run reports what it did) */
     int pd;             /* percent of seeds that also run P/D (one process only) */
+    int grammar;        /* percent of requests constrained by a grammar */
     int counts[DS_MAX_LAYERS];
 } fz_opts;
 
@@ -87,6 +93,7 @@ typedef struct fz_cfg {
     int spec, k;
     /* P/D: on for this seed; the producer's block size and rung spacing */
     int pd, pd_block, pd_interval;
+    int async_masks; /* the cached engine's grammar masks beside the forward */
 } fz_cfg;
 
 typedef struct fz_out {
@@ -110,6 +117,7 @@ typedef struct fz_req {
     int abort_in;    /* steps after submission to abort it; -1 never */
     int pd;          /* P/D: its prompt prefilled by the producer, pulled by the consumer */
     ds_kv_pull *imp; /* the pull, until submit takes it */
+    const char *grammar; /* constrained decoding's Lark grammar (NULL: none) */
     ds_request_params p;
     /* run state */
     int64_t id;
@@ -189,6 +197,31 @@ static void draw_pd(uint64_t seed, const fz_opts *fo, fz_work *w) {
             c->pd_interval = c->interval == 64 ? 32 : 64;
     }
     for (int i = 0; i < w->n; i++) w->r[i].pd = c->pd && w->r[i].base < 0 && chance(&s, 60);
+}
+
+/* Grammars of constrained requests: closed ones (their end forces eos early) and open ones
+ * (they run to max_tokens), over ids the tiny models' tokenizer has. */
+static const char *const k_grammars[] = {
+    "start: /[a-c]{3,9}/ \" \" /[0-9]{1,4}/",
+    "start: \"{\" /[a-z]{1,8}/ \":\" /[0-9]{1,3}/ \"}\"",
+    "start: item (\" \" item)*\nitem: /[a-z]+/",
+    "start: (/[0-9]/ | \",\")+",
+};
+
+/* Constrained decoding's draws, from a stream of their own (as draw_pd's). */
+static void draw_grammar(uint64_t seed, const fz_opts *fo, fz_work *w) {
+    uint64_t s = seed * 0x8cb92ba72f3d8dd7ull + 11;
+    int any = 0;
+    for (int i = 0; i < w->n; i++) {
+        fz_req *q = &w->r[i];
+        q->grammar = NULL;
+        if (fo->grammar > 0 && chance(&s, fo->grammar)) {
+            q->grammar = k_grammars[rint_(&s, 0, (int)DS_ARRAY_LEN(k_grammars) - 1)];
+            any = 1;
+        }
+        q->p.grammar = (char *)q->grammar; /* (read only: the request's for its lifetime) */
+    }
+    w->cfg.async_masks = any && chance(&s, 50);
 }
 
 /* A prefix length near a boundary the cache cares about. */
@@ -361,6 +394,7 @@ typedef struct fz_counts {
         pages_evicted, loads_ram, loads_disk, loads_remote, stores, collisions, preemptions,
         verifies, tokens;
     uint64_t pd_seeds, pd_pulls, pd_refused; /* P/D: seeds, transfers installed, refused */
+    uint64_t constrained, async_seeds;       /* choices under a grammar; seeds with masks beside */
 } fz_counts;
 
 /* Pages the max_seqs largest sequences of the workload need at their longest. */
@@ -398,6 +432,7 @@ static void engine_opts(const fz_opts *fo, const fz_cfg *c, int cached, ds_comm 
     o->seed = 12345;
     /* the prompt cut spacing comes from it: the same for the cold run */
     o->state_checkpoint_interval_tokens = c->interval;
+    o->test.async_masks = cached && c->async_masks;
     if (!cached) { /* the cold reference: one request at a time, room for everything */
         o->max_num_seqs = 2;
         o->enable_prefix_caching = 0;
@@ -595,6 +630,8 @@ static void describe_cfg(const fz_cfg *c, char *b, size_t cap) {
                      c->pd_block, c->pd_interval);
     if (!c->pd) n = 0;
     b += n, cap -= (size_t)n;
+    n = c->async_masks ? snprintf(b, cap, "grammar masks beside the forward; ") : 0;
+    b += n, cap -= (size_t)n;
     snprintf(b, cap,
              "block %d, step budget %d, seqs %d, rungs every %d, %d checkpoint slots, +%d pages, "
              "tiers%s%s%s%s (ram %zu pages, disk %zu pages), hash bits %d, spec %s k %d",
@@ -629,6 +666,8 @@ static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_dr
     w.seed = seed;
     w.pd_refused = 0;
     draw_pd(seed, fo, &w);
+    draw_grammar(seed, fo, &w);
+    ct->async_seeds += w.cfg.async_masks;
     char disk[4096];
     snprintf(disk, sizeof disk, "%s/seed-%llu", fo->work_dir, (unsigned long long)seed);
     ds_engine_opts o;
@@ -689,16 +728,19 @@ static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_dr
             int aborted = q->out[c].finish == DS_FINISH_ABORT;
             ct->aborted += aborted;
             ct->compared++;
+            ct->constrained += q->grammar != NULL;
             ct->tokens += (uint64_t)q->out[c].n;
             char why[256];
             if (!same_out(&q->out[c], &ref.r[i].out[c], aborted, q->p.logprobs >= 0, why,
                           sizeof why)) {
                 char cfg[512];
                 describe_cfg(&w.cfg, cfg, sizeof cfg);
-                printf("MISMATCH seed %llu request %d (prompt %d tokens%s, %s, n %d) choice %d: "
-                       "%s\n  config: %s\n",
-                       (unsigned long long)seed, i, q->n_prompt, q->base >= 0 ? ", multi-turn" : "",
-                       q->p.sample.temperature == 0.0f ? "greedy" : "sampled", q->p.n, c, why, cfg);
+                printf(
+                    "MISMATCH seed %llu request %d (prompt %d tokens%s%s%s, %s, n %d) choice %d: "
+                    "%s\n  config: %s\n",
+                    (unsigned long long)seed, i, q->n_prompt, q->base >= 0 ? ", multi-turn" : "",
+                    q->pd ? ", P/D" : "", q->grammar ? ", constrained" : "",
+                    q->p.sample.temperature == 0.0f ? "greedy" : "sampled", q->p.n, c, why, cfg);
                 ok = 0;
             }
         }
@@ -747,6 +789,8 @@ static int parse_args(int argc, char **argv, fz_opts *fo, const char **case_file
             fo->max_seconds = atof(v);
         else if (!strcmp(a, "--pd"))
             fo->pd = atoi(v);
+        else if (!strcmp(a, "--grammar"))
+            fo->grammar = atoi(v);
         else if (!strcmp(a, "--work-dir"))
             fo->work_dir = v;
         else if (!strcmp(a, "--case"))
@@ -911,8 +955,10 @@ int main(int argc, char **argv) {
                          fo.device == DS_DEVICE_CUDA ? "-cuda" : "");
                 FILE *f = fopen(path, "w");
                 if (f) {
-                    fprintf(f, "--seed0 %llu --seeds 1 -tp %d -pp %d --pd %d --device %s%s%s%s%s\n",
-                            (unsigned long long)seed, fo.tp, fo.pp, fo.pd,
+                    fprintf(f,
+                            "--seed0 %llu --seeds 1 -tp %d -pp %d --pd %d --grammar %d --device "
+                            "%s%s%s%s%s\n",
+                            (unsigned long long)seed, fo.tp, fo.pp, fo.pd, fo.grammar,
                             fo.device == DS_DEVICE_CUDA ? "cuda" : "cpu",
                             fo.batch_invariant ? " --batch-invariant" : "",
                             fo.quantization ? " --quantization ptpc_fp8" : "",
@@ -949,6 +995,14 @@ int main(int argc, char **argv) {
                    (unsigned long long)ct.pd_refused);
         if (ct.preemptions) {
             printf("cache_fuzz: a sequence was preempted: the pools are sized so that none is\n");
+            status = 1;
+        }
+        if (fo.grammar)
+            printf("cache_fuzz: %llu choices constrained by a grammar, %llu seeds with the masks "
+                   "beside the forward\n",
+                   (unsigned long long)ct.constrained, (unsigned long long)ct.async_seeds);
+        if (ran >= 8 && fo.grammar >= 10 && (!ct.constrained || !ct.async_seeds)) {
+            printf("cache_fuzz: the run constrained no choice, or made no mask beside a forward\n");
             status = 1;
         }
         if (ran >= 8 && fo.pd >= 25 && !ct.pd_pulls) {
