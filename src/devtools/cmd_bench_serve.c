@@ -581,6 +581,33 @@ static char *response_format(const char *arg) {
     return out;
 }
 
+/* The numeric flags in range; 0 after saying which is not. */
+static int numbers_ok(int num_prompts, int concurrency, int input_len, int output_len, double rate,
+                      double ratio) {
+    const struct {
+        const char *flag;
+        int value;
+    } ints[] = {{"--num-prompts", num_prompts},
+                {"--concurrency", concurrency},
+                {"--input-len", input_len},
+                {"--output-len", output_len}};
+    for (size_t i = 0; i < DS_ARRAY_LEN(ints); i++)
+        if (ints[i].value < 1) {
+            fprintf(stderr, "bench serve: %s: expected at least 1, got %d\n", ints[i].flag,
+                    ints[i].value);
+            return 0;
+        }
+    if (rate < 0) {
+        fprintf(stderr, "bench serve: --request-rate: expected >= 0, got %g\n", rate);
+        return 0;
+    }
+    if (!(ratio >= 0 && ratio < 1)) {
+        fprintf(stderr, "bench serve: --random-range-ratio: expected 0 <= R < 1, got %g\n", ratio);
+        return 0;
+    }
+    return 1;
+}
+
 int ds_cmd_bench_serve(int argc, char **argv) {
     const char *url = "http://127.0.0.1:8000", *dataset = NULL, *out_path = NULL, *model = NULL;
     const char *api_key = NULL, *rf_text = NULL, *lens_path = NULL;
@@ -620,27 +647,7 @@ int ds_cmd_bench_serve(int argc, char **argv) {
     if (argc > 1 && strcmp(argv[1], "serve") == 0) argc--, argv++;
     int rc;
     if (ds_args_parse_cli(&a, argc, argv, &rc)) return rc;
-    const struct {
-        const char *flag;
-        int value;
-    } ints[] = {{"--num-prompts", num_prompts},
-                {"--concurrency", concurrency},
-                {"--input-len", input_len},
-                {"--output-len", output_len}};
-    for (size_t i = 0; i < DS_ARRAY_LEN(ints); i++)
-        if (ints[i].value < 1) {
-            fprintf(stderr, "bench serve: %s: expected at least 1, got %d\n", ints[i].flag,
-                    ints[i].value);
-            return 2;
-        }
-    if (rate < 0) {
-        fprintf(stderr, "bench serve: --request-rate: expected >= 0, got %g\n", rate);
-        return 2;
-    }
-    if (!(ratio >= 0 && ratio < 1)) {
-        fprintf(stderr, "bench serve: --random-range-ratio: expected 0 <= R < 1, got %g\n", ratio);
-        return 2;
-    }
+    if (!numbers_ok(num_prompts, concurrency, input_len, output_len, rate, ratio)) return 2;
     if (rf_text && !(rf_dump = response_format(rf_text))) return 2;
     ds_err err = {{0}};
     curl_global_init(CURL_GLOBAL_DEFAULT);

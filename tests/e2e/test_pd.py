@@ -247,16 +247,21 @@ def test_damaged_transfer_recomputes(ref, prod, text_ids, mode, reason):
         assert bad.stop() == 0
 
 
-def test_transfer_of_another_prompt_recomputes(ref, prod, cons, text_ids):
-    """The router pairs a transfer with the wrong request: the consumer's own tokens decide."""
-    ids = text_ids[0]
-    a, b = completion(ids[20: 20 + 400]), completion(ids[21: 21 + 400])
+def refused(ref, prod, cons, a, b):
+    """Prompt a prefilled on prod, request b sent to cons with a's transfer: cons must refuse it
+    (one pull failure more) and answer b as one server does, resuming from none of it."""
     want = post(ref, "/v1/completions", b)[1]
     fails, hits = m(cons, "kv_transfer_pull_failures_total"), m(cons, "prefix_cache_hits_total")
     kv = prefill(prod, "/v1/completions", a)
     same(post(cons, "/v1/completions", dict(b, kv_transfer_params=kv))[1], want)
     assert m(cons, "kv_transfer_pull_failures_total") == fails + 1
     assert m(cons, "prefix_cache_hits_total") == hits
+
+
+def test_transfer_of_another_prompt_recomputes(ref, prod, cons, text_ids):
+    """The router pairs a transfer with the wrong request: the consumer's own tokens decide."""
+    ids = text_ids[0]
+    refused(ref, prod, cons, completion(ids[20: 20 + 400]), completion(ids[21: 21 + 400]))
 
 
 def test_transfer_from_another_checkpoint_recomputes(ref, cons, text_ids, tmp_path):
@@ -277,13 +282,7 @@ def test_transfer_from_another_checkpoint_recomputes(ref, cons, text_ids, tmp_pa
                  model=str(other))
     try:
         body = completion(text_ids[0][30: 30 + 300])
-        want = post(ref, "/v1/completions", body)[1]
-        fails, hits = m(cons, "kv_transfer_pull_failures_total"), \
-            m(cons, "prefix_cache_hits_total")
-        kv = prefill(alt, "/v1/completions", body)
-        same(post(cons, "/v1/completions", dict(body, kv_transfer_params=kv))[1], want)
-        assert m(cons, "kv_transfer_pull_failures_total") == fails + 1
-        assert m(cons, "prefix_cache_hits_total") == hits  # nothing resumed from its blocks
+        refused(ref, alt, cons, body, body)
         assert any("another model" in line for line in cons.log[-20:]), "".join(cons.log[-5:])
     finally:
         assert alt.stop() == 0
@@ -638,13 +637,9 @@ def test_pp2_producer_to_tp1_consumer(ref, cons, text_ids):
         # refused at the head's part (paired with another prompt): stage 1's part, never
         # pulled, is released at once (its store confirms it held and freed it), not left to
         # wait out hold_timeout_s
-        a, b = completion(ids[180: 180 + 300], 4), completion(ids[181: 181 + 300], 4)
-        want = post(ref, "/v1/completions", b)[1]
-        fails, rel = m(cons, "kv_transfer_pull_failures_total"), \
-            m(cons, "kv_transfer_releases_total")
-        kv = prefill(prod2, "/v1/completions", a)
-        same(post(cons, "/v1/completions", dict(b, kv_transfer_params=kv))[1], want)
-        assert m(cons, "kv_transfer_pull_failures_total") == fails + 1
+        rel = m(cons, "kv_transfer_releases_total")
+        refused(ref, prod2, cons, completion(ids[180: 180 + 300], 4),
+                completion(ids[181: 181 + 300], 4))
         assert m(cons, "kv_transfer_releases_total") == rel + 1, "".join(cons.log[-8:])
         assert m(prod2, "kv_transfer_held") == 0
     finally:
