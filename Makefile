@@ -118,8 +118,9 @@ cache-fuzz: build
 	redis-server --port $$port --bind 127.0.0.1 --save "" --appendonly no --daemonize yes \
 	  --loglevel warning --pidfile /tmp/ds-cache-fuzz-redis.pid >/dev/null; sleep 0.5; \
 	OMP_NUM_THREADS=2 ./$(BUILD)/cache_fuzz --seeds $(CACHE_FUZZ_SEEDS) --seed0 $(CACHE_FUZZ_SEED0) \
-	  --redis redis://127.0.0.1:$$port --save-dir tests/cachefuzz/cases; st=$$?; \
+	  --redis redis://127.0.0.1:$$port --pd 25 --grammar 20 --save-dir tests/cachefuzz/cases; st=$$?; \
 	OMP_NUM_THREADS=2 ./$(BUILD)/cache_fuzz --seeds $$(( $(CACHE_FUZZ_SEEDS) / 4 )) \
-	  --seed0 $$(( $(CACHE_FUZZ_SEED0) + 1000000 )) -tp 2 -pp 2 --save-dir tests/cachefuzz/cases \
+	  --seed0 $$(( $(CACHE_FUZZ_SEED0) + 1000000 )) -tp 2 -pp 2 --grammar 20 \
+	  --save-dir tests/cachefuzz/cases \
 	  || st=1; \
 	kill $$(cat /tmp/ds-cache-fuzz-redis.pid) 2>/dev/null; exit $$st
