@@ -44,6 +44,14 @@ typedef struct ds_test_hooks {
     int async_masks;
 } ds_test_hooks;
 
+/* Why a consumer's pull failed (ds_engine_stats.kv_pull_fail_by; the prompt is recomputed):
+ * the pull itself (the producer unreachable, the transfer unknown or expired, a timeout, a
+ * connection broken off), a part that failed its checks (checksums, truncation, malformed), a
+ * part of another model, layout or prompt, or this server (not a consumer, out of memory). */
+enum { DS_KV_FAIL_UNAVAILABLE, DS_KV_FAIL_DAMAGED, DS_KV_FAIL_MISMATCH, DS_KV_FAIL_LOCAL };
+#define DS_KV_FAIL_NAMES                                                                           \
+    { "unavailable", "damaged", "mismatch", "local" }
+
 /* Prefill/decode disaggregation roles (docs/pd.md), vLLM's kv_role. */
 enum { DS_KV_NONE = 0, DS_KV_PRODUCER = 1, DS_KV_CONSUMER = 2, DS_KV_BOTH = 3 };
 
@@ -252,6 +260,9 @@ typedef struct ds_engine_stats {
     double kv_export_seconds;
     int kv_held;
     uint64_t kv_pulls, kv_pull_failures, kv_pull_blocks, kv_pull_bytes;
+    /* the failures by reason (DS_KV_FAIL_*): what an operator needs to tell a producer that is
+     * gone from one that serves another model */
+    uint64_t kv_pull_fail_by[4];
     double kv_pull_seconds;
     uint64_t kv_released; /* parts of refused transfers that the producer freed when asked */
     /* consumer: connections to producers opened, and requests sent over one kept from an

@@ -573,16 +573,27 @@ static void release_parts(ds_engine *e, const ds_kv_pull *p, const pd_rank *tabl
     pthread_mutex_unlock(&e->mu);
 }
 
-static void count_pull(ds_engine *e, int ok, const ds_kv_pull *p) {
+/* A pull installed (ok, p), or failed for reason (DS_KV_FAIL_*). */
+static void count_pull(ds_engine *e, int ok, const ds_kv_pull *p, int reason) {
     pthread_mutex_lock(&e->mu);
     if (ok) {
         e->stats.kv_pulls++;
         e->stats.kv_pull_blocks += (uint64_t)p->n_blocks;
         e->stats.kv_pull_bytes += p->len;
         e->stats.kv_pull_seconds += p->wire_seconds;
-    } else
+    } else {
         e->stats.kv_pull_failures++;
+        e->stats.kv_pull_fail_by[reason]++;
+    }
     pthread_mutex_unlock(&e->mu);
+}
+
+/* The reason of a refusal why (a verify_* answer or a local failure) of a part that was pulled;
+ * one that was not is DS_KV_FAIL_UNAVAILABLE. */
+static int refusal_reason(const char *why) {
+    if (!strncmp(why, "another", 7)) return DS_KV_FAIL_MISMATCH;
+    if (!strcmp(why, "out of memory")) return DS_KV_FAIL_LOCAL;
+    return DS_KV_FAIL_DAMAGED;
 }
 
 /* The most bytes a part of a transfer of this prompt can have: its front (PD_MAX_PARTS table
@@ -670,16 +681,16 @@ int ds_engine_kv_pull(ds_engine *e, const char *host, int port, uint64_t id, con
                       int n_prompt, ds_kv_pull **out, ds_err *err) {
     *out = NULL;
     if (!(e->opts.kv_role & DS_KV_CONSUMER)) {
-        count_pull(e, 0, NULL);
+        count_pull(e, 0, NULL, DS_KV_FAIL_LOCAL);
         return ds_errf(err, "kv transfer: this server is not a consumer (--kv-transfer-config)");
     }
     if (!e->head || !e->xclient) {
-        count_pull(e, 0, NULL);
+        count_pull(e, 0, NULL, DS_KV_FAIL_LOCAL);
         return ds_errf(err, "kv transfer: only the job's head takes a transfer's parameters");
     }
     ds_kv_pull *p = new_pull(e, host, id, n_prompt);
     if (!p) {
-        count_pull(e, 0, NULL);
+        count_pull(e, 0, NULL, DS_KV_FAIL_LOCAL);
         return ds_errf(err, "kv transfer: out of memory");
     }
     /* part 0 first: its table says where the others are and who needs what. A job of one rank
@@ -719,7 +730,7 @@ int ds_engine_kv_pull(ds_engine *e, const char *host, int port, uint64_t id, con
             ds_errf(err, "%s", perr.msg);
         free(flag);
         ds_kv_pull_free(p);
-        count_pull(e, 0, NULL);
+        count_pull(e, 0, NULL, pulled ? refusal_reason(why) : DS_KV_FAIL_UNAVAILABLE);
         return DS_ERR;
     }
     /* parts that no rank of this job needs (part 0: none but the head, which has it) */
@@ -727,7 +738,7 @@ int ds_engine_kv_pull(ds_engine *e, const char *host, int port, uint64_t id, con
     for (int i = 0; i < n; i++) idle |= flag[i] = (i > 0 || !single) && pulls_of(e, p, i) == 0;
     if (idle) release_parts(e, p, table, n, flag);
     free(flag);
-    count_pull(e, 1, p);
+    count_pull(e, 1, p, 0);
     *out = p;
     return DS_OK;
 }

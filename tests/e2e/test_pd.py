@@ -97,6 +97,11 @@ def m(srv, name):
     return srv.metrics().get("vllm:" + name, 0.0)
 
 
+def why(srv, reason):
+    """Failed pulls of srv for one reason (unavailable, damaged, mismatch, local)."""
+    return m(srv, f'kv_transfer_pull_failure_reasons_total{{reason="{reason}"}}')
+
+
 # what vllm-router sends to the prefill server in its NIXL mode
 PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
               "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -240,6 +245,7 @@ def test_damaged_transfer_recomputes(ref, prod, text_ids, mode, reason):
         assert status == 200, got
         same(got, want)
         assert m(bad, "kv_transfer_pull_failures_total") == 1
+        assert why(bad, "damaged") == 1 and why(bad, "mismatch") == why(bad, "unavailable") == 0
         assert m(bad, "kv_transfer_pulls_total") == 0
         assert m(bad, "prefix_cache_hits_total") == 0  # nothing decoded from the bad transfer
         assert any(reason in line for line in bad.log), "".join(bad.log[-5:])
@@ -252,9 +258,11 @@ def refused(ref, prod, cons, a, b):
     (one pull failure more) and answer b as one server does, resuming from none of it."""
     want = post(ref, "/v1/completions", b)[1]
     fails, hits = m(cons, "kv_transfer_pull_failures_total"), m(cons, "prefix_cache_hits_total")
+    mismatched = why(cons, "mismatch")
     kv = prefill(prod, "/v1/completions", a)
     same(post(cons, "/v1/completions", dict(b, kv_transfer_params=kv))[1], want)
     assert m(cons, "kv_transfer_pull_failures_total") == fails + 1
+    assert why(cons, "mismatch") == mismatched + 1  # counted as what it is
     assert m(cons, "prefix_cache_hits_total") == hits
 
 
@@ -299,7 +307,7 @@ def test_expired_and_missing_transfers_recompute(ref, prod, cons, text_ids):
         time.sleep(0.2)
     assert m(prod, "kv_transfer_expired_total") == expired + 1
     assert m(prod, "kv_transfer_held") == 0
-    fails = m(cons, "kv_transfer_pull_failures_total")
+    fails, unavailable = m(cons, "kv_transfer_pull_failures_total"), why(cons, "unavailable")
     got = post(cons, "/v1/completions", dict(body, kv_transfer_params=kv))[1]
     same(got, want)
     # a producer that is not there at all (a port nothing listens on)
@@ -312,6 +320,7 @@ def test_expired_and_missing_transfers_recompute(ref, prod, cons, text_ids):
     assert time.time() - t0 < 30
     same(got, want)
     assert m(cons, "kv_transfer_pull_failures_total") == fails + 2
+    assert why(cons, "unavailable") == unavailable + 2
 
 
 def test_producer_killed_mid_transfer(ref, cons, text_ids):
@@ -324,7 +333,7 @@ def test_producer_killed_mid_transfer(ref, cons, text_ids):
         body = completion(ids[40: 40 + 600])
         want = post(ref, "/v1/completions", body)[1]
         kv = prefill(dying, "/v1/completions", body)
-        fails = m(cons, "kv_transfer_pull_failures_total")
+        fails, unavailable = m(cons, "kv_transfer_pull_failures_total"), why(cons, "unavailable")
         out = {}
         t = threading.Thread(target=lambda: out.update(
             r=post(cons, "/v1/completions", dict(body, kv_transfer_params=kv))))
@@ -337,6 +346,7 @@ def test_producer_killed_mid_transfer(ref, cons, text_ids):
         assert status == 200, got
         same(got, want)
         assert m(cons, "kv_transfer_pull_failures_total") == fails + 1
+        assert why(cons, "unavailable") == unavailable + 1
         assert time.time() - t0 < 25  # not the 30 s pull timeout: the broken connection ends it
     finally:
         dying.stop()
