@@ -91,8 +91,8 @@ typedef struct fz_cfg {
     size_t disk_pages;     /* disk tier budget in pages (0: unlimited) */
     int hash_bits;
     int spec, k;
-    /* P/D: on for this seed; the producer's block size and rung spacing */
-    int pd, pd_block, pd_interval;
+    /* P/D: on for this seed; the producer's block size, rung spacing and step budget */
+    int pd, pd_block, pd_interval, pd_batched;
     int async_masks; /* the cached engine's grammar masks beside the forward */
 } fz_cfg;
 
@@ -183,6 +183,18 @@ static void draw_cfg(uint64_t *s, const fz_opts *fo, int have_draft, fz_cfg *c) 
     c->k = rint_(s, 2, 4);
 }
 
+/* The prompt cut spacing of an engine (setup.c's: the rung spacing snapped to a page, capped by
+ * the step budget). */
+static int cut_of(int block, int interval, int batched) {
+    return DS_MIN(batched, DS_MAX(block, interval / block * block));
+}
+
+/* Do the seed's producer and consumer cut prompts alike (so that no transfer may be refused)? */
+static int pd_alike(const fz_cfg *c) {
+    return c->pd_block == c->block_size && cut_of(c->pd_block, c->pd_interval, c->pd_batched) ==
+                                               cut_of(c->block_size, c->interval, c->max_batched);
+}
+
 /* P/D's draws, from a stream of their own (a seed's configuration and workload stay what they
  * were before P/D existed: saved cases replay as they did). */
 static void draw_pd(uint64_t seed, const fz_opts *fo, fz_work *w) {
@@ -196,6 +208,11 @@ static void draw_pd(uint64_t seed, const fz_opts *fo, fz_work *w) {
         else
             c->pd_interval = c->interval == 64 ? 32 : 64;
     }
+    /* a producer's step budget of its own (prefill servers run larger ones): its transfers
+     * pair as long as the prompt cuts agree (pd_alike) */
+    static const int mbs[] = {16, 32, 64, 128, 256};
+    c->pd_batched = c->max_batched;
+    if (c->pd && chance(&s, 30)) c->pd_batched = DS_MAX(mbs[rint_(&s, 0, 4)], c->pd_block);
     for (int i = 0; i < w->n; i++) w->r[i].pd = c->pd && w->r[i].base < 0 && chance(&s, 60);
 }
 
@@ -490,7 +507,7 @@ static void prod_event(void *user, const ds_token_event *ev) {
 static int run_producer(const fz_opts *fo, fz_work *w, size_t slot_bytes, size_t token_bytes,
                         ds_engine **out, int *port, ds_err *err) {
     fz_cfg pc = w->cfg;
-    pc.block_size = pc.pd_block, pc.interval = pc.pd_interval;
+    pc.block_size = pc.pd_block, pc.interval = pc.pd_interval, pc.max_batched = pc.pd_batched;
     pc.ram = pc.disk = pc.remote = 0, pc.hash_bits = 0;
     ds_engine_opts o;
     const size_t page = token_bytes * (size_t)pc.block_size;
@@ -627,8 +644,9 @@ static int same_out(const fz_out *a, const fz_out *ref, int aborted, int lp, cha
 }
 
 static void describe_cfg(const fz_cfg *c, char *b, size_t cap) {
-    int n = snprintf(b, cap, "P/D consumer of a producer with block %d, rungs every %d; ",
-                     c->pd_block, c->pd_interval);
+    int n = snprintf(b, cap,
+                     "P/D consumer of a producer with block %d, rungs every %d, step budget %d; ",
+                     c->pd_block, c->pd_interval, c->pd_batched);
     if (!c->pd) n = 0;
     b += n, cap -= (size_t)n;
     n = c->async_masks ? snprintf(b, cap, "grammar masks beside the forward; ") : 0;
@@ -682,8 +700,10 @@ static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_dr
         o.kv_role = DS_KV_CONSUMER;
         ct->pd_seeds++;
         if (g_verbose)
-            printf("  P/D: producer block %d rungs every %d, consumer block %d rungs every %d\n",
-                   w.cfg.pd_block, w.cfg.pd_interval, w.cfg.block_size, w.cfg.interval);
+            printf("  P/D: producer block %d rungs every %d budget %d, consumer block %d rungs "
+                   "every %d budget %d\n",
+                   w.cfg.pd_block, w.cfg.pd_interval, w.cfg.pd_batched, w.cfg.block_size,
+                   w.cfg.interval, w.cfg.max_batched);
     }
     int rc = run_engine(&o, &w, head, 0, ct, port, err);
     ds_engine_stats ps = {0};
@@ -711,8 +731,7 @@ static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_dr
     int ok = 1;
     /* producer and consumer laid out alike: nothing may refuse a transfer (a refusal recomputes,
      * so the outputs cannot tell) */
-    if (w.cfg.pd && w.pd_refused && w.cfg.pd_block == w.cfg.block_size &&
-        w.cfg.pd_interval == w.cfg.interval) {
+    if (w.cfg.pd && w.pd_refused && pd_alike(&w.cfg)) {
         printf("MISMATCH seed %llu: %d P/D transfers refused between servers laid out alike: %s\n",
                (unsigned long long)seed, w.pd_refused, w.pd_why);
         ok = 0;
