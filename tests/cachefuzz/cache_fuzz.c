@@ -18,11 +18,11 @@
  *
  * With --pd PCT (one process), that share of the seeds also runs P/D disaggregation (docs/pd.md):
  * a producer engine (its own block size and rung spacing one time in five, so that some
- * transfers must be refused) prefills some of the workload's prompts as vllm-router's first
+ * transfers must be refused, and one time in three its own step budget) prefills some of the workload's prompts as vllm-router's first
  * request does (one token, a transfer filed), and the cached engine, a consumer, pulls them
  * before it starts and receives them into its offload tier as its requests are admitted, among
- * the rest of the workload: every choice must still equal the cold run's, and the producer must
- * hold no transfer at the end.
+ * the rest of the workload: every choice must still equal the cold run's, no transfer may be
+ * refused where the two cut prompts alike, and the producer must hold no transfer at the end.
  *
  * With --grammar PCT that share of the requests is constrained by one of a few Lark grammars
  * (constrained decoding, docs/structured-outputs.md), and half the seeds that have any make the
