@@ -170,6 +170,19 @@ static void render_engine(textbuf *t, const ds_engine_stats *st, const char *lab
             labels, st->kv_pull_seconds);
 }
 
+/* P/D consumer: its failed pulls, one series a reason (DS_KV_FAIL_*). */
+static void render_pull_failures(textbuf *t, const ds_engine_stats *st, const char *labels) {
+    metric_head(t, "kv_transfer_pull_failure_reasons_total", "counter",
+                "P/D consumer: failed pulls by reason (unavailable: the producer, the transfer or "
+                "the connection; damaged: a part failed its checks; mismatch: another model, "
+                "layout or prompt; local: this server).");
+    static const char *const why[4] = DS_KV_FAIL_NAMES;
+    _Static_assert(DS_ARRAY_LEN(why) == DS_ARRAY_LEN(st->kv_pull_fail_by), "a name a reason");
+    for (size_t i = 0; i < DS_ARRAY_LEN(why); i++)
+        tb_printf(t, "%skv_transfer_pull_failure_reasons_total{%s,reason=\"%s\"} %llu\n", t->pfx,
+                  labels, why[i], (unsigned long long)st->kv_pull_fail_by[i]);
+}
+
 /* The counters of the prefix cache, the offload tiers and speculative decoding (uint64_t fields
  * of ds_engine_stats, by offset), the accepted drafts by position, the draft digest, and the
  * finished requests by reason. */
@@ -270,15 +283,7 @@ static void render_counters(textbuf *t, const ds_engine_stats *st, const char *l
         counter(t, CACHE[i].name, CACHE[i].help, labels,
                 (double)*(const uint64_t *)((const char *)st + CACHE[i].off));
 
-    metric_head(t, "kv_transfer_pull_failure_reasons_total", "counter",
-                "P/D consumer: failed pulls by reason (unavailable: the producer, the transfer or "
-                "the connection; damaged: a part failed its checks; mismatch: another model, "
-                "layout or prompt; local: this server).");
-    static const char *const why[4] = DS_KV_FAIL_NAMES;
-    _Static_assert(DS_ARRAY_LEN(why) == DS_ARRAY_LEN(st->kv_pull_fail_by), "a name a reason");
-    for (size_t i = 0; i < DS_ARRAY_LEN(why); i++)
-        tb_printf(t, "%skv_transfer_pull_failure_reasons_total{%s,reason=\"%s\"} %llu\n", t->pfx,
-                  labels, why[i], (unsigned long long)st->kv_pull_fail_by[i]);
+    render_pull_failures(t, st, labels);
 
     metric_head(t, "spec_decode_num_accepted_tokens_per_pos", "counter",
                 "Draft tokens accepted, by position in the draft block.");
