@@ -824,6 +824,10 @@ static int parse_args(int argc, char **argv, fz_opts *fo, const char **case_file
         fprintf(stderr, "cache_fuzz: --seeds, -tp and -pp must be positive\n");
         return -1;
     }
+    if (fo->pd < 0 || fo->pd > 100 || fo->grammar < 0 || fo->grammar > 100) {
+        fprintf(stderr, "cache_fuzz: --pd and --grammar are percentages (0 to 100)\n");
+        return -1;
+    }
     return 0;
 }
 
