@@ -296,6 +296,24 @@ def test_transfer_from_another_checkpoint_recomputes(ref, cons, text_ids, tmp_pa
         assert alt.stop() == 0
 
 
+def test_consumer_with_a_disk_tier_pairs(ref, prod, text_ids, tmp_path):
+    """A consumer that keeps a disk tier (its offload keys then name the weights by their bytes)
+    pairs with a producer that keeps none: the transfer is installed, not refused (both sides of
+    a transfer name the weights alike; once every such pull was refused as another model)."""
+    disk = Server("--seed", "1", *SPEC, *kv_config("kv_consumer"), "--kv-offload-disk-dir",
+                  str(tmp_path / "tier"), env_args=False)
+    try:
+        body = completion(text_ids[0][50: 50 + 600])
+        want = post(ref, "/v1/completions", body)[1]
+        kv = prefill(prod, "/v1/completions", body)
+        same(post(disk, "/v1/completions", dict(body, kv_transfer_params=kv))[1], want)
+        assert m(disk, "kv_transfer_pulls_total") == 1, "".join(disk.log[-5:])
+        assert m(disk, "kv_transfer_pull_failures_total") == 0
+        assert m(disk, "prefix_cache_hits_total") == (600 - 1) // 256 * 256
+    finally:
+        assert disk.stop() == 0
+
+
 def test_expired_and_missing_transfers_recompute(ref, prod, cons, text_ids):
     ids = text_ids[0]
     body = completion(ids[11: 11 + 300])
