@@ -15,7 +15,7 @@ if [ -z "${DS_DEVBIN_BUILD:-}" ]; then
   cmake --build build-cuda -j "$(nproc)"
 fi
 rm -rf .devbin && mkdir -p .devbin/lib
-cp "$BC/deltaserve" "$BC/test_cuda_kernels" "$BC/bench_cublas" .devbin/
+cp "$BC/deltaserve" "$BC/test_cuda_kernels" "$BC/bench_cublas" "$BC/bench_f8cvt" .devbin/
 for t in ${DS_DEVBIN_TESTS:-test_model_forward test_model_pipeline test_model_draft test_model_quant test_engine_prefix test_engine_engine test_engine_regress}; do
   cp "$BC/$t" .devbin/
 done
