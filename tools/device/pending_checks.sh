@@ -12,12 +12,16 @@
 #   5. Nsight Compute per kernel of a batch-1 step, BF16, ptpc_fp8 and ptpc_fp8 with the codes made
 #      first (where the FP8 step's time goes, and what each product's own quantization costs:
 #      tools/device/ncu48.sh; bench/RESULTS.md session 27).
+#   6. (session 28's open question) is the FP8-to-F16 conversion what holds the FP8 streams back?
+#      bench_f8cvt (the conversion alone), then, with .devbin packed by
+#      `DS_DEVBIN_F8BITS=1 tools/device/pack_devbin.sh`, the kernels built with -DDS_CUDA_F8_BITS:
+#      their checks, the experts' bench and decode at batch 1 against the default build's.
 # The working tree travels whole (64 MiB at most): with the wheels (~16 MiB) the bundled model
 # (46 MB) does not fit beside them; leave it out of the call's tree for that call (docs/cuda.md).
-# STEPS: which of them (default "1 2 3 4 5"), for a call with less device time left.
+# STEPS: which of them (default "6", the one not yet run; 1-5 ran in sessions 27-28).
 set -u
 OUT=${OUT:-/tmp/ds-out}
-STEPS=" ${STEPS:-1 2 3 4 5} "
+STEPS=" ${STEPS:-6} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -48,6 +52,21 @@ if want 3; then
 el "3. grammar48: the masks before the forward (DS_MASKS_BESIDE=0), then beside it (the default)"
 DS_MASKS_BESIDE=0 TAG=_before CONC=32 STEP_TIMEOUT=120 bash "$(dirname "$0")/grammar48.sh" 2>&1 | tail -3
 TAG=_beside CONC=32 STEP_TIMEOUT=120 bash "$(dirname "$0")/grammar48.sh" 2>&1 | tail -14
+fi
+if want 6; then
+el "6. FP8 codes to F16: the conversion alone, then the bit form in the kernels"
+.devbin/bench_f8cvt 2>&1 | tail -6
+if [ -x .devbin/test_cuda_kernels_f8bits ]; then
+  DS_CUDA_CHECKS="matmul fp8,moe fp8,kda batch" .devbin/test_cuda_kernels_f8bits 2>&1 | grep -E "checks:|FAIL" | head -5
+  for v in "" _f8bits; do
+    .devbin/test_cuda_kernels$v --bench-only moefp8 2>&1 | grep "bench moe fp8 T=1 " | sed "s/^/[${v:-cvt}] /"
+    .devbin/deltaserve$v bench --model $SHAPE48 --load-format random --device cuda -q ptpc_fp8 \
+      --prompt-tokens 16 --reps 1 --decode-context 512 --decode-steps 8 --batch-sizes 1 2>&1 |
+      grep -E "^decode batch" | sed "s/^/[${v:-cvt}] /"
+  done
+else
+  echo "no test_cuda_kernels_f8bits: pack with DS_DEVBIN_F8BITS=1"
+fi
 fi
 want 4 || want 5 || { el end; exit 0; }
 el "4. decode b1 / b32, BF16 then ptpc_fp8"
