@@ -18,11 +18,12 @@
  *
  * With --pd PCT (one process), that share of the seeds also runs P/D disaggregation (docs/pd.md):
  * a producer engine (its own block size and rung spacing one time in five, so that some
- * transfers must be refused, and one time in three its own step budget) prefills some of the workload's prompts as vllm-router's first
- * request does (one token, a transfer filed), and the cached engine, a consumer, pulls them
- * before it starts and receives them into its offload tier as its requests are admitted, among
- * the rest of the workload: every choice must still equal the cold run's, no transfer may be
- * refused where the two cut prompts alike, and the producer must hold no transfer at the end.
+ * transfers must be refused, and one time in three its own step budget) prefills some of the
+ * workload's prompts as vllm-router's first request does (one token, a transfer filed), and the
+ * cached engine, a consumer, pulls them before it starts and receives them into its offload tier as
+ * its requests are admitted, among the rest of the workload: every choice must still equal the cold
+ * run's, no transfer may be refused where the two cut prompts alike, and the producer must hold no
+ * transfer at the end.
  *
  * With --grammar PCT that share of the requests is constrained by one of a few Lark grammars
  * (constrained decoding, docs/structured-outputs.md), and half the seeds that have any make the
@@ -729,10 +730,11 @@ static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_dr
     if (head) rm_tree(disk);
     if (!head) return 1;
     int ok = 1;
-    /* producer and consumer laid out alike: nothing may refuse a transfer (a refusal recomputes,
-     * so the outputs cannot tell) */
+    /* producer and consumer cutting prompts alike (pd_alike): nothing may refuse a transfer (a
+     * refusal recomputes, so the outputs cannot tell) */
     if (w.cfg.pd && w.pd_refused && pd_alike(&w.cfg)) {
-        printf("MISMATCH seed %llu: %d P/D transfers refused between servers laid out alike: %s\n",
+        printf("MISMATCH seed %llu: %d P/D transfers refused between engines that cut prompts "
+               "alike: %s\n",
                (unsigned long long)seed, w.pd_refused, w.pd_why);
         ok = 0;
     }

@@ -25,8 +25,8 @@ static __device__ __forceinline__ uint32_t cvt_pair(uint32_t w16) {
 static __device__ __forceinline__ uint32_t bits_pair(uint32_t w16) {
     const uint32_t t = __byte_perm(w16, 0u, 0x1404u);
     const uint32_t h = (t & 0x80008000u) | ((t >> 1) & 0x3f803f80u);
-    const __half2 v = __hmul2(*(const __half2 *)&h, __halves2half2(__ushort_as_half(0x5c00u),
-                                                                   __ushort_as_half(0x5c00u)));
+    const __half2 v = __hmul2(*(const __half2 *)&h,
+                              __halves2half2(__ushort_as_half(0x5c00u), __ushort_as_half(0x5c00u)));
     return *(const uint32_t *)&v;
 }
 
@@ -54,7 +54,8 @@ __global__ void __launch_bounds__(256) stream_k(const uint4 *codes, size_t n, ui
                                  fb = __half22float2(*(const __half2 *)&b);
                     accf += fa.x + fa.y + fb.x + fb.y;
                 } else {
-                    const uint32_t a = MODE == 1 ? cvt_pair(w[q] & 0xffffu) : bits_pair(w[q] & 0xffffu);
+                    const uint32_t a =
+                        MODE == 1 ? cvt_pair(w[q] & 0xffffu) : bits_pair(w[q] & 0xffffu);
                     const uint32_t b = MODE == 1 ? cvt_pair(w[q] >> 16) : bits_pair(w[q] >> 16);
                     acc = __hadd2(acc, __hadd2(*(const __half2 *)&a, *(const __half2 *)&b));
                 }
@@ -99,7 +100,7 @@ int main(void) {
     printf("bench_f8cvt on %s (%d SMs): cvt and bits agree on every code pair: %s (%u differ)\n",
            prop.name, sms, h_bad ? "NO" : "yes", h_bad);
     void (*const kernels[4])(const uint4 *, size_t, uint32_t *) = {stream_k<0>, stream_k<1>,
-                                                                  stream_k<2>, stream_k<3>};
+                                                                   stream_k<2>, stream_k<3>};
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);

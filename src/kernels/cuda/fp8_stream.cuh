@@ -39,8 +39,8 @@ static __device__ __forceinline__ uint32_t f8x2_f16(uint32_t w16) {
 #else
     const uint32_t t = __byte_perm(w16, 0u, 0x1404u); /* code 0 to byte 1, code 1 to byte 3 */
     const uint32_t h = (t & 0x80008000u) | ((t >> 1) & 0x3f803f80u);
-    const __half2 v = __hmul2(*(const __half2 *)&h, __halves2half2(__ushort_as_half(0x5c00u),
-                                                                   __ushort_as_half(0x5c00u)));
+    const __half2 v = __hmul2(*(const __half2 *)&h,
+                              __halves2half2(__ushort_as_half(0x5c00u), __ushort_as_half(0x5c00u)));
     return *(const uint32_t *)&v;
 #endif
 }
