@@ -14,8 +14,9 @@
  *    same positions whatever else is in the batch and whatever the prefix cache holds, so its
  *    numerics — and its greedy output — depend on neither. Checkpoint rungs are a subset of these
  *    cuts, so a step that ends on a rung leaves the slot holding exactly the state a checkpoint
- *    needs. A chunk that does not fit the remaining budget waits for the next step; a lone chunk
- * larger than the whole budget is impossible because chunk_tokens <= max_num_batched_tokens.
+ *    needs. A chunk that does not fit the remaining budget waits for the next step; a lone
+ *    chunk larger than the whole budget is impossible because chunk_tokens <=
+ *    max_num_batched_tokens.
  *  - FCFS admission: a waiting sequence is never overtaken by a younger one (no starvation).
  *  - With a prefix cache, admission first resumes the sequence from the deepest cached prefix
  *    (shared pages + a checkpoint fork, see cache/prefix.h) and then needs pages only for the

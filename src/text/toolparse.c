@@ -64,15 +64,6 @@ typedef struct {
 
 /* XTML's structure around the thought and the answer; a lone marker last, so that the longer
  * sequences win when they match (longest match at a position). */
-int ds_tp_is_marker(const char *name, size_t n) {
-    static const char *const k[] = {"<|open|>",       "<|close|>", "<|sep|>",
-                                    "<|end_of_msg|>", SEC_BEGIN,   SEC_END,
-                                    CALL_BEGIN,       ARGS_BEGIN,  CALL_END};
-    for (size_t i = 0; i < sizeof k / sizeof *k; i++)
-        if (strlen(k[i]) == n && !memcmp(k[i], name, n)) return 1;
-    return 0;
-}
-
 static const marker k_xtml_drop[] = {{"<|open|>response<|sep|>", M_DROP},
                                      {"<|close|>response<|sep|>", M_DROP},
                                      {"<|close|>message<|sep|>", M_DROP},
@@ -80,6 +71,20 @@ static const marker k_xtml_drop[] = {{"<|open|>response<|sep|>", M_DROP},
                                      {"<|close|>", M_DROP},
                                      {"<|sep|>", M_DROP},
                                      {"<|end_of_msg|>", M_DROP}};
+
+/* The tokens the markers are made of: XTML's (k_xtml_drop's lone entries; no token is named
+ * like its longer ones), the K2 tool-call section's and the thought's (K2-Thinking's <think> and
+ * </think> are tokens of their own). */
+int ds_tp_is_marker(const char *name, size_t n) {
+    static const char *const k2[] = {SEC_BEGIN, SEC_END,   CALL_BEGIN, ARGS_BEGIN,
+                                     CALL_END,  "<think>", "</think>"};
+    for (size_t i = 0; i < DS_ARRAY_LEN(k_xtml_drop) + DS_ARRAY_LEN(k2); i++) {
+        const char *s =
+            i < DS_ARRAY_LEN(k_xtml_drop) ? k_xtml_drop[i].s : k2[i - DS_ARRAY_LEN(k_xtml_drop)];
+        if (strlen(s) == n && !memcmp(s, name, n)) return 1;
+    }
+    return 0;
+}
 
 /* K3's call markers in state p->state, appended to m[*k]. */
 static void markers_xtml(const ds_toolparse *p, marker *m, int *k) {

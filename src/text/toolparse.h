@@ -86,8 +86,9 @@ int ds_tp_feed(ds_toolparse *p, const char *s, size_t n, ds_tp_out *out, ds_err 
 int ds_tp_finish(ds_toolparse *p, ds_tp_out *out, ds_err *err);
 void ds_tp_free(ds_toolparse *p);
 /* Is a special token of this name (n bytes) one of the markers the parser reads (XTML's
- * <|open|> <|close|> <|sep|> <|end_of_msg|>, the K2 tool-call section's)? The others (reserved
- * ids, media markers) stay out of the text when skip_special_tokens says so. */
+ * <|open|> <|close|> <|sep|> <|end_of_msg|>, the K2 tool-call section's, <think> and </think>)?
+ * The others (reserved ids, media markers) stay out of the text when skip_special_tokens says
+ * so. */
 int ds_tp_is_marker(const char *name, size_t n);
 
 /* Empties out (keeps its buffers); ds_tp_out_free releases them. */

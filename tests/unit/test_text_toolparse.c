@@ -317,6 +317,26 @@ static void test_random_texts(void **state) {
     }
 }
 
+/* The special tokens the parser reads, and only those: a thinking model's <think> tokens are
+ * among them (a skipped one must still end the thought), a media or reserved one is not. */
+static void test_markers(void **state) {
+    (void)state;
+    static const char *const yes[] = {"<|open|>",
+                                      "<|close|>",
+                                      "<|sep|>",
+                                      "<|end_of_msg|>",
+                                      "<|tool_calls_section_begin|>",
+                                      "<|tool_call_end|>",
+                                      "<think>",
+                                      "</think>"};
+    static const char *const no[] = {"<|media_pad|>", "[EOT]", "<|open|", "<|reserved_token_7|>",
+                                     "think"};
+    for (size_t i = 0; i < DS_ARRAY_LEN(yes); i++)
+        assert_true(ds_tp_is_marker(yes[i], strlen(yes[i])));
+    for (size_t i = 0; i < DS_ARRAY_LEN(no); i++)
+        assert_false(ds_tp_is_marker(no[i], strlen(no[i])));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_plain_text_unchanged),
@@ -330,6 +350,7 @@ int main(void) {
         cmocka_unit_test(test_reasoning_k3),
         cmocka_unit_test(test_k3_calls),
         cmocka_unit_test(test_random_texts),
+        cmocka_unit_test(test_markers),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
