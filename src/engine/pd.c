@@ -589,7 +589,8 @@ static void count_pull(ds_engine *e, int ok, const ds_kv_pull *p, int reason) {
 }
 
 /* The reason of a refusal why (a verify_* answer or a local failure) of a part that was pulled;
- * one that was not is DS_KV_FAIL_UNAVAILABLE. */
+ * one that was not is DS_KV_FAIL_UNAVAILABLE. The verify_* answers that name a transfer of
+ * another model, layout or prompt all begin "another"; the rest say the parts are malformed. */
 static int refusal_reason(const char *why) {
     if (!strncmp(why, "another", 7)) return DS_KV_FAIL_MISMATCH;
     if (!strcmp(why, "out of memory")) return DS_KV_FAIL_LOCAL;

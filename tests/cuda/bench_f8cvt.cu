@@ -6,29 +6,14 @@
  * flight, and folds what it makes into one word a thread (so nothing is optimized away):
  *   read   the codes' words XORed (the rate of reading alone)
  *   cvt    every pair converted by the conversion unit (cvt.rn.f16x2.e4m3x2), the halves summed
- *   bits   every pair converted by bit operations and one multiply (fp8_stream.cuh's
+ *   bits   every pair converted by bit operations and one multiply (f8x2_f16_bits, the
  *          -DDS_CUDA_F8_BITS form: the same F16 values), the halves summed
  *   cvt32  cvt, then each half to f32 (what a CUDA-core FP8 kernel would do), summed in f32
  * and checks that cvt and bits give the same F16 values for every code but the two NaNs. */
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-#include <cuda_runtime.h>
+#include "kernels/cuda/fp8_stream.cuh" /* the two forms: f8x2_f16_cvt, f8x2_f16_bits */
+
 #include <stdint.h>
 #include <stdio.h>
-
-static __device__ __forceinline__ uint32_t cvt_pair(uint32_t w16) {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)w16, __NV_E4M3);
-    return (uint32_t)h.x | ((uint32_t)h.y << 16);
-}
-
-/* (fp8_stream.cuh's bit form: sign to bit 15, exponent and mantissa to bits 13..7, times 2^8) */
-static __device__ __forceinline__ uint32_t bits_pair(uint32_t w16) {
-    const uint32_t t = __byte_perm(w16, 0u, 0x1404u);
-    const uint32_t h = (t & 0x80008000u) | ((t >> 1) & 0x3f803f80u);
-    const __half2 v = __hmul2(*(const __half2 *)&h,
-                              __halves2half2(__ushort_as_half(0x5c00u), __ushort_as_half(0x5c00u)));
-    return *(const uint32_t *)&v;
-}
 
 template <int MODE>
 __global__ void __launch_bounds__(256) stream_k(const uint4 *codes, size_t n, uint32_t *out) {
@@ -49,14 +34,15 @@ __global__ void __launch_bounds__(256) stream_k(const uint4 *codes, size_t n, ui
                 if (MODE == 0) {
                     x ^= w[q];
                 } else if (MODE == 3) {
-                    const uint32_t a = cvt_pair(w[q] & 0xffffu), b = cvt_pair(w[q] >> 16);
+                    const uint32_t a = f8x2_f16_cvt(w[q] & 0xffffu), b = f8x2_f16_cvt(w[q] >> 16);
                     const float2 fa = __half22float2(*(const __half2 *)&a),
                                  fb = __half22float2(*(const __half2 *)&b);
                     accf += fa.x + fa.y + fb.x + fb.y;
                 } else {
                     const uint32_t a =
-                        MODE == 1 ? cvt_pair(w[q] & 0xffffu) : bits_pair(w[q] & 0xffffu);
-                    const uint32_t b = MODE == 1 ? cvt_pair(w[q] >> 16) : bits_pair(w[q] >> 16);
+                        MODE == 1 ? f8x2_f16_cvt(w[q] & 0xffffu) : f8x2_f16_bits(w[q] & 0xffffu);
+                    const uint32_t b =
+                        MODE == 1 ? f8x2_f16_cvt(w[q] >> 16) : f8x2_f16_bits(w[q] >> 16);
                     acc = __hadd2(acc, __hadd2(*(const __half2 *)&a, *(const __half2 *)&b));
                 }
             }
@@ -71,7 +57,7 @@ __global__ void agree_k(unsigned *bad) {
     const uint32_t a = blockIdx.x, b = threadIdx.x;
     if ((a & 0x7f) == 0x7f || (b & 0x7f) == 0x7f) return;
     const uint32_t w = a | b << 8;
-    if (cvt_pair(w) != bits_pair(w)) atomicAdd(bad, 1u);
+    if (f8x2_f16_cvt(w) != f8x2_f16_bits(w)) atomicAdd(bad, 1u);
 }
 
 static const char *const NAMES[4] = {"read", "cvt", "bits", "cvt32"};

@@ -25,23 +25,32 @@ static __device__ __forceinline__ void mma_16816_f16(float (&d)[4], const uint32
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-/* two E4M3 codes (low byte first) as an F16 pair: through the conversion unit, or (built with
- * -DDS_CUDA_F8_BITS, an experiment: the conversion unit's rate may be what holds the FP8 weight
- * streams below BF16's; not yet run on a GPU) by bits: each code's sign goes to bit 15 of its
- * half and its exponent and mantissa (7 bits) to bits 13..7, which is the F16 value 2^-8 times
- * the code's (exponent biases 15 and 7; subnormal codes become subnormal halves); times 2^8
- * (exact) it is the code's value, the same F16 bits. Codes 0x7f/0xff (NaN) are never written
- * (the quantizer saturates at 448). */
-static __device__ __forceinline__ uint32_t f8x2_f16(uint32_t w16) {
-#ifndef DS_CUDA_F8_BITS
+/* two E4M3 codes (low byte first) as an F16 pair, through the conversion unit */
+static __device__ __forceinline__ uint32_t f8x2_f16_cvt(uint32_t w16) {
     const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)w16, __NV_E4M3);
     return (uint32_t)h.x | ((uint32_t)h.y << 16);
-#else
+}
+
+/* the same F16 pair by bits: each code's sign goes to bit 15 of its half and its exponent and
+ * mantissa (7 bits) to bits 13..7, which is the F16 value 2^-8 times the code's (exponent biases
+ * 15 and 7; subnormal codes become subnormal halves); times 2^8 (exact) it is the code's value.
+ * Codes 0x7f/0xff (NaN) differ, and are never written (the quantizer saturates at 448). */
+static __device__ __forceinline__ uint32_t f8x2_f16_bits(uint32_t w16) {
     const uint32_t t = __byte_perm(w16, 0u, 0x1404u); /* code 0 to byte 1, code 1 to byte 3 */
     const uint32_t h = (t & 0x80008000u) | ((t >> 1) & 0x3f803f80u);
     const __half2 v = __hmul2(*(const __half2 *)&h,
                               __halves2half2(__ushort_as_half(0x5c00u), __ushort_as_half(0x5c00u)));
     return *(const uint32_t *)&v;
+}
+
+/* The form the kernels use: the conversion unit, or (built with -DDS_CUDA_F8_BITS, an
+ * experiment: the conversion unit's rate may be what holds the FP8 weight streams below BF16's;
+ * not yet run on a GPU; tests/cuda/bench_f8cvt.cu times both) the bits. */
+static __device__ __forceinline__ uint32_t f8x2_f16(uint32_t w16) {
+#ifdef DS_CUDA_F8_BITS
+    return f8x2_f16_bits(w16);
+#else
+    return f8x2_f16_cvt(w16);
 #endif
 }
 
