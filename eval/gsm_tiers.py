@@ -89,7 +89,7 @@ def p_changes(rng, big):
             cur += d
         elif k == "donate":
             d = rng.randint(1, max(1, int(cur) - 1))
-            s.append(rng.choice([f"Next, {a.sub} donates {d} of them.", f"{a.name} trades away {d}.",
+            s.append(rng.choice([f"Soon after, {a.sub} bestows {d} of them on a cousin.", f"{a.name} swaps {d} away for a comic.",
                                  f"{d} of them get misplaced."]))
             cur -= d
         else:
@@ -97,8 +97,8 @@ def p_changes(rng, big):
             s.append(rng.choice([f"Then {a.sub} brings home {n} cartons containing {m} apiece.",
                                  f"{a.name} also unpacks {n} sacks, every one holding {m}."]))
             cur += n * m
-    s.append(rng.choice([f"What total does {a.name} possess at this point?", f"Determine how many {obj} remain in the end.",
-                         f"What is the final count of {obj}?"]))
+    s.append(rng.choice([f"What quantity does {a.name} retain at this point?", f"Tally the {obj} that survive all of this.",
+                         f"Once all is said and done, how large is the stash of {obj}?"]))
     return " ".join(s), cur
 
 
@@ -113,7 +113,7 @@ def p_shop(rng, big):
     if rng.random() < 0.5:
         bill = (tot // 1000 + 1) * 1000 if big else ((tot // 100) + 1) * 100
         return s + f" {a.sub.capitalize()} settles the bill with ${bill}. What change is returned?", Fraction(bill - tot)
-    return s + rng.choice([" What does the order come to?", " Determine the amount spent."]), Fraction(tot)
+    return s + rng.choice([" What does the order come to?", " State the outlay."]), Fraction(tot)
 
 
 def p_compare(rng, big):
@@ -150,7 +150,7 @@ def p_rate(rng, big):
     a, = _people(rng, 1)
     if rng.random() < 0.5:
         v, t = (rng.randint(100, 999), rng.randint(100, 999)) if big else (rng.randint(4, 70), rng.randint(2, 9))
-        return (f"A drone flies at a steady {v} meters per minute. What distance does it cover in {t} minutes?",
+        return (f"A drone glides {v} meters each minute without slowing. What distance does it cover in {t} minutes?",
                 Fraction(v * t))
     w, h = (rng.randint(100, 999), rng.randint(100, 999)) if big else (rng.randint(9, 35), rng.randint(3, 40))
     return (f"{a.name} is paid ${w} for every hour on the job. Last month {a.sub} logged {h} hours. "
@@ -199,7 +199,7 @@ def n_ratio(rng):
     r1, r2 = rng.randint(1, 5), rng.randint(1, 5)
     unit = rng.randint(2, 30)
     tot = (r1 + r2) * unit
-    return (f"{a.name} and {b.name} split ${tot} in the ratio {r1}:{r2}. How many dollars does {b.name} receive?",
+    return (f"{a.name} and {b.name} split ${tot} in the ratio {r1}:{r2}. What is {b.name}'s share in dollars?",
             Fraction(r2 * unit))
 
 
@@ -216,14 +216,14 @@ def n_sequence(rng):
     first, inc, days = rng.randint(2, 20), rng.randint(1, 6), rng.randint(3, 7)
     tot = sum(first + inc * i for i in range(days))
     return (f"{a.name} solves {first} puzzles on the first day and each day solves {inc} more than the day before. "
-            f"How many puzzles has {a.sub} solved after {days} days?", Fraction(tot))
+            f"What is {a.pos} puzzle total after {days} days?", Fraction(tot))
 
 
 def n_profit(rng):
     a, = _people(rng, 1)
     s, p = rng.choice(WARES)
     buy, margin, n = rng.randint(3, 40), rng.randint(1, 20), rng.randint(3, 30)
-    return (f"{a.name} buys {p} wholesale for ${buy} each and resells every one for ${buy + margin}. "
+    return (f"{a.name} buys {p} wholesale at ${buy} a piece and resells every one for ${buy + margin}. "
             f"What profit does {a.sub} make on {n} of them?", Fraction(margin * n))
 
 
@@ -232,7 +232,7 @@ def n_equalize(rng):
     obj = rng.choice(OBJECTS)
     y, d = rng.randint(5, 60), rng.randint(1, 20)
     x = y + 2 * d
-    return (f"{a.name} has {x} {obj} and {b.name} has {y}. How many must {a.name} give {b.name} so that both have "
+    return (f"{a.name} counts {x} {obj} in a tin, {b.name} only {y}. How many must {a.name} give {b.name} so that both have "
             f"the same number?", Fraction(d))
 
 
@@ -240,7 +240,7 @@ def n_future_age(rng):
     a, b = _people(rng, 2)
     x, gap, yrs = rng.randint(3, 40), rng.randint(1, 30), rng.randint(2, 15)
     return (f"{a.name} is {x}, and {b.name} was born {gap} years before {a.name}. What will be the sum of their ages "
-            f"{yrs} years from now?", Fraction(x + yrs + x + gap + yrs))
+            f"once {yrs} more years have passed?", Fraction(x + yrs + x + gap + yrs))
 
 
 def n_combined(rng):

@@ -98,3 +98,40 @@ def test_no_tier_question_in_the_mixed_generators():
     for t in gsm_tiers.TIERS:
         hits = [p["question"] for p in gsm_tiers.load_tier(t) if gsm2.normalize(p["question"]) in seen]
         assert not hits, f"{t}: {len(hits)} tier questions in gsm.py's train split, e.g. {hits[0]!r}"
+
+
+def _word_grams(text, n=4):
+    """Word n-grams of a question, numbers as one symbol (a wording, not a number, is what is
+    compared)."""
+    words = [w.lower() for w in re.findall(r"[A-Za-z']+|<n>|[?.,]", re.sub(r"\$?\d[\d,.]*", "<n>", text))]
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def test_tier_wordings_are_not_the_generators():
+    """The tiers past indist are worded apart from the training mix (gsm2 and gsm.py): at most a
+    few percent of their word 4-grams occur anywhere in a large sample of the mix's problems
+    (generic ones like ". how many <n>"), against most of the indist tier's.  Session 27 gave
+    gsm2 wordings of the paraphrase tier ("trades away", "at a steady N meters per minute",
+    "What total does X possess"), which put its coverage at 6.5%, and the mix's gsm.py shares
+    newstruct's "N years from now" and "for $N each and" (5.1%); those tier wordings were
+    changed (3.2%, 1.7%, 3.6% for paraphrase, newstruct, bignum) and this bound keeps the tiers
+    apart from the generators."""
+    sys.path.insert(0, os.path.join(REPO, "tools", "train"))
+    import data  # noqa: E402
+
+    seen = set()
+    for p in gsm2.make_problems("train", 12000, 5):
+        seen |= _word_grams(p["question"])
+    gsm = data._load_one(os.path.join(REPO, "tools", "data", "gsm.py"))
+    for p in gsm.make_problems("train", 4000, 5):
+        seen |= _word_grams(p["question"])
+    cover = {}
+    for t in gsm_tiers.TIERS:
+        hit = tot = 0
+        for p in gsm_tiers.load_tier(t):
+            g = _word_grams(p["question"])
+            hit, tot = hit + len(g & seen), tot + len(g)
+        cover[t] = hit / tot
+    assert cover["indist"] > 0.6, cover
+    for t in ("paraphrase", "newstruct", "bignum"):
+        assert cover[t] < 0.045, cover
