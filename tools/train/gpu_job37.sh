@@ -35,7 +35,9 @@
 # a CPU dry run of the whole sequence: TARGET_MIN=0.4 DRAFT_MIN=0.2 PART_MIN=0.2 WORKERS=1
 # TARGET_BATCH=4 TARGET_SEQ=128 DRAFT_BATCH=2 TRAIN_ARGS="--smoke --eval-n 2 --max-new 16"
 # TARGET_ARGS="--final-eval-n 2"),
-# TARGET_ARGS (target only).
+# TARGET_ARGS (target only), INIT (an exported target folder, e.g. models/gsm-k3: the first target part
+# starts from its weights with a new optimizer and schedule instead of from random ones, so that
+# training goes on in a later session; give it another SEED so the data stream is new).
 set -u
 JOB=${JOB:-/tmp/job37}
 TOK=tools/data/tok37
@@ -71,7 +73,11 @@ ship() {  # the current model folder and the logs into $OUT (at most 8 files of 
 part_target() {
     local resume=() d
     d=$(done_min "$JOB/target.pt")
-    [ -f "$JOB/target.pt" ] && resume=(--resume "$JOB/target.pt")
+    if [ -f "$JOB/target.pt" ]; then
+        resume=(--resume "$JOB/target.pt")
+    elif [ -n "${INIT:-}" ]; then  # a first part that goes on from an exported model
+        resume=(--init-from "$INIT")
+    fi
     echo "== target part: $d of $TARGET_MIN min done before this call (size $SIZE, data $GSM)"
     python3 tools/train/train.py target --size "$SIZE" --gsm "$GSM" --tokenizer $TOK --out "$JOB/gsm37" \
         --ckpt "$JOB/target.pt" "${resume[@]}" --minutes "$TARGET_MIN" --session-min "$PART_MIN" \

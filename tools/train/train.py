@@ -289,11 +289,19 @@ def cmd_target(a):
     tok = Tokenizer(a.tokenizer)
     gsm = data.load_gsm(a.gsm)
     ck = torch.load(a.resume, map_location="cpu", weights_only=False) if a.resume else None
-    root = ck["config"] if ck else ckpt.target_config(tok, **(TARGET_SMOKE if smoke else SIZES[a.size][0]))
+    if ck and a.init_from:
+        raise SystemExit("--resume and --init-from exclude each other")
+    if a.init_from:  # an exported model's weights (BF16 as shipped), a fresh optimizer and schedule
+        model = load_k3(a.init_from, dtype=torch.float32)
+        root = model.root_config
+        print(f"initialized from {a.init_from} (its weights; optimizer, schedule and data stream new)", flush=True)
+    else:
+        root = ck["config"] if ck else ckpt.target_config(tok, **(TARGET_SMOKE if smoke else SIZES[a.size][0]))
     if root["text_config"]["vocab_size"] != tok.vocab_size:
         raise SystemExit(f"tokenizer vocab {tok.vocab_size} != config vocab {root['text_config']['vocab_size']}")
-    model = K3ForTraining(root)
-    init_weights(model, std=0.02, seed=a.seed)
+    if not a.init_from:
+        model = K3ForTraining(root)
+        init_weights(model, std=0.02, seed=a.seed)
     state = {"step": 0, "tokens": 0, "train_s": 0.0, "lr_scale": 1.0}
     if ck:
         model.load_state_dict(ck["model"])
@@ -761,6 +769,10 @@ def main(argv=None):
     t = sub.add_parser("target", help="train the K3 target")
     common(t)
     t.add_argument("--compile", action="store_true", help="torch.compile the model (off by default)")
+    t.add_argument("--init-from", default=None,
+                   help="start from an exported target folder's weights (e.g. models/gsm-k3: training that goes "
+                        "on in a later session, whose resumable checkpoint is gone); use another --seed so the "
+                        "data stream differs from the first run's")
     t.add_argument("--bias-rate", type=float, default=1e-3, help="aux-loss-free router bias step (0: off)")
     t.add_argument("--final-eval-n", type=int, default=None, help="test problems for the final accuracy")
     d = sub.add_parser("draft", help="train a DSpark draft on a frozen target")
