@@ -50,17 +50,17 @@ def test_gsm_tier_floor_and_readme_examples():
         r = gsm_eval.run_eval(srv.base_url, tiers["indist"], 32, 4, 100, 256)
         assert r["errors"] == 0, r["error_examples"]
         assert r["n"] == 100
-        # measured 0.648 +- 0.021 on all 500 (models/README.md): the floor is ~3 standard errors
+        # measured 0.932 +- 0.011 on all 500 (models/README.md): the floor is ~3 standard errors
         # of a 100-problem slice below it, far above what a wrong kernel leaves (~0)
-        assert r["flexible_extract"] >= 0.50, r["flexible_extract"]
-        assert r["strict_match"] >= 0.50, r["strict_match"]
+        assert r["flexible_extract"] >= 0.85, r["flexible_extract"]
+        assert r["strict_match"] >= 0.85, r["strict_match"]
         s = r["spec_decode"] or {}
         args = shlex.split(os.environ.get("DS_SERVE_ARGS", ""))
         k = int(args[args.index("--num-speculative-tokens") + 1]) \
             if "--num-speculative-tokens" in args else 7
-        if "dspark" in args and k >= 4:  # the bundled draft must pay off (5.62 at k 7 on 500)
+        if "dspark" in args and k >= 4:  # the bundled draft must pay off (6.13 at k 7 on 200)
             assert s.get("verifies"), s
-            assert s["tokens_per_forward"] >= 0.55 * (k + 1), s
+            assert s["tokens_per_forward"] >= 0.65 * (k + 1), s
 
         body, want = _readme_example()
         text = _post(srv, "/completions", body)["choices"][0]["text"]
