@@ -42,6 +42,15 @@ typedef struct ds_test_hooks {
     /* 1: the grammar masks are made beside the forward on the CPU too (what a GPU does: a
      * thread of their own, the backend waiting for them before its draws) */
     int async_masks;
+    /* tests/cachefuzz, preemption (both on the head's engine thread, as a step is planned):
+     * `preempted` is told of every sequence the pools running dry preempt (its request, choice
+     * and the tokens it had generated); `force_preempt` is asked, before each step is planned,
+     * for every running sequence of the group about to be scheduled that has no step in flight,
+     * and 1 preempts it there (ds_sched_preempt): a cold run replays a cached run's preemptions
+     * at the same points, whose recompute must then give the same bits. */
+    void (*preempted)(void *ctx, int64_t req_id, int choice, int n_generated);
+    int (*force_preempt)(void *ctx, int64_t req_id, int choice, int n_generated);
+    void *preempt_ctx;
 } ds_test_hooks;
 
 /* Why a consumer's pull failed (ds_engine_stats.kv_pull_fail_by; the prompt is recomputed):

@@ -227,6 +227,23 @@ static void preempt(ds_scheduler *s, plan *pl, ds_seq *v) {
     pl->preempted[pl->n_preempted++] = v;
 }
 
+int ds_sched_running(const ds_scheduler *s, ds_seq **out, int cap) {
+    int n = 0;
+    for (int i = 0; i < s->n_running && n < cap; i++)
+        if (in_group(s, s->running[i])) out[n++] = s->running[i];
+    return n;
+}
+
+int ds_sched_preempt(ds_scheduler *s, ds_seq *v) {
+    int i = 0;
+    while (i < s->n_running && s->running[i] != v) i++;
+    if (i == s->n_running || !in_group(s, v)) return 0;
+    ds_seq *one[1];
+    plan pl = {NULL, 0, one, 0, 0}; /* no step planned yet: nothing to refund */
+    preempt(s, &pl, v);
+    return 1;
+}
+
 static int grow_table(ds_seq *q, int need) {
     return ds_seq_reserve_blocks(q, need);
 }

@@ -79,5 +79,17 @@ int ds_sched_n_running(const ds_scheduler *s);
 int ds_sched_n_waiting(const ds_scheduler *s);
 /* Visits every held sequence (for abort-all at shutdown). */
 int ds_sched_collect(const ds_scheduler *s, ds_seq **out, int cap);
+/* Running sequences of the current group into out[0..return) (at most cap): what a test may
+ * preempt (ds_sched_preempt). */
+int ds_sched_running(const ds_scheduler *s, ds_seq **out, int cap);
+/* Preempts running sequence v of the current group now, exactly as the pools running dry would
+ * (pages and slot freed, back among the waiting by arrival, recomputed from its prompt later),
+ * so that a test can replay one run's preemptions in another (tests/cachefuzz). Only between
+ * steps, never for a sequence with a step in flight. v need not be the youngest running one, so
+ * the waiting may for a while hold a sequence older than a running one (the FCFS order the
+ * scheduler keeps); with pools that hold every sequence, as such a test's have, it is admitted
+ * again at the next step. Returns 1 when v was preempted, 0 when it is not running in the current
+ * group. */
+int ds_sched_preempt(ds_scheduler *s, ds_seq *v);
 
 #endif

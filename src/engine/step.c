@@ -15,13 +15,30 @@
  * of decoding choices riding on them. Returns the items scheduled (0: nothing to run, f stays
  * inactive). */
 static int schedule(ds_engine *e, inflight *f, int g) {
-    int n_items = 0, n_pre = 0;
+    int n_items = 0, n_pre = 0, n_forced = 0;
     ds_sched_set_group(e->sched, g, e->n_fl);
+    if (e->opts.test.force_preempt) { /* (tests: e->preempted is scratch until the plan below) */
+        const int n_run = ds_sched_running(e->sched, e->preempted, e->opts.max_num_seqs);
+        for (int i = 0; i < n_run; i++) {
+            ds_seq *s = e->preempted[i];
+            const choice *ch = s->owner;
+            if (ch && !ch->busy &&
+                e->opts.test.force_preempt(e->opts.test.preempt_ctx, ch->req->id, ch->index,
+                                           ch->n_generated))
+                n_forced += ds_sched_preempt(e->sched, s);
+        }
+    }
     if (e->num_speculative_tokens) eng_attach_drafts(e);
     ds_sched_schedule(e->sched, f->items, &n_items, e->preempted, &n_pre);
-    if (n_pre) {
+    for (int i = 0; i < n_pre && e->opts.test.preempted; i++) {
+        const choice *ch = e->preempted[i]->owner;
+        if (ch)
+            e->opts.test.preempted(e->opts.test.preempt_ctx, ch->req->id, ch->index,
+                                   ch->n_generated);
+    }
+    if (n_pre + n_forced) {
         pthread_mutex_lock(&e->mu);
-        e->stats.preemptions_total += (uint64_t)n_pre;
+        e->stats.preemptions_total += (uint64_t)(n_pre + n_forced);
         pthread_mutex_unlock(&e->mu);
     }
     f->n_items = n_items;

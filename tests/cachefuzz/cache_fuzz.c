@@ -14,7 +14,13 @@
  * one-line file of arguments (--save-dir) and replayed with --case FILE.
  *
  * Pools are sized so that nothing is preempted (a preempted sequence recomputes its generated
- * tokens as a prompt, which the contract does not make bit-exact; the run fails if one happens).
+ * tokens as a prompt, which the contract does not make bit-exact against a run that was not
+ * preempted; the run fails if one happens) — except in the share of seeds --preempt PCT gives a
+ * page pool of one longest sequence and a few pages, where the cached engine's preemptions are
+ * recorded (request, choice, tokens generated) and the cold run replays each at the same point
+ * (ds_sched_preempt through the force_preempt test hook), without speculation so that it passes
+ * every point: its recompute is cut where the cached one's was, so every choice must still
+ * agree bit for bit, and every recorded preemption must have been replayed.
  *
  * With --pd PCT (one process), that share of the seeds also runs P/D disaggregation (docs/pd.md):
  * a producer engine (its own block size and rung spacing one time in five, so that some
@@ -31,7 +37,7 @@
  * run makes them before the forward.
  *
  * Usage: cache_fuzz [--model DIR] [--seeds N] [--seed0 S] [--redis redis://h:p] [-tp T] [-pp P]
- *                   [--pd PCT] [--grammar PCT]
+ *                   [--pd PCT] [--grammar PCT] [--preempt PCT]
  *                   [--device cpu|cuda] [--batch-invariant] [--quantization ptpc_fp8]
  *                   [--kv-cache-dtype fp8]
  *                   [--save-dir DIR] [--case FILE]
@@ -61,6 +67,7 @@
 #define MAX_PLEN  300
 #define MODEL_LEN 384
 #define VOCAB_USE 700 /* prompt ids below the tiny models' special tokens */
+#define MAX_PRE   64  /* distinct preemption points recorded per choice */
 
 /* ---- the run's options ------------------------------------------------------------------------
  */
@@ -78,6 +85,7 @@ typedef struct fz_opts {
     int verbose;
     double max_seconds; /* > 0: start no seed after this long (the run reports what it did) */
     int pd;             /* percent of seeds that also run P/D (one process only) */
+    int preempt;        /* percent of seeds whose cached engine runs short of pages (one process) */
     int grammar;        /* percent of requests constrained by a grammar */
     int counts[DS_MAX_LAYERS];
 } fz_opts;
@@ -94,7 +102,8 @@ typedef struct fz_cfg {
     int spec, k;
     /* P/D: on for this seed; the producer's block size, rung spacing and step budget */
     int pd, pd_block, pd_interval, pd_batched;
-    int async_masks; /* the cached engine's grammar masks beside the forward */
+    int async_masks;            /* the cached engine's grammar masks beside the forward */
+    int preempt, preempt_pages; /* pages past one longest sequence when preempting */
 } fz_cfg;
 
 typedef struct fz_out {
@@ -120,6 +129,11 @@ typedef struct fz_req {
     ds_kv_pull *imp; /* the pull, until submit takes it */
     const char *grammar; /* constrained decoding's Lark grammar (NULL: none) */
     ds_request_params p;
+    /* preemption seeds: the cached run's preemptions of each choice, in order, as runs of equal
+     * points (tokens generated then, how many times in a row); the cold run's replay cursor */
+    int pre_at[MAX_N][MAX_PRE], pre_cnt[MAX_N][MAX_PRE], n_pre[MAX_N];
+    int pre_next[MAX_N], pre_used[MAX_N];
+    int pre_overflow;
     /* run state */
     int64_t id;
     int submitted, done, aborted_sent;
@@ -241,6 +255,51 @@ static void draw_grammar(uint64_t seed, const fz_opts *fo, fz_work *w) {
     }
     const int beside = chance(&s, 50);
     w->cfg.async_masks = any && beside && fo->tp * fo->pp == 1; /* (a job makes them before) */
+}
+
+/* Preemption's draws, from a stream of their own (as draw_pd's). One process only: under -pp
+ * each rank's pool holds its stage's layers, so the budget below buys every rank more pages
+ * than one longest sequence and nothing is preempted. Not with P/D either (the consumer's
+ * installs are not what this replays). */
+static void draw_preempt(uint64_t seed, const fz_opts *fo, fz_work *w) {
+    uint64_t s = seed * 0xa0761d6478bd642full + 13;
+    w->cfg.preempt =
+        fo->preempt > 0 && fo->tp * fo->pp == 1 && !w->cfg.pd && chance(&s, fo->preempt);
+    w->cfg.preempt_pages = rint_(&s, 0, 3);
+    for (int i = 0; i < w->n; i++) {
+        fz_req *q = &w->r[i];
+        memset(q->n_pre, 0, sizeof q->n_pre);
+        q->pre_overflow = 0;
+    }
+}
+
+/* The cached run's hook: a preemption of (request, choice) after n tokens generated. */
+static void on_preempted(void *ctx, int64_t id, int c, int n) {
+    fz_work *w = ctx;
+    for (int i = 0; i < w->n; i++) {
+        fz_req *q = &w->r[i];
+        if (!q->submitted || q->id != id || c < 0 || c >= MAX_N) continue;
+        int k = q->n_pre[c];
+        if (k > 0 && q->pre_at[c][k - 1] == n) {
+            q->pre_cnt[c][k - 1]++;
+        } else if (k < MAX_PRE) {
+            q->pre_at[c][k] = n, q->pre_cnt[c][k] = 1, q->n_pre[c]++;
+        } else {
+            q->pre_overflow = 1;
+        }
+        return;
+    }
+}
+
+/* The cold run's hook: preempt (request, choice) where the cached run did, in order. */
+static int on_force(void *ctx, int64_t id, int c, int n) {
+    fz_work *w = ctx;
+    fz_req *q = w->cur;
+    if (!q || q->id != id || c < 0 || c >= MAX_N) return 0;
+    const int k = q->pre_next[c];
+    if (k >= q->n_pre[c] || q->pre_at[c][k] != n) return 0;
+    if (++q->pre_used[c] == q->pre_cnt[c][k]) q->pre_next[c]++, q->pre_used[c] = 0;
+    return 1;
 }
 
 /* A prefix length near a boundary the cache cares about. */
@@ -377,7 +436,10 @@ static void hook(void *ctx, uint64_t step) {
     }
     if (w->alone) {
         if (w->outstanding == 0) {
-            if (w->next < w->n) submit(w, &w->r[w->next++], step);
+            if (w->next < w->n) {
+                w->cur = &w->r[w->next++];
+                submit(w, w->cur, step);
+            }
         }
     } else {
         for (int i = 0; i < w->n; i++) {
@@ -412,8 +474,9 @@ typedef struct fz_counts {
     uint64_t requests, compared, aborted, hit_tokens, query_tokens, forks, ckpt_evicted,
         pages_evicted, loads_ram, loads_disk, loads_remote, stores, collisions, preemptions,
         verifies, tokens;
-    uint64_t pd_seeds, pd_pulls, pd_refused; /* P/D: seeds, transfers installed, refused */
-    uint64_t constrained, async_seeds;       /* choices under a grammar; seeds with masks beside */
+    uint64_t pd_seeds, pd_pulls, pd_refused;  /* P/D: seeds, transfers installed, refused */
+    uint64_t constrained, async_seeds;        /* choices under a grammar; seeds with masks beside */
+    uint64_t preempt_seeds, preempt_replayed; /* --preempt: seeds, the cached runs' preemptions */
 } fz_counts;
 
 /* Pages the max_seqs largest sequences of the workload need at their longest. */
@@ -452,7 +515,12 @@ static void engine_opts(const fz_opts *fo, const fz_cfg *c, int cached, ds_comm 
     /* the prompt cut spacing comes from it: the same for the cold run */
     o->state_checkpoint_interval_tokens = c->interval;
     o->test.async_masks = cached && c->async_masks;
-    if (!cached) { /* the cold reference: one request at a time, room for everything */
+    if (!cached) {        /* the cold reference: one request at a time, room for everything */
+        if (c->preempt) { /* (speculation leaves outputs as they are: one token a step passes
+                           * every preemption point the cached run had) */
+            o->speculative_method = DS_SPEC_NONE;
+            o->num_speculative_tokens = 0;
+        }
         o->max_num_seqs = 2;
         o->enable_prefix_caching = 0;
         o->kv_cache_memory =
@@ -467,6 +535,8 @@ static void engine_opts(const fz_opts *fo, const fz_cfg *c, int cached, ds_comm 
     /* and at least one sequence of MODEL_LEN (a server refuses a max_model_len its cache cannot
      * hold: a short workload of few sequences would otherwise draw a config that never starts) */
     pages = DS_MAX(pages, (size_t)((MODEL_LEN + c->block_size - 1) / c->block_size));
+    if (c->preempt) /* one longest sequence and a few pages: concurrent ones preempt each other */
+        pages = (size_t)((MODEL_LEN + c->block_size - 1) / c->block_size + c->preempt_pages);
     o->kv_cache_memory = (size_t)c->max_seqs * slot_bytes + pages * page_bytes;
     o->enable_prefix_caching = 1;
     o->state_checkpoint_memory = (size_t)c->ckpt_slots * slot_bytes;
@@ -562,6 +632,13 @@ static int run_engine(const ds_engine_opts *o, fz_work *w, int head, int alone, 
     if (head) {
         oo.test.step = hook;
         oo.test.step_ctx = w;
+        if (w->cfg.preempt) {
+            if (alone)
+                oo.test.force_preempt = on_force;
+            else
+                oo.test.preempted = on_preempted;
+            oo.test.preempt_ctx = w;
+        }
     }
     if (ds_engine_create(&oo, &w->e, err)) return DS_ERR;
     for (int i = 0; pd_port > 0 && i < w->n; i++) {
@@ -596,7 +673,10 @@ static int run_engine(const ds_engine_opts *o, fz_work *w, int head, int alone, 
             ct->loads_remote += s.offload_loads_remote;
             ct->stores += s.offload_stores;
             ct->collisions += s.prefix_collisions;
-            ct->preemptions += s.preemptions_total;
+            if (w->cfg.preempt)
+                ct->preempt_replayed += s.preemptions_total;
+            else
+                ct->preemptions += s.preemptions_total;
             ct->verifies += s.spec_verifies;
             ct->pd_pulls += s.kv_pulls;
             ct->pd_refused += s.kv_pull_failures;
@@ -652,6 +732,12 @@ static void describe_cfg(const fz_cfg *c, char *b, size_t cap) {
     b += n, cap -= (size_t)n;
     n = c->async_masks ? snprintf(b, cap, "grammar masks beside the forward; ") : 0;
     b += n, cap -= (size_t)n;
+    n = c->preempt ? snprintf(b, cap,
+                              "preempting (pages: one longest sequence + %d), the cold "
+                              "run replaying; ",
+                              c->preempt_pages)
+                   : 0;
+    b += n, cap -= (size_t)n;
     snprintf(b, cap,
              "block %d, step budget %d, seqs %d, rungs every %d, %d checkpoint slots, +%d pages, "
              "tiers%s%s%s%s (ram %zu pages, disk %zu pages), hash bits %d, spec %s k %d",
@@ -687,7 +773,9 @@ static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_dr
     w.pd_refused = 0;
     draw_pd(seed, fo, &w);
     draw_grammar(seed, fo, &w);
+    draw_preempt(seed, fo, &w);
     ct->async_seeds += w.cfg.async_masks;
+    ct->preempt_seeds += w.cfg.preempt;
     char disk[4096];
     snprintf(disk, sizeof disk, "%s/seed-%llu", fo->work_dir, (unsigned long long)seed);
     ds_engine_opts o;
@@ -720,10 +808,13 @@ static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_dr
     ref = w;
     pthread_mutex_init(&ref.mu, NULL);
     pthread_cond_init(&ref.cv, NULL);
+    ref.cur = NULL;
     for (int i = 0; i < ref.n; i++) {
         ref.r[i].base = -1; /* prompts as the cached run built them */
         ref.r[i].submitted = 0;
         ref.r[i].aborted_sent = 0;
+        memset(ref.r[i].pre_next, 0, sizeof ref.r[i].pre_next);
+        memset(ref.r[i].pre_used, 0, sizeof ref.r[i].pre_used);
     }
     engine_opts(fo, &w.cfg, 0, comm, disk, slot_bytes, page_bytes, 0, &o);
     if (run_engine(&o, &ref, head, 1, NULL, 0, err)) return -1;
@@ -753,8 +844,19 @@ static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_dr
             ct->constrained += q->grammar != NULL;
             ct->tokens += (uint64_t)q->out[c].n;
             char why[256];
-            if (!same_out(&q->out[c], &ref.r[i].out[c], aborted, q->p.logprobs >= 0, why,
-                          sizeof why)) {
+            int same = same_out(&q->out[c], &ref.r[i].out[c], aborted, q->p.logprobs >= 0, why,
+                                sizeof why);
+            if (same && (q->pre_overflow || ref.r[i].pre_next[c] < q->n_pre[c])) {
+                /* a preemption the cold run never reached (or more than were recorded) */
+                snprintf(why, sizeof why,
+                         "%d of %d preemption points replayed (the next after %d tokens)%s",
+                         ref.r[i].pre_next[c], q->n_pre[c],
+                         ref.r[i].pre_next[c] < q->n_pre[c] ? q->pre_at[c][ref.r[i].pre_next[c]]
+                                                            : -1,
+                         q->pre_overflow ? ", more than MAX_PRE recorded" : "");
+                same = 0;
+            }
+            if (!same) {
                 char cfg[512];
                 describe_cfg(&w.cfg, cfg, sizeof cfg);
                 printf(
@@ -813,6 +915,8 @@ static int parse_args(int argc, char **argv, fz_opts *fo, const char **case_file
             fo->pd = atoi(v);
         else if (!strcmp(a, "--grammar"))
             fo->grammar = atoi(v);
+        else if (!strcmp(a, "--preempt"))
+            fo->preempt = atoi(v);
         else if (!strcmp(a, "--work-dir"))
             fo->work_dir = v;
         else if (!strcmp(a, "--case"))
@@ -826,8 +930,14 @@ static int parse_args(int argc, char **argv, fz_opts *fo, const char **case_file
         fprintf(stderr, "cache_fuzz: --seeds, -tp and -pp must be positive\n");
         return -1;
     }
-    if (fo->pd < 0 || fo->pd > 100 || fo->grammar < 0 || fo->grammar > 100) {
-        fprintf(stderr, "cache_fuzz: --pd and --grammar are percentages (0 to 100)\n");
+    if (fo->pd < 0 || fo->pd > 100 || fo->grammar < 0 || fo->grammar > 100 || fo->preempt < 0 ||
+        fo->preempt > 100) {
+        fprintf(stderr, "cache_fuzz: --pd, --grammar and --preempt are percentages (0 to 100)\n");
+        return -1;
+    }
+    if ((fo->pd || fo->preempt) && fo->tp * fo->pp > 1) {
+        fprintf(stderr,
+                "cache_fuzz: --pd and --preempt run on one process only (not with -tp/-pp)\n");
         return -1;
     }
     return 0;
@@ -982,9 +1092,9 @@ int main(int argc, char **argv) {
                 FILE *f = fopen(path, "w");
                 if (f) {
                     fprintf(f,
-                            "--seed0 %llu --seeds 1 -tp %d -pp %d --pd %d --grammar %d --device "
-                            "%s%s%s%s%s\n",
-                            (unsigned long long)seed, fo.tp, fo.pp, fo.pd, fo.grammar,
+                            "--seed0 %llu --seeds 1 -tp %d -pp %d --pd %d --grammar %d "
+                            "--preempt %d --device %s%s%s%s%s\n",
+                            (unsigned long long)seed, fo.tp, fo.pp, fo.pd, fo.grammar, fo.preempt,
                             fo.device == DS_DEVICE_CUDA ? "cuda" : "cpu",
                             fo.batch_invariant ? " --batch-invariant" : "",
                             fo.quantization ? " --quantization ptpc_fp8" : "",
@@ -1021,6 +1131,15 @@ int main(int argc, char **argv) {
                    (unsigned long long)ct.pd_refused);
         if (ct.preemptions) {
             printf("cache_fuzz: a sequence was preempted: the pools are sized so that none is\n");
+            status = 1;
+        }
+        if (fo.preempt)
+            printf("cache_fuzz: %llu seeds short of pages, %llu preemptions replayed by the cold "
+                   "runs\n",
+                   (unsigned long long)ct.preempt_seeds, (unsigned long long)ct.preempt_replayed);
+        /* (about half the seeds short of pages preempt: twelve make a miss of all unlikely) */
+        if (ct.preempt_seeds >= 12 && !ct.preempt_replayed) {
+            printf("cache_fuzz: the run preempted nothing\n");
             status = 1;
         }
         if (fo.grammar)

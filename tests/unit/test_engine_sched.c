@@ -216,6 +216,45 @@ static void test_recompute_chunks(void **st) {
     world_free(&w);
 }
 
+/* A test's preemption (ds_sched_preempt: tests/cachefuzz replays one run's preemptions in
+ * another) does what the pools running dry do: the older sequence may be the one preempted, its
+ * pages go back, it recomputes prompt + generated cut as before, and only a running sequence of
+ * the current group can be preempted. */
+static void test_forced_preempt(void **st) {
+    (void)st;
+    world w;
+    world_init(
+        &w,
+        (ds_sched_opts){
+            .block_size = 4, .max_num_seqs = 2, .max_num_batched_tokens = 16, .chunk_tokens = 8},
+        16, 2);
+    ds_seq *A = add_seq(&w, 1, 10, 32), *B = add_seq(&w, 2, 6, 20);
+    ds_seq *run[4];
+    assert_int_equal(ds_sched_running(w.sched, run, 4), 0);
+    assert_int_equal(ds_sched_preempt(w.sched, A), 0); /* waiting: nothing to preempt */
+    expect_step(&w, (want[]){{A, 0, 8, 0}, {B, 0, 6, 1}}, 2, NULL, 0);
+    expect_step(&w, (want[]){{B, 6, 1, 1}, {A, 8, 2, 1}}, 2, NULL, 0); /* decodes first */
+    expect_step(&w, (want[]){{A, 10, 1, 1}, {B, 7, 1, 1}}, 2, NULL, 0);
+    assert_int_equal(ds_sched_running(w.sched, run, 4), 2);
+    assert_ptr_equal(run[0], A);
+    assert_ptr_equal(run[1], B);
+    const int free_before = ds_page_n_free(w.pages);
+    assert_int_equal(ds_sched_preempt(w.sched, A), 1); /* the older one, which the pools never do */
+    assert_int_equal(A->status, DS_SEQ_PREEMPTED);
+    assert_int_equal(A->n_computed, 0);
+    assert_int_equal(A->n_tokens, 12); /* prompt 10 + the two tokens it generated */
+    assert_int_equal(ds_page_n_free(w.pages), free_before + 3);
+    assert_int_equal(ds_sched_preempt(w.sched, A), 0);
+    assert_int_equal(ds_sched_running(w.sched, run, 4), 1);
+    /* back at the next step, recomputing [0, 8), then [8, 10) to its prompt's end, then the
+     * generated tokens [10, 12), sampling at 12 */
+    expect_step(&w, (want[]){{B, 8, 1, 1}, {A, 0, 8, 0}}, 2, NULL, 0);
+    expect_step(&w, (want[]){{B, 9, 1, 1}, {A, 8, 2, 0}}, 2, NULL, 0);
+    expect_step(&w, (want[]){{B, 10, 1, 1}, {A, 10, 2, 1}}, 2, NULL, 0);
+    assert_int_equal(A->n_tokens, 13);
+    world_free(&w);
+}
+
 /* ---- rejections ---------------------------------------------------------------------------- */
 
 static void test_rejections(void **st) {
@@ -593,10 +632,10 @@ static void test_rungs_add_no_cut(void **st) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_scenario),      cmocka_unit_test(test_recompute_chunks),
-        cmocka_unit_test(test_rejections),    cmocka_unit_test(test_sim_tight_pages),
-        cmocka_unit_test(test_sim_odd_sizes), cmocka_unit_test(test_sim_many_short),
-        cmocka_unit_test(test_rungs_add_no_cut),
+        cmocka_unit_test(test_scenario),         cmocka_unit_test(test_recompute_chunks),
+        cmocka_unit_test(test_rejections),       cmocka_unit_test(test_sim_tight_pages),
+        cmocka_unit_test(test_sim_odd_sizes),    cmocka_unit_test(test_sim_many_short),
+        cmocka_unit_test(test_rungs_add_no_cut), cmocka_unit_test(test_forced_preempt),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
