@@ -96,6 +96,7 @@ static int size_pools(ds_engine *e, ds_err *err) {
         n_slots = ns;
         n_pages = np;
     }
+    if (e->opts.test.max_pages > 0) n_pages = DS_MIN(n_pages, (size_t)e->opts.test.max_pages);
     size_t min_pages = (size_t)(e->opts.max_num_batched_tokens / e->opts.block_size + 2);
     if (n_pages < min_pages)
         return ds_errf(err,

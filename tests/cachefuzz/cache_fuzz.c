@@ -16,11 +16,11 @@
  * Pools are sized so that nothing is preempted (a preempted sequence recomputes its generated
  * tokens as a prompt, which the contract does not make bit-exact against a run that was not
  * preempted; the run fails if one happens) — except in the share of seeds --preempt PCT gives a
- * page pool of one longest sequence and a few pages, where the cached engine's preemptions are
- * recorded (request, choice, tokens generated) and the cold run replays each at the same point
- * (ds_sched_preempt through the force_preempt test hook), without speculation so that it passes
- * every point: its recompute is cut where the cached one's was, so every choice must still
- * agree bit for bit, and every recorded preemption must have been replayed.
+ * page pool of one longest sequence and a few pages (a count: ds_test_hooks.max_pages), where the
+ * cached engine's preemptions are recorded (request, choice, tokens generated) and the cold run
+ * replays each at the same point (ds_sched_preempt through the force_preempt test hook), without
+ * speculation so that it passes every point: its recompute is cut where the cached one's was, so
+ * every choice must still agree bit for bit, and every recorded preemption must have been replayed.
  *
  * With --pd PCT (one process), that share of the seeds also runs P/D disaggregation (docs/pd.md):
  * a producer engine (its own block size and rung spacing one time in five, so that some
@@ -257,10 +257,10 @@ static void draw_grammar(uint64_t seed, const fz_opts *fo, fz_work *w) {
     w->cfg.async_masks = any && beside && fo->tp * fo->pp == 1; /* (a job makes them before) */
 }
 
-/* Preemption's draws, from a stream of their own (as draw_pd's). One process only: under -pp
- * each rank's pool holds its stage's layers, so the budget below buys every rank more pages
- * than one longest sequence and nothing is preempted. Not with P/D either (the consumer's
- * installs are not what this replays). */
+/* Preemption's draws, from a stream of their own (as draw_pd's). One process only: the ranks of
+ * a job run one schedule in lock step, and a replayed preemption is decided on the head alone
+ * (relaying it with the head's requests and aborts is not built), so the ranks would part ways.
+ * Not with P/D (the consumer's installs are not what this replays). */
 static void draw_preempt(uint64_t seed, const fz_opts *fo, fz_work *w) {
     uint64_t s = seed * 0xa0761d6478bd642full + 13;
     w->cfg.preempt =
@@ -535,8 +535,9 @@ static void engine_opts(const fz_opts *fo, const fz_cfg *c, int cached, ds_comm 
     /* and at least one sequence of MODEL_LEN (a server refuses a max_model_len its cache cannot
      * hold: a short workload of few sequences would otherwise draw a config that never starts) */
     pages = DS_MAX(pages, (size_t)((MODEL_LEN + c->block_size - 1) / c->block_size));
-    if (c->preempt) /* one longest sequence and a few pages: concurrent ones preempt each other */
-        pages = (size_t)((MODEL_LEN + c->block_size - 1) / c->block_size + c->preempt_pages);
+    if (c->preempt) /* one longest sequence and a few pages: concurrent ones preempt each other
+                     * (a page count, not bytes: under -pp each stage's pages are smaller) */
+        o->test.max_pages = (MODEL_LEN + c->block_size - 1) / c->block_size + c->preempt_pages;
     o->kv_cache_memory = (size_t)c->max_seqs * slot_bytes + pages * page_bytes;
     o->enable_prefix_caching = 1;
     o->state_checkpoint_memory = (size_t)c->ckpt_slots * slot_bytes;
