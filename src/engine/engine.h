@@ -42,6 +42,9 @@ typedef struct ds_test_hooks {
     /* 1: the grammar masks are made beside the forward on the CPU too (what a GPU does: a
      * thread of their own, the backend waiting for them before its draws) */
     int async_masks;
+    /* > 0: the page pool holds at most this many pages, whatever kv_cache_memory buys (a test
+     * short of pages names a count: under -pp one byte budget buys each stage another one) */
+    int max_pages;
     /* tests/cachefuzz, preemption (both on the head's engine thread, as a step is planned):
      * `preempted` is told of every sequence the pools running dry preempt (its request, choice
      * and the tokens it had generated); `force_preempt` is asked, before each step is planned,
@@ -49,9 +52,6 @@ typedef struct ds_test_hooks {
      * and 1 preempts it there (ds_sched_preempt): a cold run replays a cached run's preemptions
      * at the same points, whose recompute must then give the same bits. One process only: the
      * ranks of a job run one schedule in lock step and these are asked on the head alone. */
-    /* > 0: the page pool holds at most this many pages, whatever kv_cache_memory buys (a test
-     * short of pages under -tp/-pp, where one byte budget buys each stage another count) */
-    int max_pages;
     void (*preempted)(void *ctx, int64_t req_id, int choice, int n_generated);
     int (*force_preempt)(void *ctx, int64_t req_id, int choice, int n_generated);
     void *preempt_ctx;
