@@ -43,6 +43,8 @@ struct ds_seq {
                       every rung up to here has had its checkpoint filed */
     int max_len;   /* n_tokens never exceeds this (prompt + max_tokens, capped by context) */
     int group;     /* pipelined steps: the micro-batch group it runs in (-1: none yet) */
+    int evict;     /* pipelined steps: an older sequence of another group needs its pages; it is
+                      preempted when its own group is next scheduled (its step is in flight) */
     void *owner;   /* the engine's per-request data */
 };
 

@@ -50,8 +50,8 @@ typedef struct ds_test_hooks {
      * and the tokens it had generated); `force_preempt` is asked, before each step is planned,
      * for every running sequence of the group about to be scheduled that has no step in flight,
      * and 1 preempts it there (ds_sched_preempt): a cold run replays a cached run's preemptions
-     * at the same points, whose recompute must then give the same bits. One process only: the
-     * ranks of a job run one schedule in lock step and these are asked on the head alone. */
+     * at the same points, whose recompute must then give the same bits. In a job both are set
+     * on the head alone: its answers travel in the step plan, and every rank preempts them. */
     void (*preempted)(void *ctx, int64_t req_id, int choice, int n_generated);
     int (*force_preempt)(void *ctx, int64_t req_id, int choice, int n_generated);
     void *preempt_ctx;

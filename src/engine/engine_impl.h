@@ -125,7 +125,12 @@ struct ds_engine {
     int chunk_tokens;  /* prompt cut spacing (scheduler.h) */
     int64_t *deferred; /* [n_deferred] aborts of requests with a step in flight */
     int n_deferred, cap_deferred;
-    ds_seq **preempted;  /* [max_num_seqs] */
+    ds_seq **preempted; /* [max_num_seqs] */
+    /* tests (force_preempt): the choices the head's hook preempts before the next step is
+     * planned, as (request id, choice index); in a job they travel in the step plan */
+    int64_t *forced_req; /* [max_num_seqs] */
+    int32_t *forced_ch;  /* [max_num_seqs] */
+    int n_forced;
     ds_seq_batch *batch; /* [max_num_seqs] */
     float *logits;       /* [max_num_seqs][R][V] */
     int32_t *argmax;     /* [max_num_seqs][R] greedy tokens picked beside the logits */
@@ -220,6 +225,9 @@ void eng_finish_choice(ds_engine *e, choice *ch, ds_finish why);
 void eng_abort_request(ds_engine *e, request *r);
 /* Aborts requests whose step completed since their abort came in. */
 void eng_retry_deferred_aborts(ds_engine *e);
+/* Head (tests): asks the force_preempt hook which running sequences of the group about to be
+ * scheduled to preempt, into e->forced_* (the step plan carries them to the other ranks). */
+void eng_ask_force(ds_engine *e);
 /* Moves the inbox into the scheduler and applies aborts. Returns 1 when the engine should exit. */
 int eng_take_inbox(ds_engine *e);
 

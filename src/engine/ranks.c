@@ -62,6 +62,7 @@ void eng_dist_fatal(ds_engine *e, const char *what, const char *msg) {
 typedef struct plan_hdr {
     int32_t stopping, abort_all, n_new, n_aborts;
     int32_t heartbeat; /* an idle head's plan: every rank answers, so a hung one is found */
+    int32_t n_forced;  /* tests: preemptions the head's hook asked for (e->forced_*) */
 } plan_hdr;
 
 /* P/D (docs/pd.md): a producer's transfer id (every rank files its own part under it), then a
@@ -113,7 +114,7 @@ static void plan_send(ds_engine *e, request *in, const int64_t *ab, int n_ab, in
                       int abort_all, int heartbeat) {
     ds_err err = {{0}};
     wbuf w = {0};
-    plan_hdr h = {stopping, abort_all, 0, n_ab, heartbeat};
+    plan_hdr h = {stopping, abort_all, 0, n_ab, heartbeat, e->n_forced};
     for (request *r = in; r; r = r->next) h.n_new++;
     put(&w, &h, sizeof h);
     for (request *r = in; r; r = r->next) {
@@ -138,6 +139,8 @@ static void plan_send(ds_engine *e, request *in, const int64_t *ab, int n_ab, in
         plan_put_kv(&w, r);
     }
     put(&w, ab, (size_t)n_ab * sizeof *ab);
+    put(&w, e->forced_req, (size_t)e->n_forced * sizeof *e->forced_req);
+    put(&w, e->forced_ch, (size_t)e->n_forced * sizeof *e->forced_ch);
     if (w.oom) eng_dist_fatal(e, "step plan", "out of memory");
     for (int r = 1; r < e->comm->size; r++)
         if (ds_comm_post(e->comm, r, TAG_PLAN, w.p, w.n, &err))
@@ -220,6 +223,10 @@ static void plan_take(ds_engine *e, request **in, int64_t *ab, int *n_ab, int *s
     }
     *n_ab = DS_MIN(h.n_aborts, 256);
     get(&rb, ab, (size_t)*n_ab * sizeof *ab);
+    if (h.n_forced < 0 || h.n_forced > e->opts.max_num_seqs) rb.bad = 1;
+    e->n_forced = rb.bad ? 0 : h.n_forced;
+    get(&rb, e->forced_req, (size_t)e->n_forced * sizeof *e->forced_req);
+    get(&rb, e->forced_ch, (size_t)e->n_forced * sizeof *e->forced_ch);
     if (rb.bad) eng_dist_fatal(e, "step plan", "malformed message from the head");
     free(blob);
     *in = head;

@@ -302,6 +302,7 @@ int eng_take_inbox(ds_engine *e) {
         stopping = e->stopping;
         abort_all = stopping && ds_now() >= e->stop_deadline;
         pthread_mutex_unlock(&e->mu);
+        eng_ask_force(e);
     }
     /* In a job the other ranks wait here for the head's plan (idle ranks included). */
     if (e->dist) eng_plan_exchange(e, &in, ab, &n_ab, &stopping, &abort_all, heartbeat);

@@ -16,6 +16,15 @@
  * max_num_batched_tokens >= max_num_seqs - 1 + chunk_tokens), because it goes first for budget
  * among prefills and may evict anyone else to get pages, so it always finishes.
  *
+ * Pipelined (micro-batch groups, one step of each in flight), a step may only touch its own
+ * group's sequences, yet the youngest running sequence may be in another group. Then the one
+ * short of pages asks for it (seq->evict) and waits; that group's next step preempts it before
+ * planning anything, and the pages are there at the asker's next step. Evicting within one's own
+ * group instead (or evicting oneself while a younger one runs elsewhere) would break the rule
+ * above: two recomputing prompts, one per group, each holding half the pool and each waiting for
+ * the other's pages, stalled forever (cache_fuzz seed 300104 at -pp 2, short of pages). While a
+ * sequence waits for pages no group admits newcomers, or they would take the pages freed for it.
+ *
  * The two lists are arrays sorted by arrival; every operation is O(held sequences). */
 #include "engine/scheduler.h"
 
@@ -34,6 +43,8 @@ struct ds_scheduler {
     int n_waiting, cap_waiting;
     uint64_t next_arrival;
     int cur_group, n_groups; /* pipelined steps: schedule only group cur_group of n_groups */
+    uint64_t page_stall;     /* bit g: at group g's last step a running sequence of it was left
+                                waiting for pages */
     int (*admit_drafts)(void *ctx, ds_seq *q); /* see ds_sched_set_admit_drafts; NULL: none */
     void *admit_ctx;
 };
@@ -222,6 +233,7 @@ static void preempt(ds_scheduler *s, plan *pl, ds_seq *v) {
     v->n_computed = 0;
     v->settled = 0;
     v->group = -1;
+    v->evict = 0;
     v->status = DS_SEQ_PREEMPTED;
     list_insert(s->waiting, &s->n_waiting, v); /* has room: see waiting_reserve */
     pl->preempted[pl->n_preempted++] = v;
@@ -248,10 +260,27 @@ static int grow_table(ds_seq *q, int need) {
     return ds_seq_reserve_blocks(q, need);
 }
 
+static uint64_t group_bit(const ds_scheduler *s) {
+    return 1ull << (s->cur_group & 63);
+}
+
+/* Pipelined: asks the sequences of other groups younger than q (and than every sequence of q's
+ * group: the youngest first, never past one of q's own) to go, until their pages would cover
+ * `missing`. Each is preempted when its group is next scheduled. */
+static void ask_evictions(ds_scheduler *s, const ds_seq *q, int missing) {
+    for (int i = s->n_running - 1; i >= 0 && missing > 0; i--) {
+        ds_seq *v = s->running[i];
+        if (v == q || in_group(s, v)) break;
+        v->evict = 1;
+        missing -= v->n_blocks;
+    }
+}
+
 /* Makes q's block table cover positions [0, end), evicting the youngest running sequence while
  * the pool is dry. When q itself is the youngest: with may_evict_self it is evicted (a decode
  * cannot wait without blocking its elders' pages forever); otherwise it keeps what it has and
- * waits. Returns DS_OK when covered; DS_ERR otherwise (q may then be PREEMPTED). */
+ * waits. When the youngest is another group's, it is asked to go (ask_evictions) and q waits.
+ * Returns DS_OK when covered; DS_ERR otherwise (q may then be PREEMPTED). */
 static int take_pages(ds_scheduler *s, plan *pl, ds_seq *q, int end, int may_evict_self) {
     int need = blocks_for(s, end);
     if (grow_table(q, need) != DS_OK) return DS_ERR;
@@ -261,14 +290,14 @@ static int take_pages(ds_scheduler *s, plan *pl, ds_seq *q, int end, int may_evi
             q->block_table[q->n_blocks++] = page;
             continue;
         }
-        ds_seq *youngest = q; /* the youngest this step may evict */
-        for (int i = s->n_running - 1; i >= 0; i--)
-            if (in_group(s, s->running[i])) {
-                youngest = s->running[i];
-                break;
-            }
-        if (youngest == q) {
-            if (may_evict_self) preempt(s, pl, q);
+        ds_seq *youngest = s->running[s->n_running - 1]; /* q runs: the list is not empty */
+        if (youngest == q && may_evict_self) {
+            preempt(s, pl, q);
+            return DS_ERR;
+        }
+        if (youngest == q || !in_group(s, youngest)) {
+            if (youngest != q) ask_evictions(s, q, need - q->n_blocks);
+            s->page_stall |= group_bit(s); /* no group admits anyone while q waits for pages */
             return DS_ERR;
         }
         preempt(s, pl, youngest);
@@ -279,6 +308,15 @@ static int take_pages(ds_scheduler *s, plan *pl, ds_seq *q, int end, int may_evi
 void ds_sched_schedule(ds_scheduler *s, ds_sched_item *items, int *n_items, ds_seq **preempted,
                        int *n_preempted) {
     plan pl = {items, 0, preempted, 0, s->o.max_num_batched_tokens};
+
+    /* 0. Pipelined: those of this group an older sequence elsewhere asked to go (take_pages). */
+    s->page_stall &= ~group_bit(s);
+    /*    (one whose asker has ended since, leaving it the oldest, stays: the oldest always runs) */
+    for (int i = s->n_running - 1; i >= 0; i--) {
+        ds_seq *v = s->running[i];
+        if (v->evict && i == 0) v->evict = 0;
+        if (v->evict && in_group(s, v)) preempt(s, &pl, v);
+    }
 
     /* 1. Decodes, oldest first: one token each. A sequence evicted here is always younger than
      *    the one evicting it, so it has no item yet, and the loop index stays valid (evictions
@@ -306,14 +344,16 @@ void ds_sched_schedule(ds_scheduler *s, ds_sched_item *items, int *n_items, ds_s
     }
 
     /* 3. Admission, strictly in arrival order, never by evicting. Skipped when a running prompt
-     *    stalled (a newcomer would take the budget or pages its elder is waiting for) and when
-     *    this step evicted someone (the pools are tight; re-admitting the evicted at once would
-     *    only throw its work away again). */
+     *    stalled (a newcomer would take the budget or pages its elder is waiting for), when a
+     *    sequence of another group was left waiting for pages at that group's last step (the
+     *    same, across groups), and when this step evicted someone (the pools are tight;
+     *    re-admitting the evicted at once would only throw its work away again). */
     int in_g = 0; /* pipelined: a group takes newcomers up to its share of all sequences, so
                      that the groups in flight stay about the same size */
     if (s->n_groups > 1)
         for (int i = 0; i < s->n_running; i++) in_g += s->running[i]->group == s->cur_group;
-    while (!stalled && pl.n_preempted == 0 && s->n_waiting > 0) {
+    while (!stalled && pl.n_preempted == 0 && !(s->page_stall & ~group_bit(s)) &&
+           s->n_waiting > 0) {
         ds_seq *q = s->waiting[0];
         if (s->n_running >= s->o.max_num_seqs || ds_slot_n_free(s->slots) == 0) break;
         if (s->n_groups > 1 && in_g * s->n_groups >= s->n_running + s->n_waiting) break;

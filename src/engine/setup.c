@@ -417,6 +417,8 @@ static int alloc_step_buffers(ds_engine *e, ds_err *err) {
             return DS_ERR;
     }
     e->preempted = ds_calloc((size_t)S, sizeof *e->preempted, err);
+    e->forced_req = ds_calloc((size_t)S, sizeof *e->forced_req, err);
+    e->forced_ch = ds_calloc((size_t)S, sizeof *e->forced_ch, err);
     e->batch = ds_calloc((size_t)S, sizeof *e->batch, err);
     /* page-locked when the model is on a GPU: the step downloads its logits here */
     e->logits = ds_dmem_host_alloc(e->dm, (size_t)S * rows * e->V * sizeof(float), err);
@@ -425,8 +427,8 @@ static int alloc_step_buffers(ds_engine *e, ds_err *err) {
     e->dstops = ds_malloc((size_t)S * (DS_MAX_STOP + 1) * sizeof(int32_t), err);
     e->n_scratch = DS_MAX(1, DS_MIN(omp_get_max_threads(), 16));
     e->scratch = ds_calloc((size_t)e->n_scratch, sizeof *e->scratch, err);
-    if (!e->preempted || !e->batch || !e->logits || !e->argmax || !e->draws || !e->dstops ||
-        !e->scratch)
+    if (!e->preempted || !e->forced_req || !e->forced_ch || !e->batch || !e->logits || !e->argmax ||
+        !e->draws || !e->dstops || !e->scratch)
         return DS_ERR;
     for (int t = 0; t < e->n_scratch; t++)
         if (!(e->scratch[t] = ds_sample_scratch_new(e->V, err))) return DS_ERR;
@@ -503,6 +505,8 @@ void ds_engine_free(ds_engine *e) {
     free(e->deferred);
     free(e->taps);
     free(e->preempted);
+    free(e->forced_req);
+    free(e->forced_ch);
     free(e->batch);
     ds_dmem_host_free(e->dm, e->logits);
     free(e->argmax);

@@ -17,17 +17,16 @@
 static int schedule(ds_engine *e, inflight *f, int g) {
     int n_items = 0, n_pre = 0, n_forced = 0;
     ds_sched_set_group(e->sched, g, e->n_fl);
-    if (e->opts.test.force_preempt) { /* (tests: e->preempted is scratch until the plan below) */
-        const int n_run = ds_sched_running(e->sched, e->preempted, e->opts.max_num_seqs);
-        for (int i = 0; i < n_run; i++) {
-            ds_seq *s = e->preempted[i];
-            const choice *ch = s->owner;
-            if (ch && !ch->busy &&
-                e->opts.test.force_preempt(e->opts.test.preempt_ctx, ch->req->id, ch->index,
-                                           ch->n_generated))
-                n_forced += ds_sched_preempt(e->sched, s);
+    for (int k = 0; k < e->n_forced; k++) /* (tests: the head's force_preempt answers) */
+        for (request *r = e->live; r; r = r->next) {
+            if (r->id != e->forced_req[k]) continue;
+            const int c = e->forced_ch[k];
+            choice *ch = c >= 0 && c < r->spec.params.n ? &r->choices[c] : NULL;
+            if (ch && !ch->done && ch->in_sched && !ch->busy)
+                n_forced += ds_sched_preempt(e->sched, ch->seq);
+            break;
         }
-    }
+    e->n_forced = 0;
     if (e->num_speculative_tokens) eng_attach_drafts(e);
     ds_sched_schedule(e->sched, f->items, &n_items, e->preempted, &n_pre);
     for (int i = 0; i < n_pre && e->opts.test.preempted; i++) {
@@ -45,6 +44,22 @@ static int schedule(ds_engine *e, inflight *f, int g) {
     f->active = 0;
     if (!n_items && e->num_speculative_tokens) eng_detach_drafts(e);
     return n_items;
+}
+
+void eng_ask_force(ds_engine *e) {
+    e->n_forced = 0;
+    if (!e->opts.test.force_preempt) return;
+    ds_sched_set_group(e->sched, (int)(e->micro % (uint64_t)e->n_fl), e->n_fl);
+    const int n_run = ds_sched_running(e->sched, e->preempted, e->opts.max_num_seqs);
+    for (int i = 0; i < n_run; i++) { /* (e->preempted is scratch until the step's plan) */
+        const choice *ch = e->preempted[i]->owner;
+        if (ch && !ch->busy &&
+            e->opts.test.force_preempt(e->opts.test.preempt_ctx, ch->req->id, ch->index,
+                                       ch->n_generated)) {
+            e->forced_req[e->n_forced] = ch->req->id;
+            e->forced_ch[e->n_forced++] = ch->index;
+        }
+    }
 }
 
 /* Grows the step's tap buffer and the draws' count buffer for f's items, before any pointer into

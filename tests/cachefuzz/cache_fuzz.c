@@ -68,6 +68,11 @@
 #define MODEL_LEN 384
 #define VOCAB_USE 700 /* prompt ids below the tiny models' special tokens */
 #define MAX_PRE   64  /* distinct preemption points recorded per choice */
+/* Steps and seconds without a token or an end for any outstanding request before a seed is called
+ * stalled: far more than the longest prompt's chunks take (a stalled engine spins through
+ * thousands of empty steps a second) */
+#define STALL_STEPS 200000
+#define STALL_S     10.0
 
 /* ---- the run's options ------------------------------------------------------------------------
  */
@@ -85,7 +90,7 @@ typedef struct fz_opts {
     int verbose;
     double max_seconds; /* > 0: start no seed after this long (the run reports what it did) */
     int pd;             /* percent of seeds that also run P/D (one process only) */
-    int preempt;        /* percent of seeds whose cached engine runs short of pages (one process) */
+    int preempt;        /* percent of seeds whose cached engine runs short of pages */
     int grammar;        /* percent of requests constrained by a grammar */
     int counts[DS_MAX_LAYERS];
 } fz_opts;
@@ -159,6 +164,11 @@ typedef struct fz_work {
     int alone;         /* the cold run: one request at a time */
     int finished_all;
     fz_req *cur; /* alone: the request running */
+    /* a stall: steps go on while no outstanding request gets a token or its end (a request the
+     * engine lost, or two waiting on each other's pages) */
+    uint64_t progress, progress_step;
+    double progress_t;
+    int stalled;
 } fz_work;
 
 static uint64_t rnd(uint64_t *s) { /* splitmix64 */
@@ -257,14 +267,12 @@ static void draw_grammar(uint64_t seed, const fz_opts *fo, fz_work *w) {
     w->cfg.async_masks = any && beside && fo->tp * fo->pp == 1; /* (a job makes them before) */
 }
 
-/* Preemption's draws, from a stream of their own (as draw_pd's). One process only: the ranks of
- * a job run one schedule in lock step, and a replayed preemption is decided on the head alone
- * (relaying it with the head's requests and aborts is not built), so the ranks would part ways.
- * Not with P/D (the consumer's installs are not what this replays). */
+/* Preemption's draws, from a stream of their own (as draw_pd's). In a job the cold run's forced
+ * preemptions are decided on the head and travel in its step plan. Not with P/D (the consumer's
+ * installs are not what this replays). */
 static void draw_preempt(uint64_t seed, const fz_opts *fo, fz_work *w) {
     uint64_t s = seed * 0xa0761d6478bd642full + 13;
-    w->cfg.preempt =
-        fo->preempt > 0 && fo->tp * fo->pp == 1 && !w->cfg.pd && chance(&s, fo->preempt);
+    w->cfg.preempt = fo->preempt > 0 && !w->cfg.pd && chance(&s, fo->preempt);
     w->cfg.preempt_pages = rint_(&s, 0, 3);
     for (int i = 0; i < w->n; i++) {
         fz_req *q = &w->r[i];
@@ -427,15 +435,34 @@ static void submit(fz_work *w, fz_req *q, uint64_t step) {
  * done. An idle engine gets the next arrival at once (time skips ahead). */
 static void hook(void *ctx, uint64_t step) {
     fz_work *w = ctx;
+    if (w->stalled) return;
+    uint64_t progress = 0;
     for (int i = 0; i < w->n; i++) { /* completions seen since the last step */
         fz_req *q = &w->r[i];
         if (q->submitted && q->done && q->submitted != 2) {
             q->submitted = 2;
             w->outstanding--;
         }
+        progress += (uint64_t)q->n_done;
+        for (int c = 0; c < q->p.n && c < MAX_N; c++) progress += (uint64_t)q->out[c].n;
+    }
+    if (progress != w->progress || w->outstanding == 0) {
+        w->progress = progress;
+        w->progress_step = step;
+        w->progress_t = ds_now();
+    } else if (step - w->progress_step > STALL_STEPS && ds_now() - w->progress_t > STALL_S) {
+        /* the engine is stopped (aborting what is left) and the seed fails */
+        pthread_mutex_lock(&w->mu);
+        w->stalled = 1;
+        w->finished_all = 1;
+        pthread_cond_broadcast(&w->cv);
+        pthread_mutex_unlock(&w->mu);
+        return;
     }
     if (w->alone) {
         if (w->outstanding == 0) {
+            /* (one the cached run never submitted, as when it stalled, has no prompt) */
+            while (w->next < w->n && w->r[w->next].n_prompt == 0) w->next++;
             if (w->next < w->n) {
                 w->cur = &w->r[w->next++];
                 submit(w, w->cur, step);
@@ -630,6 +657,9 @@ static int run_engine(const ds_engine_opts *o, fz_work *w, int head, int alone, 
     w->last_arr = 0;
     w->alone = alone;
     w->finished_all = 0;
+    w->progress = w->progress_step = 0;
+    w->progress_t = ds_now();
+    w->stalled = 0;
     if (head) {
         oo.test.step = hook;
         oo.test.step_ctx = w;
@@ -682,7 +712,7 @@ static int run_engine(const ds_engine_opts *o, fz_work *w, int head, int alone, 
             ct->pd_pulls += s.kv_pulls;
             ct->pd_refused += s.kv_pull_failures;
         }
-        ds_engine_stop(w->e, 5.0);
+        ds_engine_stop(w->e, w->stalled ? 0.0 : 5.0);
     } else {
         ds_engine_join(w->e);
     }
@@ -830,6 +860,12 @@ static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_dr
                (unsigned long long)seed, w.pd_refused, w.pd_why);
         ok = 0;
     }
+    if (w.stalled || ref.stalled) {
+        printf("MISMATCH seed %llu: the %s run stalled (no token or end for %d steps and %.0f s "
+               "with requests outstanding: a request left without its end)\n",
+               (unsigned long long)seed, w.stalled ? "cached" : "cold", STALL_STEPS, STALL_S);
+        ok = 0;
+    }
     if (ps.kv_held) {
         printf("MISMATCH seed %llu: the P/D producer still holds %d transfers after the pulls\n",
                (unsigned long long)seed, ps.kv_held);
@@ -837,6 +873,7 @@ static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_dr
     }
     for (int i = 0; i < w.n; i++) {
         fz_req *q = &w.r[i];
+        if (!q->submitted) continue; /* (only when the cached run stalled: reported above) */
         ct->requests++;
         for (int c = 0; c < q->p.n; c++) {
             int aborted = q->out[c].finish == DS_FINISH_ABORT;
@@ -936,9 +973,8 @@ static int parse_args(int argc, char **argv, fz_opts *fo, const char **case_file
         fprintf(stderr, "cache_fuzz: --pd, --grammar and --preempt are percentages (0 to 100)\n");
         return -1;
     }
-    if ((fo->pd || fo->preempt) && fo->tp * fo->pp > 1) {
-        fprintf(stderr,
-                "cache_fuzz: --pd and --preempt run on one process only (not with -tp/-pp)\n");
+    if (fo->pd && fo->tp * fo->pp > 1) {
+        fprintf(stderr, "cache_fuzz: --pd runs on one process only (not with -tp/-pp)\n");
         return -1;
     }
     return 0;

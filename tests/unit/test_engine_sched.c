@@ -1,6 +1,7 @@
 /* test_engine_sched.c — the step scheduler: a hand-checked scenario, the rejection rules, and a
  * randomized simulation of thousands of requests against small pools that checks every step for
- * page ownership, budgets, chunk cuts, FCFS admission, preemption bookkeeping and progress. */
+ * page ownership, budgets, chunk cuts, FCFS admission, preemption bookkeeping and progress, also
+ * pipelined (micro-batch groups with a step in flight each, as under -pp). */
 #include "testutil.h"
 
 #include "engine/scheduler.h"
@@ -316,6 +317,8 @@ typedef struct rec {
     int n_samples;
     ds_seq_status prev_status;
     int recomputing; /* preempted since its last sample */
+    int in_flight;   /* pipelined: an item of it is planned and not yet completed */
+    int prev_group;  /* its group before this step's plan */
 } rec;
 
 typedef struct sim_cfg {
@@ -323,6 +326,8 @@ typedef struct sim_cfg {
     int n_pages, n_slots, n_requests, max_held, max_prompt, max_gen;
     double p_abort, p_eos;
     uint64_t seed;
+    int groups; /* > 1: pipelined, as the engine runs P stages: step m plans group m % groups, and
+                   its items complete `groups` steps later, just before that group's next plan */
 } sim_cfg;
 
 static int irand(ds_rng *r, int lo, int hi) { /* [lo, hi] */
@@ -336,6 +341,47 @@ static void drop(world *w, ds_seq *q, ds_seq_status st) {
     assert_int_equal(q->slot, -1);
     free(q->owner);
     ds_seq_free(q);
+}
+
+typedef struct sim_counts {
+    int finished;
+    long long recompute_samples, max_wait;
+} sim_counts;
+
+/* The items of a step complete: the commit, a token for each sampling item, and the ends. */
+static void complete_items(world *w, const sim_cfg *c, ds_rng *rng, const ds_sched_item *items,
+                           int n_items, int64_t step, sim_counts *k) {
+    const int ct = c->o.chunk_tokens, G = DS_MAX(1, c->groups);
+    ds_sched_commit(w->sched, items, n_items);
+    for (int i = 0; i < n_items; i++) {
+        ds_seq *q = items[i].seq;
+        rec *r = q->owner;
+        r->in_flight = 0;
+        assert_int_equal(q->n_computed, items[i].pos0 + items[i].n);
+        if (!items[i].sample) continue;
+        k->recompute_samples += r->recomputing;
+        r->recomputing = 0;
+        ds_err err;
+        assert_int_equal(ds_seq_append(q, (int32_t)q->n_tokens, &err), DS_OK);
+        r->n_samples++;
+        /* Every sample produced exactly one token: none lost or doubled by a recompute. */
+        assert_int_equal(r->n_samples, q->n_tokens - q->n_prompt);
+        if (q->n_tokens == q->max_len || ds_rng_uniform(rng) < c->p_eos) {
+            long long waited = step - r->add_step;
+            k->max_wait = DS_MAX(k->max_wait, waited);
+            /* Each older request, then this one, advances every step while it is the oldest;
+             * a request needs at most max_len decodes plus one recompute pass of chunks.
+             * Pipelined, a step of its group comes every G steps, and one short of pages that
+             * another group holds waits a round of the groups for them (twice for a stretch of
+             * victims that alternates between groups). */
+            long long per =
+                2LL * (c->max_prompt + c->max_gen + 1) + (c->max_prompt + c->max_gen) / ct + 2;
+            if (G > 1) per *= 4LL * G;
+            assert_true(waited <= (long long)(r->held_at_add + 1) * per);
+            drop(w, q, DS_SEQ_FINISHED);
+            k->finished++;
+        }
+    }
 }
 
 /* Runs the simulation; returns the most sequences seen running at once. */
@@ -353,14 +399,24 @@ static int run_sim(const sim_cfg *c) {
     int *owner = malloc((size_t)c->n_pages * sizeof *owner);          /* [n_pages] */
     uint8_t *slot_used = malloc((size_t)c->n_slots);                  /* [n_slots] */
     ds_seq **held = malloc((size_t)(c->max_held + 1) * sizeof *held); /* [max_held + 1] */
-    ds_sched_item *items = malloc((size_t)cap * sizeof *items);       /* [max_num_seqs] */
-    ds_seq **pre = malloc((size_t)cap * sizeof *pre);                 /* [max_num_seqs] */
-    int added = 0, finished = 0, aborted = 0;
-    long long preemptions = 0, recompute_samples = 0, max_wait = 0;
+    const int G = DS_MAX(1, c->groups);
+    ds_sched_item *fl = malloc((size_t)G * cap * sizeof *fl); /* [G][max_num_seqs] in flight */
+    int *n_fl = calloc((size_t)G, sizeof *n_fl);              /* [G] */
+    ds_seq **pre = malloc((size_t)cap * sizeof *pre);         /* [max_num_seqs] */
+    int added = 0, aborted = 0, in_flight = 0;
+    long long preemptions = 0;
+    sim_counts k = {0};
     int64_t step = 0;
     int max_run_seen = 0;
 
-    while (added < c->n_requests || ds_sched_n_running(w.sched) + ds_sched_n_waiting(w.sched)) {
+    while (added < c->n_requests || ds_sched_n_running(w.sched) + ds_sched_n_waiting(w.sched) ||
+           in_flight) {
+        /* The group's last step completes before it is planned again. */
+        const int g = (int)(step % G);
+        ds_sched_item *items = fl + (size_t)g * cap;
+        complete_items(&w, c, &rng, items, n_fl[g], step, &k);
+        in_flight -= n_fl[g];
+        n_fl[g] = 0;
         /* Arrivals: bursts of up to 3, while the queue is below max_held. */
         int n_new = irand(&rng, 0, 3);
         for (int k = 0; k < n_new && added < c->n_requests; k++) {
@@ -380,19 +436,24 @@ static int run_sim(const sim_cfg *c) {
         /* Aborts of random held sequences, running or waiting. */
         int n_held = ds_sched_collect(w.sched, held, c->max_held + 1);
         if (n_held > 0 && ds_rng_uniform(&rng) < c->p_abort) {
-            drop(&w, held[irand(&rng, 0, n_held - 1)], DS_SEQ_ABORTED);
-            aborted++;
-            n_held = ds_sched_collect(w.sched, held, c->max_held + 1);
+            ds_seq *v = held[irand(&rng, 0, n_held - 1)];
+            if (!((rec *)v->owner)->in_flight) { /* (the engine defers those) */
+                drop(&w, v, DS_SEQ_ABORTED);
+                aborted++;
+                n_held = ds_sched_collect(w.sched, held, c->max_held + 1);
+            }
         }
         assert_int_equal(n_held, ds_sched_n_running(w.sched) + ds_sched_n_waiting(w.sched));
         ds_seq *oldest = NULL;
         for (int i = 0; i < n_held; i++) {
             rec *r = held[i]->owner;
             r->prev_status = held[i]->status;
+            r->prev_group = held[i]->group;
             if (!oldest || held[i]->arrival < oldest->arrival) oldest = held[i];
         }
 
         int n_items = -1, n_pre = -1;
+        if (G > 1) ds_sched_set_group(w.sched, g, G);
         ds_sched_schedule(w.sched, items, &n_items, pre, &n_pre);
         step++;
 
@@ -409,7 +470,10 @@ static int run_sim(const sim_cfg *c) {
             rec *r = q->owner;
             assert_int_equal(q->status, DS_SEQ_RUNNING);
             assert_true(r->last_item_step != step); /* one item per sequence */
+            assert_false(r->in_flight);             /* none while another is in flight */
+            if (G > 1) assert_int_equal(q->group, g);
             r->last_item_step = step;
+            r->in_flight = 1;
             assert_int_equal(it->pos0, q->n_computed);
             int end = it->pos0 + it->n;
             /* The cut depends only on the sequence: the next multiple of chunk_tokens, the end of
@@ -425,7 +489,7 @@ static int run_sim(const sim_cfg *c) {
             tokens += it->n;
         }
         assert_true(tokens <= o->max_num_batched_tokens);
-        if (n_held > 0) assert_true(n_items > 0);
+        if (n_held > 0 && G == 1) assert_true(n_items > 0);
 
         /* -- preemptions -- */
         for (int i = 0; i < n_pre; i++) {
@@ -437,6 +501,9 @@ static int run_sim(const sim_cfg *c) {
             assert_int_equal(q->n_blocks, 0);
             assert_int_equal(q->slot, -1);
             assert_true(q != oldest); /* the oldest request is kept */
+            /* only this group's: the others' have a step in flight */
+            if (G > 1) assert_int_equal(((rec *)q->owner)->prev_group, g);
+            assert_false(((rec *)q->owner)->in_flight);
             ((rec *)q->owner)->recomputing = 1;
         }
         preemptions += n_pre;
@@ -450,7 +517,9 @@ static int run_sim(const sim_cfg *c) {
         for (int i = 0; i < n_held; i++) {
             ds_seq *q = held[i];
             if (q->status == DS_SEQ_RUNNING) {
-                max_run_arrival = DS_MAX(max_run_arrival, q->arrival + 1);
+                /* (pipelined: one another group's sequence asked to go is on its way out; those
+                 * asked at once go at their groups' next steps, and no group admits meanwhile) */
+                if (!q->evict) max_run_arrival = DS_MAX(max_run_arrival, q->arrival + 1);
                 assert_true(q->slot >= 0 && q->slot < c->n_slots && !slot_used[q->slot]);
                 slot_used[q->slot] = 1;
                 slots_used++;
@@ -482,77 +551,60 @@ static int run_sim(const sim_cfg *c) {
         int left = o->max_num_batched_tokens - tokens;
         for (int i = 0; i < n_held; i++) {
             ds_seq *q = held[i];
-            if (q->status != DS_SEQ_RUNNING || ((rec *)q->owner)->last_item_step == step) continue;
+            if (q->status != DS_SEQ_RUNNING || ((rec *)q->owner)->last_item_step == step ||
+                (G > 1 && q->group != g))
+                continue;
             int end = DS_MIN(q->n_tokens, (q->n_computed / ct + 1) * ct);
             int pages_short = (end + bs - 1) / bs > q->n_blocks && ds_page_n_free(w.pages) == 0;
             assert_true(end - q->n_computed > left || pages_short);
         }
         /* ... and so did the oldest waiting one, unless admission was closed this step (an
          * eviction, or a running sequence left out). */
-        if (n_held > n_run && n_pre == 0 && n_items == n_run) {
+        if (G == 1 && n_held > n_run && n_pre == 0 && n_items == n_run) {
             ds_seq *q = held[n_run]; /* collect lists running first, then waiting by arrival */
             int end = DS_MIN(q->n_tokens, ct);
             assert_true(n_run == cap || end > left || ds_slot_n_free(w.slots) == 0 ||
                         (end + bs - 1) / bs > ds_page_n_free(w.pages));
         }
 
-        /* -- progress: the oldest request advances in every step -- */
-        if (oldest && oldest_always_runs)
+        /* -- progress: the oldest request advances in every step (pipelined: the bound on each
+         *    request's wait, in complete_items) -- */
+        if (oldest && oldest_always_runs && G == 1)
             assert_int_equal(((rec *)oldest->owner)->last_item_step, step);
-
-        /* -- the step runs -- */
-        ds_sched_commit(w.sched, items, n_items);
-        for (int i = 0; i < n_items; i++) {
-            ds_seq *q = items[i].seq;
-            rec *r = q->owner;
-            assert_int_equal(q->n_computed, items[i].pos0 + items[i].n);
-            if (!items[i].sample) continue;
-            recompute_samples += r->recomputing;
-            r->recomputing = 0;
-            ds_err err;
-            assert_int_equal(ds_seq_append(q, (int32_t)q->n_tokens, &err), DS_OK);
-            r->n_samples++;
-            /* Every sample produced exactly one token: none lost or doubled by a recompute. */
-            assert_int_equal(r->n_samples, q->n_tokens - q->n_prompt);
-            if (q->n_tokens == q->max_len || ds_rng_uniform(&rng) < c->p_eos) {
-                long long waited = step - r->add_step;
-                max_wait = DS_MAX(max_wait, waited);
-                /* Each older request, then this one, advances every step while it is the oldest;
-                 * a request needs at most max_len decodes plus one recompute pass of chunks. */
-                long long per =
-                    2LL * (c->max_prompt + c->max_gen + 1) + (c->max_prompt + c->max_gen) / ct + 2;
-                assert_true(waited <= (long long)(r->held_at_add + 1) * per);
-                drop(&w, q, DS_SEQ_FINISHED);
-                finished++;
-            }
+        n_fl[g] = n_items;
+        in_flight += n_items;
+        if (G == 1) { /* the step completes before the next arrivals */
+            complete_items(&w, c, &rng, items, n_items, step, &k);
+            in_flight = n_fl[g] = 0;
         }
+
         assert_int_equal(ds_page_n_bad(w.pages), 0);
         assert_int_equal(ds_slot_n_bad(w.slots), 0);
         assert_true(step < 2000000); /* no livelock */
     }
 
-    assert_int_equal(finished + aborted, c->n_requests);
+    assert_int_equal(k.finished + aborted, c->n_requests);
     assert_int_equal(ds_page_n_free(w.pages), c->n_pages);
     assert_int_equal(ds_slot_n_free(w.slots), c->n_slots);
     assert_true(preemptions > 0);
-    assert_true(recompute_samples > 0); /* some recompute ended by sampling a fresh token */
-    assert_true(aborted > 0 && finished > aborted);
+    assert_true(k.recompute_samples > 0); /* some recompute ended by sampling a fresh token */
+    assert_true(aborted > 0 && k.finished > aborted);
     print_message(
         "    %d requests, %lld steps, %lld preemptions, %d aborted, max wait %lld steps\n",
-        c->n_requests, (long long)step, preemptions, aborted, max_wait);
+        c->n_requests, (long long)step, preemptions, aborted, k.max_wait);
     free(owner);
     free(slot_used);
     free(held);
-    free(items);
+    free(fl);
+    free(n_fl);
     free(pre);
     world_free(&w);
     return max_run_seen;
 }
 
 /* Small blocks, chunk a multiple of the block, fewer slots than running places. */
-static void test_sim_tight_pages(void **st) {
-    (void)st;
-    sim_cfg c = {
+static sim_cfg tight_pages(void) {
+    return (sim_cfg){
         .o = {.block_size = 4, .max_num_seqs = 8, .max_num_batched_tokens = 48, .chunk_tokens = 32},
         .n_pages = 110,
         .n_slots = 6,
@@ -563,26 +615,35 @@ static void test_sim_tight_pages(void **st) {
         .p_abort = 0.01,
         .p_eos = 0.01,
         .seed = 1};
+}
+
+static void test_sim_tight_pages(void **st) {
+    (void)st;
+    sim_cfg c = tight_pages();
     assert_int_equal(run_sim(&c), c.n_slots); /* slots were the binding limit */
 }
 
 /* Chunks that straddle pages, a budget too small to always fit a chunk after the decodes, and
  * max_len capped by the pool. */
+static sim_cfg odd_sizes(void) {
+    return (sim_cfg){.o = {.block_size = 16,
+                           .max_num_seqs = 6,
+                           .max_num_batched_tokens = 24,
+                           .chunk_tokens = 20},
+                     .n_pages = 24,
+                     .n_slots = 8,
+                     .n_requests = 2000,
+                     .max_held = 30,
+                     .max_prompt = 300,
+                     .max_gen = 120,
+                     .p_abort = 0.01,
+                     .p_eos = 0.02,
+                     .seed = 7};
+}
+
 static void test_sim_odd_sizes(void **st) {
     (void)st;
-    sim_cfg c = {.o = {.block_size = 16,
-                       .max_num_seqs = 6,
-                       .max_num_batched_tokens = 24,
-                       .chunk_tokens = 20},
-                 .n_pages = 24,
-                 .n_slots = 8,
-                 .n_requests = 2000,
-                 .max_held = 30,
-                 .max_prompt = 300,
-                 .max_gen = 120,
-                 .p_abort = 0.01,
-                 .p_eos = 0.02,
-                 .seed = 7};
+    sim_cfg c = odd_sizes();
     run_sim(&c);
 }
 
@@ -601,6 +662,22 @@ static void test_sim_many_short(void **st) {
         .p_eos = 0.02,
         .seed = 3};
     assert_int_equal(run_sim(&c), c.o.max_num_seqs);
+}
+
+/* Pipelined (two and three groups in flight) short of pages: a sequence short of pages that the
+ * youngest sequence of another group holds asks for it and waits a round of the groups, never
+ * evicting its own group's older sequences or itself instead. Evicting within its own group let
+ * two recomputing prompts, one per group, each wait for the other's pages forever. */
+static void test_sim_pipelined(void **st) {
+    (void)st;
+    sim_cfg c = tight_pages();
+    c.seed = 11;
+    c.groups = 2;
+    run_sim(&c);
+    c = odd_sizes();
+    c.seed = 12;
+    c.groups = 3;
+    run_sim(&c);
 }
 
 /* Rungs never cut prompt chunks (the prefix cache files checkpoints only at cuts the scheduler
@@ -636,6 +713,7 @@ int main(void) {
         cmocka_unit_test(test_rejections),       cmocka_unit_test(test_sim_tight_pages),
         cmocka_unit_test(test_sim_odd_sizes),    cmocka_unit_test(test_sim_many_short),
         cmocka_unit_test(test_rungs_add_no_cut), cmocka_unit_test(test_forced_preempt),
+        cmocka_unit_test(test_sim_pipelined),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
