@@ -110,7 +110,8 @@ clean:
 
 # The prefix cache's randomized differential tester (issue 30): CACHE_FUZZ_SEEDS seeds on one
 # process (a quarter of them P/D, a quarter short of pages and preempting) and a quarter as many
-# at -tp 2 -pp 2 (four MPI ranks; a quarter of those preempting), with a Redis tier; failing seeds
+# at -tp 2 -pp 2 (four MPI ranks; a quarter of those preempting) and an eighth at -pp 2 (half P/D,
+# half preempting), with a Redis tier; failing seeds
 # are saved to tests/cachefuzz/cases (replayed by `make test`).
 CACHE_FUZZ_SEEDS ?= 2000
 CACHE_FUZZ_SEED0 ?= 1
@@ -122,6 +123,10 @@ cache-fuzz: build
 	  --redis redis://127.0.0.1:$$port --pd 25 --grammar 20 --preempt 25 --save-dir tests/cachefuzz/cases; st=$$?; \
 	OMP_NUM_THREADS=2 ./$(BUILD)/cache_fuzz --seeds $$(( $(CACHE_FUZZ_SEEDS) / 4 )) \
 	  --seed0 $$(( $(CACHE_FUZZ_SEED0) + 1000000 )) -tp 2 -pp 2 --grammar 20 --preempt 25 \
+	  --save-dir tests/cachefuzz/cases \
+	  || st=1; \
+	OMP_NUM_THREADS=2 ./$(BUILD)/cache_fuzz --seeds $$(( $(CACHE_FUZZ_SEEDS) / 8 )) \
+	  --seed0 $$(( $(CACHE_FUZZ_SEED0) + 2000000 )) -pp 2 --pd 50 --preempt 50 --grammar 20 \
 	  --save-dir tests/cachefuzz/cases \
 	  || st=1; \
 	kill $$(cat /tmp/ds-cache-fuzz-redis.pid) 2>/dev/null; exit $$st

@@ -22,14 +22,15 @@
  * speculation so that it passes every point: its recompute is cut where the cached one's was, so
  * every choice must still agree bit for bit, and every recorded preemption must have been replayed.
  *
- * With --pd PCT (one process), that share of the seeds also runs P/D disaggregation (docs/pd.md):
+ * With --pd PCT (one process or -pp: the producer is one process, whose sums a tensor-parallel
+ * consumer's differ from), that share of the seeds also runs P/D disaggregation (docs/pd.md):
  * a producer engine (its own block size and rung spacing one time in five, so that some
  * transfers must be refused, and one time in three its own step budget) prefills some of the
  * workload's prompts as vllm-router's first request does (one token, a transfer filed), and the
  * cached engine, a consumer, pulls them before it starts and receives them into its offload tier as
  * its requests are admitted, among the rest of the workload: every choice must still equal the cold
  * run's, no transfer may be refused where the two cut prompts alike, and the producer must hold no
- * transfer at the end.
+ * transfer at the end. Under -pp every consumer rank pulls its own stages' part.
  *
  * With --grammar PCT that share of the requests is constrained by one of a few Lark grammars
  * (constrained decoding, docs/structured-outputs.md), and half the seeds that have any make the
@@ -89,7 +90,7 @@ typedef struct fz_opts {
     const char *save_dir, *work_dir;
     int verbose;
     double max_seconds; /* > 0: start no seed after this long (the run reports what it did) */
-    int pd;             /* percent of seeds that also run P/D (one process only) */
+    int pd;             /* percent of seeds that also run P/D (the producer one process) */
     int preempt;        /* percent of seeds whose cached engine runs short of pages */
     int grammar;        /* percent of requests constrained by a grammar */
     int counts[DS_MAX_LAYERS];
@@ -225,7 +226,7 @@ static int pd_alike(const fz_cfg *c) {
 static void draw_pd(uint64_t seed, const fz_opts *fo, fz_work *w) {
     uint64_t s = seed * 0xd1b54a32d192ed03ull + 7;
     fz_cfg *c = &w->cfg;
-    c->pd = fo->pd > 0 && fo->tp * fo->pp == 1 && chance(&s, fo->pd);
+    c->pd = fo->pd > 0 && chance(&s, fo->pd);
     c->pd_block = c->block_size, c->pd_interval = c->interval;
     if (c->pd && chance(&s, 20)) { /* a producer laid out otherwise: its transfers are refused */
         if (chance(&s, 50))
@@ -268,11 +269,11 @@ static void draw_grammar(uint64_t seed, const fz_opts *fo, fz_work *w) {
 }
 
 /* Preemption's draws, from a stream of their own (as draw_pd's). In a job the cold run's forced
- * preemptions are decided on the head and travel in its step plan. Not with P/D (the consumer's
- * installs are not what this replays). */
+ * preemptions are decided on the head and travel in its step plan. With P/D too: a preempted
+ * consumer's sequence recomputes through its tiers, where the installed transfer is. */
 static void draw_preempt(uint64_t seed, const fz_opts *fo, fz_work *w) {
     uint64_t s = seed * 0xa0761d6478bd642full + 13;
-    w->cfg.preempt = fo->preempt > 0 && !w->cfg.pd && chance(&s, fo->preempt);
+    w->cfg.preempt = fo->preempt > 0 && chance(&s, fo->preempt);
     w->cfg.preempt_pages = rint_(&s, 0, 3);
     for (int i = 0; i < w->n; i++) {
         fz_req *q = &w->r[i];
@@ -813,11 +814,10 @@ static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_dr
     engine_opts(fo, &w.cfg, 1, comm, disk, slot_bytes, page_bytes, pages_needed(&w), &o);
     ds_engine *prod = NULL;
     int port = 0;
-    if (w.cfg.pd) { /* (one process: head) */
+    if (w.cfg.pd && head) { /* (the producer is one process, on the head's) */
         if (run_producer(fo, &w, slot_bytes, page_bytes / (size_t)w.cfg.block_size, &prod, &port,
                          err))
             return -1;
-        o.kv_role = DS_KV_CONSUMER;
         ct->pd_seeds++;
         if (g_verbose)
             printf("  P/D: producer block %d rungs every %d budget %d, consumer block %d rungs "
@@ -825,6 +825,7 @@ static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_dr
                    w.cfg.pd_block, w.cfg.pd_interval, w.cfg.pd_batched, w.cfg.block_size,
                    w.cfg.interval, w.cfg.max_batched);
     }
+    if (w.cfg.pd) o.kv_role = DS_KV_CONSUMER; /* (every rank of the consumer) */
     int rc = run_engine(&o, &w, head, 0, ct, port, err);
     ds_engine_stats ps = {0};
     if (prod) { /* every transfer was pulled (or refused after its pull): none may be held */
@@ -973,8 +974,9 @@ static int parse_args(int argc, char **argv, fz_opts *fo, const char **case_file
         fprintf(stderr, "cache_fuzz: --pd, --grammar and --preempt are percentages (0 to 100)\n");
         return -1;
     }
-    if (fo->pd && fo->tp * fo->pp > 1) {
-        fprintf(stderr, "cache_fuzz: --pd runs on one process only (not with -tp/-pp)\n");
+    if (fo->pd && fo->tp > 1) {
+        fprintf(stderr, "cache_fuzz: --pd is not for -tp: the producer is one process, whose sums "
+                        "differ from a tensor-parallel consumer's in the last bits (-pp is)\n");
         return -1;
     }
     return 0;

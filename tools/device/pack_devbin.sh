@@ -33,6 +33,14 @@ if [ "${DS_DEVBIN_F8BITS:-0}" = 1 ]; then
   cp build-cuda-f8bits/test_cuda_kernels .devbin/test_cuda_kernels_f8bits
   cp build-cuda-f8bits/deltaserve .devbin/deltaserve_f8bits
 fi
+# DS_DEVBIN_F8MMA=1: also test_cuda_kernels_f8mma and deltaserve_f8mma, built with
+# -DDS_CUDA_F8_MMA (the FP8 weight streams on E4M3 tensor cores, no conversion: fp8_stream.cuh)
+if [ "${DS_DEVBIN_F8MMA:-0}" = 1 ]; then
+  TARGETS="test_cuda_kernels deltaserve" NVCC_EXTRA=-DDS_CUDA_F8_MMA \
+    tools/cuda_build.sh build-cuda-f8mma >/dev/null
+  cp build-cuda-f8mma/test_cuda_kernels .devbin/test_cuda_kernels_f8mma
+  cp build-cuda-f8mma/deltaserve .devbin/deltaserve_f8mma
+fi
 for l in libmicrohttpd.so.12 libhiredis.so.0.14 libcmocka.so.0 libucp.so.0 libuct.so.0 libucs.so.0 \
          libucm.so.0 libnuma.so.1; do
   cp -L "/lib/x86_64-linux-gnu/$l" .devbin/lib/

@@ -15,7 +15,8 @@
 #   6. (session 28's open question) is the FP8-to-F16 conversion what holds the FP8 streams back?
 #      bench_f8cvt (the conversion alone), then, with .devbin packed by
 #      `DS_DEVBIN_F8BITS=1 tools/device/pack_devbin.sh`, the kernels built with -DDS_CUDA_F8_BITS:
-#      their checks, the experts' bench and decode at batch 1 against the default build's.
+#      their checks, the experts' bench and decode at batch 1 against the default build's; and
+#      (DS_DEVBIN_F8MMA=1 as well) the same for -DDS_CUDA_F8_MMA, the streams on E4M3 tensor cores.
 # The working tree travels whole (64 MiB at most): with the wheels (~16 MiB) the bundled model
 # (46 MB) does not fit beside them; leave it out of the call's tree for that call (docs/cuda.md).
 # STEPS: which of them (default "6", the one not yet run; 1-5 ran in sessions 27-28).
@@ -57,8 +58,14 @@ if want 6; then
 el "6. FP8 codes to F16: the conversion alone, then the bit form in the kernels"
 .devbin/bench_f8cvt 2>&1 | tail -6
 if [ -x .devbin/test_cuda_kernels_f8bits ]; then
-  DS_CUDA_CHECKS="matmul fp8,moe fp8,kda batch" .devbin/test_cuda_kernels_f8bits 2>&1 | grep -E "checks:|FAIL" | head -5
-  for v in "" _f8bits; do
+  VARIANTS="_f8bits"
+  [ -x .devbin/test_cuda_kernels_f8mma ] && VARIANTS="$VARIANTS _f8mma"
+  for v in $VARIANTS; do
+    echo "[$v] checks"
+    DS_CUDA_CHECKS="matmul fp8,moe fp8,kda batch" .devbin/test_cuda_kernels$v 2>&1 |
+      grep -iE "checks:|FAIL|fp8" | head -16
+  done
+  for v in "" $VARIANTS; do
     .devbin/test_cuda_kernels$v --bench-only moefp8 2>&1 | grep "bench moe fp8 T=1 " | sed "s/^/[${v:-cvt}] /"
     .devbin/deltaserve$v bench --model $SHAPE48 --load-format random --device cuda -q ptpc_fp8 \
       --prompt-tokens 16 --reps 1 --decode-context 512 --decode-steps 8 --batch-sizes 1 2>&1 |

@@ -54,6 +54,42 @@ static __device__ __forceinline__ uint32_t f8x2_f16(uint32_t w16) {
 #endif
 }
 
+/* -DDS_CUDA_F8_MMA (an experiment): the E4M3 tensor cores where the target has them (sm_89+; the
+ * PTX for older parts keeps the F16 step) */
+#if defined(DS_CUDA_F8_MMA) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890)
+#define DS_F8_MMA_E4M3 1
+#endif
+#ifdef DS_F8_MMA_E4M3
+/* E4M3 tensor cores (sm_89+): A 16 x 32 and B 32 x 8 codes, f32 accumulation. Lane (g, l4) holds
+ * A's rows g (a0, a2) and g + 8 (a1, a3) at k [4 l4, 4 l4 + 4) (a0, a1) and [16 + 4 l4, +4)
+ * (a2, a3), and B's column g at the same k (b0, b1). */
+static __device__ __forceinline__ void mma_16832_e4m3(float (&d)[4], uint32_t a0, uint32_t a1,
+                                                      uint32_t a2, uint32_t a3, uint32_t b0,
+                                                      uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/* four F16 code values (two pairs) back to their four E4M3 codes (exact: they are codes) */
+static __device__ __forceinline__ uint32_t f16x4_f8(uint32_t lo, uint32_t hi) {
+    __half2_raw l, h;
+    l.x = (unsigned short)(lo & 0xffffu), l.y = (unsigned short)(lo >> 16);
+    h.x = (unsigned short)(hi & 0xffffu), h.y = (unsigned short)(hi >> 16);
+    return (uint32_t)__nv_cvt_halfraw2_to_fp8x2(l, __NV_SATFINITE, __NV_E4M3) |
+           ((uint32_t)__nv_cvt_halfraw2_to_fp8x2(h, __NV_SATFINITE, __NV_E4M3) << 16);
+}
+
+/* one 64-column step on E4M3 tensor cores: the lane's 16 weight codes of a row are codes
+ * [0, 4) [4, 8) of the first mma's k slots and [8, 12) [12, 16) of the second's, and its 16
+ * activation codes the same (an experiment: no conversion of the weights at all) */
+static __device__ __forceinline__ void f8_mma_step(float (&acc)[4], uint4 a0, uint4 a1, uint4 x0,
+                                                   uint4 x1) {
+    mma_16832_e4m3(acc, a0.x, a1.x, a0.y, a1.y, f16x4_f8(x0.x, x0.y), f16x4_f8(x0.z, x0.w));
+    mma_16832_e4m3(acc, a0.z, a1.z, a0.w, a1.w, f16x4_f8(x1.x, x1.y), f16x4_f8(x1.z, x1.w));
+}
+#else
 /* one 64-column step: a0, a1 the lane's 16 codes of rows g and g + 8, x0 x1 its 16 F16 values */
 static __device__ __forceinline__ void f8_mma_step(float (&acc)[4], uint4 a0, uint4 a1, uint4 x0,
                                                    uint4 x1) {
@@ -66,6 +102,7 @@ static __device__ __forceinline__ void f8_mma_step(float (&acc)[4], uint4 a0, ui
         mma_16816_f16(acc, fr, B[2 * q], B[2 * q + 1]);
     }
 }
+#endif
 
 /* Steps in flight a warp: their weights loaded together, then multiplied (the activations, in
  * shared memory or L2, as each step needs them). */
