@@ -123,6 +123,7 @@ cache-fuzz: build
 	  --redis redis://127.0.0.1:$$port --pd 25 --grammar 20 --preempt 25 --save-dir tests/cachefuzz/cases; st=$$?; \
 	OMP_NUM_THREADS=2 ./$(BUILD)/cache_fuzz --seeds $$(( $(CACHE_FUZZ_SEEDS) / 4 )) \
 	  --seed0 $$(( $(CACHE_FUZZ_SEED0) + 1000000 )) -tp 2 -pp 2 --grammar 20 --preempt 25 \
+	  --redis redis://127.0.0.1:$$port \
 	  --save-dir tests/cachefuzz/cases \
 	  || st=1; \
 	OMP_NUM_THREADS=2 ./$(BUILD)/cache_fuzz --seeds $$(( $(CACHE_FUZZ_SEEDS) / 8 )) \

@@ -228,3 +228,30 @@ def test_dead_or_hung_rank_ends_the_job_naming_it(how, monkeypatch):
     assert rc != 0
     assert time.time() - t0 < 30
     assert ("rank 1" if how == "SIGKILL" else "from rank 1: no answer") in log, log[-2000:]
+
+
+# ---- pipelined and short of pages (session 30) ---------------------------------------------------
+
+@pytest.mark.parametrize("prefix", [[], ["--no-enable-prefix-caching"]], ids=["prefix", "plain"])
+def test_pp2_short_of_pages_every_request_ends_as_one_process(reference, prefix):
+    """A -pp 2 server whose pool holds about one and a half of its six concurrent sequences:
+    requests preempt each other, across the two micro-batch groups in flight too, and every one
+    still ends with one process's greedy tokens. (Before session 30 a sequence short of pages
+    evicted only in its own group: two recomputing prompts, one per group, each waited for the
+    other's pages, the server spun through empty steps and no client got an answer.)"""
+    import concurrent.futures
+    prompts = [[(53 * i + 7 * j) % 900 + 5 for j in range(120 + 3 * i)] for i in range(6)]
+    want = [greedy_ids(reference, p, 250 - len(p)) for p in prompts]
+    srv = Server("-pp", "2", "--kv-cache-memory", "200K", "--max-model-len", "256",
+                 "--max-num-seqs", "4", "--max-num-batched-tokens", "96", "--seed", "1", *prefix,
+                 env_args=False)
+    try:
+        before = srv.metrics()
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as ex:
+            got = list(ex.map(lambda p: greedy_ids(srv, p, 250 - len(p)), prompts))
+        after = srv.metrics()
+        assert got == want
+        assert delta(after, before, "vllm:num_preemptions_total") >= 2
+    finally:
+        log = "".join(srv.log[-30:])
+        assert srv.stop() == 0, log
