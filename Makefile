@@ -109,7 +109,8 @@ clean:
 	rm -rf $(BUILD)
 
 # The prefix cache's randomized differential tester (issue 30): CACHE_FUZZ_SEEDS seeds on one
-# process (a quarter of them P/D, a quarter short of pages and preempting) and a quarter as many
+# process (a quarter of them P/D, a quarter short of pages and preempting, a fifth restarted
+# halfway on the same tiers) and a quarter as many
 # at -tp 2 -pp 2 (four MPI ranks; a quarter of those preempting) and an eighth at -pp 2 (half P/D,
 # half preempting), with a Redis tier; failing seeds
 # are saved to tests/cachefuzz/cases (replayed by `make test`).
@@ -120,9 +121,10 @@ cache-fuzz: build
 	redis-server --port $$port --bind 127.0.0.1 --save "" --appendonly no --daemonize yes \
 	  --loglevel warning --pidfile /tmp/ds-cache-fuzz-redis.pid >/dev/null; sleep 0.5; \
 	OMP_NUM_THREADS=2 ./$(BUILD)/cache_fuzz --seeds $(CACHE_FUZZ_SEEDS) --seed0 $(CACHE_FUZZ_SEED0) \
-	  --redis redis://127.0.0.1:$$port --pd 25 --grammar 20 --preempt 25 --save-dir tests/cachefuzz/cases; st=$$?; \
+	  --redis redis://127.0.0.1:$$port --pd 25 --grammar 20 --preempt 25 --restart 20 \
+	  --save-dir tests/cachefuzz/cases; st=$$?; \
 	OMP_NUM_THREADS=2 ./$(BUILD)/cache_fuzz --seeds $$(( $(CACHE_FUZZ_SEEDS) / 4 )) \
-	  --seed0 $$(( $(CACHE_FUZZ_SEED0) + 1000000 )) -tp 2 -pp 2 --grammar 20 --preempt 25 \
+	  --seed0 $$(( $(CACHE_FUZZ_SEED0) + 1000000 )) -tp 2 -pp 2 --grammar 20 --preempt 25 --restart 20 \
 	  --redis redis://127.0.0.1:$$port \
 	  --save-dir tests/cachefuzz/cases \
 	  || st=1; \

@@ -9,9 +9,10 @@
 
 /* ---- messages of a TP x PP job ----------------------------------------------------------------
  * Two messages per step, point to point (ds_comm_post / ds_comm_take): the head's plan before the
- * step (new requests, aborts, stop), and the sampling rank's outcome after it (per sampled item:
- * accepted count, tokens, logprobs, then the drafts for the next step). Every rank applies them
- * in the same order, so schedulers, pools, prefix caches and texts stay identical everywhere. */
+ * step (new requests, aborts, stop; in tests the preemptions a hook forces), and the sampling
+ * rank's outcome after it (per sampled item: accepted count, tokens, logprobs, then the drafts for
+ * the next step). Every rank applies them in the same order, so schedulers, pools, prefix caches
+ * and texts stay identical everywhere. */
 enum { TAG_PLAN = 1, TAG_OUTCOME = 2 }; /* byte messages between ranks (ds_comm_post) */
 
 typedef struct wbuf {

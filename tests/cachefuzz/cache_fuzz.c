@@ -32,13 +32,18 @@
  * run's, no transfer may be refused where the two cut prompts alike, and the producer must hold no
  * transfer at the end. Under -pp every consumer rank pulls its own stages' part.
  *
+ * With --restart PCT that share of the seeds (not P/D) stops the cached engine once a random
+ * number of the requests have ended and starts another with the same options for the rest, as a
+ * server restarted on its tiers: its disk and Redis tiers hold what the first one stored, and
+ * every choice must still equal the cold run's.
+ *
  * With --grammar PCT that share of the requests is constrained by one of a few Lark grammars
  * (constrained decoding, docs/structured-outputs.md), and half the seeds that have any make the
  * cached engine's masks on its mask thread beside the forward (what it does on a GPU); the cold
  * run makes them before the forward.
  *
  * Usage: cache_fuzz [--model DIR] [--seeds N] [--seed0 S] [--redis redis://h:p] [-tp T] [-pp P]
- *                   [--pd PCT] [--grammar PCT] [--preempt PCT]
+ *                   [--pd PCT] [--grammar PCT] [--preempt PCT] [--restart PCT]
  *                   [--device cpu|cuda] [--batch-invariant] [--quantization ptpc_fp8]
  *                   [--kv-cache-dtype fp8]
  *                   [--save-dir DIR] [--case FILE]
@@ -92,6 +97,7 @@ typedef struct fz_opts {
     double max_seconds; /* > 0: start no seed after this long (the run reports what it did) */
     int pd;             /* percent of seeds that also run P/D (the producer one process) */
     int preempt;        /* percent of seeds whose cached engine runs short of pages */
+    int restart;        /* percent of seeds whose cached engine is restarted halfway (not P/D) */
     int grammar;        /* percent of requests constrained by a grammar */
     int counts[DS_MAX_LAYERS];
 } fz_opts;
@@ -110,6 +116,10 @@ typedef struct fz_cfg {
     int pd, pd_block, pd_interval, pd_batched;
     int async_masks;            /* the cached engine's grammar masks beside the forward */
     int preempt, preempt_pages; /* pages past one longest sequence when preempting */
+    /* > 0: once requests [0, restart_at) have ended, the cached engine is stopped and a new one
+     * with the same options takes the rest: its disk and Redis tiers kept, the RAM tier and the
+     * device pools gone (a server restarted on the same tiers) */
+    int restart_at;
 } fz_cfg;
 
 typedef struct fz_out {
@@ -164,7 +174,9 @@ typedef struct fz_work {
     uint64_t last_arr; /* step of the last arrival */
     int alone;         /* the cold run: one request at a time */
     int finished_all;
-    fz_req *cur; /* alone: the request running */
+    int first, n_limit; /* requests [first, n_limit) are the current engine's (ids restart with
+                           each engine: a hook's request id means one of these) */
+    fz_req *cur;        /* alone: the request running */
     /* a stall: steps go on while no outstanding request gets a token or its end (a request the
      * engine lost, or two waiting on each other's pages) */
     uint64_t progress, progress_step;
@@ -282,10 +294,18 @@ static void draw_preempt(uint64_t seed, const fz_opts *fo, fz_work *w) {
     }
 }
 
+/* Restarts' draws, from a stream of their own. Not with P/D (a consumer's pulls are made into the
+ * engine that takes the request). */
+static void draw_restart(uint64_t seed, const fz_opts *fo, fz_work *w) {
+    uint64_t s = seed * 0x8bb84b93962eacc9ull + 17;
+    w->cfg.restart_at =
+        fo->restart > 0 && !w->cfg.pd && chance(&s, fo->restart) ? rint_(&s, 1, w->n - 1) : 0;
+}
+
 /* The cached run's hook: a preemption of (request, choice) after n tokens generated. */
 static void on_preempted(void *ctx, int64_t id, int c, int n) {
     fz_work *w = ctx;
-    for (int i = 0; i < w->n; i++) {
+    for (int i = w->first; i < w->n_limit; i++) {
         fz_req *q = &w->r[i];
         if (!q->submitted || q->id != id || c < 0 || c >= MAX_N) continue;
         int k = q->n_pre[c];
@@ -463,8 +483,8 @@ static void hook(void *ctx, uint64_t step) {
     if (w->alone) {
         if (w->outstanding == 0) {
             /* (one the cached run never submitted, as when it stalled, has no prompt) */
-            while (w->next < w->n && w->r[w->next].n_prompt == 0) w->next++;
-            if (w->next < w->n) {
+            while (w->next < w->n_limit && w->r[w->next].n_prompt == 0) w->next++;
+            if (w->next < w->n_limit) {
                 w->cur = &w->r[w->next++];
                 submit(w, w->cur, step);
             }
@@ -478,7 +498,7 @@ static void hook(void *ctx, uint64_t step) {
                 q->aborted_sent = 1;
             }
         }
-        while (w->next < w->n) {
+        while (w->next < w->n_limit) {
             fz_req *q = &w->r[w->next];
             if (q->base >= 0 && !w->r[q->base].done) {
                 if (w->outstanding > 0) break; /* waits for its base's answer */
@@ -490,7 +510,7 @@ static void hook(void *ctx, uint64_t step) {
             w->next++;
         }
     }
-    if (w->next >= w->n && w->outstanding == 0) {
+    if (w->next >= w->n_limit && w->outstanding == 0) {
         pthread_mutex_lock(&w->mu);
         w->finished_all = 1;
         pthread_cond_broadcast(&w->cv);
@@ -505,6 +525,7 @@ typedef struct fz_counts {
     uint64_t pd_seeds, pd_pulls, pd_refused;  /* P/D: seeds, transfers installed, refused */
     uint64_t constrained, async_seeds;        /* choices under a grammar; seeds with masks beside */
     uint64_t preempt_seeds, preempt_replayed; /* --preempt: seeds, the cached runs' preemptions */
+    uint64_t restart_seeds, restart_loads;    /* --restart: seeds, disk and Redis loads after one */
 } fz_counts;
 
 /* Pages the max_seqs largest sequences of the workload need at their longest. */
@@ -647,6 +668,27 @@ static int run_producer(const fz_opts *fo, fz_work *w, size_t slot_bytes, size_t
     return DS_OK;
 }
 
+/* An engine's counters into the run's. */
+static void add_counts(fz_counts *ct, const ds_engine_stats *s, int preempting) {
+    ct->hit_tokens += s->prefix_hit_tokens;
+    ct->query_tokens += s->prefix_query_tokens;
+    ct->forks += s->forks;
+    ct->ckpt_evicted += s->ckpt_evicted;
+    ct->pages_evicted += s->prefix_pages_evicted;
+    ct->loads_ram += s->offload_loads_ram;
+    ct->loads_disk += s->offload_loads_disk;
+    ct->loads_remote += s->offload_loads_remote;
+    ct->stores += s->offload_stores;
+    ct->collisions += s->prefix_collisions;
+    if (preempting)
+        ct->preempt_replayed += s->preemptions_total;
+    else
+        ct->preemptions += s->preemptions_total;
+    ct->verifies += s->spec_verifies;
+    ct->pd_pulls += s->kv_pulls;
+    ct->pd_refused += s->kv_pull_failures;
+}
+
 /* Runs the workload on one engine (every rank calls this; the head drives). pd_port > 0: the
  * engine is a P/D consumer and pulls the transfers of the workload's P/D requests from the
  * producer there before it starts (each submitted with its pull; a refused one without). */
@@ -657,9 +699,6 @@ static int run_engine(const ds_engine_opts *o, fz_work *w, int head, int alone, 
     w->outstanding = 0;
     w->last_arr = 0;
     w->alone = alone;
-    w->finished_all = 0;
-    w->progress = w->progress_step = 0;
-    w->progress_t = ds_now();
     w->stalled = 0;
     if (head) {
         oo.test.step = hook;
@@ -672,53 +711,45 @@ static int run_engine(const ds_engine_opts *o, fz_work *w, int head, int alone, 
             oo.test.preempt_ctx = w;
         }
     }
-    if (ds_engine_create(&oo, &w->e, err)) return DS_ERR;
-    for (int i = 0; pd_port > 0 && i < w->n; i++) {
-        fz_req *q = &w->r[i];
-        ds_err perr = {{0}};
-        /* (a refusal is counted by the engine; the request then recomputes) */
-        if (q->pd && ds_engine_kv_pull(w->e, "127.0.0.1", pd_port, pd_id(w, i), q->prompt,
-                                       q->n_prompt, &q->imp, &perr)) {
-            if (!w->pd_refused++) snprintf(w->pd_why, sizeof w->pd_why, "%s", perr.msg);
-            if (g_verbose) printf("  request %d: P/D pull refused: %s\n", i, perr.msg);
+    /* (every rank draws the same restart: each makes its engine anew) */
+    const int engines = !alone && w->cfg.restart_at > 0 ? 2 : 1;
+    for (int k = 0; k < engines && !w->stalled; k++) {
+        w->first = k ? w->cfg.restart_at : 0;
+        w->n_limit = k + 1 < engines ? w->cfg.restart_at : w->n;
+        w->finished_all = 0;
+        w->progress = w->progress_step = 0;
+        w->progress_t = ds_now();
+        if (ds_engine_create(&oo, &w->e, err)) return DS_ERR;
+        for (int i = 0; pd_port > 0 && i < w->n; i++) {
+            fz_req *q = &w->r[i];
+            ds_err perr = {{0}};
+            /* (a refusal is counted by the engine; the request then recomputes) */
+            if (q->pd && ds_engine_kv_pull(w->e, "127.0.0.1", pd_port, pd_id(w, i), q->prompt,
+                                           q->n_prompt, &q->imp, &perr)) {
+                if (!w->pd_refused++) snprintf(w->pd_why, sizeof w->pd_why, "%s", perr.msg);
+                if (g_verbose) printf("  request %d: P/D pull refused: %s\n", i, perr.msg);
+            }
         }
-    }
-    if (ds_engine_start(w->e, err)) {
+        if (ds_engine_start(w->e, err)) {
+            ds_engine_free(w->e);
+            return DS_ERR;
+        }
+        if (head) {
+            /* the loop's first iteration calls the hook before it waits for work */
+            pthread_mutex_lock(&w->mu);
+            while (!w->finished_all) pthread_cond_wait(&w->cv, &w->mu);
+            pthread_mutex_unlock(&w->mu);
+            ds_engine_stats s;
+            ds_engine_get_stats(w->e, &s);
+            if (ct) add_counts(ct, &s, w->cfg.preempt);
+            if (ct && k) ct->restart_loads += s.offload_loads_disk + s.offload_loads_remote;
+            ds_engine_stop(w->e, w->stalled ? 0.0 : 5.0);
+        } else {
+            ds_engine_join(w->e);
+        }
         ds_engine_free(w->e);
-        return DS_ERR;
+        w->e = NULL;
     }
-    if (head) {
-        /* the loop's first iteration calls the hook before it waits for work */
-        pthread_mutex_lock(&w->mu);
-        while (!w->finished_all) pthread_cond_wait(&w->cv, &w->mu);
-        pthread_mutex_unlock(&w->mu);
-        ds_engine_stats s;
-        ds_engine_get_stats(w->e, &s);
-        if (ct) {
-            ct->hit_tokens += s.prefix_hit_tokens;
-            ct->query_tokens += s.prefix_query_tokens;
-            ct->forks += s.forks;
-            ct->ckpt_evicted += s.ckpt_evicted;
-            ct->pages_evicted += s.prefix_pages_evicted;
-            ct->loads_ram += s.offload_loads_ram;
-            ct->loads_disk += s.offload_loads_disk;
-            ct->loads_remote += s.offload_loads_remote;
-            ct->stores += s.offload_stores;
-            ct->collisions += s.prefix_collisions;
-            if (w->cfg.preempt)
-                ct->preempt_replayed += s.preemptions_total;
-            else
-                ct->preemptions += s.preemptions_total;
-            ct->verifies += s.spec_verifies;
-            ct->pd_pulls += s.kv_pulls;
-            ct->pd_refused += s.kv_pull_failures;
-        }
-        ds_engine_stop(w->e, w->stalled ? 0.0 : 5.0);
-    } else {
-        ds_engine_join(w->e);
-    }
-    ds_engine_free(w->e);
-    w->e = NULL;
     return DS_OK;
 }
 
@@ -764,6 +795,9 @@ static void describe_cfg(const fz_cfg *c, char *b, size_t cap) {
     b += n, cap -= (size_t)n;
     n = c->async_masks ? snprintf(b, cap, "grammar masks beside the forward; ") : 0;
     b += n, cap -= (size_t)n;
+    n = c->restart_at ? snprintf(b, cap, "restarted once requests [0, %d) ended; ", c->restart_at)
+                      : 0;
+    b += n, cap -= (size_t)n;
     n = c->preempt ? snprintf(b, cap,
                               "preempting (pages: one longest sequence + %d), the cold "
                               "run replaying; ",
@@ -806,6 +840,8 @@ static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_dr
     draw_pd(seed, fo, &w);
     draw_grammar(seed, fo, &w);
     draw_preempt(seed, fo, &w);
+    draw_restart(seed, fo, &w);
+    ct->restart_seeds += w.cfg.restart_at > 0;
     ct->async_seeds += w.cfg.async_masks;
     ct->preempt_seeds += w.cfg.preempt;
     char disk[4096];
@@ -956,6 +992,8 @@ static int parse_args(int argc, char **argv, fz_opts *fo, const char **case_file
             fo->grammar = atoi(v);
         else if (!strcmp(a, "--preempt"))
             fo->preempt = atoi(v);
+        else if (!strcmp(a, "--restart"))
+            fo->restart = atoi(v);
         else if (!strcmp(a, "--work-dir"))
             fo->work_dir = v;
         else if (!strcmp(a, "--case"))
@@ -969,8 +1007,8 @@ static int parse_args(int argc, char **argv, fz_opts *fo, const char **case_file
         fprintf(stderr, "cache_fuzz: --seeds, -tp and -pp must be positive\n");
         return -1;
     }
-    if (fo->pd < 0 || fo->pd > 100 || fo->grammar < 0 || fo->grammar > 100 || fo->preempt < 0 ||
-        fo->preempt > 100) {
+    if (fo->restart < 0 || fo->restart > 100 || fo->pd < 0 || fo->pd > 100 || fo->grammar < 0 ||
+        fo->grammar > 100 || fo->preempt < 0 || fo->preempt > 100) {
         fprintf(stderr, "cache_fuzz: --pd, --grammar and --preempt are percentages (0 to 100)\n");
         return -1;
     }
@@ -1132,9 +1170,9 @@ int main(int argc, char **argv) {
                 if (f) {
                     fprintf(f,
                             "--seed0 %llu --seeds 1 -tp %d -pp %d --pd %d --grammar %d "
-                            "--preempt %d --device %s%s%s%s%s\n",
+                            "--preempt %d --restart %d --device %s%s%s%s%s\n",
                             (unsigned long long)seed, fo.tp, fo.pp, fo.pd, fo.grammar, fo.preempt,
-                            fo.device == DS_DEVICE_CUDA ? "cuda" : "cpu",
+                            fo.restart, fo.device == DS_DEVICE_CUDA ? "cuda" : "cpu",
                             fo.batch_invariant ? " --batch-invariant" : "",
                             fo.quantization ? " --quantization ptpc_fp8" : "",
                             fo.kv_fp8 ? " --kv-cache-dtype fp8" : "",
@@ -1179,6 +1217,14 @@ int main(int argc, char **argv) {
         /* (about half the seeds short of pages preempt: twelve make a miss of all unlikely) */
         if (ct.preempt_seeds >= 12 && !ct.preempt_replayed) {
             printf("cache_fuzz: the run preempted nothing\n");
+            status = 1;
+        }
+        if (fo.restart)
+            printf("cache_fuzz: %llu seeds restarted halfway, %llu disk and Redis loads by the "
+                   "engines after a restart\n",
+                   (unsigned long long)ct.restart_seeds, (unsigned long long)ct.restart_loads);
+        if (ct.restart_seeds >= 8 && !ct.restart_loads) {
+            printf("cache_fuzz: no engine read what the one before it left in the tiers\n");
             status = 1;
         }
         if (fo.grammar)
