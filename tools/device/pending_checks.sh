@@ -19,10 +19,13 @@
 #      (DS_DEVBIN_F8MMA=1 as well) the same for -DDS_CUDA_F8_MMA, the streams on E4M3 tensor cores.
 # The working tree travels whole (64 MiB at most): with the wheels (~16 MiB) the bundled model
 # (46 MB) does not fit beside them; leave it out of the call's tree for that call (docs/cuda.md).
-# STEPS: which of them (default "6", the one not yet run; 1-5 ran in sessions 27-28).
+#   7. (issue 36) the time to first token through the P/D pair against one server, on the GPU
+#      (needs models/gsm-k3 in the tree: not with the wheels);
+#   8. (issue 33) long48.sh at 128K (LENS=1048576 for the million-token run: a call of its own).
+# STEPS: which of them (default "6 7", not yet run; 1-5 ran in sessions 27-28).
 set -u
 OUT=${OUT:-/tmp/ds-out}
-STEPS=" ${STEPS:-6} "
+STEPS=" ${STEPS:-6 7} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -74,6 +77,21 @@ if [ -x .devbin/test_cuda_kernels_f8bits ]; then
 else
   echo "no test_cuda_kernels_f8bits: pack with DS_DEVBIN_F8BITS=1"
 fi
+fi
+if want 7; then
+el "7. issue 36: TTFT through the P/D pair against one server, both on the GPU (pd_gpu.sh step 2)"
+if [ -f models/gsm-k3/config.json ]; then
+  timeout 240 python3 bench/pd_bench.py --bin .devbin/deltaserve --model models/gsm-k3 --skip mixed \
+    --lengths ${LENGTHS:-500,2000} --reps 2 --extra "--device cuda --kv-cache-memory 2G" \
+    > "$OUT/pd_ttft_gpu.txt" 2>&1
+  echo "rc $?"; tail -12 "$OUT/pd_ttft_gpu.txt"
+else
+  echo "no models/gsm-k3 in the tree (the wheels' call leaves it out)"
+fi
+fi
+if want 8; then
+el "8. issue 33: long contexts at the 48B shape, 128K (long48.sh)"
+LENS=${LENS:-131072} bash "$(dirname "$0")/long48.sh" 2>&1 | tail -20
 fi
 want 4 || want 5 || { el end; exit 0; }
 el "4. decode b1 / b32, BF16 then ptpc_fp8"
