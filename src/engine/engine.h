@@ -55,7 +55,20 @@ typedef struct ds_test_hooks {
     void (*preempted)(void *ctx, int64_t req_id, int choice, int n_generated);
     int (*force_preempt)(void *ctx, int64_t req_id, int choice, int n_generated);
     void *preempt_ctx;
+    /* while `hold` returns 1 no step is planned, as a scheduling fault would leave requests
+     * waiting (one process only: it is asked on the engine's own thread); stall_seconds > 0
+     * replaces DS_STALL_S, how long nothing may be planned while requests are live before the
+     * engine reports a stall */
+    int (*hold)(void *ctx);
+    void *hold_ctx;
+    double stall_seconds;
 } ds_test_hooks;
+
+/* Seconds without a planned step, requests live and nothing in flight, after which the engine
+ * reports a stall (stderr once, ds_engine_stats.stalls_total) and waits 1 ms a round from then
+ * on instead of spinning a core. The scheduler always plans the oldest request (scheduler.c), so
+ * this is a fault, never load. */
+#define DS_STALL_S 10.0
 
 /* Why a consumer's pull failed (ds_engine_stats.kv_pull_fail_by; the prompt is recomputed):
  * the pull itself (the producer unreachable, the transfer unknown or expired, a timeout, a
@@ -246,6 +259,7 @@ typedef struct ds_engine_stats {
     uint64_t finished[5]; /* by ds_finish */
     uint64_t steps_total;
     double step_seconds_total; /* time inside forward + sampling */
+    uint64_t stalls_total;     /* DS_STALL_S without a planned step while requests were live */
     /* prefix caching: tokens of admitted prompts looked up, and resumed from the cache */
     uint64_t prefix_query_tokens, prefix_hit_tokens;
     uint64_t ckpt_kept, ckpt_dropped, ckpt_evicted, forks; /* checkpoint rungs, see prefix.h */

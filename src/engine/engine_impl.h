@@ -131,6 +131,11 @@ struct ds_engine {
     int64_t *forced_req; /* [max_num_seqs] */
     int32_t *forced_ch;  /* [max_num_seqs] */
     int n_forced;
+    /* launches in a row that planned nothing while requests were live, since when, and whether
+     * that stall has been reported (step.c: watch_idle) */
+    uint64_t idle_launches;
+    double idle_t0;
+    int stall_reported;
     ds_seq_batch *batch; /* [max_num_seqs] */
     float *logits;       /* [max_num_seqs][R][V] */
     int32_t *argmax;     /* [max_num_seqs][R] greedy tokens picked beside the logits */

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <xxhash.h>
 
 /* Schedules the sequences of group g (every sequence when not pipelined) into f, with the drafts
@@ -188,9 +189,14 @@ static int run_forward(ds_engine *e, inflight *f) {
 /* One step for the sequences of group g (every sequence when not pipelined): schedule, build the
  * batch, run the forward; then the sampling rank chooses the tokens, writes the draft's context,
  * proposes the next drafts and sends the outcome. f stays inactive when there was nothing to
- * run. */
-static void launch(ds_engine *e, inflight *f, int g) {
-    if (!schedule(e, f, g)) return;
+ * run. Returns the items planned. */
+static int launch(ds_engine *e, inflight *f, int g) {
+    if (e->opts.test.hold && e->opts.test.hold(e->opts.test.hold_ctx)) {
+        f->n_items = 0;
+        f->active = 0;
+        return 0;
+    }
+    if (!schedule(e, f, g)) return 0;
     f->t0 = ds_now();
     int draws_ok;
     int n_taps = reserve_step_room(e, f, &draws_ok);
@@ -204,6 +210,43 @@ static void launch(ds_engine *e, inflight *f, int g) {
         }
     }
     if (e->num_speculative_tokens) eng_detach_drafts(e);
+    return f->n_items;
+}
+
+/* Requests live, and a whole round of the groups planned nothing: nothing is in flight and
+ * nothing can start, which the scheduler never allows (it always plans the oldest request). After
+ * DS_STALL_S of it the engine says so once, with what is held, and counts it; from then on it
+ * waits 1 ms a round rather than spin a core (every rank: a job's ranks go round together). */
+static void watch_idle(ds_engine *e, int planned) {
+    if (planned || !e->live) {
+        e->idle_launches = 0;
+        e->stall_reported = 0;
+        return;
+    }
+    if (++e->idle_launches < (uint64_t)e->n_fl) return;
+    const double now = ds_now();
+    if (e->idle_launches == (uint64_t)e->n_fl) e->idle_t0 = now;
+    const double limit = e->opts.test.stall_seconds > 0 ? e->opts.test.stall_seconds : DS_STALL_S;
+    if (!e->stall_reported && now - e->idle_t0 >= limit) {
+        e->stall_reported = 1;
+        int n_live = 0;
+        for (request *r = e->live; r; r = r->next) n_live++;
+        if (e->head)
+            fprintf(stderr,
+                    "[deltaserve] engine: no step planned for %.1f s while %d requests are live "
+                    "(%d sequences running, %d waiting; %d of %d pages free, %d of %d state "
+                    "slots): a scheduling fault; waiting 1 ms a round from now on\n",
+                    now - e->idle_t0, n_live, ds_sched_n_running(e->sched),
+                    ds_sched_n_waiting(e->sched), ds_page_n_free(e->pages),
+                    ds_page_n_total(e->pages), ds_slot_n_free(e->slots), ds_slot_n_total(e->slots));
+        pthread_mutex_lock(&e->mu);
+        e->stats.stalls_total++;
+        pthread_mutex_unlock(&e->mu);
+    }
+    if (e->stall_reported) {
+        const struct timespec ms = {0, 1000000};
+        nanosleep(&ms, NULL);
+    }
 }
 
 /* Applies step f's outcome on this rank: KDA rollback and truncation of verifies, the commit,
@@ -276,7 +319,7 @@ void *eng_main(void *arg) {
         if (e->head && e->opts.test.step) e->opts.test.step(e->opts.test.step_ctx, e->micro);
         if (eng_take_inbox(e)) break;
         eng_update_queue_stats(e);
-        launch(e, f, (int)(e->micro % (uint64_t)e->n_fl));
+        watch_idle(e, launch(e, f, (int)(e->micro % (uint64_t)e->n_fl)));
         e->micro++;
         if (e->n_fl == 1) complete(e, f);
         eng_update_queue_stats(e);

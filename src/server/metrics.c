@@ -156,6 +156,10 @@ static void render_engine(textbuf *t, const ds_engine_stats *st, const char *lab
     counter(t, "num_preemptions_total", "Sequences preempted (to be recomputed).", labels,
             (double)st->preemptions_total);
     counter(t, "engine_steps_total", "Engine steps run.", labels, (double)st->steps_total);
+    counter(t, "engine_stalls_total",
+            "Times nothing could be scheduled for 10 s while requests waited (a fault: the "
+            "server's log says what was held).",
+            labels, (double)st->stalls_total);
     gauge(t, "kv_transfer_held", "P/D producer: transfers held for a consumer to pull.", labels,
           st->kv_held);
     counter(t, "engine_step_seconds_total", "Seconds spent in forward passes and sampling.", labels,

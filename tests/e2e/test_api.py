@@ -246,3 +246,4 @@ def test_metrics_names(server, client):
     assert m["deltaserve:generation_tokens_total"] >= 3
     assert m["deltaserve:e2e_request_latency_seconds_count"] >= 1
     assert m['deltaserve:request_success_total{finished_reason="length"}'] >= 1
+    assert m["vllm:engine_stalls_total"] == 0  # (test_engine_engine makes one and counts it)

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static ds_engine *start_engine_spec(int max_num_seqs, int budget_tokens, size_t mem, int method,
                                     int k, void *hook, void *hook_ctx);
@@ -540,8 +541,68 @@ static void test_too_long(void **state) {
     h_stop(e);
 }
 
+static int held(void *ctx) {
+    return __atomic_load_n((const int *)ctx, __ATOMIC_ACQUIRE);
+}
+
+static uint64_t stalls(ds_engine *e) {
+    ds_engine_stats st;
+    ds_engine_get_stats(e, &st);
+    return st.stalls_total;
+}
+
+/* A step loop that can plan nothing while a request waits (the test's hold stands in for a
+ * scheduling fault) reports the stall once after stall_seconds, counts it, and once steps can be
+ * planned again the request ends as it would have. */
+static void test_stall_reported_then_recovered(void **state) {
+    (void)state;
+    int32_t prompt[20], want[12];
+    for (int i = 0; i < 20; i++) prompt[i] = 3 + 7 * i;
+    ds_engine *ref = start_engine(4, 64, 400u << 10);
+    h_run(ref, prompt, 20, 12, want);
+    assert_int_equal(stalls(ref), 0);
+    h_stop(ref);
+
+    int hold = 1;
+    ds_engine_opts o;
+    ds_engine_opts_default(&o);
+    o.model_dir = h_model_dir();
+    o.block_size = 16;
+    o.max_num_seqs = 4;
+    o.max_num_batched_tokens = 64;
+    o.kv_cache_memory = 400u << 10;
+    o.test.hold = held;
+    o.test.hold_ctx = &hold;
+    o.test.stall_seconds = 0.2;
+    ds_engine *e = h_start(&o);
+    h_req *c = malloc(sizeof *c);
+    h_submit(e, prompt, 20, 12, c);
+    double t0 = ds_now();
+    while (stalls(e) == 0 && ds_now() - t0 < 10.0) {
+        const struct timespec ms = {0, 10000000};
+        nanosleep(&ms, NULL);
+    }
+    assert_int_equal(stalls(e), 1);
+    assert_true(ds_now() - t0 >= 0.2);
+    const struct timespec wait = {0, 300000000}; /* still held: reported once, no token */
+    nanosleep(&wait, NULL);
+    assert_int_equal(stalls(e), 1);
+    pthread_mutex_lock(&c->mu);
+    assert_int_equal(c->n_seen[0], 0);
+    pthread_mutex_unlock(&c->mu);
+    __atomic_store_n(&hold, 0, __ATOMIC_RELEASE);
+    h_wait(c);
+    assert_int_equal(c->why[0], DS_FINISH_LENGTH);
+    assert_int_equal(c->n[0], 12);
+    assert_memory_equal(c->tokens[0], want, sizeof want);
+    assert_int_equal(stalls(e), 1);
+    free(c);
+    h_stop(e);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_stall_reported_then_recovered),
         cmocka_unit_test(test_greedy_matches_reference_in_batch),
         cmocka_unit_test(test_seeded_sampling),
         cmocka_unit_test(test_greedy_min_tokens),
