@@ -452,6 +452,14 @@ static void submit(fz_work *w, fz_req *q, uint64_t step) {
     w->outstanding++;
 }
 
+/* The engine has reported a stall itself (DS_STALL_S without a planned step, engine.h); it then
+ * steps once a millisecond, too slowly for STALL_STEPS to come soon. */
+static int engine_stalled(ds_engine *e) {
+    ds_engine_stats st;
+    ds_engine_get_stats(e, &st);
+    return st.stalls_total > 0;
+}
+
 /* The step hook: arrivals keyed to steps, aborts, and multi-turn follow-ups once their base is
  * done. An idle engine gets the next arrival at once (time skips ahead). */
 static void hook(void *ctx, uint64_t step) {
@@ -471,7 +479,8 @@ static void hook(void *ctx, uint64_t step) {
         w->progress = progress;
         w->progress_step = step;
         w->progress_t = ds_now();
-    } else if (step - w->progress_step > STALL_STEPS && ds_now() - w->progress_t > STALL_S) {
+    } else if ((step - w->progress_step > STALL_STEPS && ds_now() - w->progress_t > STALL_S) ||
+               (step - w->progress_step > 1000 && engine_stalled(w->e))) {
         /* the engine is stopped (aborting what is left) and the seed fails */
         pthread_mutex_lock(&w->mu);
         w->stalled = 1;
