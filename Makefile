@@ -123,12 +123,12 @@ cache-fuzz: build
 	OMP_NUM_THREADS=2 ./$(BUILD)/cache_fuzz --seeds $(CACHE_FUZZ_SEEDS) --seed0 $(CACHE_FUZZ_SEED0) \
 	  --redis redis://127.0.0.1:$$port --pd 25 --grammar 20 --preempt 25 --restart 20 \
 	  --save-dir tests/cachefuzz/cases; st=$$?; \
-	OMP_NUM_THREADS=2 ./$(BUILD)/cache_fuzz --seeds $$(( $(CACHE_FUZZ_SEEDS) / 4 )) \
+	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive ./$(BUILD)/cache_fuzz --seeds $$(( $(CACHE_FUZZ_SEEDS) / 4 )) \
 	  --seed0 $$(( $(CACHE_FUZZ_SEED0) + 1000000 )) -tp 2 -pp 2 --grammar 20 --preempt 25 --restart 20 \
 	  --redis redis://127.0.0.1:$$port \
 	  --save-dir tests/cachefuzz/cases \
 	  || st=1; \
-	OMP_NUM_THREADS=2 ./$(BUILD)/cache_fuzz --seeds $$(( $(CACHE_FUZZ_SEEDS) / 8 )) \
+	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive ./$(BUILD)/cache_fuzz --seeds $$(( $(CACHE_FUZZ_SEEDS) / 8 )) \
 	  --seed0 $$(( $(CACHE_FUZZ_SEED0) + 2000000 )) -pp 2 --pd 50 --preempt 50 --grammar 20 \
 	  --save-dir tests/cachefuzz/cases \
 	  || st=1; \

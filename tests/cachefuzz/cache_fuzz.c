@@ -698,7 +698,8 @@ static void add_counts(fz_counts *ct, const ds_engine_stats *s, int preempting) 
     ct->pd_refused += s->kv_pull_failures;
 }
 
-/* Runs the workload on one engine (every rank calls this; the head drives). pd_port > 0: the
+/* Runs the workload on one engine, or two one after another when the seed restarts (every rank
+ * calls this; the head drives). pd_port > 0: the
  * engine is a P/D consumer and pulls the transfers of the workload's P/D requests from the
  * producer there before it starts (each submitted with its pull; a refused one without). */
 static int run_engine(const ds_engine_opts *o, fz_work *w, int head, int alone, fz_counts *ct,
