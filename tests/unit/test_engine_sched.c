@@ -435,7 +435,8 @@ static int run_sim(const sim_cfg *c) {
         }
         /* Aborts of random held sequences, running or waiting. */
         int n_held = ds_sched_collect(w.sched, held, c->max_held + 1);
-        if (n_held > 0 && ds_rng_uniform(&rng) < c->p_abort) {
+        /* (pipelined, a step is one group's: aborts come at the same rate a round of them) */
+        if (n_held > 0 && ds_rng_uniform(&rng) < c->p_abort / G) {
             ds_seq *v = held[irand(&rng, 0, n_held - 1)];
             if (!((rec *)v->owner)->in_flight) { /* (the engine defers those) */
                 drop(&w, v, DS_SEQ_ABORTED);
