@@ -18,19 +18,24 @@ static ds_engine *start_engine(int max_num_seqs, int budget_tokens, size_t mem) 
     return start_engine_spec(max_num_seqs, budget_tokens, mem, DS_SPEC_NONE, 0, NULL, NULL);
 }
 
+/* The tests' engine: the tiny model, block 16, these limits. */
+static void engine_opts(ds_engine_opts *o, int max_num_seqs, int budget_tokens, size_t mem) {
+    ds_engine_opts_default(o);
+    o->model_dir = h_model_dir();
+    o->block_size = 16;
+    o->max_num_seqs = max_num_seqs;
+    o->max_num_batched_tokens = budget_tokens;
+    o->kv_cache_memory = mem;
+}
+
 static ds_engine *start_engine_spec(int max_num_seqs, int budget_tokens, size_t mem, int method,
                                     int k, void *hook, void *hook_ctx) {
     ds_engine_opts o;
-    ds_engine_opts_default(&o);
+    engine_opts(&o, max_num_seqs, budget_tokens, mem);
     o.speculative_method = method;
     if (k) o.num_speculative_tokens = k;
     o.test.spec_drafts = hook;
     o.test.spec_ctx = hook_ctx;
-    o.model_dir = h_model_dir();
-    o.block_size = 16;
-    o.max_num_seqs = max_num_seqs;
-    o.max_num_batched_tokens = budget_tokens;
-    o.kv_cache_memory = mem;
     return h_start(&o);
 }
 
@@ -565,12 +570,7 @@ static void test_stall_reported_then_recovered(void **state) {
 
     int hold = 1;
     ds_engine_opts o;
-    ds_engine_opts_default(&o);
-    o.model_dir = h_model_dir();
-    o.block_size = 16;
-    o.max_num_seqs = 4;
-    o.max_num_batched_tokens = 64;
-    o.kv_cache_memory = 400u << 10;
+    engine_opts(&o, 4, 64, 400u << 10);
     o.test.hold = held;
     o.test.hold_ctx = &hold;
     o.test.stall_seconds = 0.2;
