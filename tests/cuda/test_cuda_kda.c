@@ -419,6 +419,13 @@ void checks_kda(ds_cu *c) {
          * first row must neither overflow nor lose what they keep */
         check_kda_step(c, lens, rows, 7, 2, 128, 128, -12.0f, 16);
         check_kda_step(c, one, none, 1, 8, 128, 128, -0.1f, 16);
+        /* pass 1 on CUDA cores in f32 beside the tensor-core scan (DS_CUDA_KDA_PREP_TC=0) */
+        ds_cu_set_kda_prep_tc(c, 0);
+        check_kda_step(c, lens, rows, 7, 4, 128, 128, -0.7f, 16);
+        check_kda_step(c, lens, rows, 7, 2, 128, 128, -12.0f, 16);
+        ds_cu_set_kda_tc(c, g_kda_tc = 1);
+        check_kda_step(c, lens, rows, 7, 3, 64, 64, -0.7f, 16);
+        ds_cu_set_kda_prep_tc(c, 1);
         ds_cu_set_kda_tc(c, g_kda_tc = 0);
     }
 }
@@ -525,16 +532,20 @@ void bench_kda(ds_cu *c, const cuda_ceilings *ceil) {
             for (int i = 0; i < 6; i++) printf(" %s %.1f%%", phase[i], 100.0 * clk[i] / tot);
             printf("\n");
         }
-        /* the scan and outputs on tensor cores: TF32, then 3xTF32 */
-        for (int mode = 1; mode <= 3; mode += 2) {
-            ds_cu_set_kda_tc(c, mode);
-            ms = median_ms(c, run_kda, &kc, 2, 10);
-            printf(
-                "bench kda chunked prefill T=8192 H=32 dk=dv=128 (%s scan and outputs): %.3f ms, "
-                "%.0f tokens/s\n",
-                mode == 1 ? "tf32" : "3xtf32", ms, kc.T / (ms * 1e-3));
-        }
+        /* the scan and outputs on tensor cores: TF32, then 3xTF32; pass 1 in f32 on CUDA cores,
+         * then its products between 16-row blocks on tensor cores too (the default) */
+        for (int prep_tc = 0; prep_tc < 2; prep_tc++)
+            for (int mode = 1; mode <= 3; mode += 2) {
+                ds_cu_set_kda_tc(c, mode);
+                ds_cu_set_kda_prep_tc(c, prep_tc);
+                ms = median_ms(c, run_kda, &kc, 2, 10);
+                printf("bench kda chunked prefill T=8192 H=32 dk=dv=128 (%s scan and outputs, "
+                       "pass 1 %s): %.3f ms, %.0f tokens/s\n",
+                       mode == 1 ? "tf32" : "3xtf32", prep_tc ? "tensor cores" : "f32", ms,
+                       kc.T / (ms * 1e-3));
+            }
         ds_cu_set_kda_tc(c, 0);
+        ds_cu_set_kda_prep_tc(c, 1);
         ds_cu_dealloc(kc.Sp);
         ds_cu_dealloc(kc.S), ds_cu_dealloc(kc.q), ds_cu_dealloc(kc.k), ds_cu_dealloc(kc.v);
         ds_cu_dealloc(kc.g), ds_cu_dealloc(kc.beta), ds_cu_dealloc(kc.o);

@@ -64,6 +64,8 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->kda_fused_set = env_text("DS_CUDA_KDA_FUSED");
     t->kda_fused = env_count("DS_CUDA_KDA_FUSED", DS_CUDA_KDA_FUSE_MAX);
     t->kda_tc = kda_tc_mode();
+    /* off in the model until a GPU run has checked and timed it (tests/cuda checks both) */
+    t->kda_prep_tc = env_flag("DS_CUDA_KDA_PREP_TC", 0);
     t->side = env_flag("DS_CUDA_SIDE", 1);
     t->mla_all_heads = env_flag("DS_CUDA_MLA_ALL_HEADS", 1);
     const char *pdl = getenv("DS_CUDA_PDL"); /* (on unless exactly "0", as the kernels read it) */
@@ -88,6 +90,7 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_gemv_wide(c, t->gemv_wide);
     ds_cu_set_conv_fixed(c, t->conv_fixed);
     ds_cu_set_kda_tc(c, t->kda_tc);
+    ds_cu_set_kda_prep_tc(c, t->kda_prep_tc);
     /* a side stream for independent chains within a step (ds_cu_side_begin) */
     ds_err side_err;
     if (ds_cu_set_side(c, t->side, &side_err)) /* not fatal */

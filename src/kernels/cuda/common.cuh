@@ -43,6 +43,7 @@ struct ds_cu {
     int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
     int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
     int kda_tc;        /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
+    int kda_prep_f32;  /* ...and its first pass on CUDA cores even so (ds_cu_set_kda_prep_tc) */
     int early_experts; /* the experts' down pass reads its routing early (ds_cu_set_...) */
     int wide_early;    /* one-token matmuls through the experts' kernel load before the wait */
     int gemv_wide;     /* one-token matmuls of many rows 4 rows a warp (ds_cu_set_gemv_wide) */

@@ -140,6 +140,11 @@ int ds_cu_kda_chunked(ds_cu *c, float *o, const float *q, const float *k, const 
  * f32 on CUDA cores. A context starts at 0; the model sets 3 unless DS_CUDA_KDA_TC says
  * otherwise. tests/cuda checks mode 1 against the CPU at 1e-2 and modes 0 and 3 at f32's 1e-4. */
 void ds_cu_set_kda_tc(ds_cu *c, int mode);
+/* In modes 1 and 3, pass 1's products between 16-row blocks (the bulk of A = K K^T and P = Q K^T
+ * with their decays) on tensor cores in the same precision as the scan; a context starts with it
+ * on (tests/cuda checks both forms); 0 keeps pass 1 on CUDA cores in f32 as in mode 0 (the
+ * model's default until a GPU run has timed it: DS_CUDA_KDA_PREP_TC=1 turns it on). */
+void ds_cu_set_kda_prep_tc(ds_cu *c, int on);
 /* The routed experts' down pass reads its routing and first weights before waiting for the up
  * pass (they are older than it): on by default (DS_CUDA_EARLY_EXPERTS=0 turns it off); 2.836 ->
  * 2.783 ms a batch-1 step of the 48B shape. */

@@ -27,6 +27,61 @@ struct kda_chunk {
     int t0, len, seg; /* its tokens [t0, t0 + len) of segment seg */
 };
 
+/* TF32 tensor cores (mma.sync m16n8k8, f32 accumulation) for passes 1-3 in the tensor-core
+ * modes (ds_cu_set_kda_tc). Fragment layouts as the PTX ISA gives them for m16n8k8 TF32: lane
+ * = 4 g + l4 holds A's (g, l4), (g + 8, l4), (g, l4 + 4), (g + 8, l4 + 4); B's (l4, g),
+ * (l4 + 4, g); C's (g, 2 l4 (+1)) and (g + 8, 2 l4 (+1)). */
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* 3xTF32 (PREC 3): x = hi + lo, both TF32, and a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi: about
+ * f32's accuracy on tensor cores (the a_lo b_lo term, ~2^-22 relative, is left out). PREC 1 is
+ * plain TF32. An A fragment is split once and serves every column tile. */
+__device__ __forceinline__ void tf32_split(float x, uint32_t &hi, uint32_t &lo) {
+    hi = to_tf32(x);
+    lo = to_tf32(x - __uint_as_float(hi));
+}
+
+template <int PREC> struct tf32_a {
+    uint32_t hi[4], lo[4]; /* lo unused at PREC 1 */
+    __device__ __forceinline__ tf32_a(float a0, float a1, float a2, float a3) {
+        const float a[4] = {a0, a1, a2, a3};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            if constexpr (PREC == 3)
+                tf32_split(a[i], hi[i], lo[i]);
+            else
+                hi[i] = to_tf32(a[i]);
+        }
+    }
+};
+
+template <int PREC>
+__device__ __forceinline__ void mma_tf32x(float (&d)[4], const tf32_a<PREC> &a, float b0,
+                                          float b1) {
+    if constexpr (PREC == 3) {
+        uint32_t h0, l0, h1, l1;
+        tf32_split(b0, h0, l0);
+        tf32_split(b1, h1, l1);
+        mma_tf32(d, a.lo, h0, h1); /* the small terms first */
+        mma_tf32(d, a.hi, l0, l1);
+        mma_tf32(d, a.hi, h0, h1);
+    } else {
+        mma_tf32(d, a.hi, to_tf32(b0), to_tf32(b1));
+    }
+}
+
 /* Built with -DDS_KDA_PREP_CLOCKS (tools/device/pack_devbin.sh's timing build), pass 1 adds up
  * the cycles its blocks spend in each phase (thread 0's clock between barriers) for
  * ds_cu_kda_prep_clocks; otherwise the marks are nothing. */
@@ -85,7 +140,7 @@ __device__ __forceinline__ void kda_tile_pair(int n, int &ti, int &tj) {
 
 /* long: one chunk's passes share their tiles in registers and shared memory between barriers;
  * split into functions, each would take a dozen array references. */
-template <int KD>
+template <int KD, int PREC>
 __global__ void __launch_bounds__(256, 2)
     kda_chunk_prep_k(float *out, const float *q, const float *k, const float *v, const float *g,
                      const float *beta, const kda_chunk *chunks, int H) {
@@ -144,18 +199,30 @@ __global__ void __launch_bounds__(256, 2)
     __syncthreads();
     KDA_CLK_MARK(1); /* running sums */
     /* 2. A_ij = sum_c k_ic k_jc e^{G_ic - G_jc} (j < i) and P_ij = sum_c q_ic k_jc e^{..} (j <= i)
-     *    in 4 x 4 tiles. Tiles below the diagonal (ti > tj, threads 0..119) factor the exponent
-     *    through r = 4 ti, the tile's first row: e^{G_i - G_r} e^{G_r - G_j}, both <= 0 since
-     *    j < r <= i (decays only shrink), so nothing overflows and the inner loop is 32 FMAs on
-     *    8 exponentials. The 16 tiles on the diagonal (threads 128..255: a tile and a 1/8 of the
-     *    channels each, summed by shuffles) take the exponent element by element. */
+     *    in 4 x 4 tiles. Tiles below the diagonal (ti > tj) factor the exponent through r = 4 ti,
+     *    the tile's first row: e^{G_i - G_r} e^{G_r - G_j}, both <= 0 since j < r <= i (decays
+     *    only shrink), so nothing overflows and the inner loop is 32 FMAs on 8 exponentials. The
+     *    16 tiles on the diagonal (threads 128..255: a tile and a 1/8 of the channels each, summed
+     *    by shuffles) take the exponent element by element. f32 form (PREC 0): every tile below the
+     *    diagonal on its own thread (0..119). Tensor-core forms: only the 24 within a 16-row block
+     *    on CUDA cores (threads 0..95: a tile and a quarter of the channels each); the 6 blocks of
+     *    16 x 16 below the diagonal blocks as mma (below), factored the same way through the
+     *    block's first row. */
     float a[4][4] = {}, p[4][4] = {};
     int ti = 0, tj = 0;
-    if (tid < 120) {
-        kda_tile_pair(tid, ti, tj);
+    if (PREC == 0 ? tid < 120 : tid < 96) {
+        int c0 = 0, c1 = KD;
+        if constexpr (PREC == 0) {
+            kda_tile_pair(tid, ti, tj);
+        } else { /* tile pair tid / 4 (6 a block), channels of quarter tid % 4 */
+            const int blk = (tid >> 2) / 6;
+            kda_tile_pair((tid >> 2) % 6, ti, tj);
+            ti += 4 * blk, tj += 4 * blk;
+            c0 = (tid & 3) * (KD / 4), c1 = c0 + KD / 4;
+        }
         const int r = 4 * ti;
 #pragma unroll 2
-        for (int c = 0; c < KD; c++) {
+        for (int c = c0; c < c1; c++) {
             const float4 gi = *(const float4 *)(Gt + c * KPS + r),
                          ki = *(const float4 *)(Kt + c * KPS + r),
                          qi = *(const float4 *)(Qt + c * KPS + r),
@@ -172,6 +239,16 @@ __global__ void __launch_bounds__(256, 2)
 #pragma unroll
                 for (int y = 0; y < 4; y++) a[x][y] += kr[x] * kl[y], p[x][y] += qr[x] * kl[y];
         }
+        if constexpr (PREC != 0)
+#pragma unroll
+            for (int x = 0; x < 4; x++)
+#pragma unroll
+                for (int y = 0; y < 4; y++)
+#pragma unroll
+                    for (int m = 1; m < 4; m <<= 1) {
+                        a[x][y] += __shfl_xor_sync(0xffffffffu, a[x][y], m);
+                        p[x][y] += __shfl_xor_sync(0xffffffffu, p[x][y], m);
+                    }
     } else if (tid >= 128) {
         constexpr int CPS = KD / 8; /* channels per slice */
         const int d = (tid - 128) >> 3, s = tid & 7, r = 4 * d;
@@ -202,8 +279,50 @@ __global__ void __launch_bounds__(256, 2)
                     p[x][y] += __shfl_xor_sync(0xffffffffu, p[x][y], m);
                 }
     }
-    /* a tile's owner stores it (a diagonal tile's eight lanes hold the same sums: the first) */
-    const bool owner = tid < 120 || (tid >= 128 && (tid & 7) == 0);
+    /* a tile's owner stores it (the lanes that summed a tile's slices hold the same sums: the
+     * first) */
+    const bool owner = PREC == 0 ? tid < 120 || (tid >= 128 && (tid & 7) == 0)
+                                 : (tid < 96 && (tid & 3) == 0) || (tid >= 128 && (tid & 7) == 0);
+    /* Tensor-core forms: the 16 x 16 blocks (bi > bj) as 12 jobs of 16 x 8 (block, column half),
+     * A and P together (they share the keys' operand): warps 0-2 take one job, warps 3-7 two
+     * (warp 3 had no tile above; the diagonal tiles' warps, 4-7, had the shortest). Operands are
+     * made from shared memory as they are loaded, each exponent through the block's first row. */
+    float ma[2][4] = {}; /* a job's A: rows r + g (+8), columns 16 bj + 8 half + 2 l4 (+1) */
+    if constexpr (PREC != 0) {
+        const int warp = tid >> 5, lane = tid & 31, gq = lane >> 2, l4 = lane & 3;
+#pragma unroll
+        for (int jj = 0; jj < 2; jj++) {
+            const int job = warp < 3 ? (jj ? 12 : warp) : 3 + 2 * (warp - 3) + jj;
+            if (job >= 12) break; /* (the same for the whole warp) */
+            int bi, bj;
+            kda_tile_pair(job >> 1, bi, bj);
+            const int r = 16 * bi, i0 = r + gq, col = 16 * bj + 8 * (job & 1) + gq;
+            float mp[4] = {};
+#pragma unroll 4
+            for (int k0 = 0; k0 < KD; k0 += 8) {
+                const int cA = k0 + l4, cB = cA + 4;
+                const float *g0 = Gt + cA * KPS, *g1 = Gt + cB * KPS;
+                const float *k0p = Kt + cA * KPS, *k1p = Kt + cB * KPS;
+                const float *q0p = Qt + cA * KPS, *q1p = Qt + cB * KPS;
+                const float gr0 = g0[r], gr1 = g1[r];
+                const float e00 = exp2f(g0[i0] - gr0), e10 = exp2f(g0[i0 + 8] - gr0),
+                            e01 = exp2f(g1[i0] - gr1), e11 = exp2f(g1[i0 + 8] - gr1);
+                const tf32_a<PREC> ka(k0p[i0] * e00, k0p[i0 + 8] * e10, k1p[i0] * e01,
+                                      k1p[i0 + 8] * e11);
+                const tf32_a<PREC> qa(q0p[i0] * e00, q0p[i0 + 8] * e10, q1p[i0] * e01,
+                                      q1p[i0 + 8] * e11);
+                const float b0 = k0p[col] * exp2f(gr0 - g0[col]),
+                            b1 = k1p[col] * exp2f(gr1 - g1[col]);
+                mma_tf32x<PREC>(ma[jj], ka, b0, b1);
+                mma_tf32x<PREC>(mp, qa, b0, b1);
+            }
+            /* P's entries now (j < i: the zeroing of the upper part below leaves them) */
+            const int cj = 16 * bj + 8 * (job & 1) + 2 * l4;
+            *(float2 *)(P + i0 * KC + cj) = i0 < L ? make_float2(mp[0], mp[1]) : make_float2(0, 0);
+            *(float2 *)(P + (i0 + 8) * KC + cj) =
+                i0 + 8 < L ? make_float2(mp[2], mp[3]) : make_float2(0, 0);
+        }
+    }
     KDA_CLK_SYNC_MARK(2); /* A and P (a barrier of its own only when timed) */
     /* V's rows for the second half of the solve, requested now: on their way while P, Qp and Kc
      * are written (V is read nowhere else, so they come from memory) */
@@ -241,6 +360,20 @@ __global__ void __launch_bounds__(256, 2)
                 const int i = 4 * ti + x, j = 4 * tj + y;
                 if (j < i) As[i * KPS + j] = bs[i] * a[x][y];
             }
+    if constexpr (PREC != 0) {
+        const int warp = tid >> 5, lane = tid & 31, gq = lane >> 2, l4 = lane & 3;
+#pragma unroll
+        for (int jj = 0; jj < 2; jj++) {
+            const int job = warp < 3 ? (jj ? 12 : warp) : 3 + 2 * (warp - 3) + jj;
+            if (job >= 12) break;
+            int bi, bj;
+            kda_tile_pair(job >> 1, bi, bj);
+            const int i0 = 16 * bi + gq, cj = 16 * bj + 8 * (job & 1) + 2 * l4;
+            As[i0 * KPS + cj] = bs[i0] * ma[jj][0], As[i0 * KPS + cj + 1] = bs[i0] * ma[jj][1];
+            As[(i0 + 8) * KPS + cj] = bs[i0 + 8] * ma[jj][2];
+            As[(i0 + 8) * KPS + cj + 1] = bs[i0 + 8] * ma[jj][3];
+        }
+    }
     __syncthreads();
     KDA_CLK_MARK(4); /* A stored */
     /* 4. the solve: thread col < KD takes column col of diag(beta) K e^G (-> W), the others column
@@ -463,60 +596,7 @@ __global__ void __launch_bounds__(256)
  * operands, read by every warp) are copied into shared memory once with cp.async, padded so that a
  * fragment's loads fall on 32 banks; Qp and P rows (A, one warp's own) come straight from memory.
  * Rows past the chunk's length are zeros in Qp, P and U (passes 1 and 2 write them so), so no
- * operand needs a mask; only the stores do. Fragment layouts as the PTX ISA gives them for m16n8k8
- * TF32: lane = 4 g + l4 holds A's (g, l4), (g + 8, l4), (g, l4 + 4), (g + 8, l4 + 4); B's (l4, g),
- * (l4 + 4, g); C's (g, 2 l4 (+1)) and (g + 8, 2 l4 (+1)). */
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-    uint32_t r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
-
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, "
-                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-/* 3xTF32 (PREC 3): x = hi + lo, both TF32, and a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi: about
- * f32's accuracy on tensor cores (the a_lo b_lo term, ~2^-22 relative, is left out). PREC 1 is
- * plain TF32. An A fragment is split once and serves every column tile. */
-__device__ __forceinline__ void tf32_split(float x, uint32_t &hi, uint32_t &lo) {
-    hi = to_tf32(x);
-    lo = to_tf32(x - __uint_as_float(hi));
-}
-
-template <int PREC> struct tf32_a {
-    uint32_t hi[4], lo[4]; /* lo unused at PREC 1 */
-    __device__ __forceinline__ tf32_a(float a0, float a1, float a2, float a3) {
-        const float a[4] = {a0, a1, a2, a3};
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            if constexpr (PREC == 3)
-                tf32_split(a[i], hi[i], lo[i]);
-            else
-                hi[i] = to_tf32(a[i]);
-        }
-    }
-};
-
-template <int PREC>
-__device__ __forceinline__ void mma_tf32x(float (&d)[4], const tf32_a<PREC> &a, float b0,
-                                          float b1) {
-    if constexpr (PREC == 3) {
-        uint32_t h0, l0, h1, l1;
-        tf32_split(b0, h0, l0);
-        tf32_split(b1, h1, l1);
-        mma_tf32(d, a.lo, h0, h1); /* the small terms first */
-        mma_tf32(d, a.hi, l0, l1);
-        mma_tf32(d, a.hi, h0, h1);
-    } else {
-        mma_tf32(d, a.hi, to_tf32(b0), to_tf32(b1));
-    }
-}
-
+ * operand needs a mask; only the stores do. */
 /* One k-step of 8 for a warp's 16 rows and NT 8-column tiles: acc += A B with A row-major in
  * global memory (a: this lane's A(g, l4), rows lda apart) and B row-major in shared memory (b:
  * this lane's B(l4, g), rows ldb apart, tiles 8 columns apart). */
@@ -689,6 +769,10 @@ extern "C" void ds_cu_set_kda_tc(ds_cu *c, int mode) {
     c->kda_tc = mode == 3 ? 3 : mode > 0 ? 1 : 0;
 }
 
+extern "C" void ds_cu_set_kda_prep_tc(ds_cu *c, int on) {
+    c->kda_prep_f32 = !on;
+}
+
 extern "C" int ds_cu_kda_chunked_supports(int dk, int dv) {
     return dk == dv && (dk == 64 || dk == 128);
 }
@@ -713,7 +797,13 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
     const size_t smem1 = kda_prep_smem<KD>();
     int *smem_set = &c->kda_chunk_smem[KD == 128]; /* once per head size; never captured */
     if (!*smem_set) {
-        CU_TRY(cudaFuncSetAttribute(kda_chunk_prep_k<KD>,
+        CU_TRY(cudaFuncSetAttribute(kda_chunk_prep_k<KD, 0>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem1),
+               "chunked kda: shared memory");
+        CU_TRY(cudaFuncSetAttribute(kda_chunk_prep_k<KD, 1>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem1),
+               "chunked kda: shared memory");
+        CU_TRY(cudaFuncSetAttribute(kda_chunk_prep_k<KD, 3>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem1),
                "chunked kda: shared memory");
         CU_TRY(cudaFuncSetAttribute(kda_chunk_scan_k<KD>,
@@ -725,8 +815,13 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
         *smem_set = 1;
     }
     ds_cu_prof_mark(c, "kda chunks: prepare");
-    launch_k(c, kda_chunk_prep_k<KD>, dim3((unsigned)n_ch, (unsigned)H), 256, smem1, prep, q, k, v,
-             g, beta, tab, H);
+    const dim3 pgrid((unsigned)n_ch, (unsigned)H);
+    if (c->kda_tc == 3 && !c->kda_prep_f32)
+        launch_k(c, kda_chunk_prep_k<KD, 3>, pgrid, 256, smem1, prep, q, k, v, g, beta, tab, H);
+    else if (c->kda_tc && !c->kda_prep_f32)
+        launch_k(c, kda_chunk_prep_k<KD, 1>, pgrid, 256, smem1, prep, q, k, v, g, beta, tab, H);
+    else
+        launch_k(c, kda_chunk_prep_k<KD, 0>, pgrid, 256, smem1, prep, q, k, v, g, beta, tab, H);
     CU_TRY(cudaGetLastError(), "chunked kda (prepare)");
     ds_cu_prof_mark(c, "kda chunks: scan");
     const dim3 sgrid((unsigned)H, KD / KS_BV, (unsigned)n_seq), ogrid((unsigned)n_ch, (unsigned)H);
