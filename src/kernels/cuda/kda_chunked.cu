@@ -125,8 +125,9 @@ extern "C" int ds_cu_kda_prep_clocks(double cycles[6]) {
  * rows of one channel are one 16-byte load), rows KPS apart; A (beta_i A_ij) later overlays the
  * queries. */
 enum { KPS = KC + 4 };
+enum { TLD = 20 }; /* a 16-wide row of the solve's block inverses: fragment loads on 32 banks */
 template <int KD> constexpr size_t kda_prep_smem() {
-    return ((size_t)3 * KD * KPS + KC) * sizeof(float);
+    return ((size_t)3 * KD * KPS + KC + 4 * 16 * TLD) * sizeof(float);
 }
 
 /* The 4-row tile pair (ti > tj) of the strictly lower part that thread n < 120 of pass 1 takes
@@ -136,6 +137,102 @@ __device__ __forceinline__ void kda_tile_pair(int n, int &ti, int &tj) {
     ti = 1;
     while (n >= ti) n -= ti, ti++;
     tj = n;
+}
+
+/* Pass 1's solve by 16-row blocks on tensor cores (modes 1 and 3): X = (I + A)^-1 R for the
+ * 2 KD right-hand sides R = [diag(beta) K e^G | diag(beta) V] (-> W, Ut). The forward
+ * substitution walks 64 rows one after another (a chain of 2016 dependent FMAs a column); here
+ * each diagonal block's inverse T_b = (I + A_bb)^-1 comes first (64 threads, 16-row chains),
+ * then block row b is X_b = T_b (R_b - sum_{c<b} A_bc X_c): two products a row of blocks, as
+ * mma over all 2 KD columns. R is made in place over the staged keys (channel-major: a column of
+ * X is a row of shared memory, which is also the B operand's layout, so every fragment load
+ * falls on 32 banks) and V's columns over the decays, which nothing reads any more; X replaces
+ * R block by block. A warp takes 2 KD / 8 / 8 tiles of 8 columns through all four rows of blocks,
+ * so past the set-up its lanes exchange only their own columns. Ti: [4][16][TLD] the inverses. */
+template <int KD, int PREC>
+__device__ __forceinline__ void kda_solve_blocks(float *Kt, float *Gt, const float *As, float *Ti,
+                                                 const float *bs, const float (&x)[KC], float *W,
+                                                 float *Ut, int tid) {
+    /* R's K columns in place: Kt[c][i] = beta_i k_ic e^{G_ic} (zero past L: beta is) */
+    for (int e = tid; e < KD * KC; e += 256) {
+        const int c = e / KC, i = e % KC;
+        Kt[c * KPS + i] *= bs[i] * exp2f(Gt[c * KPS + i]);
+    }
+    if (tid < 64) { /* column j of block b's inverse: y_j = 1, y_i = -sum_{j<=k<i} A_ik y_k */
+        const int b = tid >> 4, j = tid & 15, r0 = 16 * b;
+        float y[16];
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            float r = i == j ? 1.0f : 0.0f;
+#pragma unroll
+            for (int k = 0; k < i; k++) r -= As[(r0 + i) * KPS + r0 + k] * y[k];
+            y[i] = i < j ? 0.0f : r;
+        }
+#pragma unroll
+        for (int i = 0; i < 16; i++) Ti[(b * 16 + i) * TLD + j] = y[i];
+    }
+    __syncthreads();               /* the decays are read for the last time */
+    if (tid >= KD && tid < 2 * KD) /* R's V columns: Gt[c][i] = beta_i v_ic */
+#pragma unroll
+        for (int i = 0; i < KC; i++) Gt[(tid - KD) * KPS + i] = bs[i] * x[i];
+    __syncthreads();
+    constexpr int NT = 2 * KD / 64; /* 8-column tiles a warp takes (of 2 KD / 8) */
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, l4 = lane & 3;
+    /* column c of X (and R): row c of Kt, or row c - KD of Gt */
+    auto colp = [&](int c) -> float * { return c < KD ? Kt + c * KPS : Gt + (c - KD) * KPS; };
+#pragma unroll 1
+    for (int b = 0; b < 4; b++) {
+        const int r0 = 16 * b;
+        float acc[NT][4];
+        /* acc = R_b - sum_{c<b} A_bc X_c (R_b as the accumulator's start; A negated: exact) */
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            const float *p0 = colp(8 * (warp * NT + n) + 2 * l4), *p1 = p0 + KPS;
+            acc[n][0] = p0[r0 + g], acc[n][1] = p1[r0 + g];
+            acc[n][2] = p0[r0 + g + 8], acc[n][3] = p1[r0 + g + 8];
+        }
+        for (int k0 = 0; k0 < r0; k0 += 8) {
+            const float *a = As + (r0 + g) * KPS + k0 + l4;
+            const tf32_a<PREC> af(-a[0], -a[8 * KPS], -a[4], -a[8 * KPS + 4]);
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                const float *bp = colp(8 * (warp * NT + n) + g) + k0 + l4;
+                mma_tf32x<PREC>(acc[n], af, bp[0], bp[4]);
+            }
+        }
+        __syncwarp(); /* (a warp's columns are its own: only its lanes exchange them) */
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            float *p0 = colp(8 * (warp * NT + n) + 2 * l4), *p1 = p0 + KPS;
+            p0[r0 + g] = acc[n][0], p1[r0 + g] = acc[n][1];
+            p0[r0 + g + 8] = acc[n][2], p1[r0 + g + 8] = acc[n][3];
+        }
+        __syncwarp();
+        /* X_b = T_b acc (16 x 16 by 16 x 2 KD) */
+        float xb[NT][4] = {};
+#pragma unroll
+        for (int k0 = 0; k0 < 16; k0 += 8) {
+            const float *a = Ti + (r0 + g) * TLD + k0 + l4;
+            const tf32_a<PREC> af(a[0], a[8 * TLD], a[4], a[8 * TLD + 4]);
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                const float *bp = colp(8 * (warp * NT + n) + g) + r0 + k0 + l4;
+                mma_tf32x<PREC>(xb[n], af, bp[0], bp[4]);
+            }
+        }
+        __syncwarp(); /* block b's R is read: X_b takes its place */
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            const int c = 8 * (warp * NT + n) + 2 * l4;
+            float *p0 = colp(c), *p1 = p0 + KPS;
+            p0[r0 + g] = xb[n][0], p1[r0 + g] = xb[n][1];
+            p0[r0 + g + 8] = xb[n][2], p1[r0 + g + 8] = xb[n][3];
+            float *dst = c < KD ? W + c : Ut + c - KD; /* [KC][KD] rows */
+            *(float2 *)(dst + (r0 + g) * KD) = make_float2(xb[n][0], xb[n][1]);
+            *(float2 *)(dst + (r0 + g + 8) * KD) = make_float2(xb[n][2], xb[n][3]);
+        }
+        __syncwarp(); /* X_b is whole for the next rows */
+    }
 }
 
 /* long: one chunk's passes share their tiles in registers and shared memory between barriers;
@@ -151,7 +248,7 @@ __global__ void __launch_bounds__(256, 2)
     float *Kt = ksh;           /* [KD][KPS] keys, channel-major */
     float *Gt = Kt + KD * KPS; /* [KD][KPS] running sums of the log decays, times log2(e) */
     float *Qt = Gt + KD * KPS; /* [KD][KPS] queries; then [KC][KPS] A (beta_i A_ij, j < i) */
-    float *bs = Qt + KD * KPS; /* [KC] beta */
+    float *bs = Qt + KD * KPS; /* [KC] beta; then [4][16][TLD] the solve's block inverses */
     const kda_chunk ch = chunks[blockIdx.x];
     const int h = blockIdx.y, L = ch.len, tid = threadIdx.x;
     const size_t row0 = (size_t)ch.t0 * H + h; /* token t of the chunk, head h: (row0 + t H) KD */
@@ -377,8 +474,11 @@ __global__ void __launch_bounds__(256, 2)
     __syncthreads();
     KDA_CLK_MARK(4); /* A stored */
     /* 4. the solve: thread col < KD takes column col of diag(beta) K e^G (-> W), the others column
-     *    col - KD of diag(beta) V (-> Ut); forward substitution down the 64 rows in registers. */
-    if (tid < 2 * KD) {
+     *    col - KD of diag(beta) V (-> Ut); forward substitution down the 64 rows in registers.
+     *    Tensor-core forms: by 16-row blocks instead (kda_solve_blocks). */
+    if constexpr (PREC != 0) {
+        kda_solve_blocks<KD, PREC>(Kt, Gt, As, bs + KC, bs, x, W, Ut, tid);
+    } else if (tid < 2 * KD) {
         const int col = tid;
 #pragma unroll
         for (int i = 0; i < KC; i++)
