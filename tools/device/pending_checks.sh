@@ -22,10 +22,13 @@
 #   7. (issue 36) the time to first token through the P/D pair against one server, on the GPU
 #      (needs models/gsm-k3 in the tree: not with the wheels);
 #   8. (issue 33) long48.sh at 128K (LENS=1048576 for the million-token run: a call of its own).
-# STEPS: which of them (default "6 7", not yet run; 1-5 ran in sessions 27-28).
+#   9. (issue 33, session 31) chunked KDA's first pass on tensor cores (DS_CUDA_KDA_PREP_TC): the
+#      KDA checks (both forms of pass 1 in modes 1 and 3, against the CPU), then the timings of
+#      8192 tokens x 32 heads with pass 1 in f32 and on tensor cores; run first.
+# STEPS: which of them (default "9 6 7", not yet run; 1-5 ran in sessions 27-28).
 set -u
 OUT=${OUT:-/tmp/ds-out}
-STEPS=" ${STEPS:-6 7} "
+STEPS=" ${STEPS:-9 6 7} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -37,6 +40,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site
 python3 -c "import llguidance, openai, jsonschema, pytest; print('python packages ok')"
 . "$(dirname "$0")/env.sh"
+if want 9; then
+el "9. chunked KDA, pass 1 on tensor cores: checks, then timings"
+DS_CUDA_CHECKS=kda timeout 150 .devbin/test_cuda_kernels > "$OUT/kda_check.log" 2>&1
+echo "checks rc $? ($(grep -c ' ok$' "$OUT/kda_check.log") ok, $(grep -c FAIL "$OUT/kda_check.log") FAIL)"
+grep -E "FAIL|chunked.*out" "$OUT/kda_check.log" | head -30
+timeout 120 .devbin/test_cuda_kernels --bench-only kda 2>&1 | grep -E "chunked prefill|copy d2d" |
+  tee "$OUT/kda_bench.log"
+fi
 if want 1; then
 el "1. kernel checks"
 .devbin/test_cuda_kernels > "$OUT/check.log" 2>&1
