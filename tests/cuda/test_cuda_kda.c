@@ -597,21 +597,24 @@ void kda_io(ds_cu *c, const char *dir, int T, int H, int D) {
     if (!o || !st) DIE("out of memory");
     kc.S = dev(c, NULL, ns * 4), kc.o = dev(c, NULL, nq * 4);
     kc.Sp = dev(c, &kc.S, sizeof kc.S);
-    static const int modes[3] = {0, 1, 3};
-    for (int i = 0; i < 3; i++) {
+    /* modes 0, 1, 3 (pass 1 on tensor cores in 1 and 3), then 1 and 3 with pass 1 in f32 ("p") */
+    static const int modes[5] = {0, 1, 3, 1, 3}, prep_tc[5] = {1, 1, 1, 0, 0};
+    for (int i = 0; i < 5; i++) {
         ds_err err = {{0}};
         if (ds_cu_upload(c, kc.S, s0, ns * 4, &err)) DIE("%s", err.msg);
         ds_cu_set_kda_tc(c, modes[i]);
+        ds_cu_set_kda_prep_tc(c, prep_tc[i]);
         run_kda(c, &kc);
         fetch(c, o, kc.o, nq * 4);
         fetch(c, st, kc.S, ns * 4);
         char name[32];
-        snprintf(name, sizeof name, "out_%d.f32", modes[i]);
+        snprintf(name, sizeof name, "out_%d%s.f32", modes[i], prep_tc[i] ? "" : "p");
         write_f32(dir, name, o, nq);
-        snprintf(name, sizeof name, "state_%d.f32", modes[i]);
+        snprintf(name, sizeof name, "state_%d%s.f32", modes[i], prep_tc[i] ? "" : "p");
         write_f32(dir, name, st, ns);
     }
-    printf("kda-io: %d tokens x %d heads of %d, modes 0 1 3 written to %s\n", T, H, D, dir);
+    ds_cu_set_kda_prep_tc(c, 1);
+    printf("kda-io: %d tokens x %d heads of %d, modes 0 1 3 1p 3p written to %s\n", T, H, D, dir);
     free(s0), free(o), free(st);
     ds_cu_dealloc(kc.q), ds_cu_dealloc(kc.k), ds_cu_dealloc(kc.v), ds_cu_dealloc(kc.g);
     ds_cu_dealloc(kc.beta), ds_cu_dealloc(kc.S), ds_cu_dealloc(kc.o), ds_cu_dealloc(kc.Sp);
