@@ -107,6 +107,8 @@ def from_serve(label, path):
 
 
 KDA_OURS = re.compile(r"bench kda chunked prefill T=(\d+) H=(\d+) dk=dv=(\d+)[^:]*: ([\d.]+) ms")
+KDA_DEFAULT = re.compile(r"bench kda chunked prefill T=(\d+) H=(\d+) dk=dv=(\d+) \([^)]*, default\): "
+                         r"([\d.]+) ms")
 KDA_FLA = re.compile(r"fla chunk_kda T=(\d+) H=(\d+) dk=dv=(\d+) (\w+): ([\d.]+) ms")
 
 
@@ -116,7 +118,9 @@ def from_kda(path):
         text = open(path).read()
     except OSError as e:
         raise BenchError(f"{path}: {e}") from e
+    # the model's default form where the log marks it (", default"), else the last timing
     ours = {m[:3]: float(m[3]) for m in KDA_OURS.findall(text)}
+    ours.update({m[:3]: float(m[3]) for m in KDA_DEFAULT.findall(text)})
     out = {}
     for T, H, D, dtype, ms in KDA_FLA.findall(text):
         if (T, H, D) in ours and dtype in ("bfloat16", "float32"):

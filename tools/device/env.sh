@@ -12,8 +12,13 @@ export PATH=$PWD/.devbin:$PATH # (ucx_perftest)
 # headline figures (tools/bench_latest.py): start from the repository's bench/latest.json, so the
 # file that comes back under $OUT is the whole table with this run's keys replaced
 [ -f "$OUT/latest.json" ] || cp bench/latest.json "$OUT/latest.json" 2>/dev/null || true
-latest() { python3 tools/bench_latest.py --latest "$OUT/latest.json" --machine "$(nvidia-smi \
-  --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)" "$@" || true; }
+# (keys under h200. or h100. by the card the figures come from)
+latest() {
+  local gpu
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  python3 tools/bench_latest.py --latest "$OUT/latest.json" --machine "$gpu" \
+    --prefix "$(case "$gpu" in *H100*) echo h100 ;; *) echo h200 ;; esac)" "$@" || true
+}
 # The 48B shape: configs/kimi-linear-48b-a3b where its BF16 weights fit (H200, 139 GiB), else the
 # same model cut to its first SHAPE48_LAYERS layers (default 16: 4 MLA of 16 as 7 of 27), so
 # an H100 (78 GiB) can run the same scripts; every figure then says which it was (SHAPE48_NOTE).
