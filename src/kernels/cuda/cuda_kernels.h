@@ -143,7 +143,7 @@ void ds_cu_set_kda_tc(ds_cu *c, int mode);
 /* In modes 1 and 3, pass 1's products between 16-row blocks (the bulk of A = K K^T and P = Q K^T
  * with their decays) on tensor cores in the same precision as the scan; a context starts with it
  * on (tests/cuda checks both forms); 0 keeps pass 1 on CUDA cores in f32 as in mode 0 (the
- * model's default until a GPU run has timed it: DS_CUDA_KDA_PREP_TC=1 turns it on). */
+ * model's default: no faster in 3xTF32, docs/tuning.md; DS_CUDA_KDA_PREP_TC=1 turns it on). */
 void ds_cu_set_kda_prep_tc(ds_cu *c, int on);
 /* The routed experts' down pass reads its routing and first weights before waiting for the up
  * pass (they are older than it): on by default (DS_CUDA_EARLY_EXPERTS=0 turns it off); 2.836 ->

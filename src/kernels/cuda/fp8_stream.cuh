@@ -44,8 +44,9 @@ static __device__ __forceinline__ uint32_t f8x2_f16_bits(uint32_t w16) {
 }
 
 /* The form the kernels use: the conversion unit, or (built with -DDS_CUDA_F8_BITS, an
- * experiment: the conversion unit's rate may be what holds the FP8 weight streams below BF16's;
- * not yet run on a GPU; tests/cuda/bench_f8cvt.cu times both) the bits. */
+ * experiment) the bits. The conversion unit is not what holds the FP8 streams back: it reads at
+ * the rate of the codes alone, and the bits were slower in the kernels (docs/quantization.md §3;
+ * tests/cuda/bench_f8cvt.cu times both). */
 static __device__ __forceinline__ uint32_t f8x2_f16(uint32_t w16) {
 #ifdef DS_CUDA_F8_BITS
     return f8x2_f16_bits(w16);
@@ -54,8 +55,9 @@ static __device__ __forceinline__ uint32_t f8x2_f16(uint32_t w16) {
 #endif
 }
 
-/* -DDS_CUDA_F8_MMA (an experiment): the E4M3 tensor cores where the target has them (sm_89+; the
- * PTX for older parts keeps the F16 step) */
+/* -DDS_CUDA_F8_MMA (an experiment, checked and slower than the F16 step at batch 1: docs/
+ * quantization.md §3): the E4M3 tensor cores where the target has them (sm_89+; the PTX for
+ * older parts keeps the F16 step) */
 #if defined(DS_CUDA_F8_MMA) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890)
 #define DS_F8_MMA_E4M3 1
 #endif
