@@ -25,7 +25,8 @@
 #   9. (issue 33, session 31) chunked KDA's first pass on tensor cores (DS_CUDA_KDA_PREP_TC): the
 #      KDA checks (both forms of pass 1 in modes 1 and 3, against the CPU), then the timings of
 #      8192 tokens x 32 heads with pass 1 in f32 and on tensor cores; run first.
-# STEPS: which of them (default "9 6 7", not yet run; 1-5 ran in sessions 27-28).
+# STEPS: which of them (default "9 6 7"; 1-5 ran in sessions 27-28, 6, 7 and 9 in session 31, 8 at
+# 128K in session 31 on an H100: the million-token run needs the H200).
 set -u
 OUT=${OUT:-/tmp/ds-out}
 STEPS=" ${STEPS:-9 6 7} "
