@@ -1,0 +1,60 @@
+/* tf32.cuh — TF32 and 3xTF32 products on tensor cores: one m16n8k8 step, the split of a value
+ * into two TF32 parts, and an A fragment made once for several column tiles. */
+#pragma once
+
+#include <stdint.h>
+
+/* TF32 tensor cores (mma.sync m16n8k8, f32 accumulation), for chunked KDA's tensor-core modes
+ * (kda_chunked.cu, ds_cu_set_kda_tc). Fragment layouts as the PTX ISA gives them for m16n8k8 TF32:
+ * lane = 4 g + l4 holds A's (g, l4), (g + 8, l4), (g, l4 + 4), (g + 8, l4 + 4); B's (l4, g), (l4 +
+ * 4, g); C's (g, 2 l4 (+1)) and (g + 8, 2 l4 (+1)). */
+static __device__ __forceinline__ uint32_t to_tf32(float x) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+static __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* 3xTF32 (PREC 3): x = hi + lo, both TF32, and a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi: about
+ * f32's accuracy on tensor cores (the a_lo b_lo term, ~2^-22 relative, is left out). PREC 1 is
+ * plain TF32. An A fragment is split once and serves every column tile. */
+static __device__ __forceinline__ void tf32_split(float x, uint32_t &hi, uint32_t &lo) {
+    hi = to_tf32(x);
+    lo = to_tf32(x - __uint_as_float(hi));
+}
+
+template <int PREC> struct tf32_a {
+    uint32_t hi[4], lo[4]; /* lo unused at PREC 1 */
+    __device__ __forceinline__ tf32_a(float a0, float a1, float a2, float a3) {
+        const float a[4] = {a0, a1, a2, a3};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            if constexpr (PREC == 3)
+                tf32_split(a[i], hi[i], lo[i]);
+            else
+                hi[i] = to_tf32(a[i]);
+        }
+    }
+};
+
+template <int PREC>
+static __device__ __forceinline__ void mma_tf32x(float (&d)[4], const tf32_a<PREC> &a, float b0,
+                                                 float b1) {
+    if constexpr (PREC == 3) {
+        uint32_t h0, l0, h1, l1;
+        tf32_split(b0, h0, l0);
+        tf32_split(b1, h1, l1);
+        mma_tf32(d, a.lo, h0, h1); /* the small terms first */
+        mma_tf32(d, a.hi, l0, l1);
+        mma_tf32(d, a.hi, h0, h1);
+    } else {
+        mma_tf32(d, a.hi, to_tf32(b0), to_tf32(b1));
+    }
+}
