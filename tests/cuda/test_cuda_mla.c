@@ -123,6 +123,54 @@ static void check_mla_expanded_mode(ds_cu *c, int T, int Ha, int dn, int dr, int
     free(q), free(kN), free(kR), free(v), free(ref), free(got);
 }
 
+/* A long context's expanded attention a block of keys at a time (the fused kernel's log-sum-exp
+ * rows, ds_cu_mla_merge_lse), blocks of cb keys: against the CPU at the fused kernel's 2e-2, and
+ * against the same kernel over the whole context (only the blocks' own maxima differ, which
+ * moves the BF16 rounding of the probabilities: 5e-3). A block that starts after a query's
+ * position is none of its business (lse -inf, weight 0). */
+static void check_mla_blocks(ds_cu *c, int T, int Ha, int pos0, int cb) {
+    const int dn = 128, dr = 64, dvh = 128, n_ctx = pos0 + T;
+    size_t nq = (size_t)T * Ha * (dn + dr), nk = (size_t)n_ctx * Ha * dn, nr = (size_t)n_ctx * dr;
+    size_t nv = (size_t)n_ctx * Ha * dvh, no = (size_t)T * Ha * dvh, nl = (size_t)T * Ha;
+    float *q = rand_f32(nq, -0.3f, 0.3f), *kN = rand_f32(nk, -1, 1), *kR = rand_f32(nr, -1, 1);
+    float *v = rand_f32(nv, -1, 1), *ref = malloc(no * 4), *got = malloc(no * 4);
+    float *whole = malloc(no * 4);
+    float scale = 1.0f / sqrtf((float)(dn + dr));
+    ds_mla_attend_expanded(ref, q, kN, kR, v, T, n_ctx, Ha, dn, dr, dvh, pos0, 1, scale);
+    float *dq = dev(c, q, nq * 4), *dkN = dev(c, kN, nk * 4), *dkR = dev(c, kR, nr * 4);
+    float *dv_ = dev(c, v, nv * 4), *dout = dev(c, NULL, no * 4), *dob = dev(c, NULL, no * 4);
+    float *dla = dev(c, NULL, nl * 4), *dlb = dev(c, NULL, nl * 4);
+    poison(c, dout, no * 4);
+    ds_err err = {{0}};
+    ds_cu_set_mla_gemm(c, 1);
+    ds_cu_set_mla_flash(c, 1);
+    if (!ds_cu_mla_lse_ok(c, T, dn, dr, dvh)) DIE("mla blocks: T=%d has no fused kernel", T);
+    for (int k0 = 0; k0 < n_ctx; k0 += cb) {
+        const int n = DS_MIN(cb, n_ctx - k0);
+        if (ds_cu_mla_attend_expanded_lse(c, k0 ? dob : dout, k0 ? dlb : dla, dq,
+                                          dkN + (size_t)k0 * Ha * dn, dkR + (size_t)k0 * dr,
+                                          dv_ + (size_t)k0 * Ha * dvh, T, n, Ha, dn, dr, dvh,
+                                          pos0 - k0, 1, scale, &err) ||
+            (k0 && ds_cu_mla_merge_lse(c, dout, dla, dob, dlb, T * Ha, dvh, &err)))
+            DIE("%s", err.msg);
+    }
+    fetch(c, got, dout, no * 4);
+    if (ds_cu_mla_attend_expanded(c, dout, dq, dkN, dkR, dv_, T, n_ctx, Ha, dn, dr, dvh, pos0, 1,
+                                  scale, &err))
+        DIE("%s", err.msg);
+    fetch(c, whole, dout, no * 4);
+    ds_cu_set_mla_gemm(c, 0);
+    ds_cu_set_mla_flash(c, 0);
+    char what[96];
+    snprintf(what, sizeof what, "mla expanded T=%d ctx %d in blocks of %d", T, n_ctx, cb);
+    report(what, rel_err(got, ref, 1, no, no), 2e-2);
+    snprintf(what, sizeof what, "mla expanded T=%d ctx %d blocks of %d: vs whole", T, n_ctx, cb);
+    report(what, rel_err(got, whole, 1, no, no), 5e-3);
+    ds_cu_dealloc(dq), ds_cu_dealloc(dkN), ds_cu_dealloc(dkR), ds_cu_dealloc(dv_);
+    ds_cu_dealloc(dout), ds_cu_dealloc(dob), ds_cu_dealloc(dla), ds_cu_dealloc(dlb);
+    free(q), free(kN), free(kR), free(v), free(ref), free(got), free(whole);
+}
+
 static void check_mla_expanded(ds_cu *c, int T, int Ha, int dn, int dr, int dvh, int pos0,
                                int n_ctx, int causal) {
     check_mla_expanded_mode(c, T, Ha, dn, dr, dvh, pos0, n_ctx, causal, 0);
@@ -177,8 +225,13 @@ void checks_mla(ds_cu *c) {
     check_mla_expanded_mode(c, 150, 2, 128, 64, 128, 0, 170, 0, 2);
     check_mla_expanded_mode(c, 129, 5, 128, 64, 128, 1, 130, 1, 2);
     check_mla_expanded_mode(c, 40, 2, 128, 64, 128, 590, 630, 1, 2); /* partial key tiles */
-    check_mla_expanded_mode(c, 200, 3, 64, 32, 64, 500, 700, 1, 1);  /* a later chunk */
-    check_mla_expanded_mode(c, 130, 2, 32, 16, 48, 0, 1000, 0, 1);   /* not causal */
+    /* a long context a block of keys at a time (DS_CUDA_MLA_CTX_BLOCK): blocks of 256 over 100
+     * earlier tokens and 200 queries (the second block starts after the first 156 queries'
+     * positions), and blocks of 1000 that divide nothing evenly */
+    check_mla_blocks(c, 200, 3, 100, 256);
+    check_mla_blocks(c, 150, 2, 2900, 1000);
+    check_mla_expanded_mode(c, 200, 3, 64, 32, 64, 500, 700, 1, 1); /* a later chunk */
+    check_mla_expanded_mode(c, 130, 2, 32, 16, 48, 0, 1000, 0, 1);  /* not causal */
 }
 
 /* absorbed MLA over a step's sequences */

@@ -25,6 +25,11 @@
 #   9. (issue 33, session 31) chunked KDA's first pass on tensor cores (DS_CUDA_KDA_PREP_TC): the
 #      KDA checks (both forms of pass 1 in modes 1 and 3, against the CPU), then the timings of
 #      8192 tokens x 32 heads with pass 1 in f32 and on tensor cores; run first.
+#  10. (issue 33, session 31's code, not yet run) a long context's MLA attention a block of keys at
+#      a time: the MLA kernel checks (blocks and their log-sum-exp merge against the CPU and the
+#      whole), then long48.sh at 1M tokens with DS_CUDA_MLA_CTX_BLOCK=131072 (the H200: an H100
+#      cannot hold a million tokens beside even the cut model). If both hold, make 131072 the
+#      default (tuning.c).
 # STEPS: which of them (default "9 6 7"; 1-5 ran in sessions 27-28, 6, 7 and 9 in session 31, 8 at
 # 128K in session 31 on an H100: the million-token run needs the H200).
 set -u
@@ -48,6 +53,12 @@ echo "checks rc $? ($(grep -c ' ok$' "$OUT/kda_check.log") ok, $(grep -c FAIL "$
 grep -E "FAIL|chunked.*out" "$OUT/kda_check.log" | head -30
 timeout 120 .devbin/test_cuda_kernels --bench-only kda 2>&1 | grep -E "chunked prefill|copy d2d" |
   tee "$OUT/kda_bench.log"
+fi
+if want 10; then
+el "10. MLA over a long context in blocks: checks, then a million tokens"
+DS_CUDA_CHECKS=mla timeout 120 .devbin/test_cuda_kernels 2>&1 | grep -E "mla expanded|FAIL|checks:" | head -20
+DS_CUDA_MLA_CTX_BLOCK=131072 LENS=1048576 KV_DTYPES="${KV_DTYPES:-fp8}" STEP_TIMEOUT=280 \
+  timeout 580 bash "$(dirname "$0")/long48.sh" 2>&1 | tail -12
 fi
 if want 1; then
 el "1. kernel checks"

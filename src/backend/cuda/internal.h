@@ -228,6 +228,13 @@ int cuda_ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, flo
 int cuda_kda_fuse_fits(const ds_model *m, const ds_cuda_model *cm, const cu_kda *w);
 /* segments of the step whose KDA runs in chunks */
 int cuda_kda_chunked_segments(const cstep *s);
+/* Context rows an expanded MLA segment of n queries and ctx rows of context expands at a time:
+ * ctx, or the device's block (ds_cu_mla_ctx_block) where the context is longer and the fused
+ * kernel merges blocks (ds_cu_mla_lse_ok). The scratch estimate and the forward both ask. */
+static inline int cuda_mla_ctx_rows(const ds_cu *c, int n, int ctx, int dn, int dr, int dvh) {
+    const int cb = ds_cu_mla_ctx_block(c);
+    return cb > 0 && ctx > cb && ds_cu_mla_lse_ok(c, n, dn, dr, dvh) ? cb : ctx;
+}
 
 /* draw.c: the step's drawn rows, from a TP group's gathered rows all [Tp][n_lg][vp] on the host,
  * or on one GPU where the logits are */

@@ -168,6 +168,65 @@ int cuda_kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float *
     return DS_OK;
 }
 
+/* Segment qi's expanded attention (cuda_mla_forward): its context's latent rows gathered from
+ * the pool and expanded by kv_b, the whole context at once or a block of cb rows at a time
+ * (cuda_mla_ctx_rows), each block's output merged by its rows' log-sum-exp; o [T][Ha][dvh] gets
+ * the segment's rows. */
+static int mla_expanded_segment(cstep *s, const cu_mla *w, const uint8_t *pool, const float *q,
+                                float *o, int qi, float scale, ds_err *err) {
+    const ds_config *c = &s->m->cfg;
+    ds_cu *cu = s->c;
+    const int Ha = s->m->Ha, R = c->kv_lora_rank, dn = c->qk_nope_head_dim;
+    const int dr = c->qk_rope_head_dim, dvh = c->v_head_dim, dq = dn + dr, row = R + dr;
+    const size_t rb = s->pool->row_bytes;
+    const int fp8 = s->pool->kv_fp8;
+    const ds_seq_batch *sb = &s->seqs[qi];
+    int n = sb->n, pos0 = sb->pos0, ctx = pos0 + n, r0 = s->off[qi];
+    /* the context in blocks of cb rows when it is longer than the block and the fused
+     * kernel can merge them (cuda_mla_ctx_rows: the same rule sizes the scratch) */
+    const int cb = cuda_mla_ctx_rows(cu, n, ctx, dn, dr, dvh), blocked = cb < ctx;
+    size_t m2 = s->used;
+    float *cl = take(s, (size_t)cb * R);                        /* [cb][R] */
+    float *kr = take(s, (size_t)cb * dr);                       /* [cb][dr] */
+    float *kvb = take(s, (size_t)cb * Ha * (dn + dvh));         /* [cb][Ha][dn+dvh] */
+    float *kn = take(s, (size_t)cb * Ha * dn);                  /* [cb][Ha][dn] */
+    float *vv = take(s, (size_t)cb * Ha * dvh);                 /* [cb][Ha][dvh] */
+    float *ob = blocked ? take(s, (size_t)n * Ha * dvh) : NULL; /* [n][Ha][dvh] a block's */
+    float *la = blocked ? take(s, (size_t)n * Ha) : NULL;       /* [n][Ha] lse so far */
+    float *lb = blocked ? take(s, (size_t)n * Ha) : NULL;       /* [n][Ha] a block's lse */
+    TAKEN();
+    float *os = o + (size_t)r0 * Ha * dvh;
+    const float *qs = q + (size_t)r0 * Ha * dq;
+    for (int k0 = 0; k0 < ctx; k0 += cb) {
+        const int nk = DS_MIN(cb, ctx - k0);
+        const int32_t *rows = s->ctx_rows + s->ctx_off[qi] + k0;
+        PROF(s, "mla expanded kv_b");
+        if (fp8) {
+            TRY(ds_cu_kv_fp8_gather(cu, cl, kr, pool, rb, rows, nk, R, dr, err));
+        } else {
+            const float *pf = (const float *)pool;
+            TRY(ds_cu_move_rows(cu, cl, (size_t)R, NULL, pf, (size_t)row, rows, nk, R, err));
+            TRY(ds_cu_move_rows(cu, kr, (size_t)dr, NULL, pf + R, (size_t)row, rows, nk, dr, err));
+        }
+        TRY(ds_cu_matmul(cu, kvb, Ha * (dn + dvh), cl, R, nk, &w->kv_b, err));
+        TRY(ds_cu_copy_2d(cu, kn, (size_t)dn, kvb, (size_t)(dn + dvh), (size_t)dn, (size_t)nk * Ha,
+                          err));
+        TRY(ds_cu_copy_2d(cu, vv, (size_t)dvh, kvb + dn, (size_t)(dn + dvh), (size_t)dvh,
+                          (size_t)nk * Ha, err));
+        PROF(s, "mla expanded attend");
+        if (!blocked) {
+            TRY(ds_cu_mla_attend_expanded(cu, os, qs, kn, kr, vv, n, ctx, Ha, dn, dr, dvh, pos0, 1,
+                                          scale, err));
+        } else { /* this block's keys sit at positions k0..: the queries at pos0 - k0 .. */
+            TRY(ds_cu_mla_attend_expanded_lse(cu, k0 ? ob : os, k0 ? lb : la, qs, kn, kr, vv, n, nk,
+                                              Ha, dn, dr, dvh, pos0 - k0, 1, scale, err));
+            if (k0) TRY(ds_cu_mla_merge_lse(cu, os, la, ob, lb, n * Ha, dvh, err));
+        }
+    }
+    s->used = m2;
+    return DS_OK;
+}
+
 /* out[T][D] = MLA(xn), writing this step's latent rows into the pool (cpu_mla_forward). */
 int cuda_mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float *xn, float *out,
                      ds_err *err) {
@@ -246,33 +305,7 @@ int cuda_mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float *
             if (run0 < 0) run0 = qi;
             continue;
         }
-        const ds_seq_batch *sb = &s->seqs[qi];
-        int n = sb->n, pos0 = sb->pos0, ctx = pos0 + n, r0 = s->off[qi];
-        size_t m2 = s->used;
-        float *cl = take(s, (size_t)ctx * R);                /* [ctx][R] */
-        float *kr = take(s, (size_t)ctx * dr);               /* [ctx][dr] */
-        float *kvb = take(s, (size_t)ctx * Ha * (dn + dvh)); /* [ctx][Ha][dn+dvh] */
-        float *kn = take(s, (size_t)ctx * Ha * dn);          /* [ctx][Ha][dn] */
-        float *vv = take(s, (size_t)ctx * Ha * dvh);         /* [ctx][Ha][dvh] */
-        TAKEN();
-        const int32_t *rows = s->ctx_rows + s->ctx_off[qi];
-        PROF(s, "mla expanded kv_b");
-        if (fp8) {
-            TRY(ds_cu_kv_fp8_gather(cu, cl, kr, pool, rb, rows, ctx, R, dr, err));
-        } else {
-            const float *pf = (const float *)pool;
-            TRY(ds_cu_move_rows(cu, cl, (size_t)R, NULL, pf, (size_t)row, rows, ctx, R, err));
-            TRY(ds_cu_move_rows(cu, kr, (size_t)dr, NULL, pf + R, (size_t)row, rows, ctx, dr, err));
-        }
-        TRY(ds_cu_matmul(cu, kvb, Ha * (dn + dvh), cl, R, ctx, &w->kv_b, err));
-        TRY(ds_cu_copy_2d(cu, kn, (size_t)dn, kvb, (size_t)(dn + dvh), (size_t)dn, (size_t)ctx * Ha,
-                          err));
-        TRY(ds_cu_copy_2d(cu, vv, (size_t)dvh, kvb + dn, (size_t)(dn + dvh), (size_t)dvh,
-                          (size_t)ctx * Ha, err));
-        PROF(s, "mla expanded attend");
-        TRY(ds_cu_mla_attend_expanded(cu, o + (size_t)r0 * Ha * dvh, q + (size_t)r0 * Ha * dq, kn,
-                                      kr, vv, n, ctx, Ha, dn, dr, dvh, pos0, 1, scale, err));
-        s->used = m2;
+        TRY(mla_expanded_segment(s, w, pool, q, o, qi, scale, err));
     }
     PROF(s, "mla gate, o_proj");
     if (gt) {

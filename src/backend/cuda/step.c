@@ -20,8 +20,8 @@
 #endif
 
 /* Scratch floats one step takes at most (mirrors the take calls below, 16 floats of slack each). */
-static size_t cuda_step_need(const ds_model *m, const ds_step_plan *plan, const ds_seq_batch *seqs,
-                             int n_seq, int T) {
+static size_t cuda_step_need(const ds_model *m, const ds_cu *cu, const ds_step_plan *plan,
+                             const ds_seq_batch *seqs, int n_seq, int T) {
     const ds_config *c = &m->cfg;
     size_t t = (size_t)T, D = (size_t)c->hidden_size, L = (size_t)c->num_hidden_layers;
     size_t N = (size_t)c->attn_res_block_size, pad = 16;
@@ -34,9 +34,13 @@ static size_t cuda_step_need(const ds_model *m, const ds_step_plan *plan, const 
         size_t dn = (size_t)c->qk_nope_head_dim, dr = (size_t)c->qk_rope_head_dim;
         size_t dvh = (size_t)c->v_head_dim, seg = 0, short_rows = 0;
         for (int q = 0; q < n_seq; q++) {
-            size_t ctx = (size_t)seqs[q].pos0 + (size_t)seqs[q].n;
+            const int n = seqs[q].n, ctx = seqs[q].pos0 + n;
+            /* the context expanded a block at a time (cuda_mla_ctx_rows) needs the block's
+             * rows and, blocked, a block's outputs and both log-sum-exp rows */
+            const size_t cb = (size_t)cuda_mla_ctx_rows(cu, n, ctx, (int)dn, (int)dr, (int)dvh);
+            const size_t merge = cb < (size_t)ctx ? (size_t)n * Ha * (dvh + 2) + 3 * pad : 0;
             if (plan->mla_expanded[q])
-                seg = DS_MAX(seg, ctx * (R + dr + 2 * Ha * (dn + dvh)) + 5 * pad);
+                seg = DS_MAX(seg, cb * (R + dr + 2 * Ha * (dn + dvh)) + 5 * pad + merge);
             else
                 short_rows += (size_t)seqs[q].n; /* absorbed runs hold at most these rows */
         }
@@ -589,7 +593,7 @@ int cuda_forward(ds_model *m, const ds_step_plan *plan, ds_kv_pool *pool, ds_seq
     s.off = off;
     s.bt_off = hoff;
     s.ctx_off = hoff + n_seq;
-    size_t need = cuda_step_need(m, plan, seqs, n_seq, T);
+    size_t need = cuda_step_need(m, cm->c, plan, seqs, n_seq, T);
     int rc = grow(cm, (void **)&cm->sc, &cm->sc_cap, need, sizeof(float), err);
     if (!rc) rc = stage_state(m, seqs, seqs_in, n_seq, 0, err);
     if (!rc) rc = build_indices(&s, err);

@@ -67,6 +67,11 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     /* off: checked, but no faster where it matters (3xTF32 2.072 against 2.036 ms on an H100:
      * the pass is bound by shared memory, docs/tuning.md) */
     t->kda_prep_tc = env_flag("DS_CUDA_KDA_PREP_TC", 0);
+    /* a prompt chunk's expanded MLA attention over at most this many context rows at a time
+     * (its f32 expansion is ~68 KB a row at the 48B shape: a million rows would not fit beside
+     * the weights); 0, the default until a GPU run has checked it in the model: the whole
+     * context at once (tests/cuda checks the kernels' blocks and merge) */
+    t->mla_ctx_block = env_count("DS_CUDA_MLA_CTX_BLOCK", 0);
     t->side = env_flag("DS_CUDA_SIDE", 1);
     t->mla_all_heads = env_flag("DS_CUDA_MLA_ALL_HEADS", 1);
     const char *pdl = getenv("DS_CUDA_PDL"); /* (on unless exactly "0", as the kernels read it) */
@@ -92,6 +97,7 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_conv_fixed(c, t->conv_fixed);
     ds_cu_set_kda_tc(c, t->kda_tc);
     ds_cu_set_kda_prep_tc(c, t->kda_prep_tc);
+    ds_cu_set_mla_ctx_block(c, t->mla_ctx_block);
     /* a side stream for independent chains within a step (ds_cu_side_begin) */
     ds_err side_err;
     if (ds_cu_set_side(c, t->side, &side_err)) /* not fatal */

@@ -201,6 +201,21 @@ int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qbar, const fl
 int ds_cu_mla_attend_expanded(ds_cu *c, float *o, const float *q, const float *kN, const float *kR,
                               const float *v, int T, int n_ctx, int Ha, int dn, int dr, int dvh,
                               int pos0, int causal, float scale, ds_err *err);
+/* Long contexts attended a block of keys at a time (the expanded keys and values of a million
+ * tokens would not fit beside the weights): ds_cu_mla_lse_ok says whether T rows of this head
+ * shape can run the fused kernel, which can also write lse [T][Ha], each row's log-sum-exp (-inf:
+ * no key seen; pos0 may be negative for a block that starts after a row's position); then
+ * ds_cu_mla_merge_lse folds a block's o / lse (ob, lb) into the running o / lse, rows = T * Ha. */
+int ds_cu_mla_lse_ok(const ds_cu *c, int T, int dn, int dr, int dvh);
+int ds_cu_mla_attend_expanded_lse(ds_cu *c, float *o, float *lse, const float *q, const float *kN,
+                                  const float *kR, const float *v, int T, int n_ctx, int Ha, int dn,
+                                  int dr, int dvh, int pos0, int causal, float scale, ds_err *err);
+int ds_cu_mla_merge_lse(ds_cu *c, float *o, float *lse, const float *ob, const float *lb, int rows,
+                        int dvh, ds_err *err);
+/* Context rows a prompt chunk's expanded attention takes at a time (0: all); the model sets
+ * DS_CUDA_MLA_CTX_BLOCK's (default 0 until a GPU run has checked the blocks in the model). */
+void ds_cu_set_mla_ctx_block(ds_cu *c, int rows);
+int ds_cu_mla_ctx_block(const ds_cu *c);
 /* As ds_moe_route for T tokens at once: z [T][E] router logits, bias [E] or NULL; idx, w [T][k].
  * k and n_group at most 64. */
 int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z, const float *bias, int T,

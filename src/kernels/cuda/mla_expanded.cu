@@ -130,13 +130,16 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void *smem
 }
 
 /* o [T][Ha][DV] f32 from Qb [T][Ha][DQ], Kb [C][Ha][DQ], Vb [C][Ha][DV] (BF16); query t sits at
- * position p0 + t and, causal, sees keys j <= p0 + t (and j < C). */
+ * position p0 + t and, causal, sees keys j <= p0 + t (and j < C); p0 may be negative (a block of
+ * keys that starts after some queries: those see none of it). lse [T][Ha] or NULL: each row's
+ * log-sum-exp of its scaled scores (-inf for a row that saw no key), so that blocks of keys
+ * attended one at a time can be merged (ds_cu_mla_merge_lse). */
 /* long: the online softmax keeps each row's maximum, sum and output fragments in registers
  * across the pipelined tiles of keys. */
 template <int DQ, int DV>
 __global__ void __launch_bounds__(128)
-    mla_flash_k(float *o, const uint16_t *Qb, const uint16_t *Kb, const uint16_t *Vb, int T, int C,
-                int Ha, int p0, int causal, float scale) {
+    mla_flash_k(float *o, float *lse, const uint16_t *Qb, const uint16_t *Kb, const uint16_t *Vb,
+                int T, int C, int Ha, int p0, int causal, float scale) {
     PDL_ENTRY();
     typedef fl_smem<DQ, DV> L;
     constexpr int KP = DQ / 8, VP = DV / 8; /* 16-byte pieces of a key row, of a value row */
@@ -153,7 +156,7 @@ __global__ void __launch_bounds__(128)
     const size_t qs = (size_t)Ha * DQ, vs = (size_t)Ha * DV;
     const int r0 = q0 + warp * 16 + g, r1 = r0 + 8; /* this thread's two query rows */
     const int last = min(q0 + FL_BQ, T) - 1;
-    const int n_end = causal ? min(C, p0 + last + 1) : C;
+    const int n_end = causal ? max(0, min(C, p0 + last + 1)) : C;
     /* tile kb into stage st: every thread's pieces in flight at once */
     auto stage = [&](int kb, int st) {
         uint16_t *ks = Ks + st * L::K_ELEMS, *vsm = Vs + st * L::V_ELEMS;
@@ -184,8 +187,8 @@ __global__ void __launch_bounds__(128)
         qf[kk][3] = r1 < T ? *(const uint32_t *)(b + 8) : 0u;
     }
     /* keys each row may see (none for rows past T) */
-    const int lim0 = r0 < T ? (causal ? min(p0 + r0 + 1, C) : C) : 0;
-    const int lim1 = r1 < T ? (causal ? min(p0 + r1 + 1, C) : C) : 0;
+    const int lim0 = r0 < T ? (causal ? max(0, min(p0 + r0 + 1, C)) : C) : 0;
+    const int lim1 = r1 < T ? (causal ? max(0, min(p0 + r1 + 1, C)) : C) : 0;
     float oacc[DV / 8][4];
 #pragma unroll
     for (int n = 0; n < DV / 8; n++) oacc[n][0] = oacc[n][1] = oacc[n][2] = oacc[n][3] = 0.0f;
@@ -275,6 +278,10 @@ __global__ void __launch_bounds__(128)
         __syncthreads(); /* this stage is refilled two tiles on */
     }
     const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+    if (lse && l4 == 0) { /* (the row's four lanes hold the same m and l) */
+        if (r0 < T) lse[(size_t)r0 * Ha + h] = l0 > 0.0f ? m0 + logf(l0) : -INFINITY;
+        if (r1 < T) lse[(size_t)r1 * Ha + h] = l1 > 0.0f ? m1 + logf(l1) : -INFINITY;
+    }
 #pragma unroll
     for (int n = 0; n < DV / 8; n++) {
         const int col = n * 8 + l4 * 2;
@@ -291,9 +298,9 @@ extern "C" void ds_cu_set_mla_flash(ds_cu *c, int on) {
     c->mla_flash = on;
 }
 
-static int mla_expanded_gemm(ds_cu *c, float *o, const float *q, const float *kN, const float *kR,
-                             const float *v, int T, int n_ctx, int Ha, int dn, int dr, int dvh,
-                             int pos0, int causal, float scale, ds_err *err) {
+static int mla_expanded_gemm(ds_cu *c, float *o, float *lse, const float *q, const float *kN,
+                             const float *kR, const float *v, int T, int n_ctx, int Ha, int dn,
+                             int dr, int dvh, int pos0, int causal, float scale, ds_err *err) {
     const int dq = dn + dr, C = n_ctx;
     const int flash = c->mla_flash && dq == 192 && dvh == 128; /* Kimi's MLA (the instance) */
     /* query rows per chunk: S (f32) and P (bf16) of all heads within ~1.5 GB */
@@ -323,11 +330,12 @@ static int mla_expanded_gemm(ds_cu *c, float *o, const float *q, const float *kN
             c->mla_flash_smem = 1;
         }
         launch_k(c, mla_flash_k<192, 128>, dim3((unsigned)((T + FL_BQ - 1) / FL_BQ), (unsigned)Ha),
-                 128, fl_smem<192, 128>::BYTES, o, (const uint16_t *)Qb, (const uint16_t *)Kb,
+                 128, fl_smem<192, 128>::BYTES, o, lse, (const uint16_t *)Qb, (const uint16_t *)Kb,
                  (const uint16_t *)Vb, T, C, Ha, pos0, causal, scale);
         CU_TRY(cudaGetLastError(), "mla (fused)");
         return DS_OK;
     }
+    if (lse) return ds_errf(err, "cuda: mla: log-sum-exp rows come from the fused kernel only");
     const float one = 1.0f, zero = 0.0f;
     for (int t0 = 0; t0 < T; t0 += Tq) {
         const int tq = DS_MIN(Tq, T - t0);
@@ -360,8 +368,8 @@ extern "C" int ds_cu_mla_attend_expanded(ds_cu *c, float *o, const float *q, con
                                          ds_err *err) {
     if (T <= 0 || Ha <= 0) return DS_OK;
     if (c->mla_gemm && !c->batch_invariant && T >= MLA_GEMM_MIN_ROWS)
-        return mla_expanded_gemm(c, o, q, kN, kR, v, T, n_ctx, Ha, dn, dr, dvh, pos0, causal, scale,
-                                 err);
+        return mla_expanded_gemm(c, o, NULL, q, kN, kR, v, T, n_ctx, Ha, dn, dr, dvh, pos0, causal,
+                                 scale, err);
     const int n_max = causal ? DS_MIN(pos0 + T, n_ctx) : n_ctx;
     if (n_max <= 0) return ds_errf(err, "cuda: mla: no context rows to attend to");
     const int n_split = (n_max + MLA_CHUNK - 1) / MLA_CHUNK, rows = T * Ha;
@@ -376,4 +384,58 @@ extern "C" int ds_cu_mla_attend_expanded(ds_cu *c, float *o, const float *q, con
     mla_merge(c, o, part_o, part_ml, rows, dvh, n_split);
     CU_TRY(cudaGetLastError(), "mla expanded merge");
     return DS_OK;
+}
+
+/* Whether the fused kernel, the one form that gives each row's log-sum-exp, serves this head
+ * shape (ds_cu_mla_attend_expanded_lse runs it for any number of rows: below
+ * MLA_GEMM_MIN_ROWS the split kernel is the faster choice for a whole context, but a long
+ * context's blocks need the merge). Not in the batch-invariant mode, whose split sums do not
+ * depend on the context's length being cut. */
+extern "C" int ds_cu_mla_lse_ok(const ds_cu *c, int T, int dn, int dr, int dvh) {
+    return T > 0 && c->mla_gemm && c->mla_flash && !c->batch_invariant && dn + dr == 192 &&
+           dvh == 128;
+}
+
+extern "C" int ds_cu_mla_attend_expanded_lse(ds_cu *c, float *o, float *lse, const float *q,
+                                             const float *kN, const float *kR, const float *v,
+                                             int T, int n_ctx, int Ha, int dn, int dr, int dvh,
+                                             int pos0, int causal, float scale, ds_err *err) {
+    if (!ds_cu_mla_lse_ok(c, T, dn, dr, dvh))
+        return ds_errf(err, "cuda: mla: %d rows of heads %d + %d -> %d have no fused kernel", T, dn,
+                       dr, dvh);
+    if (T <= 0 || Ha <= 0 || n_ctx <= 0) return DS_OK;
+    return mla_expanded_gemm(c, o, lse, q, kN, kR, v, T, n_ctx, Ha, dn, dr, dvh, pos0, causal,
+                             scale, err);
+}
+
+/* Block (row q): o[q] and lse[q] (the keys so far) take in ob[q] and lb[q] (the next block's):
+ * weights e^{lse - new} with new = log(e^lse + e^lb); a side that saw no key (-inf) weighs 0. */
+__global__ void mla_merge_lse_k(float *o, float *lse, const float *ob, const float *lb, int dvh) {
+    PDL_ENTRY();
+    const size_t q = blockIdx.x;
+    const float a = lse[q], b = lb[q];
+    const float mx = fmaxf(a, b);
+    const float nw = mx == -INFINITY ? -INFINITY : mx + logf(expf(a - mx) + expf(b - mx));
+    const float wa = a == -INFINITY ? 0.0f : expf(a - nw),
+                wb = b == -INFINITY ? 0.0f : expf(b - nw);
+    for (int i = threadIdx.x; i < dvh; i += blockDim.x)
+        o[q * dvh + i] = o[q * dvh + i] * wa + ob[q * dvh + i] * wb;
+    __syncthreads(); /* every thread has read lse[q] */
+    if (threadIdx.x == 0) lse[q] = nw;
+}
+
+extern "C" int ds_cu_mla_merge_lse(ds_cu *c, float *o, float *lse, const float *ob, const float *lb,
+                                   int rows, int dvh, ds_err *err) {
+    if (rows <= 0) return DS_OK;
+    launch_k(c, mla_merge_lse_k, (unsigned)rows, 128, 0, o, lse, ob, lb, dvh);
+    CU_TRY(cudaGetLastError(), "mla merge (log-sum-exp)");
+    return DS_OK;
+}
+
+extern "C" void ds_cu_set_mla_ctx_block(ds_cu *c, int rows) {
+    c->mla_ctx_block = rows > 0 ? rows : 0;
+}
+
+extern "C" int ds_cu_mla_ctx_block(const ds_cu *c) {
+    return c->mla_ctx_block;
 }
