@@ -104,7 +104,10 @@ fi
 if want 7; then
 el "7. issue 36: TTFT through the P/D pair against one server, both on the GPU (pd_gpu.sh step 2)"
 if [ -f models/gsm-k3/config.json ]; then
-  timeout 240 python3 bench/pd_bench.py --bin .devbin/deltaserve --model models/gsm-k3 --skip mixed \
+  # MIXED=1: also the mixed workload (decode streams while 4000-token prompts arrive every 2 s),
+  # decode ITL p99 through the pair against one server, both on the one GPU (not yet run)
+  timeout ${PD_TIMEOUT:-240} python3 bench/pd_bench.py --bin .devbin/deltaserve --model models/gsm-k3 \
+    $([ "${MIXED:-0}" = 1 ] && echo "--mixed-s 45 --long-tokens 4000 --long-every-s 2" || echo "--skip mixed") \
     --lengths ${LENGTHS:-500,2000} --reps 2 --extra "--device cuda --kv-cache-memory 2G" \
     > "$OUT/pd_ttft_gpu.txt" 2>&1
   echo "rc $?"; tail -12 "$OUT/pd_ttft_gpu.txt"
