@@ -154,6 +154,37 @@ def test_model_bench(tmp_path, full_logits):
         assert not sampling, r.stdout
 
 
+@pytest.mark.once  # no server
+def test_bench_latest_kda_ratio_is_the_default_forms(tmp_path):
+    """tools/bench_latest.py's KDA figure is FLA's time over our model's default form (the line
+    test_cuda_kernels marks ", default"), not over whichever form the log times last; a log
+    without the mark falls back to the last (older logs)."""
+    ours = ["bench kda chunked prefill T=8192 H=32 dk=dv=128: 2.900 ms, 2825233 tokens/s",
+            "bench kda chunked prefill T=8192 H=32 dk=dv=128 (tf32 scan and outputs, pass 1 f32): "
+            "1.700 ms, 4818823 tokens/s",
+            "bench kda chunked prefill T=8192 H=32 dk=dv=128 (3xtf32 scan and outputs, pass 1 f32, "
+            "default): 2.000 ms, 4096000 tokens/s",
+            "bench kda chunked prefill T=8192 H=32 dk=dv=128 (3xtf32 scan and outputs, pass 1 "
+            "tensor cores): 2.500 ms, 3276800 tokens/s"]
+    fla = ["fla chunk_kda T=8192 H=32 dk=dv=128 float32: 2.100 ms, 3.90 M tokens/s",
+           "fla chunk_kda T=8192 H=32 dk=dv=128 bfloat16: 1.000 ms, 8.19 M tokens/s"]
+
+    def ratios(lines):
+        log, latest = tmp_path / "kda.log", tmp_path / "latest.json"
+        log.write_text("\n".join(lines) + "\n")
+        latest.unlink(missing_ok=True)
+        b = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_latest.py"),
+                            "--latest", str(latest), "--prefix", "h100", f"kda:{log}"],
+                           capture_output=True, text=True, timeout=60)
+        assert b.returncode == 0, b.stderr
+        got = json.loads(latest.read_text())
+        return got["h100.kda_chunk_vs_fla_f32"]["value"], got["h100.kda_chunk_vs_fla_bf16"]["value"]
+
+    assert ratios(ours + fla) == (round(2.1 / 2.0, 4), round(1.0 / 2.0, 4))
+    unmarked = [l.replace(", default", "") for l in ours]
+    assert ratios(unmarked + fla) == (round(2.1 / 2.5, 4), round(1.0 / 2.5, 4))
+
+
 @pytest.mark.once
 def test_model_bench_chunked(tmp_path):
     """--prefill-chunk: the prompt and every decode context run in forwards of at most N tokens
