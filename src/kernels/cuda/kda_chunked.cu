@@ -85,6 +85,13 @@ __device__ __forceinline__ void kda_tile_pair(int n, int &ti, int &tj) {
     tj = n;
 }
 
+/* Pass 1's tensor-core job jj (0 or 1) of warp w: one of the 12 pieces of 16 x 8 below the
+ * diagonal blocks (block pair job / 2, column half job % 2), or 12 for none. Warps 0-2 take one,
+ * warps 3-7 two (warp 3 has no tile of its own before them, warps 4-7 the shortest). */
+__device__ __forceinline__ int kda_prep_job(int warp, int jj) {
+    return warp < 3 ? (jj ? 12 : warp) : 3 + 2 * (warp - 3) + jj;
+}
+
 /* Pass 1's solve by 16-row blocks on tensor cores (modes 1 and 3): X = (I + A)^-1 R for the
  * 2 KD right-hand sides R = [diag(beta) K e^G | diag(beta) V] (-> W, Ut). The forward
  * substitution walks 64 rows one after another (a chain of 2016 dependent FMAs a column); here
@@ -327,15 +334,14 @@ __global__ void __launch_bounds__(256, 2)
     const bool owner = PREC == 0 ? tid < 120 || (tid >= 128 && (tid & 7) == 0)
                                  : (tid < 96 && (tid & 3) == 0) || (tid >= 128 && (tid & 7) == 0);
     /* Tensor-core forms: the 16 x 16 blocks (bi > bj) as 12 jobs of 16 x 8 (block, column half),
-     * A and P together (they share the keys' operand): warps 0-2 take one job, warps 3-7 two
-     * (warp 3 had no tile above; the diagonal tiles' warps, 4-7, had the shortest). Operands are
+     * A and P together (they share the keys' operand), shared out by kda_prep_job. Operands are
      * made from shared memory as they are loaded, each exponent through the block's first row. */
     float ma[2][4] = {}; /* a job's A: rows r + g (+8), columns 16 bj + 8 half + 2 l4 (+1) */
     if constexpr (PREC != 0) {
         const int warp = tid >> 5, lane = tid & 31, gq = lane >> 2, l4 = lane & 3;
 #pragma unroll
         for (int jj = 0; jj < 2; jj++) {
-            const int job = warp < 3 ? (jj ? 12 : warp) : 3 + 2 * (warp - 3) + jj;
+            const int job = kda_prep_job(warp, jj);
             if (job >= 12) break; /* (the same for the whole warp) */
             int bi, bj;
             kda_tile_pair(job >> 1, bi, bj);
@@ -407,7 +413,7 @@ __global__ void __launch_bounds__(256, 2)
         const int warp = tid >> 5, lane = tid & 31, gq = lane >> 2, l4 = lane & 3;
 #pragma unroll
         for (int jj = 0; jj < 2; jj++) {
-            const int job = warp < 3 ? (jj ? 12 : warp) : 3 + 2 * (warp - 3) + jj;
+            const int job = kda_prep_job(warp, jj);
             if (job >= 12) break;
             int bi, bj;
             kda_tile_pair(job >> 1, bi, bj);
@@ -823,11 +829,15 @@ extern "C" int ds_cu_kda_chunked_supports(int dk, int dv) {
     return dk == dv && (dk == 64 || dk == 128);
 }
 
-/* the tensor-core passes' shared memory above the default 48 KB */
+/* the tensor-core passes' shared memory above the default 48 KB (pass 1's too: its forms) */
 template <int KD, int PREC> static cudaError_t kda_tc_attrs() {
-    cudaError_t e = cudaFuncSetAttribute(kda_chunk_out_tc_k<KD, PREC>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)kda_out_tc_smem<KD>());
+    cudaError_t e =
+        cudaFuncSetAttribute(kda_chunk_prep_k<KD, PREC>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kda_prep_smem<KD>());
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(kda_chunk_out_tc_k<KD, PREC>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)kda_out_tc_smem<KD>());
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(kda_chunk_scan_tc_k<KD, PREC>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -844,12 +854,6 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
     int *smem_set = &c->kda_chunk_smem[KD == 128]; /* once per head size; never captured */
     if (!*smem_set) {
         CU_TRY(cudaFuncSetAttribute(kda_chunk_prep_k<KD, 0>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem1),
-               "chunked kda: shared memory");
-        CU_TRY(cudaFuncSetAttribute(kda_chunk_prep_k<KD, 1>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem1),
-               "chunked kda: shared memory");
-        CU_TRY(cudaFuncSetAttribute(kda_chunk_prep_k<KD, 3>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem1),
                "chunked kda: shared memory");
         CU_TRY(cudaFuncSetAttribute(kda_chunk_scan_k<KD>,
