@@ -73,6 +73,7 @@ typedef struct bench_job {
     ds_pp_bufs io;
     int root;
     int chunk; /* prompts run in forwards of at most this many tokens (chunked prefill); 0: one */
+    int zero_fill; /* decode contexts left as the pool starts them (zeros) instead of prefilled */
 } bench_job;
 
 /* One forward step of the whole job over sb[n]; picks[n_picks] (the last stage's greedy tokens,
@@ -173,8 +174,9 @@ static int run_decode(bench_job *j, int B, int prompt, int steps, int full_logit
                                .block_table = table + (size_t)b * pages_per};
     }
     /* the context, a few sequences per forward (as the scheduler's token budget would), or each
-     * in chunks when it is longer than --prefill-chunk */
-    for (int b0 = 0, nb; b0 < B; b0 += nb) {
+     * in chunks when it is longer than --prefill-chunk; --decode-fill zeros leaves the rows and
+     * states zero: a step reads the same bytes, and a million-token prefill takes minutes */
+    for (int b0 = 0, nb; !j->zero_fill && b0 < B; b0 += nb) {
         nb = DS_MAX(1, DS_MIN(B - b0, 8192 / prompt));
         if (j->chunk > 0 && prompt > j->chunk) {
             nb = 1;
@@ -291,7 +293,7 @@ static int parse_batches(const char *list, int *out, ds_err *err) {
 /* bench's flags. */
 typedef struct bench_flags {
     const char *model_dir, *json_path, *device, *load_format, *batch_list, *partition;
-    const char *quant, *quant_exclude, *kv_dtype;
+    const char *quant, *quant_exclude, *kv_dtype, *fill;
     int prompt_tokens, steps, reps, batch_invariant, decode_ctx;
     int enforce_eager, full_logits, sampled, tp, pp, chunk;
 } bench_flags;
@@ -307,8 +309,9 @@ typedef struct bench_costs {
 } bench_costs;
 
 static const char *const FORMATS[] = {"safetensors", "random", NULL};
+static const char *const FILLS[] = {"prefill", "zeros", NULL};
 
-enum { BENCH_FLAGS = 20 }; /* entries bench_table writes */
+enum { BENCH_FLAGS = 21 }; /* entries bench_table writes */
 
 static int bench_table(bench_flags *f, ds_arg *out) {
     ds_arg table[BENCH_FLAGS] = {
@@ -317,6 +320,11 @@ static int bench_table(bench_flags *f, ds_arg *out) {
         DS_OPT("decode-steps", NULL, DS_ARG_INT, &f->steps, "N", "decode steps per batch size"),
         DS_OPT("decode-context", NULL, DS_ARG_INT, &f->decode_ctx, "N",
                "prompt tokens each sequence holds before the decode steps"),
+        {"decode-fill", NULL, DS_ARG_STRING, &f->fill, "F",
+         "how the decode context is made: prefill (its tokens run through the model) or zeros "
+         "(rows and states left zero, no forward: the steps read the same bytes; for contexts "
+         "whose prefill would take minutes)",
+         .choices = FILLS},
         DS_OPT("batch-sizes", NULL, DS_ARG_STRING, &f->batch_list, "B,B,..",
                "decode batch sizes measured"),
         DS_OPT("reps", NULL, DS_ARG_INT, &f->reps, "N", "prompt repetitions (best is kept)"),
@@ -488,14 +496,14 @@ static int bench_write_json(const bench_flags *f, const bench_costs *c, const ds
             "\"bw_gbs\": %.3f, \"peak_gflops\": %.3f, \"prompt_tokens\": %d, "
             "\"prompt_tps\": %.3f, \"prompt_gflops\": %.3f, \"prompt_frac_peak\": %.4f, "
             "\"prompt_gemm_tflops\": %.3f, \"prompt_gemm_frac_peak\": %.4f, "
-            "\"decode_context\": %d, \"decode_steps\": %d, \"prefill_chunk\": %d, "
-            "\"decode\": [",
+            "\"decode_context\": %d, \"decode_fill\": \"%s\", \"decode_steps\": %d, "
+            "\"prefill_chunk\": %d, \"decode\": [",
             f->model_dir, ds_model_device_name(m), f->quant, f->kv_dtype, random, c->threads,
             c->gpu && !f->enforce_eager, f->batch_invariant, f->tp, f->pp, bw, peak,
             f->prompt_tokens, r->prompt_tps, r->prompt_gflops,
             c->alone ? r->prompt_gflops / peak : 0, r->prompt_gemm_tflops,
-            c->alone && peak > 0 ? r->prompt_gemm_tflops * 1e3 / peak : 0, f->decode_ctx, f->steps,
-            f->chunk);
+            c->alone && peak > 0 ? r->prompt_gemm_tflops * 1e3 / peak : 0, f->decode_ctx, f->fill,
+            f->steps, f->chunk);
     for (int i = 0; i < r->n_batches; i++)
         fprintf(o,
                 "%s{\"batch\": %d, \"tps\": %.3f, \"ms_per_step\": %.4f, \"gbs\": %.3f, "
@@ -533,6 +541,7 @@ int ds_cmd_bench(int argc, char **argv) {
                      .load_format = "safetensors",
                      .quant = "none",
                      .kv_dtype = "auto",
+                     .fill = "prefill",
                      .batch_list = "1,16",
                      .partition = "",
                      .prompt_tokens = 512,
@@ -584,6 +593,7 @@ int ds_cmd_bench(int argc, char **argv) {
     c.t_load = ds_now() - c.t_load;
     job.root = (f.pp - 1) * f.tp;
     job.chunk = f.chunk;
+    job.zero_fill = !strcmp(f.fill, "zeros");
     if (bench_measure_costs(&job, &f, &c, &err)) goto fail;
     r.sample_threads = DS_MIN(c.threads, 16); /* the engine's sampling threads */
     if (bench_cases(&job, &f, &c, &r, &err)) goto fail;

@@ -201,7 +201,16 @@ static void test_bench_ranks(void **state) {
                          ref[0], ref[1]);
         }
     }
+    /* --decode-fill zeros: no prefill of the context, so its steps decode other tokens than
+     * after the prompt's (the same, were the flag ignored) */
+    char zero[2][17];
+    bench_hashes(rnd, "--load-format random --decode-fill zeros", zero);
+    assert_string_not_equal(zero[0], ref[0]);
+    assert_string_not_equal(zero[1], ref[1]);
     char args[8192], out[16384];
+    snprintf(args, sizeof args, "bench -m '%s' --decode-fill some", g_k3);
+    assert_int_equal(run("", args, out, sizeof out), 2);
+    assert_non_null(strstr(out, "decode-fill"));
     snprintf(args, sizeof args, "bench -m '%s' -pp 11", g_k3);
     assert_int_equal(run("", args, out, sizeof out), 2);
     assert_non_null(strstr(out, "11 stages for 10 layers"));

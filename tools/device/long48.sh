@@ -5,6 +5,9 @@
 # as a server runs it), its split by op (DS_CUDA_PROFILE=1, eager: the KDA, MLA and other rows),
 # then decode at batch 1 with that context, graphs on, as a fraction of the copy rate counting
 # what a step reads (the weights and the context's latents). KV in KV_DTYPES (auto fp8).
+# PARTS: "decode ttft" (default) or either alone. FILL: how decode's context is made (zeros by
+# default: `bench --decode-fill zeros`, the same bytes read without a second long prefill; prefill
+# runs it through the model).
 # JSON and profiles under $OUT; headline figures into $OUT/latest.json.
 . "$(dirname "$0")/env.sh"
 B=".devbin/deltaserve bench --model $SHAPE48 --load-format random --device cuda"
@@ -13,11 +16,14 @@ failed=""
 for n in ${LENS:-131072 1048576}; do
   for kv in ${KV_DTYPES:-auto fp8}; do
     tag="long$((n / 1024))k_$kv"
-    # decode first (graphs, one rep: the context fill is itself a prefill of n tokens)
-    timeout ${STEP_TIMEOUT:-280} $B --kv-cache-dtype $kv --prefill-chunk $CHUNK --prompt-tokens $CHUNK \
-      --reps 1 --decode-context $n --decode-steps 4 --batch-sizes 1 --json "$OUT/$tag.json" 2>&1 |
-      tail -3 || failed+=" $tag"
-    [ -f "$OUT/$tag.json" ] && latest "bench:$OUT/$tag.json"
+    if [[ " ${PARTS:-decode ttft} " == *" decode "* ]]; then
+      # decode first (graphs, one rep)
+      timeout ${STEP_TIMEOUT:-280} $B --kv-cache-dtype $kv --prefill-chunk $CHUNK --prompt-tokens $CHUNK \
+        --reps 1 --decode-context $n --decode-fill ${FILL:-zeros} --decode-steps 4 --batch-sizes 1 \
+        --json "$OUT/$tag.json" 2>&1 | tail -3 || failed+=" $tag"
+      [ -f "$OUT/$tag.json" ] && latest "bench:$OUT/$tag.json"
+    fi
+    [[ " ${PARTS:-decode ttft} " == *" ttft "* ]] || continue
     # time to first token with its per-op split
     DS_CUDA_PROFILE=${PROFILE:-1} timeout ${STEP_TIMEOUT:-280} $B --enforce-eager --kv-cache-dtype $kv \
       --prefill-chunk $CHUNK --prompt-tokens $n --reps 1 --decode-context 16 --decode-steps 2 \
