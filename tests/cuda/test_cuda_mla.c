@@ -37,7 +37,8 @@ static void check_mla(ds_cu *c, int T, int Ha, int R, int dr, int pos0, int n_ct
 /* Absorbed MLA for several sequences' tokens in one launch, each against its own block table and
  * positions, against the CPU one sequence at a time. */
 /* all_heads: a block per token for every head (each latent row read once): 2 always, 1 when the
- * step fills the GPU (ds_cu_set_mla_all_heads). */
+ * step fills the GPU (ds_cu_set_mla_all_heads); 3: on tensor cores (ds_cu_set_mla_decode_tc, BF16
+ * operands: 1e-2). */
 static void check_mla_batch(ds_cu *c, const int *lens, const int *pos0, int n_seq, int Ha, int R,
                             int dr, int all_heads) {
     enum { BS = 16 };
@@ -75,16 +76,21 @@ static void check_mla_batch(ds_cu *c, const int *lens, const int *pos0, int n_se
     float *dout = dev(c, NULL, (size_t)T * Ha * R * 4);
     poison(c, dout, (size_t)T * Ha * R * 4);
     ds_err err = {{0}};
-    ds_cu_set_mla_all_heads(c, all_heads);
+    ds_cu_set_mla_all_heads(c, all_heads == 3 ? 0 : all_heads);
+    ds_cu_set_mla_decode_tc(c, all_heads == 3);
     if (ds_cu_mla_attend_absorbed_batch(c, dout, dq, dqr, ldqr, T, Ha, R, dr, dpool, 0, dtables,
                                         dbt, dpos, max_ctx, BS, (size_t)rowf * 4, scale, &err))
         DIE("%s", err.msg);
     ds_cu_set_mla_all_heads(c, 0);
+    ds_cu_set_mla_decode_tc(c, 0);
     fetch(c, got, dout, (size_t)T * Ha * R * 4);
     char what[96];
     snprintf(what, sizeof what, "mla absorbed batch %d seqs Ha=%d R=%d%s", n_seq, Ha, R,
-             all_heads ? " (all heads)" : "");
-    report(what, rel_err(got, ref, 1, (size_t)T * Ha * R, (size_t)T * Ha * R), 1e-5);
+             all_heads == 3 ? " (tensor cores)"
+             : all_heads    ? " (all heads)"
+                            : "");
+    report(what, rel_err(got, ref, 1, (size_t)T * Ha * R, (size_t)T * Ha * R),
+           all_heads == 3 ? 1e-2 : 1e-5);
     ds_cu_dealloc(dpool), ds_cu_dealloc(dtables), ds_cu_dealloc(dbt), ds_cu_dealloc(dpos);
     ds_cu_dealloc(dq), ds_cu_dealloc(dqr), ds_cu_dealloc(dout);
     free(tables), free(pool), free(qbar), free(qr), free(qrs), free(ref), free(got);
@@ -191,16 +197,18 @@ static void run_mla(ds_cu *c, void *p) {
 
 /* Absorbed MLA of a decode batch: one token for each of n_seq sequences of n_ctx rows */
 typedef struct mla_batch_ctx {
-    float *obar, *qbar, *qr, *pool;
+    float *obar, *qbar, *qr;
+    void *pool;
     int32_t *tables, *tok_bt, *tok_pos;
     int n_seq, n_ctx;
+    int fp8; /* FP8 rows (656 bytes) instead of f32 ones */
 } mla_batch_ctx;
 static void run_mla_batch(ds_cu *c, void *p) {
     mla_batch_ctx *x = p;
     ds_err err;
     if (ds_cu_mla_attend_absorbed_batch(c, x->obar, x->qbar, x->qr, 64, x->n_seq, 32, 512, 64,
-                                        x->pool, 0, x->tables, x->tok_bt, x->tok_pos, x->n_ctx, 16,
-                                        576 * 4, 0.07f, &err))
+                                        x->pool, x->fp8, x->tables, x->tok_bt, x->tok_pos, x->n_ctx,
+                                        16, x->fp8 ? 656 : 576 * 4, 0.07f, &err))
         DIE("%s", err.msg);
 }
 
@@ -246,6 +254,13 @@ void checks_mla_batch(ds_cu *c) {
     int blens[160], bpos[160]; /* a decode batch that fills the GPU: splits of > 64 rows */
     for (int i = 0; i < 160; i++) blens[i] = 1 + (i % 7 == 0), bpos[i] = (i * 397) % 1200;
     check_mla_batch(c, blens, bpos, 160, 16, 512, 64, 1);
+    /* on tensor cores: empty and partial splits and tiles, several tokens of one sequence, both
+     * head counts, and one long context (132 splits of several tiles) */
+    check_mla_batch(c, dlens, dpos, 3, 32, 512, 64, 3);
+    check_mla_batch(c, dlens, dpos, 3, 16, 512, 64, 3);
+    check_mla_batch(c, mlens, mpos, 4, 16, 512, 64, 3);
+    int llen[1] = {1}, lpos[1] = {20000};
+    check_mla_batch(c, llen, lpos, 1, 32, 512, 64, 3);
 }
 
 /* expanded MLA over a prompt: cuBLAS against the fused kernel */
@@ -283,6 +298,60 @@ void bench_mla_expanded(ds_cu *c, const cuda_ceilings *ceil) {
         ds_cu_dealloc(dq), ds_cu_dealloc(dk), ds_cu_dealloc(dr_), ds_cu_dealloc(dv_);
         ds_cu_dealloc(dout);
     }
+}
+
+/* 5c. one decode token over a long context (32K, 128K, 1M rows), 32 heads: the all-heads f32
+ *     kernel against the tensor-core one, f32 rows and FP8 rows; the bytes that must be read:
+ *     every row once. Pages in order; the pool is a 64 MB random block of whole rows repeated. */
+static void bench_mla_long(ds_cu *c, double copy_gbs) {
+    static const int ctxs[] = {32768, 131072, 1048576};
+    ds_err err = {{0}};
+    const size_t block = (size_t)64 << 20;
+    uint8_t *h = (uint8_t *)rand_f32(block / 4, -1, 1);
+    for (int f8 = 0; f8 < 2; f8++)
+        for (size_t i = 0; i < DS_ARRAY_LEN(ctxs); i++) {
+            mla_batch_ctx bc = {0};
+            bc.n_seq = 1, bc.n_ctx = ctxs[i], bc.fp8 = f8;
+            const size_t rb = f8 ? 656 : 576 * 4, bytes = (size_t)bc.n_ctx * rb;
+            if (f8) /* valid rows: codes of h's bytes (0x7f/0xff, NaN, made finite), scales 1 */
+                for (size_t r = 0; r < block / rb; r++) {
+                    uint8_t *row = h + r * rb;
+                    for (int k = 0; k < 512; k++) row[k] &= 0x7e;
+                    for (int k = 0; k < 4; k++) memcpy(row + 512 + 4 * k, &(float){1.0f}, 4);
+                    memset(row + 528, 0x3f, 128); /* rope: BF16 0x3f3f, ~0.75 */
+                }
+            bc.pool = dev(c, NULL, bytes);
+            const size_t piece = block / rb * rb; /* whole rows */
+            for (size_t at = 0; at < bytes; at += piece)
+                if (ds_cu_upload(c, (uint8_t *)bc.pool + at, h, DS_MIN(piece, bytes - at), &err))
+                    DIE("%s", err.msg);
+            const int pages = bc.n_ctx / 16;
+            int32_t *tb = malloc((size_t)pages * 4), zero = 0, pos = bc.n_ctx - 1;
+            if (!tb) DIE("out of memory");
+            for (int p = 0; p < pages; p++) tb[p] = p;
+            bc.tables = dev(c, tb, (size_t)pages * 4), bc.tok_bt = dev(c, &zero, 4);
+            bc.tok_pos = dev(c, &pos, 4);
+            free(tb);
+            float *q = rand_f32((size_t)32 * 512, -0.1f, 0.1f);
+            bc.qbar = dev(c, q, (size_t)32 * 512 * 4), bc.qr = dev(c, q, (size_t)32 * 64 * 4);
+            free(q);
+            bc.obar = dev(c, NULL, (size_t)32 * 512 * 4);
+            for (int tc = 0; tc < 2; tc++) {
+                ds_cu_set_mla_all_heads(c, tc ? 0 : 2);
+                ds_cu_set_mla_decode_tc(c, tc);
+                const double ms = median_ms(c, run_mla_batch, &bc, 2, 10);
+                printf("bench mla absorbed decode 1 x %d rows, Ha=32, %s rows (%s): %.4f ms, "
+                       "%.0f GB/s of cache (%.0f%% of copy)\n",
+                       bc.n_ctx, f8 ? "fp8" : "f32", tc ? "tensor cores" : "all heads, f32", ms,
+                       bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
+            }
+            ds_cu_set_mla_all_heads(c, 0);
+            ds_cu_set_mla_decode_tc(c, 0);
+            ds_cu_dealloc(bc.pool), ds_cu_dealloc(bc.tables), ds_cu_dealloc(bc.tok_bt);
+            ds_cu_dealloc(bc.tok_pos), ds_cu_dealloc(bc.qbar), ds_cu_dealloc(bc.qr);
+            ds_cu_dealloc(bc.obar);
+        }
+    free(h);
 }
 
 /* absorbed MLA at decode: one sequence, then batches */
@@ -354,4 +423,5 @@ void bench_mla_absorbed(ds_cu *c, const cuda_ceilings *ceil) {
         ds_cu_dealloc(bc.tok_pos), ds_cu_dealloc(bc.qbar), ds_cu_dealloc(bc.qr);
         ds_cu_dealloc(bc.obar);
     }
+    bench_mla_long(c, copy_gbs);
 }

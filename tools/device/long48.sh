@@ -5,7 +5,7 @@
 # as a server runs it), its split by op (DS_CUDA_PROFILE=1, eager: the KDA, MLA and other rows),
 # then decode at batch 1 with that context, graphs on, as a fraction of the copy rate counting
 # what a step reads (the weights and the context's latents). KV in KV_DTYPES (auto fp8).
-# PARTS: "decode ttft" (default) or either alone. FILL: how decode's context is made (zeros by
+# TAG: a suffix for the output files. PARTS: "decode ttft" (default) or either alone. FILL: how decode's context is made (zeros by
 # default: `bench --decode-fill zeros`, the same bytes read without a second long prefill; prefill
 # runs it through the model).
 # JSON and profiles under $OUT; headline figures into $OUT/latest.json.
@@ -15,7 +15,7 @@ CHUNK=${CHUNK:-8192}
 failed=""
 for n in ${LENS:-131072 1048576}; do
   for kv in ${KV_DTYPES:-auto fp8}; do
-    tag="long$((n / 1024))k_$kv"
+    tag="long$((n / 1024))k_$kv${TAG:-}"
     if [[ " ${PARTS:-decode ttft} " == *" decode "* ]]; then
       # decode first (graphs, one rep)
       timeout ${STEP_TIMEOUT:-280} $B --kv-cache-dtype $kv --prefill-chunk $CHUNK --prompt-tokens $CHUNK \

@@ -29,7 +29,9 @@
 #      a time: the MLA kernel checks (blocks and their log-sum-exp merge against the CPU and the
 #      whole), then long48.sh at 1M tokens with DS_CUDA_MLA_CTX_BLOCK=131072 (the H200: an H100
 #      cannot hold a million tokens beside even the cut model). If both hold, make 131072 the
-#      default (tuning.c). Decode's context is zeros (`bench --decode-fill zeros`), not a prefill.
+#      default (tuning.c). Decode's context is zeros (`bench --decode-fill zeros`), not a prefill;
+#      with the f32 kernels and with decode's absorbed MLA on tensor cores (DS_CUDA_MLA_DECODE_TC,
+#      session 32, its checks and timings first).
 #  11. (issue 33) the time to first token of a 1M-token prompt and its split by op (a call of its
 #      own: at the 48B shape its MLA attention alone is minutes).
 # STEPS: which of them (default "9 6 7"; 1-5 ran in sessions 27-28, 6, 7 and 9 in session 31, 8 at
@@ -57,12 +59,17 @@ timeout 120 .devbin/test_cuda_kernels --bench-only kda 2>&1 | grep -E "chunked p
   tee "$OUT/kda_bench.log"
 fi
 if want 10; then
-el "10. MLA over a long context in blocks: checks, then decode after a million tokens"
-DS_CUDA_CHECKS=mla timeout 120 .devbin/test_cuda_kernels > "$OUT/mla_check.log" 2>&1
+el "10. MLA over a long context: checks (blocks, tensor-core decode), timings, decode after 1M tokens"
+DS_CUDA_CHECKS="mla,mla batch,kv fp8" timeout 150 .devbin/test_cuda_kernels > "$OUT/mla_check.log" 2>&1
 echo "checks rc $? ($(grep -c ' ok$' "$OUT/mla_check.log") ok, $(grep -c FAIL "$OUT/mla_check.log") FAIL)"
-grep -E "mla expanded|FAIL|checks:" "$OUT/mla_check.log" | head -20
-DS_CUDA_MLA_CTX_BLOCK=131072 LENS=1048576 KV_DTYPES="${KV_DTYPES:-auto fp8}" PARTS=decode \
-  STEP_TIMEOUT=200 timeout 450 bash "$(dirname "$0")/long48.sh" 2>&1 | tail -12
+grep -E "FAIL|tensor cores|blocks|checks:" "$OUT/mla_check.log" | head -24
+timeout 150 .devbin/test_cuda_kernels --bench-only mla 2>&1 | grep -E "absorbed decode 1 x|expanded" |
+  tee "$OUT/mla_bench.log"
+for tc in 0 8192; do
+  DS_CUDA_MLA_DECODE_TC=$tc DS_CUDA_MLA_CTX_BLOCK=131072 LENS=1048576 KV_DTYPES="${KV_DTYPES:-auto fp8}" \
+    PARTS=decode TAG=_tc$tc STEP_TIMEOUT=150 timeout 330 bash "$(dirname "$0")/long48.sh" 2>&1 |
+    grep -E "^decode|failed|all lengths"
+done
 fi
 if want 11; then
 el "11. the time to first token of a million-token prompt (a call of its own: ~7 minutes)"

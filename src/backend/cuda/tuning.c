@@ -74,6 +74,9 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->mla_ctx_block = env_count("DS_CUDA_MLA_CTX_BLOCK", 0);
     t->side = env_flag("DS_CUDA_SIDE", 1);
     t->mla_all_heads = env_flag("DS_CUDA_MLA_ALL_HEADS", 1);
+    /* decode's absorbed MLA on tensor cores from this context cap (BF16 operands, as the prefill's
+     * fused kernel); 0, the default until a GPU run has checked it: the f32 kernels always */
+    t->mla_decode_tc = env_count("DS_CUDA_MLA_DECODE_TC", 0);
     const char *pdl = getenv("DS_CUDA_PDL"); /* (on unless exactly "0", as the kernels read it) */
     t->pdl = !(pdl && !strcmp(pdl, "0"));
     t->profile = env_flag("DS_CUDA_PROFILE", 0);
@@ -103,6 +106,7 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     if (ds_cu_set_side(c, t->side, &side_err)) /* not fatal */
         fprintf(stderr, "[deltaserve] %s: one stream per step\n", side_err.msg);
     ds_cu_set_mla_all_heads(c, t->mla_all_heads);
+    ds_cu_set_mla_decode_tc(c, t->mla_decode_tc);
     ds_cu_set_pdl(c, t->pdl);
     ds_cu_prof_enable(c, t->profile);
     if (t->skip) {

@@ -69,6 +69,7 @@ typedef struct ds_cuda_tuning {
     int kda_prep_tc;           /* pass 1 on tensor cores too (in modes 1 and 3) */
     int mla_ctx_block;         /* context rows a chunk's expanded attention takes at a time */
     int side, mla_all_heads;
+    int mla_decode_tc; /* context rows from which absorbed MLA runs on tensor cores (0: never) */
     int pdl;
     int profile;
     const char *skip; /* DS_CUDA_SKIP's labels, or NULL when unset or empty */

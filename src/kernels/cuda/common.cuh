@@ -43,6 +43,7 @@ struct ds_cu {
     int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
     int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
     int mla_ctx_block;   /* context rows a chunk's expanded attention takes at a time (0: all) */
+    int mla_decode_tc;   /* absorbed MLA on tensor cores from this many context rows (0: never) */
     int kda_tc;        /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
     int kda_prep_f32;  /* ...and its first pass on CUDA cores even so (ds_cu_set_kda_prep_tc) */
     int early_experts; /* the experts' down pass reads its routing early (ds_cu_set_...) */
@@ -81,10 +82,11 @@ struct ds_cu {
     int epoch_bump; /* set by grow_scratch; the next ds_cu_epoch reads and clears it */
     /* kernels' dynamic shared memory raised above 48 KB (cudaFuncSetAttribute holds per device,
      * so per context): once, before any capture can be open */
-    size_t mla_ah_smem[6]; /* the all-heads MLA kernel's bytes, per OT (4, 8, 16), f32 then FP8 */
-    int mla_flash_smem;    /* the fused expanded MLA kernel's */
-    int moe_grouped_smem;  /* the grouped experts' kernels' */
-    int kda_chunk_smem[2]; /* chunked KDA's kernels', per head size (64, 128) */
+    size_t mla_ah_smem[6];  /* the all-heads MLA kernel's bytes, per OT (4, 8, 16), f32 then FP8 */
+    size_t mla_tcd_smem[4]; /* the tensor-core decode MLA kernel's, per Ha 16 / 32, f32 then FP8 */
+    int mla_flash_smem;     /* the fused expanded MLA kernel's */
+    int moe_grouped_smem;   /* the grouped experts' kernels' */
+    int kda_chunk_smem[2];  /* chunked KDA's kernels', per head size (64, 128) */
     /* moe_grouped_pick's blocks an SM holds per grouped kernel, for the smem last asked about */
     int grouped_per_sm[4];
     size_t grouped_per_sm_smem[4];
@@ -269,6 +271,29 @@ static __device__ __forceinline__ void cp_async_rows(float *dst, int ldd, const 
         cp_async16(dst + r * ldd + c, src + (size_t)r * lds + c);
     }
 }
+/* cp.async of 16 bytes, or (valid false) 16 zero bytes written and nothing read */
+static __device__ __forceinline__ void cp_async16_zfill(void *smem, const void *gmem, bool valid) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+                 "r"(valid ? 16 : 0));
+}
+
+/* ldmatrix: four 8 x 8 b16 matrices, lane L giving the address of row L % 8 of matrix L / 8;
+ * .trans hands each lane its column pairs instead of row pairs */
+static __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *smem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+static __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void *smem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
 static __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::);
 }

@@ -313,6 +313,11 @@ int ds_cu_side_join(ds_cu *c, ds_err *err);
  * fill the GPU; 2: whenever the shape allows (the checks); 0: never. The engine uses 1 unless
  * DS_CUDA_MLA_ALL_HEADS=0 (check_mla_batch covers it). */
 void ds_cu_set_mla_all_heads(ds_cu *c, int on);
+/* ds_cu_mla_attend_absorbed_batch on tensor cores (BF16 query, rows and probabilities, f32
+ * accumulation; mla_decode_tc.cu) for steps whose context cap is at least min_rows (0: never;
+ * not with batch invariance; R 512, dr 64, Ha 16 or 32). The engine's value: DS_CUDA_MLA_DECODE_TC
+ * (tuning.c); check_mla_batch_tc covers it. */
+void ds_cu_set_mla_decode_tc(ds_cu *c, int min_rows);
 
 /* ---- glue for the model forward (src/backend/cuda/step.c, layers.c) ---- */
 /* Batch-invariant matmuls (see ds_model_opts.batch_invariant): on, every ds_cu_matmul streams the

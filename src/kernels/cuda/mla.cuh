@@ -25,4 +25,11 @@ static __device__ inline float exp_shifted(float *sc, int n, float *sum) {
 void mla_merge(ds_cu *c, float *obar, const float *part_o, const float *part_ml, int rows, int R,
                int n_split);
 
+/* ds_cu_mla_attend_absorbed_batch on tensor cores (mla_decode_tc.cu) when the device takes it
+ * there (ds_cu_set_mla_decode_tc) and the shape fits (R 512, dr 64, Ha 16 or 32): *done 1 */
+int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int ldqr, int T,
+                  int Ha, int R, int dr, const void *pool, int kv_fp8, const int32_t *tables,
+                  const int32_t *tok_bt, const int32_t *tok_pos, int max_ctx, int block_size,
+                  size_t row_bytes, float scale, int *done, ds_err *err);
+
 #endif

@@ -395,6 +395,11 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
     /* the kernels' row stride: bytes for FP8 rows, floats for f32 ones */
     const int row = (int)(kv_fp8 ? row_bytes : row_bytes / sizeof(float));
     if (max_ctx <= 0) return ds_errf(err, "cuda: mla: no context rows to attend to");
+    int done;
+    if (mla_decode_tc(c, obar, qbar, qr, ldqr, T, Ha, R, dr, pool, kv_fp8, tables, tok_bt, tok_pos,
+                      max_ctx, block_size, row_bytes, scale, &done, err))
+        return DS_ERR;
+    if (done) return DS_OK;
     const int rows = T * Ha;
     /* all heads per block: splits of `per` rows (a multiple of the 16-row tile, at least 64 so that
      * staging every head's query stays a fraction of the rows read), aiming at two blocks per SM;

@@ -1,0 +1,268 @@
+/* mla_decode_tc.cu — absorbed MLA over a long context on tensor cores (decode).
+ *
+ * A decode token's absorbed attention costs ~120 FLOPs a head for every latent row it reads
+ * (scores over R + dr channels, outputs over R): at 32 heads ~70 KFLOP a 2,304-byte f32 row, ~30
+ * FLOPs a byte, beyond what CUDA cores deliver at the memory's rate (mla_absorbed.cu's all-heads
+ * kernel, f32 FMA, reached 10% of copy at 128K rows). Here both products run as BF16 mma with
+ * f32 accumulation, every head of the token at once as the M dimension (FlashMLA's layout):
+ * block (token t, split s) takes its share of the token's rows in tiles of TCD_BK, and per tile
+ *   1. cp.async the raw rows (f32, or FP8 with their scales) into one of two stages, the next
+ *      tile's on its way while this one is used;
+ *   2. converts them to BF16 [BK][R + dr] (FP8 codes times their tile's scale, rounded once);
+ *   3. scores S [Ha][BK] = Q [Ha][R + dr] C^T: warp (m-tile, channel group) over its channels,
+ *      the groups' partial sums added in order through shared memory;
+ *   4. an online softmax a head (max, sum, the rescale alpha), P in BF16;
+ *   5. O [Ha][R] += P C[:, :R]: warp (m-tile, output group), fragments by ldmatrix(.trans).
+ * The splits' unnormalised outputs, maxima and sums go to mla_merge_k, as the other kernels'.
+ * The BF16 rounding of the query, the rows and P is the fused prefill kernel's (mla_expanded.cu);
+ * it is taken from DS_CUDA_MLA_DECODE_TC context rows (tuning.c), below which the f32 kernels
+ * stay. The split of a token's rows is made from its own length inside the kernel, so a graph
+ * captured at the step's power-of-two context cap keeps every block busy. */
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/mla.cuh"
+#include "kernels/shared/kv_fp8.h"
+
+enum { TCD_BK = 32, TCD_NT = 256, TCD_R = 512, TCD_DR = 64 };
+
+template <int MT> struct tcd_shape {
+    static constexpr int HA = 16 * MT, RQ = TCD_R + TCD_DR, NKS = RQ / 16;
+    static constexpr int KG = 8 / MT;                /* warps along the channels (scores) */
+    static constexpr int KSW = (NKS + KG - 1) / KG;  /* k-steps a score warp takes */
+    static constexpr int NTW = TCD_R / (8 / MT) / 8; /* 8-column output tiles a warp holds */
+    /* row strides: C's and P's rows 4 banks apart (ldmatrix without conflicts), the partial
+     * scores' 8 (a warp's pair stores in two wavefronts) */
+    static constexpr int CLD = RQ + 8, PLD = TCD_BK + 8, SLD = TCD_BK + 8;
+    /* bytes past the two raw stages: C [BK][CLD] bf16, partial scores [KG][HA][SLD] f32, P
+     * [HA][PLD] bf16, m, l, alpha [HA] f32 */
+    static constexpr size_t TAIL = (size_t)TCD_BK * CLD * 2 + (size_t)KG * HA * SLD * 4 +
+                                   (size_t)HA * PLD * 2 + (size_t)3 * HA * 4;
+};
+
+/* query channels c, c + 1 (c even) of head h of token t as a BF16 pair: q̄ below R, qR above */
+static __device__ __forceinline__ uint32_t tcd_q2(const float *qbar, const float *qr, int ldqr,
+                                                  int HA, int t, int h, int c) {
+    const float2 v = c < TCD_R ? *(const float2 *)(qbar + ((size_t)t * HA + h) * TCD_R + c)
+                               : *(const float2 *)(qr + ((size_t)t * HA + h) * ldqr + c - TCD_R);
+    return pack_bf16x2(v.x, v.y);
+}
+
+/* staged row r (its bytes at `raw`) as BF16 channels c .. c + 3 (c a multiple of 4) */
+template <bool F8> static __device__ __forceinline__ uint2 tcd_vals(const uint8_t *raw, int c) {
+    if constexpr (F8) {
+        if (c >= TCD_R) /* the rope part is stored in BF16 */
+            return *(const uint2 *)(raw + ds_kv_fp8_rope_at(TCD_R) + 2 * (c - TCD_R));
+        const uchar4 q = *(const uchar4 *)(raw + c);
+        const float sc = *(const float *)(raw + TCD_R + 4 * (c / DS_KV_FP8_TILE));
+        return make_uint2(pack_bf16x2(ds_e4m3_to_f32(q.x) * sc, ds_e4m3_to_f32(q.y) * sc),
+                          pack_bf16x2(ds_e4m3_to_f32(q.z) * sc, ds_e4m3_to_f32(q.w) * sc));
+    } else {
+        const float4 v = *(const float4 *)(raw + 4 * c);
+        return make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
+    }
+}
+
+/* long: the five phases above share the block's stages and the output fragments in registers.
+ * row: the pool's row stride (floats, or bytes for F8); rb: a staged row's bytes. */
+template <int MT, bool F8>
+__global__ void __launch_bounds__(TCD_NT, 1)
+    mla_tcd_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int ldqr,
+              const void *pool, const int32_t *tables, const int32_t *tok_bt,
+              const int32_t *tok_pos, int bs, int row, int rb, float scale, int n_split) {
+    typedef tcd_shape<MT> L;
+    constexpr int HA = L::HA, BK = TCD_BK, CLD = L::CLD, PLD = L::PLD, SLD = L::SLD;
+    extern __shared__ __align__(16) uint8_t tsh[];
+    uint8_t *raw = tsh;                                     /* [2][BK][rb] rows as stored */
+    uint16_t *Cb = (uint16_t *)(raw + (size_t)2 * BK * rb); /* [BK][CLD] */
+    float *Sp = (float *)(Cb + BK * CLD);                   /* [KG][HA][SLD] */
+    uint16_t *Ps = (uint16_t *)(Sp + L::KG * HA * SLD);     /* [HA][PLD] */
+    float *m_sh = (float *)(Ps + HA * PLD), *l_sh = m_sh + HA, *a_sh = l_sh + HA;
+    const int t = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, warp = tid >> 5;
+    const int lane = tid & 31, g = lane >> 2, l4 = lane & 3, mi = lane >> 3, mr = lane & 7;
+    const int mt = warp % MT, grp = warp / MT; /* m-tile; channel group, then output group */
+    PDL_ENTRY();
+    const int n = tok_pos[t] + 1;
+    const int32_t *table = tables + tok_bt[t];
+    /* this split's rows: the token's own context in n_split shares of whole tiles */
+    const int per = ((n + n_split - 1) / n_split + BK - 1) / BK * BK;
+    const int j0 = min(n, s * per), j1 = min(n, j0 + per);
+    const size_t pool_rb = F8 ? (size_t)row : (size_t)row * 4;
+    const int pieces = rb / 16;
+    auto stage =
+        [&](int a,
+            int st) { /* rows [a, a + BK) (zeros past j1) into stage st */
+                      uint8_t *dst = raw + (size_t)st * BK * rb;
+                      for (int i = tid; i < BK * pieces; i += TCD_NT) {
+                          const int j = i / pieces, c = i - j * pieces, p = min(a + j, j1 - 1);
+                          const size_t at = ((size_t)__ldg(table + p / bs) * bs + p % bs) * pool_rb;
+                          cp_async16_zfill(dst + (size_t)j * rb + 16 * c,
+                                           (const uint8_t *)pool + at + 16 * c, a + j < j1);
+                      }
+                      cp_async_commit();
+        };
+    if (j0 < j1) stage(j0, 0); /* on its way while the queries load */
+    uint32_t qf[L::KSW][4];    /* the warp's heads and channels as A fragments */
+#pragma unroll
+    for (int ks = 0; ks < L::KSW; ks++) {
+        const int c = 16 * (grp * L::KSW + ks) + 2 * l4, h0 = 16 * mt + g;
+        const bool in = c < L::RQ;
+        qf[ks][0] = in ? tcd_q2(qbar, qr, ldqr, HA, t, h0, c) : 0u;
+        qf[ks][1] = in ? tcd_q2(qbar, qr, ldqr, HA, t, h0 + 8, c) : 0u;
+        qf[ks][2] = in ? tcd_q2(qbar, qr, ldqr, HA, t, h0, c + 8) : 0u;
+        qf[ks][3] = in ? tcd_q2(qbar, qr, ldqr, HA, t, h0 + 8, c + 8) : 0u;
+    }
+    if (tid < HA) m_sh[tid] = -INFINITY, l_sh[tid] = 0.0f;
+    float oacc[L::NTW][4];
+#pragma unroll
+    for (int i = 0; i < L::NTW; i++) oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.0f;
+    for (int a = j0, it = 0; a < j1; a += BK, it++) {
+        const int st = it & 1;
+        if (a + BK < j1) { /* (stage st ^ 1 was converted before the last tile's barriers) */
+            stage(a + BK, st ^ 1);
+            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        } else {
+            cp_async_wait_all();
+        }
+        __syncthreads(); /* the tile has landed; the last tile's products are done with C and P */
+        const uint8_t *rs = raw + (size_t)st * BK * rb;
+        for (int i = tid; i < BK * (L::RQ / 4); i += TCD_NT) {
+            const int j = i / (L::RQ / 4), c = 4 * (i - j * (L::RQ / 4));
+            *(uint2 *)(Cb + j * CLD + c) = tcd_vals<F8>(rs + (size_t)j * rb, c);
+        }
+        __syncthreads();
+        { /* scores of the warp's 16 heads over its channels, all BK rows */
+            float sc[BK / 8][4];
+#pragma unroll
+            for (int i = 0; i < BK / 8; i++) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.0f;
+#pragma unroll
+            for (int ks = 0; ks < L::KSW; ks++) {
+                const int kk = grp * L::KSW + ks;
+                if (kk >= L::NKS) break;
+#pragma unroll
+                for (int nt = 0; nt < BK / 8; nt += 2) {
+                    uint32_t b[4]; /* rows of tiles nt (+1 for mi >= 2), channels +8 for odd mi */
+                    ldsm_x4(b, Cb + ((nt + (mi >> 1)) * 8 + mr) * CLD + kk * 16 + (mi & 1) * 8);
+                    mma_16816(sc[nt], qf[ks], b[0], b[1]);
+                    mma_16816(sc[nt + 1], qf[ks], b[2], b[3]);
+                }
+            }
+            float *sp = Sp + ((size_t)grp * HA + 16 * mt) * SLD;
+#pragma unroll
+            for (int nt = 0; nt < BK / 8; nt++) {
+                *(float2 *)(sp + g * SLD + nt * 8 + 2 * l4) = make_float2(sc[nt][0], sc[nt][1]);
+                *(float2 *)(sp + (g + 8) * SLD + nt * 8 + 2 * l4) =
+                    make_float2(sc[nt][2], sc[nt][3]);
+            }
+        }
+        __syncthreads();
+        { /* online softmax: TPH threads a head, EPT rows each */
+            constexpr int TPH = TCD_NT / HA, EPT = BK / TPH;
+            const int h = tid / TPH, e0 = (tid % TPH) * EPT;
+            const float m_old = m_sh[h];
+            float v[EPT], mx = -INFINITY;
+#pragma unroll
+            for (int e = 0; e < EPT; e++) {
+                float x = 0.0f;
+#pragma unroll
+                for (int k = 0; k < L::KG; k++) x += Sp[((size_t)k * HA + h) * SLD + e0 + e];
+                v[e] = a + e0 + e < j1 ? x * scale : -INFINITY;
+                mx = fmaxf(mx, v[e]);
+            }
+#pragma unroll
+            for (int o = TPH / 2; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            const float m_new = fmaxf(m_old, mx); /* finite: the tile has a row */
+            float ps = 0.0f;
+#pragma unroll
+            for (int e = 0; e < EPT; e += 2) {
+                const float p0 = v[e] == -INFINITY ? 0.0f : expf(v[e] - m_new);
+                const float p1 = v[e + 1] == -INFINITY ? 0.0f : expf(v[e + 1] - m_new);
+                ps += p0 + p1;
+                *(uint32_t *)(Ps + h * PLD + e0 + e) = pack_bf16x2(p0, p1);
+            }
+#pragma unroll
+            for (int o = TPH / 2; o; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+            if (tid % TPH == 0) {
+                const float alpha = expf(m_old - m_new); /* 0 at the first tile */
+                a_sh[h] = alpha, l_sh[h] = l_sh[h] * alpha + ps, m_sh[h] = m_new;
+            }
+        }
+        __syncthreads();
+        { /* outputs: the warp's 16 heads x NTW * 8 columns of R */
+            const float al0 = a_sh[16 * mt + g], al1 = a_sh[16 * mt + g + 8];
+#pragma unroll
+            for (int i = 0; i < L::NTW; i++)
+                oacc[i][0] *= al0, oacc[i][1] *= al0, oacc[i][2] *= al1, oacc[i][3] *= al1;
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; kk++) {
+                uint32_t pa[4]; /* heads +8 for odd mi, rows +8 for mi >= 2 */
+                ldsm_x4(pa, Ps + (16 * mt + (mi & 1) * 8 + mr) * PLD + kk * 16 + (mi >> 1) * 8);
+#pragma unroll
+                for (int i = 0; i < L::NTW; i += 2) {
+                    uint32_t b[4]; /* rows +8 for odd mi, columns of tile i (+1 for mi >= 2) */
+                    ldsm_x4_trans(b, Cb + (kk * 16 + (mi & 1) * 8 + mr) * CLD +
+                                         (grp * L::NTW + i + (mi >> 1)) * 8);
+                    mma_16816(oacc[i], pa, b[0], b[1]);
+                    mma_16816(oacc[i + 1], pa, b[2], b[3]);
+                }
+            }
+        }
+    }
+    /* C: heads g (elements 0, 1) and g + 8 (2, 3), columns 2 l4 (+1); an empty split leaves
+     * zeros and l = 0, which the merge skips */
+#pragma unroll
+    for (int i = 0; i < L::NTW; i++) {
+        const int col = (grp * L::NTW + i) * 8 + 2 * l4, h0 = 16 * mt + g;
+        float *po0 = part_o + (((size_t)t * HA + h0) * n_split + s) * TCD_R + col;
+        float *po1 = part_o + (((size_t)t * HA + h0 + 8) * n_split + s) * TCD_R + col;
+        *(float2 *)po0 = make_float2(oacc[i][0], oacc[i][1]);
+        *(float2 *)po1 = make_float2(oacc[i][2], oacc[i][3]);
+    }
+    __syncthreads(); /* (m and l of an empty split are their initial values) */
+    if (tid < HA) {
+        float *pml = part_ml + (((size_t)t * HA + tid) * n_split + s) * 2;
+        pml[0] = m_sh[tid], pml[1] = l_sh[tid];
+    }
+}
+
+extern "C" void ds_cu_set_mla_decode_tc(ds_cu *c, int min_rows) {
+    c->mla_decode_tc = min_rows;
+}
+
+int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int ldqr, int T,
+                  int Ha, int R, int dr, const void *pool, int kv_fp8, const int32_t *tables,
+                  const int32_t *tok_bt, const int32_t *tok_pos, int max_ctx, int block_size,
+                  size_t row_bytes, float scale, int *done, ds_err *err) {
+    *done = 0;
+    if (!c->mla_decode_tc || c->batch_invariant || max_ctx < c->mla_decode_tc || R != TCD_R ||
+        dr != TCD_DR || (Ha != 16 && Ha != 32) || ldqr % 2 || row_bytes % 16 ||
+        ((uintptr_t)qbar | (uintptr_t)qr) % 8 || (uintptr_t)pool % 16)
+        return DS_OK;
+    const int row = (int)(kv_fp8 ? row_bytes : row_bytes / sizeof(float));
+    const int rb = kv_fp8 ? (int)row_bytes : (R + dr) * 4;
+    /* a wave of blocks (one an SM) over the tokens, at least a tile a split */
+    const int n_split = DS_MAX(1, DS_MIN((c->n_sm + T - 1) / T, max_ctx / TCD_BK));
+    const int rows = T * Ha;
+    const size_t need = (size_t)rows * n_split * ((size_t)R + 2);
+    if (grow_scratch(c, (void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch",
+                     err))
+        return DS_ERR;
+    float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
+    const int mt = Ha / 16;
+    const size_t smem =
+        (size_t)2 * TCD_BK * rb + (mt == 2 ? tcd_shape<2>::TAIL : tcd_shape<1>::TAIL);
+    auto kernel = kv_fp8 ? (mt == 2 ? mla_tcd_k<2, true> : mla_tcd_k<1, true>)
+                         : (mt == 2 ? mla_tcd_k<2, false> : mla_tcd_k<1, false>);
+    /* raised once per kernel, before any capture can be open */
+    size_t *set = &c->mla_tcd_smem[(mt - 1) + 2 * (kv_fp8 != 0)];
+    if (smem > *set) {
+        CU_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+               "mla (tensor cores): shared memory");
+        *set = smem;
+    }
+    launch_k(c, kernel, dim3((unsigned)T, (unsigned)n_split), TCD_NT, smem, part_o, part_ml, qbar,
+             qr, ldqr, pool, tables, tok_bt, tok_pos, block_size, row, rb, scale, n_split);
+    CU_TRY(cudaGetLastError(), "mla (tensor cores)");
+    mla_merge(c, obar, part_o, part_ml, rows, R, n_split);
+    CU_TRY(cudaGetLastError(), "mla merge");
+    *done = 1;
+    return DS_OK;
+}
