@@ -54,7 +54,7 @@ static void f8_experts_free(f8_experts *x) {
     free(x->gc), free(x->gs), free(x->dc), free(x->dsc);
 }
 
-/* the device's experts into got [T][D] (mode 1: tensor cores) */
+/* the device's experts into got [T][D] (mode 1: tensor cores; 2: the quantizers first) */
 static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, const int32_t *idx,
                    const float *w, int T, int k, int E, int e0, int D, int I, int situ, int mode) {
     float *dx = dev(c, x, (size_t)T * D * 4), *dw = dev(c, w, (size_t)T * k * 4);
@@ -63,12 +63,14 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_err err = {{0}};
     ds_cu_set_expert_mma(c, mode == 1);
     ds_cu_set_expert_mma_min(c, mode == 1 ? 16 : 0);
+    ds_cu_set_f8_prequant(c, mode == 2);
     if (ds_cu_moe_experts_fp8(c, dout, dx, didx, dw, T, k, E - e0, e0, D, I, fx->dgc, fx->dgs,
                               fx->ddc, fx->dds, situ, 4.0f, 6.0f, 0, &err) ||
         ds_cu_sync(c, &err))
         DIE("%s", err.msg);
     ds_cu_set_expert_mma(c, 0);
     ds_cu_set_expert_mma_min(c, 0);
+    ds_cu_set_f8_prequant(c, 0);
     fetch(c, got, dout, (size_t)T * D * 4);
     ds_cu_dealloc(dx), ds_cu_dealloc(dw), ds_cu_dealloc(dout), ds_cu_dealloc(didx);
 }
@@ -78,7 +80,8 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
  * as the CPU's gate and up products each quantize it the same way), the activation, ds_matmul on
  * its down rows (the act row quantized), the weighted sum in slot order. The sums' order differs,
  * so an activation code may land a rounding apart: tolerances 1e-3 (a wrong term gives ~1).
- * mode 0: streamed; 1: tensor cores. half: this rank holds experts [E/2, E) only. */
+ * mode 0: streamed; 1: tensor cores; 2: streamed, the quantizers first (ds_cu_set_f8_prequant).
+ * half: this rank holds experts [E/2, E) only. */
 static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ, int mode,
                           int half) {
     const int e0 = half ? E / 2 : 0;
@@ -118,6 +121,13 @@ static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ,
         snprintf(what, sizeof what, "moe fp8 T=%d: token 0 alone, words differing", T);
         report(what, (double)words_differ(one, got, (size_t)D), 0.0);
         free(one);
+    }
+    if (mode == 0 && T == 1) { /* the quantizers first (mode 2): the same codes, the same bits */
+        float *pre = malloc((size_t)D * 4);
+        run_f8(c, &fx, pre, x, idx, w, 1, k, E, e0, D, I, situ, 2);
+        snprintf(what, sizeof what, "moe fp8 T=1 D=%d: quantizers first, words differing", D);
+        report(what, (double)words_differ(pre, got, (size_t)D), 0.0);
+        free(pre);
     }
     f8_experts_free(&fx);
     free(x), free(w), free(idx), free(ref), free(got), free(hgu), free(a), free(yr);
@@ -184,21 +194,27 @@ void bench_moe_fp8(ds_cu *c, const cuda_ceilings *ceil) {
     m.idx = dev(c, ids, (size_t)TMAX * K * 4);
     m.out = dev(c, NULL, (size_t)TMAX * D * 4);
     m.k = K, m.E = E, m.D = D, m.I = I;
-    static const int Ts[] = {1, 8, 64, 256};
+    static const int Ts[] = {1, 1, 8, 64, 256}; /* (the second T=1: the quantizers first) */
     for (size_t i = 0; i < DS_ARRAY_LEN(Ts); i++) {
         m.T = Ts[i];
+        const int pre = i == 1;
         memset(used, 0, E);
         int n_used = 0;
         for (int r = 0; r < m.T * K; r++) n_used += !used[ids[r]], used[ids[r]] = 1;
         const int tc = m.T >= 40;
         ds_cu_set_expert_mma(c, tc);
+        ds_cu_set_f8_prequant(c, pre);
         const double ms = median_ms(c, run_f8b, &m, 3, 20);
         ds_cu_set_expert_mma(c, 0);
+        ds_cu_set_f8_prequant(c, 0);
         const double bytes = (double)n_used * (3.0 * per + 4.0 * (2 * I + D));
         printf("bench moe fp8 T=%d (%d experts of 256, 2304 x 1024, 8 a token%s): %.4f ms, "
                "%.0f GB/s (%.0f%% of copy)\n",
-               m.T, n_used, tc ? ", tensor cores" : "", ms, bytes / (ms * 1e-3) / 1e9,
-               100.0 * bytes / (ms * 1e-3) / 1e9 / ceil->copy_gbs);
+               m.T, n_used,
+               tc    ? ", tensor cores"
+               : pre ? ", quantizers first"
+                     : "",
+               ms, bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / ceil->copy_gbs);
     }
     ds_cu_dealloc(m.gc), ds_cu_dealloc(m.gs), ds_cu_dealloc(m.dc), ds_cu_dealloc(m.ds);
     ds_cu_dealloc(m.x), ds_cu_dealloc(m.w), ds_cu_dealloc(m.idx), ds_cu_dealloc(m.out);

@@ -34,6 +34,10 @@
 #      session 32, its checks and timings first).
 #  11. (issue 33) the time to first token of a 1M-token prompt and its split by op (a call of its
 #      own: at the 48B shape its MLA attention alone is minutes).
+#  12. (issue 32) the FP8 streams: the experts' kernel at one token with the quantizers first
+#      (DS_CUDA_F8_PREQUANT, session 32: the experts now take it too) against each block
+#      quantizing, and Nsight Compute's occupancy and warp states (ncu_detail.sh) for BF16, FP8,
+#      and FP8 with the codes made first.
 # STEPS: which of them (default "9 6 7"; 1-5 ran in sessions 27-28, 6, 7 and 9 in session 31, 8 at
 # 128K in session 31 on an H100: the million-token run needs the H200).
 set -u
@@ -78,6 +82,15 @@ el "11. the time to first token of a million-token prompt (a call of its own: ~7
 DS_CUDA_MLA_CTX_BLOCK=131072 LENS=1048576 KV_DTYPES="${KV_DTYPES:-auto}" PARTS=ttft \
   STEP_TIMEOUT=${STEP_TIMEOUT:-570} bash "$(dirname "$0")/long48.sh" 2>&1 | tail -6
 tail -30 "$OUT"/long1024k_*_profile.txt
+fi
+if want 12; then
+el "12. (issue 32) why the FP8 streams read slowly: the experts' kernel at T=1 with and without the"
+el "    quantizers first, then Nsight Compute's warp states for BF16, FP8, FP8 with the codes first"
+timeout 100 .devbin/test_cuda_kernels --bench-only moefp8 2>&1 | grep "bench moe fp8 T=1 "
+NAME=ncu_fp8d bash "$(dirname "$0")/ncu_detail.sh" -q ptpc_fp8 2>&1 | head -${NCU_LINES:-60}
+DS_CUDA_F8_PREQUANT=1 NAME=ncu_fp8p KERNELS="moe_f8m_k|gemv_f8m_k" bash "$(dirname "$0")/ncu_detail.sh" -q ptpc_fp8 2>&1 |
+  grep -E "^ [a-z_]+|Duration|DRAM Throughput|Warp Cycles|Achieved Occ" | head -30
+NAME=ncu_bf16d bash "$(dirname "$0")/ncu_detail.sh" 2>&1 | head -${NCU_LINES:-40}
 fi
 if want 1; then
 el "1. kernel checks"

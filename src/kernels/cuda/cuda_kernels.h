@@ -287,8 +287,9 @@ void ds_cu_set_expert_mma_min(ds_cu *c, int tokens);
  * instead of cuBLAS (0: the default, two rows; DS_CUDA_GEMV_MAX_T in the engine). */
 void ds_cu_set_gemv_max_t(ds_cu *c, int rows);
 /* 1: a ptpc FP8 product of up to 8 tokens has the activations' quantizer write their codes first
- * and reads them (two launches), instead of every block quantizing the tokens itself (one): what
- * the in-kernel quantization costs (bench/RESULTS.md, session 27). */
+ * and reads them (two launches), instead of every block quantizing the tokens itself (one), and
+ * a token's FP8 routed experts go through the batches' streaming path (quantizers, then the
+ * streams): what the in-kernel quantization costs (bench/RESULTS.md, sessions 27 and 32). */
 void ds_cu_set_f8_prequant(ds_cu *c, int on);
 /* Expanded MLA of segments with >= 128 query rows through cuBLAS (scores and values as strided-
  * batched BF16 GEMMs over the heads, a row softmax between). On in the engine unless

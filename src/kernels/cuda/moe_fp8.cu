@@ -317,7 +317,9 @@ extern "C" int ds_cu_moe_experts_fp8(ds_cu *c, float *out, const float *x, const
     if ((uintptr_t)gu_codes % 16 || (uintptr_t)dn_codes % 16)
         return ds_errf(err, "cuda: moe fp8: codes not 16-byte aligned");
     const int n_chunks = rows >= 1024 ? (rows + MOE_GCHUNK - 1) / MOE_GCHUNK : 0;
-    const int direct = T == 1;
+    /* one token: the blocks quantize their routed rows themselves, unless f8_prequant asks for
+     * the quantizers first (what that costs the experts: docs/quantization.md §3) */
+    const int direct = T == 1 && !c->f8_prequant;
     const int tc = !direct && c->expert_mma && !c->batch_invariant && D % 128 == 0 &&
                    I % 128 == 0 &&
                    T >= (c->mma_min_tokens > 0 ? c->mma_min_tokens : MOE_F8_MMA_MIN);
