@@ -25,24 +25,23 @@
 #   9. (issue 33, session 31) chunked KDA's first pass on tensor cores (DS_CUDA_KDA_PREP_TC): the
 #      KDA checks (both forms of pass 1 in modes 1 and 3, against the CPU), then the timings of
 #      8192 tokens x 32 heads with pass 1 in f32 and on tensor cores; run first.
-#  10. (issue 33, session 31's code, not yet run) a long context's MLA attention a block of keys at
-#      a time: the MLA kernel checks (blocks and their log-sum-exp merge against the CPU and the
-#      whole), then long48.sh at 1M tokens with DS_CUDA_MLA_CTX_BLOCK=131072 (the H200: an H100
-#      cannot hold a million tokens beside even the cut model). If both hold, make 131072 the
-#      default (tuning.c). Decode's context is zeros (`bench --decode-fill zeros`), not a prefill;
-#      with the f32 kernels and with decode's absorbed MLA on tensor cores (DS_CUDA_MLA_DECODE_TC,
-#      session 32, its checks and timings first).
+#  10. (issue 33) a long context's MLA: the kernel checks (the expanded attention's blocks and
+#      their log-sum-exp merge; decode's absorbed attention on tensor cores, f32 and FP8 rows),
+#      their timings, then decode after 1M tokens (long48.sh; the H200: an H100 holds the cut
+#      shape's million rows only in FP8) with the f32 kernels and on tensor cores
+#      (DS_CUDA_MLA_DECODE_TC 0 and 8192). Decode's context is zeros (`bench --decode-fill
+#      zeros`), not a prefill.
 #  11. (issue 33) the time to first token of a 1M-token prompt and its split by op (a call of its
 #      own: at the 48B shape its MLA attention alone is minutes).
 #  12. (issue 32) the FP8 streams: the experts' kernel at one token with the quantizers first
 #      (DS_CUDA_F8_PREQUANT, session 32: the experts now take it too) against each block
 #      quantizing, and Nsight Compute's occupancy and warp states (ncu_detail.sh) for BF16, FP8,
 #      and FP8 with the codes made first.
-# STEPS: which of them (default "9 6 7"; 1-5 ran in sessions 27-28, 6, 7 and 9 in session 31, 8 at
-# 128K in session 31 on an H100: the million-token run needs the H200).
+# STEPS: which of them (default "12 9"; 1-5 ran in sessions 27-28, 6, 7 and 9 in session 31, 8 at
+# 128K in session 31 on an H100, 9-12 in session 32 on the H200: bench/RESULTS.md).
 set -u
 OUT=${OUT:-/tmp/ds-out}
-STEPS=" ${STEPS:-9 6 7} "
+STEPS=" ${STEPS:-12 9} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }

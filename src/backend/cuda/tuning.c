@@ -69,14 +69,15 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->kda_prep_tc = env_flag("DS_CUDA_KDA_PREP_TC", 0);
     /* a prompt chunk's expanded MLA attention over at most this many context rows at a time
      * (its f32 expansion is ~68 KB a row at the 48B shape: a million rows would not fit beside
-     * the weights); 0, the default until a GPU run has checked it in the model: the whole
-     * context at once (tests/cuda checks the kernels' blocks and merge) */
-    t->mla_ctx_block = env_count("DS_CUDA_MLA_CTX_BLOCK", 0);
+     * the weights; with blocks of 131072 a million-token prompt prefills on one H200,
+     * bench/RESULTS.md session 32); 0: the whole context at once */
+    t->mla_ctx_block = env_count("DS_CUDA_MLA_CTX_BLOCK", 131072);
     t->side = env_flag("DS_CUDA_SIDE", 1);
     t->mla_all_heads = env_flag("DS_CUDA_MLA_ALL_HEADS", 1);
     /* decode's absorbed MLA on tensor cores from this context cap (BF16 operands, as the prefill's
-     * fused kernel); 0, the default until a GPU run has checked it: the f32 kernels always */
-    t->mla_decode_tc = env_count("DS_CUDA_MLA_DECODE_TC", 0);
+     * fused kernel): 2.6-3.2x the f32 kernels from 32K rows (bench/RESULTS.md session 32; the
+     * crossover below that is not measured); 0: the f32 kernels always */
+    t->mla_decode_tc = env_count("DS_CUDA_MLA_DECODE_TC", 8192);
     const char *pdl = getenv("DS_CUDA_PDL"); /* (on unless exactly "0", as the kernels read it) */
     t->pdl = !(pdl && !strcmp(pdl, "0"));
     t->profile = env_flag("DS_CUDA_PROFILE", 0);
