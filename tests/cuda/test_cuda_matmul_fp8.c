@@ -67,7 +67,8 @@ static void check_ptpc_quantize(ds_cu *c, int rows, int cols, int c0, int nc) {
 
 /* y = x W^T with W FP8 against a float64 sum of the dequantized terms (the CPU's activation codes
  * and scales: exactly the GPU's) and against the CPU's ds_matmul. mode 0: the default choice
- * (streamed up to 2 rows, tensor cores above); 1: batch invariance (always streamed). */
+ * (streamed up to 2 rows, tensor cores above); 1: batch invariance (always streamed); 2: the same
+ * with K split down to one step a warp (ds_cu_set_f8_split_min). */
 static void check_matmul_fp8(ds_cu *c, int T, int N, int K, int pad, int mode, double tol) {
     const int ldx = K + pad, ldy = N + pad;
     float *x = rand_f32((size_t)T * ldx, -2, 2);
@@ -97,16 +98,19 @@ static void check_matmul_fp8(ds_cu *c, int T, int N, int K, int pad, int mode, d
     poison(c, dy, (size_t)T * ldy * 4);
     ds_cu_mat m = {(const uint16_t *)dq, N, K, DS_CU_FP8, dsr, NULL, 0};
     ds_err err = {{0}};
-    ds_cu_set_batch_invariant(c, mode == 1);
+    ds_cu_set_batch_invariant(c, mode >= 1);
+    ds_cu_set_f8_split_min(c, mode == 2);
     if (ds_cu_matmul(c, dy, ldy, dx, ldx, T, &m, &err) || ds_cu_sync(c, &err)) DIE("%s", err.msg);
     ds_cu_set_batch_invariant(c, 0);
+    ds_cu_set_f8_split_min(c, 0);
     fetch(c, got, dy, (size_t)T * ldy * 4);
     char what[128];
+    const char *form = mode == 2 ? " (invariant, K split to 1 step)" : mode ? " (invariant)" : "";
     snprintf(what, sizeof what, "matmul fp8 T=%d N=%d K=%d%s%s: vs float64", T, N, K,
-             pad ? " (strided)" : "", mode == 1 ? " (invariant)" : "");
+             pad ? " (strided)" : "", form);
     report(what, rel_err(got, reff, (size_t)T, (size_t)N, (size_t)ldy), tol);
     snprintf(what, sizeof what, "matmul fp8 T=%d N=%d K=%d%s%s: vs the CPU", T, N, K,
-             pad ? " (strided)" : "", mode == 1 ? " (invariant)" : "");
+             pad ? " (strided)" : "", form);
     report(what, rel_err(got, cpu, (size_t)T, (size_t)N, (size_t)ldy), tol);
     ds_cu_dealloc(dx), ds_cu_dealloc(dy), ds_cu_dealloc(dq), ds_cu_dealloc(dsr);
     free(x), free(wb), free(q), free(sr), free(cpu), free(got), free(ref), free(reff), free(xq);
@@ -157,6 +161,8 @@ void checks_matmul_fp8(ds_cu *c) {
         check_matmul_fp8(c, T, 96, 1024, 8, 0, T > 2 ? 1e-3 : 1e-5);
         check_matmul_fp8(c, T, 77, 200, 3, 0, 1e-5); /* K % 16 != 0: the one-code kernel */
         check_matmul_fp8(c, T, 333, 2304, 0, 1, 1e-5);
+        check_matmul_fp8(c, T, 333, 2304, 0, 2, 1e-5);
+        check_matmul_fp8(c, T, 96, 1024, 8, 2, 1e-5);
     }
     check_matmul_runs(c, 1, 96, 32, 512);
     check_matmul_runs(c, 64, 96, 32, 512);

@@ -64,6 +64,7 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_expert_mma(c, mode == 1);
     ds_cu_set_expert_mma_min(c, mode == 1 ? 16 : 0);
     ds_cu_set_f8_prequant(c, mode == 2);
+    ds_cu_set_f8_split_min(c, mode == 3);
     if (ds_cu_moe_experts_fp8(c, dout, dx, didx, dw, T, k, E - e0, e0, D, I, fx->dgc, fx->dgs,
                               fx->ddc, fx->dds, situ, 4.0f, 6.0f, 0, &err) ||
         ds_cu_sync(c, &err))
@@ -71,6 +72,7 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_expert_mma(c, 0);
     ds_cu_set_expert_mma_min(c, 0);
     ds_cu_set_f8_prequant(c, 0);
+    ds_cu_set_f8_split_min(c, 0);
     fetch(c, got, dout, (size_t)T * D * 4);
     ds_cu_dealloc(dx), ds_cu_dealloc(dw), ds_cu_dealloc(dout), ds_cu_dealloc(didx);
 }
@@ -80,8 +82,9 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
  * as the CPU's gate and up products each quantize it the same way), the activation, ds_matmul on
  * its down rows (the act row quantized), the weighted sum in slot order. The sums' order differs,
  * so an activation code may land a rounding apart: tolerances 1e-3 (a wrong term gives ~1).
- * mode 0: streamed; 1: tensor cores; 2: streamed, the quantizers first (ds_cu_set_f8_prequant).
- * half: this rank holds experts [E/2, E) only. */
+ * mode 0: streamed; 1: tensor cores; 2: streamed, the quantizers first (ds_cu_set_f8_prequant);
+ * 3: streamed, K split down to one step a warp (ds_cu_set_f8_split_min). half: this rank holds
+ * experts [E/2, E) only. */
 static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ, int mode,
                           int half) {
     const int e0 = half ? E / 2 : 0;
@@ -112,12 +115,15 @@ static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ,
     run_f8(c, &fx, got, x, idx, w, T, k, E, e0, D, I, situ, mode);
     char what[160];
     snprintf(what, sizeof what, "moe fp8 T=%d k=%d E=%d D=%d I=%d %s%s%s", T, k, E, D, I,
-             situ ? "situ" : "swiglu", mode ? " (tensor cores)" : "",
+             situ ? "situ" : "swiglu",
+             mode == 3   ? " (K split to 1 step)"
+             : mode == 1 ? " (tensor cores)"
+                         : "",
              half ? " (half the experts)" : "");
     report(what, rel_err(got, ref, 1, (size_t)T * D, (size_t)T * D), 1e-3);
-    if (mode == 0 && T > 1) { /* batch invariance: token 0 alone has the same bits */
+    if ((mode == 0 || mode == 3) && T > 1) { /* batch invariance: token 0 alone, the same bits */
         float *one = malloc((size_t)D * 4);
-        run_f8(c, &fx, one, x, idx, w, 1, k, E, e0, D, I, situ, 0);
+        run_f8(c, &fx, one, x, idx, w, 1, k, E, e0, D, I, situ, mode);
         snprintf(what, sizeof what, "moe fp8 T=%d: token 0 alone, words differing", T);
         report(what, (double)words_differ(one, got, (size_t)D), 0.0);
         free(one);
@@ -142,6 +148,8 @@ void checks_moe_fp8(ds_cu *c) {
     check_moe_fp8(c, 200, 8, 16, 512, 384, 1, 1, 1); /* ... many rows an expert, TP half */
     check_moe_fp8(c, 1, 8, 32, 2304, 1024, 0, 0, 0); /* Kimi-Linear's widths */
     check_moe_fp8(c, 1, 8, 32, 2304, 1024, 0, 0, 1); /* ... half the experts, one token */
+    check_moe_fp8(c, 1, 8, 32, 2304, 1024, 0, 3, 0); /* ... K split further (more warps) */
+    check_moe_fp8(c, 40, 8, 16, 512, 256, 1, 3, 0);
     check_moe_fp8(c, 20, 8, 32, 2304, 1024, 0, 1, 0);
 }
 

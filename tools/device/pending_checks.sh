@@ -33,15 +33,16 @@
 #      zeros`), not a prefill.
 #  11. (issue 33) the time to first token of a 1M-token prompt and its split by op (a call of its
 #      own: at the 48B shape its MLA attention alone is minutes).
-#  12. (issue 32) the FP8 streams: the experts' kernel at one token with the quantizers first
-#      (DS_CUDA_F8_PREQUANT, session 32: the experts now take it too) against each block
-#      quantizing, and Nsight Compute's occupancy and warp states (ncu_detail.sh) for BF16, FP8,
-#      and FP8 with the codes made first.
-# STEPS: which of them (default "12 9"; 1-5 ran in sessions 27-28, 6, 7 and 9 in session 31, 8 at
+#  12. (issue 32) the FP8 streams: their checks with K split further (DS_CUDA_F8_SPLIT_MIN, session
+#      32: more warps a product), the experts' kernel at one token and decode at batch 1 and 32
+#      with the split minimum 4 (default), 2 and 1 beside BF16; with NCU=1 also the experts with
+#      the quantizers first and Nsight Compute's occupancy and warp states (ncu_detail.sh) for
+#      BF16, FP8, and FP8 with the codes made first (session 32 ran those).
+# STEPS: which of them (default "10 12"; 1-5 ran in sessions 27-28, 6, 7 and 9 in session 31, 8 at
 # 128K in session 31 on an H100, 9-12 in session 32 on the H200: bench/RESULTS.md).
 set -u
 OUT=${OUT:-/tmp/ds-out}
-STEPS=" ${STEPS:-12 9} "
+STEPS=" ${STEPS:-10 12} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -84,12 +85,28 @@ tail -30 "$OUT"/long1024k_*_profile.txt
 fi
 if want 12; then
 el "12. (issue 32) why the FP8 streams read slowly: the experts' kernel at T=1 with and without the"
-el "    quantizers first, then Nsight Compute's warp states for BF16, FP8, FP8 with the codes first"
+el "    quantizers first, decode batch 1 with K split further (DS_CUDA_F8_SPLIT_MIN 4, 2, 1: more"
+el "    warps), then Nsight Compute's warp states for BF16, FP8, FP8 with the codes first (NCU=1)"
+DS_CUDA_CHECKS="matmul fp8,moe fp8,kda batch" timeout 150 .devbin/test_cuda_kernels 2>&1 |
+  grep -E "FAIL|K split|checks:" | head -20
+for m in 4 2 1; do
+  DS_CUDA_F8_SPLIT_MIN=$m timeout 100 .devbin/test_cuda_kernels --bench-only moefp8 2>&1 |
+    grep "bench moe fp8 T=1 " | sed "s/^/[split min $m] /"
+done
+B48=".devbin/deltaserve bench --model $SHAPE48 --load-format random --device cuda --prompt-tokens 16"
+B48="$B48 --reps 1 --decode-context 512 --decode-steps 8 --batch-sizes 1,32"
+$B48 2>&1 | grep -E "^decode" | sed "s/^/[bf16] /"
+for m in 4 2 1; do
+  DS_CUDA_F8_SPLIT_MIN=$m $B48 -q ptpc_fp8 2>&1 | grep -E "^decode" | sed "s/^/[fp8, split min $m] /"
+done
+[ "${NCU:-0}" = 1 ] || el "12 done (NCU=1 for Nsight Compute)"
+if [ "${NCU:-0}" = 1 ]; then
 timeout 100 .devbin/test_cuda_kernels --bench-only moefp8 2>&1 | grep "bench moe fp8 T=1 "
 NAME=ncu_fp8d bash "$(dirname "$0")/ncu_detail.sh" -q ptpc_fp8 2>&1 | head -${NCU_LINES:-60}
 DS_CUDA_F8_PREQUANT=1 NAME=ncu_fp8p KERNELS="moe_f8m_k|gemv_f8m_k" bash "$(dirname "$0")/ncu_detail.sh" -q ptpc_fp8 2>&1 |
   grep -E "^ [a-z_]+|Duration|DRAM Throughput|Warp Cycles|Achieved Occ" | head -30
 NAME=ncu_bf16d bash "$(dirname "$0")/ncu_detail.sh" 2>&1 | head -${NCU_LINES:-40}
+fi
 fi
 if want 1; then
 el "1. kernel checks"

@@ -54,6 +54,7 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->expert_mma_min = env_count("DS_CUDA_EXPERT_MMA_MIN", 0);
     t->gemv_max_t = env_count("DS_CUDA_GEMV_MAX_T", 0);
     t->f8_prequant = env_flag("DS_CUDA_F8_PREQUANT", 0);
+    t->f8_split_min = env_count("DS_CUDA_F8_SPLIT_MIN", 0);
     t->mla_gemm = env_flag("DS_CUDA_MLA_GEMM", 1);
     t->mla_flash = env_flag("DS_CUDA_MLA_FLASH", 1);
     t->early_experts = env_flag("DS_CUDA_EARLY_EXPERTS", 1);
@@ -93,6 +94,7 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_expert_mma_min(c, t->expert_mma_min);
     ds_cu_set_gemv_max_t(c, t->gemv_max_t);
     ds_cu_set_f8_prequant(c, t->f8_prequant);
+    ds_cu_set_f8_split_min(c, t->f8_split_min);
     ds_cu_set_mla_gemm(c, t->mla_gemm);
     ds_cu_set_mla_flash(c, t->mla_flash);
     ds_cu_set_early_experts(c, t->early_experts);

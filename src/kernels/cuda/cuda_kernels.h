@@ -291,6 +291,11 @@ void ds_cu_set_gemv_max_t(ds_cu *c, int rows);
  * a token's FP8 routed experts go through the batches' streaming path (quantizers, then the
  * streams): what the in-kernel quantization costs (bench/RESULTS.md, sessions 27 and 32). */
 void ds_cu_set_f8_prequant(ds_cu *c, int on);
+/* The FP8 weight-streaming kernels split K until a warp has at least `steps` 64-column steps (0:
+ * the default, 4; fp8_stream.cuh's f8_splits): fewer steps, more warps a product. A function of
+ * the matrix, so batch invariance holds at any value; the fused KDA decode's f_b and g_b (K 128)
+ * stay one warp a tile at every value. DS_CUDA_F8_SPLIT_MIN in the engine. */
+void ds_cu_set_f8_split_min(ds_cu *c, int steps);
 /* Expanded MLA of segments with >= 128 query rows through cuBLAS (scores and values as strided-
  * batched BF16 GEMMs over the heads, a row softmax between). On in the engine unless
  * DS_CUDA_MLA_GEMM=0 (tests/cuda: check_mla_expanded_gemm). */

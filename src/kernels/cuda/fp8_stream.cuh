@@ -207,12 +207,16 @@ static __device__ __forceinline__ float f8_quant_row(uint16_t *q, int K, V v) {
 }
 
 /* Warps along K for a tile of a matrix of N rows and K columns: enough warps for the loads in
- * flight to cover the memory's latency (about 16 a multiprocessor), at least F8_SPLIT_MIN steps
- * each. A function of the matrix and the device alone (batch invariance). */
+ * flight to cover the memory's latency (about 16 a multiprocessor), at least min_steps (0:
+ * F8_SPLIT_MIN) steps each. A function of the matrix and the device alone (batch invariance).
+ * (A warp owns 16 rows, so a small matrix has few warps: session 32's Nsight Compute run found
+ * the products waiting on their own dependent chains at 4-9 warps an SM; DS_CUDA_F8_SPLIT_MIN
+ * below 4 splits K further to measure what more warps give.) */
 enum { F8_SPLIT_MIN = 4 };
-static inline int f8_splits(int n_sm, int N, int K) {
+static inline int f8_splits(int n_sm, int N, int K, int min_steps) {
     const long tiles = (N + 15) / 16, want = 16L * n_sm;
+    const int m = min_steps > 0 ? min_steps : F8_SPLIT_MIN;
     int S = 1;
-    while (S < 8 && tiles * S < want && K / 64 >= F8_SPLIT_MIN * 2 * S) S *= 2;
+    while (S < 8 && tiles * S < want && K / 64 >= m * 2 * S) S *= 2;
     return S;
 }

@@ -206,6 +206,10 @@ extern "C" void ds_cu_set_f8_prequant(ds_cu *c, int on) {
     c->f8_prequant = on;
 }
 
+extern "C" void ds_cu_set_f8_split_min(ds_cu *c, int steps) {
+    c->f8_split_min = steps;
+}
+
 extern "C" void ds_cu_set_gemv_max_t(ds_cu *c, int rows) {
     c->gemv_max_t = rows;
 }
