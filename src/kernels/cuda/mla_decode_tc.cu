@@ -72,20 +72,27 @@ template <bool F8> static __device__ __forceinline__ uint2 tcd_vals(const uint8_
     }
 }
 
-/* long: the five phases above share the block's stages and the output fragments in registers.
- * row: the pool's row stride (floats, or bytes for F8); rb: a staged row's bytes. */
+/* A staged row's bytes: the pool's own row (kv_fp8.h's 656 at R 512, dr 64; f32: 2304). */
+template <bool F8> __host__ __device__ constexpr int tcd_row_bytes() {
+    return F8 ? (TCD_R + 4 * ((TCD_R + DS_KV_FP8_TILE - 1) / DS_KV_FP8_TILE) + 2 * TCD_DR + 15) /
+                    16 * 16
+              : (TCD_R + TCD_DR) * 4;
+}
+
+/* long: the five phases above share the block's stages and the output fragments in registers. */
 template <int MT, bool F8>
 __global__ void __launch_bounds__(TCD_NT, 1)
     mla_tcd_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int ldqr,
               const void *pool, const int32_t *tables, const int32_t *tok_bt,
-              const int32_t *tok_pos, int bs, int row, int rb, float scale, int n_split) {
+              const int32_t *tok_pos, int bs, float scale, int n_split) {
     typedef tcd_shape<MT> L;
     constexpr int HA = L::HA, BK = TCD_BK, CLD = L::CLD, PLD = L::PLD, SLD = L::SLD;
+    constexpr int RB = tcd_row_bytes<F8>(), PIECES = RB / 16;
     extern __shared__ __align__(16) uint8_t tsh[];
-    uint8_t *raw = tsh;                                     /* [2][BK][rb] rows as stored */
-    uint16_t *Cb = (uint16_t *)(raw + (size_t)2 * BK * rb); /* [BK][CLD] */
-    float *Sp = (float *)(Cb + BK * CLD);                   /* [KG][HA][SLD] */
-    uint16_t *Ps = (uint16_t *)(Sp + L::KG * HA * SLD);     /* [HA][PLD] */
+    uint8_t *raw = tsh;                                 /* [2][BK][RB] rows as stored */
+    uint16_t *Cb = (uint16_t *)(raw + 2 * BK * RB);     /* [BK][CLD] */
+    float *Sp = (float *)(Cb + BK * CLD);               /* [KG][HA][SLD] */
+    uint16_t *Ps = (uint16_t *)(Sp + L::KG * HA * SLD); /* [HA][PLD] */
     float *m_sh = (float *)(Ps + HA * PLD), *l_sh = m_sh + HA, *a_sh = l_sh + HA;
     const int t = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, warp = tid >> 5;
     const int lane = tid & 31, g = lane >> 2, l4 = lane & 3, mi = lane >> 3, mr = lane & 7;
@@ -96,20 +103,21 @@ __global__ void __launch_bounds__(TCD_NT, 1)
     /* this split's rows: the token's own context in n_split shares of whole tiles */
     const int per = ((n + n_split - 1) / n_split + BK - 1) / BK * BK;
     const int j0 = min(n, s * per), j1 = min(n, j0 + per);
-    const size_t pool_rb = F8 ? (size_t)row : (size_t)row * 4;
-    const int pieces = rb / 16;
-    auto stage =
-        [&](int a,
-            int st) { /* rows [a, a + BK) (zeros past j1) into stage st */
-                      uint8_t *dst = raw + (size_t)st * BK * rb;
-                      for (int i = tid; i < BK * pieces; i += TCD_NT) {
-                          const int j = i / pieces, c = i - j * pieces, p = min(a + j, j1 - 1);
-                          const size_t at = ((size_t)__ldg(table + p / bs) * bs + p % bs) * pool_rb;
-                          cp_async16_zfill(dst + (size_t)j * rb + 16 * c,
-                                           (const uint8_t *)pool + at + 16 * c, a + j < j1);
-                      }
-                      cp_async_commit();
-        };
+    /* rows [a, a + BK) (zeros past j1) into stage st: a warp a row, its lanes along it, so the
+     * page lookup is once a row (session 32's first form looked it up for every 16-byte piece,
+     * with divisions by the block size and the row's pieces: by count more instructions than
+     * the tile's products; the change is not yet timed) */
+    auto stage = [&](int a, int st) {
+        uint8_t *dst = raw + st * BK * RB;
+        for (int j = warp; j < BK; j += TCD_NT / 32) {
+            const int p = min(a + j, j1 - 1);
+            const uint8_t *src =
+                (const uint8_t *)pool + ((size_t)__ldg(table + p / bs) * bs + p % bs) * RB;
+            for (int c = lane; c < PIECES; c += 32)
+                cp_async16_zfill(dst + j * RB + 16 * c, src + 16 * c, a + j < j1);
+        }
+        cp_async_commit();
+    };
     if (j0 < j1) stage(j0, 0); /* on its way while the queries load */
     uint32_t qf[L::KSW][4];    /* the warp's heads and channels as A fragments */
 #pragma unroll
@@ -134,10 +142,10 @@ __global__ void __launch_bounds__(TCD_NT, 1)
             cp_async_wait_all();
         }
         __syncthreads(); /* the tile has landed; the last tile's products are done with C and P */
-        const uint8_t *rs = raw + (size_t)st * BK * rb;
+        const uint8_t *rs = raw + st * BK * RB;
         for (int i = tid; i < BK * (L::RQ / 4); i += TCD_NT) {
             const int j = i / (L::RQ / 4), c = 4 * (i - j * (L::RQ / 4));
-            *(uint2 *)(Cb + j * CLD + c) = tcd_vals<F8>(rs + (size_t)j * rb, c);
+            *(uint2 *)(Cb + j * CLD + c) = tcd_vals<F8>(rs + j * RB, c);
         }
         __syncthreads();
         { /* scores of the warp's 16 heads over its channels, all BK rows */
@@ -244,11 +252,11 @@ int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int
                   size_t row_bytes, float scale, int *done, ds_err *err) {
     *done = 0;
     if (!c->mla_decode_tc || c->batch_invariant || max_ctx < c->mla_decode_tc || R != TCD_R ||
-        dr != TCD_DR || (Ha != 16 && Ha != 32) || ldqr % 2 || row_bytes % 16 ||
+        dr != TCD_DR || (Ha != 16 && Ha != 32) || ldqr % 2 ||
         ((uintptr_t)qbar | (uintptr_t)qr) % 8 || (uintptr_t)pool % 16)
         return DS_OK;
-    const int row = (int)(kv_fp8 ? row_bytes : row_bytes / sizeof(float));
-    const int rb = kv_fp8 ? (int)row_bytes : (R + dr) * 4;
+    const int rb = kv_fp8 ? tcd_row_bytes<true>() : tcd_row_bytes<false>();
+    if ((int)row_bytes != rb) return DS_OK; /* a pool laid out otherwise: the f32 kernels */
     /* a wave of blocks (one an SM) over the tokens, at least a tile a split */
     const int n_split = DS_MAX(1, DS_MIN((c->n_sm + T - 1) / T, max_ctx / TCD_BK));
     const int rows = T * Ha;
@@ -270,7 +278,7 @@ int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int
         *set = smem;
     }
     launch_k(c, kernel, dim3((unsigned)T, (unsigned)n_split), TCD_NT, smem, part_o, part_ml, qbar,
-             qr, ldqr, pool, tables, tok_bt, tok_pos, block_size, row, rb, scale, n_split);
+             qr, ldqr, pool, tables, tok_bt, tok_pos, block_size, scale, n_split);
     CU_TRY(cudaGetLastError(), "mla (tensor cores)");
     mla_merge(c, obar, part_o, part_ml, rows, R, n_split);
     CU_TRY(cudaGetLastError(), "mla merge");
