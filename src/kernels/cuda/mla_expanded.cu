@@ -109,6 +109,13 @@ template <int DQ, int DV> struct fl_smem {
     static constexpr size_t BYTES = (size_t)2 * (K_ELEMS + V_ELEMS) * sizeof(uint16_t);
 };
 
+/* 2^x on the ex2 unit (what __expf runs on after its multiply by log2 e) */
+static __device__ __forceinline__ float fl_ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 /* o [T][Ha][DV] f32 from Qb [T][Ha][DQ], Kb [C][Ha][DQ], Vb [C][Ha][DV] (BF16); query t sits at
  * position p0 + t and, causal, sees keys j <= p0 + t (and j < C); p0 may be negative (a block of
  * keys that starts after some queries: those see none of it). lse [T][Ha] or NULL: each row's
@@ -198,14 +205,23 @@ __global__ void __launch_bounds__(128)
                 mma_16816(sc[t], qf[kk], b[0], b[1]);
                 mma_16816(sc[t + 1], qf[kk], b[2], b[3]);
             }
-        float mx0 = -INFINITY, mx1 = -INFINITY;
+        /* keys past a row's limit only in the tiles that reach one (the causal diagonal, the
+         * context's end): the others skip the compares */
+        if (kb + FL_BK > min(lim0, lim1)) {
+#pragma unroll
+            for (int t = 0; t < FL_BK / 8; t++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int j = kb + t * 8 + l4 * 2 + e;
+                    if (j >= lim0) sc[t][e] = -INFINITY;
+                    if (j >= lim1) sc[t][2 + e] = -INFINITY;
+                }
+        }
+        float mx0 = -INFINITY, mx1 = -INFINITY; /* of the raw scores (scale > 0 keeps order) */
 #pragma unroll
         for (int t = 0; t < FL_BK / 8; t++)
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                const int j = kb + t * 8 + l4 * 2 + e;
-                sc[t][e] = j < lim0 ? sc[t][e] * scale : -INFINITY;
-                sc[t][2 + e] = j < lim1 ? sc[t][2 + e] * scale : -INFINITY;
                 mx0 = fmaxf(mx0, sc[t][e]);
                 mx1 = fmaxf(mx1, sc[t][2 + e]);
             }
@@ -214,17 +230,24 @@ __global__ void __launch_bounds__(128)
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        /* m, l and the output in the scaled scores' natural units, as before */
+        const float mn0 = fmaxf(m0, mx0 * scale), mn1 = fmaxf(m1, mx1 * scale);
         /* a row that has seen nothing yet keeps zeros (max -inf: no exp of inf - inf) */
         const float a0 = mn0 == -INFINITY ? 1.0f : __expf(m0 - mn0);
         const float a1 = mn1 == -INFINITY ? 1.0f : __expf(m1 - mn1);
+        /* e^(s scale - m) = 2^(s (scale log2 e) - m log2 e): one FFMA and the ex2 unit an
+         * element (the scale, the subtraction and the checks were four more); a masked -inf
+         * score gives 2^-inf = 0, and a row with no key yet subtracts 0 */
+        const float k2 = scale * 1.4426950408889634f;
+        const float b0 = mn0 == -INFINITY ? 0.0f : mn0 * 1.4426950408889634f;
+        const float b1 = mn1 == -INFINITY ? 0.0f : mn1 * 1.4426950408889634f;
         float ps0 = 0.0f, ps1 = 0.0f;
 #pragma unroll
         for (int t = 0; t < FL_BK / 8; t++)
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                const float x0 = mn0 == -INFINITY ? 0.0f : __expf(sc[t][e] - mn0);
-                const float x1 = mn1 == -INFINITY ? 0.0f : __expf(sc[t][2 + e] - mn1);
+                const float x0 = fl_ex2(fmaf(sc[t][e], k2, -b0));
+                const float x1 = fl_ex2(fmaf(sc[t][2 + e], k2, -b1));
                 sc[t][e] = x0, sc[t][2 + e] = x1;
                 ps0 += x0, ps1 += x1;
             }
