@@ -65,6 +65,7 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_expert_mma_min(c, mode == 1 ? 16 : 0);
     ds_cu_set_f8_prequant(c, mode == 2);
     ds_cu_set_f8_split_min(c, mode == 3);
+    ds_cu_set_f8_moe_waves(c, mode == 4 ? 8 : 0);
     if (ds_cu_moe_experts_fp8(c, dout, dx, didx, dw, T, k, E - e0, e0, D, I, fx->dgc, fx->dgs,
                               fx->ddc, fx->dds, situ, 4.0f, 6.0f, 0, &err) ||
         ds_cu_sync(c, &err))
@@ -73,6 +74,7 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_expert_mma_min(c, 0);
     ds_cu_set_f8_prequant(c, 0);
     ds_cu_set_f8_split_min(c, 0);
+    ds_cu_set_f8_moe_waves(c, 0);
     fetch(c, got, dout, (size_t)T * D * 4);
     ds_cu_dealloc(dx), ds_cu_dealloc(dw), ds_cu_dealloc(dout), ds_cu_dealloc(didx);
 }
@@ -83,7 +85,8 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
  * its down rows (the act row quantized), the weighted sum in slot order. The sums' order differs,
  * so an activation code may land a rounding apart: tolerances 1e-3 (a wrong term gives ~1).
  * mode 0: streamed; 1: tensor cores; 2: streamed, the quantizers first (ds_cu_set_f8_prequant);
- * 3: streamed, K split down to one step a warp (ds_cu_set_f8_split_min). half: this rank holds
+ * 3: streamed, K split down to one step a warp (ds_cu_set_f8_split_min); 4: streamed, one token's
+ * experts in up to 8 blocks an SM (ds_cu_set_f8_moe_waves). half: this rank holds
  * experts [E/2, E) only. */
 static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ, int mode,
                           int half) {
@@ -132,6 +135,9 @@ static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ,
         float *pre = malloc((size_t)D * 4);
         run_f8(c, &fx, pre, x, idx, w, 1, k, E, e0, D, I, situ, 2);
         snprintf(what, sizeof what, "moe fp8 T=1 D=%d: quantizers first, words differing", D);
+        report(what, (double)words_differ(pre, got, (size_t)D), 0.0);
+        run_f8(c, &fx, pre, x, idx, w, 1, k, E, e0, D, I, situ, 4); /* more blocks: same sums */
+        snprintf(what, sizeof what, "moe fp8 T=1 D=%d: 8 blocks an SM, words differing", D);
         report(what, (double)words_differ(pre, got, (size_t)D), 0.0);
         free(pre);
     }

@@ -99,6 +99,10 @@ $B48 2>&1 | grep -E "^decode" | sed "s/^/[bf16] /"
 for m in 4 2 1; do
   DS_CUDA_F8_SPLIT_MIN=$m $B48 -q ptpc_fp8 2>&1 | grep -E "^decode" | sed "s/^/[fp8, split min $m] /"
 done
+for w in 4 8; do # one token's experts in more blocks (DS_CUDA_F8_MOE_WAVES), K split to 2 steps
+  DS_CUDA_F8_MOE_WAVES=$w DS_CUDA_F8_SPLIT_MIN=2 $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch 1 " |
+    sed "s/^/[fp8, split min 2, experts $w blocks an SM] /"
+done
 [ "${NCU:-0}" = 1 ] || el "12 done (NCU=1 for Nsight Compute)"
 if [ "${NCU:-0}" = 1 ]; then
 timeout 100 .devbin/test_cuda_kernels --bench-only moefp8 2>&1 | grep "bench moe fp8 T=1 "

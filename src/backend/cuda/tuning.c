@@ -55,6 +55,7 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->gemv_max_t = env_count("DS_CUDA_GEMV_MAX_T", 0);
     t->f8_prequant = env_flag("DS_CUDA_F8_PREQUANT", 0);
     t->f8_split_min = env_count("DS_CUDA_F8_SPLIT_MIN", 0);
+    t->f8_moe_waves = env_count("DS_CUDA_F8_MOE_WAVES", 0);
     t->mla_gemm = env_flag("DS_CUDA_MLA_GEMM", 1);
     t->mla_flash = env_flag("DS_CUDA_MLA_FLASH", 1);
     t->early_experts = env_flag("DS_CUDA_EARLY_EXPERTS", 1);
@@ -95,6 +96,7 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_gemv_max_t(c, t->gemv_max_t);
     ds_cu_set_f8_prequant(c, t->f8_prequant);
     ds_cu_set_f8_split_min(c, t->f8_split_min);
+    ds_cu_set_f8_moe_waves(c, t->f8_moe_waves);
     ds_cu_set_mla_gemm(c, t->mla_gemm);
     ds_cu_set_mla_flash(c, t->mla_flash);
     ds_cu_set_early_experts(c, t->early_experts);

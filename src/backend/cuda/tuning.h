@@ -62,6 +62,7 @@ typedef struct ds_cuda_tuning {
     int expert_mma_min, gemv_max_t; /* 0: the kernels' defaults */
     int f8_prequant;
     int f8_split_min; /* 0: the kernels' default */
+    int f8_moe_waves; /* 0: the kernels' default */
     int mla_gemm, mla_flash;
     int early_experts, wide_early, gemv_wide, conv_fixed;
     int kda_fused;             /* sequences up to which a decode step's KDA middle is one kernel */

@@ -296,6 +296,10 @@ void ds_cu_set_f8_prequant(ds_cu *c, int on);
  * the matrix, so batch invariance holds at any value; the fused KDA decode's f_b and g_b (K 128)
  * stay one warp a tile at every value. DS_CUDA_F8_SPLIT_MIN in the engine. */
 void ds_cu_set_f8_split_min(ds_cu *c, int steps);
+/* One token's FP8 routed experts: at most blocks_per_sm blocks an SM a routed row's worth (0: the
+ * default, 2), each quantizing the row once for its tiles; more: more blocks, fewer tiles each
+ * one after another. The sums do not change. DS_CUDA_F8_MOE_WAVES in the engine. */
+void ds_cu_set_f8_moe_waves(ds_cu *c, int blocks_per_sm);
 /* Expanded MLA of segments with >= 128 query rows through cuBLAS (scores and values as strided-
  * batched BF16 GEMMs over the heads, a row softmax between). On in the engine unless
  * DS_CUDA_MLA_GEMM=0 (tests/cuda: check_mla_expanded_gemm). */

@@ -210,6 +210,10 @@ extern "C" void ds_cu_set_f8_split_min(ds_cu *c, int steps) {
     c->f8_split_min = steps;
 }
 
+extern "C" void ds_cu_set_f8_moe_waves(ds_cu *c, int blocks_per_sm) {
+    c->f8_moe_waves = blocks_per_sm;
+}
+
 extern "C" void ds_cu_set_gemv_max_t(ds_cu *c, int rows) {
     c->gemv_max_t = rows;
 }

@@ -279,8 +279,10 @@ static void f8_stream(ds_cu *c, const f8_buf *b, const float *x, int T, int rows
               sd = f8_splits(c->n_sm, D, I, c->f8_split_min);
     const unsigned bu = (unsigned)(((2 * I + 15) / 16 + 8 / su - 1) / (8 / su)),
                    bd = (unsigned)(((D + 15) / 16 + 8 / sd - 1) / (8 / sd));
-    if (g->direct) { /* a block quantizes once for its tiles: one wave of blocks (two an SM) */
-        const unsigned cap = DS_MAX(1u, 2u * (unsigned)c->n_sm / g->ya);
+    if (g->direct) { /* a block quantizes once for its tiles: one wave of blocks (two an SM, or
+                      * f8_moe_waves: more blocks, each quantizing, fewer tiles a block) */
+        const unsigned per_sm = c->f8_moe_waves > 0 ? (unsigned)c->f8_moe_waves : 2u;
+        const unsigned cap = DS_MAX(1u, per_sm * (unsigned)c->n_sm / g->ya);
         launch_k(c, moe_f8m_k, dim3(DS_MIN(bu, cap), g->ya), 256, (size_t)D * 2, b->h, 2 * I, x, D,
                  none, (const uint16_t *)NULL, (const float *)NULL, k, w->gc, w->gs, 2 * I, D, su,
                  g->start, g->perm, g->active, g->n_active, g->direct, g->e0, g->E);
