@@ -77,8 +77,9 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->side = env_flag("DS_CUDA_SIDE", 1);
     t->mla_all_heads = env_flag("DS_CUDA_MLA_ALL_HEADS", 1);
     /* decode's absorbed MLA on tensor cores from this context cap (BF16 operands, as the prefill's
-     * fused kernel): 2.6-3.2x the f32 kernels from 32K rows (bench/RESULTS.md session 32; the
-     * crossover below that is not measured); 0: the f32 kernels always */
+     * fused kernel): faster than the f32 kernels at every length timed, from 32K rows
+     * (bench/RESULTS.md session 32; the crossover below that is not measured); 0: the f32
+     * kernels always */
     t->mla_decode_tc = env_count("DS_CUDA_MLA_DECODE_TC", 8192);
     const char *pdl = getenv("DS_CUDA_PDL"); /* (on unless exactly "0", as the kernels read it) */
     t->pdl = !(pdl && !strcmp(pdl, "0"));

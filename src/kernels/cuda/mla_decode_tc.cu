@@ -3,7 +3,8 @@
  * A decode token's absorbed attention costs ~120 FLOPs a head for every latent row it reads
  * (scores over R + dr channels, outputs over R): at 32 heads ~70 KFLOP a 2,304-byte f32 row, ~30
  * FLOPs a byte, beyond what CUDA cores deliver at the memory's rate (mla_absorbed.cu's all-heads
- * kernel, f32 FMA, reached 10% of copy at 128K rows). Here both products run as BF16 mma with
+ * kernel, f32 FMA, reads long contexts far below it: bench/RESULTS.md, session 32). Here both
+ * products run as BF16 mma with
  * f32 accumulation, every head of the token at once as the M dimension (FlashMLA's layout):
  * block (token t, split s) takes its share of the token's rows in tiles of TCD_BK, and per tile
  *   1. cp.async the raw rows (f32, or FP8 with their scales) into one of two stages, the next
