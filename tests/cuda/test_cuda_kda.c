@@ -106,11 +106,12 @@ static void check_kda_step(ds_cu *c, const int *lens, const int *rows, int n_seq
     fetch(c, Sgot, dS, ns * n_seq * 4);
     fetch(c, Rgot, dR, (size_t)T * ns * 4);
     char what[96];
-    /* the chunked form sums in another order; its TF32 passes round the operands */
-    const double tol = !nc ? 1e-5 : g_kda_tc == 1 ? 1e-2 : 1e-4;
+    /* the chunked form sums in another order; its TF32 and BF16 passes round the operands */
+    const double tol = !nc ? 1e-5 : g_kda_tc == 1 ? 1e-2 : g_kda_tc == 2 ? 3e-2 : 1e-4;
     snprintf(what, sizeof what, "kda %d seqs (T=%d, %d chunked%s) dk=%d dv=%d g>=%.1f: out", n_seq,
              T, nc,
              g_kda_tc == 1   ? ", tf32"
+             : g_kda_tc == 2 ? ", bf16"
              : g_kda_tc == 3 ? ", 3xtf32"
                              : "",
              dk, dv, g_min);
@@ -426,6 +427,12 @@ void checks_kda(ds_cu *c) {
         ds_cu_set_kda_tc(c, g_kda_tc = 1);
         check_kda_step(c, lens, rows, 7, 3, 64, 64, -0.7f, 16);
         ds_cu_set_kda_prep_tc(c, 1);
+        /* the scan and outputs on BF16 tensor cores (pass 1 in f32 whatever the setting) */
+        ds_cu_set_kda_tc(c, g_kda_tc = 2);
+        check_kda_step(c, lens, rows, 7, 4, 128, 128, -0.7f, 16);
+        check_kda_step(c, lens, rows, 7, 3, 64, 64, -0.7f, 16);
+        check_kda_step(c, lens, rows, 7, 2, 128, 128, -12.0f, 16);
+        check_kda_step(c, one, none, 1, 8, 128, 128, -0.1f, 16);
         ds_cu_set_kda_tc(c, g_kda_tc = 0);
     }
 }
@@ -535,15 +542,19 @@ void bench_kda(ds_cu *c, const cuda_ceilings *ceil) {
         /* the scan and outputs on tensor cores: TF32, then 3xTF32; pass 1 in f32 on CUDA cores,
          * then its products between 16-row blocks on tensor cores too (the default) */
         for (int prep_tc = 0; prep_tc < 2; prep_tc++)
-            for (int mode = 1; mode <= 3; mode += 2) {
+            for (int mode = 1; mode <= 3; mode++) {
+                if (mode == 2 && prep_tc) continue; /* (BF16 keeps pass 1 in f32) */
                 ds_cu_set_kda_tc(c, mode);
                 ds_cu_set_kda_prep_tc(c, prep_tc);
                 ms = median_ms(c, run_kda, &kc, 2, 10);
                 /* "default": the model's form (tools/bench_latest.py takes that line) */
                 printf("bench kda chunked prefill T=8192 H=32 dk=dv=128 (%s scan and outputs, "
                        "pass 1 %s%s): %.3f ms, %.0f tokens/s\n",
-                       mode == 1 ? "tf32" : "3xtf32", prep_tc ? "tensor cores" : "f32",
-                       mode == 3 && !prep_tc ? ", default" : "", ms, kc.T / (ms * 1e-3));
+                       mode == 1   ? "tf32"
+                       : mode == 2 ? "bf16"
+                                   : "3xtf32",
+                       prep_tc ? "tensor cores" : "f32", mode == 3 && !prep_tc ? ", default" : "",
+                       ms, kc.T / (ms * 1e-3));
             }
         ds_cu_set_kda_tc(c, 0);
         ds_cu_set_kda_prep_tc(c, 1);
@@ -578,7 +589,7 @@ static void write_f32(const char *dir, const char *name, const float *p, size_t 
 /* --kda-io DIR T H D: the chunked KDA on inputs a peer wrote (tools/device/fla_kda_bench.py, so
  * that both are scored against one float64 reference): DIR/{q,k,v,g}.f32 [T][H][D],
  * beta.f32 [T][H], s0.f32 [H][D][D]; writes out_M.f32 [T][H][D] and state_M.f32 [H][D][D] for
- * the scan modes M = 0 (f32), 1 (TF32), 3 (3xTF32). */
+ * the scan modes M = 0 (f32), 1 (TF32), 3 (3xTF32), 2 (BF16). */
 void kda_io(ds_cu *c, const char *dir, int T, int H, int D) {
     if (T < 1 || H < 1 || !ds_cu_kda_chunked_supports(D, D)) DIE("--kda-io: bad shape");
     const size_t nq = (size_t)T * H * D, ns = (size_t)H * D * D;
@@ -598,9 +609,10 @@ void kda_io(ds_cu *c, const char *dir, int T, int H, int D) {
     if (!o || !st) DIE("out of memory");
     kc.S = dev(c, NULL, ns * 4), kc.o = dev(c, NULL, nq * 4);
     kc.Sp = dev(c, &kc.S, sizeof kc.S);
-    /* modes 0, 1, 3 (pass 1 on tensor cores in 1 and 3), then 1 and 3 with pass 1 in f32 ("p") */
-    static const int modes[5] = {0, 1, 3, 1, 3}, prep_tc[5] = {1, 1, 1, 0, 0};
-    for (int i = 0; i < 5; i++) {
+    /* modes 0, 1, 3 (pass 1 on tensor cores in 1 and 3), then 1, 3 and 2 (BF16) with pass 1 in
+     * f32 ("p") */
+    static const int modes[6] = {0, 1, 3, 1, 3, 2}, prep_tc[6] = {1, 1, 1, 0, 0, 0};
+    for (int i = 0; i < 6; i++) {
         ds_err err = {{0}};
         if (ds_cu_upload(c, kc.S, s0, ns * 4, &err)) DIE("%s", err.msg);
         ds_cu_set_kda_tc(c, modes[i]);
@@ -615,7 +627,8 @@ void kda_io(ds_cu *c, const char *dir, int T, int H, int D) {
         write_f32(dir, name, st, ns);
     }
     ds_cu_set_kda_prep_tc(c, 1);
-    printf("kda-io: %d tokens x %d heads of %d, modes 0 1 3 1p 3p written to %s\n", T, H, D, dir);
+    printf("kda-io: %d tokens x %d heads of %d, modes 0 1 3 1p 3p 2p written to %s\n", T, H, D,
+           dir);
     free(s0), free(o), free(st);
     ds_cu_dealloc(kc.q), ds_cu_dealloc(kc.k), ds_cu_dealloc(kc.v), ds_cu_dealloc(kc.g);
     ds_cu_dealloc(kc.beta), ds_cu_dealloc(kc.S), ds_cu_dealloc(kc.o), ds_cu_dealloc(kc.Sp);

@@ -34,11 +34,12 @@ static int kda_tc_mode(void) {
     const char *tc = getenv("DS_CUDA_KDA_TC");
     int mode = 3;
     if (tc && *tc) {
-        if (!strcmp(tc, "0") || !strcmp(tc, "1") || !strcmp(tc, "3"))
+        if (!strcmp(tc, "0") || !strcmp(tc, "1") || !strcmp(tc, "2") || !strcmp(tc, "3"))
             mode = atoi(tc);
         else
             fprintf(stderr,
-                    "[deltaserve] DS_CUDA_KDA_TC=%s: 0 (f32), 1 (TF32) or 3 (3xTF32); using 3\n",
+                    "[deltaserve] DS_CUDA_KDA_TC=%s: 0 (f32), 1 (TF32), 2 (BF16) or 3 (3xTF32); "
+                    "using 3\n",
                     tc);
     }
     return mode;

@@ -136,9 +136,11 @@ int ds_cu_kda_chunked(ds_cu *c, float *o, const float *q, const float *k, const 
                       const float *g, const float *beta, const int *seg_start, const int *seg_len,
                       float *const *S, int n_seq, int H, int dk, int dv, ds_err *err);
 /* ds_cu_kda_chunked's scan and output passes: mode 1 on TF32 tensor cores (~3e-4 relative error
- * instead of 5e-7), 3 3xTF32 (each operand split into two TF32 parts: about f32's accuracy), 0
- * f32 on CUDA cores. A context starts at 0; the model sets 3 unless DS_CUDA_KDA_TC says
- * otherwise. tests/cuda checks mode 1 against the CPU at 1e-2 and modes 0 and 3 at f32's 1e-4. */
+ * instead of 5e-7), 3 3xTF32 (each operand split into two TF32 parts: about f32's accuracy), 2
+ * BF16 (the operands rounded to BF16, FLA chunk_kda's precision on BF16 inputs; pass 1 in f32),
+ * 0 f32 on CUDA cores. A context starts at 0; the model sets 3 unless DS_CUDA_KDA_TC says
+ * otherwise. tests/cuda checks modes 1 and 2 against the CPU at 1e-2 and 3e-2, modes 0 and 3 at
+ * f32's 1e-4. */
 void ds_cu_set_kda_tc(ds_cu *c, int mode);
 /* In modes 1 and 3, pass 1's products between 16-row blocks (the bulk of A = K K^T and P = Q K^T
  * with their decays) on tensor cores in the same precision as the scan; a context starts with it

@@ -818,7 +818,7 @@ __global__ void __launch_bounds__(KS_NT)
 }
 
 extern "C" void ds_cu_set_kda_tc(ds_cu *c, int mode) {
-    c->kda_tc = mode == 3 ? 3 : mode > 0 ? 1 : 0;
+    c->kda_tc = mode == 3 || mode == 2 ? mode : mode > 0 ? 1 : 0;
 }
 
 extern "C" void ds_cu_set_kda_prep_tc(ds_cu *c, int on) {
@@ -830,10 +830,13 @@ extern "C" int ds_cu_kda_chunked_supports(int dk, int dv) {
 }
 
 /* the tensor-core passes' shared memory above the default 48 KB (pass 1's too: its forms) */
+/* (PREC 2, BF16, has pass 1 in f32: its solve keeps f32's operands) */
 template <int KD, int PREC> static cudaError_t kda_tc_attrs() {
-    cudaError_t e =
-        cudaFuncSetAttribute(kda_chunk_prep_k<KD, PREC>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kda_prep_smem<KD>());
+    cudaError_t e = cudaSuccess;
+    if constexpr (PREC != 2)
+        e = cudaFuncSetAttribute(kda_chunk_prep_k<KD, PREC>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)kda_prep_smem<KD>());
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(kda_chunk_out_tc_k<KD, PREC>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -862,13 +865,14 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
                "chunked kda: shared memory");
         CU_TRY((kda_tc_attrs<KD, 1>()), "chunked kda: shared memory");
         CU_TRY((kda_tc_attrs<KD, 3>()), "chunked kda: shared memory");
+        CU_TRY((kda_tc_attrs<KD, 2>()), "chunked kda: shared memory");
         *smem_set = 1;
     }
     ds_cu_prof_mark(c, "kda chunks: prepare");
     const dim3 pgrid((unsigned)n_ch, (unsigned)H);
     if (c->kda_tc == 3 && !c->kda_prep_f32)
         launch_k(c, kda_chunk_prep_k<KD, 3>, pgrid, 256, smem1, prep, q, k, v, g, beta, tab, H);
-    else if (c->kda_tc && !c->kda_prep_f32)
+    else if (c->kda_tc == 1 && !c->kda_prep_f32)
         launch_k(c, kda_chunk_prep_k<KD, 1>, pgrid, 256, smem1, prep, q, k, v, g, beta, tab, H);
     else
         launch_k(c, kda_chunk_prep_k<KD, 0>, pgrid, 256, smem1, prep, q, k, v, g, beta, tab, H);
@@ -877,6 +881,9 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
     const dim3 sgrid((unsigned)H, KD / KS_BV, (unsigned)n_seq), ogrid((unsigned)n_ch, (unsigned)H);
     if (c->kda_tc == 3)
         launch_k(c, kda_chunk_scan_tc_k<KD, 3>, sgrid, KS_NT, kda_scan_smem<KD, true>::BYTES,
+                 states, ug, prep, tab, first, S, H);
+    else if (c->kda_tc == 2)
+        launch_k(c, kda_chunk_scan_tc_k<KD, 2>, sgrid, KS_NT, kda_scan_smem<KD, true>::BYTES,
                  states, ug, prep, tab, first, S, H);
     else if (c->kda_tc)
         launch_k(c, kda_chunk_scan_tc_k<KD, 1>, sgrid, KS_NT, kda_scan_smem<KD, true>::BYTES,
@@ -888,6 +895,9 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
     ds_cu_prof_mark(c, "kda chunks: outputs");
     if (c->kda_tc == 3)
         launch_k(c, kda_chunk_out_tc_k<KD, 3>, ogrid, 256, kda_out_tc_smem<KD>(), o, states, ug,
+                 prep, tab, H);
+    else if (c->kda_tc == 2)
+        launch_k(c, kda_chunk_out_tc_k<KD, 2>, ogrid, 256, kda_out_tc_smem<KD>(), o, states, ug,
                  prep, tab, H);
     else if (c->kda_tc)
         launch_k(c, kda_chunk_out_tc_k<KD, 1>, ogrid, 256, kda_out_tc_smem<KD>(), o, states, ug,

@@ -1,6 +1,8 @@
-/* tf32.cuh — TF32 and 3xTF32 products on tensor cores: one m16n8k8 step, the split of a value
- * into two TF32 parts, and an A fragment made once for several column tiles. */
+/* tf32.cuh — TF32, 3xTF32 and BF16 products on tensor cores: one m16n8k8 step, the split of a
+ * value into two TF32 parts, and an A fragment made once for several column tiles. */
 #pragma once
+
+#include "kernels/cuda/common.cuh" /* pack_bf16x2 */
 
 #include <stdint.h>
 
@@ -30,9 +32,26 @@ static __device__ __forceinline__ void tf32_split(float x, uint32_t &hi, uint32_
     lo = to_tf32(x - __uint_as_float(hi));
 }
 
+/* PREC 2: BF16 operands on the BF16 m16n8k8 step (twice TF32's rate, FLA's chunk_kda precision),
+ * fed from the same TF32-shaped fragments: its lane (g, l4) holds A's rows g and g + 8 and B's
+ * column g at k slots 2 l4 and 2 l4 + 1, which here carry k = l4 and l4 + 4 — one permutation of
+ * the eight k for A and B alike, so the product is the same sum. hi[0], hi[1] then hold the
+ * packed pairs (a0, a2) and (a1, a3). */
+static __device__ __forceinline__ void mma_bf16_k8(float (&d)[4], uint32_t a0, uint32_t a1,
+                                                   uint32_t b0) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, "
+                 "{%6}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b0));
+}
+
 template <int PREC> struct tf32_a {
-    uint32_t hi[4], lo[4]; /* lo unused at PREC 1 */
+    uint32_t hi[4], lo[4]; /* lo unused at PREC 1 and 2, hi[2..3] at 2 */
     __device__ __forceinline__ tf32_a(float a0, float a1, float a2, float a3) {
+        if constexpr (PREC == 2) {
+            hi[0] = pack_bf16x2(a0, a2), hi[1] = pack_bf16x2(a1, a3);
+            return;
+        }
         const float a[4] = {a0, a1, a2, a3};
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -54,6 +73,8 @@ static __device__ __forceinline__ void mma_tf32x(float (&d)[4], const tf32_a<PRE
         mma_tf32(d, a.lo, h0, h1); /* the small terms first */
         mma_tf32(d, a.hi, l0, l1);
         mma_tf32(d, a.hi, h0, h1);
+    } else if constexpr (PREC == 2) {
+        mma_bf16_k8(d, a.hi[0], a.hi[1], pack_bf16x2(b0, b1));
     } else {
         mma_tf32(d, a.hi, to_tf32(b0), to_tf32(b1));
     }
