@@ -22,9 +22,9 @@
 #   7. (issue 36) the time to first token through the P/D pair against one server, on the GPU
 #      (needs models/gsm-k3 in the tree: not with the wheels);
 #   8. (issue 33) long48.sh at 128K (LENS=1048576 for the million-token run: a call of its own).
-#   9. (issue 33, session 31) chunked KDA's first pass on tensor cores (DS_CUDA_KDA_PREP_TC): the
-#      KDA checks (both forms of pass 1 in modes 1 and 3, against the CPU), then the timings of
-#      8192 tokens x 32 heads with pass 1 in f32 and on tensor cores; run first.
+#   9. (issue 33) chunked KDA: the KDA checks (both forms of pass 1 in modes 1 and 3, and the
+#      BF16 mode 2 of session 32, against the CPU), then the timings of 8192 tokens x 32 heads in
+#      every mode.
 #  10. (issue 33) a long context's MLA: the kernel checks (the expanded attention's blocks and
 #      their log-sum-exp merge; decode's absorbed attention on tensor cores, f32 and FP8 rows),
 #      their timings, then decode after 1M tokens (long48.sh; the H200: an H100 holds the cut
@@ -38,11 +38,11 @@
 #      with the split minimum 4 (default), 2 and 1 beside BF16; with NCU=1 also the experts with
 #      the quantizers first and Nsight Compute's occupancy and warp states (ncu_detail.sh) for
 #      BF16, FP8, and FP8 with the codes made first (session 32 ran those).
-# STEPS: which of them (default "10 12"; 1-5 ran in sessions 27-28, 6, 7 and 9 in session 31, 8 at
+# STEPS: which of them (default "10 12 9"; 1-5 ran in sessions 27-28, 6, 7 and 9 in session 31, 8 at
 # 128K in session 31 on an H100, 9-12 in session 32 on the H200: bench/RESULTS.md).
 set -u
 OUT=${OUT:-/tmp/ds-out}
-STEPS=" ${STEPS:-10 12} "
+STEPS=" ${STEPS:-10 12 9} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
