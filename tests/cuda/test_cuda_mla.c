@@ -313,7 +313,8 @@ static void bench_mla_long(ds_cu *c, double copy_gbs) {
             mla_batch_ctx bc = {0};
             bc.n_seq = 1, bc.n_ctx = ctxs[i], bc.fp8 = f8;
             const size_t rb = f8 ? 656 : 576 * 4, bytes = (size_t)bc.n_ctx * rb;
-            if (f8) /* valid rows: codes of h's bytes (0x7f/0xff, NaN, made finite), scales 1 */
+            if (f8 && i == 0) /* valid rows once: codes of h's bytes (0x7f/0xff, NaN, made
+                               * finite), scales 1 */
                 for (size_t r = 0; r < block / rb; r++) {
                     uint8_t *row = h + r * rb;
                     for (int k = 0; k < 512; k++) row[k] &= 0x7e;

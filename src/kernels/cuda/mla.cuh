@@ -4,6 +4,10 @@
 #define DS_CUDA_MLA_CUH
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/shared/kv_fp8.h"
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 enum { MLA_CHUNK = 256 };
 
@@ -24,6 +28,29 @@ static __device__ inline float exp_shifted(float *sc, int n, float *sum) {
  * sum) into obar [rows][R] (mla_absorbed.cu) */
 void mla_merge(ds_cu *c, float *obar, const float *part_o, const float *part_ml, int rows, int R,
                int n_split);
+
+/* FP8 rows (kernels/shared/kv_fp8.h): x[0..V) <- values i0.. of the row at byte `row`,
+ * dequantized in registers (V = 4: i0 a multiple of 4 and R of 4, so the four lie in one tile,
+ * or all in the rope part). The same f32 values the CPU reads: the codes go through the
+ * conversion unit (E4M3 -> F16 -> f32 are exact, as ds_e4m3_to_f32 in a third of its
+ * instructions), times the tile's f32 scale. */
+template <int V>
+static __device__ __forceinline__ void kv_fp8_vals(const uint8_t *row, int R, int i0, float *x) {
+    if (V == 4 && i0 < R) {
+        const uint32_t q = *(const uint32_t *)(row + i0);
+        const float sc = *(const float *)(row + R + 4 * (i0 / DS_KV_FP8_TILE));
+        const __half2_raw lo =
+            __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(q & 0xffffu), __NV_E4M3);
+        const __half2_raw hi =
+            __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(q >> 16), __NV_E4M3);
+        const float2 a = __half22float2(*(const __half2 *)&lo);
+        const float2 b = __half22float2(*(const __half2 *)&hi);
+        x[0] = a.x * sc, x[1] = a.y * sc, x[2] = b.x * sc, x[3] = b.y * sc;
+    } else {
+#pragma unroll
+        for (int e = 0; e < V; e++) x[e] = ds_kv_fp8_value(row, R, i0 + e);
+    }
+}
 
 /* ds_cu_mla_attend_absorbed_batch on tensor cores (mla_decode_tc.cu) when the device takes it
  * there (ds_cu_set_mla_decode_tc) and the shape fits (R 512, dr 64, Ha 16 or 32): *done 1 */

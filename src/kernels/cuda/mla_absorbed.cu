@@ -22,21 +22,6 @@
  * every thread sum 16-byte columns over a share of the rows with many loads in flight, the shares
  * added in a fixed order. */
 enum { MLA_RW = 4, MLA_KV = 5 }; /* rows a warp scores at once; vectors a lane loads per row */
-/* FP8 rows (F8, kernels/shared/kv_fp8.h): x[0..V) <- values i0.. of the row at byte `row`,
- * dequantized in registers (V = 4: i0 a multiple of 4 and R of 4, so the four lie in one tile,
- * or all in the rope part). The same f32 values the CPU reads. */
-template <int V>
-__device__ __forceinline__ void kv_fp8_vals(const uint8_t *row, int R, int i0, float *x) {
-    if (V == 4 && i0 < R) {
-        const uchar4 q = *(const uchar4 *)(row + i0);
-        const float sc = *(const float *)(row + R + 4 * (i0 / DS_KV_FP8_TILE));
-        x[0] = ds_e4m3_to_f32(q.x) * sc, x[1] = ds_e4m3_to_f32(q.y) * sc;
-        x[2] = ds_e4m3_to_f32(q.z) * sc, x[3] = ds_e4m3_to_f32(q.w) * sc;
-    } else {
-#pragma unroll
-        for (int e = 0; e < V; e++) x[e] = ds_kv_fp8_value(row, R, i0 + e);
-    }
-}
 /* Values i0.. (V of them) of the pool row starting at `at` (floats for f32, bytes for F8). */
 template <int V, bool F8>
 __device__ __forceinline__ void kv_vals(const void *pool, size_t at, int R, int i0, float *x) {

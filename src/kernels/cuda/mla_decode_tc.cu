@@ -23,9 +23,6 @@
 #include "kernels/cuda/mla.cuh"
 #include "kernels/shared/kv_fp8.h"
 
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-
 enum { TCD_BK = 32, TCD_NT = 256, TCD_R = 512, TCD_DR = 64 };
 
 template <int MT> struct tcd_shape {
@@ -50,27 +47,17 @@ static __device__ __forceinline__ uint32_t tcd_q2(const float *qbar, const float
     return pack_bf16x2(v.x, v.y);
 }
 
-/* staged row r (its bytes at `raw`) as BF16 channels c .. c + 3 (c a multiple of 4) */
+/* staged row r (its bytes at `raw`) as BF16 channels c .. c + 3 (c a multiple of 4): FP8 rows
+ * dequantized to the f32 values the CPU reads (kv_fp8_vals), then rounded once */
 template <bool F8> static __device__ __forceinline__ uint2 tcd_vals(const uint8_t *raw, int c) {
-    if constexpr (F8) {
-        if (c >= TCD_R) /* the rope part is stored in BF16 */
-            return *(const uint2 *)(raw + ds_kv_fp8_rope_at(TCD_R) + 2 * (c - TCD_R));
-        /* the codes through the conversion unit (E4M3 -> F16 and F16 -> f32 are exact: the
-         * f32 values ds_e4m3_to_f32 gives, in a third of its instructions), times the tile's
-         * scale in f32 as the CPU reads them, then rounded to BF16 */
-        const uint32_t q = *(const uint32_t *)(raw + c);
-        const float sc = *(const float *)(raw + TCD_R + 4 * (c / DS_KV_FP8_TILE));
-        const __half2_raw lo =
-            __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(q & 0xffffu), __NV_E4M3);
-        const __half2_raw hi =
-            __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(q >> 16), __NV_E4M3);
-        const float2 a = __half22float2(*(const __half2 *)&lo);
-        const float2 b = __half22float2(*(const __half2 *)&hi);
-        return make_uint2(pack_bf16x2(a.x * sc, a.y * sc), pack_bf16x2(b.x * sc, b.y * sc));
-    } else {
+    float x[4];
+    if constexpr (F8)
+        kv_fp8_vals<4>(raw, TCD_R, c, x);
+    else {
         const float4 v = *(const float4 *)(raw + 4 * c);
-        return make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
+        x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
     }
+    return make_uint2(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]));
 }
 
 /* A staged row's bytes: the pool's own row (kv_fp8.h's 656 at R 512, dr 64; f32: 2304). */
