@@ -145,7 +145,7 @@ int ds_cmd_logits(int argc, char **argv) {
         DS_OPT("quantization-exclude", NULL, DS_ARG_STRING, &quant_exclude, "A,B,..",
                "ptpc_fp8: name fragments kept unquantized (see serve --help)"),
         {"kv-cache-dtype", NULL, DS_ARG_STRING, &kv_dtype, "T",
-         "MLA latent cache: auto (f32 rows) or fp8 (see serve --help)",
+         "MLA latent cache: auto (f32 rows), fp8 or bf16 (see serve --help)",
          .choices = ds_kv_dtype_names},
     };
     ds_args a = {"deltaserve logits",
@@ -177,7 +177,7 @@ int ds_cmd_logits(int argc, char **argv) {
     o.device = ds_device_from_name(device);
     o.quantization = ds_quant_from_name(quant);
     o.quantization_exclude = quant_exclude;
-    o.kv_fp8 = !strcmp(kv_dtype, "fp8");
+    o.kv_dtype = ds_kv_dtype_from_name(kv_dtype);
     if (ds_rank_open(model_dir, tp, pp, counts, &o, &r, &err)) goto done;
     int V = ds_model_config(r.m)->vocab_size;
     if (r.last) logits = ds_malloc((size_t)n * V * sizeof(float), &err);

@@ -101,8 +101,8 @@ int ds_engine_flags_table(ds_engine_flags *f, ds_arg *out) {
         DS_OPT("kv-cache-memory", NULL, DS_ARG_STRING, &f->kv_mem, "BYTES",
                "memory for MLA pages + KDA state slots, e.g. 2G (default: a fraction of free)"),
         {"kv-cache-dtype", NULL, DS_ARG_STRING, &f->kv_dtype, "T",
-         "MLA latent cache: auto (f32 rows) or fp8 (E4M3 with a scale per 128 values, BF16 rope "
-         "part: 656 bytes a row at K3's shape, docs/quantization.md)",
+         "MLA latent cache: auto (f32 rows), fp8 (E4M3 with a scale per 128 values, BF16 rope "
+         "part: 656 bytes a row at K3's shape) or bf16 (1,152 bytes; docs/quantization.md)",
          .choices = ds_kv_dtype_names},
         DS_OPT("kv-cache-fraction", NULL, DS_ARG_FLOAT, &eo->kv_cache_fraction, "F",
                "fraction of free memory for the caches when --kv-cache-memory is not given"),
@@ -159,7 +159,7 @@ int ds_engine_flags_apply(ds_engine_flags *f, const ds_args *a, ds_err *err) {
         return ds_errf(err, "--quantization-exclude needs --quantization ptpc_fp8");
     eo->speculative_method = index_of(SPEC_METHODS, f->spec_method);
     eo->draft_tap_relay = index_of(RELAYS, f->relay);
-    eo->kv_fp8 = !strcmp(f->kv_dtype, "fp8");
+    eo->kv_dtype = ds_kv_dtype_from_name(f->kv_dtype);
     eo->load_random = strcmp(f->load_format, "safetensors") != 0;
     if (ds_args_seen(a, "num-speculative-tokens") && eo->speculative_method == DS_SPEC_NONE)
         return ds_errf(err,

@@ -352,7 +352,7 @@ static int bench_table(bench_flags *f, ds_arg *out) {
         DS_OPT("quantization-exclude", NULL, DS_ARG_STRING, &f->quant_exclude, "A,B,..",
                "ptpc_fp8: name fragments kept unquantized (see serve --help)"),
         {"kv-cache-dtype", NULL, DS_ARG_STRING, &f->kv_dtype, "T",
-         "MLA latent cache: auto (f32 rows) or fp8 (see serve --help)",
+         "MLA latent cache: auto (f32 rows), fp8 or bf16 (see serve --help)",
          .choices = ds_kv_dtype_names},
         DS_OPT("tensor-parallel-size", "tp", DS_ARG_INT, &f->tp, "T", "tensor-parallel ranks"),
         DS_OPT("pipeline-parallel-size", "pp", DS_ARG_INT, &f->pp, "P", "pipeline stages"),
@@ -584,7 +584,7 @@ int ds_cmd_bench(int argc, char **argv) {
     mo.load_random = !strcmp(f.load_format, "random");
     mo.quantization = ds_quant_from_name(f.quant);
     mo.quantization_exclude = f.quant_exclude;
-    mo.kv_fp8 = !strcmp(f.kv_dtype, "fp8");
+    mo.kv_dtype = ds_kv_dtype_from_name(f.kv_dtype);
     bench_job job;
     memset(&job, 0, sizeof job);
     bench_costs c = {0};

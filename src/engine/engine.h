@@ -88,7 +88,7 @@ typedef struct ds_engine_opts {
     int enforce_eager;   /* CUDA: no graphs (model.h) */
     int quantization;    /* DS_QUANT_* (model.h; docs/quantization.md) */
     const char *quantization_exclude; /* name fragments kept unquantized; NULL: the default */
-    int kv_fp8;                 /* --kv-cache-dtype fp8: FP8 latent rows (ds_model_opts.kv_fp8) */
+    int kv_dtype;               /* --kv-cache-dtype: DS_KV_* (ds_model_opts.kv_dtype) */
     int load_random;            /* --load-format dummy: weights drawn, none read (model.h) */
     size_t kv_cache_memory;     /* bytes for MLA pages + KDA slots; 0: kv_cache_fraction of free */
     double kv_cache_fraction;   /* default 0.3 */

@@ -5,6 +5,7 @@
 
 #include "base/devmem.h"
 #include "cache/identity.h"
+#include "kernels/shared/kv_row.h"
 #include "text/chat.h"
 
 #include <omp.h>
@@ -199,11 +200,14 @@ static int setup_prefix(ds_engine *e, ds_err *err) {
     id[0] = xid0;
     id[5] = 1;
     uint64_t xseed = XXH3_64bits(id, sizeof id);
-    /* the cache dtype: an FP8 page is never read as an f32 one, nor the other way (the f32 seed
-     * stays what it was, so earlier f32 entries on disk or in Redis keep their keys) */
-    if (ds_model_kv_fp8(e->model)) {
-        seed = XXH3_64bits_withSeed("kv-cache-dtype fp8", 18, seed);
-        xseed = XXH3_64bits_withSeed("kv-cache-dtype fp8", 18, xseed);
+    /* the cache dtype: a page of one form is never read as another's (the f32 seed stays what
+     * it was, so earlier f32 entries on disk or in Redis keep their keys; so does FP8's) */
+    const int kvd = ds_model_kv_dtype(e->model);
+    if (kvd != DS_KV_F32) {
+        char tag[48];
+        const int n = snprintf(tag, sizeof tag, "kv-cache-dtype %s", ds_kv_dtype_names[kvd]);
+        seed = XXH3_64bits_withSeed(tag, (size_t)n, seed);
+        xseed = XXH3_64bits_withSeed(tag, (size_t)n, xseed);
     }
     /* one identity for the whole job (each rank holds a different share of the weights) */
     if (e->dist && (ds_comm_bcast(e->comm, &seed, sizeof seed, err) ||
@@ -341,7 +345,7 @@ int ds_engine_create(const ds_engine_opts *opts, ds_engine **out, ds_err *err) {
     mo.enforce_eager = opts->enforce_eager;
     mo.quantization = opts->quantization;
     mo.quantization_exclude = opts->quantization_exclude;
-    mo.kv_fp8 = opts->kv_fp8;
+    mo.kv_dtype = opts->kv_dtype;
     mo.load_random = opts->load_random;
     /* one GPU per rank of a job: rank r of this host uses device r (the backend wraps it modulo
      * the devices present, so a job can also share one GPU) */

@@ -5,7 +5,7 @@
  * src/backend/cuda). */
 #include "model/model_impl.h"
 #include "model/backend.h"
-#include "kernels/shared/kv_fp8.h"
+#include "kernels/shared/kv_row.h"
 #include "kernels/shared/rand_hash.h"
 
 #include "base/devmem.h"
@@ -43,7 +43,7 @@ void ds_model_opts_default(ds_model_opts *o) {
     o->hf_kl_router_quirk = 0;
     o->quantization = DS_QUANT_NONE;
     o->quantization_exclude = NULL;
-    o->kv_fp8 = 0;
+    o->kv_dtype = DS_KV_F32;
     o->layer_begin = 0;
     o->layer_end = 0;
     o->tp_rank = 0;
@@ -789,12 +789,11 @@ int ds_model_latent_row(const ds_model *m) {
 }
 
 size_t ds_model_latent_row_bytes(const ds_model *m) {
-    if (m->opts.kv_fp8) return ds_kv_fp8_row_bytes(m->cfg.kv_lora_rank, m->cfg.qk_rope_head_dim);
-    return (size_t)ds_model_latent_row(m) * sizeof(float);
+    return ds_kv_row_bytes(m->opts.kv_dtype, m->cfg.kv_lora_rank, m->cfg.qk_rope_head_dim);
 }
 
-int ds_model_kv_fp8(const ds_model *m) {
-    return m->opts.kv_fp8 != 0;
+int ds_model_kv_dtype(const ds_model *m) {
+    return m->opts.kv_dtype;
 }
 
 int ds_kv_pool_layers(const ds_model *m) {
@@ -809,7 +808,7 @@ int ds_kv_pool_init(ds_kv_pool *p, const ds_model *m, int n_pages, int block_siz
     p->block_size = block_size;
     p->row = ds_model_latent_row(m);
     p->row_bytes = ds_model_latent_row_bytes(m);
-    p->kv_fp8 = ds_model_kv_fp8(m);
+    p->kv_dtype = ds_model_kv_dtype(m);
     p->layer = ds_calloc((size_t)(p->n_layers ? p->n_layers : 1), sizeof(uint8_t *), err);
     if (!p->layer) return DS_ERR;
     for (int j = 0; j < p->n_layers; j++) {

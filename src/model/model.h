@@ -26,9 +26,11 @@ enum { DS_QUANT_NONE = 0, DS_QUANT_PTPC_FP8 = 1 };
 extern const char *const ds_quant_names[];
 /* DS_QUANT_* of a name, -1 for none of them. */
 int ds_quant_from_name(const char *name);
-/* The latent cache dtypes (ds_model_opts.kv_fp8 is index 1), NULL-terminated: the
+/* The latent cache dtypes, NULL-terminated, indexed by DS_KV_* (kernels/shared/kv_row.h): the
  * --kv-cache-dtype choices. "auto" keeps f32 rows. */
 extern const char *const ds_kv_dtype_names[];
+/* DS_KV_* of a name, -1 for none of them. */
+int ds_kv_dtype_from_name(const char *name);
 /* The default exclusion list of ptpc_fp8, comma-separated (docs/quantization.md §3). */
 extern const char ds_quant_default_exclude[];
 
@@ -71,9 +73,9 @@ typedef struct ds_model_opts {
     /* --quantization-exclude: comma-separated name fragments; a weight whose tensor name contains
      * one stays unquantized. NULL: the default list (ds_quant_default_exclude). Copied at load. */
     const char *quantization_exclude;
-    /* --kv-cache-dtype fp8: the latent pool holds FP8 rows (docs/quantization.md §4,
-     * kernels/shared/kv_fp8.h) and every attention reads their dequantized values; 0: f32 rows. */
-    int kv_fp8;
+    /* --kv-cache-dtype (DS_KV_*, kernels/shared/kv_row.h): the form of the latent pool's rows,
+     * f32 (0), FP8 or BF16; every attention reads their values as f32 (docs/quantization.md §4). */
+    int kv_dtype;
     int layer_begin, layer_end; /* pipeline stage: layers [begin, end); end 0 = all */
     /* Tensor parallelism (tp_size > 1): this rank holds 1/tp_size of the KDA heads, MLA heads,
      * dense and shared-expert intermediate rows and routed experts (a contiguous block of each,
@@ -158,22 +160,21 @@ size_t ds_model_slot_floats(const ds_model *m);
 /* Floats per latent row of one MLA layer (kv_lora_rank + qk_rope_head_dim); the same on every
  * TP rank, since the latent is shared by all heads. */
 int ds_model_latent_row(const ds_model *m);
-/* Bytes of one stored latent row: row floats (f32), or ds_kv_fp8_row_bytes with kv_fp8. Every
- * copier of pages (prefix cache, offload tiers) moves rows as this many opaque bytes. */
+/* Bytes of one stored latent row (ds_kv_row_bytes of the cache's dtype). Every copier of pages
+ * (prefix cache, offload tiers, P/D) moves rows as this many opaque bytes. */
 size_t ds_model_latent_row_bytes(const ds_model *m);
-/* Does the model store FP8 latent rows (ds_model_opts.kv_fp8)? */
-int ds_model_kv_fp8(const ds_model *m);
+/* The dtype of the model's stored latent rows (ds_model_opts.kv_dtype, DS_KV_*). */
+int ds_model_kv_dtype(const ds_model *m);
 
 /* Paged MLA latent pool: for each MLA layer j, layer[j] holds [n_pages][block_size][row_bytes]
- * bytes: f32 rows [row], or FP8 rows (kv_fp8, kernels/shared/kv_fp8.h) of R = row - dr latent
- * values. */
+ * bytes: rows of kv_dtype's form (kernels/shared/kv_row.h) of R = row - dr latent values. */
 typedef struct ds_kv_pool {
     uint8_t **layer;   /* [n_mla] pointers (in dm's memory) */
     const ds_dmem *dm; /* the model's memory (ds_model_dmem; NULL: the host's) */
     int n_layers, n_pages, block_size;
     int row;          /* values a row: kv_lora_rank + qk_rope_head_dim */
     size_t row_bytes; /* bytes a stored row (ds_model_latent_row_bytes) */
-    int kv_fp8;       /* rows are FP8 */
+    int kv_dtype;     /* DS_KV_*: the rows' form */
 } ds_kv_pool;
 
 /* MLA layers of this model's stage: the layers a pool page holds rows for. */

@@ -11,12 +11,18 @@
 #include <string.h>
 
 const char *const ds_quant_names[] = {"none", "ptpc_fp8", NULL};
-const char *const ds_kv_dtype_names[] = {"auto", "fp8", NULL};
+const char *const ds_kv_dtype_names[] = {"auto", "fp8", "bf16", NULL};
 
-int ds_quant_from_name(const char *name) {
-    for (int i = 0; ds_quant_names[i]; i++)
-        if (!strcmp(name, ds_quant_names[i])) return i;
+static int name_index(const char *const *names, const char *name) {
+    for (int i = 0; names[i]; i++)
+        if (!strcmp(name, names[i])) return i;
     return -1;
+}
+int ds_quant_from_name(const char *name) {
+    return name_index(ds_quant_names, name);
+}
+int ds_kv_dtype_from_name(const char *name) {
+    return name_index(ds_kv_dtype_names, name);
 }
 const char ds_quant_default_exclude[] =
     "embed_tokens,lm_head,conv1d,block_sparse_moe.gate.weight,self_attn.b_proj,kv_b_proj";

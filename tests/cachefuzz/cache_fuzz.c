@@ -45,7 +45,7 @@
  * Usage: cache_fuzz [--model DIR] [--seeds N] [--seed0 S] [--redis redis://h:p] [-tp T] [-pp P]
  *                   [--pd PCT] [--grammar PCT] [--preempt PCT] [--restart PCT]
  *                   [--device cpu|cuda] [--batch-invariant] [--quantization ptpc_fp8]
- *                   [--kv-cache-dtype fp8]
+ *                   [--kv-cache-dtype auto|fp8|bf16|mixed]
  *                   [--save-dir DIR] [--case FILE]
  *                   [--work-dir DIR] [--max-seconds S] [--verbose]
  * Exit status 0 when every seed agreed and the run exercised hits, tier loads and evictions. */
@@ -55,6 +55,7 @@
 #include "engine/engine.h"
 #include "devtools/init_model.h"
 #include "model/model.h"
+#include "kernels/shared/kv_row.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -91,7 +92,7 @@ typedef struct fz_opts {
     int tp, pp;
     int device, batch_invariant;
     int quantization; /* DS_QUANT_*: the invariants hold with quantized weights too */
-    int kv_fp8;       /* and with the FP8 latent cache */
+    int kv_dtype;     /* and with a quantized latent cache (DS_KV_*; -1 "mixed": drawn a seed) */
     const char *save_dir, *work_dir;
     int verbose;
     double max_seconds; /* > 0: start no seed after this long (the run reports what it did) */
@@ -120,6 +121,7 @@ typedef struct fz_cfg {
      * with the same options takes the rest: its disk and Redis tiers kept, the RAM tier and the
      * device pools gone (a server restarted on the same tiers) */
     int restart_at;
+    int kv_dtype; /* DS_KV_*: the latent cache's rows, the same for every engine of the seed */
 } fz_cfg;
 
 typedef struct fz_out {
@@ -219,6 +221,10 @@ static void draw_cfg(uint64_t *s, const fz_opts *fo, int have_draft, fz_cfg *c) 
     int sp = rint_(s, 0, 9);
     c->spec = sp < 6 ? DS_SPEC_NONE : sp < 8 || !have_draft ? DS_SPEC_NGRAM : DS_SPEC_DSPARK;
     c->k = rint_(s, 2, 4);
+    /* drawn from a copy of the stream, so that the draws after it (and every seed's other
+     * choices) are what they were before the dtype was drawn */
+    uint64_t s2 = *s ^ 0x6b762d6474797065ull;
+    c->kv_dtype = fo->kv_dtype >= 0 ? fo->kv_dtype : (int)(rnd(&s2) % 3);
 }
 
 /* The prompt cut spacing of an engine (setup.c's: the rung spacing snapped to a page, capped by
@@ -561,7 +567,7 @@ static void engine_opts(const fz_opts *fo, const fz_cfg *c, int cached, ds_comm 
     o->device = fo->device;
     o->batch_invariant = fo->batch_invariant;
     o->quantization = fo->quantization;
-    o->kv_fp8 = fo->kv_fp8;
+    o->kv_dtype = c->kv_dtype;
     o->block_size = c->block_size;
     o->max_num_batched_tokens = c->max_batched;
     o->max_model_len = MODEL_LEN;
@@ -816,7 +822,8 @@ static void describe_cfg(const fz_cfg *c, char *b, size_t cap) {
     b += n, cap -= (size_t)n;
     snprintf(b, cap,
              "block %d, step budget %d, seqs %d, rungs every %d, %d checkpoint slots, +%d pages, "
-             "tiers%s%s%s%s (ram %zu pages, disk %zu pages), hash bits %d, spec %s k %d",
+             "tiers%s%s%s%s (ram %zu pages, disk %zu pages), hash bits %d, spec %s k %d, "
+             "kv cache %s",
              c->block_size, c->max_batched, c->max_seqs, c->interval, c->ckpt_slots, c->extra_pages,
              c->ram ? " ram" : "", c->disk ? " disk" : "", c->remote ? " redis" : "",
              !c->ram && !c->disk && !c->remote ? " none" : "", c->ram_pages, c->disk_pages,
@@ -824,7 +831,7 @@ static void describe_cfg(const fz_cfg *c, char *b, size_t cap) {
              c->spec == DS_SPEC_NONE    ? "none"
              : c->spec == DS_SPEC_NGRAM ? "ngram"
                                         : "dspark",
-             c->k);
+             c->k, c->kv_dtype == DS_KV_F32 ? "f32" : ds_kv_dtype_names[c->kv_dtype]);
 }
 
 static void rm_tree(const char *dir) {
@@ -991,7 +998,7 @@ static int parse_args(int argc, char **argv, fz_opts *fo, const char **case_file
         else if (!strcmp(a, "--quantization"))
             fo->quantization = !strcmp(v, "ptpc_fp8") ? DS_QUANT_PTPC_FP8 : DS_QUANT_NONE;
         else if (!strcmp(a, "--kv-cache-dtype"))
-            fo->kv_fp8 = !strcmp(v, "fp8");
+            fo->kv_dtype = !strcmp(v, "mixed") ? -1 : ds_kv_dtype_from_name(v);
         else if (!strcmp(a, "--save-dir"))
             fo->save_dir = v;
         else if (!strcmp(a, "--max-seconds"))
@@ -1132,13 +1139,17 @@ int main(int argc, char **argv) {
     ds_model *m;
     ds_model_opts mo;
     ds_model_opts_default(&mo);
-    mo.kv_fp8 = fo.kv_fp8;
     if (ds_model_load(fo.model, &mo, &m, &err)) {
         printf("cache_fuzz: %s\n", err.msg);
         return ds_comm_finish(comm, 2);
     }
     size_t slot_bytes = ds_model_slot_floats(m) * sizeof(float);
-    size_t page_bytes_per_token = (size_t)ds_kv_pool_layers(m) * ds_model_latent_row_bytes(m);
+    /* a token's latent bytes in a page, for each cache dtype a seed may draw */
+    size_t page_bytes_per_token[3];
+    const ds_config *mc = ds_model_config(m);
+    for (int dt = 0; dt < 3; dt++)
+        page_bytes_per_token[dt] = (size_t)ds_kv_pool_layers(m) *
+                                   ds_kv_row_bytes(dt, mc->kv_lora_rank, mc->qk_rope_head_dim);
     ds_model_free(m);
     char draft[4200];
     snprintf(draft, sizeof draft, "%s/draft/config.json", fo.model);
@@ -1160,9 +1171,9 @@ int main(int argc, char **argv) {
         uint64_t seed = fo.seed0 + (uint64_t)i;
         uint64_t s = seed * 0x9e3779b97f4a7c15ull + 1;
         fz_cfg c;
-        draw_cfg(&s, &fo, have_draft, &c); /* the block size, for the page's bytes */
+        draw_cfg(&s, &fo, have_draft, &c); /* the block size and dtype, for the page's bytes */
         int r = run_seed(&fo, comm, seed, have_draft, slot_bytes,
-                         page_bytes_per_token * (size_t)c.block_size, &ct, &err);
+                         page_bytes_per_token[c.kv_dtype] * (size_t)c.block_size, &ct, &err);
         if (r < 0) {
             if (head) printf("cache_fuzz: seed %llu: %s\n", (unsigned long long)seed, err.msg);
             status = 2;
@@ -1180,12 +1191,13 @@ int main(int argc, char **argv) {
                 if (f) {
                     fprintf(f,
                             "--seed0 %llu --seeds 1 -tp %d -pp %d --pd %d --grammar %d "
-                            "--preempt %d --restart %d --device %s%s%s%s%s\n",
+                            "--preempt %d --restart %d --device %s%s%s%s%s%s\n",
                             (unsigned long long)seed, fo.tp, fo.pp, fo.pd, fo.grammar, fo.preempt,
                             fo.restart, fo.device == DS_DEVICE_CUDA ? "cuda" : "cpu",
                             fo.batch_invariant ? " --batch-invariant" : "",
                             fo.quantization ? " --quantization ptpc_fp8" : "",
-                            fo.kv_fp8 ? " --kv-cache-dtype fp8" : "",
+                            c.kv_dtype ? " --kv-cache-dtype " : "",
+                            c.kv_dtype ? ds_kv_dtype_names[c.kv_dtype] : "",
                             fo.redis && c.remote ? " --redis redis://127.0.0.1:6379" : "");
                     fclose(f);
                     printf("  saved as %s\n", path);

@@ -93,7 +93,7 @@ int64_t h_submit_spec(ds_engine *e, ds_request_spec *spec, h_req *c) {
     return id;
 }
 
-int h_kv_fp8;
+int h_kv_dtype;
 
 void h_opts(ds_engine_opts *o, int prefix_on, size_t kv_mem) {
     ds_engine_opts_default(o);
@@ -105,7 +105,7 @@ void h_opts(ds_engine_opts *o, int prefix_on, size_t kv_mem) {
     o->max_model_len = 0; /* the most the model and the cache allow */
     o->enable_prefix_caching = prefix_on;
     o->state_checkpoint_interval_tokens = 48;
-    o->kv_fp8 = h_kv_fp8;
+    o->kv_dtype = h_kv_dtype;
 }
 
 /* A greedy request's spec (eos ignored); logprobs -1: none, >= 0: wanted. */

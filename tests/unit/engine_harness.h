@@ -7,6 +7,7 @@
 #define DS_TEST_ENGINE_HARNESS_H
 
 #include "engine/engine.h"
+#include "kernels/shared/kv_row.h"
 #include "testutil.h"
 
 #include <pthread.h>
@@ -51,8 +52,8 @@ int64_t h_submit_spec(ds_engine *e, ds_request_spec *spec, h_req *c);
 /* Options of the prefix-cache tests: block 16, chunk 64 (= max_num_batched_tokens), rungs every
  * 48 tokens, 8 sequences, a 512-token context. */
 void h_opts(ds_engine_opts *o, int prefix_on, size_t kv_mem);
-/* When set, h_opts also asks for the FP8 latent cache (--kv-cache-dtype fp8). */
-extern int h_kv_fp8;
+/* The latent cache's dtype h_opts asks for (DS_KV_*, --kv-cache-dtype; 0: f32 rows). */
+extern int h_kv_dtype;
 /* A greedy request that runs its full length (eos ignored): more decode after forks. */
 void h_submit(ds_engine *e, const int32_t *prompt, int n, int max_tokens, h_req *c);
 /* Runs one such request to completion, asserting it finished by length; out: its tokens

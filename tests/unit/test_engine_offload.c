@@ -407,16 +407,15 @@ static void test_disk_budget_across_restarts(void **st) {
     free(tmp);
 }
 
-/* The FP8 latent cache through the disk tier: a second FP8 engine resumes A from the first one's
- * files with the cold FP8 engine's tokens. Then the cache dtype keeps the entries apart: an f32
- * engine on the same folder finds none of them (no load, nothing damaged), and an FP8 engine
- * none of an f32 one's. */
-static void test_fp8_disk_tier(void **st) {
-    (void)st;
+/* A quantized latent cache (dtype dt) through the disk tier: a second engine of that dtype
+ * resumes A from the first one's files with the cold engine's tokens. Then the cache dtype keeps
+ * the entries apart: an engine of another dtype on the same folder finds none of them (no load,
+ * nothing damaged), and a dt engine none of the other's. */
+static void dtype_disk_tier(int dt, int other) {
     int32_t a[NA], ref8[GEN], out[GEN];
     h_prompt(a, NA, 4242);
     ds_engine_opts o;
-    h_kv_fp8 = 1;
+    h_kv_dtype = dt;
     h_opts(&o, 0, KV_MEM);
     ds_engine *e = h_start(&o);
     h_run(e, a, NA, GEN, ref8);
@@ -438,18 +437,25 @@ static void test_fp8_disk_tier(void **st) {
     assert_true(s1.offload_loads_disk > 0);
     assert_int_equal(s1.offload_bad, 0);
     h_stop(e);
-    /* an f32 engine on the FP8 files: a cold run, no entry of the other dtype read */
-    cold_ref();
-    h_kv_fp8 = 0;
+    /* an engine of the other dtype on dt's files: its own cold tokens, no entry of dt read */
+    int32_t ref_o[GEN];
+    h_kv_dtype = other;
+    h_opts(&o, 0, KV_MEM);
+    e = h_start(&o);
+    h_run(e, a, NA, GEN, ref_o);
+    h_stop(e);
     h_opts(&o, 1, KV_MEM);
     o.kv_offload_disk_dir = dir;
     e = h_start(&o);
-    ds_engine_stats s = run_a(e, 0);
+    h_run(e, a, NA, GEN, out);
+    ds_engine_stats s = h_stats(e);
+    assert_memory_equal(out, ref_o, sizeof out);
+    assert_int_equal(s.prefix_hit_tokens, 0);
     assert_int_equal(s.offload_loads_disk, 0);
     assert_int_equal(s.offload_bad, 0);
     h_stop(e);
-    /* and an FP8 engine on a folder holding both: its own entries only */
-    h_kv_fp8 = 1;
+    /* and a dt engine on a folder holding both: its own entries only */
+    h_kv_dtype = dt;
     h_opts(&o, 1, KV_MEM);
     o.kv_offload_disk_dir = dir;
     e = h_start(&o);
@@ -460,8 +466,17 @@ static void test_fp8_disk_tier(void **st) {
     assert_int_equal(s1.prefix_hit_tokens - s0.prefix_hit_tokens, 96);
     assert_int_equal(s1.offload_bad, 0);
     h_stop(e);
-    h_kv_fp8 = 0;
+    h_kv_dtype = DS_KV_F32;
     free(dir);
+}
+static void test_fp8_disk_tier(void **st) {
+    (void)st;
+    dtype_disk_tier(DS_KV_FP8, DS_KV_F32);
+}
+/* BF16 rows beside FP8 ones (and, through cold_ref's f32 run in run_a's checks, the f32 tier's) */
+static void test_bf16_disk_tier(void **st) {
+    (void)st;
+    dtype_disk_tier(DS_KV_BF16, DS_KV_FP8);
 }
 
 int main(void) {
@@ -475,6 +490,7 @@ int main(void) {
         cmocka_unit_test(test_two_models_share_tiers),
         cmocka_unit_test(test_disk_budget_across_restarts),
         cmocka_unit_test(test_fp8_disk_tier),
+        cmocka_unit_test(test_bf16_disk_tier),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -633,17 +633,22 @@ static void test_logprobs_bit_exact(void **st) {
     h_stop(cold);
 }
 
-/* The same invariants with the FP8 latent cache (docs/quantization.md, "FP8 latent cache"): a
- * prefix hit, a fork, speculation and a multi-turn follow-up compute exactly what a cold FP8 engine
- * does, since every attention reads the stored rows, this step's own included. And FP8 is really
- * on: its logprobs are not the f32 engine's. */
+/* The same invariants with the FP8 and the BF16 latent cache (docs/quantization.md §4): a prefix
+ * hit, a fork, speculation and a multi-turn follow-up compute exactly what a cold engine of the
+ * same dtype does, since every attention reads the stored rows, this step's own included. And the
+ * dtype is really on: its logprobs are not the f32 engine's. */
 static void test_warm_equals_cold_fp8(void **st) {
-    h_kv_fp8 = 1;
+    h_kv_dtype = DS_KV_FP8;
     test_warm_equals_cold(st);
-    h_kv_fp8 = 0;
+    h_kv_dtype = DS_KV_F32;
+}
+static void test_warm_equals_cold_bf16(void **st) {
+    h_kv_dtype = DS_KV_BF16;
+    test_warm_equals_cold(st);
+    h_kv_dtype = DS_KV_F32;
 }
 
-static void test_logprobs_bit_exact_fp8(void **st) {
+static void logprobs_bit_exact_dtype(void **st, int dt) {
     enum { N = 150, GEN = 40 };
     int32_t p[N], t32[GEN], t8[GEN];
     float l32[GEN], l8[GEN];
@@ -653,7 +658,7 @@ static void test_logprobs_bit_exact_fp8(void **st) {
     ds_engine *e = h_start(&o);
     h_run_lp(e, p, N, GEN, t32, l32);
     h_stop(e);
-    h_kv_fp8 = 1;
+    h_kv_dtype = dt;
     h_opts(&o, 0, KV_MEM);
     e = h_start(&o);
     h_run_lp(e, p, N, GEN, t8, l8);
@@ -662,7 +667,13 @@ static void test_logprobs_bit_exact_fp8(void **st) {
     for (int i = 0; i < GEN && !differ; i++) differ = t8[i] != t32[i] || l8[i] != l32[i];
     assert_true(differ);
     test_logprobs_bit_exact(st);
-    h_kv_fp8 = 0;
+    h_kv_dtype = DS_KV_F32;
+}
+static void test_logprobs_bit_exact_fp8(void **st) {
+    logprobs_bit_exact_dtype(st, DS_KV_FP8);
+}
+static void test_logprobs_bit_exact_bf16(void **st) {
+    logprobs_bit_exact_dtype(st, DS_KV_BF16);
 }
 
 /* Drafts for the fork test: the cold continuation ref with the first `good` drafts right and the
@@ -737,9 +748,14 @@ static void test_fork_on_verify(void **st) {
 }
 
 static void test_fork_on_verify_fp8(void **st) {
-    h_kv_fp8 = 1;
+    h_kv_dtype = DS_KV_FP8;
     test_fork_on_verify(st);
-    h_kv_fp8 = 0;
+    h_kv_dtype = DS_KV_F32;
+}
+static void test_fork_on_verify_bf16(void **st) {
+    h_kv_dtype = DS_KV_BF16;
+    test_fork_on_verify(st);
+    h_kv_dtype = DS_KV_F32;
 }
 
 /* 32 requests sharing an 80-token system prompt, all submitted at once (8 run at a time): every
@@ -867,8 +883,11 @@ int main(void) {
         cmocka_unit_test(test_tier_checkpoint_load_owns_buffer),
         cmocka_unit_test(test_tier_page_load_owns_buffer),
         cmocka_unit_test(test_warm_equals_cold_fp8),
+        cmocka_unit_test(test_warm_equals_cold_bf16),
         cmocka_unit_test(test_logprobs_bit_exact_fp8),
+        cmocka_unit_test(test_logprobs_bit_exact_bf16),
         cmocka_unit_test(test_fork_on_verify_fp8),
+        cmocka_unit_test(test_fork_on_verify_bf16),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,8 +1,9 @@
-/* test_kern_kvfp8.c — the FP8 latent cache row (docs/quantization.md, "FP8 latent cache",
- * kernels/shared/kv_fp8.h) and the CPU's absorbed attention over a pool of such rows: the layout,
+/* test_kern_kvfp8.c — the quantized latent cache rows (docs/quantization.md §4,
+ * kernels/shared/kv_row.h) and the CPU's absorbed attention over a pool of such rows: FP8's layout,
  * each tile's scale, the quantization error against float64 (within half an E4M3 step), the exact
- * round trip of values the format holds, and the attention against a float64 reference of the
- * dequantized math (and bit for bit against the f32 kernel over the dequantized rows). */
+ * round trip of values the format holds; BF16's layout and rounding; and the attention over FP8
+ * and BF16 pools against a float64 reference of the dequantized math (and bit for bit against the
+ * f32 kernel over the dequantized rows). */
 #include "testutil.h"
 
 #include "kernels/cpu/kernels.h"
@@ -108,24 +109,64 @@ static void test_exact_round_trip(void **st) {
     assert_memory_equal(y, x, sizeof x);
 }
 
-/* ds_latent_store / ds_latent_load over a paged FP8 view are the shared row functions, and an
- * f32 view copies rows unchanged. */
+/* BF16 rows: 16-byte multiples, every value rounded to nearest even (base's ds_f32_to_bf16, the
+ * CPU's weight rounding), padding zero. */
+static void test_bf16_rows(void **st) {
+    (void)st;
+    assert_int_equal(ds_kv_row_bytes(DS_KV_BF16, 512, 64), 1152);
+    assert_int_equal(ds_kv_row_bytes(DS_KV_BF16, 30, 6), 80); /* 72, padded */
+    assert_int_equal(ds_kv_row_bytes(DS_KV_F32, 30, 6), 144);
+    assert_int_equal(ds_kv_row_bytes(DS_KV_FP8, 512, 64), 656);
+    enum { R = 30, DR = 6 };
+    float x[R + DR];
+    ds_rng r;
+    ds_rng_seed(&r, 21);
+    kv_row(&r, x, R, DR, 0, -1);
+    x[3] = 1.0f + 0x1p-8f;     /* a tie: rounds to the even 1.0 */
+    x[4] = 1.0f + 3 * 0x1p-8f; /* a tie: rounds up to the even 1 + 2^-6 */
+    x[5] = -0.0f;
+    uint8_t row[80];
+    memset(row, 0xee, sizeof row);
+    ds_kv_bf16_row(row, x, R, DR);
+    for (int i = 0; i < R + DR; i++) {
+        const float want = ds_bf16_to_f32(ds_f32_to_bf16(x[i])), got = ds_kv_bf16_row_value(row, i);
+        assert_memory_equal(&got, &want, 4);
+        assert_true(fabsf(got - x[i]) <= fabsf(x[i]) * 0x1p-8f);
+    }
+    assert_true(ds_kv_bf16_row_value(row, 3) == 1.0f);
+    assert_true(ds_kv_bf16_row_value(row, 4) == 1.0f + 0x1p-6f);
+    assert_true(signbit(ds_kv_bf16_row_value(row, 5)));
+    for (int b = 2 * (R + DR); b < 80; b++) assert_int_equal(row[b], 0);
+}
+
+/* ds_latent_store / ds_latent_load over a paged FP8 or BF16 view are the shared row functions,
+ * and an f32 view copies rows unchanged. */
 static void test_store_load(void **st) {
     (void)st;
     enum { R = 200, DR = 8, BS = 4 };
     const size_t rb = ds_kv_fp8_row_bytes(R, DR);
-    uint8_t *pool = calloc(3 * BS, rb);
+    const size_t rb16 = ds_kv_row_bytes(DS_KV_BF16, R, DR);
+    uint8_t *pool = calloc(3 * BS, rb), *pool16 = calloc(3 * BS, rb16);
     float *pf = calloc(3 * BS, (R + DR) * sizeof(float));
     int32_t table[3] = {2, 0, 1};
-    ds_latent_view v8 = {pool, table, BS, R + DR, R, 1}, v32 = {pf, table, BS, R + DR, R, 0};
+    ds_latent_view v8 = {pool, table, BS, R + DR, R, DS_KV_FP8};
+    ds_latent_view v16 = {pool16, table, BS, R + DR, R, DS_KV_BF16};
+    ds_latent_view v32 = {pf, table, BS, R + DR, R, DS_KV_F32};
     ds_rng r;
     ds_rng_seed(&r, 9);
     for (int p = 0; p < 3 * BS; p++) {
         float x[R + DR], want[R + DR], c[R], kr[DR];
         kv_row(&r, x, R, DR, p % 3 - 1, -1);
         ds_latent_store(&v8, p, x);
+        ds_latent_store(&v16, p, x);
         ds_latent_store(&v32, p, x);
-        uint8_t ref[224];
+        uint8_t ref[416]; /* the BF16 row; the FP8 one takes 224 */
+        ds_kv_bf16_row(ref, x, R, DR);
+        assert_memory_equal(ds_latent_at(&v16, p), ref, rb16);
+        ds_latent_load(&v16, p, c, kr);
+        for (int i = 0; i < R + DR; i++) want[i] = ds_kv_bf16_row_value(ref, i);
+        assert_memory_equal(c, want, sizeof c);
+        assert_memory_equal(kr, want + R, sizeof kr);
         ds_kv_fp8_quant_row(ref, x, R, DR);
         assert_memory_equal(ds_latent_at(&v8, p), ref, rb);
         ds_kv_fp8_dequant_row(want, ref, R, DR);
@@ -136,7 +177,7 @@ static void test_store_load(void **st) {
         assert_memory_equal(c, x, sizeof c);
         assert_memory_equal(kr, x + R, sizeof kr);
     }
-    free(pool), free(pf);
+    free(pool), free(pool16), free(pf);
 }
 
 /* The CPU kernels' own dequantization (vectorized) reads every code the quantizer can write as
@@ -146,7 +187,7 @@ static void test_every_code(void **st) {
     enum { R = 256, DR = 2 };
     uint8_t row[272] = {0};
     int32_t table[1] = {0};
-    ds_latent_view v = {row, table, 1, R + DR, R, 1};
+    ds_latent_view v = {row, table, 1, R + DR, R, DS_KV_FP8};
     const float scales[3] = {1.0f, 0.37f, 1.0f / (448.0f * 512.0f)};
     for (int k = 0; k < 3; k++) {
         for (int i = 0; i < R; i++) row[i] = (uint8_t)((i & 0x7f) == 0x7f ? 0x7e | (i & 0x80) : i);
@@ -163,30 +204,33 @@ static void test_every_code(void **st) {
     }
 }
 
-/* The absorbed attention over an FP8 pool (pages shuffled inside a larger pool whose other rows
- * read as NaN) against float64 over the dequantized rows, and bit for bit against the f32
- * kernel over a pool of those dequantized rows. */
-static void check_absorbed(int Ha, int R, int dr, int n_ctx, int T, int pos0, int causal,
+/* The absorbed attention over an FP8 or BF16 pool (dtype dt; pages shuffled inside a larger pool
+ * whose other rows read as NaN) against float64 over the dequantized rows, and bit for bit against
+ * the f32 kernel over a pool of those dequantized rows. */
+static void check_absorbed(int dt, int Ha, int R, int dr, int n_ctx, int T, int pos0, int causal,
                            uint64_t seed) {
     enum { BS = 16 };
     const int row = R + dr, nblk = (n_ctx + BS - 1) / BS, pool_blocks = 2 * nblk + 3;
-    const size_t rb = ds_kv_fp8_row_bytes(R, dr);
+    const size_t rb = ds_kv_row_bytes(dt, R, dr);
     ds_rng r;
     ds_rng_seed(&r, seed);
     int32_t *table = malloc(sizeof(int32_t) * (size_t)nblk);
     for (int i = 0; i < nblk; i++) table[i] = (int32_t)((i * 5 + 2) % pool_blocks);
     uint8_t *pool = malloc((size_t)pool_blocks * BS * rb);
     float *pool32 = malloc(sizeof(float) * (size_t)pool_blocks * BS * row);
-    memset(pool, 0xff, (size_t)pool_blocks * BS * rb); /* NaN codes and NaN scales */
+    memset(pool, 0xff, (size_t)pool_blocks * BS * rb); /* NaN codes, scales and BF16 values */
     for (size_t i = 0; i < (size_t)pool_blocks * BS * row; i++) pool32[i] = NAN;
-    ds_latent_view v8 = {pool, table, BS, row, R, 1}, v32 = {pool32, table, BS, row, R, 0};
+    ds_latent_view v8 = {pool, table, BS, row, R, dt}, v32 = {pool32, table, BS, row, R, 0};
     double *deq = malloc(sizeof(double) * (size_t)n_ctx * row); /* [n_ctx][row] */
     float *x = malloc(sizeof(float) * (size_t)row);
     for (int p = 0; p < n_ctx; p++) {
         kv_row(&r, x, R, dr, p % 3 - 2, -1);
         ds_latent_store(&v8, p, x);
         float *d = ds_latent_row(&v32, p);
-        ds_kv_fp8_dequant_row(d, ds_latent_at(&v8, p), R, dr);
+        if (dt == DS_KV_FP8)
+            ds_kv_fp8_dequant_row(d, ds_latent_at(&v8, p), R, dr);
+        else
+            for (int k = 0; k < row; k++) d[k] = ds_kv_bf16_row_value(ds_latent_at(&v8, p), k);
         for (int k = 0; k < row; k++) deq[(size_t)p * row + k] = d[k];
     }
     const size_t nq = (size_t)T * Ha;
@@ -213,7 +257,8 @@ static void check_absorbed(int Ha, int R, int dr, int n_ctx, int T, int pos0, in
             for (int k = 0; k < R; k++) ref[q * R + k] += sc[p] / sum * deq[(size_t)p * row + k];
     }
     const double err = ds_test_rel_err(o8, ref, nq * R);
-    print_message("fp8 absorbed Ha %d R %d ctx %d T %d: rel err %.2e\n", Ha, R, n_ctx, T, err);
+    print_message("%s absorbed Ha %d R %d ctx %d T %d: rel err %.2e\n",
+                  dt == DS_KV_FP8 ? "fp8" : "bf16", Ha, R, n_ctx, T, err);
     assert_true(err < 1e-5);
     assert_memory_equal(o8, o32, sizeof(float) * nq * R);
     free(table), free(pool), free(pool32), free(deq), free(x), free(qbar), free(qr), free(o8);
@@ -222,11 +267,13 @@ static void check_absorbed(int Ha, int R, int dr, int n_ctx, int T, int pos0, in
 
 static void test_absorbed(void **st) {
     (void)st;
-    check_absorbed(8, 512, 64, 700, 1, 699, 1, 11);  /* a decode at 700: several key ranges */
-    check_absorbed(3, 512, 64, 45, 5, 40, 1, 12);    /* a verify */
-    check_absorbed(16, 512, 64, 37, 37, 0, 1, 13);   /* a prefill from 0 */
-    check_absorbed(4, 30, 6, 41, 8, 33, 0, 14);      /* a short tile, not causal */
-    check_absorbed(2, 200, 8, 2100, 2, 2098, 1, 15); /* long: many ranges, merged */
+    for (int dt = DS_KV_FP8; dt <= DS_KV_BF16; dt++) {
+        check_absorbed(dt, 8, 512, 64, 700, 1, 699, 1, 11);  /* a decode at 700: key ranges */
+        check_absorbed(dt, 3, 512, 64, 45, 5, 40, 1, 12);    /* a verify */
+        check_absorbed(dt, 16, 512, 64, 37, 37, 0, 1, 13);   /* a prefill from 0 */
+        check_absorbed(dt, 4, 30, 6, 41, 8, 33, 0, 14);      /* a short tile, not causal */
+        check_absorbed(dt, 2, 200, 8, 2100, 2, 2098, 1, 15); /* long: many ranges, merged */
+    }
 }
 
 int main(void) {
@@ -234,6 +281,7 @@ int main(void) {
         cmocka_unit_test(test_layout),           cmocka_unit_test(test_error_bound),
         cmocka_unit_test(test_exact_round_trip), cmocka_unit_test(test_store_load),
         cmocka_unit_test(test_every_code),       cmocka_unit_test(test_absorbed),
+        cmocka_unit_test(test_bf16_rows),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

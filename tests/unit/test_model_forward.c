@@ -5,6 +5,7 @@
 #include "golden_io.h"
 #include "devtools/init_model.h"
 #include "model/model.h"
+#include "kernels/shared/kv_row.h"
 #include "testutil.h"
 
 #include <dirent.h>
@@ -96,9 +97,9 @@ static uint64_t checkpoint_hash(const char *dir) {
     return h;
 }
 
-/* kv_fp8: the golden was written with --kv-cache-dtype fp8 (its meta.kv_cache_dtype says so), and
- * the model runs with the FP8 latent cache. */
-static void check_golden_opts(int which, const char *golden_rel, int kv_fp8) {
+/* kv_dtype (DS_KV_*): the golden was written with that --kv-cache-dtype (its meta.kv_cache_dtype
+ * says so), and the model runs with that latent cache. */
+static void check_golden_opts(int which, const char *golden_rel, int kv_dtype) {
     char *path = ds_test_src_path(golden_rel);
     char errbuf[512];
     ds_golden *g = ds_golden_load(path, errbuf, sizeof errbuf);
@@ -139,10 +140,10 @@ static void check_golden_opts(int which, const char *golden_rel, int kv_fp8) {
 
     int knd;
     const uint64_t *kdims, *kvd = ds_golden_get(g, "meta.kv_cache_dtype", 3, &knd, &kdims);
-    assert_int_equal(kvd ? (int)kvd[0] : 0, kv_fp8);
+    assert_int_equal(kvd ? (int)kvd[0] : 0, kv_dtype);
 
     fixture f;
-    o.kv_fp8 = kv_fp8;
+    o.kv_dtype = kv_dtype;
     open_model(&f, which, &o);
     const ds_config *c = ds_model_config(f.m);
     int V = c->vocab_size, D = c->hidden_size, L = c->num_hidden_layers;
@@ -185,7 +186,7 @@ static void check_golden_opts(int which, const char *golden_rel, int kv_fp8) {
     int mnd;
     const uint64_t *mdims;
     const double *margin = ds_golden_get(g, "meta.min_margin", 2, &mnd, &mdims);
-    if ((o.quantization != DS_QUANT_NONE || kv_fp8) && !margin)
+    if ((o.quantization != DS_QUANT_NONE || kv_dtype == DS_KV_FP8) && !margin)
         fail_msg("%s: a quantized golden must be written with --min-margin", golden_rel);
     print_message("%s: final hidden rel err %.3g, logits rel err %.3g; rows within 1e-4 before "
                   "the first that is not: %d of %d\n",
@@ -222,7 +223,7 @@ static void test_golden_tiny_k3(void **state) {
  * row as it is written and attends over the dequantized rows, as the engine does. */
 static void test_golden_tiny_k3_kvfp8(void **state) {
     (void)state;
-    check_golden_opts(0, "tests/golden/tiny-k3-kvfp8.bin", 1);
+    check_golden_opts(0, "tests/golden/tiny-k3-kvfp8.bin", DS_KV_FP8);
 }
 
 static void test_golden_tiny_linear(void **state) {

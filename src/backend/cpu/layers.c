@@ -131,10 +131,10 @@ void cpu_mla_forward(step *s, const layer_w *lw, const float *xn, float *out) {
     ds_matmul(kv, row, xn, D, T, &w->kv_a);
     for (int t = 0; t < T; t++)
         ds_rmsnorm(kv + (size_t)t * row, kv + (size_t)t * row, w->kv_a_norm, 1, R, 1e-6f);
-    /* the pool's rows, f32 or FP8: every attention below reads them as stored, this step's own
-     * rows included (docs/quantization.md, "FP8 latent cache") */
+    /* the pool's rows, f32, FP8 or BF16: every attention below reads them as stored, this step's
+     * own rows included (docs/quantization.md §4) */
     ds_latent_view view = {
-        s->pool->layer[lw->kind_idx], NULL, s->pool->block_size, row, R, s->pool->kv_fp8};
+        s->pool->layer[lw->kind_idx], NULL, s->pool->block_size, row, R, s->pool->kv_dtype};
     float scale = 1.0f / sqrtf((float)dq);
     for (int qi = 0; qi < s->n_seq; qi++) {
         const ds_seq_batch *sb = &s->seqs[qi];

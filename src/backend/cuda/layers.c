@@ -4,6 +4,7 @@
  * step's middle as one fused kernel), MLA (absorbed runs, expanded long segments) and the
  * feed-forward blocks (dense MLP, MoE with shared experts beside the routed ones). */
 #include "backend/cuda/internal.h"
+#include "kernels/shared/kv_row.h"
 
 #include <math.h>
 
@@ -179,7 +180,7 @@ static int mla_expanded_segment(cstep *s, const cu_mla *w, const uint8_t *pool, 
     const int Ha = s->m->Ha, R = c->kv_lora_rank, dn = c->qk_nope_head_dim;
     const int dr = c->qk_rope_head_dim, dvh = c->v_head_dim, dq = dn + dr, row = R + dr;
     const size_t rb = s->pool->row_bytes;
-    const int fp8 = s->pool->kv_fp8;
+    const int fp8 = s->pool->kv_dtype == DS_KV_FP8;
     const ds_seq_batch *sb = &s->seqs[qi];
     int n = sb->n, pos0 = sb->pos0, ctx = pos0 + n, r0 = s->off[qi];
     /* the context in blocks of cb rows when it is longer than the block and the fused
@@ -239,7 +240,9 @@ int cuda_mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float *
      * rows included (docs/quantization.md, "FP8 latent cache") */
     uint8_t *pool = s->pool->layer[lw->kind_idx];
     const size_t rb = s->pool->row_bytes;
-    const int fp8 = s->pool->kv_fp8;
+    const int fp8 = s->pool->kv_dtype == DS_KV_FP8;
+    if (s->pool->kv_dtype == DS_KV_BF16)
+        return ds_errf(err, "cuda: --kv-cache-dtype bf16 is not on the GPU yet");
     size_t mark = s->used;
     float *q = take(s, (size_t)T * Ha * dq);         /* [T][Ha][dn+dr] */
     float *kv = take(s, (size_t)T * row);            /* [T][R+dr] this step's latent rows */

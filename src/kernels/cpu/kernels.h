@@ -9,7 +9,7 @@
 
 #include "base/ds_base.h"
 #include "io/safetensors.h"
-#include "kernels/shared/kv_fp8.h"
+#include "kernels/shared/kv_row.h"
 
 /* ---- ISA selection ----------------------------------------------------------------------------
  */
@@ -108,21 +108,21 @@ void ds_kda_chunked(float *o, const float *q, const float *k, const float *v, co
  */
 /* A paged latent cache: row for position p lives at
  * pool + ((size_t)block_table[p / block_size] * block_size + p % block_size) * (bytes a row).
- * A row holds the values [c (R) | kR (dr)], row = R + dr: as f32 (fp8 = 0: row floats), or in the
- * FP8 form of kernels/shared/kv_fp8.h (fp8 = 1: ds_kv_fp8_row_bytes(R, dr) bytes). The attention
- * kernels read an FP8 row's dequantized values. */
+ * A row holds the values [c (R) | kR (dr)], row = R + dr, in the form dtype names
+ * (kernels/shared/kv_row.h: f32, FP8 or BF16). The attention kernels read FP8 and BF16 rows as
+ * their f32 values. */
 typedef struct ds_latent_view {
     void *pool;
     const int32_t *block_table;
     int block_size;
-    int row; /* values per row: kv_lora_rank + qk_rope_head_dim */
-    int R;   /* kv_lora_rank (needed with fp8 and by ds_latent_store / ds_latent_load) */
-    int fp8;
+    int row;   /* values per row: kv_lora_rank + qk_rope_head_dim */
+    int R;     /* kv_lora_rank (needed with FP8 rows and by ds_latent_store / ds_latent_load) */
+    int dtype; /* DS_KV_* */
 } ds_latent_view;
 
 /* Bytes of one stored row of v. */
 static inline size_t ds_latent_row_bytes(const ds_latent_view *v) {
-    return v->fp8 ? ds_kv_fp8_row_bytes(v->R, v->row - v->R) : (size_t)v->row * sizeof(float);
+    return ds_kv_row_bytes(v->dtype, v->R, v->row - v->R);
 }
 /* Where position pos's row starts. */
 static inline uint8_t *ds_latent_at(const ds_latent_view *v, int pos) {

@@ -16,9 +16,9 @@
  * verify, or inside a short prompt segment. The expanded form (prompt segments) cuts its ranges
  * from the segment's shape; neither depends on the number of threads.
  *
- * FP8 rows (docs/quantization.md, "FP8 latent cache"): the absorbed form dequantizes each tile's
- * rows once per work item into the thread's workspace and runs the same tile code on those floats;
- * the values are kernels/shared/kv_fp8.h's, bit for bit. */
+ * FP8 and BF16 rows (docs/quantization.md §4): the absorbed form widens each tile's rows once per
+ * work item into the thread's workspace and runs the same tile code on those floats; the values
+ * are kernels/shared/kv_row.h's, bit for bit. */
 #include "kernels/cpu/kernels.h"
 
 #include <math.h>
@@ -89,8 +89,20 @@ static inline __attribute__((always_inline)) float mla_e4m3(uint8_t b) {
     return ds_bits_f32(ds_f32_bits(mag) | sign);
 }
 
-/* c [R], kr [dr] <- the values of a stored FP8 row (ds_kv_fp8_value: the same f32 products). */
-static MLA_HOT void mla_dequant(float *c, float *kr, const uint8_t *row, int R, int dr) {
+/* c [R], kr [dr] <- the values of a stored row of dtype dt (ds_kv_fp8_value: the same f32
+ * products; BF16: exact). */
+static MLA_HOT void mla_dequant(float *c, float *kr, const uint8_t *row, int dt, int R, int dr) {
+    if (dt == DS_KV_F32) {
+        memcpy(c, row, (size_t)R * sizeof(float));
+        memcpy(kr, row + (size_t)R * sizeof(float), (size_t)dr * sizeof(float));
+        return;
+    }
+    if (dt == DS_KV_BF16) {
+        const uint16_t *h = (const uint16_t *)row; /* rows are 16-byte aligned */
+        for (int i = 0; i < R; i++) c[i] = ds_bits_f32((uint32_t)h[i] << 16);
+        for (int i = 0; i < dr; i++) kr[i] = ds_bits_f32((uint32_t)h[R + i] << 16);
+        return;
+    }
     for (int j = 0; j * DS_KV_FP8_TILE < R; j++) {
         const int a = j * DS_KV_FP8_TILE, n = DS_MIN(DS_KV_FP8_TILE, R - a);
         const float sc = ds_kv_fp8_scale(row, R, j);
@@ -106,20 +118,16 @@ static MLA_HOT void mla_dequant(float *c, float *kr, const uint8_t *row, int R, 
 
 void ds_latent_store(const ds_latent_view *v, int pos, const float *x) {
     uint8_t *dst = ds_latent_at(v, pos);
-    if (v->fp8)
+    if (v->dtype == DS_KV_FP8)
         ds_kv_fp8_quant_row(dst, x, v->R, v->row - v->R);
+    else if (v->dtype == DS_KV_BF16)
+        ds_kv_bf16_row(dst, x, v->R, v->row - v->R);
     else
         memcpy(dst, x, (size_t)v->row * sizeof(float));
 }
 
 void ds_latent_load(const ds_latent_view *v, int pos, float *c, float *kr) {
-    const uint8_t *src = ds_latent_at(v, pos);
-    if (v->fp8) {
-        mla_dequant(c, kr, src, v->R, v->row - v->R);
-    } else {
-        memcpy(c, src, (size_t)v->R * sizeof(float));
-        memcpy(kr, src + (size_t)v->R * sizeof(float), (size_t)(v->row - v->R) * sizeof(float));
-    }
+    mla_dequant(c, kr, ds_latent_at(v, pos), v->dtype, v->R, v->row - v->R);
 }
 
 /* Rows visible to token t: causal queries see 0..pos0+t (never past the cache's n_ctx rows). */
@@ -155,15 +163,16 @@ static int mla_group(const mla_problem *pb, int g, int *th, int *head) {
     return n;
 }
 
-/* Pointers to the pieces of key rows [p0, p0+nk). FP8 rows are dequantized into kd
+/* Pointers to the pieces of key rows [p0, p0+nk). FP8 and BF16 rows are widened into kd
  * [MLA_KB][d1 + d2] first. */
 static void mla_gather(const mla_problem *pb, int h, int p0, int nk, const float **k1,
                        const float **k2, const float **vv, float *kd) {
     for (int j = 0; j < nk; j++) {
         int p = p0 + j;
-        if (pb->lat && pb->lat->fp8) {
+        if (pb->lat && pb->lat->dtype != DS_KV_F32) {
             float *row = kd + (size_t)j * (pb->d1 + pb->d2);
-            mla_dequant(row, row + pb->d1, ds_latent_at(pb->lat, p), pb->d1, pb->d2);
+            mla_dequant(row, row + pb->d1, ds_latent_at(pb->lat, p), pb->lat->dtype, pb->d1,
+                        pb->d2);
             k1[j] = row, k2[j] = row + pb->d1, vv[j] = row;
         } else if (pb->lat) {
             const float *row = ds_latent_row(pb->lat, p);
@@ -319,7 +328,7 @@ static void mla_ws_at(mla_ws *w, float *scratch, int dv) {
 /* Floats of one thread's workspace (mla_ws_at). */
 static size_t mla_ws_floats(const mla_problem *pb) {
     size_t n = (size_t)MLA_QB * ((size_t)pb->dv + MLA_KB + 2);
-    if (pb->lat && pb->lat->fp8) n += (size_t)MLA_KB * (size_t)(pb->d1 + pb->d2);
+    if (pb->lat && pb->lat->dtype != DS_KV_F32) n += (size_t)MLA_KB * (size_t)(pb->d1 + pb->d2);
     return n;
 }
 
