@@ -541,6 +541,7 @@ typedef struct fz_counts {
     uint64_t constrained, async_seeds;        /* choices under a grammar; seeds with masks beside */
     uint64_t preempt_seeds, preempt_replayed; /* --preempt: seeds, the cached runs' preemptions */
     uint64_t restart_seeds, restart_loads;    /* --restart: seeds, disk and Redis loads after one */
+    uint64_t dtype_seeds[3];                  /* seeds of each latent cache dtype (DS_KV_*) */
 } fz_counts;
 
 /* Pages the max_seqs largest sequences of the workload need at their longest. */
@@ -861,6 +862,7 @@ static int run_seed(const fz_opts *fo, ds_comm *comm, uint64_t seed, int have_dr
     ct->restart_seeds += w.cfg.restart_at > 0;
     ct->async_seeds += w.cfg.async_masks;
     ct->preempt_seeds += w.cfg.preempt;
+    ct->dtype_seeds[w.cfg.kv_dtype]++;
     char disk[4096];
     snprintf(disk, sizeof disk, "%s/seed-%llu", fo->work_dir, (unsigned long long)seed);
     ds_engine_opts o;
@@ -1228,6 +1230,17 @@ int main(int argc, char **argv) {
                    "refused (recomputed)\n",
                    (unsigned long long)ct.pd_seeds, (unsigned long long)ct.pd_pulls,
                    (unsigned long long)ct.pd_refused);
+        if (fo.kv_dtype < 0) {
+            printf("cache_fuzz: latent cache f32 in %llu seeds, fp8 in %llu, bf16 in %llu\n",
+                   (unsigned long long)ct.dtype_seeds[DS_KV_F32],
+                   (unsigned long long)ct.dtype_seeds[DS_KV_FP8],
+                   (unsigned long long)ct.dtype_seeds[DS_KV_BF16]);
+            /* (one seed in three of each: with 24 or more, a dtype left out is a bug) */
+            if (ran >= 24 && (!ct.dtype_seeds[DS_KV_FP8] || !ct.dtype_seeds[DS_KV_BF16])) {
+                printf("cache_fuzz: the run drew no FP8 or no BF16 seed\n");
+                status = 1;
+            }
+        }
         if (ct.preemptions) {
             printf("cache_fuzz: a sequence was preempted: the pools are sized so that none is\n");
             status = 1;
