@@ -173,7 +173,7 @@ static const struct {
     {"draws", checks_draws},
     {"matmul fp8", checks_matmul_fp8}, /* (last: the inputs of the checks above stay the same) */
     {"moe mxfp4", checks_moe_mxfp4},
-    {"kv fp8", checks_kv_fp8},
+    {"kv rows", checks_kv_rows},
     {"moe fp8", checks_moe_fp8},
 };
 

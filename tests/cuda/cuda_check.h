@@ -71,7 +71,7 @@ void checks_argmax(ds_cu *c);     /* test_cuda_sample.c */
 void checks_draws(ds_cu *c);      /* ... */
 void checks_matmul_fp8(ds_cu *c); /* test_cuda_matmul_fp8.c */
 void checks_moe_mxfp4(ds_cu *c);  /* test_cuda_moe_mxfp4.c */
-void checks_kv_fp8(ds_cu *c);     /* test_cuda_kv_fp8.c */
+void checks_kv_rows(ds_cu *c);    /* test_cuda_kv_rows.c */
 void checks_moe_fp8(ds_cu *c);    /* test_cuda_moe_fp8.c */
 void checks_nccl(ds_cu *c);       /* test_cuda_nccl.c */
 

@@ -201,14 +201,14 @@ typedef struct mla_batch_ctx {
     void *pool;
     int32_t *tables, *tok_bt, *tok_pos;
     int n_seq, n_ctx;
-    int fp8; /* FP8 rows (656 bytes) instead of f32 ones */
+    int kvd; /* the rows' dtype (DS_KV_*: f32 2,304 bytes, FP8 656, BF16 1,152) */
 } mla_batch_ctx;
 static void run_mla_batch(ds_cu *c, void *p) {
     mla_batch_ctx *x = p;
     ds_err err;
     if (ds_cu_mla_attend_absorbed_batch(c, x->obar, x->qbar, x->qr, 64, x->n_seq, 32, 512, 64,
-                                        x->pool, x->fp8, x->tables, x->tok_bt, x->tok_pos, x->n_ctx,
-                                        16, x->fp8 ? 656 : 576 * 4, 0.07f, &err))
+                                        x->pool, x->kvd, x->tables, x->tok_bt, x->tok_pos, x->n_ctx,
+                                        16, ds_kv_row_bytes(x->kvd, 512, 64), 0.07f, &err))
         DIE("%s", err.msg);
 }
 
@@ -301,18 +301,21 @@ void bench_mla_expanded(ds_cu *c, const cuda_ceilings *ceil) {
 }
 
 /* 5c. one decode token over a long context (32K, 128K, 1M rows), 32 heads: the all-heads f32
- *     kernel against the tensor-core one, f32 rows and FP8 rows; the bytes that must be read:
+ *     kernel against the tensor-core one, f32, FP8 and BF16 rows; the bytes that must be read:
  *     every row once. Pages in order; the pool is a 64 MB random block of whole rows repeated. */
 static void bench_mla_long(ds_cu *c, double copy_gbs) {
     static const int ctxs[] = {32768, 131072, 1048576};
     ds_err err = {{0}};
     const size_t block = (size_t)64 << 20;
     uint8_t *h = (uint8_t *)rand_f32(block / 4, -1, 1);
-    for (int f8 = 0; f8 < 2; f8++)
+    for (int kvd = DS_KV_F32; kvd <= DS_KV_BF16; kvd++)
         for (size_t i = 0; i < DS_ARRAY_LEN(ctxs); i++) {
             mla_batch_ctx bc = {0};
-            bc.n_seq = 1, bc.n_ctx = ctxs[i], bc.fp8 = f8;
-            const size_t rb = f8 ? 656 : 576 * 4, bytes = (size_t)bc.n_ctx * rb;
+            bc.n_seq = 1, bc.n_ctx = ctxs[i], bc.kvd = kvd;
+            const int f8 = kvd == DS_KV_FP8;
+            const size_t rb = ds_kv_row_bytes(kvd, 512, 64), bytes = (size_t)bc.n_ctx * rb;
+            if (kvd == DS_KV_BF16 && i == 0) /* finite BF16 values: exponents below 128 */
+                for (size_t k = 0; k < block / 2; k++) ((uint16_t *)h)[k] &= 0xbfffu;
             if (f8 && i == 0) /* valid rows once: codes of h's bytes (0x7f/0xff, NaN, made
                                * finite), scales 1 */
                 for (size_t r = 0; r < block / rb; r++) {
@@ -343,8 +346,12 @@ static void bench_mla_long(ds_cu *c, double copy_gbs) {
                 const double ms = median_ms(c, run_mla_batch, &bc, 2, 10);
                 printf("bench mla absorbed decode 1 x %d rows, Ha=32, %s rows (%s): %.4f ms, "
                        "%.0f GB/s of cache (%.0f%% of copy)\n",
-                       bc.n_ctx, f8 ? "fp8" : "f32", tc ? "tensor cores" : "all heads, f32", ms,
-                       bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
+                       bc.n_ctx,
+                       f8                  ? "fp8"
+                       : kvd == DS_KV_BF16 ? "bf16"
+                                           : "f32",
+                       tc ? "tensor cores" : "all heads, f32", ms, bytes / (ms * 1e-3) / 1e9,
+                       100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
             }
             ds_cu_set_mla_all_heads(c, 0);
             ds_cu_set_mla_decode_tc(c, 0);

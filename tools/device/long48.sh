@@ -4,7 +4,7 @@
 # the time to first token of one prompt of that many tokens in chunks of CHUNK (chunked prefill,
 # as a server runs it), its split by op (DS_CUDA_PROFILE=1, eager: the KDA, MLA and other rows),
 # then decode at batch 1 with that context, graphs on, as a fraction of the copy rate counting
-# what a step reads (the weights and the context's latents). KV in KV_DTYPES (auto fp8).
+# what a step reads (the weights and the context's latents). KV in KV_DTYPES (auto fp8; bf16 too).
 # TAG: a suffix for the output files. PARTS: "decode ttft" (default) or either alone. FILL: how decode's context is made (zeros by
 # default: `bench --decode-fill zeros`, the same bytes read without a second long prefill; prefill
 # runs it through the model).

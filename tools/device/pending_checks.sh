@@ -28,8 +28,8 @@
 #  10. (issue 33) a long context's MLA: the kernel checks (the expanded attention's blocks and
 #      their log-sum-exp merge; decode's absorbed attention on tensor cores, f32 and FP8 rows),
 #      their timings, then decode after 1M tokens (long48.sh; the H200: an H100 holds the cut
-#      shape's million rows only in FP8) with the f32 kernels and on tensor cores
-#      (DS_CUDA_MLA_DECODE_TC 0 and 8192). Decode's context is zeros (`bench --decode-fill
+#      shape's million rows only in FP8 or BF16) on tensor cores (TCS="0 8192" for the f32
+#      kernels too) with BF16, FP8 and f32 rows. Decode's context is zeros (`bench --decode-fill
 #      zeros`), not a prefill.
 #  11. (issue 33) the time to first token of a 1M-token prompt and its split by op (a call of its
 #      own: at the 48B shape its MLA attention alone is minutes).
@@ -64,16 +64,16 @@ timeout 120 .devbin/test_cuda_kernels --bench-only kda 2>&1 | grep -E "chunked p
 fi
 if want 10; then
 el "10. MLA over a long context: checks (blocks, tensor-core decode), timings, decode after 1M tokens"
-DS_CUDA_CHECKS="mla,mla batch,kv fp8" timeout 150 .devbin/test_cuda_kernels > "$OUT/mla_check.log" 2>&1
+DS_CUDA_CHECKS="mla,mla batch,kv rows" timeout 150 .devbin/test_cuda_kernels > "$OUT/mla_check.log" 2>&1
 echo "checks rc $? ($(grep -c ' ok$' "$OUT/mla_check.log") ok, $(grep -c FAIL "$OUT/mla_check.log") FAIL)"
 grep -E "FAIL|tensor cores|blocks|checks:" "$OUT/mla_check.log" | head -24
 timeout 150 .devbin/test_cuda_kernels --bench-only mla 2>&1 | grep -E "absorbed decode 1 x|expanded" |
   tee "$OUT/mla_bench.log"
-# (a card under 120 GB holds the cut shape's million rows only in FP8)
-KVS=${KV_DTYPES:-$([ "$SHAPE48" = configs/kimi-linear-48b-a3b ] && echo "auto fp8" || echo fp8)}
-for tc in 0 8192; do
+# (a card under 120 GB holds the cut shape's million rows only in FP8 or BF16)
+KVS=${KV_DTYPES:-$([ "$SHAPE48" = configs/kimi-linear-48b-a3b ] && echo "bf16 fp8 auto" || echo "bf16 fp8")}
+for tc in ${TCS:-8192}; do
   DS_CUDA_MLA_DECODE_TC=$tc DS_CUDA_MLA_CTX_BLOCK=131072 LENS=1048576 KV_DTYPES="$KVS" \
-    PARTS=decode TAG=_tc$tc STEP_TIMEOUT=150 timeout 330 bash "$(dirname "$0")/long48.sh" 2>&1 |
+    PARTS=decode TAG=_tc$tc STEP_TIMEOUT=150 timeout 400 bash "$(dirname "$0")/long48.sh" 2>&1 |
     grep -E "^decode|failed|all lengths"
 done
 fi

@@ -9,7 +9,7 @@
 failed=""
 PART=${PART:-all}
 if [ "$PART" != bench ]; then
-  DS_CUDA_CHECKS=${CHECKS:-"matmul,moe,mla batch,matmul fp8,moe mxfp4,kv fp8,moe fp8"} DS_DEVICE=cpu \
+  DS_CUDA_CHECKS=${CHECKS:-"matmul,moe,mla batch,matmul fp8,moe mxfp4,kv rows,moe fp8"} DS_DEVICE=cpu \
     timeout 240 .devbin/test_cuda_kernels > "$OUT/kernels.log" 2>&1 || failed+=" kernels"
   grep -E "FAIL|fp8|mxfp4|checks" "$OUT/kernels.log" | grep -v "^ok" | tail -12
   DS_KERNEL_CHECKS=0 timeout 400 tools/device/cuda_model_check.sh test_model_forward \

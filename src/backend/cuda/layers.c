@@ -180,7 +180,7 @@ static int mla_expanded_segment(cstep *s, const cu_mla *w, const uint8_t *pool, 
     const int Ha = s->m->Ha, R = c->kv_lora_rank, dn = c->qk_nope_head_dim;
     const int dr = c->qk_rope_head_dim, dvh = c->v_head_dim, dq = dn + dr, row = R + dr;
     const size_t rb = s->pool->row_bytes;
-    const int fp8 = s->pool->kv_dtype == DS_KV_FP8;
+    const int kvd = s->pool->kv_dtype;
     const ds_seq_batch *sb = &s->seqs[qi];
     int n = sb->n, pos0 = sb->pos0, ctx = pos0 + n, r0 = s->off[qi];
     /* the context in blocks of cb rows when it is longer than the block and the fused
@@ -202,8 +202,8 @@ static int mla_expanded_segment(cstep *s, const cu_mla *w, const uint8_t *pool, 
         const int nk = DS_MIN(cb, ctx - k0);
         const int32_t *rows = s->ctx_rows + s->ctx_off[qi] + k0;
         PROF(s, "mla expanded kv_b");
-        if (fp8) {
-            TRY(ds_cu_kv_fp8_gather(cu, cl, kr, pool, rb, rows, nk, R, dr, err));
+        if (kvd != DS_KV_F32) {
+            TRY(ds_cu_kv_gather(cu, kvd, cl, kr, pool, rb, rows, nk, R, dr, err));
         } else {
             const float *pf = (const float *)pool;
             TRY(ds_cu_move_rows(cu, cl, (size_t)R, NULL, pf, (size_t)row, rows, nk, R, err));
@@ -236,13 +236,11 @@ int cuda_mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float *
     int T = s->T, D = c->hidden_size, Ha = s->m->Ha, R = c->kv_lora_rank;
     int dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dvh = c->v_head_dim, dq = dn + dr;
     int row = R + dr, Rq = c->q_lora_rank, bs = s->pool->block_size;
-    /* the pool's rows, f32 or FP8: every attention below reads them as stored, this step's own
-     * rows included (docs/quantization.md, "FP8 latent cache") */
+    /* the pool's rows, f32, FP8 or BF16: every attention below reads them as stored, this step's
+     * own rows included (docs/quantization.md §4) */
     uint8_t *pool = s->pool->layer[lw->kind_idx];
     const size_t rb = s->pool->row_bytes;
-    const int fp8 = s->pool->kv_dtype == DS_KV_FP8;
-    if (s->pool->kv_dtype == DS_KV_BF16)
-        return ds_errf(err, "cuda: --kv-cache-dtype bf16 is not on the GPU yet");
+    const int kvd = s->pool->kv_dtype;
     size_t mark = s->used;
     float *q = take(s, (size_t)T * Ha * dq);         /* [T][Ha][dn+dr] */
     float *kv = take(s, (size_t)T * row);            /* [T][R+dr] this step's latent rows */
@@ -257,8 +255,8 @@ int cuda_mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float *
     TRY(ds_cu_side_begin(cu, err));
     int rc = ds_cu_matmul(cu, kv, row, xn, D, T, &w->kv_a, err);
     if (!rc) ds_cu_rmsnorm_ld(cu, kv, row, kv, row, w->kv_a_norm, T, R, 1e-6f);
-    if (!rc && fp8)
-        rc = ds_cu_kv_fp8_store(cu, pool, rb, s->lat_dst, kv, (size_t)row, T, R, dr, err);
+    if (!rc && kvd != DS_KV_F32)
+        rc = ds_cu_kv_store(cu, kvd, pool, rb, s->lat_dst, kv, (size_t)row, T, R, dr, err);
     else if (!rc)
         rc = ds_cu_move_rows(cu, (float *)pool, (size_t)row, s->lat_dst, kv, (size_t)row, NULL, T,
                              row, err);
@@ -292,7 +290,7 @@ int cuda_mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float *
             PROF(s, "mla absorbed attend");
             /* the rope part of each query read in place (stride dq) */
             TRY(ds_cu_mla_attend_absorbed_batch(
-                cu, obar, qbar, qs + dn, dq, Tr, Ha, R, dr, pool, fp8, s->bt, s->tok_bt + r_start,
+                cu, obar, qbar, qs + dn, dq, Tr, Ha, R, dr, pool, kvd, s->bt, s->tok_bt + r_start,
                 s->tok_pos + r_start, s->ctx_cap, bs, rb, scale, err));
 
             PROF(s, "mla absorbed q, o");

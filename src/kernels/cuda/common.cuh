@@ -84,8 +84,8 @@ struct ds_cu {
     int epoch_bump; /* set by grow_scratch; the next ds_cu_epoch reads and clears it */
     /* kernels' dynamic shared memory raised above 48 KB (cudaFuncSetAttribute holds per device,
      * so per context): once, before any capture can be open */
-    size_t mla_ah_smem[6];  /* the all-heads MLA kernel's bytes, per OT (4, 8, 16), f32 then FP8 */
-    size_t mla_tcd_smem[4]; /* the tensor-core decode MLA kernel's, per Ha 16 / 32, f32 then FP8 */
+    size_t mla_ah_smem[9];  /* the all-heads MLA kernel's bytes, per OT (4, 8, 16) and DS_KV_* */
+    size_t mla_tcd_smem[6]; /* the tensor-core decode MLA kernel's, per Ha 16 / 32 and DS_KV_* */
     int mla_flash_smem;     /* the fused expanded MLA kernel's */
     int moe_grouped_smem;   /* the grouped experts' kernels' */
     int kda_chunk_smem[2];  /* chunked KDA's kernels', per head size (64, 128) */

@@ -352,14 +352,14 @@ void ds_cu_rmsnorm_ld(ds_cu *c, float *y, int ldy, const float *x, int ldx, cons
  * into the paged pool, gathers them back, gathers the rows that want logits. */
 int ds_cu_move_rows(ds_cu *c, float *dst, size_t ldd, const int32_t *dst_rows, const float *src,
                     size_t lds, const int32_t *src_rows, int n, int width, ds_err *err);
-/* FP8 latent rows (docs/quantization.md, kernels/shared/kv_fp8.h): pool row dst_rows[i]
- * (row_bytes apart) <- the stored form of src row i ([R + dr] floats, rows lds apart), i < n; the
- * same bytes the CPU writes. */
-int ds_cu_kv_fp8_store(ds_cu *c, uint8_t *pool, size_t row_bytes, const int32_t *dst_rows,
-                       const float *src, size_t lds, int n, int R, int dr, ds_err *err);
-/* cl [n][R], kr [n][dr] <- the values of FP8 pool rows rows[i] (device arrays). */
-int ds_cu_kv_fp8_gather(ds_cu *c, float *cl, float *kr, const uint8_t *pool, size_t row_bytes,
-                        const int32_t *rows, int n, int R, int dr, ds_err *err);
+/* Quantized latent rows (dtype DS_KV_FP8 or DS_KV_BF16, kernels/shared/kv_row.h): pool row
+ * dst_rows[i] (row_bytes apart) <- the stored form of src row i ([R + dr] floats, rows lds apart),
+ * i < n; the same bytes the CPU writes. */
+int ds_cu_kv_store(ds_cu *c, int dtype, uint8_t *pool, size_t row_bytes, const int32_t *dst_rows,
+                   const float *src, size_t lds, int n, int R, int dr, ds_err *err);
+/* cl [n][R], kr [n][dr] <- the values of quantized pool rows rows[i] (device arrays). */
+int ds_cu_kv_gather(ds_cu *c, int dtype, float *cl, float *kr, const uint8_t *pool,
+                    size_t row_bytes, const int32_t *rows, int n, int R, int dr, ds_err *err);
 /* rows x width floats between pitched device buffers (pitches in floats), by a kernel. */
 int ds_cu_copy_2d(ds_cu *c, float *dst, size_t ldd, const float *src, size_t lds, size_t width,
                   size_t rows, ds_err *err);
@@ -421,11 +421,11 @@ int ds_cu_kda_decode_fused(ds_cu *c, const ds_cu_kda_decode *d, ds_err *err);
  * (ldqr = dr packed, or the stride of the full query rows so that it is read in place). Device
  * arrays; tables, tok_bt and tok_pos are read before the kernel waits for the one before it
  * (PDL), so that one must not write them (the forward uploads them before the step). The pool's
- * rows are row_bytes apart: f32 [R + dr], or with kv_fp8 the FP8 rows of kernels/shared/kv_fp8.h,
- * dequantized in registers as they are read. */
+ * rows are row_bytes apart, of kv_dtype's form (kernels/shared/kv_row.h: f32 [R + dr], FP8 or
+ * BF16), read as f32 in registers. */
 int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const float *qbar, const float *qr,
                                     int ldqr, int T, int Ha, int R, int dr, const void *pool,
-                                    int kv_fp8, const int32_t *tables, const int32_t *tok_bt,
+                                    int kv_dtype, const int32_t *tables, const int32_t *tok_bt,
                                     const int32_t *tok_pos, int max_ctx, int block_size,
                                     size_t row_bytes, float scale, ds_err *err);
 /* A copy in any direction (unified addressing), done when it returns. */

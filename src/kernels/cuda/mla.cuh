@@ -4,7 +4,7 @@
 #define DS_CUDA_MLA_CUH
 
 #include "kernels/cuda/common.cuh"
-#include "kernels/shared/kv_fp8.h"
+#include "kernels/shared/kv_row.h"
 
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -52,10 +52,37 @@ static __device__ __forceinline__ void kv_fp8_vals(const uint8_t *row, int R, in
     }
 }
 
+/* Values i0.. (V of them: 1, or 4 with i0, R and the row's start 4-aligned) of a pool row of
+ * dtype KV (DS_KV_*) starting at `at`: floats from the pool's start for f32 rows, bytes for FP8
+ * and BF16 ones; the f32 values the CPU reads. */
+template <int KV, int V>
+static __device__ __forceinline__ void kv_row_vals(const void *pool, size_t at, int R, int i0,
+                                                   float *x) {
+    if constexpr (KV == DS_KV_FP8) {
+        kv_fp8_vals<V>((const uint8_t *)pool + at, R, i0, x);
+    } else if constexpr (KV == DS_KV_BF16) {
+        const uint16_t *h = (const uint16_t *)((const uint8_t *)pool + at) + i0;
+        if constexpr (V == 4) {
+            const uint2 u = *(const uint2 *)h;
+            x[0] = __uint_as_float(u.x << 16), x[1] = __uint_as_float(u.x & 0xffff0000u);
+            x[2] = __uint_as_float(u.y << 16), x[3] = __uint_as_float(u.y & 0xffff0000u);
+        } else {
+#pragma unroll
+            for (int e = 0; e < V; e++) x[e] = __uint_as_float((uint32_t)h[e] << 16);
+        }
+    } else if constexpr (V == 4) {
+        const float4 y = *(const float4 *)((const float *)pool + at + i0);
+        x[0] = y.x, x[1] = y.y, x[2] = y.z, x[3] = y.w;
+    } else {
+#pragma unroll
+        for (int e = 0; e < V; e++) x[e] = ((const float *)pool)[at + i0 + e];
+    }
+}
+
 /* ds_cu_mla_attend_absorbed_batch on tensor cores (mla_decode_tc.cu) when the device takes it
  * there (ds_cu_set_mla_decode_tc) and the shape fits (R 512, dr 64, Ha 16 or 32): *done 1 */
 int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int ldqr, int T,
-                  int Ha, int R, int dr, const void *pool, int kv_fp8, const int32_t *tables,
+                  int Ha, int R, int dr, const void *pool, int kv_dtype, const int32_t *tables,
                   const int32_t *tok_bt, const int32_t *tok_pos, int max_ctx, int block_size,
                   size_t row_bytes, float scale, int *done, ds_err *err);
 

@@ -2,7 +2,6 @@
  * split over the context and merged, or all heads of a token in one block. */
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/mla.cuh"
-#include "kernels/shared/kv_fp8.h"
 
 /* ---- MLA, absorbed, over the paged latent cache ---------------------------------------------
  * Split over the context (flash-decoding): block (query row q = t*Ha + h, split s) takes rows
@@ -22,18 +21,6 @@
  * every thread sum 16-byte columns over a share of the rows with many loads in flight, the shares
  * added in a fixed order. */
 enum { MLA_RW = 4, MLA_KV = 5 }; /* rows a warp scores at once; vectors a lane loads per row */
-/* Values i0.. (V of them) of the pool row starting at `at` (floats for f32, bytes for F8). */
-template <int V, bool F8>
-__device__ __forceinline__ void kv_vals(const void *pool, size_t at, int R, int i0, float *x) {
-    if constexpr (F8) {
-        kv_fp8_vals<V>((const uint8_t *)pool + at, R, i0, x);
-    } else if constexpr (V == 4) {
-        const float4 y = *(const float4 *)((const float *)pool + at + i0);
-        x[0] = y.x, x[1] = y.y, x[2] = y.z, x[3] = y.w;
-    } else {
-        x[0] = ((const float *)pool)[at + i0];
-    }
-}
 template <int V> __device__ __forceinline__ float dot_x(const float *a, const float *y) {
     if constexpr (V == 4) {
         const float4 x = *(const float4 *)a;
@@ -48,8 +35,8 @@ static int mla_vec4(int R, int dr, int row, int ldqr, const float *qbar, const f
     return R % 4 == 0 && dr % 4 == 0 && row % 4 == 0 && ldqr % 4 == 0 &&
            ((uintptr_t)qbar | (uintptr_t)qr | (uintptr_t)pool) % 16 == 0;
 }
-/* F8: FP8 rows, `row` their stride in bytes (else floats). */
-template <bool BATCH, int V, bool F8>
+/* KV: the rows' dtype (DS_KV_*), `row` their stride: floats for f32 rows, bytes for the others. */
+template <bool BATCH, int V, int KV>
 __global__ void __launch_bounds__(256, 4) /* 4 blocks an SM: a batch-1 step's 512 in one wave */
     mla_split_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int ldqr, int Ha,
                 int R, int dr, const void *pool, const int32_t *table, int bs, int row, int pos0,
@@ -97,7 +84,8 @@ __global__ void __launch_bounds__(256, 4) /* 4 blocks an SM: a batch-1 step's 51
                     const float *qv = v < nvb ? qb + (size_t)v * V : qp + (size_t)(v - nvb) * V;
                     float y[MLA_RW][V];
 #pragma unroll
-                    for (int r = 0; r < MLA_RW; r++) kv_vals<V, F8>(pool, at[r], R, v * V, y[r]);
+                    for (int r = 0; r < MLA_RW; r++)
+                        kv_row_vals<KV, V>(pool, at[r], R, v * V, y[r]);
 #pragma unroll
                     for (int r = 0; r < MLA_RW; r++) d[r] += dot_x<V>(qv, y[r]);
                 }
@@ -126,7 +114,7 @@ __global__ void __launch_bounds__(256, 4) /* 4 blocks an SM: a batch-1 step's 51
             for (int jj = g; jj < nj; jj += groups) {
                 const float p = sc[jj];
                 float x[V];
-                kv_vals<V, F8>(pool, ro[jj], R, cv * V, x);
+                kv_row_vals<KV, V>(pool, ro[jj], R, cv * V, x);
 #pragma unroll
                 for (int e = 0; e < V; e++) acc[e] += p * x[e];
             }
@@ -197,8 +185,8 @@ extern "C" int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qba
         return DS_ERR;
     float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
     launch_k(c,
-             mla_vec4(R, dr, row, dr, qbar, qr, pool) ? mla_split_k<false, 4, false>
-                                                      : mla_split_k<false, 1, false>,
+             mla_vec4(R, dr, row, dr, qbar, qr, pool) ? mla_split_k<false, 4, DS_KV_F32>
+                                                      : mla_split_k<false, 1, DS_KV_F32>,
              dim3((unsigned)rows, (unsigned)n_split), 256, 0, part_o, part_ml, qbar, qr, dr, Ha, R,
              dr, (const void *)pool, block_table, block_size, row, pos0, n_ctx, causal, scale,
              n_split, (const int32_t *)NULL, (const int32_t *)NULL, (int)MLA_CHUNK);
@@ -235,8 +223,9 @@ static size_t mla_ah_floats(int Ha, int rq) {
 }
 
 /* long: the scores, softmax and output passes share the block's staged rows and registers.
- * F8: FP8 rows (`row` their stride in bytes), dequantized as they are staged. */
-template <int OT, bool F8>
+ * KV: the rows' dtype (DS_KV_*; `row` their stride in bytes but for f32), FP8 and BF16 ones
+ * widened to f32 as they are staged. */
+template <int OT, int KV>
 __global__ void __launch_bounds__(MLA_AH_THREADS, 2)
     mla_allheads_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int ldqr,
                    int Ha, int R, int dr, const void *pool, const int32_t *tables,
@@ -272,9 +261,9 @@ __global__ void __launch_bounds__(MLA_AH_THREADS, 2)
         for (int i = tid; i < nr * (rq / 4); i += MLA_AH_THREADS) {
             const int j = i / (rq / 4), c = (i % (rq / 4)) * 4, p = a + j;
             const size_t at = ((size_t)table[p / bs] * bs + p % bs) * row;
-            if constexpr (F8) {
+            if constexpr (KV != DS_KV_F32) {
                 float x[4];
-                kv_fp8_vals<4>((const uint8_t *)pool + at, R, c, x);
+                kv_row_vals<KV, 4>(pool, at, R, c, x);
                 *(float4 *)(cs + (size_t)j * ld + c) = make_float4(x[0], x[1], x[2], x[3]);
             } else {
                 cp_async16(cs + (size_t)j * ld + c, (const float *)pool + at + c);
@@ -372,16 +361,19 @@ __global__ void __launch_bounds__(MLA_AH_THREADS, 2)
 
 extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const float *qbar,
                                                const float *qr, int ldqr, int T, int Ha, int R,
-                                               int dr, const void *pool, int kv_fp8,
+                                               int dr, const void *pool, int kv_dtype,
                                                const int32_t *tables, const int32_t *tok_bt,
                                                const int32_t *tok_pos, int max_ctx, int block_size,
                                                size_t row_bytes, float scale, ds_err *err) {
     if (T <= 0 || Ha <= 0) return DS_OK;
-    /* the kernels' row stride: bytes for FP8 rows, floats for f32 ones */
-    const int row = (int)(kv_fp8 ? row_bytes : row_bytes / sizeof(float));
+    /* the kernels' row stride: floats for f32 rows, bytes for the others */
+    const int kvd = kv_dtype;
+    if (kvd != DS_KV_F32 && kvd != DS_KV_FP8 && kvd != DS_KV_BF16)
+        return ds_errf(err, "cuda: mla: latent dtype %d", kvd);
+    const int row = (int)(kvd == DS_KV_F32 ? row_bytes / sizeof(float) : row_bytes);
     if (max_ctx <= 0) return ds_errf(err, "cuda: mla: no context rows to attend to");
     int done;
-    if (mla_decode_tc(c, obar, qbar, qr, ldqr, T, Ha, R, dr, pool, kv_fp8, tables, tok_bt, tok_pos,
+    if (mla_decode_tc(c, obar, qbar, qr, ldqr, T, Ha, R, dr, pool, kvd, tables, tok_bt, tok_pos,
                       max_ctx, block_size, row_bytes, scale, &done, err))
         return DS_ERR;
     if (done) return DS_OK;
@@ -409,14 +401,17 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
                          err))
             return DS_ERR;
         float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
-        auto kernel = kv_fp8 ? (ot == 16  ? mla_allheads_k<16, true>
-                                : ot == 8 ? mla_allheads_k<8, true>
-                                          : mla_allheads_k<4, true>)
-                             : (ot == 16  ? mla_allheads_k<16, false>
-                                : ot == 8 ? mla_allheads_k<8, false>
-                                          : mla_allheads_k<4, false>);
+        auto kernel = kvd == DS_KV_FP8    ? (ot == 16  ? mla_allheads_k<16, DS_KV_FP8>
+                                             : ot == 8 ? mla_allheads_k<8, DS_KV_FP8>
+                                                       : mla_allheads_k<4, DS_KV_FP8>)
+                      : kvd == DS_KV_BF16 ? (ot == 16  ? mla_allheads_k<16, DS_KV_BF16>
+                                             : ot == 8 ? mla_allheads_k<8, DS_KV_BF16>
+                                                       : mla_allheads_k<4, DS_KV_BF16>)
+                                          : (ot == 16  ? mla_allheads_k<16, DS_KV_F32>
+                                             : ot == 8 ? mla_allheads_k<8, DS_KV_F32>
+                                                       : mla_allheads_k<4, DS_KV_F32>);
         /* raised once per kernel, before any capture can be open */
-        size_t *set = &c->mla_ah_smem[(ot == 16 ? 2 : ot == 8 ? 1 : 0) + (kv_fp8 ? 3 : 0)];
+        size_t *set = &c->mla_ah_smem[(ot == 16 ? 2 : ot == 8 ? 1 : 0) + 3 * kvd];
         if (ah_smem > *set) {
             CU_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         (int)ah_smem),
@@ -448,8 +443,11 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
         return DS_ERR;
     float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
     const int v4 = mla_vec4(R, dr, row, ldqr, qbar, qr, pool);
-    auto split = kv_fp8 ? (v4 ? mla_split_k<true, 4, true> : mla_split_k<true, 1, true>)
-                        : (v4 ? mla_split_k<true, 4, false> : mla_split_k<true, 1, false>);
+    auto split = kvd == DS_KV_FP8
+                     ? (v4 ? mla_split_k<true, 4, DS_KV_FP8> : mla_split_k<true, 1, DS_KV_FP8>)
+                 : kvd == DS_KV_BF16
+                     ? (v4 ? mla_split_k<true, 4, DS_KV_BF16> : mla_split_k<true, 1, DS_KV_BF16>)
+                     : (v4 ? mla_split_k<true, 4, DS_KV_F32> : mla_split_k<true, 1, DS_KV_F32>);
     launch_k(c, split, dim3((unsigned)rows, (unsigned)n_split), 256, 0, part_o, part_ml, qbar, qr,
              ldqr, Ha, R, dr, pool, tables, block_size, row, 0, 0, 1, scale, n_split, tok_bt,
              tok_pos, chunk);

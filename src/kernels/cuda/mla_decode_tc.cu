@@ -7,13 +7,18 @@
  * products run as BF16 mma with
  * f32 accumulation, every head of the token at once as the M dimension (FlashMLA's layout):
  * block (token t, split s) takes its share of the token's rows in tiles of TCD_BK, and per tile
- *   1. cp.async the raw rows (f32, or FP8 with their scales) into one of two stages, the next
- *      tile's on its way while this one is used;
- *   2. converts them to BF16 [BK][R + dr] (FP8 codes times their tile's scale, rounded once);
- *   3. scores S [Ha][BK] = Q [Ha][R + dr] C^T: warp (m-tile, channel group) over its channels,
- *      the groups' partial sums added in order through shared memory;
+ *   1. cp.async the rows as stored into a ring of NST stages, NST - 1 tiles ahead of the one in
+ *      use (the ring as deep as shared memory holds: a block an SM must keep enough bytes in
+ *      flight by itself);
+ *   2. f32 and FP8 rows: converted to BF16 [BK][R + dr] (FP8 codes times their tile's scale,
+ *      rounded once); BF16 rows (--kv-cache-dtype bf16) are staged in that form and used where
+ *      they land;
+ *   3. scores S [Ha][BK] = Q [Ha][R + dr] C^T: warp (channel group, row half), every head of the
+ *      token as the M tiles, so a B fragment loaded from shared memory serves all of them; the
+ *      groups' partial sums added in order through shared memory;
  *   4. an online softmax a head (max, sum, the rescale alpha), P in BF16;
- *   5. O [Ha][R] += P C[:, :R]: warp (m-tile, output group), fragments by ldmatrix(.trans).
+ *   5. O [Ha][R] += P C[:, :R]: warp w the output columns [64 w, 64 w + 64) of every head,
+ *      fragments by ldmatrix(.trans).
  * The splits' unnormalised outputs, maxima and sums go to mla_merge_k, as the other kernels'.
  * The BF16 rounding of the query, the rows and P is the fused prefill kernel's (mla_expanded.cu);
  * it is taken from DS_CUDA_MLA_DECODE_TC context rows (tuning.c), below which the f32 kernels
@@ -21,22 +26,40 @@
  * captured at the step's power-of-two context cap keeps every block busy. */
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/mla.cuh"
-#include "kernels/shared/kv_fp8.h"
 
 enum { TCD_BK = 32, TCD_NT = 256, TCD_R = 512, TCD_DR = 64 };
 
-template <int MT> struct tcd_shape {
+/* A stored row's bytes (kv_row.h's forms at R 512, dr 64: f32 2,304, FP8 656, BF16 1,152). */
+template <int KV> __host__ __device__ constexpr int tcd_row_bytes() {
+    return KV == DS_KV_FP8
+               ? (TCD_R + 4 * ((TCD_R + DS_KV_FP8_TILE - 1) / DS_KV_FP8_TILE) + 2 * TCD_DR + 15) /
+                     16 * 16
+           : KV == DS_KV_BF16 ? 2 * (TCD_R + TCD_DR)
+                              : 4 * (TCD_R + TCD_DR);
+}
+
+template <int MT, int KV> struct tcd_shape {
     static constexpr int HA = 16 * MT, RQ = TCD_R + TCD_DR, NKS = RQ / 16;
-    static constexpr int KG = 8 / MT;                /* warps along the channels (scores) */
-    static constexpr int KSW = (NKS + KG - 1) / KG;  /* k-steps a score warp takes */
-    static constexpr int NTW = TCD_R / (8 / MT) / 8; /* 8-column output tiles a warp holds */
+    static constexpr int CG = 4, RH = 2; /* score warps: channel groups x row halves */
+    static constexpr int KSW = NKS / CG; /* k-steps a score warp takes */
+    static constexpr int NTW = TCD_R / 8 / (TCD_NT / 32); /* 8-column output tiles a warp holds */
+    static_assert(NKS % CG == 0 && CG * RH == TCD_NT / 32 && TCD_BK == 16 * RH, "warp layout");
     /* row strides: C's and P's rows 4 banks apart (ldmatrix without conflicts), the partial
      * scores' 8 (a warp's pair stores in two wavefronts) */
     static constexpr int CLD = RQ + 8, PLD = TCD_BK + 8, SLD = TCD_BK + 8;
-    /* bytes past the two raw stages: C [BK][CLD] bf16, partial scores [KG][HA][SLD] f32, P
-     * [HA][PLD] bf16, m, l, alpha [HA] f32 */
-    static constexpr size_t TAIL = (size_t)TCD_BK * CLD * 2 + (size_t)KG * HA * SLD * 4 +
-                                   (size_t)HA * PLD * 2 + (size_t)3 * HA * 4;
+    static constexpr int RB = tcd_row_bytes<KV>();
+    static constexpr bool CONV = KV != DS_KV_BF16; /* staged as stored, then converted to C */
+    /* a stage: BF16 rows in C's form, else the rows as stored */
+    static constexpr int SB = CONV ? TCD_BK * RB : TCD_BK * CLD * 2;
+    /* the ring as deep as 227 KB hold beside the rest (f32: 2 x 72 KB; FP8: 6 x 21 KB; BF16:
+     * 5 x 37 KB) */
+    static constexpr int NST = KV == DS_KV_F32 ? 2 : KV == DS_KV_FP8 ? 6 : 5;
+    /* stages, C [BK][CLD] bf16 (converting forms), partial scores [CG][HA][SLD] f32, P [HA][PLD]
+     * bf16, m, l, alpha [HA] f32 */
+    static constexpr size_t SMEM = (size_t)NST * SB + (CONV ? (size_t)TCD_BK * CLD * 2 : 0) +
+                                   (size_t)CG * HA * SLD * 4 + (size_t)HA * PLD * 2 +
+                                   (size_t)3 * HA * 4;
+    static_assert(SMEM <= 227 * 1024, "shared memory");
 };
 
 /* query channels c, c + 1 (c even) of head h of token t as a BF16 pair: q̄ below R, qR above */
@@ -47,117 +70,120 @@ static __device__ __forceinline__ uint32_t tcd_q2(const float *qbar, const float
     return pack_bf16x2(v.x, v.y);
 }
 
-/* staged row r (its bytes at `raw`) as BF16 channels c .. c + 3 (c a multiple of 4): FP8 rows
- * dequantized to the f32 values the CPU reads (kv_fp8_vals), then rounded once */
-template <bool F8> static __device__ __forceinline__ uint2 tcd_vals(const uint8_t *raw, int c) {
+/* staged row (its bytes at `raw`, f32 or FP8) as BF16 channels c .. c + 3 (c a multiple of 4):
+ * the f32 values the CPU reads (kv_row_vals), rounded once */
+template <int KV> static __device__ __forceinline__ uint2 tcd_vals(const uint8_t *raw, int c) {
     float x[4];
-    if constexpr (F8)
-        kv_fp8_vals<4>(raw, TCD_R, c, x);
-    else {
-        const float4 v = *(const float4 *)(raw + 4 * c);
-        x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
-    }
+    kv_row_vals<KV, 4>(raw, 0, TCD_R, c, x);
     return make_uint2(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]));
 }
 
-/* A staged row's bytes: the pool's own row (kv_fp8.h's 656 at R 512, dr 64; f32: 2304). */
-template <bool F8> __host__ __device__ constexpr int tcd_row_bytes() {
-    return F8 ? (TCD_R + 4 * ((TCD_R + DS_KV_FP8_TILE - 1) / DS_KV_FP8_TILE) + 2 * TCD_DR + 15) /
-                    16 * 16
-              : (TCD_R + TCD_DR) * 4;
-}
-
 /* long: the five phases above share the block's stages and the output fragments in registers. */
-template <int MT, bool F8>
+template <int MT, int KV>
 __global__ void __launch_bounds__(TCD_NT, 1)
     mla_tcd_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int ldqr,
               const void *pool, const int32_t *tables, const int32_t *tok_bt,
               const int32_t *tok_pos, int bs, float scale, int n_split) {
-    typedef tcd_shape<MT> L;
+    typedef tcd_shape<MT, KV> L;
     constexpr int HA = L::HA, BK = TCD_BK, CLD = L::CLD, PLD = L::PLD, SLD = L::SLD;
-    constexpr int RB = tcd_row_bytes<F8>(), PIECES = RB / 16;
+    constexpr int NST = L::NST, RB = L::RB, PIECES = RB / 16;
+    constexpr int DLD = L::CONV ? RB : CLD * 2; /* a staged row's stride, bytes */
     extern __shared__ __align__(16) uint8_t tsh[];
-    uint8_t *raw = tsh;                                 /* [2][BK][RB] rows as stored */
-    uint16_t *Cb = (uint16_t *)(raw + 2 * BK * RB);     /* [BK][CLD] */
-    float *Sp = (float *)(Cb + BK * CLD);               /* [KG][HA][SLD] */
-    uint16_t *Ps = (uint16_t *)(Sp + L::KG * HA * SLD); /* [HA][PLD] */
+    uint8_t *ring = tsh;                                                 /* [NST][SB] */
+    uint16_t *Cc = (uint16_t *)(ring + (size_t)NST * L::SB);             /* [BK][CLD] (CONV) */
+    float *Sp = (float *)((uint8_t *)Cc + (L::CONV ? BK * CLD * 2 : 0)); /* [CG][HA][SLD] */
+    uint16_t *Ps = (uint16_t *)(Sp + L::CG * HA * SLD);                  /* [HA][PLD] */
     float *m_sh = (float *)(Ps + HA * PLD), *l_sh = m_sh + HA, *a_sh = l_sh + HA;
     const int t = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, warp = tid >> 5;
     const int lane = tid & 31, g = lane >> 2, l4 = lane & 3, mi = lane >> 3, mr = lane & 7;
-    const int mt = warp % MT, grp = warp / MT; /* m-tile; channel group, then output group */
+    const int cg = warp % L::CG, rh = warp / L::CG; /* scores: channel group, row half */
     PDL_ENTRY();
     const int n = tok_pos[t] + 1;
     const int32_t *table = tables + tok_bt[t];
     /* this split's rows: the token's own context in n_split shares of whole tiles */
     const int per = ((n + n_split - 1) / n_split + BK - 1) / BK * BK;
-    const int j0 = min(n, s * per), j1 = min(n, j0 + per);
-    /* rows [a, a + BK) (zeros past j1) into stage st: a warp a row, its lanes along it, so the
-     * page lookup is once a row (session 32's first form looked it up for every 16-byte piece,
-     * with divisions by the block size and the row's pieces: by count more instructions than
-     * the tile's products; the change is not yet timed) */
-    auto stage = [&](int a, int st) {
-        uint8_t *dst = raw + st * BK * RB;
-        for (int j = warp; j < BK; j += TCD_NT / 32) {
-            const int p = min(a + j, j1 - 1);
-            const uint8_t *src =
-                (const uint8_t *)pool + ((size_t)__ldg(table + p / bs) * bs + p % bs) * RB;
-            for (int c = lane; c < PIECES; c += 32)
-                cp_async16_zfill(dst + j * RB + 16 * c, src + 16 * c, a + j < j1);
+    const int j0 = min(n, s * per), j1 = min(n, j0 + per), ntile = (j1 - j0 + BK - 1) / BK;
+    /* tile it's rows (zeros past j1) into ring slot it % NST, one commit group whether or not
+     * there is such a tile (so that the group count says which tiles have landed): a warp a
+     * row, its lanes along it, the page looked up once a row */
+    auto stage = [&](int it) {
+        if (it < ntile) {
+            const int a = j0 + it * BK;
+            uint8_t *dst = ring + (size_t)(it % NST) * L::SB;
+            for (int j = warp; j < BK; j += TCD_NT / 32) {
+                const int p = min(a + j, j1 - 1);
+                const uint8_t *src =
+                    (const uint8_t *)pool + ((size_t)__ldg(table + p / bs) * bs + p % bs) * RB;
+                for (int c = lane; c < PIECES; c += 32)
+                    cp_async16_zfill(dst + j * DLD + 16 * c, src + 16 * c, a + j < j1);
+            }
         }
         cp_async_commit();
     };
-    if (j0 < j1) stage(j0, 0); /* on its way while the queries load */
-    uint32_t qf[L::KSW][4];    /* the warp's heads and channels as A fragments */
 #pragma unroll
-    for (int ks = 0; ks < L::KSW; ks++) {
-        const int c = 16 * (grp * L::KSW + ks) + 2 * l4, h0 = 16 * mt + g;
-        const bool in = c < L::RQ;
-        qf[ks][0] = in ? tcd_q2(qbar, qr, ldqr, HA, t, h0, c) : 0u;
-        qf[ks][1] = in ? tcd_q2(qbar, qr, ldqr, HA, t, h0 + 8, c) : 0u;
-        qf[ks][2] = in ? tcd_q2(qbar, qr, ldqr, HA, t, h0, c + 8) : 0u;
-        qf[ks][3] = in ? tcd_q2(qbar, qr, ldqr, HA, t, h0 + 8, c + 8) : 0u;
-    }
+    for (int i = 0; i < NST - 1; i++) stage(i); /* on their way while the queries load */
+    uint32_t qf[MT][L::KSW][4]; /* every head, the warp's channels, as A fragments */
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int ks = 0; ks < L::KSW; ks++) {
+            const int c = 16 * (cg * L::KSW + ks) + 2 * l4, h0 = 16 * mt + g;
+            qf[mt][ks][0] = tcd_q2(qbar, qr, ldqr, HA, t, h0, c);
+            qf[mt][ks][1] = tcd_q2(qbar, qr, ldqr, HA, t, h0 + 8, c);
+            qf[mt][ks][2] = tcd_q2(qbar, qr, ldqr, HA, t, h0, c + 8);
+            qf[mt][ks][3] = tcd_q2(qbar, qr, ldqr, HA, t, h0 + 8, c + 8);
+        }
     if (tid < HA) m_sh[tid] = -INFINITY, l_sh[tid] = 0.0f;
-    float oacc[L::NTW][4];
+    float oacc[MT][L::NTW][4];
 #pragma unroll
-    for (int i = 0; i < L::NTW; i++) oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.0f;
-    for (int a = j0, it = 0; a < j1; a += BK, it++) {
-        const int st = it & 1;
-        if (a + BK < j1) { /* (stage st ^ 1 was converted before the last tile's barriers) */
-            stage(a + BK, st ^ 1);
-            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-        } else {
-            cp_async_wait_all();
-        }
-        __syncthreads(); /* the tile has landed; the last tile's products are done with C and P */
-        const uint8_t *rs = raw + st * BK * RB;
-        for (int i = tid; i < BK * (L::RQ / 4); i += TCD_NT) {
-            const int j = i / (L::RQ / 4), c = 4 * (i - j * (L::RQ / 4));
-            *(uint2 *)(Cb + j * CLD + c) = tcd_vals<F8>(rs + j * RB, c);
-        }
-        __syncthreads();
-        { /* scores of the warp's 16 heads over its channels, all BK rows */
-            float sc[BK / 8][4];
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-            for (int i = 0; i < BK / 8; i++) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.0f;
+        for (int i = 0; i < L::NTW; i++)
+            oacc[mt][i][0] = oacc[mt][i][1] = oacc[mt][i][2] = oacc[mt][i][3] = 0.0f;
+    for (int it = 0; it < ntile; it++) {
+        const int a = j0 + it * BK;
+        /* NST - 1 + it groups committed, tile it's the (it + 1)-th */
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(NST - 2) : "memory");
+        __syncthreads(); /* tile it has landed; tile it - 1's products are done with its slot */
+        stage(it + NST - 1);
+        const uint8_t *rs = ring + (size_t)(it % NST) * L::SB;
+        const uint16_t *C = (const uint16_t *)rs;
+        if constexpr (L::CONV) {
+            for (int i = tid; i < BK * (L::RQ / 4); i += TCD_NT) {
+                const int j = i / (L::RQ / 4), c = 4 * (i - j * (L::RQ / 4));
+                *(uint2 *)(Cc + j * CLD + c) = tcd_vals<KV>(rs + j * RB, c);
+            }
+            __syncthreads();
+            C = Cc;
+        }
+        { /* scores of every head over the warp's channels and rows */
+            float sc[MT][2][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int i = 0; i < 2; i++)
+                    sc[mt][i][0] = sc[mt][i][1] = sc[mt][i][2] = sc[mt][i][3] = 0.0f;
 #pragma unroll
             for (int ks = 0; ks < L::KSW; ks++) {
-                const int kk = grp * L::KSW + ks;
-                if (kk >= L::NKS) break;
+                const int kk = cg * L::KSW + ks;
+                uint32_t b[4]; /* rows of tiles 2 rh (+1 for mi >= 2), channels +8 for odd mi */
+                ldsm_x4(b, C + ((2 * rh + (mi >> 1)) * 8 + mr) * CLD + kk * 16 + (mi & 1) * 8);
 #pragma unroll
-                for (int nt = 0; nt < BK / 8; nt += 2) {
-                    uint32_t b[4]; /* rows of tiles nt (+1 for mi >= 2), channels +8 for odd mi */
-                    ldsm_x4(b, Cb + ((nt + (mi >> 1)) * 8 + mr) * CLD + kk * 16 + (mi & 1) * 8);
-                    mma_16816(sc[nt], qf[ks], b[0], b[1]);
-                    mma_16816(sc[nt + 1], qf[ks], b[2], b[3]);
+                for (int mt = 0; mt < MT; mt++) {
+                    mma_16816(sc[mt][0], qf[mt][ks], b[0], b[1]);
+                    mma_16816(sc[mt][1], qf[mt][ks], b[2], b[3]);
                 }
             }
-            float *sp = Sp + ((size_t)grp * HA + 16 * mt) * SLD;
 #pragma unroll
-            for (int nt = 0; nt < BK / 8; nt++) {
-                *(float2 *)(sp + g * SLD + nt * 8 + 2 * l4) = make_float2(sc[nt][0], sc[nt][1]);
-                *(float2 *)(sp + (g + 8) * SLD + nt * 8 + 2 * l4) =
-                    make_float2(sc[nt][2], sc[nt][3]);
+            for (int mt = 0; mt < MT; mt++) {
+                float *sp = Sp + ((size_t)cg * HA + 16 * mt) * SLD + 16 * rh;
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++) {
+                    *(float2 *)(sp + g * SLD + nt * 8 + 2 * l4) =
+                        make_float2(sc[mt][nt][0], sc[mt][nt][1]);
+                    *(float2 *)(sp + (g + 8) * SLD + nt * 8 + 2 * l4) =
+                        make_float2(sc[mt][nt][2], sc[mt][nt][3]);
+                }
             }
         }
         __syncthreads();
@@ -170,7 +196,7 @@ __global__ void __launch_bounds__(TCD_NT, 1)
             for (int e = 0; e < EPT; e++) {
                 float x = 0.0f;
 #pragma unroll
-                for (int k = 0; k < L::KG; k++) x += Sp[((size_t)k * HA + h) * SLD + e0 + e];
+                for (int k = 0; k < L::CG; k++) x += Sp[((size_t)k * HA + h) * SLD + e0 + e];
                 v[e] = a + e0 + e < j1 ? x * scale : -INFINITY;
                 mx = fmaxf(mx, v[e]);
             }
@@ -193,36 +219,49 @@ __global__ void __launch_bounds__(TCD_NT, 1)
             }
         }
         __syncthreads();
-        { /* outputs: the warp's 16 heads x NTW * 8 columns of R */
-            const float al0 = a_sh[16 * mt + g], al1 = a_sh[16 * mt + g + 8];
+        { /* outputs: every head x the warp's NTW * 8 columns of R */
 #pragma unroll
-            for (int i = 0; i < L::NTW; i++)
-                oacc[i][0] *= al0, oacc[i][1] *= al0, oacc[i][2] *= al1, oacc[i][3] *= al1;
+            for (int mt = 0; mt < MT; mt++) {
+                const float al0 = a_sh[16 * mt + g], al1 = a_sh[16 * mt + g + 8];
+#pragma unroll
+                for (int i = 0; i < L::NTW; i++)
+                    oacc[mt][i][0] *= al0, oacc[mt][i][1] *= al0, oacc[mt][i][2] *= al1,
+                        oacc[mt][i][3] *= al1;
+            }
 #pragma unroll
             for (int kk = 0; kk < BK / 16; kk++) {
-                uint32_t pa[4]; /* heads +8 for odd mi, rows +8 for mi >= 2 */
-                ldsm_x4(pa, Ps + (16 * mt + (mi & 1) * 8 + mr) * PLD + kk * 16 + (mi >> 1) * 8);
+                uint32_t pa[MT][4]; /* heads +8 for odd mi, rows +8 for mi >= 2 */
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++)
+                    ldsm_x4(pa[mt],
+                            Ps + (16 * mt + (mi & 1) * 8 + mr) * PLD + kk * 16 + (mi >> 1) * 8);
 #pragma unroll
                 for (int i = 0; i < L::NTW; i += 2) {
                     uint32_t b[4]; /* rows +8 for odd mi, columns of tile i (+1 for mi >= 2) */
-                    ldsm_x4_trans(b, Cb + (kk * 16 + (mi & 1) * 8 + mr) * CLD +
-                                         (grp * L::NTW + i + (mi >> 1)) * 8);
-                    mma_16816(oacc[i], pa, b[0], b[1]);
-                    mma_16816(oacc[i + 1], pa, b[2], b[3]);
+                    ldsm_x4_trans(b, C + (kk * 16 + (mi & 1) * 8 + mr) * CLD +
+                                         (warp * L::NTW + i + (mi >> 1)) * 8);
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        mma_16816(oacc[mt][i], pa[mt], b[0], b[1]);
+                        mma_16816(oacc[mt][i + 1], pa[mt], b[2], b[3]);
+                    }
                 }
             }
         }
     }
+    cp_async_wait_all(); /* (the groups past the last tile are empty) */
     /* C: heads g (elements 0, 1) and g + 8 (2, 3), columns 2 l4 (+1); an empty split leaves
      * zeros and l = 0, which the merge skips */
 #pragma unroll
-    for (int i = 0; i < L::NTW; i++) {
-        const int col = (grp * L::NTW + i) * 8 + 2 * l4, h0 = 16 * mt + g;
-        float *po0 = part_o + (((size_t)t * HA + h0) * n_split + s) * TCD_R + col;
-        float *po1 = part_o + (((size_t)t * HA + h0 + 8) * n_split + s) * TCD_R + col;
-        *(float2 *)po0 = make_float2(oacc[i][0], oacc[i][1]);
-        *(float2 *)po1 = make_float2(oacc[i][2], oacc[i][3]);
-    }
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int i = 0; i < L::NTW; i++) {
+            const int col = (warp * L::NTW + i) * 8 + 2 * l4, h0 = 16 * mt + g;
+            float *po0 = part_o + (((size_t)t * HA + h0) * n_split + s) * TCD_R + col;
+            float *po1 = part_o + (((size_t)t * HA + h0 + 8) * n_split + s) * TCD_R + col;
+            *(float2 *)po0 = make_float2(oacc[mt][i][0], oacc[mt][i][1]);
+            *(float2 *)po1 = make_float2(oacc[mt][i][2], oacc[mt][i][3]);
+        }
     __syncthreads(); /* (m and l of an empty split are their initial values) */
     if (tid < HA) {
         float *pml = part_ml + (((size_t)t * HA + tid) * n_split + s) * 2;
@@ -234,8 +273,18 @@ extern "C" void ds_cu_set_mla_decode_tc(ds_cu *c, int min_rows) {
     c->mla_decode_tc = min_rows;
 }
 
+/* the kernel and its shared memory for Ha heads (16 or 32) and rows of dtype KV */
+template <int KV>
+static void tcd_pick(int mt,
+                     void (**k)(float *, float *, const float *, const float *, int, const void *,
+                                const int32_t *, const int32_t *, const int32_t *, int, float, int),
+                     size_t *smem) {
+    *k = mt == 2 ? mla_tcd_k<2, KV> : mla_tcd_k<1, KV>;
+    *smem = mt == 2 ? tcd_shape<2, KV>::SMEM : tcd_shape<1, KV>::SMEM;
+}
+
 int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int ldqr, int T,
-                  int Ha, int R, int dr, const void *pool, int kv_fp8, const int32_t *tables,
+                  int Ha, int R, int dr, const void *pool, int kv_dtype, const int32_t *tables,
                   const int32_t *tok_bt, const int32_t *tok_pos, int max_ctx, int block_size,
                   size_t row_bytes, float scale, int *done, ds_err *err) {
     *done = 0;
@@ -243,7 +292,9 @@ int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int
         dr != TCD_DR || (Ha != 16 && Ha != 32) || ldqr % 2 ||
         ((uintptr_t)qbar | (uintptr_t)qr) % 8 || (uintptr_t)pool % 16)
         return DS_OK;
-    const int rb = kv_fp8 ? tcd_row_bytes<true>() : tcd_row_bytes<false>();
+    const int rb = kv_dtype == DS_KV_FP8    ? tcd_row_bytes<DS_KV_FP8>()
+                   : kv_dtype == DS_KV_BF16 ? tcd_row_bytes<DS_KV_BF16>()
+                                            : tcd_row_bytes<DS_KV_F32>();
     if ((int)row_bytes != rb) return DS_OK; /* a pool laid out otherwise: the f32 kernels */
     /* a wave of blocks (one an SM) over the tokens, at least a tile a split */
     const int n_split = DS_MAX(1, DS_MIN((c->n_sm + T - 1) / T, max_ctx / TCD_BK));
@@ -254,12 +305,17 @@ int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int
         return DS_ERR;
     float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
     const int mt = Ha / 16;
-    const size_t smem =
-        (size_t)2 * TCD_BK * rb + (mt == 2 ? tcd_shape<2>::TAIL : tcd_shape<1>::TAIL);
-    auto kernel = kv_fp8 ? (mt == 2 ? mla_tcd_k<2, true> : mla_tcd_k<1, true>)
-                         : (mt == 2 ? mla_tcd_k<2, false> : mla_tcd_k<1, false>);
+    void (*kernel)(float *, float *, const float *, const float *, int, const void *,
+                   const int32_t *, const int32_t *, const int32_t *, int, float, int);
+    size_t smem;
+    if (kv_dtype == DS_KV_FP8)
+        tcd_pick<DS_KV_FP8>(mt, &kernel, &smem);
+    else if (kv_dtype == DS_KV_BF16)
+        tcd_pick<DS_KV_BF16>(mt, &kernel, &smem);
+    else
+        tcd_pick<DS_KV_F32>(mt, &kernel, &smem);
     /* raised once per kernel, before any capture can be open */
-    size_t *set = &c->mla_tcd_smem[(mt - 1) + 2 * (kv_fp8 != 0)];
+    size_t *set = &c->mla_tcd_smem[(mt - 1) + 2 * kv_dtype];
     if (smem > *set) {
         CU_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
                "mla (tensor cores): shared memory");

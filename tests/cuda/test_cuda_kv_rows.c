@@ -1,9 +1,26 @@
-/* test_cuda_kv_fp8.c — the FP8 latent cache on the GPU (docs/quantization.md, "FP8 latent cache")
- * against the CPU on the same rows: the GPU's stored bytes are the CPU's (ds_kv_fp8_quant_row)
+/* test_cuda_kv_rows.c — the FP8 and BF16 latent caches on the GPU (docs/quantization.md §4, §5)
+ * against the CPU on the same rows: the GPU's stored bytes are the CPU's (kernels/shared/kv_row.h)
  * exactly, an expanded segment's gathered values are the CPU's dequantized ones exactly, and the
- * absorbed attention over an FP8 pool (block per head and all heads a block) matches the CPU kernel
- * over the same pool. */
+ * absorbed attention over such a pool (block per head, all heads a block, tensor cores) matches
+ * the CPU kernel over the same pool. */
 #include "cuda_check.h"
+
+/* the stored row of dtype dt (DS_KV_FP8 or DS_KV_BF16) of x [R + dr], and back to values */
+static void q_row(int dt, uint8_t *row, const float *x, int R, int dr) {
+    if (dt == DS_KV_FP8)
+        ds_kv_fp8_quant_row(row, x, R, dr);
+    else
+        ds_kv_bf16_row(row, x, R, dr);
+}
+static void dq_row(int dt, float *v, const uint8_t *row, int R, int dr) {
+    if (dt == DS_KV_FP8)
+        ds_kv_fp8_dequant_row(v, row, R, dr);
+    else
+        for (int i = 0; i < R + dr; i++) v[i] = ds_kv_bf16_row_value(row, i);
+}
+static const char *dt_name(int dt) {
+    return dt == DS_KV_FP8 ? "fp8" : "bf16";
+}
 
 /* [n][R + dr] latent values whose 128-value tiles span many magnitudes (so each tile's scale
  * differs), with one all-zero tile (the floor scale) and a NaN-free range past 448 * scale. */
@@ -21,44 +38,43 @@ static float *kv_rows(int n, int R, int dr) {
 
 /* The stored bytes of n rows scattered to the pool rows dst (a permutation), GPU vs CPU, then
  * those rows gathered back as floats. */
-static void check_store_gather(ds_cu *c, int n, int R, int dr) {
+static void check_store_gather(ds_cu *c, int dt, int n, int R, int dr) {
     const int row = R + dr, n_pool = n + 5;
-    const size_t rb = ds_kv_fp8_row_bytes(R, dr);
+    const size_t rb = ds_kv_row_bytes(dt, R, dr);
     float *x = kv_rows(n, R, dr);
     int32_t *dst = malloc((size_t)n * 4);
     /* a permutation into the pool, from its end (a stride sharing a factor with n_pool would
      * send two rows to one place, and which write lands there last would be a race) */
     for (int i = 0; i < n; i++) dst[i] = (int32_t)(n_pool - 1 - i);
     uint8_t *ref = calloc((size_t)n_pool, rb), *got = malloc((size_t)n_pool * rb);
-    for (int i = 0; i < n; i++)
-        ds_kv_fp8_quant_row(ref + (size_t)dst[i] * rb, x + (size_t)i * row, R, dr);
+    for (int i = 0; i < n; i++) q_row(dt, ref + (size_t)dst[i] * rb, x + (size_t)i * row, R, dr);
     uint8_t *dpool = dev(c, ref, (size_t)n_pool * rb); /* rows not written keep the CPU's bytes */
     for (int i = 0; i < n; i++) poison(c, dpool + (size_t)dst[i] * rb, rb);
     float *dx = dev(c, x, (size_t)n * row * 4);
     int32_t *ddst = dev(c, dst, (size_t)n * 4);
     ds_err err = {{0}};
-    if (ds_cu_kv_fp8_store(c, dpool, rb, ddst, dx, (size_t)row, n, R, dr, &err)) DIE("%s", err.msg);
+    if (ds_cu_kv_store(c, dt, dpool, rb, ddst, dx, (size_t)row, n, R, dr, &err)) DIE("%s", err.msg);
     fetch(c, got, dpool, (size_t)n_pool * rb);
     size_t bad = 0;
     for (size_t b = 0; b < (size_t)n_pool * rb; b++) bad += got[b] != ref[b];
     char what[96];
-    snprintf(what, sizeof what, "kv fp8 store R=%d dr=%d: bytes differing", R, dr);
+    snprintf(what, sizeof what, "kv %s store R=%d dr=%d: bytes differing", dt_name(dt), R, dr);
     report(what, (double)bad, 0);
     /* gather every written row back */
     float *cl = malloc((size_t)n * R * 4), *kr = malloc((size_t)n * dr * 4);
     float *gcl = malloc((size_t)n * R * 4), *gkr = malloc((size_t)n * dr * 4);
     for (int i = 0; i < n; i++) {
         float *v = malloc((size_t)row * 4);
-        ds_kv_fp8_dequant_row(v, ref + (size_t)dst[i] * rb, R, dr);
+        dq_row(dt, v, ref + (size_t)dst[i] * rb, R, dr);
         memcpy(cl + (size_t)i * R, v, (size_t)R * 4),
             memcpy(kr + (size_t)i * dr, v + R, (size_t)dr * 4);
         free(v);
     }
     float *dcl = dev(c, NULL, (size_t)n * R * 4), *dkr = dev(c, NULL, (size_t)n * dr * 4);
     poison(c, dcl, (size_t)n * R * 4), poison(c, dkr, (size_t)n * dr * 4);
-    if (ds_cu_kv_fp8_gather(c, dcl, dkr, dpool, rb, ddst, n, R, dr, &err)) DIE("%s", err.msg);
+    if (ds_cu_kv_gather(c, dt, dcl, dkr, dpool, rb, ddst, n, R, dr, &err)) DIE("%s", err.msg);
     fetch(c, gcl, dcl, (size_t)n * R * 4), fetch(c, gkr, dkr, (size_t)n * dr * 4);
-    snprintf(what, sizeof what, "kv fp8 gather R=%d dr=%d: words differing", R, dr);
+    snprintf(what, sizeof what, "kv %s gather R=%d dr=%d: words differing", dt_name(dt), R, dr);
     report(what,
            (double)(words_differ(gcl, cl, (size_t)n * R) + words_differ(gkr, kr, (size_t)n * dr)),
            0);
@@ -69,10 +85,10 @@ static void check_store_gather(ds_cu *c, int n, int R, int dr) {
 
 /* The smallest gap, over every query row, between its two highest scores (float64, over the
  * dequantized rows): how near the one-row softmax of a large q_amp comes to a tie. */
-static double top_gap(const float *qbar, const float *qr, const uint8_t *pool,
+static double top_gap(int dt, const float *qbar, const float *qr, const uint8_t *pool,
                       const int32_t *tables, const int *bt_off, const int *lens, const int *pos0,
                       int n_seq, int Ha, int R, int dr, int bs, float scale) {
-    const size_t rb = ds_kv_fp8_row_bytes(R, dr);
+    const size_t rb = ds_kv_row_bytes(dt, R, dr);
     double gap = INFINITY;
     float *v = malloc((size_t)(R + dr) * 4); /* [R + dr] one dequantized row */
     for (int z = 0, t = 0; z < n_seq; z++)
@@ -83,7 +99,7 @@ static double top_gap(const float *qbar, const float *qr, const uint8_t *pool,
                 double b1 = -INFINITY, b2 = -INFINITY;
                 for (int j = 0; j <= pos0[z] + k; j++) {
                     const int32_t pg = tables[bt_off[z] + j / bs];
-                    ds_kv_fp8_dequant_row(v, pool + ((size_t)pg * bs + j % bs) * rb, R, dr);
+                    dq_row(dt, v, pool + ((size_t)pg * bs + j % bs) * rb, R, dr);
                     double d = 0;
                     for (int i = 0; i < R; i++) d += (double)qb[i] * v[i];
                     for (int i = 0; i < dr; i++) d += (double)qp[i] * v[R + i];
@@ -99,9 +115,8 @@ static double top_gap(const float *qbar, const float *qr, const uint8_t *pool,
     return gap;
 }
 
-/* The absorbed kernel over the pool dpool (FP8 rows of rb bytes, or f32 rows when !fp8) into
- * got [T][Ha][R]. */
-static void run_absorbed(ds_cu *c, float *got, const void *dpool, int fp8, size_t rb, int T, int Ha,
+/* The absorbed kernel over the pool dpool (rows of dtype dt, rb bytes) into got [T][Ha][R]. */
+static void run_absorbed(ds_cu *c, float *got, const void *dpool, int dt, size_t rb, int T, int Ha,
                          int R, int dr, const float *dq, const float *dqr, const int32_t *dtables,
                          const int32_t *dbt, const int32_t *dpos, int max_ctx, int bs, float scale,
                          int all_heads) {
@@ -110,8 +125,8 @@ static void run_absorbed(ds_cu *c, float *got, const void *dpool, int fp8, size_
     ds_err err = {{0}};
     ds_cu_set_mla_all_heads(c, all_heads == 3 ? 0 : all_heads);
     ds_cu_set_mla_decode_tc(c, all_heads == 3);
-    if (ds_cu_mla_attend_absorbed_batch(c, dout, dq, dqr, dr, T, Ha, R, dr, dpool, fp8, dtables,
-                                        dbt, dpos, max_ctx, bs, rb, scale, &err))
+    if (ds_cu_mla_attend_absorbed_batch(c, dout, dq, dqr, dr, T, Ha, R, dr, dpool, dt, dtables, dbt,
+                                        dpos, max_ctx, bs, rb, scale, &err))
         DIE("%s", err.msg);
     ds_cu_set_mla_all_heads(c, 0);
     ds_cu_set_mla_decode_tc(c, 0);
@@ -119,23 +134,24 @@ static void run_absorbed(ds_cu *c, float *got, const void *dpool, int fp8, size_
     ds_cu_dealloc(dout);
 }
 
-/* Absorbed MLA over an FP8 pool for several sequences in one launch, against the CPU kernel over
- * the same pool one sequence at a time, and against the same GPU kernel over the dequantized rows
- * in f32 (the FP8 template dequantizes in registers and otherwise runs the f32 one's arithmetic in
- * its order, so the two agree bit for bit, however ill-conditioned the softmax). all_heads as in
+/* Absorbed MLA over an FP8 or BF16 pool (dt) for several sequences in one launch, against the CPU
+ * kernel over the same pool one sequence at a time, and against the same GPU kernel over the
+ * dequantized rows in f32 (the FP8 and BF16 templates widen in registers and otherwise run the
+ * f32 one's arithmetic in its order, so the two agree bit for bit, however ill-conditioned the
+ * softmax). all_heads as in
  * test_cuda_mla.c's check_mla_batch. q_amp scales the queries: the rows' magnitudes span 1e-3 ..
  * 1e6 (kv_rows), so at q_amp 1 the scores are ~1e4 apart and the softmax picks one row, where a
  * near tie between two rows amplifies the CPU's and the GPU's different summation orders (a
  * relative 1e-7 of a 1e4 score moves the weights by 1e-3): such a run (R over one tile) is
  * compared with the f32 kernel alone. A small q_amp keeps the softmax spread over several rows and
  * the comparison with the CPU at f32 rounding. all_heads 3: on tensor cores (BF16 operands: 1e-2
- * from the CPU; the FP8 rows dequantized to the same BF16 values as the f32 rows', so the same
+ * from the CPU; the FP8 and BF16 rows reach the same BF16 values as the f32 rows', so the same
  * bits). */
-static void check_fp8_batch(ds_cu *c, const int *lens, const int *pos0, int n_seq, int Ha, int R,
-                            int dr, int all_heads, float q_amp) {
+static void check_q_batch(ds_cu *c, int dt, const int *lens, const int *pos0, int n_seq, int Ha,
+                          int R, int dr, int all_heads, float q_amp) {
     enum { BS = 16 };
     const int row = R + dr;
-    const size_t rb = ds_kv_fp8_row_bytes(R, dr);
+    const size_t rb = ds_kv_row_bytes(dt, R, dr);
     int T = 0, max_ctx = 0, pages = 0, bt_off[64], tok_bt[512], tok_pos[512];
     for (int z = 0; z < n_seq; z++) {
         int ctx = pos0[z] + lens[z];
@@ -150,13 +166,13 @@ static void check_fp8_batch(ds_cu *c, const int *lens, const int *pos0, int n_se
     float *x = kv_rows(pages * BS, R, dr);
     uint8_t *pool = malloc((size_t)pages * BS * rb);
     for (int i = 0; i < pages * BS; i++)
-        ds_kv_fp8_quant_row(pool + (size_t)i * rb, x + (size_t)i * row, R, dr);
+        q_row(dt, pool + (size_t)i * rb, x + (size_t)i * row, R, dr);
     float *qbar = rand_f32((size_t)T * Ha * R, -0.2f * q_amp, 0.2f * q_amp),
           *qr = rand_f32((size_t)T * Ha * dr, -q_amp, q_amp);
     float *ref = malloc((size_t)T * Ha * R * 4), *got = malloc((size_t)T * Ha * R * 4);
     const float scale = 1.0f / sqrtf(192.0f);
     for (int z = 0, t0 = 0; z < n_seq; t0 += lens[z], z++) {
-        ds_latent_view kv = {pool, tables + bt_off[z], BS, row, R, 1};
+        ds_latent_view kv = {pool, tables + bt_off[z], BS, row, R, dt};
         size_t at = (size_t)t0 * Ha;
         ds_mla_attend_absorbed(ref + at * R, qbar + at * R, qr + at * dr, lens[z], Ha, R, dr, &kv,
                                pos0[z], pos0[z] + lens[z], 1, scale);
@@ -164,30 +180,31 @@ static void check_fp8_batch(ds_cu *c, const int *lens, const int *pos0, int n_se
     /* the same rows dequantized, as an f32 pool [pages * BS][R + dr] */
     float *deq = malloc((size_t)pages * BS * row * 4), *got32 = malloc((size_t)T * Ha * R * 4);
     for (int i = 0; i < pages * BS; i++)
-        ds_kv_fp8_dequant_row(deq + (size_t)i * row, pool + (size_t)i * rb, R, dr);
+        dq_row(dt, deq + (size_t)i * row, pool + (size_t)i * rb, R, dr);
     uint8_t *dpool = dev(c, pool, (size_t)pages * BS * rb);
     float *dpool32 = dev(c, deq, (size_t)pages * BS * row * 4);
     int32_t *dtables = dev(c, tables, (size_t)pages * 4), *dbt = dev(c, tok_bt, (size_t)T * 4);
     int32_t *dpos = dev(c, tok_pos, (size_t)T * 4);
     float *dq = dev(c, qbar, (size_t)T * Ha * R * 4), *dqr = dev(c, qr, (size_t)T * Ha * dr * 4);
-    run_absorbed(c, got, dpool, 1, rb, T, Ha, R, dr, dq, dqr, dtables, dbt, dpos, max_ctx, BS,
+    run_absorbed(c, got, dpool, dt, rb, T, Ha, R, dr, dq, dqr, dtables, dbt, dpos, max_ctx, BS,
                  scale, all_heads);
     run_absorbed(c, got32, dpool32, 0, (size_t)row * 4, T, Ha, R, dr, dq, dqr, dtables, dbt, dpos,
                  max_ctx, BS, scale, all_heads);
     char what[96];
     const char *form = all_heads == 3 ? " (tensor cores)" : all_heads ? " (all heads)" : "";
-    snprintf(what, sizeof what, "mla absorbed fp8 kv %d seqs Ha=%d R=%d q*%g%s", n_seq, Ha, R,
-             q_amp, form);
+    snprintf(what, sizeof what, "mla absorbed %s kv %d seqs Ha=%d R=%d q*%g%s", dt_name(dt), n_seq,
+             Ha, R, q_amp, form);
     const double cpu_err = rel_err(got, ref, 1, (size_t)T * Ha * R, (size_t)T * Ha * R);
     if (q_amp < 1.0f || R <= DS_KV_FP8_TILE) /* (the one-row softmax: see above) */
         report(what, cpu_err, all_heads == 3 ? 1e-2 : 1e-5);
     else
-        printf("  (%s vs the CPU: rel err %.2e; the closest two best scores of a query %.3g "
-               "apart)\n",
-               what, cpu_err,
-               top_gap(qbar, qr, pool, tables, bt_off, lens, pos0, n_seq, Ha, R, dr, BS, scale));
-    snprintf(what, sizeof what, "mla absorbed fp8 kv Ha=%d R=%d q*%g%s: vs f32 words", Ha, R, q_amp,
-             form);
+        printf(
+            "  (%s vs the CPU: rel err %.2e; the closest two best scores of a query %.3g "
+            "apart)\n",
+            what, cpu_err,
+            top_gap(dt, qbar, qr, pool, tables, bt_off, lens, pos0, n_seq, Ha, R, dr, BS, scale));
+    snprintf(what, sizeof what, "mla absorbed %s kv Ha=%d R=%d q*%g%s: vs f32 words", dt_name(dt),
+             Ha, R, q_amp, form);
     report(what, (double)words_differ(got, got32, (size_t)T * Ha * R), 0);
     ds_cu_dealloc(dpool), ds_cu_dealloc(dpool32), ds_cu_dealloc(dtables), ds_cu_dealloc(dbt);
     ds_cu_dealloc(dpos), ds_cu_dealloc(dq), ds_cu_dealloc(dqr);
@@ -195,21 +212,26 @@ static void check_fp8_batch(ds_cu *c, const int *lens, const int *pos0, int n_se
         free(got32);
 }
 
-void checks_kv_fp8(ds_cu *c) {
-    check_store_gather(c, 37, 512, 64);
-    check_store_gather(c, 9, 30, 6);  /* one short tile, rows not a multiple of 4 values */
-    check_store_gather(c, 5, 200, 8); /* a full tile and a partial one */
-    static const int lens[] = {1, 1, 3, 1}, pos[] = {700, 40, 300, 0};
-    /* q*1e-4: scores of a few units; q*1: one row takes the softmax (compared with the f32
-     * kernel only) */
-    static const float amp[] = {1e-4f, 1.0f};
-    for (int a = 0; a < 2; a++) {
-        check_fp8_batch(c, lens, pos, 4, 8, 512, 64, 0, amp[a]);
-        check_fp8_batch(c, lens, pos, 4, 8, 512, 64, 2, amp[a]);
-        check_fp8_batch(c, lens, pos, 4, 32, 512, 64, 2, amp[a]);
-        check_fp8_batch(c, lens, pos, 4, 32, 512, 64, 0, amp[a]);
-        check_fp8_batch(c, lens, pos, 4, 32, 512, 64, 3, amp[a]);
-        check_fp8_batch(c, lens, pos, 4, 16, 512, 64, 3, amp[a]);
+void checks_kv_rows(ds_cu *c) {
+    for (int dt = DS_KV_FP8; dt <= DS_KV_BF16; dt++) {
+        check_store_gather(c, dt, 37, 512, 64);
+        check_store_gather(c, dt, 9, 30, 6);  /* one short tile, rows not a multiple of 4 values */
+        check_store_gather(c, dt, 5, 200, 8); /* a full tile and a partial one */
+        static const int lens[] = {1, 1, 3, 1}, pos[] = {700, 40, 300, 0};
+        /* q*1e-4: scores of a few units; q*1: one row takes the softmax (compared with the f32
+         * kernel only) */
+        static const float amp[] = {1e-4f, 1.0f};
+        for (int a = 0; a < 2; a++) {
+            check_q_batch(c, dt, lens, pos, 4, 8, 512, 64, 0, amp[a]);
+            check_q_batch(c, dt, lens, pos, 4, 8, 512, 64, 2, amp[a]);
+            check_q_batch(c, dt, lens, pos, 4, 32, 512, 64, 2, amp[a]);
+            check_q_batch(c, dt, lens, pos, 4, 32, 512, 64, 0, amp[a]);
+            check_q_batch(c, dt, lens, pos, 4, 32, 512, 64, 3, amp[a]);
+            check_q_batch(c, dt, lens, pos, 4, 16, 512, 64, 3, amp[a]);
+        }
+        check_q_batch(c, dt, lens, pos, 4, 2, 30, 6, 0, 1.0f); /* scalar loads */
+        /* one long context on tensor cores: 132 splits of ten tiles, each ring's stages reused */
+        static const int llen[] = {1}, lpos[] = {40000};
+        check_q_batch(c, dt, llen, lpos, 1, 32, 512, 64, 3, 1e-4f);
     }
-    check_fp8_batch(c, lens, pos, 4, 2, 30, 6, 0, 1.0f); /* scalar loads */
 }
