@@ -302,17 +302,25 @@ void bench_mla_expanded(ds_cu *c, const cuda_ceilings *ceil) {
 
 /* 5c. one decode token over a long context (32K, 128K, 1M rows), 32 heads: the all-heads f32
  *     kernel against the tensor-core one, f32, FP8 and BF16 rows; the bytes that must be read:
- *     every row once. Pages in order; the pool is a 64 MB random block of whole rows repeated. */
+ *     every row once. Pages in order; the pool is a 64 MB random block of whole rows repeated.
+ *     DS_BENCH_MLA_LONG="bf16 1048576": that dtype and length only, tensor cores only (for a
+ *     profiler: tools/device/ncu_tcd.sh). */
 static void bench_mla_long(ds_cu *c, double copy_gbs) {
     static const int ctxs[] = {32768, 131072, 1048576};
     ds_err err = {{0}};
     const size_t block = (size_t)64 << 20;
     uint8_t *h = (uint8_t *)rand_f32(block / 4, -1, 1);
+    const char *only = getenv("DS_BENCH_MLA_LONG");
+    char only_dt[16] = "";
+    int only_ctx = 0;
+    if (only && sscanf(only, "%15s %d", only_dt, &only_ctx) != 2)
+        DIE("DS_BENCH_MLA_LONG: %s", only);
     for (int kvd = DS_KV_F32; kvd <= DS_KV_BF16; kvd++)
         for (size_t i = 0; i < DS_ARRAY_LEN(ctxs); i++) {
             mla_batch_ctx bc = {0};
             bc.n_seq = 1, bc.n_ctx = ctxs[i], bc.kvd = kvd;
             const int f8 = kvd == DS_KV_FP8;
+            const char *dtn = f8 ? "fp8" : kvd == DS_KV_BF16 ? "bf16" : "f32";
             const size_t rb = ds_kv_row_bytes(kvd, 512, 64), bytes = (size_t)bc.n_ctx * rb;
             if (kvd == DS_KV_BF16 && i == 0) /* finite BF16 values: exponents below 128 */
                 for (size_t k = 0; k < block / 2; k++) ((uint16_t *)h)[k] &= 0xbfffu;
@@ -324,6 +332,7 @@ static void bench_mla_long(ds_cu *c, double copy_gbs) {
                     for (int k = 0; k < 4; k++) memcpy(row + 512 + 4 * k, &(float){1.0f}, 4);
                     memset(row + 528, 0x3f, 128); /* rope: BF16 0x3f3f, ~0.75 */
                 }
+            if (only && (strcmp(only_dt, dtn) || only_ctx != bc.n_ctx)) continue;
             bc.pool = dev(c, NULL, bytes);
             const size_t piece = block / rb * rb; /* whole rows */
             for (size_t at = 0; at < bytes; at += piece)
@@ -340,18 +349,14 @@ static void bench_mla_long(ds_cu *c, double copy_gbs) {
             bc.qbar = dev(c, q, (size_t)32 * 512 * 4), bc.qr = dev(c, q, (size_t)32 * 64 * 4);
             free(q);
             bc.obar = dev(c, NULL, (size_t)32 * 512 * 4);
-            for (int tc = 0; tc < 2; tc++) {
+            for (int tc = only ? 1 : 0; tc < 2; tc++) {
                 ds_cu_set_mla_all_heads(c, tc ? 0 : 2);
                 ds_cu_set_mla_decode_tc(c, tc);
                 const double ms = median_ms(c, run_mla_batch, &bc, 2, 10);
                 printf("bench mla absorbed decode 1 x %d rows, Ha=32, %s rows (%s): %.4f ms, "
                        "%.0f GB/s of cache (%.0f%% of copy)\n",
-                       bc.n_ctx,
-                       f8                  ? "fp8"
-                       : kvd == DS_KV_BF16 ? "bf16"
-                                           : "f32",
-                       tc ? "tensor cores" : "all heads, f32", ms, bytes / (ms * 1e-3) / 1e9,
-                       100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
+                       bc.n_ctx, dtn, tc ? "tensor cores" : "all heads, f32", ms,
+                       bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
             }
             ds_cu_set_mla_all_heads(c, 0);
             ds_cu_set_mla_decode_tc(c, 0);
