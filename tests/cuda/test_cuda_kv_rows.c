@@ -123,13 +123,15 @@ static void run_absorbed(ds_cu *c, float *got, const void *dpool, int dt, size_t
     float *dout = dev(c, NULL, (size_t)T * Ha * R * 4);
     poison(c, dout, (size_t)T * Ha * R * 4);
     ds_err err = {{0}};
-    ds_cu_set_mla_all_heads(c, all_heads == 3 ? 0 : all_heads);
-    ds_cu_set_mla_decode_tc(c, all_heads == 3);
+    ds_cu_set_mla_all_heads(c, all_heads >= 3 ? 0 : all_heads);
+    ds_cu_set_mla_decode_tc(c, all_heads >= 3);
+    ds_cu_set_mla_decode_tc_tile(c, all_heads == 4 ? 64 : 32);
     if (ds_cu_mla_attend_absorbed_batch(c, dout, dq, dqr, dr, T, Ha, R, dr, dpool, dt, dtables, dbt,
                                         dpos, max_ctx, bs, rb, scale, &err))
         DIE("%s", err.msg);
     ds_cu_set_mla_all_heads(c, 0);
     ds_cu_set_mla_decode_tc(c, 0);
+    ds_cu_set_mla_decode_tc_tile(c, 32);
     fetch(c, got, dout, (size_t)T * Ha * R * 4);
     ds_cu_dealloc(dout);
 }
@@ -191,12 +193,15 @@ static void check_q_batch(ds_cu *c, int dt, const int *lens, const int *pos0, in
     run_absorbed(c, got32, dpool32, 0, (size_t)row * 4, T, Ha, R, dr, dq, dqr, dtables, dbt, dpos,
                  max_ctx, BS, scale, all_heads);
     char what[96];
-    const char *form = all_heads == 3 ? " (tensor cores)" : all_heads ? " (all heads)" : "";
+    const char *form = all_heads == 4   ? " (tensor cores, 64-row tiles)"
+                       : all_heads == 3 ? " (tensor cores)"
+                       : all_heads      ? " (all heads)"
+                                        : "";
     snprintf(what, sizeof what, "mla absorbed %s kv %d seqs Ha=%d R=%d q*%g%s", dt_name(dt), n_seq,
              Ha, R, q_amp, form);
     const double cpu_err = rel_err(got, ref, 1, (size_t)T * Ha * R, (size_t)T * Ha * R);
     if (q_amp < 1.0f || R <= DS_KV_FP8_TILE) /* (the one-row softmax: see above) */
-        report(what, cpu_err, all_heads == 3 ? 1e-2 : 1e-5);
+        report(what, cpu_err, all_heads >= 3 ? 1e-2 : 1e-5);
     else
         printf(
             "  (%s vs the CPU: rel err %.2e; the closest two best scores of a query %.3g "
@@ -228,10 +233,13 @@ void checks_kv_rows(ds_cu *c) {
             check_q_batch(c, dt, lens, pos, 4, 32, 512, 64, 0, amp[a]);
             check_q_batch(c, dt, lens, pos, 4, 32, 512, 64, 3, amp[a]);
             check_q_batch(c, dt, lens, pos, 4, 16, 512, 64, 3, amp[a]);
+            check_q_batch(c, dt, lens, pos, 4, 32, 512, 64, 4, amp[a]);
+            check_q_batch(c, dt, lens, pos, 4, 16, 512, 64, 4, amp[a]);
         }
         check_q_batch(c, dt, lens, pos, 4, 2, 30, 6, 0, 1.0f); /* scalar loads */
         /* one long context on tensor cores: 132 splits of ten tiles, each ring's stages reused */
         static const int llen[] = {1}, lpos[] = {40000};
         check_q_batch(c, dt, llen, lpos, 1, 32, 512, 64, 3, 1e-4f);
+        check_q_batch(c, dt, llen, lpos, 1, 32, 512, 64, 4, 1e-4f);
     }
 }

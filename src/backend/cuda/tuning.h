@@ -72,6 +72,7 @@ typedef struct ds_cuda_tuning {
     int mla_ctx_block;         /* context rows a chunk's expanded attention takes at a time */
     int side, mla_all_heads;
     int mla_decode_tc; /* context rows from which absorbed MLA runs on tensor cores (0: never) */
+    int mla_decode_tc_tile; /* its tile for FP8 and BF16 rows (32 or 64) */
     int pdl;
     int profile;
     const char *skip; /* DS_CUDA_SKIP's labels, or NULL when unset or empty */

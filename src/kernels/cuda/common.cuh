@@ -46,6 +46,7 @@ struct ds_cu {
     int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
     int mla_ctx_block;   /* context rows a chunk's expanded attention takes at a time (0: all) */
     int mla_decode_tc;   /* absorbed MLA on tensor cores from this many context rows (0: never) */
+    int mla_decode_tc_tile; /* its tile for FP8 and BF16 rows: 64 rows, else 32 */
     int kda_tc;        /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
     int kda_prep_f32;  /* ...and its first pass on CUDA cores even so (ds_cu_set_kda_prep_tc) */
     int early_experts; /* the experts' down pass reads its routing early (ds_cu_set_...) */
@@ -84,11 +85,11 @@ struct ds_cu {
     int epoch_bump; /* set by grow_scratch; the next ds_cu_epoch reads and clears it */
     /* kernels' dynamic shared memory raised above 48 KB (cudaFuncSetAttribute holds per device,
      * so per context): once, before any capture can be open */
-    size_t mla_ah_smem[9];  /* the all-heads MLA kernel's bytes, per OT (4, 8, 16) and DS_KV_* */
-    size_t mla_tcd_smem[6]; /* the tensor-core decode MLA kernel's, per Ha 16 / 32 and DS_KV_* */
-    int mla_flash_smem;     /* the fused expanded MLA kernel's */
-    int moe_grouped_smem;   /* the grouped experts' kernels' */
-    int kda_chunk_smem[2];  /* chunked KDA's kernels', per head size (64, 128) */
+    size_t mla_ah_smem[9];   /* the all-heads MLA kernel's bytes, per OT (4, 8, 16) and DS_KV_* */
+    size_t mla_tcd_smem[12]; /* the tensor-core decode MLA kernel's: Ha 16 / 32, DS_KV_*, tile */
+    int mla_flash_smem;      /* the fused expanded MLA kernel's */
+    int moe_grouped_smem;    /* the grouped experts' kernels' */
+    int kda_chunk_smem[2];   /* chunked KDA's kernels', per head size (64, 128) */
     /* moe_grouped_pick's blocks an SM holds per grouped kernel, for the smem last asked about */
     int grouped_per_sm[4];
     size_t grouped_per_sm_smem[4];

@@ -330,6 +330,9 @@ void ds_cu_set_mla_all_heads(ds_cu *c, int on);
  * not with batch invariance; R 512, dr 64, Ha 16 or 32). The engine's value: DS_CUDA_MLA_DECODE_TC
  * (tuning.c); check_mla_batch_tc covers it. */
 void ds_cu_set_mla_decode_tc(ds_cu *c, int min_rows);
+/* Its tile for FP8 and BF16 rows: 64 rows (a two-stage ring), else 32 (the engine's value:
+ * DS_CUDA_MLA_DECODE_TC_TILE, tuning.c). */
+void ds_cu_set_mla_decode_tc_tile(ds_cu *c, int rows);
 
 /* ---- glue for the model forward (src/backend/cuda/step.c, layers.c) ---- */
 /* Batch-invariant matmuls (see ds_model_opts.batch_invariant): on, every ds_cu_matmul streams the

@@ -6,7 +6,7 @@
  * kernel, f32 FMA, reads long contexts far below it: bench/RESULTS.md, session 32). Here both
  * products run as BF16 mma with
  * f32 accumulation, every head of the token at once as the M dimension (FlashMLA's layout):
- * block (token t, split s) takes its share of the token's rows in tiles of TCD_BK, and per tile
+ * block (token t, split s) takes its share of the token's rows in tiles of BK rows, and per tile
  *   1. cp.async the rows as stored into a ring of NST stages, NST - 1 tiles ahead of the one in
  *      use (the ring as deep as shared memory holds: a block an SM must keep enough bytes in
  *      flight by itself);
@@ -27,7 +27,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/mla.cuh"
 
-enum { TCD_BK = 32, TCD_NT = 256, TCD_R = 512, TCD_DR = 64 };
+enum { TCD_NT = 256, TCD_R = 512, TCD_DR = 64 };
 
 /* A stored row's bytes (kv_row.h's forms at R 512, dr 64: f32 2,304, FP8 656, BF16 1,152). */
 template <int KV> __host__ __device__ constexpr int tcd_row_bytes() {
@@ -38,25 +38,28 @@ template <int KV> __host__ __device__ constexpr int tcd_row_bytes() {
                               : 4 * (TCD_R + TCD_DR);
 }
 
-template <int MT, int KV> struct tcd_shape {
+/* MT: 16-head M tiles (Ha = 16 MT); KV: the rows' dtype; BK: rows a tile (32, or 64 for the
+ * quantized forms: fewer barriers and softmax passes a row, a shallower ring) */
+template <int MT, int KV, int BK> struct tcd_shape {
     static constexpr int HA = 16 * MT, RQ = TCD_R + TCD_DR, NKS = RQ / 16;
-    static constexpr int CG = 4, RH = 2; /* score warps: channel groups x row halves */
-    static constexpr int KSW = NKS / CG; /* k-steps a score warp takes */
+    static constexpr int CG = 4, RH = 2;    /* score warps: channel groups x row halves */
+    static constexpr int KSW = NKS / CG;    /* k-steps a score warp takes */
+    static constexpr int NTR = BK / RH / 8; /* 8-row score tiles a warp holds */
     static constexpr int NTW = TCD_R / 8 / (TCD_NT / 32); /* 8-column output tiles a warp holds */
-    static_assert(NKS % CG == 0 && CG * RH == TCD_NT / 32 && TCD_BK == 16 * RH, "warp layout");
+    static_assert(NKS % CG == 0 && CG * RH == TCD_NT / 32 && NTR % 2 == 0, "warp layout");
     /* row strides: C's and P's rows 4 banks apart (ldmatrix without conflicts), the partial
      * scores' 8 (a warp's pair stores in two wavefronts) */
-    static constexpr int CLD = RQ + 8, PLD = TCD_BK + 8, SLD = TCD_BK + 8;
+    static constexpr int CLD = RQ + 8, PLD = BK + 8, SLD = BK + 8;
     static constexpr int RB = tcd_row_bytes<KV>();
     static constexpr bool CONV = KV != DS_KV_BF16; /* staged as stored, then converted to C */
     /* a stage: BF16 rows in C's form, else the rows as stored */
-    static constexpr int SB = CONV ? TCD_BK * RB : TCD_BK * CLD * 2;
-    /* the ring as deep as 227 KB hold beside the rest (f32: 2 x 72 KB; FP8: 6 x 21 KB; BF16:
-     * 5 x 37 KB) */
-    static constexpr int NST = KV == DS_KV_F32 ? 2 : KV == DS_KV_FP8 ? 6 : 5;
+    static constexpr int SB = CONV ? BK * RB : BK * CLD * 2;
+    /* the ring as deep as 227 KB hold beside the rest (32-row tiles: f32 2 x 72 KB, FP8 6 x 21
+     * KB, BF16 5 x 37 KB; 64-row tiles: 2) */
+    static constexpr int NST = BK == 64 ? 2 : KV == DS_KV_F32 ? 2 : KV == DS_KV_FP8 ? 6 : 5;
     /* stages, C [BK][CLD] bf16 (converting forms), partial scores [CG][HA][SLD] f32, P [HA][PLD]
      * bf16, m, l, alpha [HA] f32 */
-    static constexpr size_t SMEM = (size_t)NST * SB + (CONV ? (size_t)TCD_BK * CLD * 2 : 0) +
+    static constexpr size_t SMEM = (size_t)NST * SB + (CONV ? (size_t)BK * CLD * 2 : 0) +
                                    (size_t)CG * HA * SLD * 4 + (size_t)HA * PLD * 2 +
                                    (size_t)3 * HA * 4;
     static_assert(SMEM <= 227 * 1024, "shared memory");
@@ -79,13 +82,13 @@ template <int KV> static __device__ __forceinline__ uint2 tcd_vals(const uint8_t
 }
 
 /* long: the five phases above share the block's stages and the output fragments in registers. */
-template <int MT, int KV>
+template <int MT, int KV, int BK>
 __global__ void __launch_bounds__(TCD_NT, 1)
     mla_tcd_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int ldqr,
               const void *pool, const int32_t *tables, const int32_t *tok_bt,
               const int32_t *tok_pos, int bs, float scale, int n_split) {
-    typedef tcd_shape<MT, KV> L;
-    constexpr int HA = L::HA, BK = TCD_BK, CLD = L::CLD, PLD = L::PLD, SLD = L::SLD;
+    typedef tcd_shape<MT, KV, BK> L;
+    constexpr int HA = L::HA, CLD = L::CLD, PLD = L::PLD, SLD = L::SLD, NTR = L::NTR;
     constexpr int NST = L::NST, RB = L::RB, PIECES = RB / 16;
     constexpr int DLD = L::CONV ? RB : CLD * 2; /* a staged row's stride, bytes */
     extern __shared__ __align__(16) uint8_t tsh[];
@@ -157,28 +160,33 @@ __global__ void __launch_bounds__(TCD_NT, 1)
             C = Cc;
         }
         { /* scores of every head over the warp's channels and rows */
-            float sc[MT][2][4];
+            float sc[MT][NTR][4];
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-                for (int i = 0; i < 2; i++)
+                for (int i = 0; i < NTR; i++)
                     sc[mt][i][0] = sc[mt][i][1] = sc[mt][i][2] = sc[mt][i][3] = 0.0f;
 #pragma unroll
             for (int ks = 0; ks < L::KSW; ks++) {
                 const int kk = cg * L::KSW + ks;
-                uint32_t b[4]; /* rows of tiles 2 rh (+1 for mi >= 2), channels +8 for odd mi */
-                ldsm_x4(b, C + ((2 * rh + (mi >> 1)) * 8 + mr) * CLD + kk * 16 + (mi & 1) * 8);
 #pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    mma_16816(sc[mt][0], qf[mt][ks], b[0], b[1]);
-                    mma_16816(sc[mt][1], qf[mt][ks], b[2], b[3]);
+                for (int nt = 0; nt < NTR; nt += 2) {
+                    uint32_t b[4]; /* rows of the warp's tiles nt (+1 for mi >= 2), channels +8
+                                    * for odd mi */
+                    ldsm_x4(b, C + ((NTR * rh + nt + (mi >> 1)) * 8 + mr) * CLD + kk * 16 +
+                                   (mi & 1) * 8);
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        mma_16816(sc[mt][nt], qf[mt][ks], b[0], b[1]);
+                        mma_16816(sc[mt][nt + 1], qf[mt][ks], b[2], b[3]);
+                    }
                 }
             }
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
-                float *sp = Sp + ((size_t)cg * HA + 16 * mt) * SLD + 16 * rh;
+                float *sp = Sp + ((size_t)cg * HA + 16 * mt) * SLD + 8 * NTR * rh;
 #pragma unroll
-                for (int nt = 0; nt < 2; nt++) {
+                for (int nt = 0; nt < NTR; nt++) {
                     *(float2 *)(sp + g * SLD + nt * 8 + 2 * l4) =
                         make_float2(sc[mt][nt][0], sc[mt][nt][1]);
                     *(float2 *)(sp + (g + 8) * SLD + nt * 8 + 2 * l4) =
@@ -273,14 +281,17 @@ extern "C" void ds_cu_set_mla_decode_tc(ds_cu *c, int min_rows) {
     c->mla_decode_tc = min_rows;
 }
 
-/* the kernel and its shared memory for Ha heads (16 or 32) and rows of dtype KV */
-template <int KV>
-static void tcd_pick(int mt,
-                     void (**k)(float *, float *, const float *, const float *, int, const void *,
-                                const int32_t *, const int32_t *, const int32_t *, int, float, int),
-                     size_t *smem) {
-    *k = mt == 2 ? mla_tcd_k<2, KV> : mla_tcd_k<1, KV>;
-    *smem = mt == 2 ? tcd_shape<2, KV>::SMEM : tcd_shape<1, KV>::SMEM;
+typedef void (*tcd_fn)(float *, float *, const float *, const float *, int, const void *,
+                       const int32_t *, const int32_t *, const int32_t *, int, float, int);
+
+/* the kernel and its shared memory for Ha heads (16 or 32), rows of dtype KV, BK-row tiles */
+template <int KV, int BK> static void tcd_pick(int mt, tcd_fn *k, size_t *smem) {
+    *k = mt == 2 ? mla_tcd_k<2, KV, BK> : mla_tcd_k<1, KV, BK>;
+    *smem = mt == 2 ? tcd_shape<2, KV, BK>::SMEM : tcd_shape<1, KV, BK>::SMEM;
+}
+
+extern "C" void ds_cu_set_mla_decode_tc_tile(ds_cu *c, int rows) {
+    c->mla_decode_tc_tile = rows;
 }
 
 int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int ldqr, int T,
@@ -296,8 +307,10 @@ int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int
                    : kv_dtype == DS_KV_BF16 ? tcd_row_bytes<DS_KV_BF16>()
                                             : tcd_row_bytes<DS_KV_F32>();
     if ((int)row_bytes != rb) return DS_OK; /* a pool laid out otherwise: the f32 kernels */
+    /* the tile: 64 rows for quantized rows when asked (ds_cu_set_mla_decode_tc_tile), else 32 */
+    const int bk = c->mla_decode_tc_tile == 64 && kv_dtype != DS_KV_F32 ? 64 : 32;
     /* a wave of blocks (one an SM) over the tokens, at least a tile a split */
-    const int n_split = DS_MAX(1, DS_MIN((c->n_sm + T - 1) / T, max_ctx / TCD_BK));
+    const int n_split = DS_MAX(1, DS_MIN((c->n_sm + T - 1) / T, max_ctx / bk));
     const int rows = T * Ha;
     const size_t need = (size_t)rows * n_split * ((size_t)R + 2);
     if (grow_scratch(c, (void **)&c->part, &c->part_bytes, need * sizeof(float), "mla scratch",
@@ -305,17 +318,20 @@ int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int
         return DS_ERR;
     float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
     const int mt = Ha / 16;
-    void (*kernel)(float *, float *, const float *, const float *, int, const void *,
-                   const int32_t *, const int32_t *, const int32_t *, int, float, int);
+    tcd_fn kernel;
     size_t smem;
-    if (kv_dtype == DS_KV_FP8)
-        tcd_pick<DS_KV_FP8>(mt, &kernel, &smem);
+    if (kv_dtype == DS_KV_FP8 && bk == 64)
+        tcd_pick<DS_KV_FP8, 64>(mt, &kernel, &smem);
+    else if (kv_dtype == DS_KV_FP8)
+        tcd_pick<DS_KV_FP8, 32>(mt, &kernel, &smem);
+    else if (kv_dtype == DS_KV_BF16 && bk == 64)
+        tcd_pick<DS_KV_BF16, 64>(mt, &kernel, &smem);
     else if (kv_dtype == DS_KV_BF16)
-        tcd_pick<DS_KV_BF16>(mt, &kernel, &smem);
+        tcd_pick<DS_KV_BF16, 32>(mt, &kernel, &smem);
     else
-        tcd_pick<DS_KV_F32>(mt, &kernel, &smem);
+        tcd_pick<DS_KV_F32, 32>(mt, &kernel, &smem);
     /* raised once per kernel, before any capture can be open */
-    size_t *set = &c->mla_tcd_smem[(mt - 1) + 2 * kv_dtype];
+    size_t *set = &c->mla_tcd_smem[(mt - 1) + 2 * kv_dtype + 6 * (bk == 64)];
     if (smem > *set) {
         CU_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
                "mla (tensor cores): shared memory");
