@@ -58,6 +58,8 @@ int ds_quant_check_opts(const ds_model_opts *o, ds_err *err) {
         return ds_errf(err, "quantization %d: expected none or ptpc_fp8", o->quantization);
     if (o->quantization_exclude && o->quantization != DS_QUANT_PTPC_FP8)
         return ds_errf(err, "--quantization-exclude needs --quantization ptpc_fp8");
+    if (o->kv_dtype < 0 || o->kv_dtype > 2) /* (ds_kv_dtype_names: auto, fp8, bf16) */
+        return ds_errf(err, "kv cache dtype %d: expected auto, fp8 or bf16", o->kv_dtype);
     return DS_OK;
 }
 
