@@ -208,9 +208,13 @@ static void check_q_batch(ds_cu *c, int dt, const int *lens, const int *pos0, in
             "apart)\n",
             what, cpu_err,
             top_gap(dt, qbar, qr, pool, tables, bt_off, lens, pos0, n_seq, Ha, R, dr, BS, scale));
-    snprintf(what, sizeof what, "mla absorbed %s kv Ha=%d R=%d q*%g%s: vs f32 words", dt_name(dt),
-             Ha, R, q_amp, form);
-    report(what, (double)words_differ(got, got32, (size_t)T * Ha * R), 0);
+    /* (64-row tiles are for quantized rows only: the f32 pool's run takes 32-row tiles, whose
+     * online softmax rescales at other rows, so the bits differ; the CPU check above holds) */
+    if (all_heads != 4) {
+        snprintf(what, sizeof what, "mla absorbed %s kv Ha=%d R=%d q*%g%s: vs f32 words",
+                 dt_name(dt), Ha, R, q_amp, form);
+        report(what, (double)words_differ(got, got32, (size_t)T * Ha * R), 0);
+    }
     ds_cu_dealloc(dpool), ds_cu_dealloc(dpool32), ds_cu_dealloc(dtables), ds_cu_dealloc(dbt);
     ds_cu_dealloc(dpos), ds_cu_dealloc(dq), ds_cu_dealloc(dqr);
     free(tables), free(x), free(pool), free(qbar), free(qr), free(ref), free(got), free(deq),

@@ -59,9 +59,10 @@ template <int MT, int KV, int BK> struct tcd_shape {
     static constexpr int NST = BK == 64 ? 2 : KV == DS_KV_F32 ? 2 : KV == DS_KV_FP8 ? 6 : 5;
     /* stages, C [BK][CLD] bf16 (converting forms), partial scores [CG][HA][SLD] f32, P [HA][PLD]
      * bf16, m, l, alpha [HA] f32 */
-    static constexpr size_t SMEM = (size_t)NST * SB + (CONV ? (size_t)BK * CLD * 2 : 0) +
-                                   (size_t)CG * HA * SLD * 4 + (size_t)HA * PLD * 2 +
-                                   (size_t)3 * HA * 4;
+    static constexpr size_t BAR_AT = (size_t)NST * SB + (CONV ? (size_t)BK * CLD * 2 : 0) +
+                                     (size_t)CG * HA * SLD * 4 + (size_t)HA * PLD * 2 +
+                                     (size_t)3 * HA * 4;     /* (a multiple of 8) */
+    static constexpr size_t SMEM = BAR_AT + (size_t)NST * 8; /* and a barrier a stage */
     static_assert(SMEM <= 227 * 1024, "shared memory");
 };
 
@@ -89,7 +90,7 @@ __global__ void __launch_bounds__(TCD_NT, 1)
               const int32_t *tok_pos, int bs, float scale, int n_split) {
     typedef tcd_shape<MT, KV, BK> L;
     constexpr int HA = L::HA, CLD = L::CLD, PLD = L::PLD, SLD = L::SLD, NTR = L::NTR;
-    constexpr int NST = L::NST, RB = L::RB, PIECES = RB / 16;
+    constexpr int NST = L::NST, RB = L::RB;
     constexpr int DLD = L::CONV ? RB : CLD * 2; /* a staged row's stride, bytes */
     extern __shared__ __align__(16) uint8_t tsh[];
     uint8_t *ring = tsh;                                                 /* [NST][SB] */
@@ -106,9 +107,35 @@ __global__ void __launch_bounds__(TCD_NT, 1)
     /* this split's rows: the token's own context in n_split shares of whole tiles */
     const int per = ((n + n_split - 1) / n_split + BK - 1) / BK * BK;
     const int j0 = min(n, s * per), j1 = min(n, j0 + per), ntile = (j1 - j0 + BK - 1) / BK;
-    /* tile it's rows (zeros past j1) into ring slot it % NST, one commit group whether or not
-     * there is such a tile (so that the group count says which tiles have landed): a warp a
-     * row, its lanes along it, the page looked up once a row */
+#if DS_CUDA_BULK
+    /* tile it's rows into ring slot it % NST, a bulk copy a row issued by a lane of warp 0 (the
+     * page looked up once a row), their bytes counted by the slot's barrier; rows past j1 copy
+     * row j1 - 1 again (finite values; their scores are masked and their P is 0). 178 warp
+     * instructions a row under Nsight Compute with cp.async's 16-byte pieces (session 33): the
+     * staging's share of them is now a few. */
+    uint64_t *bar = (uint64_t *)(tsh + L::BAR_AT); /* [NST] */
+    if (tid == 0) {
+        for (int i = 0; i < NST; i++) mbar_init(&bar[i], 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    auto stage = [&](int it) {
+        if (it >= ntile || warp) return;
+        const int a = j0 + it * BK, st = it % NST;
+        if (lane == 0) mbar_expect_tx(&bar[st], (unsigned)(BK * RB));
+        __syncwarp();
+        for (int j = lane; j < BK; j += 32) {
+            const int p = min(a + j, j1 - 1);
+            bulk_g2s(ring + (size_t)st * L::SB + j * DLD,
+                     (const uint8_t *)pool + ((size_t)__ldg(table + p / bs) * bs + p % bs) * RB, RB,
+                     &bar[st]);
+        }
+    };
+    auto landed = [&](int it) { mbar_wait(&bar[it % NST], (unsigned)(it / NST) & 1u); };
+#else
+    /* (before sm_90) tile it's rows (zeros past j1) into ring slot it % NST by cp.async, one
+     * commit group whether or not there is such a tile, so that the group count says which
+     * tiles have landed: a warp a row, its lanes along it */
     auto stage = [&](int it) {
         if (it < ntile) {
             const int a = j0 + it * BK;
@@ -117,12 +144,15 @@ __global__ void __launch_bounds__(TCD_NT, 1)
                 const int p = min(a + j, j1 - 1);
                 const uint8_t *src =
                     (const uint8_t *)pool + ((size_t)__ldg(table + p / bs) * bs + p % bs) * RB;
-                for (int c = lane; c < PIECES; c += 32)
+                for (int c = lane; c < RB / 16; c += 32)
                     cp_async16_zfill(dst + j * DLD + 16 * c, src + 16 * c, a + j < j1);
             }
         }
         cp_async_commit();
     };
+    /* NST - 1 + it groups committed, tile it's the (it + 1)-th */
+    auto landed = [&](int) { asm volatile("cp.async.wait_group %0;\n" ::"n"(NST - 2) : "memory"); };
+#endif
 #pragma unroll
     for (int i = 0; i < NST - 1; i++) stage(i); /* on their way while the queries load */
     uint32_t qf[MT][L::KSW][4]; /* every head, the warp's channels, as A fragments */
@@ -145,8 +175,7 @@ __global__ void __launch_bounds__(TCD_NT, 1)
             oacc[mt][i][0] = oacc[mt][i][1] = oacc[mt][i][2] = oacc[mt][i][3] = 0.0f;
     for (int it = 0; it < ntile; it++) {
         const int a = j0 + it * BK;
-        /* NST - 1 + it groups committed, tile it's the (it + 1)-th */
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(NST - 2) : "memory");
+        landed(it);
         __syncthreads(); /* tile it has landed; tile it - 1's products are done with its slot */
         stage(it + NST - 1);
         const uint8_t *rs = ring + (size_t)(it % NST) * L::SB;
@@ -228,14 +257,21 @@ __global__ void __launch_bounds__(TCD_NT, 1)
         }
         __syncthreads();
         { /* outputs: every head x the warp's NTW * 8 columns of R */
+            /* the rescale, unless no head of the token found a new maximum (over a long
+             * context, most tiles) */
+            bool same = true;
 #pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                const float al0 = a_sh[16 * mt + g], al1 = a_sh[16 * mt + g + 8];
+            for (int mt = 0; mt < MT; mt++)
+                same &= a_sh[16 * mt + g] == 1.0f && a_sh[16 * mt + g + 8] == 1.0f;
+            if (!__all_sync(0xffffffffu, same))
 #pragma unroll
-                for (int i = 0; i < L::NTW; i++)
-                    oacc[mt][i][0] *= al0, oacc[mt][i][1] *= al0, oacc[mt][i][2] *= al1,
-                        oacc[mt][i][3] *= al1;
-            }
+                for (int mt = 0; mt < MT; mt++) {
+                    const float al0 = a_sh[16 * mt + g], al1 = a_sh[16 * mt + g + 8];
+#pragma unroll
+                    for (int i = 0; i < L::NTW; i++)
+                        oacc[mt][i][0] *= al0, oacc[mt][i][1] *= al0, oacc[mt][i][2] *= al1,
+                            oacc[mt][i][3] *= al1;
+                }
 #pragma unroll
             for (int kk = 0; kk < BK / 16; kk++) {
                 uint32_t pa[MT][4]; /* heads +8 for odd mi, rows +8 for mi >= 2 */
@@ -257,7 +293,9 @@ __global__ void __launch_bounds__(TCD_NT, 1)
             }
         }
     }
+#if !DS_CUDA_BULK
     cp_async_wait_all(); /* (the groups past the last tile are empty) */
+#endif
     /* C: heads g (elements 0, 1) and g + 8 (2, 3), columns 2 l4 (+1); an empty split leaves
      * zeros and l = 0, which the merge skips */
 #pragma unroll
