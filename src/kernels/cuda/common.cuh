@@ -47,6 +47,7 @@ struct ds_cu {
     int mla_ctx_block;   /* context rows a chunk's expanded attention takes at a time (0: all) */
     int mla_decode_tc;   /* absorbed MLA on tensor cores from this many context rows (0: never) */
     int mla_decode_tc_tile; /* its tile for FP8 and BF16 rows: 64 rows, else 32 */
+    int mla_decode_tc_bulk; /* its rows staged by bulk copies (sm_90), else cp.async pieces */
     int kda_tc;        /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
     int kda_prep_f32;  /* ...and its first pass on CUDA cores even so (ds_cu_set_kda_prep_tc) */
     int early_experts; /* the experts' down pass reads its routing early (ds_cu_set_...) */

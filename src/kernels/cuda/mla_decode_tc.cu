@@ -87,7 +87,7 @@ template <int MT, int KV, int BK>
 __global__ void __launch_bounds__(TCD_NT, 1)
     mla_tcd_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int ldqr,
               const void *pool, const int32_t *tables, const int32_t *tok_bt,
-              const int32_t *tok_pos, int bs, float scale, int n_split) {
+              const int32_t *tok_pos, int bs, float scale, int n_split, int bulk) {
     typedef tcd_shape<MT, KV, BK> L;
     constexpr int HA = L::HA, CLD = L::CLD, PLD = L::PLD, SLD = L::SLD, NTR = L::NTR;
     constexpr int NST = L::NST, RB = L::RB;
@@ -107,36 +107,39 @@ __global__ void __launch_bounds__(TCD_NT, 1)
     /* this split's rows: the token's own context in n_split shares of whole tiles */
     const int per = ((n + n_split - 1) / n_split + BK - 1) / BK * BK;
     const int j0 = min(n, s * per), j1 = min(n, j0 + per), ntile = (j1 - j0 + BK - 1) / BK;
+    /* tile it's rows into ring slot it % NST. bulk (sm_90): a bulk copy a row issued by a lane
+     * of warp 0 (the page looked up once a row), their bytes counted by the slot's barrier; rows
+     * past j1 copy row j1 - 1 again (finite values; their scores are masked and their P is 0).
+     * Otherwise cp.async, a warp a row and its lanes along it in 16-byte pieces (zeros past
+     * j1), one commit group whether or not there is such a tile, so that the group count says
+     * which tiles have landed. Under Nsight Compute the pieces made the kernel issue 178 warp
+     * instructions a row (session 33); a bulk copy is one. */
 #if DS_CUDA_BULK
-    /* tile it's rows into ring slot it % NST, a bulk copy a row issued by a lane of warp 0 (the
-     * page looked up once a row), their bytes counted by the slot's barrier; rows past j1 copy
-     * row j1 - 1 again (finite values; their scores are masked and their P is 0). 178 warp
-     * instructions a row under Nsight Compute with cp.async's 16-byte pieces (session 33): the
-     * staging's share of them is now a few. */
     uint64_t *bar = (uint64_t *)(tsh + L::BAR_AT); /* [NST] */
-    if (tid == 0) {
+    if (bulk && tid == 0) {
         for (int i = 0; i < NST; i++) mbar_init(&bar[i], 1);
         mbar_init_fence();
     }
     __syncthreads();
-    auto stage = [&](int it) {
-        if (it >= ntile || warp) return;
-        const int a = j0 + it * BK, st = it % NST;
-        if (lane == 0) mbar_expect_tx(&bar[st], (unsigned)(BK * RB));
-        __syncwarp();
-        for (int j = lane; j < BK; j += 32) {
-            const int p = min(a + j, j1 - 1);
-            bulk_g2s(ring + (size_t)st * L::SB + j * DLD,
-                     (const uint8_t *)pool + ((size_t)__ldg(table + p / bs) * bs + p % bs) * RB, RB,
-                     &bar[st]);
-        }
-    };
-    auto landed = [&](int it) { mbar_wait(&bar[it % NST], (unsigned)(it / NST) & 1u); };
 #else
-    /* (before sm_90) tile it's rows (zeros past j1) into ring slot it % NST by cp.async, one
-     * commit group whether or not there is such a tile, so that the group count says which
-     * tiles have landed: a warp a row, its lanes along it */
+    bulk = 0;
+#endif
     auto stage = [&](int it) {
+#if DS_CUDA_BULK
+        if (bulk) {
+            if (it >= ntile || warp) return;
+            const int a = j0 + it * BK, st = it % NST;
+            if (lane == 0) mbar_expect_tx(&bar[st], (unsigned)(BK * RB));
+            __syncwarp();
+            for (int j = lane; j < BK; j += 32) {
+                const int p = min(a + j, j1 - 1);
+                bulk_g2s(ring + (size_t)st * L::SB + j * DLD,
+                         (const uint8_t *)pool + ((size_t)__ldg(table + p / bs) * bs + p % bs) * RB,
+                         RB, &bar[st]);
+            }
+            return;
+        }
+#endif
         if (it < ntile) {
             const int a = j0 + it * BK;
             uint8_t *dst = ring + (size_t)(it % NST) * L::SB;
@@ -150,9 +153,16 @@ __global__ void __launch_bounds__(TCD_NT, 1)
         }
         cp_async_commit();
     };
-    /* NST - 1 + it groups committed, tile it's the (it + 1)-th */
-    auto landed = [&](int) { asm volatile("cp.async.wait_group %0;\n" ::"n"(NST - 2) : "memory"); };
+    auto landed = [&](int it) {
+#if DS_CUDA_BULK
+        if (bulk) {
+            mbar_wait(&bar[it % NST], (unsigned)(it / NST) & 1u);
+            return;
+        }
 #endif
+        /* NST - 1 + it groups committed, tile it's the (it + 1)-th */
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(NST - 2) : "memory");
+    };
 #pragma unroll
     for (int i = 0; i < NST - 1; i++) stage(i); /* on their way while the queries load */
     uint32_t qf[MT][L::KSW][4]; /* every head, the warp's channels, as A fragments */
@@ -293,9 +303,7 @@ __global__ void __launch_bounds__(TCD_NT, 1)
             }
         }
     }
-#if !DS_CUDA_BULK
-    cp_async_wait_all(); /* (the groups past the last tile are empty) */
-#endif
+    cp_async_wait_all(); /* (cp.async: the groups past the last tile are empty) */
     /* C: heads g (elements 0, 1) and g + 8 (2, 3), columns 2 l4 (+1); an empty split leaves
      * zeros and l = 0, which the merge skips */
 #pragma unroll
@@ -320,7 +328,7 @@ extern "C" void ds_cu_set_mla_decode_tc(ds_cu *c, int min_rows) {
 }
 
 typedef void (*tcd_fn)(float *, float *, const float *, const float *, int, const void *,
-                       const int32_t *, const int32_t *, const int32_t *, int, float, int);
+                       const int32_t *, const int32_t *, const int32_t *, int, float, int, int);
 
 /* the kernel and its shared memory for Ha heads (16 or 32), rows of dtype KV, BK-row tiles */
 template <int KV, int BK> static void tcd_pick(int mt, tcd_fn *k, size_t *smem) {
@@ -330,6 +338,10 @@ template <int KV, int BK> static void tcd_pick(int mt, tcd_fn *k, size_t *smem) 
 
 extern "C" void ds_cu_set_mla_decode_tc_tile(ds_cu *c, int rows) {
     c->mla_decode_tc_tile = rows;
+}
+
+extern "C" void ds_cu_set_mla_decode_tc_bulk(ds_cu *c, int on) {
+    c->mla_decode_tc_bulk = on;
 }
 
 int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int ldqr, int T,
@@ -376,7 +388,8 @@ int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int
         *set = smem;
     }
     launch_k(c, kernel, dim3((unsigned)T, (unsigned)n_split), TCD_NT, smem, part_o, part_ml, qbar,
-             qr, ldqr, pool, tables, tok_bt, tok_pos, block_size, scale, n_split);
+             qr, ldqr, pool, tables, tok_bt, tok_pos, block_size, scale, n_split,
+             c->mla_decode_tc_bulk);
     CU_TRY(cudaGetLastError(), "mla (tensor cores)");
     mla_merge(c, obar, part_o, part_ml, rows, R, n_split);
     CU_TRY(cudaGetLastError(), "mla merge");
