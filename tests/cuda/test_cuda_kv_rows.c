@@ -57,7 +57,7 @@ static void check_store_gather(ds_cu *c, int dt, int n, int R, int dr) {
     fetch(c, got, dpool, (size_t)n_pool * rb);
     size_t bad = 0;
     for (size_t b = 0; b < (size_t)n_pool * rb; b++) bad += got[b] != ref[b];
-    char what[96];
+    char what[160];
     snprintf(what, sizeof what, "kv %s store R=%d dr=%d: bytes differing", dt_name(dt), R, dr);
     report(what, (double)bad, 0);
     /* gather every written row back */
@@ -197,7 +197,7 @@ static void check_q_batch(ds_cu *c, int dt, const int *lens, const int *pos0, in
                  scale, all_heads);
     run_absorbed(c, got32, dpool32, 0, (size_t)row * 4, T, Ha, R, dr, dq, dqr, dtables, dbt, dpos,
                  max_ctx, BS, scale, all_heads);
-    char what[96];
+    char what[160];
     const char *form = all_heads == 4   ? (g_bulk ? " (tensor cores, 64-row tiles, bulk)"
                                                   : " (tensor cores, 64-row tiles)")
                        : all_heads == 3 ? (g_bulk ? " (tensor cores, bulk)" : " (tensor cores)")
