@@ -115,9 +115,6 @@ static double top_gap(int dt, const float *qbar, const float *qr, const uint8_t 
     return gap;
 }
 
-/* tensor cores: rows staged by bulk copies (ds_cu_set_mla_decode_tc_bulk) */
-static int g_bulk;
-
 /* The absorbed kernel over the pool dpool (rows of dtype dt, rb bytes) into got [T][Ha][R]. */
 static void run_absorbed(ds_cu *c, float *got, const void *dpool, int dt, size_t rb, int T, int Ha,
                          int R, int dr, const float *dq, const float *dqr, const int32_t *dtables,
@@ -129,14 +126,12 @@ static void run_absorbed(ds_cu *c, float *got, const void *dpool, int dt, size_t
     ds_cu_set_mla_all_heads(c, all_heads >= 3 ? 0 : all_heads);
     ds_cu_set_mla_decode_tc(c, all_heads >= 3);
     ds_cu_set_mla_decode_tc_tile(c, all_heads == 4 ? 64 : 32);
-    ds_cu_set_mla_decode_tc_bulk(c, g_bulk);
     if (ds_cu_mla_attend_absorbed_batch(c, dout, dq, dqr, dr, T, Ha, R, dr, dpool, dt, dtables, dbt,
                                         dpos, max_ctx, bs, rb, scale, &err))
         DIE("%s", err.msg);
     ds_cu_set_mla_all_heads(c, 0);
     ds_cu_set_mla_decode_tc(c, 0);
     ds_cu_set_mla_decode_tc_tile(c, 32);
-    ds_cu_set_mla_decode_tc_bulk(c, 0);
     fetch(c, got, dout, (size_t)T * Ha * R * 4);
     ds_cu_dealloc(dout);
 }
@@ -198,9 +193,8 @@ static void check_q_batch(ds_cu *c, int dt, const int *lens, const int *pos0, in
     run_absorbed(c, got32, dpool32, 0, (size_t)row * 4, T, Ha, R, dr, dq, dqr, dtables, dbt, dpos,
                  max_ctx, BS, scale, all_heads);
     char what[160];
-    const char *form = all_heads == 4   ? (g_bulk ? " (tensor cores, 64-row tiles, bulk)"
-                                                  : " (tensor cores, 64-row tiles)")
-                       : all_heads == 3 ? (g_bulk ? " (tensor cores, bulk)" : " (tensor cores)")
+    const char *form = all_heads == 4   ? " (tensor cores, 64-row tiles)"
+                       : all_heads == 3 ? " (tensor cores)"
                        : all_heads      ? " (all heads)"
                                         : "";
     snprintf(what, sizeof what, "mla absorbed %s kv %d seqs Ha=%d R=%d q*%g%s", dt_name(dt), n_seq,
@@ -251,15 +245,5 @@ void checks_kv_rows(ds_cu *c) {
         static const int llen[] = {1}, lpos[] = {40000};
         check_q_batch(c, dt, llen, lpos, 1, 32, 512, 64, 3, 1e-4f);
         check_q_batch(c, dt, llen, lpos, 1, 32, 512, 64, 4, 1e-4f);
-        /* the same tensor-core cases with the rows staged by bulk copies */
-        g_bulk = 1;
-        for (int a = 0; a < 2; a++)
-            for (int tile = 3; tile <= 4; tile++) {
-                check_q_batch(c, dt, lens, pos, 4, 32, 512, 64, tile, amp[a]);
-                check_q_batch(c, dt, lens, pos, 4, 16, 512, 64, tile, amp[a]);
-            }
-        check_q_batch(c, dt, llen, lpos, 1, 32, 512, 64, 3, 1e-4f);
-        check_q_batch(c, dt, llen, lpos, 1, 32, 512, 64, 4, 1e-4f);
-        g_bulk = 0;
     }
 }

@@ -78,20 +78,17 @@ static void check_mla_batch(ds_cu *c, const int *lens, const int *pos0, int n_se
     ds_err err = {{0}};
     ds_cu_set_mla_all_heads(c, all_heads >= 3 ? 0 : all_heads);
     ds_cu_set_mla_decode_tc(c, all_heads >= 3);
-    ds_cu_set_mla_decode_tc_bulk(c, all_heads == 5);
     if (ds_cu_mla_attend_absorbed_batch(c, dout, dq, dqr, ldqr, T, Ha, R, dr, dpool, 0, dtables,
                                         dbt, dpos, max_ctx, BS, (size_t)rowf * 4, scale, &err))
         DIE("%s", err.msg);
     ds_cu_set_mla_all_heads(c, 0);
     ds_cu_set_mla_decode_tc(c, 0);
-    ds_cu_set_mla_decode_tc_bulk(c, 0);
     fetch(c, got, dout, (size_t)T * Ha * R * 4);
     char what[96];
     snprintf(what, sizeof what, "mla absorbed batch %d seqs Ha=%d R=%d%s", n_seq, Ha, R,
-             all_heads == 5   ? " (tensor cores, bulk)"
-             : all_heads == 3 ? " (tensor cores)"
-             : all_heads      ? " (all heads)"
-                              : "");
+             all_heads == 3 ? " (tensor cores)"
+             : all_heads    ? " (all heads)"
+                            : "");
     report(what, rel_err(got, ref, 1, (size_t)T * Ha * R, (size_t)T * Ha * R),
            all_heads >= 3 ? 1e-2 : 1e-5);
     ds_cu_dealloc(dpool), ds_cu_dealloc(dtables), ds_cu_dealloc(dbt), ds_cu_dealloc(dpos);
@@ -264,10 +261,6 @@ void checks_mla_batch(ds_cu *c) {
     check_mla_batch(c, mlens, mpos, 4, 16, 512, 64, 3);
     int llen[1] = {1}, lpos[1] = {20000};
     check_mla_batch(c, llen, lpos, 1, 32, 512, 64, 3);
-    /* and with the rows staged by bulk copies (sm_90) */
-    check_mla_batch(c, dlens, dpos, 3, 32, 512, 64, 5);
-    check_mla_batch(c, mlens, mpos, 4, 16, 512, 64, 5);
-    check_mla_batch(c, llen, lpos, 1, 32, 512, 64, 5);
 }
 
 /* expanded MLA over a prompt: cuBLAS against the fused kernel */
@@ -357,28 +350,23 @@ static void bench_mla_long(ds_cu *c, double copy_gbs) {
             free(q);
             bc.obar = dev(c, NULL, (size_t)32 * 512 * 4);
             /* tc 0: the f32 all-heads kernel; 1: tensor cores; 2: with 64-row tiles (quantized
-             * rows); 3, 4: 1 and 2 with the rows staged by bulk copies */
-            for (int tc = only ? 1 : 0; tc < 5; tc++) {
-                if (kvd == DS_KV_F32 && (tc == 2 || tc == 4)) continue;
+             * rows) */
+            for (int tc = only ? 1 : 0; tc < (kvd == DS_KV_F32 ? 2 : 3); tc++) {
                 ds_cu_set_mla_all_heads(c, tc ? 0 : 2);
                 ds_cu_set_mla_decode_tc(c, tc > 0);
-                ds_cu_set_mla_decode_tc_tile(c, tc == 2 || tc == 4 ? 64 : 32);
-                ds_cu_set_mla_decode_tc_bulk(c, tc >= 3);
+                ds_cu_set_mla_decode_tc_tile(c, tc == 2 ? 64 : 32);
                 const double ms = median_ms(c, run_mla_batch, &bc, 2, 10);
                 printf("bench mla absorbed decode 1 x %d rows, Ha=32, %s rows (%s): %.4f ms, "
                        "%.0f GB/s of cache (%.0f%% of copy)\n",
                        bc.n_ctx, dtn,
-                       tc == 4   ? "tensor cores, 64-row tiles, bulk"
-                       : tc == 3 ? "tensor cores, bulk"
-                       : tc == 2 ? "tensor cores, 64-row tiles"
-                       : tc      ? "tensor cores"
-                                 : "all heads, f32",
+                       tc == 2 ? "tensor cores, 64-row tiles"
+                       : tc    ? "tensor cores"
+                               : "all heads, f32",
                        ms, bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
             }
             ds_cu_set_mla_all_heads(c, 0);
             ds_cu_set_mla_decode_tc(c, 0);
             ds_cu_set_mla_decode_tc_tile(c, 32);
-            ds_cu_set_mla_decode_tc_bulk(c, 0);
             ds_cu_dealloc(bc.pool), ds_cu_dealloc(bc.tables), ds_cu_dealloc(bc.tok_bt);
             ds_cu_dealloc(bc.tok_pos), ds_cu_dealloc(bc.qbar), ds_cu_dealloc(bc.qr);
             ds_cu_dealloc(bc.obar);

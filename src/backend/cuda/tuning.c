@@ -82,11 +82,9 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
      * (bench/RESULTS.md session 32; the crossover below that is not measured); 0: the f32
      * kernels always */
     t->mla_decode_tc = env_count("DS_CUDA_MLA_DECODE_TC", 8192);
-    /* its tile for FP8 and BF16 rows (32 or 64 rows) */
-    t->mla_decode_tc_tile = env_count("DS_CUDA_MLA_DECODE_TC_TILE", 32);
-    /* its rows by bulk copies: not yet the default (written in session 33, not yet run on a
-     * GPU: docs/tuning.md) */
-    t->mla_decode_tc_bulk = env_flag("DS_CUDA_MLA_DECODE_TC_BULK", 0);
+    /* its tile for FP8 and BF16 rows (32 or 64 rows): 64 was 6-9% faster at a million BF16
+     * rows and ~6% at FP8 ones in two H100 calls (bench/RESULTS.md session 33) */
+    t->mla_decode_tc_tile = env_count("DS_CUDA_MLA_DECODE_TC_TILE", 64);
     const char *pdl = getenv("DS_CUDA_PDL"); /* (on unless exactly "0", as the kernels read it) */
     t->pdl = !(pdl && !strcmp(pdl, "0"));
     t->profile = env_flag("DS_CUDA_PROFILE", 0);
@@ -120,7 +118,6 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_mla_all_heads(c, t->mla_all_heads);
     ds_cu_set_mla_decode_tc(c, t->mla_decode_tc);
     ds_cu_set_mla_decode_tc_tile(c, t->mla_decode_tc_tile);
-    ds_cu_set_mla_decode_tc_bulk(c, t->mla_decode_tc_bulk);
     ds_cu_set_pdl(c, t->pdl);
     ds_cu_prof_enable(c, t->profile);
     if (t->skip) {

@@ -73,7 +73,6 @@ typedef struct ds_cuda_tuning {
     int side, mla_all_heads;
     int mla_decode_tc; /* context rows from which absorbed MLA runs on tensor cores (0: never) */
     int mla_decode_tc_tile; /* its tile for FP8 and BF16 rows (32 or 64) */
-    int mla_decode_tc_bulk; /* its rows by sm_90 bulk copies */
     int pdl;
     int profile;
     const char *skip; /* DS_CUDA_SKIP's labels, or NULL when unset or empty */

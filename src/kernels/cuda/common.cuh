@@ -47,7 +47,6 @@ struct ds_cu {
     int mla_ctx_block;   /* context rows a chunk's expanded attention takes at a time (0: all) */
     int mla_decode_tc;   /* absorbed MLA on tensor cores from this many context rows (0: never) */
     int mla_decode_tc_tile; /* its tile for FP8 and BF16 rows: 64 rows, else 32 */
-    int mla_decode_tc_bulk; /* its rows staged by bulk copies (sm_90), else cp.async pieces */
     int kda_tc;        /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
     int kda_prep_f32;  /* ...and its first pass on CUDA cores even so (ds_cu_set_kda_prep_tc) */
     int early_experts; /* the experts' down pass reads its routing early (ds_cu_set_...) */
@@ -304,47 +303,6 @@ static __device__ __forceinline__ void cp_async_commit() {
 static __device__ __forceinline__ void cp_async_wait_all() {
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
-
-/* sm_90's bulk copies (TMA without a tensor map) and the mbarriers that count their bytes: one
- * instruction moves a whole 16-byte-aligned row, where cp.async takes one a 16-byte piece (with
- * its address arithmetic). mbar_wait returns once the barrier's phase of that parity is done. */
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define DS_CUDA_BULK 1
-static __device__ __forceinline__ void mbar_init(uint64_t *bar, unsigned count) {
-    asm volatile(
-        "mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"((unsigned)__cvta_generic_to_shared(bar)),
-        "r"(count));
-}
-/* (before the first use by a bulk copy: the init made visible to the async proxy) */
-static __device__ __forceinline__ void mbar_init_fence() {
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-static __device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
-                     (unsigned)__cvta_generic_to_shared(bar)),
-                 "r"(bytes)
-                 : "memory");
-}
-static __device__ __forceinline__ void bulk_g2s(void *smem, const void *gmem, unsigned bytes,
-                                                uint64_t *bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
-                 "%2, [%3];\n" ::"r"((unsigned)__cvta_generic_to_shared(smem)),
-                 "l"(gmem), "r"(bytes), "r"((unsigned)__cvta_generic_to_shared(bar))
-                 : "memory");
-}
-static __device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
-    const unsigned b = (unsigned)__cvta_generic_to_shared(bar);
-    unsigned done = 0;
-    while (!done)
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     " selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(b), "r"(parity)
-                     : "memory");
-}
-#else
-#define DS_CUDA_BULK 0
-#endif
 
 static __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                                  uint32_t b1) {

@@ -333,9 +333,6 @@ void ds_cu_set_mla_decode_tc(ds_cu *c, int min_rows);
 /* Its tile for FP8 and BF16 rows: 64 rows (a two-stage ring), else 32 (the engine's value:
  * DS_CUDA_MLA_DECODE_TC_TILE, tuning.c). */
 void ds_cu_set_mla_decode_tc_tile(ds_cu *c, int rows);
-/* Its rows staged by sm_90 bulk copies (on), or by cp.async's 16-byte pieces (the engine's value:
- * DS_CUDA_MLA_DECODE_TC_BULK, tuning.c; a GPU before sm_90 always takes the pieces). */
-void ds_cu_set_mla_decode_tc_bulk(ds_cu *c, int on);
 
 /* ---- glue for the model forward (src/backend/cuda/step.c, layers.c) ---- */
 /* Batch-invariant matmuls (see ds_model_opts.batch_invariant): on, every ds_cu_matmul streams the

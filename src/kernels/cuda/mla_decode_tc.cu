@@ -59,10 +59,9 @@ template <int MT, int KV, int BK> struct tcd_shape {
     static constexpr int NST = BK == 64 ? 2 : KV == DS_KV_F32 ? 2 : KV == DS_KV_FP8 ? 6 : 5;
     /* stages, C [BK][CLD] bf16 (converting forms), partial scores [CG][HA][SLD] f32, P [HA][PLD]
      * bf16, m, l, alpha [HA] f32 */
-    static constexpr size_t BAR_AT = (size_t)NST * SB + (CONV ? (size_t)BK * CLD * 2 : 0) +
-                                     (size_t)CG * HA * SLD * 4 + (size_t)HA * PLD * 2 +
-                                     (size_t)3 * HA * 4;     /* (a multiple of 8) */
-    static constexpr size_t SMEM = BAR_AT + (size_t)NST * 8; /* and a barrier a stage */
+    static constexpr size_t SMEM = (size_t)NST * SB + (CONV ? (size_t)BK * CLD * 2 : 0) +
+                                   (size_t)CG * HA * SLD * 4 + (size_t)HA * PLD * 2 +
+                                   (size_t)3 * HA * 4;
     static_assert(SMEM <= 227 * 1024, "shared memory");
 };
 
@@ -87,7 +86,7 @@ template <int MT, int KV, int BK>
 __global__ void __launch_bounds__(TCD_NT, 1)
     mla_tcd_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int ldqr,
               const void *pool, const int32_t *tables, const int32_t *tok_bt,
-              const int32_t *tok_pos, int bs, float scale, int n_split, int bulk) {
+              const int32_t *tok_pos, int bs, float scale, int n_split) {
     typedef tcd_shape<MT, KV, BK> L;
     constexpr int HA = L::HA, CLD = L::CLD, PLD = L::PLD, SLD = L::SLD, NTR = L::NTR;
     constexpr int NST = L::NST, RB = L::RB;
@@ -107,39 +106,11 @@ __global__ void __launch_bounds__(TCD_NT, 1)
     /* this split's rows: the token's own context in n_split shares of whole tiles */
     const int per = ((n + n_split - 1) / n_split + BK - 1) / BK * BK;
     const int j0 = min(n, s * per), j1 = min(n, j0 + per), ntile = (j1 - j0 + BK - 1) / BK;
-    /* tile it's rows into ring slot it % NST. bulk (sm_90): a bulk copy a row issued by a lane
-     * of warp 0 (the page looked up once a row), their bytes counted by the slot's barrier; rows
-     * past j1 copy row j1 - 1 again (finite values; their scores are masked and their P is 0).
-     * Otherwise cp.async, a warp a row and its lanes along it in 16-byte pieces (zeros past
-     * j1), one commit group whether or not there is such a tile, so that the group count says
-     * which tiles have landed. Under Nsight Compute the pieces made the kernel issue 178 warp
-     * instructions a row (session 33); a bulk copy is one. */
-#if DS_CUDA_BULK
-    uint64_t *bar = (uint64_t *)(tsh + L::BAR_AT); /* [NST] */
-    if (bulk && tid == 0) {
-        for (int i = 0; i < NST; i++) mbar_init(&bar[i], 1);
-        mbar_init_fence();
-    }
-    __syncthreads();
-#else
-    (void)bulk; /* (the pieces below) */
-#endif
+    /* tile it's rows (zeros past j1) into ring slot it % NST by cp.async, a warp a row and its
+     * lanes along it (the page looked up once a row), one commit group whether or not there is
+     * such a tile, so that the group count says which tiles have landed. (sm_90's bulk copies,
+     * one instruction a row, were tried in session 33: no faster, bench/RESULTS.md.) */
     auto stage = [&](int it) {
-#if DS_CUDA_BULK
-        if (bulk) {
-            if (it >= ntile || warp) return;
-            const int a = j0 + it * BK, st = it % NST;
-            if (lane == 0) mbar_expect_tx(&bar[st], (unsigned)(BK * RB));
-            __syncwarp();
-            for (int j = lane; j < BK; j += 32) {
-                const int p = min(a + j, j1 - 1);
-                bulk_g2s(ring + (size_t)st * L::SB + j * DLD,
-                         (const uint8_t *)pool + ((size_t)__ldg(table + p / bs) * bs + p % bs) * RB,
-                         RB, &bar[st]);
-            }
-            return;
-        }
-#endif
         if (it < ntile) {
             const int a = j0 + it * BK;
             uint8_t *dst = ring + (size_t)(it % NST) * L::SB;
@@ -152,16 +123,6 @@ __global__ void __launch_bounds__(TCD_NT, 1)
             }
         }
         cp_async_commit();
-    };
-    auto landed = [&](int it) {
-#if DS_CUDA_BULK
-        if (bulk) {
-            mbar_wait(&bar[it % NST], (unsigned)(it / NST) & 1u);
-            return;
-        }
-#endif
-        /* NST - 1 + it groups committed, tile it's the (it + 1)-th */
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(NST - 2) : "memory");
     };
 #pragma unroll
     for (int i = 0; i < NST - 1; i++) stage(i); /* on their way while the queries load */
@@ -185,7 +146,8 @@ __global__ void __launch_bounds__(TCD_NT, 1)
             oacc[mt][i][0] = oacc[mt][i][1] = oacc[mt][i][2] = oacc[mt][i][3] = 0.0f;
     for (int it = 0; it < ntile; it++) {
         const int a = j0 + it * BK;
-        landed(it);
+        /* NST - 1 + it groups committed, tile it's the (it + 1)-th */
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(NST - 2) : "memory");
         __syncthreads(); /* tile it has landed; tile it - 1's products are done with its slot */
         stage(it + NST - 1);
         const uint8_t *rs = ring + (size_t)(it % NST) * L::SB;
@@ -303,7 +265,7 @@ __global__ void __launch_bounds__(TCD_NT, 1)
             }
         }
     }
-    cp_async_wait_all(); /* (cp.async: the groups past the last tile are empty) */
+    cp_async_wait_all(); /* (the groups past the last tile are empty) */
     /* C: heads g (elements 0, 1) and g + 8 (2, 3), columns 2 l4 (+1); an empty split leaves
      * zeros and l = 0, which the merge skips */
 #pragma unroll
@@ -328,7 +290,7 @@ extern "C" void ds_cu_set_mla_decode_tc(ds_cu *c, int min_rows) {
 }
 
 typedef void (*tcd_fn)(float *, float *, const float *, const float *, int, const void *,
-                       const int32_t *, const int32_t *, const int32_t *, int, float, int, int);
+                       const int32_t *, const int32_t *, const int32_t *, int, float, int);
 
 /* the kernel and its shared memory for Ha heads (16 or 32), rows of dtype KV, BK-row tiles */
 template <int KV, int BK> static void tcd_pick(int mt, tcd_fn *k, size_t *smem) {
@@ -338,10 +300,6 @@ template <int KV, int BK> static void tcd_pick(int mt, tcd_fn *k, size_t *smem) 
 
 extern "C" void ds_cu_set_mla_decode_tc_tile(ds_cu *c, int rows) {
     c->mla_decode_tc_tile = rows;
-}
-
-extern "C" void ds_cu_set_mla_decode_tc_bulk(ds_cu *c, int on) {
-    c->mla_decode_tc_bulk = on;
 }
 
 int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int ldqr, int T,
@@ -388,8 +346,7 @@ int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int
         *set = smem;
     }
     launch_k(c, kernel, dim3((unsigned)T, (unsigned)n_split), TCD_NT, smem, part_o, part_ml, qbar,
-             qr, ldqr, pool, tables, tok_bt, tok_pos, block_size, scale, n_split,
-             c->mla_decode_tc_bulk);
+             qr, ldqr, pool, tables, tok_bt, tok_pos, block_size, scale, n_split);
     CU_TRY(cudaGetLastError(), "mla (tensor cores)");
     mla_merge(c, obar, part_o, part_ml, rows, R, n_split);
     CU_TRY(cudaGetLastError(), "mla merge");
