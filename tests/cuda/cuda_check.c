@@ -94,6 +94,24 @@ size_t words_differ(const float *a, const float *b, size_t n) {
     return bad;
 }
 
+int mla_batch_layout(const int *lens, const int *pos0, int n_seq, int bs, int *bt_off, int *tok_bt,
+                     int *tok_pos, int *T, int *max_ctx, int32_t **tables) {
+    int pages = 0;
+    *T = *max_ctx = 0;
+    for (int z = 0; z < n_seq; z++) {
+        const int ctx = pos0[z] + lens[z];
+        bt_off[z] = pages;
+        pages += (ctx + bs - 1) / bs;
+        *max_ctx = DS_MAX(*max_ctx, ctx);
+        for (int t = 0; t < lens[z]; t++) tok_bt[*T + t] = bt_off[z], tok_pos[*T + t] = pos0[z] + t;
+        *T += lens[z];
+    }
+    *tables = malloc((size_t)pages * 4);
+    if (!*tables) DIE("out of memory");
+    for (int i = 0; i < pages; i++) (*tables)[i] = (int32_t)((i * 7 + 3) % pages);
+    return pages;
+}
+
 static int cmp_d(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;

@@ -41,6 +41,12 @@ void report_seq_rows(const char *what, const float *got, const float *ref, const
                      const int *lens, const int *keep, int n_seq, size_t row, double tol);
 /* Bits that differ between two device results of n floats (words compared, NaN bytes too). */
 size_t words_differ(const float *a, const float *b, size_t n);
+/* Sequences z < n_seq of lens[z] tokens from position pos0[z] laid out for the batched absorbed
+ * MLA: z's block table starts at page bt_off[z] (pages of bs rows), token t's table and position
+ * are tok_bt[t], tok_pos[t]; *T the tokens, *max_ctx the longest context; returns the pages, and
+ * in *tables (malloc'd, [pages]) a scrambled permutation of them. */
+int mla_batch_layout(const int *lens, const int *pos0, int n_seq, int bs, int *bt_off, int *tok_bt,
+                     int *tok_pos, int *T, int *max_ctx, int32_t **tables);
 
 typedef void (*run_fn)(ds_cu *c, void *ctx);
 /* Median milliseconds of `reps` runs after `warm` warm-ups, each timed with events. */

@@ -154,17 +154,10 @@ static void check_q_batch(ds_cu *c, int dt, const int *lens, const int *pos0, in
     enum { BS = 16 };
     const int row = R + dr;
     const size_t rb = ds_kv_row_bytes(dt, R, dr);
-    int T = 0, max_ctx = 0, pages = 0, bt_off[64], tok_bt[512], tok_pos[512];
-    for (int z = 0; z < n_seq; z++) {
-        int ctx = pos0[z] + lens[z];
-        bt_off[z] = pages;
-        pages += (ctx + BS - 1) / BS;
-        max_ctx = DS_MAX(max_ctx, ctx);
-        for (int t = 0; t < lens[z]; t++) tok_bt[T + t] = bt_off[z], tok_pos[T + t] = pos0[z] + t;
-        T += lens[z];
-    }
-    int32_t *tables = malloc((size_t)pages * 4);
-    for (int i = 0; i < pages; i++) tables[i] = (int32_t)((i * 7 + 3) % pages);
+    int T, max_ctx, bt_off[64], tok_bt[512], tok_pos[512];
+    int32_t *tables;
+    const int pages =
+        mla_batch_layout(lens, pos0, n_seq, BS, bt_off, tok_bt, tok_pos, &T, &max_ctx, &tables);
     float *x = kv_rows(pages * BS, R, dr);
     uint8_t *pool = malloc((size_t)pages * BS * rb);
     for (int i = 0; i < pages * BS; i++)

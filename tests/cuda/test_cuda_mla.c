@@ -42,17 +42,10 @@ static void check_mla(ds_cu *c, int T, int Ha, int R, int dr, int pos0, int n_ct
 static void check_mla_batch(ds_cu *c, const int *lens, const int *pos0, int n_seq, int Ha, int R,
                             int dr, int all_heads) {
     enum { BS = 16 };
-    int rowf = R + dr, T = 0, max_ctx = 0, pages = 0, bt_off[256], tok_bt[512], tok_pos[512];
-    for (int z = 0; z < n_seq; z++) {
-        int ctx = pos0[z] + lens[z];
-        bt_off[z] = pages;
-        pages += (ctx + BS - 1) / BS;
-        max_ctx = DS_MAX(max_ctx, ctx);
-        for (int t = 0; t < lens[z]; t++) tok_bt[T + t] = bt_off[z], tok_pos[T + t] = pos0[z] + t;
-        T += lens[z];
-    }
-    int32_t *tables = malloc((size_t)pages * 4); /* a scrambled permutation of the pool's pages */
-    for (int i = 0; i < pages; i++) tables[i] = (int32_t)((i * 7 + 3) % pages);
+    int rowf = R + dr, T, max_ctx, bt_off[256], tok_bt[512], tok_pos[512];
+    int32_t *tables; /* a scrambled permutation of the pool's pages */
+    const int pages =
+        mla_batch_layout(lens, pos0, n_seq, BS, bt_off, tok_bt, tok_pos, &T, &max_ctx, &tables);
     float *pool = rand_f32((size_t)pages * BS * rowf, -1, 1);
     float *qbar = rand_f32((size_t)T * Ha * R, -0.2f, 0.2f),
           *qr = rand_f32((size_t)T * Ha * dr, -1, 1);
