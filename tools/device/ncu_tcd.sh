@@ -3,7 +3,8 @@
 # (mla_decode_tc.cu) for one token over a long context — Speed of Light, occupancy, warp states
 # (the dominant stall) and memory — the rows' dtype and length from TCD (default "bf16 1048576",
 # test_cuda_mla.c's DS_BENCH_MLA_LONG); SKIP launches skipped first (12 a form: 3 the 32-row tiles,
-# 15 the 64-row tiles of FP8 and BF16 rows). Output: $OUT/ncu_tcd$SKIP.txt, its key lines printed.
+# 15 the 64-row tiles of FP8 and BF16 rows, 27 BF16's with 16 warps). Output: $OUT/ncu_tcd$SKIP.txt,
+# its key lines printed.
 . "$(dirname "$0")/env.sh"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 [ -n "$NCU" ] || { echo "ncu not found"; exit 1; }

@@ -85,6 +85,9 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     /* its tile for FP8 and BF16 rows (32 or 64 rows): 64 was 6-9% faster at a million BF16
      * rows and ~6% at FP8 ones in two H100 calls (bench/RESULTS.md session 33) */
     t->mla_decode_tc_tile = env_count("DS_CUDA_MLA_DECODE_TC_TILE", 64);
+    /* its warps a block for BF16 rows (8 or 16): 16 written in session 33 after the GPU calls,
+     * not yet run on a GPU (docs/tuning.md), so 8 */
+    t->mla_decode_tc_warps = env_count("DS_CUDA_MLA_DECODE_TC_WARPS", 8);
     const char *pdl = getenv("DS_CUDA_PDL"); /* (on unless exactly "0", as the kernels read it) */
     t->pdl = !(pdl && !strcmp(pdl, "0"));
     t->profile = env_flag("DS_CUDA_PROFILE", 0);
@@ -118,6 +121,7 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_mla_all_heads(c, t->mla_all_heads);
     ds_cu_set_mla_decode_tc(c, t->mla_decode_tc);
     ds_cu_set_mla_decode_tc_tile(c, t->mla_decode_tc_tile);
+    ds_cu_set_mla_decode_tc_warps(c, t->mla_decode_tc_warps);
     ds_cu_set_pdl(c, t->pdl);
     ds_cu_prof_enable(c, t->profile);
     if (t->skip) {

@@ -333,6 +333,9 @@ void ds_cu_set_mla_decode_tc(ds_cu *c, int min_rows);
 /* Its tile for FP8 and BF16 rows: 64 rows (a two-stage ring), else 32 (the engine's value:
  * DS_CUDA_MLA_DECODE_TC_TILE, tuning.c). */
 void ds_cu_set_mla_decode_tc_tile(ds_cu *c, int rows);
+/* Its warps a block for BF16 rows in 64-row tiles: 16 (the query in shared memory, half the
+ * registers a thread), else 8 (the engine's value: DS_CUDA_MLA_DECODE_TC_WARPS, tuning.c). */
+void ds_cu_set_mla_decode_tc_warps(ds_cu *c, int warps);
 
 /* ---- glue for the model forward (src/backend/cuda/step.c, layers.c) ---- */
 /* Batch-invariant matmuls (see ds_model_opts.batch_invariant): on, every ds_cu_matmul streams the

@@ -27,7 +27,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/mla.cuh"
 
-enum { TCD_NT = 256, TCD_R = 512, TCD_DR = 64 };
+enum { TCD_R = 512, TCD_DR = 64 };
 
 /* A stored row's bytes (kv_row.h's forms at R 512, dr 64: f32 2,304, FP8 656, BF16 1,152). */
 template <int KV> __host__ __device__ constexpr int tcd_row_bytes() {
@@ -39,14 +39,20 @@ template <int KV> __host__ __device__ constexpr int tcd_row_bytes() {
 }
 
 /* MT: 16-head M tiles (Ha = 16 MT); KV: the rows' dtype; BK: rows a tile (32, or 64 for the
- * quantized forms: fewer barriers and softmax passes a row, a shallower ring) */
-template <int MT, int KV, int BK> struct tcd_shape {
-    static constexpr int HA = 16 * MT, RQ = TCD_R + TCD_DR, NKS = RQ / 16;
-    static constexpr int CG = 4, RH = 2;    /* score warps: channel groups x row halves */
-    static constexpr int KSW = NKS / CG;    /* k-steps a score warp takes */
-    static constexpr int NTR = BK / RH / 8; /* 8-row score tiles a warp holds */
-    static constexpr int NTW = TCD_R / 8 / (TCD_NT / 32); /* 8-column output tiles a warp holds */
-    static_assert(NKS % CG == 0 && CG * RH == TCD_NT / 32 && NTR % 2 == 0, "warp layout");
+ * quantized forms: fewer barriers and softmax passes a row, a shallower ring); NW: warps a block,
+ * 8 (the query's fragments in registers) or 16 (BF16 rows and 64-row tiles only: the query in
+ * shared memory and half the output columns a warp, so that a thread needs at most 128 registers
+ * and twice the warps hide each phase's latency; Nsight Compute found the 8-warp kernel waiting
+ * on its own dependency chains at 2 warps a scheduler, bench/RESULTS.md session 33) */
+template <int MT, int KV, int BK, int NW = 8> struct tcd_shape {
+    static constexpr int HA = 16 * MT, RQ = TCD_R + TCD_DR, NKS = RQ / 16, NT = 32 * NW;
+    static constexpr int CG = 4, RH = NW / CG; /* score warps: channel groups x row groups */
+    static constexpr int KSW = NKS / CG;       /* k-steps a score warp takes */
+    static constexpr int NTR = BK / RH / 8;    /* 8-row score tiles a warp holds */
+    static constexpr int NTW = TCD_R / 8 / NW; /* 8-column output tiles a warp holds */
+    static constexpr bool QREG = NW == 8;      /* the query's A fragments in registers */
+    static_assert(NKS % CG == 0 && NTR % 2 == 0 && NTW % 2 == 0 && (NW == 8 || NW == 16),
+                  "warp layout");
     /* row strides: C's and P's rows 4 banks apart (ldmatrix without conflicts), the partial
      * scores' 8 (a warp's pair stores in two wavefronts) */
     static constexpr int CLD = RQ + 8, PLD = BK + 8, SLD = BK + 8;
@@ -58,10 +64,10 @@ template <int MT, int KV, int BK> struct tcd_shape {
      * KB, BF16 5 x 37 KB; 64-row tiles: 2) */
     static constexpr int NST = BK == 64 ? 2 : KV == DS_KV_F32 ? 2 : KV == DS_KV_FP8 ? 6 : 5;
     /* stages, C [BK][CLD] bf16 (converting forms), partial scores [CG][HA][SLD] f32, P [HA][PLD]
-     * bf16, m, l, alpha [HA] f32 */
+     * bf16, m, l, alpha [HA] f32, the query [HA][CLD] bf16 (16 warps) */
     static constexpr size_t SMEM = (size_t)NST * SB + (CONV ? (size_t)BK * CLD * 2 : 0) +
                                    (size_t)CG * HA * SLD * 4 + (size_t)HA * PLD * 2 +
-                                   (size_t)3 * HA * 4;
+                                   (size_t)3 * HA * 4 + (QREG ? 0 : (size_t)HA * CLD * 2);
     static_assert(SMEM <= 227 * 1024, "shared memory");
 };
 
@@ -82,13 +88,13 @@ template <int KV> static __device__ __forceinline__ uint2 tcd_vals(const uint8_t
 }
 
 /* long: the five phases above share the block's stages and the output fragments in registers. */
-template <int MT, int KV, int BK>
-__global__ void __launch_bounds__(TCD_NT, 1)
+template <int MT, int KV, int BK, int NW>
+__global__ void __launch_bounds__(32 * NW, 1)
     mla_tcd_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int ldqr,
               const void *pool, const int32_t *tables, const int32_t *tok_bt,
               const int32_t *tok_pos, int bs, float scale, int n_split) {
-    typedef tcd_shape<MT, KV, BK> L;
-    constexpr int HA = L::HA, CLD = L::CLD, PLD = L::PLD, SLD = L::SLD, NTR = L::NTR;
+    typedef tcd_shape<MT, KV, BK, NW> L;
+    constexpr int HA = L::HA, CLD = L::CLD, PLD = L::PLD, SLD = L::SLD, NTR = L::NTR, NT = L::NT;
     constexpr int NST = L::NST, RB = L::RB;
     constexpr int DLD = L::CONV ? RB : CLD * 2; /* a staged row's stride, bytes */
     extern __shared__ __align__(16) uint8_t tsh[];
@@ -97,6 +103,7 @@ __global__ void __launch_bounds__(TCD_NT, 1)
     float *Sp = (float *)((uint8_t *)Cc + (L::CONV ? BK * CLD * 2 : 0)); /* [CG][HA][SLD] */
     uint16_t *Ps = (uint16_t *)(Sp + L::CG * HA * SLD);                  /* [HA][PLD] */
     float *m_sh = (float *)(Ps + HA * PLD), *l_sh = m_sh + HA, *a_sh = l_sh + HA;
+    uint16_t *Qs = (uint16_t *)(a_sh + HA); /* [HA][CLD] (16 warps) */
     const int t = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, warp = tid >> 5;
     const int lane = tid & 31, g = lane >> 2, l4 = lane & 3, mi = lane >> 3, mr = lane & 7;
     const int cg = warp % L::CG, rh = warp / L::CG; /* scores: channel group, row half */
@@ -114,7 +121,7 @@ __global__ void __launch_bounds__(TCD_NT, 1)
         if (it < ntile) {
             const int a = j0 + it * BK;
             uint8_t *dst = ring + (size_t)(it % NST) * L::SB;
-            for (int j = warp; j < BK; j += TCD_NT / 32) {
+            for (int j = warp; j < BK; j += NW) {
                 const int p = min(a + j, j1 - 1);
                 const uint8_t *src =
                     (const uint8_t *)pool + ((size_t)__ldg(table + p / bs) * bs + p % bs) * RB;
@@ -126,17 +133,26 @@ __global__ void __launch_bounds__(TCD_NT, 1)
     };
 #pragma unroll
     for (int i = 0; i < NST - 1; i++) stage(i); /* on their way while the queries load */
-    uint32_t qf[MT][L::KSW][4]; /* every head, the warp's channels, as A fragments */
+    /* every head, the warp's channels, as A fragments: in registers (8 warps), or the whole
+     * query in shared memory as BF16 pairs (16 warps: the same values, read by ldmatrix) */
+    uint32_t qf[L::QREG ? MT : 1][L::QREG ? L::KSW : 1][4];
+    if constexpr (L::QREG) {
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int ks = 0; ks < L::KSW; ks++) {
-            const int c = 16 * (cg * L::KSW + ks) + 2 * l4, h0 = 16 * mt + g;
-            qf[mt][ks][0] = tcd_q2(qbar, qr, ldqr, HA, t, h0, c);
-            qf[mt][ks][1] = tcd_q2(qbar, qr, ldqr, HA, t, h0 + 8, c);
-            qf[mt][ks][2] = tcd_q2(qbar, qr, ldqr, HA, t, h0, c + 8);
-            qf[mt][ks][3] = tcd_q2(qbar, qr, ldqr, HA, t, h0 + 8, c + 8);
+            for (int ks = 0; ks < L::KSW; ks++) {
+                const int c = 16 * (cg * L::KSW + ks) + 2 * l4, h0 = 16 * mt + g;
+                qf[mt][ks][0] = tcd_q2(qbar, qr, ldqr, HA, t, h0, c);
+                qf[mt][ks][1] = tcd_q2(qbar, qr, ldqr, HA, t, h0 + 8, c);
+                qf[mt][ks][2] = tcd_q2(qbar, qr, ldqr, HA, t, h0, c + 8);
+                qf[mt][ks][3] = tcd_q2(qbar, qr, ldqr, HA, t, h0 + 8, c + 8);
+            }
+    } else {
+        for (int i = tid; i < HA * (L::RQ / 2); i += NT) {
+            const int h = i / (L::RQ / 2), c = 2 * (i - h * (L::RQ / 2));
+            *(uint32_t *)(Qs + h * CLD + c) = tcd_q2(qbar, qr, ldqr, HA, t, h, c);
         }
+    } /* (Qs is read after the first tile's barrier) */
     if (tid < HA) m_sh[tid] = -INFINITY, l_sh[tid] = 0.0f;
     float oacc[MT][L::NTW][4];
 #pragma unroll
@@ -153,7 +169,7 @@ __global__ void __launch_bounds__(TCD_NT, 1)
         const uint8_t *rs = ring + (size_t)(it % NST) * L::SB;
         const uint16_t *C = (const uint16_t *)rs;
         if constexpr (L::CONV) {
-            for (int i = tid; i < BK * (L::RQ / 4); i += TCD_NT) {
+            for (int i = tid; i < BK * (L::RQ / 4); i += NT) {
                 const int j = i / (L::RQ / 4), c = 4 * (i - j * (L::RQ / 4));
                 *(uint2 *)(Cc + j * CLD + c) = tcd_vals<KV>(rs + j * RB, c);
             }
@@ -170,6 +186,17 @@ __global__ void __launch_bounds__(TCD_NT, 1)
 #pragma unroll
             for (int ks = 0; ks < L::KSW; ks++) {
                 const int kk = cg * L::KSW + ks;
+                uint32_t qa[MT][4]; /* heads +8 for odd mi, channels +8 for mi >= 2 */
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    if constexpr (L::QREG) {
+#pragma unroll
+                        for (int e = 0; e < 4; e++) qa[mt][e] = qf[mt][ks][e];
+                    } else {
+                        ldsm_x4(qa[mt],
+                                Qs + (16 * mt + (mi & 1) * 8 + mr) * CLD + kk * 16 + (mi >> 1) * 8);
+                    }
+                }
 #pragma unroll
                 for (int nt = 0; nt < NTR; nt += 2) {
                     uint32_t b[4]; /* rows of the warp's tiles nt (+1 for mi >= 2), channels +8
@@ -178,8 +205,8 @@ __global__ void __launch_bounds__(TCD_NT, 1)
                                    (mi & 1) * 8);
 #pragma unroll
                     for (int mt = 0; mt < MT; mt++) {
-                        mma_16816(sc[mt][nt], qf[mt][ks], b[0], b[1]);
-                        mma_16816(sc[mt][nt + 1], qf[mt][ks], b[2], b[3]);
+                        mma_16816(sc[mt][nt], qa[mt], b[0], b[1]);
+                        mma_16816(sc[mt][nt + 1], qa[mt], b[2], b[3]);
                     }
                 }
             }
@@ -197,7 +224,7 @@ __global__ void __launch_bounds__(TCD_NT, 1)
         }
         __syncthreads();
         { /* online softmax: TPH threads a head, EPT rows each */
-            constexpr int TPH = TCD_NT / HA, EPT = BK / TPH;
+            constexpr int TPH = NT / HA, EPT = BK / TPH;
             const int h = tid / TPH, e0 = (tid % TPH) * EPT;
             const float m_old = m_sh[h];
             float v[EPT], mx = -INFINITY;
@@ -292,14 +319,19 @@ extern "C" void ds_cu_set_mla_decode_tc(ds_cu *c, int min_rows) {
 typedef void (*tcd_fn)(float *, float *, const float *, const float *, int, const void *,
                        const int32_t *, const int32_t *, const int32_t *, int, float, int);
 
-/* the kernel and its shared memory for Ha heads (16 or 32), rows of dtype KV, BK-row tiles */
-template <int KV, int BK> static void tcd_pick(int mt, tcd_fn *k, size_t *smem) {
-    *k = mt == 2 ? mla_tcd_k<2, KV, BK> : mla_tcd_k<1, KV, BK>;
-    *smem = mt == 2 ? tcd_shape<2, KV, BK>::SMEM : tcd_shape<1, KV, BK>::SMEM;
+/* the kernel and its shared memory for Ha heads (16 or 32), rows of dtype KV, BK-row tiles, NW
+ * warps */
+template <int KV, int BK, int NW = 8> static void tcd_pick(int mt, tcd_fn *k, size_t *smem) {
+    *k = mt == 2 ? mla_tcd_k<2, KV, BK, NW> : mla_tcd_k<1, KV, BK, NW>;
+    *smem = mt == 2 ? tcd_shape<2, KV, BK, NW>::SMEM : tcd_shape<1, KV, BK, NW>::SMEM;
 }
 
 extern "C" void ds_cu_set_mla_decode_tc_tile(ds_cu *c, int rows) {
     c->mla_decode_tc_tile = rows;
+}
+
+extern "C" void ds_cu_set_mla_decode_tc_warps(ds_cu *c, int warps) {
+    c->mla_decode_tc_warps = warps;
 }
 
 int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int ldqr, int T,
@@ -326,9 +358,14 @@ int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int
         return DS_ERR;
     float *part_o = c->part, *part_ml = c->part + (size_t)rows * n_split * R;
     const int mt = Ha / 16;
+    /* 16 warps a block: BF16 rows in 64-row tiles only (the other forms' shared memory has no
+     * room for the query beside their conversion buffer) */
+    const int nw = c->mla_decode_tc_warps == 16 && kv_dtype == DS_KV_BF16 && bk == 64 ? 16 : 8;
     tcd_fn kernel;
     size_t smem;
-    if (kv_dtype == DS_KV_FP8 && bk == 64)
+    if (nw == 16)
+        tcd_pick<DS_KV_BF16, 64, 16>(mt, &kernel, &smem);
+    else if (kv_dtype == DS_KV_FP8 && bk == 64)
         tcd_pick<DS_KV_FP8, 64>(mt, &kernel, &smem);
     else if (kv_dtype == DS_KV_FP8)
         tcd_pick<DS_KV_FP8, 32>(mt, &kernel, &smem);
@@ -339,13 +376,13 @@ int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int
     else
         tcd_pick<DS_KV_F32, 32>(mt, &kernel, &smem);
     /* raised once per kernel, before any capture can be open */
-    size_t *set = &c->mla_tcd_smem[(mt - 1) + 2 * kv_dtype + 6 * (bk == 64)];
+    size_t *set = &c->mla_tcd_smem[(mt - 1) + 2 * kv_dtype + 6 * (bk == 64) + 12 * (nw == 16)];
     if (smem > *set) {
         CU_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
                "mla (tensor cores): shared memory");
         *set = smem;
     }
-    launch_k(c, kernel, dim3((unsigned)T, (unsigned)n_split), TCD_NT, smem, part_o, part_ml, qbar,
+    launch_k(c, kernel, dim3((unsigned)T, (unsigned)n_split), 32 * nw, smem, part_o, part_ml, qbar,
              qr, ldqr, pool, tables, tok_bt, tok_pos, block_size, scale, n_split);
     CU_TRY(cudaGetLastError(), "mla (tensor cores)");
     mla_merge(c, obar, part_o, part_ml, rows, R, n_split);
