@@ -26,11 +26,12 @@
 #      BF16 mode 2 of session 32, against the CPU), then the timings of 8192 tokens x 32 heads in
 #      every mode.
 #  10. (issue 33) a long context's MLA: the kernel checks (the expanded attention's blocks and
-#      their log-sum-exp merge; decode's absorbed attention on tensor cores, f32 and FP8 rows),
-#      their timings, then decode after 1M tokens (long48.sh; the H200: an H100 holds the cut
-#      shape's million rows only in FP8 or BF16) on tensor cores (TCS="0 8192" for the f32
-#      kernels too) with BF16, FP8 and f32 rows. Decode's context is zeros (`bench --decode-fill
-#      zeros`), not a prefill.
+#      their log-sum-exp merge; decode's absorbed attention on tensor cores, f32, FP8 and BF16
+#      rows, and session 33's 16-warp form for BF16 rows, not yet run), their timings, then
+#      decode after 1M tokens (long48.sh; the H200: an H100 holds the cut shape's million rows
+#      only in FP8 or BF16) on tensor cores (TCS="0 8192" for the f32 kernels too) with BF16,
+#      FP8 and f32 rows, and BF16 rows again with 16 warps a block (DS_CUDA_MLA_DECODE_TC_WARPS).
+#      Decode's context is zeros (`bench --decode-fill zeros`), not a prefill.
 #  11. (issue 33) the time to first token of a 1M-token prompt and its split by op (a call of its
 #      own: at the 48B shape its MLA attention alone is minutes).
 #  12. (issue 32) the FP8 streams: their checks with K split further (DS_CUDA_F8_SPLIT_MIN, session
@@ -38,11 +39,12 @@
 #      with the split minimum 4 (default), 2 and 1 beside BF16; with NCU=1 also the experts with
 #      the quantizers first and Nsight Compute's occupancy and warp states (ncu_detail.sh) for
 #      BF16, FP8, and FP8 with the codes made first (session 32 ran those).
-# STEPS: which of them (default "10 12 9"; 1-5 ran in sessions 27-28, 6, 7 and 9 in session 31, 8 at
-# 128K in session 31 on an H100, 9-12 in session 32 on the H200: bench/RESULTS.md).
+# STEPS: which of them (default "10"; 1-5 ran in sessions 27-28, 6, 7 and 9 in session 31, 8 at
+# 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12 in session 33 on
+# H100s: bench/RESULTS.md).
 set -u
 OUT=${OUT:-/tmp/ds-out}
-STEPS=" ${STEPS:-10 12 9} "
+STEPS=" ${STEPS:-10} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -76,6 +78,8 @@ for tc in ${TCS:-8192}; do
     PARTS=decode TAG=_tc$tc STEP_TIMEOUT=150 timeout 400 bash "$(dirname "$0")/long48.sh" 2>&1 |
     grep -E "^decode|failed|all lengths"
 done
+DS_CUDA_MLA_DECODE_TC_WARPS=16 LENS=1048576 KV_DTYPES=bf16 PARTS=decode TAG=_w16 STEP_TIMEOUT=150 \
+  timeout 200 bash "$(dirname "$0")/long48.sh" 2>&1 | grep -E "^decode|failed" | sed "s/^/[16 warps] /"
 fi
 if want 11; then
 el "11. the time to first token of a million-token prompt (a call of its own: ~7 minutes)"
