@@ -5,18 +5,9 @@
  * the CPU kernel over the same pool. */
 #include "cuda_check.h"
 
-/* the stored row of dtype dt (DS_KV_FP8 or DS_KV_BF16) of x [R + dr], and back to values */
-static void q_row(int dt, uint8_t *row, const float *x, int R, int dr) {
-    if (dt == DS_KV_FP8)
-        ds_kv_fp8_quant_row(row, x, R, dr);
-    else
-        ds_kv_bf16_row(row, x, R, dr);
-}
+/* v [R + dr] <- the values of a stored row of dtype dt */
 static void dq_row(int dt, float *v, const uint8_t *row, int R, int dr) {
-    if (dt == DS_KV_FP8)
-        ds_kv_fp8_dequant_row(v, row, R, dr);
-    else
-        for (int i = 0; i < R + dr; i++) v[i] = ds_kv_bf16_row_value(row, i);
+    for (int i = 0; i < R + dr; i++) v[i] = ds_kv_row_value(dt, row, R, i);
 }
 static const char *dt_name(int dt) {
     return dt == DS_KV_FP8 ? "fp8" : "bf16";
@@ -47,7 +38,8 @@ static void check_store_gather(ds_cu *c, int dt, int n, int R, int dr) {
      * send two rows to one place, and which write lands there last would be a race) */
     for (int i = 0; i < n; i++) dst[i] = (int32_t)(n_pool - 1 - i);
     uint8_t *ref = calloc((size_t)n_pool, rb), *got = malloc((size_t)n_pool * rb);
-    for (int i = 0; i < n; i++) q_row(dt, ref + (size_t)dst[i] * rb, x + (size_t)i * row, R, dr);
+    for (int i = 0; i < n; i++)
+        ds_kv_row_store(dt, ref + (size_t)dst[i] * rb, x + (size_t)i * row, R, dr);
     uint8_t *dpool = dev(c, ref, (size_t)n_pool * rb); /* rows not written keep the CPU's bytes */
     for (int i = 0; i < n; i++) poison(c, dpool + (size_t)dst[i] * rb, rb);
     float *dx = dev(c, x, (size_t)n * row * 4);
@@ -163,7 +155,7 @@ static void check_q_batch(ds_cu *c, int dt, const int *lens, const int *pos0, in
     float *x = kv_rows(pages * BS, R, dr);
     uint8_t *pool = malloc((size_t)pages * BS * rb);
     for (int i = 0; i < pages * BS; i++)
-        q_row(dt, pool + (size_t)i * rb, x + (size_t)i * row, R, dr);
+        ds_kv_row_store(dt, pool + (size_t)i * rb, x + (size_t)i * row, R, dr);
     float *qbar = rand_f32((size_t)T * Ha * R, -0.2f * q_amp, 0.2f * q_amp),
           *qr = rand_f32((size_t)T * Ha * dr, -q_amp, q_amp);
     float *ref = malloc((size_t)T * Ha * R * 4), *got = malloc((size_t)T * Ha * R * 4);

@@ -227,10 +227,7 @@ static void check_absorbed(int dt, int Ha, int R, int dr, int n_ctx, int T, int 
         kv_row(&r, x, R, dr, p % 3 - 2, -1);
         ds_latent_store(&v8, p, x);
         float *d = ds_latent_row(&v32, p);
-        if (dt == DS_KV_FP8)
-            ds_kv_fp8_dequant_row(d, ds_latent_at(&v8, p), R, dr);
-        else
-            for (int k = 0; k < row; k++) d[k] = ds_kv_bf16_row_value(ds_latent_at(&v8, p), k);
+        for (int k = 0; k < row; k++) d[k] = ds_kv_row_value(dt, ds_latent_at(&v8, p), R, k);
         for (int k = 0; k < row; k++) deq[(size_t)p * row + k] = d[k];
     }
     const size_t nq = (size_t)T * Ha;

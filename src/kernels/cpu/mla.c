@@ -99,8 +99,8 @@ static MLA_HOT void mla_dequant(float *c, float *kr, const uint8_t *row, int dt,
     }
     if (dt == DS_KV_BF16) {
         const uint16_t *h = (const uint16_t *)row; /* rows are 16-byte aligned */
-        for (int i = 0; i < R; i++) c[i] = ds_bits_f32((uint32_t)h[i] << 16);
-        for (int i = 0; i < dr; i++) kr[i] = ds_bits_f32((uint32_t)h[R + i] << 16);
+        for (int i = 0; i < R; i++) c[i] = ds_kv_bf16_value(h[i]);
+        for (int i = 0; i < dr; i++) kr[i] = ds_kv_bf16_value(h[R + i]);
         return;
     }
     for (int j = 0; j * DS_KV_FP8_TILE < R; j++) {
@@ -117,13 +117,7 @@ static MLA_HOT void mla_dequant(float *c, float *kr, const uint8_t *row, int dt,
 }
 
 void ds_latent_store(const ds_latent_view *v, int pos, const float *x) {
-    uint8_t *dst = ds_latent_at(v, pos);
-    if (v->dtype == DS_KV_FP8)
-        ds_kv_fp8_quant_row(dst, x, v->R, v->row - v->R);
-    else if (v->dtype == DS_KV_BF16)
-        ds_kv_bf16_row(dst, x, v->R, v->row - v->R);
-    else
-        memcpy(dst, x, (size_t)v->row * sizeof(float));
+    ds_kv_row_store(v->dtype, ds_latent_at(v, pos), x, v->R, v->row - v->R);
 }
 
 void ds_latent_load(const ds_latent_view *v, int pos, float *c, float *kr) {

@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(KV_ROW_THREADS)
     const int i = blockIdx.x;
     const uint8_t *row = pool + (size_t)rows[i] * row_bytes;
     for (int k = threadIdx.x; k < R + dr; k += blockDim.x) {
-        const float v = BF16 ? ds_kv_bf16_row_value(row, k) : ds_kv_fp8_value(row, R, k);
+        const float v = ds_kv_row_value(BF16 ? DS_KV_BF16 : DS_KV_FP8, row, R, k);
         if (k < R)
             cl[(size_t)i * R + k] = v;
         else

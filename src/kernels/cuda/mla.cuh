@@ -68,7 +68,7 @@ static __device__ __forceinline__ void kv_row_vals(const void *pool, size_t at, 
             x[2] = __uint_as_float(u.y << 16), x[3] = __uint_as_float(u.y & 0xffff0000u);
         } else {
 #pragma unroll
-            for (int e = 0; e < V; e++) x[e] = __uint_as_float((uint32_t)h[e] << 16);
+            for (int e = 0; e < V; e++) x[e] = ds_kv_bf16_value(h[e]);
         }
     } else if constexpr (V == 4) {
         const float4 y = *(const float4 *)((const float *)pool + at + i0);

@@ -361,13 +361,12 @@ __global__ void __launch_bounds__(MLA_AH_THREADS, 2)
 
 extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const float *qbar,
                                                const float *qr, int ldqr, int T, int Ha, int R,
-                                               int dr, const void *pool, int kv_dtype,
+                                               int dr, const void *pool, int kvd,
                                                const int32_t *tables, const int32_t *tok_bt,
                                                const int32_t *tok_pos, int max_ctx, int block_size,
                                                size_t row_bytes, float scale, ds_err *err) {
     if (T <= 0 || Ha <= 0) return DS_OK;
     /* the kernels' row stride: floats for f32 rows, bytes for the others */
-    const int kvd = kv_dtype;
     if (kvd != DS_KV_F32 && kvd != DS_KV_FP8 && kvd != DS_KV_BF16)
         return ds_errf(err, "cuda: mla: latent dtype %d", kvd);
     const int row = (int)(kvd == DS_KV_F32 ? row_bytes / sizeof(float) : row_bytes);

@@ -43,4 +43,23 @@ static inline DS_HD float ds_kv_bf16_row_value(const uint8_t *row, int i) {
     return ds_kv_bf16_value(h);
 }
 
+/* row [ds_kv_row_bytes(dt, R, dr)] <- the stored form of x [R + dr] in dtype dt. */
+static inline DS_HD void ds_kv_row_store(int dt, uint8_t *row, const float *x, int R, int dr) {
+    if (dt == DS_KV_FP8)
+        ds_kv_fp8_quant_row(row, x, R, dr);
+    else if (dt == DS_KV_BF16)
+        ds_kv_bf16_row(row, x, R, dr);
+    else
+        memcpy(row, x, (size_t)(R + dr) * sizeof(float));
+}
+
+/* Value i (< R + dr) of a stored row of dtype dt, as every attention reads it. */
+static inline DS_HD float ds_kv_row_value(int dt, const uint8_t *row, int R, int i) {
+    if (dt == DS_KV_FP8) return ds_kv_fp8_value(row, R, i);
+    if (dt == DS_KV_BF16) return ds_kv_bf16_row_value(row, i);
+    float v;
+    memcpy(&v, row + 4 * (size_t)i, 4);
+    return v;
+}
+
 #endif
