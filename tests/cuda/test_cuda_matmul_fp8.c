@@ -65,6 +65,55 @@ static void check_ptpc_quantize(ds_cu *c, int rows, int cols, int c0, int nc) {
     free(gst);
 }
 
+/* The device's E4M3 rounding (the conversion unit on sm_89+) against quant.h's, bit for bit,
+ * through the activations' quantizer: every row's largest magnitude is 448, so its scale is 1
+ * and its codes are e4m3 of the values themselves. The values: every exponent a code can take
+ * and below (random mantissas), every tie between neighbouring codes (subnormal and normal) and a
+ * value just either side of it, the saturation region up to 448, signed zeros. */
+static void check_e4m3_rounding(ds_cu *c) {
+    enum { T = 16, K = 4096 };
+    float *x = malloc((size_t)T * K * 4), *xq = malloc((size_t)T * K * 4), *st = malloc(T * 4);
+    uint32_t h = 0x9e3779b9u;
+    size_t n = 0;
+    for (int t = 0; t < T; t++) x[(size_t)t * K] = (t & 1) ? -448.0f : 448.0f;
+    for (int code = 0; code < 126; code++) { /* the tie above each code, and its neighbours */
+        const float a = ds_e4m3_to_f32((uint8_t)code), b = ds_e4m3_to_f32((uint8_t)(code + 1));
+        const float mid = 0.5f * (a + b); /* exact: a and b have few bits */
+        const float v[3] = {mid, nextafterf(mid, 0.0f), nextafterf(mid, 1e9f)};
+        for (int i = 0; i < 3; i++)
+            for (int sgn = 0; sgn < 2; sgn++) {
+                const size_t at = 1 + n / (K - 1) * K + n % (K - 1);
+                x[at] = sgn ? -v[i] : v[i], n++;
+            }
+    }
+    for (; n < (size_t)T * (K - 1); n++) { /* random bits: exponents 2^-24 .. 2^8, either sign */
+        h ^= h << 13, h ^= h >> 17, h ^= h << 5;
+        const uint32_t e = 103u + h % 33u, bits = (h & 0x80000000u) | (e << 23) | (h >> 9);
+        float v;
+        memcpy(&v, &bits, 4);
+        if (fabsf(v) > 448.0f) v = copysignf(448.0f - (float)(h % 16), v);
+        if (n % 997 == 0) v = (n & 1) ? -0.0f : 0.0f;
+        x[1 + n / (K - 1) * K + n % (K - 1)] = v;
+    }
+    ds_ptpc_quantize_act(xq, st, x, K, T, K);
+    float *dx = dev(c, x, (size_t)T * K * 4), *dst = dev(c, NULL, T * 4);
+    uint8_t *dq = dev(c, NULL, (size_t)T * K), *gq = malloc((size_t)T * K);
+    ds_err err = {{0}};
+    if (ds_cu_ptpc_quantize_act(c, dq, K, dst, dx, K, T, K, &err) || ds_cu_sync(c, &err))
+        DIE("%s", err.msg);
+    fetch(c, gq, dq, (size_t)T * K);
+    size_t bad = 0;
+    for (size_t i = 0; i < (size_t)T * K; i++) {
+        const float v = ds_e4m3_to_f32(gq[i]);
+        bad += memcmp(&v, &xq[i], 4) != 0 || gq[i] != ds_f32_to_e4m3(x[i]);
+        if (st[i / K] != 1.0f) DIE("e4m3 rounding: row %zu's scale is %g, not 1", i / K, st[i / K]);
+    }
+    report("e4m3 rounding of 65,536 values (ties, subnormals, saturation): codes differing",
+           (double)bad, 0.0);
+    ds_cu_dealloc(dx), ds_cu_dealloc(dst), ds_cu_dealloc(dq);
+    free(x), free(xq), free(st), free(gq);
+}
+
 /* y = x W^T with W FP8 against a float64 sum of the dequantized terms (the CPU's activation codes
  * and scales: exactly the GPU's) and against the CPU's ds_matmul. mode 0: the default choice
  * (streamed up to 2 rows, tensor cores above); 1: batch invariance (always streamed); 2: the same
@@ -112,6 +161,26 @@ static void check_matmul_fp8(ds_cu *c, int T, int N, int K, int pad, int mode, d
     snprintf(what, sizeof what, "matmul fp8 T=%d N=%d K=%d%s%s: vs the CPU", T, N, K,
              pad ? " (strided)" : "", form);
     report(what, rel_err(got, cpu, (size_t)T, (size_t)N, (size_t)ldy), tol);
+    if (T <= 8 || mode) { /* the streamed weights through the ring: the same steps, the same bits */
+        float *rg = malloc((size_t)T * ldy * 4);
+        poison(c, dy, (size_t)T * ldy * 4);
+        ds_cu_set_batch_invariant(c, mode >= 1);
+        ds_cu_set_f8_split_min(c, mode == 2);
+        ds_cu_set_f8_ring(c, 1);
+        if (ds_cu_matmul(c, dy, ldy, dx, ldx, T, &m, &err) || ds_cu_sync(c, &err))
+            DIE("%s", err.msg);
+        ds_cu_set_f8_ring(c, 0);
+        ds_cu_set_batch_invariant(c, 0);
+        ds_cu_set_f8_split_min(c, 0);
+        fetch(c, rg, dy, (size_t)T * ldy * 4);
+        size_t bad = 0;
+        for (int t = 0; t < T; t++)
+            bad += words_differ(rg + (size_t)t * ldy, got + (size_t)t * ldy, (size_t)N);
+        snprintf(what, sizeof what, "matmul fp8 T=%d N=%d K=%d%s%s: the ring, words differing", T,
+                 N, K, pad ? " (strided)" : "", form);
+        report(what, (double)bad, 0.0);
+        free(rg);
+    }
     ds_cu_dealloc(dx), ds_cu_dealloc(dy), ds_cu_dealloc(dq), ds_cu_dealloc(dsr);
     free(x), free(wb), free(q), free(sr), free(cpu), free(got), free(ref), free(reff), free(xq);
     free(st);
@@ -150,6 +219,7 @@ static void check_matmul_runs(ds_cu *c, int T, int N1, int N2, int K) {
 }
 
 void checks_matmul_fp8(ds_cu *c) {
+    check_e4m3_rounding(c);
     check_ptpc_quantize(c, 37, 200, 0, 200);
     check_ptpc_quantize(c, 64, 2304, 768, 768); /* a TP column slice: the whole row's scale */
     static const int Ts[] = {1, 2, 7, 64, 300};
@@ -200,6 +270,9 @@ static void bench_pair(ds_cu *c, int N, int K, int T, double copy_gbs) {
     mm8_ctx mb = {y, x, {wb, N, K, DS_CU_BF16, NULL, NULL, 0}, T};
     mm8_ctx m8 = {y, x, {(const uint16_t *)q, N, K, DS_CU_FP8, sr, NULL, 0}, T};
     const double msb = median_ms(c, run_mm8, &mb, 3, 20), ms8 = median_ms(c, run_mm8, &m8, 3, 20);
+    ds_cu_set_f8_ring(c, 1);
+    const double msr = T <= 8 ? median_ms(c, run_mm8, &m8, 3, 20) : 0.0;
+    ds_cu_set_f8_ring(c, 0);
     const double bb = (double)N * K * 2, b8 = (double)N * K + 4.0 * N;
     const double fl = 2.0 * N * K * T;
     printf("bench matmul %5d x %5d T=%-5d bf16 %.4f ms (%.0f GB/s, %.0f%% of copy, %.0f TFLOP/s) | "
@@ -207,6 +280,9 @@ static void bench_pair(ds_cu *c, int N, int K, int T, double copy_gbs) {
            N, K, T, msb, bb / (msb * 1e-3) / 1e9, 100.0 * bb / (msb * 1e-3) / 1e9 / copy_gbs,
            fl / (msb * 1e-3) / 1e12, ms8, b8 / (ms8 * 1e-3) / 1e9,
            100.0 * b8 / (ms8 * 1e-3) / 1e9 / copy_gbs, fl / (ms8 * 1e-3) / 1e12);
+    if (T <= 8)
+        printf("bench matmul %5d x %5d T=%-5d fp8 through the ring %.4f ms (%.0f%% of copy)\n", N,
+               K, T, msr, 100.0 * b8 / (msr * 1e-3) / 1e9 / copy_gbs);
     ds_cu_dealloc(wb), ds_cu_dealloc(q), ds_cu_dealloc(sr), ds_cu_dealloc(x), ds_cu_dealloc(y);
 }
 

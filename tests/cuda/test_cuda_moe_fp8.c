@@ -66,6 +66,7 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_f8_prequant(c, mode == 2);
     ds_cu_set_f8_split_min(c, mode == 3);
     ds_cu_set_f8_moe_waves(c, mode == 4 ? 8 : 0);
+    ds_cu_set_f8_ring(c, mode == 5);
     if (ds_cu_moe_experts_fp8(c, dout, dx, didx, dw, T, k, E - e0, e0, D, I, fx->dgc, fx->dgs,
                               fx->ddc, fx->dds, situ, 4.0f, 6.0f, 0, &err) ||
         ds_cu_sync(c, &err))
@@ -75,6 +76,7 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_f8_prequant(c, 0);
     ds_cu_set_f8_split_min(c, 0);
     ds_cu_set_f8_moe_waves(c, 0);
+    ds_cu_set_f8_ring(c, 0);
     fetch(c, got, dout, (size_t)T * D * 4);
     ds_cu_dealloc(dx), ds_cu_dealloc(dw), ds_cu_dealloc(dout), ds_cu_dealloc(didx);
 }
@@ -86,7 +88,8 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
  * so an activation code may land a rounding apart: tolerances 1e-3 (a wrong term gives ~1).
  * mode 0: streamed; 1: tensor cores; 2: streamed, the quantizers first (ds_cu_set_f8_prequant);
  * 3: streamed, K split down to one step a warp (ds_cu_set_f8_split_min); 4: streamed, one token's
- * experts in up to 8 blocks an SM (ds_cu_set_f8_moe_waves). half: this rank holds
+ * experts in up to 8 blocks an SM (ds_cu_set_f8_moe_waves); 5: streamed, one token's weights
+ * through the ring in shared memory (ds_cu_set_f8_ring). half: this rank holds
  * experts [E/2, E) only. */
 static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ, int mode,
                           int half) {
@@ -131,13 +134,17 @@ static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ,
         report(what, (double)words_differ(one, got, (size_t)D), 0.0);
         free(one);
     }
-    if (mode == 0 && T == 1) { /* the quantizers first (mode 2): the same codes, the same bits */
+    if ((mode == 0 || mode == 3) && T == 1) { /* the quantizers first (mode 2): the same bits */
         float *pre = malloc((size_t)D * 4);
         run_f8(c, &fx, pre, x, idx, w, 1, k, E, e0, D, I, situ, 2);
         snprintf(what, sizeof what, "moe fp8 T=1 D=%d: quantizers first, words differing", D);
         report(what, (double)words_differ(pre, got, (size_t)D), 0.0);
         run_f8(c, &fx, pre, x, idx, w, 1, k, E, e0, D, I, situ, 4); /* more blocks: same sums */
         snprintf(what, sizeof what, "moe fp8 T=1 D=%d: 8 blocks an SM, words differing", D);
+        report(what, (double)words_differ(pre, got, (size_t)D), 0.0);
+        run_f8(c, &fx, pre, x, idx, w, 1, k, E, e0, D, I, situ, 5); /* the ring: same steps */
+        snprintf(what, sizeof what, "moe fp8 T=1 D=%d%s: weights through the ring, words differing",
+                 D, half ? " (half the experts)" : "");
         report(what, (double)words_differ(pre, got, (size_t)D), 0.0);
         free(pre);
     }
@@ -208,26 +215,30 @@ void bench_moe_fp8(ds_cu *c, const cuda_ceilings *ceil) {
     m.idx = dev(c, ids, (size_t)TMAX * K * 4);
     m.out = dev(c, NULL, (size_t)TMAX * D * 4);
     m.k = K, m.E = E, m.D = D, m.I = I;
-    static const int Ts[] = {1, 1, 8, 64, 256}; /* (the second T=1: the quantizers first) */
+    /* (the second T=1: the quantizers first; the third: the weights through the ring) */
+    static const int Ts[] = {1, 1, 1, 8, 64, 256};
     for (size_t i = 0; i < DS_ARRAY_LEN(Ts); i++) {
         m.T = Ts[i];
-        const int pre = i == 1;
+        const int pre = i == 1, ring = i == 2;
         memset(used, 0, E);
         int n_used = 0;
         for (int r = 0; r < m.T * K; r++) n_used += !used[ids[r]], used[ids[r]] = 1;
         const int tc = m.T >= 40;
         ds_cu_set_expert_mma(c, tc);
         ds_cu_set_f8_prequant(c, pre);
+        ds_cu_set_f8_ring(c, ring);
         const double ms = median_ms(c, run_f8b, &m, 3, 20);
         ds_cu_set_expert_mma(c, 0);
         ds_cu_set_f8_prequant(c, 0);
+        ds_cu_set_f8_ring(c, 0);
         const double bytes = (double)n_used * (3.0 * per + 4.0 * (2 * I + D));
         printf("bench moe fp8 T=%d (%d experts of 256, 2304 x 1024, 8 a token%s): %.4f ms, "
                "%.0f GB/s (%.0f%% of copy)\n",
                m.T, n_used,
-               tc    ? ", tensor cores"
-               : pre ? ", quantizers first"
-                     : "",
+               tc     ? ", tensor cores"
+               : pre  ? ", quantizers first"
+               : ring ? ", the ring"
+                      : "",
                ms, bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / ceil->copy_gbs);
     }
     ds_cu_dealloc(m.gc), ds_cu_dealloc(m.gs), ds_cu_dealloc(m.dc), ds_cu_dealloc(m.ds);

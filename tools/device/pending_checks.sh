@@ -39,12 +39,17 @@
 #      with the split minimum 4 (default), 2 and 1 beside BF16; with NCU=1 also the experts with
 #      the quantizers first and Nsight Compute's occupancy and warp states (ncu_detail.sh) for
 #      BF16, FP8, and FP8 with the codes made first (session 32 ran those).
-# STEPS: which of them (default "10"; 1-5 ran in sessions 27-28, 6, 7 and 9 in session 31, 8 at
+#  13. (issue 32, session 34) the quantizers' rounding on the conversion unit: the bit-for-bit
+#      check, the FP8 checks (the ring's word for word), the products' and experts' timings at
+#      one token, decode batch 1, 32 and 256 in BF16, ptpc_fp8 and ptpc_fp8 with the weights
+#      through the ring (DS_CUDA_F8_RING=1; two rounds, alternating), and with the codes made
+#      first; PROF=1: the per-op profile of a batch-1 step, BF16 and ptpc_fp8.
+# STEPS: which of them (default "10 13"; 1-5 ran in sessions 27-28, 6, 7 and 9 in session 31, 8 at
 # 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12 in session 33 on
 # H100s: bench/RESULTS.md).
 set -u
 OUT=${OUT:-/tmp/ds-out}
-STEPS=" ${STEPS:-10} "
+STEPS=" ${STEPS:-10 13} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -114,6 +119,30 @@ NAME=ncu_fp8d bash "$(dirname "$0")/ncu_detail.sh" -q ptpc_fp8 2>&1 | head -${NC
 DS_CUDA_F8_PREQUANT=1 NAME=ncu_fp8p KERNELS="moe_f8m_k|gemv_f8m_k" bash "$(dirname "$0")/ncu_detail.sh" -q ptpc_fp8 2>&1 |
   grep -E "^ [a-z_]+|Duration|DRAM Throughput|Warp Cycles|Achieved Occ" | head -30
 NAME=ncu_bf16d bash "$(dirname "$0")/ncu_detail.sh" 2>&1 | head -${NCU_LINES:-40}
+fi
+fi
+if want 13; then
+el "13. (issue 32) the quantizers on the conversion unit (session 34): the E4M3 rounding bit for"
+el "    bit, the FP8 checks, the FP8 products' and experts' timings, decode BF16 vs ptpc_fp8"
+DS_CUDA_CHECKS="matmul fp8,moe fp8,kda batch" timeout 150 .devbin/test_cuda_kernels 2>&1 |
+  grep -E "FAIL|rounding|quantize|ring|checks:" | head -40
+timeout 150 .devbin/test_cuda_kernels --bench-only fp8 2>&1 | grep "T=1 " | head -12
+timeout 100 .devbin/test_cuda_kernels --bench-only moefp8 2>&1 | grep "bench moe fp8 T=1 "
+B48=".devbin/deltaserve bench --model $SHAPE48 --load-format random --device cuda --prompt-tokens 16"
+B48="$B48 --reps 1 --decode-context 512 --decode-steps 16 --batch-sizes 1,32,256"
+for r in 1 2; do
+  $B48 2>&1 | grep -E "^decode" | sed "s/^/[bf16 $r] /"
+  $B48 -q ptpc_fp8 2>&1 | grep -E "^decode" | sed "s/^/[fp8 $r] /"
+  DS_CUDA_F8_RING=1 $B48 -q ptpc_fp8 2>&1 | grep -E "^decode" | sed "s/^/[fp8 ring $r] /"
+done
+DS_CUDA_F8_PREQUANT=1 $B48 -q ptpc_fp8 --batch-sizes 1 2>&1 | grep -E "^decode" | sed "s/^/[fp8 prequant] /"
+if [ "${PROF:-0}" = 1 ]; then # the per-op profile of an eager batch-1 step, BF16 then ptpc_fp8
+  for q in none ptpc_fp8; do
+    PROMPT=16 BATCHES=1 bash "$(dirname "$0")/profile48.sh" $([ $q = none ] || echo "-q $q") \
+      > /dev/null 2>&1
+    cp "$OUT/profile.txt" "$OUT/profile_$q.txt"
+    grep -A28 -E "decode.*batch 1" "$OUT/profile_$q.txt" | head -30 | sed "s/^/[$q] /"
+  done
 fi
 fi
 if want 1; then

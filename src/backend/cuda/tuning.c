@@ -57,6 +57,9 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->f8_prequant = env_flag("DS_CUDA_F8_PREQUANT", 0);
     t->f8_split_min = env_count("DS_CUDA_F8_SPLIT_MIN", 0);
     t->f8_moe_waves = env_count("DS_CUDA_F8_MOE_WAVES", 0);
+    /* the FP8 streams' weights through a ring in shared memory (session 34: written to measure,
+     * off until it is measured faster in a decode step) */
+    t->f8_ring = env_flag("DS_CUDA_F8_RING", 0);
     t->mla_gemm = env_flag("DS_CUDA_MLA_GEMM", 1);
     t->mla_flash = env_flag("DS_CUDA_MLA_FLASH", 1);
     t->early_experts = env_flag("DS_CUDA_EARLY_EXPERTS", 1);
@@ -85,9 +88,9 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     /* its tile for FP8 and BF16 rows (32 or 64 rows): 64 was 6-9% faster at a million BF16
      * rows and ~6% at FP8 ones in two H100 calls (bench/RESULTS.md session 33) */
     t->mla_decode_tc_tile = env_count("DS_CUDA_MLA_DECODE_TC_TILE", 64);
-    /* its warps a block for BF16 rows (8 or 16): 16 written in session 33 after the GPU calls,
-     * not yet run on a GPU (docs/tuning.md), so 8 */
-    t->mla_decode_tc_warps = env_count("DS_CUDA_MLA_DECODE_TC_WARPS", 8);
+    /* its warps a block for BF16 rows (8 or 16): 16 was faster at every length timed, the
+     * kernel alone and a decode step after a million tokens (bench/RESULTS.md session 34) */
+    t->mla_decode_tc_warps = env_count("DS_CUDA_MLA_DECODE_TC_WARPS", 16);
     const char *pdl = getenv("DS_CUDA_PDL"); /* (on unless exactly "0", as the kernels read it) */
     t->pdl = !(pdl && !strcmp(pdl, "0"));
     t->profile = env_flag("DS_CUDA_PROFILE", 0);
@@ -105,6 +108,7 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_f8_prequant(c, t->f8_prequant);
     ds_cu_set_f8_split_min(c, t->f8_split_min);
     ds_cu_set_f8_moe_waves(c, t->f8_moe_waves);
+    ds_cu_set_f8_ring(c, t->f8_ring);
     ds_cu_set_mla_gemm(c, t->mla_gemm);
     ds_cu_set_mla_flash(c, t->mla_flash);
     ds_cu_set_early_experts(c, t->early_experts);

@@ -63,6 +63,7 @@ typedef struct ds_cuda_tuning {
     int f8_prequant;
     int f8_split_min; /* 0: the kernels' default */
     int f8_moe_waves; /* 0: the kernels' default */
+    int f8_ring;      /* the FP8 streams' weights through shared memory */
     int mla_gemm, mla_flash;
     int early_experts, wide_early, gemv_wide, conv_fixed;
     int kda_fused;             /* sequences up to which a decode step's KDA middle is one kernel */

@@ -302,6 +302,11 @@ void ds_cu_set_f8_split_min(ds_cu *c, int steps);
  * default, 2), each quantizing the row once for its tiles; more: more blocks, fewer tiles each
  * one after another. The sums do not change. DS_CUDA_F8_MOE_WAVES in the engine. */
 void ds_cu_set_f8_moe_waves(ds_cu *c, int blocks_per_sm);
+/* 1: the FP8 weight-streaming kernels (the dense products of up to 8 tokens, one token's routed
+ * experts) keep their weights in flight in a ring in shared memory (cp.async, fp8_stream.cuh)
+ * instead of a window in registers: the same steps and sums, bit for bit. DS_CUDA_F8_RING in the
+ * engine. */
+void ds_cu_set_f8_ring(ds_cu *c, int on);
 /* Expanded MLA of segments with >= 128 query rows through cuBLAS (scores and values as strided-
  * batched BF16 GEMMs over the heads, a row softmax between). On in the engine unless
  * DS_CUDA_MLA_GEMM=0 (tests/cuda: check_mla_expanded_gemm). */

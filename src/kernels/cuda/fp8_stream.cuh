@@ -31,6 +31,30 @@ static __device__ __forceinline__ uint32_t f8x2_f16_cvt(uint32_t w16) {
     return (uint32_t)h.x | ((uint32_t)h.y << 16);
 }
 
+/* e4m3(v): quant.h's code (nearest, ties to even, saturating at 448; NaN 0x7f), through the
+ * conversion unit where the target has one (sm_89+: cvt.rn.satfinite rounds and saturates the
+ * same way, which test_cuda_kernels checks bit for bit over every exponent, ties and subnormals),
+ * quant.h's integer form elsewhere. In the quantizers of a decode product (every block of it
+ * quantizes its token) the integer form was tens of dependent instructions a value. */
+static __device__ __forceinline__ uint8_t f8_code(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    uint16_t r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(v));
+    return (uint8_t)r;
+#else
+    return ds_f32_to_e4m3(v);
+#endif
+}
+
+/* the F16 value (exact) of e4m3(v): the streaming kernels' activation operand */
+static __device__ __forceinline__ uint16_t f8_code_f16(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    return (uint16_t)(f8x2_f16_cvt(f8_code(v)) & 0xffffu);
+#else
+    return __half_as_ushort(__float2half_rn(ds_e4m3_to_f32(ds_f32_to_e4m3(v))));
+#endif
+}
+
 /* the same F16 pair by bits: each code's sign goes to bit 15 of its half and its exponent and
  * mantissa (7 bits) to bits 13..7, which is the F16 value 2^-8 times the code's (exponent biases
  * 15 and 7; subnormal codes become subnormal halves); times 2^8 (exact) it is the code's value.
@@ -155,6 +179,58 @@ static __device__ __forceinline__ void f8_tile(float (&acc)[4], uint4 (&a)[U][2]
     }
 }
 
+/* ---- the ring: the weights through shared memory ----------------------------------------------
+ * The window above holds F8_U steps a warp in registers (64 of them), and a warp's next window is
+ * requested only as its last one is multiplied: at one or two blocks an SM the products were
+ * short of bytes in flight. The ring keeps F8_RING steps a thread in flight all the time in
+ * shared memory (cp.async, no registers): a warp's steps over all its tiles are one stream, and as
+ * each is multiplied its slot requests the step F8_RING further on. Thread i's piece h (rows g,
+ * g + 8) of slot r is ring[(2 r + h) * 256 + i]: every thread copies and reads its own pieces
+ * only, so its own wait guards them (no barrier), and a warp's 32 pieces are consecutive (no bank
+ * conflicts). The steps and their order are f8_tile's: the sums are the same bits. */
+enum { F8_RING = 8, F8_RING_BYTES = F8_RING * 2 * 256 * 16 };
+
+/* Requests the next step of a warp's stream (tile *b of the grid-stride list, its k-th step of
+ * the part's nmy) into slot `slot` (none past the stream's end), as one commit group. */
+static __device__ __forceinline__ void f8_ring_issue(uint4 *ring, int slot, const uint8_t *W,
+                                                     size_t e_off, int N, int K, int S, int part,
+                                                     int nmy, int nb, int &b, int &k) {
+    if (b < nb && nmy > 0) {
+        const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, l4 = threadIdx.x & 3;
+        const int n0 = (b * (8 / S) + warp / S) * 16 + g, su = part + k * S;
+        uint4 *d = ring + slot * 512;
+        cp_async16(d, (const uint4 *)(W + (e_off + min(n0, N - 1)) * K) + l4 + 4 * su);
+        cp_async16(d + 256, (const uint4 *)(W + (e_off + min(n0 + 8, N - 1)) * K) + l4 + 4 * su);
+        if (++k == nmy) k = 0, b += gridDim.x;
+    }
+    cp_async_commit();
+}
+
+/* acc += the tile's rows dotted with the lane's column, as f8_tile, the weights from the ring
+ * (slot: the ring position of the tile's first step, advanced past its last). */
+static __device__ __forceinline__ void f8_ring_tile(float (&acc)[4], uint4 *ring, int &slot,
+                                                    const uint8_t *W, size_t e_off, int N, int K,
+                                                    int S, int part, int nmy, int nb, int &ib,
+                                                    int &ik, const uint4 *xr, const uint4 *w0,
+                                                    const uint4 *w1, int l4) {
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    for (int k = 0; k < nmy; k++) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(F8_RING - 1) : "memory");
+        const uint4 a0 = ring[slot * 512], a1 = ring[slot * 512 + 256];
+        const int su = part + k * S;
+        f8_mma_step(acc, a0, a1, xr ? xr[8 * su] : zero, xr ? xr[8 * su + 1] : zero);
+        /* (after the step: its products used a0 and a1, so the slot's reads are done) */
+        f8_ring_issue(ring, slot, W, e_off, N, K, S, part, nmy, nb, ib, ik);
+        slot = slot + 1 == F8_RING ? 0 : slot + 1;
+    }
+    const int ns = K / 64;
+    if (part == 0 && K % 64) {
+        const bool tail = 64 * ns + 16 * l4 < K;
+        f8_mma_step(acc, tail ? __ldg(w0 + 4 * ns) : zero, tail ? __ldg(w1 + 4 * ns) : zero,
+                    xr && tail ? xr[8 * ns] : zero, xr && tail ? xr[8 * ns + 1] : zero);
+    }
+}
+
 /* The S partial sums of a tile added in the order p = 0, 1, .. into part 0's acc. Every warp of
  * the block calls it (barriers); red is the block's [8 warps][32 lanes]. True for the warp that
  * keeps the sum (part 0). */
@@ -199,9 +275,7 @@ static __device__ __forceinline__ float f8_quant_row(uint16_t *q, int K, V v) {
         for (int i = 0; i < F8_QB; i++) val[i] = c0 + i * nb < K ? v(c0 + i * nb) : 0.0f;
 #pragma unroll
         for (int i = 0; i < F8_QB; i++)
-            if (c0 + i * nb < K)
-                q[c0 + i * nb] =
-                    __half_as_ushort(__float2half_rn(ds_e4m3_to_f32(ds_f32_to_e4m3(val[i] * inv))));
+            if (c0 + i * nb < K) q[c0 + i * nb] = f8_code_f16(val[i] * inv);
     }
     return st;
 }

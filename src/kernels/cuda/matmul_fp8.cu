@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(256) ptpc_act_k(uint8_t *xq, int ldq, uint16_t
         const float st = ds_ptpc_scale(amax), inv = 1.0f / st;
         if (threadIdx.x == 0) s[t] = st;
         for (int c = threadIdx.x; c < ldq; c += blockDim.x)
-            xq[(size_t)t * ldq + c] = c < K ? ds_f32_to_e4m3(xr[c] * inv) : (uint8_t)0;
+            xq[(size_t)t * ldq + c] = c < K ? f8_code(xr[c] * inv) : (uint8_t)0;
     }
 }
 
@@ -47,8 +47,7 @@ __global__ void __launch_bounds__(256)
         const float st = ds_ptpc_scale(amax), inv = 1.0f / st;
         if (threadIdx.x == 0) scales[r] = st;
         for (int c = threadIdx.x; c < nc; c += blockDim.x)
-            codes[(size_t)r * nc + c] =
-                ds_f32_to_e4m3(__uint_as_float((uint32_t)sr[c0 + c] << 16) * inv);
+            codes[(size_t)r * nc + c] = f8_code(__uint_as_float((uint32_t)sr[c0 + c] << 16) * inv);
     }
 }
 
@@ -76,18 +75,29 @@ extern "C" int ds_cu_ptpc_quantize_act(ds_cu *c, uint8_t *xq, int ldq, float *s,
  * order p = 0, 1, ..), a block row's pass up to 8 tokens as the mma's columns. With xh NULL the
  * block quantizes its tokens' rows itself into shared memory (f8_quant_row, the same values
  * ptpc_act_k writes): a decode step's product is then one kernel, whose first weights load before
- * its wait. A token's sum takes the same steps whatever else the pass holds (batch invariance). */
+ * its wait. A token's sum takes the same steps whatever else the pass holds (batch invariance).
+ * RING: the weights through fp8_stream.cuh's ring in shared memory (after the codes, roff uint4
+ * in), requested before the wait: the same steps, the same sums. */
+template <bool RING>
 __global__ void __launch_bounds__(256)
     gemv_f8m_k(float *y, int ldy, const float *x, int ldx, const uint16_t *xh, const float *xs,
-               const uint8_t *W, const float *sr, int N, int K, int S, int T) {
-    extern __shared__ uint4 f8_xdyn[]; /* [nt][K] F16 code values of the pass's tokens (no xh) */
+               const uint8_t *W, const float *sr, int N, int K, int S, int T, int roff) {
+    extern __shared__ uint4 f8_xdyn[]; /* [nt][K] F16 code values of the pass's tokens (no xh),
+                                          then (RING) the ring [F8_RING][2][256] */
     __shared__ float4 red[8][32];      /* [warp][lane] partial sums (S > 1) */
     __shared__ float st_sh[8];         /* the pass's token scales (no xh) */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, l4 = lane & 3;
     const int part = warp % S, t0 = blockIdx.y * 8, nt = min(8, T - t0);
     const int nb = ((N + 15) / 16 + 8 / S - 1) / (8 / S); /* blocks' worth of tiles */
-    uint4 a[F8_U][2];
-    {
+    const int ns = K / 64, nmy = part < ns ? (ns - part + S - 1) / S : 0; /* the part's steps */
+    uint4 a[RING ? 1 : F8_U][2];
+    uint4 *ring = f8_xdyn + roff + threadIdx.x;
+    int ib = blockIdx.x, ik = 0, slot = 0; /* (RING) the next step to request; the next slot */
+    if (RING) {
+#pragma unroll 1
+        for (int r = 0; r < F8_RING; r++)
+            f8_ring_issue(ring, r, W, 0, N, K, S, part, nmy, nb, ib, ik);
+    } else {
         const int n0 = (blockIdx.x * (8 / S) + warp / S) * 16 + g;
         f8_load(a, (const uint4 *)(W + (size_t)min(n0, N - 1) * K) + l4,
                 (const uint4 *)(W + (size_t)min(n0 + 8, N - 1) * K) + l4, part, S, K / 64);
@@ -105,14 +115,23 @@ __global__ void __launch_bounds__(256)
         __syncthreads();
     }
     const uint4 *xr = g < nt ? (const uint4 *)(xb + (size_t)g * K) + 2 * l4 : NULL;
-    /* (a grid smaller than nb, when the block quantizes: each block's tiles one after another) */
+    /* (a grid smaller than nb, when the block quantizes: each block's tiles one after another;
+     * the next tile's first steps are requested before this one's sums are added) */
     for (int b = blockIdx.x; b < nb; b += gridDim.x) {
         const int n0 = (b * (8 / S) + warp / S) * 16 + g, n1 = n0 + 8;
         const uint4 *w0 = (const uint4 *)(W + (size_t)min(n0, N - 1) * K) + l4;
         const uint4 *w1 = (const uint4 *)(W + (size_t)min(n1, N - 1) * K) + l4;
-        if (b != (int)blockIdx.x) f8_load(a, w0, w1, part, S, K / 64);
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        f8_tile(acc, a, w0, w1, xr, part, S, K, l4);
+        if (RING) {
+            f8_ring_tile(acc, ring, slot, W, 0, N, K, S, part, nmy, nb, ib, ik, xr, w0, w1, l4);
+        } else {
+            f8_tile(acc, a, w0, w1, xr, part, S, K, l4);
+            if (b + (int)gridDim.x < nb) {
+                const int m0 = ((b + gridDim.x) * (8 / S) + warp / S) * 16 + g;
+                f8_load(a, (const uint4 *)(W + (size_t)min(m0, N - 1) * K) + l4,
+                        (const uint4 *)(W + (size_t)min(m0 + 8, N - 1) * K) + l4, part, S, K / 64);
+            }
+        }
         if (!f8_split_sum(acc, red, S, part)) continue;
 #pragma unroll
         for (int j = 0; j < 2; j++) { /* C: rows g (acc 0, 1), g + 8 (2, 3); columns 2 l4 + j */
@@ -174,12 +193,21 @@ static int fp8_gemv(ds_cu *c, float *y, int ldy, const float *x, int ldx, const 
      * as one wave of blocks (two a multiprocessor) leaves it */
     unsigned bx = (unsigned)(((N + 15) / 16 + 8 / S - 1) / (8 / S));
     if (!xh) bx = DS_MIN(bx, (unsigned)(2 * c->n_sm));
-    const size_t smem = xh ? 0 : (size_t)T * K * 2;
+    const size_t xbytes = xh ? 0 : ((size_t)T * K * 2 + 15) / 16 * 16;
+    const int ring = c->f8_ring;
+    if (ring && !c->f8_ring_set[0]) { /* (never inside a capture: every shape runs eagerly first) */
+        CU_TRY(cudaFuncSetAttribute(gemv_f8m_k<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)(F8_XSH_MAX + F8_RING_BYTES)),
+               "matmul fp8: shared memory");
+        c->f8_ring_set[0] = 1;
+    }
+    const size_t smem = xbytes + (ring ? (size_t)F8_RING_BYTES : 0);
     for (int t0 = 0; t0 < T; t0 += 8 * 65535)
-        launch_k(c, gemv_f8m_k, dim3(bx, (unsigned)DS_MIN((T - t0 + 7) / 8, 65535)), 256, smem,
+        launch_k(c, ring ? gemv_f8m_k<true> : gemv_f8m_k<false>,
+                 dim3(bx, (unsigned)DS_MIN((T - t0 + 7) / 8, 65535)), 256, smem,
                  y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx,
                  xh ? xh + (size_t)t0 * K : (const uint16_t *)NULL, xh ? st + t0 : st, W, sr, N, K,
-                 S, T - t0);
+                 S, T - t0, (int)(xbytes / 16));
     CU_TRY(cudaGetLastError(), "matmul fp8 (gemv)");
     return DS_OK;
 }

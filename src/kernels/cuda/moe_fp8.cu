@@ -48,8 +48,7 @@ __global__ void __launch_bounds__(256)
     uint16_t *qr = q + (size_t)dst * K;
     for (int c = threadIdx.x; c < K; c += blockDim.x) {
         const float v = ACT ? vsh[c] : xr[c];
-        const float cv = ds_e4m3_to_f32(ds_f32_to_e4m3(v * inv));
-        qr[c] = __half_as_ushort(__float2half_rn(cv)); /* exact */
+        qr[c] = f8_code_f16(v * inv); /* exact */
     }
 }
 
@@ -60,14 +59,18 @@ __global__ void __launch_bounds__(256)
  * columns. A column does not depend on the others, and S on the matrix alone, so a row's result is
  * the same whatever else the step holds (batch invariance). With xh NULL (one token) the block
  * quantizes its routed row's source itself, through act when act.on (x rows [gate | up] of 2K):
- * the same values moe_f8_quant_k writes, and two kernels fewer in a decode step. */
+ * the same values moe_f8_quant_k writes, and two kernels fewer in a decode step. RING (one
+ * token only): the weights through fp8_stream.cuh's ring in shared memory (after the codes, roff
+ * uint4 in), requested before the row is quantized: the same steps, the same sums. */
+template <bool RING>
 __global__ void __launch_bounds__(256)
     moe_f8m_k(float *y, int ldy, const float *x, int ldx, moe_act act, const uint16_t *xh,
               const float *xs, int x_div, const uint8_t *Wc, const float *Ws, int N, int K, int S,
               const int32_t *start, const int32_t *perm, const int32_t *active,
-              const int32_t *n_active, const int32_t *direct, int e0, int E) {
+              const int32_t *n_active, const int32_t *direct, int e0, int E, int roff) {
     PDL_ENTRY();
-    extern __shared__ uint4 f8m_xdyn[]; /* [K] the routed row's F16 code values (no xh) */
+    extern __shared__ uint4 f8m_xdyn[]; /* [K] the routed row's F16 code values (no xh), then
+                                           (RING) the ring [F8_RING][2][256] */
     __shared__ float4 red[8][32];       /* [warp][lane] partial sums (S > 1) */
     __shared__ float st_sh;             /* its scale (no xh) */
     int e, r0, r1;
@@ -81,6 +84,23 @@ __global__ void __launch_bounds__(256)
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, l4 = lane & 3;
     const int part = warp % S, nb = ((N + 15) / 16 + 8 / S - 1) / (8 / S);
+    uint4 a[RING ? 1 : F8_U][2]; /* the steps in flight (fp8_stream.cuh) */
+    const int ns = K / 64, nmy = part < ns ? (ns - part + S - 1) / S : 0; /* the part's steps */
+    uint4 *ring = f8m_xdyn + roff + threadIdx.x;
+    int ib = blockIdx.x, ik = 0, slot = 0; /* (RING) the next step to request; the next slot */
+    /* One token: the first tile's weights are requested before the row is quantized, so that
+     * their trip to memory overlaps the quantizer's (the same loads, in the same order). */
+    const bool pre = !RING && !xh && (int)blockIdx.x < nb;
+    if (RING) {
+#pragma unroll 1
+        for (int r = 0; r < F8_RING; r++)
+            f8_ring_issue(ring, r, Wc, (size_t)e * N, N, K, S, part, nmy, nb, ib, ik);
+    } else if (pre) {
+        const int n0 = (blockIdx.x * (8 / S) + warp / S) * 16 + g;
+        f8_load(a, (const uint4 *)(Wc + ((size_t)e * N + min(n0, N - 1)) * K) + l4,
+                (const uint4 *)(Wc + ((size_t)e * N + min(n0 + 8, N - 1)) * K) + l4, part, S,
+                K / 64);
+    }
     if (!xh) { /* direct: the one routed row r0 */
         const float *xr = x + (size_t)(r0 / x_div) * ldx;
         const float s = f8_quant_row((uint16_t *)f8m_xdyn, K, [xr, act, K](int c) {
@@ -89,7 +109,9 @@ __global__ void __launch_bounds__(256)
         if (threadIdx.x == 0) st_sh = s;
         __syncthreads();
     }
-    /* (a grid smaller than nb, when the block quantizes: each block's tiles one after another) */
+    /* (a grid smaller than nb, when the block quantizes: each block's tiles one after another;
+     * the next tile's first steps are requested before this one's sums are added) */
+    bool have = pre; /* a holds the first steps of the tile about to be multiplied */
     for (int b = blockIdx.x; b < nb; b += gridDim.x) {
         const int n0 = (b * (8 / S) + warp / S) * 16 + g, n1 = n0 + 8;
         const uint4 *w0 = (const uint4 *)(Wc + ((size_t)e * N + min(n0, N - 1)) * K) + l4;
@@ -99,9 +121,22 @@ __global__ void __launch_bounds__(256)
             const int rg = g < nt ? (direct ? p0 + g : perm[p0 + g]) : 0;
             const uint16_t *xrow = xh ? xh + (size_t)(rg / x_div) * K : (const uint16_t *)f8m_xdyn;
             float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            uint4 a[F8_U][2];
-            f8_load(a, w0, w1, part, S, K / 64);
-            f8_tile(acc, a, w0, w1, g < nt ? (const uint4 *)xrow + 2 * l4 : NULL, part, S, K, l4);
+            const uint4 *xq = g < nt ? (const uint4 *)xrow + 2 * l4 : NULL;
+            if (RING) { /* (one routed row: one pass a tile) */
+                f8_ring_tile(acc, ring, slot, Wc, (size_t)e * N, N, K, S, part, nmy, nb, ib, ik, xq,
+                             w0, w1, l4);
+            } else {
+                if (!have) f8_load(a, w0, w1, part, S, K / 64);
+                f8_tile(acc, a, w0, w1, xq, part, S, K, l4);
+            }
+            have = false;
+            if (!RING && !xh && b + (int)gridDim.x < nb) { /* one routed row: one pass a tile */
+                const int m0 = ((b + gridDim.x) * (8 / S) + warp / S) * 16 + g;
+                f8_load(a, (const uint4 *)(Wc + ((size_t)e * N + min(m0, N - 1)) * K) + l4,
+                        (const uint4 *)(Wc + ((size_t)e * N + min(m0 + 8, N - 1)) * K) + l4, part,
+                        S, K / 64);
+                have = true;
+            }
             if (!f8_split_sum(acc, red, S, part)) continue;
 #pragma unroll
             for (int j = 0; j < 2; j++) { /* C: rows g (acc 0, 1), g + 8 (2, 3); columns 2 l4 + j */
@@ -283,27 +318,31 @@ static void f8_stream(ds_cu *c, const f8_buf *b, const float *x, int T, int rows
                       * f8_moe_waves: more blocks, each quantizing, fewer tiles a block) */
         const unsigned per_sm = c->f8_moe_waves > 0 ? (unsigned)c->f8_moe_waves : 2u;
         const unsigned cap = DS_MAX(1u, per_sm * (unsigned)c->n_sm / g->ya);
-        launch_k(c, moe_f8m_k, dim3(DS_MIN(bu, cap), g->ya), 256, (size_t)D * 2, b->h, 2 * I, x, D,
-                 none, (const uint16_t *)NULL, (const float *)NULL, k, w->gc, w->gs, 2 * I, D, su,
-                 g->start, g->perm, g->active, g->n_active, g->direct, g->e0, g->E);
-        launch_k(c, moe_f8m_k, dim3(DS_MIN(bd, cap), g->ya), 256, (size_t)I * 2, b->y, D,
-                 (const float *)b->h, 2 * I, act, (const uint16_t *)NULL, (const float *)NULL, 1,
-                 w->dc, w->ds, D, I, sd, g->start, g->perm, g->active, g->n_active, g->direct,
-                 g->e0, g->E);
+        const int ring = c->f8_ring;
+        const size_t xu = ((size_t)D * 2 + 15) / 16 * 16, xd = ((size_t)I * 2 + 15) / 16 * 16;
+        const size_t rb = ring ? (size_t)F8_RING_BYTES : 0;
+        launch_k(c, ring ? moe_f8m_k<true> : moe_f8m_k<false>, dim3(DS_MIN(bu, cap), g->ya), 256,
+                 xu + rb, b->h, 2 * I, x, D, none, (const uint16_t *)NULL, (const float *)NULL, k,
+                 w->gc, w->gs, 2 * I, D, su, g->start, g->perm, g->active, g->n_active, g->direct,
+                 g->e0, g->E, (int)(xu / 16));
+        launch_k(c, ring ? moe_f8m_k<true> : moe_f8m_k<false>, dim3(DS_MIN(bd, cap), g->ya), 256,
+                 xd + rb, b->y, D, (const float *)b->h, 2 * I, act, (const uint16_t *)NULL,
+                 (const float *)NULL, 1, w->dc, w->ds, D, I, sd, g->start, g->perm, g->active,
+                 g->n_active, g->direct, g->e0, g->E, (int)(xd / 16));
         return;
     }
     launch_k(c, moe_f8_quant_k<false>, (unsigned)T, 256, 0, b->xq, b->xs, x, D, D,
              (const int32_t *)NULL, 1, 0, (const int32_t *)NULL, (const int32_t *)NULL, 0, 0, none);
-    launch_k(c, moe_f8m_k, dim3(bu, g->ya), 256, 0, b->h, 2 * I, x, D, none,
+    launch_k(c, moe_f8m_k<false>, dim3(bu, g->ya), 256, 0, b->h, 2 * I, x, D, none,
              (const uint16_t *)b->xq, (const float *)b->xs, k, w->gc, w->gs, 2 * I, D, su, g->start,
-             g->perm, g->active, g->n_active, g->direct, g->e0, g->E);
+             g->perm, g->active, g->n_active, g->direct, g->e0, g->E, 0);
     /* act rows quantized, this rank's, through perm */
     launch_k(c, moe_f8_quant_k<true>, (unsigned)rows, 256, (size_t)I * sizeof(float), b->aq, b->as,
              (const float *)b->h, 2 * I, I, g->perm, 1, 0, g->start + g->E, (const int32_t *)NULL,
              g->e0, g->E, act);
-    launch_k(c, moe_f8m_k, dim3(bd, g->ya), 256, 0, b->y, D, (const float *)b->h, 2 * I, none,
-             (const uint16_t *)b->aq, (const float *)b->as, 1, w->dc, w->ds, D, I, sd, g->start,
-             g->perm, g->active, g->n_active, g->direct, g->e0, g->E);
+    launch_k(c, moe_f8m_k<false>, dim3(bd, g->ya), 256, 0, b->y, D, (const float *)b->h, 2 * I,
+             none, (const uint16_t *)b->aq, (const float *)b->as, 1, w->dc, w->ds, D, I, sd,
+             g->start, g->perm, g->active, g->n_active, g->direct, g->e0, g->E, 0);
 }
 
 extern "C" int ds_cu_moe_experts_fp8(ds_cu *c, float *out, const float *x, const int32_t *idx,
@@ -350,6 +389,12 @@ extern "C" int ds_cu_moe_experts_fp8(ds_cu *c, float *out, const float *x, const
     ds_cu_prof_mark(c, "moe fp8 experts");
     const f8_w fw = {gu_codes, dn_codes, gu_scales, dn_scales};
     const moe_act act = {1, situ, situ_beta, situ_lin_beta};
+    if (direct && c->f8_ring && !c->f8_ring_set[1]) { /* (never inside a capture: see matmul) */
+        CU_TRY(cudaFuncSetAttribute(moe_f8m_k<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)(48 * 1024 + F8_RING_BYTES)),
+               "moe fp8: shared memory");
+        c->f8_ring_set[1] = 1;
+    }
     if (tc)
         f8_tc(c, &b, x, rows, D, I, k, &fw, &g, act);
     else
