@@ -161,23 +161,26 @@ static void check_matmul_fp8(ds_cu *c, int T, int N, int K, int pad, int mode, d
     snprintf(what, sizeof what, "matmul fp8 T=%d N=%d K=%d%s%s: vs the CPU", T, N, K,
              pad ? " (strided)" : "", form);
     report(what, rel_err(got, cpu, (size_t)T, (size_t)N, (size_t)ldy), tol);
-    if (T <= 8 || mode) { /* the streamed weights through the ring: the same steps, the same bits */
+    for (int depth = 4; depth <= 8 && (T <= 8 || mode); depth += 4) { /* the ring: same bits */
         float *rg = malloc((size_t)T * ldy * 4);
         poison(c, dy, (size_t)T * ldy * 4);
         ds_cu_set_batch_invariant(c, mode >= 1);
         ds_cu_set_f8_split_min(c, mode == 2);
-        ds_cu_set_f8_ring(c, 1);
+        ds_cu_set_f8_ring(c, depth);
+        ds_cu_set_f8_gemv_waves(c, depth == 4 ? 4 : 0); /* (more blocks: the same sums) */
         if (ds_cu_matmul(c, dy, ldy, dx, ldx, T, &m, &err) || ds_cu_sync(c, &err))
             DIE("%s", err.msg);
         ds_cu_set_f8_ring(c, 0);
+        ds_cu_set_f8_gemv_waves(c, 0);
         ds_cu_set_batch_invariant(c, 0);
         ds_cu_set_f8_split_min(c, 0);
         fetch(c, rg, dy, (size_t)T * ldy * 4);
         size_t bad = 0;
         for (int t = 0; t < T; t++)
             bad += words_differ(rg + (size_t)t * ldy, got + (size_t)t * ldy, (size_t)N);
-        snprintf(what, sizeof what, "matmul fp8 T=%d N=%d K=%d%s%s: the ring, words differing", T,
-                 N, K, pad ? " (strided)" : "", form);
+        snprintf(what, sizeof what,
+                 "matmul fp8 T=%d N=%d K=%d%s%s: the ring %d deep%s, words differing", T, N, K,
+                 pad ? " (strided)" : "", form, depth, depth == 4 ? ", 4 blocks an SM" : "");
         report(what, (double)bad, 0.0);
         free(rg);
     }
@@ -270,9 +273,16 @@ static void bench_pair(ds_cu *c, int N, int K, int T, double copy_gbs) {
     mm8_ctx mb = {y, x, {wb, N, K, DS_CU_BF16, NULL, NULL, 0}, T};
     mm8_ctx m8 = {y, x, {(const uint16_t *)q, N, K, DS_CU_FP8, sr, NULL, 0}, T};
     const double msb = median_ms(c, run_mm8, &mb, 3, 20), ms8 = median_ms(c, run_mm8, &m8, 3, 20);
-    ds_cu_set_f8_ring(c, 1);
-    const double msr = T <= 8 ? median_ms(c, run_mm8, &m8, 3, 20) : 0.0;
+    /* the ring 8 deep (two blocks an SM), 4 deep with three and four blocks an SM */
+    static const int forms[3][2] = {{8, 2}, {4, 3}, {4, 4}};
+    double msr[3] = {0};
+    for (int f = 0; f < 3 && T <= 8; f++) {
+        ds_cu_set_f8_ring(c, forms[f][0]);
+        ds_cu_set_f8_gemv_waves(c, forms[f][1]);
+        msr[f] = median_ms(c, run_mm8, &m8, 3, 20);
+    }
     ds_cu_set_f8_ring(c, 0);
+    ds_cu_set_f8_gemv_waves(c, 0);
     const double bb = (double)N * K * 2, b8 = (double)N * K + 4.0 * N;
     const double fl = 2.0 * N * K * T;
     printf("bench matmul %5d x %5d T=%-5d bf16 %.4f ms (%.0f GB/s, %.0f%% of copy, %.0f TFLOP/s) | "
@@ -280,9 +290,12 @@ static void bench_pair(ds_cu *c, int N, int K, int T, double copy_gbs) {
            N, K, T, msb, bb / (msb * 1e-3) / 1e9, 100.0 * bb / (msb * 1e-3) / 1e9 / copy_gbs,
            fl / (msb * 1e-3) / 1e12, ms8, b8 / (ms8 * 1e-3) / 1e9,
            100.0 * b8 / (ms8 * 1e-3) / 1e9 / copy_gbs, fl / (ms8 * 1e-3) / 1e12);
-    if (T <= 8)
-        printf("bench matmul %5d x %5d T=%-5d fp8 through the ring %.4f ms (%.0f%% of copy)\n", N,
-               K, T, msr, 100.0 * b8 / (msr * 1e-3) / 1e9 / copy_gbs);
+    for (int f = 0; f < 3 && T <= 8; f++)
+        printf(
+            "bench matmul %5d x %5d T=%-5d fp8 through the ring %d deep, %d blocks an SM %.4f ms "
+            "(%.0f%% of copy)\n",
+            N, K, T, forms[f][0], forms[f][1], msr[f],
+            100.0 * b8 / (msr[f] * 1e-3) / 1e9 / copy_gbs);
     ds_cu_dealloc(wb), ds_cu_dealloc(q), ds_cu_dealloc(sr), ds_cu_dealloc(x), ds_cu_dealloc(y);
 }
 

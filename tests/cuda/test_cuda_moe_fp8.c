@@ -66,7 +66,7 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_f8_prequant(c, mode == 2);
     ds_cu_set_f8_split_min(c, mode == 3);
     ds_cu_set_f8_moe_waves(c, mode == 4 ? 8 : 0);
-    ds_cu_set_f8_ring(c, mode == 5);
+    ds_cu_set_f8_ring(c, mode == 5 ? 8 : mode == 6 ? 4 : 0);
     if (ds_cu_moe_experts_fp8(c, dout, dx, didx, dw, T, k, E - e0, e0, D, I, fx->dgc, fx->dgs,
                               fx->ddc, fx->dds, situ, 4.0f, 6.0f, 0, &err) ||
         ds_cu_sync(c, &err))
@@ -88,8 +88,8 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
  * so an activation code may land a rounding apart: tolerances 1e-3 (a wrong term gives ~1).
  * mode 0: streamed; 1: tensor cores; 2: streamed, the quantizers first (ds_cu_set_f8_prequant);
  * 3: streamed, K split down to one step a warp (ds_cu_set_f8_split_min); 4: streamed, one token's
- * experts in up to 8 blocks an SM (ds_cu_set_f8_moe_waves); 5: streamed, one token's weights
- * through the ring in shared memory (ds_cu_set_f8_ring). half: this rank holds
+ * experts in up to 8 blocks an SM (ds_cu_set_f8_moe_waves); 5, 6: streamed, one token's weights
+ * through the ring in shared memory, 8 and 4 deep (ds_cu_set_f8_ring). half: this rank holds
  * experts [E/2, E) only. */
 static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ, int mode,
                           int half) {
@@ -142,10 +142,13 @@ static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ,
         run_f8(c, &fx, pre, x, idx, w, 1, k, E, e0, D, I, situ, 4); /* more blocks: same sums */
         snprintf(what, sizeof what, "moe fp8 T=1 D=%d: 8 blocks an SM, words differing", D);
         report(what, (double)words_differ(pre, got, (size_t)D), 0.0);
-        run_f8(c, &fx, pre, x, idx, w, 1, k, E, e0, D, I, situ, 5); /* the ring: same steps */
-        snprintf(what, sizeof what, "moe fp8 T=1 D=%d%s: weights through the ring, words differing",
-                 D, half ? " (half the experts)" : "");
-        report(what, (double)words_differ(pre, got, (size_t)D), 0.0);
+        for (int m = 5; m <= 6; m++) { /* the ring, 8 and 4 deep: the same steps */
+            run_f8(c, &fx, pre, x, idx, w, 1, k, E, e0, D, I, situ, m);
+            snprintf(what, sizeof what,
+                     "moe fp8 T=1 D=%d%s: weights through the ring (%d deep), words differing", D,
+                     half ? " (half the experts)" : "", m == 5 ? 8 : 4);
+            report(what, (double)words_differ(pre, got, (size_t)D), 0.0);
+        }
         free(pre);
     }
     f8_experts_free(&fx);
@@ -215,11 +218,12 @@ void bench_moe_fp8(ds_cu *c, const cuda_ceilings *ceil) {
     m.idx = dev(c, ids, (size_t)TMAX * K * 4);
     m.out = dev(c, NULL, (size_t)TMAX * D * 4);
     m.k = K, m.E = E, m.D = D, m.I = I;
-    /* (the second T=1: the quantizers first; the third: the weights through the ring) */
-    static const int Ts[] = {1, 1, 1, 8, 64, 256};
+    /* (the second T=1: the quantizers first; the third and fourth: the weights through the ring,
+     * 8 and 4 deep) */
+    static const int Ts[] = {1, 1, 1, 1, 8, 64, 256};
     for (size_t i = 0; i < DS_ARRAY_LEN(Ts); i++) {
         m.T = Ts[i];
-        const int pre = i == 1, ring = i == 2;
+        const int pre = i == 1, ring = i == 2 ? 8 : i == 3 ? 4 : 0;
         memset(used, 0, E);
         int n_used = 0;
         for (int r = 0; r < m.T * K; r++) n_used += !used[ids[r]], used[ids[r]] = 1;
@@ -237,7 +241,7 @@ void bench_moe_fp8(ds_cu *c, const cuda_ceilings *ceil) {
                m.T, n_used,
                tc     ? ", tensor cores"
                : pre  ? ", quantizers first"
-               : ring ? ", the ring"
+               : ring ? (ring == 8 ? ", the ring 8 deep" : ", the ring 4 deep")
                       : "",
                ms, bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / ceil->copy_gbs);
     }

@@ -133,7 +133,14 @@ B48="$B48 --reps 1 --decode-context 512 --decode-steps 16 --batch-sizes 1,32,256
 for r in 1 2; do
   $B48 2>&1 | grep -E "^decode" | sed "s/^/[bf16 $r] /"
   $B48 -q ptpc_fp8 2>&1 | grep -E "^decode" | sed "s/^/[fp8 $r] /"
-  DS_CUDA_F8_RING=1 $B48 -q ptpc_fp8 2>&1 | grep -E "^decode" | sed "s/^/[fp8 ring $r] /"
+  # the ring (DS_CUDA_F8_RING depth) with more blocks an SM (dense products, experts)
+  for f in "8 2 2" "4 3 3" "4 4 4"; do
+    set -- $f
+    DS_CUDA_F8_RING=$1 DS_CUDA_F8_GEMV_WAVES=$2 DS_CUDA_F8_MOE_WAVES=$3 $B48 -q ptpc_fp8 \
+      --batch-sizes 1 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 ring $1, $2 | $3 blocks an SM, $r] /"
+  done
+  DS_CUDA_F8_GEMV_WAVES=3 DS_CUDA_F8_MOE_WAVES=3 $B48 -q ptpc_fp8 --batch-sizes 1 2>&1 |
+    grep -E "^decode batch" | sed "s/^/[fp8 registers, 3 | 3 blocks an SM, $r] /"
 done
 DS_CUDA_F8_PREQUANT=1 $B48 -q ptpc_fp8 --batch-sizes 1 2>&1 | grep -E "^decode" | sed "s/^/[fp8 prequant] /"
 if [ "${PROF:-0}" = 1 ]; then # the per-op profile of an eager batch-1 step, BF16 then ptpc_fp8

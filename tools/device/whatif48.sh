@@ -4,15 +4,17 @@
 # one profile label (or a set of them) left out (DS_CUDA_SKIP; the results are wrong, the timing is
 # what counts). A label whose removal saves more than its kernels take alone sits on the critical
 # path; one that saves nothing runs beside it. Output: one line per case, ms per step and the
-# saving against the full step.   tools/device/whatif48.sh [batch]
+# saving against the full step.   tools/device/whatif48.sh [batch [bench options, e.g. -q ptpc_fp8]]
 # CASES (lines of labels) replaces the list below.
 # (Leaving out "moe router" leaves the experts without valid rows, so its saving includes theirs.)
 . "$(dirname "$0")/env.sh"
 B=${1:-1}
+shift || true
+EXTRA="$*"
 step() {
   DS_CUDA_SKIP="$1" .devbin/deltaserve bench --model $SHAPE48 --load-format random \
     --device cuda --prompt-tokens 16 --reps 1 --decode-context 512 --decode-steps 8 --batch-sizes "$B" \
-    2>/dev/null | awk -v b="$B" '$1 == "decode" && $3 == b { print $5 }'
+    $EXTRA 2>/dev/null | awk -v b="$B" '$1 == "decode" && $3 == b { print $5 }'
 }
 full=$(step "")
 printf "%-60s %8s ms\n" "(everything)" "$full"

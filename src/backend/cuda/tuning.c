@@ -57,9 +57,11 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->f8_prequant = env_flag("DS_CUDA_F8_PREQUANT", 0);
     t->f8_split_min = env_count("DS_CUDA_F8_SPLIT_MIN", 0);
     t->f8_moe_waves = env_count("DS_CUDA_F8_MOE_WAVES", 0);
-    /* the FP8 streams' weights through a ring in shared memory (session 34: written to measure,
-     * off until it is measured faster in a decode step) */
-    t->f8_ring = env_flag("DS_CUDA_F8_RING", 0);
+    /* the FP8 streams' weights through a ring in shared memory, 4 or 8 steps deep (session 34:
+     * not faster at 8 with two blocks an SM; 0, the register window, until one is) */
+    t->f8_ring = env_count("DS_CUDA_F8_RING", 0);
+    t->f8_gemv_waves = env_count("DS_CUDA_F8_GEMV_WAVES", 0);
+    t->f8_noquant = env_flag("DS_CUDA_F8_NOQUANT", 0); /* a what-if (wrong results) */
     t->mla_gemm = env_flag("DS_CUDA_MLA_GEMM", 1);
     t->mla_flash = env_flag("DS_CUDA_MLA_FLASH", 1);
     t->early_experts = env_flag("DS_CUDA_EARLY_EXPERTS", 1);
@@ -109,6 +111,8 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_f8_split_min(c, t->f8_split_min);
     ds_cu_set_f8_moe_waves(c, t->f8_moe_waves);
     ds_cu_set_f8_ring(c, t->f8_ring);
+    ds_cu_set_f8_gemv_waves(c, t->f8_gemv_waves);
+    ds_cu_set_f8_noquant(c, t->f8_noquant);
     ds_cu_set_mla_gemm(c, t->mla_gemm);
     ds_cu_set_mla_flash(c, t->mla_flash);
     ds_cu_set_early_experts(c, t->early_experts);
@@ -128,6 +132,9 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_mla_decode_tc_warps(c, t->mla_decode_tc_warps);
     ds_cu_set_pdl(c, t->pdl);
     ds_cu_prof_enable(c, t->profile);
+    if (t->f8_noquant)
+        fprintf(stderr, "[deltaserve] DS_CUDA_F8_NOQUANT=1: FP8 decode products skip their "
+                        "quantizer (results are wrong; for timing only)\n");
     if (t->skip) {
         fprintf(stderr,
                 "[deltaserve] DS_CUDA_SKIP=%s: those kernels are left out (results are "

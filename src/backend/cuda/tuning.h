@@ -61,9 +61,11 @@ typedef struct ds_cuda_tuning {
     int expert_gemm, expert_mma, expert_tc;
     int expert_mma_min, gemv_max_t; /* 0: the kernels' defaults */
     int f8_prequant;
-    int f8_split_min; /* 0: the kernels' default */
-    int f8_moe_waves; /* 0: the kernels' default */
-    int f8_ring;      /* the FP8 streams' weights through shared memory */
+    int f8_split_min;  /* 0: the kernels' default */
+    int f8_moe_waves;  /* 0: the kernels' default */
+    int f8_ring;       /* the FP8 streams' ring depth (0: registers) */
+    int f8_gemv_waves; /* 0: the kernels' default */
+    int f8_noquant;    /* a what-if: FP8 products skip quantizing (wrong results) */
     int mla_gemm, mla_flash;
     int early_experts, wide_early, gemv_wide, conv_fixed;
     int kda_fused;             /* sequences up to which a decode step's KDA middle is one kernel */

@@ -41,7 +41,9 @@ struct ds_cu {
                             not quantize their tokens themselves (ds_cu_set_f8_prequant) */
     int f8_split_min;    /* the FP8 streams' fewest steps a warp along K (0: F8_SPLIT_MIN) */
     int f8_moe_waves;    /* one token's FP8 experts: blocks an SM at most (0: 2) */
-    int f8_ring;         /* the FP8 streams' weights through shared memory (ds_cu_set_f8_ring) */
+    int f8_gemv_waves;   /* an FP8 product that quantizes its tokens: blocks an SM (0: 2) */
+    int f8_ring;         /* the FP8 streams' ring depth, 4 or 8 steps (0: registers) */
+    int f8_noquant;      /* a what-if: decode's FP8 products skip quantizing their tokens */
     int f8_ring_set[2];  /* its kernels' shared memory limit raised: the dense one, the experts' */
     int mla_gemm;        /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
     int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */

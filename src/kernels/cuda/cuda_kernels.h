@@ -302,11 +302,19 @@ void ds_cu_set_f8_split_min(ds_cu *c, int steps);
  * default, 2), each quantizing the row once for its tiles; more: more blocks, fewer tiles each
  * one after another. The sums do not change. DS_CUDA_F8_MOE_WAVES in the engine. */
 void ds_cu_set_f8_moe_waves(ds_cu *c, int blocks_per_sm);
-/* 1: the FP8 weight-streaming kernels (the dense products of up to 8 tokens, one token's routed
- * experts) keep their weights in flight in a ring in shared memory (cp.async, fp8_stream.cuh)
- * instead of a window in registers: the same steps and sums, bit for bit. DS_CUDA_F8_RING in the
- * engine. */
-void ds_cu_set_f8_ring(ds_cu *c, int on);
+/* depth > 0: the FP8 weight-streaming kernels (the dense products of up to 8 tokens, one token's
+ * routed experts) keep that many steps a thread in flight in a ring in shared memory (cp.async,
+ * fp8_stream.cuh; 4 below 8, else 8) instead of a window in registers (0): the same steps and
+ * sums, bit for bit. DS_CUDA_F8_RING in the engine. */
+void ds_cu_set_f8_ring(ds_cu *c, int depth);
+/* An FP8 product of up to 8 tokens that quantizes them itself: at most blocks_per_sm blocks an
+ * SM (0: the default, 2), each quantizing once for its tiles. The sums do not change.
+ * DS_CUDA_F8_GEMV_WAVES in the engine. */
+void ds_cu_set_f8_gemv_waves(ds_cu *c, int blocks_per_sm);
+/* A what-if (wrong results, the timing is what counts, as ds_cu_set_skip): decode's FP8 products
+ * skip quantizing their tokens (codes left unset, scale 1), to measure what the quantizer in
+ * every block costs a step. DS_CUDA_F8_NOQUANT=1 in the engine. */
+void ds_cu_set_f8_noquant(ds_cu *c, int on);
 /* Expanded MLA of segments with >= 128 query rows through cuBLAS (scores and values as strided-
  * batched BF16 GEMMs over the heads, a row softmax between). On in the engine unless
  * DS_CUDA_MLA_GEMM=0 (tests/cuda: check_mla_expanded_gemm). */

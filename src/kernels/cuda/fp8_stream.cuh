@@ -182,13 +182,27 @@ static __device__ __forceinline__ void f8_tile(float (&acc)[4], uint4 (&a)[U][2]
 /* ---- the ring: the weights through shared memory ----------------------------------------------
  * The window above holds F8_U steps a warp in registers (64 of them), and a warp's next window is
  * requested only as its last one is multiplied: at one or two blocks an SM the products were
- * short of bytes in flight. The ring keeps F8_RING steps a thread in flight all the time in
+ * short of bytes in flight. The ring keeps R steps a thread in flight all the time in
  * shared memory (cp.async, no registers): a warp's steps over all its tiles are one stream, and as
- * each is multiplied its slot requests the step F8_RING further on. Thread i's piece h (rows g,
+ * each is multiplied its slot requests the step R further on. Thread i's piece h (rows g,
  * g + 8) of slot r is ring[(2 r + h) * 256 + i]: every thread copies and reads its own pieces
  * only, so its own wait guards them (no barrier), and a warp's 32 pieces are consecutive (no bank
  * conflicts). The steps and their order are f8_tile's: the sums are the same bits. */
-enum { F8_RING = 8, F8_RING_BYTES = F8_RING * 2 * 256 * 16 };
+enum { F8_RING_MAX = 8 };
+/* the ring's bytes at depth R (steps a thread) */
+static constexpr size_t f8_ring_bytes(int R) {
+    return (size_t)R * 2 * 256 * 16;
+}
+
+/* 16 bytes from shared memory through a generic pointer into it (the activations' codes: a
+ * generic load is tracked as a global one, a long scoreboard wait) */
+static __device__ __forceinline__ uint4 f8_lds(const uint4 *p) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"((unsigned)__cvta_generic_to_shared(p)));
+    return v;
+}
 
 /* Requests the next step of a warp's stream (tile *b of the grid-stride list, its k-th step of
  * the part's nmy) into slot `slot` (none past the stream's end), as one commit group. */
@@ -206,22 +220,28 @@ static __device__ __forceinline__ void f8_ring_issue(uint4 *ring, int slot, cons
     cp_async_commit();
 }
 
-/* acc += the tile's rows dotted with the lane's column, as f8_tile, the weights from the ring
- * (slot: the ring position of the tile's first step, advanced past its last). */
-static __device__ __forceinline__ void f8_ring_tile(float (&acc)[4], uint4 *ring, int &slot,
-                                                    const uint8_t *W, size_t e_off, int N, int K,
-                                                    int S, int part, int nmy, int nb, int &ib,
-                                                    int &ik, const uint4 *xr, const uint4 *w0,
-                                                    const uint4 *w1, int l4) {
+/* acc += the tile's rows dotted with the lane's column, as f8_tile, the weights from a ring of
+ * depth R (slot: the ring position of the tile's first step, advanced past its last); XSH: xr
+ * points into shared memory. */
+template <int R, bool XSH>
+static __device__ __forceinline__ void
+f8_ring_tile(float (&acc)[4], uint4 *ring, int &slot, const uint8_t *W, size_t e_off, int N, int K,
+             int S, int part, int nmy, int nb, int &ib, int &ik, const uint4 *xr, const uint4 *w0,
+             const uint4 *w1, int l4) {
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     for (int k = 0; k < nmy; k++) {
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(F8_RING - 1) : "memory");
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(R - 1) : "memory");
         const uint4 a0 = ring[slot * 512], a1 = ring[slot * 512 + 256];
         const int su = part + k * S;
-        f8_mma_step(acc, a0, a1, xr ? xr[8 * su] : zero, xr ? xr[8 * su + 1] : zero);
+        uint4 x0 = zero, x1 = zero;
+        if (xr) {
+            x0 = XSH ? f8_lds(xr + 8 * su) : xr[8 * su];
+            x1 = XSH ? f8_lds(xr + 8 * su + 1) : xr[8 * su + 1];
+        }
+        f8_mma_step(acc, a0, a1, x0, x1);
         /* (after the step: its products used a0 and a1, so the slot's reads are done) */
         f8_ring_issue(ring, slot, W, e_off, N, K, S, part, nmy, nb, ib, ik);
-        slot = slot + 1 == F8_RING ? 0 : slot + 1;
+        slot = slot + 1 == R ? 0 : slot + 1;
     }
     const int ns = K / 64;
     if (part == 0 && K % 64) {

@@ -214,8 +214,16 @@ extern "C" void ds_cu_set_f8_moe_waves(ds_cu *c, int blocks_per_sm) {
     c->f8_moe_waves = blocks_per_sm;
 }
 
-extern "C" void ds_cu_set_f8_ring(ds_cu *c, int on) {
-    c->f8_ring = on;
+extern "C" void ds_cu_set_f8_ring(ds_cu *c, int depth) {
+    c->f8_ring = depth <= 0 ? 0 : depth < 8 ? 4 : 8;
+}
+
+extern "C" void ds_cu_set_f8_noquant(ds_cu *c, int on) {
+    c->f8_noquant = on;
+}
+
+extern "C" void ds_cu_set_f8_gemv_waves(ds_cu *c, int blocks_per_sm) {
+    c->f8_gemv_waves = blocks_per_sm;
 }
 
 extern "C" void ds_cu_set_gemv_max_t(ds_cu *c, int rows) {

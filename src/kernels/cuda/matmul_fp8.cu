@@ -78,12 +78,12 @@ extern "C" int ds_cu_ptpc_quantize_act(ds_cu *c, uint8_t *xq, int ldq, float *s,
  * its wait. A token's sum takes the same steps whatever else the pass holds (batch invariance).
  * RING: the weights through fp8_stream.cuh's ring in shared memory (after the codes, roff uint4
  * in), requested before the wait: the same steps, the same sums. */
-template <bool RING>
+template <int RING>
 __global__ void __launch_bounds__(256)
     gemv_f8m_k(float *y, int ldy, const float *x, int ldx, const uint16_t *xh, const float *xs,
-               const uint8_t *W, const float *sr, int N, int K, int S, int T, int roff) {
+               const uint8_t *W, const float *sr, int N, int K, int S, int T, int roff, int noq) {
     extern __shared__ uint4 f8_xdyn[]; /* [nt][K] F16 code values of the pass's tokens (no xh),
-                                          then (RING) the ring [F8_RING][2][256] */
+                                          then (RING) the ring [RING][2][256] */
     __shared__ float4 red[8][32];      /* [warp][lane] partial sums (S > 1) */
     __shared__ float st_sh[8];         /* the pass's token scales (no xh) */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, l4 = lane & 3;
@@ -93,10 +93,9 @@ __global__ void __launch_bounds__(256)
     uint4 a[RING ? 1 : F8_U][2];
     uint4 *ring = f8_xdyn + roff + threadIdx.x;
     int ib = blockIdx.x, ik = 0, slot = 0; /* (RING) the next step to request; the next slot */
-    if (RING) {
+    if constexpr (RING > 0) {
 #pragma unroll 1
-        for (int r = 0; r < F8_RING; r++)
-            f8_ring_issue(ring, r, W, 0, N, K, S, part, nmy, nb, ib, ik);
+        for (int r = 0; r < RING; r++) f8_ring_issue(ring, r, W, 0, N, K, S, part, nmy, nb, ib, ik);
     } else {
         const int n0 = (blockIdx.x * (8 / S) + warp / S) * 16 + g;
         f8_load(a, (const uint4 *)(W + (size_t)min(n0, N - 1) * K) + l4,
@@ -106,12 +105,13 @@ __global__ void __launch_bounds__(256)
     const uint16_t *xb = xh ? xh + (size_t)t0 * K : (const uint16_t *)f8_xdyn;
     const float *st = xh ? xs + t0 : st_sh;
     if (!xh) {
-        for (int t = 0; t < nt; t++) {
+        for (int t = 0; t < nt && !noq; t++) {
             const float *xr = x + (size_t)(t0 + t) * ldx;
             const float s =
                 f8_quant_row((uint16_t *)f8_xdyn + (size_t)t * K, K, [xr](int c) { return xr[c]; });
             if (threadIdx.x == 0) st_sh[t] = s;
         }
+        if (noq && threadIdx.x < nt) st_sh[threadIdx.x] = 1.0f; /* (a what-if: codes unset) */
         __syncthreads();
     }
     const uint4 *xr = g < nt ? (const uint4 *)(xb + (size_t)g * K) + 2 * l4 : NULL;
@@ -122,8 +122,13 @@ __global__ void __launch_bounds__(256)
         const uint4 *w0 = (const uint4 *)(W + (size_t)min(n0, N - 1) * K) + l4;
         const uint4 *w1 = (const uint4 *)(W + (size_t)min(n1, N - 1) * K) + l4;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (RING) {
-            f8_ring_tile(acc, ring, slot, W, 0, N, K, S, part, nmy, nb, ib, ik, xr, w0, w1, l4);
+        if constexpr (RING > 0) {
+            if (!xh) /* the codes in shared memory */
+                f8_ring_tile<RING, true>(acc, ring, slot, W, 0, N, K, S, part, nmy, nb, ib, ik, xr,
+                                         w0, w1, l4);
+            else
+                f8_ring_tile<RING, false>(acc, ring, slot, W, 0, N, K, S, part, nmy, nb, ib, ik, xr,
+                                          w0, w1, l4);
         } else {
             f8_tile(acc, a, w0, w1, xr, part, S, K, l4);
             if (b + (int)gridDim.x < nb) {
@@ -192,22 +197,28 @@ static int fp8_gemv(ds_cu *c, float *y, int ldy, const float *x, int ldx, const 
     /* blocks' worth of tiles; a block that quantizes its tokens does so once, for as many tiles
      * as one wave of blocks (two a multiprocessor) leaves it */
     unsigned bx = (unsigned)(((N + 15) / 16 + 8 / S - 1) / (8 / S));
-    if (!xh) bx = DS_MIN(bx, (unsigned)(2 * c->n_sm));
+    if (!xh) bx = DS_MIN(bx, (unsigned)((c->f8_gemv_waves > 0 ? c->f8_gemv_waves : 2) * c->n_sm));
     const size_t xbytes = xh ? 0 : ((size_t)T * K * 2 + 15) / 16 * 16;
     const int ring = c->f8_ring;
     if (ring && !c->f8_ring_set[0]) { /* (never inside a capture: every shape runs eagerly first) */
-        CU_TRY(cudaFuncSetAttribute(gemv_f8m_k<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)(F8_XSH_MAX + F8_RING_BYTES)),
+        CU_TRY(cudaFuncSetAttribute(gemv_f8m_k<8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)(F8_XSH_MAX + f8_ring_bytes(8))),
+               "matmul fp8: shared memory");
+        CU_TRY(cudaFuncSetAttribute(gemv_f8m_k<4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)(F8_XSH_MAX + f8_ring_bytes(4))),
                "matmul fp8: shared memory");
         c->f8_ring_set[0] = 1;
     }
-    const size_t smem = xbytes + (ring ? (size_t)F8_RING_BYTES : 0);
+    const size_t smem = xbytes + f8_ring_bytes(ring);
     for (int t0 = 0; t0 < T; t0 += 8 * 65535)
-        launch_k(c, ring ? gemv_f8m_k<true> : gemv_f8m_k<false>,
+        launch_k(c,
+                 ring == 8   ? gemv_f8m_k<8>
+                 : ring == 4 ? gemv_f8m_k<4>
+                             : gemv_f8m_k<0>,
                  dim3(bx, (unsigned)DS_MIN((T - t0 + 7) / 8, 65535)), 256, smem,
                  y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx,
                  xh ? xh + (size_t)t0 * K : (const uint16_t *)NULL, xh ? st + t0 : st, W, sr, N, K,
-                 S, T - t0, (int)(xbytes / 16));
+                 S, T - t0, (int)(xbytes / 16), c->f8_noquant);
     CU_TRY(cudaGetLastError(), "matmul fp8 (gemv)");
     return DS_OK;
 }
