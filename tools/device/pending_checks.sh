@@ -41,9 +41,9 @@
 #      BF16, FP8, and FP8 with the codes made first (session 32 ran those).
 #  13. (issue 32, session 34) the quantizers' rounding on the conversion unit: the bit-for-bit
 #      check, the FP8 checks (the ring's word for word), the products' and experts' timings at
-#      one token, decode batch 1, 32 and 256 in BF16, ptpc_fp8 and ptpc_fp8 with the weights
-#      through the ring (DS_CUDA_F8_RING=1; two rounds, alternating), and with the codes made
-#      first; PROF=1: the per-op profile of a batch-1 step, BF16 and ptpc_fp8.
+#      one token, decode batch 1, 32 and 256 in BF16 and ptpc_fp8 (two rounds, alternating; RINGS=1
+#      also the ring's forms, DS_CUDA_F8_RING), and with the codes made first; PROF=1: the per-op
+#      profile of a batch-1 step, BF16 and ptpc_fp8.
 # STEPS: which of them (default "10 13"; 1-5 ran in sessions 27-28, 6, 7 and 9 in session 31, 8 at
 # 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12 in session 33 on
 # H100s: bench/RESULTS.md).
@@ -124,8 +124,10 @@ fi
 if want 13; then
 el "13. (issue 32) the quantizers on the conversion unit (session 34): the E4M3 rounding bit for"
 el "    bit, the FP8 checks, the FP8 products' and experts' timings, decode BF16 vs ptpc_fp8"
-DS_CUDA_CHECKS="matmul fp8,moe fp8,kda batch" timeout 150 .devbin/test_cuda_kernels 2>&1 |
-  grep -E "FAIL|rounding|quantize|ring|checks:" | head -40
+DS_CUDA_CHECKS="matmul fp8,moe fp8,kda batch" timeout 150 .devbin/test_cuda_kernels \
+  > "$OUT/fp8_check.log" 2>&1
+echo "checks rc $? ($(grep -c ' ok$' "$OUT/fp8_check.log") ok, $(grep -c FAIL "$OUT/fp8_check.log") FAIL)"
+grep -E "FAIL|rounding|checks:" "$OUT/fp8_check.log" | head -20
 timeout 150 .devbin/test_cuda_kernels --bench-only fp8 2>&1 | grep "T=1 " | head -12
 timeout 100 .devbin/test_cuda_kernels --bench-only moefp8 2>&1 | grep "bench moe fp8 T=1 "
 B48=".devbin/deltaserve bench --model $SHAPE48 --load-format random --device cuda --prompt-tokens 16"
@@ -133,7 +135,8 @@ B48="$B48 --reps 1 --decode-context 512 --decode-steps 16 --batch-sizes 1,32,256
 for r in 1 2; do
   $B48 2>&1 | grep -E "^decode" | sed "s/^/[bf16 $r] /"
   $B48 -q ptpc_fp8 2>&1 | grep -E "^decode" | sed "s/^/[fp8 $r] /"
-  # the ring (DS_CUDA_F8_RING depth) with more blocks an SM (dense products, experts)
+  # RINGS=1: the ring (DS_CUDA_F8_RING depth) with more blocks an SM (dense products, experts)
+  [ "${RINGS:-0}" = 1 ] || continue
   for f in "8 2 2" "4 3 3" "4 4 4"; do
     set -- $f
     DS_CUDA_F8_RING=$1 DS_CUDA_F8_GEMV_WAVES=$2 DS_CUDA_F8_MOE_WAVES=$3 $B48 -q ptpc_fp8 \
