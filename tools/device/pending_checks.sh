@@ -44,12 +44,16 @@
 #      one token, decode batch 1, 32 and 256 in BF16 and ptpc_fp8 (two rounds, alternating; RINGS=1
 #      also the ring's forms, DS_CUDA_F8_RING), and with the codes made first; PROF=1: the per-op
 #      profile of a batch-1 step, BF16 and ptpc_fp8.
-# STEPS: which of them (default "10 13"; 1-5 ran in sessions 27-28, 6, 7 and 9 in session 31, 8 at
+#  14. (issue 32, session 34) the norms before the FP8 products write their codes
+#      (DS_CUDA_F8_NORM_CODES=1): the checks (codes bit for bit, products word for word), logits
+#      (tiny-k3, one and two tokens) and 48B greedy ids bit for bit with and without, decode
+#      batch 1 and 32 beside BF16 and ptpc_fp8.
+# STEPS: which of them (default "14"; 1-5 ran in sessions 27-28, 6, 7 and 9 in session 31, 8 at
 # 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12 in session 33 on
 # H100s: bench/RESULTS.md).
 set -u
 OUT=${OUT:-/tmp/ds-out}
-STEPS=" ${STEPS:-10 13} "
+STEPS=" ${STEPS:-14} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -154,6 +158,36 @@ if [ "${PROF:-0}" = 1 ]; then # the per-op profile of an eager batch-1 step, BF1
     grep -A28 -E "decode.*batch 1" "$OUT/profile_$q.txt" | head -30 | sed "s/^/[$q] /"
   done
 fi
+fi
+if want 14; then
+el "14. (issue 32) the norms write the FP8 products' codes (DS_CUDA_F8_NORM_CODES, session 34):"
+el "    the checks, logits and greedy ids bit for bit with and without, decode batch 1"
+DS_CUDA_CHECKS="matmul fp8,moe fp8" timeout 150 .devbin/test_cuda_kernels > "$OUT/codes_check.log" 2>&1
+echo "checks rc $? ($(grep -c ' ok$' "$OUT/codes_check.log") ok, $(grep -c FAIL "$OUT/codes_check.log") FAIL)"
+grep -E "FAIL|codes|checks:" "$OUT/codes_check.log" | head -16
+.devbin/deltaserve init-model --preset tiny-k3 --out /tmp/tk3 --force > /dev/null || echo "init failed"
+for ids in 5 5,7; do
+  for nc in 0 1; do
+    DS_CUDA_F8_NORM_CODES=$nc .devbin/deltaserve logits -m /tmp/tk3 --device cuda -q ptpc_fp8 \
+      --token-ids $ids -o "$OUT/lg_${ids/,/_}_$nc.npy" > /dev/null 2>&1 || echo "logits failed"
+  done
+  cmp -s "$OUT/lg_${ids/,/_}_0.npy" "$OUT/lg_${ids/,/_}_1.npy" && echo "logits $ids: identical" ||
+    echo "logits $ids: DIFFER"
+done
+for nc in 0 1; do
+  DS_CUDA_F8_NORM_CODES=$nc .devbin/deltaserve generate --model $SHAPE48 --load-format random \
+    --device cuda -q ptpc_fp8 -t 0 -n 24 --ignore-eos --print-ids -p "Hello there" 2>/dev/null |
+    tail -1 > "$OUT/ids48_$nc.txt"
+done
+cmp -s "$OUT/ids48_0.txt" "$OUT/ids48_1.txt" && echo "48B greedy ids: identical ($(wc -w < "$OUT/ids48_0.txt") words)" ||
+  echo "48B greedy ids: DIFFER"
+B48=".devbin/deltaserve bench --model $SHAPE48 --load-format random --device cuda --prompt-tokens 16"
+B48="$B48 --reps 1 --decode-context 512 --decode-steps 16 --batch-sizes 1,32"
+for r in $(seq "${ROUNDS:-2}"); do
+  $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16 $r] /"
+  $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 $r] /"
+  DS_CUDA_F8_NORM_CODES=1 $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 norm codes $r] /"
+done
 fi
 if want 1; then
 el "1. kernel checks"

@@ -254,6 +254,39 @@ static int wants_hidden(const cstep *s) {
 /* The step's launches, from the embedding (or the stream that arrived) to the logits in lg: no
  * host synchronisation inside, so that it can be captured as a graph (hidden states and taps,
  * downloaded per layer, are the exception: such steps never are). */
+/* Whether the norm before a layer's attention (its first products read its rows) or its FFN
+ * writes the rows' ptpc codes for them: FP8 products of up to 8 tokens (docs/quantization.md §3,
+ * ds_cu_set_x_codes), when on (DS_CUDA_F8_NORM_CODES). */
+static int codes_for_attn(const cstep *s, const layer_w *lw, const cu_layer *dw) {
+    const ds_cu_mat *first = lw->kind == DS_LAYER_KDA ? &dw->kda.in : &dw->mla.kv_a;
+    return s->T <= 8 && ds_cu_f8_norm_codes(s->c) && first->dtype == DS_CU_FP8 &&
+           ds_cu_norm_codes_fit(s->m->cfg.hidden_size);
+}
+static int codes_for_ffn(const cstep *s, const cu_ffn *f, int is_moe) {
+    const int f8 =
+        is_moe ? f->experts_fp8 || f->sh_gu.dtype == DS_CU_FP8 : f->gu.dtype == DS_CU_FP8;
+    return s->T <= 8 && ds_cu_f8_norm_codes(s->c) && f8 &&
+           ds_cu_norm_codes_fit(s->m->cfg.hidden_size);
+}
+
+/* x = rmsnorm(P + a) (a non-NULL: P += a first) or rmsnorm(src), and with codes the rows' ptpc
+ * codes declared for the products that read x (ds_cu_set_x_codes); without, none declared. */
+static int norm_x(cstep *s, float *x, const float *src, float *P, const float *a, const float *w,
+                  int codes, ds_err *err) {
+    ds_cu *cu = s->c;
+    const ds_config *c = &s->m->cfg;
+    int T = s->T, D = c->hidden_size;
+    uint16_t *xh = NULL;
+    float *st = NULL;
+    if (codes) TRY(ds_cu_x_codes_buf(cu, T, D, &xh, &st, err));
+    if (a)
+        ds_cu_add_rmsnorm_codes(cu, x, P, a, w, T, D, c->rms_norm_eps, xh, st);
+    else
+        ds_cu_rmsnorm_codes(cu, x, src, w, T, D, c->rms_norm_eps, xh, st);
+    ds_cu_set_x_codes(cu, codes ? x : NULL, xh, st, T, D);
+    return DS_OK;
+}
+
 static int run_body(cstep *s, int nb, ds_err *err) {
     ds_model *m = s->m;
     ds_cuda_model *cm = s->cm;
@@ -277,8 +310,9 @@ static int run_body(cstep *s, int nb, ds_err *err) {
         const layer_w *lw = &m->layers[i];
         const cu_layer *dw = &cm->layers[i];
         PROF(s, "norms, residual, attnres");
+        const int ca = codes_for_attn(s, lw, dw);
         if (N == 0 && pending) {
-            ds_cu_add_rmsnorm(cu, x, P, a, dw->in_norm, T, D, c->rms_norm_eps);
+            TRY(norm_x(s, x, NULL, P, a, dw->in_norm, ca, err));
             pending = 0;
         } else if (N > 0) {
             /* mix first, then bank P: layer 0 banks the embedding (docs/model.md §6.3) */
@@ -286,25 +320,28 @@ static int run_body(cstep *s, int nb, ds_err *err) {
                                   c->rms_norm_eps, err));
             int banks = i % N == 0;
             if (banks) TRY(ds_cu_copy_d2d(cu, bank + (size_t)nb++ * TDp, P, TD * 4, err));
-            ds_cu_rmsnorm(cu, x, x, dw->in_norm, T, D, c->rms_norm_eps);
+            TRY(norm_x(s, x, x, NULL, NULL, dw->in_norm, ca, err));
         } else {
-            ds_cu_rmsnorm(cu, x, P, dw->in_norm, T, D, c->rms_norm_eps);
+            TRY(norm_x(s, x, P, NULL, NULL, dw->in_norm, ca, err));
         }
         TRY(lw->kind == DS_LAYER_KDA ? cuda_kda_forward(s, lw, &dw->kda, x, a, err)
                                      : cuda_mla_forward(s, lw, &dw->mla, x, a, err));
+        ds_cu_set_x_codes(cu, NULL, NULL, NULL, 0, 0); /* x is written next */
         PROF(s, "norms, residual, attnres");
         if (N > 0 && i % N == 0)
             TRY(ds_cu_copy_d2d(cu, P, a, TD * 4, err));
         else if (N > 0)
             ds_cu_add(cu, P, a, TD);
+        const int cf = codes_for_ffn(s, &dw->ffn, lw->ffn.is_moe);
         if (N > 0) {
             TRY(ds_cu_attnres_mix(cu, x, s->cands + (size_t)nb * nbx, nb + 1, dw->mlp_res_np, T, D,
                                   c->rms_norm_eps, err));
-            ds_cu_rmsnorm(cu, x, x, dw->post_norm, T, D, c->rms_norm_eps);
+            TRY(norm_x(s, x, x, NULL, NULL, dw->post_norm, cf, err));
         } else {
-            ds_cu_add_rmsnorm(cu, x, P, a, dw->post_norm, T, D, c->rms_norm_eps);
+            TRY(norm_x(s, x, NULL, P, a, dw->post_norm, cf, err));
         }
         TRY(cuda_ffn_forward(s, &dw->ffn, lw->ffn.is_moe, x, a, err));
+        ds_cu_set_x_codes(cu, NULL, NULL, NULL, 0, 0); /* x is written next */
         PROF(s, "norms, residual, attnres");
         if (N == 0 && !hid)
             pending = 1; /* P += a happens in the next norm (this stage's or the final one) */

@@ -62,6 +62,9 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->f8_ring = env_count("DS_CUDA_F8_RING", 0);
     t->f8_gemv_waves = env_count("DS_CUDA_F8_GEMV_WAVES", 0);
     t->f8_noquant = env_flag("DS_CUDA_F8_NOQUANT", 0); /* a what-if (wrong results) */
+    /* the norms before FP8 products of up to 8 tokens write their codes (session 34: written,
+     * checked word for word; off until measured faster in a step) */
+    t->f8_norm_codes = env_flag("DS_CUDA_F8_NORM_CODES", 0);
     t->mla_gemm = env_flag("DS_CUDA_MLA_GEMM", 1);
     t->mla_flash = env_flag("DS_CUDA_MLA_FLASH", 1);
     t->early_experts = env_flag("DS_CUDA_EARLY_EXPERTS", 1);
@@ -113,6 +116,7 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_f8_ring(c, t->f8_ring);
     ds_cu_set_f8_gemv_waves(c, t->f8_gemv_waves);
     ds_cu_set_f8_noquant(c, t->f8_noquant);
+    ds_cu_set_f8_norm_codes(c, t->f8_norm_codes);
     ds_cu_set_mla_gemm(c, t->mla_gemm);
     ds_cu_set_mla_flash(c, t->mla_flash);
     ds_cu_set_early_experts(c, t->early_experts);

@@ -66,6 +66,7 @@ typedef struct ds_cuda_tuning {
     int f8_ring;       /* the FP8 streams' ring depth (0: registers) */
     int f8_gemv_waves; /* 0: the kernels' default */
     int f8_noquant;    /* a what-if: FP8 products skip quantizing (wrong results) */
+    int f8_norm_codes; /* the norms write codes for the FP8 products */
     int mla_gemm, mla_flash;
     int early_experts, wide_early, gemv_wide, conv_fixed;
     int kda_fused;             /* sequences up to which a decode step's KDA middle is one kernel */

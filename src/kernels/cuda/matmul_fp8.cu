@@ -307,7 +307,10 @@ int matmul_fp8(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, cons
     const int K = w->cols;
     const int mma = K % 16 == 0 && (uintptr_t)w->data % 16 == 0;
     const int tc = !stream && mma;
-    /* decode: one kernel, quantizing its tokens as it goes (unless f8_prequant) */
+    /* decode: one kernel, reading the codes the norm that made x wrote (ds_cu_set_x_codes), or
+     * quantizing its tokens as it goes (unless f8_prequant) */
+    if (!tc && mma && T <= 8 && x == c->xc_x && T == c->xc_T && K == c->xc_K && ldx == K)
+        return fp8_gemv(c, y, ldy, x, ldx, c->xc_h, c->xc_s, T, w, err);
     if (!tc && mma && T <= 8 && (size_t)T * K * 2 <= F8_XSH_MAX && !c->f8_prequant)
         return fp8_gemv(c, y, ldy, x, ldx, (const uint16_t *)NULL, (const float *)NULL, T, w, err);
     /* scratch (per stream: the side stream has its own): s [T] f32, then xq [T][K] codes for the

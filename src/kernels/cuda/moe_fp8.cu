@@ -124,9 +124,13 @@ __global__ void __launch_bounds__(256)
             const uint16_t *xrow = xh ? xh + (size_t)(rg / x_div) * K : (const uint16_t *)f8m_xdyn;
             float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             const uint4 *xq = g < nt ? (const uint4 *)xrow + 2 * l4 : NULL;
-            if constexpr (RING > 0) { /* (one routed row, its codes in shared memory) */
-                f8_ring_tile<RING, true>(acc, ring, slot, Wc, (size_t)e * N, N, K, S, part, nmy, nb,
-                                         ib, ik, xq, w0, w1, l4);
+            if constexpr (RING > 0) { /* (one routed row; its codes in shared memory unless xh) */
+                if (!xh)
+                    f8_ring_tile<RING, true>(acc, ring, slot, Wc, (size_t)e * N, N, K, S, part, nmy,
+                                             nb, ib, ik, xq, w0, w1, l4);
+                else
+                    f8_ring_tile<RING, false>(acc, ring, slot, Wc, (size_t)e * N, N, K, S, part,
+                                              nmy, nb, ib, ik, xq, w0, w1, l4);
             } else {
                 if (!have) f8_load(a, w0, w1, part, S, K / 64);
                 f8_tile(acc, a, w0, w1, xq, part, S, K, l4);
@@ -332,10 +336,12 @@ static void f8_stream(ds_cu *c, const f8_buf *b, const float *x, int T, int rows
         const moe_f8m_ptr kern = moe_f8m_pick(c->f8_ring);
         const size_t xu = ((size_t)D * 2 + 15) / 16 * 16, xd = ((size_t)I * 2 + 15) / 16 * 16;
         const size_t rb = f8_ring_bytes(c->f8_ring);
-        launch_k(c, kern, dim3(DS_MIN(bu, cap), g->ya), 256, xu + rb, b->h, 2 * I, x, D, none,
-                 (const uint16_t *)NULL, (const float *)NULL, k, w->gc, w->gs, 2 * I, D, su,
-                 g->start, g->perm, g->active, g->n_active, g->direct, g->e0, g->E, (int)(xu / 16),
-                 c->f8_noquant);
+        /* the token's codes from the norm that made x, where it wrote them (ds_cu_set_x_codes) */
+        const int xc = x == c->xc_x && c->xc_T == 1 && c->xc_K == D;
+        launch_k(c, kern, dim3(DS_MIN(bu, cap), g->ya), 256, (xc ? 0 : xu) + rb, b->h, 2 * I, x, D,
+                 none, xc ? c->xc_h : (const uint16_t *)NULL, xc ? c->xc_s : (const float *)NULL, k,
+                 w->gc, w->gs, 2 * I, D, su, g->start, g->perm, g->active, g->n_active, g->direct,
+                 g->e0, g->E, xc ? 0 : (int)(xu / 16), c->f8_noquant);
         launch_k(c, kern, dim3(DS_MIN(bd, cap), g->ya), 256, xd + rb, b->y, D, (const float *)b->h,
                  2 * I, act, (const uint16_t *)NULL, (const float *)NULL, 1, w->dc, w->ds, D, I, sd,
                  g->start, g->perm, g->active, g->n_active, g->direct, g->e0, g->E, (int)(xd / 16),
