@@ -181,14 +181,14 @@ static __device__ __forceinline__ void f8_tile(float (&acc)[4], uint4 (&a)[U][2]
 
 /* ---- the ring: the weights through shared memory ----------------------------------------------
  * The window above holds F8_U steps a warp in registers (64 of them), and a warp's next window is
- * requested only as its last one is multiplied: at one or two blocks an SM the products were
- * short of bytes in flight. The ring keeps R steps a thread in flight all the time in
+ * requested only as its last one is multiplied. The ring (an option, DS_CUDA_F8_RING: measured
+ * no faster, the products being bound by their instructions' issue, docs/quantization.md §3)
+ * keeps R steps a thread in flight all the time in
  * shared memory (cp.async, no registers): a warp's steps over all its tiles are one stream, and as
  * each is multiplied its slot requests the step R further on. Thread i's piece h (rows g,
  * g + 8) of slot r is ring[(2 r + h) * 256 + i]: every thread copies and reads its own pieces
  * only, so its own wait guards them (no barrier), and a warp's 32 pieces are consecutive (no bank
  * conflicts). The steps and their order are f8_tile's: the sums are the same bits. */
-enum { F8_RING_MAX = 8 };
 /* the ring's bytes at depth R (steps a thread) */
 static constexpr size_t f8_ring_bytes(int R) {
     return (size_t)R * 2 * 256 * 16;
