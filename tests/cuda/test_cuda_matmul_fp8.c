@@ -114,6 +114,25 @@ static void check_e4m3_rounding(ds_cu *c) {
     free(x), free(xq), free(st), free(gq);
 }
 
+/* y = x W^T on the device into host out [T][ldy] (y poisoned first): mode 1 batch invariance,
+ * 2 the same with K split to one step a warp; ring > 0: the weights through the ring that deep
+ * (4 deep with 4 blocks an SM: more blocks, the same sums). */
+static void mm8_mode(ds_cu *c, float *out, float *dy, int ldy, const float *dx, int ldx, int T,
+                     const ds_cu_mat *m, int mode, int ring) {
+    ds_err err = {{0}};
+    poison(c, dy, (size_t)T * ldy * 4);
+    ds_cu_set_batch_invariant(c, mode >= 1);
+    ds_cu_set_f8_split_min(c, mode == 2);
+    ds_cu_set_f8_ring(c, ring);
+    ds_cu_set_f8_gemv_waves(c, ring == 4 ? 4 : 0);
+    if (ds_cu_matmul(c, dy, ldy, dx, ldx, T, m, &err) || ds_cu_sync(c, &err)) DIE("%s", err.msg);
+    ds_cu_set_batch_invariant(c, 0);
+    ds_cu_set_f8_split_min(c, 0);
+    ds_cu_set_f8_ring(c, 0);
+    ds_cu_set_f8_gemv_waves(c, 0);
+    fetch(c, out, dy, (size_t)T * ldy * 4);
+}
+
 /* The F16 bits of an E4M3 code's value (exact: every E4M3 value is an F16 one). */
 static uint16_t e4m3_f16_bits(uint8_t code) {
     const uint16_t sg = (uint16_t)((code & 0x80) << 8);
@@ -170,14 +189,10 @@ static void check_norm_codes(ds_cu *c, int T, int N, int K, int add) {
     /* the product: quantizing itself, then reading the norm's codes */
     ds_cu_mat m = {(const uint16_t *)dq, N, K, DS_CU_FP8, dsr, NULL, 0};
     float *y0 = malloc((size_t)T * N * 4), *y1 = malloc((size_t)T * N * 4);
-    poison(c, dy, (size_t)T * N * 4);
-    if (ds_cu_matmul(c, dy, N, dx, K, T, &m, &err) || ds_cu_sync(c, &err)) DIE("%s", err.msg);
-    fetch(c, y0, dy, (size_t)T * N * 4);
-    poison(c, dy, (size_t)T * N * 4);
+    mm8_mode(c, y0, dy, N, dx, K, T, &m, 0, 0);
     ds_cu_set_x_codes(c, dx, xh, st, T, K);
-    if (ds_cu_matmul(c, dy, N, dx, K, T, &m, &err) || ds_cu_sync(c, &err)) DIE("%s", err.msg);
+    mm8_mode(c, y1, dy, N, dx, K, T, &m, 0, 0);
     ds_cu_set_x_codes(c, NULL, NULL, NULL, 0, 0);
-    fetch(c, y1, dy, (size_t)T * N * 4);
     snprintf(what, sizeof what,
              "matmul fp8 T=%d N=%d K=%d reading the norm's codes: words differing", T, N, K);
     report(what, (double)words_differ(y1, y0, (size_t)T * N), 0.0);
@@ -217,15 +232,8 @@ static void check_matmul_fp8(ds_cu *c, int T, int N, int K, int pad, int mode, d
     float *dx = dev(c, x, (size_t)T * ldx * 4), *dy = dev(c, NULL, (size_t)T * ldy * 4);
     uint8_t *dq = dev(c, q, (size_t)N * K);
     float *dsr = dev(c, sr, (size_t)N * 4);
-    poison(c, dy, (size_t)T * ldy * 4);
     ds_cu_mat m = {(const uint16_t *)dq, N, K, DS_CU_FP8, dsr, NULL, 0};
-    ds_err err = {{0}};
-    ds_cu_set_batch_invariant(c, mode >= 1);
-    ds_cu_set_f8_split_min(c, mode == 2);
-    if (ds_cu_matmul(c, dy, ldy, dx, ldx, T, &m, &err) || ds_cu_sync(c, &err)) DIE("%s", err.msg);
-    ds_cu_set_batch_invariant(c, 0);
-    ds_cu_set_f8_split_min(c, 0);
-    fetch(c, got, dy, (size_t)T * ldy * 4);
+    mm8_mode(c, got, dy, ldy, dx, ldx, T, &m, mode, 0);
     char what[128];
     const char *form = mode == 2 ? " (invariant, K split to 1 step)" : mode ? " (invariant)" : "";
     snprintf(what, sizeof what, "matmul fp8 T=%d N=%d K=%d%s%s: vs float64", T, N, K,
@@ -236,18 +244,7 @@ static void check_matmul_fp8(ds_cu *c, int T, int N, int K, int pad, int mode, d
     report(what, rel_err(got, cpu, (size_t)T, (size_t)N, (size_t)ldy), tol);
     for (int depth = 4; depth <= 8 && (T <= 8 || mode); depth += 4) { /* the ring: same bits */
         float *rg = malloc((size_t)T * ldy * 4);
-        poison(c, dy, (size_t)T * ldy * 4);
-        ds_cu_set_batch_invariant(c, mode >= 1);
-        ds_cu_set_f8_split_min(c, mode == 2);
-        ds_cu_set_f8_ring(c, depth);
-        ds_cu_set_f8_gemv_waves(c, depth == 4 ? 4 : 0); /* (more blocks: the same sums) */
-        if (ds_cu_matmul(c, dy, ldy, dx, ldx, T, &m, &err) || ds_cu_sync(c, &err))
-            DIE("%s", err.msg);
-        ds_cu_set_f8_ring(c, 0);
-        ds_cu_set_f8_gemv_waves(c, 0);
-        ds_cu_set_batch_invariant(c, 0);
-        ds_cu_set_f8_split_min(c, 0);
-        fetch(c, rg, dy, (size_t)T * ldy * 4);
+        mm8_mode(c, rg, dy, ldy, dx, ldx, T, &m, mode, depth);
         size_t bad = 0;
         for (int t = 0; t < T; t++)
             bad += words_differ(rg + (size_t)t * ldy, got + (size_t)t * ldy, (size_t)N);
