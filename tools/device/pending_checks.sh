@@ -47,7 +47,7 @@
 #  14. (issue 32, session 34) the norms before the FP8 products write their codes
 #      (DS_CUDA_F8_NORM_CODES=1): the checks (codes bit for bit, products word for word), logits
 #      (tiny-k3, one and two tokens) and 48B greedy ids bit for bit with and without, decode
-#      batch 1 and 32 beside BF16 and ptpc_fp8.
+#      batch 1 and 32 beside BF16 and ptpc_fp8, and with the dense products' ring alone.
 # STEPS: which of them (default "14"; 1-5 ran in sessions 27-28, 6, 7 and 9 in session 31, 8 at
 # 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12 in session 33 on
 # H100s: bench/RESULTS.md).
@@ -187,6 +187,9 @@ for r in $(seq "${ROUNDS:-2}"); do
   $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16 $r] /"
   $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 $r] /"
   DS_CUDA_F8_NORM_CODES=1 $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 norm codes $r] /"
+  # the dense products' ring (4 deep, 4 blocks an SM) with the experts in registers
+  DS_CUDA_F8_NORM_CODES=1 DS_CUDA_F8_RING=4 DS_CUDA_F8_GEMV_WAVES=4 DS_CUDA_F8_MOE_RING=0 \
+    $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 norm codes, dense ring 4 $r] /"
 done
 fi
 if want 1; then

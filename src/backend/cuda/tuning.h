@@ -64,6 +64,7 @@ typedef struct ds_cuda_tuning {
     int f8_split_min;  /* 0: the kernels' default */
     int f8_moe_waves;  /* 0: the kernels' default */
     int f8_ring;       /* the FP8 streams' ring depth (0: registers) */
+    int f8_moe_ring;   /* ...for one token's experts (-1: as f8_ring) */
     int f8_gemv_waves; /* 0: the kernels' default */
     int f8_noquant;    /* a what-if: FP8 products skip quantizing (wrong results) */
     int f8_norm_codes; /* the norms write codes for the FP8 products */

@@ -43,6 +43,7 @@ struct ds_cu {
     int f8_moe_waves;    /* one token's FP8 experts: blocks an SM at most (0: 2) */
     int f8_gemv_waves;   /* an FP8 product that quantizes its tokens: blocks an SM (0: 2) */
     int f8_ring;         /* the FP8 streams' ring depth, 4 or 8 steps (0: registers) */
+    int f8_moe_ring;     /* ...for one token's experts (ds_cu_set_f8_moe_ring) */
     int f8_noquant;      /* a what-if: decode's FP8 products skip quantizing their tokens */
     int f8_norm_codes;   /* the engine's norms write codes for FP8 products (ds_cu_set_...) */
     /* rows whose ptpc codes a norm wrote (ds_cu_set_x_codes): x [xc_T][xc_K] packed, its codes'

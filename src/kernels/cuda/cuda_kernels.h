@@ -313,6 +313,9 @@ void ds_cu_set_f8_moe_waves(ds_cu *c, int blocks_per_sm);
  * fp8_stream.cuh; 4 below 8, else 8) instead of a window in registers (0): the same steps and
  * sums, bit for bit. DS_CUDA_F8_RING in the engine. */
 void ds_cu_set_f8_ring(ds_cu *c, int depth);
+/* The same for one token's routed experts alone, after ds_cu_set_f8_ring (which sets both):
+ * DS_CUDA_F8_MOE_RING in the engine. */
+void ds_cu_set_f8_moe_ring(ds_cu *c, int depth);
 /* An FP8 product of up to 8 tokens that quantizes them itself: at most blocks_per_sm blocks an
  * SM (0: the default, 2), each quantizing once for its tiles. The sums do not change.
  * DS_CUDA_F8_GEMV_WAVES in the engine. */

@@ -315,7 +315,8 @@ typedef void (*moe_f8m_ptr)(float *, int, const float *, int, moe_act, const uin
                             const float *, int, const uint8_t *, const float *, int, int, int,
                             const int32_t *, const int32_t *, const int32_t *, const int32_t *,
                             const int32_t *, int, int, int, int);
-/* the streaming kernel with the ring of that depth (0: the register window; ds_cu_set_f8_ring) */
+/* the streaming kernel with the ring of that depth (0: the register window; ds_cu_set_f8_ring,
+ * ds_cu_set_f8_moe_ring) */
 static moe_f8m_ptr moe_f8m_pick(int ring) {
     return ring == 8 ? moe_f8m_k<8> : ring == 4 ? moe_f8m_k<4> : moe_f8m_k<0>;
 }
@@ -333,9 +334,9 @@ static void f8_stream(ds_cu *c, const f8_buf *b, const float *x, int T, int rows
                       * f8_moe_waves: more blocks, each quantizing, fewer tiles a block) */
         const unsigned per_sm = c->f8_moe_waves > 0 ? (unsigned)c->f8_moe_waves : 2u;
         const unsigned cap = DS_MAX(1u, per_sm * (unsigned)c->n_sm / g->ya);
-        const moe_f8m_ptr kern = moe_f8m_pick(c->f8_ring);
+        const moe_f8m_ptr kern = moe_f8m_pick(c->f8_moe_ring);
         const size_t xu = ((size_t)D * 2 + 15) / 16 * 16, xd = ((size_t)I * 2 + 15) / 16 * 16;
-        const size_t rb = f8_ring_bytes(c->f8_ring);
+        const size_t rb = f8_ring_bytes(c->f8_moe_ring);
         /* the token's codes from the norm that made x, where it wrote them (ds_cu_set_x_codes) */
         const int xc = x == c->xc_x && c->xc_T == 1 && c->xc_K == D;
         launch_k(c, kern, dim3(DS_MIN(bu, cap), g->ya), 256, (xc ? 0 : xu) + rb, b->h, 2 * I, x, D,
@@ -406,7 +407,7 @@ extern "C" int ds_cu_moe_experts_fp8(ds_cu *c, float *out, const float *x, const
     ds_cu_prof_mark(c, "moe fp8 experts");
     const f8_w fw = {gu_codes, dn_codes, gu_scales, dn_scales};
     const moe_act act = {1, situ, situ_beta, situ_lin_beta};
-    if (direct && c->f8_ring && !c->f8_ring_set[1]) { /* (never inside a capture: see matmul) */
+    if (direct && c->f8_moe_ring && !c->f8_ring_set[1]) { /* (never inside a capture: see matmul) */
         CU_TRY(cudaFuncSetAttribute(moe_f8m_k<8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)(48 * 1024 + f8_ring_bytes(8))),
                "moe fp8: shared memory");
