@@ -251,9 +251,6 @@ static int wants_hidden(const cstep *s) {
     return 0;
 }
 
-/* The step's launches, from the embedding (or the stream that arrived) to the logits in lg: no
- * host synchronisation inside, so that it can be captured as a graph (hidden states and taps,
- * downloaded per layer, are the exception: such steps never are). */
 /* Whether the norm before a layer's attention (its first products read its rows) or its FFN
  * writes the rows' ptpc codes for them: FP8 products of up to 8 tokens (docs/quantization.md §3,
  * ds_cu_set_x_codes), when on (DS_CUDA_F8_NORM_CODES). */
@@ -287,6 +284,9 @@ static int norm_x(cstep *s, float *x, const float *src, float *P, const float *a
     return DS_OK;
 }
 
+/* The step's launches, from the embedding (or the stream that arrived) to the logits in lg: no
+ * host synchronisation inside, so that it can be captured as a graph (hidden states and taps,
+ * downloaded per layer, are the exception: such steps never are). */
 static int run_body(cstep *s, int nb, ds_err *err) {
     ds_model *m = s->m;
     ds_cuda_model *cm = s->cm;

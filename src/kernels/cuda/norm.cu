@@ -7,8 +7,8 @@
 enum { NORM_V = 12 };
 
 /* y = w * v / rms(v) for a row held in registers, v[i] at column threadIdx.x + i blockDim.x
- * (zeros past D): each thread's squares summed in column order, as the looping form does. */
-/* With q, also the row's ptpc codes for the FP8 products that read y (docs/quantization.md §3):
+ * (zeros past D): each thread's squares summed in column order, as the looping form does.
+ * With q, also the row's ptpc codes for the FP8 products that read y (docs/quantization.md §3):
  * q[D] the F16 values of e4m3(y / s), *st = s, computed from the y values written, as each of
  * those products' blocks would from y (fp8_stream.cuh's f8_quant_row): their sums keep their
  * bits, and the products skip their quantizer. */
