@@ -130,6 +130,20 @@ static __device__ __forceinline__ void f8_mma_step(float (&acc)[4], uint4 a0, ui
 }
 #endif
 
+/* A warp's 16-row tile in tile-set b (8 / S tiles a block, S warps along K; W's rows from e_off
+ * on): the lane's pieces l4 of rows g and g + 8 (clamped to the last row), as f8_load takes them.
+ */
+struct f8_trows {
+    const uint4 *w0, *w1;
+};
+static __device__ __forceinline__ f8_trows f8_tile_rows(const uint8_t *W, size_t e_off, int N,
+                                                        int K, int S, int b) {
+    const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, l4 = threadIdx.x & 3;
+    const int n0 = (b * (8 / S) + warp / S) * 16 + g;
+    return {(const uint4 *)(W + (e_off + min(n0, N - 1)) * K) + l4,
+            (const uint4 *)(W + (e_off + min(n0 + 8, N - 1)) * K) + l4};
+}
+
 /* Steps in flight a warp: their weights loaded together, then multiplied (the activations, in
  * shared memory or L2, as each step needs them). */
 enum { F8_U = 8 };
@@ -194,6 +208,16 @@ static constexpr size_t f8_ring_bytes(int R) {
     return (size_t)R * 2 * 256 * 16;
 }
 
+/* A streaming kernel's ring forms (8 and 4 deep) allowed x_max bytes of codes beside their ring,
+ * above the default 48 KB of shared memory (once, outside any capture). */
+template <typename F> static cudaError_t f8_ring_attrs(F k8, F k4, size_t x_max) {
+    cudaError_t e = cudaFuncSetAttribute(k8, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)(x_max + f8_ring_bytes(8)));
+    return e != cudaSuccess ? e
+                            : cudaFuncSetAttribute(k4, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   (int)(x_max + f8_ring_bytes(4)));
+}
+
 /* 16 bytes from shared memory through a generic pointer into it (the activations' codes: a
  * generic load is tracked as a global one, a long scoreboard wait) */
 static __device__ __forceinline__ uint4 f8_lds(const uint4 *p) {
@@ -210,11 +234,11 @@ static __device__ __forceinline__ void f8_ring_issue(uint4 *ring, int slot, cons
                                                      size_t e_off, int N, int K, int S, int part,
                                                      int nmy, int nb, int &b, int &k) {
     if (b < nb && nmy > 0) {
-        const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, l4 = threadIdx.x & 3;
-        const int n0 = (b * (8 / S) + warp / S) * 16 + g, su = part + k * S;
+        const f8_trows r = f8_tile_rows(W, e_off, N, K, S, b);
+        const int su = part + k * S;
         uint4 *d = ring + slot * 512;
-        cp_async16(d, (const uint4 *)(W + (e_off + min(n0, N - 1)) * K) + l4 + 4 * su);
-        cp_async16(d + 256, (const uint4 *)(W + (e_off + min(n0 + 8, N - 1)) * K) + l4 + 4 * su);
+        cp_async16(d, r.w0 + 4 * su);
+        cp_async16(d + 256, r.w1 + 4 * su);
         if (++k == nmy) k = 0, b += gridDim.x;
     }
     cp_async_commit();

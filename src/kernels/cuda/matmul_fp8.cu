@@ -97,9 +97,8 @@ __global__ void __launch_bounds__(256)
 #pragma unroll 1
         for (int r = 0; r < RING; r++) f8_ring_issue(ring, r, W, 0, N, K, S, part, nmy, nb, ib, ik);
     } else {
-        const int n0 = (blockIdx.x * (8 / S) + warp / S) * 16 + g;
-        f8_load(a, (const uint4 *)(W + (size_t)min(n0, N - 1) * K) + l4,
-                (const uint4 *)(W + (size_t)min(n0 + 8, N - 1) * K) + l4, part, S, K / 64);
+        const f8_trows r = f8_tile_rows(W, 0, N, K, S, blockIdx.x);
+        f8_load(a, r.w0, r.w1, part, S, K / 64);
     }
     PDL_ENTRY();
     const uint16_t *xb = xh ? xh + (size_t)t0 * K : (const uint16_t *)f8_xdyn;
@@ -119,8 +118,8 @@ __global__ void __launch_bounds__(256)
      * the next tile's first steps are requested before this one's sums are added) */
     for (int b = blockIdx.x; b < nb; b += gridDim.x) {
         const int n0 = (b * (8 / S) + warp / S) * 16 + g, n1 = n0 + 8;
-        const uint4 *w0 = (const uint4 *)(W + (size_t)min(n0, N - 1) * K) + l4;
-        const uint4 *w1 = (const uint4 *)(W + (size_t)min(n1, N - 1) * K) + l4;
+        const f8_trows r = f8_tile_rows(W, 0, N, K, S, b);
+        const uint4 *w0 = r.w0, *w1 = r.w1;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         if constexpr (RING > 0) {
             if (!xh) /* the codes in shared memory */
@@ -132,9 +131,8 @@ __global__ void __launch_bounds__(256)
         } else {
             f8_tile(acc, a, w0, w1, xr, part, S, K, l4);
             if (b + (int)gridDim.x < nb) {
-                const int m0 = ((b + gridDim.x) * (8 / S) + warp / S) * 16 + g;
-                f8_load(a, (const uint4 *)(W + (size_t)min(m0, N - 1) * K) + l4,
-                        (const uint4 *)(W + (size_t)min(m0 + 8, N - 1) * K) + l4, part, S, K / 64);
+                const f8_trows m = f8_tile_rows(W, 0, N, K, S, b + gridDim.x);
+                f8_load(a, m.w0, m.w1, part, S, K / 64);
             }
         }
         if (!f8_split_sum(acc, red, S, part)) continue;
@@ -201,11 +199,7 @@ static int fp8_gemv(ds_cu *c, float *y, int ldy, const float *x, int ldx, const 
     const size_t xbytes = xh ? 0 : ((size_t)T * K * 2 + 15) / 16 * 16;
     const int ring = c->f8_ring;
     if (ring && !c->f8_ring_set[0]) { /* (never inside a capture: every shape runs eagerly first) */
-        CU_TRY(cudaFuncSetAttribute(gemv_f8m_k<8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)(F8_XSH_MAX + f8_ring_bytes(8))),
-               "matmul fp8: shared memory");
-        CU_TRY(cudaFuncSetAttribute(gemv_f8m_k<4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)(F8_XSH_MAX + f8_ring_bytes(4))),
+        CU_TRY(f8_ring_attrs(gemv_f8m_k<8>, gemv_f8m_k<4>, F8_XSH_MAX),
                "matmul fp8: shared memory");
         c->f8_ring_set[0] = 1;
     }

@@ -96,10 +96,8 @@ __global__ void __launch_bounds__(256)
         for (int r = 0; r < RING; r++)
             f8_ring_issue(ring, r, Wc, (size_t)e * N, N, K, S, part, nmy, nb, ib, ik);
     } else if (pre) {
-        const int n0 = (blockIdx.x * (8 / S) + warp / S) * 16 + g;
-        f8_load(a, (const uint4 *)(Wc + ((size_t)e * N + min(n0, N - 1)) * K) + l4,
-                (const uint4 *)(Wc + ((size_t)e * N + min(n0 + 8, N - 1)) * K) + l4, part, S,
-                K / 64);
+        const f8_trows r = f8_tile_rows(Wc, (size_t)e * N, N, K, S, blockIdx.x);
+        f8_load(a, r.w0, r.w1, part, S, K / 64);
     }
     if (!xh && noq) { /* (a what-if: the codes left unset) */
         if (threadIdx.x == 0) st_sh = 1.0f;
@@ -116,8 +114,8 @@ __global__ void __launch_bounds__(256)
     bool have = pre; /* a holds the first steps of the tile about to be multiplied */
     for (int b = blockIdx.x; b < nb; b += gridDim.x) {
         const int n0 = (b * (8 / S) + warp / S) * 16 + g, n1 = n0 + 8;
-        const uint4 *w0 = (const uint4 *)(Wc + ((size_t)e * N + min(n0, N - 1)) * K) + l4;
-        const uint4 *w1 = (const uint4 *)(Wc + ((size_t)e * N + min(n1, N - 1)) * K) + l4;
+        const f8_trows r = f8_tile_rows(Wc, (size_t)e * N, N, K, S, b);
+        const uint4 *w0 = r.w0, *w1 = r.w1;
         for (int p0 = r0; p0 < r1; p0 += 8) {
             const int nt = min(8, r1 - p0);
             const int rg = g < nt ? (direct ? p0 + g : perm[p0 + g]) : 0;
@@ -137,10 +135,8 @@ __global__ void __launch_bounds__(256)
             }
             have = false;
             if (!RING && !xh && b + (int)gridDim.x < nb) { /* one routed row: one pass a tile */
-                const int m0 = ((b + gridDim.x) * (8 / S) + warp / S) * 16 + g;
-                f8_load(a, (const uint4 *)(Wc + ((size_t)e * N + min(m0, N - 1)) * K) + l4,
-                        (const uint4 *)(Wc + ((size_t)e * N + min(m0 + 8, N - 1)) * K) + l4, part,
-                        S, K / 64);
+                const f8_trows m = f8_tile_rows(Wc, (size_t)e * N, N, K, S, b + gridDim.x);
+                f8_load(a, m.w0, m.w1, part, S, K / 64);
                 have = true;
             }
             if (!f8_split_sum(acc, red, S, part)) continue;
@@ -408,12 +404,7 @@ extern "C" int ds_cu_moe_experts_fp8(ds_cu *c, float *out, const float *x, const
     const f8_w fw = {gu_codes, dn_codes, gu_scales, dn_scales};
     const moe_act act = {1, situ, situ_beta, situ_lin_beta};
     if (direct && c->f8_moe_ring && !c->f8_ring_set[1]) { /* (never inside a capture: see matmul) */
-        CU_TRY(cudaFuncSetAttribute(moe_f8m_k<8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)(48 * 1024 + f8_ring_bytes(8))),
-               "moe fp8: shared memory");
-        CU_TRY(cudaFuncSetAttribute(moe_f8m_k<4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)(48 * 1024 + f8_ring_bytes(4))),
-               "moe fp8: shared memory");
+        CU_TRY(f8_ring_attrs(moe_f8m_k<8>, moe_f8m_k<4>, 48 * 1024), "moe fp8: shared memory");
         c->f8_ring_set[1] = 1;
     }
     if (tc)
