@@ -254,16 +254,16 @@ static int wants_hidden(const cstep *s) {
 /* Whether the norm before a layer's attention (its first products read its rows) or its FFN
  * writes the rows' ptpc codes for them: FP8 products of up to 8 tokens (docs/quantization.md §3,
  * ds_cu_set_x_codes), when on (DS_CUDA_F8_NORM_CODES). */
+static int codes_on(const cstep *s) {
+    return s->T <= 8 && ds_cu_f8_norm_codes(s->c) && ds_cu_norm_codes_fit(s->m->cfg.hidden_size);
+}
 static int codes_for_attn(const cstep *s, const layer_w *lw, const cu_layer *dw) {
     const ds_cu_mat *first = lw->kind == DS_LAYER_KDA ? &dw->kda.in : &dw->mla.kv_a;
-    return s->T <= 8 && ds_cu_f8_norm_codes(s->c) && first->dtype == DS_CU_FP8 &&
-           ds_cu_norm_codes_fit(s->m->cfg.hidden_size);
+    return codes_on(s) && first->dtype == DS_CU_FP8;
 }
 static int codes_for_ffn(const cstep *s, const cu_ffn *f, int is_moe) {
-    const int f8 =
-        is_moe ? f->experts_fp8 || f->sh_gu.dtype == DS_CU_FP8 : f->gu.dtype == DS_CU_FP8;
-    return s->T <= 8 && ds_cu_f8_norm_codes(s->c) && f8 &&
-           ds_cu_norm_codes_fit(s->m->cfg.hidden_size);
+    return codes_on(s) &&
+           (is_moe ? f->experts_fp8 || f->sh_gu.dtype == DS_CU_FP8 : f->gu.dtype == DS_CU_FP8);
 }
 
 /* x = rmsnorm(P + a) (a non-NULL: P += a first) or rmsnorm(src), and with codes the rows' ptpc
