@@ -120,6 +120,26 @@ static void check_kda_step(ds_cu *c, const int *lens, const int *rows, int n_seq
     report(what, rel_err(Sgot, Sref, 1, ns * n_seq, ns * n_seq), tol);
     snprintf(what, sizeof what, "kda %d seqs", n_seq);
     report_seq_rows(what, Rgot, Rref, off, lens, rows, n_seq, ns, 1e-5);
+    if (nc && g_kda_tc) { /* the outputs in a pass of their own: the same bits as the scan's */
+        float *o2 = malloc(nv * 4), *S2 = malloc(ns * n_seq * 4);
+        if (ds_cu_upload(c, dS, S0, ns * n_seq * 4, &err)) DIE("%s", err.msg);
+        poison(c, dout, nv * 4);
+        ds_cu_set_kda_out_fused(c, 0);
+        if (ds_cu_kda_recurrent_batch(c, dout, dq, dk_, dv_, dg, db, doff, dsp, drp, 0, n_seq, H,
+                                      dk, dv, chunked_min, &err) ||
+            ds_cu_kda_chunked(c, dout, dq, dk_, dv_, dg, db, cs, cl, dcsp, nc, H, dk, dv, &err))
+            DIE("%s", err.msg);
+        ds_cu_set_kda_out_fused(c, 1);
+        fetch(c, o2, dout, nv * 4);
+        fetch(c, S2, dS, ns * n_seq * 4);
+        snprintf(what, sizeof what, "kda %d seqs (T=%d) mode %d, outputs apart: words differing",
+                 n_seq, T, g_kda_tc);
+        report(what, (double)words_differ(o2, ogot, nv), 0);
+        snprintf(what, sizeof what, "kda %d seqs mode %d, outputs apart: states' words differing",
+                 n_seq, g_kda_tc);
+        report(what, (double)words_differ(S2, Sgot, ns * n_seq), 0);
+        free(o2), free(S2);
+    }
     ds_cu_dealloc(dq), ds_cu_dealloc(dk_), ds_cu_dealloc(dv_), ds_cu_dealloc(dg);
     ds_cu_dealloc(db), ds_cu_dealloc(dS), ds_cu_dealloc(dR), ds_cu_dealloc(dout);
     ds_cu_dealloc(doff), ds_cu_dealloc(dsp), ds_cu_dealloc(drp), ds_cu_dealloc(dcsp);
@@ -541,21 +561,26 @@ void bench_kda(ds_cu *c, const cuda_ceilings *ceil) {
         }
         /* the scan and outputs on tensor cores: TF32, then 3xTF32; pass 1 in f32 on CUDA cores,
          * then its products between 16-row blocks on tensor cores too (the default) */
+        /* ... each with the outputs made by the scan (the default) and in a third pass */
         for (int prep_tc = 0; prep_tc < 2; prep_tc++)
-            for (int mode = 1; mode <= 3; mode++) {
-                if (mode == 2 && prep_tc) continue; /* (BF16 keeps pass 1 in f32) */
-                ds_cu_set_kda_tc(c, mode);
-                ds_cu_set_kda_prep_tc(c, prep_tc);
-                ms = median_ms(c, run_kda, &kc, 2, 10);
-                /* "default": the model's form (tools/bench_latest.py takes that line) */
-                printf("bench kda chunked prefill T=8192 H=32 dk=dv=128 (%s scan and outputs, "
-                       "pass 1 %s%s): %.3f ms, %.0f tokens/s\n",
-                       mode == 1   ? "tf32"
-                       : mode == 2 ? "bf16"
-                                   : "3xtf32",
-                       prep_tc ? "tensor cores" : "f32", mode == 3 && !prep_tc ? ", default" : "",
-                       ms, kc.T / (ms * 1e-3));
-            }
+            for (int mode = 1; mode <= 3; mode++)
+                for (int apart = 0; apart < 2; apart++) {
+                    if (mode == 2 && prep_tc) continue; /* (BF16 keeps pass 1 in f32) */
+                    ds_cu_set_kda_tc(c, mode);
+                    ds_cu_set_kda_prep_tc(c, prep_tc);
+                    ds_cu_set_kda_out_fused(c, !apart);
+                    ms = median_ms(c, run_kda, &kc, 2, 10);
+                    /* "default": the model's form (tools/bench_latest.py takes that line) */
+                    printf(
+                        "bench kda chunked prefill T=8192 H=32 dk=dv=128 (%s scan and outputs%s, "
+                        "pass 1 %s%s): %.3f ms, %.0f tokens/s\n",
+                        mode == 1   ? "tf32"
+                        : mode == 2 ? "bf16"
+                                    : "3xtf32",
+                        apart ? " apart" : "", prep_tc ? "tensor cores" : "f32",
+                        mode == 3 && !prep_tc && !apart ? ", default" : "", ms, kc.T / (ms * 1e-3));
+                }
+        ds_cu_set_kda_out_fused(c, 1);
         ds_cu_set_kda_tc(c, 0);
         ds_cu_set_kda_prep_tc(c, 1);
         ds_cu_dealloc(kc.Sp);

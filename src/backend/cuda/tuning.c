@@ -79,6 +79,8 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     /* off: checked, but no faster where it matters (3xTF32 2.072 against 2.036 ms on an H100:
      * the pass is bound by shared memory, docs/tuning.md) */
     t->kda_prep_tc = env_flag("DS_CUDA_KDA_PREP_TC", 0);
+    /* the tensor-core scan makes the outputs (no third pass; the same bits) */
+    t->kda_out_fused = env_flag("DS_CUDA_KDA_FUSED_OUT", 1);
     /* a prompt chunk's expanded MLA attention over at most this many context rows at a time
      * (its f32 expansion is ~68 KB a row at the 48B shape: a million rows would not fit beside
      * the weights; with blocks of 131072 a million-token prompt prefills on one H200,
@@ -127,6 +129,7 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_conv_fixed(c, t->conv_fixed);
     ds_cu_set_kda_tc(c, t->kda_tc);
     ds_cu_set_kda_prep_tc(c, t->kda_prep_tc);
+    ds_cu_set_kda_out_fused(c, t->kda_out_fused);
     ds_cu_set_mla_ctx_block(c, t->mla_ctx_block);
     /* a side stream for independent chains within a step (ds_cu_side_begin) */
     ds_err side_err;

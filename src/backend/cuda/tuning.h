@@ -74,6 +74,7 @@ typedef struct ds_cuda_tuning {
     const char *kda_fused_set; /* DS_CUDA_KDA_FUSED as given, or NULL when unset or empty */
     int kda_tc;                /* 0, 1 or 3 */
     int kda_prep_tc;           /* pass 1 on tensor cores too (in modes 1 and 3) */
+    int kda_out_fused;         /* chunked KDA: the scan makes the outputs */
     int mla_ctx_block;         /* context rows a chunk's expanded attention takes at a time */
     int side, mla_all_heads;
     int mla_decode_tc; /* context rows from which absorbed MLA runs on tensor cores (0: never) */

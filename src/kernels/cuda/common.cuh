@@ -64,6 +64,7 @@ struct ds_cu {
     int mla_decode_tc_warps; /* its warps a block for BF16 rows in 64-row tiles: 16, else 8 */
     int kda_tc;        /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
     int kda_prep_f32;  /* ...and its first pass on CUDA cores even so (ds_cu_set_kda_prep_tc) */
+    int kda_out_sep;   /* ...and its outputs in a third pass (ds_cu_set_kda_out_fused) */
     int early_experts; /* the experts' down pass reads its routing early (ds_cu_set_...) */
     int wide_early;    /* one-token matmuls through the experts' kernel load before the wait */
     int gemv_wide;     /* one-token matmuls of many rows 4 rows a warp (ds_cu_set_gemv_wide) */

@@ -153,6 +153,10 @@ void ds_cu_set_kda_tc(ds_cu *c, int mode);
  * on (tests/cuda checks both forms); 0 keeps pass 1 on CUDA cores in f32 as in mode 0 (the
  * model's default: no faster in 3xTF32, docs/tuning.md; DS_CUDA_KDA_PREP_TC=1 turns it on). */
 void ds_cu_set_kda_prep_tc(ds_cu *c, int on);
+/* In the tensor-core modes, the outputs made by the scan (pass 3 inside pass 2: the chunks'
+ * starting states and U never go through memory; the same bits) — on in a new context; 0 keeps
+ * the third pass (tests/cuda compares both forms bit for bit; DS_CUDA_KDA_FUSED_OUT=0). */
+void ds_cu_set_kda_out_fused(ds_cu *c, int on);
 /* The routed experts' down pass reads its routing and first weights before waiting for the up
  * pass (they are older than it): on by default (DS_CUDA_EARLY_EXPERTS=0 turns it off); 2.836 ->
  * 2.783 ms a batch-1 step of the 48B shape. */

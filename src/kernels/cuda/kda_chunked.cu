@@ -1,32 +1,8 @@
-/* kda_chunked.cu — KDA in chunks (prefill): pass 1 builds each chunk's products, pass 2 scans a
- * sequence's chunks with the state in registers, pass 3 the outputs; the scan and outputs also
- * on TF32 tensor cores. */
-#include "kernels/cuda/common.cuh"
+/* kda_chunked.cu — KDA in chunks (prefill): pass 1 builds each chunk's products (the chunk
+ * algebra is in kda_chunked.cuh), then passes 2 and 3 (kda_chunk_scan.cu) walk each sequence's
+ * chunks and make the outputs; the entry point builds the chunk table and its scratch. */
+#include "kernels/cuda/kda_chunked.cuh"
 #include "kernels/cuda/tf32.cuh"
-
-/* ---- KDA in chunks (prefill) ------------------------------------------------------------------
- * Within a chunk of L <= 64 tokens starting from state S0, with G_t the running sum of the log
- * decays g (per key channel, inclusive of token t; G decreases), the recurrence unrolls to
- *   u_i = beta_i (v_i - S0^T (k_i e^{G_i})) - sum_{j<i} A_ij u_j,
- *         A_ij = beta_i sum_c k_ic k_jc e^{G_ic - G_jc}                      (j < i)
- *   o_t = S0^T (q_t e^{G_t}) + sum_{i<=t} P_ti u_i,  P_ti = sum_c q_tc k_ic e^{G_tc - G_ic}
- *   S_L = e^{G_L} S0 + sum_i (k_i e^{G_L - G_i}) u_i^T
- * so with (I + A) the unit lower-triangular matrix, U = Ut - W S0 where Ut = (I + A)^-1 diag(beta)
- * V and W = (I + A)^-1 diag(beta) (K e^G). Every exponent is a difference G_later - G_earlier <= 0,
- * so nothing overflows however strong the decay. Pass 1 (a block per chunk and head, all chunks
- * at once) builds W, Ut, Qp = Q e^G, Kc = K e^{G_L - G}, P and e^{G_L}; pass 2 (a block per head,
- * column group and sequence) walks its sequence's chunks in order: two small products per chunk,
- * the state's 32 columns kept in registers; pass 3 (a block per chunk and head, all at once) the
- * outputs. */
-enum { KC = 64 };
-/* pass 1's output per (chunk, head): W, Ut, Qp, Kc [KC][KD], P [KC][KC], gL [KD] */
-__host__ __device__ constexpr size_t kda_ch_floats(int KD) {
-    return (size_t)4 * KC * KD + (size_t)KC * KC + KD;
-}
-
-struct kda_chunk {
-    int t0, len, seg; /* its tokens [t0, t0 + len) of segment seg */
-};
 
 /* Built with -DDS_KDA_PREP_CLOCKS (tools/device/pack_devbin.sh's timing build), pass 1 adds up
  * the cycles its blocks spend in each phase (thread 0's clock between barriers) for
@@ -450,373 +426,6 @@ __global__ void __launch_bounds__(256, 2)
     KDA_CLK_SYNC_MARK(5); /* the solve */
 }
 
-/* State columns and threads per block: a thread's 2 x 4 U entries and 4 x 4 state entries reuse
- * each shared-memory load 8 and 16 times (512 threads halve that: shared memory is what the scan
- * waits on). */
-enum { KS_BV = 32, KS_NT = 256 };
-
-/* Pass 2's shared memory: two stages of a chunk's operands (W, Kc, Ut, e^{G_L}), then the state's
- * columns and U. The tensor-core form pads Kc, Ut, the state and U so that its fragment loads
- * (lanes 4 g + l4 reading rows l4 and columns g) fall on 32 different banks. */
-template <int KD, bool TC> struct kda_scan_smem {
-    static constexpr int WLD = KD + 4;                 /* W: a warp's 8 rows on 8 bank quads */
-    static constexpr int KLD = TC ? KD + 8 : KD;       /* Kc */
-    static constexpr int ULD = TC ? KS_BV + 8 : KS_BV; /* Ut, the state and U */
-    static constexpr int STAGE = KC * WLD + KC * KLD + KC * ULD + KD;
-    static constexpr size_t BYTES = ((size_t)2 * STAGE + KD * ULD + KC * ULD) * sizeof(float);
-};
-
-/* Chunk ci's operands (head h, columns [cg, cg + KS_BV)) into stage s of pass 2's shared memory,
- * every thread its share of 16-byte cp.async pieces (one commit group). */
-template <int KD, bool TC>
-__device__ __forceinline__ void kda_scan_stage(float *ssh, int s, const float *prep, int ci, int H,
-                                               int h, int cg) {
-    using SM = kda_scan_smem<KD, TC>;
-    const float *pr = prep + ((size_t)ci * H + h) * kda_ch_floats(KD);
-    float *W = ssh + s * SM::STAGE, *Kc = W + KC * SM::WLD, *Ut = Kc + KC * SM::KLD,
-          *gL = Ut + KC * SM::ULD;
-    /* W's and Kc's pieces interleaved: copied one matrix after the other (cp_async_rows twice),
-     * the TF32 chunked KDA took 1.670 against 1.624 ms at 8192 tokens x 32 heads */
-    for (int i = threadIdx.x; i < KC * KD / 4; i += KS_NT) {
-        const int r = i / (KD / 4), c = (i % (KD / 4)) * 4;
-        cp_async16(W + r * SM::WLD + c, pr + r * KD + c);
-        cp_async16(Kc + r * SM::KLD + c, pr + 3 * KC * KD + r * KD + c);
-    }
-    cp_async_rows<KS_BV, KS_NT>(Ut, SM::ULD, pr + KC * KD + cg, KD, KC);
-    for (int i = threadIdx.x; i < KD / 4; i += KS_NT)
-        cp_async16(gL + 4 * i, pr + 4 * KC * KD + KC * KC + 4 * i);
-    cp_async_commit();
-}
-
-/* Pass 2: block (head h, columns [BV cg, +BV), sequence z) walks z's chunks in order, keeping
- * only what is sequential: U = Ut - W S0 and the next state; it leaves each chunk's starting
- * state and U for pass 3. A chunk's W, Kc, Ut columns and e^{G_L} (75 KB, from memory: pass 1's
- * output is far larger than L2) are copied into shared memory with cp.async while the chunk
- * before is computed (two stages): the version that loaded them as it went spent ~12 us a chunk
- * waiting on memory for ~2 us of arithmetic. */
-template <int KD>
-__global__ void __launch_bounds__(KS_NT)
-    kda_chunk_scan_k(float *states, float *ug, const float *prep, const kda_chunk *chunks,
-                     const int *seg_chunk0, float *const *S, int H) {
-    PDL_ENTRY();
-    using SM = kda_scan_smem<KD, false>;
-    /* U rows and state channels per thread (8 threads across the 32 columns) */
-    constexpr int WLD = SM::WLD, RP = KC * 8 / KS_NT, NCH = KD * 8 / KS_NT;
-    extern __shared__ float ssh[];
-    float *Ss = ssh + 2 * SM::STAGE; /* [KD][KS_BV] the state's columns, as of this chunk */
-    float *Us = Ss + KD * KS_BV;     /* [KC][KS_BV] this chunk's U */
-    const int h = blockIdx.x, cg = blockIdx.y * KS_BV, z = blockIdx.z, tid = threadIdx.x;
-    float *Sh = S[z] + (size_t)h * KD * KD;     /* [dk][dv] */
-    const int q = tid / 8, col = (tid % 8) * 4; /* U: rows RP q..; state: channels NCH q.. */
-    float st[NCH][4];                           /* state entries (channel NCH q + x, col + y) */
-#pragma unroll
-    for (int x = 0; x < NCH; x++) {
-        const float4 s4 = *(const float4 *)(Sh + (size_t)(NCH * q + x) * KD + cg + col);
-        st[x][0] = s4.x, st[x][1] = s4.y, st[x][2] = s4.z, st[x][3] = s4.w;
-        *(float4 *)(Ss + (NCH * q + x) * KS_BV + col) = s4;
-    }
-    const int c0 = seg_chunk0[z], c1 = seg_chunk0[z + 1];
-    if (c0 < c1) kda_scan_stage<KD, false>(ssh, 0, prep, c0, H, h, cg);
-    for (int ci = c0; ci < c1; ci++) {
-        const int s = (ci - c0) & 1;
-        const float *W = ssh + s * SM::STAGE, *Kc = W + KC * WLD, *Ut = Kc + KC * KD;
-        const float *gL = Ut + KC * KS_BV;
-        cp_async_wait_all();
-        __syncthreads(); /* stage s has landed for all; everyone is done with the last chunk */
-        if (ci + 1 < c1) kda_scan_stage<KD, false>(ssh, s ^ 1, prep, ci + 1, H, h, cg);
-        float *sg = states + ((size_t)ci * H + h) * KD * KD; /* the state this chunk starts from */
-#pragma unroll
-        for (int x = 0; x < NCH; x++)
-            *(float4 *)(sg + (size_t)(NCH * q + x) * KD + cg + col) =
-                make_float4(st[x][0], st[x][1], st[x][2], st[x][3]);
-        { /* U = Ut - W S0: rows RP q .., columns col .. col+3 */
-            float u[RP][4] = {};
-#pragma unroll 4
-            for (int c = 0; c < KD; c += 4) {
-                float wa[RP][4];
-#pragma unroll
-                for (int r = 0; r < RP; r++) {
-                    const float4 w4 = *(const float4 *)(W + (RP * q + r) * WLD + c);
-                    wa[r][0] = w4.x, wa[r][1] = w4.y, wa[r][2] = w4.z, wa[r][3] = w4.w;
-                }
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const float4 s4 = *(const float4 *)(Ss + (c + e) * KS_BV + col);
-#pragma unroll
-                    for (int r = 0; r < RP; r++) {
-                        u[r][0] += wa[r][e] * s4.x, u[r][1] += wa[r][e] * s4.y;
-                        u[r][2] += wa[r][e] * s4.z, u[r][3] += wa[r][e] * s4.w;
-                    }
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < RP; r++) {
-                const int row = RP * q + r;
-                const float4 t4 = *(const float4 *)(Ut + row * KS_BV + col);
-                const float4 uv =
-                    make_float4(t4.x - u[r][0], t4.y - u[r][1], t4.z - u[r][2], t4.w - u[r][3]);
-                *(float4 *)(Us + row * KS_BV + col) = uv;
-                *(float4 *)(ug + ((size_t)ci * H + h) * KC * KD + (size_t)row * KD + cg + col) = uv;
-            }
-        }
-        __syncthreads(); /* U is whole; every read of Ss is done */
-        { /* S0 <- e^{G_L} S0 + Kc^T U (rows past the chunk's length are zeros in Kc and U) */
-#pragma unroll
-            for (int x = 0; x < NCH; x++) {
-                const float gl = gL[NCH * q + x];
-#pragma unroll
-                for (int y = 0; y < 4; y++) st[x][y] *= gl;
-            }
-#pragma unroll 8
-            for (int i = 0; i < KC; i++) {
-                const float4 u4 = *(const float4 *)(Us + i * KS_BV + col);
-#pragma unroll
-                for (int x = 0; x < NCH; x++) {
-                    const float kv = Kc[i * KD + NCH * q + x];
-                    st[x][0] += kv * u4.x, st[x][1] += kv * u4.y;
-                    st[x][2] += kv * u4.z, st[x][3] += kv * u4.w;
-                }
-            }
-#pragma unroll
-            for (int x = 0; x < NCH; x++)
-                *(float4 *)(Ss + (NCH * q + x) * KS_BV + col) =
-                    make_float4(st[x][0], st[x][1], st[x][2], st[x][3]);
-        }
-    }
-#pragma unroll
-    for (int x = 0; x < NCH; x++)
-        *(float4 *)(Sh + (size_t)(NCH * q + x) * KD + cg + col) =
-            make_float4(st[x][0], st[x][1], st[x][2], st[x][3]);
-}
-
-/* Pass 3: block (chunk, head) computes O = Qp S0 + P U for its tokens, every chunk at once: a
- * thread takes ROWS rows and 4 columns; S0 and U rows are read by every warp (L1 serves them),
- * Qp and P rows are the same across a warp's lanes (broadcast). */
-template <int KD>
-__global__ void __launch_bounds__(256)
-    kda_chunk_out_k(float *o, const float *states, const float *ug, const float *prep,
-                    const kda_chunk *chunks, int H) {
-    PDL_ENTRY();
-    constexpr int LANES = KD / 4;          /* threads across the columns */
-    constexpr int ROWS = KC * LANES / 256; /* rows per thread: 8 (KD 128) or 4 (KD 64) */
-    const kda_chunk ch = chunks[blockIdx.x];
-    const int h = blockIdx.y, tid = threadIdx.x;
-    const int r0 = (tid / LANES) * ROWS, col = (tid % LANES) * 4;
-    const size_t at = (size_t)blockIdx.x * H + h;
-    const float *pr = prep + at * kda_ch_floats(KD);
-    const float *Qp = pr + 2 * KC * KD, *P = pr + 4 * KC * KD;
-    const float *S0 = states + at * KD * KD, *U = ug + at * KC * KD;
-    if (r0 >= ch.len) return;
-    float acc[ROWS][4];
-#pragma unroll
-    for (int r = 0; r < ROWS; r++)
-#pragma unroll
-        for (int y = 0; y < 4; y++) acc[r][y] = 0.0f;
-#pragma unroll 8
-    for (int c = 0; c < KD; c++) {
-        const float4 sv = __ldg((const float4 *)(S0 + (size_t)c * KD + col));
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            const float qv = __ldg(Qp + (r0 + r) * KD + c);
-            acc[r][0] += qv * sv.x, acc[r][1] += qv * sv.y;
-            acc[r][2] += qv * sv.z, acc[r][3] += qv * sv.w;
-        }
-    }
-    const int i_end = min(ch.len, r0 + ROWS); /* P is lower triangular: i <= t */
-    for (int i = 0; i < i_end; i++) {
-        const float4 uv = __ldg((const float4 *)(U + (size_t)i * KD + col));
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            const float pv = __ldg(P + (r0 + r) * KC + i); /* zero where i > t */
-            acc[r][0] += pv * uv.x, acc[r][1] += pv * uv.y;
-            acc[r][2] += pv * uv.z, acc[r][3] += pv * uv.w;
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < ROWS; r++) {
-        const int t = r0 + r;
-        if (t >= ch.len) break;
-        *(float4 *)(o + ((size_t)(ch.t0 + t) * H + h) * KD + col) =
-            make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
-    }
-}
-
-/* Pass 3 on TF32 tensor cores (ds_cu_set_kda_tc: 1, or 3 with the operands split, the model's
- * default): the same two products, O = Qp S0 + P U, as mma.sync m16n8k8 with f32 accumulation, the
- * operands rounded to TF32 (10-bit mantissa: ~1e-3 relative error instead of f32's 1e-7). Block
- * (chunk, head), 8 warps: rows 16 (w mod 4) + [0, 16), half the columns each. S0 and U (the B
- * operands, read by every warp) are copied into shared memory once with cp.async, padded so that a
- * fragment's loads fall on 32 banks; Qp and P rows (A, one warp's own) come straight from memory.
- * Rows past the chunk's length are zeros in Qp, P and U (passes 1 and 2 write them so), so no
- * operand needs a mask; only the stores do. */
-/* One k-step of 8 for a warp's 16 rows and NT 8-column tiles: acc += A B with A row-major in
- * global memory (a: this lane's A(g, l4), rows lda apart) and B row-major in shared memory (b:
- * this lane's B(l4, g), rows ldb apart, tiles 8 columns apart). */
-template <int NT, int PREC>
-__device__ __forceinline__ void tf32_kstep(float (&acc)[NT][4], const float *a, int lda,
-                                           const float *b, int ldb) {
-    const tf32_a<PREC> af(__ldg(a), __ldg(a + 8 * lda), __ldg(a + 4), __ldg(a + 8 * lda + 4));
-#pragma unroll
-    for (int n = 0; n < NT; n++) mma_tf32x<PREC>(acc[n], af, b[n * 8], b[4 * ldb + n * 8]);
-}
-
-/* pass 3's shared memory on tensor cores: S0 [KD][KD + 8] and U [KC][KD + 8] */
-template <int KD> constexpr size_t kda_out_tc_smem() {
-    return (size_t)(KD + KC) * (KD + 8) * sizeof(float);
-}
-
-template <int KD, int PREC>
-__global__ void __launch_bounds__(256)
-    kda_chunk_out_tc_k(float *o, const float *states, const float *ug, const float *prep,
-                       const kda_chunk *chunks, int H) {
-    PDL_ENTRY();
-    constexpr int BLD = KD + 8; /* S0 and U rows in shared memory */
-    constexpr int NT = KD / 16; /* 8-column tiles a warp holds (half the columns) */
-    extern __shared__ float osh[];
-    float *S0s = osh;           /* [KD][BLD] */
-    float *Us = S0s + KD * BLD; /* [KC][BLD] */
-    const kda_chunk ch = chunks[blockIdx.x];
-    const int h = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = lane >> 2, l4 = lane & 3, r0 = 16 * (warp & 3), c0 = (KD / 2) * (warp >> 2);
-    const size_t at = (size_t)blockIdx.x * H + h;
-    const float *pr = prep + at * kda_ch_floats(KD);
-    const float *Qp = pr + 2 * KC * KD, *P = pr + 4 * KC * KD;
-    const float *S0 = states + at * KD * KD, *U = ug + at * KC * KD;
-    cp_async_rows<KD, 256>(S0s, BLD, S0, KD, KD);
-    cp_async_rows<KD, 256>(Us, BLD, U, KD, KC);
-    cp_async_commit();
-    cp_async_wait_all();
-    __syncthreads();
-    if (r0 >= ch.len) return; /* (no block barrier follows) */
-    float acc[NT][4];
-#pragma unroll
-    for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-        /* Qp S0: k over the KD key channels */
-#pragma unroll 4
-    for (int k0 = 0; k0 < KD; k0 += 8)
-        tf32_kstep<NT, PREC>(acc, Qp + (size_t)(r0 + g) * KD + k0 + l4, KD,
-                             S0s + (k0 + l4) * BLD + c0 + g, BLD);
-    /* P U: k over the chunk's tokens, up to this warp's last row (P is lower triangular) */
-    for (int k0 = 0; k0 < r0 + 16; k0 += 8)
-        tf32_kstep<NT, PREC>(acc, P + (size_t)(r0 + g) * KC + k0 + l4, KC,
-                             Us + (k0 + l4) * BLD + c0 + g, BLD);
-    const int t0 = r0 + g, t1 = t0 + 8;
-#pragma unroll
-    for (int n = 0; n < NT; n++) {
-        const int col = c0 + n * 8 + 2 * l4;
-        if (t0 < ch.len)
-            *(float2 *)(o + ((size_t)(ch.t0 + t0) * H + h) * KD + col) =
-                make_float2(acc[n][0], acc[n][1]);
-        if (t1 < ch.len)
-            *(float2 *)(o + ((size_t)(ch.t0 + t1) * H + h) * KD + col) =
-                make_float2(acc[n][2], acc[n][3]);
-    }
-}
-
-/* Pass 2 on TF32 tensor cores (with ds_cu_set_kda_tc): the same walk and staging, both products
- * as mma.sync m16n8k8 with f32 accumulation (the operands rounded to TF32). The state stays in
- * the accumulators of the second product: warp w holds channels 16 (w mod M2) + [0, 16) of
- * N2 8-column tiles, M2 = KD / 16 tiles of channels. */
-template <int KD, int PREC>
-__global__ void __launch_bounds__(KS_NT)
-    kda_chunk_scan_tc_k(float *states, float *ug, const float *prep, const kda_chunk *chunks,
-                        const int *seg_chunk0, float *const *S, int H) {
-    PDL_ENTRY();
-    using SM = kda_scan_smem<KD, true>;
-    constexpr int WLD = SM::WLD, KLD = SM::KLD, ULD = SM::ULD;
-    constexpr int M2 = KD / 16, N2 = 4 * M2 / 8; /* channel tiles; column tiles a warp holds */
-    extern __shared__ float ssh[];
-    float *Ss = ssh + 2 * SM::STAGE; /* [KD][ULD] the state's columns, as of this chunk */
-    float *Us = Ss + KD * ULD;       /* [KC][ULD] this chunk's U */
-    const int h = blockIdx.x, cg = blockIdx.y * KS_BV, z = blockIdx.z;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, l4 = lane & 3;
-    float *Sh = S[z] + (size_t)h * KD * KD; /* [dk][dv] */
-    /* second product's tile: channels m2 + g (+ 8), columns n2 + 8 n + 2 l4 (+ 1) */
-    const int m2 = 16 * (warp % M2), n2 = 8 * N2 * (warp / M2);
-    /* first product's tile: U rows m1 + g (+ 8), columns n1 + 8 n + 2 l4 (+ 1), n < 2 */
-    const int m1 = 16 * (warp & 3), n1 = 16 * (warp >> 2);
-    float st[N2][4];
-#pragma unroll
-    for (int n = 0; n < N2; n++)
-#pragma unroll
-        for (int hh = 0; hh < 2; hh++) {
-            const int ch = m2 + g + 8 * hh, cl = n2 + 8 * n + 2 * l4;
-            const float2 v2 = *(const float2 *)(Sh + (size_t)ch * KD + cg + cl);
-            st[n][2 * hh] = v2.x, st[n][2 * hh + 1] = v2.y;
-            *(float2 *)(Ss + ch * ULD + cl) = v2;
-        }
-    const int c0 = seg_chunk0[z], c1 = seg_chunk0[z + 1];
-    if (c0 < c1) kda_scan_stage<KD, true>(ssh, 0, prep, c0, H, h, cg);
-    for (int ci = c0; ci < c1; ci++) {
-        const int s = (ci - c0) & 1;
-        const float *W = ssh + s * SM::STAGE, *Kc = W + KC * WLD, *Ut = Kc + KC * KLD;
-        const float *gL = Ut + KC * ULD;
-        cp_async_wait_all();
-        __syncthreads(); /* stage s has landed for all; everyone is done with the last chunk */
-        if (ci + 1 < c1) kda_scan_stage<KD, true>(ssh, s ^ 1, prep, ci + 1, H, h, cg);
-        float *sg = states + ((size_t)ci * H + h) * KD * KD; /* the state this chunk starts from */
-#pragma unroll
-        for (int n = 0; n < N2; n++)
-#pragma unroll
-            for (int hh = 0; hh < 2; hh++)
-                *(float2 *)(sg + (size_t)(m2 + g + 8 * hh) * KD + cg + n2 + 8 * n + 2 * l4) =
-                    make_float2(st[n][2 * hh], st[n][2 * hh + 1]);
-        { /* U = Ut - W S0 */
-            float acc[2][4] = {};
-#pragma unroll 4
-            for (int k0 = 0; k0 < KD; k0 += 8) {
-                const float *wa = W + (m1 + g) * WLD + k0 + l4;
-                const tf32_a<PREC> af(wa[0], wa[8 * WLD], wa[4], wa[8 * WLD + 4]);
-#pragma unroll
-                for (int n = 0; n < 2; n++) {
-                    const float *sb = Ss + (k0 + l4) * ULD + n1 + 8 * n + g;
-                    mma_tf32x<PREC>(acc[n], af, sb[0], sb[4 * ULD]);
-                }
-            }
-#pragma unroll
-            for (int n = 0; n < 2; n++)
-#pragma unroll
-                for (int hh = 0; hh < 2; hh++) {
-                    const int row = m1 + g + 8 * hh, cl = n1 + 8 * n + 2 * l4;
-                    const float2 t2 = *(const float2 *)(Ut + row * ULD + cl);
-                    const float2 u2 = make_float2(t2.x - acc[n][2 * hh], t2.y - acc[n][2 * hh + 1]);
-                    *(float2 *)(Us + row * ULD + cl) = u2;
-                    *(float2 *)(ug + ((size_t)ci * H + h) * KC * KD + (size_t)row * KD + cg + cl) =
-                        u2;
-                }
-        }
-        __syncthreads(); /* U is whole; every read of Ss is done */
-        { /* S0 <- e^{G_L} S0 + Kc^T U (rows past the chunk's length are zeros in Kc and U) */
-            const float gl0 = gL[m2 + g], gl1 = gL[m2 + g + 8];
-#pragma unroll
-            for (int n = 0; n < N2; n++)
-                st[n][0] *= gl0, st[n][1] *= gl0, st[n][2] *= gl1, st[n][3] *= gl1;
-#pragma unroll 2
-            for (int k0 = 0; k0 < KC; k0 += 8) {
-                const float *ka = Kc + (k0 + l4) * KLD + m2 + g; /* A = Kc^T: A(m, k) = Kc(k, m) */
-                const tf32_a<PREC> af(ka[0], ka[8], ka[4 * KLD], ka[4 * KLD + 8]);
-#pragma unroll
-                for (int n = 0; n < N2; n++) {
-                    const float *ub = Us + (k0 + l4) * ULD + n2 + 8 * n + g;
-                    mma_tf32x<PREC>(st[n], af, ub[0], ub[4 * ULD]);
-                }
-            }
-#pragma unroll
-            for (int n = 0; n < N2; n++)
-#pragma unroll
-                for (int hh = 0; hh < 2; hh++)
-                    *(float2 *)(Ss + (m2 + g + 8 * hh) * ULD + n2 + 8 * n + 2 * l4) =
-                        make_float2(st[n][2 * hh], st[n][2 * hh + 1]);
-        }
-    }
-#pragma unroll
-    for (int n = 0; n < N2; n++)
-#pragma unroll
-        for (int hh = 0; hh < 2; hh++)
-            *(float2 *)(Sh + (size_t)(m2 + g + 8 * hh) * KD + cg + n2 + 8 * n + 2 * l4) =
-                make_float2(st[n][2 * hh], st[n][2 * hh + 1]);
-}
-
 extern "C" void ds_cu_set_kda_tc(ds_cu *c, int mode) {
     c->kda_tc = mode == 3 || mode == 2 ? mode : mode > 0 ? 1 : 0;
 }
@@ -825,27 +434,12 @@ extern "C" void ds_cu_set_kda_prep_tc(ds_cu *c, int on) {
     c->kda_prep_f32 = !on;
 }
 
-extern "C" int ds_cu_kda_chunked_supports(int dk, int dv) {
-    return dk == dv && (dk == 64 || dk == 128);
+extern "C" void ds_cu_set_kda_out_fused(ds_cu *c, int on) {
+    c->kda_out_sep = !on;
 }
 
-/* the tensor-core passes' shared memory above the default 48 KB (pass 1's too: its forms) */
-/* (PREC 2, BF16, has pass 1 in f32: its solve keeps f32's operands) */
-template <int KD, int PREC> static cudaError_t kda_tc_attrs() {
-    cudaError_t e = cudaSuccess;
-    if constexpr (PREC != 2)
-        e = cudaFuncSetAttribute(kda_chunk_prep_k<KD, PREC>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)kda_prep_smem<KD>());
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(kda_chunk_out_tc_k<KD, PREC>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)kda_out_tc_smem<KD>());
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(kda_chunk_scan_tc_k<KD, PREC>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)kda_scan_smem<KD, true>::BYTES);
-    return e;
+extern "C" int ds_cu_kda_chunked_supports(int dk, int dv) {
+    return dk == dv && (dk == 64 || dk == 128);
 }
 
 template <int KD>
@@ -856,16 +450,13 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
     const size_t smem1 = kda_prep_smem<KD>();
     int *smem_set = &c->kda_chunk_smem[KD == 128]; /* once per head size; never captured */
     if (!*smem_set) {
-        CU_TRY(cudaFuncSetAttribute(kda_chunk_prep_k<KD, 0>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem1),
-               "chunked kda: shared memory");
-        CU_TRY(cudaFuncSetAttribute(kda_chunk_scan_k<KD>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)kda_scan_smem<KD, false>::BYTES),
-               "chunked kda: shared memory");
-        CU_TRY((kda_tc_attrs<KD, 1>()), "chunked kda: shared memory");
-        CU_TRY((kda_tc_attrs<KD, 3>()), "chunked kda: shared memory");
-        CU_TRY((kda_tc_attrs<KD, 2>()), "chunked kda: shared memory");
+        /* (the BF16 mode, 2, keeps pass 1 in f32: its solve keeps f32's operands) */
+        for (auto kern :
+             {kda_chunk_prep_k<KD, 0>, kda_chunk_prep_k<KD, 1>, kda_chunk_prep_k<KD, 3>})
+            CU_TRY(
+                cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem1),
+                "chunked kda: shared memory");
+        CU_TRY(kda_scan_attrs<KD>(), "chunked kda: shared memory");
         *smem_set = 1;
     }
     ds_cu_prof_mark(c, "kda chunks: prepare");
@@ -878,34 +469,8 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
         launch_k(c, kda_chunk_prep_k<KD, 0>, pgrid, 256, smem1, prep, q, k, v, g, beta, tab, H);
     CU_TRY(cudaGetLastError(), "chunked kda (prepare)");
     ds_cu_prof_mark(c, "kda chunks: scan");
-    const dim3 sgrid((unsigned)H, KD / KS_BV, (unsigned)n_seq), ogrid((unsigned)n_ch, (unsigned)H);
-    if (c->kda_tc == 3)
-        launch_k(c, kda_chunk_scan_tc_k<KD, 3>, sgrid, KS_NT, kda_scan_smem<KD, true>::BYTES,
-                 states, ug, prep, tab, first, S, H);
-    else if (c->kda_tc == 2)
-        launch_k(c, kda_chunk_scan_tc_k<KD, 2>, sgrid, KS_NT, kda_scan_smem<KD, true>::BYTES,
-                 states, ug, prep, tab, first, S, H);
-    else if (c->kda_tc)
-        launch_k(c, kda_chunk_scan_tc_k<KD, 1>, sgrid, KS_NT, kda_scan_smem<KD, true>::BYTES,
-                 states, ug, prep, tab, first, S, H);
-    else
-        launch_k(c, kda_chunk_scan_k<KD>, dim3((unsigned)H, KD / KS_BV, (unsigned)n_seq), KS_NT,
-                 kda_scan_smem<KD, false>::BYTES, states, ug, prep, tab, first, S, H);
-    CU_TRY(cudaGetLastError(), "chunked kda (scan)");
-    ds_cu_prof_mark(c, "kda chunks: outputs");
-    if (c->kda_tc == 3)
-        launch_k(c, kda_chunk_out_tc_k<KD, 3>, ogrid, 256, kda_out_tc_smem<KD>(), o, states, ug,
-                 prep, tab, H);
-    else if (c->kda_tc == 2)
-        launch_k(c, kda_chunk_out_tc_k<KD, 2>, ogrid, 256, kda_out_tc_smem<KD>(), o, states, ug,
-                 prep, tab, H);
-    else if (c->kda_tc)
-        launch_k(c, kda_chunk_out_tc_k<KD, 1>, ogrid, 256, kda_out_tc_smem<KD>(), o, states, ug,
-                 prep, tab, H);
-    else
-        launch_k(c, kda_chunk_out_k<KD>, dim3((unsigned)n_ch, (unsigned)H), 256, 0, o, states, ug,
-                 prep, tab, H);
-    CU_TRY(cudaGetLastError(), "chunked kda (outputs)");
+    kda_scan_launch<KD>(c, o, states, ug, prep, tab, first, S, n_ch, n_seq, H);
+    CU_TRY(cudaGetLastError(), "chunked kda (scan, outputs)");
     return DS_OK;
 }
 
