@@ -181,7 +181,14 @@ static void check_norm_codes(ds_cu *c, int T, int N, int K, int add) {
     ds_ptpc_quantize_act(xq, rst, x, K, T, K);
     size_t bad = 0;
     for (int t = 0; t < T; t++) bad += memcmp(&gst[t], &rst[t], 4) != 0;
-    for (size_t i = 0; i < (size_t)T * K; i++) bad += gq[i] != e4m3_f16_bits(ds_f32_to_e4m3(xq[i]));
+    const int bytes = ds_cu_f8_x_codes_bytes(); /* (the operand's two layouts: f8_x_put) */
+    for (int t = 0; t < T; t++)
+        for (int k = 0; k < K; k++) {
+            const uint8_t code = ds_f32_to_e4m3(xq[(size_t)t * K + k]);
+            const uint16_t *row = gq + (size_t)t * K;
+            bad += bytes ? ((const uint8_t *)row)[2 * (k & ~15) + (k & 15)] != code
+                         : row[k] != e4m3_f16_bits(code);
+        }
     char what[160];
     snprintf(what, sizeof what, "%srmsnorm with codes T=%d D=%d: codes, scales differing",
              add ? "add+" : "", T, K);

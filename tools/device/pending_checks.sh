@@ -48,6 +48,10 @@
 #      (DS_CUDA_F8_NORM_CODES=1): the checks (codes bit for bit, products word for word), logits
 #      (tiny-k3, one and two tokens) and 48B greedy ids bit for bit with and without, decode
 #      batch 1 and 32 beside BF16 and ptpc_fp8, and with the dense products' ring alone.
+#  15. (issue 32, session 35) the FP8 streams on E4M3 tensor cores fed the activations' codes as
+#      bytes (pack with DS_DEVBIN_F8MMA=1): the FP8 checks of both builds, the products' and one
+#      token's experts' timings, decode at batch 1, 32 and 256 (BATCHES) in BF16, ptpc_fp8 and
+#      ptpc_fp8 on E4M3 tensor cores, ROUNDS times.
 # STEPS: which of them (default "14"; 1-5 ran in sessions 27-28, 6, 7 and 9 in session 31, 8 at
 # 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12 in session 33 on
 # H100s: bench/RESULTS.md).
@@ -174,13 +178,20 @@ for ids in 5 5,7; do
   cmp -s "$OUT/lg_${ids/,/_}_0.npy" "$OUT/lg_${ids/,/_}_1.npy" && echo "logits $ids: identical" ||
     echo "logits $ids: DIFFER"
 done
+# (the shape with a tokenizer beside it: env.sh's cut config has none, and generate takes text)
+.devbin/deltaserve init-model --shape-of $SHAPE48 --out /tmp/s48g --force > /dev/null || echo "init failed"
 for nc in 0 1; do
-  DS_CUDA_F8_NORM_CODES=$nc .devbin/deltaserve generate --model $SHAPE48 --load-format random \
-    --device cuda -q ptpc_fp8 -t 0 -n 24 --ignore-eos --print-ids -p "Hello there" 2>/dev/null |
-    tail -1 > "$OUT/ids48_$nc.txt"
+  DS_CUDA_F8_NORM_CODES=$nc .devbin/deltaserve generate --model /tmp/s48g --load-format random \
+    --device cuda -q ptpc_fp8 -t 0 -n 24 --ignore-eos --print-ids -p "Hello there" \
+    2> "$OUT/ids48_$nc.err" | tail -1 > "$OUT/ids48_$nc.txt"
 done
-cmp -s "$OUT/ids48_0.txt" "$OUT/ids48_1.txt" && echo "48B greedy ids: identical ($(wc -w < "$OUT/ids48_0.txt") words)" ||
+if [ ! -s "$OUT/ids48_0.txt" ]; then
+  echo "48B greedy ids: none written ($(tail -1 "$OUT/ids48_0.err"))"
+elif cmp -s "$OUT/ids48_0.txt" "$OUT/ids48_1.txt"; then
+  echo "48B greedy ids: identical ($(wc -w < "$OUT/ids48_0.txt") words)"
+else
   echo "48B greedy ids: DIFFER"
+fi
 B48=".devbin/deltaserve bench --model $SHAPE48 --load-format random --device cuda --prompt-tokens 16"
 B48="$B48 --reps 1 --decode-context 512 --decode-steps 16 --batch-sizes 1,32"
 for r in $(seq "${ROUNDS:-2}"); do
@@ -190,6 +201,28 @@ for r in $(seq "${ROUNDS:-2}"); do
   # the dense products' ring (4 deep, 4 blocks an SM) with the experts in registers
   DS_CUDA_F8_NORM_CODES=1 DS_CUDA_F8_RING=4 DS_CUDA_F8_GEMV_WAVES=4 DS_CUDA_F8_MOE_RING=0 \
     $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 norm codes, dense ring 4 $r] /"
+done
+fi
+if want 15; then
+el "15. (issue 32, session 35) the FP8 streams on E4M3 tensor cores with the activations' codes as"
+el "    bytes (the _f8mma build, DS_DEVBIN_F8MMA=1): checks, products' timings, decode vs default"
+for v in "" _f8mma; do
+  DS_CUDA_CHECKS="matmul fp8,moe fp8,kda batch" timeout 150 .devbin/test_cuda_kernels$v \
+    > "$OUT/fp8_check$v.log" 2>&1
+  echo "[${v:-default}] checks rc $? ($(grep -c ' ok$' "$OUT/fp8_check$v.log") ok, $(grep -c FAIL "$OUT/fp8_check$v.log") FAIL)"
+  grep -E "FAIL" "$OUT/fp8_check$v.log" | head -8
+  timeout 150 .devbin/test_cuda_kernels$v --bench-only fp8 2>&1 | grep "T=1 " | head -6 | sed "s/^/[${v:-default}] /"
+  timeout 100 .devbin/test_cuda_kernels$v --bench-only moefp8 2>&1 | grep "bench moe fp8 T=1 " | sed "s/^/[${v:-default}] /"
+done
+B48="bench --model $SHAPE48 --load-format random --device cuda --prompt-tokens 16"
+B48="$B48 --reps 1 --decode-context 512 --decode-steps 16 --batch-sizes ${BATCHES:-1,32,256}"
+for r in $(seq "${ROUNDS:-2}"); do
+  .devbin/deltaserve $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16 $r] /"
+  .devbin/deltaserve $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 $r] /"
+  .devbin/deltaserve_f8mma $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 e4m3 mma $r] /"
+  # the dense products' ring 4 deep at 3 blocks an SM (the fastest form of the product alone)
+  DS_CUDA_F8_RING=4 DS_CUDA_F8_GEMV_WAVES=3 DS_CUDA_F8_MOE_RING=0 .devbin/deltaserve_f8mma $B48 \
+    -q ptpc_fp8 --batch-sizes 1 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 e4m3 mma, ring 4 x 3 $r] /"
 done
 fi
 if want 1; then

@@ -63,8 +63,8 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->f8_moe_ring = env_count("DS_CUDA_F8_MOE_RING", -1); /* (-1: as DS_CUDA_F8_RING) */
     t->f8_gemv_waves = env_count("DS_CUDA_F8_GEMV_WAVES", 0);
     t->f8_noquant = env_flag("DS_CUDA_F8_NOQUANT", 0); /* a what-if (wrong results) */
-    /* the norms before FP8 products of up to 8 tokens write their codes (session 34: written,
-     * checked word for word; off until measured faster in a step) */
+    /* the norms before FP8 products of up to 8 tokens write their codes (checked word for
+     * word; measured slower in a batch-1 step: bench/RESULTS.md session 35) */
     t->f8_norm_codes = env_flag("DS_CUDA_F8_NORM_CODES", 0);
     t->mla_gemm = env_flag("DS_CUDA_MLA_GEMM", 1);
     t->mla_flash = env_flag("DS_CUDA_MLA_FLASH", 1);

@@ -335,6 +335,10 @@ void ds_cu_set_f8_noquant(ds_cu *c, int on);
  * rows that would quantize them itself (up to 8 tokens: the dense streaming kernel, one token's
  * routed experts' first pass) reads the codes instead: the same codes, the same sums. */
 int ds_cu_x_codes_buf(ds_cu *c, int T, int K, uint16_t **xh, float **st, ds_err *err);
+/* 1 in a build whose FP8 streams run on E4M3 tensor cores (-DDS_CUDA_F8_MMA, an experiment):
+ * there a row of those operands holds column c's code at byte 2 (c & ~15) + (c & 15) instead of
+ * its F16 value at element c (fp8_stream.cuh's f8_x_put); 0 otherwise. */
+int ds_cu_f8_x_codes_bytes(void);
 /* Whether the engine's step has the norms before FP8 products write those codes (the step reads
  * it: backend/cuda/step.c); DS_CUDA_F8_NORM_CODES in the engine. */
 void ds_cu_set_f8_norm_codes(ds_cu *c, int on);

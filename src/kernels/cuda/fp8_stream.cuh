@@ -17,6 +17,12 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+/* -DDS_CUDA_F8_MMA (an experiment, checked and slower than the F16 step at batch 1: docs/
+ * quantization.md §3): the E4M3 tensor cores where the target has them (sm_89+; the PTX for
+ * older parts keeps the F16 step) */
+#if defined(DS_CUDA_F8_MMA) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890)
+#define DS_F8_MMA_E4M3 1
+#endif
 static __device__ __forceinline__ void mma_16816_f16(float (&d)[4], const uint32_t (&a)[4],
                                                      uint32_t b0, uint32_t b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
@@ -55,6 +61,18 @@ static __device__ __forceinline__ uint16_t f8_code_f16(float v) {
 #endif
 }
 
+/* The activations' operand of the streaming kernels, a row of K uint16_t: column c's code as its
+ * F16 value at element c, or with the E4M3 tensor cores (-DDS_CUDA_F8_MMA) the code itself at
+ * byte 2 (c & ~15) + (c & 15) — the first half of the 32 bytes its 16-column piece has, so that a
+ * lane's 16 codes are one 16-byte load where its 16 values were two, with the same pointers. */
+static __device__ __forceinline__ void f8_x_put(uint16_t *q, int c, float v) {
+#ifdef DS_F8_MMA_E4M3
+    ((uint8_t *)q)[2 * (c & ~15) + (c & 15)] = f8_code(v);
+#else
+    q[c] = f8_code_f16(v);
+#endif
+}
+
 /* the same F16 pair by bits: each code's sign goes to bit 15 of its half and its exponent and
  * mantissa (7 bits) to bits 13..7, which is the F16 value 2^-8 times the code's (exponent biases
  * 15 and 7; subnormal codes become subnormal halves); times 2^8 (exact) it is the code's value.
@@ -79,12 +97,6 @@ static __device__ __forceinline__ uint32_t f8x2_f16(uint32_t w16) {
 #endif
 }
 
-/* -DDS_CUDA_F8_MMA (an experiment, checked and slower than the F16 step at batch 1: docs/
- * quantization.md §3): the E4M3 tensor cores where the target has them (sm_89+; the PTX for
- * older parts keeps the F16 step) */
-#if defined(DS_CUDA_F8_MMA) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890)
-#define DS_F8_MMA_E4M3 1
-#endif
 #ifdef DS_F8_MMA_E4M3
 /* E4M3 tensor cores (sm_89+): A 16 x 32 and B 32 x 8 codes, f32 accumulation. Lane (g, l4) holds
  * A's rows g (a0, a2) and g + 8 (a1, a3) at k [4 l4, 4 l4 + 4) (a0, a1) and [16 + 4 l4, +4)
@@ -98,22 +110,15 @@ static __device__ __forceinline__ void mma_16832_e4m3(float (&d)[4], uint32_t a0
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-/* four F16 code values (two pairs) back to their four E4M3 codes (exact: they are codes) */
-static __device__ __forceinline__ uint32_t f16x4_f8(uint32_t lo, uint32_t hi) {
-    __half2_raw l, h;
-    l.x = (unsigned short)(lo & 0xffffu), l.y = (unsigned short)(lo >> 16);
-    h.x = (unsigned short)(hi & 0xffffu), h.y = (unsigned short)(hi >> 16);
-    return (uint32_t)__nv_cvt_halfraw2_to_fp8x2(l, __NV_SATFINITE, __NV_E4M3) |
-           ((uint32_t)__nv_cvt_halfraw2_to_fp8x2(h, __NV_SATFINITE, __NV_E4M3) << 16);
-}
-
 /* one 64-column step on E4M3 tensor cores: the lane's 16 weight codes of a row are codes
  * [0, 4) [4, 8) of the first mma's k slots and [8, 12) [12, 16) of the second's, and its 16
- * activation codes the same (an experiment: no conversion of the weights at all) */
+ * activation codes (x0: the operand holds codes in this build, f8_x_put) the same — no conversion
+ * at all; x1 is unused */
 static __device__ __forceinline__ void f8_mma_step(float (&acc)[4], uint4 a0, uint4 a1, uint4 x0,
                                                    uint4 x1) {
-    mma_16832_e4m3(acc, a0.x, a1.x, a0.y, a1.y, f16x4_f8(x0.x, x0.y), f16x4_f8(x0.z, x0.w));
-    mma_16832_e4m3(acc, a0.z, a1.z, a0.w, a1.w, f16x4_f8(x1.x, x1.y), f16x4_f8(x1.z, x1.w));
+    (void)x1;
+    mma_16832_e4m3(acc, a0.x, a1.x, a0.y, a1.y, x0.x, x0.y);
+    mma_16832_e4m3(acc, a0.z, a1.z, a0.w, a1.w, x0.z, x0.w);
 }
 #else
 /* one 64-column step: a0, a1 the lane's 16 codes of rows g and g + 8, x0 x1 its 16 F16 values */
@@ -260,7 +265,9 @@ f8_ring_tile(float (&acc)[4], uint4 *ring, int &slot, const uint8_t *W, size_t e
         uint4 x0 = zero, x1 = zero;
         if (xr) {
             x0 = XSH ? f8_lds(xr + 8 * su) : xr[8 * su];
+#ifndef DS_F8_MMA_E4M3 /* (there the codes are one piece) */
             x1 = XSH ? f8_lds(xr + 8 * su + 1) : xr[8 * su + 1];
+#endif
         }
         f8_mma_step(acc, a0, a1, x0, x1);
         /* (after the step: its products used a0 and a1, so the slot's reads are done) */
@@ -319,7 +326,7 @@ static __device__ __forceinline__ float f8_quant_row(uint16_t *q, int K, V v) {
         for (int i = 0; i < F8_QB; i++) val[i] = c0 + i * nb < K ? v(c0 + i * nb) : 0.0f;
 #pragma unroll
         for (int i = 0; i < F8_QB; i++)
-            if (c0 + i * nb < K) q[c0 + i * nb] = f8_code_f16(val[i] * inv);
+            if (c0 + i * nb < K) f8_x_put(q, c0 + i * nb, val[i] * inv);
     }
     return st;
 }

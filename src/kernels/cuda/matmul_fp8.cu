@@ -33,6 +33,14 @@ __global__ void __launch_bounds__(256) ptpc_act_k(uint8_t *xq, int ldq, uint16_t
     }
 }
 
+extern "C" int ds_cu_f8_x_codes_bytes(void) {
+#ifdef DS_F8_MMA_E4M3
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Weights (BF16 rows of full_cols): scale over the whole row, codes of columns [c0, c0 + nc). */
 __global__ void __launch_bounds__(256)
     ptpc_weight_k(uint8_t *codes, float *scales, const uint16_t *src, int rows, int full_cols,
@@ -158,7 +166,12 @@ __global__ void __launch_bounds__(256)
     const uint16_t *xt = xh + (size_t)t * K;
     float acc = 0.0f;
     for (int k = lane; k < K; k += 32)
+#ifdef DS_F8_MMA_E4M3 /* (the operand holds the codes: f8_x_put) */
+        acc +=
+            ds_e4m3_to_f32(wr[k]) * ds_e4m3_to_f32(((const uint8_t *)xt)[2 * (k & ~15) + (k & 15)]);
+#else
         acc += ds_e4m3_to_f32(wr[k]) * __half2float(__ushort_as_half(xt[k]));
+#endif
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     if (lane == 0) y[(size_t)t * ldy + n] = (acc * st[t]) * sr[n];
 }

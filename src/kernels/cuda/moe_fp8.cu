@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(256)
     uint16_t *qr = q + (size_t)dst * K;
     for (int c = threadIdx.x; c < K; c += blockDim.x) {
         const float v = ACT ? vsh[c] : xr[c];
-        qr[c] = f8_code_f16(v * inv); /* exact */
+        f8_x_put(qr, c, v * inv);
     }
 }
 
@@ -214,7 +214,17 @@ __global__ void __launch_bounds__(256)
             for (int p = 0; p < 4; p++) { /* codes [8 p, 8 p + 8) of the lane's 32 */
                 uint4 b[NT];
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++) b[nt] = xv[nt] ? __ldg(xr[nt] + 16 * s + p) : zero;
+                for (int nt = 0; nt < NT; nt++) {
+#ifdef DS_F8_MMA_E4M3 /* (the operand holds codes: f8_x_put; its columns [8 p, 8 p + 8) of the     \
+                         lane's 32 are 8 bytes of the 16-column piece p / 2) */
+                    const uint2 c8 =
+                        *(const uint2 *)((const uint8_t *)(xr[nt] + 16 * s + 2 * (p >> 1)) +
+                                         8 * (p & 1));
+                    b[nt] = xv[nt] ? f8x8_f16(c8.x, c8.y) : zero;
+#else
+                    b[nt] = xv[nt] ? __ldg(xr[nt] + 16 * s + p) : zero;
+#endif
+                }
 #pragma unroll
                 for (int m = 0; m < 2; m++) {
                     const uint4 q0 = a[m][0][p >> 1], q1 = a[m][1][p >> 1];

@@ -35,7 +35,7 @@ __device__ __forceinline__ void norm_row_regs(float *yr, const float (&v)[NORM_V
 #pragma unroll
     for (int i = 0; i < NORM_V; i++) {
         const int c = threadIdx.x + i * blockDim.x;
-        if (c < D) q[c] = f8_code_f16(y[i] * is);
+        if (c < D) f8_x_put(q, c, y[i] * is);
     }
 }
 
