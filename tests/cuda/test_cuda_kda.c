@@ -389,9 +389,11 @@ static void run_kda(ds_cu *c, void *p) {
     kda_ctx *x = p;
     ds_err err;
     size_t ns = (size_t)x->H * x->dk * x->dv;
-    if (x->chunked) { /* one sequence of T tokens */
-        int start = 0;
-        if (ds_cu_kda_chunked(c, x->o, x->q, x->k, x->v, x->g, x->beta, &start, &x->T, x->Sp, 1,
+    if (x->chunked) { /* n_seq sequences of T / n_seq tokens each, one call (varlen) */
+        int start[64], len[64];
+        if (x->n_seq > 64) DIE("run_kda: at most 64 chunked sequences");
+        for (int z = 0; z < x->n_seq; z++) len[z] = x->T / x->n_seq, start[z] = z * len[z];
+        if (ds_cu_kda_chunked(c, x->o, x->q, x->k, x->v, x->g, x->beta, start, len, x->Sp, x->n_seq,
                               x->H, x->dk, x->dv, &err))
             DIE("%s", err.msg);
         return;
@@ -581,6 +583,27 @@ void bench_kda(ds_cu *c, const cuda_ceilings *ceil) {
                         mode == 3 && !prep_tc && !apart ? ", default" : "", ms, kc.T / (ms * 1e-3));
                 }
         ds_cu_set_kda_out_fused(c, 1);
+        ds_cu_set_kda_prep_tc(c, 0);
+        /* varlen: the same 8192 tokens as 8 sequences of 1024 and 32 of 256 in one call, each on
+         * its own state (a step of several prompts; the engine cuts a prompt's steps at the rung
+         * spacing, 256 tokens by default: docs/prefix-cache.md), the default mode and BF16 */
+        for (int nv = 8; nv <= 32; nv *= 4) {
+            float *Sv = dev(c, NULL, ns * (size_t)nv * 4);
+            float **sp = malloc((size_t)nv * sizeof *sp);
+            for (int z = 0; z < nv; z++) sp[z] = Sv + (size_t)z * ns;
+            kda_ctx kv = kc;
+            kv.n_seq = nv, kv.S = Sv, kv.Sp = dev(c, sp, (size_t)nv * sizeof *sp);
+            free(sp);
+            for (int mode = 3; mode >= 2; mode--) {
+                ds_cu_set_kda_tc(c, mode);
+                ms = median_ms(c, run_kda, &kv, 2, 10);
+                printf(
+                    "bench kda chunked varlen %d x %d H=32 dk=dv=128 (%s scan and outputs, pass 1 "
+                    "f32): %.3f ms, %.0f tokens/s\n",
+                    nv, kc.T / nv, mode == 3 ? "3xtf32" : "bf16", ms, kc.T / (ms * 1e-3));
+            }
+            ds_cu_dealloc(kv.Sp), ds_cu_dealloc(Sv);
+        }
         ds_cu_set_kda_tc(c, 0);
         ds_cu_set_kda_prep_tc(c, 1);
         ds_cu_dealloc(kc.Sp);

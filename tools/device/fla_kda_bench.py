@@ -56,6 +56,21 @@ def fla_run(q, k, v, g, beta, s0, dtype):
     return run
 
 
+def fla_varlen(q, k, v, g, beta, s0, n):
+    """The same T tokens as n sequences of T / n (cu_seqlens), each from s0, in bf16: the varlen
+    form of issue 33's benchmark (deltaserve's `bench kda chunked varlen` lines)."""
+    from fla.ops.kda import chunk_kda
+    args = [x.to(torch.bfloat16)[None] for x in (q, k, v, g, beta)]
+    cu = torch.arange(0, T + 1, T // n, device="cuda", dtype=torch.long)
+    s0n = s0[None].expand(n, H, D, D).contiguous()
+
+    def run():
+        return chunk_kda(*args, scale=1.0, initial_state=s0n, output_final_state=True,
+                         cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+
+    return run
+
+
 def main():
     import triton
     if len(sys.argv) == 3 and sys.argv[1] == "gen":
@@ -87,6 +102,13 @@ def main():
                if score else "")
         print(f"fla chunk_kda T={T} H={H} dk=dv={D} {str(dtype).split('.')[-1]}: {ms:.3f} ms, "
               f"{T / (ms * 1e-3) / 1e6:.2f} M tokens/s{err}")
+    for n in (8, 32):
+        run = fla_varlen(*ins, n)
+        run()
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench(run, warmup=50, rep=300, return_mode="median")
+        print(f"fla chunk_kda varlen {n} x {T // n} H={H} dk=dv={D} bfloat16: {ms:.3f} ms, "
+              f"{T / (ms * 1e-3) / 1e6:.2f} M tokens/s")
 
 
 if __name__ == "__main__":
