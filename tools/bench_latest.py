@@ -12,7 +12,8 @@ reading of the figures; this file is for dashboards and regressions checks.
 SOURCE is one of
     bench:FILE        a `deltaserve bench --json` result
     serve:LABEL:FILE  a `deltaserve bench serve --out` result, a row of the serving table
-    kda:FILE          the log of tools/device/kda_vs_fla.sh (ours against FLA's chunk_kda)
+    kda:FILE          the log of tools/device/kda_vs_fla.sh (ours against FLA's chunk_kda; with
+                      varlen lines also kda_chunk_varlen_<n>x<L>_vs_fla_bf16[_bf16mode])
 
 Keys from a `bench` result (only those its settings measure):
     decode_b1_copy_fraction            batch 1, graphs, context <= 4096, the model's own weights
@@ -110,6 +111,11 @@ KDA_OURS = re.compile(r"bench kda chunked prefill T=(\d+) H=(\d+) dk=dv=(\d+)[^:
 KDA_DEFAULT = re.compile(r"bench kda chunked prefill T=(\d+) H=(\d+) dk=dv=(\d+) \([^)]*, default\): "
                          r"([\d.]+) ms")
 KDA_FLA = re.compile(r"fla chunk_kda T=(\d+) H=(\d+) dk=dv=(\d+) (\w+): ([\d.]+) ms")
+# varlen: n sequences of L tokens in one call, ours in a scan mode (3xtf32: the model's default;
+# bf16) against FLA's bf16 run with cu_seqlens
+KDA_VAR_OURS = re.compile(r"bench kda chunked varlen (\d+) x (\d+) H=\d+ dk=dv=\d+ \((\w+) scan[^)]*\): "
+                          r"([\d.]+) ms")
+KDA_VAR_FLA = re.compile(r"fla chunk_kda varlen (\d+) x (\d+) H=\d+ dk=dv=\d+ bfloat16: ([\d.]+) ms")
 
 
 def from_kda(path):
@@ -128,6 +134,13 @@ def from_kda(path):
             out[f"kda_chunk_vs_fla_{tag}"] = (float(ms) / ours[(T, H, D)],
                                               f"T={T} H={H} D={D}: fla {ms} ms, "
                                               f"ours {ours[(T, H, D)]} ms")
+    var = {(n, L, mode): float(ms) for n, L, mode, ms in KDA_VAR_OURS.findall(text)}
+    for n, L, ms in KDA_VAR_FLA.findall(text):
+        for mode, tag in (("3xtf32", ""), ("bf16", "_bf16mode")):
+            if (n, L, mode) in var:
+                out[f"kda_chunk_varlen_{n}x{L}_vs_fla_bf16{tag}"] = (
+                    float(ms) / var[(n, L, mode)],
+                    f"{n} x {L} tokens: fla bf16 {ms} ms, ours ({mode}) {var[(n, L, mode)]} ms")
     if not out:
         raise BenchError(f"{path}: no pair of our and FLA's chunked KDA times on one shape")
     return out

@@ -82,6 +82,23 @@ def test_serve_and_kda(tmp_path):
     assert d["h200.kda_chunk_vs_fla_bf16"]["value"] == 1.25
 
 
+def test_kda_varlen(tmp_path):
+    log = ("bench kda chunked prefill T=8192 H=32 dk=dv=128 (3xtf32 scan and outputs, pass 1 f32, "
+           "default): 2.000 ms, 4096000 tokens/s\n"
+           "bench kda chunked varlen 8 x 1024 H=32 dk=dv=128 (3xtf32 scan and outputs, pass 1 f32): "
+           "2.000 ms, 4096000 tokens/s\n"
+           "bench kda chunked varlen 8 x 1024 H=32 dk=dv=128 (bf16 scan and outputs, pass 1 f32): "
+           "1.250 ms, 6553600 tokens/s\n"
+           "fla chunk_kda T=8192 H=32 dk=dv=128 bfloat16: 1.000 ms, 8.19 M tokens/s\n"
+           "fla chunk_kda varlen 8 x 1024 H=32 dk=dv=128 bfloat16: 1.500 ms, 5.46 M tokens/s\n")
+    rc, d = run(tmp_path, "kda:" + write(tmp_path, "k.log", log))
+    assert rc == 0
+    assert d["h200.kda_chunk_vs_fla_bf16"]["value"] == 0.5
+    assert d["h200.kda_chunk_varlen_8x1024_vs_fla_bf16"]["value"] == 0.75
+    assert d["h200.kda_chunk_varlen_8x1024_vs_fla_bf16_bf16mode"]["value"] == 1.2
+    assert "32x256" not in " ".join(d)
+
+
 @pytest.mark.parametrize("source,why", [
     ("bench:{d}/nope.json", "No such file"),
     ("serve:c1:{serve_failed}", "requests failed"),
