@@ -215,8 +215,9 @@ __global__ void __launch_bounds__(256)
                 uint4 b[NT];
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
-#ifdef DS_F8_MMA_E4M3 /* (the operand holds codes: f8_x_put; its columns [8 p, 8 p + 8) of the     \
-                         lane's 32 are 8 bytes of the 16-column piece p / 2) */
+                    /* (E4M3 build: the operand holds codes, f8_x_put; columns [8 p, 8 p + 8)
+                     * of the lane's 32 are 8 bytes of its 16-column piece p / 2) */
+#ifdef DS_F8_MMA_E4M3
                     const uint2 c8 =
                         *(const uint2 *)((const uint8_t *)(xr[nt] + 16 * s + 2 * (p >> 1)) +
                                          8 * (p & 1));
