@@ -17,8 +17,9 @@
  * so nothing overflows however strong the decay. Pass 1 (a block per chunk and head, all chunks
  * at once) builds W, Ut, Qp = Q e^G, Kc = K e^{G_L - G}, P and e^{G_L}; pass 2 (a block per head,
  * column group and sequence) walks its sequence's chunks in order: two small products per chunk,
- * the state's 32 columns kept in registers; pass 3 (a block per chunk and head, all at once) the
- * outputs. */
+ * the state's 32 columns kept in registers; the outputs O = Qp S0 + P U (pass 3) are made beside
+ * that walk by a second set of warps in its block (tensor-core modes, the default), or by a block
+ * per chunk and head after it. */
 enum { KC = 64 };
 /* pass 1's output per (chunk, head): W, Ut, Qp, Kc [KC][KD], P [KC][KC], gL [KD] */
 __host__ __device__ constexpr size_t kda_ch_floats(int KD) {
