@@ -41,15 +41,15 @@ static const command *find_command(const char *name) {
 
 /* How OpenMP threads wait between parallel regions. Spinning without bound steals the CPU from
  * whatever else runs (the HTTP threads, other processes, other MPI ranks): on a loaded 2-core
- * machine a decode step was measured 10x slower with libgomp's default active waiting than with
- * passive waiting, and 4 ranks of -pp 2 -tp 2 on 2 cores served 6x slower with even a short spin.
- * Sleeping at once costs a futex wake-up and a core's exit from idle for every one of a step's
- * hundreds of regions: on this 2-core machine a gsm-k3 decode step of one row took 4.84 ms passive
- * against 0.69 ms with a short spin first (GOMP_SPINCOUNT=10000), a DSpark server at concurrency
- * 1 / 16 gave 243 / 604 tokens/s against 809 / 1188 (bench/RESULTS.md). So: passive, with that
- * short spin when this process's threads have the CPUs to themselves — its MPI ranks on this
- * host (Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE, MPICH's MPI_LOCALNRANKS) times OMP_NUM_THREADS at
- * most the CPUs it may run on. A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT stands. libgomp reads
+ * machine a decode step was measured many times slower with libgomp's default active waiting than
+ * with passive waiting, and 4 ranks of -pp 2 -tp 2 on 2 cores served several times slower with
+ * even a short spin. Sleeping at once costs a futex wake-up and a core's exit from idle for every
+ * one of a step's hundreds of regions: on this 2-core machine a gsm-k3 decode step of one row,
+ * and a DSpark server, were several times slower passive than with a short spin first
+ * (GOMP_SPINCOUNT=10000; bench/RESULTS.md, "Figures moved out of source comments"). So: passive,
+ * with that short spin when this process's threads have the CPUs to themselves — its MPI ranks on
+ * this host (Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE, MPICH's MPI_LOCALNRANKS) times OMP_NUM_THREADS
+ * at most the CPUs it may run on. A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT stands. libgomp reads
  * them when it loads, before main, so we set them and run ourselves again; DS_OMP_WAIT_PID marks
  * the process that chose (a rank started by mpirun inherits its launcher's choice and chooses
  * again for itself). */

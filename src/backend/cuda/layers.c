@@ -36,9 +36,8 @@ int cuda_kda_chunked_segments(const cstep *s) {
  * launches it replaces) when every sequence brings one token and keeps no rollback rows, up to
  * tune.kda_fused sequences (DS_CUDA_KDA_FUSED, default DS_CUDA_KDA_FUSE_MAX; 0: never). Each
  * cluster stages its head's f_b and g_b rows, which the batched matmuls read once for all
- * sequences: on the H200 at the 48B shape (bench/RESULTS.md, session 14) a step took 2.529-2.553 ms
- * against 2.588-2.616 at batch 1, 3.989-4.029 against 4.013-4.045 at 2, but 5.81 against 5.69-5.72
- * at 4 and 8.68 against 8.47-8.48 at 8. */
+ * sequences: on the H200 at the 48B shape it made steps faster at batch 1 and 2 and slower at 4
+ * and 8 (bench/RESULTS.md, session 14), hence the cap. */
 static int kda_fused(const cstep *s, const cu_kda *w) {
     if (s->any_rows || s->n_seq > s->cm->tune.kda_fused || s->T != s->n_seq ||
         !cuda_kda_fuse_fits(s->m, s->cm, w))

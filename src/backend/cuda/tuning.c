@@ -26,11 +26,10 @@ static const char *env_text(const char *name) {
 
 /* chunked KDA on tensor cores: 1 TF32, 3 3xTF32 (ds_cu_set_kda_tc) */
 static int kda_tc_mode(void) {
-    /* 3xTF32 by default: f32's accuracy (checked at 1e-4) and faster than f32 on CUDA cores
-     * (8192 tokens x 32 heads: 1.97 against 2.83 ms on the H200). TF32 (1.66 ms) is off by
-     * 3.0e-4 alone, a quarter of FLA's chunk_kda on f32 inputs, but through the bundled
-     * model (80 tokens, no batch invariance) it took the GPU's logits from 8.1e-3 to 1.2e-2
-     * off the CPU's and TP 2's from 6.1e-3 to 2.5e-2 off one GPU's (bench/RESULTS.md). */
+    /* 3xTF32 by default: f32's accuracy (checked at 1e-4) and faster than f32 on CUDA cores.
+     * TF32 is faster still and alone a quarter of FLA's error on f32 inputs, but through the
+     * bundled model (no batch invariance) it moved the GPU's logits further from the CPU's and
+     * TP 2's further from one GPU's (bench/RESULTS.md, sessions 10 and 17; docs/tuning.md). */
     const char *tc = getenv("DS_CUDA_KDA_TC");
     int mode = 3;
     if (tc && *tc) {
@@ -76,8 +75,8 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->kda_fused_set = env_text("DS_CUDA_KDA_FUSED");
     t->kda_fused = env_count("DS_CUDA_KDA_FUSED", DS_CUDA_KDA_FUSE_MAX);
     t->kda_tc = kda_tc_mode();
-    /* off: checked, but no faster where it matters (3xTF32 2.072 against 2.036 ms on an H100:
-     * the pass is bound by shared memory, docs/tuning.md) */
+    /* off: checked, but no faster in the default 3xTF32 mode (the pass is bound by shared
+     * memory: docs/tuning.md, bench/RESULTS.md session 31) */
     t->kda_prep_tc = env_flag("DS_CUDA_KDA_PREP_TC", 0);
     /* the tensor-core scan makes the outputs (no third pass; the same bits) */
     t->kda_out_fused = env_flag("DS_CUDA_KDA_FUSED_OUT", 1);

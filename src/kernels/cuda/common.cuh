@@ -123,7 +123,7 @@ struct ds_cu {
  * other (and cuBLAS's kernels, which never trigger early, are simply waited for) — with one
  * exception: the KDA recurrence reads its state, which only the kernel just before it must not
  * have written (everything earlier is complete by then; see kda_run). Weights loaded before the
- * wait took 0.175 ms off a batch-1 step of the 48B shape (the row norms alone: bench/RESULTS.md).
+ * wait shortened a batch-1 step of the 48B shape (the row norms' share alone: bench/RESULTS.md).
  * ds_cu_set_pdl(c, 0) turns it off. */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define PDL_ENTRY()                                                                                \

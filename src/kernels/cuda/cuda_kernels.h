@@ -158,13 +158,13 @@ void ds_cu_set_kda_prep_tc(ds_cu *c, int on);
  * the third pass (tests/cuda compares both forms bit for bit; DS_CUDA_KDA_FUSED_OUT=0). */
 void ds_cu_set_kda_out_fused(ds_cu *c, int on);
 /* The routed experts' down pass reads its routing and first weights before waiting for the up
- * pass (they are older than it): on by default (DS_CUDA_EARLY_EXPERTS=0 turns it off); 2.836 ->
- * 2.783 ms a batch-1 step of the 48B shape. */
+ * pass (they are older than it): on by default (DS_CUDA_EARLY_EXPERTS=0 turns it off; a shorter
+ * batch-1 step of the 48B shape: bench/RESULTS.md session 9). */
 void ds_cu_set_early_experts(ds_cu *c, int on);
 /* One-token matmuls through the experts' kernel (ds_cu_set_gemv_wide) load their first weights
  * before waiting for the previous kernel, as gemv_bf16_k does (their routing is a constant): on
- * by default in the model (DS_CUDA_WIDE_EARLY=0 turns it off), off in a new context; a batch-1
- * step of the 48B shape 2.582-2.601 against 2.619-2.636 ms. */
+ * by default in the model (DS_CUDA_WIDE_EARLY=0 turns it off), off in a new context (a shorter
+ * batch-1 step of the 48B shape: bench/RESULTS.md session 11). */
 void ds_cu_set_wide_early(ds_cu *c, int on);
 /* One-token matmuls of one warp a row go through the routed experts' kernel (4 rows a warp, x in
  * shared memory; the same bits): on by default in the model (DS_CUDA_GEMV_WIDE=0 turns it off),

@@ -31,7 +31,7 @@ __device__ __forceinline__ void kda_scan_stage(float *ssh, int s, const float *p
     float *W = ssh + s * SM::STAGE, *Kc = W + KC * SM::WLD, *Ut = Kc + KC * SM::KLD,
           *gL = Ut + KC * SM::ULD;
     /* W's and Kc's pieces interleaved: copied one matrix after the other (cp_async_rows twice),
-     * the TF32 chunked KDA took 1.670 against 1.624 ms at 8192 tokens x 32 heads */
+     * the TF32 chunked KDA was slower (bench/RESULTS.md session 10) */
     for (int i = threadIdx.x; i < KC * KD / 4; i += KS_NT) {
         const int r = i / (KD / 4), c = (i % (KD / 4)) * 4;
         cp_async16(W + r * SM::WLD + c, pr + r * KD + c);
@@ -47,8 +47,8 @@ __device__ __forceinline__ void kda_scan_stage(float *ssh, int s, const float *p
  * only what is sequential: U = Ut - W S0 and the next state; it leaves each chunk's starting
  * state and U for pass 3. A chunk's W, Kc, Ut columns and e^{G_L} (75 KB, from memory: pass 1's
  * output is far larger than L2) are copied into shared memory with cp.async while the chunk
- * before is computed (two stages): the version that loaded them as it went spent ~12 us a chunk
- * waiting on memory for ~2 us of arithmetic. */
+ * before is computed (two stages): the version that loaded them as it went spent most of each
+ * chunk waiting on memory, several times its arithmetic. */
 template <int KD>
 __global__ void __launch_bounds__(KS_NT)
     kda_chunk_scan_k(float *states, float *ug, const float *prep, const kda_chunk *chunks,

@@ -36,9 +36,8 @@ __global__ void short_conv_silu_k(float *out, const float *in, int T, int C, con
  * window is indexed at run time and lives in local memory (ptxas: a 32-byte stack frame), and each
  * token's input load waits behind the previous token's store; with WT the window is registers and
  * the inputs of CONV_AHEAD tokens are loaded before any of them is used (the model's default;
- * DS_CUDA_CONV_FIXED=0 gives the run-time form: an 8192-token prompt of the 48B shape 221.6
- * against 226.5-227.2 ms, a batch-1 step 2.620-2.624 against 2.622-2.642 ms on the H200). The
- * same operations in the same order either way. */
+ * DS_CUDA_CONV_FIXED=0 gives the run-time form, measured slower at prefill and no faster at
+ * decode: bench/RESULTS.md session 10). The same operations in the same order either way. */
 enum { CONV_AHEAD = 4 };
 template <int WT> __global__ void short_conv_batch_k(ds_cu_conv_batch b, int n_chunks) {
     PDL_ENTRY();
@@ -115,8 +114,8 @@ extern "C" int ds_cu_short_conv_silu_batch(ds_cu *c, const ds_cu_conv_batch *b, 
     /* time chunks of ~64 tokens of the longest segment, at most 256 — bounded by T - n_seq + 1,
      * every other segment having a token (an empty one only costs parallelism, never a result:
      * any count of chunks gives the same bits). From T alone a decode step of 256 sequences
-     * launched four blocks for every one with work, 0.15 against 0.02 ms a layer at 64 on the
-     * H200 (eager profile, "kda conv+l2norm"). */
+     * launched four blocks for every one with work, several times slower a layer (eager
+     * profile, "kda conv+l2norm": bench/RESULTS.md session 18). */
     const int longest = DS_MAX(1, b->n_tokens - b->n_seq + 1);
     const int n_chunks = DS_MAX(1, DS_MIN(256, longest / 64));
     launch_k(

@@ -7,13 +7,13 @@
 /* ---- KDA decode in one kernel (ds_cu_kda_decode_fused) ------------------------------------------
  * At batch 1 every kernel of the step is a chain of latencies after its wait for the one before
  * (bench/RESULTS.md, sessions 8-9), and KDA's middle was seven of them: the convs, the head
- * norms, f_b's and g_b's matmuls, the gate, the recurrence and the gated output norm (13 us a
- * layer of the 48B shape's step on the H200, by the what-if). Here a cluster of KDF_CL blocks per
+ * norms, f_b's and g_b's matmuls, the gate, the recurrence and the gated output norm (by the
+ * what-if, bench/RESULTS.md session 14). Here a cluster of KDF_CL blocks per
  * (head, sequence) does all of them: block r of the cluster owns a quarter of the head — the
  * convs of its q, k and v channels (their tails: one writer each), f_b's and g_b's rows of its
  * channels and the recurrence of its value columns — and hands the q, k and decay values every
  * block needs to the others' shared memory (distributed shared memory), as it does the
- * recurrence's outputs for the output norm. A block per head did the same work in 13.5 us: one
+ * recurrence's outputs for the output norm. A block per head was no faster than the seven: one
  * SM then reads and writes the head's 64 KB state and 64 KB of weights alone. Its state, conv
  * weights and tails are read, and its f_b and g_b rows start on their way to shared memory
  * (cp.async), before the wait for the previous kernel. Each value takes the operations of the

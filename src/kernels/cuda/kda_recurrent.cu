@@ -11,10 +11,10 @@
  * memory. Blocks: (head, column tile, sequence); a batch of sequences is one launch. */
 
 /* DVC: dv when known at compile time (0: run time). With dv a run-time value the state's 64
- * entries a thread had 64 addresses, kept live from the loads to the stores: 234 registers a
- * thread at DK 128, two blocks an SM, and a decode step's recurrences at 62% of the copy rate
- * (batch 256 at the 48B shape). With it each entry is a constant offset from one address: 168
- * registers, three blocks (four, at 128 registers, spilled 208 bytes). */
+ * entries a thread had 64 addresses, kept live from the loads to the stores: far more registers
+ * a thread at DK 128, two blocks an SM, and a batch-256 decode step's recurrences well under the
+ * copy rate. With it each entry is a constant offset from one address: three blocks an SM (four
+ * spill; bench/RESULTS.md session 18). */
 template <int DK, int SPLIT, int DVC>
 __device__ void kda_run(float *o, const float *q, const float *k, const float *v, const float *g,
                         const float *beta, float *Sh, float *S_rows, size_t rows_stride, int t0,

@@ -143,8 +143,8 @@ static int gemv_splits(const ds_cu *c, int N, int K, int H) {
     const long rows = (long)N * H, want = 32L * c->n_sm;
     int S = 1;
     /* (Splitting a matrix of more than a wave of blocks further, so that its last wave is full —
-     * KDA's q/k/v at the 48B shape: 1.49 -> 2.98 waves — was measured slower: 2.869 against
-     * 2.836 ms a batch-1 step, bench/RESULTS.md session 9.) */
+     * KDA's q/k/v at the 48B shape: 1.49 -> 2.98 waves — was measured slower in a batch-1
+     * step, bench/RESULTS.md session 9.) */
     while (S < 8 && rows * S < want && K / 8 >= 32 * 2 * S) S *= 2;
     return S;
 }
@@ -197,9 +197,9 @@ extern "C" void ds_cu_set_batch_invariant(ds_cu *c, int on) {
     c->batch_invariant = on;
 }
 
-/* Rows up to which a matmul streams its weights (gemv_tiles) rather than calling cuBLAS: the 48B
- * shape's steps with graphs on the H200, streaming / cuBLAS for the rows above one: batch 2
- * 4.007 / 4.111 ms, 4 6.632 / 5.668, 8 10.97 / 8.45, 16 20.58 / 14.16. */
+/* Rows up to which a matmul streams its weights (gemv_tiles) rather than calling cuBLAS: in the
+ * 48B shape's steps with graphs on the H200 streaming was faster at batch 2 and cuBLAS from 4
+ * (bench/RESULTS.md session 12). */
 enum { GEMV_MAX_T = 2 };
 
 extern "C" void ds_cu_set_f8_prequant(ds_cu *c, int on) {

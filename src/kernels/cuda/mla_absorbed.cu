@@ -16,10 +16,10 @@
  * V: floats per load (4 when R, dr and row are multiples of 4: a row is then 16-byte aligned).
  * A decode step attends over a few hundred rows per head, so this kernel is bound by load latency,
  * not bandwidth: at batch 1 of the 48B shape the first version (a warp per row, one 4-byte word
- * per lane per trip, a trip per 32 words) took 33 us a layer. Each lane now issues all its loads
- * for MLA_RW rows before using any (MLA_KV vectors per row per trip), and the output pass has
- * every thread sum 16-byte columns over a share of the rows with many loads in flight, the shares
- * added in a fixed order. */
+ * per lane per trip, a trip per 32 words) waited on those trips (bench/RESULTS.md session 9).
+ * Each lane now issues all its loads for MLA_RW rows before using any (MLA_KV vectors per row per
+ * trip), and the output pass has every thread sum 16-byte columns over a share of the rows with
+ * many loads in flight, the shares added in a fixed order. */
 enum { MLA_RW = 4, MLA_KV = 5 }; /* rows a warp scores at once; vectors a lane loads per row */
 template <int V> __device__ __forceinline__ float dot_x(const float *a, const float *y) {
     if constexpr (V == 4) {
@@ -139,7 +139,8 @@ __global__ void __launch_bounds__(256, 4) /* 4 blocks an SM: a batch-1 step's 51
 
 /* Block (query row q, 128 outputs blockIdx.y): a thread per output. Its loads over the splits
  * are unrolled so that several are in flight: one at a time, a decode step's merge (16 splits)
- * took 4.3 us, ncu measured, most of it waiting on L2 in turn. The sums run in split order. */
+ * spent most of its time waiting on L2 in turn (Nsight Compute, bench/RESULTS.md session 9). The
+ * sums run in split order. */
 enum { MLA_MERGE_THREADS = 128 };
 __global__ void __launch_bounds__(MLA_MERGE_THREADS)
     mla_merge_k(float *obar, const float *part_o, const float *part_ml, int R, int n_split) {
@@ -207,7 +208,8 @@ extern "C" int ds_cu_mla_attend_absorbed(ds_cu *c, float *obar, const float *qba
  *   O [Ha][R] += P [Ha][16] C [16][R]: thread tiles of 4 heads x OT outputs (4 floats every
  *     4 L apart, L = 1024 / Ha threads a head group, so a warp's loads are consecutive).
  * The version before (a thread a head's outputs, one dot product at a time) issued a scalar
- * shared load for every FMA and waited on shared memory: 1.7 ms a layer at batch 256, context 512.
+ * shared load for every FMA and waited on shared memory (batch 256, context 512: bench/RESULTS.md
+ * session 18).
  * The partials are merged by mla_merge_k as before. */
 enum { MLA_AH_THREADS = 256, MLA_AH_SUB = 16, MLA_AH_MIN_ROWS = 64 };
 
@@ -426,7 +428,7 @@ extern "C" int ds_cu_mla_attend_absorbed_batch(ds_cu *c, float *obar, const floa
         return DS_OK;
     }
     /* splits of MLA_CHUNK rows, or shorter (down to 32) when a small batch would leave SMs idle:
-     * at batch 1 a block per head and 256 rows was latency-bound at ~280 us a layer. Batch
+     * at batch 1 a block per head and 256 rows was bound by latency. Batch
      * invariance keeps MLA_CHUNK: the merge's order must not depend on the batch. */
     int chunk = MLA_CHUNK;
     if (!c->batch_invariant) {

@@ -88,16 +88,16 @@ __global__ void mla_softmax_k(__nv_bfloat16 *P, const float *S, int Tq, int Ce, 
 
 /* ---- expanded MLA in one fused kernel (flash attention) --------------------------------------
  * The cuBLAS path above writes every score (f32) and probability (BF16) of a chunk to memory and
- * reads them back: at 8192 tokens x 32 heads that traffic, not the products, was its time (47 ms
- * of a 290 ms prefill). Here block (64 query rows, head) keeps everything on chip: its 4 warps
- * hold 16 query rows each as BF16 tensor-core fragments (mma.sync m16n8k16, f32 accumulation),
- * walk the visible keys in tiles of 64, and keep the running maximum, sum and output of each row
- * in registers (online softmax). The tiles of keys and values go by cp.async into one of two
- * stages as they lie in memory (rows past C zero-filled), the next on its way while this one is
- * multiplied, and the fragments come out by ldmatrix — K's as stored, V's transposed by
- * ldmatrix.trans. (Staged by plain loads and stores, V transposed by the stores, the kernel took
- * 5.39 ms at 8192 tokens x 32 heads; pipelined so, 3.76 ms, the same bits.) The same BF16
- * rounding of Q, K, V and P as the cuBLAS path.
+ * reads them back: at 8192 tokens x 32 heads that traffic, not the products, was its time
+ * (bench/RESULTS.md session 6). Here block (64 query rows, head) keeps everything on chip: its 4
+ * warps hold 16 query rows each as BF16 tensor-core fragments (mma.sync m16n8k16, f32
+ * accumulation), walk the visible keys in tiles of 64, and keep the running maximum, sum and output
+ * of each row in registers (online softmax). The tiles of keys and values go by cp.async into one
+ * of two stages as they lie in memory (rows past C zero-filled), the next on its way while this one
+ * is multiplied, and the fragments come out by ldmatrix — K's as stored, V's transposed by
+ * ldmatrix.trans. (Staged by plain loads and stores, V transposed by the stores, the kernel was
+ * a third slower at 8192 tokens x 32 heads, the same bits: bench/RESULTS.md session 10.) The same
+ * BF16 rounding of Q, K, V and P as the cuBLAS path.
  * Fragment layouts as the PTX ISA gives them for m16n8k16: lane = 4 g + l4 holds A's rows g and
  * g + 8 at columns 2 l4 (+1) and 2 l4 + 8 (+1); B's column g at rows 2 l4 (+1) and 2 l4 + 8
  * (+1); C's rows g and g + 8 at columns 2 l4 (+1). */
@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(128)
     PDL_ENTRY();
     typedef fl_smem<DQ, DV> L;
     constexpr int KP = DQ / 8, VP = DV / 8; /* 16-byte pieces of a key row, of a value row */
-    /* threads (8 warps sharing each tile, 128 query rows: 3.73 against 3.47 ms) */
+    /* threads (8 warps sharing each tile, 128 query rows, measured slower: RESULTS session 10) */
     constexpr int NT = 128;
     static_assert((FL_BK * KP) % NT == 0 && (FL_BK * VP) % NT == 0, "tile split");
     static_assert(FL_BK % 16 == 0 && DQ % 16 == 0 && DV % 16 == 0, "ldmatrix tiles");

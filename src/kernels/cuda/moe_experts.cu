@@ -325,8 +325,8 @@ enum : size_t { MOE_SMEM = 160 * 1024 }; /* the grouped kernel's x staging, at m
 /* The grouped kernel's instances: accumulators for rpm rows, and (at one row an expert: batch 1)
  * more weight rows a warp when that keeps the blocks to one wave. At NPW 4 the 48B shape's down
  * pass (2304 outputs x 8 experts) was 576 blocks for 528 places (4 an SM), its last 48 a second
- * wave that ncu timed at 16 us for 37.8 MB against 23 us for the up pass's 75.5 MB. A row's sum
- * takes the same operations whatever NPW is. */
+ * wave that left it far slower a byte than the up pass (Nsight Compute: bench/RESULTS.md
+ * session 9). A row's sum takes the same operations whatever NPW is. */
 typedef void (*moe_grouped_ptr)(float *, int, const float *, int, int, const uint16_t *, int, int,
                                 const int32_t *, const int32_t *, const int32_t *, const int32_t *,
                                 int, moe_act, const int32_t *, int, int, int);
@@ -343,8 +343,8 @@ enum { MOE_GROUPED_N = sizeof moe_grouped_fns / sizeof moe_grouped_fns[0] };
 /* A one-token matmul of many rows (one warp a row: gemv_splits gives 1) through the routed
  * experts' kernel as one "expert": 4 rows a warp and x staged in shared memory, with the same
  * sums in the same order as gemv_bf16_k (so batch invariance holds). On the H200 at the 48B
- * shape (it takes KDA's q/k/v, MLA's queries and lm_head) a batch-1 step took 2.648-2.667 ms
- * against 2.673-2.695 through gemv_bf16_k (three pairs in two calls). */
+ * shape (it takes KDA's q/k/v, MLA's queries and lm_head) a batch-1 step was shorter than
+ * through gemv_bf16_k (bench/RESULTS.md session 9). */
 __device__ int32_t g_row_zero[1]; /* gemv_wide's routing: every block row is "expert" 0 */
 
 int gemv_wide(ds_cu *c, float *y, const float *x, const uint16_t *W, int N, int K, ds_err *err) {
@@ -394,9 +394,8 @@ extern "C" void ds_cu_set_wide_early(ds_cu *c, int on) {
 enum { EXPERT_GEMM_MIN_PER = 64 };
 /* Tokens from which a step's grouped experts run on tensor cores (below, the weight stream bounds
  * the f32 kernel anyway, and its grid — 32 weight rows a block against 128 or 256 — balances
- * the fewer active experts better). 48B shape, steps with graphs on the H200, f32 kernel / the
- * streaming mma one: batch 16 14.20 / 16.69 ms, 24 19.39 / 21.14, 32 23.40 / 24.86, 48 34.62 /
- * 30.15, 64 40.88 / 34.86. */
+ * the fewer active experts better). 48B shape, steps with graphs on the H200: the f32 kernel was
+ * faster up to batch 32, the streaming mma one from 48 (bench/RESULTS.md session 12). */
 enum { MOE_MMA_MIN_TOKENS = 40 };
 
 extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int32_t *idx,

@@ -191,8 +191,8 @@ __device__ __forceinline__ void moe_tc_body(void *out, int ldo, const __nv_bfloa
 
 /* MINB: blocks an SM ptxas must allow. Left to itself it gave the 16- and 32-token forms 98 and
  * 130 registers (2 and 1 blocks of 8 warps an SM); held to 3 and 2 blocks (80 and 128, a few
- * spilled bytes) the 48B shape's batch-256 experts went from 72% to 82% of copy (1.191 -> 1.044
- * ms), the step 57.5 -> 54.1 ms. The 8-token form keeps its 64 registers (4 blocks) either way. */
+ * spilled bytes) the 48B shape's batch-256 experts and step were faster (bench/RESULTS.md
+ * session 12). The 8-token form keeps its 64 registers (4 blocks) either way. */
 template <int NT, bool UP, int MINB>
 __global__ void __launch_bounds__(256, MINB)
     moe_tc_k(void *out, int ldo, const __nv_bfloat16 *xb, const uint16_t *W, int N, int K,
@@ -267,8 +267,8 @@ extern "C" void ds_cu_set_expert_gemm(ds_cu *c, int on) {
 
 /* The tensor-core path's element-wise kernels take a row a block and 16-byte loads: x 16-byte
  * aligned and D, I multiples of 8 (moe_experts_gemm's callers); y and out are its own scratch and
- * the model's rows. One thread an element with 64-bit divisions for the row took the activation
- * 0.36 ms a layer for 0.67 GB at the 48B shape's 8192-token prompt. */
+ * the model's rows. One thread an element with 64-bit divisions for the row ran the activation
+ * far under the copy rate at the 48B shape's 8192-token prompt (bench/RESULTS.md session 10). */
 
 /* xg[slot[i]] = bf16(x[perm[i] / k]): the routed rows' inputs in expert order, in panels. */
 __global__ void moe_gather_bf16_k(__nv_bfloat16 *xg, const float *x, int D, const int32_t *perm,
@@ -335,8 +335,8 @@ __global__ void moe_combine_perm_k(float *out, const float *y, const int32_t *in
  * the bucket's first), each expert gets a panel of its bucket's largest count (rounded to 16
  * rows; its own rows first, the rest never read), and each bucket is one batched GEMM for
  * gate/up and one for down. Balanced routing is one bucket; skewed routing (random weights, or
- * a hot expert) a handful — where a cuBLAS call per expert was host-bound (56-91 TFLOP/s at
- * E = 256) and one padded batch would have padded every expert to the hottest. */
+ * a hot expert) a handful — where a cuBLAS call per expert was host-bound at E = 256 and one
+ * padded batch would have padded every expert to the hottest. */
 enum { MOE_MAX_BUCKETS = 8 };
 
 static int cmp_u64(const void *a, const void *b) {

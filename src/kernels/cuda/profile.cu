@@ -34,7 +34,7 @@ extern "C" int ds_cu_measure_limits(ds_cu *c, double *copy_gbs, double *gemm_tfl
     *copy_gbs = 2.0 * (double)cb / (times[5] * 1e-3) / 1e9;
     /* the GEMM reuses the two buffers: A, B [n][n] BF16 (128 MiB each), C in the rest of b.
      * Random operands, as a model's are: on a constant fill (the copy's) the tensor cores draw
-     * less power and this H200 ran 885 TFLOP/s against 806 on random data. */
+     * less power and run faster than they do on a model (bench/RESULTS.md session 17). */
     uint16_t *A = (uint16_t *)a, *B = (uint16_t *)a + (size_t)n * n, *C = (uint16_t *)b;
     int rc = ds_cu_fill_random_bf16(c, A, 2 * (size_t)n, n, 0x6c696d697473ull, 0, 0, n, 1.0f, err);
     for (int i = 0; i < 7 && rc == DS_OK; i++) {
