@@ -292,7 +292,7 @@ __device__ __forceinline__ void kda_scan_outputs(float *o, const float *prep,
         const float *pr = prep + ((size_t)ci * H + h) * kda_ch_floats(KD);
         const float *Qp = pr + 2 * KC * KD + (m1 + g) * KD + l4;
         const float *P = pr + 4 * KC * KD + (m1 + g) * KC + l4;
-        float oacc[2][4] = {};
+        float oacc[2][4] = {}; /* [n][C fragment] the warp's tile of O (above) */
         /* (Qp requested a chunk ahead, in registers, measured slower: bench/RESULTS.md) */
 #pragma unroll
         for (int j = 0; j < KD / 8; j++) {
@@ -305,7 +305,7 @@ __device__ __forceinline__ void kda_scan_outputs(float *o, const float *prep,
             }
         }
         /* P's fragments for the k steps up to this warp's last row (P is lower triangular) */
-        float pa[KC / 8][4];
+        float pa[KC / 8][4]; /* [k step][A fragment] */
 #pragma unroll
         for (int j = 0; j < KC / 8; j++)
             if (8 * j < m1 + 16)
