@@ -115,7 +115,8 @@ static void check_e4m3_rounding(ds_cu *c) {
 }
 
 /* y = x W^T on the device into host out [T][ldy] (y poisoned first): mode 1 batch invariance,
- * 2 the same with K split to one step a warp; ring > 0: the weights through the ring that deep
+ * 2 the same with K split to one step a warp, 3 / 4 with K's split forced to 8 / 1 parts where
+ * the rule splits it (ds_cu_set_f8_split); ring > 0: the weights through the ring that deep
  * (4 deep with 4 blocks an SM: more blocks, the same sums). */
 static void mm8_mode(ds_cu *c, float *out, float *dy, int ldy, const float *dx, int ldx, int T,
                      const ds_cu_mat *m, int mode, int ring) {
@@ -123,11 +124,13 @@ static void mm8_mode(ds_cu *c, float *out, float *dy, int ldy, const float *dx, 
     poison(c, dy, (size_t)T * ldy * 4);
     ds_cu_set_batch_invariant(c, mode >= 1);
     ds_cu_set_f8_split_min(c, mode == 2);
+    ds_cu_set_f8_split(c, mode == 3 ? 8 : mode == 4 ? 1 : 0);
     ds_cu_set_f8_ring(c, ring);
     ds_cu_set_f8_gemv_waves(c, ring == 4 ? 4 : 0);
     if (ds_cu_matmul(c, dy, ldy, dx, ldx, T, m, &err) || ds_cu_sync(c, &err)) DIE("%s", err.msg);
     ds_cu_set_batch_invariant(c, 0);
     ds_cu_set_f8_split_min(c, 0);
+    ds_cu_set_f8_split(c, 0);
     ds_cu_set_f8_ring(c, 0);
     ds_cu_set_f8_gemv_waves(c, 0);
     fetch(c, out, dy, (size_t)T * ldy * 4);
@@ -242,7 +245,11 @@ static void check_matmul_fp8(ds_cu *c, int T, int N, int K, int pad, int mode, d
     ds_cu_mat m = {(const uint16_t *)dq, N, K, DS_CU_FP8, dsr, NULL, 0};
     mm8_mode(c, got, dy, ldy, dx, ldx, T, &m, mode, 0);
     char what[128];
-    const char *form = mode == 2 ? " (invariant, K split to 1 step)" : mode ? " (invariant)" : "";
+    const char *form = mode == 2   ? " (invariant, K split to 1 step)"
+                       : mode == 3 ? " (invariant, K in 8 parts)"
+                       : mode == 4 ? " (invariant, K whole)"
+                       : mode      ? " (invariant)"
+                                   : "";
     snprintf(what, sizeof what, "matmul fp8 T=%d N=%d K=%d%s%s: vs float64", T, N, K,
              pad ? " (strided)" : "", form);
     report(what, rel_err(got, reff, (size_t)T, (size_t)N, (size_t)ldy), tol);
@@ -314,6 +321,10 @@ void checks_matmul_fp8(ds_cu *c) {
         check_matmul_fp8(c, T, 333, 2304, 0, 2, 1e-5);
         check_matmul_fp8(c, T, 96, 1024, 8, 2, 1e-5);
     }
+    /* K's split forced (an experiment's knob): 12544 rows the rule splits 4 ways on 132 SMs */
+    check_matmul_fp8(c, 1, 12544, 2304, 0, 3, 1e-5);
+    check_matmul_fp8(c, 1, 12544, 2304, 0, 4, 1e-5);
+    check_matmul_fp8(c, 7, 12544, 2304, 0, 3, 1e-5);
     check_norm_codes(c, 1, 333, 2304, 0);
     check_norm_codes(c, 1, 2304, 2304, 1);
     check_norm_codes(c, 7, 333, 3072, 1);

@@ -67,6 +67,7 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_f8_split_min(c, mode == 3);
     ds_cu_set_f8_moe_waves(c, mode == 4 ? 8 : 0);
     ds_cu_set_f8_ring(c, mode == 5 ? 8 : mode == 6 ? 4 : 0);
+    ds_cu_set_f8_split(c, mode == 7 ? 8 : 0);
     if (ds_cu_moe_experts_fp8(c, dout, dx, didx, dw, T, k, E - e0, e0, D, I, fx->dgc, fx->dgs,
                               fx->ddc, fx->dds, situ, 4.0f, 6.0f, 0, &err) ||
         ds_cu_sync(c, &err))
@@ -77,6 +78,7 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_f8_split_min(c, 0);
     ds_cu_set_f8_moe_waves(c, 0);
     ds_cu_set_f8_ring(c, 0);
+    ds_cu_set_f8_split(c, 0);
     fetch(c, got, dout, (size_t)T * D * 4);
     ds_cu_dealloc(dx), ds_cu_dealloc(dw), ds_cu_dealloc(dout), ds_cu_dealloc(didx);
 }
@@ -89,7 +91,8 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
  * mode 0: streamed; 1: tensor cores; 2: streamed, the quantizers first (ds_cu_set_f8_prequant);
  * 3: streamed, K split down to one step a warp (ds_cu_set_f8_split_min); 4: streamed, one token's
  * experts in up to 8 blocks an SM (ds_cu_set_f8_moe_waves); 5, 6: streamed, one token's weights
- * through the ring in shared memory, 8 and 4 deep (ds_cu_set_f8_ring). half: this rank holds
+ * through the ring in shared memory, 8 and 4 deep (ds_cu_set_f8_ring); 7: streamed, K's split
+ * forced to 8 parts where the rule splits it (ds_cu_set_f8_split). half: this rank holds
  * experts [E/2, E) only. */
 static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ, int mode,
                           int half) {
@@ -123,11 +126,12 @@ static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ,
     snprintf(what, sizeof what, "moe fp8 T=%d k=%d E=%d D=%d I=%d %s%s%s", T, k, E, D, I,
              situ ? "situ" : "swiglu",
              mode == 3   ? " (K split to 1 step)"
+             : mode == 7 ? " (K in 8 parts)"
              : mode == 1 ? " (tensor cores)"
                          : "",
              half ? " (half the experts)" : "");
     report(what, rel_err(got, ref, 1, (size_t)T * D, (size_t)T * D), 1e-3);
-    if ((mode == 0 || mode == 3) && T > 1) { /* batch invariance: token 0 alone, the same bits */
+    if ((mode == 0 || mode == 3 || mode == 7) && T > 1) { /* batch invariance: token 0 alone */
         float *one = malloc((size_t)D * 4);
         run_f8(c, &fx, one, x, idx, w, 1, k, E, e0, D, I, situ, mode);
         snprintf(what, sizeof what, "moe fp8 T=%d: token 0 alone, words differing", T);
@@ -209,6 +213,8 @@ void checks_moe_fp8(ds_cu *c) {
     check_moe_fp8(c, 1, 8, 32, 2304, 1024, 0, 0, 1); /* ... half the experts, one token */
     check_moe_fp8(c, 1, 8, 32, 2304, 1024, 0, 3, 0); /* ... K split further (more warps) */
     check_moe_fp8(c, 40, 8, 16, 512, 256, 1, 3, 0);
+    check_moe_fp8(c, 1, 8, 32, 2304, 1024, 0, 7, 0); /* ... K's split forced (the grid's waves) */
+    check_moe_fp8(c, 6, 8, 32, 2304, 1024, 1, 7, 0);
     check_moe_fp8(c, 20, 8, 32, 2304, 1024, 0, 1, 0);
     check_moe_fp8_norm_codes(c, 32, 2304, 1024);
 }

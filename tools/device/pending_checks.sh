@@ -52,6 +52,10 @@
 #      bytes (pack with DS_DEVBIN_F8MMA=1): the FP8 checks of both builds, the products' and one
 #      token's experts' timings, decode at batch 1, 32 and 256 (BATCHES) in BF16, ptpc_fp8 and
 #      ptpc_fp8 on E4M3 tensor cores, ROUNDS times.
+#  16. (issue 32, session 35; written after the session's GPU time, not yet run) the FP8 streams'
+#      K split forced (DS_CUDA_F8_SPLIT: the grid's waves; 0 the rule's): the FP8 checks (among
+#      them the forced splits, 8 parts and whole, products and experts), decode batch 1 and 32 at
+#      0/1/2/4/8 beside BF16.
 # STEPS: which of them (default "14"; 1-5 ran in sessions 27-28, 6, 7 and 9 in session 31, 8 at
 # 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12 in session 33 on
 # H100s: bench/RESULTS.md).
@@ -223,6 +227,21 @@ for r in $(seq "${ROUNDS:-2}"); do
   # the dense products' ring 4 deep at 3 blocks an SM (the fastest form of the product alone)
   DS_CUDA_F8_RING=4 DS_CUDA_F8_GEMV_WAVES=3 DS_CUDA_F8_MOE_RING=0 .devbin/deltaserve_f8mma $B48 \
     -q ptpc_fp8 --batch-sizes 1 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 e4m3 mma, ring 4 x 3 $r] /"
+done
+fi
+if want 16; then
+el "16. (issue 32, session 35) the FP8 streams' grid: K split forced (DS_CUDA_F8_SPLIT 1/2/4/8) in"
+el "    the checks, then decode at batch 1 and 32 beside the rule's split and BF16"
+DS_CUDA_CHECKS="matmul fp8,moe fp8" timeout 150 .devbin/test_cuda_kernels > "$OUT/fp8_split.log" 2>&1
+echo "checks rc $? ($(grep -c ' ok$' "$OUT/fp8_split.log") ok, $(grep -c FAIL "$OUT/fp8_split.log") FAIL)"
+grep -E "FAIL|8 parts|K whole" "$OUT/fp8_split.log" | head -12
+B48=".devbin/deltaserve bench --model $SHAPE48 --load-format random --device cuda --prompt-tokens 16"
+B48="$B48 --reps 1 --decode-context 512 --decode-steps 16 --batch-sizes 1,32"
+for r in $(seq "${ROUNDS:-2}"); do
+  $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16 $r] /"
+  for f in 0 1 2 4 8; do
+    DS_CUDA_F8_SPLIT=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 split $f $r] /"
+  done
 done
 fi
 if want 1; then

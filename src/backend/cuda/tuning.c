@@ -55,6 +55,7 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->gemv_max_t = env_count("DS_CUDA_GEMV_MAX_T", 0);
     t->f8_prequant = env_flag("DS_CUDA_F8_PREQUANT", 0);
     t->f8_split_min = env_count("DS_CUDA_F8_SPLIT_MIN", 0);
+    t->f8_split = env_count("DS_CUDA_F8_SPLIT", 0); /* (an experiment: the grid's waves) */
     t->f8_moe_waves = env_count("DS_CUDA_F8_MOE_WAVES", 0);
     /* the FP8 streams' weights through a ring in shared memory, 4 or 8 steps deep (session 34:
      * not faster at 8 with two blocks an SM; 0, the register window, until one is) */
@@ -114,6 +115,7 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_gemv_max_t(c, t->gemv_max_t);
     ds_cu_set_f8_prequant(c, t->f8_prequant);
     ds_cu_set_f8_split_min(c, t->f8_split_min);
+    ds_cu_set_f8_split(c, t->f8_split);
     ds_cu_set_f8_moe_waves(c, t->f8_moe_waves);
     ds_cu_set_f8_ring(c, t->f8_ring);
     if (t->f8_moe_ring >= 0) ds_cu_set_f8_moe_ring(c, t->f8_moe_ring);

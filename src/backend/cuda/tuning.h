@@ -62,6 +62,7 @@ typedef struct ds_cuda_tuning {
     int expert_mma_min, gemv_max_t; /* 0: the kernels' defaults */
     int f8_prequant;
     int f8_split_min;  /* 0: the kernels' default */
+    int f8_split;      /* K split forced (0: the rule) */
     int f8_moe_waves;  /* 0: the kernels' default */
     int f8_ring;       /* the FP8 streams' ring depth (0: registers) */
     int f8_moe_ring;   /* ...for one token's experts (-1: as f8_ring) */

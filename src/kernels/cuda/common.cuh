@@ -40,6 +40,7 @@ struct ds_cu {
     int f8_prequant;     /* FP8 decode products read codes made by the activations' quantizer,
                             not quantize their tokens themselves (ds_cu_set_f8_prequant) */
     int f8_split_min;    /* the FP8 streams' fewest steps a warp along K (0: F8_SPLIT_MIN) */
+    int f8_split;        /* ...their split of K forced (0: the rule's; ds_cu_set_f8_split) */
     int f8_moe_waves;    /* one token's FP8 experts: blocks an SM at most (0: 2) */
     int f8_gemv_waves;   /* an FP8 product that quantizes its tokens: blocks an SM (0: 2) */
     int f8_ring;         /* the FP8 streams' ring depth, 4 or 8 steps (0: registers) */

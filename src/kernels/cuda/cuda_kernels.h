@@ -308,6 +308,10 @@ void ds_cu_set_f8_prequant(ds_cu *c, int on);
  * the matrix, so batch invariance holds at any value; the fused KDA decode's f_b and g_b (K 128)
  * stay one warp a tile at every value. DS_CUDA_F8_SPLIT_MIN in the engine. */
 void ds_cu_set_f8_split_min(ds_cu *c, int steps);
+/* An experiment: where that rule splits a product's K at all, split it into `parts` (1, 2, 4 or
+ * 8; 0: the rule's), to measure how the grid's waves fill (fp8_stream.cuh's f8_splits_forced).
+ * Batch invariance holds at any value. DS_CUDA_F8_SPLIT in the engine. */
+void ds_cu_set_f8_split(ds_cu *c, int parts);
 /* One token's FP8 routed experts: at most blocks_per_sm blocks an SM a routed row's worth (0: the
  * default, 2), each quantizing the row once for its tiles; more: more blocks, fewer tiles each
  * one after another. The sums do not change. DS_CUDA_F8_MOE_WAVES in the engine. */

@@ -345,3 +345,15 @@ static inline int f8_splits(int n_sm, int N, int K, int min_steps) {
     while (S < 8 && tiles * S < want && K / 64 >= m * 2 * S) S *= 2;
     return S;
 }
+/* An experiment (DS_CUDA_F8_SPLIT, ds_cu_set_f8_split): where the rule above splits K at all, S
+ * forced to `force` (1, 2, 4 or 8; at most a part a 64-column step), to measure the grid's waves:
+ * a 12544 x 2304 product at S = 4 is 392 blocks for two an SM's 264 places, 1.5 waves, where S =
+ * 8 would be 784, three nearly full ones. Still a function of the matrix (batch invariance), and
+ * the fused KDA decode's f_b and g_b, which the rule never splits, are left alone. */
+static inline int f8_splits_forced(int n_sm, int N, int K, int min_steps, int force) {
+    const int S = f8_splits(n_sm, N, K, min_steps);
+    if (force <= 0 || S == 1) return S;
+    int F = 1;
+    while (F * 2 <= force && F < 8 && K / 64 >= F * 2) F *= 2;
+    return F;
+}

@@ -210,6 +210,10 @@ extern "C" void ds_cu_set_f8_split_min(ds_cu *c, int steps) {
     c->f8_split_min = steps;
 }
 
+extern "C" void ds_cu_set_f8_split(ds_cu *c, int parts) {
+    c->f8_split = parts;
+}
+
 extern "C" void ds_cu_set_f8_moe_waves(ds_cu *c, int blocks_per_sm) {
     c->f8_moe_waves = blocks_per_sm;
 }

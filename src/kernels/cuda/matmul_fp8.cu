@@ -204,7 +204,7 @@ static int fp8_gemv(ds_cu *c, float *y, int ldy, const float *x, int ldx, const 
         CU_TRY(cudaGetLastError(), "matmul fp8 (gemv, any shape)");
         return DS_OK;
     }
-    const int S = f8_splits(c->n_sm, N, K, c->f8_split_min);
+    const int S = f8_splits_forced(c->n_sm, N, K, c->f8_split_min, c->f8_split);
     /* blocks' worth of tiles; a block that quantizes its tokens does so once, for as many tiles
      * as one wave of blocks (two a multiprocessor) leaves it */
     unsigned bx = (unsigned)(((N + 15) / 16 + 8 / S - 1) / (8 / S));

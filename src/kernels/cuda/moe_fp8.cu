@@ -333,8 +333,8 @@ static moe_f8m_ptr moe_f8m_pick(int ring) {
 static void f8_stream(ds_cu *c, const f8_buf *b, const float *x, int T, int rows, int D, int I,
                       int k, const f8_w *w, const f8_rows *g, moe_act act) {
     const moe_act none = {0, 0, 0.0f, 0.0f};
-    const int su = f8_splits(c->n_sm, 2 * I, D, c->f8_split_min),
-              sd = f8_splits(c->n_sm, D, I, c->f8_split_min);
+    const int su = f8_splits_forced(c->n_sm, 2 * I, D, c->f8_split_min, c->f8_split),
+              sd = f8_splits_forced(c->n_sm, D, I, c->f8_split_min, c->f8_split);
     const unsigned bu = (unsigned)(((2 * I + 15) / 16 + 8 / su - 1) / (8 / su)),
                    bd = (unsigned)(((D + 15) / 16 + 8 / sd - 1) / (8 / sd));
     if (g->direct) { /* a block quantizes once for its tiles: one wave of blocks (two an SM, or
