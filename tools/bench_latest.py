@@ -22,6 +22,8 @@ Keys from a `bench` result (only those its settings measure):
     prefill_<N>_gemm_fraction          prompt of N tokens: GEMM FLOPs over time against the
                                        measured GEMM rate (N = 8192 is the issue's figure)
     prefill_<N>_peak_fraction          CPU: the prompt's FLOPs over time against the FMA peak
+    prefill_<N>_whole_fraction         GPU: the whole prompt's FLOPs over its time against the
+                                       measured GEMM rate (issue 33's prompt figure)
     ... and <key>_ms beside each decode fraction, ttft_<N>k_s for prompts of >= 128K tokens
 """
 import argparse
@@ -69,6 +71,11 @@ def from_bench(path):
     if d["device"].startswith("cpu") and d.get("prompt_frac_peak", 0) > 0 and not qtag:
         out[f"prefill_{n}_peak_fraction"] = (d["prompt_frac_peak"],
                                              f"{model}: prompt {n}, {d['prompt_tps']:.1f} tok/s")
+    elif d.get("prompt_frac_peak", 0) > 0 and not qtag:  # a GPU: issue 33's prompt figure
+        out[f"prefill_{n}_whole_fraction"] = (
+            d["prompt_frac_peak"],
+            f"{model}: prompt {n}, {d['prompt_tps']:.0f} tok/s, the whole prompt's FLOPs over its "
+            "time against the measured cuBLAS BF16 rate")
     if n >= 131072 and d.get("prompt_tps", 0) > 0:
         out[f"ttft_{n // 1024}k_s{kvtag}"] = (n / d["prompt_tps"], f"{model}: prompt {n}")
     ctx = d["decode_context"]

@@ -40,6 +40,10 @@ def test_bench_keys(tmp_path):
     assert d["h200.decode_b1_copy_fraction"]["commit"] == "abc1234"
     assert d["h200.decode_b1_copy_fraction"]["date"] == "2026-12-04"
     assert not any("256" in k for k in d)  # only batch 1 is a headline
+    assert "h200.prefill_8192_whole_fraction" not in d  # the bench's JSON has no frac_peak here
+    rc, d = run(tmp_path, "bench:" + write(tmp_path, "w.json", dict(BENCH, prompt_frac_peak=0.32)))
+    assert d["h200.prefill_8192_whole_fraction"]["value"] == 0.32
+    assert "h200.prefill_8192_peak_fraction" not in d  # (the CPU's key)
 
 
 def test_quant_long_context_and_merge(tmp_path):
