@@ -346,7 +346,7 @@ static inline int f8_splits(int n_sm, int N, int K, int min_steps) {
     return S;
 }
 /* An experiment (DS_CUDA_F8_SPLIT, ds_cu_set_f8_split): where the rule above splits K at all, S
- * forced to `force` (1, 2, 4 or 8; at most a part a 64-column step), to measure the grid's waves:
+ * forced to `force` (1, 2, 4 or 8; no more parts than K has 64-column steps), to measure the waves:
  * a 12544 x 2304 product at S = 4 is 392 blocks for two an SM's 264 places, 1.5 waves, where S =
  * 8 would be 784, three nearly full ones. Still a function of the matrix (batch invariance), and
  * the fused KDA decode's f_b and g_b, which the rule never splits, are left alone. */
