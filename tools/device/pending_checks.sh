@@ -65,6 +65,17 @@ STEPS=" ${STEPS:-16} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
+# checks LOG SECTIONS [SUFFIX]: test_cuda_kernels$SUFFIX's checks of SECTIONS into $OUT/LOG, then
+# its exit status and the counts of passed and failed checks on one line
+checks() {
+  DS_CUDA_CHECKS="$2" timeout 150 ".devbin/test_cuda_kernels${3:-}" > "$OUT/$1" 2>&1
+  echo "checks rc $? ($(grep -c ' ok$' "$OUT/$1") ok, $(grep -c FAIL "$OUT/$1") FAIL)"
+}
+# b48 STEPS BATCHES: the decode benchmark of the 48B shape (env.sh's) as this script runs it
+b48() {
+  echo "bench --model $SHAPE48 --load-format random --device cuda --prompt-tokens 16 --reps 1" \
+    "--decode-context 512 --decode-steps $1 --batch-sizes $2"
+}
 PV=$(python3 -c 'import sys;print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 el "python $PV"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -75,16 +86,14 @@ python3 -c "import llguidance, openai, jsonschema, pytest; print('python package
 . "$(dirname "$0")/env.sh"
 if want 9; then
 el "9. chunked KDA, pass 1 on tensor cores: checks, then timings"
-DS_CUDA_CHECKS=kda timeout 150 .devbin/test_cuda_kernels > "$OUT/kda_check.log" 2>&1
-echo "checks rc $? ($(grep -c ' ok$' "$OUT/kda_check.log") ok, $(grep -c FAIL "$OUT/kda_check.log") FAIL)"
+checks kda_check.log kda
 grep -E "FAIL|chunked.*out" "$OUT/kda_check.log" | head -30
 timeout 120 .devbin/test_cuda_kernels --bench-only kda 2>&1 | grep -E "chunked prefill|copy d2d" |
   tee "$OUT/kda_bench.log"
 fi
 if want 10; then
 el "10. MLA over a long context: checks (blocks, tensor-core decode), timings, decode after 1M tokens"
-DS_CUDA_CHECKS="mla,mla batch,kv rows" timeout 150 .devbin/test_cuda_kernels > "$OUT/mla_check.log" 2>&1
-echo "checks rc $? ($(grep -c ' ok$' "$OUT/mla_check.log") ok, $(grep -c FAIL "$OUT/mla_check.log") FAIL)"
+checks mla_check.log "mla,mla batch,kv rows"
 grep -E "FAIL|tensor cores|blocks|checks:" "$OUT/mla_check.log" | head -24
 timeout 150 .devbin/test_cuda_kernels --bench-only mla 2>&1 | grep -E "absorbed decode 1 x|expanded" |
   tee "$OUT/mla_bench.log"
@@ -114,8 +123,7 @@ for m in 4 2 1; do
   DS_CUDA_F8_SPLIT_MIN=$m timeout 100 .devbin/test_cuda_kernels --bench-only moefp8 2>&1 |
     grep "bench moe fp8 T=1 " | sed "s/^/[split min $m] /"
 done
-B48=".devbin/deltaserve bench --model $SHAPE48 --load-format random --device cuda --prompt-tokens 16"
-B48="$B48 --reps 1 --decode-context 512 --decode-steps 8 --batch-sizes 1,32"
+B48=".devbin/deltaserve $(b48 8 1,32)"
 $B48 2>&1 | grep -E "^decode" | sed "s/^/[bf16] /"
 for m in 4 2 1; do
   DS_CUDA_F8_SPLIT_MIN=$m $B48 -q ptpc_fp8 2>&1 | grep -E "^decode" | sed "s/^/[fp8, split min $m] /"
@@ -136,14 +144,11 @@ fi
 if want 13; then
 el "13. (issue 32) the quantizers on the conversion unit (session 34): the E4M3 rounding bit for"
 el "    bit, the FP8 checks, the FP8 products' and experts' timings, decode BF16 vs ptpc_fp8"
-DS_CUDA_CHECKS="matmul fp8,moe fp8,kda batch" timeout 150 .devbin/test_cuda_kernels \
-  > "$OUT/fp8_check.log" 2>&1
-echo "checks rc $? ($(grep -c ' ok$' "$OUT/fp8_check.log") ok, $(grep -c FAIL "$OUT/fp8_check.log") FAIL)"
+checks fp8_check.log "matmul fp8,moe fp8,kda batch"
 grep -E "FAIL|rounding|checks:" "$OUT/fp8_check.log" | head -20
 timeout 150 .devbin/test_cuda_kernels --bench-only fp8 2>&1 | grep "T=1 " | head -12
 timeout 100 .devbin/test_cuda_kernels --bench-only moefp8 2>&1 | grep "bench moe fp8 T=1 "
-B48=".devbin/deltaserve bench --model $SHAPE48 --load-format random --device cuda --prompt-tokens 16"
-B48="$B48 --reps 1 --decode-context 512 --decode-steps 16 --batch-sizes 1,32,256"
+B48=".devbin/deltaserve $(b48 16 1,32,256)"
 for r in 1 2; do
   $B48 2>&1 | grep -E "^decode" | sed "s/^/[bf16 $r] /"
   $B48 -q ptpc_fp8 2>&1 | grep -E "^decode" | sed "s/^/[fp8 $r] /"
@@ -170,8 +175,7 @@ fi
 if want 14; then
 el "14. (issue 32) the norms write the FP8 products' codes (DS_CUDA_F8_NORM_CODES, session 34):"
 el "    the checks, logits and greedy ids bit for bit with and without, decode batch 1"
-DS_CUDA_CHECKS="matmul fp8,moe fp8" timeout 150 .devbin/test_cuda_kernels > "$OUT/codes_check.log" 2>&1
-echo "checks rc $? ($(grep -c ' ok$' "$OUT/codes_check.log") ok, $(grep -c FAIL "$OUT/codes_check.log") FAIL)"
+checks codes_check.log "matmul fp8,moe fp8"
 grep -E "FAIL|codes|checks:" "$OUT/codes_check.log" | head -16
 .devbin/deltaserve init-model --preset tiny-k3 --out /tmp/tk3 --force > /dev/null || echo "init failed"
 for ids in 5 5,7; do
@@ -196,8 +200,7 @@ elif cmp -s "$OUT/ids48_0.txt" "$OUT/ids48_1.txt"; then
 else
   echo "48B greedy ids: DIFFER"
 fi
-B48=".devbin/deltaserve bench --model $SHAPE48 --load-format random --device cuda --prompt-tokens 16"
-B48="$B48 --reps 1 --decode-context 512 --decode-steps 16 --batch-sizes 1,32"
+B48=".devbin/deltaserve $(b48 16 1,32)"
 for r in $(seq "${ROUNDS:-2}"); do
   $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16 $r] /"
   $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 $r] /"
@@ -211,15 +214,12 @@ if want 15; then
 el "15. (issue 32, session 35) the FP8 streams on E4M3 tensor cores with the activations' codes as"
 el "    bytes (the _f8mma build, DS_DEVBIN_F8MMA=1): checks, products' timings, decode vs default"
 for v in "" _f8mma; do
-  DS_CUDA_CHECKS="matmul fp8,moe fp8,kda batch" timeout 150 .devbin/test_cuda_kernels$v \
-    > "$OUT/fp8_check$v.log" 2>&1
-  echo "[${v:-default}] checks rc $? ($(grep -c ' ok$' "$OUT/fp8_check$v.log") ok, $(grep -c FAIL "$OUT/fp8_check$v.log") FAIL)"
+  checks "fp8_check$v.log" "matmul fp8,moe fp8,kda batch" "$v" | sed "s/^/[${v:-default}] /"
   grep -E "FAIL" "$OUT/fp8_check$v.log" | head -8
   timeout 150 .devbin/test_cuda_kernels$v --bench-only fp8 2>&1 | grep "T=1 " | head -6 | sed "s/^/[${v:-default}] /"
   timeout 100 .devbin/test_cuda_kernels$v --bench-only moefp8 2>&1 | grep "bench moe fp8 T=1 " | sed "s/^/[${v:-default}] /"
 done
-B48="bench --model $SHAPE48 --load-format random --device cuda --prompt-tokens 16"
-B48="$B48 --reps 1 --decode-context 512 --decode-steps 16 --batch-sizes ${BATCHES:-1,32,256}"
+B48="$(b48 16 "${BATCHES:-1,32,256}")"
 for r in $(seq "${ROUNDS:-2}"); do
   .devbin/deltaserve $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16 $r] /"
   .devbin/deltaserve $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 $r] /"
@@ -232,11 +232,9 @@ fi
 if want 16; then
 el "16. (issue 32, session 35) the FP8 streams' grid: K split forced (DS_CUDA_F8_SPLIT 1/2/4/8) in"
 el "    the checks, then decode at batch 1 and 32 beside the rule's split and BF16"
-DS_CUDA_CHECKS="matmul fp8,moe fp8" timeout 150 .devbin/test_cuda_kernels > "$OUT/fp8_split.log" 2>&1
-echo "checks rc $? ($(grep -c ' ok$' "$OUT/fp8_split.log") ok, $(grep -c FAIL "$OUT/fp8_split.log") FAIL)"
+checks fp8_split.log "matmul fp8,moe fp8"
 grep -E "FAIL|8 parts|K whole" "$OUT/fp8_split.log" | head -12
-B48=".devbin/deltaserve bench --model $SHAPE48 --load-format random --device cuda --prompt-tokens 16"
-B48="$B48 --reps 1 --decode-context 512 --decode-steps 16 --batch-sizes 1,32"
+B48=".devbin/deltaserve $(b48 16 1,32)"
 for r in $(seq "${ROUNDS:-2}"); do
   $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16 $r] /"
   for f in 0 1 2 4 8; do
