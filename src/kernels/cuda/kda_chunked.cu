@@ -489,10 +489,14 @@ extern "C" int ds_cu_kda_chunked(ds_cu *c, float *o, const float *q, const float
      * built here, uploaded with the step */
     const size_t tab_bytes = (size_t)n_ch * sizeof(kda_chunk), c0_bytes = (n_seq + 1) * sizeof(int);
     /* prep [n_ch][H][kda_ch_floats] | table [n_ch] then first [n_seq + 1] | states at the chunks'
-     * starts [n_ch][H][dk][dv] | U [n_ch][H][KC][dv] */
+     * starts [n_ch][H][dk][dv] | U [n_ch][H][KC][dv]; the last two only where the outputs take a
+     * pass of their own (f32 mode, or ds_cu_set_kda_out_fused off): made beside the walk, the
+     * outputs keep both on chip (kda_chunk_scan.cu) */
+    const int apart = !c->kda_tc || c->kda_out_sep;
     const size_t sz[4] = {(size_t)n_ch * H * kda_ch_floats(dk) * sizeof(float),
-                          tab_bytes + c0_bytes, (size_t)n_ch * H * dk * dv * sizeof(float),
-                          (size_t)n_ch * H * KC * dv * sizeof(float)};
+                          tab_bytes + c0_bytes,
+                          apart ? (size_t)n_ch * H * dk * dv * sizeof(float) : 0,
+                          apart ? (size_t)n_ch * H * KC * dv * sizeof(float) : 0};
     void *b[4];
     const void *was = c->kdac;
     const size_t was_bytes = c->kdac_bytes;
