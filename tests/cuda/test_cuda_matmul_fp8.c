@@ -116,7 +116,8 @@ static void check_e4m3_rounding(ds_cu *c) {
 
 /* y = x W^T on the device into host out [T][ldy] (y poisoned first): mode 1 batch invariance,
  * 2 the same with K split to one step a warp, 3 / 4 with K's split forced to 8 / 1 parts where
- * the rule splits it (ds_cu_set_f8_split); ring > 0: the weights through the ring that deep
+ * the rule splits it (ds_cu_set_f8_split), 5 one token a warp a row (ds_cu_set_f8_rows; every
+ * other mode has that form off); ring > 0: the weights through the ring that deep
  * (4 deep with 4 blocks an SM: more blocks, the same sums). */
 static void mm8_mode(ds_cu *c, float *out, float *dy, int ldy, const float *dx, int ldx, int T,
                      const ds_cu_mat *m, int mode, int ring) {
@@ -127,12 +128,14 @@ static void mm8_mode(ds_cu *c, float *out, float *dy, int ldy, const float *dx, 
     ds_cu_set_f8_split(c, mode == 3 ? 8 : mode == 4 ? 1 : 0);
     ds_cu_set_f8_ring(c, ring);
     ds_cu_set_f8_gemv_waves(c, ring == 4 ? 4 : 0);
+    ds_cu_set_f8_rows(c, mode == 5 ? 0 : -1);
     if (ds_cu_matmul(c, dy, ldy, dx, ldx, T, m, &err) || ds_cu_sync(c, &err)) DIE("%s", err.msg);
     ds_cu_set_batch_invariant(c, 0);
     ds_cu_set_f8_split_min(c, 0);
     ds_cu_set_f8_split(c, 0);
     ds_cu_set_f8_ring(c, 0);
     ds_cu_set_f8_gemv_waves(c, 0);
+    ds_cu_set_f8_rows(c, 0);
     fetch(c, out, dy, (size_t)T * ldy * 4);
 }
 
@@ -206,6 +209,17 @@ static void check_norm_codes(ds_cu *c, int T, int N, int K, int add) {
     snprintf(what, sizeof what,
              "matmul fp8 T=%d N=%d K=%d reading the norm's codes: words differing", T, N, K);
     report(what, (double)words_differ(y1, y0, (size_t)T * N), 0.0);
+    if (T == 1) { /* one token a warp a row: the same codes, the same sums */
+        mm8_mode(c, y0, dy, N, dx, K, T, &m, 5, 0);
+        ds_cu_set_x_codes(c, dx, xh, st, T, K);
+        mm8_mode(c, y1, dy, N, dx, K, T, &m, 5, 0);
+        ds_cu_set_x_codes(c, NULL, NULL, NULL, 0, 0);
+        snprintf(
+            what, sizeof what,
+            "matmul fp8 T=1 N=%d K=%d reading the norm's codes (a warp a row): words differing", N,
+            K);
+        report(what, (double)words_differ(y1, y0, (size_t)N), 0.0);
+    }
     ds_cu_dealloc(dP), ds_cu_dealloc(da), ds_cu_dealloc(dw), ds_cu_dealloc(dx), ds_cu_dealloc(dy);
     ds_cu_dealloc(dq), ds_cu_dealloc(dsr);
     free(h), free(ha), free(hw), free(wb), free(q), free(sr), free(x), free(gst), free(gq);
@@ -248,6 +262,7 @@ static void check_matmul_fp8(ds_cu *c, int T, int N, int K, int pad, int mode, d
     const char *form = mode == 2   ? " (invariant, K split to 1 step)"
                        : mode == 3 ? " (invariant, K in 8 parts)"
                        : mode == 4 ? " (invariant, K whole)"
+                       : mode == 5 ? " (a warp a row)"
                        : mode      ? " (invariant)"
                                    : "";
     snprintf(what, sizeof what, "matmul fp8 T=%d N=%d K=%d%s%s: vs float64", T, N, K,
@@ -256,7 +271,8 @@ static void check_matmul_fp8(ds_cu *c, int T, int N, int K, int pad, int mode, d
     snprintf(what, sizeof what, "matmul fp8 T=%d N=%d K=%d%s%s: vs the CPU", T, N, K,
              pad ? " (strided)" : "", form);
     report(what, rel_err(got, cpu, (size_t)T, (size_t)N, (size_t)ldy), tol);
-    for (int depth = 4; depth <= 8 && (T <= 8 || mode); depth += 4) { /* the ring: same bits */
+    for (int depth = 4; depth <= 8 && (T <= 8 || mode) && mode != 5;
+         depth += 4) { /* the ring: same bits */
         float *rg = malloc((size_t)T * ldy * 4);
         mm8_mode(c, rg, dy, ldy, dx, ldx, T, &m, mode, depth);
         size_t bad = 0;
@@ -325,6 +341,13 @@ void checks_matmul_fp8(ds_cu *c) {
     check_matmul_fp8(c, 1, 12544, 2304, 0, 3, 1e-5);
     check_matmul_fp8(c, 1, 12544, 2304, 0, 4, 1e-5);
     check_matmul_fp8(c, 7, 12544, 2304, 0, 3, 1e-5);
+    /* one token a warp a row, each of its shapes (R, U by K), strided rows, the largest K */
+    check_matmul_fp8(c, 1, 333, 2304, 0, 5, 1e-5);
+    check_matmul_fp8(c, 1, 96, 1024, 8, 5, 1e-5);
+    check_matmul_fp8(c, 1, 301, 1536, 5, 5, 1e-5);
+    check_matmul_fp8(c, 1, 2304, 4096, 0, 5, 1e-5);
+    check_matmul_fp8(c, 1, 130, 12288, 0, 5, 1e-5);
+    check_matmul_fp8(c, 1, 12544, 2304, 0, 5, 1e-5);
     check_norm_codes(c, 1, 333, 2304, 0);
     check_norm_codes(c, 1, 2304, 2304, 1);
     check_norm_codes(c, 7, 333, 3072, 1);
@@ -365,14 +388,24 @@ static void bench_pair(ds_cu *c, int N, int K, int T, double copy_gbs) {
     mm8_ctx mb = {y, x, {wb, N, K, DS_CU_BF16, NULL, NULL, 0}, T};
     mm8_ctx m8 = {y, x, {(const uint16_t *)q, N, K, DS_CU_FP8, sr, NULL, 0}, T};
     const double msb = median_ms(c, run_mm8, &mb, 3, 20), ms8 = median_ms(c, run_mm8, &m8, 3, 20);
-    /* the ring 8 deep (two blocks an SM), 4 deep with three and four blocks an SM */
-    static const int forms[3][2] = {{8, 2}, {4, 3}, {4, 4}};
-    double msr[3] = {0};
-    for (int f = 0; f < 3 && T <= 8; f++) {
-        ds_cu_set_f8_ring(c, forms[f][0]);
-        ds_cu_set_f8_gemv_waves(c, forms[f][1]);
+    /* other forms of the streaming products (up to 8 tokens): {rows: blocks an SM a warp a row
+     * (-1: off, the tiles; one token only), ring depth, the tiles' blocks an SM} */
+    static const struct {
+        int rows, ring, waves;
+        const char *name;
+    } forms[] = {{-1, 0, 0, "the tiles"},
+                 {-1, 4, 4, "the tiles through the ring 4 deep, 4 blocks an SM"},
+                 {2, 0, 0, "a warp a row, 2 blocks an SM"},
+                 {8, 0, 0, "a warp a row, 8 blocks an SM"}};
+    double msr[DS_ARRAY_LEN(forms)] = {0};
+    for (size_t f = 0; f < DS_ARRAY_LEN(forms) && T <= 8; f++) {
+        if (forms[f].rows >= 0 && T > 1) continue;
+        ds_cu_set_f8_rows(c, forms[f].rows);
+        ds_cu_set_f8_ring(c, forms[f].ring);
+        ds_cu_set_f8_gemv_waves(c, forms[f].waves);
         msr[f] = median_ms(c, run_mm8, &m8, 3, 20);
     }
+    ds_cu_set_f8_rows(c, 0);
     ds_cu_set_f8_ring(c, 0);
     ds_cu_set_f8_gemv_waves(c, 0);
     const double bb = (double)N * K * 2, b8 = (double)N * K + 4.0 * N;
@@ -382,12 +415,10 @@ static void bench_pair(ds_cu *c, int N, int K, int T, double copy_gbs) {
            N, K, T, msb, bb / (msb * 1e-3) / 1e9, 100.0 * bb / (msb * 1e-3) / 1e9 / copy_gbs,
            fl / (msb * 1e-3) / 1e12, ms8, b8 / (ms8 * 1e-3) / 1e9,
            100.0 * b8 / (ms8 * 1e-3) / 1e9 / copy_gbs, fl / (ms8 * 1e-3) / 1e12);
-    for (int f = 0; f < 3 && T <= 8; f++)
-        printf(
-            "bench matmul %5d x %5d T=%-5d fp8 through the ring %d deep, %d blocks an SM %.4f ms "
-            "(%.0f%% of copy)\n",
-            N, K, T, forms[f][0], forms[f][1], msr[f],
-            100.0 * b8 / (msr[f] * 1e-3) / 1e9 / copy_gbs);
+    for (size_t f = 0; f < DS_ARRAY_LEN(forms); f++)
+        if (msr[f] > 0)
+            printf("bench matmul %5d x %5d T=%-5d fp8 %s %.4f ms (%.0f%% of copy)\n", N, K, T,
+                   forms[f].name, msr[f], 100.0 * b8 / (msr[f] * 1e-3) / 1e9 / copy_gbs);
     ds_cu_dealloc(wb), ds_cu_dealloc(q), ds_cu_dealloc(sr), ds_cu_dealloc(x), ds_cu_dealloc(y);
 }
 

@@ -54,7 +54,8 @@ static void f8_experts_free(f8_experts *x) {
     free(x->gc), free(x->gs), free(x->dc), free(x->dsc);
 }
 
-/* the device's experts into got [T][D] (mode 1: tensor cores; 2: the quantizers first) */
+/* the device's experts into got [T][D] (mode 1: tensor cores; 2: the quantizers first; 8: one
+ * token a warp a row, ds_cu_set_f8_rows; every other mode has that form off) */
 static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, const int32_t *idx,
                    const float *w, int T, int k, int E, int e0, int D, int I, int situ, int mode) {
     float *dx = dev(c, x, (size_t)T * D * 4), *dw = dev(c, w, (size_t)T * k * 4);
@@ -68,6 +69,7 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_f8_moe_waves(c, mode == 4 ? 8 : 0);
     ds_cu_set_f8_ring(c, mode == 5 ? 8 : mode == 6 ? 4 : 0);
     ds_cu_set_f8_split(c, mode == 7 ? 8 : 0);
+    ds_cu_set_f8_rows(c, mode == 8 ? 0 : -1);
     if (ds_cu_moe_experts_fp8(c, dout, dx, didx, dw, T, k, E - e0, e0, D, I, fx->dgc, fx->dgs,
                               fx->ddc, fx->dds, situ, 4.0f, 6.0f, 0, &err) ||
         ds_cu_sync(c, &err))
@@ -79,6 +81,7 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_f8_moe_waves(c, 0);
     ds_cu_set_f8_ring(c, 0);
     ds_cu_set_f8_split(c, 0);
+    ds_cu_set_f8_rows(c, 0);
     fetch(c, got, dout, (size_t)T * D * 4);
     ds_cu_dealloc(dx), ds_cu_dealloc(dw), ds_cu_dealloc(dout), ds_cu_dealloc(didx);
 }
@@ -92,7 +95,8 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
  * 3: streamed, K split down to one step a warp (ds_cu_set_f8_split_min); 4: streamed, one token's
  * experts in up to 8 blocks an SM (ds_cu_set_f8_moe_waves); 5, 6: streamed, one token's weights
  * through the ring in shared memory, 8 and 4 deep (ds_cu_set_f8_ring); 7: streamed, K's split
- * forced to 8 parts where the rule splits it (ds_cu_set_f8_split). half: this rank holds
+ * forced to 8 parts where the rule splits it (ds_cu_set_f8_split); 8: one token a warp a row
+ * (ds_cu_set_f8_rows, batch invariance off: its own order of sums). half: this rank holds
  * experts [E/2, E) only. */
 static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ, int mode,
                           int half) {
@@ -128,6 +132,7 @@ static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ,
              mode == 3   ? " (K split to 1 step)"
              : mode == 7 ? " (K in 8 parts)"
              : mode == 1 ? " (tensor cores)"
+             : mode == 8 ? " (a warp a row)"
                          : "",
              half ? " (half the experts)" : "");
     report(what, rel_err(got, ref, 1, (size_t)T * D, (size_t)T * D), 1e-3);
@@ -180,8 +185,9 @@ static void check_moe_fp8_norm_codes(ds_cu *c, int E, int D, int I) {
     if (ds_cu_x_codes_buf(c, 1, D, &xh, &st, &err)) DIE("%s", err.msg);
     ds_cu_rmsnorm_codes(c, dx, dh, dnw, 1, D, 1e-6f, xh, st);
     char what[160];
-    for (int ring = 0; ring <= 8; ring += 8) {
-        ds_cu_set_f8_ring(c, ring);
+    for (int ring = 0; ring <= 16; ring += 8) { /* (16: a warp a row, ds_cu_set_f8_rows) */
+        ds_cu_set_f8_ring(c, ring == 8 ? 8 : 0);
+        ds_cu_set_f8_rows(c, ring == 16 ? 0 : -1);
         for (int use = 0; use < 2; use++) {
             ds_cu_set_x_codes(c, use ? dx : NULL, xh, st, 1, D);
             if (ds_cu_moe_experts_fp8(c, dout, dx, didx, dw, 1, k, E, 0, D, I, fx.dgc, fx.dgs,
@@ -192,10 +198,14 @@ static void check_moe_fp8_norm_codes(ds_cu *c, int E, int D, int I) {
         }
         ds_cu_set_x_codes(c, NULL, NULL, NULL, 0, 0);
         snprintf(what, sizeof what, "moe fp8 T=1 D=%d: reading the norm's codes%s, words differing",
-                 D, ring ? " (the ring)" : "");
+                 D,
+                 ring == 8 ? " (the ring)"
+                 : ring    ? " (a warp a row)"
+                           : "");
         report(what, (double)words_differ(got[1], got[0], (size_t)D), 0.0);
     }
     ds_cu_set_f8_ring(c, 0);
+    ds_cu_set_f8_rows(c, 0);
     ds_cu_dealloc(dh), ds_cu_dealloc(dnw), ds_cu_dealloc(dx), ds_cu_dealloc(dw);
     ds_cu_dealloc(dout), ds_cu_dealloc(didx);
     f8_experts_free(&fx);
@@ -216,6 +226,11 @@ void checks_moe_fp8(ds_cu *c) {
     check_moe_fp8(c, 1, 8, 32, 2304, 1024, 0, 7, 0); /* ... K's split forced (the grid's waves) */
     check_moe_fp8(c, 6, 8, 32, 2304, 1024, 1, 7, 0);
     check_moe_fp8(c, 20, 8, 32, 2304, 1024, 0, 1, 0);
+    /* one token a warp a row: each of its shapes (R, U by K: 512/256, 2304/1024, 3072/2048) */
+    check_moe_fp8(c, 1, 8, 64, 512, 256, 0, 8, 0);
+    check_moe_fp8(c, 1, 8, 32, 2304, 1024, 0, 8, 0);
+    check_moe_fp8(c, 1, 8, 32, 2304, 1024, 1, 8, 1);
+    check_moe_fp8(c, 1, 6, 16, 3072, 2048, 1, 8, 0);
     check_moe_fp8_norm_codes(c, 32, 2304, 1024);
 }
 
@@ -268,12 +283,12 @@ void bench_moe_fp8(ds_cu *c, const cuda_ceilings *ceil) {
     m.idx = dev(c, ids, (size_t)TMAX * K * 4);
     m.out = dev(c, NULL, (size_t)TMAX * D * 4);
     m.k = K, m.E = E, m.D = D, m.I = I;
-    /* (the second T=1: the quantizers first; the third and fourth: the weights through the ring,
-     * 8 and 4 deep) */
-    static const int Ts[] = {1, 1, 1, 1, 8, 64, 256};
+    /* (the first T=1: a warp a row, the default; the second: the tiles; the third: the quantizers
+     * first; the fourth and fifth: the tiles' weights through the ring, 8 and 4 deep) */
+    static const int Ts[] = {1, 1, 1, 1, 1, 8, 64, 256};
     for (size_t i = 0; i < DS_ARRAY_LEN(Ts); i++) {
         m.T = Ts[i];
-        const int pre = i == 1, ring = i == 2 ? 8 : i == 3 ? 4 : 0;
+        const int tiles = i == 1, pre = i == 2, ring = i == 3 ? 8 : i == 4 ? 4 : 0;
         memset(used, 0, E);
         int n_used = 0;
         for (int r = 0; r < m.T * K; r++) n_used += !used[ids[r]], used[ids[r]] = 1;
@@ -281,18 +296,21 @@ void bench_moe_fp8(ds_cu *c, const cuda_ceilings *ceil) {
         ds_cu_set_expert_mma(c, tc);
         ds_cu_set_f8_prequant(c, pre);
         ds_cu_set_f8_ring(c, ring);
+        ds_cu_set_f8_rows(c, tiles || ring ? -1 : 0);
         const double ms = median_ms(c, run_f8b, &m, 3, 20);
         ds_cu_set_expert_mma(c, 0);
         ds_cu_set_f8_prequant(c, 0);
         ds_cu_set_f8_ring(c, 0);
+        ds_cu_set_f8_rows(c, 0);
         const double bytes = (double)n_used * (3.0 * per + 4.0 * (2 * I + D));
         printf("bench moe fp8 T=%d (%d experts of 256, 2304 x 1024, 8 a token%s): %.4f ms, "
                "%.0f GB/s (%.0f%% of copy)\n",
                m.T, n_used,
-               tc     ? ", tensor cores"
-               : pre  ? ", quantizers first"
-               : ring ? (ring == 8 ? ", the ring 8 deep" : ", the ring 4 deep")
-                      : "",
+               tc      ? ", tensor cores"
+               : tiles ? ", the tiles"
+               : pre   ? ", quantizers first"
+               : ring  ? (ring == 8 ? ", the ring 8 deep" : ", the ring 4 deep")
+                       : "",
                ms, bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / ceil->copy_gbs);
     }
     ds_cu_dealloc(m.gc), ds_cu_dealloc(m.gs), ds_cu_dealloc(m.dc), ds_cu_dealloc(m.ds);

@@ -52,7 +52,11 @@
 #      bytes (pack with DS_DEVBIN_F8MMA=1): the FP8 checks of both builds, the products' and one
 #      token's experts' timings, decode at batch 1, 32 and 256 (BATCHES) in BF16, ptpc_fp8 and
 #      ptpc_fp8 on E4M3 tensor cores, ROUNDS times.
-#  16. (issue 32, session 35; written after the session's GPU time, not yet run) the FP8 streams'
+#  17. (issue 32, session 36) one token's FP8 products a warp a row on the CUDA cores
+#      (fp8_rows.cuh, DS_CUDA_F8_ROWS): the FP8 checks, the products' and experts' timings at one
+#      token in every form, decode batch 1 at 4 (default), 2 and 8 blocks an SM and with the
+#      tiles (-1) beside BF16; then decode at batches 2-64 with K whole (DS_CUDA_F8_SPLIT=1).
+#  16. (issue 32, session 35; run in session 36) the FP8 streams'
 #      K split forced (DS_CUDA_F8_SPLIT: the grid's waves; 0 the rule's): the FP8 checks (among
 #      them the forced splits, 8 parts and whole, products and experts), decode batch 1 and 32 at
 #      0/1/2/4/8 beside BF16.
@@ -240,6 +244,27 @@ for r in $(seq "${ROUNDS:-2}"); do
   for f in 0 1 2 4 8; do
     DS_CUDA_F8_SPLIT=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 split $f $r] /"
   done
+done
+fi
+if want 17; then
+el "17. (issue 32, session 36) one token's FP8 products a warp a row (DS_CUDA_F8_ROWS): the FP8"
+el "    checks, the products' and experts' timings, decode batch 1 beside the tiles and BF16;"
+el "    then K whole at batches 2-64 (DS_CUDA_F8_SPLIT=1 against the rule)"
+checks fp8_rows.log "matmul fp8,moe fp8"
+grep -E "FAIL|a warp a row" "$OUT/fp8_rows.log" | head -24
+timeout 150 .devbin/test_cuda_kernels --bench-only fp8 2>&1 | grep -E "T=1 " | tee "$OUT/fp8_rows_bench.log"
+timeout 100 .devbin/test_cuda_kernels --bench-only moefp8 2>&1 | grep -E "T=1 " | tee -a "$OUT/fp8_rows_bench.log"
+B48=".devbin/deltaserve $(b48 16 1)"
+for r in $(seq "${ROUNDS:-2}"); do
+  $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16 $r] /"
+  for f in 0 -1 2 8; do
+    DS_CUDA_F8_ROWS=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 rows $f $r] /"
+  done
+done
+B48=".devbin/deltaserve $(b48 8 ${BATCHES:-2,4,8,16,64})"
+$B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16] /"
+for f in 0 1; do
+  DS_CUDA_F8_SPLIT=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 split $f] /"
 done
 fi
 if want 1; then

@@ -328,6 +328,11 @@ void ds_cu_set_f8_moe_ring(ds_cu *c, int depth);
  * SM (0: the default, 2), each quantizing once for its tiles. The sums do not change.
  * DS_CUDA_F8_GEMV_WAVES in the engine. */
 void ds_cu_set_f8_gemv_waves(ds_cu *c, int blocks_per_sm);
+/* One token's FP8 products (dense, and the routed experts) with batch invariance off: a warp a row
+ * on the CUDA cores (fp8_rows.cuh), at most blocks_per_sm blocks an SM each quantizing the token
+ * once (0: the default, 4); below 0 off (fp8_stream.cuh's tiles, as with batch invariance). The
+ * sums' order differs from the tiles'. DS_CUDA_F8_ROWS in the engine. */
+void ds_cu_set_f8_rows(ds_cu *c, int blocks_per_sm);
 /* A what-if (wrong results, the timing is what counts, as ds_cu_set_skip): decode's FP8 products
  * skip quantizing their tokens (codes left unset, scale 1), to measure what the quantizer in
  * every block costs a step. DS_CUDA_F8_NOQUANT=1 in the engine. */

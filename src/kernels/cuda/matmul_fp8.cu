@@ -5,6 +5,7 @@
  * Every term e4m3(x) * e4m3(w) is exact in f32, so the sums differ from the CPU's
  * (kernels/cpu/matmul_quant.c) only in their order; both then apply (sum * s_t) * s_r. */
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fp8_rows.cuh"
 #include "kernels/cuda/fp8_stream.cuh"
 #include "kernels/shared/quant.h"
 
@@ -155,6 +156,53 @@ __global__ void __launch_bounds__(256)
     }
 }
 
+/* One token, a warp a row (fp8_rows.cuh; batch invariance off): each block quantizes the token
+ * into shared memory (or reads the codes xh, scale *xs, a norm wrote), then its warps take R rows
+ * at a time, grid-stride, the next rows' first pieces requested before this one's sums are added.
+ */
+template <int R, int U>
+__global__ void __launch_bounds__(256, 4)
+    gemv_f8r_k(float *y, const float *x, const uint16_t *xh, const float *xs, const uint8_t *W,
+               const float *sr, int N, int K) {
+    extern __shared__ float4 f8r_x4[]; /* [K / 4] the token's values times 2^64 (f8r_xidx) */
+    __shared__ float st_sh;
+    const int lane = threadIdx.x & 31, np = K / 16;
+    const int stride = (int)gridDim.x * 8 * R;
+    int n = ((int)blockIdx.x * 8 + (threadIdx.x >> 5)) * R;
+    const uint4 *w[R];
+    uint4 a[U][R];
+#pragma unroll
+    for (int r = 0; r < R; r++) w[r] = (const uint4 *)(W + (size_t)min(n + r, N - 1) * K);
+    f8r_first<R, U>(a, w, np, lane);
+    PDL_ENTRY();
+    float *xsh = (float *)f8r_x4;
+    if (xh) {
+        for (int c = threadIdx.x; c < K; c += blockDim.x) xsh[f8r_xidx(c)] = f8r_xh(xh, c);
+        if (threadIdx.x == 0) st_sh = *xs;
+    } else {
+        const float s = f8r_quant_row(xsh, K, [x](int c) { return x[c]; });
+        if (threadIdx.x == 0) st_sh = s;
+    }
+    __syncthreads();
+    const float st = st_sh;
+    for (; n < N; n += stride) {
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r] = 0.0f;
+        f8r_rows<R, U>(acc, a, w, f8r_x4, np, lane, true);
+        if (n + stride < N) { /* the next rows' first pieces, before this one's sums */
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                w[r] = (const uint4 *)(W + (size_t)min(n + stride + r, N - 1) * K);
+            f8r_first<R, U>(a, w, np, lane);
+        }
+        f8r_reduce<R>(acc);
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            if (lane == r && n + r < N) y[n + r] = ((acc[r] * F8R_Y_SCALE) * st) * sr[n + r];
+    }
+}
+
 /* Any K and alignment, one code at a time (a warp a row, a token a block row): the fallback. */
 __global__ void __launch_bounds__(256)
     gemv_fp8_any_k(float *y, int ldy, const uint16_t *xh, const float *st, const uint8_t *W,
@@ -227,6 +275,23 @@ static int fp8_gemv(ds_cu *c, float *y, int ldy, const float *x, int ldx, const 
                  xh ? xh + (size_t)t0 * K : (const uint16_t *)NULL, xh ? st + t0 : st, W, sr, N, K,
                  S, T - t0, (int)(xbytes / 16), c->f8_noquant);
     CU_TRY(cudaGetLastError(), "matmul fp8 (gemv)");
+    return DS_OK;
+}
+
+/* One token a warp a row (gemv_f8r_k): xh/xs the codes a norm wrote, or NULL (the blocks
+ * quantize x). Whether it applies: f8r_fits. */
+static int fp8_rows(ds_cu *c, float *y, const float *x, const uint16_t *xh, const float *xs,
+                    const ds_cu_mat *w, ds_err *err) {
+    const int N = w->rows, K = w->cols, per_sm = c->f8_rows > 0 ? c->f8_rows : 4;
+    const uint8_t *W = (const uint8_t *)w->data;
+    const float *sr = (const float *)w->scale;
+    const size_t smem = (size_t)K * sizeof(float);
+#define F8R_LAUNCH(R, U)                                                                           \
+    launch_k(c, gemv_f8r_k<R, U>, (unsigned)DS_MIN((N + 8 * (R)-1) / (8 * (R)), per_sm * c->n_sm), \
+             256, smem, y, x, xh, xs, W, sr, N, K)
+    F8R_DISPATCH(K, F8R_LAUNCH);
+#undef F8R_LAUNCH
+    CU_TRY(cudaGetLastError(), "matmul fp8 (a warp a row)");
     return DS_OK;
 }
 
@@ -316,7 +381,10 @@ int matmul_fp8(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, cons
     const int tc = !stream && mma;
     /* decode: one kernel, reading the codes the norm that made x wrote (ds_cu_set_x_codes), or
      * quantizing its tokens as it goes (unless f8_prequant) */
-    if (!tc && mma && T <= 8 && x == c->xc_x && T == c->xc_T && K == c->xc_K && ldx == K)
+    const int own = x == c->xc_x && T == c->xc_T && K == c->xc_K && ldx == K; /* a norm's codes */
+    if (!tc && T == 1 && f8r_fits(c, K, w->data) && (own || !c->f8_prequant))
+        return fp8_rows(c, y, x, own ? c->xc_h : NULL, own ? c->xc_s : NULL, w, err);
+    if (!tc && mma && T <= 8 && own)
         return fp8_gemv(c, y, ldy, x, ldx, c->xc_h, c->xc_s, T, w, err);
     if (!tc && mma && T <= 8 && (size_t)T * K * 2 <= F8_XSH_MAX && !c->f8_prequant)
         return fp8_gemv(c, y, ldy, x, ldx, (const uint16_t *)NULL, (const float *)NULL, T, w, err);

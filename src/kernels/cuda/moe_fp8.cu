@@ -11,6 +11,7 @@
  * through the weight-streaming kernel (matmul_fp8.cu's scheme, K split across warps), batches
  * through the tile kernel (moe_mxfp4.cu's). Grouping and combine are moe_experts.cu's. */
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fp8_rows.cuh"
 #include "kernels/cuda/fp8_stream.cuh"
 #include "kernels/cuda/moe.cuh"
 #include "kernels/shared/quant.h"
@@ -151,6 +152,61 @@ __global__ void __launch_bounds__(256)
                 if (n1 < N) yr[n1] = (acc[2 + j] * st) * Ws[(size_t)e * N + n1];
             }
         }
+    }
+}
+
+/* ---- one token, a warp a row (fp8_rows.cuh; batch invariance off) ------------------------------
+ * Block row y is routed row y's expert (direct); each block quantizes the row's source (through
+ * act when act.on: x rows [gate | up] of 2K) into shared memory, or reads the codes xh / *xs a norm
+ * wrote, then its warps take R of the expert's N rows at a time, grid-stride. */
+template <int R, int U>
+__global__ void __launch_bounds__(256, 4)
+    moe_f8r_k(float *y, int ldy, const float *x, int ldx, moe_act act, const uint16_t *xh,
+              const float *xs, int x_div, const uint8_t *Wc, const float *Ws, int N, int K,
+              const int32_t *direct, int e0, int E) {
+    extern __shared__ float4 f8r_x4[]; /* [K / 4] the row's values times 2^64 (f8r_xidx) */
+    __shared__ float st_sh;
+    PDL_ENTRY(); /* (direct is the router's output: nothing is read before the wait) */
+    const int e = direct[blockIdx.y] - e0, r0 = blockIdx.y;
+    if (e < 0 || e >= E) return; /* another rank's expert: the combine skips it */
+    const int lane = threadIdx.x & 31, np = K / 16, stride = (int)gridDim.x * 8 * R;
+    const uint8_t *We = Wc + (size_t)e * N * K;
+    int n = ((int)blockIdx.x * 8 + (threadIdx.x >> 5)) * R;
+    const uint4 *w[R];
+    uint4 a[U][R];
+#pragma unroll
+    for (int r = 0; r < R; r++) w[r] = (const uint4 *)(We + (size_t)min(n + r, N - 1) * K);
+    f8r_first<R, U>(a, w, np, lane); /* (requested before the row is quantized) */
+    float *xsh = (float *)f8r_x4;
+    if (xh) {
+        for (int c = threadIdx.x; c < K; c += blockDim.x) xsh[f8r_xidx(c)] = f8r_xh(xh, c);
+        if (threadIdx.x == 0) st_sh = *xs;
+    } else {
+        const float *xr = x + (size_t)(r0 / x_div) * ldx;
+        const float s = f8r_quant_row(xsh, K, [xr, act, K](int c) {
+            return act.on ? act_pair(xr[c], xr[K + c], act.situ, act.beta, act.lin_beta) : xr[c];
+        });
+        if (threadIdx.x == 0) st_sh = s;
+    }
+    __syncthreads();
+    const float st = st_sh;
+    const float *se = Ws + (size_t)e * N;
+    float *yr = y + (size_t)r0 * ldy;
+    for (; n < N; n += stride) {
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r] = 0.0f;
+        f8r_rows<R, U>(acc, a, w, f8r_x4, np, lane, true);
+        if (n + stride < N) {
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                w[r] = (const uint4 *)(We + (size_t)min(n + stride + r, N - 1) * K);
+            f8r_first<R, U>(a, w, np, lane);
+        }
+        f8r_reduce<R>(acc);
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            if (lane == r && n + r < N) yr[n + r] = ((acc[r] * F8R_Y_SCALE) * st) * se[n + r];
     }
 }
 
@@ -337,6 +393,27 @@ static void f8_stream(ds_cu *c, const f8_buf *b, const float *x, int T, int rows
               sd = f8_splits_forced(c->n_sm, D, I, c->f8_split_min, c->f8_split);
     const unsigned bu = (unsigned)(((2 * I + 15) / 16 + 8 / su - 1) / (8 / su)),
                    bd = (unsigned)(((D + 15) / 16 + 8 / sd - 1) / (8 / sd));
+    if (g->direct && f8r_fits(c, D, w->gc) && f8r_fits(c, I, w->dc)) {
+        /* a warp a row: blocks a routed row's worth, at most f8_rows an SM over the k rows */
+        const unsigned per_sm = c->f8_rows > 0 ? (unsigned)c->f8_rows : 4u;
+        const unsigned cap = DS_MAX(1u, per_sm * (unsigned)c->n_sm / g->ya);
+        const int xc = x == c->xc_x && c->xc_T == 1 && c->xc_K == D;
+#define F8R_UP(R, U)                                                                               \
+    launch_k(                                                                                      \
+        c, moe_f8r_k<R, U>, dim3(DS_MIN((unsigned)((2 * I + 8 * (R)-1) / (8 * (R))), cap), g->ya), \
+        256, (size_t)D * 4, b->h, 2 * I, x, D, none, xc ? c->xc_h : (const uint16_t *)NULL,        \
+        xc ? c->xc_s : (const float *)NULL, k, w->gc, w->gs, 2 * I, D, g->direct, g->e0, g->E)
+#define F8R_DN(R, U)                                                                               \
+    launch_k(c, moe_f8r_k<R, U>,                                                                   \
+             dim3(DS_MIN((unsigned)((D + 8 * (R)-1) / (8 * (R))), cap), g->ya), 256,               \
+             (size_t)I * 4, b->y, D, (const float *)b->h, 2 * I, act, (const uint16_t *)NULL,      \
+             (const float *)NULL, 1, w->dc, w->ds, D, I, g->direct, g->e0, g->E)
+        F8R_DISPATCH(D, F8R_UP);
+        F8R_DISPATCH(I, F8R_DN);
+#undef F8R_UP
+#undef F8R_DN
+        return;
+    }
     if (g->direct) { /* a block quantizes once for its tiles: one wave of blocks (two an SM, or
                       * f8_moe_waves: more blocks, each quantizing, fewer tiles a block) */
         const unsigned per_sm = c->f8_moe_waves > 0 ? (unsigned)c->f8_moe_waves : 2u;
