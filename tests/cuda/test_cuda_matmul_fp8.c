@@ -117,8 +117,8 @@ static void check_e4m3_rounding(ds_cu *c) {
 /* y = x W^T on the device into host out [T][ldy] (y poisoned first): mode 1 batch invariance,
  * 2 the same with K split to one step a warp, 3 / 4 with K's split forced to 8 / 1 parts where
  * the rule splits it (ds_cu_set_f8_split), 5 one token a warp a row (ds_cu_set_f8_rows; every
- * other mode has that form off); ring > 0: the weights through the ring that deep
- * (4 deep with 4 blocks an SM: more blocks, the same sums). */
+ * other mode has that form off), 6 K whole from 2 tokens (ds_cu_set_f8_whole_k); ring > 0: the
+ * weights through the ring that deep (4 deep with 4 blocks an SM: more blocks, the same sums). */
 static void mm8_mode(ds_cu *c, float *out, float *dy, int ldy, const float *dx, int ldx, int T,
                      const ds_cu_mat *m, int mode, int ring) {
     ds_err err = {{0}};
@@ -129,6 +129,7 @@ static void mm8_mode(ds_cu *c, float *out, float *dy, int ldy, const float *dx, 
     ds_cu_set_f8_ring(c, ring);
     ds_cu_set_f8_gemv_waves(c, ring == 4 ? 4 : 0);
     ds_cu_set_f8_rows(c, mode == 5 ? 0 : -1);
+    ds_cu_set_f8_whole_k(c, mode == 6 ? 2 : 0);
     if (ds_cu_matmul(c, dy, ldy, dx, ldx, T, m, &err) || ds_cu_sync(c, &err)) DIE("%s", err.msg);
     ds_cu_set_batch_invariant(c, 0);
     ds_cu_set_f8_split_min(c, 0);
@@ -136,6 +137,7 @@ static void mm8_mode(ds_cu *c, float *out, float *dy, int ldy, const float *dx, 
     ds_cu_set_f8_ring(c, 0);
     ds_cu_set_f8_gemv_waves(c, 0);
     ds_cu_set_f8_rows(c, 0);
+    ds_cu_set_f8_whole_k(c, 0);
     fetch(c, out, dy, (size_t)T * ldy * 4);
 }
 
@@ -263,6 +265,7 @@ static void check_matmul_fp8(ds_cu *c, int T, int N, int K, int pad, int mode, d
                        : mode == 3 ? " (invariant, K in 8 parts)"
                        : mode == 4 ? " (invariant, K whole)"
                        : mode == 5 ? " (a warp a row)"
+                       : mode == 6 ? " (K whole from 2 tokens)"
                        : mode      ? " (invariant)"
                                    : "";
     snprintf(what, sizeof what, "matmul fp8 T=%d N=%d K=%d%s%s: vs float64", T, N, K,
@@ -346,8 +349,10 @@ void checks_matmul_fp8(ds_cu *c) {
     check_matmul_fp8(c, 1, 96, 1024, 8, 5, 1e-5);
     check_matmul_fp8(c, 1, 301, 1536, 5, 5, 1e-5);
     check_matmul_fp8(c, 1, 2304, 4096, 0, 5, 1e-5);
-    check_matmul_fp8(c, 1, 130, 12288, 0, 5, 1e-5);
+    check_matmul_fp8(c, 1, 130, 11264, 0, 5, 1e-5);
     check_matmul_fp8(c, 1, 12544, 2304, 0, 5, 1e-5);
+    check_matmul_fp8(c, 2, 12544, 2304, 0, 6, 1e-5); /* K whole at 2 tokens (and the ring) */
+    check_matmul_fp8(c, 2, 333, 2304, 0, 6, 1e-5);
     check_norm_codes(c, 1, 333, 2304, 0);
     check_norm_codes(c, 1, 2304, 2304, 1);
     check_norm_codes(c, 7, 333, 3072, 1);

@@ -55,7 +55,8 @@ static void f8_experts_free(f8_experts *x) {
 }
 
 /* the device's experts into got [T][D] (mode 1: tensor cores; 2: the quantizers first; 8: one
- * token a warp a row, ds_cu_set_f8_rows; every other mode has that form off) */
+ * token a warp a row, ds_cu_set_f8_rows; 9: K whole from 2 tokens, ds_cu_set_f8_whole_k; every
+ * other mode has those two off) */
 static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, const int32_t *idx,
                    const float *w, int T, int k, int E, int e0, int D, int I, int situ, int mode) {
     float *dx = dev(c, x, (size_t)T * D * 4), *dw = dev(c, w, (size_t)T * k * 4);
@@ -70,6 +71,7 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_f8_ring(c, mode == 5 ? 8 : mode == 6 ? 4 : 0);
     ds_cu_set_f8_split(c, mode == 7 ? 8 : 0);
     ds_cu_set_f8_rows(c, mode == 8 ? 0 : -1);
+    ds_cu_set_f8_whole_k(c, mode == 9 ? 2 : 0);
     if (ds_cu_moe_experts_fp8(c, dout, dx, didx, dw, T, k, E - e0, e0, D, I, fx->dgc, fx->dgs,
                               fx->ddc, fx->dds, situ, 4.0f, 6.0f, 0, &err) ||
         ds_cu_sync(c, &err))
@@ -82,6 +84,7 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_f8_ring(c, 0);
     ds_cu_set_f8_split(c, 0);
     ds_cu_set_f8_rows(c, 0);
+    ds_cu_set_f8_whole_k(c, 0);
     fetch(c, got, dout, (size_t)T * D * 4);
     ds_cu_dealloc(dx), ds_cu_dealloc(dw), ds_cu_dealloc(dout), ds_cu_dealloc(didx);
 }
@@ -96,7 +99,8 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
  * experts in up to 8 blocks an SM (ds_cu_set_f8_moe_waves); 5, 6: streamed, one token's weights
  * through the ring in shared memory, 8 and 4 deep (ds_cu_set_f8_ring); 7: streamed, K's split
  * forced to 8 parts where the rule splits it (ds_cu_set_f8_split); 8: one token a warp a row
- * (ds_cu_set_f8_rows, batch invariance off: its own order of sums). half: this rank holds
+ * (ds_cu_set_f8_rows, batch invariance off: its own order of sums); 9: K whole from 2 tokens
+ * (ds_cu_set_f8_whole_k). half: this rank holds
  * experts [E/2, E) only. */
 static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ, int mode,
                           int half) {
@@ -133,6 +137,7 @@ static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ,
              : mode == 7 ? " (K in 8 parts)"
              : mode == 1 ? " (tensor cores)"
              : mode == 8 ? " (a warp a row)"
+             : mode == 9 ? " (K whole from 2 tokens)"
                          : "",
              half ? " (half the experts)" : "");
     report(what, rel_err(got, ref, 1, (size_t)T * D, (size_t)T * D), 1e-3);
@@ -231,6 +236,8 @@ void checks_moe_fp8(ds_cu *c) {
     check_moe_fp8(c, 1, 8, 32, 2304, 1024, 0, 8, 0);
     check_moe_fp8(c, 1, 8, 32, 2304, 1024, 1, 8, 1);
     check_moe_fp8(c, 1, 6, 16, 3072, 2048, 1, 8, 0);
+    check_moe_fp8(c, 6, 8, 32, 2304, 1024, 1, 9, 0); /* K whole at batches */
+    check_moe_fp8(c, 20, 8, 32, 2304, 1024, 0, 9, 1);
     check_moe_fp8_norm_codes(c, 32, 2304, 1024);
 }
 

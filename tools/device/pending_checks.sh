@@ -55,7 +55,7 @@
 #  17. (issue 32, session 36) one token's FP8 products a warp a row on the CUDA cores
 #      (fp8_rows.cuh, DS_CUDA_F8_ROWS): the FP8 checks, the products' and experts' timings at one
 #      token in every form, decode batch 1 at 4 (default), 2 and 8 blocks an SM and with the
-#      tiles (-1) beside BF16; then decode at batches 2-64 with K whole (DS_CUDA_F8_SPLIT=1).
+#      tiles (-1) beside BF16; then decode at batches 2-64 with K whole (DS_CUDA_F8_WHOLE_K=2).
 #  16. (issue 32, session 35; run in session 36) the FP8 streams'
 #      K split forced (DS_CUDA_F8_SPLIT: the grid's waves; 0 the rule's): the FP8 checks (among
 #      them the forced splits, 8 parts and whole, products and experts), decode batch 1 and 32 at
@@ -249,7 +249,7 @@ fi
 if want 17; then
 el "17. (issue 32, session 36) one token's FP8 products a warp a row (DS_CUDA_F8_ROWS): the FP8"
 el "    checks, the products' and experts' timings, decode batch 1 beside the tiles and BF16;"
-el "    then K whole at batches 2-64 (DS_CUDA_F8_SPLIT=1 against the rule)"
+el "    then K whole at batches 2-64 (DS_CUDA_F8_WHOLE_K=2 against the rule)"
 checks fp8_rows.log "matmul fp8,moe fp8"
 grep -E "FAIL|a warp a row" "$OUT/fp8_rows.log" | head -24
 timeout 150 .devbin/test_cuda_kernels --bench-only fp8 2>&1 | grep -E "T=1 " | tee "$OUT/fp8_rows_bench.log"
@@ -261,10 +261,10 @@ for r in $(seq "${ROUNDS:-2}"); do
     DS_CUDA_F8_ROWS=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 rows $f $r] /"
   done
 done
-B48=".devbin/deltaserve $(b48 8 ${BATCHES:-2,4,8,16,64})"
+B48=".devbin/deltaserve $(b48 8 ${BATCHES:-2,4,8,16,32,64})"
 $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16] /"
-for f in 0 1; do
-  DS_CUDA_F8_SPLIT=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 split $f] /"
+for f in 0 2; do
+  DS_CUDA_F8_WHOLE_K=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 whole K from $f] /"
 done
 fi
 if want 1; then

@@ -64,6 +64,7 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->f8_gemv_waves = env_count("DS_CUDA_F8_GEMV_WAVES", 0);
     t->f8_noquant = env_flag("DS_CUDA_F8_NOQUANT", 0); /* a what-if (wrong results) */
     t->f8_rows = env_count("DS_CUDA_F8_ROWS", 0);
+    t->f8_whole_k = env_count("DS_CUDA_F8_WHOLE_K", 0);
     /* the norms before FP8 products of up to 8 tokens write their codes (checked word for
      * word; measured slower in a batch-1 step: bench/RESULTS.md session 35) */
     t->f8_norm_codes = env_flag("DS_CUDA_F8_NORM_CODES", 0);
@@ -123,6 +124,7 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_f8_gemv_waves(c, t->f8_gemv_waves);
     ds_cu_set_f8_noquant(c, t->f8_noquant);
     ds_cu_set_f8_rows(c, t->f8_rows);
+    ds_cu_set_f8_whole_k(c, t->f8_whole_k);
     ds_cu_set_f8_norm_codes(c, t->f8_norm_codes);
     ds_cu_set_mla_gemm(c, t->mla_gemm);
     ds_cu_set_mla_flash(c, t->mla_flash);

@@ -47,6 +47,7 @@ struct ds_cu {
     int f8_moe_ring;     /* ...for one token's experts (ds_cu_set_f8_moe_ring) */
     int f8_noquant;      /* a what-if: decode's FP8 products skip quantizing their tokens */
     int f8_rows;         /* one token's FP8 products a warp a row: blocks an SM (0: 4; < 0 off) */
+    int f8_whole_k;      /* tokens from which the FP8 streams keep K whole (no invariance; 0 off) */
     int f8_norm_codes;   /* the engine's norms write codes for FP8 products (ds_cu_set_...) */
     /* rows whose ptpc codes a norm wrote (ds_cu_set_x_codes): x [xc_T][xc_K] packed, its codes'
      * F16 values xc_h [xc_T][xc_K] and scales xc_s [xc_T]; xc_x NULL: none */

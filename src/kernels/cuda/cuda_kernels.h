@@ -328,6 +328,10 @@ void ds_cu_set_f8_moe_ring(ds_cu *c, int depth);
  * SM (0: the default, 2), each quantizing once for its tiles. The sums do not change.
  * DS_CUDA_F8_GEMV_WAVES in the engine. */
 void ds_cu_set_f8_gemv_waves(ds_cu *c, int blocks_per_sm);
+/* With batch invariance off, the FP8 weight-streaming kernels keep K whole (one warp a tile, no
+ * partial sums) for calls of at least `tokens` tokens (0: never; the split then follows the
+ * matrix alone, fp8_stream.cuh's f8_splits). DS_CUDA_F8_WHOLE_K in the engine. */
+void ds_cu_set_f8_whole_k(ds_cu *c, int tokens);
 /* One token's FP8 products (dense, and the routed experts) with batch invariance off: a warp a row
  * on the CUDA cores (fp8_rows.cuh), at most blocks_per_sm blocks an SM each quantizing the token
  * once (0: the default, 4); below 0 off (fp8_stream.cuh's tiles, as with batch invariance). The

@@ -23,10 +23,16 @@
 
 /* Where column c of the token's row lives in the block's shared copy (floats): lane l's 16
  * columns of its piece p = 32 j + l, [16 p, 16 p + 16), are four float4 at j 128 + q 32 + l
- * (q = 0..3), so that a warp's 32 lanes read 32 consecutive float4 (no bank conflicts). */
+ * (q = 0..3), so that a warp's 32 lanes read 32 consecutive float4 (no bank conflicts). The copy
+ * spans whole groups of 512 columns: f8r_smem floats. */
 static __device__ __forceinline__ int f8r_xidx(int c) {
     const int p = c >> 4, i = c & 15;
     return (p >> 5) * 512 + (i >> 2) * 128 + (p & 31) * 4 + (i & 3);
+}
+
+/* the shared copy's bytes for a row of K columns (the last group of 512 partly unused) */
+static inline size_t f8r_smem(int K) {
+    return ((size_t)K + 511) / 512 * 512 * sizeof(float);
 }
 
 /* the f32 of a code's value times 2^64 */
@@ -146,8 +152,8 @@ template <int R> static __device__ __forceinline__ void f8r_reduce(float (&acc)[
      : (K) <= 3072 ? KERNEL_RU(1, 6)                                                               \
                    : KERNEL_RU(1, 8))
 
-/* Largest K whose token row fits the block's shared copy at the default 48 KB. */
-enum { F8R_K_MAX = 12288 };
+/* Largest K whose token row (f8r_smem) fits the default 48 KB beside the kernels' static bytes. */
+enum { F8R_K_MAX = 11264 };
 
 /* Whether one token's product of K columns (codes at W) takes this form: on (ds_cu_set_f8_rows),
  * batch invariance off, whole 16-byte pieces, the row within F8R_K_MAX. */

@@ -357,3 +357,12 @@ static inline int f8_splits_forced(int n_sm, int N, int K, int min_steps, int fo
     while (F * 2 <= force && F < 8 && K / 64 >= F * 2) F *= 2;
     return F;
 }
+
+/* The split a call of T tokens takes: K whole from f8_whole_k tokens with batch invariance off
+ * (a batch's routed experts have about a row an expert, so their tiles already fill the grid and
+ * a split only adds partial sums: bench/RESULTS.md session 36), else the rule's (or the forced). */
+static inline int f8_splits_for(const ds_cu *c, int N, int K, int T) {
+    if (!c->batch_invariant && c->f8_whole_k > 0 && T >= c->f8_whole_k && c->f8_split <= 0)
+        return 1;
+    return f8_splits_forced(c->n_sm, N, K, c->f8_split_min, c->f8_split);
+}

@@ -250,6 +250,10 @@ extern "C" int ds_cu_f8_norm_codes(const ds_cu *c) {
     return c->f8_norm_codes;
 }
 
+extern "C" void ds_cu_set_f8_whole_k(ds_cu *c, int tokens) {
+    c->f8_whole_k = tokens;
+}
+
 extern "C" void ds_cu_set_f8_rows(ds_cu *c, int blocks_per_sm) {
     c->f8_rows = blocks_per_sm;
 }

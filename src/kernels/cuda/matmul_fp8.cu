@@ -164,7 +164,8 @@ template <int R, int U>
 __global__ void __launch_bounds__(256, 4)
     gemv_f8r_k(float *y, const float *x, const uint16_t *xh, const float *xs, const uint8_t *W,
                const float *sr, int N, int K) {
-    extern __shared__ float4 f8r_x4[]; /* [K / 4] the token's values times 2^64 (f8r_xidx) */
+    extern __shared__ float4 f8r_x4[]; /* [f8r_smem(K) / 16] the token's values times 2^64, in
+                                          f8r_xidx's order */
     __shared__ float st_sh;
     const int lane = threadIdx.x & 31, np = K / 16;
     const int stride = (int)gridDim.x * 8 * R;
@@ -252,7 +253,7 @@ static int fp8_gemv(ds_cu *c, float *y, int ldy, const float *x, int ldx, const 
         CU_TRY(cudaGetLastError(), "matmul fp8 (gemv, any shape)");
         return DS_OK;
     }
-    const int S = f8_splits_forced(c->n_sm, N, K, c->f8_split_min, c->f8_split);
+    const int S = f8_splits_for(c, N, K, T);
     /* blocks' worth of tiles; a block that quantizes its tokens does so once, for as many tiles
      * as one wave of blocks (two a multiprocessor) leaves it */
     unsigned bx = (unsigned)(((N + 15) / 16 + 8 / S - 1) / (8 / S));
@@ -285,7 +286,7 @@ static int fp8_rows(ds_cu *c, float *y, const float *x, const uint16_t *xh, cons
     const int N = w->rows, K = w->cols, per_sm = c->f8_rows > 0 ? c->f8_rows : 4;
     const uint8_t *W = (const uint8_t *)w->data;
     const float *sr = (const float *)w->scale;
-    const size_t smem = (size_t)K * sizeof(float);
+    const size_t smem = f8r_smem(K);
 #define F8R_LAUNCH(R, U)                                                                           \
     launch_k(c, gemv_f8r_k<R, U>, (unsigned)DS_MIN((N + 8 * (R)-1) / (8 * (R)), per_sm * c->n_sm), \
              256, smem, y, x, xh, xs, W, sr, N, K)

@@ -164,7 +164,8 @@ __global__ void __launch_bounds__(256, 4)
     moe_f8r_k(float *y, int ldy, const float *x, int ldx, moe_act act, const uint16_t *xh,
               const float *xs, int x_div, const uint8_t *Wc, const float *Ws, int N, int K,
               const int32_t *direct, int e0, int E) {
-    extern __shared__ float4 f8r_x4[]; /* [K / 4] the row's values times 2^64 (f8r_xidx) */
+    extern __shared__ float4 f8r_x4[]; /* [f8r_smem(K) / 16] the row's values times 2^64, in
+                                          f8r_xidx's order */
     __shared__ float st_sh;
     PDL_ENTRY(); /* (direct is the router's output: nothing is read before the wait) */
     const int e = direct[blockIdx.y] - e0, r0 = blockIdx.y;
@@ -389,8 +390,7 @@ static moe_f8m_ptr moe_f8m_pick(int ring) {
 static void f8_stream(ds_cu *c, const f8_buf *b, const float *x, int T, int rows, int D, int I,
                       int k, const f8_w *w, const f8_rows *g, moe_act act) {
     const moe_act none = {0, 0, 0.0f, 0.0f};
-    const int su = f8_splits_forced(c->n_sm, 2 * I, D, c->f8_split_min, c->f8_split),
-              sd = f8_splits_forced(c->n_sm, D, I, c->f8_split_min, c->f8_split);
+    const int su = f8_splits_for(c, 2 * I, D, T), sd = f8_splits_for(c, D, I, T);
     const unsigned bu = (unsigned)(((2 * I + 15) / 16 + 8 / su - 1) / (8 / su)),
                    bd = (unsigned)(((D + 15) / 16 + 8 / sd - 1) / (8 / sd));
     if (g->direct && f8r_fits(c, D, w->gc) && f8r_fits(c, I, w->dc)) {
@@ -401,12 +401,12 @@ static void f8_stream(ds_cu *c, const f8_buf *b, const float *x, int T, int rows
 #define F8R_UP(R, U)                                                                               \
     launch_k(                                                                                      \
         c, moe_f8r_k<R, U>, dim3(DS_MIN((unsigned)((2 * I + 8 * (R)-1) / (8 * (R))), cap), g->ya), \
-        256, (size_t)D * 4, b->h, 2 * I, x, D, none, xc ? c->xc_h : (const uint16_t *)NULL,        \
+        256, f8r_smem(D), b->h, 2 * I, x, D, none, xc ? c->xc_h : (const uint16_t *)NULL,          \
         xc ? c->xc_s : (const float *)NULL, k, w->gc, w->gs, 2 * I, D, g->direct, g->e0, g->E)
 #define F8R_DN(R, U)                                                                               \
     launch_k(c, moe_f8r_k<R, U>,                                                                   \
-             dim3(DS_MIN((unsigned)((D + 8 * (R)-1) / (8 * (R))), cap), g->ya), 256,               \
-             (size_t)I * 4, b->y, D, (const float *)b->h, 2 * I, act, (const uint16_t *)NULL,      \
+             dim3(DS_MIN((unsigned)((D + 8 * (R)-1) / (8 * (R))), cap), g->ya), 256, f8r_smem(I),  \
+             b->y, D, (const float *)b->h, 2 * I, act, (const uint16_t *)NULL,                     \
              (const float *)NULL, 1, w->dc, w->ds, D, I, g->direct, g->e0, g->E)
         F8R_DISPATCH(D, F8R_UP);
         F8R_DISPATCH(I, F8R_DN);
