@@ -117,24 +117,22 @@ static void check_e4m3_rounding(ds_cu *c) {
 /* y = x W^T on the device into host out [T][ldy] (y poisoned first): mode 1 batch invariance,
  * 2 the same with K split to one step a warp, 3 / 4 with K's split forced to 8 / 1 parts where
  * the rule splits it (ds_cu_set_f8_split), 5 one token a warp a row (ds_cu_set_f8_rows; every
- * other mode has that form off), 6 K whole from 2 tokens (ds_cu_set_f8_whole_k); ring > 0: the
- * weights through the ring that deep (4 deep with 4 blocks an SM: more blocks, the same sums). */
+ * other mode has that form off), 6 K whole from 2 tokens (ds_cu_set_f8_whole_k); waves > 0: a
+ * product that quantizes its tokens in at most that many blocks an SM (the same sums). */
 static void mm8_mode(ds_cu *c, float *out, float *dy, int ldy, const float *dx, int ldx, int T,
-                     const ds_cu_mat *m, int mode, int ring) {
+                     const ds_cu_mat *m, int mode, int waves) {
     ds_err err = {{0}};
     poison(c, dy, (size_t)T * ldy * 4);
     ds_cu_set_batch_invariant(c, mode >= 1);
     ds_cu_set_f8_split_min(c, mode == 2);
     ds_cu_set_f8_split(c, mode == 3 ? 8 : mode == 4 ? 1 : 0);
-    ds_cu_set_f8_ring(c, ring);
-    ds_cu_set_f8_gemv_waves(c, ring == 4 ? 4 : 0);
+    ds_cu_set_f8_gemv_waves(c, waves);
     ds_cu_set_f8_rows(c, mode == 5 ? 0 : -1);
     ds_cu_set_f8_whole_k(c, mode == 6 ? 2 : 0);
     if (ds_cu_matmul(c, dy, ldy, dx, ldx, T, m, &err) || ds_cu_sync(c, &err)) DIE("%s", err.msg);
     ds_cu_set_batch_invariant(c, 0);
     ds_cu_set_f8_split_min(c, 0);
     ds_cu_set_f8_split(c, 0);
-    ds_cu_set_f8_ring(c, 0);
     ds_cu_set_f8_gemv_waves(c, 0);
     ds_cu_set_f8_rows(c, 0);
     ds_cu_set_f8_whole_k(c, 0);
@@ -274,16 +272,15 @@ static void check_matmul_fp8(ds_cu *c, int T, int N, int K, int pad, int mode, d
     snprintf(what, sizeof what, "matmul fp8 T=%d N=%d K=%d%s%s: vs the CPU", T, N, K,
              pad ? " (strided)" : "", form);
     report(what, rel_err(got, cpu, (size_t)T, (size_t)N, (size_t)ldy), tol);
-    for (int depth = 4; depth <= 8 && (T <= 8 || mode) && mode != 5;
-         depth += 4) { /* the ring: same bits */
+    if ((T <= 8 || mode) && mode != 5) { /* more blocks, each fewer tiles: the same bits */
         float *rg = malloc((size_t)T * ldy * 4);
-        mm8_mode(c, rg, dy, ldy, dx, ldx, T, &m, mode, depth);
+        mm8_mode(c, rg, dy, ldy, dx, ldx, T, &m, mode, 4);
         size_t bad = 0;
         for (int t = 0; t < T; t++)
             bad += words_differ(rg + (size_t)t * ldy, got + (size_t)t * ldy, (size_t)N);
         snprintf(what, sizeof what,
-                 "matmul fp8 T=%d N=%d K=%d%s%s: the ring %d deep%s, words differing", T, N, K,
-                 pad ? " (strided)" : "", form, depth, depth == 4 ? ", 4 blocks an SM" : "");
+                 "matmul fp8 T=%d N=%d K=%d%s%s: 4 blocks an SM, words differing", T, N, K,
+                 pad ? " (strided)" : "", form);
         report(what, (double)bad, 0.0);
         free(rg);
     }
@@ -351,7 +348,7 @@ void checks_matmul_fp8(ds_cu *c) {
     check_matmul_fp8(c, 1, 2304, 4096, 0, 5, 1e-5);
     check_matmul_fp8(c, 1, 130, 11264, 0, 5, 1e-5);
     check_matmul_fp8(c, 1, 12544, 2304, 0, 5, 1e-5);
-    check_matmul_fp8(c, 2, 12544, 2304, 0, 6, 1e-5); /* K whole at 2 tokens (and the ring) */
+    check_matmul_fp8(c, 2, 12544, 2304, 0, 6, 1e-5); /* K whole at 2 tokens */
     check_matmul_fp8(c, 2, 333, 2304, 0, 6, 1e-5);
     check_norm_codes(c, 1, 333, 2304, 0);
     check_norm_codes(c, 1, 2304, 2304, 1);
@@ -394,24 +391,22 @@ static void bench_pair(ds_cu *c, int N, int K, int T, double copy_gbs) {
     mm8_ctx m8 = {y, x, {(const uint16_t *)q, N, K, DS_CU_FP8, sr, NULL, 0}, T};
     const double msb = median_ms(c, run_mm8, &mb, 3, 20), ms8 = median_ms(c, run_mm8, &m8, 3, 20);
     /* other forms of the streaming products (up to 8 tokens): {rows: blocks an SM a warp a row
-     * (-1: off, the tiles; one token only), ring depth, the tiles' blocks an SM} */
+     * (-1: off, the tiles; one token only), the tiles' blocks an SM} */
     static const struct {
-        int rows, ring, waves;
+        int rows, waves;
         const char *name;
-    } forms[] = {{-1, 0, 0, "the tiles"},
-                 {-1, 4, 4, "the tiles through the ring 4 deep, 4 blocks an SM"},
-                 {2, 0, 0, "a warp a row, 2 blocks an SM"},
-                 {8, 0, 0, "a warp a row, 8 blocks an SM"}};
+    } forms[] = {{-1, 0, "the tiles"},
+                 {-1, 4, "the tiles, 4 blocks an SM"},
+                 {2, 0, "a warp a row, 2 blocks an SM"},
+                 {8, 0, "a warp a row, 8 blocks an SM"}};
     double msr[DS_ARRAY_LEN(forms)] = {0};
     for (size_t f = 0; f < DS_ARRAY_LEN(forms) && T <= 8; f++) {
         if (forms[f].rows >= 0 && T > 1) continue;
         ds_cu_set_f8_rows(c, forms[f].rows);
-        ds_cu_set_f8_ring(c, forms[f].ring);
         ds_cu_set_f8_gemv_waves(c, forms[f].waves);
         msr[f] = median_ms(c, run_mm8, &m8, 3, 20);
     }
     ds_cu_set_f8_rows(c, 0);
-    ds_cu_set_f8_ring(c, 0);
     ds_cu_set_f8_gemv_waves(c, 0);
     const double bb = (double)N * K * 2, b8 = (double)N * K + 4.0 * N;
     const double fl = 2.0 * N * K * T;

@@ -68,7 +68,6 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_f8_prequant(c, mode == 2);
     ds_cu_set_f8_split_min(c, mode == 3);
     ds_cu_set_f8_moe_waves(c, mode == 4 ? 8 : 0);
-    ds_cu_set_f8_ring(c, mode == 5 ? 8 : mode == 6 ? 4 : 0);
     ds_cu_set_f8_split(c, mode == 7 ? 8 : 0);
     ds_cu_set_f8_rows(c, mode == 8 ? 0 : -1);
     ds_cu_set_f8_whole_k(c, mode == 9 ? 2 : 0);
@@ -81,7 +80,6 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_f8_prequant(c, 0);
     ds_cu_set_f8_split_min(c, 0);
     ds_cu_set_f8_moe_waves(c, 0);
-    ds_cu_set_f8_ring(c, 0);
     ds_cu_set_f8_split(c, 0);
     ds_cu_set_f8_rows(c, 0);
     ds_cu_set_f8_whole_k(c, 0);
@@ -96,8 +94,7 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
  * so an activation code may land a rounding apart: tolerances 1e-3 (a wrong term gives ~1).
  * mode 0: streamed; 1: tensor cores; 2: streamed, the quantizers first (ds_cu_set_f8_prequant);
  * 3: streamed, K split down to one step a warp (ds_cu_set_f8_split_min); 4: streamed, one token's
- * experts in up to 8 blocks an SM (ds_cu_set_f8_moe_waves); 5, 6: streamed, one token's weights
- * through the ring in shared memory, 8 and 4 deep (ds_cu_set_f8_ring); 7: streamed, K's split
+ * experts in up to 8 blocks an SM (ds_cu_set_f8_moe_waves); 7: streamed, K's split
  * forced to 8 parts where the rule splits it (ds_cu_set_f8_split); 8: one token a warp a row
  * (ds_cu_set_f8_rows, batch invariance off: its own order of sums); 9: K whole from 2 tokens
  * (ds_cu_set_f8_whole_k). half: this rank holds
@@ -156,13 +153,6 @@ static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ,
         run_f8(c, &fx, pre, x, idx, w, 1, k, E, e0, D, I, situ, 4); /* more blocks: same sums */
         snprintf(what, sizeof what, "moe fp8 T=1 D=%d: 8 blocks an SM, words differing", D);
         report(what, (double)words_differ(pre, got, (size_t)D), 0.0);
-        for (int m = 5; m <= 6; m++) { /* the ring, 8 and 4 deep: the same steps */
-            run_f8(c, &fx, pre, x, idx, w, 1, k, E, e0, D, I, situ, m);
-            snprintf(what, sizeof what,
-                     "moe fp8 T=1 D=%d%s: weights through the ring (%d deep), words differing", D,
-                     half ? " (half the experts)" : "", m == 5 ? 8 : 4);
-            report(what, (double)words_differ(pre, got, (size_t)D), 0.0);
-        }
         free(pre);
     }
     f8_experts_free(&fx);
@@ -170,8 +160,8 @@ static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ,
 }
 
 /* One token's experts on a normed row whose codes the norm wrote (ds_cu_rmsnorm_codes,
- * ds_cu_set_x_codes): word for word against the same experts quantizing the row themselves, with
- * the weights in registers and through the ring. */
+ * ds_cu_set_x_codes): word for word against the same experts quantizing the row themselves, in
+ * the tiles and a warp a row. */
 static void check_moe_fp8_norm_codes(ds_cu *c, int E, int D, int I) {
     const int k = 8;
     f8_experts fx;
@@ -190,9 +180,8 @@ static void check_moe_fp8_norm_codes(ds_cu *c, int E, int D, int I) {
     if (ds_cu_x_codes_buf(c, 1, D, &xh, &st, &err)) DIE("%s", err.msg);
     ds_cu_rmsnorm_codes(c, dx, dh, dnw, 1, D, 1e-6f, xh, st);
     char what[160];
-    for (int ring = 0; ring <= 16; ring += 8) { /* (16: a warp a row, ds_cu_set_f8_rows) */
-        ds_cu_set_f8_ring(c, ring == 8 ? 8 : 0);
-        ds_cu_set_f8_rows(c, ring == 16 ? 0 : -1);
+    for (int rows = 0; rows < 2; rows++) { /* the tiles, then a warp a row (ds_cu_set_f8_rows) */
+        ds_cu_set_f8_rows(c, rows ? 0 : -1);
         for (int use = 0; use < 2; use++) {
             ds_cu_set_x_codes(c, use ? dx : NULL, xh, st, 1, D);
             if (ds_cu_moe_experts_fp8(c, dout, dx, didx, dw, 1, k, E, 0, D, I, fx.dgc, fx.dgs,
@@ -203,13 +192,9 @@ static void check_moe_fp8_norm_codes(ds_cu *c, int E, int D, int I) {
         }
         ds_cu_set_x_codes(c, NULL, NULL, NULL, 0, 0);
         snprintf(what, sizeof what, "moe fp8 T=1 D=%d: reading the norm's codes%s, words differing",
-                 D,
-                 ring == 8 ? " (the ring)"
-                 : ring    ? " (a warp a row)"
-                           : "");
+                 D, rows ? " (a warp a row)" : "");
         report(what, (double)words_differ(got[1], got[0], (size_t)D), 0.0);
     }
-    ds_cu_set_f8_ring(c, 0);
     ds_cu_set_f8_rows(c, 0);
     ds_cu_dealloc(dh), ds_cu_dealloc(dnw), ds_cu_dealloc(dx), ds_cu_dealloc(dw);
     ds_cu_dealloc(dout), ds_cu_dealloc(didx);
@@ -291,23 +276,21 @@ void bench_moe_fp8(ds_cu *c, const cuda_ceilings *ceil) {
     m.out = dev(c, NULL, (size_t)TMAX * D * 4);
     m.k = K, m.E = E, m.D = D, m.I = I;
     /* (the first T=1: a warp a row, the default; the second: the tiles; the third: the quantizers
-     * first; the fourth and fifth: the tiles' weights through the ring, 8 and 4 deep) */
-    static const int Ts[] = {1, 1, 1, 1, 1, 8, 64, 256};
+     * first) */
+    static const int Ts[] = {1, 1, 1, 8, 64, 256};
     for (size_t i = 0; i < DS_ARRAY_LEN(Ts); i++) {
         m.T = Ts[i];
-        const int tiles = i == 1, pre = i == 2, ring = i == 3 ? 8 : i == 4 ? 4 : 0;
+        const int tiles = i == 1, pre = i == 2;
         memset(used, 0, E);
         int n_used = 0;
         for (int r = 0; r < m.T * K; r++) n_used += !used[ids[r]], used[ids[r]] = 1;
         const int tc = m.T >= 40;
         ds_cu_set_expert_mma(c, tc);
         ds_cu_set_f8_prequant(c, pre);
-        ds_cu_set_f8_ring(c, ring);
-        ds_cu_set_f8_rows(c, tiles || ring ? -1 : 0);
+        ds_cu_set_f8_rows(c, tiles ? -1 : 0);
         const double ms = median_ms(c, run_f8b, &m, 3, 20);
         ds_cu_set_expert_mma(c, 0);
         ds_cu_set_f8_prequant(c, 0);
-        ds_cu_set_f8_ring(c, 0);
         ds_cu_set_f8_rows(c, 0);
         const double bytes = (double)n_used * (3.0 * per + 4.0 * (2 * I + D));
         printf("bench moe fp8 T=%d (%d experts of 256, 2304 x 1024, 8 a token%s): %.4f ms, "
@@ -316,7 +299,6 @@ void bench_moe_fp8(ds_cu *c, const cuda_ceilings *ceil) {
                tc      ? ", tensor cores"
                : tiles ? ", the tiles"
                : pre   ? ", quantizers first"
-               : ring  ? (ring == 8 ? ", the ring 8 deep" : ", the ring 4 deep")
                        : "",
                ms, bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / ceil->copy_gbs);
     }

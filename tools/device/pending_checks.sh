@@ -42,7 +42,8 @@
 #  13. (issue 32, session 34) the quantizers' rounding on the conversion unit: the bit-for-bit
 #      check, the FP8 checks (the ring's word for word), the products' and experts' timings at
 #      one token, decode batch 1, 32 and 256 in BF16 and ptpc_fp8 (two rounds, alternating; RINGS=1
-#      also the ring's forms, DS_CUDA_F8_RING), and with the codes made first; PROF=1: the per-op
+#      also the ring's forms, DS_CUDA_F8_RING: removed in session 36, those runs now time the
+#      register window), and with the codes made first; PROF=1: the per-op
 #      profile of a batch-1 step, BF16 and ptpc_fp8.
 #  14. (issue 32, session 34) the norms before the FP8 products write their codes
 #      (DS_CUDA_F8_NORM_CODES=1): the checks (codes bit for bit, products word for word), logits

@@ -57,10 +57,6 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->f8_split_min = env_count("DS_CUDA_F8_SPLIT_MIN", 0);
     t->f8_split = env_count("DS_CUDA_F8_SPLIT", 0); /* (an experiment: the grid's waves) */
     t->f8_moe_waves = env_count("DS_CUDA_F8_MOE_WAVES", 0);
-    /* the FP8 streams' weights through a ring in shared memory, 4 or 8 steps deep (session 34:
-     * not faster at 8 with two blocks an SM; 0, the register window, until one is) */
-    t->f8_ring = env_count("DS_CUDA_F8_RING", 0);
-    t->f8_moe_ring = env_count("DS_CUDA_F8_MOE_RING", -1); /* (-1: as DS_CUDA_F8_RING) */
     t->f8_gemv_waves = env_count("DS_CUDA_F8_GEMV_WAVES", 0);
     t->f8_noquant = env_flag("DS_CUDA_F8_NOQUANT", 0); /* a what-if (wrong results) */
     t->f8_rows = env_count("DS_CUDA_F8_ROWS", 0);
@@ -119,8 +115,6 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_f8_split_min(c, t->f8_split_min);
     ds_cu_set_f8_split(c, t->f8_split);
     ds_cu_set_f8_moe_waves(c, t->f8_moe_waves);
-    ds_cu_set_f8_ring(c, t->f8_ring);
-    if (t->f8_moe_ring >= 0) ds_cu_set_f8_moe_ring(c, t->f8_moe_ring);
     ds_cu_set_f8_gemv_waves(c, t->f8_gemv_waves);
     ds_cu_set_f8_noquant(c, t->f8_noquant);
     ds_cu_set_f8_rows(c, t->f8_rows);

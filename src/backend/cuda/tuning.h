@@ -64,8 +64,6 @@ typedef struct ds_cuda_tuning {
     int f8_split_min;  /* 0: the kernels' default */
     int f8_split;      /* K split forced (0: the rule) */
     int f8_moe_waves;  /* 0: the kernels' default */
-    int f8_ring;       /* the FP8 streams' ring depth (0: registers) */
-    int f8_moe_ring;   /* ...for one token's experts (-1: as f8_ring) */
     int f8_gemv_waves; /* 0: the kernels' default */
     int f8_noquant;    /* a what-if: FP8 products skip quantizing (wrong results) */
     int f8_rows;       /* one token's FP8 products a warp a row: blocks an SM (0: 4; < 0 off) */

@@ -43,8 +43,6 @@ struct ds_cu {
     int f8_split;        /* ...their split of K forced (0: the rule's; ds_cu_set_f8_split) */
     int f8_moe_waves;    /* one token's FP8 experts: blocks an SM at most (0: 2) */
     int f8_gemv_waves;   /* an FP8 product that quantizes its tokens: blocks an SM (0: 2) */
-    int f8_ring;         /* the FP8 streams' ring depth, 4 or 8 steps (0: registers) */
-    int f8_moe_ring;     /* ...for one token's experts (ds_cu_set_f8_moe_ring) */
     int f8_noquant;      /* a what-if: decode's FP8 products skip quantizing their tokens */
     int f8_rows;         /* one token's FP8 products a warp a row: blocks an SM (0: 4; < 0 off) */
     int f8_whole_k;      /* tokens from which the FP8 streams keep K whole (no invariance; 0 off) */
@@ -57,12 +55,11 @@ struct ds_cu {
     int xc_T, xc_K;
     void *xcb; /* their buffer, xcb_bytes allocated: [8][K] values, then [8] scales */
     size_t xcb_bytes;
-    int f8_ring_set[2]; /* its kernels' shared memory limit raised: the dense one, the experts' */
-    int mla_gemm;       /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
-    int mla_all_heads;  /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
-    int mla_flash;      /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
-    int mla_ctx_block;  /* context rows a chunk's expanded attention takes at a time (0: all) */
-    int mla_decode_tc;  /* absorbed MLA on tensor cores from this many context rows (0: never) */
+    int mla_gemm;      /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
+    int mla_all_heads; /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
+    int mla_flash;     /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
+    int mla_ctx_block; /* context rows a chunk's expanded attention takes at a time (0: all) */
+    int mla_decode_tc; /* absorbed MLA on tensor cores from this many context rows (0: never) */
     int mla_decode_tc_tile;  /* its tile for FP8 and BF16 rows: 64 rows, else 32 */
     int mla_decode_tc_warps; /* its warps a block for BF16 rows in 64-row tiles: 16, else 8 */
     int kda_tc;        /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */

@@ -316,14 +316,6 @@ void ds_cu_set_f8_split(ds_cu *c, int parts);
  * default, 2), each quantizing the row once for its tiles; more: more blocks, fewer tiles each
  * one after another. The sums do not change. DS_CUDA_F8_MOE_WAVES in the engine. */
 void ds_cu_set_f8_moe_waves(ds_cu *c, int blocks_per_sm);
-/* depth > 0: the FP8 weight-streaming kernels (the dense products of up to 8 tokens, one token's
- * routed experts) keep that many steps a thread in flight in a ring in shared memory (cp.async,
- * fp8_stream.cuh; 4 below 8, else 8) instead of a window in registers (0): the same steps and
- * sums, bit for bit. DS_CUDA_F8_RING in the engine. */
-void ds_cu_set_f8_ring(ds_cu *c, int depth);
-/* The same for one token's routed experts alone, after ds_cu_set_f8_ring (which sets both):
- * DS_CUDA_F8_MOE_RING in the engine. */
-void ds_cu_set_f8_moe_ring(ds_cu *c, int depth);
 /* An FP8 product of up to 8 tokens that quantizes them itself: at most blocks_per_sm blocks an
  * SM (0: the default, 2), each quantizing once for its tiles. The sums do not change.
  * DS_CUDA_F8_GEMV_WAVES in the engine. */

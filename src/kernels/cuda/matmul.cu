@@ -218,14 +218,6 @@ extern "C" void ds_cu_set_f8_moe_waves(ds_cu *c, int blocks_per_sm) {
     c->f8_moe_waves = blocks_per_sm;
 }
 
-extern "C" void ds_cu_set_f8_ring(ds_cu *c, int depth) {
-    c->f8_ring = c->f8_moe_ring = depth <= 0 ? 0 : depth < 8 ? 4 : 8;
-}
-
-extern "C" void ds_cu_set_f8_moe_ring(ds_cu *c, int depth) {
-    c->f8_moe_ring = depth <= 0 ? 0 : depth < 8 ? 4 : 8;
-}
-
 extern "C" int ds_cu_x_codes_buf(ds_cu *c, int T, int K, uint16_t **xh, float **st, ds_err *err) {
     if (T <= 0 || T > 8 || K <= 0) return ds_errf(err, "cuda: x codes: %d rows of %d", T, K);
     const size_t vb = ((size_t)8 * K * 2 + 255) & ~(size_t)255;

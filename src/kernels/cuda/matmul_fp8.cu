@@ -84,28 +84,18 @@ extern "C" int ds_cu_ptpc_quantize_act(ds_cu *c, uint8_t *xq, int ldq, float *s,
  * order p = 0, 1, ..), a block row's pass up to 8 tokens as the mma's columns. With xh NULL the
  * block quantizes its tokens' rows itself into shared memory (f8_quant_row, the same values
  * ptpc_act_k writes): a decode step's product is then one kernel, whose first weights load before
- * its wait. A token's sum takes the same steps whatever else the pass holds (batch invariance).
- * RING: the weights through fp8_stream.cuh's ring in shared memory (after the codes, roff uint4
- * in), requested before the wait: the same steps, the same sums. */
-template <int RING>
+ * its wait. A token's sum takes the same steps whatever else the pass holds (batch invariance). */
 __global__ void __launch_bounds__(256)
     gemv_f8m_k(float *y, int ldy, const float *x, int ldx, const uint16_t *xh, const float *xs,
-               const uint8_t *W, const float *sr, int N, int K, int S, int T, int roff, int noq) {
-    extern __shared__ uint4 f8_xdyn[]; /* [nt][K] F16 code values of the pass's tokens (no xh),
-                                          then (RING) the ring [RING][2][256] */
+               const uint8_t *W, const float *sr, int N, int K, int S, int T, int noq) {
+    extern __shared__ uint4 f8_xdyn[]; /* [nt][K] F16 code values of the pass's tokens (no xh) */
     __shared__ float4 red[8][32];      /* [warp][lane] partial sums (S > 1) */
     __shared__ float st_sh[8];         /* the pass's token scales (no xh) */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, l4 = lane & 3;
     const int part = warp % S, t0 = blockIdx.y * 8, nt = min(8, T - t0);
     const int nb = ((N + 15) / 16 + 8 / S - 1) / (8 / S); /* blocks' worth of tiles */
-    const int ns = K / 64, nmy = part < ns ? (ns - part + S - 1) / S : 0; /* the part's steps */
-    uint4 a[RING ? 1 : F8_U][2];
-    uint4 *ring = f8_xdyn + roff + threadIdx.x;
-    int ib = blockIdx.x, ik = 0, slot = 0; /* (RING) the next step to request; the next slot */
-    if constexpr (RING > 0) {
-#pragma unroll 1
-        for (int r = 0; r < RING; r++) f8_ring_issue(ring, r, W, 0, N, K, S, part, nmy, nb, ib, ik);
-    } else {
+    uint4 a[F8_U][2];
+    {
         const f8_trows r = f8_tile_rows(W, 0, N, K, S, blockIdx.x);
         f8_load(a, r.w0, r.w1, part, S, K / 64);
     }
@@ -130,19 +120,10 @@ __global__ void __launch_bounds__(256)
         const f8_trows r = f8_tile_rows(W, 0, N, K, S, b);
         const uint4 *w0 = r.w0, *w1 = r.w1;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if constexpr (RING > 0) {
-            if (!xh) /* the codes in shared memory */
-                f8_ring_tile<RING, true>(acc, ring, slot, W, 0, N, K, S, part, nmy, nb, ib, ik, xr,
-                                         w0, w1, l4);
-            else
-                f8_ring_tile<RING, false>(acc, ring, slot, W, 0, N, K, S, part, nmy, nb, ib, ik, xr,
-                                          w0, w1, l4);
-        } else {
-            f8_tile(acc, a, w0, w1, xr, part, S, K, l4);
-            if (b + (int)gridDim.x < nb) {
-                const f8_trows m = f8_tile_rows(W, 0, N, K, S, b + gridDim.x);
-                f8_load(a, m.w0, m.w1, part, S, K / 64);
-            }
+        f8_tile(acc, a, w0, w1, xr, part, S, K, l4);
+        if (b + (int)gridDim.x < nb) {
+            const f8_trows m = f8_tile_rows(W, 0, N, K, S, b + gridDim.x);
+            f8_load(a, m.w0, m.w1, part, S, K / 64);
         }
         if (!f8_split_sum(acc, red, S, part)) continue;
 #pragma unroll
@@ -258,23 +239,12 @@ static int fp8_gemv(ds_cu *c, float *y, int ldy, const float *x, int ldx, const 
      * as one wave of blocks (two a multiprocessor) leaves it */
     unsigned bx = (unsigned)(((N + 15) / 16 + 8 / S - 1) / (8 / S));
     if (!xh) bx = DS_MIN(bx, (unsigned)((c->f8_gemv_waves > 0 ? c->f8_gemv_waves : 2) * c->n_sm));
-    const size_t xbytes = xh ? 0 : ((size_t)T * K * 2 + 15) / 16 * 16;
-    const int ring = c->f8_ring;
-    if (ring && !c->f8_ring_set[0]) { /* (never inside a capture: every shape runs eagerly first) */
-        CU_TRY(f8_ring_attrs(gemv_f8m_k<8>, gemv_f8m_k<4>, F8_XSH_MAX),
-               "matmul fp8: shared memory");
-        c->f8_ring_set[0] = 1;
-    }
-    const size_t smem = xbytes + f8_ring_bytes(ring);
+    const size_t smem = xh ? 0 : ((size_t)T * K * 2 + 15) / 16 * 16;
     for (int t0 = 0; t0 < T; t0 += 8 * 65535)
-        launch_k(c,
-                 ring == 8   ? gemv_f8m_k<8>
-                 : ring == 4 ? gemv_f8m_k<4>
-                             : gemv_f8m_k<0>,
-                 dim3(bx, (unsigned)DS_MIN((T - t0 + 7) / 8, 65535)), 256, smem,
+        launch_k(c, gemv_f8m_k, dim3(bx, (unsigned)DS_MIN((T - t0 + 7) / 8, 65535)), 256, smem,
                  y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx,
                  xh ? xh + (size_t)t0 * K : (const uint16_t *)NULL, xh ? st + t0 : st, W, sr, N, K,
-                 S, T - t0, (int)(xbytes / 16), c->f8_noquant);
+                 S, T - t0, c->f8_noquant);
     CU_TRY(cudaGetLastError(), "matmul fp8 (gemv)");
     return DS_OK;
 }

@@ -60,18 +60,14 @@ __global__ void __launch_bounds__(256)
  * columns. A column does not depend on the others, and S on the matrix alone, so a row's result is
  * the same whatever else the step holds (batch invariance). With xh NULL (one token) the block
  * quantizes its routed row's source itself, through act when act.on (x rows [gate | up] of 2K):
- * the same values moe_f8_quant_k writes, and two kernels fewer in a decode step. RING (one
- * token only): the weights through fp8_stream.cuh's ring in shared memory (after the codes, roff
- * uint4 in), requested before the row is quantized: the same steps, the same sums. */
-template <int RING>
+ * the same values moe_f8_quant_k writes, and two kernels fewer in a decode step. */
 __global__ void __launch_bounds__(256)
     moe_f8m_k(float *y, int ldy, const float *x, int ldx, moe_act act, const uint16_t *xh,
               const float *xs, int x_div, const uint8_t *Wc, const float *Ws, int N, int K, int S,
               const int32_t *start, const int32_t *perm, const int32_t *active,
-              const int32_t *n_active, const int32_t *direct, int e0, int E, int roff, int noq) {
+              const int32_t *n_active, const int32_t *direct, int e0, int E, int noq) {
     PDL_ENTRY();
-    extern __shared__ uint4 f8m_xdyn[]; /* [K] the routed row's F16 code values (no xh), then
-                                           (RING) the ring [RING][2][256] */
+    extern __shared__ uint4 f8m_xdyn[]; /* [K] the routed row's F16 code values (no xh) */
     __shared__ float4 red[8][32];       /* [warp][lane] partial sums (S > 1) */
     __shared__ float st_sh;             /* its scale (no xh) */
     int e, r0, r1;
@@ -85,18 +81,11 @@ __global__ void __launch_bounds__(256)
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, l4 = lane & 3;
     const int part = warp % S, nb = ((N + 15) / 16 + 8 / S - 1) / (8 / S);
-    uint4 a[RING ? 1 : F8_U][2]; /* the steps in flight (fp8_stream.cuh) */
-    const int ns = K / 64, nmy = part < ns ? (ns - part + S - 1) / S : 0; /* the part's steps */
-    uint4 *ring = f8m_xdyn + roff + threadIdx.x;
-    int ib = blockIdx.x, ik = 0, slot = 0; /* (RING) the next step to request; the next slot */
+    uint4 a[F8_U][2]; /* the steps in flight (fp8_stream.cuh) */
     /* One token: the first tile's weights are requested before the row is quantized, so that
      * their trip to memory overlaps the quantizer's (the same loads, in the same order). */
-    const bool pre = !RING && !xh && (int)blockIdx.x < nb;
-    if constexpr (RING > 0) {
-#pragma unroll 1
-        for (int r = 0; r < RING; r++)
-            f8_ring_issue(ring, r, Wc, (size_t)e * N, N, K, S, part, nmy, nb, ib, ik);
-    } else if (pre) {
+    const bool pre = !xh && (int)blockIdx.x < nb;
+    if (pre) {
         const f8_trows r = f8_tile_rows(Wc, (size_t)e * N, N, K, S, blockIdx.x);
         f8_load(a, r.w0, r.w1, part, S, K / 64);
     }
@@ -123,19 +112,10 @@ __global__ void __launch_bounds__(256)
             const uint16_t *xrow = xh ? xh + (size_t)(rg / x_div) * K : (const uint16_t *)f8m_xdyn;
             float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             const uint4 *xq = g < nt ? (const uint4 *)xrow + 2 * l4 : NULL;
-            if constexpr (RING > 0) { /* (one routed row; its codes in shared memory unless xh) */
-                if (!xh)
-                    f8_ring_tile<RING, true>(acc, ring, slot, Wc, (size_t)e * N, N, K, S, part, nmy,
-                                             nb, ib, ik, xq, w0, w1, l4);
-                else
-                    f8_ring_tile<RING, false>(acc, ring, slot, Wc, (size_t)e * N, N, K, S, part,
-                                              nmy, nb, ib, ik, xq, w0, w1, l4);
-            } else {
-                if (!have) f8_load(a, w0, w1, part, S, K / 64);
-                f8_tile(acc, a, w0, w1, xq, part, S, K, l4);
-            }
+            if (!have) f8_load(a, w0, w1, part, S, K / 64);
+            f8_tile(acc, a, w0, w1, xq, part, S, K, l4);
             have = false;
-            if (!RING && !xh && b + (int)gridDim.x < nb) { /* one routed row: one pass a tile */
+            if (!xh && b + (int)gridDim.x < nb) { /* one routed row: one pass a tile */
                 const f8_trows m = f8_tile_rows(Wc, (size_t)e * N, N, K, S, b + gridDim.x);
                 f8_load(a, m.w0, m.w1, part, S, K / 64);
                 have = true;
@@ -375,16 +355,6 @@ static void f8_tc(ds_cu *c, const f8_buf *b, const float *x, int rows, int D, in
              g->active, g->n_active, none);
 }
 
-typedef void (*moe_f8m_ptr)(float *, int, const float *, int, moe_act, const uint16_t *,
-                            const float *, int, const uint8_t *, const float *, int, int, int,
-                            const int32_t *, const int32_t *, const int32_t *, const int32_t *,
-                            const int32_t *, int, int, int, int);
-/* the streaming kernel with the ring of that depth (0: the register window; ds_cu_set_f8_ring,
- * ds_cu_set_f8_moe_ring) */
-static moe_f8m_ptr moe_f8m_pick(int ring) {
-    return ring == 8 ? moe_f8m_k<8> : ring == 4 ? moe_f8m_k<4> : moe_f8m_k<0>;
-}
-
 /* the two passes through the streaming kernel; one token (direct): each block quantizes its own
  * routed row (x, then act of h) */
 static void f8_stream(ds_cu *c, const f8_buf *b, const float *x, int T, int rows, int D, int I,
@@ -418,33 +388,30 @@ static void f8_stream(ds_cu *c, const f8_buf *b, const float *x, int T, int rows
                       * f8_moe_waves: more blocks, each quantizing, fewer tiles a block) */
         const unsigned per_sm = c->f8_moe_waves > 0 ? (unsigned)c->f8_moe_waves : 2u;
         const unsigned cap = DS_MAX(1u, per_sm * (unsigned)c->n_sm / g->ya);
-        const moe_f8m_ptr kern = moe_f8m_pick(c->f8_moe_ring);
         const size_t xu = ((size_t)D * 2 + 15) / 16 * 16, xd = ((size_t)I * 2 + 15) / 16 * 16;
-        const size_t rb = f8_ring_bytes(c->f8_moe_ring);
         /* the token's codes from the norm that made x, where it wrote them (ds_cu_set_x_codes) */
         const int xc = x == c->xc_x && c->xc_T == 1 && c->xc_K == D;
-        launch_k(c, kern, dim3(DS_MIN(bu, cap), g->ya), 256, (xc ? 0 : xu) + rb, b->h, 2 * I, x, D,
+        launch_k(c, moe_f8m_k, dim3(DS_MIN(bu, cap), g->ya), 256, xc ? 0 : xu, b->h, 2 * I, x, D,
                  none, xc ? c->xc_h : (const uint16_t *)NULL, xc ? c->xc_s : (const float *)NULL, k,
                  w->gc, w->gs, 2 * I, D, su, g->start, g->perm, g->active, g->n_active, g->direct,
-                 g->e0, g->E, xc ? 0 : (int)(xu / 16), c->f8_noquant);
-        launch_k(c, kern, dim3(DS_MIN(bd, cap), g->ya), 256, xd + rb, b->y, D, (const float *)b->h,
+                 g->e0, g->E, c->f8_noquant);
+        launch_k(c, moe_f8m_k, dim3(DS_MIN(bd, cap), g->ya), 256, xd, b->y, D, (const float *)b->h,
                  2 * I, act, (const uint16_t *)NULL, (const float *)NULL, 1, w->dc, w->ds, D, I, sd,
-                 g->start, g->perm, g->active, g->n_active, g->direct, g->e0, g->E, (int)(xd / 16),
-                 c->f8_noquant);
+                 g->start, g->perm, g->active, g->n_active, g->direct, g->e0, g->E, c->f8_noquant);
         return;
     }
     launch_k(c, moe_f8_quant_k<false>, (unsigned)T, 256, 0, b->xq, b->xs, x, D, D,
              (const int32_t *)NULL, 1, 0, (const int32_t *)NULL, (const int32_t *)NULL, 0, 0, none);
-    launch_k(c, moe_f8m_k<0>, dim3(bu, g->ya), 256, 0, b->h, 2 * I, x, D, none,
+    launch_k(c, moe_f8m_k, dim3(bu, g->ya), 256, 0, b->h, 2 * I, x, D, none,
              (const uint16_t *)b->xq, (const float *)b->xs, k, w->gc, w->gs, 2 * I, D, su, g->start,
-             g->perm, g->active, g->n_active, g->direct, g->e0, g->E, 0, 0);
+             g->perm, g->active, g->n_active, g->direct, g->e0, g->E, 0);
     /* act rows quantized, this rank's, through perm */
     launch_k(c, moe_f8_quant_k<true>, (unsigned)rows, 256, (size_t)I * sizeof(float), b->aq, b->as,
              (const float *)b->h, 2 * I, I, g->perm, 1, 0, g->start + g->E, (const int32_t *)NULL,
              g->e0, g->E, act);
-    launch_k(c, moe_f8m_k<0>, dim3(bd, g->ya), 256, 0, b->y, D, (const float *)b->h, 2 * I, none,
+    launch_k(c, moe_f8m_k, dim3(bd, g->ya), 256, 0, b->y, D, (const float *)b->h, 2 * I, none,
              (const uint16_t *)b->aq, (const float *)b->as, 1, w->dc, w->ds, D, I, sd, g->start,
-             g->perm, g->active, g->n_active, g->direct, g->e0, g->E, 0, 0);
+             g->perm, g->active, g->n_active, g->direct, g->e0, g->E, 0);
 }
 
 extern "C" int ds_cu_moe_experts_fp8(ds_cu *c, float *out, const float *x, const int32_t *idx,
@@ -491,10 +458,6 @@ extern "C" int ds_cu_moe_experts_fp8(ds_cu *c, float *out, const float *x, const
     ds_cu_prof_mark(c, "moe fp8 experts");
     const f8_w fw = {gu_codes, dn_codes, gu_scales, dn_scales};
     const moe_act act = {1, situ, situ_beta, situ_lin_beta};
-    if (direct && c->f8_moe_ring && !c->f8_ring_set[1]) { /* (never inside a capture: see matmul) */
-        CU_TRY(f8_ring_attrs(moe_f8m_k<8>, moe_f8m_k<4>, 48 * 1024), "moe fp8: shared memory");
-        c->f8_ring_set[1] = 1;
-    }
     if (tc)
         f8_tc(c, &b, x, rows, D, I, k, &fw, &g, act);
     else
