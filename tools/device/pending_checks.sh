@@ -258,7 +258,7 @@ timeout 100 .devbin/test_cuda_kernels --bench-only moefp8 2>&1 | grep -E "T=1 " 
 B48=".devbin/deltaserve $(b48 16 1)"
 for r in $(seq "${ROUNDS:-2}"); do
   $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16 $r] /"
-  for f in 0 -1 2 8; do
+  for f in ${ROWS_FORMS:-0 -1 2 8}; do
     DS_CUDA_F8_ROWS=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 rows $f $r] /"
   done
 done

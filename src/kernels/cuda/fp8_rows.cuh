@@ -51,30 +51,24 @@ static __device__ __forceinline__ float f8r_xh(const uint16_t *q, int c) {
 #endif
 }
 
-/* One token's row v(c), c < K, quantized per token (f8_quant_row's scale and codes: the same as
- * ptpc_act_k's) into xs [K] (f8r_xidx's order, the values times 2^64); returns the scale. Every
- * thread of the block calls it; xs is read after a barrier the caller places. */
-template <typename V> static __device__ __forceinline__ float f8r_quant_row(float *xs, int K, V v) {
-    const int nb = blockDim.x;
-    float amax = 0.0f;
-    for (int c0 = threadIdx.x; c0 < K; c0 += F8_QB * nb) {
-        float val[F8_QB];
-#pragma unroll
-        for (int i = 0; i < F8_QB; i++) val[i] = c0 + i * nb < K ? v(c0 + i * nb) : 0.0f;
-#pragma unroll
-        for (int i = 0; i < F8_QB; i++) amax = fmaxf(amax, fabsf(val[i]));
+/* The block's shared copy of the token (xs4, f8r_smem(K) bytes): its codes xh (as f8_x_put wrote
+ * them) and scale *xs when a norm made them, else row v(c), c < K, quantized here per token
+ * (f8_quant_put: the scale and codes ptpc_act_k writes). Every thread of the block calls it; the
+ * copy is complete on return (a barrier). Returns the scale. */
+template <typename V>
+static __device__ __forceinline__ float f8r_stage(float4 *xs4, float *st_sh, int K,
+                                                  const uint16_t *xh, const float *xs, V v) {
+    float *xsh = (float *)xs4;
+    if (xh) {
+        for (int c = threadIdx.x; c < K; c += blockDim.x) xsh[f8r_xidx(c)] = f8r_xh(xh, c);
+        if (threadIdx.x == 0) *st_sh = *xs;
+    } else {
+        const float s = f8_quant_put(
+            K, v, [xsh](int c, float q) { xsh[f8r_xidx(c)] = f8r_xval(f8_code_f16(q)); });
+        if (threadIdx.x == 0) *st_sh = s;
     }
-    amax = block_max(amax);
-    const float st = ds_ptpc_scale(amax), inv = 1.0f / st; /* (IEEE division: no fast math) */
-    for (int c0 = threadIdx.x; c0 < K; c0 += F8_QB * nb) {
-        float val[F8_QB];
-#pragma unroll
-        for (int i = 0; i < F8_QB; i++) val[i] = c0 + i * nb < K ? v(c0 + i * nb) : 0.0f;
-#pragma unroll
-        for (int i = 0; i < F8_QB; i++)
-            if (c0 + i * nb < K) xs[f8r_xidx(c0 + i * nb)] = f8r_xval(f8_code_f16(val[i] * inv));
-    }
-    return st;
+    __syncthreads();
+    return *st_sh;
 }
 
 /* four codes (one word, the lowest byte the first column) as f32 times 2^-120 */
@@ -137,11 +131,44 @@ static __device__ __forceinline__ void f8r_first(uint4 (&a)[U][R], const uint4 *
             a[u][r] = lane + 32 * u < np ? __ldg(w[r] + lane + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
 }
 
+/* w [R]: rows n .. n + R - 1 of W (rows of K codes; past N the last row, whose sums go nowhere) */
+template <int R>
+static __device__ __forceinline__ void f8r_point(const uint4 *(&w)[R], const uint8_t *W, int n,
+                                                 int N, int K) {
+#pragma unroll
+    for (int r = 0; r < R; r++) w[r] = (const uint4 *)(W + (size_t)min(n + r, N - 1) * K);
+}
+
 /* the warp's sum of each row (every lane gets it) */
 template <int R> static __device__ __forceinline__ void f8r_reduce(float (&acc)[R]) {
 #pragma unroll
     for (int r = 0; r < R; r++)
         for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+}
+
+/* A warp's rows of W: n, n + 1, .. n + R - 1, then stride further, up to N, each
+ * y[row] = ((sum * 2^56) * st) * sr[row] with the token's shared copy xs4; w and a point at and
+ * hold the first rows' first pieces (f8r_point, f8r_first), and each next rows' first pieces are
+ * requested before this one's sums are added. */
+template <int R, int U>
+static __device__ __forceinline__ void
+f8r_walk(float *y, const uint8_t *W, const float *sr, int N, int K, int n, int stride, float st,
+         const uint4 *(&w)[R], uint4 (&a)[U][R], const float4 *xs4) {
+    const int lane = threadIdx.x & 31, np = K / 16;
+    for (; n < N; n += stride) {
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r] = 0.0f;
+        f8r_rows<R, U>(acc, a, w, xs4, np, lane, true);
+        if (n + stride < N) {
+            f8r_point<R>(w, W, n + stride, N, K);
+            f8r_first<R, U>(a, w, np, lane);
+        }
+        f8r_reduce<R>(acc);
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            if (lane == r && n + r < N) y[n + r] = ((acc[r] * F8R_Y_SCALE) * st) * sr[n + r];
+    }
 }
 
 /* Rows a warp takes at once and pieces a row loaded together, by K: six to eight 16-byte loads in

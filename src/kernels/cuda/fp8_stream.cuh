@@ -218,13 +218,13 @@ static __device__ __forceinline__ bool f8_split_sum(float (&acc)[4], float4 (*re
 }
 
 /* One row of activations quantized per token (docs/quantization.md §3, as ds_ptpc_quantize):
- * q[K] gets the codes' values in F16 (exact), the scale is returned. Every thread of the block
- * calls it (block_max's barriers); q may be shared or global memory. v(c) gives value c. Each
- * thread takes F8_QB values a round, all loaded before any is used: one after another, a row of
- * the 48B shape's widths was a chain of 9-36 trips to L2 a pass, longer than the product. */
+ * put(c, v(c) / scale) for every column c < K, the scale returned. Every thread of the block
+ * calls it (block_max's barriers). v(c) gives value c. Each thread takes F8_QB values a round, all
+ * loaded before any is used: one after another, a row of the 48B shape's widths was a chain of
+ * 9-36 trips to L2 a pass, longer than the product. */
 enum { F8_QB = 8 };
-template <typename V>
-static __device__ __forceinline__ float f8_quant_row(uint16_t *q, int K, V v) {
+template <typename V, typename P>
+static __device__ __forceinline__ float f8_quant_put(int K, V v, P put) {
     const int nb = blockDim.x;
     float amax = 0.0f;
     for (int c0 = threadIdx.x; c0 < K; c0 += F8_QB * nb) {
@@ -242,9 +242,15 @@ static __device__ __forceinline__ float f8_quant_row(uint16_t *q, int K, V v) {
         for (int i = 0; i < F8_QB; i++) val[i] = c0 + i * nb < K ? v(c0 + i * nb) : 0.0f;
 #pragma unroll
         for (int i = 0; i < F8_QB; i++)
-            if (c0 + i * nb < K) f8_x_put(q, c0 + i * nb, val[i] * inv);
+            if (c0 + i * nb < K) put(c0 + i * nb, val[i] * inv);
     }
     return st;
+}
+
+/* ...into q [K] as the streaming kernels' operand (f8_x_put); q may be shared or global memory */
+template <typename V>
+static __device__ __forceinline__ float f8_quant_row(uint16_t *q, int K, V v) {
+    return f8_quant_put(K, v, [q](int c, float s) { f8_x_put(q, c, s); });
 }
 
 /* Warps along K for a tile of a matrix of N rows and K columns: enough warps for the loads in

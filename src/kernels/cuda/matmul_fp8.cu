@@ -148,41 +148,14 @@ __global__ void __launch_bounds__(256, 4)
     extern __shared__ float4 f8r_x4[]; /* [f8r_smem(K) / 16] the token's values times 2^64, in
                                           f8r_xidx's order */
     __shared__ float st_sh;
-    const int lane = threadIdx.x & 31, np = K / 16;
-    const int stride = (int)gridDim.x * 8 * R;
-    int n = ((int)blockIdx.x * 8 + (threadIdx.x >> 5)) * R;
+    const int n = ((int)blockIdx.x * 8 + (threadIdx.x >> 5)) * R;
     const uint4 *w[R];
     uint4 a[U][R];
-#pragma unroll
-    for (int r = 0; r < R; r++) w[r] = (const uint4 *)(W + (size_t)min(n + r, N - 1) * K);
-    f8r_first<R, U>(a, w, np, lane);
+    f8r_point<R>(w, W, n, N, K);
+    f8r_first<R, U>(a, w, K / 16, threadIdx.x & 31);
     PDL_ENTRY();
-    float *xsh = (float *)f8r_x4;
-    if (xh) {
-        for (int c = threadIdx.x; c < K; c += blockDim.x) xsh[f8r_xidx(c)] = f8r_xh(xh, c);
-        if (threadIdx.x == 0) st_sh = *xs;
-    } else {
-        const float s = f8r_quant_row(xsh, K, [x](int c) { return x[c]; });
-        if (threadIdx.x == 0) st_sh = s;
-    }
-    __syncthreads();
-    const float st = st_sh;
-    for (; n < N; n += stride) {
-        float acc[R];
-#pragma unroll
-        for (int r = 0; r < R; r++) acc[r] = 0.0f;
-        f8r_rows<R, U>(acc, a, w, f8r_x4, np, lane, true);
-        if (n + stride < N) { /* the next rows' first pieces, before this one's sums */
-#pragma unroll
-            for (int r = 0; r < R; r++)
-                w[r] = (const uint4 *)(W + (size_t)min(n + stride + r, N - 1) * K);
-            f8r_first<R, U>(a, w, np, lane);
-        }
-        f8r_reduce<R>(acc);
-#pragma unroll
-        for (int r = 0; r < R; r++)
-            if (lane == r && n + r < N) y[n + r] = ((acc[r] * F8R_Y_SCALE) * st) * sr[n + r];
-    }
+    const float st = f8r_stage(f8r_x4, &st_sh, K, xh, xs, [x](int c) { return x[c]; });
+    f8r_walk<R, U>(y, W, sr, N, K, n, (int)gridDim.x * 8 * R, st, w, a, f8r_x4);
 }
 
 /* Any K and alignment, one code at a time (a warp a row, a token a block row): the fallback. */

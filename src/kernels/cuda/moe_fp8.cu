@@ -150,45 +150,18 @@ __global__ void __launch_bounds__(256, 4)
     PDL_ENTRY(); /* (direct is the router's output: nothing is read before the wait) */
     const int e = direct[blockIdx.y] - e0, r0 = blockIdx.y;
     if (e < 0 || e >= E) return; /* another rank's expert: the combine skips it */
-    const int lane = threadIdx.x & 31, np = K / 16, stride = (int)gridDim.x * 8 * R;
     const uint8_t *We = Wc + (size_t)e * N * K;
-    int n = ((int)blockIdx.x * 8 + (threadIdx.x >> 5)) * R;
+    const int n = ((int)blockIdx.x * 8 + (threadIdx.x >> 5)) * R;
     const uint4 *w[R];
     uint4 a[U][R];
-#pragma unroll
-    for (int r = 0; r < R; r++) w[r] = (const uint4 *)(We + (size_t)min(n + r, N - 1) * K);
-    f8r_first<R, U>(a, w, np, lane); /* (requested before the row is quantized) */
-    float *xsh = (float *)f8r_x4;
-    if (xh) {
-        for (int c = threadIdx.x; c < K; c += blockDim.x) xsh[f8r_xidx(c)] = f8r_xh(xh, c);
-        if (threadIdx.x == 0) st_sh = *xs;
-    } else {
-        const float *xr = x + (size_t)(r0 / x_div) * ldx;
-        const float s = f8r_quant_row(xsh, K, [xr, act, K](int c) {
-            return act.on ? act_pair(xr[c], xr[K + c], act.situ, act.beta, act.lin_beta) : xr[c];
-        });
-        if (threadIdx.x == 0) st_sh = s;
-    }
-    __syncthreads();
-    const float st = st_sh;
-    const float *se = Ws + (size_t)e * N;
-    float *yr = y + (size_t)r0 * ldy;
-    for (; n < N; n += stride) {
-        float acc[R];
-#pragma unroll
-        for (int r = 0; r < R; r++) acc[r] = 0.0f;
-        f8r_rows<R, U>(acc, a, w, f8r_x4, np, lane, true);
-        if (n + stride < N) {
-#pragma unroll
-            for (int r = 0; r < R; r++)
-                w[r] = (const uint4 *)(We + (size_t)min(n + stride + r, N - 1) * K);
-            f8r_first<R, U>(a, w, np, lane);
-        }
-        f8r_reduce<R>(acc);
-#pragma unroll
-        for (int r = 0; r < R; r++)
-            if (lane == r && n + r < N) yr[n + r] = ((acc[r] * F8R_Y_SCALE) * st) * se[n + r];
-    }
+    f8r_point<R>(w, We, n, N, K);
+    f8r_first<R, U>(a, w, K / 16, threadIdx.x & 31); /* (requested before the row is quantized) */
+    const float *xr = x + (size_t)(r0 / x_div) * ldx;
+    const float st = f8r_stage(f8r_x4, &st_sh, K, xh, xs, [xr, act, K](int c) {
+        return act.on ? act_pair(xr[c], xr[K + c], act.situ, act.beta, act.lin_beta) : xr[c];
+    });
+    f8r_walk<R, U>(y + (size_t)r0 * ldy, We, Ws + (size_t)e * N, N, K, n, (int)gridDim.x * 8 * R,
+                   st, w, a, f8r_x4);
 }
 
 /* ---- tensor cores (batches) -------------------------------------------------------------------
