@@ -263,7 +263,7 @@ for r in $(seq "${ROUNDS:-2}"); do
   done
 done
 B48=".devbin/deltaserve $(b48 8 ${BATCHES:-2,4,8,16,32,64})"
-$B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16] /"
+[ -n "${NO_BF16_BATCHES:-}" ] || $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16] /"
 for f in 0 2; do
   DS_CUDA_F8_WHOLE_K=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 whole K from $f] /"
 done
