@@ -59,7 +59,9 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->f8_moe_waves = env_count("DS_CUDA_F8_MOE_WAVES", 0);
     t->f8_gemv_waves = env_count("DS_CUDA_F8_GEMV_WAVES", 0);
     t->f8_noquant = env_flag("DS_CUDA_F8_NOQUANT", 0); /* a what-if (wrong results) */
-    t->f8_rows = env_count("DS_CUDA_F8_ROWS", 0);
+    /* one token's FP8 products a warp a row: off until measured on a GPU (session 36 wrote it
+     * during a session without one; its checks are pending_checks.sh step 17) */
+    t->f8_rows = env_count("DS_CUDA_F8_ROWS", -1);
     t->f8_whole_k = env_count("DS_CUDA_F8_WHOLE_K", 0);
     /* the norms before FP8 products of up to 8 tokens write their codes (checked word for
      * word; measured slower in a batch-1 step: bench/RESULTS.md session 35) */
