@@ -17,7 +17,7 @@
 
 #include "kernels/cuda/fp8_stream.cuh"
 
-/* the token's values are kept times 2^F8R_XS; a sum times 2^F8R_YS is the row's */
+/* the token's values are kept times F8R_X_SCALE; a sum times F8R_Y_SCALE is the row's */
 #define F8R_X_SCALE 18446744073709551616.0f /* 2^64 */
 #define F8R_Y_SCALE 72057594037927936.0f    /* 2^56 */
 
