@@ -61,12 +61,13 @@
 #      K split forced (DS_CUDA_F8_SPLIT: the grid's waves; 0 the rule's): the FP8 checks (among
 #      them the forced splits, 8 parts and whole, products and experts), decode batch 1 and 32 at
 #      0/1/2/4/8 beside BF16.
-# STEPS: which of them (default "16", the one not yet run; 1-5 ran in sessions 27-28, 6, 7 and 9
+# STEPS: which of them (default "17", the one not yet run; 1-5 ran in sessions 27-28, 6, 7 and 9
 # in session 31, 8 at 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12
-# in session 33 on H100s, 10 and 13 in session 34, 9, 14 and 15 in session 35: bench/RESULTS.md).
+# in session 33 on H100s, 10 and 13 in session 34, 9, 14 and 15 in session 35, 9 and 16 in
+# session 36: bench/RESULTS.md).
 set -u
 OUT=${OUT:-/tmp/ds-out}
-STEPS=" ${STEPS:-16} "
+STEPS=" ${STEPS:-17} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
