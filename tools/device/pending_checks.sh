@@ -55,8 +55,9 @@
 #      ptpc_fp8 on E4M3 tensor cores, ROUNDS times.
 #  17. (issue 32, session 36) one token's FP8 products a warp a row on the CUDA cores
 #      (fp8_rows.cuh, DS_CUDA_F8_ROWS): the FP8 checks, the products' and experts' timings at one
-#      token in every form, decode batch 1 at 4 (default), 2 and 8 blocks an SM and with the
-#      tiles (-1) beside BF16; then decode at batches 2-64 with K whole (DS_CUDA_F8_WHOLE_K=2).
+#      token in every form, decode batch 1 at 4 (default), 2 and 8 blocks an SM, with the norms'
+#      codes (DS_CUDA_F8_NORM_CODES: keep or remove it by this) and with the tiles (-1) beside
+#      BF16; then decode at batches 2-64 with K whole (DS_CUDA_F8_WHOLE_K=2).
 #  16. (issue 32, session 35; run in session 36) the FP8 streams'
 #      K split forced (DS_CUDA_F8_SPLIT: the grid's waves; 0 the rule's): the FP8 checks (among
 #      them the forced splits, 8 parts and whole, products and experts), decode batch 1 and 32 at
@@ -262,6 +263,9 @@ for r in $(seq "${ROUNDS:-2}"); do
   for f in ${ROWS_FORMS:-0 -1 2 8}; do
     DS_CUDA_F8_ROWS=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 rows $f $r] /"
   done
+  # a warp a row reading the codes the norms wrote (one quantizer a row instead of one a block)
+  DS_CUDA_F8_ROWS=0 DS_CUDA_F8_NORM_CODES=1 $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" |
+    sed "s/^/[fp8 rows 0, norm codes $r] /"
 done
 B48=".devbin/deltaserve $(b48 8 ${BATCHES:-2,4,8,16,32,64})"
 [ -n "${NO_BF16_BATCHES:-}" ] || $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16] /"
