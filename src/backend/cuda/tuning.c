@@ -62,7 +62,10 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     /* one token's FP8 products a warp a row: off until measured on a GPU (session 36 wrote it
      * during a session without one; its checks are pending_checks.sh step 17) */
     t->f8_rows = env_count("DS_CUDA_F8_ROWS", -1);
-    t->f8_whole_k = env_count("DS_CUDA_F8_WHOLE_K", 0);
+    /* K whole in the FP8 streams from 32 tokens (batch invariance off): the batch measured,
+     * bench/RESULTS.md session 36 (the experts' streams take calls of 32-39 tokens, tensor cores
+     * from 40); the batches below it are not yet timed */
+    t->f8_whole_k = env_count("DS_CUDA_F8_WHOLE_K", 32);
     /* the norms before FP8 products of up to 8 tokens write their codes (checked word for
      * word; measured slower in a batch-1 step: bench/RESULTS.md session 35) */
     t->f8_norm_codes = env_flag("DS_CUDA_F8_NORM_CODES", 0);
