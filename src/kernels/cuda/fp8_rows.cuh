@@ -84,24 +84,30 @@ static __device__ __forceinline__ float f8r_dot4(float acc, uint32_t w, float4 x
     return fmaf(f.w, x.w, fmaf(f.z, x.z, fmaf(f.y, x.y, fmaf(f.x, x.x, acc))));
 }
 
+/* a [U][R]: pieces p0, p0 + 32, .. p0 + 32 (U - 1) of R rows (zeros from np on); the first U of
+ * a lane (p0 = lane) may be loaded before a kernel's wait: weights are no earlier kernel's output
+ */
+template <int R, int U>
+static __device__ __forceinline__ void f8r_load(uint4 (&a)[U][R], const uint4 *const (&w)[R],
+                                                int np, int p0) {
+#pragma unroll
+    for (int u = 0; u < U; u++)
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            a[u][r] = p0 + 32 * u < np ? __ldg(w[r] + p0 + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
+}
+
 /* acc[r] += row r (w[r]: its 16-byte pieces) dotted with the token (xs4: the shared copy as
  * float4), lane's pieces p = lane, lane + 32, .. < np (np = K / 16): U of them a row loaded
- * together, for R rows at once, before any is used. first: the first U pieces of each row are
- * already in a (loaded before the kernel's wait). Each lane's sum runs over its pieces in order,
- * words x, y, z, w of a piece; the lanes' sums are added by f8r_reduce. */
+ * together, for R rows at once, before any is used; a holds the first U already (f8r_load with
+ * p0 = lane). Each lane's sum runs over its pieces in order, words x, y, z, w of a piece; the
+ * lanes' sums are added by f8r_reduce. */
 template <int R, int U>
 static __device__ __forceinline__ void f8r_rows(float (&acc)[R], uint4 (&a)[U][R],
                                                 const uint4 *const (&w)[R], const float4 *xs4,
-                                                int np, int lane, bool first) {
-    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+                                                int np, int lane) {
     for (int p0 = lane; p0 - lane < np; p0 += 32 * U) {
-        if (!first || p0 != lane) {
-#pragma unroll
-            for (int u = 0; u < U; u++)
-#pragma unroll
-                for (int r = 0; r < R; r++)
-                    a[u][r] = p0 + 32 * u < np ? __ldg(w[r] + p0 + 32 * u) : zero;
-        }
+        if (p0 != lane) f8r_load<R, U>(a, w, np, p0);
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int p = p0 + 32 * u;
@@ -118,17 +124,6 @@ static __device__ __forceinline__ void f8r_rows(float (&acc)[R], uint4 (&a)[U][R
             }
         }
     }
-}
-
-/* the first U pieces of R rows (before a kernel's wait: weights are no earlier kernel's output) */
-template <int R, int U>
-static __device__ __forceinline__ void f8r_first(uint4 (&a)[U][R], const uint4 *const (&w)[R],
-                                                 int np, int lane) {
-#pragma unroll
-    for (int u = 0; u < U; u++)
-#pragma unroll
-        for (int r = 0; r < R; r++)
-            a[u][r] = lane + 32 * u < np ? __ldg(w[r] + lane + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
 }
 
 /* w [R]: rows n .. n + R - 1 of W (rows of K codes; past N the last row, whose sums go nowhere) */
@@ -148,7 +143,7 @@ template <int R> static __device__ __forceinline__ void f8r_reduce(float (&acc)[
 
 /* A warp's rows of W: n, n + 1, .. n + R - 1, then stride further, up to N, each
  * y[row] = ((sum * 2^56) * st) * sr[row] with the token's shared copy xs4; w and a point at and
- * hold the first rows' first pieces (f8r_point, f8r_first), and each next rows' first pieces are
+ * hold the first rows' first pieces (f8r_point, f8r_load), and each next rows' first pieces are
  * requested before this one's sums are added. */
 template <int R, int U>
 static __device__ __forceinline__ void
@@ -159,10 +154,10 @@ f8r_walk(float *y, const uint8_t *W, const float *sr, int N, int K, int n, int s
         float acc[R];
 #pragma unroll
         for (int r = 0; r < R; r++) acc[r] = 0.0f;
-        f8r_rows<R, U>(acc, a, w, xs4, np, lane, true);
+        f8r_rows<R, U>(acc, a, w, xs4, np, lane);
         if (n + stride < N) {
             f8r_point<R>(w, W, n + stride, N, K);
-            f8r_first<R, U>(a, w, np, lane);
+            f8r_load<R, U>(a, w, np, lane);
         }
         f8r_reduce<R>(acc);
 #pragma unroll

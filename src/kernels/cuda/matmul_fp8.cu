@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(256, 4)
     const uint4 *w[R];
     uint4 a[U][R];
     f8r_point<R>(w, W, n, N, K);
-    f8r_first<R, U>(a, w, K / 16, threadIdx.x & 31);
+    f8r_load<R, U>(a, w, K / 16, threadIdx.x & 31);
     PDL_ENTRY();
     const float st = f8r_stage(f8r_x4, &st_sh, K, xh, xs, [x](int c) { return x[c]; });
     f8r_walk<R, U>(y, W, sr, N, K, n, (int)gridDim.x * 8 * R, st, w, a, f8r_x4);

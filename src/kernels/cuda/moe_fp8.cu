@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(256, 4)
     const uint4 *w[R];
     uint4 a[U][R];
     f8r_point<R>(w, We, n, N, K);
-    f8r_first<R, U>(a, w, K / 16, threadIdx.x & 31); /* (requested before the row is quantized) */
+    f8r_load<R, U>(a, w, K / 16, threadIdx.x & 31); /* (requested before the row is quantized) */
     const float *xr = x + (size_t)(r0 / x_div) * ldx;
     const float st = f8r_stage(f8r_x4, &st_sh, K, xh, xs, [xr, act, K](int c) {
         return act.on ? act_pair(xr[c], xr[K + c], act.situ, act.beta, act.lin_beta) : xr[c];
@@ -336,11 +336,12 @@ static void f8_stream(ds_cu *c, const f8_buf *b, const float *x, int T, int rows
     const int su = f8_splits_for(c, 2 * I, D, T), sd = f8_splits_for(c, D, I, T);
     const unsigned bu = (unsigned)(((2 * I + 15) / 16 + 8 / su - 1) / (8 / su)),
                    bd = (unsigned)(((D + 15) / 16 + 8 / sd - 1) / (8 / sd));
+    /* one token: its codes from the norm that made x, where it wrote them (ds_cu_set_x_codes) */
+    const int xc = g->direct && x == c->xc_x && c->xc_T == 1 && c->xc_K == D;
     if (g->direct && f8r_fits(c, D, w->gc) && f8r_fits(c, I, w->dc)) {
         /* a warp a row: blocks a routed row's worth, at most f8_rows an SM over the k rows */
         const unsigned per_sm = c->f8_rows > 0 ? (unsigned)c->f8_rows : 4u;
         const unsigned cap = DS_MAX(1u, per_sm * (unsigned)c->n_sm / g->ya);
-        const int xc = x == c->xc_x && c->xc_T == 1 && c->xc_K == D;
 #define F8R_UP(R, U)                                                                               \
     launch_k(                                                                                      \
         c, moe_f8r_k<R, U>, dim3(DS_MIN((unsigned)((2 * I + 8 * (R)-1) / (8 * (R))), cap), g->ya), \
@@ -362,8 +363,6 @@ static void f8_stream(ds_cu *c, const f8_buf *b, const float *x, int T, int rows
         const unsigned per_sm = c->f8_moe_waves > 0 ? (unsigned)c->f8_moe_waves : 2u;
         const unsigned cap = DS_MAX(1u, per_sm * (unsigned)c->n_sm / g->ya);
         const size_t xu = ((size_t)D * 2 + 15) / 16 * 16, xd = ((size_t)I * 2 + 15) / 16 * 16;
-        /* the token's codes from the norm that made x, where it wrote them (ds_cu_set_x_codes) */
-        const int xc = x == c->xc_x && c->xc_T == 1 && c->xc_K == D;
         launch_k(c, moe_f8m_k, dim3(DS_MIN(bu, cap), g->ya), 256, xc ? 0 : xu, b->h, 2 * I, x, D,
                  none, xc ? c->xc_h : (const uint16_t *)NULL, xc ? c->xc_s : (const float *)NULL, k,
                  w->gc, w->gs, 2 * I, D, su, g->start, g->perm, g->active, g->n_active, g->direct,
