@@ -79,6 +79,95 @@ static void check_matmul_invariance(ds_cu *c, int N, int K) {
     free(x), free(w), free(all), free(one);
 }
 
+/* Weights prefetched into L2 (ds_cu_set_l2_prefetch) are a hint: a chain of one-token products
+ * (BF16 and FP8; one on the side stream; a mark as the routed experts leave) gives the same words
+ * with it as without, run eagerly and as a captured graph replayed twice, and every output is
+ * written (poisoned first). */
+static void chain(ds_cu *c, float *const *y, const float *x, const ds_cu_mat *w) {
+    ds_err err = {{0}};
+    if (ds_cu_matmul(c, y[0], w[0].rows, x, w[0].cols, 1, &w[0], &err) ||
+        ds_cu_side_begin(c, &err) ||
+        ds_cu_matmul(c, y[1], w[1].rows, y[0], w[1].cols, 1, &w[1], &err) ||
+        ds_cu_side_end(c, &err) || ds_cu_l2_mark(c, &err) ||
+        ds_cu_matmul(c, y[2], w[2].rows, y[0], w[2].cols, 1, &w[2], &err) ||
+        ds_cu_side_join(c, &err) ||
+        ds_cu_matmul(c, y[3], w[3].rows, y[1], w[3].cols, 1, &w[3], &err))
+        DIE("%s", err.msg);
+}
+static void check_l2_prefetch(ds_cu *c) {
+    /* [rows][cols] of each product: BF16 2304 -> 4096 -> (side) 2304, FP8 4096 -> 1024, BF16
+     * 2304 -> 512; the prefetch capped below the largest */
+    static const int rc[4][2] = {{4096, 2304}, {2304, 4096}, {1024, 4096}, {512, 2304}};
+    float *x = rand_f32(2304, -1, 1);
+    float *dx = dev(c, x, 2304 * 4), *dy[4];
+    void *dw[4];
+    ds_cu_mat w[4];
+    float *ref[4], *got[4];
+    for (int i = 0; i < 4; i++) {
+        const size_t n = (size_t)rc[i][0] * rc[i][1];
+        dy[i] = dev(c, NULL, (size_t)rc[i][0] * 4);
+        ref[i] = malloc((size_t)rc[i][0] * 4), got[i] = malloc((size_t)rc[i][0] * 4);
+        if (i == 2) { /* FP8 codes (any byte but NaN's) and per-row scales */
+            uint8_t *q = malloc(n);
+            for (size_t j = 0; j < n; j++) q[j] = (uint8_t)urand(0.0f, 126.0f);
+            float *sc = rand_f32((size_t)rc[i][0], 0.001f, 0.002f);
+            dw[i] = dev(c, q, n);
+            w[i] = (ds_cu_mat){
+                dw[i], rc[i][0], rc[i][1], DS_CU_FP8, dev(c, sc, (size_t)rc[i][0] * 4), NULL, 0};
+            free(q), free(sc);
+        } else {
+            uint16_t *b = rand_bf16(n, -0.05f, 0.05f);
+            dw[i] = dev(c, b, n * 2);
+            w[i] = (ds_cu_mat){dw[i], rc[i][0], rc[i][1], DS_CU_BF16, NULL, NULL, 0};
+            free(b);
+        }
+    }
+    ds_err err = {{0}};
+    if (ds_cu_set_side(c, 1, &err)) DIE("%s", err.msg);
+    for (int pf = 0; pf < 2; pf++) {
+        if (ds_cu_set_l2_prefetch(c, pf ? 4 : 0, &err)) DIE("%s", err.msg);
+        for (int graph = 0; graph < 2; graph++) {
+            for (int i = 0; i < 4; i++) poison(c, dy[i], (size_t)rc[i][0] * 4);
+            if (!graph) {
+                chain(c, dy, dx, w);
+            } else {
+                ds_cu_graph *g = NULL;
+                if (ds_cu_capture_begin(c, &err)) DIE("%s", err.msg);
+                chain(c, dy, dx, w);
+                if (ds_cu_capture_end(c, &g, &err) || ds_cu_graph_launch(c, g, &err) ||
+                    ds_cu_graph_launch(c, g, &err))
+                    DIE("%s", err.msg);
+                ds_cu_graph_free(g);
+            }
+            if (ds_cu_sync(c, &err)) DIE("%s", err.msg);
+            size_t differ = 0, unset = 0;
+            for (int i = 0; i < 4; i++) {
+                fetch(c, pf || graph ? got[i] : ref[i], dy[i], (size_t)rc[i][0] * 4);
+                for (int r = 0; r < rc[i][0]; r++) {
+                    unset += isnan(pf || graph ? got[i][r] : ref[i][r]);
+                    if (pf || graph) differ += memcmp(&got[i][r], &ref[i][r], 4) != 0;
+                }
+            }
+            if (!pf && !graph) {
+                if (unset) DIE("l2 prefetch check: %zu outputs unwritten", unset);
+                continue;
+            }
+            char what[96];
+            snprintf(what, sizeof what, "matmul chain, L2 prefetch %s, %s: words differing",
+                     pf ? "on" : "off", graph ? "graph" : "eager");
+            report(what, (double)(differ + unset), 0.0);
+        }
+    }
+    if (ds_cu_set_l2_prefetch(c, 0, &err) || ds_cu_set_side(c, 0, &err)) DIE("%s", err.msg);
+    for (int i = 0; i < 4; i++) {
+        ds_cu_dealloc(dy[i]), ds_cu_dealloc(dw[i]);
+        if (w[i].scale) ds_cu_dealloc((void *)w[i].scale);
+        free(ref[i]), free(got[i]);
+    }
+    ds_cu_dealloc(dx);
+    free(x);
+}
+
 typedef struct mm_ctx {
     float *y, *x;
     ds_cu_mat w[4]; /* rotated: each more than L2 on its own */
@@ -123,6 +212,7 @@ void checks_matmul(ds_cu *c) {
     check_matmul(c, 1, 5, 4096, 0, 1e-5);
     check_matmul_invariance(c, 256, 2304);
     check_matmul_invariance(c, 77, 100); /* K % 8 != 0: the element-wise kernel */
+    check_l2_prefetch(c);
 }
 
 /* decode-shaped matmuls against the copy and GEMM ceilings */

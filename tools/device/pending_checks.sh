@@ -58,17 +58,22 @@
 #      token in every form, decode batch 1 at 4 (default), 2 and 8 blocks an SM, with the norms'
 #      codes (DS_CUDA_F8_NORM_CODES: keep or remove it by this) and with the tiles (-1) beside
 #      BF16; then decode at batches 2-64 with K whole (DS_CUDA_F8_WHOLE_K=2).
+#  18. (issues 32 and 33, session 37) the weights of decode's products prefetched into L2 while the
+#      kernels before them run (DS_CUDA_L2_PREFETCH=MB): the matmul checks (a chain of products
+#      word for word with and without, eager and graphed), decode batch 1 in BF16 and in ptpc_fp8's
+#      forms (the tiles; the dense products a warp a row reading the norms' codes) at 0/16/32 MB,
+#      two rounds; batches 4 and 16 in BF16 with and without.
 #  16. (issue 32, session 35; run in session 36) the FP8 streams'
 #      K split forced (DS_CUDA_F8_SPLIT: the grid's waves; 0 the rule's): the FP8 checks (among
 #      them the forced splits, 8 parts and whole, products and experts), decode batch 1 and 32 at
 #      0/1/2/4/8 beside BF16.
-# STEPS: which of them (default "17", the one not yet run; 1-5 ran in sessions 27-28, 6, 7 and 9
+# STEPS: which of them (default "18", the one not yet run; 17 ran in session 37; 1-5 ran in sessions 27-28, 6, 7 and 9
 # in session 31, 8 at 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12
 # in session 33 on H100s, 10 and 13 in session 34, 9, 14 and 15 in session 35, 9 and 16 in
 # session 36: bench/RESULTS.md).
 set -u
 OUT=${OUT:-/tmp/ds-out}
-STEPS=" ${STEPS:-17} "
+STEPS=" ${STEPS:-18} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -271,6 +276,33 @@ B48=".devbin/deltaserve $(b48 8 ${BATCHES:-2,4,8,16,32,64})"
 [ -n "${NO_BF16_BATCHES:-}" ] || $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16] /"
 for f in 0 2; do
   DS_CUDA_F8_WHOLE_K=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 whole K from $f] /"
+done
+fi
+if want 18; then
+el "18. (issues 32, 33, session 37) weights prefetched into L2 before their products"
+el "    (DS_CUDA_L2_PREFETCH, MB): the matmul checks (the prefetch's chain word for word, eager and"
+el "    graphed), then decode batch 1 in BF16 and in ptpc_fp8's forms with and without it"
+checks l2pf.log "matmul"
+grep -E "FAIL|L2 prefetch" "$OUT/l2pf.log" | head -8
+B48=".devbin/deltaserve $(b48 16 1)"
+for r in $(seq "${ROUNDS:-2}"); do
+  for pf in ${PFS:-0 16 32}; do
+    DS_CUDA_L2_PREFETCH=$pf $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16 pf $pf $r] /"
+  done
+  for pf in ${PFS:-0 16 32}; do
+    DS_CUDA_L2_PREFETCH=$pf $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" |
+      sed "s/^/[fp8 tiles pf $pf $r] /"
+    DS_CUDA_L2_PREFETCH=$pf DS_CUDA_F8_ROWS=0 DS_CUDA_F8_MOE_ROWS=-1 DS_CUDA_F8_NORM_CODES=1 \
+      $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 dense rows, codes pf $pf $r] /"
+  done
+  DS_CUDA_F8_ROWS=0 DS_CUDA_F8_NORM_CODES=1 $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" |
+    sed "s/^/[fp8 all rows, codes $r] /"
+  DS_CUDA_F8_NORM_CODES=1 $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" |
+    sed "s/^/[fp8 tiles, codes $r] /"
+done
+B48=".devbin/deltaserve $(b48 8 ${BATCHES:-4,16})"
+for pf in 0 16; do
+  DS_CUDA_L2_PREFETCH=$pf $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16 pf $pf] /"
 done
 fi
 if want 1; then

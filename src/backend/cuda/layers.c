@@ -409,6 +409,7 @@ int cuda_ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, flo
                                   w->gate_up, w->e_down, situ, c->situ_beta, c->situ_linear_beta,
                                   shared && !latent, err));
     }
+    TRY(ds_cu_l2_mark(cu, err));   /* the next weight stream's prefetch starts after them */
     TRY(ds_cu_side_join(cu, err)); /* (already, unless no expert kernel ran) */
     PROF(s, "moe combine");
     if (latent) {

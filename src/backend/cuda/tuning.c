@@ -62,10 +62,11 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     /* one token's FP8 products a warp a row: off until measured on a GPU (session 36 wrote it
      * during a session without one; its checks are pending_checks.sh step 17) */
     t->f8_rows = env_count("DS_CUDA_F8_ROWS", -1);
-    /* K whole in the FP8 streams from 32 tokens (batch invariance off): the batch measured,
-     * bench/RESULTS.md session 36 (the experts' streams take calls of 32-39 tokens, tensor cores
-     * from 40); the batches below it are not yet timed */
-    t->f8_whole_k = env_count("DS_CUDA_F8_WHOLE_K", 32);
+    /* the same for one token's routed experts (default: as the dense products) */
+    t->f8_moe_rows = env_count("DS_CUDA_F8_MOE_ROWS", t->f8_rows);
+    /* K whole in the FP8 streams from 4 tokens (batch invariance off): faster at every batch
+     * from 4 to 32 measured, no faster at 2 (bench/RESULTS.md session 37) */
+    t->f8_whole_k = env_count("DS_CUDA_F8_WHOLE_K", 4);
     /* the norms before FP8 products of up to 8 tokens write their codes (checked word for
      * word; measured slower in a batch-1 step: bench/RESULTS.md session 35) */
     t->f8_norm_codes = env_flag("DS_CUDA_F8_NORM_CODES", 0);
@@ -90,6 +91,8 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
      * bench/RESULTS.md session 32); 0: the whole context at once */
     t->mla_ctx_block = env_count("DS_CUDA_MLA_CTX_BLOCK", 131072);
     t->side = env_flag("DS_CUDA_SIDE", 1);
+    /* off until measured (session 37) */
+    t->l2_prefetch = env_count("DS_CUDA_L2_PREFETCH", 0);
     t->mla_all_heads = env_flag("DS_CUDA_MLA_ALL_HEADS", 1);
     /* decode's absorbed MLA on tensor cores from this context cap (BF16 operands, as the prefill's
      * fused kernel): faster than the f32 kernels at every length timed, from 32K rows
@@ -123,6 +126,7 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_f8_gemv_waves(c, t->f8_gemv_waves);
     ds_cu_set_f8_noquant(c, t->f8_noquant);
     ds_cu_set_f8_rows(c, t->f8_rows);
+    ds_cu_set_f8_moe_rows(c, t->f8_moe_rows);
     ds_cu_set_f8_whole_k(c, t->f8_whole_k);
     ds_cu_set_f8_norm_codes(c, t->f8_norm_codes);
     ds_cu_set_mla_gemm(c, t->mla_gemm);
@@ -139,6 +143,8 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_err side_err;
     if (ds_cu_set_side(c, t->side, &side_err)) /* not fatal */
         fprintf(stderr, "[deltaserve] %s: one stream per step\n", side_err.msg);
+    if (ds_cu_set_l2_prefetch(c, t->l2_prefetch, &side_err)) /* not fatal either */
+        fprintf(stderr, "[deltaserve] %s: no L2 prefetch\n", side_err.msg);
     ds_cu_set_mla_all_heads(c, t->mla_all_heads);
     ds_cu_set_mla_decode_tc(c, t->mla_decode_tc);
     ds_cu_set_mla_decode_tc_tile(c, t->mla_decode_tc_tile);

@@ -37,6 +37,9 @@
  *                                          another value: a line, then 3
  *   DS_CUDA_SIDE           F      1        a side stream for independent chains within a step (if
  *                                          it cannot be made: a line, and one stream)
+ *   DS_CUDA_L2_PREFETCH    N      0        MB of each decode weight stream prefetched into L2 on a
+ *                                          stream of its own while the kernels before it run (0:
+ *                                          off; if the stream cannot be made: a line, and off)
  *   DS_CUDA_MLA_ALL_HEADS  F      1        absorbed MLA with one block a (token, split) for all
  *                                          heads when the step has enough of them
  *   DS_CUDA_PDL            "0"    on       programmatic dependent launch (sm_90); exactly "0"
@@ -67,6 +70,7 @@ typedef struct ds_cuda_tuning {
     int f8_gemv_waves; /* 0: the kernels' default */
     int f8_noquant;    /* a what-if: FP8 products skip quantizing (wrong results) */
     int f8_rows;       /* one token's FP8 products a warp a row: blocks an SM (0: 4; < 0 off) */
+    int f8_moe_rows;   /* the same for one token's routed experts */
     int f8_whole_k;    /* tokens from which the FP8 streams keep K whole (0: never) */
     int f8_norm_codes; /* the norms write codes for the FP8 products */
     int mla_gemm, mla_flash;
@@ -78,6 +82,7 @@ typedef struct ds_cuda_tuning {
     int kda_out_fused;         /* chunked KDA: the scan makes the outputs */
     int mla_ctx_block;         /* context rows a chunk's expanded attention takes at a time */
     int side, mla_all_heads;
+    int l2_prefetch;   /* MB (0: off) */
     int mla_decode_tc; /* context rows from which absorbed MLA runs on tensor cores (0: never) */
     int mla_decode_tc_tile;  /* its tile for FP8 and BF16 rows (32 or 64) */
     int mla_decode_tc_warps; /* its warps a block for BF16 rows in 64-row tiles (8 or 16) */

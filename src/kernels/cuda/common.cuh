@@ -45,6 +45,7 @@ struct ds_cu {
     int f8_gemv_waves;   /* an FP8 product that quantizes its tokens: blocks an SM (0: 2) */
     int f8_noquant;      /* a what-if: decode's FP8 products skip quantizing their tokens */
     int f8_rows;         /* one token's FP8 products a warp a row: blocks an SM (0: 4; < 0 off) */
+    int f8_moe_rows;     /* the same for one token's routed experts */
     int f8_whole_k;      /* tokens from which the FP8 streams keep K whole (no invariance; 0 off) */
     int f8_norm_codes;   /* the engine's norms write codes for FP8 products (ds_cu_set_...) */
     /* rows whose ptpc codes a norm wrote (ds_cu_set_x_codes): x [xc_T][xc_K] packed, its codes'
@@ -96,6 +97,13 @@ struct ds_cu {
     size_t xb_side_bytes;
     cudaEvent_t ev_fork, ev_join;
     int side_on, on_side, side_pending;
+    /* the L2 prefetch stream (ds_cu_set_l2_prefetch): pf_after marks the last weight stream
+     * issued, pf_join the prefetches' end; pf_bytes caps one prefetch (0: off); pf_have: a mark
+     * since the last join; pf_pending: a prefetch since the last join */
+    cudaStream_t pf;
+    cudaEvent_t pf_after, pf_join;
+    size_t pf_bytes;
+    int pf_have, pf_pending;
     void *drawb; /* ds_cu_draw_rows' draws, edits, weights and tokens, drawb_bytes allocated */
     size_t drawb_bytes;
     int epoch_bump; /* set by grow_scratch; the next ds_cu_epoch reads and clears it */
@@ -205,6 +213,9 @@ int gemv_wide(ds_cu *c, float *y, const float *x, const uint16_t *W, int N, int 
 /* ds_cu_matmul of an FP8 w (matmul_fp8.cu); stream: through the weight-streaming kernel */
 int matmul_fp8(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, const ds_cu_mat *w,
                int stream, ds_err *err);
+/* up to pf_bytes of a weight stream's [bytes] at p prefetched into L2 once the stream marked last
+ * (ds_cu_l2_mark) has finished, when the prefetch stream is on (context.cu) */
+int cu_l2_prefetch(ds_cu *c, const void *p, size_t bytes, ds_err *err);
 /* the FP8 products' cuBLASLt handle, released (matmul_fp8.cu) */
 extern "C" void fp8_free(ds_cu *c);
 /* a weight GEMM's own profile interval (profile.cu) */

@@ -126,10 +126,91 @@ extern "C" int ds_cu_side_join(ds_cu *c, ds_err *err) {
     return DS_OK;
 }
 
+/* ---- weights prefetched into L2 (ds_cu_set_l2_prefetch) ---------------------------------------
+ * Between two weight products of a decode step run small kernels (norms, the KDA recurrence, the
+ * router's choice) during which the memory is idle. A prefetch of the next product's weights on a
+ * third stream, made to wait for the previous product (an event: an edge in a graph), runs in that
+ * gap. Its kernel only issues bulk prefetches (the copy engine of sm_90's TMA fetches them) and
+ * ends; nothing waits for it until the step's end. */
+static void pf_free(ds_cu *c) {
+    if (!c->pf) return;
+    cudaStreamSynchronize(c->pf);
+    cudaEventDestroy(c->pf_after);
+    cudaEventDestroy(c->pf_join);
+    cudaStreamDestroy(c->pf);
+    c->pf = NULL;
+    c->pf_bytes = 0;
+    c->pf_have = c->pf_pending = 0;
+}
+
+extern "C" int ds_cu_set_l2_prefetch(ds_cu *c, int mb, ds_err *err) {
+    if (mb <= 0 || !c->sm90) {
+        pf_free(c);
+        return DS_OK;
+    }
+    if (!c->pf) {
+        if (cudaStreamCreateWithFlags(&c->pf, cudaStreamNonBlocking) != cudaSuccess) {
+            cudaGetLastError();
+            c->pf = NULL;
+            return ds_errf(err, "cuda: cannot create the L2 prefetch stream");
+        }
+        if (cudaEventCreateWithFlags(&c->pf_after, cudaEventDisableTiming) != cudaSuccess ||
+            cudaEventCreateWithFlags(&c->pf_join, cudaEventDisableTiming) != cudaSuccess) {
+            cudaGetLastError();
+            cudaStreamDestroy(c->pf);
+            c->pf = NULL;
+            return ds_errf(err, "cuda: cannot create the L2 prefetch stream's events");
+        }
+    }
+    c->pf_bytes = (size_t)mb << 20;
+    return DS_OK;
+}
+
+extern "C" int ds_cu_l2_mark(ds_cu *c, ds_err *err) {
+    if (!c->pf_bytes || c->prof) return DS_OK;
+    CU_TRY(cudaEventRecord(c->pf_after, c->stream), "L2 prefetch: mark");
+    c->pf_have = 1;
+    return DS_OK;
+}
+
+/* Every prefetch issued [bytes] at p, up to 64 KB a request (bulk prefetches take 16-byte
+ * multiples at 16-byte addresses: the weights' allocations are aligned). */
+__global__ void l2_prefetch_k(const uint8_t *p, size_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const size_t chunk = (size_t)64 << 10;
+    for (size_t o = (size_t)threadIdx.x * chunk; o < bytes; o += (size_t)blockDim.x * chunk) {
+        const unsigned n = (unsigned)DS_MIN(chunk, bytes - o) & ~15u;
+        if (n)
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + o), "r"(n)
+                         : "memory");
+    }
+#endif
+}
+
+int cu_l2_prefetch(ds_cu *c, const void *p, size_t bytes, ds_err *err) {
+    if (!c->pf_bytes || c->prof || !c->pf_have || (uintptr_t)p % 16) return DS_OK;
+    CU_TRY(cudaStreamWaitEvent(c->pf, c->pf_after, 0), "L2 prefetch: wait");
+    l2_prefetch_k<<<1, 32, 0, c->pf>>>((const uint8_t *)p, DS_MIN(bytes, c->pf_bytes));
+    CU_TRY(cudaGetLastError(), "L2 prefetch");
+    c->pf_pending = 1;
+    return DS_OK;
+}
+
+/* The prefetches rejoin the stream (a capture must end with every stream it forked joined). */
+static int pf_join(ds_cu *c, ds_err *err) {
+    c->pf_have = 0;
+    if (!c->pf_pending) return DS_OK;
+    c->pf_pending = 0;
+    CU_TRY(cudaEventRecord(c->pf_join, c->pf), "L2 prefetch: join");
+    CU_TRY(cudaStreamWaitEvent(c->stream, c->pf_join, 0), "L2 prefetch: join");
+    return DS_OK;
+}
+
 extern "C" void ds_cu_free(ds_cu *c) {
     if (!c) return;
     if (c->on_side) side_swap(c);
     side_free(c);
+    pf_free(c);
     cudaStreamSynchronize(c->stream);
     cudaFree(c->xb);
     cudaFree(c->xcb);
@@ -164,7 +245,7 @@ extern "C" int ds_cu_bind(ds_cu *c, ds_err *err) {
 
 extern "C" int ds_cu_sync(ds_cu *c, ds_err *err) {
     if (c->on_side) side_swap(c); /* (an error path left it there) */
-    if (ds_cu_side_join(c, err)) return DS_ERR;
+    if (ds_cu_side_join(c, err) || pf_join(c, err)) return DS_ERR;
     CU_TRY(cudaStreamSynchronize(c->stream), "stream");
     if (c->sticky != cudaSuccess) {
         cudaError_t e = c->sticky;
@@ -288,6 +369,7 @@ extern "C" uint64_t ds_cu_epoch(ds_cu *c) {
 }
 
 extern "C" int ds_cu_capture_begin(ds_cu *c, ds_err *err) {
+    if (pf_join(c, err)) return DS_ERR; /* no wait inside the capture on an event from before it */
     CU_TRY(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal), "graph capture");
     return DS_OK;
 }
@@ -295,8 +377,9 @@ extern "C" int ds_cu_capture_begin(ds_cu *c, ds_err *err) {
 extern "C" int ds_cu_capture_end(ds_cu *c, ds_cu_graph **out, ds_err *err) {
     *out = NULL;
     cudaGraph_t g = NULL;
-    if (c->on_side) side_swap(c);               /* (an error path left it there) */
-    if (ds_cu_side_join(c, err)) return DS_ERR; /* the side stream rejoins the capture */
+    if (c->on_side) side_swap(c); /* (an error path left it there) */
+    /* the side stream and the prefetches rejoin the capture */
+    if (ds_cu_side_join(c, err) || pf_join(c, err)) return DS_ERR;
     cudaError_t e = cudaStreamEndCapture(c->stream, &g);
     if (e != cudaSuccess) {
         if (g) cudaGraphDestroy(g);

@@ -329,6 +329,9 @@ void ds_cu_set_f8_whole_k(ds_cu *c, int tokens);
  * once (0: the default, 4); below 0 off (fp8_stream.cuh's tiles, as with batch invariance). The
  * sums' order differs from the tiles'. DS_CUDA_F8_ROWS in the engine. */
 void ds_cu_set_f8_rows(ds_cu *c, int blocks_per_sm);
+/* The same for one token's routed experts alone (ds_cu_set_f8_rows sets both).
+ * DS_CUDA_F8_MOE_ROWS in the engine. */
+void ds_cu_set_f8_moe_rows(ds_cu *c, int blocks_per_sm);
 /* A what-if (wrong results, the timing is what counts, as ds_cu_set_skip): decode's FP8 products
  * skip quantizing their tokens (codes left unset, scale 1), to measure what the quantizer in
  * every block costs a step. DS_CUDA_F8_NOQUANT=1 in the engine. */
@@ -366,6 +369,17 @@ int ds_cu_set_side(ds_cu *c, int on, ds_err *err);
 int ds_cu_side_begin(ds_cu *c, ds_err *err);
 int ds_cu_side_end(ds_cu *c, ds_err *err);
 int ds_cu_side_join(ds_cu *c, ds_err *err);
+/* Decode's weight streams prefetched into L2 while the small kernels before them run: a weight
+ * product of few tokens (ds_cu_matmul up to its streaming bound) first starts, on a stream of its
+ * own, a prefetch of up to mb MB of its weights (cp.async.bulk.prefetch.L2), issued after the
+ * previous weight stream (ds_cu_l2_mark) has finished — so it fills the time the memory would
+ * otherwise sit idle, and the product finds its first rows in L2. A hint: results are unchanged.
+ * mb 0 turns it off; needs sm_90; off while profiling; joined by ds_cu_sync and capture's end.
+ * DS_CUDA_L2_PREFETCH in the engine. */
+int ds_cu_set_l2_prefetch(ds_cu *c, int mb, ds_err *err);
+/* Marks the end of a weight stream issued outside ds_cu_matmul (the routed experts): the next
+ * prefetch starts after it. */
+int ds_cu_l2_mark(ds_cu *c, ds_err *err);
 /* ds_cu_mla_attend_absorbed_batch with one block per (token, split) for all heads, each latent row
  * read once instead of once per head (not with batch invariance; Ha * R a multiple of 256 with at
  * most 64 outputs per thread). on = 1: taken when the step has enough (token, split) blocks to

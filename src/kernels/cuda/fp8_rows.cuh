@@ -177,9 +177,10 @@ f8r_walk(float *y, const uint8_t *W, const float *sr, int N, int K, int n, int s
 /* Largest K whose token row (f8r_smem) fits the default 48 KB beside the kernels' static bytes. */
 enum { F8R_K_MAX = 11264 };
 
-/* Whether one token's product of K columns (codes at W) takes this form: on (ds_cu_set_f8_rows),
- * batch invariance off, whole 16-byte pieces, the row within F8R_K_MAX. */
-static inline bool f8r_fits(const ds_cu *c, int K, const void *W) {
-    return c->f8_rows >= 0 && !c->batch_invariant && K % 16 == 0 && K <= F8R_K_MAX &&
+/* Whether one token's product of K columns (codes at W) takes this form: on (rows: the context's
+ * f8_rows or f8_moe_rows, ds_cu_set_f8_rows), batch invariance off, whole 16-byte pieces, the row
+ * within F8R_K_MAX. */
+static inline bool f8r_fits(const ds_cu *c, int rows, int K, const void *W) {
+    return rows >= 0 && !c->batch_invariant && K % 16 == 0 && K <= F8R_K_MAX &&
            (uintptr_t)W % 16 == 0;
 }

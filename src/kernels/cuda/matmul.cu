@@ -247,7 +247,11 @@ extern "C" void ds_cu_set_f8_whole_k(ds_cu *c, int tokens) {
 }
 
 extern "C" void ds_cu_set_f8_rows(ds_cu *c, int blocks_per_sm) {
-    c->f8_rows = blocks_per_sm;
+    c->f8_rows = c->f8_moe_rows = blocks_per_sm;
+}
+
+extern "C" void ds_cu_set_f8_moe_rows(ds_cu *c, int blocks_per_sm) {
+    c->f8_moe_rows = blocks_per_sm;
 }
 
 extern "C" void ds_cu_set_f8_noquant(ds_cu *c, int on) {
@@ -278,11 +282,26 @@ static int matmul_runs(ds_cu *c, float *y, int ldy, const float *x, int ldx, int
     return DS_OK;
 }
 
+static int matmul_one(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T,
+                      const ds_cu_mat *w, ds_err *err);
+
 extern "C" int ds_cu_matmul(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T,
                             const ds_cu_mat *w, ds_err *err) {
-    const int N = w->rows, K = w->cols;
-    if (T <= 0 || N <= 0) return DS_OK;
+    if (T <= 0 || w->rows <= 0) return DS_OK;
     if (w->runs) return matmul_runs(c, y, ldy, x, ldx, T, w, err);
+    /* a weight stream: its first bytes prefetched into L2 while what runs before it finishes
+     * (ds_cu_set_l2_prefetch) */
+    const int stream = T <= gemv_rows_max(c) && (w->dtype == DS_CU_BF16 || w->dtype == DS_CU_FP8);
+    if (stream && cu_l2_prefetch(c, w->data,
+                                 (size_t)w->rows * w->cols * (w->dtype == DS_CU_BF16 ? 2 : 1), err))
+        return DS_ERR;
+    if (matmul_one(c, y, ldy, x, ldx, T, w, err)) return DS_ERR;
+    return stream ? ds_cu_l2_mark(c, err) : DS_OK;
+}
+
+static int matmul_one(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T,
+                      const ds_cu_mat *w, ds_err *err) {
+    const int N = w->rows, K = w->cols;
     if (w->dtype == DS_CU_FP8)
         return matmul_fp8(c, y, ldy, x, ldx, T, w, T <= gemv_rows_max(c) || c->batch_invariant,
                           err);

@@ -326,7 +326,7 @@ int matmul_fp8(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, cons
     /* decode: one kernel, reading the codes the norm that made x wrote (ds_cu_set_x_codes), or
      * quantizing its tokens as it goes (unless f8_prequant) */
     const int own = x == c->xc_x && T == c->xc_T && K == c->xc_K && ldx == K; /* a norm's codes */
-    if (!tc && T == 1 && f8r_fits(c, K, w->data) && (own || !c->f8_prequant))
+    if (!tc && T == 1 && f8r_fits(c, c->f8_rows, K, w->data) && (own || !c->f8_prequant))
         return fp8_rows(c, y, x, own ? c->xc_h : NULL, own ? c->xc_s : NULL, w, err);
     if (!tc && mma && T <= 8 && own)
         return fp8_gemv(c, y, ldy, x, ldx, c->xc_h, c->xc_s, T, w, err);

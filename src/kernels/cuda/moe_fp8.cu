@@ -338,9 +338,10 @@ static void f8_stream(ds_cu *c, const f8_buf *b, const float *x, int T, int rows
                    bd = (unsigned)(((D + 15) / 16 + 8 / sd - 1) / (8 / sd));
     /* one token: its codes from the norm that made x, where it wrote them (ds_cu_set_x_codes) */
     const int xc = g->direct && x == c->xc_x && c->xc_T == 1 && c->xc_K == D;
-    if (g->direct && f8r_fits(c, D, w->gc) && f8r_fits(c, I, w->dc)) {
-        /* a warp a row: blocks a routed row's worth, at most f8_rows an SM over the k rows */
-        const unsigned per_sm = c->f8_rows > 0 ? (unsigned)c->f8_rows : 4u;
+    if (g->direct && f8r_fits(c, c->f8_moe_rows, D, w->gc) &&
+        f8r_fits(c, c->f8_moe_rows, I, w->dc)) {
+        /* a warp a row: blocks a routed row's worth, at most f8_moe_rows an SM over the k rows */
+        const unsigned per_sm = c->f8_moe_rows > 0 ? (unsigned)c->f8_moe_rows : 4u;
         const unsigned cap = DS_MAX(1u, per_sm * (unsigned)c->n_sm / g->ya);
 #define F8R_UP(R, U)                                                                               \
     launch_k(                                                                                      \
