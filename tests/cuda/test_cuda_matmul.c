@@ -80,12 +80,17 @@ static void check_matmul_invariance(ds_cu *c, int N, int K) {
 }
 
 /* Weights prefetched into L2 (ds_cu_set_l2_prefetch) are a hint: a chain of one-token products
- * (BF16 and FP8; one on the side stream; a mark as the routed experts leave) gives the same words
+ * (BF16 and FP8; one on the side stream; a mark as the routed experts leave; "experts" chosen by
+ * an index, some outside the rank's range) gives the same words
  * with it as without, run eagerly and as a captured graph replayed twice, and every output is
  * written (poisoned first). */
-static void chain(ds_cu *c, float *const *y, const float *x, const ds_cu_mat *w) {
+static void chain(ds_cu *c, float *const *y, const float *x, const ds_cu_mat *w,
+                  const int32_t *idx) {
     ds_err err = {{0}};
+    /* "experts" 4 blocks of w[0]'s rows, idx naming some outside this rank's 1 .. 4 */
+    const size_t blk = (size_t)w[0].rows / 4 * w[0].cols * 2;
     if (ds_cu_matmul(c, y[0], w[0].rows, x, w[0].cols, 1, &w[0], &err) ||
+        ds_cu_l2_prefetch_experts(c, idx, 6, 1, 4, w[0].data, blk / 2, w[0].data, blk / 2, &err) ||
         ds_cu_side_begin(c, &err) ||
         ds_cu_matmul(c, y[1], w[1].rows, y[0], w[1].cols, 1, &w[1], &err) ||
         ds_cu_side_end(c, &err) || ds_cu_l2_mark(c, &err) ||
@@ -122,6 +127,8 @@ static void check_l2_prefetch(ds_cu *c) {
             free(b);
         }
     }
+    static const int32_t ids[6] = {0, 1, 4, 5, 2, 3};
+    int32_t *didx = dev(c, ids, sizeof ids);
     ds_err err = {{0}};
     if (ds_cu_set_side(c, 1, &err)) DIE("%s", err.msg);
     for (int pf = 0; pf < 2; pf++) {
@@ -129,11 +136,11 @@ static void check_l2_prefetch(ds_cu *c) {
         for (int graph = 0; graph < 2; graph++) {
             for (int i = 0; i < 4; i++) poison(c, dy[i], (size_t)rc[i][0] * 4);
             if (!graph) {
-                chain(c, dy, dx, w);
+                chain(c, dy, dx, w, didx);
             } else {
                 ds_cu_graph *g = NULL;
                 if (ds_cu_capture_begin(c, &err)) DIE("%s", err.msg);
-                chain(c, dy, dx, w);
+                chain(c, dy, dx, w, didx);
                 if (ds_cu_capture_end(c, &g, &err) || ds_cu_graph_launch(c, g, &err) ||
                     ds_cu_graph_launch(c, g, &err))
                     DIE("%s", err.msg);
@@ -164,7 +171,7 @@ static void check_l2_prefetch(ds_cu *c) {
         if (w[i].scale) ds_cu_dealloc((void *)w[i].scale);
         free(ref[i]), free(got[i]);
     }
-    ds_cu_dealloc(dx);
+    ds_cu_dealloc(dx), ds_cu_dealloc(didx);
     free(x);
 }
 

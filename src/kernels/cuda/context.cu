@@ -196,6 +196,51 @@ int cu_l2_prefetch(ds_cu *c, const void *p, size_t bytes, ds_err *err) {
     return DS_OK;
 }
 
+/* The chosen experts' weights: for each of n routed slots (idx, device memory, written by the
+ * kernel marked last), expert e = idx[i] - e0 of this rank's El: up to gu_cap bytes of its
+ * [gu_bytes] at gu + e gu_bytes, then up to dn_cap of its [dn_bytes] at dn + e dn_bytes (the
+ * second pass reads those later). Slots naming the same expert prefetch it again (a hint; the
+ * lines are in L2 by then). */
+__global__ void l2_prefetch_experts_k(const int32_t *idx, int n, int e0, int El, const uint8_t *gu,
+                                      size_t gu_bytes, size_t gu_cap, const uint8_t *dn,
+                                      size_t dn_bytes, size_t dn_cap) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const size_t chunk = (size_t)64 << 10;
+    for (int pass = 0; pass < 2; pass++) {
+        const uint8_t *base = pass ? dn : gu;
+        const size_t per = pass ? dn_bytes : gu_bytes, cap = DS_MIN(per, pass ? dn_cap : gu_cap);
+        const size_t pieces = (cap + chunk - 1) / chunk;
+        for (size_t j = threadIdx.x; j < (size_t)n * pieces; j += blockDim.x) {
+            const int e = idx[j / pieces] - e0;
+            if (e < 0 || e >= El) continue;
+            const size_t o = (j % pieces) * chunk;
+            const unsigned len = (unsigned)DS_MIN(chunk, cap - o) & ~15u;
+            if (len)
+                asm volatile(
+                    "cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + (size_t)e * per + o),
+                    "r"(len)
+                    : "memory");
+        }
+    }
+#endif
+}
+
+extern "C" int ds_cu_l2_prefetch_experts(ds_cu *c, const int32_t *idx, int n, int e0, int El,
+                                         const void *gu, size_t gu_bytes, const void *dn,
+                                         size_t dn_bytes, ds_err *err) {
+    /* (a decode step's few tokens: a prompt's experts stream at the tensor cores' pace) */
+    if (!c->pf_bytes || c->prof || !c->pf_have || n <= 0 || n > 64 || (uintptr_t)gu % 16 ||
+        (uintptr_t)dn % 16 || gu_bytes % 16 || dn_bytes % 16)
+        return DS_OK;
+    CU_TRY(cudaStreamWaitEvent(c->pf, c->pf_after, 0), "L2 prefetch: wait");
+    const size_t gu_cap = c->pf_bytes / (size_t)n;
+    l2_prefetch_experts_k<<<1, 256, 0, c->pf>>>(idx, n, e0, El, (const uint8_t *)gu, gu_bytes,
+                                                gu_cap, (const uint8_t *)dn, dn_bytes, gu_cap / 2);
+    CU_TRY(cudaGetLastError(), "L2 prefetch (experts)");
+    c->pf_pending = 1;
+    return DS_OK;
+}
+
 /* The prefetches rejoin the stream (a capture must end with every stream it forked joined). */
 static int pf_join(ds_cu *c, ds_err *err) {
     c->pf_have = 0;

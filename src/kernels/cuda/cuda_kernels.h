@@ -380,6 +380,12 @@ int ds_cu_set_l2_prefetch(ds_cu *c, int mb, ds_err *err);
 /* Marks the end of a weight stream issued outside ds_cu_matmul (the routed experts): the next
  * prefetch starts after it. */
 int ds_cu_l2_mark(ds_cu *c, ds_err *err);
+/* The routed experts' weights prefetched likewise once the kernel marked last (the router's
+ * choice: mark right after it) has written idx [n] (global expert ids; this rank holds e0 ..
+ * e0 + El - 1, whose gate|up blocks of gu_bytes sit at gu and down blocks of dn_bytes at dn): each
+ * chosen expert's first MB / n of gate|up and half that of down. */
+int ds_cu_l2_prefetch_experts(ds_cu *c, const int32_t *idx, int n, int e0, int El, const void *gu,
+                              size_t gu_bytes, const void *dn, size_t dn_bytes, ds_err *err);
 /* ds_cu_mla_attend_absorbed_batch with one block per (token, split) for all heads, each latent row
  * read once instead of once per head (not with batch invariance; Ha * R a multiple of 256 with at
  * most 64 outputs per thread). on = 1: taken when the step has enough (token, split) blocks to
