@@ -131,7 +131,9 @@ extern "C" int ds_cu_side_join(ds_cu *c, ds_err *err) {
  * router's choice) during which the memory is idle. A prefetch of the next product's weights on a
  * third stream, made to wait for the previous product (an event: an edge in a graph), runs in that
  * gap. Its kernel only issues bulk prefetches (the copy engine of sm_90's TMA fetches them) and
- * ends; nothing waits for it until the step's end. */
+ * ends; nothing waits for it until the step's end. Only the main stream's products take part: the
+ * prefetch stream runs in order, so a prefetch waiting for a side-stream product (the shared
+ * experts, which run beside the router and the routed experts) would hold back the main chain's. */
 static void pf_free(ds_cu *c) {
     if (!c->pf) return;
     cudaStreamSynchronize(c->pf);
@@ -167,7 +169,7 @@ extern "C" int ds_cu_set_l2_prefetch(ds_cu *c, int mb, ds_err *err) {
 }
 
 extern "C" int ds_cu_l2_mark(ds_cu *c, ds_err *err) {
-    if (!c->pf_bytes || c->prof) return DS_OK;
+    if (!c->pf_bytes || c->prof || c->on_side) return DS_OK;
     CU_TRY(cudaEventRecord(c->pf_after, c->stream), "L2 prefetch: mark");
     c->pf_have = 1;
     return DS_OK;
@@ -188,7 +190,7 @@ __global__ void l2_prefetch_k(const uint8_t *p, size_t bytes) {
 }
 
 int cu_l2_prefetch(ds_cu *c, const void *p, size_t bytes, ds_err *err) {
-    if (!c->pf_bytes || c->prof || !c->pf_have || (uintptr_t)p % 16) return DS_OK;
+    if (!c->pf_bytes || c->prof || c->on_side || !c->pf_have || (uintptr_t)p % 16) return DS_OK;
     CU_TRY(cudaStreamWaitEvent(c->pf, c->pf_after, 0), "L2 prefetch: wait");
     l2_prefetch_k<<<1, 32, 0, c->pf>>>((const uint8_t *)p, DS_MIN(bytes, c->pf_bytes));
     CU_TRY(cudaGetLastError(), "L2 prefetch");
@@ -229,8 +231,8 @@ extern "C" int ds_cu_l2_prefetch_experts(ds_cu *c, const int32_t *idx, int n, in
                                          const void *gu, size_t gu_bytes, const void *dn,
                                          size_t dn_bytes, ds_err *err) {
     /* (a decode step's few tokens: a prompt's experts stream at the tensor cores' pace) */
-    if (!c->pf_bytes || c->prof || !c->pf_have || n <= 0 || n > 64 || (uintptr_t)gu % 16 ||
-        (uintptr_t)dn % 16 || gu_bytes % 16 || dn_bytes % 16)
+    if (!c->pf_bytes || c->prof || c->on_side || !c->pf_have || n <= 0 || n > 64 ||
+        (uintptr_t)gu % 16 || (uintptr_t)dn % 16 || gu_bytes % 16 || dn_bytes % 16)
         return DS_OK;
     CU_TRY(cudaStreamWaitEvent(c->pf, c->pf_after, 0), "L2 prefetch: wait");
     const size_t gu_cap = c->pf_bytes / (size_t)n;
