@@ -304,6 +304,21 @@ B48=".devbin/deltaserve $(b48 8 ${BATCHES:-4,16})"
 for pf in 0 16; do
   DS_CUDA_L2_PREFETCH=$pf $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16 pf $pf] /"
 done
+if [ -n "${NCU_ROWS:-}" ]; then
+  # where a small FP8 product's time goes: the warp-a-row kernel on 2304 x 4096 (its first
+  # (1, 8) launches in the bench), beside BF16's kernel on the same shape
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  SEC="--section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats"
+  SEC="$SEC --section InstructionStats --section SchedulerStats"
+  for k in "gemv_f8r_k<1, 8>" "gemv_bf16_k<1>"; do
+    timeout 120 "$NCU" --clock-control none --kernel-name-base demangled -k "regex:$k" \
+      --launch-skip 10 --launch-count 1 $SEC .devbin/test_cuda_kernels --bench-only fp8 \
+      > "$OUT/ncu_rows.txt" 2>&1
+    echo "== $k (rc $?)"
+    grep -E "Grid Size|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issue Slots Busy|stalled|Eligible Warps" \
+      "$OUT/ncu_rows.txt" | sed 's/  */ /g' | cut -c1-220 | head -24
+  done
+fi
 fi
 if want 1; then
 el "1. kernel checks"
