@@ -63,6 +63,31 @@ static void check_act_pairs(ds_cu *c, int rows, int I) {
     free(h), free(g), free(u), free(ref), free(got), free(gg);
 }
 
+/* y *= sigmoid(x) in one launch: the words of ds_cu_sigmoid then ds_cu_mul, x kept. */
+static void check_mul_sigmoid(ds_cu *c, size_t n) {
+    float *x = rand_f32(n, -30, 30), *y = rand_f32(n, -4, 4);
+    float *ref = malloc(n * 4), *got = malloc(n * 4), *xk = malloc(n * 4);
+    float *dx = dev(c, x, n * 4), *dy = dev(c, y, n * 4);
+    ds_cu_sigmoid(c, dx, n);
+    ds_cu_mul(c, dy, dx, n);
+    fetch(c, ref, dy, n * 4);
+    float *dx2 = dev(c, x, n * 4), *dy2 = dev(c, y, n * 4);
+    ds_cu_mul_sigmoid(c, dy2, dx2, n);
+    fetch(c, got, dy2, n * 4);
+    fetch(c, xk, dx2, n * 4);
+    size_t moved = 0;
+    for (size_t i = 0; i < n; i++) moved += got[i] != y[i];
+    char what[96];
+    snprintf(what, sizeof what, "mul sigmoid n=%zu: words differing from sigmoid, mul", n);
+    /* every word the same, x untouched, and y changed (not a no-op) */
+    report(what,
+           (double)words_differ(got, ref, n) + (memcmp(xk, x, n * 4) ? 1.0 : 0.0) +
+               (moved < n / 2 ? 1.0 : 0.0),
+           0.0);
+    ds_cu_dealloc(dx), ds_cu_dealloc(dy), ds_cu_dealloc(dx2), ds_cu_dealloc(dy2);
+    free(x), free(y), free(ref), free(got), free(xk);
+}
+
 /* A pitched copy (rows x width out of rows of lds into rows of ldd), exact. */
 static void check_copy_2d(ds_cu *c, size_t rows, size_t width, size_t lds, size_t ldd) {
     float *src = rand_f32(rows * lds, -1, 1), *got = malloc(rows * ldd * 4);
@@ -89,6 +114,7 @@ void checks_act(ds_cu *c) {
     check_swiglu(c, 1000003);
     check_act_pairs(c, 3, 1024);   /* a decode step's shared experts */
     check_act_pairs(c, 66000, 40); /* more rows than a grid's y: the row loop */
+    check_mul_sigmoid(c, 100003);  /* MLA's output gate */
 }
 
 /* pitched copies */

@@ -282,8 +282,8 @@ if want 18; then
 el "18. (issues 32, 33, session 37) weights prefetched into L2 before their products"
 el "    (DS_CUDA_L2_PREFETCH, MB): the matmul checks (the prefetch's chain word for word, eager and"
 el "    graphed), then decode batch 1 in BF16 and in ptpc_fp8's forms with and without it"
-checks l2pf.log "matmul"
-grep -E "FAIL|L2 prefetch" "$OUT/l2pf.log" | head -8
+checks l2pf.log "matmul,act"
+grep -E "FAIL|L2 prefetch|mul sigmoid" "$OUT/l2pf.log" | head -8
 B48=".devbin/deltaserve $(b48 16 1)"
 for r in $(seq "${ROUNDS:-2}"); do
   for pf in ${PFS:-0 16 32}; do

@@ -310,8 +310,7 @@ int cuda_mla_forward(cstep *s, const layer_w *lw, const cu_mla *w, const float *
     PROF(s, "mla gate, o_proj");
     if (gt) {
         TRY(ds_cu_matmul(cu, gt, Ha * dvh, xn, D, T, &w->g, err));
-        ds_cu_sigmoid(cu, gt, (size_t)T * Ha * dvh);
-        ds_cu_mul(cu, o, gt, (size_t)T * Ha * dvh);
+        ds_cu_mul_sigmoid(cu, o, gt, (size_t)T * Ha * dvh);
     }
     TRY(ds_cu_matmul(cu, out, D, o, Ha * dvh, T, &w->o, err));
     TRY(cuda_tp_sum(s, out, (size_t)T * D, err));

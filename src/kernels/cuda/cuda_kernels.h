@@ -411,6 +411,8 @@ void ds_cu_set_batch_invariant(ds_cu *c, int on);
 void ds_cu_add(ds_cu *c, float *y, const float *x, size_t n); /* y += x */
 void ds_cu_mul(ds_cu *c, float *y, const float *x, size_t n); /* y *= x */
 void ds_cu_sigmoid(ds_cu *c, float *x, size_t n);             /* in place */
+/* y *= sigmoid(x): ds_cu_sigmoid on x, then ds_cu_mul, in one launch, bit for bit (x kept) */
+void ds_cu_mul_sigmoid(ds_cu *c, float *y, const float *x, size_t n);
 /* P += a, then y = rmsnorm(P) ⊙ w (as ds_add then ds_rmsnorm): P, a, y [T][D]. */
 void ds_cu_add_rmsnorm(ds_cu *c, float *y, float *P, const float *a, const float *w, int T, int D,
                        float eps);

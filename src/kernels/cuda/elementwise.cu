@@ -54,6 +54,8 @@ extern "C" void ds_cu_swiglu(ds_cu *c, float *out, const float *gate, const floa
 ELEMWISE(add, y[i] += x[i])
 ELEMWISE(mul, y[i] *= x[i])
 ELEMWISE(sigmoid, y[i] = 1.0f / (1.0f + expf(-y[i])))
+/* sigmoid then mul as one launch: the same operations, so the same bits */
+ELEMWISE(mul_sigmoid, y[i] *= 1.0f / (1.0f + expf(-x[i])))
 #undef ELEMWISE
 
 #define ELEMWISE_LAUNCH(name, y, x, n, a, b)                                                       \
@@ -71,6 +73,9 @@ extern "C" void ds_cu_mul(ds_cu *c, float *y, const float *x, size_t n) {
 }
 extern "C" void ds_cu_sigmoid(ds_cu *c, float *x, size_t n) {
     ELEMWISE_LAUNCH(sigmoid, x, x, n, 0.0f, 0.0f);
+}
+extern "C" void ds_cu_mul_sigmoid(ds_cu *c, float *y, const float *x, size_t n) {
+    ELEMWISE_LAUNCH(mul_sigmoid, y, x, n, 0.0f, 0.0f);
 }
 
 /* dst[dst_rows ? dst_rows[i] : i][:width] = src[src_rows ? src_rows[i] : i][:width] */
