@@ -282,7 +282,7 @@ if want 18; then
 el "18. (issues 32, 33, session 37) weights prefetched into L2 before their products"
 el "    (DS_CUDA_L2_PREFETCH, MB): the matmul checks (the prefetch's chain word for word, eager and"
 el "    graphed), then decode batch 1 in BF16 and in ptpc_fp8's forms with and without it"
-checks l2pf.log "matmul,act"
+checks l2pf.log "matmul,activations"
 grep -E "FAIL|L2 prefetch|mul sigmoid" "$OUT/l2pf.log" | head -8
 B48=".devbin/deltaserve $(b48 16 1)"
 for r in $(seq "${ROUNDS:-2}"); do
