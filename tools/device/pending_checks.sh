@@ -304,6 +304,14 @@ B48=".devbin/deltaserve $(b48 8 ${BATCHES:-4,16})"
 for pf in 0 16; do
   DS_CUDA_L2_PREFETCH=$pf $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16 pf $pf] /"
 done
+if [ -n "${K3:-}" ]; then
+  # K3's layer shapes (MXFP4 experts, the chosen experts prefetched too): batch 1 with and without
+  K=".devbin/deltaserve bench --model configs/kimi-k3-slice4 --load-format random --device cuda"
+  for pf in 0 32 0 32; do
+    DS_CUDA_L2_PREFETCH=$pf timeout 120 $K --prompt-tokens 16 --reps 1 --decode-context 512 \
+      --decode-steps 16 --batch-sizes 1 2>&1 | grep -E "^decode batch" | sed "s/^/[k3 slice pf $pf] /"
+  done
+fi
 if [ -n "${NCU_ROWS:-}" ]; then
   # where a small FP8 product's time goes: the warp-a-row kernel on 2304 x 4096 (its first
   # (1, 8) launches in the bench), beside BF16's kernel on the same shape
