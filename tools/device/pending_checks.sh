@@ -295,6 +295,7 @@ for r in $(seq "${ROUNDS:-2}"); do
     DS_CUDA_L2_PREFETCH=$pf DS_CUDA_F8_ROWS=0 DS_CUDA_F8_MOE_ROWS=-1 DS_CUDA_F8_NORM_CODES=1 \
       $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 dense rows, codes pf $pf $r] /"
   done
+  [ -n "${SHORT:-}" ] && continue
   DS_CUDA_F8_ROWS=0 DS_CUDA_F8_NORM_CODES=1 $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" |
     sed "s/^/[fp8 all rows, codes $r] /"
   DS_CUDA_F8_NORM_CODES=1 $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" |
@@ -302,6 +303,7 @@ for r in $(seq "${ROUNDS:-2}"); do
 done
 B48=".devbin/deltaserve $(b48 8 ${BATCHES:-4,16})"
 for pf in 0 16; do
+  [ -n "${SHORT:-}" ] && break
   DS_CUDA_L2_PREFETCH=$pf $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16 pf $pf] /"
 done
 if [ -n "${K3:-}" ]; then
