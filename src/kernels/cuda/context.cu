@@ -175,24 +175,26 @@ extern "C" int ds_cu_l2_mark(ds_cu *c, ds_err *err) {
     return DS_OK;
 }
 
-/* Every prefetch issued [bytes] at p, up to 64 KB a request (bulk prefetches take 16-byte
- * multiples at 16-byte addresses: the weights' allocations are aligned). */
+/* The prefetch of [bytes] at p, PF_CHUNK bytes a thread over as many blocks as that takes: the
+ * bulk prefetches go through each SM's copy engine, and one block issuing them all took a chain of
+ * these kernels longer than the step (bench/RESULTS.md session 37). Bulk prefetches take 16-byte
+ * multiples at 16-byte addresses (the weights' allocations are aligned). */
+enum { PF_CHUNK = 32 << 10 };
 __global__ void l2_prefetch_k(const uint8_t *p, size_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const size_t chunk = (size_t)64 << 10;
-    for (size_t o = (size_t)threadIdx.x * chunk; o < bytes; o += (size_t)blockDim.x * chunk) {
-        const unsigned n = (unsigned)DS_MIN(chunk, bytes - o) & ~15u;
-        if (n)
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + o), "r"(n)
-                         : "memory");
-    }
+    const size_t o = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * PF_CHUNK;
+    if (o >= bytes) return;
+    const unsigned n = (unsigned)DS_MIN((size_t)PF_CHUNK, bytes - o) & ~15u;
+    if (n)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + o), "r"(n) : "memory");
 #endif
 }
 
 int cu_l2_prefetch(ds_cu *c, const void *p, size_t bytes, ds_err *err) {
     if (!c->pf_bytes || c->prof || c->on_side || !c->pf_have || (uintptr_t)p % 16) return DS_OK;
     CU_TRY(cudaStreamWaitEvent(c->pf, c->pf_after, 0), "L2 prefetch: wait");
-    l2_prefetch_k<<<1, 32, 0, c->pf>>>((const uint8_t *)p, DS_MIN(bytes, c->pf_bytes));
+    const size_t n = DS_MIN(bytes, c->pf_bytes), threads = (n + PF_CHUNK - 1) / PF_CHUNK;
+    l2_prefetch_k<<<(unsigned)((threads + 31) / 32), 32, 0, c->pf>>>((const uint8_t *)p, n);
     CU_TRY(cudaGetLastError(), "L2 prefetch");
     c->pf_pending = 1;
     return DS_OK;
@@ -207,23 +209,20 @@ __global__ void l2_prefetch_experts_k(const int32_t *idx, int n, int e0, int El,
                                       size_t gu_bytes, size_t gu_cap, const uint8_t *dn,
                                       size_t dn_bytes, size_t dn_cap) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const size_t chunk = (size_t)64 << 10;
-    for (int pass = 0; pass < 2; pass++) {
-        const uint8_t *base = pass ? dn : gu;
-        const size_t per = pass ? dn_bytes : gu_bytes, cap = DS_MIN(per, pass ? dn_cap : gu_cap);
-        const size_t pieces = (cap + chunk - 1) / chunk;
-        for (size_t j = threadIdx.x; j < (size_t)n * pieces; j += blockDim.x) {
-            const int e = idx[j / pieces] - e0;
-            if (e < 0 || e >= El) continue;
-            const size_t o = (j % pieces) * chunk;
-            const unsigned len = (unsigned)DS_MIN(chunk, cap - o) & ~15u;
-            if (len)
-                asm volatile(
-                    "cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + (size_t)e * per + o),
-                    "r"(len)
-                    : "memory");
-        }
-    }
+    const int pass = blockIdx.y; /* 0: gate|up, 1: down */
+    const uint8_t *base = pass ? dn : gu;
+    const size_t per = pass ? dn_bytes : gu_bytes, cap = DS_MIN(per, pass ? dn_cap : gu_cap);
+    const size_t pieces = (cap + PF_CHUNK - 1) / PF_CHUNK;
+    const size_t j = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= (size_t)n * pieces) return;
+    const int e = idx[j / pieces] - e0;
+    if (e < 0 || e >= El) return;
+    const size_t o = (j % pieces) * PF_CHUNK;
+    const unsigned len = (unsigned)DS_MIN((size_t)PF_CHUNK, cap - o) & ~15u;
+    if (len)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + (size_t)e * per + o),
+                     "r"(len)
+                     : "memory");
 #endif
 }
 
@@ -236,8 +235,10 @@ extern "C" int ds_cu_l2_prefetch_experts(ds_cu *c, const int32_t *idx, int n, in
         return DS_OK;
     CU_TRY(cudaStreamWaitEvent(c->pf, c->pf_after, 0), "L2 prefetch: wait");
     const size_t gu_cap = c->pf_bytes / (size_t)n;
-    l2_prefetch_experts_k<<<1, 256, 0, c->pf>>>(idx, n, e0, El, (const uint8_t *)gu, gu_bytes,
-                                                gu_cap, (const uint8_t *)dn, dn_bytes, gu_cap / 2);
+    const size_t threads = (size_t)n * ((DS_MIN(gu_cap, gu_bytes) + PF_CHUNK - 1) / PF_CHUNK);
+    l2_prefetch_experts_k<<<dim3((unsigned)((threads + 31) / 32), 2), 32, 0, c->pf>>>(
+        idx, n, e0, El, (const uint8_t *)gu, gu_bytes, gu_cap, (const uint8_t *)dn, dn_bytes,
+        gu_cap / 2);
     CU_TRY(cudaGetLastError(), "L2 prefetch (experts)");
     c->pf_pending = 1;
     return DS_OK;
