@@ -91,8 +91,9 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
      * bench/RESULTS.md session 32); 0: the whole context at once */
     t->mla_ctx_block = env_count("DS_CUDA_MLA_CTX_BLOCK", 131072);
     t->side = env_flag("DS_CUDA_SIDE", 1);
-    /* off until measured (session 37) */
-    t->l2_prefetch = env_count("DS_CUDA_L2_PREFETCH", 0);
+    /* 8 MB: a batch-1 step 1% faster in ptpc_fp8, as fast in BF16; 16 MB and more slower (the
+     * prefetches then evict what the products are reading): bench/RESULTS.md session 37 */
+    t->l2_prefetch = env_count("DS_CUDA_L2_PREFETCH", 8);
     t->mla_all_heads = env_flag("DS_CUDA_MLA_ALL_HEADS", 1);
     /* decode's absorbed MLA on tensor cores from this context cap (BF16 operands, as the prefill's
      * fused kernel): faster than the f32 kernels at every length timed, from 32K rows

@@ -37,7 +37,7 @@
  *                                          another value: a line, then 3
  *   DS_CUDA_SIDE           F      1        a side stream for independent chains within a step (if
  *                                          it cannot be made: a line, and one stream)
- *   DS_CUDA_L2_PREFETCH    N      0        MB of each decode weight stream prefetched into L2 on a
+ *   DS_CUDA_L2_PREFETCH    N      8        MB of each decode weight stream prefetched into L2 on a
  *                                          stream of its own while the kernels before it run (0:
  *                                          off; if the stream cannot be made: a line, and off)
  *   DS_CUDA_MLA_ALL_HEADS  F      1        absorbed MLA with one block a (token, split) for all
