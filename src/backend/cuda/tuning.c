@@ -59,8 +59,8 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->f8_moe_waves = env_count("DS_CUDA_F8_MOE_WAVES", 0);
     t->f8_gemv_waves = env_count("DS_CUDA_F8_GEMV_WAVES", 0);
     t->f8_noquant = env_flag("DS_CUDA_F8_NOQUANT", 0); /* a what-if (wrong results) */
-    /* one token's FP8 products a warp a row: off until measured on a GPU (session 36 wrote it
-     * during a session without one; its checks are pending_checks.sh step 17) */
+    /* one token's FP8 products a warp a row: off — faster on wide matrices alone, no faster in a
+     * batch-1 step of the 48B shape's, its experts slower (bench/RESULTS.md session 37) */
     t->f8_rows = env_count("DS_CUDA_F8_ROWS", -1);
     /* the same for one token's routed experts (default: as the dense products) */
     t->f8_moe_rows = env_count("DS_CUDA_F8_MOE_ROWS", t->f8_rows);
