@@ -385,12 +385,9 @@ int cuda_ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, flo
     {
         /* the chosen experts' weights start for L2 now (ds_cu_set_l2_prefetch) */
         const size_t per = (size_t)Ie * Hin;
-        const void *gu = w->experts_mxfp4 ? (const void *)w->gu_codes
-                         : w->experts_fp8 ? (const void *)w->gu_codes
-                                          : (const void *)w->gate_up;
-        const void *dn = w->experts_mxfp4 ? (const void *)w->dn_codes
-                         : w->experts_fp8 ? (const void *)w->dn_codes
-                                          : (const void *)w->e_down;
+        const int packed = w->experts_mxfp4 || w->experts_fp8; /* codes, not BF16 */
+        const void *gu = packed ? (const void *)w->gu_codes : (const void *)w->gate_up;
+        const void *dn = packed ? (const void *)w->dn_codes : (const void *)w->e_down;
         /* bytes an expert: BF16 2 a weight, FP8 1, MXFP4 a half */
         const size_t gub = w->experts_mxfp4 ? per : w->experts_fp8 ? 2 * per : 4 * per;
         TRY(ds_cu_l2_mark(cu, err));

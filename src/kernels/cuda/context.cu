@@ -180,14 +180,17 @@ extern "C" int ds_cu_l2_mark(ds_cu *c, ds_err *err) {
  * these kernels longer than the step (bench/RESULTS.md session 37). Bulk prefetches take 16-byte
  * multiples at 16-byte addresses (the weights' allocations are aligned). */
 enum { PF_CHUNK = 32 << 10 };
-__global__ void l2_prefetch_k(const uint8_t *p, size_t bytes) {
+/* One bulk prefetch of len bytes at p into L2 (sm_90; len a multiple of 16 once masked). */
+__device__ __forceinline__ void l2_prefetch_piece(const uint8_t *p, size_t len) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const size_t o = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * PF_CHUNK;
-    if (o >= bytes) return;
-    const unsigned n = (unsigned)DS_MIN((size_t)PF_CHUNK, bytes - o) & ~15u;
-    if (n)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + o), "r"(n) : "memory");
+    const unsigned n = (unsigned)len & ~15u;
+    if (n) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(n) : "memory");
 #endif
+}
+
+__global__ void l2_prefetch_k(const uint8_t *p, size_t bytes) {
+    const size_t o = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * PF_CHUNK;
+    if (o < bytes) l2_prefetch_piece(p + o, DS_MIN((size_t)PF_CHUNK, bytes - o));
 }
 
 int cu_l2_prefetch(ds_cu *c, const void *p, size_t bytes, ds_err *err) {
@@ -208,7 +211,6 @@ int cu_l2_prefetch(ds_cu *c, const void *p, size_t bytes, ds_err *err) {
 __global__ void l2_prefetch_experts_k(const int32_t *idx, int n, int e0, int El, const uint8_t *gu,
                                       size_t gu_bytes, size_t gu_cap, const uint8_t *dn,
                                       size_t dn_bytes, size_t dn_cap) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const int pass = blockIdx.y; /* 0: gate|up, 1: down */
     const uint8_t *base = pass ? dn : gu;
     const size_t per = pass ? dn_bytes : gu_bytes, cap = DS_MIN(per, pass ? dn_cap : gu_cap);
@@ -218,12 +220,7 @@ __global__ void l2_prefetch_experts_k(const int32_t *idx, int n, int e0, int El,
     const int e = idx[j / pieces] - e0;
     if (e < 0 || e >= El) return;
     const size_t o = (j % pieces) * PF_CHUNK;
-    const unsigned len = (unsigned)DS_MIN((size_t)PF_CHUNK, cap - o) & ~15u;
-    if (len)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + (size_t)e * per + o),
-                     "r"(len)
-                     : "memory");
-#endif
+    l2_prefetch_piece(base + (size_t)e * per + o, DS_MIN((size_t)PF_CHUNK, cap - o));
 }
 
 extern "C" int ds_cu_l2_prefetch_experts(ds_cu *c, const int32_t *idx, int n, int e0, int El,
