@@ -67,13 +67,16 @@
 #      K split forced (DS_CUDA_F8_SPLIT: the grid's waves; 0 the rule's): the FP8 checks (among
 #      them the forced splits, 8 parts and whole, products and experts), decode batch 1 and 32 at
 #      0/1/2/4/8 beside BF16.
-# STEPS: which of them (default "18", the one not yet run; 17 ran in session 37; 1-5 ran in sessions 27-28, 6, 7 and 9
+#  19. (issue 33, session 38) the MoE router's product and choice as one launch
+#      (DS_CUDA_ROUTER_FUSED): the checks, decode batch 1 and 2 in BF16 and ptpc_fp8 with and
+#      without.
+# STEPS: which of them (default "19", the one not yet run; 17 ran in session 37, 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
 # in session 31, 8 at 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12
 # in session 33 on H100s, 10 and 13 in session 34, 9, 14 and 15 in session 35, 9 and 16 in
 # session 36: bench/RESULTS.md).
 set -u
 OUT=${OUT:-/tmp/ds-out}
-STEPS=" ${STEPS:-18} "
+STEPS=" ${STEPS:-19} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -276,6 +279,22 @@ B48=".devbin/deltaserve $(b48 8 ${BATCHES:-2,4,8,16,32,64})"
 [ -n "${NO_BF16_BATCHES:-}" ] || $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16] /"
 for f in 0 2; do
   DS_CUDA_F8_WHOLE_K=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 whole K from $f] /"
+done
+fi
+if want 19; then
+el "19. (issue 33, session 38) fewer launches a MoE layer: the router's product and its choice as"
+el "    one launch (DS_CUDA_ROUTER_FUSED): the checks (word for word against the two launches,"
+el "    eager and graphed; the matmul checks for gemv.cuh's move), then decode batch 1 and 2 in"
+el "    BF16 and ptpc_fp8 with and without, ROUNDS rounds (default 2)"
+checks fused.log "matmul,moe,matmul fp8,moe fp8"
+grep -E "FAIL|router fused|L2 prefetch|checks:" "$OUT/fused.log" | head -24
+B48=".devbin/deltaserve $(b48 16 1,2)"
+for r in $(seq "${ROUNDS:-2}"); do
+  for f in 1 0; do
+    DS_CUDA_ROUTER_FUSED=$f $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16 router fused $f $r] /"
+    DS_CUDA_ROUTER_FUSED=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" |
+      sed "s/^/[fp8 router fused $f $r] /"
+  done
 done
 fi
 if want 18; then
