@@ -211,6 +211,8 @@ void checks_moe_fp8(ds_cu *c) {
     check_moe_fp8(c, 200, 8, 16, 512, 384, 1, 1, 1); /* ... many rows an expert, TP half */
     check_moe_fp8(c, 1, 8, 32, 2304, 1024, 0, 0, 0); /* Kimi-Linear's widths */
     check_moe_fp8(c, 1, 8, 32, 2304, 1024, 0, 0, 1); /* ... half the experts, one token */
+    check_moe_fp8(c, 1, 7, 8, 512, 256, 0, 0, 1);    /* ... fewer than a token picks */
+    check_moe_fp8(c, 1, 7, 8, 512, 256, 1, 8, 1);
     check_moe_fp8(c, 1, 8, 32, 2304, 1024, 0, 3, 0); /* ... K split further (more warps) */
     check_moe_fp8(c, 40, 8, 16, 512, 256, 1, 3, 0);
     check_moe_fp8(c, 1, 8, 32, 2304, 1024, 0, 7, 0); /* ... K's split forced (the grid's waves) */

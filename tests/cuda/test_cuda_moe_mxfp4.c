@@ -135,6 +135,8 @@ void checks_moe_mxfp4(ds_cu *c) {
     check_fill_mxfp4(c, 7, 256, 0, 0, 256, -6);
     check_fill_mxfp4(c, 5, 96, 3, 64, 320, -3);         /* a slice of rows and columns */
     check_moe_mxfp4(c, 1, 8, 64, 512, 256, 0, 0, 0);    /* one token: rows straight from idx */
+    check_moe_mxfp4(c, 1, 7, 8, 512, 256, 0, 0, 1);     /* ... the rank holding fewer experts
+                                                           than a token picks */
     check_moe_mxfp4(c, 5, 4, 16, 256, 96, 1, 0, 0);     /* grouped, few rows an expert */
     check_moe_mxfp4(c, 40, 8, 16, 512, 256, 0, 0, 0);   /* grouped, 8 rows a pass */
     check_moe_mxfp4(c, 40, 8, 32, 512, 256, 1, 0, 1);   /* other ranks' rows */

@@ -121,9 +121,10 @@ struct ds_cu {
     /* last_arrival's counts [DS_CU_COUNTS], zeroed at creation: each fused op its own range
      * (CU_COUNT_*), since two of them may run at once on the main and side streams */
     int *counts;
-    int router_fused; /* the router's product and its choice as one launch (ds_cu_set_...) */
-    void *lt;         /* FP8 tensor cores' cuBLASLt handle (matmul_fp8.cu), made at first use */
-    int moe_fp4_smem; /* the MXFP4 experts' streaming kernels' shared memory raised (once) */
+    int router_fused;   /* the router's product and its choice as one launch (ds_cu_set_...) */
+    int moe_comb_fused; /* one token's combine inside the experts' down pass (ds_cu_set_...) */
+    void *lt;           /* FP8 tensor cores' cuBLASLt handle (matmul_fp8.cu), made at first use */
+    int moe_fp4_smem;   /* the MXFP4 experts' streaming kernels' shared memory raised (once) */
 };
 
 /* Programmatic dependent launch (sm_90): every kernel is launched allowed to start while the one

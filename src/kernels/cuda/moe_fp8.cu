@@ -424,7 +424,7 @@ extern "C" int ds_cu_moe_experts_fp8(ds_cu *c, float *out, const float *x, const
     int32_t *start = (int32_t *)p[6], *perm = start + E + 1, *active = perm + rows;
     int32_t *n_active = active + E, *hist = n_active + 1;
     const f8_rows g = {
-        start, perm, active, n_active, direct ? idx : NULL, (unsigned)DS_MIN(E, rows), e0, E};
+        start, perm, active, n_active, direct ? idx : NULL, moe_block_rows(direct, rows, E), e0, E};
     ds_cu_prof_mark(c, "moe group");
     if (!direct) moe_group_rows(c, idx, rows, e0, E, n_chunks, start, perm, active, n_active, hist);
     CU_TRY(cudaGetLastError(), "moe fp8 group");

@@ -567,8 +567,8 @@ extern "C" int ds_cu_moe_experts_mxfp4(ds_cu *c, float *out, const float *x, con
     float *h = c->part, *y = c->part + hf;
     int32_t *start = (int32_t *)(c->part + nf), *perm = start + E + 1, *active = perm + rows;
     int32_t *n_active = active + E, *hist = n_active + 1;
-    const unsigned ya = (unsigned)DS_MIN(E, rows);
     const int32_t *direct = T == 1 ? idx : NULL;
+    const unsigned ya = moe_block_rows(direct != NULL, rows, E);
     ds_cu_prof_mark(c, "moe group");
     if (!direct) moe_group_rows(c, idx, rows, e0, E, n_chunks, start, perm, active, n_active, hist);
     CU_TRY(cudaGetLastError(), "moe mxfp4 group");

@@ -5,15 +5,19 @@
 #include "kernels/cuda/gemv.cuh"
 #include "kernels/shared/moe_topk.h"
 
+#define ROUTE_SMEM(E) ((2 * (size_t)(E) + 192) * sizeof(float))
+
 /* ---- MoE router --------------------------------------------------------------------------------
  * One token's choice by one block (every thread calls it): sigmoid and selection scores in
- * parallel into shared memory (rs: s [E] | sel [E]), then the selection exactly as the CPU makes
+ * parallel into shared memory (rs [ROUTE_SMEM(E)]: s [E] | sel [E] | the serial part's group
+ * scores [64], group ids [64] and top values [64], there rather than on a stack), then the selection exactly as the CPU makes
  * it (group scores as the sum of each group's two best, top groups, then top k with ties to the
  * lower index): without groups, warp 0 in k rounds; with groups, one thread. zt is read through L2
  * (__ldcg): in the fused kernel other blocks wrote it in this launch. */
-static __device__ void route_token(int32_t *it, float *wt, const float *zt, const float *bias,
-                                   int E, int k, int n_group, int topk_group, int renormalize,
-                                   float scale, int hf_kl_quirk, float *rs) {
+static __device__ __forceinline__ void route_token(int32_t *it, float *wt, const float *zt,
+                                                const float *bias, int E, int k, int n_group,
+                                                int topk_group, int renormalize, float scale,
+                                                int hf_kl_quirk, float *rs) {
     float *sv = rs, *sel = rs + E;
     __syncthreads(); /* (a previous token's choice is done with rs) */
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
@@ -51,11 +55,11 @@ static __device__ void route_token(int32_t *it, float *wt, const float *zt, cons
         if (threadIdx.x != 0) return;
     }
     if (grouped) {
-        float gval[64];
-        int32_t gid[64];
+        float *gval = rs + 2 * E;
+        int32_t *gid = (int32_t *)(gval + 64);
         ds_moe_mask_groups(sel, E, n_group, topk_group, hf_kl_quirk, gval, gid);
     }
-    float val[64];
+    float *val = rs + 2 * E + 128;
     if (grouped || E > 1024)
         for (int e = 0; e < E; e++) count = ds_top_insert(val, it, count, k, sel[e], e);
     ds_moe_weights(it, wt, sv, bias, count, k, renormalize, scale, hf_kl_quirk);
@@ -73,7 +77,7 @@ struct route_args {
 /* one block a token */
 __global__ void moe_route_k(const float *z, route_args a) {
     PDL_ENTRY();
-    extern __shared__ float rs[]; /* s [E] | sel [E] */
+    extern __shared__ float rs[]; /* [ROUTE_SMEM(E)] */
     const int t = blockIdx.x;
     route_token(a.idx + (size_t)t * a.k, a.w + (size_t)t * a.k, z + (size_t)t * a.E, a.bias, a.E,
                 a.k, a.n_group, a.topk_group, a.renormalize, a.scale, a.hf_kl_quirk, rs);
@@ -81,12 +85,13 @@ __global__ void moe_route_k(const float *z, route_args a) {
 
 /* The router's product z [TT][E] = x W^T (gemv.cuh's block: the bits of ds_cu_matmul's) and, in
  * the block that finishes it last (last_arrival), every token's choice: a decode step's two
- * dependent launches as one. count: this op's last_arrival count. */
+ * dependent launches as one. count: this op's last_arrival count. (The bounds' minimum of one
+ * block an SM: without it ptxas held the kernel to 32 registers and spilled in the stream.) */
 template <int TT>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, 1)
     router_fused_k(float *z, const float *x, int ldx, const uint16_t *W, int K, int S, int *count,
                    route_args a) {
-    extern __shared__ float rs[]; /* s [E] | sel [E] */
+    extern __shared__ float rs[]; /* [ROUTE_SMEM(E)] */
     gemv_bf16_block<TT>(z, a.E, x, ldx, W, a.E, K, 0, 0, 0, S);
     if (!last_arrival(count, (int)gridDim.x)) return;
     for (int t = 0; t < TT; t++) /* (every thread returns from each, some early) */
@@ -104,7 +109,7 @@ static int route_check(int k, int n_group, size_t smem, ds_err *err) {
 extern "C" int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z, const float *bias,
                                int T, int E, int k, int n_group, int topk_group, int renormalize,
                                float scale, int hf_kl_quirk, ds_err *err) {
-    const size_t smem = 2 * (size_t)E * sizeof(float);
+    const size_t smem = ROUTE_SMEM(E);
     if (route_check(k, n_group, smem, err)) return DS_ERR;
     if (T <= 0) return DS_OK;
     if (smem > 48 * 1024)
@@ -130,7 +135,7 @@ extern "C" int ds_cu_moe_router(ds_cu *c, float *z, int32_t *idx, float *w, cons
                                 int topk_group, int renormalize, float scale, int hf_kl_quirk,
                                 ds_err *err) {
     const int E = router->rows, K = router->cols;
-    const size_t smem = 2 * (size_t)E * sizeof(float);
+    const size_t smem = ROUTE_SMEM(E);
     if (route_check(k, n_group, smem, err)) return DS_ERR;
     if (T <= 0) return DS_OK;
     const int vec = K % 8 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)router->data % 16 == 0;
