@@ -34,66 +34,6 @@ static void check_moe_route(ds_cu *c, int T, int E, int k, int n_group, int topk
     free(z), free(bias), free(iref), free(igot), free(wref), free(wgot);
 }
 
-/* The router's product and choice in one launch (ds_cu_moe_router, fused) against the two
- * launches it replaces (the same call with the fusion off): logits, expert ids and weights word
- * for word, eagerly and replayed from a graph (three replays: the last block's count must be
- * back at 0 for each); rows of W repeated make tied logits. */
-static void check_moe_router(ds_cu *c, int T, int E, int K, int k, int n_group, int topk_group) {
-    uint16_t *w = rand_bf16((size_t)E * K, -0.05f, 0.05f);
-    for (int e = 3; e + 1 < E; e += 7) /* experts e and e + 1 tie */
-        memcpy(w + (size_t)(e + 1) * K, w + (size_t)e * K, (size_t)K * 2);
-    float *x = rand_f32((size_t)T * K, -1, 1), *bias = rand_f32((size_t)E, -0.01f, 0.01f);
-    for (int e = 3; e + 1 < E; e += 7) bias[e + 1] = bias[e];
-    const ds_cu_mat router = {dev(c, w, (size_t)E * K * 2), E, K, DS_CU_BF16, NULL, NULL, 0};
-    float *dx = dev(c, x, (size_t)T * K * 4), *db = dev(c, bias, (size_t)E * 4);
-    float *dz = dev(c, NULL, (size_t)T * E * 4), *dw = dev(c, NULL, (size_t)T * k * 4);
-    int32_t *di = dev(c, NULL, (size_t)T * k * 4);
-    /* per run: z [T][E] | w [T][k] | idx [T][k], as words */
-    const size_t nz = (size_t)T * E, nk = (size_t)T * k, nw = nz + 2 * nk;
-    uint32_t *ref = malloc(nw * 4), *got = malloc(nw * 4);
-    ds_err err = {{0}};
-    for (int run = 0; run < 3; run++) { /* the two launches, fused, fused from a graph */
-        poison(c, dz, nz * 4), poison(c, dw, nk * 4), poison(c, di, nk * 4);
-        ds_cu_set_router_fused(c, run > 0);
-        ds_cu_graph *g = NULL;
-        if (run == 2 && ds_cu_capture_begin(c, &err)) DIE("%s", err.msg);
-        if (ds_cu_moe_router(c, dz, di, dw, dx, T, &router, db, k, n_group, topk_group, 1, 2.5f, 0,
-                             &err))
-            DIE("%s", err.msg);
-        if (run == 2) {
-            if (ds_cu_capture_end(c, &g, &err) || ds_cu_graph_launch(c, g, &err) ||
-                ds_cu_graph_launch(c, g, &err) || ds_cu_sync(c, &err))
-                DIE("%s", err.msg);
-            poison(c, dz, nz * 4), poison(c, dw, nk * 4), poison(c, di, nk * 4);
-            if (ds_cu_graph_launch(c, g, &err)) DIE("%s", err.msg);
-            ds_cu_graph_free(g);
-        }
-        if (ds_cu_sync(c, &err)) DIE("%s", err.msg);
-        uint32_t *o = run ? got : ref;
-        fetch(c, o, dz, nz * 4);
-        fetch(c, o + nz, dw, nk * 4);
-        fetch(c, o + nz + nk, di, nk * 4);
-        if (!run) {
-            for (size_t i = 0; i < nk; i++) /* (the reference chose real experts) */
-                if ((int32_t)o[nz + nk + i] < 0 || (int32_t)o[nz + nk + i] >= E)
-                    DIE("moe router check: expert id %d", (int32_t)o[nz + nk + i]);
-            continue;
-        }
-        size_t differ = 0;
-        for (size_t i = 0; i < nw; i++) differ += got[i] != ref[i];
-        char what[128];
-        snprintf(what, sizeof what,
-                 "moe router fused T=%d E=%d K=%d k=%d groups %d/%d, %s: words "
-                 "differing",
-                 T, E, K, k, topk_group, n_group, run == 2 ? "graph" : "eager");
-        report(what, (double)differ, 0.0);
-    }
-    ds_cu_set_router_fused(c, 1);
-    ds_cu_dealloc((void *)router.data), ds_cu_dealloc(dx), ds_cu_dealloc(db), ds_cu_dealloc(dz);
-    ds_cu_dealloc(dw), ds_cu_dealloc(di);
-    free(w), free(x), free(bias), free(ref), free(got);
-}
-
 /* Routed experts against the CPU composed from its own kernels: per (token, slot) the expert's
  * gate and up rows (ds_matmul on BF16), the activation, the down projection, then the weighted
  * sum in slot order. */
@@ -165,56 +105,6 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
     free(hgu), free(a), free(yr);
 }
 
-/* One token's combine inside the down pass (ds_cu_set_moe_comb_fused) against its own launch:
- * out word for word, added onto what out held, eagerly and replayed from a graph (three replays,
- * out reset before the last: the tiles' counts must be back at 0). half: the rank holds experts
- * [E/2, E) (blocks of other ranks' rows still count towards a tile's last). */
-static void check_moe_comb_fused(ds_cu *c, int k, int E, int D, int I, int situ, int half) {
-    const int e0 = half ? E / 2 : 0, El = E - e0;
-    uint16_t *gu = rand_bf16((size_t)El * 2 * I * D, -0.1f, 0.1f);
-    uint16_t *dn = rand_bf16((size_t)El * D * I, -0.1f, 0.1f);
-    float *x = rand_f32((size_t)D, -1, 1), *w = rand_f32((size_t)k, 0, 1);
-    float *base = rand_f32((size_t)D, -1, 1);
-    int32_t *idx = malloc((size_t)k * 4);
-    for (int j = 0; j < k; j++) idx[j] = (int32_t)((j * 5 + 1) % E); /* distinct for k <= E */
-    uint16_t *dgu = dev(c, gu, (size_t)El * 2 * I * D * 2),
-             *ddn = dev(c, dn, (size_t)El * D * I * 2);
-    float *dx = dev(c, x, (size_t)D * 4), *dw = dev(c, w, (size_t)k * 4);
-    float *dout = dev(c, NULL, (size_t)D * 4);
-    int32_t *didx = dev(c, idx, (size_t)k * 4);
-    uint32_t *ref = malloc((size_t)D * 4), *got = malloc((size_t)D * 4);
-    ds_err err = {{0}};
-    for (int run = 0; run < 3; run++) { /* its own launch, inside the down pass, from a graph */
-        ds_cu_set_moe_comb_fused(c, run > 0);
-        ds_cu_graph *g = NULL;
-        if (ds_cu_upload(c, dout, base, (size_t)D * 4, &err)) DIE("%s", err.msg);
-        if (run == 2 && ds_cu_capture_begin(c, &err)) DIE("%s", err.msg);
-        if (ds_cu_moe_experts(c, dout, dx, didx, dw, 1, k, El, e0, D, I, dgu, ddn, situ, 4.0f, 6.0f,
-                              1, &err))
-            DIE("%s", err.msg);
-        if (run == 2) {
-            if (ds_cu_capture_end(c, &g, &err) || ds_cu_graph_launch(c, g, &err) ||
-                ds_cu_graph_launch(c, g, &err) ||
-                ds_cu_upload(c, dout, base, (size_t)D * 4, &err) || ds_cu_graph_launch(c, g, &err))
-                DIE("%s", err.msg);
-            ds_cu_graph_free(g);
-        }
-        if (ds_cu_sync(c, &err)) DIE("%s", err.msg);
-        fetch(c, run ? got : ref, dout, (size_t)D * 4);
-        if (!run) continue;
-        size_t differ = 0;
-        for (int i = 0; i < D; i++) differ += got[i] != ref[i];
-        char what[128];
-        snprintf(what, sizeof what, "moe combine fused k=%d E=%d D=%d I=%d%s, %s: words differing",
-                 k, E, D, I, half ? " (half the experts)" : "", run == 2 ? "graph" : "eager");
-        report(what, (double)differ, 0.0);
-    }
-    ds_cu_set_moe_comb_fused(c, 0);
-    ds_cu_dealloc(dgu), ds_cu_dealloc(ddn), ds_cu_dealloc(dx), ds_cu_dealloc(dw);
-    ds_cu_dealloc(dout), ds_cu_dealloc(didx);
-    free(gu), free(dn), free(x), free(w), free(base), free(idx), free(ref), free(got);
-}
-
 static void check_moe_experts(ds_cu *c, int T, int k, int E, int D, int I, int situ) {
     check_moe_experts_mode(c, T, k, E, D, I, situ, 0, 0);
 }
@@ -241,14 +131,6 @@ void checks_moe(ds_cu *c) {
     check_moe_route(c, 5, 64, 6, 1, 1, 0, 0);
     check_moe_route(c, 9, 32, 4, 4, 2, 1, 0);
     check_moe_route(c, 6, 48, 5, 1, 1, 0, 1);
-    /* the 48B router at one and two tokens, grouped, K3's width, small, three tokens (two
-     * launches either way) */
-    check_moe_router(c, 1, 256, 2304, 8, 1, 1);
-    check_moe_router(c, 2, 256, 2304, 8, 1, 1);
-    check_moe_router(c, 1, 256, 2304, 8, 8, 4);
-    check_moe_router(c, 2, 384, 7168, 8, 1, 1);
-    check_moe_router(c, 1, 64, 512, 6, 1, 1);
-    check_moe_router(c, 3, 64, 512, 6, 4, 2);
     check_moe_experts(c, 3, 8, 64, 2304, 256, 0);
     /* one token: its routed rows straight from idx, no grouping (the 48B widths; SiTU with other
      * ranks' rows) */
@@ -259,11 +141,6 @@ void checks_moe(ds_cu *c) {
     check_moe_experts(c, 40, 8, 64, 512, 256, 0);
     ds_cu_set_early_experts(c, 0);
     check_moe_experts_mode(c, 1, 8, 64, 512, 256, 1, 0, 1);
-    /* one token's combine inside the down pass: the 48B widths, other ranks' rows, SiTU, a tile
-     * the outputs do not fill */
-    check_moe_comb_fused(c, 8, 256, 2304, 1024, 0, 0);
-    check_moe_comb_fused(c, 8, 64, 512, 256, 1, 1);
-    check_moe_comb_fused(c, 6, 16, 200, 64, 0, 0);
     /* one token, the rank holding fewer experts than a token picks (local ones in any slot) */
     check_moe_experts_mode(c, 1, 7, 8, 512, 256, 0, 0, 1);
     check_moe_experts(c, 5, 2, 4, 200, 72, 1);

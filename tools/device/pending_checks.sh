@@ -67,16 +67,13 @@
 #      K split forced (DS_CUDA_F8_SPLIT: the grid's waves; 0 the rule's): the FP8 checks (among
 #      them the forced splits, 8 parts and whole, products and experts), decode batch 1 and 32 at
 #      0/1/2/4/8 beside BF16.
-#  19. (issue 33, session 38) the MoE router's product and choice as one launch
-#      (DS_CUDA_ROUTER_FUSED), one token's combine in the experts' down pass
-#      (DS_CUDA_MOE_COMBINE_FUSED): the checks, decode batch 1 and 2 with and without.
-# STEPS: which of them (default "19", the one not yet run; 17 ran in session 37, 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
+# STEPS: which of them (default "18", the one not yet run; 17 ran in session 37; 1-5 ran in sessions 27-28, 6, 7 and 9
 # in session 31, 8 at 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12
 # in session 33 on H100s, 10 and 13 in session 34, 9, 14 and 15 in session 35, 9 and 16 in
 # session 36: bench/RESULTS.md).
 set -u
 OUT=${OUT:-/tmp/ds-out}
-STEPS=" ${STEPS:-19} "
+STEPS=" ${STEPS:-18} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -279,28 +276,6 @@ B48=".devbin/deltaserve $(b48 8 ${BATCHES:-2,4,8,16,32,64})"
 [ -n "${NO_BF16_BATCHES:-}" ] || $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16] /"
 for f in 0 2; do
   DS_CUDA_F8_WHOLE_K=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 whole K from $f] /"
-done
-fi
-if want 19; then
-el "19. (issue 33, session 38) fewer launches a MoE layer: the router's product and its choice as"
-el "    one launch (DS_CUDA_ROUTER_FUSED), one token's combine inside the experts' down pass"
-el "    (DS_CUDA_MOE_COMBINE_FUSED): the checks (word for word against the separate launches,"
-el "    eager and graphed; the matmul checks for gemv.cuh's move; one token's experts where the"
-el "    rank holds fewer than a token picks), then decode batch 1 and 2 in BF16 (each way) and"
-el "    ptpc_fp8 (the router either way), ROUNDS rounds (default 2)"
-checks fused.log "matmul,moe,matmul fp8,moe fp8,moe mxfp4"
-grep -E "FAIL|router fused|combine fused|L2 prefetch|checks:" "$OUT/fused.log" | head -30
-B48=".devbin/deltaserve $(b48 16 1,2)"
-for r in $(seq "${ROUNDS:-2}"); do
-  for rc in "1 1" "1 0" "0 0"; do
-    set -- $rc
-    DS_CUDA_ROUTER_FUSED=$1 DS_CUDA_MOE_COMBINE_FUSED=$2 $B48 2>&1 | grep -E "^decode batch" |
-      sed "s/^/[bf16 router $1 combine $2, $r] /"
-  done
-  for f in 1 0; do
-    DS_CUDA_ROUTER_FUSED=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" |
-      sed "s/^/[fp8 router $f, $r] /"
-  done
 done
 fi
 if want 18; then

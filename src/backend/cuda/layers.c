@@ -377,10 +377,11 @@ int cuda_ffn_forward(cstep *s, const cu_ffn *w, int is_moe, const float *xn, flo
         TRY(rc);
     }
     PROF(s, "moe router");
-    TRY(ds_cu_moe_router(cu, z, idx, wt, xn, T, &w->router, w->router_bias, K,
-                         c->use_grouped_topk ? c->num_expert_group : 1, c->topk_group,
-                         c->moe_renormalize, c->routed_scaling_factor,
-                         s->m->opts.hf_kl_router_quirk, err));
+    TRY(ds_cu_matmul(cu, z, E, xn, D, T, &w->router, err));
+    TRY(ds_cu_moe_route(cu, idx, wt, z, w->router_bias, T, E, K,
+                        c->use_grouped_topk ? c->num_expert_group : 1, c->topk_group,
+                        c->moe_renormalize, c->routed_scaling_factor, s->m->opts.hf_kl_router_quirk,
+                        err));
     {
         /* the chosen experts' weights start for L2 now (ds_cu_set_l2_prefetch) */
         const size_t per = (size_t)Ie * Hin;

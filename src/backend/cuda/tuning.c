@@ -75,8 +75,6 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->early_experts = env_flag("DS_CUDA_EARLY_EXPERTS", 1);
     t->wide_early = env_flag("DS_CUDA_WIDE_EARLY", 1);
     t->gemv_wide = env_flag("DS_CUDA_GEMV_WIDE", 1);
-    t->router_fused = env_flag("DS_CUDA_ROUTER_FUSED", 1);
-    t->moe_comb_fused = env_flag("DS_CUDA_MOE_COMBINE_FUSED", 0);
     t->conv_fixed = env_flag("DS_CUDA_CONV_FIXED", 1);
     /* sequences up to which a decode step's KDA middle is one kernel (0: never) */
     t->kda_fused_set = env_text("DS_CUDA_KDA_FUSED");
@@ -137,8 +135,6 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_early_experts(c, t->early_experts);
     ds_cu_set_wide_early(c, t->wide_early);
     ds_cu_set_gemv_wide(c, t->gemv_wide);
-    ds_cu_set_router_fused(c, t->router_fused);
-    ds_cu_set_moe_comb_fused(c, t->moe_comb_fused);
     ds_cu_set_conv_fixed(c, t->conv_fixed);
     ds_cu_set_kda_tc(c, t->kda_tc);
     ds_cu_set_kda_prep_tc(c, t->kda_prep_tc);

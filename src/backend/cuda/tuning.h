@@ -28,10 +28,6 @@
  *                                          their first weights before the wait
  *   DS_CUDA_GEMV_WIDE      F      1        one-token matmuls of one warp a row through the routed
  *                                          experts' kernel
- *   DS_CUDA_ROUTER_FUSED   F      1        the MoE router's product and its choice as one launch
- *                                          for up to two tokens
- *   DS_CUDA_MOE_COMBINE_FUSED F   0        one token's routed experts (BF16) summed inside their
- *                                          down pass instead of a launch of their own
  *   DS_CUDA_CONV_FIXED     F      1        the short conv of width 4 compiled for its width
  *                                          (0: the width read at run time)
  *   DS_CUDA_KDA_FUSED      N      2        decode steps of up to this many sequences run KDA's
@@ -78,8 +74,7 @@ typedef struct ds_cuda_tuning {
     int f8_whole_k;    /* tokens from which the FP8 streams keep K whole (0: never) */
     int f8_norm_codes; /* the norms write codes for the FP8 products */
     int mla_gemm, mla_flash;
-    int early_experts, wide_early, gemv_wide, conv_fixed, router_fused;
-    int moe_comb_fused;
+    int early_experts, wide_early, gemv_wide, conv_fixed;
     int kda_fused;             /* sequences up to which a decode step's KDA middle is one kernel */
     const char *kda_fused_set; /* DS_CUDA_KDA_FUSED as given, or NULL when unset or empty */
     int kda_tc;                /* 0, 1 or 3 */

@@ -118,13 +118,8 @@ struct ds_cu {
     int grouped_per_sm[4];
     size_t grouped_per_sm_smem[4];
     int32_t *row_zero; /* gemv_wide's routing (g_row_zero's address on this device; NULL: unread) */
-    /* last_arrival's counts [DS_CU_COUNTS], zeroed at creation: each fused op its own range
-     * (CU_COUNT_*), since two of them may run at once on the main and side streams */
-    int *counts;
-    int router_fused;   /* the router's product and its choice as one launch (ds_cu_set_...) */
-    int moe_comb_fused; /* one token's combine inside the experts' down pass (ds_cu_set_...) */
-    void *lt;           /* FP8 tensor cores' cuBLASLt handle (matmul_fp8.cu), made at first use */
-    int moe_fp4_smem;   /* the MXFP4 experts' streaming kernels' shared memory raised (once) */
+    void *lt;          /* FP8 tensor cores' cuBLASLt handle (matmul_fp8.cu), made at first use */
+    int moe_fp4_smem;  /* the MXFP4 experts' streaming kernels' shared memory raised (once) */
 };
 
 /* Programmatic dependent launch (sm_90): every kernel is launched allowed to start while the one
@@ -243,26 +238,6 @@ static __device__ __forceinline__ float dot8(uint4 u, const float *x) {
            __uint_as_float(u.y << 16) * a.z + __uint_as_float(u.y & 0xffff0000u) * a.w +
            __uint_as_float(u.z << 16) * b.x + __uint_as_float(u.z & 0xffff0000u) * b.y +
            __uint_as_float(u.w << 16) * b.z + __uint_as_float(u.w & 0xffff0000u) * b.w;
-}
-
-enum { CU_COUNT_ROUTER = 0, CU_COUNT_MOE_COMBINE = 64, DS_CU_COUNTS = 4096 };
-
-/* Whether this block is the last of n to arrive at *count (every thread of the block calls it,
- * after its writes): what the blocks wrote before arriving is then visible to the last one, which
- * may finish the op (a router's choice after its logits, an output's sum over its parts) in the
- * same launch instead of a dependent one. The last block resets the count, so the next launch
- * (and a graph's next replay) finds it at 0; launches sharing a count must not overlap. */
-static __device__ inline bool last_arrival(int *count, int n) {
-    __shared__ int last;
-    __threadfence(); /* this thread's writes, before the block's arrival */
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(count, 1) == n - 1;
-        if (last) *count = 0;
-    }
-    __syncthreads();
-    if (last) __threadfence(); /* (the others' writes are read after this) */
-    return last;
 }
 
 /* Sum over the block (blockDim.x a multiple of 32, at most 1024). */

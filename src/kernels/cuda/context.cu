@@ -41,12 +41,6 @@ extern "C" int ds_cu_create(int device, ds_cu **out, ds_err *err) {
         free(c);
         return ds_errf(err, "cublas: cannot create a handle");
     }
-    c->router_fused = 1;
-    if (cudaMalloc((void **)&c->counts, DS_CU_COUNTS * sizeof(int)) != cudaSuccess ||
-        cudaMemset(c->counts, 0, DS_CU_COUNTS * sizeof(int)) != cudaSuccess) {
-        ds_cu_free(c);
-        return ds_errf(err, "cuda: cannot allocate the fused kernels' counts");
-    }
     *out = c;
     return DS_OK;
 }
@@ -268,7 +262,6 @@ extern "C" void ds_cu_free(ds_cu *c) {
     cudaFree(c->part);
     fp8_free(c);
     cudaFree(c->blas_ws);
-    cudaFree(c->counts);
     cudaFree(c->moeg);
     cudaFree(c->drawb);
     cudaFree(c->mlag);

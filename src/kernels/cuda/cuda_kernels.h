@@ -233,17 +233,6 @@ int ds_cu_mla_ctx_block(const ds_cu *c);
 int ds_cu_moe_route(ds_cu *c, int32_t *idx, float *w, const float *z, const float *bias, int T,
                     int E, int k, int n_group, int topk_group, int renormalize, float scale,
                     int hf_kl_quirk, ds_err *err);
-/* The router's product z [T][E] = x [T][K] W^T (W = router, E x K) followed by that choice, as
- * ds_cu_matmul then ds_cu_moe_route would make them (the same bits): for up to two tokens of a
- * BF16 router, one launch, whose last block to finish chooses (ds_cu_set_router_fused; else
- * the two launches). */
-int ds_cu_moe_router(ds_cu *c, float *z, int32_t *idx, float *w, const float *x, int T,
-                     const ds_cu_mat *router, const float *bias, int k, int n_group, int topk_group,
-                     int renormalize, float scale, int hf_kl_quirk, ds_err *err);
-void ds_cu_set_router_fused(ds_cu *c, int on);
-/* One token's routed experts combine inside the down pass (BF16 experts; the last block to
- * finish an output tile sums its slots: the same bits as the combine's own launch). */
-void ds_cu_set_moe_comb_fused(ds_cu *c, int on);
 
 /* Routed experts (docs/model.md §5): out[t] (+)= sum_j w[t][j] down_e(act(gate_e x_t, up_e x_t)),
  * e = idx[t][j], in slot order. x, out [T][D]; idx, w [T][k] (device, e.g. from ds_cu_moe_route);

@@ -10,34 +10,6 @@ struct moe_act {
     float beta, lin_beta;
 };
 
-/* One token's weighted sum over its k routed rows, made inside the down pass (one token, rows
- * straight from idx) by the block that finishes an output tile last (last_arrival): out [N] (+)=
- * sum_j w[j] y[j] over this rank's experts, slots in order — moe_combine_k's sums, one launch
- * fewer. out NULL: none (moe_combine runs after). */
-struct moe_comb {
-    float *out;         /* [N] */
-    const float *w;     /* [k] */
-    const int32_t *idx; /* [k] global expert ids */
-    int *counts;        /* [tiles] last_arrival's counts, one an output tile (grid.x) */
-    int k, accumulate;
-};
-
-/* The sum for outputs [n0, n1) of this block's tile, once every routed row's block has written
- * its part of y [k][ldy] (every thread of every block calls it once). e0, E: this rank's experts.
- */
-static __device__ inline void moe_comb_tile(const moe_comb &cb, const float *y, int ldy, int n0,
-                                            int n1, int e0, int E) {
-    if (!last_arrival(cb.counts + blockIdx.x, (int)gridDim.y)) return;
-    for (int n = n0 + (int)threadIdx.x; n < n1; n += (int)blockDim.x) {
-        float acc = 0.0f;
-        for (int j = 0; j < cb.k; j++) {
-            const int e = cb.idx[j] - e0;
-            if (e >= 0 && e < E) acc += cb.w[j] * __ldcg(y + (size_t)j * ldy + n);
-        }
-        cb.out[n] = cb.accumulate ? cb.out[n] + acc : acc;
-    }
-}
-
 enum { MMA_ROWS = 16, MMA_N = 256, MMA_KC = 256, MMA_XLD = MMA_KC + 8, MMA_OLD = MMA_N + 4 };
 
 /* The routed experts of a step through cuBLAS (long steps: prefill), rows grouped by expert

@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(256)
     moe_grouped_k(float *y, int ldy, const float *x, int ldx, int x_div, const uint16_t *W, int N,
                   int K, const int32_t *start, const int32_t *perm, const int32_t *active,
                   const int32_t *n_active, int rp, moe_act act, const int32_t *direct, int e0,
-                  int E, int early, moe_comb cb) {
+                  int E, int early) {
     /* early (the down pass, with ds_cu_set_early_experts; a one-token matmul, whose routing is a
      * constant, with ds_cu_set_wide_early): the routing is at least two kernels old (the up pass
      * came between), so it and the first weights are read before waiting for the previous kernel
@@ -258,14 +258,9 @@ __global__ void __launch_bounds__(256)
     if (!early) PDL_ENTRY();
     extern __shared__ float4 xsh[]; /* [rp][K] the pass's x rows, staged once for the 8 warps */
     int e, r0, r1;
-    /* the outputs of this block's tile (the combine's, cb) */
-    const int t0 = blockIdx.x * 8 * NPW, t1 = min(N, t0 + 8 * NPW);
     if (direct) { /* block row y is routed row y, alone with its expert (ds_cu_moe_experts) */
         e = __ldcg(direct + blockIdx.y) - e0;
-        if (e < 0 || e >= E) { /* another rank's expert: nothing to write, but it still counts */
-            if (cb.out) moe_comb_tile(cb, y, ldy, t0, t1, e0, E);
-            return;
-        }
+        if (e < 0 || e >= E) return; /* another rank's expert */
         r0 = blockIdx.y, r1 = r0 + 1;
     } else {
         if ((int)blockIdx.y >= __ldcg(n_active)) return;
@@ -323,7 +318,6 @@ __global__ void __launch_bounds__(256)
                 }
             }
     }
-    if (cb.out) moe_comb_tile(cb, y, ldy, t0, t1, e0, E);
 }
 
 enum : size_t { MOE_SMEM = 160 * 1024 }; /* the grouped kernel's x staging, at most */
@@ -335,7 +329,7 @@ enum : size_t { MOE_SMEM = 160 * 1024 }; /* the grouped kernel's x staging, at m
  * session 9). A row's sum takes the same operations whatever NPW is. */
 typedef void (*moe_grouped_ptr)(float *, int, const float *, int, int, const uint16_t *, int, int,
                                 const int32_t *, const int32_t *, const int32_t *, const int32_t *,
-                                int, moe_act, const int32_t *, int, int, int, moe_comb);
+                                int, moe_act, const int32_t *, int, int, int);
 typedef struct {
     moe_grouped_ptr fn;
     int rpm, rows; /* accumulators; weight rows a block (8 warps x NPW) */
@@ -359,8 +353,7 @@ int gemv_wide(ds_cu *c, float *y, const float *x, const uint16_t *W, int N, int 
     const moe_act none = {0, 0, 0.0f, 0.0f};
     launch_k(c, moe_grouped_k<1, 4>, dim3((unsigned)((N + 31) / 32), 1), 256, (size_t)K * 4, y, N,
              x, K, 1, W, N, K, (const int32_t *)NULL, (const int32_t *)NULL, (const int32_t *)NULL,
-             (const int32_t *)NULL, 1, none, (const int32_t *)c->row_zero, 0, 1, c->wide_early,
-             moe_comb{});
+             (const int32_t *)NULL, 1, none, (const int32_t *)c->row_zero, 0, 1, c->wide_early);
     CU_TRY(cudaGetLastError(), "gemv (wide)");
     return DS_OK;
 }
@@ -389,10 +382,6 @@ static moe_grouped_fn moe_grouped_pick(ds_cu *c, int rpm, int N, unsigned ya, si
 
 extern "C" void ds_cu_set_early_experts(ds_cu *c, int on) {
     c->early_experts = on;
-}
-
-extern "C" void ds_cu_set_moe_comb_fused(ds_cu *c, int on) {
-    c->moe_comb_fused = on;
 }
 
 extern "C" void ds_cu_set_wide_early(ds_cu *c, int on) {
@@ -483,27 +472,17 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
             else
                 launch_k(c, up_k.fn, dim3((unsigned)((2 * I + up_k.rows - 1) / up_k.rows), ya), 256,
                          (size_t)rp_up * D * 4, h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm,
-                         active, n_active, rp_up, none, direct, e0, E, 0, moe_comb{});
+                         active, n_active, rp_up, none, direct, e0, E, 0);
             CU_TRY(cudaGetLastError(), "moe up (grouped)");
-            /* h's rows are gate | up, one per routed row: the down pass applies act as it stages
-             * (and for one token, with moe_comb_fused, makes the combine too: out, which the side
-             * stream may still be writing, is joined first) */
-            const unsigned dn_tiles = (unsigned)((D + dn_k.rows - 1) / dn_k.rows);
-            moe_comb cb = {};
-            if (!mma && direct && c->moe_comb_fused &&
-                dn_tiles <= (unsigned)(DS_CU_COUNTS - CU_COUNT_MOE_COMBINE)) {
-                if (ds_cu_side_join(c, err)) return DS_ERR;
-                cb = {out, w, idx, c->counts + CU_COUNT_MOE_COMBINE, k, accumulate};
-            }
+            /* h's rows are gate | up, one per routed row: the down pass applies act as it stages */
             if (mma)
                 moe_mma_pass(c, y, D, h, 2 * I, 1, down, D, I, start, perm, active, n_active, ya,
                              act);
             else
-                launch_k(c, dn_k.fn, dim3(dn_tiles, ya), 256, (size_t)rp_dn * I * 4, y, D, h, 2 * I,
-                         1, down, D, I, start, perm, active, n_active, rp_dn, act, direct, e0, E,
-                         c->early_experts, cb);
+                launch_k(c, dn_k.fn, dim3((unsigned)((D + dn_k.rows - 1) / dn_k.rows), ya), 256,
+                         (size_t)rp_dn * I * 4, y, D, h, 2 * I, 1, down, D, I, start, perm, active,
+                         n_active, rp_dn, act, direct, e0, E, c->early_experts);
             CU_TRY(cudaGetLastError(), "moe down (grouped)");
-            if (cb.out) return DS_OK; /* combined */
         }
     } else {
         launch_k(c, moe_up_k, dim3((unsigned)((2 * I + 7) / 8), (unsigned)rows), 256, 0, h, x, idx,
