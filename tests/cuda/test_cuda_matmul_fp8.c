@@ -139,93 +139,6 @@ static void mm8_mode(ds_cu *c, float *out, float *dy, int ldy, const float *dx, 
     fetch(c, out, dy, (size_t)T * ldy * 4);
 }
 
-/* The F16 bits of an E4M3 code's value (exact: every E4M3 value is an F16 one). */
-static uint16_t e4m3_f16_bits(uint8_t code) {
-    const uint16_t sg = (uint16_t)((code & 0x80) << 8);
-    int e = (code >> 3) & 15, m = code & 7;
-    if (e == 0) { /* subnormal m 2^-9, normalised */
-        if (m == 0) return sg;
-        int sh = 0;
-        while (!(m & 8)) m <<= 1, sh++;
-        return (uint16_t)(sg | (uint16_t)((9 - sh) << 10) | (uint16_t)((m & 7) << 7));
-    }
-    return (uint16_t)(sg | (uint16_t)((e + 8) << 10) | (uint16_t)(m << 7));
-}
-
-/* The norm that writes its rows' codes (ds_cu_rmsnorm_codes, ds_cu_add_rmsnorm_codes): the codes
- * and scales bit for bit against the CPU's quantizer on the normed rows, and an FP8 product of
- * those rows reading the codes (ds_cu_set_x_codes) word for word against one that quantizes them
- * itself. add: the residual form. */
-static void check_norm_codes(ds_cu *c, int T, int N, int K, int add) {
-    float *h = rand_f32((size_t)T * K, -3, 3), *ha = rand_f32((size_t)T * K, -1, 1);
-    float *hw = rand_f32((size_t)K, 0.5f, 1.5f);
-    uint16_t *wb = rand_bf16((size_t)N * K, -0.05f, 0.05f);
-    uint8_t *q = malloc((size_t)N * K);
-    float *sr = malloc((size_t)N * 4);
-    ds_mat hb = {wb, DS_DT_BF16, N, K, NULL};
-    ds_ptpc_quantize(q, sr, &hb, 0, K);
-    float *dP = dev(c, h, (size_t)T * K * 4), *da = dev(c, ha, (size_t)T * K * 4);
-    float *dw = dev(c, hw, (size_t)K * 4), *dx = dev(c, NULL, (size_t)T * K * 4);
-    float *dy = dev(c, NULL, (size_t)T * N * 4);
-    uint8_t *dq = dev(c, q, (size_t)N * K);
-    float *dsr = dev(c, sr, (size_t)N * 4);
-    uint16_t *xh;
-    float *st;
-    ds_err err = {{0}};
-    if (ds_cu_x_codes_buf(c, T, K, &xh, &st, &err)) DIE("%s", err.msg);
-    if (add)
-        ds_cu_add_rmsnorm_codes(c, dx, dP, da, dw, T, K, 1e-6f, xh, st);
-    else
-        ds_cu_rmsnorm_codes(c, dx, dP, dw, T, K, 1e-6f, xh, st);
-    float *x = malloc((size_t)T * K * 4), *gst = malloc((size_t)T * 4);
-    uint16_t *gq = malloc((size_t)T * K * 2);
-    if (ds_cu_sync(c, &err)) DIE("%s", err.msg);
-    fetch(c, x, dx, (size_t)T * K * 4);
-    fetch(c, gq, xh, (size_t)T * K * 2);
-    fetch(c, gst, st, (size_t)T * 4);
-    float *xq = malloc((size_t)T * K * 4), *rst = malloc((size_t)T * 4);
-    ds_ptpc_quantize_act(xq, rst, x, K, T, K);
-    size_t bad = 0;
-    for (int t = 0; t < T; t++) bad += memcmp(&gst[t], &rst[t], 4) != 0;
-    const int bytes = ds_cu_f8_x_codes_bytes(); /* (the operand's two layouts: f8_x_put) */
-    for (int t = 0; t < T; t++)
-        for (int k = 0; k < K; k++) {
-            const uint8_t code = ds_f32_to_e4m3(xq[(size_t)t * K + k]);
-            const uint16_t *row = gq + (size_t)t * K;
-            bad += bytes ? ((const uint8_t *)row)[2 * (k & ~15) + (k & 15)] != code
-                         : row[k] != e4m3_f16_bits(code);
-        }
-    char what[160];
-    snprintf(what, sizeof what, "%srmsnorm with codes T=%d D=%d: codes, scales differing",
-             add ? "add+" : "", T, K);
-    report(what, (double)bad, 0.0);
-    /* the product: quantizing itself, then reading the norm's codes */
-    ds_cu_mat m = {(const uint16_t *)dq, N, K, DS_CU_FP8, dsr, NULL, 0};
-    float *y0 = malloc((size_t)T * N * 4), *y1 = malloc((size_t)T * N * 4);
-    mm8_mode(c, y0, dy, N, dx, K, T, &m, 0, 0);
-    ds_cu_set_x_codes(c, dx, xh, st, T, K);
-    mm8_mode(c, y1, dy, N, dx, K, T, &m, 0, 0);
-    ds_cu_set_x_codes(c, NULL, NULL, NULL, 0, 0);
-    snprintf(what, sizeof what,
-             "matmul fp8 T=%d N=%d K=%d reading the norm's codes: words differing", T, N, K);
-    report(what, (double)words_differ(y1, y0, (size_t)T * N), 0.0);
-    if (T == 1) { /* one token a warp a row: the same codes, the same sums */
-        mm8_mode(c, y0, dy, N, dx, K, T, &m, 5, 0);
-        ds_cu_set_x_codes(c, dx, xh, st, T, K);
-        mm8_mode(c, y1, dy, N, dx, K, T, &m, 5, 0);
-        ds_cu_set_x_codes(c, NULL, NULL, NULL, 0, 0);
-        snprintf(
-            what, sizeof what,
-            "matmul fp8 T=1 N=%d K=%d reading the norm's codes (a warp a row): words differing", N,
-            K);
-        report(what, (double)words_differ(y1, y0, (size_t)N), 0.0);
-    }
-    ds_cu_dealloc(dP), ds_cu_dealloc(da), ds_cu_dealloc(dw), ds_cu_dealloc(dx), ds_cu_dealloc(dy);
-    ds_cu_dealloc(dq), ds_cu_dealloc(dsr);
-    free(h), free(ha), free(hw), free(wb), free(q), free(sr), free(x), free(gst), free(gq);
-    free(xq), free(rst), free(y0), free(y1);
-}
-
 /* y = x W^T with W FP8 against a float64 sum of the dequantized terms (the CPU's activation codes
  * and scales: exactly the GPU's) and against the CPU's ds_matmul. mode 0: the default choice
  * (streamed up to 2 rows, tensor cores above); 1: batch invariance (always streamed); 2: the same
@@ -350,10 +263,6 @@ void checks_matmul_fp8(ds_cu *c) {
     check_matmul_fp8(c, 1, 12544, 2304, 0, 5, 1e-5);
     check_matmul_fp8(c, 2, 12544, 2304, 0, 6, 1e-5); /* K whole at 2 tokens */
     check_matmul_fp8(c, 2, 333, 2304, 0, 6, 1e-5);
-    check_norm_codes(c, 1, 333, 2304, 0);
-    check_norm_codes(c, 1, 2304, 2304, 1);
-    check_norm_codes(c, 7, 333, 3072, 1);
-    check_norm_codes(c, 2, 96, 1000, 0); /* K % 16 != 0: the codes (the product quantizes) */
     check_matmul_runs(c, 1, 96, 32, 512);
     check_matmul_runs(c, 64, 96, 32, 512);
 }

@@ -159,49 +159,6 @@ static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ,
     free(x), free(w), free(idx), free(ref), free(got), free(hgu), free(a), free(yr);
 }
 
-/* One token's experts on a normed row whose codes the norm wrote (ds_cu_rmsnorm_codes,
- * ds_cu_set_x_codes): word for word against the same experts quantizing the row themselves, in
- * the tiles and a warp a row. */
-static void check_moe_fp8_norm_codes(ds_cu *c, int E, int D, int I) {
-    const int k = 8;
-    f8_experts fx;
-    f8_experts_make(c, &fx, E, 0, D, I);
-    float *h = rand_f32((size_t)D, -2, 2), *hw = rand_f32((size_t)D, 0.5f, 1.5f);
-    float *w = rand_f32((size_t)k, 0, 1);
-    int32_t *idx = rand_idx(1, k, E);
-    float *dh = dev(c, h, (size_t)D * 4), *dnw = dev(c, hw, (size_t)D * 4);
-    float *dx = dev(c, NULL, (size_t)D * 4), *dw = dev(c, w, (size_t)k * 4);
-    float *dout = dev(c, NULL, (size_t)D * 4);
-    int32_t *didx = dev(c, idx, (size_t)k * 4);
-    float *got[2] = {malloc((size_t)D * 4), malloc((size_t)D * 4)};
-    uint16_t *xh;
-    float *st;
-    ds_err err = {{0}};
-    if (ds_cu_x_codes_buf(c, 1, D, &xh, &st, &err)) DIE("%s", err.msg);
-    ds_cu_rmsnorm_codes(c, dx, dh, dnw, 1, D, 1e-6f, xh, st);
-    char what[160];
-    for (int rows = 0; rows < 2; rows++) { /* the tiles, then a warp a row (ds_cu_set_f8_rows) */
-        ds_cu_set_f8_rows(c, rows ? 0 : -1);
-        for (int use = 0; use < 2; use++) {
-            ds_cu_set_x_codes(c, use ? dx : NULL, xh, st, 1, D);
-            if (ds_cu_moe_experts_fp8(c, dout, dx, didx, dw, 1, k, E, 0, D, I, fx.dgc, fx.dgs,
-                                      fx.ddc, fx.dds, 0, 0.0f, 0.0f, 0, &err) ||
-                ds_cu_sync(c, &err))
-                DIE("%s", err.msg);
-            fetch(c, got[use], dout, (size_t)D * 4);
-        }
-        ds_cu_set_x_codes(c, NULL, NULL, NULL, 0, 0);
-        snprintf(what, sizeof what, "moe fp8 T=1 D=%d: reading the norm's codes%s, words differing",
-                 D, rows ? " (a warp a row)" : "");
-        report(what, (double)words_differ(got[1], got[0], (size_t)D), 0.0);
-    }
-    ds_cu_set_f8_rows(c, 0);
-    ds_cu_dealloc(dh), ds_cu_dealloc(dnw), ds_cu_dealloc(dx), ds_cu_dealloc(dw);
-    ds_cu_dealloc(dout), ds_cu_dealloc(didx);
-    f8_experts_free(&fx);
-    free(h), free(hw), free(w), free(idx), free(got[0]), free(got[1]);
-}
-
 void checks_moe_fp8(ds_cu *c) {
     check_moe_fp8(c, 1, 8, 64, 512, 256, 0, 0, 0);   /* one token: rows straight from idx */
     check_moe_fp8(c, 5, 4, 16, 256, 96, 1, 0, 0);    /* grouped, few rows an expert */
@@ -225,7 +182,6 @@ void checks_moe_fp8(ds_cu *c) {
     check_moe_fp8(c, 1, 6, 16, 3072, 2048, 1, 8, 0);
     check_moe_fp8(c, 6, 8, 32, 2304, 1024, 1, 9, 0); /* K whole at batches */
     check_moe_fp8(c, 20, 8, 32, 2304, 1024, 0, 9, 1);
-    check_moe_fp8_norm_codes(c, 32, 2304, 1024);
 }
 
 /* ---- timings ----------------------------------------------------------------------------------

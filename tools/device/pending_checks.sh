@@ -45,23 +45,19 @@
 #      also the ring's forms, DS_CUDA_F8_RING: removed in session 36, those runs now time the
 #      register window), and with the codes made first; PROF=1: the per-op
 #      profile of a batch-1 step, BF16 and ptpc_fp8.
-#  14. (issue 32, session 34) the norms before the FP8 products write their codes
-#      (DS_CUDA_F8_NORM_CODES=1): the checks (codes bit for bit, products word for word), logits
-#      (tiny-k3, one and two tokens) and 48B greedy ids bit for bit with and without, decode
-#      batch 1 and 32 beside BF16 and ptpc_fp8, and with the dense products' ring alone.
+#  14. (issue 32, session 34; run in session 35; removed with DS_CUDA_F8_NORM_CODES in session 38)
 #  15. (issue 32, session 35) the FP8 streams on E4M3 tensor cores fed the activations' codes as
 #      bytes (pack with DS_DEVBIN_F8MMA=1): the FP8 checks of both builds, the products' and one
 #      token's experts' timings, decode at batch 1, 32 and 256 (BATCHES) in BF16, ptpc_fp8 and
 #      ptpc_fp8 on E4M3 tensor cores, ROUNDS times.
 #  17. (issue 32, session 36) one token's FP8 products a warp a row on the CUDA cores
 #      (fp8_rows.cuh, DS_CUDA_F8_ROWS): the FP8 checks, the products' and experts' timings at one
-#      token in every form, decode batch 1 at 4 (default), 2 and 8 blocks an SM, with the norms'
-#      codes (DS_CUDA_F8_NORM_CODES: keep or remove it by this) and with the tiles (-1) beside
-#      BF16; then decode at batches 2-64 with K whole (DS_CUDA_F8_WHOLE_K=2).
+#      token in every form, decode batch 1 at 4 (default), 2 and 8 blocks an SM and with the tiles
+#      (-1) beside BF16; then decode at batches 2-64 with K whole (DS_CUDA_F8_WHOLE_K=2).
 #  18. (issues 32 and 33, session 37) the weights of decode's products prefetched into L2 while the
 #      kernels before them run (DS_CUDA_L2_PREFETCH=MB): the matmul checks (a chain of products
 #      word for word with and without, eager and graphed), decode batch 1 in BF16 and in ptpc_fp8's
-#      forms (the tiles; the dense products a warp a row reading the norms' codes) at 0/16/32 MB,
+#      forms (the tiles; the dense products a warp a row) at 0/16/32 MB,
 #      two rounds; batches 4 and 16 in BF16 with and without.
 #  16. (issue 32, session 35; run in session 36) the FP8 streams'
 #      K split forced (DS_CUDA_F8_SPLIT: the grid's waves; 0 the rule's): the FP8 checks (among
@@ -184,44 +180,6 @@ if [ "${PROF:-0}" = 1 ]; then # the per-op profile of an eager batch-1 step, BF1
   done
 fi
 fi
-if want 14; then
-el "14. (issue 32) the norms write the FP8 products' codes (DS_CUDA_F8_NORM_CODES, session 34):"
-el "    the checks, logits and greedy ids bit for bit with and without, decode batch 1"
-checks codes_check.log "matmul fp8,moe fp8"
-grep -E "FAIL|codes|checks:" "$OUT/codes_check.log" | head -16
-.devbin/deltaserve init-model --preset tiny-k3 --out /tmp/tk3 --force > /dev/null || echo "init failed"
-for ids in 5 5,7; do
-  for nc in 0 1; do
-    DS_CUDA_F8_NORM_CODES=$nc .devbin/deltaserve logits -m /tmp/tk3 --device cuda -q ptpc_fp8 \
-      --token-ids $ids -o "$OUT/lg_${ids/,/_}_$nc.npy" > /dev/null 2>&1 || echo "logits failed"
-  done
-  cmp -s "$OUT/lg_${ids/,/_}_0.npy" "$OUT/lg_${ids/,/_}_1.npy" && echo "logits $ids: identical" ||
-    echo "logits $ids: DIFFER"
-done
-# (the shape with a tokenizer beside it: env.sh's cut config has none, and generate takes text)
-.devbin/deltaserve init-model --shape-of $SHAPE48 --out /tmp/s48g --force > /dev/null || echo "init failed"
-for nc in 0 1; do
-  DS_CUDA_F8_NORM_CODES=$nc .devbin/deltaserve generate --model /tmp/s48g --load-format random \
-    --device cuda -q ptpc_fp8 -t 0 -n 24 --ignore-eos --print-ids -p "Hello there" \
-    2> "$OUT/ids48_$nc.err" | tail -1 > "$OUT/ids48_$nc.txt"
-done
-if [ ! -s "$OUT/ids48_0.txt" ]; then
-  echo "48B greedy ids: none written ($(tail -1 "$OUT/ids48_0.err"))"
-elif cmp -s "$OUT/ids48_0.txt" "$OUT/ids48_1.txt"; then
-  echo "48B greedy ids: identical ($(wc -w < "$OUT/ids48_0.txt") words)"
-else
-  echo "48B greedy ids: DIFFER"
-fi
-B48=".devbin/deltaserve $(b48 16 1,32)"
-for r in $(seq "${ROUNDS:-2}"); do
-  $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16 $r] /"
-  $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 $r] /"
-  DS_CUDA_F8_NORM_CODES=1 $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 norm codes $r] /"
-  # the dense products' ring (4 deep, 4 blocks an SM) with the experts in registers
-  DS_CUDA_F8_NORM_CODES=1 DS_CUDA_F8_RING=4 DS_CUDA_F8_GEMV_WAVES=4 DS_CUDA_F8_MOE_RING=0 \
-    $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 norm codes, dense ring 4 $r] /"
-done
-fi
 if want 15; then
 el "15. (issue 32, session 35) the FP8 streams on E4M3 tensor cores with the activations' codes as"
 el "    bytes (the _f8mma build, DS_DEVBIN_F8MMA=1): checks, products' timings, decode vs default"
@@ -268,9 +226,6 @@ for r in $(seq "${ROUNDS:-2}"); do
   for f in ${ROWS_FORMS:-0 -1 2 8}; do
     DS_CUDA_F8_ROWS=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 rows $f $r] /"
   done
-  # a warp a row reading the codes the norms wrote (one quantizer a row instead of one a block)
-  DS_CUDA_F8_ROWS=0 DS_CUDA_F8_NORM_CODES=1 $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" |
-    sed "s/^/[fp8 rows 0, norm codes $r] /"
 done
 B48=".devbin/deltaserve $(b48 8 ${BATCHES:-2,4,8,16,32,64})"
 [ -n "${NO_BF16_BATCHES:-}" ] || $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16] /"
@@ -292,14 +247,12 @@ for r in $(seq "${ROUNDS:-2}"); do
   for pf in ${PFS:-0 16 32}; do
     DS_CUDA_L2_PREFETCH=$pf $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" |
       sed "s/^/[fp8 tiles pf $pf $r] /"
-    DS_CUDA_L2_PREFETCH=$pf DS_CUDA_F8_ROWS=0 DS_CUDA_F8_MOE_ROWS=-1 DS_CUDA_F8_NORM_CODES=1 \
-      $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 dense rows, codes pf $pf $r] /"
+    DS_CUDA_L2_PREFETCH=$pf DS_CUDA_F8_ROWS=0 DS_CUDA_F8_MOE_ROWS=-1 \
+      $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 dense rows pf $pf $r] /"
   done
   [ -n "${SHORT:-}" ] && continue
-  DS_CUDA_F8_ROWS=0 DS_CUDA_F8_NORM_CODES=1 $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" |
-    sed "s/^/[fp8 all rows, codes $r] /"
-  DS_CUDA_F8_NORM_CODES=1 $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" |
-    sed "s/^/[fp8 tiles, codes $r] /"
+  DS_CUDA_F8_ROWS=0 $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" |
+    sed "s/^/[fp8 all rows $r] /"
 done
 B48=".devbin/deltaserve $(b48 8 ${BATCHES:-4,16})"
 for pf in 0 16; do

@@ -251,37 +251,13 @@ static int wants_hidden(const cstep *s) {
     return 0;
 }
 
-/* Whether the norm before a layer's attention (its first products read its rows) or its FFN
- * writes the rows' ptpc codes for them: FP8 products of up to 8 tokens (docs/quantization.md §3,
- * ds_cu_set_x_codes), when on (DS_CUDA_F8_NORM_CODES). */
-static int codes_on(const cstep *s) {
-    return s->T <= 8 && ds_cu_f8_norm_codes(s->c) && ds_cu_norm_codes_fit(s->m->cfg.hidden_size);
-}
-static int codes_for_attn(const cstep *s, const layer_w *lw, const cu_layer *dw) {
-    const ds_cu_mat *first = lw->kind == DS_LAYER_KDA ? &dw->kda.in : &dw->mla.kv_a;
-    return codes_on(s) && first->dtype == DS_CU_FP8;
-}
-static int codes_for_ffn(const cstep *s, const cu_ffn *f, int is_moe) {
-    return codes_on(s) &&
-           (is_moe ? f->experts_fp8 || f->sh_gu.dtype == DS_CU_FP8 : f->gu.dtype == DS_CU_FP8);
-}
-
-/* x = rmsnorm(P + a) (a non-NULL: P += a first) or rmsnorm(src), and with codes the rows' ptpc
- * codes declared for the products that read x (ds_cu_set_x_codes); without, none declared. */
-static int norm_x(cstep *s, float *x, const float *src, float *P, const float *a, const float *w,
-                  int codes, ds_err *err) {
-    ds_cu *cu = s->c;
+/* x = rmsnorm(P + a) (a non-NULL: P += a first) or rmsnorm(src) */
+static void norm_x(cstep *s, float *x, const float *src, float *P, const float *a, const float *w) {
     const ds_config *c = &s->m->cfg;
-    int T = s->T, D = c->hidden_size;
-    uint16_t *xh = NULL;
-    float *st = NULL;
-    if (codes) TRY(ds_cu_x_codes_buf(cu, T, D, &xh, &st, err));
     if (a)
-        ds_cu_add_rmsnorm_codes(cu, x, P, a, w, T, D, c->rms_norm_eps, xh, st);
+        ds_cu_add_rmsnorm(s->c, x, P, a, w, s->T, c->hidden_size, c->rms_norm_eps);
     else
-        ds_cu_rmsnorm_codes(cu, x, src, w, T, D, c->rms_norm_eps, xh, st);
-    ds_cu_set_x_codes(cu, codes ? x : NULL, xh, st, T, D);
-    return DS_OK;
+        ds_cu_rmsnorm(s->c, x, src, w, s->T, c->hidden_size, c->rms_norm_eps);
 }
 
 /* The step's launches, from the embedding (or the stream that arrived) to the logits in lg: no
@@ -310,9 +286,8 @@ static int run_body(cstep *s, int nb, ds_err *err) {
         const layer_w *lw = &m->layers[i];
         const cu_layer *dw = &cm->layers[i];
         PROF(s, "norms, residual, attnres");
-        const int ca = codes_for_attn(s, lw, dw);
         if (N == 0 && pending) {
-            TRY(norm_x(s, x, NULL, P, a, dw->in_norm, ca, err));
+            norm_x(s, x, NULL, P, a, dw->in_norm);
             pending = 0;
         } else if (N > 0) {
             /* mix first, then bank P: layer 0 banks the embedding (docs/model.md §6.3) */
@@ -320,28 +295,25 @@ static int run_body(cstep *s, int nb, ds_err *err) {
                                   c->rms_norm_eps, err));
             int banks = i % N == 0;
             if (banks) TRY(ds_cu_copy_d2d(cu, bank + (size_t)nb++ * TDp, P, TD * 4, err));
-            TRY(norm_x(s, x, x, NULL, NULL, dw->in_norm, ca, err));
+            norm_x(s, x, x, NULL, NULL, dw->in_norm);
         } else {
-            TRY(norm_x(s, x, P, NULL, NULL, dw->in_norm, ca, err));
+            norm_x(s, x, P, NULL, NULL, dw->in_norm);
         }
         TRY(lw->kind == DS_LAYER_KDA ? cuda_kda_forward(s, lw, &dw->kda, x, a, err)
                                      : cuda_mla_forward(s, lw, &dw->mla, x, a, err));
-        ds_cu_set_x_codes(cu, NULL, NULL, NULL, 0, 0); /* x is written next */
         PROF(s, "norms, residual, attnres");
         if (N > 0 && i % N == 0)
             TRY(ds_cu_copy_d2d(cu, P, a, TD * 4, err));
         else if (N > 0)
             ds_cu_add(cu, P, a, TD);
-        const int cf = codes_for_ffn(s, &dw->ffn, lw->ffn.is_moe);
         if (N > 0) {
             TRY(ds_cu_attnres_mix(cu, x, s->cands + (size_t)nb * nbx, nb + 1, dw->mlp_res_np, T, D,
                                   c->rms_norm_eps, err));
-            TRY(norm_x(s, x, x, NULL, NULL, dw->post_norm, cf, err));
+            norm_x(s, x, x, NULL, NULL, dw->post_norm);
         } else {
-            TRY(norm_x(s, x, NULL, P, a, dw->post_norm, cf, err));
+            norm_x(s, x, NULL, P, a, dw->post_norm);
         }
         TRY(cuda_ffn_forward(s, &dw->ffn, lw->ffn.is_moe, x, a, err));
-        ds_cu_set_x_codes(cu, NULL, NULL, NULL, 0, 0); /* x is written next */
         PROF(s, "norms, residual, attnres");
         if (N == 0 && !hid)
             pending = 1; /* P += a happens in the next norm (this stage's or the final one) */

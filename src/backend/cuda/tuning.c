@@ -67,9 +67,6 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     /* K whole in the FP8 streams from 4 tokens (batch invariance off): faster at every batch
      * from 4 to 32 measured, no faster at 2 (bench/RESULTS.md session 37) */
     t->f8_whole_k = env_count("DS_CUDA_F8_WHOLE_K", 4);
-    /* the norms before FP8 products of up to 8 tokens write their codes (checked word for
-     * word; measured slower in a batch-1 step: bench/RESULTS.md session 35) */
-    t->f8_norm_codes = env_flag("DS_CUDA_F8_NORM_CODES", 0);
     t->mla_gemm = env_flag("DS_CUDA_MLA_GEMM", 1);
     t->mla_flash = env_flag("DS_CUDA_MLA_FLASH", 1);
     t->early_experts = env_flag("DS_CUDA_EARLY_EXPERTS", 1);
@@ -129,7 +126,6 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_f8_rows(c, t->f8_rows);
     ds_cu_set_f8_moe_rows(c, t->f8_moe_rows);
     ds_cu_set_f8_whole_k(c, t->f8_whole_k);
-    ds_cu_set_f8_norm_codes(c, t->f8_norm_codes);
     ds_cu_set_mla_gemm(c, t->mla_gemm);
     ds_cu_set_mla_flash(c, t->mla_flash);
     ds_cu_set_early_experts(c, t->early_experts);

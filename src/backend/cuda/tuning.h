@@ -72,7 +72,6 @@ typedef struct ds_cuda_tuning {
     int f8_rows;       /* one token's FP8 products a warp a row: blocks an SM (0: 4; < 0 off) */
     int f8_moe_rows;   /* the same for one token's routed experts */
     int f8_whole_k;    /* tokens from which the FP8 streams keep K whole (0: never) */
-    int f8_norm_codes; /* the norms write codes for the FP8 products */
     int mla_gemm, mla_flash;
     int early_experts, wide_early, gemv_wide, conv_fixed;
     int kda_fused;             /* sequences up to which a decode step's KDA middle is one kernel */

@@ -47,20 +47,11 @@ struct ds_cu {
     int f8_rows;         /* one token's FP8 products a warp a row: blocks an SM (0: 4; < 0 off) */
     int f8_moe_rows;     /* the same for one token's routed experts */
     int f8_whole_k;      /* tokens from which the FP8 streams keep K whole (no invariance; 0 off) */
-    int f8_norm_codes;   /* the engine's norms write codes for FP8 products (ds_cu_set_...) */
-    /* rows whose ptpc codes a norm wrote (ds_cu_set_x_codes): x [xc_T][xc_K] packed, its codes'
-     * F16 values xc_h [xc_T][xc_K] and scales xc_s [xc_T]; xc_x NULL: none */
-    const float *xc_x;
-    const uint16_t *xc_h;
-    const float *xc_s;
-    int xc_T, xc_K;
-    void *xcb; /* their buffer, xcb_bytes allocated: [8][K] values, then [8] scales */
-    size_t xcb_bytes;
-    int mla_gemm;      /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
-    int mla_all_heads; /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
-    int mla_flash;     /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
-    int mla_ctx_block; /* context rows a chunk's expanded attention takes at a time (0: all) */
-    int mla_decode_tc; /* absorbed MLA on tensor cores from this many context rows (0: never) */
+    int mla_gemm;        /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
+    int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
+    int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash) */
+    int mla_ctx_block;   /* context rows a chunk's expanded attention takes at a time (0: all) */
+    int mla_decode_tc;   /* absorbed MLA on tensor cores from this many context rows (0: never) */
     int mla_decode_tc_tile;  /* its tile for FP8 and BF16 rows: 64 rows, else 32 */
     int mla_decode_tc_warps; /* its warps a block for BF16 rows in 64-row tiles: 16, else 8 */
     int kda_tc;        /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */

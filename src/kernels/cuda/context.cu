@@ -258,7 +258,6 @@ extern "C" void ds_cu_free(ds_cu *c) {
     pf_free(c);
     cudaStreamSynchronize(c->stream);
     cudaFree(c->xb);
-    cudaFree(c->xcb);
     cudaFree(c->part);
     fp8_free(c);
     cudaFree(c->blas_ws);

@@ -105,12 +105,6 @@ void ds_cu_embed(ds_cu *c, float *out, const ds_cu_mat *e, const int32_t *ids, i
 void ds_cu_embed_range(ds_cu *c, float *out, const ds_cu_mat *e, const int32_t *ids, int T, int v0);
 /* y[t] = w ⊙ x[t] / sqrt(mean(x[t]^2) + eps); x, y: [T][D]; w: [D]; y may == x. */
 void ds_cu_rmsnorm(ds_cu *c, float *y, const float *x, const float *w, int T, int D, float eps);
-/* The same, and with xh non-NULL each row's ptpc codes as well (the FP8 products that read y
- * then skip their quantizer: ds_cu_set_x_codes): xh [T][D] the codes' F16 values, st [T] the
- * scales; only where ds_cu_norm_codes_fit(D) (a row the kernel holds in registers). */
-void ds_cu_rmsnorm_codes(ds_cu *c, float *y, const float *x, const float *w, int T, int D,
-                         float eps, uint16_t *xh, float *st);
-int ds_cu_norm_codes_fit(int D);
 /* out[i] = silu(gate[i]) * up[i] */
 void ds_cu_swiglu(ds_cu *c, float *out, const float *gate, const float *up, size_t n);
 /* The KDA delta-rule recurrence, as ds_kda_recurrent: q, k: [T][H][dk]; v: [T][H][dv];
@@ -336,22 +330,6 @@ void ds_cu_set_f8_moe_rows(ds_cu *c, int blocks_per_sm);
  * skip quantizing their tokens (codes left unset, scale 1), to measure what the quantizer in
  * every block costs a step. DS_CUDA_F8_NOQUANT=1 in the engine. */
 void ds_cu_set_f8_noquant(ds_cu *c, int on);
-/* Codes made by the norm (docs/quantization.md §3): the context's buffer for up to 8 rows of K
- * codes' F16 values xh [8][K] and their scales st [8] (grown as needed: never inside a capture,
- * the engine runs every shape eagerly first), and the declaration that xh/st hold the ptpc codes
- * of x's T packed rows of K, until the next call (x NULL: none). An FP8 product of exactly those
- * rows that would quantize them itself (up to 8 tokens: the dense streaming kernel, one token's
- * routed experts' first pass) reads the codes instead: the same codes, the same sums. */
-int ds_cu_x_codes_buf(ds_cu *c, int T, int K, uint16_t **xh, float **st, ds_err *err);
-/* 1 in a build whose FP8 streams run on E4M3 tensor cores (-DDS_CUDA_F8_MMA, an experiment):
- * there a row of those operands holds column c's code at byte 2 (c & ~15) + (c & 15) instead of
- * its F16 value at element c (fp8_stream.cuh's f8_x_put); 0 otherwise. */
-int ds_cu_f8_x_codes_bytes(void);
-/* Whether the engine's step has the norms before FP8 products write those codes (the step reads
- * it: backend/cuda/step.c); DS_CUDA_F8_NORM_CODES in the engine. */
-void ds_cu_set_f8_norm_codes(ds_cu *c, int on);
-int ds_cu_f8_norm_codes(const ds_cu *c);
-void ds_cu_set_x_codes(ds_cu *c, const float *x, const uint16_t *xh, const float *st, int T, int K);
 /* Expanded MLA of segments with >= 128 query rows through cuBLAS (scores and values as strided-
  * batched BF16 GEMMs over the heads, a row softmax between). On in the engine unless
  * DS_CUDA_MLA_GEMM=0 (tests/cuda: check_mla_expanded_gemm). */
@@ -416,8 +394,6 @@ void ds_cu_mul_sigmoid(ds_cu *c, float *y, const float *x, size_t n);
 /* P += a, then y = rmsnorm(P) ⊙ w (as ds_add then ds_rmsnorm): P, a, y [T][D]. */
 void ds_cu_add_rmsnorm(ds_cu *c, float *y, float *P, const float *a, const float *w, int T, int D,
                        float eps);
-void ds_cu_add_rmsnorm_codes(ds_cu *c, float *y, float *P, const float *a, const float *w, int T,
-                             int D, float eps, uint16_t *xh, float *st); /* (as rmsnorm_codes) */
 /* h [rows][2I]: gate half <- act(gate, up) in place (SwiGLU, or SiTU with its betas), as the
  * CPU's dense MLP computes from its separate gate and up projections. */
 void ds_cu_act_pairs(ds_cu *c, float *h, int rows, int I, int situ, float beta, float lin_beta);

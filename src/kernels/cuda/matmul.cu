@@ -218,30 +218,6 @@ extern "C" void ds_cu_set_f8_moe_waves(ds_cu *c, int blocks_per_sm) {
     c->f8_moe_waves = blocks_per_sm;
 }
 
-extern "C" int ds_cu_x_codes_buf(ds_cu *c, int T, int K, uint16_t **xh, float **st, ds_err *err) {
-    if (T <= 0 || T > 8 || K <= 0) return ds_errf(err, "cuda: x codes: %d rows of %d", T, K);
-    const size_t vb = ((size_t)8 * K * 2 + 255) & ~(size_t)255;
-    if (grow_scratch(c, &c->xcb, &c->xcb_bytes, vb + 8 * sizeof(float), "x codes", err))
-        return DS_ERR;
-    *xh = (uint16_t *)c->xcb;
-    *st = (float *)((char *)c->xcb + vb);
-    return DS_OK;
-}
-
-extern "C" void ds_cu_set_x_codes(ds_cu *c, const float *x, const uint16_t *xh, const float *st,
-                                  int T, int K) {
-    c->xc_x = x && xh && st ? x : NULL;
-    c->xc_h = xh, c->xc_s = st, c->xc_T = T, c->xc_K = K;
-}
-
-extern "C" void ds_cu_set_f8_norm_codes(ds_cu *c, int on) {
-    c->f8_norm_codes = on;
-}
-
-extern "C" int ds_cu_f8_norm_codes(const ds_cu *c) {
-    return c->f8_norm_codes;
-}
-
 extern "C" void ds_cu_set_f8_whole_k(ds_cu *c, int tokens) {
     c->f8_whole_k = tokens;
 }

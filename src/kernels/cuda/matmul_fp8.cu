@@ -34,14 +34,6 @@ __global__ void __launch_bounds__(256) ptpc_act_k(uint8_t *xq, int ldq, uint16_t
     }
 }
 
-extern "C" int ds_cu_f8_x_codes_bytes(void) {
-#ifdef DS_F8_MMA_E4M3
-    return 1;
-#else
-    return 0;
-#endif
-}
-
 /* Weights (BF16 rows of full_cols): scale over the whole row, codes of columns [c0, c0 + nc). */
 __global__ void __launch_bounds__(256)
     ptpc_weight_k(uint8_t *codes, float *scales, const uint16_t *src, int rows, int full_cols,
@@ -323,13 +315,9 @@ int matmul_fp8(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, cons
     const int K = w->cols;
     const int mma = K % 16 == 0 && (uintptr_t)w->data % 16 == 0;
     const int tc = !stream && mma;
-    /* decode: one kernel, reading the codes the norm that made x wrote (ds_cu_set_x_codes), or
-     * quantizing its tokens as it goes (unless f8_prequant) */
-    const int own = x == c->xc_x && T == c->xc_T && K == c->xc_K && ldx == K; /* a norm's codes */
-    if (!tc && T == 1 && f8r_fits(c, c->f8_rows, K, w->data) && (own || !c->f8_prequant))
-        return fp8_rows(c, y, x, own ? c->xc_h : NULL, own ? c->xc_s : NULL, w, err);
-    if (!tc && mma && T <= 8 && own)
-        return fp8_gemv(c, y, ldy, x, ldx, c->xc_h, c->xc_s, T, w, err);
+    /* decode: one kernel, quantizing its tokens as it goes (unless f8_prequant) */
+    if (!tc && T == 1 && f8r_fits(c, c->f8_rows, K, w->data) && !c->f8_prequant)
+        return fp8_rows(c, y, x, NULL, NULL, w, err);
     if (!tc && mma && T <= 8 && (size_t)T * K * 2 <= F8_XSH_MAX && !c->f8_prequant)
         return fp8_gemv(c, y, ldy, x, ldx, (const uint16_t *)NULL, (const float *)NULL, T, w, err);
     /* scratch (per stream: the side stream has its own): s [T] f32, then xq [T][K] codes for the

@@ -336,18 +336,16 @@ static void f8_stream(ds_cu *c, const f8_buf *b, const float *x, int T, int rows
     const int su = f8_splits_for(c, 2 * I, D, T), sd = f8_splits_for(c, D, I, T);
     const unsigned bu = (unsigned)(((2 * I + 15) / 16 + 8 / su - 1) / (8 / su)),
                    bd = (unsigned)(((D + 15) / 16 + 8 / sd - 1) / (8 / sd));
-    /* one token: its codes from the norm that made x, where it wrote them (ds_cu_set_x_codes) */
-    const int xc = g->direct && x == c->xc_x && c->xc_T == 1 && c->xc_K == D;
     if (g->direct && f8r_fits(c, c->f8_moe_rows, D, w->gc) &&
         f8r_fits(c, c->f8_moe_rows, I, w->dc)) {
         /* a warp a row: blocks a routed row's worth, at most f8_moe_rows an SM over the k rows */
         const unsigned per_sm = c->f8_moe_rows > 0 ? (unsigned)c->f8_moe_rows : 4u;
         const unsigned cap = DS_MAX(1u, per_sm * (unsigned)c->n_sm / g->ya);
 #define F8R_UP(R, U)                                                                               \
-    launch_k(                                                                                      \
-        c, moe_f8r_k<R, U>, dim3(DS_MIN((unsigned)((2 * I + 8 * (R)-1) / (8 * (R))), cap), g->ya), \
-        256, f8r_smem(D), b->h, 2 * I, x, D, none, xc ? c->xc_h : (const uint16_t *)NULL,          \
-        xc ? c->xc_s : (const float *)NULL, k, w->gc, w->gs, 2 * I, D, g->direct, g->e0, g->E)
+    launch_k(c, moe_f8r_k<R, U>,                                                                   \
+             dim3(DS_MIN((unsigned)((2 * I + 8 * (R)-1) / (8 * (R))), cap), g->ya), 256,           \
+             f8r_smem(D), b->h, 2 * I, x, D, none, (const uint16_t *)NULL, (const float *)NULL, k, \
+             w->gc, w->gs, 2 * I, D, g->direct, g->e0, g->E)
 #define F8R_DN(R, U)                                                                               \
     launch_k(c, moe_f8r_k<R, U>,                                                                   \
              dim3(DS_MIN((unsigned)((D + 8 * (R)-1) / (8 * (R))), cap), g->ya), 256, f8r_smem(I),  \
@@ -364,10 +362,9 @@ static void f8_stream(ds_cu *c, const f8_buf *b, const float *x, int T, int rows
         const unsigned per_sm = c->f8_moe_waves > 0 ? (unsigned)c->f8_moe_waves : 2u;
         const unsigned cap = DS_MAX(1u, per_sm * (unsigned)c->n_sm / g->ya);
         const size_t xu = ((size_t)D * 2 + 15) / 16 * 16, xd = ((size_t)I * 2 + 15) / 16 * 16;
-        launch_k(c, moe_f8m_k, dim3(DS_MIN(bu, cap), g->ya), 256, xc ? 0 : xu, b->h, 2 * I, x, D,
-                 none, xc ? c->xc_h : (const uint16_t *)NULL, xc ? c->xc_s : (const float *)NULL, k,
-                 w->gc, w->gs, 2 * I, D, su, g->start, g->perm, g->active, g->n_active, g->direct,
-                 g->e0, g->E, c->f8_noquant);
+        launch_k(c, moe_f8m_k, dim3(DS_MIN(bu, cap), g->ya), 256, xu, b->h, 2 * I, x, D, none,
+                 (const uint16_t *)NULL, (const float *)NULL, k, w->gc, w->gs, 2 * I, D, su,
+                 g->start, g->perm, g->active, g->n_active, g->direct, g->e0, g->E, c->f8_noquant);
         launch_k(c, moe_f8m_k, dim3(DS_MIN(bd, cap), g->ya), 256, xd, b->y, D, (const float *)b->h,
                  2 * I, act, (const uint16_t *)NULL, (const float *)NULL, 1, w->dc, w->ds, D, I, sd,
                  g->start, g->perm, g->active, g->n_active, g->direct, g->e0, g->E, c->f8_noquant);

@@ -1,41 +1,23 @@
 /* norm.cu — row norms: RMSNorm (strided, fused with a residual add), the per-head L2 norm and
  * the gated per-head RMSNorm of KDA's output. */
 #include "kernels/cuda/common.cuh"
-#include "kernels/cuda/fp8_stream.cuh"
 
 /* Values per thread a row norm keeps in registers (D up to 12 x 256 = 3072 in one pass). */
 enum { NORM_V = 12 };
 
 /* y = w * v / rms(v) for a row held in registers, v[i] at column threadIdx.x + i blockDim.x
- * (zeros past D): each thread's squares summed in column order, as the looping form does.
- * With q, also the row's ptpc codes for the FP8 products that read y (docs/quantization.md §3):
- * q[D] the F16 values of e4m3(y / s), *st = s, computed from the y values written, as each of
- * those products' blocks would from y (fp8_stream.cuh's f8_quant_row): their sums keep their
- * bits, and the products skip their quantizer. */
+ * (zeros past D): each thread's squares summed in column order, as the looping form does. */
 __device__ __forceinline__ void norm_row_regs(float *yr, const float (&v)[NORM_V],
-                                              const float (&w)[NORM_V], int D, float eps,
-                                              uint16_t *q, float *st) {
+                                              const float (&w)[NORM_V], int D, float eps) {
     float ss = 0.0f;
 #pragma unroll
     for (int i = 0; i < NORM_V; i++)
         if (threadIdx.x + i * blockDim.x < D) ss += v[i] * v[i];
     const float inv = rsqrtf(block_sum(ss) / (float)D + eps);
-    float y[NORM_V], amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < NORM_V; i++) {
         const int c = threadIdx.x + i * blockDim.x;
-        y[i] = c < D ? w[i] * (v[i] * inv) : 0.0f;
-        if (c < D) yr[c] = y[i];
-        amax = fmaxf(amax, fabsf(y[i]));
-    }
-    if (!q) return;
-    amax = block_max(amax);
-    const float s = ds_ptpc_scale(amax), is = 1.0f / s; /* (IEEE division: no fast math) */
-    if (threadIdx.x == 0) *st = s;
-#pragma unroll
-    for (int i = 0; i < NORM_V; i++) {
-        const int c = threadIdx.x + i * blockDim.x;
-        if (c < D) f8_x_put(q, c, y[i] * is);
+        if (c < D) yr[c] = w[i] * (v[i] * inv);
     }
 }
 
@@ -52,7 +34,7 @@ __device__ __forceinline__ void norm_weights_regs(float (&wv)[NORM_V], const flo
 
 /* y[t] = w * x[t] / rms(x[t]) for row t = blockIdx.x; rows ldx / ldy apart. */
 __global__ void rmsnorm_ld_k(float *y, int ldy, const float *x, int ldx, const float *w, int D,
-                             float eps, uint16_t *q, float *st) {
+                             float eps) {
     float wv[NORM_V];
     const bool in_regs = D <= NORM_V * (int)blockDim.x;
     if (in_regs) norm_weights_regs(wv, w, D);
@@ -67,8 +49,7 @@ __global__ void rmsnorm_ld_k(float *y, int ldy, const float *x, int ldx, const f
             const int c = threadIdx.x + i * blockDim.x;
             v[i] = c < D ? xr[c] : 0.0f;
         }
-        norm_row_regs(yr, v, wv, D, eps, q ? q + (size_t)blockIdx.x * D : NULL,
-                      q ? st + blockIdx.x : NULL);
+        norm_row_regs(yr, v, wv, D, eps);
         return;
     }
     for (int c = threadIdx.x; c < D; c += blockDim.x) ss += xr[c] * xr[c];
@@ -78,23 +59,14 @@ __global__ void rmsnorm_ld_k(float *y, int ldy, const float *x, int ldx, const f
 
 extern "C" void ds_cu_rmsnorm(ds_cu *c, float *y, const float *x, const float *w, int T, int D,
                               float eps) {
-    ds_cu_rmsnorm_codes(c, y, x, w, T, D, eps, NULL, NULL);
-}
-
-extern "C" int ds_cu_norm_codes_fit(int D) {
-    return D <= NORM_V * 256;
-}
-
-extern "C" void ds_cu_rmsnorm_codes(ds_cu *c, float *y, const float *x, const float *w, int T,
-                                    int D, float eps, uint16_t *xh, float *st) {
     if (T <= 0) return;
-    launch_k(c, rmsnorm_ld_k, T, 256, 0, y, D, x, D, w, D, eps, xh, st); /* packed rows */
+    launch_k(c, rmsnorm_ld_k, T, 256, 0, y, D, x, D, w, D, eps); /* packed rows */
     note_launch(c);
 }
 
 /* P += a, then y = w ⊙ P / rms(P): a residual add and the next norm in one pass. */
-__global__ void add_rmsnorm_k(float *y, float *P, const float *a, const float *w, int D, float eps,
-                              uint16_t *q, float *st) {
+__global__ void add_rmsnorm_k(float *y, float *P, const float *a, const float *w, int D,
+                              float eps) {
     float wv[NORM_V];
     const bool in_regs = D <= NORM_V * (int)blockDim.x;
     if (in_regs) norm_weights_regs(wv, w, D);
@@ -115,8 +87,7 @@ __global__ void add_rmsnorm_k(float *y, float *P, const float *a, const float *w
             const int c = threadIdx.x + i * blockDim.x;
             if (c < D) pr[c] = v[i];
         }
-        norm_row_regs(yr, v, wv, D, eps, q ? q + (size_t)blockIdx.x * D : NULL,
-                      q ? st + blockIdx.x : NULL);
+        norm_row_regs(yr, v, wv, D, eps);
         return;
     }
     for (int c = threadIdx.x; c < D; c += blockDim.x) {
@@ -130,22 +101,15 @@ __global__ void add_rmsnorm_k(float *y, float *P, const float *a, const float *w
 
 extern "C" void ds_cu_add_rmsnorm(ds_cu *c, float *y, float *P, const float *a, const float *w,
                                   int T, int D, float eps) {
-    ds_cu_add_rmsnorm_codes(c, y, P, a, w, T, D, eps, NULL, NULL);
-}
-
-extern "C" void ds_cu_add_rmsnorm_codes(ds_cu *c, float *y, float *P, const float *a,
-                                        const float *w, int T, int D, float eps, uint16_t *xh,
-                                        float *st) {
     if (T <= 0) return;
-    launch_k(c, add_rmsnorm_k, T, 256, 0, y, P, a, w, D, eps, xh, st);
+    launch_k(c, add_rmsnorm_k, T, 256, 0, y, P, a, w, D, eps);
     note_launch(c);
 }
 
 extern "C" void ds_cu_rmsnorm_ld(ds_cu *c, float *y, int ldy, const float *x, int ldx,
                                  const float *w, int T, int D, float eps) {
     if (T <= 0) return;
-    launch_k(c, rmsnorm_ld_k, T, 256, 0, y, ldy, x, ldx, w, D, eps, (uint16_t *)NULL,
-             (float *)NULL);
+    launch_k(c, rmsnorm_ld_k, T, 256, 0, y, ldy, x, ldx, w, D, eps);
     note_launch(c);
 }
 
