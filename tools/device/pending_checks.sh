@@ -63,13 +63,16 @@
 #      K split forced (DS_CUDA_F8_SPLIT: the grid's waves; 0 the rule's): the FP8 checks (among
 #      them the forced splits, 8 parts and whole, products and experts), decode batch 1 and 32 at
 #      0/1/2/4/8 beside BF16.
-# STEPS: which of them (default "18", the one not yet run; 17 ran in session 37; 1-5 ran in sessions 27-28, 6, 7 and 9
+#  19. (issues 32, 33, session 38) the checks after the norms' codes' removal, one-token matmuls
+#      through the experts' kernel on and off, and a graphed batch-1 step's kernel timeline
+#      (timeline48.sh) in BF16 and ptpc_fp8.
+# STEPS: which of them (default "19"; 17 ran in session 37, 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
 # in session 31, 8 at 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12
 # in session 33 on H100s, 10 and 13 in session 34, 9, 14 and 15 in session 35, 9 and 16 in
 # session 36: bench/RESULTS.md).
 set -u
 OUT=${OUT:-/tmp/ds-out}
-STEPS=" ${STEPS:-18} "
+STEPS=" ${STEPS:-19} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -232,6 +235,23 @@ B48=".devbin/deltaserve $(b48 8 ${BATCHES:-2,4,8,16,32,64})"
 for f in 0 2; do
   DS_CUDA_F8_WHOLE_K=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 whole K from $f] /"
 done
+fi
+if want 19; then
+el "19. (issues 32, 33, session 38) the checks after the norms' codes' removal (matmul fp8, moe"
+el "    fp8, norms), one-token matmuls through the experts' kernel (DS_CUDA_GEMV_WIDE) on and off"
+el "    in BF16 and ptpc_fp8, ROUNDS rounds (default 3); then where a graphed batch-1 step's time"
+el "    goes, kernel by kernel (timeline48.sh: Nsight Systems, BF16 and ptpc_fp8)"
+checks s19.log "matmul,matmul fp8,moe,moe fp8,moe mxfp4,norm rows,norm heads,activations"
+grep -E "FAIL|checks:" "$OUT/s19.log" | head -12
+B48=".devbin/deltaserve $(b48 16 1)"
+for r in $(seq "${ROUNDS:-3}"); do
+  for g in 1 0; do
+    DS_CUDA_GEMV_WIDE=$g $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16 wide $g $r] /"
+    DS_CUDA_GEMV_WIDE=$g $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 wide $g $r] /"
+  done
+done
+bash "$(dirname "$0")/timeline48.sh" 2>&1 | head -${TL_LINES:-60}
+NAME=tl8 bash "$(dirname "$0")/timeline48.sh" -q ptpc_fp8 2>&1 | head -${TL_LINES:-60}
 fi
 if want 18; then
 el "18. (issues 32, 33, session 37) weights prefetched into L2 before their products"
