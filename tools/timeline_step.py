@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """timeline_step.py — where a decode step's time goes on its critical stream, from a kernel
-timeline (tools/device/timeline48.sh's CSV: start_ns, dur_ns, stream, name; one row a kernel).
+timeline (DS_CUDA_TIMELINE's CSV, tools/device/timeline48.sh: start_ns, dur_ns, stream, name;
+one row a kernel).
 
 Steps are cut at the embedding kernel (the first of every step). For the last STEPS steps (default
 4; eager warm-up steps come first, graph replays last) it reports the step's span and, on the
@@ -13,7 +14,18 @@ of one mid-step stretch of kernels (--show N), so that the chain of a layer can 
 import argparse
 import collections
 import csv
+import re
 import sys
+
+
+def short(name):
+    """A mangled kernel name's function name (_Z13moe_grouped_kILi1E... -> moe_grouped_k, its
+    template arguments dropped); other names as they are."""
+    m = re.match(r"_Z(?:N\d*)?(\d+)", name)
+    if not m:
+        return name
+    n = int(m.group(1))
+    return name[m.end():m.end() + n]
 
 
 def main():
@@ -25,7 +37,7 @@ def main():
     rows = []
     with open(a.csv) as f:
         for r in csv.DictReader(f):
-            rows.append((int(r["start_ns"]), int(r["dur_ns"]), r["stream"], r["name"]))
+            rows.append((int(r["start_ns"]), int(r["dur_ns"]), r["stream"], short(r["name"])))
     if not rows:
         sys.exit("timeline_step: no kernels in %s" % a.csv)
     rows.sort()

@@ -79,6 +79,7 @@ static cuda_device *device_acquire(int index, ds_err *err) {
 static void device_release(cuda_device *dv) {
     if (--dv->refs == 0) {
         if (g_devices.dev == dv) g_devices.dev = NULL;
+        ds_cu_timeline_close(); /* (if one was opened: its last records, before the context) */
         ds_cu_free(dv->c);
         free(dv);
     }

@@ -107,6 +107,7 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->pdl = !(pdl && !strcmp(pdl, "0"));
     t->profile = env_flag("DS_CUDA_PROFILE", 0);
     t->skip = env_text("DS_CUDA_SKIP");
+    t->timeline = env_text("DS_CUDA_TIMELINE");
     t->nccl = env_flag("DS_NCCL", 1);
     t->draft_device = env_flag("DS_DRAFT_DEVICE", 1);
 }
@@ -151,6 +152,7 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     if (t->f8_noquant)
         fprintf(stderr, "[deltaserve] DS_CUDA_F8_NOQUANT=1: FP8 decode products skip their "
                         "quantizer (results are wrong; for timing only)\n");
+    if (t->timeline && ds_cu_timeline_open(t->timeline, err)) return DS_ERR;
     if (t->skip) {
         fprintf(stderr,
                 "[deltaserve] DS_CUDA_SKIP=%s: those kernels are left out (results are "

@@ -46,6 +46,9 @@
  *                                          turns it off
  *   DS_CUDA_PROFILE        F      0        the device time of each op of the eager steps
  *                                          (ds_model_profile_report prints it)
+ *   DS_CUDA_TIMELINE       path   unset    every kernel's start, duration and stream (graph
+ *                                          nodes too) as CSV in that file (CUPTI: a line and no
+ *                                          model where it cannot be had; tools/timeline_step.py)
  *   DS_CUDA_SKIP           labels unset    the kernels of these ';'-separated profile labels left
  *                                          out (wrong results: timing what-ifs only; a line says
  *                                          so)
@@ -87,7 +90,8 @@ typedef struct ds_cuda_tuning {
     int mla_decode_tc_warps; /* its warps a block for BF16 rows in 64-row tiles (8 or 16) */
     int pdl;
     int profile;
-    const char *skip; /* DS_CUDA_SKIP's labels, or NULL when unset or empty */
+    const char *skip;     /* DS_CUDA_SKIP's labels, or NULL when unset or empty */
+    const char *timeline; /* DS_CUDA_TIMELINE's path, or NULL */
     int nccl;
     int draft_device;
 } ds_cuda_tuning;

@@ -566,6 +566,12 @@ uint64_t ds_cu_epoch(ds_cu *c);
  * starts over. Labels are
  * string literals. Without ds_cu_prof_enable every call returns at once. */
 void ds_cu_prof_enable(ds_cu *c, int on);
+/* A timeline of every kernel the process runs from now on (graph nodes included): CSV rows of
+ * start and duration (ns, the device's clock), stream and mangled name, written to path by
+ * ds_cu_timeline_close (called at exit too) — through CUPTI, opened here (an error names what
+ * is missing). One a process; a second open is a no-op. DS_CUDA_TIMELINE in the engine. */
+int ds_cu_timeline_open(const char *path, ds_err *err);
+void ds_cu_timeline_close(void);
 void ds_cu_prof_mark(ds_cu *c, const char *label);
 void ds_cu_prof_step_end(ds_cu *c);
 void ds_cu_prof_report(ds_cu *c, FILE *f, const char *title);
