@@ -56,7 +56,7 @@ fi
 [ -x /usr/bin/ucx_perftest ] && cp /usr/bin/ucx_perftest .devbin/
 # CUPTI, for DS_CUDA_TIMELINE (tools/device/timeline48.sh: the machines have no Nsight Systems)
 CUPTI=$(ls "$(dirname "$NVCC")"/../lib*/libcupti.so.* /usr/local/cuda/extras/CUPTI/lib64/libcupti.so.* \
-  2>/dev/null | head -1)
+  2>/dev/null | head -1 || true)
 [ -n "$CUPTI" ] && cp -L "$CUPTI" .devbin/lib/
 strip .devbin/* 2>/dev/null || true
 # the commit the binaries are built from, for tools/bench_latest.py's stamps ("+" when the tree
