@@ -108,8 +108,16 @@ static void cuda_detach(ds_model *m) {
     free(cm->allocs);
     free(cm->layers);
     free(cm->conv);
-    free(cm->h_i);
-    free(cm->h_p);
+    if (cm->st.n)
+        fprintf(stderr,
+                "[deltaserve] cuda step times: %ld decode steps, host %.3f ms a step (least %.3f), "
+                "device %.3f ms (least %.3f): the host's own %.3f ms\n",
+                cm->st.n, 1e3 * cm->st.host_s / cm->st.n, 1e3 * cm->st.host_min_s,
+                cm->st.dev_ms / cm->st.n, cm->st.dev_min_ms,
+                (1e3 * cm->st.host_s - cm->st.dev_ms) / cm->st.n);
+    if (cm->c) ds_cu_upload_wait(cm->c, &(ds_err){{0}}); /* (before the staging goes) */
+    ds_cu_host_free(cm->h_i);
+    ds_cu_host_free(cm->h_p);
     free(cm->tp_host);
     free(cm->draw_d);
     free(cm->draw_out);

@@ -109,6 +109,12 @@ typedef struct ds_cuda_model {
     } graphs[64];
     int n_graphs;
     uint64_t graph_replays, graph_failures;
+    /* DS_CUDA_STEP_TIMES: decode steps' host time (the whole forward call) and device time (the
+     * first upload to the last kernel), summed and least, reported at detach */
+    struct {
+        long n;
+        double host_s, dev_ms, host_min_s, dev_min_ms;
+    } st;
     float *tp_host; /* tensor parallelism: collectives staged through the host, tp_cap floats */
     size_t tp_cap;
     /* a step's draws (draw_rows): per logits row its draw and token ([n_lg] each, NULL: not
@@ -118,7 +124,7 @@ typedef struct ds_cuda_model {
     ds_cu_draw *draw_cu;
     int32_t *draw_ed, *draw_tok;
     size_t draw_d_cap, draw_out_cap, draw_cu_cap, draw_ed_cap, draw_tok_cap;
-    int32_t *h_i; /* host staging of the two arenas */
+    int32_t *h_i; /* host staging of the two arenas (pinned: copied without waiting) */
     size_t h_icap;
     void **h_p;
     size_t h_pcap;
@@ -210,6 +216,8 @@ int cuda_upload_weights(ds_cuda_model *cm, const ds_model *m, ds_err *err);
  * need; a host buffer to need elements (contents kept) */
 int cuda_grow_dev(ds_cu *c, void **p, size_t *cap, size_t need, size_t elem, ds_err *err);
 int cuda_grow_host(void **p, size_t *cap, size_t need, size_t elem, ds_err *err);
+/* one decode step's times into cm->st (DS_CUDA_STEP_TIMES; dev_ms < 0: not had) */
+void cuda_step_times_add(ds_cuda_model *cm, double host_s, double dev_ms);
 /* dbuf[n] (device) <- its sum over the TP group; nothing on one rank */
 int cuda_tp_sum(cstep *s, float *dbuf, size_t n, ds_err *err);
 /* the graphs captured for cm's steps, freed */

@@ -94,7 +94,29 @@ int cuda_grow_host(void **p, size_t *cap, size_t need, size_t elem, ds_err *err)
     return DS_OK;
 }
 
-/* Builds every index of the step on the host and uploads them in two copies. */
+void cuda_step_times_add(ds_cuda_model *cm, double host_s, double dev_ms) {
+    if (dev_ms < 0) return;
+    if (!cm->st.n || host_s < cm->st.host_min_s) cm->st.host_min_s = host_s;
+    if (!cm->st.n || dev_ms < cm->st.dev_min_ms) cm->st.dev_min_ms = dev_ms;
+    cm->st.n++;
+    cm->st.host_s += host_s;
+    cm->st.dev_ms += dev_ms;
+}
+
+/* Pinned host staging (ds_cu_host_alloc) of at least need elements of elem bytes, for copies
+ * the host does not wait for; the contents are not kept (every step rewrites them). */
+static int grow_pinned(ds_cu *c, void **p, size_t *cap, size_t need, size_t elem, ds_err *err) {
+    if (need <= *cap) return DS_OK;
+    TRY(ds_cu_upload_wait(c, err)); /* (a copy may still read the old one) */
+    ds_cu_host_free(*p);
+    *cap = 0;
+    if (!(*p = ds_cu_host_alloc(need * elem, err))) return DS_ERR;
+    *cap = need;
+    return DS_OK;
+}
+
+/* Builds every index of the step on the host and uploads them in two copies, which the host
+ * does not wait for (the step's kernels follow them on the stream). */
 static int build_indices(cstep *s, ds_err *err) {
     ds_model *m = s->m;
     ds_cuda_model *cm = s->cm;
@@ -115,8 +137,11 @@ static int build_indices(cstep *s, ds_err *err) {
     ni += nbt + nctx + nlg;
     int nb_max = ds_model_max_banks(m);
     size_t np = (size_t)4 * m->n_kda * n_seq + (size_t)(nb_max + 1) * (nb_max + 1);
-    if (cuda_grow_host((void **)&cm->h_i, &cm->h_icap, ni + 1, sizeof(int32_t), err) ||
-        cuda_grow_host((void **)&cm->h_p, &cm->h_pcap, np + 1, sizeof(void *), err) ||
+    /* the previous step's copies read the staging: done before it is rewritten (at once, unless
+     * that step failed before its end's synchronisation) */
+    TRY(ds_cu_upload_wait(s->c, err));
+    if (grow_pinned(s->c, (void **)&cm->h_i, &cm->h_icap, ni + 1, sizeof(int32_t), err) ||
+        grow_pinned(s->c, (void **)&cm->h_p, &cm->h_pcap, np + 1, sizeof(void *), err) ||
         grow(cm, (void **)&cm->iarena, &cm->icap, ni + 1, sizeof(int32_t), err) ||
         grow(cm, (void **)&cm->parena, &cm->pcap, np + 1, sizeof(void *), err))
         return DS_ERR;
@@ -184,8 +209,10 @@ static int build_indices(cstep *s, ds_err *err) {
         for (int j = 0; j < nb; j++) row[j] = bank + (size_t)j * TDp;
         row[nb] = P;
     }
-    if (ds_cu_upload(s->c, cm->iarena, hi, at * sizeof(int32_t), err) ||
-        ds_cu_upload(s->c, cm->parena, hp, np * sizeof(void *), err))
+    if (cm->tune.step_times && ds_cu_step_mark(s->c, 0, err)) return DS_ERR;
+    if (ds_cu_upload_async(s->c, cm->iarena, hi, at * sizeof(int32_t), err) ||
+        ds_cu_upload_async(s->c, cm->parena, hp, np * sizeof(void *), err) ||
+        (cm->tune.upload_sync && ds_cu_sync(s->c, err))) /* (the older form, for comparison) */
         return DS_ERR;
     s->ids = cm->iarena;
     s->seg_off = cm->iarena + seg_at;
@@ -445,6 +472,7 @@ vocabulary block; all of V on one) */
         TRY(run_graphed(s, nb, err));
     else
         TRY(run_body(s, nb, err));
+    if (cm->tune.step_times) TRY(ds_cu_step_mark(cu, 1, err));
     if (m->l1 < c->num_hidden_layers) { /* not the last stage: hand the stream and the banks on */
         TRY(ds_cu_download(cu, out->h, s->P, TD * sizeof(float), err));
         out->n_banks = nb_out;
@@ -602,6 +630,7 @@ int cuda_forward(ds_model *m, const ds_step_plan *plan, ds_kv_pool *pool, ds_seq
     s.off = off;
     s.bt_off = hoff;
     s.ctx_off = hoff + n_seq;
+    const double t0 = cm->tune.step_times ? ds_now() : 0.0;
     size_t need = cuda_step_need(m, cm->c, plan, seqs, n_seq, T);
     int rc = grow(cm, (void **)&cm->sc, &cm->sc_cap, need, sizeof(float), err);
     if (!rc) rc = stage_state(m, seqs, seqs_in, n_seq, 0, err);
@@ -609,6 +638,8 @@ int cuda_forward(ds_model *m, const ds_step_plan *plan, ds_kv_pool *pool, ds_seq
     if (!rc) rc = run_step(&s, in, out, err);
     if (!rc) ds_cu_prof_step_end(cm->c);
     if (!rc) rc = stage_state(m, seqs, seqs_in, n_seq, 1, err);
+    if (!rc && cm->tune.step_times && T == n_seq) /* a decode step: its host and device times */
+        cuda_step_times_add(cm, ds_now() - t0, ds_cu_step_mark_ms(cm->c));
     free(hoff);
     free(seqs);
     if (rc) ds_err_prefix(err, "forward on %s", ds_cu_device_name(cm->c));

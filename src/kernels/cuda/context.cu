@@ -257,6 +257,8 @@ extern "C" void ds_cu_free(ds_cu *c) {
     side_free(c);
     pf_free(c);
     cudaStreamSynchronize(c->stream);
+    if (c->up_done) cudaEventDestroy(c->up_done);
+    if (c->st_have) cudaEventDestroy(c->st_ev[0]), cudaEventDestroy(c->st_ev[1]);
     cudaFree(c->xb);
     cudaFree(c->part);
     fp8_free(c);
@@ -339,6 +341,41 @@ extern "C" int ds_cu_upload(ds_cu *c, void *dst, const void *src, size_t bytes, 
     CU_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream), "upload");
     CU_TRY(cudaStreamSynchronize(c->stream), "upload");
     return DS_OK;
+}
+
+extern "C" int ds_cu_upload_async(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err) {
+    if (!c->up_done)
+        CU_TRY(cudaEventCreateWithFlags(&c->up_done, cudaEventDisableTiming), "upload");
+    CU_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream), "upload");
+    CU_TRY(cudaEventRecord(c->up_done, c->stream), "upload");
+    c->up_have = 1;
+    return DS_OK;
+}
+
+extern "C" int ds_cu_upload_wait(ds_cu *c, ds_err *err) {
+    if (!c->up_have) return DS_OK;
+    CU_TRY(cudaEventSynchronize(c->up_done), "upload: waiting for the copy");
+    c->up_have = 0;
+    return DS_OK;
+}
+
+extern "C" int ds_cu_step_mark(ds_cu *c, int end, ds_err *err) {
+    if (!c->st_have) {
+        CU_TRY(cudaEventCreate(&c->st_ev[0]), "step marks");
+        CU_TRY(cudaEventCreate(&c->st_ev[1]), "step marks");
+        c->st_have = 1;
+    }
+    CU_TRY(cudaEventRecord(c->st_ev[end ? 1 : 0], c->stream), "step marks");
+    return DS_OK;
+}
+
+extern "C" double ds_cu_step_mark_ms(ds_cu *c) {
+    float ms = -1.0f;
+    if (!c->st_have || cudaEventElapsedTime(&ms, c->st_ev[0], c->st_ev[1]) != cudaSuccess) {
+        cudaGetLastError();
+        return -1.0;
+    }
+    return ms;
 }
 
 extern "C" int ds_cu_download(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err) {
