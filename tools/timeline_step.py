@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
-"""timeline_step.py — where a decode step's time goes on its critical stream, from a kernel
-timeline (DS_CUDA_TIMELINE's CSV, tools/device/timeline48.sh: start_ns, dur_ns, stream, name;
-one row a kernel).
+"""timeline_step.py — where a decode step's time goes, from a kernel timeline (DS_CUDA_TIMELINE's
+CSV, tools/device/timeline48.sh: start_ns, dur_ns, stream, name; one row a kernel).
 
-Steps are cut at the embedding kernel (the first of every step). For the last STEPS steps (default
-4; eager warm-up steps come first, graph replays last) it reports the step's span and, on the
-stream the embedding ran on (the main one), what each kernel adds to that stream's end: its
-exclusive time end_i - max(end_{i-1}, start_i) (0 when it finished under its predecessor; these
-sum to the main stream's span), next to its own duration, summed by kernel name; then the sequence
-of one mid-step stretch of kernels (--show N), so that the chain of a layer can be read.
+Steps are cut at the embedding kernel (the first of every step); the last STEPS complete steps
+(default 4: graph replays, after the eager warm-up) are read. A graph's kernels run on streams
+of the graph's own, so streams say nothing here: the step's time is cut into the stretches
+between kernel starts and ends, and each stretch goes to the kernels running in it — whole to a
+kernel running alone, split evenly where several overlap, to "idle" where none runs. Per kernel
+name: launches a step, its own duration, the time it ran alone and its share; then the step's
+span, idle time and the host's gap to the next step, and a stretch of one step in order.
 
   python3 tools/timeline_step.py TIMELINE.csv [--steps 4] [--show 40]"""
 import argparse
@@ -28,6 +28,33 @@ def short(name):
     return name[m.end():m.end() + n]
 
 
+def attribute(step):
+    """{name: [alone ns, shared ns]} and idle ns over the step's span."""
+    ev = []
+    for i, (s, d, _, _) in enumerate(step):
+        ev.append((s, 1, i))
+        ev.append((s + d, -1, i))
+    ev.sort()
+    running, out, idle = set(), collections.defaultdict(lambda: [0.0, 0.0]), 0.0
+    last = ev[0][0]
+    for t, kind, i in ev:
+        dt = t - last
+        if dt > 0:
+            if not running:
+                idle += dt
+            elif len(running) == 1:
+                out[step[next(iter(running))][3]][0] += dt
+            else:
+                for j in running:
+                    out[step[j][3]][1] += dt / len(running)
+        last = t
+        if kind > 0:
+            running.add(i)
+        else:
+            running.discard(i)
+    return out, idle
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("csv")
@@ -38,58 +65,46 @@ def main():
     with open(a.csv) as f:
         for r in csv.DictReader(f):
             rows.append((int(r["start_ns"]), int(r["dur_ns"]), r["stream"], short(r["name"])))
-    if not rows:
-        sys.exit("timeline_step: no kernels in %s" % a.csv)
     rows.sort()
-    starts = [i for i, r in enumerate(rows) if "embed" in r[3]]
-    if len(starts) < 2:
-        sys.exit("timeline_step: fewer than two steps (no embedding kernels) in %s" % a.csv)
-    starts.append(len(rows))
-    steps = [rows[starts[i]:starts[i + 1]] for i in range(len(starts) - 1)]
-    # the last step may be followed by other work (the bench's next case): cut each step where
-    # its main stream's kernels end
-    chosen = steps[-a.steps - 1:-1] if len(steps) > a.steps else steps
-    excl = collections.defaultdict(float)
-    dur = collections.defaultdict(float)
-    cnt = collections.Counter()
-    spans, mains, nk = [], [], []
-    for st in chosen:
-        main = st[0][2]
-        ms = [r for r in st if r[2] == main]
-        t0 = ms[0][0]
-        end = t0
-        for s, d, _, name in ms:
-            e = s + d
-            excl[name] += max(0, e - max(end, s))
-            dur[name] += d
-            cnt[name] += 1
-            end = max(end, e)
-        spans.append((end - t0) / 1e3)
-        mains.append(len(ms))
-        nk.append(len(st))
+    starts = [i for i, r in enumerate(rows) if r[3] == "embed_k"]
+    if len(starts) < 3:
+        sys.exit("timeline_step: fewer than two whole steps (embedding kernels) in %s" % a.csv)
+    steps = [(rows[starts[i]:starts[i + 1]], rows[starts[i + 1]][0])
+             for i in range(len(starts) - 1)]
+    chosen = steps[-a.steps:]
     n = len(chosen)
-    print("steps: %d; span of the main stream %s us; kernels a step: %s (main stream %s)" % (
-        n, " ".join("%.1f" % x for x in spans), " ".join(map(str, nk)),
-        " ".join(map(str, mains))))
-    tot = sum(excl.values()) / n / 1e3
-    print("%-44s %6s %10s %10s %7s" % ("kernel (main stream)", "count", "adds us", "runs us",
+    tot = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0])  # alone, shared, own, count
+    spans, idles, gaps, nk = [], [], [], []
+    for st, next_start in chosen:
+        t0, t1 = st[0][0], max(s + d for s, d, _, _ in st)
+        att, idle = attribute(st)
+        for name, (al, sh) in att.items():
+            tot[name][0] += al
+            tot[name][1] += sh
+        for s, d, _, name in st:
+            tot[name][2] += d
+            tot[name][3] += 1
+        spans.append((t1 - t0) / 1e3)
+        idles.append(idle / 1e3)
+        gaps.append((next_start - t1) / 1e3)
+        nk.append(len(st))
+    mean = lambda xs: sum(xs) / len(xs)
+    print("steps: %d; kernels a step %d; span %.1f us (idle inside %.1f us); the gap to the next "
+          "step's first kernel %.1f us; step to step %.1f us" % (
+              n, nk[-1], mean(spans), mean(idles), mean(gaps), mean(spans) + mean(gaps)))
+    span = mean(spans)
+    print("%-34s %6s %9s %9s %9s %7s" % ("kernel", "count", "own us", "alone us", "shared us",
                                         "share"))
-    for name, v in sorted(excl.items(), key=lambda kv: -kv[1]):
-        print("%-44s %6.1f %10.1f %10.1f %6.1f%%" % (name[:44], cnt[name] / n, v / n / 1e3,
-                                                   dur[name] / n / 1e3, 100 * v / n / 1e3 / tot))
-    st = chosen[-1]
-    main = st[0][2]
-    mid = len(st) // 2
-    print("\na stretch of the last step (stream, start us from the step, duration us, adds us):")
+    for name, (al, sh, own, c) in sorted(tot.items(), key=lambda kv: -(kv[1][0] + kv[1][1])):
+        print("%-34s %6.1f %9.1f %9.1f %9.1f %6.1f%%" % (name[:34], c / n, own / n / 1e3,
+                                                      al / n / 1e3, sh / n / 1e3,
+                                                      100 * (al + sh) / n / 1e3 / span))
+    st = chosen[-1][0]
     t0 = st[0][0]
-    end = None
+    mid = len(st) // 2
+    print("\na stretch of the last step (start us from the step, duration us, stream):")
     for s, d, strm, name in st[mid:mid + a.show]:
-        add = ""
-        if strm == main:
-            add = "%.2f" % (max(0, s + d - max(end if end is not None else s, s)) / 1e3)
-            end = max(end or 0, s + d)
-        print("  %s %9.2f %8.2f %6s  %s" % ("M" if strm == main else "s", (s - t0) / 1e3, d / 1e3,
-                                           add, name[:60]))
+        print("  %9.2f %8.2f %4s  %s" % ((s - t0) / 1e3, d / 1e3, strm, name[:60]))
 
 
 if __name__ == "__main__":

@@ -63,9 +63,10 @@
 #      K split forced (DS_CUDA_F8_SPLIT: the grid's waves; 0 the rule's): the FP8 checks (among
 #      them the forced splits, 8 parts and whole, products and experts), decode batch 1 and 32 at
 #      0/1/2/4/8 beside BF16.
-#  19. (issues 32, 33, session 38) the checks after the norms' codes' removal, a decode step's
-#      host time beside its device time with the index copies waited for and not, and a graphed
-#      batch-1 step's kernel timeline (timeline48.sh) in BF16 and ptpc_fp8.
+#  19. (issues 32, 33, session 38) the router's choice with its lists in shared memory: the
+#      checks, decode batch 1 against a baseline's binary (DS_DEVBIN_BASE) with the step's host
+#      and device times, and a batch-1 step's kernel timeline (timeline48.sh). (Its first form,
+#      run in session 38: the index copies waited for or not, measured the same; removed.)
 # STEPS: which of them (default "19"; 17 ran in session 37, 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
 # in session 31, 8 at 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12
 # in session 33 on H100s, 10 and 13 in session 34, 9, 14 and 15 in session 35, 9 and 16 in
@@ -237,28 +238,27 @@ for f in 0 2; do
 done
 fi
 if want 19; then
-el "19. (issues 32, 33, session 38) the checks after the norms' codes' removal; a decode step's"
-el "    host time beside its device time (DS_CUDA_STEP_TIMES) with the index copies waited for"
-el "    (DS_CUDA_UPLOAD_SYNC=1, the older form) and not, BF16 and ptpc_fp8, ROUNDS rounds (default"
-el "    3), the greedy ids' hash of each; then a graphed batch-1 step's kernel timeline"
-el "    (timeline48.sh, BF16 and ptpc_fp8)"
-checks s19.log "matmul,matmul fp8,moe,moe fp8,moe mxfp4,norm rows,norm heads,activations"
-grep -E "FAIL|checks:" "$OUT/s19.log" | head -12
-B48=".devbin/deltaserve $(b48 16 ${BATCHES:-1})"
+el "19. (issues 32, 33, session 38) the router's choice with its lists in shared memory: the moe"
+el "    checks (the choice against the CPU's), then decode batch 1 against the baseline's binary"
+el "    (.devbin/deltaserve_base: DS_DEVBIN_BASE=... pack_devbin.sh) in BF16 and ptpc_fp8, with a"
+el "    step's host and device times (DS_CUDA_STEP_TIMES) and the greedy ids' hash, ROUNDS rounds"
+el "    (default 3); then a graphed batch-1 step's kernel timeline (timeline48.sh)"
+checks s19.log "moe,moe fp8,moe mxfp4"
+grep -E "FAIL|route|checks:" "$OUT/s19.log" | head -12
 for r in $(seq "${ROUNDS:-3}"); do
-  for u in 0 1; do
+  for bin in deltaserve_base deltaserve; do
+    [ -x ".devbin/$bin" ] || continue
     for q in bf16 ptpc_fp8; do
       qa=$([ $q = bf16 ] || echo "-q $q")
-      DS_CUDA_STEP_TIMES=1 DS_CUDA_UPLOAD_SYNC=$u $B48 $qa --json "$OUT/s19_${q}_$u.json" \
+      DS_CUDA_STEP_TIMES=1 .devbin/$bin $(b48 16 1) $qa --json "$OUT/s19_${q}_$bin.json" \
         > "$OUT/s19.txt" 2>&1
-      echo "[$q upload sync $u, $r] $(grep -E '^decode batch' "$OUT/s19.txt" | tr -s ' ' | tr '\n' ';')" \
+      echo "[$bin $q, $r] $(grep -E '^decode batch' "$OUT/s19.txt" | tr -s ' ')" \
         "$(grep -o 'cuda step times.*' "$OUT/s19.txt")" \
-        "ids $(grep -o '"ids_hash": "[0-9a-f]*"' "$OUT/s19_${q}_$u.json" | tail -1)"
+        "ids $(grep -o '"ids_hash": "[0-9a-f]*"' "$OUT/s19_${q}_$bin.json" | tail -1)"
     done
   done
 done
 [ -n "${NO_TL:-}" ] || bash "$(dirname "$0")/timeline48.sh" 2>&1 | head -${TL_LINES:-24}
-[ -n "${NO_TL:-}" ] || NAME=tl8 bash "$(dirname "$0")/timeline48.sh" -q ptpc_fp8 2>&1 | head -${TL_LINES:-24}
 fi
 if want 18; then
 el "18. (issues 32, 33, session 37) weights prefetched into L2 before their products"

@@ -115,9 +115,8 @@ static void cuda_detach(ds_model *m) {
                 cm->st.n, 1e3 * cm->st.host_s / cm->st.n, 1e3 * cm->st.host_min_s,
                 cm->st.dev_ms / cm->st.n, cm->st.dev_min_ms,
                 (1e3 * cm->st.host_s - cm->st.dev_ms) / cm->st.n);
-    if (cm->c) ds_cu_upload_wait(cm->c, &(ds_err){{0}}); /* (before the staging goes) */
-    ds_cu_host_free(cm->h_i);
-    ds_cu_host_free(cm->h_p);
+    free(cm->h_i);
+    free(cm->h_p);
     free(cm->tp_host);
     free(cm->draw_d);
     free(cm->draw_out);

@@ -124,7 +124,7 @@ typedef struct ds_cuda_model {
     ds_cu_draw *draw_cu;
     int32_t *draw_ed, *draw_tok;
     size_t draw_d_cap, draw_out_cap, draw_cu_cap, draw_ed_cap, draw_tok_cap;
-    int32_t *h_i; /* host staging of the two arenas (pinned: copied without waiting) */
+    int32_t *h_i; /* host staging of the two arenas */
     size_t h_icap;
     void **h_p;
     size_t h_pcap;

@@ -103,20 +103,7 @@ void cuda_step_times_add(ds_cuda_model *cm, double host_s, double dev_ms) {
     cm->st.dev_ms += dev_ms;
 }
 
-/* Pinned host staging (ds_cu_host_alloc) of at least need elements of elem bytes, for copies
- * the host does not wait for; the contents are not kept (every step rewrites them). */
-static int grow_pinned(ds_cu *c, void **p, size_t *cap, size_t need, size_t elem, ds_err *err) {
-    if (need <= *cap) return DS_OK;
-    TRY(ds_cu_upload_wait(c, err)); /* (a copy may still read the old one) */
-    ds_cu_host_free(*p);
-    *cap = 0;
-    if (!(*p = ds_cu_host_alloc(need * elem, err))) return DS_ERR;
-    *cap = need;
-    return DS_OK;
-}
-
-/* Builds every index of the step on the host and uploads them in two copies, which the host
- * does not wait for (the step's kernels follow them on the stream). */
+/* Builds every index of the step on the host and uploads them in two copies. */
 static int build_indices(cstep *s, ds_err *err) {
     ds_model *m = s->m;
     ds_cuda_model *cm = s->cm;
@@ -137,11 +124,8 @@ static int build_indices(cstep *s, ds_err *err) {
     ni += nbt + nctx + nlg;
     int nb_max = ds_model_max_banks(m);
     size_t np = (size_t)4 * m->n_kda * n_seq + (size_t)(nb_max + 1) * (nb_max + 1);
-    /* the previous step's copies read the staging: done before it is rewritten (at once, unless
-     * that step failed before its end's synchronisation) */
-    TRY(ds_cu_upload_wait(s->c, err));
-    if (grow_pinned(s->c, (void **)&cm->h_i, &cm->h_icap, ni + 1, sizeof(int32_t), err) ||
-        grow_pinned(s->c, (void **)&cm->h_p, &cm->h_pcap, np + 1, sizeof(void *), err) ||
+    if (cuda_grow_host((void **)&cm->h_i, &cm->h_icap, ni + 1, sizeof(int32_t), err) ||
+        cuda_grow_host((void **)&cm->h_p, &cm->h_pcap, np + 1, sizeof(void *), err) ||
         grow(cm, (void **)&cm->iarena, &cm->icap, ni + 1, sizeof(int32_t), err) ||
         grow(cm, (void **)&cm->parena, &cm->pcap, np + 1, sizeof(void *), err))
         return DS_ERR;
@@ -210,9 +194,8 @@ static int build_indices(cstep *s, ds_err *err) {
         row[nb] = P;
     }
     if (cm->tune.step_times && ds_cu_step_mark(s->c, 0, err)) return DS_ERR;
-    if (ds_cu_upload_async(s->c, cm->iarena, hi, at * sizeof(int32_t), err) ||
-        ds_cu_upload_async(s->c, cm->parena, hp, np * sizeof(void *), err) ||
-        (cm->tune.upload_sync && ds_cu_sync(s->c, err))) /* (the older form, for comparison) */
+    if (ds_cu_upload(s->c, cm->iarena, hi, at * sizeof(int32_t), err) ||
+        ds_cu_upload(s->c, cm->parena, hp, np * sizeof(void *), err))
         return DS_ERR;
     s->ids = cm->iarena;
     s->seg_off = cm->iarena + seg_at;

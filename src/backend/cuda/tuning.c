@@ -108,7 +108,6 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->profile = env_flag("DS_CUDA_PROFILE", 0);
     t->skip = env_text("DS_CUDA_SKIP");
     t->step_times = env_flag("DS_CUDA_STEP_TIMES", 0);
-    t->upload_sync = env_flag("DS_CUDA_UPLOAD_SYNC", 0);
     t->timeline = env_text("DS_CUDA_TIMELINE");
     t->nccl = env_flag("DS_NCCL", 1);
     t->draft_device = env_flag("DS_DRAFT_DEVICE", 1);

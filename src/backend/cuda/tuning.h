@@ -51,8 +51,6 @@
  *                                          model where it cannot be had; tools/timeline_step.py)
  *   DS_CUDA_STEP_TIMES     F      0        decode steps' host time beside their device time (the
  *                                          first upload to the last kernel), a line at detach
- *   DS_CUDA_UPLOAD_SYNC    F      0        a step waits for its index copies before its kernels
- *                                          (the form before session 38; for comparison)
  *   DS_CUDA_SKIP           labels unset    the kernels of these ';'-separated profile labels left
  *                                          out (wrong results: timing what-ifs only; a line says
  *                                          so)
@@ -97,7 +95,6 @@ typedef struct ds_cuda_tuning {
     const char *skip;     /* DS_CUDA_SKIP's labels, or NULL when unset or empty */
     const char *timeline; /* DS_CUDA_TIMELINE's path, or NULL */
     int step_times;       /* decode steps' host and device times, reported at detach */
-    int upload_sync;      /* wait for a step's index copies (the older form) */
     int nccl;
     int draft_device;
 } ds_cuda_tuning;

@@ -93,10 +93,8 @@ struct ds_cu {
      * since the last join; pf_pending: a prefetch since the last join */
     cudaStream_t pf;
     cudaEvent_t pf_after, pf_join;
-    /* ds_cu_upload_async's last copy (up_have: one recorded since the last wait), and the step
-     * marks of ds_cu_step_mark (st_have: created) */
-    cudaEvent_t up_done, st_ev[2];
-    int up_have, st_have;
+    cudaEvent_t st_ev[2]; /* ds_cu_step_mark's marks (st_have: made) */
+    int st_have;
     size_t pf_bytes;
     int pf_have, pf_pending;
     void *drawb; /* ds_cu_draw_rows' draws, edits, weights and tokens, drawb_bytes allocated */

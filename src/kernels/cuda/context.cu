@@ -257,7 +257,6 @@ extern "C" void ds_cu_free(ds_cu *c) {
     side_free(c);
     pf_free(c);
     cudaStreamSynchronize(c->stream);
-    if (c->up_done) cudaEventDestroy(c->up_done);
     if (c->st_have) cudaEventDestroy(c->st_ev[0]), cudaEventDestroy(c->st_ev[1]);
     cudaFree(c->xb);
     cudaFree(c->part);
@@ -340,22 +339,6 @@ extern "C" void ds_cu_host_free(void *p) {
 extern "C" int ds_cu_upload(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err) {
     CU_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream), "upload");
     CU_TRY(cudaStreamSynchronize(c->stream), "upload");
-    return DS_OK;
-}
-
-extern "C" int ds_cu_upload_async(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err) {
-    if (!c->up_done)
-        CU_TRY(cudaEventCreateWithFlags(&c->up_done, cudaEventDisableTiming), "upload");
-    CU_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream), "upload");
-    CU_TRY(cudaEventRecord(c->up_done, c->stream), "upload");
-    c->up_have = 1;
-    return DS_OK;
-}
-
-extern "C" int ds_cu_upload_wait(ds_cu *c, ds_err *err) {
-    if (!c->up_have) return DS_OK;
-    CU_TRY(cudaEventSynchronize(c->up_done), "upload: waiting for the copy");
-    c->up_have = 0;
     return DS_OK;
 }
 

@@ -47,11 +47,6 @@ void *ds_cu_alloc(ds_cu *c, size_t bytes, ds_err *err);
 void ds_cu_dealloc(void *p);
 /* Page-locked host memory (cudaMallocHost): copies to and from it skip the driver's staging. */
 void *ds_cu_host_alloc(size_t bytes, ds_err *err);
-/* The same copy as ds_cu_upload, but the host goes on: src (pinned: ds_cu_host_alloc) must stay
- * as it is until ds_cu_upload_wait, which waits for the last such copy (at once when none is
- * pending); the stream's later work sees the data. */
-int ds_cu_upload_async(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err);
-int ds_cu_upload_wait(ds_cu *c, ds_err *err);
 /* Two marks on the stream (end 0, then 1) and, once the stream has passed both, the device time
  * between them in ms (-1: not to be had): a step's device span beside its host time. */
 int ds_cu_step_mark(ds_cu *c, int end, ds_err *err);
