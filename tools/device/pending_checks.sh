@@ -67,13 +67,16 @@
 #      checks, decode batch 1 against a baseline's binary (DS_DEVBIN_BASE) with the step's host
 #      and device times, and a batch-1 step's kernel timeline (timeline48.sh). (Its first form,
 #      run in session 38: the index copies waited for or not, measured the same; removed.)
-# STEPS: which of them (default "19"; 17 ran in session 37, 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
+#  20. (issue 33, session 38, not yet run) one token's down pass per routed row
+#      (DS_CUDA_EXPERT_FLOW): the checks, decode batch 1 with and without.
+# STEPS: which of them (default "20", the one not yet run; 19 ran in session 38, 17 in session 37,
+# 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
 # in session 31, 8 at 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12
 # in session 33 on H100s, 10 and 13 in session 34, 9, 14 and 15 in session 35, 9 and 16 in
 # session 36: bench/RESULTS.md).
 set -u
 OUT=${OUT:-/tmp/ds-out}
-STEPS=" ${STEPS:-19} "
+STEPS=" ${STEPS:-20} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -87,6 +90,17 @@ checks() {
 b48() {
   echo "bench --model $SHAPE48 --load-format random --device cuda --prompt-tokens 16 --reps 1" \
     "--decode-context 512 --decode-steps $1 --batch-sizes $2"
+}
+# b48_run TAG NAME [VAR=VALUE ...] COMMAND ARGS: runs the bench command (b48's) with --json
+# $OUT/NAME.json, then prints under TAG its decode line, the step times' line (DS_CUDA_STEP_TIMES)
+# and the greedy ids' hash
+b48_run() {
+  local tag=$1 name=$2
+  shift 2
+  env "$@" --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
+  echo "[$tag] $(grep -E '^decode batch' "$OUT/$name.txt" | tr -s ' ')" \
+    "$(grep -o 'cuda step times.*' "$OUT/$name.txt")" \
+    "ids $(grep -o '"ids_hash": "[0-9a-f]*"' "$OUT/$name.json" | tail -1)"
 }
 PV=$(python3 -c 'import sys;print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 el "python $PV"
@@ -237,6 +251,19 @@ for f in 0 2; do
   DS_CUDA_F8_WHOLE_K=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 whole K from $f] /"
 done
 fi
+if want 20; then
+el "20. (issue 33, session 38, written after its GPU time) one token's down pass per routed row"
+el "    (DS_CUDA_EXPERT_FLOW): the moe checks (word for word against the plain wait, eager and"
+el "    graphed), then decode batch 1 in BF16 with and without, ROUNDS rounds (default 3), the"
+el "    greedy ids' hash of each"
+checks s20.log "moe"
+grep -E "FAIL|per row|checks:" "$OUT/s20.log" | head -12
+for r in $(seq "${ROUNDS:-3}"); do
+  for f in 0 1; do
+    b48_run "bf16 flow $f, $r" "s20_$f" DS_CUDA_EXPERT_FLOW=$f .devbin/deltaserve $(b48 16 1)
+  done
+done
+fi
 if want 19; then
 el "19. (issues 32, 33, session 38) the router's choice with its lists in shared memory: the moe"
 el "    checks (the choice against the CPU's), then decode batch 1 against the baseline's binary"
@@ -250,11 +277,7 @@ for r in $(seq "${ROUNDS:-3}"); do
     [ -x ".devbin/$bin" ] || continue
     for q in bf16 ptpc_fp8; do
       qa=$([ $q = bf16 ] || echo "-q $q")
-      DS_CUDA_STEP_TIMES=1 .devbin/$bin $(b48 16 1) $qa --json "$OUT/s19_${q}_$bin.json" \
-        > "$OUT/s19.txt" 2>&1
-      echo "[$bin $q, $r] $(grep -E '^decode batch' "$OUT/s19.txt" | tr -s ' ')" \
-        "$(grep -o 'cuda step times.*' "$OUT/s19.txt")" \
-        "ids $(grep -o '"ids_hash": "[0-9a-f]*"' "$OUT/s19_${q}_$bin.json" | tail -1)"
+      b48_run "$bin $q, $r" "s19_${q}_$bin" DS_CUDA_STEP_TIMES=1 .devbin/$bin $(b48 16 1) $qa
     done
   done
 done

@@ -41,6 +41,11 @@ extern "C" int ds_cu_create(int device, ds_cu **out, ds_err *err) {
         free(c);
         return ds_errf(err, "cublas: cannot create a handle");
     }
+    if (cudaMalloc((void **)&c->flow_cnt, 2 * 64 * sizeof(int)) != cudaSuccess ||
+        cudaMemset(c->flow_cnt, 0, 2 * 64 * sizeof(int)) != cudaSuccess) {
+        ds_cu_free(c);
+        return ds_errf(err, "cuda: cannot allocate the experts' row counts");
+    }
     *out = c;
     return DS_OK;
 }
@@ -262,6 +267,7 @@ extern "C" void ds_cu_free(ds_cu *c) {
     cudaFree(c->part);
     fp8_free(c);
     cudaFree(c->blas_ws);
+    cudaFree(c->flow_cnt);
     cudaFree(c->moeg);
     cudaFree(c->drawb);
     cudaFree(c->mlag);
