@@ -206,3 +206,36 @@ def test_model_bench_chunked(tmp_path):
     assert [x["ids_hash"] for x in chunked["decode"]] == [x["ids_hash"] for x in whole["decode"]]
     bad, _ = run(-1)
     assert bad.returncode != 0 and "--prefill-chunk" in bad.stderr
+
+
+@pytest.mark.once
+def test_timeline_step_attributes_overlap_and_gaps(tmp_path):
+    # tools/timeline_step.py on a timeline made here: two steps (cut at the embedding kernel) of
+    # an embedding, A and B overlapping by 10 us, 10 us with nothing running, then C; the next
+    # step 40 us after C ends. Each figure below is what that layout gives and nothing else.
+    def step(t0):
+        us = 1000
+        return [(t0, 10 * us, "7", "_Z7embed_kPfPKiii"),
+                (t0 + 10 * us, 20 * us, "8", "_Z11gemv_bf16_kILi1EEvPf"),  # A: 10-30
+                (t0 + 20 * us, 20 * us, "9", "_Z11moe_route_kPiPf"),       # B: 20-40
+                (t0 + 50 * us, 10 * us, "8", "sm90_xmma_gemm_bf16")]       # C: 50-60
+    rows = step(0) + step(100000) + step(200000)
+    csv_path = tmp_path / "tl.csv"
+    csv_path.write_text("start_ns,dur_ns,stream,name\n" +
+                        "".join(f"{s},{d},{st},{n}\n" for s, d, st, n in rows))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "timeline_step.py"),
+                        str(csv_path), "--steps", "2", "--show", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    head = r.stdout.splitlines()[0]
+    assert "steps: 2; kernels a step 4; span 60.0 us (idle inside 10.0 us)" in head, head
+    assert "next step's first kernel 40.0 us; step to step 100.0 us" in head, head
+    got = {}
+    for line in r.stdout.splitlines()[2:]:
+        f = line.split()
+        if len(f) == 6 and f[-1].endswith("%"):
+            got[f[0]] = [float(x) for x in f[1:5]]  # count, own, alone, shared (us a step)
+    assert got["gemv_bf16_k"] == [1.0, 20.0, 10.0, 5.0]
+    assert got["moe_route_k"] == [1.0, 20.0, 10.0, 5.0]
+    assert got["embed_k"] == [1.0, 10.0, 10.0, 0.0]
+    assert got["sm90_xmma_gemm_bf16"] == [1.0, 10.0, 10.0, 0.0]
