@@ -245,9 +245,11 @@ stream_rows_dot(float (&acc)[NPW][RPM], const uint4 (&u0)[NPW], const uint4 *con
 }
 /* RPM: rows a pass holds at most (rp <= RPM), its accumulators' count; NPW: weight rows a warp
  * streams (8 NPW a block); FLOW: the instances that take part in moe_flow (fl; the others ignore
- * it and compile as if it were not there) */
+ * it and compile as if it were not there), held to 4 blocks an SM as their plain twins are, since
+ * moe_grouped_pick sizes the grid by the twins' occupancy (unbounded, NPW 5 took 76 registers:
+ * 3 blocks an SM, a second wave for the 48B shape's down pass) */
 template <int RPM, int NPW, bool FLOW = false>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, FLOW ? 4 : 0)
     moe_grouped_k(float *y, int ldy, const float *x, int ldx, int x_div, const uint16_t *W, int N,
                   int K, const int32_t *start, const int32_t *perm, const int32_t *active,
                   const int32_t *n_active, int rp, moe_act act, const int32_t *direct, int e0,
