@@ -8,9 +8,12 @@ of the graph's own, so streams say nothing here: the step's time is cut into the
 between kernel starts and ends, and each stretch goes to the kernels running in it — whole to a
 kernel running alone, split evenly where several overlap, to "idle" where none runs. Per kernel
 name: launches a step, its own duration, the time it ran alone and its share; then the step's
-span, idle time and the host's gap to the next step, and a stretch of one step in order.
+span, idle time and the host's gap to the next step, and a stretch of one step in order. Kernels
+matching --background (default: the L2 prefetches, which run beside the chain on a stream of
+their own) are listed but take no share, so that "alone" is the time a kernel of the chain held
+the GPU by itself.
 
-  python3 tools/timeline_step.py TIMELINE.csv [--steps 4] [--show 40]"""
+  python3 tools/timeline_step.py TIMELINE.csv [--steps 4] [--show 40] [--background REGEX]"""
 import argparse
 import collections
 import csv
@@ -28,10 +31,13 @@ def short(name):
     return name[m.end():m.end() + n]
 
 
-def attribute(step):
-    """{name: [alone ns, shared ns]} and idle ns over the step's span."""
+def attribute(step, background):
+    """{name: [alone ns, shared ns]} and idle ns over the step's span; kernels whose name matches
+    background take no share (and leave the time to the others, or idle)."""
     ev = []
-    for i, (s, d, _, _) in enumerate(step):
+    for i, (s, d, _, name) in enumerate(step):
+        if background and re.search(background, name):
+            continue
         ev.append((s, 1, i))
         ev.append((s + d, -1, i))
     ev.sort()
@@ -60,6 +66,7 @@ def main():
     ap.add_argument("csv")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--show", type=int, default=40)
+    ap.add_argument("--background", default="l2_prefetch")
     a = ap.parse_args()
     rows = []
     with open(a.csv) as f:
@@ -77,7 +84,7 @@ def main():
     spans, idles, gaps, nk = [], [], [], []
     for st, next_start in chosen:
         t0, t1 = st[0][0], max(s + d for s, d, _, _ in st)
-        att, idle = attribute(st)
+        att, idle = attribute(st, a.background)
         for name, (al, sh) in att.items():
             tot[name][0] += al
             tot[name][1] += sh
