@@ -68,7 +68,8 @@
 #      and device times, and a batch-1 step's kernel timeline (timeline48.sh). (Its first form,
 #      run in session 38: the index copies waited for or not, measured the same; removed.)
 #  20. (issue 33, session 38, not yet run) one token's down pass per routed row
-#      (DS_CUDA_EXPERT_FLOW): the checks, decode batch 1 with and without.
+#      (DS_CUDA_EXPERT_FLOW): the checks, decode batch 1 with and without; NCU=1 also Nsight
+#      Compute on the experts' kernel's launches of a layer (why 65-70% of copy at one token).
 # STEPS: which of them (default "20", the one not yet run; 19 ran in session 38, 17 in session 37,
 # 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
 # in session 31, 8 at 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12
@@ -263,6 +264,11 @@ for r in $(seq "${ROUNDS:-3}"); do
     b48_run "bf16 flow $f, $r" "s20_$f" DS_CUDA_EXPERT_FLOW=$f .devbin/deltaserve $(b48 16 1)
   done
 done
+# NCU=1: why one token's experts stream at 65-70% of copy where the same kernel as a one-token
+# matmul (KDA's q/k/v stack) reaches 86%: Nsight Compute on a layer's launches of it (in-proj,
+# up, down)
+[ -n "${NCU:-}" ] && KERNELS=moe_grouped_k SKIP=${NCU_SKIP:-6} COUNT=6 NAME=ncu_experts \
+  bash "$(dirname "$0")/ncu_detail.sh" 2>&1 | head -70
 fi
 if want 19; then
 el "19. (issues 32, 33, session 38) the router's choice with its lists in shared memory: the moe"
