@@ -125,7 +125,7 @@ static void check_moe_flow(ds_cu *c, int k, int E, int D, int I, int situ, int h
     uint32_t *ref = malloc((size_t)D * 4), *got = malloc((size_t)D * 4);
     ds_err err = {{0}};
     for (int run = 0; run < 3; run++) { /* the plain wait, per row, per row from a graph */
-        ds_cu_set_expert_flow(c, run > 0);
+        if (ds_cu_set_expert_flow(c, run > 0, &err)) DIE("%s", err.msg);
         ds_cu_graph *g = NULL;
         if (ds_cu_upload(c, dout, base, (size_t)D * 4, &err)) DIE("%s", err.msg);
         if (run == 2 && ds_cu_capture_begin(c, &err)) DIE("%s", err.msg);
@@ -150,7 +150,7 @@ static void check_moe_flow(ds_cu *c, int k, int E, int D, int I, int situ, int h
                  half ? " (half the experts)" : "", run == 2 ? "graph" : "eager");
         report(what, (double)differ, 0.0);
     }
-    ds_cu_set_expert_flow(c, 0);
+    if (ds_cu_set_expert_flow(c, 0, &err)) DIE("%s", err.msg);
     ds_cu_dealloc(dgu), ds_cu_dealloc(ddn), ds_cu_dealloc(dx), ds_cu_dealloc(dw);
     ds_cu_dealloc(dout), ds_cu_dealloc(didx);
     free(gu), free(dn), free(x), free(w), free(base), free(idx), free(ref), free(got);

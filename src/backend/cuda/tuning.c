@@ -133,7 +133,7 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_mla_gemm(c, t->mla_gemm);
     ds_cu_set_mla_flash(c, t->mla_flash);
     ds_cu_set_early_experts(c, t->early_experts);
-    ds_cu_set_expert_flow(c, t->expert_flow);
+    if (ds_cu_set_expert_flow(c, t->expert_flow, err)) return DS_ERR;
     ds_cu_set_wide_early(c, t->wide_early);
     ds_cu_set_gemv_wide(c, t->gemv_wide);
     ds_cu_set_conv_fixed(c, t->conv_fixed);

@@ -112,7 +112,7 @@ struct ds_cu {
     size_t grouped_per_sm_smem[4];
     int32_t *row_zero; /* gemv_wide's routing (g_row_zero's address on this device; NULL: unread) */
     int expert_flow;   /* one token's down pass per routed row (ds_cu_set_expert_flow) */
-    int *flow_cnt;     /* its counts, [2][64] zeroed at creation (moe_flow) */
+    int *flow_cnt;     /* its counts, [2][64] zeroed when first turned on (moe_flow) */
     void *lt;          /* FP8 tensor cores' cuBLASLt handle (matmul_fp8.cu), made at first use */
     int moe_fp4_smem;  /* the MXFP4 experts' streaming kernels' shared memory raised (once) */
 };

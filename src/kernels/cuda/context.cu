@@ -41,11 +41,6 @@ extern "C" int ds_cu_create(int device, ds_cu **out, ds_err *err) {
         free(c);
         return ds_errf(err, "cublas: cannot create a handle");
     }
-    if (cudaMalloc((void **)&c->flow_cnt, 2 * 64 * sizeof(int)) != cudaSuccess ||
-        cudaMemset(c->flow_cnt, 0, 2 * 64 * sizeof(int)) != cudaSuccess) {
-        ds_cu_free(c);
-        return ds_errf(err, "cuda: cannot allocate the experts' row counts");
-    }
     *out = c;
     return DS_OK;
 }

@@ -47,13 +47,14 @@ void *ds_cu_alloc(ds_cu *c, size_t bytes, ds_err *err);
 void ds_cu_dealloc(void *p);
 /* Page-locked host memory (cudaMallocHost): copies to and from it skip the driver's staging. */
 void *ds_cu_host_alloc(size_t bytes, ds_err *err);
-/* Two marks on the stream (end 0, then 1) and, once the stream has passed both, the device time
- * between them in ms (-1: not to be had): a step's device span beside its host time. */
-int ds_cu_step_mark(ds_cu *c, int end, ds_err *err);
-double ds_cu_step_mark_ms(ds_cu *c);
 void ds_cu_host_free(void *p);
 int ds_cu_upload(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err);
 int ds_cu_download(ds_cu *c, void *dst, const void *src, size_t bytes, ds_err *err);
+/* Two marks on the stream (end 0, then 1) and, once the stream has passed both, the device time
+ * between them in ms (-1: not to be had): a step's device span beside its host time. Kept in the
+ * context and recorded every step (ds_cu_timer makes and syncs a pair each use). */
+int ds_cu_step_mark(ds_cu *c, int end, ds_err *err);
+double ds_cu_step_mark_ms(ds_cu *c);
 int ds_cu_fill_bytes(ds_cu *c, void *dst, int byte, size_t bytes, ds_err *err);
 
 /* A weight matrix W[rows][cols], row-major, in device memory (docs/quantization.md):
@@ -162,7 +163,7 @@ void ds_cu_set_early_experts(ds_cu *c, int on);
 /* One token's routed experts (BF16, the streaming kernels): each routed row's down pass starts
  * when that row's up pass is done, not when the whole up pass is (counts per row in memory; the
  * same sums). DS_CUDA_EXPERT_FLOW in the engine. */
-void ds_cu_set_expert_flow(ds_cu *c, int on);
+int ds_cu_set_expert_flow(ds_cu *c, int on, ds_err *err); /* (on: its counts made, once) */
 /* One-token matmuls through the experts' kernel (ds_cu_set_gemv_wide) load their first weights
  * before waiting for the previous kernel, as gemv_bf16_k does (their routing is a constant): on
  * by default in the model (DS_CUDA_WIDE_EARLY=0 turns it off), off in a new context (a shorter

@@ -421,8 +421,18 @@ static moe_grouped_fn moe_grouped_pick(ds_cu *c, int rpm, int N, unsigned ya, si
     return *first;
 }
 
-extern "C" void ds_cu_set_expert_flow(ds_cu *c, int on) {
+extern "C" int ds_cu_set_expert_flow(ds_cu *c, int on, ds_err *err) {
+    if (on && !c->flow_cnt) { /* (at attach or in a test: never inside a capture) */
+        int *cnt = NULL;
+        CU_TRY(cudaMalloc((void **)&cnt, 2 * 64 * sizeof(int)), "experts' row counts");
+        if (cudaMemset(cnt, 0, 2 * 64 * sizeof(int)) != cudaSuccess) {
+            cudaFree(cnt);
+            return ds_errf(err, "cuda: experts' row counts: cannot zero them");
+        }
+        c->flow_cnt = cnt;
+    }
     c->expert_flow = on;
+    return DS_OK;
 }
 
 extern "C" void ds_cu_set_early_experts(ds_cu *c, int on) {

@@ -26,8 +26,7 @@ static struct {
     cupti_kind_fn enable, disable;
     cupti_next_fn next;
     cupti_flush_fn flush;
-    unsigned long long dropped; /* records CUPTI could not buffer */
-} g_tl = {NULL, NULL, PTHREAD_MUTEX_INITIALIZER, NULL, NULL, NULL, NULL, 0};
+} g_tl = {NULL, NULL, PTHREAD_MUTEX_INITIALIZER, NULL, NULL, NULL, NULL};
 
 enum { TL_BUF = 16 << 20 }; /* bytes a CUPTI activity buffer */
 
