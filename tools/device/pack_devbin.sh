@@ -19,6 +19,9 @@ cp "$BC/deltaserve" "$BC/test_cuda_kernels" "$BC/bench_cublas" "$BC/bench_f8cvt"
 # DS_DEVBIN_BASE: a baseline's deltaserve (e.g. a worktree's build of an earlier commit), carried
 # as deltaserve_base, so that one call times both on the same machine
 [ -n "${DS_DEVBIN_BASE:-}" ] && cp "$DS_DEVBIN_BASE" .devbin/deltaserve_base
+# DS_DEVBIN_BASE_TESTS: a baseline's test_cuda_kernels, carried as test_cuda_kernels_base
+# (tools/device/kda_words.sh compares the two word for word)
+[ -n "${DS_DEVBIN_BASE_TESTS:-}" ] && cp "$DS_DEVBIN_BASE_TESTS" .devbin/test_cuda_kernels_base
 # DS_DEVBIN_TESTS: the engine's test binaries to carry (set but empty: none, for a call whose tree
 # must leave room for other things, e.g. the FLA wheels of kda_vs_fla.sh)
 for t in ${DS_DEVBIN_TESTS-test_model_forward test_model_pipeline test_model_draft test_model_quant test_engine_prefix test_engine_engine test_engine_regress}; do

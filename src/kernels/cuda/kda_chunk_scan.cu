@@ -12,30 +12,42 @@ enum { KS_BV = 32, KS_NT = 256 };
 
 /* Pass 2's shared memory: two stages of a chunk's operands (W, Kc, Ut, e^{G_L}), then the state's
  * columns and U. The tensor-core form pads Kc, Ut, the state and U so that its fragment loads
- * (lanes 4 g + l4 reading rows l4 and columns g) fall on 32 different banks. */
-template <int KD, bool TC> struct kda_scan_smem {
-    static constexpr int WLD = KD + 4;                 /* W: a warp's 8 rows on 8 bank quads */
-    static constexpr int KLD = TC ? KD + 8 : KD;       /* Kc */
-    static constexpr int ULD = TC ? KS_BV + 8 : KS_BV; /* Ut, the state and U */
-    static constexpr int STAGE = KC * WLD + KC * KLD + KC * ULD + KD;
+ * (lanes 4 g + l4 reading rows l4 and columns g) fall on 32 different banks. B16 (the BF16 mode):
+ * W [KC][WLD] and Kc transposed [KD][KLD] as BF16 (kda_chunked.cuh), rows 4 words past a multiple
+ * of 32 so that a fragment's 32-bit loads (row g, word l4) fall on 32 banks; sizes in floats. */
+template <int KD, bool TC, bool B16 = false> struct kda_scan_smem {
+    static constexpr int WLD = B16 ? KD + 8 : KD + 4; /* W: a warp's 8 rows on 8 bank quads */
+    static constexpr int KLD = B16 ? KC + 8 : TC ? KD + 8 : KD; /* Kc (B16: Kc^T) */
+    static constexpr int ULD = TC ? KS_BV + 8 : KS_BV;          /* Ut, the state and U */
+    static constexpr int W_FL = B16 ? KC * WLD / 2 : KC * WLD, K_FL = B16 ? KD * KLD / 2 : KC * KLD;
+    static constexpr int STAGE = W_FL + K_FL + KC * ULD + KD;
     static constexpr size_t BYTES = ((size_t)2 * STAGE + KD * ULD + KC * ULD) * sizeof(float);
 };
 
 /* Chunk ci's operands (head h, columns [cg, cg + KS_BV)) into stage s of pass 2's shared memory,
  * every thread its share of 16-byte cp.async pieces (one commit group). */
-template <int KD, bool TC>
+template <int KD, bool TC, bool B16 = false>
 __device__ __forceinline__ void kda_scan_stage(float *ssh, int s, const float *prep, int ci, int H,
                                                int h, int cg) {
-    using SM = kda_scan_smem<KD, TC>;
+    using SM = kda_scan_smem<KD, TC, B16>;
     const float *pr = prep + ((size_t)ci * H + h) * kda_ch_floats(KD);
-    float *W = ssh + s * SM::STAGE, *Kc = W + KC * SM::WLD, *Ut = Kc + KC * SM::KLD,
+    float *W = ssh + s * SM::STAGE, *Kc = W + SM::W_FL, *Ut = Kc + SM::K_FL,
           *gL = Ut + KC * SM::ULD;
-    /* W's and Kc's pieces interleaved: copied one matrix after the other (cp_async_rows twice),
-     * the TF32 chunked KDA was slower (bench/RESULTS.md session 10) */
-    for (int i = threadIdx.x; i < KC * KD / 4; i += KS_NT) {
-        const int r = i / (KD / 4), c = (i % (KD / 4)) * 4;
-        cp_async16(W + r * SM::WLD + c, pr + r * KD + c);
-        cp_async16(Kc + r * SM::KLD + c, pr + 3 * KC * KD + r * KD + c);
+    if constexpr (B16) { /* 16-byte pieces of BF16 rows: W's 8 to a float4, Kc^T's likewise */
+        for (int i = threadIdx.x; i < KC * KD / 8; i += KS_NT) {
+            const int r = i / (KD / 8), c = (i % (KD / 8)) * 4; /* (floats) */
+            cp_async16(W + r * (SM::WLD / 2) + c, pr + r * (KD / 2) + c);
+            const int r2 = i / (KC / 8), c2 = (i % (KC / 8)) * 4;
+            cp_async16(Kc + r2 * (SM::KLD / 2) + c2, pr + 3 * KC * KD + r2 * (KC / 2) + c2);
+        }
+    } else {
+        /* W's and Kc's pieces interleaved: copied one matrix after the other (cp_async_rows
+         * twice), the TF32 chunked KDA was slower (bench/RESULTS.md session 10) */
+        for (int i = threadIdx.x; i < KC * KD / 4; i += KS_NT) {
+            const int r = i / (KD / 4), c = (i % (KD / 4)) * 4;
+            cp_async16(W + r * SM::WLD + c, pr + r * KD + c);
+            cp_async16(Kc + r * SM::KLD + c, pr + 3 * KC * KD + r * KD + c);
+        }
     }
     cp_async_rows<KS_BV, KS_NT>(Ut, SM::ULD, pr + KC * KD + cg, KD, KC);
     for (int i = threadIdx.x; i < KD / 4; i += KS_NT)
@@ -215,6 +227,17 @@ __device__ __forceinline__ void tf32_kstep(float (&acc)[NT][4], const float *a, 
     for (int n = 0; n < NT; n++) mma_tf32x<PREC>(acc[n], af, b[n * 8], b[4 * ldb + n * 8]);
 }
 
+/* tf32_kstep at PREC 2 with A handed over in BF16 (kda_chunked.cuh): a is this lane's word of
+ * row g (row g + 8 lda words on) */
+template <int NT>
+__device__ __forceinline__ void b16_kstep(float (&acc)[NT][4], const uint32_t *a, int lda,
+                                          const float *b, int ldb) {
+    const uint32_t a0 = __ldg(a), a1 = __ldg(a + 8 * lda);
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+        mma_bf16_k8(acc[n], a0, a1, pack_bf16x2(b[n * 8], b[4 * ldb + n * 8]));
+}
+
 /* pass 3's shared memory on tensor cores: S0 [KD][KD + 8] and U [KC][KD + 8] */
 template <int KD> constexpr size_t kda_out_tc_smem() {
     return (size_t)(KD + KC) * (KD + 8) * sizeof(float);
@@ -246,15 +269,25 @@ __global__ void __launch_bounds__(256)
     float acc[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    if constexpr (PREC == 2) { /* Qp and P handed over in BF16: rows' words (kda_chunked.cuh) */
+        const uint32_t *Qw = (const uint32_t *)Qp + (r0 + g) * (KD / 2) + l4;
+        const uint32_t *Pw = (const uint32_t *)P + (r0 + g) * (KC / 2) + l4;
+#pragma unroll 4
+        for (int k0 = 0; k0 < KD; k0 += 8)
+            b16_kstep<NT>(acc, Qw + k0 / 2, KD / 2, S0s + (k0 + l4) * BLD + c0 + g, BLD);
+        for (int k0 = 0; k0 < r0 + 16; k0 += 8)
+            b16_kstep<NT>(acc, Pw + k0 / 2, KC / 2, Us + (k0 + l4) * BLD + c0 + g, BLD);
+    } else {
         /* Qp S0: k over the KD key channels */
 #pragma unroll 4
-    for (int k0 = 0; k0 < KD; k0 += 8)
-        tf32_kstep<NT, PREC>(acc, Qp + (size_t)(r0 + g) * KD + k0 + l4, KD,
-                             S0s + (k0 + l4) * BLD + c0 + g, BLD);
-    /* P U: k over the chunk's tokens, up to this warp's last row (P is lower triangular) */
-    for (int k0 = 0; k0 < r0 + 16; k0 += 8)
-        tf32_kstep<NT, PREC>(acc, P + (size_t)(r0 + g) * KC + k0 + l4, KC,
-                             Us + (k0 + l4) * BLD + c0 + g, BLD);
+        for (int k0 = 0; k0 < KD; k0 += 8)
+            tf32_kstep<NT, PREC>(acc, Qp + (size_t)(r0 + g) * KD + k0 + l4, KD,
+                                 S0s + (k0 + l4) * BLD + c0 + g, BLD);
+        /* P U: k over the chunk's tokens, up to this warp's last row (P is lower triangular) */
+        for (int k0 = 0; k0 < r0 + 16; k0 += 8)
+            tf32_kstep<NT, PREC>(acc, P + (size_t)(r0 + g) * KC + k0 + l4, KC,
+                                 Us + (k0 + l4) * BLD + c0 + g, BLD);
+    }
     const int t0 = r0 + g, t1 = t0 + 8;
 #pragma unroll
     for (int n = 0; n < NT; n++) {
@@ -265,6 +298,21 @@ __global__ void __launch_bounds__(256)
         if (t1 < ch.len)
             *(float2 *)(o + ((size_t)(ch.t0 + t1) * H + h) * KD + col) =
                 make_float2(acc[n][2], acc[n][3]);
+    }
+}
+
+/* The A fragment of rows row, row + 8 at k step k0 of a row-major A in shared memory: f32 rows
+ * lda floats apart, or (B16) BF16 rows lda halves apart in kda_b16_slot order, a pair a word */
+template <int PREC, bool B16>
+__device__ __forceinline__ tf32_a<PREC> a_rows(const float *A, int lda, int row, int k0, int l4) {
+    if constexpr (B16) {
+        const uint32_t *w = (const uint32_t *)A + row * (lda / 2) + k0 / 2 + l4;
+        tf32_a<PREC> a;
+        a.hi[0] = w[0], a.hi[1] = w[4 * lda];
+        return a;
+    } else {
+        const float *p = A + row * lda + k0 + l4;
+        return tf32_a<PREC>(p[0], p[8 * lda], p[4], p[8 * lda + 4]);
     }
 }
 
@@ -292,11 +340,18 @@ __device__ __forceinline__ void kda_scan_outputs(float *o, const float *prep,
         const float *pr = prep + ((size_t)ci * H + h) * kda_ch_floats(KD);
         const float *Qp = pr + 2 * KC * KD + (m1 + g) * KD + l4;
         const float *P = pr + 4 * KC * KD + (m1 + g) * KC + l4;
+        /* BF16 mode: rows g and g + 8's words l4 of each k step (kda_chunked.cuh) */
+        const uint32_t *Qw = (const uint32_t *)(pr + 2 * KC * KD) + (m1 + g) * (KD / 2) + l4;
+        const uint32_t *Pw = (const uint32_t *)(pr + 4 * KC * KD) + (m1 + g) * (KC / 2) + l4;
         float oacc[2][4] = {}; /* [n][C fragment] the warp's tile of O (above) */
         /* (Qp requested a chunk ahead, in registers, measured slower: bench/RESULTS.md) */
 #pragma unroll
         for (int j = 0; j < KD / 8; j++) {
-            const tf32_a<PREC> qf(__ldg(Qp + 8 * j), __ldg(Qp + 8 * KD + 8 * j),
+            tf32_a<PREC> qf;
+            if constexpr (PREC == 2)
+                qf.hi[0] = __ldg(Qw + 4 * j), qf.hi[1] = __ldg(Qw + 4 * KD + 4 * j);
+            else
+                qf = tf32_a<PREC>(__ldg(Qp + 8 * j), __ldg(Qp + 8 * KD + 8 * j),
                                   __ldg(Qp + 8 * j + 4), __ldg(Qp + 8 * KD + 8 * j + 4));
 #pragma unroll
             for (int n = 0; n < 2; n++) {
@@ -305,17 +360,26 @@ __device__ __forceinline__ void kda_scan_outputs(float *o, const float *prep,
             }
         }
         /* P's fragments for the k steps up to this warp's last row (P is lower triangular) */
-        float pa[KC / 8][4]; /* [k step][A fragment] */
+        float pa[KC / 8][4];    /* [k step][A fragment] */
+        uint32_t pw[KC / 8][2]; /* (BF16 mode) */
 #pragma unroll
         for (int j = 0; j < KC / 8; j++)
-            if (8 * j < m1 + 16)
-                pa[j][0] = __ldg(P + 8 * j), pa[j][1] = __ldg(P + 8 * KC + 8 * j),
-                pa[j][2] = __ldg(P + 8 * j + 4), pa[j][3] = __ldg(P + 8 * KC + 8 * j + 4);
+            if (8 * j < m1 + 16) {
+                if constexpr (PREC == 2)
+                    pw[j][0] = __ldg(Pw + 4 * j), pw[j][1] = __ldg(Pw + 4 * KC + 4 * j);
+                else
+                    pa[j][0] = __ldg(P + 8 * j), pa[j][1] = __ldg(P + 8 * KC + 8 * j),
+                    pa[j][2] = __ldg(P + 8 * j + 4), pa[j][3] = __ldg(P + 8 * KC + 8 * j + 4);
+            }
         kda_scan_bar<true>(); /* U is whole in Us; the walk is done reading Ss */
 #pragma unroll
         for (int j = 0; j < KC / 8; j++) {
             if (8 * j >= m1 + 16) break;
-            const tf32_a<PREC> pf(pa[j][0], pa[j][1], pa[j][2], pa[j][3]);
+            tf32_a<PREC> pf;
+            if constexpr (PREC == 2)
+                pf.hi[0] = pw[j][0], pf.hi[1] = pw[j][1];
+            else
+                pf = tf32_a<PREC>(pa[j][0], pa[j][1], pa[j][2], pa[j][3]);
 #pragma unroll
             for (int n = 0; n < 2; n++) {
                 const float *ub = Us + (8 * j + l4) * ULD + n1 + 8 * n + g;
@@ -354,7 +418,8 @@ __global__ void __launch_bounds__(OUT ? 2 * KS_NT : KS_NT)
     kda_chunk_scan_tc_k(float *states, float *ug, float *o, const float *prep,
                         const kda_chunk *chunks, const int *seg_chunk0, float *const *S, int H) {
     PDL_ENTRY();
-    using SM = kda_scan_smem<KD, true>;
+    constexpr bool B16 = PREC == 2; /* W and Kc^T handed over in BF16 (kda_chunked.cuh) */
+    using SM = kda_scan_smem<KD, true, B16>;
     constexpr int WLD = SM::WLD, KLD = SM::KLD, ULD = SM::ULD;
     constexpr int M2 = KD / 16, N2 = 4 * M2 / 8; /* channel tiles; column tiles a warp holds */
     extern __shared__ float ssh[];
@@ -383,14 +448,14 @@ __global__ void __launch_bounds__(OUT ? 2 * KS_NT : KS_NT)
             st[n][2 * hh] = v2.x, st[n][2 * hh + 1] = v2.y;
             *(float2 *)(Ss + ch * ULD + cl) = v2;
         }
-    if (c0 < c1) kda_scan_stage<KD, true>(ssh, 0, prep, c0, H, h, cg);
+    if (c0 < c1) kda_scan_stage<KD, true, B16>(ssh, 0, prep, c0, H, h, cg);
     for (int ci = c0; ci < c1; ci++) {
         const int s = (ci - c0) & 1;
-        const float *W = ssh + s * SM::STAGE, *Kc = W + KC * WLD, *Ut = Kc + KC * KLD;
+        const float *W = ssh + s * SM::STAGE, *Kc = W + SM::W_FL, *Ut = Kc + SM::K_FL;
         const float *gL = Ut + KC * ULD;
         cp_async_wait_all();
         kda_scan_bar<OUT>(); /* stage s has landed for all; everyone is done with the last chunk */
-        if (ci + 1 < c1) kda_scan_stage<KD, true>(ssh, s ^ 1, prep, ci + 1, H, h, cg);
+        if (ci + 1 < c1) kda_scan_stage<KD, true, B16>(ssh, s ^ 1, prep, ci + 1, H, h, cg);
         if constexpr (!OUT) {
             float *sg =
                 states + ((size_t)ci * H + h) * KD * KD; /* the state this chunk starts from */
@@ -405,8 +470,7 @@ __global__ void __launch_bounds__(OUT ? 2 * KS_NT : KS_NT)
             float acc[2][4] = {};
 #pragma unroll 4
             for (int k0 = 0; k0 < KD; k0 += 8) {
-                const float *wa = W + (m1 + g) * WLD + k0 + l4;
-                const tf32_a<PREC> af(wa[0], wa[8 * WLD], wa[4], wa[8 * WLD + 4]);
+                const tf32_a<PREC> af = a_rows<PREC, B16>(W, WLD, m1 + g, k0, l4);
 #pragma unroll
                 for (int n = 0; n < 2; n++) {
                     const float *sb = Ss + (k0 + l4) * ULD + n1 + 8 * n + g;
@@ -434,8 +498,13 @@ __global__ void __launch_bounds__(OUT ? 2 * KS_NT : KS_NT)
                 st[n][0] *= gl0, st[n][1] *= gl0, st[n][2] *= gl1, st[n][3] *= gl1;
 #pragma unroll 2
             for (int k0 = 0; k0 < KC; k0 += 8) {
-                const float *ka = Kc + (k0 + l4) * KLD + m2 + g; /* A = Kc^T: A(m, k) = Kc(k, m) */
-                const tf32_a<PREC> af(ka[0], ka[8], ka[4 * KLD], ka[4 * KLD + 8]);
+                tf32_a<PREC> af; /* A = Kc^T: A(m, k) = Kc(k, m) */
+                if constexpr (B16) {
+                    af = a_rows<PREC, true>(Kc, KLD, m2 + g, k0, l4); /* (Kc^T's rows) */
+                } else {
+                    const float *ka = Kc + (k0 + l4) * KLD + m2 + g;
+                    af = tf32_a<PREC>(ka[0], ka[8], ka[4 * KLD], ka[4 * KLD + 8]);
+                }
 #pragma unroll
                 for (int n = 0; n < N2; n++) {
                     const float *ub = Us + (k0 + l4) * ULD + n2 + 8 * n + g;
@@ -463,14 +532,13 @@ template <int KD, int PREC> static cudaError_t kda_tc_attrs() {
     cudaError_t e = cudaFuncSetAttribute(kda_chunk_out_tc_k<KD, PREC>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)kda_out_tc_smem<KD>());
+    constexpr int bytes = (int)kda_scan_smem<KD, true, PREC == 2>::BYTES;
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(kda_chunk_scan_tc_k<KD, PREC, false>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)kda_scan_smem<KD, true>::BYTES);
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(kda_chunk_scan_tc_k<KD, PREC, true>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)kda_scan_smem<KD, true>::BYTES);
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     return e;
 }
 
@@ -489,7 +557,7 @@ template <int KD, int PREC>
 static void kda_scan_tc(ds_cu *c, dim3 sgrid, dim3 ogrid, float *o, float *states, float *ug,
                         const float *prep, const kda_chunk *tab, const int *first, float *const *S,
                         int H) {
-    const size_t smem = kda_scan_smem<KD, true>::BYTES;
+    const size_t smem = kda_scan_smem<KD, true, PREC == 2>::BYTES;
     if (!c->kda_out_sep) {
         launch_k(c, kda_chunk_scan_tc_k<KD, PREC, true>, sgrid, 2 * KS_NT, smem, states, ug, o,
                  prep, tab, first, S, H);

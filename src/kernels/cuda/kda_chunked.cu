@@ -165,8 +165,9 @@ __device__ __forceinline__ void kda_solve_blocks(float *Kt, float *Gt, const flo
 }
 
 /* long: one chunk's passes share their tiles in registers and shared memory between barriers;
- * split into functions, each would take a dozen array references. */
-template <int KD, int PREC>
+ * split into functions, each would take a dozen array references. B16 (with PREC 0, for the BF16
+ * mode): W, Qp, Kc and P handed over as BF16 (kda_chunked.cuh). */
+template <int KD, int PREC, bool B16 = false>
 __global__ void __launch_bounds__(256, 2)
     kda_chunk_prep_k(float *out, const float *q, const float *k, const float *v, const float *g,
                      const float *beta, const kda_chunk *chunks, int H) {
@@ -184,6 +185,10 @@ __global__ void __launch_bounds__(256, 2)
     float *o = out + ((size_t)blockIdx.x * H + h) * kda_ch_floats(KD);
     float *W = o, *Ut = W + KC * KD, *Qp = Ut + KC * KD, *Kc = Qp + KC * KD;
     float *P = Kc + KC * KD, *gL = P + KC * KC;
+    static_assert(!B16 || PREC == 0, "the BF16 hand-over is made by the f32 form");
+    /* the BF16 hand-over's rows, in the first half of each region (kda_chunked.cuh) */
+    __nv_bfloat16 *W16 = (__nv_bfloat16 *)W, *Qp16 = (__nv_bfloat16 *)Qp;
+    __nv_bfloat16 *Kc16 = (__nv_bfloat16 *)Kc, *P16 = (__nv_bfloat16 *)P;
     /* 1. keys, queries and decays into shared memory, transposed (rows past L: zeros): 16-byte
      *    loads, eight in flight a thread; a warp takes 8 rows x 4 pieces of 4 channels (64
      *    contiguous bytes a row from memory, at most two lanes to a bank in shared memory) */
@@ -363,16 +368,38 @@ __global__ void __launch_bounds__(256, 2)
 #pragma unroll
             for (int y = 0; y < 4; y++) {
                 const int i = 4 * ti + x, j = 4 * tj + y;
-                if (j <= i) P[i * KC + j] = i < L ? p[x][y] : 0.0f;
+                if (j > i) continue;
+                const float pv = i < L ? p[x][y] : 0.0f;
+                if constexpr (B16)
+                    P16[i * KC + kda_b16_slot(j)] = __float2bfloat16_rn(pv);
+                else
+                    P[i * KC + j] = pv;
             }
     for (int e = tid; e < KC * KC; e += 256)
-        if (e % KC > e / KC) P[e] = 0.0f;
+        if (e % KC > e / KC) {
+            if constexpr (B16)
+                P16[(e & -KC) + kda_b16_slot(e % KC)] = __float2bfloat16_rn(0.0f);
+            else
+                P[e] = 0.0f;
+        }
     if (tid < KD) gL[tid] = exp2f(Gt[tid * KPS + L - 1]);
-    for (int i = tid; i < KC * KD; i += 256) {
-        const int t = i / KD, c = i % KD;
-        const float gt = Gt[c * KPS + t], gl = Gt[c * KPS + L - 1];
-        Qp[i] = Qt[c * KPS + t] * exp2f(gt); /* zero past L: so is the staged query */
-        Kc[i] = Kt[c * KPS + t] * exp2f(gl - gt);
+    if constexpr (B16) {
+        for (int i = tid; i < KC * KD; i += 256) { /* Qp by rows, Kc by columns (transposed) */
+            const int t = i / KD, c = i % KD;
+            Qp16[t * KD + kda_b16_slot(c)] =
+                __float2bfloat16_rn(Qt[c * KPS + t] * exp2f(Gt[c * KPS + t]));
+            const int c2 = i / KC, t2 = i % KC;
+            const float gt = Gt[c2 * KPS + t2], gl = Gt[c2 * KPS + L - 1];
+            Kc16[c2 * KC + kda_b16_slot(t2)] =
+                __float2bfloat16_rn(Kt[c2 * KPS + t2] * exp2f(gl - gt));
+        }
+    } else {
+        for (int i = tid; i < KC * KD; i += 256) {
+            const int t = i / KD, c = i % KD;
+            const float gt = Gt[c * KPS + t], gl = Gt[c * KPS + L - 1];
+            Qp[i] = Qt[c * KPS + t] * exp2f(gt); /* zero past L: so is the staged query */
+            Kc[i] = Kt[c * KPS + t] * exp2f(gl - gt);
+        }
     }
     __syncthreads(); /* the queries are read: A takes their place */
     KDA_CLK_MARK(3); /* P, Qp, Kc written */
@@ -420,8 +447,13 @@ __global__ void __launch_bounds__(256, 2)
             x[i] = r;
         }
         float *dst = col < KD ? W + col : Ut + col - KD;
+        if (B16 && col < KD)
 #pragma unroll
-        for (int i = 0; i < KC; i++) dst[i * KD] = x[i];
+            for (int i = 0; i < KC; i++)
+                W16[i * KD + kda_b16_slot(col)] = __float2bfloat16_rn(x[i]);
+        else
+#pragma unroll
+            for (int i = 0; i < KC; i++) dst[i * KD] = x[i];
     }
     KDA_CLK_SYNC_MARK(5); /* the solve */
 }
@@ -451,8 +483,8 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
     int *smem_set = &c->kda_chunk_smem[KD == 128]; /* once per head size; never captured */
     if (!*smem_set) {
         /* (the BF16 mode, 2, keeps pass 1 in f32: its solve keeps f32's operands) */
-        for (auto kern :
-             {kda_chunk_prep_k<KD, 0>, kda_chunk_prep_k<KD, 1>, kda_chunk_prep_k<KD, 3>})
+        for (auto kern : {kda_chunk_prep_k<KD, 0>, kda_chunk_prep_k<KD, 1>, kda_chunk_prep_k<KD, 3>,
+                          kda_chunk_prep_k<KD, 0, true>})
             CU_TRY(
                 cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem1),
                 "chunked kda: shared memory");
@@ -465,6 +497,9 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
         launch_k(c, kda_chunk_prep_k<KD, 3>, pgrid, 256, smem1, prep, q, k, v, g, beta, tab, H);
     else if (c->kda_tc == 1 && !c->kda_prep_f32)
         launch_k(c, kda_chunk_prep_k<KD, 1>, pgrid, 256, smem1, prep, q, k, v, g, beta, tab, H);
+    else if (c->kda_tc == 2) /* f32 arithmetic, the scan's operands handed over in BF16 */
+        launch_k(c, kda_chunk_prep_k<KD, 0, true>, pgrid, 256, smem1, prep, q, k, v, g, beta, tab,
+                 H);
     else
         launch_k(c, kda_chunk_prep_k<KD, 0>, pgrid, 256, smem1, prep, q, k, v, g, beta, tab, H);
     CU_TRY(cudaGetLastError(), "chunked kda (prepare)");

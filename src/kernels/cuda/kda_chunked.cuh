@@ -21,9 +21,21 @@
  * that walk by a second set of warps in its block (tensor-core modes, the default), or by a block
  * per chunk and head after it. */
 enum { KC = 64 };
-/* pass 1's output per (chunk, head): W, Ut, Qp, Kc [KC][KD], P [KC][KC], gL [KD] */
+/* pass 1's output per (chunk, head): W, Ut, Qp, Kc [KC][KD], P [KC][KC], gL [KD]. In the BF16
+ * mode (2) the products' A operands are handed over as BF16 instead, each in the first half of
+ * its region (the offsets stay): W16 and Qp16 [KC][KD], Kc16 transposed [KD][KC], P16 [KC][KC],
+ * every row's entries in kda_b16_slot order; Ut and gL stay f32 (Ut is subtracted from, not
+ * multiplied). The scan would round them to BF16 as it loaded them, with the same rounding, so
+ * the outputs are the same bits for half the bytes. */
 __host__ __device__ constexpr size_t kda_ch_floats(int KD) {
     return (size_t)4 * KC * KD + (size_t)KC * KC + KD;
+}
+
+/* Where entry k of a BF16 operand row sits: within each 8, k = l4 and l4 + 4 side by side at
+ * 2 l4, 2 l4 + 1 — the pair that lane l4 of a BF16 m16n8k8 fragment holds (tf32.cuh, PREC 2), so
+ * the fragment is one 32-bit load. */
+__host__ __device__ constexpr int kda_b16_slot(int k) {
+    return (k & ~7) | ((k & 3) << 1) | ((k >> 2) & 1);
 }
 
 struct kda_chunk {

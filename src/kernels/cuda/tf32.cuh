@@ -47,6 +47,7 @@ static __device__ __forceinline__ void mma_bf16_k8(float (&d)[4], uint32_t a0, u
 
 template <int PREC> struct tf32_a {
     uint32_t hi[4], lo[4]; /* lo unused at PREC 1 and 2, hi[2..3] at 2 */
+    tf32_a() = default;    /* (PREC 2: hi[0], hi[1] set from packed BF16 pairs) */
     __device__ __forceinline__ tf32_a(float a0, float a1, float a2, float a3) {
         if constexpr (PREC == 2) {
             hi[0] = pack_bf16x2(a0, a2), hi[1] = pack_bf16x2(a1, a3);
