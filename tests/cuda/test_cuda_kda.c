@@ -449,12 +449,17 @@ void checks_kda(ds_cu *c) {
         ds_cu_set_kda_tc(c, g_kda_tc = 1);
         check_kda_step(c, lens, rows, 7, 3, 64, 64, -0.7f, 16);
         ds_cu_set_kda_prep_tc(c, 1);
-        /* the scan and outputs on BF16 tensor cores (pass 1 in f32 whatever the setting) */
+        /* the scan and outputs on BF16 tensor cores, pass 1's products between 16-row blocks
+         * on BF16 tensor cores too, then pass 1 in f32 (both hand the scan BF16 operands) */
         ds_cu_set_kda_tc(c, g_kda_tc = 2);
-        check_kda_step(c, lens, rows, 7, 4, 128, 128, -0.7f, 16);
-        check_kda_step(c, lens, rows, 7, 3, 64, 64, -0.7f, 16);
-        check_kda_step(c, lens, rows, 7, 2, 128, 128, -12.0f, 16);
-        check_kda_step(c, one, none, 1, 8, 128, 128, -0.1f, 16);
+        for (int prep_tc = 1; prep_tc >= 0; prep_tc--) {
+            ds_cu_set_kda_prep_tc(c, prep_tc);
+            check_kda_step(c, lens, rows, 7, 4, 128, 128, -0.7f, 16);
+            check_kda_step(c, lens, rows, 7, 3, 64, 64, -0.7f, 16);
+            check_kda_step(c, lens, rows, 7, 2, 128, 128, -12.0f, 16);
+            check_kda_step(c, one, none, 1, 8, 128, 128, -0.1f, 16);
+        }
+        ds_cu_set_kda_prep_tc(c, 1);
         ds_cu_set_kda_tc(c, g_kda_tc = 0);
     }
 }
@@ -567,7 +572,6 @@ void bench_kda(ds_cu *c, const cuda_ceilings *ceil) {
         for (int prep_tc = 0; prep_tc < 2; prep_tc++)
             for (int mode = 1; mode <= 3; mode++)
                 for (int apart = 0; apart < 2; apart++) {
-                    if (mode == 2 && prep_tc) continue; /* (BF16 keeps pass 1 in f32) */
                     ds_cu_set_kda_tc(c, mode);
                     ds_cu_set_kda_prep_tc(c, prep_tc);
                     ds_cu_set_kda_out_fused(c, !apart);
@@ -657,10 +661,10 @@ void kda_io(ds_cu *c, const char *dir, int T, int H, int D) {
     if (!o || !st) DIE("out of memory");
     kc.S = dev(c, NULL, ns * 4), kc.o = dev(c, NULL, nq * 4);
     kc.Sp = dev(c, &kc.S, sizeof kc.S);
-    /* modes 0, 1, 3 (pass 1 on tensor cores in 1 and 3), then 1, 3 and 2 (BF16) with pass 1 in
-     * f32 ("p") */
-    static const int modes[6] = {0, 1, 3, 1, 3, 2}, prep_tc[6] = {1, 1, 1, 0, 0, 0};
-    for (int i = 0; i < 6; i++) {
+    /* modes 0, 1, 3 and 2 (BF16) with pass 1 on tensor cores (in 1, 3 and 2), then 1, 3 and 2
+     * with pass 1 in f32 ("p") */
+    static const int modes[7] = {0, 1, 3, 2, 1, 3, 2}, prep_tc[7] = {1, 1, 1, 1, 0, 0, 0};
+    for (int i = 0; i < 7; i++) {
         ds_err err = {{0}};
         if (ds_cu_upload(c, kc.S, s0, ns * 4, &err)) DIE("%s", err.msg);
         ds_cu_set_kda_tc(c, modes[i]);
@@ -675,7 +679,7 @@ void kda_io(ds_cu *c, const char *dir, int T, int H, int D) {
         write_f32(dir, name, st, ns);
     }
     ds_cu_set_kda_prep_tc(c, 1);
-    printf("kda-io: %d tokens x %d heads of %d, modes 0 1 3 1p 3p 2p written to %s\n", T, H, D,
+    printf("kda-io: %d tokens x %d heads of %d, modes 0 1 3 2 1p 3p 2p written to %s\n", T, H, D,
            dir);
     free(s0), free(o), free(st);
     ds_cu_dealloc(kc.q), ds_cu_dealloc(kc.k), ds_cu_dealloc(kc.v), ds_cu_dealloc(kc.g);

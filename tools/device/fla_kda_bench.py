@@ -87,8 +87,9 @@ def main():
     if score:
         ref_o = torch.from_numpy(np.fromfile(f"{score}/ref_o.f64")).cuda().view(T, H, D)
         ref_s = torch.from_numpy(np.fromfile(f"{score}/ref_s.f64")).cuda().view(H, D, D)
-        for mode, name in ((0, "f32"), (1, "tf32"), (3, "3xtf32"), ("1p", "tf32, pass 1 f32"),
-                           ("3p", "3xtf32, pass 1 f32"), ("2p", "bf16, pass 1 f32")):
+        for mode, name in ((0, "f32"), (1, "tf32"), (3, "3xtf32"), (2, "bf16"),
+                           ("1p", "tf32, pass 1 f32"), ("3p", "3xtf32, pass 1 f32"),
+                           ("2p", "bf16, pass 1 f32")):
             o = np.fromfile(f"{score}/out_{mode}.f32", dtype=np.float32).reshape(T, H, D)
             s = np.fromfile(f"{score}/state_{mode}.f32", dtype=np.float32).reshape(H, D, D)
             print(f"deltaserve chunked {name}: rel error out {rel(o, ref_o):.3e}, "

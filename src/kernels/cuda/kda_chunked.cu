@@ -164,6 +164,60 @@ __device__ __forceinline__ void kda_solve_blocks(float *Kt, float *Gt, const flo
     }
 }
 
+/* Pass 1's products between 16-row blocks in the BF16 mode (PREC 2): the 6 blocks of 16 x 16
+ * below the diagonal blocks as 12 jobs of 16 x 8 (block pair, column half; kda_prep_job), A and
+ * P together on BF16 m16n8k16, each exponent through the block's first row r as the other
+ * tensor-core forms take it. Operands from the channel-major staging: lane (g, l4) reads rows g,
+ * g + 8 of channels 2 l4 (+1, +8, +9) — words 68 c + row, on 32 different banks — and rounds each
+ * product with its exponential to BF16 once. ma[jj] gets job jj's A (C fragment); P's entries go
+ * straight to P16 (kda_chunked.cuh's order; rows past L zero). */
+template <int KD>
+__device__ __forceinline__ void kda_prep_blocks_b16(float (&ma)[2][4], const float *Kt,
+                                                    const float *Gt, const float *Qt,
+                                                    __nv_bfloat16 *P16, int L, int tid) {
+    const int warp = tid >> 5, lane = tid & 31, gq = lane >> 2, l4 = lane & 3;
+#pragma unroll
+    for (int jj = 0; jj < 2; jj++) {
+        const int job = kda_prep_job(warp, jj);
+        if (job >= 12) break; /* (the same for the whole warp) */
+        int bi, bj;
+        kda_tile_pair(job >> 1, bi, bj);
+        const int r = 16 * bi, i0 = r + gq, col = 16 * bj + 8 * (job & 1) + gq;
+        float mp[4] = {};
+#pragma unroll 2
+        for (int k0 = 0; k0 < KD; k0 += 16) {
+            uint32_t ka[4], qa[4], kb[2];
+#pragma unroll
+            for (int hk = 0; hk < 2; hk++) { /* channels 2 l4 (+1) of k0 + 8 hk */
+                const int c = k0 + 8 * hk + 2 * l4;
+                const float *g0 = Gt + c * KPS, *g1 = g0 + KPS;
+                const float *k0p = Kt + c * KPS, *k1p = k0p + KPS;
+                const float *q0p = Qt + c * KPS, *q1p = q0p + KPS;
+                const float gr0 = g0[r], gr1 = g1[r];
+#pragma unroll
+                for (int hr = 0; hr < 2; hr++) { /* rows i0, i0 + 8 */
+                    const int i = i0 + 8 * hr;
+                    const float e0 = exp2f(g0[i] - gr0), e1 = exp2f(g1[i] - gr1);
+                    ka[2 * hk + hr] = pack_bf16x2(k0p[i] * e0, k1p[i] * e1);
+                    qa[2 * hk + hr] = pack_bf16x2(q0p[i] * e0, q1p[i] * e1);
+                }
+                kb[hk] =
+                    pack_bf16x2(k0p[col] * exp2f(gr0 - g0[col]), k1p[col] * exp2f(gr1 - g1[col]));
+            }
+            mma_16816(ma[jj], ka, kb[0], kb[1]);
+            mma_16816(mp, qa, kb[0], kb[1]);
+        }
+        /* P's entries now (j < i: the zeroing of the upper part leaves them) */
+        const int cj = 16 * bj + 8 * (job & 1) + 2 * l4;
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++) {
+            const int i = i0 + 8 * hr;
+            P16[i * KC + kda_b16_slot(cj)] = __float2bfloat16_rn(i < L ? mp[2 * hr] : 0.0f);
+            P16[i * KC + kda_b16_slot(cj + 1)] = __float2bfloat16_rn(i < L ? mp[2 * hr + 1] : 0.0f);
+        }
+    }
+}
+
 /* long: one chunk's passes share their tiles in registers and shared memory between barriers;
  * split into functions, each would take a dozen array references. B16 (with PREC 0, for the BF16
  * mode): W, Qp, Kc and P handed over as BF16 (kda_chunked.cuh). */
@@ -185,7 +239,7 @@ __global__ void __launch_bounds__(256, 2)
     float *o = out + ((size_t)blockIdx.x * H + h) * kda_ch_floats(KD);
     float *W = o, *Ut = W + KC * KD, *Qp = Ut + KC * KD, *Kc = Qp + KC * KD;
     float *P = Kc + KC * KD, *gL = P + KC * KC;
-    static_assert(!B16 || PREC == 0, "the BF16 hand-over is made by the f32 form");
+    static_assert(B16 == (PREC == 2) || (B16 && PREC == 0), "BF16's pass 1 hands over in BF16");
     /* the BF16 hand-over's rows, in the first half of each region (kda_chunked.cuh) */
     __nv_bfloat16 *W16 = (__nv_bfloat16 *)W, *Qp16 = (__nv_bfloat16 *)Qp;
     __nv_bfloat16 *Kc16 = (__nv_bfloat16 *)Kc, *P16 = (__nv_bfloat16 *)P;
@@ -318,7 +372,9 @@ __global__ void __launch_bounds__(256, 2)
      * A and P together (they share the keys' operand), shared out by kda_prep_job. Operands are
      * made from shared memory as they are loaded, each exponent through the block's first row. */
     float ma[2][4] = {}; /* a job's A: rows r + g (+8), columns 16 bj + 8 half + 2 l4 (+1) */
-    if constexpr (PREC != 0) {
+    if constexpr (PREC == 2) {
+        kda_prep_blocks_b16<KD>(ma, Kt, Gt, Qt, P16, L, tid);
+    } else if constexpr (PREC != 0) {
         const int warp = tid >> 5, lane = tid & 31, gq = lane >> 2, l4 = lane & 3;
 #pragma unroll
         for (int jj = 0; jj < 2; jj++) {
@@ -431,7 +487,7 @@ __global__ void __launch_bounds__(256, 2)
     /* 4. the solve: thread col < KD takes column col of diag(beta) K e^G (-> W), the others column
      *    col - KD of diag(beta) V (-> Ut); forward substitution down the 64 rows in registers.
      *    Tensor-core forms: by 16-row blocks instead (kda_solve_blocks). */
-    if constexpr (PREC != 0) {
+    if constexpr (PREC == 1 || PREC == 3) {
         kda_solve_blocks<KD, PREC>(Kt, Gt, As, bs + KC, bs, x, W, Ut, tid);
     } else if (tid < 2 * KD) {
         const int col = tid;
@@ -484,7 +540,7 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
     if (!*smem_set) {
         /* (the BF16 mode, 2, keeps pass 1 in f32: its solve keeps f32's operands) */
         for (auto kern : {kda_chunk_prep_k<KD, 0>, kda_chunk_prep_k<KD, 1>, kda_chunk_prep_k<KD, 3>,
-                          kda_chunk_prep_k<KD, 0, true>})
+                          kda_chunk_prep_k<KD, 0, true>, kda_chunk_prep_k<KD, 2, true>})
             CU_TRY(
                 cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem1),
                 "chunked kda: shared memory");
@@ -497,6 +553,9 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
         launch_k(c, kda_chunk_prep_k<KD, 3>, pgrid, 256, smem1, prep, q, k, v, g, beta, tab, H);
     else if (c->kda_tc == 1 && !c->kda_prep_f32)
         launch_k(c, kda_chunk_prep_k<KD, 1>, pgrid, 256, smem1, prep, q, k, v, g, beta, tab, H);
+    else if (c->kda_tc == 2 && !c->kda_prep_f32) /* BF16 tensor cores, handed over in BF16 */
+        launch_k(c, kda_chunk_prep_k<KD, 2, true>, pgrid, 256, smem1, prep, q, k, v, g, beta, tab,
+                 H);
     else if (c->kda_tc == 2) /* f32 arithmetic, the scan's operands handed over in BF16 */
         launch_k(c, kda_chunk_prep_k<KD, 0, true>, pgrid, 256, smem1, prep, q, k, v, g, beta, tab,
                  H);
