@@ -493,6 +493,21 @@ void checks_kda_batch(ds_cu *c) {
     ds_cu_set_conv_fixed(c, 0);
 }
 
+/* The timing build (pack_devbin.sh's DS_DEVBIN_CLOCKS): where pass 1's cycles went since the
+ * last call, by phase (thread 0's of every block summed; the bench makes 12 calls a form); nothing
+ * in other builds. */
+static void kda_prep_phases(const char *form) {
+    double clk[6];
+    if (ds_cu_kda_prep_clocks(clk)) return;
+    static const char *phase[6] = {"stage", "sums", "A,P", "P,Qp,Kc", "A store", "solve"};
+    double tot = 0;
+    for (int i = 0; i < 6; i++) tot += clk[i];
+    printf("bench kda pass 1 phases, %s (shares of its blocks' cycles, %.3g a call):", form,
+           tot / 12.0);
+    for (int i = 0; i < 6; i++) printf(" %s %.1f%%", phase[i], 100.0 * clk[i] / tot);
+    printf("\n");
+}
+
 /* KDA decode (a launch a sequence, or one) and prefill (recurrent, chunked) */
 void bench_kda(ds_cu *c, const cuda_ceilings *ceil) {
     double ms;
@@ -558,14 +573,7 @@ void bench_kda(ds_cu *c, const cuda_ceilings *ceil) {
         ms = median_ms(c, run_kda, &kc, 2, 10);
         printf("bench kda chunked prefill T=8192 H=32 dk=dv=128: %.3f ms, %.0f tokens/s\n", ms,
                kc.T / (ms * 1e-3));
-        if (!ds_cu_kda_prep_clocks(clk)) { /* the timing build: where pass 1's time goes */
-            static const char *phase[6] = {"stage", "sums", "A,P", "P,Qp,Kc", "A store", "solve"};
-            double tot = 0;
-            for (int i = 0; i < 6; i++) tot += clk[i];
-            printf("bench kda pass 1 phases (share of block cycles):");
-            for (int i = 0; i < 6; i++) printf(" %s %.1f%%", phase[i], 100.0 * clk[i] / tot);
-            printf("\n");
-        }
+        kda_prep_phases("f32");
         /* the scan and outputs on tensor cores: TF32, then 3xTF32; pass 1 in f32 on CUDA cores,
          * then its products between 16-row blocks on tensor cores too (the default) */
         /* ... each with the outputs made by the scan (the default) and in a third pass */
@@ -585,6 +593,9 @@ void bench_kda(ds_cu *c, const cuda_ceilings *ceil) {
                                     : "3xtf32",
                         apart ? " apart" : "", prep_tc ? "tensor cores" : "f32",
                         mode == 3 && !prep_tc && !apart ? ", default" : "", ms, kc.T / (ms * 1e-3));
+                    kda_prep_phases(mode == 1   ? (prep_tc ? "tf32" : "f32 (tf32 scan)")
+                                    : mode == 2 ? (prep_tc ? "bf16" : "f32 (bf16 scan)")
+                                                : (prep_tc ? "3xtf32" : "f32 (3xtf32 scan)"));
                 }
         ds_cu_set_kda_out_fused(c, 1);
         ds_cu_set_kda_prep_tc(c, 0);
