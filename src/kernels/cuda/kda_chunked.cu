@@ -164,25 +164,69 @@ __device__ __forceinline__ void kda_solve_blocks(float *Kt, float *Gt, const flo
     }
 }
 
-/* Pass 1's products between 16-row blocks in the BF16 mode (PREC 2): the 6 blocks of 16 x 16
- * below the diagonal blocks as 12 jobs of 16 x 8 (block pair, column half; kda_prep_job), A and
- * P together on BF16 m16n8k16, each exponent through the block's first row r as the other
- * tensor-core forms take it. Operands from the channel-major staging: lane (g, l4) reads rows g,
- * g + 8 of channels 2 l4 (+1, +8, +9) — words 68 c + row, on 32 different banks — and rounds each
- * product with its exponential to BF16 once. ma[jj] gets job jj's A (C fragment); P's entries go
- * straight to P16 (kda_chunked.cuh's order; rows past L zero). */
+/* Pass 1's products between 16-row blocks on tensor cores: the 6 blocks of 16 x 16 below the
+ * diagonal blocks as 12 jobs of 16 x 8, A and P together (they share the keys' operand), each
+ * exponent through the block's first row r: e^{G_i - G_r} e^{G_r - G_j}, both <= 0. */
+/* Pass 1's tensor-core jobs: warp w's jobs jj < 2 of the 12 (kda_prep_job), each a block pair
+ * (bi > bj) and a column half: f(jj, r, c8) with r = 16 bi the block's first row and c8 = 16 bj +
+ * 8 half its first column. */
+template <typename F> __device__ __forceinline__ void kda_prep_jobs(int tid, F &&f) {
+#pragma unroll
+    for (int jj = 0; jj < 2; jj++) {
+        const int job = kda_prep_job(tid >> 5, jj);
+        if (job >= 12) break; /* (the same for the whole warp) */
+        int bi, bj;
+        kda_tile_pair(job >> 1, bi, bj);
+        f(jj, 16 * bi, 16 * bj + 8 * (job & 1));
+    }
+}
+
+/* The TF32 and 3xTF32 forms (PREC 1, 3) of those jobs on m16n8k8: ma[jj] gets job jj's A (C
+ * fragment), P's entries go straight to P (rows past L zero). */
+template <int KD, int PREC>
+__device__ __forceinline__ void kda_prep_blocks_tf32(float (&ma)[2][4], const float *Kt,
+                                                     const float *Gt, const float *Qt, float *P,
+                                                     int L, int tid) {
+    const int lane = tid & 31, gq = lane >> 2, l4 = lane & 3;
+    kda_prep_jobs(tid, [&](int jj, int r, int c8) {
+        const int i0 = r + gq, col = c8 + gq;
+        float mp[4] = {};
+#pragma unroll 4
+        for (int k0 = 0; k0 < KD; k0 += 8) {
+            const int cA = k0 + l4, cB = cA + 4;
+            const float *g0 = Gt + cA * KPS, *g1 = Gt + cB * KPS;
+            const float *k0p = Kt + cA * KPS, *k1p = Kt + cB * KPS;
+            const float *q0p = Qt + cA * KPS, *q1p = Qt + cB * KPS;
+            const float gr0 = g0[r], gr1 = g1[r];
+            const float e00 = exp2f(g0[i0] - gr0), e10 = exp2f(g0[i0 + 8] - gr0),
+                        e01 = exp2f(g1[i0] - gr1), e11 = exp2f(g1[i0 + 8] - gr1);
+            const tf32_a<PREC> ka(k0p[i0] * e00, k0p[i0 + 8] * e10, k1p[i0] * e01,
+                                  k1p[i0 + 8] * e11);
+            const tf32_a<PREC> qa(q0p[i0] * e00, q0p[i0 + 8] * e10, q1p[i0] * e01,
+                                  q1p[i0 + 8] * e11);
+            const float b0 = k0p[col] * exp2f(gr0 - g0[col]), b1 = k1p[col] * exp2f(gr1 - g1[col]);
+            mma_tf32x<PREC>(ma[jj], ka, b0, b1);
+            mma_tf32x<PREC>(mp, qa, b0, b1);
+        }
+        /* P's entries now (j < i: the zeroing of the upper part leaves them) */
+        const int cj = c8 + 2 * l4;
+        *(float2 *)(P + i0 * KC + cj) = i0 < L ? make_float2(mp[0], mp[1]) : make_float2(0, 0);
+        *(float2 *)(P + (i0 + 8) * KC + cj) =
+            i0 + 8 < L ? make_float2(mp[2], mp[3]) : make_float2(0, 0);
+    });
+}
+
+/* The BF16 form (PREC 2) on m16n8k16: operands from the same channel-major staging, lane (g, l4)
+ * reading rows g, g + 8 of channels 2 l4 (+1, +8, +9) — words 68 c + row, on 32 different banks
+ * — each product with its exponential rounded to BF16 once; P's entries to P16
+ * (kda_chunked.cuh's order). */
 template <int KD>
 __device__ __forceinline__ void kda_prep_blocks_b16(float (&ma)[2][4], const float *Kt,
                                                     const float *Gt, const float *Qt,
                                                     __nv_bfloat16 *P16, int L, int tid) {
-    const int warp = tid >> 5, lane = tid & 31, gq = lane >> 2, l4 = lane & 3;
-#pragma unroll
-    for (int jj = 0; jj < 2; jj++) {
-        const int job = kda_prep_job(warp, jj);
-        if (job >= 12) break; /* (the same for the whole warp) */
-        int bi, bj;
-        kda_tile_pair(job >> 1, bi, bj);
-        const int r = 16 * bi, i0 = r + gq, col = 16 * bj + 8 * (job & 1) + gq;
+    const int lane = tid & 31, gq = lane >> 2, l4 = lane & 3;
+    kda_prep_jobs(tid, [&](int jj, int r, int c8) {
+        const int i0 = r + gq, col = c8 + gq;
         float mp[4] = {};
 #pragma unroll 2
         for (int k0 = 0; k0 < KD; k0 += 16) {
@@ -207,15 +251,14 @@ __device__ __forceinline__ void kda_prep_blocks_b16(float (&ma)[2][4], const flo
             mma_16816(ma[jj], ka, kb[0], kb[1]);
             mma_16816(mp, qa, kb[0], kb[1]);
         }
-        /* P's entries now (j < i: the zeroing of the upper part leaves them) */
-        const int cj = 16 * bj + 8 * (job & 1) + 2 * l4;
+        const int cj = c8 + 2 * l4;
 #pragma unroll
         for (int hr = 0; hr < 2; hr++) {
             const int i = i0 + 8 * hr;
             P16[i * KC + kda_b16_slot(cj)] = __float2bfloat16_rn(i < L ? mp[2 * hr] : 0.0f);
             P16[i * KC + kda_b16_slot(cj + 1)] = __float2bfloat16_rn(i < L ? mp[2 * hr + 1] : 0.0f);
         }
-    }
+    });
 }
 
 /* long: one chunk's passes share their tiles in registers and shared memory between barriers;
@@ -368,46 +411,12 @@ __global__ void __launch_bounds__(256, 2)
      * first) */
     const bool owner = PREC == 0 ? tid < 120 || (tid >= 128 && (tid & 7) == 0)
                                  : (tid < 96 && (tid & 3) == 0) || (tid >= 128 && (tid & 7) == 0);
-    /* Tensor-core forms: the 16 x 16 blocks (bi > bj) as 12 jobs of 16 x 8 (block, column half),
-     * A and P together (they share the keys' operand), shared out by kda_prep_job. Operands are
-     * made from shared memory as they are loaded, each exponent through the block's first row. */
+    /* Tensor-core forms: the 16 x 16 blocks below the diagonal blocks (kda_prep_blocks_*) */
     float ma[2][4] = {}; /* a job's A: rows r + g (+8), columns 16 bj + 8 half + 2 l4 (+1) */
     if constexpr (PREC == 2) {
         kda_prep_blocks_b16<KD>(ma, Kt, Gt, Qt, P16, L, tid);
     } else if constexpr (PREC != 0) {
-        const int warp = tid >> 5, lane = tid & 31, gq = lane >> 2, l4 = lane & 3;
-#pragma unroll
-        for (int jj = 0; jj < 2; jj++) {
-            const int job = kda_prep_job(warp, jj);
-            if (job >= 12) break; /* (the same for the whole warp) */
-            int bi, bj;
-            kda_tile_pair(job >> 1, bi, bj);
-            const int r = 16 * bi, i0 = r + gq, col = 16 * bj + 8 * (job & 1) + gq;
-            float mp[4] = {};
-#pragma unroll 4
-            for (int k0 = 0; k0 < KD; k0 += 8) {
-                const int cA = k0 + l4, cB = cA + 4;
-                const float *g0 = Gt + cA * KPS, *g1 = Gt + cB * KPS;
-                const float *k0p = Kt + cA * KPS, *k1p = Kt + cB * KPS;
-                const float *q0p = Qt + cA * KPS, *q1p = Qt + cB * KPS;
-                const float gr0 = g0[r], gr1 = g1[r];
-                const float e00 = exp2f(g0[i0] - gr0), e10 = exp2f(g0[i0 + 8] - gr0),
-                            e01 = exp2f(g1[i0] - gr1), e11 = exp2f(g1[i0 + 8] - gr1);
-                const tf32_a<PREC> ka(k0p[i0] * e00, k0p[i0 + 8] * e10, k1p[i0] * e01,
-                                      k1p[i0 + 8] * e11);
-                const tf32_a<PREC> qa(q0p[i0] * e00, q0p[i0 + 8] * e10, q1p[i0] * e01,
-                                      q1p[i0 + 8] * e11);
-                const float b0 = k0p[col] * exp2f(gr0 - g0[col]),
-                            b1 = k1p[col] * exp2f(gr1 - g1[col]);
-                mma_tf32x<PREC>(ma[jj], ka, b0, b1);
-                mma_tf32x<PREC>(mp, qa, b0, b1);
-            }
-            /* P's entries now (j < i: the zeroing of the upper part below leaves them) */
-            const int cj = 16 * bj + 8 * (job & 1) + 2 * l4;
-            *(float2 *)(P + i0 * KC + cj) = i0 < L ? make_float2(mp[0], mp[1]) : make_float2(0, 0);
-            *(float2 *)(P + (i0 + 8) * KC + cj) =
-                i0 + 8 < L ? make_float2(mp[2], mp[3]) : make_float2(0, 0);
-        }
+        kda_prep_blocks_tf32<KD, PREC>(ma, Kt, Gt, Qt, P, L, tid);
     }
     KDA_CLK_SYNC_MARK(2); /* A and P (a barrier of its own only when timed) */
     /* V's rows for the second half of the solve, requested now: on their way while P, Qp and Kc
