@@ -68,7 +68,8 @@ __device__ __forceinline__ int kda_prep_job(int warp, int jj) {
     return warp < 3 ? (jj ? 12 : warp) : 3 + 2 * (warp - 3) + jj;
 }
 
-/* Pass 1's solve by 16-row blocks on tensor cores (modes 1 and 3): X = (I + A)^-1 R for the
+/* Pass 1's solve by 16-row blocks on tensor cores (modes 1 and 3, and 2 in TF32 with W handed
+ * over in BF16, B16): X = (I + A)^-1 R for the
  * 2 KD right-hand sides R = [diag(beta) K e^G | diag(beta) V] (-> W, Ut). The forward
  * substitution walks 64 rows one after another (a chain of 2016 dependent FMAs a column); here
  * each diagonal block's inverse T_b = (I + A_bb)^-1 comes first (64 threads, 16-row chains),
@@ -78,7 +79,7 @@ __device__ __forceinline__ int kda_prep_job(int warp, int jj) {
  * falls on 32 banks) and V's columns over the decays, which nothing reads any more; X replaces
  * R block by block. A warp takes 2 KD / 8 / 8 tiles of 8 columns through all four rows of blocks,
  * so past the set-up its lanes exchange only their own columns. Ti: [4][16][TLD] the inverses. */
-template <int KD, int PREC>
+template <int KD, int PREC, bool B16 = false>
 __device__ __forceinline__ void kda_solve_blocks(float *Kt, float *Gt, const float *As, float *Ti,
                                                  const float *bs, const float (&x)[KC], float *W,
                                                  float *Ut, int tid) {
@@ -156,6 +157,14 @@ __device__ __forceinline__ void kda_solve_blocks(float *Kt, float *Gt, const flo
             float *p0 = colp(c), *p1 = p0 + KPS;
             p0[r0 + g] = xb[n][0], p1[r0 + g] = xb[n][1];
             p0[r0 + g + 8] = xb[n][2], p1[r0 + g + 8] = xb[n][3];
+            if (B16 && c < KD) { /* W handed over in BF16 (kda_chunked.cuh) */
+                __nv_bfloat16 *w16 = (__nv_bfloat16 *)W;
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    w16[(r0 + g + 8 * (e >> 1)) * KD + kda_b16_slot(c + (e & 1))] =
+                        __float2bfloat16_rn(xb[n][e]);
+                continue;
+            }
             float *dst = c < KD ? W + c : Ut + c - KD; /* [KC][KD] rows */
             *(float2 *)(dst + (r0 + g) * KD) = make_float2(xb[n][0], xb[n][1]);
             *(float2 *)(dst + (r0 + g + 8) * KD) = make_float2(xb[n][2], xb[n][3]);
@@ -496,8 +505,8 @@ __global__ void __launch_bounds__(256, 2)
     /* 4. the solve: thread col < KD takes column col of diag(beta) K e^G (-> W), the others column
      *    col - KD of diag(beta) V (-> Ut); forward substitution down the 64 rows in registers.
      *    Tensor-core forms: by 16-row blocks instead (kda_solve_blocks). */
-    if constexpr (PREC == 1 || PREC == 3) {
-        kda_solve_blocks<KD, PREC>(Kt, Gt, As, bs + KC, bs, x, W, Ut, tid);
+    if constexpr (PREC != 0) { /* (the BF16 form solves in TF32: more bits than its A has) */
+        kda_solve_blocks<KD, PREC == 2 ? 1 : PREC, B16>(Kt, Gt, As, bs + KC, bs, x, W, Ut, tid);
     } else if (tid < 2 * KD) {
         const int col = tid;
 #pragma unroll
