@@ -70,14 +70,20 @@
 #  20. (issue 33, session 38, not yet run) one token's down pass per routed row
 #      (DS_CUDA_EXPERT_FLOW): the checks, decode batch 1 with and without; NCU=1 also Nsight
 #      Compute on the experts' kernel's launches of a layer (why 65-70% of copy at one token).
-# STEPS: which of them (default "20", the one not yet run; 19 ran in session 38, 17 in session 37,
+#  21. (issue 33, session 39, not yet run) chunked KDA's BF16 mode: its operands handed to the
+#      scan in BF16 and pass 1 on BF16 tensor cores (DS_CUDA_KDA_PREP_TC=1 in mode 2): the KDA
+#      checks, kda_words.sh (every mode's outputs word for word against a baseline's binary —
+#      pack with DS_DEVBIN_BASE_TESTS — the errors against the float64 reference, both binaries'
+#      timings), and with test_cuda_kernels_clk in .devbin (DS_DEVBIN_CLOCKS=1) pass 1's phases
+#      in every form.
+# STEPS: which of them (default "21 20", the ones not yet run; 19 ran in session 38, 17 in session 37,
 # 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
 # in session 31, 8 at 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12
 # in session 33 on H100s, 10 and 13 in session 34, 9, 14 and 15 in session 35, 9 and 16 in
 # session 36: bench/RESULTS.md).
 set -u
 OUT=${OUT:-/tmp/ds-out}
-STEPS=" ${STEPS:-20} "
+STEPS=" ${STEPS:-21 20} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -251,6 +257,15 @@ B48=".devbin/deltaserve $(b48 8 ${BATCHES:-2,4,8,16,32,64})"
 for f in 0 2; do
   DS_CUDA_F8_WHOLE_K=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 whole K from $f] /"
 done
+fi
+if want 21; then
+el "21. (issue 33, session 39) chunked KDA's BF16 mode: BF16 hand-over, pass 1 on BF16 tensor"
+el "    cores: the KDA checks, kda_words.sh, pass 1's phases (timing build)"
+checks s21.log "kda"
+grep -E "FAIL|bf16|checks:" "$OUT/s21.log" | head -24
+[ -x .devbin/test_cuda_kernels_base ] && bash "$(dirname "$0")/kda_words.sh" 2>&1 | tail -40
+[ -x .devbin/test_cuda_kernels_clk ] &&
+  timeout 120 .devbin/test_cuda_kernels_clk --bench-only kda 2>&1 | grep -E "phases|chunked prefill"
 fi
 if want 20; then
 el "20. (issue 33, session 38, written after its GPU time) one token's down pass per routed row"
