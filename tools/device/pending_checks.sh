@@ -67,23 +67,21 @@
 #      checks, decode batch 1 against a baseline's binary (DS_DEVBIN_BASE) with the step's host
 #      and device times, and a batch-1 step's kernel timeline (timeline48.sh). (Its first form,
 #      run in session 38: the index copies waited for or not, measured the same; removed.)
-#  20. (issue 33, session 38, not yet run) one token's down pass per routed row
-#      (DS_CUDA_EXPERT_FLOW): the checks, decode batch 1 with and without; NCU=1 also Nsight
-#      Compute on the experts' kernel's launches of a layer (why 65-70% of copy at one token).
-#  21. (issue 33, session 39, not yet run) chunked KDA's BF16 mode: its operands handed to the
+#  20. (issue 33, session 38; run in session 39: 1-2% slower, removed with DS_CUDA_EXPERT_FLOW)
+#  21. (issue 33, session 39; run in session 39) chunked KDA's BF16 mode: its operands handed to the
 #      scan in BF16 and pass 1 on BF16 tensor cores (DS_CUDA_KDA_PREP_TC=1 in mode 2): the KDA
 #      checks, kda_words.sh (every mode's outputs word for word against a baseline's binary —
 #      pack with DS_DEVBIN_BASE_TESTS — the errors against the float64 reference, both binaries'
 #      timings), and with test_cuda_kernels_clk in .devbin (DS_DEVBIN_CLOCKS=1) pass 1's phases
 #      in every form.
-# STEPS: which of them (default "21 20", the ones not yet run; 19 ran in session 38, 17 in session 37,
+# STEPS: which of them (default "21", the last written; 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
 # 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
 # in session 31, 8 at 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12
 # in session 33 on H100s, 10 and 13 in session 34, 9, 14 and 15 in session 35, 9 and 16 in
 # session 36: bench/RESULTS.md).
 set -u
 OUT=${OUT:-/tmp/ds-out}
-STEPS=" ${STEPS:-21 20} "
+STEPS=" ${STEPS:-21} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -266,24 +264,6 @@ grep -E "FAIL|bf16|checks:" "$OUT/s21.log" | head -24
 [ -x .devbin/test_cuda_kernels_base ] && bash "$(dirname "$0")/kda_words.sh" 2>&1 | tail -40
 [ -x .devbin/test_cuda_kernels_clk ] &&
   timeout 120 .devbin/test_cuda_kernels_clk --bench-only kda 2>&1 | grep -E "phases|chunked prefill"
-fi
-if want 20; then
-el "20. (issue 33, session 38, written after its GPU time) one token's down pass per routed row"
-el "    (DS_CUDA_EXPERT_FLOW): the moe checks (word for word against the plain wait, eager and"
-el "    graphed), then decode batch 1 in BF16 with and without, ROUNDS rounds (default 3), the"
-el "    greedy ids' hash of each"
-checks s20.log "moe"
-grep -E "FAIL|per row|checks:" "$OUT/s20.log" | head -12
-for r in $(seq "${ROUNDS:-3}"); do
-  for f in 0 1; do
-    b48_run "bf16 flow $f, $r" "s20_$f" DS_CUDA_EXPERT_FLOW=$f .devbin/deltaserve $(b48 16 1)
-  done
-done
-# NCU=1: why one token's experts stream at 65-70% of copy where the same kernel as a one-token
-# matmul (KDA's q/k/v stack) reaches 86%: Nsight Compute on a layer's launches of it (in-proj,
-# up, down)
-[ -n "${NCU:-}" ] && KERNELS=moe_grouped_k SKIP=${NCU_SKIP:-6} COUNT=6 NAME=ncu_experts \
-  bash "$(dirname "$0")/ncu_detail.sh" 2>&1 | head -70
 fi
 if want 19; then
 el "19. (issues 32, 33, session 38) the router's choice with its lists in shared memory: the moe"

@@ -70,8 +70,6 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->mla_gemm = env_flag("DS_CUDA_MLA_GEMM", 1);
     t->mla_flash = env_flag("DS_CUDA_MLA_FLASH", 1);
     t->early_experts = env_flag("DS_CUDA_EARLY_EXPERTS", 1);
-    /* (written in session 38 after its GPU time: off until timed, pending_checks.sh step 20) */
-    t->expert_flow = env_flag("DS_CUDA_EXPERT_FLOW", 0);
     t->wide_early = env_flag("DS_CUDA_WIDE_EARLY", 1);
     t->gemv_wide = env_flag("DS_CUDA_GEMV_WIDE", 1);
     t->conv_fixed = env_flag("DS_CUDA_CONV_FIXED", 1);
@@ -133,7 +131,6 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_mla_gemm(c, t->mla_gemm);
     ds_cu_set_mla_flash(c, t->mla_flash);
     ds_cu_set_early_experts(c, t->early_experts);
-    if (ds_cu_set_expert_flow(c, t->expert_flow, err)) return DS_ERR;
     ds_cu_set_wide_early(c, t->wide_early);
     ds_cu_set_gemv_wide(c, t->gemv_wide);
     ds_cu_set_conv_fixed(c, t->conv_fixed);

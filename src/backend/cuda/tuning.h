@@ -24,8 +24,6 @@
  *   DS_CUDA_MLA_FLASH      F      1        ... and for Kimi's head shape as one flash kernel
  *   DS_CUDA_EARLY_EXPERTS  F      1        the experts' down pass reads its routing and first
  *                                          weights before waiting for the up pass
- *   DS_CUDA_EXPERT_FLOW    F      0        one token's down pass starts per routed row, when that
- *                                          row's up pass is done (not the whole up pass)
  *   DS_CUDA_WIDE_EARLY     F      1        one-token matmuls through the experts' kernel load
  *                                          their first weights before the wait
  *   DS_CUDA_GEMV_WIDE      F      1        one-token matmuls of one warp a row through the routed
@@ -81,7 +79,6 @@ typedef struct ds_cuda_tuning {
     int f8_whole_k;    /* tokens from which the FP8 streams keep K whole (0: never) */
     int mla_gemm, mla_flash;
     int early_experts, wide_early, gemv_wide, conv_fixed;
-    int expert_flow;           /* one token's down pass per routed row */
     int kda_fused;             /* sequences up to which a decode step's KDA middle is one kernel */
     const char *kda_fused_set; /* DS_CUDA_KDA_FUSED as given, or NULL when unset or empty */
     int kda_tc;                /* 0, 1 or 3 */

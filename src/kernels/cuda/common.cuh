@@ -111,8 +111,6 @@ struct ds_cu {
     int grouped_per_sm[4];
     size_t grouped_per_sm_smem[4];
     int32_t *row_zero; /* gemv_wide's routing (g_row_zero's address on this device; NULL: unread) */
-    int expert_flow;   /* one token's down pass per routed row (ds_cu_set_expert_flow) */
-    int *flow_cnt;     /* its counts, [2][64] zeroed when first turned on (moe_flow) */
     void *lt;          /* FP8 tensor cores' cuBLASLt handle (matmul_fp8.cu), made at first use */
     int moe_fp4_smem;  /* the MXFP4 experts' streaming kernels' shared memory raised (once) */
 };
@@ -233,14 +231,6 @@ static __device__ __forceinline__ float dot8(uint4 u, const float *x) {
            __uint_as_float(u.y << 16) * a.z + __uint_as_float(u.y & 0xffff0000u) * a.w +
            __uint_as_float(u.z << 16) * b.x + __uint_as_float(u.z & 0xffff0000u) * b.y +
            __uint_as_float(u.w << 16) * b.z + __uint_as_float(u.w & 0xffff0000u) * b.w;
-}
-
-/* *p read with acquire semantics at the GPU's scope: what was written before a release of it
- * (a fence, then the write or atomic) is visible after */
-static __device__ inline int ld_acquire_s32(const int *p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
 }
 
 /* Sum over the block (blockDim.x a multiple of 32, at most 1024). */

@@ -262,7 +262,6 @@ extern "C" void ds_cu_free(ds_cu *c) {
     cudaFree(c->part);
     fp8_free(c);
     cudaFree(c->blas_ws);
-    cudaFree(c->flow_cnt);
     cudaFree(c->moeg);
     cudaFree(c->drawb);
     cudaFree(c->mlag);

@@ -160,10 +160,6 @@ void ds_cu_set_kda_out_fused(ds_cu *c, int on);
  * pass (they are older than it): on by default (DS_CUDA_EARLY_EXPERTS=0 turns it off; a shorter
  * batch-1 step of the 48B shape: bench/RESULTS.md session 9). */
 void ds_cu_set_early_experts(ds_cu *c, int on);
-/* One token's routed experts (BF16, the streaming kernels): each routed row's down pass starts
- * when that row's up pass is done, not when the whole up pass is (counts per row in memory; the
- * same sums). DS_CUDA_EXPERT_FLOW in the engine. */
-int ds_cu_set_expert_flow(ds_cu *c, int on, ds_err *err); /* (on: its counts made, once) */
 /* One-token matmuls through the experts' kernel (ds_cu_set_gemv_wide) load their first weights
  * before waiting for the previous kernel, as gemv_bf16_k does (their routing is a constant): on
  * by default in the model (DS_CUDA_WIDE_EARLY=0 turns it off), off in a new context (a shorter

@@ -10,16 +10,6 @@ struct moe_act {
     float beta, lin_beta;
 };
 
-/* One token's down pass started per routed row (DS_CUDA_EXPERT_FLOW): the up pass's blocks count
- * themselves done per row (cnt[r], after their writes), and a down block waits for its own row's
- * count instead of the whole up grid (programmatic dependent launch starts it once every up block
- * is running, so the up blocks it waits for always make progress); the down pass's last block of
- * a row sets both of its counts back to 0 for the next launch. */
-struct moe_flow {
-    int *cnt; /* [2][k]: up blocks done, down blocks done, per routed row (NULL: off) */
-    int need; /* the down pass: the up blocks a row waits for; 0: the up pass (it counts) */
-};
-
 enum { MMA_ROWS = 16, MMA_N = 256, MMA_KC = 256, MMA_XLD = MMA_KC + 8, MMA_OLD = MMA_N + 4 };
 
 /* The routed experts of a step through cuBLAS (long steps: prefill), rows grouped by expert

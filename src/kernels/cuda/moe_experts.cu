@@ -244,16 +244,13 @@ stream_rows_dot(float (&acc)[NPW][RPM], const uint4 (&u0)[NPW], const uint4 *con
     }
 }
 /* RPM: rows a pass holds at most (rp <= RPM), its accumulators' count; NPW: weight rows a warp
- * streams (8 NPW a block); FLOW: the instances that take part in moe_flow (fl; the others ignore
- * it and compile as if it were not there), held to 4 blocks an SM as their plain twins are, since
- * moe_grouped_pick sizes the grid by the twins' occupancy (unbounded, NPW 5 took 76 registers:
- * 3 blocks an SM, a second wave for the 48B shape's down pass) */
-template <int RPM, int NPW, bool FLOW = false>
-__global__ void __launch_bounds__(256, FLOW ? 4 : 0)
+ * streams (8 NPW a block) */
+template <int RPM, int NPW>
+__global__ void __launch_bounds__(256)
     moe_grouped_k(float *y, int ldy, const float *x, int ldx, int x_div, const uint16_t *W, int N,
                   int K, const int32_t *start, const int32_t *perm, const int32_t *active,
                   const int32_t *n_active, int rp, moe_act act, const int32_t *direct, int e0,
-                  int E, int early, moe_flow fl) {
+                  int E, int early) {
     /* early (the down pass, with ds_cu_set_early_experts; a one-token matmul, whose routing is a
      * constant, with ds_cu_set_wide_early): the routing is at least two kernels old (the up pass
      * came between), so it and the first weights are read before waiting for the previous kernel
@@ -282,21 +279,7 @@ __global__ void __launch_bounds__(256, FLOW ? 4 : 0)
 #pragma unroll
     for (int j = 0; j < NPW; j++)
         if (lk) u0[j] = __ldg(wr[j] + lane);
-    const bool wait_row = FLOW && fl.need > 0; /* (direct rows only) */
-    if (wait_row) {
-        if (threadIdx.x == 0) {
-            /* bounded: a count never reached (a failed launch before) ends in an error, not a
-             * hang */
-            for (long spins = 0; ld_acquire_s32(fl.cnt + blockIdx.y) < fl.need; spins++) {
-                if (spins > (1L << 25)) __trap();
-                __nanosleep(64);
-            }
-        }
-        __syncthreads();
-        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    } else if (early) {
-        PDL_ENTRY();
-    }
+    if (early) PDL_ENTRY();
     for (int c0 = r0; c0 < r1; c0 += rp) {
         const int nr = min(rp, r1 - c0);
         __syncthreads(); /* the previous pass is done with xsh */
@@ -304,12 +287,8 @@ __global__ void __launch_bounds__(256, FLOW ? 4 : 0)
             const int r = direct ? c0 + i : perm[c0 + i];
             const float4 *src = (const float4 *)(x + (size_t)(r / x_div) * ldx);
             for (int j = threadIdx.x; j < K / 4; j += blockDim.x) {
-                /* (waiting for the row alone, x is read through L2: other SMs wrote it in a
-                 * kernel that may still be running) */
-                float4 v = wait_row ? __ldcg(src + j) : src[j];
-                if (act.on)
-                    v = act_pair4(v, wait_row ? __ldcg(src + K / 4 + j) : src[K / 4 + j], act.situ,
-                                  act.beta, act.lin_beta);
+                float4 v = src[j];
+                if (act.on) v = act_pair4(v, src[K / 4 + j], act.situ, act.beta, act.lin_beta);
                 xsh[(size_t)i * (K / 4) + j] = v;
             }
         }
@@ -339,17 +318,6 @@ __global__ void __launch_bounds__(256, FLOW ? 4 : 0)
                 }
             }
     }
-    if (FLOW) {          /* (direct rows: the pass's only row is blockIdx.y) */
-        __threadfence(); /* this thread's outputs, before the count says so */
-        __syncthreads();
-        if (threadIdx.x == 0 && !wait_row) {
-            atomicAdd(fl.cnt + blockIdx.y, 1);
-        } else if (threadIdx.x == 0 &&
-                   atomicAdd(fl.cnt + gridDim.y + blockIdx.y, 1) == (int)gridDim.x - 1) {
-            fl.cnt[blockIdx.y] = 0; /* every block of the row is past its wait */
-            fl.cnt[gridDim.y + blockIdx.y] = 0;
-        }
-    }
 }
 
 enum : size_t { MOE_SMEM = 160 * 1024 }; /* the grouped kernel's x staging, at most */
@@ -361,7 +329,7 @@ enum : size_t { MOE_SMEM = 160 * 1024 }; /* the grouped kernel's x staging, at m
  * session 9). A row's sum takes the same operations whatever NPW is. */
 typedef void (*moe_grouped_ptr)(float *, int, const float *, int, int, const uint16_t *, int, int,
                                 const int32_t *, const int32_t *, const int32_t *, const int32_t *,
-                                int, moe_act, const int32_t *, int, int, int, moe_flow);
+                                int, moe_act, const int32_t *, int, int, int);
 typedef struct {
     moe_grouped_ptr fn;
     int rpm, rows; /* accumulators; weight rows a block (8 warps x NPW) */
@@ -385,18 +353,9 @@ int gemv_wide(ds_cu *c, float *y, const float *x, const uint16_t *W, int N, int 
     const moe_act none = {0, 0, 0.0f, 0.0f};
     launch_k(c, moe_grouped_k<1, 4>, dim3((unsigned)((N + 31) / 32), 1), 256, (size_t)K * 4, y, N,
              x, K, 1, W, N, K, (const int32_t *)NULL, (const int32_t *)NULL, (const int32_t *)NULL,
-             (const int32_t *)NULL, 1, none, (const int32_t *)c->row_zero, 0, 1, c->wide_early,
-             moe_flow{});
+             (const int32_t *)NULL, 1, none, (const int32_t *)c->row_zero, 0, 1, c->wide_early);
     CU_TRY(cudaGetLastError(), "gemv (wide)");
     return DS_OK;
-}
-
-/* The moe_flow instance of a one-row-a-pass kernel (NULL: none) */
-static moe_grouped_ptr moe_flow_fn(const moe_grouped_fn &f) {
-    if (f.rpm != 1) return NULL;
-    return f.rows == 32   ? moe_grouped_k<1, 4, true>
-           : f.rows == 40 ? moe_grouped_k<1, 5, true>
-                          : NULL;
 }
 
 /* N outputs for ya block rows, smem bytes of staging a block */
@@ -419,20 +378,6 @@ static moe_grouped_fn moe_grouped_pick(ds_cu *c, int rpm, int N, unsigned ya, si
         if ((long)((N + f->rows - 1) / f->rows) * ya <= (long)per_sm[i] * c->n_sm) return *f;
     }
     return *first;
-}
-
-extern "C" int ds_cu_set_expert_flow(ds_cu *c, int on, ds_err *err) {
-    if (on && !c->flow_cnt) { /* (at attach or in a test: never inside a capture) */
-        int *cnt = NULL;
-        CU_TRY(cudaMalloc((void **)&cnt, 2 * 64 * sizeof(int)), "experts' row counts");
-        if (cudaMemset(cnt, 0, 2 * 64 * sizeof(int)) != cudaSuccess) {
-            cudaFree(cnt);
-            return ds_errf(err, "cuda: experts' row counts: cannot zero them");
-        }
-        c->flow_cnt = cnt;
-    }
-    c->expert_flow = on;
-    return DS_OK;
 }
 
 extern "C" void ds_cu_set_early_experts(ds_cu *c, int on) {
@@ -511,24 +456,11 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             (int)MOE_SMEM),
                        "moe: shared memory");
-            const moe_grouped_ptr flow_fns[2] = {moe_grouped_k<1, 4, true>,
-                                                 moe_grouped_k<1, 5, true>};
-            for (int i = 0; i < 2; i++)
-                CU_TRY(cudaFuncSetAttribute((const void *)flow_fns[i],
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            (int)MOE_SMEM),
-                       "moe: shared memory");
             c->moe_grouped_smem = 1;
         }
         const moe_grouped_fn up_k = moe_grouped_pick(c, rpm, 2 * I, ya, (size_t)rp_up * D * 4),
                              dn_k = moe_grouped_pick(c, rpm, D, ya, (size_t)rp_dn * I * 4);
         const moe_act none = {0, 0, 0.0f, 0.0f}, act = {1, situ, situ_beta, situ_lin_beta};
-        const unsigned up_tiles = (unsigned)((2 * I + up_k.rows - 1) / up_k.rows);
-        /* one token's down pass per routed row (ds_cu_set_expert_flow), on the streaming
-         * kernels (without programmatic dependent launch the down pass starts after the whole up
-         * pass anyway, and its wait ends at once) */
-        const moe_grouped_ptr up_fn = moe_flow_fn(up_k), dn_fn = moe_flow_fn(dn_k);
-        const int flow = direct && c->expert_flow && !tc && !mma && k <= 64 && up_fn && dn_fn;
         if (tc) {
             moe_tc_experts(c, h, y, x, rows, ya, D, I, E, k, gate_up, down, start, perm, active,
                            n_active, act);
@@ -538,20 +470,18 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
                 moe_mma_pass(c, h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm, active, n_active,
                              ya, none);
             else
-                launch_k(c, flow ? up_fn : up_k.fn, dim3(up_tiles, ya), 256, (size_t)rp_up * D * 4,
-                         h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm, active, n_active, rp_up,
-                         none, direct, e0, E, 0, moe_flow{flow ? c->flow_cnt : NULL, 0});
+                launch_k(c, up_k.fn, dim3((unsigned)((2 * I + up_k.rows - 1) / up_k.rows), ya), 256,
+                         (size_t)rp_up * D * 4, h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm,
+                         active, n_active, rp_up, none, direct, e0, E, 0);
             CU_TRY(cudaGetLastError(), "moe up (grouped)");
             /* h's rows are gate | up, one per routed row: the down pass applies act as it stages */
             if (mma)
                 moe_mma_pass(c, y, D, h, 2 * I, 1, down, D, I, start, perm, active, n_active, ya,
                              act);
             else
-                launch_k(c, flow ? dn_fn : dn_k.fn,
-                         dim3((unsigned)((D + dn_k.rows - 1) / dn_k.rows), ya), 256,
+                launch_k(c, dn_k.fn, dim3((unsigned)((D + dn_k.rows - 1) / dn_k.rows), ya), 256,
                          (size_t)rp_dn * I * 4, y, D, h, 2 * I, 1, down, D, I, start, perm, active,
-                         n_active, rp_dn, act, direct, e0, E, c->early_experts,
-                         moe_flow{flow ? c->flow_cnt : NULL, flow ? (int)up_tiles : 0});
+                         n_active, rp_dn, act, direct, e0, E, c->early_experts);
             CU_TRY(cudaGetLastError(), "moe down (grouped)");
         }
     } else {
