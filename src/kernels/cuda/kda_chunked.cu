@@ -175,10 +175,9 @@ __device__ __forceinline__ void kda_solve_blocks(float *Kt, float *Gt, const flo
 
 /* Pass 1's products between 16-row blocks on tensor cores: the 6 blocks of 16 x 16 below the
  * diagonal blocks as 12 jobs of 16 x 8, A and P together (they share the keys' operand), each
- * exponent through the block's first row r: e^{G_i - G_r} e^{G_r - G_j}, both <= 0. */
-/* Pass 1's tensor-core jobs: warp w's jobs jj < 2 of the 12 (kda_prep_job), each a block pair
- * (bi > bj) and a column half: f(jj, r, c8) with r = 16 bi the block's first row and c8 = 16 bj +
- * 8 half its first column. */
+ * exponent through the block's first row r: e^{G_i - G_r} e^{G_r - G_j}, both <= 0. Warp w's
+ * jobs jj < 2 of the 12 (kda_prep_job), each a block pair (bi > bj) and a column half: f(jj, r,
+ * c8) with r = 16 bi the block's first row and c8 = 16 bj + 8 half its first column. */
 template <typename F> __device__ __forceinline__ void kda_prep_jobs(int tid, F &&f) {
 #pragma unroll
     for (int jj = 0; jj < 2; jj++) {
