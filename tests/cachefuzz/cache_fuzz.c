@@ -45,7 +45,7 @@
  * Usage: cache_fuzz [--model DIR] [--seeds N] [--seed0 S] [--redis redis://h:p] [-tp T] [-pp P]
  *                   [--pd PCT] [--grammar PCT] [--preempt PCT] [--restart PCT]
  *                   [--device cpu|cuda] [--batch-invariant] [--quantization ptpc_fp8]
- *                   [--kv-cache-dtype auto|fp8|bf16|mixed]
+ *                   [--kv-cache-dtype auto|fp8|bf16|mixed] [--experts bf16|mxfp4]
  *                   [--save-dir DIR] [--case FILE]
  *                   [--work-dir DIR] [--max-seconds S] [--verbose]
  * Exit status 0 when every seed agreed and the run exercised hits, tier loads and evictions. */
@@ -93,6 +93,7 @@ typedef struct fz_opts {
     int device, batch_invariant;
     int quantization; /* DS_QUANT_*: the invariants hold with quantized weights too */
     int kv_dtype;     /* and with a quantized latent cache (DS_KV_*; -1 "mixed": drawn a seed) */
+    int mxfp4;        /* the made model's routed experts in MXFP4, as Kimi-K3 ships them */
     const char *save_dir, *work_dir;
     int verbose;
     double max_seconds; /* > 0: start no seed after this long (the run reports what it did) */
@@ -1001,7 +1002,13 @@ static int parse_args(int argc, char **argv, fz_opts *fo, const char **case_file
             fo->quantization = !strcmp(v, "ptpc_fp8") ? DS_QUANT_PTPC_FP8 : DS_QUANT_NONE;
         else if (!strcmp(a, "--kv-cache-dtype"))
             fo->kv_dtype = !strcmp(v, "mixed") ? -1 : ds_kv_dtype_from_name(v);
-        else if (!strcmp(a, "--save-dir"))
+        else if (!strcmp(a, "--experts")) {
+            if (strcmp(v, "bf16") && strcmp(v, "mxfp4")) {
+                fprintf(stderr, "cache_fuzz: --experts is bf16 or mxfp4, not '%s'\n", v);
+                return -1;
+            }
+            fo->mxfp4 = !strcmp(v, "mxfp4");
+        } else if (!strcmp(a, "--save-dir"))
             fo->save_dir = v;
         else if (!strcmp(a, "--max-seconds"))
             fo->max_seconds = atof(v);
@@ -1021,6 +1028,10 @@ static int parse_args(int argc, char **argv, fz_opts *fo, const char **case_file
             fprintf(stderr, "cache_fuzz: unknown flag %s\n", a);
             return -1;
         }
+    }
+    if (fo->mxfp4 && fo->model && !fo->work_dir) { /* (ranks get both: the made model's path) */
+        fprintf(stderr, "cache_fuzz: --experts mxfp4 shapes the model it makes, not --model's\n");
+        return -1;
     }
     if (fo->seeds < 1 || fo->tp < 1 || fo->pp < 1) {
         fprintf(stderr, "cache_fuzz: --seeds, -tp and -pp must be positive\n");
@@ -1083,7 +1094,7 @@ int main(int argc, char **argv) {
         fo.work_dir = tmp_work;
         if (!fo.model) {
             snprintf(tmp_model, sizeof tmp_model, "%s/tiny-k3", tmp_work);
-            if (ds_init_model("tiny-k3", tmp_model, 0, &err)) {
+            if (ds_init_model_ex("tiny-k3", tmp_model, 0, fo.mxfp4, &err)) {
                 fprintf(stderr, "cache_fuzz: %s\n", err.msg);
                 return 2;
             }
