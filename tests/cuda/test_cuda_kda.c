@@ -599,6 +599,25 @@ void bench_kda(ds_cu *c, const cuda_ceilings *ceil) {
                 }
         ds_cu_set_kda_out_fused(c, 1);
         ds_cu_set_kda_prep_tc(c, 0);
+        /* where a call's time goes: pass 1 alone, then the scan with its outputs alone (the other
+         * left out through the what-if's labels; the scan then reads stale products, which only
+         * the timing may), BF16 and the default 3xTF32 */
+        for (int mode = 2; mode <= 3; mode++) {
+            static const char *const part[2][2] = {
+                {"pass 1 alone", "kda chunks: scan;kda chunks: outputs"},
+                {"scan and outputs alone", "kda chunks: prepare"}};
+            ds_cu_set_kda_tc(c, mode);
+            for (int i = 0; i < 2; i++) {
+                ds_err err;
+                if (ds_cu_set_skip(c, part[i][1], &err)) DIE("%s", err.msg);
+                ms = median_ms(c, run_kda, &kc, 2, 10);
+                if (ds_cu_set_skip(c, NULL, &err)) DIE("%s", err.msg);
+                printf(
+                    "bench kda chunked prefill T=8192 H=32 dk=dv=128 (%s scan and outputs, pass 1 "
+                    "f32), %s: %.3f ms\n",
+                    mode == 2 ? "bf16" : "3xtf32", part[i][0], ms);
+            }
+        }
         /* varlen: the same 8192 tokens as 8 sequences of 1024 and 32 of 256 in one call, each on
          * its own state (a step of several prompts; the engine cuts a prompt's steps at the rung
          * spacing, 256 tokens by default: docs/prefix-cache.md), the default mode and BF16 */

@@ -360,6 +360,14 @@ int ds_cu_side_join(ds_cu *c, ds_err *err);
  * mb 0 turns it off; needs sm_90; off while profiling; joined by ds_cu_sync and capture's end.
  * DS_CUDA_L2_PREFETCH in the engine. */
 int ds_cu_set_l2_prefetch(ds_cu *c, int mb, ds_err *err);
+/* The same from inside the products: the blocks of a one-token weight stream whose rows are known
+ * before their PDL wait (the streaming GEMV, the one-token matmuls through the experts' kernel,
+ * the routed experts' down pass with ds_cu_set_early_experts) ask the first bytes of their own
+ * rows into L2 before waiting for the kernel before them — mb MB of the product in all, shared
+ * equally by its rows — so that the memory streams while that kernel (a norm, KDA's recurrence,
+ * the up pass) runs. A hint: results are unchanged. 0 (a new context) turns it off; needs sm_90
+ * and PDL. DS_CUDA_PREWAIT_PF in the engine. */
+void ds_cu_set_prewait_pf(ds_cu *c, int mb);
 /* Marks the end of a weight stream issued outside ds_cu_matmul (the routed experts): the next
  * prefetch starts after it. */
 int ds_cu_l2_mark(ds_cu *c, ds_err *err);
