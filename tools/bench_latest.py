@@ -65,20 +65,23 @@ def from_bench(path):
     kvtag = "" if kv in ("auto", "") else f"_kv{kv}"
     model = os.path.basename(d["model"].rstrip("/"))
     n = d["prompt_tokens"]
-    if d.get("prompt_gemm_frac_peak", 0) > 0 and not qtag:
+    ctx = d["decode_context"]
+    # the prompt fractions come from the headline runs (a short decode context, the model's own
+    # cache dtype); a long-context run's prompt is the set-up of its decode, timed once
+    prompt_headline = not qtag and ctx <= 4096 and not kvtag
+    if d.get("prompt_gemm_frac_peak", 0) > 0 and prompt_headline:
         out[f"prefill_{n}_gemm_fraction"] = (d["prompt_gemm_frac_peak"],
                                              f"{model}: prompt {n}, {d['prompt_tps']:.0f} tok/s")
-    if d["device"].startswith("cpu") and d.get("prompt_frac_peak", 0) > 0 and not qtag:
+    if d["device"].startswith("cpu") and d.get("prompt_frac_peak", 0) > 0 and prompt_headline:
         out[f"prefill_{n}_peak_fraction"] = (d["prompt_frac_peak"],
                                              f"{model}: prompt {n}, {d['prompt_tps']:.1f} tok/s")
-    elif d.get("prompt_frac_peak", 0) > 0 and not qtag:  # a GPU: issue 33's prompt figure
+    elif d.get("prompt_frac_peak", 0) > 0 and prompt_headline:  # a GPU: issue 33's prompt figure
         out[f"prefill_{n}_whole_fraction"] = (
             d["prompt_frac_peak"],
             f"{model}: prompt {n}, {d['prompt_tps']:.0f} tok/s, the whole prompt's FLOPs over its "
             "time against the measured cuBLAS BF16 rate")
     if n >= 131072 and d.get("prompt_tps", 0) > 0:
         out[f"ttft_{n // 1024}k_s{kvtag}"] = (n / d["prompt_tps"], f"{model}: prompt {n}")
-    ctx = d["decode_context"]
     if ctx >= 1000000:
         ctag = "1m_context_"
     elif ctx >= 131072:

@@ -56,6 +56,14 @@ def test_quant_long_context_and_merge(tmp_path):
     assert d["h200.ttft_128k_s_kvfp8"]["value"] == 16.0
     assert "h200.decode_b1_copy_fraction" in d  # the earlier run's keys stay
     assert not any(k.startswith("h200.prefill_131072") for k in d)  # quantized: not the GEMM figure
+    # a long-context decode run's prompt (its set-up, timed once) leaves the prompt figures alone
+    run(tmp_path, "bench:" + write(tmp_path, "w.json", dict(BENCH, prompt_frac_peak=0.32)))
+    long = dict(BENCH, decode_context=1048576, kv_cache_dtype="bf16", prompt_frac_peak=0.12,
+                prompt_gemm_frac_peak=0.2)
+    rc, d = run(tmp_path, "bench:" + write(tmp_path, "l.json", long))
+    assert rc == 0 and d["h200.decode_1m_context_copy_fraction_kvbf16"]["value"] == 0.6123
+    assert d["h200.prefill_8192_whole_fraction"]["value"] == 0.32
+    assert d["h200.prefill_8192_gemm_fraction"]["value"] == 0.41
 
 
 def test_cpu_and_eager(tmp_path):
