@@ -148,6 +148,20 @@ __device__ __forceinline__ void l2_prefetch_piece(const void *p, size_t len) {
 #endif
 }
 
+/* The first pf bytes of each of nrows rows (stride bytes apart from row0) asked into L2 by the 32
+ * lanes of a warp, a 128-byte line a request (prefetch.global.L2: nothing waits for it). A bulk
+ * prefetch a row through the SM's copy engine instead made a batch-1 step slower (bench/RESULTS.md
+ * session 40). */
+__device__ __forceinline__ void l2_prefetch_rows(const void *row0, size_t stride, int nrows,
+                                                 size_t pf, int lane) {
+    const int lines = (int)((pf + 127) / 128);
+    for (int i = lane; i < nrows * lines; i += 32) {
+        const char *a =
+            (const char *)row0 + (size_t)(i / lines) * stride + (size_t)(i % lines) * 128;
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+    }
+}
+
 /* The bytes of each of a weight stream's rows (rows of row_bytes, `rows` of them in all) that its
  * blocks prefetch into L2 before their PDL wait: an equal share of c->pw_bytes, whole 16-byte
  * pieces, at most the row (ds_cu_set_prewait_pf). */

@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(256)
         if (k0 + step * i < nk) pre[i] = __ldg(wr + k0 + step * i);
     /* ... and the first pf bytes of the row asked into L2, so that the memory streams while the
      * kernel before this one (a norm, KDA's recurrence) runs (ds_cu_set_prewait_pf) */
-    if (pf && lane == 0 && part == 0 && n < N && blockIdx.y == 0) l2_prefetch_piece(wr, pf);
+    if (pf && part == 0 && n < N && blockIdx.y == 0) l2_prefetch_rows(wr, 0, 1, pf, lane);
     PDL_ENTRY();
     if (S == 1 && n >= N) return; /* a whole warp leaves together; no block barrier follows */
     x += (size_t)blockIdx.y * TT * ldx + blockIdx.z * xs; /* tile blockIdx.y of TT tokens */

@@ -92,9 +92,9 @@ __global__ void __launch_bounds__(256)
         f8_load(a, r.w0, r.w1, part, S, K / 64);
     }
     { /* the first pf bytes of the block's first tile rows asked into L2 (ds_cu_set_prewait_pf) */
-        const int n = (blockIdx.x * (8 / S) + warp / S) * 16 + lane;
-        if (pf && part == 0 && lane < 16 && n < N && blockIdx.y == 0)
-            l2_prefetch_piece(W + (size_t)n * K, pf);
+        const int n = (blockIdx.x * (8 / S) + warp / S) * 16;
+        if (pf && part == 0 && n < N && blockIdx.y == 0)
+            l2_prefetch_rows(W + (size_t)n * K, (size_t)K, min(16, N - n), pf, lane);
     }
     PDL_ENTRY();
     const uint16_t *xb = xh ? xh + (size_t)t0 * K : (const uint16_t *)f8_xdyn;

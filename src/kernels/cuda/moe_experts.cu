@@ -281,8 +281,8 @@ __global__ void __launch_bounds__(256)
         if (lk) u0[j] = __ldg(wr[j] + lane);
     /* with the routing known this early, the first pf bytes of each weight row are asked into L2
      * too: the memory streams while the kernel before runs (ds_cu_set_prewait_pf) */
-    if (early && pf && lane < NPW && n0 + lane < N)
-        l2_prefetch_piece(W + ((size_t)e * N + n0 + lane) * K, pf);
+    if (early && pf && n0 < N)
+        l2_prefetch_rows(W + ((size_t)e * N + n0) * K, (size_t)K * 2, min(NPW, N - n0), pf, lane);
     if (early) PDL_ENTRY();
     for (int c0 = r0; c0 < r1; c0 += rp) {
         const int nr = min(rp, r1 - c0);

@@ -94,9 +94,9 @@ __global__ void __launch_bounds__(256)
         f8_load(a, r.w0, r.w1, part, S, K / 64);
     }
     if (early) {
-        const int n = (blockIdx.x * (8 / S) + warp / S) * 16 + lane;
-        if (pf && part == 0 && lane < 16 && n < N)
-            l2_prefetch_piece(Wc + ((size_t)e * N + n) * K, pf);
+        const int n = (blockIdx.x * (8 / S) + warp / S) * 16;
+        if (pf && part == 0 && n < N)
+            l2_prefetch_rows(Wc + ((size_t)e * N + n) * K, (size_t)K, min(16, N - n), pf, lane);
         PDL_ENTRY();
     }
     if (!xh && noq) { /* (a what-if: the codes left unset) */
