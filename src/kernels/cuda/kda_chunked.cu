@@ -457,32 +457,14 @@ __global__ void __launch_bounds__(256, 2)
         }
     if (tid < KD) gL[tid] = exp2f(Gt[tid * KPS + L - 1]);
     if constexpr (B16) {
-        /* Qp by rows, Kc by columns (transposed), each thread 8 entries of a row at a time (one
-         * 16-byte store of BF16 in slot order); the lanes of a warp take 32 rows of Qp (reading
-         * 32 neighbouring tokens of a channel: no bank conflicts) and 32 channels of Kc */
-#pragma unroll 1
-        for (int i = tid; i < KC * KD / 8; i += 256) {
-            const int t = i % KC, c0 = (i / KC) * 8;
-            float qv[8];
-#pragma unroll
-            for (int u = 0; u < 8; u++)
-                qv[u] = Qt[(c0 + u) * KPS + t] * exp2f(Gt[(c0 + u) * KPS + t]);
-            *(uint4 *)(Qp16 + t * KD + c0) = kda_b16_pack8(qv);
-        }
-        /* (a loop of its own, neither unrolled: fewer registers live beside V's rows; Kc's rows
-         * by 16-byte loads, 8 lanes a phase on 8 channels' distinct bank quads) */
-#pragma unroll 1
-        for (int i = tid; i < KC * KD / 8; i += 256) {
-            const int c2 = i % KD, t0 = (i / KD) * 8;
-            const float gl = Gt[c2 * KPS + L - 1];
-            const float4 *k4 = (const float4 *)(Kt + c2 * KPS + t0),
-                         *g4 = (const float4 *)(Gt + c2 * KPS + t0);
-            const float4 ka = k4[0], kb = k4[1], ga = g4[0], gb = g4[1];
-            float kv[8] = {ka.x * exp2f(gl - ga.x), ka.y * exp2f(gl - ga.y),
-                           ka.z * exp2f(gl - ga.z), ka.w * exp2f(gl - ga.w),
-                           kb.x * exp2f(gl - gb.x), kb.y * exp2f(gl - gb.y),
-                           kb.z * exp2f(gl - gb.z), kb.w * exp2f(gl - gb.w)};
-            *(uint4 *)(Kc16 + c2 * KC + t0) = kda_b16_pack8(kv);
+        for (int i = tid; i < KC * KD; i += 256) { /* Qp by rows, Kc by columns (transposed) */
+            const int t = i / KD, c = i % KD;
+            Qp16[t * KD + kda_b16_slot(c)] =
+                __float2bfloat16_rn(Qt[c * KPS + t] * exp2f(Gt[c * KPS + t]));
+            const int c2 = i / KC, t2 = i % KC;
+            const float gt = Gt[c2 * KPS + t2], gl = Gt[c2 * KPS + L - 1];
+            Kc16[c2 * KC + kda_b16_slot(t2)] =
+                __float2bfloat16_rn(Kt[c2 * KPS + t2] * exp2f(gl - gt));
         }
     } else {
         for (int i = tid; i < KC * KD; i += 256) {
@@ -534,13 +516,7 @@ __global__ void __launch_bounds__(256, 2)
         for (int i = 1; i < KC; i++) {
             float r = x[i];
 #pragma unroll
-            for (int j = 0; j < i; j += 4) { /* A's row 4 entries a load; the same order */
-                const float4 a4 = *(const float4 *)(As + i * KPS + j);
-                r -= a4.x * x[j];
-                if (j + 1 < i) r -= a4.y * x[j + 1];
-                if (j + 2 < i) r -= a4.z * x[j + 2];
-                if (j + 3 < i) r -= a4.w * x[j + 3];
-            }
+            for (int j = 0; j < i; j++) r -= As[i * KPS + j] * x[j];
             x[i] = r;
         }
         float *dst = col < KD ? W + col : Ut + col - KD;

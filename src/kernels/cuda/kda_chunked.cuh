@@ -38,18 +38,6 @@ __host__ __device__ constexpr int kda_b16_slot(int k) {
     return (k & ~7) | ((k & 3) << 1) | ((k >> 2) & 1);
 }
 
-/* Eight f32 entries k = 0..7 of an operand row as BF16 (round to nearest even) in their
- * kda_b16_slot order: one 16-byte piece. */
-__device__ __forceinline__ uint4 kda_b16_pack8(const float (&v)[8]) {
-    uint32_t w[4];
-#pragma unroll
-    for (int l4 = 0; l4 < 4; l4++) { /* slot 2 l4 holds entry l4, slot 2 l4 + 1 entry l4 + 4 */
-        const __nv_bfloat162 h = __floats2bfloat162_rn(v[l4], v[l4 + 4]);
-        w[l4] = *(const uint32_t *)&h;
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
 struct kda_chunk {
     int t0, len, seg; /* its tokens [t0, t0 + len) of segment seg */
 };
