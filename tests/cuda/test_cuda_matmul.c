@@ -201,13 +201,7 @@ void checks_matmul(ds_cu *c) {
     check_matmul(c, 1, 5003, 2048, 4, 1e-5);
     check_matmul(c, 1, 12576, 2304, 0, 1e-5);
     check_matmul_invariance(c, 5000, 2304);
-    ds_cu_set_prewait_pf(c, 8); /* ... and its rows asked into L2 before it: a hint, same sums */
-    check_matmul(c, 1, 12576, 2304, 0, 1e-5);
-    check_matmul(c, 1, 5003, 2048, 4, 1e-5);
     ds_cu_set_wide_early(c, 0);
-    check_matmul(c, 1, 4096, 2304, 0, 1e-5); /* (through gemv_bf16_k) */
-    check_matmul_invariance(c, 5000, 2304);
-    ds_cu_set_prewait_pf(c, 0);
     ds_cu_set_gemv_wide(c, 0);
     check_matmul(c, 1, 1003, 2048, 4, 1e-5);
     check_matmul(c, 2, 1003, 2048, 4, 1e-2);

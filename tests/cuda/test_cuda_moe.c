@@ -139,9 +139,6 @@ void checks_moe(ds_cu *c) {
     ds_cu_set_early_experts(c, 1);
     check_moe_experts(c, 1, 8, 256, 2304, 1024, 0);
     check_moe_experts(c, 40, 8, 64, 512, 256, 0);
-    ds_cu_set_prewait_pf(c, 8); /* ... and its rows asked into L2 before it (a hint) */
-    check_moe_experts(c, 1, 8, 256, 2304, 1024, 0);
-    ds_cu_set_prewait_pf(c, 0);
     ds_cu_set_early_experts(c, 0);
     check_moe_experts_mode(c, 1, 8, 64, 512, 256, 1, 0, 1);
     /* one token, the rank holding fewer experts than a token picks (local ones in any slot) */

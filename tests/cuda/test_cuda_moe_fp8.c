@@ -72,7 +72,6 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_f8_rows(c, mode == 8 ? 0 : -1);
     ds_cu_set_f8_whole_k(c, mode == 9 ? 2 : 0);
     ds_cu_set_early_experts(c, mode == 10);
-    ds_cu_set_prewait_pf(c, mode == 10 ? 8 : 0);
     if (ds_cu_moe_experts_fp8(c, dout, dx, didx, dw, T, k, E - e0, e0, D, I, fx->dgc, fx->dgs,
                               fx->ddc, fx->dds, situ, 4.0f, 6.0f, 0, &err) ||
         ds_cu_sync(c, &err))
@@ -86,7 +85,6 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_f8_rows(c, 0);
     ds_cu_set_f8_whole_k(c, 0);
     ds_cu_set_early_experts(c, 0);
-    ds_cu_set_prewait_pf(c, 0);
     fetch(c, got, dout, (size_t)T * D * 4);
     ds_cu_dealloc(dx), ds_cu_dealloc(dw), ds_cu_dealloc(dout), ds_cu_dealloc(didx);
 }
@@ -101,8 +99,8 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
  * experts in up to 8 blocks an SM (ds_cu_set_f8_moe_waves); 7: streamed, K's split
  * forced to 8 parts where the rule splits it (ds_cu_set_f8_split); 8: one token a warp a row
  * (ds_cu_set_f8_rows, batch invariance off: its own order of sums); 9: K whole from 2 tokens
- * (ds_cu_set_f8_whole_k); 10: one token's down pass early (ds_cu_set_early_experts) with the
- * pre-wait L2 prefetch (ds_cu_set_prewait_pf). half: this rank holds
+ * (ds_cu_set_f8_whole_k); 10: one token's down pass reading its routing and first weights
+ * before its wait (ds_cu_set_early_experts). half: this rank holds
  * experts [E/2, E) only. */
 static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ, int mode,
                           int half) {
@@ -187,7 +185,7 @@ void checks_moe_fp8(ds_cu *c) {
     check_moe_fp8(c, 1, 6, 16, 3072, 2048, 1, 8, 0);
     check_moe_fp8(c, 6, 8, 32, 2304, 1024, 1, 9, 0); /* K whole at batches */
     check_moe_fp8(c, 20, 8, 32, 2304, 1024, 0, 9, 1);
-    /* one token's down pass reading its routing before the wait, its rows asked into L2 */
+    /* one token's down pass reading its routing before the wait */
     check_moe_fp8(c, 1, 8, 32, 2304, 1024, 0, 10, 0);
     check_moe_fp8(c, 1, 8, 32, 2304, 1024, 1, 10, 1);
     check_moe_fp8(c, 1, 7, 8, 512, 256, 0, 10, 1);

@@ -91,8 +91,6 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     /* 8 MB: a batch-1 step 1% faster in ptpc_fp8, as fast in BF16; 16 MB and more slower (the
      * prefetches then evict what the products are reading): bench/RESULTS.md session 37 */
     t->l2_prefetch = env_count("DS_CUDA_L2_PREFETCH", 8);
-    /* not yet measured: off */
-    t->prewait_pf = env_count("DS_CUDA_PREWAIT_PF", 0);
     t->mla_all_heads = env_flag("DS_CUDA_MLA_ALL_HEADS", 1);
     /* decode's absorbed MLA on tensor cores from this context cap (BF16 operands, as the prefill's
      * fused kernel): faster than the f32 kernels at every length timed, from 32K rows
@@ -146,7 +144,6 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
         fprintf(stderr, "[deltaserve] %s: one stream per step\n", side_err.msg);
     if (ds_cu_set_l2_prefetch(c, t->l2_prefetch, &side_err)) /* not fatal either */
         fprintf(stderr, "[deltaserve] %s: no L2 prefetch\n", side_err.msg);
-    ds_cu_set_prewait_pf(c, t->prewait_pf);
     ds_cu_set_mla_all_heads(c, t->mla_all_heads);
     ds_cu_set_mla_decode_tc(c, t->mla_decode_tc);
     ds_cu_set_mla_decode_tc_tile(c, t->mla_decode_tc_tile);

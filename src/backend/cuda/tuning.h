@@ -22,8 +22,9 @@
  *                                          block quantizing its tokens (what that costs)
  *   DS_CUDA_MLA_GEMM       F      1        expanded MLA of >= 128 query rows through cuBLAS
  *   DS_CUDA_MLA_FLASH      F      1        ... and for Kimi's head shape as one flash kernel
- *   DS_CUDA_EARLY_EXPERTS  F      1        the experts' down pass reads its routing and first
- *                                          weights before waiting for the up pass
+ *   DS_CUDA_EARLY_EXPERTS  F      1        the experts' down pass (BF16; FP8 at one token) reads
+ *                                          its routing and first weights before waiting for the
+ *                                          up pass
  *   DS_CUDA_WIDE_EARLY     F      1        one-token matmuls through the experts' kernel load
  *                                          their first weights before the wait
  *   DS_CUDA_GEMV_WIDE      F      1        one-token matmuls of one warp a row through the routed
@@ -40,8 +41,6 @@
  *   DS_CUDA_L2_PREFETCH    N      8        MB of each decode weight stream prefetched into L2 on a
  *                                          stream of its own while the kernels before it run (0:
  *                                          off; if the stream cannot be made: a line, and off)
- *   DS_CUDA_PREWAIT_PF     N      0        MB of each one-token weight stream its own blocks ask
- *                                          into L2 before their PDL wait (0: off)
  *   DS_CUDA_MLA_ALL_HEADS  F      1        absorbed MLA with one block a (token, split) for all
  *                                          heads when the step has enough of them
  *   DS_CUDA_PDL            "0"    on       programmatic dependent launch (sm_90); exactly "0"
@@ -89,7 +88,6 @@ typedef struct ds_cuda_tuning {
     int mla_ctx_block;         /* context rows a chunk's expanded attention takes at a time */
     int side, mla_all_heads;
     int l2_prefetch;   /* MB (0: off) */
-    int prewait_pf;    /* MB (0: off) */
     int mla_decode_tc; /* context rows from which absorbed MLA runs on tensor cores (0: never) */
     int mla_decode_tc_tile;  /* its tile for FP8 and BF16 rows (32 or 64) */
     int mla_decode_tc_warps; /* its warps a block for BF16 rows in 64-row tiles (8 or 16) */

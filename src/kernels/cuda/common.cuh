@@ -59,8 +59,6 @@ struct ds_cu {
     int kda_out_sep;   /* ...and its outputs in a third pass (ds_cu_set_kda_out_fused) */
     int early_experts; /* the experts' down pass reads its routing early (ds_cu_set_...) */
     int wide_early;    /* one-token matmuls through the experts' kernel load before the wait */
-    size_t pw_bytes;   /* a weight stream's bytes its blocks prefetch into L2 before their wait
-                        * (ds_cu_set_prewait_pf; 0: none) */
     int gemv_wide;     /* one-token matmuls of many rows 4 rows a warp (ds_cu_set_gemv_wide) */
     int conv_fixed;    /* the short conv with its width at compile time (ds_cu_set_conv_fixed) */
     void *mlag;        /* that path's buffers, mlag_bytes allocated */
@@ -136,39 +134,6 @@ struct ds_cu {
     do {                                                                                           \
     } while (0)
 #endif
-
-/* One bulk prefetch of len bytes at p into L2 (sm_90; len a multiple of 16 once masked, p 16-byte
- * aligned): the SM's copy engine fetches them, the thread goes on at once. */
-__device__ __forceinline__ void l2_prefetch_piece(const void *p, size_t len) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const unsigned n = (unsigned)len & ~15u;
-    if (n) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(n) : "memory");
-#else
-    (void)p, (void)len;
-#endif
-}
-
-/* The first pf bytes of each of nrows rows (stride bytes apart from row0) asked into L2 by the 32
- * lanes of a warp, a 128-byte line a request (prefetch.global.L2: nothing waits for it). A bulk
- * prefetch a row through the SM's copy engine instead made a batch-1 step slower (bench/RESULTS.md
- * session 40). */
-__device__ __forceinline__ void l2_prefetch_rows(const void *row0, size_t stride, int nrows,
-                                                 size_t pf, int lane) {
-    const int lines = (int)((pf + 127) / 128);
-    for (int i = lane; i < nrows * lines; i += 32) {
-        const char *a =
-            (const char *)row0 + (size_t)(i / lines) * stride + (size_t)(i % lines) * 128;
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-    }
-}
-
-/* The bytes of each of a weight stream's rows (rows of row_bytes, `rows` of them in all) that its
- * blocks prefetch into L2 before their PDL wait: an equal share of c->pw_bytes, whole 16-byte
- * pieces, at most the row (ds_cu_set_prewait_pf). */
-static inline size_t prewait_row_bytes(const ds_cu *c, size_t rows, size_t row_bytes) {
-    if (!c->pw_bytes || !c->pdl || !rows || row_bytes % 16) return 0;
-    return DS_MIN(row_bytes, c->pw_bytes / rows & ~(size_t)15);
-}
 
 /* A launch on the step's stream, with programmatic dependent launch when on; cl > 0 runs the
  * blocks in clusters of cl along x (thread block clusters: sm_90). */

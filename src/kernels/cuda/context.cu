@@ -168,10 +168,6 @@ extern "C" int ds_cu_set_l2_prefetch(ds_cu *c, int mb, ds_err *err) {
     return DS_OK;
 }
 
-extern "C" void ds_cu_set_prewait_pf(ds_cu *c, int mb) {
-    c->pw_bytes = mb > 0 && c->sm90 ? (size_t)mb << 20 : 0;
-}
-
 extern "C" int ds_cu_l2_mark(ds_cu *c, ds_err *err) {
     if (!c->pf_bytes || c->prof || c->on_side) return DS_OK;
     CU_TRY(cudaEventRecord(c->pf_after, c->stream), "L2 prefetch: mark");
@@ -184,6 +180,14 @@ extern "C" int ds_cu_l2_mark(ds_cu *c, ds_err *err) {
  * these kernels longer than the step (bench/RESULTS.md session 37). Bulk prefetches take 16-byte
  * multiples at 16-byte addresses (the weights' allocations are aligned). */
 enum { PF_CHUNK = 32 << 10 };
+/* One bulk prefetch of len bytes at p into L2 (sm_90; len a multiple of 16 once masked). */
+__device__ __forceinline__ void l2_prefetch_piece(const uint8_t *p, size_t len) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const unsigned n = (unsigned)len & ~15u;
+    if (n) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(n) : "memory");
+#endif
+}
+
 __global__ void l2_prefetch_k(const uint8_t *p, size_t bytes) {
     const size_t o = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * PF_CHUNK;
     if (o < bytes) l2_prefetch_piece(p + o, DS_MIN((size_t)PF_CHUNK, bytes - o));

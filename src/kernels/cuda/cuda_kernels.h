@@ -158,7 +158,8 @@ void ds_cu_set_kda_prep_tc(ds_cu *c, int on);
 void ds_cu_set_kda_out_fused(ds_cu *c, int on);
 /* The routed experts' down pass reads its routing and first weights before waiting for the up
  * pass (they are older than it): on by default (DS_CUDA_EARLY_EXPERTS=0 turns it off; a shorter
- * batch-1 step of the 48B shape: bench/RESULTS.md session 9). */
+ * batch-1 step of the 48B shape: bench/RESULTS.md session 9). The ptpc FP8 experts' one-token
+ * down pass likewise (session 40). */
 void ds_cu_set_early_experts(ds_cu *c, int on);
 /* One-token matmuls through the experts' kernel (ds_cu_set_gemv_wide) load their first weights
  * before waiting for the previous kernel, as gemv_bf16_k does (their routing is a constant): on
@@ -360,14 +361,6 @@ int ds_cu_side_join(ds_cu *c, ds_err *err);
  * mb 0 turns it off; needs sm_90; off while profiling; joined by ds_cu_sync and capture's end.
  * DS_CUDA_L2_PREFETCH in the engine. */
 int ds_cu_set_l2_prefetch(ds_cu *c, int mb, ds_err *err);
-/* The same from inside the products: the blocks of a one-token weight stream whose rows are known
- * before their PDL wait (the streaming GEMV, the one-token matmuls through the experts' kernel,
- * the routed experts' down pass with ds_cu_set_early_experts) ask the first bytes of their own
- * rows into L2 before waiting for the kernel before them — mb MB of the product in all, shared
- * equally by its rows — so that the memory streams while that kernel (a norm, KDA's recurrence,
- * the up pass) runs. A hint: results are unchanged. 0 (a new context) turns it off; needs sm_90
- * and PDL. DS_CUDA_PREWAIT_PF in the engine. */
-void ds_cu_set_prewait_pf(ds_cu *c, int mb);
 /* Marks the end of a weight stream issued outside ds_cu_matmul (the routed experts): the next
  * prefetch starts after it. */
 int ds_cu_l2_mark(ds_cu *c, ds_err *err);

@@ -58,7 +58,7 @@ static const uint16_t *round_x(ds_cu *c, const float *x, int ldx, int K, int T, 
 template <int TT>
 __global__ void __launch_bounds__(256)
     gemv_bf16_k(float *y, int ldy, const float *x, int ldx, const uint16_t *W, int N, int K,
-                size_t ys, size_t xs, size_t ws, int S, size_t pf) {
+                size_t ys, size_t xs, size_t ws, int S) {
     __shared__ float red[8][TT]; /* [warp][token] partial sums (S > 1) */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n = blockIdx.x * (8 / S) + warp / S, part = warp % S, nk = K / 8, step = 32 * S;
@@ -73,9 +73,6 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int i = 0; i < GEMV_PRE; i++)
         if (k0 + step * i < nk) pre[i] = __ldg(wr + k0 + step * i);
-    /* ... and the first pf bytes of the row asked into L2, so that the memory streams while the
-     * kernel before this one (a norm, KDA's recurrence) runs (ds_cu_set_prewait_pf) */
-    if (pf && part == 0 && n < N && blockIdx.y == 0) l2_prefetch_rows(wr, 0, 1, pf, lane);
     PDL_ENTRY();
     if (S == 1 && n >= N) return; /* a whole warp leaves together; no block barrier follows */
     x += (size_t)blockIdx.y * TT * ldx + blockIdx.z * xs; /* tile blockIdx.y of TT tokens */
@@ -157,17 +154,15 @@ static int gemv_tiles(ds_cu *c, float *y, int ldy, const float *x, int ldx, int 
                       ds_err *err) {
     const int S = gemv_splits(c, N, K, H);
     const unsigned blocks = (unsigned)gemv_blocks(N, S), hz = (unsigned)H;
-    const size_t pf = prewait_row_bytes(c, (size_t)N * H, (size_t)K * 2);
     int full = T / 8, rem = T % 8;
     for (int t0 = 0; t0 < full * 8; t0 += 8 * 65535) /* grid.y holds 65535 tiles */
         launch_k(c, gemv_bf16_k<8>, dim3(blocks, (unsigned)DS_MIN(full - t0 / 8, 65535), hz), 256,
-                 0, y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx, W, N, K, ys, xs, ws, S,
-                 pf);
+                 0, y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx, W, N, K, ys, xs, ws, S);
     const float *xr = x + (size_t)full * 8 * ldx;
     float *yr = y + (size_t)full * 8 * ldy;
     const dim3 g(blocks, 1, hz);
 #define GEMV_REM(TT)                                                                               \
-    launch_k(c, gemv_bf16_k<TT>, g, 256, 0, yr, ldy, xr, ldx, W, N, K, ys, xs, ws, S, pf)
+    launch_k(c, gemv_bf16_k<TT>, g, 256, 0, yr, ldy, xr, ldx, W, N, K, ys, xs, ws, S)
     switch (rem) {
     case 0:
         break;

@@ -79,7 +79,7 @@ extern "C" int ds_cu_ptpc_quantize_act(ds_cu *c, uint8_t *xq, int ldq, float *s,
  * its wait. A token's sum takes the same steps whatever else the pass holds (batch invariance). */
 __global__ void __launch_bounds__(256)
     gemv_f8m_k(float *y, int ldy, const float *x, int ldx, const uint16_t *xh, const float *xs,
-               const uint8_t *W, const float *sr, int N, int K, int S, int T, int noq, size_t pf) {
+               const uint8_t *W, const float *sr, int N, int K, int S, int T, int noq) {
     extern __shared__ uint4 f8_xdyn[]; /* [nt][K] F16 code values of the pass's tokens (no xh) */
     __shared__ float4 red[8][32];      /* [warp][lane] partial sums (S > 1) */
     __shared__ float st_sh[8];         /* the pass's token scales (no xh) */
@@ -90,11 +90,6 @@ __global__ void __launch_bounds__(256)
     {
         const f8_trows r = f8_tile_rows(W, 0, N, K, S, blockIdx.x);
         f8_load(a, r.w0, r.w1, part, S, K / 64);
-    }
-    { /* the first pf bytes of the block's first tile rows asked into L2 (ds_cu_set_prewait_pf) */
-        const int n = (blockIdx.x * (8 / S) + warp / S) * 16;
-        if (pf && part == 0 && n < N && blockIdx.y == 0)
-            l2_prefetch_rows(W + (size_t)n * K, (size_t)K, min(16, N - n), pf, lane);
     }
     PDL_ENTRY();
     const uint16_t *xb = xh ? xh + (size_t)t0 * K : (const uint16_t *)f8_xdyn;
@@ -211,13 +206,10 @@ static int fp8_gemv(ds_cu *c, float *y, int ldy, const float *x, int ldx, const 
     if (!xh) bx = DS_MIN(bx, (unsigned)((c->f8_gemv_waves > 0 ? c->f8_gemv_waves : 2) * c->n_sm));
     const size_t smem = xh ? 0 : ((size_t)T * K * 2 + 15) / 16 * 16;
     for (int t0 = 0; t0 < T; t0 += 8 * 65535)
-        launch_k(
-            c, gemv_f8m_k, dim3(bx, (unsigned)DS_MIN((T - t0 + 7) / 8, 65535)), 256, smem,
-            y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx,
-            xh ? xh + (size_t)t0 * K : (const uint16_t *)NULL, xh ? st + t0 : st, W, sr, N, K, S,
-            T - t0, c->f8_noquant,
-            /* (rows past the first wave's tiles are not prefetched) */
-            prewait_row_bytes(c, (size_t)DS_MIN((size_t)N, (size_t)bx * 16 * (8 / S)), (size_t)K));
+        launch_k(c, gemv_f8m_k, dim3(bx, (unsigned)DS_MIN((T - t0 + 7) / 8, 65535)), 256, smem,
+                 y + (size_t)t0 * ldy, ldy, x + (size_t)t0 * ldx, ldx,
+                 xh ? xh + (size_t)t0 * K : (const uint16_t *)NULL, xh ? st + t0 : st, W, sr, N, K,
+                 S, T - t0, c->f8_noquant);
     CU_TRY(cudaGetLastError(), "matmul fp8 (gemv)");
     return DS_OK;
 }

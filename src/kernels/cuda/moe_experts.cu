@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(256)
     moe_grouped_k(float *y, int ldy, const float *x, int ldx, int x_div, const uint16_t *W, int N,
                   int K, const int32_t *start, const int32_t *perm, const int32_t *active,
                   const int32_t *n_active, int rp, moe_act act, const int32_t *direct, int e0,
-                  int E, int early, size_t pf) {
+                  int E, int early) {
     /* early (the down pass, with ds_cu_set_early_experts; a one-token matmul, whose routing is a
      * constant, with ds_cu_set_wide_early): the routing is at least two kernels old (the up pass
      * came between), so it and the first weights are read before waiting for the previous kernel
@@ -279,10 +279,6 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int j = 0; j < NPW; j++)
         if (lk) u0[j] = __ldg(wr[j] + lane);
-    /* with the routing known this early, the first pf bytes of each weight row are asked into L2
-     * too: the memory streams while the kernel before runs (ds_cu_set_prewait_pf) */
-    if (early && pf && n0 < N)
-        l2_prefetch_rows(W + ((size_t)e * N + n0) * K, (size_t)K * 2, min(NPW, N - n0), pf, lane);
     if (early) PDL_ENTRY();
     for (int c0 = r0; c0 < r1; c0 += rp) {
         const int nr = min(rp, r1 - c0);
@@ -333,7 +329,7 @@ enum : size_t { MOE_SMEM = 160 * 1024 }; /* the grouped kernel's x staging, at m
  * session 9). A row's sum takes the same operations whatever NPW is. */
 typedef void (*moe_grouped_ptr)(float *, int, const float *, int, int, const uint16_t *, int, int,
                                 const int32_t *, const int32_t *, const int32_t *, const int32_t *,
-                                int, moe_act, const int32_t *, int, int, int, size_t);
+                                int, moe_act, const int32_t *, int, int, int);
 typedef struct {
     moe_grouped_ptr fn;
     int rpm, rows; /* accumulators; weight rows a block (8 warps x NPW) */
@@ -357,8 +353,7 @@ int gemv_wide(ds_cu *c, float *y, const float *x, const uint16_t *W, int N, int 
     const moe_act none = {0, 0, 0.0f, 0.0f};
     launch_k(c, moe_grouped_k<1, 4>, dim3((unsigned)((N + 31) / 32), 1), 256, (size_t)K * 4, y, N,
              x, K, 1, W, N, K, (const int32_t *)NULL, (const int32_t *)NULL, (const int32_t *)NULL,
-             (const int32_t *)NULL, 1, none, (const int32_t *)c->row_zero, 0, 1, c->wide_early,
-             c->wide_early ? prewait_row_bytes(c, (size_t)N, (size_t)K * 2) : (size_t)0);
+             (const int32_t *)NULL, 1, none, (const int32_t *)c->row_zero, 0, 1, c->wide_early);
     CU_TRY(cudaGetLastError(), "gemv (wide)");
     return DS_OK;
 }
@@ -477,7 +472,7 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
             else
                 launch_k(c, up_k.fn, dim3((unsigned)((2 * I + up_k.rows - 1) / up_k.rows), ya), 256,
                          (size_t)rp_up * D * 4, h, 2 * I, x, D, k, gate_up, 2 * I, D, start, perm,
-                         active, n_active, rp_up, none, direct, e0, E, 0, (size_t)0);
+                         active, n_active, rp_up, none, direct, e0, E, 0);
             CU_TRY(cudaGetLastError(), "moe up (grouped)");
             /* h's rows are gate | up, one per routed row: the down pass applies act as it stages */
             if (mma)
@@ -486,9 +481,7 @@ extern "C" int ds_cu_moe_experts(ds_cu *c, float *out, const float *x, const int
             else
                 launch_k(c, dn_k.fn, dim3((unsigned)((D + dn_k.rows - 1) / dn_k.rows), ya), 256,
                          (size_t)rp_dn * I * 4, y, D, h, 2 * I, 1, down, D, I, start, perm, active,
-                         n_active, rp_dn, act, direct, e0, E, c->early_experts,
-                         c->early_experts ? prewait_row_bytes(c, (size_t)D * ya, (size_t)I * 2)
-                                          : (size_t)0);
+                         n_active, rp_dn, act, direct, e0, E, c->early_experts);
             CU_TRY(cudaGetLastError(), "moe down (grouped)");
         }
     } else {

@@ -65,11 +65,9 @@ __global__ void __launch_bounds__(256)
     moe_f8m_k(float *y, int ldy, const float *x, int ldx, moe_act act, const uint16_t *xh,
               const float *xs, int x_div, const uint8_t *Wc, const float *Ws, int N, int K, int S,
               const int32_t *start, const int32_t *perm, const int32_t *active,
-              const int32_t *n_active, const int32_t *direct, int e0, int E, int noq, int early,
-              size_t pf) {
+              const int32_t *n_active, const int32_t *direct, int e0, int E, int noq, int early) {
     /* early (one token's down pass, ds_cu_set_early_experts): the routing is two kernels old (the
-     * up pass came between), so it and the first tile's weights are read before the wait, and
-     * the first pf bytes of the tile's rows asked into L2 (ds_cu_set_prewait_pf) */
+     * up pass came between), so it and the first tile's weights are read before the wait */
     if (!early) PDL_ENTRY();
     extern __shared__ uint4 f8m_xdyn[]; /* [K] the routed row's F16 code values (no xh) */
     __shared__ float4 red[8][32];       /* [warp][lane] partial sums (S > 1) */
@@ -93,12 +91,7 @@ __global__ void __launch_bounds__(256)
         const f8_trows r = f8_tile_rows(Wc, (size_t)e * N, N, K, S, blockIdx.x);
         f8_load(a, r.w0, r.w1, part, S, K / 64);
     }
-    if (early) {
-        const int n = (blockIdx.x * (8 / S) + warp / S) * 16;
-        if (pf && part == 0 && n < N)
-            l2_prefetch_rows(Wc + ((size_t)e * N + n) * K, (size_t)K, min(16, N - n), pf, lane);
-        PDL_ENTRY();
-    }
+    if (early) PDL_ENTRY();
     if (!xh && noq) { /* (a what-if: the codes left unset) */
         if (threadIdx.x == 0) st_sh = 1.0f;
     } else if (!xh) { /* direct: the one routed row r0 */
@@ -375,30 +368,25 @@ static void f8_stream(ds_cu *c, const f8_buf *b, const float *x, int T, int rows
         launch_k(c, moe_f8m_k, dim3(DS_MIN(bu, cap), g->ya), 256, xu, b->h, 2 * I, x, D, none,
                  (const uint16_t *)NULL, (const float *)NULL, k, w->gc, w->gs, 2 * I, D, su,
                  g->start, g->perm, g->active, g->n_active, g->direct, g->e0, g->E, c->f8_noquant,
-                 0, (size_t)0);
-        const unsigned bdc = DS_MIN(bd, cap);
-        launch_k(c, moe_f8m_k, dim3(bdc, g->ya), 256, xd, b->y, D, (const float *)b->h, 2 * I, act,
-                 (const uint16_t *)NULL, (const float *)NULL, 1, w->dc, w->ds, D, I, sd, g->start,
-                 g->perm, g->active, g->n_active, g->direct, g->e0, g->E, c->f8_noquant,
-                 c->early_experts,
-                 c->early_experts
-                     ? prewait_row_bytes(c, DS_MIN((size_t)D, (size_t)bdc * 16 * (8 / sd)) * g->ya,
-                                         (size_t)I)
-                     : (size_t)0);
+                 0);
+        launch_k(c, moe_f8m_k, dim3(DS_MIN(bd, cap), g->ya), 256, xd, b->y, D, (const float *)b->h,
+                 2 * I, act, (const uint16_t *)NULL, (const float *)NULL, 1, w->dc, w->ds, D, I, sd,
+                 g->start, g->perm, g->active, g->n_active, g->direct, g->e0, g->E, c->f8_noquant,
+                 c->early_experts);
         return;
     }
     launch_k(c, moe_f8_quant_k<false>, (unsigned)T, 256, 0, b->xq, b->xs, x, D, D,
              (const int32_t *)NULL, 1, 0, (const int32_t *)NULL, (const int32_t *)NULL, 0, 0, none);
     launch_k(c, moe_f8m_k, dim3(bu, g->ya), 256, 0, b->h, 2 * I, x, D, none,
              (const uint16_t *)b->xq, (const float *)b->xs, k, w->gc, w->gs, 2 * I, D, su, g->start,
-             g->perm, g->active, g->n_active, g->direct, g->e0, g->E, 0, 0, (size_t)0);
+             g->perm, g->active, g->n_active, g->direct, g->e0, g->E, 0, 0);
     /* act rows quantized, this rank's, through perm */
     launch_k(c, moe_f8_quant_k<true>, (unsigned)rows, 256, (size_t)I * sizeof(float), b->aq, b->as,
              (const float *)b->h, 2 * I, I, g->perm, 1, 0, g->start + g->E, (const int32_t *)NULL,
              g->e0, g->E, act);
     launch_k(c, moe_f8m_k, dim3(bd, g->ya), 256, 0, b->y, D, (const float *)b->h, 2 * I, none,
              (const uint16_t *)b->aq, (const float *)b->as, 1, w->dc, w->ds, D, I, sd, g->start,
-             g->perm, g->active, g->n_active, g->direct, g->e0, g->E, 0, 0, (size_t)0);
+             g->perm, g->active, g->n_active, g->direct, g->e0, g->E, 0, 0);
 }
 
 extern "C" int ds_cu_moe_experts_fp8(ds_cu *c, float *out, const float *x, const int32_t *idx,
