@@ -74,14 +74,18 @@
 #      pack with DS_DEVBIN_BASE_TESTS — the errors against the float64 reference, both binaries'
 #      timings), and with test_cuda_kernels_clk in .devbin (DS_DEVBIN_CLOCKS=1) pass 1's phases
 #      in every form.
-# STEPS: which of them (default "21", the last written; 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
+#  22. (issue 32, session 40) one token's FP8 down pass reading its routing before its wait, in
+#      its final form (its checks ran in session 40 with a pre-wait L2 prefetch also on, since
+#      removed): the moe fp8 checks (mode 10), then ptpc_fp8 decode batch 1 with
+#      DS_CUDA_EARLY_EXPERTS on and off, ROUNDS rounds (default 2).
+# STEPS: which of them (default "22", the last written; 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
 # 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
 # in session 31, 8 at 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12
 # in session 33 on H100s, 10 and 13 in session 34, 9, 14 and 15 in session 35, 9 and 16 in
 # session 36: bench/RESULTS.md).
 set -u
 OUT=${OUT:-/tmp/ds-out}
-STEPS=" ${STEPS:-21} "
+STEPS=" ${STEPS:-22} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -254,6 +258,18 @@ B48=".devbin/deltaserve $(b48 8 ${BATCHES:-2,4,8,16,32,64})"
 [ -n "${NO_BF16_BATCHES:-}" ] || $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16] /"
 for f in 0 2; do
   DS_CUDA_F8_WHOLE_K=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 whole K from $f] /"
+done
+fi
+if want 22; then
+el "22. (issue 32, session 40) one token's FP8 down pass reading its routing early: the moe fp8"
+el "    checks, then ptpc_fp8 decode batch 1 with DS_CUDA_EARLY_EXPERTS on and off"
+checks s22.log "moe fp8"
+grep -E "FAIL" "$OUT/s22.log" | head -6
+for r in $(seq "${ROUNDS:-2}"); do
+  for e in 1 0; do
+    b48_run "ptpc_fp8 early $e, $r" "s22_${e}_$r" DS_CUDA_EARLY_EXPERTS=$e .devbin/deltaserve \
+      $(b48 16 1) -q ptpc_fp8
+  done
 done
 fi
 if want 21; then
