@@ -12,8 +12,10 @@ reading of the figures; this file is for dashboards and regressions checks.
 SOURCE is one of
     bench:FILE        a `deltaserve bench --json` result
     serve:LABEL:FILE  a `deltaserve bench serve --out` result, a row of the serving table
-    kda:FILE          the log of tools/device/kda_vs_fla.sh (ours against FLA's chunk_kda; with
-                      varlen lines also kda_chunk_varlen_<n>x<L>_vs_fla_bf16[_bf16mode])
+    kda:FILE          the log of tools/device/kda_vs_fla.sh (ours, the model's default form,
+                      against FLA's chunk_kda: kda_chunk_vs_fla_bf16 and _f32; our BF16 mode
+                      against FLA's bf16: kda_chunk_vs_fla_bf16_bf16mode; with varlen lines also
+                      kda_chunk_varlen_<n>x<L>_vs_fla_bf16[_bf16mode])
 
 Keys from a `bench` result (only those its settings measure):
     decode_b1_copy_fraction            batch 1, graphs, context <= 4096, the model's own weights
@@ -117,7 +119,9 @@ def from_serve(label, path):
     return {f"serve.{label}": (row, f"{d['completed']} requests")}
 
 
-KDA_OURS = re.compile(r"bench kda chunked prefill T=(\d+) H=(\d+) dk=dv=(\d+)[^:]*: ([\d.]+) ms")
+KDA_OURS = re.compile(r"bench kda chunked prefill T=(\d+) H=(\d+) dk=dv=(\d+)([^:]*): ([\d.]+) ms")
+# the BF16 mode's own form (the scan making the outputs, pass 1 in f32)
+KDA_BF16_FORM = " (bf16 scan and outputs, pass 1 f32)"
 KDA_DEFAULT = re.compile(r"bench kda chunked prefill T=(\d+) H=(\d+) dk=dv=(\d+) \([^)]*, default\): "
                          r"([\d.]+) ms")
 KDA_FLA = re.compile(r"fla chunk_kda T=(\d+) H=(\d+) dk=dv=(\d+) (\w+): ([\d.]+) ms")
@@ -134,9 +138,12 @@ def from_kda(path):
         text = open(path).read()
     except OSError as e:
         raise BenchError(f"{path}: {e}") from e
-    # the model's default form where the log marks it (", default"), else the last timing
-    ours = {m[:3]: float(m[3]) for m in KDA_OURS.findall(text)}
+    # the model's default form where the log marks it (", default"), else the last timing of a
+    # whole call (not a pass timed alone)
+    found = [m for m in KDA_OURS.findall(text) if "alone" not in m[3]]
+    ours = {m[:3]: float(m[4]) for m in found}
     ours.update({m[:3]: float(m[3]) for m in KDA_DEFAULT.findall(text)})
+    bf16 = {m[:3]: float(m[4]) for m in found if m[3] == KDA_BF16_FORM}
     out = {}
     for T, H, D, dtype, ms in KDA_FLA.findall(text):
         if (T, H, D) in ours and dtype in ("bfloat16", "float32"):
@@ -144,6 +151,10 @@ def from_kda(path):
             out[f"kda_chunk_vs_fla_{tag}"] = (float(ms) / ours[(T, H, D)],
                                               f"T={T} H={H} D={D}: fla {ms} ms, "
                                               f"ours {ours[(T, H, D)]} ms")
+        if (T, H, D) in bf16 and dtype == "bfloat16":  # issue 33's BF16 path against FLA's
+            out["kda_chunk_vs_fla_bf16_bf16mode"] = (
+                float(ms) / bf16[(T, H, D)],
+                f"T={T} H={H} D={D}: fla bf16 {ms} ms, ours (bf16) {bf16[(T, H, D)]} ms")
     var = {(n, L, mode): float(ms) for n, L, mode, ms in KDA_VAR_OURS.findall(text)}
     for n, L, ms in KDA_VAR_FLA.findall(text):
         for mode, tag in (("3xtf32", ""), ("bf16", "_bf16mode")):

@@ -94,6 +94,25 @@ def test_serve_and_kda(tmp_path):
     assert d["h200.kda_chunk_vs_fla_bf16"]["value"] == 1.25
 
 
+def test_kda_bf16_mode_and_passes_alone(tmp_path):
+    log = ("bench kda chunked prefill T=8192 H=32 dk=dv=128 (bf16 scan and outputs, pass 1 f32): "
+           "1.250 ms, 6553600 tokens/s\n"
+           "bench kda chunked prefill T=8192 H=32 dk=dv=128 (3xtf32 scan and outputs, pass 1 f32, "
+           "default): 2.000 ms, 4096000 tokens/s\n"
+           "bench kda chunked prefill T=8192 H=32 dk=dv=128 (bf16 scan and outputs, pass 1 f32), "
+           "pass 1 alone: 0.800 ms\n"
+           "fla chunk_kda T=8192 H=32 dk=dv=128 bfloat16: 1.000 ms, rel error 1e-3\n")
+    rc, d = run(tmp_path, "kda:" + write(tmp_path, "k.log", log))
+    assert rc == 0
+    assert d["h200.kda_chunk_vs_fla_bf16"]["value"] == 0.5  # the default form, not a pass alone
+    assert d["h200.kda_chunk_vs_fla_bf16_bf16mode"]["value"] == 0.8
+    # without a default line the last whole call counts, never a pass timed alone
+    sub = tmp_path / "nodefault"
+    sub.mkdir()
+    rc, d = run(sub, "kda:" + write(tmp_path, "k2.log", log.replace(", default", "")))
+    assert d["h200.kda_chunk_vs_fla_bf16"]["value"] == 0.5
+
+
 def test_kda_varlen(tmp_path):
     log = ("bench kda chunked prefill T=8192 H=32 dk=dv=128 (3xtf32 scan and outputs, pass 1 f32, "
            "default): 2.000 ms, 4096000 tokens/s\n"
