@@ -117,8 +117,9 @@ static void run_absorbed(ds_cu *c, float *got, const void *dpool, int dt, size_t
     ds_err err = {{0}};
     ds_cu_set_mla_all_heads(c, all_heads >= 3 ? 0 : all_heads);
     ds_cu_set_mla_decode_tc(c, all_heads >= 3);
-    ds_cu_set_mla_decode_tc_tile(c, all_heads >= 4 ? 64 : 32);
+    ds_cu_set_mla_decode_tc_tile(c, all_heads == 4 || all_heads == 5 ? 64 : 32);
     ds_cu_set_mla_decode_tc_warps(c, all_heads == 5 ? 16 : 8);
+    ds_cu_set_mla_decode_ws(c, all_heads == 6);
     if (ds_cu_mla_attend_absorbed_batch(c, dout, dq, dqr, dr, T, Ha, R, dr, dpool, dt, dtables, dbt,
                                         dpos, max_ctx, bs, rb, scale, &err))
         DIE("%s", err.msg);
@@ -126,6 +127,7 @@ static void run_absorbed(ds_cu *c, float *got, const void *dpool, int dt, size_t
     ds_cu_set_mla_decode_tc(c, 0);
     ds_cu_set_mla_decode_tc_tile(c, 32);
     ds_cu_set_mla_decode_tc_warps(c, 8);
+    ds_cu_set_mla_decode_ws(c, 0);
     fetch(c, got, dout, (size_t)T * Ha * R * 4);
     ds_cu_dealloc(dout);
 }
@@ -180,7 +182,8 @@ static void check_q_batch(ds_cu *c, int dt, const int *lens, const int *pos0, in
     run_absorbed(c, got32, dpool32, 0, (size_t)row * 4, T, Ha, R, dr, dq, dqr, dtables, dbt, dpos,
                  max_ctx, BS, scale, all_heads);
     char what[160];
-    const char *form = all_heads == 5   ? " (tensor cores, 64-row tiles, 16 warps)"
+    const char *form = all_heads == 6   ? " (tensor cores, warp-specialized)"
+                       : all_heads == 5 ? " (tensor cores, 64-row tiles, 16 warps)"
                        : all_heads == 4 ? " (tensor cores, 64-row tiles)"
                        : all_heads == 3 ? " (tensor cores)"
                        : all_heads      ? " (all heads)"
@@ -198,13 +201,21 @@ static void check_q_batch(ds_cu *c, int dt, const int *lens, const int *pos0, in
             top_gap(dt, qbar, qr, pool, tables, bt_off, lens, pos0, n_seq, Ha, R, dr, BS, scale));
     /* (64-row tiles are for quantized rows only: the f32 pool's run takes 32-row tiles, whose
      * online softmax rescales at other rows, so the bits differ; the CPU check above holds) */
-    if (all_heads < 4) {
+    if (all_heads < 4 || all_heads == 6) {
         snprintf(what, sizeof what, "mla absorbed %s kv Ha=%d R=%d q*%g%s: vs f32 words",
                  dt_name(dt), Ha, R, q_amp, form);
         report(what, (double)words_differ(got, got32, (size_t)T * Ha * R), 0);
     }
     /* 16 warps a block: the 8-warp kernel's products and maxima in its order; only a head's sum
      * of P is added in other groups (16 threads a head instead of 8), so f32 rounding apart */
+    /* warp-specialized: the 8-warp 32-row kernel's products, softmax and orders, so its words */
+    if (all_heads == 6) {
+        run_absorbed(c, got32, dpool, dt, rb, T, Ha, R, dr, dq, dqr, dtables, dbt, dpos, max_ctx,
+                     BS, scale, 3);
+        snprintf(what, sizeof what, "mla absorbed %s kv Ha=%d R=%d q*%g%s: vs 8 warps, words",
+                 dt_name(dt), Ha, R, q_amp, form);
+        report(what, (double)words_differ(got, got32, (size_t)T * Ha * R), 0);
+    }
     if (all_heads == 5) {
         run_absorbed(c, got32, dpool, dt, rb, T, Ha, R, dr, dq, dqr, dtables, dbt, dpos, max_ctx,
                      BS, scale, 4);
@@ -249,5 +260,13 @@ void checks_kv_rows(ds_cu *c) {
             }
             check_q_batch(c, dt, llen, lpos, 1, 32, 512, 64, 5, 1e-4f);
         }
+        /* the warp-specialized form (FP8 and BF16 rows; the long context takes every split's
+         * tiles through the ring of four) */
+        for (int a = 0; a < 2; a++) {
+            check_q_batch(c, dt, lens, pos, 4, 32, 512, 64, 6, amp[a]);
+            check_q_batch(c, dt, lens, pos, 4, 16, 512, 64, 6, amp[a]);
+        }
+        check_q_batch(c, dt, llen, lpos, 1, 32, 512, 64, 6, 1e-4f);
+        check_q_batch(c, dt, llen, lpos, 1, 16, 512, 64, 6, 1e-4f);
     }
 }

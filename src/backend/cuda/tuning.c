@@ -103,6 +103,8 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     /* its warps a block for BF16 rows (8 or 16): 16 was faster at every length timed, the
      * kernel alone and a decode step after a million tokens (bench/RESULTS.md session 34) */
     t->mla_decode_tc_warps = env_count("DS_CUDA_MLA_DECODE_TC_WARPS", 16);
+    /* BF16 rows through the warp-specialized form: off until timed against the 16-warp one */
+    t->mla_decode_ws = env_flag("DS_CUDA_MLA_DECODE_WS", 0);
     const char *pdl = getenv("DS_CUDA_PDL"); /* (on unless exactly "0", as the kernels read it) */
     t->pdl = !(pdl && !strcmp(pdl, "0"));
     t->profile = env_flag("DS_CUDA_PROFILE", 0);
@@ -148,6 +150,7 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_mla_decode_tc(c, t->mla_decode_tc);
     ds_cu_set_mla_decode_tc_tile(c, t->mla_decode_tc_tile);
     ds_cu_set_mla_decode_tc_warps(c, t->mla_decode_tc_warps);
+    ds_cu_set_mla_decode_ws(c, t->mla_decode_ws);
     ds_cu_set_pdl(c, t->pdl);
     ds_cu_prof_enable(c, t->profile);
     if (t->f8_noquant)

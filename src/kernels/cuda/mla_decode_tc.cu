@@ -312,6 +312,250 @@ __global__ void __launch_bounds__(32 * NW, 1)
     }
 }
 
+/* ---- the warp-specialized form (BF16 rows) -----------------------------------------------------
+ * The kernel above runs its phases one after another, every warp in each, a barrier between: with
+ * one block an SM each phase's chain of latencies is exposed (Nsight Compute, bench/RESULTS.md
+ * session 33: 6.3 cycles between a warp's instructions, the tensor pipe 21% busy). Here 16 warps
+ * split the work as FlashMLA's two warpgroups do: warps 0-7 stage the rows, make the scores and
+ * the softmax of tile it while warps 8-15 add tile it - 1's P C to the outputs, so that the two
+ * chains overlap. They hand over through named barriers: FULL[b] (P and alpha of tile it in buffer
+ * b = it % 2 written; the rows of tile it landed) and FREE[b] (tile it's outputs done: buffer b and
+ * its rows reusable). 32-row tiles in a ring of four, two tiles ahead; FP8 rows are converted by
+ * the S warps into C[b] (the rows as BF16, double-buffered), so their ring slots are the S warps'
+ * alone. The products, the
+ * softmax and their orders are the 8-warp 32-row kernel's (4 channel groups x 2 row halves for the
+ * scores, 8 threads a head for the softmax at 32 heads, 64 output columns a warp), so its words are
+ * that kernel's. */
+template <int MT, int KV> struct tcw_shape {
+    static constexpr int HA = 16 * MT, RQ = TCD_R + TCD_DR, NKS = RQ / 16;
+    static constexpr int BK = 32, NST = 4, NS = 256; /* rows a tile; ring slots; S threads */
+    static constexpr int CG = 4, RH = 2, KSW = NKS / CG, NTR = BK / RH / 8, NTW = TCD_R / 8 / 8;
+    static constexpr int CLD = RQ + 8, PLD = BK + 8, SLD = BK + 8, RB = tcd_row_bytes<KV>();
+    static constexpr bool CONV = KV == DS_KV_FP8;   /* staged as stored, converted into C[b] */
+    static constexpr int DLD = CONV ? RB : CLD * 2; /* a staged row's stride, bytes */
+    static constexpr int SB = BK * DLD;             /* a ring slot's bytes */
+    /* ring [NST][BK][DLD] bytes, (FP8) C [2][BK][CLD] bf16, partial scores [CG][HA][SLD] f32,
+     * P [2][HA][PLD] bf16, m and l [HA] f32, alpha [2][HA] f32, the query [HA][CLD] bf16 */
+    static constexpr size_t SMEM = (size_t)NST * SB + (CONV ? (size_t)2 * BK * CLD * 2 : 0) +
+                                   (size_t)CG * HA * SLD * 4 + (size_t)2 * HA * PLD * 2 +
+                                   (size_t)4 * HA * 4 + (size_t)HA * CLD * 2;
+    static_assert(NKS % CG == 0 && NTR == 2 && NS % HA == 0 && (BK * HA / NS) % 2 == 0, "layout");
+    static_assert(SMEM <= 227 * 1024, "shared memory");
+};
+
+enum { TCW_S = 1, TCW_FULL = 2, TCW_FREE = 4 }; /* named barriers (0 is __syncthreads') */
+static __device__ __forceinline__ void bar_sync_n(int id, int n) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+static __device__ __forceinline__ void bar_arrive_n(int id, int n) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+
+/* long: the two groups' loops share the block's buffers. */
+template <int MT, int KV>
+__global__ void __launch_bounds__(512, 1)
+    mla_tcw_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int ldqr,
+              const void *pool, const int32_t *tables, const int32_t *tok_bt,
+              const int32_t *tok_pos, int bs, float scale, int n_split) {
+    typedef tcw_shape<MT, KV> L;
+    constexpr int HA = L::HA, CLD = L::CLD, PLD = L::PLD, SLD = L::SLD, BK = L::BK;
+    constexpr int NST = L::NST, RB = L::RB, NTR = L::NTR, NTW = L::NTW, DLD = L::DLD;
+    extern __shared__ __align__(16) uint8_t tsh[];
+    uint8_t *ring = tsh;                                      /* [NST][BK][DLD] */
+    uint16_t *Cc = (uint16_t *)(ring + (size_t)NST * L::SB);  /* [2][BK][CLD] (FP8) */
+    float *Sp = (float *)(Cc + (L::CONV ? 2 * BK * CLD : 0)); /* [CG][HA][SLD] */
+    uint16_t *Ps = (uint16_t *)(Sp + L::CG * HA * SLD);       /* [2][HA][PLD] */
+    float *m_sh = (float *)(Ps + 2 * HA * PLD), *l_sh = m_sh + HA,
+          *a_sh = l_sh + HA;                    /* a [2][HA] */
+    uint16_t *Qs = (uint16_t *)(a_sh + 2 * HA); /* [HA][CLD] */
+    const int t = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, warp = tid >> 5;
+    const int lane = tid & 31, g = lane >> 2, l4 = lane & 3, mi = lane >> 3, mr = lane & 7;
+    PDL_ENTRY();
+    const int n = tok_pos[t] + 1;
+    const int32_t *table = tables + tok_bt[t];
+    const int per = ((n + n_split - 1) / n_split + BK - 1) / BK * BK;
+    const int j0 = min(n, s * per), j1 = min(n, j0 + per), ntile = (j1 - j0 + BK - 1) / BK;
+    /* tile it's rows into ring slot it % NST by the S warps (a warp a row), one commit group
+     * whether or not there is such a tile */
+    auto stage = [&](int it) {
+        if (it < ntile) {
+            const int a = j0 + it * BK;
+            uint8_t *dst = ring + (size_t)(it % NST) * L::SB;
+            for (int j = warp; j < BK; j += 8) {
+                const int p = min(a + j, j1 - 1);
+                const uint8_t *src =
+                    (const uint8_t *)pool + ((size_t)__ldg(table + p / bs) * bs + p % bs) * RB;
+                for (int c = lane; c < RB / 16; c += 32)
+                    cp_async16_zfill(dst + j * DLD + 16 * c, src + 16 * c, a + j < j1);
+            }
+        }
+        cp_async_commit();
+    };
+    const bool sg = warp < 8;
+    if (sg) stage(0), stage(1);
+    for (int i = tid; i < HA * (L::RQ / 2); i += 512) {
+        const int h = i / (L::RQ / 2), c = 2 * (i - h * (L::RQ / 2));
+        *(uint32_t *)(Qs + h * CLD + c) = tcd_q2(qbar, qr, ldqr, HA, t, h, c);
+    }
+    if (tid < HA) m_sh[tid] = -INFINITY, l_sh[tid] = 0.0f;
+    __syncthreads(); /* (the last barrier of the whole block) */
+    if (sg) {
+        const int cg = warp % L::CG, rh = warp / L::CG;
+        for (int it = 0; it < ntile; it++) {
+            const int b = it & 1;
+            /* BF16 rows: the slot of tile it + 2 is tile it - 2's, which the outputs read */
+            if (!L::CONV && it >= 2) bar_sync_n(TCW_FREE + b, 512);
+            stage(it + 2);
+            asm volatile("cp.async.wait_group 2;\n" ::: "memory"); /* tile it's group */
+            bar_sync_n(TCW_S, L::NS); /* tile it landed; the last softmax is done with Sp */
+            const uint8_t *rs = ring + (size_t)(it % NST) * L::SB;
+            const uint16_t *C = (const uint16_t *)rs;
+            if constexpr (L::CONV) { /* into C[b], once tile it - 2's outputs are done with it */
+                if (it >= 2) bar_sync_n(TCW_FREE + b, 512);
+                uint16_t *Cb = Cc + (size_t)b * BK * CLD;
+                for (int i = tid; i < BK * (L::RQ / 4); i += L::NS) {
+                    const int j = i / (L::RQ / 4), c = 4 * (i - j * (L::RQ / 4));
+                    *(uint2 *)(Cb + j * CLD + c) = tcd_vals<KV>(rs + j * RB, c);
+                }
+                bar_sync_n(TCW_S, L::NS);
+                C = Cb;
+            }
+            float sc[MT][NTR][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int i = 0; i < NTR; i++)
+                    sc[mt][i][0] = sc[mt][i][1] = sc[mt][i][2] = sc[mt][i][3] = 0.0f;
+#pragma unroll
+            for (int ks = 0; ks < L::KSW; ks++) {
+                const int kk = cg * L::KSW + ks;
+                uint32_t qa[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++)
+                    ldsm_x4(qa[mt],
+                            Qs + (16 * mt + (mi & 1) * 8 + mr) * CLD + kk * 16 + (mi >> 1) * 8);
+                uint32_t bb[4];
+                ldsm_x4(bb, C + ((NTR * rh + (mi >> 1)) * 8 + mr) * CLD + kk * 16 + (mi & 1) * 8);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mma_16816(sc[mt][0], qa[mt], bb[0], bb[1]);
+                    mma_16816(sc[mt][1], qa[mt], bb[2], bb[3]);
+                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                float *sp = Sp + ((size_t)cg * HA + 16 * mt) * SLD + 8 * NTR * rh;
+#pragma unroll
+                for (int nt = 0; nt < NTR; nt++) {
+                    *(float2 *)(sp + g * SLD + nt * 8 + 2 * l4) =
+                        make_float2(sc[mt][nt][0], sc[mt][nt][1]);
+                    *(float2 *)(sp + (g + 8) * SLD + nt * 8 + 2 * l4) =
+                        make_float2(sc[mt][nt][2], sc[mt][nt][3]);
+                }
+            }
+            bar_sync_n(TCW_S, L::NS);
+            { /* online softmax: TPH threads a head, EPT rows each; P and alpha into buffer b */
+                constexpr int TPH = L::NS / HA, EPT = BK / TPH;
+                const int h = tid / TPH, e0 = (tid % TPH) * EPT, a = j0 + it * BK;
+                const float m_old = m_sh[h];
+                float v[EPT], mx = -INFINITY;
+#pragma unroll
+                for (int e = 0; e < EPT; e++) {
+                    float x = 0.0f;
+#pragma unroll
+                    for (int k = 0; k < L::CG; k++) x += Sp[((size_t)k * HA + h) * SLD + e0 + e];
+                    v[e] = a + e0 + e < j1 ? x * scale : -INFINITY;
+                    mx = fmaxf(mx, v[e]);
+                }
+#pragma unroll
+                for (int o = TPH / 2; o; o >>= 1)
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+                const float m_new = fmaxf(m_old, mx);
+                float ps = 0.0f;
+                uint16_t *P = Ps + (size_t)b * HA * PLD;
+#pragma unroll
+                for (int e = 0; e < EPT; e += 2) {
+                    const float p0 = v[e] == -INFINITY ? 0.0f : expf(v[e] - m_new);
+                    const float p1 = v[e + 1] == -INFINITY ? 0.0f : expf(v[e + 1] - m_new);
+                    ps += p0 + p1;
+                    *(uint32_t *)(P + h * PLD + e0 + e) = pack_bf16x2(p0, p1);
+                }
+#pragma unroll
+                for (int o = TPH / 2; o; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+                if (tid % TPH == 0) {
+                    const float alpha = expf(m_old - m_new);
+                    a_sh[b * HA + h] = alpha, l_sh[h] = l_sh[h] * alpha + ps, m_sh[h] = m_new;
+                }
+            }
+            bar_arrive_n(TCW_FULL + b, 512); /* (a release: P, alpha and the rows' wait above) */
+        }
+        for (int it = max(0, ntile - 2); it < ntile; it++) bar_sync_n(TCW_FREE + (it & 1), 512);
+        cp_async_wait_all(); /* (the groups past the last tile are empty) */
+        if (tid < HA) {      /* (the FREE barriers ordered the softmax's last m and l) */
+            float *pml = part_ml + (((size_t)t * HA + tid) * n_split + s) * 2;
+            pml[0] = m_sh[tid], pml[1] = l_sh[tid];
+        }
+        return;
+    }
+    const int wo = warp - 8; /* output columns [64 wo, 64 wo + 64) of every head */
+    float oacc[MT][NTW][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int i = 0; i < NTW; i++)
+            oacc[mt][i][0] = oacc[mt][i][1] = oacc[mt][i][2] = oacc[mt][i][3] = 0.0f;
+    for (int it = 0; it < ntile; it++) {
+        const int b = it & 1;
+        bar_sync_n(TCW_FULL + b, 512);
+        const uint16_t *C = L::CONV ? Cc + (size_t)b * BK * CLD
+                                    : (const uint16_t *)(ring + (size_t)(it % NST) * L::SB);
+        const uint16_t *P = Ps + (size_t)b * HA * PLD;
+        const float *al = a_sh + b * HA;
+        bool same = true;
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+            same &= al[16 * mt + g] == 1.0f && al[16 * mt + g + 8] == 1.0f;
+        if (!__all_sync(0xffffffffu, same))
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                const float al0 = al[16 * mt + g], al1 = al[16 * mt + g + 8];
+#pragma unroll
+                for (int i = 0; i < NTW; i++)
+                    oacc[mt][i][0] *= al0, oacc[mt][i][1] *= al0, oacc[mt][i][2] *= al1,
+                        oacc[mt][i][3] *= al1;
+            }
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; kk++) {
+            uint32_t pa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+                ldsm_x4(pa[mt], P + (16 * mt + (mi & 1) * 8 + mr) * PLD + kk * 16 + (mi >> 1) * 8);
+#pragma unroll
+            for (int i = 0; i < NTW; i += 2) {
+                uint32_t bb[4];
+                ldsm_x4_trans(bb, C + (kk * 16 + (mi & 1) * 8 + mr) * CLD +
+                                      (wo * NTW + i + (mi >> 1)) * 8);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mma_16816(oacc[mt][i], pa[mt], bb[0], bb[1]);
+                    mma_16816(oacc[mt][i + 1], pa[mt], bb[2], bb[3]);
+                }
+            }
+        }
+        bar_arrive_n(TCW_FREE + b, 512); /* buffer b and ring slot it % NST are free */
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int i = 0; i < NTW; i++) {
+            const int col = (wo * NTW + i) * 8 + 2 * l4, h0 = 16 * mt + g;
+            float *po0 = part_o + (((size_t)t * HA + h0) * n_split + s) * TCD_R + col;
+            float *po1 = part_o + (((size_t)t * HA + h0 + 8) * n_split + s) * TCD_R + col;
+            *(float2 *)po0 = make_float2(oacc[mt][i][0], oacc[mt][i][1]);
+            *(float2 *)po1 = make_float2(oacc[mt][i][2], oacc[mt][i][3]);
+        }
+}
+
 extern "C" void ds_cu_set_mla_decode_tc(ds_cu *c, int min_rows) {
     c->mla_decode_tc = min_rows;
 }
@@ -332,6 +576,10 @@ extern "C" void ds_cu_set_mla_decode_tc_tile(ds_cu *c, int rows) {
 
 extern "C" void ds_cu_set_mla_decode_tc_warps(ds_cu *c, int warps) {
     c->mla_decode_tc_warps = warps;
+}
+
+extern "C" void ds_cu_set_mla_decode_ws(ds_cu *c, int on) {
+    c->mla_decode_ws = on;
 }
 
 int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int ldqr, int T,
@@ -363,7 +611,23 @@ int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int
     const int nw = c->mla_decode_tc_warps == 16 && kv_dtype == DS_KV_BF16 && bk == 64 ? 16 : 8;
     tcd_fn kernel;
     size_t smem;
-    if (nw == 16)
+    const int ws = c->mla_decode_ws && kv_dtype != DS_KV_F32;
+    if (ws) { /* the warp-specialized form: 16 warps, 32-row tiles */
+        const int f8 = kv_dtype == DS_KV_FP8;
+        if (f8)
+            kernel = mt == 2 ? mla_tcw_k<2, DS_KV_FP8> : mla_tcw_k<1, DS_KV_FP8>;
+        else
+            kernel = mt == 2 ? mla_tcw_k<2, DS_KV_BF16> : mla_tcw_k<1, DS_KV_BF16>;
+        smem = f8 ? (mt == 2 ? tcw_shape<2, DS_KV_FP8>::SMEM : tcw_shape<1, DS_KV_FP8>::SMEM)
+                  : (mt == 2 ? tcw_shape<2, DS_KV_BF16>::SMEM : tcw_shape<1, DS_KV_BF16>::SMEM);
+        size_t *wset = &c->mla_tcw_smem[(mt - 1) + 2 * f8];
+        if (smem > *wset) {
+            CU_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)smem),
+                   "mla (tensor cores, warp-specialized): shared memory");
+            *wset = smem;
+        }
+    } else if (nw == 16)
         tcd_pick<DS_KV_BF16, 64, 16>(mt, &kernel, &smem);
     else if (kv_dtype == DS_KV_FP8 && bk == 64)
         tcd_pick<DS_KV_FP8, 64>(mt, &kernel, &smem);
@@ -377,13 +641,13 @@ int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int
         tcd_pick<DS_KV_F32, 32>(mt, &kernel, &smem);
     /* raised once per kernel, before any capture can be open */
     size_t *set = &c->mla_tcd_smem[(mt - 1) + 2 * kv_dtype + 6 * (bk == 64) + 12 * (nw == 16)];
-    if (smem > *set) {
+    if (!ws && smem > *set) {
         CU_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
                "mla (tensor cores): shared memory");
         *set = smem;
     }
-    launch_k(c, kernel, dim3((unsigned)T, (unsigned)n_split), 32 * nw, smem, part_o, part_ml, qbar,
-             qr, ldqr, pool, tables, tok_bt, tok_pos, block_size, scale, n_split);
+    launch_k(c, kernel, dim3((unsigned)T, (unsigned)n_split), ws ? 512 : 32 * nw, smem, part_o,
+             part_ml, qbar, qr, ldqr, pool, tables, tok_bt, tok_pos, block_size, scale, n_split);
     CU_TRY(cudaGetLastError(), "mla (tensor cores)");
     mla_merge(c, obar, part_o, part_ml, rows, R, n_split);
     CU_TRY(cudaGetLastError(), "mla merge");
