@@ -312,20 +312,20 @@ __global__ void __launch_bounds__(32 * NW, 1)
     }
 }
 
-/* ---- the warp-specialized form (BF16 rows) -----------------------------------------------------
+/* ---- the warp-specialized form (BF16 and FP8 rows) ---------------------------------------------
  * The kernel above runs its phases one after another, every warp in each, a barrier between: with
  * one block an SM each phase's chain of latencies is exposed (Nsight Compute, bench/RESULTS.md
  * session 33: 6.3 cycles between a warp's instructions, the tensor pipe 21% busy). Here 16 warps
- * split the work as FlashMLA's two warpgroups do: warps 0-7 stage the rows, make the scores and
- * the softmax of tile it while warps 8-15 add tile it - 1's P C to the outputs, so that the two
- * chains overlap. They hand over through named barriers: FULL[b] (P and alpha of tile it in buffer
- * b = it % 2 written; the rows of tile it landed) and FREE[b] (tile it's outputs done: buffer b and
- * its rows reusable). 32-row tiles in a ring of four, two tiles ahead; FP8 rows are converted by
- * the S warps into C[b] (the rows as BF16, double-buffered), so their ring slots are the S warps'
- * alone. The products, the
- * softmax and their orders are the 8-warp 32-row kernel's (4 channel groups x 2 row halves for the
- * scores, 8 threads a head for the softmax at 32 heads, 64 output columns a warp), so its words are
- * that kernel's. */
+ * split the work as FlashMLA's two warpgroups do: warps 0-7 (S) make the scores and the softmax of
+ * tile it while warps 8-15 (O) add tile it - 1's P C to the outputs, so that the two chains
+ * overlap. The O warps also stage the rows (cp.async into a ring of four 32-row tiles: tile it + 4
+ * into tile it's slot once its outputs are done), which balances the groups' instructions. They
+ * hand over through named barriers: FULL[b] (P and alpha of tile it written to buffer b = it % 2)
+ * and LAND[b] (tile it's rows landed, and tile it - 2's outputs done, so that P[b] and C[b] may be
+ * written again). FP8 rows are converted by the S warps into C[b], a double-buffered BF16 tile. The
+ * products, the softmax and their orders are the 8-warp 32-row kernel's (4 channel groups x 2 row
+ * halves for the scores, 8 threads a head for the softmax at 32 heads, 64 output columns a warp),
+ * so its words are that kernel's. */
 template <int MT, int KV> struct tcw_shape {
     static constexpr int HA = 16 * MT, RQ = TCD_R + TCD_DR, NKS = RQ / 16;
     static constexpr int BK = 32, NST = 4, NS = 256; /* rows a tile; ring slots; S threads */
@@ -343,7 +343,8 @@ template <int MT, int KV> struct tcw_shape {
     static_assert(SMEM <= 227 * 1024, "shared memory");
 };
 
-enum { TCW_S = 1, TCW_FULL = 2, TCW_FREE = 4 }; /* named barriers (0 is __syncthreads') */
+/* named barriers (0 is __syncthreads'): the S warps; the O warps; FULL[2]; LAND[2] */
+enum { TCW_S = 1, TCW_O = 2, TCW_FULL = 3, TCW_LAND = 5 };
 static __device__ __forceinline__ void bar_sync_n(int id, int n) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
@@ -375,13 +376,13 @@ __global__ void __launch_bounds__(512, 1)
     const int32_t *table = tables + tok_bt[t];
     const int per = ((n + n_split - 1) / n_split + BK - 1) / BK * BK;
     const int j0 = min(n, s * per), j1 = min(n, j0 + per), ntile = (j1 - j0 + BK - 1) / BK;
-    /* tile it's rows into ring slot it % NST by the S warps (a warp a row), one commit group
+    /* tile it's rows into ring slot it % NST by the O warps (a warp a row), one commit group
      * whether or not there is such a tile */
     auto stage = [&](int it) {
         if (it < ntile) {
             const int a = j0 + it * BK;
             uint8_t *dst = ring + (size_t)(it % NST) * L::SB;
-            for (int j = warp; j < BK; j += 8) {
+            for (int j = warp - 8; j < BK; j += 8) {
                 const int p = min(a + j, j1 - 1);
                 const uint8_t *src =
                     (const uint8_t *)pool + ((size_t)__ldg(table + p / bs) * bs + p % bs) * RB;
@@ -392,26 +393,28 @@ __global__ void __launch_bounds__(512, 1)
         cp_async_commit();
     };
     const bool sg = warp < 8;
-    if (sg) stage(0), stage(1);
+    if (!sg)
+        for (int i = 0; i < NST; i++) stage(i); /* the ring's first tiles */
     for (int i = tid; i < HA * (L::RQ / 2); i += 512) {
         const int h = i / (L::RQ / 2), c = 2 * (i - h * (L::RQ / 2));
         *(uint32_t *)(Qs + h * CLD + c) = tcd_q2(qbar, qr, ldqr, HA, t, h, c);
     }
     if (tid < HA) m_sh[tid] = -INFINITY, l_sh[tid] = 0.0f;
     __syncthreads(); /* (the last barrier of the whole block) */
+    if (!sg) {       /* tiles 0 and 1 landed (the groups of 2 and 3 may still be on their way) */
+        asm volatile("cp.async.wait_group 2;\n" ::: "memory");
+        for (int i = 0; i < 2 && i < ntile; i++) bar_arrive_n(TCW_LAND + i, 512);
+    }
     if (sg) {
         const int cg = warp % L::CG, rh = warp / L::CG;
         for (int it = 0; it < ntile; it++) {
             const int b = it & 1;
-            /* BF16 rows: the slot of tile it + 2 is tile it - 2's, which the outputs read */
-            if (!L::CONV && it >= 2) bar_sync_n(TCW_FREE + b, 512);
-            stage(it + 2);
-            asm volatile("cp.async.wait_group 2;\n" ::: "memory"); /* tile it's group */
-            bar_sync_n(TCW_S, L::NS); /* tile it landed; the last softmax is done with Sp */
+            /* tile it's rows landed, tile it - 2's outputs are done (P[b] and C[b] free), and
+             * every S warp is past the last softmax (Sp free) */
+            bar_sync_n(TCW_LAND + b, 512);
             const uint8_t *rs = ring + (size_t)(it % NST) * L::SB;
             const uint16_t *C = (const uint16_t *)rs;
-            if constexpr (L::CONV) { /* into C[b], once tile it - 2's outputs are done with it */
-                if (it >= 2) bar_sync_n(TCW_FREE + b, 512);
+            if constexpr (L::CONV) { /* FP8 rows into C[b] */
                 uint16_t *Cb = Cc + (size_t)b * BK * CLD;
                 for (int i = tid; i < BK * (L::RQ / 4); i += L::NS) {
                     const int j = i / (L::RQ / 4), c = 4 * (i - j * (L::RQ / 4));
@@ -487,11 +490,10 @@ __global__ void __launch_bounds__(512, 1)
                     a_sh[b * HA + h] = alpha, l_sh[h] = l_sh[h] * alpha + ps, m_sh[h] = m_new;
                 }
             }
-            bar_arrive_n(TCW_FULL + b, 512); /* (a release: P, alpha and the rows' wait above) */
+            bar_arrive_n(TCW_FULL + b, 512); /* (a release: P and alpha) */
         }
-        for (int it = max(0, ntile - 2); it < ntile; it++) bar_sync_n(TCW_FREE + (it & 1), 512);
-        cp_async_wait_all(); /* (the groups past the last tile are empty) */
-        if (tid < HA) {      /* (the FREE barriers ordered the softmax's last m and l) */
+        bar_sync_n(TCW_S, L::NS); /* the last softmax's m and l */
+        if (tid < HA) {
             float *pml = part_ml + (((size_t)t * HA + tid) * n_split + s) * 2;
             pml[0] = m_sh[tid], pml[1] = l_sh[tid];
         }
@@ -542,8 +544,14 @@ __global__ void __launch_bounds__(512, 1)
                 }
             }
         }
-        bar_arrive_n(TCW_FREE + b, 512); /* buffer b and ring slot it % NST are free */
+        /* ring slot it % NST takes tile it + 4 once every O warp is done with it (the S warps
+         * were before FULL); tile it + 2's rows landed, buffers P[b] and C[b] free: LAND[b] */
+        bar_sync_n(TCW_O, 256);
+        stage(it + NST);
+        asm volatile("cp.async.wait_group 2;\n" ::: "memory");
+        if (it + 2 < ntile) bar_arrive_n(TCW_LAND + b, 512);
     }
+    cp_async_wait_all(); /* (the groups past the last tile are empty) */
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
