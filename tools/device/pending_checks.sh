@@ -82,7 +82,8 @@
 #      (DS_CUDA_MLA_DECODE_WS): the kv rows checks (its words against the 8-warp 32-row kernel's,
 #      and the CPU), the kernel alone at 128K and 1M rows beside the other forms, then decode after
 #      1M tokens with it on and off (long48.sh), for the latents' dtypes in KVS (default "bf16
-#      fp8"; the form takes FP8 rows too, converted by its S warps), ROUNDS rounds (default 1).
+#      fp8"; the form takes FP8 rows too, converted by its S warps; DECODE_KVS for the decode runs
+#      alone), ROUNDS rounds (default 1).
 # STEPS: which of them (default "23", the last written; 22 in session 40, 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
 # 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
 # in session 31, 8 at 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12
@@ -278,7 +279,7 @@ grep -q "checks rc 0 (.* 0 FAIL)" "$OUT/s23.rc" && for kv in ${KVS:-bf16 fp8}; d
   done
 done
 grep -q "checks rc 0 (.* 0 FAIL)" "$OUT/s23.rc" && for r in $(seq "${ROUNDS:-1}"); do
-  for kv in ${KVS:-bf16 fp8}; do
+  for kv in ${DECODE_KVS:-${KVS:-bf16 fp8}}; do
     for ws in 1 0; do
       el "decode after 1M tokens, $kv latents, DS_CUDA_MLA_DECODE_WS=$ws ($r)"
       DS_CUDA_MLA_DECODE_WS=$ws LENS=1048576 KV_DTYPES=$kv PARTS=decode TAG="_ws${ws}_$r" \
