@@ -83,7 +83,7 @@
 #      and the CPU), the kernel alone at 128K and 1M rows beside the other forms, then decode after
 #      1M tokens with it on and off (long48.sh), for the latents' dtypes in KVS (default "bf16
 #      fp8"; the form takes FP8 rows too, converted by its S warps; DECODE_KVS for the decode runs
-#      alone), ROUNDS rounds (default 1).
+#      alone; LENS23 the kernel's lengths), ROUNDS rounds (default 1).
 # STEPS: which of them (default "23", the last written; 22 in session 40, 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
 # 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
 # in session 31, 8 at 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12
@@ -273,7 +273,7 @@ checks s23.log "kv rows" | tee "$OUT/s23.rc"
 grep -E "FAIL|warp-spec" "$OUT/s23.log" | head -40
 # (a hang or a failure stops the step: the timings would mean nothing)
 grep -q "checks rc 0 (.* 0 FAIL)" "$OUT/s23.rc" && for kv in ${KVS:-bf16 fp8}; do
-  for n in 131072 1048576; do
+    for n in ${LENS23:-131072 1048576}; do
     DS_BENCH_MLA_LONG="$kv $n" timeout 150 .devbin/test_cuda_kernels --bench-only mla 2>&1 |
       grep -E "absorbed decode 1 x|copy"
   done
