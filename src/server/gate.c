@@ -425,15 +425,21 @@ void ds_gate_untracked(struct MHD_Connection *mc) {
 }
 
 /* Bytes libmicrohttpd has read from the socket (received, less those still queued), or -1. The
- * queue is read before and after: bytes arriving between the calls would skew the difference. */
+ * queue is read before and after: bytes arriving between the calls would skew the difference, so
+ * such a reading is taken again. (A client that sends its next request as soon as it has read a
+ * response lands it in this window often enough: the one try that was here lost the connection's
+ * tracking then, and libmicrohttpd answered a malformed next request in HTML.) */
 static long long consumed(int fd) {
-    struct tcp_info ti;
-    socklen_t len = sizeof ti;
-    int q0 = 0, q1 = 0;
-    if (ioctl(fd, FIONREAD, &q0) || getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) ||
-        len < sizeof ti || ioctl(fd, FIONREAD, &q1) || q0 != q1)
-        return -1;
-    return (long long)ti.tcpi_bytes_received - q0;
+    for (int tries = 0; tries < 16; tries++) {
+        struct tcp_info ti;
+        socklen_t len = sizeof ti;
+        int q0 = 0, q1 = 0;
+        if (ioctl(fd, FIONREAD, &q0) || getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) ||
+            len < sizeof ti || ioctl(fd, FIONREAD, &q1))
+            return -1;
+        if (q0 == q1) return (long long)ti.tcpi_bytes_received - q0;
+    }
+    return -1;
 }
 
 /* Waits for fd to be readable (or hung up) until `until` or the gate stops: its poll events, 0
