@@ -91,7 +91,7 @@ typedef struct ds_cuda_tuning {
     int mla_decode_tc; /* context rows from which absorbed MLA runs on tensor cores (0: never) */
     int mla_decode_tc_tile;  /* its tile for FP8 and BF16 rows (32 or 64) */
     int mla_decode_tc_warps; /* its warps a block for BF16 rows in 64-row tiles (8 or 16) */
-    int mla_decode_ws;       /* BF16 rows through its warp-specialized form */
+    int mla_decode_ws;       /* context cap from which its warp-specialized form runs (0: never) */
     int pdl;
     int profile;
     const char *skip;     /* DS_CUDA_SKIP's labels, or NULL when unset or empty */

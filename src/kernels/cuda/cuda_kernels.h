@@ -387,11 +387,12 @@ void ds_cu_set_mla_decode_tc_tile(ds_cu *c, int rows);
 /* Its warps a block for BF16 rows in 64-row tiles: 16 (the query in shared memory, half the
  * registers a thread), else 8 (the engine's value: DS_CUDA_MLA_DECODE_TC_WARPS, tuning.c). */
 void ds_cu_set_mla_decode_tc_warps(ds_cu *c, int warps);
-/* BF16 rows on tensor cores through the warp-specialized form instead (on != 0): 16 warps, half
- * making tile it's scores and softmax while the other half adds tile it - 1's outputs, 32-row
- * tiles; the same words as the 8-warp 32-row form (mla_decode_tc.cu). The engine's value:
- * DS_CUDA_MLA_DECODE_WS (tuning.c). */
-void ds_cu_set_mla_decode_ws(ds_cu *c, int on);
+/* Its warp-specialized form (16 warps, half making tile it's scores and softmax while the other
+ * half adds tile it - 1's outputs and stages the rows; 32-row tiles; the same words as the 8-warp
+ * 32-row form: mla_decode_tc.cu) for steps whose context cap is at least min_rows (0: never): FP8
+ * rows, and BF16 rows when the 16-warp form is off. The engine's value: DS_CUDA_MLA_DECODE_WS
+ * (tuning.c). */
+void ds_cu_set_mla_decode_ws(ds_cu *c, int min_rows);
 
 /* ---- glue for the model forward (src/backend/cuda/step.c, layers.c) ---- */
 /* Batch-invariant matmuls (see ds_model_opts.batch_invariant): on, every ds_cu_matmul streams the

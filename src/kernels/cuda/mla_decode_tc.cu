@@ -586,8 +586,8 @@ extern "C" void ds_cu_set_mla_decode_tc_warps(ds_cu *c, int warps) {
     c->mla_decode_tc_warps = warps;
 }
 
-extern "C" void ds_cu_set_mla_decode_ws(ds_cu *c, int on) {
-    c->mla_decode_ws = on;
+extern "C" void ds_cu_set_mla_decode_ws(ds_cu *c, int min_rows) {
+    c->mla_decode_ws = min_rows;
 }
 
 int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int ldqr, int T,
@@ -619,7 +619,10 @@ int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int
     const int nw = c->mla_decode_tc_warps == 16 && kv_dtype == DS_KV_BF16 && bk == 64 ? 16 : 8;
     tcd_fn kernel;
     size_t smem;
-    const int ws = c->mla_decode_ws && kv_dtype != DS_KV_F32;
+    /* the warp-specialized form from its context cap: FP8 rows, and BF16 rows when the 16-warp
+     * form is off (faster than it on an H100 at 128K and 1M rows: bench/RESULTS.md session 41) */
+    const int ws = c->mla_decode_ws > 0 && max_ctx >= c->mla_decode_ws &&
+                   (kv_dtype == DS_KV_FP8 || (kv_dtype == DS_KV_BF16 && nw != 16));
     if (ws) { /* the warp-specialized form: 16 warps, 32-row tiles */
         const int f8 = kv_dtype == DS_KV_FP8;
         if (f8)
