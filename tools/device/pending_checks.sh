@@ -84,14 +84,15 @@
 #      1M tokens with it on and off (long48.sh), for the latents' dtypes in KVS (default "bf16
 #      fp8"; the form takes FP8 rows too, converted by its S warps; DECODE_KVS for the decode runs
 #      alone; LENS23 the kernel's lengths), ROUNDS rounds (default 1).
-# STEPS: which of them (default "23", the last written; 22 in session 40, 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
+# STEPS: which of them (default "22 23": 22 has not run in its final form, 23 ran in session 41 on an
+# H100 without its BF16 decode runs and not on the H200; 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
 # 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
 # in session 31, 8 at 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12
 # in session 33 on H100s, 10 and 13 in session 34, 9, 14 and 15 in session 35, 9 and 16 in
 # session 36: bench/RESULTS.md).
 set -u
 OUT=${OUT:-/tmp/ds-out}
-STEPS=" ${STEPS:-23} "
+STEPS=" ${STEPS:-22 23} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
