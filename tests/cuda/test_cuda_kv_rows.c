@@ -206,8 +206,6 @@ static void check_q_batch(ds_cu *c, int dt, const int *lens, const int *pos0, in
                  dt_name(dt), Ha, R, q_amp, form);
         report(what, (double)words_differ(got, got32, (size_t)T * Ha * R), 0);
     }
-    /* 16 warps a block: the 8-warp kernel's products and maxima in its order; only a head's sum
-     * of P is added in other groups (16 threads a head instead of 8), so f32 rounding apart */
     /* warp-specialized: the 8-warp 32-row kernel's products, softmax and orders, so its words */
     if (all_heads == 6) {
         run_absorbed(c, got32, dpool, dt, rb, T, Ha, R, dr, dq, dqr, dtables, dbt, dpos, max_ctx,
@@ -216,6 +214,8 @@ static void check_q_batch(ds_cu *c, int dt, const int *lens, const int *pos0, in
                  dt_name(dt), Ha, R, q_amp, form);
         report(what, (double)words_differ(got, got32, (size_t)T * Ha * R), 0);
     }
+    /* 16 warps a block: the 8-warp kernel's products and maxima in its order; only a head's sum
+     * of P is added in other groups (16 threads a head instead of 8), so f32 rounding apart */
     if (all_heads == 5) {
         run_absorbed(c, got32, dpool, dt, rb, T, Ha, R, dr, dq, dqr, dtables, dbt, dpos, max_ctx,
                      BS, scale, 4);

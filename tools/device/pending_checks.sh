@@ -274,7 +274,7 @@ checks s23.log "kv rows" | tee "$OUT/s23.rc"
 grep -E "FAIL|warp-spec" "$OUT/s23.log" | head -40
 # (a hang or a failure stops the step: the timings would mean nothing)
 grep -q "checks rc 0 (.* 0 FAIL)" "$OUT/s23.rc" && for kv in ${KVS:-bf16 fp8}; do
-    for n in ${LENS23:-131072 1048576}; do
+  for n in ${LENS23:-131072 1048576}; do
     DS_BENCH_MLA_LONG="$kv $n" timeout 150 .devbin/test_cuda_kernels --bench-only mla 2>&1 |
       grep -E "absorbed decode 1 x|copy"
   done
