@@ -87,6 +87,195 @@ template <int KV> static __device__ __forceinline__ uint2 tcd_vals(const uint8_t
     return make_uint2(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]));
 }
 
+/* ---- the phases both kernels below run (one definition, so the same words) ---- */
+
+/* rows [a, a + BK) of a token's context (page table `table`, pages of bs rows; from j1 on, zeros)
+ * into dst, DLD bytes apart, by cp.async: a warp a row (warps w0, w0 + NWS, ..), its lanes along
+ * it, the page looked up once a row. (sm_90's bulk copies, one instruction a row, were tried in
+ * session 33: no faster, bench/RESULTS.md.) */
+template <int BK, int RB, int DLD, int NWS>
+static __device__ __forceinline__ void tcd_stage_rows(uint8_t *dst, const void *pool,
+                                                      const int32_t *table, int bs, int a, int j1,
+                                                      int w0, int lane) {
+    for (int j = w0; j < BK; j += NWS) {
+        const int p = min(a + j, j1 - 1);
+        const uint8_t *src =
+            (const uint8_t *)pool + ((size_t)__ldg(table + p / bs) * bs + p % bs) * RB;
+        for (int c = lane; c < RB / 16; c += 32)
+            cp_async16_zfill(dst + j * DLD + 16 * c, src + 16 * c, a + j < j1);
+    }
+}
+
+/* the whole query of token t as BF16 pairs, Qs [HA][CLD], by threads tid, tid + NTH, .. */
+template <int HA, int CLD, int NTH>
+static __device__ __forceinline__ void tcd_query_smem(uint16_t *Qs, const float *qbar,
+                                                      const float *qr, int ldqr, int t, int tid) {
+    constexpr int RQ = TCD_R + TCD_DR;
+    for (int i = tid; i < HA * (RQ / 2); i += NTH) {
+        const int h = i / (RQ / 2), c = 2 * (i - h * (RQ / 2));
+        *(uint32_t *)(Qs + h * CLD + c) = tcd_q2(qbar, qr, ldqr, HA, t, h, c);
+    }
+}
+
+/* a tile's stored rows rs (RB bytes apart) as BF16 rows C [BK][CLD], by threads tid, + NTH, .. */
+template <int KV, int BK, int RB, int CLD, int NTH>
+static __device__ __forceinline__ void tcd_convert(uint16_t *C, const uint8_t *rs, int tid) {
+    constexpr int RQ = TCD_R + TCD_DR;
+    for (int i = tid; i < BK * (RQ / 4); i += NTH) {
+        const int j = i / (RQ / 4), c = 4 * (i - j * (RQ / 4));
+        *(uint2 *)(C + j * CLD + c) = tcd_vals<KV>(rs + j * RB, c);
+    }
+}
+
+/* Scores of every head over a warp's channels (group cg: KSW k-steps) and rows (half rh: NTR
+ * 8-row tiles) of the tile C, into Sp [CG][HA][SLD]: the query's A fragments from qf (QREG) or
+ * from Qs by ldmatrix. */
+template <int MT, int KSW, int NTR, int CLD, int SLD, bool QREG, int QM, int QK>
+static __device__ __forceinline__ void tcd_scores(float *Sp, const uint16_t *C, const uint16_t *Qs,
+                                                  const uint32_t (&qf)[QM][QK][4], int cg, int rh,
+                                                  int lane) {
+    constexpr int HA = 16 * MT;
+    const int g = lane >> 2, l4 = lane & 3, mi = lane >> 3, mr = lane & 7;
+    float sc[MT][NTR][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int i = 0; i < NTR; i++)
+            sc[mt][i][0] = sc[mt][i][1] = sc[mt][i][2] = sc[mt][i][3] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < KSW; ks++) {
+        const int kk = cg * KSW + ks;
+        uint32_t qa[MT][4]; /* heads +8 for odd mi, channels +8 for mi >= 2 */
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            if constexpr (QREG) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) qa[mt][e] = qf[mt][ks][e];
+            } else {
+                ldsm_x4(qa[mt], Qs + (16 * mt + (mi & 1) * 8 + mr) * CLD + kk * 16 + (mi >> 1) * 8);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NTR; nt += 2) {
+            uint32_t
+                b[4]; /* rows of the warp's tiles nt (+1 for mi >= 2), channels +8 for odd mi */
+            ldsm_x4(b, C + ((NTR * rh + nt + (mi >> 1)) * 8 + mr) * CLD + kk * 16 + (mi & 1) * 8);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma_16816(sc[mt][nt], qa[mt], b[0], b[1]);
+                mma_16816(sc[mt][nt + 1], qa[mt], b[2], b[3]);
+            }
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        float *sp = Sp + ((size_t)cg * HA + 16 * mt) * SLD + 8 * NTR * rh;
+#pragma unroll
+        for (int nt = 0; nt < NTR; nt++) {
+            *(float2 *)(sp + g * SLD + nt * 8 + 2 * l4) = make_float2(sc[mt][nt][0], sc[mt][nt][1]);
+            *(float2 *)(sp + (g + 8) * SLD + nt * 8 + 2 * l4) =
+                make_float2(sc[mt][nt][2], sc[mt][nt][3]);
+        }
+    }
+}
+
+/* The online softmax of a tile whose first row is a (rows from j1 on masked) over its CG groups'
+ * partial scores: NTH / HA threads a head (thread tid), BK / that rows each; P [HA][PLD] in BF16,
+ * the rescale of each head into al[h], m and l updated. */
+template <int HA, int NTH, int BK, int CG, int SLD, int PLD>
+static __device__ __forceinline__ void tcd_softmax(const float *Sp, uint16_t *P, float *m_sh,
+                                                   float *l_sh, float *al, int tid, int a, int j1,
+                                                   float scale) {
+    constexpr int TPH = NTH / HA, EPT = BK / TPH;
+    const int h = tid / TPH, e0 = (tid % TPH) * EPT;
+    const float m_old = m_sh[h];
+    float v[EPT], mx = -INFINITY;
+#pragma unroll
+    for (int e = 0; e < EPT; e++) {
+        float x = 0.0f;
+#pragma unroll
+        for (int k = 0; k < CG; k++) x += Sp[((size_t)k * HA + h) * SLD + e0 + e];
+        v[e] = a + e0 + e < j1 ? x * scale : -INFINITY;
+        mx = fmaxf(mx, v[e]);
+    }
+#pragma unroll
+    for (int o = TPH / 2; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const float m_new = fmaxf(m_old, mx); /* finite: the tile has a row */
+    float ps = 0.0f;
+#pragma unroll
+    for (int e = 0; e < EPT; e += 2) {
+        const float p0 = v[e] == -INFINITY ? 0.0f : expf(v[e] - m_new);
+        const float p1 = v[e + 1] == -INFINITY ? 0.0f : expf(v[e + 1] - m_new);
+        ps += p0 + p1;
+        *(uint32_t *)(P + h * PLD + e0 + e) = pack_bf16x2(p0, p1);
+    }
+#pragma unroll
+    for (int o = TPH / 2; o; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+    if (tid % TPH == 0) {
+        const float alpha = expf(m_old - m_new); /* 0 at the first tile */
+        al[h] = alpha, l_sh[h] = l_sh[h] * alpha + ps, m_sh[h] = m_new;
+    }
+}
+
+/* oacc (every head x the output columns [8 NTW w, 8 NTW (w + 1)) of R) rescaled by al, unless no
+ * head of the token found a new maximum (over a long context, most tiles), then += P C over the
+ * tile's BK rows */
+template <int MT, int NTW, int BK, int CLD, int PLD>
+static __device__ __forceinline__ void tcd_outputs(float (&oacc)[MT][NTW][4], const uint16_t *P,
+                                                   const uint16_t *C, const float *al, int w,
+                                                   int lane) {
+    const int g = lane >> 2, mi = lane >> 3, mr = lane & 7;
+    bool same = true;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) same &= al[16 * mt + g] == 1.0f && al[16 * mt + g + 8] == 1.0f;
+    if (!__all_sync(0xffffffffu, same))
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            const float al0 = al[16 * mt + g], al1 = al[16 * mt + g + 8];
+#pragma unroll
+            for (int i = 0; i < NTW; i++)
+                oacc[mt][i][0] *= al0, oacc[mt][i][1] *= al0, oacc[mt][i][2] *= al1,
+                    oacc[mt][i][3] *= al1;
+        }
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; kk++) {
+        uint32_t pa[MT][4]; /* heads +8 for odd mi, rows +8 for mi >= 2 */
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+            ldsm_x4(pa[mt], P + (16 * mt + (mi & 1) * 8 + mr) * PLD + kk * 16 + (mi >> 1) * 8);
+#pragma unroll
+        for (int i = 0; i < NTW; i += 2) {
+            uint32_t b[4]; /* rows +8 for odd mi, columns of tile i (+1 for mi >= 2) */
+            ldsm_x4_trans(b,
+                          C + (kk * 16 + (mi & 1) * 8 + mr) * CLD + (w * NTW + i + (mi >> 1)) * 8);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma_16816(oacc[mt][i], pa[mt], b[0], b[1]);
+                mma_16816(oacc[mt][i + 1], pa[mt], b[2], b[3]);
+            }
+        }
+    }
+}
+
+/* oacc's C fragments (heads g (elements 0, 1) and g + 8 (2, 3), columns 2 l4 (+1)) into split s
+ * of token t's part_o rows; an empty split leaves zeros and l = 0, which the merge skips */
+template <int MT, int NTW>
+static __device__ __forceinline__ void tcd_store(float *part_o, const float (&oacc)[MT][NTW][4],
+                                                 int t, int s, int n_split, int w, int lane) {
+    constexpr int HA = 16 * MT;
+    const int g = lane >> 2, l4 = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int i = 0; i < NTW; i++) {
+            const int col = (w * NTW + i) * 8 + 2 * l4, h0 = 16 * mt + g;
+            float *po0 = part_o + (((size_t)t * HA + h0) * n_split + s) * TCD_R + col;
+            float *po1 = part_o + (((size_t)t * HA + h0 + 8) * n_split + s) * TCD_R + col;
+            *(float2 *)po0 = make_float2(oacc[mt][i][0], oacc[mt][i][1]);
+            *(float2 *)po1 = make_float2(oacc[mt][i][2], oacc[mt][i][3]);
+        }
+}
+
 /* long: the five phases above share the block's stages and the output fragments in registers. */
 template <int MT, int KV, int BK, int NW>
 __global__ void __launch_bounds__(32 * NW, 1)
@@ -105,7 +294,7 @@ __global__ void __launch_bounds__(32 * NW, 1)
     float *m_sh = (float *)(Ps + HA * PLD), *l_sh = m_sh + HA, *a_sh = l_sh + HA;
     uint16_t *Qs = (uint16_t *)(a_sh + HA); /* [HA][CLD] (16 warps) */
     const int t = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, warp = tid >> 5;
-    const int lane = tid & 31, g = lane >> 2, l4 = lane & 3, mi = lane >> 3, mr = lane & 7;
+    const int lane = tid & 31, g = lane >> 2, l4 = lane & 3;
     const int cg = warp % L::CG, rh = warp / L::CG; /* scores: channel group, row half */
     PDL_ENTRY();
     const int n = tok_pos[t] + 1;
@@ -113,21 +302,13 @@ __global__ void __launch_bounds__(32 * NW, 1)
     /* this split's rows: the token's own context in n_split shares of whole tiles */
     const int per = ((n + n_split - 1) / n_split + BK - 1) / BK * BK;
     const int j0 = min(n, s * per), j1 = min(n, j0 + per), ntile = (j1 - j0 + BK - 1) / BK;
-    /* tile it's rows (zeros past j1) into ring slot it % NST by cp.async, a warp a row and its
-     * lanes along it (the page looked up once a row), one commit group whether or not there is
-     * such a tile, so that the group count says which tiles have landed. (sm_90's bulk copies,
-     * one instruction a row, were tried in session 33: no faster, bench/RESULTS.md.) */
+    /* tile it's rows (zeros past j1) into ring slot it % NST, one commit group whether or not
+     * there is such a tile, so that the group count says which tiles have landed */
     auto stage = [&](int it) {
         if (it < ntile) {
             const int a = j0 + it * BK;
             uint8_t *dst = ring + (size_t)(it % NST) * L::SB;
-            for (int j = warp; j < BK; j += NW) {
-                const int p = min(a + j, j1 - 1);
-                const uint8_t *src =
-                    (const uint8_t *)pool + ((size_t)__ldg(table + p / bs) * bs + p % bs) * RB;
-                for (int c = lane; c < RB / 16; c += 32)
-                    cp_async16_zfill(dst + j * DLD + 16 * c, src + 16 * c, a + j < j1);
-            }
+            tcd_stage_rows<BK, RB, DLD, NW>(dst, pool, table, bs, a, j1, warp, lane);
         }
         cp_async_commit();
     };
@@ -148,10 +329,7 @@ __global__ void __launch_bounds__(32 * NW, 1)
                 qf[mt][ks][3] = tcd_q2(qbar, qr, ldqr, HA, t, h0 + 8, c + 8);
             }
     } else {
-        for (int i = tid; i < HA * (L::RQ / 2); i += NT) {
-            const int h = i / (L::RQ / 2), c = 2 * (i - h * (L::RQ / 2));
-            *(uint32_t *)(Qs + h * CLD + c) = tcd_q2(qbar, qr, ldqr, HA, t, h, c);
-        }
+        tcd_query_smem<HA, CLD, NT>(Qs, qbar, qr, ldqr, t, tid);
     } /* (Qs is read after the first tile's barrier) */
     if (tid < HA) m_sh[tid] = -INFINITY, l_sh[tid] = 0.0f;
     float oacc[MT][L::NTW][4];
@@ -169,142 +347,19 @@ __global__ void __launch_bounds__(32 * NW, 1)
         const uint8_t *rs = ring + (size_t)(it % NST) * L::SB;
         const uint16_t *C = (const uint16_t *)rs;
         if constexpr (L::CONV) {
-            for (int i = tid; i < BK * (L::RQ / 4); i += NT) {
-                const int j = i / (L::RQ / 4), c = 4 * (i - j * (L::RQ / 4));
-                *(uint2 *)(Cc + j * CLD + c) = tcd_vals<KV>(rs + j * RB, c);
-            }
+            tcd_convert<KV, BK, RB, CLD, NT>(Cc, rs, tid);
             __syncthreads();
             C = Cc;
         }
-        { /* scores of every head over the warp's channels and rows */
-            float sc[MT][NTR][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int i = 0; i < NTR; i++)
-                    sc[mt][i][0] = sc[mt][i][1] = sc[mt][i][2] = sc[mt][i][3] = 0.0f;
-#pragma unroll
-            for (int ks = 0; ks < L::KSW; ks++) {
-                const int kk = cg * L::KSW + ks;
-                uint32_t qa[MT][4]; /* heads +8 for odd mi, channels +8 for mi >= 2 */
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    if constexpr (L::QREG) {
-#pragma unroll
-                        for (int e = 0; e < 4; e++) qa[mt][e] = qf[mt][ks][e];
-                    } else {
-                        ldsm_x4(qa[mt],
-                                Qs + (16 * mt + (mi & 1) * 8 + mr) * CLD + kk * 16 + (mi >> 1) * 8);
-                    }
-                }
-#pragma unroll
-                for (int nt = 0; nt < NTR; nt += 2) {
-                    uint32_t b[4]; /* rows of the warp's tiles nt (+1 for mi >= 2), channels +8
-                                    * for odd mi */
-                    ldsm_x4(b, C + ((NTR * rh + nt + (mi >> 1)) * 8 + mr) * CLD + kk * 16 +
-                                   (mi & 1) * 8);
-#pragma unroll
-                    for (int mt = 0; mt < MT; mt++) {
-                        mma_16816(sc[mt][nt], qa[mt], b[0], b[1]);
-                        mma_16816(sc[mt][nt + 1], qa[mt], b[2], b[3]);
-                    }
-                }
-            }
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                float *sp = Sp + ((size_t)cg * HA + 16 * mt) * SLD + 8 * NTR * rh;
-#pragma unroll
-                for (int nt = 0; nt < NTR; nt++) {
-                    *(float2 *)(sp + g * SLD + nt * 8 + 2 * l4) =
-                        make_float2(sc[mt][nt][0], sc[mt][nt][1]);
-                    *(float2 *)(sp + (g + 8) * SLD + nt * 8 + 2 * l4) =
-                        make_float2(sc[mt][nt][2], sc[mt][nt][3]);
-                }
-            }
-        }
+        /* scores of every head over the warp's channels and rows */
+        tcd_scores<MT, L::KSW, NTR, CLD, SLD, L::QREG>(Sp, C, Qs, qf, cg, rh, lane);
         __syncthreads();
-        { /* online softmax: TPH threads a head, EPT rows each */
-            constexpr int TPH = NT / HA, EPT = BK / TPH;
-            const int h = tid / TPH, e0 = (tid % TPH) * EPT;
-            const float m_old = m_sh[h];
-            float v[EPT], mx = -INFINITY;
-#pragma unroll
-            for (int e = 0; e < EPT; e++) {
-                float x = 0.0f;
-#pragma unroll
-                for (int k = 0; k < L::CG; k++) x += Sp[((size_t)k * HA + h) * SLD + e0 + e];
-                v[e] = a + e0 + e < j1 ? x * scale : -INFINITY;
-                mx = fmaxf(mx, v[e]);
-            }
-#pragma unroll
-            for (int o = TPH / 2; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-            const float m_new = fmaxf(m_old, mx); /* finite: the tile has a row */
-            float ps = 0.0f;
-#pragma unroll
-            for (int e = 0; e < EPT; e += 2) {
-                const float p0 = v[e] == -INFINITY ? 0.0f : expf(v[e] - m_new);
-                const float p1 = v[e + 1] == -INFINITY ? 0.0f : expf(v[e + 1] - m_new);
-                ps += p0 + p1;
-                *(uint32_t *)(Ps + h * PLD + e0 + e) = pack_bf16x2(p0, p1);
-            }
-#pragma unroll
-            for (int o = TPH / 2; o; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
-            if (tid % TPH == 0) {
-                const float alpha = expf(m_old - m_new); /* 0 at the first tile */
-                a_sh[h] = alpha, l_sh[h] = l_sh[h] * alpha + ps, m_sh[h] = m_new;
-            }
-        }
+        tcd_softmax<HA, NT, BK, L::CG, SLD, PLD>(Sp, Ps, m_sh, l_sh, a_sh, tid, a, j1, scale);
         __syncthreads();
-        { /* outputs: every head x the warp's NTW * 8 columns of R */
-            /* the rescale, unless no head of the token found a new maximum (over a long
-             * context, most tiles) */
-            bool same = true;
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-                same &= a_sh[16 * mt + g] == 1.0f && a_sh[16 * mt + g + 8] == 1.0f;
-            if (!__all_sync(0xffffffffu, same))
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    const float al0 = a_sh[16 * mt + g], al1 = a_sh[16 * mt + g + 8];
-#pragma unroll
-                    for (int i = 0; i < L::NTW; i++)
-                        oacc[mt][i][0] *= al0, oacc[mt][i][1] *= al0, oacc[mt][i][2] *= al1,
-                            oacc[mt][i][3] *= al1;
-                }
-#pragma unroll
-            for (int kk = 0; kk < BK / 16; kk++) {
-                uint32_t pa[MT][4]; /* heads +8 for odd mi, rows +8 for mi >= 2 */
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++)
-                    ldsm_x4(pa[mt],
-                            Ps + (16 * mt + (mi & 1) * 8 + mr) * PLD + kk * 16 + (mi >> 1) * 8);
-#pragma unroll
-                for (int i = 0; i < L::NTW; i += 2) {
-                    uint32_t b[4]; /* rows +8 for odd mi, columns of tile i (+1 for mi >= 2) */
-                    ldsm_x4_trans(b, C + (kk * 16 + (mi & 1) * 8 + mr) * CLD +
-                                         (warp * L::NTW + i + (mi >> 1)) * 8);
-#pragma unroll
-                    for (int mt = 0; mt < MT; mt++) {
-                        mma_16816(oacc[mt][i], pa[mt], b[0], b[1]);
-                        mma_16816(oacc[mt][i + 1], pa[mt], b[2], b[3]);
-                    }
-                }
-            }
-        }
+        tcd_outputs<MT, L::NTW, BK, CLD, PLD>(oacc, Ps, C, a_sh, warp, lane);
     }
     cp_async_wait_all(); /* (the groups past the last tile are empty) */
-    /* C: heads g (elements 0, 1) and g + 8 (2, 3), columns 2 l4 (+1); an empty split leaves
-     * zeros and l = 0, which the merge skips */
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int i = 0; i < L::NTW; i++) {
-            const int col = (warp * L::NTW + i) * 8 + 2 * l4, h0 = 16 * mt + g;
-            float *po0 = part_o + (((size_t)t * HA + h0) * n_split + s) * TCD_R + col;
-            float *po1 = part_o + (((size_t)t * HA + h0 + 8) * n_split + s) * TCD_R + col;
-            *(float2 *)po0 = make_float2(oacc[mt][i][0], oacc[mt][i][1]);
-            *(float2 *)po1 = make_float2(oacc[mt][i][2], oacc[mt][i][3]);
-        }
+    tcd_store<MT, L::NTW>(part_o, oacc, t, s, n_split, warp, lane);
     __syncthreads(); /* (m and l of an empty split are their initial values) */
     if (tid < HA) {
         float *pml = part_ml + (((size_t)t * HA + tid) * n_split + s) * 2;
@@ -370,7 +425,7 @@ __global__ void __launch_bounds__(512, 1)
           *a_sh = l_sh + HA;                    /* a [2][HA] */
     uint16_t *Qs = (uint16_t *)(a_sh + 2 * HA); /* [HA][CLD] */
     const int t = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, warp = tid >> 5;
-    const int lane = tid & 31, g = lane >> 2, l4 = lane & 3, mi = lane >> 3, mr = lane & 7;
+    const int lane = tid & 31;
     PDL_ENTRY();
     const int n = tok_pos[t] + 1;
     const int32_t *table = tables + tok_bt[t];
@@ -382,23 +437,14 @@ __global__ void __launch_bounds__(512, 1)
         if (it < ntile) {
             const int a = j0 + it * BK;
             uint8_t *dst = ring + (size_t)(it % NST) * L::SB;
-            for (int j = warp - 8; j < BK; j += 8) {
-                const int p = min(a + j, j1 - 1);
-                const uint8_t *src =
-                    (const uint8_t *)pool + ((size_t)__ldg(table + p / bs) * bs + p % bs) * RB;
-                for (int c = lane; c < RB / 16; c += 32)
-                    cp_async16_zfill(dst + j * DLD + 16 * c, src + 16 * c, a + j < j1);
-            }
+            tcd_stage_rows<BK, RB, DLD, 8>(dst, pool, table, bs, a, j1, warp - 8, lane);
         }
         cp_async_commit();
     };
     const bool sg = warp < 8;
     if (!sg)
         for (int i = 0; i < NST; i++) stage(i); /* the ring's first tiles */
-    for (int i = tid; i < HA * (L::RQ / 2); i += 512) {
-        const int h = i / (L::RQ / 2), c = 2 * (i - h * (L::RQ / 2));
-        *(uint32_t *)(Qs + h * CLD + c) = tcd_q2(qbar, qr, ldqr, HA, t, h, c);
-    }
+    tcd_query_smem<HA, CLD, 512>(Qs, qbar, qr, ldqr, t, tid);
     if (tid < HA) m_sh[tid] = -INFINITY, l_sh[tid] = 0.0f;
     __syncthreads(); /* (the last barrier of the whole block) */
     if (!sg) {       /* tiles 0 and 1 landed (the groups of 2 and 3 may still be on their way) */
@@ -416,80 +462,17 @@ __global__ void __launch_bounds__(512, 1)
             const uint16_t *C = (const uint16_t *)rs;
             if constexpr (L::CONV) { /* FP8 rows into C[b] */
                 uint16_t *Cb = Cc + (size_t)b * BK * CLD;
-                for (int i = tid; i < BK * (L::RQ / 4); i += L::NS) {
-                    const int j = i / (L::RQ / 4), c = 4 * (i - j * (L::RQ / 4));
-                    *(uint2 *)(Cb + j * CLD + c) = tcd_vals<KV>(rs + j * RB, c);
-                }
+                tcd_convert<KV, BK, RB, CLD, L::NS>(Cb, rs, tid);
                 bar_sync_n(TCW_S, L::NS);
                 C = Cb;
             }
-            float sc[MT][NTR][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int i = 0; i < NTR; i++)
-                    sc[mt][i][0] = sc[mt][i][1] = sc[mt][i][2] = sc[mt][i][3] = 0.0f;
-#pragma unroll
-            for (int ks = 0; ks < L::KSW; ks++) {
-                const int kk = cg * L::KSW + ks;
-                uint32_t qa[MT][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++)
-                    ldsm_x4(qa[mt],
-                            Qs + (16 * mt + (mi & 1) * 8 + mr) * CLD + kk * 16 + (mi >> 1) * 8);
-                uint32_t bb[4];
-                ldsm_x4(bb, C + ((NTR * rh + (mi >> 1)) * 8 + mr) * CLD + kk * 16 + (mi & 1) * 8);
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    mma_16816(sc[mt][0], qa[mt], bb[0], bb[1]);
-                    mma_16816(sc[mt][1], qa[mt], bb[2], bb[3]);
-                }
-            }
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                float *sp = Sp + ((size_t)cg * HA + 16 * mt) * SLD + 8 * NTR * rh;
-#pragma unroll
-                for (int nt = 0; nt < NTR; nt++) {
-                    *(float2 *)(sp + g * SLD + nt * 8 + 2 * l4) =
-                        make_float2(sc[mt][nt][0], sc[mt][nt][1]);
-                    *(float2 *)(sp + (g + 8) * SLD + nt * 8 + 2 * l4) =
-                        make_float2(sc[mt][nt][2], sc[mt][nt][3]);
-                }
-            }
+            const uint32_t qnone[1][1][4] = {}; /* (the query's fragments come from Qs) */
+            tcd_scores<MT, L::KSW, NTR, CLD, SLD, false>(Sp, C, Qs, qnone, cg, rh, lane);
             bar_sync_n(TCW_S, L::NS);
-            { /* online softmax: TPH threads a head, EPT rows each; P and alpha into buffer b */
-                constexpr int TPH = L::NS / HA, EPT = BK / TPH;
-                const int h = tid / TPH, e0 = (tid % TPH) * EPT, a = j0 + it * BK;
-                const float m_old = m_sh[h];
-                float v[EPT], mx = -INFINITY;
-#pragma unroll
-                for (int e = 0; e < EPT; e++) {
-                    float x = 0.0f;
-#pragma unroll
-                    for (int k = 0; k < L::CG; k++) x += Sp[((size_t)k * HA + h) * SLD + e0 + e];
-                    v[e] = a + e0 + e < j1 ? x * scale : -INFINITY;
-                    mx = fmaxf(mx, v[e]);
-                }
-#pragma unroll
-                for (int o = TPH / 2; o; o >>= 1)
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-                const float m_new = fmaxf(m_old, mx);
-                float ps = 0.0f;
-                uint16_t *P = Ps + (size_t)b * HA * PLD;
-#pragma unroll
-                for (int e = 0; e < EPT; e += 2) {
-                    const float p0 = v[e] == -INFINITY ? 0.0f : expf(v[e] - m_new);
-                    const float p1 = v[e + 1] == -INFINITY ? 0.0f : expf(v[e + 1] - m_new);
-                    ps += p0 + p1;
-                    *(uint32_t *)(P + h * PLD + e0 + e) = pack_bf16x2(p0, p1);
-                }
-#pragma unroll
-                for (int o = TPH / 2; o; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
-                if (tid % TPH == 0) {
-                    const float alpha = expf(m_old - m_new);
-                    a_sh[b * HA + h] = alpha, l_sh[h] = l_sh[h] * alpha + ps, m_sh[h] = m_new;
-                }
-            }
+            /* the online softmax: P and alpha into buffer b */
+            tcd_softmax<HA, L::NS, BK, L::CG, SLD, PLD>(Sp, Ps + (size_t)b * HA * PLD, m_sh, l_sh,
+                                                        a_sh + b * HA, tid, j0 + it * BK, j1,
+                                                        scale);
             bar_arrive_n(TCW_FULL + b, 512); /* (a release: P and alpha) */
         }
         bar_sync_n(TCW_S, L::NS); /* the last softmax's m and l */
@@ -512,38 +495,7 @@ __global__ void __launch_bounds__(512, 1)
         const uint16_t *C = L::CONV ? Cc + (size_t)b * BK * CLD
                                     : (const uint16_t *)(ring + (size_t)(it % NST) * L::SB);
         const uint16_t *P = Ps + (size_t)b * HA * PLD;
-        const float *al = a_sh + b * HA;
-        bool same = true;
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-            same &= al[16 * mt + g] == 1.0f && al[16 * mt + g + 8] == 1.0f;
-        if (!__all_sync(0xffffffffu, same))
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                const float al0 = al[16 * mt + g], al1 = al[16 * mt + g + 8];
-#pragma unroll
-                for (int i = 0; i < NTW; i++)
-                    oacc[mt][i][0] *= al0, oacc[mt][i][1] *= al0, oacc[mt][i][2] *= al1,
-                        oacc[mt][i][3] *= al1;
-            }
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; kk++) {
-            uint32_t pa[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-                ldsm_x4(pa[mt], P + (16 * mt + (mi & 1) * 8 + mr) * PLD + kk * 16 + (mi >> 1) * 8);
-#pragma unroll
-            for (int i = 0; i < NTW; i += 2) {
-                uint32_t bb[4];
-                ldsm_x4_trans(bb, C + (kk * 16 + (mi & 1) * 8 + mr) * CLD +
-                                      (wo * NTW + i + (mi >> 1)) * 8);
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    mma_16816(oacc[mt][i], pa[mt], bb[0], bb[1]);
-                    mma_16816(oacc[mt][i + 1], pa[mt], bb[2], bb[3]);
-                }
-            }
-        }
+        tcd_outputs<MT, NTW, BK, CLD, PLD>(oacc, P, C, a_sh + b * HA, wo, lane);
         /* ring slot it % NST takes tile it + 4 once every O warp is done with it (the S warps
          * were before FULL); tile it + 2's rows landed, buffers P[b] and C[b] free: LAND[b] */
         bar_sync_n(TCW_O, 256);
@@ -552,16 +504,7 @@ __global__ void __launch_bounds__(512, 1)
         if (it + 2 < ntile) bar_arrive_n(TCW_LAND + b, 512);
     }
     cp_async_wait_all(); /* (the groups past the last tile are empty) */
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int i = 0; i < NTW; i++) {
-            const int col = (wo * NTW + i) * 8 + 2 * l4, h0 = 16 * mt + g;
-            float *po0 = part_o + (((size_t)t * HA + h0) * n_split + s) * TCD_R + col;
-            float *po1 = part_o + (((size_t)t * HA + h0 + 8) * n_split + s) * TCD_R + col;
-            *(float2 *)po0 = make_float2(oacc[mt][i][0], oacc[mt][i][1]);
-            *(float2 *)po1 = make_float2(oacc[mt][i][2], oacc[mt][i][3]);
-        }
+    tcd_store<MT, NTW>(part_o, oacc, t, s, n_split, wo, lane);
 }
 
 extern "C" void ds_cu_set_mla_decode_tc(ds_cu *c, int min_rows) {
