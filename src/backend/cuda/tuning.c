@@ -103,9 +103,9 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     /* its warps a block for BF16 rows (8 or 16): 16 was faster at every length timed, the
      * kernel alone and a decode step after a million tokens (bench/RESULTS.md session 34) */
     t->mla_decode_tc_warps = env_count("DS_CUDA_MLA_DECODE_TC_WARPS", 16);
-    /* its warp-specialized form from this context cap (FP8 rows; BF16 rows only with 8 warps):
-     * FP8 rows 6% faster than the 64-row tiles at a million rows, a decode step after 1M tokens
-     * 2% faster, but 9% slower at 128K rows (one H100 call, bench/RESULTS.md session 41) */
+    /* its warp-specialized form from this context cap (FP8 rows; BF16 rows only without the
+     * 16-warp form): faster than the 64-row tiles for FP8 rows at a million rows, the kernel and
+     * a decode step, slower at 128K rows (bench/RESULTS.md session 41) */
     t->mla_decode_ws = env_count("DS_CUDA_MLA_DECODE_WS", 1 << 20);
     const char *pdl = getenv("DS_CUDA_PDL"); /* (on unless exactly "0", as the kernels read it) */
     t->pdl = !(pdl && !strcmp(pdl, "0"));
