@@ -89,6 +89,16 @@ template <int KV> static __device__ __forceinline__ uint2 tcd_vals(const uint8_t
 
 /* ---- the phases both kernels below run (one definition, so the same words) ---- */
 
+/* split s of token t's context (n_split shares of whole BK-row tiles): rows [*j0, *j1), *ntile
+ * tiles */
+template <int BK>
+static __device__ __forceinline__ void tcd_split(const int32_t *tok_pos, int t, int s, int n_split,
+                                                 int *j0, int *j1, int *ntile) {
+    const int n = tok_pos[t] + 1;
+    const int per = ((n + n_split - 1) / n_split + BK - 1) / BK * BK;
+    *j0 = min(n, s * per), *j1 = min(n, *j0 + per), *ntile = (*j1 - *j0 + BK - 1) / BK;
+}
+
 /* rows [a, a + BK) of a token's context (page table `table`, pages of bs rows; from j1 on, zeros)
  * into dst, DLD bytes apart, by cp.async: a warp a row (warps w0, w0 + NWS, ..), its lanes along
  * it, the page looked up once a row. (sm_90's bulk copies, one instruction a row, were tried in
@@ -297,11 +307,9 @@ __global__ void __launch_bounds__(32 * NW, 1)
     const int lane = tid & 31, g = lane >> 2, l4 = lane & 3;
     const int cg = warp % L::CG, rh = warp / L::CG; /* scores: channel group, row half */
     PDL_ENTRY();
-    const int n = tok_pos[t] + 1;
     const int32_t *table = tables + tok_bt[t];
-    /* this split's rows: the token's own context in n_split shares of whole tiles */
-    const int per = ((n + n_split - 1) / n_split + BK - 1) / BK * BK;
-    const int j0 = min(n, s * per), j1 = min(n, j0 + per), ntile = (j1 - j0 + BK - 1) / BK;
+    int j0, j1, ntile; /* this split's rows: the token's own context in shares of whole tiles */
+    tcd_split<BK>(tok_pos, t, s, n_split, &j0, &j1, &ntile);
     /* tile it's rows (zeros past j1) into ring slot it % NST, one commit group whether or not
      * there is such a tile, so that the group count says which tiles have landed */
     auto stage = [&](int it) {
@@ -427,10 +435,9 @@ __global__ void __launch_bounds__(512, 1)
     const int t = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, warp = tid >> 5;
     const int lane = tid & 31;
     PDL_ENTRY();
-    const int n = tok_pos[t] + 1;
     const int32_t *table = tables + tok_bt[t];
-    const int per = ((n + n_split - 1) / n_split + BK - 1) / BK * BK;
-    const int j0 = min(n, s * per), j1 = min(n, j0 + per), ntile = (j1 - j0 + BK - 1) / BK;
+    int j0, j1, ntile;
+    tcd_split<BK>(tok_pos, t, s, n_split, &j0, &j1, &ntile);
     /* tile it's rows into ring slot it % NST by the O warps (a warp a row), one commit group
      * whether or not there is such a tile */
     auto stage = [&](int it) {
