@@ -10,7 +10,8 @@
 # runs it through the model).
 # JSON and profiles under $OUT; headline figures into $OUT/latest.json.
 . "$(dirname "$0")/env.sh"
-B=".devbin/deltaserve bench --model $SHAPE48 --load-format random --device cuda"
+# BIN: the engine's binary (e.g. .devbin/deltaserve_base, a baseline's: pack_devbin.sh)
+B="${BIN:-.devbin/deltaserve} bench --model $SHAPE48 --load-format random --device cuda"
 CHUNK=${CHUNK:-8192}
 failed=""
 for n in ${LENS:-131072 1048576}; do

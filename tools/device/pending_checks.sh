@@ -84,7 +84,12 @@
 #      1M tokens with it on and off (long48.sh), for the latents' dtypes in KVS (default "bf16
 #      fp8"; the form takes FP8 rows too, converted by its S warps; DECODE_KVS for the decode runs
 #      alone; LENS23 the kernel's lengths), ROUNDS rounds (default 1).
-# STEPS: which of them (default "22 23": 22 has not run in its final form, 23 ran in session 41 on an
+#  24. (issue 33, session 42) FP8 rows' codes moved into BF16 by their bit fields, the scales on the
+#      query's and P's side (mla_decode_tc.cu): the kv rows checks, then against a baseline's
+#      binaries (pack with DS_DEVBIN_BASE and DS_DEVBIN_BASE_TESTS) the kernel alone over FP8 rows
+#      at LENS24 (default 131072 and 1048576) and decode after 1M FP8 tokens (long48.sh), ROUNDS
+#      rounds (default 1), alternating.
+# STEPS: which of them (default "24 22": 22 has not run in its final form, 23 ran in session 41 on an
 # H100 without its BF16 decode runs and not on the H200; 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
 # 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
 # in session 31, 8 at 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12
@@ -92,7 +97,7 @@
 # session 36: bench/RESULTS.md).
 set -u
 OUT=${OUT:-/tmp/ds-out}
-STEPS=" ${STEPS:-22 23} "
+STEPS=" ${STEPS:-24 22} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -288,6 +293,31 @@ done
       DS_CUDA_MLA_DECODE_WS=$ws LENS=1048576 KV_DTYPES=$kv PARTS=decode TAG="_ws${ws}_$r" \
         STEP_TIMEOUT=200 bash "$(dirname "$0")/long48.sh" 2>&1 | tail -3
     done
+  done
+done
+fi
+if want 24; then
+el "24. (issue 33, session 42) FP8 rows' codes into BF16 by their bit fields: the kv rows checks,"
+el "    the kernel over FP8 rows and decode after 1M FP8 tokens against the baseline's binaries"
+checks s24.log "kv rows" | tee "$OUT/s24.rc"
+grep -E "FAIL|each row" "$OUT/s24.log" | head -40
+ok24=0
+grep -q "checks rc 0 (.* 0 FAIL)" "$OUT/s24.rc" && ok24=1
+[ $ok24 = 1 ] && for r in $(seq "${ROUNDS:-1}"); do
+  for n in ${LENS24:-131072 1048576}; do
+    for b in _base ""; do
+      [ -x ".devbin/test_cuda_kernels$b" ] || continue
+      DS_BENCH_MLA_LONG="fp8 $n" timeout 150 ".devbin/test_cuda_kernels$b" --bench-only mla 2>&1 |
+        grep -E "absorbed decode 1 x|copy" | sed "s/^/[${b:-new} $r] /"
+    done
+  done
+done
+[ $ok24 = 1 ] && for r in $(seq "${ROUNDS:-1}"); do
+  for b in _base ""; do
+    [ -x ".devbin/deltaserve$b" ] || continue
+    el "decode after 1M FP8 tokens, deltaserve$b ($r)"
+    BIN=".devbin/deltaserve$b" LENS=1048576 KV_DTYPES=fp8 PARTS=decode TAG="_s24${b}_$r" \
+      STEP_TIMEOUT=200 bash "$(dirname "$0")/long48.sh" 2>&1 | tail -3
   done
 done
 fi

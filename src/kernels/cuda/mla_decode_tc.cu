@@ -10,9 +10,10 @@
  *   1. cp.async the rows as stored into a ring of NST stages, NST - 1 tiles ahead of the one in
  *      use (the ring as deep as shared memory holds: a block an SM must keep enough bytes in
  *      flight by itself);
- *   2. f32 and FP8 rows: converted to BF16 [BK][R + dr] (FP8 codes times their tile's scale,
- *      rounded once); BF16 rows (--kv-cache-dtype bf16) are staged in that form and used where
- *      they land;
+ *   2. f32 rows: converted to BF16 [BK][R + dr], rounded once; FP8 rows: their codes' bit fields
+ *      moved into BF16's (exact, on the integer units: below), the rope part copied, the tiles'
+ *      scales set aside for steps 3 and 4; BF16 rows (--kv-cache-dtype bf16) are staged in that
+ *      form and used where they land;
  *   3. scores S [Ha][BK] = Q [Ha][R + dr] C^T: warp (channel group, row half), every head of the
  *      token as the M tiles, so a B fragment loaded from shared memory serves all of them; the
  *      groups' partial sums added in order through shared memory;
@@ -28,6 +29,35 @@
 #include "kernels/cuda/mla.cuh"
 
 enum { TCD_R = 512, TCD_DR = 64 };
+
+/* FP8 rows. Converting a code to f32, scaling it and rounding the product to BF16 takes the
+ * conversion unit (a fraction of the integer units' rate) three times a pair of codes, ~15
+ * instructions for four. Instead an E4M3 code becomes the BF16 word with its sign, exponent and
+ * mantissa fields moved into BF16's (tcd_e4m3x8): exactly its value times 2^-120 (the biases differ
+ * by 120; subnormal codes land on BF16 subnormals; a NaN code, which only a NaN latent writes,
+ * reads as +-480), about two integer instructions a code. The tile's scale s (one a row for each
+ * 128 c channels) and the 2^120 move to the other operand: the query's c channels are scaled by
+ * 2^64 (exact; q C then runs 2^-56 below q c, in f32's normal range), a score warp's c part (its 8
+ * k-steps lie in one scale tile) is multiplied by 2^56 and its rows' s before the rope k-step adds
+ * in, and P is written once a tile for each of the four scale tiles, times 2^64 s of its row, so
+ * that P C over the 64 output columns a warp holds (within one tile) sums p s c 2^-56, multiplied
+ * by 2^56 when stored. Every product is as exact as the f32 rows' (the query, P times s and the
+ * rope part rounded to BF16 once, the codes not rounded at all). */
+#define TCD_F8_Q 0x1p64f /* the query's c channels */
+#define TCD_F8_O 0x1p56f /* 2^120 / TCD_F8_Q: the scores' c part and the outputs */
+
+/* eight E4M3 codes (the bytes of w, then of v; the first lowest) as BF16 words of their values
+ * times 2^-120, in order */
+static __device__ __forceinline__ uint4 tcd_e4m3x8(uint32_t w, uint32_t v) {
+    const uint32_t mw = w & 0x7f7f7f7fu, sw = w & 0x80808080u;
+    const uint32_t mv = v & 0x7f7f7f7fu, sv = v & 0x80808080u;
+    /* codes 0 and 1 into the low and high halves: magnitude bits 4 up, the sign to bit 15 (the
+     * two never overlap: + makes it one shift-add) */
+    return make_uint4((__byte_perm(mw, 0, 0x4140) << 4) + __byte_perm(sw, 0, 0x1404),
+                      (__byte_perm(mw, 0, 0x4342) << 4) + __byte_perm(sw, 0, 0x3424),
+                      (__byte_perm(mv, 0, 0x4140) << 4) + __byte_perm(sv, 0, 0x1404),
+                      (__byte_perm(mv, 0, 0x4342) << 4) + __byte_perm(sv, 0, 0x3424));
+}
 
 /* A stored row's bytes (kv_row.h's forms at R 512, dr 64: f32 2,304, FP8 656, BF16 1,152). */
 template <int KV> __host__ __device__ constexpr int tcd_row_bytes() {
@@ -51,8 +81,11 @@ template <int MT, int KV, int BK, int NW = 8> struct tcd_shape {
     static constexpr int NTR = BK / RH / 8;    /* 8-row score tiles a warp holds */
     static constexpr int NTW = TCD_R / 8 / NW; /* 8-column output tiles a warp holds */
     static constexpr bool QREG = NW == 8;      /* the query's A fragments in registers */
+    static constexpr bool F8 = KV == DS_KV_FP8;
+    static constexpr int NPG = F8 ? 4 : 1; /* P's copies: one a scale tile (FP8 rows) */
     static_assert(NKS % CG == 0 && NTR % 2 == 0 && NTW % 2 == 0 && (NW == 8 || NW == 16),
                   "warp layout");
+    static_assert(!F8 || (NW == 8 && NTW == 8), "FP8 rows: an output warp within one scale tile");
     /* row strides: C's and P's rows 4 banks apart (ldmatrix without conflicts), the partial
      * scores' 8 (a warp's pair stores in two wavefronts) */
     static constexpr int CLD = RQ + 8, PLD = BK + 8, SLD = BK + 8;
@@ -63,20 +96,58 @@ template <int MT, int KV, int BK, int NW = 8> struct tcd_shape {
     /* the ring as deep as 227 KB hold beside the rest (32-row tiles: f32 2 x 72 KB, FP8 6 x 21
      * KB, BF16 5 x 37 KB; 64-row tiles: 2) */
     static constexpr int NST = BK == 64 ? 2 : KV == DS_KV_F32 ? 2 : KV == DS_KV_FP8 ? 6 : 5;
-    /* stages, C [BK][CLD] bf16 (converting forms), partial scores [CG][HA][SLD] f32, P [HA][PLD]
-     * bf16, m, l, alpha [HA] f32, the query [HA][CLD] bf16 (16 warps) */
+    /* stages, C [BK][CLD] bf16 (converting forms), the rows' scales [BK][4] f32 (FP8), partial
+     * scores [CG][HA][SLD] f32, P [NPG][HA][PLD] bf16, m, l, alpha [HA] f32, the query [HA][CLD]
+     * bf16 (16 warps) */
     static constexpr size_t SMEM = (size_t)NST * SB + (CONV ? (size_t)BK * CLD * 2 : 0) +
-                                   (size_t)CG * HA * SLD * 4 + (size_t)HA * PLD * 2 +
-                                   (size_t)3 * HA * 4 + (QREG ? 0 : (size_t)HA * CLD * 2);
+                                   (F8 ? (size_t)BK * 4 * 4 : 0) + (size_t)CG * HA * SLD * 4 +
+                                   (size_t)NPG * HA * PLD * 2 + (size_t)3 * HA * 4 +
+                                   (QREG ? 0 : (size_t)HA * CLD * 2);
     static_assert(SMEM <= 227 * 1024, "shared memory");
 };
 
-/* query channels c, c + 1 (c even) of head h of token t as a BF16 pair: q̄ below R, qR above */
+/* query channels c, c + 1 (c even) of head h of token t as a BF16 pair: q̄ times qs (a power of
+ * two: 1, or TCD_F8_Q for FP8 rows) below R, qR above */
 static __device__ __forceinline__ uint32_t tcd_q2(const float *qbar, const float *qr, int ldqr,
-                                                  int HA, int t, int h, int c) {
-    const float2 v = c < TCD_R ? *(const float2 *)(qbar + ((size_t)t * HA + h) * TCD_R + c)
-                               : *(const float2 *)(qr + ((size_t)t * HA + h) * ldqr + c - TCD_R);
+                                                  int HA, int t, int h, int c, float qs) {
+    if (c < TCD_R) {
+        const float2 v = *(const float2 *)(qbar + ((size_t)t * HA + h) * TCD_R + c);
+        return pack_bf16x2(v.x * qs, v.y * qs);
+    }
+    const float2 v = *(const float2 *)(qr + ((size_t)t * HA + h) * ldqr + c - TCD_R);
     return pack_bf16x2(v.x, v.y);
+}
+
+/* k-step ks (16 channels) of score warp cg's KSW: a contiguous quarter of the NKS = 36; FP8 rows:
+ * tile cg's 8 (its 128 c channels share each row's scale), then rope k-step cg */
+template <int KV, int KSW> static __device__ __forceinline__ int tcd_kstep(int cg, int ks) {
+    if constexpr (KV == DS_KV_FP8) {
+        static_assert(KSW == 9, "four score warps a row group");
+        return ks < 8 ? 8 * cg + ks : 32 + cg;
+    } else {
+        return cg * KSW + ks;
+    }
+}
+
+/* score warp cg's A fragments of every head of token t, in registers: qf[mt][ks] the heads
+ * 16 mt + g (+8), channels of k-step ks (tcd_kstep) 2 l4 (+1, +8, +9) */
+template <int MT, int KV, int KSW>
+static __device__ __forceinline__ void tcd_query_regs(uint32_t (&qf)[MT][KSW][4], const float *qbar,
+                                                      const float *qr, int ldqr, int t, int cg,
+                                                      int lane) {
+    constexpr int HA = 16 * MT;
+    const float qs = KV == DS_KV_FP8 ? TCD_F8_Q : 1.0f;
+    const int g = lane >> 2, l4 = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int ks = 0; ks < KSW; ks++) {
+            const int c = 16 * tcd_kstep<KV, KSW>(cg, ks) + 2 * l4, h0 = 16 * mt + g;
+            qf[mt][ks][0] = tcd_q2(qbar, qr, ldqr, HA, t, h0, c, qs);
+            qf[mt][ks][1] = tcd_q2(qbar, qr, ldqr, HA, t, h0 + 8, c, qs);
+            qf[mt][ks][2] = tcd_q2(qbar, qr, ldqr, HA, t, h0, c + 8, qs);
+            qf[mt][ks][3] = tcd_q2(qbar, qr, ldqr, HA, t, h0 + 8, c + 8, qs);
+        }
 }
 
 /* staged row (its bytes at `raw`, f32 or FP8) as BF16 channels c .. c + 3 (c a multiple of 4):
@@ -123,27 +194,49 @@ static __device__ __forceinline__ void tcd_query_smem(uint16_t *Qs, const float 
     constexpr int RQ = TCD_R + TCD_DR;
     for (int i = tid; i < HA * (RQ / 2); i += NTH) {
         const int h = i / (RQ / 2), c = 2 * (i - h * (RQ / 2));
-        *(uint32_t *)(Qs + h * CLD + c) = tcd_q2(qbar, qr, ldqr, HA, t, h, c);
+        *(uint32_t *)(Qs + h * CLD + c) = tcd_q2(qbar, qr, ldqr, HA, t, h, c, 1.0f);
     }
 }
 
-/* a tile's stored rows rs (RB bytes apart) as BF16 rows C [BK][CLD], by threads tid, + NTH, .. */
+/* a tile's stored rows rs (RB bytes apart) as BF16 rows C [BK][CLD], by threads tid, + NTH, ..;
+ * FP8 rows: their codes as tcd_e4m3x8 words, the rope part as stored, each row's four scales into
+ * Ss [BK][4] (16 threads a row: a half-warp reads 128 bytes of one row and writes 256 of C's) */
 template <int KV, int BK, int RB, int CLD, int NTH>
-static __device__ __forceinline__ void tcd_convert(uint16_t *C, const uint8_t *rs, int tid) {
+static __device__ __forceinline__ void tcd_convert(uint16_t *C, float *Ss, const uint8_t *rs,
+                                                   int tid) {
     constexpr int RQ = TCD_R + TCD_DR;
-    for (int i = tid; i < BK * (RQ / 4); i += NTH) {
-        const int j = i / (RQ / 4), c = 4 * (i - j * (RQ / 4));
-        *(uint2 *)(C + j * CLD + c) = tcd_vals<KV>(rs + j * RB, c);
+    if constexpr (KV == DS_KV_FP8) {
+        constexpr int RA = TCD_R + 4 * (TCD_R / DS_KV_FP8_TILE); /* the rope part's byte */
+        static_assert(NTH % 16 == 0 && BK % (NTH / 16) == 0 && RA % 16 == 0 && TCD_DR == 64,
+                      "conversion layout");
+        const int q = tid & 15;
+        for (int j = tid >> 4; j < BK; j += NTH / 16) {
+            const uint8_t *r = rs + j * RB;
+            uint16_t *cr = C + j * CLD;
+#pragma unroll
+            for (int k = 0; k < 4; k++) { /* codes [8 (q + 16 k), + 8) */
+                const uint2 w = *(const uint2 *)(r + 8 * (q + 16 * k));
+                *(uint4 *)(cr + 8 * (q + 16 * k)) = tcd_e4m3x8(w.x, w.y);
+            }
+            *(uint2 *)(cr + TCD_R + 4 * q) = *(const uint2 *)(r + RA + 8 * q);
+            if (q < 4) Ss[4 * j + q] = *(const float *)(r + TCD_R + 4 * q);
+        }
+    } else {
+        for (int i = tid; i < BK * (RQ / 4); i += NTH) {
+            const int j = i / (RQ / 4), c = 4 * (i - j * (RQ / 4));
+            *(uint2 *)(C + j * CLD + c) = tcd_vals<KV>(rs + j * RB, c);
+        }
     }
 }
 
-/* Scores of every head over a warp's channels (group cg: KSW k-steps) and rows (half rh: NTR
- * 8-row tiles) of the tile C, into Sp [CG][HA][SLD]: the query's A fragments from qf (QREG) or
- * from Qs by ldmatrix. */
-template <int MT, int KSW, int NTR, int CLD, int SLD, bool QREG, int QM, int QK>
+/* Scores of every head over a warp's channels (group cg: KSW k-steps, tcd_kstep) and rows (half
+ * rh: NTR 8-row tiles) of the tile C, into Sp [CG][HA][SLD]: the query's A fragments from qf
+ * (QREG) or from Qs by ldmatrix; FP8 rows: the c part times 2^56 and the rows' scales Ss [BK][4]
+ * of tile cg before the rope k-step. */
+template <int MT, int KV, int KSW, int NTR, int CLD, int SLD, bool QREG, int QM, int QK>
 static __device__ __forceinline__ void tcd_scores(float *Sp, const uint16_t *C, const uint16_t *Qs,
-                                                  const uint32_t (&qf)[QM][QK][4], int cg, int rh,
-                                                  int lane) {
+                                                  const uint32_t (&qf)[QM][QK][4], const float *Ss,
+                                                  int cg, int rh, int lane) {
     constexpr int HA = 16 * MT;
     const int g = lane >> 2, l4 = lane & 3, mi = lane >> 3, mr = lane & 7;
     float sc[MT][NTR][4];
@@ -154,7 +247,21 @@ static __device__ __forceinline__ void tcd_scores(float *Sp, const uint16_t *C, 
             sc[mt][i][0] = sc[mt][i][1] = sc[mt][i][2] = sc[mt][i][3] = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < KSW; ks++) {
-        const int kk = cg * KSW + ks;
+        const int kk = tcd_kstep<KV, KSW>(cg, ks);
+        if constexpr (KV == DS_KV_FP8) {
+            if (ks == 8) /* the c part complete: element e's row (NTR rh + nt) 8 + 2 l4 + e % 2 */
+#pragma unroll
+                for (int nt = 0; nt < NTR; nt++) {
+                    const int r0 = (NTR * rh + nt) * 8 + 2 * l4;
+                    const float s0 = Ss[4 * r0 + cg], s1 = Ss[4 * r0 + 4 + cg];
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        float *d = sc[mt][nt];
+                        d[0] = d[0] * TCD_F8_O * s0, d[1] = d[1] * TCD_F8_O * s1;
+                        d[2] = d[2] * TCD_F8_O * s0, d[3] = d[3] * TCD_F8_O * s1;
+                    }
+                }
+        }
         uint32_t qa[MT][4]; /* heads +8 for odd mi, channels +8 for mi >= 2 */
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
@@ -190,12 +297,13 @@ static __device__ __forceinline__ void tcd_scores(float *Sp, const uint16_t *C, 
 }
 
 /* The online softmax of a tile whose first row is a (rows from j1 on masked) over its CG groups'
- * partial scores: NTH / HA threads a head (thread tid), BK / that rows each; P [HA][PLD] in BF16,
- * the rescale of each head into al[h], m and l updated. */
-template <int HA, int NTH, int BK, int CG, int SLD, int PLD>
-static __device__ __forceinline__ void tcd_softmax(const float *Sp, uint16_t *P, float *m_sh,
-                                                   float *l_sh, float *al, int tid, int a, int j1,
-                                                   float scale) {
+ * partial scores: NTH / HA threads a head (thread tid), BK / that rows each; P [HA][PLD] in BF16
+ * (FP8 rows: P [4][HA][PLD], copy i times 2^64 and the rows' scales Ss [BK][4] of tile i), the
+ * rescale of each head into al[h], m and l updated. */
+template <int KV, int HA, int NTH, int BK, int CG, int SLD, int PLD>
+static __device__ __forceinline__ void tcd_softmax(const float *Sp, uint16_t *P, const float *Ss,
+                                                   float *m_sh, float *l_sh, float *al, int tid,
+                                                   int a, int j1, float scale) {
     constexpr int TPH = NTH / HA, EPT = BK / TPH;
     const int h = tid / TPH, e0 = (tid % TPH) * EPT;
     const float m_old = m_sh[h];
@@ -217,7 +325,18 @@ static __device__ __forceinline__ void tcd_softmax(const float *Sp, uint16_t *P,
         const float p0 = v[e] == -INFINITY ? 0.0f : expf(v[e] - m_new);
         const float p1 = v[e + 1] == -INFINITY ? 0.0f : expf(v[e + 1] - m_new);
         ps += p0 + p1;
-        *(uint32_t *)(P + h * PLD + e0 + e) = pack_bf16x2(p0, p1);
+        if constexpr (KV == DS_KV_FP8) {
+            const float4 s0 = *(const float4 *)(Ss + 4 * (e0 + e)),
+                         s1 = *(const float4 *)(Ss + 4 * (e0 + e + 1));
+            const float q0 = p0 * TCD_F8_Q, q1 = p1 * TCD_F8_Q;
+            uint32_t *pp = (uint32_t *)(P + h * PLD + e0 + e);
+            pp[0] = pack_bf16x2(q0 * s0.x, q1 * s1.x);
+            pp[HA * PLD / 2] = pack_bf16x2(q0 * s0.y, q1 * s1.y);
+            pp[HA * PLD] = pack_bf16x2(q0 * s0.z, q1 * s1.z);
+            pp[3 * HA * PLD / 2] = pack_bf16x2(q0 * s0.w, q1 * s1.w);
+        } else {
+            *(uint32_t *)(P + h * PLD + e0 + e) = pack_bf16x2(p0, p1);
+        }
     }
 #pragma unroll
     for (int o = TPH / 2; o; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
@@ -267,11 +386,13 @@ static __device__ __forceinline__ void tcd_outputs(float (&oacc)[MT][NTW][4], co
     }
 }
 
-/* oacc's C fragments (heads g (elements 0, 1) and g + 8 (2, 3), columns 2 l4 (+1)) into split s
- * of token t's part_o rows; an empty split leaves zeros and l = 0, which the merge skips */
+/* oacc's C fragments (heads g (elements 0, 1) and g + 8 (2, 3), columns 2 l4 (+1)) times os (1,
+ * or TCD_F8_O for FP8 rows) into split s of token t's part_o rows; an empty split leaves zeros and
+ * l = 0, which the merge skips */
 template <int MT, int NTW>
 static __device__ __forceinline__ void tcd_store(float *part_o, const float (&oacc)[MT][NTW][4],
-                                                 int t, int s, int n_split, int w, int lane) {
+                                                 int t, int s, int n_split, int w, int lane,
+                                                 float os) {
     constexpr int HA = 16 * MT;
     const int g = lane >> 2, l4 = lane & 3;
 #pragma unroll
@@ -281,8 +402,8 @@ static __device__ __forceinline__ void tcd_store(float *part_o, const float (&oa
             const int col = (w * NTW + i) * 8 + 2 * l4, h0 = 16 * mt + g;
             float *po0 = part_o + (((size_t)t * HA + h0) * n_split + s) * TCD_R + col;
             float *po1 = part_o + (((size_t)t * HA + h0 + 8) * n_split + s) * TCD_R + col;
-            *(float2 *)po0 = make_float2(oacc[mt][i][0], oacc[mt][i][1]);
-            *(float2 *)po1 = make_float2(oacc[mt][i][2], oacc[mt][i][3]);
+            *(float2 *)po0 = make_float2(oacc[mt][i][0] * os, oacc[mt][i][1] * os);
+            *(float2 *)po1 = make_float2(oacc[mt][i][2] * os, oacc[mt][i][3] * os);
         }
 }
 
@@ -299,12 +420,13 @@ __global__ void __launch_bounds__(32 * NW, 1)
     extern __shared__ __align__(16) uint8_t tsh[];
     uint8_t *ring = tsh;                                                 /* [NST][SB] */
     uint16_t *Cc = (uint16_t *)(ring + (size_t)NST * L::SB);             /* [BK][CLD] (CONV) */
-    float *Sp = (float *)((uint8_t *)Cc + (L::CONV ? BK * CLD * 2 : 0)); /* [CG][HA][SLD] */
-    uint16_t *Ps = (uint16_t *)(Sp + L::CG * HA * SLD);                  /* [HA][PLD] */
-    float *m_sh = (float *)(Ps + HA * PLD), *l_sh = m_sh + HA, *a_sh = l_sh + HA;
+    float *Ss = (float *)((uint8_t *)Cc + (L::CONV ? BK * CLD * 2 : 0)); /* [BK][4] (FP8) */
+    float *Sp = Ss + (L::F8 ? BK * 4 : 0);                               /* [CG][HA][SLD] */
+    uint16_t *Ps = (uint16_t *)(Sp + L::CG * HA * SLD);                  /* [NPG][HA][PLD] */
+    float *m_sh = (float *)(Ps + L::NPG * HA * PLD), *l_sh = m_sh + HA, *a_sh = l_sh + HA;
     uint16_t *Qs = (uint16_t *)(a_sh + HA); /* [HA][CLD] (16 warps) */
     const int t = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, warp = tid >> 5;
-    const int lane = tid & 31, g = lane >> 2, l4 = lane & 3;
+    const int lane = tid & 31;
     const int cg = warp % L::CG, rh = warp / L::CG; /* scores: channel group, row half */
     PDL_ENTRY();
     const int32_t *table = tables + tok_bt[t];
@@ -326,16 +448,7 @@ __global__ void __launch_bounds__(32 * NW, 1)
      * query in shared memory as BF16 pairs (16 warps: the same values, read by ldmatrix) */
     uint32_t qf[L::QREG ? MT : 1][L::QREG ? L::KSW : 1][4];
     if constexpr (L::QREG) {
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-            for (int ks = 0; ks < L::KSW; ks++) {
-                const int c = 16 * (cg * L::KSW + ks) + 2 * l4, h0 = 16 * mt + g;
-                qf[mt][ks][0] = tcd_q2(qbar, qr, ldqr, HA, t, h0, c);
-                qf[mt][ks][1] = tcd_q2(qbar, qr, ldqr, HA, t, h0 + 8, c);
-                qf[mt][ks][2] = tcd_q2(qbar, qr, ldqr, HA, t, h0, c + 8);
-                qf[mt][ks][3] = tcd_q2(qbar, qr, ldqr, HA, t, h0 + 8, c + 8);
-            }
+        tcd_query_regs<MT, KV, L::KSW>(qf, qbar, qr, ldqr, t, cg, lane);
     } else {
         tcd_query_smem<HA, CLD, NT>(Qs, qbar, qr, ldqr, t, tid);
     } /* (Qs is read after the first tile's barrier) */
@@ -355,19 +468,22 @@ __global__ void __launch_bounds__(32 * NW, 1)
         const uint8_t *rs = ring + (size_t)(it % NST) * L::SB;
         const uint16_t *C = (const uint16_t *)rs;
         if constexpr (L::CONV) {
-            tcd_convert<KV, BK, RB, CLD, NT>(Cc, rs, tid);
+            tcd_convert<KV, BK, RB, CLD, NT>(Cc, Ss, rs, tid);
             __syncthreads();
             C = Cc;
         }
         /* scores of every head over the warp's channels and rows */
-        tcd_scores<MT, L::KSW, NTR, CLD, SLD, L::QREG>(Sp, C, Qs, qf, cg, rh, lane);
+        tcd_scores<MT, KV, L::KSW, NTR, CLD, SLD, L::QREG>(Sp, C, Qs, qf, Ss, cg, rh, lane);
         __syncthreads();
-        tcd_softmax<HA, NT, BK, L::CG, SLD, PLD>(Sp, Ps, m_sh, l_sh, a_sh, tid, a, j1, scale);
+        tcd_softmax<KV, HA, NT, BK, L::CG, SLD, PLD>(Sp, Ps, Ss, m_sh, l_sh, a_sh, tid, a, j1,
+                                                     scale);
         __syncthreads();
-        tcd_outputs<MT, L::NTW, BK, CLD, PLD>(oacc, Ps, C, a_sh, warp, lane);
+        /* (FP8 rows: warp w's 64 columns lie in scale tile w / 2, P's copy w / 2) */
+        tcd_outputs<MT, L::NTW, BK, CLD, PLD>(oacc, Ps + (L::F8 ? (warp >> 1) * HA * PLD : 0), C,
+                                              a_sh, warp, lane);
     }
     cp_async_wait_all(); /* (the groups past the last tile are empty) */
-    tcd_store<MT, L::NTW>(part_o, oacc, t, s, n_split, warp, lane);
+    tcd_store<MT, L::NTW>(part_o, oacc, t, s, n_split, warp, lane, L::F8 ? TCD_F8_O : 1.0f);
     __syncthreads(); /* (m and l of an empty split are their initial values) */
     if (tid < HA) {
         float *pml = part_ml + (((size_t)t * HA + tid) * n_split + s) * 2;
@@ -395,13 +511,15 @@ template <int MT, int KV> struct tcw_shape {
     static constexpr int CG = 4, RH = 2, KSW = NKS / CG, NTR = BK / RH / 8, NTW = TCD_R / 8 / 8;
     static constexpr int CLD = RQ + 8, PLD = BK + 8, SLD = BK + 8, RB = tcd_row_bytes<KV>();
     static constexpr bool CONV = KV == DS_KV_FP8;   /* staged as stored, converted into C[b] */
+    static constexpr int NPG = CONV ? 4 : 1;        /* P's copies: one a scale tile (FP8) */
     static constexpr int DLD = CONV ? RB : CLD * 2; /* a staged row's stride, bytes */
     static constexpr int SB = BK * DLD;             /* a ring slot's bytes */
-    /* ring [NST][BK][DLD] bytes, (FP8) C [2][BK][CLD] bf16, partial scores [CG][HA][SLD] f32,
-     * P [2][HA][PLD] bf16, m and l [HA] f32, alpha [2][HA] f32, the query [HA][CLD] bf16 */
-    static constexpr size_t SMEM = (size_t)NST * SB + (CONV ? (size_t)2 * BK * CLD * 2 : 0) +
-                                   (size_t)CG * HA * SLD * 4 + (size_t)2 * HA * PLD * 2 +
-                                   (size_t)4 * HA * 4 + (size_t)HA * CLD * 2;
+    /* ring [NST][BK][DLD] bytes, (FP8) C [2][BK][CLD] bf16 and the rows' scales [2][BK][4] f32,
+     * partial scores [CG][HA][SLD] f32, P [2][NPG][HA][PLD] bf16, m and l [HA] f32, alpha [2][HA]
+     * f32 (the query's fragments are in the S warps' registers) */
+    static constexpr size_t SMEM =
+        (size_t)NST * SB + (CONV ? (size_t)2 * BK * CLD * 2 + (size_t)2 * BK * 4 * 4 : 0) +
+        (size_t)CG * HA * SLD * 4 + (size_t)2 * NPG * HA * PLD * 2 + (size_t)4 * HA * 4;
     static_assert(NKS % CG == 0 && NTR == 2 && NS % HA == 0 && (BK * HA / NS) % 2 == 0, "layout");
     static_assert(SMEM <= 227 * 1024, "shared memory");
 };
@@ -427,11 +545,11 @@ __global__ void __launch_bounds__(512, 1)
     extern __shared__ __align__(16) uint8_t tsh[];
     uint8_t *ring = tsh;                                      /* [NST][BK][DLD] */
     uint16_t *Cc = (uint16_t *)(ring + (size_t)NST * L::SB);  /* [2][BK][CLD] (FP8) */
-    float *Sp = (float *)(Cc + (L::CONV ? 2 * BK * CLD : 0)); /* [CG][HA][SLD] */
-    uint16_t *Ps = (uint16_t *)(Sp + L::CG * HA * SLD);       /* [2][HA][PLD] */
-    float *m_sh = (float *)(Ps + 2 * HA * PLD), *l_sh = m_sh + HA,
-          *a_sh = l_sh + HA;                    /* a [2][HA] */
-    uint16_t *Qs = (uint16_t *)(a_sh + 2 * HA); /* [HA][CLD] */
+    float *Ss = (float *)(Cc + (L::CONV ? 2 * BK * CLD : 0)); /* [2][BK][4] (FP8) */
+    float *Sp = Ss + (L::CONV ? 2 * BK * 4 : 0);              /* [CG][HA][SLD] */
+    uint16_t *Ps = (uint16_t *)(Sp + L::CG * HA * SLD);       /* [2][NPG][HA][PLD] */
+    float *m_sh = (float *)(Ps + 2 * L::NPG * HA * PLD), *l_sh = m_sh + HA,
+          *a_sh = l_sh + HA; /* a [2][HA] */
     const int t = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, warp = tid >> 5;
     const int lane = tid & 31;
     PDL_ENTRY();
@@ -451,7 +569,6 @@ __global__ void __launch_bounds__(512, 1)
     const bool sg = warp < 8;
     if (!sg)
         for (int i = 0; i < NST; i++) stage(i); /* the ring's first tiles */
-    tcd_query_smem<HA, CLD, 512>(Qs, qbar, qr, ldqr, t, tid);
     if (tid < HA) m_sh[tid] = -INFINITY, l_sh[tid] = 0.0f;
     __syncthreads(); /* (the last barrier of the whole block) */
     if (!sg) {       /* tiles 0 and 1 landed (the groups of 2 and 3 may still be on their way) */
@@ -460,6 +577,9 @@ __global__ void __launch_bounds__(512, 1)
     }
     if (sg) {
         const int cg = warp % L::CG, rh = warp / L::CG;
+        /* the S warps hold no outputs: the query's A fragments stay in their registers */
+        uint32_t qf[MT][L::KSW][4];
+        tcd_query_regs<MT, KV, L::KSW>(qf, qbar, qr, ldqr, t, cg, lane);
         for (int it = 0; it < ntile; it++) {
             const int b = it & 1;
             /* tile it's rows landed, tile it - 2's outputs are done (P[b] and C[b] free), and
@@ -467,19 +587,19 @@ __global__ void __launch_bounds__(512, 1)
             bar_sync_n(TCW_LAND + b, 512);
             const uint8_t *rs = ring + (size_t)(it % NST) * L::SB;
             const uint16_t *C = (const uint16_t *)rs;
-            if constexpr (L::CONV) { /* FP8 rows into C[b] */
+            float *Sb = Ss + b * BK * 4;
+            if constexpr (L::CONV) { /* FP8 rows into C[b], their scales into Ss[b] */
                 uint16_t *Cb = Cc + (size_t)b * BK * CLD;
-                tcd_convert<KV, BK, RB, CLD, L::NS>(Cb, rs, tid);
+                tcd_convert<KV, BK, RB, CLD, L::NS>(Cb, Sb, rs, tid);
                 bar_sync_n(TCW_S, L::NS);
                 C = Cb;
             }
-            const uint32_t qnone[1][1][4] = {}; /* (the query's fragments come from Qs) */
-            tcd_scores<MT, L::KSW, NTR, CLD, SLD, false>(Sp, C, Qs, qnone, cg, rh, lane);
+            tcd_scores<MT, KV, L::KSW, NTR, CLD, SLD, true>(Sp, C, nullptr, qf, Sb, cg, rh, lane);
             bar_sync_n(TCW_S, L::NS);
             /* the online softmax: P and alpha into buffer b */
-            tcd_softmax<HA, L::NS, BK, L::CG, SLD, PLD>(Sp, Ps + (size_t)b * HA * PLD, m_sh, l_sh,
-                                                        a_sh + b * HA, tid, j0 + it * BK, j1,
-                                                        scale);
+            tcd_softmax<KV, HA, L::NS, BK, L::CG, SLD, PLD>(Sp, Ps + (size_t)b * L::NPG * HA * PLD,
+                                                            Sb, m_sh, l_sh, a_sh + b * HA, tid,
+                                                            j0 + it * BK, j1, scale);
             bar_arrive_n(TCW_FULL + b, 512); /* (a release: P and alpha) */
         }
         bar_sync_n(TCW_S, L::NS); /* the last softmax's m and l */
@@ -501,7 +621,8 @@ __global__ void __launch_bounds__(512, 1)
         bar_sync_n(TCW_FULL + b, 512);
         const uint16_t *C = L::CONV ? Cc + (size_t)b * BK * CLD
                                     : (const uint16_t *)(ring + (size_t)(it % NST) * L::SB);
-        const uint16_t *P = Ps + (size_t)b * HA * PLD;
+        /* (FP8 rows: warp wo's 64 columns lie in scale tile wo / 2, P's copy wo / 2) */
+        const uint16_t *P = Ps + ((size_t)b * L::NPG + (L::CONV ? wo >> 1 : 0)) * HA * PLD;
         tcd_outputs<MT, NTW, BK, CLD, PLD>(oacc, P, C, a_sh + b * HA, wo, lane);
         /* ring slot it % NST takes tile it + 4 once every O warp is done with it (the S warps
          * were before FULL); tile it + 2's rows landed, buffers P[b] and C[b] free: LAND[b] */
@@ -511,7 +632,7 @@ __global__ void __launch_bounds__(512, 1)
         if (it + 2 < ntile) bar_arrive_n(TCW_LAND + b, 512);
     }
     cp_async_wait_all(); /* (the groups past the last tile are empty) */
-    tcd_store<MT, NTW>(part_o, oacc, t, s, n_split, wo, lane);
+    tcd_store<MT, NTW>(part_o, oacc, t, s, n_split, wo, lane, L::CONV ? TCD_F8_O : 1.0f);
 }
 
 extern "C" void ds_cu_set_mla_decode_tc(ds_cu *c, int min_rows) {
