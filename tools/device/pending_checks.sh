@@ -86,9 +86,10 @@
 #      alone; LENS23 the kernel's lengths), ROUNDS rounds (default 1).
 #  24. (issue 33, session 42) FP8 rows' codes moved into BF16 by their bit fields, the scales on the
 #      query's and P's side (mla_decode_tc.cu): the kv rows checks, then against a baseline's
-#      binaries (pack with DS_DEVBIN_BASE and DS_DEVBIN_BASE_TESTS) the kernel alone over FP8 rows
-#      at LENS24 (default 131072 and 1048576) and decode after 1M FP8 tokens (long48.sh), ROUNDS
-#      rounds (default 1), alternating.
+#      binaries (pack with DS_DEVBIN_BASE and DS_DEVBIN_BASE_TESTS) the kernel alone over KVS24's
+#      rows (default "fp8 bf16": the warp-specialized form's S warps now hold the query in
+#      registers, BF16 rows too) at LENS24 (default 131072 and 1048576) and decode after 1M FP8
+#      tokens (long48.sh), ROUNDS rounds (default 1), alternating.
 # STEPS: which of them (default "24 22": 22 has not run in its final form, 23 ran in session 41 on an
 # H100 without its BF16 decode runs and not on the H200; 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
 # 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
@@ -304,11 +305,13 @@ grep -E "FAIL|each row" "$OUT/s24.log" | head -40
 ok24=0
 grep -q "checks rc 0 (.* 0 FAIL)" "$OUT/s24.rc" && ok24=1
 [ $ok24 = 1 ] && for r in $(seq "${ROUNDS:-1}"); do
-  for n in ${LENS24:-131072 1048576}; do
-    for b in _base ""; do
-      [ -x ".devbin/test_cuda_kernels$b" ] || continue
-      DS_BENCH_MLA_LONG="fp8 $n" timeout 150 ".devbin/test_cuda_kernels$b" --bench-only mla 2>&1 |
-        grep -E "absorbed decode 1 x|copy" | sed "s/^/[${b:-new} $r] /"
+    for kv in ${KVS24:-fp8 bf16}; do
+    for n in ${LENS24:-131072 1048576}; do
+      for b in _base ""; do
+        [ -x ".devbin/test_cuda_kernels$b" ] || continue
+        DS_BENCH_MLA_LONG="$kv $n" timeout 150 ".devbin/test_cuda_kernels$b" --bench-only mla 2>&1 |
+          grep -E "absorbed decode 1 x|copy" | sed "s/^/[${b:-new} $r] /"
+      done
     done
   done
 done
