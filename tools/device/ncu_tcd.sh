@@ -4,12 +4,13 @@
 # (the dominant stall) and memory — the rows' dtype and length from TCD (default "bf16 1048576",
 # test_cuda_mla.c's DS_BENCH_MLA_LONG); SKIP launches skipped first (12 a form: 3 the 32-row tiles,
 # 15 the 64-row tiles of FP8 and BF16 rows, 27 BF16's with 16 warps). Output: $OUT/ncu_tcd$SKIP.txt,
-# its key lines printed.
+# its key lines printed. KREGEX: the kernel (default mla_tcd_k; mla_tcw_k the warp-specialized
+# form, whose launches are only its own).
 . "$(dirname "$0")/env.sh"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 [ -n "$NCU" ] || { echo "ncu not found"; exit 1; }
 DS_BENCH_MLA_LONG=${TCD:-bf16 1048576} timeout 240 "$NCU" --clock-control none \
-  --kernel-name-base function -k regex:mla_tcd_k --launch-skip ${SKIP:-3} --launch-count 1 \
+    --kernel-name-base function -k regex:${KREGEX:-mla_tcd_k} --launch-skip ${SKIP:-3} --launch-count 1 \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
   --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats \
   --section SourceCounters \

@@ -89,7 +89,8 @@
 #      binaries (pack with DS_DEVBIN_BASE and DS_DEVBIN_BASE_TESTS) the kernel alone over KVS24's
 #      rows (default "fp8 bf16": the warp-specialized form's S warps now hold the query in
 #      registers, BF16 rows too) at LENS24 (default 131072 and 1048576) and decode after 1M FP8
-#      tokens (long48.sh), ROUNDS rounds (default 1), alternating.
+#      tokens (long48.sh), ROUNDS rounds (default 1), alternating; NCU24=1 also Nsight Compute on
+#      the warp-specialized kernel (ncu_tcd.sh), FP8 and BF16 rows.
 # STEPS: which of them (default "24 22": 22 has not run in its final form, 23 ran in session 41 on an
 # H100 without its BF16 decode runs and not on the H200; 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
 # 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
@@ -319,9 +320,15 @@ done
   for b in _base ""; do
     [ -x ".devbin/deltaserve$b" ] || continue
     el "decode after 1M FP8 tokens, deltaserve$b ($r)"
-    BIN=".devbin/deltaserve$b" LENS=1048576 KV_DTYPES=fp8 PARTS=decode TAG="_s24${b}_$r" \
+        BIN=".devbin/deltaserve$b" LENS=1048576 KV_DTYPES=fp8 PARTS=decode TAG="_s24${b}_$r" \
       STEP_TIMEOUT=200 bash "$(dirname "$0")/long48.sh" 2>&1 | tail -3
   done
+done
+# NCU24=1: Nsight Compute on the warp-specialized kernel over 1M FP8, then BF16 rows (new binary)
+[ $ok24 = 1 ] && [ "${NCU24:-0}" = 1 ] && for kv in fp8 bf16; do
+  el "Nsight Compute, mla_tcw_k, $kv rows"
+  KREGEX=mla_tcw_k TCD="$kv 1048576" SKIP=3 LINES_MAX=45 bash "$(dirname "$0")/ncu_tcd.sh"
+  cp "$OUT/ncu_tcd3.txt" "$OUT/ncu_tcw_$kv.txt"
 done
 fi
 if want 22; then
