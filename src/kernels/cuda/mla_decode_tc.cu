@@ -198,35 +198,42 @@ static __device__ __forceinline__ void tcd_query_smem(uint16_t *Qs, const float 
     }
 }
 
-/* a tile's stored rows rs (RB bytes apart) as BF16 rows C [BK][CLD], by threads tid, + NTH, ..;
- * FP8 rows: their codes as tcd_e4m3x8 words, the rope part as stored, each row's four scales into
- * Ss [BK][4] (16 threads a row: a half-warp reads 128 bytes of one row and writes 256 of C's) */
+/* a tile's stored f32 rows rs (RB bytes apart) as BF16 rows C [BK][CLD], by threads tid, + NTH,
+ * .. */
 template <int KV, int BK, int RB, int CLD, int NTH>
-static __device__ __forceinline__ void tcd_convert(uint16_t *C, float *Ss, const uint8_t *rs,
-                                                   int tid) {
+static __device__ __forceinline__ void tcd_convert(uint16_t *C, const uint8_t *rs, int tid) {
     constexpr int RQ = TCD_R + TCD_DR;
-    if constexpr (KV == DS_KV_FP8) {
-        constexpr int RA = TCD_R + 4 * (TCD_R / DS_KV_FP8_TILE); /* the rope part's byte */
-        static_assert(NTH % 16 == 0 && BK % (NTH / 16) == 0 && RA % 16 == 0 && TCD_DR == 64,
-                      "conversion layout");
-        const int q = tid & 15;
-        for (int j = tid >> 4; j < BK; j += NTH / 16) {
-            const uint8_t *r = rs + j * RB;
-            uint16_t *cr = C + j * CLD;
-#pragma unroll
-            for (int k = 0; k < 4; k++) { /* codes [8 (q + 16 k), + 8) */
-                const uint2 w = *(const uint2 *)(r + 8 * (q + 16 * k));
-                *(uint4 *)(cr + 8 * (q + 16 * k)) = tcd_e4m3x8(w.x, w.y);
-            }
-            *(uint2 *)(cr + TCD_R + 4 * q) = *(const uint2 *)(r + RA + 8 * q);
-            if (q < 4) Ss[4 * j + q] = *(const float *)(r + TCD_R + 4 * q);
-        }
-    } else {
-        for (int i = tid; i < BK * (RQ / 4); i += NTH) {
-            const int j = i / (RQ / 4), c = 4 * (i - j * (RQ / 4));
-            *(uint2 *)(C + j * CLD + c) = tcd_vals<KV>(rs + j * RB, c);
-        }
+    for (int i = tid; i < BK * (RQ / 4); i += NTH) {
+        const int j = i / (RQ / 4), c = 4 * (i - j * (RQ / 4));
+        *(uint2 *)(C + j * CLD + c) = tcd_vals<KV>(rs + j * RB, c);
     }
+}
+
+/* FP8 rows: what score warp (cg, rh) reads of the tile, made by that warp alone (so that no
+ * barrier stands between the conversion and the scores): rows [RW rh, RW rh + RW) of the stored
+ * tile rs (RB bytes apart), their c channels of scale tile cg as tcd_e4m3x8 words and rope
+ * channels [16 cg, 16 cg + 16) as stored into C [BK][CLD], and the rows' scale cg into Ss [BK][4]
+ * (the softmax, after the scores' barrier, reads all four). A half-warp reads the 128 code bytes
+ * of one row. */
+template <int RW, int RB, int CLD>
+static __device__ __forceinline__ void tcd_convert_f8(uint16_t *C, float *Ss, const uint8_t *rs,
+                                                      int cg, int rh, int lane) {
+    constexpr int RA = TCD_R + 4 * (TCD_R / DS_KV_FP8_TILE); /* the rope part's byte */
+    static_assert(RW % 16 == 0 && RW <= 32 && RA % 16 == 0 && TCD_DR == 64 && DS_KV_FP8_TILE == 128,
+                  "conversion layout");
+    const int q = lane & 15, r0 = RW * rh;
+#pragma unroll 4
+    for (int j = r0 + (lane >> 4); j < r0 + RW; j += 2) { /* codes [128 cg + 8 q, + 8) */
+        const uint2 w = *(const uint2 *)(rs + j * RB + 128 * cg + 8 * q);
+        *(uint4 *)(C + j * CLD + 128 * cg + 8 * q) = tcd_e4m3x8(w.x, w.y);
+    }
+#pragma unroll
+    for (int j = r0 + (lane >> 1); j < r0 + RW; j += 16) /* rope: 16 bytes a lane, two a row */
+        *(uint4 *)(C + j * CLD + TCD_R + 16 * cg + 8 * (lane & 1)) =
+            *(const uint4 *)(rs + j * RB + RA + 32 * cg + 16 * (lane & 1));
+    if (lane < RW)
+        Ss[4 * (r0 + lane) + cg] = *(const float *)(rs + (r0 + lane) * RB + TCD_R + 4 * cg);
+    __syncwarp();
 }
 
 /* Scores of every head over a warp's channels (group cg: KSW k-steps, tcd_kstep) and rows (half
@@ -467,8 +474,11 @@ __global__ void __launch_bounds__(32 * NW, 1)
         stage(it + NST - 1);
         const uint8_t *rs = ring + (size_t)(it % NST) * L::SB;
         const uint16_t *C = (const uint16_t *)rs;
-        if constexpr (L::CONV) {
-            tcd_convert<KV, BK, RB, CLD, NT>(Cc, Ss, rs, tid);
+        if constexpr (KV == DS_KV_FP8) { /* (each warp its own part: no barrier) */
+            tcd_convert_f8<BK / L::RH, RB, CLD>(Cc, Ss, rs, cg, rh, lane);
+            C = Cc;
+        } else if constexpr (L::CONV) {
+            tcd_convert<KV, BK, RB, CLD, NT>(Cc, rs, tid);
             __syncthreads();
             C = Cc;
         }
@@ -588,10 +598,10 @@ __global__ void __launch_bounds__(512, 1)
             const uint8_t *rs = ring + (size_t)(it % NST) * L::SB;
             const uint16_t *C = (const uint16_t *)rs;
             float *Sb = Ss + b * BK * 4;
-            if constexpr (L::CONV) { /* FP8 rows into C[b], their scales into Ss[b] */
+            if constexpr (L::CONV) { /* FP8 rows into C[b], their scales into Ss[b] (each S
+                                      * warp its own part: no barrier) */
                 uint16_t *Cb = Cc + (size_t)b * BK * CLD;
-                tcd_convert<KV, BK, RB, CLD, L::NS>(Cb, Sb, rs, tid);
-                bar_sync_n(TCW_S, L::NS);
+                tcd_convert_f8<BK / L::RH, RB, CLD>(Cb, Sb, rs, cg, rh, lane);
                 C = Cb;
             }
             tcd_scores<MT, KV, L::KSW, NTR, CLD, SLD, true>(Sp, C, nullptr, qf, Sb, cg, rh, lane);
