@@ -511,7 +511,8 @@ __global__ void __launch_bounds__(32 * NW, 1)
  * into tile it's slot once its outputs are done), which balances the groups' instructions. They
  * hand over through named barriers: FULL[b] (P and alpha of tile it written to buffer b = it % 2)
  * and LAND[b] (tile it's rows landed, and tile it - 2's outputs done, so that P[b] and C[b] may be
- * written again). FP8 rows are converted by the S warps into C[b], a double-buffered BF16 tile. The
+ * written again). The S warps hold the query's fragments in registers (they hold no outputs);
+ * FP8 rows are converted by them, each its own part, into C[b], a double-buffered BF16 tile. The
  * products, the softmax and their orders are the 8-warp 32-row kernel's (4 channel groups x 2 row
  * halves for the scores, 8 threads a head for the softmax at 32 heads, 64 output columns a warp),
  * so its words are that kernel's. */
@@ -700,10 +701,11 @@ int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int
     const int nw = c->mla_decode_tc_warps == 16 && kv_dtype == DS_KV_BF16 && bk == 64 ? 16 : 8;
     tcd_fn kernel;
     size_t smem;
-    /* the warp-specialized form from its context cap: FP8 rows, and BF16 rows when the 16-warp
-     * form is off (faster than it on an H100 at 128K and 1M rows: bench/RESULTS.md session 41) */
+    /* the warp-specialized form from its context cap, FP8 and BF16 rows (at 1M rows on an H100
+     * faster than the 64-row and 16-warp forms since its S warps hold the query in registers:
+     * bench/RESULTS.md session 42) */
     const int ws = c->mla_decode_ws > 0 && max_ctx >= c->mla_decode_ws &&
-                   (kv_dtype == DS_KV_FP8 || (kv_dtype == DS_KV_BF16 && nw != 16));
+                   (kv_dtype == DS_KV_FP8 || kv_dtype == DS_KV_BF16);
     if (ws) { /* the warp-specialized form: 16 warps, 32-row tiles */
         const int f8 = kv_dtype == DS_KV_FP8;
         if (f8)
