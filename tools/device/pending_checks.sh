@@ -88,9 +88,11 @@
 #      query's and P's side (mla_decode_tc.cu): the kv rows checks, then against a baseline's
 #      binaries (pack with DS_DEVBIN_BASE and DS_DEVBIN_BASE_TESTS) the kernel alone over KVS24's
 #      rows (default "fp8 bf16": the warp-specialized form's S warps now hold the query in
-#      registers, BF16 rows too) at LENS24 (default 131072 and 1048576) and decode after 1M FP8
-#      tokens (long48.sh), ROUNDS rounds (default 1), alternating; NCU24=1 also Nsight Compute on
-#      the warp-specialized kernel (ncu_tcd.sh), FP8 and BF16 rows.
+#      registers, BF16 rows too) at LENS24 (default 1048576) and decode after 1M FP8 tokens
+#      (long48.sh), then after 1M BF16 tokens with DS_CUDA_MLA_DECODE_WS 1 (now BF16's default
+#      there) and 0, ROUNDS rounds (default 1), alternating; BINS24="" the new binaries alone;
+#      NCU24=1 also Nsight Compute on the warp-specialized kernel (ncu_tcd.sh), FP8 and BF16 rows.
+#      Session 42 ran the kernels and the FP8 decode on an H100 (bench/RESULTS.md).
 # STEPS: which of them (default "24 22": 22 has not run in its final form, 23 ran in session 41 on an
 # H100 without its BF16 decode runs and not on the H200; 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
 # 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
@@ -300,15 +302,16 @@ done
 fi
 if want 24; then
 el "24. (issue 33, session 42) FP8 rows' codes into BF16 by their bit fields: the kv rows checks,"
-el "    the kernel over FP8 rows and decode after 1M FP8 tokens against the baseline's binaries"
+el "    the kernel over FP8 and BF16 rows, decode after 1M FP8 tokens against the baseline's binaries"
+el "    and after 1M BF16 tokens with the warp-specialized form on and off"
 checks s24.log "kv rows" | tee "$OUT/s24.rc"
-grep -E "FAIL|each row" "$OUT/s24.log" | head -40
+grep -E "FAIL|2\^k" "$OUT/s24.log" | head -40
 ok24=0
 grep -q "checks rc 0 (.* 0 FAIL)" "$OUT/s24.rc" && ok24=1
 [ $ok24 = 1 ] && for r in $(seq "${ROUNDS:-1}"); do
-    for kv in ${KVS24:-fp8 bf16}; do
-    for n in ${LENS24:-131072 1048576}; do
-      for b in _base ""; do
+  for kv in ${KVS24:-fp8 bf16}; do
+    for n in ${LENS24:-1048576}; do
+      for b in ${BINS24-_base ""}; do
         [ -x ".devbin/test_cuda_kernels$b" ] || continue
         DS_BENCH_MLA_LONG="$kv $n" timeout 150 ".devbin/test_cuda_kernels$b" --bench-only mla 2>&1 |
           grep -E "absorbed decode 1 x|copy" | sed "s/^/[${b:-new} $r] /"
@@ -317,11 +320,16 @@ grep -q "checks rc 0 (.* 0 FAIL)" "$OUT/s24.rc" && ok24=1
   done
 done
 [ $ok24 = 1 ] && for r in $(seq "${ROUNDS:-1}"); do
-  for b in _base ""; do
+  for b in ${BINS24-_base ""}; do
     [ -x ".devbin/deltaserve$b" ] || continue
     el "decode after 1M FP8 tokens, deltaserve$b ($r)"
-        BIN=".devbin/deltaserve$b" LENS=1048576 KV_DTYPES=fp8 PARTS=decode TAG="_s24${b}_$r" \
-      STEP_TIMEOUT=200 bash "$(dirname "$0")/long48.sh" 2>&1 | tail -3
+    BIN=".devbin/deltaserve$b" LENS=1048576 KV_DTYPES=fp8 PARTS=decode TAG="_s24${b}_$r" \
+      STEP_TIMEOUT=200 bash "$(dirname "$0")/long48.sh" 2>&1 | tail -2
+  done
+  for ws in 1 0; do
+    el "decode after 1M BF16 tokens, DS_CUDA_MLA_DECODE_WS=$ws ($r)"
+    DS_CUDA_MLA_DECODE_WS=$ws LENS=1048576 KV_DTYPES=bf16 PARTS=decode TAG="_s24_ws${ws}_$r" \
+      STEP_TIMEOUT=200 bash "$(dirname "$0")/long48.sh" 2>&1 | tail -2
   done
 done
 # NCU24=1: Nsight Compute on the warp-specialized kernel over 1M FP8, then BF16 rows (new binary)
