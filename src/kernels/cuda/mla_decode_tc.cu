@@ -209,6 +209,29 @@ static __device__ __forceinline__ void tcd_convert(uint16_t *C, const uint8_t *r
     }
 }
 
+/* FP8 rows: a whole tile's stored rows rs (RB bytes apart) as tcd_e4m3x8 words, the rope parts
+ * as stored, into C [BK][CLD], each row's four scales into Ss [BK][4], by threads t, t + NTH, ..
+ * (16 a row: a half-warp reads 128 bytes of one row and writes 256 of C's) */
+template <int BK, int RB, int CLD, int NTH>
+static __device__ __forceinline__ void tcd_convert_f8_rows(uint16_t *C, float *Ss,
+                                                           const uint8_t *rs, int t) {
+    constexpr int RA = TCD_R + 4 * (TCD_R / DS_KV_FP8_TILE); /* the rope part's byte */
+    static_assert(NTH % 16 == 0 && BK % (NTH / 16) == 0 && RA % 16 == 0 && TCD_DR == 64,
+                  "conversion layout");
+    const int q = t & 15;
+    for (int j = t >> 4; j < BK; j += NTH / 16) {
+        const uint8_t *r = rs + j * RB;
+        uint16_t *cr = C + j * CLD;
+#pragma unroll
+        for (int k = 0; k < 4; k++) { /* codes [8 (q + 16 k), + 8) */
+            const uint2 w = *(const uint2 *)(r + 8 * (q + 16 * k));
+            *(uint4 *)(cr + 8 * (q + 16 * k)) = tcd_e4m3x8(w.x, w.y);
+        }
+        *(uint2 *)(cr + TCD_R + 4 * q) = *(const uint2 *)(r + RA + 8 * q);
+        if (q < 4) Ss[4 * j + q] = *(const float *)(r + TCD_R + 4 * q);
+    }
+}
+
 /* FP8 rows: what score warp (cg, rh) reads of the tile, made by that warp alone (so that no
  * barrier stands between the conversion and the scores): rows [RW rh, RW rh + RW) of the stored
  * tile rs (RB bytes apart), their c channels of scale tile cg as tcd_e4m3x8 words and rope
@@ -512,7 +535,8 @@ __global__ void __launch_bounds__(32 * NW, 1)
  * hand over through named barriers: FULL[b] (P and alpha of tile it written to buffer b = it % 2)
  * and LAND[b] (tile it's rows landed, and tile it - 2's outputs done, so that P[b] and C[b] may be
  * written again). The S warps hold the query's fragments in registers (they hold no outputs);
- * FP8 rows are converted by them, each its own part, into C[b], a double-buffered BF16 tile. The
+ * FP8 rows are converted by the O warps into C[b], a double-buffered BF16 tile, before LAND[b]
+ * (the O warps' share of a tile is the smaller: the S warps' chain sets the pace). The
  * products, the softmax and their orders are the 8-warp 32-row kernel's (4 channel groups x 2 row
  * halves for the scores, 8 threads a head for the softmax at 32 heads, 64 output columns a warp),
  * so its words are that kernel's. */
@@ -584,6 +608,12 @@ __global__ void __launch_bounds__(512, 1)
     __syncthreads(); /* (the last barrier of the whole block) */
     if (!sg) {       /* tiles 0 and 1 landed (the groups of 2 and 3 may still be on their way) */
         asm volatile("cp.async.wait_group 2;\n" ::: "memory");
+        if constexpr (L::CONV) { /* FP8: converted by the O warps into C[0], C[1] */
+            bar_sync_n(TCW_O, 256);
+            for (int i = 0; i < 2 && i < ntile; i++)
+                tcd_convert_f8_rows<BK, RB, CLD, 256>(Cc + (size_t)i * BK * CLD, Ss + i * BK * 4,
+                                                      ring + (size_t)i * L::SB, tid - 256);
+        }
         for (int i = 0; i < 2 && i < ntile; i++) bar_arrive_n(TCW_LAND + i, 512);
     }
     if (sg) {
@@ -597,14 +627,9 @@ __global__ void __launch_bounds__(512, 1)
              * every S warp is past the last softmax (Sp free) */
             bar_sync_n(TCW_LAND + b, 512);
             const uint8_t *rs = ring + (size_t)(it % NST) * L::SB;
-            const uint16_t *C = (const uint16_t *)rs;
-            float *Sb = Ss + b * BK * 4;
-            if constexpr (L::CONV) { /* FP8 rows into C[b], their scales into Ss[b] (each S
-                                      * warp its own part: no barrier) */
-                uint16_t *Cb = Cc + (size_t)b * BK * CLD;
-                tcd_convert_f8<BK / L::RH, RB, CLD>(Cb, Sb, rs, cg, rh, lane);
-                C = Cb;
-            }
+            /* FP8 rows: converted into C[b] and Ss[b] by the O warps before LAND[b] */
+            const uint16_t *C = L::CONV ? Cc + (size_t)b * BK * CLD : (const uint16_t *)rs;
+            const float *Sb = Ss + b * BK * 4;
             tcd_scores<MT, KV, L::KSW, NTR, CLD, SLD, true>(Sp, C, nullptr, qf, Sb, cg, rh, lane);
             bar_sync_n(TCW_S, L::NS);
             /* the online softmax: P and alpha into buffer b */
@@ -640,7 +665,16 @@ __global__ void __launch_bounds__(512, 1)
         bar_sync_n(TCW_O, 256);
         stage(it + NST);
         asm volatile("cp.async.wait_group 2;\n" ::: "memory");
-        if (it + 2 < ntile) bar_arrive_n(TCW_LAND + b, 512);
+        if (it + 2 < ntile) {
+            if constexpr (L::CONV) { /* FP8: tile it + 2 into C[b] once every O thread's copies
+                                      * of it landed (the S warps' chains stay short) */
+                bar_sync_n(TCW_O, 256);
+                tcd_convert_f8_rows<BK, RB, CLD, 256>(Cc + (size_t)b * BK * CLD, Ss + b * BK * 4,
+                                                      ring + (size_t)((it + 2) % NST) * L::SB,
+                                                      tid - 256);
+            }
+            bar_arrive_n(TCW_LAND + b, 512);
+        }
     }
     cp_async_wait_all(); /* (the groups past the last tile are empty) */
     tcd_store<MT, NTW>(part_o, oacc, t, s, n_split, wo, lane, L::CONV ? TCD_F8_O : 1.0f);
