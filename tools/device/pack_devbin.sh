@@ -22,6 +22,9 @@ cp "$BC/deltaserve" "$BC/test_cuda_kernels" "$BC/bench_cublas" "$BC/bench_f8cvt"
 # DS_DEVBIN_BASE_TESTS: a baseline's test_cuda_kernels, carried as test_cuda_kernels_base
 # (tools/device/kda_words.sh compares the two word for word)
 [ -n "${DS_DEVBIN_BASE_TESTS:-}" ] && cp "$DS_DEVBIN_BASE_TESTS" .devbin/test_cuda_kernels_base
+# DS_DEVBIN_MID_TESTS: a second baseline's test_cuda_kernels (e.g. an intermediate commit's), carried
+# as test_cuda_kernels_mid (pending_checks.sh step 24 times it beside the others)
+[ -n "${DS_DEVBIN_MID_TESTS:-}" ] && cp "$DS_DEVBIN_MID_TESTS" .devbin/test_cuda_kernels_mid
 # DS_DEVBIN_TESTS: the engine's test binaries to carry (set but empty: none, for a call whose tree
 # must leave room for other things, e.g. the FLA wheels of kda_vs_fla.sh)
 for t in ${DS_DEVBIN_TESTS-test_model_forward test_model_pipeline test_model_draft test_model_quant test_engine_prefix test_engine_engine test_engine_regress}; do

@@ -308,10 +308,12 @@ checks s24.log "kv rows" | tee "$OUT/s24.rc"
 grep -E "FAIL|2\^k" "$OUT/s24.log" | head -40
 ok24=0
 grep -q "checks rc 0 (.* 0 FAIL)" "$OUT/s24.rc" && ok24=1
+# GATE24=0: the timings whatever the checks said (they are printed above)
+[ "${GATE24:-1}" = 0 ] && ok24=1
 [ $ok24 = 1 ] && for r in $(seq "${ROUNDS:-1}"); do
   for kv in ${KVS24:-fp8 bf16}; do
     for n in ${LENS24:-1048576}; do
-      for b in ${BINS24-_base ""}; do
+      for b in ${BINS24-_base _mid ""}; do
         [ -x ".devbin/test_cuda_kernels$b" ] || continue
         DS_BENCH_MLA_LONG="$kv $n" timeout 150 ".devbin/test_cuda_kernels$b" --bench-only mla 2>&1 |
           grep -E "absorbed decode 1 x|copy" | sed "s/^/[${b:-new} $r] /"
