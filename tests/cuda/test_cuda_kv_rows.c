@@ -119,7 +119,8 @@ static void run_absorbed(ds_cu *c, float *got, const void *dpool, int dt, size_t
     ds_cu_set_mla_decode_tc(c, all_heads >= 3);
     ds_cu_set_mla_decode_tc_tile(c, all_heads == 4 || all_heads == 5 ? 64 : 32);
     ds_cu_set_mla_decode_tc_warps(c, all_heads == 5 ? 16 : 8);
-    ds_cu_set_mla_decode_ws(c, all_heads == 6);
+    ds_cu_set_mla_decode_ws(c, all_heads >= 6);
+    ds_cu_set_mla_ws_oconv(c, all_heads == 7);
     if (ds_cu_mla_attend_absorbed_batch(c, dout, dq, dqr, dr, T, Ha, R, dr, dpool, dt, dtables, dbt,
                                         dpos, max_ctx, bs, rb, scale, &err))
         DIE("%s", err.msg);
@@ -128,6 +129,7 @@ static void run_absorbed(ds_cu *c, float *got, const void *dpool, int dt, size_t
     ds_cu_set_mla_decode_tc_tile(c, 32);
     ds_cu_set_mla_decode_tc_warps(c, 8);
     ds_cu_set_mla_decode_ws(c, 0);
+    ds_cu_set_mla_ws_oconv(c, 0);
     fetch(c, got, dout, (size_t)T * Ha * R * 4);
     ds_cu_dealloc(dout);
 }
@@ -195,7 +197,8 @@ static void check_q_batch(ds_cu *c, int dt, const int *lens, const int *pos0, in
     run_absorbed(c, got32, dpool32, 0, (size_t)row * 4, T, Ha, R, dr, dq, dqr, dtables, dbt, dpos,
                  max_ctx, BS, scale, all_heads);
     char what[160];
-    const char *form = all_heads == 6   ? " (tensor cores, warp-specialized)"
+    const char *form = all_heads == 7   ? " (tensor cores, warp-specialized, FP8 by the O warps)"
+                       : all_heads == 6 ? " (tensor cores, warp-specialized)"
                        : all_heads == 5 ? " (tensor cores, 64-row tiles, 16 warps)"
                        : all_heads == 4 ? " (tensor cores, 64-row tiles)"
                        : all_heads == 3 ? " (tensor cores)"
@@ -221,7 +224,7 @@ static void check_q_batch(ds_cu *c, int dt, const int *lens, const int *pos0, in
      * output row (a token's head) against the f32 pool's, so that a row of small values is held
      * to its own scale, not the largest rows' */
     const int f8tc = dt == DS_KV_FP8 && all_heads >= 3;
-    if (f8tc && g_pow2_scales && q_amp < 1.0f && (all_heads == 3 || all_heads == 6)) {
+    if (f8tc && g_pow2_scales && q_amp < 1.0f && (all_heads == 3 || all_heads >= 6)) {
         double worst = 0;
         for (size_t i = 0; i < (size_t)T * Ha; i++)
             worst = DS_MAX(worst, rel_err(got + i * R, got32 + i * R, 1, (size_t)R, (size_t)R));
@@ -237,8 +240,9 @@ static void check_q_batch(ds_cu *c, int dt, const int *lens, const int *pos0, in
                  dt_name(dt), Ha, R, q_amp, form);
         report(what, (double)words_differ(got, got32, (size_t)T * Ha * R), 0);
     }
-    /* warp-specialized: the 8-warp 32-row kernel's products, softmax and orders, so its words */
-    if (all_heads == 6) {
+    /* warp-specialized: the 8-warp 32-row kernel's products, softmax and orders, so its words (its
+     * FP8 rows converted by either group of warps: the same values) */
+    if (all_heads >= 6) {
         run_absorbed(c, got32, dpool, dt, rb, T, Ha, R, dr, dq, dqr, dtables, dbt, dpos, max_ctx,
                      BS, scale, 3);
         snprintf(what, sizeof what, "mla absorbed %s kv Ha=%d R=%d q*%g%s: vs 8 warps, words",
@@ -299,9 +303,17 @@ void checks_kv_rows(ds_cu *c) {
         }
         check_q_batch(c, dt, llen, lpos, 1, 32, 512, 64, 6, 1e-4f);
         check_q_batch(c, dt, llen, lpos, 1, 16, 512, 64, 6, 1e-4f);
+        if (dt == DS_KV_FP8) { /* FP8 rows converted by the O warps of that form */
+            for (int a = 0; a < 2; a++) {
+                check_q_batch(c, dt, lens, pos, 4, 32, 512, 64, 7, amp[a]);
+                check_q_batch(c, dt, lens, pos, 4, 16, 512, 64, 7, amp[a]);
+            }
+            check_q_batch(c, dt, llen, lpos, 1, 32, 512, 64, 7, 1e-4f);
+            check_q_batch(c, dt, llen, lpos, 1, 16, 512, 64, 7, 1e-4f);
+        }
         if (dt == DS_KV_FP8) { /* each output row of the tensor-core forms (above) */
             g_pow2_scales = 1;
-            for (int ah = 3; ah <= 6; ah += 3) {
+            for (int ah = 3; ah <= 7; ah += ah == 3 ? 3 : 1) {
                 check_q_batch(c, dt, lens, pos, 4, 32, 512, 64, ah, 1e-4f);
                 check_q_batch(c, dt, lens, pos, 4, 16, 512, 64, ah, 1e-4f);
                 check_q_batch(c, dt, llen, lpos, 1, 32, 512, 64, ah, 1e-4f);

@@ -343,20 +343,23 @@ static void bench_mla_long(ds_cu *c, double copy_gbs) {
             free(q);
             bc.obar = dev(c, NULL, (size_t)32 * 512 * 4);
             /* tc 0: the f32 all-heads kernel; 1: tensor cores; 2: with 64-row tiles (quantized
-             * rows); 3: and 16 warps a block (BF16 rows); 4: the warp-specialized form */
-            const int n_tc = kvd == DS_KV_F32 ? 2 : 5;
+             * rows); 3: and 16 warps a block (BF16 rows); 4: the warp-specialized form; 5: its FP8
+             * rows converted by its output warps */
+            const int n_tc = kvd == DS_KV_F32 ? 2 : kvd == DS_KV_FP8 ? 6 : 5;
             for (int tc = only ? 1 : 0; tc < n_tc; tc++) {
                 if (kvd == DS_KV_FP8 && tc == 3) continue; /* (16 warps: BF16 rows only) */
                 ds_cu_set_mla_all_heads(c, tc ? 0 : 2);
                 ds_cu_set_mla_decode_tc(c, tc > 0);
                 ds_cu_set_mla_decode_tc_tile(c, tc == 2 || tc == 3 ? 64 : 32);
                 ds_cu_set_mla_decode_tc_warps(c, tc == 3 ? 16 : 8);
-                ds_cu_set_mla_decode_ws(c, tc == 4);
+                ds_cu_set_mla_decode_ws(c, tc >= 4);
+                ds_cu_set_mla_ws_oconv(c, tc == 5);
                 const double ms = median_ms(c, run_mla_batch, &bc, 2, 10);
                 printf("bench mla absorbed decode 1 x %d rows, Ha=32, %s rows (%s): %.4f ms, "
                        "%.0f GB/s of cache (%.0f%% of copy)\n",
                        bc.n_ctx, dtn,
-                       tc == 4   ? "tensor cores, warp-specialized"
+                       tc == 5   ? "tensor cores, warp-specialized, FP8 by the O warps"
+                       : tc == 4 ? "tensor cores, warp-specialized"
                        : tc == 3 ? "tensor cores, 64-row tiles, 16 warps"
                        : tc == 2 ? "tensor cores, 64-row tiles"
                        : tc      ? "tensor cores"
@@ -368,6 +371,7 @@ static void bench_mla_long(ds_cu *c, double copy_gbs) {
             ds_cu_set_mla_decode_tc_tile(c, 32);
             ds_cu_set_mla_decode_tc_warps(c, 8);
             ds_cu_set_mla_decode_ws(c, 0);
+            ds_cu_set_mla_ws_oconv(c, 0);
             ds_cu_dealloc(bc.pool), ds_cu_dealloc(bc.tables), ds_cu_dealloc(bc.tok_bt);
             ds_cu_dealloc(bc.tok_pos), ds_cu_dealloc(bc.qbar), ds_cu_dealloc(bc.qr);
             ds_cu_dealloc(bc.obar);

@@ -103,10 +103,13 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     /* its warps a block for BF16 rows (8 or 16): 16 was faster at every length timed, the
      * kernel alone and a decode step after a million tokens (bench/RESULTS.md session 34) */
     t->mla_decode_tc_warps = env_count("DS_CUDA_MLA_DECODE_TC_WARPS", 16);
-    /* its warp-specialized form from this context cap (FP8 rows; BF16 rows only without the
-     * 16-warp form): faster than the 64-row tiles for FP8 rows at a million rows, the kernel and
-     * a decode step, slower at 128K rows (bench/RESULTS.md session 41) */
+    /* its warp-specialized form from this context cap (FP8 and BF16 rows): faster than the other
+     * forms at a million rows, the kernel and a decode step, slower at 128K rows (bench/RESULTS.md
+     * sessions 41, 42) */
     t->mla_decode_ws = env_count("DS_CUDA_MLA_DECODE_WS", 1 << 20);
+    /* its FP8 rows converted by its output warps: written in session 42 after the GPU time, not
+     * yet run on one, so off (bench/RESULTS.md session 42) */
+    t->mla_ws_oconv = env_flag("DS_CUDA_MLA_WS_OCONV", 0);
     const char *pdl = getenv("DS_CUDA_PDL"); /* (on unless exactly "0", as the kernels read it) */
     t->pdl = !(pdl && !strcmp(pdl, "0"));
     t->profile = env_flag("DS_CUDA_PROFILE", 0);
@@ -153,6 +156,7 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_mla_decode_tc_tile(c, t->mla_decode_tc_tile);
     ds_cu_set_mla_decode_tc_warps(c, t->mla_decode_tc_warps);
     ds_cu_set_mla_decode_ws(c, t->mla_decode_ws);
+    ds_cu_set_mla_ws_oconv(c, t->mla_ws_oconv);
     ds_cu_set_pdl(c, t->pdl);
     ds_cu_prof_enable(c, t->profile);
     if (t->f8_noquant)

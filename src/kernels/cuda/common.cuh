@@ -55,6 +55,7 @@ struct ds_cu {
     int mla_decode_tc_tile;  /* its tile for FP8 and BF16 rows: 64 rows, else 32 */
     int mla_decode_tc_warps; /* its warps a block for BF16 rows in 64-row tiles: 16, else 8 */
     int mla_decode_ws;       /* its warp-specialized form from this context cap (0: never) */
+    int mla_ws_oconv;        /* ...whose FP8 rows its output warps convert (else its score warps) */
     int kda_tc;        /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
     int kda_prep_f32;  /* ...and its first pass on CUDA cores even so (ds_cu_set_kda_prep_tc) */
     int kda_out_sep;   /* ...and its outputs in a third pass (ds_cu_set_kda_out_fused) */
@@ -105,7 +106,8 @@ struct ds_cu {
      * so per context): once, before any capture can be open */
     size_t mla_ah_smem[9];   /* the all-heads MLA kernel's bytes, per OT (4, 8, 16) and DS_KV_* */
     size_t mla_tcd_smem[24]; /* the tensor-core decode MLA kernel's: Ha, DS_KV_*, tile, warps */
-    size_t mla_tcw_smem[4];  /* its warp-specialized form's, per Ha (16, 32) and BF16 / FP8 rows */
+    size_t mla_tcw_smem[6];  /* its warp-specialized form's, per Ha (16, 32) and BF16 / FP8 rows /
+                              * FP8 rows converted by the output warps */
     int mla_flash_smem;      /* the fused expanded MLA kernel's */
     int moe_grouped_smem;    /* the grouped experts' kernels' */
     int kda_chunk_smem[2];   /* chunked KDA's kernels', per head size (64, 128) */

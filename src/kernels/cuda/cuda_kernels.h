@@ -390,9 +390,11 @@ void ds_cu_set_mla_decode_tc_warps(ds_cu *c, int warps);
 /* Its warp-specialized form (16 warps, half making tile it's scores and softmax while the other
  * half adds tile it - 1's outputs and stages the rows; 32-row tiles; the same words as the 8-warp
  * 32-row form: mla_decode_tc.cu) for steps whose context cap is at least min_rows (0: never): FP8
- * rows, and BF16 rows when the 16-warp form is off. The engine's value: DS_CUDA_MLA_DECODE_WS
- * (tuning.c). */
+ * and BF16 rows. The engine's value: DS_CUDA_MLA_DECODE_WS (tuning.c). */
 void ds_cu_set_mla_decode_ws(ds_cu *c, int min_rows);
+/* That form's FP8 rows converted by its output warps (on) instead of its score warps (the same
+ * words). The engine's value: DS_CUDA_MLA_WS_OCONV (tuning.c). */
+void ds_cu_set_mla_ws_oconv(ds_cu *c, int on);
 
 /* ---- glue for the model forward (src/backend/cuda/step.c, layers.c) ---- */
 /* Batch-invariant matmuls (see ds_model_opts.batch_invariant): on, every ds_cu_matmul streams the

@@ -535,8 +535,9 @@ __global__ void __launch_bounds__(32 * NW, 1)
  * hand over through named barriers: FULL[b] (P and alpha of tile it written to buffer b = it % 2)
  * and LAND[b] (tile it's rows landed, and tile it - 2's outputs done, so that P[b] and C[b] may be
  * written again). The S warps hold the query's fragments in registers (they hold no outputs);
- * FP8 rows are converted by the O warps into C[b], a double-buffered BF16 tile, before LAND[b]
- * (the O warps' share of a tile is the smaller: the S warps' chain sets the pace). The
+ * FP8 rows are converted into C[b], a double-buffered BF16 tile, by the S warps (each its own
+ * part) or, with OCV, by the O warps two tiles ahead before LAND[b] (the O warps' share of a tile
+ * is the smaller, and the S warps' chain sets the pace; ds_cu_set_mla_ws_oconv). The
  * products, the softmax and their orders are the 8-warp 32-row kernel's (4 channel groups x 2 row
  * halves for the scores, 8 threads a head for the softmax at 32 heads, 64 output columns a warp),
  * so its words are that kernel's. */
@@ -568,8 +569,8 @@ static __device__ __forceinline__ void bar_arrive_n(int id, int n) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
 
-/* long: the two groups' loops share the block's buffers. */
-template <int MT, int KV>
+/* long: the two groups' loops share the block's buffers. OCV: FP8 rows converted by the O warps. */
+template <int MT, int KV, bool OCV = false>
 __global__ void __launch_bounds__(512, 1)
     mla_tcw_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int ldqr,
               const void *pool, const int32_t *tables, const int32_t *tok_bt,
@@ -608,7 +609,7 @@ __global__ void __launch_bounds__(512, 1)
     __syncthreads(); /* (the last barrier of the whole block) */
     if (!sg) {       /* tiles 0 and 1 landed (the groups of 2 and 3 may still be on their way) */
         asm volatile("cp.async.wait_group 2;\n" ::: "memory");
-        if constexpr (L::CONV) { /* FP8: converted by the O warps into C[0], C[1] */
+        if constexpr (L::CONV && OCV) { /* FP8: converted by the O warps into C[0], C[1] */
             bar_sync_n(TCW_O, 256);
             for (int i = 0; i < 2 && i < ntile; i++)
                 tcd_convert_f8_rows<BK, RB, CLD, 256>(Cc + (size_t)i * BK * CLD, Ss + i * BK * 4,
@@ -627,9 +628,13 @@ __global__ void __launch_bounds__(512, 1)
              * every S warp is past the last softmax (Sp free) */
             bar_sync_n(TCW_LAND + b, 512);
             const uint8_t *rs = ring + (size_t)(it % NST) * L::SB;
-            /* FP8 rows: converted into C[b] and Ss[b] by the O warps before LAND[b] */
+            /* FP8 rows into C[b] and their scales into Ss[b]: by each S warp its own part (no
+             * barrier), or (OCV) by the O warps before LAND[b] */
             const uint16_t *C = L::CONV ? Cc + (size_t)b * BK * CLD : (const uint16_t *)rs;
-            const float *Sb = Ss + b * BK * 4;
+            float *Sb = Ss + b * BK * 4;
+            if constexpr (L::CONV && !OCV)
+                tcd_convert_f8<BK / L::RH, RB, CLD>(Cc + (size_t)b * BK * CLD, Sb, rs, cg, rh,
+                                                    lane);
             tcd_scores<MT, KV, L::KSW, NTR, CLD, SLD, true>(Sp, C, nullptr, qf, Sb, cg, rh, lane);
             bar_sync_n(TCW_S, L::NS);
             /* the online softmax: P and alpha into buffer b */
@@ -666,8 +671,8 @@ __global__ void __launch_bounds__(512, 1)
         stage(it + NST);
         asm volatile("cp.async.wait_group 2;\n" ::: "memory");
         if (it + 2 < ntile) {
-            if constexpr (L::CONV) { /* FP8: tile it + 2 into C[b] once every O thread's copies
-                                      * of it landed (the S warps' chains stay short) */
+            if constexpr (L::CONV && OCV) { /* FP8: tile it + 2 into C[b] once every O thread's
+                                             * copies of it landed */
                 bar_sync_n(TCW_O, 256);
                 tcd_convert_f8_rows<BK, RB, CLD, 256>(Cc + (size_t)b * BK * CLD, Ss + b * BK * 4,
                                                       ring + (size_t)((it + 2) % NST) * L::SB,
@@ -706,6 +711,10 @@ extern "C" void ds_cu_set_mla_decode_ws(ds_cu *c, int min_rows) {
     c->mla_decode_ws = min_rows;
 }
 
+extern "C" void ds_cu_set_mla_ws_oconv(ds_cu *c, int on) {
+    c->mla_ws_oconv = on;
+}
+
 int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int ldqr, int T,
                   int Ha, int R, int dr, const void *pool, int kv_dtype, const int32_t *tables,
                   const int32_t *tok_bt, const int32_t *tok_pos, int max_ctx, int block_size,
@@ -741,14 +750,16 @@ int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int
     const int ws = c->mla_decode_ws > 0 && max_ctx >= c->mla_decode_ws &&
                    (kv_dtype == DS_KV_FP8 || kv_dtype == DS_KV_BF16);
     if (ws) { /* the warp-specialized form: 16 warps, 32-row tiles */
-        const int f8 = kv_dtype == DS_KV_FP8;
-        if (f8)
+        const int f8 = kv_dtype == DS_KV_FP8, ocv = f8 && c->mla_ws_oconv;
+        if (ocv)
+            kernel = mt == 2 ? mla_tcw_k<2, DS_KV_FP8, true> : mla_tcw_k<1, DS_KV_FP8, true>;
+        else if (f8)
             kernel = mt == 2 ? mla_tcw_k<2, DS_KV_FP8> : mla_tcw_k<1, DS_KV_FP8>;
         else
             kernel = mt == 2 ? mla_tcw_k<2, DS_KV_BF16> : mla_tcw_k<1, DS_KV_BF16>;
         smem = f8 ? (mt == 2 ? tcw_shape<2, DS_KV_FP8>::SMEM : tcw_shape<1, DS_KV_FP8>::SMEM)
                   : (mt == 2 ? tcw_shape<2, DS_KV_BF16>::SMEM : tcw_shape<1, DS_KV_BF16>::SMEM);
-        size_t *wset = &c->mla_tcw_smem[(mt - 1) + 2 * f8];
+        size_t *wset = &c->mla_tcw_smem[(mt - 1) + 2 * f8 + 2 * ocv];
         if (smem > *wset) {
             CU_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         (int)smem),
