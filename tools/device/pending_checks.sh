@@ -78,7 +78,8 @@
 #      its final form (its checks ran in session 40 with a pre-wait L2 prefetch also on, since
 #      removed): the moe fp8 checks (mode 10), then ptpc_fp8 decode batch 1 with
 #      DS_CUDA_EARLY_EXPERTS on and off, ROUNDS rounds (default 2).
-#  23. (issue 33, session 41) decode's absorbed MLA in its warp-specialized form (BF16 and FP8 rows)
+#  23. (issue 33, session 41; run in session 41, removed in session 42: step 24 times the same forms
+#      and more) decode's absorbed MLA in its warp-specialized form (BF16 and FP8 rows)
 #      (DS_CUDA_MLA_DECODE_WS): the kv rows checks (its words against the 8-warp 32-row kernel's,
 #      and the CPU), the kernel alone at 128K and 1M rows beside the other forms, then decode after
 #      1M tokens with it on and off (long48.sh), for the latents' dtypes in KVS (default "bf16
@@ -277,30 +278,6 @@ B48=".devbin/deltaserve $(b48 8 ${BATCHES:-2,4,8,16,32,64})"
 [ -n "${NO_BF16_BATCHES:-}" ] || $B48 2>&1 | grep -E "^decode batch" | sed "s/^/[bf16] /"
 for f in 0 2; do
   DS_CUDA_F8_WHOLE_K=$f $B48 -q ptpc_fp8 2>&1 | grep -E "^decode batch" | sed "s/^/[fp8 whole K from $f] /"
-done
-fi
-if want 23; then
-el "23. (issue 33, session 41) absorbed MLA's warp-specialized form: the kv rows"
-el "    checks, the kernel at 128K and 1M rows, decode after 1M tokens with it on and off"
-checks s23.log "kv rows" | tee "$OUT/s23.rc"
-grep -E "FAIL|warp-spec" "$OUT/s23.log" | head -40
-# (a hang or a failure stops the step: the timings would mean nothing)
-ok23=0
-grep -q "checks rc 0 (.* 0 FAIL)" "$OUT/s23.rc" && ok23=1
-[ $ok23 = 1 ] && for kv in ${KVS:-bf16 fp8}; do
-  for n in ${LENS23:-131072 1048576}; do
-    DS_BENCH_MLA_LONG="$kv $n" timeout 150 .devbin/test_cuda_kernels --bench-only mla 2>&1 |
-      grep -E "absorbed decode 1 x|copy"
-  done
-done
-[ $ok23 = 1 ] && for r in $(seq "${ROUNDS:-1}"); do
-  for kv in ${DECODE_KVS:-${KVS:-bf16 fp8}}; do
-    for ws in 1 0; do
-      el "decode after 1M tokens, $kv latents, DS_CUDA_MLA_DECODE_WS=$ws ($r)"
-      DS_CUDA_MLA_DECODE_WS=$ws LENS=1048576 KV_DTYPES=$kv PARTS=decode TAG="_ws${ws}_$r" \
-        STEP_TIMEOUT=200 bash "$(dirname "$0")/long48.sh" 2>&1 | tail -3
-    done
-  done
 done
 fi
 if want 24; then

@@ -209,35 +209,12 @@ static __device__ __forceinline__ void tcd_convert(uint16_t *C, const uint8_t *r
     }
 }
 
-/* FP8 rows: a whole tile's stored rows rs (RB bytes apart) as tcd_e4m3x8 words, the rope parts
- * as stored, into C [BK][CLD], each row's four scales into Ss [BK][4], by threads t, t + NTH, ..
- * (16 a row: a half-warp reads 128 bytes of one row and writes 256 of C's) */
-template <int BK, int RB, int CLD, int NTH>
-static __device__ __forceinline__ void tcd_convert_f8_rows(uint16_t *C, float *Ss,
-                                                           const uint8_t *rs, int t) {
-    constexpr int RA = TCD_R + 4 * (TCD_R / DS_KV_FP8_TILE); /* the rope part's byte */
-    static_assert(NTH % 16 == 0 && BK % (NTH / 16) == 0 && RA % 16 == 0 && TCD_DR == 64,
-                  "conversion layout");
-    const int q = t & 15;
-    for (int j = t >> 4; j < BK; j += NTH / 16) {
-        const uint8_t *r = rs + j * RB;
-        uint16_t *cr = C + j * CLD;
-#pragma unroll
-        for (int k = 0; k < 4; k++) { /* codes [8 (q + 16 k), + 8) */
-            const uint2 w = *(const uint2 *)(r + 8 * (q + 16 * k));
-            *(uint4 *)(cr + 8 * (q + 16 * k)) = tcd_e4m3x8(w.x, w.y);
-        }
-        *(uint2 *)(cr + TCD_R + 4 * q) = *(const uint2 *)(r + RA + 8 * q);
-        if (q < 4) Ss[4 * j + q] = *(const float *)(r + TCD_R + 4 * q);
-    }
-}
-
 /* FP8 rows: what score warp (cg, rh) reads of the tile, made by that warp alone (so that no
  * barrier stands between the conversion and the scores): rows [RW rh, RW rh + RW) of the stored
  * tile rs (RB bytes apart), their c channels of scale tile cg as tcd_e4m3x8 words and rope
  * channels [16 cg, 16 cg + 16) as stored into C [BK][CLD], and the rows' scale cg into Ss [BK][4]
- * (the softmax, after the scores' barrier, reads all four). A half-warp reads the 128 code bytes
- * of one row. */
+  * (the softmax, after the scores' barrier, reads all four). A half-warp reads the 128 code bytes
+ * of one row. (The warp-specialized form's OCV: output warp w converts score warp w's part.) */
 template <int RW, int RB, int CLD>
 static __device__ __forceinline__ void tcd_convert_f8(uint16_t *C, float *Ss, const uint8_t *rs,
                                                       int cg, int rh, int lane) {
@@ -611,9 +588,10 @@ __global__ void __launch_bounds__(512, 1)
         asm volatile("cp.async.wait_group 2;\n" ::: "memory");
         if constexpr (L::CONV && OCV) { /* FP8: converted by the O warps into C[0], C[1] */
             bar_sync_n(TCW_O, 256);
-            for (int i = 0; i < 2 && i < ntile; i++)
-                tcd_convert_f8_rows<BK, RB, CLD, 256>(Cc + (size_t)i * BK * CLD, Ss + i * BK * 4,
-                                                      ring + (size_t)i * L::SB, tid - 256);
+            for (int i = 0; i < 2 && i < ntile; i++) /* (O warp w: the S warp w's part) */
+                tcd_convert_f8<BK / L::RH, RB, CLD>(Cc + (size_t)i * BK * CLD, Ss + i * BK * 4,
+                                                    ring + (size_t)i * L::SB, (warp - 8) % L::CG,
+                                                    (warp - 8) / L::CG, lane);
         }
         for (int i = 0; i < 2 && i < ntile; i++) bar_arrive_n(TCW_LAND + i, 512);
     }
@@ -674,9 +652,9 @@ __global__ void __launch_bounds__(512, 1)
             if constexpr (L::CONV && OCV) { /* FP8: tile it + 2 into C[b] once every O thread's
                                              * copies of it landed */
                 bar_sync_n(TCW_O, 256);
-                tcd_convert_f8_rows<BK, RB, CLD, 256>(Cc + (size_t)b * BK * CLD, Ss + b * BK * 4,
-                                                      ring + (size_t)((it + 2) % NST) * L::SB,
-                                                      tid - 256);
+                tcd_convert_f8<BK / L::RH, RB, CLD>(Cc + (size_t)b * BK * CLD, Ss + b * BK * 4,
+                                                    ring + (size_t)((it + 2) % NST) * L::SB,
+                                                    wo % L::CG, wo / L::CG, lane);
             }
             bar_arrive_n(TCW_LAND + b, 512);
         }
