@@ -197,7 +197,8 @@ static void check_q_batch(ds_cu *c, int dt, const int *lens, const int *pos0, in
     run_absorbed(c, got32, dpool32, 0, (size_t)row * 4, T, Ha, R, dr, dq, dqr, dtables, dbt, dpos,
                  max_ctx, BS, scale, all_heads);
     char what[160];
-    const char *form = all_heads == 7   ? " (tensor cores, warp-specialized, FP8 by the O warps)"
+    const char *form = all_heads == 7
+                           ? " (tensor cores, warp-specialized, FP8 scores from the codes)"
                        : all_heads == 6 ? " (tensor cores, warp-specialized)"
                        : all_heads == 5 ? " (tensor cores, 64-row tiles, 16 warps)"
                        : all_heads == 4 ? " (tensor cores, 64-row tiles)"
@@ -240,14 +241,20 @@ static void check_q_batch(ds_cu *c, int dt, const int *lens, const int *pos0, in
                  dt_name(dt), Ha, R, q_amp, form);
         report(what, (double)words_differ(got, got32, (size_t)T * Ha * R), 0);
     }
-    /* warp-specialized: the 8-warp 32-row kernel's products, softmax and orders, so its words (its
-     * FP8 rows converted by either group of warps: the same values) */
+    /* warp-specialized: the 8-warp 32-row kernel's products, softmax and orders, so its words;
+     * with the FP8 scores from the staged codes (7) each k-step adds its 16 channels in another
+     * order, so f32 rounding apart, which may move a softmax weight across a BF16 rounding now
+     * and then (2^-8 of one weight) */
     if (all_heads >= 6) {
         run_absorbed(c, got32, dpool, dt, rb, T, Ha, R, dr, dq, dqr, dtables, dbt, dpos, max_ctx,
                      BS, scale, 3);
-        snprintf(what, sizeof what, "mla absorbed %s kv Ha=%d R=%d q*%g%s: vs 8 warps, words",
-                 dt_name(dt), Ha, R, q_amp, form);
-        report(what, (double)words_differ(got, got32, (size_t)T * Ha * R), 0);
+        const int raw = all_heads == 7 && dt == DS_KV_FP8;
+        snprintf(what, sizeof what, "mla absorbed %s kv Ha=%d R=%d q*%g%s: vs 8 warps%s",
+                 dt_name(dt), Ha, R, q_amp, form, raw ? "" : ", words");
+        if (raw)
+            report(what, rel_err(got, got32, 1, (size_t)T * Ha * R, (size_t)T * Ha * R), 1e-3);
+        else
+            report(what, (double)words_differ(got, got32, (size_t)T * Ha * R), 0);
     }
     /* 16 warps a block: the 8-warp kernel's products and maxima in its order; only a head's sum
      * of P is added in other groups (16 threads a head instead of 8), so f32 rounding apart */
@@ -303,7 +310,7 @@ void checks_kv_rows(ds_cu *c) {
         }
         check_q_batch(c, dt, llen, lpos, 1, 32, 512, 64, 6, 1e-4f);
         check_q_batch(c, dt, llen, lpos, 1, 16, 512, 64, 6, 1e-4f);
-        if (dt == DS_KV_FP8) { /* FP8 rows converted by the O warps of that form */
+        if (dt == DS_KV_FP8) { /* that form's FP8 scores from the staged codes (OCV) */
             for (int a = 0; a < 2; a++) {
                 check_q_batch(c, dt, lens, pos, 4, 32, 512, 64, 7, amp[a]);
                 check_q_batch(c, dt, lens, pos, 4, 16, 512, 64, 7, amp[a]);

@@ -344,7 +344,7 @@ static void bench_mla_long(ds_cu *c, double copy_gbs) {
             bc.obar = dev(c, NULL, (size_t)32 * 512 * 4);
             /* tc 0: the f32 all-heads kernel; 1: tensor cores; 2: with 64-row tiles (quantized
              * rows); 3: and 16 warps a block (BF16 rows); 4: the warp-specialized form; 5: its FP8
-             * rows converted by its output warps */
+             * scores from the staged codes, each output warp converting its own columns */
             const int n_tc = kvd == DS_KV_F32 ? 2 : kvd == DS_KV_FP8 ? 6 : 5;
             for (int tc = only ? 1 : 0; tc < n_tc; tc++) {
                 if (kvd == DS_KV_FP8 && tc == 3) continue; /* (16 warps: BF16 rows only) */
@@ -358,7 +358,7 @@ static void bench_mla_long(ds_cu *c, double copy_gbs) {
                 printf("bench mla absorbed decode 1 x %d rows, Ha=32, %s rows (%s): %.4f ms, "
                        "%.0f GB/s of cache (%.0f%% of copy)\n",
                        bc.n_ctx, dtn,
-                       tc == 5   ? "tensor cores, warp-specialized, FP8 by the O warps"
+                       tc == 5   ? "tensor cores, warp-specialized, FP8 scores from the codes"
                        : tc == 4 ? "tensor cores, warp-specialized"
                        : tc == 3 ? "tensor cores, 64-row tiles, 16 warps"
                        : tc == 2 ? "tensor cores, 64-row tiles"

@@ -94,9 +94,10 @@
 #      there) and 0, ROUNDS rounds (default 1), alternating; BINS24="" the new binaries alone;
 #      NCU24=1 also Nsight Compute on the warp-specialized kernel (ncu_tcd.sh), FP8 and BF16 rows.
 #      Session 42 ran the kernels and the FP8 decode on an H100 (bench/RESULTS.md); not yet run:
-#      the per-row checks with power-of-two scales, the form's FP8 rows converted by its O warps
-#      (DS_CUDA_MLA_WS_OCONV: its checks, all_heads 7, its kernel line and a decode after 1M FP8
-#      tokens), BF16's decode after 1M with the form on and off, and the H200.
+#      the per-row checks with power-of-two scales, the form's FP8 scores from the staged codes
+#      (DS_CUDA_MLA_WS_OCONV, rewritten in session 43: its checks, all_heads 7, its kernel line
+#      and a decode after 1M FP8 tokens), BF16's decode after 1M with the form on and off, and the
+#      H200.
 # STEPS: which of them (default "24 22": 22 has not run in its final form, 23 ran in session 41 on an
 # H100 without its BF16 decode runs and not on the H200; 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
 # 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
@@ -308,7 +309,7 @@ done
     BIN=".devbin/deltaserve$b" LENS=1048576 KV_DTYPES=fp8 PARTS=decode TAG="_s24${b}_$r" \
       STEP_TIMEOUT=200 bash "$(dirname "$0")/long48.sh" 2>&1 | tail -2
   done
-  el "decode after 1M FP8 tokens, FP8 rows converted by the O warps (DS_CUDA_MLA_WS_OCONV=1) ($r)"
+    el "decode after 1M FP8 tokens, FP8 scores from the staged codes (DS_CUDA_MLA_WS_OCONV=1) ($r)"
   DS_CUDA_MLA_WS_OCONV=1 LENS=1048576 KV_DTYPES=fp8 PARTS=decode TAG="_s24_ocv_$r" \
     STEP_TIMEOUT=200 bash "$(dirname "$0")/long48.sh" 2>&1 | tail -2
   for ws in 1 0; do

@@ -55,7 +55,8 @@ struct ds_cu {
     int mla_decode_tc_tile;  /* its tile for FP8 and BF16 rows: 64 rows, else 32 */
     int mla_decode_tc_warps; /* its warps a block for BF16 rows in 64-row tiles: 16, else 8 */
     int mla_decode_ws;       /* its warp-specialized form from this context cap (0: never) */
-    int mla_ws_oconv;        /* ...whose FP8 rows its output warps convert (else its score warps) */
+    int mla_ws_oconv;        /* ...whose FP8 scores come from the staged codes, its output warps
+                              * converting their columns (else its score warps convert the tile) */
     int kda_tc;        /* chunked KDA's scan and outputs on tensor cores: 0 no, 1 TF32, 3 3xTF32 */
     int kda_prep_f32;  /* ...and its first pass on CUDA cores even so (ds_cu_set_kda_prep_tc) */
     int kda_out_sep;   /* ...and its outputs in a third pass (ds_cu_set_kda_out_fused) */

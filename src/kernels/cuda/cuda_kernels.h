@@ -392,8 +392,10 @@ void ds_cu_set_mla_decode_tc_warps(ds_cu *c, int warps);
  * 32-row form: mla_decode_tc.cu) for steps whose context cap is at least min_rows (0: never): FP8
  * and BF16 rows. The engine's value: DS_CUDA_MLA_DECODE_WS (tuning.c). */
 void ds_cu_set_mla_decode_ws(ds_cu *c, int min_rows);
-/* That form's FP8 rows converted by its output warps (on) instead of its score warps (the same
- * words). The engine's value: DS_CUDA_MLA_WS_OCONV (tuning.c). */
+/* That form's FP8 rows (on): the score warps take their fragments straight from the staged codes
+ * and each output warp converts the columns it multiplies, instead of the score warps converting
+ * the tile for both (off: the 8-warp 32-row form's words; on: each k-step's channels added in
+ * another order). The engine's value: DS_CUDA_MLA_WS_OCONV (tuning.c). */
 void ds_cu_set_mla_ws_oconv(ds_cu *c, int on);
 
 /* ---- glue for the model forward (src/backend/cuda/step.c, layers.c) ---- */

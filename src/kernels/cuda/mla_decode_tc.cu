@@ -130,8 +130,11 @@ template <int KV, int KSW> static __device__ __forceinline__ int tcd_kstep(int c
 }
 
 /* score warp cg's A fragments of every head of token t, in registers: qf[mt][ks] the heads
- * 16 mt + g (+8), channels of k-step ks (tcd_kstep) 2 l4 (+1, +8, +9) */
-template <int MT, int KV, int KSW>
+ * 16 mt + g (+8), channels of k-step ks (tcd_kstep) 2 l4 (+1, +8, +9); RAW (FP8 rows, the scores
+ * from the staged codes, tcd_scores_raw): the k-steps' channels permuted as there, k indices 2 l4
+ * (+1) and 2 l4 + 8 (+9) standing for channels c (+1) and c + 2 (+3), c = 128 cg + 64 (ks / 4) +
+ * 16 l4 + 4 (ks % 4) of the c part, and 512 + 16 cg + 4 l4 of the rope part (ks 8) */
+template <int MT, int KV, int KSW, bool RAW = false>
 static __device__ __forceinline__ void tcd_query_regs(uint32_t (&qf)[MT][KSW][4], const float *qbar,
                                                       const float *qr, int ldqr, int t, int cg,
                                                       int lane) {
@@ -142,11 +145,17 @@ static __device__ __forceinline__ void tcd_query_regs(uint32_t (&qf)[MT][KSW][4]
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int ks = 0; ks < KSW; ks++) {
-            const int c = 16 * tcd_kstep<KV, KSW>(cg, ks) + 2 * l4, h0 = 16 * mt + g;
+            const int h0 = 16 * mt + g;
+            int c = 16 * tcd_kstep<KV, KSW>(cg, ks) + 2 * l4, c2 = c + 8;
+            if constexpr (RAW) {
+                c = ks < 8 ? 128 * cg + 64 * (ks >> 2) + 16 * l4 + 4 * (ks & 3)
+                           : TCD_R + 16 * cg + 4 * l4;
+                c2 = c + 2;
+            }
             qf[mt][ks][0] = tcd_q2(qbar, qr, ldqr, HA, t, h0, c, qs);
             qf[mt][ks][1] = tcd_q2(qbar, qr, ldqr, HA, t, h0 + 8, c, qs);
-            qf[mt][ks][2] = tcd_q2(qbar, qr, ldqr, HA, t, h0, c + 8, qs);
-            qf[mt][ks][3] = tcd_q2(qbar, qr, ldqr, HA, t, h0 + 8, c + 8, qs);
+            qf[mt][ks][2] = tcd_q2(qbar, qr, ldqr, HA, t, h0, c2, qs);
+            qf[mt][ks][3] = tcd_q2(qbar, qr, ldqr, HA, t, h0 + 8, c2, qs);
         }
 }
 
@@ -213,8 +222,8 @@ static __device__ __forceinline__ void tcd_convert(uint16_t *C, const uint8_t *r
  * barrier stands between the conversion and the scores): rows [RW rh, RW rh + RW) of the stored
  * tile rs (RB bytes apart), their c channels of scale tile cg as tcd_e4m3x8 words and rope
  * channels [16 cg, 16 cg + 16) as stored into C [BK][CLD], and the rows' scale cg into Ss [BK][4]
-  * (the softmax, after the scores' barrier, reads all four). A half-warp reads the 128 code bytes
- * of one row. (The warp-specialized form's OCV: output warp w converts score warp w's part.) */
+ * (the softmax, after the scores' barrier, reads all four). A half-warp reads the 128 code bytes
+ * of one row. */
 template <int RW, int RB, int CLD>
 static __device__ __forceinline__ void tcd_convert_f8(uint16_t *C, float *Ss, const uint8_t *rs,
                                                       int cg, int rh, int lane) {
@@ -233,6 +242,26 @@ static __device__ __forceinline__ void tcd_convert_f8(uint16_t *C, float *Ss, co
             *(const uint4 *)(rs + j * RB + RA + 32 * cg + 16 * (lane & 1));
     if (lane < RW)
         Ss[4 * (r0 + lane) + cg] = *(const float *)(rs + (r0 + lane) * RB + TCD_R + 4 * cg);
+    __syncwarp();
+}
+
+/* FP8 rows, the warp-specialized form's OCV: the codes of output warp w's own columns [64 w,
+ * 64 w + 64) of the BK staged rows rs (DLD bytes apart) as tcd_e4m3x8 words into C [BK][CLD], by
+ * that warp alone (it alone reads them, so no barrier: the warp's own ldmatrix before and after).
+ * A quarter warp takes two rows' 64 codes (DLD 64 mod 128: every bank once), its stores 16 bytes
+ * a lane (CLD's rows 16 bytes apart in the banks: once each too). */
+template <int BK, int DLD, int CLD>
+static __device__ __forceinline__ void tcd_convert_f8_cols(uint16_t *C, const uint8_t *rs, int w,
+                                                           int lane) {
+    const int q = lane & 3;
+    __syncwarp(); /* the warp's last reads of this buffer are done */
+#pragma unroll
+    for (int j = lane >> 2; j < BK; j += 8) {
+        const uint4 u = *(const uint4 *)(rs + j * DLD + 64 * w + 16 * q);
+        uint4 *d = (uint4 *)(C + j * CLD + 64 * w + 16 * q);
+        d[0] = tcd_e4m3x8(u.x, u.y);
+        d[1] = tcd_e4m3x8(u.z, u.w);
+    }
     __syncwarp();
 }
 
@@ -303,11 +332,78 @@ static __device__ __forceinline__ void tcd_scores(float *Sp, const uint16_t *C, 
     }
 }
 
+/* FP8 rows, the warp-specialized form's OCV: tcd_scores' products, with the B fragments taken
+ * straight from the staged codes rs (rows DLD bytes apart) instead of a converted tile. Within a
+ * k-step the order of the 16 channels is free as long as the query's fragments follow it
+ * (tcd_query_regs' RAW): k-step 4 h + j of the c part (channels 128 cg + 64 h + [0, 64)) gives lane
+ * (g, l4) the channels 64 h + 16 l4 + 4 j + [0, 4) of its row g, so that one 16-byte load of a
+ * row's codes is four k-steps' fragments (two tcd_e4m3x8 words a k-step); the rope k-step the
+ * channels 16 cg + 4 l4 + [0, 4) (8 bytes, as stored). The c part times 2^56 and the rows' scales
+ * (read where they were staged) before the rope k-step adds in, as in tcd_scores. */
+template <int MT, int NTR, int DLD, int SLD>
+static __device__ __forceinline__ void tcd_scores_raw(float *Sp, const uint8_t *rs,
+                                                      const uint32_t (&qf)[MT][9][4], int cg,
+                                                      int rh, int lane) {
+    constexpr int HA = 16 * MT, RA = TCD_R + 4 * (TCD_R / DS_KV_FP8_TILE);
+    static_assert(RA % 16 == 0 && DLD % 16 == 0 && DS_KV_FP8_TILE == 128, "raw layout");
+    const int g = lane >> 2, l4 = lane & 3;
+    float sc[MT][NTR][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int i = 0; i < NTR; i++)
+            sc[mt][i][0] = sc[mt][i][1] = sc[mt][i][2] = sc[mt][i][3] = 0.0f;
+    uint4 raw[NTR][2]; /* row (NTR rh + nt) 8 + g: codes 128 cg + 64 h + 16 l4 + [0, 16) */
+#pragma unroll
+    for (int nt = 0; nt < NTR; nt++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            raw[nt][h] = *(const uint4 *)(rs + ((NTR * rh + nt) * 8 + g) * DLD + 128 * cg + 64 * h +
+                                          16 * l4);
+#pragma unroll
+    for (int kp = 0; kp < 4; kp++) { /* k-steps 2 kp, 2 kp + 1: 8 codes of each row */
+#pragma unroll
+        for (int nt = 0; nt < NTR; nt++) {
+            const uint4 u = raw[nt][kp >> 1];
+            const uint4 b = kp & 1 ? tcd_e4m3x8(u.z, u.w) : tcd_e4m3x8(u.x, u.y);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma_16816(sc[mt][nt], qf[mt][2 * kp], b.x, b.y);
+                mma_16816(sc[mt][nt], qf[mt][2 * kp + 1], b.z, b.w);
+            }
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NTR; nt++) { /* element e's row (NTR rh + nt) 8 + 2 l4 + e % 2 */
+        const uint8_t *r0 = rs + ((NTR * rh + nt) * 8 + 2 * l4) * DLD;
+        const float s0 = *(const float *)(r0 + TCD_R + 4 * cg) * TCD_F8_O;
+        const float s1 = *(const float *)(r0 + DLD + TCD_R + 4 * cg) * TCD_F8_O;
+        const uint2 b =
+            *(const uint2 *)(rs + ((NTR * rh + nt) * 8 + g) * DLD + RA + 2 * (16 * cg + 4 * l4));
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+                        sc[mt][nt][0] *= s0, sc[mt][nt][1] *= s1, sc[mt][nt][2] *= s0, sc[mt][nt][3] *= s1;
+            mma_16816(sc[mt][nt], qf[mt][8], b.x, b.y);
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        float *sp = Sp + ((size_t)cg * HA + 16 * mt) * SLD + 8 * NTR * rh;
+#pragma unroll
+        for (int nt = 0; nt < NTR; nt++) {
+            *(float2 *)(sp + g * SLD + nt * 8 + 2 * l4) = make_float2(sc[mt][nt][0], sc[mt][nt][1]);
+            *(float2 *)(sp + (g + 8) * SLD + nt * 8 + 2 * l4) =
+                make_float2(sc[mt][nt][2], sc[mt][nt][3]);
+        }
+    }
+}
+
 /* The online softmax of a tile whose first row is a (rows from j1 on masked) over its CG groups'
  * partial scores: NTH / HA threads a head (thread tid), BK / that rows each; P [HA][PLD] in BF16
- * (FP8 rows: P [4][HA][PLD], copy i times 2^64 and the rows' scales Ss [BK][4] of tile i), the
- * rescale of each head into al[h], m and l updated. */
-template <int KV, int HA, int NTH, int BK, int CG, int SLD, int PLD>
+ * (FP8 rows: P [4][HA][PLD], copy i times 2^64 and the rows' scales Ss [BK][SST] of tile i: SST 4,
+ * or the staged rows' stride when read where they were staged), the rescale of each head into
+ * al[h], m and l updated. */
+template <int KV, int HA, int NTH, int BK, int CG, int SLD, int PLD, int SST = 4>
 static __device__ __forceinline__ void tcd_softmax(const float *Sp, uint16_t *P, const float *Ss,
                                                    float *m_sh, float *l_sh, float *al, int tid,
                                                    int a, int j1, float scale) {
@@ -333,8 +429,8 @@ static __device__ __forceinline__ void tcd_softmax(const float *Sp, uint16_t *P,
         const float p1 = v[e + 1] == -INFINITY ? 0.0f : expf(v[e + 1] - m_new);
         ps += p0 + p1;
         if constexpr (KV == DS_KV_FP8) {
-            const float4 s0 = *(const float4 *)(Ss + 4 * (e0 + e)),
-                         s1 = *(const float4 *)(Ss + 4 * (e0 + e + 1));
+            const float4 s0 = *(const float4 *)(Ss + SST * (e0 + e)),
+                         s1 = *(const float4 *)(Ss + SST * (e0 + e + 1));
             const float q0 = p0 * TCD_F8_Q, q1 = p1 * TCD_F8_Q;
             uint32_t *pp = (uint32_t *)(P + h * PLD + e0 + e);
             pp[0] = pack_bf16x2(q0 * s0.x, q1 * s1.x);
@@ -511,29 +607,36 @@ __global__ void __launch_bounds__(32 * NW, 1)
  * into tile it's slot once its outputs are done), which balances the groups' instructions. They
  * hand over through named barriers: FULL[b] (P and alpha of tile it written to buffer b = it % 2)
  * and LAND[b] (tile it's rows landed, and tile it - 2's outputs done, so that P[b] and C[b] may be
- * written again). The S warps hold the query's fragments in registers (they hold no outputs);
- * FP8 rows are converted into C[b], a double-buffered BF16 tile, by the S warps (each its own
- * part) or, with OCV, by the O warps two tiles ahead before LAND[b] (the O warps' share of a tile
- * is the smaller, and the S warps' chain sets the pace; ds_cu_set_mla_ws_oconv). The
- * products, the softmax and their orders are the 8-warp 32-row kernel's (4 channel groups x 2 row
- * halves for the scores, 8 threads a head for the softmax at 32 heads, 64 output columns a warp),
- * so its words are that kernel's. */
-template <int MT, int KV> struct tcw_shape {
+ * written again). The S warps hold the query's fragments in registers (they hold no outputs).
+ * FP8 rows are converted into C[b], a double-buffered BF16 tile, by the S warps, each its own part
+ * (the 8-warp 32-row kernel's products, softmax and orders: 4 channel groups x 2 row halves for
+ * the scores, 8 threads a head for the softmax at 32 heads, 64 output columns a warp, so its
+ * words are that kernel's, as the BF16 rows' are) or, with OCV (ds_cu_set_mla_ws_oconv), the S
+ * warps take their B fragments straight from the staged codes in registers (tcd_scores_raw: no
+ * conversion through shared memory on the chain that sets the pace) and each O warp converts the
+ * 64 columns it multiplies itself, a tile ahead (tcd_convert_f8_cols). */
+template <int MT, int KV, bool OCV = false> struct tcw_shape {
     static constexpr int HA = 16 * MT, RQ = TCD_R + TCD_DR, NKS = RQ / 16;
     static constexpr int BK = 32, NST = 4, NS = 256; /* rows a tile; ring slots; S threads */
     static constexpr int CG = 4, RH = 2, KSW = NKS / CG, NTR = BK / RH / 8, NTW = TCD_R / 8 / 8;
     static constexpr int CLD = RQ + 8, PLD = BK + 8, SLD = BK + 8, RB = tcd_row_bytes<KV>();
-    static constexpr bool CONV = KV == DS_KV_FP8;   /* staged as stored, converted into C[b] */
-    static constexpr int NPG = CONV ? 4 : 1;        /* P's copies: one a scale tile (FP8) */
-    static constexpr int DLD = CONV ? RB : CLD * 2; /* a staged row's stride, bytes */
-    static constexpr int SB = BK * DLD;             /* a ring slot's bytes */
-    /* ring [NST][BK][DLD] bytes, (FP8) C [2][BK][CLD] bf16 and the rows' scales [2][BK][4] f32,
-     * partial scores [CG][HA][SLD] f32, P [2][NPG][HA][PLD] bf16, m and l [HA] f32, alpha [2][HA]
-     * f32 (the query's fragments are in the S warps' registers) */
-    static constexpr size_t SMEM =
-        (size_t)NST * SB + (CONV ? (size_t)2 * BK * CLD * 2 + (size_t)2 * BK * 4 * 4 : 0) +
-        (size_t)CG * HA * SLD * 4 + (size_t)2 * NPG * HA * PLD * 2 + (size_t)4 * HA * 4;
+    static constexpr bool CONV = KV == DS_KV_FP8; /* staged as stored, converted into C[b] */
+    static constexpr bool RAW = CONV && OCV;      /* scores from the staged codes */
+    static constexpr int NPG = CONV ? 4 : 1;      /* P's copies: one a scale tile (FP8) */
+    /* a staged row's stride, bytes: RAW 64 (mod 128) past RB, so that the S warps' 16-byte loads
+     * of two rows' 64 codes each (a quarter warp) fall on all 32 banks once */
+    static constexpr int DLD = RAW ? RB + (64 - RB % 128 + 128) % 128 : CONV ? RB : CLD * 2;
+    static constexpr int SB = BK * DLD; /* a ring slot's bytes */
+    /* ring [NST][BK][DLD] bytes, (FP8) C [2][BK][CLD] bf16 and (not RAW: the rows' scales are
+     * read where they were staged) the rows' scales [2][BK][4] f32, partial scores [CG][HA][SLD]
+     * f32, P [2][NPG][HA][PLD] bf16, m and l [HA] f32, alpha [2][HA] f32 (the query's fragments
+     * are in the S warps' registers) */
+    static constexpr size_t SMEM = (size_t)NST * SB + (CONV ? (size_t)2 * BK * CLD * 2 : 0) +
+                                   (CONV && !RAW ? (size_t)2 * BK * 4 * 4 : 0) +
+                                   (size_t)CG * HA * SLD * 4 + (size_t)2 * NPG * HA * PLD * 2 +
+                                   (size_t)4 * HA * 4;
     static_assert(NKS % CG == 0 && NTR == 2 && NS % HA == 0 && (BK * HA / NS) % 2 == 0, "layout");
+    static_assert(!RAW || (DLD % 128 == 64 && KSW == 9), "RAW: staged rows' banks, k-steps");
     static_assert(SMEM <= 227 * 1024, "shared memory");
 };
 
@@ -546,20 +649,21 @@ static __device__ __forceinline__ void bar_arrive_n(int id, int n) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
 
-/* long: the two groups' loops share the block's buffers. OCV: FP8 rows converted by the O warps. */
+/* long: the two groups' loops share the block's buffers. OCV: FP8 rows' scores from the staged
+ * codes, each O warp converting its own columns. */
 template <int MT, int KV, bool OCV = false>
 __global__ void __launch_bounds__(512, 1)
     mla_tcw_k(float *part_o, float *part_ml, const float *qbar, const float *qr, int ldqr,
               const void *pool, const int32_t *tables, const int32_t *tok_bt,
               const int32_t *tok_pos, int bs, float scale, int n_split) {
-    typedef tcw_shape<MT, KV> L;
+    typedef tcw_shape<MT, KV, OCV> L;
     constexpr int HA = L::HA, CLD = L::CLD, PLD = L::PLD, SLD = L::SLD, BK = L::BK;
     constexpr int NST = L::NST, RB = L::RB, NTR = L::NTR, NTW = L::NTW, DLD = L::DLD;
     extern __shared__ __align__(16) uint8_t tsh[];
     uint8_t *ring = tsh;                                      /* [NST][BK][DLD] */
     uint16_t *Cc = (uint16_t *)(ring + (size_t)NST * L::SB);  /* [2][BK][CLD] (FP8) */
-    float *Ss = (float *)(Cc + (L::CONV ? 2 * BK * CLD : 0)); /* [2][BK][4] (FP8) */
-    float *Sp = Ss + (L::CONV ? 2 * BK * 4 : 0);              /* [CG][HA][SLD] */
+    float *Ss = (float *)(Cc + (L::CONV ? 2 * BK * CLD : 0)); /* [2][BK][4] (FP8, not RAW) */
+    float *Sp = Ss + (L::CONV && !L::RAW ? 2 * BK * 4 : 0);   /* [CG][HA][SLD] */
     uint16_t *Ps = (uint16_t *)(Sp + L::CG * HA * SLD);       /* [2][NPG][HA][PLD] */
     float *m_sh = (float *)(Ps + 2 * L::NPG * HA * PLD), *l_sh = m_sh + HA,
           *a_sh = l_sh + HA; /* a [2][HA] */
@@ -586,39 +690,43 @@ __global__ void __launch_bounds__(512, 1)
     __syncthreads(); /* (the last barrier of the whole block) */
     if (!sg) {       /* tiles 0 and 1 landed (the groups of 2 and 3 may still be on their way) */
         asm volatile("cp.async.wait_group 2;\n" ::: "memory");
-        if constexpr (L::CONV && OCV) { /* FP8: converted by the O warps into C[0], C[1] */
-            bar_sync_n(TCW_O, 256);
-            for (int i = 0; i < 2 && i < ntile; i++) /* (O warp w: the S warp w's part) */
-                tcd_convert_f8<BK / L::RH, RB, CLD>(Cc + (size_t)i * BK * CLD, Ss + i * BK * 4,
-                                                    ring + (size_t)i * L::SB, (warp - 8) % L::CG,
-                                                    (warp - 8) / L::CG, lane);
-        }
         for (int i = 0; i < 2 && i < ntile; i++) bar_arrive_n(TCW_LAND + i, 512);
+        if constexpr (L::RAW) { /* tile 0's columns of this warp into C[0], once every O
+                                 * thread's copies of it landed */
+            bar_sync_n(TCW_O, 256);
+            if (ntile > 0) tcd_convert_f8_cols<BK, DLD, CLD>(Cc, ring, warp - 8, lane);
+        }
     }
     if (sg) {
         const int cg = warp % L::CG, rh = warp / L::CG;
         /* the S warps hold no outputs: the query's A fragments stay in their registers */
         uint32_t qf[MT][L::KSW][4];
-        tcd_query_regs<MT, KV, L::KSW>(qf, qbar, qr, ldqr, t, cg, lane);
+        tcd_query_regs<MT, KV, L::KSW, L::RAW>(qf, qbar, qr, ldqr, t, cg, lane);
         for (int it = 0; it < ntile; it++) {
             const int b = it & 1;
             /* tile it's rows landed, tile it - 2's outputs are done (P[b] and C[b] free), and
              * every S warp is past the last softmax (Sp free) */
             bar_sync_n(TCW_LAND + b, 512);
             const uint8_t *rs = ring + (size_t)(it % NST) * L::SB;
-            /* FP8 rows into C[b] and their scales into Ss[b]: by each S warp its own part (no
-             * barrier), or (OCV) by the O warps before LAND[b] */
+            /* FP8 rows into C[b] and their scales into Ss[b] by each S warp its own part (no
+             * barrier), or (RAW) the scores from the staged codes and scales */
             const uint16_t *C = L::CONV ? Cc + (size_t)b * BK * CLD : (const uint16_t *)rs;
-            float *Sb = Ss + b * BK * 4;
-            if constexpr (L::CONV && !OCV)
-                tcd_convert_f8<BK / L::RH, RB, CLD>(Cc + (size_t)b * BK * CLD, Sb, rs, cg, rh,
-                                                    lane);
-            tcd_scores<MT, KV, L::KSW, NTR, CLD, SLD, true>(Sp, C, nullptr, qf, Sb, cg, rh, lane);
+            float *Sw = Ss + b * BK * 4;
+            const float *Sb = L::RAW ? (const float *)(rs + TCD_R) : Sw;
+            if constexpr (L::RAW) {
+                tcd_scores_raw<MT, NTR, DLD, SLD>(Sp, rs, qf, cg, rh, lane);
+            } else {
+                if constexpr (L::CONV)
+                    tcd_convert_f8<BK / L::RH, RB, CLD>(Cc + (size_t)b * BK * CLD, Sw, rs, cg, rh,
+                                                        lane);
+                tcd_scores<MT, KV, L::KSW, NTR, CLD, SLD, true>(Sp, C, nullptr, qf, Sb, cg, rh,
+                                                                lane);
+            }
             bar_sync_n(TCW_S, L::NS);
             /* the online softmax: P and alpha into buffer b */
-            tcd_softmax<KV, HA, L::NS, BK, L::CG, SLD, PLD>(Sp, Ps + (size_t)b * L::NPG * HA * PLD,
-                                                            Sb, m_sh, l_sh, a_sh + b * HA, tid,
-                                                            j0 + it * BK, j1, scale);
+            tcd_softmax<KV, HA, L::NS, BK, L::CG, SLD, PLD, L::RAW ? DLD / 4 : 4>(
+                Sp, Ps + (size_t)b * L::NPG * HA * PLD, Sb, m_sh, l_sh, a_sh + b * HA, tid,
+                j0 + it * BK, j1, scale);
             bar_arrive_n(TCW_FULL + b, 512); /* (a release: P and alpha) */
         }
         bar_sync_n(TCW_S, L::NS); /* the last softmax's m and l */
@@ -648,16 +756,14 @@ __global__ void __launch_bounds__(512, 1)
         bar_sync_n(TCW_O, 256);
         stage(it + NST);
         asm volatile("cp.async.wait_group 2;\n" ::: "memory");
-        if (it + 2 < ntile) {
-            if constexpr (L::CONV && OCV) { /* FP8: tile it + 2 into C[b] once every O thread's
-                                             * copies of it landed */
-                bar_sync_n(TCW_O, 256);
-                tcd_convert_f8<BK / L::RH, RB, CLD>(Cc + (size_t)b * BK * CLD, Ss + b * BK * 4,
-                                                    ring + (size_t)((it + 2) % NST) * L::SB,
-                                                    wo % L::CG, wo / L::CG, lane);
-            }
-            bar_arrive_n(TCW_LAND + b, 512);
-        }
+        if (it + 2 < ntile) bar_arrive_n(TCW_LAND + b, 512);
+        /* RAW: tile it + 1's columns of this warp into C[b ^ 1] (its copies landed before this
+         * iteration's TCW_O barrier; the warp's reads of C[b ^ 1], tile it - 1's, are done) */
+        if constexpr (L::RAW)
+            if (it + 1 < ntile)
+                tcd_convert_f8_cols<BK, DLD, CLD>(Cc + (size_t)(b ^ 1) * BK * CLD,
+                                                  ring + (size_t)((it + 1) % NST) * L::SB, wo,
+                                                  lane);
     }
     cp_async_wait_all(); /* (the groups past the last tile are empty) */
     tcd_store<MT, NTW>(part_o, oacc, t, s, n_split, wo, lane, L::CONV ? TCD_F8_O : 1.0f);
@@ -735,8 +841,10 @@ int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int
             kernel = mt == 2 ? mla_tcw_k<2, DS_KV_FP8> : mla_tcw_k<1, DS_KV_FP8>;
         else
             kernel = mt == 2 ? mla_tcw_k<2, DS_KV_BF16> : mla_tcw_k<1, DS_KV_BF16>;
-        smem = f8 ? (mt == 2 ? tcw_shape<2, DS_KV_FP8>::SMEM : tcw_shape<1, DS_KV_FP8>::SMEM)
-                  : (mt == 2 ? tcw_shape<2, DS_KV_BF16>::SMEM : tcw_shape<1, DS_KV_BF16>::SMEM);
+        smem = ocv  ? (mt == 2 ? tcw_shape<2, DS_KV_FP8, true>::SMEM
+                               : tcw_shape<1, DS_KV_FP8, true>::SMEM)
+               : f8 ? (mt == 2 ? tcw_shape<2, DS_KV_FP8>::SMEM : tcw_shape<1, DS_KV_FP8>::SMEM)
+                    : (mt == 2 ? tcw_shape<2, DS_KV_BF16>::SMEM : tcw_shape<1, DS_KV_BF16>::SMEM);
         size_t *wset = &c->mla_tcw_smem[(mt - 1) + 2 * f8 + 2 * ocv];
         if (smem > *wset) {
             CU_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
