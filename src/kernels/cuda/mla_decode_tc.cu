@@ -265,6 +265,25 @@ static __device__ __forceinline__ void tcd_convert_f8_cols(uint16_t *C, const ui
     __syncwarp();
 }
 
+/* a score warp's C fragments sc (heads 16 mt + g (+8), rows (NTR rh + nt) 8 + 2 l4 (+1)) into its
+ * group cg's partial scores Sp [CG][HA][SLD] */
+template <int MT, int NTR, int SLD>
+static __device__ __forceinline__ void tcd_scores_out(float *Sp, const float (&sc)[MT][NTR][4],
+                                                      int cg, int rh, int lane) {
+    constexpr int HA = 16 * MT;
+    const int g = lane >> 2, l4 = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        float *sp = Sp + ((size_t)cg * HA + 16 * mt) * SLD + 8 * NTR * rh;
+#pragma unroll
+        for (int nt = 0; nt < NTR; nt++) {
+            *(float2 *)(sp + g * SLD + nt * 8 + 2 * l4) = make_float2(sc[mt][nt][0], sc[mt][nt][1]);
+            *(float2 *)(sp + (g + 8) * SLD + nt * 8 + 2 * l4) =
+                make_float2(sc[mt][nt][2], sc[mt][nt][3]);
+        }
+    }
+}
+
 /* Scores of every head over a warp's channels (group cg: KSW k-steps, tcd_kstep) and rows (half
  * rh: NTR 8-row tiles) of the tile C, into Sp [CG][HA][SLD]: the query's A fragments from qf
  * (QREG) or from Qs by ldmatrix; FP8 rows: the c part times 2^56 and the rows' scales Ss [BK][4]
@@ -273,8 +292,7 @@ template <int MT, int KV, int KSW, int NTR, int CLD, int SLD, bool QREG, int QM,
 static __device__ __forceinline__ void tcd_scores(float *Sp, const uint16_t *C, const uint16_t *Qs,
                                                   const uint32_t (&qf)[QM][QK][4], const float *Ss,
                                                   int cg, int rh, int lane) {
-    constexpr int HA = 16 * MT;
-    const int g = lane >> 2, l4 = lane & 3, mi = lane >> 3, mr = lane & 7;
+        const int l4 = lane & 3, mi = lane >> 3, mr = lane & 7;
     float sc[MT][NTR][4];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
@@ -320,16 +338,7 @@ static __device__ __forceinline__ void tcd_scores(float *Sp, const uint16_t *C, 
             }
         }
     }
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-        float *sp = Sp + ((size_t)cg * HA + 16 * mt) * SLD + 8 * NTR * rh;
-#pragma unroll
-        for (int nt = 0; nt < NTR; nt++) {
-            *(float2 *)(sp + g * SLD + nt * 8 + 2 * l4) = make_float2(sc[mt][nt][0], sc[mt][nt][1]);
-            *(float2 *)(sp + (g + 8) * SLD + nt * 8 + 2 * l4) =
-                make_float2(sc[mt][nt][2], sc[mt][nt][3]);
-        }
-    }
+    tcd_scores_out<MT, NTR, SLD>(Sp, sc, cg, rh, lane);
 }
 
 /* FP8 rows, the warp-specialized form's OCV: tcd_scores' products, with the B fragments taken
@@ -344,7 +353,7 @@ template <int MT, int NTR, int DLD, int SLD>
 static __device__ __forceinline__ void tcd_scores_raw(float *Sp, const uint8_t *rs,
                                                       const uint32_t (&qf)[MT][9][4], int cg,
                                                       int rh, int lane) {
-    constexpr int HA = 16 * MT, RA = TCD_R + 4 * (TCD_R / DS_KV_FP8_TILE);
+        constexpr int RA = TCD_R + 4 * (TCD_R / DS_KV_FP8_TILE);
     static_assert(RA % 16 == 0 && DLD % 16 == 0 && DS_KV_FP8_TILE == 128, "raw layout");
     const int g = lane >> 2, l4 = lane & 3;
     float sc[MT][NTR][4];
@@ -382,20 +391,11 @@ static __device__ __forceinline__ void tcd_scores_raw(float *Sp, const uint8_t *
             *(const uint2 *)(rs + ((NTR * rh + nt) * 8 + g) * DLD + RA + 2 * (16 * cg + 4 * l4));
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
-                        sc[mt][nt][0] *= s0, sc[mt][nt][1] *= s1, sc[mt][nt][2] *= s0, sc[mt][nt][3] *= s1;
+            sc[mt][nt][0] *= s0, sc[mt][nt][1] *= s1, sc[mt][nt][2] *= s0, sc[mt][nt][3] *= s1;
             mma_16816(sc[mt][nt], qf[mt][8], b.x, b.y);
         }
     }
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-        float *sp = Sp + ((size_t)cg * HA + 16 * mt) * SLD + 8 * NTR * rh;
-#pragma unroll
-        for (int nt = 0; nt < NTR; nt++) {
-            *(float2 *)(sp + g * SLD + nt * 8 + 2 * l4) = make_float2(sc[mt][nt][0], sc[mt][nt][1]);
-            *(float2 *)(sp + (g + 8) * SLD + nt * 8 + 2 * l4) =
-                make_float2(sc[mt][nt][2], sc[mt][nt][3]);
-        }
-    }
+    tcd_scores_out<MT, NTR, SLD>(Sp, sc, cg, rh, lane);
 }
 
 /* The online softmax of a tile whose first row is a (rows from j1 on masked) over its CG groups'
