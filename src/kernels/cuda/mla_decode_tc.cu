@@ -292,7 +292,7 @@ template <int MT, int KV, int KSW, int NTR, int CLD, int SLD, bool QREG, int QM,
 static __device__ __forceinline__ void tcd_scores(float *Sp, const uint16_t *C, const uint16_t *Qs,
                                                   const uint32_t (&qf)[QM][QK][4], const float *Ss,
                                                   int cg, int rh, int lane) {
-        const int l4 = lane & 3, mi = lane >> 3, mr = lane & 7;
+    const int l4 = lane & 3, mi = lane >> 3, mr = lane & 7;
     float sc[MT][NTR][4];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
@@ -348,12 +348,14 @@ static __device__ __forceinline__ void tcd_scores(float *Sp, const uint16_t *C, 
  * (g, l4) the channels 64 h + 16 l4 + 4 j + [0, 4) of its row g, so that one 16-byte load of a
  * row's codes is four k-steps' fragments (two tcd_e4m3x8 words a k-step); the rope k-step the
  * channels 16 cg + 4 l4 + [0, 4) (8 bytes, as stored). The c part times 2^56 and the rows' scales
- * (read where they were staged) before the rope k-step adds in, as in tcd_scores. */
-template <int MT, int NTR, int DLD, int SLD>
-static __device__ __forceinline__ void tcd_scores_raw(float *Sp, const uint8_t *rs,
+ * before the rope k-step adds in, as in tcd_scores; the warp first copies its rows' scale cg into
+ * St [4][BK] (rows DLD bytes apart meet two banks; there each lane's pair is one load, and the
+ * softmax reads all four after the scores' barrier). */
+template <int MT, int NTR, int BK, int DLD, int SLD>
+static __device__ __forceinline__ void tcd_scores_raw(float *Sp, float *St, const uint8_t *rs,
                                                       const uint32_t (&qf)[MT][9][4], int cg,
                                                       int rh, int lane) {
-        constexpr int RA = TCD_R + 4 * (TCD_R / DS_KV_FP8_TILE);
+    constexpr int RA = TCD_R + 4 * (TCD_R / DS_KV_FP8_TILE);
     static_assert(RA % 16 == 0 && DLD % 16 == 0 && DS_KV_FP8_TILE == 128, "raw layout");
     const int g = lane >> 2, l4 = lane & 3;
     float sc[MT][NTR][4];
@@ -362,6 +364,9 @@ static __device__ __forceinline__ void tcd_scores_raw(float *Sp, const uint8_t *
 #pragma unroll
         for (int i = 0; i < NTR; i++)
             sc[mt][i][0] = sc[mt][i][1] = sc[mt][i][2] = sc[mt][i][3] = 0.0f;
+    if (lane < 8 * NTR)
+        St[cg * BK + 8 * NTR * rh + lane] =
+            *(const float *)(rs + (8 * NTR * rh + lane) * DLD + TCD_R + 4 * cg);
     uint4 raw[NTR][2]; /* row (NTR rh + nt) 8 + g: codes 128 cg + 64 h + 16 l4 + [0, 16) */
 #pragma unroll
     for (int nt = 0; nt < NTR; nt++)
@@ -382,11 +387,11 @@ static __device__ __forceinline__ void tcd_scores_raw(float *Sp, const uint8_t *
             }
         }
     }
+    __syncwarp(); /* St's rows of this warp written */
 #pragma unroll
     for (int nt = 0; nt < NTR; nt++) { /* element e's row (NTR rh + nt) 8 + 2 l4 + e % 2 */
-        const uint8_t *r0 = rs + ((NTR * rh + nt) * 8 + 2 * l4) * DLD;
-        const float s0 = *(const float *)(r0 + TCD_R + 4 * cg) * TCD_F8_O;
-        const float s1 = *(const float *)(r0 + DLD + TCD_R + 4 * cg) * TCD_F8_O;
+        const float2 s = *(const float2 *)(St + cg * BK + (NTR * rh + nt) * 8 + 2 * l4);
+        const float s0 = s.x * TCD_F8_O, s1 = s.y * TCD_F8_O;
         const uint2 b =
             *(const uint2 *)(rs + ((NTR * rh + nt) * 8 + g) * DLD + RA + 2 * (16 * cg + 4 * l4));
 #pragma unroll
@@ -400,9 +405,8 @@ static __device__ __forceinline__ void tcd_scores_raw(float *Sp, const uint8_t *
 
 /* The online softmax of a tile whose first row is a (rows from j1 on masked) over its CG groups'
  * partial scores: NTH / HA threads a head (thread tid), BK / that rows each; P [HA][PLD] in BF16
- * (FP8 rows: P [4][HA][PLD], copy i times 2^64 and the rows' scales Ss [BK][SST] of tile i: SST 4,
- * or the staged rows' stride when read where they were staged), the rescale of each head into
- * al[h], m and l updated. */
+ * (FP8 rows: P [4][HA][PLD], copy i times 2^64 and the rows' scales Ss [BK][SST] of tile i, or
+ * with SST 0 Ss [4][BK]), the rescale of each head into al[h], m and l updated. */
 template <int KV, int HA, int NTH, int BK, int CG, int SLD, int PLD, int SST = 4>
 static __device__ __forceinline__ void tcd_softmax(const float *Sp, uint16_t *P, const float *Ss,
                                                    float *m_sh, float *l_sh, float *al, int tid,
@@ -429,8 +433,17 @@ static __device__ __forceinline__ void tcd_softmax(const float *Sp, uint16_t *P,
         const float p1 = v[e + 1] == -INFINITY ? 0.0f : expf(v[e + 1] - m_new);
         ps += p0 + p1;
         if constexpr (KV == DS_KV_FP8) {
-            const float4 s0 = *(const float4 *)(Ss + SST * (e0 + e)),
-                         s1 = *(const float4 *)(Ss + SST * (e0 + e + 1));
+            float4 s0, s1; /* rows e0 + e, e0 + e + 1: their four scales */
+            if constexpr (SST == 0) {
+                float2 st[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) st[i] = *(const float2 *)(Ss + i * BK + e0 + e);
+                s0 = make_float4(st[0].x, st[1].x, st[2].x, st[3].x);
+                s1 = make_float4(st[0].y, st[1].y, st[2].y, st[3].y);
+            } else {
+                s0 = *(const float4 *)(Ss + SST * (e0 + e));
+                s1 = *(const float4 *)(Ss + SST * (e0 + e + 1));
+            }
             const float q0 = p0 * TCD_F8_Q, q1 = p1 * TCD_F8_Q;
             uint32_t *pp = (uint32_t *)(P + h * PLD + e0 + e);
             pp[0] = pack_bf16x2(q0 * s0.x, q1 * s1.x);
@@ -627,14 +640,15 @@ template <int MT, int KV, bool OCV = false> struct tcw_shape {
      * of two rows' 64 codes each (a quarter warp) fall on all 32 banks once */
     static constexpr int DLD = RAW ? RB + (64 - RB % 128 + 128) % 128 : CONV ? RB : CLD * 2;
     static constexpr int SB = BK * DLD; /* a ring slot's bytes */
-    /* ring [NST][BK][DLD] bytes, (FP8) C [2][BK][CLD] bf16 and (not RAW: the rows' scales are
-     * read where they were staged) the rows' scales [2][BK][4] f32, partial scores [CG][HA][SLD]
-     * f32, P [2][NPG][HA][PLD] bf16, m and l [HA] f32, alpha [2][HA] f32 (the query's fragments
-     * are in the S warps' registers) */
+    /* ring [NST][BK][DLD] bytes, (FP8) C [2][BK][CLD] bf16 and the rows' scales [2][BK][4] f32
+     * (RAW: [4][BK], each tile's column, so that neither the scores' loads of rows 2 l4 nor the
+     * softmax's of rows 4 k meet a bank twice, as they would in the staged rows), partial scores
+     * [CG][HA][SLD] f32, P [2][NPG][HA][PLD] bf16, m and l [HA] f32, alpha [2][HA] f32 (the
+     * query's fragments are in the S warps' registers) */
+    static constexpr int NSS = CONV ? (RAW ? 4 * BK : 2 * BK * 4) : 0; /* the scales' floats */
     static constexpr size_t SMEM = (size_t)NST * SB + (CONV ? (size_t)2 * BK * CLD * 2 : 0) +
-                                   (CONV && !RAW ? (size_t)2 * BK * 4 * 4 : 0) +
-                                   (size_t)CG * HA * SLD * 4 + (size_t)2 * NPG * HA * PLD * 2 +
-                                   (size_t)4 * HA * 4;
+                                   (size_t)NSS * 4 + (size_t)CG * HA * SLD * 4 +
+                                   (size_t)2 * NPG * HA * PLD * 2 + (size_t)4 * HA * 4;
     static_assert(NKS % CG == 0 && NTR == 2 && NS % HA == 0 && (BK * HA / NS) % 2 == 0, "layout");
     static_assert(!RAW || (DLD % 128 == 64 && KSW == 9), "RAW: staged rows' banks, k-steps");
     static_assert(SMEM <= 227 * 1024, "shared memory");
@@ -662,8 +676,8 @@ __global__ void __launch_bounds__(512, 1)
     extern __shared__ __align__(16) uint8_t tsh[];
     uint8_t *ring = tsh;                                      /* [NST][BK][DLD] */
     uint16_t *Cc = (uint16_t *)(ring + (size_t)NST * L::SB);  /* [2][BK][CLD] (FP8) */
-    float *Ss = (float *)(Cc + (L::CONV ? 2 * BK * CLD : 0)); /* [2][BK][4] (FP8, not RAW) */
-    float *Sp = Ss + (L::CONV && !L::RAW ? 2 * BK * 4 : 0);   /* [CG][HA][SLD] */
+    float *Ss = (float *)(Cc + (L::CONV ? 2 * BK * CLD : 0)); /* [2][BK][4] (FP8; RAW [4][BK]) */
+    float *Sp = Ss + L::NSS;                                  /* [CG][HA][SLD] */
     uint16_t *Ps = (uint16_t *)(Sp + L::CG * HA * SLD);       /* [2][NPG][HA][PLD] */
     float *m_sh = (float *)(Ps + 2 * L::NPG * HA * PLD), *l_sh = m_sh + HA,
           *a_sh = l_sh + HA; /* a [2][HA] */
@@ -711,10 +725,10 @@ __global__ void __launch_bounds__(512, 1)
             /* FP8 rows into C[b] and their scales into Ss[b] by each S warp its own part (no
              * barrier), or (RAW) the scores from the staged codes and scales */
             const uint16_t *C = L::CONV ? Cc + (size_t)b * BK * CLD : (const uint16_t *)rs;
-            float *Sw = Ss + b * BK * 4;
-            const float *Sb = L::RAW ? (const float *)(rs + TCD_R) : Sw;
+            float *Sw = L::RAW ? Ss : Ss + b * BK * 4;
+            const float *Sb = Sw;
             if constexpr (L::RAW) {
-                tcd_scores_raw<MT, NTR, DLD, SLD>(Sp, rs, qf, cg, rh, lane);
+                tcd_scores_raw<MT, NTR, BK, DLD, SLD>(Sp, Ss, rs, qf, cg, rh, lane);
             } else {
                 if constexpr (L::CONV)
                     tcd_convert_f8<BK / L::RH, RB, CLD>(Cc + (size_t)b * BK * CLD, Sw, rs, cg, rh,
@@ -724,7 +738,7 @@ __global__ void __launch_bounds__(512, 1)
             }
             bar_sync_n(TCW_S, L::NS);
             /* the online softmax: P and alpha into buffer b */
-            tcd_softmax<KV, HA, L::NS, BK, L::CG, SLD, PLD, L::RAW ? DLD / 4 : 4>(
+            tcd_softmax<KV, HA, L::NS, BK, L::CG, SLD, PLD, L::RAW ? 0 : 4>(
                 Sp, Ps + (size_t)b * L::NPG * HA * PLD, Sb, m_sh, l_sh, a_sh + b * HA, tid,
                 j0 + it * BK, j1, scale);
             bar_arrive_n(TCW_FULL + b, 512); /* (a release: P and alpha) */
