@@ -298,6 +298,25 @@ void bench_mla_expanded(ds_cu *c, const cuda_ceilings *ceil) {
  *     every row once. Pages in order; the pool is a 64 MB random block of whole rows repeated.
  *     DS_BENCH_MLA_LONG="bf16 1048576": that dtype and length only, tensor cores only (for a
  *     profiler: tools/device/ncu_tcd.sh). */
+/* The timing build (pack_devbin.sh's DS_DEVBIN_CLOCKS): where the warp-specialized form's warps
+ * spent their cycles over the last 12 calls, by phase (shares of each group's, and the groups'
+ * cycles a warp a call); nothing in other builds. */
+static void tcw_phases(void) {
+    double now[10];
+    if (ds_cu_mla_tcw_clocks(now)) return;
+    static const char *phase[10] = {"LAND wait", "convert", "scores",    "S barrier", "softmax",
+                                    "FULL wait", "outputs", "O barrier", "stage",     "convert"};
+    for (int grp = 0; grp < 2; grp++) {
+        double tot = 0;
+        for (int i = 5 * grp; i < 5 * grp + 5; i++) tot += now[i];
+        printf("bench mla warp-specialized phases, %s warps (%.4g cycles a call, all warps):",
+               grp ? "O" : "S", tot / 12.0);
+        for (int i = 5 * grp; i < 5 * grp + 5; i++)
+            printf(" %s %.1f%%", phase[i], tot > 0 ? 100.0 * now[i] / tot : 0.0);
+        printf("\n");
+    }
+}
+
 static void bench_mla_long(ds_cu *c, double copy_gbs) {
     static const int ctxs[] = {32768, 131072, 1048576};
     ds_err err = {{0}};
@@ -354,6 +373,8 @@ static void bench_mla_long(ds_cu *c, double copy_gbs) {
                 ds_cu_set_mla_decode_tc_warps(c, tc == 3 ? 16 : 8);
                 ds_cu_set_mla_decode_ws(c, tc >= 4);
                 ds_cu_set_mla_ws_oconv(c, tc == 5);
+                double clk[10];
+                ds_cu_mla_tcw_clocks(clk); /* (zeroes them) */
                 const double ms = median_ms(c, run_mla_batch, &bc, 2, 10);
                 printf("bench mla absorbed decode 1 x %d rows, Ha=32, %s rows (%s): %.4f ms, "
                        "%.0f GB/s of cache (%.0f%% of copy)\n",
@@ -365,6 +386,7 @@ static void bench_mla_long(ds_cu *c, double copy_gbs) {
                        : tc      ? "tensor cores"
                                  : "all heads, f32",
                        ms, bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
+                if (tc >= 4) tcw_phases();
             }
             ds_cu_set_mla_all_heads(c, 0);
             ds_cu_set_mla_decode_tc(c, 0);

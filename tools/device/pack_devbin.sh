@@ -31,9 +31,10 @@ for t in ${DS_DEVBIN_TESTS-test_model_forward test_model_pipeline test_model_dra
   cp "$BC/$t" .devbin/
 done
 # DS_DEVBIN_CLOCKS=1: also test_cuda_kernels_clk, whose chunked KDA first pass counts the cycles
-# of each phase (`--bench-only kda` prints the shares)
+# of each phase (`--bench-only kda` prints the shares), and so does the warp-specialized MLA
+# decode kernel (`--bench-only mla` with DS_BENCH_MLA_LONG)
 if [ "${DS_DEVBIN_CLOCKS:-0}" = 1 ]; then
-  NVCC_EXTRA=-DDS_KDA_PREP_CLOCKS tools/cuda_build.sh build-cuda-clk >/dev/null
+  NVCC_EXTRA="-DDS_KDA_PREP_CLOCKS -DDS_MLA_TCW_CLOCKS" tools/cuda_build.sh build-cuda-clk >/dev/null
   cp build-cuda-clk/test_cuda_kernels .devbin/test_cuda_kernels_clk
 fi
 # DS_DEVBIN_F8BITS=1: also test_cuda_kernels_f8bits and deltaserve_f8bits, built with

@@ -397,6 +397,10 @@ void ds_cu_set_mla_decode_ws(ds_cu *c, int min_rows);
  * the tile for both (off: the 8-warp 32-row form's words; on: each k-step's channels added in
  * another order). The engine's value: DS_CUDA_MLA_WS_OCONV (tuning.c). */
 void ds_cu_set_mla_ws_oconv(ds_cu *c, int on);
+/* Built with DS_MLA_TCW_CLOCKS: the cycles the warp-specialized form's warps spent in each of its
+ * ten phases since the last call (mla_decode_tc.cu; lane 0 of every warp summed; then zeroed); -1
+ * in other builds. */
+int ds_cu_mla_tcw_clocks(double cycles[10]);
 
 /* ---- glue for the model forward (src/backend/cuda/step.c, layers.c) ---- */
 /* Batch-invariant matmuls (see ds_model_opts.batch_invariant): on, every ds_cu_matmul streams the

@@ -654,6 +654,49 @@ template <int MT, int KV, bool OCV = false> struct tcw_shape {
     static_assert(SMEM <= 227 * 1024, "shared memory");
 };
 
+/* Built with -DDS_MLA_TCW_CLOCKS (pack_devbin.sh's timing build), the warp-specialized kernel adds
+ * up the cycles each warp's lane 0 spends in each phase of its loop (clock() between the marks;
+ * a phase's asynchronous loads and mma may finish in the next one) for ds_cu_mla_tcw_clocks: S
+ * warps 0 LAND's wait, 1 the FP8 conversion (the default form), 2 the scores, 3 their barrier, 4
+ * the softmax; O warps 5 FULL's wait, 6 the outputs, 7 their barrier, 8 the staging and LAND, 9
+ * the conversion of their columns (OCV). Otherwise the marks are nothing. */
+#ifdef DS_MLA_TCW_CLOCKS
+__device__ unsigned long long g_mla_tcw_clk[10];
+#define TCW_CLK_START()                                                                            \
+    unsigned tclk_ = (unsigned)clock();                                                            \
+    unsigned tacc_[10] = {}
+#define TCW_CLK(k)                                                                                 \
+    do {                                                                                           \
+        const unsigned t_ = (unsigned)clock();                                                     \
+        tacc_[k] += t_ - tclk_; /* (a warp's sum over its tiles fits 32 bits) */                   \
+        tclk_ = t_;                                                                                \
+    } while (0)
+#define TCW_CLK_END()                                                                              \
+    do {                                                                                           \
+        if (lane == 0)                                                                             \
+            for (int k_ = 0; k_ < 10; k_++)                                                        \
+                if (tacc_[k_]) atomicAdd(&g_mla_tcw_clk[k_], (unsigned long long)tacc_[k_]);       \
+    } while (0)
+#else
+#define TCW_CLK_START()
+#define TCW_CLK(k)
+#define TCW_CLK_END()
+#endif
+
+extern "C" int ds_cu_mla_tcw_clocks(double cycles[10]) {
+#ifdef DS_MLA_TCW_CLOCKS
+    unsigned long long h[10];
+    if (cudaMemcpyFromSymbol(h, g_mla_tcw_clk, sizeof h) != cudaSuccess) return -1;
+    for (int i = 0; i < 10; i++) cycles[i] = (double)h[i];
+    static const unsigned long long zero[10] = {0};
+    cudaMemcpyToSymbol(g_mla_tcw_clk, zero, sizeof zero);
+    return 0;
+#else
+    (void)cycles;
+    return -1;
+#endif
+}
+
 /* named barriers (0 is __syncthreads'): the S warps; the O warps; FULL[2]; LAND[2] */
 enum { TCW_S = 1, TCW_O = 2, TCW_FULL = 3, TCW_LAND = 5 };
 static __device__ __forceinline__ void bar_sync_n(int id, int n) {
@@ -716,11 +759,13 @@ __global__ void __launch_bounds__(512, 1)
         /* the S warps hold no outputs: the query's A fragments stay in their registers */
         uint32_t qf[MT][L::KSW][4];
         tcd_query_regs<MT, KV, L::KSW, L::RAW>(qf, qbar, qr, ldqr, t, cg, lane);
+        TCW_CLK_START();
         for (int it = 0; it < ntile; it++) {
             const int b = it & 1;
             /* tile it's rows landed, tile it - 2's outputs are done (P[b] and C[b] free), and
              * every S warp is past the last softmax (Sp free) */
             bar_sync_n(TCW_LAND + b, 512);
+            TCW_CLK(0);
             const uint8_t *rs = ring + (size_t)(it % NST) * L::SB;
             /* FP8 rows into C[b] and their scales into Ss[b] by each S warp its own part (no
              * barrier), or (RAW) the scores from the staged codes and scales */
@@ -733,16 +778,21 @@ __global__ void __launch_bounds__(512, 1)
                 if constexpr (L::CONV)
                     tcd_convert_f8<BK / L::RH, RB, CLD>(Cc + (size_t)b * BK * CLD, Sw, rs, cg, rh,
                                                         lane);
+                TCW_CLK(1);
                 tcd_scores<MT, KV, L::KSW, NTR, CLD, SLD, true>(Sp, C, nullptr, qf, Sb, cg, rh,
                                                                 lane);
             }
+            TCW_CLK(2);
             bar_sync_n(TCW_S, L::NS);
+            TCW_CLK(3);
             /* the online softmax: P and alpha into buffer b */
             tcd_softmax<KV, HA, L::NS, BK, L::CG, SLD, PLD, L::RAW ? 0 : 4>(
                 Sp, Ps + (size_t)b * L::NPG * HA * PLD, Sb, m_sh, l_sh, a_sh + b * HA, tid,
                 j0 + it * BK, j1, scale);
             bar_arrive_n(TCW_FULL + b, 512); /* (a release: P and alpha) */
+            TCW_CLK(4);
         }
+        TCW_CLK_END();
         bar_sync_n(TCW_S, L::NS); /* the last softmax's m and l */
         if (tid < HA) {
             float *pml = part_ml + (((size_t)t * HA + tid) * n_split + s) * 2;
@@ -757,20 +807,25 @@ __global__ void __launch_bounds__(512, 1)
 #pragma unroll
         for (int i = 0; i < NTW; i++)
             oacc[mt][i][0] = oacc[mt][i][1] = oacc[mt][i][2] = oacc[mt][i][3] = 0.0f;
+    TCW_CLK_START();
     for (int it = 0; it < ntile; it++) {
         const int b = it & 1;
         bar_sync_n(TCW_FULL + b, 512);
+        TCW_CLK(5);
         const uint16_t *C = L::CONV ? Cc + (size_t)b * BK * CLD
                                     : (const uint16_t *)(ring + (size_t)(it % NST) * L::SB);
         /* (FP8 rows: warp wo's 64 columns lie in scale tile wo / 2, P's copy wo / 2) */
         const uint16_t *P = Ps + ((size_t)b * L::NPG + (L::CONV ? wo >> 1 : 0)) * HA * PLD;
         tcd_outputs<MT, NTW, BK, CLD, PLD>(oacc, P, C, a_sh + b * HA, wo, lane);
+        TCW_CLK(6);
         /* ring slot it % NST takes tile it + 4 once every O warp is done with it (the S warps
          * were before FULL); tile it + 2's rows landed, buffers P[b] and C[b] free: LAND[b] */
         bar_sync_n(TCW_O, 256);
+        TCW_CLK(7);
         stage(it + NST);
         asm volatile("cp.async.wait_group 2;\n" ::: "memory");
         if (it + 2 < ntile) bar_arrive_n(TCW_LAND + b, 512);
+        TCW_CLK(8);
         /* RAW: tile it + 1's columns of this warp into C[b ^ 1] (its copies landed before this
          * iteration's TCW_O barrier; the warp's reads of C[b ^ 1], tile it - 1's, are done) */
         if constexpr (L::RAW)
@@ -778,7 +833,9 @@ __global__ void __launch_bounds__(512, 1)
                 tcd_convert_f8_cols<BK, DLD, CLD>(Cc + (size_t)(b ^ 1) * BK * CLD,
                                                   ring + (size_t)((it + 1) % NST) * L::SB, wo,
                                                   lane);
+        TCW_CLK(9);
     }
+    TCW_CLK_END();
     cp_async_wait_all(); /* (the groups past the last tile are empty) */
     tcd_store<MT, NTW>(part_o, oacc, t, s, n_split, wo, lane, L::CONV ? TCD_F8_O : 1.0f);
 }
