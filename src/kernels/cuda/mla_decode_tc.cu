@@ -181,16 +181,24 @@ static __device__ __forceinline__ void tcd_split(const int32_t *tok_pos, int t, 
 
 /* rows [a, a + BK) of a token's context (page table `table`, pages of bs rows; from j1 on, zeros)
  * into dst, DLD bytes apart, by cp.async: a warp a row (warps w0, w0 + NWS, ..), its lanes along
- * it, the page looked up once a row. (sm_90's bulk copies, one instruction a row, were tried in
- * session 33: no faster, bench/RESULTS.md.) */
+ * it, the page looked up once a row — every row's page first, so that the warp waits for its
+ * lookups once, not once a row: with most of L1 given to shared memory a lookup is a trip to L2,
+ * and four of them in a row were most of the staging warps' time a tile (the timing build,
+ * bench/RESULTS.md session 43). (sm_90's bulk copies, one instruction a row, were tried in session
+ * 33: no faster.) */
 template <int BK, int RB, int DLD, int NWS>
 static __device__ __forceinline__ void tcd_stage_rows(uint8_t *dst, const void *pool,
                                                       const int32_t *table, int bs, int a, int j1,
                                                       int w0, int lane) {
-    for (int j = w0; j < BK; j += NWS) {
-        const int p = min(a + j, j1 - 1);
-        const uint8_t *src =
-            (const uint8_t *)pool + ((size_t)__ldg(table + p / bs) * bs + p % bs) * RB;
+    static_assert(BK % NWS == 0, "whole rows a warp");
+    constexpr int RPW = BK / NWS; /* rows a warp */
+    int page[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; r++) page[r] = __ldg(table + min(a + w0 + r * NWS, j1 - 1) / bs);
+#pragma unroll
+    for (int r = 0; r < RPW; r++) {
+        const int j = w0 + r * NWS, p = min(a + j, j1 - 1);
+        const uint8_t *src = (const uint8_t *)pool + ((size_t)page[r] * bs + p % bs) * RB;
         for (int c = lane; c < RB / 16; c += 32)
             cp_async16_zfill(dst + j * DLD + 16 * c, src + 16 * c, a + j < j1);
     }
