@@ -107,9 +107,10 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
      * forms at a million rows, the kernel and a decode step, slower at 128K rows (bench/RESULTS.md
      * sessions 41, 42) */
     t->mla_decode_ws = env_count("DS_CUDA_MLA_DECODE_WS", 1 << 20);
-    /* its FP8 rows converted by its output warps: written in session 42 after the GPU time, not
-     * yet run on one, so off (bench/RESULTS.md session 42) */
-    t->mla_ws_oconv = env_flag("DS_CUDA_MLA_WS_OCONV", 0);
+            /* its FP8 scores straight from the staged codes, each output warp converting its own columns:
+     * faster than the score warps converting the tile, over the kernel alone and a decode step
+     * after 1M FP8 tokens (bench/RESULTS.md session 43) */
+    t->mla_ws_oconv = env_flag("DS_CUDA_MLA_WS_OCONV", 1);
     const char *pdl = getenv("DS_CUDA_PDL"); /* (on unless exactly "0", as the kernels read it) */
     t->pdl = !(pdl && !strcmp(pdl, "0"));
     t->profile = env_flag("DS_CUDA_PROFILE", 0);
