@@ -186,32 +186,22 @@ static __device__ __forceinline__ void tcd_split(const int32_t *tok_pos, int t, 
  * and four of them in a row were most of the staging warps' time a tile (the timing build,
  * bench/RESULTS.md session 43). (sm_90's bulk copies, one instruction a row, were tried in session
  * 33: no faster.) */
-template <int BK, int NWS>
-static __device__ __forceinline__ void tcd_stage_pages(int (&page)[BK / NWS], const int32_t *table,
-                                                       int bs, int a, int j1, int w0) {
-    static_assert(BK % NWS == 0, "whole rows a warp");
-#pragma unroll
-    for (int r = 0; r < BK / NWS; r++) page[r] = __ldg(table + min(a + w0 + r * NWS, j1 - 1) / bs);
-}
 template <int BK, int RB, int DLD, int NWS>
-static __device__ __forceinline__ void tcd_stage_copy(uint8_t *dst, const void *pool,
-                                                      const int (&page)[BK / NWS], int bs, int a,
-                                                      int j1, int w0, int lane) {
+static __device__ __forceinline__ void tcd_stage_rows(uint8_t *dst, const void *pool,
+                                                      const int32_t *table, int bs, int a, int j1,
+                                                      int w0, int lane) {
+    static_assert(BK % NWS == 0, "whole rows a warp");
+    constexpr int RPW = BK / NWS; /* rows a warp */
+    int page[RPW];
 #pragma unroll
-    for (int r = 0; r < BK / NWS; r++) {
+    for (int r = 0; r < RPW; r++) page[r] = __ldg(table + min(a + w0 + r * NWS, j1 - 1) / bs);
+#pragma unroll
+    for (int r = 0; r < RPW; r++) {
         const int j = w0 + r * NWS, p = min(a + j, j1 - 1);
         const uint8_t *src = (const uint8_t *)pool + ((size_t)page[r] * bs + p % bs) * RB;
         for (int c = lane; c < RB / 16; c += 32)
             cp_async16_zfill(dst + j * DLD + 16 * c, src + 16 * c, a + j < j1);
     }
-}
-template <int BK, int RB, int DLD, int NWS>
-static __device__ __forceinline__ void tcd_stage_rows(uint8_t *dst, const void *pool,
-                                                      const int32_t *table, int bs, int a, int j1,
-                                                      int w0, int lane) {
-    int page[BK / NWS];
-    tcd_stage_pages<BK, NWS>(page, table, bs, a, j1, w0);
-    tcd_stage_copy<BK, RB, DLD, NWS>(dst, pool, page, bs, a, j1, w0, lane);
 }
 
 /* the whole query of token t as BF16 pairs, Qs [HA][CLD], by threads tid, tid + NTH, .. */
@@ -758,17 +748,9 @@ __global__ void __launch_bounds__(512, 1)
         }
         cp_async_commit();
     };
-    /* the O warps' pages of tile it + NST, looked up a tile ahead of its copies (the lookups' trip
-     * to L2 then overlaps the wait for FULL and the outputs) */
-    int pg[BK / 8];
-    auto lookup = [&](int it) {
-        if (it < ntile) tcd_stage_pages<BK, 8>(pg, table, bs, j0 + it * BK, j1, warp - 8);
-    };
     const bool sg = warp < 8;
-    if (!sg) {
+    if (!sg)
         for (int i = 0; i < NST; i++) stage(i); /* the ring's first tiles */
-        lookup(NST);
-    }
     if (tid < HA) m_sh[tid] = -INFINITY, l_sh[tid] = 0.0f;
     __syncthreads(); /* (the last barrier of the whole block) */
     if (!sg) {       /* tiles 0 and 1 landed (the groups of 2 and 3 may still be on their way) */
@@ -848,11 +830,7 @@ __global__ void __launch_bounds__(512, 1)
          * were before FULL); tile it + 2's rows landed, buffers P[b] and C[b] free: LAND[b] */
         bar_sync_n(TCW_O, 256);
         TCW_CLK(7);
-        if (it + NST < ntile)
-            tcd_stage_copy<BK, RB, DLD, 8>(ring + (size_t)(it % NST) * L::SB, pool, pg, bs,
-                                           j0 + (it + NST) * BK, j1, warp - 8, lane);
-        cp_async_commit();
-        lookup(it + NST + 1);
+        stage(it + NST);
         asm volatile("cp.async.wait_group 2;\n" ::: "memory");
         if (it + 2 < ntile) bar_arrive_n(TCW_LAND + b, 512);
         TCW_CLK(8);
