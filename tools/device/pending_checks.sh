@@ -93,11 +93,10 @@
 #      (long48.sh), then after 1M BF16 tokens with DS_CUDA_MLA_DECODE_WS 1 (now BF16's default
 #      there) and 0, ROUNDS rounds (default 1), alternating; BINS24="" the new binaries alone;
 #      NCU24=1 also Nsight Compute on the warp-specialized kernel (ncu_tcd.sh), FP8 and BF16 rows.
-#      Session 42 ran the kernels and the FP8 decode on an H100 (bench/RESULTS.md); not yet run:
-#      the per-row checks with power-of-two scales, the form's FP8 scores from the staged codes
-#      (DS_CUDA_MLA_WS_OCONV, rewritten in session 43: its checks, all_heads 7, its kernel line
-#      and a decode after 1M FP8 tokens), BF16's decode after 1M with the form on and off, and the
-#      H200.
+#      Session 42 ran the kernels and the FP8 decode on an H100; session 43 the rest on an H100
+#      (the per-row checks, the FP8 scores from the staged codes, now the default, BF16's decode
+#      after 1M with the form on and off: bench/RESULTS.md). Not yet run: any of it on the H200.
+#      (BINS24="" skips the loops over binaries; name a suffix list to run them.)
 # STEPS: which of them (default "24 22": 22 has not run in its final form, 23 ran in session 41 on an
 # H100 without its BF16 decode runs and not on the H200; 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
 # 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
