@@ -299,8 +299,8 @@ void bench_mla_expanded(ds_cu *c, const cuda_ceilings *ceil) {
  *     DS_BENCH_MLA_LONG="bf16 1048576": that dtype and length only, tensor cores only (for a
  *     profiler: tools/device/ncu_tcd.sh). */
 /* The timing build (pack_devbin.sh's DS_DEVBIN_CLOCKS): where the warp-specialized form's warps
- * spent their cycles over the last 12 calls, by phase (shares of each group's, and the groups'
- * cycles a warp a call); nothing in other builds. */
+  * spent their cycles over the last 12 calls, by phase (shares of each group's cycles, and each
+ * group's cycles a call, all its warps summed); nothing in other builds. */
 static void tcw_phases(void) {
     double now[10];
     if (ds_cu_mla_tcw_clocks(now)) return;

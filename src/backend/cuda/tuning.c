@@ -107,7 +107,7 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
      * forms at a million rows, the kernel and a decode step, slower at 128K rows (bench/RESULTS.md
      * sessions 41, 42) */
     t->mla_decode_ws = env_count("DS_CUDA_MLA_DECODE_WS", 1 << 20);
-            /* its FP8 scores straight from the staged codes, each output warp converting its own columns:
+    /* its FP8 scores straight from the staged codes, each output warp converting its own columns:
      * faster than the score warps converting the tile, over the kernel alone and a decode step
      * after 1M FP8 tokens (bench/RESULTS.md session 43) */
     t->mla_ws_oconv = env_flag("DS_CUDA_MLA_WS_OCONV", 1);
