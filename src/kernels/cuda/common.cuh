@@ -189,6 +189,17 @@ static inline void note_launch(ds_cu *c) {
     if (e != cudaSuccess && c->sticky == cudaSuccess) c->sticky = e;
 }
 
+/* a timing build's per-phase cycle counters (a __device__ array, kda_chunked.cu's and
+ * mla_decode_tc.cu's): copied into cycles, then zeroed; -1 on a CUDA error */
+template <size_t N>
+static inline int take_clocks(unsigned long long (&counters)[N], double *cycles) {
+    unsigned long long h[N];
+    if (cudaMemcpyFromSymbol(h, counters, sizeof h) != cudaSuccess) return -1;
+    for (size_t i = 0; i < N; i++) cycles[i] = (double)h[i];
+    static const unsigned long long zero[N] = {0};
+    return cudaMemcpyToSymbol(counters, zero, sizeof zero) == cudaSuccess ? 0 : -1;
+}
+
 /* Is the stream recording a graph? (The experts' cuBLAS path reads their layout on the host, which
  * a capture cannot; nor can the profile's events record.) */
 static inline int capturing(ds_cu *c) {

@@ -31,12 +31,7 @@ __device__ unsigned long long g_kda_prep_clk[6];
 
 extern "C" int ds_cu_kda_prep_clocks(double cycles[6]) {
 #ifdef DS_KDA_PREP_CLOCKS
-    unsigned long long h[6];
-    if (cudaMemcpyFromSymbol(h, g_kda_prep_clk, sizeof h) != cudaSuccess) return -1;
-    for (int i = 0; i < 6; i++) cycles[i] = (double)h[i];
-    static const unsigned long long zero[6] = {0};
-    cudaMemcpyToSymbol(g_kda_prep_clk, zero, sizeof zero);
-    return 0;
+    return take_clocks(g_kda_prep_clk, cycles);
 #else
     (void)cycles;
     return -1;

@@ -693,12 +693,7 @@ __device__ unsigned long long g_mla_tcw_clk[10];
 
 extern "C" int ds_cu_mla_tcw_clocks(double cycles[10]) {
 #ifdef DS_MLA_TCW_CLOCKS
-    unsigned long long h[10];
-    if (cudaMemcpyFromSymbol(h, g_mla_tcw_clk, sizeof h) != cudaSuccess) return -1;
-    for (int i = 0; i < 10; i++) cycles[i] = (double)h[i];
-    static const unsigned long long zero[10] = {0};
-    cudaMemcpyToSymbol(g_mla_tcw_clk, zero, sizeof zero);
-    return 0;
+    return take_clocks(g_mla_tcw_clk, cycles);
 #else
     (void)cycles;
     return -1;
