@@ -773,13 +773,12 @@ __global__ void __launch_bounds__(512, 1)
             /* FP8 rows into C[b] and their scales into Ss[b] by each S warp its own part (no
              * barrier), or (RAW) the scores from the staged codes and scales */
             const uint16_t *C = L::CONV ? Cc + (size_t)b * BK * CLD : (const uint16_t *)rs;
-            float *Sw = L::RAW ? Ss : Ss + b * BK * 4;
-            const float *Sb = Sw;
+            float *Sb = L::RAW ? Ss : Ss + b * BK * 4;
             if constexpr (L::RAW) {
-                tcd_scores_raw<MT, NTR, BK, DLD, SLD>(Sp, Ss, rs, qf, cg, rh, lane);
+                tcd_scores_raw<MT, NTR, BK, DLD, SLD>(Sp, Sb, rs, qf, cg, rh, lane);
             } else {
                 if constexpr (L::CONV)
-                    tcd_convert_f8<BK / L::RH, RB, CLD>(Cc + (size_t)b * BK * CLD, Sw, rs, cg, rh,
+                    tcd_convert_f8<BK / L::RH, RB, CLD>(Cc + (size_t)b * BK * CLD, Sb, rs, cg, rh,
                                                         lane);
                 TCW_CLK(1);
                 tcd_scores<MT, KV, L::KSW, NTR, CLD, SLD, true>(Sp, C, nullptr, qf, Sb, cg, rh,
@@ -857,6 +856,12 @@ template <int KV, int BK, int NW = 8> static void tcd_pick(int mt, tcd_fn *k, si
     *smem = mt == 2 ? tcd_shape<2, KV, BK, NW>::SMEM : tcd_shape<1, KV, BK, NW>::SMEM;
 }
 
+/* the same for the warp-specialized form (OCV: FP8 scores from the staged codes) */
+template <int KV, bool OCV = false> static void tcw_pick(int mt, tcd_fn *k, size_t *smem) {
+    *k = mt == 2 ? mla_tcw_k<2, KV, OCV> : mla_tcw_k<1, KV, OCV>;
+    *smem = mt == 2 ? tcw_shape<2, KV, OCV>::SMEM : tcw_shape<1, KV, OCV>::SMEM;
+}
+
 extern "C" void ds_cu_set_mla_decode_tc_tile(ds_cu *c, int rows) {
     c->mla_decode_tc_tile = rows;
 }
@@ -910,15 +915,11 @@ int mla_decode_tc(ds_cu *c, float *obar, const float *qbar, const float *qr, int
     if (ws) { /* the warp-specialized form: 16 warps, 32-row tiles */
         const int f8 = kv_dtype == DS_KV_FP8, ocv = f8 && c->mla_ws_oconv;
         if (ocv)
-            kernel = mt == 2 ? mla_tcw_k<2, DS_KV_FP8, true> : mla_tcw_k<1, DS_KV_FP8, true>;
+            tcw_pick<DS_KV_FP8, true>(mt, &kernel, &smem);
         else if (f8)
-            kernel = mt == 2 ? mla_tcw_k<2, DS_KV_FP8> : mla_tcw_k<1, DS_KV_FP8>;
+            tcw_pick<DS_KV_FP8>(mt, &kernel, &smem);
         else
-            kernel = mt == 2 ? mla_tcw_k<2, DS_KV_BF16> : mla_tcw_k<1, DS_KV_BF16>;
-        smem = ocv  ? (mt == 2 ? tcw_shape<2, DS_KV_FP8, true>::SMEM
-                               : tcw_shape<1, DS_KV_FP8, true>::SMEM)
-               : f8 ? (mt == 2 ? tcw_shape<2, DS_KV_FP8>::SMEM : tcw_shape<1, DS_KV_FP8>::SMEM)
-                    : (mt == 2 ? tcw_shape<2, DS_KV_BF16>::SMEM : tcw_shape<1, DS_KV_BF16>::SMEM);
+            tcw_pick<DS_KV_BF16>(mt, &kernel, &smem);
         size_t *wset = &c->mla_tcw_smem[(mt - 1) + 2 * f8 + 2 * ocv];
         if (smem > *wset) {
             CU_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
