@@ -59,7 +59,8 @@ static void check_kda(ds_cu *c, int T, int H, int dk, int dv, int rows) {
  * outputs, final states and rows against the CPU's recurrence of each sequence alone. Decays as
  * strong as g_min per token (at -3, a chunk's running decay reaches e^-192: any exponent taken
  * the wrong way round overflows). */
-static int g_kda_tc; /* ds_cu_set_kda_tc's mode as set by the caller (1 TF32, 3 3xTF32) */
+static int g_kda_tc;          /* ds_cu_set_kda_tc's mode as set by the caller (1 TF32, 3 3xTF32) */
+static int g_kda_prep_tc = 1; /* ds_cu_set_kda_prep_tc's as set by the caller */
 static void check_kda_step(ds_cu *c, const int *lens, const int *rows, int n_seq, int H, int dk,
                            int dv, float g_min, int chunked_min) {
     int off[17], cs[16], cl[16], nc = 0;
@@ -145,6 +146,80 @@ static void check_kda_step(ds_cu *c, const int *lens, const int *rows, int n_seq
     ds_cu_dealloc(doff), ds_cu_dealloc(dsp), ds_cu_dealloc(drp), ds_cu_dealloc(dcsp);
     free(q), free(k), free(v), free(g), free(beta), free(S0), free(Sref), free(Sgot);
     free(oref), free(ogot), free(Rref), free(Rgot);
+}
+
+/* Chunked KDA on raw inputs (ds_cu_kda_chunked_raw: the gate, beta and head norms inside its
+ * first pass) against the launches it replaces — ds_cu_kda_gate, ds_cu_l2norm_heads2, then
+ * ds_cu_kda_chunked — word for word, outputs and states, in the context's mode: lens [n_seq]
+ * (all chunked), f_b's outputs f and beta's logits (strided, as the model's projection leaves
+ * them) drawn wide enough that the gate's decays range from nothing to emptying the state. */
+static void check_kda_raw(ds_cu *c, const int *lens, int n_seq, int H, int D, int lb_form) {
+    int cs[16], T = 0;
+    for (int z = 0; z < n_seq; z++) cs[z] = T, T += lens[z];
+    const int ld = H + 5; /* b_in [T][ld], the logits at columns [2, 2 + H) */
+    const size_t n = (size_t)T * H * D, ns = (size_t)H * D * D;
+    float *q = rand_f32(n, -2, 2), *k = rand_f32(n, -2, 2), *v = rand_f32(n, -1, 1);
+    float *f = rand_f32(n, -6, 3), *A = rand_f32((size_t)H, -2, 0.5f);
+    float *bias = rand_f32((size_t)H * D, -1, 1), *bi = rand_f32((size_t)T * ld, -4, 4);
+    float *S0 = rand_f32(ns * n_seq, -0.5f, 0.5f);
+    float *dq = dev(c, q, n * 4), *dk = dev(c, k, n * 4), *dv = dev(c, v, n * 4);
+    float *df = dev(c, f, n * 4), *dA = dev(c, A, (size_t)H * 4);
+    float *dbias = dev(c, bias, (size_t)H * D * 4), *dbi = dev(c, bi, (size_t)T * ld * 4);
+    float *dg = dev(c, NULL, n * 4), *dbeta = dev(c, NULL, (size_t)T * H * 4);
+    float *dqn = dev(c, q, n * 4), *dkn = dev(c, k, n * 4); /* normalized by the launches */
+    float *dS = dev(c, S0, ns * n_seq * 4), *dS2 = dev(c, S0, ns * n_seq * 4);
+    float *dout = dev(c, NULL, n * 4), *dout2 = dev(c, NULL, n * 4);
+    float *sp[16], *sp2[16];
+    for (int z = 0; z < n_seq; z++) sp[z] = dS + z * ns, sp2[z] = dS2 + z * ns;
+    float **dsp = dev(c, sp, n_seq * sizeof *sp), **dsp2 = dev(c, sp2, n_seq * sizeof *sp2);
+    const float q_scale = 1.0f / sqrtf((float)D), lb = -5.0f, eps = 1e-6f;
+    poison(c, dout, n * 4);
+    poison(c, dout2, n * 4);
+    ds_err err = {{0}};
+    ds_cu_kda_gate(c, dg, df, T, H, D, dA, dbias, lb_form, lb, dbeta, dbi + 2, ld);
+    ds_cu_l2norm_heads2(c, dqn, q_scale, dkn, 1.0f, T, H, D, eps);
+    if (ds_cu_kda_chunked(c, dout, dqn, dkn, dv, dg, dbeta, cs, lens, dsp, n_seq, H, D, D, &err))
+        DIE("%s", err.msg);
+    const ds_cu_kda_raw raw = {dA, dbias, lb_form, lb, dbi + 2, ld, q_scale, eps};
+    if (ds_cu_kda_chunked_raw(c, dout2, dq, dk, dv, df, &raw, cs, lens, dsp2, n_seq, H, D, D, &err))
+        DIE("%s", err.msg);
+    float *o1 = malloc(n * 4), *o2 = malloc(n * 4);
+    float *s1 = malloc(ns * n_seq * 4), *s2 = malloc(ns * n_seq * 4);
+    fetch(c, o1, dout, n * 4);
+    fetch(c, o2, dout2, n * 4);
+    fetch(c, s1, dS, ns * n_seq * 4);
+    fetch(c, s2, dS2, ns * n_seq * 4);
+    char what[112];
+    snprintf(what, sizeof what,
+             "kda raw inputs, %d seqs (T=%d) H=%d D=%d mode %d%s%s: words differing", n_seq, T, H,
+             D, g_kda_tc, lb_form ? ", lower bound" : "", g_kda_prep_tc ? "" : ", pass 1 f32");
+    report(what, (double)words_differ(o2, o1, n), 0);
+    snprintf(what, sizeof what, "kda raw inputs, %d seqs mode %d: states' words differing", n_seq,
+             g_kda_tc);
+    report(what, (double)words_differ(s2, s1, ns * n_seq), 0);
+    /* and against the CPU's gate, norms and recurrence (the chunked form's own tolerance) */
+    float *g = malloc(n * 4), *beta = malloc((size_t)T * H * 4), *oref = malloc(n * 4);
+    ds_kda_gate(g, f, T, H, D, A, bias, lb_form, lb);
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < H; h++) beta[t * H + h] = 1.0f / (1.0f + expf(-bi[t * ld + 2 + h]));
+    norm_heads(q, T, H, D, q_scale);
+    norm_heads(k, T, H, D, 1.0f);
+    for (int z = 0; z < n_seq; z++) {
+        const size_t t0 = (size_t)cs[z];
+        ds_kda_recurrent(oref + t0 * H * D, q + t0 * H * D, k + t0 * H * D, v + t0 * H * D,
+                         g + t0 * H * D, beta + t0 * H, S0 + z * ns, NULL, lens[z], H, D, D);
+    }
+    const double tol = g_kda_tc == 1 ? 1e-2 : g_kda_tc == 2 ? 3e-2 : 1e-4;
+    snprintf(what, sizeof what, "kda raw inputs, %d seqs mode %d: out vs cpu", n_seq, g_kda_tc);
+    report(what, rel_err(o2, oref, 1, n, n), tol);
+    snprintf(what, sizeof what, "kda raw inputs, %d seqs mode %d: states vs cpu", n_seq, g_kda_tc);
+    report(what, rel_err(s2, S0, 1, ns * n_seq, ns * n_seq), tol);
+    ds_cu_dealloc(dq), ds_cu_dealloc(dk), ds_cu_dealloc(dv), ds_cu_dealloc(df), ds_cu_dealloc(dA);
+    ds_cu_dealloc(dbias), ds_cu_dealloc(dbi), ds_cu_dealloc(dg), ds_cu_dealloc(dbeta);
+    ds_cu_dealloc(dqn), ds_cu_dealloc(dkn), ds_cu_dealloc(dS), ds_cu_dealloc(dS2);
+    ds_cu_dealloc(dout), ds_cu_dealloc(dout2), ds_cu_dealloc(dsp), ds_cu_dealloc(dsp2);
+    free(q), free(k), free(v), free(f), free(A), free(bias), free(bi), free(S0);
+    free(o1), free(o2), free(s1), free(s2), free(g), free(beta), free(oref);
 }
 
 static void check_short_conv(ds_cu *c, int T, int C, int W) {
@@ -384,6 +459,7 @@ typedef struct kda_ctx {
     float **Sp; /* [n_seq] device pointers into S */
     int32_t *off;
     int T, H, dk, dv, n_seq, batched, chunked;
+    const ds_cu_kda_raw *raw; /* chunked on raw inputs (g then holds f_b's outputs) */
 } kda_ctx;
 static void run_kda(ds_cu *c, void *p) {
     kda_ctx *x = p;
@@ -393,8 +469,10 @@ static void run_kda(ds_cu *c, void *p) {
         int start[64], len[64];
         if (x->n_seq > 64) DIE("run_kda: at most 64 chunked sequences");
         for (int z = 0; z < x->n_seq; z++) len[z] = x->T / x->n_seq, start[z] = z * len[z];
-        if (ds_cu_kda_chunked(c, x->o, x->q, x->k, x->v, x->g, x->beta, start, len, x->Sp, x->n_seq,
-                              x->H, x->dk, x->dv, &err))
+        if (x->raw ? ds_cu_kda_chunked_raw(c, x->o, x->q, x->k, x->v, x->g, x->raw, start, len,
+                                           x->Sp, x->n_seq, x->H, x->dk, x->dv, &err)
+                   : ds_cu_kda_chunked(c, x->o, x->q, x->k, x->v, x->g, x->beta, start, len, x->Sp,
+                                       x->n_seq, x->H, x->dk, x->dv, &err))
             DIE("%s", err.msg);
         return;
     }
@@ -460,6 +538,19 @@ void checks_kda(ds_cu *c) {
             check_kda_step(c, one, none, 1, 8, 128, 128, -0.1f, 16);
         }
         ds_cu_set_kda_prep_tc(c, 1);
+        ds_cu_set_kda_tc(c, g_kda_tc = 0);
+        /* raw inputs (the gate, beta and norms inside pass 1) in every mode and form of pass 1:
+         * f32, TF32, 3xTF32, BF16 */
+        static const int modes[4] = {0, 1, 3, 2};
+        const int rlens[3] = {300, 64, 130}, rlens2[2] = {33, 200};
+        for (int m = 0; m < 4; m++)
+            for (int prep_tc = 1; prep_tc >= (modes[m] ? 0 : 1); prep_tc--) {
+                ds_cu_set_kda_tc(c, g_kda_tc = modes[m]);
+                ds_cu_set_kda_prep_tc(c, g_kda_prep_tc = prep_tc);
+                check_kda_raw(c, rlens, 3, 4, 128, 0);
+                check_kda_raw(c, rlens2, 2, 3, 64, 1);
+            }
+        ds_cu_set_kda_prep_tc(c, g_kda_prep_tc = 1);
         ds_cu_set_kda_tc(c, g_kda_tc = 0);
     }
 }
@@ -610,13 +701,50 @@ void bench_kda(ds_cu *c, const cuda_ceilings *ceil) {
             for (int i = 0; i < 2; i++) {
                 ds_err err;
                 if (ds_cu_set_skip(c, part[i][1], &err)) DIE("%s", err.msg);
+                ds_cu_kda_prep_clocks(clk); /* (zeroes them) */
                 ms = median_ms(c, run_kda, &kc, 2, 10);
                 if (ds_cu_set_skip(c, NULL, &err)) DIE("%s", err.msg);
                 printf(
                     "bench kda chunked prefill T=8192 H=32 dk=dv=128 (%s scan and outputs, pass 1 "
                     "f32), %s: %.3f ms\n",
                     mode == 2 ? "bf16" : "3xtf32", part[i][0], ms);
+                if (i == 0) kda_prep_phases(mode == 2 ? "f32 (bf16 scan)" : "f32 (3xtf32 scan)");
             }
+        }
+        /* the same on raw inputs (the gate, beta and head norms inside pass 1: a prompt's
+         * layers since session 44), whole and pass 1 alone */
+        {
+            const int H = kc.H, D = kc.dk, ld = H + 8;
+            float *h = rand_f32((size_t)H, -2, 0.5f);
+            float *dA = dev(c, h, (size_t)H * 4);
+            free(h);
+            h = rand_f32((size_t)H * D, -1, 1);
+            float *dbias = dev(c, h, (size_t)H * D * 4);
+            free(h);
+            h = rand_f32((size_t)kc.T * ld, -4, 4);
+            float *dbi = dev(c, h, (size_t)kc.T * ld * 4);
+            free(h);
+            const ds_cu_kda_raw raw = {dA, dbias, 0, 0.0f, dbi, ld, 1.0f / sqrtf((float)D), 1e-6f};
+            kda_ctx kr = kc;
+            kr.raw = &raw;
+            for (int mode = 3; mode >= 2; mode--) {
+                ds_cu_set_kda_tc(c, mode);
+                for (int i = 0; i < 2; i++) {
+                    ds_err err;
+                    if (ds_cu_set_skip(c, i ? "kda chunks: scan;kda chunks: outputs" : NULL, &err))
+                        DIE("%s", err.msg);
+                    ds_cu_kda_prep_clocks(clk); /* (zeroes them) */
+                    ms = median_ms(c, run_kda, &kr, 2, 10);
+                    if (ds_cu_set_skip(c, NULL, &err)) DIE("%s", err.msg);
+                    printf("bench kda chunked prefill T=8192 H=32 dk=dv=128 (%s scan and outputs, "
+                           "pass 1 f32), raw inputs%s: %.3f ms\n",
+                           mode == 2 ? "bf16" : "3xtf32", i ? ", pass 1 alone" : "", ms);
+                    if (i)
+                        kda_prep_phases(mode == 2 ? "f32 (bf16 scan), raw inputs"
+                                                  : "f32 (3xtf32 scan), raw inputs");
+                }
+            }
+            ds_cu_dealloc(dA), ds_cu_dealloc(dbias), ds_cu_dealloc(dbi);
         }
         /* varlen: the same 8192 tokens as 8 sequences of 1024 and 32 of 256 in one call, each on
          * its own state (a step of several prompts; the engine cuts a prompt's steps at the rung

@@ -96,7 +96,12 @@
 #      Session 42 ran the kernels and the FP8 decode on an H100; session 43 the rest on an H100
 #      (the per-row checks, the FP8 scores from the staged codes, now the default, BF16's decode
 #      after 1M with the form on and off: bench/RESULTS.md). Not yet run: any of it on the H200.
-#      (BINS24="" skips the loops over binaries; name a suffix list to run them.)
+#      (BINS24="" skips the loops over binaries; name a suffix list to run them. WS24: the BF16
+#      decode runs' DS_CUDA_MLA_DECODE_WS values, default "1 0"; "" none.)
+#  25. (issue 33, session 44) chunked KDA's gate, beta and head norms inside its first pass
+#      (DS_CUDA_KDA_RAW): the KDA checks (the raw inputs word for word against the launches they
+#      replace, every mode), then prefill of 8192 tokens and decode after 512 (greedy ids) with it
+#      on and off, ROUNDS rounds (default 2), alternating; then the eager profile's split with it on.
 # STEPS: which of them (default "24 22": 22 has not run in its final form, 23 ran in session 41 on an
 # H100 without its BF16 decode runs and not on the H200; 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
 # 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
@@ -308,10 +313,7 @@ done
     BIN=".devbin/deltaserve$b" LENS=1048576 KV_DTYPES=fp8 PARTS=decode TAG="_s24${b}_$r" \
       STEP_TIMEOUT=200 bash "$(dirname "$0")/long48.sh" 2>&1 | tail -2
   done
-    el "decode after 1M FP8 tokens, FP8 scores from the staged codes (DS_CUDA_MLA_WS_OCONV=1) ($r)"
-  DS_CUDA_MLA_WS_OCONV=1 LENS=1048576 KV_DTYPES=fp8 PARTS=decode TAG="_s24_ocv_$r" \
-    STEP_TIMEOUT=200 bash "$(dirname "$0")/long48.sh" 2>&1 | tail -2
-  for ws in 1 0; do
+  for ws in ${WS24-1 0}; do
     el "decode after 1M BF16 tokens, DS_CUDA_MLA_DECODE_WS=$ws ($r)"
     DS_CUDA_MLA_DECODE_WS=$ws LENS=1048576 KV_DTYPES=bf16 PARTS=decode TAG="_s24_ws${ws}_$r" \
       STEP_TIMEOUT=200 bash "$(dirname "$0")/long48.sh" 2>&1 | tail -2
@@ -323,6 +325,23 @@ done
   KREGEX=mla_tcw_k TCD="$kv 1048576" SKIP=3 LINES_MAX=45 bash "$(dirname "$0")/ncu_tcd.sh"
   cp "$OUT/ncu_tcd3.txt" "$OUT/ncu_tcw_$kv.txt"
 done
+fi
+if want 25; then
+el "25. (issue 33, session 44) chunked KDA's gate, beta and head norms inside pass 1: the KDA"
+el "    checks, prefill 8192 and decode after 512 with DS_CUDA_KDA_RAW on and off, the profile"
+checks s25.log kda | tee "$OUT/s25.rc"
+grep -E "raw inputs|FAIL" "$OUT/s25.log" | head -60
+for r in $(seq "${ROUNDS:-2}"); do
+  for raw in 1 0; do
+    DS_CUDA_KDA_RAW=$raw timeout 200 .devbin/deltaserve bench --model $SHAPE48 --load-format random \
+      --device cuda --prompt-tokens 8192 --reps 3 --decode-context 512 --decode-steps 8 \
+      --batch-sizes 1 --json "$OUT/s25_raw${raw}_$r.json" 2>&1 | grep -E "^(prompt|decode)" |
+      sed "s/^/[raw $raw, $r] /"
+    echo "[raw $raw, $r] $(grep -o '"ids_hash": "[0-9a-f]*"' "$OUT/s25_raw${raw}_$r.json" | tail -1)"
+  done
+done
+DS_CUDA_KDA_RAW=1 BATCHES=1 bash "$(dirname "$0")/profile48.sh" 2>&1 |
+  grep -E "kda|^prompt 8192|cuBLAS weight GEMMs alone" | head -20
 fi
 if want 22; then
 el "22. (issue 32, session 40) one token's FP8 down pass reading its routing early: the moe fp8"

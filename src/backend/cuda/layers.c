@@ -47,6 +47,27 @@ static int kda_fused(const cstep *s, const cu_kda *w) {
     return 1;
 }
 
+/* The step's segments that run in chunks (ds_cu_kda_chunked), on states S + at; raw: their
+ * inputs before the gate, beta and head norms (ds_cu_kda_chunked_raw; g holds f_b's outputs). */
+static int kda_chunked_segments(cstep *s, float *o, const float *q, const float *k, const float *v,
+                                const float *g, const float *beta, const ds_cu_kda_raw *raw,
+                                size_t at, ds_err *err) {
+    ds_cuda_model *cm = s->cm;
+    const int H = s->m->Hk, dk = s->m->cfg.kda_head_dim;
+    if (cuda_grow_host((void **)&cm->h_kda, &cm->h_kda_cap, 2 * (size_t)s->n_seq, sizeof(int), err))
+        return DS_ERR;
+    int *start = cm->h_kda, *len = cm->h_kda + s->n_seq; /* length 0: not chunked */
+    for (int z = 0; z < s->n_seq; z++) {
+        start[z] = s->off[z];
+        len[z] = kda_chunk_eligible(s, z) ? s->seqs[z].n : 0;
+    }
+    if (raw)
+        return ds_cu_kda_chunked_raw(s->c, o, q, k, v, g, raw, start, len, s->S + at, s->n_seq, H,
+                                     dk, dk, err);
+    return ds_cu_kda_chunked(s->c, o, q, k, v, g, beta, start, len, s->S + at, s->n_seq, H, dk, dk,
+                             err);
+}
+
 /* out[T][D] = KDA(xn) (cpu_kda_forward). */
 int cuda_kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float *xn, float *out,
                      ds_err *err) {
@@ -104,12 +125,16 @@ int cuda_kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float *
             .W = W};
         TRY(ds_cu_kda_decode_fused(cu, &kd, err));
     } else {
+        /* Every segment in chunks (a prompt's step): the gate, beta and the head norms are made
+         * inside chunked KDA's first pass (ds_cu_kda_chunked_raw), g keeping f_b's output */
+        const int n_chunked = cuda_kda_chunked_segments(s);
+        const int raw = s->cm->tune.kda_raw && n_chunked > 0 && n_chunked == s->n_seq;
         /* the decay gate and beta (from f_a x and b x), then the output gate, on the side
          * stream, beside the convs of q, k and v; joined before the recurrence */
         PROF(s, "kda gates, beta");
         TRY(ds_cu_side_begin(cu, err));
-        int rc = ds_cu_matmul(cu, o, P, fa, ld, T, &w->f_b, err);
-        if (!rc)
+        int rc = ds_cu_matmul(cu, raw ? g : o, P, fa, ld, T, &w->f_b, err);
+        if (!rc && !raw)
             ds_cu_kda_gate(cu, g, o, T, H, dk, w->A_log, w->dt_bias, c->has_gate_lower_bound,
                            c->gate_lower_bound, beta, braw, ld);
         if (!rc && c->use_full_rank_gate)
@@ -136,28 +161,25 @@ int cuda_kda_forward(cstep *s, const layer_w *lw, const cu_kda *w, const float *
         if (v - k != k - q)
             return ds_errf(err, "forward: internal error: q, k, v not evenly spaced");
         TRY(ds_cu_short_conv_silu_batch(cu, &cb, err));
-        ds_cu_l2norm_heads2(cu, q, 1.0f / sqrtf((float)dk), k, 1.0f, T, H, dk, 1e-6f);
+        const float q_scale = 1.0f / sqrtf((float)dk), eps = 1e-6f;
+        if (!raw) ds_cu_l2norm_heads2(cu, q, q_scale, k, 1.0f, T, H, dk, eps);
         TRY(ds_cu_side_join(cu, err));
         /* every segment in one launch, each on its own state (and rows, for a verify); long
          * segments without rows in chunks instead, as on the CPU (cpu_kda_forward) */
-        const int n_chunked = cuda_kda_chunked_segments(s);
         PROF(s, "kda recurrence");
-        TRY(ds_cu_kda_recurrent_batch(cu, o, q, k, v, g, beta, s->seg_off, s->S + at,
-                                      s->any_rows ? s->S_rows + at : NULL, slot_n, s->n_seq, H, dk,
-                                      dk, n_chunked ? s->m->opts.kda_chunked_min : 0, err));
-        if (n_chunked) {
-            ds_cuda_model *cm = s->cm;
-            if (cuda_grow_host((void **)&cm->h_kda, &cm->h_kda_cap, 2 * (size_t)s->n_seq,
-                               sizeof(int), err))
-                return DS_ERR;
-            int *start = cm->h_kda, *len = cm->h_kda + s->n_seq; /* length 0: not chunked */
-            for (int z = 0; z < s->n_seq; z++) {
-                start[z] = s->off[z];
-                len[z] = kda_chunk_eligible(s, z) ? s->seqs[z].n : 0;
-            }
-            TRY(ds_cu_kda_chunked(cu, o, q, k, v, g, beta, start, len, s->S + at, s->n_seq, H, dk,
-                                  dk, err));
-        }
+        if (!raw)
+            TRY(ds_cu_kda_recurrent_batch(cu, o, q, k, v, g, beta, s->seg_off, s->S + at,
+                                          s->any_rows ? s->S_rows + at : NULL, slot_n, s->n_seq, H,
+                                          dk, dk, n_chunked ? s->m->opts.kda_chunked_min : 0, err));
+        const ds_cu_kda_raw rw = {.A_log = w->A_log,
+                                  .dt_bias = w->dt_bias,
+                                  .lower_bound_form = c->has_gate_lower_bound,
+                                  .lb = c->gate_lower_bound,
+                                  .b_in = braw,
+                                  .ld_b = ld,
+                                  .q_scale = q_scale,
+                                  .eps = eps};
+        if (n_chunked) TRY(kda_chunked_segments(s, o, q, k, v, g, beta, raw ? &rw : NULL, at, err));
     }
     PROF(s, "kda out gate, norm");
     if (!fused) ds_cu_gated_rmsnorm_heads(cu, q, o, gt, w->o_norm, T, H, dk, c->rms_norm_eps);

@@ -82,6 +82,10 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     t->kda_prep_tc = env_flag("DS_CUDA_KDA_PREP_TC", 0);
     /* the tensor-core scan makes the outputs (no third pass; the same bits) */
     t->kda_out_fused = env_flag("DS_CUDA_KDA_FUSED_OUT", 1);
+    /* the gate, beta and the head norms inside chunked KDA's first pass when every segment of a
+     * step runs in chunks: the same bits without two launches and their passes over q, k and g
+     * (bench/RESULTS.md session 44) */
+    t->kda_raw = env_flag("DS_CUDA_KDA_RAW", 1);
     /* a prompt chunk's expanded MLA attention over at most this many context rows at a time
      * (its f32 expansion is ~68 KB a row at the 48B shape: a million rows would not fit beside
      * the weights; with blocks of 131072 a million-token prompt prefills on one H200,

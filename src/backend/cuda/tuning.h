@@ -36,6 +36,9 @@
  *                                          whether that applies to the model
  *   DS_CUDA_KDA_TC         0|1|3  3        chunked KDA's passes in f32 (0), TF32 (1) or 3xTF32 (3);
  *                                          another value: a line, then 3
+ *   DS_CUDA_KDA_RAW        F      1        a step whose segments all run in chunks (a prompt's)
+ *                                          makes KDA's gate, beta and head norms in chunked KDA's
+ *                                          first pass (the same bits; 0: their own launches)
  *   DS_CUDA_SIDE           F      1        a side stream for independent chains within a step (if
  *                                          it cannot be made: a line, and one stream)
  *   DS_CUDA_L2_PREFETCH    N      8        MB of each decode weight stream prefetched into L2 on a
@@ -85,7 +88,8 @@ typedef struct ds_cuda_tuning {
     int kda_tc;                /* 0, 1 or 3 */
     int kda_prep_tc;           /* pass 1 on tensor cores too (in modes 1 and 3) */
     int kda_out_fused;         /* chunked KDA: the scan makes the outputs */
-    int mla_ctx_block;         /* context rows a chunk's expanded attention takes at a time */
+    int kda_raw; /* chunked KDA's first pass makes the gate, beta and head norms (prompt steps) */
+    int mla_ctx_block; /* context rows a chunk's expanded attention takes at a time */
     int side, mla_all_heads;
     int l2_prefetch;   /* MB (0: off) */
     int mla_decode_tc; /* context rows from which absorbed MLA runs on tensor cores (0: never) */

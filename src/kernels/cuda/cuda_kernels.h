@@ -140,6 +140,23 @@ int ds_cu_kda_recurrent_batch(ds_cu *c, float *o, const float *q, const float *k
 int ds_cu_kda_chunked(ds_cu *c, float *o, const float *q, const float *k, const float *v,
                       const float *g, const float *beta, const int *seg_start, const int *seg_len,
                       float *const *S, int n_seq, int H, int dk, int dv, ds_err *err);
+/* Chunked KDA's gate, beta and head norms inside its first pass (ds_cu_kda_chunked_raw): g is then
+ * f_b's output before the gate and beta NULL; q and k are the convs' outputs before their norms.
+ * Pass 1 makes what ds_cu_kda_gate and ds_cu_l2norm_heads2 would have made of them, the same
+ * bits, where it stages them; nothing writes the activated values back (q, k and g keep the raw
+ * ones). A prompt's step saves those two launches and their passes over q, k and g. */
+typedef struct {
+    const float *A_log, *dt_bias; /* [H], [H * dk] (ds_cu_kda_gate's) */
+    int lower_bound_form;
+    float lb;
+    const float *b_in; /* beta's logits: token t, head h at b_in[t * ld_b + h] */
+    int ld_b;
+    float q_scale, eps; /* q's head norm times q_scale, k's times 1 (ds_cu_l2norm_heads2's) */
+} ds_cu_kda_raw;
+int ds_cu_kda_chunked_raw(ds_cu *c, float *o, const float *q, const float *k, const float *v,
+                          const float *f, const ds_cu_kda_raw *raw, const int *seg_start,
+                          const int *seg_len, float *const *S, int n_seq, int H, int dk, int dv,
+                          ds_err *err);
 /* ds_cu_kda_chunked's scan and output passes: mode 1 on TF32 tensor cores (~3e-4 relative error
  * instead of 5e-7), 3 3xTF32 (each operand split into two TF32 parts: about f32's accuracy), 2
  * BF16 (the operands rounded to BF16, FLA chunk_kda's precision on BF16 inputs; pass 1 in f32),

@@ -1,6 +1,7 @@
 /* kda_chunked.cu — KDA in chunks (prefill): pass 1 builds each chunk's products (the chunk
  * algebra is in kda_chunked.cuh), then passes 2 and 3 (kda_chunk_scan.cu) walk each sequence's
  * chunks and make the outputs; the entry point builds the chunk table and its scratch. */
+#include "kernels/cuda/kda.cuh"
 #include "kernels/cuda/kda_chunked.cuh"
 #include "kernels/cuda/tf32.cuh"
 
@@ -264,13 +265,38 @@ __device__ __forceinline__ void kda_prep_blocks_b16(float (&ma)[2][4], const flo
     });
 }
 
+/* RAW pass 1's head norms: thread n < 2 KC takes row n % KC of the staged keys (n < KC) or
+ * queries, channel-major rows KPS apart, and returns its factor (l2norm_heads_k's, the same bits:
+ * that kernel's lane l sums channels l, l + 32, .. in order, then the lanes add by an xor
+ * butterfly, whose every addition pairs the same two values on all lanes; here one thread makes
+ * the 32 lanes' sums and the same tree). */
+template <int KD>
+__device__ __forceinline__ float kda_raw_norm(const float *Kt, const float *Qt,
+                                              const ds_cu_kda_raw &raw, int n) {
+    const float *X = (n < KC ? Kt : Qt) + n % KC;
+    float ss[32];
+#pragma unroll
+    for (int l = 0; l < 32; l++) {
+        ss[l] = 0.0f;
+#pragma unroll
+        for (int c = l; c < KD; c += 32) ss[l] += X[c * KPS] * X[c * KPS];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int l = 0; l < o; l++) ss[l] += ss[l + o];
+    return (n < KC ? 1.0f : raw.q_scale) / sqrtf(ss[0] + raw.eps);
+}
+
 /* long: one chunk's passes share their tiles in registers and shared memory between barriers;
  * split into functions, each would take a dozen array references. B16 (with PREC 0, for the BF16
- * mode): W, Qp, Kc and P handed over as BF16 (kda_chunked.cuh). */
-template <int KD, int PREC, bool B16 = false>
+ * mode): W, Qp, Kc and P handed over as BF16 (kda_chunked.cuh). RAW: g is f_b's output before the
+ * gate, beta is unused, q and k are not normalized yet (ds_cu_kda_raw): the gate and beta are made
+ * as they are staged, the head norms right after. */
+template <int KD, int PREC, bool B16 = false, bool RAW = false>
 __global__ void __launch_bounds__(256, 2)
     kda_chunk_prep_k(float *out, const float *q, const float *k, const float *v, const float *g,
-                     const float *beta, const kda_chunk *chunks, int H) {
+                     const float *beta, const kda_chunk *chunks, int H, ds_cu_kda_raw raw) {
     PDL_ENTRY();
     KDA_CLK_START();
     constexpr float LOG2E = 1.4426950408889634f;
@@ -286,6 +312,8 @@ __global__ void __launch_bounds__(256, 2)
     float *W = o, *Ut = W + KC * KD, *Qp = Ut + KC * KD, *Kc = Qp + KC * KD;
     float *P = Kc + KC * KD, *gL = P + KC * KC;
     static_assert(B16 == (PREC == 2) || (B16 && PREC == 0), "BF16's pass 1 hands over in BF16");
+    /* RAW: e^A_log of the head, as kda_gate_k makes it */
+    const float ga = RAW ? expf(raw.A_log[h]) : 0.0f;
     /* the BF16 hand-over's rows, in the first half of each region (kda_chunked.cuh) */
     __nv_bfloat16 *W16 = (__nv_bfloat16 *)W, *Qp16 = (__nv_bfloat16 *)Qp;
     __nv_bfloat16 *Kc16 = (__nv_bfloat16 *)Kc, *P16 = (__nv_bfloat16 *)P;
@@ -316,18 +344,50 @@ __global__ void __launch_bounds__(256, 2)
                 dst[0] = r[u].x, dst[KPS] = r[u].y, dst[2 * KPS] = r[u].z, dst[3 * KPS] = r[u].w;
             }
         }
-        for (int t = tid; t < KC; t += 256) bs[t] = t < L ? beta[row0 + (size_t)t * H] : 0.0f;
+        for (int t = tid; t < KC; t += 256)
+            bs[t] = t >= L ? 0.0f
+                    : RAW  ? 1.0f / (1.0f + expf(-raw.b_in[(size_t)(ch.t0 + t) * raw.ld_b + h]))
+                           : beta[row0 + (size_t)t * H];
     }
-    __syncthreads();
+        __syncthreads();
+    /* RAW: the decay gate over the staged f_b outputs (kda_gate_k's expression), a loop rather
+     * than in the staging's unrolled stores: the kernel is long straight-line code, and copies
+     * of the gate there made every phase slower, not only the staging (instruction fetch: bench/
+     * RESULTS.md session 44) */
+    if constexpr (RAW) {
+        const float *bias = raw.dt_bias + (size_t)h * KD;
+#pragma unroll 2
+        for (int e = tid; e < KD * KC; e += 256) {
+            const int c = e / KC, t = e % KC; /* a warp: 32 rows of a channel, 32 banks */
+            if (t < L)
+                Gt[c * KPS + t] =
+                    kda_decay(Gt[c * KPS + t] + __ldg(bias + c), ga, raw.lower_bound_form, raw.lb);
+        }
+        __syncthreads();
+    }
     KDA_CLK_MARK(0); /* staged */
-    if (tid < KD) {  /* running sums down each channel, in log2 units */
+    float *nsc = bs + KC; /* RAW: [2][KC] the keys' and queries' norm factors (the solve's later) */
+    if (tid < KD) {       /* running sums down each channel, in log2 units */
         float acc = 0.0f;
         for (int t = 0; t < KC; t++) {
             acc += Gt[tid * KPS + t];
             Gt[tid * KPS + t] = acc * LOG2E;
         }
+    } else if (RAW && tid >= 256 - 2 * KC) { /* (KD <= 128: beside the sums) */
+        nsc[tid - (256 - 2 * KC)] = kda_raw_norm<KD>(Kt, Qt, raw, tid - (256 - 2 * KC));
     }
     __syncthreads();
+    if constexpr (RAW) { /* the rows times their factors, as l2norm_heads_k's x *= s */
+        for (int e = tid; e < 2 * KD * (KC / 4); e += 256) {
+            const int arr = e / (KD * (KC / 4)), c = e / (KC / 4) % KD, t4 = 4 * (e % (KC / 4));
+            float4 *x4 = (float4 *)((arr ? Qt : Kt) + c * KPS + t4);
+            const float4 s4 = *(const float4 *)(nsc + arr * KC + t4);
+            float4 x = *x4;
+            x.x *= s4.x, x.y *= s4.y, x.z *= s4.z, x.w *= s4.w;
+            *x4 = x;
+        }
+        __syncthreads();
+    }
     KDA_CLK_MARK(1); /* running sums */
     /* 2. A_ij = sum_c k_ic k_jc e^{G_ic - G_jc} (j < i) and P_ij = sum_c q_ic k_jc e^{..} (j <= i)
      *    in 4 x 4 tiles. Tiles below the diagonal (ti > tj) factor the exponent through r = 4 ti,
@@ -542,17 +602,34 @@ extern "C" int ds_cu_kda_chunked_supports(int dk, int dv) {
     return dk == dv && (dk == 64 || dk == 128);
 }
 
+/* pass 1's kernel for the context's mode (RAW: the gate, beta and norms inside it) */
+using kda_prep_fn = void (*)(float *, const float *, const float *, const float *, const float *,
+                             const float *, const kda_chunk *, int, ds_cu_kda_raw);
+template <int KD, bool RAW> static kda_prep_fn kda_prep_kernel(const ds_cu *c) {
+    if (c->kda_tc == 3 && !c->kda_prep_f32) return kda_chunk_prep_k<KD, 3, false, RAW>;
+    if (c->kda_tc == 1 && !c->kda_prep_f32) return kda_chunk_prep_k<KD, 1, false, RAW>;
+    if (c->kda_tc == 2 && !c->kda_prep_f32) /* BF16 tensor cores, handed over in BF16 */
+        return kda_chunk_prep_k<KD, 2, true, RAW>;
+    if (c->kda_tc == 2) /* f32 arithmetic, the scan's operands handed over in BF16 */
+        return kda_chunk_prep_k<KD, 0, true, RAW>;
+    return kda_chunk_prep_k<KD, 0, false, RAW>;
+}
+
 template <int KD>
 static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, const float *v,
-                           const float *g, const float *beta, const kda_chunk *tab,
-                           const int *first, float *prep, float *states, float *ug, int n_ch,
-                           float *const *S, int n_seq, int H, ds_err *err) {
+                           const float *g, const float *beta, const ds_cu_kda_raw *raw,
+                           const kda_chunk *tab, const int *first, float *prep, float *states,
+                           float *ug, int n_ch, float *const *S, int n_seq, int H, ds_err *err) {
     const size_t smem1 = kda_prep_smem<KD>();
     int *smem_set = &c->kda_chunk_smem[KD == 128]; /* once per head size; never captured */
     if (!*smem_set) {
         /* (the BF16 mode, 2, keeps pass 1 in f32: its solve keeps f32's operands) */
-        for (auto kern : {kda_chunk_prep_k<KD, 0>, kda_chunk_prep_k<KD, 1>, kda_chunk_prep_k<KD, 3>,
-                          kda_chunk_prep_k<KD, 0, true>, kda_chunk_prep_k<KD, 2, true>})
+        for (auto kern :
+             {kda_chunk_prep_k<KD, 0>, kda_chunk_prep_k<KD, 1>, kda_chunk_prep_k<KD, 3>,
+              kda_chunk_prep_k<KD, 0, true>, kda_chunk_prep_k<KD, 2, true>,
+              kda_chunk_prep_k<KD, 0, false, true>, kda_chunk_prep_k<KD, 1, false, true>,
+              kda_chunk_prep_k<KD, 3, false, true>, kda_chunk_prep_k<KD, 0, true, true>,
+              kda_chunk_prep_k<KD, 2, true, true>})
             CU_TRY(
                 cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem1),
                 "chunked kda: shared memory");
@@ -561,18 +638,9 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
     }
     ds_cu_prof_mark(c, "kda chunks: prepare");
     const dim3 pgrid((unsigned)n_ch, (unsigned)H);
-    if (c->kda_tc == 3 && !c->kda_prep_f32)
-        launch_k(c, kda_chunk_prep_k<KD, 3>, pgrid, 256, smem1, prep, q, k, v, g, beta, tab, H);
-    else if (c->kda_tc == 1 && !c->kda_prep_f32)
-        launch_k(c, kda_chunk_prep_k<KD, 1>, pgrid, 256, smem1, prep, q, k, v, g, beta, tab, H);
-    else if (c->kda_tc == 2 && !c->kda_prep_f32) /* BF16 tensor cores, handed over in BF16 */
-        launch_k(c, kda_chunk_prep_k<KD, 2, true>, pgrid, 256, smem1, prep, q, k, v, g, beta, tab,
-                 H);
-    else if (c->kda_tc == 2) /* f32 arithmetic, the scan's operands handed over in BF16 */
-        launch_k(c, kda_chunk_prep_k<KD, 0, true>, pgrid, 256, smem1, prep, q, k, v, g, beta, tab,
-                 H);
-    else
-        launch_k(c, kda_chunk_prep_k<KD, 0>, pgrid, 256, smem1, prep, q, k, v, g, beta, tab, H);
+    const ds_cu_kda_raw none = {};
+    launch_k(c, raw ? kda_prep_kernel<KD, true>(c) : kda_prep_kernel<KD, false>(c), pgrid, 256,
+             smem1, prep, q, k, v, g, beta, tab, H, raw ? *raw : none);
     CU_TRY(cudaGetLastError(), "chunked kda (prepare)");
     ds_cu_prof_mark(c, "kda chunks: scan");
     kda_scan_launch<KD>(c, o, states, ug, prep, tab, first, S, n_ch, n_seq, H);
@@ -580,10 +648,10 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
     return DS_OK;
 }
 
-extern "C" int ds_cu_kda_chunked(ds_cu *c, float *o, const float *q, const float *k, const float *v,
-                                 const float *g, const float *beta, const int *seg_start,
-                                 const int *seg_len, float *const *S, int n_seq, int H, int dk,
-                                 int dv, ds_err *err) {
+static int kda_chunked(ds_cu *c, float *o, const float *q, const float *k, const float *v,
+                       const float *g, const float *beta, const ds_cu_kda_raw *raw,
+                       const int *seg_start, const int *seg_len, float *const *S, int n_seq, int H,
+                       int dk, int dv, ds_err *err) {
     if (!ds_cu_kda_chunked_supports(dk, dv))
         return ds_errf(err, "cuda: chunked kda: head dims %d x %d (64 or 128, square)", dk, dv);
     if (n_seq <= 0 || H <= 0) return DS_OK;
@@ -641,8 +709,24 @@ extern "C" int ds_cu_kda_chunked(ds_cu *c, float *o, const float *q, const float
     const int *dfirst = (const int *)((const char *)b[1] + tab_bytes);
     float *prep = (float *)b[0], *states = (float *)b[2], *ug = (float *)b[3];
     if (dk == 64)
-        return kda_chunked_run<64>(c, o, q, k, v, g, beta, dtab, dfirst, prep, states, ug, n_ch, S,
-                                   n_seq, H, err);
-    return kda_chunked_run<128>(c, o, q, k, v, g, beta, dtab, dfirst, prep, states, ug, n_ch, S,
-                                n_seq, H, err);
+        return kda_chunked_run<64>(c, o, q, k, v, g, beta, raw, dtab, dfirst, prep, states, ug,
+                                   n_ch, S, n_seq, H, err);
+    return kda_chunked_run<128>(c, o, q, k, v, g, beta, raw, dtab, dfirst, prep, states, ug, n_ch,
+                                S, n_seq, H, err);
+}
+
+extern "C" int ds_cu_kda_chunked(ds_cu *c, float *o, const float *q, const float *k, const float *v,
+                                 const float *g, const float *beta, const int *seg_start,
+                                 const int *seg_len, float *const *S, int n_seq, int H, int dk,
+                                 int dv, ds_err *err) {
+    return kda_chunked(c, o, q, k, v, g, beta, NULL, seg_start, seg_len, S, n_seq, H, dk, dv, err);
+}
+
+extern "C" int ds_cu_kda_chunked_raw(ds_cu *c, float *o, const float *q, const float *k,
+                                     const float *v, const float *f, const ds_cu_kda_raw *raw,
+                                     const int *seg_start, const int *seg_len, float *const *S,
+                                     int n_seq, int H, int dk, int dv, ds_err *err) {
+    if (!raw || !raw->A_log || !raw->dt_bias || !raw->b_in)
+        return ds_errf(err, "cuda: chunked kda: raw inputs without their gate's parameters");
+    return kda_chunked(c, o, q, k, v, f, NULL, raw, seg_start, seg_len, S, n_seq, H, dk, dv, err);
 }
