@@ -12,7 +12,7 @@ DS_CUDA_CHECKS=kda timeout 120 .devbin/test_cuda_kernels > "$OUT/kda_check.log" 
 echo "kda checks rc $? ($(grep -c ' ok$' "$OUT/kda_check.log") ok, $(grep -c FAIL "$OUT/kda_check.log") FAIL)"
 B=".devbin/deltaserve bench --model $SHAPE48 --load-format random --device cuda"
 timeout 200 $B --prompt-tokens 8192 --reps 2 --decode-context 512 --decode-steps 8 \
-  --batch-sizes 1,32,256 --json "$OUT/bf16.json" 2>&1 | grep -E "^(prefill|decode|copy)"
+  --batch-sizes 1,32,256 --json "$OUT/bf16.json" 2>&1 | grep -E "^(prefill|prompt|decode|copy)"
 latest "bench:$OUT/bf16.json"
 timeout 150 $B -q ptpc_fp8 --prompt-tokens 512 --reps 1 --decode-context 512 --decode-steps 8 \
   --batch-sizes 1,32,256 --json "$OUT/fp8.json" 2>&1 | grep -E "^(decode|copy)" | sed 's/^/[fp8] /'
