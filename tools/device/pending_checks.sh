@@ -102,6 +102,7 @@
 #      (DS_CUDA_KDA_RAW): the KDA checks (the raw inputs word for word against the launches they
 #      replace, every mode), then prefill of 8192 tokens and decode after 512 (greedy ids) with it
 #      on and off, ROUNDS rounds (default 2), alternating; then the eager profile's split with it on.
+#      Session 44 ran it on H100s (bench/RESULTS.md); not yet on the H200.
 # STEPS: which of them (default "24 22": 22 has not run in its final form, 23 ran in session 41 on an
 # H100 without its BF16 decode runs and not on the H200; 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
 # 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9

@@ -349,11 +349,11 @@ __global__ void __launch_bounds__(256, 2)
                     : RAW  ? 1.0f / (1.0f + expf(-raw.b_in[(size_t)(ch.t0 + t) * raw.ld_b + h]))
                            : beta[row0 + (size_t)t * H];
     }
-        __syncthreads();
+    __syncthreads();
     /* RAW: the decay gate over the staged f_b outputs (kda_gate_k's expression), a loop rather
      * than in the staging's unrolled stores: the kernel is long straight-line code, and copies
-     * of the gate there made every phase slower, not only the staging (instruction fetch: bench/
-     * RESULTS.md session 44) */
+     * of the gate there made every phase slower, not only the staging (likely instruction fetch:
+     * bench/RESULTS.md session 44) */
     if constexpr (RAW) {
         const float *bias = raw.dt_bias + (size_t)h * KD;
 #pragma unroll 2
@@ -365,7 +365,7 @@ __global__ void __launch_bounds__(256, 2)
         }
         __syncthreads();
     }
-    KDA_CLK_MARK(0); /* staged */
+    KDA_CLK_MARK(0);      /* staged */
     float *nsc = bs + KC; /* RAW: [2][KC] the keys' and queries' norm factors (the solve's later) */
     if (tid < KD) {       /* running sums down each channel, in log2 units */
         float acc = 0.0f;
