@@ -101,6 +101,14 @@ struct cu_prof {
     const char *cur;   /* the label of the interval open now (NULL before a step's first mark) */
     double step_flops; /* the FLOPs of this step's weight GEMMs so far (prof_gemm_close) */
     double gemm_flops; /* ... summed over the steps since the last report */
+    /* each weight GEMM by the op that ran it: a GEMM mark's caller and FLOPs [n] (other marks:
+     * NULL), then the sums since the last report by caller [n_gemm], first-seen order */
+    const char *gcaller[PROF_EVENTS];
+    double gflops[PROF_EVENTS];
+    const char *glabel[PROF_LABELS];
+    double gms[PROF_LABELS], gfl[PROF_LABELS];
+    long gcount[PROF_LABELS];
+    int n_gemm;
 };
 
 /* Every weight GEMM that cuBLAS runs is timed under this label of its own (the caller's label
@@ -112,6 +120,10 @@ static void prof_clear(cu_prof *p) { /* the sums start over; a step's pending ma
     memset(p->count, 0, sizeof p->count);
     p->n_labels = p->steps = p->dropped = 0;
     p->gemm_flops = 0;
+    memset(p->gms, 0, sizeof p->gms);
+    memset(p->gfl, 0, sizeof p->gfl);
+    memset(p->gcount, 0, sizeof p->gcount);
+    p->n_gemm = 0;
 }
 
 extern "C" void ds_cu_prof_enable(ds_cu *c, int on) {
@@ -166,6 +178,7 @@ static void prof_open(ds_cu *c, const char *label) {
         cudaGetLastError();
         return;
     }
+    p->gcaller[p->n] = NULL;
     p->at[p->n++] = p->cur = label;
 }
 
@@ -181,14 +194,30 @@ const char *prof_gemm_open(ds_cu *c) {
     cu_prof *p = c->prof;
     if (!p || capturing(c)) return NULL;
     const char *prev = p->cur ? p->cur : "(before the first label)";
+    const int at = p->n;
     prof_open(c, PROF_GEMM);
+    if (p->n == at + 1) p->gcaller[at] = prev, p->gflops[at] = 0;
     return prev;
 }
 
 void prof_gemm_close(ds_cu *c, const char *prev, double flops) {
     if (!prev) return;
-    c->prof->step_flops += flops;
+    cu_prof *p = c->prof;
+    p->step_flops += flops;
+    if (p->n > 0 && p->at[p->n - 1] == PROF_GEMM && p->gcaller[p->n - 1])
+        p->gflops[p->n - 1] += flops;
     prof_open(c, prev);
+}
+
+/* A step's GEMM interval i (ms long) added to its caller's sums */
+static void prof_gemm_add(cu_prof *p, int i, float ms) {
+    int g = 0;
+    while (g < p->n_gemm && strcmp(p->glabel[g], p->gcaller[i])) g++;
+    if (g == p->n_gemm) {
+        if (g == PROF_LABELS) return;
+        p->glabel[p->n_gemm++] = p->gcaller[i];
+    }
+    p->gms[g] += ms, p->gfl[g] += p->gflops[i], p->gcount[g]++;
 }
 
 extern "C" void ds_cu_prof_step_end(ds_cu *c) {
@@ -218,6 +247,7 @@ extern "C" void ds_cu_prof_step_end(ds_cu *c) {
         }
         p->ms[l] += ms;
         p->count[l]++;
+        if (p->at[i] == PROF_GEMM && p->gcaller[i]) prof_gemm_add(p, i, ms);
     }
     p->n = 0;
     p->steps++;
@@ -248,9 +278,25 @@ extern "C" void ds_cu_prof_report(ds_cu *c, FILE *f, const char *title) {
     }
     double gemm_ms;
     const double tf = ds_cu_prof_gemm_tflops(c, &gemm_ms);
-    if (tf > 0)
+    if (tf > 0) {
         fprintf(f, "  %s: %.3f TFLOP a step in %.3f ms, %.1f TFLOP/s\n", PROF_GEMM,
                 p->gemm_flops / p->steps / 1e12, gemm_ms, tf);
+        /* ... by the op that ran them, largest time first */
+        for (int i = 0; i < p->n_gemm; i++) order[i] = i;
+        for (int i = 1; i < p->n_gemm; i++)
+            for (int j = i; j > 0 && p->gms[order[j]] > p->gms[order[j - 1]]; j--) {
+                int t = order[j];
+                order[j] = order[j - 1];
+                order[j - 1] = t;
+            }
+        for (int i = 0; i < p->n_gemm; i++) {
+            const int g = order[i];
+            fprintf(f, "    %-28s %10.4f ms/step %8.1f TFLOP/s %8.1f calls/step\n", p->glabel[g],
+                    p->gms[g] / p->steps,
+                    p->gms[g] > 0 ? p->gfl[g] / (p->gms[g] * 1e-3) / 1e12 : 0.0,
+                    (double)p->gcount[g] / p->steps);
+        }
+    }
     prof_clear(p);
 }
 
