@@ -265,6 +265,10 @@ extern "C" void ds_cu_set_expert_gemm(ds_cu *c, int on) {
     c->expert_gemm = on;
 }
 
+extern "C" void ds_cu_set_expert_bf16_out(ds_cu *c, int on) {
+    c->expert_bf16_out = on;
+}
+
 /* The tensor-core path's element-wise kernels take a row a block and 16-byte loads: x 16-byte
  * aligned and D, I multiples of 8 (moe_experts_gemm's callers); y and out are its own scratch and
  * the model's rows. One thread an element with 64-bit divisions for the row ran the activation
@@ -306,9 +310,21 @@ __global__ void moe_inverse_k(int32_t *inv, const int32_t *perm, const int32_t *
     if (i < rows) inv[perm[i]] = slot[i];
 }
 
+/* four of a row's values from f32 or BF16 outputs */
+static __device__ __forceinline__ float4 load4(const float *y, size_t i) {
+    return *(const float4 *)(y + i);
+}
+static __device__ __forceinline__ float4 load4(const __nv_bfloat16 *y, size_t i) {
+    const uint2 u = *(const uint2 *)(y + i);
+    const float2 a = __bfloat1622float2(*(const __nv_bfloat162 *)&u.x),
+                 b = __bfloat1622float2(*(const __nv_bfloat162 *)&u.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+
 /* out[t] (+)= sum_j w[t][j] y[inv[t k + j]], slots in order (the combine of moe_combine_k);
- * token t = blockIdx.x */
-__global__ void moe_combine_perm_k(float *out, const float *y, const int32_t *inv, const float *w,
+ * token t = blockIdx.x; Y f32 or BF16 (ds_cu_set_expert_bf16_out) */
+template <typename Y>
+__global__ void moe_combine_perm_k(float *out, const Y *y, const int32_t *inv, const float *w,
                                    int k, int D, int accumulate) {
     PDL_ENTRY();
     const size_t t = blockIdx.x;
@@ -319,7 +335,7 @@ __global__ void moe_combine_perm_k(float *out, const float *y, const int32_t *in
             const int32_t r = inv[t * k + j];
             if (r < 0) continue;
             const float wj = w[t * k + j];
-            const float4 v = ((const float4 *)(y + (size_t)r * D))[d4];
+            const float4 v = load4(y, (size_t)r * D + 4 * (size_t)d4);
             acc.x += wj * v.x, acc.y += wj * v.y, acc.z += wj * v.z, acc.w += wj * v.w;
         }
         if (accumulate) {
@@ -407,16 +423,18 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
     int bk_first[MOE_MAX_BUCKETS + 1], bk_rows[MOE_MAX_BUCKETS], n_act;
     size_t pr; /* padded rows of all panels */
     const int n_bk = moe_buckets(hs, E, keys, order, panel, bk_first, bk_rows, &n_act, &pr);
-    /* xg [pr][D] bf16 | ab [pr][I] bf16 | h [pr][2I] f32 | y [pr][D] f32 | inv [rows] |
-     * slot [rows] | panel [E] | pointer arrays [6][E] */
+    /* xg [pr][D] bf16 | ab [pr][I] bf16 | h [pr][2I] f32 | y [pr][D] f32 (bf16 with
+     * expert_bf16_out) | inv [rows] | slot [rows] | panel [E] | pointer arrays [6][E] */
+    const int y16 = c->expert_bf16_out;
     const size_t sz[8] = {
-        pr * D * 2,       pr * I * 2,       pr * 2 * I * 4, pr * D * 4,
+        pr * D * 2,       pr * I * 2,       pr * 2 * I * 4, pr * D * (y16 ? 2 : 4),
         (size_t)rows * 4, (size_t)rows * 4, (size_t)E * 4,  (size_t)6 * E * sizeof(void *)};
     void *b[8];
     if (carve_scratch(c, &c->moeg, &c->moeg_bytes, sz, b, 8, "moe gemm scratch", err))
         return DS_ERR;
     __nv_bfloat16 *xg = (__nv_bfloat16 *)b[0], *ab = (__nv_bfloat16 *)b[1];
-    float *h = (float *)b[2], *y = (float *)b[3];
+    float *h = (float *)b[2];
+    char *y = (char *)b[3];
     int32_t *inv = (int32_t *)b[4], *slot = (int32_t *)b[5], *dpanel = (int32_t *)b[6];
     void **dptrs = (void **)b[7];
     const size_t per_gu = (size_t)2 * I * D, per_dn = (size_t)D * I;
@@ -427,7 +445,7 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
         ptrs[2 * E + i] = h + (size_t)panel[e] * 2 * I;
         ptrs[3 * E + i] = down + (size_t)e * per_dn;
         ptrs[4 * E + i] = ab + (size_t)panel[e] * I;
-        ptrs[5 * E + i] = y + (size_t)panel[e] * D;
+        ptrs[5 * E + i] = y + (size_t)panel[e] * D * (y16 ? 2 : 4);
     }
     CU_TRY(cudaMemcpyAsync(dpanel, panel, (size_t)E * 4, cudaMemcpyHostToDevice, c->stream),
            "moe: panels");
@@ -463,8 +481,8 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
         BLAS_TRY(cublasGemmBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, D, bk_rows[bk], I, &one,
                                      (const void *const *)(dptrs + 3 * E + i0), CUDA_R_16BF, I,
                                      (const void *const *)(dptrs + 4 * E + i0), CUDA_R_16BF, I,
-                                     &zero, dptrs + 5 * E + i0, CUDA_R_32F, D, cnt,
-                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                                     &zero, dptrs + 5 * E + i0, y16 ? CUDA_R_16BF : CUDA_R_32F, D,
+                                     cnt, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                  "moe down (batched gemm)");
     }
     prof_gemm_close(c, prof, 2.0 * n_local * D * I);
@@ -474,7 +492,12 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
         launch_k(c, moe_inverse_k, (n_local + 255) / 256, 256, 0, inv, perm, slot, n_local);
     CU_TRY(cudaGetLastError(), "moe inverse");
     if (ds_cu_side_join(c, err)) return DS_ERR; /* out: see ds_cu_moe_experts */
-    launch_k(c, moe_combine_perm_k, (unsigned)T, 256, 0, out, y, inv, w, k, D, accumulate);
+    if (y16)
+        launch_k(c, moe_combine_perm_k<__nv_bfloat16>, (unsigned)T, 256, 0, out,
+                 (const __nv_bfloat16 *)y, inv, w, k, D, accumulate);
+    else
+        launch_k(c, moe_combine_perm_k<float>, (unsigned)T, 256, 0, out, (const float *)y, inv, w,
+                 k, D, accumulate);
     CU_TRY(cudaGetLastError(), "moe combine (gemm)");
     return DS_OK;
 }
