@@ -291,8 +291,8 @@ __device__ __forceinline__ float kda_raw_norm(const float *Kt, const float *Qt,
 /* long: one chunk's passes share their tiles in registers and shared memory between barriers;
  * split into functions, each would take a dozen array references. B16 (with PREC 0, for the BF16
  * mode): W, Qp, Kc and P handed over as BF16 (kda_chunked.cuh). RAW: g is f_b's output before the
- * gate, beta is unused, q and k are not normalized yet (ds_cu_kda_raw): the gate and beta are made
- * as they are staged, the head norms right after. */
+ * gate, beta is unused, q and k are not normalized yet (ds_cu_kda_raw): beta is made as it is
+ * staged, the gate and the head norms right after. */
 template <int KD, int PREC, bool B16 = false, bool RAW = false>
 __global__ void __launch_bounds__(256, 2)
     kda_chunk_prep_k(float *out, const float *q, const float *k, const float *v, const float *g,
