@@ -38,9 +38,9 @@ static void check_moe_route(ds_cu *c, int T, int E, int k, int n_group, int topk
  * gate and up rows (ds_matmul on BF16), the activation, the down projection, then the weighted
  * sum in slot order. */
 /* gemm: the tensor-core path for long steps (activations in BF16: held to 1e-2; 5: with its down
- * pass writing BF16, ds_cu_set_expert_bf16_out, its error printed beside mode 1's). half: this rank
- * holds experts [E/2, E) only, as under tensor parallelism: rows routed to the others add
- * nothing. */
+ * pass writing BF16, 6: gate/up's too, ds_cu_set_expert_bf16_out; errors printed beside mode 1's).
+ * half: this rank holds experts [E/2, E) only, as under tensor parallelism: rows routed to the
+ * others add nothing. */
 static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, int situ, int gemm,
                                    int half) {
     const int e0 = half ? E / 2 : 0, El = E - e0;
@@ -78,8 +78,8 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
     float *dout = dev(c, base, (size_t)T * D * 4);
     int32_t *didx = dev(c, idx, (size_t)T * k * 4);
     ds_err err = {{0}};
-    ds_cu_set_expert_gemm(c, gemm == 1 || gemm == 2 || gemm == 5);
-    ds_cu_set_expert_bf16_out(c, gemm == 5);
+    ds_cu_set_expert_gemm(c, gemm == 1 || gemm == 2 || gemm >= 5);
+    ds_cu_set_expert_bf16_out(c, gemm >= 5 ? gemm - 4 : 0);
     ds_cu_set_expert_mma(c, gemm >= 3);
     ds_cu_set_expert_tc(c, gemm == 4);
     ds_cu_set_expert_mma_min(c, gemm >= 3 ? 16 : 0); /* (the engine's is 40 tokens) */
@@ -95,7 +95,8 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
     char what[160];
     snprintf(what, sizeof what, "moe experts T=%d k=%d E=%d D=%d I=%d %s%s%s", T, k, E, D, I,
              situ ? "situ" : "swiglu",
-             gemm == 5   ? " (gemm, BF16 down outputs)"
+             gemm == 6   ? " (gemm, BF16 outputs)"
+             : gemm == 5 ? " (gemm, BF16 down outputs)"
              : gemm == 4 ? " (tensor cores, streaming)"
              : gemm == 3 ? " (tensor cores)"
              : gemm == 2 ? " (gemm, skewed)"
@@ -156,6 +157,8 @@ void checks_moe(ds_cu *c) {
     check_moe_experts_mode(c, 300, 8, 32, 512, 256, 0, 5, 0); /* BF16 down outputs */
     check_moe_experts_mode(c, 600, 8, 64, 256, 128, 1, 5, 0);
     check_moe_experts_mode(c, 200, 8, 32, 512, 256, 0, 5, 1); /* ... half the experts */
+    check_moe_experts_mode(c, 300, 8, 32, 512, 256, 0, 6, 0); /* gate/up's outputs in BF16 too */
+    check_moe_experts_mode(c, 600, 8, 64, 256, 128, 1, 6, 0);
     check_moe_experts_mode(c, 300, 8, 32, 512, 256, 0, 2, 0); /* skewed: several size buckets */
     check_moe_experts_mode(c, 40, 8, 64, 512, 256, 0, 0, 1);  /* TP: half the experts */
     check_moe_experts_mode(c, 6, 3, 8, 100, 36, 1, 0, 1);     /* ... one row at a time */

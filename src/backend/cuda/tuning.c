@@ -48,10 +48,12 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     memset(t, 0, sizeof *t);
     /* the faster paths are on unless turned off (for comparisons); the profile is opt-in */
     t->expert_gemm = env_flag("DS_CUDA_EXPERT_GEMM", 1);
-    /* on: a prompt 2% faster at the 48B shape (the down pass is bound by its bytes), and the bundled
-     * model's logits as far from the CPU's with it as without (6.2e-3 / 6.3e-3 over 600 tokens;
-     * each expert's output rounded to BF16 before the weighted sum: bench/RESULTS.md session 44) */
-    t->expert_bf16_out = env_flag("DS_CUDA_EXPERT_BF16_OUT", 1);
+    /* 2 (both passes write BF16): a prompt 7% faster at the 48B shape (the passes are bound by
+     * their bytes), and the bundled model's logits about as far from the CPU's as with f32 outputs
+     * (6.6e-3, 6.2e-3 with the down pass alone, 6.3e-3 with neither, over 600 tokens; each
+     * expert's output rounded to BF16 before the weighted sum, gate/up's before the activation:
+     * bench/RESULTS.md session 44) */
+    t->expert_bf16_out = env_count("DS_CUDA_EXPERT_BF16_OUT", 2); /* 1: the down pass alone */
     t->expert_mma = env_flag("DS_CUDA_EXPERT_MMA", 1);
     t->expert_tc = env_flag("DS_CUDA_EXPERT_TC", 1);
     /* tuning knobs (0: the kernels' defaults) */

@@ -9,8 +9,10 @@
  *   variable               kind   default  what it changes
  *   DS_CUDA_EXPERT_GEMM    F      1        prefill steps' routed experts (>= 64 rows a local
  *                                          expert on average) as cuBLAS tensor-core GEMMs
- *   DS_CUDA_EXPERT_BF16_OUT F     1        those GEMMs' down pass writes BF16 (each routed
- *                                          row's output rounded before the weighted sum)
+ *   DS_CUDA_EXPERT_BF16_OUT N     2        those GEMMs write BF16: 2 both passes (gate/up's
+ *                                          outputs rounded before the activation, each routed
+ *                                          row's output before the weighted sum), 1 the down
+ *                                          pass alone, 0 neither (f32)
  *   DS_CUDA_EXPERT_MMA     F      1        grouped routed experts of steps of >= 40 tokens on BF16
  *                                          tensor cores, on the device (capturable)
  *   DS_CUDA_EXPERT_TC      F      1        those through the mma.sync kernel that streams the
@@ -73,7 +75,7 @@ enum { DS_CUDA_KDA_FUSE_MAX = 2 }; /* DS_CUDA_KDA_FUSED's default (layers.c kda_
 
 typedef struct ds_cuda_tuning {
     int expert_gemm, expert_mma, expert_tc;
-    int expert_bf16_out; /* the cuBLAS experts' down pass writing BF16 (an accuracy trade) */
+    int expert_bf16_out; /* the cuBLAS experts writing BF16: 1 the down pass, 2 gate/up's too */
     int expert_mma_min, gemv_max_t; /* 0: the kernels' defaults */
     int f8_prequant;
     int f8_split_min;  /* 0: the kernels' default */

@@ -33,7 +33,7 @@ struct ds_cu {
     int batch_invariant; /* every matmul through the weight-streaming kernel (see the header) */
     uint64_t epoch;      /* bumped whenever a scratch buffer moves (captured graphs go stale) */
     int expert_gemm;     /* routed experts of long steps through cuBLAS (ds_cu_set_expert_gemm) */
-    int expert_bf16_out; /* ... their down pass writing BF16 (ds_cu_set_expert_bf16_out) */
+    int expert_bf16_out; /* ... writing BF16: 1 the down pass, 2 gate/up's too */
     int expert_mma;      /* grouped experts of batches on tensor cores (ds_cu_set_expert_mma) */
     int expert_tc;       /* ...through the streaming tensor-core kernel (ds_cu_set_expert_tc) */
     int mma_min_tokens;  /* ...from this many tokens a step (ds_cu_set_expert_mma_min; 0: 40) */

@@ -300,9 +300,10 @@ int ds_cu_moe_experts_fp8(ds_cu *c, float *out, const float *x, const int32_t *i
  * unless DS_CUDA_EXPERT_GEMM=0 (tests/cuda: check_moe_experts_gemm). */
 void ds_cu_set_expert_gemm(ds_cu *c, int on);
 /* Those GEMMs' down pass writing each routed row's output in BF16 instead of f32 (the combine
- * then reads half the bytes; each expert's output rounded to BF16 before the weighted sum): on in
- * the engine unless DS_CUDA_EXPERT_BF16_OUT=0 (its accuracy: bench/RESULTS.md session 44); off
- * in a new context. */
+ * then reads half the bytes; each expert's output rounded to BF16 before the weighted sum), and
+ * with on = 2 their gate/up pass too (rounded before the activation): 2 in the engine unless
+ * DS_CUDA_EXPERT_BF16_OUT says otherwise (its accuracy: bench/RESULTS.md session 44); 0 in a new
+ * context. */
 void ds_cu_set_expert_bf16_out(ds_cu *c, int on);
 /* Grouped routed experts of steps of >= 40 tokens (batch decode, verify, short prefill chunks) on
  * BF16 tensor cores (wmma), on the device so the step stays capturable (not with batch

@@ -292,24 +292,6 @@ __global__ void moe_slot_k(int32_t *slot, const int32_t *start, const int32_t *p
     for (int i = r0 + threadIdx.x; i < r1; i += blockDim.x) slot[i] = panel[e] + (i - r0);
 }
 
-/* ab[i][c] = bf16(act(h[i][c], h[i][I + c])), row i = blockIdx.x */
-__global__ void moe_act_bf16_k(__nv_bfloat16 *ab, const float *h, int I, int situ, float beta,
-                               float lin_beta) {
-    PDL_ENTRY();
-    const size_t i = blockIdx.x;
-    const float4 *g = (const float4 *)(h + i * 2 * I), *u = g + I / 4;
-    for (int c4 = threadIdx.x; c4 < I / 4; c4 += blockDim.x) {
-        store_bf16x4(ab + i * I + 4 * c4, act_pair4(g[c4], u[c4], situ, beta, lin_beta));
-    }
-}
-
-/* inv[perm[i]] = slot[i]: where routed row perm[i]'s output sits in y. */
-__global__ void moe_inverse_k(int32_t *inv, const int32_t *perm, const int32_t *slot, int rows) {
-    PDL_ENTRY();
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < rows) inv[perm[i]] = slot[i];
-}
-
 /* four of a row's values from f32 or BF16 outputs */
 static __device__ __forceinline__ float4 load4(const float *y, size_t i) {
     return *(const float4 *)(y + i);
@@ -319,6 +301,25 @@ static __device__ __forceinline__ float4 load4(const __nv_bfloat16 *y, size_t i)
     const float2 a = __bfloat1622float2(*(const __nv_bfloat162 *)&u.x),
                  b = __bfloat1622float2(*(const __nv_bfloat162 *)&u.y);
     return make_float4(a.x, a.y, b.x, b.y);
+}
+
+/* ab[i][c] = bf16(act(h[i][c], h[i][I + c])), row i = blockIdx.x; H f32 or BF16
+ * (ds_cu_set_expert_bf16_out 2) */
+template <typename H>
+__global__ void moe_act_bf16_k(__nv_bfloat16 *ab, const H *h, int I, int situ, float beta,
+                               float lin_beta) {
+    PDL_ENTRY();
+    const size_t i = blockIdx.x, g = i * 2 * I, u = g + I;
+    for (int c4 = threadIdx.x; c4 < I / 4; c4 += blockDim.x)
+        store_bf16x4(ab + i * I + 4 * c4,
+                     act_pair4(load4(h, g + 4 * c4), load4(h, u + 4 * c4), situ, beta, lin_beta));
+}
+
+/* inv[perm[i]] = slot[i]: where routed row perm[i]'s output sits in y. */
+__global__ void moe_inverse_k(int32_t *inv, const int32_t *perm, const int32_t *slot, int rows) {
+    PDL_ENTRY();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < rows) inv[perm[i]] = slot[i];
 }
 
 /* out[t] (+)= sum_j w[t][j] y[inv[t k + j]], slots in order (the combine of moe_combine_k);
@@ -423,18 +424,23 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
     int bk_first[MOE_MAX_BUCKETS + 1], bk_rows[MOE_MAX_BUCKETS], n_act;
     size_t pr; /* padded rows of all panels */
     const int n_bk = moe_buckets(hs, E, keys, order, panel, bk_first, bk_rows, &n_act, &pr);
-    /* xg [pr][D] bf16 | ab [pr][I] bf16 | h [pr][2I] f32 | y [pr][D] f32 (bf16 with
-     * expert_bf16_out) | inv [rows] | slot [rows] | panel [E] | pointer arrays [6][E] */
-    const int y16 = c->expert_bf16_out;
-    const size_t sz[8] = {
-        pr * D * 2,       pr * I * 2,       pr * 2 * I * 4, pr * D * (y16 ? 2 : 4),
-        (size_t)rows * 4, (size_t)rows * 4, (size_t)E * 4,  (size_t)6 * E * sizeof(void *)};
+    /* xg [pr][D] bf16 | ab [pr][I] bf16 | h [pr][2I] f32 (bf16 with expert_bf16_out 2) |
+     * y [pr][D] f32 (bf16 with expert_bf16_out) | inv [rows] | slot [rows] | panel [E] |
+     * pointer arrays [6][E] */
+    const int y16 = c->expert_bf16_out > 0, h16 = c->expert_bf16_out > 1;
+    const size_t sz[8] = {pr * D * 2,
+                          pr * I * 2,
+                          pr * 2 * I * (h16 ? 2 : 4),
+                          pr * D * (y16 ? 2 : 4),
+                          (size_t)rows * 4,
+                          (size_t)rows * 4,
+                          (size_t)E * 4,
+                          (size_t)6 * E * sizeof(void *)};
     void *b[8];
     if (carve_scratch(c, &c->moeg, &c->moeg_bytes, sz, b, 8, "moe gemm scratch", err))
         return DS_ERR;
     __nv_bfloat16 *xg = (__nv_bfloat16 *)b[0], *ab = (__nv_bfloat16 *)b[1];
-    float *h = (float *)b[2];
-    char *y = (char *)b[3];
+    char *h = (char *)b[2], *y = (char *)b[3];
     int32_t *inv = (int32_t *)b[4], *slot = (int32_t *)b[5], *dpanel = (int32_t *)b[6];
     void **dptrs = (void **)b[7];
     const size_t per_gu = (size_t)2 * I * D, per_dn = (size_t)D * I;
@@ -442,7 +448,7 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
         const int e = order[i];
         ptrs[i] = gate_up + (size_t)e * per_gu;
         ptrs[E + i] = xg + (size_t)panel[e] * D;
-        ptrs[2 * E + i] = h + (size_t)panel[e] * 2 * I;
+        ptrs[2 * E + i] = h + (size_t)panel[e] * 2 * I * (h16 ? 2 : 4);
         ptrs[3 * E + i] = down + (size_t)e * per_dn;
         ptrs[4 * E + i] = ab + (size_t)panel[e] * I;
         ptrs[5 * E + i] = y + (size_t)panel[e] * D * (y16 ? 2 : 4);
@@ -465,14 +471,18 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
         BLAS_TRY(cublasGemmBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, 2 * I, bk_rows[bk], D, &one,
                                      (const void *const *)(dptrs + i0), CUDA_R_16BF, D,
                                      (const void *const *)(dptrs + E + i0), CUDA_R_16BF, D, &zero,
-                                     dptrs + 2 * E + i0, CUDA_R_32F, 2 * I, cnt, CUBLAS_COMPUTE_32F,
-                                     CUBLAS_GEMM_DEFAULT),
+                                     dptrs + 2 * E + i0, h16 ? CUDA_R_16BF : CUDA_R_32F, 2 * I, cnt,
+                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                  "moe up (batched gemm)");
     }
     prof_gemm_close(c, prof, 2.0 * n_local * 2 * I * D);
     ds_cu_prof_mark(c, "moe gemm: act");
-    launch_k(c, moe_act_bf16_k, (unsigned)pr, 256, 0, ab, h, I, situ, situ_beta,
-             situ_lin_beta); /* (padding rows: never read) */
+    if (h16) /* (padding rows: never read) */
+        launch_k(c, moe_act_bf16_k<__nv_bfloat16>, (unsigned)pr, 256, 0, ab,
+                 (const __nv_bfloat16 *)h, I, situ, situ_beta, situ_lin_beta);
+    else
+        launch_k(c, moe_act_bf16_k<float>, (unsigned)pr, 256, 0, ab, (const float *)h, I, situ,
+                 situ_beta, situ_lin_beta);
     CU_TRY(cudaGetLastError(), "moe act (gemm)");
     ds_cu_prof_mark(c, "moe gemm: down");
     prof = prof_gemm_open(c);
