@@ -12,9 +12,16 @@ case "${1:-}" in
     git rm -r -q --cached models/gsm-k3
     sed -i '/^!\/models\/gsm-k3\/$/d' .gitignore
     echo "models/gsm-k3 left out of the tree that travels; run 'light_tree.sh back' after the call" ;;
+  slim)
+    # the other way round: the bundled model travels (tools/device/logits_env.sh) and the
+    # goldens (~10 MB, tracked) stay here, taken out of the working tree until `back`
+    git diff --quiet -- tests/golden || { echo "light_tree: tests/golden has changes; commit them first" >&2; exit 1; }
+    rm -f tests/golden/*.bin
+    echo "tests/golden/*.bin left out of the working tree; run 'light_tree.sh back' after the call" ;;
   back)
     git checkout -q .gitignore
     git reset -q HEAD -- models/gsm-k3
+    git checkout -q -- tests/golden
     git diff --cached --quiet && echo "models/gsm-k3 tracked again" ;;
-  *) echo "usage: light_tree.sh out|back" >&2; exit 2 ;;
+  *) echo "usage: light_tree.sh out|slim|back" >&2; exit 2 ;;
 esac

@@ -53,21 +53,26 @@ if [ "${DS_DEVBIN_F8MMA:-0}" = 1 ]; then
   cp build-cuda-f8mma/test_cuda_kernels .devbin/test_cuda_kernels_f8mma
   cp build-cuda-f8mma/deltaserve .devbin/deltaserve_f8mma
 fi
+# DS_DEVBIN_MINI=1: deltaserve, test_cuda_kernels and the libraries they need alone (~8.4 MB), for
+# a call that carries the bundled model (tools/device/logits_env.sh, light_tree.sh slim)
+if [ "${DS_DEVBIN_MINI:-0}" = 1 ]; then
+  rm -f .devbin/bench_cublas .devbin/bench_f8cvt .devbin/test_model_* .devbin/test_engine_*
+fi
 for l in libmicrohttpd.so.12 libhiredis.so.0.14 libcmocka.so.0 libucp.so.0 libuct.so.0 libucs.so.0 \
          libucm.so.0 libnuma.so.1; do
   cp -L "/lib/x86_64-linux-gnu/$l" .devbin/lib/
 done
 # UCX's CMA module (shared-memory transfers between two processes; loaded from UCX_MODULE_DIR, which
 # env.sh points here) and ucx_perftest, for the P/D transfer's figures (tools/device/pd_gpu.sh)
-if [ -f /usr/lib/x86_64-linux-gnu/ucx/libuct_cma.so.0 ]; then
+if [ "${DS_DEVBIN_MINI:-0}" != 1 ] && [ -f /usr/lib/x86_64-linux-gnu/ucx/libuct_cma.so.0 ]; then
   mkdir -p .devbin/lib/ucx
   cp -L /usr/lib/x86_64-linux-gnu/ucx/libuct_cma.so.0 .devbin/lib/ucx/libuct_cma.so
 fi
-[ -x /usr/bin/ucx_perftest ] && cp /usr/bin/ucx_perftest .devbin/
+[ "${DS_DEVBIN_MINI:-0}" != 1 ] && [ -x /usr/bin/ucx_perftest ] && cp /usr/bin/ucx_perftest .devbin/
 # CUPTI, for DS_CUDA_TIMELINE (tools/device/timeline48.sh: the machines have no Nsight Systems)
 CUPTI=$(ls "$(dirname "$NVCC")"/../lib*/libcupti.so.* /usr/local/cuda/extras/CUPTI/lib64/libcupti.so.* \
   2>/dev/null | head -1 || true)
-[ -n "$CUPTI" ] && cp -L "$CUPTI" .devbin/lib/
+[ "${DS_DEVBIN_MINI:-0}" != 1 ] && [ -n "$CUPTI" ] && cp -L "$CUPTI" .devbin/lib/
 strip .devbin/* 2>/dev/null || true
 # the commit the binaries are built from, for tools/bench_latest.py's stamps ("+" when the tree
 # had uncommitted changes)
