@@ -428,14 +428,10 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
      * y [pr][D] f32 (bf16 with expert_bf16_out) | inv [rows] | slot [rows] | panel [E] |
      * pointer arrays [6][E] */
     const int y16 = c->expert_bf16_out > 0, h16 = c->expert_bf16_out > 1;
-    const size_t sz[8] = {pr * D * 2,
-                          pr * I * 2,
-                          pr * 2 * I * (h16 ? 2 : 4),
-                          pr * D * (y16 ? 2 : 4),
-                          (size_t)rows * 4,
-                          (size_t)rows * 4,
-                          (size_t)E * 4,
-                          (size_t)6 * E * sizeof(void *)};
+    const size_t hsz = h16 ? 2 : 4, ysz = y16 ? 2 : 4; /* their elements' bytes */
+    const size_t sz[8] = {
+        pr * D * 2,       pr * I * 2,       pr * 2 * I * hsz, pr * D * ysz,
+        (size_t)rows * 4, (size_t)rows * 4, (size_t)E * 4,    (size_t)6 * E * sizeof(void *)};
     void *b[8];
     if (carve_scratch(c, &c->moeg, &c->moeg_bytes, sz, b, 8, "moe gemm scratch", err))
         return DS_ERR;
@@ -448,10 +444,10 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
         const int e = order[i];
         ptrs[i] = gate_up + (size_t)e * per_gu;
         ptrs[E + i] = xg + (size_t)panel[e] * D;
-        ptrs[2 * E + i] = h + (size_t)panel[e] * 2 * I * (h16 ? 2 : 4);
+        ptrs[2 * E + i] = h + (size_t)panel[e] * 2 * I * hsz;
         ptrs[3 * E + i] = down + (size_t)e * per_dn;
         ptrs[4 * E + i] = ab + (size_t)panel[e] * I;
-        ptrs[5 * E + i] = y + (size_t)panel[e] * D * (y16 ? 2 : 4);
+        ptrs[5 * E + i] = y + (size_t)panel[e] * D * ysz;
     }
     CU_TRY(cudaMemcpyAsync(dpanel, panel, (size_t)E * 4, cudaMemcpyHostToDevice, c->stream),
            "moe: panels");

@@ -209,15 +209,26 @@ void prof_gemm_close(ds_cu *c, const char *prev, double flops) {
     prof_open(c, prev);
 }
 
-/* A step's GEMM interval i (ms long) added to its caller's sums */
-static void prof_gemm_add(cu_prof *p, int i, float ms) {
-    int g = 0;
-    while (g < p->n_gemm && strcmp(p->glabel[g], p->gcaller[i])) g++;
-    if (g == p->n_gemm) {
-        if (g == PROF_LABELS) return;
-        p->glabel[p->n_gemm++] = p->gcaller[i];
+/* label's index in labels [*n] (first-seen order), added when new; -1 when the table is full */
+static int label_slot(const char **labels, int *n, const char *label) {
+    int l = 0;
+    while (l < *n && labels[l] != label && strcmp(labels[l], label)) l++;
+    if (l == *n) {
+        if (l == PROF_LABELS) return -1;
+        labels[(*n)++] = label;
     }
-    p->gms[g] += ms, p->gfl[g] += p->gflops[i], p->gcount[g]++;
+    return l;
+}
+
+/* order [n]: the indices of ms [n], largest first */
+static void by_time(int *order, const double *ms, int n) {
+    for (int i = 0; i < n; i++) order[i] = i;
+    for (int i = 1; i < n; i++)
+        for (int j = i; j > 0 && ms[order[j]] > ms[order[j - 1]]; j--) {
+            int t = order[j];
+            order[j] = order[j - 1];
+            order[j - 1] = t;
+        }
 }
 
 extern "C" void ds_cu_prof_step_end(ds_cu *c) {
@@ -239,15 +250,14 @@ extern "C" void ds_cu_prof_step_end(ds_cu *c) {
             cudaGetLastError();
             continue;
         }
-        int l = 0;
-        while (l < p->n_labels && p->label[l] != p->at[i] && strcmp(p->label[l], p->at[i])) l++;
-        if (l == p->n_labels) {
-            if (l == PROF_LABELS) continue;
-            p->label[p->n_labels++] = p->at[i];
-        }
+        const int l = label_slot(p->label, &p->n_labels, p->at[i]);
+        if (l < 0) continue;
         p->ms[l] += ms;
         p->count[l]++;
-        if (p->at[i] == PROF_GEMM && p->gcaller[i]) prof_gemm_add(p, i, ms);
+        const int g = p->at[i] == PROF_GEMM && p->gcaller[i]
+                          ? label_slot(p->glabel, &p->n_gemm, p->gcaller[i])
+                          : -1;
+        if (g >= 0) p->gms[g] += ms, p->gfl[g] += p->gflops[i], p->gcount[g]++;
     }
     p->n = 0;
     p->steps++;
@@ -261,13 +271,8 @@ extern "C" void ds_cu_prof_report(ds_cu *c, FILE *f, const char *title) {
     }
     int order[PROF_LABELS];
     double total = 0.0;
-    for (int i = 0; i < p->n_labels; i++) order[i] = i, total += p->ms[i];
-    for (int i = 1; i < p->n_labels; i++) /* by time, largest first */
-        for (int j = i; j > 0 && p->ms[order[j]] > p->ms[order[j - 1]]; j--) {
-            int t = order[j];
-            order[j] = order[j - 1];
-            order[j - 1] = t;
-        }
+    for (int i = 0; i < p->n_labels; i++) total += p->ms[i];
+    by_time(order, p->ms, p->n_labels);
     fprintf(f, "profile: %s — %d steps, %.3f ms device time per step%s\n", title, p->steps,
             total / p->steps, p->dropped ? " (marks dropped: raise PROF_EVENTS)" : "");
     fprintf(f, "  %-24s %12s %8s %10s\n", "op", "ms/step", "share", "calls/step");
@@ -281,14 +286,7 @@ extern "C" void ds_cu_prof_report(ds_cu *c, FILE *f, const char *title) {
     if (tf > 0) {
         fprintf(f, "  %s: %.3f TFLOP a step in %.3f ms, %.1f TFLOP/s\n", PROF_GEMM,
                 p->gemm_flops / p->steps / 1e12, gemm_ms, tf);
-        /* ... by the op that ran them, largest time first */
-        for (int i = 0; i < p->n_gemm; i++) order[i] = i;
-        for (int i = 1; i < p->n_gemm; i++)
-            for (int j = i; j > 0 && p->gms[order[j]] > p->gms[order[j - 1]]; j--) {
-                int t = order[j];
-                order[j] = order[j - 1];
-                order[j - 1] = t;
-            }
+        by_time(order, p->gms, p->n_gemm); /* ... by the op that ran them */
         for (int i = 0; i < p->n_gemm; i++) {
             const int g = order[i];
             fprintf(f, "    %-28s %10.4f ms/step %8.1f TFLOP/s %8.1f calls/step\n", p->glabel[g],
