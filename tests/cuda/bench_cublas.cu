@@ -46,6 +46,108 @@ static double time_ms(cublasHandle_t h, cudaStream_t s, int m, int n, int k, int
     return best;
 }
 
+/* E experts' GEMMs C_e [n_e][m] = B_e [n_e][k] A_e [m][k]^T (BF16 in, BF16 out) through pointer
+ * arrays: grouped = 1: one cublasGemmGroupedBatchedEx call, a group a distinct n_e (the experts
+ * sorted by count); 0: one cublasGemmBatchedEx call with every expert padded to the largest n_e.
+ * Returns the best of five timed calls in ms (-1 on an error). */
+static double time_experts(cublasHandle_t h, cudaStream_t s, int m, int k, int E, const int *cnt,
+                           int grouped) {
+    int nmax = 0;
+    size_t rows = 0;
+    for (int e = 0; e < E; e++) nmax = cnt[e] > nmax ? cnt[e] : nmax, rows += cnt[e];
+    const size_t brows = grouped ? rows : (size_t)nmax * E; /* B's and C's rows, all panels */
+    void *A, *B, *C, **dp;
+    if (cudaMalloc(&A, (size_t)E * m * k * 2) || cudaMalloc(&B, brows * k * 2) ||
+        cudaMalloc(&C, brows * m * 2) || cudaMalloc(&dp, (size_t)3 * E * sizeof(void *)))
+        return -1;
+    fill_k<<<1024, 256>>>((__nv_bfloat16 *)A, (size_t)E * m * k, 1u);
+    fill_k<<<1024, 256>>>((__nv_bfloat16 *)B, brows * k, 2u);
+    /* experts by count, largest first (an insertion sort: E is small) */
+    int *order = (int *)malloc((size_t)E * sizeof(int));
+    for (int e = 0; e < E; e++) {
+        int i = e;
+        while (i > 0 && cnt[order[i - 1]] < cnt[e]) order[i] = order[i - 1], i--;
+        order[i] = e;
+    }
+    void **hp = (void **)malloc((size_t)3 * E * sizeof(void *));
+    size_t r = 0;
+    for (int i = 0; i < E; i++) {
+        const int e = order[i];
+        hp[i] = (char *)A + (size_t)e * m * k * 2;
+        hp[E + i] = (char *)B + r * k * 2;
+        hp[2 * E + i] = (char *)C + r * m * 2;
+        r += grouped ? (size_t)cnt[e] : (size_t)nmax;
+    }
+    cudaMemcpy(dp, hp, (size_t)3 * E * sizeof(void *), cudaMemcpyHostToDevice);
+    int ng = 0, *gn = (int *)malloc((size_t)E * 11 * sizeof(int)), *gs = gn + E, *gm = gn + 2 * E,
+        *gk = gn + 3 * E;
+    float *al = (float *)(gn + 4 * E), *be = (float *)(gn + 5 * E);
+    cublasOperation_t *ta = (cublasOperation_t *)(gn + 6 * E), *tb = ta + E;
+    for (int i = 0; i < E; i++) {
+        if (!ng || cnt[order[i]] != gn[ng - 1]) gn[ng] = cnt[order[i]], gs[ng++] = 0;
+        gs[ng - 1]++;
+    }
+    for (int g = 0; g < ng; g++)
+        gm[g] = m, gk[g] = k, al[g] = 1.0f, be[g] = 0.0f, ta[g] = CUBLAS_OP_T, tb[g] = CUBLAS_OP_N;
+    int *ldc = gn + 8 * E; /* m's, as C's leading dimension */
+    for (int g = 0; g < ng; g++) ldc[g] = m;
+    const float one = 1.0f, zero = 0.0f;
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    float best = 1e30f;
+    for (int it = 0; it < 6; it++) {
+        cudaEventRecord(e0, s);
+        cublasStatus_t st;
+        if (grouped)
+            st = cublasGemmGroupedBatchedEx(h, ta, tb, gm, gn, gk, al, (const void *const *)dp,
+                                            CUDA_R_16BF, gk, (const void *const *)(dp + E),
+                                            CUDA_R_16BF, gk, be, dp + 2 * E, CUDA_R_16BF, ldc, ng,
+                                            gs, CUBLAS_COMPUTE_32F);
+        else
+            st = cublasGemmBatchedEx(
+                h, CUBLAS_OP_T, CUBLAS_OP_N, m, nmax, k, &one, (const void *const *)dp, CUDA_R_16BF,
+                k, (const void *const *)(dp + E), CUDA_R_16BF, k, &zero, dp + 2 * E, CUDA_R_16BF, m,
+                E, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        cudaEventRecord(e1, s);
+        cudaEventSynchronize(e1);
+        if (st != CUBLAS_STATUS_SUCCESS) {
+            best = -1;
+            break;
+        }
+        float ms;
+        cudaEventElapsedTime(&ms, e0, e1);
+        if (it > 0 && ms < best) best = ms;
+    }
+    cudaFree(A), cudaFree(B), cudaFree(C), cudaFree(dp);
+    free(order), free(hp), free(gn);
+    return best;
+}
+
+/* The 48B shape's routed experts (256 of 2304 x 1024) both ways: even counts (8192 tokens x 8 =
+ * 65,536 rows, 256 each) and skewed ones (128 to 510 rows, spread evenly, 81,664 in all). */
+static void bench_experts(cublasHandle_t h, cudaStream_t s) {
+    enum { E = 256 };
+    int even[E], skew[E];
+    for (int e = 0; e < E; e++) even[e] = 256, skew[e] = 128 + (e * 97 % E) * 384 / E;
+    const struct {
+        const char *what;
+        int m, k;
+    } pass[] = {{"gate/up", 2048, 2304}, {"down", 2304, 1024}};
+    for (auto &p : pass)
+        for (int sk = 0; sk < 2; sk++) {
+            const int *cnt = sk ? skew : even;
+            double rows = 0;
+            for (int e = 0; e < E; e++) rows += cnt[e];
+            const double f = 2.0 * rows * p.m * p.k;
+            const double tb = time_experts(h, s, p.m, p.k, E, cnt, 0);
+            const double tg = time_experts(h, s, p.m, p.k, E, cnt, 1);
+            printf("experts %-7s %s counts: batched (padded) %7.3f ms %5.0f TFLOP/s | grouped "
+                   "(exact) %7.3f ms %5.0f TFLOP/s (routed rows' FLOPs)\n",
+                   p.what, sk ? "skewed" : "even  ", tb, f / tb / 1e9, tg, f / tg / 1e9);
+        }
+}
+
 int main(void) {
     cublasHandle_t h;
     cudaStream_t s;
@@ -82,5 +184,6 @@ int main(void) {
                t32, f / t32 / 1e9, t16, f / t16 / 1e9);
         cudaFree(A), cudaFree(B), cudaFree(C);
     }
+    bench_experts(h, s);
     return 0;
 }

@@ -89,7 +89,8 @@ static void check_mla_batch(ds_cu *c, const int *lens, const int *pos0, int n_se
     free(tables), free(pool), free(qbar), free(qr), free(qrs), free(ref), free(got);
 }
 
-/* gemm: the tensor-core path for long segments (BF16 operands and probabilities: 2e-2). */
+/* gemm: the tensor-core path for long segments (BF16 operands and probabilities: 2e-2): 1 through
+ * cuBLAS, 2 the fused kernel on mma.sync, 3 the fused kernel on wgmma (sm_90; else 2 again). */
 static void check_mla_expanded_mode(ds_cu *c, int T, int Ha, int dn, int dr, int dvh, int pos0,
                                     int n_ctx, int causal, int gemm) {
     size_t nq = (size_t)T * Ha * (dn + dr), nk = (size_t)n_ctx * Ha * dn, nr = (size_t)n_ctx * dr;
@@ -103,7 +104,7 @@ static void check_mla_expanded_mode(ds_cu *c, int T, int Ha, int dn, int dr, int
     poison(c, dout, no * 4);
     ds_err err = {{0}};
     ds_cu_set_mla_gemm(c, gemm != 0);
-    ds_cu_set_mla_flash(c, gemm == 2); /* the fused kernel, where the head shape has one */
+    ds_cu_set_mla_flash(c, gemm >= 2 ? gemm - 1 : 0); /* fused, where the head shape has one */
     if (ds_cu_mla_attend_expanded(c, dout, dq, dkN, dkR, dv_, T, n_ctx, Ha, dn, dr, dvh, pos0,
                                   causal, scale, &err))
         DIE("%s", err.msg);
@@ -113,7 +114,8 @@ static void check_mla_expanded_mode(ds_cu *c, int T, int Ha, int dn, int dr, int
     char what[96];
     snprintf(what, sizeof what, "mla expanded T=%d Ha=%d ctx %d%s%s", T, Ha, n_ctx,
              causal ? " causal" : "",
-             gemm == 2   ? " (fused)"
+             gemm == 3   ? " (fused, wgmma)"
+             : gemm == 2 ? " (fused)"
              : gemm == 1 ? " (gemm)"
                          : "");
     report(what, rel_err(got, ref, 1, no, no), gemm ? 2e-2 : 1e-5);
@@ -127,7 +129,7 @@ static void check_mla_expanded_mode(ds_cu *c, int T, int Ha, int dn, int dr, int
  * against the same kernel over the whole context (only the blocks' own maxima differ, which
  * moves the BF16 rounding of the probabilities: 5e-3). A block that starts after a query's
  * position is none of its business (lse -inf, weight 0). */
-static void check_mla_blocks(ds_cu *c, int T, int Ha, int pos0, int cb) {
+static void check_mla_blocks(ds_cu *c, int T, int Ha, int pos0, int cb, int flash) {
     const int dn = 128, dr = 64, dvh = 128, n_ctx = pos0 + T;
     size_t nq = (size_t)T * Ha * (dn + dr), nk = (size_t)n_ctx * Ha * dn, nr = (size_t)n_ctx * dr;
     size_t nv = (size_t)n_ctx * Ha * dvh, no = (size_t)T * Ha * dvh, nl = (size_t)T * Ha;
@@ -142,7 +144,7 @@ static void check_mla_blocks(ds_cu *c, int T, int Ha, int pos0, int cb) {
     poison(c, dout, no * 4);
     ds_err err = {{0}};
     ds_cu_set_mla_gemm(c, 1);
-    ds_cu_set_mla_flash(c, 1);
+    ds_cu_set_mla_flash(c, flash); /* 1 mma.sync, 2 wgmma */
     if (!ds_cu_mla_lse_ok(c, T, dn, dr, dvh)) DIE("mla blocks: T=%d has no fused kernel", T);
     for (int k0 = 0; k0 < n_ctx; k0 += cb) {
         const int n = DS_MIN(cb, n_ctx - k0);
@@ -161,9 +163,11 @@ static void check_mla_blocks(ds_cu *c, int T, int Ha, int pos0, int cb) {
     ds_cu_set_mla_gemm(c, 0);
     ds_cu_set_mla_flash(c, 0);
     char what[96];
-    snprintf(what, sizeof what, "mla expanded T=%d ctx %d in blocks of %d", T, n_ctx, cb);
+    const char *form = flash == 2 ? " (wgmma)" : "";
+    snprintf(what, sizeof what, "mla expanded T=%d ctx %d in blocks of %d%s", T, n_ctx, cb, form);
     report(what, rel_err(got, ref, 1, no, no), 2e-2);
-    snprintf(what, sizeof what, "mla expanded T=%d ctx %d blocks of %d: vs whole", T, n_ctx, cb);
+    snprintf(what, sizeof what, "mla expanded T=%d ctx %d blocks of %d: vs whole%s", T, n_ctx, cb,
+             form);
     report(what, rel_err(got, whole, 1, no, no), 5e-3);
     ds_cu_dealloc(dq), ds_cu_dealloc(dkN), ds_cu_dealloc(dkR), ds_cu_dealloc(dv_);
     ds_cu_dealloc(dout), ds_cu_dealloc(dob), ds_cu_dealloc(dla), ds_cu_dealloc(dlb);
@@ -226,11 +230,19 @@ void checks_mla(ds_cu *c) {
     check_mla_expanded_mode(c, 150, 2, 128, 64, 128, 0, 170, 0, 2);
     check_mla_expanded_mode(c, 129, 5, 128, 64, 128, 1, 130, 1, 2);
     check_mla_expanded_mode(c, 40, 2, 128, 64, 128, 590, 630, 1, 2); /* partial key tiles */
+    /* the same on wgmma */
+    check_mla_expanded_mode(c, 300, 4, 128, 64, 128, 0, 300, 1, 3);
+    check_mla_expanded_mode(c, 130, 3, 128, 64, 128, 77, 207, 1, 3);
+    check_mla_expanded_mode(c, 150, 2, 128, 64, 128, 0, 170, 0, 3);
+    check_mla_expanded_mode(c, 129, 5, 128, 64, 128, 1, 130, 1, 3);
+    check_mla_expanded_mode(c, 40, 2, 128, 64, 128, 590, 630, 1, 3);
     /* a long context a block of keys at a time (DS_CUDA_MLA_CTX_BLOCK): blocks of 256 over 100
      * earlier tokens and 200 queries (the second block starts after the first 156 queries'
      * positions), and blocks of 1000 that divide nothing evenly */
-    check_mla_blocks(c, 200, 3, 100, 256);
-    check_mla_blocks(c, 150, 2, 2900, 1000);
+    check_mla_blocks(c, 200, 3, 100, 256, 1);
+    check_mla_blocks(c, 150, 2, 2900, 1000, 1);
+    check_mla_blocks(c, 200, 3, 100, 256, 2);
+    check_mla_blocks(c, 150, 2, 2900, 1000, 2);
     check_mla_expanded_mode(c, 200, 3, 64, 32, 64, 500, 700, 1, 1); /* a later chunk */
     check_mla_expanded_mode(c, 130, 2, 32, 16, 48, 0, 1000, 0, 1);  /* not causal */
 }
@@ -271,7 +283,7 @@ void bench_mla_expanded(ds_cu *c, const cuda_ceilings *ceil) {
         float *dv_ = dev(c, h, nv * 4), *dout = dev(c, NULL, nv * 4);
         free(h);
         double flops = 2.0 * (double)T * T / 2 * Ha * (dn + dr + dvh);
-        for (int fused = 0; fused < 2; fused++) {
+        for (int fused = 0; fused < 3; fused++) { /* cuBLAS, mma.sync, wgmma */
             ds_cu_set_mla_gemm(c, 1);
             ds_cu_set_mla_flash(c, fused);
             double best = 1e30;
@@ -284,7 +296,10 @@ void bench_mla_expanded(ds_cu *c, const cuda_ceilings *ceil) {
                 if (r && t < best) best = t;
             }
             printf("bench mla expanded prefill T=8192 Ha=32 (%s): %.3f ms, %.0f TFLOP/s\n",
-                   fused ? "fused" : "cublas", best, flops / (best * 1e-3) / 1e12);
+                   fused == 2 ? "fused, wgmma"
+                   : fused    ? "fused"
+                              : "cublas",
+                   best, flops / (best * 1e-3) / 1e12);
         }
         ds_cu_set_mla_gemm(c, 0);
         ds_cu_set_mla_flash(c, 0);
@@ -299,7 +314,7 @@ void bench_mla_expanded(ds_cu *c, const cuda_ceilings *ceil) {
  *     DS_BENCH_MLA_LONG="bf16 1048576": that dtype and length only, tensor cores only (for a
  *     profiler: tools/device/ncu_tcd.sh). */
 /* The timing build (pack_devbin.sh's DS_DEVBIN_CLOCKS): where the warp-specialized form's warps
-  * spent their cycles over the last 12 calls, by phase (shares of each group's cycles, and each
+ * spent their cycles over the last 12 calls, by phase (shares of each group's cycles, and each
  * group's cycles a call, all its warps summed); nothing in other builds. */
 static void tcw_phases(void) {
     double now[10];

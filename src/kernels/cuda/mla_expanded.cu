@@ -109,13 +109,6 @@ template <int DQ, int DV> struct fl_smem {
     static constexpr size_t BYTES = (size_t)2 * (K_ELEMS + V_ELEMS) * sizeof(uint16_t);
 };
 
-/* 2^x on the ex2 unit (what __expf runs on after its multiply by log2 e) */
-static __device__ __forceinline__ float fl_ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 /* o [T][Ha][DV] f32 from Qb [T][Ha][DQ], Kb [C][Ha][DQ], Vb [C][Ha][DV] (BF16); query t sits at
  * position p0 + t and, causal, sees keys j <= p0 + t (and j < C); p0 may be negative (a block of
  * keys that starts after some queries: those see none of it). lse [T][Ha] or NULL: each row's
@@ -297,8 +290,8 @@ __global__ void __launch_bounds__(128)
     }
 }
 
-extern "C" void ds_cu_set_mla_flash(ds_cu *c, int on) {
-    c->mla_flash = on;
+extern "C" void ds_cu_set_mla_flash(ds_cu *c, int mode) {
+    c->mla_flash = mode == 2 ? 2 : mode > 0;
 }
 
 static int mla_expanded_gemm(ds_cu *c, float *o, float *lse, const float *q, const float *kN,
@@ -324,6 +317,9 @@ static int mla_expanded_gemm(ds_cu *c, float *o, float *lse, const float *q, con
     round_rows(c, Vb, v, Ha * dvh, Ha * dvh, C);
     round_rows(c, Qb, q, Ha * dq, Ha * dq, T);
     CU_TRY(cudaGetLastError(), "mla gemm: values, queries");
+    if (flash && c->mla_flash == 2 && c->sm90)
+        return mla_flash_wg_launch(c, o, lse, (const uint16_t *)Qb, (const uint16_t *)Kb,
+                                   (const uint16_t *)Vb, T, C, Ha, pos0, causal, scale, err);
     if (flash) {
         if (!c->mla_flash_smem) { /* once: prefills are never captured */
             CU_TRY(cudaFuncSetAttribute(mla_flash_k<192, 128>,

@@ -1,0 +1,266 @@
+/* mla_flash_wg.cu — expanded MLA attention of prompts (mla_expanded.cu's fused flash kernel) on
+ * Hopper's warpgroup MMA. The mma.sync kernel has each of its four warps load every key and value
+ * fragment of a tile from shared memory itself (ldmatrix), so a tile's operands cross the
+ * shared-memory port four times; wgmma reads the B operand straight from shared memory once for
+ * the whole warpgroup. Same block shape (64 query rows of one head, four warps of 16 rows each),
+ * same online softmax in registers, same BF16 rounding of Q, K, V and P and f32 accumulation: a
+ * sum in another order, not other arithmetic. Fragment layouts as the PTX ISA gives them for
+ * wgmma .m64nNk16: A in registers is per warp mma.m16n8k16's A fragment (rows 16 w + g, + 8); the
+ * accumulator is per warp mma's C fragment repeated over the N / 8 column tiles. */
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/mla.cuh"
+
+enum { WG_BQ = 64, WG_BK = 64 };
+
+/* Shared memory of a stage: the key tile K-major (wgmma's B of S = Q K^T: N = keys, K = channels)
+ * and the value tile MN-major (B of O = P V: K = keys, N = channels, rows as stored), both in
+ * "core matrices" of 8 rows x 16 bytes with no swizzle, each 128 contiguous bytes:
+ *   key n, channel chunk c (8 BF16):   (n / 8) * K_SBO + c * 128 + (n % 8) * 16
+ *   key k, value chunk c:              c * V_SBO + (k / 8) * 128 + (k % 8) * 16
+ * so the descriptors' leading offset (between core matrices along K) is 128 bytes for both, and
+ * the stride offset (between 8-row groups along N) K_SBO = DQ / 8 * 128, V_SBO = WG_BK / 8 * 128.
+ * A warp's cp.async writes land on 512 contiguous bytes: no bank conflicts. */
+template <int DQ, int DV> struct wg_smem {
+    static constexpr int K_SBO = DQ / 8 * 128, V_SBO = WG_BK / 8 * 128;
+    static constexpr int K_BYTES = WG_BK * DQ * 2, V_BYTES = WG_BK * DV * 2;
+    static constexpr size_t BYTES = (size_t)2 * (K_BYTES + V_BYTES);
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* a shared-memory matrix descriptor: start, leading and stride byte offsets, no swizzle */
+static __device__ __forceinline__ uint64_t wg_desc(const void *smem, uint32_t lbo, uint32_t sbo) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+    return (uint64_t)((a & 0x3ffffu) >> 4) | (uint64_t)(lbo >> 4) << 16 |
+           (uint64_t)(sbo >> 4) << 32;
+}
+
+/* d (+)= A B for the warpgroup: A (64 x 16) in registers, B in shared memory by its descriptor;
+ * acc 0 overwrites d. N = 64 with B K-major, N = 128 with B MN-major (transposed). */
+static __device__ __forceinline__ void wg_mma_n64(float (&d)[8][4], const uint32_t (&a)[4],
+                                                  uint64_t desc, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, "
+                 "%6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+                 "%23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),
+                   "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),
+                   "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),
+                   "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+                   "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),
+                   "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
+                   "+f"(d[7][2]), "+f"(d[7][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+}
+
+static __device__ __forceinline__ void wg_mma_n128_tb(float (&d)[16][4], const uint32_t (&a)[4],
+                                                      uint64_t desc, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, "
+                 "%6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+                 "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, "
+                 "%39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, "
+                 "%55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                 "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),
+                   "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),
+                   "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),
+                   "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+                   "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),
+                   "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
+                   "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]),
+                   "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+                   "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]),
+                   "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]),
+                   "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]),
+                   "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+                   "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+}
+
+static __device__ __forceinline__ void wg_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+static __device__ __forceinline__ void wg_commit_wait() {
+    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::
+                     : "memory");
+}
+#endif
+
+/* o [T][Ha][DV] f32 and lse [T][Ha] (or NULL) from Qb [T][Ha][DQ], Kb [C][Ha][DQ], Vb [C][Ha][DV]
+ * (BF16), causal as mla_flash_k (mla_expanded.cu): query t at position p0 + t sees keys j <=
+ * p0 + t, j < C. */
+/* long: the online softmax keeps each row's maximum, sum and output fragments in registers
+ * across the pipelined tiles of keys, as mla_flash_k does. */
+template <int DQ, int DV>
+__global__ void __launch_bounds__(128)
+    mla_flash_wg_k(float *o, float *lse, const uint16_t *Qb, const uint16_t *Kb, const uint16_t *Vb,
+                   int T, int C, int Ha, int p0, int causal, float scale) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    PDL_ENTRY();
+    typedef wg_smem<DQ, DV> L;
+    constexpr int KP = DQ / 8, VP = DV / 8, NT = 128; /* 16-byte pieces of a key, a value row */
+    static_assert(DV == 128 && DQ % 16 == 0 && WG_BK == 64, "the wgmma shapes below");
+    static_assert((WG_BK * KP) % NT == 0 && (WG_BK * VP) % NT == 0, "tile split");
+    extern __shared__ __align__(128) uint8_t wsh[];
+    uint8_t *Ks = wsh;                  /* [2] key tiles */
+    uint8_t *Vs = wsh + 2 * L::K_BYTES; /* [2] value tiles */
+    const int qb = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, q0 = qb * WG_BQ;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, l4 = lane & 3;
+    const size_t qs = (size_t)Ha * DQ, vs = (size_t)Ha * DV;
+    const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
+    const int last = min(q0 + WG_BQ, T) - 1;
+    const int n_end = causal ? max(0, min(C, p0 + last + 1)) : C;
+    auto stage = [&](int kb, int st) {
+        uint8_t *ks = Ks + st * L::K_BYTES, *vsm = Vs + st * L::V_BYTES;
+#pragma unroll
+        for (int x = 0; x < WG_BK * KP / NT; x++) { /* a warp: 8 keys x 4 chunks */
+            const int i = tid + x * NT, n8 = i & 7, c = (i >> 3) % KP, n = (i >> 3) / KP * 8 + n8;
+            const int row = kb + n;
+            cp_async16_zfill(ks + (n >> 3) * L::K_SBO + c * 128 + n8 * 16,
+                             Kb + (size_t)min(row, C - 1) * qs + (size_t)h * DQ + c * 8, row < C);
+        }
+#pragma unroll
+        for (int x = 0; x < WG_BK * VP / NT; x++) { /* a warp: 16 keys x 2 chunks */
+            const int i = tid + x * NT, k8 = (i >> 1) & 7, rest = i >> 4;
+            const int k = (rest % (WG_BK / 8)) * 8 + k8, c = (rest / (WG_BK / 8)) * 2 + (i & 1);
+            const int row = kb + k;
+            cp_async16_zfill(vsm + c * L::V_SBO + (k >> 3) * 128 + k8 * 16,
+                             Vb + (size_t)min(row, C - 1) * vs + (size_t)h * DV + c * 8, row < C);
+        }
+        cp_async_commit();
+    };
+    if (n_end > 0) stage(0, 0);
+    uint32_t qf[DQ / 16][4]; /* the warp's queries as A fragments */
+#pragma unroll
+    for (int kk = 0; kk < DQ / 16; kk++) {
+        const int c = kk * 16 + l4 * 2;
+        const uint16_t *a = Qb + (size_t)r0 * qs + (size_t)h * DQ + c;
+        const uint16_t *b = Qb + (size_t)r1 * qs + (size_t)h * DQ + c;
+        qf[kk][0] = r0 < T ? *(const uint32_t *)a : 0u;
+        qf[kk][1] = r1 < T ? *(const uint32_t *)b : 0u;
+        qf[kk][2] = r0 < T ? *(const uint32_t *)(a + 8) : 0u;
+        qf[kk][3] = r1 < T ? *(const uint32_t *)(b + 8) : 0u;
+    }
+    const int lim0 = r0 < T ? (causal ? max(0, min(p0 + r0 + 1, C)) : C) : 0;
+    const int lim1 = r1 < T ? (causal ? max(0, min(p0 + r1 + 1, C)) : C) : 0;
+    float oacc[DV / 8][4];
+#pragma unroll
+    for (int n = 0; n < DV / 8; n++) oacc[n][0] = oacc[n][1] = oacc[n][2] = oacc[n][3] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    for (int kb = 0, it = 0; kb < n_end; kb += WG_BK, it++) {
+        const int st = it & 1;
+        if (kb + WG_BK < n_end) {
+            stage(kb + WG_BK, st ^ 1);
+            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        } else {
+            cp_async_wait_all();
+        }
+        /* what cp.async wrote, made visible to wgmma's reads (the async proxy), then to all */
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        const uint8_t *ks = Ks + st * L::K_BYTES, *vsm = Vs + st * L::V_BYTES;
+        float sc[WG_BK / 8][4]; /* rows r0 (0, 1) and r1 (2, 3), keys kb + 8 t + 2 l4 (+1) */
+#pragma unroll
+        for (int t = 0; t < WG_BK / 8; t++) sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.0f;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < DQ / 16; kk++) /* channels 16 kk: two core matrices along K */
+            wg_mma_n64(sc, qf[kk], wg_desc(ks + kk * 256, 128, L::K_SBO), kk);
+        wg_commit_wait();
+        if (kb + WG_BK > min(lim0, lim1)) {
+#pragma unroll
+            for (int t = 0; t < WG_BK / 8; t++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int j = kb + t * 8 + l4 * 2 + e;
+                    if (j >= lim0) sc[t][e] = -INFINITY;
+                    if (j >= lim1) sc[t][2 + e] = -INFINITY;
+                }
+        }
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int t = 0; t < WG_BK / 8; t++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                mx0 = fmaxf(mx0, sc[t][e]);
+                mx1 = fmaxf(mx1, sc[t][2 + e]);
+            }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float mn0 = fmaxf(m0, mx0 * scale), mn1 = fmaxf(m1, mx1 * scale);
+        const float a0 = mn0 == -INFINITY ? 1.0f : __expf(m0 - mn0);
+        const float a1 = mn1 == -INFINITY ? 1.0f : __expf(m1 - mn1);
+        const float k2 = scale * 1.4426950408889634f;
+        const float b0 = mn0 == -INFINITY ? 0.0f : mn0 * 1.4426950408889634f;
+        const float b1 = mn1 == -INFINITY ? 0.0f : mn1 * 1.4426950408889634f;
+        float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+        for (int t = 0; t < WG_BK / 8; t++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float x0 = fl_ex2(fmaf(sc[t][e], k2, -b0));
+                const float x1 = fl_ex2(fmaf(sc[t][2 + e], k2, -b1));
+                sc[t][e] = x0, sc[t][2 + e] = x1;
+                ps0 += x0, ps1 += x1;
+            }
+        ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
+        ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
+        ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
+        ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
+        l0 = l0 * a0 + ps0, l1 = l1 * a1 + ps1, m0 = mn0, m1 = mn1;
+#pragma unroll
+        for (int n = 0; n < DV / 8; n++)
+            oacc[n][0] *= a0, oacc[n][1] *= a0, oacc[n][2] *= a1, oacc[n][3] *= a1;
+        uint32_t pa[WG_BK / 16][4]; /* P as A fragments: keys [16 kk, +16) */
+#pragma unroll
+        for (int kk = 0; kk < WG_BK / 16; kk++) {
+            pa[kk][0] = pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]);
+            pa[kk][1] = pack_bf16x2(sc[2 * kk][2], sc[2 * kk][3]);
+            pa[kk][2] = pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            pa[kk][3] = pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+        }
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < WG_BK / 16; kk++) /* keys 16 kk: two core matrices along K */
+            wg_mma_n128_tb(oacc, pa[kk], wg_desc(vsm + kk * 256, 128, L::V_SBO), 1);
+        wg_commit_wait();
+        __syncthreads(); /* this stage is refilled two tiles on */
+    }
+    const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+    if (lse && l4 == 0) {
+        if (r0 < T) lse[(size_t)r0 * Ha + h] = l0 > 0.0f ? m0 + logf(l0) : -INFINITY;
+        if (r1 < T) lse[(size_t)r1 * Ha + h] = l1 > 0.0f ? m1 + logf(l1) : -INFINITY;
+    }
+#pragma unroll
+    for (int n = 0; n < DV / 8; n++) {
+        const int col = n * 8 + l4 * 2;
+        if (r0 < T)
+            *(float2 *)(o + (size_t)r0 * vs + (size_t)h * DV + col) =
+                make_float2(oacc[n][0] * i0, oacc[n][1] * i0);
+        if (r1 < T)
+            *(float2 *)(o + (size_t)r1 * vs + (size_t)h * DV + col) =
+                make_float2(oacc[n][2] * i1, oacc[n][3] * i1);
+    }
+#else
+    __trap(); /* launched only on sm_90 (ds_cu's sm90), whose code is built for sm_90a */
+#endif
+}
+
+int mla_flash_wg_launch(ds_cu *c, float *o, float *lse, const uint16_t *Qb, const uint16_t *Kb,
+                        const uint16_t *Vb, int T, int C, int Ha, int p0, int causal, float scale,
+                        ds_err *err) {
+    typedef wg_smem<192, 128> L;
+    if (!c->mla_wg_smem) { /* once: prefills are never captured */
+        CU_TRY(cudaFuncSetAttribute(mla_flash_wg_k<192, 128>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::BYTES),
+               "mla (fused, wgmma): shared memory");
+        c->mla_wg_smem = 1;
+    }
+    launch_k(c, mla_flash_wg_k<192, 128>, dim3((unsigned)((T + WG_BQ - 1) / WG_BQ), (unsigned)Ha),
+             128, L::BYTES, o, lse, Qb, Kb, Vb, T, C, Ha, p0, causal, scale);
+    CU_TRY(cudaGetLastError(), "mla (fused, wgmma)");
+    return DS_OK;
+}
