@@ -370,7 +370,7 @@ void ds_cu_set_f8_noquant(ds_cu *c, int on);
 void ds_cu_set_mla_gemm(ds_cu *c, int on);
 /* ... and, for Kimi's head shape (dn + dr = 192, dvh = 128), as one fused flash-attention kernel
  * (no scores in memory) instead of the two GEMMs: mode 1 on mma.sync, 2 on Hopper's wgmma (sm_90
- * devices; mode 1 elsewhere), 0 the GEMMs. The engine's DS_CUDA_MLA_FLASH (tuning.h). */
+ * devices; mode 1 elsewhere), 3 on wgmma with two warpgroups a block, 0 the GEMMs. The engine's DS_CUDA_MLA_FLASH (tuning.h). */
 void ds_cu_set_mla_flash(ds_cu *c, int mode);
 /* A side stream for a chain of launches that does not depend on what the main stream issues
  * next: after ds_cu_side_begin every launch (and cuBLAS call) goes to the side stream, forked

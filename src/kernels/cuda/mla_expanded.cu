@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(128)
 }
 
 extern "C" void ds_cu_set_mla_flash(ds_cu *c, int mode) {
-    c->mla_flash = mode == 2 ? 2 : mode > 0;
+    c->mla_flash = mode == 2 || mode == 3 ? mode : mode > 0;
 }
 
 static int mla_expanded_gemm(ds_cu *c, float *o, float *lse, const float *q, const float *kN,
@@ -317,9 +317,10 @@ static int mla_expanded_gemm(ds_cu *c, float *o, float *lse, const float *q, con
     round_rows(c, Vb, v, Ha * dvh, Ha * dvh, C);
     round_rows(c, Qb, q, Ha * dq, Ha * dq, T);
     CU_TRY(cudaGetLastError(), "mla gemm: values, queries");
-    if (flash && c->mla_flash == 2 && c->sm90)
+    if (flash && c->mla_flash >= 2 && c->sm90) /* on wgmma: 1 or 2 warpgroups a block */
         return mla_flash_wg_launch(c, o, lse, (const uint16_t *)Qb, (const uint16_t *)Kb,
-                                   (const uint16_t *)Vb, T, C, Ha, pos0, causal, scale, err);
+                                   (const uint16_t *)Vb, T, C, Ha, pos0, causal, scale,
+                                   c->mla_flash - 1, err);
     if (flash) {
         if (!c->mla_flash_smem) { /* once: prefills are never captured */
             CU_TRY(cudaFuncSetAttribute(mla_flash_k<192, 128>,

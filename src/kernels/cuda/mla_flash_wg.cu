@@ -92,25 +92,31 @@ static __device__ __forceinline__ void wg_commit_wait() {
  * p0 + t, j < C. */
 /* long: the online softmax keeps each row's maximum, sum and output fragments in registers
  * across the pipelined tiles of keys, as mla_flash_k does. */
-template <int DQ, int DV>
-__global__ void __launch_bounds__(128)
+/* WGS warpgroups a block (1 or 2), each 64 query rows: two share each staged tile of keys and
+ * values, so the tiles cross from L2 once for 128 rows instead of 64. */
+template <int DQ, int DV, int WGS>
+__global__ void __launch_bounds__(128 * WGS)
     mla_flash_wg_k(float *o, float *lse, const uint16_t *Qb, const uint16_t *Kb, const uint16_t *Vb,
                    int T, int C, int Ha, int p0, int causal, float scale) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     PDL_ENTRY();
     typedef wg_smem<DQ, DV> L;
-    constexpr int KP = DQ / 8, VP = DV / 8, NT = 128; /* 16-byte pieces of a key, a value row */
+    constexpr int KP = DQ / 8, VP = DV / 8, NT = 128 * WGS; /* 16-byte pieces of a key, value */
     static_assert(DV == 128 && DQ % 16 == 0 && WG_BK == 64, "the wgmma shapes below");
     static_assert((WG_BK * KP) % NT == 0 && (WG_BK * VP) % NT == 0, "tile split");
     extern __shared__ __align__(128) uint8_t wsh[];
     uint8_t *Ks = wsh;                  /* [2] key tiles */
     uint8_t *Vs = wsh + 2 * L::K_BYTES; /* [2] value tiles */
-    const int qb = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, q0 = qb * WG_BQ;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, l4 = lane & 3;
+    const int qb = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, q0 = qb * WG_BQ * WGS;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, l4 = lane & 3;
     const size_t qs = (size_t)Ha * DQ, vs = (size_t)Ha * DV;
-    const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
-    const int last = min(q0 + WG_BQ, T) - 1;
-    const int n_end = causal ? max(0, min(C, p0 + last + 1)) : C;
+    const int r0 = q0 + wg * WG_BQ + warp * 16 + g, r1 = r0 + 8;
+    const int last = min(q0 + WG_BQ * WGS, T) - 1;
+    const int n_end = causal ? max(0, min(C, p0 + last + 1)) : C; /* the block's keys */
+    /* this warpgroup's (fewer, causal, for the first of two; none for rows past T) */
+    const int w_last = min(q0 + (wg + 1) * WG_BQ, T) - 1;
+    const int w_end = q0 + wg * WG_BQ >= T ? 0 : causal ? max(0, min(C, p0 + w_last + 1)) : C;
     auto stage = [&](int kb, int st) {
         uint8_t *ks = Ks + st * L::K_BYTES, *vsm = Vs + st * L::V_BYTES;
 #pragma unroll
@@ -159,74 +165,76 @@ __global__ void __launch_bounds__(128)
         /* what cp.async wrote, made visible to wgmma's reads (the async proxy), then to all */
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
-        const uint8_t *ks = Ks + st * L::K_BYTES, *vsm = Vs + st * L::V_BYTES;
-        float sc[WG_BK / 8][4]; /* rows r0 (0, 1) and r1 (2, 3), keys kb + 8 t + 2 l4 (+1) */
+        if (kb < w_end) { /* (uniform in the warpgroup, as wgmma needs) */
+            const uint8_t *ks = Ks + st * L::K_BYTES, *vsm = Vs + st * L::V_BYTES;
+            float sc[WG_BK / 8][4]; /* rows r0 (0, 1) and r1 (2, 3), keys kb + 8 t + 2 l4 (+1) */
 #pragma unroll
-        for (int t = 0; t < WG_BK / 8; t++) sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.0f;
-        wg_fence();
+            for (int t = 0; t < WG_BK / 8; t++) sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.0f;
+            wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < DQ / 16; kk++) /* channels 16 kk: two core matrices along K */
-            wg_mma_n64(sc, qf[kk], wg_desc(ks + kk * 256, 128, L::K_SBO), kk);
-        wg_commit_wait();
-        if (kb + WG_BK > min(lim0, lim1)) {
+            for (int kk = 0; kk < DQ / 16; kk++) /* channels 16 kk: two core matrices along K */
+                wg_mma_n64(sc, qf[kk], wg_desc(ks + kk * 256, 128, L::K_SBO), kk);
+            wg_commit_wait();
+            if (kb + WG_BK > min(lim0, lim1)) {
+#pragma unroll
+                for (int t = 0; t < WG_BK / 8; t++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int j = kb + t * 8 + l4 * 2 + e;
+                        if (j >= lim0) sc[t][e] = -INFINITY;
+                        if (j >= lim1) sc[t][2 + e] = -INFINITY;
+                    }
+            }
+            float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
             for (int t = 0; t < WG_BK / 8; t++)
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
-                    const int j = kb + t * 8 + l4 * 2 + e;
-                    if (j >= lim0) sc[t][e] = -INFINITY;
-                    if (j >= lim1) sc[t][2 + e] = -INFINITY;
+                    mx0 = fmaxf(mx0, sc[t][e]);
+                    mx1 = fmaxf(mx1, sc[t][2 + e]);
                 }
-        }
-        float mx0 = -INFINITY, mx1 = -INFINITY;
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            const float mn0 = fmaxf(m0, mx0 * scale), mn1 = fmaxf(m1, mx1 * scale);
+            const float a0 = mn0 == -INFINITY ? 1.0f : __expf(m0 - mn0);
+            const float a1 = mn1 == -INFINITY ? 1.0f : __expf(m1 - mn1);
+            const float k2 = scale * 1.4426950408889634f;
+            const float b0 = mn0 == -INFINITY ? 0.0f : mn0 * 1.4426950408889634f;
+            const float b1 = mn1 == -INFINITY ? 0.0f : mn1 * 1.4426950408889634f;
+            float ps0 = 0.0f, ps1 = 0.0f;
 #pragma unroll
-        for (int t = 0; t < WG_BK / 8; t++)
+            for (int t = 0; t < WG_BK / 8; t++)
 #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                mx0 = fmaxf(mx0, sc[t][e]);
-                mx1 = fmaxf(mx1, sc[t][2 + e]);
+                for (int e = 0; e < 2; e++) {
+                    const float x0 = fl_ex2(fmaf(sc[t][e], k2, -b0));
+                    const float x1 = fl_ex2(fmaf(sc[t][2 + e], k2, -b1));
+                    sc[t][e] = x0, sc[t][2 + e] = x1;
+                    ps0 += x0, ps1 += x1;
+                }
+            ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
+            ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
+            ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
+            ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
+            l0 = l0 * a0 + ps0, l1 = l1 * a1 + ps1, m0 = mn0, m1 = mn1;
+#pragma unroll
+            for (int n = 0; n < DV / 8; n++)
+                oacc[n][0] *= a0, oacc[n][1] *= a0, oacc[n][2] *= a1, oacc[n][3] *= a1;
+            uint32_t pa[WG_BK / 16][4]; /* P as A fragments: keys [16 kk, +16) */
+#pragma unroll
+            for (int kk = 0; kk < WG_BK / 16; kk++) {
+                pa[kk][0] = pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]);
+                pa[kk][1] = pack_bf16x2(sc[2 * kk][2], sc[2 * kk][3]);
+                pa[kk][2] = pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+                pa[kk][3] = pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
             }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float mn0 = fmaxf(m0, mx0 * scale), mn1 = fmaxf(m1, mx1 * scale);
-        const float a0 = mn0 == -INFINITY ? 1.0f : __expf(m0 - mn0);
-        const float a1 = mn1 == -INFINITY ? 1.0f : __expf(m1 - mn1);
-        const float k2 = scale * 1.4426950408889634f;
-        const float b0 = mn0 == -INFINITY ? 0.0f : mn0 * 1.4426950408889634f;
-        const float b1 = mn1 == -INFINITY ? 0.0f : mn1 * 1.4426950408889634f;
-        float ps0 = 0.0f, ps1 = 0.0f;
+            wg_fence();
 #pragma unroll
-        for (int t = 0; t < WG_BK / 8; t++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const float x0 = fl_ex2(fmaf(sc[t][e], k2, -b0));
-                const float x1 = fl_ex2(fmaf(sc[t][2 + e], k2, -b1));
-                sc[t][e] = x0, sc[t][2 + e] = x1;
-                ps0 += x0, ps1 += x1;
-            }
-        ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
-        ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
-        ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
-        ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
-        l0 = l0 * a0 + ps0, l1 = l1 * a1 + ps1, m0 = mn0, m1 = mn1;
-#pragma unroll
-        for (int n = 0; n < DV / 8; n++)
-            oacc[n][0] *= a0, oacc[n][1] *= a0, oacc[n][2] *= a1, oacc[n][3] *= a1;
-        uint32_t pa[WG_BK / 16][4]; /* P as A fragments: keys [16 kk, +16) */
-#pragma unroll
-        for (int kk = 0; kk < WG_BK / 16; kk++) {
-            pa[kk][0] = pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]);
-            pa[kk][1] = pack_bf16x2(sc[2 * kk][2], sc[2 * kk][3]);
-            pa[kk][2] = pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-            pa[kk][3] = pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+            for (int kk = 0; kk < WG_BK / 16; kk++) /* keys 16 kk: two core matrices along K */
+                wg_mma_n128_tb(oacc, pa[kk], wg_desc(vsm + kk * 256, 128, L::V_SBO), 1);
+            wg_commit_wait();
         }
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < WG_BK / 16; kk++) /* keys 16 kk: two core matrices along K */
-            wg_mma_n128_tb(oacc, pa[kk], wg_desc(vsm + kk * 256, 128, L::V_SBO), 1);
-        wg_commit_wait();
         __syncthreads(); /* this stage is refilled two tiles on */
     }
     const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
@@ -251,16 +259,21 @@ __global__ void __launch_bounds__(128)
 
 int mla_flash_wg_launch(ds_cu *c, float *o, float *lse, const uint16_t *Qb, const uint16_t *Kb,
                         const uint16_t *Vb, int T, int C, int Ha, int p0, int causal, float scale,
-                        ds_err *err) {
+                        int wgs, ds_err *err) {
     typedef wg_smem<192, 128> L;
     if (!c->mla_wg_smem) { /* once: prefills are never captured */
-        CU_TRY(cudaFuncSetAttribute(mla_flash_wg_k<192, 128>,
+        CU_TRY(cudaFuncSetAttribute(mla_flash_wg_k<192, 128, 1>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::BYTES),
+               "mla (fused, wgmma): shared memory");
+        CU_TRY(cudaFuncSetAttribute(mla_flash_wg_k<192, 128, 2>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::BYTES),
                "mla (fused, wgmma): shared memory");
         c->mla_wg_smem = 1;
     }
-    launch_k(c, mla_flash_wg_k<192, 128>, dim3((unsigned)((T + WG_BQ - 1) / WG_BQ), (unsigned)Ha),
-             128, L::BYTES, o, lse, Qb, Kb, Vb, T, C, Ha, p0, causal, scale);
+    const unsigned rows = WG_BQ * (wgs == 2 ? 2 : 1);
+    launch_k(c, wgs == 2 ? mla_flash_wg_k<192, 128, 2> : mla_flash_wg_k<192, 128, 1>,
+             dim3((unsigned)((T + rows - 1) / rows), (unsigned)Ha), 2 * rows, L::BYTES, o, lse, Qb,
+             Kb, Vb, T, C, Ha, p0, causal, scale);
     CU_TRY(cudaGetLastError(), "mla (fused, wgmma)");
     return DS_OK;
 }
