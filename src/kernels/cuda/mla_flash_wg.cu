@@ -14,24 +14,32 @@ enum { WG_BQ = 64, WG_BK = 64 };
 
 /* Shared memory of a stage: the key tile K-major (wgmma's B of S = Q K^T: N = keys, K = channels)
  * and the value tile MN-major (B of O = P V: K = keys, N = channels, rows as stored), both in
- * "core matrices" of 8 rows x 16 bytes with no swizzle, each 128 contiguous bytes:
- *   key n, channel chunk c (8 BF16):   (n / 8) * K_SBO + c * 128 + (n % 8) * 16
- *   key k, value chunk c:              c * V_SBO + (k / 8) * 128 + (k % 8) * 16
- * so the descriptors' leading offset (between core matrices along K) is 128 bytes for both, and
- * the stride offset (between 8-row groups along N) K_SBO = DQ / 8 * 128, V_SBO = WG_BK / 8 * 128.
- * A warp's cp.async writes land on 512 contiguous bytes: no bank conflicts. */
+ * wgmma's 128-byte swizzle: blocks of 64 channels, each [64 keys][128 bytes] (8 KB, 1024-byte
+ * aligned), the 16-byte chunk c of key row r stored at chunk c ^ (r % 8) of that row:
+ *   key n, channel chunk c (8 BF16):   (c / 8) * 8192 + n * 128 + ((c % 8) ^ (n % 8)) * 16
+ * the same for a value row. So a K-major descriptor steps 32 bytes a k-step of 16 channels
+ * inside a block (8192 bytes to the next block), its stride offset (8 keys) 1024 bytes; an
+ * MN-major one steps 2048 bytes a k-step of 16 keys, its stride offset (8 keys) 1024 bytes and
+ * its leading offset (the next 64 channels) 8192. (Without the swizzle, in 128-byte core
+ * matrices, both products ran at about half mma.sync's speed: bench/RESULTS.md session 45.)
+ * A warp's cp.async writes fill four whole 128-byte rows: no bank conflicts. */
 template <int DQ, int DV> struct wg_smem {
-    static constexpr int K_SBO = DQ / 8 * 128, V_SBO = WG_BK / 8 * 128;
+    static_assert(DQ % 64 == 0 && DV % 64 == 0, "64-channel blocks");
     static constexpr int K_BYTES = WG_BK * DQ * 2, V_BYTES = WG_BK * DV * 2;
-    static constexpr size_t BYTES = (size_t)2 * (K_BYTES + V_BYTES);
+    static constexpr size_t BYTES = (size_t)2 * (K_BYTES + V_BYTES) + 1024; /* (+ alignment) */
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-/* a shared-memory matrix descriptor: start, leading and stride byte offsets, no swizzle */
+/* where chunk c (16 bytes) of row r of a tile sits, in bytes from the tile's start */
+static __device__ __forceinline__ int wg_swz(int r, int c) {
+    return (c >> 3) * 8192 + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
+
+/* a shared-memory matrix descriptor: start, leading and stride byte offsets, 128-byte swizzle */
 static __device__ __forceinline__ uint64_t wg_desc(const void *smem, uint32_t lbo, uint32_t sbo) {
     const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
     return (uint64_t)((a & 0x3ffffu) >> 4) | (uint64_t)(lbo >> 4) << 16 |
-           (uint64_t)(sbo >> 4) << 32;
+           (uint64_t)(sbo >> 4) << 32 | (uint64_t)1 << 62;
 }
 
 /* d (+)= A B for the warpgroup: A (64 x 16) in registers, B in shared memory by its descriptor;
@@ -104,7 +112,9 @@ __global__ void __launch_bounds__(128 * WGS)
     constexpr int KP = DQ / 8, VP = DV / 8, NT = 128 * WGS; /* 16-byte pieces of a key, value */
     static_assert(DV == 128 && DQ % 16 == 0 && WG_BK == 64, "the wgmma shapes below");
     static_assert((WG_BK * KP) % NT == 0 && (WG_BK * VP) % NT == 0, "tile split");
-    extern __shared__ __align__(128) uint8_t wsh[];
+    extern __shared__ __align__(128) uint8_t wsh_[];
+    /* the swizzle's pattern repeats every 1024 bytes: the tiles start on such a boundary */
+    uint8_t *wsh = wsh_ + ((1024 - ((uint32_t)__cvta_generic_to_shared(wsh_) & 1023)) & 1023);
     uint8_t *Ks = wsh;                  /* [2] key tiles */
     uint8_t *Vs = wsh + 2 * L::K_BYTES; /* [2] value tiles */
     const int qb = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, q0 = qb * WG_BQ * WGS;
@@ -120,18 +130,17 @@ __global__ void __launch_bounds__(128 * WGS)
     auto stage = [&](int kb, int st) {
         uint8_t *ks = Ks + st * L::K_BYTES, *vsm = Vs + st * L::V_BYTES;
 #pragma unroll
-        for (int x = 0; x < WG_BK * KP / NT; x++) { /* a warp: 8 keys x 4 chunks */
-            const int i = tid + x * NT, n8 = i & 7, c = (i >> 3) % KP, n = (i >> 3) / KP * 8 + n8;
+        for (int x = 0; x < WG_BK * KP / NT; x++) { /* a warp: 4 keys x 8 chunks */
+            const int i = tid + x * NT, n = (i >> 3) % WG_BK, c = (i >> 3) / WG_BK * 8 + (i & 7);
             const int row = kb + n;
-            cp_async16_zfill(ks + (n >> 3) * L::K_SBO + c * 128 + n8 * 16,
+            cp_async16_zfill(ks + wg_swz(n, c),
                              Kb + (size_t)min(row, C - 1) * qs + (size_t)h * DQ + c * 8, row < C);
         }
 #pragma unroll
-        for (int x = 0; x < WG_BK * VP / NT; x++) { /* a warp: 16 keys x 2 chunks */
-            const int i = tid + x * NT, k8 = (i >> 1) & 7, rest = i >> 4;
-            const int k = (rest % (WG_BK / 8)) * 8 + k8, c = (rest / (WG_BK / 8)) * 2 + (i & 1);
+        for (int x = 0; x < WG_BK * VP / NT; x++) { /* a warp: 4 keys x 8 chunks */
+            const int i = tid + x * NT, k = (i >> 3) % WG_BK, c = (i >> 3) / WG_BK * 8 + (i & 7);
             const int row = kb + k;
-            cp_async16_zfill(vsm + c * L::V_SBO + (k >> 3) * 128 + k8 * 16,
+            cp_async16_zfill(vsm + wg_swz(k, c),
                              Vb + (size_t)min(row, C - 1) * vs + (size_t)h * DV + c * 8, row < C);
         }
         cp_async_commit();
@@ -172,8 +181,9 @@ __global__ void __launch_bounds__(128 * WGS)
             for (int t = 0; t < WG_BK / 8; t++) sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.0f;
             wg_fence();
 #pragma unroll
-            for (int kk = 0; kk < DQ / 16; kk++) /* channels 16 kk: two core matrices along K */
-                wg_mma_n64(sc, qf[kk], wg_desc(ks + kk * 256, 128, L::K_SBO), kk);
+            for (int kk = 0; kk < DQ / 16; kk++) /* channels 16 kk: 32 bytes into block kk / 4 */
+                wg_mma_n64(sc, qf[kk], wg_desc(ks + (kk >> 2) * 8192 + (kk & 3) * 32, 16, 1024),
+                           kk);
             wg_commit_wait();
             if (kb + WG_BK > min(lim0, lim1)) {
 #pragma unroll
@@ -231,8 +241,8 @@ __global__ void __launch_bounds__(128 * WGS)
             }
             wg_fence();
 #pragma unroll
-            for (int kk = 0; kk < WG_BK / 16; kk++) /* keys 16 kk: two core matrices along K */
-                wg_mma_n128_tb(oacc, pa[kk], wg_desc(vsm + kk * 256, 128, L::V_SBO), 1);
+            for (int kk = 0; kk < WG_BK / 16; kk++) /* keys 16 kk: rows 16 kk of each block */
+                wg_mma_n128_tb(oacc, pa[kk], wg_desc(vsm + kk * 2048, 8192, 1024), 1);
             wg_commit_wait();
         }
         __syncthreads(); /* this stage is refilled two tiles on */
