@@ -13,8 +13,6 @@
  *                                          outputs rounded before the activation, each routed
  *                                          row's output before the weighted sum), 1 the down
  *                                          pass alone, 0 neither (f32)
- *   DS_CUDA_EXPERT_GEMM_GROUPED    N      0        those GEMMs as one grouped cuBLAS call a pass: 1
- *                                          the padded buckets, 2 each expert's own rows
  *   DS_CUDA_EXPERT_MMA     F      1        grouped routed experts of steps of >= 40 tokens on BF16
  *                                          tensor cores, on the device (capturable)
  *   DS_CUDA_EXPERT_TC      F      1        those through the mma.sync kernel that streams the
@@ -79,8 +77,7 @@ enum { DS_CUDA_KDA_FUSE_MAX = 2 }; /* DS_CUDA_KDA_FUSED's default (layers.c kda_
 
 typedef struct ds_cuda_tuning {
     int expert_gemm, expert_mma, expert_tc;
-    int expert_bf16_out;     /* the cuBLAS experts writing BF16: 1 the down pass, 2 gate/up's too */
-    int expert_gemm_grouped; /* ... as one grouped call a pass (1 buckets, 2 exact rows; 0 off) */
+    int expert_bf16_out; /* the cuBLAS experts writing BF16: 1 the down pass, 2 gate/up's too */
     int expert_mma_min, gemv_max_t; /* 0: the kernels' defaults */
     int f8_prequant;
     int f8_split_min;  /* 0: the kernels' default */

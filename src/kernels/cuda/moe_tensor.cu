@@ -269,10 +269,6 @@ extern "C" void ds_cu_set_expert_bf16_out(ds_cu *c, int on) {
     c->expert_bf16_out = on;
 }
 
-extern "C" void ds_cu_set_expert_gemm_grouped(ds_cu *c, int mode) {
-    c->expert_gemm_grouped = mode == 1 || mode == 2 ? mode : 0;
-}
-
 /* The tensor-core path's element-wise kernels take a row a block and 16-byte loads: x 16-byte
  * aligned and D, I multiples of 8 (moe_experts_gemm's callers); y and out are its own scratch and
  * the model's rows. One thread an element with 64-bit divisions for the row ran the activation
@@ -397,78 +393,18 @@ static int moe_buckets(const int32_t *hs, int E, uint64_t *keys, int32_t *order,
     return n_bk;
 }
 
-/* The host arrays of one grouped call (cublasGemmGroupedBatchedEx reads them on the host), each
- * [E] (a group at most an expert), carved from the pinned plan buffer: G_ARRAYS of 4 bytes. */
-typedef struct moe_group_args {
-    cublasOperation_t *ta, *tb;
-    int *m, *n, *k, *lda, *ldb, *ldc, *size;
-    float *alpha, *beta;
-} moe_group_args;
-enum { G_ARRAYS = 11 };
-
-static moe_group_args moe_group_carve(void *p, int E) {
-    static_assert(sizeof(cublasOperation_t) == 4, "4-byte operation codes");
-    char *b = (char *)p;
-    const size_t s = (size_t)E * 4;
-    moe_group_args g = {(cublasOperation_t *)b, (cublasOperation_t *)(b + s), (int *)(b + 2 * s),
-                        (int *)(b + 3 * s),     (int *)(b + 4 * s),           (int *)(b + 5 * s),
-                        (int *)(b + 6 * s),     (int *)(b + 7 * s),           (int *)(b + 8 * s),
-                        (float *)(b + 9 * s),   (float *)(b + 10 * s)};
-    return g;
-}
-
-/* The plan of the experts' GEMM passes: n_bk buckets (experts order[bk_first[b] ..
- * bk_first[b + 1]) at bk_rows[b] padded rows each), or with ng > 0 the groups of one grouped call
- * (experts order[gf[g] .. gf[g + 1]) at gn[g] rows each). */
-typedef struct moe_plan {
-    int n_bk, ng;
-    const int *bk_first, *bk_rows, *gf, *gn;
-} moe_plan;
-
-/* One pass: C_e [n][m] = B_e [n][K] A_e [m][K]^T for the experts of the pointer arrays dA, dB, dC
- * (in bucket order), as one grouped call (g: its host arrays) or a batched call a bucket. */
-static int moe_pass(ds_cu *c, const moe_plan *p, moe_group_args g, int m, int K,
-                    const void *const *dA, const void *const *dB, void *const *dC, cudaDataType ct,
-                    const char *what, ds_err *err) {
-    if (p->ng) {
-        for (int i = 0; i < p->ng; i++) {
-            g.ta[i] = CUBLAS_OP_T, g.tb[i] = CUBLAS_OP_N;
-            g.m[i] = m, g.n[i] = p->gn[i], g.k[i] = K;
-            g.lda[i] = K, g.ldb[i] = K, g.ldc[i] = m;
-            g.size[i] = p->gf[i + 1] - p->gf[i];
-            g.alpha[i] = 1.0f, g.beta[i] = 0.0f;
-        }
-        BLAS_TRY(cublasGemmGroupedBatchedEx(c->blas, g.ta, g.tb, g.m, g.n, g.k, g.alpha, dA,
-                                            CUDA_R_16BF, g.lda, dB, CUDA_R_16BF, g.ldb, g.beta, dC,
-                                            ct, g.ldc, p->ng, g.size, CUBLAS_COMPUTE_32F),
-                 what);
-        return DS_OK;
-    }
-    const float one = 1.0f, zero = 0.0f;
-    for (int bk = 0; bk < p->n_bk; bk++) {
-        const int i0 = p->bk_first[bk], cnt = p->bk_first[bk + 1] - i0;
-        BLAS_TRY(cublasGemmBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, m, p->bk_rows[bk], K, &one,
-                                     dA + i0, CUDA_R_16BF, K, dB + i0, CUDA_R_16BF, K, &zero,
-                                     dC + i0, ct, m, cnt, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                 what);
-    }
-    return DS_OK;
-}
-
 int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T, int k, int E,
                      int D, int I, const uint16_t *gate_up, const uint16_t *down, int situ,
                      float situ_beta, float situ_lin_beta, int accumulate, const int32_t *start,
                      const int32_t *perm, ds_err *err) {
     const int rows = T * k;
     /* host plan: start [E+1] | order [E] | panel [E] | then 6 pointer arrays [E] (A, B, C of
-     * gate/up, then of down, in bucket order) | sort keys [E] | the grouped calls' groups: first
-     * experts gf [E+1], rows gn [E], then each pass's G_ARRAYS arrays [E]. Pinned: the layout
-     * comes back and the plan goes out as plain DMA while the host goes on (it is rewritten only
-     * after the next call's synchronisation, when these copies are done). */
+     * gate/up, then of down, in bucket order) | sort keys [E]. Pinned: the layout comes back and
+     * the plan goes out as plain DMA while the host goes on (it is rewritten only after the next
+     * call's synchronisation, when these copies are done). */
     const size_t ints = (size_t)3 * E + 1, ptr_at = (ints * 4 + 15) & ~(size_t)15,
                  key_at = ptr_at + (size_t)6 * E * sizeof(void *),
-                 grp_at = key_at + (size_t)E * sizeof(uint64_t),
-                 plan_bytes = grp_at + ((size_t)2 * E + 1 + (size_t)2 * G_ARRAYS * E) * 4;
+                 plan_bytes = key_at + (size_t)E * sizeof(uint64_t);
     if (c->h_moeb_bytes < plan_bytes) {
         CU_TRY(cudaStreamSynchronize(c->stream), "moe: plan buffer"); /* the old one is idle */
         cudaFreeHost(c->h_moeb);
@@ -479,7 +415,6 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
     int32_t *hs = (int32_t *)c->h_moeb, *order = hs + E + 1, *panel = order + E;
     const void **ptrs = (const void **)((char *)c->h_moeb + ptr_at);
     uint64_t *keys = (uint64_t *)((char *)c->h_moeb + key_at);
-    int *gf = (int *)((char *)c->h_moeb + grp_at), *gn = gf + E + 1;
     ds_cu_prof_mark(c, "moe gemm: layout to host");
     CU_TRY(cudaMemcpyAsync(hs, start, (size_t)(E + 1) * sizeof(int32_t), cudaMemcpyDeviceToHost,
                            c->stream),
@@ -523,25 +458,19 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
     launch_k(c, moe_slot_k, E, 256, 0, slot, start, dpanel);
     if (n_local > 0) launch_k(c, moe_gather_bf16_k, n_local, 256, 0, xg, x, D, perm, slot, k);
     CU_TRY(cudaGetLastError(), "moe gather");
-    /* grouped calls: the buckets (padded rows) or each distinct count (an expert's own rows) */
-    int ng = 0;
-    if (c->expert_gemm_grouped == 1)
-        for (int bk = 0; bk < n_bk; bk++) gf[ng] = bk_first[bk], gn[ng++] = bk_rows[bk];
-    else if (c->expert_gemm_grouped == 2)
-        for (int i = 0; i < n_act; i++) {
-            const int n = hs[order[i] + 1] - hs[order[i]];
-            if (!ng || n != gn[ng - 1]) gf[ng] = i, gn[ng++] = n;
-        }
-    gf[ng] = n_act;
-    const moe_plan plan = {n_bk, ng, bk_first, bk_rows, gf, gn};
+    const float one = 1.0f, zero = 0.0f;
     ds_cu_prof_mark(c, "moe gemm: gate/up");
     /* FLOPs counted for the routed rows only (not the panels' padding) */
     const char *prof = prof_gemm_open(c);
-    /* H_e [n][2I] = X_e [n][D] W_gu,e^T */
-    if (moe_pass(c, &plan, moe_group_carve(gn + E, E), 2 * I, D, (const void *const *)dptrs,
-                 (const void *const *)(dptrs + E), dptrs + 2 * E, h16 ? CUDA_R_16BF : CUDA_R_32F,
-                 "moe up (gemm)", err))
-        return DS_ERR;
+    for (int bk = 0; bk < n_bk; bk++) { /* H_e [n][2I] = X_e [n][D] W_gu,e^T */
+        const int i0 = bk_first[bk], cnt = bk_first[bk + 1] - i0;
+        BLAS_TRY(cublasGemmBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, 2 * I, bk_rows[bk], D, &one,
+                                     (const void *const *)(dptrs + i0), CUDA_R_16BF, D,
+                                     (const void *const *)(dptrs + E + i0), CUDA_R_16BF, D, &zero,
+                                     dptrs + 2 * E + i0, h16 ? CUDA_R_16BF : CUDA_R_32F, 2 * I, cnt,
+                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                 "moe up (batched gemm)");
+    }
     prof_gemm_close(c, prof, 2.0 * n_local * 2 * I * D);
     ds_cu_prof_mark(c, "moe gemm: act");
     if (h16) /* (padding rows: never read) */
@@ -553,11 +482,15 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
     CU_TRY(cudaGetLastError(), "moe act (gemm)");
     ds_cu_prof_mark(c, "moe gemm: down");
     prof = prof_gemm_open(c);
-    /* Y_e [n][D] = A_e [n][I] W_down,e^T */
-    if (moe_pass(c, &plan, moe_group_carve(gn + E + G_ARRAYS * E, E), D, I,
-                 (const void *const *)(dptrs + 3 * E), (const void *const *)(dptrs + 4 * E),
-                 dptrs + 5 * E, y16 ? CUDA_R_16BF : CUDA_R_32F, "moe down (gemm)", err))
-        return DS_ERR;
+    for (int bk = 0; bk < n_bk; bk++) { /* Y_e [n][D] = A_e [n][I] W_down,e^T */
+        const int i0 = bk_first[bk], cnt = bk_first[bk + 1] - i0;
+        BLAS_TRY(cublasGemmBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, D, bk_rows[bk], I, &one,
+                                     (const void *const *)(dptrs + 3 * E + i0), CUDA_R_16BF, I,
+                                     (const void *const *)(dptrs + 4 * E + i0), CUDA_R_16BF, I,
+                                     &zero, dptrs + 5 * E + i0, y16 ? CUDA_R_16BF : CUDA_R_32F, D,
+                                     cnt, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                 "moe down (batched gemm)");
+    }
     prof_gemm_close(c, prof, 2.0 * n_local * D * I);
     ds_cu_prof_mark(c, "moe gemm: combine");
     CU_TRY(cudaMemsetAsync(inv, 0xff, (size_t)rows * sizeof(int32_t), c->stream), "moe inverse");
