@@ -91,7 +91,7 @@ static void check_mla_batch(ds_cu *c, const int *lens, const int *pos0, int n_se
 
 /* gemm: the tensor-core path for long segments (BF16 operands and probabilities: 2e-2): 1 through
  * cuBLAS, 2 the fused kernel on mma.sync, 3 the fused kernel on wgmma (sm_90; else 2 again), 4
- * on wgmma with two warpgroups a block. */
+ * on wgmma with two warpgroups a block, 5 the same with its products beside the softmax. */
 static void check_mla_expanded_mode(ds_cu *c, int T, int Ha, int dn, int dr, int dvh, int pos0,
                                     int n_ctx, int causal, int gemm) {
     size_t nq = (size_t)T * Ha * (dn + dr), nk = (size_t)n_ctx * Ha * dn, nr = (size_t)n_ctx * dr;
@@ -115,7 +115,8 @@ static void check_mla_expanded_mode(ds_cu *c, int T, int Ha, int dn, int dr, int
     char what[96];
     snprintf(what, sizeof what, "mla expanded T=%d Ha=%d ctx %d%s%s", T, Ha, n_ctx,
              causal ? " causal" : "",
-             gemm == 4   ? " (fused, wgmma x2)"
+             gemm == 5   ? " (fused, wgmma x2 pipelined)"
+             : gemm == 4 ? " (fused, wgmma x2)"
              : gemm == 3 ? " (fused, wgmma)"
              : gemm == 2 ? " (fused)"
              : gemm == 1 ? " (gemm)"
@@ -146,7 +147,7 @@ static void check_mla_blocks(ds_cu *c, int T, int Ha, int pos0, int cb, int flas
     poison(c, dout, no * 4);
     ds_err err = {{0}};
     ds_cu_set_mla_gemm(c, 1);
-    ds_cu_set_mla_flash(c, flash); /* 1 mma.sync, 2 wgmma, 3 wgmma x2 */
+    ds_cu_set_mla_flash(c, flash); /* 1 mma.sync, 2 wgmma, 3 wgmma x2, 4 pipelined */
     if (!ds_cu_mla_lse_ok(c, T, dn, dr, dvh)) DIE("mla blocks: T=%d has no fused kernel", T);
     for (int k0 = 0; k0 < n_ctx; k0 += cb) {
         const int n = DS_MIN(cb, n_ctx - k0);
@@ -165,7 +166,10 @@ static void check_mla_blocks(ds_cu *c, int T, int Ha, int pos0, int cb, int flas
     ds_cu_set_mla_gemm(c, 0);
     ds_cu_set_mla_flash(c, 0);
     char what[96];
-    const char *form = flash == 3 ? " (wgmma x2)" : flash == 2 ? " (wgmma)" : "";
+    const char *form = flash == 4   ? " (wgmma x2 pipelined)"
+                       : flash == 3 ? " (wgmma x2)"
+                       : flash == 2 ? " (wgmma)"
+                                    : "";
     snprintf(what, sizeof what, "mla expanded T=%d ctx %d in blocks of %d%s", T, n_ctx, cb, form);
     report(what, rel_err(got, ref, 1, no, no), 2e-2);
     snprintf(what, sizeof what, "mla expanded T=%d ctx %d blocks of %d: vs whole%s", T, n_ctx, cb,
@@ -244,6 +248,13 @@ void checks_mla(ds_cu *c) {
     check_mla_expanded_mode(c, 150, 2, 128, 64, 128, 0, 170, 0, 4);
     check_mla_expanded_mode(c, 129, 5, 128, 64, 128, 1, 130, 1, 4);
     check_mla_expanded_mode(c, 40, 2, 128, 64, 128, 590, 630, 1, 4);
+    /* ... pipelined */
+    check_mla_expanded_mode(c, 300, 4, 128, 64, 128, 0, 300, 1, 5);
+    check_mla_expanded_mode(c, 130, 3, 128, 64, 128, 77, 207, 1, 5);
+    check_mla_expanded_mode(c, 150, 2, 128, 64, 128, 0, 170, 0, 5);
+    check_mla_expanded_mode(c, 129, 5, 128, 64, 128, 1, 130, 1, 5);
+    check_mla_expanded_mode(c, 40, 2, 128, 64, 128, 590, 630, 1, 5);
+    check_mla_expanded_mode(c, 64, 2, 128, 64, 128, 0, 64, 1, 5); /* a single tile */
     /* a long context a block of keys at a time (DS_CUDA_MLA_CTX_BLOCK): blocks of 256 over 100
      * earlier tokens and 200 queries (the second block starts after the first 156 queries'
      * positions), and blocks of 1000 that divide nothing evenly */
@@ -253,6 +264,8 @@ void checks_mla(ds_cu *c) {
     check_mla_blocks(c, 150, 2, 2900, 1000, 2);
     check_mla_blocks(c, 200, 3, 100, 256, 3);
     check_mla_blocks(c, 150, 2, 2900, 1000, 3);
+    check_mla_blocks(c, 200, 3, 100, 256, 4);
+    check_mla_blocks(c, 150, 2, 2900, 1000, 4);
     check_mla_expanded_mode(c, 200, 3, 64, 32, 64, 500, 700, 1, 1); /* a later chunk */
     check_mla_expanded_mode(c, 130, 2, 32, 16, 48, 0, 1000, 0, 1);  /* not causal */
 }
@@ -293,7 +306,7 @@ void bench_mla_expanded(ds_cu *c, const cuda_ceilings *ceil) {
         float *dv_ = dev(c, h, nv * 4), *dout = dev(c, NULL, nv * 4);
         free(h);
         double flops = 2.0 * (double)T * T / 2 * Ha * (dn + dr + dvh);
-        for (int fused = 0; fused < 4; fused++) { /* cuBLAS, mma.sync, wgmma (x2) */
+        for (int fused = 0; fused < 5; fused++) { /* cuBLAS, mma.sync, wgmma (x2, pipelined) */
             ds_cu_set_mla_gemm(c, 1);
             ds_cu_set_mla_flash(c, fused);
             double best = 1e30;
@@ -306,7 +319,8 @@ void bench_mla_expanded(ds_cu *c, const cuda_ceilings *ceil) {
                 if (r && t < best) best = t;
             }
             printf("bench mla expanded prefill T=8192 Ha=32 (%s): %.3f ms, %.0f TFLOP/s\n",
-                   fused == 3   ? "fused, wgmma x2"
+                   fused == 4   ? "fused, wgmma x2 pipelined"
+                   : fused == 3 ? "fused, wgmma x2"
                    : fused == 2 ? "fused, wgmma"
                    : fused      ? "fused"
                                 : "cublas",

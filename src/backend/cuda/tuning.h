@@ -27,7 +27,7 @@
  *   DS_CUDA_MLA_GEMM       F      1        expanded MLA of >= 128 query rows through cuBLAS
  *   DS_CUDA_MLA_FLASH      N      3        ... and for Kimi's head shape as one flash kernel
  *                                          (1 on mma.sync, 2 on wgmma, 3 on wgmma with two
- *                                          warpgroups a block, 0 off)
+ *                                          warpgroups a block, 4 that pipelined, 0 off)
  *   DS_CUDA_EARLY_EXPERTS  F      1        the experts' down pass (BF16; FP8 at one token) reads
  *                                          its routing and first weights before waiting for the
  *                                          up pass

@@ -365,7 +365,7 @@ void ds_cu_set_f8_noquant(ds_cu *c, int on);
 void ds_cu_set_mla_gemm(ds_cu *c, int on);
 /* ... and, for Kimi's head shape (dn + dr = 192, dvh = 128), as one fused flash-attention kernel
  * (no scores in memory) instead of the two GEMMs: mode 1 on mma.sync, 2 on Hopper's wgmma (sm_90
- * devices; mode 1 elsewhere), 3 on wgmma with two warpgroups a block, 0 the GEMMs; 0 in a new
+ * devices; mode 1 elsewhere), 3 on wgmma with two warpgroups a block, 4 that with its products beside the softmax, 0 the GEMMs; 0 in a new
  * context, DS_CUDA_MLA_FLASH in the engine (tuning.h). */
 void ds_cu_set_mla_flash(ds_cu *c, int mode);
 /* A side stream for a chain of launches that does not depend on what the main stream issues

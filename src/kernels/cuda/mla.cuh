@@ -19,11 +19,11 @@ static __device__ __forceinline__ float fl_ex2(float x) {
 }
 
 /* The fused expanded attention of Kimi's head shape (192 -> 128) on wgmma (mla_flash_wg.cu; the
- * device must be sm_90): the arguments of mla_flash_k (mla_expanded.cu); wgs 1 or 2 warpgroups
- * (64 query rows each) a block. */
+ * device must be sm_90): the arguments of mla_flash_k (mla_expanded.cu); form 1 or 2 warpgroups
+ * (64 query rows each) a block, 3 two with their products pipelined beside the softmax. */
 int mla_flash_wg_launch(ds_cu *c, float *o, float *lse, const uint16_t *Qb, const uint16_t *Kb,
                         const uint16_t *Vb, int T, int C, int Ha, int p0, int causal, float scale,
-                        int wgs, ds_err *err);
+                        int form, ds_err *err);
 
 /* The split kernels' softmax over scores sc[0..n) in shared memory (written before a barrier):
  * returns their max m and, in *sum, the sum of exp(sc - m), with sc overwritten by those

@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(128)
 }
 
 extern "C" void ds_cu_set_mla_flash(ds_cu *c, int mode) {
-    c->mla_flash = mode == 2 || mode == 3 ? mode : mode > 0;
+    c->mla_flash = mode >= 2 && mode <= 4 ? mode : mode > 0; /* (4: two, pipelined) */
 }
 
 static int mla_expanded_gemm(ds_cu *c, float *o, float *lse, const float *q, const float *kN,
@@ -317,7 +317,7 @@ static int mla_expanded_gemm(ds_cu *c, float *o, float *lse, const float *q, con
     round_rows(c, Vb, v, Ha * dvh, Ha * dvh, C);
     round_rows(c, Qb, q, Ha * dq, Ha * dq, T);
     CU_TRY(cudaGetLastError(), "mla gemm: values, queries");
-    if (flash && c->mla_flash >= 2 && c->sm90) /* on wgmma: 1 or 2 warpgroups a block */
+    if (flash && c->mla_flash >= 2 && c->sm90) /* wgmma: 1, 2 warpgroups a block, pipelined */
         return mla_flash_wg_launch(c, o, lse, (const uint16_t *)Qb, (const uint16_t *)Kb,
                                    (const uint16_t *)Vb, T, C, Ha, pos0, causal, scale,
                                    c->mla_flash - 1, err);

@@ -61,6 +61,24 @@ static __device__ __forceinline__ void wg_mma_n64(float (&d)[8][4], const uint32
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
 }
 
+/* the same with d written, not read (the first k-step: no zeroing of d beforehand) */
+static __device__ __forceinline__ void wg_mma_n64_first(float (&d)[8][4], const uint32_t (&a)[4],
+                                                        uint64_t desc, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, "
+                 "%6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+                 "%23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                 : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]), "=f"(d[1][0]),
+                   "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]), "=f"(d[2][0]), "=f"(d[2][1]),
+                   "=f"(d[2][2]), "=f"(d[2][3]), "=f"(d[3][0]), "=f"(d[3][1]), "=f"(d[3][2]),
+                   "=f"(d[3][3]), "=f"(d[4][0]), "=f"(d[4][1]), "=f"(d[4][2]), "=f"(d[4][3]),
+                   "=f"(d[5][0]), "=f"(d[5][1]), "=f"(d[5][2]), "=f"(d[5][3]), "=f"(d[6][0]),
+                   "=f"(d[6][1]), "=f"(d[6][2]), "=f"(d[6][3]), "=f"(d[7][0]), "=f"(d[7][1]),
+                   "=f"(d[7][2]), "=f"(d[7][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+}
+
 static __device__ __forceinline__ void wg_mma_n128_tb(float (&d)[16][4], const uint32_t (&a)[4],
                                                       uint64_t desc, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
@@ -89,9 +107,150 @@ static __device__ __forceinline__ void wg_mma_n128_tb(float (&d)[16][4], const u
 static __device__ __forceinline__ void wg_fence() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
-static __device__ __forceinline__ void wg_commit_wait() {
-    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::
-                     : "memory");
+/* Tile kb of keys and values (head h) into a stage's key and value tiles ks, vsm (swizzled; rows
+ * past C zero-filled) by NT threads, every piece in flight at once, as one cp.async group */
+template <int DQ, int DV, int NT>
+static __device__ __forceinline__ void wg_stage(uint8_t *ks, uint8_t *vsm, const uint16_t *Kb,
+                                                const uint16_t *Vb, int kb, int C, int Ha, int h,
+                                                int tid) {
+    constexpr int KP = DQ / 8, VP = DV / 8; /* 16-byte pieces of a key, a value row */
+    static_assert((WG_BK * KP) % NT == 0 && (WG_BK * VP) % NT == 0, "tile split");
+    const size_t qs = (size_t)Ha * DQ, vs = (size_t)Ha * DV;
+#pragma unroll
+    for (int x = 0; x < WG_BK * KP / NT; x++) { /* a warp: 4 keys x 8 chunks */
+        const int i = tid + x * NT, n = (i >> 3) % WG_BK, c = (i >> 3) / WG_BK * 8 + (i & 7);
+        const int row = kb + n;
+        cp_async16_zfill(ks + wg_swz(n, c),
+                         Kb + (size_t)min(row, C - 1) * qs + (size_t)h * DQ + c * 8, row < C);
+    }
+#pragma unroll
+    for (int x = 0; x < WG_BK * VP / NT; x++) {
+        const int i = tid + x * NT, k = (i >> 3) % WG_BK, c = (i >> 3) / WG_BK * 8 + (i & 7);
+        const int row = kb + k;
+        cp_async16_zfill(vsm + wg_swz(k, c),
+                         Vb + (size_t)min(row, C - 1) * vs + (size_t)h * DV + c * 8, row < C);
+    }
+    cp_async_commit();
+}
+
+/* The rows' outputs o (divided by their sums) and, with lse, their log-sum-exp (-inf for a row
+ * that saw no key); rows past T are not written */
+template <int DV>
+static __device__ __forceinline__ void
+wg_store(float *o, float *lse, const float (&oacc)[DV / 8][4], float m0, float m1, float l0,
+         float l1, int r0, int r1, int T, int Ha, int h, int l4) {
+    const size_t vs = (size_t)Ha * DV;
+    const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+    if (lse && l4 == 0) { /* (the row's four lanes hold the same m and l) */
+        if (r0 < T) lse[(size_t)r0 * Ha + h] = l0 > 0.0f ? m0 + logf(l0) : -INFINITY;
+        if (r1 < T) lse[(size_t)r1 * Ha + h] = l1 > 0.0f ? m1 + logf(l1) : -INFINITY;
+    }
+#pragma unroll
+    for (int n = 0; n < DV / 8; n++) {
+        const int col = n * 8 + l4 * 2;
+        if (r0 < T)
+            *(float2 *)(o + (size_t)r0 * vs + (size_t)h * DV + col) =
+                make_float2(oacc[n][0] * i0, oacc[n][1] * i0);
+        if (r1 < T)
+            *(float2 *)(o + (size_t)r1 * vs + (size_t)h * DV + col) =
+                make_float2(oacc[n][2] * i1, oacc[n][3] * i1);
+    }
+}
+
+/* One tile's online softmax for a warp's rows r0 (sc[.][0..1]) and r1 (sc[.][2..3]), keys kb + 8 t
+ * + 2 l4 (+1): keys at or past a row's limit masked, the rows' maximum m and sum l updated (in
+ * the scaled scores' units), sc exponentiated in place and a0, a1 the factors the output's rows
+ * take (wg_rescale) before this tile's P V. As mla_flash_k's: e^(s scale - m) = 2^(s scale log2 e -
+ * m log2 e) on the ex2 unit; a row that has seen no key keeps zeros. */
+static __device__ __forceinline__ void wg_softmax(float (&sc)[WG_BK / 8][4], float &m0, float &m1,
+                                                  float &l0, float &l1, float &a0, float &a1,
+                                                  int kb, int lim0, int lim1, int l4, float scale) {
+    if (kb + WG_BK > min(lim0, lim1)) {
+#pragma unroll
+        for (int t = 0; t < WG_BK / 8; t++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int j = kb + t * 8 + l4 * 2 + e;
+                if (j >= lim0) sc[t][e] = -INFINITY;
+                if (j >= lim1) sc[t][2 + e] = -INFINITY;
+            }
+    }
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int t = 0; t < WG_BK / 8; t++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            mx0 = fmaxf(mx0, sc[t][e]);
+            mx1 = fmaxf(mx1, sc[t][2 + e]);
+        }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0 * scale), mn1 = fmaxf(m1, mx1 * scale);
+    a0 = mn0 == -INFINITY ? 1.0f : __expf(m0 - mn0);
+    a1 = mn1 == -INFINITY ? 1.0f : __expf(m1 - mn1);
+    const float k2 = scale * 1.4426950408889634f;
+    const float b0 = mn0 == -INFINITY ? 0.0f : mn0 * 1.4426950408889634f;
+    const float b1 = mn1 == -INFINITY ? 0.0f : mn1 * 1.4426950408889634f;
+    float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+    for (int t = 0; t < WG_BK / 8; t++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const float x0 = fl_ex2(fmaf(sc[t][e], k2, -b0));
+            const float x1 = fl_ex2(fmaf(sc[t][2 + e], k2, -b1));
+            sc[t][e] = x0, sc[t][2 + e] = x1;
+            ps0 += x0, ps1 += x1;
+        }
+    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
+    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
+    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
+    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
+    l0 = l0 * a0 + ps0, l1 = l1 * a1 + ps1, m0 = mn0, m1 = mn1;
+}
+
+/* the output's rows rescaled by the softmax's factors (a0 for row r0, a1 for r1) */
+template <int DV>
+static __device__ __forceinline__ void wg_rescale(float (&oacc)[DV / 8][4], float a0, float a1) {
+#pragma unroll
+    for (int n = 0; n < DV / 8; n++)
+        oacc[n][0] *= a0, oacc[n][1] *= a0, oacc[n][2] *= a1, oacc[n][3] *= a1;
+}
+
+/* P (the exponentiated scores) as the A fragments of O += P V: keys [16 kk, +16) */
+static __device__ __forceinline__ void wg_pack(const float (&sc)[WG_BK / 8][4],
+                                               uint32_t (&pa)[4][4]) {
+#pragma unroll
+    for (int kk = 0; kk < WG_BK / 16; kk++) {
+        pa[kk][0] = pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]);
+        pa[kk][1] = pack_bf16x2(sc[2 * kk][2], sc[2 * kk][3]);
+        pa[kk][2] = pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+        pa[kk][3] = pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+    }
+}
+
+/* S (+)= Q K^T for one tile: the warp's query fragments qf, the tile's keys at ks (swizzled) */
+template <int DQ>
+static __device__ __forceinline__ void
+wg_scores(float (&sc)[WG_BK / 8][4], const uint32_t (&qf)[DQ / 16][4], const uint8_t *ks) {
+    wg_fence();
+    wg_mma_n64_first(sc, qf[0], wg_desc(ks, 16, 1024), 0);
+#pragma unroll
+    for (int kk = 1; kk < DQ / 16; kk++) /* channels 16 kk: 32 bytes into block kk / 4 */
+        wg_mma_n64(sc, qf[kk], wg_desc(ks + (kk >> 2) * 8192 + (kk & 3) * 32, 16, 1024), 1);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+/* O += P V for one tile: P's fragments pa, the tile's values at vsm (swizzled) */
+template <int DV>
+static __device__ __forceinline__ void wg_values(float (&oacc)[DV / 8][4],
+                                                 const uint32_t (&pa)[4][4], const uint8_t *vsm) {
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < WG_BK / 16; kk++) /* keys 16 kk: rows 16 kk of each block */
+        wg_mma_n128_tb(oacc, pa[kk], wg_desc(vsm + kk * 2048, 8192, 1024), 1);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 #endif
 
@@ -109,9 +268,8 @@ __global__ void __launch_bounds__(128 * WGS)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     PDL_ENTRY();
     typedef wg_smem<DQ, DV> L;
-    constexpr int KP = DQ / 8, VP = DV / 8, NT = 128 * WGS; /* 16-byte pieces of a key, value */
+    constexpr int NT = 128 * WGS;
     static_assert(DV == 128 && DQ % 16 == 0 && WG_BK == 64, "the wgmma shapes below");
-    static_assert((WG_BK * KP) % NT == 0 && (WG_BK * VP) % NT == 0, "tile split");
     extern __shared__ __align__(128) uint8_t wsh_[];
     /* the swizzle's pattern repeats every 1024 bytes: the tiles start on such a boundary */
     uint8_t *wsh = wsh_ + ((1024 - ((uint32_t)__cvta_generic_to_shared(wsh_) & 1023)) & 1023);
@@ -120,7 +278,7 @@ __global__ void __launch_bounds__(128 * WGS)
     const int qb = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, q0 = qb * WG_BQ * WGS;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, l4 = lane & 3;
-    const size_t qs = (size_t)Ha * DQ, vs = (size_t)Ha * DV;
+    const size_t qs = (size_t)Ha * DQ;
     const int r0 = q0 + wg * WG_BQ + warp * 16 + g, r1 = r0 + 8;
     const int last = min(q0 + WG_BQ * WGS, T) - 1;
     const int n_end = causal ? max(0, min(C, p0 + last + 1)) : C; /* the block's keys */
@@ -128,22 +286,7 @@ __global__ void __launch_bounds__(128 * WGS)
     const int w_last = min(q0 + (wg + 1) * WG_BQ, T) - 1;
     const int w_end = q0 + wg * WG_BQ >= T ? 0 : causal ? max(0, min(C, p0 + w_last + 1)) : C;
     auto stage = [&](int kb, int st) {
-        uint8_t *ks = Ks + st * L::K_BYTES, *vsm = Vs + st * L::V_BYTES;
-#pragma unroll
-        for (int x = 0; x < WG_BK * KP / NT; x++) { /* a warp: 4 keys x 8 chunks */
-            const int i = tid + x * NT, n = (i >> 3) % WG_BK, c = (i >> 3) / WG_BK * 8 + (i & 7);
-            const int row = kb + n;
-            cp_async16_zfill(ks + wg_swz(n, c),
-                             Kb + (size_t)min(row, C - 1) * qs + (size_t)h * DQ + c * 8, row < C);
-        }
-#pragma unroll
-        for (int x = 0; x < WG_BK * VP / NT; x++) { /* a warp: 4 keys x 8 chunks */
-            const int i = tid + x * NT, k = (i >> 3) % WG_BK, c = (i >> 3) / WG_BK * 8 + (i & 7);
-            const int row = kb + k;
-            cp_async16_zfill(vsm + wg_swz(k, c),
-                             Vb + (size_t)min(row, C - 1) * vs + (size_t)h * DV + c * 8, row < C);
-        }
-        cp_async_commit();
+        wg_stage<DQ, DV, NT>(Ks + st * L::K_BYTES, Vs + st * L::V_BYTES, Kb, Vb, kb, C, Ha, h, tid);
     };
     if (n_end > 0) stage(0, 0);
     uint32_t qf[DQ / 16][4]; /* the warp's queries as A fragments */
@@ -176,92 +319,106 @@ __global__ void __launch_bounds__(128 * WGS)
         __syncthreads();
         if (kb < w_end) { /* (uniform in the warpgroup, as wgmma needs) */
             const uint8_t *ks = Ks + st * L::K_BYTES, *vsm = Vs + st * L::V_BYTES;
-            float sc[WG_BK / 8][4]; /* rows r0 (0, 1) and r1 (2, 3), keys kb + 8 t + 2 l4 (+1) */
-#pragma unroll
-            for (int t = 0; t < WG_BK / 8; t++) sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.0f;
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < DQ / 16; kk++) /* channels 16 kk: 32 bytes into block kk / 4 */
-                wg_mma_n64(sc, qf[kk], wg_desc(ks + (kk >> 2) * 8192 + (kk & 3) * 32, 16, 1024),
-                           kk);
-            wg_commit_wait();
-            if (kb + WG_BK > min(lim0, lim1)) {
-#pragma unroll
-                for (int t = 0; t < WG_BK / 8; t++)
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const int j = kb + t * 8 + l4 * 2 + e;
-                        if (j >= lim0) sc[t][e] = -INFINITY;
-                        if (j >= lim1) sc[t][2 + e] = -INFINITY;
-                    }
-            }
-            float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-            for (int t = 0; t < WG_BK / 8; t++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    mx0 = fmaxf(mx0, sc[t][e]);
-                    mx1 = fmaxf(mx1, sc[t][2 + e]);
-                }
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-            const float mn0 = fmaxf(m0, mx0 * scale), mn1 = fmaxf(m1, mx1 * scale);
-            const float a0 = mn0 == -INFINITY ? 1.0f : __expf(m0 - mn0);
-            const float a1 = mn1 == -INFINITY ? 1.0f : __expf(m1 - mn1);
-            const float k2 = scale * 1.4426950408889634f;
-            const float b0 = mn0 == -INFINITY ? 0.0f : mn0 * 1.4426950408889634f;
-            const float b1 = mn1 == -INFINITY ? 0.0f : mn1 * 1.4426950408889634f;
-            float ps0 = 0.0f, ps1 = 0.0f;
-#pragma unroll
-            for (int t = 0; t < WG_BK / 8; t++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const float x0 = fl_ex2(fmaf(sc[t][e], k2, -b0));
-                    const float x1 = fl_ex2(fmaf(sc[t][2 + e], k2, -b1));
-                    sc[t][e] = x0, sc[t][2 + e] = x1;
-                    ps0 += x0, ps1 += x1;
-                }
-            ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
-            ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
-            ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
-            ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
-            l0 = l0 * a0 + ps0, l1 = l1 * a1 + ps1, m0 = mn0, m1 = mn1;
-#pragma unroll
-            for (int n = 0; n < DV / 8; n++)
-                oacc[n][0] *= a0, oacc[n][1] *= a0, oacc[n][2] *= a1, oacc[n][3] *= a1;
-            uint32_t pa[WG_BK / 16][4]; /* P as A fragments: keys [16 kk, +16) */
-#pragma unroll
-            for (int kk = 0; kk < WG_BK / 16; kk++) {
-                pa[kk][0] = pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]);
-                pa[kk][1] = pack_bf16x2(sc[2 * kk][2], sc[2 * kk][3]);
-                pa[kk][2] = pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-                pa[kk][3] = pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-            }
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < WG_BK / 16; kk++) /* keys 16 kk: rows 16 kk of each block */
-                wg_mma_n128_tb(oacc, pa[kk], wg_desc(vsm + kk * 2048, 8192, 1024), 1);
-            wg_commit_wait();
+            float sc[WG_BK / 8][4];
+            uint32_t pa[WG_BK / 16][4];
+            wg_scores<DQ>(sc, qf, ks);
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            float a0, a1;
+            wg_softmax(sc, m0, m1, l0, l1, a0, a1, kb, lim0, lim1, l4, scale);
+            wg_rescale<DV>(oacc, a0, a1);
+            wg_pack(sc, pa);
+            wg_values<DV>(oacc, pa, vsm);
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         }
         __syncthreads(); /* this stage is refilled two tiles on */
     }
-    const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
-    if (lse && l4 == 0) {
-        if (r0 < T) lse[(size_t)r0 * Ha + h] = l0 > 0.0f ? m0 + logf(l0) : -INFINITY;
-        if (r1 < T) lse[(size_t)r1 * Ha + h] = l1 > 0.0f ? m1 + logf(l1) : -INFINITY;
-    }
+    wg_store<DV>(o, lse, oacc, m0, m1, l0, l1, r0, r1, T, Ha, h, l4);
+#else
+    __trap(); /* launched only on sm_90 (ds_cu's sm90), whose code is built for sm_90a */
+#endif
+}
+
+/* The same on two warpgroups a block with each warpgroup's products in flight beside its own
+ * softmax (mode 4): per tile j, S_j = Q K_j is issued, then P_{j-1} V_{j-1} behind it; tile j's
+ * softmax runs while that product does, and once it is done P_j is packed and the output rescaled
+ * by tile j's factors (no register a product is writing is touched meanwhile). So the tensor cores
+ * have work queued while the warpgroup exponentiates. Three stages: tile j - 1's values, tile j's
+ * keys and tile j + 1 on its way; tile j + 2 goes into the stage of j - 1 once every warpgroup's
+ * P_{j-1} V_{j-1} is done (a barrier after the wait). */
+/* long: the walk issues, waits and softmaxes in the order above, every warpgroup every tile. */
+template <int DQ, int DV>
+__global__ void __launch_bounds__(256)
+    mla_flash_wgp_k(float *o, float *lse, const uint16_t *Qb, const uint16_t *Kb,
+                    const uint16_t *Vb, int T, int C, int Ha, int p0, int causal, float scale) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    PDL_ENTRY();
+    typedef wg_smem<DQ, DV> L;
+    constexpr int NT = 256, NS = 3;
+    static_assert(DV == 128 && DQ % 16 == 0 && WG_BK == 64, "the wgmma shapes below");
+    extern __shared__ __align__(128) uint8_t wsh_[];
+    uint8_t *wsh = wsh_ + ((1024 - ((uint32_t)__cvta_generic_to_shared(wsh_) & 1023)) & 1023);
+    uint8_t *Ks = wsh;                   /* [NS] key tiles */
+    uint8_t *Vs = wsh + NS * L::K_BYTES; /* [NS] value tiles */
+    const int qb = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, q0 = qb * WG_BQ * 2;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, l4 = lane & 3;
+    const size_t qs = (size_t)Ha * DQ;
+    const int r0 = q0 + wg * WG_BQ + warp * 16 + g, r1 = r0 + 8;
+    const int last = min(q0 + WG_BQ * 2, T) - 1;
+    const int n_end = causal ? max(0, min(C, p0 + last + 1)) : C;
+    const int n_t = (n_end + WG_BK - 1) / WG_BK; /* tiles */
+    auto stage = [&](int t) {
+        wg_stage<DQ, DV, NT>(Ks + (t % NS) * L::K_BYTES, Vs + (t % NS) * L::V_BYTES, Kb, Vb,
+                             t * WG_BK, C, Ha, h, tid);
+    };
+    if (n_t > 0) stage(0);
+    if (n_t > 1) stage(1);
+    uint32_t qf[DQ / 16][4];
 #pragma unroll
-    for (int n = 0; n < DV / 8; n++) {
-        const int col = n * 8 + l4 * 2;
-        if (r0 < T)
-            *(float2 *)(o + (size_t)r0 * vs + (size_t)h * DV + col) =
-                make_float2(oacc[n][0] * i0, oacc[n][1] * i0);
-        if (r1 < T)
-            *(float2 *)(o + (size_t)r1 * vs + (size_t)h * DV + col) =
-                make_float2(oacc[n][2] * i1, oacc[n][3] * i1);
+    for (int kk = 0; kk < DQ / 16; kk++) {
+        const int c = kk * 16 + l4 * 2;
+        const uint16_t *a = Qb + (size_t)r0 * qs + (size_t)h * DQ + c;
+        const uint16_t *b = Qb + (size_t)r1 * qs + (size_t)h * DQ + c;
+        qf[kk][0] = r0 < T ? *(const uint32_t *)a : 0u;
+        qf[kk][1] = r1 < T ? *(const uint32_t *)b : 0u;
+        qf[kk][2] = r0 < T ? *(const uint32_t *)(a + 8) : 0u;
+        qf[kk][3] = r1 < T ? *(const uint32_t *)(b + 8) : 0u;
     }
+    const int lim0 = r0 < T ? (causal ? max(0, min(p0 + r0 + 1, C)) : C) : 0;
+    const int lim1 = r1 < T ? (causal ? max(0, min(p0 + r1 + 1, C)) : C) : 0;
+    float oacc[DV / 8][4];
+#pragma unroll
+    for (int n = 0; n < DV / 8; n++) oacc[n][0] = oacc[n][1] = oacc[n][2] = oacc[n][3] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f, a0 = 1.0f, a1 = 1.0f;
+    float sc[WG_BK / 8][4];
+    uint32_t pa[WG_BK / 16][4];
+    for (int j = 0; j < n_t; j++) {
+        if (j + 1 < n_t) /* tile j landed (j + 1 may still be on its way) */
+            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        else
+            cp_async_wait_all();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        /* (both warpgroups take every tile, the first's last fully masked at the diagonal: a
+         * branch on the warpgroup made ptxas serialize the wgmma) */
+        wg_scores<DQ>(sc, qf, Ks + (j % NS) * L::K_BYTES);
+        if (j >= 1) wg_values<DV>(oacc, pa, Vs + ((j - 1) % NS) * L::V_BYTES);
+        if (j >= 1) /* S_j done, P_{j-1} V_{j-1} still running */
+            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        else
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        wg_softmax(sc, m0, m1, l0, l1, a0, a1, j * WG_BK, lim0, lim1, l4, scale);
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        __syncthreads(); /* every warpgroup is done with tile j - 1: tile j + 2 takes its stage */
+        if (j + 2 < n_t) stage(j + 2);
+        wg_pack(sc, pa);
+        wg_rescale<DV>(oacc, a0, a1); /* (no product in flight: the next P V adds to it) */
+    }
+    if (n_t >= 1) { /* the last tile's P V */
+        wg_values<DV>(oacc, pa, Vs + ((n_t - 1) % NS) * L::V_BYTES);
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    }
+    wg_store<DV>(o, lse, oacc, m0, m1, l0, l1, r0, r1, T, Ha, h, l4);
 #else
     __trap(); /* launched only on sm_90 (ds_cu's sm90), whose code is built for sm_90a */
 #endif
@@ -269,8 +426,9 @@ __global__ void __launch_bounds__(128 * WGS)
 
 int mla_flash_wg_launch(ds_cu *c, float *o, float *lse, const uint16_t *Qb, const uint16_t *Kb,
                         const uint16_t *Vb, int T, int C, int Ha, int p0, int causal, float scale,
-                        int wgs, ds_err *err) {
+                        int form, ds_err *err) {
     typedef wg_smem<192, 128> L;
+    const size_t pipe_bytes = (size_t)3 * (L::K_BYTES + L::V_BYTES) + 1024; /* three stages */
     if (!c->mla_wg_smem) { /* once: prefills are never captured */
         CU_TRY(cudaFuncSetAttribute(mla_flash_wg_k<192, 128, 1>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::BYTES),
@@ -278,12 +436,19 @@ int mla_flash_wg_launch(ds_cu *c, float *o, float *lse, const uint16_t *Qb, cons
         CU_TRY(cudaFuncSetAttribute(mla_flash_wg_k<192, 128, 2>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::BYTES),
                "mla (fused, wgmma): shared memory");
+        CU_TRY(cudaFuncSetAttribute(mla_flash_wgp_k<192, 128>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pipe_bytes),
+               "mla (fused, wgmma): shared memory");
         c->mla_wg_smem = 1;
     }
-    const unsigned rows = WG_BQ * (wgs == 2 ? 2 : 1);
-    launch_k(c, wgs == 2 ? mla_flash_wg_k<192, 128, 2> : mla_flash_wg_k<192, 128, 1>,
-             dim3((unsigned)((T + rows - 1) / rows), (unsigned)Ha), 2 * rows, L::BYTES, o, lse, Qb,
-             Kb, Vb, T, C, Ha, p0, causal, scale);
+    const unsigned rows = WG_BQ * (form >= 2 ? 2 : 1);
+    const dim3 grid((unsigned)((T + rows - 1) / rows), (unsigned)Ha);
+    if (form == 3)
+        launch_k(c, mla_flash_wgp_k<192, 128>, grid, 256, pipe_bytes, o, lse, Qb, Kb, Vb, T, C, Ha,
+                 p0, causal, scale);
+    else
+        launch_k(c, form == 2 ? mla_flash_wg_k<192, 128, 2> : mla_flash_wg_k<192, 128, 1>, grid,
+                 2 * rows, L::BYTES, o, lse, Qb, Kb, Vb, T, C, Ha, p0, causal, scale);
     CU_TRY(cudaGetLastError(), "mla (fused, wgmma)");
     return DS_OK;
 }
