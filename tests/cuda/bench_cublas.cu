@@ -17,25 +17,16 @@ __global__ void fill_k(__nv_bfloat16 *d, size_t n, unsigned seed) {
     }
 }
 
-static double time_ms(cublasHandle_t h, cudaStream_t s, int m, int n, int k, int batch,
-                      cudaDataType ct, void *A, void *B, void *C) {
-    const float one = 1.0f, zero = 0.0f;
+/* The best of five timed calls of call() (a cublasStatus_t) on stream s after one warm-up, in ms;
+ * -1 if a call fails. */
+template <typename F> static double best_ms(cudaStream_t s, F call) {
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
     float best = 1e30f;
     for (int it = 0; it < 6; it++) {
         cudaEventRecord(e0, s);
-        cublasStatus_t st;
-        if (batch == 1)
-            st = cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, A, CUDA_R_16BF, k, B,
-                              CUDA_R_16BF, k, &zero, C, ct, m, CUBLAS_COMPUTE_32F,
-                              CUBLAS_GEMM_DEFAULT);
-        else
-            st = cublasGemmStridedBatchedEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, A,
-                                            CUDA_R_16BF, k, (long long)m * k, B, CUDA_R_16BF, k,
-                                            (long long)n * k, &zero, C, ct, m, (long long)m * n,
-                                            batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        const cublasStatus_t st = call();
         cudaEventRecord(e1, s);
         cudaEventSynchronize(e1);
         if (st != CUBLAS_STATUS_SUCCESS) return -1;
@@ -43,7 +34,23 @@ static double time_ms(cublasHandle_t h, cudaStream_t s, int m, int n, int k, int
         cudaEventElapsedTime(&ms, e0, e1);
         if (it > 0 && ms < best) best = ms;
     }
+    cudaEventDestroy(e0), cudaEventDestroy(e1);
     return best;
+}
+
+static double time_ms(cublasHandle_t h, cudaStream_t s, int m, int n, int k, int batch,
+                      cudaDataType ct, void *A, void *B, void *C) {
+    const float one = 1.0f, zero = 0.0f;
+    return best_ms(s, [&] {
+        if (batch == 1)
+            return cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, A, CUDA_R_16BF, k, B,
+                                CUDA_R_16BF, k, &zero, C, ct, m, CUBLAS_COMPUTE_32F,
+                                CUBLAS_GEMM_DEFAULT);
+        return cublasGemmStridedBatchedEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, A,
+                                          CUDA_R_16BF, k, (long long)m * k, B, CUDA_R_16BF, k,
+                                          (long long)n * k, &zero, C, ct, m, (long long)m * n,
+                                          batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    });
 }
 
 /* E experts' GEMMs C_e [n_e][m] = B_e [n_e][k] A_e [m][k]^T (BF16 in, BF16 out) through pointer
@@ -92,33 +99,17 @@ static double time_experts(cublasHandle_t h, cudaStream_t s, int m, int k, int E
     int *ldc = gn + 8 * E; /* m's, as C's leading dimension */
     for (int g = 0; g < ng; g++) ldc[g] = m;
     const float one = 1.0f, zero = 0.0f;
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    float best = 1e30f;
-    for (int it = 0; it < 6; it++) {
-        cudaEventRecord(e0, s);
-        cublasStatus_t st;
+    const double best = best_ms(s, [&] {
         if (grouped)
-            st = cublasGemmGroupedBatchedEx(h, ta, tb, gm, gn, gk, al, (const void *const *)dp,
-                                            CUDA_R_16BF, gk, (const void *const *)(dp + E),
-                                            CUDA_R_16BF, gk, be, dp + 2 * E, CUDA_R_16BF, ldc, ng,
-                                            gs, CUBLAS_COMPUTE_32F);
-        else
-            st = cublasGemmBatchedEx(
-                h, CUBLAS_OP_T, CUBLAS_OP_N, m, nmax, k, &one, (const void *const *)dp, CUDA_R_16BF,
-                k, (const void *const *)(dp + E), CUDA_R_16BF, k, &zero, dp + 2 * E, CUDA_R_16BF, m,
-                E, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-        cudaEventRecord(e1, s);
-        cudaEventSynchronize(e1);
-        if (st != CUBLAS_STATUS_SUCCESS) {
-            best = -1;
-            break;
-        }
-        float ms;
-        cudaEventElapsedTime(&ms, e0, e1);
-        if (it > 0 && ms < best) best = ms;
-    }
+            return cublasGemmGroupedBatchedEx(h, ta, tb, gm, gn, gk, al, (const void *const *)dp,
+                                              CUDA_R_16BF, gk, (const void *const *)(dp + E),
+                                              CUDA_R_16BF, gk, be, dp + 2 * E, CUDA_R_16BF, ldc, ng,
+                                              gs, CUBLAS_COMPUTE_32F);
+        return cublasGemmBatchedEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, nmax, k, &one,
+                                   (const void *const *)dp, CUDA_R_16BF, k,
+                                   (const void *const *)(dp + E), CUDA_R_16BF, k, &zero, dp + 2 * E,
+                                   CUDA_R_16BF, m, E, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    });
     cudaFree(A), cudaFree(B), cudaFree(C), cudaFree(dp);
     free(order), free(hp), free(gn);
     return best;

@@ -101,7 +101,7 @@ __global__ void mla_softmax_k(__nv_bfloat16 *P, const float *S, int Tq, int Ce, 
  * Fragment layouts as the PTX ISA gives them for m16n8k16: lane = 4 g + l4 holds A's rows g and
  * g + 8 at columns 2 l4 (+1) and 2 l4 + 8 (+1); B's column g at rows 2 l4 (+1) and 2 l4 + 8
  * (+1); C's rows g and g + 8 at columns 2 l4 (+1). */
-enum { FL_BQ = 64, FL_BK = 64 };
+enum { FL_BQ = 64 }; /* (FL_BK keys a tile: mla.cuh) */
 
 template <int DQ, int DV> struct fl_smem {
     static constexpr int KLD = DQ + 8, VLD = DV + 8; /* row strides 4 banks apart: conflict-free */
@@ -156,16 +156,7 @@ __global__ void __launch_bounds__(128)
     };
     if (n_end > 0) stage(0, 0); /* on its way while the queries load */
     uint32_t qf[DQ / 16][4];    /* the warp's queries as A fragments */
-#pragma unroll
-    for (int kk = 0; kk < DQ / 16; kk++) {
-        const int c = kk * 16 + l4 * 2;
-        const uint16_t *a = Qb + (size_t)r0 * qs + (size_t)h * DQ + c;
-        const uint16_t *b = Qb + (size_t)r1 * qs + (size_t)h * DQ + c;
-        qf[kk][0] = r0 < T ? *(const uint32_t *)a : 0u;
-        qf[kk][1] = r1 < T ? *(const uint32_t *)b : 0u;
-        qf[kk][2] = r0 < T ? *(const uint32_t *)(a + 8) : 0u;
-        qf[kk][3] = r1 < T ? *(const uint32_t *)(b + 8) : 0u;
-    }
+    fl_load_q<DQ>(qf, Qb, r0, r1, T, Ha, h, l4);
     /* keys each row may see (none for rows past T) */
     const int lim0 = r0 < T ? (causal ? max(0, min(p0 + r0 + 1, C)) : C) : 0;
     const int lim1 = r1 < T ? (causal ? max(0, min(p0 + r1 + 1, C)) : C) : 0;
@@ -198,68 +189,16 @@ __global__ void __launch_bounds__(128)
                 mma_16816(sc[t], qf[kk], b[0], b[1]);
                 mma_16816(sc[t + 1], qf[kk], b[2], b[3]);
             }
-        /* keys past a row's limit only in the tiles that reach one (the causal diagonal, the
-         * context's end): the others skip the compares */
-        if (kb + FL_BK > min(lim0, lim1)) {
-#pragma unroll
-            for (int t = 0; t < FL_BK / 8; t++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int j = kb + t * 8 + l4 * 2 + e;
-                    if (j >= lim0) sc[t][e] = -INFINITY;
-                    if (j >= lim1) sc[t][2 + e] = -INFINITY;
-                }
-        }
-        float mx0 = -INFINITY, mx1 = -INFINITY; /* of the raw scores (scale > 0 keeps order) */
-#pragma unroll
-        for (int t = 0; t < FL_BK / 8; t++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                mx0 = fmaxf(mx0, sc[t][e]);
-                mx1 = fmaxf(mx1, sc[t][2 + e]);
-            }
-        /* a row's values sit in the 4 lanes of its group */
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        /* m, l and the output in the scaled scores' natural units, as before */
-        const float mn0 = fmaxf(m0, mx0 * scale), mn1 = fmaxf(m1, mx1 * scale);
-        /* a row that has seen nothing yet keeps zeros (max -inf: no exp of inf - inf) */
-        const float a0 = mn0 == -INFINITY ? 1.0f : __expf(m0 - mn0);
-        const float a1 = mn1 == -INFINITY ? 1.0f : __expf(m1 - mn1);
-        /* e^(s scale - m) = 2^(s (scale log2 e) - m log2 e): one FFMA and the ex2 unit an
-         * element (the scale, the subtraction and the checks were four more); a masked -inf
-         * score gives 2^-inf = 0, and a row with no key yet subtracts 0 */
-        const float k2 = scale * 1.4426950408889634f;
-        const float b0 = mn0 == -INFINITY ? 0.0f : mn0 * 1.4426950408889634f;
-        const float b1 = mn1 == -INFINITY ? 0.0f : mn1 * 1.4426950408889634f;
-        float ps0 = 0.0f, ps1 = 0.0f;
-#pragma unroll
-        for (int t = 0; t < FL_BK / 8; t++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const float x0 = fl_ex2(fmaf(sc[t][e], k2, -b0));
-                const float x1 = fl_ex2(fmaf(sc[t][2 + e], k2, -b1));
-                sc[t][e] = x0, sc[t][2 + e] = x1;
-                ps0 += x0, ps1 += x1;
-            }
-        ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
-        ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
-        ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
-        ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
-        l0 = l0 * a0 + ps0, l1 = l1 * a1 + ps1, m0 = mn0, m1 = mn1;
-#pragma unroll
-        for (int n = 0; n < DV / 8; n++)
-            oacc[n][0] *= a0, oacc[n][1] *= a0, oacc[n][2] *= a1, oacc[n][3] *= a1;
-            /* O += P V: the score tiles 2 kk and 2 kk + 1 are the A fragment of keys [16 kk, +16)
-             */
+        /* masks, the online softmax and the output's rescale (mla.cuh); P V: the score tiles 2 kk
+         * and 2 kk + 1 are the A fragment of keys [16 kk, +16) */
+        float a0, a1;
+        uint32_t pas[FL_BK / 16][4];
+        fl_softmax(sc, m0, m1, l0, l1, a0, a1, kb, lim0, lim1, l4, scale);
+        fl_rescale<DV>(oacc, a0, a1);
+        fl_pack(sc, pas);
 #pragma unroll
         for (int kk = 0; kk < FL_BK / 16; kk++) {
-            const uint32_t pa[4] = {pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]),
-                                    pack_bf16x2(sc[2 * kk][2], sc[2 * kk][3]),
-                                    pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
-                                    pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+            const uint32_t(&pa)[4] = pas[kk];
 #pragma unroll
             for (int n = 0; n < DV / 8; n += 2) {
                 /* matrices: keys kk 16 (+8 for odd mi), value columns of tile n (+1 for mi >= 2),
@@ -273,21 +212,7 @@ __global__ void __launch_bounds__(128)
         }
         __syncthreads(); /* this stage is refilled two tiles on */
     }
-    const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
-    if (lse && l4 == 0) { /* (the row's four lanes hold the same m and l) */
-        if (r0 < T) lse[(size_t)r0 * Ha + h] = l0 > 0.0f ? m0 + logf(l0) : -INFINITY;
-        if (r1 < T) lse[(size_t)r1 * Ha + h] = l1 > 0.0f ? m1 + logf(l1) : -INFINITY;
-    }
-#pragma unroll
-    for (int n = 0; n < DV / 8; n++) {
-        const int col = n * 8 + l4 * 2;
-        if (r0 < T)
-            *(float2 *)(o + (size_t)r0 * vs + (size_t)h * DV + col) =
-                make_float2(oacc[n][0] * i0, oacc[n][1] * i0);
-        if (r1 < T)
-            *(float2 *)(o + (size_t)r1 * vs + (size_t)h * DV + col) =
-                make_float2(oacc[n][2] * i1, oacc[n][3] * i1);
-    }
+    fl_store<DV>(o, lse, oacc, m0, m1, l0, l1, r0, r1, T, Ha, h, l4);
 }
 
 extern "C" void ds_cu_set_mla_flash(ds_cu *c, int mode) {

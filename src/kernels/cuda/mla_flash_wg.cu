@@ -10,7 +10,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/mla.cuh"
 
-enum { WG_BQ = 64, WG_BK = 64 };
+enum { WG_BQ = 64, WG_BK = FL_BK };
 
 /* Shared memory of a stage: the key tile K-major (wgmma's B of S = Q K^T: N = keys, K = channels)
  * and the value tile MN-major (B of O = P V: K = keys, N = channels, rows as stored), both in
@@ -133,103 +133,6 @@ static __device__ __forceinline__ void wg_stage(uint8_t *ks, uint8_t *vsm, const
     cp_async_commit();
 }
 
-/* The rows' outputs o (divided by their sums) and, with lse, their log-sum-exp (-inf for a row
- * that saw no key); rows past T are not written */
-template <int DV>
-static __device__ __forceinline__ void
-wg_store(float *o, float *lse, const float (&oacc)[DV / 8][4], float m0, float m1, float l0,
-         float l1, int r0, int r1, int T, int Ha, int h, int l4) {
-    const size_t vs = (size_t)Ha * DV;
-    const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
-    if (lse && l4 == 0) { /* (the row's four lanes hold the same m and l) */
-        if (r0 < T) lse[(size_t)r0 * Ha + h] = l0 > 0.0f ? m0 + logf(l0) : -INFINITY;
-        if (r1 < T) lse[(size_t)r1 * Ha + h] = l1 > 0.0f ? m1 + logf(l1) : -INFINITY;
-    }
-#pragma unroll
-    for (int n = 0; n < DV / 8; n++) {
-        const int col = n * 8 + l4 * 2;
-        if (r0 < T)
-            *(float2 *)(o + (size_t)r0 * vs + (size_t)h * DV + col) =
-                make_float2(oacc[n][0] * i0, oacc[n][1] * i0);
-        if (r1 < T)
-            *(float2 *)(o + (size_t)r1 * vs + (size_t)h * DV + col) =
-                make_float2(oacc[n][2] * i1, oacc[n][3] * i1);
-    }
-}
-
-/* One tile's online softmax for a warp's rows r0 (sc[.][0..1]) and r1 (sc[.][2..3]), keys kb + 8 t
- * + 2 l4 (+1): keys at or past a row's limit masked, the rows' maximum m and sum l updated (in
- * the scaled scores' units), sc exponentiated in place and a0, a1 the factors the output's rows
- * take (wg_rescale) before this tile's P V. As mla_flash_k's: e^(s scale - m) = 2^(s scale log2 e -
- * m log2 e) on the ex2 unit; a row that has seen no key keeps zeros. */
-static __device__ __forceinline__ void wg_softmax(float (&sc)[WG_BK / 8][4], float &m0, float &m1,
-                                                  float &l0, float &l1, float &a0, float &a1,
-                                                  int kb, int lim0, int lim1, int l4, float scale) {
-    if (kb + WG_BK > min(lim0, lim1)) {
-#pragma unroll
-        for (int t = 0; t < WG_BK / 8; t++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int j = kb + t * 8 + l4 * 2 + e;
-                if (j >= lim0) sc[t][e] = -INFINITY;
-                if (j >= lim1) sc[t][2 + e] = -INFINITY;
-            }
-    }
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int t = 0; t < WG_BK / 8; t++)
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-            mx0 = fmaxf(mx0, sc[t][e]);
-            mx1 = fmaxf(mx1, sc[t][2 + e]);
-        }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float mn0 = fmaxf(m0, mx0 * scale), mn1 = fmaxf(m1, mx1 * scale);
-    a0 = mn0 == -INFINITY ? 1.0f : __expf(m0 - mn0);
-    a1 = mn1 == -INFINITY ? 1.0f : __expf(m1 - mn1);
-    const float k2 = scale * 1.4426950408889634f;
-    const float b0 = mn0 == -INFINITY ? 0.0f : mn0 * 1.4426950408889634f;
-    const float b1 = mn1 == -INFINITY ? 0.0f : mn1 * 1.4426950408889634f;
-    float ps0 = 0.0f, ps1 = 0.0f;
-#pragma unroll
-    for (int t = 0; t < WG_BK / 8; t++)
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-            const float x0 = fl_ex2(fmaf(sc[t][e], k2, -b0));
-            const float x1 = fl_ex2(fmaf(sc[t][2 + e], k2, -b1));
-            sc[t][e] = x0, sc[t][2 + e] = x1;
-            ps0 += x0, ps1 += x1;
-        }
-    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
-    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
-    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
-    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
-    l0 = l0 * a0 + ps0, l1 = l1 * a1 + ps1, m0 = mn0, m1 = mn1;
-}
-
-/* the output's rows rescaled by the softmax's factors (a0 for row r0, a1 for r1) */
-template <int DV>
-static __device__ __forceinline__ void wg_rescale(float (&oacc)[DV / 8][4], float a0, float a1) {
-#pragma unroll
-    for (int n = 0; n < DV / 8; n++)
-        oacc[n][0] *= a0, oacc[n][1] *= a0, oacc[n][2] *= a1, oacc[n][3] *= a1;
-}
-
-/* P (the exponentiated scores) as the A fragments of O += P V: keys [16 kk, +16) */
-static __device__ __forceinline__ void wg_pack(const float (&sc)[WG_BK / 8][4],
-                                               uint32_t (&pa)[4][4]) {
-#pragma unroll
-    for (int kk = 0; kk < WG_BK / 16; kk++) {
-        pa[kk][0] = pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]);
-        pa[kk][1] = pack_bf16x2(sc[2 * kk][2], sc[2 * kk][3]);
-        pa[kk][2] = pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-        pa[kk][3] = pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-    }
-}
-
 /* S (+)= Q K^T for one tile: the warp's query fragments qf, the tile's keys at ks (swizzled) */
 template <int DQ>
 static __device__ __forceinline__ void
@@ -278,7 +181,6 @@ __global__ void __launch_bounds__(128 * WGS)
     const int qb = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, q0 = qb * WG_BQ * WGS;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, l4 = lane & 3;
-    const size_t qs = (size_t)Ha * DQ;
     const int r0 = q0 + wg * WG_BQ + warp * 16 + g, r1 = r0 + 8;
     const int last = min(q0 + WG_BQ * WGS, T) - 1;
     const int n_end = causal ? max(0, min(C, p0 + last + 1)) : C; /* the block's keys */
@@ -290,16 +192,7 @@ __global__ void __launch_bounds__(128 * WGS)
     };
     if (n_end > 0) stage(0, 0);
     uint32_t qf[DQ / 16][4]; /* the warp's queries as A fragments */
-#pragma unroll
-    for (int kk = 0; kk < DQ / 16; kk++) {
-        const int c = kk * 16 + l4 * 2;
-        const uint16_t *a = Qb + (size_t)r0 * qs + (size_t)h * DQ + c;
-        const uint16_t *b = Qb + (size_t)r1 * qs + (size_t)h * DQ + c;
-        qf[kk][0] = r0 < T ? *(const uint32_t *)a : 0u;
-        qf[kk][1] = r1 < T ? *(const uint32_t *)b : 0u;
-        qf[kk][2] = r0 < T ? *(const uint32_t *)(a + 8) : 0u;
-        qf[kk][3] = r1 < T ? *(const uint32_t *)(b + 8) : 0u;
-    }
+    fl_load_q<DQ>(qf, Qb, r0, r1, T, Ha, h, l4);
     const int lim0 = r0 < T ? (causal ? max(0, min(p0 + r0 + 1, C)) : C) : 0;
     const int lim1 = r1 < T ? (causal ? max(0, min(p0 + r1 + 1, C)) : C) : 0;
     float oacc[DV / 8][4];
@@ -324,15 +217,15 @@ __global__ void __launch_bounds__(128 * WGS)
             wg_scores<DQ>(sc, qf, ks);
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             float a0, a1;
-            wg_softmax(sc, m0, m1, l0, l1, a0, a1, kb, lim0, lim1, l4, scale);
-            wg_rescale<DV>(oacc, a0, a1);
-            wg_pack(sc, pa);
+            fl_softmax(sc, m0, m1, l0, l1, a0, a1, kb, lim0, lim1, l4, scale);
+            fl_rescale<DV>(oacc, a0, a1);
+            fl_pack(sc, pa);
             wg_values<DV>(oacc, pa, vsm);
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         }
         __syncthreads(); /* this stage is refilled two tiles on */
     }
-    wg_store<DV>(o, lse, oacc, m0, m1, l0, l1, r0, r1, T, Ha, h, l4);
+    fl_store<DV>(o, lse, oacc, m0, m1, l0, l1, r0, r1, T, Ha, h, l4);
 #else
     __trap(); /* launched only on sm_90 (ds_cu's sm90), whose code is built for sm_90a */
 #endif
@@ -362,7 +255,6 @@ __global__ void __launch_bounds__(256)
     const int qb = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, q0 = qb * WG_BQ * 2;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, l4 = lane & 3;
-    const size_t qs = (size_t)Ha * DQ;
     const int r0 = q0 + wg * WG_BQ + warp * 16 + g, r1 = r0 + 8;
     const int last = min(q0 + WG_BQ * 2, T) - 1;
     const int n_end = causal ? max(0, min(C, p0 + last + 1)) : C;
@@ -374,16 +266,7 @@ __global__ void __launch_bounds__(256)
     if (n_t > 0) stage(0);
     if (n_t > 1) stage(1);
     uint32_t qf[DQ / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < DQ / 16; kk++) {
-        const int c = kk * 16 + l4 * 2;
-        const uint16_t *a = Qb + (size_t)r0 * qs + (size_t)h * DQ + c;
-        const uint16_t *b = Qb + (size_t)r1 * qs + (size_t)h * DQ + c;
-        qf[kk][0] = r0 < T ? *(const uint32_t *)a : 0u;
-        qf[kk][1] = r1 < T ? *(const uint32_t *)b : 0u;
-        qf[kk][2] = r0 < T ? *(const uint32_t *)(a + 8) : 0u;
-        qf[kk][3] = r1 < T ? *(const uint32_t *)(b + 8) : 0u;
-    }
+    fl_load_q<DQ>(qf, Qb, r0, r1, T, Ha, h, l4);
     const int lim0 = r0 < T ? (causal ? max(0, min(p0 + r0 + 1, C)) : C) : 0;
     const int lim1 = r1 < T ? (causal ? max(0, min(p0 + r1 + 1, C)) : C) : 0;
     float oacc[DV / 8][4];
@@ -407,18 +290,18 @@ __global__ void __launch_bounds__(256)
             asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
         else
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        wg_softmax(sc, m0, m1, l0, l1, a0, a1, j * WG_BK, lim0, lim1, l4, scale);
+        fl_softmax(sc, m0, m1, l0, l1, a0, a1, j * WG_BK, lim0, lim1, l4, scale);
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         __syncthreads(); /* every warpgroup is done with tile j - 1: tile j + 2 takes its stage */
         if (j + 2 < n_t) stage(j + 2);
-        wg_pack(sc, pa);
-        wg_rescale<DV>(oacc, a0, a1); /* (no product in flight: the next P V adds to it) */
+        fl_pack(sc, pa);
+        fl_rescale<DV>(oacc, a0, a1); /* (no product in flight: the next P V adds to it) */
     }
     if (n_t >= 1) { /* the last tile's P V */
         wg_values<DV>(oacc, pa, Vs + ((n_t - 1) % NS) * L::V_BYTES);
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     }
-    wg_store<DV>(o, lse, oacc, m0, m1, l0, l1, r0, r1, T, Ha, h, l4);
+    fl_store<DV>(o, lse, oacc, m0, m1, l0, l1, r0, r1, T, Ha, h, l4);
 #else
     __trap(); /* launched only on sm_90 (ds_cu's sm90), whose code is built for sm_90a */
 #endif
