@@ -110,6 +110,42 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
     free(hgu), free(a), free(yr);
 }
 
+/* The cuBLAS path's gather from x rounded once (ds_cu_set_expert_x16) against its gather from the
+ * f32 rows, on the same inputs (BF16 outputs, accumulate): the same words, so 0 differing. */
+static void check_moe_x16_words(ds_cu *c, int T, int k, int E, int D, int I) {
+    uint16_t *gu = rand_bf16((size_t)E * 2 * I * D, -0.1f, 0.1f);
+    uint16_t *dn = rand_bf16((size_t)E * D * I, -0.1f, 0.1f);
+    float *x = rand_f32((size_t)T * D, -1, 1), *w = rand_f32((size_t)T * k, 0, 1);
+    float *base = rand_f32((size_t)T * D, -1, 1);
+    int32_t *idx = malloc((size_t)T * k * 4);
+    for (int i = 0; i < T * k; i++) idx[i] = (int32_t)(ds_rng_next(&g_rng) % (uint64_t)E);
+    float *got[2] = {malloc((size_t)T * D * 4), malloc((size_t)T * D * 4)};
+    uint16_t *dgu = dev(c, gu, (size_t)E * 2 * I * D * 2), *ddn = dev(c, dn, (size_t)E * D * I * 2);
+    float *dx = dev(c, x, (size_t)T * D * 4), *dw = dev(c, w, (size_t)T * k * 4);
+    float *dout[2] = {dev(c, base, (size_t)T * D * 4), dev(c, base, (size_t)T * D * 4)};
+    int32_t *didx = dev(c, idx, (size_t)T * k * 4);
+    ds_err err = {{0}};
+    ds_cu_set_expert_gemm(c, 1);
+    ds_cu_set_expert_bf16_out(c, 2);
+    for (int x16 = 0; x16 < 2; x16++) {
+        ds_cu_set_expert_x16(c, x16);
+        if (ds_cu_moe_experts(c, dout[x16], dx, didx, dw, T, k, E, 0, D, I, dgu, ddn, 0, 0.0f, 0.0f,
+                              1, &err))
+            DIE("%s", err.msg);
+        fetch(c, got[x16], dout[x16], (size_t)T * D * 4);
+    }
+    ds_cu_set_expert_gemm(c, 0);
+    ds_cu_set_expert_bf16_out(c, 0);
+    ds_cu_set_expert_x16(c, 0);
+    char what[128];
+    snprintf(what, sizeof what,
+             "moe experts T=%d k=%d E=%d (gemm): x rounded once, words differing", T, k, E);
+    report(what, (double)words_differ(got[1], got[0], (size_t)T * D), 0);
+    ds_cu_dealloc(dgu), ds_cu_dealloc(ddn), ds_cu_dealloc(dx), ds_cu_dealloc(dw);
+    ds_cu_dealloc(dout[0]), ds_cu_dealloc(dout[1]), ds_cu_dealloc(didx);
+    free(gu), free(dn), free(x), free(w), free(base), free(idx), free(got[0]), free(got[1]);
+}
+
 static void check_moe_experts(ds_cu *c, int T, int k, int E, int D, int I, int situ) {
     check_moe_experts_mode(c, T, k, E, D, I, situ, 0, 0);
 }
@@ -160,6 +196,7 @@ void checks_moe(ds_cu *c) {
     check_moe_experts_mode(c, 300, 8, 32, 512, 256, 0, 6, 0); /* gate/up's outputs in BF16 too */
     check_moe_experts_mode(c, 600, 8, 64, 256, 128, 1, 6, 0);
     check_moe_experts_mode(c, 300, 8, 32, 512, 256, 0, 2, 0); /* skewed: several size buckets */
+    check_moe_x16_words(c, 300, 8, 32, 512, 256);
     check_moe_experts_mode(c, 40, 8, 64, 512, 256, 0, 0, 1);  /* TP: half the experts */
     check_moe_experts_mode(c, 6, 3, 8, 100, 36, 1, 0, 1);     /* ... one row at a time */
     check_moe_experts_mode(c, 200, 8, 32, 512, 256, 0, 1, 1); /* ... tensor cores (16 local) */

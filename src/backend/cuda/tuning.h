@@ -13,6 +13,8 @@
  *                                          outputs rounded before the activation, each routed
  *                                          row's output before the weighted sum), 1 the down
  *                                          pass alone, 0 neither (f32)
+ *   DS_CUDA_EXPERT_X16     F      0        those GEMMs gather their rows from x rounded to BF16
+ *                                          once (the same words; not yet timed)
  *   DS_CUDA_EXPERT_MMA     F      1        grouped routed experts of steps of >= 40 tokens on BF16
  *                                          tensor cores, on the device (capturable)
  *   DS_CUDA_EXPERT_TC      F      1        those through the mma.sync kernel that streams the
@@ -78,6 +80,7 @@ enum { DS_CUDA_KDA_FUSE_MAX = 2 }; /* DS_CUDA_KDA_FUSED's default (layers.c kda_
 typedef struct ds_cuda_tuning {
     int expert_gemm, expert_mma, expert_tc;
     int expert_bf16_out; /* the cuBLAS experts writing BF16: 1 the down pass, 2 gate/up's too */
+    int expert_x16;      /* ... gathering from x rounded once */
     int expert_mma_min, gemv_max_t; /* 0: the kernels' defaults */
     int f8_prequant;
     int f8_split_min;  /* 0: the kernels' default */

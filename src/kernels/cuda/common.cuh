@@ -34,6 +34,7 @@ struct ds_cu {
     uint64_t epoch;      /* bumped whenever a scratch buffer moves (captured graphs go stale) */
     int expert_gemm;     /* routed experts of long steps through cuBLAS (ds_cu_set_expert_gemm) */
     int expert_bf16_out; /* ... writing BF16: 1 the down pass, 2 gate/up's too */
+    int expert_x16;      /* ... gathering routed rows from x rounded once (ds_cu_set_expert_x16) */
     int expert_mma;      /* grouped experts of batches on tensor cores (ds_cu_set_expert_mma) */
     int expert_tc;       /* ...through the streaming tensor-core kernel (ds_cu_set_expert_tc) */
     int mma_min_tokens;  /* ...from this many tokens a step (ds_cu_set_expert_mma_min; 0: 40) */

@@ -305,6 +305,11 @@ void ds_cu_set_expert_gemm(ds_cu *c, int on);
  * DS_CUDA_EXPERT_BF16_OUT says otherwise (its accuracy: bench/RESULTS.md session 44); 0 in a new
  * context. */
 void ds_cu_set_expert_bf16_out(ds_cu *c, int on);
+/* Those GEMMs' gather of the routed rows from x rounded to BF16 once ([T][D]: a prompt's 8192 x
+ * 2304 is 38 MB, so the k copies of a row mostly come from L2) instead of each routed row
+ * rounding its f32 row again; the same words either way. 0 in a new context; the engine reads
+ * DS_CUDA_EXPERT_X16. */
+void ds_cu_set_expert_x16(ds_cu *c, int on);
 /* Grouped routed experts of steps of >= 40 tokens (batch decode, verify, short prefill chunks) on
  * BF16 tensor cores (wmma), on the device so the step stays capturable (not with batch
  * invariance; 2I and D multiples of 256). On in the engine unless DS_CUDA_EXPERT_MMA=0
@@ -365,8 +370,9 @@ void ds_cu_set_f8_noquant(ds_cu *c, int on);
 void ds_cu_set_mla_gemm(ds_cu *c, int on);
 /* ... and, for Kimi's head shape (dn + dr = 192, dvh = 128), as one fused flash-attention kernel
  * (no scores in memory) instead of the two GEMMs: mode 1 on mma.sync, 2 on Hopper's wgmma (sm_90
- * devices; mode 1 elsewhere), 3 on wgmma with two warpgroups a block, 4 that with its products beside the softmax, 0 the GEMMs; 0 in a new
- * context, DS_CUDA_MLA_FLASH in the engine (tuning.h). */
+ * devices; mode 1 elsewhere), 3 on wgmma with two warpgroups a block, 4 that with its products
+ * beside the softmax, 0 the GEMMs; 0 in a new context, DS_CUDA_MLA_FLASH in the engine
+ * (tuning.h). */
 void ds_cu_set_mla_flash(ds_cu *c, int mode);
 /* A side stream for a chain of launches that does not depend on what the main stream issues
  * next: after ds_cu_side_begin every launch (and cuBLAS call) goes to the side stream, forked

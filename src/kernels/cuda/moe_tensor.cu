@@ -269,6 +269,10 @@ extern "C" void ds_cu_set_expert_bf16_out(ds_cu *c, int on) {
     c->expert_bf16_out = on;
 }
 
+extern "C" void ds_cu_set_expert_x16(ds_cu *c, int on) {
+    c->expert_x16 = on;
+}
+
 /* The tensor-core path's element-wise kernels take a row a block and 16-byte loads: x 16-byte
  * aligned and D, I multiples of 8 (moe_experts_gemm's callers); y and out are its own scratch and
  * the model's rows. One thread an element with 64-bit divisions for the row ran the activation
@@ -282,6 +286,16 @@ __global__ void moe_gather_bf16_k(__nv_bfloat16 *xg, const float *x, int D, cons
     const float4 *xr = (const float4 *)(x + (size_t)(perm[i] / k) * D);
     __nv_bfloat16 *dst = xg + (size_t)slot[i] * D;
     for (int c4 = threadIdx.x; c4 < D / 4; c4 += blockDim.x) store_bf16x4(dst + 4 * c4, xr[c4]);
+}
+
+/* The same from x already rounded to BF16 (xr [T][D], D a multiple of 4): 8-byte copies */
+__global__ void moe_gather_x16_k(__nv_bfloat16 *xg, const __nv_bfloat16 *xr, int D,
+                                 const int32_t *perm, const int32_t *slot, int k) {
+    PDL_ENTRY();
+    const int i = blockIdx.x;
+    const uint2 *src = (const uint2 *)(xr + (size_t)(perm[i] / k) * D);
+    uint2 *dst = (uint2 *)(xg + (size_t)slot[i] * D);
+    for (int c4 = threadIdx.x; c4 < D / 4; c4 += blockDim.x) dst[c4] = src[c4];
 }
 
 /* slot[i] = panel[e] + (i - start[e]) for the rows i of expert e = blockIdx.x: each expert's rows
@@ -393,6 +407,21 @@ static int moe_buckets(const int32_t *hs, int E, uint64_t *keys, int32_t *order,
     return n_bk;
 }
 
+/* The n_local routed rows of x [T][D] (f32) into their slots of the panels xg, rounded to BF16:
+ * each from its f32 row, or (expert_x16) x rounded once into xr [T][D] and the rows copied from
+ * it (the same words: the same rounding, done once) */
+static void moe_gather(ds_cu *c, __nv_bfloat16 *xg, __nv_bfloat16 *xr, const float *x, int T, int D,
+                       const int32_t *perm, const int32_t *slot, int k, int n_local) {
+    if (n_local <= 0) return;
+    if (c->expert_x16) {
+        round_rows(c, xr, x, D, D, T);
+        launch_k(c, moe_gather_x16_k, n_local, 256, 0, xg, (const __nv_bfloat16 *)xr, D, perm, slot,
+                 k);
+    } else {
+        launch_k(c, moe_gather_bf16_k, n_local, 256, 0, xg, x, D, perm, slot, k);
+    }
+}
+
 int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T, int k, int E,
                      int D, int I, const uint16_t *gate_up, const uint16_t *down, int situ,
                      float situ_beta, float situ_lin_beta, int accumulate, const int32_t *start,
@@ -426,14 +455,20 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
     const int n_bk = moe_buckets(hs, E, keys, order, panel, bk_first, bk_rows, &n_act, &pr);
     /* xg [pr][D] bf16 | ab [pr][I] bf16 | h [pr][2I] f32 (bf16 with expert_bf16_out 2) |
      * y [pr][D] f32 (bf16 with expert_bf16_out) | inv [rows] | slot [rows] | panel [E] |
-     * pointer arrays [6][E] */
+     * pointer arrays [6][E] | xr [T][D] bf16 (with expert_x16: moe_gather) */
     const int y16 = c->expert_bf16_out > 0, h16 = c->expert_bf16_out > 1;
     const size_t hsz = h16 ? 2 : 4, ysz = y16 ? 2 : 4; /* their elements' bytes */
-    const size_t sz[8] = {
-        pr * D * 2,       pr * I * 2,       pr * 2 * I * hsz, pr * D * ysz,
-        (size_t)rows * 4, (size_t)rows * 4, (size_t)E * 4,    (size_t)6 * E * sizeof(void *)};
-    void *b[8];
-    if (carve_scratch(c, &c->moeg, &c->moeg_bytes, sz, b, 8, "moe gemm scratch", err))
+    const size_t sz[9] = {pr * D * 2,
+                          pr * I * 2,
+                          pr * 2 * I * hsz,
+                          pr * D * ysz,
+                          (size_t)rows * 4,
+                          (size_t)rows * 4,
+                          (size_t)E * 4,
+                          (size_t)6 * E * sizeof(void *),
+                          c->expert_x16 ? (size_t)T * D * 2 : 0};
+    void *b[9];
+    if (carve_scratch(c, &c->moeg, &c->moeg_bytes, sz, b, 9, "moe gemm scratch", err))
         return DS_ERR;
     __nv_bfloat16 *xg = (__nv_bfloat16 *)b[0], *ab = (__nv_bfloat16 *)b[1];
     char *h = (char *)b[2], *y = (char *)b[3];
@@ -456,7 +491,7 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
            "moe: panels");
     ds_cu_prof_mark(c, "moe gemm: gather x");
     launch_k(c, moe_slot_k, E, 256, 0, slot, start, dpanel);
-    if (n_local > 0) launch_k(c, moe_gather_bf16_k, n_local, 256, 0, xg, x, D, perm, slot, k);
+    moe_gather(c, xg, (__nv_bfloat16 *)b[8], x, T, D, perm, slot, k, n_local);
     CU_TRY(cudaGetLastError(), "moe gather");
     const float one = 1.0f, zero = 0.0f;
     ds_cu_prof_mark(c, "moe gemm: gate/up");
