@@ -103,6 +103,11 @@
 #      replace, every mode), then prefill of 8192 tokens and decode after 512 (greedy ids) with it
 #      on and off, ROUNDS rounds (default 2), alternating; then the eager profile's split with it on.
 #      Session 44 ran it on H100s (bench/RESULTS.md); not yet on the H200.
+#  26. (issue 33, session 45) expanded MLA's pipelined wgmma form and the shared fl_* pieces
+#      (mla_prefill.sh: every form's checks and timings, prompt 8192 in MODES "3 4", the 128K TTFT in
+#      "1 3 4"), then the experts' gather from x rounded once (DS_CUDA_EXPERT_X16): the moe checks
+#      (the words against the plain gather) and prefill of 8192 tokens with it on and off, ROUNDS
+#      rounds. Written after session 45's device time: not yet run.
 # STEPS: which of them (default "24 22": 22 has not run in its final form, 23 ran in session 41 on an
 # H100 without its BF16 decode runs and not on the H200; 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
 # 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
@@ -492,6 +497,20 @@ fi
 if want 8; then
 el "8. issue 33: long contexts at the 48B shape, 128K (long48.sh)"
 LENS=${LENS:-131072} bash "$(dirname "$0")/long48.sh" 2>&1 | tail -20
+fi
+if want 26; then
+el "26. (issue 33, session 45) expanded MLA on wgmma, pipelined (mla_prefill.sh); the experts'"
+el "    gather from x rounded once (DS_CUDA_EXPERT_X16): the moe checks, prefill on and off"
+bash "$(dirname "$0")/mla_prefill.sh" 2>&1 | tail -16
+checks s26.log moe | tee "$OUT/s26.rc"
+grep -E "x rounded once|FAIL" "$OUT/s26.log" | head
+for r in $(seq "${ROUNDS:-2}"); do
+  for x16 in 1 0; do
+    DS_CUDA_EXPERT_X16=$x16 timeout 120 .devbin/deltaserve bench --model $SHAPE48 --load-format random \
+      --device cuda --prompt-tokens 8192 --reps 3 --decode-context 512 --decode-steps 4 \
+      --batch-sizes 1 --json "$OUT/s26_x${x16}_$r.json" 2>&1 | grep -E "^prompt" | sed "s/^/[x16 $x16, $r] /"
+  done
+done
 fi
 want 4 || want 5 || { el end; exit 0; }
 el "4. decode b1 / b32, BF16 then ptpc_fp8"
