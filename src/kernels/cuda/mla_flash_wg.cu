@@ -2,11 +2,14 @@
  * Hopper's warpgroup MMA. The mma.sync kernel has each of its four warps load every key and value
  * fragment of a tile from shared memory itself (ldmatrix), so a tile's operands cross the
  * shared-memory port four times; wgmma reads the B operand straight from shared memory once for
- * the whole warpgroup. Same block shape (64 query rows of one head, four warps of 16 rows each),
- * same online softmax in registers, same BF16 rounding of Q, K, V and P and f32 accumulation: a
- * sum in another order, not other arithmetic. Fragment layouts as the PTX ISA gives them for
- * wgmma .m64nNk16: A in registers is per warp mma.m16n8k16's A fragment (rows 16 w + g, + 8); the
- * accumulator is per warp mma's C fragment repeated over the N / 8 column tiles. */
+ * the whole warpgroup. A warpgroup takes 64 query rows of one head (four warps of 16 rows each,
+ * as the mma.sync kernel's block), with the same online softmax in registers (mla.cuh's fl_*
+ * pieces), the same BF16 rounding of Q, K, V and P and f32 accumulation: a sum in another order,
+ * not other arithmetic. Three forms (DS_CUDA_MLA_FLASH 2-4): one warpgroup a block; two sharing
+ * each staged tile; two with their products in flight beside the softmax. Fragment layouts as the
+ * PTX ISA gives them for wgmma .m64nNk16: A in registers is per warp mma.m16n8k16's A fragment
+ * (rows 16 w + g, + 8); the accumulator is per warp mma's C fragment repeated over the N / 8 column
+ * tiles. */
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/mla.cuh"
 
@@ -61,7 +64,9 @@ static __device__ __forceinline__ void wg_mma_n64(float (&d)[8][4], const uint32
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
 }
 
-/* the same with d written, not read (the first k-step: no zeroing of d beforehand) */
+/* the same with d written, not read (the first k-step, acc 0: d needs no zeroing beforehand,
+ * and no instruction but the wgmma defines it, which keeps ptxas from serializing the
+ * pipelined form) */
 static __device__ __forceinline__ void wg_mma_n64_first(float (&d)[8][4], const uint32_t (&a)[4],
                                                         uint64_t desc, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
