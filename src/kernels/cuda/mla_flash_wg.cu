@@ -12,6 +12,7 @@
  * tiles. */
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/mla.cuh"
+#include "kernels/cuda/wgmma.cuh"
 
 enum { WG_BQ = 64, WG_BK = FL_BK };
 
@@ -33,85 +34,6 @@ template <int DQ, int DV> struct wg_smem {
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-/* where chunk c (16 bytes) of row r of a tile sits, in bytes from the tile's start */
-static __device__ __forceinline__ int wg_swz(int r, int c) {
-    return (c >> 3) * 8192 + r * 128 + (((c & 7) ^ (r & 7)) << 4);
-}
-
-/* a shared-memory matrix descriptor: start, leading and stride byte offsets, 128-byte swizzle */
-static __device__ __forceinline__ uint64_t wg_desc(const void *smem, uint32_t lbo, uint32_t sbo) {
-    const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
-    return (uint64_t)((a & 0x3ffffu) >> 4) | (uint64_t)(lbo >> 4) << 16 |
-           (uint64_t)(sbo >> 4) << 32 | (uint64_t)1 << 62;
-}
-
-/* d (+)= A B for the warpgroup: A (64 x 16) in registers, B in shared memory by its descriptor;
- * acc 0 overwrites d. N = 64 with B K-major, N = 128 with B MN-major (transposed). */
-static __device__ __forceinline__ void wg_mma_n64(float (&d)[8][4], const uint32_t (&a)[4],
-                                                  uint64_t desc, int acc) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, "
-                 "%6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
-                 "%23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                 "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),
-                   "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),
-                   "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),
-                   "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-                   "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),
-                   "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
-                   "+f"(d[7][2]), "+f"(d[7][3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-}
-
-/* the same with d written, not read (the first k-step, acc 0: d needs no zeroing beforehand,
- * and no instruction but the wgmma defines it, which keeps ptxas from serializing the
- * pipelined form) */
-static __device__ __forceinline__ void wg_mma_n64_first(float (&d)[8][4], const uint32_t (&a)[4],
-                                                        uint64_t desc, int acc) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, "
-                 "%6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
-                 "%23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                 "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-                 : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]), "=f"(d[1][0]),
-                   "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]), "=f"(d[2][0]), "=f"(d[2][1]),
-                   "=f"(d[2][2]), "=f"(d[2][3]), "=f"(d[3][0]), "=f"(d[3][1]), "=f"(d[3][2]),
-                   "=f"(d[3][3]), "=f"(d[4][0]), "=f"(d[4][1]), "=f"(d[4][2]), "=f"(d[4][3]),
-                   "=f"(d[5][0]), "=f"(d[5][1]), "=f"(d[5][2]), "=f"(d[5][3]), "=f"(d[6][0]),
-                   "=f"(d[6][1]), "=f"(d[6][2]), "=f"(d[6][3]), "=f"(d[7][0]), "=f"(d[7][1]),
-                   "=f"(d[7][2]), "=f"(d[7][3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-}
-
-static __device__ __forceinline__ void wg_mma_n128_tb(float (&d)[16][4], const uint32_t (&a)[4],
-                                                      uint64_t desc, int acc) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, "
-                 "%6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
-                 "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, "
-                 "%39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, "
-                 "%55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-                 "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),
-                   "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),
-                   "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),
-                   "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-                   "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),
-                   "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
-                   "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]),
-                   "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-                   "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]),
-                   "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]),
-                   "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]),
-                   "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
-                   "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-}
-
-static __device__ __forceinline__ void wg_fence() {
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
 /* Tile kb of keys and values (head h) into a stage's key and value tiles ks, vsm (swizzled; rows
  * past C zero-filled) by NT threads, every piece in flight at once, as one cp.async group */
 template <int DQ, int DV, int NT>
