@@ -81,7 +81,7 @@ struct ds_cu {
     size_t moeg_bytes;
     void *blas_ws;        /* cuBLAS's workspace, set once so that graph capture allocates nothing */
     struct cu_prof *prof; /* per-op timing when enabled (ds_cu_prof_enable), else NULL */
-    int sm90;             /* compute capability 9 or above: thread block clusters */
+    int sm90;             /* Hopper (9.x): its sm_90a code runs (clusters, wgmma, PDL) */
     int pdl;              /* launches may overlap the previous kernel's tail (below) */
     char *skip;           /* ';'-separated profile labels whose kernels are not launched */
     int skipping;         /* the current label is one of them (ds_cu_set_skip) */

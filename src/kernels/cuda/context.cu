@@ -26,8 +26,10 @@ extern "C" int ds_cu_create(int device, ds_cu **out, ds_err *err) {
     if (cudaGetDeviceProperties(&p, device) == cudaSuccess && (c->n_sm = p.multiProcessorCount)) {
         snprintf(c->name, sizeof c->name, "%s, %d SMs, %.1f GiB, sm_%d%d", p.name,
                  p.multiProcessorCount, (double)p.totalGlobalMem / (1u << 30), p.major, p.minor);
-        c->pdl = p.major >= 9; /* on by default (ds_cu_set_pdl) */
-        c->sm90 = p.major >= 9;
+        /* Hopper runs the sm_90a code; a later part would JIT the compute_80 PTX, which holds
+         * none of the sm_90 paths (clusters, bulk prefetch, PDL's wait, wgmma): off there */
+        c->sm90 = p.major == 9;
+        c->pdl = c->sm90; /* on by default (ds_cu_set_pdl) */
     }
     if (cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking) != cudaSuccess) {
         free(c);

@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(128 * WGS)
     }
     fl_store<DV>(o, lse, oacc, m0, m1, l0, l1, r0, r1, T, Ha, h, l4);
 #else
-    __trap(); /* launched only on sm_90 (ds_cu's sm90), whose code is built for sm_90a */
+    __trap(); /* launched only where ds_cu's sm90 is set: Hopper runs the sm_90a code */
 #endif
 }
 
@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(256)
     }
     fl_store<DV>(o, lse, oacc, m0, m1, l0, l1, r0, r1, T, Ha, h, l4);
 #else
-    __trap(); /* launched only on sm_90 (ds_cu's sm90), whose code is built for sm_90a */
+    __trap(); /* launched only where ds_cu's sm90 is set: Hopper runs the sm_90a code */
 #endif
 }
 

@@ -1,7 +1,9 @@
 /* wgmma.cuh — Hopper's warpgroup MMA (wgmma) as the kernels use it: shared-memory matrix
  * descriptors for tiles in the 128-byte swizzle, the BF16 products with A in registers, and the
  * fence. Only for sm_90a code (__CUDA_ARCH_FEAT_SM90_ALL); a kernel built for other targets must
- * not call these (it traps instead, and the host launches it only where ds_cu's sm90 is set).
+ * not call these (it traps instead, and the host launches it only where ds_cu's wgmma is set:
+ * compute capability exactly 9.0, since sm_90a code runs on no later part, which JITs the PTX
+ * instead).
  *
  * What the first kernel on it (mla_flash_wg.cu) taught (bench/RESULTS.md session 45):
  * - B tiles must be in the 128-byte swizzle: in plain 128-byte core matrices ("interleaved") the
