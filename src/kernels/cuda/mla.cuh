@@ -86,7 +86,7 @@ static __device__ __forceinline__ void fl_softmax(float (&sc)[FL_BK / 8][4], flo
                 if (j >= lim1) sc[t][2 + e] = -INFINITY;
             }
     }
-    float mx0 = -INFINITY, mx1 = -INFINITY;
+    float mx0 = -INFINITY, mx1 = -INFINITY; /* of the raw scores (scale > 0 keeps order) */
 #pragma unroll
     for (int t = 0; t < FL_BK / 8; t++)
 #pragma unroll
@@ -94,6 +94,7 @@ static __device__ __forceinline__ void fl_softmax(float (&sc)[FL_BK / 8][4], flo
             mx0 = fmaxf(mx0, sc[t][e]);
             mx1 = fmaxf(mx1, sc[t][2 + e]);
         }
+    /* a row's values sit in the 4 lanes of its group */
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
