@@ -24,6 +24,18 @@ static __device__ __forceinline__ float fl_ex2(float x) {
  * columns 8 t + 2 l4 (+1)). */
 enum { FL_BK = 64 };
 
+/* The keys query row r may see: j < the result (causal: up to its position p0 + r, at most C;
+ * none for a row past T) */
+static __device__ __forceinline__ int fl_keys(int r, int T, int C, int p0, int causal) {
+    return r < T ? (causal ? max(0, min(p0 + r + 1, C)) : C) : 0;
+}
+
+/* the output fragments zeroed (no key seen yet) */
+template <int DV> static __device__ __forceinline__ void fl_zero(float (&oacc)[DV / 8][4]) {
+#pragma unroll
+    for (int n = 0; n < DV / 8; n++) oacc[n][0] = oacc[n][1] = oacc[n][2] = oacc[n][3] = 0.0f;
+}
+
 /* A warp's query rows r0 and r1 of head h from Qb [T][Ha][DQ] (BF16) as m16n8k16 A fragments, one
  * a k-step of 16 channels (zeros for rows past T) */
 template <int DQ>

@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(128)
     const size_t qs = (size_t)Ha * DQ, vs = (size_t)Ha * DV;
     const int r0 = q0 + warp * 16 + g, r1 = r0 + 8; /* this thread's two query rows */
     const int last = min(q0 + FL_BQ, T) - 1;
-    const int n_end = causal ? max(0, min(C, p0 + last + 1)) : C;
+    const int n_end = fl_keys(last, T, C, p0, causal);
     /* tile kb into stage st: every thread's pieces in flight at once */
     auto stage = [&](int kb, int st) {
         uint16_t *ks = Ks + st * L::K_ELEMS, *vsm = Vs + st * L::V_ELEMS;
@@ -158,11 +158,10 @@ __global__ void __launch_bounds__(128)
     uint32_t qf[DQ / 16][4];    /* the warp's queries as A fragments */
     fl_load_q<DQ>(qf, Qb, r0, r1, T, Ha, h, l4);
     /* keys each row may see (none for rows past T) */
-    const int lim0 = r0 < T ? (causal ? max(0, min(p0 + r0 + 1, C)) : C) : 0;
-    const int lim1 = r1 < T ? (causal ? max(0, min(p0 + r1 + 1, C)) : C) : 0;
+    const int lim0 = fl_keys(r0, T, C, p0, causal);
+    const int lim1 = fl_keys(r1, T, C, p0, causal);
     float oacc[DV / 8][4];
-#pragma unroll
-    for (int n = 0; n < DV / 8; n++) oacc[n][0] = oacc[n][1] = oacc[n][2] = oacc[n][3] = 0.0f;
+    fl_zero<DV>(oacc);
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
     /* ldmatrix: lane L gives the address of row L % 8 of matrix L / 8 */
     const int mi = lane >> 3, mr = lane & 7;

@@ -110,21 +110,20 @@ __global__ void __launch_bounds__(128 * WGS)
     const int g = lane >> 2, l4 = lane & 3;
     const int r0 = q0 + wg * WG_BQ + warp * 16 + g, r1 = r0 + 8;
     const int last = min(q0 + WG_BQ * WGS, T) - 1;
-    const int n_end = causal ? max(0, min(C, p0 + last + 1)) : C; /* the block's keys */
+    const int n_end = fl_keys(last, T, C, p0, causal); /* the block's keys */
     /* this warpgroup's (fewer, causal, for the first of two; none for rows past T) */
     const int w_last = min(q0 + (wg + 1) * WG_BQ, T) - 1;
-    const int w_end = q0 + wg * WG_BQ >= T ? 0 : causal ? max(0, min(C, p0 + w_last + 1)) : C;
+    const int w_end = q0 + wg * WG_BQ >= T ? 0 : fl_keys(w_last, T, C, p0, causal);
     auto stage = [&](int kb, int st) {
         wg_stage<DQ, DV, NT>(Ks + st * L::K_BYTES, Vs + st * L::V_BYTES, Kb, Vb, kb, C, Ha, h, tid);
     };
     if (n_end > 0) stage(0, 0);
     uint32_t qf[DQ / 16][4]; /* the warp's queries as A fragments */
     fl_load_q<DQ>(qf, Qb, r0, r1, T, Ha, h, l4);
-    const int lim0 = r0 < T ? (causal ? max(0, min(p0 + r0 + 1, C)) : C) : 0;
-    const int lim1 = r1 < T ? (causal ? max(0, min(p0 + r1 + 1, C)) : C) : 0;
+    const int lim0 = fl_keys(r0, T, C, p0, causal);
+    const int lim1 = fl_keys(r1, T, C, p0, causal);
     float oacc[DV / 8][4];
-#pragma unroll
-    for (int n = 0; n < DV / 8; n++) oacc[n][0] = oacc[n][1] = oacc[n][2] = oacc[n][3] = 0.0f;
+    fl_zero<DV>(oacc);
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
     for (int kb = 0, it = 0; kb < n_end; kb += WG_BK, it++) {
         const int st = it & 1;
@@ -184,7 +183,7 @@ __global__ void __launch_bounds__(256)
     const int g = lane >> 2, l4 = lane & 3;
     const int r0 = q0 + wg * WG_BQ + warp * 16 + g, r1 = r0 + 8;
     const int last = min(q0 + WG_BQ * 2, T) - 1;
-    const int n_end = causal ? max(0, min(C, p0 + last + 1)) : C;
+    const int n_end = fl_keys(last, T, C, p0, causal);
     const int n_t = (n_end + WG_BK - 1) / WG_BK; /* tiles */
     auto stage = [&](int t) {
         wg_stage<DQ, DV, NT>(Ks + (t % NS) * L::K_BYTES, Vs + (t % NS) * L::V_BYTES, Kb, Vb,
@@ -194,11 +193,10 @@ __global__ void __launch_bounds__(256)
     if (n_t > 1) stage(1);
     uint32_t qf[DQ / 16][4];
     fl_load_q<DQ>(qf, Qb, r0, r1, T, Ha, h, l4);
-    const int lim0 = r0 < T ? (causal ? max(0, min(p0 + r0 + 1, C)) : C) : 0;
-    const int lim1 = r1 < T ? (causal ? max(0, min(p0 + r1 + 1, C)) : C) : 0;
+    const int lim0 = fl_keys(r0, T, C, p0, causal);
+    const int lim1 = fl_keys(r1, T, C, p0, causal);
     float oacc[DV / 8][4];
-#pragma unroll
-    for (int n = 0; n < DV / 8; n++) oacc[n][0] = oacc[n][1] = oacc[n][2] = oacc[n][3] = 0.0f;
+    fl_zero<DV>(oacc);
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f, a0 = 1.0f, a1 = 1.0f;
     float sc[WG_BK / 8][4];
     uint32_t pa[WG_BK / 16][4];
