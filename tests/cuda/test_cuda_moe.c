@@ -34,6 +34,30 @@ static void check_moe_route(ds_cu *c, int T, int E, int k, int n_group, int topk
     free(z), free(bias), free(iref), free(igot), free(wref), free(wgot);
 }
 
+/* Routed experts' random inputs, drawn in this order from the shared stream: gate|up weights gu
+ * [E][2I][D] and down dn [E][D][I] (BF16), x [T][D], routing weights w [T][k], the output's
+ * starting values base [T][D] (accumulate mode) and expert ids idx [T][k] in [0, E). */
+typedef struct moe_inputs {
+    uint16_t *gu, *dn;
+    float *x, *w, *base;
+    int32_t *idx;
+} moe_inputs;
+
+static moe_inputs moe_inputs_draw(int T, int k, int E, int D, int I) {
+    moe_inputs m;
+    m.gu = rand_bf16((size_t)E * 2 * I * D, -0.1f, 0.1f);
+    m.dn = rand_bf16((size_t)E * D * I, -0.1f, 0.1f);
+    m.x = rand_f32((size_t)T * D, -1, 1), m.w = rand_f32((size_t)T * k, 0, 1);
+    m.base = rand_f32((size_t)T * D, -1, 1);
+    m.idx = malloc((size_t)T * k * 4);
+    for (int i = 0; i < T * k; i++) m.idx[i] = (int32_t)(ds_rng_next(&g_rng) % (uint64_t)E);
+    return m;
+}
+
+static void moe_inputs_free(moe_inputs *m) {
+    free(m->gu), free(m->dn), free(m->x), free(m->w), free(m->base), free(m->idx);
+}
+
 /* Routed experts against the CPU composed from its own kernels: per (token, slot) the expert's
  * gate and up rows (ds_matmul on BF16), the activation, the down projection, then the weighted
  * sum in slot order. */
@@ -44,12 +68,10 @@ static void check_moe_route(ds_cu *c, int T, int E, int k, int n_group, int topk
 static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, int situ, int gemm,
                                    int half) {
     const int e0 = half ? E / 2 : 0, El = E - e0;
-    uint16_t *gu = rand_bf16((size_t)E * 2 * I * D, -0.1f, 0.1f);
-    uint16_t *dn = rand_bf16((size_t)E * D * I, -0.1f, 0.1f);
-    float *x = rand_f32((size_t)T * D, -1, 1), *w = rand_f32((size_t)T * k, 0, 1);
-    float *base = rand_f32((size_t)T * D, -1, 1);
-    int32_t *idx = malloc((size_t)T * k * 4);
-    for (int i = 0; i < T * k; i++) idx[i] = (int32_t)(ds_rng_next(&g_rng) % (uint64_t)E);
+    moe_inputs in = moe_inputs_draw(T, k, E, D, I);
+    uint16_t *gu = in.gu, *dn = in.dn;
+    float *x = in.x, *w = in.w, *base = in.base;
+    int32_t *idx = in.idx;
     if (gemm == 2) /* skewed: most rows on one local expert (the per-expert GEMM fallback) */
         for (int i = 0; i < T * k; i += 3) idx[i] = e0;
     float *ref = malloc((size_t)T * D * 4), *got = malloc((size_t)T * D * 4);
@@ -106,19 +128,17 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
     report(what, rel_err(got, ref, 1, (size_t)T * D, (size_t)T * D), gemm ? 1e-2 : 1e-5);
     ds_cu_dealloc(dgu), ds_cu_dealloc(ddn), ds_cu_dealloc(dx), ds_cu_dealloc(dw);
     ds_cu_dealloc(dout), ds_cu_dealloc(didx);
-    free(gu), free(dn), free(x), free(w), free(base), free(idx), free(ref), free(got);
-    free(hgu), free(a), free(yr);
+    moe_inputs_free(&in);
+    free(ref), free(got), free(hgu), free(a), free(yr);
 }
 
 /* The cuBLAS path's gather from x rounded once (ds_cu_set_expert_x16) against its gather from the
  * f32 rows, on the same inputs (BF16 outputs, accumulate): the same words, so 0 differing. */
 static void check_moe_x16_words(ds_cu *c, int T, int k, int E, int D, int I) {
-    uint16_t *gu = rand_bf16((size_t)E * 2 * I * D, -0.1f, 0.1f);
-    uint16_t *dn = rand_bf16((size_t)E * D * I, -0.1f, 0.1f);
-    float *x = rand_f32((size_t)T * D, -1, 1), *w = rand_f32((size_t)T * k, 0, 1);
-    float *base = rand_f32((size_t)T * D, -1, 1);
-    int32_t *idx = malloc((size_t)T * k * 4);
-    for (int i = 0; i < T * k; i++) idx[i] = (int32_t)(ds_rng_next(&g_rng) % (uint64_t)E);
+    moe_inputs in = moe_inputs_draw(T, k, E, D, I);
+    uint16_t *gu = in.gu, *dn = in.dn;
+    float *x = in.x, *w = in.w, *base = in.base;
+    int32_t *idx = in.idx;
     float *got[2] = {malloc((size_t)T * D * 4), malloc((size_t)T * D * 4)};
     uint16_t *dgu = dev(c, gu, (size_t)E * 2 * I * D * 2), *ddn = dev(c, dn, (size_t)E * D * I * 2);
     float *dx = dev(c, x, (size_t)T * D * 4), *dw = dev(c, w, (size_t)T * k * 4);
@@ -143,7 +163,8 @@ static void check_moe_x16_words(ds_cu *c, int T, int k, int E, int D, int I) {
     report(what, (double)words_differ(got[1], got[0], (size_t)T * D), 0);
     ds_cu_dealloc(dgu), ds_cu_dealloc(ddn), ds_cu_dealloc(dx), ds_cu_dealloc(dw);
     ds_cu_dealloc(dout[0]), ds_cu_dealloc(dout[1]), ds_cu_dealloc(didx);
-    free(gu), free(dn), free(x), free(w), free(base), free(idx), free(got[0]), free(got[1]);
+    moe_inputs_free(&in);
+    free(got[0]), free(got[1]);
 }
 
 static void check_moe_experts(ds_cu *c, int T, int k, int E, int D, int I, int situ) {
