@@ -86,8 +86,9 @@ static double time_experts(cublasHandle_t h, cudaStream_t s, int m, int k, int E
         r += grouped ? (size_t)cnt[e] : (size_t)nmax;
     }
     cudaMemcpy(dp, hp, (size_t)3 * E * sizeof(void *), cudaMemcpyHostToDevice);
-    int ng = 0, *gn = (int *)malloc((size_t)E * 11 * sizeof(int)), *gs = gn + E, *gm = gn + 2 * E,
+    int ng = 0, *gn = (int *)malloc((size_t)E * 8 * sizeof(int)), *gs = gn + E, *gm = gn + 2 * E,
         *gk = gn + 3 * E;
+    /* (gk: K, also A's and B's leading dimension; gm: m, also C's) */
     float *al = (float *)(gn + 4 * E), *be = (float *)(gn + 5 * E);
     cublasOperation_t *ta = (cublasOperation_t *)(gn + 6 * E), *tb = ta + E;
     for (int i = 0; i < E; i++) {
@@ -96,14 +97,12 @@ static double time_experts(cublasHandle_t h, cudaStream_t s, int m, int k, int E
     }
     for (int g = 0; g < ng; g++)
         gm[g] = m, gk[g] = k, al[g] = 1.0f, be[g] = 0.0f, ta[g] = CUBLAS_OP_T, tb[g] = CUBLAS_OP_N;
-    int *ldc = gn + 8 * E; /* m's, as C's leading dimension */
-    for (int g = 0; g < ng; g++) ldc[g] = m;
     const float one = 1.0f, zero = 0.0f;
     const double best = best_ms(s, [&] {
         if (grouped)
             return cublasGemmGroupedBatchedEx(h, ta, tb, gm, gn, gk, al, (const void *const *)dp,
                                               CUDA_R_16BF, gk, (const void *const *)(dp + E),
-                                              CUDA_R_16BF, gk, be, dp + 2 * E, CUDA_R_16BF, ldc, ng,
+                                              CUDA_R_16BF, gk, be, dp + 2 * E, CUDA_R_16BF, gm, ng,
                                               gs, CUBLAS_COMPUTE_32F);
         return cublasGemmBatchedEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, nmax, k, &one,
                                    (const void *const *)dp, CUDA_R_16BF, k,
