@@ -72,10 +72,16 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_f8_rows(c, mode == 8 ? 0 : -1);
     ds_cu_set_f8_whole_k(c, mode == 9 ? 2 : 0);
     ds_cu_set_early_experts(c, mode == 10);
+    ds_cu_set_expert_gemm(c, mode == 11 || mode == 12);
+    ds_cu_set_f8_gemm_each(c, mode == 12);
+    const long runs0 = ds_cu_expert_gemm_runs(c);
     if (ds_cu_moe_experts_fp8(c, dout, dx, didx, dw, T, k, E - e0, e0, D, I, fx->dgc, fx->dgs,
                               fx->ddc, fx->dds, situ, 4.0f, 6.0f, 0, &err) ||
         ds_cu_sync(c, &err))
         DIE("%s", err.msg);
+    if ((mode == 11 || mode == 12) != (ds_cu_expert_gemm_runs(c) > runs0)) /* which path ran */
+        report(mode >= 11 ? "moe fp8: the cuBLASLt path ran" : "moe fp8: no cuBLASLt path", 1.0,
+               0.0);
     ds_cu_set_expert_mma(c, 0);
     ds_cu_set_expert_mma_min(c, 0);
     ds_cu_set_f8_prequant(c, 0);
@@ -85,6 +91,8 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_f8_rows(c, 0);
     ds_cu_set_f8_whole_k(c, 0);
     ds_cu_set_early_experts(c, 0);
+    ds_cu_set_expert_gemm(c, 0);
+    ds_cu_set_f8_gemm_each(c, 0);
     fetch(c, got, dout, (size_t)T * D * 4);
     ds_cu_dealloc(dx), ds_cu_dealloc(dw), ds_cu_dealloc(dout), ds_cu_dealloc(didx);
 }
@@ -100,7 +108,9 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
  * forced to 8 parts where the rule splits it (ds_cu_set_f8_split); 8: one token a warp a row
  * (ds_cu_set_f8_rows, batch invariance off: its own order of sums); 9: K whole from 2 tokens
  * (ds_cu_set_f8_whole_k); 10: one token's down pass reading its routing and first weights
- * before its wait (ds_cu_set_early_experts). half: this rank holds
+ * before its wait (ds_cu_set_early_experts); 11: a long step's experts on FP8 tensor cores through
+ * cuBLASLt (ds_cu_set_expert_gemm: >= 64 routed rows a local expert), pointer-array batches; 12:
+ * the same one call an expert (ds_cu_set_f8_gemm_each). half: this rank holds
  * experts [E/2, E) only. */
 static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ, int mode,
                           int half) {
@@ -133,12 +143,14 @@ static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ,
     char what[160];
     snprintf(what, sizeof what, "moe fp8 T=%d k=%d E=%d D=%d I=%d %s%s%s", T, k, E, D, I,
              situ ? "situ" : "swiglu",
-             mode == 3   ? " (K split to 1 step)"
-             : mode == 7 ? " (K in 8 parts)"
-             : mode == 1 ? " (tensor cores)"
-             : mode == 8 ? " (a warp a row)"
-             : mode == 9 ? " (K whole from 2 tokens)"
-                         : "",
+             mode == 3    ? " (K split to 1 step)"
+             : mode == 7  ? " (K in 8 parts)"
+             : mode == 1  ? " (tensor cores)"
+             : mode == 8  ? " (a warp a row)"
+             : mode == 9  ? " (K whole from 2 tokens)"
+             : mode == 11 ? " (cuBLASLt, batches)"
+             : mode == 12 ? " (cuBLASLt, an expert a call)"
+                          : "",
              half ? " (half the experts)" : "");
     report(what, rel_err(got, ref, 1, (size_t)T * D, (size_t)T * D), 1e-3);
     if ((mode == 0 || mode == 3 || mode == 7) && T > 1) { /* batch invariance: token 0 alone */
@@ -189,6 +201,14 @@ void checks_moe_fp8(ds_cu *c) {
     check_moe_fp8(c, 1, 8, 32, 2304, 1024, 0, 10, 0);
     check_moe_fp8(c, 1, 8, 32, 2304, 1024, 1, 10, 1);
     check_moe_fp8(c, 1, 7, 8, 512, 256, 0, 10, 1);
+    /* a long step through cuBLASLt (64 routed rows a local expert on average, so some experts
+     * fall in a second bucket): Kimi-Linear's widths, both activations, half the experts, and
+     * the tile kernel on the same shape beside it; then an expert a call */
+    check_moe_fp8(c, 128, 8, 16, 2304, 1024, 0, 11, 0);
+    check_moe_fp8(c, 128, 8, 32, 2304, 1024, 1, 11, 1);
+    check_moe_fp8(c, 128, 8, 16, 2304, 1024, 0, 1, 0);
+    check_moe_fp8(c, 300, 6, 16, 512, 384, 1, 11, 0);
+    check_moe_fp8(c, 300, 6, 16, 512, 384, 0, 12, 1);
 }
 
 /* ---- timings ----------------------------------------------------------------------------------

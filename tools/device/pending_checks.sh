@@ -108,6 +108,11 @@
 #      "1 3 4"), then the experts' gather from x rounded once (DS_CUDA_EXPERT_X16): the moe checks
 #      (the words against the plain gather) and prefill of 8192 tokens with it on and off, ROUNDS
 #      rounds. Written after session 45's device time: not yet run.
+#  27. (issue 32, session 46) ptpc_fp8's prefill, its routed experts on FP8 tensor cores through
+#      cuBLASLt (moe_fp8_gemm.cu): the moe fp8 checks (modes 11 and 12 against the CPU), then
+#      8192 tokens in BF16, ptpc_fp8 and ptpc_fp8 with DS_CUDA_EXPERT_GEMM=0 (the tile kernel, as
+#      before; session 21 measured 0.42x BF16's tok/s), then the eager per-op profile of
+#      ptpc_fp8's prompt.
 # STEPS: which of them (default "24 22": 22 has not run in its final form, 23 ran in session 41 on an
 # H100 without its BF16 decode runs and not on the H200; 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
 # 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
@@ -511,6 +516,21 @@ for r in $(seq "${ROUNDS:-2}"); do
       --batch-sizes 1 --json "$OUT/s26_x${x16}_$r.json" 2>&1 | grep -E "^prompt" | sed "s/^/[x16 $x16, $r] /"
   done
 done
+fi
+if want 27; then
+el "27. (issue 32, session 46) ptpc_fp8 prefill of 8192 tokens against BF16, then its profile"
+checks s27.log "moe fp8" | tee "$OUT/s27.rc"
+grep -E "cuBLASLt|FAIL" "$OUT/s27.log" | head -12
+for q in none ptpc_fp8 ptpc_fp8:0; do
+  g=1; [[ $q == *:0 ]] && g=0
+  DS_CUDA_EXPERT_GEMM=$g timeout 150 .devbin/deltaserve bench --model $SHAPE48 \
+    --load-format random --device cuda --prompt-tokens 8192 --reps 3 --decode-context 512 \
+    --decode-steps 4 --batch-sizes 1 $([ $q = none ] || echo "-q ${q%:*}") \
+    --json "$OUT/s27_${q/:/_}.json" 2>&1 | grep -E "^prompt" | sed "s/^/[$q] /"
+done
+PROMPT=8192 BATCHES=1 timeout 200 bash "$(dirname "$0")/profile48.sh" -q ptpc_fp8 > /dev/null 2>&1
+mv "$OUT/profile.txt" "$OUT/s27_profile_fp8.txt"
+head -60 "$OUT/s27_profile_fp8.txt"
 fi
 want 4 || want 5 || { el end; exit 0; }
 el "4. decode b1 / b32, BF16 then ptpc_fp8"

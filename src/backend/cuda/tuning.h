@@ -8,7 +8,8 @@
  *
  *   variable               kind   default  what it changes
  *   DS_CUDA_EXPERT_GEMM    F      1        prefill steps' routed experts (>= 64 rows a local
- *                                          expert on average) as cuBLAS tensor-core GEMMs
+ *                                          expert on average) as cuBLAS tensor-core GEMMs (FP8
+ *                                          experts: cuBLASLt's FP8 tensor cores)
  *   DS_CUDA_EXPERT_BF16_OUT N     2        those GEMMs write BF16: 2 both passes (gate/up's
  *                                          outputs rounded before the activation, each routed
  *                                          row's output before the weighted sum), 1 the down

@@ -265,6 +265,7 @@ extern "C" void ds_cu_free(ds_cu *c) {
     fp8_free(c);
     cudaFree(c->blas_ws);
     cudaFree(c->moeg);
+    cudaFree(c->moegi);
     cudaFree(c->drawb);
     cudaFree(c->mlag);
     cudaFree(c->kdac);

@@ -296,9 +296,17 @@ int ds_cu_moe_experts_fp8(ds_cu *c, float *out, const float *x, const int32_t *i
 /* Routed experts of steps with >= 64 routed rows per local expert on average (prefill) through
  * cuBLAS tensor-core GEMMs (pointer-array batches over padded per-expert panels, experts bucketed
  * by row count), activations rounded to BF16 (not with batch invariance, nor inside a graph
- * capture: the layout is read on the host). On in the engine
- * unless DS_CUDA_EXPERT_GEMM=0 (tests/cuda: check_moe_experts_gemm). */
+ * capture: the layout is read on the host); ptpc FP8 experts (ds_cu_moe_experts_fp8) likewise on
+ * FP8 tensor cores through cuBLASLt, their activations quantized per token. On in the engine
+ * unless DS_CUDA_EXPERT_GEMM=0 (tests/cuda: check_moe_experts_gemm, check_moe_fp8's mode 11). */
 void ds_cu_set_expert_gemm(ds_cu *c, int on);
+/* Those FP8 products as one cuBLASLt call an expert instead of a pointer-array batch a bucket
+ * (what runs where cuBLASLt has no pointer-array algorithm for FP8): 0 in a new context and in
+ * the engine; tests/cuda checks both. */
+void ds_cu_set_f8_gemm_each(ds_cu *c, int on);
+/* How many steps' routed experts (per layer) have run through those cuBLAS / cuBLASLt paths in
+ * this context: what a check reads to know which path ran. */
+long ds_cu_expert_gemm_runs(const ds_cu *c);
 /* Those GEMMs' down pass writing each routed row's output in BF16 instead of f32 (the combine
  * then reads half the bytes; each expert's output rounded to BF16 before the weighted sum), and
  * with on = 2 their gate/up pass too (rounded before the activation): 2 in the engine unless

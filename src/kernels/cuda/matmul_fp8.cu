@@ -247,21 +247,26 @@ extern "C" void fp8_free(ds_cu *c) {
     c->lt = NULL;
 }
 
+void *fp8_lt_handle(ds_cu *c) {
+    if (!c->lt) {
+        fp8_lt *l = (fp8_lt *)calloc(1, sizeof *l);
+        if (!l || cublasLtCreate(&l->h) != CUBLAS_STATUS_SUCCESS) {
+            free(l);
+            return NULL;
+        }
+        c->lt = l;
+    }
+    return (void *)((fp8_lt *)c->lt)->h;
+}
+
 static int fp8_gemm(ds_cu *c, float *y, int ldy, const uint8_t *xq, const float *st, int T,
                     const ds_cu_mat *w, int *done, ds_err *err) {
     *done = 0;
     const int N = w->rows, K = w->cols;
     /* FP8 tensor cores want 16-byte aligned operands and rows (else: the streaming kernel) */
     if ((uintptr_t)y % 16 || ldy % 4 || (uintptr_t)xq % 16) return DS_OK;
-    if (!c->lt) {
-        fp8_lt *l = (fp8_lt *)calloc(1, sizeof *l);
-        if (!l || cublasLtCreate(&l->h) != CUBLAS_STATUS_SUCCESS) {
-            free(l);
-            return DS_OK; /* no cuBLASLt: the streaming kernel */
-        }
-        c->lt = l;
-    }
-    cublasLtHandle_t h = ((fp8_lt *)c->lt)->h;
+    cublasLtHandle_t h = (cublasLtHandle_t)fp8_lt_handle(c);
+    if (!h) return DS_OK; /* no cuBLASLt: the streaming kernel */
     cublasLtMatmulDesc_t op = NULL;
     cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
     cublasLtMatmulPreference_t pref = NULL;

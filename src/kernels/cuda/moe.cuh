@@ -12,12 +12,48 @@ struct moe_act {
 
 enum { MMA_ROWS = 16, MMA_N = 256, MMA_KC = 256, MMA_XLD = MMA_KC + 8, MMA_OLD = MMA_N + 4 };
 
+/* A long step's expert GEMMs as a few pointer-array batches (moe_tensor.cu): moe_plan_make reads
+ * the layout start [E+1] back to the host (a synchronisation: never while a graph is being
+ * captured) and cuts the experts with rows into buckets; the caller fills ptrs, then
+ * moe_plan_send copies panel and ptrs to dpanel [E] and dptrs [6][E] and writes each routed row's
+ * slot [n_local] (its row in the panels); moe_inverse then makes inv [rows] (a routed row's slot,
+ * -1 for another rank's expert) for the combine. */
+enum { MOE_MAX_BUCKETS = 8 };
+struct moe_plan {
+    int32_t *order;    /* [n_act] host: the experts with rows, largest first (bucket order) */
+    int32_t *panel;    /* [E] host: expert e's first padded row */
+    const void **ptrs; /* [6][E] host (pinned): the batches' A, B, C of gate/up, then of down,
+                        * entry i for order[i] */
+    int bk_first[MOE_MAX_BUCKETS + 1]; /* bucket b: order[bk_first[b] .. bk_first[b + 1]) */
+    int bk_rows[MOE_MAX_BUCKETS];      /* ... each with a panel of bk_rows[b] rows */
+    int n_bk, n_act, n_local;          /* buckets, experts with rows, routed rows of this rank */
+    size_t pr;                         /* padded rows of all panels (at least 1) */
+};
+int moe_plan_make(ds_cu *c, const int32_t *start, int E, moe_plan *p, ds_err *err);
+int moe_plan_send(ds_cu *c, const moe_plan *p, int E, const int32_t *start, int32_t *dpanel,
+                  void **dptrs, int32_t *slot, ds_err *err);
+int moe_inverse(ds_cu *c, int32_t *inv, const int32_t *perm, const int32_t *slot, int rows,
+                int n_local, ds_err *err);
+
+/* Rows per local expert, on average, from which the cuBLAS paths win (BF16 and FP8): below it
+ * (decode of large batches: a few rows per expert) a cuBLAS call per expert costs more than the
+ * streaming kernel reading each expert once, and the host round trip keeps the step out of
+ * graphs. */
+enum { EXPERT_GEMM_MIN_PER = 64 };
+
 /* The routed experts of a step through cuBLAS (long steps: prefill), rows grouped by expert
  * (start [E+1], perm [T k]); never while a graph is being captured. */
 int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T, int k, int E,
                      int D, int I, const uint16_t *gate_up, const uint16_t *down, int situ,
                      float situ_beta, float situ_lin_beta, int accumulate, const int32_t *start,
                      const int32_t *perm, ds_err *err);
+/* The same for ptpc FP8 experts (moe_fp8_gemm.cu): codes [E][2I][D] and [E][D][I] with their
+ * row scales, on FP8 tensor cores through cuBLASLt; groups its rows itself. *done = 0 (nothing
+ * written) where cuBLASLt cannot run them: the caller's tile kernel then does. */
+int moe_f8_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, const int32_t *idx,
+                        int T, int k, int E, int e0, int D, int I, const uint8_t *gu_codes,
+                        const float *gu_scales, const uint8_t *dn_codes, const float *dn_scales,
+                        moe_act act, int accumulate, int *done, ds_err *err);
 /* The grouped experts' up and down passes on the streaming tensor-core kernels: h holds the BF16
  * rows (x [rows][D], then act [rows][I]), y [rows][D] the f32 outputs; ya blocks rows of experts.
  * Launch errors are the caller's to read. */

@@ -388,10 +388,6 @@ extern "C" void ds_cu_set_wide_early(ds_cu *c, int on) {
     c->wide_early = on;
 }
 
-/* Rows per local expert, on average, from which the tensor-core path wins: below it (decode of
- * large batches: a few rows per expert) a cuBLAS call per expert costs more than the streaming
- * kernel reading each expert once, and the host round trip keeps the step out of graphs. */
-enum { EXPERT_GEMM_MIN_PER = 64 };
 /* Tokens from which a step's grouped experts run on tensor cores (below, the weight stream bounds
  * the f32 kernel anyway, and its grid — 32 weight rows a block against 128 or 256 — balances
  * the fewer active experts better). 48B shape, steps with graphs on the H200: the f32 kernel was

@@ -402,6 +402,16 @@ extern "C" int ds_cu_moe_experts_fp8(ds_cu *c, float *out, const float *x, const
         return ds_errf(err, "cuda: moe fp8: widths %d and %d (multiples of 16 wanted)", D, I);
     if ((uintptr_t)gu_codes % 16 || (uintptr_t)dn_codes % 16)
         return ds_errf(err, "cuda: moe fp8: codes not 16-byte aligned");
+    const moe_act act = {1, situ, situ_beta, situ_lin_beta};
+    /* long steps (prefill): FP8 tensor cores through cuBLASLt, where it can run them */
+    if (T > 1 && c->expert_gemm && !c->batch_invariant && rows >= EXPERT_GEMM_MIN_PER * E &&
+        (uintptr_t)out % 16 == 0 && (uintptr_t)x % 16 == 0 && !capturing(c)) {
+        int done = 0;
+        if (moe_f8_experts_gemm(c, out, x, w, idx, T, k, E, e0, D, I, gu_codes, gu_scales, dn_codes,
+                                dn_scales, act, accumulate, &done, err))
+            return DS_ERR;
+        if (done) return DS_OK;
+    }
     const int n_chunks = rows >= 1024 ? (rows + MOE_GCHUNK - 1) / MOE_GCHUNK : 0;
     /* one token: the blocks quantize their routed rows themselves, unless f8_prequant asks for
      * the quantizers first (what that costs the experts: docs/quantization.md §3) */
@@ -432,7 +442,6 @@ extern "C" int ds_cu_moe_experts_fp8(ds_cu *c, float *out, const float *x, const
     CU_TRY(cudaGetLastError(), "moe fp8 group");
     ds_cu_prof_mark(c, "moe fp8 experts");
     const f8_w fw = {gu_codes, dn_codes, gu_scales, dn_scales};
-    const moe_act act = {1, situ, situ_beta, situ_lin_beta};
     if (tc)
         f8_tc(c, &b, x, rows, D, I, k, &fw, &g, act);
     else

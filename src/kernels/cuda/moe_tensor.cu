@@ -269,6 +269,10 @@ extern "C" void ds_cu_set_expert_bf16_out(ds_cu *c, int on) {
     c->expert_bf16_out = on;
 }
 
+extern "C" long ds_cu_expert_gemm_runs(const ds_cu *c) {
+    return c->expert_gemm_runs;
+}
+
 extern "C" void ds_cu_set_expert_x16(ds_cu *c, int on) {
     c->expert_x16 = on;
 }
@@ -367,8 +371,8 @@ __global__ void moe_combine_perm_k(float *out, const Y *y, const int32_t *inv, c
  * rows; its own rows first, the rest never read), and each bucket is one batched GEMM for
  * gate/up and one for down. Balanced routing is one bucket; skewed routing (random weights, or
  * a hot expert) a handful — where a cuBLAS call per expert was host-bound at E = 256 and one
- * padded batch would have padded every expert to the hottest. */
-enum { MOE_MAX_BUCKETS = 8 };
+ * padded batch would have padded every expert to the hottest. The FP8 experts' cuBLASLt path
+ * (moe_fp8_gemm.cu) runs on the same plan. */
 
 static int cmp_u64(const void *a, const void *b) {
     const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
@@ -422,11 +426,7 @@ static void moe_gather(ds_cu *c, __nv_bfloat16 *xg, __nv_bfloat16 *xr, const flo
     }
 }
 
-int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T, int k, int E,
-                     int D, int I, const uint16_t *gate_up, const uint16_t *down, int situ,
-                     float situ_beta, float situ_lin_beta, int accumulate, const int32_t *start,
-                     const int32_t *perm, ds_err *err) {
-    const int rows = T * k;
+int moe_plan_make(ds_cu *c, const int32_t *start, int E, moe_plan *p, ds_err *err) {
     /* host plan: start [E+1] | order [E] | panel [E] | then 6 pointer arrays [E] (A, B, C of
      * gate/up, then of down, in bucket order) | sort keys [E]. Pinned: the layout comes back and
      * the plan goes out as plain DMA while the host goes on (it is rewritten only after the next
@@ -441,18 +441,54 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
         CU_TRY(cudaMallocHost(&c->h_moeb, plan_bytes), "moe: plan buffer");
         c->h_moeb_bytes = plan_bytes;
     }
-    int32_t *hs = (int32_t *)c->h_moeb, *order = hs + E + 1, *panel = order + E;
-    const void **ptrs = (const void **)((char *)c->h_moeb + ptr_at);
+    int32_t *hs = (int32_t *)c->h_moeb;
+    p->order = hs + E + 1, p->panel = p->order + E;
+    p->ptrs = (const void **)((char *)c->h_moeb + ptr_at);
     uint64_t *keys = (uint64_t *)((char *)c->h_moeb + key_at);
     ds_cu_prof_mark(c, "moe gemm: layout to host");
     CU_TRY(cudaMemcpyAsync(hs, start, (size_t)(E + 1) * sizeof(int32_t), cudaMemcpyDeviceToHost,
                            c->stream),
            "moe: expert layout");
     CU_TRY(cudaStreamSynchronize(c->stream), "moe: expert layout");
-    const int n_local = hs[E]; /* rows of this rank's experts, the first of perm */
-    int bk_first[MOE_MAX_BUCKETS + 1], bk_rows[MOE_MAX_BUCKETS], n_act;
-    size_t pr; /* padded rows of all panels */
-    const int n_bk = moe_buckets(hs, E, keys, order, panel, bk_first, bk_rows, &n_act, &pr);
+    p->n_local = hs[E]; /* rows of this rank's experts, the first of perm */
+    p->n_bk =
+        moe_buckets(hs, E, keys, p->order, p->panel, p->bk_first, p->bk_rows, &p->n_act, &p->pr);
+    return DS_OK;
+}
+
+int moe_plan_send(ds_cu *c, const moe_plan *p, int E, const int32_t *start, int32_t *dpanel,
+                  void **dptrs, int32_t *slot, ds_err *err) {
+    CU_TRY(cudaMemcpyAsync(dpanel, p->panel, (size_t)E * 4, cudaMemcpyHostToDevice, c->stream),
+           "moe: panels");
+    CU_TRY(cudaMemcpyAsync(dptrs, p->ptrs, (size_t)6 * E * sizeof(void *), cudaMemcpyHostToDevice,
+                           c->stream),
+           "moe: panels");
+    launch_k(c, moe_slot_k, E, 256, 0, slot, start, (const int32_t *)dpanel);
+    CU_TRY(cudaGetLastError(), "moe: slots");
+    return DS_OK;
+}
+
+int moe_inverse(ds_cu *c, int32_t *inv, const int32_t *perm, const int32_t *slot, int rows,
+                int n_local, ds_err *err) {
+    CU_TRY(cudaMemsetAsync(inv, 0xff, (size_t)rows * sizeof(int32_t), c->stream), "moe inverse");
+    if (n_local > 0)
+        launch_k(c, moe_inverse_k, (n_local + 255) / 256, 256, 0, inv, perm, slot, n_local);
+    CU_TRY(cudaGetLastError(), "moe inverse");
+    return DS_OK;
+}
+
+int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T, int k, int E,
+                     int D, int I, const uint16_t *gate_up, const uint16_t *down, int situ,
+                     float situ_beta, float situ_lin_beta, int accumulate, const int32_t *start,
+                     const int32_t *perm, ds_err *err) {
+    const int rows = T * k;
+    moe_plan pl;
+    if (moe_plan_make(c, start, E, &pl, err)) return DS_ERR;
+    const int n_local = pl.n_local, n_bk = pl.n_bk;
+    const size_t pr = pl.pr; /* padded rows of all panels */
+    const int32_t *order = pl.order, *panel = pl.panel, *bk_first = pl.bk_first,
+                  *bk_rows = pl.bk_rows;
+    const void **ptrs = pl.ptrs;
     /* xg [pr][D] bf16 | ab [pr][I] bf16 | h [pr][2I] f32 (bf16 with expert_bf16_out 2) |
      * y [pr][D] f32 (bf16 with expert_bf16_out) | inv [rows] | slot [rows] | panel [E] |
      * pointer arrays [6][E] | xr [T][D] bf16 (with expert_x16: moe_gather) */
@@ -475,7 +511,7 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
     int32_t *inv = (int32_t *)b[4], *slot = (int32_t *)b[5], *dpanel = (int32_t *)b[6];
     void **dptrs = (void **)b[7];
     const size_t per_gu = (size_t)2 * I * D, per_dn = (size_t)D * I;
-    for (int i = 0; i < n_act; i++) { /* in bucket order */
+    for (int i = 0; i < pl.n_act; i++) { /* in bucket order */
         const int e = order[i];
         ptrs[i] = gate_up + (size_t)e * per_gu;
         ptrs[E + i] = xg + (size_t)panel[e] * D;
@@ -484,13 +520,8 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
         ptrs[4 * E + i] = ab + (size_t)panel[e] * I;
         ptrs[5 * E + i] = y + (size_t)panel[e] * D * ysz;
     }
-    CU_TRY(cudaMemcpyAsync(dpanel, panel, (size_t)E * 4, cudaMemcpyHostToDevice, c->stream),
-           "moe: panels");
-    CU_TRY(cudaMemcpyAsync(dptrs, ptrs, (size_t)6 * E * sizeof(void *), cudaMemcpyHostToDevice,
-                           c->stream),
-           "moe: panels");
     ds_cu_prof_mark(c, "moe gemm: gather x");
-    launch_k(c, moe_slot_k, E, 256, 0, slot, start, dpanel);
+    if (moe_plan_send(c, &pl, E, start, dpanel, dptrs, slot, err)) return DS_ERR;
     moe_gather(c, xg, (__nv_bfloat16 *)b[8], x, T, D, perm, slot, k, n_local);
     CU_TRY(cudaGetLastError(), "moe gather");
     const float one = 1.0f, zero = 0.0f;
@@ -528,10 +559,7 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
     }
     prof_gemm_close(c, prof, 2.0 * n_local * D * I);
     ds_cu_prof_mark(c, "moe gemm: combine");
-    CU_TRY(cudaMemsetAsync(inv, 0xff, (size_t)rows * sizeof(int32_t), c->stream), "moe inverse");
-    if (n_local > 0)
-        launch_k(c, moe_inverse_k, (n_local + 255) / 256, 256, 0, inv, perm, slot, n_local);
-    CU_TRY(cudaGetLastError(), "moe inverse");
+    if (moe_inverse(c, inv, perm, slot, rows, n_local, err)) return DS_ERR;
     if (ds_cu_side_join(c, err)) return DS_ERR; /* out: see ds_cu_moe_experts */
     if (y16)
         launch_k(c, moe_combine_perm_k<__nv_bfloat16>, (unsigned)T, 256, 0, out,
@@ -540,5 +568,6 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
         launch_k(c, moe_combine_perm_k<float>, (unsigned)T, 256, 0, out, (const float *)y, inv, w,
                  k, D, accumulate);
     CU_TRY(cudaGetLastError(), "moe combine (gemm)");
+    c->expert_gemm_runs++;
     return DS_OK;
 }

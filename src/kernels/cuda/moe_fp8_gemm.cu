@@ -1,0 +1,278 @@
+/* moe_fp8_gemm.cu — a long step's (prefill's) routed experts held as ptpc FP8, on FP8 tensor cores
+ * through cuBLASLt: the same plan as the BF16 experts' cuBLAS path (moe_tensor.cu: experts cut
+ * into buckets by row count, each expert a panel of its bucket's rows), the routed rows quantized
+ * per token as they are gathered into the panels, each bucket one pointer-array batch of
+ * E4M3 x E4M3 products with f32 sums, and the scales applied after, in the order the CPU and the
+ * tile kernel (moe_fp8.cu) apply them: gate/up (sum * s_t) * s_r, the activation in f32, its row
+ * quantized per token and expert, down (sum * s_a) * s_r inside the combine. The results differ
+ * from the tile kernel's only in the order of the sums (every product of two E4M3 values is exact
+ * in f32). Without a pointer-array algorithm for FP8 (a cuBLASLt that has none), one call an
+ * expert from the same plan. */
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fp8_stream.cuh"
+#include "kernels/cuda/moe.cuh"
+#include "kernels/shared/quant.h"
+
+#include <cublasLt.h>
+
+/* Routed row i (blockIdx.x, perm order) of this rank: x row perm[i] / k quantized into its panel
+ * row slot[i] of xq [pr][D] (E4M3 codes, the products' B operand) with its scale xs[slot[i]] —
+ * the activations' quantizer of moe_fp8.cu (the same codes). D % 4 == 0, x 16-byte aligned. */
+__global__ void __launch_bounds__(256)
+    moe_f8g_gather_k(uint8_t *xq, float *xs, const float *x, int D, const int32_t *perm,
+                     const int32_t *slot, int k) {
+    PDL_ENTRY();
+    const int i = blockIdx.x, r = slot[i];
+    const float4 *xr = (const float4 *)(x + (size_t)(perm[i] / k) * D);
+    float amax = 0.0f;
+    for (int c4 = threadIdx.x; c4 < D / 4; c4 += blockDim.x) {
+        const float4 v = xr[c4];
+        amax = fmaxf(fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y))), fmaxf(fabsf(v.z), fabsf(v.w)));
+    }
+    amax = block_max(amax);
+    const float st = ds_ptpc_scale(amax), inv = 1.0f / st;
+    if (threadIdx.x == 0) xs[r] = st;
+    uint32_t *dst = (uint32_t *)(xq + (size_t)r * D);
+    for (int c4 = threadIdx.x; c4 < D / 4; c4 += blockDim.x) {
+        const float4 v = xr[c4];
+        dst[c4] = (uint32_t)f8_code(v.x * inv) | (uint32_t)f8_code(v.y * inv) << 8 |
+                  (uint32_t)f8_code(v.z * inv) << 16 | (uint32_t)f8_code(v.w * inv) << 24;
+    }
+}
+
+/* Routed row i (blockIdx.x) of expert e (start[e] <= i < start[e + 1]) at panel row r = slot[i]:
+ * gate and up from the sums h [pr][2I] as (sum * xs[r]) * gs[e][n], the activation in f32, the
+ * row quantized into aq [pr][I] (codes) and as[r]. I % 4 == 0; shared memory I floats. */
+__global__ void __launch_bounds__(256)
+    moe_f8g_act_k(uint8_t *aq, float *as, const float *h, const float *xs, const float *gs,
+                  const int32_t *start, int E, const int32_t *slot, int I, moe_act act) {
+    PDL_ENTRY();
+    extern __shared__ float4 av4[]; /* [I / 4] the row's activations */
+    const int i = blockIdx.x, r = slot[i];
+    int lo = 0, hi = E; /* the last e with start[e] <= i: experts without rows share its start */
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (start[mid] <= i)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    const float st = xs[r];
+    const float4 *g4 = (const float4 *)(h + (size_t)r * 2 * I), *u4 = g4 + I / 4;
+    const float4 *sg4 = (const float4 *)(gs + (size_t)lo * 2 * I), *su4 = sg4 + I / 4;
+    float amax = 0.0f;
+    for (int c4 = threadIdx.x; c4 < I / 4; c4 += blockDim.x) {
+        const float4 g = g4[c4], u = u4[c4], sg = sg4[c4], su = su4[c4];
+        const float4 v = make_float4(
+            act_pair((g.x * st) * sg.x, (u.x * st) * su.x, act.situ, act.beta, act.lin_beta),
+            act_pair((g.y * st) * sg.y, (u.y * st) * su.y, act.situ, act.beta, act.lin_beta),
+            act_pair((g.z * st) * sg.z, (u.z * st) * su.z, act.situ, act.beta, act.lin_beta),
+            act_pair((g.w * st) * sg.w, (u.w * st) * su.w, act.situ, act.beta, act.lin_beta));
+        av4[c4] = v;
+        amax = fmaxf(fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y))), fmaxf(fabsf(v.z), fabsf(v.w)));
+    }
+    amax = block_max(amax); /* (its barriers also order av4) */
+    const float sa = ds_ptpc_scale(amax), inv = 1.0f / sa;
+    if (threadIdx.x == 0) as[r] = sa;
+    uint32_t *dst = (uint32_t *)(aq + (size_t)r * I);
+    for (int c4 = threadIdx.x; c4 < I / 4; c4 += blockDim.x) {
+        const float4 v = av4[c4];
+        dst[c4] = (uint32_t)f8_code(v.x * inv) | (uint32_t)f8_code(v.y * inv) << 8 |
+                  (uint32_t)f8_code(v.z * inv) << 16 | (uint32_t)f8_code(v.w * inv) << 24;
+    }
+}
+
+/* out[t] (+)= sum_j w[t][j] ((y[r][d] * as[r]) * ds[e][d]) over slots j in order, r = inv[t k + j]
+ * (< 0: another rank's expert), e = idx[t k + j] - e0; token t = blockIdx.x. The tile path's down
+ * outputs and moe_combine_k's sum, the same operations. D % 4 == 0. */
+__global__ void moe_f8g_combine_k(float *out, const float *y, const float *as, const float *ds,
+                                  const int32_t *inv, const int32_t *idx, int e0, const float *w,
+                                  int k, int D, int accumulate) {
+    PDL_ENTRY();
+    const size_t t = blockIdx.x;
+    float4 *o = (float4 *)(out + t * D);
+    for (int d4 = threadIdx.x; d4 < D / 4; d4 += blockDim.x) {
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int j = 0; j < k; j++) {
+            const int32_t r = inv[t * k + j];
+            if (r < 0) continue;
+            const float wj = w[t * k + j], sa = as[r];
+            const float4 v = ((const float4 *)(y + (size_t)r * D))[d4];
+            const float4 sd = ((const float4 *)(ds + (size_t)(idx[t * k + j] - e0) * D))[d4];
+            acc.x += wj * ((v.x * sa) * sd.x), acc.y += wj * ((v.y * sa) * sd.y);
+            acc.z += wj * ((v.z * sa) * sd.z), acc.w += wj * ((v.w * sa) * sd.w);
+        }
+        if (accumulate) {
+            const float4 p = o[d4];
+            acc = make_float4(p.x + acc.x, p.y + acc.y, p.z + acc.z, p.w + acc.w);
+        }
+        o[d4] = acc;
+    }
+}
+
+/* One bucket's products: for its cnt experts i, C_i [n][N] f32 = B_i [n][K] codes . A_i [N][K]
+ * codes^T — column-major, A_i K x N transposed and B_i K x n (the TN layout FP8 wants), unit
+ * scales. dp: the device's pointer arrays at this bucket (A at dp[0], B at dp[E], C at dp[2E]),
+ * hp the host's. *done = 0 where cuBLASLt has no algorithm at all (the caller's fallback). */
+static int f8g_products(ds_cu *c, cublasLtHandle_t h, int N, int n, int K, int cnt, void *const *dp,
+                        const void *const *hp, int E, int *done, ds_err *err) {
+    const cublasOperation_t tA = CUBLAS_OP_T, tB = CUBLAS_OP_N;
+    const int8_t fast = 0; /* f32 accumulation throughout (the CPU's sums) */
+    const uint32_t ptr_mode = CUBLASLT_BATCH_MODE_POINTER_ARRAY;
+    const int32_t batch = cnt;
+    void *ws = c->on_side ? c->blas_ws_side : c->blas_ws;
+    const size_t ws_bytes = (size_t)32 << 20; /* context.cu's cuBLAS workspace, same stream */
+    const float one = 1.0f, zero = 0.0f;
+    cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+    *done = 0;
+    /* pass 0: one pointer-array batch; pass 1 (no such algorithm): one call an expert */
+    for (int pass = c->f8_gemm_each ? 1 : 0; pass < 2 && !*done && st == CUBLAS_STATUS_SUCCESS;
+         pass++) {
+        cublasLtMatmulDesc_t op = NULL;
+        cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
+        cublasLtMatmulPreference_t pref = NULL;
+        cublasLtMatmulHeuristicResult_t res;
+        int found = 0, ok = 0;
+        if (cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == 0 &&
+            cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &tA, sizeof tA) == 0 &&
+            cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tB, sizeof tB) == 0 &&
+            cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast,
+                                           sizeof fast) == 0 &&
+            cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, K, N, K) == 0 &&
+            cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, K, n, K) == 0 &&
+            cublasLtMatrixLayoutCreate(&ld, CUDA_R_32F, N, n, N) == 0)
+            ok = 1;
+        cublasLtMatrixLayout_t lay[3] = {la, lb, ld};
+        for (int m = 0; m < 3 && ok && pass == 0; m++)
+            ok = cublasLtMatrixLayoutSetAttribute(lay[m], CUBLASLT_MATRIX_LAYOUT_BATCH_MODE,
+                                                  &ptr_mode, sizeof ptr_mode) == 0 &&
+                 cublasLtMatrixLayoutSetAttribute(lay[m], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                  &batch, sizeof batch) == 0;
+        if (ok && cublasLtMatmulPreferenceCreate(&pref) == 0 &&
+            cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                 &ws_bytes, sizeof ws_bytes) == 0 &&
+            cublasLtMatmulAlgoGetHeuristic(h, op, la, lb, ld, ld, pref, 1, &res, &found) == 0 &&
+            found > 0) {
+            if (pass == 0)
+                st = cublasLtMatmul(h, op, &one, (const void *)dp, la, (const void *)(dp + E), lb,
+                                    &zero, (const void *)(dp + 2 * E), ld, (void *)(dp + 2 * E), ld,
+                                    &res.algo, ws, ws_bytes, c->stream);
+            else
+                for (int i = 0; i < cnt && st == CUBLAS_STATUS_SUCCESS; i++)
+                    st = cublasLtMatmul(h, op, &one, hp[i], la, hp[E + i], lb, &zero, hp[2 * E + i],
+                                        ld, (void *)hp[2 * E + i], ld, &res.algo, ws, ws_bytes,
+                                        c->stream);
+            if (st == CUBLAS_STATUS_SUCCESS) *done = 1;
+        }
+        if (pref) cublasLtMatmulPreferenceDestroy(pref);
+        if (ld) cublasLtMatrixLayoutDestroy(ld);
+        if (lb) cublasLtMatrixLayoutDestroy(lb);
+        if (la) cublasLtMatrixLayoutDestroy(la);
+        if (op) cublasLtMatmulDescDestroy(op);
+    }
+    if (st != CUBLAS_STATUS_SUCCESS)
+        return ds_errf(err, "cublasLt: moe fp8 %d x %d x %d (%d experts): status %d", N, n, K, cnt,
+                       (int)st);
+    return DS_OK;
+}
+
+int moe_f8_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, const int32_t *idx,
+                        int T, int k, int E, int e0, int D, int I, const uint8_t *gu_codes,
+                        const float *gu_scales, const uint8_t *dn_codes, const float *dn_scales,
+                        moe_act act, int accumulate, int *done, ds_err *err) {
+    *done = 0;
+    cublasLtHandle_t h = (cublasLtHandle_t)fp8_lt_handle(c);
+    if (!h) return DS_OK; /* no cuBLASLt: the tile kernel */
+    const int rows = T * k;
+    const int n_chunks = rows >= 1024 ? (rows + MOE_GCHUNK - 1) / MOE_GCHUNK : 0;
+    /* the layout first (its own scratch, so that the tile path's stays untouched if this one
+     * declines): start [E+1], perm [rows], active [E], n [1], hist [n_chunks][E], inv [rows],
+     * slot [rows], panel [E] */
+    const size_t ni = (size_t)E + 1 + rows + E + 1 + (size_t)n_chunks * E;
+    const size_t isz[4] = {ni * 4, (size_t)rows * 4, (size_t)rows * 4, (size_t)E * 4};
+    void *ib[4];
+    if (carve_scratch(c, &c->moegi, &c->moegi_bytes, isz, ib, 4, "moe fp8 gemm layout", err))
+        return DS_ERR;
+    int32_t *start = (int32_t *)ib[0], *perm = start + E + 1, *active = perm + rows;
+    int32_t *n_active = active + E, *hist = n_active + 1;
+    int32_t *inv = (int32_t *)ib[1], *slot = (int32_t *)ib[2], *dpanel = (int32_t *)ib[3];
+    ds_cu_prof_mark(c, "moe group");
+    moe_group_rows(c, idx, rows, e0, E, n_chunks, start, perm, active, n_active, hist);
+    CU_TRY(cudaGetLastError(), "moe fp8 gemm: group");
+    moe_plan pl;
+    if (moe_plan_make(c, start, E, &pl, err)) return DS_ERR;
+    const size_t pr = pl.pr;
+    /* xq [pr][D] codes | xs [pr] | h [pr][2I] f32 sums | aq [pr][I] codes | as [pr] |
+     * y [pr][D] f32 sums | pointer arrays [6][E] */
+    const size_t sz[7] = {
+        pr * D, pr * 4, pr * 2 * I * 4, pr * I, pr * 4, pr * D * 4, (size_t)6 * E * sizeof(void *)};
+    void *b[7];
+    if (carve_scratch(c, &c->moeg, &c->moeg_bytes, sz, b, 7, "moe fp8 gemm scratch", err))
+        return DS_ERR;
+    uint8_t *xq = (uint8_t *)b[0], *aq = (uint8_t *)b[3];
+    float *xs = (float *)b[1], *hb = (float *)b[2], *as = (float *)b[4], *y = (float *)b[5];
+    void **dptrs = (void **)b[6];
+    const size_t per_gu = (size_t)2 * I * D, per_dn = (size_t)D * I;
+    for (int i = 0; i < pl.n_act; i++) { /* in bucket order */
+        const int e = pl.order[i];
+        const size_t p0 = (size_t)pl.panel[e];
+        pl.ptrs[i] = gu_codes + (size_t)e * per_gu;
+        pl.ptrs[E + i] = xq + p0 * D;
+        pl.ptrs[2 * E + i] = hb + p0 * 2 * I;
+        pl.ptrs[3 * E + i] = dn_codes + (size_t)e * per_dn;
+        pl.ptrs[4 * E + i] = aq + p0 * I;
+        pl.ptrs[5 * E + i] = y + p0 * D;
+    }
+    ds_cu_prof_mark(c, "moe gemm: gather x");
+    if (moe_plan_send(c, &pl, E, start, dpanel, dptrs, slot, err)) return DS_ERR;
+    if (pl.n_local > 0)
+        launch_k(c, moe_f8g_gather_k, (unsigned)pl.n_local, 256, 0, xq, xs, x, D,
+                 (const int32_t *)perm, (const int32_t *)slot, k);
+    CU_TRY(cudaGetLastError(), "moe fp8 gemm: gather");
+    ds_cu_prof_mark(c, "moe gemm: gate/up");
+    /* FLOPs counted for the routed rows only (not the panels' padding) */
+    const char *prof = prof_gemm_open(c);
+    for (int bk = 0; bk < pl.n_bk && pl.n_local > 0; bk++) {
+        const int i0 = pl.bk_first[bk], cnt = pl.bk_first[bk + 1] - i0;
+        if (f8g_products(c, h, 2 * I, pl.bk_rows[bk], D, cnt, dptrs + i0, pl.ptrs + i0, E, done,
+                         err))
+            return DS_ERR;
+        if (!*done) { /* no algorithm: the tile kernel redoes the experts from x */
+            prof_gemm_close(c, prof, 0.0);
+            return DS_OK;
+        }
+    }
+    prof_gemm_close(c, prof, 2.0 * pl.n_local * 2 * I * D);
+    ds_cu_prof_mark(c, "moe gemm: act");
+    if (pl.n_local > 0)
+        launch_k(c, moe_f8g_act_k, (unsigned)pl.n_local, 256, (size_t)I * sizeof(float), aq, as,
+                 (const float *)hb, (const float *)xs, gu_scales, (const int32_t *)start, E,
+                 (const int32_t *)slot, I, act);
+    CU_TRY(cudaGetLastError(), "moe fp8 gemm: act");
+    ds_cu_prof_mark(c, "moe gemm: down");
+    prof = prof_gemm_open(c);
+    for (int bk = 0; bk < pl.n_bk && pl.n_local > 0; bk++) {
+        const int i0 = pl.bk_first[bk], cnt = pl.bk_first[bk + 1] - i0;
+        if (f8g_products(c, h, D, pl.bk_rows[bk], I, cnt, dptrs + 3 * E + i0, pl.ptrs + 3 * E + i0,
+                         E, done, err))
+            return DS_ERR;
+        if (!*done) { /* likewise */
+            prof_gemm_close(c, prof, 0.0);
+            return DS_OK;
+        }
+    }
+    prof_gemm_close(c, prof, 2.0 * pl.n_local * D * I);
+    ds_cu_prof_mark(c, "moe gemm: combine");
+    if (moe_inverse(c, inv, perm, slot, rows, pl.n_local, err)) return DS_ERR;
+    if (ds_cu_side_join(c, err)) return DS_ERR; /* out: see ds_cu_moe_experts */
+    launch_k(c, moe_f8g_combine_k, (unsigned)T, 256, 0, out, (const float *)y, (const float *)as,
+             dn_scales, (const int32_t *)inv, idx, e0, w, k, D, accumulate);
+    CU_TRY(cudaGetLastError(), "moe fp8 gemm: combine");
+    *done = 1;
+    c->expert_gemm_runs++;
+    return DS_OK;
+}
+
+extern "C" void ds_cu_set_f8_gemm_each(ds_cu *c, int on) {
+    c->f8_gemm_each = on;
+}
