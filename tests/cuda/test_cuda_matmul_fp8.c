@@ -123,7 +123,8 @@ static void mm8_mode(ds_cu *c, float *out, float *dy, int ldy, const float *dx, 
                      const ds_cu_mat *m, int mode, int waves) {
     ds_err err = {{0}};
     poison(c, dy, (size_t)T * ldy * 4);
-    ds_cu_set_batch_invariant(c, mode >= 1);
+    ds_cu_set_batch_invariant(c, mode >= 1 && mode != 7);
+    ds_cu_set_f8_lt_unit(c, mode == 7);
     ds_cu_set_f8_split_min(c, mode == 2);
     ds_cu_set_f8_split(c, mode == 3 ? 8 : mode == 4 ? 1 : 0);
     ds_cu_set_f8_gemv_waves(c, waves);
@@ -131,6 +132,7 @@ static void mm8_mode(ds_cu *c, float *out, float *dy, int ldy, const float *dx, 
     ds_cu_set_f8_whole_k(c, mode == 6 ? 2 : 0);
     if (ds_cu_matmul(c, dy, ldy, dx, ldx, T, m, &err) || ds_cu_sync(c, &err)) DIE("%s", err.msg);
     ds_cu_set_batch_invariant(c, 0);
+    ds_cu_set_f8_lt_unit(c, 0);
     ds_cu_set_f8_split_min(c, 0);
     ds_cu_set_f8_split(c, 0);
     ds_cu_set_f8_gemv_waves(c, 0);
@@ -142,7 +144,9 @@ static void mm8_mode(ds_cu *c, float *out, float *dy, int ldy, const float *dx, 
 /* y = x W^T with W FP8 against a float64 sum of the dequantized terms (the CPU's activation codes
  * and scales: exactly the GPU's) and against the CPU's ds_matmul. mode 0: the default choice
  * (streamed up to 2 rows, tensor cores above); 1: batch invariance (always streamed); 2: the same
- * with K split down to one step a warp (ds_cu_set_f8_split_min). */
+ * with K split down to one step a warp (ds_cu_set_f8_split_min); 7: tensor cores with unit scales
+ * and the scales' own pass (ds_cu_set_f8_lt_unit; mode 0 gives cuBLASLt the scales where it has
+ * an algorithm for them). */
 static void check_matmul_fp8(ds_cu *c, int T, int N, int K, int pad, int mode, double tol) {
     const int ldx = K + pad, ldy = N + pad;
     float *x = rand_f32((size_t)T * ldx, -2, 2);
@@ -170,13 +174,20 @@ static void check_matmul_fp8(ds_cu *c, int T, int N, int K, int pad, int mode, d
     uint8_t *dq = dev(c, q, (size_t)N * K);
     float *dsr = dev(c, sr, (size_t)N * 4);
     ds_cu_mat m = {(const uint16_t *)dq, N, K, DS_CU_FP8, dsr, NULL, 0};
+    const long vec0 = ds_cu_f8_lt_vec_runs(c);
     mm8_mode(c, got, dy, ldy, dx, ldx, T, &m, mode, 0);
+    const long vec = ds_cu_f8_lt_vec_runs(c) - vec0;
     char what[128];
+    if (mode == 7 && vec) report("matmul fp8: unit scales asked, cuBLASLt scaled", 1.0, 0.0);
+    if (mode == 0 && T > 2)
+        printf("matmul fp8 T=%d N=%d K=%d: scales applied by %s\n", T, N, K,
+               vec ? "cuBLASLt (outer vectors)" : "their own pass");
     const char *form = mode == 2   ? " (invariant, K split to 1 step)"
                        : mode == 3 ? " (invariant, K in 8 parts)"
                        : mode == 4 ? " (invariant, K whole)"
                        : mode == 5 ? " (a warp a row)"
                        : mode == 6 ? " (K whole from 2 tokens)"
+                       : mode == 7 ? " (unit scales, then their pass)"
                        : mode      ? " (invariant)"
                                    : "";
     snprintf(what, sizeof what, "matmul fp8 T=%d N=%d K=%d%s%s: vs float64", T, N, K,
@@ -185,7 +196,8 @@ static void check_matmul_fp8(ds_cu *c, int T, int N, int K, int pad, int mode, d
     snprintf(what, sizeof what, "matmul fp8 T=%d N=%d K=%d%s%s: vs the CPU", T, N, K,
              pad ? " (strided)" : "", form);
     report(what, rel_err(got, cpu, (size_t)T, (size_t)N, (size_t)ldy), tol);
-    if ((T <= 8 || mode) && mode != 5) { /* more blocks, each fewer tiles: the same bits */
+    if ((T <= 8 || mode) && mode != 5 &&
+        mode != 7) { /* more blocks, each fewer tiles: the same bits */
         float *rg = malloc((size_t)T * ldy * 4);
         mm8_mode(c, rg, dy, ldy, dx, ldx, T, &m, mode, 4);
         size_t bad = 0;
@@ -245,6 +257,7 @@ void checks_matmul_fp8(ds_cu *c) {
          * not N = 333): cuBLASLt's FP8 accumulation, measured at 1.1e-4 */
         check_matmul_fp8(c, T, 333, 2304, 0, 0, 1e-5);
         check_matmul_fp8(c, T, 96, 1024, 8, 0, T > 2 ? 1e-3 : 1e-5);
+        if (T > 2) check_matmul_fp8(c, T, 96, 1024, 8, 7, 1e-3);
         check_matmul_fp8(c, T, 77, 200, 3, 0, 1e-5); /* K % 16 != 0: the one-code kernel */
         check_matmul_fp8(c, T, 333, 2304, 0, 1, 1e-5);
         check_matmul_fp8(c, T, 333, 2304, 0, 2, 1e-5);

@@ -112,7 +112,8 @@
 #      cuBLASLt (moe_fp8_gemm.cu): the moe fp8 checks (modes 11 and 12 against the CPU), then
 #      8192 tokens in BF16, ptpc_fp8 and ptpc_fp8 with DS_CUDA_EXPERT_GEMM=0 (the tile kernel, as
 #      before; session 21 measured 0.42x BF16's tok/s), then the eager per-op profile of
-#      ptpc_fp8's prompt.
+#      ptpc_fp8's prompt. The dense FP8 products' scales as cuBLASLt's outer-vector scales (no
+#      second pass over y) where it has them: the matmul fp8 checks say which form ran.
 # STEPS: which of them (default "24 22": 22 has not run in its final form, 23 ran in session 41 on an
 # H100 without its BF16 decode runs and not on the H200; 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
 # 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
@@ -519,8 +520,8 @@ done
 fi
 if want 27; then
 el "27. (issue 32, session 46) ptpc_fp8 prefill of 8192 tokens against BF16, then its profile"
-checks s27.log "moe fp8" | tee "$OUT/s27.rc"
-grep -E "cuBLASLt|FAIL" "$OUT/s27.log" | head -12
+checks s27.log "moe fp8,matmul fp8" | tee "$OUT/s27.rc"
+grep -E "cuBLASLt|FAIL|scales applied" "$OUT/s27.log" | head -24
 for q in none ptpc_fp8 ptpc_fp8:0; do
   g=1; [[ $q == *:0 ]] && g=0
   DS_CUDA_EXPERT_GEMM=$g timeout 150 .devbin/deltaserve bench --model $SHAPE48 \

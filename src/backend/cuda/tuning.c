@@ -54,7 +54,7 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
      * expert's output rounded to BF16 before the weighted sum, gate/up's before the activation:
      * bench/RESULTS.md session 44) */
     t->expert_bf16_out = env_count("DS_CUDA_EXPERT_BF16_OUT", 2); /* 1: the down pass alone */
-    t->expert_x16 = env_flag("DS_CUDA_EXPERT_X16", 0);
+    t->expert_x16 = env_flag("DS_CUDA_EXPERT_X16", 1);
     t->expert_mma = env_flag("DS_CUDA_EXPERT_MMA", 1);
     t->expert_tc = env_flag("DS_CUDA_EXPERT_TC", 1);
     /* tuning knobs (0: the kernels' defaults) */
@@ -78,7 +78,7 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     /* 3 (wgmma, two warpgroups a block): a prompt of 8192 tokens 3% faster than on mma.sync at
      * the 48B shape, the kernel's error as close to the CPU's (bench/RESULTS.md session 45);
      * devices before sm_90 run mode 1 */
-    t->mla_flash = env_count("DS_CUDA_MLA_FLASH", 3);
+    t->mla_flash = env_count("DS_CUDA_MLA_FLASH", 4);
     t->early_experts = env_flag("DS_CUDA_EARLY_EXPERTS", 1);
     t->wide_early = env_flag("DS_CUDA_WIDE_EARLY", 1);
     t->gemv_wide = env_flag("DS_CUDA_GEMV_WIDE", 1);

@@ -14,8 +14,8 @@
  *                                          outputs rounded before the activation, each routed
  *                                          row's output before the weighted sum), 1 the down
  *                                          pass alone, 0 neither (f32)
- *   DS_CUDA_EXPERT_X16     F      0        those GEMMs gather their rows from x rounded to BF16
- *                                          once (the same words; not yet timed)
+ *   DS_CUDA_EXPERT_X16     F      1        those GEMMs gather their rows from x rounded to BF16
+ *                                          once (the same words)
  *   DS_CUDA_EXPERT_MMA     F      1        grouped routed experts of steps of >= 40 tokens on BF16
  *                                          tensor cores, on the device (capturable)
  *   DS_CUDA_EXPERT_TC      F      1        those through the mma.sync kernel that streams the
@@ -28,7 +28,7 @@
  *                                          activations' quantizer wrote first, instead of each
  *                                          block quantizing its tokens (what that costs)
  *   DS_CUDA_MLA_GEMM       F      1        expanded MLA of >= 128 query rows through cuBLAS
- *   DS_CUDA_MLA_FLASH      N      3        ... and for Kimi's head shape as one flash kernel
+ *   DS_CUDA_MLA_FLASH      N      4        ... and for Kimi's head shape as one flash kernel
  *                                          (1 on mma.sync, 2 on wgmma, 3 on wgmma with two
  *                                          warpgroups a block, 4 that pipelined, 0 off)
  *   DS_CUDA_EARLY_EXPERTS  F      1        the experts' down pass (BF16; FP8 at one token) reads

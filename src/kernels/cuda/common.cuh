@@ -37,6 +37,8 @@ struct ds_cu {
     int expert_x16;      /* ... gathering routed rows from x rounded once (ds_cu_set_expert_x16) */
     int f8_gemm_each;    /* ... FP8 experts one cuBLASLt call each (ds_cu_set_f8_gemm_each) */
     long expert_gemm_runs; /* ... calls those paths completed (ds_cu_expert_gemm_runs) */
+    int f8_lt_unit;        /* FP8 products on cuBLASLt with unit scales (ds_cu_set_f8_lt_unit) */
+    long f8_lt_vec_runs;   /* ... products it scaled itself (ds_cu_f8_lt_vec_runs) */
     int expert_mma;        /* grouped experts of batches on tensor cores (ds_cu_set_expert_mma) */
     int expert_tc;         /* ...through the streaming tensor-core kernel (ds_cu_set_expert_tc) */
     int mma_min_tokens;    /* ...from this many tokens a step (ds_cu_set_expert_mma_min; 0: 40) */

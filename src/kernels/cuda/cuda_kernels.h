@@ -307,6 +307,12 @@ void ds_cu_set_f8_gemm_each(ds_cu *c, int on);
 /* How many steps' routed experts (per layer) have run through those cuBLAS / cuBLASLt paths in
  * this context: what a check reads to know which path ran. */
 long ds_cu_expert_gemm_runs(const ds_cu *c);
+/* ptpc FP8 products on cuBLASLt (T > 2 tokens) take their row and token scales as cuBLASLt's
+ * outer-vector scales where it has an algorithm for them, else (and with on = 1, for comparisons)
+ * run with unit scales and apply them in a second pass over y. 0 in a new context and in the
+ * engine. ds_cu_f8_lt_vec_runs: how many products cuBLASLt scaled itself in this context. */
+void ds_cu_set_f8_lt_unit(ds_cu *c, int on);
+long ds_cu_f8_lt_vec_runs(const ds_cu *c);
 /* Those GEMMs' down pass writing each routed row's output in BF16 instead of f32 (the combine
  * then reads half the bytes; each expert's output rounded to BF16 before the weighted sum), and
  * with on = 2 their gate/up pass too (rounded before the activation): 2 in the engine unless

@@ -4,10 +4,10 @@
  * per token as they are gathered into the panels, each bucket one pointer-array batch of
  * E4M3 x E4M3 products with f32 sums, and the scales applied after, in the order the CPU and the
  * tile kernel (moe_fp8.cu) apply them: gate/up (sum * s_t) * s_r, the activation in f32, its row
- * quantized per token and expert, down (sum * s_a) * s_r inside the combine. The results differ
- * from the tile kernel's only in the order of the sums (every product of two E4M3 values is exact
- * in f32). Without a pointer-array algorithm for FP8 (a cuBLASLt that has none), one call an
- * expert from the same plan. */
+ * quantized per token and expert, down (sum * s_a) * s_r inside the combine. The tensor cores'
+ * FP8 sums are not exact f32 (docs/quantization.md §3: what that costs against the CPU). Without a
+ * pointer-array algorithm for FP8 (a cuBLASLt that has none), one call an expert from the same
+ * plan. */
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fp8_stream.cuh"
 #include "kernels/cuda/moe.cuh"
