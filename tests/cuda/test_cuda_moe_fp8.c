@@ -72,14 +72,15 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_f8_rows(c, mode == 8 ? 0 : -1);
     ds_cu_set_f8_whole_k(c, mode == 9 ? 2 : 0);
     ds_cu_set_early_experts(c, mode == 10);
-    ds_cu_set_expert_gemm(c, mode == 11 || mode == 12);
+    ds_cu_set_expert_gemm(c, mode >= 11 && mode <= 13);
     ds_cu_set_f8_gemm_each(c, mode == 12);
+    ds_cu_set_expert_bf16_out(c, mode == 13 ? 2 : 0);
     const long runs0 = ds_cu_expert_gemm_runs(c);
     if (ds_cu_moe_experts_fp8(c, dout, dx, didx, dw, T, k, E - e0, e0, D, I, fx->dgc, fx->dgs,
                               fx->ddc, fx->dds, situ, 4.0f, 6.0f, 0, &err) ||
         ds_cu_sync(c, &err))
         DIE("%s", err.msg);
-    if ((mode == 11 || mode == 12) != (ds_cu_expert_gemm_runs(c) > runs0)) /* which path ran */
+    if ((mode >= 11 && mode <= 13) != (ds_cu_expert_gemm_runs(c) > runs0)) /* which path ran */
         report(mode >= 11 ? "moe fp8: the cuBLASLt path ran" : "moe fp8: no cuBLASLt path", 1.0,
                0.0);
     ds_cu_set_expert_mma(c, 0);
@@ -93,6 +94,7 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_early_experts(c, 0);
     ds_cu_set_expert_gemm(c, 0);
     ds_cu_set_f8_gemm_each(c, 0);
+    ds_cu_set_expert_bf16_out(c, 0);
     fetch(c, got, dout, (size_t)T * D * 4);
     ds_cu_dealloc(dx), ds_cu_dealloc(dw), ds_cu_dealloc(dout), ds_cu_dealloc(didx);
 }
@@ -110,7 +112,8 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
  * (ds_cu_set_f8_whole_k); 10: one token's down pass reading its routing and first weights
  * before its wait (ds_cu_set_early_experts); 11: a long step's experts on FP8 tensor cores through
  * cuBLASLt (ds_cu_set_expert_gemm: >= 64 routed rows a local expert), pointer-array batches; 12:
- * the same one call an expert (ds_cu_set_f8_gemm_each). half: this rank holds
+ * the same one call an expert (ds_cu_set_f8_gemm_each); 13: mode 11 with both passes' sums
+ * written in BF16 (ds_cu_set_expert_bf16_out 2, the engine's default). half: this rank holds
  * experts [E/2, E) only. */
 static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ, int mode,
                           int half) {
@@ -150,6 +153,7 @@ static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ,
              : mode == 9  ? " (K whole from 2 tokens)"
              : mode == 11 ? " (cuBLASLt, batches)"
              : mode == 12 ? " (cuBLASLt, an expert a call)"
+             : mode == 13 ? " (cuBLASLt, BF16 sums)"
                           : "",
              half ? " (half the experts)" : "");
     /* cuBLASLt's FP8 accumulation (1.1e-4 on a product, test_cuda_matmul_fp8.c) moves some of
@@ -211,6 +215,8 @@ void checks_moe_fp8(ds_cu *c) {
     check_moe_fp8(c, 128, 8, 16, 2304, 1024, 0, 1, 0);
     check_moe_fp8(c, 300, 6, 16, 512, 384, 1, 11, 0);
     check_moe_fp8(c, 300, 6, 16, 512, 384, 0, 12, 1);
+    check_moe_fp8(c, 128, 8, 16, 2304, 1024, 0, 13, 0);
+    check_moe_fp8(c, 300, 6, 16, 512, 384, 1, 13, 1);
 }
 
 /* ---- timings ----------------------------------------------------------------------------------

@@ -522,9 +522,10 @@ if want 27; then
 el "27. (issue 32, session 46) ptpc_fp8 prefill of 8192 tokens against BF16, then its profile"
 checks s27.log "moe fp8,matmul fp8" | tee "$OUT/s27.rc"
 grep -E "cuBLASLt|FAIL|scales applied" "$OUT/s27.log" | head -24
-for q in none ptpc_fp8 ptpc_fp8:0; do
+for q in none ptpc_fp8 ptpc_fp8:0 ptpc_fp8:f32; do
   g=1; [[ $q == *:0 ]] && g=0
-  DS_CUDA_EXPERT_GEMM=$g timeout 150 .devbin/deltaserve bench --model $SHAPE48 \
+  o=2; [[ $q == *:f32 ]] && o=0
+  DS_CUDA_EXPERT_BF16_OUT=$o DS_CUDA_EXPERT_GEMM=$g timeout 150 .devbin/deltaserve bench --model $SHAPE48 \
     --load-format random --device cuda --prompt-tokens 8192 --reps 3 --decode-context 512 \
     --decode-steps 4 --batch-sizes 1 $([ $q = none ] || echo "-q ${q%:*}") \
     --json "$OUT/s27_${q/:/_}.json" 2>&1 | grep -E "^prompt" | sed "s/^/[$q] /"

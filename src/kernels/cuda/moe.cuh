@@ -10,6 +10,17 @@ struct moe_act {
     float beta, lin_beta;
 };
 
+/* four of a row's values (element i, a multiple of 4) from f32 or BF16 outputs */
+static __device__ __forceinline__ float4 load4(const float *y, size_t i) {
+    return *(const float4 *)(y + i);
+}
+static __device__ __forceinline__ float4 load4(const __nv_bfloat16 *y, size_t i) {
+    const uint2 u = *(const uint2 *)(y + i);
+    const float2 a = __bfloat1622float2(*(const __nv_bfloat162 *)&u.x),
+                 b = __bfloat1622float2(*(const __nv_bfloat162 *)&u.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+
 enum { MMA_ROWS = 16, MMA_N = 256, MMA_KC = 256, MMA_XLD = MMA_KC + 8, MMA_OLD = MMA_N + 4 };
 
 /* A long step's expert GEMMs as a few pointer-array batches (moe_tensor.cu): moe_plan_make reads

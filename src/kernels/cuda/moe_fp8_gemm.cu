@@ -41,10 +41,12 @@ __global__ void __launch_bounds__(256)
 }
 
 /* Routed row i (blockIdx.x) of expert e (start[e] <= i < start[e + 1]) at panel row r = slot[i]:
- * gate and up from the sums h [pr][2I] as (sum * xs[r]) * gs[e][n], the activation in f32, the
- * row quantized into aq [pr][I] (codes) and as[r]. I % 4 == 0; shared memory I floats. */
+ * gate and up from the sums h [pr][2I] (f32, or BF16: ds_cu_set_expert_bf16_out 2) as
+ * (sum * xs[r]) * gs[e][n], the activation in f32, the row quantized into aq [pr][I] (codes) and
+ * as[r]. I % 4 == 0; shared memory I floats. */
+template <typename H>
 __global__ void __launch_bounds__(256)
-    moe_f8g_act_k(uint8_t *aq, float *as, const float *h, const float *xs, const float *gs,
+    moe_f8g_act_k(uint8_t *aq, float *as, const H *h, const float *xs, const float *gs,
                   const int32_t *start, int E, const int32_t *slot, int I, moe_act act) {
     PDL_ENTRY();
     extern __shared__ float4 av4[]; /* [I / 4] the row's activations */
@@ -58,11 +60,12 @@ __global__ void __launch_bounds__(256)
             hi = mid;
     }
     const float st = xs[r];
-    const float4 *g4 = (const float4 *)(h + (size_t)r * 2 * I), *u4 = g4 + I / 4;
+    const size_t hg = (size_t)r * 2 * I; /* the row's gate sums; up's I after */
     const float4 *sg4 = (const float4 *)(gs + (size_t)lo * 2 * I), *su4 = sg4 + I / 4;
     float amax = 0.0f;
     for (int c4 = threadIdx.x; c4 < I / 4; c4 += blockDim.x) {
-        const float4 g = g4[c4], u = u4[c4], sg = sg4[c4], su = su4[c4];
+        const float4 g = load4(h, hg + 4 * c4), u = load4(h, hg + I + 4 * c4), sg = sg4[c4],
+                     su = su4[c4];
         const float4 v = make_float4(
             act_pair((g.x * st) * sg.x, (u.x * st) * su.x, act.situ, act.beta, act.lin_beta),
             act_pair((g.y * st) * sg.y, (u.y * st) * su.y, act.situ, act.beta, act.lin_beta),
@@ -83,9 +86,11 @@ __global__ void __launch_bounds__(256)
 }
 
 /* out[t] (+)= sum_j w[t][j] ((y[r][d] * as[r]) * ds[e][d]) over slots j in order, r = inv[t k + j]
- * (< 0: another rank's expert), e = idx[t k + j] - e0; token t = blockIdx.x. The tile path's down
- * outputs and moe_combine_k's sum, the same operations. D % 4 == 0. */
-__global__ void moe_f8g_combine_k(float *out, const float *y, const float *as, const float *ds,
+ * (< 0: another rank's expert), e = idx[t k + j] - e0; token t = blockIdx.x; y f32 or BF16
+ * (ds_cu_set_expert_bf16_out). The tile path's down outputs and moe_combine_k's sum, the same
+ * operations. D % 4 == 0. */
+template <typename Y>
+__global__ void moe_f8g_combine_k(float *out, const Y *y, const float *as, const float *ds,
                                   const int32_t *inv, const int32_t *idx, int e0, const float *w,
                                   int k, int D, int accumulate) {
     PDL_ENTRY();
@@ -97,7 +102,7 @@ __global__ void moe_f8g_combine_k(float *out, const float *y, const float *as, c
             const int32_t r = inv[t * k + j];
             if (r < 0) continue;
             const float wj = w[t * k + j], sa = as[r];
-            const float4 v = ((const float4 *)(y + (size_t)r * D))[d4];
+            const float4 v = load4(y, (size_t)r * D + 4 * (size_t)d4);
             const float4 sd = ((const float4 *)(ds + (size_t)(idx[t * k + j] - e0) * D))[d4];
             acc.x += wj * ((v.x * sa) * sd.x), acc.y += wj * ((v.y * sa) * sd.y);
             acc.z += wj * ((v.z * sa) * sd.z), acc.w += wj * ((v.w * sa) * sd.w);
@@ -110,12 +115,13 @@ __global__ void moe_f8g_combine_k(float *out, const float *y, const float *as, c
     }
 }
 
-/* One bucket's products: for its cnt experts i, C_i [n][N] f32 = B_i [n][K] codes . A_i [N][K]
- * codes^T — column-major, A_i K x N transposed and B_i K x n (the TN layout FP8 wants), unit
- * scales. dp: the device's pointer arrays at this bucket (A at dp[0], B at dp[E], C at dp[2E]),
- * hp the host's. *done = 0 where cuBLASLt has no algorithm at all (the caller's fallback). */
-static int f8g_products(ds_cu *c, cublasLtHandle_t h, int N, int n, int K, int cnt, void *const *dp,
-                        const void *const *hp, int E, int *done, ds_err *err) {
+/* One bucket's products: for its cnt experts i, C_i [n][N] (f32, or BF16 with c16) = B_i [n][K]
+ * codes . A_i [N][K] codes^T — column-major, A_i K x N transposed and B_i K x n (the TN layout FP8
+ * wants), unit scales. dp: the device's pointer arrays at this bucket (A at dp[0], B at dp[E], C at
+ * dp[2E]), hp the host's. *done = 0 where cuBLASLt has no algorithm at all (the caller's fallback).
+ */
+static int f8g_products(ds_cu *c, cublasLtHandle_t h, int N, int n, int K, int cnt, int c16,
+                        void *const *dp, const void *const *hp, int E, int *done, ds_err *err) {
     const cublasOperation_t tA = CUBLAS_OP_T, tB = CUBLAS_OP_N;
     const int8_t fast = 0; /* f32 accumulation throughout (the CPU's sums) */
     const uint32_t ptr_mode = CUBLASLT_BATCH_MODE_POINTER_ARRAY;
@@ -140,7 +146,7 @@ static int f8g_products(ds_cu *c, cublasLtHandle_t h, int N, int n, int K, int c
                                            sizeof fast) == 0 &&
             cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, K, N, K) == 0 &&
             cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, K, n, K) == 0 &&
-            cublasLtMatrixLayoutCreate(&ld, CUDA_R_32F, N, n, N) == 0)
+            cublasLtMatrixLayoutCreate(&ld, c16 ? CUDA_R_16BF : CUDA_R_32F, N, n, N) == 0)
             ok = 1;
         cublasLtMatrixLayout_t lay[3] = {la, lb, ld};
         for (int m = 0; m < 3 && ok && pass == 0; m++)
@@ -202,15 +208,24 @@ int moe_f8_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, co
     moe_plan pl;
     if (moe_plan_make(c, start, E, &pl, err)) return DS_ERR;
     const size_t pr = pl.pr;
-    /* xq [pr][D] codes | xs [pr] | h [pr][2I] f32 sums | aq [pr][I] codes | as [pr] |
-     * y [pr][D] f32 sums | pointer arrays [6][E] */
-    const size_t sz[7] = {
-        pr * D, pr * 4, pr * 2 * I * 4, pr * I, pr * 4, pr * D * 4, (size_t)6 * E * sizeof(void *)};
+    /* xq [pr][D] codes | xs [pr] | h [pr][2I] sums, f32 (BF16 with expert_bf16_out 2) | aq [pr][I]
+     * codes | as [pr] | y [pr][D] sums, f32 (BF16 with expert_bf16_out) | pointer arrays [6][E]:
+     * BF16 sums as the BF16 experts' GEMMs write theirs (moe_tensor.cu) */
+    const int y16 = c->expert_bf16_out > 0, h16 = c->expert_bf16_out > 1;
+    const size_t hsz = h16 ? 2 : 4, ysz = y16 ? 2 : 4; /* their elements' bytes */
+    const size_t sz[7] = {pr * D,
+                          pr * 4,
+                          pr * 2 * I * hsz,
+                          pr * I,
+                          pr * 4,
+                          pr * D * ysz,
+                          (size_t)6 * E * sizeof(void *)};
     void *b[7];
     if (carve_scratch(c, &c->moeg, &c->moeg_bytes, sz, b, 7, "moe fp8 gemm scratch", err))
         return DS_ERR;
     uint8_t *xq = (uint8_t *)b[0], *aq = (uint8_t *)b[3];
-    float *xs = (float *)b[1], *hb = (float *)b[2], *as = (float *)b[4], *y = (float *)b[5];
+    float *xs = (float *)b[1], *as = (float *)b[4];
+    char *hb = (char *)b[2], *y = (char *)b[5];
     void **dptrs = (void **)b[6];
     const size_t per_gu = (size_t)2 * I * D, per_dn = (size_t)D * I;
     for (int i = 0; i < pl.n_act; i++) { /* in bucket order */
@@ -218,10 +233,10 @@ int moe_f8_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, co
         const size_t p0 = (size_t)pl.panel[e];
         pl.ptrs[i] = gu_codes + (size_t)e * per_gu;
         pl.ptrs[E + i] = xq + p0 * D;
-        pl.ptrs[2 * E + i] = hb + p0 * 2 * I;
+        pl.ptrs[2 * E + i] = hb + p0 * 2 * I * hsz;
         pl.ptrs[3 * E + i] = dn_codes + (size_t)e * per_dn;
         pl.ptrs[4 * E + i] = aq + p0 * I;
-        pl.ptrs[5 * E + i] = y + p0 * D;
+        pl.ptrs[5 * E + i] = y + p0 * D * ysz;
     }
     ds_cu_prof_mark(c, "moe gemm: gather x");
     if (moe_plan_send(c, &pl, E, start, dpanel, dptrs, slot, err)) return DS_ERR;
@@ -234,8 +249,8 @@ int moe_f8_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, co
     const char *prof = prof_gemm_open(c);
     for (int bk = 0; bk < pl.n_bk && pl.n_local > 0; bk++) {
         const int i0 = pl.bk_first[bk], cnt = pl.bk_first[bk + 1] - i0;
-        if (f8g_products(c, h, 2 * I, pl.bk_rows[bk], D, cnt, dptrs + i0, pl.ptrs + i0, E, done,
-                         err))
+        if (f8g_products(c, h, 2 * I, pl.bk_rows[bk], D, cnt, h16, dptrs + i0, pl.ptrs + i0, E,
+                         done, err))
             return DS_ERR;
         if (!*done) { /* no algorithm: the tile kernel redoes the experts from x */
             prof_gemm_close(c, prof, 0.0);
@@ -244,17 +259,21 @@ int moe_f8_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, co
     }
     prof_gemm_close(c, prof, 2.0 * pl.n_local * 2 * I * D);
     ds_cu_prof_mark(c, "moe gemm: act");
-    if (pl.n_local > 0)
-        launch_k(c, moe_f8g_act_k, (unsigned)pl.n_local, 256, (size_t)I * sizeof(float), aq, as,
-                 (const float *)hb, (const float *)xs, gu_scales, (const int32_t *)start, E,
+    if (pl.n_local > 0 && h16)
+        launch_k(c, moe_f8g_act_k<__nv_bfloat16>, (unsigned)pl.n_local, 256,
+                 (size_t)I * sizeof(float), aq, as, (const __nv_bfloat16 *)hb, (const float *)xs,
+                 gu_scales, (const int32_t *)start, E, (const int32_t *)slot, I, act);
+    else if (pl.n_local > 0)
+        launch_k(c, moe_f8g_act_k<float>, (unsigned)pl.n_local, 256, (size_t)I * sizeof(float), aq,
+                 as, (const float *)hb, (const float *)xs, gu_scales, (const int32_t *)start, E,
                  (const int32_t *)slot, I, act);
     CU_TRY(cudaGetLastError(), "moe fp8 gemm: act");
     ds_cu_prof_mark(c, "moe gemm: down");
     prof = prof_gemm_open(c);
     for (int bk = 0; bk < pl.n_bk && pl.n_local > 0; bk++) {
         const int i0 = pl.bk_first[bk], cnt = pl.bk_first[bk + 1] - i0;
-        if (f8g_products(c, h, D, pl.bk_rows[bk], I, cnt, dptrs + 3 * E + i0, pl.ptrs + 3 * E + i0,
-                         E, done, err))
+        if (f8g_products(c, h, D, pl.bk_rows[bk], I, cnt, y16, dptrs + 3 * E + i0,
+                         pl.ptrs + 3 * E + i0, E, done, err))
             return DS_ERR;
         if (!*done) { /* likewise */
             prof_gemm_close(c, prof, 0.0);
@@ -265,8 +284,13 @@ int moe_f8_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, co
     ds_cu_prof_mark(c, "moe gemm: combine");
     if (moe_inverse(c, inv, perm, slot, rows, pl.n_local, err)) return DS_ERR;
     if (ds_cu_side_join(c, err)) return DS_ERR; /* out: see ds_cu_moe_experts */
-    launch_k(c, moe_f8g_combine_k, (unsigned)T, 256, 0, out, (const float *)y, (const float *)as,
-             dn_scales, (const int32_t *)inv, idx, e0, w, k, D, accumulate);
+    if (y16)
+        launch_k(c, moe_f8g_combine_k<__nv_bfloat16>, (unsigned)T, 256, 0, out,
+                 (const __nv_bfloat16 *)y, (const float *)as, dn_scales, (const int32_t *)inv, idx,
+                 e0, w, k, D, accumulate);
+    else
+        launch_k(c, moe_f8g_combine_k<float>, (unsigned)T, 256, 0, out, (const float *)y,
+                 (const float *)as, dn_scales, (const int32_t *)inv, idx, e0, w, k, D, accumulate);
     CU_TRY(cudaGetLastError(), "moe fp8 gemm: combine");
     *done = 1;
     c->expert_gemm_runs++;

@@ -310,17 +310,6 @@ __global__ void moe_slot_k(int32_t *slot, const int32_t *start, const int32_t *p
     for (int i = r0 + threadIdx.x; i < r1; i += blockDim.x) slot[i] = panel[e] + (i - r0);
 }
 
-/* four of a row's values from f32 or BF16 outputs */
-static __device__ __forceinline__ float4 load4(const float *y, size_t i) {
-    return *(const float4 *)(y + i);
-}
-static __device__ __forceinline__ float4 load4(const __nv_bfloat16 *y, size_t i) {
-    const uint2 u = *(const uint2 *)(y + i);
-    const float2 a = __bfloat1622float2(*(const __nv_bfloat162 *)&u.x),
-                 b = __bfloat1622float2(*(const __nv_bfloat162 *)&u.y);
-    return make_float4(a.x, a.y, b.x, b.y);
-}
-
 /* ab[i][c] = bf16(act(h[i][c], h[i][I + c])), row i = blockIdx.x; H f32 or BF16
  * (ds_cu_set_expert_bf16_out 2) */
 template <typename H>
