@@ -180,8 +180,9 @@ static void check_matmul_fp8(ds_cu *c, int T, int N, int K, int pad, int mode, d
     char what[128];
     if (mode == 7 && vec) report("matmul fp8: unit scales asked, cuBLASLt scaled", 1.0, 0.0);
     if (mode == 0 && T > 2)
-        printf("matmul fp8 T=%d N=%d K=%d: scales applied by %s\n", T, N, K,
-               vec ? "cuBLASLt (outer vectors)" : "their own pass");
+        printf("matmul fp8 T=%d N=%d K=%d: scales %s\n", T, N, K,
+               vec ? "applied by cuBLASLt (outer vectors)"
+                   : "not by cuBLASLt (their own pass, or the streaming kernel)");
     const char *form = mode == 2   ? " (invariant, K split to 1 step)"
                        : mode == 3 ? " (invariant, K in 8 parts)"
                        : mode == 4 ? " (invariant, K whole)"

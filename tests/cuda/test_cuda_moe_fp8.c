@@ -112,9 +112,9 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
  * (ds_cu_set_f8_whole_k); 10: one token's down pass reading its routing and first weights
  * before its wait (ds_cu_set_early_experts); 11: a long step's experts on FP8 tensor cores through
  * cuBLASLt (ds_cu_set_expert_gemm: >= 64 routed rows a local expert), pointer-array batches; 12:
- * the same one call an expert (ds_cu_set_f8_gemm_each); 13: mode 11 with both passes' sums
- * written in BF16 (ds_cu_set_expert_bf16_out 2, the engine's default). half: this rank holds
- * experts [E/2, E) only. */
+ * the same one call an expert (ds_cu_set_f8_gemm_each); 13: mode 11 with the down pass's sums
+ * written in BF16 (ds_cu_set_expert_bf16_out 2, the engine's default; gate/up's stay f32). half:
+ * this rank holds experts [E/2, E) only. */
 static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ, int mode,
                           int half) {
     const int e0 = half ? E / 2 : 0;

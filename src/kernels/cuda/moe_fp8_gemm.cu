@@ -208,10 +208,12 @@ int moe_f8_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, co
     moe_plan pl;
     if (moe_plan_make(c, start, E, &pl, err)) return DS_ERR;
     const size_t pr = pl.pr;
-    /* xq [pr][D] codes | xs [pr] | h [pr][2I] sums, f32 (BF16 with expert_bf16_out 2) | aq [pr][I]
-     * codes | as [pr] | y [pr][D] sums, f32 (BF16 with expert_bf16_out) | pointer arrays [6][E]:
-     * BF16 sums as the BF16 experts' GEMMs write theirs (moe_tensor.cu) */
-    const int y16 = c->expert_bf16_out > 0, h16 = c->expert_bf16_out > 1;
+    /* xq [pr][D] codes | xs [pr] | h [pr][2I] f32 sums | aq [pr][I] codes | as [pr] | y [pr][D]
+     * sums, f32 (BF16 with expert_bf16_out, as the BF16 experts' GEMMs write theirs) | pointer
+     * arrays [6][E]. Gate/up's sums stay f32 whatever expert_bf16_out says: the activation's codes
+     * are made from them, and BF16 sums moved one code in ~30 a rounding (1.5e-2 off the CPU's
+     * experts at random weights against 3e-3; bench/RESULTS.md session 46) */
+    const int y16 = c->expert_bf16_out > 0, h16 = 0;
     const size_t hsz = h16 ? 2 : 4, ysz = y16 ? 2 : 4; /* their elements' bytes */
     const size_t sz[7] = {pr * D,
                           pr * 4,
