@@ -316,7 +316,7 @@ long ds_cu_f8_lt_vec_runs(const ds_cu *c);
 /* Those GEMMs' down pass writing each routed row's output in BF16 instead of f32 (the combine
  * then reads half the bytes; each expert's output rounded to BF16 before the weighted sum), and
  * with on = 2 their gate/up pass too (rounded before the activation); the FP8 experts' cuBLASLt
- * sums likewise (rounded before their scales): 2 in the engine unless
+ * down sums likewise for on >= 1 (rounded before their scales; their gate/up sums stay f32): 2 in the engine unless
  * DS_CUDA_EXPERT_BF16_OUT says otherwise (its accuracy: bench/RESULTS.md session 44); 0 in a new
  * context. */
 void ds_cu_set_expert_bf16_out(ds_cu *c, int on);
