@@ -6,10 +6,10 @@
  * (kernels/cpu/matmul_quant.c) only in their order; both then apply (sum * s_t) * s_r. */
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fp8_rows.cuh"
+#include "kernels/cuda/fp8_lt.cuh"
 #include "kernels/cuda/fp8_stream.cuh"
 #include "kernels/shared/quant.h"
 
-#include <cublasLt.h>
 #include <cuda_fp8.h>
 
 /* Activations: s[t] and codes xq [T][ldq] (columns [K, ldq) zero) for the tensor cores, or with
@@ -267,59 +267,37 @@ static int fp8_gemm(ds_cu *c, float *y, int ldy, const uint8_t *xq, const float 
     if ((uintptr_t)y % 16 || ldy % 4 || (uintptr_t)xq % 16) return DS_OK;
     cublasLtHandle_t h = (cublasLtHandle_t)fp8_lt_handle(c);
     if (!h) return DS_OK; /* no cuBLASLt: the streaming kernel */
-    const cublasOperation_t tA = CUBLAS_OP_T, tB = CUBLAS_OP_N;
-    const int8_t fast = 0;
     const int32_t vec = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
     const void *sa = w->scale, *sb = st;
-    void *ws = c->on_side ? c->blas_ws_side : c->blas_ws;
-    const size_t ws_bytes = (size_t)32 << 20; /* context.cu's cuBLAS workspace, same stream */
     cublasStatus_t st_run = CUBLAS_STATUS_SUCCESS;
     int scaled = 0; /* the scales applied by cuBLASLt itself */
     /* pass 0: the row and token scales as cuBLASLt's outer-vector scales (applied as it writes
      * y: no second pass over it); pass 1 (no such algorithm, or f8_lt_unit): unit scales, then
      * fp8_scale_k */
     for (int pass = c->f8_lt_unit ? 1 : 0; pass < 2 && !*done; pass++) {
-        cublasLtMatmulDesc_t op = NULL;
-        cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
-        cublasLtMatmulPreference_t pref = NULL;
+        f8_lt_op o;
         cublasLtMatmulHeuristicResult_t res;
-        int found = 0, ok = 0;
-        if (cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == 0 &&
-            cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &tA, sizeof tA) == 0 &&
-            cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tB, sizeof tB) == 0 &&
-            cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast,
-                                           sizeof fast) == 0 &&
-            (pass == 1 || (cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
-                                                          &vec, sizeof vec) == 0 &&
-                           cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
-                                                          &vec, sizeof vec) == 0 &&
-                           cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                                                          &sa, sizeof sa) == 0 &&
-                           cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                                                          &sb, sizeof sb) == 0)) &&
-            cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, K, N, K) == 0 &&
-            cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, K, T, K) == 0 &&
-            cublasLtMatrixLayoutCreate(&ld, CUDA_R_32F, N, T, ldy) == 0 &&
-            cublasLtMatmulPreferenceCreate(&pref) == 0 &&
-            cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                 &ws_bytes, sizeof ws_bytes) == 0 &&
-            cublasLtMatmulAlgoGetHeuristic(h, op, la, lb, ld, ld, pref, 1, &res, &found) == 0 &&
-            found > 0)
-            ok = 1;
+        const int ok = f8_lt_make(&o, N, T, K, ldy, CUDA_R_32F) &&
+                       (pass == 1 ||
+                        (cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                                                        &vec, sizeof vec) == 0 &&
+                         cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+                                                        &vec, sizeof vec) == 0 &&
+                         cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                        &sa, sizeof sa) == 0 &&
+                         cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                        &sb, sizeof sb) == 0)) &&
+                       f8_lt_algo(h, &o, &res);
         if (ok) {
             const float one = 1.0f, zero = 0.0f;
             const char *prof = prof_gemm_open(c);
-            st_run = cublasLtMatmul(h, op, &one, w->data, la, xq, lb, &zero, y, ld, y, ld,
-                                    &res.algo, ws, ws_bytes, c->stream);
+            st_run = cublasLtMatmul(h, o.op, &one, w->data, o.la, xq, o.lb, &zero, y, o.ld, y, o.ld,
+                                    &res.algo, f8_lt_ws(c), F8_LT_WS, c->stream);
             prof_gemm_close(c, prof, 2.0 * N * K * T);
             /* (an algorithm the heuristic offers but the call refuses: the next pass) */
             if (st_run == CUBLAS_STATUS_SUCCESS) *done = 1, scaled = pass == 0;
         }
-        if (pref) cublasLtMatmulPreferenceDestroy(pref);
-        if (ld) cublasLtMatrixLayoutDestroy(ld);
-        if (lb) cublasLtMatrixLayoutDestroy(lb);
-        if (la) cublasLtMatrixLayoutDestroy(la);
-        if (op) cublasLtMatmulDescDestroy(op);
+        f8_lt_free(&o);
         if (ok && st_run != CUBLAS_STATUS_SUCCESS && st_run != CUBLAS_STATUS_NOT_SUPPORTED &&
             st_run != CUBLAS_STATUS_INVALID_VALUE)
             return ds_errf(err, "cublasLt: matmul fp8 %d x %d x %d: status %d", N, T, K,

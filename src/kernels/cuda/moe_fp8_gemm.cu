@@ -9,11 +9,31 @@
  * pointer-array algorithm for FP8 (a cuBLASLt that has none), one call an expert from the same
  * plan. */
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fp8_lt.cuh"
 #include "kernels/cuda/fp8_stream.cuh"
 #include "kernels/cuda/moe.cuh"
 #include "kernels/shared/quant.h"
 
-#include <cublasLt.h>
+/* |v|'s largest component beside a, and four values' codes at 1 / s in one word (lowest first) */
+static __device__ __forceinline__ float amax4(float a, float4 v) {
+    return fmaxf(fmaxf(a, fmaxf(fabsf(v.x), fabsf(v.y))), fmaxf(fabsf(v.z), fabsf(v.w)));
+}
+
+/* The block's row of n4 x 4 values v4 (global or shared memory), amax this thread's share of
+ * their largest magnitude: the row's ptpc scale (returned) and its codes q [4 n4] — the
+ * activations' quantizer of moe_fp8.cu and matmul_fp8.cu (the same codes). */
+static __device__ __forceinline__ float f8g_quant_row(uint8_t *q, const float4 *v4, int n4,
+                                                      float amax) {
+    amax = block_max(amax); /* (its barriers also order v4 in shared memory) */
+    const float s = ds_ptpc_scale(amax), inv = 1.0f / s;
+    uint32_t *dst = (uint32_t *)q;
+    for (int c4 = threadIdx.x; c4 < n4; c4 += blockDim.x) {
+        const float4 v = v4[c4];
+        dst[c4] = (uint32_t)f8_code(v.x * inv) | (uint32_t)f8_code(v.y * inv) << 8 |
+                  (uint32_t)f8_code(v.z * inv) << 16 | (uint32_t)f8_code(v.w * inv) << 24;
+    }
+    return s;
+}
 
 /* Routed row i (blockIdx.x, perm order) of this rank: x row perm[i] / k quantized into its panel
  * row slot[i] of xq [pr][D] (E4M3 codes, the products' B operand) with its scale xs[slot[i]] —
@@ -25,19 +45,9 @@ __global__ void __launch_bounds__(256)
     const int i = blockIdx.x, r = slot[i];
     const float4 *xr = (const float4 *)(x + (size_t)(perm[i] / k) * D);
     float amax = 0.0f;
-    for (int c4 = threadIdx.x; c4 < D / 4; c4 += blockDim.x) {
-        const float4 v = xr[c4];
-        amax = fmaxf(fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y))), fmaxf(fabsf(v.z), fabsf(v.w)));
-    }
-    amax = block_max(amax);
-    const float st = ds_ptpc_scale(amax), inv = 1.0f / st;
+    for (int c4 = threadIdx.x; c4 < D / 4; c4 += blockDim.x) amax = amax4(amax, xr[c4]);
+    const float st = f8g_quant_row(xq + (size_t)r * D, xr, D / 4, amax);
     if (threadIdx.x == 0) xs[r] = st;
-    uint32_t *dst = (uint32_t *)(xq + (size_t)r * D);
-    for (int c4 = threadIdx.x; c4 < D / 4; c4 += blockDim.x) {
-        const float4 v = xr[c4];
-        dst[c4] = (uint32_t)f8_code(v.x * inv) | (uint32_t)f8_code(v.y * inv) << 8 |
-                  (uint32_t)f8_code(v.z * inv) << 16 | (uint32_t)f8_code(v.w * inv) << 24;
-    }
 }
 
 /* Routed row i (blockIdx.x) of expert e (start[e] <= i < start[e + 1]) at panel row r = slot[i]:
@@ -70,17 +80,10 @@ __global__ void __launch_bounds__(256)
             act_pair((g.z * st) * sg.z, (u.z * st) * su.z, act.situ, act.beta, act.lin_beta),
             act_pair((g.w * st) * sg.w, (u.w * st) * su.w, act.situ, act.beta, act.lin_beta));
         av4[c4] = v;
-        amax = fmaxf(fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y))), fmaxf(fabsf(v.z), fabsf(v.w)));
+        amax = amax4(amax, v);
     }
-    amax = block_max(amax); /* (its barriers also order av4) */
-    const float sa = ds_ptpc_scale(amax), inv = 1.0f / sa;
+    const float sa = f8g_quant_row(aq + (size_t)r * I, av4, I / 4, amax);
     if (threadIdx.x == 0) as[r] = sa;
-    uint32_t *dst = (uint32_t *)(aq + (size_t)r * I);
-    for (int c4 = threadIdx.x; c4 < I / 4; c4 += blockDim.x) {
-        const float4 v = av4[c4];
-        dst[c4] = (uint32_t)f8_code(v.x * inv) | (uint32_t)f8_code(v.y * inv) << 8 |
-                  (uint32_t)f8_code(v.z * inv) << 16 | (uint32_t)f8_code(v.w * inv) << 24;
-    }
 }
 
 /* out[t] (+)= sum_j w[t][j] ((y[r][d] * as[r]) * ds[e][d]) over slots j in order, r = inv[t k + j]
@@ -120,63 +123,41 @@ __global__ void moe_f8g_combine_k(float *out, const Y *y, const float *as, const
  */
 static int f8g_products(ds_cu *c, cublasLtHandle_t h, int N, int n, int K, int cnt, int c16,
                         void *const *dp, const void *const *hp, int E, int *done, ds_err *err) {
-    const cublasOperation_t tA = CUBLAS_OP_T, tB = CUBLAS_OP_N;
-    const int8_t fast = 0; /* f32 accumulation throughout (the CPU's sums) */
     const uint32_t ptr_mode = CUBLASLT_BATCH_MODE_POINTER_ARRAY;
     const int32_t batch = cnt;
-    void *ws = c->on_side ? c->blas_ws_side : c->blas_ws;
-    const size_t ws_bytes = (size_t)32 << 20; /* context.cu's cuBLAS workspace, same stream */
     const float one = 1.0f, zero = 0.0f;
     cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
     *done = 0;
     /* pass 0: one pointer-array batch; pass 1 (no such algorithm): one call an expert */
     for (int pass = c->f8_gemm_each ? 1 : 0; pass < 2 && !*done && st == CUBLAS_STATUS_SUCCESS;
          pass++) {
-        cublasLtMatmulDesc_t op = NULL;
-        cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
-        cublasLtMatmulPreference_t pref = NULL;
+        f8_lt_op o;
         cublasLtMatmulHeuristicResult_t res;
-        int found = 0, ok = 0;
-        if (cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == 0 &&
-            cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &tA, sizeof tA) == 0 &&
-            cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tB, sizeof tB) == 0 &&
-            cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast,
-                                           sizeof fast) == 0 &&
-            cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, K, N, K) == 0 &&
-            cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, K, n, K) == 0 &&
-            cublasLtMatrixLayoutCreate(&ld, c16 ? CUDA_R_16BF : CUDA_R_32F, N, n, N) == 0)
-            ok = 1;
-        cublasLtMatrixLayout_t lay[3] = {la, lb, ld};
+        int ok = f8_lt_make(&o, N, n, K, N, c16 ? CUDA_R_16BF : CUDA_R_32F);
+        cublasLtMatrixLayout_t lay[3] = {o.la, o.lb, o.ld};
         for (int m = 0; m < 3 && ok && pass == 0; m++)
             ok = cublasLtMatrixLayoutSetAttribute(lay[m], CUBLASLT_MATRIX_LAYOUT_BATCH_MODE,
                                                   &ptr_mode, sizeof ptr_mode) == 0 &&
                  cublasLtMatrixLayoutSetAttribute(lay[m], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
                                                   &batch, sizeof batch) == 0;
-        if (ok && cublasLtMatmulPreferenceCreate(&pref) == 0 &&
-            cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                 &ws_bytes, sizeof ws_bytes) == 0 &&
-            cublasLtMatmulAlgoGetHeuristic(h, op, la, lb, ld, ld, pref, 1, &res, &found) == 0 &&
-            found > 0) {
+        if (ok && f8_lt_algo(h, &o, &res)) {
             if (pass == 0)
-                st = cublasLtMatmul(h, op, &one, (const void *)dp, la, (const void *)(dp + E), lb,
-                                    &zero, (const void *)(dp + 2 * E), ld, (void *)(dp + 2 * E), ld,
-                                    &res.algo, ws, ws_bytes, c->stream);
+                st = cublasLtMatmul(h, o.op, &one, (const void *)dp, o.la, (const void *)(dp + E),
+                                    o.lb, &zero, (const void *)(dp + 2 * E), o.ld,
+                                    (void *)(dp + 2 * E), o.ld, &res.algo, f8_lt_ws(c), F8_LT_WS,
+                                    c->stream);
             else
                 for (int i = 0; i < cnt && st == CUBLAS_STATUS_SUCCESS; i++)
-                    st = cublasLtMatmul(h, op, &one, hp[i], la, hp[E + i], lb, &zero, hp[2 * E + i],
-                                        ld, (void *)hp[2 * E + i], ld, &res.algo, ws, ws_bytes,
-                                        c->stream);
+                    st = cublasLtMatmul(h, o.op, &one, hp[i], o.la, hp[E + i], o.lb, &zero,
+                                        hp[2 * E + i], o.ld, (void *)hp[2 * E + i], o.ld, &res.algo,
+                                        f8_lt_ws(c), F8_LT_WS, c->stream);
             if (st == CUBLAS_STATUS_SUCCESS) *done = 1;
             /* (an algorithm the heuristic offers but the batched call refuses: pass 1) */
             else if (pass == 0 &&
                      (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE))
                 st = CUBLAS_STATUS_SUCCESS;
         }
-        if (pref) cublasLtMatmulPreferenceDestroy(pref);
-        if (ld) cublasLtMatrixLayoutDestroy(ld);
-        if (lb) cublasLtMatrixLayoutDestroy(lb);
-        if (la) cublasLtMatrixLayoutDestroy(la);
-        if (op) cublasLtMatmulDescDestroy(op);
+        f8_lt_free(&o);
     }
     if (st != CUBLAS_STATUS_SUCCESS)
         return ds_errf(err, "cublasLt: moe fp8 %d x %d x %d (%d experts): status %d", N, n, K, cnt,
