@@ -14,7 +14,7 @@
 #include "kernels/cuda/moe.cuh"
 #include "kernels/shared/quant.h"
 
-/* |v|'s largest component beside a, and four values' codes at 1 / s in one word (lowest first) */
+/* the largest of a and v's components' magnitudes */
 static __device__ __forceinline__ float amax4(float a, float4 v) {
     return fmaxf(fmaxf(a, fmaxf(fabsf(v.x), fabsf(v.y))), fmaxf(fabsf(v.z), fabsf(v.w)));
 }
