@@ -107,14 +107,18 @@
 #      (mla_prefill.sh: every form's checks and timings, prompt 8192 in MODES "3 4", the 128K TTFT in
 #      "1 3 4"), then the experts' gather from x rounded once (DS_CUDA_EXPERT_X16): the moe checks
 #      (the words against the plain gather) and prefill of 8192 tokens with it on and off, ROUNDS
-#      rounds. Written after session 45's device time: not yet run.
+#      rounds. Ran in session 46 on an H100 (bench/RESULTS.md): mode 4 and x16 are the defaults.
 #  27. (issue 32, session 46) ptpc_fp8's prefill, its routed experts on FP8 tensor cores through
 #      cuBLASLt (moe_fp8_gemm.cu): the moe fp8 checks (modes 11 and 12 against the CPU), then
 #      8192 tokens in BF16, ptpc_fp8 and ptpc_fp8 with DS_CUDA_EXPERT_GEMM=0 (the tile kernel, as
 #      before; session 21 measured 0.42x BF16's tok/s), then the eager per-op profile of
 #      ptpc_fp8's prompt. The dense FP8 products' scales as cuBLASLt's outer-vector scales (no
-#      second pass over y) where it has them: the matmul fp8 checks say which form ran.
-# STEPS: which of them (default "24 22": 22 has not run in its final form, 23 ran in session 41 on an
+#      second pass over y) where it has them: the matmul fp8 checks say which form ran. Ran in
+#      session 46 on H100s (bench/RESULTS.md). Next: `git cherry-pick c425d0d` (each token
+#      quantized once, the gather copying codes), rebuild, pack and run it again against d97c279's
+#      prompt time (99.67 ms then).
+# STEPS: which of them (default "24 22": 22 has not run in its final form, 26 and 27 ran in session
+# 46 on H100s, 23 ran in session 41 on an
 # H100 without its BF16 decode runs and not on the H200; 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
 # 18 in part; 1-5 ran in sessions 27-28, 6, 7 and 9
 # in session 31, 8 at 128K in session 31 on an H100, 9-12 in session 32 on the H200, 9, 10 and 12
