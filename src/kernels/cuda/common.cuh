@@ -35,30 +35,32 @@ struct ds_cu {
     int expert_gemm;     /* routed experts of long steps through cuBLAS (ds_cu_set_expert_gemm) */
     int expert_bf16_out; /* ... writing BF16: 1 the down pass, 2 gate/up's too */
     int expert_x16;      /* ... gathering routed rows from x rounded once (ds_cu_set_expert_x16) */
-    int f8_gemm_each;    /* ... FP8 experts one cuBLASLt call each (ds_cu_set_f8_gemm_each) */
-    long expert_gemm_runs; /* ... calls those paths completed (ds_cu_expert_gemm_runs) */
+    int expert_mma;      /* grouped experts of batches on tensor cores (ds_cu_set_expert_mma) */
+    int expert_tc;       /* ...through the streaming tensor-core kernel (ds_cu_set_expert_tc) */
+    int mma_min_tokens;  /* ...from this many tokens a step (ds_cu_set_expert_mma_min; 0: 40) */
+    int gemv_max_t;      /* matmuls of up to this many rows stream (ds_cu_set_gemv_max_t; 0: 2) */
+    int f8_prequant;     /* FP8 decode products read codes made by the activations' quantizer,
+                            not quantize their tokens themselves (ds_cu_set_f8_prequant) */
+    int f8_split_min;    /* the FP8 streams' fewest steps a warp along K (0: F8_SPLIT_MIN) */
+    int f8_split;        /* ...their split of K forced (0: the rule's; ds_cu_set_f8_split) */
+    int f8_moe_waves;    /* one token's FP8 experts: blocks an SM at most (0: 2) */
+    int f8_gemv_waves;   /* an FP8 product that quantizes its tokens: blocks an SM (0: 2) */
+    int f8_noquant;      /* a what-if: decode's FP8 products skip quantizing their tokens */
+    int f8_rows;         /* one token's FP8 products a warp a row: blocks an SM (0: 4; < 0 off) */
+    int f8_moe_rows;     /* the same for one token's routed experts */
+    int f8_whole_k;      /* tokens from which the FP8 streams keep K whole (no invariance; 0 off) */
+    int mla_gemm;        /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
+    int mla_all_heads;   /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
+    int mla_flash;       /* that path as one fused kernel where it has one (ds_cu_set_mla_flash):
+                            1 on mma.sync, 2 on wgmma (sm_90), 3 wgmma x2, 4 that pipelined */
+    int mla_ctx_block;   /* context rows a chunk's expanded attention takes at a time (0: all) */
+    int mla_decode_tc;   /* absorbed MLA on tensor cores from this many context rows (0: never) */
+    /* the FP8 experts' and products' cuBLASLt paths (moe_fp8_gemm.cu, matmul_fp8.cu) */
+    int f8_gemm_each;      /* the experts one cuBLASLt call each (ds_cu_set_f8_gemm_each) */
+    long expert_gemm_runs; /* calls the experts' cuBLAS paths completed (ds_cu_expert_gemm_runs) */
     int f8_lt_unit;        /* FP8 products on cuBLASLt with unit scales (ds_cu_set_f8_lt_unit) */
     long f8_lt_vec_runs;   /* ... products it scaled itself (ds_cu_f8_lt_vec_runs) */
-    int expert_mma;        /* grouped experts of batches on tensor cores (ds_cu_set_expert_mma) */
-    int expert_tc;         /* ...through the streaming tensor-core kernel (ds_cu_set_expert_tc) */
-    int mma_min_tokens;    /* ...from this many tokens a step (ds_cu_set_expert_mma_min; 0: 40) */
-    int gemv_max_t;        /* matmuls of up to this many rows stream (ds_cu_set_gemv_max_t; 0: 2) */
-    int f8_prequant;       /* FP8 decode products read codes made by the activations' quantizer,
-                              not quantize their tokens themselves (ds_cu_set_f8_prequant) */
-    int f8_split_min;      /* the FP8 streams' fewest steps a warp along K (0: F8_SPLIT_MIN) */
-    int f8_split;          /* ...their split of K forced (0: the rule's; ds_cu_set_f8_split) */
-    int f8_moe_waves;      /* one token's FP8 experts: blocks an SM at most (0: 2) */
-    int f8_gemv_waves;     /* an FP8 product that quantizes its tokens: blocks an SM (0: 2) */
-    int f8_noquant;        /* a what-if: decode's FP8 products skip quantizing their tokens */
-    int f8_rows;           /* one token's FP8 products a warp a row: blocks an SM (0: 4; < 0 off) */
-    int f8_moe_rows;       /* the same for one token's routed experts */
-    int f8_whole_k;    /* tokens from which the FP8 streams keep K whole (no invariance; 0 off) */
-    int mla_gemm;      /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
-    int mla_all_heads; /* absorbed MLA with a block per token for all heads (ds_cu_set_...) */
-    int mla_flash;     /* that path as one fused kernel where it has one (ds_cu_set_mla_flash):
-                          1 on mma.sync, 2 on wgmma (sm_90), 3 wgmma x2 */
-    int mla_ctx_block; /* context rows a chunk's expanded attention takes at a time (0: all) */
-    int mla_decode_tc; /* absorbed MLA on tensor cores from this many context rows (0: never) */
+
     int mla_decode_tc_tile;  /* its tile for FP8 and BF16 rows: 64 rows, else 32 */
     int mla_decode_tc_warps; /* its warps a block for BF16 rows in 64-row tiles: 16, else 8 */
     int mla_decode_ws;       /* its warp-specialized form from this context cap (0: never) */
