@@ -114,6 +114,7 @@ static void check_kda_step(ds_cu *c, const int *lens, const int *rows, int n_seq
              g_kda_tc == 1   ? ", tf32"
              : g_kda_tc == 2 ? ", bf16"
              : g_kda_tc == 3 ? ", 3xtf32"
+             : g_kda_tc == 4 ? ", 3xbf16"
                              : "",
              dk, dv, g_min);
     report(what, rel_err(ogot, oref, 1, nv, nv), tol);
@@ -520,6 +521,13 @@ void checks_kda(ds_cu *c) {
          * first row must neither overflow nor lose what they keep */
         check_kda_step(c, lens, rows, 7, 2, 128, 128, -12.0f, 16);
         check_kda_step(c, one, none, 1, 8, 128, 128, -0.1f, 16);
+        /* ... split into two BF16 parts each (3xBF16, pass 1 in f32): held to f32's tolerance */
+        ds_cu_set_kda_tc(c, g_kda_tc = 4);
+        check_kda_step(c, lens, rows, 7, 4, 128, 128, -0.7f, 16);
+        check_kda_step(c, lens, rows, 7, 3, 64, 64, -0.7f, 16);
+        check_kda_step(c, lens, rows, 7, 2, 128, 128, -12.0f, 16);
+        check_kda_step(c, one, none, 1, 8, 128, 128, -0.1f, 16);
+        ds_cu_set_kda_tc(c, g_kda_tc = 3);
         /* pass 1 on CUDA cores in f32 beside the tensor-core scan (DS_CUDA_KDA_PREP_TC=0) */
         ds_cu_set_kda_prep_tc(c, 0);
         check_kda_step(c, lens, rows, 7, 4, 128, 128, -0.7f, 16);
@@ -540,11 +548,11 @@ void checks_kda(ds_cu *c) {
         ds_cu_set_kda_prep_tc(c, 1);
         ds_cu_set_kda_tc(c, g_kda_tc = 0);
         /* raw inputs (the gate, beta and norms inside pass 1) in every mode and form of pass 1:
-         * f32, TF32, 3xTF32, BF16 */
-        static const int modes[4] = {0, 1, 3, 2};
+         * f32, TF32, 3xTF32, BF16, 3xBF16 (pass 1 in f32 either way) */
+        static const int modes[5] = {0, 1, 3, 2, 4};
         const int rlens[3] = {300, 64, 130}, rlens2[2] = {33, 200};
-        for (int m = 0; m < 4; m++)
-            for (int prep_tc = 1; prep_tc >= (modes[m] ? 0 : 1); prep_tc--) {
+        for (int m = 0; m < 5; m++)
+            for (int prep_tc = 1; prep_tc >= (modes[m] && modes[m] != 4 ? 0 : 1); prep_tc--) {
                 ds_cu_set_kda_tc(c, g_kda_tc = modes[m]);
                 ds_cu_set_kda_prep_tc(c, g_kda_prep_tc = prep_tc);
                 check_kda_raw(c, rlens, 3, 4, 128, 0);
@@ -690,6 +698,12 @@ void bench_kda(ds_cu *c, const cuda_ceilings *ceil) {
                 }
         ds_cu_set_kda_out_fused(c, 1);
         ds_cu_set_kda_prep_tc(c, 0);
+        /* 3xBF16 (mode 4: pass 1 in f32), beside the default's line above */
+        ds_cu_set_kda_tc(c, 4);
+        ms = median_ms(c, run_kda, &kc, 2, 10);
+        printf("bench kda chunked prefill T=8192 H=32 dk=dv=128 (3xbf16 scan and outputs, pass 1 "
+               "f32): %.3f ms, %.0f tokens/s\n",
+               ms, kc.T / (ms * 1e-3));
         /* where a call's time goes: pass 1 alone, then the scan with its outputs alone (the other
          * left out through the what-if's labels; the scan then reads stale products, which only
          * the timing may), BF16 and the default 3xTF32 */

@@ -117,6 +117,10 @@
 #      session 46 on H100s (bench/RESULTS.md). Next: `git cherry-pick c425d0d` (each token
 #      quantized once, the gather copying codes), rebuild, pack and run it again against d97c279's
 #      prompt time (99.67 ms then).
+#  28. (issue 33, session 46) chunked KDA in 3xBF16 (DS_CUDA_KDA_TC=4: each operand split into two
+#      BF16 parts on the BF16 step, pass 1 in f32): the kda checks (mode 4 held to f32's 1e-4),
+#      the kernel's timings beside the default 3xTF32, then prefill of 8192 tokens in modes 3 and
+#      4, ROUNDS rounds alternating. Written after session 46's device time: not yet run.
 # STEPS: which of them (default "24 22": 22 has not run in its final form, 26 and 27 ran in session
 # 46 on H100s, 23 ran in session 41 on an
 # H100 without its BF16 decode runs and not on the H200; 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
@@ -537,6 +541,20 @@ done
 PROMPT=8192 BATCHES=1 timeout 200 bash "$(dirname "$0")/profile48.sh" -q ptpc_fp8 > /dev/null 2>&1
 mv "$OUT/profile.txt" "$OUT/s27_profile_fp8.txt"
 head -60 "$OUT/s27_profile_fp8.txt"
+fi
+if want 28; then
+el "28. (issue 33, session 46) chunked KDA in 3xBF16 (DS_CUDA_KDA_TC=4)"
+checks s28.log kda | tee "$OUT/s28.rc"
+grep -E "3xbf16|FAIL" "$OUT/s28.log" | head -24
+timeout 120 stdbuf -oL .devbin/test_cuda_kernels --bench-only kda 2>&1 |
+  grep -E "chunked prefill T=8192 H=32 dk=dv=128 \((3xtf32 scan and outputs, pass 1 f32, default|3xbf16)" | head -4
+for r in $(seq "${ROUNDS:-2}"); do
+  for m in 4 3; do
+    DS_CUDA_KDA_TC=$m timeout 120 .devbin/deltaserve bench --model $SHAPE48 --load-format random \
+      --device cuda --prompt-tokens 8192 --reps 3 --decode-context 512 --decode-steps 4 \
+      --batch-sizes 1 --json "$OUT/s28_m${m}_$r.json" 2>&1 | grep -E "^prompt" | sed "s/^/[kda mode $m, $r] /"
+  done
+done
 fi
 want 4 || want 5 || { el end; exit 0; }
 el "4. decode b1 / b32, BF16 then ptpc_fp8"

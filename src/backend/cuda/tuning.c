@@ -24,7 +24,7 @@ static const char *env_text(const char *name) {
     return v && *v ? v : NULL;
 }
 
-/* chunked KDA on tensor cores: 1 TF32, 3 3xTF32 (ds_cu_set_kda_tc) */
+/* chunked KDA on tensor cores: 1 TF32, 2 BF16, 3 3xTF32, 4 3xBF16 (ds_cu_set_kda_tc) */
 static int kda_tc_mode(void) {
     /* 3xTF32 by default: f32's accuracy (checked at 1e-4) and faster than f32 on CUDA cores.
      * TF32 is faster still and alone a quarter of FLA's error on f32 inputs, but through the
@@ -33,11 +33,13 @@ static int kda_tc_mode(void) {
     const char *tc = getenv("DS_CUDA_KDA_TC");
     int mode = 3;
     if (tc && *tc) {
-        if (!strcmp(tc, "0") || !strcmp(tc, "1") || !strcmp(tc, "2") || !strcmp(tc, "3"))
+        if (!strcmp(tc, "0") || !strcmp(tc, "1") || !strcmp(tc, "2") || !strcmp(tc, "3") ||
+            !strcmp(tc, "4"))
             mode = atoi(tc);
         else
             fprintf(stderr,
-                    "[deltaserve] DS_CUDA_KDA_TC=%s: 0 (f32), 1 (TF32), 2 (BF16) or 3 (3xTF32); "
+                    "[deltaserve] DS_CUDA_KDA_TC=%s: 0 (f32), 1 (TF32), 2 (BF16), 3 (3xTF32) or 4 "
+                    "(3xBF16); "
                     "using 3\n",
                     tc);
     }

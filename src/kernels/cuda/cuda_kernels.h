@@ -160,9 +160,10 @@ int ds_cu_kda_chunked_raw(ds_cu *c, float *o, const float *q, const float *k, co
 /* ds_cu_kda_chunked's scan and output passes: mode 1 on TF32 tensor cores (~3e-4 relative error
  * instead of 5e-7), 3 3xTF32 (each operand split into two TF32 parts: about f32's accuracy), 2
  * BF16 (the operands rounded to BF16, FLA chunk_kda's precision on BF16 inputs; pass 1 in f32),
- * 0 f32 on CUDA cores. A context starts at 0; the model sets 3 unless DS_CUDA_KDA_TC says
- * otherwise. tests/cuda checks modes 1 and 2 against the CPU at 1e-2 and 3e-2, modes 0 and 3 at
- * f32's 1e-4. */
+ * 4 3xBF16 (each operand split into two BF16 parts on 2's step: ~16 bits, at half 3's tensor
+ * time; pass 1 in f32), 0 f32 on CUDA cores. A context starts at 0; the model sets 3 unless
+ * DS_CUDA_KDA_TC says otherwise. tests/cuda checks modes 1 and 2 against the CPU at 1e-2 and
+ * 3e-2, modes 0, 3 and 4 at f32's 1e-4. */
 void ds_cu_set_kda_tc(ds_cu *c, int mode);
 /* In modes 1 and 3, pass 1's products between 16-row blocks (the bulk of A = K K^T and P = Q K^T
  * with their decays) on tensor cores in the same precision as the scan; a context starts with it
@@ -316,9 +317,9 @@ long ds_cu_f8_lt_vec_runs(const ds_cu *c);
 /* Those GEMMs' down pass writing each routed row's output in BF16 instead of f32 (the combine
  * then reads half the bytes; each expert's output rounded to BF16 before the weighted sum), and
  * with on = 2 their gate/up pass too (rounded before the activation); the FP8 experts' cuBLASLt
- * down sums likewise for on >= 1 (rounded before their scales; their gate/up sums stay f32): 2 in the engine unless
- * DS_CUDA_EXPERT_BF16_OUT says otherwise (its accuracy: bench/RESULTS.md session 44); 0 in a new
- * context. */
+ * down sums likewise for on >= 1 (rounded before their scales; their gate/up sums stay f32): 2 in
+ * the engine unless DS_CUDA_EXPERT_BF16_OUT says otherwise (its accuracy: bench/RESULTS.md session
+ * 44); 0 in a new context. */
 void ds_cu_set_expert_bf16_out(ds_cu *c, int on);
 /* Those GEMMs' gather of the routed rows from x rounded to BF16 once ([T][D]: a prompt's 8192 x
  * 2304 is 38 MB, so the k copies of a row mostly come from L2) instead of each routed row

@@ -549,6 +549,7 @@ template <int KD> cudaError_t kda_scan_attrs() {
     if (e == cudaSuccess) e = kda_tc_attrs<KD, 1>();
     if (e == cudaSuccess) e = kda_tc_attrs<KD, 2>();
     if (e == cudaSuccess) e = kda_tc_attrs<KD, 3>();
+    if (e == cudaSuccess) e = kda_tc_attrs<KD, 4>();
     return e;
 }
 
@@ -577,6 +578,8 @@ void kda_scan_launch(ds_cu *c, float *o, float *states, float *ug, const float *
     const dim3 sgrid((unsigned)H, KD / KS_BV, (unsigned)n_seq), ogrid((unsigned)n_ch, (unsigned)H);
     if (c->kda_tc == 3)
         kda_scan_tc<KD, 3>(c, sgrid, ogrid, o, states, ug, prep, tab, first, S, H);
+    else if (c->kda_tc == 4)
+        kda_scan_tc<KD, 4>(c, sgrid, ogrid, o, states, ug, prep, tab, first, S, H);
     else if (c->kda_tc == 2)
         kda_scan_tc<KD, 2>(c, sgrid, ogrid, o, states, ug, prep, tab, first, S, H);
     else if (c->kda_tc)

@@ -587,7 +587,7 @@ __global__ void __launch_bounds__(256, 2)
 }
 
 extern "C" void ds_cu_set_kda_tc(ds_cu *c, int mode) {
-    c->kda_tc = mode == 3 || mode == 2 ? mode : mode > 0 ? 1 : 0;
+    c->kda_tc = mode >= 2 && mode <= 4 ? mode : mode > 0 ? 1 : 0;
 }
 
 extern "C" void ds_cu_set_kda_prep_tc(ds_cu *c, int on) {
@@ -606,6 +606,7 @@ extern "C" int ds_cu_kda_chunked_supports(int dk, int dv) {
 using kda_prep_fn = void (*)(float *, const float *, const float *, const float *, const float *,
                              const float *, const kda_chunk *, int, ds_cu_kda_raw);
 template <int KD, bool RAW> static kda_prep_fn kda_prep_kernel(const ds_cu *c) {
+    /* (3xBF16, mode 4: pass 1 in f32 on CUDA cores whatever kda_prep_f32 says) */
     if (c->kda_tc == 3 && !c->kda_prep_f32) return kda_chunk_prep_k<KD, 3, false, RAW>;
     if (c->kda_tc == 1 && !c->kda_prep_f32) return kda_chunk_prep_k<KD, 1, false, RAW>;
     if (c->kda_tc == 2 && !c->kda_prep_f32) /* BF16 tensor cores, handed over in BF16 */

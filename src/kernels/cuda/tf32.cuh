@@ -1,5 +1,6 @@
-/* tf32.cuh — TF32, 3xTF32 and BF16 products on tensor cores: one m16n8k8 step, the split of a
- * value into two TF32 parts, and an A fragment made once for several column tiles. */
+/* tf32.cuh — TF32, 3xTF32, BF16 and 3xBF16 products on tensor cores: one m16n8k8 step, the split
+ * of a value into two TF32 (or BF16) parts, and an A fragment made once for several column
+ * tiles. */
 #pragma once
 
 #include "kernels/cuda/common.cuh" /* pack_bf16x2 */
@@ -45,12 +46,28 @@ static __device__ __forceinline__ void mma_bf16_k8(float (&d)[4], uint32_t a0, u
                  : "r"(a0), "r"(a1), "r"(b0));
 }
 
+/* PREC 4 (3xBF16): x = hi + lo, both BF16 (lo the rounded remainder, x - hi exact in f32), on
+ * PREC 2's step: a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi, about 16 of f32's 24 bits (the parts
+ * carry 8 + 8, the a_lo b_lo term ~2^-18 relative is left out) — three steps at twice TF32's
+ * rate, so the cost of 1.5 TF32 steps where 3xTF32 costs 3. */
+static __device__ __forceinline__ void bf16_split2(float x0, float x1, uint32_t &hi, uint32_t &lo) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+    const float2 hf = __bfloat1622float2(h);
+    hi = *(const uint32_t *)&h;
+    lo = pack_bf16x2(x0 - hf.x, x1 - hf.y);
+}
+
 template <int PREC> struct tf32_a {
-    uint32_t hi[4], lo[4]; /* lo unused at PREC 1 and 2, hi[2..3] at 2 */
+    uint32_t hi[4], lo[4]; /* lo unused at PREC 1 and 2, hi[2..3] (and lo[2..3]) at 2 and 4 */
     tf32_a() = default;    /* (PREC 2: hi[0], hi[1] set from packed BF16 pairs) */
     __device__ __forceinline__ tf32_a(float a0, float a1, float a2, float a3) {
         if constexpr (PREC == 2) {
             hi[0] = pack_bf16x2(a0, a2), hi[1] = pack_bf16x2(a1, a3);
+            return;
+        }
+        if constexpr (PREC == 4) {
+            bf16_split2(a0, a2, hi[0], lo[0]);
+            bf16_split2(a1, a3, hi[1], lo[1]);
             return;
         }
         const float a[4] = {a0, a1, a2, a3};
@@ -74,6 +91,12 @@ static __device__ __forceinline__ void mma_tf32x(float (&d)[4], const tf32_a<PRE
         mma_tf32(d, a.lo, h0, h1); /* the small terms first */
         mma_tf32(d, a.hi, l0, l1);
         mma_tf32(d, a.hi, h0, h1);
+    } else if constexpr (PREC == 4) {
+        uint32_t bh, bl;
+        bf16_split2(b0, b1, bh, bl);
+        mma_bf16_k8(d, a.lo[0], a.lo[1], bh); /* the small terms first */
+        mma_bf16_k8(d, a.hi[0], a.hi[1], bl);
+        mma_bf16_k8(d, a.hi[0], a.hi[1], bh);
     } else if constexpr (PREC == 2) {
         mma_bf16_k8(d, a.hi[0], a.hi[1], pack_bf16x2(b0, b1));
     } else {
