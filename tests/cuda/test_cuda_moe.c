@@ -62,7 +62,8 @@ static void moe_inputs_free(moe_inputs *m) {
  * gate and up rows (ds_matmul on BF16), the activation, the down projection, then the weighted
  * sum in slot order. */
 /* gemm: the tensor-core path for long steps (activations in BF16: held to 1e-2; 5: with its down
- * pass writing BF16, 6: gate/up's too, ds_cu_set_expert_bf16_out; errors printed beside mode 1's).
+ * pass writing BF16, 6: gate/up's too, ds_cu_set_expert_bf16_out; errors printed beside mode 1's;
+ * 7: mode 6 as cuBLASLt batches, ds_cu_set_expert_lt; 8: mode 2 (skewed) likewise).
  * half: this rank holds experts [E/2, E) only, as under tensor parallelism: rows routed to the
  * others add nothing. */
 static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, int situ, int gemm,
@@ -72,7 +73,7 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
     uint16_t *gu = in.gu, *dn = in.dn;
     float *x = in.x, *w = in.w, *base = in.base;
     int32_t *idx = in.idx;
-    if (gemm == 2) /* skewed: most rows on one local expert (the per-expert GEMM fallback) */
+    if (gemm == 2 || gemm == 8) /* skewed: most rows on one local expert (several buckets) */
         for (int i = 0; i < T * k; i += 3) idx[i] = e0;
     float *ref = malloc((size_t)T * D * 4), *got = malloc((size_t)T * D * 4);
     float *hgu = malloc((size_t)2 * I * 4), *a = malloc((size_t)I * 4), *yr = malloc((size_t)D * 4);
@@ -101,7 +102,9 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
     int32_t *didx = dev(c, idx, (size_t)T * k * 4);
     ds_err err = {{0}};
     ds_cu_set_expert_gemm(c, gemm == 1 || gemm == 2 || gemm >= 5);
-    ds_cu_set_expert_bf16_out(c, gemm >= 5 ? gemm - 4 : 0);
+    ds_cu_set_expert_bf16_out(c, gemm == 5 ? 1 : gemm == 6 || gemm == 7 ? 2 : 0);
+    ds_cu_set_expert_lt(c, gemm >= 7);
+    const long lt0 = ds_cu_expert_lt_runs(c);
     ds_cu_set_expert_mma(c, gemm >= 3);
     ds_cu_set_expert_tc(c, gemm == 4);
     ds_cu_set_expert_mma_min(c, gemm >= 3 ? 16 : 0); /* (the engine's is 40 tokens) */
@@ -113,11 +116,17 @@ static void check_moe_experts_mode(ds_cu *c, int T, int k, int E, int D, int I, 
     ds_cu_set_expert_mma(c, 0);
     ds_cu_set_expert_tc(c, 0);
     ds_cu_set_expert_mma_min(c, 0);
+    ds_cu_set_expert_lt(c, 0);
     fetch(c, got, dout, (size_t)T * D * 4);
+    if ((gemm >= 7) != (ds_cu_expert_lt_runs(c) > lt0)) /* which path ran */
+        report(gemm >= 7 ? "moe experts: the cuBLASLt batches ran" : "moe experts: no cuBLASLt",
+               1.0, 0.0);
     char what[160];
     snprintf(what, sizeof what, "moe experts T=%d k=%d E=%d D=%d I=%d %s%s%s", T, k, E, D, I,
              situ ? "situ" : "swiglu",
-             gemm == 6   ? " (gemm, BF16 outputs)"
+             gemm == 8   ? " (gemm, skewed, cuBLASLt)"
+             : gemm == 7 ? " (gemm, BF16 outputs, cuBLASLt)"
+             : gemm == 6 ? " (gemm, BF16 outputs)"
              : gemm == 5 ? " (gemm, BF16 down outputs)"
              : gemm == 4 ? " (tensor cores, streaming)"
              : gemm == 3 ? " (tensor cores)"
@@ -217,6 +226,10 @@ void checks_moe(ds_cu *c) {
     check_moe_experts_mode(c, 300, 8, 32, 512, 256, 0, 6, 0); /* gate/up's outputs in BF16 too */
     check_moe_experts_mode(c, 600, 8, 64, 256, 128, 1, 6, 0);
     check_moe_experts_mode(c, 300, 8, 32, 512, 256, 0, 2, 0); /* skewed: several size buckets */
+    check_moe_experts_mode(c, 300, 8, 32, 512, 256, 0, 7, 0); /* as cuBLASLt batches */
+    check_moe_experts_mode(c, 600, 8, 64, 256, 128, 1, 7, 0);
+    check_moe_experts_mode(c, 200, 8, 32, 512, 256, 0, 7, 1);
+    check_moe_experts_mode(c, 300, 8, 32, 512, 256, 0, 8, 0);
     check_moe_x16_words(c, 300, 8, 32, 512, 256);
     check_moe_experts_mode(c, 40, 8, 64, 512, 256, 0, 0, 1);  /* TP: half the experts */
     check_moe_experts_mode(c, 6, 3, 8, 100, 36, 1, 0, 1);     /* ... one row at a time */

@@ -121,6 +121,10 @@
 #      BF16 parts on the BF16 step, pass 1 in f32): the kda checks (mode 4 held to f32's 1e-4),
 #      the kernel's timings beside the default 3xTF32, then prefill of 8192 tokens in modes 3 and
 #      4, ROUNDS rounds alternating. Written after session 46's device time: not yet run.
+#  29. (issue 33, session 46) the BF16 experts' GEMMs as cuBLASLt pointer-array batches
+#      (DS_CUDA_EXPERT_LT=1; cublasGemmBatchedEx ran them at 466-505 TFLOP/s, the FP8 experts'
+#      cuBLASLt batches at 745-791): the moe checks (modes 7-8), then prefill of 8192 tokens with it
+#      on and off, ROUNDS rounds alternating, and its eager profile's expert rows. Not yet run.
 # STEPS: which of them (default "24 22": 22 has not run in its final form, 26 and 27 ran in session
 # 46 on H100s, 23 ran in session 41 on an
 # H100 without its BF16 decode runs and not on the H200; 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
@@ -555,6 +559,20 @@ for r in $(seq "${ROUNDS:-2}"); do
       --batch-sizes 1 --json "$OUT/s28_m${m}_$r.json" 2>&1 | grep -E "^prompt" | sed "s/^/[kda mode $m, $r] /"
   done
 done
+fi
+if want 29; then
+el "29. (issue 33, session 46) the BF16 experts' GEMMs as cuBLASLt batches (DS_CUDA_EXPERT_LT)"
+checks s29.log moe | tee "$OUT/s29.rc"
+grep -E "cuBLASLt|FAIL" "$OUT/s29.log" | head -12
+for r in $(seq "${ROUNDS:-2}"); do
+  for lt in 1 0; do
+    DS_CUDA_EXPERT_LT=$lt timeout 120 .devbin/deltaserve bench --model $SHAPE48 --load-format random \
+      --device cuda --prompt-tokens 8192 --reps 3 --decode-context 512 --decode-steps 4 \
+      --batch-sizes 1 --json "$OUT/s29_lt${lt}_$r.json" 2>&1 | grep -E "^prompt" | sed "s/^/[lt $lt, $r] /"
+  done
+done
+DS_CUDA_EXPERT_LT=1 PROMPT=8192 BATCHES=1 timeout 200 bash "$(dirname "$0")/profile48.sh" > /dev/null 2>&1
+grep -E "moe gemm: (gate/up|down)" "$OUT/profile.txt" | head -4
 fi
 want 4 || want 5 || { el end; exit 0; }
 el "4. decode b1 / b32, BF16 then ptpc_fp8"

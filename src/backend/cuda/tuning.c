@@ -57,6 +57,7 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
      * bench/RESULTS.md session 44) */
     t->expert_bf16_out = env_count("DS_CUDA_EXPERT_BF16_OUT", 2); /* 1: the down pass alone */
     t->expert_x16 = env_flag("DS_CUDA_EXPERT_X16", 1);
+    t->expert_lt = env_flag("DS_CUDA_EXPERT_LT", 0);
     t->expert_mma = env_flag("DS_CUDA_EXPERT_MMA", 1);
     t->expert_tc = env_flag("DS_CUDA_EXPERT_TC", 1);
     /* tuning knobs (0: the kernels' defaults) */
@@ -141,6 +142,7 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_expert_gemm(c, t->expert_gemm);
     ds_cu_set_expert_bf16_out(c, t->expert_bf16_out);
     ds_cu_set_expert_x16(c, t->expert_x16);
+    ds_cu_set_expert_lt(c, t->expert_lt);
     ds_cu_set_expert_mma(c, t->expert_mma);
     ds_cu_set_expert_tc(c, t->expert_tc);
     ds_cu_set_expert_mma_min(c, t->expert_mma_min);

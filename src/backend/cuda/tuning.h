@@ -16,6 +16,8 @@
  *                                          pass alone, 0 neither (f32)
  *   DS_CUDA_EXPERT_X16     F      1        those GEMMs gather their rows from x rounded to BF16
  *                                          once (the same words)
+ *   DS_CUDA_EXPERT_LT      F      0        those GEMMs as cuBLASLt pointer-array batches instead
+ *                                          of cublasGemmBatchedEx (not yet timed)
  *   DS_CUDA_EXPERT_MMA     F      1        grouped routed experts of steps of >= 40 tokens on BF16
  *                                          tensor cores, on the device (capturable)
  *   DS_CUDA_EXPERT_TC      F      1        those through the mma.sync kernel that streams the
@@ -82,6 +84,7 @@ typedef struct ds_cuda_tuning {
     int expert_gemm, expert_mma, expert_tc;
     int expert_bf16_out; /* the cuBLAS experts writing BF16: 1 the down pass, 2 gate/up's too */
     int expert_x16;      /* ... gathering from x rounded once */
+    int expert_lt;       /* ... as cuBLASLt pointer-array batches */
     int expert_mma_min, gemv_max_t; /* 0: the kernels' defaults */
     int f8_prequant;
     int f8_split_min;  /* 0: the kernels' default */

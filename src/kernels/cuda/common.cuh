@@ -60,6 +60,8 @@ struct ds_cu {
     long expert_gemm_runs; /* calls the experts' cuBLAS paths completed (ds_cu_expert_gemm_runs) */
     int f8_lt_unit;        /* FP8 products on cuBLASLt with unit scales (ds_cu_set_f8_lt_unit) */
     long f8_lt_vec_runs;   /* ... products it scaled itself (ds_cu_f8_lt_vec_runs) */
+    int expert_lt;         /* the BF16 experts' batches through cuBLASLt (ds_cu_set_expert_lt) */
+    long expert_lt_runs;   /* ... calls whose every batch ran there (ds_cu_expert_lt_runs) */
 
     int mla_decode_tc_tile;  /* its tile for FP8 and BF16 rows: 64 rows, else 32 */
     int mla_decode_tc_warps; /* its warps a block for BF16 rows in 64-row tiles: 16, else 8 */
@@ -240,8 +242,8 @@ int cu_l2_prefetch(ds_cu *c, const void *p, size_t bytes, ds_err *err);
 /* the FP8 products' cuBLASLt handle, released (matmul_fp8.cu) */
 extern "C" void fp8_free(ds_cu *c);
 /* ... made at its first use (never inside a capture), NULL where it cannot be: a cublasLtHandle_t
- * (matmul_fp8.cu) */
-void *fp8_lt_handle(ds_cu *c);
+ * (matmul_fp8.cu), the FP8 products' and the experts' batches' */
+void *lt_handle(ds_cu *c);
 /* a weight GEMM's own profile interval (profile.cu) */
 const char *prof_gemm_open(ds_cu *c);
 void prof_gemm_close(ds_cu *c, const char *prev, double flops);

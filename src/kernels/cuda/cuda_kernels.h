@@ -301,13 +301,19 @@ int ds_cu_moe_experts_fp8(ds_cu *c, float *out, const float *x, const int32_t *i
  * FP8 tensor cores through cuBLASLt, their activations quantized per token. On in the engine
  * unless DS_CUDA_EXPERT_GEMM=0 (tests/cuda: check_moe_experts_gemm, check_moe_fp8's mode 11). */
 void ds_cu_set_expert_gemm(ds_cu *c, int on);
-/* Those FP8 products as one cuBLASLt call an expert instead of a pointer-array batch a bucket
- * (what runs where cuBLASLt has no pointer-array algorithm for FP8): 0 in a new context and in
- * the engine; tests/cuda checks both. */
+/* Those experts' cuBLASLt products (FP8, and BF16 with ds_cu_set_expert_lt) as one call an
+ * expert instead of a pointer-array batch a bucket (what runs where cuBLASLt has no pointer-array
+ * algorithm): 0 in a new context and in the engine; tests/cuda checks both. */
 void ds_cu_set_f8_gemm_each(ds_cu *c, int on);
 /* How many steps' routed experts (per layer) have run through those cuBLAS / cuBLASLt paths in
  * this context: what a check reads to know which path ran. */
 long ds_cu_expert_gemm_runs(const ds_cu *c);
+/* Those BF16 GEMMs as cuBLASLt pointer-array batches (the FP8 experts' calls, lt_batched) instead
+ * of cublasGemmBatchedEx, a bucket falling back to the latter where cuBLASLt has no algorithm:
+ * an experiment (session 46: written, not yet run; DS_CUDA_EXPERT_LT), 0 in a new context and in
+ * the engine unless set. ds_cu_expert_lt_runs: the calls whose every batch went through it. */
+void ds_cu_set_expert_lt(ds_cu *c, int on);
+long ds_cu_expert_lt_runs(const ds_cu *c);
 /* ptpc FP8 products on cuBLASLt (T > 2 tokens) take their row and token scales as cuBLASLt's
  * outer-vector scales where it has an algorithm for them, else (and with on = 1, for comparisons)
  * run with unit scales and apply them in a second pass over y. 0 in a new context and in the

@@ -6,7 +6,7 @@
  * (kernels/cpu/matmul_quant.c) only in their order; both then apply (sum * s_t) * s_r. */
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fp8_rows.cuh"
-#include "kernels/cuda/fp8_lt.cuh"
+#include "kernels/cuda/lt.cuh"
 #include "kernels/cuda/fp8_stream.cuh"
 #include "kernels/shared/quant.h"
 
@@ -247,7 +247,7 @@ extern "C" void fp8_free(ds_cu *c) {
     c->lt = NULL;
 }
 
-void *fp8_lt_handle(ds_cu *c) {
+void *lt_handle(ds_cu *c) {
     if (!c->lt) {
         fp8_lt *l = (fp8_lt *)calloc(1, sizeof *l);
         if (!l || cublasLtCreate(&l->h) != CUBLAS_STATUS_SUCCESS) {
@@ -265,7 +265,7 @@ static int fp8_gemm(ds_cu *c, float *y, int ldy, const uint8_t *xq, const float 
     const int N = w->rows, K = w->cols;
     /* FP8 tensor cores want 16-byte aligned operands and rows (else: the streaming kernel) */
     if ((uintptr_t)y % 16 || ldy % 4 || (uintptr_t)xq % 16) return DS_OK;
-    cublasLtHandle_t h = (cublasLtHandle_t)fp8_lt_handle(c);
+    cublasLtHandle_t h = (cublasLtHandle_t)lt_handle(c);
     if (!h) return DS_OK; /* no cuBLASLt: the streaming kernel */
     const int32_t vec = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
     const void *sa = w->scale, *sb = st;
@@ -275,9 +275,9 @@ static int fp8_gemm(ds_cu *c, float *y, int ldy, const uint8_t *xq, const float 
      * y: no second pass over it); pass 1 (no such algorithm, or f8_lt_unit): unit scales, then
      * fp8_scale_k */
     for (int pass = c->f8_lt_unit ? 1 : 0; pass < 2 && !*done; pass++) {
-        f8_lt_op o;
+        lt_op o;
         cublasLtMatmulHeuristicResult_t res;
-        const int ok = f8_lt_make(&o, N, T, K, ldy, CUDA_R_32F) &&
+        const int ok = lt_make(&o, CUDA_R_8F_E4M3, N, T, K, ldy, CUDA_R_32F) &&
                        (pass == 1 ||
                         (cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
                                                         &vec, sizeof vec) == 0 &&
@@ -287,17 +287,17 @@ static int fp8_gemm(ds_cu *c, float *y, int ldy, const uint8_t *xq, const float 
                                                         &sa, sizeof sa) == 0 &&
                          cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
                                                         &sb, sizeof sb) == 0)) &&
-                       f8_lt_algo(h, &o, &res);
+                       lt_algo(h, &o, &res);
         if (ok) {
             const float one = 1.0f, zero = 0.0f;
             const char *prof = prof_gemm_open(c);
             st_run = cublasLtMatmul(h, o.op, &one, w->data, o.la, xq, o.lb, &zero, y, o.ld, y, o.ld,
-                                    &res.algo, f8_lt_ws(c), F8_LT_WS, c->stream);
+                                    &res.algo, lt_ws(c), LT_WS, c->stream);
             prof_gemm_close(c, prof, 2.0 * N * K * T);
             /* (an algorithm the heuristic offers but the call refuses: the next pass) */
             if (st_run == CUBLAS_STATUS_SUCCESS) *done = 1, scaled = pass == 0;
         }
-        f8_lt_free(&o);
+        lt_free(&o);
         if (ok && st_run != CUBLAS_STATUS_SUCCESS && st_run != CUBLAS_STATUS_NOT_SUPPORTED &&
             st_run != CUBLAS_STATUS_INVALID_VALUE)
             return ds_errf(err, "cublasLt: matmul fp8 %d x %d x %d: status %d", N, T, K,

@@ -4,6 +4,7 @@
 #define DS_CUDA_MOE_CUH
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/lt.cuh"
 
 struct moe_act {
     int on, situ;
@@ -45,6 +46,13 @@ int moe_plan_send(ds_cu *c, const moe_plan *p, int E, const int32_t *start, int3
                   void **dptrs, int32_t *slot, ds_err *err);
 int moe_inverse(ds_cu *c, int32_t *inv, const int32_t *perm, const int32_t *slot, int rows,
                 int n_local, ds_err *err);
+/* One bucket's products through cuBLASLt (h: lt_handle's): for its cnt experts i, C_i [n][N]
+ * (f32, or BF16 with c16) = B_i [n][K] . A_i [N][K]^T with A and B of type in (E4M3 or BF16),
+ * from the pointer arrays dp (device: A at dp[0], B at dp[E], C at dp[2E], this bucket's first
+ * entry) as one pointer-array batch, or from hp (the host's) one call an expert where cuBLASLt has
+ * no such algorithm (or f8_gemm_each asks). *done = 0 where it has none at all. */
+int lt_batched(ds_cu *c, cublasLtHandle_t h, cudaDataType_t in, int N, int n, int K, int cnt,
+               int c16, void *const *dp, const void *const *hp, int E, int *done, ds_err *err);
 
 /* Rows per local expert, on average, from which the cuBLAS paths win (BF16 and FP8): below it
  * (decode of large batches: a few rows per expert) a cuBLAS call per expert costs more than the

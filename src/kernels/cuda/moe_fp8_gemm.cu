@@ -9,7 +9,7 @@
  * pointer-array algorithm for FP8 (a cuBLASLt that has none), one call an expert from the same
  * plan. */
 #include "kernels/cuda/common.cuh"
-#include "kernels/cuda/fp8_lt.cuh"
+#include "kernels/cuda/lt.cuh"
 #include "kernels/cuda/fp8_stream.cuh"
 #include "kernels/cuda/moe.cuh"
 #include "kernels/shared/quant.h"
@@ -116,61 +116,12 @@ __global__ void moe_f8g_combine_k(float *out, const Y *y, const float *as, const
     }
 }
 
-/* One bucket's products: for its cnt experts i, C_i [n][N] (f32, or BF16 with c16) = B_i [n][K]
- * codes . A_i [N][K] codes^T — column-major, A_i K x N transposed and B_i K x n (the TN layout FP8
- * wants), unit scales. dp: the device's pointer arrays at this bucket (A at dp[0], B at dp[E], C at
- * dp[2E]), hp the host's. *done = 0 where cuBLASLt has no algorithm at all (the caller's fallback).
- */
-static int f8g_products(ds_cu *c, cublasLtHandle_t h, int N, int n, int K, int cnt, int c16,
-                        void *const *dp, const void *const *hp, int E, int *done, ds_err *err) {
-    const uint32_t ptr_mode = CUBLASLT_BATCH_MODE_POINTER_ARRAY;
-    const int32_t batch = cnt;
-    const float one = 1.0f, zero = 0.0f;
-    cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
-    *done = 0;
-    /* pass 0: one pointer-array batch; pass 1 (no such algorithm): one call an expert */
-    for (int pass = c->f8_gemm_each ? 1 : 0; pass < 2 && !*done && st == CUBLAS_STATUS_SUCCESS;
-         pass++) {
-        f8_lt_op o;
-        cublasLtMatmulHeuristicResult_t res;
-        int ok = f8_lt_make(&o, N, n, K, N, c16 ? CUDA_R_16BF : CUDA_R_32F);
-        cublasLtMatrixLayout_t lay[3] = {o.la, o.lb, o.ld};
-        for (int m = 0; m < 3 && ok && pass == 0; m++)
-            ok = cublasLtMatrixLayoutSetAttribute(lay[m], CUBLASLT_MATRIX_LAYOUT_BATCH_MODE,
-                                                  &ptr_mode, sizeof ptr_mode) == 0 &&
-                 cublasLtMatrixLayoutSetAttribute(lay[m], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
-                                                  &batch, sizeof batch) == 0;
-        if (ok && f8_lt_algo(h, &o, &res)) {
-            if (pass == 0)
-                st = cublasLtMatmul(h, o.op, &one, (const void *)dp, o.la, (const void *)(dp + E),
-                                    o.lb, &zero, (const void *)(dp + 2 * E), o.ld,
-                                    (void *)(dp + 2 * E), o.ld, &res.algo, f8_lt_ws(c), F8_LT_WS,
-                                    c->stream);
-            else
-                for (int i = 0; i < cnt && st == CUBLAS_STATUS_SUCCESS; i++)
-                    st = cublasLtMatmul(h, o.op, &one, hp[i], o.la, hp[E + i], o.lb, &zero,
-                                        hp[2 * E + i], o.ld, (void *)hp[2 * E + i], o.ld, &res.algo,
-                                        f8_lt_ws(c), F8_LT_WS, c->stream);
-            if (st == CUBLAS_STATUS_SUCCESS) *done = 1;
-            /* (an algorithm the heuristic offers but the batched call refuses: pass 1) */
-            else if (pass == 0 &&
-                     (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE))
-                st = CUBLAS_STATUS_SUCCESS;
-        }
-        f8_lt_free(&o);
-    }
-    if (st != CUBLAS_STATUS_SUCCESS)
-        return ds_errf(err, "cublasLt: moe fp8 %d x %d x %d (%d experts): status %d", N, n, K, cnt,
-                       (int)st);
-    return DS_OK;
-}
-
 int moe_f8_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, const int32_t *idx,
                         int T, int k, int E, int e0, int D, int I, const uint8_t *gu_codes,
                         const float *gu_scales, const uint8_t *dn_codes, const float *dn_scales,
                         moe_act act, int accumulate, int *done, ds_err *err) {
     *done = 0;
-    cublasLtHandle_t h = (cublasLtHandle_t)fp8_lt_handle(c);
+    cublasLtHandle_t h = (cublasLtHandle_t)lt_handle(c);
     if (!h) return DS_OK; /* no cuBLASLt: the tile kernel */
     const int rows = T * k;
     const int n_chunks = rows >= 1024 ? (rows + MOE_GCHUNK - 1) / MOE_GCHUNK : 0;
@@ -235,8 +186,8 @@ int moe_f8_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, co
     const char *prof = prof_gemm_open(c);
     for (int bk = 0; bk < pl.n_bk && pl.n_local > 0; bk++) {
         const int i0 = pl.bk_first[bk], cnt = pl.bk_first[bk + 1] - i0;
-        if (f8g_products(c, h, 2 * I, pl.bk_rows[bk], D, cnt, 0, dptrs + i0, pl.ptrs + i0, E, done,
-                         err))
+        if (lt_batched(c, h, CUDA_R_8F_E4M3, 2 * I, pl.bk_rows[bk], D, cnt, 0, dptrs + i0,
+                       pl.ptrs + i0, E, done, err))
             return DS_ERR;
         if (!*done) { /* no algorithm: the tile kernel redoes the experts from x */
             prof_gemm_close(c, prof, 0.0);
@@ -254,8 +205,8 @@ int moe_f8_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, co
     prof = prof_gemm_open(c);
     for (int bk = 0; bk < pl.n_bk && pl.n_local > 0; bk++) {
         const int i0 = pl.bk_first[bk], cnt = pl.bk_first[bk + 1] - i0;
-        if (f8g_products(c, h, D, pl.bk_rows[bk], I, cnt, y16, dptrs + 3 * E + i0,
-                         pl.ptrs + 3 * E + i0, E, done, err))
+        if (lt_batched(c, h, CUDA_R_8F_E4M3, D, pl.bk_rows[bk], I, cnt, y16, dptrs + 3 * E + i0,
+                       pl.ptrs + 3 * E + i0, E, done, err))
             return DS_ERR;
         if (!*done) { /* likewise */
             prof_gemm_close(c, prof, 0.0);

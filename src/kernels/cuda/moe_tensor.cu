@@ -273,6 +273,14 @@ extern "C" long ds_cu_expert_gemm_runs(const ds_cu *c) {
     return c->expert_gemm_runs;
 }
 
+extern "C" void ds_cu_set_expert_lt(ds_cu *c, int on) {
+    c->expert_lt = on;
+}
+
+extern "C" long ds_cu_expert_lt_runs(const ds_cu *c) {
+    return c->expert_lt_runs;
+}
+
 extern "C" void ds_cu_set_expert_x16(ds_cu *c, int on) {
     c->expert_x16 = on;
 }
@@ -415,6 +423,56 @@ static void moe_gather(ds_cu *c, __nv_bfloat16 *xg, __nv_bfloat16 *xr, const flo
     }
 }
 
+/* One bucket's products: for its cnt experts i, C_i [n][N] (f32, or BF16 with c16) = B_i [n][K]
+ * . A_i [N][K]^T, A and B of type in (E4M3 codes or BF16) — column-major, A_i K x N transposed and
+ * B_i K x n (the TN layout FP8 wants), unit scales. dp: the device's pointer arrays at this bucket
+ * (A at dp[0], B at dp[E], C at dp[2E]), hp the host's. *done = 0 where cuBLASLt has no algorithm
+ * at all (the caller's fallback).
+ */
+int lt_batched(ds_cu *c, cublasLtHandle_t h, cudaDataType_t in, int N, int n, int K, int cnt,
+               int c16, void *const *dp, const void *const *hp, int E, int *done, ds_err *err) {
+    const uint32_t ptr_mode = CUBLASLT_BATCH_MODE_POINTER_ARRAY;
+    const int32_t batch = cnt;
+    const float one = 1.0f, zero = 0.0f;
+    cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+    *done = 0;
+    /* pass 0: one pointer-array batch; pass 1 (no such algorithm): one call an expert */
+    for (int pass = c->f8_gemm_each ? 1 : 0; pass < 2 && !*done && st == CUBLAS_STATUS_SUCCESS;
+         pass++) {
+        lt_op o;
+        cublasLtMatmulHeuristicResult_t res;
+        int ok = lt_make(&o, in, N, n, K, N, c16 ? CUDA_R_16BF : CUDA_R_32F);
+        cublasLtMatrixLayout_t lay[3] = {o.la, o.lb, o.ld};
+        for (int m = 0; m < 3 && ok && pass == 0; m++)
+            ok = cublasLtMatrixLayoutSetAttribute(lay[m], CUBLASLT_MATRIX_LAYOUT_BATCH_MODE,
+                                                  &ptr_mode, sizeof ptr_mode) == 0 &&
+                 cublasLtMatrixLayoutSetAttribute(lay[m], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                  &batch, sizeof batch) == 0;
+        if (ok && lt_algo(h, &o, &res)) {
+            if (pass == 0)
+                st = cublasLtMatmul(h, o.op, &one, (const void *)dp, o.la, (const void *)(dp + E),
+                                    o.lb, &zero, (const void *)(dp + 2 * E), o.ld,
+                                    (void *)(dp + 2 * E), o.ld, &res.algo, lt_ws(c), LT_WS,
+                                    c->stream);
+            else
+                for (int i = 0; i < cnt && st == CUBLAS_STATUS_SUCCESS; i++)
+                    st = cublasLtMatmul(h, o.op, &one, hp[i], o.la, hp[E + i], o.lb, &zero,
+                                        hp[2 * E + i], o.ld, (void *)hp[2 * E + i], o.ld, &res.algo,
+                                        lt_ws(c), LT_WS, c->stream);
+            if (st == CUBLAS_STATUS_SUCCESS) *done = 1;
+            /* (an algorithm the heuristic offers but the batched call refuses: pass 1) */
+            else if (pass == 0 &&
+                     (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE))
+                st = CUBLAS_STATUS_SUCCESS;
+        }
+        lt_free(&o);
+    }
+    if (st != CUBLAS_STATUS_SUCCESS)
+        return ds_errf(err, "cublasLt: moe experts %d x %d x %d (%d experts): status %d", N, n, K,
+                       cnt, (int)st);
+    return DS_OK;
+}
+
 int moe_plan_make(ds_cu *c, const int32_t *start, int E, moe_plan *p, ds_err *err) {
     /* host plan: start [E+1] | order [E] | panel [E] | then 6 pointer arrays [E] (A, B, C of
      * gate/up, then of down, in bucket order) | sort keys [E]. Pinned: the layout comes back and
@@ -517,14 +575,22 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
     ds_cu_prof_mark(c, "moe gemm: gate/up");
     /* FLOPs counted for the routed rows only (not the panels' padding) */
     const char *prof = prof_gemm_open(c);
+    cublasLtHandle_t lt = c->expert_lt ? (cublasLtHandle_t)lt_handle(c) : NULL;
+    int lt_done = lt != NULL;           /* every bucket so far through cuBLASLt (expert_lt) */
     for (int bk = 0; bk < n_bk; bk++) { /* H_e [n][2I] = X_e [n][D] W_gu,e^T */
         const int i0 = bk_first[bk], cnt = bk_first[bk + 1] - i0;
-        BLAS_TRY(cublasGemmBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, 2 * I, bk_rows[bk], D, &one,
-                                     (const void *const *)(dptrs + i0), CUDA_R_16BF, D,
-                                     (const void *const *)(dptrs + E + i0), CUDA_R_16BF, D, &zero,
-                                     dptrs + 2 * E + i0, h16 ? CUDA_R_16BF : CUDA_R_32F, 2 * I, cnt,
-                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                 "moe up (batched gemm)");
+        int done = 0;
+        if (lt && lt_batched(c, lt, CUDA_R_16BF, 2 * I, bk_rows[bk], D, cnt, h16, dptrs + i0,
+                             ptrs + i0, E, &done, err))
+            return DS_ERR;
+        lt_done &= done;
+        if (!done)
+            BLAS_TRY(cublasGemmBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, 2 * I, bk_rows[bk], D,
+                                         &one, (const void *const *)(dptrs + i0), CUDA_R_16BF, D,
+                                         (const void *const *)(dptrs + E + i0), CUDA_R_16BF, D,
+                                         &zero, dptrs + 2 * E + i0, h16 ? CUDA_R_16BF : CUDA_R_32F,
+                                         2 * I, cnt, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                     "moe up (batched gemm)");
     }
     prof_gemm_close(c, prof, 2.0 * n_local * 2 * I * D);
     ds_cu_prof_mark(c, "moe gemm: act");
@@ -539,12 +605,18 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
     prof = prof_gemm_open(c);
     for (int bk = 0; bk < n_bk; bk++) { /* Y_e [n][D] = A_e [n][I] W_down,e^T */
         const int i0 = bk_first[bk], cnt = bk_first[bk + 1] - i0;
-        BLAS_TRY(cublasGemmBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, D, bk_rows[bk], I, &one,
-                                     (const void *const *)(dptrs + 3 * E + i0), CUDA_R_16BF, I,
-                                     (const void *const *)(dptrs + 4 * E + i0), CUDA_R_16BF, I,
-                                     &zero, dptrs + 5 * E + i0, y16 ? CUDA_R_16BF : CUDA_R_32F, D,
-                                     cnt, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                 "moe down (batched gemm)");
+        int done = 0;
+        if (lt && lt_batched(c, lt, CUDA_R_16BF, D, bk_rows[bk], I, cnt, y16, dptrs + 3 * E + i0,
+                             ptrs + 3 * E + i0, E, &done, err))
+            return DS_ERR;
+        lt_done &= done;
+        if (!done)
+            BLAS_TRY(cublasGemmBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, D, bk_rows[bk], I, &one,
+                                         (const void *const *)(dptrs + 3 * E + i0), CUDA_R_16BF, I,
+                                         (const void *const *)(dptrs + 4 * E + i0), CUDA_R_16BF, I,
+                                         &zero, dptrs + 5 * E + i0, y16 ? CUDA_R_16BF : CUDA_R_32F,
+                                         D, cnt, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                     "moe down (batched gemm)");
     }
     prof_gemm_close(c, prof, 2.0 * n_local * D * I);
     ds_cu_prof_mark(c, "moe gemm: combine");
@@ -558,5 +630,6 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
                  k, D, accumulate);
     CU_TRY(cudaGetLastError(), "moe combine (gemm)");
     c->expert_gemm_runs++;
+    c->expert_lt_runs += lt_done;
     return DS_OK;
 }
