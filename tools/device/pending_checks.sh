@@ -144,6 +144,19 @@ checks() {
   DS_CUDA_CHECKS="$2" timeout 150 ".devbin/test_cuda_kernels${3:-}" > "$OUT/$1" 2>&1
   echo "checks rc $? ($(grep -c ' ok$' "$OUT/$1") ok, $(grep -c FAIL "$OUT/$1") FAIL)"
 }
+# prefill_ab NAME VAR VALUES: prefill of 8192 tokens at the 48B shape (env.sh's) with VAR set to each
+# of VALUES in turn, ROUNDS rounds (default 2) alternating: the prompt line tagged, the JSON in
+# $OUT/NAME_VALUE_ROUND.json
+prefill_ab() {
+  local r v
+  for r in $(seq "${ROUNDS:-2}"); do
+    for v in $3; do
+      env "$2=$v" timeout 120 .devbin/deltaserve bench --model $SHAPE48 --load-format random \
+        --device cuda --prompt-tokens 8192 --reps 3 --decode-context 512 --decode-steps 4 \
+        --batch-sizes 1 --json "$OUT/$1_${v}_$r.json" 2>&1 | grep -E "^prompt" | sed "s/^/[$2=$v, $r] /"
+    done
+  done
+}
 # b48 STEPS BATCHES: the decode benchmark of the 48B shape (env.sh's) as this script runs it
 b48() {
   echo "bench --model $SHAPE48 --load-format random --device cuda --prompt-tokens 16 --reps 1" \
@@ -522,13 +535,7 @@ el "    gather from x rounded once (DS_CUDA_EXPERT_X16): the moe checks, prefill
 bash "$(dirname "$0")/mla_prefill.sh" 2>&1 | tail -16
 checks s26.log moe | tee "$OUT/s26.rc"
 grep -E "x rounded once|FAIL" "$OUT/s26.log" | head
-for r in $(seq "${ROUNDS:-2}"); do
-  for x16 in 1 0; do
-    DS_CUDA_EXPERT_X16=$x16 timeout 120 .devbin/deltaserve bench --model $SHAPE48 --load-format random \
-      --device cuda --prompt-tokens 8192 --reps 3 --decode-context 512 --decode-steps 4 \
-      --batch-sizes 1 --json "$OUT/s26_x${x16}_$r.json" 2>&1 | grep -E "^prompt" | sed "s/^/[x16 $x16, $r] /"
-  done
-done
+prefill_ab s26 DS_CUDA_EXPERT_X16 "1 0"
 fi
 if want 27; then
 el "27. (issue 32, session 46) ptpc_fp8 prefill of 8192 tokens against BF16, then its profile"
@@ -552,25 +559,13 @@ checks s28.log kda | tee "$OUT/s28.rc"
 grep -E "3xbf16|FAIL" "$OUT/s28.log" | head -24
 timeout 120 stdbuf -oL .devbin/test_cuda_kernels --bench-only kda 2>&1 |
   grep -E "chunked prefill T=8192 H=32 dk=dv=128 \((3xtf32 scan and outputs, pass 1 f32, default|3xbf16)" | head -4
-for r in $(seq "${ROUNDS:-2}"); do
-  for m in 4 3; do
-    DS_CUDA_KDA_TC=$m timeout 120 .devbin/deltaserve bench --model $SHAPE48 --load-format random \
-      --device cuda --prompt-tokens 8192 --reps 3 --decode-context 512 --decode-steps 4 \
-      --batch-sizes 1 --json "$OUT/s28_m${m}_$r.json" 2>&1 | grep -E "^prompt" | sed "s/^/[kda mode $m, $r] /"
-  done
-done
+prefill_ab s28 DS_CUDA_KDA_TC "4 3"
 fi
 if want 29; then
 el "29. (issue 33, session 46) the BF16 experts' GEMMs as cuBLASLt batches (DS_CUDA_EXPERT_LT)"
 checks s29.log moe | tee "$OUT/s29.rc"
 grep -E "cuBLASLt|FAIL" "$OUT/s29.log" | head -12
-for r in $(seq "${ROUNDS:-2}"); do
-  for lt in 1 0; do
-    DS_CUDA_EXPERT_LT=$lt timeout 120 .devbin/deltaserve bench --model $SHAPE48 --load-format random \
-      --device cuda --prompt-tokens 8192 --reps 3 --decode-context 512 --decode-steps 4 \
-      --batch-sizes 1 --json "$OUT/s29_lt${lt}_$r.json" 2>&1 | grep -E "^prompt" | sed "s/^/[lt $lt, $r] /"
-  done
-done
+prefill_ab s29 DS_CUDA_EXPERT_LT "1 0"
 DS_CUDA_EXPERT_LT=1 PROMPT=8192 BATCHES=1 timeout 200 bash "$(dirname "$0")/profile48.sh" > /dev/null 2>&1
 grep -E "moe gemm: (gate/up|down)" "$OUT/profile.txt" | head -4
 fi
