@@ -26,6 +26,8 @@ Keys from a `bench` result (only those its settings measure):
     prefill_<N>_peak_fraction          CPU: the prompt's FLOPs over time against the FMA peak
     prefill_<N>_whole_fraction         GPU: the whole prompt's FLOPs over its time against the
                                        measured GEMM rate (issue 33's prompt figure)
+    prefill_<N>_<quant>_whole_fraction the same with --quantization <quant> (its FLOPs counted as
+                                       BF16's, so its ratio to the key above is the speed-up)
     ... and <key>_ms beside each decode fraction, ttft_<N>k_s for prompts of >= 128K tokens
 """
 import argparse
@@ -82,6 +84,15 @@ def from_bench(path):
             d["prompt_frac_peak"],
             f"{model}: prompt {n}, {d['prompt_tps']:.0f} tok/s, the whole prompt's FLOPs over its "
             "time against the measured cuBLAS BF16 rate")
+    # (a quantized run's prompt counts from 4096 tokens: the decode runs' short prompts are their
+    # set-up, timed once)
+    quant_headline = qtag and ctx <= 4096 and not kvtag and n >= 4096
+    if (quant_headline and not d["device"].startswith("cpu") and
+            d.get("prompt_frac_peak", 0) > 0):
+        out[f"prefill_{n}_{qtag}whole_fraction"] = (
+            d["prompt_frac_peak"],
+            f"{model}: prompt {n}, {d['prompt_tps']:.0f} tok/s with --quantization {q}, the whole "
+            "prompt's FLOPs over its time against the measured cuBLAS BF16 rate")
     if n >= 131072 and d.get("prompt_tps", 0) > 0:
         out[f"ttft_{n // 1024}k_s{kvtag}"] = (n / d["prompt_tps"], f"{model}: prompt {n}")
     if ctx >= 1000000:

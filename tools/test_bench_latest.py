@@ -56,6 +56,17 @@ def test_quant_long_context_and_merge(tmp_path):
     assert d["h200.ttft_128k_s_kvfp8"]["value"] == 16.0
     assert "h200.decode_b1_copy_fraction" in d  # the earlier run's keys stay
     assert not any(k.startswith("h200.prefill_131072") for k in d)  # quantized: not the GEMM figure
+    # a quantized headline run (short context) has its own prompt figure beside BF16's
+    rc, d = run(tmp_path, "bench:" + write(tmp_path, "qh.json",
+                                           dict(BENCH, quantization="ptpc_fp8",
+                                                prompt_frac_peak=0.34)))
+    assert rc == 0 and d["h200.prefill_8192_ptpc_fp8_whole_fraction"]["value"] == 0.34
+    assert "h200.prefill_8192_whole_fraction" not in d  # (BF16's, from no run here yet)
+    assert d["h200.decode_b1_ptpc_fp8_copy_fraction"]["value"] == 0.6123
+    rc, d = run(tmp_path, "bench:" + write(tmp_path, "qs.json",
+                                           dict(BENCH, quantization="ptpc_fp8", prompt_tokens=512,
+                                                prompt_frac_peak=0.02)))
+    assert rc == 0 and not any(k.startswith("h200.prefill_512") for k in d)  # a decode's set-up
     # a long-context decode run's prompt (its set-up, timed once) leaves the prompt figures alone
     run(tmp_path, "bench:" + write(tmp_path, "w.json", dict(BENCH, prompt_frac_peak=0.32)))
     long = dict(BENCH, decode_context=1048576, kv_cache_dtype="bf16", prompt_frac_peak=0.12,
