@@ -73,7 +73,7 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_f8_whole_k(c, mode == 9 ? 2 : 0);
     ds_cu_set_early_experts(c, mode == 10);
     ds_cu_set_expert_gemm(c, mode >= 11 && mode <= 13);
-    ds_cu_set_f8_gemm_each(c, mode == 12);
+    ds_cu_set_lt_each(c, mode == 12);
     ds_cu_set_expert_bf16_out(c, mode == 13 ? 2 : 0);
     const long runs0 = ds_cu_expert_gemm_runs(c);
     if (ds_cu_moe_experts_fp8(c, dout, dx, didx, dw, T, k, E - e0, e0, D, I, fx->dgc, fx->dgs,
@@ -93,7 +93,7 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_f8_whole_k(c, 0);
     ds_cu_set_early_experts(c, 0);
     ds_cu_set_expert_gemm(c, 0);
-    ds_cu_set_f8_gemm_each(c, 0);
+    ds_cu_set_lt_each(c, 0);
     ds_cu_set_expert_bf16_out(c, 0);
     fetch(c, got, dout, (size_t)T * D * 4);
     ds_cu_dealloc(dx), ds_cu_dealloc(dw), ds_cu_dealloc(dout), ds_cu_dealloc(didx);
@@ -112,7 +112,7 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
  * (ds_cu_set_f8_whole_k); 10: one token's down pass reading its routing and first weights
  * before its wait (ds_cu_set_early_experts); 11: a long step's experts on FP8 tensor cores through
  * cuBLASLt (ds_cu_set_expert_gemm: >= 64 routed rows a local expert), pointer-array batches; 12:
- * the same one call an expert (ds_cu_set_f8_gemm_each); 13: mode 11 with the down pass's sums
+ * the same one call an expert (ds_cu_set_lt_each); 13: mode 11 with the down pass's sums
  * written in BF16 (ds_cu_set_expert_bf16_out 2, the engine's default; gate/up's stay f32). half:
  * this rank holds experts [E/2, E) only. */
 static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ, int mode,

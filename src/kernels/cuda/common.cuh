@@ -55,8 +55,9 @@ struct ds_cu {
                             1 on mma.sync, 2 on wgmma (sm_90), 3 wgmma x2, 4 that pipelined */
     int mla_ctx_block;   /* context rows a chunk's expanded attention takes at a time (0: all) */
     int mla_decode_tc;   /* absorbed MLA on tensor cores from this many context rows (0: never) */
-    /* the FP8 experts' and products' cuBLASLt paths (moe_fp8_gemm.cu, matmul_fp8.cu) */
-    int f8_gemm_each;      /* the experts one cuBLASLt call each (ds_cu_set_f8_gemm_each) */
+    /* the experts' and the FP8 products' cuBLASLt paths (moe_tensor.cu, moe_fp8_gemm.cu,
+     * matmul_fp8.cu) */
+    int lt_each;           /* the experts one cuBLASLt call each (ds_cu_set_lt_each) */
     long expert_gemm_runs; /* calls the experts' cuBLAS paths completed (ds_cu_expert_gemm_runs) */
     int f8_lt_unit;        /* FP8 products on cuBLASLt with unit scales (ds_cu_set_f8_lt_unit) */
     long f8_lt_vec_runs;   /* ... products it scaled itself (ds_cu_f8_lt_vec_runs) */

@@ -304,7 +304,7 @@ void ds_cu_set_expert_gemm(ds_cu *c, int on);
 /* Those experts' cuBLASLt products (FP8, and BF16 with ds_cu_set_expert_lt) as one call an
  * expert instead of a pointer-array batch a bucket (what runs where cuBLASLt has no pointer-array
  * algorithm): 0 in a new context and in the engine; tests/cuda checks both. */
-void ds_cu_set_f8_gemm_each(ds_cu *c, int on);
+void ds_cu_set_lt_each(ds_cu *c, int on);
 /* How many steps' routed experts (per layer) have run through those cuBLAS / cuBLASLt paths in
  * this context: what a check reads to know which path ran. */
 long ds_cu_expert_gemm_runs(const ds_cu *c);

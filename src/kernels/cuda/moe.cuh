@@ -46,11 +46,18 @@ int moe_plan_send(ds_cu *c, const moe_plan *p, int E, const int32_t *start, int3
                   void **dptrs, int32_t *slot, ds_err *err);
 int moe_inverse(ds_cu *c, int32_t *inv, const int32_t *perm, const int32_t *slot, int rows,
                 int n_local, ds_err *err);
+/* out[t] (+)= sum_j w[t][j] y[inv[t k + j]] over the slots of this rank's experts, in order, y
+ * [slots][D] f32 or BF16 (y16); with as (the FP8 experts' sums) each row scaled first as
+ * (y[r][d] * as[r]) * ds[idx[t k + j] - e0][d]. One block a token (T of them), D % 4 == 0. Launch
+ * errors are the caller's to read. */
+void moe_combine_slots(ds_cu *c, float *out, const void *y, int y16, const int32_t *inv,
+                       const float *w, const float *as, const float *ds, const int32_t *idx, int e0,
+                       int T, int k, int D, int accumulate);
 /* One bucket's products through cuBLASLt (h: lt_handle's): for its cnt experts i, C_i [n][N]
  * (f32, or BF16 with c16) = B_i [n][K] . A_i [N][K]^T with A and B of type in (E4M3 or BF16),
  * from the pointer arrays dp (device: A at dp[0], B at dp[E], C at dp[2E], this bucket's first
  * entry) as one pointer-array batch, or from hp (the host's) one call an expert where cuBLASLt has
- * no such algorithm (or f8_gemm_each asks). *done = 0 where it has none at all. */
+ * no such algorithm (or lt_each asks). *done = 0 where it has none at all. */
 int lt_batched(ds_cu *c, cublasLtHandle_t h, cudaDataType_t in, int N, int n, int K, int cnt,
                int c16, void *const *dp, const void *const *hp, int E, int *done, ds_err *err);
 

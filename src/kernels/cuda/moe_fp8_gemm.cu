@@ -86,36 +86,6 @@ __global__ void __launch_bounds__(256)
     if (threadIdx.x == 0) as[r] = sa;
 }
 
-/* out[t] (+)= sum_j w[t][j] ((y[r][d] * as[r]) * ds[e][d]) over slots j in order, r = inv[t k + j]
- * (< 0: another rank's expert), e = idx[t k + j] - e0; token t = blockIdx.x; y f32 or BF16
- * (ds_cu_set_expert_bf16_out). The tile path's down outputs and moe_combine_k's sum, the same
- * operations. D % 4 == 0. */
-template <typename Y>
-__global__ void moe_f8g_combine_k(float *out, const Y *y, const float *as, const float *ds,
-                                  const int32_t *inv, const int32_t *idx, int e0, const float *w,
-                                  int k, int D, int accumulate) {
-    PDL_ENTRY();
-    const size_t t = blockIdx.x;
-    float4 *o = (float4 *)(out + t * D);
-    for (int d4 = threadIdx.x; d4 < D / 4; d4 += blockDim.x) {
-        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (int j = 0; j < k; j++) {
-            const int32_t r = inv[t * k + j];
-            if (r < 0) continue;
-            const float wj = w[t * k + j], sa = as[r];
-            const float4 v = load4(y, (size_t)r * D + 4 * (size_t)d4);
-            const float4 sd = ((const float4 *)(ds + (size_t)(idx[t * k + j] - e0) * D))[d4];
-            acc.x += wj * ((v.x * sa) * sd.x), acc.y += wj * ((v.y * sa) * sd.y);
-            acc.z += wj * ((v.z * sa) * sd.z), acc.w += wj * ((v.w * sa) * sd.w);
-        }
-        if (accumulate) {
-            const float4 p = o[d4];
-            acc = make_float4(p.x + acc.x, p.y + acc.y, p.z + acc.z, p.w + acc.w);
-        }
-        o[d4] = acc;
-    }
-}
-
 int moe_f8_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, const int32_t *idx,
                         int T, int k, int E, int e0, int D, int I, const uint8_t *gu_codes,
                         const float *gu_scales, const uint8_t *dn_codes, const float *dn_scales,
@@ -217,19 +187,9 @@ int moe_f8_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, co
     ds_cu_prof_mark(c, "moe gemm: combine");
     if (moe_inverse(c, inv, perm, slot, rows, pl.n_local, err)) return DS_ERR;
     if (ds_cu_side_join(c, err)) return DS_ERR; /* out: see ds_cu_moe_experts */
-    if (y16)
-        launch_k(c, moe_f8g_combine_k<__nv_bfloat16>, (unsigned)T, 256, 0, out,
-                 (const __nv_bfloat16 *)y, (const float *)as, dn_scales, (const int32_t *)inv, idx,
-                 e0, w, k, D, accumulate);
-    else
-        launch_k(c, moe_f8g_combine_k<float>, (unsigned)T, 256, 0, out, (const float *)y,
-                 (const float *)as, dn_scales, (const int32_t *)inv, idx, e0, w, k, D, accumulate);
+    moe_combine_slots(c, out, y, y16, inv, w, as, dn_scales, idx, e0, T, k, D, accumulate);
     CU_TRY(cudaGetLastError(), "moe fp8 gemm: combine");
     *done = 1;
     c->expert_gemm_runs++;
     return DS_OK;
-}
-
-extern "C" void ds_cu_set_f8_gemm_each(ds_cu *c, int on) {
-    c->f8_gemm_each = on;
 }

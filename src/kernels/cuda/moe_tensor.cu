@@ -281,6 +281,10 @@ extern "C" long ds_cu_expert_lt_runs(const ds_cu *c) {
     return c->expert_lt_runs;
 }
 
+extern "C" void ds_cu_set_lt_each(ds_cu *c, int on) {
+    c->lt_each = on;
+}
+
 extern "C" void ds_cu_set_expert_x16(ds_cu *c, int on) {
     c->expert_x16 = on;
 }
@@ -338,9 +342,12 @@ __global__ void moe_inverse_k(int32_t *inv, const int32_t *perm, const int32_t *
 }
 
 /* out[t] (+)= sum_j w[t][j] y[inv[t k + j]], slots in order (the combine of moe_combine_k);
- * token t = blockIdx.x; Y f32 or BF16 (ds_cu_set_expert_bf16_out) */
-template <typename Y>
+ * token t = blockIdx.x; Y f32 or BF16 (ds_cu_set_expert_bf16_out). SC (the FP8 experts' sums):
+ * each row r's values scaled first as (y[r][d] * as[r]) * ds[e][d], e = idx[t k + j] - e0 — the
+ * tile path's down outputs, the same operations. */
+template <typename Y, bool SC>
 __global__ void moe_combine_perm_k(float *out, const Y *y, const int32_t *inv, const float *w,
+                                   const float *as, const float *ds, const int32_t *idx, int e0,
                                    int k, int D, int accumulate) {
     PDL_ENTRY();
     const size_t t = blockIdx.x;
@@ -351,7 +358,13 @@ __global__ void moe_combine_perm_k(float *out, const Y *y, const int32_t *inv, c
             const int32_t r = inv[t * k + j];
             if (r < 0) continue;
             const float wj = w[t * k + j];
-            const float4 v = load4(y, (size_t)r * D + 4 * (size_t)d4);
+            float4 v = load4(y, (size_t)r * D + 4 * (size_t)d4);
+            if constexpr (SC) {
+                const float sa = as[r];
+                const float4 sd = ((const float4 *)(ds + (size_t)(idx[t * k + j] - e0) * D))[d4];
+                v = make_float4((v.x * sa) * sd.x, (v.y * sa) * sd.y, (v.z * sa) * sd.z,
+                                (v.w * sa) * sd.w);
+            }
             acc.x += wj * v.x, acc.y += wj * v.y, acc.z += wj * v.z, acc.w += wj * v.w;
         }
         if (accumulate) {
@@ -360,6 +373,23 @@ __global__ void moe_combine_perm_k(float *out, const Y *y, const int32_t *inv, c
         }
         o[d4] = acc;
     }
+}
+
+void moe_combine_slots(ds_cu *c, float *out, const void *y, int y16, const int32_t *inv,
+                       const float *w, const float *as, const float *ds, const int32_t *idx, int e0,
+                       int T, int k, int D, int accumulate) {
+#define MOE_COMBINE(Y, SC)                                                                         \
+    launch_k(c, moe_combine_perm_k<Y, SC>, (unsigned)T, 256, 0, out, (const Y *)y, inv, w, as, ds, \
+             idx, e0, k, D, accumulate)
+    if (as && y16)
+        MOE_COMBINE(__nv_bfloat16, true);
+    else if (as)
+        MOE_COMBINE(float, true);
+    else if (y16)
+        MOE_COMBINE(__nv_bfloat16, false);
+    else
+        MOE_COMBINE(float, false);
+#undef MOE_COMBINE
 }
 
 /* With the layout on the host, the experts' GEMMs run as a few pointer-array batches: experts
@@ -437,8 +467,7 @@ int lt_batched(ds_cu *c, cublasLtHandle_t h, cudaDataType_t in, int N, int n, in
     cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
     *done = 0;
     /* pass 0: one pointer-array batch; pass 1 (no such algorithm): one call an expert */
-    for (int pass = c->f8_gemm_each ? 1 : 0; pass < 2 && !*done && st == CUBLAS_STATUS_SUCCESS;
-         pass++) {
+    for (int pass = c->lt_each ? 1 : 0; pass < 2 && !*done && st == CUBLAS_STATUS_SUCCESS; pass++) {
         lt_op o;
         cublasLtMatmulHeuristicResult_t res;
         int ok = lt_make(&o, in, N, n, K, N, c16 ? CUDA_R_16BF : CUDA_R_32F);
@@ -622,12 +651,7 @@ int moe_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, int T
     ds_cu_prof_mark(c, "moe gemm: combine");
     if (moe_inverse(c, inv, perm, slot, rows, n_local, err)) return DS_ERR;
     if (ds_cu_side_join(c, err)) return DS_ERR; /* out: see ds_cu_moe_experts */
-    if (y16)
-        launch_k(c, moe_combine_perm_k<__nv_bfloat16>, (unsigned)T, 256, 0, out,
-                 (const __nv_bfloat16 *)y, inv, w, k, D, accumulate);
-    else
-        launch_k(c, moe_combine_perm_k<float>, (unsigned)T, 256, 0, out, (const float *)y, inv, w,
-                 k, D, accumulate);
+    moe_combine_slots(c, out, y, y16, inv, w, NULL, NULL, NULL, 0, T, k, D, accumulate);
     CU_TRY(cudaGetLastError(), "moe combine (gemm)");
     c->expert_gemm_runs++;
     c->expert_lt_runs += lt_done;
