@@ -35,19 +35,31 @@ static __device__ __forceinline__ float f8g_quant_row(uint8_t *q, const float4 *
     return s;
 }
 
-/* Routed row i (blockIdx.x, perm order) of this rank: x row perm[i] / k quantized into its panel
- * row slot[i] of xq [pr][D] (E4M3 codes, the products' B operand) with its scale xs[slot[i]] —
- * the activations' quantizer of moe_fp8.cu (the same codes). D % 4 == 0, x 16-byte aligned. */
+/* Token t = blockIdx.x of x [T][D] quantized once: its codes into xt [T][D], its scale st[t]
+ * (the gather below copies them to the token's k routed rows, where each routed row quantized
+ * its token again before). D % 4 == 0, x 16-byte aligned. */
 __global__ void __launch_bounds__(256)
-    moe_f8g_gather_k(uint8_t *xq, float *xs, const float *x, int D, const int32_t *perm,
-                     const int32_t *slot, int k) {
+    moe_f8g_quant_k(uint8_t *xt, float *st, const float *x, int D) {
     PDL_ENTRY();
-    const int i = blockIdx.x, r = slot[i];
-    const float4 *xr = (const float4 *)(x + (size_t)(perm[i] / k) * D);
+    const size_t t = blockIdx.x;
+    const float4 *xr = (const float4 *)(x + t * D);
     float amax = 0.0f;
     for (int c4 = threadIdx.x; c4 < D / 4; c4 += blockDim.x) amax = amax4(amax, xr[c4]);
-    const float st = f8g_quant_row(xq + (size_t)r * D, xr, D / 4, amax);
-    if (threadIdx.x == 0) xs[r] = st;
+    const float s = f8g_quant_row(xt + t * D, xr, D / 4, amax);
+    if (threadIdx.x == 0) st[t] = s;
+}
+
+/* Routed row i (blockIdx.x, perm order) of this rank: its token perm[i] / k's codes (xt) into
+ * panel row slot[i] of xq [pr][D] (the products' B operand), the token's scale into xs[slot[i]].
+ * D % 16 == 0. */
+__global__ void moe_f8g_gather_k(uint8_t *xq, float *xs, const uint8_t *xt, const float *st, int D,
+                                 const int32_t *perm, const int32_t *slot, int k) {
+    PDL_ENTRY();
+    const int i = blockIdx.x, r = slot[i], t = perm[i] / k;
+    const uint4 *src = (const uint4 *)(xt + (size_t)t * D);
+    uint4 *dst = (uint4 *)(xq + (size_t)r * D);
+    for (int c16 = threadIdx.x; c16 < D / 16; c16 += blockDim.x) dst[c16] = src[c16];
+    if (threadIdx.x == 0) xs[r] = st[t];
 }
 
 /* Routed row i (blockIdx.x) of expert e (start[e] <= i < start[e + 1]) at panel row r = slot[i]:
@@ -114,20 +126,23 @@ int moe_f8_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, co
     const size_t pr = pl.pr;
     /* xq [pr][D] codes | xs [pr] | h [pr][2I] f32 sums | aq [pr][I] codes | as [pr] | y [pr][D]
      * sums, f32 (BF16 with expert_bf16_out, as the BF16 experts' GEMMs write theirs) | pointer
-     * arrays [6][E]. Gate/up's sums stay f32 whatever expert_bf16_out says: the activation's codes
-     * are made from them, and BF16 sums moved one code in ~30 a rounding (1.5e-2 off the CPU's
-     * experts at random weights against 3e-3; bench/RESULTS.md session 46) */
+     * arrays [6][E] | xt [T][D] codes, st [T]: each token quantized once. Gate/up's sums stay f32
+     * whatever expert_bf16_out says: the activation's codes are made from them, and BF16 sums moved
+     * one code in ~30 a rounding (1.5e-2 off the CPU's experts at random weights against 3e-3;
+     * bench/RESULTS.md session 46) */
     const int y16 = c->expert_bf16_out > 0;
     const size_t ysz = y16 ? 2 : 4; /* y's elements' bytes */
-    const size_t sz[7] = {pr * D,
+    const size_t sz[9] = {pr * D,
                           pr * 4,
                           pr * 2 * I * 4,
                           pr * I,
                           pr * 4,
                           pr * D * ysz,
-                          (size_t)6 * E * sizeof(void *)};
-    void *b[7];
-    if (carve_scratch(c, &c->moeg, &c->moeg_bytes, sz, b, 7, "moe fp8 gemm scratch", err))
+                          (size_t)6 * E * sizeof(void *),
+                          (size_t)T * D,
+                          (size_t)T * 4};
+    void *b[9];
+    if (carve_scratch(c, &c->moeg, &c->moeg_bytes, sz, b, 9, "moe fp8 gemm scratch", err))
         return DS_ERR;
     uint8_t *xq = (uint8_t *)b[0], *aq = (uint8_t *)b[3];
     float *xs = (float *)b[1], *as = (float *)b[4];
@@ -147,9 +162,13 @@ int moe_f8_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, co
     }
     ds_cu_prof_mark(c, "moe gemm: gather x");
     if (moe_plan_send(c, &pl, E, start, dpanel, dptrs, slot, err)) return DS_ERR;
-    if (pl.n_local > 0)
-        launch_k(c, moe_f8g_gather_k, (unsigned)pl.n_local, 256, 0, xq, xs, x, D,
-                 (const int32_t *)perm, (const int32_t *)slot, k);
+    if (pl.n_local > 0) {
+        uint8_t *xt = (uint8_t *)b[7];
+        float *st = (float *)b[8];
+        launch_k(c, moe_f8g_quant_k, (unsigned)T, 256, 0, xt, st, x, D);
+        launch_k(c, moe_f8g_gather_k, (unsigned)pl.n_local, 128, 0, xq, xs, (const uint8_t *)xt,
+                 (const float *)st, D, (const int32_t *)perm, (const int32_t *)slot, k);
+    }
     CU_TRY(cudaGetLastError(), "moe fp8 gemm: gather");
     ds_cu_prof_mark(c, "moe gemm: gate/up");
     /* FLOPs counted for the routed rows only (not the panels' padding) */
