@@ -125,6 +125,10 @@
 #      (DS_CUDA_EXPERT_LT=1; cublasGemmBatchedEx ran them at 466-505 TFLOP/s, the FP8 experts'
 #      cuBLASLt batches at 745-791): the moe checks (modes 7-8), then prefill of 8192 tokens with it
 #      on and off, ROUNDS rounds alternating, and its eager profile's expert rows. Not yet run.
+#  30. (issue 32, session 47) step 27's follow-up with c425d0d cherry-picked (each token quantized
+#      once, the gather copying codes): the moe fp8 checks, then ptpc_fp8's prompt of 8192 tokens
+#      with deltaserve and deltaserve_base (pack with DS_DEVBIN_BASE = the build before), ROUNDS
+#      rounds alternating.
 # STEPS: which of them (default "24 22": 22 has not run in its final form, 26 and 27 ran in session
 # 46 on H100s, 23 ran in session 41 on an
 # H100 without its BF16 decode runs and not on the H200; 20 and 21 ran in session 39, 19 in session 38, 17 in session 37,
@@ -568,6 +572,19 @@ grep -E "cuBLASLt|FAIL" "$OUT/s29.log" | head -12
 prefill_ab s29 DS_CUDA_EXPERT_LT "1 0"
 DS_CUDA_EXPERT_LT=1 PROMPT=8192 BATCHES=1 timeout 200 bash "$(dirname "$0")/profile48.sh" > /dev/null 2>&1
 grep -E "moe gemm: (gate/up|down)" "$OUT/profile.txt" | head -4
+fi
+if want 30; then
+el "30. (issue 32, session 47) FP8 experts' tokens quantized once: checks, ptpc_fp8 prompt vs the base binary"
+checks s30.log "moe fp8" | tee "$OUT/s30.rc"
+grep -E "cuBLASLt|FAIL" "$OUT/s30.log" | head -8
+for r in $(seq "${ROUNDS:-2}"); do
+  for b in deltaserve deltaserve_base; do
+    [ -x ".devbin/$b" ] || continue
+    timeout 150 ".devbin/$b" bench --model $SHAPE48 --load-format random --device cuda \
+      --prompt-tokens 8192 --reps 3 --decode-context 512 --decode-steps 4 --batch-sizes 1 \
+      -q ptpc_fp8 --json "$OUT/s30_${b}_$r.json" 2>&1 | grep -E "^prompt" | sed "s/^/[$b, $r] /"
+  done
+done
 fi
 want 4 || want 5 || { el end; exit 0; }
 el "4. decode b1 / b32, BF16 then ptpc_fp8"
