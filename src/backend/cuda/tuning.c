@@ -26,12 +26,13 @@ static const char *env_text(const char *name) {
 
 /* chunked KDA on tensor cores: 1 TF32, 2 BF16, 3 3xTF32, 4 3xBF16 (ds_cu_set_kda_tc) */
 static int kda_tc_mode(void) {
-    /* 3xTF32 by default: f32's accuracy (checked at 1e-4) and faster than f32 on CUDA cores.
-     * TF32 is faster still and alone a quarter of FLA's error on f32 inputs, but through the
-     * bundled model (no batch invariance) it moved the GPU's logits further from the CPU's and
-     * TP 2's further from one GPU's (bench/RESULTS.md, sessions 10 and 17; docs/tuning.md). */
+    /* 3xBF16 by default: f32-grade accuracy (checked at 1e-4; 4-5e-6 off the CPU where 3xTF32
+     * is 1-2e-6) at 0.87x 3xTF32's kernel time (bench/RESULTS.md, session 47). TF32 is faster
+     * still and alone a quarter of FLA's error on f32 inputs, but through the bundled model (no
+     * batch invariance) it moved the GPU's logits further from the CPU's and TP 2's further from
+     * one GPU's (sessions 10 and 17; docs/tuning.md). */
     const char *tc = getenv("DS_CUDA_KDA_TC");
-    int mode = 3;
+    int mode = 4;
     if (tc && *tc) {
         if (!strcmp(tc, "0") || !strcmp(tc, "1") || !strcmp(tc, "2") || !strcmp(tc, "3") ||
             !strcmp(tc, "4"))
@@ -40,7 +41,7 @@ static int kda_tc_mode(void) {
             fprintf(stderr,
                     "[deltaserve] DS_CUDA_KDA_TC=%s: 0 (f32), 1 (TF32), 2 (BF16), 3 (3xTF32) or 4 "
                     "(3xBF16); "
-                    "using 3\n",
+                    "using 4\n",
                     tc);
     }
     return mode;

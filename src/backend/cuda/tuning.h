@@ -45,8 +45,8 @@
  *   DS_CUDA_KDA_FUSED      N      2        decode steps of up to this many sequences run KDA's
  *                                          middle as one kernel (0: never); when set, a line says
  *                                          whether that applies to the model
- *   DS_CUDA_KDA_TC         0|1|3  3        chunked KDA's passes in f32 (0), TF32 (1) or 3xTF32 (3);
- *                                          another value: a line, then 3
+ *   DS_CUDA_KDA_TC         0-4    4        chunked KDA's passes in f32 (0), TF32 (1), BF16 (2),
+ *                                          3xTF32 (3) or 3xBF16 (4); another value: a line, then 4
  *   DS_CUDA_KDA_RAW        F      1        a step whose segments all run in chunks (a prompt's)
  *                                          makes KDA's gate, beta and head norms in chunked KDA's
  *                                          first pass (the same bits; 0: their own launches)

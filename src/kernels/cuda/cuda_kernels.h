@@ -161,7 +161,7 @@ int ds_cu_kda_chunked_raw(ds_cu *c, float *o, const float *q, const float *k, co
  * instead of 5e-7), 3 3xTF32 (each operand split into two TF32 parts: about f32's accuracy), 2
  * BF16 (the operands rounded to BF16, FLA chunk_kda's precision on BF16 inputs; pass 1 in f32),
  * 4 3xBF16 (each operand split into two BF16 parts on 2's step: ~16 bits, at half 3's tensor
- * time; pass 1 in f32), 0 f32 on CUDA cores. A context starts at 0; the model sets 3 unless
+ * time; pass 1 in f32), 0 f32 on CUDA cores. A context starts at 0; the model sets 4 unless
  * DS_CUDA_KDA_TC says otherwise. tests/cuda checks modes 1 and 2 against the CPU at 1e-2 and
  * 3e-2, modes 0, 3 and 4 at f32's 1e-4. */
 void ds_cu_set_kda_tc(ds_cu *c, int mode);
