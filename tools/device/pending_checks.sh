@@ -125,6 +125,9 @@
 #      (DS_CUDA_EXPERT_LT=1; cublasGemmBatchedEx ran them at 466-505 TFLOP/s, the FP8 experts'
 #      cuBLASLt batches at 745-791): the moe checks (modes 7-8), then prefill of 8192 tokens with it
 #      on and off, ROUNDS rounds alternating, and its eager profile's expert rows. Not yet run.
+#  31. (issues 32 and 33, session 47) the experts' gathers (BF16 x16 and FP8 codes) a warp a row, 8
+#      rows a block, 16-byte copies: the moe and moe fp8 checks, then prompts of 8192 tokens in BF16
+#      and ptpc_fp8 with deltaserve and deltaserve_base (DS_DEVBIN_BASE), ROUNDS rounds alternating.
 #  30. (issue 32, session 47) step 27's follow-up with c425d0d cherry-picked (each token quantized
 #      once, the gather copying codes): the moe fp8 checks, then ptpc_fp8's prompt of 8192 tokens
 #      with deltaserve and deltaserve_base (pack with DS_DEVBIN_BASE = the build before), ROUNDS
@@ -583,6 +586,22 @@ for r in $(seq "${ROUNDS:-2}"); do
     timeout 150 ".devbin/$b" bench --model $SHAPE48 --load-format random --device cuda \
       --prompt-tokens 8192 --reps 3 --decode-context 512 --decode-steps 4 --batch-sizes 1 \
       -q ptpc_fp8 --json "$OUT/s30_${b}_$r.json" 2>&1 | grep -E "^prompt" | sed "s/^/[$b, $r] /"
+  done
+done
+fi
+if want 31; then
+el "31. (issues 32, 33, session 47) the experts' gathers a warp a row: checks, prompts vs the base binary"
+checks s31.log "moe,moe fp8" | tee "$OUT/s31.rc"
+grep -E "FAIL|x16" "$OUT/s31.log" | head -8
+for r in $(seq "${ROUNDS:-2}"); do
+  for q in none ptpc_fp8; do
+    for b in deltaserve deltaserve_base; do
+      [ -x ".devbin/$b" ] || continue
+      timeout 150 ".devbin/$b" bench --model $SHAPE48 --load-format random --device cuda \
+        --prompt-tokens 8192 --reps 3 --decode-context 512 --decode-steps 4 --batch-sizes 1 \
+        $([ $q = none ] || echo "-q $q") --json "$OUT/s31_${b}_${q}_$r.json" 2>&1 |
+        grep -E "^prompt" | sed "s/^/[$b, $q, $r] /"
+    done
   done
 done
 fi

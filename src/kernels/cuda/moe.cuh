@@ -24,6 +24,19 @@ static __device__ __forceinline__ float4 load4(const __nv_bfloat16 *y, size_t i)
 
 enum { MMA_ROWS = 16, MMA_N = 256, MMA_KC = 256, MMA_XLD = MMA_KC + 8, MMA_OLD = MMA_N + 4 };
 
+/* The experts' gathers copy a routed row a warp, MOE_GATHER_ROWS rows a block: a block a row
+ * left each block a few 8- or 16-byte copies a thread (a 2,304-wide row is 288 16-byte pieces),
+ * so that blocks were retired as fast as they were issued and the copy ran near a third of the
+ * memory's rate (bench/RESULTS.md session 47). */
+enum { MOE_GATHER_ROWS = 8 };
+/* n16 16-byte pieces from src to dst by the calling warp (both 16-byte aligned) */
+static __device__ __forceinline__ void warp_copy16(void *dst, const void *src, int n16, int lane) {
+    const uint4 *s = (const uint4 *)src;
+    uint4 *d = (uint4 *)dst;
+#pragma unroll 4
+    for (int i = lane; i < n16; i += 32) d[i] = s[i];
+}
+
 /* A long step's expert GEMMs as a few pointer-array batches (moe_tensor.cu): moe_plan_make reads
  * the layout start [E+1] back to the host (a synchronisation: never while a graph is being
  * captured) and cuts the experts with rows into buckets; the caller fills ptrs, then

@@ -49,17 +49,17 @@ __global__ void __launch_bounds__(256)
     if (threadIdx.x == 0) st[t] = s;
 }
 
-/* Routed row i (blockIdx.x, perm order) of this rank: its token perm[i] / k's codes (xt) into
- * panel row slot[i] of xq [pr][D] (the products' B operand), the token's scale into xs[slot[i]].
- * D % 16 == 0. */
+/* Routed row i < n (perm order) of this rank, a warp each (MOE_GATHER_ROWS a block): its token
+ * perm[i] / k's codes (xt) into panel row slot[i] of xq [pr][D] (the products' B operand), the
+ * token's scale into xs[slot[i]]. D % 16 == 0. */
 __global__ void moe_f8g_gather_k(uint8_t *xq, float *xs, const uint8_t *xt, const float *st, int D,
-                                 const int32_t *perm, const int32_t *slot, int k) {
+                                 const int32_t *perm, const int32_t *slot, int k, int n) {
     PDL_ENTRY();
-    const int i = blockIdx.x, r = slot[i], t = perm[i] / k;
-    const uint4 *src = (const uint4 *)(xt + (size_t)t * D);
-    uint4 *dst = (uint4 *)(xq + (size_t)r * D);
-    for (int c16 = threadIdx.x; c16 < D / 16; c16 += blockDim.x) dst[c16] = src[c16];
-    if (threadIdx.x == 0) xs[r] = st[t];
+    const int i = blockIdx.x * MOE_GATHER_ROWS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (i >= n) return;
+    const int r = slot[i], t = perm[i] / k;
+    warp_copy16(xq + (size_t)r * D, xt + (size_t)t * D, D / 16, lane);
+    if (lane == 0) xs[r] = st[t];
 }
 
 /* Routed row i (blockIdx.x) of expert e (start[e] <= i < start[e + 1]) at panel row r = slot[i]:
@@ -166,8 +166,10 @@ int moe_f8_experts_gemm(ds_cu *c, float *out, const float *x, const float *w, co
         uint8_t *xt = (uint8_t *)b[7];
         float *st = (float *)b[8];
         launch_k(c, moe_f8g_quant_k, (unsigned)T, 256, 0, xt, st, x, D);
-        launch_k(c, moe_f8g_gather_k, (unsigned)pl.n_local, 128, 0, xq, xs, (const uint8_t *)xt,
-                 (const float *)st, D, (const int32_t *)perm, (const int32_t *)slot, k);
+        launch_k(c, moe_f8g_gather_k,
+                 (unsigned)((pl.n_local + MOE_GATHER_ROWS - 1) / MOE_GATHER_ROWS),
+                 32 * MOE_GATHER_ROWS, 0, xq, xs, (const uint8_t *)xt, (const float *)st, D,
+                 (const int32_t *)perm, (const int32_t *)slot, k, pl.n_local);
     }
     CU_TRY(cudaGetLastError(), "moe fp8 gemm: gather");
     ds_cu_prof_mark(c, "moe gemm: gate/up");

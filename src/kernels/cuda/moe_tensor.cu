@@ -304,14 +304,14 @@ __global__ void moe_gather_bf16_k(__nv_bfloat16 *xg, const float *x, int D, cons
     for (int c4 = threadIdx.x; c4 < D / 4; c4 += blockDim.x) store_bf16x4(dst + 4 * c4, xr[c4]);
 }
 
-/* The same from x already rounded to BF16 (xr [T][D], D a multiple of 4): 8-byte copies */
+/* The same from x already rounded to BF16 (xr [T][D], D a multiple of 8): routed row i < n a warp
+ * (MOE_GATHER_ROWS a block), 16-byte copies */
 __global__ void moe_gather_x16_k(__nv_bfloat16 *xg, const __nv_bfloat16 *xr, int D,
-                                 const int32_t *perm, const int32_t *slot, int k) {
+                                 const int32_t *perm, const int32_t *slot, int k, int n) {
     PDL_ENTRY();
-    const int i = blockIdx.x;
-    const uint2 *src = (const uint2 *)(xr + (size_t)(perm[i] / k) * D);
-    uint2 *dst = (uint2 *)(xg + (size_t)slot[i] * D);
-    for (int c4 = threadIdx.x; c4 < D / 4; c4 += blockDim.x) dst[c4] = src[c4];
+    const int i = blockIdx.x * MOE_GATHER_ROWS + (threadIdx.x >> 5);
+    if (i >= n) return;
+    warp_copy16(xg + (size_t)slot[i] * D, xr + (size_t)(perm[i] / k) * D, D / 8, threadIdx.x & 31);
 }
 
 /* slot[i] = panel[e] + (i - start[e]) for the rows i of expert e = blockIdx.x: each expert's rows
@@ -446,8 +446,8 @@ static void moe_gather(ds_cu *c, __nv_bfloat16 *xg, __nv_bfloat16 *xr, const flo
     if (n_local <= 0) return;
     if (c->expert_x16) {
         round_rows(c, xr, x, D, D, T);
-        launch_k(c, moe_gather_x16_k, n_local, 256, 0, xg, (const __nv_bfloat16 *)xr, D, perm, slot,
-                 k);
+        launch_k(c, moe_gather_x16_k, (n_local + MOE_GATHER_ROWS - 1) / MOE_GATHER_ROWS,
+                 32 * MOE_GATHER_ROWS, 0, xg, (const __nv_bfloat16 *)xr, D, perm, slot, k, n_local);
     } else {
         launch_k(c, moe_gather_bf16_k, n_local, 256, 0, xg, x, D, perm, slot, k);
     }
