@@ -12,5 +12,5 @@ PYTHONPATH=/tmp/site-fi timeout 400 python3 tools/device/flashinfer_mla_bench.py
   grep -v Warning | tail -12
 for n in 32768 131072 1048576; do
   DS_BENCH_MLA_LONG="bf16 $n" timeout 120 .devbin/test_cuda_kernels --bench-only mla 2>&1 |
-    grep -E "copy d2d|absorbed decode 1 x $n rows, Ha=32, bf16 rows \(tensor cores, warp-specialized\)"
+    grep -E "copy d2d|absorbed decode 1 x $n rows, Ha=32, bf16 rows \(tensor cores, warp-specialized(, graph of [0-9]+)?\)"
 done

@@ -10,7 +10,7 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
 [ -n "$NCU" ] || { echo "ncu not found"; exit 1; }
 for n in ${LENS:-32768 131072 1048576}; do
   DS_BENCH_MLA_LONG="${DT:-bf16} $n" timeout 120 .devbin/test_cuda_kernels --bench-only mla 2>&1 |
-    grep -E "absorbed decode 1 x $n rows.*warp-specialized\)"
+    grep -E "absorbed decode 1 x $n rows.*warp-specialized(, graph of [0-9]+)?\)"
   DS_BENCH_MLA_LONG="${DT:-bf16} $n" timeout 200 "$NCU" --clock-control none \
     --kernel-name-base function -k regex:"mla_tcw_k|mla_merge_k" --launch-skip 40 --launch-count 4 \
     --section SpeedOfLight --section LaunchStats \
