@@ -17,7 +17,7 @@
  *   DS_CUDA_EXPERT_X16     F      1        those GEMMs gather their rows from x rounded to BF16
  *                                          once (the same words)
  *   DS_CUDA_EXPERT_LT      F      0        those GEMMs as cuBLASLt pointer-array batches instead
- *                                          of cublasGemmBatchedEx (not yet timed)
+ *                                          of cublasGemmBatchedEx (no faster on an H100)
  *   DS_CUDA_EXPERT_MMA     F      1        grouped routed experts of steps of >= 40 tokens on BF16
  *                                          tensor cores, on the device (capturable)
  *   DS_CUDA_EXPERT_TC      F      1        those through the mma.sync kernel that streams the
