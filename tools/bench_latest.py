@@ -136,8 +136,8 @@ KDA_BF16_FORM = " (bf16 scan and outputs, pass 1 f32)"
 KDA_DEFAULT = re.compile(r"bench kda chunked prefill T=(\d+) H=(\d+) dk=dv=(\d+) \([^)]*, default\): "
                          r"([\d.]+) ms")
 KDA_FLA = re.compile(r"fla chunk_kda T=(\d+) H=(\d+) dk=dv=(\d+) (\w+): ([\d.]+) ms")
-# varlen: n sequences of L tokens in one call, ours in a scan mode (3xtf32: the model's default;
-# bf16) against FLA's bf16 run with cu_seqlens
+# varlen: n sequences of L tokens in one call, ours in a scan mode (3xbf16: the model's default
+# since session 47, 3xtf32 before it; bf16) against FLA's bf16 run with cu_seqlens
 KDA_VAR_OURS = re.compile(r"bench kda chunked varlen (\d+) x (\d+) H=\d+ dk=dv=\d+ \((\w+) scan[^)]*\): "
                           r"([\d.]+) ms")
 KDA_VAR_FLA = re.compile(r"fla chunk_kda varlen (\d+) x (\d+) H=\d+ dk=dv=\d+ bfloat16: ([\d.]+) ms")
@@ -168,7 +168,8 @@ def from_kda(path):
                 f"T={T} H={H} D={D}: fla bf16 {ms} ms, ours (bf16) {bf16[(T, H, D)]} ms")
     var = {(n, L, mode): float(ms) for n, L, mode, ms in KDA_VAR_OURS.findall(text)}
     for n, L, ms in KDA_VAR_FLA.findall(text):
-        for mode, tag in (("3xtf32", ""), ("bf16", "_bf16mode")):
+        # (a log with both default forms: the later one, 3xbf16, is the model's)
+        for mode, tag in (("3xtf32", ""), ("3xbf16", ""), ("bf16", "_bf16mode")):
             if (n, L, mode) in var:
                 out[f"kda_chunk_varlen_{n}x{L}_vs_fla_bf16{tag}"] = (
                     float(ms) / var[(n, L, mode)],

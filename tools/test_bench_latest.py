@@ -139,6 +139,17 @@ def test_kda_varlen(tmp_path):
     assert d["h200.kda_chunk_varlen_8x1024_vs_fla_bf16"]["value"] == 0.75
     assert d["h200.kda_chunk_varlen_8x1024_vs_fla_bf16_bf16mode"]["value"] == 1.2
     assert "32x256" not in " ".join(d)
+    # the default since session 47, 3xBF16: its varlen line is the default key's
+    sub = tmp_path / "x3bf16"
+    sub.mkdir()
+    log2 = log.replace("3xtf32 scan", "3xbf16 scan").replace("varlen 8 x 1024 H=32 dk=dv=128 "
+                                                             "(3xbf16 scan and outputs, pass 1 f32): "
+                                                             "2.000", "varlen 8 x 1024 H=32 "
+                                                             "dk=dv=128 (3xbf16 scan and outputs, "
+                                                             "pass 1 f32): 1.875")
+    rc, d = run(sub, "kda:" + write(tmp_path, "k3.log", log2))
+    assert rc == 0
+    assert d["h200.kda_chunk_varlen_8x1024_vs_fla_bf16"]["value"] == 0.8
 
 
 @pytest.mark.parametrize("source,why", [

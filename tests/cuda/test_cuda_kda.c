@@ -109,14 +109,14 @@ static void check_kda_step(ds_cu *c, const int *lens, const int *rows, int n_seq
     char what[96];
     /* the chunked form sums in another order; its TF32 and BF16 passes round the operands */
     const double tol = !nc ? 1e-5 : g_kda_tc == 1 ? 1e-2 : g_kda_tc == 2 ? 3e-2 : 1e-4;
-    snprintf(what, sizeof what, "kda %d seqs (T=%d, %d chunked%s) dk=%d dv=%d g>=%.1f: out", n_seq,
-             T, nc,
+    snprintf(what, sizeof what, "kda %d seqs (T=%d, %d chunked%s%s) dk=%d dv=%d g>=%.1f: out",
+             n_seq, T, nc,
              g_kda_tc == 1   ? ", tf32"
              : g_kda_tc == 2 ? ", bf16"
              : g_kda_tc == 3 ? ", 3xtf32"
              : g_kda_tc == 4 ? ", 3xbf16"
                              : "",
-             dk, dv, g_min);
+             g_kda_tc && !g_kda_prep_tc ? ", pass 1 f32" : "", dk, dv, g_min);
     report(what, rel_err(ogot, oref, 1, nv, nv), tol);
     snprintf(what, sizeof what, "kda %d seqs (%d chunked) dk=%d dv=%d: states", n_seq, nc, dk, dv);
     report(what, rel_err(Sgot, Sref, 1, ns * n_seq, ns * n_seq), tol);
@@ -521,20 +521,25 @@ void checks_kda(ds_cu *c) {
          * first row must neither overflow nor lose what they keep */
         check_kda_step(c, lens, rows, 7, 2, 128, 128, -12.0f, 16);
         check_kda_step(c, one, none, 1, 8, 128, 128, -0.1f, 16);
-        /* ... split into two BF16 parts each (3xBF16, pass 1 in f32): held to f32's tolerance */
+        /* ... split into two BF16 parts each (3xBF16): held to f32's tolerance, pass 1 in f32
+         * (the model's default, DS_CUDA_KDA_PREP_TC=0) and its block products and solve in
+         * 3xBF16 on tensor cores too */
         ds_cu_set_kda_tc(c, g_kda_tc = 4);
-        check_kda_step(c, lens, rows, 7, 4, 128, 128, -0.7f, 16);
-        check_kda_step(c, lens, rows, 7, 3, 64, 64, -0.7f, 16);
-        check_kda_step(c, lens, rows, 7, 2, 128, 128, -12.0f, 16);
-        check_kda_step(c, one, none, 1, 8, 128, 128, -0.1f, 16);
+        for (int prep_tc = 0; prep_tc <= 1; prep_tc++) {
+            ds_cu_set_kda_prep_tc(c, g_kda_prep_tc = prep_tc);
+            check_kda_step(c, lens, rows, 7, 4, 128, 128, -0.7f, 16);
+            check_kda_step(c, lens, rows, 7, 3, 64, 64, -0.7f, 16);
+            check_kda_step(c, lens, rows, 7, 2, 128, 128, -12.0f, 16);
+            check_kda_step(c, one, none, 1, 8, 128, 128, -0.1f, 16);
+        }
         ds_cu_set_kda_tc(c, g_kda_tc = 3);
         /* pass 1 on CUDA cores in f32 beside the tensor-core scan (DS_CUDA_KDA_PREP_TC=0) */
-        ds_cu_set_kda_prep_tc(c, 0);
+        ds_cu_set_kda_prep_tc(c, g_kda_prep_tc = 0);
         check_kda_step(c, lens, rows, 7, 4, 128, 128, -0.7f, 16);
         check_kda_step(c, lens, rows, 7, 2, 128, 128, -12.0f, 16);
         ds_cu_set_kda_tc(c, g_kda_tc = 1);
         check_kda_step(c, lens, rows, 7, 3, 64, 64, -0.7f, 16);
-        ds_cu_set_kda_prep_tc(c, 1);
+        ds_cu_set_kda_prep_tc(c, g_kda_prep_tc = 1);
         /* the scan and outputs on BF16 tensor cores, pass 1's products between 16-row blocks
          * on BF16 tensor cores too, then pass 1 in f32 (both hand the scan BF16 operands) */
         ds_cu_set_kda_tc(c, g_kda_tc = 2);
@@ -548,11 +553,11 @@ void checks_kda(ds_cu *c) {
         ds_cu_set_kda_prep_tc(c, 1);
         ds_cu_set_kda_tc(c, g_kda_tc = 0);
         /* raw inputs (the gate, beta and norms inside pass 1) in every mode and form of pass 1:
-         * f32, TF32, 3xTF32, BF16, 3xBF16 (pass 1 in f32 either way) */
+         * f32, TF32, 3xTF32, BF16, 3xBF16 */
         static const int modes[5] = {0, 1, 3, 2, 4};
         const int rlens[3] = {300, 64, 130}, rlens2[2] = {33, 200};
         for (int m = 0; m < 5; m++)
-            for (int prep_tc = 1; prep_tc >= (modes[m] && modes[m] != 4 ? 0 : 1); prep_tc--) {
+            for (int prep_tc = 1; prep_tc >= (modes[m] ? 0 : 1); prep_tc--) {
                 ds_cu_set_kda_tc(c, g_kda_tc = modes[m]);
                 ds_cu_set_kda_prep_tc(c, g_kda_prep_tc = prep_tc);
                 check_kda_raw(c, rlens, 3, 4, 128, 0);
@@ -690,20 +695,25 @@ void bench_kda(ds_cu *c, const cuda_ceilings *ceil) {
                         mode == 1   ? "tf32"
                         : mode == 2 ? "bf16"
                                     : "3xtf32",
-                        apart ? " apart" : "", prep_tc ? "tensor cores" : "f32",
-                        mode == 3 && !prep_tc && !apart ? ", default" : "", ms, kc.T / (ms * 1e-3));
+                        apart ? " apart" : "", prep_tc ? "tensor cores" : "f32", "", ms,
+                        kc.T / (ms * 1e-3));
                     kda_prep_phases(mode == 1   ? (prep_tc ? "tf32" : "f32 (tf32 scan)")
                                     : mode == 2 ? (prep_tc ? "bf16" : "f32 (bf16 scan)")
                                                 : (prep_tc ? "3xtf32" : "f32 (3xtf32 scan)"));
                 }
         ds_cu_set_kda_out_fused(c, 1);
-        ds_cu_set_kda_prep_tc(c, 0);
-        /* 3xBF16 (mode 4: pass 1 in f32), beside the default's line above */
+        /* 3xBF16 (mode 4), pass 1 in f32 (the model's default: "default", the line
+         * tools/bench_latest.py takes), then on tensor cores in 3xBF16 too */
         ds_cu_set_kda_tc(c, 4);
-        ms = median_ms(c, run_kda, &kc, 2, 10);
-        printf("bench kda chunked prefill T=8192 H=32 dk=dv=128 (3xbf16 scan and outputs, pass 1 "
-               "f32): %.3f ms, %.0f tokens/s\n",
-               ms, kc.T / (ms * 1e-3));
+        for (int prep_tc = 0; prep_tc < 2; prep_tc++) {
+            ds_cu_set_kda_prep_tc(c, prep_tc);
+            ms = median_ms(c, run_kda, &kc, 2, 10);
+            printf("bench kda chunked prefill T=8192 H=32 dk=dv=128 (3xbf16 scan and outputs, pass "
+                   "1 %s): %.3f ms, %.0f tokens/s\n",
+                   prep_tc ? "tensor cores" : "f32, default", ms, kc.T / (ms * 1e-3));
+            kda_prep_phases(prep_tc ? "3xbf16" : "f32 (3xbf16 scan)");
+        }
+        ds_cu_set_kda_prep_tc(c, 0);
         /* where a call's time goes: pass 1 alone, then the scan with its outputs alone (the other
          * left out through the what-if's labels; the scan then reads stale products, which only
          * the timing may), BF16 and the default 3xTF32 */
@@ -770,13 +780,13 @@ void bench_kda(ds_cu *c, const cuda_ceilings *ceil) {
             kda_ctx kv = kc;
             kv.n_seq = nv, kv.S = Sv, kv.Sp = dev(c, sp, (size_t)nv * sizeof *sp);
             free(sp);
-            for (int mode = 3; mode >= 2; mode--) {
+            for (int mode = 4; mode >= 2; mode -= 2) { /* the default (3xBF16), then BF16 */
                 ds_cu_set_kda_tc(c, mode);
                 ms = median_ms(c, run_kda, &kv, 2, 10);
                 printf(
                     "bench kda chunked varlen %d x %d H=32 dk=dv=128 (%s scan and outputs, pass 1 "
                     "f32): %.3f ms, %.0f tokens/s\n",
-                    nv, kc.T / nv, mode == 3 ? "3xtf32" : "bf16", ms, kc.T / (ms * 1e-3));
+                    nv, kc.T / nv, mode == 4 ? "3xbf16" : "bf16", ms, kc.T / (ms * 1e-3));
             }
             ds_cu_dealloc(kv.Sp), ds_cu_dealloc(Sv);
         }

@@ -125,6 +125,10 @@
 #      (DS_CUDA_EXPERT_LT=1; cublasGemmBatchedEx ran them at 466-505 TFLOP/s, the FP8 experts'
 #      cuBLASLt batches at 745-791): the moe checks (modes 7-8), then prefill of 8192 tokens with it
 #      on and off, ROUNDS rounds alternating, and its eager profile's expert rows. Not yet run.
+#  32. (issue 33, session 47) 3xBF16's first pass on tensor cores too (DS_CUDA_KDA_PREP_TC=1 in
+#      mode 4: its block products and solve in 3xBF16; in 3xTF32 that form was no faster, the pass
+#      bound by shared memory): the kda checks (mode 4 in both forms of pass 1), the kernel's
+#      timings (3xTF32, 3xBF16 with pass 1 f32 and on tensor cores, varlen), prefill A/B.
 #  31. (issues 32 and 33, session 47) the experts' gathers (BF16 x16 and FP8 codes) a warp a row, 8
 #      rows a block, 16-byte copies: the moe and moe fp8 checks, then prompts of 8192 tokens in BF16
 #      and ptpc_fp8 with deltaserve and deltaserve_base (DS_DEVBIN_BASE), ROUNDS rounds alternating.
@@ -604,6 +608,14 @@ for r in $(seq "${ROUNDS:-2}"); do
     done
   done
 done
+fi
+if want 32; then
+el "32. (issue 33, session 47) 3xBF16's pass 1 on tensor cores (DS_CUDA_KDA_PREP_TC=1 in mode 4)"
+checks s32.log kda | tee "$OUT/s32.rc"
+grep -E "3xbf16|FAIL" "$OUT/s32.log" | head -24
+timeout 150 stdbuf -oL .devbin/test_cuda_kernels --bench-only kda 2>&1 |
+  grep -E "chunked prefill T=8192 H=32 dk=dv=128 \((3xtf32|3xbf16) scan and outputs, pass 1|varlen" | head -12
+prefill_ab s32 DS_CUDA_KDA_PREP_TC "1 0"
 fi
 want 4 || want 5 || { el end; exit 0; }
 el "4. decode b1 / b32, BF16 then ptpc_fp8"

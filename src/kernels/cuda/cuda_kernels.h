@@ -165,7 +165,7 @@ int ds_cu_kda_chunked_raw(ds_cu *c, float *o, const float *q, const float *k, co
  * DS_CUDA_KDA_TC says otherwise. tests/cuda checks modes 1 and 2 against the CPU at 1e-2 and
  * 3e-2, modes 0, 3 and 4 at f32's 1e-4. */
 void ds_cu_set_kda_tc(ds_cu *c, int mode);
-/* In modes 1 and 3, pass 1's products between 16-row blocks (the bulk of A = K K^T and P = Q K^T
+/* In modes 1, 3 and 4, pass 1's products between 16-row blocks (the bulk of A = K K^T and P = Q K^T
  * with their decays) on tensor cores in the same precision as the scan; a context starts with it
  * on (tests/cuda checks both forms); 0 keeps pass 1 on CUDA cores in f32 as in mode 0 (the
  * model's default: no faster in 3xTF32, docs/tuning.md; DS_CUDA_KDA_PREP_TC=1 turns it on). */

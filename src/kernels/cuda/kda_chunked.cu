@@ -185,8 +185,8 @@ template <typename F> __device__ __forceinline__ void kda_prep_jobs(int tid, F &
     }
 }
 
-/* The TF32 and 3xTF32 forms (PREC 1, 3) of those jobs on m16n8k8: ma[jj] gets job jj's A (C
- * fragment), P's entries go straight to P (rows past L zero). */
+/* The TF32, 3xTF32 and 3xBF16 forms (PREC 1, 3, 4) of those jobs on m16n8k8: ma[jj] gets job jj's A
+ * (C fragment), P's entries go straight to P (rows past L zero). */
 template <int KD, int PREC>
 __device__ __forceinline__ void kda_prep_blocks_tf32(float (&ma)[2][4], const float *Kt,
                                                      const float *Gt, const float *Qt, float *P,
@@ -606,7 +606,9 @@ extern "C" int ds_cu_kda_chunked_supports(int dk, int dv) {
 using kda_prep_fn = void (*)(float *, const float *, const float *, const float *, const float *,
                              const float *, const kda_chunk *, int, ds_cu_kda_raw);
 template <int KD, bool RAW> static kda_prep_fn kda_prep_kernel(const ds_cu *c) {
-    /* (3xBF16, mode 4: pass 1 in f32 on CUDA cores whatever kda_prep_f32 says) */
+    /* (3xBF16, mode 4: its products between 16-row blocks and its solve in 3xBF16 where
+     * kda_prep_f32 is off — the f32 operands handed over as in mode 3) */
+    if (c->kda_tc == 4 && !c->kda_prep_f32) return kda_chunk_prep_k<KD, 4, false, RAW>;
     if (c->kda_tc == 3 && !c->kda_prep_f32) return kda_chunk_prep_k<KD, 3, false, RAW>;
     if (c->kda_tc == 1 && !c->kda_prep_f32) return kda_chunk_prep_k<KD, 1, false, RAW>;
     if (c->kda_tc == 2 && !c->kda_prep_f32) /* BF16 tensor cores, handed over in BF16 */
@@ -630,7 +632,8 @@ static int kda_chunked_run(ds_cu *c, float *o, const float *q, const float *k, c
               kda_chunk_prep_k<KD, 0, true>, kda_chunk_prep_k<KD, 2, true>,
               kda_chunk_prep_k<KD, 0, false, true>, kda_chunk_prep_k<KD, 1, false, true>,
               kda_chunk_prep_k<KD, 3, false, true>, kda_chunk_prep_k<KD, 0, true, true>,
-              kda_chunk_prep_k<KD, 2, true, true>})
+              kda_chunk_prep_k<KD, 2, true, true>, kda_chunk_prep_k<KD, 4>,
+              kda_chunk_prep_k<KD, 4, false, true>})
             CU_TRY(
                 cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem1),
                 "chunked kda: shared memory");
