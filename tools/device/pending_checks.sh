@@ -168,6 +168,23 @@ prefill_ab() {
     done
   done
 }
+# prompt_bins NAME QUANTS: the same prompt of 8192 tokens by deltaserve and deltaserve_base
+# (pack_devbin.sh's DS_DEVBIN_BASE) for each quantization of QUANTS ("none": BF16), ROUNDS rounds
+# (default 2) alternating: the prompt line tagged, the JSON in $OUT/NAME_BINARY_QUANT_ROUND.json
+prompt_bins() {
+  local r q b
+  for r in $(seq "${ROUNDS:-2}"); do
+    for q in $2; do
+      for b in deltaserve deltaserve_base; do
+        [ -x ".devbin/$b" ] || continue
+        timeout 150 ".devbin/$b" bench --model $SHAPE48 --load-format random --device cuda \
+          --prompt-tokens 8192 --reps 3 --decode-context 512 --decode-steps 4 --batch-sizes 1 \
+          $([ "$q" = none ] || echo "-q $q") --json "$OUT/$1_${b}_${q}_$r.json" 2>&1 |
+          grep -E "^prompt" | sed "s/^/[$b, $q, $r] /"
+      done
+    done
+  done
+}
 # b48 STEPS BATCHES: the decode benchmark of the 48B shape (env.sh's) as this script runs it
 b48() {
   echo "bench --model $SHAPE48 --load-format random --device cuda --prompt-tokens 16 --reps 1" \
@@ -584,30 +601,13 @@ if want 30; then
 el "30. (issue 32, session 47) FP8 experts' tokens quantized once: checks, ptpc_fp8 prompt vs the base binary"
 checks s30.log "moe fp8" | tee "$OUT/s30.rc"
 grep -E "cuBLASLt|FAIL" "$OUT/s30.log" | head -8
-for r in $(seq "${ROUNDS:-2}"); do
-  for b in deltaserve deltaserve_base; do
-    [ -x ".devbin/$b" ] || continue
-    timeout 150 ".devbin/$b" bench --model $SHAPE48 --load-format random --device cuda \
-      --prompt-tokens 8192 --reps 3 --decode-context 512 --decode-steps 4 --batch-sizes 1 \
-      -q ptpc_fp8 --json "$OUT/s30_${b}_$r.json" 2>&1 | grep -E "^prompt" | sed "s/^/[$b, $r] /"
-  done
-done
+prompt_bins s30 ptpc_fp8
 fi
 if want 31; then
 el "31. (issues 32, 33, session 47) the experts' gathers a warp a row: checks, prompts vs the base binary"
 checks s31.log "moe,moe fp8" | tee "$OUT/s31.rc"
 grep -E "FAIL|x16" "$OUT/s31.log" | head -8
-for r in $(seq "${ROUNDS:-2}"); do
-  for q in none ptpc_fp8; do
-    for b in deltaserve deltaserve_base; do
-      [ -x ".devbin/$b" ] || continue
-      timeout 150 ".devbin/$b" bench --model $SHAPE48 --load-format random --device cuda \
-        --prompt-tokens 8192 --reps 3 --decode-context 512 --decode-steps 4 --batch-sizes 1 \
-        $([ $q = none ] || echo "-q $q") --json "$OUT/s31_${b}_${q}_$r.json" 2>&1 |
-        grep -E "^prompt" | sed "s/^/[$b, $q, $r] /"
-    done
-  done
-done
+prompt_bins s31 "none ptpc_fp8"
 fi
 if want 32; then
 el "32. (issue 33, session 47) 3xBF16's pass 1 on tensor cores (DS_CUDA_KDA_PREP_TC=1 in mode 4)"
