@@ -117,10 +117,8 @@
 #      session 46 on H100s (bench/RESULTS.md). Next: `git cherry-pick c425d0d` (each token
 #      quantized once, the gather copying codes), rebuild, pack and run it again against d97c279's
 #      prompt time (99.67 ms then).
-#  28. (issue 33, session 46) chunked KDA in 3xBF16 (DS_CUDA_KDA_TC=4: each operand split into two
-#      BF16 parts on the BF16 step, pass 1 in f32): the kda checks (mode 4 held to f32's 1e-4),
-#      the kernel's timings beside the default 3xTF32, then prefill of 8192 tokens in modes 3 and
-#      4, ROUNDS rounds alternating. Written after session 46's device time: not yet run.
+#  28. (issue 33, session 46; ran in session 47 on an H100: 3xBF16 the default since, bench/RESULTS.md;
+#      removed: step 32 times the same lines and more)
 #  29. (issue 33, session 46) the BF16 experts' GEMMs as cuBLASLt pointer-array batches
 #      (DS_CUDA_EXPERT_LT=1; cublasGemmBatchedEx ran them at 466-505 TFLOP/s, the FP8 experts'
 #      cuBLASLt batches at 745-791): the moe checks (modes 7-8), then prefill of 8192 tokens with it
@@ -580,14 +578,6 @@ done
 PROMPT=8192 BATCHES=1 timeout 200 bash "$(dirname "$0")/profile48.sh" -q ptpc_fp8 > /dev/null 2>&1
 mv "$OUT/profile.txt" "$OUT/s27_profile_fp8.txt"
 head -60 "$OUT/s27_profile_fp8.txt"
-fi
-if want 28; then
-el "28. (issue 33, session 46) chunked KDA in 3xBF16 (DS_CUDA_KDA_TC=4)"
-checks s28.log kda | tee "$OUT/s28.rc"
-grep -E "3xbf16|FAIL" "$OUT/s28.log" | head -24
-timeout 120 stdbuf -oL .devbin/test_cuda_kernels --bench-only kda 2>&1 |
-  grep -E "chunked prefill T=8192 H=32 dk=dv=128 \((3xtf32 scan and outputs, pass 1 f32, default|3xbf16)" | head -4
-prefill_ab s28 DS_CUDA_KDA_TC "4 3"
 fi
 if want 29; then
 el "29. (issue 33, session 46) the BF16 experts' GEMMs as cuBLASLt batches (DS_CUDA_EXPERT_LT)"
