@@ -26,8 +26,8 @@ static const char *env_text(const char *name) {
 
 /* chunked KDA on tensor cores: 1 TF32, 2 BF16, 3 3xTF32, 4 3xBF16 (ds_cu_set_kda_tc) */
 static int kda_tc_mode(void) {
-    /* 3xBF16 by default: f32-grade accuracy (checked at 1e-4; 4-5e-6 off the CPU where 3xTF32
-     * is 1-2e-6) at 0.87x 3xTF32's kernel time (bench/RESULTS.md, session 47). TF32 is faster
+    /* 3xBF16 by default: an error within a few times f32's (checked at f32's tolerance, as
+     * 3xTF32 is) in less time than 3xTF32 (bench/RESULTS.md, session 47). TF32 is faster
      * still and alone a quarter of FLA's error on f32 inputs, but through the bundled model (no
      * batch invariance) it moved the GPU's logits further from the CPU's and TP 2's further from
      * one GPU's (sessions 10 and 17; docs/tuning.md). */

@@ -311,7 +311,8 @@ long ds_cu_expert_gemm_runs(const ds_cu *c);
 /* Those BF16 GEMMs as cuBLASLt pointer-array batches (the FP8 experts' calls, lt_batched) instead
  * of cublasGemmBatchedEx, a bucket falling back to the latter where cuBLASLt has no algorithm:
  * an option (DS_CUDA_EXPERT_LT; session 47 on an H100: the same rate as cublasGemmBatchedEx, a
- * prompt within the spread), 0 in a new context and in the engine unless set. ds_cu_expert_lt_runs: the calls whose every batch went through it. */
+ * prompt within the spread), 0 in a new context and in the engine unless set. ds_cu_expert_lt_runs:
+ * the calls whose every batch went through it. */
 void ds_cu_set_expert_lt(ds_cu *c, int on);
 long ds_cu_expert_lt_runs(const ds_cu *c);
 /* ptpc FP8 products on cuBLASLt (T > 2 tokens) take their row and token scales as cuBLASLt's

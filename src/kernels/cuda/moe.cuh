@@ -25,9 +25,9 @@ static __device__ __forceinline__ float4 load4(const __nv_bfloat16 *y, size_t i)
 enum { MMA_ROWS = 16, MMA_N = 256, MMA_KC = 256, MMA_XLD = MMA_KC + 8, MMA_OLD = MMA_N + 4 };
 
 /* The experts' gathers copy a routed row a warp, MOE_GATHER_ROWS rows a block: a block a row
- * left each block a few 8- or 16-byte copies a thread (a 2,304-wide row is 288 16-byte pieces),
- * so that blocks were retired as fast as they were issued and the copy ran near a third of the
- * memory's rate (bench/RESULTS.md session 47). */
+ * leaves each thread a copy or two, so that issuing and retiring blocks, not the bytes, may set
+ * the pace (the gather's profile row was well under the memory's rate: bench/RESULTS.md session
+ * 47, which also measures this form against that one). */
 enum { MOE_GATHER_ROWS = 8 };
 /* n16 16-byte pieces from src to dst by the calling warp (both 16-byte aligned) */
 static __device__ __forceinline__ void warp_copy16(void *dst, const void *src, int n16, int lane) {
