@@ -688,14 +688,13 @@ void bench_kda(ds_cu *c, const cuda_ceilings *ceil) {
                     ds_cu_set_kda_prep_tc(c, prep_tc);
                     ds_cu_set_kda_out_fused(c, !apart);
                     ms = median_ms(c, run_kda, &kc, 2, 10);
-                    /* "default": the model's form (tools/bench_latest.py takes that line) */
                     printf(
                         "bench kda chunked prefill T=8192 H=32 dk=dv=128 (%s scan and outputs%s, "
-                        "pass 1 %s%s): %.3f ms, %.0f tokens/s\n",
+                        "pass 1 %s): %.3f ms, %.0f tokens/s\n",
                         mode == 1   ? "tf32"
                         : mode == 2 ? "bf16"
                                     : "3xtf32",
-                        apart ? " apart" : "", prep_tc ? "tensor cores" : "f32", "", ms,
+                        apart ? " apart" : "", prep_tc ? "tensor cores" : "f32", ms,
                         kc.T / (ms * 1e-3));
                     kda_prep_phases(mode == 1   ? (prep_tc ? "tf32" : "f32 (tf32 scan)")
                                     : mode == 2 ? (prep_tc ? "bf16" : "f32 (bf16 scan)")

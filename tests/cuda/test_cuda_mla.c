@@ -362,9 +362,9 @@ static void tcw_phases(void) {
  * (tools/device/flashinfer_mla_bench.py): what the kernels take where a decode step's graph
  * runs them. */
 enum { GRAPH_CALLS = 20 };
-static int cmp_ms(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
+static void run_graph(ds_cu *c, void *p) {
+    ds_err err;
+    if (ds_cu_graph_launch(c, p, &err)) DIE("%s", err.msg);
 }
 static void graph_ms(ds_cu *c, mla_batch_ctx *bc, const char *dtn) {
     ds_err err = {{0}};
@@ -372,17 +372,10 @@ static void graph_ms(ds_cu *c, mla_batch_ctx *bc, const char *dtn) {
     if (ds_cu_capture_begin(c, &err)) DIE("%s", err.msg);
     for (int i = 0; i < GRAPH_CALLS; i++) run_mla_batch(c, bc);
     if (ds_cu_capture_end(c, &g, &err)) DIE("%s", err.msg);
-    double t[5];
-    for (int r = -1; r < 5; r++) { /* (one replay to warm up) */
-        ds_cu_timer *tm = ds_cu_timer_start(c);
-        if (ds_cu_graph_launch(c, g, &err)) DIE("%s", err.msg);
-        const double ms = ds_cu_timer_stop(c, tm);
-        if (r >= 0) t[r] = ms;
-    }
-    qsort(t, 5, sizeof *t, cmp_ms);
+    const double ms = median_ms(c, run_graph, g, 1, 5); /* a replay: GRAPH_CALLS calls */
     printf("bench mla absorbed decode 1 x %d rows, Ha=32, %s rows (tensor cores, warp-specialized, "
            "graph of %d): %.4f ms a call\n",
-           bc->n_ctx, dtn, GRAPH_CALLS, t[2] / GRAPH_CALLS);
+           bc->n_ctx, dtn, GRAPH_CALLS, ms / GRAPH_CALLS);
     ds_cu_graph_free(g);
 }
 
