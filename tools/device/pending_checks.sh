@@ -123,6 +123,11 @@
 #      (DS_CUDA_EXPERT_LT=1; cublasGemmBatchedEx ran them at 466-505 TFLOP/s, the FP8 experts'
 #      cuBLASLt batches at 745-791): the moe checks (modes 7-8), then prefill of 8192 tokens with it
 #      on and off, ROUNDS rounds alternating, and its eager profile's expert rows. Not yet run.
+#  33. (issue 33, session 48) decode's MLA attend at a 512-row context (7 layers of the 48B step at
+#      ~20 us each by session 16's what-if: latency, not bytes): the step at batch 1 with the
+#      tensor-core kernel from every context (DS_CUDA_MLA_DECODE_TC=1) against its 8192-row
+#      default, and with the all-heads kernel forced (DS_CUDA_MLA_ALL_HEADS=2), f32 (auto) and BF16
+#      latents, ROUNDS rounds alternating; the greedy ids' hashes say whether the words moved.
 #  32. (issue 33, session 47) 3xBF16's first pass on tensor cores too (DS_CUDA_KDA_PREP_TC=1 in
 #      mode 4: its block products and solve in 3xBF16; in 3xTF32 that form was no faster, the pass
 #      bound by shared memory): the kda checks (mode 4 in both forms of pass 1), the kernel's
@@ -606,6 +611,19 @@ grep -E "3xbf16|FAIL" "$OUT/s32.log" | head -24
 timeout 150 stdbuf -oL .devbin/test_cuda_kernels --bench-only kda 2>&1 |
   grep -E "chunked prefill T=8192 H=32 dk=dv=128 \((3xtf32|3xbf16) scan and outputs, pass 1|varlen" | head -12
 prefill_ab s32 DS_CUDA_KDA_PREP_TC "1 0"
+fi
+if want 33; then
+el "33. (issue 33, session 48) decode's MLA attend at 512 rows: tensor cores, all heads, the default"
+for r in $(seq "${ROUNDS:-2}"); do
+  for kv in auto bf16; do
+    b48_run "default, $kv, $r" "s33_def_${kv}_$r" DS_CUDA_STEP_TIMES=1 .devbin/deltaserve \
+      $(b48 16 1) --kv-cache-dtype $kv
+    b48_run "tc from 1 row, $kv, $r" "s33_tc_${kv}_$r" DS_CUDA_STEP_TIMES=1 DS_CUDA_MLA_DECODE_TC=1 \
+      .devbin/deltaserve $(b48 16 1) --kv-cache-dtype $kv
+    b48_run "all heads, $kv, $r" "s33_ah_${kv}_$r" DS_CUDA_STEP_TIMES=1 DS_CUDA_MLA_ALL_HEADS=2 \
+      .devbin/deltaserve $(b48 16 1) --kv-cache-dtype $kv
+  done
+done
 fi
 want 4 || want 5 || { el end; exit 0; }
 el "4. decode b1 / b32, BF16 then ptpc_fp8"
