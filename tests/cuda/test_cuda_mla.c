@@ -38,7 +38,8 @@ static void check_mla(ds_cu *c, int T, int Ha, int R, int dr, int pos0, int n_ct
  * positions, against the CPU one sequence at a time. */
 /* all_heads: a block per token for every head (each latent row read once): 2 always, 1 when the
  * step fills the GPU (ds_cu_set_mla_all_heads); 3: on tensor cores (ds_cu_set_mla_decode_tc, BF16
- * operands: 1e-2). */
+ * operands: 1e-2). The splits are merged as check_merge_warps says (ds_cu_set_mla_merge_warps). */
+static int check_merge_warps;
 static void check_mla_batch(ds_cu *c, const int *lens, const int *pos0, int n_seq, int Ha, int R,
                             int dr, int all_heads) {
     enum { BS = 16 };
@@ -71,17 +72,20 @@ static void check_mla_batch(ds_cu *c, const int *lens, const int *pos0, int n_se
     ds_err err = {{0}};
     ds_cu_set_mla_all_heads(c, all_heads >= 3 ? 0 : all_heads);
     ds_cu_set_mla_decode_tc(c, all_heads >= 3);
+    ds_cu_set_mla_merge_warps(c, check_merge_warps);
     if (ds_cu_mla_attend_absorbed_batch(c, dout, dq, dqr, ldqr, T, Ha, R, dr, dpool, 0, dtables,
                                         dbt, dpos, max_ctx, BS, (size_t)rowf * 4, scale, &err))
         DIE("%s", err.msg);
     ds_cu_set_mla_all_heads(c, 0);
     ds_cu_set_mla_decode_tc(c, 0);
+    ds_cu_set_mla_merge_warps(c, 0);
     fetch(c, got, dout, (size_t)T * Ha * R * 4);
     char what[96];
-    snprintf(what, sizeof what, "mla absorbed batch %d seqs Ha=%d R=%d%s", n_seq, Ha, R,
+    snprintf(what, sizeof what, "mla absorbed batch %d seqs Ha=%d R=%d%s%s", n_seq, Ha, R,
              all_heads == 3 ? " (tensor cores)"
              : all_heads    ? " (all heads)"
-                            : "");
+                            : "",
+             check_merge_warps ? ", merge warps" : "");
     report(what, rel_err(got, ref, 1, (size_t)T * Ha * R, (size_t)T * Ha * R),
            all_heads >= 3 ? 1e-2 : 1e-5);
     ds_cu_dealloc(dpool), ds_cu_dealloc(dtables), ds_cu_dealloc(dbt), ds_cu_dealloc(dpos);
@@ -270,8 +274,15 @@ void checks_mla(ds_cu *c) {
     check_mla_expanded_mode(c, 130, 2, 32, 16, 48, 0, 1000, 0, 1);  /* not causal */
 }
 
-/* absorbed MLA over a step's sequences */
+/* absorbed MLA over a step's sequences, each check with both merges of the splits */
+static void checks_mla_batch_once(ds_cu *c);
 void checks_mla_batch(ds_cu *c) {
+    for (check_merge_warps = 0; check_merge_warps < 2; check_merge_warps++)
+        checks_mla_batch_once(c);
+    check_merge_warps = 0;
+}
+
+static void checks_mla_batch_once(ds_cu *c) {
     int mlens[4] = {1, 3, 1, 5}, mpos[4] = {0, 300, 700, 17};
     check_mla_batch(c, mlens, mpos, 4, 8, 512, 64, 0);
     check_mla_batch(c, mlens, mpos, 4, 8, 512, 64, 2);
@@ -366,16 +377,17 @@ static void run_graph(ds_cu *c, void *p) {
     ds_err err;
     if (ds_cu_graph_launch(c, p, &err)) DIE("%s", err.msg);
 }
-static void graph_ms(ds_cu *c, mla_batch_ctx *bc, const char *dtn) {
+static void graph_ms(ds_cu *c, mla_batch_ctx *bc, const char *dtn, const char *tag) {
     ds_err err = {{0}};
     ds_cu_graph *g = NULL;
     if (ds_cu_capture_begin(c, &err)) DIE("%s", err.msg);
     for (int i = 0; i < GRAPH_CALLS; i++) run_mla_batch(c, bc);
     if (ds_cu_capture_end(c, &g, &err)) DIE("%s", err.msg);
     const double ms = median_ms(c, run_graph, g, 1, 5); /* a replay: GRAPH_CALLS calls */
-    printf("bench mla absorbed decode 1 x %d rows, Ha=32, %s rows (tensor cores, warp-specialized, "
-           "graph of %d): %.4f ms a call\n",
-           bc->n_ctx, dtn, GRAPH_CALLS, ms / GRAPH_CALLS);
+    printf(
+        "bench mla absorbed decode 1 x %d rows, Ha=32, %s rows (tensor cores, warp-specialized%s, "
+        "graph of %d): %.4f ms a call\n",
+        bc->n_ctx, dtn, tag, GRAPH_CALLS, ms / GRAPH_CALLS);
     ds_cu_graph_free(g);
 }
 
@@ -449,7 +461,17 @@ static void bench_mla_long(ds_cu *c, double copy_gbs) {
                                  : "all heads, f32",
                        ms, bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
                 if (tc >= 4) tcw_phases();
-                if (tc == 4) graph_ms(c, &bc, dtn);
+                if (tc == 4) {
+                    graph_ms(c, &bc, dtn, "");
+                    /* the same with the splits merged by warps (mla_merge_w_k) */
+                    ds_cu_set_mla_merge_warps(c, 1);
+                    const double mw = median_ms(c, run_mla_batch, &bc, 2, 10);
+                    printf("bench mla absorbed decode 1 x %d rows, Ha=32, %s rows (tensor cores, "
+                           "warp-specialized, merge warps): %.4f ms\n",
+                           bc.n_ctx, dtn, mw);
+                    graph_ms(c, &bc, dtn, ", merge warps");
+                    ds_cu_set_mla_merge_warps(c, 0);
+                }
             }
             ds_cu_set_mla_all_heads(c, 0);
             ds_cu_set_mla_decode_tc(c, 0);

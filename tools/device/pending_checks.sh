@@ -127,7 +127,8 @@
 #      ~20 us each by session 16's what-if: latency, not bytes): the step at batch 1 with the
 #      tensor-core kernel from every context (DS_CUDA_MLA_DECODE_TC=1) against its 8192-row
 #      default, and with the all-heads kernel forced (DS_CUDA_MLA_ALL_HEADS=2), f32 (auto) and BF16
-#      latents, ROUNDS rounds alternating; the greedy ids' hashes say whether the words moved.
+#      latents, and each with the splits merged by warps (DS_CUDA_MLA_MERGE_WARPS=1), ROUNDS rounds
+#      alternating; the greedy ids' hashes say whether the words moved.
 #  32. (issue 33, session 47) 3xBF16's first pass on tensor cores too (DS_CUDA_KDA_PREP_TC=1 in
 #      mode 4: its block products and solve in 3xBF16; in 3xTF32 that form was no faster, the pass
 #      bound by shared memory): the kda checks (mode 4 in both forms of pass 1), the kernel's
@@ -613,7 +614,9 @@ timeout 150 stdbuf -oL .devbin/test_cuda_kernels --bench-only kda 2>&1 |
 prefill_ab s32 DS_CUDA_KDA_PREP_TC "1 0"
 fi
 if want 33; then
-el "33. (issue 33, session 48) decode's MLA attend at 512 rows: tensor cores, all heads, the default"
+el "33. (issue 33, session 48) decode's MLA attend at 512 rows: tensor cores, all heads, merge warps"
+checks s33.log "mla batch" | tee "$OUT/s33.rc"
+grep -E "merge warps|FAIL" "$OUT/s33.log" | head -12
 for r in $(seq "${ROUNDS:-2}"); do
   for kv in auto bf16; do
     b48_run "default, $kv, $r" "s33_def_${kv}_$r" DS_CUDA_STEP_TIMES=1 .devbin/deltaserve \
@@ -621,6 +624,10 @@ for r in $(seq "${ROUNDS:-2}"); do
     b48_run "tc from 1 row, $kv, $r" "s33_tc_${kv}_$r" DS_CUDA_STEP_TIMES=1 DS_CUDA_MLA_DECODE_TC=1 \
       .devbin/deltaserve $(b48 16 1) --kv-cache-dtype $kv
     b48_run "all heads, $kv, $r" "s33_ah_${kv}_$r" DS_CUDA_STEP_TIMES=1 DS_CUDA_MLA_ALL_HEADS=2 \
+      .devbin/deltaserve $(b48 16 1) --kv-cache-dtype $kv
+    b48_run "tc from 1 row, merge warps, $kv, $r" "s33_tcmw_${kv}_$r" DS_CUDA_STEP_TIMES=1 \
+      DS_CUDA_MLA_DECODE_TC=1 DS_CUDA_MLA_MERGE_WARPS=1 .devbin/deltaserve $(b48 16 1) --kv-cache-dtype $kv
+    b48_run "merge warps, $kv, $r" "s33_mw_${kv}_$r" DS_CUDA_STEP_TIMES=1 DS_CUDA_MLA_MERGE_WARPS=1 \
       .devbin/deltaserve $(b48 16 1) --kv-cache-dtype $kv
   done
 done

@@ -110,7 +110,8 @@ typedef struct ds_cuda_tuning {
     int mla_decode_tc_tile;  /* its tile for FP8 and BF16 rows (32 or 64) */
     int mla_decode_tc_warps; /* its warps a block for BF16 rows in 64-row tiles (8 or 16) */
     int mla_decode_ws;       /* context cap from which its warp-specialized form runs (0: never) */
-    int mla_ws_oconv; /* that form's FP8 scores from the staged codes, output warps converting */
+    int mla_ws_oconv;    /* that form's FP8 scores from the staged codes, output warps converting */
+    int mla_merge_warps; /* absorbed MLA's splits merged by a block's warps (mla_merge_w_k) */
     int pdl;
     int profile;
     const char *skip;     /* DS_CUDA_SKIP's labels, or NULL when unset or empty */

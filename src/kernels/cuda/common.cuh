@@ -55,6 +55,7 @@ struct ds_cu {
                             1 on mma.sync, 2 on wgmma (sm_90), 3 wgmma x2, 4 that pipelined */
     int mla_ctx_block;   /* context rows a chunk's expanded attention takes at a time (0: all) */
     int mla_decode_tc;   /* absorbed MLA on tensor cores from this many context rows (0: never) */
+    int mla_merge_warps; /* absorbed MLA's splits merged with 8 warps a block (mla_merge_w_k) */
     /* the experts' and the FP8 products' cuBLASLt paths (moe_tensor.cu, moe_fp8_gemm.cu,
      * matmul_fp8.cu) */
     int lt_each;           /* the experts one cuBLASLt call each (ds_cu_set_lt_each) */

@@ -430,6 +430,9 @@ int ds_cu_l2_prefetch_experts(ds_cu *c, const int32_t *idx, int n, int e0, int E
  * fill the GPU; 2: whenever the shape allows (the checks); 0: never. The engine uses 1 unless
  * DS_CUDA_MLA_ALL_HEADS=0 (check_mla_batch covers it). */
 void ds_cu_set_mla_all_heads(ds_cu *c, int on);
+/* absorbed MLA's splits merged with the splits spread over a block's warps (mla_merge_w_k) instead
+ * of one thread an output going through them all (mla_merge_k) */
+void ds_cu_set_mla_merge_warps(ds_cu *c, int on);
 /* ds_cu_mla_attend_absorbed_batch on tensor cores (BF16 query, rows and probabilities, f32
  * accumulation; mla_decode_tc.cu) for steps whose context cap is at least min_rows (0: never;
  * not with batch invariance; R 512, dr 64, Ha 16 or 32). The engine's value: DS_CUDA_MLA_DECODE_TC

@@ -164,8 +164,64 @@ __global__ void __launch_bounds__(MLA_MERGE_THREADS)
     obar[(size_t)q * R + i] = acc / L;
 }
 
+/* The same merge with the splits spread over a block's 8 warps (ds_cu_set_mla_merge_warps): block
+ * (query row q, 128 outputs blockIdx.y), lane l of warp w holds outputs 4l..4l+3 of the slice and
+ * sums splits w, w + 8, ... in order; the warps' sums are then added in warp order. Why: with a
+ * split an SM (mla_decode_tc: 132 splits at one token) a thread of mla_merge_k waits on L2 for
+ * n_split / 8 batches of loads in turn, where here each warp waits for n_split / 64. The order
+ * of the sums depends on n_split alone, as mla_merge_k's (batch invariance). Needs R % 128 == 0
+ * (part_o's rows then 16-byte aligned). */
+enum { MLA_MERGE_WARPS = 8 };
+__global__ void __launch_bounds__(32 * MLA_MERGE_WARPS)
+    mla_merge_w_k(float *obar, const float *part_o, const float *part_ml, int R, int n_split) {
+    PDL_ENTRY();
+    __shared__ float acc_s[MLA_MERGE_WARPS][128]; /* [warp][output of the slice] */
+    __shared__ float l_s[MLA_MERGE_WARPS];        /* [warp]: its share of the softmax's sum */
+    const int q = blockIdx.x, w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int i0 = blockIdx.y * 128 + 4 * lane;
+    const float *ml = part_ml + (size_t)q * n_split * 2;
+    const float4 *po = (const float4 *)(part_o + (size_t)q * n_split * R + i0);
+    const int R4 = R / 4;
+    float M = -INFINITY; /* every warp finds the maximum over all splits */
+    for (int s = lane; s < n_split; s += 32) M = fmaxf(M, ml[2 * s]);
+#pragma unroll
+    for (int o = 16; o; o /= 2) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    float L = 0.0f;
+    float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
+    for (int s = w; s < n_split; s += MLA_MERGE_WARPS) {
+        const float l = ml[2 * s + 1];
+        const float4 o = po[(size_t)s * R4];
+        if (l > 0.0f) {
+            const float e = expf(ml[2 * s] - M);
+            L += l * e;
+            a.x += o.x * e, a.y += o.y * e, a.z += o.z * e, a.w += o.w * e;
+        }
+    }
+    acc_s[w][4 * lane] = a.x, acc_s[w][4 * lane + 1] = a.y;
+    acc_s[w][4 * lane + 2] = a.z, acc_s[w][4 * lane + 3] = a.w;
+    if (lane == 0) l_s[w] = L;
+    __syncthreads();
+    const int t = threadIdx.x;
+    if (t < 128 && blockIdx.y * 128 + t < R) {
+        float sum = 0.0f, lsum = 0.0f;
+#pragma unroll
+        for (int k = 0; k < MLA_MERGE_WARPS; k++) sum += acc_s[k][t], lsum += l_s[k];
+        obar[(size_t)q * R + blockIdx.y * 128 + t] = sum / lsum;
+    }
+}
+
+extern "C" void ds_cu_set_mla_merge_warps(ds_cu *c, int on) {
+    c->mla_merge_warps = on;
+}
+
 void mla_merge(ds_cu *c, float *obar, const float *part_o, const float *part_ml, int rows, int R,
                int n_split) {
+    if (c->mla_merge_warps && R % 128 == 0) {
+        launch_k(c, mla_merge_w_k, dim3((unsigned)rows, (unsigned)(R / 128)), 32 * MLA_MERGE_WARPS,
+                 0, obar, part_o, part_ml, R, n_split);
+        return;
+    }
     launch_k(c, mla_merge_k,
              dim3((unsigned)rows, (unsigned)((R + MLA_MERGE_THREADS - 1) / MLA_MERGE_THREADS)),
              MLA_MERGE_THREADS, 0, obar, part_o, part_ml, R, n_split);
