@@ -37,6 +37,40 @@ static __device__ __forceinline__ void warp_copy16(void *dst, const void *src, i
     for (int i = lane; i < n16; i += 32) d[i] = s[i];
 }
 
+/* The streaming mma kernels' store of NT 8-token tiles (moe_tensor.cu's BF16 experts and
+ * moe_mxfp4.cu's): accumulator tile m holds rows g (elements 0, 1) and g + 8 (2, 3), tokens
+ * 2 l4 and 2 l4 + 1, of the routed rows p0 + 8 nt .. (those from r1 on are padding). UP: tiles 0
+ * and 1 are gate and up rows of act column c0 + g (+ 8), whose activation goes out as BF16 act
+ * rows [row][ldo]; DOWN: f32 rows [perm row][ldo], weight rows c0 + 16 m + g (+ 8) below N. */
+template <int NT, bool UP>
+static __device__ __forceinline__ void
+moe_mma_store(void *out, int ldo, const float (&acc)[2][NT][4], const int32_t *perm, int p0, int r1,
+              int c0, int N, int g, int l4, moe_act act) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int r = p0 + nt * 8 + 2 * l4 + j;
+            if (r >= r1) continue;
+            if (UP) {
+                __nv_bfloat16 *ab = (__nv_bfloat16 *)out + (size_t)r * ldo + c0 + g;
+                ab[0] = __float2bfloat16_rn(
+                    act_pair(acc[0][nt][j], acc[1][nt][j], act.situ, act.beta, act.lin_beta));
+                ab[8] = __float2bfloat16_rn(act_pair(acc[0][nt][2 + j], acc[1][nt][2 + j], act.situ,
+                                                     act.beta, act.lin_beta));
+            } else {
+                float *y = (float *)out + (size_t)perm[r] * ldo;
+#pragma unroll
+                for (int m = 0; m < 2; m++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int row = c0 + 16 * m + g + 8 * h;
+                        if (row < N) y[row] = acc[m][nt][2 * h + j];
+                    }
+            }
+        }
+}
+
 /* A long step's expert GEMMs as a few pointer-array batches (moe_tensor.cu): moe_plan_make reads
  * the layout start [E+1] back to the host (a synchronisation: never while a graph is being
  * captured) and cuts the experts with rows into buckets; the caller fills ptrs, then

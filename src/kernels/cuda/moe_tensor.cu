@@ -162,30 +162,7 @@ __device__ __forceinline__ void moe_tc_body(void *out, int ldo, const __nv_bfloa
                     }
                 }
         }
-        /* C: rows g (elements 0, 1) and g + 8 (2, 3) of a tile, tokens 2 l4 and 2 l4 + 1 */
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int j = 0; j < 2; j++) {
-                const int r = p0 + nt * 8 + 2 * l4 + j;
-                if (r >= r1) continue;
-                if (UP) {
-                    __nv_bfloat16 *ab = (__nv_bfloat16 *)out + (size_t)r * ldo + c0 + g;
-                    ab[0] = __float2bfloat16_rn(
-                        act_pair(acc[0][nt][j], acc[1][nt][j], act.situ, act.beta, act.lin_beta));
-                    ab[8] = __float2bfloat16_rn(act_pair(acc[0][nt][2 + j], acc[1][nt][2 + j],
-                                                         act.situ, act.beta, act.lin_beta));
-                } else {
-                    float *y = (float *)out + (size_t)perm[r] * ldo;
-#pragma unroll
-                    for (int m = 0; m < 2; m++)
-#pragma unroll
-                        for (int h = 0; h < 2; h++) {
-                            const int row = c0 + 16 * m + g + 8 * h;
-                            if (row < N) y[row] = acc[m][nt][2 * h + j];
-                        }
-                }
-            }
+        moe_mma_store<NT, UP>(out, ldo, acc, perm, p0, r1, c0, N, g, l4, act);
     }
 }
 
