@@ -37,6 +37,35 @@ static __device__ __forceinline__ void warp_copy16(void *dst, const void *src, i
     for (int i = lane; i < n16; i += 32) d[i] = s[i];
 }
 
+/* The streaming mma kernels' (moe_tensor.cu's BF16, moe_fp8.cu's and moe_mxfp4.cu's) parts
+ * around their k loop. A warp takes two 16-row weight tiles m of expert e (erows rows an expert):
+ * UP, gate and up rows of act columns c0 .. c0 + 16; DOWN, rows c0 + 16 m .. (clamped to N - 1:
+ * the store drops them). moe_mma_row: lane (g, l4)'s row h (g, or g + 8) of tile m. */
+template <bool UP>
+static __device__ __forceinline__ size_t moe_mma_row(int e, size_t erows, int N, int c0, int g,
+                                                     int m, int h) {
+    const int row = UP ? m * N + c0 + g + 8 * h : min(c0 + 16 * m + g + 8 * h, N - 1);
+    return (size_t)e * erows + row;
+}
+
+/* Routed rows p0 + 8 nt + g of x (16-bit elements X [rows][K], rows from r1 on are past the
+ * expert's: they read row r0 and xv says so) as the B operands of token tile nt, at the lane's
+ * first piece (off uint4 into the row); the accumulators zeroed. */
+template <int NT, typename X>
+static __device__ __forceinline__ void moe_mma_tokens(const uint4 *(&xr)[NT], bool (&xv)[NT],
+                                                      float (&acc)[2][NT][4], const X *x, int K,
+                                                      int p0, int r0, int r1, int g, int off) {
+    static_assert(sizeof(X) == 2, "16-bit token rows");
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        const int r = p0 + nt * 8 + g;
+        xv[nt] = r < r1;
+        xr[nt] = (const uint4 *)(x + (size_t)(xv[nt] ? r : r0) * K) + off;
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[0][nt][i] = acc[1][nt][i] = 0.0f;
+    }
+}
+
 /* The streaming mma kernels' store of NT 8-token tiles (moe_tensor.cu's BF16 experts and
  * moe_mxfp4.cu's): accumulator tile m holds rows g (elements 0, 1) and g + 8 (2, 3), tokens
  * 2 l4 and 2 l4 + 1, of the routed rows p0 + 8 nt .. (those from r1 on are padding). UP: tiles 0

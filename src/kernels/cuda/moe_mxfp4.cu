@@ -373,8 +373,7 @@ __global__ void __launch_bounds__(256)
     for (int m = 0; m < 2; m++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const int row = UP ? m * N + c0 + g + 8 * h : min(c0 + 16 * m + g + 8 * h, N - 1);
-            const size_t rr = (size_t)e * erows + row;
+            const size_t rr = moe_mma_row<UP>(e, erows, N, c0, g, m, h);
             wr[m][h] = (const uint4 *)(Wc + rr * (K / 2)) + l4;
             sr[m][h] = Ws + rr * (K / 32) + l4;
         }
@@ -383,14 +382,7 @@ __global__ void __launch_bounds__(256)
         float acc[2][NT][4];
         const uint4 *xr[NT];
         bool xv[NT];
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-            const int r = p0 + nt * 8 + g;
-            xv[nt] = r < r1;
-            xr[nt] = (const uint4 *)(xb + (size_t)(xv[nt] ? r : r0) * K) + 4 * l4;
-#pragma unroll
-            for (int i = 0; i < 4; i++) acc[0][nt][i] = acc[1][nt][i] = 0.0f;
-        }
+        moe_mma_tokens<NT>(xr, xv, acc, xb, K, p0, r0, r1, g, 4 * l4);
         for (int s = 0; s < K / 128; s++) {
             uint4 a[2][2];
             __nv_bfloat162 sc[2][2];

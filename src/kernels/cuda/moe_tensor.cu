@@ -120,22 +120,14 @@ __device__ __forceinline__ void moe_tc_body(void *out, int ldo, const __nv_bfloa
     for (int m = 0; m < 2; m++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const int row = UP ? m * N + c0 + g + 8 * h : min(c0 + 16 * m + g + 8 * h, N - 1);
-            wr[m][h] = (const uint4 *)(W + ((size_t)e * erows + row) * K) + 2 * l4;
+            wr[m][h] = (const uint4 *)(W + moe_mma_row<UP>(e, erows, N, c0, g, m, h) * K) + 2 * l4;
         }
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     for (int p0 = r0; p0 < r1; p0 += 8 * NT) {
         float acc[2][NT][4];
         const uint4 *xr[NT];
         bool xv[NT];
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-            const int r = p0 + nt * 8 + g;
-            xv[nt] = r < r1;
-            xr[nt] = (const uint4 *)(xb + (size_t)(xv[nt] ? r : r0) * K) + 2 * l4;
-#pragma unroll
-            for (int i = 0; i < 4; i++) acc[0][nt][i] = acc[1][nt][i] = 0.0f;
-        }
+        moe_mma_tokens<NT>(xr, xv, acc, xb, K, p0, r0, r1, g, 2 * l4);
 #pragma unroll 2
         for (int k8 = 0; k8 < K / 8; k8 += 8) { /* a 64-wide step: 8 pieces of 8 a row */
             uint4 a[2][2][2], b[NT][2];
