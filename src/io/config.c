@@ -146,27 +146,26 @@ static int sc_str(const scope *s, const char *key, const char *alias, int requir
     return DS_OK;
 }
 
-/* Object-valued key; *out NULL when absent. */
-static int sc_obj(const scope *s, const char *key, int required, const json_t **out) {
+/* A key whose value must be a JSON object (want_array 0) or array (1); *out NULL when absent. */
+static int sc_node(const scope *s, const char *key, int required, int want_array,
+                   const json_t **out) {
     const json_t *v;
     const char *name;
     if (sc_lookup(s, key, NULL, &v, &name) != DS_OK) return DS_ERR;
     *out = NULL;
     if (!v) return required ? sc_missing(s, key) : DS_OK;
-    if (!json_is_object(v)) return sc_type_err(s, name, "object", v);
+    if (want_array ? !json_is_array(v) : !json_is_object(v))
+        return sc_type_err(s, name, want_array ? "array" : "object", v);
     *out = v;
     return DS_OK;
 }
 
+static int sc_obj(const scope *s, const char *key, int required, const json_t **out) {
+    return sc_node(s, key, required, 0, out);
+}
+
 static int sc_arr(const scope *s, const char *key, int required, const json_t **out) {
-    const json_t *v;
-    const char *name;
-    if (sc_lookup(s, key, NULL, &v, &name) != DS_OK) return DS_ERR;
-    *out = NULL;
-    if (!v) return required ? sc_missing(s, key) : DS_OK;
-    if (!json_is_array(v)) return sc_type_err(s, name, "array", v);
-    *out = v;
-    return DS_OK;
+    return sc_node(s, key, required, 1, out);
 }
 
 /* A value that must satisfy lo <= x (<= hi when hi >= lo). */
