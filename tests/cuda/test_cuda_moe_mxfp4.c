@@ -46,17 +46,29 @@ static uint8_t *rand_bytes(size_t n, int lo, int hi) {
     return b;
 }
 
+/* codes of +-0.5 alone (each nibble 1 or 9): the E2M1 subnormal, which the streaming kernel's
+ * one-part form feeds the tensor cores as a BF16 subnormal (a flush would zero every product) */
+static uint8_t *half_codes(size_t n) {
+    static const uint8_t b[4] = {0x11, 0x19, 0x91, 0x99};
+    uint8_t *p = malloc(n);
+    for (size_t i = 0; i < n; i++) p[i] = b[ds_rng_next(&g_rng) % 4];
+    return p;
+}
+
 /* Routed experts against the CPU composed from its own kernels, as check_moe_experts_mode:
  * per (token, slot) ds_matmul on the expert's MXFP4 gate|up rows, the activation, ds_matmul on
  * its down rows, the weighted sum in slot order. mode 0: the streaming kernel (f32 activations:
- * the CPU's terms, another order of the sums); 1: tensor cores (BF16 activations). half: this rank
- * holds experts [E/2, E) only. */
+ * the CPU's terms, another order of the sums); 1: tensor cores (BF16 activations); 2: the
+ * streaming kernel with the activations in one BF16 part (ds_cu_set_fp4_one_part); 3: that with
+ * codes of +-0.5 alone. half: this rank holds experts [E/2, E) only. */
 static void check_moe_mxfp4(ds_cu *c, int T, int k, int E, int D, int I, int situ, int mode,
                             int half) {
     const int e0 = half ? E / 2 : 0, El = E - e0;
     const size_t gun = (size_t)E * 2 * I * D, dnn = (size_t)E * D * I;
-    uint8_t *gc = rand_bytes(gun / 2, 0, 255), *gs = rand_bytes(gun / 32, 118, 122);
-    uint8_t *dc = rand_bytes(dnn / 2, 0, 255), *dsc = rand_bytes(dnn / 32, 118, 122);
+    uint8_t *gc = mode == 3 ? half_codes(gun / 2) : rand_bytes(gun / 2, 0, 255);
+    uint8_t *gs = rand_bytes(gun / 32, 118, 122);
+    uint8_t *dc = mode == 3 ? half_codes(dnn / 2) : rand_bytes(dnn / 2, 0, 255);
+    uint8_t *dsc = rand_bytes(dnn / 32, 118, 122);
     float *x = rand_f32((size_t)T * D, -1, 1), *w = rand_f32((size_t)T * k, 0, 1);
     float *base = rand_f32((size_t)T * D, -1, 1);
     int32_t *idx = malloc((size_t)T * k * 4);
@@ -102,6 +114,7 @@ static void check_moe_mxfp4(ds_cu *c, int T, int k, int E, int D, int I, int sit
     ds_err err = {{0}};
     ds_cu_set_expert_mma(c, mode == 1);
     ds_cu_set_expert_mma_min(c, mode == 1 ? 16 : 0);
+    ds_cu_set_fp4_one_part(c, mode >= 2);
     if (ds_cu_moe_experts_mxfp4(c, dout, dx, didx, dw, T, k, El, e0, D, I, dgc, dgs, ddc, dds, situ,
                                 4.0f, 6.0f, 0, &err) ||
         ds_cu_sync(c, &err))
@@ -111,20 +124,27 @@ static void check_moe_mxfp4(ds_cu *c, int T, int k, int E, int D, int I, int sit
     fetch(c, got, dout, (size_t)T * D * 4);
     char what[160];
     snprintf(what, sizeof what, "moe mxfp4 T=%d k=%d E=%d D=%d I=%d %s%s%s", T, k, E, D, I,
-             situ ? "situ" : "swiglu", mode ? " (tensor cores)" : "",
+             situ ? "situ" : "swiglu",
+             mode == 3   ? " (one part, codes +-0.5)"
+             : mode == 2 ? " (one part)"
+             : mode      ? " (tensor cores)"
+                         : "",
              half ? " (half the experts)" : "");
+    /* BF16 activations: the tensor-core path's tolerance */
     report(what, rel_err(got, ref, 1, (size_t)T * D, (size_t)T * D), mode ? 1e-2 : 1e-5);
-    if (mode == 0 && T > 1) { /* batch invariance: token 0 alone has the same bits */
+    if (mode != 1 && T > 1) { /* batch invariance: token 0 alone has the same bits */
         float *one = malloc((size_t)D * 4);
         if (ds_cu_moe_experts_mxfp4(c, dout, dx, didx, dw, 1, k, El, e0, D, I, dgc, dgs, ddc, dds,
                                     situ, 4.0f, 6.0f, 0, &err) ||
             ds_cu_sync(c, &err))
             DIE("%s", err.msg);
         fetch(c, one, dout, (size_t)D * 4);
-        snprintf(what, sizeof what, "moe mxfp4 T=%d: token 0 alone, words differing", T);
+        snprintf(what, sizeof what, "moe mxfp4 T=%d%s: token 0 alone, words differing", T,
+                 mode >= 2 ? " (one part)" : "");
         report(what, (double)words_differ(one, got, (size_t)D), 0.0);
         free(one);
     }
+    ds_cu_set_fp4_one_part(c, 0);
     ds_cu_dealloc(dgc), ds_cu_dealloc(dgs), ds_cu_dealloc(ddc), ds_cu_dealloc(dds);
     ds_cu_dealloc(dx), ds_cu_dealloc(dw), ds_cu_dealloc(dout), ds_cu_dealloc(didx);
     free(gc), free(gs), free(dc), free(dsc), free(x), free(w), free(base), free(idx), free(ref);
@@ -145,6 +165,15 @@ void checks_moe_mxfp4(ds_cu *c) {
     check_moe_mxfp4(c, 3, 4, 8, 256, 2048, 1, 0, 0);    /* down pass K split over 4 warps */
     check_moe_mxfp4(c, 1, 16, 32, 3584, 3072, 0, 0, 0); /* Kimi-K3's widths */
     check_moe_mxfp4(c, 20, 4, 32, 3584, 3072, 0, 1, 0);
+    /* the one-part streaming form: one token, grouped, split K, K3's widths, TP half, and codes
+     * of +-0.5 alone */
+    check_moe_mxfp4(c, 1, 8, 64, 512, 256, 0, 2, 0);
+    check_moe_mxfp4(c, 40, 8, 16, 512, 256, 1, 2, 0);
+    check_moe_mxfp4(c, 3, 4, 8, 256, 2048, 1, 2, 0);
+    check_moe_mxfp4(c, 1, 16, 32, 3584, 3072, 0, 2, 0);
+    check_moe_mxfp4(c, 40, 8, 32, 512, 256, 1, 2, 1);
+    check_moe_mxfp4(c, 1, 8, 64, 512, 256, 0, 3, 0);
+    check_moe_mxfp4(c, 5, 4, 16, 256, 96, 1, 3, 0);
 }
 
 /* ---- timings ----------------------------------------------------------------------------------
@@ -199,14 +228,22 @@ void bench_moe_mxfp4(ds_cu *c, const cuda_ceilings *ceil) {
         int n_used = 0;
         for (int r = 0; r < m.T * K; r++) n_used += !used[ids[r]], used[ids[r]] = 1;
         const int tc = m.T >= 40;
-        ds_cu_set_expert_mma(c, tc);
-        const double ms = median_ms(c, run_mx, &m, 3, 20);
-        ds_cu_set_expert_mma(c, 0);
-        const double bytes = (double)n_used * 3 * per * (0.5 + 1.0 / 32);
-        printf("bench moe mxfp4 T=%d (%d experts of 896, 3584 x 3072, 16 a token%s): %.4f ms, "
-               "%.0f GB/s (%.0f%% of copy)\n",
-               m.T, n_used, tc ? ", tensor cores" : "", ms, bytes / (ms * 1e-3) / 1e9,
-               100.0 * bytes / (ms * 1e-3) / 1e9 / ceil->copy_gbs);
+        for (int one = 0; one < (tc ? 1 : 2); one++) { /* streamed: also in one part */
+            ds_cu_set_expert_mma(c, tc);
+            ds_cu_set_fp4_one_part(c, one);
+            const double ms = median_ms(c, run_mx, &m, 3, 20);
+            ds_cu_set_expert_mma(c, 0);
+            ds_cu_set_fp4_one_part(c, 0);
+            const double bytes = (double)n_used * 3 * per * (0.5 + 1.0 / 32);
+            printf("bench moe mxfp4 T=%d (%d experts of 896, 3584 x 3072, 16 a token%s): %.4f ms, "
+                   "%.0f GB/s (%.0f%% of copy)\n",
+                   m.T, n_used,
+                   tc    ? ", tensor cores"
+                   : one ? ", one part"
+                         : "",
+                   ms, bytes / (ms * 1e-3) / 1e9,
+                   100.0 * bytes / (ms * 1e-3) / 1e9 / ceil->copy_gbs);
+        }
     }
     ds_cu_dealloc(m.gc), ds_cu_dealloc(m.gs), ds_cu_dealloc(m.dc), ds_cu_dealloc(m.ds);
     ds_cu_dealloc(m.x), ds_cu_dealloc(m.w), ds_cu_dealloc(m.idx), ds_cu_dealloc(m.out);

@@ -123,6 +123,12 @@
 #      (DS_CUDA_EXPERT_LT=1; cublasGemmBatchedEx ran them at 466-505 TFLOP/s, the FP8 experts'
 #      cuBLASLt batches at 745-791): the moe checks (modes 7-8), then prefill of 8192 tokens with it
 #      on and off, ROUNDS rounds alternating, and its eager profile's expert rows. Not yet run.
+#  34. (issue 32, session 48) one token's MXFP4 experts in one part (DS_CUDA_FP4_ONE=1: the
+#      activations rounded to BF16 once, the groups' scales on each step's sums; 168 instructions a
+#      step of the streaming kernel against the three exact parts' 217, by the SASS): the moe mxfp4
+#      checks (the one-part form at 1e-2 against the CPU, with codes of +-0.5 alone: a flushed
+#      subnormal would zero them), the K3 experts' timings at T=1 and 8 in both forms, then decode of
+#      K3's layer shapes (configs/kimi-k3-slice4) at batch 1 and 8 both ways, ROUNDS rounds.
 #  33. (issue 33, session 48) decode's MLA attend at a 512-row context (7 layers of the 48B step at
 #      ~20 us each by session 16's what-if: latency, not bytes): the step at batch 1 with the
 #      tensor-core kernel from every context (DS_CUDA_MLA_DECODE_TC=1) against its 8192-row
@@ -629,6 +635,20 @@ for r in $(seq "${ROUNDS:-2}"); do
       DS_CUDA_MLA_DECODE_TC=1 DS_CUDA_MLA_MERGE_WARPS=1 .devbin/deltaserve $(b48 16 1) --kv-cache-dtype $kv
     b48_run "merge warps, $kv, $r" "s33_mw_${kv}_$r" DS_CUDA_STEP_TIMES=1 DS_CUDA_MLA_MERGE_WARPS=1 \
       .devbin/deltaserve $(b48 16 1) --kv-cache-dtype $kv
+  done
+done
+fi
+if want 34; then
+el "34. (issue 32, session 48) one token's MXFP4 experts in one part (DS_CUDA_FP4_ONE)"
+checks s34.log "moe mxfp4" | tee "$OUT/s34.rc"
+grep -E "one part|FAIL" "$OUT/s34.log" | head -12
+timeout 150 .devbin/test_cuda_kernels --bench-only mxfp4 2>&1 | grep -E "bench moe mxfp4|copy d2d"
+K=".devbin/deltaserve bench --model configs/kimi-k3-slice4 --load-format random --device cuda"
+for r in $(seq "${ROUNDS:-2}"); do
+  for v in 0 1; do
+    DS_CUDA_FP4_ONE=$v timeout 150 $K --prompt-tokens 16 --reps 1 --decode-context 512 \
+      --decode-steps 16 --batch-sizes 1,8 --json "$OUT/s34_${v}_$r.json" 2>&1 |
+      grep -E "^decode batch" | sed "s/^/[k3 slice, one part $v, $r] /"
   done
 done
 fi

@@ -132,6 +132,9 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     /* absorbed MLA's splits merged with the splits spread over a block's warps (off until timed:
      * pending_checks.sh step 33, ncu_mla_fixed.sh) */
     t->mla_merge_warps = env_flag("DS_CUDA_MLA_MERGE_WARPS", 0);
+    /* one token's MXFP4 experts with the activations in one BF16 part and the groups' scales on
+     * the step's sums (off until timed against the exact three parts: pending_checks.sh step 34) */
+    t->fp4_one = env_flag("DS_CUDA_FP4_ONE", 0);
     const char *pdl = getenv("DS_CUDA_PDL"); /* (on unless exactly "0", as the kernels read it) */
     t->pdl = !(pdl && !strcmp(pdl, "0"));
     t->profile = env_flag("DS_CUDA_PROFILE", 0);
@@ -183,6 +186,7 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_mla_decode_ws(c, t->mla_decode_ws);
     ds_cu_set_mla_ws_oconv(c, t->mla_ws_oconv);
     ds_cu_set_mla_merge_warps(c, t->mla_merge_warps);
+    ds_cu_set_fp4_one_part(c, t->fp4_one);
     ds_cu_set_pdl(c, t->pdl);
     ds_cu_prof_enable(c, t->profile);
     if (t->f8_noquant)

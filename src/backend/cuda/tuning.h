@@ -112,6 +112,7 @@ typedef struct ds_cuda_tuning {
     int mla_decode_ws;       /* context cap from which its warp-specialized form runs (0: never) */
     int mla_ws_oconv;    /* that form's FP8 scores from the staged codes, output warps converting */
     int mla_merge_warps; /* absorbed MLA's splits merged by a block's warps (mla_merge_w_k) */
+    int fp4_one;         /* MXFP4 streaming experts: the activations in one BF16 part (w4a16) */
     int pdl;
     int profile;
     const char *skip;     /* DS_CUDA_SKIP's labels, or NULL when unset or empty */

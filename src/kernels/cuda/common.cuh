@@ -56,6 +56,7 @@ struct ds_cu {
     int mla_ctx_block;   /* context rows a chunk's expanded attention takes at a time (0: all) */
     int mla_decode_tc;   /* absorbed MLA on tensor cores from this many context rows (0: never) */
     int mla_merge_warps; /* absorbed MLA's splits merged with 8 warps a block (mla_merge_w_k) */
+    int fp4_one; /* MXFP4 streaming experts: one BF16 part of the activations (ds_cu_set_...) */
     /* the experts' and the FP8 products' cuBLASLt paths (moe_tensor.cu, moe_fp8_gemm.cu,
      * matmul_fp8.cu) */
     int lt_each;           /* the experts one cuBLASLt call each (ds_cu_set_lt_each) */

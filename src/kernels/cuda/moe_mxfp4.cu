@@ -172,12 +172,56 @@ static __device__ __forceinline__ uint32_t fp4_sw(const uint8_t *row, int grp, i
            (uint32_t)__ldg(row + grp + 2) << 16 | (uint32_t)__ldg(row + grp + 3) << 24;
 }
 
+/* 8 E2M1 codes as fp4x8_bf16s's pairs left at 2^-126 times their values (no scale: ONE below) */
+static __device__ __forceinline__ void fp4x8_bf16r(uint32_t w, uint32_t (&d)[4]) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const uint32_t q = w << (12 - 4 * j);
+        d[j] = (q & 0x80008000u) | ((q >> 6) & 0x01C001C0u);
+    }
+}
+
+/* f32 2^(b - 33): an E8M0 scale times 2^94, which takes a ONE step's sums (codes at 2^-126, the
+ * parts at 2^FP4_XSH) to the products' values; clamped as fp4_mul */
+static __device__ __forceinline__ float fp4_fmul(uint32_t b) {
+    return __uint_as_float(min(b + 94u, 254u) << 23);
+}
+
 /* One step: a lane's 32 codes of rows g (a0) and g + 8 (a1) with their scale bytes against its
- * 12 uint4 of operands at xb (zeros where xv is false: past the row). */
+ * 12 uint4 of operands at xb (zeros where xv is false: past the row).
+ * ONE (batch invariance off, ds_cu_set_fp4_one_part): the activations' first part alone (x
+ * rounded to BF16 once: w4a16, as the tensor-core path for batches), and the group's scale, one
+ * power of two a row, applied to the step's sums instead of every pair of codes — a third of the
+ * mma and two thirds of the operand loads, and no HMUL2 (the decode and scale were most of the
+ * step's instructions: bench/RESULTS.md session 48). The codes then enter the mma at 2^-126 times
+ * their values, the smallest (0.5) a BF16 subnormal, which the tensor cores take as it is (the
+ * checks include rows of +-0.5 codes alone). */
+template <bool ONE = false>
 static __device__ __forceinline__ void fp4_mma_step(float (&acc)[3][4], uint4 a0, uint4 a1,
                                                     uint32_t sb0, uint32_t sb1, const uint4 *xb,
                                                     bool xv) {
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    if constexpr (ONE) {
+        float st[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* this step's sums: one group a row */
+        const uint32_t A0[4] = {a0.x, a0.y, a0.z, a0.w}, A1[4] = {a1.x, a1.y, a1.z, a1.w};
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            uint32_t d0[4], d1[4];
+            fp4x8_bf16r(A0[p], d0);
+            fp4x8_bf16r(A1[p], d1);
+            /* part 0 of half 0 is the first pair of u32 of xb[12 p], of half 1 the last of
+             * xb[12 p + 4] (fp4_u32's [h][part][b0, b1]) */
+            const uint4 x0 = xv ? xb[12 * p] : zero, x1 = xv ? xb[12 * p + 4] : zero;
+            const uint32_t f0[4] = {d0[0], d1[0], d0[1], d1[1]},
+                           f1[4] = {d0[2], d1[2], d0[3], d1[3]};
+            mma_16816(st, f0, x0.x, x0.y);
+            mma_16816(st, f1, x1.z, x1.w);
+        }
+        const float m0 = fp4_fmul(sb0), m1 = fp4_fmul(sb1); /* rows g and g + 8 */
+        acc[0][0] += st[0] * m0, acc[0][1] += st[1] * m0;
+        acc[0][2] += st[2] * m1, acc[0][3] += st[3] * m1;
+        return;
+    }
     const __nv_bfloat162 m0 = fp4_mul(sb0), m1 = fp4_mul(sb1);
     const uint32_t A0[4] = {a0.x, a0.y, a0.z, a0.w}, A1[4] = {a1.x, a1.y, a1.z, a1.w};
 #pragma unroll
@@ -216,7 +260,7 @@ static __device__ __forceinline__ void fp4_stage(uint4 *xsh, const uint32_t *xs,
  * the operands of source row r / x_div, nb rows of them a pass. A column past the pass's routed
  * rows reads column 0's operands (its sums are dropped; the loads of a quad of lanes stay one
  * line). */
-template <bool UP, int S>
+template <bool UP, int S, bool ONE = false>
 __global__ void __launch_bounds__(256, 2)
     moe_fp4m_k(void *out, int ldo, const uint32_t *xs, int x_div, const uint8_t *Wc,
                const uint8_t *Ws, int N, int K, const int32_t *start, const int32_t *perm,
@@ -288,7 +332,7 @@ __global__ void __launch_bounds__(256, 2)
                 fp4_cp_wait<FP4_D - 1>();
                 const uint4 a0 = fp4_lds16(ring + (2 * u) * 32 + lane),
                             a1 = fp4_lds16(ring + (2 * u + 1) * 32 + lane);
-                fp4_mma_step(acc, a0, a1, b0, b1, xp + 48 * S * i, true);
+                fp4_mma_step<ONE>(acc, a0, a1, b0, b1, xp + 48 * S * i, true);
                 if (i + FP4_D < n_i) { /* step i + FP4_D into the slot just read */
                     const int o = 4 * (i + FP4_D) * S;
                     fp4_cp16(ring + (2 * u) * 32 + lane, w0 + o);
@@ -299,9 +343,9 @@ __global__ void __launch_bounds__(256, 2)
             c0 = n0, c1 = n1;
         }
         if (part == 0 && ng % 4) /* the narrower last step, zeros past the row */
-            fp4_mma_step(acc, tail ? __ldg(w0 + 4 * ns) : zero, tail ? __ldg(w1 + 4 * ns) : zero,
-                         tail ? __ldg(s0 + 4 * ns + l4) : 0u, tail ? __ldg(s1 + 4 * ns + l4) : 0u,
-                         xr + 48 * ns, tail);
+            fp4_mma_step<ONE>(acc, tail ? __ldg(w0 + 4 * ns) : zero,
+                              tail ? __ldg(w1 + 4 * ns) : zero, tail ? __ldg(s0 + 4 * ns + l4) : 0u,
+                              tail ? __ldg(s1 + 4 * ns + l4) : 0u, xr + 48 * ns, tail);
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[0][i] += acc[1][i] + acc[2][i];
         if (S > 1) {
@@ -337,10 +381,15 @@ __global__ void __launch_bounds__(256, 2)
 typedef void (*moe_fp4m_ptr)(void *, int, const uint32_t *, int, const uint8_t *, const uint8_t *,
                              int, int, const int32_t *, const int32_t *, const int32_t *,
                              const int32_t *, moe_act, const int32_t *, int, int, int);
-static const moe_fp4m_ptr moe_fp4m_up[4] = {moe_fp4m_k<true, 1>, moe_fp4m_k<true, 2>,
-                                            moe_fp4m_k<true, 4>, moe_fp4m_k<true, 8>},
-                          moe_fp4m_dn[4] = {moe_fp4m_k<false, 1>, moe_fp4m_k<false, 2>,
-                                            moe_fp4m_k<false, 4>, moe_fp4m_k<false, 8>};
+static const moe_fp4m_ptr moe_fp4m_up[2][4] =
+    {{moe_fp4m_k<true, 1>, moe_fp4m_k<true, 2>, moe_fp4m_k<true, 4>, moe_fp4m_k<true, 8>},
+     {moe_fp4m_k<true, 1, true>, moe_fp4m_k<true, 2, true>, moe_fp4m_k<true, 4, true>,
+      moe_fp4m_k<true, 8, true>}},
+                          moe_fp4m_dn[2][4] = {
+                              {moe_fp4m_k<false, 1>, moe_fp4m_k<false, 2>, moe_fp4m_k<false, 4>,
+                               moe_fp4m_k<false, 8>},
+                              {moe_fp4m_k<false, 1, true>, moe_fp4m_k<false, 2, true>,
+                               moe_fp4m_k<false, 4, true>, moe_fp4m_k<false, 8, true>}};
 
 /* log2 of the warps a tile (S): a function of the matrix alone (batch invariance). */
 static int fp4_splits(int tiles, int K) {
@@ -479,18 +528,21 @@ static int fp4_stream(ds_cu *c, float *h, float *y, const float *x, int T, unsig
     if (bu > FP4_XSH_MAX || bd > FP4_XSH_MAX)
         return ds_errf(err, "cuda: moe mxfp4: widths %d and %d (too wide to stream)", D, I);
     if (!c->moe_fp4_smem) { /* once, before any capture can be open */
-        for (int i = 0; i < 4; i++) {
-            CU_TRY(cudaFuncSetAttribute((const void *)moe_fp4m_up[i],
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)FP4_XSH_MAX),
-                   "moe mxfp4: shared memory");
-            CU_TRY(cudaFuncSetAttribute((const void *)moe_fp4m_dn[i],
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)FP4_XSH_MAX),
-                   "moe mxfp4: shared memory");
-        }
+        for (int o = 0; o < 2; o++)
+            for (int i = 0; i < 4; i++) {
+                CU_TRY(cudaFuncSetAttribute((const void *)moe_fp4m_up[o][i],
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            (int)FP4_XSH_MAX),
+                       "moe mxfp4: shared memory");
+                CU_TRY(cudaFuncSetAttribute((const void *)moe_fp4m_dn[o][i],
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            (int)FP4_XSH_MAX),
+                       "moe mxfp4: shared memory");
+            }
         c->moe_fp4_smem = 1;
     }
+    /* the activations' first part alone where batch invariance is off and asked (fp4_mma_step) */
+    const int one = c->fp4_one && !c->batch_invariant;
     /* routed rows a pass (the bits do not depend on it) */
     const int nu = DS_MIN(DS_MIN(8, T), (int)(FP4_XSH_MAX / bu));
     const int nd = DS_MIN(DS_MIN(8, T), (int)(FP4_XSH_MAX / bd));
@@ -500,15 +552,19 @@ static int fp4_stream(ds_cu *c, float *h, float *y, const float *x, int T, unsig
     const int words = T * (D / 8);
     launch_k(c, moe_fp4_split_k, (unsigned)DS_MIN((words + 255) / 256, 4 * c->n_sm), 256, 0, xs, x,
              D, T);
-    launch_k(c, moe_fp4m_up[su], dim3((unsigned)((I / 8 + tu - 1) / tu), ya), 256, nu * bu,
+    launch_k(c, moe_fp4m_up[one][su], dim3((unsigned)((I / 8 + tu - 1) / tu), ya), 256, nu * bu,
              (void *)as, 0, (const uint32_t *)xs, k, w->gc, w->gs, I, D, start, perm, active,
              n_active, act, direct, e0, E, nu);
     CU_TRY(cudaGetLastError(), "moe mxfp4 up");
-    launch_k(c, moe_fp4m_dn[sd], dim3((unsigned)((D / 16 + td - 1) / td), ya), 256, nd * bd,
+    launch_k(c, moe_fp4m_dn[one][sd], dim3((unsigned)((D / 16 + td - 1) / td), ya), 256, nd * bd,
              (void *)y, D, (const uint32_t *)as, 1, w->dc, w->ds, D, I, start, perm, active,
              n_active, none, direct, e0, E, nd);
     CU_TRY(cudaGetLastError(), "moe mxfp4 down");
     return DS_OK;
+}
+
+extern "C" void ds_cu_set_fp4_one_part(ds_cu *c, int on) {
+    c->fp4_one = on;
 }
 
 extern "C" int ds_cu_moe_experts_mxfp4(ds_cu *c, float *out, const float *x, const int32_t *idx,
