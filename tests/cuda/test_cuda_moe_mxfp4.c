@@ -47,7 +47,8 @@ static uint8_t *rand_bytes(size_t n, int lo, int hi) {
 }
 
 /* codes of +-0.5 alone (each nibble 1 or 9): the E2M1 subnormal, which the streaming kernel's
- * one-part form feeds the tensor cores as a BF16 subnormal (a flush would zero every product) */
+ * decode makes a BF16 subnormal before the group's scale lifts it (a flush would zero every
+ * product) */
 static uint8_t *half_codes(size_t n) {
     static const uint8_t b[4] = {0x11, 0x19, 0x91, 0x99};
     uint8_t *p = malloc(n);

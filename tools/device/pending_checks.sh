@@ -124,11 +124,11 @@
 #      cuBLASLt batches at 745-791): the moe checks (modes 7-8), then prefill of 8192 tokens with it
 #      on and off, ROUNDS rounds alternating, and its eager profile's expert rows. Not yet run.
 #  34. (issue 32, session 48) one token's MXFP4 experts in one part (DS_CUDA_FP4_ONE=1: the
-#      activations rounded to BF16 once, the groups' scales on each step's sums; 168 instructions a
-#      step of the streaming kernel against the three exact parts' 217, by the SASS): the moe mxfp4
-#      checks (the one-part form at 1e-2 against the CPU, with codes of +-0.5 alone: a flushed
-#      subnormal would zero them), the K3 experts' timings at T=1 and 8 in both forms, then decode of
-#      K3's layer shapes (configs/kimi-k3-slice4) at batch 1 and 8 both ways, ROUNDS rounds.
+#      activations rounded to BF16 once; 196 instructions a step of the streaming kernel against
+#      the three exact parts' 217, by the SASS): the moe mxfp4 checks (the one-part form at 1e-2
+#      against the CPU, also with codes of +-0.5 alone), the K3 experts' timings at T=1 and 8 in
+#      both forms, then decode of K3's layer shapes (configs/kimi-k3-slice4) at batch 1 and 8 both
+#      ways, ROUNDS rounds.
 #  33. (issue 33, session 48) decode's MLA attend at a 512-row context (7 layers of the 48B step at
 #      ~20 us each by session 16's what-if: latency, not bytes): the step at batch 1 with the
 #      tensor-core kernel from every context (DS_CUDA_MLA_DECODE_TC=1) against its 8192-row

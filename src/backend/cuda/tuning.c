@@ -132,8 +132,8 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     /* absorbed MLA's splits merged with the splits spread over a block's warps (off until timed:
      * pending_checks.sh step 33, ncu_mla_fixed.sh) */
     t->mla_merge_warps = env_flag("DS_CUDA_MLA_MERGE_WARPS", 0);
-    /* one token's MXFP4 experts with the activations in one BF16 part and the groups' scales on
-     * the step's sums (off until timed against the exact three parts: pending_checks.sh step 34) */
+    /* one token's MXFP4 experts with the activations in one BF16 part (off until timed against
+     * the exact three parts: pending_checks.sh step 34) */
     t->fp4_one = env_flag("DS_CUDA_FP4_ONE", 0);
     const char *pdl = getenv("DS_CUDA_PDL"); /* (on unless exactly "0", as the kernels read it) */
     t->pdl = !(pdl && !strcmp(pdl, "0"));

@@ -280,9 +280,9 @@ int ds_cu_moe_experts_mxfp4(ds_cu *c, float *out, const float *x, const int32_t 
                             const uint8_t *dn_codes, const uint8_t *dn_scales, int situ,
                             float situ_beta, float situ_lin_beta, int accumulate, ds_err *err);
 /* One token's (and small batches') MXFP4 experts through the streaming kernel with the
- * activations rounded to BF16 once instead of split into three exact BF16 parts, and each group's
- * scale applied to the step's sums (moe_mxfp4.cu's fp4_mma_step ONE): w4a16 as the tensor-core
- * path for batches. Never with batch invariance (the three parts keep every product exact). */
+ * activations rounded to BF16 once instead of split into three exact BF16 parts (moe_mxfp4.cu's
+ * fp4_mma_step ONE): w4a16 as the tensor-core path for batches. Never with batch invariance (the
+ * three parts keep every product exact). */
 void ds_cu_set_fp4_one_part(ds_cu *c, int on);
 
 /* Routed experts held as ptpc FP8 (docs/quantization.md §3): gate_up codes [E][2I][D] E4M3 with

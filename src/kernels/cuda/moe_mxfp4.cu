@@ -172,54 +172,34 @@ static __device__ __forceinline__ uint32_t fp4_sw(const uint8_t *row, int grp, i
            (uint32_t)__ldg(row + grp + 2) << 16 | (uint32_t)__ldg(row + grp + 3) << 24;
 }
 
-/* 8 E2M1 codes as fp4x8_bf16s's pairs left at 2^-126 times their values (no scale: ONE below) */
-static __device__ __forceinline__ void fp4x8_bf16r(uint32_t w, uint32_t (&d)[4]) {
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const uint32_t q = w << (12 - 4 * j);
-        d[j] = (q & 0x80008000u) | ((q >> 6) & 0x01C001C0u);
-    }
-}
-
-/* f32 2^(b - 33): an E8M0 scale times 2^94, which takes a ONE step's sums (codes at 2^-126, the
- * parts at 2^FP4_XSH) to the products' values; clamped as fp4_mul */
-static __device__ __forceinline__ float fp4_fmul(uint32_t b) {
-    return __uint_as_float(min(b + 94u, 254u) << 23);
-}
-
 /* One step: a lane's 32 codes of rows g (a0) and g + 8 (a1) with their scale bytes against its
  * 12 uint4 of operands at xb (zeros where xv is false: past the row).
  * ONE (batch invariance off, ds_cu_set_fp4_one_part): the activations' first part alone (x
- * rounded to BF16 once: w4a16, as the tensor-core path for batches), and the group's scale, one
- * power of two a row, applied to the step's sums instead of every pair of codes — a third of the
- * mma and two thirds of the operand loads, and no HMUL2 (the decode and scale were most of the
- * step's instructions: bench/RESULTS.md session 48). The codes then enter the mma at 2^-126 times
- * their values, the smallest (0.5) a BF16 subnormal, which the tensor cores take as it is (the
- * checks include rows of +-0.5 codes alone). */
+ * rounded to BF16 once: w4a16, as the tensor-core path for batches) — a third of the mma and two
+ * thirds of the operand loads (bench/RESULTS.md session 48 counts the step's instructions). (The
+ * groups' scales stay on the codes: an mma's k runs over the four groups of a quad's lanes, so its
+ * sums have no single scale to apply afterwards.) */
 template <bool ONE = false>
 static __device__ __forceinline__ void fp4_mma_step(float (&acc)[3][4], uint4 a0, uint4 a1,
                                                     uint32_t sb0, uint32_t sb1, const uint4 *xb,
                                                     bool xv) {
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     if constexpr (ONE) {
-        float st[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* this step's sums: one group a row */
+        const __nv_bfloat162 m0 = fp4_mul(sb0), m1 = fp4_mul(sb1);
         const uint32_t A0[4] = {a0.x, a0.y, a0.z, a0.w}, A1[4] = {a1.x, a1.y, a1.z, a1.w};
 #pragma unroll
         for (int p = 0; p < 4; p++) {
             uint32_t d0[4], d1[4];
-            fp4x8_bf16r(A0[p], d0);
-            fp4x8_bf16r(A1[p], d1);
+            fp4x8_bf16s(A0[p], m0, d0);
+            fp4x8_bf16s(A1[p], m1, d1);
             /* part 0 of half 0 is the first pair of u32 of xb[12 p], of half 1 the last of
              * xb[12 p + 4] (fp4_u32's [h][part][b0, b1]) */
             const uint4 x0 = xv ? xb[12 * p] : zero, x1 = xv ? xb[12 * p + 4] : zero;
             const uint32_t f0[4] = {d0[0], d1[0], d0[1], d1[1]},
                            f1[4] = {d0[2], d1[2], d0[3], d1[3]};
-            mma_16816(st, f0, x0.x, x0.y);
-            mma_16816(st, f1, x1.z, x1.w);
+            mma_16816(acc[0], f0, x0.x, x0.y); /* two chains of sums, added at the end */
+            mma_16816(acc[1], f1, x1.z, x1.w);
         }
-        const float m0 = fp4_fmul(sb0), m1 = fp4_fmul(sb1); /* rows g and g + 8 */
-        acc[0][0] += st[0] * m0, acc[0][1] += st[1] * m0;
-        acc[0][2] += st[2] * m1, acc[0][3] += st[3] * m1;
         return;
     }
     const __nv_bfloat162 m0 = fp4_mul(sb0), m1 = fp4_mul(sb1);
