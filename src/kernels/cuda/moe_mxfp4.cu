@@ -184,24 +184,6 @@ static __device__ __forceinline__ void fp4_mma_step(float (&acc)[3][4], uint4 a0
                                                     uint32_t sb0, uint32_t sb1, const uint4 *xb,
                                                     bool xv) {
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    if constexpr (ONE) {
-        const __nv_bfloat162 m0 = fp4_mul(sb0), m1 = fp4_mul(sb1);
-        const uint32_t A0[4] = {a0.x, a0.y, a0.z, a0.w}, A1[4] = {a1.x, a1.y, a1.z, a1.w};
-#pragma unroll
-        for (int p = 0; p < 4; p++) {
-            uint32_t d0[4], d1[4];
-            fp4x8_bf16s(A0[p], m0, d0);
-            fp4x8_bf16s(A1[p], m1, d1);
-            /* part 0 of half 0 is the first pair of u32 of xb[12 p], of half 1 the last of
-             * xb[12 p + 4] (fp4_u32's [h][part][b0, b1]) */
-            const uint4 x0 = xv ? xb[12 * p] : zero, x1 = xv ? xb[12 * p + 4] : zero;
-            const uint32_t f0[4] = {d0[0], d1[0], d0[1], d1[1]},
-                           f1[4] = {d0[2], d1[2], d0[3], d1[3]};
-            mma_16816(acc[0], f0, x0.x, x0.y); /* two chains of sums, added at the end */
-            mma_16816(acc[1], f1, x1.z, x1.w);
-        }
-        return;
-    }
     const __nv_bfloat162 m0 = fp4_mul(sb0), m1 = fp4_mul(sb1);
     const uint32_t A0[4] = {a0.x, a0.y, a0.z, a0.w}, A1[4] = {a1.x, a1.y, a1.z, a1.w};
 #pragma unroll
@@ -210,15 +192,17 @@ static __device__ __forceinline__ void fp4_mma_step(float (&acc)[3][4], uint4 a0
         fp4x8_bf16s(A0[p], m0, d0);
         fp4x8_bf16s(A1[p], m1, d1);
         const uint4 x0 = xv ? xb[12 * p] : zero, x1 = xv ? xb[12 * p + 4] : zero,
-                    x2 = xv ? xb[12 * p + 8] : zero;
+                    x2 = !ONE && xv ? xb[12 * p + 8] : zero;
         const uint32_t B[12] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y,
                                 x1.z, x1.w, x2.x, x2.y, x2.z, x2.w};
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const uint32_t fr[4] = {d0[2 * h], d1[2 * h], d0[2 * h + 1], d1[2 * h + 1]};
+            /* ONE: part 0 alone (u32 (h 3) 2 of fp4_u32's [h][part][b0, b1]), half h into
+             * accumulator h (two chains of sums, added at the end) */
 #pragma unroll
-            for (int t = 0; t < 3; t++)
-                mma_16816(acc[t], fr, B[(h * 3 + t) * 2], B[(h * 3 + t) * 2 + 1]);
+            for (int t = 0; t < (ONE ? 1 : 3); t++)
+                mma_16816(acc[ONE ? h : t], fr, B[(h * 3 + t) * 2], B[(h * 3 + t) * 2 + 1]);
         }
     }
 }
