@@ -129,6 +129,10 @@
 #      against the CPU, also with codes of +-0.5 alone), the K3 experts' timings at T=1 and 8 in
 #      both forms, then decode of K3's layer shapes (configs/kimi-k3-slice4) at batch 1 and 8 both
 #      ways, ROUNDS rounds.
+#      Session 49: step 34 also profiles one token's passes with Nsight Compute (three parts, then
+#      one part): issue slots, eligible warps, occupancy — whether fewer instructions a byte can
+#      pay (mma.sync E4M3 is emulated on sm_90 — F2FP conversions and two F16 HMMA a k32 mma — so
+#      a w4a8 step at fewer instructions needs wgmma: docs/quantization.md §2).
 #  33. (issue 33, session 48) decode's MLA attend at a 512-row context (7 layers of the 48B step at
 #      ~20 us each by session 16's what-if: latency, not bytes): the step at batch 1 with the
 #      tensor-core kernel from every context (DS_CUDA_MLA_DECODE_TC=1) against its 8192-row
@@ -650,6 +654,15 @@ for r in $(seq "${ROUNDS:-2}"); do
       --decode-steps 16 --batch-sizes 1,8 --json "$OUT/s34_${v}_$r.json" 2>&1 |
       grep -E "^decode batch" | sed "s/^/[k3 slice, one part $v, $r] /"
   done
+done
+# Is the streaming kernel bound by its instructions' issue (session 48's reading of its SASS) or
+# by latency at its occupancy? Nsight Compute on one token's up and down pass, three parts, then
+# one part (the bench's 23 three-part runs launch 46 before them)
+for f in "0 _3part" "46 _one"; do
+  read -r skip tag <<< "$f"
+  SKIP=$skip TAG=$tag bash "$(dirname "$0")/ncu_bench.sh" mxfp4 'moe_fp4m_k' 2 | sed "s/^/[$tag] /"
+  grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Issue Slots Busy|Issued Warp Per Sched|No Eligible|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|stalled" \
+    "$OUT/ncu_mxfp4$tag.txt" | sed 's/  */ /g' | cut -c1-150 | head -40
 done
 fi
 want 4 || want 5 || { el end; exit 0; }
