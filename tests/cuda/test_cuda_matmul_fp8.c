@@ -117,13 +117,15 @@ static void check_e4m3_rounding(ds_cu *c) {
 /* y = x W^T on the device into host out [T][ldy] (y poisoned first): mode 1 batch invariance,
  * 2 the same with K split to one step a warp, 3 / 4 with K's split forced to 8 / 1 parts where
  * the rule splits it (ds_cu_set_f8_split), 5 one token a warp a row (ds_cu_set_f8_rows; every
- * other mode has that form off), 6 K whole from 2 tokens (ds_cu_set_f8_whole_k); waves > 0: a
+ * other mode has that form off), 6 K whole from 2 tokens (ds_cu_set_f8_whole_k), 8 on wgmma
+ * (ds_cu_set_f8_wg: up to 8 tokens, whole 64-column steps; else the default); waves > 0: a
  * product that quantizes its tokens in at most that many blocks an SM (the same sums). */
 static void mm8_mode(ds_cu *c, float *out, float *dy, int ldy, const float *dx, int ldx, int T,
                      const ds_cu_mat *m, int mode, int waves) {
     ds_err err = {{0}};
     poison(c, dy, (size_t)T * ldy * 4);
-    ds_cu_set_batch_invariant(c, mode >= 1 && mode != 7);
+    ds_cu_set_batch_invariant(c, mode >= 1 && mode != 7 && mode != 8);
+    ds_cu_set_f8_wg(c, mode == 8);
     ds_cu_set_f8_lt_unit(c, mode == 7);
     ds_cu_set_f8_split_min(c, mode == 2);
     ds_cu_set_f8_split(c, mode == 3 ? 8 : mode == 4 ? 1 : 0);
@@ -132,6 +134,7 @@ static void mm8_mode(ds_cu *c, float *out, float *dy, int ldy, const float *dx, 
     ds_cu_set_f8_whole_k(c, mode == 6 ? 2 : 0);
     if (ds_cu_matmul(c, dy, ldy, dx, ldx, T, m, &err) || ds_cu_sync(c, &err)) DIE("%s", err.msg);
     ds_cu_set_batch_invariant(c, 0);
+    ds_cu_set_f8_wg(c, 0);
     ds_cu_set_f8_lt_unit(c, 0);
     ds_cu_set_f8_split_min(c, 0);
     ds_cu_set_f8_split(c, 0);
@@ -189,6 +192,7 @@ static void check_matmul_fp8(ds_cu *c, int T, int N, int K, int pad, int mode, d
                        : mode == 5 ? " (a warp a row)"
                        : mode == 6 ? " (K whole from 2 tokens)"
                        : mode == 7 ? " (unit scales, then their pass)"
+                       : mode == 8 ? " (wgmma)"
                        : mode      ? " (invariant)"
                                    : "";
     snprintf(what, sizeof what, "matmul fp8 T=%d N=%d K=%d%s%s: vs float64", T, N, K,
@@ -277,6 +281,18 @@ void checks_matmul_fp8(ds_cu *c) {
     check_matmul_fp8(c, 1, 12544, 2304, 0, 5, 1e-5);
     check_matmul_fp8(c, 2, 12544, 2304, 0, 6, 1e-5); /* K whole at 2 tokens */
     check_matmul_fp8(c, 2, 333, 2304, 0, 6, 1e-5);
+    /* on wgmma (E4M3 tensor cores; their own sums, a 64-column partial at a time): one tile,
+     * tiles split along K (2, 8 and 16 slices, the last block adding them), strided rows, 1 to 8
+     * tokens, the largest K; the re-run above checks that every split gives the same bits */
+    static const int Tw[] = {1, 2, 7, 8};
+    for (size_t i = 0; i < DS_ARRAY_LEN(Tw); i++) {
+        check_matmul_fp8(c, Tw[i], 333, 2304, 0, 8, 1e-4);
+        check_matmul_fp8(c, Tw[i], 12544, 2304, 0, 8, 1e-4);
+        check_matmul_fp8(c, Tw[i], 2304, 4096, 0, 8, 1e-4);
+        check_matmul_fp8(c, Tw[i], 96, 1024, 8, 8, 1e-4);
+    }
+    check_matmul_fp8(c, 1, 130, 11264, 0, 8, 1e-4);
+    check_matmul_fp8(c, 3, 77, 200, 3, 8, 1e-5); /* K % 64 != 0: the other forms */
     check_matmul_runs(c, 1, 96, 32, 512);
     check_matmul_runs(c, 64, 96, 32, 512);
 }
@@ -312,31 +328,38 @@ static void bench_pair(ds_cu *c, int N, int K, int T, double copy_gbs) {
     free(h);
     mm8_ctx mb = {y, x, {wb, N, K, DS_CU_BF16, NULL, NULL, 0}, T};
     mm8_ctx m8 = {y, x, {(const uint16_t *)q, N, K, DS_CU_FP8, sr, NULL, 0}, T};
-    const double msb = median_ms(c, run_mm8, &mb, 3, 20), ms8 = median_ms(c, run_mm8, &m8, 3, 20);
+    const double msb = median_ms(c, run_mm8, &mb, 3, 20);
+    const long lt0 = ds_cu_f8_lt_vec_runs(c);
+    const double ms8 = median_ms(c, run_mm8, &m8, 3, 20);
+    /* the FP8 product went through cuBLASLt with the scales as its outer vectors */
+    const int lt = ds_cu_f8_lt_vec_runs(c) > lt0;
     /* other forms of the streaming products (up to 8 tokens): {rows: blocks an SM a warp a row
-     * (-1: off, the tiles; one token only), the tiles' blocks an SM} */
+     * (-1: off, the tiles; -2: on wgmma; one token only), the tiles' blocks an SM} */
     static const struct {
         int rows, waves;
         const char *name;
-    } forms[] = {{-1, 0, "the tiles"},
+    } forms[] = {{-2, 0, "on wgmma"},
+                 {-1, 0, "the tiles"},
                  {-1, 4, "the tiles, 4 blocks an SM"},
                  {2, 0, "a warp a row, 2 blocks an SM"},
                  {8, 0, "a warp a row, 8 blocks an SM"}};
     double msr[DS_ARRAY_LEN(forms)] = {0};
     for (size_t f = 0; f < DS_ARRAY_LEN(forms) && T <= 8; f++) {
         if (forms[f].rows >= 0 && T > 1) continue;
-        ds_cu_set_f8_rows(c, forms[f].rows);
+        ds_cu_set_f8_wg(c, forms[f].rows == -2);
+        ds_cu_set_f8_rows(c, forms[f].rows < 0 ? -1 : forms[f].rows);
         ds_cu_set_f8_gemv_waves(c, forms[f].waves);
         msr[f] = median_ms(c, run_mm8, &m8, 3, 20);
     }
+    ds_cu_set_f8_wg(c, 0);
     ds_cu_set_f8_rows(c, 0);
     ds_cu_set_f8_gemv_waves(c, 0);
     const double bb = (double)N * K * 2, b8 = (double)N * K + 4.0 * N;
     const double fl = 2.0 * N * K * T;
     printf("bench matmul %5d x %5d T=%-5d bf16 %.4f ms (%.0f GB/s, %.0f%% of copy, %.0f TFLOP/s) | "
-           "fp8 %.4f ms (%.0f GB/s, %.0f%% of copy, %.0f TFLOP/s)\n",
+           "fp8%s %.4f ms (%.0f GB/s, %.0f%% of copy, %.0f TFLOP/s)\n",
            N, K, T, msb, bb / (msb * 1e-3) / 1e9, 100.0 * bb / (msb * 1e-3) / 1e9 / copy_gbs,
-           fl / (msb * 1e-3) / 1e12, ms8, b8 / (ms8 * 1e-3) / 1e9,
+           fl / (msb * 1e-3) / 1e12, lt ? " (cuBLASLt, scaled)" : "", ms8, b8 / (ms8 * 1e-3) / 1e9,
            100.0 * b8 / (ms8 * 1e-3) / 1e9 / copy_gbs, fl / (ms8 * 1e-3) / 1e12);
     for (size_t f = 0; f < DS_ARRAY_LEN(forms); f++)
         if (msr[f] > 0)
@@ -350,8 +373,13 @@ void bench_matmul_fp8(ds_cu *c, const cuda_ceilings *ceil) {
      * gate|up, a shared expert's down) and a large one */
     static const int shapes[][2] = {
         {12544, 2304}, {2304, 4096}, {2304, 9216}, {18432, 2304}, {16384, 7168}};
-    for (size_t i = 0; i < DS_ARRAY_LEN(shapes); i++)
+    for (size_t i = 0; i < DS_ARRAY_LEN(shapes); i++) {
         for (int T = 1; T <= 2; T++) bench_pair(c, shapes[i][0], shapes[i][1], T, ceil->copy_gbs);
+        /* the vendor's tensor-core GEMMs on the same weights at 16 tokens (cuBLAS BF16, cuBLASLt
+         * FP8): what FP8 tensor cores (wgmma) reach streaming these matrices, a peer for the
+         * one-token kernels' copy fraction (the bytes are the same) */
+        bench_pair(c, shapes[i][0], shapes[i][1], 16, ceil->copy_gbs);
+    }
     /* prefill: tensor cores */
     bench_pair(c, 8192, 8192, 8192, ceil->copy_gbs);
     bench_pair(c, 18432, 2304, 8192, ceil->copy_gbs);

@@ -133,6 +133,14 @@
 #      one part): issue slots, eligible warps, occupancy — whether fewer instructions a byte can
 #      pay (mma.sync E4M3 is emulated on sm_90 — F2FP conversions and two F16 HMMA a k32 mma — so
 #      a w4a8 step at fewer instructions needs wgmma: docs/quantization.md §2).
+#  35. (issue 32, session 49) decode's dense FP8 products on wgmma (DS_CUDA_F8_WG=1,
+#      matmul_fp8_wg.cu: the codes straight from the load into native E4M3 tensor cores — mma.sync
+#      on E4M3 is F16 underneath on sm_90 — one warpgroup a 64-row tile, K split over blocks with
+#      the last block adding the slices in order): the matmul fp8 checks (mode 8 at 1e-4, every
+#      split re-run for the same bits), the fp8 bench (the wgmma form beside the tiles and a warp a
+#      row at T = 1, 2, and cuBLASLt at T = 16 as the vendor's FP8 rate on the same bytes), then
+#      decode of the 48B shape with ptpc_fp8 at batch 1 and 8, DS_CUDA_F8_WG 0 and 1, and BF16,
+#      ROUNDS rounds alternating (the greedy ids' hashes beside).
 #  33. (issue 33, session 48) decode's MLA attend at a 512-row context (7 layers of the 48B step at
 #      ~20 us each by session 16's what-if: latency, not bytes): the step at batch 1 with the
 #      tensor-core kernel from every context (DS_CUDA_MLA_DECODE_TC=1) against its 8192-row
@@ -663,6 +671,19 @@ for f in "0 _3part" "46 _one"; do
   SKIP=$skip TAG=$tag bash "$(dirname "$0")/ncu_bench.sh" mxfp4 'moe_fp4m_k' 2 | sed "s/^/[$tag] /"
   grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Issue Slots Busy|Issued Warp Per Sched|No Eligible|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|stalled" \
     "$OUT/ncu_mxfp4$tag.txt" | sed 's/  */ /g' | cut -c1-150 | head -40
+done
+fi
+if want 35; then
+el "35. (issue 32, session 49) decode's dense FP8 products on wgmma (DS_CUDA_F8_WG)"
+checks s35.log "matmul fp8" | tee "$OUT/s35.rc"
+grep -E "wgmma|FAIL" "$OUT/s35.log" | head -40
+timeout 200 .devbin/test_cuda_kernels --bench-only fp8 2>&1 | grep -E "bench matmul|copy d2d" | head -40
+for r in $(seq "${ROUNDS:-2}"); do
+  b48_run "bf16, $r" "s35_bf16_$r" DS_CUDA_STEP_TIMES=1 .devbin/deltaserve $(b48 16 1,8)
+  for v in 0 1; do
+    b48_run "ptpc_fp8, f8 wgmma $v, $r" "s35_f8_${v}_$r" DS_CUDA_STEP_TIMES=1 DS_CUDA_F8_WG=$v \
+      .devbin/deltaserve $(b48 16 1,8) -q ptpc_fp8
+  done
 done
 fi
 want 4 || want 5 || { el end; exit 0; }

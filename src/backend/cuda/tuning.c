@@ -73,6 +73,8 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     /* one token's FP8 products a warp a row: off — faster on wide matrices alone, no faster in a
      * batch-1 step of the 48B shape's, its experts slower (bench/RESULTS.md session 37) */
     t->f8_rows = env_count("DS_CUDA_F8_ROWS", -1);
+    /* decode's dense FP8 products on wgmma: off until timed (session 49, docs/tuning.md) */
+    t->f8_wg = env_flag("DS_CUDA_F8_WG", 0);
     /* the same for one token's routed experts (default: as the dense products) */
     t->f8_moe_rows = env_count("DS_CUDA_F8_MOE_ROWS", t->f8_rows);
     /* K whole in the FP8 streams from 4 tokens (batch invariance off): faster at every batch
@@ -161,6 +163,7 @@ int ds_cuda_tuning_apply(const ds_cuda_tuning *t, ds_cu *c, ds_err *err) {
     ds_cu_set_f8_gemv_waves(c, t->f8_gemv_waves);
     ds_cu_set_f8_noquant(c, t->f8_noquant);
     ds_cu_set_f8_rows(c, t->f8_rows);
+    ds_cu_set_f8_wg(c, t->f8_wg);
     ds_cu_set_f8_moe_rows(c, t->f8_moe_rows);
     ds_cu_set_f8_whole_k(c, t->f8_whole_k);
     ds_cu_set_mla_gemm(c, t->mla_gemm);

@@ -47,6 +47,10 @@ struct ds_cu {
     int f8_gemv_waves;   /* an FP8 product that quantizes its tokens: blocks an SM (0: 2) */
     int f8_noquant;      /* a what-if: decode's FP8 products skip quantizing their tokens */
     int f8_rows;         /* one token's FP8 products a warp a row: blocks an SM (0: 4; < 0 off) */
+    int f8_wg;           /* decode's FP8 products on wgmma (ds_cu_set_f8_wg) */
+    int f8_wg_smem;      /* ... its kernel's shared memory raised (once) */
+    void *f8_wg_buf;     /* ... its counts and partial sums (matmul_fp8_wg.cu), f8_wg_bytes */
+    size_t f8_wg_bytes;
     int f8_moe_rows;     /* the same for one token's routed experts */
     int f8_whole_k;      /* tokens from which the FP8 streams keep K whole (no invariance; 0 off) */
     int mla_gemm;        /* expanded MLA of long segments through cuBLAS (ds_cu_set_mla_gemm) */
@@ -105,6 +109,8 @@ struct ds_cu {
     void *blas_ws_side;
     uint16_t *xb_side;
     size_t xb_side_bytes;
+    void *f8_wg_side; /* the wgmma FP8 products' scratch (f8_wg_buf), f8_wg_side_bytes */
+    size_t f8_wg_side_bytes;
     cudaEvent_t ev_fork, ev_join;
     int side_on, on_side, side_pending;
     /* the L2 prefetch stream (ds_cu_set_l2_prefetch): pf_after marks the last weight stream
@@ -236,6 +242,12 @@ int carve_scratch(ds_cu *c, void **buf, size_t *cap, const size_t *sizes, void *
 void round_rows(ds_cu *c, __nv_bfloat16 *xb, const float *x, int ldx, int K, int T);
 /* a one-token matmul of many rows through the routed experts' kernel (moe_experts.cu) */
 int gemv_wide(ds_cu *c, float *y, const float *x, const uint16_t *W, int N, int K, ds_err *err);
+/* decode's FP8 products on wgmma (matmul_fp8_wg.cu): whether T tokens of N x K codes at W take
+ * it, and the product, its tokens quantized in its blocks (xq NULL) or by ptpc_act_k first (xq
+ * [T][K] codes, xst [T] scales) */
+bool fp8_wg_fits(const ds_cu *c, int T, int N, int K, const void *W);
+int fp8_wg(ds_cu *c, float *y, int ldy, const float *x, int ldx, const uint8_t *xq,
+           const float *xst, int T, const ds_cu_mat *w, ds_err *err);
 /* ds_cu_matmul of an FP8 w (matmul_fp8.cu); stream: through the weight-streaming kernel */
 int matmul_fp8(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, const ds_cu_mat *w,
                int stream, ds_err *err);

@@ -53,6 +53,8 @@ static void side_free(ds_cu *c) {
     cublasDestroy(c->blas_side);
     cudaFree(c->blas_ws_side);
     cudaFree(c->xb_side);
+    cudaFree(c->f8_wg_side);
+    c->f8_wg_side = NULL, c->f8_wg_side_bytes = 0;
     cudaEventDestroy(c->ev_fork);
     cudaEventDestroy(c->ev_join);
     cudaStreamDestroy(c->side);
@@ -100,6 +102,10 @@ static void side_swap(ds_cu *c) {
     c->xb = c->xb_side, c->xb_side = x;
     size_t n = c->xb_bytes;
     c->xb_bytes = c->xb_side_bytes, c->xb_side_bytes = n;
+    void *f = c->f8_wg_buf;
+    c->f8_wg_buf = c->f8_wg_side, c->f8_wg_side = f;
+    n = c->f8_wg_bytes;
+    c->f8_wg_bytes = c->f8_wg_side_bytes, c->f8_wg_side_bytes = n;
     c->on_side = !c->on_side;
 }
 
@@ -261,6 +267,7 @@ extern "C" void ds_cu_free(ds_cu *c) {
     cudaStreamSynchronize(c->stream);
     if (c->st_have) cudaEventDestroy(c->st_ev[0]), cudaEventDestroy(c->st_ev[1]);
     cudaFree(c->xb);
+    cudaFree(c->f8_wg_buf);
     cudaFree(c->part);
     fp8_free(c);
     cudaFree(c->blas_ws);

@@ -328,17 +328,26 @@ int matmul_fp8(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, cons
     const int mma = K % 16 == 0 && (uintptr_t)w->data % 16 == 0;
     const int tc = !stream && mma;
     /* decode: one kernel, quantizing its tokens as it goes (unless f8_prequant) */
+    const int wg = !tc && fp8_wg_fits(c, T, w->rows, K, w->data);
+    if (wg && T == 1 && !c->f8_prequant) /* one token: quantized in every block */
+        return fp8_wg(c, y, ldy, x, ldx, (const uint8_t *)NULL, (const float *)NULL, T, w, err);
     if (!tc && T == 1 && f8r_fits(c, c->f8_rows, K, w->data) && !c->f8_prequant)
         return fp8_rows(c, y, x, NULL, NULL, w, err);
     if (!tc && mma && T <= 8 && (size_t)T * K * 2 <= F8_XSH_MAX && !c->f8_prequant)
         return fp8_gemv(c, y, ldy, x, ldx, (const uint16_t *)NULL, (const float *)NULL, T, w, err);
     /* scratch (per stream: the side stream has its own): s [T] f32, then xq [T][K] codes for the
-     * tensor cores or xh [T][K] F16 code values for the streaming kernels */
+     * tensor cores and the wgmma form, or xh [T][K] F16 code values for the streaming kernels */
     const size_t s_bytes = ((size_t)T * 4 + 255) & ~(size_t)255;
-    const size_t need = s_bytes + (size_t)T * K * (tc ? 1 : 2);
+    const size_t need = s_bytes + (size_t)T * K * (tc || wg ? 1 : 2);
     if (grow_scratch(c, (void **)&c->xb, &c->xb_bytes, need, "matmul scratch", err)) return DS_ERR;
     float *st = (float *)c->xb;
     void *xbuf = (char *)c->xb + s_bytes;
+    if (wg) { /* up to 8 tokens: their codes first, each block copying its slice's */
+        launch_k(c, ptpc_act_k, (unsigned)T, 256, 0, (uint8_t *)xbuf, K, (uint16_t *)NULL, st, x,
+                 ldx, T, K);
+        CU_TRY(cudaGetLastError(), "matmul fp8 (activations)");
+        return fp8_wg(c, y, ldy, x, ldx, (const uint8_t *)xbuf, st, T, w, err);
+    }
     if (tc) {
         launch_k(c, ptpc_act_k, (unsigned)DS_MIN(T, 1 << 16), 256, 0, (uint8_t *)xbuf, K,
                  (uint16_t *)NULL, st, x, ldx, T, K);
