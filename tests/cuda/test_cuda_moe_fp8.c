@@ -55,8 +55,8 @@ static void f8_experts_free(f8_experts *x) {
 }
 
 /* the device's experts into got [T][D] (mode 1: tensor cores; 2: the quantizers first; 8: one
- * token a warp a row, ds_cu_set_f8_rows; 9: K whole from 2 tokens, ds_cu_set_f8_whole_k; every
- * other mode has those two off) */
+ * token a warp a row, ds_cu_set_f8_rows; 9: K whole from 2 tokens, ds_cu_set_f8_whole_k; 14: one
+ * token on wgmma, ds_cu_set_f8_wg 2; every other mode has those off) */
 static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, const int32_t *idx,
                    const float *w, int T, int k, int E, int e0, int D, int I, int situ, int mode) {
     float *dx = dev(c, x, (size_t)T * D * 4), *dw = dev(c, w, (size_t)T * k * 4);
@@ -75,6 +75,7 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_expert_gemm(c, mode >= 11 && mode <= 13);
     ds_cu_set_lt_each(c, mode == 12);
     ds_cu_set_expert_bf16_out(c, mode == 13 ? 2 : 0);
+    ds_cu_set_f8_wg(c, mode == 14 ? 2 : 0);
     const long runs0 = ds_cu_expert_gemm_runs(c);
     if (ds_cu_moe_experts_fp8(c, dout, dx, didx, dw, T, k, E - e0, e0, D, I, fx->dgc, fx->dgs,
                               fx->ddc, fx->dds, situ, 4.0f, 6.0f, 0, &err) ||
@@ -95,6 +96,7 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
     ds_cu_set_expert_gemm(c, 0);
     ds_cu_set_lt_each(c, 0);
     ds_cu_set_expert_bf16_out(c, 0);
+    ds_cu_set_f8_wg(c, 0);
     fetch(c, got, dout, (size_t)T * D * 4);
     ds_cu_dealloc(dx), ds_cu_dealloc(dw), ds_cu_dealloc(dout), ds_cu_dealloc(didx);
 }
@@ -113,7 +115,8 @@ static void run_f8(ds_cu *c, const f8_experts *fx, float *got, const float *x, c
  * before its wait (ds_cu_set_early_experts); 11: a long step's experts on FP8 tensor cores through
  * cuBLASLt (ds_cu_set_expert_gemm: >= 64 routed rows a local expert), pointer-array batches; 12:
  * the same one call an expert (ds_cu_set_lt_each); 13: mode 11 with the down pass's sums
- * written in BF16 (ds_cu_set_expert_bf16_out 2, the engine's default; gate/up's stay f32). half:
+ * written in BF16 (ds_cu_set_expert_bf16_out 2, the engine's default; gate/up's stay f32); 14:
+ * one token on wgmma (E4M3 tensor cores, matmul_fp8_wg.cu; its own order of sums). half:
  * this rank holds experts [E/2, E) only. */
 static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ, int mode,
                           int half) {
@@ -154,6 +157,7 @@ static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ,
              : mode == 11 ? " (cuBLASLt, batches)"
              : mode == 12 ? " (cuBLASLt, an expert a call)"
              : mode == 13 ? " (cuBLASLt, BF16 sums)"
+             : mode == 14 ? " (wgmma)"
                           : "",
              half ? " (half the experts)" : "");
     /* cuBLASLt's FP8 accumulation (1.1e-4 on a product, test_cuda_matmul_fp8.c) moves some of
@@ -165,6 +169,13 @@ static void check_moe_fp8(ds_cu *c, int T, int k, int E, int D, int I, int situ,
         snprintf(what, sizeof what, "moe fp8 T=%d: token 0 alone, words differing", T);
         report(what, (double)words_differ(one, got, (size_t)D), 0.0);
         free(one);
+    }
+    if (mode == 14) { /* again: the slices' sums added in one order whatever the blocks' timing */
+        float *again = malloc((size_t)D * 4);
+        run_f8(c, &fx, again, x, idx, w, 1, k, E, e0, D, I, situ, 14);
+        snprintf(what, sizeof what, "moe fp8 T=1 D=%d (wgmma): again, words differing", D);
+        report(what, (double)words_differ(again, got, (size_t)D), 0.0);
+        free(again);
     }
     if (mode == 0 && T == 1) { /* the quantizers first (mode 2): the same codes, the same bits */
         float *pre = malloc((size_t)D * 4);
@@ -210,6 +221,12 @@ void checks_moe_fp8(ds_cu *c) {
     /* a long step through cuBLASLt (64 routed rows a local expert on average, so some experts
      * fall in a second bucket): Kimi-Linear's widths, both activations, half the experts, and
      * the tile kernel on the same shape beside it; then an expert a call */
+    /* one token on wgmma: Kimi-Linear's widths (the passes split along K over blocks), half the
+     * experts, fewer experts than a token picks, SiTU; the re-runs below compare it with itself */
+    check_moe_fp8(c, 1, 8, 32, 2304, 1024, 0, 14, 0);
+    check_moe_fp8(c, 1, 8, 32, 2304, 1024, 1, 14, 1);
+    check_moe_fp8(c, 1, 7, 8, 512, 256, 0, 14, 1);
+    check_moe_fp8(c, 1, 6, 16, 3072, 2048, 1, 14, 0);
     check_moe_fp8(c, 128, 8, 16, 2304, 1024, 0, 11, 0);
     check_moe_fp8(c, 128, 8, 32, 2304, 1024, 1, 11, 1);
     check_moe_fp8(c, 128, 8, 16, 2304, 1024, 0, 1, 0);
@@ -269,11 +286,11 @@ void bench_moe_fp8(ds_cu *c, const cuda_ceilings *ceil) {
     m.out = dev(c, NULL, (size_t)TMAX * D * 4);
     m.k = K, m.E = E, m.D = D, m.I = I;
     /* (the first T=1: a warp a row, the default; the second: the tiles; the third: the quantizers
-     * first) */
-    static const int Ts[] = {1, 1, 1, 8, 64, 256};
+     * first; the fourth: on wgmma) */
+    static const int Ts[] = {1, 1, 1, 1, 8, 64, 256};
     for (size_t i = 0; i < DS_ARRAY_LEN(Ts); i++) {
         m.T = Ts[i];
-        const int tiles = i == 1, pre = i == 2;
+        const int tiles = i == 1, pre = i == 2, wg = i == 3;
         memset(used, 0, E);
         int n_used = 0;
         for (int r = 0; r < m.T * K; r++) n_used += !used[ids[r]], used[ids[r]] = 1;
@@ -281,10 +298,12 @@ void bench_moe_fp8(ds_cu *c, const cuda_ceilings *ceil) {
         ds_cu_set_expert_mma(c, tc);
         ds_cu_set_f8_prequant(c, pre);
         ds_cu_set_f8_rows(c, tiles ? -1 : 0);
+        ds_cu_set_f8_wg(c, wg ? 2 : 0);
         const double ms = median_ms(c, run_f8b, &m, 3, 20);
         ds_cu_set_expert_mma(c, 0);
         ds_cu_set_f8_prequant(c, 0);
         ds_cu_set_f8_rows(c, 0);
+        ds_cu_set_f8_wg(c, 0);
         const double bytes = (double)n_used * (3.0 * per + 4.0 * (2 * I + D));
         printf("bench moe fp8 T=%d (%d experts of 256, 2304 x 1024, 8 a token%s): %.4f ms, "
                "%.0f GB/s (%.0f%% of copy)\n",
@@ -292,6 +311,7 @@ void bench_moe_fp8(ds_cu *c, const cuda_ceilings *ceil) {
                tc      ? ", tensor cores"
                : tiles ? ", the tiles"
                : pre   ? ", quantizers first"
+               : wg    ? ", wgmma"
                        : "",
                ms, bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / ceil->copy_gbs);
     }

@@ -133,13 +133,15 @@
 #      one part): issue slots, eligible warps, occupancy — whether fewer instructions a byte can
 #      pay (mma.sync E4M3 is emulated on sm_90 — F2FP conversions and two F16 HMMA a k32 mma — so
 #      a w4a8 step at fewer instructions needs wgmma: docs/quantization.md §2).
-#  35. (issue 32, session 49) decode's dense FP8 products on wgmma (DS_CUDA_F8_WG=1,
+#  35. (issue 32, session 49) decode's FP8 products on wgmma (DS_CUDA_F8_WG=1 dense, 2 one token's
+#      routed experts, 3 both;
 #      matmul_fp8_wg.cu: the codes straight from the load into native E4M3 tensor cores — mma.sync
 #      on E4M3 is F16 underneath on sm_90 — one warpgroup a 64-row tile, K split over blocks with
-#      the last block adding the slices in order): the matmul fp8 checks (mode 8 at 1e-4, every
-#      split re-run for the same bits), the fp8 bench (the wgmma form beside the tiles and a warp a
-#      row at T = 1, 2, and cuBLASLt at T = 16 as the vendor's FP8 rate on the same bytes), then
-#      decode of the 48B shape with ptpc_fp8 at batch 1 and 8, DS_CUDA_F8_WG 0 and 1, and BF16,
+#      the last block adding the slices in order): the matmul fp8 and moe fp8 checks (modes 8 and
+#      14; every split re-run for the same bits), the fp8 and moefp8 benches (the wgmma form beside
+#      the tiles and a warp a row at T = 1, 2, and cuBLASLt at T = 16 as the vendor's FP8 rate on
+#      the same bytes), then decode of the 48B shape with ptpc_fp8 at batch 1 and 8,
+#      DS_CUDA_F8_WG 0, 1 and 3, and BF16,
 #      ROUNDS rounds alternating (the greedy ids' hashes beside).
 #  33. (issue 33, session 48) decode's MLA attend at a 512-row context (7 layers of the 48B step at
 #      ~20 us each by session 16's what-if: latency, not bytes): the step at batch 1 with the
@@ -675,12 +677,13 @@ done
 fi
 if want 35; then
 el "35. (issue 32, session 49) decode's dense FP8 products on wgmma (DS_CUDA_F8_WG)"
-checks s35.log "matmul fp8" | tee "$OUT/s35.rc"
+checks s35.log "matmul fp8,moe fp8" | tee "$OUT/s35.rc"
 grep -E "wgmma|FAIL" "$OUT/s35.log" | head -40
-timeout 200 .devbin/test_cuda_kernels --bench-only fp8 2>&1 | grep -E "bench matmul|copy d2d" | head -40
+timeout 200 .devbin/test_cuda_kernels --bench-only fp8,moefp8 2>&1 |
+  grep -E "bench matmul|bench moe fp8 T=1|copy d2d" | head -40
 for r in $(seq "${ROUNDS:-2}"); do
   b48_run "bf16, $r" "s35_bf16_$r" DS_CUDA_STEP_TIMES=1 .devbin/deltaserve $(b48 16 1,8)
-  for v in 0 1; do
+  for v in 0 1 3; do
     b48_run "ptpc_fp8, f8 wgmma $v, $r" "s35_f8_${v}_$r" DS_CUDA_STEP_TIMES=1 DS_CUDA_F8_WG=$v \
       .devbin/deltaserve $(b48 16 1,8) -q ptpc_fp8
   done

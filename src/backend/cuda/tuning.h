@@ -94,7 +94,7 @@ typedef struct ds_cuda_tuning {
     int f8_noquant;    /* a what-if: FP8 products skip quantizing (wrong results) */
     int f8_rows;       /* one token's FP8 products a warp a row: blocks an SM (0: 4; < 0 off) */
     int f8_moe_rows;   /* the same for one token's routed experts */
-    int f8_wg;         /* decode's dense FP8 products on wgmma */
+    int f8_wg;         /* decode's FP8 products on wgmma: bit 1 dense, bit 2 experts */
     int f8_whole_k;    /* tokens from which the FP8 streams keep K whole (0: never) */
     int mla_gemm, mla_flash;
     int early_experts, wide_early, gemv_wide, conv_fixed;

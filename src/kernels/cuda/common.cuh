@@ -47,7 +47,7 @@ struct ds_cu {
     int f8_gemv_waves;   /* an FP8 product that quantizes its tokens: blocks an SM (0: 2) */
     int f8_noquant;      /* a what-if: decode's FP8 products skip quantizing their tokens */
     int f8_rows;         /* one token's FP8 products a warp a row: blocks an SM (0: 4; < 0 off) */
-    int f8_wg;           /* decode's FP8 products on wgmma (ds_cu_set_f8_wg) */
+    int f8_wg;           /* decode's FP8 products on wgmma: 1 dense, 2 experts (ds_cu_set_f8_wg) */
     int f8_wg_smem;      /* ... its kernel's shared memory raised (once) */
     void *f8_wg_buf;     /* ... its counts and partial sums (matmul_fp8_wg.cu), f8_wg_bytes */
     size_t f8_wg_bytes;

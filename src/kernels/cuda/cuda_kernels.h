@@ -385,11 +385,12 @@ void ds_cu_set_f8_whole_k(ds_cu *c, int tokens);
  * once (0: the default, 4); below 0 off (fp8_stream.cuh's tiles, as with batch invariance). The
  * sums' order differs from the tiles'. DS_CUDA_F8_ROWS in the engine. */
 void ds_cu_set_f8_rows(ds_cu *c, int blocks_per_sm);
-/* Decode's dense FP8 products (up to 8 tokens) on Hopper's FP8 tensor cores through wgmma
- * (matmul_fp8_wg.cu: the codes straight from the load into the tensor core, no conversion),
- * batch invariance off, whole 64-column steps. Its sums' order is its own. Takes precedence over
- * the forms below. DS_CUDA_F8_WG in the engine. */
-void ds_cu_set_f8_wg(ds_cu *c, int on);
+/* Decode's FP8 products on Hopper's FP8 tensor cores through wgmma (matmul_fp8_wg.cu: the codes
+ * straight from the load into the tensor core, no conversion): which, bit 1 the dense products of
+ * up to 8 tokens, bit 2 one token's routed experts; batch invariance off, whole 64-column steps.
+ * Its sums' order is its own. Takes precedence over the forms below. DS_CUDA_F8_WG in the
+ * engine. */
+void ds_cu_set_f8_wg(ds_cu *c, int which);
 /* The same for one token's routed experts alone (ds_cu_set_f8_rows sets both).
  * DS_CUDA_F8_MOE_ROWS in the engine. */
 void ds_cu_set_f8_moe_rows(ds_cu *c, int blocks_per_sm);

@@ -20,9 +20,14 @@
  * slice's, its weights requested before it waits for them (PDL). With S > 1 each block
  * writes its partial sums, and the last of a tile's blocks to finish (a count a tile, left at zero
  * for the next call) adds them in order p = 0, 1, .. and writes y: the same sums whatever the
- * blocks' timing. */
+ * blocks' timing.
+ *
+ * One token's routed experts (ptpc FP8, moe_fp8.cu) take the same kernel with a grid row z a
+ * routed row: expert direct[z]'s matrix, the block's input row z / x_div (through act for the
+ * down pass: rows [gate | up]), its output row z. */
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fp8_stream.cuh"
+#include "kernels/cuda/moe.cuh"
 
 enum { F8WG_D = 8 };      /* 64-column steps in flight a lane (8 registers each) */
 enum { F8WG_S_MAX = 16 }; /* K slices a tile */
@@ -69,13 +74,16 @@ static __device__ __forceinline__ void f8wg_mma(float (&d)[4], uint32_t a0, uint
 #endif
 
 /* y[t][r] = ((sum_c e4m3(x_t[c]) q[r][c]) * s_t) * sr[r] for t < T <= 8: x [T][ldx] f32
- * (quantized here, per token), W [N][K] codes, sr [N]. K % 64 == 0. Block (x, p): rows
- * [64 x, + 64), slice p of S; part [S][T][N] f32 and cnt [tiles] (zeros) when S > 1. xq: the
- * tokens' codes [T][K] and scales xst [T] ptpc_act_k wrote, or NULL (quantized here). */
+ * (quantized here, per token), W [N][K] codes, sr [N]. K % 64 == 0. Block (x, p, z): rows
+ * [64 x, + 64), slice p of S; part [Z][S][T][N] f32 and cnt [Z][tiles] (zeros) when S > 1. xq:
+ * the tokens' codes [T][K] and scales xst [T] ptpc_act_k wrote, or NULL (quantized here).
+ * direct (T = 1): z is routed row z, of expert direct[z] - e0 (W [E][N][K], sr [E][N]; another
+ * rank's: nothing), input row z / x_div (act.on: act of its [gate | up] halves of K), output row
+ * z of y. */
 __global__ void __launch_bounds__(128, 4)
     gemv_f8wg_k(float *y, int ldy, const float *x, int ldx, const uint8_t *W, const float *sr,
                 int N, int K, int T, int S, float *part, int *cnt, const uint8_t *xq,
-                const float *xst) {
+                const float *xst, const int32_t *direct, int e0, int E, int x_div, moe_act act) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(128) uint8_t f8wg_x[]; /* [slice / 32][2][T][16] B (f8wg_xbyte) */
     __shared__ float st_sh[8];                         /* [T] the tokens' scales */
@@ -83,7 +91,14 @@ __global__ void __launch_bounds__(128, 4)
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, l4 = lane & 3;
     const int ns = K / 64, p = (int)blockIdx.y;
     const int s0 = p * ns / S, s1 = (p + 1) * ns / S, n_i = s1 - s0; /* this block's steps */
-    const int ra = (int)blockIdx.x * 64 + warp * 16 + g;
+    const int ra = (int)blockIdx.x * 64 + warp * 16 + g, z = (int)blockIdx.z;
+    if (direct) { /* the router's choice: read after the wait */
+        PDL_ENTRY();
+        const int e = direct[z] - e0;
+        if (e < 0 || e >= E) return; /* (every block of this routed row) */
+        W += (size_t)e * N * K, sr += (size_t)e * N;
+        x += (size_t)(z / x_div) * ldx, y += (size_t)z * ldy;
+    }
     /* this lane's 16 bytes of rows ra and ra + 8 at step s: w[4 s] (rows past N read row N - 1,
      * whose sums are not stored) */
     const uint4 *wa = (const uint4 *)(W + (size_t)min(ra, N - 1) * K) + l4;
@@ -95,7 +110,7 @@ __global__ void __launch_bounds__(128, 4)
         a[u][0] = u < n_i ? __ldg(wa + 4 * (s0 + u)) : zero;
         a[u][1] = u < n_i ? __ldg(wb + 4 * (s0 + u)) : zero;
     }
-    PDL_ENTRY();
+    if (!direct) PDL_ENTRY();
     /* the tokens' codes of columns [64 s0, 64 s1): copied (4 codes at a time: f8wg_xbyte keeps
      * them together), or made here per token (the scale from the whole row) */
     for (int n = 0; xq && n < T; n++) {
@@ -106,11 +121,14 @@ __global__ void __launch_bounds__(128, 4)
     }
     for (int n = 0; !xq && n < T; n++) {
         const float *xr = x + (size_t)n * ldx;
+        auto val = [xr, K, act](int c) {
+            return act.on ? act_pair(xr[c], xr[K + c], act.situ, act.beta, act.lin_beta) : xr[c];
+        };
         float amax = 0.0f;
         for (int c0 = tid; c0 < K; c0 += F8_QB * 128) {
             float v[F8_QB];
 #pragma unroll
-            for (int i = 0; i < F8_QB; i++) v[i] = c0 + i * 128 < K ? xr[c0 + i * 128] : 0.0f;
+            for (int i = 0; i < F8_QB; i++) v[i] = c0 + i * 128 < K ? val(c0 + i * 128) : 0.0f;
 #pragma unroll
             for (int i = 0; i < F8_QB; i++) amax = fmaxf(amax, fabsf(v[i]));
         }
@@ -118,7 +136,7 @@ __global__ void __launch_bounds__(128, 4)
         const float st = ds_ptpc_scale(amax), inv = 1.0f / st; /* (as f8_quant_put) */
         if (tid == 0) st_sh[n] = st;
         for (int c = tid; c < 64 * n_i; c += 128)
-            f8wg_x[f8wg_xbyte(c, n, T)] = f8_code(xr[64 * s0 + c] * inv);
+            f8wg_x[f8wg_xbyte(c, n, T)] = f8_code(val(64 * s0 + c) * inv);
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); /* to the tensor cores */
     __syncthreads();
@@ -148,24 +166,25 @@ __global__ void __launch_bounds__(128, 4)
         for (int j = 0; j < 2; j++) {
             const int t = 2 * l4 + j;
             if (t >= T) continue;
-            float *pr = part + ((size_t)p * T + t) * N;
+            float *pr = part + (((size_t)z * S + p) * T + t) * N;
             if (ra < N) pr[ra] = acc[j];
             if (ra + 8 < N) pr[ra + 8] = acc[2 + j];
         }
         __threadfence(); /* the partials visible before the count says so */
         __syncthreads();
-        if (tid == 0) last = atomicAdd(&cnt[blockIdx.x], 1) == S - 1;
+        int *ct = cnt + (size_t)z * gridDim.x + blockIdx.x;
+        if (tid == 0) last = atomicAdd(ct, 1) == S - 1;
         __syncthreads();
         if (!last) return;
         __threadfence();
-        if (tid == 0) cnt[blockIdx.x] = 0; /* for the next call (every other block has counted) */
+        if (tid == 0) *ct = 0; /* for the next call (every other block has counted) */
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const int t = 2 * l4 + j;
             acc[j] = acc[2 + j] = 0.0f;
             if (t >= T) continue;
             for (int q = 0; q < S; q++) { /* in order of the slices: the same bits every call */
-                const float *pr = part + ((size_t)q * T + t) * N;
+                const float *pr = part + (((size_t)z * S + q) * T + t) * N;
                 if (ra < N) acc[j] += __ldcg(pr + ra);
                 if (ra + 8 < N) acc[2 + j] += __ldcg(pr + ra + 8);
             }
@@ -192,7 +211,7 @@ static int f8wg_slices(const ds_cu *c, int N, int K) {
 /* Whether a product of T tokens takes this form: asked, batch invariance off, Hopper, whole
  * 64-column steps, 16-byte aligned codes, a slice's codes within F8WG_XSH_MAX. */
 bool fp8_wg_fits(const ds_cu *c, int T, int N, int K, const void *W) {
-    if (!c->f8_wg || c->batch_invariant || !c->sm90 || T < 1 || T > 8 || K % 64 ||
+    if (!(c->f8_wg & 1) || c->batch_invariant || !c->sm90 || T < 1 || T > 8 || K % 64 ||
         (uintptr_t)W % 16)
         return false;
     const int S = f8wg_slices(c, N, K), ns = K / 64;
@@ -200,10 +219,12 @@ bool fp8_wg_fits(const ds_cu *c, int T, int N, int K, const void *W) {
            (S == 1 || (size_t)(N + 63) / 64 <= F8WG_CNT);
 }
 
-int fp8_wg(ds_cu *c, float *y, int ldy, const float *x, int ldx, const uint8_t *xq,
-           const float *xst, int T, const ds_cu_mat *w, ds_err *err) {
-    const int N = w->rows, K = w->cols, tiles = (N + 63) / 64, ns = K / 64;
-    const int S = f8wg_slices(c, N, K);
+/* the launch for Z matrices (Z routed rows with direct, else one) */
+static int f8wg_launch(ds_cu *c, float *y, int ldy, const float *x, int ldx, const uint8_t *xq,
+                       const float *xst, int T, const uint8_t *W, const float *sr, int N, int K,
+                       int Z, const int32_t *direct, int e0, int E, int x_div, moe_act act,
+                       ds_err *err) {
+    const int tiles = (N + 63) / 64, ns = K / 64, S = f8wg_slices(c, N, K);
     if (!c->f8_wg_smem) { /* once, before any capture can be open */
         CU_TRY(cudaFuncSetAttribute((const void *)gemv_f8wg_k,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)F8WG_XSH_MAX),
@@ -213,8 +234,8 @@ int fp8_wg(ds_cu *c, float *y, int ldy, const float *x, int ldx, const uint8_t *
     float *part = NULL;
     int *cnt = NULL;
     if (S > 1) { /* the tiles' counts [F8WG_CNT] (zeros between calls), then partials
-                    [S][T][N] f32; the buffer is this stream's (the side stream has its own) */
-        const size_t need = F8WG_CNT * 4 + (size_t)S * T * N * 4;
+                    [Z][S][T][N] f32; the buffer is this stream's (the side stream has its own) */
+        const size_t need = F8WG_CNT * 4 + (size_t)Z * S * T * N * 4;
         const int grew = need > c->f8_wg_bytes;
         if (grow_scratch(c, &c->f8_wg_buf, &c->f8_wg_bytes, need, "matmul fp8 (wgmma)", err))
             return DS_ERR;
@@ -223,12 +244,42 @@ int fp8_wg(ds_cu *c, float *y, int ldy, const float *x, int ldx, const uint8_t *
         part = (float *)((char *)c->f8_wg_buf + F8WG_CNT * 4);
     }
     const size_t smem = (size_t)T * 64 * ((ns + S - 1) / S) + F8WG_PAD;
-    launch_k(c, gemv_f8wg_k, dim3((unsigned)tiles, (unsigned)S), 128, smem, y, ldy, x, ldx,
-             (const uint8_t *)w->data, (const float *)w->scale, N, K, T, S, part, cnt, xq, xst);
+    launch_k(c, gemv_f8wg_k, dim3((unsigned)tiles, (unsigned)S, (unsigned)Z), 128, smem, y, ldy, x,
+             ldx, W, sr, N, K, T, S, part, cnt, xq, xst, direct, e0, E, x_div, act);
     CU_TRY(cudaGetLastError(), "matmul fp8 (wgmma)");
     return DS_OK;
 }
 
-extern "C" void ds_cu_set_f8_wg(ds_cu *c, int on) {
-    c->f8_wg = on;
+int fp8_wg(ds_cu *c, float *y, int ldy, const float *x, int ldx, const uint8_t *xq,
+           const float *xst, int T, const ds_cu_mat *w, ds_err *err) {
+    const moe_act none = {0, 0, 0.0f, 0.0f};
+    return f8wg_launch(c, y, ldy, x, ldx, xq, xst, T, (const uint8_t *)w->data,
+                       (const float *)w->scale, w->rows, w->cols, 1, (const int32_t *)NULL, 0, 0, 1,
+                       none, err);
+}
+
+bool fp8_wg_experts_fit(const ds_cu *c, int k, int D, int I, const void *gc, const void *dc) {
+    if (!(c->f8_wg & 2) || c->batch_invariant || !c->sm90 || D % 64 || I % 64 ||
+        ((uintptr_t)gc | (uintptr_t)dc) % 16)
+        return false;
+    const int su = f8wg_slices(c, 2 * I, D), sd = f8wg_slices(c, D, I);
+    return (size_t)64 * ((D / 64 + su - 1) / su) + F8WG_PAD <= F8WG_XSH_MAX &&
+           (size_t)64 * ((I / 64 + sd - 1) / sd) + F8WG_PAD <= F8WG_XSH_MAX &&
+           (su == 1 || (size_t)k * ((2 * I + 63) / 64) <= F8WG_CNT) &&
+           (sd == 1 || (size_t)k * ((D + 63) / 64) <= F8WG_CNT);
+}
+
+int fp8_wg_experts(ds_cu *c, float *h, float *y, const float *x, int D, int I, int k,
+                   const uint8_t *gc, const float *gs, const uint8_t *dc, const float *ds,
+                   const int32_t *direct, int e0, int E, moe_act act, ds_err *err) {
+    const moe_act none = {0, 0, 0.0f, 0.0f};
+    if (f8wg_launch(c, h, 2 * I, x, D, (const uint8_t *)NULL, (const float *)NULL, 1, gc, gs, 2 * I,
+                    D, k, direct, e0, E, k, none, err))
+        return DS_ERR;
+    return f8wg_launch(c, y, D, h, 2 * I, (const uint8_t *)NULL, (const float *)NULL, 1, dc, ds, D,
+                       I, k, direct, e0, E, 1, act, err);
+}
+
+extern "C" void ds_cu_set_f8_wg(ds_cu *c, int which) {
+    c->f8_wg = which;
 }

@@ -22,6 +22,14 @@ static __device__ __forceinline__ float4 load4(const __nv_bfloat16 *y, size_t i)
     return make_float4(a.x, a.y, b.x, b.y);
 }
 
+/* One token's ptpc FP8 routed experts on wgmma (matmul_fp8_wg.cu, ds_cu_set_f8_wg's bit 2):
+ * whether they fit, and the two passes: h [k][2I] the gate|up sums, then y [k][D], routed row z
+ * of expert direct[z] - e0 (gc [E][2I][D], gs [E][2I], dc [E][D][I], ds [E][D]), act between. */
+bool fp8_wg_experts_fit(const ds_cu *c, int k, int D, int I, const void *gc, const void *dc);
+int fp8_wg_experts(ds_cu *c, float *h, float *y, const float *x, int D, int I, int k,
+                   const uint8_t *gc, const float *gs, const uint8_t *dc, const float *ds,
+                   const int32_t *direct, int e0, int E, moe_act act, ds_err *err);
+
 enum { MMA_ROWS = 16, MMA_N = 256, MMA_KC = 256, MMA_XLD = MMA_KC + 8, MMA_OLD = MMA_N + 4 };
 
 /* The experts' gathers copy a routed row a warp, MOE_GATHER_ROWS rows a block: a block a row

@@ -434,10 +434,15 @@ extern "C" int ds_cu_moe_experts_fp8(ds_cu *c, float *out, const float *x, const
     CU_TRY(cudaGetLastError(), "moe fp8 group");
     ds_cu_prof_mark(c, "moe fp8 experts");
     const f8_w fw = {gu_codes, dn_codes, gu_scales, dn_scales};
-    if (tc)
+    if (tc) {
         f8_tc(c, &b, x, rows, D, I, k, &fw, &g, act);
-    else
+    } else if (direct && fp8_wg_experts_fit(c, k, D, I, gu_codes, dn_codes)) {
+        if (fp8_wg_experts(c, b.h, b.y, x, D, I, k, gu_codes, gu_scales, dn_codes, dn_scales, idx,
+                           e0, E, act, err))
+            return DS_ERR;
+    } else {
         f8_stream(c, &b, x, T, rows, D, I, k, &fw, &g, act);
+    }
     CU_TRY(cudaGetLastError(), tc ? "moe fp8 (tensor cores)" : "moe fp8 (streaming)");
     if (ds_cu_side_join(c, err)) return DS_ERR; /* out: see ds_cu_moe_experts */
     ds_cu_prof_mark(c, "moe combine");
