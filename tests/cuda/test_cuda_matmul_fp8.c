@@ -283,15 +283,17 @@ void checks_matmul_fp8(ds_cu *c) {
     check_matmul_fp8(c, 2, 333, 2304, 0, 6, 1e-5);
     /* on wgmma (E4M3 tensor cores; their own sums, a 64-column partial at a time): one tile,
      * tiles split along K (2, 8 and 16 slices, the last block adding them), strided rows, 1 to 8
-     * tokens, the largest K; the re-run above checks that every split gives the same bits */
+     * tokens, the largest K; the re-run above checks that every split gives the same bits. The
+     * tensor core's own sums of E4M3 products are narrower than f32: 6e-8 to 1.2e-4 off float64
+     * on an H100 (bench/RESULTS.md session 49), so 3e-4 (a wrong term or row gives ~1) */
     static const int Tw[] = {1, 2, 7, 8};
     for (size_t i = 0; i < DS_ARRAY_LEN(Tw); i++) {
-        check_matmul_fp8(c, Tw[i], 333, 2304, 0, 8, 1e-4);
-        check_matmul_fp8(c, Tw[i], 12544, 2304, 0, 8, 1e-4);
-        check_matmul_fp8(c, Tw[i], 2304, 4096, 0, 8, 1e-4);
-        check_matmul_fp8(c, Tw[i], 96, 1024, 8, 8, 1e-4);
+        check_matmul_fp8(c, Tw[i], 333, 2304, 0, 8, 3e-4);
+        check_matmul_fp8(c, Tw[i], 12544, 2304, 0, 8, 3e-4);
+        check_matmul_fp8(c, Tw[i], 2304, 4096, 0, 8, 3e-4);
+        check_matmul_fp8(c, Tw[i], 96, 1024, 8, 8, 3e-4);
     }
-    check_matmul_fp8(c, 1, 130, 11264, 0, 8, 1e-4);
+    check_matmul_fp8(c, 1, 130, 11264, 0, 8, 3e-4);
     check_matmul_fp8(c, 3, 77, 200, 3, 8, 1e-5); /* K % 64 != 0: the other forms */
     check_matmul_runs(c, 1, 96, 32, 512);
     check_matmul_runs(c, 64, 96, 32, 512);

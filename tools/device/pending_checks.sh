@@ -143,6 +143,9 @@
 #      the same bytes), then decode of the 48B shape with ptpc_fp8 at batch 1 and 8,
 #      DS_CUDA_F8_WG 0, 1 and 3, and BF16,
 #      ROUNDS rounds alternating (the greedy ids' hashes beside).
+#  36. (issue 32, session 49) the wgmma FP8 form under Nsight Compute: one token's 12544 x 2304
+#      product (64% of copy against the tiles' 57%, H100) and 18432 x 2304 (47% against 58%; the
+#      bench's launches of the form before it: 3 shapes x 46), to see what holds the second back.
 #  33. (issue 33, session 48) decode's MLA attend at a 512-row context (7 layers of the 48B step at
 #      ~20 us each by session 16's what-if: latency, not bytes): the step at batch 1 with the
 #      tensor-core kernel from every context (DS_CUDA_MLA_DECODE_TC=1) against its 8192-row
@@ -687,6 +690,15 @@ for r in $(seq "${ROUNDS:-2}"); do
     b48_run "ptpc_fp8, f8 wgmma $v, $r" "s35_f8_${v}_$r" DS_CUDA_STEP_TIMES=1 DS_CUDA_F8_WG=$v \
       .devbin/deltaserve $(b48 16 1,8) -q ptpc_fp8
   done
+done
+fi
+if want 36; then
+el "36. (issue 32, session 49) the wgmma FP8 products under Nsight Compute"
+for f in "0 _wg12544" "138 _wg18432"; do
+  read -r skip tag <<< "$f"
+  SKIP=$skip TAG=$tag bash "$(dirname "$0")/ncu_bench.sh" fp8 'gemv_f8wg_k' 1 | sed "s/^/[$tag] /"
+  grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Issue Slots Busy|Issued Warp Per Sched|No Eligible|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per|Grid Size|stalled" \
+    "$OUT/ncu_fp8$tag.txt" | sed 's/  */ /g' | cut -c1-150 | head -24
 done
 fi
 want 4 || want 5 || { el end; exit 0; }
