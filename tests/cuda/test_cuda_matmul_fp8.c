@@ -336,11 +336,13 @@ static void bench_pair(ds_cu *c, int N, int K, int T, double copy_gbs) {
     /* the FP8 product went through cuBLASLt with the scales as its outer vectors */
     const int lt = ds_cu_f8_lt_vec_runs(c) > lt0;
     /* other forms of the streaming products (up to 8 tokens): {rows: blocks an SM a warp a row
-     * (-1: off, the tiles; -2: on wgmma; one token only), the tiles' blocks an SM} */
+     * (-1: off, the tiles; -2: on wgmma; -3: on wgmma, the codes made first (ptpc_act_k); one
+     * token only), the tiles' blocks an SM} */
     static const struct {
         int rows, waves;
         const char *name;
     } forms[] = {{-2, 0, "on wgmma"},
+                 {-3, 0, "on wgmma, codes first"},
                  {-1, 0, "the tiles"},
                  {-1, 4, "the tiles, 4 blocks an SM"},
                  {2, 0, "a warp a row, 2 blocks an SM"},
@@ -348,12 +350,14 @@ static void bench_pair(ds_cu *c, int N, int K, int T, double copy_gbs) {
     double msr[DS_ARRAY_LEN(forms)] = {0};
     for (size_t f = 0; f < DS_ARRAY_LEN(forms) && T <= 8; f++) {
         if (forms[f].rows >= 0 && T > 1) continue;
-        ds_cu_set_f8_wg(c, forms[f].rows == -2);
+        ds_cu_set_f8_wg(c, forms[f].rows <= -2);
+        ds_cu_set_f8_prequant(c, forms[f].rows == -3);
         ds_cu_set_f8_rows(c, forms[f].rows < 0 ? -1 : forms[f].rows);
         ds_cu_set_f8_gemv_waves(c, forms[f].waves);
         msr[f] = median_ms(c, run_mm8, &m8, 3, 20);
     }
     ds_cu_set_f8_wg(c, 0);
+    ds_cu_set_f8_prequant(c, 0);
     ds_cu_set_f8_rows(c, 0);
     ds_cu_set_f8_gemv_waves(c, 0);
     const double bb = (double)N * K * 2, b8 = (double)N * K + 4.0 * N;

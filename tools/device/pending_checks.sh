@@ -145,7 +145,10 @@
 #      ROUNDS rounds alternating (the greedy ids' hashes beside).
 #  36. (issue 32, session 49) the wgmma FP8 form under Nsight Compute: one token's 12544 x 2304
 #      product (64% of copy against the tiles' 57%, H100) and 18432 x 2304 (47% against 58%; the
-#      bench's launches of the form before it: 3 shapes x 46), to see what holds the second back.
+#      bench's launches of the form before it: 3 shapes x 92: two forms at T = 1 and 2), to see
+#      what holds the second back; then the bench's products with the codes made first
+#      (DS_CUDA_F8_PREQUANT: the form's fixed cost a product is the token's quantization in every
+#      block) and decode at batch 1, ptpc_fp8 default against DS_CUDA_F8_WG=1 with codes first.
 #  33. (issue 33, session 48) decode's MLA attend at a 512-row context (7 layers of the 48B step at
 #      ~20 us each by session 16's what-if: latency, not bytes): the step at batch 1 with the
 #      tensor-core kernel from every context (DS_CUDA_MLA_DECODE_TC=1) against its 8192-row
@@ -694,7 +697,12 @@ done
 fi
 if want 36; then
 el "36. (issue 32, session 49) the wgmma FP8 products under Nsight Compute"
-for f in "0 _wg12544" "138 _wg18432"; do
+timeout 150 .devbin/test_cuda_kernels --bench-only fp8 2>&1 | grep -E "T=1 .*(wgmma|bf16)" | head -12
+for v in "" "DS_CUDA_F8_WG=1 DS_CUDA_F8_PREQUANT=1"; do
+  b48_run "ptpc_fp8 $v" "s36_$(echo "$v" | tr -dc 0-9)" DS_CUDA_STEP_TIMES=1 $v .devbin/deltaserve \
+    $(b48 16 1) -q ptpc_fp8
+done
+for f in "0 _wg12544" "276 _wg18432"; do
   read -r skip tag <<< "$f"
   SKIP=$skip TAG=$tag bash "$(dirname "$0")/ncu_bench.sh" fp8 'gemv_f8wg_k' 1 | sed "s/^/[$tag] /"
   grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Issue Slots Busy|Issued Warp Per Sched|No Eligible|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per|Grid Size|stalled" \
