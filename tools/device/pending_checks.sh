@@ -129,6 +129,8 @@
 #      against the CPU, also with codes of +-0.5 alone), the K3 experts' timings at T=1 and 8 in
 #      both forms, then decode of K3's layer shapes (configs/kimi-k3-slice4) at batch 1 and 8 both
 #      ways, ROUNDS rounds.
+#      Session 49 (after its H100 run of this step): the one-part form stages its operands one
+#      part wide and runs three blocks an SM — run the step again (checks, timings, profile).
 #      Session 49: step 34 also profiles one token's passes with Nsight Compute (three parts, then
 #      one part): issue slots, eligible warps, occupancy — whether fewer instructions a byte can
 #      pay (mma.sync E4M3 is emulated on sm_90 — F2FP conversions and two F16 HMMA a k32 mma — so

@@ -58,7 +58,7 @@ static __device__ __forceinline__ __nv_bfloat162 e8m0_bf2(uint8_t b) {
 
 /* The parts carry 2^FP4_XSH and the codes' multipliers 2^-FP4_XSH (products unchanged): the
  * exact range is then |x| < 2^95 and scales 2^-100 .. 2^33. */
-enum { FP4_XSH = 32, FP4_XW = 48 }; /* XW: u32 of operands a group of 32 activations */
+enum { FP4_XSH = 32 };
 
 /* x * 2^FP4_XSH as three BF16 parts, largest first, summing to it exactly (each residual is
  * exact in f32; the third holds at most 8 significant bits). */
@@ -71,32 +71,33 @@ static __device__ __forceinline__ void fp4_split3(float x, __nv_bfloat16 (&b)[3]
     b[2] = __float2bfloat16_rn(r);
 }
 
-/* A row's operands: [step K / 128 (rounded up)][word p 4][q 3][l4 4] uint4, where lane l4's
- * 12 uint4 of word p, [h 2][part 3][b0, b1] u32, feed the mmas of word p of its group 4 s + l4:
- * half h takes pairs 2 h (b0) and 2 h + 1 (b1), pair j holding activations 8 p + j (low) and
- * 8 p + j + 4 (high), the order fp4x8_bf16s decodes the codes in. The four lanes of a load read
- * 64 contiguous bytes. */
-static __host__ __device__ __forceinline__ size_t fp4_row_u32(int K) {
-    return (size_t)((K + 127) / 128) * 4 * FP4_XW;
+/* A row's operands in P parts (3: the exact split; 1: the first part alone, the one-part form):
+ * [step K / 128 (rounded up)][word p 4][q P][l4 4] uint4, where lane l4's P uint4 of word p,
+ * [h 2][part P][b0, b1] u32, feed the mmas of word p of its group 4 s + l4: half h takes pairs
+ * 2 h (b0) and 2 h + 1 (b1), pair j holding activations 8 p + j (low) and 8 p + j + 4 (high), the
+ * order fp4x8_bf16s decodes the codes in. The four lanes of a load read 64 contiguous bytes. */
+static __host__ __device__ __forceinline__ size_t fp4_row_u32(int K, int P) {
+    return (size_t)((K + 127) / 128) * 4 * 16 * P;
 }
 
-/* u32 index of word m < 12 (of [h][part][b0, b1]) of activation word p of group grp */
-static __device__ __forceinline__ int fp4_u32(int grp, int p, int m) {
-    return (((grp >> 2) * 12 + p * 3 + (m >> 2)) * 4 + (grp & 3)) * 4 + (m & 3);
+/* u32 index of word m < 4 P (of [h][part][b0, b1]) of activation word p of group grp */
+template <int P> static __device__ __forceinline__ int fp4_u32(int grp, int p, int m) {
+    return (((grp >> 2) * 4 * P + p * P + (m >> 2)) * 4 + (grp & 3)) * 4 + (m & 3);
 }
 
+template <int P>
 static __device__ __forceinline__ void fp4_store_parts(uint32_t *row, int i, float v) {
     __nv_bfloat16 b[3];
     fp4_split3(v, b);
     const int c = i & 31, j = c & 3;
     __nv_bfloat16 *o = (__nv_bfloat16 *)row + ((c >> 2) & 1);
 #pragma unroll
-    for (int t = 0; t < 3; t++)
-        o[2 * fp4_u32(i >> 5, c >> 3, ((j >> 1) * 3 + t) * 2 + (j & 1))] = b[t];
+    for (int t = 0; t < P; t++)
+        o[2 * fp4_u32<P>(i >> 5, c >> 3, ((j >> 1) * P + t) * 2 + (j & 1))] = b[t];
 }
 
-/* xs[r] = the operands of x row r < rows, one thread a word (8 activations) */
-__global__ void moe_fp4_split_k(uint32_t *xs, const float *x, int K, int rows) {
+/* xs[r] = the operands (P parts) of x row r < rows, one thread a word (8 activations) */
+template <int P> __global__ void moe_fp4_split_k(uint32_t *xs, const float *x, int K, int rows) {
     PDL_ENTRY();
     const int nw = K / 8;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < rows * nw;
@@ -105,21 +106,21 @@ __global__ void moe_fp4_split_k(uint32_t *xs, const float *x, int K, int rows) {
         const float4 *src = (const float4 *)(x + (size_t)r * K + 8 * w);
         const float4 v0 = src[0], v1 = src[1];
         const float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
-        uint32_t o[12]; /* [h][part][b0, b1] */
+        uint32_t o[4 * P]; /* [h][part][b0, b1] */
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             __nv_bfloat16 lo[3], hi[3];
             fp4_split3(v[j], lo);
             fp4_split3(v[j + 4], hi);
 #pragma unroll
-            for (int t = 0; t < 3; t++)
-                o[((j >> 1) * 3 + t) * 2 + (j & 1)] = (uint32_t)__bfloat16_as_ushort(lo[t]) |
+            for (int t = 0; t < P; t++)
+                o[((j >> 1) * P + t) * 2 + (j & 1)] = (uint32_t)__bfloat16_as_ushort(lo[t]) |
                                                       ((uint32_t)__bfloat16_as_ushort(hi[t]) << 16);
         }
-        uint32_t *row = xs + (size_t)r * fp4_row_u32(K);
+        uint32_t *row = xs + (size_t)r * fp4_row_u32(K, P);
 #pragma unroll
-        for (int q = 0; q < 3; q++)
-            *(uint4 *)(row + fp4_u32(w >> 2, w & 3, 4 * q)) =
+        for (int q = 0; q < P; q++)
+            *(uint4 *)(row + fp4_u32<P>(w >> 2, w & 3, 4 * q)) =
                 make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
     }
 }
@@ -173,10 +174,11 @@ static __device__ __forceinline__ uint32_t fp4_sw(const uint8_t *row, int grp, i
 }
 
 /* One step: a lane's 32 codes of rows g (a0) and g + 8 (a1) with their scale bytes against its
- * 12 uint4 of operands at xb (zeros where xv is false: past the row).
+ * 4 P uint4 of operands at xb (zeros where xv is false: past the row).
  * ONE (batch invariance off, ds_cu_set_fp4_one_part): the activations' first part alone (x
- * rounded to BF16 once: w4a16, as the tensor-core path for batches) — a third of the mma and two
- * thirds of the operand loads (bench/RESULTS.md session 48 counts the step's instructions). (The
+ * rounded to BF16 once: w4a16, as the tensor-core path for batches; operands one part wide) — a
+ * third of the mma and of the operand loads (bench/RESULTS.md session 48 counts the step's
+ * instructions). (The
  * groups' scales stay on the codes: an mma's k runs over the four groups of a quad's lanes, so its
  * sums have no single scale to apply afterwards.) */
 template <bool ONE = false>
@@ -191,18 +193,21 @@ static __device__ __forceinline__ void fp4_mma_step(float (&acc)[3][4], uint4 a0
         uint32_t d0[4], d1[4];
         fp4x8_bf16s(A0[p], m0, d0);
         fp4x8_bf16s(A1[p], m1, d1);
-        const uint4 x0 = xv ? xb[12 * p] : zero, x1 = xv ? xb[12 * p + 4] : zero,
-                    x2 = !ONE && xv ? xb[12 * p + 8] : zero;
-        const uint32_t B[12] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y,
-                                x1.z, x1.w, x2.x, x2.y, x2.z, x2.w};
+        constexpr int P = ONE ? 1 : 3;
+        uint32_t B[4 * P]; /* [h][part][b0, b1] */
+#pragma unroll
+        for (int q = 0; q < P; q++) {
+            const uint4 v = xv ? xb[(P * p + q) * 4] : zero;
+            B[4 * q] = v.x, B[4 * q + 1] = v.y, B[4 * q + 2] = v.z, B[4 * q + 3] = v.w;
+        }
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const uint32_t fr[4] = {d0[2 * h], d1[2 * h], d0[2 * h + 1], d1[2 * h + 1]};
-            /* ONE: part 0 alone (u32 (h 3) 2 of fp4_u32's [h][part][b0, b1]), half h into
-             * accumulator h (two chains of sums, added at the end) */
+            /* ONE: its one part, half h into accumulator h (two chains of sums, added at the end)
+             */
 #pragma unroll
-            for (int t = 0; t < (ONE ? 1 : 3); t++)
-                mma_16816(acc[ONE ? h : t], fr, B[(h * 3 + t) * 2], B[(h * 3 + t) * 2 + 1]);
+            for (int t = 0; t < P; t++)
+                mma_16816(acc[ONE ? h : t], fr, B[(h * P + t) * 2], B[(h * P + t) * 2 + 1]);
         }
     }
 }
@@ -219,13 +224,14 @@ static __device__ __forceinline__ void fp4_stage(uint4 *xsh, const uint32_t *xs,
     }
 }
 
-/* UP: out = the down pass's operands [routed row][fp4_row_u32(N)] of act(gate, up), N = I (the
- * weights 2 N rows: gate then up); else out = y [routed row][ldo] f32. xs [.][fp4_row_u32(K)]:
+/* UP: out = the down pass's operands [routed row][fp4_row_u32(N, P)] of act(gate, up), N = I (the
+ * weights 2 N rows: gate then up); else out = y [routed row][ldo] f32. xs [.][fp4_row_u32(K, P)]:
  * the operands of source row r / x_div, nb rows of them a pass. A column past the pass's routed
  * rows reads column 0's operands (its sums are dropped; the loads of a quad of lanes stay one
- * line). */
+ * line). P = ONE ? 1 : 3 parts; the one-part form's smaller operands leave room for three blocks
+ * an SM (at two the kernel is bound by each warp's chain: bench/RESULTS.md session 49). */
 template <bool UP, int S, bool ONE = false>
-__global__ void __launch_bounds__(256, 2)
+__global__ void __launch_bounds__(256, ONE ? 3 : 2)
     moe_fp4m_k(void *out, int ldo, const uint32_t *xs, int x_div, const uint8_t *Wc,
                const uint8_t *Ws, int N, int K, const int32_t *start, const int32_t *perm,
                const int32_t *active, const int32_t *n_active, moe_act act, const int32_t *direct,
@@ -233,7 +239,8 @@ __global__ void __launch_bounds__(256, 2)
     PDL_ENTRY();
     __shared__ float4 red[8][32];                  /* [warp][lane] partial sums (S > 1) */
     __shared__ uint4 fp4_ring[8 * FP4_D * 2 * 32]; /* [warp][step slot][row g, g + 8][lane] */
-    extern __shared__ uint4 xsh[]; /* [nb][fp4_row_u32(K) / 4] the pass's operands */
+    constexpr int P = ONE ? 1 : 3;
+    extern __shared__ uint4 xsh[]; /* [nb][fp4_row_u32(K, P) / 4] the pass's operands */
     int e, r0, r1;
     if (direct) { /* block row y is routed row y (one token) */
         e = direct[blockIdx.y] - e0;
@@ -256,7 +263,7 @@ __global__ void __launch_bounds__(256, 2)
     const int n_i = ns > part ? (ns - part + S - 1) / S : 0; /* this warp's full steps */
     uint4 *ring = fp4_ring + (size_t)warp * (FP4_D * 2 * 32);
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    const int rowq = (int)(fp4_row_u32(K) / 4); /* uint4 of operands a row */
+    const int rowq = (int)(fp4_row_u32(K, P) / 4); /* uint4 of operands a row */
     for (int p0 = r0; p0 < r1; p0 += nb) {
         const int nt = min(nb, r1 - p0), cg = g < nt ? g : 0;
 #pragma unroll
@@ -271,7 +278,7 @@ __global__ void __launch_bounds__(256, 2)
         fp4_stage(xsh, xs, rowq, nt, direct ? NULL : perm + p0, p0, x_div);
         __syncthreads();
         const uint4 *xr = xsh + (size_t)cg * rowq + l4;
-        const uint4 *xp = xr + 48 * part;
+        const uint4 *xp = xr + 16 * P * part; /* (16 P uint4 a step) */
         float acc[3][4];
 #pragma unroll
         for (int t = 0; t < 3; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
@@ -296,7 +303,7 @@ __global__ void __launch_bounds__(256, 2)
                 fp4_cp_wait<FP4_D - 1>();
                 const uint4 a0 = fp4_lds16(ring + (2 * u) * 32 + lane),
                             a1 = fp4_lds16(ring + (2 * u + 1) * 32 + lane);
-                fp4_mma_step<ONE>(acc, a0, a1, b0, b1, xp + 48 * S * i, true);
+                fp4_mma_step<ONE>(acc, a0, a1, b0, b1, xp + 16 * P * S * i, true);
                 if (i + FP4_D < n_i) { /* step i + FP4_D into the slot just read */
                     const int o = 4 * (i + FP4_D) * S;
                     fp4_cp16(ring + (2 * u) * 32 + lane, w0 + o);
@@ -309,7 +316,7 @@ __global__ void __launch_bounds__(256, 2)
         if (part == 0 && ng % 4) /* the narrower last step, zeros past the row */
             fp4_mma_step<ONE>(acc, tail ? __ldg(w0 + 4 * ns) : zero,
                               tail ? __ldg(w1 + 4 * ns) : zero, tail ? __ldg(s0 + 4 * ns + l4) : 0u,
-                              tail ? __ldg(s1 + 4 * ns + l4) : 0u, xr + 48 * ns, tail);
+                              tail ? __ldg(s1 + 4 * ns + l4) : 0u, xr + 16 * P * ns, tail);
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[0][i] += acc[1][i] + acc[2][i];
         if (S > 1) {
@@ -333,7 +340,8 @@ __global__ void __launch_bounds__(256, 2)
             if (UP) {
                 const float v =
                     act_pair(acc[0][j], acc[0][2 + j], act.situ, act.beta, act.lin_beta);
-                fp4_store_parts((uint32_t *)out + (size_t)r * fp4_row_u32(N), 8 * tile + g, v);
+                fp4_store_parts<P>((uint32_t *)out + (size_t)r * fp4_row_u32(N, P), 8 * tile + g,
+                                   v);
             } else {
                 float *yr = (float *)out + (size_t)r * ldo + 16 * tile + g;
                 yr[0] = acc[0][j], yr[8] = acc[0][2 + j];
@@ -481,14 +489,17 @@ static void fp4_tc(ds_cu *c, float *h, float *y, const float *x, int rows, unsig
 /* Operand rows a block stages, at most (shared memory: two blocks a multiprocessor). */
 enum : size_t { FP4_XSH_MAX = 76 * 1024 };
 
-/* the two passes through the streaming kernel: x's operands xs [T][fp4_row_u32(D)] u32, then
- * act's [rows][fp4_row_u32(I)] (the up pass's output), in h's place */
+/* the two passes through the streaming kernel: x's operands xs [T][fp4_row_u32(D, P)] u32, then
+ * act's [rows][fp4_row_u32(I, P)] (the up pass's output), in h's place; P = 3 parts, or 1 in the
+ * one-part form */
 static int fp4_stream(ds_cu *c, float *h, float *y, const float *x, int T, unsigned ya, int D,
                       int I, int E, int e0, int k, const fp4_w *w, const int32_t *start,
                       const int32_t *perm, const int32_t *active, const int32_t *n_active,
                       const int32_t *direct, moe_act act, ds_err *err) {
     const moe_act none = {0, 0, 0.0f, 0.0f};
-    const size_t bu = fp4_row_u32(D) * 4, bd = fp4_row_u32(I) * 4; /* bytes an operand row */
+    /* the activations' first part alone where batch invariance is off and asked (fp4_mma_step) */
+    const int one = c->fp4_one && !c->batch_invariant, P = one ? 1 : 3;
+    const size_t bu = fp4_row_u32(D, P) * 4, bd = fp4_row_u32(I, P) * 4; /* bytes a row */
     if (bu > FP4_XSH_MAX || bd > FP4_XSH_MAX)
         return ds_errf(err, "cuda: moe mxfp4: widths %d and %d (too wide to stream)", D, I);
     if (!c->moe_fp4_smem) { /* once, before any capture can be open */
@@ -505,17 +516,15 @@ static int fp4_stream(ds_cu *c, float *h, float *y, const float *x, int T, unsig
             }
         c->moe_fp4_smem = 1;
     }
-    /* the activations' first part alone where batch invariance is off and asked (fp4_mma_step) */
-    const int one = c->fp4_one && !c->batch_invariant;
     /* routed rows a pass (the bits do not depend on it) */
     const int nu = DS_MIN(DS_MIN(8, T), (int)(FP4_XSH_MAX / bu));
     const int nd = DS_MIN(DS_MIN(8, T), (int)(FP4_XSH_MAX / bd));
-    uint32_t *xs = (uint32_t *)h, *as = xs + (size_t)T * fp4_row_u32(D);
+    uint32_t *xs = (uint32_t *)h, *as = xs + (size_t)T * fp4_row_u32(D, P);
     const int su = fp4_splits(I / 8, D), sd = fp4_splits(D / 16, I);
     const int tu = 8 >> su, td = 8 >> sd; /* tiles a block */
     const int words = T * (D / 8);
-    launch_k(c, moe_fp4_split_k, (unsigned)DS_MIN((words + 255) / 256, 4 * c->n_sm), 256, 0, xs, x,
-             D, T);
+    launch_k(c, one ? moe_fp4_split_k<1> : moe_fp4_split_k<3>,
+             (unsigned)DS_MIN((words + 255) / 256, 4 * c->n_sm), 256, 0, xs, x, D, T);
     launch_k(c, moe_fp4m_up[one][su], dim3((unsigned)((I / 8 + tu - 1) / tu), ya), 256, nu * bu,
              (void *)as, 0, (const uint32_t *)xs, k, w->gc, w->gs, I, D, start, perm, active,
              n_active, act, direct, e0, E, nu);
@@ -546,7 +555,7 @@ extern "C" int ds_cu_moe_experts_mxfp4(ds_cu *c, float *out, const float *x, con
     /* floats: h (the streaming passes' operands, 1.5 u32 an activation, or the BF16 x
      * [rows][D] and act [rows][I]), y [rows][D]; ints: start [E+1], perm [rows], active [E],
      * n [1], hist [n_chunks][E] */
-    const size_t hs = (size_t)T * fp4_row_u32(D) + (size_t)rows * fp4_row_u32(I);
+    const size_t hs = (size_t)T * fp4_row_u32(D, 3) + (size_t)rows * fp4_row_u32(I, 3);
     const size_t hf = (DS_MAX(hs, (size_t)rows * (D + I) / 2 + 1) + 3) / 4 * 4;
     const size_t nf = hf + (size_t)rows * D;
     const size_t ni = (size_t)E + 1 + rows + E + 1 + (size_t)n_chunks * E;
