@@ -222,6 +222,18 @@ b48() {
   echo "bench --model $SHAPE48 --load-format random --device cuda --prompt-tokens 16 --reps 1" \
     "--decode-context 512 --decode-steps $1 --batch-sizes $2"
 }
+# ncu_runs SECTION KERNEL_REGEX LAUNCHES "SKIP TAG" ...: ncu_bench.sh on `--bench-only SECTION`
+# for each (launches skipped, file tag), then the lines that say what bounds the kernel
+ncu_runs() {
+  local sec=$1 re=$2 n=$3 f skip tag
+  shift 3
+  for f in "$@"; do
+    read -r skip tag <<< "$f"
+    SKIP=$skip TAG=$tag bash "$(dirname "$0")/ncu_bench.sh" "$sec" "$re" "$n" | sed "s/^/[$tag] /"
+    grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Issue Slots Busy|Issued Warp Per Sched|No Eligible|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Grid Size|stalled" \
+      "$OUT/ncu_$sec$tag.txt" | sed 's/  */ /g' | cut -c1-150 | head -40
+  done
+}
 # b48_run TAG NAME [VAR=VALUE ...] COMMAND ARGS: runs the bench command (b48's) with --json
 # $OUT/NAME.json, then prints under TAG its decode line, the step times' line (DS_CUDA_STEP_TIMES)
 # and the greedy ids' hash
@@ -676,12 +688,7 @@ done
 # Is the streaming kernel bound by its instructions' issue (session 48's reading of its SASS) or
 # by latency at its occupancy? Nsight Compute on one token's up and down pass, three parts, then
 # one part (the bench's 23 three-part runs launch 46 before them)
-for f in "0 _3part" "46 _one"; do
-  read -r skip tag <<< "$f"
-  SKIP=$skip TAG=$tag bash "$(dirname "$0")/ncu_bench.sh" mxfp4 'moe_fp4m_k' 2 | sed "s/^/[$tag] /"
-  grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Issue Slots Busy|Issued Warp Per Sched|No Eligible|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|stalled" \
-    "$OUT/ncu_mxfp4$tag.txt" | sed 's/  */ /g' | cut -c1-150 | head -40
-done
+ncu_runs mxfp4 'moe_fp4m_k' 2 "0 _3part" "46 _one"
 fi
 if want 35; then
 el "35. (issue 32, session 49) decode's dense FP8 products on wgmma (DS_CUDA_F8_WG)"
@@ -704,12 +711,7 @@ for v in "" "DS_CUDA_F8_WG=1 DS_CUDA_F8_PREQUANT=1"; do
   b48_run "ptpc_fp8 $v" "s36_$(echo "$v" | tr -dc 0-9)" DS_CUDA_STEP_TIMES=1 $v .devbin/deltaserve \
     $(b48 16 1) -q ptpc_fp8
 done
-for f in "0 _wg12544" "276 _wg18432"; do
-  read -r skip tag <<< "$f"
-  SKIP=$skip TAG=$tag bash "$(dirname "$0")/ncu_bench.sh" fp8 'gemv_f8wg_k' 1 | sed "s/^/[$tag] /"
-  grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Issue Slots Busy|Issued Warp Per Sched|No Eligible|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per|Grid Size|stalled" \
-    "$OUT/ncu_fp8$tag.txt" | sed 's/  */ /g' | cut -c1-150 | head -24
-done
+ncu_runs fp8 'gemv_f8wg_k' 1 "0 _wg12544" "276 _wg18432"
 fi
 want 4 || want 5 || { el end; exit 0; }
 el "4. decode b1 / b32, BF16 then ptpc_fp8"
