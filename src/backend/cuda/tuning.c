@@ -73,7 +73,8 @@ void ds_cuda_tuning_read(ds_cuda_tuning *t) {
     /* one token's FP8 products a warp a row: off — faster on wide matrices alone, no faster in a
      * batch-1 step of the 48B shape's, its experts slower (bench/RESULTS.md session 37) */
     t->f8_rows = env_count("DS_CUDA_F8_ROWS", -1);
-    /* decode's dense FP8 products on wgmma: off until timed (session 49, docs/tuning.md) */
+    /* decode's FP8 products on wgmma: off — faster alone on two of four one-token shapes, slower
+     * in a batch-1 step (bench/RESULTS.md session 49) */
     t->f8_wg = env_count("DS_CUDA_F8_WG", 0); /* bit 1 dense, bit 2 one token's experts */
     /* the same for one token's routed experts (default: as the dense products) */
     t->f8_moe_rows = env_count("DS_CUDA_F8_MOE_ROWS", t->f8_rows);

@@ -327,13 +327,14 @@ int matmul_fp8(ds_cu *c, float *y, int ldy, const float *x, int ldx, int T, cons
     const int K = w->cols;
     const int mma = K % 16 == 0 && (uintptr_t)w->data % 16 == 0;
     const int tc = !stream && mma;
-    /* decode: one kernel, quantizing its tokens as it goes (unless f8_prequant) */
-    const int wg = !tc && fp8_wg_fits(c, T, w->rows, K, w->data);
+    /* decode: one kernel, quantizing its tokens as it goes (unless f8_prequant); on wgmma (when
+     * asked) every call of up to 8 tokens, within the streaming bound or above it */
+    const int wg = fp8_wg_fits(c, T, w->rows, K, w->data);
     if (wg && T == 1 && !c->f8_prequant) /* one token: quantized in every block */
         return fp8_wg(c, y, ldy, x, ldx, (const uint8_t *)NULL, (const float *)NULL, T, w, err);
     if (!tc && T == 1 && f8r_fits(c, c->f8_rows, K, w->data) && !c->f8_prequant)
         return fp8_rows(c, y, x, NULL, NULL, w, err);
-    if (!tc && mma && T <= 8 && (size_t)T * K * 2 <= F8_XSH_MAX && !c->f8_prequant)
+    if (!wg && !tc && mma && T <= 8 && (size_t)T * K * 2 <= F8_XSH_MAX && !c->f8_prequant)
         return fp8_gemv(c, y, ldy, x, ldx, (const uint16_t *)NULL, (const float *)NULL, T, w, err);
     /* scratch (per stream: the side stream has its own): s [T] f32, then xq [T][K] codes for the
      * tensor cores and the wgmma form, or xh [T][K] F16 code values for the streaming kernels */
