@@ -8,9 +8,9 @@
  * and the block's tokens, quantized per token in shared memory (B, K-major, no swizzle), are the
  * 8 columns. The w8a8 math of §3: each product exact, the sums in f32 — each step's pair of wgmma
  * from zero, its sums then added in f32 registers (the tensor core's own accumulation of E4M3
- * products is narrower than f32 over long K, as DeepSeek-V3's report found; a 64-column partial
- * keeps that to its last bits). The order of the sums is this kernel's own (not the tiles'): a
- * form for batch invariance off.
+ * products is narrower than f32, as DeepSeek-V3's report found; promoting each 64-column partial
+ * bounds what that costs: bench/RESULTS.md session 49 measures it). The order of the sums is
+ * this kernel's own (not the tiles'): a form for batch invariance off.
  *
  * A block is one warpgroup on a 64-row tile and a slice of K: block (x, p) takes steps
  * [p ns / S, (p + 1) ns / S) of tile x (S by the matrix: enough blocks for one wave with every
