@@ -208,15 +208,25 @@ static int f8wg_slices(const ds_cu *c, int N, int K) {
     return S;
 }
 
-/* Whether a product of T tokens takes this form: asked, batch invariance off, Hopper, whole
- * 64-column steps, 16-byte aligned codes, a slice's codes within F8WG_XSH_MAX. */
+/* the shared memory of a block: T tokens' codes of its slice, and F8WG_PAD */
+static size_t f8wg_smem(int T, int K, int S) {
+    return (size_t)T * 64 * ((K / 64 + S - 1) / S) + F8WG_PAD;
+}
+
+/* Whether Z matrices of N x K at T tokens fit the kernel: whole 64-column steps, a slice's codes
+ * within F8WG_XSH_MAX, the counts of a split product within F8WG_CNT */
+static bool f8wg_shape_fits(const ds_cu *c, int T, int Z, int N, int K) {
+    if (K % 64) return false;
+    const int S = f8wg_slices(c, N, K);
+    return f8wg_smem(T, K, S) <= F8WG_XSH_MAX &&
+           (S == 1 || (size_t)Z * ((N + 63) / 64) <= F8WG_CNT);
+}
+
+/* Whether a product of T tokens takes this form: asked, batch invariance off, Hopper, 16-byte
+ * aligned codes, a shape that fits. */
 bool fp8_wg_fits(const ds_cu *c, int T, int N, int K, const void *W) {
-    if (!(c->f8_wg & 1) || c->batch_invariant || !c->sm90 || T < 1 || T > 8 || K % 64 ||
-        (uintptr_t)W % 16)
-        return false;
-    const int S = f8wg_slices(c, N, K), ns = K / 64;
-    return (size_t)T * 64 * ((ns + S - 1) / S) + F8WG_PAD <= F8WG_XSH_MAX &&
-           (S == 1 || (size_t)(N + 63) / 64 <= F8WG_CNT);
+    return (c->f8_wg & 1) && !c->batch_invariant && c->sm90 && T >= 1 && T <= 8 &&
+           (uintptr_t)W % 16 == 0 && f8wg_shape_fits(c, T, 1, N, K);
 }
 
 /* the launch for Z matrices (Z routed rows with direct, else one) */
@@ -224,7 +234,7 @@ static int f8wg_launch(ds_cu *c, float *y, int ldy, const float *x, int ldx, con
                        const float *xst, int T, const uint8_t *W, const float *sr, int N, int K,
                        int Z, const int32_t *direct, int e0, int E, int x_div, moe_act act,
                        ds_err *err) {
-    const int tiles = (N + 63) / 64, ns = K / 64, S = f8wg_slices(c, N, K);
+    const int tiles = (N + 63) / 64, S = f8wg_slices(c, N, K);
     if (!c->f8_wg_smem) { /* once, before any capture can be open */
         CU_TRY(cudaFuncSetAttribute((const void *)gemv_f8wg_k,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)F8WG_XSH_MAX),
@@ -243,9 +253,9 @@ static int f8wg_launch(ds_cu *c, float *y, int ldy, const float *x, int ldx, con
         cnt = (int *)c->f8_wg_buf;
         part = (float *)((char *)c->f8_wg_buf + F8WG_CNT * 4);
     }
-    const size_t smem = (size_t)T * 64 * ((ns + S - 1) / S) + F8WG_PAD;
-    launch_k(c, gemv_f8wg_k, dim3((unsigned)tiles, (unsigned)S, (unsigned)Z), 128, smem, y, ldy, x,
-             ldx, W, sr, N, K, T, S, part, cnt, xq, xst, direct, e0, E, x_div, act);
+    launch_k(c, gemv_f8wg_k, dim3((unsigned)tiles, (unsigned)S, (unsigned)Z), 128,
+             f8wg_smem(T, K, S), y, ldy, x, ldx, W, sr, N, K, T, S, part, cnt, xq, xst, direct, e0,
+             E, x_div, act);
     CU_TRY(cudaGetLastError(), "matmul fp8 (wgmma)");
     return DS_OK;
 }
@@ -259,14 +269,9 @@ int fp8_wg(ds_cu *c, float *y, int ldy, const float *x, int ldx, const uint8_t *
 }
 
 bool fp8_wg_experts_fit(const ds_cu *c, int k, int D, int I, const void *gc, const void *dc) {
-    if (!(c->f8_wg & 2) || c->batch_invariant || !c->sm90 || D % 64 || I % 64 ||
-        ((uintptr_t)gc | (uintptr_t)dc) % 16)
-        return false;
-    const int su = f8wg_slices(c, 2 * I, D), sd = f8wg_slices(c, D, I);
-    return (size_t)64 * ((D / 64 + su - 1) / su) + F8WG_PAD <= F8WG_XSH_MAX &&
-           (size_t)64 * ((I / 64 + sd - 1) / sd) + F8WG_PAD <= F8WG_XSH_MAX &&
-           (su == 1 || (size_t)k * ((2 * I + 63) / 64) <= F8WG_CNT) &&
-           (sd == 1 || (size_t)k * ((D + 63) / 64) <= F8WG_CNT);
+    return (c->f8_wg & 2) && !c->batch_invariant && c->sm90 &&
+           ((uintptr_t)gc | (uintptr_t)dc) % 16 == 0 && f8wg_shape_fits(c, 1, k, 2 * I, D) &&
+           f8wg_shape_fits(c, 1, k, D, I);
 }
 
 int fp8_wg_experts(ds_cu *c, float *h, float *y, const float *x, int D, int I, int k,

@@ -178,9 +178,8 @@ static __device__ __forceinline__ uint32_t fp4_sw(const uint8_t *row, int grp, i
  * ONE (batch invariance off, ds_cu_set_fp4_one_part): the activations' first part alone (x
  * rounded to BF16 once: w4a16, as the tensor-core path for batches; operands one part wide) — a
  * third of the mma and of the operand loads (bench/RESULTS.md session 48 counts the step's
- * instructions). (The
- * groups' scales stay on the codes: an mma's k runs over the four groups of a quad's lanes, so its
- * sums have no single scale to apply afterwards.) */
+ * instructions). (The groups' scales stay on the codes: an mma's k runs over the four groups of a
+ * quad's lanes, so its sums have no single scale to apply afterwards.) */
 template <bool ONE = false>
 static __device__ __forceinline__ void fp4_mma_step(float (&acc)[3][4], uint4 a0, uint4 a1,
                                                     uint32_t sb0, uint32_t sb1, const uint4 *xb,
@@ -203,8 +202,7 @@ static __device__ __forceinline__ void fp4_mma_step(float (&acc)[3][4], uint4 a0
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const uint32_t fr[4] = {d0[2 * h], d1[2 * h], d0[2 * h + 1], d1[2 * h + 1]};
-            /* ONE: its one part, half h into accumulator h (two chains of sums, added at the end)
-             */
+            /* ONE: half h into accumulator h (two chains of sums, added at the end) */
 #pragma unroll
             for (int t = 0; t < P; t++)
                 mma_16816(acc[ONE ? h : t], fr, B[(h * P + t) * 2], B[(h * P + t) * 2 + 1]);
